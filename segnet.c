@@ -1,0 +1,1458 @@
+// segnet.c -- the one readable C file: the CPU reference ops (forward next to
+// backward), the graph and its executor, and the command line.
+//
+// The CPU ops are the specification every other backend is tested against.
+// Each op states its formula above it; index math uses NHWC:
+//   x[n,h,w,c] = data[((n·H + h)·W + w)·C + c]
+#include <stdio.h>
+#include <stdlib.h>
+#include <stdarg.h>
+#include <string.h>
+#include <math.h>
+#include <cblas.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "segnet.h"
+
+// ----------------------------------------------------------------------------
+// checks for programming errors (conditions a user cannot cause: a user's bad
+// shapes are refused by the graph builders with a message naming the layer)
+
+static void fail_internal(const char *file, int line, const char *fmt, ...) {
+    va_list ap;
+    fprintf(stderr, "segnet: internal error at %s:%d: ", file, line);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(70);
+}
+#define snCheck(cond, ...) do { if (!(cond)) fail_internal(__FILE__, __LINE__, __VA_ARGS__); } while (0)
+#define SHAPE_FMT "(%d,%d,%d,%d)"
+#define SHAPE_ARGS(s) (s).n, (s).h, (s).w, (s).c
+
+static int shape_eq(Shape a, Shape b) { return a.n == b.n && a.h == b.h && a.w == b.w && a.c == b.c; }
+
+// ----------------------------------------------------------------------------
+// element access in any storage type: loads give fp32, stores round
+
+static inline float ld(Tensor t, size_t i) {
+    switch (t.dtype) {
+    case DT_F16: return f16_to_f32(((const uint16_t *)t.data)[i]);
+    case DT_BF16: return bf16_to_f32(((const uint16_t *)t.data)[i]);
+    default: return ((const float *)t.data)[i];
+    }
+}
+static inline void st(Tensor t, size_t i, float v) {
+    switch (t.dtype) {
+    case DT_F16: ((uint16_t *)t.data)[i] = f32_to_f16(v); break;
+    case DT_BF16: ((uint16_t *)t.data)[i] = f32_to_bf16(v); break;
+    default: ((float *)t.data)[i] = v;
+    }
+}
+// store or accumulate (the `accumulate` convention of the ops table)
+static inline void st_acc(Tensor t, size_t i, float v, int accumulate) {
+    st(t, i, accumulate ? ld(t, i) + v : v);
+}
+
+// ----------------------------------------------------------------------------
+// memory and utilities (the CPU's "device" memory is host memory)
+
+static void *cpu_alloc(Ops *o, size_t bytes) { (void)o; return malloc(bytes ? bytes : 1); }
+static void cpu_free(Ops *o, void *p) { (void)o; free(p); }
+static void cpu_memcpy(Ops *o, void *dst, const void *src, size_t bytes) { (void)o; memcpy(dst, src, bytes); }
+static void cpu_synchronize(Ops *o) { (void)o; }
+
+static void fill_cpu(Ops *o, Tensor t, float value) {
+    (void)o;
+    size_t n = shape_numel(t.shape);
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) st(t, i, value);
+}
+
+static void scale_cpu(Ops *o, Tensor t, float a) {
+    (void)o;
+    size_t n = shape_numel(t.shape);
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) st(t, i, a * ld(t, i));
+}
+
+static void copy_cpu(Ops *o, Tensor dst, Tensor src, int accumulate) {
+    (void)o;
+    size_t n = shape_numel(src.shape);
+    snCheck(shape_numel(dst.shape) == n, "copy: dst " SHAPE_FMT " src " SHAPE_FMT, SHAPE_ARGS(dst.shape), SHAPE_ARGS(src.shape));
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) st_acc(dst, i, ld(src, i), accumulate);
+}
+
+// Deterministic sums over long buffers: fixed chunks summed in fp64 in
+// parallel, the partials added in chunk order, so the result does not depend
+// on the thread count (recompute ≡ store, replicas ≡ one device).
+#define SUM_CHUNK  65536
+#define SUM_GROUP  256
+
+static void sum_squares_cpu(Ops *o, Tensor t, float *out) {
+    (void)o;
+    size_t n = shape_numel(t.shape), n_chunks = (n + SUM_CHUNK - 1) / SUM_CHUNK;
+    double total = 0.0;
+    for (size_t g0 = 0; g0 < n_chunks; g0 += SUM_GROUP) {
+        double part[SUM_GROUP];
+        size_t g1 = g0 + SUM_GROUP < n_chunks ? g0 + SUM_GROUP : n_chunks;
+        #pragma omp parallel for schedule(static)
+        for (size_t k = g0; k < g1; k++) {
+            size_t i0 = k * SUM_CHUNK, i1 = i0 + SUM_CHUNK < n ? i0 + SUM_CHUNK : n;
+            double s = 0.0;
+            for (size_t i = i0; i < i1; i++) { double v = ld(t, i); s += v * v; }
+            part[k - g0] = s;
+        }
+        for (size_t k = g0; k < g1; k++) total += part[k - g0];
+    }
+    *out = (float)total;
+}
+
+static void nonfinite_cpu(Ops *o, Tensor t, int32_t *flag) {
+    (void)o;
+    size_t n = shape_numel(t.shape);
+    int bad = 0;
+    #pragma omp parallel for schedule(static) reduction(|:bad)
+    for (size_t i = 0; i < n; i++) bad |= !isfinite(ld(t, i));
+    if (bad) *flag = 1;
+}
+
+// ----------------------------------------------------------------------------
+// conv2d
+//
+// out[n,oy,ox,co] = b[co] + Σ_{ky,kx,ci} x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci]
+//                                      · w[co][ky][kx][ci]
+// with g = co / (Cout/groups) the group of co, Cg = Cin/groups, x = 0 outside
+// the input, and (pt, pl) the padding before (conv_axis in segnet.h).
+//
+// Dense and grouped convs are lowered to GEMMs per image and group: im2col
+// gathers the receptive fields into col[P][K] (P = OH·OW output pixels,
+// K = kh·kw·Cg in weight order), and
+//   forward          out_g[P][Coutg]  = col[P][K] · W_g[Coutg][K]ᵀ
+//   backward data    dcol[P][K]       = dout_g[P][Coutg] · W_g[Coutg][K], then col2im
+//   backward weight  dW_g[Coutg][K]  += dout_g[P][Coutg]ᵀ · col[P][K]
+// A 1×1 stride-1 conv (fp32) needs no im2col: NHWC is already [N·H·W][Cin].
+// Depthwise convs (groups = Cin = Cout) are direct loops.
+
+typedef struct {
+    int N, H, W, C;      // input (N,H,W,C)
+    int OH, OW, Cout;    // output (N,OH,OW,Cout)
+    int pt, pl;          // padding before, top and left
+    int Cg, Coutg, K;    // channels per group in and out; K = kh·kw·Cg
+    size_t P;            // output pixels per image
+} ConvGeom;
+
+static ConvGeom conv_geom(const ConvCfg *cfg, Shape in) {
+    ConvGeom q;
+    q.N = in.n; q.H = in.h; q.W = in.w; q.C = in.c; q.Cout = cfg->cout;
+    int okh = conv_axis(in.h, cfg->kh, cfg->stride, cfg->pad, &q.OH, &q.pt);
+    int okw = conv_axis(in.w, cfg->kw, cfg->stride, cfg->pad, &q.OW, &q.pl);
+    snCheck(okh && okw && in.c == cfg->cin, "conv2d: input " SHAPE_FMT " does not fit the conv (cin %d, kernel %dx%d)",
+            SHAPE_ARGS(in), cfg->cin, cfg->kh, cfg->kw);
+    q.Cg = cfg->cin / cfg->groups; q.Coutg = cfg->cout / cfg->groups;
+    q.K = cfg->kh * cfg->kw * q.Cg;
+    q.P = (size_t)q.OH * q.OW;
+    return q;
+}
+
+static int conv_is_pointwise(const ConvCfg *cfg) {
+    return cfg->kh == 1 && cfg->kw == 1 && cfg->stride == 1 && cfg->groups == 1;
+}
+static int conv_is_depthwise(const ConvCfg *cfg) {
+    return cfg->groups > 1 && cfg->groups == cfg->cin && cfg->cout == cfg->cin;
+}
+
+// Workspace in bytes: col (P·K) for the GEMM paths, plus an fp32 copy of one
+// image's output or output gradient when activations are not stored in fp32.
+size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
+    (void)o;
+    if (conv_is_depthwise(cfg)) return 0;
+    if (conv_is_pointwise(cfg) && dt == DT_F32) return 0;
+    ConvGeom q = conv_geom(cfg, in);
+    size_t floats = q.P * q.K;
+    if (dt != DT_F32) floats += q.P * q.Cout;
+    return floats * sizeof(float);
+}
+
+// col[p][(ky·kw + kx)·Cg + ci] = x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci]
+static void im2col(const ConvCfg *cfg, const ConvGeom *q, Tensor in, int n, int g, float *col) {
+    #pragma omp parallel for schedule(static)
+    for (int oy = 0; oy < q->OH; oy++) {
+        for (int ox = 0; ox < q->OW; ox++) {
+            float *row = col + ((size_t)oy * q->OW + ox) * q->K;
+            for (int ky = 0; ky < cfg->kh; ky++) {
+                int iy = oy * cfg->stride - q->pt + ky;
+                for (int kx = 0; kx < cfg->kw; kx++) {
+                    int ix = ox * cfg->stride - q->pl + kx;
+                    float *dst = row + (ky * cfg->kw + kx) * q->Cg;
+                    if (iy < 0 || iy >= q->H || ix < 0 || ix >= q->W) {
+                        memset(dst, 0, sizeof(float) * q->Cg);
+                        continue;
+                    }
+                    size_t src = (((size_t)n * q->H + iy) * q->W + ix) * q->C + (size_t)g * q->Cg;
+                    if (in.dtype == DT_F32) memcpy(dst, (const float *)in.data + src, sizeof(float) * q->Cg);
+                    else for (int ci = 0; ci < q->Cg; ci++) dst[ci] = ld(in, src + ci);
+                }
+            }
+        }
+    }
+}
+
+// The adjoint of im2col, as a gather so that each input element is written
+// once: din[n,iy,ix,g·Cg+ci] (=|+=) Σ_{ky,kx} dcol[oy·OW+ox][(ky·kw+kx)·Cg+ci]
+// over the (ky,kx) with oy = (iy + pt - ky)/s an integer inside the output.
+static void col2im(const ConvCfg *cfg, const ConvGeom *q, const float *dcol, Tensor din, int n, int g,
+                   int accumulate) {
+    const int s = cfg->stride;
+    #pragma omp parallel for schedule(static)
+    for (int iy = 0; iy < q->H; iy++) {
+        for (int ix = 0; ix < q->W; ix++) {
+            size_t dst = (((size_t)n * q->H + iy) * q->W + ix) * q->C + (size_t)g * q->Cg;
+            for (int ci = 0; ci < q->Cg; ci++) {
+                float acc = 0.0f;
+                for (int ky = 0; ky < cfg->kh; ky++) {
+                    int ty = iy + q->pt - ky;
+                    if (ty < 0 || ty % s || ty / s >= q->OH) continue;
+                    for (int kx = 0; kx < cfg->kw; kx++) {
+                        int tx = ix + q->pl - kx;
+                        if (tx < 0 || tx % s || tx / s >= q->OW) continue;
+                        size_t p = (size_t)(ty / s) * q->OW + tx / s;
+                        acc += dcol[p * q->K + (ky * cfg->kw + kx) * q->Cg + ci];
+                    }
+                }
+                st_acc(din, dst + ci, acc, accumulate);
+            }
+        }
+    }
+}
+
+// One image's output (or output gradient) as fp32 rows [P][Cout]: the tensor's
+// own memory when it is fp32, else converted into `scratch`.
+static float *image_rows_f32(Tensor t, int n, size_t P, int Cout, float *scratch) {
+    size_t base = (size_t)n * P * Cout;
+    if (t.dtype == DT_F32) return (float *)t.data + base;
+    for (size_t i = 0; i < P * Cout; i++) scratch[i] = ld(t, base + i);
+    return scratch;
+}
+
+// depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx, c] · w[c][ky][kx]
+static void depthwise_forward(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
+                              const float *w, const float *b) {
+    const int KK = cfg->kh * cfg->kw;
+    #pragma omp parallel for schedule(static)
+    for (int noy = 0; noy < q->N * q->OH; noy++) {
+        int n = noy / q->OH, oy = noy % q->OH;
+        for (int ox = 0; ox < q->OW; ox++) {
+            size_t o_base = (((size_t)n * q->OH + oy) * q->OW + ox) * q->C;
+            for (int c = 0; c < q->C; c++) {
+                float acc = b ? b[c] : 0.0f;
+                for (int ky = 0; ky < cfg->kh; ky++) {
+                    int iy = oy * cfg->stride - q->pt + ky;
+                    if (iy < 0 || iy >= q->H) continue;
+                    for (int kx = 0; kx < cfg->kw; kx++) {
+                        int ix = ox * cfg->stride - q->pl + kx;
+                        if (ix < 0 || ix >= q->W) continue;
+                        acc += ld(in, (((size_t)n * q->H + iy) * q->W + ix) * q->C + c) * w[c * KK + ky * cfg->kw + kx];
+                    }
+                }
+                st(out, o_base + c, acc);
+            }
+        }
+    }
+}
+
+// din[n,iy,ix,c] (=|+=) Σ_{ky,kx} dout[n,oy,ox,c]·w[c][ky][kx], oy = (iy + pt - ky)/s integral
+static void depthwise_backward_data(const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
+                                    const float *w, int accumulate) {
+    const int KK = cfg->kh * cfg->kw, s = cfg->stride;
+    #pragma omp parallel for schedule(static)
+    for (int niy = 0; niy < q->N * q->H; niy++) {
+        int n = niy / q->H, iy = niy % q->H;
+        for (int ix = 0; ix < q->W; ix++) {
+            size_t i_base = (((size_t)n * q->H + iy) * q->W + ix) * q->C;
+            for (int c = 0; c < q->C; c++) {
+                float acc = 0.0f;
+                for (int ky = 0; ky < cfg->kh; ky++) {
+                    int ty = iy + q->pt - ky;
+                    if (ty < 0 || ty % s || ty / s >= q->OH) continue;
+                    for (int kx = 0; kx < cfg->kw; kx++) {
+                        int tx = ix + q->pl - kx;
+                        if (tx < 0 || tx % s || tx / s >= q->OW) continue;
+                        acc += ld(dout, (((size_t)n * q->OH + ty / s) * q->OW + tx / s) * q->C + c) * w[c * KK + ky * cfg->kw + kx];
+                    }
+                }
+                st_acc(din, i_base + c, acc, accumulate);
+            }
+        }
+    }
+}
+
+// dw[c][ky][kx] += Σ_{n,oy,ox} dout[n,oy,ox,c] · x[n, oy·s - pt + ky, ox·s - pl + kx, c]
+static void depthwise_backward_weight(const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout,
+                                      Tensor in) {
+    const int KK = cfg->kh * cfg->kw;
+    #pragma omp parallel for schedule(static)
+    for (int ck = 0; ck < q->C * KK; ck++) {
+        int c = ck / KK, ky = (ck % KK) / cfg->kw, kx = ck % cfg->kw;
+        double acc = 0.0;
+        for (int n = 0; n < q->N; n++)
+            for (int oy = 0; oy < q->OH; oy++) {
+                int iy = oy * cfg->stride - q->pt + ky;
+                if (iy < 0 || iy >= q->H) continue;
+                for (int ox = 0; ox < q->OW; ox++) {
+                    int ix = ox * cfg->stride - q->pl + kx;
+                    if (ix < 0 || ix >= q->W) continue;
+                    acc += (double)ld(dout, (((size_t)n * q->OH + oy) * q->OW + ox) * q->C + c) *
+                           ld(in, (((size_t)n * q->H + iy) * q->W + ix) * q->C + c);
+                }
+            }
+        dw[ck] += (float)acc;
+    }
+}
+
+static void add_bias_rows(float *y, size_t rows, int C, const float *b) {
+    #pragma omp parallel for schedule(static)
+    for (size_t r = 0; r < rows; r++)
+        for (int c = 0; c < C; c++) y[r * C + c] += b[c];
+}
+
+static void conv2d_forward_cpu(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in, const float *w,
+                               const float *b, void *ws) {
+    (void)o;
+    ConvGeom q = conv_geom(cfg, in.shape);
+    snCheck(out.shape.n == q.N && out.shape.h == q.OH && out.shape.w == q.OW && out.shape.c == q.Cout,
+            "conv2d_forward: out " SHAPE_FMT " for in " SHAPE_FMT, SHAPE_ARGS(out.shape), SHAPE_ARGS(in.shape));
+    if (conv_is_depthwise(cfg)) { depthwise_forward(cfg, &q, out, in, w, b); return; }
+    if (conv_is_pointwise(cfg) && in.dtype == DT_F32 && out.dtype == DT_F32) {
+        // out[N·H·W][Cout] = in[N·H·W][Cin] · W[Cout][Cin]ᵀ
+        int M = q.N * q.H * q.W;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, q.Cout, q.C, 1.0f,
+                    (const float *)in.data, q.C, w, q.C, 0.0f, (float *)out.data, q.Cout);
+        if (b) add_bias_rows((float *)out.data, (size_t)M, q.Cout, b);
+        return;
+    }
+    float *col = (float *)ws;                  // (P, K)
+    float *rows = col + q.P * q.K;             // (P, Cout) when out is not fp32
+    for (int n = 0; n < q.N; n++) {
+        float *y = out.dtype == DT_F32 ? (float *)out.data + (size_t)n * q.P * q.Cout : rows;  // (P, Cout)
+        for (int g = 0; g < cfg->groups; g++) {
+            im2col(cfg, &q, in, n, g, col);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)q.P, q.Coutg, q.K, 1.0f,
+                        col, q.K, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f, y + (size_t)g * q.Coutg, q.Cout);
+        }
+        if (b) add_bias_rows(y, q.P, q.Cout, b);
+        if (out.dtype != DT_F32)
+            for (size_t i = 0; i < q.P * q.Cout; i++) st(out, (size_t)n * q.P * q.Cout + i, rows[i]);
+    }
+}
+
+static void conv2d_backward_data_cpu(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout, const float *w,
+                                     int accumulate, void *ws) {
+    (void)o;
+    ConvGeom q = conv_geom(cfg, din.shape);
+    if (conv_is_depthwise(cfg)) { depthwise_backward_data(cfg, &q, din, dout, w, accumulate); return; }
+    if (conv_is_pointwise(cfg) && din.dtype == DT_F32 && dout.dtype == DT_F32) {
+        // din[N·H·W][Cin] (=|+=) dout[N·H·W][Cout] · W[Cout][Cin]
+        int M = q.N * q.H * q.W;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, q.C, q.Cout, 1.0f,
+                    (const float *)dout.data, q.Cout, w, q.C, accumulate ? 1.0f : 0.0f, (float *)din.data, q.C);
+        return;
+    }
+    float *dcol = (float *)ws;                    // (P, K)
+    float *rows = dcol + q.P * q.K;               // (P, Cout) when dout is not fp32
+    for (int n = 0; n < q.N; n++) {
+        const float *dy = image_rows_f32(dout, n, q.P, q.Cout, rows);
+        for (int g = 0; g < cfg->groups; g++) {
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)q.P, q.K, q.Coutg, 1.0f,
+                        dy + (size_t)g * q.Coutg, q.Cout, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f, dcol, q.K);
+            col2im(cfg, &q, dcol, din, n, g, accumulate);
+        }
+    }
+}
+
+static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, float *db, Tensor dout,
+                                       Tensor in, void *ws) {
+    (void)o;
+    ConvGeom q = conv_geom(cfg, in.shape);
+    if (db) {
+        // db[co] += Σ_{n,oy,ox} dout[n,oy,ox,co]
+        size_t M = (size_t)q.N * q.P;
+        #pragma omp parallel for schedule(static)
+        for (int co = 0; co < q.Cout; co++) {
+            double s = 0.0;
+            for (size_t p = 0; p < M; p++) s += ld(dout, p * q.Cout + co);
+            db[co] += (float)s;
+        }
+    }
+    if (!dw) return;
+    if (conv_is_depthwise(cfg)) { depthwise_backward_weight(cfg, &q, dw, dout, in); return; }
+    if (conv_is_pointwise(cfg) && in.dtype == DT_F32 && dout.dtype == DT_F32) {
+        // dW[Cout][Cin] += dout[N·H·W][Cout]ᵀ · in[N·H·W][Cin]
+        int M = q.N * q.H * q.W;
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, q.Cout, q.C, M, 1.0f,
+                    (const float *)dout.data, q.Cout, (const float *)in.data, q.C, 1.0f, dw, q.C);
+        return;
+    }
+    float *col = (float *)ws;                     // (P, K)
+    float *rows = col + q.P * q.K;                // (P, Cout) when dout is not fp32
+    for (int n = 0; n < q.N; n++) {
+        const float *dy = image_rows_f32(dout, n, q.P, q.Cout, rows);
+        for (int g = 0; g < cfg->groups; g++) {
+            im2col(cfg, &q, in, n, g, col);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, q.Coutg, q.K, (int)q.P, 1.0f,
+                        dy + (size_t)g * q.Coutg, q.Cout, col, q.K, 1.0f, dw + (size_t)g * q.Coutg * q.K, q.K);
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------
+// batch norm
+//
+// Per channel c over the M = N·H·W values of x:
+//   mean = Σx/M, var = Σ(x - mean)²/M (biased, used to normalise)
+//   xhat = (x - mean)·invstd, invstd = 1/sqrt(var + eps)
+//   z = gamma·xhat + beta, y = act(z)
+// Backward, with g = dy·act'(z):
+//   dbeta = Σg, dgamma = Σ g·xhat
+//   dx = gamma·invstd·(g - Σg/M - xhat·Σ(g·xhat)/M)   (batch statistics)
+//   dx = gamma·invstd·g                               (running statistics)
+// Reductions run per block of channels, each channel summed in row order in
+// fp64 by one thread: deterministic whatever the thread count.
+
+#define BN_CBLOCK 16
+
+static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var) {
+    (void)o;
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    #pragma omp parallel for schedule(static)
+    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
+        int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
+        double s[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0};
+        for (size_t r = 0; r < M; r++)
+            for (int j = 0; j < nc; j++) s[j] += ld(x, r * C + c0 + j);
+        for (int j = 0; j < nc; j++) s[j] /= (double)M;
+        for (size_t r = 0; r < M; r++)
+            for (int j = 0; j < nc; j++) { double d = ld(x, r * C + c0 + j) - s[j]; q[j] += d * d; }
+        for (int j = 0; j < nc; j++) { mean[c0 + j] = (float)s[j]; var[c0 + j] = (float)(q[j] / (double)M); }
+    }
+}
+
+static void bn_update_running_cpu(Ops *o, float *run_mean, float *run_var, const float *mean,
+                                  const float *var, int C, size_t count, float momentum) {
+    (void)o;
+    double unbias = count > 1 ? (double)count / (double)(count - 1) : 1.0;
+    for (int c = 0; c < C; c++) {
+        run_mean[c] = (1.0f - momentum) * run_mean[c] + momentum * mean[c];
+        run_var[c] = (1.0f - momentum) * run_var[c] + momentum * (float)(var[c] * unbias);
+    }
+}
+
+static inline float bn_invstd(const float *var, int c, float eps) { return 1.0f / sqrtf(var[c] + eps); }
+
+static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
+                           const float *gamma, const float *beta, float eps, Act act) {
+    (void)o;
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    #pragma omp parallel for schedule(static)
+    for (size_t r = 0; r < M; r++)
+        for (int c = 0; c < C; c++) {
+            float z = gamma[c] * ((ld(x, r * C + c) - mean[c]) * bn_invstd(var, c, eps)) + beta[c];
+            st(y, r * C + c, act_apply(act, z));
+        }
+}
+
+static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
+                                   const float *gamma, const float *beta, float eps, Act act,
+                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta) {
+    (void)o;
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    #pragma omp parallel for schedule(static)
+    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
+        int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
+        double sg[BN_CBLOCK] = {0}, sgx[BN_CBLOCK] = {0};
+        for (size_t r = 0; r < M; r++)
+            for (int j = 0; j < nc; j++) {
+                int c = c0 + j;
+                float xhat = (ld(x, r * C + c) - mean[c]) * bn_invstd(var, c, eps);
+                float g = ld(dy, r * C + c) * act_grad(act, gamma[c] * xhat + beta[c]);
+                sg[j] += g;
+                sgx[j] += (double)g * xhat;
+            }
+        for (int j = 0; j < nc; j++) {
+            sum_g[c0 + j] = (float)sg[j];
+            sum_gx[c0 + j] = (float)sgx[j];
+            if (dbeta) dbeta[c0 + j] += (float)sg[j];
+            if (dgamma) dgamma[c0 + j] += (float)sgx[j];
+        }
+    }
+}
+
+static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
+                                 const float *var, const float *gamma, const float *beta, float eps,
+                                 Act act, const float *sum_g, const float *sum_gx, size_t count,
+                                 int accumulate) {
+    (void)o;
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    #pragma omp parallel for schedule(static)
+    for (size_t r = 0; r < M; r++)
+        for (int c = 0; c < C; c++) {
+            float invstd = bn_invstd(var, c, eps);
+            float xhat = (ld(x, r * C + c) - mean[c]) * invstd;
+            float g = ld(dy, r * C + c) * act_grad(act, gamma[c] * xhat + beta[c]);
+            if (count) g -= (sum_g[c] + xhat * sum_gx[c]) / (float)count;
+            st_acc(dx, r * C + c, gamma[c] * invstd * g, accumulate);
+        }
+}
+
+// ----------------------------------------------------------------------------
+// activations: y = act(x), dx = dy·act'(x)
+
+static void act_forward_cpu(Ops *o, Act act, Tensor y, Tensor x) {
+    (void)o;
+    size_t n = shape_numel(x.shape);
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) st(y, i, act_apply(act, ld(x, i)));
+}
+
+static void act_backward_cpu(Ops *o, Act act, Tensor dx, Tensor dy, Tensor x, int accumulate) {
+    (void)o;
+    size_t n = shape_numel(x.shape);
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) st_acc(dx, i, ld(dy, i) * act_grad(act, ld(x, i)), accumulate);
+}
+
+// ----------------------------------------------------------------------------
+// squeeze-excitation pieces
+//   pool:  y[n,c] = Σ_{h,w} x[n,h,w,c] / (H·W);      dx[n,h,w,c] = dy[n,c] / (H·W)
+//   scale: y[n,h,w,c] = x[n,h,w,c]·s[n,c];           dx = dy·s,  ds[n,c] = Σ_{h,w} dy·x
+
+static void global_avg_pool_forward_cpu(Ops *o, Tensor y, Tensor x) {
+    (void)o;
+    const int C = x.shape.c;
+    const size_t HW = (size_t)x.shape.h * x.shape.w;
+    #pragma omp parallel for schedule(static)
+    for (int nc = 0; nc < x.shape.n * C; nc++) {
+        int n = nc / C, c = nc % C;
+        double s = 0.0;
+        for (size_t p = 0; p < HW; p++) s += ld(x, ((size_t)n * HW + p) * C + c);
+        st(y, nc, (float)(s / (double)HW));
+    }
+}
+
+static void global_avg_pool_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accumulate) {
+    (void)o;
+    const int C = dx.shape.c;
+    const size_t HW = (size_t)dx.shape.h * dx.shape.w;
+    const float inv = 1.0f / (float)HW;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < shape_numel(dx.shape); i++) {
+        size_t n = i / (HW * C);
+        int c = (int)(i % C);
+        st_acc(dx, i, ld(dy, n * C + c) * inv, accumulate);
+    }
+}
+
+static void channel_scale_forward_cpu(Ops *o, Tensor y, Tensor x, Tensor s) {
+    (void)o;
+    const int C = x.shape.c;
+    const size_t HWC = (size_t)x.shape.h * x.shape.w * C;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < shape_numel(x.shape); i++)
+        st(y, i, ld(x, i) * ld(s, (i / HWC) * C + i % C));
+}
+
+static void channel_scale_backward_cpu(Ops *o, Tensor dx, Tensor ds, Tensor dy, Tensor x, Tensor s,
+                                       int accumulate_dx, int accumulate_ds) {
+    (void)o;
+    const int C = x.shape.c;
+    const size_t HW = (size_t)x.shape.h * x.shape.w, HWC = HW * C;
+    if (dx.data) {
+        #pragma omp parallel for schedule(static)
+        for (size_t i = 0; i < shape_numel(x.shape); i++)
+            st_acc(dx, i, ld(dy, i) * ld(s, (i / HWC) * C + i % C), accumulate_dx);
+    }
+    if (ds.data) {
+        #pragma omp parallel for schedule(static)
+        for (int nc = 0; nc < x.shape.n * C; nc++) {
+            int n = nc / C, c = nc % C;
+            double acc = 0.0;
+            for (size_t p = 0; p < HW; p++) {
+                size_t i = ((size_t)n * HW + p) * C + c;
+                acc += (double)ld(dy, i) * ld(x, i);
+            }
+            st_acc(ds, nc, (float)acc, accumulate_ds);
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------
+// residual add and channel concat
+
+static void add_forward_cpu(Ops *o, Tensor y, Tensor a, Tensor b) {
+    (void)o;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < shape_numel(y.shape); i++) st(y, i, ld(a, i) + ld(b, i));
+}
+
+// y[r, 0:Ca] = a[r, :], y[r, Ca:Ca+Cb] = b[r, :] for every pixel r
+static void concat_forward_cpu(Ops *o, Tensor y, Tensor a, Tensor b) {
+    (void)o;
+    const int Ca = a.shape.c, Cb = b.shape.c, C = Ca + Cb;
+    const size_t M = shape_numel(y.shape) / C;
+    #pragma omp parallel for schedule(static)
+    for (size_t r = 0; r < M; r++) {
+        for (int c = 0; c < Ca; c++) st(y, r * C + c, ld(a, r * Ca + c));
+        for (int c = 0; c < Cb; c++) st(y, r * C + Ca + c, ld(b, r * Cb + c));
+    }
+}
+
+static void concat_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
+    (void)o;
+    const int Ca = da.shape.c, Cb = db.shape.c, C = Ca + Cb;
+    const size_t M = shape_numel(dy.shape) / C;
+    #pragma omp parallel for schedule(static)
+    for (size_t r = 0; r < M; r++) {
+        if (da.data) for (int c = 0; c < Ca; c++) st_acc(da, r * Ca + c, ld(dy, r * C + c), accumulate_a);
+        if (db.data) for (int c = 0; c < Cb; c++) st_acc(db, r * Cb + c, ld(dy, r * C + Ca + c), accumulate_b);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// dropout and drop-path
+//   keep_i = rng_uniform(seed, i) >= rate, i the element (dropout) or the sample (drop-path)
+//   y = x·keep/(1 - rate),  dx = dy·keep/(1 - rate)
+
+static inline float dropout_factor(float rate, uint64_t seed, size_t i, size_t per_draw) {
+    return rng_uniform(seed, i / per_draw) >= rate ? 1.0f / (1.0f - rate) : 0.0f;
+}
+
+static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, float rate, uint64_t seed, int per_sample) {
+    (void)o;
+    size_t n = shape_numel(x.shape), per_draw = per_sample ? n / x.shape.n : 1;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) st(y, i, ld(x, i) * dropout_factor(rate, seed, i, per_draw));
+}
+
+static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dy, float rate, uint64_t seed, int per_sample,
+                                 int accumulate) {
+    (void)o;
+    size_t n = shape_numel(dy.shape), per_draw = per_sample ? n / dy.shape.n : 1;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) st_acc(dx, i, ld(dy, i) * dropout_factor(rate, seed, i, per_draw), accumulate);
+}
+
+// ----------------------------------------------------------------------------
+// pooling and resampling
+
+// y[n,oy,ox,c] = max_{dy,dx ∈ {0,1}} x[n, 2·oy + dy, 2·ox + dx, c]
+static void maxpool2_forward_cpu(Ops *o, Tensor y, Tensor x) {
+    (void)o;
+    const Shape s = x.shape, t = y.shape;
+    #pragma omp parallel for schedule(static)
+    for (int noy = 0; noy < t.n * t.h; noy++) {
+        int n = noy / t.h, oy = noy % t.h;
+        for (int ox = 0; ox < t.w; ox++)
+            for (int c = 0; c < t.c; c++) {
+                float m = -INFINITY;
+                for (int k = 0; k < 4; k++) {
+                    float v = ld(x, (((size_t)n * s.h + 2 * oy + k / 2) * s.w + 2 * ox + k % 2) * s.c + c);
+                    if (v > m) m = v;
+                }
+                st(y, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c, m);
+            }
+    }
+}
+
+static void maxpool2_backward_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, int accumulate) {
+    (void)o;
+    const Shape s = x.shape, t = dy.shape;
+    #pragma omp parallel for schedule(static)
+    for (int niy = 0; niy < s.n * s.h; niy++) {
+        int n = niy / s.h, iy = niy % s.h, oy = iy / 2;
+        for (int ix = 0; ix < s.w; ix++) {
+            int ox = ix / 2;
+            for (int c = 0; c < s.c; c++) {
+                size_t i = (((size_t)n * s.h + iy) * s.w + ix) * s.c + c;
+                float g = 0.0f;
+                if (oy < t.h && ox < t.w) {  // rows/cols past the floor get no gradient
+                    int first = 0;
+                    float m = -INFINITY;
+                    for (int k = 0; k < 4; k++) {
+                        float v = ld(x, (((size_t)n * s.h + 2 * oy + k / 2) * s.w + 2 * ox + k % 2) * s.c + c);
+                        if (v > m) { m = v; first = k; }
+                    }
+                    if (first == (iy - 2 * oy) * 2 + (ix - 2 * ox))
+                        g = ld(dy, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c);
+                }
+                st_acc(dx, i, g, accumulate);
+            }
+        }
+    }
+}
+
+// y[n,oy,ox,c] = x[n, oy/2, ox/2, c];  dx[n,iy,ix,c] = Σ of the 2×2 dy it was copied to
+static void upsample2_forward_cpu(Ops *o, Tensor y, Tensor x) {
+    (void)o;
+    const Shape s = x.shape, t = y.shape;
+    #pragma omp parallel for schedule(static)
+    for (int noy = 0; noy < t.n * t.h; noy++) {
+        int n = noy / t.h, oy = noy % t.h;
+        for (int ox = 0; ox < t.w; ox++)
+            for (int c = 0; c < t.c; c++)
+                st(y, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c,
+                   ld(x, (((size_t)n * s.h + oy / 2) * s.w + ox / 2) * s.c + c));
+    }
+}
+
+static void upsample2_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accumulate) {
+    (void)o;
+    const Shape s = dx.shape, t = dy.shape;
+    #pragma omp parallel for schedule(static)
+    for (int niy = 0; niy < s.n * s.h; niy++) {
+        int n = niy / s.h, iy = niy % s.h;
+        for (int ix = 0; ix < s.w; ix++)
+            for (int c = 0; c < s.c; c++) {
+                float g = 0.0f;
+                for (int k = 0; k < 4; k++)
+                    g += ld(dy, (((size_t)n * t.h + 2 * iy + k / 2) * t.w + 2 * ix + k % 2) * t.c + c);
+                st_acc(dx, (((size_t)n * s.h + iy) * s.w + ix) * s.c + c, g, accumulate);
+            }
+    }
+}
+
+// Bilinear, half-pixel centres: output o samples input coordinate
+//   src = (o + 0.5)·in/out - 0.5, clamped below at 0,
+// between i0 = floor(src) and i1 = min(i0 + 1, in - 1) with weight λ = src - i0.
+typedef struct { int i0, i1; float l; } BilinearTap;
+
+static BilinearTap bilinear_tap(int o, int in, int out) {
+    float src = ((float)o + 0.5f) * ((float)in / (float)out) - 0.5f;
+    if (src < 0.0f) src = 0.0f;
+    BilinearTap t;
+    t.i0 = (int)src;
+    if (t.i0 > in - 1) t.i0 = in - 1;
+    t.i1 = t.i0 + 1 < in ? t.i0 + 1 : in - 1;
+    t.l = src - (float)t.i0;
+    return t;
+}
+
+static void resize_bilinear_forward_cpu(Ops *o, Tensor y, Tensor x) {
+    (void)o;
+    const Shape s = x.shape, t = y.shape;
+    #pragma omp parallel for schedule(static)
+    for (int noy = 0; noy < t.n * t.h; noy++) {
+        int n = noy / t.h, oy = noy % t.h;
+        BilinearTap ty = bilinear_tap(oy, s.h, t.h);
+        for (int ox = 0; ox < t.w; ox++) {
+            BilinearTap tx = bilinear_tap(ox, s.w, t.w);
+            size_t r00 = (((size_t)n * s.h + ty.i0) * s.w + tx.i0) * s.c, r01 = (((size_t)n * s.h + ty.i0) * s.w + tx.i1) * s.c;
+            size_t r10 = (((size_t)n * s.h + ty.i1) * s.w + tx.i0) * s.c, r11 = (((size_t)n * s.h + ty.i1) * s.w + tx.i1) * s.c;
+            for (int c = 0; c < t.c; c++) {
+                float top = (1.0f - tx.l) * ld(x, r00 + c) + tx.l * ld(x, r01 + c);
+                float bot = (1.0f - tx.l) * ld(x, r10 + c) + tx.l * ld(x, r11 + c);
+                st(y, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c, (1.0f - ty.l) * top + ty.l * bot);
+            }
+        }
+    }
+}
+
+// weight with which output coordinate o (tap t) reads input coordinate i
+static float tap_weight(BilinearTap t, int i) {
+    return (t.i0 == i ? 1.0f - t.l : 0.0f) + (t.i1 == i ? t.l : 0.0f);
+}
+// A range of outputs that contains every output reading input i: those with
+// src in [i - 1, i + 1), widened by 2 for rounding and the clamps at the edges.
+static void tap_range(int i, int in, int out, int *lo, int *hi) {
+    float inv_scale = (float)out / (float)in;
+    *lo = (int)floorf(((float)i - 0.5f) * inv_scale - 0.5f) - 2;
+    *hi = (int)ceilf(((float)i + 1.5f) * inv_scale - 0.5f) + 2;
+    if (*lo < 0) *lo = 0;
+    if (*hi > out - 1) *hi = out - 1;
+}
+
+// The adjoint as a gather, each dx written once:
+//   dx[n,iy,ix,c] (=|+=) Σ_{oy,ox} wy(oy,iy)·wx(ox,ix)·dy[n,oy,ox,c]
+static void resize_bilinear_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accumulate) {
+    (void)o;
+    const Shape s = dx.shape, t = dy.shape;
+    #pragma omp parallel for schedule(static)
+    for (int niy = 0; niy < s.n * s.h; niy++) {
+        int n = niy / s.h, iy = niy % s.h, oy0, oy1;
+        tap_range(iy, s.h, t.h, &oy0, &oy1);
+        for (int ix = 0; ix < s.w; ix++) {
+            int ox0, ox1;
+            tap_range(ix, s.w, t.w, &ox0, &ox1);
+            for (int c = 0; c < s.c; c++) {
+                float g = 0.0f;
+                for (int oy = oy0; oy <= oy1; oy++) {
+                    float wy = tap_weight(bilinear_tap(oy, s.h, t.h), iy);
+                    if (wy == 0.0f) continue;
+                    for (int ox = ox0; ox <= ox1; ox++) {
+                        float wx = tap_weight(bilinear_tap(ox, s.w, t.w), ix);
+                        if (wx != 0.0f) g += wy * wx * ld(dy, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c);
+                    }
+                }
+                st_acc(dx, (((size_t)n * s.h + iy) * s.w + ix) * s.c + c, g, accumulate);
+            }
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------
+// fused softmax + weighted cross-entropy, per pixel i with logits z (K classes):
+//   p = softmax(z), nll_i = log Σ_k exp(z_k) - z_y  (computed with max subtracted)
+//   loss contribution w[y]·nll_i, weight w[y]
+//   dz_k = w[y]·(p_k - [k = y])·inv_norm
+// The caller divides Σ w·nll by the global Σ w (weighted mean, DESIGN.md).
+
+#define XENT_CHUNK 4096
+
+static void softmax_xent_cpu(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
+                             float inv_norm, float *stats, Tensor dlogits) {
+    (void)o;
+    const int K = logits.shape.c;
+    const size_t M = shape_numel(logits.shape) / K, n_chunks = (M + XENT_CHUNK - 1) / XENT_CHUNK;
+    double loss = 0.0, wsum = 0.0, invalid = 0.0;
+    // fixed chunks, partials added in order: deterministic for any thread count
+    for (size_t g0 = 0; g0 < n_chunks; g0 += SUM_GROUP) {
+        double pl[SUM_GROUP], pw[SUM_GROUP], pi[SUM_GROUP];
+        size_t g1 = g0 + SUM_GROUP < n_chunks ? g0 + SUM_GROUP : n_chunks;
+        #pragma omp parallel for schedule(static)
+        for (size_t k = g0; k < g1; k++) {
+            double l = 0.0, w = 0.0, bad = 0.0;
+            size_t r1 = (k + 1) * XENT_CHUNK < M ? (k + 1) * XENT_CHUNK : M;
+            for (size_t r = k * XENT_CHUNK; r < r1; r++) {
+                const int32_t y = labels[r];
+                const int valid = y >= 0 && y < K;
+                const float wy = valid ? class_weights[y] : 0.0f;
+                if (!valid) bad += 1.0;
+                float zmax = -INFINITY;
+                for (int c = 0; c < K; c++) { float z = ld(logits, r * K + c); if (z > zmax) zmax = z; }
+                double sum = 0.0;
+                for (int c = 0; c < K; c++) sum += exp((double)ld(logits, r * K + c) - zmax);
+                if (wy != 0.0f) {
+                    double nll = log(sum) + zmax - ld(logits, r * K + y);
+                    l += wy * nll;
+                    w += wy;
+                }
+                if (dlogits.data)
+                    for (int c = 0; c < K; c++) {
+                        double p = exp((double)ld(logits, r * K + c) - zmax) / sum;
+                        st(dlogits, r * K + c, (float)(wy * (p - (c == y)) * inv_norm));
+                    }
+            }
+            pl[k - g0] = l; pw[k - g0] = w; pi[k - g0] = bad;
+        }
+        for (size_t k = g0; k < g1; k++) { loss += pl[k - g0]; wsum += pw[k - g0]; invalid += pi[k - g0]; }
+    }
+    stats[0] += (float)loss;
+    stats[1] += (float)wsum;
+    stats[2] += (float)invalid;
+}
+
+double label_weight_sum(const int32_t *labels, size_t n, const float *class_weights, int K) {
+    double s = 0.0;
+    for (size_t i = 0; i < n; i++)
+        if (labels[i] >= 0 && labels[i] < K) s += class_weights[labels[i]];
+    return s;
+}
+
+// ----------------------------------------------------------------------------
+// the CPU ops table
+
+Ops ops_cpu = {
+    .name = "cpu",
+    .ctx = NULL,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_memcpy,
+    .download = cpu_memcpy,
+    .synchronize = cpu_synchronize,
+    .fill = fill_cpu,
+    .scale = scale_cpu,
+    .copy = copy_cpu,
+    .sum_squares = sum_squares_cpu,
+    .nonfinite = nonfinite_cpu,
+    .conv2d_workspace = conv2d_workspace_cpu,
+    .conv2d_forward = conv2d_forward_cpu,
+    .conv2d_backward_data = conv2d_backward_data_cpu,
+    .conv2d_backward_weight = conv2d_backward_weight_cpu,
+    .bn_stats = bn_stats_cpu,
+    .bn_forward = bn_forward_cpu,
+    .bn_update_running = bn_update_running_cpu,
+    .bn_backward_reduce = bn_backward_reduce_cpu,
+    .bn_backward_data = bn_backward_data_cpu,
+    .act_forward = act_forward_cpu,
+    .act_backward = act_backward_cpu,
+    .global_avg_pool_forward = global_avg_pool_forward_cpu,
+    .global_avg_pool_backward = global_avg_pool_backward_cpu,
+    .channel_scale_forward = channel_scale_forward_cpu,
+    .channel_scale_backward = channel_scale_backward_cpu,
+    .add_forward = add_forward_cpu,
+    .concat_forward = concat_forward_cpu,
+    .concat_backward = concat_backward_cpu,
+    .dropout_forward = dropout_forward_cpu,
+    .dropout_backward = dropout_backward_cpu,
+    .maxpool2_forward = maxpool2_forward_cpu,
+    .maxpool2_backward = maxpool2_backward_cpu,
+    .upsample2_forward = upsample2_forward_cpu,
+    .upsample2_backward = upsample2_backward_cpu,
+    .resize_bilinear_forward = resize_bilinear_forward_cpu,
+    .resize_bilinear_backward = resize_bilinear_backward_cpu,
+    .softmax_xent = softmax_xent_cpu,
+};
+
+// ----------------------------------------------------------------------------
+// the graph: builders validate shapes and name the layer in every error
+
+static const char *LAYER_KIND_NAMES[LAYER_KIND_COUNT] = {
+    "conv", "dense", "batchnorm", "activation", "global_avg_pool", "channel_scale", "add",
+    "concat", "maxpool2", "upsample2", "resize_bilinear", "dropout", "drop_path",
+};
+const char *layer_kind_name(LayerKind k) { return k >= 0 && k < LAYER_KIND_COUNT ? LAYER_KIND_NAMES[k] : "?"; }
+
+void graph_init(Graph *g) {
+    memset(g, 0, sizeof *g);
+    g->input = -1;
+}
+
+void graph_free(Graph *g) {
+    free(g->layers); free(g->tensors); free(g->params); free(g->buffers);
+    graph_init(g);
+}
+
+static void graph_fail(Graph *g, const char *fmt, ...) {
+    if (g->err[0]) return;  // keep the first error
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g->err, sizeof g->err, fmt, ap);
+    va_end(ap);
+}
+
+// grow a dynamic array to hold one more element
+#define GROW(arr, n, cap) do { \
+    if ((n) == (cap)) { (cap) = (cap) ? 2 * (cap) : 16; (arr) = realloc((arr), sizeof *(arr) * (size_t)(cap)); \
+                        snCheck((arr) != NULL, "out of host memory growing the graph"); } } while (0)
+
+static int add_param(Graph *g, ParamInfo **table, int *n, int *cap, size_t *total, const char *layer,
+                     const char *suffix, int ndim, const int *dims) {
+    GROW(*table, *n, *cap);
+    ParamInfo *p = &(*table)[*n];
+    memset(p, 0, sizeof *p);
+    if (snprintf(p->name, sizeof p->name, "%s.%s", layer, suffix) >= (int)sizeof p->name) {
+        graph_fail(g, "layer '%s': parameter name too long (limit %d characters)", layer, SN_NAME_MAX - 1);
+        return -1;
+    }
+    p->ndim = ndim;
+    p->count = 1;
+    for (int i = 0; i < ndim; i++) { p->dims[i] = dims[i]; p->count *= (size_t)dims[i]; }
+    p->offset = *total;
+    *total += p->count;
+    return (*n)++;
+}
+static int add_weight(Graph *g, const char *layer, const char *suffix, int ndim, const int *dims) {
+    return add_param(g, &g->params, &g->n_params, &g->cap_params, &g->n_param_floats, layer, suffix, ndim, dims);
+}
+static int add_buffer(Graph *g, const char *layer, const char *suffix, int n) {
+    return add_param(g, &g->buffers, &g->n_buffers, &g->cap_buffers, &g->n_buffer_floats, layer, suffix, 1, &n);
+}
+
+int graph_find_param(const Graph *g, const char *name) {
+    for (int i = 0; i < g->n_params; i++)
+        if (strcmp(g->params[i].name, name) == 0) return i;
+    return -1;
+}
+
+static int new_tensor(Graph *g, const char *name, Shape s, int producer) {
+    GROW(g->tensors, g->n_tensors, g->cap_tensors);
+    TensorInfo *t = &g->tensors[g->n_tensors];
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->shape = s;
+    t->producer = producer;
+    return g->n_tensors++;
+}
+
+int graph_input(Graph *g, Shape s) {
+    if (g->err[0]) return -1;
+    if (g->input >= 0) { graph_fail(g, "the graph already has an input"); return -1; }
+    if (s.n < 1 || s.h < 1 || s.w < 1 || s.c < 1) {
+        graph_fail(g, "input: shape " SHAPE_FMT " has an empty dimension", SHAPE_ARGS(s));
+        return -1;
+    }
+    return g->input = new_tensor(g, "input", s, -1);
+}
+
+static int valid_tensor(Graph *g, const char *name, int t) {
+    if (t < 0 || t >= g->n_tensors) {
+        graph_fail(g, "layer '%s': input tensor id %d does not exist", name, t);
+        return 0;
+    }
+    return 1;
+}
+
+// Appends a layer reading a (and b, or -1) and producing a new tensor of shape
+// `out`; returns the layer (NULL after an error).
+static Layer *add_layer(Graph *g, LayerKind kind, const char *name, int a, int b, Shape out) {
+    if (g->err[0]) return NULL;
+    if (strlen(name) + 16 >= SN_NAME_MAX) {  // room for ".running_mean"
+        graph_fail(g, "layer '%s': name too long (limit %d characters)", name, SN_NAME_MAX - 17);
+        return NULL;
+    }
+    for (int i = 0; i < g->n_layers; i++)
+        if (strcmp(g->layers[i].name, name) == 0) {
+            graph_fail(g, "layer '%s': a layer of that name already exists", name);
+            return NULL;
+        }
+    if (out.n < 1 || out.h < 1 || out.w < 1 || out.c < 1) {
+        graph_fail(g, "layer '%s': output shape " SHAPE_FMT " is empty", name, SHAPE_ARGS(out));
+        return NULL;
+    }
+    GROW(g->layers, g->n_layers, g->cap_layers);
+    Layer *l = &g->layers[g->n_layers];
+    memset(l, 0, sizeof *l);
+    l->kind = kind;
+    snprintf(l->name, sizeof l->name, "%s", name);
+    l->in[0] = a; l->in[1] = b;
+    l->weight = l->bias = l->run_mean = l->run_var = -1;
+    l->block = g->block;
+    l->out = new_tensor(g, name, out, g->n_layers);
+    g->n_layers++;
+    return l;
+}
+
+static Shape tshape(const Graph *g, int t) { return g->tensors[t].shape; }
+
+static const char *pad_name(PadMode p) { return p == PAD_SAME ? "same" : "symmetric"; }
+
+static int conv_layer(Graph *g, LayerKind kind, const char *name, int x, int cout, int k, int stride,
+                      int groups, PadMode pad, int bias) {
+    if (g->err[0] || !valid_tensor(g, name, x)) return -1;
+    Shape in = tshape(g, x);
+    if (cout < 1 || k < 1 || stride < 1 || groups < 1) {
+        graph_fail(g, "layer '%s': cout %d, kernel %d, stride %d and groups %d must all be positive",
+                   name, cout, k, stride, groups);
+        return -1;
+    }
+    if (in.c % groups || cout % groups) {
+        graph_fail(g, "layer '%s': groups %d must divide input channels %d (input " SHAPE_FMT ") and output channels %d",
+                   name, groups, in.c, SHAPE_ARGS(in), cout);
+        return -1;
+    }
+    int oh, ow, pt, pl;
+    if (!conv_axis(in.h, k, stride, pad, &oh, &pt) || !conv_axis(in.w, k, stride, pad, &ow, &pl)) {
+        graph_fail(g, "layer '%s': kernel %dx%d (weight (%d,%d,%d,%d)) is larger than the padded input " SHAPE_FMT
+                   " with %s padding", name, k, k, cout, k, k, in.c / groups, SHAPE_ARGS(in), pad_name(pad));
+        return -1;
+    }
+    Layer *l = add_layer(g, kind, name, x, -1, shape4(in.n, oh, ow, cout));
+    if (!l) return -1;
+    ConvCfg c = {in.c, cout, k, k, stride, groups, pad, bias};
+    l->conv = c;
+    if (kind == LAYER_DENSE) {
+        int wd[2] = {cout, in.c};
+        l->weight = add_weight(g, name, "weight", 2, wd);
+    } else {
+        int wd[4] = {cout, k, k, in.c / groups};
+        l->weight = add_weight(g, name, "weight", 4, wd);
+    }
+    if (bias) l->bias = add_weight(g, name, "bias", 1, &cout);
+    return g->err[0] ? -1 : l->out;
+}
+
+int graph_conv(Graph *g, const char *name, int x, int cout, int k, int stride, int groups, PadMode pad, int bias) {
+    return conv_layer(g, LAYER_CONV, name, x, cout, k, stride, groups, pad, bias);
+}
+
+int graph_dense(Graph *g, const char *name, int x, int out, int bias) {
+    if (g->err[0] || !valid_tensor(g, name, x)) return -1;
+    Shape in = tshape(g, x);
+    if (in.h != 1 || in.w != 1) {
+        graph_fail(g, "layer '%s': a dense layer needs an (N,1,1,C) input, got " SHAPE_FMT
+                   " (pool it first)", name, SHAPE_ARGS(in));
+        return -1;
+    }
+    return conv_layer(g, LAYER_DENSE, name, x, out, 1, 1, 1, PAD_SAME, bias);
+}
+
+int graph_bn(Graph *g, const char *name, int x, float eps, Act act) {
+    if (g->err[0] || !valid_tensor(g, name, x)) return -1;
+    if (!(eps > 0.0f)) { graph_fail(g, "layer '%s': batch norm eps must be positive, got %g", name, eps); return -1; }
+    Shape in = tshape(g, x);
+    Layer *l = add_layer(g, LAYER_BN, name, x, -1, in);
+    if (!l) return -1;
+    l->eps = eps;
+    l->act = act;
+    l->weight = add_weight(g, name, "weight", 1, &in.c);   // gamma
+    l->bias = add_weight(g, name, "bias", 1, &in.c);       // beta
+    l->run_mean = add_buffer(g, name, "running_mean", in.c);
+    l->run_var = add_buffer(g, name, "running_var", in.c);
+    return g->err[0] ? -1 : l->out;
+}
+
+int graph_act(Graph *g, const char *name, int x, Act act) {
+    if (g->err[0] || !valid_tensor(g, name, x)) return -1;
+    Layer *l = add_layer(g, LAYER_ACT, name, x, -1, tshape(g, x));
+    if (!l) return -1;
+    l->act = act;
+    return l->out;
+}
+
+int graph_gap(Graph *g, const char *name, int x) {
+    if (g->err[0] || !valid_tensor(g, name, x)) return -1;
+    Shape in = tshape(g, x);
+    Layer *l = add_layer(g, LAYER_GAP, name, x, -1, shape4(in.n, 1, 1, in.c));
+    return l ? l->out : -1;
+}
+
+int graph_scale(Graph *g, const char *name, int x, int s) {
+    if (g->err[0] || !valid_tensor(g, name, x) || !valid_tensor(g, name, s)) return -1;
+    Shape a = tshape(g, x), b = tshape(g, s);
+    if (b.n != a.n || b.h != 1 || b.w != 1 || b.c != a.c) {
+        graph_fail(g, "layer '%s': scale " SHAPE_FMT " must be (%d,1,1,%d) for input " SHAPE_FMT,
+                   name, SHAPE_ARGS(b), a.n, a.c, SHAPE_ARGS(a));
+        return -1;
+    }
+    Layer *l = add_layer(g, LAYER_SCALE, name, x, s, a);
+    return l ? l->out : -1;
+}
+
+int graph_add(Graph *g, const char *name, int a, int b) {
+    if (g->err[0] || !valid_tensor(g, name, a) || !valid_tensor(g, name, b)) return -1;
+    Shape sa = tshape(g, a), sb = tshape(g, b);
+    if (!shape_eq(sa, sb)) {
+        graph_fail(g, "layer '%s': cannot add " SHAPE_FMT " and " SHAPE_FMT, name, SHAPE_ARGS(sa), SHAPE_ARGS(sb));
+        return -1;
+    }
+    Layer *l = add_layer(g, LAYER_ADD, name, a, b, sa);
+    return l ? l->out : -1;
+}
+
+int graph_concat(Graph *g, const char *name, int a, int b) {
+    if (g->err[0] || !valid_tensor(g, name, a) || !valid_tensor(g, name, b)) return -1;
+    Shape sa = tshape(g, a), sb = tshape(g, b);
+    if (sa.n != sb.n || sa.h != sb.h || sa.w != sb.w) {
+        graph_fail(g, "layer '%s': cannot concat " SHAPE_FMT " and " SHAPE_FMT " (N, H, W must match)",
+                   name, SHAPE_ARGS(sa), SHAPE_ARGS(sb));
+        return -1;
+    }
+    Layer *l = add_layer(g, LAYER_CONCAT, name, a, b, shape4(sa.n, sa.h, sa.w, sa.c + sb.c));
+    return l ? l->out : -1;
+}
+
+int graph_maxpool(Graph *g, const char *name, int x) {
+    if (g->err[0] || !valid_tensor(g, name, x)) return -1;
+    Shape in = tshape(g, x);
+    if (in.h < 2 || in.w < 2) {
+        graph_fail(g, "layer '%s': 2x2 max-pool needs at least 2x2 pixels, input is " SHAPE_FMT, name, SHAPE_ARGS(in));
+        return -1;
+    }
+    Layer *l = add_layer(g, LAYER_MAXPOOL, name, x, -1, shape4(in.n, in.h / 2, in.w / 2, in.c));
+    return l ? l->out : -1;
+}
+
+int graph_upsample(Graph *g, const char *name, int x) {
+    if (g->err[0] || !valid_tensor(g, name, x)) return -1;
+    Shape in = tshape(g, x);
+    Layer *l = add_layer(g, LAYER_UPSAMPLE, name, x, -1, shape4(in.n, 2 * in.h, 2 * in.w, in.c));
+    return l ? l->out : -1;
+}
+
+int graph_resize(Graph *g, const char *name, int x, int oh, int ow) {
+    if (g->err[0] || !valid_tensor(g, name, x)) return -1;
+    Shape in = tshape(g, x);
+    if (oh < 1 || ow < 1) {
+        graph_fail(g, "layer '%s': cannot resize " SHAPE_FMT " to %dx%d", name, SHAPE_ARGS(in), oh, ow);
+        return -1;
+    }
+    Layer *l = add_layer(g, LAYER_RESIZE, name, x, -1, shape4(in.n, oh, ow, in.c));
+    return l ? l->out : -1;
+}
+
+static int dropout_layer(Graph *g, LayerKind kind, const char *name, int x, float rate) {
+    if (g->err[0] || !valid_tensor(g, name, x)) return -1;
+    if (!(rate >= 0.0f && rate < 1.0f)) {
+        graph_fail(g, "layer '%s': rate %g is outside [0, 1)", name, rate);
+        return -1;
+    }
+    Layer *l = add_layer(g, kind, name, x, -1, tshape(g, x));
+    if (!l) return -1;
+    l->rate = rate;
+    return l->out;
+}
+int graph_dropout(Graph *g, const char *name, int x, float rate) { return dropout_layer(g, LAYER_DROPOUT, name, x, rate); }
+int graph_drop_path(Graph *g, const char *name, int x, float rate) { return dropout_layer(g, LAYER_DROP_PATH, name, x, rate); }
+
+// ----------------------------------------------------------------------------
+// executing a graph
+
+Tensor net_tensor(const Net *net, int t) { return tensor(net->act[t], net->g->tensors[t].shape, net->dtype); }
+Tensor net_grad(const Net *net, int t) { return tensor(net->grad[t], net->g->tensors[t].shape, net->dtype); }
+
+static float *param_ptr(float *base, const Graph *g, int id) { return id < 0 ? NULL : base + g->params[id].offset; }
+static float *buffer_ptr(const Net *net, int id) { return net->buffers + net->g->buffers[id].offset; }
+
+uint64_t net_layer_seed(const Net *net, int layer) {
+    return rng_mix64(rng_mix64(net->seed ^ rng_mix64(net->step)) + (uint64_t)layer);
+}
+
+void net_free(Net *net) {
+    Ops *o = net->o;
+    if (!o) return;
+    const Graph *g = net->g;
+    for (int t = 0; net->act && t < g->n_tensors; t++) { o->free(o, net->act[t]); if (net->grad) o->free(o, net->grad[t]); }
+    for (int l = 0; net->bn_mean && l < g->n_layers; l++) { o->free(o, net->bn_mean[l]); o->free(o, net->bn_var[l]); }
+    o->free(o, net->params); o->free(o, net->grads); o->free(o, net->buffers);
+    o->free(o, net->bn_scratch); o->free(o, net->ws);
+    free(net->act); free(net->grad); free(net->needs_grad); free(net->bn_mean); free(net->bn_var);
+    memset(net, 0, sizeof *net);
+}
+
+int net_create(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad, char err[SN_ERR_MAX]) {
+    memset(net, 0, sizeof *net);
+    net->g = g; net->o = o; net->dtype = dtype; net->input_needs_grad = input_needs_grad;
+    if (g->err[0] || g->input < 0 || g->n_layers == 0) {
+        snprintf(err, SN_ERR_MAX, "%s", g->err[0] ? g->err : "the graph has no input or no layers");
+        return -1;
+    }
+    int T = g->n_tensors, L = g->n_layers;
+    net->act = calloc((size_t)T, sizeof(void *));
+    net->grad = calloc((size_t)T, sizeof(void *));
+    net->needs_grad = calloc((size_t)T, sizeof(int));
+    net->bn_mean = calloc((size_t)L, sizeof(float *));
+    net->bn_var = calloc((size_t)L, sizeof(float *));
+    snCheck(net->act && net->grad && net->needs_grad && net->bn_mean && net->bn_var, "out of host memory");
+
+    // A tensor needs a gradient when a trainable parameter (or the input, if
+    // asked) lies upstream of it; nothing below the lowest trainable layer does.
+    net->needs_grad[g->input] = input_needs_grad;
+    for (int i = 0; i < L; i++) {
+        const Layer *l = &g->layers[i];
+        int ng = !l->frozen && l->weight >= 0;
+        for (int k = 0; k < 2; k++) if (l->in[k] >= 0) ng |= net->needs_grad[l->in[k]];
+        net->needs_grad[l->out] = ng;
+    }
+
+    size_t ws = 0;
+    int cmax = 1, ok = 1;
+    for (int t = 0; t < T && ok; t++) {
+        size_t bytes = shape_numel(g->tensors[t].shape) * dtype_size(dtype);
+        ok &= (net->act[t] = o->alloc(o, bytes)) != NULL;
+        if (ok && net->needs_grad[t]) ok &= (net->grad[t] = o->alloc(o, bytes)) != NULL;
+    }
+    for (int i = 0; i < L && ok; i++) {
+        const Layer *l = &g->layers[i];
+        if (l->kind == LAYER_CONV || l->kind == LAYER_DENSE) {
+            size_t w = o->conv2d_workspace(o, &l->conv, tshape(g, l->in[0]), dtype);
+            if (w > ws) ws = w;
+        }
+        if (l->kind == LAYER_BN) {
+            int C = tshape(g, l->in[0]).c;
+            if (C > cmax) cmax = C;
+            ok &= (net->bn_mean[i] = o->alloc(o, sizeof(float) * (size_t)C)) != NULL;
+            ok &= (net->bn_var[i] = o->alloc(o, sizeof(float) * (size_t)C)) != NULL;
+        }
+    }
+    size_t pbytes = sizeof(float) * g->n_param_floats, bbytes = sizeof(float) * g->n_buffer_floats;
+    if (ok) {
+        net->params = o->alloc(o, pbytes);
+        net->grads = o->alloc(o, pbytes);
+        net->buffers = o->alloc(o, bbytes);
+        net->bn_scratch = o->alloc(o, sizeof(float) * 2 * (size_t)cmax);
+        net->ws_bytes = ws;
+        net->ws = ws ? o->alloc(o, ws) : NULL;
+        ok = net->params && net->grads && net->buffers && net->bn_scratch && (!ws || net->ws);
+    }
+    if (!ok) {
+        snprintf(err, SN_ERR_MAX, "out of %s memory allocating the network's tensors", o->name);
+        net_free(net);
+        return -1;
+    }
+    o->fill(o, tensor_f32(net->params, shape4((int)g->n_param_floats, 1, 1, 1)), 0.0f);
+    o->fill(o, tensor_f32(net->grads, shape4((int)g->n_param_floats, 1, 1, 1)), 0.0f);
+    // running statistics start at mean 0, variance 1
+    for (int b = 0; b < g->n_buffers; b++) {
+        int is_var = strstr(g->buffers[b].name, ".running_var") != NULL;
+        o->fill(o, tensor_f32(net->buffers + g->buffers[b].offset, shape4((int)g->buffers[b].count, 1, 1, 1)),
+                is_var ? 1.0f : 0.0f);
+    }
+    return 0;
+}
+
+// BN in a layer uses batch statistics when training and not frozen (a frozen
+// BN runs in inference mode, Keras' trainable=False); dropout and drop-path
+// are active under the same condition.
+static int layer_in_train_mode(const Net *net, const Layer *l) { return net->training && !l->frozen; }
+
+void net_forward(Net *net, int training) {
+    const Graph *g = net->g;
+    Ops *o = net->o;
+    net->training = training;
+    for (int i = 0; i < g->n_layers; i++) {
+        const Layer *l = &g->layers[i];
+        Tensor x = net_tensor(net, l->in[0]), y = net_tensor(net, l->out);
+        Tensor x2 = l->in[1] >= 0 ? net_tensor(net, l->in[1]) : tensor(NULL, x.shape, net->dtype);
+        float *w = param_ptr(net->params, g, l->weight), *b = param_ptr(net->params, g, l->bias);
+        switch (l->kind) {
+        case LAYER_CONV: case LAYER_DENSE:
+            o->conv2d_forward(o, &l->conv, y, x, w, b, net->ws);
+            break;
+        case LAYER_BN: {
+            float *rm = buffer_ptr(net, l->run_mean), *rv = buffer_ptr(net, l->run_var);
+            if (layer_in_train_mode(net, l)) {
+                o->bn_stats(o, x, net->bn_mean[i], net->bn_var[i]);
+                o->bn_update_running(o, rm, rv, net->bn_mean[i], net->bn_var[i], x.shape.c,
+                                     shape_numel(x.shape) / x.shape.c, BN_MOMENTUM);
+                o->bn_forward(o, y, x, net->bn_mean[i], net->bn_var[i], w, b, l->eps, l->act);
+            } else {
+                o->bn_forward(o, y, x, rm, rv, w, b, l->eps, l->act);
+            }
+            break;
+        }
+        case LAYER_ACT: o->act_forward(o, l->act, y, x); break;
+        case LAYER_GAP: o->global_avg_pool_forward(o, y, x); break;
+        case LAYER_SCALE: o->channel_scale_forward(o, y, x, x2); break;
+        case LAYER_ADD: o->add_forward(o, y, x, x2); break;
+        case LAYER_CONCAT: o->concat_forward(o, y, x, x2); break;
+        case LAYER_MAXPOOL: o->maxpool2_forward(o, y, x); break;
+        case LAYER_UPSAMPLE: o->upsample2_forward(o, y, x); break;
+        case LAYER_RESIZE: o->resize_bilinear_forward(o, y, x); break;
+        case LAYER_DROPOUT: case LAYER_DROP_PATH:
+            if (layer_in_train_mode(net, l) && l->rate > 0.0f)
+                o->dropout_forward(o, y, x, l->rate, net_layer_seed(net, i), l->kind == LAYER_DROP_PATH);
+            else
+                o->copy(o, y, x, 0);
+            break;
+        default: snCheck(0, "forward: layer '%s' has unknown kind %d", l->name, (int)l->kind);
+        }
+    }
+}
+
+void net_backward(Net *net, int output) {
+    const Graph *g = net->g;
+    Ops *o = net->o;
+    // written[t]: t's gradient already holds a contribution, so the next op adds into it
+    int *written = calloc((size_t)g->n_tensors, sizeof(int));
+    snCheck(written != NULL, "out of host memory");
+    written[output] = 1;
+    for (int i = g->n_layers - 1; i >= 0; i--) {
+        const Layer *l = &g->layers[i];
+        if (!net->needs_grad[l->out]) continue;
+        Tensor dy = net_grad(net, l->out);
+        if (!written[l->out]) { o->fill(o, dy, 0.0f); written[l->out] = 1; }  // no path to the loss
+        const int a = l->in[0], b = l->in[1];
+        Tensor x = net_tensor(net, a);
+        Tensor x2 = b >= 0 ? net_tensor(net, b) : tensor(NULL, x.shape, net->dtype);
+        // input gradients: data NULL where none is needed; acc_* follow `written`
+        Tensor dx = net->needs_grad[a] ? net_grad(net, a) : tensor(NULL, x.shape, net->dtype);
+        Tensor dx2 = b >= 0 && net->needs_grad[b] ? net_grad(net, b) : tensor(NULL, x2.shape, net->dtype);
+        int acc_a = written[a];
+        if (dx.data) written[a] = 1;
+        int acc_b = b >= 0 ? written[b] : 0;
+        if (dx2.data) written[b] = 1;
+        const int trainable = !l->frozen;
+        float *w = param_ptr(net->params, g, l->weight), *bias = param_ptr(net->params, g, l->bias);
+        float *dw = trainable ? param_ptr(net->grads, g, l->weight) : NULL;
+        float *dbias = trainable ? param_ptr(net->grads, g, l->bias) : NULL;
+        switch (l->kind) {
+        case LAYER_CONV: case LAYER_DENSE:
+            if (dw || dbias) o->conv2d_backward_weight(o, &l->conv, dw, dbias, dy, x, net->ws);
+            if (dx.data) o->conv2d_backward_data(o, &l->conv, dx, dy, w, acc_a, net->ws);
+            break;
+        case LAYER_BN: {
+            const int C = x.shape.c;
+            float *sum_g = net->bn_scratch, *sum_gx = net->bn_scratch + C;
+            int batch = layer_in_train_mode(net, l);
+            const float *mean = batch ? net->bn_mean[i] : buffer_ptr(net, l->run_mean);
+            const float *var = batch ? net->bn_var[i] : buffer_ptr(net, l->run_var);
+            if (batch || dw)
+                o->bn_backward_reduce(o, dy, x, mean, var, w, bias, l->eps, l->act, sum_g, sum_gx, dw, dbias);
+            if (dx.data)
+                o->bn_backward_data(o, dx, dy, x, mean, var, w, bias, l->eps, l->act, sum_g, sum_gx,
+                                    batch ? shape_numel(x.shape) / C : 0, acc_a);
+            break;
+        }
+        case LAYER_ACT: if (dx.data) o->act_backward(o, l->act, dx, dy, x, acc_a); break;
+        case LAYER_GAP: if (dx.data) o->global_avg_pool_backward(o, dx, dy, acc_a); break;
+        case LAYER_SCALE: o->channel_scale_backward(o, dx, dx2, dy, x, x2, acc_a, acc_b); break;
+        case LAYER_ADD:
+            if (dx.data) o->copy(o, dx, dy, acc_a);
+            if (dx2.data) o->copy(o, dx2, dy, acc_b);
+            break;
+        case LAYER_CONCAT: o->concat_backward(o, dx, dx2, dy, acc_a, acc_b); break;
+        case LAYER_MAXPOOL: if (dx.data) o->maxpool2_backward(o, dx, dy, x, acc_a); break;
+        case LAYER_UPSAMPLE: if (dx.data) o->upsample2_backward(o, dx, dy, acc_a); break;
+        case LAYER_RESIZE: if (dx.data) o->resize_bilinear_backward(o, dx, dy, acc_a); break;
+        case LAYER_DROPOUT: case LAYER_DROP_PATH:
+            if (!dx.data) break;
+            if (layer_in_train_mode(net, l) && l->rate > 0.0f)
+                o->dropout_backward(o, dx, dy, l->rate, net_layer_seed(net, i), l->kind == LAYER_DROP_PATH, acc_a);
+            else
+                o->copy(o, dx, dy, acc_a);
+            break;
+        default: snCheck(0, "backward: layer '%s' has unknown kind %d", l->name, (int)l->kind);
+        }
+    }
+    free(written);
+}
+
+// ----------------------------------------------------------------------------
+// host RNG extras
+
+// standard normal by Box-Muller
+float rng_normal(Rng *r) {
+    float u1 = rng_float(r), u2 = rng_float(r);
+    if (u1 < 1e-7f) u1 = 1e-7f;
+    return sqrtf(-2.0f * logf(u1)) * cosf(6.28318530718f * u2);
+}
+
+// ----------------------------------------------------------------------------
+// command line
+
+#ifndef TESTING
+
+static const char *USAGE =
+    "segnet: train U-Net segmentation and EfficientNetV2 classification models\n"
+    "\n"
+    "usage: segnet COMMAND [options]\n"
+    "\n"
+    "commands:\n"
+    "  train     train a model (not yet available in this build: the training\n"
+    "            issue adds it; this build has the core ops and graph engine)\n"
+    "  info      print the build: backend, BLAS threads, OpenMP threads\n"
+    "  help      this text (also --help, -h)\n"
+    "\n"
+    "The test suite is `make test`; see README.md.\n";
+
+static int cmd_info(void) {
+    printf("backend: %s\n", ops_cpu.name);
+#ifdef _OPENMP
+    printf("openmp_threads: %d\n", omp_get_max_threads());
+#else
+    printf("openmp_threads: off (built with NO_OMP=1)\n");
+#endif
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2 || !strcmp(argv[1], "help") || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+        fputs(USAGE, stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    if (!strcmp(argv[1], "info")) return cmd_info();
+    if (!strcmp(argv[1], "train")) {
+        printf("segnet train: not yet: training (data, losses, Adam, run folders) arrives with the training issue.\n"
+               "This build contains the core engine: CPU ops, graph and executor (`make test` checks them).\n");
+        return 0;
+    }
+    fprintf(stderr, "segnet: unknown command '%s' (try segnet --help)\n", argv[1]);
+    return 2;
+}
+
+#endif  // TESTING

@@ -1,0 +1,447 @@
+// segnet.h -- every public type and function of segnet.
+//
+// Layout conventions (see DESIGN.md):
+//   activations  NHWC, shape comment (N,H,W,C) on every tensor
+//   conv weights [Cout][kh][kw][Cin/groups]  ("OHWI"), dense weights [out][in]
+//   parameters   one fp32 buffer, an offset table of named slices into it
+//
+// This header is also included by kernels.cu, so the small formulas that both
+// backends must agree on bit for bit (number formats, activation functions,
+// the counter-based RNG, padding geometry) live here as static inline
+// functions marked SN_HD.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#ifdef __CUDACC__
+#define SN_HD __host__ __device__
+#else
+#define SN_HD
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// ----------------------------------------------------------------------------
+// constants shared by every backend
+
+#define BN_EPS_EFFNET 1e-3f  // EfficientNetV2 (Keras and torchvision)
+#define BN_EPS_UNET   1e-5f  // U-Net convs (PyTorch BatchNorm2d default)
+// running = (1 - BN_MOMENTUM)·running + BN_MOMENTUM·batch, with the unbiased
+// batch variance (PyTorch momentum=0.1, Keras momentum=0.9).
+#define BN_MOMENTUM   0.1f
+#define SN_NAME_MAX   96     // longest parameter / layer name, with the NUL
+#define SN_ERR_MAX    512    // longest error message
+
+// ----------------------------------------------------------------------------
+// storage types: activations may be stored in fp32, fp16 or bf16; arithmetic
+// is always fp32 (accumulations in fp64 on the CPU). Conversions are done in
+// software with round-to-nearest-even, identically on every backend.
+
+typedef enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 } DType;
+
+static inline SN_HD size_t dtype_size(DType dt) { return dt == DT_F32 ? 4 : 2; }
+
+static inline SN_HD uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline SN_HD float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+// IEEE binary16: 1 sign, 5 exponent (bias 15), 10 mantissa bits.
+static inline SN_HD uint16_t f32_to_f16(float f) {
+    uint32_t x = f32_bits(f);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    int exp32 = (int)((x >> 23) & 0xFF);
+    uint32_t man = x & 0x7FFFFFu;
+    if (exp32 == 0xFF)  // inf stays inf; NaN stays a (quiet) NaN
+        return (uint16_t)(sign | 0x7C00u | (man ? 0x200u | (man >> 13) : 0u));
+    int e = exp32 - 127 + 15;                       // rebiased exponent
+    if (e >= 31) return (uint16_t)(sign | 0x7C00u); // too large: inf
+    if (e <= 0) {
+        // subnormal half: value in units of 2^-24 is (1.man·2^23) >> (14 - e)
+        int shift = 14 - e;
+        if (shift > 24) return (uint16_t)sign;      // below half the smallest subnormal
+        uint32_t m = man | 0x800000u;
+        uint32_t h = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = sign | ((uint32_t)e << 10) | (man >> 13);
+    uint32_t rem = man & 0x1FFFu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1))) h++;  // a carry rolls into the exponent (up to inf)
+    return (uint16_t)h;
+}
+
+static inline SN_HD float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1F, man = h & 0x3FFu;
+    if (e == 0) {  // zero or subnormal: man·2^-24, exact in fp32
+        float v = (float)man * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    if (e == 31) return bits_f32(sign | 0x7F800000u | (man << 13));
+    return bits_f32(sign | ((e - 15 + 127) << 23) | (man << 13));
+}
+
+// bfloat16: the top 16 bits of an fp32.
+static inline SN_HD uint16_t f32_to_bf16(float f) {
+    uint32_t x = f32_bits(f);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((x >> 16) | 0x40u);  // quiet NaN
+    x += 0x7FFFu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+static inline SN_HD float bf16_to_f32(uint16_t b) { return bits_f32((uint32_t)b << 16); }
+
+// Round an fp32 value through a storage type (what storing then loading does).
+static inline SN_HD float dtype_round(DType dt, float v) {
+    if (dt == DT_F16) return f16_to_f32(f32_to_f16(v));
+    if (dt == DT_BF16) return bf16_to_f32(f32_to_bf16(v));
+    return v;
+}
+
+// ----------------------------------------------------------------------------
+// shapes and tensor views
+
+typedef struct { int n, h, w, c; } Shape;  // (N,H,W,C)
+
+static inline SN_HD size_t shape_numel(Shape s) { return (size_t)s.n * s.h * s.w * s.c; }
+static inline Shape shape4(int n, int h, int w, int c) { Shape s = {n, h, w, c}; return s; }
+
+// A tensor view: storage in the backend's memory, its shape and storage type.
+// Views are passed by value; an op never owns the memory it is given.
+typedef struct {
+    void *data;
+    Shape shape;
+    DType dtype;
+} Tensor;
+
+static inline Tensor tensor(void *data, Shape s, DType dt) { Tensor t = {data, s, dt}; return t; }
+static inline Tensor tensor_f32(float *data, Shape s) { return tensor(data, s, DT_F32); }
+static inline size_t tensor_bytes(Tensor t) { return shape_numel(t.shape) * dtype_size(t.dtype); }
+
+// ----------------------------------------------------------------------------
+// activation functions (fused into batch norm, or a layer of their own)
+
+typedef enum { ACT_NONE = 0, ACT_RELU, ACT_SILU, ACT_SIGMOID } Act;
+
+static inline SN_HD float sigmoidf_(float z) { return 1.0f / (1.0f + expf(-z)); }
+
+static inline SN_HD float act_apply(Act a, float z) {
+    switch (a) {
+    case ACT_RELU: return z > 0.0f ? z : 0.0f;
+    case ACT_SILU: return z * sigmoidf_(z);                // swish: z·σ(z)
+    case ACT_SIGMOID: return sigmoidf_(z);
+    default: return z;
+    }
+}
+// d act(z) / dz, from the pre-activation z
+static inline SN_HD float act_grad(Act a, float z) {
+    switch (a) {
+    case ACT_RELU: return z > 0.0f ? 1.0f : 0.0f;
+    case ACT_SILU: { float s = sigmoidf_(z); return s * (1.0f + z * (1.0f - s)); }
+    case ACT_SIGMOID: { float s = sigmoidf_(z); return s * (1.0f - s); }
+    default: return 1.0f;
+    }
+}
+
+// ----------------------------------------------------------------------------
+// counter-based RNG: a uniform number is a pure function of (seed, counter),
+// so dropout masks are recomputed in backward (and in checkpoint recompute, and
+// on the GPU) instead of stored. The mixer is the splitmix64 finalizer.
+
+static inline SN_HD uint64_t rng_mix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+// uniform in [0, 1) with 24 random bits (exact in fp32)
+static inline SN_HD float rng_uniform(uint64_t seed, uint64_t counter) {
+    return (float)(rng_mix64(seed ^ rng_mix64(counter)) >> 40) * (1.0f / 16777216.0f);
+}
+
+// ----------------------------------------------------------------------------
+// convolution geometry
+
+typedef enum {
+    PAD_SAME = 0,   // TensorFlow SAME: out = ceil(in/s), total pad max((out-1)·s + k - in, 0), extra pixel after
+    PAD_SYMMETRIC,  // PyTorch: (k-1)/2 each side, out = floor((in + 2p - k)/s) + 1
+} PadMode;
+
+typedef struct {
+    int cin, cout;    // channels in and out
+    int kh, kw;       // kernel size
+    int stride;       // same in both directions
+    int groups;       // 1: dense; cin: depthwise; anything dividing cin and cout
+    PadMode pad;
+    int has_bias;
+} ConvCfg;
+
+// Output size and padding before, along one axis. Returns 0 if the kernel
+// does not fit in the padded input.
+static inline SN_HD int conv_axis(int in, int k, int s, PadMode pad, int *out, int *pad_before) {
+    if (pad == PAD_SAME) {
+        int o = (in + s - 1) / s;
+        int total = (o - 1) * s + k - in;
+        if (total < 0) total = 0;
+        *out = o; *pad_before = total / 2;
+        return in >= 1;
+    }
+    int p = (k - 1) / 2;
+    if (in + 2 * p < k) { *out = 0; *pad_before = p; return 0; }
+    *out = (in + 2 * p - k) / s + 1; *pad_before = p;
+    return 1;
+}
+
+// ----------------------------------------------------------------------------
+// the ops table: every primitive the graph needs. One table per backend
+// (ops_cpu in segnet.c, ops_cuda in kernels.cu); model code calls only these.
+//
+// Conventions, the same for every entry:
+// - Tensor arguments carry their shape and storage type; float* arguments
+//   are fp32 buffers in backend memory (parameters, gradients, statistics).
+// - Input gradients (dx, da, ...) take an `accumulate` flag: 0 overwrites,
+//   1 adds into what is there. The executor passes 1 when a tensor feeds
+//   several layers (residuals, skips) and its gradient is already partly
+//   written.
+// - Parameter gradients (dw, db, dgamma, dbeta) are always added into, so
+//   micro-batches accumulate in the one gradient buffer zeroed per step.
+// - A NULL float* or a Tensor with NULL data means "not wanted".
+// - Ops that need scratch memory say how much through a *_workspace entry and
+//   receive it as `ws`; they never allocate.
+
+typedef struct Ops Ops;
+struct Ops {
+    const char *name;  // "cpu", "cuda"
+    void *ctx;         // backend state (streams, handles)
+
+    // memory in the backend's address space
+    void *(*alloc)(Ops *o, size_t bytes);  // NULL on failure
+    void (*free)(Ops *o, void *p);
+    void (*upload)(Ops *o, void *dst, const void *host_src, size_t bytes);
+    void (*download)(Ops *o, void *host_dst, const void *src, size_t bytes);
+    void (*synchronize)(Ops *o);
+
+    // utilities over whole buffers
+    void (*fill)(Ops *o, Tensor t, float value);
+    void (*scale)(Ops *o, Tensor t, float a);                      // t *= a
+    void (*copy)(Ops *o, Tensor dst, Tensor src, int accumulate);  // dst (=|+=) src, casting between storage types
+    void (*sum_squares)(Ops *o, Tensor t, float *out);             // *out = Σ t² (one float)
+    void (*nonfinite)(Ops *o, Tensor t, int32_t *flag);            // *flag = 1 if any inf/NaN, else unchanged
+
+    // convolution: in (N,H,W,Cin), out (N,OH,OW,Cout), weight [Cout][kh][kw][Cin/groups], bias [Cout]
+    size_t (*conv2d_workspace)(Ops *o, const ConvCfg *cfg, Shape in, DType dt);
+    void (*conv2d_forward)(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in,
+                           const float *weight, const float *bias, void *ws);
+    void (*conv2d_backward_data)(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout,
+                                 const float *weight, int accumulate, void *ws);
+    void (*conv2d_backward_weight)(Ops *o, const ConvCfg *cfg, float *dweight, float *dbias,
+                                   Tensor dout, Tensor in, void *ws);
+
+    // batch norm, split so that replicas can all-reduce between the pieces:
+    //   stats -> (all-reduce) -> forward; backward_reduce -> (all-reduce) -> backward_data
+    // mean, var: (C) biased per-channel statistics of x over N·H·W
+    void (*bn_stats)(Ops *o, Tensor x, float *mean, float *var);
+    // y = act(gamma·(x - mean)/sqrt(var + eps) + beta): training (batch stats) and inference (running stats)
+    void (*bn_forward)(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
+                       const float *gamma, const float *beta, float eps, Act act);
+    // running = (1-m)·running + m·batch, the variance made unbiased with count/(count-1)
+    void (*bn_update_running)(Ops *o, float *run_mean, float *run_var, const float *mean,
+                              const float *var, int C, size_t count, float momentum);
+    // g = dy·act'(z): sum_g = Σ g, sum_gx = Σ g·xhat per channel (overwritten), also added into dgamma/dbeta
+    void (*bn_backward_reduce)(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
+                               const float *gamma, const float *beta, float eps, Act act,
+                               float *sum_g, float *sum_gx, float *dgamma, float *dbeta);
+    // dx = gamma·invstd·(g - sum_g/count - xhat·sum_gx/count); count = 0 means the
+    // statistics were constants (inference mode): dx = gamma·invstd·g
+    void (*bn_backward_data)(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
+                             const float *var, const float *gamma, const float *beta, float eps,
+                             Act act, const float *sum_g, const float *sum_gx, size_t count,
+                             int accumulate);
+
+    // activations, elementwise
+    void (*act_forward)(Ops *o, Act act, Tensor y, Tensor x);
+    void (*act_backward)(Ops *o, Act act, Tensor dx, Tensor dy, Tensor x, int accumulate);
+
+    // squeeze-excitation pieces. x (N,H,W,C), pooled and s (N,1,1,C)
+    void (*global_avg_pool_forward)(Ops *o, Tensor y, Tensor x);
+    void (*global_avg_pool_backward)(Ops *o, Tensor dx, Tensor dy, int accumulate);
+    void (*channel_scale_forward)(Ops *o, Tensor y, Tensor x, Tensor s);  // y = x·s[n,c]
+    void (*channel_scale_backward)(Ops *o, Tensor dx, Tensor ds, Tensor dy, Tensor x, Tensor s,
+                                   int accumulate_dx, int accumulate_ds);
+
+    // residual add y = a + b (its backward is `copy` into da and db)
+    void (*add_forward)(Ops *o, Tensor y, Tensor a, Tensor b);
+    // concat along C: y (N,H,W,Ca+Cb); backward splits dy into da, db
+    void (*concat_forward)(Ops *o, Tensor y, Tensor a, Tensor b);
+    void (*concat_backward)(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b);
+
+    // dropout (per element) and drop-path (per sample, stochastic depth):
+    // keep with probability 1 - rate, kept values scaled by 1/(1 - rate);
+    // the mask is rng_uniform(seed, element or sample index) >= rate
+    void (*dropout_forward)(Ops *o, Tensor y, Tensor x, float rate, uint64_t seed, int per_sample);
+    void (*dropout_backward)(Ops *o, Tensor dx, Tensor dy, float rate, uint64_t seed, int per_sample,
+                             int accumulate);
+
+    // 2×2 max-pool, stride 2, floor: y (N,H/2,W/2,C). Backward routes to the
+    // first maximum of each window in row-major order, recomputed from x.
+    void (*maxpool2_forward)(Ops *o, Tensor y, Tensor x);
+    void (*maxpool2_backward)(Ops *o, Tensor dx, Tensor dy, Tensor x, int accumulate);
+    // nearest 2× upsampling: y (N,2H,2W,C)
+    void (*upsample2_forward)(Ops *o, Tensor y, Tensor x);
+    void (*upsample2_backward)(Ops *o, Tensor dx, Tensor dy, int accumulate);
+    // bilinear resize to y's size, half-pixel centres (PyTorch align_corners=False,
+    // tf.image.resize bilinear)
+    void (*resize_bilinear_forward)(Ops *o, Tensor y, Tensor x);
+    void (*resize_bilinear_backward)(Ops *o, Tensor dx, Tensor dy, int accumulate);
+
+    // fused softmax + weighted cross-entropy from logits (N,H,W,K), labels (N·H·W) int32.
+    // Adds into stats[0] Σ w[y]·(-log p[y]), stats[1] Σ w[y], stats[2] the count of
+    // labels outside 0..K-1 (which contribute nothing). If dlogits has data it is
+    // overwritten with w[y]·(p - onehot(y))·inv_norm, inv_norm = 1/(global normaliser).
+    void (*softmax_xent)(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
+                         float inv_norm, float *stats, Tensor dlogits);
+};
+
+extern Ops ops_cpu;
+
+// Bytes of workspace the CPU backend's conv needs (the planner asks the table).
+size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt);
+
+// ----------------------------------------------------------------------------
+// the graph: a flat array of layers in execution order over a table of tensors
+
+typedef enum {
+    LAYER_CONV = 0,   // conv2d (+ bias)
+    LAYER_DENSE,      // fully connected on (N,1,1,C): a 1×1 conv, weights [out][in]
+    LAYER_BN,         // batch norm (+ fused activation)
+    LAYER_ACT,        // activation
+    LAYER_GAP,        // global average pool -> (N,1,1,C)
+    LAYER_SCALE,      // x (N,H,W,C) · s (N,1,1,C)
+    LAYER_ADD,        // a + b
+    LAYER_CONCAT,     // [a, b] along C
+    LAYER_MAXPOOL,    // 2×2 stride 2
+    LAYER_UPSAMPLE,   // nearest 2×
+    LAYER_RESIZE,     // bilinear to (oh, ow)
+    LAYER_DROPOUT,    // per element
+    LAYER_DROP_PATH,  // per sample
+    LAYER_KIND_COUNT
+} LayerKind;
+
+typedef struct {
+    char name[SN_NAME_MAX];
+    int ndim;
+    int dims[4];
+    size_t offset;  // in floats, into the parameter (or buffer) array
+    size_t count;
+} ParamInfo;
+
+typedef struct {
+    char name[SN_NAME_MAX];
+    Shape shape;     // (N,H,W,C)
+    int producer;    // layer index, -1 for the graph input
+} TensorInfo;
+
+typedef struct {
+    LayerKind kind;
+    char name[SN_NAME_MAX];
+    int in[2];       // input tensor ids (-1: unused)
+    int out;         // output tensor id
+    int weight, bias;          // parameter ids (-1: none); BN: gamma, beta
+    int run_mean, run_var;     // BN running statistics: ids in the buffer table
+    ConvCfg conv;              // LAYER_CONV, LAYER_DENSE
+    Act act;                   // LAYER_BN (fused), LAYER_ACT
+    float eps;                 // LAYER_BN
+    float rate;                // LAYER_DROPOUT, LAYER_DROP_PATH
+    int frozen;                // no parameter gradients; BN in inference mode
+    int block;                 // checkpoint segment id
+} Layer;
+
+typedef struct {
+    Layer *layers;        int n_layers, cap_layers;
+    TensorInfo *tensors;  int n_tensors, cap_tensors;
+    ParamInfo *params;    int n_params, cap_params;   size_t n_param_floats;
+    ParamInfo *buffers;   int n_buffers, cap_buffers; size_t n_buffer_floats;  // BN running stats
+    int input;            // tensor id of the graph's input (-1 before graph_input)
+    int block;            // block id given to layers added from now on
+    char err[SN_ERR_MAX]; // first error, "" if none; builders return -1 once set
+} Graph;
+
+void graph_init(Graph *g);
+void graph_free(Graph *g);
+const char *layer_kind_name(LayerKind k);
+
+// Builders: each returns the id of the new output tensor, or -1 with g->err
+// set (naming the layer and the shapes involved). After an error every
+// builder returns -1, so a model builder may check once at the end.
+int graph_input(Graph *g, Shape s);
+int graph_conv(Graph *g, const char *name, int x, int cout, int k, int stride, int groups,
+               PadMode pad, int bias);
+int graph_dense(Graph *g, const char *name, int x, int out, int bias);
+int graph_bn(Graph *g, const char *name, int x, float eps, Act act);
+int graph_act(Graph *g, const char *name, int x, Act act);
+int graph_gap(Graph *g, const char *name, int x);
+int graph_scale(Graph *g, const char *name, int x, int s);
+int graph_add(Graph *g, const char *name, int a, int b);
+int graph_concat(Graph *g, const char *name, int a, int b);
+int graph_maxpool(Graph *g, const char *name, int x);
+int graph_upsample(Graph *g, const char *name, int x);
+int graph_resize(Graph *g, const char *name, int x, int oh, int ow);
+int graph_dropout(Graph *g, const char *name, int x, float rate);
+int graph_drop_path(Graph *g, const char *name, int x, float rate);
+
+int graph_find_param(const Graph *g, const char *name);  // -1 if absent
+
+// ----------------------------------------------------------------------------
+// executing a graph on a backend (fixed batch, one allocation per tensor; the
+// memory planner replaces the per-tensor allocations with one arena)
+
+typedef struct {
+    const Graph *g;
+    Ops *o;
+    DType dtype;          // activation storage type
+    float *params;        // (n_param_floats) fp32 master weights
+    float *grads;         // (n_param_floats) same layout
+    float *buffers;       // (n_buffer_floats) BN running statistics
+    void **act;           // per tensor: activation storage
+    void **grad;          // per tensor: gradient storage (NULL where none is needed)
+    int *needs_grad;      // per tensor: some trainable parameter (or the input) lies upstream
+    int input_needs_grad; // also compute the gradient of the graph input
+    float **bn_mean, **bn_var;  // per layer (BN only): statistics used in the forward, (C)
+    float *bn_scratch;    // (2·Cmax) per-channel sums in BN backward
+    void *ws; size_t ws_bytes;
+    int training;
+    uint64_t seed, step;  // dropout masks are rng(seed ⊕ step ⊕ layer)
+} Net;
+
+// Returns 0, or -1 with the reason in err (out of memory).
+int net_create(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad,
+               char err[SN_ERR_MAX]);
+void net_free(Net *net);
+Tensor net_tensor(const Net *net, int t);       // activation view
+Tensor net_grad(const Net *net, int t);         // gradient view (data NULL if none)
+void net_forward(Net *net, int training);
+// Backward from the gradient already stored in net_grad(output): parameter
+// gradients are added into net->grads, activation gradients overwritten.
+void net_backward(Net *net, int output);
+uint64_t net_layer_seed(const Net *net, int layer);
+
+// ----------------------------------------------------------------------------
+// losses (host-side helpers; the per-pixel work is ops->softmax_xent)
+
+// Σ_i w[y_i] over labels: the weighted-mean denominator, known before the forward.
+double label_weight_sum(const int32_t *labels, size_t n, const float *class_weights, int K);
+
+// ----------------------------------------------------------------------------
+// deterministic host RNG (initialisation, tests, data order)
+
+typedef struct { uint64_t state; } Rng;
+static inline void rng_seed(Rng *r, uint64_t seed) { r->state = seed; }
+static inline uint64_t rng_next(Rng *r) { r->state += 0x9E3779B97F4A7C15ull; return rng_mix64(r->state); }
+static inline float rng_float(Rng *r) { return (float)(rng_next(r) >> 40) * (1.0f / 16777216.0f); }
+float rng_normal(Rng *r);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,1214 @@
+// test_segnet.c -- every test of segnet. Build: make test_segnet; run: ./test_segnet [--filter SUBSTR]
+// The last line is "N passed, M failed"; the exit status is non-zero if anything failed.
+#define TESTING
+#include "segnet.c"
+#include <time.h>
+
+// ----------------------------------------------------------------------------
+// a tiny test framework
+
+static int g_failures;      // failed checks in the current test
+static int g_verbose = 0;
+static int g_quiet = 0;     // while a test checks that the checker fails
+
+#define CHECK(cond, ...) do { \
+    if (!(cond)) { g_failures++; if (!g_quiet) { printf("    FAIL %s:%d: ", __FILE__, __LINE__); printf(__VA_ARGS__); printf("\n"); } } \
+} while (0)
+#define CHECK_NEAR(a, b, tol, what) do { \
+    double a_ = (a), b_ = (b); \
+    CHECK(fabs(a_ - b_) <= (tol), "%s: got %.9g, expected %.9g (tolerance %g)", what, a_, b_, (double)(tol)); \
+} while (0)
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+static float *randn(Rng *r, size_t n, float scale) {
+    float *p = malloc(sizeof(float) * (n ? n : 1));
+    for (size_t i = 0; i < n; i++) p[i] = scale * rng_normal(r);
+    return p;
+}
+
+static int contains(const char *s, const char *sub) { return strstr(s, sub) != NULL; }
+
+// ----------------------------------------------------------------------------
+// finite-difference gradient check of a whole graph
+//
+// L(x, θ) = Σ_i r_i·y_i for a fixed random r, accumulated in fp64. The analytic
+// gradient comes from net_backward with dL/dy = r; the numerical one from
+// central differences (L(v+h) - L(v-h))/2h, one forward per evaluation.
+//
+// Before backward, every activation gradient is filled with NaN (an op that
+// adds where it must overwrite poisons the result) and the parameter
+// gradients with random values P (they must be added to: analytic = grad - P).
+// Graphs in which the input feeds several layers exercise the accumulate mode.
+//
+// The reported error of a tensor is max_i |analytic_i - fd_i| / max_i |fd_i|.
+
+typedef struct {
+    float h;            // finite-difference step
+    float tol;          // largest accepted error
+    int training;       // forward in training mode
+    int max_samples;    // elements checked per tensor (a deterministic sample)
+    uint64_t seed;
+    float input_scale;  // input ~ N(0, input_scale²) unless `input` is given
+    const float *input; // optional fixed input values
+    int skip_input;     // do not check (or require) the input gradient
+} GradOpts;
+
+static GradOpts grad_opts(void) {
+    GradOpts o = {1e-2f, 5e-3f, 1, 256, 1234, 1.0f, NULL, 0};
+    return o;
+}
+
+static double eval_loss(Net *net, int out, const float *r) {
+    net_forward(net, net->training);
+    const float *y = net->act[out];
+    double L = 0.0;
+    for (size_t i = 0; i < shape_numel(net->g->tensors[out].shape); i++) L += (double)r[i] * y[i];
+    return L;
+}
+
+// Random parameters with O(1) activations: weights ~ N(0, 1/fan_in), BN gamma
+// near 1, beta and running statistics near 0 / 1.
+static void random_params(Net *net, Rng *rng) {
+    const Graph *g = net->g;
+    for (int i = 0; i < g->n_params; i++) {
+        const ParamInfo *p = &g->params[i];
+        int is_bn = 0;
+        for (int l = 0; l < g->n_layers; l++)
+            if (g->layers[l].kind == LAYER_BN && (g->layers[l].weight == i || g->layers[l].bias == i)) is_bn = 1;
+        size_t fan_in = p->ndim > 1 ? p->count / (size_t)p->dims[0] : 1;
+        for (size_t k = 0; k < p->count; k++) {
+            float v = rng_normal(rng);
+            if (is_bn) v = contains(p->name, ".weight") ? 1.0f + 0.2f * v : 0.2f * v;
+            else if (p->ndim > 1) v /= sqrtf((float)fan_in);
+            else v *= 0.3f;
+            net->params[p->offset + k] = v;
+        }
+    }
+    for (int b = 0; b < g->n_buffers; b++) {
+        const ParamInfo *p = &g->buffers[b];
+        for (size_t k = 0; k < p->count; k++)
+            net->buffers[p->offset + k] = contains(p->name, "running_var") ? 0.5f + rng_float(rng) : 0.3f * rng_normal(rng);
+    }
+}
+
+typedef struct { double err; int checked; } GradResult;
+
+static void compare_grad(const char *what, const float *analytic, const float *fd, const size_t *idx, int n,
+                         double *worst, double tol) {
+    double maxfd = 0.0, maxdiff = 0.0;
+    int arg = 0;
+    for (int k = 0; k < n; k++) {
+        if (fabs(fd[k]) > maxfd) maxfd = fabs(fd[k]);
+        double d = fabs((double)analytic[k] - fd[k]);
+        if (!(d <= maxdiff)) { maxdiff = d; arg = k; }  // also catches NaN
+    }
+    double err = maxdiff / (maxfd > 1e-12 ? maxfd : 1e-12);
+    if (isnan(maxdiff)) err = INFINITY;
+    if (g_verbose) printf("      %-28s err %.2e (max |g| %.3g, %d elements)\n", what, err, maxfd, n);
+    CHECK(err <= tol, "%s: gradient error %.3e > %.1e at element %zu (analytic %.6g, numerical %.6g)",
+          what, err, tol, idx[arg], analytic[arg], fd[arg]);
+    if (err > *worst) *worst = err;
+}
+
+// Checks the input gradient and every trainable parameter's gradient.
+// Returns the worst error (and counts failures through CHECK).
+static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
+    Net net;
+    char err[SN_ERR_MAX];
+    CHECK(g->err[0] == 0, "graph: %s", g->err);
+    if (net_create(&net, g, ops, DT_F32, !opt.skip_input, err) != 0) { CHECK(0, "net_create: %s", err); return INFINITY; }
+    Rng rng;
+    rng_seed(&rng, opt.seed);
+    random_params(&net, &rng);
+    net.training = opt.training;
+    net.seed = opt.seed; net.step = 3;
+    const int in = g->input;
+    size_t nx = shape_numel(g->tensors[in].shape), ny = shape_numel(g->tensors[out].shape);
+    float *x = net.act[in];
+    for (size_t i = 0; i < nx; i++) x[i] = opt.input ? opt.input[i] : opt.input_scale * rng_normal(&rng);
+    float *r = randn(&rng, ny, 1.0f);
+
+    // analytic
+    net_forward(&net, opt.training);
+    for (int t = 0; t < g->n_tensors; t++)
+        if (net.grad[t]) for (size_t i = 0; i < shape_numel(g->tensors[t].shape); i++) ((float *)net.grad[t])[i] = NAN;
+    memcpy(net.grad[out], r, sizeof(float) * ny);
+    float *prefill = randn(&rng, g->n_param_floats, 1.0f);
+    memcpy(net.grads, prefill, sizeof(float) * g->n_param_floats);
+    net_backward(&net, out);
+
+    double worst = 0.0;
+    int ns = opt.max_samples;
+    size_t *idx = malloc(sizeof(size_t) * ns);
+    float *an = malloc(sizeof(float) * ns), *fd = malloc(sizeof(float) * ns);
+
+    // numerical gradient of L w.r.t. v[idx[k]], for a sample of v's elements
+    #define SAMPLE(count) do { \
+        n = (count) <= (size_t)ns ? (int)(count) : ns; \
+        for (int k = 0; k < n; k++) idx[k] = (count) <= (size_t)ns ? (size_t)k : (size_t)(rng_next(&rng) % (count)); \
+    } while (0)
+    #define FD(v) do { \
+        for (int k = 0; k < n; k++) { \
+            float keep = (v)[idx[k]]; \
+            (v)[idx[k]] = keep + opt.h; double lp = eval_loss(&net, out, r); \
+            (v)[idx[k]] = keep - opt.h; double lm = eval_loss(&net, out, r); \
+            (v)[idx[k]] = keep; \
+            fd[k] = (float)((lp - lm) / (2.0 * opt.h)); \
+        } \
+    } while (0)
+
+    int n;
+    if (!opt.skip_input) {
+        const float *dx = net.grad[in];
+        SAMPLE(nx);
+        for (int k = 0; k < n; k++) an[k] = dx[idx[k]];
+        FD(x);
+        compare_grad("input", an, fd, idx, n, &worst, opt.tol);
+    }
+    for (int l = 0; l < g->n_layers; l++) {
+        const Layer *L = &g->layers[l];
+        int ids[2] = {L->weight, L->bias};
+        for (int j = 0; j < 2; j++) {
+            if (ids[j] < 0) continue;
+            const ParamInfo *p = &g->params[ids[j]];
+            float *v = net.params + p->offset;
+            const float *gr = net.grads + p->offset, *pre = prefill + p->offset;
+            SAMPLE(p->count);
+            if (L->frozen) {  // a frozen layer's gradient slice is never touched
+                int same = 1;
+                for (size_t k = 0; k < p->count; k++) same &= gr[k] == pre[k];
+                CHECK(same, "%s: frozen parameter's gradient was written", p->name);
+                continue;
+            }
+            for (int k = 0; k < n; k++) an[k] = gr[idx[k]] - pre[idx[k]];
+            FD(v);
+            compare_grad(p->name, an, fd, idx, n, &worst, opt.tol);
+        }
+    }
+    #undef SAMPLE
+    #undef FD
+    free(idx); free(an); free(fd); free(r); free(prefill);
+    net_free(&net);
+    return worst;
+}
+
+// ----------------------------------------------------------------------------
+// the gradient checks, op by op, through one- or few-layer graphs.
+// Each "fan-out" graph feeds the input to two layers of the op under test and
+// concatenates them: in backward the second layer overwrites the input
+// gradient (accumulate = 0) and the first adds into it (accumulate = 1).
+
+static double g_worst[LAYER_KIND_COUNT];  // worst gradient error per layer kind, for the summary
+
+static void note_worst(LayerKind k, double e) { if (e > g_worst[k]) g_worst[k] = e; }
+
+static void conv_case(const char *label, Shape in, int cout, int k, int stride, int groups, PadMode pad,
+                      int bias, int fanout) {
+    Graph g; graph_init(&g);
+    int x = graph_input(&g, in);
+    int y = graph_conv(&g, "a", x, cout, k, stride, groups, pad, bias);
+    if (fanout) {
+        int y2 = graph_conv(&g, "b", x, cout, k, stride, groups, pad, !bias);
+        y = graph_concat(&g, "cat", y, y2);
+    }
+    GradOpts o = grad_opts();
+    if (g_verbose) printf("    %s\n", label);
+    note_worst(LAYER_CONV, graph_gradcheck(&g, y, o, &ops_cpu));
+    graph_free(&g);
+}
+
+static void test_conv_grad_dense(void) {
+    conv_case("3x3 s1 same, odd 5x7",            shape4(2, 5, 7, 3), 4, 3, 1, 1, PAD_SAME, 1, 1);
+    conv_case("3x3 s2 same, even 6x8",           shape4(2, 6, 8, 3), 4, 3, 2, 1, PAD_SAME, 1, 1);
+    conv_case("3x3 s2 same, odd 7x5",            shape4(1, 7, 5, 2), 3, 3, 2, 1, PAD_SAME, 0, 1);
+    conv_case("3x3 s2 symmetric, odd 7x5",       shape4(1, 7, 5, 2), 3, 3, 2, 1, PAD_SYMMETRIC, 1, 1);
+    conv_case("5x5 s2 symmetric, 9x6",           shape4(1, 9, 6, 2), 3, 5, 2, 1, PAD_SYMMETRIC, 1, 0);
+    conv_case("2x2 s1 same (extra pad after)",   shape4(1, 5, 4, 2), 3, 2, 1, 1, PAD_SAME, 1, 0);
+    conv_case("4x4 s3 same, 7x8",                shape4(1, 7, 8, 2), 2, 4, 3, 1, PAD_SAME, 1, 0);
+    conv_case("kernel larger than input (same)", shape4(1, 2, 3, 2), 2, 5, 1, 1, PAD_SAME, 1, 0);
+}
+
+static void test_conv_grad_pointwise(void) {
+    conv_case("1x1 s1 (one GEMM)",               shape4(2, 3, 5, 6), 5, 1, 1, 1, PAD_SAME, 1, 1);
+    conv_case("1x1 s2 same, odd 5x5",            shape4(2, 5, 5, 3), 4, 1, 2, 1, PAD_SAME, 1, 1);
+}
+
+static void test_conv_grad_grouped(void) {
+    conv_case("3x3 groups 2",                    shape4(2, 5, 6, 4), 6, 3, 1, 2, PAD_SAME, 1, 1);
+    conv_case("3x3 s2 groups 3, odd",            shape4(1, 7, 5, 6), 3, 3, 2, 3, PAD_SYMMETRIC, 1, 1);
+    conv_case("1x1 groups 2",                    shape4(1, 3, 3, 4), 4, 1, 1, 2, PAD_SAME, 0, 1);
+    conv_case("depthwise multiplier 2 (GEMM)",   shape4(1, 5, 5, 3), 6, 3, 1, 3, PAD_SAME, 1, 0);
+}
+
+static void test_conv_grad_depthwise(void) {
+    conv_case("depthwise 3x3 s1 same",           shape4(2, 5, 6, 4), 4, 3, 1, 4, PAD_SAME, 1, 1);
+    conv_case("depthwise 3x3 s2 same, even",     shape4(2, 6, 8, 3), 3, 3, 2, 3, PAD_SAME, 1, 1);
+    conv_case("depthwise 5x5 s2 same, odd",      shape4(1, 7, 9, 3), 3, 5, 2, 3, PAD_SAME, 0, 1);
+    conv_case("depthwise 3x3 s2 symmetric, odd", shape4(1, 7, 5, 5), 5, 3, 2, 5, PAD_SYMMETRIC, 1, 1);
+}
+
+static void test_dense_grad(void) {
+    Graph g; graph_init(&g);
+    int x = graph_input(&g, shape4(3, 1, 1, 7));
+    int a = graph_dense(&g, "fc_a", x, 5, 1);
+    int b = graph_dense(&g, "fc_b", x, 4, 0);
+    int y = graph_concat(&g, "cat", a, b);
+    note_worst(LAYER_DENSE, graph_gradcheck(&g, y, grad_opts(), &ops_cpu));
+    graph_free(&g);
+}
+
+// BN in training mode (batch statistics) with each fused activation. With
+// ReLU the check needs every pre-activation away from the kink, so inputs are
+// redrawn until min |z| is 20 steps wide.
+static void bn_case(Act act, int training, int fanout) {
+    Graph g; graph_init(&g);
+    int x = graph_input(&g, shape4(2, 3, 3, 4));
+    int y = graph_bn(&g, "bn_a", x, BN_EPS_EFFNET, act);
+    if (fanout) y = graph_concat(&g, "cat", y, graph_bn(&g, "bn_b", x, BN_EPS_UNET, act));
+    GradOpts o = grad_opts();
+    o.training = training;
+    if (act == ACT_RELU) {
+        o.h = 1e-3f;
+        // pick a seed whose pre-activations stay clear of 0 (|z| > 20h) for every layer
+        for (uint64_t s = 1;; s++) {
+            Net net; char err[SN_ERR_MAX];
+            Rng rng; rng_seed(&rng, s);
+            net_create(&net, &g, &ops_cpu, DT_F32, 1, err);
+            random_params(&net, &rng);
+            float *xv = net.act[x];
+            for (int i = 0; i < 72; i++) xv[i] = rng_normal(&rng);
+            net_forward(&net, training);
+            double zmin = INFINITY;
+            for (int l = 0; l < g.n_layers; l++) {
+                const Layer *L = &g.layers[l];
+                if (L->kind != LAYER_BN) continue;
+                const float *m = training ? net.bn_mean[l] : net.buffers + g.buffers[L->run_mean].offset;
+                const float *v = training ? net.bn_var[l] : net.buffers + g.buffers[L->run_var].offset;
+                const float *gam = net.params + g.params[L->weight].offset, *bet = net.params + g.params[L->bias].offset;
+                for (int i = 0; i < 72; i++) {
+                    int c = i % 4;
+                    double z = gam[c] * (xv[i] - m[c]) / sqrt(v[c] + L->eps) + bet[c];
+                    if (fabs(z) < zmin) zmin = fabs(z);
+                }
+            }
+            net_free(&net);
+            if (zmin > 20 * o.h) { o.seed = s; break; }
+        }
+    }
+    note_worst(LAYER_BN, graph_gradcheck(&g, y, o, &ops_cpu));
+    graph_free(&g);
+}
+// graph_gradcheck draws params then input from the same seed in the same order as the search above.
+
+static void test_bn_grad_train(void) {
+    bn_case(ACT_NONE, 1, 1);
+    bn_case(ACT_SILU, 1, 1);
+    bn_case(ACT_SIGMOID, 1, 0);
+    bn_case(ACT_RELU, 1, 1);
+}
+
+static void test_bn_grad_inference(void) {
+    bn_case(ACT_NONE, 0, 1);
+    bn_case(ACT_SILU, 0, 1);
+    bn_case(ACT_RELU, 0, 0);
+}
+
+// inputs bounded away from ReLU's kink: sign·(0.1 + |N(0,1)|)
+static float *kink_free_input(size_t n, uint64_t seed) {
+    Rng r; rng_seed(&r, seed);
+    float *x = malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++) { float v = rng_normal(&r); x[i] = (v < 0 ? -1.0f : 1.0f) * (0.1f + fabsf(v)); }
+    return x;
+}
+
+static void test_act_grad(void) {
+    Act acts[3] = {ACT_RELU, ACT_SILU, ACT_SIGMOID};
+    float *xin = kink_free_input(2 * 3 * 5 * 3, 7);
+    for (int i = 0; i < 3; i++) {
+        Graph g; graph_init(&g);
+        int x = graph_input(&g, shape4(2, 3, 5, 3));
+        int y = graph_concat(&g, "cat", graph_act(&g, "act_a", x, acts[i]), graph_act(&g, "act_b", x, acts[i]));
+        GradOpts o = grad_opts();
+        o.input = xin;
+        note_worst(LAYER_ACT, graph_gradcheck(&g, y, o, &ops_cpu));
+        graph_free(&g);
+    }
+    free(xin);
+}
+
+// squeeze-excitation as in MBConv: s = sigmoid(fc2(silu(fc1(gap(x))))), y = x·s
+// (x feeds both the pool and the scale: accumulation through the SE branch)
+static void test_se_grad(void) {
+    Graph g; graph_init(&g);
+    int x = graph_input(&g, shape4(2, 4, 3, 6));
+    int p = graph_gap(&g, "se.pool", x);
+    int h = graph_act(&g, "se.act", graph_conv(&g, "se.reduce", p, 2, 1, 1, 1, PAD_SAME, 1), ACT_SILU);
+    int s = graph_act(&g, "se.gate", graph_conv(&g, "se.expand", h, 6, 1, 1, 1, PAD_SAME, 1), ACT_SIGMOID);
+    int y = graph_scale(&g, "se.scale", x, s);
+    double e = graph_gradcheck(&g, y, grad_opts(), &ops_cpu);
+    note_worst(LAYER_GAP, e);
+    note_worst(LAYER_SCALE, e);
+    graph_free(&g);
+    // the pooled tensor used directly as the scale (both inputs from one tensor's subgraph)
+    graph_init(&g);
+    x = graph_input(&g, shape4(2, 3, 3, 4));
+    y = graph_scale(&g, "scale", x, graph_gap(&g, "pool", x));
+    e = graph_gradcheck(&g, y, grad_opts(), &ops_cpu);
+    note_worst(LAYER_GAP, e);
+    note_worst(LAYER_SCALE, e);
+    graph_free(&g);
+}
+
+// residual add, concat and their backward (copy and split) with fan-out
+static void test_add_concat_grad(void) {
+    Graph g; graph_init(&g);
+    int x = graph_input(&g, shape4(2, 3, 4, 3));
+    int c = graph_conv(&g, "branch", x, 3, 3, 1, 1, PAD_SAME, 1);
+    int y = graph_add(&g, "add", x, c);               // x: identity path and conv path
+    int z = graph_concat(&g, "cat", y, c);            // c: feeds add and concat
+    int w = graph_add(&g, "twice", z, z);             // one tensor as both inputs
+    double e = graph_gradcheck(&g, w, grad_opts(), &ops_cpu);
+    note_worst(LAYER_ADD, e);
+    note_worst(LAYER_CONCAT, e);
+    graph_free(&g);
+}
+
+// distinct values 0.05 apart so a step of 1e-2 never changes a window's argmax
+static float *spaced_input(size_t n, uint64_t seed) {
+    Rng r; rng_seed(&r, seed);
+    float *x = malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++) x[i] = 0.05f * (float)i - 0.025f * (float)n;
+    for (size_t i = n - 1; i > 0; i--) { size_t j = rng_next(&r) % (i + 1); float t = x[i]; x[i] = x[j]; x[j] = t; }
+    return x;
+}
+
+static void test_pool_upsample_grad(void) {
+    Shape shapes[2] = {shape4(2, 4, 6, 3), shape4(1, 5, 7, 2)};  // even, and odd (floor drops a row and a column)
+    for (int i = 0; i < 2; i++) {
+        Graph g; graph_init(&g);
+        int x = graph_input(&g, shapes[i]);
+        int y = graph_concat(&g, "cat", graph_maxpool(&g, "pool_a", x), graph_maxpool(&g, "pool_b", x));
+        GradOpts o = grad_opts();
+        float *xin = spaced_input(shape_numel(shapes[i]), 11 + i);
+        o.input = xin;
+        note_worst(LAYER_MAXPOOL, graph_gradcheck(&g, y, o, &ops_cpu));
+        free(xin);
+        graph_free(&g);
+    }
+    Graph g; graph_init(&g);
+    int x = graph_input(&g, shape4(2, 3, 2, 3));
+    int y = graph_concat(&g, "cat", graph_upsample(&g, "up_a", x), graph_upsample(&g, "up_b", x));
+    note_worst(LAYER_UPSAMPLE, graph_gradcheck(&g, y, grad_opts(), &ops_cpu));
+    graph_free(&g);
+}
+
+static void test_resize_grad(void) {
+    int sizes[][4] = {{4, 5, 9, 7}, {7, 6, 3, 4}, {3, 3, 7, 2}, {5, 4, 5, 4}};  // up, down, mixed, identity
+    for (int i = 0; i < 4; i++) {
+        Graph g; graph_init(&g);
+        int x = graph_input(&g, shape4(2, sizes[i][0], sizes[i][1], 2));
+        int y = graph_concat(&g, "cat", graph_resize(&g, "rs_a", x, sizes[i][2], sizes[i][3]),
+                             graph_resize(&g, "rs_b", x, sizes[i][2], sizes[i][3]));
+        note_worst(LAYER_RESIZE, graph_gradcheck(&g, y, grad_opts(), &ops_cpu));
+        graph_free(&g);
+    }
+}
+
+static void test_dropout_grad(void) {
+    for (int per_sample = 0; per_sample < 2; per_sample++) {
+        Graph g; graph_init(&g);
+        int x = graph_input(&g, shape4(6, 3, 3, 4));
+        int a = per_sample ? graph_drop_path(&g, "dp_a", x, 0.4f) : graph_dropout(&g, "do_a", x, 0.3f);
+        int b = per_sample ? graph_drop_path(&g, "dp_b", x, 0.5f) : graph_dropout(&g, "do_b", x, 0.5f);
+        int y = graph_concat(&g, "cat", a, b);
+        double e = graph_gradcheck(&g, y, grad_opts(), &ops_cpu);
+        note_worst(per_sample ? LAYER_DROP_PATH : LAYER_DROPOUT, e);
+        graph_free(&g);
+    }
+}
+
+// A network with every layer kind: stem conv-BN-SiLU, an MBConv-like block
+// (expand 1×1, depthwise s2, SE, project, drop-path, residual), a U-Net-like
+// path (max-pool of the input, upsample, concat skip), a bilinear resize and a
+// dense head. Trained through the executor as a whole.
+static int build_every_kind(Graph *g, Shape in, int freeze_stem) {
+    int x = graph_input(g, in);
+    g->block = 1;
+    int s = graph_bn(g, "stem.bn", graph_conv(g, "stem.conv", x, 8, 3, 1, 1, PAD_SAME, 0), BN_EPS_EFFNET, ACT_SILU);
+    if (freeze_stem) for (int l = 0; l < g->n_layers; l++) g->layers[l].frozen = 1;
+    g->block = 2;
+    int e = graph_bn(g, "b1.expand_bn", graph_conv(g, "b1.expand", s, 16, 1, 1, 1, PAD_SAME, 0), BN_EPS_EFFNET, ACT_SILU);
+    int d = graph_bn(g, "b1.dw_bn", graph_conv(g, "b1.dw", e, 16, 3, 2, 16, PAD_SAME, 0), BN_EPS_EFFNET, ACT_SILU);
+    int p = graph_gap(g, "b1.se.pool", d);
+    int r = graph_act(g, "b1.se.act", graph_conv(g, "b1.se.reduce", p, 4, 1, 1, 1, PAD_SAME, 1), ACT_SILU);
+    int gt = graph_act(g, "b1.se.gate", graph_conv(g, "b1.se.expand", r, 16, 1, 1, 1, PAD_SAME, 1), ACT_SIGMOID);
+    int sc = graph_scale(g, "b1.se.scale", d, gt);
+    int pr = graph_bn(g, "b1.project_bn", graph_conv(g, "b1.project", sc, 8, 1, 1, 1, PAD_SAME, 0), BN_EPS_EFFNET, ACT_NONE);
+    int dp = graph_drop_path(g, "b1.drop_path", pr, 0.25f);
+    int down = graph_conv(g, "b1.shortcut", s, 8, 1, 2, 1, PAD_SAME, 0);
+    int res = graph_add(g, "b1.add", down, dp);
+    g->block = 3;
+    int up = graph_upsample(g, "dec.up", res);
+    int pooled = graph_upsample(g, "dec.pool_up", graph_maxpool(g, "dec.pool", x));
+    int cat = graph_concat(g, "dec.cat", graph_concat(g, "dec.cat_skip", up, s), pooled);
+    int dec = graph_bn(g, "dec.bn", graph_conv(g, "dec.conv", cat, 6, 3, 1, 1, PAD_SYMMETRIC, 0), BN_EPS_UNET, ACT_SILU);
+    int rs = graph_resize(g, "dec.resize", dec, in.h + 1, in.w - 1);
+    int head = graph_dense(g, "head.fc", graph_dropout(g, "head.dropout", graph_gap(g, "head.pool", rs), 0.2f), 3, 1);
+    return graph_concat(g, "out", head, graph_gap(g, "head.pool2", res));
+}
+
+static void test_graph_grad_every_kind(void) {
+    Graph g; graph_init(&g);
+    int y = build_every_kind(&g, shape4(2, 6, 6, 3), 0);
+    GradOpts o = grad_opts();
+    o.h = 3e-3f;
+    o.max_samples = 48;
+    float *xin = spaced_input(2 * 6 * 6 * 3, 5);  // maxpool reads the input directly
+    for (int i = 0; i < 2 * 6 * 6 * 3; i++) xin[i] *= 0.4f;
+    o.input = xin;
+    double e = graph_gradcheck(&g, y, o, &ops_cpu);
+    if (g_verbose) printf("    whole graph worst error %.2e\n", e);
+    free(xin);
+    graph_free(&g);
+}
+
+// Frozen stem: no gradient for its parameters (their slices untouched), BN in
+// inference mode there, and no gradient storage below the lowest trainable layer.
+static void test_graph_frozen(void) {
+    Graph g; graph_init(&g);
+    int y = build_every_kind(&g, shape4(2, 6, 6, 3), 1);
+    Net net; char err[SN_ERR_MAX];
+    CHECK(net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == 0, "net_create: %s", err);
+    int stem_conv = -1, stem_bn = -1;
+    for (int l = 0; l < g.n_layers; l++) {
+        if (!strcmp(g.layers[l].name, "stem.conv")) stem_conv = l;
+        if (!strcmp(g.layers[l].name, "stem.bn")) stem_bn = l;
+    }
+    CHECK(stem_conv >= 0 && stem_bn >= 0, "stem layers exist");
+    CHECK(net.grad[g.input] == NULL, "the input has no gradient storage");
+    CHECK(net.grad[g.layers[stem_conv].out] == NULL, "the frozen conv's output has no gradient storage");
+    CHECK(net.grad[g.layers[stem_bn].out] == NULL, "nothing upstream of the stem output is trainable: no gradient storage");
+    int expand = g.layers[stem_bn + 1].out;
+    CHECK(net.grad[expand] != NULL, "the first trainable layer's output has gradient storage");
+    net_free(&net);
+    GradOpts o = grad_opts();
+    o.h = 3e-3f; o.max_samples = 32; o.skip_input = 1;
+    float *xin = spaced_input(2 * 6 * 6 * 3, 5);
+    for (int i = 0; i < 2 * 6 * 6 * 3; i++) xin[i] *= 0.4f;
+    o.input = xin;
+    graph_gradcheck(&g, y, o, &ops_cpu);  // checks frozen slices untouched, the rest against FD
+    // frozen BN in training: running statistics stay as they were
+    CHECK(net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == 0, "net_create: %s", err);
+    memcpy(net.act[g.input], xin, sizeof(float) * 2 * 6 * 6 * 3);
+    float before = net.buffers[g.buffers[g.layers[stem_bn].run_var].offset];
+    net_forward(&net, 1);
+    CHECK(net.buffers[g.buffers[g.layers[stem_bn].run_var].offset] == before, "frozen BN updated its running variance");
+    net_free(&net);
+    free(xin);
+    graph_free(&g);
+}
+
+// The checker itself must fail on a wrong backward: a table whose SiLU
+// backward forgets the z·σ(1-σ) term, and one whose concat backward adds
+// where it must overwrite.
+static Ops g_broken;
+static void act_backward_wrong(Ops *o, Act act, Tensor dx, Tensor dy, Tensor x, int accumulate) {
+    (void)o;
+    for (size_t i = 0; i < shape_numel(x.shape); i++) {
+        float z = ld(x, i), s = sigmoidf_(z);
+        st_acc(dx, i, ld(dy, i) * (act == ACT_SILU ? s : act_grad(act, z)), accumulate);
+    }
+}
+static void concat_backward_always_adds(Ops *o, Tensor da, Tensor db, Tensor dy, int acc_a, int acc_b) {
+    (void)acc_a; (void)acc_b;
+    concat_backward_cpu(o, da, db, dy, 1, 1);
+}
+
+static void test_gradcheck_catches_errors(void) {
+    int before = g_failures;
+    g_quiet = 1;
+    g_broken = ops_cpu;
+    g_broken.act_backward = act_backward_wrong;
+    Graph g; graph_init(&g);
+    int x = graph_input(&g, shape4(1, 3, 3, 2));
+    int y = graph_act(&g, "silu", x, ACT_SILU);
+    double e1 = graph_gradcheck(&g, y, grad_opts(), &g_broken);
+    graph_free(&g);
+
+    g_broken = ops_cpu;
+    g_broken.concat_backward = concat_backward_always_adds;
+    graph_init(&g);
+    x = graph_input(&g, shape4(1, 3, 3, 2));
+    y = graph_concat(&g, "cat", graph_conv(&g, "a", x, 2, 3, 1, 1, PAD_SAME, 1), graph_conv(&g, "b", x, 2, 1, 1, 1, PAD_SAME, 1));
+    double e2 = graph_gradcheck(&g, y, grad_opts(), &g_broken);
+    graph_free(&g);
+    int caught = g_failures - before;
+    g_failures = before;  // the failures above were the point
+    g_quiet = 0;
+    CHECK(e1 > 0.05 && caught >= 1, "a SiLU backward without its second term passed (error %.3g)", e1);
+    CHECK(!(e2 <= 0.05), "a concat backward that adds into garbage passed (error %.3g)", e2);
+}
+
+// ----------------------------------------------------------------------------
+// forward against an independent naive convolution (TF SAME / PyTorch
+// padding computed here from their definitions, fp64 sums)
+
+static void conv_naive(const float *x, Shape in, const float *w, const float *b, int cout, int k, int s,
+                       int groups, PadMode pad, double *y, int *oh_, int *ow_) {
+    int oh, ow, pt, pl;
+    if (pad == PAD_SAME) {
+        oh = (in.h + s - 1) / s; ow = (in.w + s - 1) / s;
+        int th = (oh - 1) * s + k - in.h, tw = (ow - 1) * s + k - in.w;
+        pt = th > 0 ? th / 2 : 0; pl = tw > 0 ? tw / 2 : 0;
+    } else {
+        pt = pl = (k - 1) / 2;
+        oh = (in.h + 2 * pt - k) / s + 1; ow = (in.w + 2 * pl - k) / s + 1;
+    }
+    int cg = in.c / groups, og = cout / groups;
+    for (int n = 0; n < in.n; n++)
+        for (int i = 0; i < oh; i++)
+            for (int j = 0; j < ow; j++)
+                for (int co = 0; co < cout; co++) {
+                    double acc = b ? b[co] : 0.0;
+                    int grp = co / og;
+                    for (int u = 0; u < k; u++)
+                        for (int v = 0; v < k; v++)
+                            for (int ci = 0; ci < cg; ci++) {
+                                int r = i * s + u - pt, c = j * s + v - pl;
+                                if (r < 0 || r >= in.h || c < 0 || c >= in.w) continue;
+                                acc += (double)x[((n * in.h + r) * in.w + c) * in.c + grp * cg + ci] *
+                                       w[((co * k + u) * k + v) * cg + ci];
+                            }
+                    y[((n * oh + i) * ow + j) * cout + co] = acc;
+                }
+    *oh_ = oh; *ow_ = ow;
+}
+
+static void test_conv_forward_vs_naive(void) {
+    struct { Shape in; int cout, k, s, groups; PadMode pad; int bias; } cases[] = {
+        {{2, 5, 7, 3}, 4, 3, 1, 1, PAD_SAME, 1}, {{1, 6, 8, 3}, 4, 3, 2, 1, PAD_SAME, 0},
+        {{1, 7, 5, 3}, 4, 3, 2, 1, PAD_SAME, 1}, {{1, 7, 5, 3}, 4, 3, 2, 1, PAD_SYMMETRIC, 1},
+        {{2, 4, 4, 6}, 6, 1, 1, 1, PAD_SAME, 1}, {{1, 5, 5, 6}, 4, 1, 2, 1, PAD_SAME, 0},
+        {{1, 6, 6, 4}, 6, 3, 1, 2, PAD_SAME, 1}, {{2, 9, 8, 5}, 5, 5, 2, 5, PAD_SAME, 1},
+        {{1, 8, 9, 4}, 4, 3, 2, 4, PAD_SYMMETRIC, 0}, {{1, 5, 5, 3}, 6, 3, 1, 3, PAD_SAME, 1},
+        {{1, 6, 7, 2}, 3, 2, 2, 1, PAD_SAME, 1}, {{1, 11, 10, 2}, 3, 4, 3, 1, PAD_SAME, 1},
+    };
+    Rng rng; rng_seed(&rng, 99);
+    double worst = 0.0;
+    for (size_t t = 0; t < sizeof cases / sizeof cases[0]; t++) {
+        Shape in = cases[t].in;
+        ConvCfg cfg = {in.c, cases[t].cout, cases[t].k, cases[t].k, cases[t].s, cases[t].groups, cases[t].pad, cases[t].bias};
+        float *x = randn(&rng, shape_numel(in), 1.0f);
+        float *w = randn(&rng, (size_t)cfg.cout * cfg.kh * cfg.kw * (in.c / cfg.groups), 0.5f);
+        float *b = randn(&rng, cfg.cout, 1.0f);
+        double *ref = malloc(sizeof(double) * in.n * in.h * in.w * cfg.cout);
+        int oh, ow;
+        conv_naive(x, in, w, cfg.has_bias ? b : NULL, cfg.cout, cfg.kh, cfg.stride, cfg.groups, cfg.pad, ref, &oh, &ow);
+        Shape os = shape4(in.n, oh, ow, cfg.cout);
+        float *y = malloc(sizeof(float) * shape_numel(os));
+        void *ws = malloc(conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32) + 1);
+        ops_cpu.conv2d_forward(&ops_cpu, &cfg, tensor_f32(y, os), tensor_f32(x, in), w, cfg.has_bias ? b : NULL, ws);
+        double e = 0.0;
+        for (size_t i = 0; i < shape_numel(os); i++) if (fabs(y[i] - ref[i]) > e) e = fabs(y[i] - ref[i]);
+        CHECK(e < 1e-4, "case %zu: conv forward differs from the naive formula by %.3g", t, e);
+        if (e > worst) worst = e;
+        free(x); free(w); free(b); free(ref); free(y); free(ws);
+    }
+    if (g_verbose) printf("    worst |conv - naive| %.2e\n", worst);
+}
+
+// SAME vs symmetric padding by hand: one row [1 2 3 4], kernel row [1 10 100]
+// (3×3 kernel, zero outside its middle row), stride 2.
+//   TF SAME:   out 2, total pad (2-1)·2 + 3 - 4 = 1, all after:  [1·1+2·10+3·100, 3·1+4·10] = [321, 43]
+//   PyTorch:   pad 1 each side: [0·1+1·10+2·100, 2·1+3·10+4·100] = [210, 432]
+static void test_conv_padding_by_hand(void) {
+    float x[4] = {1, 2, 3, 4}, w[9] = {0, 0, 0, 1, 10, 100, 0, 0, 0}, y[2];
+    Shape in = shape4(1, 1, 4, 1), os = shape4(1, 1, 2, 1);
+    ConvCfg same = {1, 1, 3, 3, 2, 1, PAD_SAME, 0}, sym = {1, 1, 3, 3, 2, 1, PAD_SYMMETRIC, 0};
+    float ws[64];
+    CHECK(conv2d_workspace_cpu(&ops_cpu, &same, in, DT_F32) <= sizeof ws, "workspace fits");
+    ops_cpu.conv2d_forward(&ops_cpu, &same, tensor_f32(y, os), tensor_f32(x, in), w, NULL, ws);
+    CHECK(y[0] == 321 && y[1] == 43, "SAME: got [%g %g], expected [321 43]", y[0], y[1]);
+    ops_cpu.conv2d_forward(&ops_cpu, &sym, tensor_f32(y, os), tensor_f32(x, in), w, NULL, ws);
+    CHECK(y[0] == 210 && y[1] == 432, "symmetric: got [%g %g], expected [210 432]", y[0], y[1]);
+    int o, p;
+    conv_axis(7, 3, 2, PAD_SAME, &o, &p);
+    CHECK(o == 4 && p == 1, "SAME 7/3/2: out %d pad %d, expected 4 and 1 (total 2)", o, p);
+    conv_axis(8, 3, 2, PAD_SAME, &o, &p);
+    CHECK(o == 4 && p == 0, "SAME 8/3/2: out %d pad %d, expected 4 and 0 (total 1, after)", o, p);
+    conv_axis(8, 3, 2, PAD_SYMMETRIC, &o, &p);
+    CHECK(o == 4 && p == 1, "symmetric 8/3/2: out %d pad %d, expected 4 and 1", o, p);
+}
+
+// ----------------------------------------------------------------------------
+// hand-computed cases for the other ops
+
+static void test_bn_by_hand(void) {
+    // one channel, x = 1 2 3 4: mean 2.5, biased var 1.25, unbiased 5/3
+    float x[4] = {1, 2, 3, 4}, y[4], mean, var, gamma = 2, beta = 0.5f, rm = 0, rv = 1;
+    Tensor tx = tensor_f32(x, shape4(1, 2, 2, 1)), ty = tensor_f32(y, shape4(1, 2, 2, 1));
+    ops_cpu.bn_stats(&ops_cpu, tx, &mean, &var);
+    CHECK_NEAR(mean, 2.5, 1e-7, "mean");
+    CHECK_NEAR(var, 1.25, 1e-7, "biased variance");
+    ops_cpu.bn_update_running(&ops_cpu, &rm, &rv, &mean, &var, 1, 4, BN_MOMENTUM);
+    CHECK_NEAR(rm, 0.25, 1e-7, "running mean 0.9·0 + 0.1·2.5");
+    CHECK_NEAR(rv, 0.9 + 0.1 * 5.0 / 3.0, 1e-6, "running var 0.9·1 + 0.1·(5/3) (unbiased)");
+    ops_cpu.bn_forward(&ops_cpu, ty, tx, &mean, &var, &gamma, &beta, 1e-5f, ACT_NONE);
+    for (int i = 0; i < 4; i++) CHECK_NEAR(y[i], 2.0 * (x[i] - 2.5) / sqrt(1.25 + 1e-5) + 0.5, 1e-5, "bn output");
+    ops_cpu.bn_forward(&ops_cpu, ty, tx, &mean, &var, &gamma, &beta, 1e-5f, ACT_RELU);
+    CHECK(y[0] == 0.0f && y[3] > 0.0f, "fused relu");
+    // inference with running statistics mean 1, var 3: (x - 1)/2
+    float m1 = 1, v1 = 3.999f, g1 = 1, b1 = 0;
+    ops_cpu.bn_forward(&ops_cpu, ty, tx, &m1, &v1, &g1, &b1, 1e-3f, ACT_NONE);
+    CHECK_NEAR(y[2], 1.0, 1e-6, "inference bn (3-1)/sqrt(4)");
+}
+
+static void test_act_by_hand(void) {
+    float x[4] = {-1.0f, 0.0f, 1.0f, 2.0f}, y[4];
+    Tensor tx = tensor_f32(x, shape4(1, 1, 4, 1)), ty = tensor_f32(y, shape4(1, 1, 4, 1));
+    ops_cpu.act_forward(&ops_cpu, ACT_RELU, ty, tx);
+    CHECK(y[0] == 0 && y[1] == 0 && y[2] == 1 && y[3] == 2, "relu");
+    ops_cpu.act_forward(&ops_cpu, ACT_SILU, ty, tx);
+    CHECK_NEAR(y[2], 1.0 / (1.0 + exp(-1.0)), 1e-7, "silu(1)");
+    CHECK_NEAR(y[0], -1.0 / (1.0 + exp(1.0)), 1e-7, "silu(-1)");
+    ops_cpu.act_forward(&ops_cpu, ACT_SIGMOID, ty, tx);
+    CHECK_NEAR(y[1], 0.5, 0, "sigmoid(0)");
+    CHECK_NEAR(y[3], 1.0 / (1.0 + exp(-2.0)), 1e-7, "sigmoid(2)");
+}
+
+static void test_resize_by_hand(void) {
+    // [1 3] -> 4 wide: sources -0.25(→0), 0.25, 0.75, 1.25(→ clamps to 1) = [1, 1.5, 2.5, 3]
+    float x[2] = {1, 3}, y[4], d[4] = {1, 2, 4, 8}, dx[2];
+    ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(y, shape4(1, 1, 4, 1)), tensor_f32(x, shape4(1, 1, 2, 1)));
+    CHECK(y[0] == 1 && y[1] == 1.5f && y[2] == 2.5f && y[3] == 3, "upsize: [%g %g %g %g]", y[0], y[1], y[2], y[3]);
+    // adjoint: dx0 = 1 + .75·2 + .25·4 = 3.5, dx1 = .25·2 + .75·4 + 8 = 11.5
+    ops_cpu.resize_bilinear_backward(&ops_cpu, tensor_f32(dx, shape4(1, 1, 2, 1)), tensor_f32(d, shape4(1, 1, 4, 1)), 0);
+    CHECK(dx[0] == 3.5f && dx[1] == 11.5f, "upsize adjoint: [%g %g]", dx[0], dx[1]);
+    // [1 2 3 4] -> 2 wide: sources 0.5, 2.5 = [1.5, 3.5]
+    float x4[4] = {1, 2, 3, 4}, y2[2];
+    ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(y2, shape4(1, 1, 2, 1)), tensor_f32(x4, shape4(1, 1, 4, 1)));
+    CHECK(y2[0] == 1.5f && y2[1] == 3.5f, "downsize: [%g %g]", y2[0], y2[1]);
+}
+
+static void test_pool_upsample_by_hand(void) {
+    // 3×3 input, one channel: the pool reads the top-left 2×2 only (floor)
+    float x[9] = {1, 5, 9, 5, 2, 9, 9, 9, 9}, y[1], dy[1] = {7}, dx[9];
+    ops_cpu.maxpool2_forward(&ops_cpu, tensor_f32(y, shape4(1, 1, 1, 1)), tensor_f32(x, shape4(1, 3, 3, 1)));
+    CHECK(y[0] == 5, "maxpool of [1 5; 5 2] = %g", y[0]);
+    ops_cpu.maxpool2_backward(&ops_cpu, tensor_f32(dx, shape4(1, 3, 3, 1)), tensor_f32(dy, shape4(1, 1, 1, 1)),
+                              tensor_f32(x, shape4(1, 3, 3, 1)), 0);
+    float want[9] = {0, 7, 0, 0, 0, 0, 0, 0, 0};  // tie 5/5: the first in row-major order
+    CHECK(!memcmp(dx, want, sizeof want), "maxpool backward routes to the first maximum only");
+    float u[2] = {1, 2}, uy[8], ud[8] = {1, 2, 3, 4, 5, 6, 7, 8}, udx[2];
+    ops_cpu.upsample2_forward(&ops_cpu, tensor_f32(uy, shape4(1, 2, 4, 1)), tensor_f32(u, shape4(1, 1, 2, 1)));
+    float uw[8] = {1, 1, 2, 2, 1, 1, 2, 2};
+    CHECK(!memcmp(uy, uw, sizeof uw), "nearest upsample");
+    ops_cpu.upsample2_backward(&ops_cpu, tensor_f32(udx, shape4(1, 1, 2, 1)), tensor_f32(ud, shape4(1, 2, 4, 1)), 0);
+    CHECK(udx[0] == 1 + 2 + 5 + 6 && udx[1] == 3 + 4 + 7 + 8, "upsample adjoint sums its 2x2: [%g %g]", udx[0], udx[1]);
+    // global average pool and channel scale
+    float g[8] = {1, 10, 2, 20, 3, 30, 4, 40}, gp[2];  // (1,2,2,2)
+    ops_cpu.global_avg_pool_forward(&ops_cpu, tensor_f32(gp, shape4(1, 1, 1, 2)), tensor_f32(g, shape4(1, 2, 2, 2)));
+    CHECK(gp[0] == 2.5f && gp[1] == 25.0f, "global average pool: [%g %g]", gp[0], gp[1]);
+    float s[2] = {2, -1}, gs[8];
+    ops_cpu.channel_scale_forward(&ops_cpu, tensor_f32(gs, shape4(1, 2, 2, 2)), tensor_f32(g, shape4(1, 2, 2, 2)),
+                                  tensor_f32(s, shape4(1, 1, 1, 2)));
+    CHECK(gs[0] == 2 && gs[1] == -10 && gs[7] == -40, "channel scale");
+    // concat and its split
+    float a[2] = {1, 2}, b[4] = {3, 4, 5, 6}, c[6], da[2], db[4];
+    ops_cpu.concat_forward(&ops_cpu, tensor_f32(c, shape4(1, 1, 2, 3)), tensor_f32(a, shape4(1, 1, 2, 1)),
+                           tensor_f32(b, shape4(1, 1, 2, 2)));
+    float cw[6] = {1, 3, 4, 2, 5, 6};
+    CHECK(!memcmp(c, cw, sizeof cw), "concat along channels");
+    ops_cpu.concat_backward(&ops_cpu, tensor_f32(da, shape4(1, 1, 2, 1)), tensor_f32(db, shape4(1, 1, 2, 2)),
+                            tensor_f32(c, shape4(1, 1, 2, 3)), 0, 0);
+    CHECK(!memcmp(da, a, sizeof a) && !memcmp(db, b, sizeof b), "concat backward splits");
+}
+
+// softmax + weighted cross-entropy by hand, K = 2, class weights (0, 2):
+//   pixel A: logits (0, ln 3), label 1: p = (1/4, 3/4), nll = ln(4/3), weight 2
+//   pixel B: label 0, weight 0: contributes nothing to loss, weight or gradient
+//   pixel C: label 5, outside 0..1: counted as invalid, contributes nothing
+static void test_softmax_xent_by_hand(void) {
+    float z[6] = {0.0f, logf(3.0f), 4.0f, -1.0f, 0.3f, 0.7f}, w[2] = {0.0f, 2.0f};
+    int32_t y[3] = {1, 0, 5};
+    float stats[3] = {0, 0, 0}, dz[6];
+    Tensor tz = tensor_f32(z, shape4(1, 1, 3, 2));
+    ops_cpu.softmax_xent(&ops_cpu, tz, y, w, 0.5f, stats, tensor_f32(dz, shape4(1, 1, 3, 2)));
+    CHECK_NEAR(stats[0], 2.0 * log(4.0 / 3.0), 1e-6, "weighted nll sum");
+    CHECK_NEAR(stats[1], 2.0, 0, "weight sum");
+    CHECK_NEAR(stats[2], 1.0, 0, "invalid labels");
+    CHECK_NEAR(dz[0], 2.0 * 0.25 * 0.5, 1e-7, "dz A class 0 = w·p·inv_norm");
+    CHECK_NEAR(dz[1], 2.0 * (0.75 - 1.0) * 0.5, 1e-7, "dz A class 1 = w·(p-1)·inv_norm");
+    CHECK(dz[2] == 0 && dz[3] == 0 && dz[4] == 0 && dz[5] == 0, "weight-0 and invalid pixels have zero gradient");
+    CHECK_NEAR(label_weight_sum(y, 3, w, 2), 2.0, 0, "label_weight_sum");
+    // stats add up over calls (micro-batches)
+    ops_cpu.softmax_xent(&ops_cpu, tz, y, w, 0.5f, stats, tensor_f32(NULL, tz.shape));
+    CHECK_NEAR(stats[1], 4.0, 0, "stats accumulate");
+    // extreme logits stay finite
+    float big[2] = {1000.0f, -1000.0f}, s2[3] = {0, 0, 0}, w1[2] = {1, 1};
+    int32_t y1 = 1;
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(big, shape4(1, 1, 1, 2)), &y1, w1, 1.0f, s2, tensor_f32(NULL, shape4(1, 1, 1, 2)));
+    CHECK_NEAR(s2[0], 2000.0, 1e-3, "nll of a logit 2000 below the max");
+}
+
+// the loss gradient against finite differences of the loss itself
+static void test_softmax_xent_grad(void) {
+    const int K = 5, M = 2 * 3 * 4;
+    Rng r; rng_seed(&r, 21);
+    float *z = randn(&r, (size_t)M * K, 2.0f), *dz = malloc(sizeof(float) * M * K);
+    float w[5] = {0.0f, 1.0f, 2.5f, 0.5f, 1.0f};
+    int32_t y[24];
+    for (int i = 0; i < M; i++) y[i] = (int32_t)(rng_next(&r) % K);
+    Shape s = shape4(2, 3, 4, K);
+    float inv = (float)(1.0 / label_weight_sum(y, M, w, K));
+    float st0[3] = {0, 0, 0};
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, inv, st0, tensor_f32(dz, s));
+    double maxfd = 0, maxdiff = 0;
+    const float h = 1e-2f;
+    for (int i = 0; i < M * K; i++) {
+        float keep = z[i], sp[3] = {0, 0, 0}, sm[3] = {0, 0, 0};
+        z[i] = keep + h; ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, inv, sp, tensor_f32(NULL, s));
+        z[i] = keep - h; ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, inv, sm, tensor_f32(NULL, s));
+        z[i] = keep;
+        double fd = ((double)sp[0] - sm[0]) / (2.0 * h) * inv;  // d(Σ w·nll / Σ w)/dz
+        if (fabs(fd) > maxfd) maxfd = fabs(fd);
+        if (fabs(fd - dz[i]) > maxdiff) maxdiff = fabs(fd - dz[i]);
+    }
+    double e = maxdiff / maxfd;
+    if (g_verbose) printf("    softmax_xent gradient error %.2e\n", e);
+    CHECK(e < 5e-3, "softmax_xent gradient error %.3g", e);
+    free(z); free(dz);
+}
+
+static void test_dropout_masks(void) {
+    const size_t n = 100000;
+    float *x = malloc(sizeof(float) * n), *y = malloc(sizeof(float) * n), *y2 = malloc(sizeof(float) * n);
+    float *dx = malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++) x[i] = 1.0f;
+    Shape s = shape4(10, 10, 100, 10);
+    const float rate = 0.3f;
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), rate, 42, 0);
+    size_t kept = 0;
+    int scaled = 1;
+    for (size_t i = 0; i < n; i++) {
+        if (y[i] != 0.0f) { kept++; scaled &= y[i] == 1.0f / (1.0f - rate); }
+    }
+    double frac = (double)kept / n, sigma = sqrt(rate * (1 - rate) / n);
+    CHECK(fabs(frac - (1 - rate)) < 5 * sigma, "kept fraction %.4f, expected %.2f ± %.4f", frac, 1 - rate, 5 * sigma);
+    CHECK(scaled, "kept values are scaled by 1/(1 - rate)");
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), rate, 42, 0);
+    CHECK(!memcmp(y, y2, sizeof(float) * n), "same seed, same mask");
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), rate, 43, 0);
+    CHECK(memcmp(y, y2, sizeof(float) * n) != 0, "another seed, another mask");
+    ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, s), tensor_f32(x, s), rate, 42, 0, 0);
+    CHECK(!memcmp(y, dx, sizeof(float) * n), "backward recomputes the forward mask");
+    // drop-path: all or nothing per sample
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), 0.5f, 7, 1);
+    int whole = 1, dropped = 0;
+    size_t per = n / 10;
+    for (int k = 0; k < 10; k++) {
+        for (size_t i = 1; i < per; i++) whole &= y[k * per + i] == y[k * per];
+        dropped += y[k * per] == 0.0f;
+        whole &= y[k * per] == 0.0f || y[k * per] == 2.0f;
+    }
+    CHECK(whole, "drop-path drops or keeps (scaled by 2) each sample whole");
+    CHECK(dropped > 0 && dropped < 10, "drop-path at rate 0.5 dropped %d of 10 samples", dropped);
+    free(x); free(y); free(y2); free(dx);
+}
+
+// ----------------------------------------------------------------------------
+// number formats and utilities
+
+static uint16_t f16_bits_of(float f) { return f32_to_f16(f); }
+
+static void test_fp16_by_hand(void) {
+    CHECK(f16_bits_of(1.0f) == 0x3C00, "1.0");
+    CHECK(f16_bits_of(-2.0f) == 0xC000, "-2.0");
+    CHECK(f16_bits_of(65504.0f) == 0x7BFF, "largest half");
+    CHECK(f16_bits_of(65520.0f) == 0x7C00, "65520 is a tie: rounds to even, which overflows to inf");
+    CHECK(f16_bits_of(1.0f + ldexpf(1, -11)) == 0x3C00, "tie 1 + 2^-11 rounds to even (down)");
+    CHECK(f16_bits_of(1.0f + 3 * ldexpf(1, -11)) == 0x3C02, "tie 1 + 3·2^-11 rounds to even (up)");
+    CHECK(f16_bits_of(ldexpf(1, -24)) == 0x0001, "smallest subnormal");
+    CHECK(f16_bits_of(ldexpf(1, -25)) == 0x0000, "half the smallest subnormal: tie to even (zero)");
+    CHECK(f16_bits_of(3 * ldexpf(1, -26)) == 0x0001, "0.75 of the smallest subnormal rounds up");
+    CHECK(f16_bits_of(ldexpf(1, -14) - ldexpf(1, -25)) == 0x0400, "rounds up into the smallest normal");
+    CHECK(f16_bits_of(INFINITY) == 0x7C00 && f16_bits_of(-INFINITY) == 0xFC00, "inf");
+    uint16_t nan = f16_bits_of(NAN);
+    CHECK((nan & 0x7C00) == 0x7C00 && (nan & 0x3FF), "NaN stays NaN");
+    int roundtrip = 1;
+    for (uint32_t b = 0; b < 65536; b++) {
+        if ((b & 0x7C00) == 0x7C00 && (b & 0x3FF)) continue;  // NaNs
+        roundtrip &= f32_to_f16(f16_to_f32((uint16_t)b)) == b;
+    }
+    CHECK(roundtrip, "every half value survives half -> float -> half");
+}
+
+// against the compiler's own conversion (hardware round-to-nearest-even)
+static void test_fp16_vs_compiler(void) {
+#if defined(__FLT16_MAX__)
+    Rng r; rng_seed(&r, 5);
+    int bad = 0;
+    for (int i = 0; i < 200000; i++) {
+        // random bit patterns over the whole float range, plus values near the half range
+        float f = i % 2 ? bits_f32((uint32_t)rng_next(&r)) : ldexpf(rng_normal(&r), (int)(rng_next(&r) % 40) - 28);
+        if (isnan(f)) continue;
+        _Float16 h = (_Float16)f;
+        uint16_t want;
+        memcpy(&want, &h, 2);
+        if (f32_to_f16(f) != want) { if (bad < 3) printf("    %a: got %04x, compiler %04x\n", f, f32_to_f16(f), want); bad++; }
+        if ((float)h != f16_to_f32(want)) bad++;
+    }
+    CHECK(bad == 0, "%d conversions differ from the compiler's _Float16", bad);
+#else
+    CHECK(0, "this compiler has no _Float16 to compare against");
+#endif
+}
+
+static void test_bf16_by_hand(void) {
+    CHECK(f32_to_bf16(1.0f) == 0x3F80, "1.0");
+    CHECK(f32_to_bf16(1.0f + ldexpf(1, -8)) == 0x3F80, "tie rounds to even (down)");
+    CHECK(f32_to_bf16(1.0f + 3 * ldexpf(1, -8)) == 0x3F82, "tie rounds to even (up)");
+    CHECK(f32_to_bf16(1.0f + ldexpf(1, -8) + ldexpf(1, -20)) == 0x3F81, "above the tie rounds up");
+    CHECK(f32_to_bf16(bits_f32(0x7F7F0000u)) == 0x7F7F, "the largest bf16 is exact");
+    CHECK(f32_to_bf16(bits_f32(0x7F7FFFFFu)) == 0x7F80, "the largest float is past the last tie: inf");
+    uint16_t nan = f32_to_bf16(NAN);
+    CHECK((nan & 0x7F80) == 0x7F80 && (nan & 0x7F), "NaN stays NaN");
+    CHECK(bf16_to_f32(0xC0A0) == -5.0f, "0xC0A0 = -5");
+    int roundtrip = 1;
+    for (uint32_t b = 0; b < 65536; b++) {
+        if ((b & 0x7F80) == 0x7F80 && (b & 0x7F)) continue;
+        roundtrip &= f32_to_bf16(bf16_to_f32((uint16_t)b)) == b;
+    }
+    CHECK(roundtrip, "every bf16 value survives bf16 -> float -> bf16");
+}
+
+static void test_utilities(void) {
+    float a[5] = {1, 2, 3, -4, 0.5f}, ss;
+    Shape s5 = shape4(5, 1, 1, 1);
+    ops_cpu.sum_squares(&ops_cpu, tensor_f32(a, s5), &ss);
+    CHECK(ss == 1 + 4 + 9 + 16 + 0.25f, "sum of squares %g", ss);
+    size_t n = 300001;  // several chunks and a ragged end
+    float *big = malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++) big[i] = 0.5f;
+    ops_cpu.sum_squares(&ops_cpu, tensor_f32(big, shape4((int)n, 1, 1, 1)), &ss);
+    CHECK(ss == 0.25f * n, "sum of squares of %zu halves: %.1f", n, ss);
+    int32_t flag = 0;
+    ops_cpu.nonfinite(&ops_cpu, tensor_f32(big, shape4((int)n, 1, 1, 1)), &flag);
+    CHECK(flag == 0, "finite buffer");
+    big[123456] = INFINITY;
+    ops_cpu.nonfinite(&ops_cpu, tensor_f32(big, shape4((int)n, 1, 1, 1)), &flag);
+    CHECK(flag == 1, "inf found");
+    big[123456] = NAN; flag = 0;
+    ops_cpu.nonfinite(&ops_cpu, tensor_f32(big, shape4((int)n, 1, 1, 1)), &flag);
+    CHECK(flag == 1, "NaN found");
+    flag = 1;
+    ops_cpu.nonfinite(&ops_cpu, tensor_f32(a, s5), &flag);
+    CHECK(flag == 1, "a set flag is never cleared");
+    uint16_t h[5];
+    Tensor th = tensor(h, s5, DT_F16);
+    ops_cpu.copy(&ops_cpu, th, tensor_f32(a, s5), 0);
+    CHECK(h[0] == 0x3C00 && h[3] == 0xC400, "cast fp32 -> fp16");
+    ops_cpu.scale(&ops_cpu, th, 2.0f);
+    ops_cpu.copy(&ops_cpu, tensor_f32(a, s5), th, 1);
+    CHECK(a[0] == 3 && a[1] == 6 && a[3] == -12, "fp16 -> fp32 accumulate after scale: [%g %g %g]", a[0], a[1], a[3]);
+    uint16_t bf[5];
+    Tensor tb = tensor(bf, s5, DT_BF16);
+    ops_cpu.copy(&ops_cpu, tb, th, 0);
+    CHECK(bf16_to_f32(bf[4]) == 1.0f, "cast fp16 -> bf16");
+    ops_cpu.fill(&ops_cpu, tb, -3.0f);
+    CHECK(bf[0] == f32_to_bf16(-3.0f) && bf[4] == bf[0], "fill");
+    free(big);
+}
+
+// Storage types: an op on fp16/bf16 tensors equals the fp32 op on the same
+// (rounded) values, rounded once at the end (to one unit in the last place).
+static double max_ulp_diff(Tensor t, const float *ref) {
+    double worst = 0;
+    for (size_t i = 0; i < shape_numel(t.shape); i++) {
+        float got = ld(t, i), want = dtype_round(t.dtype, ref[i]);
+        float ulp = dtype_round(t.dtype, fabsf(want) * (t.dtype == DT_F16 ? 1.0009765625f : 1.0078125f)) - fabsf(want);
+        if (ulp <= 0) ulp = 1e-7f;
+        double d = fabs(got - want) / ulp;
+        if (d > worst) worst = d;
+    }
+    return worst;
+}
+
+static void test_storage_types(void) {
+    DType dts[2] = {DT_F16, DT_BF16};
+    Rng r; rng_seed(&r, 77);
+    for (int k = 0; k < 2; k++) {
+        DType dt = dts[k];
+        const char *dn = dt == DT_F16 ? "fp16" : "bf16";
+        Shape in = shape4(2, 5, 6, 4);
+        size_t nx = shape_numel(in);
+        float *x = randn(&r, nx, 1.0f);
+        for (size_t i = 0; i < nx; i++) x[i] = dtype_round(dt, x[i]);
+        uint16_t *xs = malloc(2 * nx);
+        Tensor tx = tensor(xs, in, dt);
+        ops_cpu.copy(&ops_cpu, tx, tensor_f32(x, in), 0);
+        ConvCfg cfgs[3] = {{4, 6, 3, 3, 2, 1, PAD_SAME, 1}, {4, 5, 1, 1, 1, 1, PAD_SAME, 1}, {4, 4, 3, 3, 1, 4, PAD_SAME, 1}};
+        const char *names[3] = {"3x3 conv", "1x1 conv", "depthwise conv"};
+        for (int c = 0; c < 3; c++) {
+            ConvCfg *cfg = &cfgs[c];
+            int oh, ow, p;
+            conv_axis(in.h, cfg->kh, cfg->stride, cfg->pad, &oh, &p);
+            conv_axis(in.w, cfg->kw, cfg->stride, cfg->pad, &ow, &p);
+            Shape os = shape4(in.n, oh, ow, cfg->cout);
+            float *w = randn(&r, (size_t)cfg->cout * cfg->kh * cfg->kw * (cfg->cin / cfg->groups), 0.4f), *b = randn(&r, cfg->cout, 1.0f);
+            float *y32 = malloc(sizeof(float) * shape_numel(os));
+            uint16_t *ys = malloc(2 * shape_numel(os));
+            size_t wsb = conv2d_workspace_cpu(&ops_cpu, cfg, in, dt), wsf = conv2d_workspace_cpu(&ops_cpu, cfg, in, DT_F32);
+            void *ws = malloc((wsb > wsf ? wsb : wsf) + 1);
+            ops_cpu.conv2d_forward(&ops_cpu, cfg, tensor_f32(y32, os), tensor_f32(x, in), w, b, ws);
+            ops_cpu.conv2d_forward(&ops_cpu, cfg, tensor(ys, os, dt), tx, w, b, ws);
+            double u = max_ulp_diff(tensor(ys, os, dt), y32);
+            CHECK(u <= 1.0, "%s %s forward: %.2f units in the last place from fp32", dn, names[c], u);
+            // backward data and weight with the output gradient stored in dt
+            float *dy = randn(&r, shape_numel(os), 1.0f);
+            for (size_t i = 0; i < shape_numel(os); i++) dy[i] = dtype_round(dt, dy[i]);
+            ops_cpu.copy(&ops_cpu, tensor(ys, os, dt), tensor_f32(dy, os), 0);
+            float *dx32 = malloc(sizeof(float) * nx);
+            uint16_t *dxs = malloc(2 * nx);
+            ops_cpu.conv2d_backward_data(&ops_cpu, cfg, tensor_f32(dx32, in), tensor_f32(dy, os), w, 0, ws);
+            ops_cpu.conv2d_backward_data(&ops_cpu, cfg, tensor(dxs, in, dt), tensor(ys, os, dt), w, 0, ws);
+            u = max_ulp_diff(tensor(dxs, in, dt), dx32);
+            CHECK(u <= 1.0, "%s %s backward data: %.2f ulp", dn, names[c], u);
+            size_t nw = (size_t)cfg->cout * cfg->kh * cfg->kw * (cfg->cin / cfg->groups);
+            float *dw32 = calloc(nw, sizeof(float)), *dws = calloc(nw, sizeof(float));
+            ops_cpu.conv2d_backward_weight(&ops_cpu, cfg, dw32, NULL, tensor_f32(dy, os), tensor_f32(x, in), ws);
+            ops_cpu.conv2d_backward_weight(&ops_cpu, cfg, dws, NULL, tensor(ys, os, dt), tx, ws);
+            double dmax = 0;
+            for (size_t i = 0; i < nw; i++) dmax = fmax(dmax, fabs(dw32[i] - dws[i]) / (1e-3 + fabs(dw32[i])));
+            CHECK(dmax < 1e-5, "%s %s backward weight (fp32 result) differs by %.3g", dn, names[c], dmax);
+            free(w); free(b); free(y32); free(ys); free(ws); free(dy); free(dx32); free(dxs); free(dw32); free(dws);
+        }
+        // batch norm + SiLU forward with the stats of the rounded input
+        float mean[4], var[4], gam[4] = {1, 0.5f, 2, -1}, bet[4] = {0, 0.1f, -0.2f, 0.3f};
+        ops_cpu.bn_stats(&ops_cpu, tx, mean, var);
+        float m32[4], v32[4];
+        ops_cpu.bn_stats(&ops_cpu, tensor_f32(x, in), m32, v32);
+        CHECK(!memcmp(mean, m32, sizeof mean) && !memcmp(var, v32, sizeof var), "%s bn statistics equal fp32's", dn);
+        float *y32 = malloc(sizeof(float) * nx);
+        uint16_t *ys = malloc(2 * nx);
+        ops_cpu.bn_forward(&ops_cpu, tensor_f32(y32, in), tensor_f32(x, in), mean, var, gam, bet, 1e-3f, ACT_SILU);
+        ops_cpu.bn_forward(&ops_cpu, tensor(ys, in, dt), tx, mean, var, gam, bet, 1e-3f, ACT_SILU);
+        double u = max_ulp_diff(tensor(ys, in, dt), y32);
+        CHECK(u <= 1.0, "%s bn+silu forward: %.2f ulp", dn, u);
+        free(x); free(xs); free(y32); free(ys);
+    }
+}
+
+// Reductions give bit-identical results for any thread count (needed for
+// recompute ≡ store and replicas ≡ one device).
+static void test_determinism_across_threads(void) {
+#ifdef _OPENMP
+    Rng r; rng_seed(&r, 8);
+    Shape s = shape4(3, 17, 19, 37);
+    size_t n = shape_numel(s);
+    float *x = randn(&r, n, 1.0f), *dy = randn(&r, n, 1.0f);
+    int32_t *lab = malloc(sizeof(int32_t) * n / 37);
+    for (size_t i = 0; i < n / 37; i++) lab[i] = (int32_t)(rng_next(&r) % 37);
+    float cw[37];
+    for (int i = 0; i < 37; i++) cw[i] = 0.5f + rng_float(&r);
+    float res[2][4 * 37 + 4];
+    int saved = omp_get_max_threads();
+    for (int t = 0; t < 2; t++) {
+        omp_set_num_threads(t ? 3 : 1);
+        float *o = res[t], gam[37], bet[37], dg[37] = {0}, db[37] = {0};
+        for (int c = 0; c < 37; c++) { gam[c] = 1; bet[c] = 0; }
+        ops_cpu.bn_stats(&ops_cpu, tensor_f32(x, s), o, o + 37);
+        ops_cpu.bn_backward_reduce(&ops_cpu, tensor_f32(dy, s), tensor_f32(x, s), o, o + 37, gam, bet, 1e-3f,
+                                   ACT_SILU, o + 74, o + 111, dg, db);
+        ops_cpu.sum_squares(&ops_cpu, tensor_f32(x, s), o + 148);
+        o[149] = o[150] = o[151] = 0;
+        ops_cpu.softmax_xent(&ops_cpu, tensor_f32(x, s), lab, cw, 1.0f, o + 149, tensor_f32(NULL, s));
+    }
+    omp_set_num_threads(saved);
+    CHECK(!memcmp(res[0], res[1], sizeof res[0]), "results differ between 1 and 3 threads");
+    free(x); free(dy); free(lab);
+#else
+    printf("    (built without OpenMP: one thread only, nothing to compare)\n");
+#endif
+}
+
+// ----------------------------------------------------------------------------
+// graph builders: shapes that do not fit are refused with the layer's name and
+// both shapes; nothing is added after the first error
+
+static void test_graph_errors(void) {
+    Graph g; graph_init(&g);
+    int x = graph_input(&g, shape4(2, 8, 8, 16));
+    int c = graph_conv(&g, "enc1.conv", x, 32, 3, 1, 1, PAD_SAME, 0);
+    CHECK(c >= 0, "a valid conv: %s", g.err);
+    int bad = graph_add(&g, "enc1.add", x, c);
+    CHECK(bad == -1, "adding (2,8,8,16) and (2,8,8,32) must fail");
+    CHECK(contains(g.err, "enc1.add") && contains(g.err, "(2,8,8,16)") && contains(g.err, "(2,8,8,32)"),
+          "message names the layer and both shapes: %s", g.err);
+    int nl = g.n_layers;
+    CHECK(graph_conv(&g, "later", x, 4, 3, 1, 1, PAD_SAME, 0) == -1 && g.n_layers == nl, "errors are sticky");
+    graph_free(&g);
+
+    struct { const char *what, *want1, *want2; } cases[] = {
+        {"groups", "dw", "groups 3"}, {"kernel", "big", "(1,1,1,4)"}, {"concat", "cat", "(1,4,4,2)"},
+        {"dense", "fc", "(1,4,4,4)"}, {"scale", "sc", "(1,1,1,3)"}, {"dup", "same", "already exists"},
+        {"pool", "pool", "(1,1,5,4)"}, {"rate", "drop", "1.5"}, {"tensor", "ghost", "does not exist"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        graph_init(&g);
+        const char *w = cases[k].what;
+        if (!strcmp(w, "groups")) { x = graph_input(&g, shape4(1, 4, 4, 16)); graph_conv(&g, "dw", x, 16, 3, 1, 3, PAD_SAME, 0); }
+        if (!strcmp(w, "kernel")) { x = graph_input(&g, shape4(1, 1, 1, 4)); graph_conv(&g, "big", x, 4, 4, 1, 1, PAD_SYMMETRIC, 0); }
+        if (!strcmp(w, "concat")) { x = graph_input(&g, shape4(1, 4, 4, 2)); graph_concat(&g, "cat", x, graph_maxpool(&g, "p", x)); }
+        if (!strcmp(w, "dense")) { x = graph_input(&g, shape4(1, 4, 4, 4)); graph_dense(&g, "fc", x, 10, 1); }
+        if (!strcmp(w, "scale")) { x = graph_input(&g, shape4(1, 4, 4, 4)); graph_scale(&g, "sc", x, graph_gap(&g, "p", graph_conv(&g, "c", x, 3, 1, 1, 1, PAD_SAME, 0))); }
+        if (!strcmp(w, "dup")) { x = graph_input(&g, shape4(1, 4, 4, 4)); graph_act(&g, "same", x, ACT_RELU); graph_act(&g, "same", x, ACT_RELU); }
+        if (!strcmp(w, "pool")) { x = graph_input(&g, shape4(1, 1, 5, 4)); graph_maxpool(&g, "pool", x); }
+        if (!strcmp(w, "rate")) { x = graph_input(&g, shape4(1, 2, 2, 4)); graph_dropout(&g, "drop", x, 1.5f); }
+        if (!strcmp(w, "tensor")) { x = graph_input(&g, shape4(1, 2, 2, 4)); graph_add(&g, "ghost", x, 17); }
+        CHECK(g.err[0] && contains(g.err, cases[k].want1) && contains(g.err, cases[k].want2),
+              "%s: message '%s' should name '%s' and '%s'", w, g.err, cases[k].want1, cases[k].want2);
+        Net net; char err[SN_ERR_MAX];
+        CHECK(net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == -1 && !strcmp(err, g.err),
+              "%s: a graph with an error is refused by net_create", w);
+        graph_free(&g);
+    }
+    // a symmetric-padded kernel that fits exactly, and SAME that always fits
+    graph_init(&g);
+    x = graph_input(&g, shape4(1, 1, 1, 2));
+    CHECK(graph_conv(&g, "fits", x, 2, 3, 1, 1, PAD_SYMMETRIC, 0) >= 0, "3x3 symmetric on 1x1: %s", g.err);
+    CHECK(graph_conv(&g, "same7", x, 2, 7, 2, 1, PAD_SAME, 0) >= 0, "7x7 SAME on 1x1: %s", g.err);
+    graph_free(&g);
+}
+
+static void test_graph_params(void) {
+    Graph g; graph_init(&g);
+    int x = graph_input(&g, shape4(1, 8, 8, 3));
+    int c = graph_conv(&g, "stem.conv", x, 24, 3, 2, 1, PAD_SAME, 0);
+    int b = graph_bn(&g, "stem.bn", c, BN_EPS_EFFNET, ACT_SILU);
+    int d = graph_conv(&g, "dw", b, 24, 5, 1, 24, PAD_SAME, 1);
+    graph_dense(&g, "fc", graph_gap(&g, "pool", d), 10, 1);
+    CHECK(!g.err[0], "%s", g.err);
+    CHECK(g.n_param_floats == 24 * 3 * 3 * 3 + 24 + 24 + 24 * 5 * 5 + 24 + 10 * 24 + 10,
+          "parameter count %zu", g.n_param_floats);
+    int w = graph_find_param(&g, "stem.conv.weight");
+    CHECK(w >= 0 && g.params[w].ndim == 4 && g.params[w].dims[0] == 24 && g.params[w].dims[3] == 3, "OHWI weight shape");
+    int fw = graph_find_param(&g, "fc.weight");
+    CHECK(fw >= 0 && g.params[fw].ndim == 2 && g.params[fw].dims[0] == 10 && g.params[fw].dims[1] == 24, "dense [out][in]");
+    CHECK(graph_find_param(&g, "stem.bn.weight") >= 0 && graph_find_param(&g, "stem.bn.bias") >= 0, "BN gamma/beta names");
+    CHECK(g.n_buffers == 2 && g.n_buffer_floats == 48, "running statistics are buffers, not parameters");
+    CHECK(g.tensors[c].shape.h == 4 && g.tensors[c].shape.c == 24, "stride-2 SAME output");
+    size_t off = 0;
+    int contiguous = 1;
+    for (int i = 0; i < g.n_params; i++) { contiguous &= g.params[i].offset == off; off += g.params[i].count; }
+    CHECK(contiguous && off == g.n_param_floats, "parameters tile one buffer");
+    graph_free(&g);
+}
+
+// net_forward in inference mode is deterministic and leaves running stats alone;
+// training updates them once per forward.
+static void test_net_modes(void) {
+    Graph g; graph_init(&g);
+    int x = graph_input(&g, shape4(2, 4, 4, 3));
+    int y = graph_dropout(&g, "drop", graph_bn(&g, "bn", x, BN_EPS_UNET, ACT_NONE), 0.5f);
+    Net net; char err[SN_ERR_MAX];
+    CHECK(net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s", err);
+    Rng r; rng_seed(&r, 3);
+    for (int i = 0; i < 96; i++) ((float *)net.act[x])[i] = 1.0f + rng_normal(&r);
+    for (int i = 0; i < 3; i++) { net.params[i] = 1.0f; }
+    net_forward(&net, 0);
+    float rm = net.buffers[0];
+    CHECK(rm == 0.0f, "inference does not touch running statistics");
+    const float *yv = net.act[y];
+    int copied = 1;  // eval: running mean 0, var 1: y = x/sqrt(1+eps), no dropout
+    for (int i = 0; i < 96; i++) copied &= fabsf(yv[i] - ((float *)net.act[x])[i] / sqrtf(1.0f + BN_EPS_UNET)) < 1e-6f;
+    CHECK(copied, "inference: BN with running stats and no dropout");
+    net_forward(&net, 1);
+    CHECK(net.buffers[0] != 0.0f, "training updates the running mean");
+    int zeros = 0;
+    for (int i = 0; i < 96; i++) zeros += yv[i] == 0.0f;
+    CHECK(zeros > 20 && zeros < 76, "training applies dropout (%d of 96 zero)", zeros);
+    net_free(&net);
+    graph_free(&g);
+}
+
+// ----------------------------------------------------------------------------
+// the runner
+
+typedef struct { const char *name; void (*fn)(void); } Test;
+
+static const Test TESTS[] = {
+    {"conv_grad_dense", test_conv_grad_dense},
+    {"conv_grad_pointwise", test_conv_grad_pointwise},
+    {"conv_grad_grouped", test_conv_grad_grouped},
+    {"conv_grad_depthwise", test_conv_grad_depthwise},
+    {"conv_forward_vs_naive", test_conv_forward_vs_naive},
+    {"conv_padding_by_hand", test_conv_padding_by_hand},
+    {"dense_grad", test_dense_grad},
+    {"bn_grad_train", test_bn_grad_train},
+    {"bn_grad_inference", test_bn_grad_inference},
+    {"bn_by_hand", test_bn_by_hand},
+    {"act_grad", test_act_grad},
+    {"act_by_hand", test_act_by_hand},
+    {"se_grad", test_se_grad},
+    {"add_concat_grad", test_add_concat_grad},
+    {"pool_upsample_grad", test_pool_upsample_grad},
+    {"pool_upsample_by_hand", test_pool_upsample_by_hand},
+    {"resize_grad", test_resize_grad},
+    {"resize_by_hand", test_resize_by_hand},
+    {"dropout_grad", test_dropout_grad},
+    {"dropout_masks", test_dropout_masks},
+    {"softmax_xent_by_hand", test_softmax_xent_by_hand},
+    {"softmax_xent_grad", test_softmax_xent_grad},
+    {"fp16_by_hand", test_fp16_by_hand},
+    {"fp16_vs_compiler", test_fp16_vs_compiler},
+    {"bf16_by_hand", test_bf16_by_hand},
+    {"utilities", test_utilities},
+    {"storage_types", test_storage_types},
+    {"determinism_across_threads", test_determinism_across_threads},
+    {"graph_errors", test_graph_errors},
+    {"graph_params", test_graph_params},
+    {"net_modes", test_net_modes},
+    {"graph_grad_every_kind", test_graph_grad_every_kind},
+    {"graph_frozen", test_graph_frozen},
+    {"gradcheck_catches_errors", test_gradcheck_catches_errors},
+};
+
+int main(int argc, char **argv) {
+    const char *filter = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--filter") && i + 1 < argc) filter = argv[++i];
+        else if (!strcmp(argv[i], "-v") || !strcmp(argv[i], "--verbose")) g_verbose = 1;
+        else {
+            fprintf(stderr, "usage: %s [--filter SUBSTRING] [-v]\n", argv[0]);
+            return 2;
+        }
+    }
+    int passed = 0, failed = 0;
+    double t_all = now_s();
+    for (size_t i = 0; i < sizeof TESTS / sizeof TESTS[0]; i++) {
+        if (filter && !strstr(TESTS[i].name, filter)) continue;
+        g_failures = 0;
+        double t0 = now_s();
+        TESTS[i].fn();
+        double dt = now_s() - t0;
+        if (g_failures) { failed++; printf("FAIL %s (%d checks, %.2fs)\n", TESTS[i].name, g_failures, dt); }
+        else { passed++; printf("ok   %s (%.2fs)\n", TESTS[i].name, dt); }
+        fflush(stdout);
+    }
+    int any = 0;
+    for (int k = 0; k < LAYER_KIND_COUNT; k++) any |= g_worst[k] > 0;
+    if (any) {
+        printf("worst gradient-check error per layer kind (max |analytic - numerical| / max |numerical|):\n");
+        for (int k = 0; k < LAYER_KIND_COUNT; k++)
+            if (g_worst[k] > 0) printf("  %-16s %.2e\n", layer_kind_name((LayerKind)k), g_worst[k]);
+    }
+    printf("total %.1fs\n", now_s() - t_all);
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}
