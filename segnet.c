@@ -34,6 +34,13 @@ static void fail_internal(const char *file, int line, const char *fmt, ...) {
 
 static int shape_eq(Shape a, Shape b) { return a.n == b.n && a.h == b.h && a.w == b.w && a.c == b.c; }
 
+// Loops with less work than this run on one thread: opening a parallel region
+// costs microseconds, and a scheduler time slice per region when the cores are
+// shared with other work (tiny ops would then take 1000× longer).
+// (A variable so that the tests can force every loop onto the parallel path.)
+static size_t omp_min_work = 32768;
+#define PAR(work) ((size_t)(work) >= omp_min_work)
+
 // ----------------------------------------------------------------------------
 // element access in any storage type: loads give fp32, stores round
 
@@ -67,14 +74,14 @@ static void cpu_synchronize(Ops *o) { (void)o; }
 static void fill_cpu(Ops *o, Tensor t, float value) {
     (void)o;
     size_t n = shape_numel(t.shape);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) st(t, i, value);
 }
 
 static void scale_cpu(Ops *o, Tensor t, float a) {
     (void)o;
     size_t n = shape_numel(t.shape);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) st(t, i, a * ld(t, i));
 }
 
@@ -82,7 +89,7 @@ static void copy_cpu(Ops *o, Tensor dst, Tensor src, int accumulate) {
     (void)o;
     size_t n = shape_numel(src.shape);
     snCheck(shape_numel(dst.shape) == n, "copy: dst " SHAPE_FMT " src " SHAPE_FMT, SHAPE_ARGS(dst.shape), SHAPE_ARGS(src.shape));
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) st_acc(dst, i, ld(src, i), accumulate);
 }
 
@@ -99,7 +106,7 @@ static void sum_squares_cpu(Ops *o, Tensor t, float *out) {
     for (size_t g0 = 0; g0 < n_chunks; g0 += SUM_GROUP) {
         double part[SUM_GROUP];
         size_t g1 = g0 + SUM_GROUP < n_chunks ? g0 + SUM_GROUP : n_chunks;
-        #pragma omp parallel for schedule(static)
+        #pragma omp parallel for schedule(static) if(PAR(n))
         for (size_t k = g0; k < g1; k++) {
             size_t i0 = k * SUM_CHUNK, i1 = i0 + SUM_CHUNK < n ? i0 + SUM_CHUNK : n;
             double s = 0.0;
@@ -115,7 +122,7 @@ static void nonfinite_cpu(Ops *o, Tensor t, int32_t *flag) {
     (void)o;
     size_t n = shape_numel(t.shape);
     int bad = 0;
-    #pragma omp parallel for schedule(static) reduction(|:bad)
+    #pragma omp parallel for schedule(static) reduction(|:bad) if(PAR(n))
     for (size_t i = 0; i < n; i++) bad |= !isfinite(ld(t, i));
     if (bad) *flag = 1;
 }
@@ -179,7 +186,7 @@ size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
 
 // col[p][(ky·kw + kx)·Cg + ci] = x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci]
 static void im2col(const ConvCfg *cfg, const ConvGeom *q, Tensor in, int n, int g, float *col) {
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(q->P * q->K))
     for (int oy = 0; oy < q->OH; oy++) {
         for (int ox = 0; ox < q->OW; ox++) {
             float *row = col + ((size_t)oy * q->OW + ox) * q->K;
@@ -207,7 +214,7 @@ static void im2col(const ConvCfg *cfg, const ConvGeom *q, Tensor in, int n, int 
 static void col2im(const ConvCfg *cfg, const ConvGeom *q, const float *dcol, Tensor din, int n, int g,
                    int accumulate) {
     const int s = cfg->stride;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR((size_t)q->H * q->W * q->K))
     for (int iy = 0; iy < q->H; iy++) {
         for (int ix = 0; ix < q->W; ix++) {
             size_t dst = (((size_t)n * q->H + iy) * q->W + ix) * q->C + (size_t)g * q->Cg;
@@ -242,7 +249,7 @@ static float *image_rows_f32(Tensor t, int n, size_t P, int Cout, float *scratch
 static void depthwise_forward(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
                               const float *w, const float *b) {
     const int KK = cfg->kh * cfg->kw;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * q->C * KK))
     for (int noy = 0; noy < q->N * q->OH; noy++) {
         int n = noy / q->OH, oy = noy % q->OH;
         for (int ox = 0; ox < q->OW; ox++) {
@@ -268,7 +275,7 @@ static void depthwise_forward(const ConvCfg *cfg, const ConvGeom *q, Tensor out,
 static void depthwise_backward_data(const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
                                     const float *w, int accumulate) {
     const int KK = cfg->kh * cfg->kw, s = cfg->stride;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->H * q->W * q->C * KK))
     for (int niy = 0; niy < q->N * q->H; niy++) {
         int n = niy / q->H, iy = niy % q->H;
         for (int ix = 0; ix < q->W; ix++) {
@@ -294,7 +301,7 @@ static void depthwise_backward_data(const ConvCfg *cfg, const ConvGeom *q, Tenso
 static void depthwise_backward_weight(const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout,
                                       Tensor in) {
     const int KK = cfg->kh * cfg->kw;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * q->C * KK))
     for (int ck = 0; ck < q->C * KK; ck++) {
         int c = ck / KK, ky = (ck % KK) / cfg->kw, kx = ck % cfg->kw;
         double acc = 0.0;
@@ -314,7 +321,7 @@ static void depthwise_backward_weight(const ConvCfg *cfg, const ConvGeom *q, flo
 }
 
 static void add_bias_rows(float *y, size_t rows, int C, const float *b) {
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(rows * C))
     for (size_t r = 0; r < rows; r++)
         for (int c = 0; c < C; c++) y[r * C + c] += b[c];
 }
@@ -380,7 +387,7 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
     if (db) {
         // db[co] += Σ_{n,oy,ox} dout[n,oy,ox,co]
         size_t M = (size_t)q.N * q.P;
-        #pragma omp parallel for schedule(static)
+        #pragma omp parallel for schedule(static) if(PAR(M * q.Cout))
         for (int co = 0; co < q.Cout; co++) {
             double s = 0.0;
             for (size_t p = 0; p < M; p++) s += ld(dout, p * q.Cout + co);
@@ -428,7 +435,7 @@ static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var) {
     (void)o;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
         int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
         double s[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0};
@@ -458,7 +465,7 @@ static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const 
     (void)o;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (size_t r = 0; r < M; r++)
         for (int c = 0; c < C; c++) {
             float z = gamma[c] * ((ld(x, r * C + c) - mean[c]) * bn_invstd(var, c, eps)) + beta[c];
@@ -472,7 +479,7 @@ static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mea
     (void)o;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
         int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
         double sg[BN_CBLOCK] = {0}, sgx[BN_CBLOCK] = {0};
@@ -500,7 +507,7 @@ static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const f
     (void)o;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (size_t r = 0; r < M; r++)
         for (int c = 0; c < C; c++) {
             float invstd = bn_invstd(var, c, eps);
@@ -517,14 +524,14 @@ static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const f
 static void act_forward_cpu(Ops *o, Act act, Tensor y, Tensor x) {
     (void)o;
     size_t n = shape_numel(x.shape);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) st(y, i, act_apply(act, ld(x, i)));
 }
 
 static void act_backward_cpu(Ops *o, Act act, Tensor dx, Tensor dy, Tensor x, int accumulate) {
     (void)o;
     size_t n = shape_numel(x.shape);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) st_acc(dx, i, ld(dy, i) * act_grad(act, ld(x, i)), accumulate);
 }
 
@@ -537,7 +544,7 @@ static void global_avg_pool_forward_cpu(Ops *o, Tensor y, Tensor x) {
     (void)o;
     const int C = x.shape.c;
     const size_t HW = (size_t)x.shape.h * x.shape.w;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
     for (int nc = 0; nc < x.shape.n * C; nc++) {
         int n = nc / C, c = nc % C;
         double s = 0.0;
@@ -551,7 +558,7 @@ static void global_avg_pool_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accum
     const int C = dx.shape.c;
     const size_t HW = (size_t)dx.shape.h * dx.shape.w;
     const float inv = 1.0f / (float)HW;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(dx.shape)))
     for (size_t i = 0; i < shape_numel(dx.shape); i++) {
         size_t n = i / (HW * C);
         int c = (int)(i % C);
@@ -563,7 +570,7 @@ static void channel_scale_forward_cpu(Ops *o, Tensor y, Tensor x, Tensor s) {
     (void)o;
     const int C = x.shape.c;
     const size_t HWC = (size_t)x.shape.h * x.shape.w * C;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
     for (size_t i = 0; i < shape_numel(x.shape); i++)
         st(y, i, ld(x, i) * ld(s, (i / HWC) * C + i % C));
 }
@@ -574,12 +581,12 @@ static void channel_scale_backward_cpu(Ops *o, Tensor dx, Tensor ds, Tensor dy, 
     const int C = x.shape.c;
     const size_t HW = (size_t)x.shape.h * x.shape.w, HWC = HW * C;
     if (dx.data) {
-        #pragma omp parallel for schedule(static)
+        #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
         for (size_t i = 0; i < shape_numel(x.shape); i++)
             st_acc(dx, i, ld(dy, i) * ld(s, (i / HWC) * C + i % C), accumulate_dx);
     }
     if (ds.data) {
-        #pragma omp parallel for schedule(static)
+        #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
         for (int nc = 0; nc < x.shape.n * C; nc++) {
             int n = nc / C, c = nc % C;
             double acc = 0.0;
@@ -597,7 +604,7 @@ static void channel_scale_backward_cpu(Ops *o, Tensor dx, Tensor ds, Tensor dy, 
 
 static void add_forward_cpu(Ops *o, Tensor y, Tensor a, Tensor b) {
     (void)o;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(y.shape)))
     for (size_t i = 0; i < shape_numel(y.shape); i++) st(y, i, ld(a, i) + ld(b, i));
 }
 
@@ -606,7 +613,7 @@ static void concat_forward_cpu(Ops *o, Tensor y, Tensor a, Tensor b) {
     (void)o;
     const int Ca = a.shape.c, Cb = b.shape.c, C = Ca + Cb;
     const size_t M = shape_numel(y.shape) / C;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (size_t r = 0; r < M; r++) {
         for (int c = 0; c < Ca; c++) st(y, r * C + c, ld(a, r * Ca + c));
         for (int c = 0; c < Cb; c++) st(y, r * C + Ca + c, ld(b, r * Cb + c));
@@ -617,7 +624,7 @@ static void concat_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int acc
     (void)o;
     const int Ca = da.shape.c, Cb = db.shape.c, C = Ca + Cb;
     const size_t M = shape_numel(dy.shape) / C;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (size_t r = 0; r < M; r++) {
         if (da.data) for (int c = 0; c < Ca; c++) st_acc(da, r * Ca + c, ld(dy, r * C + c), accumulate_a);
         if (db.data) for (int c = 0; c < Cb; c++) st_acc(db, r * Cb + c, ld(dy, r * C + Ca + c), accumulate_b);
@@ -636,7 +643,7 @@ static inline float dropout_factor(float rate, uint64_t seed, size_t i, size_t p
 static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, float rate, uint64_t seed, int per_sample) {
     (void)o;
     size_t n = shape_numel(x.shape), per_draw = per_sample ? n / x.shape.n : 1;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) st(y, i, ld(x, i) * dropout_factor(rate, seed, i, per_draw));
 }
 
@@ -644,7 +651,7 @@ static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dy, float rate, uint6
                                  int accumulate) {
     (void)o;
     size_t n = shape_numel(dy.shape), per_draw = per_sample ? n / dy.shape.n : 1;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) st_acc(dx, i, ld(dy, i) * dropout_factor(rate, seed, i, per_draw), accumulate);
 }
 
@@ -655,7 +662,7 @@ static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dy, float rate, uint6
 static void maxpool2_forward_cpu(Ops *o, Tensor y, Tensor x) {
     (void)o;
     const Shape s = x.shape, t = y.shape;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
     for (int noy = 0; noy < t.n * t.h; noy++) {
         int n = noy / t.h, oy = noy % t.h;
         for (int ox = 0; ox < t.w; ox++)
@@ -673,7 +680,7 @@ static void maxpool2_forward_cpu(Ops *o, Tensor y, Tensor x) {
 static void maxpool2_backward_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, int accumulate) {
     (void)o;
     const Shape s = x.shape, t = dy.shape;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
     for (int niy = 0; niy < s.n * s.h; niy++) {
         int n = niy / s.h, iy = niy % s.h, oy = iy / 2;
         for (int ix = 0; ix < s.w; ix++) {
@@ -701,7 +708,7 @@ static void maxpool2_backward_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, int ac
 static void upsample2_forward_cpu(Ops *o, Tensor y, Tensor x) {
     (void)o;
     const Shape s = x.shape, t = y.shape;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(y.shape)))
     for (int noy = 0; noy < t.n * t.h; noy++) {
         int n = noy / t.h, oy = noy % t.h;
         for (int ox = 0; ox < t.w; ox++)
@@ -714,7 +721,7 @@ static void upsample2_forward_cpu(Ops *o, Tensor y, Tensor x) {
 static void upsample2_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accumulate) {
     (void)o;
     const Shape s = dx.shape, t = dy.shape;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(dy.shape)))
     for (int niy = 0; niy < s.n * s.h; niy++) {
         int n = niy / s.h, iy = niy % s.h;
         for (int ix = 0; ix < s.w; ix++)
@@ -746,7 +753,7 @@ static BilinearTap bilinear_tap(int o, int in, int out) {
 static void resize_bilinear_forward_cpu(Ops *o, Tensor y, Tensor x) {
     (void)o;
     const Shape s = x.shape, t = y.shape;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(y.shape)))
     for (int noy = 0; noy < t.n * t.h; noy++) {
         int n = noy / t.h, oy = noy % t.h;
         BilinearTap ty = bilinear_tap(oy, s.h, t.h);
@@ -782,7 +789,7 @@ static void tap_range(int i, int in, int out, int *lo, int *hi) {
 static void resize_bilinear_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accumulate) {
     (void)o;
     const Shape s = dx.shape, t = dy.shape;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(dy.shape)))
     for (int niy = 0; niy < s.n * s.h; niy++) {
         int n = niy / s.h, iy = niy % s.h, oy0, oy1;
         tap_range(iy, s.h, t.h, &oy0, &oy1);
@@ -824,7 +831,7 @@ static void softmax_xent_cpu(Ops *o, Tensor logits, const int32_t *labels, const
     for (size_t g0 = 0; g0 < n_chunks; g0 += SUM_GROUP) {
         double pl[SUM_GROUP], pw[SUM_GROUP], pi[SUM_GROUP];
         size_t g1 = g0 + SUM_GROUP < n_chunks ? g0 + SUM_GROUP : n_chunks;
-        #pragma omp parallel for schedule(static)
+        #pragma omp parallel for schedule(static) if(PAR(M * K))
         for (size_t k = g0; k < g1; k++) {
             double l = 0.0, w = 0.0, bad = 0.0;
             size_t r1 = (k + 1) * XENT_CHUNK < M ? (k + 1) * XENT_CHUNK : M;
@@ -1210,7 +1217,7 @@ void net_free(Net *net) {
     for (int l = 0; net->bn_mean && l < g->n_layers; l++) { o->free(o, net->bn_mean[l]); o->free(o, net->bn_var[l]); }
     o->free(o, net->params); o->free(o, net->grads); o->free(o, net->buffers);
     o->free(o, net->bn_scratch); o->free(o, net->ws);
-    free(net->act); free(net->grad); free(net->needs_grad); free(net->bn_mean); free(net->bn_var);
+    free(net->act); free(net->grad); free(net->needs_grad); free(net->grad_written); free(net->bn_mean); free(net->bn_var);
     memset(net, 0, sizeof *net);
 }
 
@@ -1225,9 +1232,10 @@ int net_create(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_gr
     net->act = calloc((size_t)T, sizeof(void *));
     net->grad = calloc((size_t)T, sizeof(void *));
     net->needs_grad = calloc((size_t)T, sizeof(int));
+    net->grad_written = calloc((size_t)T, sizeof(int));
     net->bn_mean = calloc((size_t)L, sizeof(float *));
     net->bn_var = calloc((size_t)L, sizeof(float *));
-    snCheck(net->act && net->grad && net->needs_grad && net->bn_mean && net->bn_var, "out of host memory");
+    snCheck(net->act && net->grad && net->needs_grad && net->grad_written && net->bn_mean && net->bn_var, "out of host memory");
 
     // A tensor needs a gradient when a trainable parameter (or the input, if
     // asked) lies upstream of it; nothing below the lowest trainable layer does.
@@ -1338,8 +1346,8 @@ void net_backward(Net *net, int output) {
     const Graph *g = net->g;
     Ops *o = net->o;
     // written[t]: t's gradient already holds a contribution, so the next op adds into it
-    int *written = calloc((size_t)g->n_tensors, sizeof(int));
-    snCheck(written != NULL, "out of host memory");
+    int *written = net->grad_written;
+    memset(written, 0, sizeof(int) * (size_t)g->n_tensors);
     written[output] = 1;
     for (int i = g->n_layers - 1; i >= 0; i--) {
         const Layer *l = &g->layers[i];
@@ -1399,7 +1407,6 @@ void net_backward(Net *net, int output) {
         default: snCheck(0, "backward: layer '%s' has unknown kind %d", l->name, (int)l->kind);
         }
     }
-    free(written);
 }
 
 // ----------------------------------------------------------------------------

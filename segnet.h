@@ -407,6 +407,7 @@ typedef struct {
     void **act;           // per tensor: activation storage
     void **grad;          // per tensor: gradient storage (NULL where none is needed)
     int *needs_grad;      // per tensor: some trainable parameter (or the input) lies upstream
+    int *grad_written;    // per tensor, during backward: its gradient holds a contribution
     int input_needs_grad; // also compute the gradient of the graph input
     float **bn_mean, **bn_var;  // per layer (BN only): statistics used in the forward, (C)
     float *bn_scratch;    // (2·Cmax) per-channel sums in BN backward
