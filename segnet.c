@@ -38,7 +38,7 @@ static int shape_eq(Shape a, Shape b) { return a.n == b.n && a.h == b.h && a.w =
 // costs microseconds, and a scheduler time slice per region when the cores are
 // shared with other work (tiny ops would then take 1000× longer).
 // (A variable so that the tests can force every loop onto the parallel path.)
-static size_t omp_min_work = 32768;
+static size_t omp_min_work __attribute__((unused)) = 32768;
 #define PAR(work) ((size_t)(work) >= omp_min_work)
 
 // ----------------------------------------------------------------------------
@@ -1439,6 +1439,8 @@ static const char *USAGE =
 
 static int cmd_info(void) {
     printf("backend: %s\n", ops_cpu.name);
+    printf("blas: %s\n", openblas_get_config());
+    printf("blas_threads: %d\n", openblas_get_num_threads());
 #ifdef _OPENMP
     printf("openmp_threads: %d\n", omp_get_max_threads());
 #else

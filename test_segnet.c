@@ -1008,8 +1008,8 @@ static void test_storage_types(void) {
 
 // Reductions give bit-identical results for any thread count (needed for
 // recompute ≡ store and replicas ≡ one device).
-static void test_determinism_across_threads(void) {
 #ifdef _OPENMP
+static void test_determinism_across_threads(void) {
     Rng r; rng_seed(&r, 8);
     Shape s = shape4(3, 17, 19, 37);
     size_t n = shape_numel(s);
@@ -1034,14 +1034,13 @@ static void test_determinism_across_threads(void) {
     omp_set_num_threads(saved);
     CHECK(!memcmp(res[0], res[1], sizeof res[0]), "results differ between 1 and 3 threads");
     free(x); free(dy); free(lab);
-#else
-    printf("    (built without OpenMP: one thread only, nothing to compare)\n");
-#endif
 }
+#endif  // _OPENMP
 
 // Every loop on its parallel path (threshold 0) gives bit-for-bit what the
 // serial path gives, for a whole network's activations and gradients; the
 // gradient checks (small shapes, serial path) then cover both.
+#ifdef _OPENMP
 static void run_every_kind(Net *net, int out, const float *xin, const float *r) {
     const Graph *g = net->g;
     memcpy(net->act[g->input], xin, sizeof(float) * shape_numel(g->tensors[g->input].shape));
@@ -1052,7 +1051,6 @@ static void run_every_kind(Net *net, int out, const float *xin, const float *r) 
 }
 
 static void test_parallel_paths_match_serial(void) {
-#ifdef _OPENMP
     Graph g; graph_init(&g);
     int y = build_every_kind(&g, shape4(2, 16, 12, 3), 0);
     Net a, b; char err[SN_ERR_MAX];
@@ -1079,10 +1077,8 @@ static void test_parallel_paths_match_serial(void) {
     CHECK(same, "parallel and serial paths differ");
     net_free(&a); net_free(&b); free(xin); free(r);
     graph_free(&g);
-#else
-    printf("    (built without OpenMP: there is no parallel path)\n");
-#endif
 }
+#endif  // _OPENMP
 
 // ----------------------------------------------------------------------------
 // graph builders: shapes that do not fit are refused with the layer's name and
@@ -1217,13 +1213,17 @@ static const Test TESTS[] = {
     {"bf16_by_hand", test_bf16_by_hand},
     {"utilities", test_utilities},
     {"storage_types", test_storage_types},
+#ifdef _OPENMP  // without OpenMP there is one thread and no parallel path
     {"determinism_across_threads", test_determinism_across_threads},
+#endif
     {"graph_errors", test_graph_errors},
     {"graph_params", test_graph_params},
     {"net_modes", test_net_modes},
     {"graph_grad_every_kind", test_graph_grad_every_kind},
     {"graph_frozen", test_graph_frozen},
+#ifdef _OPENMP
     {"parallel_paths_match_serial", test_parallel_paths_match_serial},
+#endif
     {"gradcheck_catches_errors", test_gradcheck_catches_errors},
 };
 
