@@ -365,6 +365,31 @@ static void test_se_grad(void) {
     graph_free(&g);
 }
 
+// Two-input ops reached with different accumulate flags: one input's gradient
+// already written by a later layer, the other not (each flag must go to its input).
+static void test_mixed_accumulate_grad(void) {
+    Graph g; graph_init(&g);
+    int x = graph_input(&g, shape4(2, 3, 4, 3));
+    int a = graph_conv(&g, "a", x, 2, 1, 1, 1, PAD_SAME, 1);
+    int b = graph_conv(&g, "b", x, 3, 1, 1, 1, PAD_SAME, 1);
+    int z1 = graph_concat(&g, "cat1", a, b);
+    int z2 = graph_concat(&g, "cat2", b, a);
+    int t = graph_act(&g, "later", b, ACT_SILU);      // b's gradient written before cat1/cat2 run
+    int y = graph_concat(&g, "out", graph_concat(&g, "zz", z1, z2), t);
+    note_worst(LAYER_CONCAT, graph_gradcheck(&g, y, grad_opts(), &ops_cpu));
+    graph_free(&g);
+    for (int later_s = 0; later_s < 2; later_s++) {
+        graph_init(&g);
+        x = graph_input(&g, shape4(2, 3, 3, 4));
+        int s = graph_act(&g, "gate", graph_gap(&g, "pool", x), ACT_SIGMOID);
+        int sc = graph_gap(&g, "pool2", graph_scale(&g, "scale", x, s));
+        // x (acc_dx = 1, acc_ds = 0) or s (acc_dx = 0, acc_ds = 1) consumed again after the scale
+        y = later_s ? graph_concat(&g, "out", sc, s) : graph_concat(&g, "out", sc, graph_gap(&g, "pool3", x));
+        note_worst(LAYER_SCALE, graph_gradcheck(&g, y, grad_opts(), &ops_cpu));
+        graph_free(&g);
+    }
+}
+
 // residual add, concat and their backward (copy and split) with fan-out
 static void test_add_concat_grad(void) {
     Graph g; graph_init(&g);
@@ -1200,6 +1225,7 @@ static const Test TESTS[] = {
     {"act_by_hand", test_act_by_hand},
     {"se_grad", test_se_grad},
     {"add_concat_grad", test_add_concat_grad},
+    {"mixed_accumulate_grad", test_mixed_accumulate_grad},
     {"pool_upsample_grad", test_pool_upsample_grad},
     {"pool_upsample_by_hand", test_pool_upsample_by_hand},
     {"resize_grad", test_resize_grad},
