@@ -435,6 +435,49 @@ uint64_t net_layer_seed(const Net *net, int layer);
 double label_weight_sum(const int32_t *labels, size_t n, const float *class_weights, int K);
 
 // ----------------------------------------------------------------------------
+// safetensors files: u64 little-endian N, N bytes of JSON header
+//   {"__metadata__": {"k": "v", ...}, "name": {"dtype": "F32", "shape": [d0, ...],
+//    "data_offsets": [begin, end]}, ...}
+// then the data section; offsets are relative to its start (byte 8 + N).
+// Tensors are row-major and little-endian. segnet reads and writes F32, F16, BF16.
+
+#define ST_MAX_DIMS 8
+
+typedef struct {
+    char name[SN_NAME_MAX];
+    DType dtype;
+    int ndim;                    // 0 for a scalar (shape [])
+    int64_t dims[ST_MAX_DIMS];
+    size_t numel;                // Π dims (1 for a scalar)
+    // st_read: points into StFile.bytes, with NO alignment guarantee (the data
+    // section starts wherever the header ends, and offsets are arbitrary):
+    // memcpy out of it, never cast it to float*. st_write: the caller's memory.
+    const void *data;
+} StTensor;
+
+typedef struct {
+    StTensor *tensors; int n_tensors;            // in header order
+    char (*meta_keys)[SN_NAME_MAX];              // "__metadata__", in header order
+    char (*meta_values)[256];
+    int n_meta;
+    uint8_t *bytes; size_t n_bytes;              // the whole file, owned
+} StFile;
+
+// Reads a whole file. Returns 0, or -1 with one line in err naming the file,
+// the problem and the tensor at fault (f is then empty; st_free is harmless).
+// Never reads outside the file. Accepts holes (unused bytes) in the data section.
+int st_read(const char *path, StFile *f, char err[SN_ERR_MAX]);
+void st_free(StFile *f);
+const StTensor *st_find(const StFile *f, const char *name);  // NULL if absent
+
+// Writes tensors (laid out in order, contiguous) and optional string metadata.
+// Atomic: writes "<path>.tmp.<pid>", fsyncs it, renames it over path, fsyncs
+// the directory. Returns 0, or -1 with err set; on failure before the rename
+// the temporary is removed and a file already at path is untouched.
+int st_write(const char *path, const StTensor *tensors, int n, const char *const *meta_keys,
+             const char *const *meta_values, int n_meta, char err[SN_ERR_MAX]);
+
+// ----------------------------------------------------------------------------
 // deterministic host RNG (initialisation, tests, data order)
 
 typedef struct { uint64_t state; } Rng;

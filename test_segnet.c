@@ -1206,6 +1206,368 @@ static void test_net_modes(void) {
 }
 
 // ----------------------------------------------------------------------------
+// safetensors: round trip, a hand-built file, exact writer bytes, malformed
+// files (each refused with a message naming the file, problem and tensor),
+// atomic replacement
+
+static void st_test_path(char *out, size_t cap, const char *tag) {
+    snprintf(out, cap, "/tmp/segnet_test_%ld_%s.safetensors", (long)getpid(), tag);
+}
+
+static int write_file_bytes(const char *path, const void *p, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return -1;
+    int ok = fwrite(p, 1, n, f) == n;
+    return fclose(f) == 0 && ok ? 0 : -1;
+}
+
+// the whole file, malloc'ed (NULL if unreadable)
+static uint8_t *read_file_bytes(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *p = malloc(len > 0 ? (size_t)len : 1);
+    *n = fread(p, 1, (size_t)len, f);
+    fclose(f);
+    return p;
+}
+
+// 8-byte little-endian header_len, the header text, data_len bytes of data
+static int write_st_raw(const char *path, uint64_t header_len, const char *header, const void *data, size_t data_len) {
+    size_t h = strlen(header), n = 8 + h + data_len;
+    uint8_t *p = calloc(n, 1);
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(header_len >> (8 * i));
+    memcpy(p + 8, header, h);
+    if (data) memcpy(p + 8 + h, data, data_len);
+    int rc = write_file_bytes(path, p, n);
+    free(p);
+    return rc;
+}
+
+static StTensor st_tensor(const char *name, DType dt, int ndim, const int64_t *dims, const void *data) {
+    StTensor t;
+    memset(&t, 0, sizeof t);
+    snprintf(t.name, sizeof t.name, "%s", name);
+    t.dtype = dt;
+    t.ndim = ndim;
+    t.numel = 1;
+    for (int i = 0; i < ndim; i++) { t.dims[i] = dims[i]; t.numel *= (size_t)dims[i]; }
+    t.data = data;
+    return t;
+}
+
+static void put_u16le(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+static void put_f32le(uint8_t *p, float v) { uint32_t u = f32_bits(v); for (int i = 0; i < 4; i++) p[i] = (uint8_t)(u >> (8 * i)); }
+static float get_f32le(const void *q) {
+    const uint8_t *p = q;
+    return bits_f32((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
+}
+static uint16_t get_u16le(const void *q) { const uint8_t *p = q; return (uint16_t)(p[0] | p[1] << 8); }
+
+static void test_safetensors_round_trip(void) {
+    char path[256], err[SN_ERR_MAX] = "";
+    st_test_path(path, sizeof path, "round_trip");
+    Rng r; rng_seed(&r, 11);
+    float scalar = 3.25f, w[3 * 2 * 2 * 4];
+    uint16_t h[5], b[2 * 3];
+    for (int i = 0; i < 48; i++) w[i] = rng_normal(&r);
+    for (int i = 0; i < 5; i++) h[i] = f32_to_f16(rng_normal(&r));
+    for (int i = 0; i < 6; i++) b[i] = f32_to_bf16(rng_normal(&r));
+    const int64_t dw[] = {3, 2, 2, 4}, dh[] = {5}, db[] = {2, 3}, de[] = {0, 7};
+    StTensor ts[] = {
+        st_tensor("scalar", DT_F32, 0, NULL, &scalar),
+        st_tensor("enc1.conv.weight", DT_F32, 4, dw, w),
+        st_tensor("half", DT_F16, 1, dh, h),
+        st_tensor("brain \"quoted\" \\ \xc3\xa9", DT_BF16, 2, db, b),
+        st_tensor("empty", DT_F32, 2, de, NULL),
+    };
+    const int n = (int)(sizeof ts / sizeof ts[0]);
+    const char *mk[] = {"format", "note\ttab"}, *mv[] = {"pt", "line\nbreak, \"quote\", back\\slash, caf\xc3\xa9"};
+    CHECK(st_write(path, ts, n, mk, mv, 2, err) == 0, "st_write: %s", err);
+    StFile f;
+    if (st_read(path, &f, err)) { CHECK(0, "st_read: %s", err); unlink(path); return; }
+    CHECK(f.n_tensors == n, "%d tensors read back, wrote %d", f.n_tensors, n);
+    for (int i = 0; i < n && i < f.n_tensors; i++) {
+        const StTensor *a = &ts[i], *g = &f.tensors[i];
+        int same_dims = g->ndim == a->ndim;
+        for (int d = 0; same_dims && d < a->ndim; d++) same_dims = g->dims[d] == a->dims[d];
+        size_t bytes = a->numel * dtype_size(a->dtype);
+        CHECK(!strcmp(g->name, a->name), "tensor %d: name '%s', wrote '%s'", i, g->name, a->name);
+        CHECK(g->dtype == a->dtype && same_dims && g->numel == a->numel, "tensor '%s': dtype/shape/numel differ", a->name);
+        CHECK(g->numel == a->numel && (!bytes || !memcmp(g->data, a->data, bytes)), "tensor '%s': bytes differ", a->name);
+        CHECK(st_find(&f, a->name) == g, "st_find('%s')", a->name);
+    }
+    CHECK(st_find(&f, "absent") == NULL, "st_find of an absent name is NULL");
+    CHECK(f.n_meta == 2, "%d metadata entries", f.n_meta);
+    for (int i = 0; i < 2 && i < f.n_meta; i++)
+        CHECK(!strcmp(f.meta_keys[i], mk[i]) && !strcmp(f.meta_values[i], mv[i]), "metadata %d: '%s' = '%s'", i,
+              f.meta_keys[i], f.meta_values[i]);
+    // layout: header padded so the data starts 8-aligned, "__metadata__" first,
+    // tensors contiguous in the order given
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = hlen << 8 | f.bytes[i];
+    CHECK((8 + hlen) % 8 == 0, "8 + header length %llu is a multiple of 8", (unsigned long long)hlen);
+    CHECK(!memcmp(f.bytes + 8, "{\"__metadata__\":", 16), "\"__metadata__\" comes first");
+    size_t off = 8 + hlen;
+    for (int i = 0; i < f.n_tensors; i++) {
+        CHECK((const uint8_t *)f.tensors[i].data == f.bytes + off, "tensor %d starts at byte %zu", i, off);
+        off += f.tensors[i].numel * dtype_size(f.tensors[i].dtype);
+    }
+    CHECK(off == f.n_bytes, "no bytes after the last tensor (%zu of %zu)", off, f.n_bytes);
+    st_free(&f);
+    CHECK(f.tensors == NULL && f.bytes == NULL && f.n_tensors == 0, "st_free empties the StFile");
+    // no tensors, no metadata
+    CHECK(st_write(path, NULL, 0, NULL, NULL, 0, err) == 0, "empty file: %s", err);
+    CHECK(st_read(path, &f, err) == 0 && f.n_tensors == 0 && f.n_meta == 0 && f.n_bytes == 16, "empty file reads back: %s", err);
+    st_free(&f);
+    unlink(path);
+}
+
+// A file built by hand as another implementation would write it (Python's
+// json.dumps spacing, fields in another order, \u escapes, a 0-d tensor,
+// a hole between tensors and unused bytes at the end).
+static void test_safetensors_hand_built(void) {
+    char path[256], err[SN_ERR_MAX] = "";
+    st_test_path(path, sizeof path, "hand_built");
+    const char *header =
+        "{\"__metadata__\": {\"format\": \"pt\", \"note\": \"caf\\u00e9 \\ud83d\\ude00 \\\"q\\\" \\\\ \\/ \\n\"}, "
+        "\"x.weight\": {\"dtype\": \"F16\", \"shape\": [2, 1], \"data_offsets\": [0, 4]},\n"
+        "\t\"y\": {\"data_offsets\": [8, 16], \"shape\": [2], \"dtype\": \"F32\"},\r\n"
+        "\"\\u0073\": {\"dtype\":\"BF16\",\"shape\":[],\"data_offsets\":[16,18]}}    ";
+    uint8_t data[20] = {0};
+    put_u16le(data + 0, 0x3C00);   // F16 1.0
+    put_u16le(data + 2, 0xC000);   // F16 -2.0
+    memset(data + 4, 0xEE, 4);     // a hole
+    put_f32le(data + 8, 0.5f);
+    put_f32le(data + 12, 3.0f);
+    put_u16le(data + 16, 0xBFC0);  // BF16 -1.5
+    CHECK(write_st_raw(path, strlen(header), header, data, sizeof data) == 0, "writing %s", path);
+    StFile f;
+    CHECK(st_read(path, &f, err) == 0, "st_read: %s", err);
+    CHECK(f.n_tensors == 3 && f.n_meta == 2, "%d tensors, %d metadata entries", f.n_tensors, f.n_meta);
+    const StTensor *x = st_find(&f, "x.weight"), *y = st_find(&f, "y"), *s = st_find(&f, "s");
+    CHECK(x && x->dtype == DT_F16 && x->ndim == 2 && x->dims[0] == 2 && x->dims[1] == 1 && x->numel == 2, "x.weight header");
+    CHECK(x && f16_to_f32(get_u16le(x->data)) == 1.0f && f16_to_f32(get_u16le((const uint8_t *)x->data + 2)) == -2.0f,
+          "x.weight values");
+    CHECK(y && y->dtype == DT_F32 && y->ndim == 1 && y->dims[0] == 2 && y->numel == 2, "y header");
+    CHECK(y && get_f32le(y->data) == 0.5f && get_f32le((const uint8_t *)y->data + 4) == 3.0f, "y values");
+    CHECK(s && s->dtype == DT_BF16 && s->ndim == 0 && s->numel == 1, "s: a 0-d BF16 scalar named by a \\u escape");
+    CHECK(s && bf16_to_f32(get_u16le(s->data)) == -1.5f, "s value");
+    CHECK(f.n_meta == 2 && !strcmp(f.meta_keys[0], "format") && !strcmp(f.meta_values[0], "pt"), "metadata format");
+    CHECK(f.n_meta == 2 && !strcmp(f.meta_values[1], "caf\xc3\xa9 \xf0\x9f\x98\x80 \"q\" \\ / \n"),
+          "escapes decoded to UTF-8: '%s'", f.n_meta == 2 ? f.meta_values[1] : "");
+    st_free(&f);
+    unlink(path);
+}
+
+// The writer's bytes for a small file, spelled out: the compact header the
+// reference implementation writes, space-padded to 8 + N ≡ 0 (mod 8).
+static void test_safetensors_writer_bytes(void) {
+    char path[256], err[SN_ERR_MAX] = "";
+    st_test_path(path, sizeof path, "writer_bytes");
+    float a[2] = {1.0f, -2.0f};
+    uint16_t b[2] = {f32_to_bf16(0.5f), f32_to_bf16(-1.5f)};
+    const int64_t da[] = {2}, db[] = {1, 2};
+    StTensor ts[] = {st_tensor("a", DT_F32, 1, da, a), st_tensor("b", DT_BF16, 2, db, b)};
+    const char *mk[] = {"format"}, *mv[] = {"pt"};
+    CHECK(st_write(path, ts, 2, mk, mv, 1, err) == 0, "st_write: %s", err);
+    const char *hdr = "{\"__metadata__\":{\"format\":\"pt\"},"
+                      "\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                      "\"b\":{\"dtype\":\"BF16\",\"shape\":[1,2],\"data_offsets\":[8,12]}}";
+    size_t hl = strlen(hdr), pad = (8 - (8 + hl) % 8) % 8, n = 8 + hl + pad + 12, got_n = 0;
+    uint8_t *want = calloc(n, 1);
+    for (int i = 0; i < 8; i++) want[i] = (uint8_t)((hl + pad) >> (8 * i));
+    memcpy(want + 8, hdr, hl);
+    memset(want + 8 + hl, ' ', pad);
+    uint8_t *d = want + 8 + hl + pad;
+    put_f32le(d, 1.0f); put_f32le(d + 4, -2.0f); put_u16le(d + 8, 0x3F00); put_u16le(d + 10, 0xBFC0);
+    uint8_t *got = read_file_bytes(path, &got_n);
+    CHECK(got && got_n == n && !memcmp(got, want, n), "file bytes differ from the spelled-out file (%zu vs %zu bytes)%s%.*s",
+          got_n, n, got ? ": header " : "", got && got_n > 8 ? (int)(got_n - 8) : 0, got ? (const char *)got + 8 : "");
+    free(got);
+    free(want);
+    unlink(path);
+}
+
+static void test_safetensors_malformed(void) {
+    char path[256], err[SN_ERR_MAX];
+    st_test_path(path, sizeof path, "malformed");
+    static char long_name[256], deep[20100], deep_top[10100], long_meta[512];
+    snprintf(long_name, sizeof long_name, "{\"%0120d\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 0);
+    int k = snprintf(deep, sizeof deep, "{\"w\":{\"dtype\":");
+    for (int i = 0; i < 10000; i++) deep[k++] = '[';
+    deep[k] = 0;
+    k = snprintf(deep_top, sizeof deep_top, "{\"w\":");
+    for (int i = 0; i < 10000; i++) deep_top[k++] = '{';
+    deep_top[k] = 0;
+    snprintf(long_meta, sizeof long_meta, "{\"__metadata__\":{\"k\":\"%0300d\"}}", 0);
+#define TW(fields) "{\"w\":{" fields "}}"
+    struct { const char *header; size_t data_len; const char *want1, *want2; } cases[] = {
+        {"not json at all", 0, "not a JSON object", "byte 0"},
+        {"[1, 2]", 0, "not a JSON object", "byte 0"},
+        {"", 0, "not a JSON object", "byte 0"},
+        {"{} {}", 0, "not valid JSON", "after the header"},
+        {"{\"w\": {\"dtype\": \"F3", 0, "not valid JSON", "unterminated"},
+        {"{\"w\": {\"dtype\" \"F32\"}}", 0, "not valid JSON", "expected ':'"},
+        {"{\"w\\q\": {}}", 0, "not valid JSON", "escape"},
+        {"{\"w\\ud800\": {}}", 0, "not valid JSON", "surrogate"},
+        {"{\"w\\u0000\": {}}", 0, "not valid JSON", "\\u0000"},
+        {"{\"w\xff\": {}}", 0, "not valid UTF-8", "byte 3"},
+        {"{\"w\": 5}", 0, "'w'", "must be an object"},
+        {TW("\"dtype\":\"F32\",\"shape\":[1]"), 4, "'w'", "missing \"data_offsets\""},
+        {TW("\"shape\":[1],\"data_offsets\":[0,4]"), 4, "'w'", "missing \"dtype\""},
+        {TW("\"dtype\":\"F32\",\"shape\":\"1\",\"data_offsets\":[0,4]"), 4, "'w'", "\"shape\" must be an array"},
+        {TW("\"dtype\":32,\"shape\":[1],\"data_offsets\":[0,4]"), 4, "'w'", "\"dtype\" must be a string"},
+        {TW("\"dtype\":\"F32\",\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]"), 4, "'w'", "\"dtype\" appears twice"},
+        {TW("\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],\"foo\":1"), 4, "'w'", "unknown field \"foo\""},
+        {TW("\"dtype\":\"F64\",\"shape\":[1],\"data_offsets\":[0,8]"), 8, "'w'", "dtype \"F64\" is not supported"},
+        {TW("\"dtype\":\"I64\",\"shape\":[1],\"data_offsets\":[0,8]"), 8, "'w'", "dtype \"I64\" is not supported"},
+        {TW("\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]"), 8, "'w'", "shape entry -2 is negative"},
+        {TW("\"dtype\":\"F32\",\"shape\":[2.5],\"data_offsets\":[0,8]"), 8, "'w'", "shape entry 2.5 is not an integer"},
+        {TW("\"dtype\":\"F32\",\"shape\":[1e3],\"data_offsets\":[0,8]"), 8, "'w'", "1e3 is not an integer"},
+        {TW("\"dtype\":\"F32\",\"shape\":[01],\"data_offsets\":[0,4]"), 4, "not valid JSON", "leading zero"},
+        {TW("\"dtype\":\"F32\",\"shape\":[99999999999999999999],\"data_offsets\":[0,4]"), 4, "'w'", "too large"},
+        {TW("\"dtype\":\"F32\",\"shape\":[[1]],\"data_offsets\":[0,4]"), 4, "'w'", "shape entry must be an integer"},
+        {TW("\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,4]"), 4, "'w'", "more than 8 dimensions"},
+        {TW("\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,16],\"data_offsets\":[0,4]"), 4, "'w'", "overflows"},
+        {TW("\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[-4,0]"), 4, "'w'", "data_offsets entry -4 is negative"},
+        {TW("\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4,8]"), 8, "'w'", "more than 2 entries"},
+        {TW("\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,4]"), 8, "'w'", "begin > end"},
+        {TW("\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]"), 8, "'w'", "past the end of the data section (8 bytes)"},
+        {TW("\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]"), 8, "'w'", "hold 8 bytes, but shape [3] of F32 needs 12"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+         "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}", 12, "tensors 'a' and 'b' overlap", "[0, 8) and [4, 12)"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,12]},"
+         "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 12, "tensors 'a' and 'b' overlap", "[0, 12) and [4, 8)"},
+        {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+         "\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 8, "tensor 'w' appears twice", "duplicate"},
+        {long_name, 4, "tensor name '00000000", "longer than the 95 allowed"},
+        {"{\"__metadata__\":{\"k\":1}}", 0, "\"__metadata__\" 'k'", "must be a string"},
+        {"{\"__metadata__\":[]}", 0, "\"__metadata__\"", "must be an object"},
+        {"{\"__metadata__\":{},\"__metadata__\":{}}", 0, "\"__metadata__\"", "appears twice"},
+        {long_meta, 0, "\"__metadata__\" 'k'", "longer than the 255 allowed"},
+        {deep, 0, "'w'", "\"dtype\" must be a string"},
+        {deep_top, 0, "'w'", "not valid JSON"},
+    };
+#undef TW
+    uint8_t zeros[64] = {0};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        StFile f;
+        write_st_raw(path, strlen(cases[c].header), cases[c].header, zeros, cases[c].data_len);
+        int rc = st_read(path, &f, err);
+        if (g_verbose) printf("      %s\n", err);
+        CHECK(rc == -1 && contains(err, path) && contains(err, cases[c].want1) && contains(err, cases[c].want2) &&
+              !strchr(err, '\n') && f.bytes == NULL && f.tensors == NULL,
+              "case %zu (%.40s): rc %d, message '%s' should name the file, '%s' and '%s'", c, cases[c].header, rc,
+              rc ? err : "", cases[c].want1, cases[c].want2);
+        if (rc == 0) st_free(&f);
+    }
+    // file-level damage: too short, header length past the end, data cut short
+    struct { const char *what; const char *want1, *want2; } files[] = {
+        {"short", "3 bytes", "too short"},
+        {"length", "header length 1000", "past the end of the file"},
+        {"huge_length", "header length 18446744073709551615", "past the end of the file"},
+        {"cut_data", "tensor 't'", "past the end of the data section"},
+        {"missing", "cannot open", "No such file"},
+    };
+    for (size_t c = 0; c < sizeof files / sizeof files[0]; c++) {
+        const char *w = files[c].what;
+        char err2[SN_ERR_MAX] = "";
+        if (!strcmp(w, "short")) write_file_bytes(path, "abc", 3);
+        if (!strcmp(w, "length")) write_st_raw(path, 1000, "{}", NULL, 0);
+        if (!strcmp(w, "huge_length")) write_st_raw(path, UINT64_MAX, "{}", NULL, 0);
+        if (!strcmp(w, "cut_data")) {
+            float v[64] = {0};
+            const int64_t d[] = {64};
+            StTensor t = st_tensor("t", DT_F32, 1, d, v);
+            size_t n = 0;
+            CHECK(st_write(path, &t, 1, NULL, NULL, 0, err2) == 0, "st_write: %s", err2);
+            uint8_t *all = read_file_bytes(path, &n);
+            CHECK(all && n > 128, "read back %zu bytes", n);
+            if (all) write_file_bytes(path, all, n - 128);  // half the data section is gone
+            free(all);
+        }
+        if (!strcmp(w, "missing")) unlink(path);
+        StFile f;
+        int rc = st_read(path, &f, err);
+        if (g_verbose) printf("      %s\n", err);
+        CHECK(rc == -1 && contains(err, path) && contains(err, files[c].want1) && contains(err, files[c].want2) &&
+              f.bytes == NULL,
+              "%s: rc %d, message '%s' should name the file, '%s' and '%s'", w, rc, rc ? err : "", files[c].want1,
+              files[c].want2);
+        if (rc == 0) st_free(&f);
+    }
+    unlink(path);
+}
+
+static int file_exists(const char *path) { struct stat sb; return stat(path, &sb) == 0; }
+
+static void test_safetensors_write_atomic(void) {
+    char path[256], tmp[300], err[SN_ERR_MAX] = "";
+    st_test_path(path, sizeof path, "atomic");
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+    float big[100], small = 7.0f;
+    for (int i = 0; i < 100; i++) big[i] = (float)i;
+    const int64_t d100[] = {10, 10};
+    StTensor tb[] = {st_tensor("big", DT_F32, 2, d100, big), st_tensor("big2", DT_F32, 2, d100, big)};
+    StTensor ts = st_tensor("small", DT_F32, 0, NULL, &small);
+
+    // a directory that does not exist: refused, nothing created
+    char nodir[256], nofile[300];
+    snprintf(nodir, sizeof nodir, "/tmp/segnet_test_%ld_nodir", (long)getpid());
+    snprintf(nofile, sizeof nofile, "%s/x.safetensors", nodir);
+    CHECK(st_write(nofile, &ts, 1, NULL, NULL, 0, err) == -1 && contains(err, nofile) && contains(err, "No such file"),
+          "writing into a missing directory: '%s'", err);
+    CHECK(!file_exists(nodir), "nothing created");
+
+    // a larger file replaced whole by a smaller one, no temporary left behind
+    CHECK(st_write(path, tb, 2, NULL, NULL, 0, err) == 0, "first write: %s", err);
+    CHECK(st_write(path, &ts, 1, NULL, NULL, 0, err) == 0, "overwrite: %s", err);
+    StFile f;
+    CHECK(st_read(path, &f, err) == 0, "read after overwrite: %s", err);
+    size_t hl = strlen("{\"small\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[0,4]}}");
+    size_t want_n = 8 + hl + (8 - (8 + hl) % 8) % 8 + 4;
+    CHECK(f.n_tensors == 1 && !strcmp(f.tensors[0].name, "small") && get_f32le(f.tensors[0].data) == 7.0f &&
+          f.n_bytes == want_n, "the new file alone (%d tensors, %zu bytes, want %zu)", f.n_tensors, f.n_bytes, want_n);
+    st_free(&f);
+    CHECK(!file_exists(tmp), "no temporary left after success");
+    size_t n0 = 0, n1 = 0;
+    uint8_t *before = read_file_bytes(path, &n0);
+
+    // refused arguments leave the existing file alone
+    StTensor bad[2] = {ts, ts};
+    CHECK(st_write(path, bad, 2, NULL, NULL, 0, err) == -1 && contains(err, "'small'") && contains(err, "twice"),
+          "duplicate names refused: '%s'", err);
+    StTensor wrong = ts;
+    wrong.numel = 3;
+    CHECK(st_write(path, &wrong, 1, NULL, NULL, 0, err) == -1 && contains(err, "numel 3"), "numel mismatch: '%s'", err);
+    wrong = ts;
+    wrong.dtype = (DType)7;
+    CHECK(st_write(path, &wrong, 1, NULL, NULL, 0, err) == -1 && contains(err, "dtype 7"), "bad dtype: '%s'", err);
+    const char *mk[] = {"k", "k"}, *mv[] = {"1", "2"};
+    CHECK(st_write(path, &ts, 1, mk, mv, 2, err) == -1 && contains(err, "'k' appears twice"), "duplicate key: '%s'", err);
+    uint8_t *after = read_file_bytes(path, &n1);
+    CHECK(before && after && n0 == n1 && !memcmp(before, after, n0), "the existing file is untouched");
+    free(before);
+    free(after);
+
+    // a failure after the temporary exists (renaming a file over a directory):
+    // the temporary is removed and the directory untouched
+    char dir[256], dtmp[300];
+    snprintf(dir, sizeof dir, "/tmp/segnet_test_%ld_isdir", (long)getpid());
+    snprintf(dtmp, sizeof dtmp, "%s.tmp.%ld", dir, (long)getpid());
+    mkdir(dir, 0755);
+    struct stat sb;
+    CHECK(st_write(dir, &ts, 1, NULL, NULL, 0, err) == -1 && contains(err, "renaming"), "rename over a directory: '%s'", err);
+    CHECK(!file_exists(dtmp), "temporary removed after a failed rename");
+    CHECK(stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode), "the directory is still there");
+    rmdir(dir);
+    unlink(path);
+}
+
+// ----------------------------------------------------------------------------
 // the runner
 
 typedef struct { const char *name; void (*fn)(void); } Test;
@@ -1251,6 +1613,11 @@ static const Test TESTS[] = {
     {"parallel_paths_match_serial", test_parallel_paths_match_serial},
 #endif
     {"gradcheck_catches_errors", test_gradcheck_catches_errors},
+    {"safetensors_round_trip", test_safetensors_round_trip},
+    {"safetensors_hand_built", test_safetensors_hand_built},
+    {"safetensors_writer_bytes", test_safetensors_writer_bytes},
+    {"safetensors_malformed", test_safetensors_malformed},
+    {"safetensors_write_atomic", test_safetensors_write_atomic},
 };
 
 int main(int argc, char **argv) {
