@@ -85,6 +85,13 @@ static void scale_cpu(Ops *o, Tensor t, float a) {
     for (size_t i = 0; i < n; i++) st(t, i, a * ld(t, i));
 }
 
+static void axpby_cpu(Ops *o, Tensor y, Tensor x, float a, float b, int accumulate) {
+    (void)o;
+    size_t n = shape_numel(x.shape);
+    #pragma omp parallel for schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) st_acc(y, i, a * ld(x, i) + b, accumulate);
+}
+
 static void copy_cpu(Ops *o, Tensor dst, Tensor src, int accumulate) {
     (void)o;
     size_t n = shape_numel(src.shape);
@@ -884,6 +891,7 @@ Ops ops_cpu = {
     .synchronize = cpu_synchronize,
     .fill = fill_cpu,
     .scale = scale_cpu,
+    .axpby = axpby_cpu,
     .copy = copy_cpu,
     .sum_squares = sum_squares_cpu,
     .nonfinite = nonfinite_cpu,
@@ -921,7 +929,7 @@ Ops ops_cpu = {
 
 static const char *LAYER_KIND_NAMES[LAYER_KIND_COUNT] = {
     "conv", "dense", "batchnorm", "activation", "global_avg_pool", "channel_scale", "add",
-    "concat", "maxpool2", "upsample2", "resize_bilinear", "dropout", "drop_path",
+    "concat", "maxpool2", "upsample2", "resize_bilinear", "dropout", "drop_path", "rescale",
 };
 const char *layer_kind_name(LayerKind k) { return k >= 0 && k < LAYER_KIND_COUNT ? LAYER_KIND_NAMES[k] : "?"; }
 
@@ -931,7 +939,7 @@ void graph_init(Graph *g) {
 }
 
 void graph_free(Graph *g) {
-    free(g->layers); free(g->tensors); free(g->params); free(g->buffers);
+    free(g->layers); free(g->tensors); free(g->params); free(g->buffers); free(g->stage_names);
     graph_init(g);
 }
 
@@ -1029,6 +1037,7 @@ static Layer *add_layer(Graph *g, LayerKind kind, const char *name, int a, int b
     l->in[0] = a; l->in[1] = b;
     l->weight = l->bias = l->run_mean = l->run_var = -1;
     l->block = g->block;
+    l->stage = g->n_stages - 1;
     l->out = new_tensor(g, name, out, g->n_layers);
     g->n_layers++;
     return l;
@@ -1193,8 +1202,279 @@ static int dropout_layer(Graph *g, LayerKind kind, const char *name, int x, floa
     l->rate = rate;
     return l->out;
 }
+int graph_rescale(Graph *g, const char *name, int x, float scale, float offset) {
+    if (g->err[0] || !valid_tensor(g, name, x)) return -1;
+    Layer *l = add_layer(g, LAYER_RESCALE, name, x, -1, tshape(g, x));
+    if (!l) return -1;
+    l->scale = scale;
+    l->offset = offset;
+    return l->out;
+}
+
+void graph_begin_block(Graph *g) { g->block++; }
+
+void graph_begin_stage(Graph *g, const char *name) {
+    GROW(g->stage_names, g->n_stages, g->cap_stages);
+    snprintf(g->stage_names[g->n_stages++], SN_NAME_MAX, "%s", name);
+}
+
 int graph_dropout(Graph *g, const char *name, int x, float rate) { return dropout_layer(g, LAYER_DROPOUT, name, x, rate); }
 int graph_drop_path(Graph *g, const char *name, int x, float rate) { return dropout_layer(g, LAYER_DROP_PATH, name, x, rate); }
+
+// ----------------------------------------------------------------------------
+// models
+//
+// EfficientNetV2 (Tan & Le 2021) with the stage tables of torchvision's
+// efficientnet.py and Keras' efficientnet_v2.py. Layer names are torchvision's,
+// so its state_dict names are segnet's parameter names:
+//   features.0            stem: 3×3 stride-2 conv, BN, SiLU
+//   features.s.j          stage s, block j:
+//     FusedMBConv         block.0 = k×k conv (stride) to in·e, BN, SiLU; block.1 = 1×1 conv to out, BN
+//                         (expansion 1: block.0 = k×k conv to out, BN, SiLU)
+//     MBConv              block.0 = 1×1 expand, BN, SiLU; block.1 = k×k depthwise (stride), BN, SiLU;
+//                         block.2 = squeeze-excitation (fc1 to max(1, in/4), SiLU, fc2, sigmoid);
+//                         block.3 = 1×1 project, BN
+//     a block with stride 1 and in = out adds its input back after stochastic depth
+//     with rate 0.2·b/B (b counts every block from 0, B blocks in all)
+//   features.S+1          head: 1×1 conv to 1280, BN, SiLU
+//   avgpool, classifier.0 dropout, classifier.1 dense
+// BN eps is 1e-3 throughout.
+
+typedef struct { int fused, expand, kernel, stride, cin, cout, layers; } EffStage;
+typedef struct {
+    const char *name;
+    const EffStage *stages; int n_stages;
+    int head_channels;
+    float dropout;
+} EffSpec;
+
+static const EffStage EFFV2_S_STAGES[] = {
+    {1, 1, 3, 1, 24, 24, 2}, {1, 4, 3, 2, 24, 48, 4}, {1, 4, 3, 2, 48, 64, 4},
+    {0, 4, 3, 2, 64, 128, 6}, {0, 6, 3, 1, 128, 160, 9}, {0, 6, 3, 2, 160, 256, 15},
+};
+static const EffStage EFFV2_M_STAGES[] = {
+    {1, 1, 3, 1, 24, 24, 3}, {1, 4, 3, 2, 24, 48, 5}, {1, 4, 3, 2, 48, 80, 5},
+    {0, 4, 3, 2, 80, 160, 7}, {0, 6, 3, 1, 160, 176, 14}, {0, 6, 3, 2, 176, 304, 18},
+    {0, 6, 3, 1, 304, 512, 5},
+};
+static const EffStage EFFV2_L_STAGES[] = {
+    {1, 1, 3, 1, 32, 32, 4}, {1, 4, 3, 2, 32, 64, 7}, {1, 4, 3, 2, 64, 96, 7},
+    {0, 4, 3, 2, 96, 192, 10}, {0, 6, 3, 1, 192, 224, 19}, {0, 6, 3, 2, 224, 384, 25},
+    {0, 6, 3, 1, 384, 640, 7},
+};
+// tiny: every block type (fused with and without expansion, MBConv with SE,
+// residual and strided blocks) and the same five stride-2 steps, for fast tests
+static const EffStage EFFV2_T_STAGES[] = {
+    {1, 1, 3, 1, 8, 8, 1}, {1, 4, 3, 2, 8, 16, 2}, {1, 4, 3, 2, 16, 24, 1},
+    {0, 4, 3, 2, 24, 32, 2}, {0, 6, 3, 1, 32, 40, 1}, {0, 6, 3, 2, 40, 48, 1},
+};
+#define EFF_SPEC(n, st, head, drop) {n, st, (int)(sizeof st / sizeof st[0]), head, drop}
+static const EffSpec EFF_SPECS[] = {
+    EFF_SPEC("effv2-s", EFFV2_S_STAGES, 1280, 0.2f),
+    EFF_SPEC("effv2-m", EFFV2_M_STAGES, 1280, 0.3f),
+    EFF_SPEC("effv2-l", EFFV2_L_STAGES, 1280, 0.4f),
+    EFF_SPEC("effv2-t", EFFV2_T_STAGES, 64, 0.2f),
+};
+#define EFF_STOCHASTIC_DEPTH 0.2f
+
+static const EffSpec *eff_spec(const char *name) {
+    for (size_t i = 0; i < sizeof EFF_SPECS / sizeof EFF_SPECS[0]; i++)
+        if (!strcmp(EFF_SPECS[i].name, name)) return &EFF_SPECS[i];
+    return NULL;
+}
+
+// layer name "prefix.suffix" (names are checked for length by add_layer)
+static const char *lname(char buf[2 * SN_NAME_MAX], const char *prefix, const char *suffix) {
+    if (snprintf(buf, 2 * SN_NAME_MAX, "%s.%s", prefix, suffix) >= 2 * SN_NAME_MAX) buf[2 * SN_NAME_MAX - 1] = 0;
+    return buf;
+}
+
+// conv (no bias) → BN (eps) → act, named P.0 and P.1 as torchvision's Conv2dNormActivation
+static int conv_bn_act(Graph *g, const char *p, int x, int cout, int k, int stride, int groups, PadMode pad,
+                       float eps, Act act) {
+    char b[2 * SN_NAME_MAX];
+    int c = graph_conv(g, lname(b, p, "0"), x, cout, k, stride, groups, pad, 0);
+    return graph_bn(g, lname(b, p, "1"), c, eps, act);
+}
+
+static int squeeze_excitation(Graph *g, const char *p, int x, int squeeze) {
+    char b[2 * SN_NAME_MAX];
+    int C = g->err[0] ? 1 : tshape(g, x).c;
+    int s = graph_gap(g, lname(b, p, "avgpool"), x);
+    s = graph_act(g, lname(b, p, "act"), graph_conv(g, lname(b, p, "fc1"), s, squeeze, 1, 1, 1, PAD_SAME, 1), ACT_SILU);
+    s = graph_act(g, lname(b, p, "gate"), graph_conv(g, lname(b, p, "fc2"), s, C, 1, 1, 1, PAD_SAME, 1), ACT_SIGMOID);
+    return graph_scale(g, lname(b, p, "scale"), x, s);
+}
+
+// The EfficientNetV2 feature extractor, from the 0..255 input to the head
+// activation. stage_out[s] receives the output of features.s (s = 0..S+1).
+static int effnetv2_features(Graph *g, const EffSpec *sp, int x, PadMode pad, int *stage_out) {
+    char p[SN_NAME_MAX], b[2 * SN_NAME_MAX];
+    graph_begin_stage(g, "stem");
+    graph_begin_block(g);
+    // Keras include_preprocessing for V2-S/M/L: Rescaling(1/128, offset -1)
+    x = graph_rescale(g, "rescale", x, 1.0f / 128.0f, -1.0f);
+    x = conv_bn_act(g, "features.0", x, sp->stages[0].cin, 3, 2, 1, pad, BN_EPS_EFFNET, ACT_SILU);
+    stage_out[0] = x;
+    int total = 0, b_id = 0;
+    for (int s = 0; s < sp->n_stages; s++) total += sp->stages[s].layers;
+    for (int s = 0; s < sp->n_stages; s++) {
+        const EffStage *st = &sp->stages[s];
+        snprintf(p, sizeof p, "stage%d", s + 1);
+        graph_begin_stage(g, p);
+        for (int j = 0; j < st->layers; j++, b_id++) {
+            graph_begin_block(g);
+            int cin = j == 0 ? st->cin : st->cout, stride = j == 0 ? st->stride : 1;
+            int exp = cin * st->expand;
+            snprintf(p, sizeof p, "features.%d.%d", s + 1, j);
+            int y;
+            if (st->fused && st->expand == 1) {
+                y = conv_bn_act(g, lname(b, p, "block.0"), x, st->cout, st->kernel, stride, 1, pad, BN_EPS_EFFNET, ACT_SILU);
+            } else if (st->fused) {
+                y = conv_bn_act(g, lname(b, p, "block.0"), x, exp, st->kernel, stride, 1, pad, BN_EPS_EFFNET, ACT_SILU);
+                y = conv_bn_act(g, lname(b, p, "block.1"), y, st->cout, 1, 1, 1, pad, BN_EPS_EFFNET, ACT_NONE);
+            } else {
+                y = conv_bn_act(g, lname(b, p, "block.0"), x, exp, 1, 1, 1, pad, BN_EPS_EFFNET, ACT_SILU);
+                y = conv_bn_act(g, lname(b, p, "block.1"), y, exp, st->kernel, stride, exp, pad, BN_EPS_EFFNET, ACT_SILU);
+                y = squeeze_excitation(g, lname(b, p, "block.2"), y, cin / 4 > 1 ? cin / 4 : 1);
+                y = conv_bn_act(g, lname(b, p, "block.3"), y, st->cout, 1, 1, 1, pad, BN_EPS_EFFNET, ACT_NONE);
+            }
+            if (stride == 1 && cin == st->cout) {
+                y = graph_drop_path(g, lname(b, p, "stochastic_depth"), y, EFF_STOCHASTIC_DEPTH * (float)b_id / (float)total);
+                y = graph_add(g, lname(b, p, "add"), x, y);
+            }
+            x = y;
+        }
+        stage_out[s + 1] = x;
+    }
+    graph_begin_stage(g, "head");
+    graph_begin_block(g);
+    snprintf(p, sizeof p, "features.%d", sp->n_stages + 1);
+    x = conv_bn_act(g, p, x, sp->head_channels, 1, 1, 1, pad, BN_EPS_EFFNET, ACT_SILU);
+    stage_out[sp->n_stages + 1] = x;
+    return x;
+}
+
+ModelCfg model_cfg_default(void) {
+    ModelCfg c = {"unet", 4, 1, 256, 256, PAD_SAME, 0, 4, 32};
+    return c;
+}
+
+// GAP → dropout → dense(classes), or GAP → dropout → dense(H) ReLU → dropout → dense(classes)
+static int classifier_head(Graph *g, int x, const EffSpec *sp, const ModelCfg *c) {
+    graph_begin_stage(g, "classifier");
+    graph_begin_block(g);
+    x = graph_dropout(g, "classifier.0", graph_gap(g, "avgpool", x), sp->dropout);
+    if (c->head_hidden > 0) {
+        x = graph_act(g, "classifier.2", graph_dense(g, "classifier.1", x, c->head_hidden, 1), ACT_RELU);
+        x = graph_dropout(g, "classifier.3", x, sp->dropout);
+        return graph_dense(g, "classifier.4", x, c->classes, 1);
+    }
+    return graph_dense(g, "classifier.1", x, c->classes, 1);
+}
+
+// two 3×3 conv (no bias) → BN → ReLU, named P.conv1.{0,1} and P.conv2.{0,1}
+static int double_conv(Graph *g, const char *p, int x, int ch, float eps) {
+    char b[2 * SN_NAME_MAX];
+    x = conv_bn_act(g, lname(b, p, "conv1"), x, ch, 3, 1, 1, PAD_SYMMETRIC, eps, ACT_RELU);
+    return conv_bn_act(g, lname(b, p, "conv2"), x, ch, 3, 1, 1, PAD_SYMMETRIC, eps, ACT_RELU);
+}
+
+// The classic U-Net (Ronneberger et al. 2015, with BN and same-size convs):
+// level i (0..D) has W·2^i channels; D 2×2 max-pools down, D nearest 2×
+// upsamplings each concatenated with the encoder level of that size; 1×1 head.
+static int unet_build(Graph *g, const ModelCfg *c) {
+    int div = 1 << c->depth;
+    if (c->depth < 1 || c->depth > 8 || c->width_base < 1) {
+        graph_fail(g, "model 'unet': depth %d must be 1..8 and width %d positive", c->depth, c->width_base);
+        return -1;
+    }
+    if (c->height % div || c->width % div) {
+        graph_fail(g, "model 'unet' (depth %d): input %dx%d must be a multiple of %d on each side (e.g. %dx%d)",
+                   c->depth, c->height, c->width, div, (c->height + div - 1) / div * div, (c->width + div - 1) / div * div);
+        return -1;
+    }
+    char p[SN_NAME_MAX], b[2 * SN_NAME_MAX];
+    int skip[9];
+    int x = graph_input(g, shape4(c->batch, c->height, c->width, 3));
+    for (int i = 0; i <= c->depth; i++) {
+        snprintf(p, sizeof p, "enc%d", i);
+        graph_begin_stage(g, p);
+        graph_begin_block(g);
+        if (i > 0) x = graph_maxpool(g, lname(b, p, "pool"), x);
+        x = skip[i] = double_conv(g, p, x, c->width_base << i, BN_EPS_UNET);
+    }
+    for (int i = c->depth - 1; i >= 0; i--) {
+        snprintf(p, sizeof p, "dec%d", i);
+        graph_begin_stage(g, p);
+        graph_begin_block(g);
+        x = graph_concat(g, lname(b, p, "cat"), graph_upsample(g, lname(b, p, "up"), x), skip[i]);
+        x = double_conv(g, p, x, c->width_base << i, BN_EPS_UNET);
+    }
+    graph_begin_stage(g, "head");
+    return graph_conv(g, "head", x, c->classes, 1, 1, 1, PAD_SAME, 1);
+}
+
+// U-Net on an EfficientNetV2 encoder, decoder as segmentation_models' Unet:
+// skips at strides 16, 8, 4, 2 from the last stage at each resolution, the /32
+// head activation as the bottleneck; per decoder stage nearest 2× upsample →
+// concat skip → two 3×3 conv-BN-ReLU with (256,128,64,32,16) filters; a 3×3
+// conv with bias to the class logits.
+static const int UNET_DECODER_CHANNELS[5] = {256, 128, 64, 32, 16};
+
+static int unet_effnetv2_build(Graph *g, const ModelCfg *c, const EffSpec *sp) {
+    if (c->height % 32 || c->width % 32) {
+        graph_fail(g, "model '%s': input %dx%d must be a multiple of 32 on each side (e.g. %dx%d)",
+                   c->model, c->height, c->width, (c->height + 31) / 32 * 32, (c->width + 31) / 32 * 32);
+        return -1;
+    }
+    int stage_out[16];
+    int x = graph_input(g, shape4(c->batch, c->height, c->width, 3));
+    x = effnetv2_features(g, sp, x, c->pad, stage_out);
+    if (g->err[0]) return -1;
+    // the last stage output at strides 2, 4, 8, 16
+    int skip[5] = {-1, -1, -1, -1, -1};
+    for (int s = 0; s <= sp->n_stages; s++) {
+        int stride = c->height / tshape(g, stage_out[s]).h;
+        for (int k = 1; k <= 4; k++) if (stride == 1 << k) skip[k] = stage_out[s];
+    }
+    char p[SN_NAME_MAX], b[2 * SN_NAME_MAX];
+    for (int i = 0; i < 5; i++) {
+        snprintf(p, sizeof p, "decoder.blocks.%d", i);
+        graph_begin_stage(g, p);
+        graph_begin_block(g);
+        x = graph_upsample(g, lname(b, p, "up"), x);
+        int sk = skip[4 - i];
+        if (i < 4) {
+            if (sk < 0) { graph_fail(g, "model '%s': the encoder has no stage at stride %d", c->model, 1 << (4 - i)); return -1; }
+            x = graph_concat(g, lname(b, p, "cat"), x, sk);
+        }
+        x = double_conv(g, p, x, UNET_DECODER_CHANNELS[i], BN_EPS_UNET);
+    }
+    graph_begin_stage(g, "segmentation_head");
+    return graph_conv(g, "segmentation_head.0", x, c->classes, 3, 1, 1, PAD_SYMMETRIC, 1);
+}
+
+// Builds the model named in c; returns the logits tensor, or -1 with g->err set.
+int model_build(Graph *g, const ModelCfg *c) {
+    if (c->classes < 1 || c->batch < 1 || c->height < 1 || c->width < 1) {
+        graph_fail(g, "model '%s': classes %d, batch %d and size %dx%d must be positive",
+                   c->model, c->classes, c->batch, c->height, c->width);
+        return -1;
+    }
+    if (!strcmp(c->model, "unet")) return unet_build(g, c);
+    if (!strncmp(c->model, "unet-", 5) && eff_spec(c->model + 5)) return unet_effnetv2_build(g, c, eff_spec(c->model + 5));
+    const EffSpec *sp = eff_spec(c->model);
+    if (!sp) {
+        graph_fail(g, "unknown model '%s' (models: unet, effv2-s, effv2-m, effv2-l, effv2-t, "
+                   "unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t)", c->model);
+        return -1;
+    }
+    int stage_out[16];
+    int x = graph_input(g, shape4(c->batch, c->height, c->width, 3));
+    x = effnetv2_features(g, sp, x, c->pad, stage_out);
+    return classifier_head(g, x, sp, c);
+}
 
 // ----------------------------------------------------------------------------
 // executing a graph
@@ -1331,6 +1611,7 @@ void net_forward(Net *net, int training) {
         case LAYER_MAXPOOL: o->maxpool2_forward(o, y, x); break;
         case LAYER_UPSAMPLE: o->upsample2_forward(o, y, x); break;
         case LAYER_RESIZE: o->resize_bilinear_forward(o, y, x); break;
+        case LAYER_RESCALE: o->axpby(o, y, x, l->scale, l->offset, 0); break;
         case LAYER_DROPOUT: case LAYER_DROP_PATH:
             if (layer_in_train_mode(net, l) && l->rate > 0.0f)
                 o->dropout_forward(o, y, x, l->rate, net_layer_seed(net, i), l->kind == LAYER_DROP_PATH);
@@ -1397,6 +1678,7 @@ void net_backward(Net *net, int output) {
         case LAYER_MAXPOOL: if (dx.data) o->maxpool2_backward(o, dx, dy, x, acc_a); break;
         case LAYER_UPSAMPLE: if (dx.data) o->upsample2_backward(o, dx, dy, acc_a); break;
         case LAYER_RESIZE: if (dx.data) o->resize_bilinear_backward(o, dx, dy, acc_a); break;
+        case LAYER_RESCALE: if (dx.data) o->axpby(o, dx, dy, l->scale, 0.0f, acc_a); break;
         case LAYER_DROPOUT: case LAYER_DROP_PATH:
             if (!dx.data) break;
             if (layer_in_train_mode(net, l) && l->rate > 0.0f)

@@ -226,6 +226,7 @@ struct Ops {
     // utilities over whole buffers
     void (*fill)(Ops *o, Tensor t, float value);
     void (*scale)(Ops *o, Tensor t, float a);                      // t *= a
+    void (*axpby)(Ops *o, Tensor y, Tensor x, float a, float b, int accumulate);  // y (=|+=) a·x + b
     void (*copy)(Ops *o, Tensor dst, Tensor src, int accumulate);  // dst (=|+=) src, casting between storage types
     void (*sum_squares)(Ops *o, Tensor t, float *out);             // *out = Σ t² (one float)
     void (*nonfinite)(Ops *o, Tensor t, int32_t *flag);            // *flag = 1 if any inf/NaN, else unchanged
@@ -326,6 +327,7 @@ typedef enum {
     LAYER_RESIZE,     // bilinear to (oh, ow)
     LAYER_DROPOUT,    // per element
     LAYER_DROP_PATH,  // per sample
+    LAYER_RESCALE,    // y = scale·x + offset (input preprocessing inside the model)
     LAYER_KIND_COUNT
 } LayerKind;
 
@@ -354,8 +356,10 @@ typedef struct {
     Act act;                   // LAYER_BN (fused), LAYER_ACT
     float eps;                 // LAYER_BN
     float rate;                // LAYER_DROPOUT, LAYER_DROP_PATH
+    float scale, offset;       // LAYER_RESCALE
     int frozen;                // no parameter gradients; BN in inference mode
-    int block;                 // checkpoint segment id
+    int block;                 // checkpoint segment id (an MBConv block, a decoder stage)
+    int stage;                 // index into Graph.stage_names (what `segnet plan` reports)
 } Layer;
 
 typedef struct {
@@ -365,6 +369,7 @@ typedef struct {
     ParamInfo *buffers;   int n_buffers, cap_buffers; size_t n_buffer_floats;  // BN running stats
     int input;            // tensor id of the graph's input (-1 before graph_input)
     int block;            // block id given to layers added from now on
+    char (*stage_names)[SN_NAME_MAX]; int n_stages, cap_stages;  // layers added now go to the last stage
     char err[SN_ERR_MAX]; // first error, "" if none; builders return -1 once set
 } Graph;
 
@@ -390,8 +395,30 @@ int graph_upsample(Graph *g, const char *name, int x);
 int graph_resize(Graph *g, const char *name, int x, int oh, int ow);
 int graph_dropout(Graph *g, const char *name, int x, float rate);
 int graph_drop_path(Graph *g, const char *name, int x, float rate);
+int graph_rescale(Graph *g, const char *name, int x, float scale, float offset);
+
+// Layers added from now on belong to a new checkpoint block / a new named stage.
+void graph_begin_block(Graph *g);
+void graph_begin_stage(Graph *g, const char *name);
 
 int graph_find_param(const Graph *g, const char *name);  // -1 if absent
+
+// ----------------------------------------------------------------------------
+// models: builders that emit a graph (layer and parameter names as torchvision's
+// EfficientNetV2 and segmentation_models' Unet decoder)
+
+typedef struct {
+    const char *model;      // effv2-s|m|l|t, unet, unet-effv2-s|m|l|t
+    int classes;
+    int batch, height, width;
+    PadMode pad;            // EfficientNetV2 convs: same (TensorFlow/Keras) or symmetric (torchvision)
+    int head_hidden;        // classifier: 0, or the width of a hidden ReLU layer
+    int depth, width_base;  // unet: levels below the top, channels of level 0
+} ModelCfg;
+
+ModelCfg model_cfg_default(void);
+// Returns the logits tensor id, or -1 with g->err naming the problem.
+int model_build(Graph *g, const ModelCfg *cfg);
 
 // ----------------------------------------------------------------------------
 // executing a graph on a backend (fixed batch, one allocation per tensor; the

@@ -45,7 +45,8 @@ static int contains(const char *s, const char *sub) { return strstr(s, sub) != N
 // gradients with random values P (they must be added to: analytic = grad - P).
 // Graphs in which the input feeds several layers exercise the accumulate mode.
 //
-// The reported error of a tensor is max_i |analytic_i - fd_i| / max_i |fd_i|.
+// The reported error of a tensor is max_i |analytic_i - fd_i| / max_i |fd_i|
+// (with max_i |fd_i| raised to grad_floor × the check's largest |fd| where a floor is given).
 
 typedef struct {
     float h;            // finite-difference step
@@ -56,10 +57,12 @@ typedef struct {
     float input_scale;  // input ~ N(0, input_scale²) unless `input` is given
     const float *input; // optional fixed input values
     int skip_input;     // do not check (or require) the input gradient
+    float grad_floor;   // the error's denominator is at least this fraction of the largest numerical
+                        // gradient of the whole check (for tensors whose exact gradient is ~0)
 } GradOpts;
 
 static GradOpts grad_opts(void) {
-    GradOpts o = {1e-2f, 5e-3f, 1, 4096, 1234, 1.0f, NULL, 0};
+    GradOpts o = {1e-2f, 5e-3f, 1, 4096, 1234, 1.0f, NULL, 0, 0.0f};
     return o;
 }
 
@@ -99,7 +102,7 @@ static void random_params(Net *net, Rng *rng) {
 typedef struct { double err; int checked; } GradResult;
 
 static void compare_grad(const char *what, const float *analytic, const float *fd, const size_t *idx, int n,
-                         double *worst, double tol) {
+                         double *worst, double tol, double floor) {
     double maxfd = 0.0, maxdiff = 0.0;
     int arg = 0;
     for (int k = 0; k < n; k++) {
@@ -107,7 +110,7 @@ static void compare_grad(const char *what, const float *analytic, const float *f
         double d = fabs((double)analytic[k] - fd[k]);
         if (!(d <= maxdiff)) { maxdiff = d; arg = k; }  // also catches NaN
     }
-    double err = maxdiff / (maxfd > 1e-12 ? maxfd : 1e-12);
+    double err = maxdiff / fmax(fmax(maxfd, floor), 1e-12);
     if (isnan(maxdiff)) err = INFINITY;
     if (g_verbose) printf("      %-28s err %.2e (max |g| %.3g, %d elements)\n", what, err, maxfd, n);
     CHECK(err <= tol, "%s: gradient error %.3e > %.1e at element %zu (analytic %.6g, numerical %.6g)",
@@ -142,10 +145,17 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
     memcpy(net.grads, prefill, sizeof(float) * g->n_param_floats);
     net_backward(&net, out);
 
-    double worst = 0.0;
-    int ns = opt.max_samples;
-    size_t *idx = malloc(sizeof(size_t) * ns);
-    float *an = malloc(sizeof(float) * ns), *fd = malloc(sizeof(float) * ns);
+    // analytic and numerical values of every checked tensor first, compared after
+    // (the gradient floor is relative to the largest numerical gradient of all)
+    int ns = opt.max_samples, n_checked = 0, max_checked = g->n_params + 1;
+    size_t *idx_all = malloc(sizeof(size_t) * ns * max_checked);
+    float *an_all = malloc(sizeof(float) * ns * max_checked), *fd_all = malloc(sizeof(float) * ns * max_checked);
+    int *n_all = malloc(sizeof(int) * max_checked);
+    const char **names = malloc(sizeof(char *) * max_checked);
+    size_t *idx; float *an, *fd;
+    #define NEXT(what) do { idx = idx_all + (size_t)n_checked * ns; an = an_all + (size_t)n_checked * ns; \
+                            fd = fd_all + (size_t)n_checked * ns; names[n_checked] = (what); } while (0)
+    #define DONE() (n_all[n_checked++] = n)
 
     // numerical gradient of L w.r.t. v[idx[k]], for a sample of v's elements
     #define SAMPLE(count) do { \
@@ -165,10 +175,11 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
     int n;
     if (!opt.skip_input) {
         const float *dx = net.grad[in];
+        NEXT("input");
         SAMPLE(nx);
         for (int k = 0; k < n; k++) an[k] = dx[idx[k]];
         FD(x);
-        compare_grad("input", an, fd, idx, n, &worst, opt.tol);
+        DONE();
     }
     for (int l = 0; l < g->n_layers; l++) {
         const Layer *L = &g->layers[l];
@@ -178,21 +189,31 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
             const ParamInfo *p = &g->params[ids[j]];
             float *v = net.params + p->offset;
             const float *gr = net.grads + p->offset, *pre = prefill + p->offset;
-            SAMPLE(p->count);
             if (L->frozen) {  // a frozen layer's gradient slice is never touched
                 int same = 1;
                 for (size_t k = 0; k < p->count; k++) same &= gr[k] == pre[k];
                 CHECK(same, "%s: frozen parameter's gradient was written", p->name);
                 continue;
             }
+            NEXT(p->name);
+            SAMPLE(p->count);
             for (int k = 0; k < n; k++) an[k] = gr[idx[k]] - pre[idx[k]];
             FD(v);
-            compare_grad(p->name, an, fd, idx, n, &worst, opt.tol);
+            DONE();
         }
     }
+    double scale = 0.0, worst = 0.0;
+    for (size_t k = 0; k < (size_t)ns * n_checked; k++)
+        if (k % ns < (size_t)n_all[k / ns]) scale = fmax(scale, fabs(fd_all[k]));
+    for (int t = 0; t < n_checked; t++)
+        compare_grad(names[t], an_all + (size_t)t * ns, fd_all + (size_t)t * ns, idx_all + (size_t)t * ns, n_all[t],
+                     &worst, opt.tol, opt.grad_floor * scale);
+    free(idx_all); free(an_all); free(fd_all); free(n_all); free(names);
+    #undef NEXT
+    #undef DONE
     #undef SAMPLE
     #undef FD
-    free(idx); free(an); free(fd); free(r); free(prefill);
+    free(r); free(prefill);
     net_free(&net);
     return worst;
 }
@@ -1568,6 +1589,165 @@ static void test_safetensors_write_atomic(void) {
 }
 
 // ----------------------------------------------------------------------------
+// models: architecture against torchvision (names, shapes, counts), and the
+// sizes refused
+
+static size_t count_params(const Graph *g, const char *skip_prefix) {
+    size_t n = 0;
+    for (int i = 0; i < g->n_params; i++)
+        if (!skip_prefix || strncmp(g->params[i].name, skip_prefix, strlen(skip_prefix))) n += g->params[i].count;
+    return n;
+}
+
+static int build_model(Graph *g, const char *name, int classes, int h, int w, PadMode pad) {
+    ModelCfg c = model_cfg_default();
+    c.model = name; c.classes = classes; c.height = h; c.width = w; c.pad = pad;
+    graph_init(g);
+    int y = model_build(g, &c);
+    CHECK(y >= 0 && !g->err[0], "%s: %s", name, g->err);
+    return y;
+}
+
+// Counts from torchvision 0.14 (efficientnet_v2_s/m/l, 1000 classes): all
+// parameters, parameters without the classifier, BN running-statistics values.
+static void test_effv2_param_counts(void) {
+    struct { const char *name; size_t all, features, bn; } want[] = {
+        {"effv2-s", 21458488, 20177488, 153872},
+        {"effv2-m", 54139356, 52858356, 292032},
+        {"effv2-l", 118515272, 117234272, 512576},
+    };
+    for (int i = 0; i < 3; i++) {
+        Graph g;
+        build_model(&g, want[i].name, 1000, 64, 64, PAD_SYMMETRIC);
+        CHECK(g.n_param_floats == want[i].all, "%s: %zu parameters, torchvision has %zu", want[i].name, g.n_param_floats, want[i].all);
+        size_t f = count_params(&g, "classifier.");
+        CHECK(f == want[i].features, "%s: %zu without the classifier, torchvision %zu", want[i].name, f, want[i].features);
+        CHECK(g.n_buffer_floats == want[i].bn, "%s: %zu BN buffer values, torchvision %zu", want[i].name, g.n_buffer_floats, want[i].bn);
+        graph_free(&g);
+    }
+}
+
+// Every torchvision state_dict entry (data/ref/*.torchvision.txt, written by
+// ref/torchvision_names.py) is a segnet parameter or buffer of the same name,
+// with OIHW conv weights as OHWI, and nothing else exists in segnet.
+static void test_effv2_names_match_torchvision(void) {
+    const char *models[3] = {"effv2-s", "effv2-m", "effv2-l"};
+    for (int m = 0; m < 3; m++) {
+        char path[256];
+        snprintf(path, sizeof path, "data/ref/%s.torchvision.txt", models[m]);
+        FILE *f = fopen(path, "r");
+        CHECK(f != NULL, "cannot open %s (run make test from the repository root)", path);
+        if (!f) continue;
+        Graph g;
+        build_model(&g, models[m], 1000, 64, 64, PAD_SYMMETRIC);
+        char name[256], dims[64];
+        int lines = 0, bad = 0;
+        while (fscanf(f, "%255s %63s", name, dims) == 2) {
+            lines++;
+            int d[4] = {0, 0, 0, 0}, nd = sscanf(dims, "%d,%d,%d,%d", &d[0], &d[1], &d[2], &d[3]);
+            const ParamInfo *p = NULL;
+            int id = graph_find_param(&g, name);
+            if (id >= 0) p = &g.params[id];
+            for (int b = 0; !p && b < g.n_buffers; b++) if (!strcmp(g.buffers[b].name, name)) p = &g.buffers[b];
+            if (!p) { if (bad++ < 3) printf("    %s: torchvision's %s is missing\n", models[m], name); continue; }
+            int want[4] = {d[0], d[1], d[2], d[3]};
+            if (nd == 4) { want[1] = d[2]; want[2] = d[3]; want[3] = d[1]; }  // OIHW -> OHWI
+            int same = p->ndim == nd;
+            for (int k = 0; same && k < nd; k++) same = p->dims[k] == want[k];
+            if (!same && bad++ < 3) printf("    %s: %s has another shape than torchvision's %s\n", models[m], name, dims);
+        }
+        fclose(f);
+        CHECK(bad == 0, "%s: %d names or shapes differ from torchvision", models[m], bad);
+        CHECK(lines == g.n_params + g.n_buffers, "%s: torchvision has %d tensors, segnet %d", models[m], lines,
+              g.n_params + g.n_buffers);
+        graph_free(&g);
+    }
+}
+
+// U-Net parameters by the formula: a double conv cin→ch has 9·cin·ch + 9·ch² weights and
+// 4·ch BN parameters; level i has W·2^i channels; the 1×1 head has W·K + K.
+static size_t double_conv_params(size_t cin, size_t ch) { return 9 * cin * ch + 9 * ch * ch + 4 * ch; }
+
+static void test_unet_params(void) {
+    Graph g;
+    build_model(&g, "unet", 4, 64, 96, PAD_SAME);
+    size_t W = 32, want = double_conv_params(3, W);
+    for (int i = 1; i <= 4; i++) want += double_conv_params(W << (i - 1), W << i);
+    for (int i = 3; i >= 0; i--) want += double_conv_params((W << (i + 1)) + (W << i), W << i);
+    want += W * 4 + 4;
+    CHECK(g.n_param_floats == want, "unet depth 4 width 32: %zu parameters, formula %zu", g.n_param_floats, want);
+    int out = g.layers[g.n_layers - 1].out;
+    CHECK(shape_eq(g.tensors[out].shape, shape4(1, 64, 96, 4)), "unet logits " SHAPE_FMT, SHAPE_ARGS(g.tensors[out].shape));
+    graph_free(&g);
+    // unet-effv2-l: the torchvision encoder (no classifier) plus the decoder, skips of 224, 96, 64, 32 channels
+    build_model(&g, "unet-effv2-l", 5, 64, 96, PAD_SAME);
+    want = 117234272 + double_conv_params(1280 + 224, 256) + double_conv_params(256 + 96, 128) +
+           double_conv_params(128 + 64, 64) + double_conv_params(64 + 32, 32) + double_conv_params(32, 16) + 9 * 16 * 5 + 5;
+    CHECK(g.n_param_floats == want, "unet-effv2-l: %zu parameters, expected %zu", g.n_param_floats, want);
+    out = g.layers[g.n_layers - 1].out;
+    CHECK(shape_eq(g.tensors[out].shape, shape4(1, 64, 96, 5)), "unet-effv2-l logits " SHAPE_FMT, SHAPE_ARGS(g.tensors[out].shape));
+    int skips_ok = graph_find_param(&g, "decoder.blocks.0.conv1.0.weight") >= 0;
+    int id = graph_find_param(&g, "decoder.blocks.0.conv1.0.weight");
+    skips_ok &= id >= 0 && g.params[id].dims[3] == 1280 + 224;
+    CHECK(skips_ok, "the first decoder block reads the head (1280) and the stride-16 skip (224)");
+    graph_free(&g);
+}
+
+static void test_model_refusals(void) {
+    Graph g; graph_init(&g);
+    ModelCfg c = model_cfg_default();
+    c.model = "unet-effv2-s"; c.height = 300; c.width = 500;
+    CHECK(model_build(&g, &c) == -1 && contains(g.err, "unet-effv2-s") && contains(g.err, "300x500") &&
+          contains(g.err, "multiple of 32") && contains(g.err, "320x512"), "unet-effv2 300x500: '%s'", g.err);
+    graph_free(&g); graph_init(&g);
+    c.model = "unet"; c.height = 250; c.width = 256;
+    CHECK(model_build(&g, &c) == -1 && contains(g.err, "multiple of 16") && contains(g.err, "256x256"), "unet 250: '%s'", g.err);
+    graph_free(&g); graph_init(&g);
+    c.model = "resnet50";
+    CHECK(model_build(&g, &c) == -1 && contains(g.err, "unknown model 'resnet50'"), "unknown model: '%s'", g.err);
+    graph_free(&g);
+}
+
+// The tiny EfficientNetV2 (every block type) and its U-Net, trained through the
+// executor, against finite differences (a sample of every parameter tensor).
+// The U-Net is checked with its encoder frozen (the encoder is the model
+// checked first; frozen, it runs BN in inference mode and keeps no gradients),
+// which keeps the finite differences of the decoder shallow and well
+// conditioned: through the whole U-Net a single step size leaves either
+// truncation (the stem) or round-off (deep layers) above 5e-3.
+// A deep fp32 forward needs a larger step (the error grows as h shrinks:
+// round-off, not truncation), 64×64 × 4 images so that the /32 batch norms
+// see 16 values, and a gradient floor of 1% of the largest gradient: a BN
+// shift followed by conv → BN has an exact gradient of 0.
+static void test_effv2_tiny_grad(void) {
+    const char *models[2] = {"effv2-t", "unet-effv2-t"};
+    for (int m = 0; m < 2; m++) {
+        Graph g;
+        ModelCfg c = model_cfg_default();
+        c.model = models[m]; c.classes = 3; c.batch = 4; c.height = 64; c.width = 64; c.pad = m ? PAD_SYMMETRIC : PAD_SAME;
+        c.head_hidden = m ? 0 : 5;
+        graph_init(&g);
+        int y = model_build(&g, &c);
+        CHECK(y >= 0, "%s", g.err);
+        if (y < 0) { graph_free(&g); continue; }
+        for (int l = 0; l < g.n_layers; l++) {  // ReLU in the decoder and hidden head: SiLU keeps the check smooth
+            if (g.layers[l].act == ACT_RELU) g.layers[l].act = ACT_SILU;
+            if (m == 1 && (!strncmp(g.layers[l].name, "features.", 9) || !strcmp(g.layers[l].name, "rescale")))
+                g.layers[l].frozen = 1;
+        }
+        GradOpts o = grad_opts();
+        o.max_samples = 6;
+        o.h = 2e-2f;
+        o.grad_floor = 0.01f;
+        o.input_scale = 60.0f;
+        o.skip_input = 1;
+        double e = graph_gradcheck(&g, y, o, &ops_cpu);
+        if (g_verbose) printf("    %s worst parameter gradient error %.2e\n", models[m], e);
+        graph_free(&g);
+    }
+}
+
+// ----------------------------------------------------------------------------
 // the runner
 
 typedef struct { const char *name; void (*fn)(void); } Test;
@@ -1618,6 +1798,11 @@ static const Test TESTS[] = {
     {"safetensors_writer_bytes", test_safetensors_writer_bytes},
     {"safetensors_malformed", test_safetensors_malformed},
     {"safetensors_write_atomic", test_safetensors_write_atomic},
+    {"effv2_param_counts", test_effv2_param_counts},
+    {"effv2_names_match_torchvision", test_effv2_names_match_torchvision},
+    {"unet_params", test_unet_params},
+    {"model_refusals", test_model_refusals},
+    {"effv2_tiny_grad", test_effv2_tiny_grad},
 };
 
 int main(int argc, char **argv) {
