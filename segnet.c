@@ -2377,6 +2377,168 @@ done:
 }
 
 // ----------------------------------------------------------------------------
+// weights by name: safetensors files in PyTorch layout
+//
+// Names are the graph's (torchvision's for EfficientNetV2). Files hold
+// PyTorch's layout, so that they load into torchvision as they are: conv
+// weights OIHW, transposed to and from segnet's OHWI on the way.
+
+// element [o][i][y][x] of OIHW goes to [o][y][x][i]
+static void oihw_to_ohwi(const float *src, float *dst, int n_out, int n_in, int kh, int kw) {
+    for (int o = 0; o < n_out; o++)
+        for (int i = 0; i < n_in; i++)
+            for (int y = 0; y < kh; y++)
+                for (int x = 0; x < kw; x++)
+                    dst[(((size_t)o * kh + y) * kw + x) * n_in + i] = src[(((size_t)o * n_in + i) * kh + y) * kw + x];
+}
+static void ohwi_to_oihw(const float *src, float *dst, int n_out, int n_in, int kh, int kw) {
+    for (int o = 0; o < n_out; o++)
+        for (int i = 0; i < n_in; i++)
+            for (int y = 0; y < kh; y++)
+                for (int x = 0; x < kw; x++)
+                    dst[(((size_t)o * n_in + i) * kh + y) * kw + x] = src[(((size_t)o * kh + y) * kw + x) * n_in + i];
+}
+
+// a file tensor's values as fp32 (its data may be unaligned and fp16/bf16)
+void st_tensor_f32(const StTensor *t, float *dst) {
+    const uint8_t *p = (const uint8_t *)t->data;
+    for (size_t i = 0; i < t->numel; i++) {
+        if (t->dtype == DT_F32) { memcpy(&dst[i], p + 4 * i, 4); continue; }
+        uint16_t h;
+        memcpy(&h, p + 2 * i, 2);
+        dst[i] = t->dtype == DT_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+    }
+}
+
+// the PyTorch shape of a segnet parameter: OHWI (4-d) becomes OIHW
+static void torch_dims(const ParamInfo *p, int64_t dims[4]) {
+    for (int k = 0; k < p->ndim; k++) dims[k] = p->dims[k];
+    if (p->ndim == 4) { dims[1] = p->dims[3]; dims[2] = p->dims[1]; dims[3] = p->dims[2]; }
+}
+
+static void dims_str(char *buf, size_t size, const int64_t *d, int n) {
+    int k = snprintf(buf, size, "(");
+    for (int i = 0; i < n && k < (int)size; i++) k += snprintf(buf + k, size - k, i ? ",%lld" : "%lld", (long long)d[i]);
+    if (k < (int)size) snprintf(buf + k, size - k, ")");
+}
+
+// appends "name" to a comma-separated list, at most a few names then "..."
+static void list_add(char *list, size_t size, int *count, const char *name) {
+    if (*count < 4) {
+        size_t len = strlen(list);
+        snprintf(list + len, size - len, "%s%s", *count ? ", " : "", name);
+    } else if (*count == 4) {
+        size_t len = strlen(list);
+        snprintf(list + len, size - len, ", ...");
+    }
+    (*count)++;
+}
+
+int net_load_weights(Net *net, const StFile *f, const char *path, const char *allow_missing, int allow_unexpected,
+                     char err[SN_ERR_MAX]) {
+    const Graph *g = net->g;
+    const int n_entries = g->n_params + g->n_buffers;
+    const StTensor **src = calloc((size_t)n_entries, sizeof *src);
+    char *used = calloc((size_t)f->n_tensors + 1, 1);
+    snCheck(src && used, "out of host memory");
+    char missing[256] = "", wrong[384] = "", unexpected[256] = "";
+    int n_missing = 0, n_wrong = 0, n_unexpected = 0;
+    // first every check, then the copy: a refused file changes nothing
+    for (int e = 0; e < n_entries; e++) {
+        const ParamInfo *p = e < g->n_params ? &g->params[e] : &g->buffers[e - g->n_params];
+        const StTensor *t = st_find(f, p->name);
+        int skippable = allow_missing && allow_missing[0] && !strncmp(p->name, allow_missing, strlen(allow_missing));
+        if (t) used[t - f->tensors] = 1;
+        int64_t want[4];
+        torch_dims(p, want);
+        int same = t && t->ndim == p->ndim;
+        for (int k = 0; same && k < p->ndim; k++) same = t->dims[k] == want[k];
+        if (!t) {
+            if (!skippable) list_add(missing, sizeof missing, &n_missing, p->name);
+        } else if (!same) {
+            if (!skippable) {
+                char a[96], b[96], item[2 * SN_NAME_MAX + 200];
+                dims_str(a, sizeof a, t->dims, t->ndim);
+                dims_str(b, sizeof b, want, p->ndim);
+                snprintf(item, sizeof item, "%s is %s, the model needs %s", p->name, a, b);
+                list_add(wrong, sizeof wrong, &n_wrong, item);
+            }
+        } else {
+            src[e] = t;
+        }
+    }
+    for (int i = 0; i < f->n_tensors; i++)
+        if (!used[i] && !strstr(f->tensors[i].name, "num_batches_tracked"))
+            list_add(unexpected, sizeof unexpected, &n_unexpected, f->tensors[i].name);
+    int refuse = n_missing || n_wrong || (n_unexpected && !allow_unexpected);
+    if (refuse) {
+        int k = snprintf(err, SN_ERR_MAX, "%s: not loaded:", path);
+        if (n_missing && k < SN_ERR_MAX) k += snprintf(err + k, SN_ERR_MAX - k, " %d missing (%s);", n_missing, missing);
+        if (n_wrong && k < SN_ERR_MAX) k += snprintf(err + k, SN_ERR_MAX - k, " %d of the wrong shape (%s);", n_wrong, wrong);
+        if (n_unexpected && !allow_unexpected && k < SN_ERR_MAX)
+            k += snprintf(err + k, SN_ERR_MAX - k, " %d unexpected (%s);", n_unexpected, unexpected);
+        if (k < SN_ERR_MAX && n_missing)
+            snprintf(err + k, SN_ERR_MAX - k, " a new head can be left out with --allow-missing PREFIX");
+    } else {
+        Ops *o = net->o;
+        size_t max_count = 1;
+        for (int e = 0; e < n_entries; e++) {
+            const ParamInfo *p = e < g->n_params ? &g->params[e] : &g->buffers[e - g->n_params];
+            if (p->count > max_count) max_count = p->count;
+        }
+        float *vals = malloc(sizeof(float) * max_count), *tmp = malloc(sizeof(float) * max_count);
+        snCheck(vals && tmp, "out of host memory");
+        for (int e = 0; e < n_entries; e++) {
+            if (!src[e]) continue;  // skipped under allow_missing
+            const int is_param = e < g->n_params;
+            const ParamInfo *p = is_param ? &g->params[e] : &g->buffers[e - g->n_params];
+            st_tensor_f32(src[e], vals);
+            if (p->ndim == 4) {
+                oihw_to_ohwi(vals, tmp, p->dims[0], p->dims[3], p->dims[1], p->dims[2]);
+                memcpy(vals, tmp, sizeof(float) * p->count);
+            }
+            o->upload(o, (is_param ? net->params : net->buffers) + p->offset, vals, sizeof(float) * p->count);
+        }
+        free(vals); free(tmp);
+    }
+    free(src); free(used);
+    return refuse ? -1 : 0;
+}
+
+int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]) {
+    const Graph *g = net->g;
+    Ops *o = net->o;
+    const int n = g->n_params + g->n_buffers;
+    size_t total = g->n_param_floats + g->n_buffer_floats;
+    float *host = malloc(sizeof(float) * (total ? total : 1)), *tmp = malloc(sizeof(float) * (total ? total : 1));
+    StTensor *ts = calloc((size_t)n, sizeof *ts);
+    snCheck(host && tmp && ts, "out of host memory");
+    o->download(o, host, net->params, sizeof(float) * g->n_param_floats);
+    o->download(o, host + g->n_param_floats, net->buffers, sizeof(float) * g->n_buffer_floats);
+    for (int e = 0; e < n; e++) {
+        const int is_param = e < g->n_params;
+        const ParamInfo *p = is_param ? &g->params[e] : &g->buffers[e - g->n_params];
+        float *v = host + (is_param ? 0 : g->n_param_floats) + p->offset;
+        if (p->ndim == 4) {  // to OIHW, in the spare copy at the same offset
+            float *t = tmp + (is_param ? 0 : g->n_param_floats) + p->offset;
+            ohwi_to_oihw(v, t, p->dims[0], p->dims[3], p->dims[1], p->dims[2]);
+            v = t;
+        }
+        StTensor *t = &ts[e];
+        snprintf(t->name, sizeof t->name, "%s", p->name);
+        t->dtype = DT_F32;
+        t->ndim = p->ndim;
+        torch_dims(p, t->dims);
+        t->numel = p->count;
+        t->data = v;
+    }
+    const char *keys[2] = {"format", "layout"}, *values[2] = {"segnet", "pytorch (conv weights OIHW)"};
+    int rc = st_write(path, ts, n, keys, values, 2, err);
+    free(host); free(tmp); free(ts);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
 // host RNG extras
 
 // standard normal by Box-Muller

@@ -504,6 +504,17 @@ const StTensor *st_find(const StFile *f, const char *name);  // NULL if absent
 int st_write(const char *path, const StTensor *tensors, int n, const char *const *meta_keys,
              const char *const *meta_values, int n_meta, char err[SN_ERR_MAX]);
 
+// Weights by name, files in PyTorch layout (conv weights OIHW). Loading checks
+// everything before changing anything: tensors missing from the file, of the
+// wrong shape, or (unless allow_unexpected) unknown to the model refuse the
+// load with their names in err. Names starting with allow_missing (e.g.
+// "classifier.") may be absent or of another shape (a new head): they keep
+// their current values.
+int net_load_weights(Net *net, const StFile *f, const char *path, const char *allow_missing, int allow_unexpected,
+                     char err[SN_ERR_MAX]);
+int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]);
+void st_tensor_f32(const StTensor *t, float *dst);  // values as fp32, whatever the dtype
+
 // ----------------------------------------------------------------------------
 // deterministic host RNG (initialisation, tests, data order)
 

@@ -1748,6 +1748,104 @@ static void test_effv2_tiny_grad(void) {
 }
 
 // ----------------------------------------------------------------------------
+// weights by name: round trip, PyTorch layout in the file, refusals that change nothing
+
+static int tiny_net(Graph *g, Net *net, int classes, uint64_t seed) {
+    ModelCfg c = model_cfg_default();
+    c.model = "effv2-t"; c.classes = classes; c.height = 32; c.width = 32;
+    graph_init(g);
+    int y = model_build(g, &c);
+    char err[SN_ERR_MAX];
+    CHECK(y >= 0 && net_create(net, g, &ops_cpu, DT_F32, 0, err) == 0, "tiny net: %s %s", g->err, err);
+    Rng r; rng_seed(&r, seed);
+    random_params(net, &r);
+    return y;
+}
+
+static void test_weights_round_trip(void) {
+    Graph g1, g2; Net a, b; char err[SN_ERR_MAX], path[128];
+    snprintf(path, sizeof path, "/tmp/segnet_test_%ld_w.safetensors", (long)getpid());
+    tiny_net(&g1, &a, 3, 1);
+    tiny_net(&g2, &b, 3, 2);
+    CHECK(net_save_weights(&a, path, err) == 0, "save: %s", err);
+    StFile f;
+    CHECK(st_read(path, &f, err) == 0, "read back: %s", err);
+    CHECK(f.n_tensors == g1.n_params + g1.n_buffers, "%d tensors for %d parameters and %d buffers", f.n_tensors, g1.n_params, g1.n_buffers);
+    // the stem conv is OIHW in the file: element [o][i][y][x] is segnet's [o][y][x][i]
+    const StTensor *t = st_find(&f, "features.0.0.weight");
+    const ParamInfo *p = &g1.params[graph_find_param(&g1, "features.0.0.weight")];
+    CHECK(t && t->ndim == 4 && t->dims[0] == 8 && t->dims[1] == 3 && t->dims[2] == 3 && t->dims[3] == 3, "stem OIHW (8,3,3,3)");
+    if (t) {
+        float v[216];
+        st_tensor_f32(t, v);
+        int same = 1;
+        for (int o = 0; o < 8; o++) for (int i = 0; i < 3; i++) for (int y = 0; y < 3; y++) for (int x = 0; x < 3; x++)
+            same &= v[((o * 3 + i) * 3 + y) * 3 + x] == a.params[p->offset + ((o * 3 + y) * 3 + x) * 3 + i];
+        CHECK(same, "OIHW in the file is the transpose of segnet's OHWI");
+    }
+    CHECK(net_load_weights(&b, &f, path, NULL, 0, err) == 0, "load: %s", err);
+    CHECK(!memcmp(a.params, b.params, sizeof(float) * g1.n_param_floats), "parameters survive save and load");
+    CHECK(!memcmp(a.buffers, b.buffers, sizeof(float) * g1.n_buffer_floats), "BN running statistics survive");
+    st_free(&f);
+    net_free(&a); net_free(&b); graph_free(&g1); graph_free(&g2);
+    unlink(path);
+}
+
+static void test_weights_refused(void) {
+    Graph g1, g2; Net a, b; char err[SN_ERR_MAX], path[128], path2[128];
+    snprintf(path, sizeof path, "/tmp/segnet_test_%ld_w1.safetensors", (long)getpid());
+    snprintf(path2, sizeof path2, "/tmp/segnet_test_%ld_w2.safetensors", (long)getpid());
+    tiny_net(&g1, &a, 3, 1);
+    CHECK(net_save_weights(&a, path, err) == 0, "save: %s", err);
+    StFile f;
+    CHECK(st_read(path, &f, err) == 0, "%s", err);
+    // another head (7 classes): refused, naming the tensor and both shapes; nothing changes
+    tiny_net(&g2, &b, 7, 2);
+    float *before = malloc(sizeof(float) * g2.n_param_floats);
+    memcpy(before, b.params, sizeof(float) * g2.n_param_floats);
+    CHECK(net_load_weights(&b, &f, path, NULL, 0, err) == -1 && contains(err, path) &&
+          contains(err, "classifier.1.weight is (3,64), the model needs (7,64)"), "wrong shape: '%s'", err);
+    CHECK(!memcmp(before, b.params, sizeof(float) * g2.n_param_floats), "a refused load changes nothing");
+    // allowed as a new head: everything else loads, the head keeps its values
+    CHECK(net_load_weights(&b, &f, path, "classifier.", 0, err) == 0, "new head: %s", err);
+    const ParamInfo *stem = &g2.params[graph_find_param(&g2, "features.0.1.weight")];
+    const ParamInfo *head = &g2.params[graph_find_param(&g2, "classifier.1.weight")];
+    CHECK(!memcmp(b.params + stem->offset, a.params + stem->offset, sizeof(float) * stem->count), "the backbone loaded");
+    CHECK(!memcmp(b.params + head->offset, before + head->offset, sizeof(float) * head->count), "the new head kept its values");
+    net_free(&b); graph_free(&g2);
+    // a file without one tensor, and one with an extra tensor
+    StTensor *ts = malloc(sizeof(StTensor) * (f.n_tensors + 1));
+    int n = 0;
+    for (int i = 0; i < f.n_tensors; i++) if (strcmp(f.tensors[i].name, "features.4.0.block.2.fc1.bias")) ts[n++] = f.tensors[i];
+    CHECK(st_write(path2, ts, n, NULL, NULL, 0, err) == 0, "%s", err);
+    StFile f2;
+    CHECK(st_read(path2, &f2, err) == 0, "%s", err);
+    tiny_net(&g2, &b, 3, 2);
+    CHECK(net_load_weights(&b, &f2, path2, NULL, 0, err) == -1 && contains(err, "1 missing (features.4.0.block.2.fc1.bias)"),
+          "missing: '%s'", err);
+    st_free(&f2);
+    memcpy(ts, f.tensors, sizeof(StTensor) * f.n_tensors);
+    ts[f.n_tensors] = f.tensors[0];
+    snprintf(ts[f.n_tensors].name, SN_NAME_MAX, "extra.weight");
+    CHECK(st_write(path2, ts, f.n_tensors + 1, NULL, NULL, 0, err) == 0, "%s", err);
+    CHECK(st_read(path2, &f2, err) == 0, "%s", err);
+    CHECK(net_load_weights(&b, &f2, path2, NULL, 0, err) == -1 && contains(err, "1 unexpected (extra.weight)"), "unexpected: '%s'", err);
+    CHECK(net_load_weights(&b, &f2, path2, NULL, 1, err) == 0, "unexpected allowed: %s", err);
+    st_free(&f2);
+    // a truncated file is refused by the reader, naming the file
+    FILE *fp = fopen(path, "r+");
+    CHECK(fp && ftruncate(fileno(fp), (off_t)(f.n_bytes / 2)) == 0, "truncate");
+    if (fp) fclose(fp);
+    CHECK(st_read(path2, &f2, err) == 0, "%s", err);
+    st_free(&f2);
+    CHECK(st_read(path, &f2, err) == -1 && contains(err, path), "truncated: '%s'", err);
+    free(ts); free(before);
+    st_free(&f);
+    net_free(&a); net_free(&b); graph_free(&g1); graph_free(&g2);
+    unlink(path); unlink(path2);
+}
+
+// ----------------------------------------------------------------------------
 // the runner
 
 typedef struct { const char *name; void (*fn)(void); } Test;
@@ -1803,6 +1901,8 @@ static const Test TESTS[] = {
     {"unet_params", test_unet_params},
     {"model_refusals", test_model_refusals},
     {"effv2_tiny_grad", test_effv2_tiny_grad},
+    {"weights_round_trip", test_weights_round_trip},
+    {"weights_refused", test_weights_refused},
 };
 
 int main(int argc, char **argv) {
