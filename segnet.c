@@ -2559,12 +2559,120 @@ static const char *USAGE =
     "usage: segnet COMMAND [options]\n"
     "\n"
     "commands:\n"
+    "  plan      print a model's stages, output shapes and parameter counts\n"
     "  train     train a model (not yet available in this build: the training\n"
-    "            issue adds it; this build has the core ops and graph engine)\n"
-    "  info      print the build: backend, BLAS threads, OpenMP threads\n"
-    "  help      this text (also --help, -h)\n"
+    "            issue adds it)\n"
+    "  info      print the build: backend, BLAS, threads\n"
+    "  help      this text (also --help, -h); segnet COMMAND --help for a command\n"
     "\n"
     "The test suite is `make test`; see README.md.\n";
+
+static const char *PLAN_USAGE =
+    "usage: segnet plan --model NAME [options]\n"
+    "\n"
+    "Prints the model, stage by stage: output shape (N,H,W,C) and parameters,\n"
+    "then `parameters: N (trainable T)`. Nothing is allocated.\n"
+    "\n"
+    "  --model NAME        unet (default), effv2-s, effv2-m, effv2-l, effv2-t,\n"
+    "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
+    "  --classes K         output classes (default 4)\n"
+    "  --size HxW          input size (default 256x256)\n"
+    "  --batch B           images per step (default 1)\n"
+    "  --padding MODE      same (TensorFlow/Keras, default) or symmetric (torchvision)\n"
+    "  --head-hidden H     classifier hidden layer width (default 0: none)\n"
+    "  --depth D           unet levels below the top (default 4)\n"
+    "  --width W           unet channels at the top level (default 32)\n";
+
+// strict integer option: the whole value must be a number in [lo, hi]
+static int parse_int(const char *flag, const char *v, int lo, int hi, int *out) {
+    char *end;
+    long x = strtol(v, &end, 10);
+    if (!*v || *end || x < lo || x > hi) {
+        fprintf(stderr, "segnet: %s '%s' is not an integer in %d..%d\n", flag, v, lo, hi);
+        return -1;
+    }
+    *out = (int)x;
+    return 0;
+}
+
+// Parses the model options shared by plan (and later train, predict, bench).
+// Returns the number of arguments consumed at argv[i] (0: not a model option), -1 on error.
+static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
+    const char *f = argv[i];
+    int is_model_flag = !strcmp(f, "--model") || !strcmp(f, "--classes") || !strcmp(f, "--size") ||
+                        !strcmp(f, "--batch") || !strcmp(f, "--padding") || !strcmp(f, "--head-hidden") ||
+                        !strcmp(f, "--depth") || !strcmp(f, "--width");
+    if (!is_model_flag) return 0;
+    if (i + 1 >= argc) { fprintf(stderr, "segnet: %s needs a value\n", f); return -1; }
+    const char *v = argv[i + 1];
+    if (!strcmp(f, "--model")) c->model = v;
+    else if (!strcmp(f, "--classes")) { if (parse_int(f, v, 1, 1 << 20, &c->classes)) return -1; }
+    else if (!strcmp(f, "--batch")) { if (parse_int(f, v, 1, 1 << 16, &c->batch)) return -1; }
+    else if (!strcmp(f, "--head-hidden")) { if (parse_int(f, v, 0, 1 << 20, &c->head_hidden)) return -1; }
+    else if (!strcmp(f, "--depth")) { if (parse_int(f, v, 1, 8, &c->depth)) return -1; }
+    else if (!strcmp(f, "--width")) { if (parse_int(f, v, 1, 1 << 16, &c->width_base)) return -1; }
+    else if (!strcmp(f, "--padding")) {
+        if (!strcmp(v, "same")) c->pad = PAD_SAME;
+        else if (!strcmp(v, "symmetric")) c->pad = PAD_SYMMETRIC;
+        else { fprintf(stderr, "segnet: --padding '%s' must be same or symmetric\n", v); return -1; }
+    } else {  // --size HxW
+        int h, w, k;
+        if (sscanf(v, "%dx%d%n", &h, &w, &k) != 2 || v[k] || h < 1 || w < 1 || h > 1 << 15 || w > 1 << 15) {
+            fprintf(stderr, "segnet: --size '%s' must be HxW, e.g. 384x384\n", v);
+            return -1;
+        }
+        c->height = h; c->width = w;
+    }
+    return 2;
+}
+
+static void print_shape(Shape s) {
+    char buf[64];
+    snprintf(buf, sizeof buf, "(%d,%d,%d,%d)", s.n, s.h, s.w, s.c);
+    printf("%-22s", buf);
+}
+
+static int cmd_plan(int argc, char **argv) {
+    ModelCfg c = model_cfg_default();
+    for (int i = 2; i < argc;) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(PLAN_USAGE, stdout); return 0; }
+        int k = parse_model_option(&c, argc, argv, i);
+        if (k < 0) return 2;
+        if (k == 0) { fprintf(stderr, "segnet plan: unknown option '%s' (see segnet plan --help)\n", argv[i]); return 2; }
+        i += k;
+    }
+    Graph g;
+    graph_init(&g);
+    int out = model_build(&g, &c);
+    if (out < 0) { fprintf(stderr, "segnet plan: %s\n", g.err); graph_free(&g); return 1; }
+    printf("model: %s  input (%d,%d,%d,3)  classes %d\n", c.model, c.batch, c.height, c.width, c.classes);
+    printf("%-28s %-22s %14s\n", "stage", "output", "parameters");
+    size_t total = 0, trainable = 0;
+    for (int s = 0; s < g.n_stages; s++) {
+        size_t n = 0;
+        int last = -1;
+        for (int l = 0; l < g.n_layers; l++) {
+            const Layer *L = &g.layers[l];
+            if (L->stage != s) continue;
+            last = l;
+            for (int k = 0; k < 2; k++) {
+                int id = k ? L->bias : L->weight;
+                if (id < 0) continue;
+                n += g.params[id].count;
+                if (!L->frozen) trainable += g.params[id].count;
+            }
+        }
+        if (last < 0) continue;
+        printf("%-28s ", g.stage_names[s]);
+        print_shape(g.tensors[g.layers[last].out].shape);
+        printf(" %14zu\n", n);
+        total += n;
+    }
+    printf("parameters: %zu (trainable %zu)\n", total, trainable);
+    printf("batch norm statistics: %zu values\n", g.n_buffer_floats);
+    graph_free(&g);
+    return 0;
+}
 
 static int cmd_info(void) {
     printf("backend: %s\n", ops_cpu.name);
@@ -2584,7 +2692,12 @@ int main(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     if (!strcmp(argv[1], "info")) return cmd_info();
+    if (!strcmp(argv[1], "plan")) return cmd_plan(argc, argv);
     if (!strcmp(argv[1], "train")) {
+        if (argc > 2 && (!strcmp(argv[2], "--help") || !strcmp(argv[2], "-h"))) {
+            printf("usage: segnet train: not yet available; the training issue adds it and its options\n");
+            return 0;
+        }
         printf("segnet train: not yet: training (data, losses, Adam, run folders) arrives with the training issue.\n"
                "This build contains the core engine: CPU ops, graph and executor (`make test` checks them).\n");
         return 0;

@@ -1846,6 +1846,109 @@ static void test_weights_refused(void) {
 }
 
 // ----------------------------------------------------------------------------
+// parity with PyTorch: torchvision's EfficientNet built with the effv2-t table
+// (ref/parity_effv2.py wrote its weights, a batch, and its logits, loss, BN
+// running statistics after the step and every parameter gradient, computed in
+// fp64). segnet loads the weights by name, runs the same training step, and
+// must match: logits and loss to 1e-4 relative, each gradient to 1e-3 relative
+// over the tensor's norm. Five BN shifts feed a training-mode BN through a
+// conv, which cancels them: their exact gradient is 0, so the norm a gradient
+// is compared against is at least 1e-3 of the largest gradient norm.
+
+static double rel_err(const float *a, const float *b, size_t n, double floor_norm) {
+    double d = 0, nb = 0;
+    for (size_t i = 0; i < n; i++) { d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]); nb += (double)b[i] * b[i]; }
+    return sqrt(d) / fmax(sqrt(nb), floor_norm);
+}
+
+static void parity_case(const char *fixture, PadMode pad) {
+    char err[SN_ERR_MAX];
+    StFile f;
+    CHECK(st_read(fixture, &f, err) == 0, "%s (regenerate with ref/parity_effv2.py)", err);
+    if (f.n_tensors == 0) return;
+    ModelCfg c = model_cfg_default();
+    c.model = "effv2-t"; c.classes = 5; c.batch = 4; c.height = 64; c.width = 64; c.pad = pad;
+    Graph g; graph_init(&g);
+    int out = model_build(&g, &c);
+    for (int l = 0; l < g.n_layers; l++)  // the reference step ran without dropout and stochastic depth
+        if (g.layers[l].kind == LAYER_DROPOUT || g.layers[l].kind == LAYER_DROP_PATH) g.layers[l].rate = 0.0f;
+    Net net;
+    CHECK(out >= 0 && net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s %s", g.err, err);
+    CHECK(net_load_weights(&net, &f, fixture, NULL, 1, err) == 0, "%s", err);
+    const StTensor *tin = st_find(&f, "input"), *tlab = st_find(&f, "labels"), *tlog = st_find(&f, "logits"),
+                   *tloss = st_find(&f, "loss");
+    CHECK(tin && tlab && tlog && tloss && tin->numel == 4 * 64 * 64 * 3 && tlog->numel == 20, "fixture tensors");
+    if (!(tin && tlab && tlog && tloss)) { st_free(&f); return; }
+    st_tensor_f32(tin, net.act[g.input]);
+    float labf[4], logits_ref[20], loss_ref;
+    int32_t labels[4];
+    st_tensor_f32(tlab, labf);
+    st_tensor_f32(tlog, logits_ref);
+    st_tensor_f32(tloss, &loss_ref);
+    for (int i = 0; i < 4; i++) labels[i] = (int32_t)labf[i];
+    net_forward(&net, 1);
+    double e_logits = rel_err(net.act[out], logits_ref, 20, 0);
+    // mean cross-entropy over the 4 images: class weights 1, normaliser Σw = 4
+    float ones[5] = {1, 1, 1, 1, 1}, stats[3] = {0, 0, 0};
+    float inv_norm = (float)(1.0 / label_weight_sum(labels, 4, ones, 5));
+    ops_cpu.softmax_xent(&ops_cpu, net_tensor(&net, out), labels, ones, inv_norm, stats, net_grad(&net, out));
+    double loss = stats[0] * inv_norm, e_loss = fabs(loss - loss_ref) / fabs(loss_ref);
+    net_backward(&net, out);
+    // running statistics after the step
+    double e_run = 0;
+    for (int b = 0; b < g.n_buffers; b++) {
+        char key[2 * SN_NAME_MAX];
+        snprintf(key, sizeof key, "running.%s", g.buffers[b].name);
+        const StTensor *t = st_find(&f, key);
+        CHECK(t && t->numel == g.buffers[b].count, "%s in the fixture", key);
+        if (!t) continue;
+        float *v = malloc(sizeof(float) * t->numel);
+        st_tensor_f32(t, v);
+        e_run = fmax(e_run, rel_err(net.buffers + g.buffers[b].offset, v, t->numel, 0));
+        free(v);
+    }
+    // every parameter gradient, segnet's OHWI transposed to the file's OIHW
+    double max_norm = 0, e_grad = 0;
+    const char *worst = "";
+    float **ref = calloc((size_t)g.n_params, sizeof(float *));
+    for (int i = 0; i < g.n_params; i++) {
+        char key[2 * SN_NAME_MAX];
+        snprintf(key, sizeof key, "grad.%s", g.params[i].name);
+        const StTensor *t = st_find(&f, key);
+        CHECK(t && t->numel == g.params[i].count, "%s in the fixture", key);
+        if (!t) continue;
+        ref[i] = malloc(sizeof(float) * t->numel);
+        st_tensor_f32(t, ref[i]);
+        double nb = 0;
+        for (size_t k = 0; k < t->numel; k++) nb += (double)ref[i][k] * ref[i][k];
+        max_norm = fmax(max_norm, sqrt(nb));
+    }
+    for (int i = 0; i < g.n_params; i++) {
+        if (!ref[i]) continue;
+        const ParamInfo *p = &g.params[i];
+        float *mine = malloc(sizeof(float) * p->count);
+        if (p->ndim == 4) ohwi_to_oihw(net.grads + p->offset, mine, p->dims[0], p->dims[3], p->dims[1], p->dims[2]);
+        else memcpy(mine, net.grads + p->offset, sizeof(float) * p->count);
+        double e = rel_err(mine, ref[i], p->count, 1e-3 * max_norm);
+        if (e > e_grad) { e_grad = e; worst = p->name; }
+        free(mine); free(ref[i]);
+    }
+    free(ref);
+    printf("    %s: logits %.2e, loss %.2e, running stats %.2e, worst gradient %.2e (%s)\n",
+           pad == PAD_SAME ? "same     " : "symmetric", e_logits, e_loss, e_run, e_grad, worst);
+    CHECK(e_logits <= 1e-4, "logits differ from PyTorch by %.3g (relative)", e_logits);
+    CHECK(e_loss <= 1e-4, "loss %.7f, PyTorch %.7f", loss, loss_ref);
+    CHECK(e_run <= 1e-4, "running statistics differ by %.3g", e_run);
+    CHECK(e_grad <= 1e-3, "gradient of %s differs by %.3g (relative over its norm)", worst, e_grad);
+    net_free(&net); graph_free(&g); st_free(&f);
+}
+
+static void test_parity_torch_effv2_tiny(void) {
+    parity_case("data/ref/effv2-t.symmetric.safetensors", PAD_SYMMETRIC);
+    parity_case("data/ref/effv2-t.same.safetensors", PAD_SAME);
+}
+
+// ----------------------------------------------------------------------------
 // the runner
 
 typedef struct { const char *name; void (*fn)(void); } Test;
@@ -1903,6 +2006,7 @@ static const Test TESTS[] = {
     {"effv2_tiny_grad", test_effv2_tiny_grad},
     {"weights_round_trip", test_weights_round_trip},
     {"weights_refused", test_weights_refused},
+    {"parity_torch_effv2_tiny", test_parity_torch_effv2_tiny},
 };
 
 int main(int argc, char **argv) {
