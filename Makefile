@@ -70,6 +70,9 @@ deps:
 	 elif [ -f /usr/include/nccl.h ] || [ -f /usr/local/cuda/include/nccl.h ]; then \
 	   echo "  ✓ NCCL       nccl.h found (used by the replica layer, not built yet)"; \
 	 else echo "  ✗ NCCL       no nccl.h"; fi
+	@if /usr/bin/python3 -c 'import torch, torchvision' >/dev/null 2>&1; then \
+	   echo "  ✓ PyTorch    (reference: make test runs the live parity checks)"; \
+	 else echo "  ✗ PyTorch    live parity checks not run (apt-get install python3-torch python3-torchvision)"; fi
 	@if [ "$(NO_MPI)" = 1 ]; then echo "  ✗ MPI        off (NO_MPI=1)"; \
 	 elif command -v mpicc >/dev/null 2>&1; then echo "  ✓ MPI        mpicc found (used by the replica layer, not built yet)"; \
 	 else echo "  ✗ MPI        no mpicc (apt-get install openmpi-bin libopenmpi-dev)"; fi

@@ -1861,6 +1861,81 @@ static double rel_err(const float *a, const float *b, size_t n, double floor_nor
     return sqrt(d) / fmax(sqrt(nb), floor_norm);
 }
 
+// One training step on net (input already set) against a reference file
+// holding logits, loss, running.<buffer> and grad.<parameter>: prints the
+// errors and checks them against the bounds above.
+static void parity_check(Net *net, int out, const int32_t *labels, const StFile *f, const char *label) {
+    const Graph *g = net->g;
+    const StTensor *tlog = st_find(f, "logits"), *tloss = st_find(f, "loss");
+    size_t n_logits = shape_numel(g->tensors[out].shape), M = n_logits / g->tensors[out].shape.c;
+    CHECK(tlog && tloss && tlog->numel == n_logits, "%s: reference logits and loss", label);
+    if (!tlog || !tloss) return;
+    float *logits_ref = malloc(sizeof(float) * n_logits), loss_ref;
+    st_tensor_f32(tlog, logits_ref);
+    st_tensor_f32(tloss, &loss_ref);
+    net_forward(net, 1);
+    double e_logits = rel_err(net->act[out], logits_ref, n_logits, 0);
+    // mean cross-entropy over images (or pixels): class weights 1, normaliser Σw = M
+    int K = g->tensors[out].shape.c;
+    float *ones = malloc(sizeof(float) * K), stats[3] = {0, 0, 0};
+    for (int k = 0; k < K; k++) ones[k] = 1.0f;
+    float inv_norm = (float)(1.0 / label_weight_sum(labels, M, ones, K));
+    ops_cpu.softmax_xent(&ops_cpu, net_tensor(net, out), labels, ones, inv_norm, stats, net_grad(net, out));
+    double loss = stats[0] * inv_norm, e_loss = fabs(loss - loss_ref) / fabs(loss_ref);
+    net_backward(net, out);
+    double e_run = 0;
+    for (int b = 0; b < g->n_buffers; b++) {
+        char key[2 * SN_NAME_MAX];
+        snprintf(key, sizeof key, "running.%s", g->buffers[b].name);
+        const StTensor *t = st_find(f, key);
+        CHECK(t && t->numel == g->buffers[b].count, "%s in the reference", key);
+        if (!t) continue;
+        float *v = malloc(sizeof(float) * t->numel);
+        st_tensor_f32(t, v);
+        e_run = fmax(e_run, rel_err(net->buffers + g->buffers[b].offset, v, t->numel, 0));
+        free(v);
+    }
+    // every parameter gradient, segnet's OHWI transposed to the file's OIHW
+    double max_norm = 0, e_grad = 0;
+    const char *worst = "";
+    float **ref = calloc((size_t)g->n_params, sizeof(float *));
+    for (int i = 0; i < g->n_params; i++) {
+        char key[2 * SN_NAME_MAX];
+        snprintf(key, sizeof key, "grad.%s", g->params[i].name);
+        const StTensor *t = st_find(f, key);
+        CHECK(t && t->numel == g->params[i].count, "%s in the reference", key);
+        if (!t) continue;
+        ref[i] = malloc(sizeof(float) * t->numel);
+        st_tensor_f32(t, ref[i]);
+        double nb = 0;
+        for (size_t k = 0; k < t->numel; k++) nb += (double)ref[i][k] * ref[i][k];
+        max_norm = fmax(max_norm, sqrt(nb));
+    }
+    for (int i = 0; i < g->n_params; i++) {
+        if (!ref[i]) continue;
+        const ParamInfo *p = &g->params[i];
+        float *mine = malloc(sizeof(float) * p->count);
+        if (p->ndim == 4) ohwi_to_oihw(net->grads + p->offset, mine, p->dims[0], p->dims[3], p->dims[1], p->dims[2]);
+        else memcpy(mine, net->grads + p->offset, sizeof(float) * p->count);
+        double e = rel_err(mine, ref[i], p->count, 1e-3 * max_norm);
+        if (e > e_grad) { e_grad = e; worst = p->name; }
+        free(mine); free(ref[i]);
+    }
+    free(ref); free(ones); free(logits_ref);
+    printf("    %-24s logits %.2e, loss %.2e, running stats %.2e, worst gradient %.2e (%s)\n",
+           label, e_logits, e_loss, e_run, e_grad, worst);
+    CHECK(e_logits <= 1e-4, "%s: logits differ from PyTorch by %.3g (relative)", label, e_logits);
+    CHECK(e_loss <= 1e-4, "%s: loss %.7f, PyTorch %.7f", label, loss, loss_ref);
+    CHECK(e_run <= 1e-4, "%s: running statistics differ by %.3g", label, e_run);
+    CHECK(e_grad <= 1e-3, "%s: gradient of %s differs by %.3g (relative over its norm)", label, worst, e_grad);
+}
+
+// the reference step runs without dropout and stochastic depth
+static void no_dropout(Graph *g) {
+    for (int l = 0; l < g->n_layers; l++)
+        if (g->layers[l].kind == LAYER_DROPOUT || g->layers[l].kind == LAYER_DROP_PATH) g->layers[l].rate = 0.0f;
+}
+
 static void parity_case(const char *fixture, PadMode pad) {
     char err[SN_ERR_MAX];
     StFile f;
@@ -1870,82 +1945,92 @@ static void parity_case(const char *fixture, PadMode pad) {
     c.model = "effv2-t"; c.classes = 5; c.batch = 4; c.height = 64; c.width = 64; c.pad = pad;
     Graph g; graph_init(&g);
     int out = model_build(&g, &c);
-    for (int l = 0; l < g.n_layers; l++)  // the reference step ran without dropout and stochastic depth
-        if (g.layers[l].kind == LAYER_DROPOUT || g.layers[l].kind == LAYER_DROP_PATH) g.layers[l].rate = 0.0f;
+    no_dropout(&g);
     Net net;
     CHECK(out >= 0 && net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s %s", g.err, err);
     CHECK(net_load_weights(&net, &f, fixture, NULL, 1, err) == 0, "%s", err);
-    const StTensor *tin = st_find(&f, "input"), *tlab = st_find(&f, "labels"), *tlog = st_find(&f, "logits"),
-                   *tloss = st_find(&f, "loss");
-    CHECK(tin && tlab && tlog && tloss && tin->numel == 4 * 64 * 64 * 3 && tlog->numel == 20, "fixture tensors");
-    if (!(tin && tlab && tlog && tloss)) { st_free(&f); return; }
-    st_tensor_f32(tin, net.act[g.input]);
-    float labf[4], logits_ref[20], loss_ref;
-    int32_t labels[4];
-    st_tensor_f32(tlab, labf);
-    st_tensor_f32(tlog, logits_ref);
-    st_tensor_f32(tloss, &loss_ref);
-    for (int i = 0; i < 4; i++) labels[i] = (int32_t)labf[i];
-    net_forward(&net, 1);
-    double e_logits = rel_err(net.act[out], logits_ref, 20, 0);
-    // mean cross-entropy over the 4 images: class weights 1, normaliser Σw = 4
-    float ones[5] = {1, 1, 1, 1, 1}, stats[3] = {0, 0, 0};
-    float inv_norm = (float)(1.0 / label_weight_sum(labels, 4, ones, 5));
-    ops_cpu.softmax_xent(&ops_cpu, net_tensor(&net, out), labels, ones, inv_norm, stats, net_grad(&net, out));
-    double loss = stats[0] * inv_norm, e_loss = fabs(loss - loss_ref) / fabs(loss_ref);
-    net_backward(&net, out);
-    // running statistics after the step
-    double e_run = 0;
-    for (int b = 0; b < g.n_buffers; b++) {
-        char key[2 * SN_NAME_MAX];
-        snprintf(key, sizeof key, "running.%s", g.buffers[b].name);
-        const StTensor *t = st_find(&f, key);
-        CHECK(t && t->numel == g.buffers[b].count, "%s in the fixture", key);
-        if (!t) continue;
-        float *v = malloc(sizeof(float) * t->numel);
-        st_tensor_f32(t, v);
-        e_run = fmax(e_run, rel_err(net.buffers + g.buffers[b].offset, v, t->numel, 0));
-        free(v);
+    const StTensor *tin = st_find(&f, "input"), *tlab = st_find(&f, "labels");
+    CHECK(tin && tlab && tin->numel == 4 * 64 * 64 * 3 && tlab->numel == 4, "fixture input and labels");
+    if (tin && tlab) {
+        st_tensor_f32(tin, net.act[g.input]);
+        float labf[4];
+        int32_t labels[4];
+        st_tensor_f32(tlab, labf);
+        for (int i = 0; i < 4; i++) labels[i] = (int32_t)labf[i];
+        parity_check(&net, out, labels, &f, pad == PAD_SAME ? "effv2-t same" : "effv2-t symmetric");
     }
-    // every parameter gradient, segnet's OHWI transposed to the file's OIHW
-    double max_norm = 0, e_grad = 0;
-    const char *worst = "";
-    float **ref = calloc((size_t)g.n_params, sizeof(float *));
-    for (int i = 0; i < g.n_params; i++) {
-        char key[2 * SN_NAME_MAX];
-        snprintf(key, sizeof key, "grad.%s", g.params[i].name);
-        const StTensor *t = st_find(&f, key);
-        CHECK(t && t->numel == g.params[i].count, "%s in the fixture", key);
-        if (!t) continue;
-        ref[i] = malloc(sizeof(float) * t->numel);
-        st_tensor_f32(t, ref[i]);
-        double nb = 0;
-        for (size_t k = 0; k < t->numel; k++) nb += (double)ref[i][k] * ref[i][k];
-        max_norm = fmax(max_norm, sqrt(nb));
-    }
-    for (int i = 0; i < g.n_params; i++) {
-        if (!ref[i]) continue;
-        const ParamInfo *p = &g.params[i];
-        float *mine = malloc(sizeof(float) * p->count);
-        if (p->ndim == 4) ohwi_to_oihw(net.grads + p->offset, mine, p->dims[0], p->dims[3], p->dims[1], p->dims[2]);
-        else memcpy(mine, net.grads + p->offset, sizeof(float) * p->count);
-        double e = rel_err(mine, ref[i], p->count, 1e-3 * max_norm);
-        if (e > e_grad) { e_grad = e; worst = p->name; }
-        free(mine); free(ref[i]);
-    }
-    free(ref);
-    printf("    %s: logits %.2e, loss %.2e, running stats %.2e, worst gradient %.2e (%s)\n",
-           pad == PAD_SAME ? "same     " : "symmetric", e_logits, e_loss, e_run, e_grad, worst);
-    CHECK(e_logits <= 1e-4, "logits differ from PyTorch by %.3g (relative)", e_logits);
-    CHECK(e_loss <= 1e-4, "loss %.7f, PyTorch %.7f", loss, loss_ref);
-    CHECK(e_run <= 1e-4, "running statistics differ by %.3g", e_run);
-    CHECK(e_grad <= 1e-3, "gradient of %s differs by %.3g (relative over its norm)", worst, e_grad);
     net_free(&net); graph_free(&g); st_free(&f);
 }
 
 static void test_parity_torch_effv2_tiny(void) {
     parity_case("data/ref/effv2-t.symmetric.safetensors", PAD_SYMMETRIC);
     parity_case("data/ref/effv2-t.same.safetensors", PAD_SAME);
+}
+
+// Live parity (ref/parity_live.py, when /usr/bin/python3 has torch and
+// torchvision): segnet draws random weights and a batch, exports them, PyTorch
+// runs the same training step on torchvision's EfficientNetV2 (or the U-Nets
+// written in ref/), and segnet's step must match it. This also shows that
+// weights exported by segnet load into torchvision by name (strictly).
+static int torch_found(void) {
+    static int found = -1;
+    if (found < 0)
+        found = !getenv("SEGNET_NO_TORCH") && system("/usr/bin/python3 -c 'import torch, torchvision' >/dev/null 2>&1") == 0;
+    return found;
+}
+
+static void live_parity(const char *model, int classes, int batch, int h, int w, PadMode pad) {
+    char err[SN_ERR_MAX], wpath[128], bpath[128], opath[128], label[64], cmd[1024];
+    long pid = (long)getpid();
+    snprintf(wpath, sizeof wpath, "/tmp/segnet_live_%ld_w.safetensors", pid);
+    snprintf(bpath, sizeof bpath, "/tmp/segnet_live_%ld_b.safetensors", pid);
+    snprintf(opath, sizeof opath, "/tmp/segnet_live_%ld_o.safetensors", pid);
+    snprintf(label, sizeof label, "%s %s", model, pad == PAD_SAME ? "same" : "symmetric");
+    ModelCfg c = model_cfg_default();
+    c.model = model; c.classes = classes; c.batch = batch; c.height = h; c.width = w; c.pad = pad;
+    Graph g; graph_init(&g);
+    int out = model_build(&g, &c);
+    no_dropout(&g);
+    Net net;
+    CHECK(out >= 0 && net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s: %s %s", label, g.err, err);
+    if (out < 0) { graph_free(&g); return; }
+    Rng r; rng_seed(&r, 2024);
+    random_params(&net, &r);
+    size_t nx = shape_numel(g.tensors[g.input].shape), M = shape_numel(g.tensors[out].shape) / classes;
+    float *x = net.act[g.input], *labf = malloc(sizeof(float) * M);
+    int32_t *labels = malloc(sizeof(int32_t) * M);
+    for (size_t i = 0; i < nx; i++) x[i] = 255.0f * rng_float(&r);
+    for (size_t i = 0; i < M; i++) { labels[i] = (int32_t)(rng_next(&r) % classes); labf[i] = (float)labels[i]; }
+    StTensor bt[2] = {{"input", DT_F32, 4, {batch, h, w, 3}, nx, x}, {"labels", DT_F32, 1, {(int64_t)M}, M, labf}};
+    if (M != (size_t)batch) { bt[1].ndim = 3; bt[1].dims[0] = batch; bt[1].dims[1] = h; bt[1].dims[2] = w; }
+    CHECK(net_save_weights(&net, wpath, err) == 0 && st_write(bpath, bt, 2, NULL, NULL, 0, err) == 0, "%s", err);
+    snprintf(cmd, sizeof cmd, "/usr/bin/python3 ref/parity_live.py --model %s --classes %d --padding %s "
+             "--weights %s --batch %s --out %s", model, classes, pad == PAD_SAME ? "same" : "symmetric", wpath, bpath, opath);
+    int rc = system(cmd);
+    CHECK(rc == 0, "%s: ref/parity_live.py failed (status %d)", label, rc);
+    StFile f;
+    if (rc == 0 && st_read(opath, &f, err) == 0) {
+        parity_check(&net, out, labels, &f, label);
+        st_free(&f);
+    } else if (rc == 0) {
+        CHECK(0, "%s: %s", label, err);
+    }
+    unlink(wpath); unlink(bpath); unlink(opath);
+    free(labf); free(labels);
+    net_free(&net); graph_free(&g);
+}
+
+static void test_parity_live_effv2(void) {
+    live_parity("effv2-s", 7, 2, 64, 64, PAD_SYMMETRIC);
+    live_parity("effv2-s", 7, 2, 64, 64, PAD_SAME);
+    live_parity("effv2-l", 7, 2, 64, 64, PAD_SYMMETRIC);
+    live_parity("effv2-l", 7, 2, 64, 64, PAD_SAME);
+}
+
+static void test_parity_live_unet(void) {
+    live_parity("unet", 4, 2, 64, 64, PAD_SAME);
+    live_parity("unet-effv2-l", 4, 2, 64, 64, PAD_SYMMETRIC);
+    live_parity("unet-effv2-l", 4, 2, 64, 64, PAD_SAME);
 }
 
 // ----------------------------------------------------------------------------
@@ -2007,6 +2092,8 @@ static const Test TESTS[] = {
     {"weights_round_trip", test_weights_round_trip},
     {"weights_refused", test_weights_refused},
     {"parity_torch_effv2_tiny", test_parity_torch_effv2_tiny},
+    {"parity_live_effv2", test_parity_live_effv2},  // "parity_live_*": run where PyTorch is found
+    {"parity_live_unet", test_parity_live_unet},
 };
 
 int main(int argc, char **argv) {
@@ -2019,10 +2106,11 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    int passed = 0, failed = 0;
+    int passed = 0, failed = 0, not_run = 0;
     double t_all = now_s();
     for (size_t i = 0; i < sizeof TESTS / sizeof TESTS[0]; i++) {
         if (filter && !strstr(TESTS[i].name, filter)) continue;
+        if (!strncmp(TESTS[i].name, "parity_live", 11) && !torch_found()) { not_run++; continue; }
         g_failures = 0;
         double t0 = now_s();
         TESTS[i].fn();
@@ -2039,6 +2127,9 @@ int main(int argc, char **argv) {
             if (g_worst[k] > 0) printf("  %-16s %.2e\n", layer_kind_name((LayerKind)k), g_worst[k]);
         if (g_worst_xent > 0) printf("  %-16s %.2e\n", "softmax_xent", g_worst_xent);
     }
+    if (not_run)
+        printf("%d live PyTorch parity tests not run: /usr/bin/python3 cannot import torch and torchvision "
+               "(apt-get install python3-torch python3-torchvision)\n", not_run);
     printf("total %.1fs\n", now_s() - t_all);
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
