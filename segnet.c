@@ -1397,6 +1397,7 @@ static int unet_build(Graph *g, const ModelCfg *c) {
     char p[SN_NAME_MAX], b[2 * SN_NAME_MAX];
     int skip[9];
     int x = graph_input(g, shape4(c->batch, c->height, c->width, 3));
+    x = graph_rescale(g, "rescale", x, 1.0f / 128.0f, -1.0f);  // 0..255 input, as for the EfficientNets
     for (int i = 0; i <= c->depth; i++) {
         snprintf(p, sizeof p, "enc%d", i);
         graph_begin_stage(g, p);

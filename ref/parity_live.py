@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision.models as tvm
 
+sys.dont_write_bytecode = True  # no ref/__pycache__ in the work tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from parity_effv2 import to_same  # noqa: E402  (TF-SAME Conv2d swap, names unchanged)
 
