@@ -1861,6 +1861,18 @@ static double rel_err(const float *a, const float *b, size_t n, double floor_nor
     return sqrt(d) / fmax(sqrt(nb), floor_norm);
 }
 
+// the reference's "<prefix><name>" as fp32 (malloc'd), NULL (and a failed check) if absent
+static float *ref_tensor(const StFile *f, const char *prefix, const ParamInfo *p) {
+    char key[2 * SN_NAME_MAX];
+    snprintf(key, sizeof key, "%s%s", prefix, p->name);
+    const StTensor *t = st_find(f, key);
+    CHECK(t && t->numel == p->count, "%s in the reference", key);
+    if (!t || t->numel != p->count) return NULL;
+    float *v = malloc(sizeof(float) * t->numel);
+    st_tensor_f32(t, v);
+    return v;
+}
+
 // One training step on net (input already set) against a reference file
 // holding logits, loss, running.<buffer> and grad.<parameter>: prints the
 // errors and checks them against the bounds above.
@@ -1885,14 +1897,9 @@ static void parity_check(Net *net, int out, const int32_t *labels, const StFile 
     net_backward(net, out);
     double e_run = 0;
     for (int b = 0; b < g->n_buffers; b++) {
-        char key[2 * SN_NAME_MAX];
-        snprintf(key, sizeof key, "running.%s", g->buffers[b].name);
-        const StTensor *t = st_find(f, key);
-        CHECK(t && t->numel == g->buffers[b].count, "%s in the reference", key);
-        if (!t) continue;
-        float *v = malloc(sizeof(float) * t->numel);
-        st_tensor_f32(t, v);
-        e_run = fmax(e_run, rel_err(net->buffers + g->buffers[b].offset, v, t->numel, 0));
+        float *v = ref_tensor(f, "running.", &g->buffers[b]);
+        if (!v) continue;
+        e_run = fmax(e_run, rel_err(net->buffers + g->buffers[b].offset, v, g->buffers[b].count, 0));
         free(v);
     }
     // every parameter gradient, segnet's OHWI transposed to the file's OIHW
@@ -1900,15 +1907,9 @@ static void parity_check(Net *net, int out, const int32_t *labels, const StFile 
     const char *worst = "";
     float **ref = calloc((size_t)g->n_params, sizeof(float *));
     for (int i = 0; i < g->n_params; i++) {
-        char key[2 * SN_NAME_MAX];
-        snprintf(key, sizeof key, "grad.%s", g->params[i].name);
-        const StTensor *t = st_find(f, key);
-        CHECK(t && t->numel == g->params[i].count, "%s in the reference", key);
-        if (!t) continue;
-        ref[i] = malloc(sizeof(float) * t->numel);
-        st_tensor_f32(t, ref[i]);
+        if (!(ref[i] = ref_tensor(f, "grad.", &g->params[i]))) continue;
         double nb = 0;
-        for (size_t k = 0; k < t->numel; k++) nb += (double)ref[i][k] * ref[i][k];
+        for (size_t k = 0; k < g->params[i].count; k++) nb += (double)ref[i][k] * ref[i][k];
         max_norm = fmax(max_norm, sqrt(nb));
     }
     for (int i = 0; i < g->n_params; i++) {

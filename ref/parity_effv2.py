@@ -46,6 +46,18 @@ MODES = ("symmetric", "same")
 
 # ---------------------------------------------------------------- model
 
+
+def randomize_bn(model):
+    """Non-trivial BN affine parameters and running statistics, so that a
+    comparison is not blind to swapped gamma/beta or ignored running stats."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.copy_(1 + 0.2 * torch.randn_like(m.weight))
+                m.bias.copy_(0.2 * torch.randn_like(m.bias))
+                m.running_mean.copy_(0.1 * torch.randn_like(m.running_mean))
+                m.running_var.copy_(0.5 + torch.rand_like(m.running_var))
+
 def same_pads(in_size, k, s, d=1):
     """TensorFlow SAME: (before, after) padding along one axis."""
     k_eff = (k - 1) * d + 1
@@ -85,14 +97,7 @@ def build_model(mode):
     ]
     model = EfficientNet(setting, dropout=0.0, stochastic_depth_prob=0.0, num_classes=NUM_CLASSES,
                          norm_layer=partial(nn.BatchNorm2d, eps=1e-3), last_channel=64)
-    # non-trivial BN affine params and running stats (conv/linear: torchvision init)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.weight.copy_(1 + 0.2 * torch.randn_like(m.weight))
-                m.bias.copy_(0.2 * torch.randn_like(m.bias))
-                m.running_mean.copy_(0.1 * torch.randn_like(m.running_mean))
-                m.running_var.copy_(0.5 + torch.rand_like(m.running_var))
+    randomize_bn(model)  # conv/linear: torchvision init
     if mode == "same":
         to_same(model)
     elif mode != "symmetric":

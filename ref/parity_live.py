@@ -29,7 +29,7 @@ import torchvision.models as tvm
 
 sys.dont_write_bytecode = True  # no ref/__pycache__ in the work tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from parity_effv2 import to_same  # noqa: E402  (TF-SAME Conv2d swap, names unchanged)
+from parity_effv2 import randomize_bn, to_same  # noqa: E402  (TF-SAME Conv2d swap keeps names)
 
 EFF = {"s": tvm.efficientnet_v2_s, "m": tvm.efficientnet_v2_m, "l": tvm.efficientnet_v2_l}
 MODELS = ("effv2-s", "effv2-m", "effv2-l", "unet", "unet-effv2-s", "unet-effv2-m", "unet-effv2-l")
@@ -258,13 +258,7 @@ def selfcheck(size, names):
         for name in names:
             for padding in ("symmetric", "same"):
                 model, seg = build(name, K, padding)
-                with torch.no_grad():
-                    for m in model.modules():
-                        if isinstance(m, nn.BatchNorm2d):
-                            m.weight.copy_(1 + 0.2 * torch.randn_like(m.weight))
-                            m.bias.copy_(0.2 * torch.randn_like(m.bias))
-                            m.running_mean.copy_(0.1 * torch.randn_like(m.running_mean))
-                            m.running_var.copy_(0.5 + torch.rand_like(m.running_var))
+                randomize_bn(model)
                 sd = {k: v.float() for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")}
                 w = os.path.join(d, "w.safetensors")
                 b = os.path.join(d, "b.safetensors")
