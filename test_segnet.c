@@ -1980,18 +1980,20 @@ static int torch_found(void) {
     return found;
 }
 
-static void live_parity(const char *model, int classes, int batch, int h, int w, PadMode pad) {
+static void live_parity(const char *model, int classes, int batch, int h, int w, PadMode pad, int relu_as_silu) {
     char err[SN_ERR_MAX], wpath[128], bpath[128], opath[128], label[64], cmd[1024];
     long pid = (long)getpid();
     snprintf(wpath, sizeof wpath, "/tmp/segnet_live_%ld_w.safetensors", pid);
     snprintf(bpath, sizeof bpath, "/tmp/segnet_live_%ld_b.safetensors", pid);
     snprintf(opath, sizeof opath, "/tmp/segnet_live_%ld_o.safetensors", pid);
-    snprintf(label, sizeof label, "%s %s", model, pad == PAD_SAME ? "same" : "symmetric");
+    snprintf(label, sizeof label, "%s %s%s", model, pad == PAD_SAME ? "same" : "symmetric", relu_as_silu ? " silu" : "");
     ModelCfg c = model_cfg_default();
     c.model = model; c.classes = classes; c.batch = batch; c.height = h; c.width = w; c.pad = pad;
     Graph g; graph_init(&g);
     int out = model_build(&g, &c);
     no_dropout(&g);
+    for (int l = 0; relu_as_silu && l < g.n_layers; l++)
+        if (g.layers[l].act == ACT_RELU) g.layers[l].act = ACT_SILU;
     Net net;
     CHECK(out >= 0 && net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s: %s %s", label, g.err, err);
     if (out < 0) { graph_free(&g); return; }
@@ -2006,7 +2008,8 @@ static void live_parity(const char *model, int classes, int batch, int h, int w,
     if (M != (size_t)batch) { bt[1].ndim = 3; bt[1].dims[0] = batch; bt[1].dims[1] = h; bt[1].dims[2] = w; }
     CHECK(net_save_weights(&net, wpath, err) == 0 && st_write(bpath, bt, 2, NULL, NULL, 0, err) == 0, "%s", err);
     snprintf(cmd, sizeof cmd, "/usr/bin/python3 ref/parity_live.py --model %s --classes %d --padding %s "
-             "--weights %s --batch %s --out %s", model, classes, pad == PAD_SAME ? "same" : "symmetric", wpath, bpath, opath);
+             "--weights %s --batch %s --out %s%s", model, classes, pad == PAD_SAME ? "same" : "symmetric", wpath, bpath, opath,
+             relu_as_silu ? " --relu-as-silu" : "");
     int rc = system(cmd);
     CHECK(rc == 0, "%s: ref/parity_live.py failed (status %d)", label, rc);
     StFile f;
@@ -2022,21 +2025,28 @@ static void live_parity(const char *model, int classes, int batch, int h, int w,
 }
 
 static void test_parity_live_effv2(void) {
-    live_parity("effv2-s", 7, 2, 64, 64, PAD_SYMMETRIC);
-    live_parity("effv2-s", 7, 2, 64, 64, PAD_SAME);
-    // at 64×64 the /32 batch norms of effv2-l see 8 values each and fp32 round-off
-    // compounds through 79 blocks to ~5e-4 (logits) and ~5e-3 (gradients) against
-    // PyTorch's fp64; at 128×128 (32 values) it stays at the precision of effv2-s
-    live_parity("effv2-l", 7, 2, 128, 128, PAD_SYMMETRIC);
-    live_parity("effv2-l", 7, 2, 128, 128, PAD_SAME);
+    live_parity("effv2-s", 7, 2, 64, 64, PAD_SYMMETRIC, 0);
+    live_parity("effv2-s", 7, 2, 64, 64, PAD_SAME, 0);
+    // at 64×64 the /32 batch norms of effv2-l see 8 values each and fp32 is
+    // ill-conditioned there: on the same weights PyTorch's own fp32 is 3.0e-4
+    // (logits) and 3.2e-3 (gradients) from its fp64, segnet 4.8e-4 and 4.5e-3;
+    // at 128×128 (32 values) both stay at the precision of effv2-s
+    live_parity("effv2-l", 7, 2, 128, 128, PAD_SYMMETRIC, 0);
+    live_parity("effv2-l", 7, 2, 128, 128, PAD_SAME, 0);
 }
 
 static void test_parity_live_unet(void) {
-    live_parity("unet", 4, 2, 64, 64, PAD_SAME);
-    // unet-effv2-l is not here yet: its forward matches (logits 7e-6) but its
-    // encoder gradients are 2e-2 from PyTorch's fp64, where PyTorch's own fp32
-    // is within 3e-4 on the same weights: an open precision problem in segnet's
-    // backward on this path (see the closing note of the models issue).
+    live_parity("unet", 4, 2, 64, 64, PAD_SAME, 0);
+    // The U-Net on EfficientNetV2-L with its decoder's ReLUs as SiLU. With
+    // ReLU the forward matches (logits 7e-6) but a few of the ~1M decoder
+    // pre-activations lie within the fp32 forward error (~1e-5) of the kink,
+    // on the other side than in fp64: one at z = +2.9e-6 moved the gradients
+    // above it by up to 1e-2 (unet-effv2-s; flipping it in an fp64 recompute
+    // of that BN's dbeta closes the gap from 6e-4 to 1.5e-5). A smooth decoder
+    // checks the same wiring without that lottery; ReLU itself is checked by
+    // the op tests and the plain U-Net above.
+    live_parity("unet-effv2-l", 4, 2, 128, 128, PAD_SYMMETRIC, 1);
+    live_parity("unet-effv2-l", 4, 2, 128, 128, PAD_SAME, 1);
 }
 
 // ----------------------------------------------------------------------------

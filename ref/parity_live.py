@@ -205,9 +205,21 @@ def build(name, classes, padding):
 
 # ---------------------------------------------------------------- one step
 
-def step(name, classes, padding, weights, batch):
+def relu_to_silu(module):
+    """Every ReLU becomes SiLU (a smooth model: no activation sits on a kink
+    that fp32 and fp64 could put on different sides)."""
+    for child_name, child in module.named_children():
+        if isinstance(child, nn.ReLU):
+            setattr(module, child_name, nn.SiLU())
+        else:
+            relu_to_silu(child)
+
+
+def step(name, classes, padding, weights, batch, relu_as_silu=False):
     """weights, batch: dicts of F32 tensors. Returns the output dict."""
     model, seg = build(name, classes, padding)
+    if relu_as_silu:
+        relu_to_silu(model)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     bad_missing = [k for k in missing if not k.endswith("num_batches_tracked")]
     if bad_missing or unexpected:
@@ -242,7 +254,7 @@ def run(args):
     t0 = time.time()
     weights = read_safetensors(args.weights)
     batch = read_safetensors(args.batch)
-    out = step(args.model, args.classes, args.padding, weights, batch)
+    out = step(args.model, args.classes, args.padding, weights, batch, args.relu_as_silu)
     write_safetensors(args.out, out, {"model": args.model, "padding": args.padding})
     loss = out["loss"].item()
     print(f"{args.model} loss {loss:.9g} elapsed {time.time() - t0:.2f}s", flush=True)
@@ -294,6 +306,7 @@ def main():
     p.add_argument("--weights")
     p.add_argument("--batch")
     p.add_argument("--out")
+    p.add_argument("--relu-as-silu", action="store_true", help="replace every ReLU by SiLU (smooth model)")
     p.add_argument("--selfcheck", action="store_true")
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--models", default="effv2-s,unet,unet-effv2-s")
