@@ -33,7 +33,7 @@ endif
 
 # Evaluated when a recipe runs, i.e. after `deps` has installed what was missing.
 DEP_CFLAGS = $(shell $(OPENBLAS_PC) --cflags openblas 2>/dev/null) -I/usr/include/stb
-DEP_LIBS   = $(shell $(OPENBLAS_PC) --libs openblas 2>/dev/null) -Wl,-rpath,$(OPENBLAS_DIR)
+DEP_LIBS   = $(shell $(OPENBLAS_PC) --libs openblas 2>/dev/null) -Wl,-rpath,$(OPENBLAS_DIR) -lstb
 
 .PHONY: all deps test train clean
 

@@ -9,7 +9,15 @@
 #include <stdarg.h>
 #include <string.h>
 #include <math.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <dirent.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <cblas.h>
+#include <stb_image.h>  // Debian libstb-dev: declarations; the implementation is libstb.so
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -1710,11 +1718,6 @@ void net_backward(Net *net, int output) {
 // Alignment: the data section starts at byte 8 + N and offsets are arbitrary,
 // so StTensor.data has no alignment guarantee; callers memcpy out of it.
 
-#include <errno.h>
-#include <fcntl.h>
-#include <inttypes.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #define ST_HEADER_MAX   ((uint64_t)100 << 20)  // a longer header is absurd (real ones are kilobytes)
 #define ST_META_VALUE_MAX 256                   // sizeof StFile.meta_values[i]
@@ -2540,6 +2543,210 @@ int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]) {
 }
 
 // ----------------------------------------------------------------------------
+// images and classifier prediction
+//
+// Decoding is stb_image's (Debian libstb: the header declares, libstb.so
+// implements). Images are RGB, values 0..255 as floats, (H,W,3).
+
+// Lists a prediction's images: a folder's *.png, *.jpg, *.jpeg sorted by name,
+// or the first column of a CSV (an optional header whose first field is
+// "path"; paths relative to the CSV's folder unless absolute).
+
+void path_list_free(PathList *l) {
+    for (int i = 0; i < l->n; i++) free(l->paths[i]);
+    free(l->paths);
+    memset(l, 0, sizeof *l);
+}
+
+static void path_list_add(PathList *l, const char *dir, const char *name) {
+    GROW(l->paths, l->n, l->cap);
+    size_t len = strlen(name) + (dir ? strlen(dir) + 1 : 0) + 1;
+    char *p = malloc(len);
+    snCheck(p != NULL, "out of host memory");
+    if (dir) snprintf(p, len, "%s/%s", dir, name); else snprintf(p, len, "%s", name);
+    l->paths[l->n++] = p;
+}
+
+static int has_image_ext(const char *name) {
+    const char *dot = strrchr(name, '.');
+    return dot && (!strcasecmp(dot, ".png") || !strcasecmp(dot, ".jpg") || !strcasecmp(dot, ".jpeg"));
+}
+
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+// One CSV field starting at *s (quoted with "" escapes, or up to a comma);
+// advances *s past it and its comma. Returns 0 on an unterminated quote.
+static int csv_field(const char **s, char *out, size_t size) {
+    const char *p = *s;
+    size_t k = 0;
+    if (*p == '"') {
+        for (p++;; p++) {
+            if (!*p || *p == '\n' || *p == '\r') return 0;
+            if (*p == '"') { if (p[1] != '"') { p++; break; } p++; }
+            if (k + 1 < size) out[k++] = *p;
+        }
+    } else {
+        for (; *p && *p != ',' && *p != '\n' && *p != '\r'; p++) if (k + 1 < size) out[k++] = *p;
+    }
+    out[k] = 0;
+    if (*p == ',') p++;
+    *s = p;
+    return 1;
+}
+
+int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]) {
+    memset(out, 0, sizeof *out);
+    struct stat sb;
+    if (stat(input, &sb) != 0) { snprintf(err, SN_ERR_MAX, "%s: %s", input, strerror(errno)); return -1; }
+    if (S_ISDIR(sb.st_mode)) {
+        DIR *d = opendir(input);
+        if (!d) { snprintf(err, SN_ERR_MAX, "%s: %s", input, strerror(errno)); return -1; }
+        for (struct dirent *e; (e = readdir(d));)
+            if (e->d_name[0] != '.' && has_image_ext(e->d_name)) path_list_add(out, input, e->d_name);
+        closedir(d);
+        qsort(out->paths, (size_t)out->n, sizeof(char *), cmp_str);
+    } else {
+        FILE *f = fopen(input, "r");
+        if (!f) { snprintf(err, SN_ERR_MAX, "%s: %s", input, strerror(errno)); return -1; }
+        char dir[4096];
+        snprintf(dir, sizeof dir, "%s", input);
+        char *slash = strrchr(dir, '/');
+        if (slash) *slash = 0; else snprintf(dir, sizeof dir, ".");
+        char line[8192], field[4096];
+        for (int row = 1; fgets(line, sizeof line, f); row++) {
+            if (!strchr(line, '\n') && !feof(f)) {
+                snprintf(err, SN_ERR_MAX, "%s: row %d: longer than %zu characters", input, row, sizeof line - 1);
+                fclose(f); path_list_free(out); return -1;
+            }
+            const char *s = line;
+            if (line[0] == '\n' || line[0] == '\r' || line[0] == 0) continue;
+            if (!csv_field(&s, field, sizeof field)) {
+                snprintf(err, SN_ERR_MAX, "%s: row %d: unterminated quoted field", input, row);
+                fclose(f); path_list_free(out); return -1;
+            }
+            if (row == 1 && !strcmp(field, "path")) continue;  // header
+            if (!field[0]) {
+                snprintf(err, SN_ERR_MAX, "%s: row %d: empty path", input, row);
+                fclose(f); path_list_free(out); return -1;
+            }
+            path_list_add(out, field[0] == '/' ? NULL : dir, field);
+        }
+        fclose(f);
+    }
+    if (out->n == 0) { snprintf(err, SN_ERR_MAX, "%s: no images (*.png, *.jpg, *.jpeg) listed", input); return -1; }
+    return 0;
+}
+
+// (h,w,3) RGB values 0..255, malloc'd; NULL with err naming the file and the problem
+float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]) {
+    FILE *f = fopen(path, "rb");
+    if (!f) { snprintf(err, SN_ERR_MAX, "%s: %s", path, strerror(errno)); return NULL; }
+    int comp;
+    unsigned char *px = stbi_load_from_file(f, w, h, &comp, 3);
+    fclose(f);
+    if (!px) {
+        snprintf(err, SN_ERR_MAX, "%s: cannot decode the image (%s)", path, stbi_failure_reason());
+        return NULL;
+    }
+    size_t n = (size_t)*h * *w * 3;
+    float *img = malloc(sizeof(float) * n);
+    snCheck(img != NULL, "out of host memory");
+    for (size_t i = 0; i < n; i++) img[i] = px[i];
+    stbi_image_free(px);
+    return img;
+}
+
+// a path as a CSV field: quoted (with "" for ") when it holds a comma, quote or newline
+static void csv_write_field(FILE *f, const char *s) {
+    if (!strpbrk(s, ",\"\n\r")) { fputs(s, f); return; }
+    fputc('"', f);
+    for (; *s; s++) { if (*s == '"') fputc('"', f); fputc(*s, f); }
+    fputc('"', f);
+}
+
+// Classifies every listed image: one row `path,pred,p0,...,p{K-1}` each
+// (softmax probabilities). Images of the model's size are used as they are,
+// others resized (bilinear, half-pixel centres). The CSV is written to a
+// temporary file and renamed over `out` only when every image has been read.
+int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
+    Graph g;
+    graph_init(&g);
+    int out = model_build(&g, &pc->model);
+    if (out < 0) { snprintf(err, SN_ERR_MAX, "%s", g.err); graph_free(&g); return -1; }
+    Shape so = g.tensors[out].shape, si = g.tensors[g.input].shape;
+    if (so.h != 1 || so.w != 1) {
+        snprintf(err, SN_ERR_MAX, "model '%s' is a segmentation model: predict classifies (effv2-*); masks arrive with the training issue",
+                 pc->model.model);
+        graph_free(&g);
+        return -1;
+    }
+    Net net;
+    StFile wf;
+    PathList list;
+    int rc = -1;
+    if (net_create(&net, &g, &ops_cpu, DT_F32, 0, err) != 0) { graph_free(&g); return -1; }
+    if (st_read(pc->weights, &wf, err) != 0) goto done_net;
+    if (net_load_weights(&net, &wf, pc->weights, NULL, 0, err) != 0) goto done_weights;
+    if (list_images(pc->input, &list, err) != 0) goto done_weights;
+
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", pc->out, (long)getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f) { snprintf(err, SN_ERR_MAX, "%.400s: %s", tmp, strerror(errno)); goto done_list; }
+    const int K = so.c, N = si.n;
+    const size_t img_floats = (size_t)si.h * si.w * 3;
+    fprintf(f, "path,pred");
+    for (int k = 0; k < K; k++) fprintf(f, ",p%d", k);
+    fputc('\n', f);
+    float *x = net.act[g.input], *logits = malloc(sizeof(float) * N * K);
+    int ok = 1;
+    for (int start = 0; ok && start < list.n; start += N) {
+        int count = list.n - start < N ? list.n - start : N;
+        memset(x, 0, sizeof(float) * img_floats * N);  // slots past the last image stay empty
+        for (int j = 0; ok && j < count; j++) {
+            int h, w;
+            float *img = image_load_rgb(list.paths[start + j], &h, &w, err);
+            if (!img) { ok = 0; break; }
+            Tensor dst = tensor_f32(x + img_floats * j, shape4(1, si.h, si.w, 3));
+            if (h == si.h && w == si.w) memcpy(dst.data, img, sizeof(float) * img_floats);
+            else ops_cpu.resize_bilinear_forward(&ops_cpu, dst, tensor_f32(img, shape4(1, h, w, 3)));
+            free(img);
+        }
+        if (!ok) break;
+        net_forward(&net, 0);
+        ops_cpu.download(&ops_cpu, logits, net.act[out], sizeof(float) * N * K);
+        for (int j = 0; j < count; j++) {
+            const float *z = logits + (size_t)j * K;
+            int best = 0;
+            double zmax = z[0], sum = 0;
+            for (int k = 1; k < K; k++) if (z[k] > z[best]) best = k;
+            zmax = z[best];
+            for (int k = 0; k < K; k++) sum += exp((double)z[k] - zmax);
+            csv_write_field(f, list.paths[start + j]);
+            fprintf(f, ",%d", best);
+            for (int k = 0; k < K; k++) fprintf(f, ",%.7g", exp((double)z[k] - zmax) / sum);
+            fputc('\n', f);
+        }
+        if (pc->progress) fprintf(stderr, "\rpredict: %d/%d images", start + count, list.n);
+    }
+    if (pc->progress) fputc('\n', stderr);
+    free(logits);
+    if (ok && (fflush(f) != 0 || fsync(fileno(f)) != 0)) { snprintf(err, SN_ERR_MAX, "%.400s: %s", tmp, strerror(errno)); ok = 0; }
+    if (fclose(f) != 0 && ok) { snprintf(err, SN_ERR_MAX, "%.400s: %s", tmp, strerror(errno)); ok = 0; }
+    if (ok && rename(tmp, pc->out) != 0) { snprintf(err, SN_ERR_MAX, "%s: %s", pc->out, strerror(errno)); ok = 0; }
+    if (!ok) unlink(tmp);
+    rc = ok ? 0 : -1;
+done_list:
+    path_list_free(&list);
+done_weights:
+    st_free(&wf);
+done_net:
+    net_free(&net);
+    graph_free(&g);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
 // host RNG extras
 
 // standard normal by Box-Muller
@@ -2561,6 +2768,7 @@ static const char *USAGE =
     "\n"
     "commands:\n"
     "  plan      print a model's stages, output shapes and parameter counts\n"
+    "  predict   classify images with a trained classifier: one CSV row per image\n"
     "  train     train a model (not yet available in this build: the training\n"
     "            issue adds it)\n"
     "  info      print the build: backend, BLAS, threads\n"
@@ -2577,7 +2785,8 @@ static const char *PLAN_USAGE =
     "  --model NAME        unet (default), effv2-s, effv2-m, effv2-l, effv2-t,\n"
     "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
     "  --classes K         output classes (default 4)\n"
-    "  --size HxW          input size (default 256x256)\n"
+    "  --size HxW          input size (default: effv2-s 384x384, effv2-m/l 480x480,\n"
+    "                      effv2-t 64x64, U-Nets 256x256)\n"
     "  --batch B           images per step (default 1)\n"
     "  --padding MODE      same (TensorFlow/Keras, default) or symmetric (torchvision)\n"
     "  --head-hidden H     classifier hidden layer width (default 0: none)\n"
@@ -2627,6 +2836,15 @@ static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
     return 2;
 }
 
+// the input size a model is used at when --size is not given (Keras' defaults for V2-S/M/L)
+static void model_default_size(ModelCfg *c) {
+    int side = 256;
+    if (!strcmp(c->model, "effv2-s")) side = 384;
+    else if (!strcmp(c->model, "effv2-m") || !strcmp(c->model, "effv2-l")) side = 480;
+    else if (!strcmp(c->model, "effv2-t")) side = 64;
+    c->height = c->width = side;
+}
+
 static void print_shape(Shape s) {
     char buf[64];
     snprintf(buf, sizeof buf, "(%d,%d,%d,%d)", s.n, s.h, s.w, s.c);
@@ -2635,13 +2853,16 @@ static void print_shape(Shape s) {
 
 static int cmd_plan(int argc, char **argv) {
     ModelCfg c = model_cfg_default();
+    int size_given = 0;
     for (int i = 2; i < argc;) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(PLAN_USAGE, stdout); return 0; }
+        size_given |= !strcmp(argv[i], "--size");
         int k = parse_model_option(&c, argc, argv, i);
         if (k < 0) return 2;
         if (k == 0) { fprintf(stderr, "segnet plan: unknown option '%s' (see segnet plan --help)\n", argv[i]); return 2; }
         i += k;
     }
+    if (!size_given) model_default_size(&c);
     Graph g;
     graph_init(&g);
     int out = model_build(&g, &c);
@@ -2675,6 +2896,56 @@ static int cmd_plan(int argc, char **argv) {
     return 0;
 }
 
+static const char *PREDICT_USAGE =
+    "usage: segnet predict --model effv2-s|m|l|t --classes K --weights W.safetensors\n"
+    "                      --input DIR_OR_CSV --out preds.csv [options]\n"
+    "\n"
+    "Classifies every image of a folder (*.png, *.jpg, *.jpeg, sorted by name) or\n"
+    "of a CSV's first column (paths relative to the CSV; a header 'path' is skipped),\n"
+    "and writes one row per image: path,pred,p0,...,p{K-1} (softmax probabilities).\n"
+    "Images of the model's input size are used as they are; others are resized\n"
+    "(bilinear). The output is replaced only when every image was read.\n"
+    "\n"
+    "  --weights W         safetensors in PyTorch layout (torchvision names)\n"
+    "  --padding MODE      same (Keras/TF weights, default) or symmetric (torchvision)\n"
+    "  --size HxW          input size (default: effv2-s 384x384, effv2-m/l 480x480)\n"
+    "  --batch B           images per forward pass (default 8)\n"
+    "  --head-hidden H     the classifier's hidden layer, as trained (default 0)\n";
+
+static int cmd_predict(int argc, char **argv) {
+    PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1};
+    pc.model.model = "effv2-s";
+    pc.model.batch = 8;
+    int size_given = 0, classes_given = 0;
+    for (int i = 2; i < argc;) {
+        const char *f = argv[i];
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(PREDICT_USAGE, stdout); return 0; }
+        const char **target = !strcmp(f, "--weights") ? &pc.weights : !strcmp(f, "--input") ? &pc.input
+                            : !strcmp(f, "--out") ? &pc.out : NULL;
+        if (target) {
+            if (i + 1 >= argc) { fprintf(stderr, "segnet predict: %s needs a value\n", f); return 2; }
+            *target = argv[i + 1];
+            i += 2;
+            continue;
+        }
+        size_given |= !strcmp(f, "--size");
+        classes_given |= !strcmp(f, "--classes");
+        int k = parse_model_option(&pc.model, argc, argv, i);
+        if (k < 0) return 2;
+        if (k == 0) { fprintf(stderr, "segnet predict: unknown option '%s' (see segnet predict --help)\n", f); return 2; }
+        i += k;
+    }
+    if (!pc.weights || !pc.input || !pc.out || !classes_given) {
+        fprintf(stderr, "segnet predict: --weights, --input, --out and --classes are required (see segnet predict --help)\n");
+        return 2;
+    }
+    if (!size_given) model_default_size(&pc.model);
+    char err[SN_ERR_MAX];
+    if (predict_run(&pc, err) != 0) { fprintf(stderr, "segnet predict: %s\n", err); return 1; }
+    fprintf(stderr, "segnet predict: wrote %s\n", pc.out);
+    return 0;
+}
+
 static int cmd_info(void) {
     printf("backend: %s\n", ops_cpu.name);
     printf("blas: %s\n", openblas_get_config());
@@ -2694,6 +2965,7 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(argv[1], "info")) return cmd_info();
     if (!strcmp(argv[1], "plan")) return cmd_plan(argc, argv);
+    if (!strcmp(argv[1], "predict")) return cmd_predict(argc, argv);
     if (!strcmp(argv[1], "train")) {
         if (argc > 2 && (!strcmp(argv[2], "--help") || !strcmp(argv[2], "-h"))) {
             printf("usage: segnet train: not yet available; the training issue adds it and its options\n");

@@ -516,6 +516,25 @@ int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]);
 void st_tensor_f32(const StTensor *t, float *dst);  // values as fp32, whatever the dtype
 
 // ----------------------------------------------------------------------------
+// images and classifier prediction
+
+typedef struct { char **paths; int n, cap; } PathList;
+// a folder's *.png/*.jpg/*.jpeg (sorted), or the first column of a CSV
+int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]);
+void path_list_free(PathList *l);
+// (h,w,3) RGB values 0..255, malloc'd; NULL with err naming the file
+float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]);
+
+typedef struct {
+    ModelCfg model;        // a classifier (effv2-*); its batch is the prediction batch
+    const char *weights;   // safetensors, PyTorch layout, every tensor present
+    const char *input;     // folder of images, or CSV with the paths in its first column
+    const char *out;       // CSV `path,pred,p0,...`; replaced atomically, untouched on failure
+    int progress;          // report progress on stderr
+} PredictCfg;
+int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);
+
+// ----------------------------------------------------------------------------
 // deterministic host RNG (initialisation, tests, data order)
 
 typedef struct { uint64_t state; } Rng;

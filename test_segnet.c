@@ -3,6 +3,7 @@
 #define TESTING
 #include "segnet.c"
 #include <time.h>
+#include <stb_image_write.h>  // Debian libstb-dev (implementation in libstb.so): test images
 
 // ----------------------------------------------------------------------------
 // a tiny test framework
@@ -2050,6 +2051,151 @@ static void test_parity_live_unet(void) {
 }
 
 // ----------------------------------------------------------------------------
+// segnet predict: every row equals the model's softmax on that image (resized
+// where its size differs); bad input names the file and leaves the output alone
+
+static char *read_text(const char *path) {
+    size_t n;
+    uint8_t *b = read_file_bytes(path, &n);
+    if (!b) return NULL;
+    char *s = realloc(b, n + 1);
+    s[n] = 0;
+    return s;
+}
+
+static void write_png(const char *dir, const char *name, int h, int w, Rng *r) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    unsigned char *px = malloc((size_t)h * w * 3);
+    for (int i = 0; i < h * w * 3; i++) px[i] = (unsigned char)(rng_next(r) & 255);
+    CHECK(stbi_write_png(path, w, h, 3, px, w * 3) != 0, "writing %s", path);
+    free(px);
+}
+
+static void test_predict_classifier(void) {
+    char dir[256], wpath[300], out1[300], out2[300], csv[300], err[SN_ERR_MAX];
+    snprintf(dir, sizeof dir, "/tmp/segnet_test_%ld_predict", (long)getpid());
+    mkdir(dir, 0755);
+    snprintf(wpath, sizeof wpath, "%s/w.safetensors", dir);
+    snprintf(out1, sizeof out1, "%s/out1.csv", dir);
+    snprintf(out2, sizeof out2, "%s/out2.csv", dir);
+    snprintf(csv, sizeof csv, "%s/list.csv", dir);
+    Graph g; Net net;
+    ModelCfg c = model_cfg_default();
+    c.model = "effv2-t"; c.classes = 3; c.height = 32; c.width = 32; c.batch = 1;
+    graph_init(&g);
+    int out = model_build(&g, &c);
+    CHECK(out >= 0 && net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s", err);
+    Rng r; rng_seed(&r, 31);
+    random_params(&net, &r);
+    CHECK(net_save_weights(&net, wpath, err) == 0, "%s", err);
+    write_png(dir, "a.png", 32, 32, &r);
+    write_png(dir, "b.png", 32, 32, &r);
+    write_png(dir, "c,odd.png", 24, 40, &r);  // another size (resized), a comma in the name (quoted)
+    FILE *f = fopen(csv, "w");
+    fprintf(f, "path,label\na.png,0\nb.png,2\n\"c,odd.png\",1\n");
+    fclose(f);
+    PredictCfg pc = {c, wpath, dir, out1, 0};
+    pc.model.batch = 2;  // 3 images: the last batch is partly empty
+    CHECK(predict_run(&pc, err) == 0, "predict on a folder: %s", err);
+    pc.input = csv; pc.out = out2;
+    CHECK(predict_run(&pc, err) == 0, "predict on a CSV: %s", err);
+    char *t1 = read_text(out1), *t2 = read_text(out2);
+    CHECK(t1 && t2 && !strcmp(t1, t2), "folder and CSV give the same rows");
+    // each row against the softmax of a direct forward on that image
+    const char *names[3] = {"a.png", "b.png", "c,odd.png"};
+    const char *line = t1 ? strchr(t1, '\n') : NULL;
+    CHECK(t1 && !strncmp(t1, "path,pred,p0,p1,p2\n", 19), "header");
+    for (int i = 0; line && i < 3; i++) {
+        line++;
+        char path[512];
+        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        int h, w;
+        float *img = image_load_rgb(path, &h, &w, err);
+        Tensor x = net_tensor(&net, g.input);
+        if (h == 32 && w == 32) memcpy(x.data, img, sizeof(float) * 32 * 32 * 3);
+        else ops_cpu.resize_bilinear_forward(&ops_cpu, x, tensor_f32(img, shape4(1, h, w, 3)));
+        free(img);
+        net_forward(&net, 0);
+        const float *z = net.act[out];
+        double zmax = fmax(fmax(z[0], z[1]), z[2]), sum = 0, p[3];
+        for (int k = 0; k < 3; k++) sum += exp(z[k] - zmax);
+        for (int k = 0; k < 3; k++) p[k] = exp(z[k] - zmax) / sum;
+        int best = p[1] > p[0] ? 1 : 0;
+        if (p[2] > p[best]) best = 2;
+        const char *s = line;
+        char field[600];
+        csv_field(&s, field, sizeof field);
+        CHECK(!strcmp(field, path), "row %d path '%s', expected '%s'", i, field, path);
+        int pred = (int)strtol(s, (char **)&s, 10);
+        CHECK(pred == best, "row %d: pred %d, argmax %d", i, pred, best);
+        for (int k = 0; k < 3; k++) {
+            double v = strtod(s + 1, (char **)&s);
+            CHECK(fabs(v - p[k]) < 1e-6, "row %d p%d: %.7g, direct %.7g", i, k, v, p[k]);
+        }
+        line = strchr(line, '\n');
+    }
+    CHECK(line && line[1] == 0, "exactly three rows");
+    free(t1); free(t2);
+    net_free(&net); graph_free(&g);
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0, "cleanup");
+}
+
+static void test_predict_bad_input(void) {
+    char dir[256], wpath[300], out[300], csv[300], err[SN_ERR_MAX];
+    snprintf(dir, sizeof dir, "/tmp/segnet_test_%ld_predict_bad", (long)getpid());
+    mkdir(dir, 0755);
+    snprintf(wpath, sizeof wpath, "%s/w.safetensors", dir);
+    snprintf(out, sizeof out, "%s/out.csv", dir);
+    snprintf(csv, sizeof csv, "%s/list.csv", dir);
+    Graph g; Net net;
+    tiny_net(&g, &net, 3, 5);
+    CHECK(net_save_weights(&net, wpath, err) == 0, "%s", err);
+    Rng r; rng_seed(&r, 9);
+    write_png(dir, "good.png", 32, 32, &r);
+    FILE *f = fopen(out, "w"); fputs("keep\n", f); fclose(f);
+    char corrupt[300];
+    snprintf(corrupt, sizeof corrupt, "%s/corrupt.png", dir);
+    f = fopen(corrupt, "wb"); fputs("\x89PNG\r\n\x1a\nnot really a png", f); fclose(f);
+    ModelCfg c = model_cfg_default();
+    c.model = "effv2-t"; c.classes = 3; c.height = 32; c.width = 32;
+    PredictCfg pc = {c, wpath, csv, out, 0};
+    struct { const char *rows, *want1, *want2; } cases[] = {
+        {"good.png\ncorrupt.png\n", "corrupt.png", "cannot decode"},
+        {"good.png\nmissing.png\n", "missing.png", "No such file"},
+        {"path\n", "list.csv", "no images"},
+        {"good.png\n\"unterminated.png\n", "row 2", "unterminated"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        f = fopen(csv, "w"); fputs(cases[k].rows, f); fclose(f);
+        CHECK(predict_run(&pc, err) == -1 && contains(err, cases[k].want1) && contains(err, cases[k].want2),
+              "case %zu: '%s'", k, err);
+        char *t = read_text(out);
+        CHECK(t && !strcmp(t, "keep\n"), "case %zu: the existing output is untouched", k);
+        free(t);
+    }
+    pc.input = dir;
+    pc.weights = csv;  // not a safetensors file
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "list.csv"), "weights not safetensors: '%s'", err);
+    pc.weights = wpath;
+    pc.model.classes = 5;  // weights of another head
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "classifier.1.weight"), "wrong head: '%s'", err);
+    pc.model.model = "unet";
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "segmentation model"), "unet: '%s'", err);
+    DIR *d = opendir(dir);
+    int leftovers = 0;
+    for (struct dirent *e; d && (e = readdir(d));) leftovers += strstr(e->d_name, ".tmp.") != NULL;
+    if (d) closedir(d);
+    CHECK(leftovers == 0, "no temporary file left behind");
+    net_free(&net); graph_free(&g);
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0, "cleanup");
+}
+
+// ----------------------------------------------------------------------------
 // the runner
 
 typedef struct { const char *name; void (*fn)(void); } Test;
@@ -2108,6 +2254,8 @@ static const Test TESTS[] = {
     {"weights_round_trip", test_weights_round_trip},
     {"weights_refused", test_weights_refused},
     {"parity_torch_effv2_tiny", test_parity_torch_effv2_tiny},
+    {"predict_classifier", test_predict_classifier},
+    {"predict_bad_input", test_predict_bad_input},
     {"parity_live_effv2", test_parity_live_effv2},  // "parity_live_*": run where PyTorch is found
     {"parity_live_unet", test_parity_live_unet},
 };
