@@ -2414,6 +2414,47 @@ void st_tensor_f32(const StTensor *t, float *dst) {
     }
 }
 
+// timm's name for an EfficientNetV2 tensor named as torchvision names it
+// (timm's tf_efficientnetv2_*: conv_stem/bn1, blocks.{s-1}.{j}.*, conv_head/bn2,
+// classifier); 0 where timm has no such tensor. A block's kind decides its
+// names: ConvBnAct (fused, expansion 1) conv/bn1; EdgeResidual (fused)
+// conv_exp/bn1/conv_pwl/bn2; InvertedResidual (MBConv) conv_pw/bn1/conv_dw/bn2/
+// se.conv_reduce/se.conv_expand/conv_pwl/bn3.
+int effnet_timm_name(const Graph *g, const char *name, char out[SN_NAME_MAX]) {
+    static const char *const IR[4][2] = {{"conv_pw", "bn1"}, {"conv_dw", "bn2"}, {NULL, NULL}, {"conv_pwl", "bn3"}};
+    static const char *const ER[2][2] = {{"conv_exp", "bn1"}, {"conv_pwl", "bn2"}};
+    int s, j, k, m, n = 0;
+    if (sscanf(name, "classifier.1.%n", &n) == 0 && n > 0) {
+        if (graph_find_param(g, "classifier.4.weight") >= 0) return 0;  // a hidden head: not timm's
+        return snprintf(out, SN_NAME_MAX, "classifier.%s", name + n) < SN_NAME_MAX;
+    }
+    n = 0;
+    if (sscanf(name, "features.%d.%n", &s, &n) != 1 || n == 0) return 0;
+    const char *rest = name + n;
+    int nb = 0;
+    if (sscanf(rest, "%d.block.%n", &j, &nb) == 1 && nb > 0) {
+        const char *tail = rest + nb, *field;
+        char probe[SN_NAME_MAX];
+        if (!strncmp(tail, "2.fc1.", 6) || !strncmp(tail, "2.fc2.", 6))
+            return snprintf(out, SN_NAME_MAX, "blocks.%d.%d.se.%s.%s", s - 1, j,
+                            tail[4] == '1' ? "conv_reduce" : "conv_expand", tail + 6) < SN_NAME_MAX;
+        int nk = 0;
+        if (sscanf(tail, "%d.%d.%n", &k, &m, &nk) != 2 || nk == 0 || k < 0 || k > 3 || m < 0 || m > 1) return 0;
+        snprintf(probe, sizeof probe, "features.%d.%d.block.2.fc1.weight", s, j);
+        if (graph_find_param(g, probe) >= 0) field = IR[k][m];
+        else {
+            snprintf(probe, sizeof probe, "features.%d.%d.block.1.0.weight", s, j);
+            if (graph_find_param(g, probe) >= 0) field = k < 2 ? ER[k][m] : NULL;
+            else field = k == 0 ? (m ? "bn1" : "conv") : NULL;
+        }
+        return field && snprintf(out, SN_NAME_MAX, "blocks.%d.%d.%s.%s", s - 1, j, field, tail + nk) < SN_NAME_MAX;
+    }
+    // stem (features.0) or head (the last features entry): P.0 conv, P.1 BN
+    if ((rest[0] != '0' && rest[0] != '1') || rest[1] != '.') return 0;
+    const char *field = rest[0] == '0' ? (s == 0 ? "conv_stem" : "conv_head") : (s == 0 ? "bn1" : "bn2");
+    return snprintf(out, SN_NAME_MAX, "%s.%s", field, rest + 2) < SN_NAME_MAX;
+}
+
 // the PyTorch shape of a segnet parameter: OHWI (4-d) becomes OIHW
 static void torch_dims(const ParamInfo *p, int64_t dims[4]) {
     for (int k = 0; k < p->ndim; k++) dims[k] = p->dims[k];
@@ -2451,6 +2492,8 @@ int net_load_weights(Net *net, const StFile *f, const char *path, const char *al
     for (int e = 0; e < n_entries; e++) {
         const ParamInfo *p = e < g->n_params ? &g->params[e] : &g->buffers[e - g->n_params];
         const StTensor *t = st_find(f, p->name);
+        char alias[SN_NAME_MAX];
+        if (!t && effnet_timm_name(g, p->name, alias)) t = st_find(f, alias);  // timm's naming
         int skippable = allow_missing && allow_missing[0] && !strncmp(p->name, allow_missing, strlen(allow_missing));
         if (t) used[t - f->tensors] = 1;
         int64_t want[4];

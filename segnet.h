@@ -504,7 +504,8 @@ const StTensor *st_find(const StFile *f, const char *name);  // NULL if absent
 int st_write(const char *path, const StTensor *tensors, int n, const char *const *meta_keys,
              const char *const *meta_values, int n_meta, char err[SN_ERR_MAX]);
 
-// Weights by name, files in PyTorch layout (conv weights OIHW). Loading checks
+// Weights by name (segnet's = torchvision's, or timm's), files in PyTorch layout
+// (conv weights OIHW). Loading checks
 // everything before changing anything: tensors missing from the file, of the
 // wrong shape, or (unless allow_unexpected) unknown to the model refuse the
 // load with their names in err. Names starting with allow_missing (e.g.
@@ -513,6 +514,9 @@ int st_write(const char *path, const StTensor *tensors, int n, const char *const
 int net_load_weights(Net *net, const StFile *f, const char *path, const char *allow_missing, int allow_unexpected,
                      char err[SN_ERR_MAX]);
 int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]);
+// timm's name (tf_efficientnetv2_*) for an EfficientNetV2 tensor of g; 0 if none.
+// Loading finds a tensor by its segnet/torchvision name, else by this one.
+int effnet_timm_name(const Graph *g, const char *name, char out[SN_NAME_MAX]);
 void st_tensor_f32(const StTensor *t, float *dst);  // values as fp32, whatever the dtype
 
 // ----------------------------------------------------------------------------

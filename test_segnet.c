@@ -1846,6 +1846,72 @@ static void test_weights_refused(void) {
     unlink(path); unlink(path2);
 }
 
+// timm's names (data/ref/*.timm.txt, written by ref/timm_names.py from timm's
+// tf_efficientnetv2_s/m/l): every one is the alias of exactly one segnet tensor
+// of the same shape, and a file in timm's names loads like torchvision's.
+static void test_effv2_timm_names(void) {
+    const char *models[3] = {"effv2-s", "effv2-m", "effv2-l"};
+    for (int m = 0; m < 3; m++) {
+        char path[256];
+        snprintf(path, sizeof path, "data/ref/%s.timm.txt", models[m]);
+        FILE *f = fopen(path, "r");
+        CHECK(f != NULL, "cannot open %s", path);
+        if (!f) continue;
+        Graph g;
+        build_model(&g, models[m], 1000, 64, 64, PAD_SAME);
+        int n_entries = g.n_params + g.n_buffers, lines = 0, bad = 0;
+        char (*alias)[SN_NAME_MAX] = calloc((size_t)n_entries, SN_NAME_MAX);
+        int *hit = calloc((size_t)n_entries, sizeof(int));
+        for (int e = 0; e < n_entries; e++) {
+            const ParamInfo *p = e < g.n_params ? &g.params[e] : &g.buffers[e - g.n_params];
+            if (!effnet_timm_name(&g, p->name, alias[e])) alias[e][0] = 0;
+        }
+        char name[256], dims[64], line[512];
+        while (fgets(line, sizeof line, f)) {
+            if (line[0] == '#' || sscanf(line, "%255s %63s", name, dims) != 2) continue;
+            lines++;
+            int d[4] = {0, 0, 0, 0}, nd = sscanf(dims, "%d,%d,%d,%d", &d[0], &d[1], &d[2], &d[3]), found = -1;
+            for (int e = 0; e < n_entries; e++) if (!strcmp(alias[e], name)) { found = e; hit[e]++; }
+            if (found < 0) { if (bad++ < 3) printf("    %s: no segnet tensor is timm's %s\n", models[m], name); continue; }
+            const ParamInfo *p = found < g.n_params ? &g.params[found] : &g.buffers[found - g.n_params];
+            int64_t want[4];
+            torch_dims(p, want);
+            int same = p->ndim == nd;
+            for (int k = 0; same && k < nd; k++) same = want[k] == d[k];
+            if (!same && bad++ < 3) printf("    %s: %s (timm %s) has another shape\n", models[m], p->name, name);
+        }
+        fclose(f);
+        int once = 1;
+        for (int e = 0; e < n_entries; e++) once &= hit[e] == 1;
+        CHECK(bad == 0 && once && lines == n_entries, "%s: %d of %d timm names unmatched or of another shape, "
+              "or a segnet tensor without exactly one timm name", models[m], bad, lines);
+        free(alias); free(hit);
+        graph_free(&g);
+    }
+    // a tiny model's weights renamed to timm's names load as they are
+    Graph g1, g2; Net a, b; char err[SN_ERR_MAX], p1[128], p2[128];
+    snprintf(p1, sizeof p1, "/tmp/segnet_test_%ld_tv.safetensors", (long)getpid());
+    snprintf(p2, sizeof p2, "/tmp/segnet_test_%ld_timm.safetensors", (long)getpid());
+    tiny_net(&g1, &a, 3, 1);
+    tiny_net(&g2, &b, 3, 2);
+    StFile f1, f2;
+    memset(&f1, 0, sizeof f1);
+    memset(&f2, 0, sizeof f2);
+    CHECK(net_save_weights(&a, p1, err) == 0 && st_read(p1, &f1, err) == 0, "%s", err);
+    for (int i = 0; i < f1.n_tensors; i++) {
+        char t[SN_NAME_MAX];
+        CHECK(effnet_timm_name(&g1, f1.tensors[i].name, t), "%s has a timm name", f1.tensors[i].name);
+        snprintf(f1.tensors[i].name, SN_NAME_MAX, "%s", t);
+    }
+    CHECK(st_write(p2, f1.tensors, f1.n_tensors, NULL, NULL, 0, err) == 0 && st_read(p2, &f2, err) == 0, "%s", err);
+    CHECK(net_load_weights(&b, &f2, p2, NULL, 0, err) == 0, "timm-named file: %s", err);
+    CHECK(!memcmp(a.params, b.params, sizeof(float) * g1.n_param_floats) &&
+          !memcmp(a.buffers, b.buffers, sizeof(float) * g1.n_buffer_floats), "timm-named weights load identically");
+    st_free(&f1); st_free(&f2);
+    net_free(&a); net_free(&b); graph_free(&g1); graph_free(&g2);
+    unlink(p1); unlink(p2);
+}
+
 // ----------------------------------------------------------------------------
 // parity with PyTorch: torchvision's EfficientNet built with the effv2-t table
 // (ref/parity_effv2.py wrote its weights, a batch, and its logits, loss, BN
@@ -2248,6 +2314,7 @@ static const Test TESTS[] = {
     {"safetensors_write_atomic", test_safetensors_write_atomic},
     {"effv2_param_counts", test_effv2_param_counts},
     {"effv2_names_match_torchvision", test_effv2_names_match_torchvision},
+    {"effv2_timm_names", test_effv2_timm_names},
     {"unet_params", test_unet_params},
     {"model_refusals", test_model_refusals},
     {"effv2_tiny_grad", test_effv2_tiny_grad},

@@ -1,0 +1,34 @@
+#!/usr/bin/python3
+"""Writes the parameter and BN-buffer names and shapes of timm's TensorFlow-ported
+EfficientNetV2 (tf_efficientnetv2_s/m/l), one `name dim0,dim1,...` line each,
+so that test_segnet can check the timm names segnet accepts when loading.
+
+timm is not a Debian package; the fixtures were made once in a throwaway venv:
+  /usr/bin/python3 -m venv --system-site-packages /tmp/tvenv
+  /tmp/tvenv/bin/pip install --no-deps timm==0.9.16 huggingface_hub pyyaml
+  /tmp/tvenv/bin/python ref/timm_names.py data/ref
+"""
+import os
+import sys
+
+import timm
+
+
+def main():
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else "data/ref"
+    os.makedirs(out_dir, exist_ok=True)
+    for name in ("s", "m", "l"):
+        model = timm.create_model(f"tf_efficientnetv2_{name}", pretrained=False)
+        path = os.path.join(out_dir, f"effv2-{name}.timm.txt")
+        with open(path + ".tmp", "w") as f:
+            f.write(f"# timm {timm.__version__} tf_efficientnetv2_{name}\n")
+            for key, t in model.state_dict().items():
+                if key.endswith("num_batches_tracked"):
+                    continue
+                f.write(f"{key} {','.join(str(d) for d in t.shape)}\n")
+        os.replace(path + ".tmp", path)
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
