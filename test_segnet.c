@@ -1628,41 +1628,59 @@ static void test_effv2_param_counts(void) {
     }
 }
 
-// Every torchvision state_dict entry (data/ref/*.torchvision.txt, written by
-// ref/torchvision_names.py) is a segnet parameter or buffer of the same name,
-// with OIHW conv weights as OHWI, and nothing else exists in segnet.
+// A name fixture (data/ref/<model>.<source>.txt: `name dims` per line, PyTorch
+// layout) against the graph: every name is the `map`ped name of exactly one
+// segnet parameter or buffer with the same shape (OIHW as OHWI), and every
+// segnet tensor is named once.
+typedef int (*NameMap)(const Graph *g, const char *name, char out[SN_NAME_MAX]);
+
+static int same_name(const Graph *g, const char *name, char out[SN_NAME_MAX]) {
+    (void)g;
+    return snprintf(out, SN_NAME_MAX, "%s", name) < SN_NAME_MAX;
+}
+
+static void check_name_fixture(const char *model, const char *source, NameMap map) {
+    char path[256];
+    snprintf(path, sizeof path, "data/ref/%s.%s.txt", model, source);
+    FILE *f = fopen(path, "r");
+    CHECK(f != NULL, "cannot open %s (run make test from the repository root)", path);
+    if (!f) return;
+    Graph g;
+    build_model(&g, model, 1000, 64, 64, PAD_SAME);
+    int n_entries = g.n_params + g.n_buffers, lines = 0, bad = 0;
+    char (*mapped)[SN_NAME_MAX] = calloc((size_t)n_entries, SN_NAME_MAX);
+    int *hit = calloc((size_t)n_entries, sizeof(int));
+    for (int e = 0; e < n_entries; e++) {
+        const ParamInfo *p = e < g.n_params ? &g.params[e] : &g.buffers[e - g.n_params];
+        if (!map(&g, p->name, mapped[e])) mapped[e][0] = 0;
+    }
+    char name[256], dims[64], line[512];
+    while (fgets(line, sizeof line, f)) {
+        if (line[0] == '#' || sscanf(line, "%255s %63s", name, dims) != 2) continue;
+        lines++;
+        int d[4] = {0, 0, 0, 0}, nd = sscanf(dims, "%d,%d,%d,%d", &d[0], &d[1], &d[2], &d[3]), found = -1;
+        for (int e = 0; e < n_entries; e++) if (!strcmp(mapped[e], name)) { found = e; hit[e]++; }
+        if (found < 0) { if (bad++ < 3) printf("    %s: no segnet tensor is %s's %s\n", model, source, name); continue; }
+        const ParamInfo *p = found < g.n_params ? &g.params[found] : &g.buffers[found - g.n_params];
+        int64_t want[4];
+        torch_dims(p, want);
+        int same = p->ndim == nd;
+        for (int k = 0; same && k < nd; k++) same = want[k] == d[k];
+        if (!same && bad++ < 3) printf("    %s: %s (%s's %s) has another shape\n", model, p->name, source, name);
+    }
+    fclose(f);
+    int once = 1;
+    for (int e = 0; e < n_entries; e++) once &= hit[e] == 1;
+    CHECK(bad == 0 && once && lines == n_entries, "%s: %d of %d %s names unmatched or of another shape, "
+          "or a segnet tensor not named exactly once", model, bad, lines, source);
+    free(mapped); free(hit);
+    graph_free(&g);
+}
+
+// torchvision's state_dict names (ref/torchvision_names.py) are segnet's own
 static void test_effv2_names_match_torchvision(void) {
     const char *models[3] = {"effv2-s", "effv2-m", "effv2-l"};
-    for (int m = 0; m < 3; m++) {
-        char path[256];
-        snprintf(path, sizeof path, "data/ref/%s.torchvision.txt", models[m]);
-        FILE *f = fopen(path, "r");
-        CHECK(f != NULL, "cannot open %s (run make test from the repository root)", path);
-        if (!f) continue;
-        Graph g;
-        build_model(&g, models[m], 1000, 64, 64, PAD_SYMMETRIC);
-        char name[256], dims[64];
-        int lines = 0, bad = 0;
-        while (fscanf(f, "%255s %63s", name, dims) == 2) {
-            lines++;
-            int d[4] = {0, 0, 0, 0}, nd = sscanf(dims, "%d,%d,%d,%d", &d[0], &d[1], &d[2], &d[3]);
-            const ParamInfo *p = NULL;
-            int id = graph_find_param(&g, name);
-            if (id >= 0) p = &g.params[id];
-            for (int b = 0; !p && b < g.n_buffers; b++) if (!strcmp(g.buffers[b].name, name)) p = &g.buffers[b];
-            if (!p) { if (bad++ < 3) printf("    %s: torchvision's %s is missing\n", models[m], name); continue; }
-            int want[4] = {d[0], d[1], d[2], d[3]};
-            if (nd == 4) { want[1] = d[2]; want[2] = d[3]; want[3] = d[1]; }  // OIHW -> OHWI
-            int same = p->ndim == nd;
-            for (int k = 0; same && k < nd; k++) same = p->dims[k] == want[k];
-            if (!same && bad++ < 3) printf("    %s: %s has another shape than torchvision's %s\n", models[m], name, dims);
-        }
-        fclose(f);
-        CHECK(bad == 0, "%s: %d names or shapes differ from torchvision", models[m], bad);
-        CHECK(lines == g.n_params + g.n_buffers, "%s: torchvision has %d tensors, segnet %d", models[m], lines,
-              g.n_params + g.n_buffers);
-        graph_free(&g);
-    }
+    for (int m = 0; m < 3; m++) check_name_fixture(models[m], "torchvision", same_name);
 }
 
 // U-Net parameters by the formula: a double conv cin→ch has 9·cin·ch + 9·ch² weights and
@@ -1846,48 +1864,11 @@ static void test_weights_refused(void) {
     unlink(path); unlink(path2);
 }
 
-// timm's names (data/ref/*.timm.txt, written by ref/timm_names.py from timm's
-// tf_efficientnetv2_s/m/l): every one is the alias of exactly one segnet tensor
-// of the same shape, and a file in timm's names loads like torchvision's.
+// timm's names (ref/timm_names.py, from timm's tf_efficientnetv2_s/m/l) are
+// the aliases segnet accepts, and a file in timm's names loads like torchvision's
 static void test_effv2_timm_names(void) {
     const char *models[3] = {"effv2-s", "effv2-m", "effv2-l"};
-    for (int m = 0; m < 3; m++) {
-        char path[256];
-        snprintf(path, sizeof path, "data/ref/%s.timm.txt", models[m]);
-        FILE *f = fopen(path, "r");
-        CHECK(f != NULL, "cannot open %s", path);
-        if (!f) continue;
-        Graph g;
-        build_model(&g, models[m], 1000, 64, 64, PAD_SAME);
-        int n_entries = g.n_params + g.n_buffers, lines = 0, bad = 0;
-        char (*alias)[SN_NAME_MAX] = calloc((size_t)n_entries, SN_NAME_MAX);
-        int *hit = calloc((size_t)n_entries, sizeof(int));
-        for (int e = 0; e < n_entries; e++) {
-            const ParamInfo *p = e < g.n_params ? &g.params[e] : &g.buffers[e - g.n_params];
-            if (!effnet_timm_name(&g, p->name, alias[e])) alias[e][0] = 0;
-        }
-        char name[256], dims[64], line[512];
-        while (fgets(line, sizeof line, f)) {
-            if (line[0] == '#' || sscanf(line, "%255s %63s", name, dims) != 2) continue;
-            lines++;
-            int d[4] = {0, 0, 0, 0}, nd = sscanf(dims, "%d,%d,%d,%d", &d[0], &d[1], &d[2], &d[3]), found = -1;
-            for (int e = 0; e < n_entries; e++) if (!strcmp(alias[e], name)) { found = e; hit[e]++; }
-            if (found < 0) { if (bad++ < 3) printf("    %s: no segnet tensor is timm's %s\n", models[m], name); continue; }
-            const ParamInfo *p = found < g.n_params ? &g.params[found] : &g.buffers[found - g.n_params];
-            int64_t want[4];
-            torch_dims(p, want);
-            int same = p->ndim == nd;
-            for (int k = 0; same && k < nd; k++) same = want[k] == d[k];
-            if (!same && bad++ < 3) printf("    %s: %s (timm %s) has another shape\n", models[m], p->name, name);
-        }
-        fclose(f);
-        int once = 1;
-        for (int e = 0; e < n_entries; e++) once &= hit[e] == 1;
-        CHECK(bad == 0 && once && lines == n_entries, "%s: %d of %d timm names unmatched or of another shape, "
-              "or a segnet tensor without exactly one timm name", models[m], bad, lines);
-        free(alias); free(hit);
-        graph_free(&g);
-    }
+    for (int m = 0; m < 3; m++) check_name_fixture(models[m], "timm", effnet_timm_name);
     // a tiny model's weights renamed to timm's names load as they are
     Graph g1, g2; Net a, b; char err[SN_ERR_MAX], p1[128], p2[128];
     snprintf(p1, sizeof p1, "/tmp/segnet_test_%ld_tv.safetensors", (long)getpid());
