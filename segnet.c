@@ -2515,7 +2515,8 @@ int net_load_weights(Net *net, const StFile *f, const char *path, const char *al
         }
     }
     for (int i = 0; i < f->n_tensors; i++)
-        if (!used[i] && !strstr(f->tensors[i].name, "num_batches_tracked"))
+        if (!used[i] && !strstr(f->tensors[i].name, "num_batches_tracked") &&
+            strncmp(f->tensors[i].name, TRAIN_STATE_PREFIX, strlen(TRAIN_STATE_PREFIX)))
             list_add(unexpected, sizeof unexpected, &n_unexpected, f->tensors[i].name);
     int refuse = n_missing || n_wrong || (n_unexpected && !allow_unexpected);
     if (refuse) {
@@ -2553,16 +2554,22 @@ int net_load_weights(Net *net, const StFile *f, const char *path, const char *al
 }
 
 int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]) {
+    return net_save_checkpoint(net, path, NULL, 0, NULL, NULL, 0, err);
+}
+
+int net_save_checkpoint(const Net *net, const char *path, const StTensor *extra, int n_extra,
+                        const char *const *meta_keys, const char *const *meta_values, int n_meta,
+                        char err[SN_ERR_MAX]) {
     const Graph *g = net->g;
     Ops *o = net->o;
-    const int n = g->n_params + g->n_buffers;
+    const int n_model = g->n_params + g->n_buffers, n = n_model + n_extra;
     size_t total = g->n_param_floats + g->n_buffer_floats;
     float *host = malloc(sizeof(float) * (total ? total : 1)), *tmp = malloc(sizeof(float) * (total ? total : 1));
     StTensor *ts = calloc((size_t)n, sizeof *ts);
     snCheck(host && tmp && ts, "out of host memory");
     o->download(o, host, net->params, sizeof(float) * g->n_param_floats);
     o->download(o, host + g->n_param_floats, net->buffers, sizeof(float) * g->n_buffer_floats);
-    for (int e = 0; e < n; e++) {
+    for (int e = 0; e < n_model; e++) {
         const int is_param = e < g->n_params;
         const ParamInfo *p = is_param ? &g->params[e] : &g->buffers[e - g->n_params];
         float *v = host + (is_param ? 0 : g->n_param_floats) + p->offset;
@@ -2579,9 +2586,14 @@ int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]) {
         t->numel = p->count;
         t->data = v;
     }
-    const char *keys[2] = {"format", "layout"}, *values[2] = {"segnet", "pytorch (conv weights OIHW)"};
-    int rc = st_write(path, ts, n, keys, values, 2, err);
-    free(host); free(tmp); free(ts);
+    for (int e = 0; e < n_extra; e++) ts[n_model + e] = extra[e];
+    const char **keys = calloc((size_t)n_meta + 2, sizeof(char *)), **values = calloc((size_t)n_meta + 2, sizeof(char *));
+    snCheck(keys && values, "out of host memory");
+    keys[0] = "format"; values[0] = "segnet";
+    keys[1] = "layout"; values[1] = "pytorch (conv weights OIHW)";
+    for (int k = 0; k < n_meta; k++) { keys[2 + k] = meta_keys[k]; values[2 + k] = meta_values[k]; }
+    int rc = st_write(path, ts, n, keys, values, n_meta + 2, err);
+    free(host); free(tmp); free(ts); free(keys); free(values);
     return rc;
 }
 

@@ -514,6 +514,12 @@ int st_write(const char *path, const StTensor *tensors, int n, const char *const
 int net_load_weights(Net *net, const StFile *f, const char *path, const char *allow_missing, int allow_unexpected,
                      char err[SN_ERR_MAX]);
 int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]);
+// Training checkpoints: the weights as above plus `extra` tensors (named
+// TRAIN_STATE_PREFIX..., which loading weights ignores) and string metadata.
+#define TRAIN_STATE_PREFIX "train_state."
+int net_save_checkpoint(const Net *net, const char *path, const StTensor *extra, int n_extra,
+                        const char *const *meta_keys, const char *const *meta_values, int n_meta,
+                        char err[SN_ERR_MAX]);
 // timm's name (tf_efficientnetv2_*) for an EfficientNetV2 tensor of g; 0 if none.
 // Loading finds a tensor by its segnet/torchvision name, else by this one.
 int effnet_timm_name(const Graph *g, const char *name, char out[SN_NAME_MAX]);
@@ -537,6 +543,90 @@ typedef struct {
     int progress;          // report progress on stderr
 } PredictCfg;
 int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);
+
+// ----------------------------------------------------------------------------
+// data sets: listing, decoding, resizing, augmentation, batching, prefetch
+//
+// Segmentation: DIR/images/*.{png,jpg,jpeg} and DIR/masks/*.png with the same
+// stem; a mask pixel is a class index 0..K-1 (one channel, or the first of
+// several). Classification: a CSV `path,label` (paths relative to the CSV's
+// folder, an optional header `path,label`) or DIR/<class>/*.{png,jpg,jpeg},
+// the sub-folders sorted by name giving classes 0, 1, ...
+//
+// dataset_open checks everything before training starts (every file decodes,
+// every image has its mask and the reverse, mask sizes equal image sizes, mask
+// values and labels lie in 0..K-1) and keeps the resized samples as bytes in
+// memory when they fit in cache_bytes (else workers decode them again each
+// epoch). Images are resized to the model's size with bilinear interpolation
+// (half-pixel centres), masks with nearest neighbour.
+
+typedef struct {
+    int flip;                        // random horizontal flip of image and mask together, p = 1/2
+    float brightness;                // tf.image.random_brightness: + δ ~ U[-D, D] on 0..1 values (0: off)
+    float contrast_lo, contrast_hi;  // tf.image.random_contrast: (x - mean_c)·f + mean_c, f ~ U[lo, hi] (0,0: off)
+} Augment;
+
+typedef struct {
+    int segmentation;       // 1: images + masks; 0: classification
+    int n;                  // samples
+    int classes;            // K
+    int height, width;      // every sample is resized to this
+    char **images;          // (n) image paths
+    char **masks;           // (n) mask paths (segmentation), else NULL
+    int32_t *labels;        // (n) class per sample (classification), else NULL
+    uint8_t *image_cache;   // (n,H,W,3) resized RGB, or NULL when not cached
+    uint8_t *mask_cache;    // (n,H,W) resized class indices (segmentation), or NULL
+} Dataset;
+
+// Returns 0, or -1 with one line in err naming the file (row, pixel) and the problem.
+int dataset_open(Dataset *d, const char *path, int segmentation, int classes, int height, int width,
+                 size_t cache_bytes, int threads, char err[SN_ERR_MAX]);
+void dataset_free(Dataset *d);
+
+// Assembles one batch of samples idx[0..n-1]: images (n,H,W,3) fp32 0..255 after
+// augmentation; labels (n·H·W) mask values (segmentation) or (n) classes.
+// Sample j's random choices depend only on (seed, idx[j]) (counter-based), so
+// a batch is the same whichever thread builds it. aug NULL: no augmentation.
+// Returns 0, or -1 with err (a file that changed on disk since dataset_open).
+int dataset_batch(const Dataset *d, const int *idx, int n, const Augment *aug, uint64_t seed,
+                  float *images, int32_t *labels, char err[SN_ERR_MAX]);
+
+// Prefetch: `workers` threads build the batches of `order` (n_order sample
+// indices, taken `batch` at a time, the last batch possibly smaller) up to
+// `depth` batches ahead; loader_next hands them out in order. seed as above.
+typedef struct {
+    int n;             // images in this batch (≤ batch)
+    float *images;     // (n,H,W,3)
+    int32_t *labels;   // (n·H·W) or (n)
+    int index;         // batch number within the order, 0-based
+} LoaderBatch;
+typedef struct Loader Loader;
+Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch, const Augment *aug,
+                     uint64_t seed, int workers, int depth);
+// The next batch (valid until the next call), or NULL after the last one or on
+// an error (then loader_error gives it). Blocks while the batch is being built.
+const LoaderBatch *loader_next(Loader *l);
+const char *loader_error(const Loader *l);  // "" if none
+void loader_stop(Loader *l);                // joins the workers, frees everything
+
+// PNG output, atomic (temporary file, fsync, rename): comp 1 (grey) or 3 (RGB)
+int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pixels, char err[SN_ERR_MAX]);
+
+// ----------------------------------------------------------------------------
+// training curves: one record per epoch; NaN where a value does not exist
+// (no validation set)
+
+typedef struct {
+    int epoch;                // 1-based
+    double lr;                // learning rate at the end of the epoch
+    double loss, val_loss;
+    double metric, val_metric;  // mean IoU (segmentation) or accuracy (classification)
+} EpochRecord;
+
+// curves.svg: loss (train and val) and the metric (train and val) against the
+// epoch, two panels with axis labels; written atomically.
+int write_curves_svg(const char *path, const EpochRecord *rows, int n, const char *metric_name,
+                     char err[SN_ERR_MAX]);
 
 // ----------------------------------------------------------------------------
 // deterministic host RNG (initialisation, tests, data order)
