@@ -879,11 +879,49 @@ static void softmax_xent_cpu(Ops *o, Tensor logits, const int32_t *labels, const
     stats[2] += (float)invalid;
 }
 
+static void confusion_accumulate_cpu(Ops *o, Tensor logits, const int32_t *labels, int64_t *confusion) {
+    (void)o;
+    const int K = logits.shape.c;
+    const size_t M = shape_numel(logits.shape) / K;
+    for (size_t r = 0; r < M; r++) {
+        const int32_t y = labels[r];
+        if (y < 0 || y >= K) continue;
+        int best = 0;
+        float zbest = ld(logits, r * K);
+        for (int c = 1; c < K; c++) { float z = ld(logits, r * K + c); if (z > zbest) { zbest = z; best = c; } }
+        confusion[(size_t)y * K + best]++;
+    }
+}
+
 double label_weight_sum(const int32_t *labels, size_t n, const float *class_weights, int K) {
     double s = 0.0;
     for (size_t i = 0; i < n; i++)
         if (labels[i] >= 0 && labels[i] < K) s += class_weights[labels[i]];
     return s;
+}
+
+// ----------------------------------------------------------------------------
+// Adam (the formula is at AdamStep in segnet.h)
+
+AdamStep adam_step_init(float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
+                        int64_t t) {
+    AdamStep s = {lr, beta1, beta2, eps, weight_decay, grad_scale, 0.0f};
+    s.alpha = (float)((double)lr * sqrt(1.0 - pow(beta2, (double)t)) / (1.0 - pow(beta1, (double)t)));
+    return s;
+}
+
+static void adam_update_cpu(Ops *o, float *params, const float *grads, float *m, float *v, size_t n,
+                            const AdamStep *s) {
+    (void)o;
+    const float decay = s->lr * s->weight_decay;
+    #pragma omp parallel for schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) {
+        float g = grads[i] * s->grad_scale, p = params[i];
+        if (decay != 0.0f) p -= decay * p;
+        m[i] += (g - m[i]) * (1.0f - s->beta1);
+        v[i] += (g * g - v[i]) * (1.0f - s->beta2);
+        params[i] = p - s->alpha * m[i] / (sqrtf(v[i]) + s->eps);
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -930,6 +968,8 @@ Ops ops_cpu = {
     .resize_bilinear_forward = resize_bilinear_forward_cpu,
     .resize_bilinear_backward = resize_bilinear_backward_cpu,
     .softmax_xent = softmax_xent_cpu,
+    .confusion_accumulate = confusion_accumulate_cpu,
+    .adam_update = adam_update_cpu,
 };
 
 // ----------------------------------------------------------------------------
@@ -1488,8 +1528,15 @@ int model_build(Graph *g, const ModelCfg *c) {
 // ----------------------------------------------------------------------------
 // executing a graph
 
-Tensor net_tensor(const Net *net, int t) { return tensor(net->act[t], net->g->tensors[t].shape, net->dtype); }
-Tensor net_grad(const Net *net, int t) { return tensor(net->grad[t], net->g->tensors[t].shape, net->dtype); }
+// Views use the current batch size: every op takes N from its tensors, so a
+// smaller last batch runs in the same memory.
+static Shape net_shape(const Net *net, int t) {
+    Shape s = net->g->tensors[t].shape;
+    s.n = net->batch;
+    return s;
+}
+Tensor net_tensor(const Net *net, int t) { return tensor(net->act[t], net_shape(net, t), net->dtype); }
+Tensor net_grad(const Net *net, int t) { return tensor(net->grad[t], net_shape(net, t), net->dtype); }
 
 static float *param_ptr(float *base, const Graph *g, int id) { return id < 0 ? NULL : base + g->params[id].offset; }
 static float *buffer_ptr(const Net *net, int id) { return net->buffers + net->g->buffers[id].offset; }
@@ -1517,6 +1564,7 @@ int net_create(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_gr
         snprintf(err, SN_ERR_MAX, "%s", g->err[0] ? g->err : "the graph has no input or no layers");
         return -1;
     }
+    net->batch = g->tensors[g->input].shape.n;
     int T = g->n_tensors, L = g->n_layers;
     net->act = calloc((size_t)T, sizeof(void *));
     net->grad = calloc((size_t)T, sizeof(void *));
@@ -2298,6 +2346,47 @@ static int st_write_all(int fd, const void *p, size_t n) {
     return 0;
 }
 
+// Temp file in the same directory, fsync, rename over path, fsync the
+// directory: a crash at any moment leaves either the old file or the new one.
+int file_write_atomic(const char *path, const void *const *parts, const size_t *sizes, int n_parts,
+                      char err[SN_ERR_MAX]) {
+    size_t tmp_cap = strlen(path) + 32;
+    char *tmp = malloc(tmp_cap), *dir = malloc(tmp_cap);
+    int fd = -1, rc = -1;
+    if (!tmp || !dir) { st_errf(err, "%s: out of memory", path); goto done; }
+    snprintf(tmp, tmp_cap, "%s.tmp.%ld", path, (long)getpid());
+    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) { st_errf(err, "%s: cannot create temporary file %s: %s", path, tmp, strerror(errno)); goto done; }
+    int ok = 1;
+    for (int i = 0; ok && i < n_parts; i++) ok = !st_write_all(fd, parts[i], sizes[i]);
+    if (!ok || fsync(fd)) {
+        st_errf(err, "%s: writing %s: %s", path, tmp, strerror(errno));
+        close(fd);
+        unlink(tmp);
+        goto done;
+    }
+    if (close(fd)) { st_errf(err, "%s: closing %s: %s", path, tmp, strerror(errno)); unlink(tmp); goto done; }
+    if (rename(tmp, path)) { st_errf(err, "%s: renaming %s over it: %s", path, tmp, strerror(errno)); unlink(tmp); goto done; }
+    // The file is in place; syncing the directory makes the rename itself durable.
+    // A failure here is reported, though path already holds the complete new file.
+    const char *slash = strrchr(path, '/');
+    if (!slash) strcpy(dir, ".");
+    else if (slash == path) strcpy(dir, "/");
+    else { memcpy(dir, path, (size_t)(slash - path)); dir[slash - path] = 0; }
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0 || fsync(dfd)) {
+        st_errf(err, "%s: written, but syncing directory %s failed: %s", path, dir, strerror(errno));
+        if (dfd >= 0) close(dfd);
+        goto done;
+    }
+    close(dfd);
+    rc = 0;
+done:
+    free(tmp);
+    free(dir);
+    return rc;
+}
+
 int st_write(const char *path, const StTensor *tensors, int n, const char *const *meta_keys,
              const char *const *meta_values, int n_meta, char err[SN_ERR_MAX]) {
     if (st_check_write_args(path, tensors, n, meta_keys, meta_values, n_meta, err)) return -1;
@@ -2340,43 +2429,19 @@ int st_write(const char *path, const StTensor *tensors, int n, const char *const
     uint8_t len8[8];
     for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)h.n >> (8 * i));
 
-    // temp file in the same directory, fsync, rename over path, fsync the directory
-    size_t tmp_cap = strlen(path) + 32;
-    char *tmp = malloc(tmp_cap), *dir = malloc(tmp_cap);
-    int fd = -1, rc = -1;
-    if (!tmp || !dir) { st_errf(err, "%s: out of memory", path); goto done; }
-    snprintf(tmp, tmp_cap, "%s.tmp.%ld", path, (long)getpid());
-    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) { st_errf(err, "%s: cannot create temporary file %s: %s", path, tmp, strerror(errno)); goto done; }
-    int ok = !st_write_all(fd, len8, 8) && !st_write_all(fd, h.p, h.n);
-    for (int i = 0; ok && i < n; i++)
-        ok = !st_write_all(fd, tensors[i].data, tensors[i].numel * dtype_size(tensors[i].dtype));
-    if (!ok || fsync(fd)) {
-        st_errf(err, "%s: writing %s: %s", path, tmp, strerror(errno));
-        close(fd);
-        unlink(tmp);
-        goto done;
+    const int n_parts = n + 2;
+    const void **parts = malloc(sizeof(void *) * (size_t)n_parts);
+    size_t *sizes = malloc(sizeof(size_t) * (size_t)n_parts);
+    int rc = -1;
+    if (parts && sizes) {
+        parts[0] = len8; sizes[0] = 8;
+        parts[1] = h.p; sizes[1] = h.n;
+        for (int i = 0; i < n; i++) { parts[2 + i] = tensors[i].data; sizes[2 + i] = tensors[i].numel * dtype_size(tensors[i].dtype); }
+        rc = file_write_atomic(path, parts, sizes, n_parts, err);
+    } else {
+        st_errf(err, "%s: out of memory", path);
     }
-    if (close(fd)) { st_errf(err, "%s: closing %s: %s", path, tmp, strerror(errno)); unlink(tmp); goto done; }
-    if (rename(tmp, path)) { st_errf(err, "%s: renaming %s over it: %s", path, tmp, strerror(errno)); unlink(tmp); goto done; }
-    // The file is in place; syncing the directory makes the rename itself durable.
-    // A failure here is reported, though path already holds the complete new file.
-    const char *slash = strrchr(path, '/');
-    if (!slash) strcpy(dir, ".");
-    else if (slash == path) strcpy(dir, "/");
-    else { memcpy(dir, path, (size_t)(slash - path)); dir[slash - path] = 0; }
-    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd < 0 || fsync(dfd)) {
-        st_errf(err, "%s: written, but syncing directory %s failed: %s", path, dir, strerror(errno));
-        if (dfd >= 0) close(dfd);
-        goto done;
-    }
-    close(dfd);
-    rc = 0;
-done:
-    free(h.p);
-    free(tmp);
-    free(dir);
+    free(parts); free(sizes); free(h.p);
     return rc;
 }
 

@@ -211,6 +211,24 @@ static inline SN_HD int conv_axis(int in, int k, int s, PadMode pad, int *out, i
 // - Ops that need scratch memory say how much through a *_workspace entry and
 //   receive it as `ws`; they never allocate.
 
+// Adam as Keras implements it (Kingma & Ba 2015, Algorithm 1 with the "ε̂"
+// placement of their section 2), step t = 1, 2, ...:
+//   g  = grad_scale·grad
+//   p -= lr·weight_decay·p                         (decoupled decay, AdamW; 0: off)
+//   m  = β1·m + (1-β1)·g,   v = β2·v + (1-β2)·g²   (as m += (g-m)·(1-β1), Keras' form)
+//   p -= α·m / (√v + ε),    α = lr·√(1-β2^t) / (1-β1^t)
+// PyTorch puts ε inside the bias correction, p -= lr/(1-β1^t)·m / (√v/√(1-β2^t) + ε'),
+// which is the same update when ε' = ε/√(1-β2^t).
+typedef struct {
+    float lr, beta1, beta2, eps, weight_decay, grad_scale;
+    float alpha;  // lr·√(1-β2^t)/(1-β1^t), computed by adam_step_init in double
+} AdamStep;
+#define ADAM_BETA1 0.9f
+#define ADAM_BETA2 0.999f
+#define ADAM_EPS   1e-7f   // Keras' default ε̂ (PyTorch's 1e-8 is ε', see above)
+AdamStep adam_step_init(float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
+                        int64_t t);
+
 typedef struct Ops Ops;
 struct Ops {
     const char *name;  // "cpu", "cuda"
@@ -303,6 +321,14 @@ struct Ops {
     // overwritten with w[y]·(p - onehot(y))·inv_norm, inv_norm = 1/(global normaliser).
     void (*softmax_xent)(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
                          float inv_norm, float *stats, Tensor dlogits);
+    // confusion[y·K + argmax_k z_k] += 1 for every pixel with a label in 0..K-1
+    // (ties go to the lowest class); confusion is (K,K) int64, true class by row
+    void (*confusion_accumulate)(Ops *o, Tensor logits, const int32_t *labels, int64_t *confusion);
+
+    // one Adam step over n parameters (Keras' update, see AdamStep), with the
+    // gradient multiplied by grad_scale first (loss-scale unscaling, clipping)
+    void (*adam_update)(Ops *o, float *params, const float *grads, float *m, float *v, size_t n,
+                        const AdamStep *s);
 };
 
 extern Ops ops_cpu;
@@ -441,6 +467,7 @@ typedef struct {
     void *ws; size_t ws_bytes;
     int training;
     uint64_t seed, step;  // dropout masks are rng(seed ⊕ step ⊕ layer)
+    int batch;            // images in the current batch, ≤ the graph's N (a last, smaller batch)
 } Net;
 
 // Returns 0, or -1 with the reason in err (out of memory).
@@ -503,6 +530,12 @@ const StTensor *st_find(const StFile *f, const char *name);  // NULL if absent
 // the temporary is removed and a file already at path is untouched.
 int st_write(const char *path, const StTensor *tensors, int n, const char *const *meta_keys,
              const char *const *meta_values, int n_meta, char err[SN_ERR_MAX]);
+
+// Writes the n_parts buffers one after another to path, atomically: to
+// "<path>.tmp.<pid>", fsynced, renamed over path, directory fsynced. On
+// failure the temporary is removed and a file already at path is untouched.
+int file_write_atomic(const char *path, const void *const *parts, const size_t *sizes, int n_parts,
+                      char err[SN_ERR_MAX]);
 
 // Weights by name (segnet's = torchvision's, or timm's), files in PyTorch layout
 // (conv weights OIHW). Loading checks
