@@ -662,6 +662,72 @@ int write_curves_svg(const char *path, const EpochRecord *rows, int n, const cha
                      char err[SN_ERR_MAX]);
 
 // ----------------------------------------------------------------------------
+// training: initialisation, metrics, schedules, the training loop, evaluation
+
+// torchvision's initialisation (as for EfficientNetV2): conv weights
+// He-normal with fan_out = Cout·kh·kw (std √(2/fan_out)), dense weights
+// U(-1/√out, 1/√out), biases 0, BN γ = 1 and β = 0. Deterministic in seed.
+void net_init_params(Net *net, uint64_t seed);
+
+// Metrics from one confusion matrix (K,K), true class by row, accumulated
+// over a whole epoch. Only rows of classes with weight > 0 count (a pixel
+// whose true class has weight 0 is not there):
+//   IoU_c = TP_c / (TP_c + FP_c + FN_c) for weight_c > 0, NaN if 0/0 or weight_c = 0
+//   mean IoU = mean of the IoU_c that are not NaN (classes with weight > 0
+//              that occur, in the labels or the predictions: Keras' MeanIoU)
+//   accuracy = Σ_c TP_c / (pixels counted)   (pixel accuracy; for a
+//              classifier, the accuracy)
+typedef struct {
+    double mean_iou, accuracy;
+    double *iou;  // (K), caller's memory
+} Metrics;
+void metrics_compute(const int64_t *confusion, int K, const float *class_weights, Metrics *m);
+
+typedef enum { SCHEDULE_CONSTANT = 0, SCHEDULE_COSINE = 1 } Schedule;
+// Learning rate for optimiser step `step` (0-based) of total_steps: a linear
+// warm-up lr·(step+1)/warmup over the first `warmup` steps, then constant, or
+// cosine lr·(1 + cos(π·(step - warmup)/(total_steps - warmup)))/2.
+double lr_at_step(double lr, Schedule s, int64_t warmup, int64_t total_steps, int64_t step);
+// tf.clip_by_global_norm's factor: clipnorm / max(norm, clipnorm) (1 if clipnorm ≤ 0)
+float clip_factor(double global_norm, float clipnorm);
+
+#define SN_MAX_CLASSES 4096
+
+typedef struct {
+    ModelCfg model;                 // model.batch is the training batch
+    const char *data, *val;         // training and (optional) validation data
+    const char *out;                // run folder (NULL: runs/<timestamp>)
+    const char *weights;            // initial weights (safetensors), or NULL
+    int class_weights_given;
+    float class_weights[SN_MAX_CLASSES];  // default all 1
+    int epochs;
+    float lr, adam_eps, weight_decay, clipnorm;
+    Schedule schedule;
+    int warmup;                     // steps
+    int patience;                   // early stopping on val_loss; 0: off
+    Augment augment;
+    uint64_t seed;
+    int threads;                    // 0: OpenMP's default
+    int loss_norm_keras;            // divide the loss by the pixel count, not Σ w
+    int workers;                    // data loader threads
+    size_t cache_bytes;             // decoded data kept in memory up to this
+    int progress;                   // 0 quiet, 1 progress on stderr
+    int stop_after_epochs;          // leave after this many epochs, as if interrupted (0: never)
+} TrainCfg;
+
+void train_cfg_default(TrainCfg *c);
+// Trains and writes the run folder. resume: a run folder to continue, whose
+// config.txt the caller has already parsed into c. Returns 0, or -1 with one
+// line in err; nothing in an existing run folder is changed before every
+// input has been checked.
+int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]);
+
+// Evaluates weights on a data set: loss (the weighted mean, or Keras' pixel
+// mean) and the metrics. iou: (K) caller's memory.
+typedef struct { double loss; Metrics m; } EvalResult;
+int eval_run(const TrainCfg *c, const char *weights, const char *data, EvalResult *r, char err[SN_ERR_MAX]);
+
+// ----------------------------------------------------------------------------
 // deterministic host RNG (initialisation, tests, data order)
 
 typedef struct { uint64_t state; } Rng;
