@@ -2243,6 +2243,279 @@ static void test_predict_bad_input(void) {
 }
 
 // ----------------------------------------------------------------------------
+// training semantics: metrics, losses, Adam, clipping, schedules, initialisation
+
+// IoU and accuracy against a direct count over pixels, and one value by hand
+static void test_metrics_by_hand(void) {
+    enum { K = 4, M = 12 };
+    const float w[K] = {0, 1, 1, 1};  // class 0: not annotated
+    //                    true:  0  0  1  1  1  2  2  2  3  3  1  2
+    const int32_t y[M] =       {0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 1, 2};
+    const int pred[M] =        {1, 2, 1, 1, 2, 2, 2, 1, 3, 3, 3, 2};
+    float z[M * K];
+    for (int i = 0; i < M; i++) for (int k = 0; k < K; k++) z[i * K + k] = k == pred[i] ? 2.0f : -1.0f;
+    int64_t cm[K * K] = {0};
+    ops_cpu.confusion_accumulate(&ops_cpu, tensor_f32(z, shape4(1, 3, 4, K)), y, cm);
+    double iou[K];
+    Metrics m = {0, 0, iou};
+    metrics_compute(cm, K, w, &m);
+    // direct count: pixels whose true class has weight 0 do not exist
+    double sum = 0; int n = 0, correct = 0, counted = 0;
+    for (int c = 0; c < K; c++) {
+        int tp = 0, fp = 0, fn = 0;
+        for (int i = 0; i < M; i++) {
+            if (w[y[i]] == 0) continue;
+            tp += y[i] == c && pred[i] == c;
+            fn += y[i] == c && pred[i] != c;
+            fp += y[i] != c && pred[i] == c;
+        }
+        if (w[c] == 0) { CHECK(isnan(iou[c]), "class %d has weight 0: IoU must be NaN, got %g", c, iou[c]); continue; }
+        CHECK_NEAR(iou[c], (double)tp / (tp + fp + fn), 1e-12, "IoU");
+        sum += (double)tp / (tp + fp + fn); n++;
+    }
+    for (int i = 0; i < M; i++) if (w[y[i]] > 0) { counted++; correct += y[i] == pred[i]; }
+    CHECK_NEAR(m.mean_iou, sum / n, 1e-12, "mean IoU");
+    CHECK_NEAR(m.accuracy, (double)correct / counted, 1e-12, "pixel accuracy");
+    // by hand: class 1 has TP 2 (pixels 2,3), FN 2 (4 → 2, 10 → 3), FP 1 (pixel 7; pixel 0 is unannotated)
+    CHECK_NEAR(iou[1], 2.0 / 5.0, 1e-12, "IoU_1 by hand");
+    CHECK_NEAR(m.accuracy, 7.0 / 10.0, 1e-12, "accuracy by hand");
+    // a class that never occurs (in labels or predictions) is left out of the mean
+    const float w3[3] = {1, 1, 1};
+    int64_t cm3[9] = {5, 1, 0, 2, 4, 0, 0, 0, 0};
+    double iou3[3];
+    Metrics m3 = {0, 0, iou3};
+    metrics_compute(cm3, 3, w3, &m3);
+    CHECK(isnan(iou3[2]), "absent class: NaN IoU");
+    CHECK_NEAR(m3.mean_iou, (5.0 / 8.0 + 4.0 / 7.0) / 2.0, 1e-12, "mean over occurring classes");
+    // ties go to the lowest class
+    float zt[3] = {1.0f, 1.0f, 0.5f};
+    int32_t yt = 1;
+    int64_t cmt[9] = {0};
+    ops_cpu.confusion_accumulate(&ops_cpu, tensor_f32(zt, shape4(1, 1, 1, 3)), &yt, cmt);
+    CHECK(cmt[1 * 3 + 0] == 1, "a tie counts as the lowest class");
+}
+
+// the weighted-mean loss and Keras' pixel mean, by hand from the logits
+static void test_weighted_loss_by_hand(void) {
+    const float z[9] = {2.0f, 0.5f, -1.0f,   0.1f, 0.2f, 0.3f,   -2.0f, 1.0f, 4.0f};
+    const int32_t y[3] = {0, 1, 2};
+    const float w[3] = {0.5f, 2.0f, 0.0f};
+    float stats[3] = {0, 0, 0};
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32((float *)z, shape4(1, 1, 3, 3)), y, w, 0.0f, stats,
+                         tensor(NULL, shape4(1, 1, 3, 3), DT_F32));
+    double nll0 = log(exp(2.0) + exp(0.5) + exp(-1.0)) - 2.0;
+    double nll1 = log(exp(0.1) + exp(0.2) + exp(0.3)) - 0.2;
+    double weighted = (0.5 * nll0 + 2.0 * nll1) / 2.5, keras = (0.5 * nll0 + 2.0 * nll1) / 3.0;
+    double norm = label_weight_sum(y, 3, w, 3);
+    CHECK_NEAR(norm, 2.5, 1e-12, "Σ w[y]");
+    CHECK_NEAR(stats[0] / norm, weighted, 1e-6, "weighted mean loss");
+    CHECK_NEAR(stats[0] / 3.0, keras, 1e-6, "Keras' loss (pixel mean)");
+    CHECK(fabs(weighted - keras) > 0.1, "the two normalisations differ on this example");
+}
+
+// pixels of weight-0 classes change neither the loss, nor the gradient, nor the metrics
+static void test_weight0_pixels_ignored(void) {
+    enum { K = 4 };
+    const Shape s = shape4(2, 4, 4, K);
+    const size_t M = shape_numel(s) / K;
+    const float w[K] = {0, 0, 1, 2};  // two ignored classes, so labels can change among them
+    Rng r;
+    rng_seed(&r, 7);
+    float *za = randn(&r, M * K, 2.0f), *zb = malloc(sizeof(float) * M * K);
+    int32_t *ya = malloc(sizeof(int32_t) * M), *yb = malloc(sizeof(int32_t) * M);
+    memcpy(zb, za, sizeof(float) * M * K);
+    int n_ignored = 0;
+    for (size_t i = 0; i < M; i++) {
+        ya[i] = (int32_t)(rng_next(&r) % K);
+        yb[i] = ya[i];
+        if (w[ya[i]] == 0) {  // another ignored label and other logits at this pixel
+            n_ignored++;
+            yb[i] = 1 - ya[i];
+            for (int k = 0; k < K; k++) zb[i * K + k] = 5.0f * rng_normal(&r);
+        }
+    }
+    CHECK(n_ignored > 4 && n_ignored < (int)M - 4, "the example mixes ignored and counted pixels (%d)", n_ignored);
+    float *ga = malloc(sizeof(float) * M * K), *gb = malloc(sizeof(float) * M * K);
+    float sa[3] = {0}, sb[3] = {0};
+    double na = label_weight_sum(ya, M, w, K), nb = label_weight_sum(yb, M, w, K);
+    CHECK(na == nb, "weight sums %g vs %g", na, nb);
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(za, s), ya, w, (float)(1 / na), sa, tensor_f32(ga, s));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(zb, s), yb, w, (float)(1 / nb), sb, tensor_f32(gb, s));
+    CHECK(sa[0] == sb[0] && sa[1] == sb[1], "loss sums %g/%g vs %g/%g", sa[0], sa[1], sb[0], sb[1]);
+    int bad = 0;
+    for (size_t i = 0; i < M; i++)
+        for (int k = 0; k < K; k++)
+            bad += w[ya[i]] == 0 ? (ga[i * K + k] != 0 || gb[i * K + k] != 0) : ga[i * K + k] != gb[i * K + k];
+    CHECK(bad == 0, "%d gradient entries differ or are non-zero at ignored pixels", bad);
+    int64_t ca[K * K] = {0}, cb[K * K] = {0};
+    ops_cpu.confusion_accumulate(&ops_cpu, tensor_f32(za, s), ya, ca);
+    ops_cpu.confusion_accumulate(&ops_cpu, tensor_f32(zb, s), yb, cb);
+    double ia[K], ib[K];
+    Metrics ma = {0, 0, ia}, mb = {0, 0, ib};
+    metrics_compute(ca, K, w, &ma);
+    metrics_compute(cb, K, w, &mb);
+    CHECK(ma.mean_iou == mb.mean_iou && ma.accuracy == mb.accuracy, "metrics %g/%g vs %g/%g", ma.mean_iou, ma.accuracy,
+          mb.mean_iou, mb.accuracy);
+    for (int k = 2; k < K; k++) CHECK(ia[k] == ib[k], "IoU_%d %g vs %g", k, ia[k], ib[k]);
+    free(za); free(zb); free(ya); free(yb); free(ga); free(gb);
+}
+
+// Keras' Adam, step by step in double (tf.keras.optimizers.Adam.update_step)
+static void keras_adam_reference(double *p, double *m, double *v, const float *g, int n, double lr, double b1,
+                                 double b2, double eps, double wd, double scale, int t) {
+    double alpha = lr * sqrt(1 - pow(b2, t)) / (1 - pow(b1, t));
+    for (int i = 0; i < n; i++) {
+        double gi = g[i] * scale;
+        p[i] -= p[i] * wd * lr;
+        m[i] += (gi - m[i]) * (1 - b1);
+        v[i] += (gi * gi - v[i]) * (1 - b2);
+        p[i] -= m[i] * alpha / (sqrt(v[i]) + eps);
+    }
+}
+
+static void test_adam_keras_formula(void) {
+    enum { N = 64, STEPS = 6 };
+    const struct { float lr, eps, wd, scale; } cases[3] = {{1e-3f, 1e-7f, 0, 1}, {0.05f, 1e-3f, 0.01f, 1}, {1e-2f, 1e-7f, 0.1f, 0.25f}};
+    for (int c = 0; c < 3; c++) {
+        Rng r;
+        rng_seed(&r, 11 + c);
+        float p[N], m[N] = {0}, v[N] = {0};
+        double pr[N], mr[N] = {0}, vr[N] = {0};
+        for (int i = 0; i < N; i++) pr[i] = p[i] = rng_normal(&r);
+        double worst = 0;
+        for (int t = 1; t <= STEPS; t++) {
+            float g[N];
+            for (int i = 0; i < N; i++) g[i] = (i % 7 == 0 ? 1e-4f : 1.0f) * rng_normal(&r);  // some tiny gradients: ε matters
+            AdamStep s = adam_step_init(cases[c].lr, ADAM_BETA1, ADAM_BETA2, cases[c].eps, cases[c].wd, cases[c].scale, t);
+            ops_cpu.adam_update(&ops_cpu, p, g, m, v, N, &s);
+            keras_adam_reference(pr, mr, vr, g, N, cases[c].lr, ADAM_BETA1, ADAM_BETA2, cases[c].eps, cases[c].wd,
+                                 cases[c].scale, t);
+            // norm-wise: fp32 rounding of parameters of size ~1 is ~6e-8 per step
+            double scale = 0, e = 0;
+            for (int i = 0; i < N; i++) { scale = fmax(scale, fabs(pr[i])); e = fmax(e, fabs(p[i] - pr[i])); }
+            worst = fmax(worst, e / scale);
+        }
+        CHECK(worst < 1e-6, "case %d: Adam differs from Keras' formula by %.3g (relative to max |p|)", c, worst);
+        if (g_verbose) printf("    case %d: worst %.3g\n", c, worst);
+    }
+    // step 1 by hand: m = 0.1·g, v = 0.001·g², α = lr·√0.001/0.1, update = α·m/(√v+ε) = lr·g/(|g| + ε/√0.001)
+    float p = 1.0f, g = 0.5f, m = 0, v = 0;
+    AdamStep s = adam_step_init(0.1f, 0.9f, 0.999f, 1e-7f, 0, 1, 1);
+    ops_cpu.adam_update(&ops_cpu, &p, &g, &m, &v, 1, &s);
+    CHECK_NEAR(p, 1.0 - 0.1 * 0.5 / (0.5 + 1e-7 / sqrt(0.001)), 1e-7, "first step by hand");
+}
+
+static void test_clip_global_norm(void) {
+    CHECK_NEAR(clip_factor(5.0, 1.0f), 0.2, 1e-7, "norm 5 clipped to 1");
+    CHECK(clip_factor(0.5, 1.0f) == 1.0f, "a norm below the limit is untouched");
+    CHECK(clip_factor(1e9, 0.0f) == 1.0f, "clipnorm 0 is off");
+    // the whole buffer is one vector: its norm after scaling is the limit
+    enum { N = 1000 };
+    Rng r;
+    rng_seed(&r, 3);
+    float *g = randn(&r, N, 3.0f), ss;
+    ops_cpu.sum_squares(&ops_cpu, tensor_f32(g, shape4(N, 1, 1, 1)), &ss);
+    double direct = 0;
+    for (int i = 0; i < N; i++) direct += (double)g[i] * g[i];
+    CHECK_NEAR(sqrt(ss), sqrt(direct), 1e-4 * sqrt(direct), "global norm");
+    float f = clip_factor(sqrt(ss), 2.0f);
+    double after = 0;
+    for (int i = 0; i < N; i++) after += (double)(g[i] * f) * (g[i] * f);
+    CHECK_NEAR(sqrt(after), 2.0, 1e-5, "norm after clipping");
+    // Adam with grad_scale f equals Adam on the scaled gradient, bit for bit
+    float p1[N], p2[N], m1[N] = {0}, v1[N] = {0}, m2[N] = {0}, v2[N] = {0}, gs[N];
+    for (int i = 0; i < N; i++) { p1[i] = p2[i] = 0.5f; gs[i] = g[i] * f; }
+    AdamStep s1 = adam_step_init(1e-2f, 0.9f, 0.999f, 1e-7f, 0, f, 1), s2 = adam_step_init(1e-2f, 0.9f, 0.999f, 1e-7f, 0, 1, 1);
+    ops_cpu.adam_update(&ops_cpu, p1, g, m1, v1, N, &s1);
+    ops_cpu.adam_update(&ops_cpu, p2, gs, m2, v2, N, &s2);
+    CHECK(!memcmp(p1, p2, sizeof p1) && !memcmp(m1, m2, sizeof m1), "scaling inside Adam = scaling the gradient");
+    free(g);
+}
+
+static void test_lr_schedule(void) {
+    const double lr = 0.1;
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_CONSTANT, 0, 100, 0), lr, 1e-15, "constant");
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_CONSTANT, 4, 100, 0), lr / 4, 1e-15, "warm-up step 0");
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_CONSTANT, 4, 100, 3), lr, 1e-15, "warm-up last step");
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 10, 110, 10), lr, 1e-15, "cosine starts at lr");
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 10, 110, 60), lr / 2, 1e-12, "cosine half-way");
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 10, 110, 35), lr * (1 + cos(M_PI / 4)) / 2, 1e-12, "cosine quarter");
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 0, 100, 99), lr * (1 + cos(M_PI * 0.99)) / 2, 1e-12, "cosine last step");
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 0, 100, 150), 0.0, 1e-15, "past the end");
+}
+
+static void test_init_params(void) {
+    Graph g;
+    graph_init(&g);
+    int x = graph_input(&g, shape4(1, 4, 4, 64));
+    x = graph_conv(&g, "conv", x, 128, 3, 1, 1, PAD_SAME, 1);
+    x = graph_bn(&g, "bn", x, BN_EPS_UNET, ACT_RELU);
+    x = graph_dense(&g, "fc", graph_gap(&g, "gap", x), 10, 1);
+    Net a, b;
+    char err[SN_ERR_MAX];
+    CHECK(net_create(&a, &g, &ops_cpu, DT_F32, 0, err) == 0 && net_create(&b, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s", err);
+    net_init_params(&a, 5);
+    net_init_params(&b, 5);
+    CHECK(!memcmp(a.params, b.params, sizeof(float) * g.n_param_floats), "same seed, same weights");
+    const ParamInfo *cw = &g.params[graph_find_param(&g, "conv.weight")];
+    double s2 = 0, mean = 0;
+    for (size_t i = 0; i < cw->count; i++) { mean += a.params[cw->offset + i]; s2 += (double)a.params[cw->offset + i] * a.params[cw->offset + i]; }
+    mean /= cw->count;
+    double std = sqrt(s2 / cw->count - mean * mean), want = sqrt(2.0 / (128 * 9));
+    CHECK(fabs(std / want - 1) < 0.03 && fabs(mean) < 0.1 * want, "conv std %g, mean %g (He fan_out: %g)", std, mean, want);
+    const ParamInfo *fw = &g.params[graph_find_param(&g, "fc.weight")];
+    float lo = 1, hi = -1;
+    for (size_t i = 0; i < fw->count; i++) { float v = a.params[fw->offset + i]; lo = v < lo ? v : lo; hi = v > hi ? v : hi; }
+    CHECK(lo >= -1 / sqrtf(10) && hi <= 1 / sqrtf(10) && hi - lo > 1.5f / sqrtf(10), "dense range [%g, %g]", lo, hi);
+    const char *ones[] = {"bn.weight"}, *zeros[] = {"conv.bias", "bn.bias", "fc.bias"};
+    const ParamInfo *p = &g.params[graph_find_param(&g, ones[0])];
+    for (size_t i = 0; i < p->count; i++) CHECK(a.params[p->offset + i] == 1.0f, "BN gamma 1");
+    for (int k = 0; k < 3; k++) {
+        p = &g.params[graph_find_param(&g, zeros[k])];
+        for (size_t i = 0; i < p->count; i++) CHECK(a.params[p->offset + i] == 0.0f, "%s is 0", zeros[k]);
+    }
+    net_init_params(&b, 6);
+    CHECK(memcmp(a.params, b.params, sizeof(float) * g.n_param_floats), "another seed, other weights");
+    net_free(&a); net_free(&b); graph_free(&g);
+}
+
+// Adam against PyTorch's (AdamW with weight decay), ε converted per step
+static void test_parity_live_adam(void) {
+    enum { N = 200, STEPS = 8 };
+    const struct { double lr, eps, wd; } cases[2] = {{1e-3, 1e-7, 0.0}, {3e-2, 1e-4, 0.05}};
+    for (int c = 0; c < 2; c++) {
+        Rng r;
+        rng_seed(&r, 21 + c);
+        float p[N], m[N] = {0}, v[N] = {0}, g[STEPS][N];
+        for (int i = 0; i < N; i++) p[i] = rng_normal(&r);
+        for (int t = 0; t < STEPS; t++) for (int i = 0; i < N; i++) g[t][i] = (i % 5 == 0 ? 1e-5f : 1.0f) * rng_normal(&r);
+        char in[64], out[64], cmd[256];
+        snprintf(in, sizeof in, "/tmp/segnet_adam_in.%d", (int)getpid());
+        snprintf(out, sizeof out, "/tmp/segnet_adam_out.%d", (int)getpid());
+        FILE *f = fopen(in, "wb");
+        int32_t hdr[2] = {N, STEPS};
+        double hyper[5] = {cases[c].lr, ADAM_BETA1, ADAM_BETA2, cases[c].eps, cases[c].wd};
+        fwrite(hdr, sizeof hdr, 1, f); fwrite(hyper, sizeof hyper, 1, f); fwrite(p, sizeof p, 1, f); fwrite(g, sizeof g, 1, f);
+        fclose(f);
+        snprintf(cmd, sizeof cmd, "/usr/bin/python3 ref/adam_torch.py %s %s", in, out);
+        CHECK(system(cmd) == 0, "%s failed", cmd);
+        float ref[N] = {0};
+        f = fopen(out, "rb");
+        CHECK(f && fread(ref, sizeof ref, 1, f) == 1, "reading %s", out);
+        if (f) fclose(f);
+        unlink(in); unlink(out);
+        for (int t = 1; t <= STEPS; t++) {
+            AdamStep s = adam_step_init((float)cases[c].lr, ADAM_BETA1, ADAM_BETA2, (float)cases[c].eps, (float)cases[c].wd, 1, t);
+            ops_cpu.adam_update(&ops_cpu, p, g[t - 1], m, v, N, &s);
+        }
+        double scale = 0, e = 0;
+        for (int i = 0; i < N; i++) { scale = fmax(scale, fabs(ref[i])); e = fmax(e, fabs(p[i] - ref[i])); }
+        CHECK(e / scale < 1e-6, "case %d: segnet vs PyTorch Adam: %.3g (relative to max |p|)", c, e / scale);
+        if (g_verbose) printf("    case %d: %.3g\n", c, e / scale);
+    }
+}
+
+// ----------------------------------------------------------------------------
 // the runner
 
 typedef struct { const char *name; void (*fn)(void); } Test;
@@ -2304,6 +2577,14 @@ static const Test TESTS[] = {
     {"parity_torch_effv2_tiny", test_parity_torch_effv2_tiny},
     {"predict_classifier", test_predict_classifier},
     {"predict_bad_input", test_predict_bad_input},
+    {"metrics_by_hand", test_metrics_by_hand},
+    {"weighted_loss_by_hand", test_weighted_loss_by_hand},
+    {"weight0_pixels_ignored", test_weight0_pixels_ignored},
+    {"adam_keras_formula", test_adam_keras_formula},
+    {"clip_global_norm", test_clip_global_norm},
+    {"lr_schedule", test_lr_schedule},
+    {"init_params", test_init_params},
+    {"parity_live_adam", test_parity_live_adam},
     {"parity_live_effv2", test_parity_live_effv2},  // "parity_live_*": run where PyTorch is found
     {"parity_live_unet", test_parity_live_unet},
 };
