@@ -2777,6 +2777,29 @@ float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]) {
     return img;
 }
 
+// Outputs are written to PATH.tmp.PID beside PATH and renamed over it once
+// complete and fsynced: PATH holds the old file or the whole new one, never a part.
+#define OUT_PATH_MAX 4200
+static FILE *atomic_file_open(const char *path, char *tmp, size_t tmp_size, char err[SN_ERR_MAX]) {
+    snprintf(tmp, tmp_size, "%s.tmp.%ld", path, (long)getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f) snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno));
+    return f;
+}
+
+// Closes f and renames tmp over path if ok (else, or on a failure, removes tmp).
+// ok = 0 means the writer failed and has already set err.
+static int atomic_file_commit(FILE *f, const char *tmp, const char *path, int ok, char err[SN_ERR_MAX]) {
+    if (ok && (fflush(f) != 0 || ferror(f) || fsync(fileno(f)) != 0)) {
+        snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno));
+        ok = 0;
+    }
+    if (fclose(f) != 0 && ok) { snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno)); ok = 0; }
+    if (ok && rename(tmp, path) != 0) { snprintf(err, SN_ERR_MAX, "%.400s: %s", path, strerror(errno)); ok = 0; }
+    if (!ok) unlink(tmp);
+    return ok ? 0 : -1;
+}
+
 // a path as a CSV field: quoted (with "" for ") when it holds a comma, quote or newline
 static void csv_write_field(FILE *f, const char *s) {
     if (!strpbrk(s, ",\"\n\r")) { fputs(s, f); return; }
@@ -2785,19 +2808,134 @@ static void csv_write_field(FILE *f, const char *s) {
     fputc('"', f);
 }
 
-// Classifies every listed image: one row `path,pred,p0,...,p{K-1}` each
-// (softmax probabilities). Images of the model's size are used as they are,
-// others resized (bilinear, half-pixel centres). The CSV is written to a
-// temporary file and renamed over `out` only when every image has been read.
+// a classifier's row: path,pred,p0,...,p{K-1} with p = softmax(z), pred = argmax (lowest on ties)
+static void csv_write_prediction(FILE *f, const char *path, const float *z, int K) {
+    int best = 0;
+    double sum = 0;
+    for (int k = 1; k < K; k++) if (z[k] > z[best]) best = k;
+    for (int k = 0; k < K; k++) sum += exp((double)z[k] - z[best]);
+    csv_write_field(f, path);
+    fprintf(f, ",%d", best);
+    for (int k = 0; k < K; k++) fprintf(f, ",%.7g", exp((double)z[k] - z[best]) / sum);
+    fputc('\n', f);
+}
+
+// ---- segmentation outputs: per image OUT/<stem>.png, the mask (8-bit grey,
+// pixel = class index), and OUT/<stem>_overlay.png, the image blended 50/50
+// with a colour per class; both at the image's own size.
+
+// class k is drawn in SEG_PALETTE[k % SEG_COLOURS]: black for class 0 (background in
+// most data sets, as in Pascal VOC's colour map), then 15 colours far apart
+// (Trubetskoy's "20 simple, distinct colours").
+#define SEG_COLOURS 16
+static const uint8_t SEG_PALETTE[SEG_COLOURS][3] = {
+    {0, 0, 0},       {230, 25, 75},   {60, 180, 75},  {255, 225, 25}, {0, 130, 200},  {245, 130, 48},
+    {145, 30, 180},  {70, 240, 240},  {240, 50, 230}, {210, 245, 60}, {250, 190, 212}, {0, 128, 128},
+    {220, 190, 255}, {170, 110, 40},  {128, 0, 0},    {0, 0, 128},
+};
+
+// the mask and overlay paths of an image: "x/a.b.jpg" → OUT/a.b.png, OUT/a.b_overlay.png
+static void seg_out_paths(const char *out, const char *image, char mask[OUT_PATH_MAX], char overlay[OUT_PATH_MAX]) {
+    const char *base = strrchr(image, '/');
+    base = base ? base + 1 : image;
+    const char *dot = strrchr(base, '.');
+    int stem = dot && dot != base ? (int)(dot - base) : (int)strlen(base);
+    snprintf(mask, OUT_PATH_MAX, "%s/%.*s.png", out, stem, base);
+    snprintf(overlay, OUT_PATH_MAX, "%s/%.*s_overlay.png", out, stem, base);
+}
+
+typedef struct { char *name; int image; } SegName;
+static int cmp_seg_name(const void *a, const void *b) { return strcmp(((const SegName *)a)->name, ((const SegName *)b)->name); }
+
+// Before anything is written: no two images would write the same file (a.png
+// and a.jpg, or a_overlay.png beside a.png) and every image decodes; then the
+// folder `out` is created if absent. Decoding twice costs far less than the
+// forward pass, and a bad image found halfway would leave a partial folder.
+static int seg_check_inputs(const PathList *l, const char *out, char err[SN_ERR_MAX]) {
+    SegName *names = malloc(sizeof(SegName) * 2 * l->n);
+    snCheck(names != NULL, "out of host memory");
+    for (int i = 0; i < l->n; i++) {
+        char m[OUT_PATH_MAX], o[OUT_PATH_MAX];
+        seg_out_paths(out, l->paths[i], m, o);
+        names[2 * i] = (SegName){strdup(m), i};
+        names[2 * i + 1] = (SegName){strdup(o), i};
+        snCheck(names[2 * i].name && names[2 * i + 1].name, "out of host memory");
+    }
+    qsort(names, (size_t)2 * l->n, sizeof(SegName), cmp_seg_name);
+    int rc = 0;
+    for (int i = 1; i < 2 * l->n && !rc; i++)
+        if (!strcmp(names[i - 1].name, names[i].name)) {
+            snprintf(err, SN_ERR_MAX, "%.150s and %.150s would both write %.170s (rename one)",
+                     l->paths[names[i - 1].image], l->paths[names[i].image], names[i].name);
+            rc = -1;
+        }
+    for (int i = 0; i < 2 * l->n; i++) free(names[i].name);
+    free(names);
+    for (int i = 0; !rc && i < l->n; i++) {
+        int h, w;
+        float *img = image_load_rgb(l->paths[i], &h, &w, err);
+        if (!img) rc = -1;
+        free(img);
+    }
+    if (!rc && mkdir(out, 0777) != 0 && errno != EEXIST) {
+        snprintf(err, SN_ERR_MAX, "%.400s: cannot create the folder: %s", out, strerror(errno));
+        rc = -1;
+    }
+    return rc;
+}
+
+// The mask and overlay of one image img (h,w,3) from its logits z (oh,ow,K):
+// class = argmax_k z (the lowest k on ties) at the model's resolution, brought
+// to h×w by nearest neighbour with half-pixel centres, src = floor((dst + ½)·in/out);
+// overlay = (image + colour + 1) / 2 per channel (the 50/50 blend, rounded half up).
+static int seg_write(const char *out, const char *image, const float *img, int h, int w,
+                     const float *z, int oh, int ow, int K, char err[SN_ERR_MAX]) {
+    uint8_t *cls = malloc((size_t)oh * ow), *mask = malloc((size_t)h * w), *rgb = malloc((size_t)h * w * 3);
+    snCheck(cls && mask && rgb, "out of host memory");
+    for (size_t p = 0; p < (size_t)oh * ow; p++) {
+        const float *zp = z + p * K;
+        int best = 0;
+        for (int k = 1; k < K; k++) if (zp[k] > zp[best]) best = k;
+        cls[p] = (uint8_t)best;
+    }
+    for (int y = 0; y < h; y++) {
+        int sy = (int)(((int64_t)2 * y + 1) * oh / (2 * (int64_t)h));
+        for (int x = 0; x < w; x++) {
+            int sx = (int)(((int64_t)2 * x + 1) * ow / (2 * (int64_t)w));
+            size_t i = (size_t)y * w + x;
+            mask[i] = cls[(size_t)sy * ow + sx];
+            for (int c = 0; c < 3; c++) rgb[3 * i + c] = (uint8_t)(((int)img[3 * i + c] + SEG_PALETTE[mask[i] % SEG_COLOURS][c] + 1) / 2);
+        }
+    }
+    char m[OUT_PATH_MAX], o[OUT_PATH_MAX];
+    seg_out_paths(out, image, m, o);
+    int rc = png_write_atomic(m, w, h, 1, mask, err) || png_write_atomic(o, w, h, 3, rgb, err) ? -1 : 0;
+    free(cls); free(mask); free(rgb);
+    return rc;
+}
+
+// Predicts every listed image. Images of the model's size are used as they
+// are, others resized (bilinear, half-pixel centres) for the forward pass.
+// A classifier (1×1 output) writes one CSV row `path,pred,p0,...,p{K-1}` per
+// image (softmax probabilities) to a temporary file, renamed over `out` only
+// when every image has been read. A segmentation model writes a mask and an
+// overlay per image into the folder `out`, after checking every input.
 int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
     Graph g;
     graph_init(&g);
     int out = model_build(&g, &pc->model);
     if (out < 0) { snprintf(err, SN_ERR_MAX, "%s", g.err); graph_free(&g); return -1; }
-    Shape so = g.tensors[out].shape, si = g.tensors[g.input].shape;
-    if (so.h != 1 || so.w != 1) {
-        snprintf(err, SN_ERR_MAX, "model '%s' is a segmentation model: predict classifies (effv2-*); masks arrive with the training issue",
-                 pc->model.model);
+    const Shape so = g.tensors[out].shape, si = g.tensors[g.input].shape;
+    const int seg = so.h > 1 || so.w > 1, K = so.c, N = si.n;
+    if (seg && K > 256) {
+        snprintf(err, SN_ERR_MAX, "model '%s': %d classes do not fit the 8-bit mask PNGs (at most 256)", pc->model.model, K);
+        graph_free(&g);
+        return -1;
+    }
+    struct stat sb;
+    if (seg && stat(pc->out, &sb) == 0 && !S_ISDIR(sb.st_mode)) {
+        snprintf(err, SN_ERR_MAX, "%.300s: exists and is not a folder (for segmentation model '%.60s', --out is the "
+                 "folder that receives the masks and overlays)", pc->out, pc->model.model);
         graph_free(&g);
         return -1;
     }
@@ -2810,53 +2948,50 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
     if (net_load_weights(&net, &wf, pc->weights, NULL, 0, err) != 0) goto done_weights;
     if (list_images(pc->input, &list, err) != 0) goto done_weights;
 
-    char tmp[4200];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", pc->out, (long)getpid());
-    FILE *f = fopen(tmp, "w");
-    if (!f) { snprintf(err, SN_ERR_MAX, "%.400s: %s", tmp, strerror(errno)); goto done_list; }
-    const int K = so.c, N = si.n;
-    const size_t img_floats = (size_t)si.h * si.w * 3;
-    fprintf(f, "path,pred");
-    for (int k = 0; k < K; k++) fprintf(f, ",p%d", k);
-    fputc('\n', f);
-    float *x = net.act[g.input], *logits = malloc(sizeof(float) * N * K);
+    char tmp[OUT_PATH_MAX];
+    FILE *f = NULL;
+    if (seg) {
+        if (seg_check_inputs(&list, pc->out, err) != 0) goto done_list;
+    } else {
+        if (!(f = atomic_file_open(pc->out, tmp, sizeof tmp, err))) goto done_list;
+        fprintf(f, "path,pred");
+        for (int k = 0; k < K; k++) fprintf(f, ",p%d", k);
+        fputc('\n', f);
+    }
+    const size_t img_floats = (size_t)si.h * si.w * 3, out_floats = (size_t)so.h * so.w * K;
+    float *x = net.act[g.input], *logits = malloc(sizeof(float) * N * out_floats);  // (N,OH,OW,K)
+    float **imgs = calloc((size_t)N, sizeof(float *));                                // N × (h,w,3)
+    int *hw = malloc(sizeof(int) * 2 * N);
+    snCheck(logits && imgs && hw, "out of host memory");
     int ok = 1;
     for (int start = 0; ok && start < list.n; start += N) {
         int count = list.n - start < N ? list.n - start : N;
         memset(x, 0, sizeof(float) * img_floats * N);  // slots past the last image stay empty
         for (int j = 0; ok && j < count; j++) {
             int h, w;
-            float *img = image_load_rgb(list.paths[start + j], &h, &w, err);
+            float *img = imgs[j] = image_load_rgb(list.paths[start + j], &h, &w, err);
             if (!img) { ok = 0; break; }
+            hw[2 * j] = h; hw[2 * j + 1] = w;
             Tensor dst = tensor_f32(x + img_floats * j, shape4(1, si.h, si.w, 3));
             if (h == si.h && w == si.w) memcpy(dst.data, img, sizeof(float) * img_floats);
             else ops_cpu.resize_bilinear_forward(&ops_cpu, dst, tensor_f32(img, shape4(1, h, w, 3)));
-            free(img);
         }
-        if (!ok) break;
-        net_forward(&net, 0);
-        ops_cpu.download(&ops_cpu, logits, net.act[out], sizeof(float) * N * K);
-        for (int j = 0; j < count; j++) {
-            const float *z = logits + (size_t)j * K;
-            int best = 0;
-            double zmax = z[0], sum = 0;
-            for (int k = 1; k < K; k++) if (z[k] > z[best]) best = k;
-            zmax = z[best];
-            for (int k = 0; k < K; k++) sum += exp((double)z[k] - zmax);
-            csv_write_field(f, list.paths[start + j]);
-            fprintf(f, ",%d", best);
-            for (int k = 0; k < K; k++) fprintf(f, ",%.7g", exp((double)z[k] - zmax) / sum);
-            fputc('\n', f);
+        if (ok) {
+            net_forward(&net, 0);
+            ops_cpu.download(&ops_cpu, logits, net.act[out], sizeof(float) * N * out_floats);
         }
+        for (int j = 0; ok && j < count; j++) {
+            const char *path = list.paths[start + j];
+            if (!seg) csv_write_prediction(f, path, logits + (size_t)j * K, K);
+            else ok = seg_write(pc->out, path, imgs[j], hw[2 * j], hw[2 * j + 1], logits + out_floats * j,
+                                so.h, so.w, K, err) == 0;
+        }
+        for (int j = 0; j < count; j++) { free(imgs[j]); imgs[j] = NULL; }
         if (pc->progress) fprintf(stderr, "\rpredict: %d/%d images", start + count, list.n);
     }
     if (pc->progress) fputc('\n', stderr);
-    free(logits);
-    if (ok && (fflush(f) != 0 || fsync(fileno(f)) != 0)) { snprintf(err, SN_ERR_MAX, "%.400s: %s", tmp, strerror(errno)); ok = 0; }
-    if (fclose(f) != 0 && ok) { snprintf(err, SN_ERR_MAX, "%.400s: %s", tmp, strerror(errno)); ok = 0; }
-    if (ok && rename(tmp, pc->out) != 0) { snprintf(err, SN_ERR_MAX, "%s: %s", pc->out, strerror(errno)); ok = 0; }
-    if (!ok) unlink(tmp);
-    rc = ok ? 0 : -1;
+    free(logits); free(imgs); free(hw);
+    rc = f ? atomic_file_commit(f, tmp, pc->out, ok, err) : ok ? 0 : -1;
 done_list:
     path_list_free(&list);
 done_weights:
@@ -2865,6 +3000,132 @@ done_net:
     net_free(&net);
     graph_free(&g);
     return rc;
+}
+
+// ----------------------------------------------------------------------------
+// training curves (curves.svg)
+//
+// Two panels side by side, loss (train, val) and the metric (train, val),
+// against the epoch. A series is its finite values joined in row order (a
+// missing validation epoch is bridged), with a marker on each value, so a
+// single epoch shows as points. y axes start at 0 and end at a "nice" number
+// above the largest value; the metric's axis spans at least 0..1.
+
+#define SVG_PANEL_W 480
+#define SVG_H 360
+#define SVG_LEFT 70     // plot area inside a panel: x in [LEFT, PANEL_W - RIGHT],
+#define SVG_RIGHT 20    // y in [TOP, H - BOTTOM]
+#define SVG_TOP 40
+#define SVG_BOTTOM 50
+
+typedef struct { size_t offset; const char *name, *colour, *dash; } SvgSeries;
+
+static double record_value(const EpochRecord *r, size_t offset) { return *(const double *)((const char *)r + offset); }
+
+// a step of 1, 2 or 5 × 10^k near (hi - lo)/5 (computed so that it stays finite near ±DBL_MAX)
+static double nice_step(double lo, double hi) {
+    double raw = hi / 5 - lo / 5, mag = pow(10, floor(log10(raw))), f = raw / mag;
+    return (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * mag;
+}
+
+// text with &, <, > and " escaped
+static void svg_text(FILE *f, const char *s) {
+    for (; *s; s++) {
+        if (*s == '&') fputs("&amp;", f);
+        else if (*s == '<') fputs("&lt;", f);
+        else if (*s == '>') fputs("&gt;", f);
+        else if (*s == '"') fputs("&quot;", f);
+        else fputc(*s, f);
+    }
+}
+
+static void svg_panel(FILE *f, int x0, const char *title, const EpochRecord *rows, int n, const SvgSeries *s,
+                      double y_min_top) {
+    const double L = x0 + SVG_LEFT, R = x0 + SVG_PANEL_W - SVG_RIGHT, T = SVG_TOP, B = SVG_H - SVG_BOTTOM;
+    // x: the epochs, ±½ around a single one; y: 0 .. max(values, y_min_top), rounded up to a step
+    double ex0 = rows[0].epoch, ex1 = rows[0].epoch, ylo = 0, yhi = y_min_top;
+    int present[2] = {0, 0};
+    for (int i = 0; i < n; i++) {
+        ex0 = fmin(ex0, rows[i].epoch); ex1 = fmax(ex1, rows[i].epoch);
+        for (int k = 0; k < 2; k++) {
+            double v = record_value(&rows[i], s[k].offset);
+            if (!isfinite(v)) continue;
+            present[k]++;
+            ylo = fmin(ylo, v); yhi = fmax(yhi, v);
+        }
+    }
+    if (ex1 == ex0) { ex0 -= 0.5; ex1 += 0.5; }
+    if (yhi == ylo) yhi = ylo + 1;  // all values 0
+    double ystep = nice_step(ylo, yhi), xstep = fmax(1, round(nice_step(ex0, ex1)));
+    double lo = floor(ylo / ystep) * ystep, hi = ceil(yhi / ystep) * ystep;
+    if (isfinite(lo)) ylo = lo;
+    if (isfinite(hi)) yhi = hi;
+    int y_ticks = (int)floor(yhi / ystep - ylo / ystep + 1e-9);
+#define SVG_X(e) (L + ((e) - ex0) / (ex1 - ex0) * (R - L))
+#define SVG_Y(v) (B - ((v) / 2 - ylo / 2) / (yhi / 2 - ylo / 2) * (B - T))  // halves: finite near ±DBL_MAX
+
+    fprintf(f, "<g>\n<text x=\"%.1f\" y=\"24\" text-anchor=\"middle\" font-size=\"15\" font-weight=\"bold\">",
+            (L + R) / 2);
+    svg_text(f, title);
+    fputs("</text>\n", f);
+    for (int i = 0; i <= y_ticks; i++) {  // y ticks and grid
+        double v = 2 * (ylo / 2 + i * (ystep / 2)), y = SVG_Y(v);
+        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>"
+                "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.3g</text>\n", L, y, R, y, L - 6, y + 4, v);
+    }
+    for (double e = ceil(ex0 / xstep) * xstep; e <= ex1; e += xstep)  // x ticks
+        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333\"/>"
+                "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.0f</text>\n",
+                SVG_X(e), B, SVG_X(e), B + 5, SVG_X(e), B + 19, e);
+    fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" stroke=\"#333\"/>\n",
+            L, T, R - L, B - T);
+    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">epoch</text>\n", (L + R) / 2, B + 40.0);
+    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" transform=\"rotate(-90 %.1f %.1f)\">",
+            x0 + 18.0, (T + B) / 2, x0 + 18.0, (T + B) / 2);
+    svg_text(f, title);
+    fputs("</text>\n", f);
+    int legend = 0;
+    for (int k = 0; k < 2; k++) {
+        if (!present[k]) continue;
+        fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\"%s points=\"", s[k].colour, s[k].dash);
+        for (int i = 0; i < n; i++) {
+            double v = record_value(&rows[i], s[k].offset);
+            if (isfinite(v)) fprintf(f, "%.1f,%.1f ", SVG_X(rows[i].epoch), SVG_Y(v));
+        }
+        fputs("\"/>\n", f);
+        for (int i = 0; i < n; i++) {
+            double v = record_value(&rows[i], s[k].offset);
+            if (isfinite(v))
+                fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>\n", SVG_X(rows[i].epoch), SVG_Y(v), s[k].colour);
+        }
+        double ly = T + 14 + 18 * legend++;  // legend, top right
+        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2\"%s/>"
+                "<text x=\"%.1f\" y=\"%.1f\">%s</text>\n", R - 70, ly, R - 46, ly, s[k].colour, s[k].dash, R - 40, ly + 4, s[k].name);
+    }
+    if (!legend) fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" fill=\"#888\">no values</text>\n", (L + R) / 2, (T + B) / 2);
+    fputs("</g>\n", f);
+#undef SVG_X
+#undef SVG_Y
+}
+
+int write_curves_svg(const char *path, const EpochRecord *rows, int n, const char *metric_name,
+                     char err[SN_ERR_MAX]) {
+    snCheck(rows != NULL && n >= 1 && metric_name != NULL, "write_curves_svg: no rows");
+    static const char *VAL_DASH = " stroke-dasharray=\"6 4\"";
+    const SvgSeries loss[2] = {{offsetof(EpochRecord, loss), "train", "#1f77b4", ""},
+                               {offsetof(EpochRecord, val_loss), "val", "#ff7f0e", VAL_DASH}};
+    const SvgSeries metric[2] = {{offsetof(EpochRecord, metric), "train", "#1f77b4", ""},
+                                 {offsetof(EpochRecord, val_metric), "val", "#ff7f0e", VAL_DASH}};
+    char tmp[OUT_PATH_MAX];
+    FILE *f = atomic_file_open(path, tmp, sizeof tmp, err);
+    if (!f) return -1;
+    fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" "
+            "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
+            2 * SVG_PANEL_W, SVG_H, 2 * SVG_PANEL_W, SVG_H);
+    svg_panel(f, 0, "loss", rows, n, loss, 0);
+    svg_panel(f, SVG_PANEL_W, metric_name, rows, n, metric, 1);
+    fputs("</svg>\n", f);
+    return atomic_file_commit(f, tmp, path, 1, err);
 }
 
 // ----------------------------------------------------------------------------
@@ -3563,7 +3824,8 @@ static const char *USAGE =
     "\n"
     "commands:\n"
     "  plan      print a model's stages, output shapes and parameter counts\n"
-    "  predict   classify images with a trained classifier: one CSV row per image\n"
+    "  predict   run a trained model on images: class rows (CSV) for a classifier,\n"
+    "            mask and overlay PNGs for a segmentation model\n"
     "  train     train a model and write a run folder (no options: the quickstart\n"
     "            on the bundled data/, as `make train`)\n"
     "  eval      print a model's validation loss and metrics on a data set\n"
@@ -3979,20 +4241,38 @@ static int cmd_eval(int argc, char **argv) {
 }
 
 static const char *PREDICT_USAGE =
-    "usage: segnet predict --model effv2-s|m|l|t --classes K --weights W.safetensors\n"
-    "                      --input DIR_OR_CSV --out preds.csv [options]\n"
+    "usage: segnet predict --model NAME --classes K --weights W.safetensors\n"
+    "                      --input DIR_OR_CSV --out OUT [options]\n"
     "\n"
-    "Classifies every image of a folder (*.png, *.jpg, *.jpeg, sorted by name) or\n"
-    "of a CSV's first column (paths relative to the CSV; a header 'path' is skipped),\n"
-    "and writes one row per image: path,pred,p0,...,p{K-1} (softmax probabilities).\n"
+    "Predicts every image of a folder (*.png, *.jpg, *.jpeg, sorted by name) or of\n"
+    "a CSV's first column (paths relative to the CSV; a header 'path' is skipped).\n"
     "Images of the model's input size are used as they are; others are resized\n"
-    "(bilinear). The output is replaced only when every image was read.\n"
+    "(bilinear) for the forward pass.\n"
     "\n"
-    "  --weights W         safetensors in PyTorch layout (torchvision names)\n"
+    "Classifiers (effv2-*): OUT is a CSV with one row per image,\n"
+    "path,pred,p0,...,p{K-1} (softmax probabilities). It is replaced only when\n"
+    "every image was read.\n"
+    "\n"
+    "Segmentation models (unet, unet-effv2-*): OUT is a folder, created if missing,\n"
+    "that receives for each image OUT/<stem>.png, the mask (8-bit grey, pixel =\n"
+    "predicted class 0..K-1), and OUT/<stem>_overlay.png, the image blended 50/50\n"
+    "with a colour per class, both at the image's own size (the mask is brought\n"
+    "back by nearest neighbour). Every image is decoded, and no two may share a\n"
+    "stem, before anything is written; each PNG is written atomically, replacing\n"
+    "a file of that name. A failure while writing (disk full) leaves the PNGs\n"
+    "written before it.\n"
+    "\n"
+    "  --model NAME        effv2-s (default), effv2-m, effv2-l, effv2-t, unet,\n"
+    "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
+    "  --weights W         safetensors in PyTorch layout (segnet, torchvision or timm\n"
+    "                      names); training checkpoints load as they are\n"
     "  --padding MODE      same (Keras/TF weights, default) or symmetric (torchvision)\n"
-    "  --size HxW          input size (default: effv2-s 384x384, effv2-m/l 480x480)\n"
+    "  --size HxW          input size (default: effv2-s 384x384, effv2-m/l 480x480,\n"
+    "                      effv2-t 64x64, U-Nets 256x256)\n"
     "  --batch B           images per forward pass (default 8)\n"
-    "  --head-hidden H     the classifier's hidden layer, as trained (default 0)\n";
+    "  --head-hidden H     the classifier's hidden layer, as trained (default 0)\n"
+    "  --depth D           unet levels below the top, as trained (default 4)\n"
+    "  --width W           unet channels at the top level, as trained (default 32)\n";
 
 static int cmd_predict(int argc, char **argv) {
     PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1};
@@ -4068,5 +4348,18 @@ Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch,
 const LoaderBatch *loader_next(Loader *l) { (void)l; return NULL; }
 const char *loader_error(const Loader *l) { (void)l; return ""; }
 void loader_stop(Loader *l) { (void)l; }
-int write_curves_svg(const char *path, const EpochRecord *rows, int n, const char *metric_name,
-                     char err[SN_ERR_MAX]) { (void)path; (void)rows; (void)n; (void)metric_name; (void)err; return 0; }
+// ----------------------------------------------------------------------------
+// TEMPORARY png_write_atomic (replaced by the data-set section)
+
+#include <stb_image_write.h>  // Debian libstb-dev: declarations; the implementation is libstb.so
+
+static void png_put(void *f, void *data, int size) { fwrite(data, 1, (size_t)size, (FILE *)f); }
+
+int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pixels, char err[SN_ERR_MAX]) {
+    char tmp[OUT_PATH_MAX];
+    FILE *f = atomic_file_open(path, tmp, sizeof tmp, err);
+    if (!f) return -1;
+    int ok = stbi_write_png_to_func(png_put, f, w, h, comp, pixels, w * comp) != 0;
+    if (!ok) snprintf(err, SN_ERR_MAX, "%.400s: cannot encode the PNG", path);
+    return atomic_file_commit(f, tmp, path, ok, err);
+}

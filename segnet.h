@@ -569,10 +569,15 @@ void path_list_free(PathList *l);
 float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]);
 
 typedef struct {
-    ModelCfg model;        // a classifier (effv2-*); its batch is the prediction batch
+    ModelCfg model;        // any model; its batch is the prediction batch
     const char *weights;   // safetensors, PyTorch layout, every tensor present
     const char *input;     // folder of images, or CSV with the paths in its first column
-    const char *out;       // CSV `path,pred,p0,...`; replaced atomically, untouched on failure
+    // Classifier (1×1 output): CSV `path,pred,p0,...`, replaced atomically,
+    // untouched on failure. Segmentation: a folder (created if missing) that
+    // receives per image <stem>.png, the mask (grey = class, K ≤ 256), and
+    // <stem>_overlay.png (image and class colour 50/50), at the image's size;
+    // each PNG atomic, nothing written unless every image decodes.
+    const char *out;
     int progress;          // report progress on stderr
 } PredictCfg;
 int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);

@@ -3,6 +3,8 @@
 #define TESTING
 #include "segnet.c"
 #include <time.h>
+#include <ctype.h>
+#include <float.h>
 #include <stb_image_write.h>  // Debian libstb-dev (implementation in libstb.so): test images
 
 // ----------------------------------------------------------------------------
@@ -2516,6 +2518,262 @@ static void test_parity_live_adam(void) {
 }
 
 // ----------------------------------------------------------------------------
+// segnet predict for segmentation models (masks and overlays), and curves.svg
+
+static void set_param(Net *net, const char *name, size_t index, float v) {
+    int id = graph_find_param(net->g, name);
+    CHECK(id >= 0, "no parameter %s", name);
+    if (id >= 0) net->params[net->g->params[id].offset + index] = v;
+}
+
+// A U-Net (depth 1, width 2, 3 classes, 8×8) whose prediction is known by hand.
+// With x = R/128 - 1 the rescaled red channel, a = ReLU(x) and b = ReLU(-x)
+// pass through the centre taps of every conv (BN is the identity up to
+// 1/sqrt(1 + eps), the deeper level is all zeros), and the head gives logits
+// (0.5, 2b, 2a): class 2 where R > 192, class 1 where R < 64, else class 0.
+static int seg_hand_net(Graph *g, Net *net, ModelCfg *c, int batch) {
+    char err[SN_ERR_MAX];
+    *c = model_cfg_default();
+    c->depth = 1; c->width_base = 2; c->classes = 3; c->height = c->width = 8; c->batch = batch;
+    graph_init(g);
+    int out = model_build(g, c);
+    CHECK(out >= 0 && net_create(net, g, &ops_cpu, DT_F32, 0, err) == 0, "%s", err);
+    memset(net->params, 0, sizeof(float) * g->n_param_floats);
+    for (int l = 0; l < g->n_layers; l++)
+        if (g->layers[l].kind == LAYER_BN) for (size_t k = 0; k < g->params[g->layers[l].weight].count; k++)
+            net->params[g->params[g->layers[l].weight].offset + k] = 1;
+    for (int b = 0; b < g->n_buffers; b++)
+        for (size_t k = 0; k < g->buffers[b].count; k++)
+            net->buffers[g->buffers[b].offset + k] = contains(g->buffers[b].name, "running_var") ? 1 : 0;
+    // conv weights (Cout,3,3,Cin): the centre tap of (co, ci) is element (co·9 + 4)·Cin + ci
+    set_param(net, "enc0.conv1.0.weight", (0 * 9 + 4) * 3 + 0, 1);   // a ← R
+    set_param(net, "enc0.conv1.0.weight", (1 * 9 + 4) * 3 + 0, -1);  // b ← -R
+    set_param(net, "enc0.conv2.0.weight", (0 * 9 + 4) * 2 + 0, 1);
+    set_param(net, "enc0.conv2.0.weight", (1 * 9 + 4) * 2 + 1, 1);
+    set_param(net, "dec0.conv1.0.weight", (0 * 9 + 4) * 6 + 4, 1);   // the skip follows 4 upsampled channels
+    set_param(net, "dec0.conv1.0.weight", (1 * 9 + 4) * 6 + 5, 1);
+    set_param(net, "dec0.conv2.0.weight", (0 * 9 + 4) * 2 + 0, 1);
+    set_param(net, "dec0.conv2.0.weight", (1 * 9 + 4) * 2 + 1, 1);
+    set_param(net, "head.weight", 1 * 2 + 1, 2);                     // (3,1,1,2): z1 = 2b
+    set_param(net, "head.weight", 2 * 2 + 0, 2);                     // z2 = 2a
+    set_param(net, "head.bias", 0, 0.5f);
+    return out;
+}
+
+// an RGB PNG whose red channel is red(x, y), green and blue random
+static void write_png_red(const char *path, int w, int h, int (*red)(int x, int y), Rng *r) {
+    unsigned char *px = malloc((size_t)h * w * 3);
+    for (int y = 0; y < h; y++)
+        for (int x = 0; x < w; x++) {
+            unsigned char *p = px + 3 * ((size_t)y * w + x);
+            p[0] = red ? (unsigned char)red(x, y) : (unsigned char)(rng_next(r) & 255);
+            p[1] = (unsigned char)(rng_next(r) & 255);
+            p[2] = (unsigned char)(rng_next(r) & 255);
+        }
+    CHECK(stbi_write_png(path, w, h, 3, px, w * 3) != 0, "writing %s", path);
+    free(px);
+}
+static int red_columns(int x, int y) { (void)y; return x < 3 ? 250 : x < 6 ? 128 : 10; }   // classes 2 2 2 0 0 0 1 1
+
+static int count_substr(const char *s, const char *sub) {
+    int n = 0;
+    for (const char *p = s; (p = strstr(p, sub)); p += strlen(sub)) n++;
+    return n;
+}
+
+static void rm_rf(const char *dir) {
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0, "cleanup of %s", dir);
+}
+
+static const char *SEG_NAMES[3] = {"a.png", "b.v2.png", "c.png"}, *SEG_STEMS[3] = {"a", "b.v2", "c"};
+static const int SEG_W[3] = {8, 12, 8}, SEG_H[3] = {8, 10, 8};
+
+// Checks predict's outputs in outdir for the images SEG_NAMES in `in`: every
+// mask pixel is the argmax of a direct forward pass of net on the (resized)
+// image, read at src = floor((dst + ½)·8/size); every overlay value is
+// (image + palette colour + 1)/2; a.png has the classes by hand. The other
+// images have random red values, so their masks change from pixel to pixel
+// and a wrong resize back shows.
+static void check_seg_outputs(Net *net, int out, const char *in, const char *outdir) {
+    char path[400], err[SN_ERR_MAX];
+    for (int i = 0; i < 3; i++) {
+        int w = 0, h = 0, comp, mw = 0, mh = 0, mc = 0, ow = 0, oh = 0, oc = 0;
+        snprintf(path, sizeof path, "%s/%s", in, SEG_NAMES[i]);
+        unsigned char *img = stbi_load(path, &w, &h, &comp, 3);
+        float *imgf = image_load_rgb(path, &h, &w, err);
+        snprintf(path, sizeof path, "%s/%s.png", outdir, SEG_STEMS[i]);
+        unsigned char *mask = stbi_load(path, &mw, &mh, &mc, 0);
+        snprintf(path, sizeof path, "%s/%s_overlay.png", outdir, SEG_STEMS[i]);
+        unsigned char *ov = stbi_load(path, &ow, &oh, &oc, 0);
+        CHECK(img && imgf && mask && ov, "%s: an output is missing", SEG_NAMES[i]);
+        int sizes_ok = img && imgf && mask && ov && mw == w && mh == h && mc == 1 && ow == w && oh == h && oc == 3;
+        CHECK(sizes_ok, "%s: mask %dx%d (%d channels), overlay %dx%d (%d channels), image %dx%d",
+              SEG_NAMES[i], mw, mh, mc, ow, oh, oc, SEG_W[i], SEG_H[i]);
+        if (!sizes_ok) { free(img); free(imgf); free(mask); free(ov); continue; }
+        Tensor x = net_tensor(net, net->g->input);
+        memset(x.data, 0, tensor_bytes(x));
+        if (w == 8 && h == 8) memcpy(x.data, imgf, sizeof(float) * 8 * 8 * 3);
+        else ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(x.data, shape4(1, 8, 8, 3)), tensor_f32(imgf, shape4(1, h, w, 3)));
+        net_forward(net, 0);
+        const float *z = net->act[out];  // (B,8,8,3), the image in slot 0
+        int bad_mask = 0, bad_overlay = 0, bad_hand = 0, seen[3] = {0, 0, 0};
+        for (int y = 0; y < h; y++)
+            for (int xx = 0; xx < w; xx++) {
+                int sy = (int)floor((y + 0.5) * 8 / h), sx = (int)floor((xx + 0.5) * 8 / w);
+                const float *zp = z + ((size_t)sy * 8 + sx) * 3;
+                int best = zp[1] > zp[0] ? 1 : 0;
+                if (zp[2] > zp[best]) best = 2;
+                int m = mask[y * w + xx];
+                bad_mask += m != best;
+                if (m < 3) seen[m] = 1;
+                if (i == 0) bad_hand += m != (red_columns(xx, y) > 192 ? 2 : red_columns(xx, y) < 64 ? 1 : 0);
+                for (int ch = 0; ch < 3; ch++) {
+                    int p = 3 * (y * w + xx);
+                    bad_overlay += ov[p + ch] != (img[p + ch] + SEG_PALETTE[m % SEG_COLOURS][ch] + 1) / 2;
+                }
+            }
+        CHECK(bad_mask == 0, "%s: %d mask pixels differ from the direct forward", SEG_NAMES[i], bad_mask);
+        CHECK(bad_overlay == 0, "%s: %d overlay values differ from the 50/50 blend", SEG_NAMES[i], bad_overlay);
+        CHECK(bad_hand == 0, "%s: %d mask pixels differ from the classes by hand", SEG_NAMES[i], bad_hand);
+        CHECK(seen[0] && seen[1] && seen[2], "%s: not every class appears", SEG_NAMES[i]);
+        free(img); free(imgf); free(mask); free(ov);
+    }
+    DIR *d = opendir(outdir);
+    int files = 0, leftovers = 0;
+    for (struct dirent *e; d && (e = readdir(d));) {
+        files += e->d_name[0] != '.';
+        leftovers += strstr(e->d_name, ".tmp.") != NULL;
+    }
+    if (d) closedir(d);
+    CHECK(files == 6 && leftovers == 0, "the folder holds the 6 PNGs and nothing else (%d files, %d temporary)", files, leftovers);
+}
+
+// predict with the hand-made U-Net into a new folder, then again into it
+static void test_predict_segmentation(void) {
+    char dir[256], in[300], outdir[300], wpath[300], path[400], err[SN_ERR_MAX];
+    snprintf(dir, sizeof dir, "/tmp/segnet_test_%ld_predict_seg", (long)getpid());
+    snprintf(in, sizeof in, "%s/images", dir);
+    snprintf(outdir, sizeof outdir, "%s/masks", dir);  // absent: predict creates it
+    snprintf(wpath, sizeof wpath, "%s/w.safetensors", dir);
+    mkdir(dir, 0755); mkdir(in, 0755);
+    Graph g; Net net; ModelCfg c;
+    int out = seg_hand_net(&g, &net, &c, 2);
+    CHECK(net_save_weights(&net, wpath, err) == 0, "%s", err);
+    Rng r; rng_seed(&r, 5);
+    int (*reds[3])(int, int) = {red_columns, NULL, NULL};
+    for (int i = 0; i < 3; i++) {
+        snprintf(path, sizeof path, "%s/%s", in, SEG_NAMES[i]);
+        write_png_red(path, SEG_W[i], SEG_H[i], reds[i], &r);
+    }
+    PredictCfg pc = {c, wpath, in, outdir, 0};  // batch 2, 3 images: the last batch is partly empty
+    CHECK(predict_run(&pc, err) == 0, "predict: %s", err);
+    check_seg_outputs(&net, out, in, outdir);
+    CHECK(predict_run(&pc, err) == 0, "predict again, into the existing folder: %s", err);
+    check_seg_outputs(&net, out, in, outdir);
+    net_free(&net); graph_free(&g);
+    rm_rf(dir);
+}
+
+// Refused before anything is written: --out an existing file, an image that
+// does not decode, two images with the same stem; and a folder that cannot be created.
+static void test_predict_segmentation_refused(void) {
+    char dir[256], in[300], file[300], outdir[300], wpath[300], path[400], err[SN_ERR_MAX];
+    snprintf(dir, sizeof dir, "/tmp/segnet_test_%ld_predict_seg_bad", (long)getpid());
+    snprintf(in, sizeof in, "%s/images", dir);
+    snprintf(file, sizeof file, "%s/preds.csv", dir);
+    snprintf(outdir, sizeof outdir, "%s/masks", dir);
+    snprintf(wpath, sizeof wpath, "%s/w.safetensors", dir);
+    mkdir(dir, 0755); mkdir(in, 0755);
+    Graph g; Net net; ModelCfg c;
+    seg_hand_net(&g, &net, &c, 1);
+    CHECK(net_save_weights(&net, wpath, err) == 0, "%s", err);
+    Rng r; rng_seed(&r, 6);
+    snprintf(path, sizeof path, "%s/good.png", in);
+    write_png_red(path, 8, 8, NULL, &r);
+    FILE *f = fopen(file, "w"); fputs("keep\n", f); fclose(f);
+    struct stat sb;
+
+    PredictCfg pc = {c, wpath, in, file, 0};
+    CHECK(predict_run(&pc, err) == -1 && contains(err, file) && contains(err, "not a folder"), "--out a file: '%s'", err);
+    char *t = read_text(file);
+    CHECK(t && !strcmp(t, "keep\n"), "the file is untouched");
+    free(t);
+
+    pc.out = outdir;
+    snprintf(path, sizeof path, "%s/a.jpg", in);  // stb decodes by content: a PNG named .jpg
+    write_png_red(path, 8, 8, NULL, &r);
+    snprintf(path, sizeof path, "%s/a.png", in);
+    write_png_red(path, 8, 8, NULL, &r);
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "a.jpg") && contains(err, "a.png") && contains(err, "both write"),
+          "same stem: '%s'", err);
+    CHECK(stat(outdir, &sb) != 0, "nothing created for the same stem");
+    unlink(path);
+
+    snprintf(path, sizeof path, "%s/z_corrupt.png", in);  // sorted last: found before any image is predicted
+    f = fopen(path, "wb"); fputs("\x89PNG\r\n\x1a\nnot really a png", f); fclose(f);
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "z_corrupt.png") && contains(err, "cannot decode"), "corrupt: '%s'", err);
+    CHECK(stat(outdir, &sb) != 0, "nothing created for a corrupt image");
+    unlink(path);
+
+    snprintf(path, sizeof path, "%s/missing/masks", dir);
+    pc.out = path;
+    CHECK(predict_run(&pc, err) == -1 && contains(err, path) && contains(err, "No such file"), "no parent: '%s'", err);
+    net_free(&net); graph_free(&g);
+    rm_rf(dir);
+}
+
+// checks of one curves.svg: one element, no non-finite numbers, every marker
+// inside the plot areas, `polylines` series, the labels
+static void check_svg(const char *path, int polylines, int circles, const char *metric, const char *what) {
+    char *s = read_text(path);
+    CHECK(s != NULL, "%s: %s not written", what, path);
+    if (!s) return;
+    size_t n = strlen(s);
+    while (n && isspace((unsigned char)s[n - 1])) s[--n] = 0;
+    CHECK(!strncmp(s, "<svg ", 5) && n > 6 && !strcmp(s + n - 6, "</svg>"), "%s: starts with <svg, ends with </svg>", what);
+    CHECK(count_substr(s, "<svg") == 1 && count_substr(s, "<g>") == 2 && count_substr(s, "</g>") == 2, "%s: element nesting", what);
+    CHECK(count_substr(s, "<") == count_substr(s, ">"), "%s: every < has its >", what);
+    CHECK(count_substr(s, "<polyline") == polylines, "%s: %d polylines, expected %d", what, count_substr(s, "<polyline"), polylines);
+    CHECK(count_substr(s, "<circle") == circles, "%s: %d markers, expected %d", what, count_substr(s, "<circle"), circles);
+    CHECK(count_substr(s, ">epoch<") == 2 && count_substr(s, ">loss<") == 2 && count_substr(s, metric) == 2,
+          "%s: axis labels and titles", what);
+    for (const char *p = s; (p = strstr(p, "<circle cx=\"")); p++) {
+        double cx = strtod(p + 12, NULL), cy = strtod(strstr(p, "cy=\"") + 4, NULL);
+        int in_panel = (cx >= SVG_LEFT && cx <= SVG_PANEL_W - SVG_RIGHT) ||
+                       (cx >= SVG_PANEL_W + SVG_LEFT && cx <= 2 * SVG_PANEL_W - SVG_RIGHT);
+        CHECK(in_panel && cy >= SVG_TOP && cy <= SVG_H - SVG_BOTTOM, "%s: marker (%g, %g) outside the plots", what, cx, cy);
+    }
+    for (char *p = s; *p; p++) *p = (char)tolower((unsigned char)*p);
+    CHECK(!strstr(s, "nan") && !strstr(s, "inf"), "%s: a non-finite number in the output", what);
+    free(s);
+}
+
+static void test_curves_svg(void) {
+    char path[256], err[SN_ERR_MAX];
+    snprintf(path, sizeof path, "/tmp/segnet_test_%ld_curves.svg", (long)getpid());
+    EpochRecord rows[3] = {{1, 1e-3, 1.25, 1.5, 0.3, 0.25}, {2, 1e-3, 0.75, NAN, 0.5, NAN}, {3, 5e-4, 0.5, 0.9, 0.7, 0.6}};
+    CHECK(write_curves_svg(path, rows, 3, "mIoU", err) == 0, "%s", err);
+    check_svg(path, 4, 10, ">mIoU<", "3 epochs, a missing val");
+    for (int i = 0; i < 3; i++) rows[i].val_loss = rows[i].val_metric = NAN;
+    CHECK(write_curves_svg(path, rows, 3, "accuracy", err) == 0, "%s", err);
+    check_svg(path, 2, 6, ">accuracy<", "no validation");
+    CHECK(write_curves_svg(path, rows, 1, "a<b", err) == 0, "%s", err);
+    check_svg(path, 2, 2, ">a&lt;b<", "one epoch, an escaped name");
+    EpochRecord flat[2] = {{1, 1e-3, 0, 0, 0, 0}, {2, 1e-3, 0, 0, 0, 0}};
+    CHECK(write_curves_svg(path, flat, 2, "mIoU", err) == 0, "%s", err);
+    check_svg(path, 4, 8, ">mIoU<", "all values 0");
+    EpochRecord huge[3] = {{1, 1e-3, DBL_MAX, -DBL_MAX, 0.1, INFINITY}, {2, 1e-3, 1e300, 3, 0.2, 2},
+                           {3, 1e-3, INFINITY, 1, NAN, 0.5}};
+    CHECK(write_curves_svg(path, huge, 3, "mIoU", err) == 0, "%s", err);
+    check_svg(path, 4, 9, ">mIoU<", "huge and infinite values");
+    unlink(path);
+    CHECK(write_curves_svg("/nonexistent/dir/curves.svg", rows, 3, "mIoU", err) == -1 &&
+          contains(err, "/nonexistent/dir/curves.svg"), "unwritable: '%s'", err);
+}
+
+// ----------------------------------------------------------------------------
 // the runner
 
 typedef struct { const char *name; void (*fn)(void); } Test;
@@ -2585,6 +2843,9 @@ static const Test TESTS[] = {
     {"lr_schedule", test_lr_schedule},
     {"init_params", test_init_params},
     {"parity_live_adam", test_parity_live_adam},
+    {"predict_segmentation", test_predict_segmentation},
+    {"predict_segmentation_refused", test_predict_segmentation_refused},
+    {"curves_svg", test_curves_svg},
     {"parity_live_effv2", test_parity_live_effv2},  // "parity_live_*": run where PyTorch is found
     {"parity_live_unet", test_parity_live_unet},
 };
