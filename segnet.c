@@ -2335,57 +2335,57 @@ static int st_check_write_args(const char *path, const StTensor *ts, int n, cons
 }
 
 // write(2) until done (it may write less than asked, or be interrupted)
-static int st_write_all(int fd, const void *p, size_t n) {
-    const uint8_t *s = p;
-    while (n) {
-        ssize_t w = write(fd, s, n);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) return -1;
-        s += w;
-        n -= (size_t)w;
+// ---- atomic replacement of a file: write "<path>.tmp.<pid>" in the same
+// folder, fsync it, rename it over path, fsync the folder. A crash at any
+// moment leaves either the old file or the new one, never a mix.
+
+#define OUT_PATH_MAX 4200
+
+static FILE *atomic_file_open(const char *path, char *tmp, size_t tmp_size, char err[SN_ERR_MAX]) {
+    snprintf(tmp, tmp_size, "%s.tmp.%ld", path, (long)getpid());
+    FILE *f = fopen(tmp, "wb");
+    if (!f) snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno));
+    return f;
+}
+
+// Closes f and renames tmp over path if ok (else, or on a failure, removes tmp).
+// ok = 0 means the writer failed and has already set err.
+static int atomic_file_commit(FILE *f, const char *tmp, const char *path, int ok, char err[SN_ERR_MAX]) {
+    if (ok && (fflush(f) != 0 || ferror(f) || fsync(fileno(f)) != 0)) {
+        snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno));
+        ok = 0;
     }
+    if (fclose(f) != 0 && ok) { snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno)); ok = 0; }
+    if (ok && rename(tmp, path) != 0) {
+        snprintf(err, SN_ERR_MAX, "%.400s: renaming the new file over it failed: %s", path, strerror(errno));
+        ok = 0;
+    }
+    if (!ok) { unlink(tmp); return -1; }
+    // The file is in place; syncing the folder makes the rename itself durable.
+    char dir[OUT_PATH_MAX];
+    const char *slash = strrchr(path, '/');
+    if (!slash) snprintf(dir, sizeof dir, ".");
+    else if (slash == path) snprintf(dir, sizeof dir, "/");
+    else snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0 || fsync(dfd)) {
+        snprintf(err, SN_ERR_MAX, "%.400s: written, but syncing its folder failed: %s", path, strerror(errno));
+        if (dfd >= 0) close(dfd);
+        return -1;
+    }
+    close(dfd);
     return 0;
 }
 
-// Temp file in the same directory, fsync, rename over path, fsync the
-// directory: a crash at any moment leaves either the old file or the new one.
 int file_write_atomic(const char *path, const void *const *parts, const size_t *sizes, int n_parts,
                       char err[SN_ERR_MAX]) {
-    size_t tmp_cap = strlen(path) + 32;
-    char *tmp = malloc(tmp_cap), *dir = malloc(tmp_cap);
-    int fd = -1, rc = -1;
-    if (!tmp || !dir) { st_errf(err, "%s: out of memory", path); goto done; }
-    snprintf(tmp, tmp_cap, "%s.tmp.%ld", path, (long)getpid());
-    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) { st_errf(err, "%s: cannot create temporary file %s: %s", path, tmp, strerror(errno)); goto done; }
+    char tmp[OUT_PATH_MAX];
+    FILE *f = atomic_file_open(path, tmp, sizeof tmp, err);
+    if (!f) return -1;
     int ok = 1;
-    for (int i = 0; ok && i < n_parts; i++) ok = !st_write_all(fd, parts[i], sizes[i]);
-    if (!ok || fsync(fd)) {
-        st_errf(err, "%s: writing %s: %s", path, tmp, strerror(errno));
-        close(fd);
-        unlink(tmp);
-        goto done;
-    }
-    if (close(fd)) { st_errf(err, "%s: closing %s: %s", path, tmp, strerror(errno)); unlink(tmp); goto done; }
-    if (rename(tmp, path)) { st_errf(err, "%s: renaming %s over it: %s", path, tmp, strerror(errno)); unlink(tmp); goto done; }
-    // The file is in place; syncing the directory makes the rename itself durable.
-    // A failure here is reported, though path already holds the complete new file.
-    const char *slash = strrchr(path, '/');
-    if (!slash) strcpy(dir, ".");
-    else if (slash == path) strcpy(dir, "/");
-    else { memcpy(dir, path, (size_t)(slash - path)); dir[slash - path] = 0; }
-    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd < 0 || fsync(dfd)) {
-        st_errf(err, "%s: written, but syncing directory %s failed: %s", path, dir, strerror(errno));
-        if (dfd >= 0) close(dfd);
-        goto done;
-    }
-    close(dfd);
-    rc = 0;
-done:
-    free(tmp);
-    free(dir);
-    return rc;
+    for (int i = 0; ok && i < n_parts; i++) ok = fwrite(parts[i], 1, sizes[i], f) == sizes[i];
+    if (!ok) snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno));
+    return atomic_file_commit(f, tmp, path, ok, err);
 }
 
 int st_write(const char *path, const StTensor *tensors, int n, const char *const *meta_keys,
@@ -2775,29 +2775,6 @@ float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]) {
     for (size_t i = 0; i < n; i++) img[i] = px[i];
     stbi_image_free(px);
     return img;
-}
-
-// Outputs are written to PATH.tmp.PID beside PATH and renamed over it once
-// complete and fsynced: PATH holds the old file or the whole new one, never a part.
-#define OUT_PATH_MAX 4200
-static FILE *atomic_file_open(const char *path, char *tmp, size_t tmp_size, char err[SN_ERR_MAX]) {
-    snprintf(tmp, tmp_size, "%s.tmp.%ld", path, (long)getpid());
-    FILE *f = fopen(tmp, "w");
-    if (!f) snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno));
-    return f;
-}
-
-// Closes f and renames tmp over path if ok (else, or on a failure, removes tmp).
-// ok = 0 means the writer failed and has already set err.
-static int atomic_file_commit(FILE *f, const char *tmp, const char *path, int ok, char err[SN_ERR_MAX]) {
-    if (ok && (fflush(f) != 0 || ferror(f) || fsync(fileno(f)) != 0)) {
-        snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno));
-        ok = 0;
-    }
-    if (fclose(f) != 0 && ok) { snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno)); ok = 0; }
-    if (ok && rename(tmp, path) != 0) { snprintf(err, SN_ERR_MAX, "%.400s: %s", path, strerror(errno)); ok = 0; }
-    if (!ok) unlink(tmp);
-    return ok ? 0 : -1;
 }
 
 // a path as a CSV field: quoted (with "" for ") when it holds a comma, quote or newline
