@@ -18,7 +18,7 @@
 
 CC      ?= gcc
 CFLAGS  ?= -O2 -g
-CFLAGS  += -std=gnu11 -Wall -Wextra -Wno-unknown-pragmas
+CFLAGS  += -std=gnu11 -Wall -Wextra -Wno-unknown-pragmas -pthread
 LDLIBS  += -lm
 
 MULTIARCH    := $(shell $(CC) -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)

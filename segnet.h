@@ -586,17 +586,23 @@ int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);
 // data sets: listing, decoding, resizing, augmentation, batching, prefetch
 //
 // Segmentation: DIR/images/*.{png,jpg,jpeg} and DIR/masks/*.png with the same
-// stem; a mask pixel is a class index 0..K-1 (one channel, or the first of
-// several). Classification: a CSV `path,label` (paths relative to the CSV's
-// folder, an optional header `path,label`) or DIR/<class>/*.{png,jpg,jpeg},
-// the sub-folders sorted by name giving classes 0, 1, ...
+// stem; a mask pixel is a class index 0..K-1, K ≤ 256 (8- or 16-bit PNG, one
+// channel or the first of several; palette PNGs are refused, since stb_image
+// turns their indices into colours). Classification: a CSV `path,label` (paths
+// relative to the CSV's folder, an optional header whose first field is `path`)
+// or DIR/<class>/*.{png,jpg,jpeg}, the sub-folders sorted by name giving
+// classes 0, 1, ... (more sub-folders than K are refused).
 //
 // dataset_open checks everything before training starts (every file decodes,
 // every image has its mask and the reverse, mask sizes equal image sizes, mask
-// values and labels lie in 0..K-1) and keeps the resized samples as bytes in
-// memory when they fit in cache_bytes (else workers decode them again each
-// epoch). Images are resized to the model's size with bilinear interpolation
-// (half-pixel centres), masks with nearest neighbour.
+// values and labels lie in 0..K-1), decoding on `threads` threads. Of several
+// bad files the first in sample order is reported, whatever the threads.
+// Samples are in stem order (segmentation), row order (CSV) or class then name
+// order (folders). The resized samples stay in memory as bytes when
+// n·H·W·3 (+ n·H·W for masks) ≤ cache_bytes; else dataset_batch decodes them
+// again. Images are resized to the model's size with bilinear interpolation
+// (half-pixel centres, the resize op's, rounded to bytes), masks with nearest
+// neighbour (half-pixel centres: src = ⌊(dst + ½)·in/out⌋).
 
 typedef struct {
     int flip;                        // random horizontal flip of image and mask together, p = 1/2
@@ -623,15 +629,20 @@ void dataset_free(Dataset *d);
 
 // Assembles one batch of samples idx[0..n-1]: images (n,H,W,3) fp32 0..255 after
 // augmentation; labels (n·H·W) mask values (segmentation) or (n) classes.
-// Sample j's random choices depend only on (seed, idx[j]) (counter-based), so
-// a batch is the same whichever thread builds it. aug NULL: no augmentation.
-// Returns 0, or -1 with err (a file that changed on disk since dataset_open).
+// Augmentation in this order: flip, brightness, contrast (on values/255, then
+// ×255). Sample j's random choices depend only on (seed, idx[j]) (counter-based),
+// so a batch is the same whichever thread builds it; pass a new seed per epoch
+// for new draws. aug NULL (or all zero): the resized bytes as floats, exactly.
+// Returns 0, or -1 with err (a file that changed on disk since dataset_open,
+// with the message dataset_open would give).
 int dataset_batch(const Dataset *d, const int *idx, int n, const Augment *aug, uint64_t seed,
                   float *images, int32_t *labels, char err[SN_ERR_MAX]);
 
-// Prefetch: `workers` threads build the batches of `order` (n_order sample
-// indices, taken `batch` at a time, the last batch possibly smaller) up to
-// `depth` batches ahead; loader_next hands them out in order. seed as above.
+// Prefetch: `workers` threads (pthreads) build the batches of `order` (n_order
+// sample indices, copied; taken `batch` at a time, the last batch possibly
+// smaller) up to `depth` batches ahead, each batch as dataset_batch(seed) would;
+// loader_next hands them out in order. Batches are identical for any workers
+// and depth. d must outlive the loader.
 typedef struct {
     int n;             // images in this batch (≤ batch)
     float *images;     // (n,H,W,3)
@@ -641,13 +652,16 @@ typedef struct {
 typedef struct Loader Loader;
 Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch, const Augment *aug,
                      uint64_t seed, int workers, int depth);
-// The next batch (valid until the next call), or NULL after the last one or on
-// an error (then loader_error gives it). Blocks while the batch is being built.
+// The next batch (valid until the next call or loader_stop), or NULL after the
+// last one or on an error (then loader_error gives it, and every later call
+// returns NULL). Blocks only while that batch is still being built.
 const LoaderBatch *loader_next(Loader *l);
 const char *loader_error(const Loader *l);  // "" if none
-void loader_stop(Loader *l);                // joins the workers, frees everything
+void loader_stop(Loader *l);                // at any time: joins the workers, frees everything
 
-// PNG output, atomic (temporary file, fsync, rename): comp 1 (grey) or 3 (RGB)
+// PNG output, atomic (<path>.tmp.<pid> in the same folder, fsync, rename): comp
+// 1 (grey) or 3 (RGB). On failure the temporary is removed and a file already
+// at path is untouched.
 int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pixels, char err[SN_ERR_MAX]);
 
 // ----------------------------------------------------------------------------

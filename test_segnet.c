@@ -2774,6 +2774,559 @@ static void test_curves_svg(void) {
 }
 
 // ----------------------------------------------------------------------------
+// data sets: exact pixels through listing, caching and batching; resizing by
+// hand; augmentation against the tf.image formulas; the loader bit for bit
+// whatever its workers; every bad input refused naming the file; atomic PNGs
+
+// /tmp/segnet_test_<pid>_<tag>, created empty, with the given sub-folders
+static void ds_fixture(char *dir, size_t cap, const char *tag, const char *const *subs, int n_subs) {
+    char cmd[600], sub[600];
+    snprintf(dir, cap, "/tmp/segnet_test_%ld_%s", (long)getpid(), tag);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0 && mkdir(dir, 0755) == 0, "creating %s", dir);
+    for (int k = 0; k < n_subs; k++) {
+        snprintf(sub, sizeof sub, "%s/%s", dir, subs[k]);
+        CHECK(mkdir(sub, 0755) == 0, "creating %s", sub);
+    }
+}
+static void ds_remove(const char *dir) {
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0, "cleanup");
+}
+static void ds_png(const char *dir, const char *name, int w, int h, int comp, const uint8_t *px) {
+    char path[600], err[SN_ERR_MAX];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    CHECK(png_write_atomic(path, w, h, comp, px, err) == 0, "%s", err);
+}
+static void ds_text(const char *dir, const char *name, const char *text) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL, "creating %s", path);
+    if (f) { fputs(text, f); fclose(f); }
+}
+static uint8_t *ds_random(Rng *r, size_t n, int below) {
+    uint8_t *p = malloc(n);
+    for (size_t i = 0; i < n; i++) p[i] = (uint8_t)(rng_next(r) % (uint64_t)below);
+    return p;
+}
+static const char *const SEG_SUBS[] = {"images", "masks"};
+
+static void test_dataset_seg_round_trip(void) {
+    char dir[300], err[SN_ERR_MAX] = "";
+    ds_fixture(dir, sizeof dir, "ds_seg", SEG_SUBS, 2);
+    const int W = 5, H = 4, K = 4, P = W * H;
+    Rng r; rng_seed(&r, 5);
+    uint8_t *img[2] = {ds_random(&r, 3 * P, 256), ds_random(&r, 3 * P, 256)};
+    uint8_t *cls[2] = {ds_random(&r, P, K), ds_random(&r, P, K)};
+    uint8_t rgb_mask[3 * 20];  // b's mask as RGB: the class is the first channel, the others are not classes
+    for (int p = 0; p < P; p++) { rgb_mask[3 * p] = cls[1][p]; rgb_mask[3 * p + 1] = 200; rgb_mask[3 * p + 2] = 9; }
+    ds_png(dir, "images/a.png", W, H, 3, img[0]);
+    ds_png(dir, "masks/a.png", W, H, 1, cls[0]);
+    ds_png(dir, "images/b.png", W, H, 3, img[1]);
+    ds_png(dir, "masks/b.png", W, H, 3, rgb_mask);
+    float x[2 * 3 * 20], x2[2 * 3 * 20];
+    int32_t y[2 * 20], y2[2 * 20];
+    const int idx[2] = {1, 0};
+    for (int cached = 1; cached >= 0; cached--) {
+        Dataset d;
+        int rc = dataset_open(&d, dir, 1, K, H, W, cached ? (size_t)1 << 20 : 0, 2, err);
+        CHECK(rc == 0, "%s", err);
+        if (rc) break;
+        CHECK(d.n == 2 && contains(d.images[0], "images/a.png") && contains(d.masks[1], "masks/b.png") && !d.labels,
+              "listing: %d samples", d.n);
+        CHECK((d.image_cache != NULL) == cached && (d.mask_cache != NULL) == cached, "cache %d", cached);
+        CHECK(dataset_batch(&d, idx, 2, NULL, 0, cached ? x : x2, cached ? y : y2, err) == 0, "%s", err);
+        dataset_free(&d);
+    }
+    int bad = 0;
+    for (int j = 0; j < 2; j++)
+        for (int p = 0; p < P; p++) {
+            for (int c = 0; c < 3; c++) bad += x[(j * P + p) * 3 + c] != img[idx[j]][3 * p + c];
+            bad += y[j * P + p] != cls[idx[j]][p];
+        }
+    CHECK(bad == 0, "%d values differ from the files", bad);
+    CHECK(!memcmp(x, x2, sizeof x) && !memcmp(y, y2, sizeof y), "decoding again equals the cache");
+    for (int j = 0; j < 2; j++) { free(img[j]); free(cls[j]); }
+    ds_remove(dir);
+}
+
+static void test_dataset_resize(void) {
+    char dir[300], err[SN_ERR_MAX] = "";
+    ds_fixture(dir, sizeof dir, "ds_resize", SEG_SUBS, 2);
+    uint8_t big[4 * 4 * 3], big_mask[16], small[2 * 2 * 3], small_mask[4] = {0, 1, 2, 3};
+    Rng r; rng_seed(&r, 8);
+    for (int i = 0; i < 48; i++) big[i] = (uint8_t)(4 * (rng_next(&r) % 64));  // 2x2 block means are integers
+    for (int i = 0; i < 12; i++) small[i] = (uint8_t)(rng_next(&r) % 256);
+    for (int i = 0; i < 16; i++) big_mask[i] = (uint8_t)i;                    // class = y·4 + x
+    ds_png(dir, "images/big.png", 4, 4, 3, big);
+    ds_png(dir, "masks/big.png", 4, 4, 1, big_mask);
+    ds_png(dir, "images/small.png", 2, 2, 3, small);
+    ds_png(dir, "masks/small.png", 2, 2, 1, small_mask);
+    // nearest, src = ⌊(dst + ½)·in/out⌋: 4 -> 2 reads 1, 3; 2 -> 4 reads 0, 0, 1, 1
+    const int32_t down[4] = {5, 7, 13, 15};
+    const int32_t up[16] = {0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3};
+    const int idx[2] = {0, 1};  // big, small
+    for (int size = 2; size <= 4; size += 2) {
+        Dataset d;
+        float x[2 * 16 * 3];
+        int32_t y[2 * 16];
+        int rc = dataset_open(&d, dir, 1, 16, size, size, 1 << 20, 1, err);
+        CHECK(rc == 0, "%s", err);
+        if (rc) break;
+        CHECK(dataset_batch(&d, idx, 2, NULL, 0, x, y, err) == 0, "%s", err);
+        const int P = size * size;
+        const int32_t *want_big = size == 2 ? down : NULL, *want_small = size == 2 ? NULL : up;
+        for (int p = 0; p < P; p++) {
+            int32_t wb = want_big ? want_big[p] : big_mask[p], ws = want_small ? want_small[p] : small_mask[p];
+            CHECK(y[p] == wb && y[P + p] == ws, "size %d pixel %d: masks %d %d, expected %d %d", size, p, y[p], y[P + p], wb, ws);
+        }
+        // images: the model's bilinear resize op, rounded; 4 -> 2 is the mean of each 2x2 block
+        const uint8_t *src[2] = {big, small};
+        const int src_size[2] = {4, 2};
+        for (int j = 0; j < 2; j++) {
+            float in[48], out[48];
+            for (int i = 0; i < src_size[j] * src_size[j] * 3; i++) in[i] = src[j][i];
+            ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(out, shape4(1, size, size, 3)),
+                                            tensor_f32(in, shape4(1, src_size[j], src_size[j], 3)));
+            int bad = 0;
+            for (int i = 0; i < P * 3; i++) bad += x[j * P * 3 + i] != (float)lrintf(out[i]);
+            CHECK(bad == 0, "size %d sample %d: %d values differ from resize_bilinear_forward", size, j, bad);
+        }
+        if (size == 2)
+            for (int oy = 0; oy < 2; oy++)
+                for (int ox = 0; ox < 2; ox++)
+                    for (int c = 0; c < 3; c++) {
+                        int s = 0;
+                        for (int k = 0; k < 4; k++) s += big[((2 * oy + k / 2) * 4 + 2 * ox + k % 2) * 3 + c];
+                        CHECK(x[(oy * 2 + ox) * 3 + c] == s / 4, "block (%d,%d,%d): %g, mean %d", ox, oy, c,
+                              x[(oy * 2 + ox) * 3 + c], s / 4);
+                    }
+        dataset_free(&d);
+    }
+    ds_remove(dir);
+}
+
+// a 1-sample data set of an asymmetric (4,6) image, mask class = x
+static int ds_one_sample(Dataset *d, char *dir, size_t cap, const char *tag) {
+    char err[SN_ERR_MAX] = "";
+    uint8_t px[4 * 6 * 3], m[4 * 6];
+    for (int y = 0; y < 4; y++)
+        for (int x = 0; x < 6; x++) {
+            m[y * 6 + x] = (uint8_t)x;
+            for (int c = 0; c < 3; c++) px[(y * 6 + x) * 3 + c] = (uint8_t)(40 * x + 20 * c + 3 * y);
+        }
+    ds_fixture(dir, cap, tag, SEG_SUBS, 2);
+    ds_png(dir, "images/s.png", 6, 4, 3, px);
+    ds_png(dir, "masks/s.png", 6, 4, 1, m);
+    int rc = dataset_open(d, dir, 1, 6, 4, 6, 1 << 20, 1, err);
+    CHECK(rc == 0, "%s", err);
+    return rc;
+}
+
+static void test_dataset_augment_flip(void) {
+    char dir[300], err[SN_ERR_MAX] = "";
+    Dataset d;
+    if (ds_one_sample(&d, dir, sizeof dir, "ds_flip")) { ds_remove(dir); return; }
+    const int W = 6, H = 4, idx = 0;
+    float x0[72], x[72];
+    int32_t y0[24], y[24];
+    Augment aug = {1, 0.0f, 0.0f, 0.0f};
+    CHECK(dataset_batch(&d, &idx, 1, NULL, 0, x0, y0, err) == 0, "%s", err);
+    int flipped = 0, kept = 0;
+    for (uint64_t seed = 0; seed < 16; seed++) {
+        CHECK(dataset_batch(&d, &idx, 1, &aug, seed, x, y, err) == 0, "%s", err);
+        int same = 1, mirror = 1, mask_same = 1, mask_mirror = 1;
+        for (int r = 0; r < H; r++)
+            for (int c = 0; c < W; c++) {
+                mask_same &= y[r * W + c] == y0[r * W + c];
+                mask_mirror &= y[r * W + c] == y0[r * W + W - 1 - c];
+                for (int k = 0; k < 3; k++) {
+                    same &= x[(r * W + c) * 3 + k] == x0[(r * W + c) * 3 + k];
+                    mirror &= x[(r * W + c) * 3 + k] == x0[(r * W + W - 1 - c) * 3 + k];
+                }
+            }
+        CHECK((same && mask_same) != (mirror && mask_mirror), "seed %d: image and mask are either both flipped or both not",
+              (int)seed);
+        flipped += mirror && mask_mirror;
+        kept += same && mask_same;
+        float x2[72];
+        int32_t y2[24];
+        dataset_batch(&d, &idx, 1, &aug, seed, x2, y2, err);
+        CHECK(!memcmp(x, x2, sizeof x) && !memcmp(y, y2, sizeof y), "seed %d: the same draw twice", (int)seed);
+    }
+    CHECK(flipped > 0 && kept > 0, "16 seeds: %d flipped, %d not", flipped, kept);
+    dataset_free(&d);
+    ds_remove(dir);
+}
+
+// per-channel means over (P,3) values
+static void channel_means(const float *x, int P, double m[3]) {
+    for (int c = 0; c < 3; c++) {
+        m[c] = 0.0;
+        for (int p = 0; p < P; p++) m[c] += x[3 * p + c];
+        m[c] /= P;
+    }
+}
+
+static void test_dataset_augment_brightness_contrast(void) {
+    char dir[300], err[SN_ERR_MAX] = "";
+    Dataset d;
+    if (ds_one_sample(&d, dir, sizeof dir, "ds_color")) { ds_remove(dir); return; }
+    const int P = 24, idx = 0;
+    float x0[72], x[72];
+    int32_t y0[24], y[24];
+    double m0[3], m[3];
+    CHECK(dataset_batch(&d, &idx, 1, NULL, 0, x0, y0, err) == 0, "%s", err);
+    channel_means(x0, P, m0);
+    // brightness D = 0.2: every value moves by the same 255·δ, |δ| ≤ D; contrast
+    // [0.5, 1.5]: each channel's mean stays, deviations scale by one f in [lo, hi];
+    // both: the means move by 255·δ and the deviations scale by f
+    const Augment augs[3] = {{0, 0.2f, 0.0f, 0.0f}, {0, 0.0f, 0.5f, 1.5f}, {0, 0.2f, 0.5f, 1.5f}};
+    for (int a = 0; a < 3; a++) {
+        double lo_seen = INFINITY, hi_seen = -INFINITY;
+        for (uint64_t seed = 0; seed < 8; seed++) {
+            CHECK(dataset_batch(&d, &idx, 1, &augs[a], seed, x, y, err) == 0, "%s", err);
+            CHECK(!memcmp(y, y0, sizeof y), "the mask is untouched");
+            channel_means(x, P, m);
+            double shift = m[0] - m0[0], f = (x[0] - m[0]) / (x0[0] - m0[0]);
+            int bad = 0;
+            for (int p = 0; p < P; p++)
+                for (int c = 0; c < 3; c++)
+                    bad += fabs((x[3 * p + c] - m[c]) - f * (x0[3 * p + c] - m0[c])) > 2e-3 || fabs(m[c] - m0[c] - shift) > 2e-3;
+            CHECK(bad == 0, "aug %d seed %d: %d values off (x - mean) = f·(x0 - mean0), mean = mean0 + 255·δ", a, (int)seed, bad);
+            double delta = shift / 255.0;
+            if (augs[a].brightness > 0) CHECK(fabs(delta) <= 0.2 + 1e-6, "aug %d: δ = %g", a, delta);
+            else CHECK(fabs(delta) < 1e-5, "aug %d: the means stay (δ = %g)", a, delta);
+            if (augs[a].contrast_hi > 0) CHECK(f >= 0.5 - 1e-5 && f <= 1.5 + 1e-5, "aug %d: f = %g", a, f);
+            else CHECK(fabs(f - 1.0) < 1e-5, "aug %d: deviations stay (f = %g)", a, f);
+            double v = augs[a].contrast_hi > 0 ? f : delta;
+            lo_seen = fmin(lo_seen, v);
+            hi_seen = fmax(hi_seen, v);
+        }
+        CHECK(hi_seen - lo_seen > 0.05, "aug %d: the factor varies with the seed (%g..%g)", a, lo_seen, hi_seen);
+    }
+    dataset_free(&d);
+    ds_remove(dir);
+}
+
+// a segmentation data set of 5 random 6x4 samples (stems s0..s4)
+static int ds_five(Dataset *d, char *dir, size_t cap, const char *tag, size_t cache_bytes) {
+    char err[SN_ERR_MAX] = "", name[64];
+    ds_fixture(dir, cap, tag, SEG_SUBS, 2);
+    Rng r; rng_seed(&r, 77);
+    for (int i = 0; i < 5; i++) {
+        uint8_t *px = ds_random(&r, 72, 256), *m = ds_random(&r, 24, 3);
+        snprintf(name, sizeof name, "images/s%d.png", i); ds_png(dir, name, 6, 4, 3, px);
+        snprintf(name, sizeof name, "masks/s%d.png", i); ds_png(dir, name, 6, 4, 1, m);
+        free(px); free(m);
+    }
+    int rc = dataset_open(d, dir, 1, 3, 4, 6, cache_bytes, 2, err);
+    CHECK(rc == 0, "%s", err);
+    return rc;
+}
+
+static void test_loader_determinism(void) {
+    char dir[300], err[SN_ERR_MAX] = "";
+    Dataset d;
+    if (ds_five(&d, dir, sizeof dir, "ds_loader", 1 << 20)) { ds_remove(dir); return; }
+    const int order[10] = {3, 1, 4, 0, 2, 2, 0, 1, 3, 4}, P = 24;
+    const Augment aug = {1, 0.1f, 0.8f, 1.2f};
+    float want_x[10 * 72];
+    int32_t want_y[10 * 24];
+    CHECK(dataset_batch(&d, order, 10, &aug, 42, want_x, want_y, err) == 0, "%s", err);
+    const int setups[4][2] = {{1, 1}, {1, 3}, {3, 2}, {3, 5}};  // workers, depth
+    for (int s = 0; s < 4; s++) {
+        Loader *l = loader_start(&d, order, 10, 4, &aug, 42, setups[s][0], setups[s][1]);
+        int b = 0, first = 0;
+        for (const LoaderBatch *lb; (lb = loader_next(l)); b++) {
+            CHECK(lb->index == b && lb->n == (b < 2 ? 4 : 2), "%d workers: batch %d has index %d, %d images", setups[s][0], b,
+                  lb->index, lb->n);
+            CHECK(!memcmp(lb->images, want_x + (size_t)first * 3 * P, sizeof(float) * 3 * P * lb->n) &&
+                  !memcmp(lb->labels, want_y + (size_t)first * P, sizeof(int32_t) * P * lb->n),
+                  "%d workers, depth %d: batch %d differs from dataset_batch", setups[s][0], setups[s][1], b);
+            first += lb->n;
+        }
+        CHECK(b == 3 && !loader_error(l)[0] && !loader_next(l), "3 batches, no error, then none");
+        loader_stop(l);
+    }
+    // stopping at any time: before the first batch, mid-epoch with workers waiting on a full ring
+    loader_stop(loader_start(&d, order, 10, 4, &aug, 1, 3, 2));
+    Loader *l = loader_start(&d, order, 10, 1, &aug, 1, 2, 2);
+    CHECK(loader_next(l) != NULL, "a first batch");
+    loader_stop(l);
+    dataset_free(&d);
+    ds_remove(dir);
+}
+
+static void test_loader_file_changed(void) {
+    char dir[300], err[SN_ERR_MAX] = "", path[400];
+    Dataset d;
+    if (ds_five(&d, dir, sizeof dir, "ds_changed", 0)) { ds_remove(dir); return; }  // not cached: batches decode again
+    CHECK(!d.image_cache, "not cached");
+    snprintf(path, sizeof path, "%s/images/s3.png", dir);
+    FILE *f = fopen(path, "wb");
+    if (f) { fputs("\x89PNG\r\n\x1a\nbroken", f); fclose(f); }
+    const int order[5] = {0, 1, 2, 3, 4};
+    Loader *l = loader_start(&d, order, 5, 1, NULL, 0, 2, 3);
+    int got = 0;
+    while (loader_next(l)) got++;
+    CHECK(got == 3 && contains(loader_error(l), "s3.png") && contains(loader_error(l), "cannot decode"),
+          "3 batches, then '%s'", loader_error(l));
+    CHECK(!loader_next(l), "nothing after an error");
+    loader_stop(l);
+    float x[72];
+    int32_t y[24];
+    CHECK(dataset_batch(&d, order + 3, 1, NULL, 0, x, y, err) == -1 && contains(err, "s3.png"), "dataset_batch: '%s'", err);
+    dataset_free(&d);
+    ds_remove(dir);
+}
+
+static void test_dataset_classification(void) {
+    char dir[300], path[400], err[SN_ERR_MAX] = "";
+    const char *const subs[] = {"imgs", "cls", "cls/dog", "cls/cat", "cls/emu", "cls/.hidden"};
+    ds_fixture(dir, sizeof dir, "ds_cls", subs, 6);
+    Rng r; rng_seed(&r, 3);
+    uint8_t *px = ds_random(&r, 8 * 6 * 3, 256);
+    const char *files[] = {"imgs/x.png", "imgs/y,z.png", "cls/dog/1.png", "cls/dog/0.png", "cls/cat/a.png", "cls/emu/b.png"};
+    for (int k = 0; k < 6; k++) ds_png(dir, files[k], k % 2 ? 8 : 6, k % 2 ? 6 : 4, 3, px);  // two sizes: resized
+    ds_text(dir, "list.csv", "path,label\nimgs/x.png,2\n\n\"imgs/y,z.png\",0\n");
+    Dataset d;
+    snprintf(path, sizeof path, "%s/list.csv", dir);
+    int rc = dataset_open(&d, path, 0, 3, 4, 6, 1 << 20, 2, err);
+    CHECK(rc == 0, "%s", err);
+    if (rc) { free(px); ds_remove(dir); return; }
+    CHECK(d.n == 2 && d.labels[0] == 2 && d.labels[1] == 0 && !d.masks && contains(d.images[1], "/imgs/y,z.png"),
+          "CSV: %d samples", d.n);
+    const int idx[2] = {1, 0};
+    float x[2 * 72];
+    int32_t y[2];
+    CHECK(dataset_batch(&d, idx, 2, NULL, 0, x, y, err) == 0 && y[0] == 0 && y[1] == 2, "labels %d %d", y[0], y[1]);
+    int bad = 0;
+    for (int i = 0; i < 72; i++) bad += x[72 + i] != px[i];
+    CHECK(bad == 0, "the 6x4 image is unchanged: %d values differ", bad);
+    dataset_free(&d);
+    snprintf(path, sizeof path, "%s/cls", dir);
+    CHECK(dataset_open(&d, path, 0, 4, 4, 6, 0, 3, err) == 0, "%s", err);
+    // classes by sorted folder name: cat 0, dog 1, emu 2; files sorted within
+    const char *want[4] = {"cat/a.png", "dog/0.png", "dog/1.png", "emu/b.png"};
+    const int want_label[4] = {0, 1, 1, 2};
+    CHECK(d.n == 4, "folders: %d samples", d.n);
+    for (int i = 0; d.n == 4 && i < 4; i++)
+        CHECK(contains(d.images[i], want[i]) && d.labels[i] == want_label[i], "sample %d: %s label %d", i, d.images[i],
+              d.labels[i]);
+    dataset_free(&d);
+    CHECK(dataset_open(&d, path, 0, 2, 4, 6, 0, 1, err) == -1 && contains(err, "3 class folders, but there are 2 classes"),
+          "more folders than classes: '%s'", err);
+    free(px);
+    ds_remove(dir);
+}
+
+static void test_dataset_bad_input(void) {
+    char dir[300], path[400], err[SN_ERR_MAX];
+    const char *const subs[] = {"seg", "seg/images", "seg/masks", "empty", "empty/images", "empty/masks", "nomasks",
+                                "nomasks/images", "noimages", "noimages/masks", "cls", "cls/a"};
+    ds_fixture(dir, sizeof dir, "ds_bad", subs, 12);
+    Rng r; rng_seed(&r, 4);
+    uint8_t *px = ds_random(&r, 5 * 4 * 3, 256), m[20] = {0}, bad_mask[20] = {0};
+    bad_mask[1 * 5 + 2] = 7;  // pixel (x,y) = (2,1)
+    ds_png(dir, "nomasks/images/a.png", 5, 4, 3, px);
+    ds_png(dir, "cls/a/ok.png", 5, 4, 3, px);
+    ds_text(dir, "junk.png", "\x89PNG\r\n\x1a\nnot really a png");
+    // a PNG cut in half
+    snprintf(path, sizeof path, "%s/cls/a/ok.png", dir);
+    size_t len;
+    uint8_t *png = read_file_bytes(path, &len);
+    snprintf(path, sizeof path, "%s/half.png", dir);
+    CHECK(png && write_file_bytes(path, png, len / 2) == 0, "writing %s", path);
+    free(png);
+    typedef struct { const char *setup, *open, *want1, *want2, *want3; } Case;
+    // setup: a CSV's text, or files in seg/ named by a one-letter stem: "i:a" image a (5x4), "m:a" its
+    // mask, "j:a" a junk image, "t:a" a truncated one, "s:a" a 5x3 mask, "v:a" a mask with class 7 at (2,1)
+    const Case cases[] = {
+        {"i:a j:b i:c m:a m:b m:c", "seg", "images/b.png", "cannot decode the image", ""},
+        {"i:a t:b m:a m:b", "seg", "images/b.png", "cannot decode the image", ""},
+        {"i:a i:b m:a", "seg", "images/b.png", "no mask", "masks/b.png"},
+        {"i:a m:a m:c", "seg", "masks/c.png", "no image", "images/c.png"},
+        {"i:a s:a", "seg", "masks/a.png", "mask is 5x3 but its image is 5x4", ""},
+        {"i:a v:a", "seg", "masks/a.png", "pixel (2,1) has class 7", "there are 4 classes (0..3)"},
+        {"", "empty", "empty/images", "no images", ""},
+        {"", "nomasks", "nomasks/masks", "no such folder", ""},
+        {"", "noimages", "noimages/images", "no such folder", ""},
+        {"", "missing", "missing", "No such file", ""},
+        {"path,label\ncls/a/ok.png,1\nmissing.png,0\n", "list.csv", "row 3", "missing.png", "No such file"},
+        {"cls/a/ok.png,cat\n", "list.csv", "row 1", "'cat'", "not an integer"},
+        {"path,label\ncls/a/ok.png,4\n", "list.csv", "row 2", "'4'", "out of range"},
+        {"path,label\n", "list.csv", "list.csv", "no images", ""},
+        {"cls/a/ok.png,1\njunk.png,0\n", "list.csv", "junk.png", "cannot decode the image", ""},
+        {"half.png,1\n", "list.csv", "half.png", "cannot decode the image", ""},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        const Case *c = &cases[k];
+        char cmd[700], kind, stem;
+        int used;
+        snprintf(cmd, sizeof cmd, "rm -f '%s'/seg/images/* '%s'/seg/masks/*", dir, dir);
+        CHECK(system(cmd) == 0, "clearing seg/");
+        if (!strcmp(c->open, "list.csv")) ds_text(dir, "list.csv", c->setup);
+        else
+            for (const char *s = c->setup; sscanf(s, " %c:%c%n", &kind, &stem, &used) == 2; s += used) {
+                char name[64];
+                snprintf(name, sizeof name, "seg/%s/%c.png", strchr("msv", kind) ? "masks" : "images", stem);
+                if (kind == 'i') ds_png(dir, name, 5, 4, 3, px);
+                else if (kind == 'm') ds_png(dir, name, 5, 4, 1, m);
+                else if (kind == 's') ds_png(dir, name, 5, 3, 1, m);
+                else if (kind == 'v') ds_png(dir, name, 5, 4, 1, bad_mask);
+                else {  // a copy of junk.png or half.png
+                    snprintf(path, sizeof path, "%s/%s", dir, kind == 'j' ? "junk.png" : "half.png");
+                    size_t n;
+                    uint8_t *b = read_file_bytes(path, &n);
+                    snprintf(path, sizeof path, "%s/%s", dir, name);
+                    CHECK(b && write_file_bytes(path, b, n) == 0, "writing %s", path);
+                    free(b);
+                }
+            }
+        snprintf(path, sizeof path, "%s/%s", dir, c->open);
+        for (int threads = 1; threads <= 3; threads += 2) {
+            Dataset d;
+            memset(err, 0, sizeof err);
+            int rc = dataset_open(&d, path, strcmp(c->open, "list.csv") != 0, 4, 4, 5, 1 << 20, threads, err);
+            CHECK(rc == -1 && contains(err, c->want1) && contains(err, c->want2) && contains(err, c->want3) &&
+                  !strchr(err, '\n') && d.n == 0 && !d.images,
+                  "case %zu (%d threads): rc %d, '%s'", k, threads, rc, err);
+        }
+    }
+    // several bad files: the first in order, whatever the threads and however
+    // long each takes to fail (junk.png fails at once, slow.png only at its end)
+    uint8_t *big = ds_random(&r, (size_t)3 * 512 * 512, 256);
+    ds_png(dir, "slow.png", 512, 512, 3, big);
+    snprintf(path, sizeof path, "%s/slow.png", dir);
+    png = read_file_bytes(path, &len);
+    CHECK(png && write_file_bytes(path, png, len - 100) == 0, "truncating %s", path);
+    free(png);
+    free(big);
+    ds_text(dir, "list.csv", "junk.png,0\nslow.png,1\nslow.png,0\nslow.png,2\n");
+    snprintf(path, sizeof path, "%s/list.csv", dir);
+    for (int rep = 0; rep < 4; rep++) {
+        Dataset d;
+        CHECK(dataset_open(&d, path, 0, 4, 4, 5, 0, 3, err) == -1 && contains(err, "junk.png"), "first bad: '%s'", err);
+    }
+    free(px);
+    ds_remove(dir);
+}
+
+// PNGs that stb_image_write cannot write (16-bit, palette), by hand: IHDR, an
+// optional PLTE, one IDAT of rows with filter byte 0, IEND; chunk CRCs as PNG's
+unsigned char *stbi_zlib_compress(unsigned char *data, int data_len, int *out_len, int quality);  // libstb.so
+
+static uint32_t png_crc(const uint8_t *p, size_t n, uint32_t c) {
+    c = ~c;
+    for (size_t i = 0; i < n; i++) {
+        c ^= p[i];
+        for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+    }
+    return ~c;
+}
+static void png_chunk(FILE *f, const char *type, const uint8_t *data, uint32_t n) {
+    uint8_t be[4] = {(uint8_t)(n >> 24), (uint8_t)(n >> 16), (uint8_t)(n >> 8), (uint8_t)n};
+    fwrite(be, 1, 4, f);
+    fwrite(type, 1, 4, f);
+    if (n) fwrite(data, 1, n, f);
+    uint32_t crc = png_crc(data, n, png_crc((const uint8_t *)type, 4, 0));
+    uint8_t cb[4] = {(uint8_t)(crc >> 24), (uint8_t)(crc >> 16), (uint8_t)(crc >> 8), (uint8_t)crc};
+    fwrite(cb, 1, 4, f);
+}
+// one channel (grey, or palette indices with plte of n_plte RGB entries); samples 8 or 16 bits big-endian
+static void png_by_hand(const char *path, int w, int h, int depth, const uint16_t *samples, const uint8_t *plte, int n_plte) {
+    FILE *f = fopen(path, "wb");
+    CHECK(f != NULL, "creating %s", path);
+    if (!f) return;
+    const int row = 1 + w * depth / 8;
+    uint8_t ihdr[13] = {0, 0, 0, (uint8_t)w, 0, 0, 0, (uint8_t)h, (uint8_t)depth, (uint8_t)(plte ? 3 : 0), 0, 0, 0};
+    uint8_t *raw = calloc((size_t)row * h, 1);
+    for (int y = 0; y < h; y++)
+        for (int x = 0; x < w; x++) {
+            uint16_t v = samples[y * w + x];
+            if (depth == 16) { raw[y * row + 1 + 2 * x] = (uint8_t)(v >> 8); raw[y * row + 2 + 2 * x] = (uint8_t)v; }
+            else raw[y * row + 1 + x] = (uint8_t)v;
+        }
+    int zn = 0;
+    uint8_t *z = stbi_zlib_compress(raw, row * h, &zn, 8);
+    fwrite("\x89PNG\r\n\x1a\n", 1, 8, f);
+    png_chunk(f, "IHDR", ihdr, 13);
+    if (plte) png_chunk(f, "PLTE", plte, (uint32_t)(3 * n_plte));
+    png_chunk(f, "IDAT", z, (uint32_t)zn);
+    png_chunk(f, "IEND", NULL, 0);
+    fclose(f);
+    free(z);
+    free(raw);
+}
+
+static void test_dataset_mask_formats(void) {
+    char dir[300], path[400], err[SN_ERR_MAX] = "";
+    ds_fixture(dir, sizeof dir, "ds_masks", SEG_SUBS, 2);
+    uint8_t px[4 * 3 * 3] = {0};
+    uint16_t cls[12] = {0, 1, 2, 3, 3, 2, 1, 0, 1, 1, 2, 2};
+    const uint8_t plte[12] = {0, 0, 0, 255, 0, 0, 0, 255, 0, 0, 0, 255};
+    ds_png(dir, "images/a.png", 4, 3, 3, px);
+    snprintf(path, sizeof path, "%s/masks/a.png", dir);
+    png_by_hand(path, 4, 3, 16, cls, NULL, 0);  // 16-bit: the values are the classes (not scaled to 8 bits)
+    Dataset d;
+    float x[36];
+    int32_t y[12];
+    const int idx = 0;
+    int rc = dataset_open(&d, dir, 1, 4, 3, 4, 1 << 20, 1, err);
+    CHECK(rc == 0 && dataset_batch(&d, &idx, 1, NULL, 0, x, y, err) == 0, "16-bit mask: %s", err);
+    for (int p = 0; rc == 0 && p < 12; p++) CHECK(y[p] == cls[p], "pixel %d: class %d, expected %d", p, y[p], cls[p]);
+    if (rc == 0) dataset_free(&d);
+    cls[6] = 300;
+    png_by_hand(path, 4, 3, 16, cls, NULL, 0);
+    CHECK(dataset_open(&d, dir, 1, 4, 3, 4, 1 << 20, 1, err) == -1 && contains(err, "pixel (2,1) has class 300"),
+          "16-bit class out of range: '%s'", err);
+    cls[6] = 1;
+    png_by_hand(path, 4, 3, 8, cls, plte, 4);  // indices 0..3 that stb_image would turn into colours
+    CHECK(dataset_open(&d, dir, 1, 4, 3, 4, 1 << 20, 1, err) == -1 && contains(err, "masks/a.png") &&
+          contains(err, "palette"), "palette mask: '%s'", err);
+    int w, h, n;
+    uint8_t *rgb = stbi_load(path, &w, &h, &n, 0);
+    CHECK(rgb && n == 3 && rgb[3] == 255, "the hand-made palette PNG decodes (to colours)");
+    stbi_image_free(rgb);
+    ds_remove(dir);
+}
+
+static void test_png_write_atomic(void) {
+    char dir[300], path[400], err[SN_ERR_MAX] = "";
+    ds_fixture(dir, sizeof dir, "png", NULL, 0);
+    Rng r; rng_seed(&r, 6);
+    for (int comp = 1; comp <= 3; comp += 2) {
+        uint8_t *px = ds_random(&r, (size_t)7 * 3 * comp, 256);
+        snprintf(path, sizeof path, "%s/out.png", dir);
+        CHECK(png_write_atomic(path, 7, 3, comp, px, err) == 0, "%s", err);  // the second round replaces the first
+        int w = 0, h = 0, n = 0;
+        uint8_t *back = stbi_load(path, &w, &h, &n, 0);
+        CHECK(back && w == 7 && h == 3 && n == comp && !memcmp(back, px, (size_t)21 * comp), "comp %d read back", comp);
+        stbi_image_free(back);
+        free(px);
+    }
+    uint8_t px[4] = {1, 2, 3, 4};
+    snprintf(path, sizeof path, "%s/sub", dir);
+    CHECK(mkdir(path, 0755) == 0, "mkdir");
+    CHECK(png_write_atomic(path, 2, 2, 1, px, err) == -1 && contains(err, "sub") && contains(err, "renaming"),
+          "over a folder: '%s'", err);
+    struct stat sb;
+    CHECK(stat(path, &sb) == 0 && S_ISDIR(sb.st_mode), "the folder is untouched");
+    snprintf(path, sizeof path, "%s/nodir/x.png", dir);
+    CHECK(png_write_atomic(path, 2, 2, 1, px, err) == -1 && contains(err, "nodir/x.png") && contains(err, "No such file"),
+          "into a missing folder: '%s'", err);
+    DIR *d = opendir(dir);
+    int leftovers = 0;
+    for (struct dirent *e; d && (e = readdir(d));) leftovers += strstr(e->d_name, ".tmp.") != NULL;
+    if (d) closedir(d);
+    CHECK(leftovers == 0, "no temporary file left behind");
+    ds_remove(dir);
+}
+
+// ----------------------------------------------------------------------------
 // the runner
 
 typedef struct { const char *name; void (*fn)(void); } Test;
@@ -2846,6 +3399,16 @@ static const Test TESTS[] = {
     {"predict_segmentation", test_predict_segmentation},
     {"predict_segmentation_refused", test_predict_segmentation_refused},
     {"curves_svg", test_curves_svg},
+    {"dataset_seg_round_trip", test_dataset_seg_round_trip},
+    {"dataset_resize", test_dataset_resize},
+    {"dataset_augment_flip", test_dataset_augment_flip},
+    {"dataset_augment_brightness_contrast", test_dataset_augment_brightness_contrast},
+    {"dataset_classification", test_dataset_classification},
+    {"dataset_bad_input", test_dataset_bad_input},
+    {"dataset_mask_formats", test_dataset_mask_formats},
+    {"loader_determinism", test_loader_determinism},
+    {"loader_file_changed", test_loader_file_changed},
+    {"png_write_atomic", test_png_write_atomic},
     {"parity_live_effv2", test_parity_live_effv2},  // "parity_live_*": run where PyTorch is found
     {"parity_live_unet", test_parity_live_unet},
 };
