@@ -4,15 +4,16 @@
 Trains, in PyTorch on the CPU, the U-Net that segnet's quickstart trains:
 model unet, depth 3, base width 16, 4 classes, 64x64 inputs, batch 8,
 Adam lr 1e-3 eps 1e-7, cross-entropy weighted by class (0,1,1,1) and averaged
-as sum(w*nll)/sum(w). No augmentation. Per epoch it prints the train loss,
+as sum(w*nll)/sum(w). No augmentation. Conv weights keep PyTorch's default
+init unless --he is given (He-normal, fan_out, as segnet inits). Per epoch it prints the train loss,
 the val loss, the val mean IoU over classes 1..3 (from one confusion matrix
 over the whole val set) with the per-class IoUs, and the seconds taken.
 
-usage: ref/check_data_torch.py [EPOCHS] [THREADS] [SEED]     (defaults 25, 2, 0)
+usage: ref/check_data_torch.py [--epochs 25] [--threads 2] [--seed 0] [--he]
 """
+import argparse
 import glob
 import os
-import sys
 import time
 
 import numpy as np
@@ -84,17 +85,26 @@ def evaluate(model, x, y):
 
 
 def main():
-    epochs = int(sys.argv[1]) if len(sys.argv) > 1 else 25
-    torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
-    torch.manual_seed(int(sys.argv[3]) if len(sys.argv) > 3 else 0)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--epochs", type=int, default=25)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--he", action="store_true", help="He-normal fan_out conv init")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
     xt, yt = load("train")
     xv, yv = load("val")
     print("train %d, val %d images" % (len(xt), len(xv)))
     model = UNet()
+    if args.he:
+        for m in model.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)
     crit = nn.CrossEntropyLoss(weight=WEIGHTS)   # mean = sum(w*nll)/sum(w)
     print("epoch  train_loss  val_loss  val_mIoU  IoU1   IoU2   IoU3   sec")
-    for ep in range(1, epochs + 1):
+    for ep in range(1, args.epochs + 1):
         t0 = time.time()
         model.train()
         perm = torch.randperm(len(xt))

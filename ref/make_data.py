@@ -14,21 +14,23 @@ Classes
   3  rectangles (squares included), rotated by up to +-20 degrees
 
 Objects of both classes take their colour from the same distribution (any RGB
-colour far enough from the background under it, with a light shading ramp), so
-only shape separates class 2 from class 3. Each image holds 1-4 objects whose
-bounding extents are 10-28 px; objects never overlap (they are kept at least
-2 px apart) and may run off the image border. Images are rendered with 4x4
-supersampling, so object edges are anti-aliased; the mask labels each pixel
-by its centre.
+colour at least 80 away from the background under it, plus a light shading
+ramp), so only shape separates class 2 from class 3. Each image holds 1-4
+objects (with probability 10/20/30/40%) whose extents (ellipse axes, rectangle
+sides) are 12-28 px with aspect ratio up to 1.67. Objects never overlap (they
+are kept at least 2 px apart) and may run off the image border (at least 58 px
+of each stays visible). Images are rendered with 4x4 supersampling, so object
+edges are anti-aliased; the mask labels each pixel by its centre.
 
 Annotation scheme
   train: partial, like hand annotation. Every pixel within 1 px of a class
          boundary (a 2 px wide band along each object outline) is 0, and so
-         are 0-3 random unannotated ellipses or rectangles of 6-20 px. About
-         15-25% of training pixels are 0.
+         are 0-3 random unannotated ellipses or rectangles of 6-20 px (which
+         may hide a whole object). About 12% of training pixels are 0.
   val:   full; every pixel is 1, 2 or 3.
 
-Sizes: 320 training and 80 validation image/mask pairs, about 3 MB in all.
+Sizes: 480 training and 80 validation image/mask pairs, about 4 MB in all.
+Pixel fractions: train 0/1/2/3 = 12/76/5/7%, val 1/2/3 = 84/7/8%.
 
 Regenerate (from the repository root; needs numpy and PIL):
     ref/make_data.py
@@ -44,7 +46,7 @@ from PIL import Image
 
 SIZE = 64           # image side, px
 SS = 4              # supersampling factor for the rendered image
-N_TRAIN = 320
+N_TRAIN = 480
 N_VAL = 80
 SEED = 20240607
 OBJ_MIN, OBJ_MAX = 12, 28     # object extent (diameter / side), px
