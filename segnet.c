@@ -228,27 +228,38 @@ static void im2col(const ConvCfg *cfg, const ConvGeom *q, Tensor in, int n, int 
 
 // The adjoint of im2col, as a gather so that each input element is written
 // once: din[n,iy,ix,g·Cg+ci] (=|+=) Σ_{ky,kx} dcol[oy·OW+ox][(ky·kw+kx)·Cg+ci]
-// over the (ky,kx) with oy = (iy + pt - ky)/s an integer inside the output.
+// over the (ky,kx) with oy = (iy + pt - ky)/s an integer inside the output,
+// summed in (ky,kx) order. Channels are innermost (contiguous in dcol and
+// din), COL2IM_CHUNK at a time.
+#define COL2IM_CHUNK 256
 static void col2im(const ConvCfg *cfg, const ConvGeom *q, const float *dcol, Tensor din, int n, int g,
                    int accumulate) {
     const int s = cfg->stride;
     #pragma omp parallel for schedule(static) if(PAR((size_t)q->H * q->W * q->K))
     for (int iy = 0; iy < q->H; iy++) {
+        float acc[COL2IM_CHUNK];
         for (int ix = 0; ix < q->W; ix++) {
             size_t dst = (((size_t)n * q->H + iy) * q->W + ix) * q->C + (size_t)g * q->Cg;
-            for (int ci = 0; ci < q->Cg; ci++) {
-                float acc = 0.0f;
+            for (int c0 = 0; c0 < q->Cg; c0 += COL2IM_CHUNK) {
+                const int nc = q->Cg - c0 < COL2IM_CHUNK ? q->Cg - c0 : COL2IM_CHUNK;
+                for (int ci = 0; ci < nc; ci++) acc[ci] = 0.0f;
                 for (int ky = 0; ky < cfg->kh; ky++) {
                     int ty = iy + q->pt - ky;
                     if (ty < 0 || ty % s || ty / s >= q->OH) continue;
                     for (int kx = 0; kx < cfg->kw; kx++) {
                         int tx = ix + q->pl - kx;
                         if (tx < 0 || tx % s || tx / s >= q->OW) continue;
-                        size_t p = (size_t)(ty / s) * q->OW + tx / s;
-                        acc += dcol[p * q->K + (ky * cfg->kw + kx) * q->Cg + ci];
+                        const float *src = dcol + ((size_t)(ty / s) * q->OW + tx / s) * q->K + (ky * cfg->kw + kx) * q->Cg + c0;
+                        for (int ci = 0; ci < nc; ci++) acc[ci] += src[ci];
                     }
                 }
-                st_acc(din, dst + ci, acc, accumulate);
+                if (din.dtype == DT_F32) {
+                    float *d = (float *)din.data + dst + c0;
+                    if (accumulate) for (int ci = 0; ci < nc; ci++) d[ci] += acc[ci];
+                    else memcpy(d, acc, sizeof(float) * nc);
+                } else {
+                    for (int ci = 0; ci < nc; ci++) st_acc(din, dst + c0 + ci, acc[ci], accumulate);
+                }
             }
         }
     }
@@ -1514,6 +1525,7 @@ int model_build(Graph *g, const ModelCfg *c) {
                    c->model, c->classes, c->batch, c->height, c->width);
         return -1;
     }
+    g->init = strcmp(c->model, "unet") ? INIT_EFFNET : INIT_TORCH_DEFAULT;  // unet-effv2: the encoder's
     if (!strcmp(c->model, "unet")) return unet_build(g, c);
     if (!strncmp(c->model, "unet-", 5) && eff_spec(c->model + 5)) return unet_effnetv2_build(g, c, eff_spec(c->model + 5));
     const EffSpec *sp = eff_spec(c->model);
@@ -3665,7 +3677,12 @@ static void svg_panel(FILE *f, int x0, const char *title, const EpochRecord *row
             x0 + 18.0, (T + B) / 2, x0 + 18.0, (T + B) / 2);
     svg_text(f, title);
     fputs("</text>\n", f);
-    int legend = 0;
+    // the legend goes top right, or bottom right when the curves end high (accuracy, IoU)
+    int legend = 0, n_series = (present[0] > 0) + (present[1] > 0), bottom = 0;
+    for (int i = n - 1; i >= 0; i--) {
+        double v = record_value(&rows[i], s[0].offset);
+        if (isfinite(v)) { bottom = SVG_Y(v) < (T + B) / 2; break; }
+    }
     for (int k = 0; k < 2; k++) {
         if (!present[k]) continue;
         fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\"%s points=\"", s[k].colour, s[k].dash);
@@ -3679,7 +3696,8 @@ static void svg_panel(FILE *f, int x0, const char *title, const EpochRecord *row
             if (isfinite(v))
                 fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>\n", SVG_X(rows[i].epoch), SVG_Y(v), s[k].colour);
         }
-        double ly = T + 14 + 18 * legend++;  // legend, top right
+        double ly = bottom ? B - 12 - 18 * (n_series - 1 - legend) : T + 14 + 18 * legend;
+        legend++;
         fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2\"%s/>"
                 "<text x=\"%.1f\" y=\"%.1f\">%s</text>\n", R - 70, ly, R - 46, ly, s[k].colour, s[k].dash, R - 40, ly + 4, s[k].name);
     }
@@ -3739,7 +3757,14 @@ void net_init_params(Net *net, uint64_t seed) {
         float *w = host + p->offset;
         Rng r;  // one stream per tensor: adding a layer does not reshuffle the others
         rng_seed(&r, rng_mix64(seed ^ rng_mix64((uint64_t)l->weight + 1)));
-        if (l->kind == LAYER_CONV) {
+        if ((l->kind == LAYER_CONV || l->kind == LAYER_DENSE) && g->init == INIT_TORCH_DEFAULT) {
+            float bound = 1.0f / sqrtf((float)(l->conv.cin / l->conv.groups * l->conv.kh * l->conv.kw));
+            for (size_t k = 0; k < p->count; k++) w[k] = bound * (2.0f * rng_float(&r) - 1.0f);
+            if (l->bias >= 0) {
+                const ParamInfo *pb = &g->params[l->bias];
+                for (size_t k = 0; k < pb->count; k++) host[pb->offset + k] = bound * (2.0f * rng_float(&r) - 1.0f);
+            }
+        } else if (l->kind == LAYER_CONV) {
             double std = sqrt(2.0 / ((double)l->conv.cout * l->conv.kh * l->conv.kw));
             for (size_t k = 0; k < p->count; k++) w[k] = (float)(std * rng_normal(&r));
         } else if (l->kind == LAYER_DENSE) {
@@ -4197,6 +4222,15 @@ static int history_write(const Trainer *t, const History *h, const char *run, ch
     return write_curves_svg(path, h->rec, h->n, t->segmentation ? "mIoU" : "accuracy", err);
 }
 
+// the shortest decimal that reads back as the same float (0.001, not 0.00100000005)
+static const char *float_str(char buf[32], float v) {
+    for (int digits = 6; digits <= 9; digits++) {
+        snprintf(buf, 32, "%.*g", digits, v);
+        if (strtof(buf, NULL) == v) break;
+    }
+    return buf;
+}
+
 // config.txt: `key = value`, one per setting, the keys being the train
 // flags without their dashes, so that --resume can read it back as flags.
 static void config_text(const TrainCfg *c, StBuf *b) {
@@ -4210,18 +4244,20 @@ static void config_text(const TrainCfg *c, StBuf *b) {
     CFG("data = %s\n", c->data);
     if (c->val) CFG("val = %s\n", c->val);
     if (c->weights) CFG("weights = %s\n", c->weights);
+    char f[4][32];
     sb_str(b, "class-weights = ");
-    for (int k = 0; k < m->classes; k++) CFG("%s%.9g", k ? "," : "", c->class_weights[k]);
-    CFG("\nepochs = %d\nlr = %.9g\nadam-eps = %.9g\nweight-decay = %.9g\nclipnorm = %.9g\n", c->epochs, c->lr,
-        c->adam_eps, c->weight_decay, c->clipnorm);
+    for (int k = 0; k < m->classes; k++) CFG("%s%s", k ? "," : "", float_str(f[0], c->class_weights[k]));
+    CFG("\nepochs = %d\nlr = %s\nadam-eps = %s\nweight-decay = %s\nclipnorm = %s\n", c->epochs, float_str(f[0], c->lr),
+        float_str(f[1], c->adam_eps), float_str(f[2], c->weight_decay), float_str(f[3], c->clipnorm));
     CFG("schedule = %s\nwarmup = %d\nearly-stopping = %d\n", c->schedule == SCHEDULE_COSINE ? "cosine" : "constant",
         c->warmup, c->patience);
     const Augment *a = &c->augment;
     int n = 0;
     sb_str(b, "augment = ");
     if (a->flip) { sb_str(b, "flip"); n++; }
-    if (a->brightness > 0) { CFG("%sbrightness=%.9g", n++ ? "," : "", a->brightness); }
-    if (a->contrast_lo > 0 || a->contrast_hi > 0) { CFG("%scontrast=%.9g:%.9g", n++ ? "," : "", a->contrast_lo, a->contrast_hi); }
+    if (a->brightness > 0) { CFG("%sbrightness=%s", n++ ? "," : "", float_str(f[0], a->brightness)); }
+    if (a->contrast_lo > 0 || a->contrast_hi > 0)
+        CFG("%scontrast=%s:%s", n++ ? "," : "", float_str(f[0], a->contrast_lo), float_str(f[1], a->contrast_hi));
     if (!n) sb_str(b, "none");
     CFG("\nloss-norm = %s\nseed = %" PRIu64 "\n", c->loss_norm_keras ? "keras" : "weighted", c->seed);
 #undef CFG
@@ -4362,6 +4398,10 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
         if (c->patience > 0 && t.epoch < c->epochs)
             fprintf(stderr, "early stopping: val_loss has not improved for %d epochs\n", c->patience);
         fprintf(stderr, "segnet train: best epoch %d; weights in %s/best.safetensors\n", t.best_epoch, run);
+    }
+    if (t.best_epoch == 0) {
+        snprintf(err, SN_ERR_MAX, "the loss was not finite in any epoch: training diverged (a lower --lr, or --clipnorm, may help)");
+        goto done;
     }
     // the best epoch's figures, for the weights that are kept
     const EpochRecord *best = &h.rec[t.best_epoch - 1];
@@ -4537,7 +4577,7 @@ static int cmd_plan(int argc, char **argv) {
 
 // what `segnet train` with no options runs (make train): the bundled data set
 #define QUICKSTART_ARGS "--model unet --depth 3 --width 16 --size 64x64 --data data/train --val data/val " \
-    "--classes 4 --class-weights 0,1,1,1 --batch 8 --epochs 20 --augment flip"
+    "--classes 4 --class-weights 0,1,1,1 --batch 8 --epochs 12 --schedule cosine --augment flip"
 
 static const char *TRAIN_USAGE =
     "usage: segnet train --data TRAIN --classes K [options]\n"

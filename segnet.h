@@ -388,12 +388,21 @@ typedef struct {
     int stage;                 // index into Graph.stage_names (what `segnet plan` reports)
 } Layer;
 
+// Weight initialisation, as the model's reference framework does it:
+//   INIT_TORCH_DEFAULT  nn.Conv2d / nn.Linear defaults (kaiming_uniform with a = √5):
+//                       weight and bias ~ U(-1/√fan_in, 1/√fan_in), fan_in = Cin/groups·kh·kw
+//   INIT_EFFNET         torchvision's EfficientNet: conv He-normal with fan_out =
+//                       Cout·kh·kw (std √(2/fan_out)), dense U(-1/√out, 1/√out), biases 0
+// BN: γ = 1, β = 0 in both.
+typedef enum { INIT_TORCH_DEFAULT = 0, INIT_EFFNET = 1 } InitScheme;
+
 typedef struct {
     Layer *layers;        int n_layers, cap_layers;
     TensorInfo *tensors;  int n_tensors, cap_tensors;
     ParamInfo *params;    int n_params, cap_params;   size_t n_param_floats;
     ParamInfo *buffers;   int n_buffers, cap_buffers; size_t n_buffer_floats;  // BN running stats
     int input;            // tensor id of the graph's input (-1 before graph_input)
+    InitScheme init;      // how net_init_params draws the weights
     int block;            // block id given to layers added from now on
     char (*stage_names)[SN_NAME_MAX]; int n_stages, cap_stages;  // layers added now go to the last stage
     char err[SN_ERR_MAX]; // first error, "" if none; builders return -1 once set
@@ -683,9 +692,7 @@ int write_curves_svg(const char *path, const EpochRecord *rows, int n, const cha
 // ----------------------------------------------------------------------------
 // training: initialisation, metrics, schedules, the training loop, evaluation
 
-// torchvision's initialisation (as for EfficientNetV2): conv weights
-// He-normal with fan_out = Cout·kh·kw (std √(2/fan_out)), dense weights
-// U(-1/√out, 1/√out), biases 0, BN γ = 1 and β = 0. Deterministic in seed.
+// Draws every parameter by the graph's InitScheme. Deterministic in seed.
 void net_init_params(Net *net, uint64_t seed);
 
 // Metrics from one confusion matrix (K,K), true class by row, accumulated

@@ -1252,8 +1252,9 @@ static uint8_t *read_file_bytes(const char *path, size_t *n) {
     fseek(f, 0, SEEK_END);
     long len = ftell(f);
     fseek(f, 0, SEEK_SET);
-    uint8_t *p = malloc(len > 0 ? (size_t)len : 1);
-    *n = fread(p, 1, (size_t)len, f);
+    uint8_t *p = malloc((size_t)(len > 0 ? len : 0) + 1);  // NUL-terminated, for text files
+    *n = fread(p, 1, (size_t)(len > 0 ? len : 0), f);
+    p[*n] = 0;
     fclose(f);
     return p;
 }
@@ -2453,6 +2454,7 @@ static void test_init_params(void) {
     x = graph_conv(&g, "conv", x, 128, 3, 1, 1, PAD_SAME, 1);
     x = graph_bn(&g, "bn", x, BN_EPS_UNET, ACT_RELU);
     x = graph_dense(&g, "fc", graph_gap(&g, "gap", x), 10, 1);
+    g.init = INIT_EFFNET;
     Net a, b;
     char err[SN_ERR_MAX];
     CHECK(net_create(&a, &g, &ops_cpu, DT_F32, 0, err) == 0 && net_create(&b, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s", err);
@@ -2478,6 +2480,20 @@ static void test_init_params(void) {
     }
     net_init_params(&b, 6);
     CHECK(memcmp(a.params, b.params, sizeof(float) * g.n_param_floats), "another seed, other weights");
+    // PyTorch's layer defaults: weights and biases U(±1/√fan_in)
+    g.init = INIT_TORCH_DEFAULT;
+    net_init_params(&a, 5);
+    const char *names[4] = {"conv.weight", "conv.bias", "fc.weight", "fc.bias"};
+    const double bounds[4] = {1 / sqrt(64 * 9.0), 1 / sqrt(64 * 9.0), 1 / sqrt(128.0), 1 / sqrt(128.0)};
+    for (int k = 0; k < 4; k++) {
+        p = &g.params[graph_find_param(&g, names[k])];
+        lo = 1; hi = -1;
+        for (size_t i = 0; i < p->count; i++) { float v = a.params[p->offset + i]; lo = v < lo ? v : lo; hi = v > hi ? v : hi; }
+        CHECK(lo >= -bounds[k] && hi <= bounds[k] && hi - lo > (p->count > 100 ? 1.9 : 1.0) * bounds[k],
+              "%s in [%g, %g], bound %g", names[k], lo, hi, bounds[k]);
+    }
+    p = &g.params[graph_find_param(&g, "bn.weight")];
+    for (size_t i = 0; i < p->count; i++) CHECK(a.params[p->offset + i] == 1.0f, "BN gamma 1");
     net_free(&a); net_free(&b); graph_free(&g);
 }
 
@@ -3327,6 +3343,362 @@ static void test_png_write_atomic(void) {
 }
 
 // ----------------------------------------------------------------------------
+// training end to end on tiny data sets written here
+
+// DIR/images/iNN.png + DIR/masks/iNN.png: n RGB images h×w whose mask is
+// class 1 + (red > green) on the left half and class 0 on the right 2 columns,
+// so class 0 ("not annotated") occurs when K > 2 uses weight 0 for it.
+static void write_seg_set(const char *dir, int n, int h, int w, uint64_t seed) {
+    char path[512];
+    snprintf(path, sizeof path, "mkdir -p '%s/images' '%s/masks'", dir, dir);
+    CHECK(system(path) == 0, "mkdir %s", dir);
+    Rng r;
+    rng_seed(&r, seed);
+    uint8_t *img = malloc((size_t)h * w * 3), *mask = malloc((size_t)h * w);
+    for (int i = 0; i < n; i++) {
+        for (int p = 0; p < h * w; p++) {
+            for (int c = 0; c < 3; c++) img[p * 3 + c] = (uint8_t)(rng_next(&r) & 0xFF);
+            mask[p] = p % w >= w - 2 ? 0 : 1 + (img[p * 3] > img[p * 3 + 1]);
+        }
+        snprintf(path, sizeof path, "%s/images/i%02d.png", dir, i);
+        CHECK(stbi_write_png(path, w, h, 3, img, w * 3), "write %s", path);
+        snprintf(path, sizeof path, "%s/masks/i%02d.png", dir, i);
+        CHECK(stbi_write_png(path, w, h, 1, mask, w), "write %s", path);
+    }
+    free(img); free(mask);
+}
+
+static char *read_file(const char *path, size_t *n) { return (char *)read_file_bytes(path, n); }
+
+static int files_equal(const char *a, const char *b) {
+    size_t na, nb;
+    char *pa = read_file(a, &na), *pb = read_file(b, &nb);
+    int eq = pa && pb && na == nb && !memcmp(pa, pb, na);
+    free(pa); free(pb);
+    return eq;
+}
+
+static TrainCfg tiny_seg_cfg(const char *data, const char *val) {
+    TrainCfg c;
+    train_cfg_default(&c);
+    c.model.model = "unet";
+    c.model.depth = 1; c.model.width_base = 4; c.model.classes = 3;
+    c.model.height = 8; c.model.width = 8; c.model.batch = 4;
+    c.class_weights[0] = 0.0f;
+    c.data = data; c.val = val;
+    c.progress = 0;
+    c.threads = 0;
+    return c;
+}
+
+// The epoch's loss and mIoU from the trainer equal Σ w·nll / Σ w (or / pixels)
+// and the IoU computed here from the logits of the same forward pass.
+static void test_train_loss_by_hand(void) {
+    const char *dir = "/tmp/segnet_test_lossdata";
+    rm_rf(dir);
+    write_seg_set(dir, 4, 8, 8, 1);
+    for (int keras = 0; keras < 2; keras++) {
+        TrainCfg c = tiny_seg_cfg(dir, NULL);
+        c.lr = 0.0f;  // the weights stay those of the forward computed below
+        c.loss_norm_keras = keras;
+        Trainer t;
+        char err[SN_ERR_MAX];
+        CHECK(trainer_open(&t, &c, dir, NULL, err) == 0, "%s", err);
+        if (!t.has_train) { trainer_close(&t); break; }
+        int64_t cm[9];
+        PassTotals pt = {0, 0, cm};
+        CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
+        // the same forward here: one batch holds all 4 images (BN sees them all)
+        int idx[4] = {0, 1, 2, 3};
+        float *x = t.net.act[t.g.input];
+        int32_t lab[4 * 64];
+        CHECK(dataset_batch(&t.train, idx, 4, NULL, 0, x, lab, err) == 0, "%s", err);
+        net_forward(&t.net, 1);
+        const float *z = t.net.act[t.logits];
+        double num = 0, den = 0;
+        int64_t tp[3] = {0}, fp[3] = {0}, fn[3] = {0};
+        for (int i = 0; i < 4 * 64; i++) {
+            double zmax = fmax(fmax(z[i * 3], z[i * 3 + 1]), z[i * 3 + 2]), s = 0;
+            for (int k = 0; k < 3; k++) s += exp(z[i * 3 + k] - zmax);
+            double wy = c.class_weights[lab[i]];
+            num += wy * (log(s) + zmax - z[i * 3 + lab[i]]);
+            den += keras ? 1.0 : wy;
+            int p = z[i * 3 + 1] > z[i * 3] ? 1 : 0;
+            if (z[i * 3 + 2] > z[i * 3 + p]) p = 2;
+            if (wy == 0) continue;
+            if (p == lab[i]) tp[p]++; else { fp[p]++; fn[lab[i]]++; }
+        }
+        double loss = pt.loss_sum / pt.norm_sum;
+        CHECK(fabs(loss - num / den) <= 1e-5 * fabs(num / den), "%s loss %.9g, by hand %.9g", keras ? "keras" : "weighted", loss,
+              num / den);
+        double iou[3];
+        Metrics m = {0, 0, iou};
+        metrics_compute(cm, 3, c.class_weights, &m);
+        double miou = 0;
+        for (int k = 1; k < 3; k++) miou += (double)tp[k] / (tp[k] + fp[k] + fn[k]) / 2;
+        CHECK_NEAR(m.mean_iou, miou, 1e-12, "mIoU from the training pass");
+        trainer_close(&t);
+    }
+    rm_rf(dir);
+}
+
+// A run stopped after epoch 1 and resumed ends bit for bit where an
+// uninterrupted run ends (weights, BN statistics, Adam moments, metrics.csv).
+static void test_resume_bitwise(void) {
+    const char *data = "/tmp/segnet_test_resume_data", *a = "/tmp/segnet_test_resume_a", *b = "/tmp/segnet_test_resume_b";
+    rm_rf(data); rm_rf(a); rm_rf(b);
+    write_seg_set(data, 6, 8, 8, 2);
+    write_seg_set("/tmp/segnet_test_resume_data/val", 3, 8, 8, 3);
+    char val[256];
+    snprintf(val, sizeof val, "%s/val", data);
+    TrainCfg c = tiny_seg_cfg(data, val);  // 6 images, batch 4: a smaller last batch
+    c.epochs = 3;
+    c.schedule = SCHEDULE_COSINE;
+    c.warmup = 2;
+    c.clipnorm = 0.5f;
+    c.weight_decay = 0.01f;
+    c.augment = (Augment){1, 0.1f, 0.8f, 1.2f};
+    c.out = a;
+    char err[SN_ERR_MAX];
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    c.out = b;
+    c.stop_after_epochs = 1;
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    char pa[300], pb[300];
+    snprintf(pa, sizeof pa, "%s/last.safetensors", a);
+    snprintf(pb, sizeof pb, "%s/last.safetensors", b);
+    CHECK(!files_equal(pa, pb), "the interrupted run stopped early");
+    c.stop_after_epochs = 0;
+    CHECK(train_run(&c, b, err) == 0, "resume: %s", err);
+    const char *files[] = {"last.safetensors", "best.safetensors", "metrics.csv", "config.txt"};
+    for (int k = 0; k < 4; k++) {
+        snprintf(pa, sizeof pa, "%s/%s", a, files[k]);
+        snprintf(pb, sizeof pb, "%s/%s", b, files[k]);
+        CHECK(files_equal(pa, pb), "%s differs between the resumed and the uninterrupted run", files[k]);
+    }
+    // resuming a finished run changes nothing
+    CHECK(train_run(&c, b, err) == 0, "%s", err);
+    snprintf(pb, sizeof pb, "%s/last.safetensors", b);
+    snprintf(pa, sizeof pa, "%s/last.safetensors", a);
+    CHECK(files_equal(pa, pb), "a finished run is left as it is");
+    rm_rf(data); rm_rf(a); rm_rf(b);
+}
+
+// metrics.csv column `name` as numbers (NaN where empty); returns the row count
+static int csv_column(const char *path, const char *name, double *out, int max) {
+    size_t n;
+    char *text = read_file(path, &n), *save = NULL;
+    if (!text) return 0;
+    int col = -1, rows = 0;
+    for (char *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        if (col < 0) {
+            int k = 0;
+            for (char *p = line; p; p = strchr(p, ','), p = p ? p + 1 : p, k++)
+                if (!strncmp(p, name, strlen(name)) && (p[strlen(name)] == ',' || !p[strlen(name)])) { col = k; break; }
+            if (col < 0) break;
+            continue;
+        }
+        const char *p = line;
+        for (int k = 0; k < col && p; k++) { p = strchr(p, ','); if (p) p++; }
+        if (rows < max) out[rows] = p && *p && *p != ',' ? strtod(p, NULL) : NAN;
+        rows++;
+    }
+    free(text);
+    return rows;
+}
+
+// patience 1: training stops at the first epoch whose val_loss is not below
+// every earlier one, and best.safetensors holds the best epoch's weights
+static void test_early_stopping(void) {
+    const char *data = "/tmp/segnet_test_es_data", *a = "/tmp/segnet_test_es_a", *b = "/tmp/segnet_test_es_b";
+    rm_rf(data); rm_rf(a); rm_rf(b);
+    write_seg_set(data, 8, 8, 8, 4);
+    write_seg_set("/tmp/segnet_test_es_data/val", 4, 8, 8, 5);
+    char val[256], path[300];
+    snprintf(val, sizeof val, "%s/val", data);
+    TrainCfg c = tiny_seg_cfg(data, val);
+    c.epochs = 40;
+    c.lr = 0.05f;  // large steps on tiny data: val_loss soon stops improving
+    c.patience = 1;
+    c.out = a;
+    char err[SN_ERR_MAX];
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    double vl[64];
+    snprintf(path, sizeof path, "%s/metrics.csv", a);
+    int n = csv_column(path, "val_loss", vl, 64), stop = 0, best = 1;
+    for (int e = 2; e <= 40 && !stop; e++) {
+        if (vl[e - 1] < vl[best - 1]) best = e;
+        else stop = e;
+    }
+    CHECK(stop > 0 && n == stop, "stopped after %d epochs, the rule says %d", n, stop);
+    // the same run cut at the best epoch has the weights best.safetensors holds
+    c.epochs = best; c.patience = 0; c.out = b;
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    StFile fa, fb;
+    char pa[300], pb[300];
+    snprintf(pa, sizeof pa, "%s/best.safetensors", a);
+    snprintf(pb, sizeof pb, "%s/last.safetensors", b);
+    CHECK(st_read(pa, &fa, err) == 0 && st_read(pb, &fb, err) == 0, "%s", err);
+    int differ = fa.n_tensors != fb.n_tensors;
+    for (int i = 0; !differ && i < fa.n_tensors; i++) {
+        const StTensor *ta = &fa.tensors[i], *tb = st_find(&fb, ta->name);
+        differ = !tb || tb->numel != ta->numel || memcmp(ta->data, tb->data, ta->numel * dtype_size(ta->dtype));
+    }
+    CHECK(!differ, "best.safetensors is not the state after the best epoch (%d)", best);
+    st_free(&fa); st_free(&fb);
+    rm_rf(data); rm_rf(a); rm_rf(b);
+}
+
+// runs ./segnet, returns its exit status; its stderr lands in *msg
+static int run_segnet(const char *args, char *msg, size_t size) {
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "./segnet %s >/tmp/segnet_test_out.txt 2>/tmp/segnet_test_err.txt", args);
+    int rc = system(cmd);
+    size_t n;
+    char *e = read_file("/tmp/segnet_test_err.txt", &n);
+    snprintf(msg, size, "%s", e ? e : "");
+    free(e);
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+// Bad arguments and bad run folders: one clear line, non-zero exit, and every
+// file of an existing run folder unchanged.
+static void test_train_bad_input(void) {
+    const char *data = "/tmp/segnet_test_bad_data", *run = "/tmp/segnet_test_bad_run";
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 2, 8, 8, 6);
+    char args[1024], msg[4096];
+    const char *base = "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --epochs 1";
+    struct { const char *extra, *want; int rc; } cases[] = {
+        {"--classes 3 --class-weights 1,1", "has 2 values but there are 3 classes", 2},
+        {"--classes 3 --class-weights 1,-1,1", "item 2 is not a number", 2},
+        {"--classes 3 --class-weights 1,x,1", "item 2 is not a number", 2},
+        {"--classes 3 --bogus 1", "unknown option '--bogus'", 2},
+        {"--classes 3 --schedule linear", "--schedule 'linear'", 2},
+        {"--classes 3 --augment flip,blur", "--augment item 'blur'", 2},
+        {"--classes 3 --early-stopping 2", "needs a validation set", 1},
+        {"--classes 2", "pixel", 1},  // masks hold class 2: out of range for 2 classes
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        snprintf(args, sizeof args, "%s --data %s --out %s/r%zu %s", base, data, run, k, cases[k].extra);
+        int rc = run_segnet(args, msg, sizeof msg);
+        CHECK(rc == cases[k].rc && contains(msg, cases[k].want), "`segnet %s`: exit %d, message: %s", args, rc, msg);
+        CHECK(strchr(msg, '\n') == msg + strlen(msg) - 1, "one line: %s", msg);
+    }
+    snprintf(args, sizeof args, "train --model unet9 --data %s --classes 3 --out %s/m", data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "unknown model 'unet9'"), "%s", msg);
+    // a finished run: neither a new run over it nor a bad resume changes a byte
+    snprintf(args, sizeof args, "%s --data %s --classes 3 --out %s/ok", base, data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    const char *files[] = {"config.txt", "metrics.csv", "curves.svg", "last.safetensors", "best.safetensors"};
+    size_t sizes[5];
+    char *before[5], path[600];
+    for (int f = 0; f < 5; f++) { snprintf(path, sizeof path, "%s/ok/%s", run, files[f]); before[f] = read_file(path, &sizes[f]); }
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "already holds a run"), "%s", msg);
+    snprintf(args, sizeof args, "train --resume %s/nothing", run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "nothing/config.txt"), "%s", msg);
+    // a truncated checkpoint
+    snprintf(path, sizeof path, "%s/ok/last.safetensors", run);
+    char *ck = before[3];
+    FILE *f = fopen(path, "wb");
+    fwrite(ck, 1, sizes[3] / 2, f);
+    fclose(f);
+    snprintf(args, sizeof args, "train --resume %s/ok --epochs 3", run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "last.safetensors"), "%s", msg);
+    size_t n_trunc;
+    char *trunc = read_file(path, &n_trunc);
+    CHECK(trunc && n_trunc == sizes[3] / 2 && !memcmp(trunc, ck, n_trunc), "the truncated checkpoint was left as it was");
+    free(trunc);
+    f = fopen(path, "wb");
+    fwrite(ck, 1, sizes[3], f);
+    fclose(f);
+    for (int k = 0; k < 5; k++) {
+        size_t n;
+        snprintf(path, sizeof path, "%s/ok/%s", run, files[k]);
+        char *after = read_file(path, &n);
+        CHECK(before[k] && after && n == sizes[k] && !memcmp(before[k], after, n), "%s changed", files[k]);
+        free(after); free(before[k]);
+    }
+    rm_rf(data); rm_rf(run);
+}
+
+// effv2 tiny with the hidden head on a CSV data set: trains, reports accuracy,
+// and learns an easy rule (dark vs bright images)
+static void test_classifier_csv_trains(void) {
+    const char *dir = "/tmp/segnet_test_cls", *run = "/tmp/segnet_test_cls_run";
+    rm_rf(dir); rm_rf(run);
+    char path[512];
+    snprintf(path, sizeof path, "mkdir -p %s/img", dir);
+    CHECK(system(path) == 0, "mkdir");
+    snprintf(path, sizeof path, "%s/labels.csv", dir);
+    FILE *csv = fopen(path, "w");
+    fprintf(csv, "path,label\n");
+    Rng r;
+    rng_seed(&r, 9);
+    uint8_t img[32 * 32 * 3];
+    for (int i = 0; i < 32; i++) {
+        int label = i % 2;
+        for (int p = 0; p < 32 * 32 * 3; p++) img[p] = (uint8_t)((label ? 150 : 0) + rng_next(&r) % 100);
+        snprintf(path, sizeof path, "%s/img/%02d.png", dir, i);
+        CHECK(stbi_write_png(path, 32, 32, 3, img, 32 * 3), "write");
+        fprintf(csv, "img/%02d.png,%d\n", i, label);
+    }
+    fclose(csv);
+    char args[1024], msg[4096];
+    snprintf(args, sizeof args, "train --model effv2-t --head-hidden 16 --classes 2 --size 32x32 --batch 8 --epochs 20 "
+             "--lr 0.01 --data %s/labels.csv --val %s/labels.csv --out %s", dir, dir, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    double acc[32], vacc[32];
+    snprintf(path, sizeof path, "%s/metrics.csv", run);
+    int n = csv_column(path, "accuracy", acc, 32);
+    CHECK(n == 20 && csv_column(path, "val_accuracy", vacc, 32) == 20, "20 rows with accuracy and val_accuracy");
+    for (int e = 0; e < n; e++) CHECK(acc[e] >= 0 && acc[e] <= 1 && vacc[e] >= 0 && vacc[e] <= 1, "accuracy in [0,1]");
+    double vl[32];
+    CHECK(csv_column(path, "val_loss", vl, 32) == 20, "val_loss column");
+    int best = 0;
+    for (int e = 1; e < n; e++) if (vl[e] < vl[best]) best = e;
+    CHECK(vacc[best] == 1.0 && acc[n - 1] > 0.9, "dark vs bright learnt: val accuracy %g at the best epoch %d, train %g at the end",
+          vacc[best], best + 1, acc[n - 1]);
+    // eval of the run prints the best epoch's validation figures
+    snprintf(args, sizeof args, "eval --run %s", run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    size_t len;
+    char *out = read_file("/tmp/segnet_test_out.txt", &len);
+    CHECK(out && contains(out, "val_loss: ") && contains(out, "val_accuracy: "), "eval output: %s", out ? out : "");
+    free(out);
+    if (!getenv("SEGNET_KEEP")) { rm_rf(dir); rm_rf(run); }
+}
+
+// segnet eval --run: the loss and mIoU of best.safetensors, as metrics.csv recorded them
+static void test_eval_matches_run(void) {
+    const char *data = "/tmp/segnet_test_eval_data", *run = "/tmp/segnet_test_eval_run";
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 4, 8, 8, 7);
+    char args[1024], msg[4096], path[600];
+    snprintf(args, sizeof args, "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --epochs 2 --classes 3 "
+             "--class-weights 0,1,1 --data %s --val %s --out %s", data, data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    double vl[4], vm[4];
+    snprintf(path, sizeof path, "%s/metrics.csv", run);
+    CHECK(csv_column(path, "val_loss", vl, 4) == 2 && csv_column(path, "val_mIoU", vm, 4) == 2, "two rows");
+    int best = vl[1] < vl[0] ? 1 : 0;
+    snprintf(args, sizeof args, "eval --run %s", run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    size_t len;
+    char *out = read_file("/tmp/segnet_test_out.txt", &len);
+    double loss = NAN, miou = NAN;
+    const char *p;
+    if (out && (p = strstr(out, "val_loss: "))) loss = strtod(p + 10, NULL);
+    if (out && (p = strstr(out, "val_mIoU: "))) miou = strtod(p + 10, NULL);
+    CHECK_NEAR(loss, vl[best], 2e-6, "eval val_loss vs metrics.csv");
+    CHECK_NEAR(miou, vm[best], 2e-6, "eval val_mIoU vs metrics.csv");
+    CHECK(out && contains(out, "val_pixel_accuracy: ") && contains(out, "val_IoU_1: ") && !contains(out, "val_IoU_0"),
+          "per-class lines for the weighted classes: %s", out ? out : "");
+    free(out);
+    rm_rf(data); rm_rf(run);
+}
+
+// ----------------------------------------------------------------------------
 // the runner
 
 typedef struct { const char *name; void (*fn)(void); } Test;
@@ -3409,6 +3781,12 @@ static const Test TESTS[] = {
     {"loader_determinism", test_loader_determinism},
     {"loader_file_changed", test_loader_file_changed},
     {"png_write_atomic", test_png_write_atomic},
+    {"train_loss_by_hand", test_train_loss_by_hand},
+    {"resume_bitwise", test_resume_bitwise},
+    {"early_stopping", test_early_stopping},
+    {"train_bad_input", test_train_bad_input},
+    {"classifier_csv_trains", test_classifier_csv_trains},
+    {"eval_matches_run", test_eval_matches_run},
     {"parity_live_effv2", test_parity_live_effv2},  // "parity_live_*": run where PyTorch is found
     {"parity_live_unet", test_parity_live_unet},
 };
