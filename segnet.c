@@ -3850,7 +3850,8 @@ typedef struct {
     int64_t step;               // optimiser steps taken
     int epoch;                  // epochs completed
     double best;                // lowest monitored loss so far (val_loss, else loss)
-    int best_epoch, bad_epochs, finished;
+    int best_epoch, bad_epochs;
+    int finished;               // stopped early (a run that reached its epochs can be extended)
 } Trainer;
 
 static void trainer_close(Trainer *t) {
@@ -4335,7 +4336,7 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
         run_path(path, sizeof path, run, "metrics.csv");
         if (history_load(&t, path, &h, err)) goto done;
         if (t.finished || t.epoch >= c->epochs) {
-            fprintf(stderr, "segnet train: %s has finished (%d epochs%s); nothing to do (--epochs N trains longer)\n", run,
+            if (c->progress) fprintf(stderr, "segnet train: %s has finished (%d epochs%s); nothing to do (--epochs N trains longer)\n", run,
                     t.epoch, t.finished ? ", stopped early" : "");
             rc = 0;
             goto done;
@@ -4363,7 +4364,8 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
                                t.step - 1);
         StBuf row = {0};
         char s[64];
-        snprintf(s, sizeof s, "%d,%.9g", t.epoch, lr);
+        char lr_text[32];
+        snprintf(s, sizeof s, "%d,%s", t.epoch, float_str(lr_text, (float)lr));
         sb_str(&row, s);
         csv_num(&row, loss);
         csv_num(&row, val_loss);
@@ -4379,8 +4381,7 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
         int improved = monitored < t.best;
         if (improved) { t.best = monitored; t.best_epoch = t.epoch; t.bad_epochs = 0; }
         else t.bad_epochs++;
-        if (c->patience > 0 && t.bad_epochs >= c->patience) t.finished = 1;
-        if (t.epoch == c->epochs) t.finished = 1;
+        if (c->patience > 0 && t.bad_epochs >= c->patience) t.finished = 1;  // stopped early: resuming does nothing
         // metrics.csv before last.safetensors: a crash in between re-runs the epoch
         if (history_write(&t, &h, run, err)) goto done;
         if (improved) { run_path(path, sizeof path, run, "best.safetensors"); if (save_checkpoint(&t, path, err)) goto done; }

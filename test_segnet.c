@@ -3378,6 +3378,29 @@ static int files_equal(const char *a, const char *b) {
     return eq;
 }
 
+// metrics.csv column `name` as numbers (NaN where empty); returns the row count
+static int csv_column(const char *path, const char *name, double *out, int max) {
+    size_t n;
+    char *text = read_file(path, &n), *save = NULL;
+    if (!text) return 0;
+    int col = -1, rows = 0;
+    for (char *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        if (col < 0) {
+            int k = 0;
+            for (char *p = line; p; p = strchr(p, ','), p = p ? p + 1 : p, k++)
+                if (!strncmp(p, name, strlen(name)) && (p[strlen(name)] == ',' || !p[strlen(name)])) { col = k; break; }
+            if (col < 0) break;
+            continue;
+        }
+        const char *p = line;
+        for (int k = 0; k < col && p; k++) { p = strchr(p, ','); if (p) p++; }
+        if (rows < max) out[rows] = p && *p && *p != ',' ? strtod(p, NULL) : NAN;
+        rows++;
+    }
+    free(text);
+    return rows;
+}
+
 static TrainCfg tiny_seg_cfg(const char *data, const char *val) {
     TrainCfg c;
     train_cfg_default(&c);
@@ -3476,35 +3499,17 @@ static void test_resume_bitwise(void) {
         snprintf(pb, sizeof pb, "%s/%s", b, files[k]);
         CHECK(files_equal(pa, pb), "%s differs between the resumed and the uninterrupted run", files[k]);
     }
-    // resuming a finished run changes nothing
+    // resuming a finished run changes nothing; more --epochs extend it
     CHECK(train_run(&c, b, err) == 0, "%s", err);
     snprintf(pb, sizeof pb, "%s/last.safetensors", b);
     snprintf(pa, sizeof pa, "%s/last.safetensors", a);
     CHECK(files_equal(pa, pb), "a finished run is left as it is");
+    c.epochs = 4;
+    CHECK(train_run(&c, b, err) == 0, "%s", err);
+    double loss[8];
+    snprintf(pb, sizeof pb, "%s/metrics.csv", b);
+    CHECK(csv_column(pb, "loss", loss, 8) == 4, "the run was extended to 4 epochs");
     rm_rf(data); rm_rf(a); rm_rf(b);
-}
-
-// metrics.csv column `name` as numbers (NaN where empty); returns the row count
-static int csv_column(const char *path, const char *name, double *out, int max) {
-    size_t n;
-    char *text = read_file(path, &n), *save = NULL;
-    if (!text) return 0;
-    int col = -1, rows = 0;
-    for (char *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
-        if (col < 0) {
-            int k = 0;
-            for (char *p = line; p; p = strchr(p, ','), p = p ? p + 1 : p, k++)
-                if (!strncmp(p, name, strlen(name)) && (p[strlen(name)] == ',' || !p[strlen(name)])) { col = k; break; }
-            if (col < 0) break;
-            continue;
-        }
-        const char *p = line;
-        for (int k = 0; k < col && p; k++) { p = strchr(p, ','); if (p) p++; }
-        if (rows < max) out[rows] = p && *p && *p != ',' ? strtod(p, NULL) : NAN;
-        rows++;
-    }
-    free(text);
-    return rows;
 }
 
 // patience 1: training stops at the first epoch whose val_loss is not below
