@@ -1540,6 +1540,22 @@ int model_build(Graph *g, const ModelCfg *c) {
     return classifier_head(g, x, sp, c);
 }
 
+static int is_backbone_layer(const Layer *l) { return !strncmp(l->name, "features.", 9) || !strncmp(l->name, "enc", 3); }
+
+int graph_freeze_base(Graph *g, int unfreeze_last) {
+    int n_blocks = 0, seen = 0, last = -1;
+    for (int i = 0; i < g->n_layers; i++)
+        if (is_backbone_layer(&g->layers[i]) && g->layers[i].block != last) { n_blocks++; last = g->layers[i].block; }
+    last = -1;
+    for (int i = 0; i < g->n_layers; i++) {
+        Layer *l = &g->layers[i];
+        if (!is_backbone_layer(l)) continue;
+        if (l->block != last) { seen++; last = l->block; }
+        l->frozen = seen <= n_blocks - unfreeze_last;
+    }
+    return n_blocks;
+}
+
 // ----------------------------------------------------------------------------
 // executing a graph
 
@@ -3828,9 +3844,13 @@ void train_cfg_default(TrainCfg *c) {
     c->workers = 1;
     c->cache_bytes = (size_t)2 << 30;
     c->progress = 1;
+    c->precision = DT_F32;
+    c->accum = 1;
+    c->loss_scale_interval = LOSS_SCALE_GROWTH_INTERVAL;
 }
 
 static int model_is_classifier(const char *model) { return !strncmp(model, "effv2-", 6); }
+static const char *const DTYPE_NAMES[] = {"fp32", "fp16", "bf16"};  // indexed by DType, as --precision spells them
 
 // Everything a run holds: the model on its backend, the data, the optimiser
 // state and the bookkeeping that a checkpoint saves.
@@ -3847,6 +3867,17 @@ typedef struct {
     int32_t *labels;            // (N·H·W) or (N)
     int64_t *confusion;         // (K,K)
     float *scalars;             // [0..2] softmax_xent stats, [3] Σ grad²
+    size_t per_image;           // labels per image: H·W (segmentation) or 1
+    struct { size_t offset, count; } *ranges;  // trainable parameters: runs of the parameter buffer
+    int n_ranges;
+    size_t n_trainable;         // Σ counts: the size of each Adam moment
+    float *stage;               // (N,H,W,3) fp32 images before the cast to the storage type
+    int32_t *flag;              // (1) nonfinite result
+    float *accum_images;        // host: accum × (N,H,W,3), micro-batches waiting for their step
+    int32_t *accum_labels;      // host: accum × (N·H·W or N)
+    int64_t total_steps;        // optimiser steps of the whole run (schedules)
+    float loss_scale;           // fp16: the dynamic loss scale; else 1
+    int64_t good_steps;         // fp16: consecutive finite steps since the last change of scale
     int64_t step;               // optimiser steps taken
     int epoch;                  // epochs completed
     double best;                // lowest monitored loss so far (val_loss, else loss)
@@ -3859,7 +3890,9 @@ static void trainer_close(Trainer *t) {
     if (o) {
         o->free(o, t->adam_m); o->free(o, t->adam_v); o->free(o, t->class_weights);
         o->free(o, t->labels); o->free(o, t->confusion); o->free(o, t->scalars);
+        o->free(o, t->stage); o->free(o, t->flag);
     }
+    free(t->ranges); free(t->accum_images); free(t->accum_labels);
     net_free(&t->net);
     graph_free(&t->g);
     if (t->has_train) dataset_free(&t->train);
@@ -3901,21 +3934,65 @@ static int trainer_open(Trainer *t, const TrainCfg *c, const char *train, const 
         if (dataset_open(&t->val, val, t->segmentation, t->K, in.h, in.w, c->cache_bytes, c->threads > 0 ? c->threads : 2, err)) return -1;
         t->has_val = 1;
     }
-    if (net_create(&t->net, &t->g, o, DT_F32, 0, err)) return -1;
-    size_t P = t->g.n_param_floats, labels = (size_t)in.n * (t->segmentation ? (size_t)in.h * in.w : 1);
-    t->adam_m = o->alloc(o, sizeof(float) * (P ? P : 1));
-    t->adam_v = o->alloc(o, sizeof(float) * (P ? P : 1));
+    if (c->freeze_base) {
+        int blocks = graph_freeze_base(&t->g, c->unfreeze_last);
+        if (c->unfreeze_last > blocks) {
+            snprintf(err, SN_ERR_MAX, "--unfreeze-last %d: model '%s' has %d blocks in its backbone", c->unfreeze_last,
+                     c->model.model, blocks);
+            return -1;
+        }
+    }
+    if (c->accum < 1 || c->accum > SN_MAX_ACCUM) { snprintf(err, SN_ERR_MAX, "--accum %d must be 1..%d", c->accum, SN_MAX_ACCUM); return -1; }
+    if (net_create(&t->net, &t->g, o, c->precision, 0, err)) return -1;
+    // trainable parameters as runs of the buffer: frozen ones get no optimiser state
+    const Graph *g = &t->g;
+    char *trainable = calloc((size_t)g->n_params + 1, 1);
+    snCheck(trainable != NULL, "out of host memory");
+    for (int i = 0; i < g->n_layers; i++) {
+        const Layer *l = &g->layers[i];
+        if (l->frozen) continue;
+        if (l->weight >= 0) trainable[l->weight] = 1;
+        if (l->bias >= 0) trainable[l->bias] = 1;
+    }
+    t->ranges = calloc((size_t)g->n_params + 1, sizeof *t->ranges);
+    snCheck(t->ranges != NULL, "out of host memory");
+    for (int p = 0; p < g->n_params; p++) {  // parameters are laid out in id order
+        if (!trainable[p]) continue;
+        if (t->n_ranges && t->ranges[t->n_ranges - 1].offset + t->ranges[t->n_ranges - 1].count == g->params[p].offset)
+            t->ranges[t->n_ranges - 1].count += g->params[p].count;
+        else
+            t->ranges[t->n_ranges++] = (typeof(*t->ranges)){g->params[p].offset, g->params[p].count};
+        t->n_trainable += g->params[p].count;
+    }
+    free(trainable);
+    size_t T = t->n_trainable, labels = (size_t)in.n * (t->segmentation ? (size_t)in.h * in.w : 1);
+    t->per_image = t->segmentation ? (size_t)in.h * in.w : 1;
+    t->adam_m = o->alloc(o, sizeof(float) * (T ? T : 1));
+    t->adam_v = o->alloc(o, sizeof(float) * (T ? T : 1));
     t->class_weights = o->alloc(o, sizeof(float) * t->K);
     t->labels = o->alloc(o, sizeof(int32_t) * labels);
     t->confusion = o->alloc(o, sizeof(int64_t) * t->K * t->K);
     t->scalars = o->alloc(o, sizeof(float) * 4);
-    if (!t->adam_m || !t->adam_v || !t->class_weights || !t->labels || !t->confusion || !t->scalars) {
+    t->flag = o->alloc(o, sizeof(int32_t));
+    t->stage = c->precision == DT_F32 ? NULL : o->alloc(o, sizeof(float) * (size_t)in.n * in.h * in.w * 3);
+    if (!t->adam_m || !t->adam_v || !t->class_weights || !t->labels || !t->confusion || !t->scalars || !t->flag ||
+        (c->precision != DT_F32 && !t->stage)) {
         snprintf(err, SN_ERR_MAX, "out of %s memory for the optimiser state", o->name);
         return -1;
     }
-    o->fill(o, tensor_f32(t->adam_m, shape4((int)P, 1, 1, 1)), 0.0f);
-    o->fill(o, tensor_f32(t->adam_v, shape4((int)P, 1, 1, 1)), 0.0f);
+    if (c->accum > 1) {
+        t->accum_images = malloc(sizeof(float) * (size_t)c->accum * in.n * in.h * in.w * 3);
+        t->accum_labels = malloc(sizeof(int32_t) * (size_t)c->accum * labels);
+        if (!t->accum_images || !t->accum_labels) { snprintf(err, SN_ERR_MAX, "out of host memory for %d micro-batches", c->accum); return -1; }
+    }
+    o->fill(o, tensor_f32(t->adam_m, shape4((int)T, 1, 1, 1)), 0.0f);
+    o->fill(o, tensor_f32(t->adam_v, shape4((int)T, 1, 1, 1)), 0.0f);
     o->upload(o, t->class_weights, c->class_weights, sizeof(float) * t->K);
+    t->loss_scale = c->precision == DT_F16 ? LOSS_SCALE_INIT : 1.0f;
+    if (t->has_train) {
+        int64_t batches = (t->train.n + in.n - 1) / in.n;
+        t->total_steps = (batches + c->accum - 1) / c->accum * c->epochs;
+    }
     net_init_params(&t->net, c->seed);
     t->net.seed = c->seed;
     t->best = INFINITY;
@@ -3951,13 +4028,104 @@ static void progress_line(const Trainer *t, int training, int batch_no, int n_ba
     fflush(stderr);
 }
 
+// One micro-batch on the host: n images (n,H,W,3) fp32 0..255 and their labels.
+typedef struct { int n; const float *images; const int32_t *labels; } MicroBatch;
+
+// Uploads a micro-batch into the net's input (cast to the storage type) and the labels buffer.
+static void upload_batch(Trainer *t, const MicroBatch *mb) {
+    Ops *o = t->o;
+    Net *net = &t->net;
+    const Shape in = t->g.tensors[t->g.input].shape;
+    const size_t floats = (size_t)mb->n * in.h * in.w * 3;
+    net->batch = mb->n;
+    if (net->dtype == DT_F32) {
+        o->upload(o, net->act[t->g.input], mb->images, sizeof(float) * floats);
+    } else {
+        o->upload(o, t->stage, mb->images, sizeof(float) * floats);
+        o->copy(o, net_tensor(net, t->g.input), tensor_f32(t->stage, shape4(mb->n, in.h, in.w, 3)), 0);
+    }
+    o->upload(o, t->labels, mb->labels, sizeof(int32_t) * (size_t)mb->n * t->per_image);
+}
+
+// Σ over the trainable ranges of an op that reduces a tensor into one float
+static double trainable_sum_squares(Trainer *t) {
+    Ops *o = t->o;
+    double total = 0.0;
+    for (int r = 0; r < t->n_ranges; r++) {
+        float ss;
+        o->sum_squares(o, tensor_f32(t->net.grads + t->ranges[r].offset, shape4((int)t->ranges[r].count, 1, 1, 1)), t->scalars + 3);
+        o->download(o, &ss, t->scalars + 3, sizeof ss);
+        total += ss;
+    }
+    return total;
+}
+
+// One optimiser step over k micro-batches (gradient accumulation when k > 1).
+// The loss is Σ w·nll over all k divided by their global Σ w (or pixel count),
+// a denominator known before the first forward. With fp16 storage the loss is
+// scaled (dynamic loss scaling, Keras' LossScaleOptimizer): unscale → check for
+// inf/NaN (skip the update, halve the scale) → clip → Adam; the step counts
+// either way, as in Keras. Returns 1 if the update was applied.
+static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
+    const TrainCfg *c = t->c;
+    Ops *o = t->o;
+    Net *net = &t->net;
+    double norm = 0.0;
+    for (int i = 0; i < k; i++) {
+        size_t n_labels = (size_t)mb[i].n * t->per_image;
+        norm += c->loss_norm_keras ? (double)n_labels : label_weight_sum(mb[i].labels, n_labels, c->class_weights, t->K);
+    }
+    const float scale = t->loss_scale, inv_norm = norm > 0 ? (float)(1.0 / norm) : 0.0f;
+    for (int r = 0; r < t->n_ranges; r++)
+        o->fill(o, tensor_f32(net->grads + t->ranges[r].offset, shape4((int)t->ranges[r].count, 1, 1, 1)), 0.0f);
+    for (int i = 0; i < k; i++) {
+        upload_batch(t, &mb[i]);
+        net->step = (uint64_t)(t->step * c->accum + i);  // dropout masks differ per micro-batch
+        net_forward(net, 1);
+        Tensor z = net_tensor(net, t->logits);
+        o->fill(o, tensor_f32(t->scalars, shape4(4, 1, 1, 1)), 0.0f);
+        o->softmax_xent(o, z, t->labels, t->class_weights, inv_norm * scale, t->scalars, net_grad(net, t->logits));
+        o->confusion_accumulate(o, z, t->labels, t->confusion);
+        net_backward(net, t->logits);
+        float stats[3];
+        o->download(o, stats, t->scalars, sizeof stats);
+        snCheck(stats[2] == 0.0f, "labels outside 0..%d passed the data set's checks", t->K - 1);
+        pt->loss_sum += stats[0];
+    }
+    pt->norm_sum += norm;
+    int64_t step = t->step++;
+    if (net->dtype == DT_F16) {
+        int32_t flag = 0;
+        o->upload(o, t->flag, &flag, sizeof flag);
+        for (int r = 0; r < t->n_ranges; r++)
+            o->nonfinite(o, tensor_f32(net->grads + t->ranges[r].offset, shape4((int)t->ranges[r].count, 1, 1, 1)), t->flag);
+        o->download(o, &flag, t->flag, sizeof flag);
+        if (flag) {
+            t->loss_scale = fmaxf(1.0f, t->loss_scale / 2);
+            t->good_steps = 0;
+            return 0;
+        }
+        if (++t->good_steps >= c->loss_scale_interval) { t->loss_scale *= 2; t->good_steps = 0; }
+    }
+    float grad_scale = 1.0f / scale;
+    if (c->clipnorm > 0.0f) grad_scale *= clip_factor(sqrt(trainable_sum_squares(t)) / scale, c->clipnorm);
+    double lr = lr_at_step(c->lr, c->schedule, c->warmup, t->total_steps, step);
+    AdamStep s = adam_step_init((float)lr, ADAM_BETA1, ADAM_BETA2, c->adam_eps, c->weight_decay, grad_scale, step + 1);
+    size_t moment = 0;
+    for (int r = 0; r < t->n_ranges; r++) {
+        size_t off = t->ranges[r].offset, n = t->ranges[r].count;
+        o->adam_update(o, net->params + off, net->grads + off, t->adam_m + moment, t->adam_v + moment, n, &s);
+        moment += n;
+    }
+    return 1;
+}
+
 static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, char err[SN_ERR_MAX]) {
     const TrainCfg *c = t->c;
     Ops *o = t->o;
     Net *net = &t->net;
     const int N = c->model.batch, K = t->K;
     const Shape in = t->g.tensors[t->g.input].shape;
-    const size_t per_image = t->segmentation ? (size_t)in.h * in.w : 1;
     int *order = malloc(sizeof(int) * (size_t)d->n);
     snCheck(order != NULL, "out of host memory");
     for (int i = 0; i < d->n; i++) order[i] = i;
@@ -3976,49 +4144,36 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
     pt->loss_sum = pt->norm_sum = 0.0;
     const int n_batches = (d->n + N - 1) / N, tty = isatty(STDERR_FILENO);
     const int every = tty ? 1 : (n_batches + 3) / 4;
+    const size_t image_floats = (size_t)N * in.h * in.w * 3, label_count = (size_t)N * t->per_image;
     double t0 = now_seconds();
     int64_t images = 0;
+    int pending = 0;  // micro-batches gathered for the next optimiser step
+    MicroBatch mb[SN_MAX_ACCUM];
     const LoaderBatch *b;
-    float *P = net->params, *G = net->grads;
-    const Tensor grads = tensor_f32(G, shape4((int)t->g.n_param_floats, 1, 1, 1));
     while ((b = loader_next(L))) {
-        const size_t n_labels = (size_t)b->n * per_image;
-        net->batch = b->n;
-        o->upload(o, net->act[t->g.input], b->images, sizeof(float) * (size_t)b->n * in.h * in.w * 3);
-        o->upload(o, t->labels, b->labels, sizeof(int32_t) * n_labels);
-        // the step's denominator, known before the forward (DESIGN.md: one global definition)
-        double norm = c->loss_norm_keras ? (double)n_labels : label_weight_sum(b->labels, n_labels, c->class_weights, K);
-        o->fill(o, tensor_f32(t->scalars, shape4(4, 1, 1, 1)), 0.0f);
-        Tensor z = net_tensor(net, t->logits);
-        if (training) {
-            o->fill(o, grads, 0.0f);
-            net->step = (uint64_t)t->step;
-            net_forward(net, 1);
-            o->softmax_xent(o, z, t->labels, t->class_weights, norm > 0 ? (float)(1.0 / norm) : 0.0f, t->scalars,
-                            net_grad(net, t->logits));
-            o->confusion_accumulate(o, z, t->labels, t->confusion);
-            net_backward(net, t->logits);
-            float scale = 1.0f;
-            if (c->clipnorm > 0.0f) {
-                o->sum_squares(o, grads, t->scalars + 3);
-                float ss;
-                o->download(o, &ss, t->scalars + 3, sizeof ss);
-                scale = clip_factor(sqrt((double)ss), c->clipnorm);
-            }
-            double lr = lr_at_step(c->lr, c->schedule, c->warmup, (int64_t)n_batches * c->epochs, t->step);
-            AdamStep s = adam_step_init((float)lr, ADAM_BETA1, ADAM_BETA2, c->adam_eps, c->weight_decay, scale, t->step + 1);
-            o->adam_update(o, P, G, t->adam_m, t->adam_v, t->g.n_param_floats, &s);
-            t->step++;
+        if (training && c->accum == 1) {
+            mb[0] = (MicroBatch){b->n, b->images, b->labels};
+            train_step(t, mb, 1, pt);
+        } else if (training) {  // the loader reuses its buffers: keep copies until the step
+            memcpy(t->accum_images + pending * image_floats, b->images, sizeof(float) * (size_t)b->n * in.h * in.w * 3);
+            memcpy(t->accum_labels + pending * label_count, b->labels, sizeof(int32_t) * (size_t)b->n * t->per_image);
+            mb[pending] = (MicroBatch){b->n, t->accum_images + pending * image_floats, t->accum_labels + pending * label_count};
+            if (++pending == c->accum || b->index + 1 == n_batches) { train_step(t, mb, pending, pt); pending = 0; }
         } else {
+            MicroBatch one = {b->n, b->images, b->labels};
+            upload_batch(t, &one);
             net_forward(net, 0);
+            Tensor z = net_tensor(net, t->logits);
+            o->fill(o, tensor_f32(t->scalars, shape4(4, 1, 1, 1)), 0.0f);
             o->softmax_xent(o, z, t->labels, t->class_weights, 0.0f, t->scalars, tensor(NULL, z.shape, z.dtype));
             o->confusion_accumulate(o, z, t->labels, t->confusion);
+            float stats[3];
+            o->download(o, stats, t->scalars, sizeof stats);
+            snCheck(stats[2] == 0.0f, "labels outside 0..%d passed the data set's checks", K - 1);
+            size_t n_labels = (size_t)b->n * t->per_image;
+            pt->loss_sum += stats[0];
+            pt->norm_sum += c->loss_norm_keras ? (double)n_labels : label_weight_sum(b->labels, n_labels, c->class_weights, K);
         }
-        float stats[3];
-        o->download(o, stats, t->scalars, sizeof stats);
-        snCheck(stats[2] == 0.0f, "labels outside 0..%d passed the data set's checks", K - 1);
-        pt->loss_sum += stats[0];
-        pt->norm_sum += norm;
         images += b->n;
         if (c->progress && (training || tty) && ((b->index + 1) % every == 0 || b->index + 1 == n_batches)) {
             o->download(o, pt->cm, t->confusion, sizeof(int64_t) * K * K);
@@ -4046,10 +4201,14 @@ static int write_text_atomic(const char *path, const char *text, char err[SN_ERR
 static void run_path(char *buf, size_t size, const char *run, const char *file) { snprintf(buf, size, "%s/%s", run, file); }
 
 // Checkpoint = weights and BN statistics (PyTorch layout, loadable as weights)
-// + train_state.adam_m / adam_v (segnet's parameter order) + the counters.
+// + train_state.adam_m / adam_v (the trainable parameters in segnet's order)
+// + the counters as metadata.
+#define CHECKPOINT_KEYS 9
+static const char *const CHECKPOINT_META[CHECKPOINT_KEYS] = {
+    "epoch", "step", "seed", "best_loss", "best_epoch", "bad_epochs", "finished", "loss_scale", "loss_scale_good_steps"};
 static int save_checkpoint(const Trainer *t, const char *path, char err[SN_ERR_MAX]) {
     Ops *o = t->o;
-    size_t P = t->g.n_param_floats;
+    size_t P = t->n_trainable;
     float *m = malloc(sizeof(float) * (P ? P : 1)), *v = malloc(sizeof(float) * (P ? P : 1));
     snCheck(m && v, "out of host memory");
     o->download(o, m, t->adam_m, sizeof(float) * P);
@@ -4064,7 +4223,7 @@ static int save_checkpoint(const Trainer *t, const char *path, char err[SN_ERR_M
         extra[k].numel = P;
         extra[k].data = k ? v : m;
     }
-    char vals[7][64];
+    char vals[9][64];
     snprintf(vals[0], 64, "%d", t->epoch);
     snprintf(vals[1], 64, "%" PRId64, t->step);
     snprintf(vals[2], 64, "%" PRIu64, t->c->seed);
@@ -4072,9 +4231,11 @@ static int save_checkpoint(const Trainer *t, const char *path, char err[SN_ERR_M
     snprintf(vals[4], 64, "%d", t->best_epoch);
     snprintf(vals[5], 64, "%d", t->bad_epochs);
     snprintf(vals[6], 64, "%d", t->finished);
-    const char *keys[7] = {"epoch", "step", "seed", "best_loss", "best_epoch", "bad_epochs", "finished"};
-    const char *values[7] = {vals[0], vals[1], vals[2], vals[3], vals[4], vals[5], vals[6]};
-    int rc = net_save_checkpoint(&t->net, path, extra, 2, keys, values, 7, err);
+    snprintf(vals[7], 64, "%a", (double)t->loss_scale);
+    snprintf(vals[8], 64, "%" PRId64, t->good_steps);
+    const char *values[CHECKPOINT_KEYS];
+    for (int k = 0; k < CHECKPOINT_KEYS; k++) values[k] = vals[k];
+    int rc = net_save_checkpoint(&t->net, path, extra, 2, CHECKPOINT_META, values, CHECKPOINT_KEYS, err);
     free(m); free(v);
     return rc;
 }
@@ -4088,13 +4249,15 @@ static const char *st_meta(const StFile *f, const char *key) {
 static int load_checkpoint(Trainer *t, const char *path, char err[SN_ERR_MAX]) {
     StFile f;
     if (st_read(path, &f, err)) return -1;
-    size_t P = t->g.n_param_floats;
+    size_t P = t->n_trainable;
     const StTensor *m = st_find(&f, TRAIN_STATE_PREFIX "adam_m"), *v = st_find(&f, TRAIN_STATE_PREFIX "adam_v");
-    const char *keys[7] = {"epoch", "step", "seed", "best_loss", "best_epoch", "bad_epochs", "finished"};
-    const char *val[7];
+    const char *val[CHECKPOINT_KEYS];
     int rc = -1;
-    for (int k = 0; k < 7; k++)
-        if (!(val[k] = st_meta(&f, keys[k]))) { snprintf(err, SN_ERR_MAX, "%.400s: not a segnet checkpoint (no '%s' in its metadata)", path, keys[k]); goto done; }
+    for (int k = 0; k < CHECKPOINT_KEYS; k++)
+        if (!(val[k] = st_meta(&f, CHECKPOINT_META[k]))) {
+            snprintf(err, SN_ERR_MAX, "%.400s: not a segnet checkpoint (no '%s' in its metadata)", path, CHECKPOINT_META[k]);
+            goto done;
+        }
     if (!m || !v || m->numel != P || v->numel != P || m->dtype != DT_F32 || v->dtype != DT_F32) {
         snprintf(err, SN_ERR_MAX, "%.400s: the optimiser state (" TRAIN_STATE_PREFIX "adam_m/adam_v, %zu floats each) is missing or of another size",
                  path, P);
@@ -4116,6 +4279,8 @@ static int load_checkpoint(Trainer *t, const char *path, char err[SN_ERR_MAX]) {
     t->best_epoch = atoi(val[4]);
     t->bad_epochs = atoi(val[5]);
     t->finished = atoi(val[6]);
+    t->loss_scale = (float)strtod(val[7], NULL);
+    t->good_steps = strtoll(val[8], NULL, 10);
     rc = 0;
 done:
     st_free(&f);
@@ -4261,6 +4426,8 @@ static void config_text(const TrainCfg *c, StBuf *b) {
         CFG("%scontrast=%s:%s", n++ ? "," : "", float_str(f[0], a->contrast_lo), float_str(f[1], a->contrast_hi));
     if (!n) sb_str(b, "none");
     CFG("\nloss-norm = %s\nseed = %" PRIu64 "\n", c->loss_norm_keras ? "keras" : "weighted", c->seed);
+    CFG("precision = %s\naccum = %d\nfreeze = %s\nunfreeze-last = %d\n", DTYPE_NAMES[c->precision], c->accum,
+        c->freeze_base ? "base" : "none", c->unfreeze_last);
 #undef CFG
 }
 
@@ -4360,8 +4527,7 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
             val_loss = va.loss_sum / va.norm_sum;
         }
         t.epoch++;
-        double lr = lr_at_step(c->lr, c->schedule, c->warmup, (int64_t)((t.train.n + c->model.batch - 1) / c->model.batch) * c->epochs,
-                               t.step - 1);
+        double lr = lr_at_step(c->lr, c->schedule, c->warmup, t.total_steps, t.step - 1);
         StBuf row = {0};
         char s[64];
         char lr_text[32];
@@ -4406,8 +4572,8 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
     }
     // the best epoch's figures, for the weights that are kept
     const EpochRecord *best = &h.rec[t.best_epoch - 1];
-    printf("run: %s\nbest_epoch: %d\nloss: %.6f\n", run, t.best_epoch, best->loss);
-    if (t.has_val) printf("val_loss: %.6f\nval_%s: %.6f\n", best->val_loss, t.segmentation ? "mIoU" : "accuracy", best->val_metric);
+    if (c->progress) printf("run: %s\nbest_epoch: %d\nloss: %.6f\n", run, t.best_epoch, best->loss);
+    if (c->progress && t.has_val) printf("val_loss: %.6f\nval_%s: %.6f\n", best->val_loss, t.segmentation ? "mIoU" : "accuracy", best->val_metric);
     rc = 0;
 done:
     history_free(&h);
@@ -4622,6 +4788,16 @@ static const char *TRAIN_USAGE =
     "  --out RUN             run folder (default runs/<date>-<time>)\n"
     "  --resume RUN          continue RUN from its last.safetensors; the result\n"
     "                        equals an uninterrupted run bit for bit\n"
+    "  --precision P         activation storage: fp32 (default), fp16 (dynamic loss\n"
+    "                        scaling as Keras: from 2^15, halve and skip the update on\n"
+    "                        inf/NaN, double after 2000 finite steps) or bf16; weights\n"
+    "                        and Adam state stay fp32\n"
+    "  --accum K             K micro-batches of --batch images per optimiser step; the\n"
+    "                        loss is normalised over the whole step (default 1)\n"
+    "  --freeze base         train only the head/decoder: the backbone (EfficientNetV2\n"
+    "                        trunk, U-Net encoder) is frozen, its BN in inference mode\n"
+    "                        (default none)\n"
+    "  --unfreeze-last N     with --freeze base, also train the backbone's last N blocks\n"
     "  --seed S              initialisation, data order, augmentation, dropout (default 1)\n"
     "  --threads T           CPU threads (default: all cores)\n"
     "  --workers N           data loading threads (default 1)\n"
@@ -4700,7 +4876,7 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     static const char *const FLAGS[] = {"--data", "--val", "--out", "--resume", "--weights", "--class-weights", "--epochs",
                                         "--lr", "--adam-eps", "--weight-decay", "--clipnorm", "--schedule", "--warmup",
                                         "--early-stopping", "--augment", "--seed", "--threads", "--workers", "--loss-norm",
-                                        "--run"};
+                                        "--run", "--precision", "--accum", "--freeze", "--unfreeze-last"};
     int known = 0;
     for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
     if (!known) return 0;
@@ -4719,6 +4895,18 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     else if (!strcmp(f, "--early-stopping")) rc = parse_int(f, v, 0, 1 << 20, &c->patience);
     else if (!strcmp(f, "--threads")) rc = parse_int(f, v, 1, 4096, &c->threads);
     else if (!strcmp(f, "--workers")) rc = parse_int(f, v, 1, 256, &c->workers);
+    else if (!strcmp(f, "--accum")) rc = parse_int(f, v, 1, SN_MAX_ACCUM, &c->accum);
+    else if (!strcmp(f, "--unfreeze-last")) rc = parse_int(f, v, 0, 1 << 20, &c->unfreeze_last);
+    else if (!strcmp(f, "--freeze")) {
+        if (!strcmp(v, "base")) c->freeze_base = 1;
+        else if (!strcmp(v, "none")) c->freeze_base = 0;
+        else { fprintf(stderr, "segnet: --freeze '%s' must be base or none\n", v); rc = -1; }
+    } else if (!strcmp(f, "--precision")) {
+        int k = 0;
+        while (k < 3 && strcmp(v, DTYPE_NAMES[k])) k++;
+        if (k == 3) { fprintf(stderr, "segnet: --precision '%s' must be fp32, fp16 or bf16\n", v); rc = -1; }
+        else c->precision = (DType)k;
+    }
     else if (!strcmp(f, "--seed")) { rc = parse_int(f, v, 0, 2147483647, &seed); c->seed = (uint64_t)seed; }
     else if (!strcmp(f, "--lr")) rc = parse_float(f, v, 0.0f, &c->lr);
     else if (!strcmp(f, "--adam-eps")) rc = parse_float(f, v, 0.0f, &c->adam_eps);

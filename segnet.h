@@ -718,6 +718,19 @@ double lr_at_step(double lr, Schedule s, int64_t warmup, int64_t total_steps, in
 float clip_factor(double global_norm, float clipnorm);
 
 #define SN_MAX_CLASSES 4096
+#define SN_MAX_ACCUM   1024   // micro-batches per optimiser step
+
+// Dynamic loss scaling for fp16 storage, Keras' defaults (LossScaleOptimizer):
+// start at 2^15, halve on inf/NaN gradients (skipping the update, never below
+// 1), double after this many consecutive finite steps.
+#define LOSS_SCALE_INIT 32768.0f
+#define LOSS_SCALE_GROWTH_INTERVAL 2000
+
+// Keras' fine_tune_at recipe: freeze the backbone (layers named features.*,
+// the EfficientNetV2 trunk also inside unet-effv2, or enc* in the plain U-Net)
+// except its last `unfreeze_last` checkpoint blocks. Returns the number of
+// blocks in the backbone (so a caller can refuse N larger than that).
+int graph_freeze_base(Graph *g, int unfreeze_last);
 
 typedef struct {
     ModelCfg model;                 // model.batch is the training batch
@@ -739,6 +752,11 @@ typedef struct {
     size_t cache_bytes;             // decoded data kept in memory up to this
     int progress;                   // 0 quiet, 1 progress on stderr
     int stop_after_epochs;          // leave after this many epochs, as if interrupted (0: never)
+    DType precision;                // activation storage: fp32, fp16 (with loss scaling) or bf16
+    int accum;                      // micro-batches per optimiser step (gradient accumulation)
+    int freeze_base;                // freeze the backbone (graph_freeze_base) ...
+    int unfreeze_last;              // ... except its last N blocks
+    int loss_scale_interval;        // fp16: finite steps before the loss scale doubles
 } TrainCfg;
 
 void train_cfg_default(TrainCfg *c);

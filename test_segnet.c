@@ -3704,6 +3704,144 @@ static void test_eval_matches_run(void) {
 }
 
 // ----------------------------------------------------------------------------
+// memory features of training: fp16 loss scaling, accumulation, frozen layers
+
+static void random_batch(Rng *r, int n, int hw, int K, float *images, int32_t *labels) {
+    for (int i = 0; i < n * hw * hw * 3; i++) images[i] = (float)(rng_next(r) % 256);
+    for (int i = 0; i < n * hw * hw; i++) labels[i] = (int32_t)(rng_next(r) % (uint64_t)K);
+}
+
+// fp16: a step with inf/NaN gradients is skipped and halves the scale; after
+// `interval` finite steps the scale doubles; the scale survives a checkpoint
+static void test_fp16_loss_scaling(void) {
+    TrainCfg c = tiny_seg_cfg(NULL, NULL);
+    c.precision = DT_F16;
+    c.loss_scale_interval = 3;
+    Trainer t;
+    char err[SN_ERR_MAX];
+    CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s", err);
+    CHECK(t.loss_scale == LOSS_SCALE_INIT, "starts at 2^15: %g", t.loss_scale);
+    Rng r;
+    rng_seed(&r, 3);
+    float images[4 * 64 * 3];
+    int32_t labels[4 * 64];
+    int64_t cm[9];
+    PassTotals pt = {0, 0, cm};
+    const size_t P = t.g.n_param_floats;
+    float *before = malloc(sizeof(float) * P);
+    const float expect_scale[7] = {32768, 16384, 16384, 16384, 32768, 32768, 32768};
+    for (int s = 0; s < 7; s++) {
+        random_batch(&r, 4, 8, 3, images, labels);
+        if (s == 1) images[17] = INFINITY;  // an overflow, as fp16 activations would give
+        memcpy(before, t.net.params, sizeof(float) * P);
+        MicroBatch mb = {4, images, labels};
+        int applied = train_step(&t, &mb, 1, &pt);
+        int changed = memcmp(before, t.net.params, sizeof(float) * P) != 0;
+        CHECK(applied == (s != 1) && changed == applied, "step %d: applied %d, weights changed %d", s, applied, changed);
+        CHECK(t.loss_scale == expect_scale[s], "step %d: scale %g, expected %g", s, t.loss_scale, expect_scale[s]);
+        CHECK(t.step == s + 1, "the skipped step counts (Keras): step %" PRId64, t.step);
+    }
+    CHECK(t.good_steps == 2, "2 finite steps since the last doubling: %" PRId64, t.good_steps);
+    const char *path = "/tmp/segnet_test_fp16.safetensors";
+    t.loss_scale = 4096; t.good_steps = 1;  // as after some halvings
+    CHECK(save_checkpoint(&t, path, err) == 0, "%s", err);
+    Trainer u;
+    CHECK(trainer_open(&u, &c, NULL, NULL, err) == 0 && load_checkpoint(&u, path, err) == 0, "%s", err);
+    CHECK(u.loss_scale == 4096 && u.good_steps == 1 && u.step == 7, "restored scale %g, counter %" PRId64 ", step %" PRId64,
+          u.loss_scale, u.good_steps, u.step);
+    unlink(path);
+    free(before);
+    trainer_close(&t); trainer_close(&u);
+}
+
+// --accum K with batch B is one step over K·B images: the same loss and, BN
+// frozen (batch statistics are per micro-batch), the same weights
+static void test_accum_equals_big_batch(void) {
+    enum { B = 2, K = 3, STEPS = 2 };
+    TrainCfg big = tiny_seg_cfg(NULL, NULL), small = big;
+    big.model.batch = B * K;
+    small.model.batch = B;
+    small.accum = K;
+    Trainer a, b;
+    char err[SN_ERR_MAX];
+    CHECK(trainer_open(&a, &big, NULL, NULL, err) == 0 && trainer_open(&b, &small, NULL, NULL, err) == 0, "%s", err);
+    for (Trainer *t = &a; t; t = t == &a ? &b : NULL)
+        for (int i = 0; i < t->g.n_layers; i++)
+            if (t->g.layers[i].kind == LAYER_BN) t->g.layers[i].frozen = 1;
+    CHECK(!memcmp(a.net.params, b.net.params, sizeof(float) * a.g.n_param_floats), "same initial weights");
+    Rng r;
+    rng_seed(&r, 5);
+    float images[B * K * 64 * 3];
+    int32_t labels[B * K * 64];
+    int64_t cma[9], cmb[9];
+    PassTotals pa = {0, 0, cma}, pb = {0, 0, cmb};
+    for (int s = 0; s < STEPS; s++) {
+        random_batch(&r, B * K, 8, 3, images, labels);
+        for (int i = 0; i < B * 64; i++) labels[i] = i % 5 ? 0 : labels[i];  // micro-batch 0: mostly weight-0 pixels
+        MicroBatch one = {B * K, images, labels}, parts[K];
+        for (int k = 0; k < K; k++) parts[k] = (MicroBatch){B, images + k * B * 64 * 3, labels + k * B * 64};
+        train_step(&a, &one, 1, &pa);
+        train_step(&b, parts, K, &pb);
+    }
+    CHECK(fabs(pa.loss_sum / pa.norm_sum - pb.loss_sum / pb.norm_sum) < 1e-6 * pa.loss_sum / pa.norm_sum, "loss %.9g vs %.9g",
+          pa.loss_sum / pa.norm_sum, pb.loss_sum / pb.norm_sum);
+    double worst = 0;
+    for (size_t i = 0; i < a.g.n_param_floats; i++) worst = fmax(worst, fabs(a.net.params[i] - b.net.params[i]));
+    CHECK(worst < 1e-4 * big.lr, "weights after %d steps differ by %.3g (lr %g)", STEPS, worst, big.lr);
+    if (g_verbose) printf("    worst weight difference %.3g\n", worst);
+    trainer_close(&a); trainer_close(&b);
+}
+
+// --freeze base --unfreeze-last 1 on a U-Net: enc0 frozen (weights, BN
+// statistics, no gradients stored below it), enc1, decoder and head trained,
+// Adam state only for those
+static void test_freeze_base(void) {
+    TrainCfg c = tiny_seg_cfg(NULL, NULL);
+    c.freeze_base = 1;
+    c.unfreeze_last = 1;
+    Trainer t;
+    char err[SN_ERR_MAX];
+    CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s", err);
+    const Graph *g = &t.g;
+    size_t trainable = 0;
+    for (int p = 0; p < g->n_params; p++) if (strncmp(g->params[p].name, "enc0.", 5)) trainable += g->params[p].count;
+    CHECK(t.n_trainable == trainable && trainable < g->n_param_floats, "Adam state for %zu floats, expected %zu (of %zu)",
+          t.n_trainable, trainable, g->n_param_floats);
+    for (int i = 0; i < g->n_layers; i++) {
+        const Layer *l = &g->layers[i];
+        CHECK(l->frozen == !strncmp(l->name, "enc0.", 5), "layer %s frozen %d", l->name, l->frozen);
+        if (!strncmp(l->name, "enc0.", 5)) CHECK(t.net.grad[l->out] == NULL, "no gradient stored for %s", l->name);
+    }
+    float *p0 = malloc(sizeof(float) * g->n_param_floats), *b0 = malloc(sizeof(float) * g->n_buffer_floats);
+    memcpy(p0, t.net.params, sizeof(float) * g->n_param_floats);
+    memcpy(b0, t.net.buffers, sizeof(float) * g->n_buffer_floats);
+    Rng r;
+    rng_seed(&r, 8);
+    float images[4 * 64 * 3];
+    int32_t labels[4 * 64];
+    int64_t cm[9];
+    PassTotals pt = {0, 0, cm};
+    random_batch(&r, 4, 8, 3, images, labels);
+    MicroBatch mb = {4, images, labels};
+    train_step(&t, &mb, 1, &pt);
+    for (int p = 0; p < g->n_params; p++) {
+        const ParamInfo *q = &g->params[p];
+        int same = !memcmp(p0 + q->offset, t.net.params + q->offset, sizeof(float) * q->count);
+        CHECK(same == !strncmp(q->name, "enc0.", 5), "%s changed: %d", q->name, !same);
+    }
+    for (int k = 0; k < g->n_buffers; k++) {
+        const ParamInfo *q = &g->buffers[k];
+        int same = !memcmp(b0 + q->offset, t.net.buffers + q->offset, sizeof(float) * q->count);
+        CHECK(same == !strncmp(q->name, "enc0.", 5), "BN statistics %s changed: %d", q->name, !same);
+    }
+    free(p0); free(b0);
+    trainer_close(&t);
+    c.unfreeze_last = 3;
+    CHECK(trainer_open(&t, &c, NULL, NULL, err) == -1 && contains(err, "has 2 blocks"), "too many blocks: %s", err);
+    trainer_close(&t);
+}
+
+// ----------------------------------------------------------------------------
 // the runner
 
 typedef struct { const char *name; void (*fn)(void); } Test;
@@ -3792,6 +3930,9 @@ static const Test TESTS[] = {
     {"train_bad_input", test_train_bad_input},
     {"classifier_csv_trains", test_classifier_csv_trains},
     {"eval_matches_run", test_eval_matches_run},
+    {"fp16_loss_scaling", test_fp16_loss_scaling},
+    {"accum_equals_big_batch", test_accum_equals_big_batch},
+    {"freeze_base", test_freeze_base},
     {"parity_live_effv2", test_parity_live_effv2},  // "parity_live_*": run where PyTorch is found
     {"parity_live_unet", test_parity_live_unet},
 };
