@@ -4,6 +4,7 @@
 // The CPU ops are the specification every other backend is tested against.
 // Each op states its formula above it; index math uses NHWC:
 //   x[n,h,w,c] = data[((n·H + h)·W + w)·C + c]
+#define _GNU_SOURCE  // qsort_r
 #include <stdio.h>
 #include <stdlib.h>
 #include <stdarg.h>
@@ -1557,6 +1558,176 @@ int graph_freeze_base(Graph *g, int unfreeze_last) {
 }
 
 // ----------------------------------------------------------------------------
+// memory planning: every activation and gradient gets a lifetime over the
+// step's schedule of slots and an offset in one arena
+//
+// slots: forward of layer 0..L-1, the loss, then backward from layer L-1 to 0;
+// with checkpointing, just before the backward of a block's last layer, the
+// block's forward runs again (recompute slots). A buffer lives from the slot
+// that writes it to the last slot that reads it:
+//   activation  written by its producer's forward (or recompute); read by its
+//               consumers' forwards (and recomputes), by the backward of a
+//               consumer whose gradient needs its input (layer_backward_reads),
+//               and, for the output, by the loss
+//   gradient    written first by the backward of its last consumer (the loss,
+//               for the output); read last by its producer's backward
+// With checkpointing, a tensor produced and consumed inside one block keeps no
+// forward life past its consumers: it lives again from the recompute. Only
+// the layers producing such tensors run again; the others' outputs are kept.
+// Offsets: largest buffer first, each at the lowest offset that does not
+// overlap a placed buffer whose lifetime intersects its own.
+
+// Does layer l's backward read its input k (given whether it computes weight gradients)?
+static int layer_backward_reads(const Layer *l, int k) {
+    switch (l->kind) {
+    case LAYER_CONV: case LAYER_DENSE: return k == 0 && !l->frozen && (l->weight >= 0 || l->bias >= 0);
+    case LAYER_BN: case LAYER_ACT: case LAYER_MAXPOOL: return k == 0;
+    case LAYER_SCALE: return 1;
+    default: return 0;
+    }
+}
+
+void graph_needs_grad(const Graph *g, int input_needs_grad, int *needs_grad) {
+    memset(needs_grad, 0, sizeof(int) * (size_t)g->n_tensors);
+    needs_grad[g->input] = input_needs_grad;
+    for (int i = 0; i < g->n_layers; i++) {
+        const Layer *l = &g->layers[i];
+        int ng = !l->frozen && l->weight >= 0;
+        for (int k = 0; k < 2; k++) if (l->in[k] >= 0) ng |= needs_grad[l->in[k]];
+        needs_grad[l->out] = ng;
+    }
+}
+
+void plan_free(Plan *p) {
+    free(p->slot_kind); free(p->slot_layer); free(p->bufs);
+    free(p->fwd_slot); free(p->rec_slot); free(p->bwd_slot); free(p->recompute);
+    free(p->start_head); free(p->start_next); free(p->end_head); free(p->end_next);
+    memset(p, 0, sizeof *p);
+}
+
+static int plan_add(Plan *p, int tensor, int is_grad, int recompute, int first, int last, size_t bytes) {
+    PlanBuffer *b = &p->bufs[p->n_bufs];
+    b->tensor = tensor; b->is_grad = is_grad; b->recompute = recompute;
+    b->first = first; b->last = last; b->bytes = bytes; b->offset = 0;
+    return p->n_bufs++;
+}
+
+static int cmp_buffer_size(const void *a, const void *b, void *bufs_) {
+    const PlanBuffer *bufs = bufs_, *x = &bufs[*(const int *)a], *y = &bufs[*(const int *)b];
+    if (x->bytes != y->bytes) return x->bytes > y->bytes ? -1 : 1;
+    if (x->first != y->first) return x->first < y->first ? -1 : 1;
+    return *(const int *)a - *(const int *)b;
+}
+static int cmp_offset(const void *a, const void *b, void *bufs_) {
+    const PlanBuffer *bufs = bufs_;
+    size_t x = bufs[*(const int *)a].offset, y = bufs[*(const int *)b].offset;
+    return x < y ? -1 : x > y;
+}
+
+void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int output, int checkpoint, size_t workspace) {
+    memset(p, 0, sizeof *p);
+    const int L = g->n_layers, T = g->n_tensors;
+    p->checkpoint = checkpoint;
+    p->workspace = workspace;
+    p->fwd_slot = malloc(sizeof(int) * L); p->rec_slot = malloc(sizeof(int) * L); p->bwd_slot = malloc(sizeof(int) * L);
+    p->recompute = calloc((size_t)L, sizeof(int));
+    p->slot_kind = malloc(sizeof(int) * (3 * L + 1)); p->slot_layer = malloc(sizeof(int) * (3 * L + 1));
+    p->bufs = calloc((size_t)3 * T + 1, sizeof(PlanBuffer));
+    snCheck(p->fwd_slot && p->rec_slot && p->bwd_slot && p->slot_kind && p->slot_layer && p->bufs, "out of host memory");
+    // the schedule; a block is recomputed only if some layer of it runs a backward
+    int n = 0;
+    for (int i = 0; i < L; i++) { p->fwd_slot[i] = n; p->slot_kind[n] = SLOT_FORWARD; p->slot_layer[n++] = i; }
+    p->loss_slot = n; p->slot_kind[n] = SLOT_LOSS; p->slot_layer[n++] = -1;
+    for (int i = 0; i < L; i++) p->rec_slot[i] = -1;
+    for (int i = L - 1; i >= 0; i--) {
+        if (checkpoint && (i == L - 1 || g->layers[i + 1].block != g->layers[i].block)) {
+            int first = i, backward = 0;
+            while (first > 0 && g->layers[first - 1].block == g->layers[i].block) first--;
+            for (int j = first; j <= i; j++) backward |= needs_grad[g->layers[j].out];
+            for (int j = first; backward && j <= i; j++) { p->rec_slot[j] = n; p->slot_kind[n] = SLOT_RECOMPUTE; p->slot_layer[n++] = j; }
+        }
+        p->bwd_slot[i] = n; p->slot_kind[n] = SLOT_BACKWARD; p->slot_layer[n++] = i;
+    }
+    p->n_slots = n;
+    // lifetimes
+    for (int t = 0; t < T; t++) {
+        const size_t bytes = shape_numel(g->tensors[t].shape) * dtype_size(dtype);
+        const int prod = g->tensors[t].producer;
+        const int block = prod >= 0 ? g->layers[prod].block : -1;
+        int internal = checkpoint && prod >= 0 && t != output && p->rec_slot[prod] >= 0;
+        int fwd_last = prod >= 0 ? p->fwd_slot[prod] : 0, keep_last = fwd_last, rec_last = -1;
+        int grad_first = -1;
+        for (int i = 0; i < L; i++) {
+            const Layer *c = &g->layers[i];
+            for (int k = 0; k < 2; k++) {
+                if (c->in[k] != t) continue;
+                if (c->block != block) internal = 0;
+                const int reads = needs_grad[c->out] && layer_backward_reads(c, k);
+                const int use = reads ? p->bwd_slot[i] : p->rec_slot[i] >= 0 ? p->rec_slot[i] : p->fwd_slot[i];
+                if (p->fwd_slot[i] > fwd_last) fwd_last = p->fwd_slot[i];
+                if (use > keep_last) keep_last = use;
+                if (p->rec_slot[i] >= 0 && p->rec_slot[i] > keep_last) keep_last = p->rec_slot[i];
+                if (use > rec_last) rec_last = use;
+                if (needs_grad[c->out] && needs_grad[t] && (grad_first < 0 || p->bwd_slot[i] < grad_first))
+                    grad_first = p->bwd_slot[i];
+            }
+        }
+        if (t == output) { keep_last = fwd_last = p->loss_slot; grad_first = p->loss_slot; }
+        const int first = prod >= 0 ? p->fwd_slot[prod] : 0;
+        if (internal) {
+            p->recompute[prod] = 1;
+            plan_add(p, t, 0, 0, first, fwd_last, bytes);
+            plan_add(p, t, 0, 1, p->rec_slot[prod], rec_last > p->rec_slot[prod] ? rec_last : p->rec_slot[prod], bytes);
+        } else {
+            plan_add(p, t, 0, 0, first, keep_last, bytes);
+        }
+        if (needs_grad[t]) {
+            int last = prod >= 0 ? p->bwd_slot[prod] : p->n_slots - 1;
+            if (grad_first < 0) grad_first = last;  // no path to the loss: zero-filled by its producer's backward
+            plan_add(p, t, 1, 0, grad_first, last, bytes);
+        }
+    }
+    // offsets: the workspace first, at 0, for the whole step
+    int *order = malloc(sizeof(int) * (size_t)(p->n_bufs + 1)), *placed = malloc(sizeof(int) * (size_t)(p->n_bufs + 1));
+    int *live = malloc(sizeof(int) * (size_t)(p->n_bufs + 1));
+    snCheck(order && placed && live, "out of host memory");
+    for (int b = 0; b < p->n_bufs; b++) order[b] = b;
+    qsort_r(order, (size_t)p->n_bufs, sizeof(int), cmp_buffer_size, p->bufs);
+    size_t peak = workspace;
+    int n_placed = 0;
+    for (int k = 0; k < p->n_bufs; k++) {
+        PlanBuffer *b = &p->bufs[order[k]];
+        int n_live = 0;
+        for (int j = 0; j < n_placed; j++) {
+            const PlanBuffer *q = &p->bufs[placed[j]];
+            if (q->first <= b->last && b->first <= q->last) live[n_live++] = placed[j];
+        }
+        qsort_r(live, (size_t)n_live, sizeof(int), cmp_offset, p->bufs);
+        size_t at = workspace;  // the lowest gap that fits, among the buffers alive at the same time
+        for (int j = 0; j < n_live; j++) {
+            const PlanBuffer *q = &p->bufs[live[j]];
+            if (q->offset >= at + b->bytes) break;
+            if (q->offset + q->bytes > at) at = q->offset + q->bytes;
+        }
+        b->offset = at;
+        if (at + b->bytes > peak) peak = at + b->bytes;
+        placed[n_placed++] = order[k];
+    }
+    free(live);
+    free(order); free(placed);
+    p->peak = peak;
+    // which buffers start and end at each slot
+    p->start_head = malloc(sizeof(int) * (size_t)p->n_slots); p->end_head = malloc(sizeof(int) * (size_t)p->n_slots);
+    p->start_next = malloc(sizeof(int) * (size_t)p->n_bufs + 1); p->end_next = malloc(sizeof(int) * (size_t)p->n_bufs + 1);
+    snCheck(p->start_head && p->end_head && p->start_next && p->end_next, "out of host memory");
+    for (int s = 0; s < p->n_slots; s++) p->start_head[s] = p->end_head[s] = -1;
+    for (int b = p->n_bufs - 1; b >= 0; b--) {
+        p->start_next[b] = p->start_head[p->bufs[b].first]; p->start_head[p->bufs[b].first] = b;
+        p->end_next[b] = p->end_head[p->bufs[b].last]; p->end_head[p->bufs[b].last] = b;
+    }
+}
+
+// ----------------------------------------------------------------------------
 // executing a graph
 
 // Views use the current batch size: every op takes N from its tensors, so a
@@ -1580,7 +1751,8 @@ void net_free(Net *net) {
     Ops *o = net->o;
     if (!o) return;
     const Graph *g = net->g;
-    for (int t = 0; net->act && t < g->n_tensors; t++) { o->free(o, net->act[t]); if (net->grad) o->free(o, net->grad[t]); }
+    if (net->plan) { plan_free(net->plan); free(net->plan); o->free(o, net->arena); net->ws = NULL; }
+    else for (int t = 0; net->act && t < g->n_tensors; t++) { o->free(o, net->act[t]); if (net->grad) o->free(o, net->grad[t]); }
     for (int l = 0; net->bn_mean && l < g->n_layers; l++) { o->free(o, net->bn_mean[l]); o->free(o, net->bn_var[l]); }
     o->free(o, net->params); o->free(o, net->grads); o->free(o, net->buffers);
     o->free(o, net->bn_scratch); o->free(o, net->ws);
@@ -1588,7 +1760,44 @@ void net_free(Net *net) {
     memset(net, 0, sizeof *net);
 }
 
-int net_create(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad, char err[SN_ERR_MAX]) {
+// the largest conv workspace of the graph
+static size_t net_workspace_bytes(const Graph *g, Ops *o, DType dtype) {
+    size_t ws = 0;
+    for (int i = 0; i < g->n_layers; i++) {
+        const Layer *l = &g->layers[i];
+        if (l->kind != LAYER_CONV && l->kind != LAYER_DENSE) continue;
+        size_t w = o->conv2d_workspace(o, &l->conv, tshape(g, l->in[0]), dtype);
+        if (w > ws) ws = w;
+    }
+    return ws;
+}
+
+// Entering a slot places the buffers whose life starts there; leaving it ends
+// the lives that end there (poisoned with NaN when asked: a later read shows).
+// Pointers stay where they were last placed: between steps nothing is alive,
+// so the input's place can take the next batch before the forward.
+static void plan_enter(Net *net, int slot) {
+    const Plan *p = net->plan;
+    for (int b = p->start_head[slot]; b >= 0; b = p->start_next[b]) {
+        const PlanBuffer *q = &p->bufs[b];
+        void *ptr = net->arena + q->offset;
+        if (q->is_grad) net->grad[q->tensor] = ptr; else net->act[q->tensor] = ptr;
+        if (q->offset + q->bytes > net->arena_high) net->arena_high = q->offset + q->bytes;
+    }
+}
+static void plan_leave(Net *net, int slot) {
+    const Plan *p = net->plan;
+    for (int b = p->end_head[slot]; b >= 0; b = p->end_next[b]) {
+        const PlanBuffer *q = &p->bufs[b];
+        if (net->poison)
+            net->o->fill(net->o, tensor(net->arena + q->offset, shape4((int)(q->bytes / dtype_size(net->dtype)), 1, 1, 1),
+                                        net->dtype), NAN);
+    }
+}
+
+// plan: NULL for one allocation per tensor, else the arena's layout (taken over)
+static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad, Plan *plan,
+                           char err[SN_ERR_MAX]) {
     memset(net, 0, sizeof *net);
     net->g = g; net->o = o; net->dtype = dtype; net->input_needs_grad = input_needs_grad;
     if (g->err[0] || g->input < 0 || g->n_layers == 0) {
@@ -1607,27 +1816,23 @@ int net_create(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_gr
 
     // A tensor needs a gradient when a trainable parameter (or the input, if
     // asked) lies upstream of it; nothing below the lowest trainable layer does.
-    net->needs_grad[g->input] = input_needs_grad;
-    for (int i = 0; i < L; i++) {
-        const Layer *l = &g->layers[i];
-        int ng = !l->frozen && l->weight >= 0;
-        for (int k = 0; k < 2; k++) if (l->in[k] >= 0) ng |= net->needs_grad[l->in[k]];
-        net->needs_grad[l->out] = ng;
-    }
+    graph_needs_grad(g, input_needs_grad, net->needs_grad);
 
-    size_t ws = 0;
+    size_t ws = net_workspace_bytes(g, o, dtype);
     int cmax = 1, ok = 1;
-    for (int t = 0; t < T && ok; t++) {
+    if (plan) {
+        net->plan = plan;
+        ok = (net->arena = o->alloc(o, plan->peak ? plan->peak : 1)) != NULL;
+        net->ws = ws ? net->arena : NULL;
+        net->ws_bytes = ws;
+    }
+    for (int t = 0; !plan && t < T && ok; t++) {
         size_t bytes = shape_numel(g->tensors[t].shape) * dtype_size(dtype);
         ok &= (net->act[t] = o->alloc(o, bytes)) != NULL;
         if (ok && net->needs_grad[t]) ok &= (net->grad[t] = o->alloc(o, bytes)) != NULL;
     }
     for (int i = 0; i < L && ok; i++) {
         const Layer *l = &g->layers[i];
-        if (l->kind == LAYER_CONV || l->kind == LAYER_DENSE) {
-            size_t w = o->conv2d_workspace(o, &l->conv, tshape(g, l->in[0]), dtype);
-            if (w > ws) ws = w;
-        }
         if (l->kind == LAYER_BN) {
             int C = tshape(g, l->in[0]).c;
             if (C > cmax) cmax = C;
@@ -1641,15 +1846,19 @@ int net_create(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_gr
         net->grads = o->alloc(o, pbytes);
         net->buffers = o->alloc(o, bbytes);
         net->bn_scratch = o->alloc(o, sizeof(float) * 2 * (size_t)cmax);
-        net->ws_bytes = ws;
-        net->ws = ws ? o->alloc(o, ws) : NULL;
+        if (!plan) {
+            net->ws_bytes = ws;
+            net->ws = ws ? o->alloc(o, ws) : NULL;
+        }
         ok = net->params && net->grads && net->buffers && net->bn_scratch && (!ws || net->ws);
     }
     if (!ok) {
         snprintf(err, SN_ERR_MAX, "out of %s memory allocating the network's tensors", o->name);
+        if (plan && !net->plan) { plan_free(plan); free(plan); }
         net_free(net);
         return -1;
     }
+    if (plan) plan_enter(net, 0);  // the input's place is known before the first forward
     o->fill(o, tensor_f32(net->params, shape4((int)g->n_param_floats, 1, 1, 1)), 0.0f);
     o->fill(o, tensor_f32(net->grads, shape4((int)g->n_param_floats, 1, 1, 1)), 0.0f);
     // running statistics start at mean 0, variance 1
@@ -1661,16 +1870,35 @@ int net_create(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_gr
     return 0;
 }
 
+int net_create(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad, char err[SN_ERR_MAX]) {
+    return net_create_with(net, g, o, dtype, input_needs_grad, NULL, err);
+}
+
+int net_create_planned(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad, int output,
+                       int checkpoint, char err[SN_ERR_MAX]) {
+    if (g->err[0] || g->input < 0 || g->n_layers == 0) return net_create_with(net, g, o, dtype, input_needs_grad, NULL, err);
+    int *needs_grad = malloc(sizeof(int) * (size_t)g->n_tensors);
+    Plan *plan = malloc(sizeof *plan);
+    snCheck(needs_grad && plan, "out of host memory");
+    graph_needs_grad(g, input_needs_grad, needs_grad);
+    plan_build(plan, g, needs_grad, dtype, output, checkpoint, net_workspace_bytes(g, o, dtype));
+    free(needs_grad);
+    return net_create_with(net, g, o, dtype, input_needs_grad, plan, err);
+}
+
 // BN in a layer uses batch statistics when training and not frozen (a frozen
 // BN runs in inference mode, Keras' trainable=False); dropout and drop-path
 // are active under the same condition.
 static int layer_in_train_mode(const Net *net, const Layer *l) { return net->training && !l->frozen; }
 
-void net_forward(Net *net, int training) {
+// Layer i's forward. A recompute (checkpointing) repeats the forward exactly:
+// BN normalises with the batch statistics saved by the first forward and does
+// not update the running statistics again; dropout masks come from the same
+// (seed, step, layer).
+static void layer_forward(Net *net, int i, int recompute) {
     const Graph *g = net->g;
     Ops *o = net->o;
-    net->training = training;
-    for (int i = 0; i < g->n_layers; i++) {
+    {
         const Layer *l = &g->layers[i];
         Tensor x = net_tensor(net, l->in[0]), y = net_tensor(net, l->out);
         Tensor x2 = l->in[1] >= 0 ? net_tensor(net, l->in[1]) : tensor(NULL, x.shape, net->dtype);
@@ -1682,9 +1910,11 @@ void net_forward(Net *net, int training) {
         case LAYER_BN: {
             float *rm = buffer_ptr(net, l->run_mean), *rv = buffer_ptr(net, l->run_var);
             if (layer_in_train_mode(net, l)) {
-                o->bn_stats(o, x, net->bn_mean[i], net->bn_var[i]);
-                o->bn_update_running(o, rm, rv, net->bn_mean[i], net->bn_var[i], x.shape.c,
-                                     shape_numel(x.shape) / x.shape.c, BN_MOMENTUM);
+                if (!recompute) {
+                    o->bn_stats(o, x, net->bn_mean[i], net->bn_var[i]);
+                    o->bn_update_running(o, rm, rv, net->bn_mean[i], net->bn_var[i], x.shape.c,
+                                         shape_numel(x.shape) / x.shape.c, BN_MOMENTUM);
+                }
                 o->bn_forward(o, y, x, net->bn_mean[i], net->bn_var[i], w, b, l->eps, l->act);
             } else {
                 o->bn_forward(o, y, x, rm, rv, w, b, l->eps, l->act);
@@ -1711,16 +1941,25 @@ void net_forward(Net *net, int training) {
     }
 }
 
-void net_backward(Net *net, int output) {
+void net_forward(Net *net, int training) {
+    net->training = training;
+    for (int i = 0; i < net->g->n_layers; i++) {
+        if (net->plan) plan_enter(net, net->plan->fwd_slot[i]);
+        layer_forward(net, i, 0);
+        if (net->plan) plan_leave(net, net->plan->fwd_slot[i]);
+    }
+    if (net->plan) plan_enter(net, net->plan->loss_slot);  // the loss writes the output's gradient
+}
+
+// Layer i's backward; written[t]: t's gradient already holds a contribution,
+// so the next op adds into it.
+static void layer_backward(Net *net, int i) {
     const Graph *g = net->g;
     Ops *o = net->o;
-    // written[t]: t's gradient already holds a contribution, so the next op adds into it
     int *written = net->grad_written;
-    memset(written, 0, sizeof(int) * (size_t)g->n_tensors);
-    written[output] = 1;
-    for (int i = g->n_layers - 1; i >= 0; i--) {
+    {
         const Layer *l = &g->layers[i];
-        if (!net->needs_grad[l->out]) continue;
+        if (!net->needs_grad[l->out]) return;
         Tensor dy = net_grad(net, l->out);
         if (!written[l->out]) { o->fill(o, dy, 0.0f); written[l->out] = 1; }  // no path to the loss
         const int a = l->in[0], b = l->in[1];
@@ -1776,6 +2015,29 @@ void net_backward(Net *net, int output) {
             break;
         default: snCheck(0, "backward: layer '%s' has unknown kind %d", l->name, (int)l->kind);
         }
+    }
+}
+
+void net_backward(Net *net, int output) {
+    const Graph *g = net->g;
+    const Plan *p = net->plan;
+    memset(net->grad_written, 0, sizeof(int) * (size_t)g->n_tensors);
+    net->grad_written[output] = 1;
+    if (p) plan_leave(net, p->loss_slot);
+    for (int i = g->n_layers - 1; i >= 0; i--) {
+        if (p && p->rec_slot[i] >= 0 && (i == g->n_layers - 1 || p->rec_slot[i + 1] < 0 ||
+                                          g->layers[i + 1].block != g->layers[i].block)) {
+            int first = i;  // the block's forward again, from its saved inputs
+            while (first > 0 && g->layers[first - 1].block == g->layers[i].block) first--;
+            for (int j = first; j <= i; j++) {
+                plan_enter(net, p->rec_slot[j]);
+                if (p->recompute[j]) layer_forward(net, j, 1);  // a kept output is still there (and may be dead by now)
+                plan_leave(net, p->rec_slot[j]);
+            }
+        }
+        if (p) plan_enter(net, p->bwd_slot[i]);
+        layer_backward(net, i);
+        if (p) plan_leave(net, p->bwd_slot[i]);
     }
 }
 
@@ -3943,7 +4205,7 @@ static int trainer_open(Trainer *t, const TrainCfg *c, const char *train, const 
         }
     }
     if (c->accum < 1 || c->accum > SN_MAX_ACCUM) { snprintf(err, SN_ERR_MAX, "--accum %d must be 1..%d", c->accum, SN_MAX_ACCUM); return -1; }
-    if (net_create(&t->net, &t->g, o, c->precision, 0, err)) return -1;
+    if (net_create_planned(&t->net, &t->g, o, c->precision, 0, t->logits, c->checkpoint, err)) return -1;
     // trainable parameters as runs of the buffer: frozen ones get no optimiser state
     const Graph *g = &t->g;
     char *trainable = calloc((size_t)g->n_params + 1, 1);
@@ -4426,8 +4688,8 @@ static void config_text(const TrainCfg *c, StBuf *b) {
         CFG("%scontrast=%s:%s", n++ ? "," : "", float_str(f[0], a->contrast_lo), float_str(f[1], a->contrast_hi));
     if (!n) sb_str(b, "none");
     CFG("\nloss-norm = %s\nseed = %" PRIu64 "\n", c->loss_norm_keras ? "keras" : "weighted", c->seed);
-    CFG("precision = %s\naccum = %d\nfreeze = %s\nunfreeze-last = %d\n", DTYPE_NAMES[c->precision], c->accum,
-        c->freeze_base ? "base" : "none", c->unfreeze_last);
+    CFG("precision = %s\naccum = %d\nfreeze = %s\nunfreeze-last = %d\ncheckpoint = %s\n", DTYPE_NAMES[c->precision],
+        c->accum, c->freeze_base ? "base" : "none", c->unfreeze_last, c->checkpoint ? "blocks" : "none");
 #undef CFG
 }
 
@@ -4794,6 +5056,9 @@ static const char *TRAIN_USAGE =
     "                        and Adam state stay fp32\n"
     "  --accum K             K micro-batches of --batch images per optimiser step; the\n"
     "                        loss is normalised over the whole step (default 1)\n"
+    "  --checkpoint MODE     none (default) or blocks: keep only each block's inputs in\n"
+    "                        the forward and recompute the block before its backward\n"
+    "                        (less memory, the same result bit for bit)\n"
     "  --freeze base         train only the head/decoder: the backbone (EfficientNetV2\n"
     "                        trunk, U-Net encoder) is frozen, its BN in inference mode\n"
     "                        (default none)\n"
@@ -4876,7 +5141,7 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     static const char *const FLAGS[] = {"--data", "--val", "--out", "--resume", "--weights", "--class-weights", "--epochs",
                                         "--lr", "--adam-eps", "--weight-decay", "--clipnorm", "--schedule", "--warmup",
                                         "--early-stopping", "--augment", "--seed", "--threads", "--workers", "--loss-norm",
-                                        "--run", "--precision", "--accum", "--freeze", "--unfreeze-last"};
+                                        "--run", "--precision", "--accum", "--freeze", "--unfreeze-last", "--checkpoint"};
     int known = 0;
     for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
     if (!known) return 0;
@@ -4897,7 +5162,11 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     else if (!strcmp(f, "--workers")) rc = parse_int(f, v, 1, 256, &c->workers);
     else if (!strcmp(f, "--accum")) rc = parse_int(f, v, 1, SN_MAX_ACCUM, &c->accum);
     else if (!strcmp(f, "--unfreeze-last")) rc = parse_int(f, v, 0, 1 << 20, &c->unfreeze_last);
-    else if (!strcmp(f, "--freeze")) {
+    else if (!strcmp(f, "--checkpoint")) {
+        if (!strcmp(v, "blocks")) c->checkpoint = 1;
+        else if (!strcmp(v, "none")) c->checkpoint = 0;
+        else { fprintf(stderr, "segnet: --checkpoint '%s' must be none or blocks\n", v); rc = -1; }
+    } else if (!strcmp(f, "--freeze")) {
         if (!strcmp(v, "base")) c->freeze_base = 1;
         else if (!strcmp(v, "none")) c->freeze_base = 0;
         else { fprintf(stderr, "segnet: --freeze '%s' must be base or none\n", v); rc = -1; }

@@ -459,6 +459,37 @@ int model_build(Graph *g, const ModelCfg *cfg);
 // executing a graph on a backend (fixed batch, one allocation per tensor; the
 // memory planner replaces the per-tensor allocations with one arena)
 
+// ----------------------------------------------------------------------------
+// memory planning (see segnet.c): the step as a schedule of slots, every
+// activation and gradient as a buffer with a lifetime [first, last] in slots
+// and an offset in one arena
+
+typedef enum { SLOT_FORWARD, SLOT_LOSS, SLOT_RECOMPUTE, SLOT_BACKWARD } SlotKind;
+
+typedef struct {
+    int tensor, is_grad, recompute;  // the activation (its forward or recompute life) or the gradient of tensor
+    int first, last;                 // slots, inclusive
+    size_t bytes, offset;            // in the arena
+} PlanBuffer;
+
+typedef struct {
+    int checkpoint;
+    int n_slots, *slot_kind, *slot_layer;  // SlotKind and layer (-1 for the loss) of each slot
+    int *fwd_slot, *rec_slot, *bwd_slot;   // per layer (rec_slot -1: its block is not recomputed)
+    int *recompute;                        // per layer: runs again in its recompute slot
+    int loss_slot;
+    PlanBuffer *bufs; int n_bufs;
+    int *start_head, *start_next;          // per slot: list of the buffers whose life starts there
+    int *end_head, *end_next;              // ... and ends there
+    size_t workspace;                      // bytes at offset 0, alive for the whole step
+    size_t peak;                           // arena bytes
+} Plan;
+
+// needs_grad[t] (per tensor): a trainable parameter (or the input) lies upstream
+void graph_needs_grad(const Graph *g, int input_needs_grad, int *needs_grad);
+void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int output, int checkpoint, size_t workspace);
+void plan_free(Plan *p);
+
 typedef struct {
     const Graph *g;
     Ops *o;
@@ -477,11 +508,22 @@ typedef struct {
     int training;
     uint64_t seed, step;  // dropout masks are rng(seed ⊕ step ⊕ layer)
     int batch;            // images in the current batch, ≤ the graph's N (a last, smaller batch)
+    Plan *plan;           // net_create_planned: the arena's layout, else NULL
+    uint8_t *arena;
+    size_t arena_high;    // the highest arena byte a live buffer has reached (measured while running)
+    int poison;           // fill every buffer with NaN when its life ends (tests: nothing reads a dead buffer)
 } Net;
 
-// Returns 0, or -1 with the reason in err (out of memory).
+// Returns 0, or -1 with the reason in err (out of memory). One allocation per
+// tensor: every activation stays readable after the step (tests, prediction).
 int net_create(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad,
                char err[SN_ERR_MAX]);
+// The same, with every activation, gradient and the workspace in one arena laid
+// out by plan_build for the training step whose loss reads `output`; with
+// checkpoint, blocks are recomputed in backward. Activations are then valid
+// only during their lifetimes (net_tensor of the output: until net_backward).
+int net_create_planned(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad, int output,
+                       int checkpoint, char err[SN_ERR_MAX]);
 void net_free(Net *net);
 Tensor net_tensor(const Net *net, int t);       // activation view
 Tensor net_grad(const Net *net, int t);         // gradient view (data NULL if none)
@@ -757,6 +799,7 @@ typedef struct {
     int freeze_base;                // freeze the backbone (graph_freeze_base) ...
     int unfreeze_last;              // ... except its last N blocks
     int loss_scale_interval;        // fp16: finite steps before the loss scale doubles
+    int checkpoint;                 // recompute each block's activations in backward (--checkpoint blocks)
 } TrainCfg;
 
 void train_cfg_default(TrainCfg *c);

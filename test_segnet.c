@@ -3842,6 +3842,110 @@ static void test_freeze_base(void) {
 }
 
 // ----------------------------------------------------------------------------
+// the memory plan: an arena laid out by lifetimes, checkpointing
+
+// One training step's loss, parameter gradients and BN statistics with the
+// per-tensor net, and with the planned arena whose dead buffers are poisoned
+// (NaN): bit for bit the same, with and without checkpointing; the arena's
+// measured high-water mark is the planned peak.
+static void test_plan_matches_per_tensor(void) {
+    struct { const char *model; int size, freeze; } cases[] = {
+        {"unet", 16, 0}, {"effv2-t", 32, 0}, {"unet-effv2-t", 32, 0}, {"unet", 16, 1}, {"effv2-t", 32, 1}};
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        ModelCfg mc = model_cfg_default();
+        mc.model = cases[k].model; mc.classes = 3; mc.batch = 2; mc.height = mc.width = cases[k].size;
+        mc.depth = 2; mc.width_base = 4;
+        Graph g;
+        graph_init(&g);
+        int out = model_build(&g, &mc);
+        if (cases[k].freeze) graph_freeze_base(&g, 1);
+        Net ref, pl[2];
+        char err[SN_ERR_MAX];
+        CHECK(out >= 0 && net_create(&ref, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s", err);
+        Shape so = g.tensors[out].shape;
+        size_t n_in = shape_numel(g.tensors[g.input].shape), n_lab = (size_t)so.n * so.h * so.w;
+        Rng r;
+        rng_seed(&r, 40 + k);
+        float *x = malloc(sizeof(float) * n_in);
+        int32_t *lab = malloc(sizeof(int32_t) * n_lab);
+        for (size_t i = 0; i < n_in; i++) x[i] = (float)(rng_next(&r) % 256);
+        for (size_t i = 0; i < n_lab; i++) lab[i] = (int32_t)(rng_next(&r) % 3);
+        const float w[3] = {1, 1, 1};
+        float loss[3][3];
+        Net *nets[3] = {&ref, &pl[0], &pl[1]};
+        for (int v = 0; v < 3; v++) {
+            if (v) {
+                CHECK(net_create_planned(nets[v], &g, &ops_cpu, DT_F32, 0, out, v == 2, err) == 0, "%s", err);
+                nets[v]->poison = 1;
+            }
+            net_init_params(nets[v], 3);
+            nets[v]->seed = 9; nets[v]->step = 2;  // dropout and drop-path masks, the same in all three
+            memcpy(nets[v]->act[g.input], x, sizeof(float) * n_in);
+            net_forward(nets[v], 1);
+            memset(loss[v], 0, sizeof loss[v]);
+            ops_cpu.softmax_xent(&ops_cpu, net_tensor(nets[v], out), lab, w, 1.0f / n_lab, loss[v], net_grad(nets[v], out));
+            net_backward(nets[v], out);
+        }
+        for (int v = 1; v < 3; v++) {
+            const char *what = v == 1 ? "planned" : "checkpointed";
+            CHECK(loss[v][0] == loss[0][0], "%s %s: loss %.9g vs %.9g", cases[k].model, what, loss[v][0], loss[0][0]);
+            CHECK(!memcmp(nets[v]->grads, ref.grads, sizeof(float) * g.n_param_floats), "%s %s: parameter gradients differ",
+                  cases[k].model, what);
+            CHECK(!memcmp(nets[v]->buffers, ref.buffers, sizeof(float) * g.n_buffer_floats), "%s %s: BN statistics differ",
+                  cases[k].model, what);
+            CHECK(nets[v]->arena_high == nets[v]->plan->peak, "%s %s: high-water %zu, planned %zu", cases[k].model, what,
+                  nets[v]->arena_high, nets[v]->plan->peak);
+        }
+        size_t all = 0;
+        for (int t = 0; t < g.n_tensors; t++) all += shape_numel(g.tensors[t].shape) * 4 * (1 + ref.needs_grad[t]);
+        CHECK(pl[0].plan->peak < all + pl[0].plan->workspace, "%s: the plan (%zu) is smaller than every tensor (%zu)",
+              cases[k].model, pl[0].plan->peak, all);
+        if (g_verbose)
+            printf("    %-13s freeze %d: all tensors %zu, planned %zu, checkpointed %zu bytes\n", cases[k].model, cases[k].freeze,
+                   all + pl[0].plan->workspace, pl[0].plan->peak, pl[1].plan->peak);
+        for (int v = 0; v < 3; v++) net_free(nets[v]);
+        free(x); free(lab);
+        graph_free(&g);
+    }
+}
+
+// Training with --checkpoint blocks ends bit for bit where training with
+// stored activations ends: weights, BN statistics (updated once per step),
+// dropout and drop-path active (effv2-t has both)
+static void test_checkpoint_training_bitwise(void) {
+    TrainCfg c;
+    train_cfg_default(&c);
+    c.model.model = "effv2-t"; c.model.classes = 3; c.model.height = c.model.width = 32; c.model.batch = 4;
+    c.model.head_hidden = 8;
+    c.progress = 0;
+    Trainer a, b;
+    char err[SN_ERR_MAX];
+    CHECK(trainer_open(&a, &c, NULL, NULL, err) == 0, "%s", err);
+    c.checkpoint = 1;
+    TrainCfg cb = c;
+    CHECK(trainer_open(&b, &cb, NULL, NULL, err) == 0, "%s", err);
+    CHECK(b.net.plan->peak < a.net.plan->peak, "checkpointing plans less memory: %zu vs %zu", b.net.plan->peak, a.net.plan->peak);
+    Rng r;
+    rng_seed(&r, 6);
+    float images[4 * 32 * 32 * 3];
+    int32_t labels[4];
+    int64_t cm[9];
+    PassTotals pa = {0, 0, cm}, pb = {0, 0, cm};
+    for (int s = 0; s < 3; s++) {
+        for (int i = 0; i < 4 * 32 * 32 * 3; i++) images[i] = (float)(rng_next(&r) % 256);
+        for (int i = 0; i < 4; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
+        MicroBatch mb = {4, images, labels};
+        train_step(&a, &mb, 1, &pa);
+        train_step(&b, &mb, 1, &pb);
+    }
+    CHECK(pa.loss_sum == pb.loss_sum, "loss %.9g vs %.9g", pa.loss_sum, pb.loss_sum);
+    CHECK(!memcmp(a.net.params, b.net.params, sizeof(float) * a.g.n_param_floats), "weights differ");
+    CHECK(!memcmp(a.net.buffers, b.net.buffers, sizeof(float) * a.g.n_buffer_floats), "BN statistics differ");
+    CHECK(!memcmp(a.net.grads, b.net.grads, sizeof(float) * a.g.n_param_floats), "last gradients differ");
+    trainer_close(&a); trainer_close(&b);
+}
+
+// ----------------------------------------------------------------------------
 // the runner
 
 typedef struct { const char *name; void (*fn)(void); } Test;
@@ -3933,6 +4037,8 @@ static const Test TESTS[] = {
     {"fp16_loss_scaling", test_fp16_loss_scaling},
     {"accum_equals_big_batch", test_accum_equals_big_batch},
     {"freeze_base", test_freeze_base},
+    {"plan_matches_per_tensor", test_plan_matches_per_tensor},
+    {"checkpoint_training_bitwise", test_checkpoint_training_bitwise},
     {"parity_live_effv2", test_parity_live_effv2},  // "parity_live_*": run where PyTorch is found
     {"parity_live_unet", test_parity_live_unet},
 };
