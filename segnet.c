@@ -78,8 +78,28 @@ static inline void st_acc(Tensor t, size_t i, float v, int accumulate) {
 // ----------------------------------------------------------------------------
 // memory and utilities (the CPU's "device" memory is host memory)
 
-static void *cpu_alloc(Ops *o, size_t bytes) { (void)o; return malloc(bytes ? bytes : 1); }
-static void cpu_free(Ops *o, void *p) { (void)o; free(p); }
+// The backend counts the bytes it hands out (a header before each block holds
+// the size), so that a run's memory can be compared with its plan.
+#define CPU_ALLOC_HEADER 64
+size_t cpu_bytes_live, cpu_bytes_peak;
+static void *cpu_alloc(Ops *o, size_t bytes) {
+    (void)o;
+    uint8_t *p = malloc(CPU_ALLOC_HEADER + (bytes ? bytes : 1));
+    if (!p) return NULL;
+    memcpy(p, &bytes, sizeof bytes);
+    cpu_bytes_live += bytes;
+    if (cpu_bytes_live > cpu_bytes_peak) cpu_bytes_peak = cpu_bytes_live;
+    return p + CPU_ALLOC_HEADER;
+}
+static void cpu_free(Ops *o, void *p) {
+    (void)o;
+    if (!p) return;
+    uint8_t *base = (uint8_t *)p - CPU_ALLOC_HEADER;
+    size_t bytes;
+    memcpy(&bytes, base, sizeof bytes);
+    cpu_bytes_live -= bytes;
+    free(base);
+}
 static void cpu_memcpy(Ops *o, void *dst, const void *src, size_t bytes) { (void)o; memcpy(dst, src, bytes); }
 static void cpu_synchronize(Ops *o) { (void)o; }
 
@@ -4862,6 +4882,103 @@ done:
     return rc;
 }
 
+// ---- memory of a run, from its plan (what trainer_open allocates)
+
+typedef struct {
+    size_t params, grads, optimizer, statistics, activations, workspace, io, total;
+    size_t n_trainable;
+} MemoryReport;
+
+static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int logits, MemoryReport *m) {
+    memset(m, 0, sizeof *m);
+    for (int i = 0; i < g->n_layers; i++) {
+        const Layer *l = &g->layers[i];
+        if (l->frozen) continue;
+        if (l->weight >= 0) m->n_trainable += g->params[l->weight].count;
+        if (l->bias >= 0) m->n_trainable += g->params[l->bias].count;
+    }
+    const Shape in = g->tensors[g->input].shape, out = g->tensors[logits].shape;
+    const size_t K = (size_t)out.c, labels = (size_t)out.n * out.h * out.w;
+    int cmax = 1;
+    m->params = m->grads = sizeof(float) * g->n_param_floats;
+    m->optimizer = 2 * sizeof(float) * m->n_trainable;
+    m->statistics = sizeof(float) * g->n_buffer_floats;
+    for (int i = 0; i < g->n_layers; i++)
+        if (g->layers[i].kind == LAYER_BN) {
+            int C = tshape(g, g->layers[i].in[0]).c;
+            m->statistics += 2 * sizeof(float) * (size_t)C;
+            if (C > cmax) cmax = C;
+        }
+    m->statistics += 2 * sizeof(float) * (size_t)cmax;
+    m->workspace = p->workspace;
+    m->activations = p->peak - p->workspace;
+    m->io = sizeof(float) * K + sizeof(int32_t) * labels + sizeof(int64_t) * K * K + 4 * sizeof(float) + sizeof(int32_t);
+    if (c->precision != DT_F32) m->io += sizeof(float) * shape_numel(in);
+    m->total = m->params + m->grads + m->optimizer + m->statistics + m->activations + m->workspace + m->io;
+}
+
+// Builds the graph of c (frozen layers marked) and its plan. Returns the logits, or -1 with err.
+static int plan_for(const TrainCfg *c, Graph *g, Plan *p, char err[SN_ERR_MAX]) {
+    graph_init(g);
+    int logits = model_build(g, &c->model);
+    if (logits < 0) { snprintf(err, SN_ERR_MAX, "%s", g->err); return -1; }
+    if (c->freeze_base) {
+        int blocks = graph_freeze_base(g, c->unfreeze_last);
+        if (c->unfreeze_last > blocks) {
+            snprintf(err, SN_ERR_MAX, "--unfreeze-last %d: model '%s' has %d blocks in its backbone", c->unfreeze_last,
+                     c->model.model, blocks);
+            return -1;
+        }
+    }
+    int *needs_grad = malloc(sizeof(int) * (size_t)g->n_tensors);
+    snCheck(needs_grad != NULL, "out of host memory");
+    graph_needs_grad(g, 0, needs_grad);
+    plan_build(p, g, needs_grad, c->precision, logits, c->checkpoint, net_workspace_bytes(g, &ops_cpu, c->precision));
+    free(needs_grad);
+    return logits;
+}
+
+// --memory: the fastest setting that fits, for the global batch c->model.batch
+// (× c->accum): the largest micro-batch first; at each, stored activations
+// before checkpointing, fp32 before fp16 storage; the micro-batches make up
+// the global batch by accumulation. On success c holds the setting and why
+// says what was tried; else -1 with err saying what the smallest setting needs.
+static int choose_setting(TrainCfg *c, size_t budget, char *why, size_t why_size, char err[SN_ERR_MAX]) {
+    const int global = c->model.batch * c->accum;
+    size_t smallest = SIZE_MAX;
+    int tried = 0;
+    why[0] = 0;
+    for (int micro = global; micro >= 1; micro = micro > 1 ? (micro + 1) / 2 : 0) {
+        for (int v = 0; v < 4; v++) {
+            TrainCfg t = *c;
+            t.model.batch = micro;
+            t.accum = (global + micro - 1) / micro;
+            t.checkpoint = v & 1;
+            t.precision = v & 2 ? DT_F16 : DT_F32;
+            Graph g;
+            Plan p;
+            int logits = plan_for(&t, &g, &p, err);
+            if (logits < 0) { graph_free(&g); return -1; }
+            MemoryReport m;
+            memory_report(&g, &p, &t, logits, &m);
+            plan_free(&p);
+            graph_free(&g);
+            tried++;
+            if (m.total < smallest) smallest = m.total;
+            size_t k = strlen(why);
+            snprintf(why + k, why_size - k, "  micro-batch %d × %d, %s, checkpoint %s: %.2f GiB%s\n", micro, t.accum,
+                     DTYPE_NAMES[t.precision], t.checkpoint ? "blocks" : "none", m.total / 1073741824.0,
+                     m.total <= budget ? "  fits" : "");
+            if (m.total <= budget) { *c = t; return 0; }
+        }
+        if (micro == 1) break;
+    }
+    snprintf(err, SN_ERR_MAX, "nothing fits in %.2f GiB: the smallest setting tried (of %d) needs %zu bytes (%.2f GiB)",
+             budget / 1073741824.0, tried, smallest, smallest / 1073741824.0);
+    return -1;
+}
+
+
 // ----------------------------------------------------------------------------
 // command line
 
@@ -4884,22 +5001,6 @@ static const char *USAGE =
     "\n"
     "The test suite is `make test`; see README.md.\n";
 
-static const char *PLAN_USAGE =
-    "usage: segnet plan --model NAME [options]\n"
-    "\n"
-    "Prints the model, stage by stage: output shape (N,H,W,C) and parameters,\n"
-    "then `parameters: N (trainable T)`. Nothing is allocated.\n"
-    "\n"
-    "  --model NAME        unet (default), effv2-s, effv2-m, effv2-l, effv2-t,\n"
-    "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
-    "  --classes K         output classes (default 4)\n"
-    "  --size HxW          input size (default: effv2-s 384x384, effv2-m/l 480x480,\n"
-    "                      effv2-t 64x64, U-Nets 256x256)\n"
-    "  --batch B           images per step (default 1)\n"
-    "  --padding MODE      same (TensorFlow/Keras, default) or symmetric (torchvision)\n"
-    "  --head-hidden H     classifier hidden layer width (default 0: none)\n"
-    "  --depth D           unet levels below the top (default 4)\n"
-    "  --width W           unet channels at the top level (default 32)\n";
 
 // strict integer option: the whole value must be a number in [lo, hi]
 static int parse_int(const char *flag, const char *v, int lo, int hi, int *out) {
@@ -4959,50 +5060,6 @@ static void print_shape(Shape s) {
     printf("%-22s", buf);
 }
 
-static int cmd_plan(int argc, char **argv) {
-    ModelCfg c = model_cfg_default();
-    int size_given = 0;
-    for (int i = 2; i < argc;) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(PLAN_USAGE, stdout); return 0; }
-        size_given |= !strcmp(argv[i], "--size");
-        int k = parse_model_option(&c, argc, argv, i);
-        if (k < 0) return 2;
-        if (k == 0) { fprintf(stderr, "segnet plan: unknown option '%s' (see segnet plan --help)\n", argv[i]); return 2; }
-        i += k;
-    }
-    if (!size_given) model_default_size(&c);
-    Graph g;
-    graph_init(&g);
-    int out = model_build(&g, &c);
-    if (out < 0) { fprintf(stderr, "segnet plan: %s\n", g.err); graph_free(&g); return 1; }
-    printf("model: %s  input (%d,%d,%d,3)  classes %d\n", c.model, c.batch, c.height, c.width, c.classes);
-    printf("%-28s %-22s %14s\n", "stage", "output", "parameters");
-    size_t total = 0, trainable = 0;
-    for (int s = 0; s < g.n_stages; s++) {
-        size_t n = 0;
-        int last = -1;
-        for (int l = 0; l < g.n_layers; l++) {
-            const Layer *L = &g.layers[l];
-            if (L->stage != s) continue;
-            last = l;
-            for (int k = 0; k < 2; k++) {
-                int id = k ? L->bias : L->weight;
-                if (id < 0) continue;
-                n += g.params[id].count;
-                if (!L->frozen) trainable += g.params[id].count;
-            }
-        }
-        if (last < 0) continue;
-        printf("%-28s ", g.stage_names[s]);
-        print_shape(g.tensors[g.layers[last].out].shape);
-        printf(" %14zu\n", n);
-        total += n;
-    }
-    printf("parameters: %zu (trainable %zu)\n", total, trainable);
-    printf("batch norm statistics: %zu values\n", g.n_buffer_floats);
-    graph_free(&g);
-    return 0;
-}
 
 // what `segnet train` with no options runs (make train): the bundled data set
 #define QUICKSTART_ARGS "--model unet --depth 3 --width 16 --size 64x64 --data data/train --val data/val " \
@@ -5056,6 +5113,9 @@ static const char *TRAIN_USAGE =
     "                        and Adam state stay fp32\n"
     "  --accum K             K micro-batches of --batch images per optimiser step; the\n"
     "                        loss is normalised over the whole step (default 1)\n"
+    "  --memory SIZE         e.g. 12G: choose --batch/--accum (keeping the global batch),\n"
+    "                        --checkpoint and --precision so that the run fits, as\n"
+    "                        segnet plan --memory does\n"
     "  --checkpoint MODE     none (default) or blocks: keep only each block's inputs in\n"
     "                        the forward and recompute the block before its backward\n"
     "                        (less memory, the same result bit for bit)\n"
@@ -5124,10 +5184,26 @@ static int parse_augment(const char *v, Augment *a) {
     return 0;
 }
 
+// "12G", "512M", "1.5G", or bytes
+static int parse_bytes(const char *v, size_t *out) {
+    char *end;
+    double x = strtod(v, &end);
+    double unit = !strcmp(end, "") ? 1 : !strcasecmp(end, "K") ? 1024.0 : !strcasecmp(end, "M") ? 1048576.0
+                : !strcasecmp(end, "G") ? 1073741824.0 : -1;
+    if (end == v || unit < 0 || !(x > 0) || x * unit > 1e18) {
+        fprintf(stderr, "segnet: --memory '%s' must be a size such as 12G, 512M or a number of bytes\n", v);
+        return -1;
+    }
+    *out = (size_t)(x * unit);
+    return 0;
+}
+
 typedef struct {
     TrainCfg c;
     const char *class_weights, *resume, *run;
     int size_given;
+    size_t memory;      // --memory: pick the setting that fits (0: not given)
+    int fixed;          // --checkpoint or --precision given
 } TrainArgs;
 
 // Parses one train/eval option at argv[i]. Returns the arguments consumed
@@ -5141,14 +5217,17 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     static const char *const FLAGS[] = {"--data", "--val", "--out", "--resume", "--weights", "--class-weights", "--epochs",
                                         "--lr", "--adam-eps", "--weight-decay", "--clipnorm", "--schedule", "--warmup",
                                         "--early-stopping", "--augment", "--seed", "--threads", "--workers", "--loss-norm",
-                                        "--run", "--precision", "--accum", "--freeze", "--unfreeze-last", "--checkpoint"};
+                                        "--run", "--precision", "--accum", "--freeze", "--unfreeze-last", "--checkpoint",
+                                        "--memory"};
     int known = 0;
     for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
     if (!known) return 0;
     if (i + 1 >= argc) { fprintf(stderr, "segnet: %s needs a value\n", f); return -1; }
     const char *v = argv[i + 1];
     int rc = 0, seed;
+    a->fixed |= !strcmp(f, "--checkpoint") || !strcmp(f, "--precision");
     if (!strcmp(f, "--data")) c->data = v;
+    else if (!strcmp(f, "--memory")) rc = parse_bytes(v, &a->memory);
     else if (!strcmp(f, "--val")) c->val = v;
     else if (!strcmp(f, "--out")) c->out = v;
     else if (!strcmp(f, "--resume")) a->resume = v;
@@ -5266,6 +5345,18 @@ static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd
     return 0;
 }
 
+// --memory: choose the setting, print what was tried and picked; -1 if nothing fits
+static int pick_setting(TrainArgs *a, const char *cmd, FILE *out) {
+    if (a->fixed) { fprintf(stderr, "segnet %s: --memory chooses --checkpoint and --precision; leave them out\n", cmd); return -1; }
+    char why[8192], err[SN_ERR_MAX];
+    int global = a->c.model.batch * a->c.accum, rc = choose_setting(&a->c, a->memory, why, sizeof why, err);
+    fprintf(out, "settings tried for %.2f GiB, global batch %d:\n%s", a->memory / 1073741824.0, global, why);
+    if (rc) { fprintf(stderr, "segnet %s: %s\n", cmd, err); return -1; }
+    fprintf(out, "picked: --batch %d --accum %d --precision %s --checkpoint %s\n", a->c.model.batch, a->c.accum,
+            DTYPE_NAMES[a->c.precision], a->c.checkpoint ? "blocks" : "none");
+    return 0;
+}
+
 static int has_flag(int argc, char **argv, const char *flag) {
     for (int i = 2; i < argc; i++) if (!strcmp(argv[i], flag)) return 1;
     return 0;
@@ -5288,6 +5379,7 @@ static int cmd_train(int argc, char **argv) {
         return 2;
     }
     if (quickstart) fprintf(stderr, "segnet train: the quickstart: segnet train %s\n", QUICKSTART_ARGS);
+    if (a.memory && !a.resume && pick_setting(&a, "train", stderr)) return 1;
     char err[SN_ERR_MAX];
     if (train_run(&a.c, a.resume, err)) { fprintf(stderr, "segnet train: %s\n", err); return 1; }
     return 0;
@@ -5396,6 +5488,101 @@ static int cmd_info(void) {
 #else
     printf("openmp_threads: off (built with NO_OMP=1)\n");
 #endif
+    return 0;
+}
+
+static const char *PLAN_USAGE =
+    "usage: segnet plan --model NAME [options]\n"
+    "\n"
+    "Prints the model stage by stage (output shape (N,H,W,C), parameters, the bytes\n"
+    "of activations kept for the backward and, with --checkpoint blocks, the bytes\n"
+    "recomputed), then the memory a training step takes, from the same plan the\n"
+    "run allocates with: parameters, gradients, Adam state, BN statistics,\n"
+    "activations and their gradients (one arena laid out by lifetimes), conv\n"
+    "workspace, and `peak: N bytes (X.XX GiB)`. Nothing is allocated.\n"
+    "\n"
+    "  --model NAME        unet (default), effv2-s, effv2-m, effv2-l, effv2-t,\n"
+    "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
+    "  --classes K         output classes (default 4)\n"
+    "  --size HxW          input size (default: effv2-s 384x384, effv2-m/l 480x480,\n"
+    "                      effv2-t 64x64, U-Nets 256x256)\n"
+    "  --batch B           images per step (default 1); with --memory, the global\n"
+    "                      batch to keep\n"
+    "  --precision P       fp32 (default), fp16 or bf16 activation storage\n"
+    "  --checkpoint MODE   none (default) or blocks\n"
+    "  --freeze base, --unfreeze-last N, --accum K   as for segnet train\n"
+    "  --memory SIZE       e.g. 12G: pick the fastest setting that fits: the largest\n"
+    "                      micro-batch first, then checkpointing, then fp16, then\n"
+    "                      accumulation of smaller micro-batches; prints what was\n"
+    "                      tried and picked (leave --precision and --checkpoint out)\n"
+    "  --padding MODE      same (TensorFlow/Keras, default) or symmetric (torchvision)\n"
+    "  --head-hidden H     classifier hidden layer width (default 0: none)\n"
+    "  --depth D           unet levels below the top (default 4)\n"
+    "  --width W           unet channels at the top level (default 32)\n";
+
+static int cmd_plan(int argc, char **argv) {
+    TrainArgs a = {0};
+    train_cfg_default(&a.c);
+    a.c.model.batch = 1;
+    for (int i = 2; i < argc;) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(PLAN_USAGE, stdout); return 0; }
+        int k = parse_train_option(&a, argc, argv, i);
+        if (k < 0) return 2;
+        if (k == 0) { fprintf(stderr, "segnet plan: unknown option '%s' (see segnet plan --help)\n", argv[i]); return 2; }
+        i += k;
+    }
+    if (!a.size_given) model_default_size(&a.c.model);
+    TrainCfg *c = &a.c;
+    char err[SN_ERR_MAX];
+    if (a.memory && pick_setting(&a, "plan", stdout)) return 1;
+    Graph g;
+    Plan p;
+    int logits = plan_for(c, &g, &p, err);
+    if (logits < 0) { fprintf(stderr, "segnet plan: %s\n", err); graph_free(&g); return 1; }
+    MemoryReport m;
+    memory_report(&g, &p, c, logits, &m);
+    printf("model: %s  input (%d,%d,%d,3)  classes %d  precision %s  checkpoint %s  accum %d%s\n", c->model.model,
+           c->model.batch, c->model.height, c->model.width, c->model.classes, DTYPE_NAMES[c->precision],
+           c->checkpoint ? "blocks" : "none", c->accum, c->freeze_base ? "  backbone frozen" : "");
+    printf("%-28s %-22s %14s %14s %14s\n", "stage", "output", "parameters", "kept (bytes)", "recomputed");
+    size_t total = 0, trainable = 0;
+    for (int s = 0; s < g.n_stages; s++) {
+        size_t n = 0, kept = 0, recomputed = 0;
+        int last = -1;
+        for (int l = 0; l < g.n_layers; l++) {
+            const Layer *L = &g.layers[l];
+            if (L->stage != s) continue;
+            last = l;
+            for (int k = 0; k < 2; k++) {
+                int id = k ? L->bias : L->weight;
+                if (id < 0) continue;
+                n += g.params[id].count;
+                if (!L->frozen) trainable += g.params[id].count;
+            }
+        }
+        if (last < 0) continue;
+        for (int b = 0; b < p.n_bufs; b++) {
+            const PlanBuffer *q = &p.bufs[b];
+            int prod = g.tensors[q->tensor].producer;
+            if (q->is_grad || prod < 0 || g.layers[prod].stage != s) continue;
+            if (q->recompute) recomputed += q->bytes;
+            else if (q->first <= p.loss_slot && q->last >= p.loss_slot) kept += q->bytes;
+        }
+        printf("%-28s ", g.stage_names[s]);
+        print_shape(g.tensors[g.layers[last].out].shape);
+        printf(" %14zu %14zu %14zu\n", n, kept, recomputed);
+        total += n;
+    }
+    printf("parameters: %zu (trainable %zu)\n", total, trainable);
+    printf("batch norm statistics: %zu values\n", g.n_buffer_floats);
+    printf("memory (bytes):\n");
+    printf("  parameters (fp32)       %14zu\n  gradients (fp32)        %14zu\n  optimiser state (Adam)  %14zu\n",
+           m.params, m.grads, m.optimizer);
+    printf("  BN statistics           %14zu\n  activations + gradients %14zu\n  conv workspace          %14zu\n"
+           "  inputs, labels, metrics %14zu\n", m.statistics, m.activations, m.workspace, m.io);
+    printf("peak: %zu bytes (%.2f GiB)\n", m.total, m.total / 1073741824.0);
+    plan_free(&p);
+    graph_free(&g);
     return 0;
 }
 

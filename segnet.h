@@ -332,6 +332,7 @@ struct Ops {
 };
 
 extern Ops ops_cpu;
+extern size_t cpu_bytes_live, cpu_bytes_peak;  // what ops_cpu.alloc has handed out (now, at most)
 
 // Bytes of workspace the CPU backend's conv needs (the planner asks the table).
 size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt);

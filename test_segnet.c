@@ -3945,6 +3945,81 @@ static void test_checkpoint_training_bitwise(void) {
     trainer_close(&a); trainer_close(&b);
 }
 
+// The plan's total is exactly what the trainer allocates on the CPU backend,
+// a step allocates nothing more, and the arena's measured high-water mark is
+// the planned peak; --memory picks the first setting that fits
+static void test_plan_equals_allocation(void) {
+    struct { const char *model; int size, batch; DType dt; int ckpt, freeze, accum; } cases[] = {
+        {"unet", 16, 4, DT_F32, 0, 0, 1}, {"unet", 16, 2, DT_F16, 1, 0, 2}, {"effv2-t", 32, 4, DT_BF16, 1, 1, 1},
+        {"effv2-t", 32, 3, DT_F32, 0, 0, 1}, {"unet-effv2-t", 32, 2, DT_F32, 1, 0, 1}};
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        TrainCfg c = tiny_seg_cfg(NULL, NULL);
+        c.model.model = cases[k].model; c.model.height = c.model.width = cases[k].size; c.model.batch = cases[k].batch;
+        c.model.depth = 2;
+        c.precision = cases[k].dt; c.checkpoint = cases[k].ckpt; c.freeze_base = cases[k].freeze; c.accum = cases[k].accum;
+        Graph g;
+        Plan p;
+        char err[SN_ERR_MAX];
+        int logits = plan_for(&c, &g, &p, err);
+        CHECK(logits >= 0, "%s", err);
+        MemoryReport m;
+        memory_report(&g, &p, &c, logits, &m);
+        size_t before = cpu_bytes_live;
+        Trainer t;
+        CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s", err);
+        size_t used = cpu_bytes_live - before;
+        CHECK(used == m.total, "%s case %zu: planned %zu bytes, allocated %zu", cases[k].model, k, m.total, used);
+        Rng r;
+        rng_seed(&r, k);
+        const int n = cases[k].batch, hw = cases[k].size, seg = t.segmentation;
+        float *images = malloc(sizeof(float) * n * hw * hw * 3);
+        int32_t *labels = malloc(sizeof(int32_t) * n * hw * hw);
+        for (int i = 0; i < n * hw * hw * 3; i++) images[i] = (float)(rng_next(&r) % 256);
+        for (int i = 0; i < n * (seg ? hw * hw : 1); i++) labels[i] = (int32_t)(rng_next(&r) % 3);
+        int64_t cm[9];
+        PassTotals pt = {0, 0, cm};
+        MicroBatch mb[2] = {{n, images, labels}, {n, images, labels}};
+        cpu_bytes_peak = cpu_bytes_live;
+        train_step(&t, mb, cases[k].accum, &pt);
+        CHECK(cpu_bytes_peak == cpu_bytes_live, "%s case %zu: a step allocated %zu bytes more", cases[k].model, k,
+              cpu_bytes_peak - cpu_bytes_live);
+        CHECK(t.net.arena_high == p.peak && p.peak == t.net.plan->peak, "%s case %zu: high-water %zu, planned %zu",
+              cases[k].model, k, t.net.arena_high, p.peak);
+        if (g_verbose) printf("    %-13s case %zu: %zu bytes planned = allocated\n", cases[k].model, k, m.total);
+        free(images); free(labels);
+        trainer_close(&t);
+        plan_free(&p);
+        graph_free(&g);
+    }
+    // --memory: the budget of (micro-batch 4, checkpointing, fp32) picks exactly that
+    TrainCfg c;
+    train_cfg_default(&c);
+    c.model.model = "effv2-t"; c.model.classes = 3; c.model.height = c.model.width = 64; c.model.batch = 4;
+    size_t totals[2];
+    for (int v = 0; v < 2; v++) {
+        TrainCfg t = c;
+        t.checkpoint = v;
+        Graph g;
+        Plan p;
+        char err[SN_ERR_MAX];
+        int logits = plan_for(&t, &g, &p, err);
+        MemoryReport m;
+        memory_report(&g, &p, &t, logits, &m);
+        totals[v] = m.total;
+        plan_free(&p); graph_free(&g);
+    }
+    CHECK(totals[1] < totals[0], "checkpointing plans less: %zu vs %zu", totals[1], totals[0]);
+    char why[4096], err[SN_ERR_MAX];
+    TrainCfg pick = c;
+    CHECK(choose_setting(&pick, totals[1], why, sizeof why, err) == 0 && pick.model.batch == 4 && pick.accum == 1 &&
+          pick.checkpoint == 1 && pick.precision == DT_F32, "picked batch %d accum %d checkpoint %d %s\n%s", pick.model.batch,
+          pick.accum, pick.checkpoint, DTYPE_NAMES[pick.precision], why);
+    pick = c;
+    CHECK(choose_setting(&pick, totals[0], why, sizeof why, err) == 0 && pick.checkpoint == 0, "the whole budget: no checkpointing");
+    pick = c;
+    CHECK(choose_setting(&pick, 1 << 20, why, sizeof why, err) == -1 && contains(err, "nothing fits"), "%s", err);
+}
+
 // ----------------------------------------------------------------------------
 // the runner
 
@@ -4039,6 +4114,7 @@ static const Test TESTS[] = {
     {"freeze_base", test_freeze_base},
     {"plan_matches_per_tensor", test_plan_matches_per_tensor},
     {"checkpoint_training_bitwise", test_checkpoint_training_bitwise},
+    {"plan_equals_allocation", test_plan_equals_allocation},
     {"parity_live_effv2", test_parity_live_effv2},  // "parity_live_*": run where PyTorch is found
     {"parity_live_unet", test_parity_live_unet},
 };
