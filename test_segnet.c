@@ -3576,6 +3576,7 @@ static void test_train_bad_input(void) {
     const char *base = "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --epochs 1";
     struct { const char *extra, *want; int rc; } cases[] = {
         {"--classes 3 --class-weights 1,1", "has 2 values but there are 3 classes", 2},
+        {"--classes 3 --class-weights 1,1,1,1", "has 4 values but there are 3 classes", 2},
         {"--classes 3 --class-weights 1,-1,1", "item 2 is not a number", 2},
         {"--classes 3 --class-weights 1,x,1", "item 2 is not a number", 2},
         {"--classes 3 --bogus 1", "unknown option '--bogus'", 2},
@@ -3687,6 +3688,8 @@ static void test_eval_matches_run(void) {
     snprintf(path, sizeof path, "%s/metrics.csv", run);
     CHECK(csv_column(path, "val_loss", vl, 4) == 2 && csv_column(path, "val_mIoU", vm, 4) == 2, "two rows");
     int best = vl[1] < vl[0] ? 1 : 0;
+    snprintf(path, sizeof path, "%s/last.safetensors", run);
+    CHECK(unlink(path) == 0, "remove %s: eval --run reads best.safetensors only", path);
     snprintf(args, sizeof args, "eval --run %s", run);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
     size_t len;
@@ -4021,6 +4024,383 @@ static void test_plan_equals_allocation(void) {
 }
 
 // ----------------------------------------------------------------------------
+// training loop details, each against an expectation written out here
+
+// n images h×w, image i: red = 30·i + x (so images are told apart by the red
+// value at x = 0, and a flip shows), green and blue 0; every mask pixel class 1
+static void write_id_set(const char *dir, int n, int h, int w) {
+    char path[512];
+    snprintf(path, sizeof path, "mkdir -p '%s/images' '%s/masks'", dir, dir);
+    CHECK(system(path) == 0, "mkdir %s", dir);
+    uint8_t *img = calloc((size_t)h * w * 3, 1), *mask = malloc((size_t)h * w);
+    memset(mask, 1, (size_t)h * w);
+    for (int i = 0; i < n; i++) {
+        for (int p = 0; p < h * w; p++) img[3 * p] = (uint8_t)(30 * i + p % w);
+        snprintf(path, sizeof path, "%s/images/i%02d.png", dir, i);
+        CHECK(stbi_write_png(path, w, h, 3, img, w * 3), "write %s", path);
+        snprintf(path, sizeof path, "%s/masks/i%02d.png", dir, i);
+        CHECK(stbi_write_png(path, w, h, 1, mask, w), "write %s", path);
+    }
+    free(img); free(mask);
+}
+
+// Four optimiser steps through run_pass (one batch of all 4 images per epoch),
+// each against Keras' Adam written out here in double: the lr of that step
+// (linear warm-up over 2 steps, then cosine over epochs × batches = 4 steps),
+// the gradient scaled to the clipnorm when its global norm is larger, the
+// decoupled weight decay, and the bias correction of step t = step + 1. A
+// large ε makes the update depend on the gradient's scale (clipping shows).
+static void test_train_steps_by_hand(void) {
+    const char *dir = "/tmp/segnet_test_steps";
+    rm_rf(dir);
+    write_seg_set(dir, 4, 8, 8, 11);
+    TrainCfg c = tiny_seg_cfg(dir, NULL);
+    c.epochs = 4; c.lr = 0.05f; c.schedule = SCHEDULE_COSINE; c.warmup = 2;
+    c.clipnorm = 0.05f; c.weight_decay = 0.5f; c.adam_eps = 1e-3f;
+    const double lrs[4] = {0.05 / 2, 0.05, 0.05, 0.05 * 0.5 * (1 + cos(M_PI * 0.5))};  // warm-up 1/2, 2/2; cosine progress 0, 1/2
+    Trainer t;
+    char err[SN_ERR_MAX];
+    CHECK(trainer_open(&t, &c, dir, NULL, err) == 0, "%s", err);
+    if (!t.has_train) { trainer_close(&t); rm_rf(dir); return; }
+    const size_t P = t.g.n_param_floats, B = t.g.n_buffer_floats, HW = 64;
+    double *m = calloc(P, sizeof(double)), *v = calloc(P, sizeof(double)), *pe = malloc(sizeof(double) * P);
+    float *p0 = malloc(sizeof(float) * P), *g = malloc(sizeof(float) * P), *buf = malloc(sizeof(float) * (B + 1));
+    int32_t lab[4 * 64];
+    int idx[4] = {0, 1, 2, 3}, clipped = 0;
+    for (int k = 0; k < 4; k++) {
+        // the gradient at the current weights, over the same 4 images (BN in training mode)
+        memcpy(p0, t.net.params, sizeof(float) * P);
+        memcpy(buf, t.net.buffers, sizeof(float) * B);
+        CHECK(dataset_batch(&t.train, idx, 4, NULL, 0, t.net.act[t.g.input], lab, err) == 0, "%s", err);
+        double wsum = 0;
+        for (size_t i = 0; i < 4 * HW; i++) wsum += c.class_weights[lab[i]];
+        memset(t.net.grads, 0, sizeof(float) * P);
+        float stats[3] = {0, 0, 0};
+        net_forward(&t.net, 1);
+        ops_cpu.softmax_xent(&ops_cpu, net_tensor(&t.net, t.logits), lab, c.class_weights, (float)(1 / wsum), stats,
+                             net_grad(&t.net, t.logits));
+        net_backward(&t.net, t.logits);
+        memcpy(g, t.net.grads, sizeof(float) * P);
+        memcpy(t.net.buffers, buf, sizeof(float) * B);  // as before this forward
+        double norm = 0;
+        for (size_t i = 0; i < P; i++) norm += (double)g[i] * g[i];
+        norm = sqrt(norm);
+        double s = norm > c.clipnorm ? c.clipnorm / norm : 1.0;
+        clipped += s < 1.0;
+        // the trainer's step
+        int64_t cm[9];
+        PassTotals pt = {0, 0, cm};
+        t.epoch = k;
+        CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
+        CHECK(t.step == k + 1, "step %" PRId64 " after %d passes", t.step, k + 1);
+        // Keras' update in double
+        const double lr = lrs[k], b1 = ADAM_BETA1, b2 = ADAM_BETA2, eps = c.adam_eps;
+        const double alpha = lr * sqrt(1 - pow(b2, k + 1)) / (1 - pow(b1, k + 1));
+        double worst = 0, step_size = 0;
+        for (size_t i = 0; i < P; i++) {
+            double gi = s * g[i];
+            m[i] += (gi - m[i]) * (1 - b1);
+            v[i] += (gi * gi - v[i]) * (1 - b2);
+            pe[i] = p0[i] * (1 - lr * c.weight_decay) - alpha * m[i] / (sqrt(v[i]) + eps);
+            step_size = fmax(step_size, fabs(pe[i] - p0[i]));
+            worst = fmax(worst, fabs(t.net.params[i] - pe[i]));
+        }
+        CHECK(worst < 1e-3 * step_size, "step %d: the weights differ from Keras' Adam by %.3g (largest step %.3g)", k, worst,
+              step_size);
+        if (g_verbose) printf("    step %d: lr %g, clip factor %.3g, worst %.3g of %.3g\n", k, lr, s, worst, step_size);
+    }
+    CHECK(clipped >= 2, "the example clips (%d of 4 steps)", clipped);
+    free(m); free(v); free(pe); free(p0); free(g); free(buf);
+    trainer_close(&t);
+    rm_rf(dir);
+}
+
+// Every epoch has its own order and its own augmentations. The input after
+// run_pass holds the epoch's last batch: over 6 epochs it is not always the
+// same 4 of 8 images, and one image under flip + brightness is not augmented
+// the same way in every epoch (while a validation pass never augments it).
+// The trainer's net with one allocation per tensor instead of the arena, so
+// that the input stays readable after a pass (in the arena its place is reused)
+static void use_per_tensor_net(Trainer *t) {
+    char err[SN_ERR_MAX];
+    net_free(&t->net);
+    CHECK(net_create(&t->net, &t->g, t->o, t->c->precision, 0, err) == 0, "%s", err);
+    net_init_params(&t->net, t->c->seed);
+    t->net.seed = t->c->seed;
+}
+
+static void test_train_epochs_reshuffle(void) {
+    const char *dir = "/tmp/segnet_test_reshuffle", *one = "/tmp/segnet_test_reshuffle_one";
+    rm_rf(dir); rm_rf(one);
+    write_id_set(dir, 8, 8, 8);
+    write_id_set(one, 1, 8, 8);
+    TrainCfg c = tiny_seg_cfg(dir, NULL);
+    c.lr = 0.0f;
+    c.class_weights[0] = 1.0f;
+    Trainer t;
+    char err[SN_ERR_MAX];
+    CHECK(trainer_open(&t, &c, dir, NULL, err) == 0, "%s", err);
+    if (!t.has_train) { trainer_close(&t); rm_rf(dir); rm_rf(one); return; }
+    use_per_tensor_net(&t);
+    int sets[6], distinct = 0;
+    for (int e = 0; e < 6; e++) {
+        int64_t cm[9];
+        PassTotals pt = {0, 0, cm};
+        t.epoch = e;
+        CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
+        const float *x = t.net.act[t.g.input];
+        sets[e] = 0;
+        for (int j = 0; j < 4; j++) {
+            int id = (int)lrintf(x[(size_t)j * 64 * 3] / 30.0f);  // red at pixel (0,0)
+            CHECK(id >= 0 && id < 8 && x[(size_t)j * 64 * 3] == 30.0f * id, "image %d of the last batch: red %g", j,
+                  x[(size_t)j * 64 * 3]);
+            if (id >= 0 && id < 8) sets[e] |= 1 << id;
+        }
+        CHECK(__builtin_popcount((unsigned)sets[e]) == 4, "epoch %d: the last batch holds 4 different images (%#x)", e, sets[e]);
+        int seen = 0;
+        for (int f = 0; f < e; f++) seen |= sets[f] == sets[e];
+        distinct += !seen;
+    }
+    CHECK(distinct >= 2, "the last batch is the same 4 images in all 6 epochs: the order is not drawn per epoch");
+    trainer_close(&t);
+    // one image, flip + brightness: 6 epochs, at least 3 different inputs
+    c = tiny_seg_cfg(one, one);
+    c.lr = 0.0f;
+    c.class_weights[0] = 1.0f;
+    c.augment = (Augment){1, 0.2f, 0, 0};
+    CHECK(trainer_open(&t, &c, one, one, err) == 0, "%s", err);
+    use_per_tensor_net(&t);
+    float seen[6][64 * 3];
+    int n_distinct = 0;
+    for (int e = 0; e < 6; e++) {
+        int64_t cm[9];
+        PassTotals pt = {0, 0, cm};
+        t.epoch = e;
+        CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
+        memcpy(seen[e], t.net.act[t.g.input], sizeof seen[e]);
+        int dup = 0;
+        for (int f = 0; f < e; f++) dup |= !memcmp(seen[f], seen[e], sizeof seen[e]);
+        n_distinct += !dup;
+    }
+    CHECK(n_distinct >= 3, "%d different augmentations of one image in 6 epochs", n_distinct);
+    int64_t cm[9];
+    PassTotals pt = {0, 0, cm};
+    CHECK(run_pass(&t, &t.val, 0, &pt, err) == 0, "%s", err);
+    const float *x = t.net.act[t.g.input];
+    int bad = 0;
+    for (int p = 0; p < 64; p++) bad += x[3 * p] != (float)(p % 8) || x[3 * p + 1] != 0 || x[3 * p + 2] != 0;
+    CHECK(bad == 0, "the validation pass changed %d pixels of the image (%g %g %g %g)", bad, x[0], x[1], x[3], x[4]);
+    trainer_close(&t);
+    rm_rf(dir); rm_rf(one);
+}
+
+// 6 images in batches of 4: every image counts, once. The training pass's
+// normaliser is Σ w[y] over all 6 masks and its confusion matrix counts all
+// 6·64 pixels; the validation pass's loss is Σ w·nll / Σ w over both batches
+// (not a mean of batch means) and its IoUs those of the logits computed here.
+static void test_train_epoch_totals(void) {
+    const char *dir = "/tmp/segnet_test_totals";
+    rm_rf(dir);
+    write_seg_set(dir, 6, 8, 8, 12);
+    TrainCfg c = tiny_seg_cfg(dir, dir);
+    c.lr = 0.0f;
+    Trainer t;
+    char err[SN_ERR_MAX];
+    CHECK(trainer_open(&t, &c, dir, dir, err) == 0, "%s", err);
+    if (!t.has_train) { trainer_close(&t); rm_rf(dir); return; }
+    int idx[6] = {0, 1, 2, 3, 4, 5};
+    float *img = malloc(sizeof(float) * 6 * 64 * 3);
+    int32_t lab[6 * 64];
+    CHECK(dataset_batch(&t.train, idx, 6, NULL, 0, img, lab, err) == 0, "%s", err);
+    double wsum = 0;
+    for (int i = 0; i < 6 * 64; i++) wsum += c.class_weights[lab[i]];
+    int64_t cm[9];
+    PassTotals pt = {0, 0, cm};
+    CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
+    int64_t total = 0;
+    for (int k = 0; k < 9; k++) total += cm[k];
+    CHECK(pt.norm_sum == wsum, "training normaliser %g, Σ w[y] over the 6 masks %g", pt.norm_sum, wsum);
+    CHECK(total == 6 * 64, "the training confusion matrix counts %" PRId64 " pixels of %d", total, 6 * 64);
+    // the validation pass, by hand: BN in inference mode, so images are independent
+    CHECK(run_pass(&t, &t.val, 0, &pt, err) == 0, "%s", err);
+    double num = 0, den = 0, batch_means = 0;
+    int64_t tp[3] = {0}, fp[3] = {0}, fn[3] = {0};
+    for (int b = 0; b < 2; b++) {
+        const int first = 4 * b, n = b ? 2 : 4;
+        t.net.batch = n;
+        memcpy(t.net.act[t.g.input], img + (size_t)first * 64 * 3, sizeof(float) * n * 64 * 3);
+        net_forward(&t.net, 0);
+        const float *z = t.net.act[t.logits];
+        double bn = 0, bd = 0;
+        for (int i = 0; i < n * 64; i++) {
+            const int y = lab[first * 64 + i];
+            double zmax = fmax(fmax(z[i * 3], z[i * 3 + 1]), z[i * 3 + 2]), s = 0;
+            for (int k = 0; k < 3; k++) s += exp(z[i * 3 + k] - zmax);
+            double wy = c.class_weights[y];
+            bn += wy * (log(s) + zmax - z[i * 3 + y]);
+            bd += wy;
+            int p = z[i * 3 + 1] > z[i * 3] ? 1 : 0;
+            if (z[i * 3 + 2] > z[i * 3 + p]) p = 2;
+            if (wy == 0) continue;
+            if (p == y) tp[p]++; else { fp[p]++; fn[y]++; }
+        }
+        num += bn; den += bd; batch_means += bn / bd / 2;
+    }
+    t.net.batch = 4;
+    const double loss = pt.loss_sum / pt.norm_sum;
+    CHECK(fabs(num / den - batch_means) > 1e-4 * fabs(num / den), "the example tells the global mean from the mean of batch means");
+    CHECK(fabs(loss - num / den) <= 1e-5 * fabs(num / den), "val loss %.9g, by hand %.9g", loss, num / den);
+    double iou[3];
+    Metrics m = {0, 0, iou};
+    metrics_compute(cm, 3, c.class_weights, &m);
+    for (int k = 1; k < 3; k++) CHECK_NEAR(iou[k], (double)tp[k] / (tp[k] + fp[k] + fn[k]), 1e-12, "val IoU");
+    free(img);
+    trainer_close(&t);
+    rm_rf(dir);
+}
+
+static const char *meta_of(const StFile *f, const char *key) {
+    for (int i = 0; i < f->n_meta; i++) if (!strcmp(f->meta_keys[i], key)) return f->meta_values[i];
+    return "";
+}
+
+// A val_loss that never changes (head weights 0, lr 0: the logits are the head's
+// bias) is not an improvement (Keras: strictly lower, min_delta 0): with
+// patience 2, epoch 1 is the best and training stops after epoch 3, also when
+// the run is interrupted after epoch 2 and resumed.
+static void test_early_stopping_ties(void) {
+    const char *data = "/tmp/segnet_test_ties_data", *run = "/tmp/segnet_test_ties_run", *run2 = "/tmp/segnet_test_ties_run2",
+               *w = "/tmp/segnet_test_ties.safetensors";
+    rm_rf(data); rm_rf(run); rm_rf(run2); unlink(w);
+    write_seg_set(data, 4, 8, 8, 13);
+    TrainCfg c = tiny_seg_cfg(data, data);
+    char err[SN_ERR_MAX];
+    Trainer t;
+    CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s", err);
+    const ParamInfo *hw = &t.g.params[graph_find_param(&t.g, "head.weight")];
+    memset(t.net.params + hw->offset, 0, sizeof(float) * hw->count);
+    CHECK(net_save_weights(&t.net, w, err) == 0, "%s", err);
+    trainer_close(&t);
+    c.weights = w;
+    c.lr = 0.0f;
+    c.epochs = 6;
+    c.patience = 2;
+    c.out = run;
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    double vl[8];
+    char path[300];
+    snprintf(path, sizeof path, "%s/metrics.csv", run);
+    int n = csv_column(path, "val_loss", vl, 8);
+    CHECK(n >= 2 && vl[1] == vl[0], "the example's val_loss is constant (%g, %g)", vl[0], vl[1]);
+    CHECK(n == 3, "stopped after %d epochs; patience 2 with no improvement after epoch 1 stops after epoch 3", n);
+    StFile f;
+    snprintf(path, sizeof path, "%s/best.safetensors", run);
+    CHECK(st_read(path, &f, err) == 0, "%s", err);
+    CHECK(!strcmp(meta_of(&f, "epoch"), "1") && !strcmp(meta_of(&f, "best_epoch"), "1"),
+          "best.safetensors is from epoch %s (best %s), not 1", meta_of(&f, "epoch"), meta_of(&f, "best_epoch"));
+    st_free(&f);
+    // the same run stopped after epoch 2 (one epoch without improvement) and
+    // resumed: the best loss, best epoch and patience count come back, so it
+    // stops after epoch 3 too, with the same files
+    c.out = run2;
+    c.stop_after_epochs = 2;
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    c.stop_after_epochs = 0;
+    CHECK(train_run(&c, run2, err) == 0, "resume: %s", err);
+    const char *files[] = {"last.safetensors", "best.safetensors", "metrics.csv"};
+    for (int k = 0; k < 3; k++) {
+        char pa[300], pb[300];
+        snprintf(pa, sizeof pa, "%s/%s", run, files[k]);
+        snprintf(pb, sizeof pb, "%s/%s", run2, files[k]);
+        CHECK(files_equal(pa, pb), "%s differs between the resumed and the uninterrupted run", files[k]);
+    }
+    rm_rf(data); rm_rf(run); rm_rf(run2); unlink(w);
+}
+
+// save_checkpoint then load_checkpoint into a fresh trainer gives back exactly
+// what was set: the counters, a best loss with no short decimal form (1/3), the
+// Adam moments, the weights and the BN statistics.
+static void test_checkpoint_round_trip(void) {
+    const char *dir = "/tmp/segnet_test_ckpt", *path = "/tmp/segnet_test_ckpt/c.safetensors";
+    rm_rf(dir);
+    write_seg_set(dir, 2, 8, 8, 16);
+    TrainCfg c = tiny_seg_cfg(dir, NULL);
+    Trainer a, b;
+    char err[SN_ERR_MAX];
+    CHECK(trainer_open(&a, &c, NULL, NULL, err) == 0 && trainer_open(&b, &c, NULL, NULL, err) == 0, "%s", err);
+    const size_t P = a.g.n_param_floats, B = a.g.n_buffer_floats;
+    Rng r;
+    rng_seed(&r, 17);
+    for (size_t i = 0; i < P; i++) { a.net.params[i] = rng_normal(&r); a.adam_m[i] = rng_normal(&r); a.adam_v[i] = rng_float(&r); }
+    for (size_t i = 0; i < B; i++) a.net.buffers[i] = rng_float(&r) + 0.5f;
+    a.epoch = 7; a.step = 123456789012LL; a.best = 1.0 / 3.0; a.best_epoch = 5; a.bad_epochs = 2; a.finished = 1;
+    CHECK(save_checkpoint(&a, path, err) == 0, "%s", err);
+    CHECK(load_checkpoint(&b, path, err) == 0, "%s", err);
+    CHECK(b.epoch == 7 && b.step == 123456789012LL && b.best_epoch == 5 && b.bad_epochs == 2 && b.finished == 1,
+          "counters: epoch %d, step %" PRId64 ", best epoch %d, bad epochs %d, finished %d", b.epoch, b.step, b.best_epoch,
+          b.bad_epochs, b.finished);
+    CHECK(b.best == 1.0 / 3.0, "best loss %.17g, want 1/3 exactly", b.best);
+    CHECK(!memcmp(a.net.params, b.net.params, sizeof(float) * P) && !memcmp(a.adam_m, b.adam_m, sizeof(float) * P) &&
+          !memcmp(a.adam_v, b.adam_v, sizeof(float) * P) && !memcmp(a.net.buffers, b.net.buffers, sizeof(float) * B),
+          "weights, Adam moments or BN statistics differ after the round trip");
+    trainer_close(&a); trainer_close(&b);
+    rm_rf(dir);
+}
+
+static int copy_file(const char *from, const char *to) {
+    size_t n;
+    char *p = read_file(from, &n);
+    FILE *f = p ? fopen(to, "wb") : NULL;
+    int ok = f && fwrite(p, 1, n, f) == n;
+    if (f) ok &= fclose(f) == 0;
+    free(p);
+    return ok;
+}
+
+// `segnet train --resume RUN` takes every setting from RUN/config.txt and
+// continues from last.safetensors even when metrics.csv already holds a row
+// past it (a crash between the two writes): the result equals, byte for byte,
+// an uninterrupted run with those settings (every one off its default).
+static void test_resume_cli_after_crash(void) {
+    const char *data = "/tmp/segnet_test_rcli_data", *a = "/tmp/segnet_test_rcli_a", *b = "/tmp/segnet_test_rcli_b";
+    rm_rf(data); rm_rf(a); rm_rf(b);
+    write_seg_set(data, 6, 8, 8, 14);
+    write_seg_set("/tmp/segnet_test_rcli_data/val", 3, 8, 8, 15);
+    TrainCfg c = tiny_seg_cfg(data, "/tmp/segnet_test_rcli_data/val");
+    c.class_weights[0] = 0.0f; c.class_weights[1] = 1.0f; c.class_weights[2] = 2.5f;
+    c.epochs = 3; c.lr = 0.003f; c.adam_eps = 1e-4f; c.weight_decay = 0.02f; c.clipnorm = 0.3f;
+    c.schedule = SCHEDULE_COSINE; c.warmup = 3; c.patience = 5; c.loss_norm_keras = 1; c.seed = 5;
+    c.augment = (Augment){1, 0.1f, 0.8f, 1.2f};
+    c.out = a;
+    char err[SN_ERR_MAX], pa[300], pb[300], ck[300], args[400], msg[4096];
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    // metrics.csv's lr is that of the epoch's last step: 2 steps per epoch, 6 in all,
+    // warm-up over steps 0..2, then cosine with progress (step - 3)/3
+    double lr[4], want[3] = {c.lr * 2.0 / 3.0, c.lr, c.lr * 0.5 * (1 + cos(M_PI * 2.0 / 3.0))};
+    snprintf(pa, sizeof pa, "%s/metrics.csv", a);
+    CHECK(csv_column(pa, "lr", lr, 4) == 3, "3 rows");
+    for (int e = 0; e < 3; e++) CHECK(fabs(lr[e] - want[e]) <= 1e-8 * want[e], "epoch %d: lr %.9g, want %.9g", e + 1, lr[e], want[e]);
+    c.out = b;
+    c.stop_after_epochs = 1;
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    snprintf(pb, sizeof pb, "%s/last.safetensors", b);
+    snprintf(ck, sizeof ck, "%s/epoch1.keep", b);
+    CHECK(copy_file(pb, ck), "copy %s", pb);
+    c.stop_after_epochs = 2;
+    CHECK(train_run(&c, b, err) == 0, "%s", err);
+    CHECK(copy_file(ck, pb) && unlink(ck) == 0, "put back the epoch-1 checkpoint");  // metrics.csv: 2 rows
+    snprintf(args, sizeof args, "train --resume %s", b);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    const char *files[] = {"last.safetensors", "best.safetensors", "metrics.csv", "config.txt"};
+    for (int k = 0; k < 4; k++) {
+        snprintf(pa, sizeof pa, "%s/%s", a, files[k]);
+        snprintf(pb, sizeof pb, "%s/%s", b, files[k]);
+        CHECK(files_equal(pa, pb), "%s differs between the CLI-resumed and the uninterrupted run", files[k]);
+    }
+    rm_rf(data); rm_rf(a); rm_rf(b);
+}
+
+// ----------------------------------------------------------------------------
 // the runner
 
 typedef struct { const char *name; void (*fn)(void); } Test;
@@ -4115,6 +4495,12 @@ static const Test TESTS[] = {
     {"plan_matches_per_tensor", test_plan_matches_per_tensor},
     {"checkpoint_training_bitwise", test_checkpoint_training_bitwise},
     {"plan_equals_allocation", test_plan_equals_allocation},
+    {"train_steps_by_hand", test_train_steps_by_hand},
+    {"train_epochs_reshuffle", test_train_epochs_reshuffle},
+    {"train_epoch_totals", test_train_epoch_totals},
+    {"early_stopping_ties", test_early_stopping_ties},
+    {"checkpoint_round_trip", test_checkpoint_round_trip},
+    {"resume_cli_after_crash", test_resume_cli_after_crash},
     {"parity_live_effv2", test_parity_live_effv2},  // "parity_live_*": run where PyTorch is found
     {"parity_live_unet", test_parity_live_unet},
 };
