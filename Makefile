@@ -84,7 +84,7 @@ segnet: segnet.c segnet.h | deps
 test_segnet: test_segnet.c segnet.c segnet.h | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) -o $@ test_segnet.c $(DEP_LIBS) $(LDLIBS)
 
-test: test_segnet
+test: segnet test_segnet
 	./test_segnet
 
 train: segnet
