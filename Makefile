@@ -3,6 +3,7 @@
 #   make            build ./segnet and ./test_segnet (CPU backend, always)
 #   make test       build and run the test suite
 #   make train      build and run the main job on the bundled data
+#   make bench      segnet bench against PyTorch (ref/bench_torch.py), same run
 #
 # Switches: NO_OMP=1 (no OpenMP), NO_CUDA=1, NO_NCCL=1, NO_MPI=1 (skip the
 # detection of each; later parts of segnet use them when present).
@@ -35,7 +36,7 @@ endif
 DEP_CFLAGS = $(shell $(OPENBLAS_PC) --cflags openblas 2>/dev/null) -I/usr/include/stb
 DEP_LIBS   = $(shell $(OPENBLAS_PC) --libs openblas 2>/dev/null) -Wl,-rpath,$(OPENBLAS_DIR) -lstb
 
-.PHONY: all deps test train clean
+.PHONY: all deps test train bench clean
 
 all: segnet test_segnet
 
@@ -89,6 +90,29 @@ test: segnet test_segnet
 
 train: segnet
 	./segnet train
+
+# segnet bench and ref/bench_torch.py on the same models, batch, threads and
+# steps; one row per model with the ratios segnet/PyTorch (step time, peak RSS).
+BENCH_THREADS ?= 2
+BENCH_STEPS   ?= 5
+BENCH_WARMUP  ?= 2
+BENCH_MODELS  ?= "effv2-s:--model effv2-s --padding symmetric --size 224x224 --batch 4" \
+                 "unet:--model unet --depth 4 --width 32 --size 256x256 --batch 4"
+bench: segnet
+	@/usr/bin/python3 -c 'import torch, torchvision' 2>/dev/null || { echo "make bench: /usr/bin/python3 needs torch and torchvision (apt-get install python3-torch python3-torchvision)" >&2; exit 1; }
+	@common="--classes 4 --threads $(BENCH_THREADS) --steps $(BENCH_STEPS) --warmup $(BENCH_WARMUP)"; \
+	rows=""; \
+	for m in $(BENCH_MODELS); do \
+	  name=$${m%%:*}; args=$${m#*:}; \
+	  echo "== $$name: segnet bench $$args $$common" >&2; \
+	  s=$$(./segnet bench $$args $$common) || exit 1; echo "$$s" >&2; \
+	  echo "== $$name: ref/bench_torch.py $$args $$common" >&2; \
+	  t=$$(/usr/bin/python3 ref/bench_torch.py $$args $$common) || exit 1; echo "$$t" >&2; \
+	  get() { echo "$$1" | sed -n "s/^$$2: //p"; }; \
+	  rows="$$rows$$name $$(get "$$s" train_step_ms) $$(get "$$t" train_step_ms) $$(get "$$s" peak_rss_bytes) $$(get "$$t" peak_rss_bytes)\n"; \
+	done; \
+	printf "$$rows" | awk 'BEGIN { printf "%-9s %12s %12s %7s %13s %13s %7s\n", "model", "segnet ms", "pytorch ms", "ratio", "segnet MiB", "pytorch MiB", "ratio" } \
+	  { printf "%-9s %12.1f %12.1f %7.2f %13.1f %13.1f %7.2f\n", $$1, $$2, $$3, $$2 / $$3, $$4 / 1048576, $$5 / 1048576, $$4 / $$5 }'
 
 clean:
 	rm -f segnet test_segnet

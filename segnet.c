@@ -16,6 +16,7 @@
 #include <dirent.h>
 #include <strings.h>
 #include <sys/stat.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 #include <cblas.h>
@@ -1911,6 +1912,13 @@ int net_create_planned(Net *net, const Graph *g, Ops *o, DType dtype, int input_
 // are active under the same condition.
 static int layer_in_train_mode(const Net *net, const Layer *l) { return net->training && !l->frozen; }
 
+// wall clock for net->layer_seconds
+static double layer_clock(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 // Layer i's forward. A recompute (checkpointing) repeats the forward exactly:
 // BN normalises with the batch statistics saved by the first forward and does
 // not update the running statistics again; dropout masks come from the same
@@ -1923,6 +1931,7 @@ static void layer_forward(Net *net, int i, int recompute) {
         Tensor x = net_tensor(net, l->in[0]), y = net_tensor(net, l->out);
         Tensor x2 = l->in[1] >= 0 ? net_tensor(net, l->in[1]) : tensor(NULL, x.shape, net->dtype);
         float *w = param_ptr(net->params, g, l->weight), *b = param_ptr(net->params, g, l->bias);
+        double t0 = net->layer_seconds ? layer_clock() : 0.0;
         switch (l->kind) {
         case LAYER_CONV: case LAYER_DENSE:
             o->conv2d_forward(o, &l->conv, y, x, w, b, net->ws);
@@ -1958,6 +1967,7 @@ static void layer_forward(Net *net, int i, int recompute) {
             break;
         default: snCheck(0, "forward: layer '%s' has unknown kind %d", l->name, (int)l->kind);
         }
+        if (net->layer_seconds) { o->synchronize(o); net->layer_seconds[i] += layer_clock() - t0; }
     }
 }
 
@@ -1996,6 +2006,7 @@ static void layer_backward(Net *net, int i) {
         float *w = param_ptr(net->params, g, l->weight), *bias = param_ptr(net->params, g, l->bias);
         float *dw = trainable ? param_ptr(net->grads, g, l->weight) : NULL;
         float *dbias = trainable ? param_ptr(net->grads, g, l->bias) : NULL;
+        double t0 = net->layer_seconds ? layer_clock() : 0.0;
         switch (l->kind) {
         case LAYER_CONV: case LAYER_DENSE:
             if (dw || dbias) o->conv2d_backward_weight(o, &l->conv, dw, dbias, dy, x, net->ws);
@@ -2035,6 +2046,7 @@ static void layer_backward(Net *net, int i) {
             break;
         default: snCheck(0, "backward: layer '%s' has unknown kind %d", l->name, (int)l->kind);
         }
+        if (net->layer_seconds) { o->synchronize(o); net->layer_seconds[g->n_layers + i] += layer_clock() - t0; }
     }
 }
 
@@ -4980,6 +4992,171 @@ static int choose_setting(TrainCfg *c, size_t budget, char *why, size_t why_size
 
 
 // ----------------------------------------------------------------------------
+// benchmark: full training steps (forward, loss, backward, Adam) on synthetic
+// data, built from the trainer's pieces as run_pass does a step; optionally a
+// profile by op kind from net->layer_seconds.
+
+typedef enum {
+    BK_CONV1, BK_CONVK, BK_DEPTHWISE, BK_BN, BK_ACT, BK_SE, BK_LOSS, BK_OPT, BK_OTHER, BK_COUNT
+} BenchKind;
+static const char *const BENCH_KIND_NAMES[BK_COUNT] = {
+    "conv 1x1", "conv kxk", "depthwise", "batch norm", "activations", "squeeze-exc", "loss", "optimizer", "other",
+};
+
+typedef struct {
+    ModelCfg model;
+    int steps, warmup;   // timed steps, untimed steps before them
+    int threads;         // 0: OpenMP's default
+    int profile;         // fill BenchResult's per-kind table
+    uint64_t seed;
+} BenchCfg;
+
+typedef struct {
+    double step_ms;                  // median over the timed steps
+    double images_per_s;             // batch / median step
+    size_t peak_rss_bytes;           // getrusage ru_maxrss of the whole process
+    double kind_fwd_ms[BK_COUNT], kind_bwd_ms[BK_COUNT];  // per step (mean), with profile
+    double kind_gflop[BK_COUNT];     // per step, forward + backward (convs only)
+    size_t n_params;
+    int threads;                     // the OpenMP threads it ran with
+} BenchResult;
+
+// The op kind a layer's time is booked under. The SE pieces are the pooling,
+// the scale and the convs and activations on (N,1,1,C) tensors; dense layers
+// (the classifier) count as "other".
+static BenchKind bench_kind(const Graph *g, const Layer *l) {
+    Shape in = tshape(g, l->in[0]);
+    int on_pooled = in.h == 1 && in.w == 1;
+    switch (l->kind) {
+    case LAYER_CONV:
+        if (on_pooled) return BK_SE;
+        if (conv_is_depthwise(&l->conv)) return BK_DEPTHWISE;
+        return l->conv.kh == 1 && l->conv.kw == 1 ? BK_CONV1 : BK_CONVK;
+    case LAYER_BN: return BK_BN;
+    case LAYER_ACT: return on_pooled ? BK_SE : BK_ACT;
+    case LAYER_GAP: case LAYER_SCALE: return BK_SE;
+    default: return BK_OTHER;
+    }
+}
+
+// multiply-adds ×2 of a conv's forward: 2·N·OH·OW·Cout·(kh·kw·Cin/groups)
+static double conv_flops(const Graph *g, const Layer *l) {
+    Shape out = tshape(g, l->out);
+    return 2.0 * out.n * out.h * out.w * out.c * (double)l->conv.kh * l->conv.kw * (l->conv.cin / l->conv.groups);
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
+    memset(r, 0, sizeof *r);
+    set_threads(c->threads);
+    Ops *o = &ops_cpu;
+    Graph g;
+    graph_init(&g);
+    int logits = model_build(&g, &c->model);
+    if (logits < 0) { snprintf(err, SN_ERR_MAX, "%s", g.err); graph_free(&g); return -1; }
+    Net net;
+    if (net_create(&net, &g, o, DT_F32, 0, err)) { graph_free(&g); return -1; }
+    net_init_params(&net, c->seed);
+    r->n_params = g.n_param_floats;
+#ifdef _OPENMP
+    r->threads = omp_get_max_threads();
+#else
+    r->threads = 1;
+#endif
+    const Shape in = g.tensors[g.input].shape, zs = g.tensors[logits].shape;
+    const int K = zs.c, N = in.n;
+    const size_t n_in = shape_numel(in), n_labels = shape_numel(zs) / K, P = g.n_param_floats;
+    // synthetic data: images 0..255, labels 0..K-1, every class weight 1
+    float *host_in = malloc(sizeof(float) * n_in), *host_cw = malloc(sizeof(float) * K);
+    int32_t *host_lab = malloc(sizeof(int32_t) * n_labels);
+    snCheck(host_in && host_cw && host_lab, "out of host memory");
+    Rng rng;
+    rng_seed(&rng, c->seed ^ 0x62656e6368ull);
+    for (size_t i = 0; i < n_in; i++) host_in[i] = (float)(rng_next(&rng) % 256);
+    for (size_t i = 0; i < n_labels; i++) host_lab[i] = (int32_t)(rng_next(&rng) % (uint64_t)K);
+    for (int k = 0; k < K; k++) host_cw[k] = 1.0f;
+    float *adam_m = o->alloc(o, sizeof(float) * (P ? P : 1)), *adam_v = o->alloc(o, sizeof(float) * (P ? P : 1));
+    float *cw = o->alloc(o, sizeof(float) * K), *stats = o->alloc(o, sizeof(float) * 4);
+    int32_t *labels = o->alloc(o, sizeof(int32_t) * n_labels);
+    double *times = malloc(sizeof(double) * (size_t)(c->steps > 0 ? c->steps : 1));
+    double *layer_s = c->profile ? calloc(2 * (size_t)g.n_layers, sizeof(double)) : NULL;
+    if (!adam_m || !adam_v || !cw || !stats || !labels || !times || (c->profile && !layer_s)) {
+        snprintf(err, SN_ERR_MAX, "out of memory for the benchmark's buffers");
+        net_free(&net); graph_free(&g);
+        return -1;
+    }
+    const Tensor grads = tensor_f32(net.grads, shape4((int)P, 1, 1, 1));
+    o->fill(o, tensor_f32(adam_m, shape4((int)P, 1, 1, 1)), 0.0f);
+    o->fill(o, tensor_f32(adam_v, shape4((int)P, 1, 1, 1)), 0.0f);
+    o->upload(o, net.act[g.input], host_in, sizeof(float) * n_in);
+    o->upload(o, labels, host_lab, sizeof(int32_t) * n_labels);
+    o->upload(o, cw, host_cw, sizeof(float) * K);
+    const float inv_norm = (float)(1.0 / (double)n_labels);
+    double loss_s = 0.0, opt_s = 0.0;
+    for (int step = 0; step < c->warmup + c->steps; step++) {
+        const int timed = step >= c->warmup;
+        net.layer_seconds = timed ? layer_s : NULL;
+        o->synchronize(o);
+        double t0 = now_seconds();
+        o->fill(o, grads, 0.0f);
+        o->synchronize(o);
+        double tz = now_seconds();
+        net.step = (uint64_t)step;
+        net_forward(&net, 1);
+        o->synchronize(o);
+        double t1 = now_seconds();
+        o->fill(o, tensor_f32(stats, shape4(4, 1, 1, 1)), 0.0f);
+        o->softmax_xent(o, net_tensor(&net, logits), labels, cw, inv_norm, stats, net_grad(&net, logits));
+        o->synchronize(o);
+        double t2 = now_seconds();
+        net_backward(&net, logits);
+        o->synchronize(o);
+        double t3 = now_seconds();
+        AdamStep s = adam_step_init(1e-3f, ADAM_BETA1, ADAM_BETA2, 1e-7f, 0.0f, 1.0f, step + 1);
+        o->adam_update(o, net.params, net.grads, adam_m, adam_v, P, &s);
+        o->synchronize(o);
+        double t4 = now_seconds();
+        if (timed) {
+            times[step - c->warmup] = t4 - t0;
+            loss_s += t2 - t1;
+            opt_s += (t4 - t3) + (tz - t0);  // Adam and the zeroing of the gradients
+        }
+    }
+    int n = c->steps > 0 ? c->steps : 0;
+    qsort(times, (size_t)n, sizeof(double), cmp_double);
+    double med = n ? (n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2])) : 0.0;
+    r->step_ms = 1e3 * med;
+    r->images_per_s = med > 0.0 ? N / med : 0.0;
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    r->peak_rss_bytes = (size_t)ru.ru_maxrss * 1024;
+    if (c->profile && n) {
+        for (int i = 0; i < g.n_layers; i++) {
+            const Layer *l = &g.layers[i];
+            BenchKind k = bench_kind(&g, l);
+            r->kind_fwd_ms[k] += 1e3 * layer_s[i] / n;
+            r->kind_bwd_ms[k] += 1e3 * layer_s[g.n_layers + i] / n;
+            if (l->kind == LAYER_CONV && k != BK_SE) {
+                double f = conv_flops(&g, l);
+                int grads_w = !l->frozen, grads_x = net.needs_grad[l->in[0]];
+                r->kind_gflop[k] += 1e-9 * f * (1 + grads_w + grads_x);
+            }
+        }
+        r->kind_fwd_ms[BK_LOSS] += 1e3 * loss_s / n;
+        r->kind_bwd_ms[BK_OPT] += 1e3 * opt_s / n;
+    }
+    free(host_in); free(host_cw); free(host_lab); free(times); free(layer_s);
+    o->free(o, adam_m); o->free(o, adam_v); o->free(o, cw); o->free(o, stats); o->free(o, labels);
+    net_free(&net);
+    graph_free(&g);
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
 // command line
 
 #ifndef TESTING
@@ -4996,6 +5173,7 @@ static const char *USAGE =
     "  train     train a model and write a run folder (no options: the quickstart\n"
     "            on the bundled data/, as `make train`)\n"
     "  eval      print a model's validation loss and metrics on a data set\n"
+    "  bench     time training steps on synthetic data (segnet bench --help)\n"
     "  info      print the build: backend, BLAS, threads\n"
     "  help      this text (also --help, -h); segnet COMMAND --help for a command\n"
     "\n"
@@ -5479,6 +5657,86 @@ static int cmd_predict(int argc, char **argv) {
     return 0;
 }
 
+static const char *BENCH_USAGE =
+    "usage: segnet bench --model NAME [--size HxW] [--batch B] [--steps S] [options]\n"
+    "\n"
+    "Times S full training steps (forward, softmax cross-entropy, backward, Adam)\n"
+    "on synthetic data (random images 0..255, random labels) after warm-up steps,\n"
+    "and prints\n"
+    "  train_step_ms: X     median over the S steps\n"
+    "  images_per_s: Y      batch / median step\n"
+    "  peak_rss_bytes: Z    the process's peak resident memory (getrusage)\n"
+    "ref/bench_torch.py runs the same in PyTorch; `make bench` compares the two.\n"
+    "\n"
+    "  --model NAME        unet (default), effv2-s|m|l|t, unet-effv2-s|m|l|t\n"
+    "  --size HxW          input size (defaults as segnet train)\n"
+    "  --batch B           images per step (default 4)\n"
+    "  --steps S           timed steps (default 5)\n"
+    "  --warmup W          untimed steps first (default 1)\n"
+    "  --threads T         CPU threads (default: all cores)\n"
+    "  --profile           also print the time per op kind per step (forward,\n"
+    "                      backward) and GFLOP/s of the convs\n"
+    "  --precision P       activation storage: only fp32 for now\n"
+    "  --checkpoint C      activation checkpointing: only none for now\n"
+    "  --seed S            initialisation and data (default 1)\n"
+    "  --classes K, --padding MODE, --head-hidden H, --depth D, --width W:\n"
+    "                      the model, as for segnet train\n";
+
+static int cmd_bench(int argc, char **argv) {
+    BenchCfg c = {model_cfg_default(), 5, 1, 0, 0, 1};
+    c.model.batch = 4;
+    int size_given = 0;
+    for (int i = 2; i < argc;) {
+        const char *f = argv[i];
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(BENCH_USAGE, stdout); return 0; }
+        if (!strcmp(f, "--profile")) { c.profile = 1; i++; continue; }
+        size_given |= !strcmp(f, "--size");
+        int k = parse_model_option(&c.model, argc, argv, i);
+        if (k < 0) return 2;
+        if (k > 0) { i += k; continue; }
+        int is_own = !strcmp(f, "--steps") || !strcmp(f, "--warmup") || !strcmp(f, "--threads") ||
+                     !strcmp(f, "--precision") || !strcmp(f, "--checkpoint") || !strcmp(f, "--seed");
+        if (!is_own) { fprintf(stderr, "segnet bench: unknown option '%s' (see segnet bench --help)\n", f); return 2; }
+        if (i + 1 >= argc) { fprintf(stderr, "segnet bench: %s needs a value\n", f); return 2; }
+        const char *v = argv[i + 1];
+        int rc = 0, seed;
+        if (!strcmp(f, "--steps")) rc = parse_int(f, v, 1, 1 << 20, &c.steps);
+        else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, 1 << 20, &c.warmup);
+        else if (!strcmp(f, "--threads")) rc = parse_int(f, v, 1, 4096, &c.threads);
+        else if (!strcmp(f, "--seed")) { rc = parse_int(f, v, 0, 2147483647, &seed); c.seed = (uint64_t)seed; }
+        else if (!strcmp(f, "--precision") && strcmp(v, "fp32")) {
+            fprintf(stderr, "segnet bench: --precision '%s': only fp32 is supported for now\n", v); rc = -1;
+        } else if (!strcmp(f, "--checkpoint") && strcmp(v, "none")) {
+            fprintf(stderr, "segnet bench: --checkpoint '%s': only none is supported for now\n", v); rc = -1;
+        }
+        if (rc) return 2;
+        i += 2;
+    }
+    if (!size_given) model_default_size(&c.model);
+    BenchResult r;
+    char err[SN_ERR_MAX];
+    if (bench_run(&c, &r, err)) { fprintf(stderr, "segnet bench: %s\n", err); return 1; }
+    printf("model: %s  input (%d,%d,%d,3)  classes %d  parameters %zu  threads %d\n", c.model.model, c.model.batch,
+           c.model.height, c.model.width, c.model.classes, r.n_params, r.threads);
+    if (c.profile) {
+        double total = 0.0;
+        for (int k = 0; k < BK_COUNT; k++) total += r.kind_fwd_ms[k] + r.kind_bwd_ms[k];
+        printf("%-12s %10s %10s %10s %7s %9s\n", "op kind", "fwd ms", "bwd ms", "total ms", "share", "GFLOP/s");
+        for (int k = 0; k < BK_COUNT; k++) {
+            double t = r.kind_fwd_ms[k] + r.kind_bwd_ms[k];
+            printf("%-12s %10.2f %10.2f %10.2f %6.1f%%", BENCH_KIND_NAMES[k], r.kind_fwd_ms[k], r.kind_bwd_ms[k], t,
+                   total > 0.0 ? 100.0 * t / total : 0.0);
+            if (r.kind_gflop[k] > 0.0 && t > 0.0) printf(" %9.1f", r.kind_gflop[k] / (1e-3 * t));
+            printf("\n");
+        }
+        printf("%-12s %10s %10s %10.2f   (the profiled steps; the median step may differ)\n", "sum", "", "", total);
+    }
+    printf("train_step_ms: %.2f\n", r.step_ms);
+    printf("images_per_s: %.3f\n", r.images_per_s);
+    printf("peak_rss_bytes: %zu\n", r.peak_rss_bytes);
+    return 0;
+}
+
 static int cmd_info(void) {
     printf("backend: %s\n", ops_cpu.name);
     printf("blas: %s\n", openblas_get_config());
@@ -5596,6 +5854,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "predict")) return cmd_predict(argc, argv);
     if (!strcmp(argv[1], "train")) return cmd_train(argc, argv);
     if (!strcmp(argv[1], "eval")) return cmd_eval(argc, argv);
+    if (!strcmp(argv[1], "bench")) return cmd_bench(argc, argv);
     fprintf(stderr, "segnet: unknown command '%s' (try segnet --help)\n", argv[1]);
     return 2;
 }

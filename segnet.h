@@ -513,6 +513,8 @@ typedef struct {
     uint8_t *arena;
     size_t arena_high;    // the highest arena byte a live buffer has reached (measured while running)
     int poison;           // fill every buffer with NaN when its life ends (tests: nothing reads a dead buffer)
+    double *layer_seconds; // (2·n_layers) or NULL: seconds per layer are added in, forward at [i],
+                           // backward at [n_layers + i] (segnet bench --profile)
 } Net;
 
 // Returns 0, or -1 with the reason in err (out of memory). One allocation per
