@@ -482,8 +482,10 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
 
 #define BN_CBLOCK 16
 
-static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var) {
-    (void)o;
+// The reference versions (any storage type, the formulas as written above);
+// the _cpu entries below take fp32 tensors to the fast versions after them.
+
+static void bn_stats_ref(Tensor x, float *mean, float *var) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
@@ -511,9 +513,8 @@ static void bn_update_running_cpu(Ops *o, float *run_mean, float *run_var, const
 
 static inline float bn_invstd(const float *var, int c, float eps) { return 1.0f / sqrtf(var[c] + eps); }
 
-static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
+static void bn_forward_ref(Tensor y, Tensor x, const float *mean, const float *var,
                            const float *gamma, const float *beta, float eps, Act act) {
-    (void)o;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
@@ -524,10 +525,9 @@ static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const 
         }
 }
 
-static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
+static void bn_backward_reduce_ref(Tensor dy, Tensor x, const float *mean, const float *var,
                                    const float *gamma, const float *beta, float eps, Act act,
                                    float *sum_g, float *sum_gx, float *dgamma, float *dbeta) {
-    (void)o;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
@@ -551,11 +551,10 @@ static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mea
     }
 }
 
-static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
+static void bn_backward_data_ref(Tensor dx, Tensor dy, Tensor x, const float *mean,
                                  const float *var, const float *gamma, const float *beta, float eps,
                                  Act act, const float *sum_g, const float *sum_gx, size_t count,
                                  int accumulate) {
-    (void)o;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
@@ -567,6 +566,210 @@ static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const f
             if (count) g -= (sum_g[c] + xhat * sum_gx[c]) / (float)count;
             st_acc(dx, r * C + c, gamma[c] * invstd * g, accumulate);
         }
+}
+
+// fp32 versions: the same formulas with per-channel constants hoisted out of
+// the pixel loop and channels innermost (contiguous, so the compiler
+// vectorises them), one pass over memory each:
+//   stats    Σd, Σd² in fp64 with d = x - x[0,c] (shifted, so no cancellation):
+//            mean = x[0,c] + Σd/M, var = Σd²/M - (Σd/M)²
+//   forward  z = (x - mean)·a + beta with a = gamma·invstd (not a·x + b: that
+//            cancels when |mean·a| ≫ |z|)
+// Reductions keep the reference's scheme (a block of channels per thread,
+// rows in order): the same bits for any thread count.
+#define BN_ROWS 64  // rows per parallel work item of the elementwise passes
+
+static void bn_stats_f32(const float *x, size_t M, int C, float *mean, float *var) {
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
+        const int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
+        double s[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0}, k[BN_CBLOCK] = {0};
+        for (int j = 0; j < nc; j++) k[j] = x[c0 + j];
+        if (nc == BN_CBLOCK) {  // the common case, with a constant trip count
+            for (size_t r = 0; r < M; r++) {
+                const float *xr = x + r * C + c0;
+                for (int j = 0; j < BN_CBLOCK; j++) { double d = xr[j] - k[j]; s[j] += d; q[j] += d * d; }
+            }
+        } else {
+            for (size_t r = 0; r < M; r++) {
+                const float *xr = x + r * C + c0;
+                for (int j = 0; j < nc; j++) { double d = xr[j] - k[j]; s[j] += d; q[j] += d * d; }
+            }
+        }
+        for (int j = 0; j < nc; j++) {
+            double m = s[j] / (double)M, v = q[j] / (double)M - m * m;
+            mean[c0 + j] = (float)(k[j] + m);
+            var[c0 + j] = (float)(v > 0.0 ? v : 0.0);
+        }
+    }
+}
+
+// y = act((x - m)·a + b) over rows r0..r1; `act` is a constant where this is inlined
+static inline __attribute__((always_inline)) void bn_act_rows(float *y, const float *x, size_t r0, size_t r1,
+                                                              int C, const float *m, const float *a,
+                                                              const float *b, Act act) {
+    for (size_t r = r0; r < r1; r++) {
+        const float *xr = x + r * C;
+        float *yr = y + r * C;
+        #pragma omp simd
+        for (int c = 0; c < C; c++) yr[c] = act_apply(act, (xr[c] - m[c]) * a[c] + b[c]);
+    }
+}
+
+static void bn_forward_f32(float *y, const float *x, size_t M, int C, const float *mean, const float *var,
+                           const float *gamma, const float *beta, float eps, Act act) {
+    float a[C];  // (C)
+    for (int c = 0; c < C; c++) a[c] = gamma[c] * bn_invstd(var, c, eps);
+    const size_t n_items = (M + BN_ROWS - 1) / BN_ROWS;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (size_t it = 0; it < n_items; it++) {
+        size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
+        switch (act) {
+        case ACT_RELU: bn_act_rows(y, x, r0, r1, C, mean, a, beta, ACT_RELU); break;
+        case ACT_SILU: bn_act_rows(y, x, r0, r1, C, mean, a, beta, ACT_SILU); break;
+        case ACT_SIGMOID: bn_act_rows(y, x, r0, r1, C, mean, a, beta, ACT_SIGMOID); break;
+        default: bn_act_rows(y, x, r0, r1, C, mean, a, beta, ACT_NONE);
+        }
+    }
+}
+
+// Σg and Σg·(x - mean) per channel over rows, g = dy·act'((x - mean)·a + b); act constant where inlined
+static inline __attribute__((always_inline)) void bn_grad_sums(const float *dy, const float *x, size_t M, int C,
+                                                               int c0, const float *a, const float *b,
+                                                               const float *mean, Act act, double *sg,
+                                                               double *sgx) {
+    for (size_t r = 0; r < M; r++) {
+        const float *xr = x + r * C + c0, *dr = dy + r * C + c0;
+        #pragma omp simd
+        for (int j = 0; j < BN_CBLOCK; j++) {
+            float d = xr[j] - mean[c0 + j], g = dr[j] * act_grad(act, d * a[c0 + j] + b[c0 + j]);
+            sg[j] += g;
+            sgx[j] += (double)g * d;
+        }
+    }
+}
+
+static void bn_backward_reduce_f32(const float *dy, const float *x, size_t M, int C, const float *mean,
+                                   const float *var, const float *gamma, const float *beta, float eps, Act act,
+                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta) {
+    // a, b, mean padded to whole channel blocks (the padding lanes are computed and dropped)
+    const int Cp = (C + BN_CBLOCK - 1) / BN_CBLOCK * BN_CBLOCK;
+    float a[Cp], b[Cp], m[Cp], invstd[Cp];  // (Cp)
+    for (int c = 0; c < Cp; c++) {
+        invstd[c] = c < C ? bn_invstd(var, c, eps) : 0.0f;
+        a[c] = c < C ? gamma[c] * invstd[c] : 0.0f;
+        b[c] = c < C ? beta[c] : 0.0f;
+        m[c] = c < C ? mean[c] : 0.0f;
+    }
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
+        const int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
+        double sg[BN_CBLOCK] = {0}, sgx[BN_CBLOCK] = {0};
+        if (nc == BN_CBLOCK) {
+            switch (act) {
+            case ACT_RELU: bn_grad_sums(dy, x, M, C, c0, a, b, m, ACT_RELU, sg, sgx); break;
+            case ACT_SILU: bn_grad_sums(dy, x, M, C, c0, a, b, m, ACT_SILU, sg, sgx); break;
+            case ACT_SIGMOID: bn_grad_sums(dy, x, M, C, c0, a, b, m, ACT_SIGMOID, sg, sgx); break;
+            default: bn_grad_sums(dy, x, M, C, c0, a, b, m, ACT_NONE, sg, sgx);
+            }
+        } else {  // the last, partial block
+            for (size_t r = 0; r < M; r++)
+                for (int j = 0; j < nc; j++) {
+                    size_t i = r * C + c0 + j;
+                    float d = x[i] - m[c0 + j], g = dy[i] * act_grad(act, d * a[c0 + j] + b[c0 + j]);
+                    sg[j] += g;
+                    sgx[j] += (double)g * d;
+                }
+        }
+        for (int j = 0; j < nc; j++) {
+            float gx = (float)(sgx[j] * invstd[c0 + j]);  // Σ g·xhat
+            sum_g[c0 + j] = (float)sg[j];
+            sum_gx[c0 + j] = gx;
+            if (dbeta) dbeta[c0 + j] += (float)sg[j];
+            if (dgamma) dgamma[c0 + j] += gx;
+        }
+    }
+}
+
+// dx (=|+=) k·(g - u - (x - mean)·v), k = gamma·invstd, u = Σg/count, v = invstd·Σg·xhat/count
+static inline __attribute__((always_inline)) void bn_dx_rows(float *dx, const float *dy, const float *x, size_t r0,
+                                                             size_t r1, int C, const float *a, const float *b,
+                                                             const float *mean, const float *u, const float *v,
+                                                             Act act, int accumulate) {
+    for (size_t r = r0; r < r1; r++) {
+        const float *xr = x + r * C, *dr = dy + r * C;
+        float *o = dx + r * C;
+        #pragma omp simd
+        for (int c = 0; c < C; c++) {
+            float xm = xr[c] - mean[c], g = dr[c] * act_grad(act, xm * a[c] + b[c]);
+            float d = a[c] * (g - u[c] - xm * v[c]);
+            o[c] = accumulate ? o[c] + d : d;
+        }
+    }
+}
+
+static void bn_backward_data_f32(float *dx, const float *dy, const float *x, size_t M, int C, const float *mean,
+                                 const float *var, const float *gamma, const float *beta, float eps, Act act,
+                                 const float *sum_g, const float *sum_gx, size_t count, int accumulate) {
+    float a[C], b[C], u[C], v[C];  // (C)
+    for (int c = 0; c < C; c++) {
+        float invstd = bn_invstd(var, c, eps);
+        a[c] = gamma[c] * invstd;
+        b[c] = beta[c];
+        u[c] = count ? sum_g[c] / (float)count : 0.0f;
+        v[c] = count ? invstd * sum_gx[c] / (float)count : 0.0f;
+    }
+    const size_t n_items = (M + BN_ROWS - 1) / BN_ROWS;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (size_t it = 0; it < n_items; it++) {
+        size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
+        switch (act) {
+        case ACT_RELU: bn_dx_rows(dx, dy, x, r0, r1, C, a, b, mean, u, v, ACT_RELU, accumulate); break;
+        case ACT_SILU: bn_dx_rows(dx, dy, x, r0, r1, C, a, b, mean, u, v, ACT_SILU, accumulate); break;
+        case ACT_SIGMOID: bn_dx_rows(dx, dy, x, r0, r1, C, a, b, mean, u, v, ACT_SIGMOID, accumulate); break;
+        default: bn_dx_rows(dx, dy, x, r0, r1, C, a, b, mean, u, v, ACT_NONE, accumulate);
+        }
+    }
+}
+
+static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var) {
+    (void)o;
+    if (x.dtype != DT_F32) { bn_stats_ref(x, mean, var); return; }
+    bn_stats_f32((const float *)x.data, shape_numel(x.shape) / x.shape.c, x.shape.c, mean, var);
+}
+
+static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
+                           const float *gamma, const float *beta, float eps, Act act) {
+    (void)o;
+    if (x.dtype != DT_F32 || y.dtype != DT_F32) { bn_forward_ref(y, x, mean, var, gamma, beta, eps, act); return; }
+    bn_forward_f32((float *)y.data, (const float *)x.data, shape_numel(x.shape) / x.shape.c, x.shape.c, mean, var,
+                   gamma, beta, eps, act);
+}
+
+static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
+                                   const float *gamma, const float *beta, float eps, Act act,
+                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta) {
+    (void)o;
+    if (x.dtype != DT_F32 || dy.dtype != DT_F32) {
+        bn_backward_reduce_ref(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta);
+        return;
+    }
+    bn_backward_reduce_f32((const float *)dy.data, (const float *)x.data, shape_numel(x.shape) / x.shape.c, x.shape.c,
+                           mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta);
+}
+
+static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
+                                 const float *var, const float *gamma, const float *beta, float eps,
+                                 Act act, const float *sum_g, const float *sum_gx, size_t count,
+                                 int accumulate) {
+    (void)o;
+    if (x.dtype != DT_F32 || dy.dtype != DT_F32 || dx.dtype != DT_F32) {
+        bn_backward_data_ref(dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
+        return;
+    }
+    bn_backward_data_f32((float *)dx.data, (const float *)dy.data, (const float *)x.data,
+                         shape_numel(x.shape) / x.shape.c, x.shape.c, mean, var, gamma, beta, eps, act, sum_g,
+                         sum_gx, count, accumulate);
 }
 
 // ----------------------------------------------------------------------------
