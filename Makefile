@@ -18,7 +18,7 @@
 # spin against each other (a 0.03 s test took 74 s on 2 busy cores).
 
 CC      ?= gcc
-CFLAGS  ?= -O3 -g
+CFLAGS  ?= -O2 -g
 CFLAGS  += -std=gnu11 -Wall -Wextra -Wno-unknown-pragmas -pthread
 LDLIBS  += -lm
 

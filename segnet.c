@@ -5196,8 +5196,9 @@ static int choose_setting(TrainCfg *c, size_t budget, char *why, size_t why_size
 
 // ----------------------------------------------------------------------------
 // benchmark: full training steps (forward, loss, backward, Adam) on synthetic
-// data, built from the trainer's pieces as run_pass does a step; optionally a
-// profile by op kind from net->layer_seconds.
+// data, built from the trainer's pieces as train_step does a step (the planned
+// arena, so the peak memory is the trainer's); optionally a profile by op kind
+// from net->layer_seconds.
 
 typedef enum {
     BK_CONV1, BK_CONVK, BK_DEPTHWISE, BK_BN, BK_ACT, BK_SE, BK_LOSS, BK_OPT, BK_OTHER, BK_COUNT
@@ -5211,6 +5212,8 @@ typedef struct {
     int steps, warmup;   // timed steps, untimed steps before them
     int threads;         // 0: OpenMP's default
     int profile;         // fill BenchResult's per-kind table
+    DType precision;     // activation storage
+    int checkpoint;      // recompute blocks in backward
     uint64_t seed;
 } BenchCfg;
 
@@ -5262,7 +5265,7 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     int logits = model_build(&g, &c->model);
     if (logits < 0) { snprintf(err, SN_ERR_MAX, "%s", g.err); graph_free(&g); return -1; }
     Net net;
-    if (net_create(&net, &g, o, DT_F32, 0, err)) { graph_free(&g); return -1; }
+    if (net_create_planned(&net, &g, o, c->precision, 0, logits, c->checkpoint, err)) { graph_free(&g); return -1; }
     net_init_params(&net, c->seed);
     r->n_params = g.n_param_floats;
 #ifdef _OPENMP
@@ -5284,10 +5287,12 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     for (int k = 0; k < K; k++) host_cw[k] = 1.0f;
     float *adam_m = o->alloc(o, sizeof(float) * (P ? P : 1)), *adam_v = o->alloc(o, sizeof(float) * (P ? P : 1));
     float *cw = o->alloc(o, sizeof(float) * K), *stats = o->alloc(o, sizeof(float) * 4);
+    float *stage = c->precision == DT_F32 ? NULL : o->alloc(o, sizeof(float) * n_in);  // (N,H,W,3) fp32 input
     int32_t *labels = o->alloc(o, sizeof(int32_t) * n_labels);
     double *times = malloc(sizeof(double) * (size_t)(c->steps > 0 ? c->steps : 1));
     double *layer_s = c->profile ? calloc(2 * (size_t)g.n_layers, sizeof(double)) : NULL;
-    if (!adam_m || !adam_v || !cw || !stats || !labels || !times || (c->profile && !layer_s)) {
+    if (!adam_m || !adam_v || !cw || !stats || !labels || !times || (c->profile && !layer_s) ||
+        (c->precision != DT_F32 && !stage)) {
         snprintf(err, SN_ERR_MAX, "out of memory for the benchmark's buffers");
         net_free(&net); graph_free(&g);
         return -1;
@@ -5295,7 +5300,6 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     const Tensor grads = tensor_f32(net.grads, shape4((int)P, 1, 1, 1));
     o->fill(o, tensor_f32(adam_m, shape4((int)P, 1, 1, 1)), 0.0f);
     o->fill(o, tensor_f32(adam_v, shape4((int)P, 1, 1, 1)), 0.0f);
-    o->upload(o, net.act[g.input], host_in, sizeof(float) * n_in);
     o->upload(o, labels, host_lab, sizeof(int32_t) * n_labels);
     o->upload(o, cw, host_cw, sizeof(float) * K);
     const float inv_norm = (float)(1.0 / (double)n_labels);
@@ -5308,6 +5312,12 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
         o->fill(o, grads, 0.0f);
         o->synchronize(o);
         double tz = now_seconds();
+        if (c->precision == DT_F32) {  // the input's place in the arena takes each step's batch
+            o->upload(o, net.act[g.input], host_in, sizeof(float) * n_in);
+        } else {
+            o->upload(o, stage, host_in, sizeof(float) * n_in);
+            o->copy(o, net_tensor(&net, g.input), tensor_f32(stage, in), 0);
+        }
         net.step = (uint64_t)step;
         net_forward(&net, 1);
         o->synchronize(o);
@@ -5353,7 +5363,7 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
         r->kind_bwd_ms[BK_OPT] += 1e3 * opt_s / n;
     }
     free(host_in); free(host_cw); free(host_lab); free(times); free(layer_s);
-    o->free(o, adam_m); o->free(o, adam_v); o->free(o, cw); o->free(o, stats); o->free(o, labels);
+    o->free(o, adam_m); o->free(o, adam_v); o->free(o, cw); o->free(o, stats); o->free(o, labels); o->free(o, stage);
     net_free(&net);
     graph_free(&g);
     return 0;
@@ -5879,14 +5889,14 @@ static const char *BENCH_USAGE =
     "  --threads T         CPU threads (default: all cores)\n"
     "  --profile           also print the time per op kind per step (forward,\n"
     "                      backward) and GFLOP/s of the convs\n"
-    "  --precision P       activation storage: only fp32 for now\n"
-    "  --checkpoint C      activation checkpointing: only none for now\n"
+    "  --precision P       activation storage: fp32 (default), fp16 or bf16\n"
+    "  --checkpoint C      none (default) or blocks: recompute each block in backward\n"
     "  --seed S            initialisation and data (default 1)\n"
     "  --classes K, --padding MODE, --head-hidden H, --depth D, --width W:\n"
     "                      the model, as for segnet train\n";
 
 static int cmd_bench(int argc, char **argv) {
-    BenchCfg c = {model_cfg_default(), 5, 1, 0, 0, 1};
+    BenchCfg c = {model_cfg_default(), 5, 1, 0, 0, DT_F32, 0, 1};
     c.model.batch = 4;
     int size_given = 0;
     for (int i = 2; i < argc;) {
@@ -5907,10 +5917,14 @@ static int cmd_bench(int argc, char **argv) {
         else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, 1 << 20, &c.warmup);
         else if (!strcmp(f, "--threads")) rc = parse_int(f, v, 1, 4096, &c.threads);
         else if (!strcmp(f, "--seed")) { rc = parse_int(f, v, 0, 2147483647, &seed); c.seed = (uint64_t)seed; }
-        else if (!strcmp(f, "--precision") && strcmp(v, "fp32")) {
-            fprintf(stderr, "segnet bench: --precision '%s': only fp32 is supported for now\n", v); rc = -1;
-        } else if (!strcmp(f, "--checkpoint") && strcmp(v, "none")) {
-            fprintf(stderr, "segnet bench: --checkpoint '%s': only none is supported for now\n", v); rc = -1;
+        else if (!strcmp(f, "--precision")) {
+            int k = 0;
+            while (k < 3 && strcmp(v, DTYPE_NAMES[k])) k++;
+            if (k == 3) { fprintf(stderr, "segnet bench: --precision '%s' must be fp32, fp16 or bf16\n", v); rc = -1; }
+            else c.precision = (DType)k;
+        } else if (!strcmp(f, "--checkpoint")) {
+            if (!strcmp(v, "blocks")) c.checkpoint = 1;
+            else if (strcmp(v, "none")) { fprintf(stderr, "segnet bench: --checkpoint '%s' must be none or blocks\n", v); rc = -1; }
         }
         if (rc) return 2;
         i += 2;
