@@ -213,10 +213,11 @@ static int conv_is_depthwise(const ConvCfg *cfg) {
 }
 
 // Workspace in bytes: col (P·K) for the GEMM paths, plus an fp32 copy of one
-// image's output or output gradient when activations are not stored in fp32.
+// image's output or output gradient when activations are not stored in fp32;
+// depthwise: its weights transposed to [kh][kw][C].
 size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
     (void)o;
-    if (conv_is_depthwise(cfg)) return 0;
+    if (conv_is_depthwise(cfg)) return sizeof(float) * (size_t)cfg->kh * cfg->kw * cfg->cin;  // weights [kh][kw][C]
     if (conv_is_pointwise(cfg) && dt == DT_F32) return 0;
     ConvGeom q = conv_geom(cfg, in);
     size_t floats = q.P * q.K;
@@ -297,7 +298,7 @@ static float *image_rows_f32(Tensor t, int n, size_t P, int Cout, float *scratch
 }
 
 // depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx, c] · w[c][ky][kx]
-static void depthwise_forward(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
+static void depthwise_forward_ref(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
                               const float *w, const float *b) {
     const int KK = cfg->kh * cfg->kw;
     #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * q->C * KK))
@@ -323,7 +324,7 @@ static void depthwise_forward(const ConvCfg *cfg, const ConvGeom *q, Tensor out,
 }
 
 // din[n,iy,ix,c] (=|+=) Σ_{ky,kx} dout[n,oy,ox,c]·w[c][ky][kx], oy = (iy + pt - ky)/s integral
-static void depthwise_backward_data(const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
+static void depthwise_backward_data_ref(const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
                                     const float *w, int accumulate) {
     const int KK = cfg->kh * cfg->kw, s = cfg->stride;
     #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->H * q->W * q->C * KK))
@@ -349,7 +350,7 @@ static void depthwise_backward_data(const ConvCfg *cfg, const ConvGeom *q, Tenso
 }
 
 // dw[c][ky][kx] += Σ_{n,oy,ox} dout[n,oy,ox,c] · x[n, oy·s - pt + ky, ox·s - pl + kx, c]
-static void depthwise_backward_weight(const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout,
+static void depthwise_backward_weight_ref(const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout,
                                       Tensor in) {
     const int KK = cfg->kh * cfg->kw;
     #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * q->C * KK))
@@ -371,6 +372,107 @@ static void depthwise_backward_weight(const ConvCfg *cfg, const ConvGeom *q, flo
     }
 }
 
+// fp32 depthwise: the same sums with channels innermost, so that each tap is
+// one vector multiply-add over C contiguous channels of x (or dout) and of the
+// weights transposed to wt[ky][kx][C] (in the workspace). The forward and the
+// data gradient add the taps in the reference's (ky, kx) order.
+static void depthwise_weights_t(const ConvCfg *cfg, int C, const float *w, float *wt) {
+    const int KK = cfg->kh * cfg->kw;
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < KK; k++) wt[(size_t)k * C + c] = w[(size_t)c * KK + k];
+}
+
+static void depthwise_forward_f32(const ConvCfg *cfg, const ConvGeom *q, float *out, const float *in,
+                                  const float *w, const float *b, float *wt) {
+    const int C = q->C, s = cfg->stride;
+    depthwise_weights_t(cfg, C, w, wt);
+    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * C * cfg->kh * cfg->kw))
+    for (int noy = 0; noy < q->N * q->OH; noy++) {
+        const int n = noy / q->OH, oy = noy % q->OH;
+        for (int ox = 0; ox < q->OW; ox++) {
+            float *o = out + (((size_t)n * q->OH + oy) * q->OW + ox) * C;  // (C)
+            for (int c = 0; c < C; c++) o[c] = b ? b[c] : 0.0f;
+            for (int ky = 0; ky < cfg->kh; ky++) {
+                const int iy = oy * s - q->pt + ky;
+                if (iy < 0 || iy >= q->H) continue;
+                for (int kx = 0; kx < cfg->kw; kx++) {
+                    const int ix = ox * s - q->pl + kx;
+                    if (ix < 0 || ix >= q->W) continue;
+                    const float *xr = in + (((size_t)n * q->H + iy) * q->W + ix) * C, *wr = wt + (size_t)(ky * cfg->kw + kx) * C;
+                    #pragma omp simd
+                    for (int c = 0; c < C; c++) o[c] += xr[c] * wr[c];
+                }
+            }
+        }
+    }
+}
+
+static void depthwise_backward_data_f32(const ConvCfg *cfg, const ConvGeom *q, float *din, const float *dout,
+                                        const float *w, int accumulate, float *wt) {
+    const int C = q->C, s = cfg->stride;
+    depthwise_weights_t(cfg, C, w, wt);
+    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->H * q->W * C * cfg->kh * cfg->kw))
+    for (int niy = 0; niy < q->N * q->H; niy++) {
+        const int n = niy / q->H, iy = niy % q->H;
+        float acc[C];  // (C)
+        for (int ix = 0; ix < q->W; ix++) {
+            for (int c = 0; c < C; c++) acc[c] = 0.0f;
+            for (int ky = 0; ky < cfg->kh; ky++) {
+                const int ty = iy + q->pt - ky;
+                if (ty < 0 || ty % s || ty / s >= q->OH) continue;
+                for (int kx = 0; kx < cfg->kw; kx++) {
+                    const int tx = ix + q->pl - kx;
+                    if (tx < 0 || tx % s || tx / s >= q->OW) continue;
+                    const float *dr = dout + (((size_t)n * q->OH + ty / s) * q->OW + tx / s) * C;
+                    const float *wr = wt + (size_t)(ky * cfg->kw + kx) * C;
+                    #pragma omp simd
+                    for (int c = 0; c < C; c++) acc[c] += dr[c] * wr[c];
+                }
+            }
+            float *d = din + (((size_t)n * q->H + iy) * q->W + ix) * C;
+            if (accumulate) for (int c = 0; c < C; c++) d[c] += acc[c];
+            else memcpy(d, acc, sizeof(float) * C);
+        }
+    }
+}
+
+// dw[c][ky][kx] += Σ_{n,oy,ox} dout·x in fp64, a block of channels per thread,
+// pixels in order: the same bits for any thread count.
+#define DW_CBLOCK 16
+static void depthwise_backward_weight_f32(const ConvCfg *cfg, const ConvGeom *q, float *dw, const float *dout,
+                                          const float *in) {
+    const int C = q->C, s = cfg->stride, KK = cfg->kh * cfg->kw;
+    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * C * KK))
+    for (int c0 = 0; c0 < C; c0 += DW_CBLOCK) {
+        const int nc = C - c0 < DW_CBLOCK ? C - c0 : DW_CBLOCK;
+        double acc[KK][DW_CBLOCK];  // (KK, DW_CBLOCK)
+        memset(acc, 0, sizeof acc);
+        for (int n = 0; n < q->N; n++)
+            for (int oy = 0; oy < q->OH; oy++)
+                for (int ox = 0; ox < q->OW; ox++) {
+                    const float *dr = dout + (((size_t)n * q->OH + oy) * q->OW + ox) * C + c0;
+                    for (int ky = 0; ky < cfg->kh; ky++) {
+                        const int iy = oy * s - q->pt + ky;
+                        if (iy < 0 || iy >= q->H) continue;
+                        for (int kx = 0; kx < cfg->kw; kx++) {
+                            const int ix = ox * s - q->pl + kx;
+                            if (ix < 0 || ix >= q->W) continue;
+                            const float *xr = in + (((size_t)n * q->H + iy) * q->W + ix) * C + c0;
+                            double *a = acc[ky * cfg->kw + kx];
+                            if (nc == DW_CBLOCK) {
+                                #pragma omp simd
+                                for (int j = 0; j < DW_CBLOCK; j++) a[j] += (double)dr[j] * xr[j];
+                            } else {
+                                for (int j = 0; j < nc; j++) a[j] += (double)dr[j] * xr[j];
+                            }
+                        }
+                    }
+                }
+        for (int j = 0; j < nc; j++)
+            for (int k = 0; k < KK; k++) dw[(size_t)(c0 + j) * KK + k] += (float)acc[k][j];
+    }
+}
+
 static void add_bias_rows(float *y, size_t rows, int C, const float *b) {
     #pragma omp parallel for schedule(static) if(PAR(rows * C))
     for (size_t r = 0; r < rows; r++)
@@ -383,7 +485,13 @@ static void conv2d_forward_cpu(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in
     ConvGeom q = conv_geom(cfg, in.shape);
     snCheck(out.shape.n == q.N && out.shape.h == q.OH && out.shape.w == q.OW && out.shape.c == q.Cout,
             "conv2d_forward: out " SHAPE_FMT " for in " SHAPE_FMT, SHAPE_ARGS(out.shape), SHAPE_ARGS(in.shape));
-    if (conv_is_depthwise(cfg)) { depthwise_forward(cfg, &q, out, in, w, b); return; }
+    if (conv_is_depthwise(cfg)) {
+        if (in.dtype == DT_F32 && out.dtype == DT_F32)
+            depthwise_forward_f32(cfg, &q, (float *)out.data, (const float *)in.data, w, b, (float *)ws);
+        else
+            depthwise_forward_ref(cfg, &q, out, in, w, b);
+        return;
+    }
     if (conv_is_pointwise(cfg) && in.dtype == DT_F32 && out.dtype == DT_F32) {
         // out[N·H·W][Cout] = in[N·H·W][Cin] · W[Cout][Cin]ᵀ
         int M = q.N * q.H * q.W;
@@ -411,7 +519,13 @@ static void conv2d_backward_data_cpu(Ops *o, const ConvCfg *cfg, Tensor din, Ten
                                      int accumulate, void *ws) {
     (void)o;
     ConvGeom q = conv_geom(cfg, din.shape);
-    if (conv_is_depthwise(cfg)) { depthwise_backward_data(cfg, &q, din, dout, w, accumulate); return; }
+    if (conv_is_depthwise(cfg)) {
+        if (din.dtype == DT_F32 && dout.dtype == DT_F32)
+            depthwise_backward_data_f32(cfg, &q, (float *)din.data, (const float *)dout.data, w, accumulate, (float *)ws);
+        else
+            depthwise_backward_data_ref(cfg, &q, din, dout, w, accumulate);
+        return;
+    }
     if (conv_is_pointwise(cfg) && din.dtype == DT_F32 && dout.dtype == DT_F32) {
         // din[N·H·W][Cin] (=|+=) dout[N·H·W][Cout] · W[Cout][Cin]
         int M = q.N * q.H * q.W;
@@ -446,7 +560,13 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
         }
     }
     if (!dw) return;
-    if (conv_is_depthwise(cfg)) { depthwise_backward_weight(cfg, &q, dw, dout, in); return; }
+    if (conv_is_depthwise(cfg)) {
+        if (in.dtype == DT_F32 && dout.dtype == DT_F32)
+            depthwise_backward_weight_f32(cfg, &q, dw, (const float *)dout.data, (const float *)in.data);
+        else
+            depthwise_backward_weight_ref(cfg, &q, dw, dout, in);
+        return;
+    }
     if (conv_is_pointwise(cfg) && in.dtype == DT_F32 && dout.dtype == DT_F32) {
         // dW[Cout][Cin] += dout[N·H·W][Cout]ᵀ · in[N·H·W][Cin]
         int M = q.N * q.H * q.W;
