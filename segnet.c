@@ -956,8 +956,34 @@ static void act_backward_cpu(Ops *o, Act act, Tensor dx, Tensor dy, Tensor x, in
 //   pool:  y[n,c] = Σ_{h,w} x[n,h,w,c] / (H·W);      dx[n,h,w,c] = dy[n,c] / (H·W)
 //   scale: y[n,h,w,c] = x[n,h,w,c]·s[n,c];           dx = dy·s,  ds[n,c] = Σ_{h,w} dy·x
 
+// fp32: Σ over the pixels of image n per channel, fp64, channels innermost;
+// a block of channels per work item, pixels in order (any thread count, same bits)
+#define SE_CBLOCK 16
+static void channel_sums_f32(const float *a, const float *b, int N, size_t HW, int C, double *out) {
+    const int nblk = (C + SE_CBLOCK - 1) / SE_CBLOCK;
+    #pragma omp parallel for schedule(static) if(PAR((size_t)N * HW * C))
+    for (int nb = 0; nb < N * nblk; nb++) {
+        const int n = nb / nblk, c0 = nb % nblk * SE_CBLOCK, nc = C - c0 < SE_CBLOCK ? C - c0 : SE_CBLOCK;
+        double acc[SE_CBLOCK] = {0};
+        for (size_t p = 0; p < HW; p++) {
+            const size_t i = ((size_t)n * HW + p) * C + c0;
+            if (b) for (int j = 0; j < nc; j++) acc[j] += (double)a[i + j] * b[i + j];   // Σ a·b
+            else for (int j = 0; j < nc; j++) acc[j] += a[i + j];                         // Σ a
+        }
+        for (int j = 0; j < nc; j++) out[(size_t)n * C + c0 + j] = acc[j];
+    }
+}
+
 static void global_avg_pool_forward_cpu(Ops *o, Tensor y, Tensor x) {
     (void)o;
+    if (x.dtype == DT_F32) {
+        const int N = x.shape.n, C = x.shape.c;
+        const size_t HW = (size_t)x.shape.h * x.shape.w;
+        double sums[N * C];  // (N,C)
+        channel_sums_f32((const float *)x.data, NULL, N, HW, C, sums);
+        for (int i = 0; i < N * C; i++) st(y, i, (float)(sums[i] / (double)HW));
+        return;
+    }
     const int C = x.shape.c;
     const size_t HW = (size_t)x.shape.h * x.shape.w;
     #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
@@ -974,6 +1000,18 @@ static void global_avg_pool_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accum
     const int C = dx.shape.c;
     const size_t HW = (size_t)dx.shape.h * dx.shape.w;
     const float inv = 1.0f / (float)HW;
+    if (dx.dtype == DT_F32 && dy.dtype == DT_F32) {  // rows of C, dy[n,:] per row
+        const size_t M = (size_t)dx.shape.n * HW;
+        const float *dyp = (const float *)dy.data;
+        float *dxp = (float *)dx.data;
+        #pragma omp parallel for schedule(static) if(PAR(M * C))
+        for (size_t r = 0; r < M; r++) {
+            const float *g = dyp + r / HW * C;
+            if (accumulate) for (int c = 0; c < C; c++) dxp[r * C + c] += g[c] * inv;
+            else for (int c = 0; c < C; c++) dxp[r * C + c] = g[c] * inv;
+        }
+        return;
+    }
     #pragma omp parallel for schedule(static) if(PAR(shape_numel(dx.shape)))
     for (size_t i = 0; i < shape_numel(dx.shape); i++) {
         size_t n = i / (HW * C);
@@ -984,6 +1022,19 @@ static void global_avg_pool_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accum
 
 static void channel_scale_forward_cpu(Ops *o, Tensor y, Tensor x, Tensor s) {
     (void)o;
+    if (x.dtype == DT_F32 && y.dtype == DT_F32 && s.dtype == DT_F32) {  // rows of C, s[n,:] per row
+        const int C = x.shape.c;
+        const size_t HW = (size_t)x.shape.h * x.shape.w, M = (size_t)x.shape.n * HW;
+        const float *xp = (const float *)x.data, *sp = (const float *)s.data;
+        float *yp = (float *)y.data;
+        #pragma omp parallel for schedule(static) if(PAR(M * C))
+        for (size_t r = 0; r < M; r++) {
+            const float *sr = sp + r / HW * C;
+            #pragma omp simd
+            for (int c = 0; c < C; c++) yp[r * C + c] = xp[r * C + c] * sr[c];
+        }
+        return;
+    }
     const int C = x.shape.c;
     const size_t HWC = (size_t)x.shape.h * x.shape.w * C;
     #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
@@ -996,12 +1047,28 @@ static void channel_scale_backward_cpu(Ops *o, Tensor dx, Tensor ds, Tensor dy, 
     (void)o;
     const int C = x.shape.c;
     const size_t HW = (size_t)x.shape.h * x.shape.w, HWC = HW * C;
-    if (dx.data) {
+    const int f32 = x.dtype == DT_F32 && dy.dtype == DT_F32 && s.dtype == DT_F32;
+    if (dx.data && f32 && dx.dtype == DT_F32) {
+        const size_t M = (size_t)x.shape.n * HW;
+        const float *dyp = (const float *)dy.data, *sp = (const float *)s.data;
+        float *dxp = (float *)dx.data;
+        #pragma omp parallel for schedule(static) if(PAR(M * C))
+        for (size_t r = 0; r < M; r++) {
+            const float *sr = sp + r / HW * C;
+            if (accumulate_dx) for (int c = 0; c < C; c++) dxp[r * C + c] += dyp[r * C + c] * sr[c];
+            else for (int c = 0; c < C; c++) dxp[r * C + c] = dyp[r * C + c] * sr[c];
+        }
+    } else if (dx.data) {
         #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
         for (size_t i = 0; i < shape_numel(x.shape); i++)
             st_acc(dx, i, ld(dy, i) * ld(s, (i / HWC) * C + i % C), accumulate_dx);
     }
-    if (ds.data) {
+    if (ds.data && f32) {
+        const int N = x.shape.n;
+        double sums[N * C];  // (N,C)
+        channel_sums_f32((const float *)dy.data, (const float *)x.data, N, HW, C, sums);
+        for (int nc = 0; nc < N * C; nc++) st_acc(ds, nc, (float)sums[nc], accumulate_ds);
+    } else if (ds.data) {
         #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
         for (int nc = 0; nc < x.shape.n * C; nc++) {
             int n = nc / C, c = nc % C;
