@@ -693,8 +693,10 @@ static void bn_backward_data_ref(Tensor dx, Tensor dy, Tensor x, const float *me
 // vectorises them), one pass over memory each:
 //   stats    Σd, Σd² in fp64 with d = x - x[0,c] (shifted, so no cancellation):
 //            mean = x[0,c] + Σd/M, var = Σd²/M - (Σd/M)²
-//   forward  z = (x - mean)·a + beta with a = gamma·invstd (not a·x + b: that
-//            cancels when |mean·a| ≫ |z|)
+//   z        gamma·((x - mean)·invstd) + beta with invstd per channel hoisted: the
+//            reference's z to the bit (not a·x + b, which cancels when |mean·a| ≫ |z|,
+//            nor (x - mean)·(gamma·invstd) + beta, which puts other values on the
+//            other side of ReLU's kink than the reference and PyTorch do)
 // Reductions keep the reference's scheme (a block of channels per thread,
 // rows in order): the same bits for any thread count.
 #define BN_ROWS 64  // rows per parallel work item of the elementwise passes
@@ -766,45 +768,45 @@ static void bn_stats_f32(const float *x, size_t M, int C, float *mean, float *va
     }
 }
 
-// y = act((x - m)·a + b) over rows r0..r1; `act` is a constant where this is inlined
+// y = act(g·((x - m)·k) + b) over rows r0..r1; `act` is a constant where this is inlined
 static inline __attribute__((always_inline)) void bn_act_rows(float *y, const float *x, size_t r0, size_t r1,
-                                                              int C, const float *m, const float *a,
-                                                              const float *b, Act act) {
+                                                              int C, const float *m, const float *k,
+                                                              const float *g, const float *b, Act act) {
     for (size_t r = r0; r < r1; r++) {
         const float *xr = x + r * C;
         float *yr = y + r * C;
         #pragma omp simd
-        for (int c = 0; c < C; c++) yr[c] = act_apply_vec(act, (xr[c] - m[c]) * a[c] + b[c]);
+        for (int c = 0; c < C; c++) yr[c] = act_apply_vec(act, g[c] * ((xr[c] - m[c]) * k[c]) + b[c]);
     }
 }
 
 static void bn_forward_f32(float *y, const float *x, size_t M, int C, const float *mean, const float *var,
                            const float *gamma, const float *beta, float eps, Act act) {
-    float a[C];  // (C)
-    for (int c = 0; c < C; c++) a[c] = gamma[c] * bn_invstd(var, c, eps);
+    float k[C];  // (C)
+    for (int c = 0; c < C; c++) k[c] = bn_invstd(var, c, eps);
     const size_t n_items = (M + BN_ROWS - 1) / BN_ROWS;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (size_t it = 0; it < n_items; it++) {
         size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
         switch (act) {
-        case ACT_RELU: bn_act_rows(y, x, r0, r1, C, mean, a, beta, ACT_RELU); break;
-        case ACT_SILU: bn_act_rows(y, x, r0, r1, C, mean, a, beta, ACT_SILU); break;
-        case ACT_SIGMOID: bn_act_rows(y, x, r0, r1, C, mean, a, beta, ACT_SIGMOID); break;
-        default: bn_act_rows(y, x, r0, r1, C, mean, a, beta, ACT_NONE);
+        case ACT_RELU: bn_act_rows(y, x, r0, r1, C, mean, k, gamma, beta, ACT_RELU); break;
+        case ACT_SILU: bn_act_rows(y, x, r0, r1, C, mean, k, gamma, beta, ACT_SILU); break;
+        case ACT_SIGMOID: bn_act_rows(y, x, r0, r1, C, mean, k, gamma, beta, ACT_SIGMOID); break;
+        default: bn_act_rows(y, x, r0, r1, C, mean, k, gamma, beta, ACT_NONE);
         }
     }
 }
 
-// Σg and Σg·(x - mean) per channel over rows, g = dy·act'((x - mean)·a + b); act constant where inlined
+// Σg and Σg·(x - mean) per channel over rows, g = dy·act'(gamma·((x - mean)·invstd) + b); act constant where inlined
 static inline __attribute__((always_inline)) void bn_grad_sums(const float *dy, const float *x, size_t M, int C,
-                                                               int c0, const float *a, const float *b,
-                                                               const float *mean, Act act, double *sg,
+                                                               int c0, const float *gam, const float *inv,
+                                                               const float *b, const float *mean, Act act, double *sg,
                                                                double *sgx) {
     for (size_t r = 0; r < M; r++) {
         const float *xr = x + r * C + c0, *dr = dy + r * C + c0;
         #pragma omp simd
         for (int j = 0; j < BN_CBLOCK; j++) {
-            float d = xr[j] - mean[c0 + j], g = dr[j] * act_grad_vec(act, d * a[c0 + j] + b[c0 + j]);
+            float d = xr[j] - mean[c0 + j], g = dr[j] * act_grad_vec(act, gam[c0 + j] * (d * inv[c0 + j]) + b[c0 + j]);
             sg[j] += g;
             sgx[j] += (double)g * d;
         }
@@ -814,12 +816,12 @@ static inline __attribute__((always_inline)) void bn_grad_sums(const float *dy, 
 static void bn_backward_reduce_f32(const float *dy, const float *x, size_t M, int C, const float *mean,
                                    const float *var, const float *gamma, const float *beta, float eps, Act act,
                                    float *sum_g, float *sum_gx, float *dgamma, float *dbeta) {
-    // a, b, mean padded to whole channel blocks (the padding lanes are computed and dropped)
+    // gamma, invstd, beta, mean padded to whole channel blocks (the padding lanes are computed and dropped)
     const int Cp = (C + BN_CBLOCK - 1) / BN_CBLOCK * BN_CBLOCK;
-    float a[Cp], b[Cp], m[Cp], invstd[Cp];  // (Cp)
+    float gam[Cp], b[Cp], m[Cp], invstd[Cp];  // (Cp)
     for (int c = 0; c < Cp; c++) {
         invstd[c] = c < C ? bn_invstd(var, c, eps) : 0.0f;
-        a[c] = c < C ? gamma[c] * invstd[c] : 0.0f;
+        gam[c] = c < C ? gamma[c] : 0.0f;
         b[c] = c < C ? beta[c] : 0.0f;
         m[c] = c < C ? mean[c] : 0.0f;
     }
@@ -829,16 +831,16 @@ static void bn_backward_reduce_f32(const float *dy, const float *x, size_t M, in
         double sg[BN_CBLOCK] = {0}, sgx[BN_CBLOCK] = {0};
         if (nc == BN_CBLOCK) {
             switch (act) {
-            case ACT_RELU: bn_grad_sums(dy, x, M, C, c0, a, b, m, ACT_RELU, sg, sgx); break;
-            case ACT_SILU: bn_grad_sums(dy, x, M, C, c0, a, b, m, ACT_SILU, sg, sgx); break;
-            case ACT_SIGMOID: bn_grad_sums(dy, x, M, C, c0, a, b, m, ACT_SIGMOID, sg, sgx); break;
-            default: bn_grad_sums(dy, x, M, C, c0, a, b, m, ACT_NONE, sg, sgx);
+            case ACT_RELU: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_RELU, sg, sgx); break;
+            case ACT_SILU: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_SILU, sg, sgx); break;
+            case ACT_SIGMOID: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_SIGMOID, sg, sgx); break;
+            default: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_NONE, sg, sgx);
             }
         } else {  // the last, partial block
             for (size_t r = 0; r < M; r++)
                 for (int j = 0; j < nc; j++) {
                     size_t i = r * C + c0 + j;
-                    float d = x[i] - m[c0 + j], g = dy[i] * act_grad_vec(act, d * a[c0 + j] + b[c0 + j]);
+                    float d = x[i] - m[c0 + j], g = dy[i] * act_grad_vec(act, gam[c0 + j] * (d * invstd[c0 + j]) + b[c0 + j]);
                     sg[j] += g;
                     sgx[j] += (double)g * d;
                 }
@@ -853,9 +855,10 @@ static void bn_backward_reduce_f32(const float *dy, const float *x, size_t M, in
     }
 }
 
-// dx (=|+=) k·(g - u - (x - mean)·v), k = gamma·invstd, u = Σg/count, v = invstd·Σg·xhat/count
+// dx (=|+=) a·(g - u - (x - mean)·v), a = gamma·invstd, u = Σg/count, v = invstd·Σg·xhat/count
 static inline __attribute__((always_inline)) void bn_dx_rows(float *dx, const float *dy, const float *x, size_t r0,
-                                                             size_t r1, int C, const float *a, const float *b,
+                                                             size_t r1, int C, const float *a, const float *gam,
+                                                             const float *inv, const float *b,
                                                              const float *mean, const float *u, const float *v,
                                                              Act act, int accumulate) {
     for (size_t r = r0; r < r1; r++) {
@@ -863,7 +866,7 @@ static inline __attribute__((always_inline)) void bn_dx_rows(float *dx, const fl
         float *o = dx + r * C;
         #pragma omp simd
         for (int c = 0; c < C; c++) {
-            float xm = xr[c] - mean[c], g = dr[c] * act_grad_vec(act, xm * a[c] + b[c]);
+            float xm = xr[c] - mean[c], g = dr[c] * act_grad_vec(act, gam[c] * (xm * inv[c]) + b[c]);
             float d = a[c] * (g - u[c] - xm * v[c]);
             o[c] = accumulate ? o[c] + d : d;
         }
@@ -873,23 +876,22 @@ static inline __attribute__((always_inline)) void bn_dx_rows(float *dx, const fl
 static void bn_backward_data_f32(float *dx, const float *dy, const float *x, size_t M, int C, const float *mean,
                                  const float *var, const float *gamma, const float *beta, float eps, Act act,
                                  const float *sum_g, const float *sum_gx, size_t count, int accumulate) {
-    float a[C], b[C], u[C], v[C];  // (C)
+    float a[C], inv[C], u[C], v[C];  // (C)
     for (int c = 0; c < C; c++) {
-        float invstd = bn_invstd(var, c, eps);
-        a[c] = gamma[c] * invstd;
-        b[c] = beta[c];
+        inv[c] = bn_invstd(var, c, eps);
+        a[c] = gamma[c] * inv[c];
         u[c] = count ? sum_g[c] / (float)count : 0.0f;
-        v[c] = count ? invstd * sum_gx[c] / (float)count : 0.0f;
+        v[c] = count ? inv[c] * sum_gx[c] / (float)count : 0.0f;
     }
     const size_t n_items = (M + BN_ROWS - 1) / BN_ROWS;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (size_t it = 0; it < n_items; it++) {
         size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
         switch (act) {
-        case ACT_RELU: bn_dx_rows(dx, dy, x, r0, r1, C, a, b, mean, u, v, ACT_RELU, accumulate); break;
-        case ACT_SILU: bn_dx_rows(dx, dy, x, r0, r1, C, a, b, mean, u, v, ACT_SILU, accumulate); break;
-        case ACT_SIGMOID: bn_dx_rows(dx, dy, x, r0, r1, C, a, b, mean, u, v, ACT_SIGMOID, accumulate); break;
-        default: bn_dx_rows(dx, dy, x, r0, r1, C, a, b, mean, u, v, ACT_NONE, accumulate);
+        case ACT_RELU: bn_dx_rows(dx, dy, x, r0, r1, C, a, gamma, inv, beta, mean, u, v, ACT_RELU, accumulate); break;
+        case ACT_SILU: bn_dx_rows(dx, dy, x, r0, r1, C, a, gamma, inv, beta, mean, u, v, ACT_SILU, accumulate); break;
+        case ACT_SIGMOID: bn_dx_rows(dx, dy, x, r0, r1, C, a, gamma, inv, beta, mean, u, v, ACT_SIGMOID, accumulate); break;
+        default: bn_dx_rows(dx, dy, x, r0, r1, C, a, gamma, inv, beta, mean, u, v, ACT_NONE, accumulate);
         }
     }
 }

@@ -4407,6 +4407,236 @@ static void test_resume_cli_after_crash(void) {
 }
 
 // ----------------------------------------------------------------------------
+// fast fp32 CPU paths against the reference ops (issue 8): random shapes with
+// odd channel counts (partial vector and channel blocks), every activation,
+// strides 1 and 2, both padding modes, accumulate on and off, and the same
+// bits for any thread count.
+
+// max |a - b| / max(max |b|, floor)
+static double rel_diff(const float *a, const float *b, size_t n, double floor) {
+    double d = 0.0, m = floor;
+    for (size_t i = 0; i < n; i++) {
+        double e = fabs((double)a[i] - b[i]);
+        if (!(e <= d)) d = e;  // NaN wins
+        if (fabs(b[i]) > m) m = fabs(b[i]);
+    }
+    return d / m;
+}
+
+// The fast BN differs from the reference only in rounding: the statistics are
+// both fp64 sums (one-pass shifted vs two-pass: agree to ~1e-15, then one
+// rounding to fp32); z is the reference's expression, exp_vec is within a
+// few ulp of expf, and dx adds sum_g/M and xhat·sum_gx/M as two terms with
+// pre-divided constants. A few fp32 ulp of the largest value: 2e-6.
+static void test_fast_bn_vs_ref(void) {
+    Rng r; rng_seed(&r, 81);
+    const Shape shapes[3] = {shape4(2, 7, 5, 37), shape4(1, 9, 11, 16), shape4(3, 4, 6, 5)};
+    for (int si = 0; si < 3; si++)
+        for (int act = ACT_NONE; act <= ACT_SIGMOID; act++)
+            for (int acc = 0; acc < 2; acc++) {
+                Shape s = shapes[si];
+                const int C = s.c;
+                const size_t n = shape_numel(s), M = n / C;
+                float *x = randn(&r, n, 1.5f), *dy = randn(&r, n, 1.0f), *d0 = randn(&r, n, 1.0f);
+                for (size_t i = 0; i < n; i++) x[i] += 3.0f;  // a mean far from 0
+                float gam[37], bet[37], m1[37], v1[37], m2[37], v2[37];
+                for (int c = 0; c < C; c++) { gam[c] = 1.0f + 0.3f * rng_normal(&r); bet[c] = 0.5f * rng_normal(&r); }
+                bn_stats_f32(x, M, C, m1, v1);
+                bn_stats_ref(tensor_f32(x, s), m2, v2);
+                CHECK(rel_diff(m1, m2, C, 1e-3) < 1e-6 && rel_diff(v1, v2, C, 1e-3) < 1e-6,
+                      "bn_stats fast vs reference, shape " SHAPE_FMT, SHAPE_ARGS(s));
+                float *y1 = malloc(sizeof(float) * n), *y2 = malloc(sizeof(float) * n);
+                bn_forward_cpu(&ops_cpu, tensor_f32(y1, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act);
+                bn_forward_ref(tensor_f32(y2, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act);
+                double e = rel_diff(y1, y2, n, 1.0);
+                CHECK(e < 2e-6, "bn_forward fast vs reference: %.2e (act %d, shape " SHAPE_FMT ")", e, act, SHAPE_ARGS(s));
+                float sg1[37], sgx1[37], sg2[37], sgx2[37], dgam1[37] = {0}, dbet1[37] = {0}, dgam2[37] = {0}, dbet2[37] = {0};
+                bn_backward_reduce_cpu(&ops_cpu, tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act,
+                                       sg1, sgx1, dgam1, dbet1);
+                bn_backward_reduce_ref(tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act,
+                                       sg2, sgx2, dgam2, dbet2);
+                CHECK(rel_diff(sg1, sg2, C, 1.0) < 2e-6 && rel_diff(sgx1, sgx2, C, 1.0) < 2e-6 &&
+                      rel_diff(dgam1, dgam2, C, 1.0) < 2e-6 && rel_diff(dbet1, dbet2, C, 1.0) < 2e-6,
+                      "bn_backward_reduce fast vs reference (act %d, shape " SHAPE_FMT ")", act, SHAPE_ARGS(s));
+                for (int batch = 0; batch < 2; batch++) {  // batch statistics, and inference mode (count 0)
+                    memcpy(y1, d0, sizeof(float) * n);
+                    memcpy(y2, d0, sizeof(float) * n);
+                    bn_backward_data_cpu(&ops_cpu, tensor_f32(y1, s), tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet,
+                                         1e-3f, (Act)act, sg2, sgx2, batch ? M : 0, acc);
+                    bn_backward_data_ref(tensor_f32(y2, s), tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f,
+                                         (Act)act, sg2, sgx2, batch ? M : 0, acc);
+                    e = rel_diff(y1, y2, n, 1.0);
+                    CHECK(e < 2e-6, "bn_backward_data fast vs reference: %.2e (act %d, acc %d, count %d, shape " SHAPE_FMT ")",
+                          e, act, acc, batch, SHAPE_ARGS(s));
+                }
+                free(x); free(dy); free(d0); free(y1); free(y2);
+            }
+}
+
+// exp_vec against libm over the range the activations use, and at the clamps
+static void test_exp_vec(void) {
+    double worst = 0.0;
+    for (float x = -87.0f; x <= 88.0f; x += 0.013f) {
+        double e = fabs((double)exp_vec(x) - exp((double)x)) / exp((double)x);
+        if (e > worst) worst = e;
+    }
+    CHECK(worst < 4e-7, "exp_vec relative error %.2e (want a few ulp, < 4e-7)", worst);
+    CHECK(exp_vec(-1000.0f) > 0.0f && exp_vec(-1000.0f) < 1e-37f && isfinite(exp_vec(1000.0f)), "exp_vec clamps");
+    CHECK(isnan(exp_vec(NAN)), "exp_vec(NaN) is NaN");
+}
+
+// Depthwise: forward and data gradient add the taps in the reference's order,
+// with the same products, so they differ at most by FMA contraction (1 ulp per
+// tap, 25 taps): 1e-6 of the largest value. The weight gradient sums the same
+// fp64 products in the same order: the same to fp32 rounding.
+static void test_fast_depthwise_vs_ref(void) {
+    Rng r; rng_seed(&r, 82);
+    const int chans[3] = {37, 16, 5}, sizes[3][2] = {{9, 7}, {8, 8}, {5, 11}};
+    for (int ci = 0; ci < 3; ci++)
+        for (int k = 3; k <= 5; k += 2)
+            for (int stride = 1; stride <= 2; stride++)
+                for (int pad = 0; pad < 2; pad++) {
+                    const int C = chans[ci];
+                    Shape in = shape4(2, sizes[ci][0], sizes[ci][1], C);
+                    ConvCfg cfg = {0};
+                    cfg.cin = cfg.cout = cfg.groups = C; cfg.kh = cfg.kw = k; cfg.stride = stride;
+                    cfg.pad = pad ? PAD_SAME : PAD_SYMMETRIC;
+                    ConvGeom q = conv_geom(&cfg, in);
+                    Shape out = shape4(2, q.OH, q.OW, C);
+                    size_t ni = shape_numel(in), no = shape_numel(out);
+                    float *x = randn(&r, ni, 1.0f), *w = randn(&r, (size_t)C * k * k, 0.3f), *b = randn(&r, C, 0.1f);
+                    float *dy = randn(&r, no, 1.0f), *ws = malloc(conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32));
+                    float *y1 = malloc(sizeof(float) * no), *y2 = malloc(sizeof(float) * no);
+                    conv2d_forward_cpu(&ops_cpu, &cfg, tensor_f32(y1, out), tensor_f32(x, in), w, b, ws);
+                    depthwise_forward_ref(&cfg, &q, tensor_f32(y2, out), tensor_f32(x, in), w, b);
+                    double e = rel_diff(y1, y2, no, 1.0);
+                    CHECK(e < 1e-6, "depthwise forward fast vs reference %.2e (C %d, k %d, stride %d, %s)", e, C, k, stride,
+                          pad ? "same" : "symmetric");
+                    float *d0 = randn(&r, ni, 1.0f), *g1 = malloc(sizeof(float) * ni), *g2 = malloc(sizeof(float) * ni);
+                    for (int acc = 0; acc < 2; acc++) {
+                        memcpy(g1, d0, sizeof(float) * ni);
+                        memcpy(g2, d0, sizeof(float) * ni);
+                        conv2d_backward_data_cpu(&ops_cpu, &cfg, tensor_f32(g1, in), tensor_f32(dy, out), w, acc, ws);
+                        depthwise_backward_data_ref(&cfg, &q, tensor_f32(g2, in), tensor_f32(dy, out), w, acc);
+                        e = rel_diff(g1, g2, ni, 1.0);
+                        CHECK(e < 1e-6, "depthwise data gradient fast vs reference %.2e (C %d, k %d, stride %d, acc %d)", e, C,
+                              k, stride, acc);
+                    }
+                    float *dw1 = randn(&r, (size_t)C * k * k, 1.0f), *dw2 = malloc(sizeof(float) * C * k * k);
+                    memcpy(dw2, dw1, sizeof(float) * C * k * k);
+                    conv2d_backward_weight_cpu(&ops_cpu, &cfg, dw1, NULL, tensor_f32(dy, out), tensor_f32(x, in), ws);
+                    depthwise_backward_weight_ref(&cfg, &q, dw2, tensor_f32(dy, out), tensor_f32(x, in));
+                    e = rel_diff(dw1, dw2, (size_t)C * k * k, 1.0);
+                    CHECK(e < 2e-7, "depthwise weight gradient fast vs reference %.2e (C %d, k %d, stride %d)", e, C, k, stride);
+                    free(x); free(w); free(b); free(dy); free(ws); free(y1); free(y2); free(d0); free(g1); free(g2);
+                    free(dw1); free(dw2);
+                }
+}
+
+// Squeeze-excitation fp32 paths against the formulas in fp64 (per-image sums
+// in fp64 in both: equal to fp32 rounding; products x·s: 1 rounding).
+static void test_fast_se_vs_formula(void) {
+    Rng r; rng_seed(&r, 83);
+    Shape s = shape4(3, 5, 7, 37), p = shape4(3, 1, 1, 37);
+    size_t n = shape_numel(s);
+    float *x = randn(&r, n, 1.0f), *dy = randn(&r, n, 1.0f), *sc = randn(&r, 3 * 37, 1.0f), *dp = randn(&r, 3 * 37, 1.0f);
+    float *y = malloc(sizeof(float) * n), *pool = malloc(sizeof(float) * 3 * 37), *ds = malloc(sizeof(float) * 3 * 37);
+    double e_pool = 0, e_scale = 0, e_dx = 0, e_ds = 0, e_gapb = 0;
+    ops_cpu.global_avg_pool_forward(&ops_cpu, tensor_f32(pool, p), tensor_f32(x, s));
+    ops_cpu.channel_scale_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), tensor_f32(sc, p));
+    for (int k = 0; k < 3 * 37; k++) {
+        int nn = k / 37, c = k % 37;
+        double sx = 0, sdx = 0;
+        for (int q = 0; q < 35; q++) { size_t i = ((size_t)nn * 35 + q) * 37 + c; sx += x[i]; sdx += (double)dy[i] * x[i]; }
+        e_pool = fmax(e_pool, fabs(pool[k] - sx / 35));
+        ds[k] = 0.5f;
+        (void)sdx;
+    }
+    for (size_t i = 0; i < n; i++) e_scale = fmax(e_scale, fabs(y[i] - (double)x[i] * sc[i / (35 * 37) * 37 + i % 37]));
+    for (int acc = 0; acc < 2; acc++) {
+        for (size_t i = 0; i < n; i++) y[i] = 0.25f;
+        for (int k = 0; k < 3 * 37; k++) ds[k] = 0.5f;
+        ops_cpu.channel_scale_backward(&ops_cpu, tensor_f32(y, s), tensor_f32(ds, p), tensor_f32(dy, s), tensor_f32(x, s),
+                                       tensor_f32(sc, p), acc, acc);
+        for (size_t i = 0; i < n; i++)
+            e_dx = fmax(e_dx, fabs(y[i] - (acc ? 0.25 : 0.0) - (double)dy[i] * sc[i / (35 * 37) * 37 + i % 37]));
+        for (int k = 0; k < 3 * 37; k++) {
+            double sdx = 0;
+            for (int q = 0; q < 35; q++) { size_t i = ((size_t)(k / 37) * 35 + q) * 37 + k % 37; sdx += (double)dy[i] * x[i]; }
+            e_ds = fmax(e_ds, fabs(ds[k] - (acc ? 0.5 : 0.0) - sdx) / fmax(1.0, fabs(sdx)));
+        }
+        for (size_t i = 0; i < n; i++) y[i] = 0.25f;
+        ops_cpu.global_avg_pool_backward(&ops_cpu, tensor_f32(y, s), tensor_f32(dp, p), acc);
+        for (size_t i = 0; i < n; i++)
+            e_gapb = fmax(e_gapb, fabs(y[i] - (acc ? 0.25 : 0.0) - dp[i / (35 * 37) * 37 + i % 37] / 35.0));
+    }
+    CHECK(e_pool < 1e-6 && e_scale < 1e-6 && e_dx < 1e-6 && e_ds < 1e-6 && e_gapb < 1e-6,
+          "SE fp32 paths vs formulas: pool %.1e scale %.1e dx %.1e ds %.1e pool backward %.1e", e_pool, e_scale, e_dx, e_ds, e_gapb);
+    free(x); free(dy); free(sc); free(dp); free(y); free(pool); free(ds);
+}
+
+// The fast paths give the same bits on 1 and 3 threads, and serial vs forced-parallel
+#ifdef _OPENMP
+static void fast_paths_run(float *out, const float *x, const float *dy, Shape s, Shape sd, const ConvCfg *dw,
+                           Shape dwo, float *ws) {
+    const int C = s.c;
+    float gam[37], bet[37];
+    for (int c = 0; c < C; c++) { gam[c] = 1.0f + 0.01f * c; bet[c] = 0.02f * c; }
+    size_t n = shape_numel(s), k = 0;
+    float *m = out, *v = out + C, *sg = out + 2 * C, *sgx = out + 3 * C, *dg = out + 4 * C, *db = out + 5 * C;
+    memset(out, 0, sizeof(float) * 6 * C);
+    k = 6 * C;
+    ops_cpu.bn_stats(&ops_cpu, tensor_f32((float *)x, s), m, v);
+    ops_cpu.bn_forward(&ops_cpu, tensor_f32(out + k, s), tensor_f32((float *)x, s), m, v, gam, bet, 1e-3f, ACT_SILU);
+    k += n;
+    ops_cpu.bn_backward_reduce(&ops_cpu, tensor_f32((float *)dy, s), tensor_f32((float *)x, s), m, v, gam, bet, 1e-3f,
+                               ACT_SILU, sg, sgx, dg, db);
+    ops_cpu.bn_backward_data(&ops_cpu, tensor_f32(out + k, s), tensor_f32((float *)dy, s), tensor_f32((float *)x, s), m, v,
+                             gam, bet, 1e-3f, ACT_SILU, sg, sgx, shape_numel(s) / C, 0);
+    k += n;
+    float w[37 * 9];
+    for (int i = 0; i < C * 9; i++) w[i] = 0.1f * (float)((i * 7) % 11) - 0.5f;
+    ops_cpu.conv2d_forward(&ops_cpu, dw, tensor_f32(out + k, dwo), tensor_f32((float *)x, s), w, NULL, ws);
+    k += shape_numel(dwo);
+    ops_cpu.conv2d_backward_data(&ops_cpu, dw, tensor_f32(out + k, s), tensor_f32((float *)dy, dwo), w, 0, ws);
+    k += n;
+    memset(out + k, 0, sizeof(float) * C * 9);
+    ops_cpu.conv2d_backward_weight(&ops_cpu, dw, out + k, NULL, tensor_f32((float *)dy, dwo), tensor_f32((float *)x, s), ws);
+    k += C * 9;
+    ops_cpu.global_avg_pool_forward(&ops_cpu, tensor_f32(out + k, sd), tensor_f32((float *)x, s));
+    k += shape_numel(sd);
+    ops_cpu.channel_scale_backward(&ops_cpu, tensor_f32(NULL, s), tensor_f32(out + k, sd), tensor_f32((float *)dy, s),
+                                   tensor_f32((float *)x, s), tensor_f32(out, sd), 0, 0);
+}
+
+static void test_fast_paths_deterministic(void) {
+    Rng r; rng_seed(&r, 84);
+    Shape s = shape4(3, 17, 19, 37), sd = shape4(3, 1, 1, 37);
+    ConvCfg dw = {0};
+    dw.cin = dw.cout = dw.groups = 37; dw.kh = dw.kw = 3; dw.stride = 2; dw.pad = PAD_SAME;
+    ConvGeom q = conv_geom(&dw, s);
+    Shape dwo = shape4(3, q.OH, q.OW, 37);
+    size_t n = shape_numel(s), total = 6 * 37 + 3 * n + shape_numel(dwo) + 37 * 9 + 2 * shape_numel(sd);
+    float *x = randn(&r, n, 1.0f), *dy = randn(&r, n, 1.0f), *ws = malloc(conv2d_workspace_cpu(&ops_cpu, &dw, s, DT_F32));
+    float *res[4];
+    int saved = omp_get_max_threads();
+    size_t saved_min = omp_min_work;
+    for (int t = 0; t < 4; t++) {
+        res[t] = malloc(sizeof(float) * total);
+        omp_set_num_threads(t == 1 ? 3 : t == 3 ? 2 : 1);
+        omp_min_work = t >= 2 ? 0 : saved_min;  // 2, 3: every loop on its parallel path
+        fast_paths_run(res[t], x, dy, s, sd, &dw, dwo, ws);
+    }
+    omp_set_num_threads(saved);
+    omp_min_work = saved_min;
+    for (int t = 1; t < 4; t++)
+        CHECK(!memcmp(res[0], res[t], sizeof(float) * total), "fast paths: run %d differs from 1 thread serial", t);
+    for (int t = 0; t < 4; t++) free(res[t]);
+    free(x); free(dy); free(ws);
+}
+#endif  // _OPENMP
+
+// ----------------------------------------------------------------------------
 // the runner
 
 typedef struct { const char *name; void (*fn)(void); } Test;
@@ -4509,6 +4739,13 @@ static const Test TESTS[] = {
     {"resume_cli_after_crash", test_resume_cli_after_crash},
     {"parity_live_effv2", test_parity_live_effv2},  // "parity_live_*": run where PyTorch is found
     {"parity_live_unet", test_parity_live_unet},
+    {"fast_bn_vs_ref", test_fast_bn_vs_ref},
+    {"exp_vec", test_exp_vec},
+    {"fast_depthwise_vs_ref", test_fast_depthwise_vs_ref},
+    {"fast_se_vs_formula", test_fast_se_vs_formula},
+#ifdef _OPENMP
+    {"fast_paths_deterministic", test_fast_paths_deterministic},
+#endif
 };
 
 int main(int argc, char **argv) {
