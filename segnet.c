@@ -4775,6 +4775,21 @@ static void upload_batch(Trainer *t, const MicroBatch *mb) {
     o->upload(o, t->labels, mb->labels, sizeof(int32_t) * (size_t)mb->n * t->per_image);
 }
 
+// The loss and metrics of the batch in the net: softmax cross-entropy of the
+// logits (its gradient into dlogits when that has data, scaled by grad_scale)
+// and the confusion matrix. Returns the batch's Σ w·nll.
+static float score_batch(Trainer *t, float grad_scale, Tensor dlogits) {
+    Ops *o = t->o;
+    Tensor z = net_tensor(&t->net, t->logits);
+    o->fill(o, tensor_f32(t->scalars, shape4(4, 1, 1, 1)), 0.0f);
+    o->softmax_xent(o, z, t->labels, t->class_weights, grad_scale, t->scalars, dlogits);
+    o->confusion_accumulate(o, z, t->labels, t->confusion);
+    float stats[3];
+    o->download(o, stats, t->scalars, sizeof stats);
+    snCheck(stats[2] == 0.0f, "labels outside 0..%d passed the data set's checks", t->K - 1);
+    return stats[0];
+}
+
 // Σ over the trainable ranges of an op that reduces a tensor into one float
 static double trainable_sum_squares(Trainer *t) {
     Ops *o = t->o;
@@ -4810,15 +4825,8 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
         upload_batch(t, &mb[i]);
         net->step = (uint64_t)(t->step * c->accum + i);  // dropout masks differ per micro-batch
         net_forward(net, 1);
-        Tensor z = net_tensor(net, t->logits);
-        o->fill(o, tensor_f32(t->scalars, shape4(4, 1, 1, 1)), 0.0f);
-        o->softmax_xent(o, z, t->labels, t->class_weights, inv_norm * scale, t->scalars, net_grad(net, t->logits));
-        o->confusion_accumulate(o, z, t->labels, t->confusion);
+        pt->loss_sum += score_batch(t, inv_norm * scale, net_grad(net, t->logits));
         net_backward(net, t->logits);
-        float stats[3];
-        o->download(o, stats, t->scalars, sizeof stats);
-        snCheck(stats[2] == 0.0f, "labels outside 0..%d passed the data set's checks", t->K - 1);
-        pt->loss_sum += stats[0];
     }
     pt->norm_sum += norm;
     int64_t step = t->step++;
@@ -4891,15 +4899,8 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
             MicroBatch one = {b->n, b->images, b->labels};
             upload_batch(t, &one);
             net_forward(net, 0);
-            Tensor z = net_tensor(net, t->logits);
-            o->fill(o, tensor_f32(t->scalars, shape4(4, 1, 1, 1)), 0.0f);
-            o->softmax_xent(o, z, t->labels, t->class_weights, 0.0f, t->scalars, tensor(NULL, z.shape, z.dtype));
-            o->confusion_accumulate(o, z, t->labels, t->confusion);
-            float stats[3];
-            o->download(o, stats, t->scalars, sizeof stats);
-            snCheck(stats[2] == 0.0f, "labels outside 0..%d passed the data set's checks", K - 1);
+            pt->loss_sum += score_batch(t, 0.0f, tensor(NULL, net_tensor(net, t->logits).shape, net->dtype));
             size_t n_labels = (size_t)b->n * t->per_image;
-            pt->loss_sum += stats[0];
             pt->norm_sum += c->loss_norm_keras ? (double)n_labels : label_weight_sum(b->labels, n_labels, c->class_weights, K);
         }
         images += b->n;

@@ -13,21 +13,16 @@ import sys
 
 import timm
 
+from torchvision_names import write_names  # ref/ is the script's folder
+
 
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "data/ref"
     os.makedirs(out_dir, exist_ok=True)
     for name in ("s", "m", "l"):
         model = timm.create_model(f"tf_efficientnetv2_{name}", pretrained=False)
-        path = os.path.join(out_dir, f"effv2-{name}.timm.txt")
-        with open(path + ".tmp", "w") as f:
-            f.write(f"# timm {timm.__version__} tf_efficientnetv2_{name}\n")
-            for key, t in model.state_dict().items():
-                if key.endswith("num_batches_tracked"):
-                    continue
-                f.write(f"{key} {','.join(str(d) for d in t.shape)}\n")
-        os.replace(path + ".tmp", path)
-        print(path)
+        write_names(model, os.path.join(out_dir, f"effv2-{name}.timm.txt"),
+                    f"timm {timm.__version__} tf_efficientnetv2_{name}")
 
 
 if __name__ == "__main__":

@@ -11,20 +11,26 @@ import sys
 import torchvision.models as tvm
 
 
+def write_names(model, path, header=None):
+    """One `name dim0,dim1,...` line per state_dict entry (num_batches_tracked
+    left out), written to a temporary file and renamed over path."""
+    with open(path + ".tmp", "w") as f:
+        if header:
+            f.write(f"# {header}\n")
+        for key, t in model.state_dict().items():
+            if key.endswith("num_batches_tracked"):
+                continue
+            f.write(f"{key} {','.join(str(d) for d in t.shape)}\n")
+    os.replace(path + ".tmp", path)
+    print(path)
+
+
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "data/ref"
     os.makedirs(out_dir, exist_ok=True)
     for name, build in (("effv2-s", tvm.efficientnet_v2_s), ("effv2-m", tvm.efficientnet_v2_m),
                         ("effv2-l", tvm.efficientnet_v2_l)):
-        model = build()
-        path = os.path.join(out_dir, f"{name}.torchvision.txt")
-        with open(path + ".tmp", "w") as f:
-            for key, t in model.state_dict().items():
-                if key.endswith("num_batches_tracked"):
-                    continue
-                f.write(f"{key} {','.join(str(d) for d in t.shape)}\n")
-        os.replace(path + ".tmp", path)
-        print(path)
+        write_names(build(), os.path.join(out_dir, f"{name}.torchvision.txt"))
 
 
 if __name__ == "__main__":
