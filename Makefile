@@ -34,6 +34,28 @@ ifneq ($(NO_NATIVE),1)
 endif
 CFLAGS += $(ARCH_FLAGS)
 
+# CUDA: kernels.cu is built twice. nvcc builds it for GPUs and ./segnet links
+# it with cudart, cuBLAS and NCCL (`--device auto` falls back to the CPU when
+# the machine has no GPU). g++ builds it against the emulator (cuda_emu.h,
+# cuda_emu.cpp) and ./test_segnet links that, so the cuda_ tests run every
+# kernel on the CPU. Without nvcc (or with NO_CUDA=1) both programs are CPU-only.
+CUDA_HOME  ?= /usr/local/cuda
+CUDA_ARCHS ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+ifneq ($(NO_CUDA),1)
+  NVCC := $(shell command -v nvcc 2>/dev/null || { [ -x $(CUDA_HOME)/bin/nvcc ] && echo $(CUDA_HOME)/bin/nvcc; })
+endif
+ifneq ($(NVCC),)
+  CUDA_CFLAGS  := -DSEGNET_CUDA -I$(CUDA_HOME)/include
+  CUDA_LIBS    := -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/lib -Wl,-rpath,$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib \
+                  -lcudart -lcublas -lstdc++
+  GPU_OBJS     := kernels_gpu.o
+  EMU_OBJS     := kernels_emu.o cuda_emu.o
+  EMU_LIBS     := -lstdc++
+endif
+CXX      ?= g++
+EMUFLAGS := -std=c++17 -O2 -g -Wall -Wextra -Wno-unknown-pragmas -Wno-sign-compare -I. -I$(CUDA_HOME)/include
+NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCHS) -Xcompiler -Wall,-Wextra -Werror all-warnings -I.
+
 ifeq ($(NO_OMP),1)
   OMP_FLAGS :=
 else
@@ -74,9 +96,9 @@ deps:
 	 elif echo 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o /dev/null 2>/dev/null; then echo "  ✓ OpenMP"; \
 	 else echo "  ✗ OpenMP     $(CC) -fopenmp fails" >&2; exit 1; fi
 	@if [ "$(NO_CUDA)" = 1 ]; then echo "  ✗ CUDA       off (NO_CUDA=1)"; \
-	 elif command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then \
-	   echo "  ✓ CUDA       nvcc found (the CUDA backend is not part of this build yet)"; \
-	 else echo "  ✗ CUDA       no nvcc"; fi
+	 elif [ -n "$(NVCC)" ]; then \
+	   echo "  ✓ CUDA       $(NVCC): ./segnet --device cuda, ./test_segnet runs the kernels emulated"; \
+	 else echo "  ✗ CUDA       no nvcc: CPU backend only"; fi
 	@if [ "$(NO_NCCL)" = 1 ]; then echo "  ✗ NCCL       off (NO_NCCL=1)"; \
 	 elif [ -f /usr/include/nccl.h ] || [ -f /usr/local/cuda/include/nccl.h ]; then \
 	   echo "  ✓ NCCL       nccl.h found (used by the replica layer, not built yet)"; \
@@ -89,14 +111,25 @@ deps:
 	 else echo "  ✗ MPI        no mpicc (apt-get install openmpi-bin libopenmpi-dev)"; fi
 
 # ---- programs ---------------------------------------------------------------
-segnet: segnet.c segnet.h | deps
-	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) -o $@ segnet.c $(DEP_LIBS) $(LDLIBS)
+segnet: segnet.c segnet.h $(GPU_OBJS) | deps
+	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -o $@ segnet.c $(GPU_OBJS) $(DEP_LIBS) $(CUDA_LIBS) $(LDLIBS)
 
-test_segnet: test_segnet.c segnet.c segnet.h | deps
-	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) -o $@ test_segnet.c $(DEP_LIBS) $(LDLIBS)
+test_segnet: test_segnet.c segnet.c segnet.h $(EMU_OBJS) | deps
+	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -o $@ test_segnet.c $(EMU_OBJS) $(DEP_LIBS) $(EMU_LIBS) $(LDLIBS)
+
+kernels_gpu.o: kernels.cu segnet.h
+	$(NVCC) $(NVCCFLAGS) -c kernels.cu -o $@
+
+kernels_emu.o: kernels.cu segnet.h cuda_emu.h
+	$(CXX) $(EMUFLAGS) -x c++ -c kernels.cu -o $@
+
+cuda_emu.o: cuda_emu.cpp cuda_emu.h
+	$(CXX) $(EMUFLAGS) -c cuda_emu.cpp -o $@
 
 test: segnet test_segnet
 	./test_segnet
+	@if [ -n "$(NVCC)" ]; then echo "== the emulated CUDA tests again, threads in reverse order"; \
+	  CUEMU_ORDER=reverse ./test_segnet --filter cuda_; fi
 
 train: segnet
 	./segnet train
@@ -125,4 +158,4 @@ bench: segnet
 	  { printf "%-9s %12.1f %12.1f %7.2f %13.1f %13.1f %7.2f\n", $$1, $$2, $$3, $$2 / $$3, $$4 / 1048576, $$5 / 1048576, $$4 / $$5 }'
 
 clean:
-	rm -f segnet test_segnet
+	rm -f segnet test_segnet *.o

@@ -332,6 +332,12 @@ struct Ops {
 };
 
 extern Ops ops_cpu;
+// The CUDA backend (kernels.cu): in builds with nvcc (SEGNET_CUDA) and, under
+// the CPU emulator of cuda_emu.h, in test_segnet. cuda_backend_open picks the
+// device and must succeed before ops_cuda is used; it returns -1 with a
+// message when there is no driver or no such device.
+extern Ops ops_cuda;
+int cuda_backend_open(int device, char *err);
 extern size_t cpu_bytes_live, cpu_bytes_peak;  // what ops_cpu.alloc has handed out (now, at most)
 
 // Bytes of workspace the CPU backend's conv needs (the planner asks the table).

@@ -4641,6 +4641,97 @@ static void test_fast_paths_deterministic(void) {
 
 typedef struct { const char *name; void (*fn)(void); } Test;
 
+// ----------------------------------------------------------------------------
+// the CUDA backend (kernels.cu), run on the CPU by the emulator (cuda_emu.h),
+// op by op against the CPU ops: the CPU table is the specification.
+// `make test` runs these tests a second time with the threads of every block in
+// reverse order (CUEMU_ORDER=reverse), which breaks kernels missing a barrier.
+
+#ifdef SEGNET_CUDA
+static Ops *cu_ops(void) {
+    static int opened = 0;
+    if (!opened) {
+        char err[SN_ERR_MAX];
+        snCheck(cuda_backend_open(0, err) == 0, "cuda_backend_open: %s", err);
+        opened = 1;
+    }
+    return &ops_cuda;
+}
+
+// One tensor on both backends: `cpu` in host memory for ops_cpu, `gpu` the
+// same bytes in device memory for ops_cuda. Values are rounded to dt first.
+typedef struct { Tensor cpu, gpu; } CuPair;
+
+static CuPair cu_pair(const float *values, Shape s, DType dt) {
+    CuPair p;
+    size_t n = shape_numel(s);
+    p.cpu = tensor(malloc(n * dtype_size(dt) + 1), s, dt);
+    for (size_t i = 0; i < n; i++) st(p.cpu, i, values ? values[i] : NAN);
+    p.gpu = tensor(cu_ops()->alloc(cu_ops(), n * dtype_size(dt)), s, dt);
+    cu_ops()->upload(cu_ops(), p.gpu.data, p.cpu.data, n * dtype_size(dt));
+    return p;
+}
+static void cu_pair_free(CuPair *p) {
+    free(p->cpu.data);
+    cu_ops()->free(cu_ops(), p->gpu.data);
+}
+// fp32 buffers (parameters, statistics): a device copy of n host floats
+static inline float *cu_floats(const float *host, size_t n) {
+    float *d = cu_ops()->alloc(cu_ops(), n * sizeof(float));
+    cu_ops()->upload(cu_ops(), d, host, n * sizeof(float));
+    return d;
+}
+static float *cu_to_host(const void *dev, size_t n, DType dt) {
+    Tensor t = tensor(malloc(n * dtype_size(dt) + 1), shape4(1, 1, 1, (int)n), dt);
+    cu_ops()->download(cu_ops(), t.data, dev, n * dtype_size(dt));
+    float *f = malloc(n * sizeof(float) + 1);
+    for (size_t i = 0; i < n; i++) f[i] = ld(t, i);
+    free(t.data);
+    return f;
+}
+// max |gpu - cpu| / max(max |cpu|, floor): the error measure of every cuda_ test
+static double cu_rel_err(const float *gpu, const float *cpu, size_t n, double floor) {
+    double worst = 0.0, scale = floor;
+    for (size_t i = 0; i < n; i++) scale = fmax(scale, fabs(cpu[i]));
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)gpu[i] - cpu[i]);
+        if (isnan(gpu[i]) != isnan(cpu[i])) d = INFINITY;
+        worst = fmax(worst, d);
+    }
+    return worst / scale;
+}
+static double cu_pair_err(CuPair p) {
+    size_t n = shape_numel(p.cpu.shape);
+    float *g = cu_to_host(p.gpu.data, n, p.gpu.dtype), *c = malloc(n * sizeof(float) + 1);
+    for (size_t i = 0; i < n; i++) c[i] = ld(p.cpu, i);
+    double e = cu_rel_err(g, c, n, 1e-30);
+    free(g); free(c);
+    return e;
+}
+static const char *const DT_NAME[] = {"fp32", "fp16", "bf16"};
+
+// fill, and copy with every cast and both modes: bit-identical to the CPU
+static void test_cuda_fill_copy(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 71);
+    Shape s = shape4(2, 3, 5, 7);
+    float *v = randn(&r, shape_numel(s), 3.0f);
+    for (int a = 0; a < 3; a++)
+        for (int b = 0; b < 3; b++)
+            for (int acc = 0; acc < 2; acc++) {
+                CuPair src = cu_pair(v, s, (DType)a), dst = cu_pair(NULL, s, (DType)b);
+                ops_cpu.fill(&ops_cpu, dst.cpu, 0.3f);
+                o->fill(o, dst.gpu, 0.3f);
+                ops_cpu.copy(&ops_cpu, dst.cpu, src.cpu, acc);
+                o->copy(o, dst.gpu, src.gpu, acc);
+                CHECK(cu_pair_err(dst) == 0.0, "copy %s -> %s accumulate %d: error %.3g", DT_NAME[a], DT_NAME[b], acc,
+                      cu_pair_err(dst));
+                cu_pair_free(&src); cu_pair_free(&dst);
+            }
+    free(v);
+}
+#endif
+
 static const Test TESTS[] = {
     {"conv_grad_dense", test_conv_grad_dense},
     {"conv_grad_pointwise", test_conv_grad_pointwise},
@@ -4745,6 +4836,9 @@ static const Test TESTS[] = {
     {"fast_se_vs_formula", test_fast_se_vs_formula},
 #ifdef _OPENMP
     {"fast_paths_deterministic", test_fast_paths_deterministic},
+#endif
+#ifdef SEGNET_CUDA
+    {"cuda_fill_copy", test_cuda_fill_copy},
 #endif
 };
 

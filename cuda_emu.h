@@ -1,0 +1,147 @@
+// cuda_emu.h -- run CUDA kernel source on the CPU: the emulator behind the cuda_ tests.
+// Used only when the translation unit is NOT compiled by nvcc:
+//     g++ -std=c++17 -x c++ -I/usr/local/cuda/include -Iproto kernels.cu
+// Types (dim3, cudaError_t, __half, cublasHandle_t, ncclComm_t ...) come from the
+// real toolkit headers; the *implementations* come from cuda_emu.cpp, which is
+// linked instead of libcudart / libcublas / libnccl.
+#pragma once
+#if defined(__CUDACC__)
+#error "cuda_emu.h is for host-compiler builds only"
+#endif
+
+// 1. Execution-space qualifiers. Must be defined BEFORE the toolkit headers:
+//    crt/host_defines.h only defines them when they are not defined yet, and
+//    for a non-nvcc compiler it would make __shared__ expand to nothing
+//    (=> a silent per-thread local array).
+#define __global__
+#define __device__
+#define __host__
+#define __constant__
+#define __managed__
+#define __shared__ thread_local      // block-scope thread_local == static per OS thread
+                                     // == per block (a worker runs one block at a time)
+#define __launch_bounds__(...)
+#define __grid_constant__
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>               // host-side __half arithmetic works with g++
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <algorithm>
+
+// 2. Built-in variables: per OS thread, rewritten by the scheduler before it
+//    resumes a fiber (all fibers of a block share the worker's TLS).
+extern __thread uint3 threadIdx;
+extern __thread uint3 blockIdx;
+extern __thread dim3  blockDim;
+extern __thread dim3  gridDim;
+constexpr int warpSize = 32;
+
+namespace cuemu {
+// type-erased callable (no allocation)
+struct Thunk { void (*fn)(void*); void* obj; void operator()() const { fn(obj); } };
+template <class F> Thunk make_thunk(F& f) { return Thunk{[](void* o) { (*static_cast<F*>(o))(); }, &f}; }
+
+void run_grid(dim3 grid, dim3 block, size_t dyn_smem, cudaStream_t s, Thunk body, const char* name);
+void* dyn_smem();                       // this block's dynamic shared memory
+void block_barrier();                   // __syncthreads
+void warp_barrier(unsigned mask);       // __syncwarp / every shuffle
+enum ShflMode { IDX, UP, DOWN, XOR };
+uint64_t shfl_bits(unsigned mask, uint64_t v, ShflMode m, int arg, int width);
+unsigned vote(unsigned mask, int pred); // ballot
+int block_count(int pred);              // __syncthreads_count
+bool is_device_ptr(const void* p);      // allocation registry (cudaMalloc)
+void bad_kernel_arg(const char* kernel, int idx, const void* p);
+
+template <class T> void check_arg(const char* k, int i, const T& a) {
+  if constexpr (std::is_pointer_v<T>)
+    if (a && !is_device_ptr((const void*)a)) bad_kernel_arg(k, i, (const void*)a);
+}
+
+// Launch: parameters are copied once (like the launch parameter buffer) and
+// passed BY VALUE to every simulated thread, so a kernel may modify them.
+template <class... P, class... A>
+void launch(const char* name, void (*k)(P...), dim3 g, dim3 b, size_t smem, cudaStream_t s, A&&... a) {
+  static_assert(sizeof...(P) == sizeof...(A), "wrong number of kernel arguments");
+  std::tuple<std::decay_t<P>...> params(std::forward<A>(a)...);
+  std::apply([&](const auto&... x) { int i = 0; (check_arg(name, i++, x), ...); }, params);
+  auto body = [&] { std::apply(k, params); };
+  run_grid(g, b, smem, s, make_thunk(body), name);
+}
+
+template <class T> T from_bits(uint64_t b) { T r; std::memcpy(&r, &b, sizeof(T)); return r; }
+template <class T> uint64_t to_bits(T v) { static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>); uint64_t b = 0; std::memcpy(&b, &v, sizeof(T)); return b; }
+template <class T> T cas_add(T* p, T v) {  // float/double atomicAdd via CAS on the bit pattern
+  using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  U* q = reinterpret_cast<U*>(p);
+  U old = __atomic_load_n(q, __ATOMIC_RELAXED), nw;
+  do { T f; std::memcpy(&f, &old, sizeof f); f += v; std::memcpy(&nw, &f, sizeof f); }
+  while (!__atomic_compare_exchange_n(q, &old, nw, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+  T r; std::memcpy(&r, &old, sizeof r); return r;
+}
+}  // namespace cuemu
+
+// 3. Launch macro (same spelling in both builds, see cuda_compat.h).
+//    Template kernels: wrap the name in parentheses: CU_LAUNCH((k<float,256>), ...)
+#define CU_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  ::cuemu::launch(#kernel, kernel, dim3(grid), dim3(block), (smem), (stream), ##__VA_ARGS__)
+#define CU_DYN_SHARED(T, name) T* name = static_cast<T*>(::cuemu::dyn_smem())
+
+// cuda_runtime.h hides its C++ symbol templates behind __CUDACC__: provide them.
+// __device__/__constant__ variables are plain globals here.
+template <class T> cudaError_t cudaMemcpyToSymbol(const T& sym, const void* src, size_t n, size_t off = 0, cudaMemcpyKind = cudaMemcpyHostToDevice) { std::memcpy((char*)&sym + off, src, n); return cudaSuccess; }
+template <class T> cudaError_t cudaMemcpyFromSymbol(void* dst, const T& sym, size_t n, size_t off = 0, cudaMemcpyKind = cudaMemcpyDeviceToHost) { std::memcpy(dst, (const char*)&sym + off, n); return cudaSuccess; }
+namespace cuemu { void register_device_range(const void* p, size_t n); }
+template <class T> cudaError_t cudaGetSymbolAddress(void** p, const T& sym) { *p = (void*)&sym; cuemu::register_device_range(&sym, sizeof(T)); return cudaSuccess; }
+
+// 4. Synchronisation, warp intrinsics
+inline void __syncthreads() { cuemu::block_barrier(); }
+inline int __syncthreads_count(int p) { return cuemu::block_count(p); }
+inline int __syncthreads_or(int p) { return cuemu::block_count(p) != 0; }
+inline int __syncthreads_and(int p) { return cuemu::block_count(p) == (int)(blockDim.x * blockDim.y * blockDim.z); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { cuemu::warp_barrier(mask); }
+template <class T> T __shfl_sync(unsigned m, T v, int src, int w = 32) { return cuemu::from_bits<T>(cuemu::shfl_bits(m, cuemu::to_bits(v), cuemu::IDX, src, w)); }
+template <class T> T __shfl_up_sync(unsigned m, T v, unsigned d, int w = 32) { return cuemu::from_bits<T>(cuemu::shfl_bits(m, cuemu::to_bits(v), cuemu::UP, (int)d, w)); }
+template <class T> T __shfl_down_sync(unsigned m, T v, unsigned d, int w = 32) { return cuemu::from_bits<T>(cuemu::shfl_bits(m, cuemu::to_bits(v), cuemu::DOWN, (int)d, w)); }
+template <class T> T __shfl_xor_sync(unsigned m, T v, int lm, int w = 32) { return cuemu::from_bits<T>(cuemu::shfl_bits(m, cuemu::to_bits(v), cuemu::XOR, lm, w)); }
+inline unsigned __ballot_sync(unsigned m, int p) { return cuemu::vote(m, p); }
+inline int __any_sync(unsigned m, int p) { return cuemu::vote(m, p) != 0; }
+inline int __all_sync(unsigned m, int p) { return cuemu::vote(m, !p) == 0; }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+// 5. Atomics (real atomics: blocks may run on several OS threads)
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+inline float atomicAdd(float* p, float v) { return cuemu::cas_add(p, v); }
+inline double atomicAdd(double* p, double v) { return cuemu::cas_add(p, v); }
+inline int atomicSub(int* p, int v) { return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED); }
+inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); }
+inline float atomicExch(float* p, float v) { float r; __atomic_exchange(p, &v, &r, __ATOMIC_RELAXED); return r; }
+inline int atomicCAS(int* p, int c, int v) { __atomic_compare_exchange_n(p, &c, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED); return c; }
+inline unsigned atomicCAS(unsigned* p, unsigned c, unsigned v) { __atomic_compare_exchange_n(p, &c, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED); return c; }
+inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long c, unsigned long long v) { __atomic_compare_exchange_n(p, &c, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED); return c; }
+inline int atomicMax(int* p, int v) { int o = __atomic_load_n(p, __ATOMIC_RELAXED); while (o < v && !__atomic_compare_exchange_n(p, &o, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {} return o; }
+inline int atomicMin(int* p, int v) { int o = __atomic_load_n(p, __ATOMIC_RELAXED); while (o > v && !__atomic_compare_exchange_n(p, &o, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {} return o; }
+
+// 6. A few device intrinsics / math (extend as kernels need them)
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline float __saturatef(float x) { return fminf(fmaxf(x, 0.f), 1.f); }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
+template <class T> inline T __ldg(const T* p) { return *p; }
+// CUDA has mixed-type min/max overloads; std::min would reject min(int, unsigned)
+template <class A, class B> inline std::common_type_t<A, B> min(A a, B b) { return b < a ? b : a; }
+template <class A, class B> inline std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }
