@@ -76,6 +76,46 @@ static inline void st_acc(Tensor t, size_t i, float v, int accumulate) {
     st(t, i, accumulate ? ld(t, i) + v : v);
 }
 
+// Runs of n consecutive elements from element i: the storage type is resolved
+// once per run, so each loop is a plain conversion the compiler vectorises.
+// _Float16 is IEEE binary16 with round-to-nearest-even (F16C instructions with
+// -march=native), the same bits as f32_to_f16 / f16_to_f32 (test fp16_runs).
+static void ld_run(Tensor t, size_t i, float *dst, size_t n) {
+    if (t.dtype == DT_F32) {
+        memcpy(dst, (const float *)t.data + i, sizeof(float) * n);
+    } else if (t.dtype == DT_BF16) {
+        const uint16_t *s = (const uint16_t *)t.data + i;
+        for (size_t k = 0; k < n; k++) dst[k] = bits_f32((uint32_t)s[k] << 16);
+    } else {
+        const _Float16 *s = (const _Float16 *)t.data + i;
+        for (size_t k = 0; k < n; k++) dst[k] = (float)s[k];
+    }
+}
+static void st_run(Tensor t, size_t i, const float *src, size_t n, int accumulate) {
+    if (t.dtype == DT_F32) {
+        float *d = (float *)t.data + i;
+        if (accumulate) for (size_t k = 0; k < n; k++) d[k] += src[k];
+        else memcpy(d, src, sizeof(float) * n);
+    } else if (t.dtype == DT_BF16) {
+        uint16_t *d = (uint16_t *)t.data + i;
+        for (size_t k = 0; k < n; k++) {
+            float v = accumulate ? bits_f32((uint32_t)d[k] << 16) + src[k] : src[k];
+            d[k] = f32_to_bf16(v);
+        }
+    } else {
+        _Float16 *d = (_Float16 *)t.data + i;
+        for (size_t k = 0; k < n; k++) d[k] = (_Float16)(accumulate ? (float)d[k] + src[k] : src[k]);
+    }
+}
+
+// n values from element i as fp32: a pointer into t when it is fp32, else
+// converted into tmp (the fast paths' way to read any storage type)
+static inline const float *ld_view(Tensor t, size_t i, float *tmp, size_t n) {
+    if (t.dtype == DT_F32) return (const float *)t.data + i;
+    ld_run(t, i, tmp, n);
+    return tmp;
+}
+
 // ----------------------------------------------------------------------------
 // memory and utilities (the CPU's "device" memory is host memory)
 
@@ -241,8 +281,7 @@ static void im2col(const ConvCfg *cfg, const ConvGeom *q, Tensor in, int n, int 
                         continue;
                     }
                     size_t src = (((size_t)n * q->H + iy) * q->W + ix) * q->C + (size_t)g * q->Cg;
-                    if (in.dtype == DT_F32) memcpy(dst, (const float *)in.data + src, sizeof(float) * q->Cg);
-                    else for (int ci = 0; ci < q->Cg; ci++) dst[ci] = ld(in, src + ci);
+                    ld_run(in, src, dst, (size_t)q->Cg);
                 }
             }
         }
@@ -276,13 +315,7 @@ static void col2im(const ConvCfg *cfg, const ConvGeom *q, const float *dcol, Ten
                         for (int ci = 0; ci < nc; ci++) acc[ci] += src[ci];
                     }
                 }
-                if (din.dtype == DT_F32) {
-                    float *d = (float *)din.data + dst + c0;
-                    if (accumulate) for (int ci = 0; ci < nc; ci++) d[ci] += acc[ci];
-                    else memcpy(d, acc, sizeof(float) * nc);
-                } else {
-                    for (int ci = 0; ci < nc; ci++) st_acc(din, dst + c0 + ci, acc[ci], accumulate);
-                }
+                st_run(din, dst + c0, acc, (size_t)nc, accumulate);
             }
         }
     }
@@ -293,7 +326,8 @@ static void col2im(const ConvCfg *cfg, const ConvGeom *q, const float *dcol, Ten
 static float *image_rows_f32(Tensor t, int n, size_t P, int Cout, float *scratch) {
     size_t base = (size_t)n * P * Cout;
     if (t.dtype == DT_F32) return (float *)t.data + base;
-    for (size_t i = 0; i < P * Cout; i++) scratch[i] = ld(t, base + i);
+    #pragma omp parallel for schedule(static) if(PAR(P * Cout))
+    for (size_t p = 0; p < P; p++) ld_run(t, base + p * Cout, scratch + p * Cout, (size_t)Cout);
     return scratch;
 }
 
@@ -510,8 +544,11 @@ static void conv2d_forward_cpu(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in
                         col, q.K, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f, y + (size_t)g * q.Coutg, q.Cout);
         }
         if (b) add_bias_rows(y, q.P, q.Cout, b);
-        if (out.dtype != DT_F32)
-            for (size_t i = 0; i < q.P * q.Cout; i++) st(out, (size_t)n * q.P * q.Cout + i, rows[i]);
+        if (out.dtype != DT_F32) {
+            #pragma omp parallel for schedule(static) if(PAR(q.P * q.Cout))
+            for (size_t p = 0; p < q.P; p++)
+                st_run(out, ((size_t)n * q.P + p) * q.Cout, rows + p * q.Cout, (size_t)q.Cout, 0);
+        }
     }
 }
 
@@ -602,10 +639,10 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
 
 #define BN_CBLOCK 16
 
-// The reference versions (any storage type, the formulas as written above);
-// the _cpu entries below take fp32 tensors to the fast versions after them.
+// The reference versions (any storage type, the formulas as written above); the
+// _cpu entries use the fast versions after them; the tests compare the two (unused otherwise).
 
-static void bn_stats_ref(Tensor x, float *mean, float *var) {
+static __attribute__((unused)) void bn_stats_ref(Tensor x, float *mean, float *var) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
@@ -633,7 +670,7 @@ static void bn_update_running_cpu(Ops *o, float *run_mean, float *run_var, const
 
 static inline float bn_invstd(const float *var, int c, float eps) { return 1.0f / sqrtf(var[c] + eps); }
 
-static void bn_forward_ref(Tensor y, Tensor x, const float *mean, const float *var,
+static __attribute__((unused)) void bn_forward_ref(Tensor y, Tensor x, const float *mean, const float *var,
                            const float *gamma, const float *beta, float eps, Act act) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
@@ -645,7 +682,7 @@ static void bn_forward_ref(Tensor y, Tensor x, const float *mean, const float *v
         }
 }
 
-static void bn_backward_reduce_ref(Tensor dy, Tensor x, const float *mean, const float *var,
+static __attribute__((unused)) void bn_backward_reduce_ref(Tensor dy, Tensor x, const float *mean, const float *var,
                                    const float *gamma, const float *beta, float eps, Act act,
                                    float *sum_g, float *sum_gx, float *dgamma, float *dbeta) {
     const int C = x.shape.c;
@@ -671,7 +708,7 @@ static void bn_backward_reduce_ref(Tensor dy, Tensor x, const float *mean, const
     }
 }
 
-static void bn_backward_data_ref(Tensor dx, Tensor dy, Tensor x, const float *mean,
+static __attribute__((unused)) void bn_backward_data_ref(Tensor dx, Tensor dy, Tensor x, const float *mean,
                                  const float *var, const float *gamma, const float *beta, float eps,
                                  Act act, const float *sum_g, const float *sum_gx, size_t count,
                                  int accumulate) {
@@ -688,7 +725,7 @@ static void bn_backward_data_ref(Tensor dx, Tensor dy, Tensor x, const float *me
         }
 }
 
-// fp32 versions: the same formulas with per-channel constants hoisted out of
+// fast versions (fp32 math; 16-bit tensors converted a row at a time): the same formulas with per-channel constants hoisted out of
 // the pixel loop and channels innermost (contiguous, so the compiler
 // vectorises them), one pass over memory each:
 //   stats    Σd, Σd² in fp64 with d = x - x[0,c] (shifted, so no cancellation):
@@ -743,20 +780,24 @@ static inline float act_grad_vec(Act a, float z) {
     }
 }
 
-static void bn_stats_f32(const float *x, size_t M, int C, float *mean, float *var) {
+static void bn_stats_fast(Tensor x, float *mean, float *var) {
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
         const int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
         double s[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0}, k[BN_CBLOCK] = {0};
-        for (int j = 0; j < nc; j++) k[j] = x[c0 + j];
+        float tmp[BN_CBLOCK];  // (BN_CBLOCK) one row's channels in fp32 when x is 16-bit
+        const float *x0 = ld_view(x, c0, tmp, nc);
+        for (int j = 0; j < nc; j++) k[j] = x0[j];
         if (nc == BN_CBLOCK) {  // the common case, with a constant trip count
             for (size_t r = 0; r < M; r++) {
-                const float *xr = x + r * C + c0;
+                const float *xr = ld_view(x, r * C + c0, tmp, BN_CBLOCK);
                 for (int j = 0; j < BN_CBLOCK; j++) { double d = xr[j] - k[j]; s[j] += d; q[j] += d * d; }
             }
         } else {
             for (size_t r = 0; r < M; r++) {
-                const float *xr = x + r * C + c0;
+                const float *xr = ld_view(x, r * C + c0, tmp, nc);
                 for (int j = 0; j < nc; j++) { double d = xr[j] - k[j]; s[j] += d; q[j] += d * d; }
             }
         }
@@ -768,42 +809,60 @@ static void bn_stats_f32(const float *x, size_t M, int C, float *mean, float *va
     }
 }
 
-// y = act(g·((x - m)·k) + b) over rows r0..r1; `act` is a constant where this is inlined
-static inline __attribute__((always_inline)) void bn_act_rows(float *y, const float *x, size_t r0, size_t r1,
-                                                              int C, const float *m, const float *k,
-                                                              const float *g, const float *b, Act act) {
-    for (size_t r = r0; r < r1; r++) {
+// y = act(g·((x - m)·k) + b) over `rows` rows from x, y; `act` is a constant where this is inlined
+static inline __attribute__((always_inline)) void bn_act_rows(float *y, const float *x, size_t rows, int C,
+                                                              const float *m, const float *k, const float *g,
+                                                              const float *b, Act act) {
+    for (size_t r = 0; r < rows; r++) {
         const float *xr = x + r * C;
         float *yr = y + r * C;
         #pragma omp simd
         for (int c = 0; c < C; c++) yr[c] = act_apply_vec(act, g[c] * ((xr[c] - m[c]) * k[c]) + b[c]);
     }
 }
+static void bn_act_rows_any(float *y, const float *x, size_t rows, int C, const float *m, const float *k,
+                            const float *g, const float *b, Act act) {
+    switch (act) {
+    case ACT_RELU: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_RELU); break;
+    case ACT_SILU: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_SILU); break;
+    case ACT_SIGMOID: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_SIGMOID); break;
+    default: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_NONE);
+    }
+}
 
-static void bn_forward_f32(float *y, const float *x, size_t M, int C, const float *mean, const float *var,
-                           const float *gamma, const float *beta, float eps, Act act) {
+// 16-bit tensors go through the same loops a row at a time, converted to fp32
+// on the way in and rounded once on the way out (as the reference's st does).
+static void bn_forward_fast(Tensor y, Tensor x, const float *mean, const float *var,
+                            const float *gamma, const float *beta, float eps, Act act) {
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
     float k[C];  // (C)
     for (int c = 0; c < C; c++) k[c] = bn_invstd(var, c, eps);
     const size_t n_items = (M + BN_ROWS - 1) / BN_ROWS;
+    const int f32 = x.dtype == DT_F32 && y.dtype == DT_F32;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (size_t it = 0; it < n_items; it++) {
         size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
-        switch (act) {
-        case ACT_RELU: bn_act_rows(y, x, r0, r1, C, mean, k, gamma, beta, ACT_RELU); break;
-        case ACT_SILU: bn_act_rows(y, x, r0, r1, C, mean, k, gamma, beta, ACT_SILU); break;
-        case ACT_SIGMOID: bn_act_rows(y, x, r0, r1, C, mean, k, gamma, beta, ACT_SIGMOID); break;
-        default: bn_act_rows(y, x, r0, r1, C, mean, k, gamma, beta, ACT_NONE);
+        if (f32) {
+            bn_act_rows_any((float *)y.data + r0 * C, (const float *)x.data + r0 * C, r1 - r0, C, mean, k, gamma,
+                            beta, act);
+            continue;
+        }
+        float xbuf[C], ybuf[C];  // (C) one row in fp32
+        for (size_t r = r0; r < r1; r++) {
+            bn_act_rows_any(ybuf, ld_view(x, r * C, xbuf, C), 1, C, mean, k, gamma, beta, act);
+            st_run(y, r * C, ybuf, C, 0);
         }
     }
 }
 
 // Σg and Σg·(x - mean) per channel over rows, g = dy·act'(gamma·((x - mean)·invstd) + b); act constant where inlined
-static inline __attribute__((always_inline)) void bn_grad_sums(const float *dy, const float *x, size_t M, int C,
-                                                               int c0, const float *gam, const float *inv,
-                                                               const float *b, const float *mean, Act act, double *sg,
-                                                               double *sgx) {
+static inline __attribute__((always_inline)) void bn_grad_sums(Tensor dy, Tensor x, size_t M, int C, int c0,
+                                                               const float *gam, const float *inv, const float *b,
+                                                               const float *mean, Act act, double *sg, double *sgx) {
+    float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];  // one row's channels in fp32 when the tensors are 16-bit
     for (size_t r = 0; r < M; r++) {
-        const float *xr = x + r * C + c0, *dr = dy + r * C + c0;
+        const float *xr = ld_view(x, r * C + c0, xbuf, BN_CBLOCK), *dr = ld_view(dy, r * C + c0, dbuf, BN_CBLOCK);
         #pragma omp simd
         for (int j = 0; j < BN_CBLOCK; j++) {
             float d = xr[j] - mean[c0 + j], g = dr[j] * act_grad_vec(act, gam[c0 + j] * (d * inv[c0 + j]) + b[c0 + j]);
@@ -813,9 +872,11 @@ static inline __attribute__((always_inline)) void bn_grad_sums(const float *dy, 
     }
 }
 
-static void bn_backward_reduce_f32(const float *dy, const float *x, size_t M, int C, const float *mean,
-                                   const float *var, const float *gamma, const float *beta, float eps, Act act,
-                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta) {
+static void bn_backward_reduce_fast(Tensor dy, Tensor x, const float *mean, const float *var, const float *gamma,
+                                    const float *beta, float eps, Act act, float *sum_g, float *sum_gx,
+                                    float *dgamma, float *dbeta) {
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
     // gamma, invstd, beta, mean padded to whole channel blocks (the padding lanes are computed and dropped)
     const int Cp = (C + BN_CBLOCK - 1) / BN_CBLOCK * BN_CBLOCK;
     float gam[Cp], b[Cp], m[Cp], invstd[Cp];  // (Cp)
@@ -837,13 +898,15 @@ static void bn_backward_reduce_f32(const float *dy, const float *x, size_t M, in
             default: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_NONE, sg, sgx);
             }
         } else {  // the last, partial block
-            for (size_t r = 0; r < M; r++)
+            float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];
+            for (size_t r = 0; r < M; r++) {
+                const float *xr = ld_view(x, r * C + c0, xbuf, nc), *dr = ld_view(dy, r * C + c0, dbuf, nc);
                 for (int j = 0; j < nc; j++) {
-                    size_t i = r * C + c0 + j;
-                    float d = x[i] - m[c0 + j], g = dy[i] * act_grad_vec(act, gam[c0 + j] * (d * invstd[c0 + j]) + b[c0 + j]);
+                    float d = xr[j] - m[c0 + j], g = dr[j] * act_grad_vec(act, gam[c0 + j] * (d * invstd[c0 + j]) + b[c0 + j]);
                     sg[j] += g;
                     sgx[j] += (double)g * d;
                 }
+            }
         }
         for (int j = 0; j < nc; j++) {
             float gx = (float)(sgx[j] * invstd[c0 + j]);  // Σ g·xhat
@@ -855,13 +918,14 @@ static void bn_backward_reduce_f32(const float *dy, const float *x, size_t M, in
     }
 }
 
-// dx (=|+=) a·(g - u - (x - mean)·v), a = gamma·invstd, u = Σg/count, v = invstd·Σg·xhat/count
-static inline __attribute__((always_inline)) void bn_dx_rows(float *dx, const float *dy, const float *x, size_t r0,
-                                                             size_t r1, int C, const float *a, const float *gam,
+// dx (=|+=) a·(g - u - (x - mean)·v), a = gamma·invstd, u = Σg/count, v = invstd·Σg·xhat/count,
+// over `rows` rows from dx, dy, x
+static inline __attribute__((always_inline)) void bn_dx_rows(float *dx, const float *dy, const float *x, size_t rows,
+                                                             int C, const float *a, const float *gam,
                                                              const float *inv, const float *b,
                                                              const float *mean, const float *u, const float *v,
                                                              Act act, int accumulate) {
-    for (size_t r = r0; r < r1; r++) {
+    for (size_t r = 0; r < rows; r++) {
         const float *xr = x + r * C, *dr = dy + r * C;
         float *o = dx + r * C;
         #pragma omp simd
@@ -872,10 +936,22 @@ static inline __attribute__((always_inline)) void bn_dx_rows(float *dx, const fl
         }
     }
 }
+static void bn_dx_rows_any(float *dx, const float *dy, const float *x, size_t rows, int C, const float *a,
+                           const float *gam, const float *inv, const float *b, const float *mean, const float *u,
+                           const float *v, Act act, int accumulate) {
+    switch (act) {
+    case ACT_RELU: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_RELU, accumulate); break;
+    case ACT_SILU: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_SILU, accumulate); break;
+    case ACT_SIGMOID: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_SIGMOID, accumulate); break;
+    default: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_NONE, accumulate);
+    }
+}
 
-static void bn_backward_data_f32(float *dx, const float *dy, const float *x, size_t M, int C, const float *mean,
-                                 const float *var, const float *gamma, const float *beta, float eps, Act act,
-                                 const float *sum_g, const float *sum_gx, size_t count, int accumulate) {
+static void bn_backward_data_fast(Tensor dx, Tensor dy, Tensor x, const float *mean, const float *var,
+                                  const float *gamma, const float *beta, float eps, Act act, const float *sum_g,
+                                  const float *sum_gx, size_t count, int accumulate) {
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
     float a[C], inv[C], u[C], v[C];  // (C)
     for (int c = 0; c < C; c++) {
         inv[c] = bn_invstd(var, c, eps);
@@ -884,42 +960,41 @@ static void bn_backward_data_f32(float *dx, const float *dy, const float *x, siz
         v[c] = count ? inv[c] * sum_gx[c] / (float)count : 0.0f;
     }
     const size_t n_items = (M + BN_ROWS - 1) / BN_ROWS;
+    const int f32 = dx.dtype == DT_F32 && dy.dtype == DT_F32 && x.dtype == DT_F32;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (size_t it = 0; it < n_items; it++) {
         size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
-        switch (act) {
-        case ACT_RELU: bn_dx_rows(dx, dy, x, r0, r1, C, a, gamma, inv, beta, mean, u, v, ACT_RELU, accumulate); break;
-        case ACT_SILU: bn_dx_rows(dx, dy, x, r0, r1, C, a, gamma, inv, beta, mean, u, v, ACT_SILU, accumulate); break;
-        case ACT_SIGMOID: bn_dx_rows(dx, dy, x, r0, r1, C, a, gamma, inv, beta, mean, u, v, ACT_SIGMOID, accumulate); break;
-        default: bn_dx_rows(dx, dy, x, r0, r1, C, a, gamma, inv, beta, mean, u, v, ACT_NONE, accumulate);
+        if (f32) {
+            bn_dx_rows_any((float *)dx.data + r0 * C, (const float *)dy.data + r0 * C, (const float *)x.data + r0 * C,
+                           r1 - r0, C, a, gamma, inv, beta, mean, u, v, act, accumulate);
+            continue;
+        }
+        float xbuf[C], dybuf[C], dxbuf[C];  // (C) one row in fp32
+        for (size_t r = r0; r < r1; r++) {
+            if (accumulate) ld_run(dx, r * C, dxbuf, C);
+            bn_dx_rows_any(dxbuf, ld_view(dy, r * C, dybuf, C), ld_view(x, r * C, xbuf, C), 1, C, a, gamma, inv, beta,
+                           mean, u, v, act, accumulate);
+            st_run(dx, r * C, dxbuf, C, 0);
         }
     }
 }
 
 static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var) {
     (void)o;
-    if (x.dtype != DT_F32) { bn_stats_ref(x, mean, var); return; }
-    bn_stats_f32((const float *)x.data, shape_numel(x.shape) / x.shape.c, x.shape.c, mean, var);
+    bn_stats_fast(x, mean, var);
 }
 
 static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
                            const float *gamma, const float *beta, float eps, Act act) {
     (void)o;
-    if (x.dtype != DT_F32 || y.dtype != DT_F32) { bn_forward_ref(y, x, mean, var, gamma, beta, eps, act); return; }
-    bn_forward_f32((float *)y.data, (const float *)x.data, shape_numel(x.shape) / x.shape.c, x.shape.c, mean, var,
-                   gamma, beta, eps, act);
+    bn_forward_fast(y, x, mean, var, gamma, beta, eps, act);
 }
 
 static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
                                    const float *gamma, const float *beta, float eps, Act act,
                                    float *sum_g, float *sum_gx, float *dgamma, float *dbeta) {
     (void)o;
-    if (x.dtype != DT_F32 || dy.dtype != DT_F32) {
-        bn_backward_reduce_ref(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta);
-        return;
-    }
-    bn_backward_reduce_f32((const float *)dy.data, (const float *)x.data, shape_numel(x.shape) / x.shape.c, x.shape.c,
-                           mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta);
+    bn_backward_reduce_fast(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta);
 }
 
 static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
@@ -927,13 +1002,7 @@ static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const f
                                  Act act, const float *sum_g, const float *sum_gx, size_t count,
                                  int accumulate) {
     (void)o;
-    if (x.dtype != DT_F32 || dy.dtype != DT_F32 || dx.dtype != DT_F32) {
-        bn_backward_data_ref(dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
-        return;
-    }
-    bn_backward_data_f32((float *)dx.data, (const float *)dy.data, (const float *)x.data,
-                         shape_numel(x.shape) / x.shape.c, x.shape.c, mean, var, gamma, beta, eps, act, sum_g,
-                         sum_gx, count, accumulate);
+    bn_backward_data_fast(dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
 }
 
 // ----------------------------------------------------------------------------

@@ -80,7 +80,7 @@ static inline SN_HD float f16_to_f32(uint16_t h) {
         float v = (float)man * 5.9604644775390625e-8f;
         return sign ? -v : v;
     }
-    if (e == 31) return bits_f32(sign | 0x7F800000u | (man << 13));
+    if (e == 31) return bits_f32(sign | 0x7F800000u | (man << 13) | (man ? 0x400000u : 0u));  // NaNs come out quiet, as in hardware
     return bits_f32(sign | ((e - 15 + 127) << 23) | (man << 13));
 }
 

@@ -4413,6 +4413,8 @@ static void test_resume_cli_after_crash(void) {
 // bits for any thread count.
 
 // max |a - b| / max(max |b|, floor)
+#define DT_NAME DTYPE_NAMES  // storage types as --precision spells them, indexed by DType
+
 static double rel_diff(const float *a, const float *b, size_t n, double floor) {
     double d = 0.0, m = floor;
     for (size_t i = 0; i < n; i++) {
@@ -4441,7 +4443,7 @@ static void test_fast_bn_vs_ref(void) {
                 for (size_t i = 0; i < n; i++) x[i] += 3.0f;  // a mean far from 0
                 float gam[37], bet[37], m1[37], v1[37], m2[37], v2[37];
                 for (int c = 0; c < C; c++) { gam[c] = 1.0f + 0.3f * rng_normal(&r); bet[c] = 0.5f * rng_normal(&r); }
-                bn_stats_f32(x, M, C, m1, v1);
+                bn_stats_fast(tensor_f32(x, s), m1, v1);
                 bn_stats_ref(tensor_f32(x, s), m2, v2);
                 CHECK(rel_diff(m1, m2, C, 1e-3) < 1e-6 && rel_diff(v1, v2, C, 1e-3) < 1e-6,
                       "bn_stats fast vs reference, shape " SHAPE_FMT, SHAPE_ARGS(s));
@@ -4471,6 +4473,84 @@ static void test_fast_bn_vs_ref(void) {
                 }
                 free(x); free(dy); free(d0); free(y1); free(y2);
             }
+}
+
+// 16-bit storage through the fast BN (rows converted to fp32 and back) against
+// the reference. The inputs are the same 16-bit values, so the fp64 reductions
+// agree as in fp32 (2e-6); outputs are rounded once to the storage type, where
+// exp_vec's few-ulp fp32 difference can flip one rounding: one ulp of the
+// type at the largest value (bf16 2^-8, fp16 2^-11).
+static void test_fast_bn_16bit(void) {
+    Rng r; rng_seed(&r, 83);
+    const Shape s = shape4(2, 5, 3, 21);  // one full channel block and a partial one
+    const int C = s.c;
+    const size_t n = shape_numel(s), M = n / C;
+    for (int dt = DT_F16; dt <= DT_BF16; dt++)
+        for (int act = ACT_NONE; act <= ACT_SIGMOID; act++)
+            for (int acc = 0; acc < 2; acc++) {
+                const double ulp = dt == DT_BF16 ? 1.0 / 256 : 1.0 / 2048;
+                float *xv = randn(&r, n, 1.5f), *dyv = randn(&r, n, 1.0f), *d0 = randn(&r, n, 1.0f);
+                uint16_t xb[n], dyb[n], y1b[n], y2b[n];
+                Tensor x = tensor(xb, s, (DType)dt), dy = tensor(dyb, s, (DType)dt);
+                Tensor y1 = tensor(y1b, s, (DType)dt), y2 = tensor(y2b, s, (DType)dt);
+                for (size_t i = 0; i < n; i++) { st(x, i, xv[i] + 2.0f); st(dy, i, dyv[i]); }
+                float gam[21], bet[21], m1[21], v1[21], m2[21], v2[21], f1[n], f2[n];
+                for (int c = 0; c < C; c++) { gam[c] = 1.0f + 0.3f * rng_normal(&r); bet[c] = 0.5f * rng_normal(&r); }
+                bn_stats_cpu(&ops_cpu, x, m1, v1);
+                bn_stats_ref(x, m2, v2);
+                CHECK(rel_diff(m1, m2, C, 1e-3) < 2e-6 && rel_diff(v1, v2, C, 1e-3) < 2e-6, "bn_stats %s", DT_NAME[dt]);
+                bn_forward_cpu(&ops_cpu, y1, x, m2, v2, gam, bet, 1e-3f, (Act)act);
+                bn_forward_ref(y2, x, m2, v2, gam, bet, 1e-3f, (Act)act);
+                for (size_t i = 0; i < n; i++) { f1[i] = ld(y1, i); f2[i] = ld(y2, i); }
+                double e = rel_diff(f1, f2, n, 1.0);
+                CHECK(e <= ulp, "bn_forward %s act %d: %.2e", DT_NAME[dt], act, e);
+                float sg1[21], sgx1[21], sg2[21], sgx2[21], dg1[21] = {0}, db1[21] = {0}, dg2[21] = {0}, db2[21] = {0};
+                bn_backward_reduce_cpu(&ops_cpu, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg1, sgx1, dg1, db1);
+                bn_backward_reduce_ref(dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2, dg2, db2);
+                CHECK(rel_diff(sg1, sg2, C, 1.0) < 2e-6 && rel_diff(sgx1, sgx2, C, 1.0) < 2e-6 &&
+                      rel_diff(dg1, dg2, C, 1.0) < 2e-6 && rel_diff(db1, db2, C, 1.0) < 2e-6,
+                      "bn_backward_reduce %s act %d", DT_NAME[dt], act);
+                for (int batch = 0; batch < 2; batch++) {
+                    for (size_t i = 0; i < n; i++) { st(y1, i, d0[i]); st(y2, i, d0[i]); }
+                    bn_backward_data_cpu(&ops_cpu, y1, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2,
+                                         batch ? M : 0, acc);
+                    bn_backward_data_ref(y2, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2, batch ? M : 0, acc);
+                    for (size_t i = 0; i < n; i++) { f1[i] = ld(y1, i); f2[i] = ld(y2, i); }
+                    e = rel_diff(f1, f2, n, 1.0);
+                    CHECK(e <= ulp, "bn_backward_data %s act %d acc %d count %d: %.2e", DT_NAME[dt], act, acc, batch, e);
+                }
+                free(xv); free(dyv); free(d0);
+            }
+}
+
+// ld_run / st_run (vectorised conversions) against ld / st element by element:
+// every fp16 and bf16 value in, a sweep of fp32 bit patterns out (ties, subnormals,
+// overflow, NaN), with and without accumulation: the same bits.
+static void test_fp16_runs(void) {
+    enum { N = 65536 };
+    static uint16_t h[N], a[N], b[N];
+    static float f1[N], f2[N];
+    for (int dt = DT_F16; dt <= DT_BF16; dt++) {
+        for (int i = 0; i < N; i++) h[i] = (uint16_t)i;
+        Tensor t = tensor(h, shape4(1, 1, 1, N), (DType)dt);
+        ld_run(t, 0, f1, N);
+        int bad = 0;
+        for (int i = 0; i < N; i++) bad += f32_bits(f1[i]) != f32_bits(ld(t, i));
+        CHECK(bad == 0, "ld_run %s: %d of 65536 values differ from ld", DT_NAME[dt], bad);
+        for (uint64_t base = 0; base < (1ull << 32); base += (1ull << 32) / 64) {
+            for (int i = 0; i < N; i++) f2[i] = bits_f32((uint32_t)(base + (uint64_t)i * 37));
+            for (int acc = 0; acc < 2; acc++) {
+                for (int i = 0; i < N; i++) a[i] = b[i] = (uint16_t)(i * 7);
+                Tensor ta = tensor(a, shape4(1, 1, 1, N), (DType)dt), tb = tensor(b, shape4(1, 1, 1, N), (DType)dt);
+                st_run(ta, 0, f2, N, acc);
+                for (int i = 0; i < N; i++) st_acc(tb, i, f2[i], acc);
+                bad = 0;
+                for (int i = 0; i < N; i++) bad += a[i] != b[i];
+                CHECK(bad == 0, "st_run %s accumulate %d from 0x%08llx: %d values differ from st", DT_NAME[dt], acc,
+                      (unsigned long long)base, bad);
+            }
+        }
+    }
 }
 
 // exp_vec against libm over the range the activations use, and at the clamps
@@ -4708,7 +4788,6 @@ static double cu_pair_err(CuPair p) {
     free(g); free(c);
     return e;
 }
-static const char *const DT_NAME[] = {"fp32", "fp16", "bf16"};
 
 // fill, and copy with every cast and both modes: bit-identical to the CPU
 static void test_cuda_fill_copy(void) {
@@ -4832,6 +4911,8 @@ static const Test TESTS[] = {
     {"parity_live_unet", test_parity_live_unet},
     {"fast_bn_vs_ref", test_fast_bn_vs_ref},
     {"exp_vec", test_exp_vec},
+    {"fast_bn_16bit", test_fast_bn_16bit},
+    {"fp16_runs", test_fp16_runs},
     {"fast_depthwise_vs_ref", test_fast_depthwise_vs_ref},
     {"fast_se_vs_formula", test_fast_se_vs_formula},
 #ifdef _OPENMP
