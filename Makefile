@@ -4,6 +4,8 @@
 #   make test       build and run the test suite
 #   make train      build and run the main job on the bundled data
 #   make bench      segnet bench against PyTorch (ref/bench_torch.py), same run
+#   make gpucheck   on a machine with a GPU: the cuda_ tests on the device, and
+#                   segnet against PyTorch (cuDNN) on it; table in gpucheck.txt
 #
 # Switches: NO_OMP=1 (no OpenMP), NO_NATIVE=1 (no -march=native), NO_CUDA=1, NO_NCCL=1, NO_MPI=1 (skip the
 # detection of each; later parts of segnet use them when present).
@@ -54,7 +56,7 @@ ifneq ($(NVCC),)
 endif
 CXX      ?= g++
 EMUFLAGS := -std=c++17 -O2 -g -Wall -Wextra -Wno-unknown-pragmas -Wno-sign-compare -I. -I$(CUDA_HOME)/include
-NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCHS) -Xcompiler -Wall,-Wextra -Werror all-warnings -I.
+NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -Wall,-Wextra -Werror all-warnings -I.
 
 ifeq ($(NO_OMP),1)
   OMP_FLAGS :=
@@ -66,7 +68,7 @@ endif
 DEP_CFLAGS = $(shell $(OPENBLAS_PC) --cflags openblas 2>/dev/null) -I/usr/include/stb
 DEP_LIBS   = $(shell $(OPENBLAS_PC) --libs openblas 2>/dev/null) -Wl,-rpath,$(OPENBLAS_DIR) -lstb
 
-.PHONY: all deps test train bench clean
+.PHONY: all deps test train bench gpucheck clean
 
 all: segnet test_segnet
 
@@ -118,7 +120,7 @@ test_segnet: test_segnet.c segnet.c segnet.h $(EMU_OBJS) | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -o $@ test_segnet.c $(EMU_OBJS) $(DEP_LIBS) $(EMU_LIBS) $(LDLIBS)
 
 kernels_gpu.o: kernels.cu segnet.h
-	$(NVCC) $(NVCCFLAGS) -c kernels.cu -o $@
+	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCHS) -c kernels.cu -o $@
 
 kernels_emu.o: kernels.cu segnet.h cuda_emu.h
 	$(CXX) $(EMUFLAGS) -x c++ -c kernels.cu -o $@
@@ -157,5 +159,48 @@ bench: segnet
 	printf "$$rows" | awk 'BEGIN { printf "%-9s %12s %12s %7s %13s %13s %7s\n", "model", "segnet ms", "pytorch ms", "ratio", "segnet MiB", "pytorch MiB", "ratio" } \
 	  { printf "%-9s %12.1f %12.1f %7.2f %13.1f %13.1f %7.2f\n", $$1, $$2, $$3, $$2 / $$3, $$4 / 1048576, $$5 / 1048576, $$4 / $$5 }'
 
+# ---- make gpucheck: on a machine with an NVIDIA GPU (none on our CI) ----------
+# 1. the cuda_ tests on the device: test_segnet linked with the nvcc-built
+#    kernels for this GPU instead of the emulator;
+# 2. GPU_STEPS training steps of each GPU_MODELS entry in bf16 and fp16, with
+#    and without --checkpoint blocks, then the same model, size and batch in
+#    PyTorch (cuDNN, autocast, channels_last) when torch sees the GPU;
+# 3. one table (images/s, peak device memory, segnet/PyTorch ratios), also
+#    written to gpucheck.txt.
+# The whole target is sized to finish within 8 minutes on an H200.
+GPU_STEPS  ?= 20
+GPU_SECONDS ?= 420   # the benchmark's whole budget: a run past it is cut short (its row shows nan)
+GPU_MODELS ?= "unet-effv2-l:--model unet-effv2-l --size 512x512 --batch 8 --classes 4" \
+              "effv2-l:--model effv2-l --size 384x384 --batch 16 --classes 1000"
+test_segnet_gpu: test_segnet.c segnet.c segnet.h kernels.cu | deps
+	$(NVCC) $(NVCCFLAGS) -arch=native -c kernels.cu -o kernels_native.o
+	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -o $@ test_segnet.c kernels_native.o $(DEP_LIBS) $(CUDA_LIBS) $(LDLIBS)
+
+gpucheck: test_segnet_gpu segnet
+	@nvidia-smi -L 2>/dev/null || { echo "make gpucheck: no GPU here (nvidia-smi -L failed)" >&2; exit 1; }
+	./test_segnet_gpu --filter cuda_
+	@rows=""; end=$$(( $$(date +%s) + $(GPU_SECONDS) )); \
+	budget() { l=$$(( end - $$(date +%s) )); [ $$l -gt $$1 ] && l=$$1; [ $$l -lt 1 ] && l=1; echo $$l; }; \
+	for m in $(GPU_MODELS); do \
+	  name=$${m%%:*}; args=$${m#*:}; \
+	  for p in bf16 fp16; do \
+	    t=""; \
+	    if /usr/bin/python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then \
+	      echo "== $$name $$p: ref/bench_torch.py --device cuda $$args" >&2; \
+	      t=$$(timeout $$(budget 90) /usr/bin/python3 ref/bench_torch.py --device cuda --precision $$p $$args --steps $(GPU_STEPS) --warmup 3) || t=""; \
+	      echo "$$t" >&2; \
+	    fi; \
+	    for c in none blocks; do \
+	      echo "== $$name $$p --checkpoint $$c: segnet bench --device cuda $$args" >&2; \
+	      s=$$(timeout $$(budget 120) ./segnet bench --device cuda --precision $$p --checkpoint $$c $$args --steps $(GPU_STEPS) --warmup 3) || s=""; \
+	      echo "$$s" >&2; \
+	      get() { v=$$(echo "$$1" | sed -n "s/^$$2: //p"); echo $${v:-nan}; }; \
+	      rows="$$rows$$name $$p $$c $$(get "$$s" images_per_s) $$(get "$$t" images_per_s) $$(get "$$s" peak_device_bytes) $$(get "$$t" peak_device_bytes)\n"; \
+	    done; \
+	  done; \
+	done; \
+	printf "$$rows" | awk 'BEGIN { printf "%-13s %-5s %-6s %10s %10s %7s %11s %11s %7s\n", "model", "prec", "ckpt", "segnet i/s", "torch i/s", "ratio", "segnet GiB", "torch GiB", "ratio" } \
+	  { printf "%-13s %-5s %-6s %10.2f %10.2f %7.2f %11.2f %11.2f %7.2f\n", $$1, $$2, $$3, $$4, $$5, $$4 / $$5, $$6 / 1073741824, $$7 / 1073741824, $$6 / $$7 }' | tee gpucheck.txt
+
 clean:
-	rm -f segnet test_segnet *.o
+	rm -f segnet test_segnet test_segnet_gpu gpucheck.txt *.o
