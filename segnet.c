@@ -215,9 +215,13 @@ static void nonfinite_cpu(Ops *o, Tensor t, int32_t *flag) {
 // with g = co / (Cout/groups) the group of co, Cg = Cin/groups, x = 0 outside
 // the input, and (pt, pl) the padding before (conv_axis in segnet.h).
 //
-// Dense and grouped convs are lowered to GEMMs per image and group: im2col
-// gathers the receptive fields into col[P][K] (P = OH·OW output pixels,
-// K = kh·kw·Cg in weight order), and
+// Dense k×k convs run as direct convolutions, register-blocked like a GEMM
+// micro-kernel but on the padded image itself (below, "direct k×k
+// convolution"). Grouped convs, and the gradients of convs with fewer input
+// channels than a vector, are lowered to GEMMs per image and group; that path
+// is also the reference the direct one is tested against. im2col gathers the
+// receptive fields into col[P][K] (P = OH·OW output pixels, K = kh·kw·Cg in
+// weight order), and
 //   forward          out_g[P][Coutg]  = col[P][K] · W_g[Coutg][K]ᵀ
 //   backward data    dcol[P][K]       = dout_g[P][Coutg] · W_g[Coutg][K], then col2im
 //   backward weight  dW_g[Coutg][K]  += dout_g[P][Coutg]ᵀ · col[P][K]
@@ -255,13 +259,22 @@ static int conv_is_depthwise(const ConvCfg *cfg) {
 // Workspace in bytes: col (P·K) for the GEMM paths, plus an fp32 copy of one
 // image's output or output gradient when activations are not stored in fp32;
 // depthwise: its weights transposed to [kh][kw][C].
+static int conv_is_direct(const ConvCfg *cfg);
+static int conv_direct_grad_data(const ConvCfg *cfg);
+static int conv_direct_grad_weight(const ConvCfg *cfg);
+static size_t direct_conv_floats(const ConvCfg *cfg, const ConvGeom *q, int backward);
 size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
     (void)o;
     if (conv_is_depthwise(cfg)) return sizeof(float) * (size_t)cfg->kh * cfg->kw * cfg->cin;  // weights [kh][kw][C]
     if (conv_is_pointwise(cfg) && dt == DT_F32) return 0;
     ConvGeom q = conv_geom(cfg, in);
-    size_t floats = q.P * q.K;
-    if (dt != DT_F32) floats += q.P * q.Cout;
+    size_t im2col = q.P * q.K + (dt != DT_F32 ? q.P * q.Cout : 0);  // col (P,K) and fp32 output rows (P,Cout)
+    if (!conv_is_direct(cfg)) return im2col * sizeof(float);
+    size_t floats = direct_conv_floats(cfg, &q, 0);
+    size_t dx = conv_direct_grad_data(cfg) ? direct_conv_floats(cfg, &q, 1) : im2col;
+    size_t dw = conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2) : im2col;
+    if (dw > floats) floats = dw;
+    if (dx > floats) floats = dx;
     return floats * sizeof(float);
 }
 
@@ -507,11 +520,295 @@ static void depthwise_backward_weight_f32(const ConvCfg *cfg, const ConvGeom *q,
     }
 }
 
+// ---- direct k×k convolution (dense, groups 1): the forward and, for stride 1,
+// the data gradient, without im2col. The input is copied once per image into
+// a zero-padded fp32 image xp (Hp,Wp,C), so the inner loops have no bounds
+// checks and any storage type is read once; then for a tile of R output
+// pixels along a row and V vectors of VL output channels, the R·V sums
+//   acc[r][v] = Σ_{ky,kx,ci} xp[oy·s + ky][(ox0 + r)·s + kx][ci] · wt[ky][kx][ci][co0 + v·VL ..]
+// stay in vector registers while the (ky,kx,ci) loop streams the input row
+// and the weights repacked as wt[ky][kx][ci][Cop] (output channels contiguous,
+// padded to Cop, a multiple of VL, with zeros). That is the register blocking
+// a GEMM micro-kernel does, on the image itself.
+// The data gradient of a stride-1 conv is the same sum over dout padded by
+// (k - 1 - pad) with the weights flipped and transposed:
+//   din[iy][ix][ci] = Σ_{ky',kx',co} dpad[iy + ky'][ix + kx'][co] · w[co][kh-1-ky'][kw-1-kx'][ci]
+#if defined(__AVX512F__)
+#define CONV_VL 16                      // fp32 lanes per vector register
+#define CONV_REGS 32                    // vector registers
+#else
+#define CONV_VL 8
+#define CONV_REGS 16
+#endif
+#define CONV_VMAX 4                     // output-channel vectors per tile
+#define CONV_RMAX 12                    // output pixels per tile
+typedef float vfloat __attribute__((vector_size(CONV_VL * sizeof(float))));
+static inline vfloat vload(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
+// pixels per tile for V channel vectors: R·V accumulators + V weights + 1 broadcast fit the registers
+static inline int conv_tile_pixels(int V) {
+    int r = (CONV_REGS - 2 - V) / V;
+    return r > CONV_RMAX ? CONV_RMAX : r;
+}
+
+typedef struct {
+    const float *xp;      // (Hp,Wp,C) padded input of one image
+    int Wp, C, s, kh, kw;
+    const float *wt;      // [kh][kw][C][Cop]
+    int Cop;
+    const float *bias;    // (Cout) or NULL
+    Tensor out;           // (N,OH,OW,Cout)
+    size_t out_image;     // element offset of this image in out
+    int OW, Cout, accumulate;
+} DirectConv;
+
+static inline __attribute__((always_inline)) void direct_conv_tile(const DirectConv *d, int R, int V, int oy, int ox0,
+                                                                   int co0) {
+    vfloat acc[CONV_RMAX][CONV_VMAX];  // fixed sizes: indexed by constants once unrolled, so kept in registers
+    #pragma GCC unroll 12
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 4
+        for (int v = 0; v < V; v++) acc[r][v] = (vfloat){0};
+    const size_t row = (size_t)d->Wp * d->C;
+    for (int ky = 0; ky < d->kh; ky++)
+        for (int kx = 0; kx < d->kw; kx++) {
+            const float *xr = d->xp + (size_t)(oy * d->s + ky) * row + ((size_t)ox0 * d->s + kx) * d->C;
+            const float *wr = d->wt + (size_t)(ky * d->kw + kx) * d->C * d->Cop + co0;
+            const size_t xstep = (size_t)d->s * d->C;
+            for (int ci = 0; ci < d->C; ci++) {
+                vfloat wv[CONV_VMAX];
+                #pragma GCC unroll 4
+                for (int v = 0; v < V; v++) wv[v] = vload(wr + (size_t)ci * d->Cop + v * CONV_VL);
+                #pragma GCC unroll 12
+                for (int r = 0; r < R; r++) {
+                    vfloat b = (vfloat){0} + xr[r * xstep + ci];
+                    #pragma GCC unroll 4
+                    for (int v = 0; v < V; v++) acc[r][v] += b * wv[v];
+                }
+            }
+        }
+    const int nc = d->Cout - co0 < V * CONV_VL ? d->Cout - co0 : V * CONV_VL;
+    float tile[CONV_VMAX * CONV_VL];  // one pixel's channels co0.., then stored (rounded, accumulated) as a run
+    #pragma GCC unroll 12
+    for (int r = 0; r < R; r++) {
+        #pragma GCC unroll 4
+        for (int v = 0; v < V; v++) vstore(tile + v * CONV_VL, acc[r][v]);
+        if (d->bias) for (int j = 0; j < nc; j++) tile[j] += d->bias[co0 + j];
+        st_run(d->out, d->out_image + ((size_t)oy * d->OW + ox0 + r) * d->Cout + co0, tile, (size_t)nc, d->accumulate);
+    }
+}
+
+// one output row, all channel blocks; R and V are constants in each instance
+static inline __attribute__((always_inline)) void direct_conv_row_v(const DirectConv *d, int V, int oy, int co0) {
+    const int R = conv_tile_pixels(V);
+    int ox = 0;
+    for (; ox + R <= d->OW; ox += R) direct_conv_tile(d, R, V, oy, ox, co0);
+    // the rest (< R pixels) in tiles of 8, 4, 2, 1
+    if (R > 8 && d->OW - ox >= 8) { direct_conv_tile(d, 8, V, oy, ox, co0); ox += 8; }
+    if (R > 4 && d->OW - ox >= 4) { direct_conv_tile(d, 4, V, oy, ox, co0); ox += 4; }
+    if (R > 2 && d->OW - ox >= 2) { direct_conv_tile(d, 2, V, oy, ox, co0); ox += 2; }
+    if (ox < d->OW) direct_conv_tile(d, 1, V, oy, ox, co0);
+}
+static void direct_conv_row(const DirectConv *d, int oy) {
+    for (int co0 = 0; co0 < d->Cout; co0 += CONV_VMAX * CONV_VL) {
+        int V = (d->Cout - co0 + CONV_VL - 1) / CONV_VL;
+        switch (V > CONV_VMAX ? CONV_VMAX : V) {
+        case 1: direct_conv_row_v(d, 1, oy, co0); break;
+        case 2: direct_conv_row_v(d, 2, oy, co0); break;
+        case 3: direct_conv_row_v(d, 3, oy, co0); break;
+        default: direct_conv_row_v(d, 4, oy, co0);
+        }
+    }
+}
+
+static int conv_pad_to_vl(int c) { return (c + CONV_VL - 1) / CONV_VL * CONV_VL; }
+static int conv_is_direct(const ConvCfg *cfg) { return cfg->groups == 1 && cfg->kh * cfg->kw > 1; }
+// The gradients' vectors run over input channels: with fewer than a vector's
+// worth (an RGB stem) most lanes would idle, and im2col + GEMM is faster.
+static int conv_direct_grad_data(const ConvCfg *cfg) {
+    return conv_is_direct(cfg) && cfg->cin >= CONV_VL && cfg->stride == 1;
+}
+static int conv_direct_grad_weight(const ConvCfg *cfg) { return conv_is_direct(cfg) && cfg->cin >= CONV_VL; }
+// Floats of workspace for the direct paths (backward: 0 forward, 1 data gradient, 2 weight
+// gradient): the padded image and the repacked weights (the data gradient pads dout: its
+// "image" has Cout channels and its weights Cin outputs); see the weight gradient below.
+static size_t direct_conv_floats(const ConvCfg *cfg, const ConvGeom *q, int backward) {
+    if (backward == 2) {  // weight gradient: fp64 sums, the padded input with slack, dout rows in fp32
+        size_t pad = (size_t)((q->OH - 1) * cfg->stride + cfg->kh) * ((q->OW - 1) * cfg->stride + cfg->kw) * q->C;
+        return 2 * (size_t)q->Cout * cfg->kh * cfg->kw * q->C + pad + CONV_VMAX * CONV_VL + q->P * q->Cout;
+    }
+    if (backward) {
+        size_t pad = (size_t)(q->H + cfg->kh - 1) * (q->W + cfg->kw - 1) * q->Cout;
+        return pad + (size_t)cfg->kh * cfg->kw * q->Cout * conv_pad_to_vl(q->C);
+    }
+    size_t pad = (size_t)((q->OH - 1) * cfg->stride + cfg->kh) * ((q->OW - 1) * cfg->stride + cfg->kw) * q->C;
+    return pad + (size_t)cfg->kh * cfg->kw * q->C * conv_pad_to_vl(q->Cout);
+}
+
+// xp[y][x][c] = src[n, y - top, x - left, c] inside the source, else 0: (Hp,Wp,C) fp32
+static void pad_image(Tensor src, int n, int top, int left, int Hp, int Wp, float *xp) {
+    const int H = src.shape.h, W = src.shape.w, C = src.shape.c;
+    #pragma omp parallel for schedule(static) if(PAR((size_t)Hp * Wp * C))
+    for (int y = 0; y < Hp; y++) {
+        float *dst = xp + (size_t)y * Wp * C;
+        int sy = y - top;
+        if (sy < 0 || sy >= H) { memset(dst, 0, sizeof(float) * Wp * C); continue; }
+        int x0 = left > 0 ? left : 0, x1 = left + W < Wp ? left + W : Wp;  // destination columns with data
+        memset(dst, 0, sizeof(float) * x0 * C);
+        ld_run(src, (((size_t)n * H + sy) * W + (x0 - left)) * C, dst + (size_t)x0 * C, (size_t)(x1 - x0) * C);
+        memset(dst + (size_t)x1 * C, 0, sizeof(float) * (Wp - x1) * C);
+    }
+}
+
+static void direct_conv_image(DirectConv *d, int OH) {
+    #pragma omp parallel for schedule(dynamic, 1) if(PAR((size_t)OH * d->OW * d->Cout * d->C * d->kh * d->kw))
+    for (int oy = 0; oy < OH; oy++) direct_conv_row(d, oy);
+}
+
+static void conv2d_forward_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
+                                  const float *b, float *ws) {
+    const int s = cfg->stride, Hp = (q->OH - 1) * s + cfg->kh, Wp = (q->OW - 1) * s + cfg->kw;
+    const int Cop = conv_pad_to_vl(q->Cout), KK = cfg->kh * cfg->kw;
+    float *wt = ws, *xp = ws + (size_t)KK * q->C * Cop;  // [kh][kw][C][Cop], (Hp,Wp,C)
+    for (int k = 0; k < KK; k++)
+        for (int ci = 0; ci < q->C; ci++)
+            for (int co = 0; co < Cop; co++)
+                wt[((size_t)k * q->C + ci) * Cop + co] = co < q->Cout ? w[((size_t)co * KK + k) * q->C + ci] : 0.0f;
+    DirectConv d = {xp, Wp, q->C, s, cfg->kh, cfg->kw, wt, Cop, b, out, 0, q->OW, q->Cout, 0};
+    for (int n = 0; n < q->N; n++) {
+        pad_image(in, n, q->pt, q->pl, Hp, Wp, xp);
+        d.out_image = (size_t)n * q->P * q->Cout;
+        direct_conv_image(&d, q->OH);
+    }
+}
+
+static void conv2d_backward_data_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
+                                        const float *w, int accumulate, float *ws) {
+    const int Hp = q->H + cfg->kh - 1, Wp = q->W + cfg->kw - 1, KK = cfg->kh * cfg->kw;
+    const int Cip = conv_pad_to_vl(q->C);
+    float *wt = ws, *dp = ws + (size_t)KK * q->Cout * Cip;  // [kh][kw][Cout][Cip], (Hp,Wp,Cout)
+    for (int ky = 0; ky < cfg->kh; ky++)
+        for (int kx = 0; kx < cfg->kw; kx++) {
+            const int flipped = (cfg->kh - 1 - ky) * cfg->kw + (cfg->kw - 1 - kx);
+            for (int co = 0; co < q->Cout; co++)
+                for (int ci = 0; ci < Cip; ci++)
+                    wt[((size_t)(ky * cfg->kw + kx) * q->Cout + co) * Cip + ci] =
+                        ci < q->C ? w[((size_t)co * KK + flipped) * q->C + ci] : 0.0f;
+        }
+    DirectConv d = {dp, Wp, q->Cout, 1, cfg->kh, cfg->kw, wt, Cip, NULL, din, 0, q->W, q->C, accumulate};
+    for (int n = 0; n < q->N; n++) {
+        pad_image(dout, n, cfg->kh - 1 - q->pt, cfg->kw - 1 - q->pl, Hp, Wp, dp);
+        d.out_image = (size_t)n * q->H * q->W * q->C;
+        direct_conv_image(&d, q->H);
+    }
+}
+
+// The weight gradient, any stride:
+//   dw[co][ky][kx][ci] += Σ_{n,oy,ox} dout[n,oy,ox,co] · xp_n[oy·s + ky][ox·s + kx][ci]
+// per tap, a tile of R output channels (broadcast from dout) × V vectors of
+// input channels (loaded from the padded input) accumulates whole output rows,
+// about DW_FLUSH_PIXELS pixels, in registers (fp32), then adds them into fp64
+// sums: rows in order, so the result does not depend on the thread count.
+#define DW_FLUSH_PIXELS 512
+typedef struct {
+    const float *xp;      // (Hp,Wp,C) padded input of one image (with CONV_VMAX·CONV_VL floats of slack)
+    int Wp, C, s, kw, KK;
+    const float *dy;      // (OH,OW,Cout) fp32 output gradient of the same image
+    int OH, OW, Cout;
+    double *sum;          // [Cout][kh][kw][C], the weight gradient's layout
+} DirectDW;
+
+static inline __attribute__((always_inline)) void direct_dw_tile(const DirectDW *d, int R, int V, int tap, int co0,
+                                                                 int ci0) {
+    const int ky = tap / d->kw, kx = tap % d->kw;
+    const size_t xstep = (size_t)d->s * d->C;
+    const int rows = d->OW >= DW_FLUSH_PIXELS ? 1 : DW_FLUSH_PIXELS / d->OW;  // rows per fp32 partial sum
+    for (int oy0 = 0; oy0 < d->OH; oy0 += rows) {
+        vfloat acc[CONV_RMAX][CONV_VMAX];
+        #pragma GCC unroll 12
+        for (int r = 0; r < R; r++)
+            #pragma GCC unroll 4
+            for (int v = 0; v < V; v++) acc[r][v] = (vfloat){0};
+        for (int oy = oy0; oy < oy0 + rows && oy < d->OH; oy++) {
+        const float *xr = d->xp + ((size_t)(oy * d->s + ky) * d->Wp + kx) * d->C + ci0;
+        const float *dr = d->dy + (size_t)oy * d->OW * d->Cout + co0;
+        for (int ox = 0; ox < d->OW; ox++) {
+            vfloat xv[CONV_VMAX];
+            #pragma GCC unroll 4
+            for (int v = 0; v < V; v++) xv[v] = vload(xr + ox * xstep + v * CONV_VL);
+            #pragma GCC unroll 12
+            for (int r = 0; r < R; r++) {
+                vfloat b = (vfloat){0} + dr[(size_t)ox * d->Cout + r];
+                #pragma GCC unroll 4
+                for (int v = 0; v < V; v++) acc[r][v] += b * xv[v];
+            }
+        }
+        }
+        const int nc = d->C - ci0 < V * CONV_VL ? d->C - ci0 : V * CONV_VL;
+        float lanes[CONV_VMAX * CONV_VL];
+        #pragma GCC unroll 12
+        for (int r = 0; r < R; r++) {
+            #pragma GCC unroll 4
+            for (int v = 0; v < V; v++) vstore(lanes + v * CONV_VL, acc[r][v]);
+            double *sr = d->sum + ((size_t)(co0 + r) * d->KK + tap) * d->C + ci0;
+            for (int j = 0; j < nc; j++) sr[j] += lanes[j];
+        }
+    }
+}
+static inline __attribute__((always_inline)) void direct_dw_tiles_v(const DirectDW *d, int V, int tap, int ci0) {
+    const int R = conv_tile_pixels(V);
+    int co = 0;
+    for (; co + R <= d->Cout; co += R) direct_dw_tile(d, R, V, tap, co, ci0);
+    if (R > 8 && d->Cout - co >= 8) { direct_dw_tile(d, 8, V, tap, co, ci0); co += 8; }
+    if (R > 4 && d->Cout - co >= 4) { direct_dw_tile(d, 4, V, tap, co, ci0); co += 4; }
+    if (R > 2 && d->Cout - co >= 2) { direct_dw_tile(d, 2, V, tap, co, ci0); co += 2; }
+    if (co < d->Cout) direct_dw_tile(d, 1, V, tap, co, ci0);
+}
+static void direct_dw_image(const DirectDW *d) {
+    const int n_ci = (d->C + CONV_VMAX * CONV_VL - 1) / (CONV_VMAX * CONV_VL);
+    #pragma omp parallel for schedule(dynamic, 1) if(PAR((size_t)d->OH * d->OW * d->Cout * d->C * d->KK))
+    for (int item = 0; item < d->KK * n_ci; item++) {
+        const int tap = item / n_ci, ci0 = item % n_ci * CONV_VMAX * CONV_VL;
+        const int V = (d->C - ci0 + CONV_VL - 1) / CONV_VL;
+        switch (V > CONV_VMAX ? CONV_VMAX : V) {
+        case 1: direct_dw_tiles_v(d, 1, tap, ci0); break;
+        case 2: direct_dw_tiles_v(d, 2, tap, ci0); break;
+        case 3: direct_dw_tiles_v(d, 3, tap, ci0); break;
+        default: direct_dw_tiles_v(d, 4, tap, ci0);
+        }
+    }
+}
+
+static void conv2d_backward_weight_direct(const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
+                                          float *ws) {
+    const int s = cfg->stride, Hp = (q->OH - 1) * s + cfg->kh, Wp = (q->OW - 1) * s + cfg->kw;
+    const size_t n_w = (size_t)q->Cout * cfg->kh * cfg->kw * q->C;
+    double *sum = (double *)ws;                                       // (n_w) fp64
+    float *xp = ws + 2 * n_w;                                         // (Hp,Wp,C) + slack
+    float *rows = xp + (size_t)Hp * Wp * q->C + CONV_VMAX * CONV_VL;  // (OH,OW,Cout) when dout is 16-bit
+    memset(sum, 0, sizeof(double) * n_w);
+    DirectDW d = {xp, Wp, q->C, s, cfg->kw, cfg->kh * cfg->kw, NULL, q->OH, q->OW, q->Cout, sum};
+    memset(xp + (size_t)Hp * Wp * q->C, 0, sizeof(float) * CONV_VMAX * CONV_VL);
+    for (int n = 0; n < q->N; n++) {
+        pad_image(in, n, q->pt, q->pl, Hp, Wp, xp);
+        d.dy = image_rows_f32(dout, n, q->P, q->Cout, rows);
+        direct_dw_image(&d);
+    }
+    for (size_t i = 0; i < n_w; i++) dw[i] += (float)sum[i];
+}
+
 static void add_bias_rows(float *y, size_t rows, int C, const float *b) {
     #pragma omp parallel for schedule(static) if(PAR(rows * C))
     for (size_t r = 0; r < rows; r++)
         for (int c = 0; c < C; c++) y[r * C + c] += b[c];
 }
+
+static void conv2d_forward_gemm(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
+                                const float *b, float *ws);
+static void conv2d_backward_data_gemm(const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
+                                      const float *w, int accumulate, float *ws);
+static void conv2d_backward_weight_gemm(const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
+                                        float *ws);
 
 static void conv2d_forward_cpu(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in, const float *w,
                                const float *b, void *ws) {
@@ -534,7 +831,15 @@ static void conv2d_forward_cpu(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in
         if (b) add_bias_rows((float *)out.data, (size_t)M, q.Cout, b);
         return;
     }
-    float *col = (float *)ws;                  // (P, K)
+    if (conv_is_direct(cfg)) conv2d_forward_direct(cfg, &q, out, in, w, b, (float *)ws);
+    else conv2d_forward_gemm(cfg, &q, out, in, w, b, (float *)ws);
+}
+
+// im2col + GEMM per image and group: grouped convs, and the reference for the direct paths
+static void conv2d_forward_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor out, Tensor in, const float *w,
+                                const float *b, float *ws) {
+    const ConvGeom q = *qp;
+    float *col = ws;                           // (P, K)
     float *rows = col + q.P * q.K;             // (P, Cout) when out is not fp32
     for (int n = 0; n < q.N; n++) {
         float *y = out.dtype == DT_F32 ? (float *)out.data + (size_t)n * q.P * q.Cout : rows;  // (P, Cout)
@@ -570,7 +875,14 @@ static void conv2d_backward_data_cpu(Ops *o, const ConvCfg *cfg, Tensor din, Ten
                     (const float *)dout.data, q.Cout, w, q.C, accumulate ? 1.0f : 0.0f, (float *)din.data, q.C);
         return;
     }
-    float *dcol = (float *)ws;                    // (P, K)
+    if (conv_direct_grad_data(cfg)) conv2d_backward_data_direct(cfg, &q, din, dout, w, accumulate, (float *)ws);
+    else conv2d_backward_data_gemm(cfg, &q, din, dout, w, accumulate, (float *)ws);
+}
+
+static void conv2d_backward_data_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor din, Tensor dout,
+                                      const float *w, int accumulate, float *ws) {
+    const ConvGeom q = *qp;
+    float *dcol = ws;                             // (P, K)
     float *rows = dcol + q.P * q.K;               // (P, Cout) when dout is not fp32
     for (int n = 0; n < q.N; n++) {
         const float *dy = image_rows_f32(dout, n, q.P, q.Cout, rows);
@@ -611,7 +923,14 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
                     (const float *)dout.data, q.Cout, (const float *)in.data, q.C, 1.0f, dw, q.C);
         return;
     }
-    float *col = (float *)ws;                     // (P, K)
+    if (conv_direct_grad_weight(cfg)) conv2d_backward_weight_direct(cfg, &q, dw, dout, in, (float *)ws);
+    else conv2d_backward_weight_gemm(cfg, &q, dw, dout, in, (float *)ws);
+}
+
+static void conv2d_backward_weight_gemm(const ConvCfg *cfg, const ConvGeom *qp, float *dw, Tensor dout, Tensor in,
+                                        float *ws) {
+    const ConvGeom q = *qp;
+    float *col = ws;                              // (P, K)
     float *rows = col + q.P * q.K;                // (P, Cout) when dout is not fp32
     for (int n = 0; n < q.N; n++) {
         const float *dy = image_rows_f32(dout, n, q.P, q.Cout, rows);
