@@ -26,6 +26,7 @@
 #include "cuda_emu.h"
 #endif
 #include <cublas_v2.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -139,6 +140,487 @@ static void copy_cuda(Ops *o, Tensor dst, Tensor src, int accumulate) {
 }
 
 // ----------------------------------------------------------------------------
+// conv2d
+//
+// The lowering of the CPU ops (segnet.c, "conv2d"), on cuBLAS:
+//   pointwise (1×1 stride 1 dense; dense layers are 1×1 convs on (N,1,1,C)):
+//     NHWC is already the GEMM operand [N·H·W][Cin], so each op is one GEMM
+//     on the tensors themselves, no copies.
+//   other dense and grouped convs: im2col of a chunk of output pixels into
+//     the workspace, col[p][g][ky][kx][ci] (K = kh·kw·Cg per group), then per group
+//       forward          out_g[p][co]  = col_g[p][K] · W_g[co][K]ᵀ
+//       backward data    dcol_g[p][K]  = dout_g[p][co] · W_g[co][K]   (fp32), then col2im
+//       backward weight  dW_g[co][K]  += dout_g[p][co]ᵀ · col_g[p][K]
+//     col2im is a gather: each input element sums the dcol entries that read it
+//     in (ky, kx) order and is written once (deterministic, no atomics).
+//   depthwise: direct kernels with threads along C; the weight gradient is a
+//     two-pass fixed-order reduction over N·OH·OW.
+// cuBLAS is column-major: a row-major (R×C) matrix with leading dimension ld is
+// the column-major (C×R) matrix with the same ld, so every product above is
+// issued transposed, Cᵀ = op(B)ᵀ·op(A)ᵀ (see each call).
+//
+// Storage types: fp16/bf16 GEMMs read 16-bit A and B and accumulate in fp32
+// (CUBLAS_COMPUTE_32F, tensor cores). The weights are rounded to the storage
+// type into the workspace (a rounding the CPU does not make: the tests allow
+// for it); im2col columns are copies of stored values (exact). Every output is
+// rounded once from fp32, as on the CPU:
+//   - forward without bias, pointwise backward data: the GEMM writes the
+//     storage type; accumulate = 1 is beta = 1, which cuBLAS evaluates in fp32
+//     and rounds once (= st_acc);
+//   - forward with bias: fp32 rows in the workspace, then one kernel adds the
+//     bias and rounds (round(acc + b), not round(round(acc) + b));
+//   - im2col backward data: dcol in fp32, col2im adds and rounds once.
+// Parameter gradients are fp32 (the GEMM's C, beta = 1: added into).
+//
+// Workspace (conv2d_workspace, the same plan as the ops): the 16-bit weights,
+// then the columns of at most cuda_conv_chunk_bytes of output rows (whole
+// images when one fits, else bands of rows of one image; at least one row), or
+// the partial sums of the reductions. The ops run chunk after chunk on one
+// stream, so a chunk may reuse the previous chunk's space.
+
+size_t cuda_conv_chunk_bytes = (size_t)64 << 20;  // 64 MiB: a large conv still runs as a few big GEMMs
+
+#define WS_ALIGN 256          // each part of the workspace starts on a 256-byte boundary
+#define REDUCE_ROWS 256       // rows summed by one block of a column reduction, at least...
+#define REDUCE_PARTS_MAX 64   // ...but at most this many partial sums per column (pass 2 adds them)
+
+static size_t align_up(size_t b) { return (b + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN; }
+
+// what a conv on a given input does, and where its workspace parts are
+typedef struct {
+    ConvGeom q;
+    int G, GK;             // groups; columns of an im2col row, G·K = kh·kw·Cin
+    int pointwise, depthwise;
+    DType dt;
+    int fwd_rows;          // output rows (n,oy) per forward / backward-weight chunk
+    int bwd_rows;          // input rows (n,iy) per backward-data chunk
+    int bwd_out_rows;      // the most output rows a backward-data chunk reads
+    int parts;             // partial sums per column of a reduction over N·OH·OW
+    size_t wcast;          // bytes of the weights in the storage type (at ws + 0; what follows is aligned)
+    size_t col_row;        // bytes of im2col columns per output row (storage type)
+    size_t rows32_row;     // bytes of fp32 output rows per output row (forward with bias, 16-bit)
+    size_t dcol_row;       // bytes of fp32 dcol per output row
+    size_t reduce;         // bytes of partial sums of the backward-weight reductions
+} ConvPlan;
+
+// rows per chunk: whole images when one fits in `cap`, else as many rows as fit (at least 1)
+static int rows_per_chunk(size_t row_bytes, int rows_per_image, int images, size_t cap) {
+    if (row_bytes == 0) return rows_per_image * images;
+    size_t image = row_bytes * rows_per_image;
+    if (image <= cap) return rows_per_image * (int)(cap / image < (size_t)images ? cap / image : (size_t)images);
+    size_t r = cap / row_bytes;
+    return r < 1 ? 1 : (int)r;
+}
+// the chunk starting at row t0: whole images or a band inside one image
+static int chunk_end(int t0, int step, int rows_per_image, int total) {
+    int end = step >= rows_per_image ? t0 + step : (t0 / rows_per_image + 1) * rows_per_image;
+    if (step < rows_per_image && t0 + step < end) end = t0 + step;
+    return end < total ? end : total;
+}
+// Output rows [*t0, *t1) (flattened n·OH + oy) that input rows [u0, u1)
+// (flattened n·H + iy, whole images or a band of one) read in backward data:
+// oy·s - pt + ky = iy for some ky in [0, kh).
+static void bwd_band_out_rows(const ConvCfg *cfg, const ConvGeom *q, int u0, int u1, int *t0, int *t1) {
+    const int s = cfg->stride, n0 = u0 / q->H, iy0 = u0 % q->H, n1 = (u1 - 1) / q->H, iy1 = (u1 - 1) % q->H;
+    int lo = iy0 + q->pt - (cfg->kh - 1);             // s·oy >= lo
+    int oy_lo = lo <= 0 ? 0 : (lo + s - 1) / s;
+    int oy_hi = (iy1 + q->pt) / s;                    // s·oy <= iy1 + pt
+    if (oy_hi > q->OH - 1) oy_hi = q->OH - 1;
+    *t0 = n0 * q->OH + oy_lo;
+    *t1 = n1 * q->OH + oy_hi + 1;
+    if (*t1 < *t0) *t1 = *t0;                         // rows no output reads: din = 0 (or unchanged)
+}
+
+static void conv_fail(const char *what, const ConvCfg *cfg, Shape in) {
+    fprintf(stderr, "segnet: internal error in %s: input (%d,%d,%d,%d) for conv cin %d cout %d kernel %dx%d groups %d\n",
+            what, in.n, in.h, in.w, in.c, cfg->cin, cfg->cout, cfg->kh, cfg->kw, cfg->groups);
+    exit(1);
+}
+
+static ConvPlan conv_plan(const ConvCfg *cfg, Shape in, DType dt) {
+    ConvPlan p;
+    memset(&p, 0, sizeof p);
+    if (!conv_geom_of(cfg, in, &p.q)) conv_fail("conv2d (input does not fit)", cfg, in);
+    const ConvGeom *q = &p.q;
+    const size_t es = dtype_size(dt), cap = cuda_conv_chunk_bytes;
+    p.G = cfg->groups; p.GK = cfg->groups * q->K; p.dt = dt;
+    p.pointwise = conv_is_pointwise(cfg); p.depthwise = conv_is_depthwise(cfg);
+    size_t M = (size_t)q->N * q->P;
+    p.parts = (int)((M + REDUCE_ROWS - 1) / REDUCE_ROWS);
+    if (p.parts > REDUCE_PARTS_MAX) p.parts = REDUCE_PARTS_MAX;
+    if (p.parts < 1) p.parts = 1;
+    if (p.depthwise) {  // the weight gradient's partial sums, [part][c][ky][kx]; dbias uses the first C·parts
+        p.reduce = (size_t)p.parts * q->C * cfg->kh * cfg->kw * sizeof(float);
+        return p;
+    }
+    p.reduce = cfg->has_bias ? (size_t)p.parts * q->Cout * sizeof(float) : 0;
+    p.wcast = dt == DT_F32 ? 0 : (size_t)q->Cout * q->K * es;
+    p.col_row = p.pointwise ? 0 : (size_t)q->OW * p.GK * es;
+    p.rows32_row = dt != DT_F32 && cfg->has_bias ? (size_t)q->OW * q->Cout * sizeof(float) : 0;
+    p.dcol_row = p.pointwise ? 0 : (size_t)q->OW * p.GK * sizeof(float);
+    p.fwd_rows = rows_per_chunk(p.col_row + p.rows32_row, q->OH, q->N, cap);
+    if (p.pointwise) { p.bwd_rows = q->N * q->H; p.bwd_out_rows = 0; return p; }
+    // backward data: bands of input rows whose dcol (at most (b-1+kh-1)/s + 1 output rows) fits
+    if (p.dcol_row * q->OH <= cap) {
+        p.bwd_rows = rows_per_chunk(p.dcol_row, q->OH, q->N, cap) / q->OH * q->H;
+    } else {
+        int b = q->H - 1;
+        while (b > 1 && (size_t)((b - 1 + cfg->kh - 1) / cfg->stride + 1) * p.dcol_row > cap) b--;
+        p.bwd_rows = b < 1 ? 1 : b;
+    }
+    for (int u0 = 0, total = q->N * q->H; u0 < total;) {
+        int u1 = chunk_end(u0, p.bwd_rows, q->H, total), t0, t1;
+        bwd_band_out_rows(cfg, q, u0, u1, &t0, &t1);
+        if (t1 - t0 > p.bwd_out_rows) p.bwd_out_rows = t1 - t0;
+        u0 = u1;
+    }
+    return p;
+}
+// the workspace parts of each op (bytes from ws); conv2d_workspace is their maximum
+static size_t ws_forward(const ConvPlan *p) {
+    size_t col = p->fwd_rows * p->col_row, rows32 = p->fwd_rows * p->rows32_row;
+    if (rows32) col = align_up(col) + rows32;
+    return col ? align_up(p->wcast) + col : p->wcast;
+}
+static size_t ws_backward_data(const ConvPlan *p) {
+    size_t dcol = p->bwd_out_rows * p->dcol_row;
+    return dcol ? align_up(p->wcast) + dcol : p->wcast;
+}
+static size_t ws_backward_weight(const ConvPlan *p) {
+    size_t col = p->fwd_rows * p->col_row;
+    return col > p->reduce ? col : p->reduce;
+}
+
+static size_t conv2d_workspace_cuda(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
+    (void)o;
+    ConvPlan p = conv_plan(cfg, in, dt);
+    if (p.depthwise) return p.reduce;
+    size_t f = ws_forward(&p), d = ws_backward_data(&p), w = ws_backward_weight(&p);
+    return f > d ? (f > w ? f : w) : (d > w ? d : w);
+}
+
+static cudaDataType blas_type(DType dt) { return dt == DT_F32 ? CUDA_R_32F : dt == DT_F16 ? CUDA_R_16F : CUDA_R_16BF; }
+static void *at_elem(const void *p, DType dt, size_t i) { return (char *)p + i * dtype_size(dt); }
+
+// C (m×n, column-major) = op(A)·op(B) + beta·C with fp32 accumulation; A and B of
+// type ab, C of type c: the combinations cuBLAS supports with CUBLAS_COMPUTE_32F
+// (A = B = fp32 with C fp32; A = B = fp16 or bf16 with C the same or fp32)
+static void gemm_ex(Ops *o, cublasOperation_t ta, cublasOperation_t tb, size_t m, size_t n, size_t k,
+                    const void *A, int lda, const void *B, int ldb, DType ab, float beta, void *C, int ldc, DType c) {
+    if (m > INT_MAX || n > INT_MAX || k > INT_MAX) {
+        fprintf(stderr, "segnet: internal error: GEMM of %zux%zux%zu exceeds cuBLAS' int dimensions\n", m, n, k);
+        exit(1);
+    }
+    const float alpha = 1.0f;
+    cublasCheck(cublasGemmEx(ctx_of(o)->blas, ta, tb, (int)m, (int)n, (int)k, &alpha, A, blas_type(ab), lda, B,
+                             blas_type(ab), ldb, &beta, C, blas_type(c), ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// col[p][g][ky][kx][ci] = x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci] (0 outside)
+// for the output pixels p of output rows t0.. (flattened n·OH + oy), p relative to t0
+__global__ void im2col_kernel(void *col, const void *in, DType dt, ConvCfg cfg, ConvGeom q, int t0, size_t n) {
+    const int taps = cfg.kh * cfg.kw, GK = cfg.groups * q.K;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n; e += (size_t)blockDim.x * gridDim.x) {
+        const int ci = (int)(e % q.Cg), tap = (int)(e / q.Cg % taps), g = (int)(e / q.K % cfg.groups);
+        const size_t p = e / GK;
+        const int t = t0 + (int)(p / q.OW), ox = (int)(p % q.OW), img = t / q.OH, oy = t % q.OH;
+        const int iy = oy * cfg.stride - q.pt + tap / cfg.kw, ix = ox * cfg.stride - q.pl + tap % cfg.kw;
+        float v = 0.0f;
+        if (iy >= 0 && iy < q.H && ix >= 0 && ix < q.W)
+            v = ld(in, dt, (((size_t)img * q.H + iy) * q.W + ix) * q.C + (size_t)g * q.Cg + ci);
+        st(col, dt, e, v);  // a stored value: exact in its own type
+    }
+}
+static void im2col(Ops *o, void *col, Tensor in, const ConvCfg *cfg, const ConvGeom *q, int t0, int t1) {
+    size_t n = (size_t)(t1 - t0) * q->OW * cfg->groups * q->K;
+    CU_LAUNCH(im2col_kernel, grid_for(n), BLOCK, 0, stream_of(o), col, in.data, in.dtype, *cfg, *q, t0, n);
+    launchCheck();
+}
+
+// din[n,iy,ix,g·Cg+ci] (=|+=) Σ_{ky,kx} dcol[p(oy,ox)][g][ky][kx][ci], oy = (iy + pt - ky)/s
+// integral and inside the output (likewise ox), summed in (ky, kx) order like the
+// CPU's col2im; input rows u0.. (flattened n·H + iy), dcol rows from output row t0
+__global__ void col2im_kernel(void *din, DType dt, const float *dcol, ConvCfg cfg, ConvGeom q, int u0, int t0,
+                              size_t n, int accumulate) {
+    const int s = cfg.stride, GK = cfg.groups * q.K;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n; e += (size_t)blockDim.x * gridDim.x) {
+        const int c = (int)(e % q.C), ix = (int)(e / q.C % q.W), u = u0 + (int)(e / ((size_t)q.C * q.W));
+        const int img = u / q.H, iy = u % q.H, g = c / q.Cg, ci = c % q.Cg;
+        float acc = 0.0f;
+        for (int ky = 0; ky < cfg.kh; ky++) {
+            const int ty = iy + q.pt - ky;
+            if (ty < 0 || ty % s || ty / s >= q.OH) continue;
+            for (int kx = 0; kx < cfg.kw; kx++) {
+                const int tx = ix + q.pl - kx;
+                if (tx < 0 || tx % s || tx / s >= q.OW) continue;
+                const size_t p = (size_t)(img * q.OH + ty / s - t0) * q.OW + tx / s;
+                acc += dcol[p * GK + (size_t)g * q.K + (ky * cfg.kw + kx) * q.Cg + ci];
+            }
+        }
+        const size_t i = (size_t)u * q.W * q.C + (size_t)ix * q.C + c;
+        st(din, dt, i, accumulate ? ld(din, dt, i) + acc : acc);
+    }
+}
+
+// y[r][c] = rows[r][c] + b[c], rounded to y's type (b NULL: + 0); rows may alias y when it is fp32
+__global__ void bias_rows_kernel(void *y, DType dt, const float *rows, const float *b, int C, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x)
+        st(y, dt, i, b ? rows[i] + b[i % C] : rows[i]);
+}
+
+// Deterministic column sums, pass 1. A block is 32 columns × 8 row lanes; it
+// sums the rows of its part [part·rows_per_part, ...) for its columns, each lane
+// every 8th row in order, then the 8 lanes in order, and writes
+// partial[part][col]. Pass 2 (sum_parts_kernel) adds the parts in order.
+#define RED_X 32
+#define RED_Y 8
+static __device__ float block_rows_sum(float v) {  // the sum of v over threadIdx.y, valid in lane y = 0
+    __shared__ float lanes[RED_Y][RED_X];
+    lanes[threadIdx.y][threadIdx.x] = v;
+    __syncthreads();
+    float s = 0.0f;
+    if (threadIdx.y == 0)
+        for (int y = 0; y < RED_Y; y++) s += lanes[y][threadIdx.x];
+    return s;
+}
+// partial[part][c] = Σ_{r in part} x[r][c]: x (M, C) in storage type
+__global__ void column_sum_kernel(float *partial, const void *x, DType dt, size_t M, int C, size_t rows_per_part) {
+    const int c = blockIdx.x * RED_X + threadIdx.x, part = blockIdx.y;
+    const size_t r0 = part * rows_per_part, r1 = r0 + rows_per_part < M ? r0 + rows_per_part : M;
+    float s = 0.0f;
+    if (c < C)
+        for (size_t r = r0 + threadIdx.y; r < r1; r += RED_Y) s += ld(x, dt, r * C + c);
+    s = block_rows_sum(s);
+    if (threadIdx.y == 0 && c < C) partial[(size_t)part * C + c] = s;
+}
+// dst[i] += Σ_{part} partial[part][i], parts in order
+__global__ void sum_parts_kernel(float *dst, const float *partial, int parts, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
+        float s = 0.0f;
+        for (int k = 0; k < parts; k++) s += partial[k * n + i];
+        dst[i] += s;
+    }
+}
+static size_t rows_per_part(size_t M, int parts) { return (M + parts - 1) / parts; }
+// db[c] += Σ_{n,oy,ox} dout[n,oy,ox,c], through `partial` (parts·C floats)
+static void bias_grad(Ops *o, float *db, Tensor dout, int parts, float *partial) {
+    const int C = dout.shape.c;
+    const size_t M = shape_numel(dout.shape) / C;
+    dim3 grid((C + RED_X - 1) / RED_X, parts), block(RED_X, RED_Y);
+    CU_LAUNCH(column_sum_kernel, grid, block, 0, stream_of(o), partial, dout.data, dout.dtype, M, C,
+              rows_per_part(M, parts));
+    launchCheck();
+    CU_LAUNCH(sum_parts_kernel, grid_for(C), BLOCK, 0, stream_of(o), db, partial, parts, (size_t)C);
+    launchCheck();
+}
+
+// depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx, c]·w[c][ky][kx],
+// taps in (ky, kx) order after the bias, like the CPU
+__global__ void depthwise_forward_kernel(void *out, const void *in, DType dt_out, DType dt_in, const float *w,
+                                         const float *b, ConvCfg cfg, ConvGeom q, size_t n) {
+    const int taps = cfg.kh * cfg.kw;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n; e += (size_t)blockDim.x * gridDim.x) {
+        const int c = (int)(e % q.C), ox = (int)(e / q.C % q.OW), oy = (int)(e / ((size_t)q.C * q.OW) % q.OH);
+        const int img = (int)(e / ((size_t)q.C * q.P));
+        float acc = b ? b[c] : 0.0f;
+        for (int ky = 0; ky < cfg.kh; ky++) {
+            const int iy = oy * cfg.stride - q.pt + ky;
+            if (iy < 0 || iy >= q.H) continue;
+            for (int kx = 0; kx < cfg.kw; kx++) {
+                const int ix = ox * cfg.stride - q.pl + kx;
+                if (ix < 0 || ix >= q.W) continue;
+                acc += ld(in, dt_in, (((size_t)img * q.H + iy) * q.W + ix) * q.C + c) * w[c * taps + ky * cfg.kw + kx];
+            }
+        }
+        st(out, dt_out, e, acc);
+    }
+}
+// din[n,iy,ix,c] (=|+=) Σ_{ky,kx} dout[n,oy,ox,c]·w[c][ky][kx], oy = (iy + pt - ky)/s integral
+__global__ void depthwise_backward_data_kernel(void *din, const void *dout, DType dt_din, DType dt_dout,
+                                               const float *w, ConvCfg cfg, ConvGeom q, size_t n, int accumulate) {
+    const int taps = cfg.kh * cfg.kw, s = cfg.stride;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n; e += (size_t)blockDim.x * gridDim.x) {
+        const int c = (int)(e % q.C), ix = (int)(e / q.C % q.W), iy = (int)(e / ((size_t)q.C * q.W) % q.H);
+        const int img = (int)(e / ((size_t)q.C * q.W * q.H));
+        float acc = 0.0f;
+        for (int ky = 0; ky < cfg.kh; ky++) {
+            const int ty = iy + q.pt - ky;
+            if (ty < 0 || ty % s || ty / s >= q.OH) continue;
+            for (int kx = 0; kx < cfg.kw; kx++) {
+                const int tx = ix + q.pl - kx;
+                if (tx < 0 || tx % s || tx / s >= q.OW) continue;
+                acc += ld(dout, dt_dout, (((size_t)img * q.OH + ty / s) * q.OW + tx / s) * q.C + c) *
+                       w[c * taps + ky * cfg.kw + kx];
+            }
+        }
+        st(din, dt_din, e, accumulate ? ld(din, dt_din, e) + acc : acc);
+    }
+}
+// pass 1 of dw[c][ky][kx] += Σ_{n,oy,ox} dout[n,oy,ox,c]·x[n, oy·s - pt + ky, ox·s - pl + kx, c]:
+// block (columns c, part, tap = blockIdx.z) writes partial[part][c][tap]
+__global__ void depthwise_weight_partial_kernel(float *partial, const void *dout, const void *in, DType dt_dout,
+                                                DType dt_in, ConvCfg cfg, ConvGeom q, size_t rows_per_part) {
+    const int c = blockIdx.x * RED_X + threadIdx.x, part = blockIdx.y, tap = blockIdx.z;
+    const int ky = tap / cfg.kw, kx = tap % cfg.kw, taps = cfg.kh * cfg.kw;
+    const size_t M = (size_t)q.N * q.P, r0 = part * rows_per_part, r1 = r0 + rows_per_part < M ? r0 + rows_per_part : M;
+    float s = 0.0f;
+    if (c < q.C)
+        for (size_t r = r0 + threadIdx.y; r < r1; r += RED_Y) {  // r = (n·OH + oy)·OW + ox
+            const int ox = (int)(r % q.OW), oy = (int)(r / q.OW % q.OH), img = (int)(r / q.P);
+            const int iy = oy * cfg.stride - q.pt + ky, ix = ox * cfg.stride - q.pl + kx;
+            if (iy < 0 || iy >= q.H || ix < 0 || ix >= q.W) continue;
+            s += ld(dout, dt_dout, r * q.C + c) * ld(in, dt_in, (((size_t)img * q.H + iy) * q.W + ix) * q.C + c);
+        }
+    s = block_rows_sum(s);
+    if (threadIdx.y == 0 && c < q.C) partial[((size_t)part * q.C + c) * taps + tap] = s;
+}
+
+static void conv_check_out(const char *what, const ConvGeom *q, Shape out, const ConvCfg *cfg, Shape in) {
+    if (out.n != q->N || out.h != q->OH || out.w != q->OW || out.c != q->Cout) conv_fail(what, cfg, in);
+}
+
+static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in, const float *w, const float *b,
+                                void *ws) {
+    ConvPlan p = conv_plan(cfg, in.shape, in.dtype);
+    const ConvGeom *q = &p.q;
+    conv_check_out("conv2d_forward (out shape)", q, out.shape, cfg, in.shape);
+    if (p.depthwise) {
+        size_t n = shape_numel(out.shape);
+        CU_LAUNCH(depthwise_forward_kernel, grid_for(n), BLOCK, 0, stream_of(o), out.data, in.data, out.dtype,
+                  in.dtype, w, b, *cfg, *q, n);
+        launchCheck();
+        return;
+    }
+    if (out.dtype != in.dtype) conv_fail("conv2d_forward (in and out storage types differ)", cfg, in.shape);
+    if (b && !cfg->has_bias) conv_fail("conv2d_forward (a bias for a conv without one)", cfg, in.shape);
+    const DType dt = in.dtype;
+    const void *wt = w;  // [Cout][K] in the storage type
+    if (dt != DT_F32) {
+        CU_LAUNCH(copy_kernel, grid_for((size_t)q->Cout * q->K), BLOCK, 0, stream_of(o), ws, dt, w, DT_F32,
+                  (size_t)q->Cout * q->K, 0);
+        launchCheck();
+        wt = ws;
+    }
+    void *col = (char *)ws + align_up(p.wcast);                              // (rows·OW, G·K)
+    float *rows32 = (float *)((char *)col + align_up(p.fwd_rows * p.col_row));  // (rows·OW, Cout)
+    const int total = q->N * q->OH;
+    for (int t0 = 0; t0 < total;) {
+        const int t1 = chunk_end(t0, p.fwd_rows, q->OH, total);
+        const size_t pix = (size_t)(t1 - t0) * q->OW, first = (size_t)t0 * q->OW;
+        const void *B = in.data;  // pointwise: the input pixels are the output pixels
+        int ldb = q->C;
+        if (!p.pointwise) { im2col(o, col, in, cfg, q, t0, t1); B = col; ldb = p.GK; }
+        else B = at_elem(in.data, dt, first * q->C);
+        const int via32 = b && dt != DT_F32;
+        void *y = via32 ? (void *)rows32 : at_elem(out.data, dt, first * q->Cout);
+        // out_g[pix][Coutg] = col_g[pix][K]·W_g[Coutg][K]ᵀ; column-major: out_gᵀ (Coutg×pix) = W_gᵀ-as-stored (op T)·col_gᵀ
+        for (int g = 0; g < p.G; g++)
+            gemm_ex(o, CUBLAS_OP_T, CUBLAS_OP_N, q->Coutg, pix, q->K, at_elem(wt, dt, (size_t)g * q->Coutg * q->K), q->K,
+                    at_elem(B, dt, (size_t)g * q->K), ldb, dt, 0.0f, at_elem(y, via32 ? DT_F32 : dt, (size_t)g * q->Coutg),
+                    q->Cout, via32 ? DT_F32 : dt);
+        if (b) {
+            const size_t n = pix * q->Cout;
+            void *dst = at_elem(out.data, dt, first * q->Cout);
+            CU_LAUNCH(bias_rows_kernel, grid_for(n), BLOCK, 0, stream_of(o), dst, dt,
+                      via32 ? (const float *)rows32 : (const float *)dst, b, q->Cout, n);
+            launchCheck();
+        }
+        t0 = t1;
+    }
+}
+
+static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout, const float *w,
+                                      int accumulate, void *ws) {
+    if (!din.data) return;
+    ConvPlan p = conv_plan(cfg, din.shape, din.dtype);
+    const ConvGeom *q = &p.q;
+    conv_check_out("conv2d_backward_data (dout shape)", q, dout.shape, cfg, din.shape);
+    if (p.depthwise) {
+        size_t n = shape_numel(din.shape);
+        CU_LAUNCH(depthwise_backward_data_kernel, grid_for(n), BLOCK, 0, stream_of(o), din.data, dout.data,
+                  din.dtype, dout.dtype, w, *cfg, *q, n, accumulate);
+        launchCheck();
+        return;
+    }
+    if (dout.dtype != din.dtype) conv_fail("conv2d_backward_data (din and dout storage types differ)", cfg, din.shape);
+    const DType dt = din.dtype;
+    const void *wt = w;
+    if (dt != DT_F32) {
+        CU_LAUNCH(copy_kernel, grid_for((size_t)q->Cout * q->K), BLOCK, 0, stream_of(o), ws, dt, w, DT_F32,
+                  (size_t)q->Cout * q->K, 0);
+        launchCheck();
+        wt = ws;
+    }
+    if (p.pointwise) {
+        // din[M][Cin] (=|+=) dout[M][Cout]·W[Cout][Cin]; column-major: dinᵀ (Cin×M) = W-as-stored (Cin×Cout)·doutᵀ
+        gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_N, q->C, (size_t)q->N * q->H * q->W, q->Cout, wt, q->C, dout.data, q->Cout,
+                dt, accumulate ? 1.0f : 0.0f, din.data, q->C, dt);
+        return;
+    }
+    float *dcol = (float *)((char *)ws + align_up(p.wcast));  // (rows·OW, G·K) fp32
+    const int total = q->N * q->H;
+    for (int u0 = 0; u0 < total;) {
+        const int u1 = chunk_end(u0, p.bwd_rows, q->H, total);
+        int t0, t1;
+        bwd_band_out_rows(cfg, q, u0, u1, &t0, &t1);
+        const size_t pix = (size_t)(t1 - t0) * q->OW;
+        // dcol_g[pix][K] = dout_g[pix][Coutg]·W_g[Coutg][K]; column-major: dcol_gᵀ (K×pix) = W_g-as-stored (K×Coutg)·dout_gᵀ
+        for (int g = 0; g < p.G && pix; g++)
+            gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_N, q->K, pix, q->Coutg, at_elem(wt, dt, (size_t)g * q->Coutg * q->K), q->K,
+                    at_elem(dout.data, dt, (size_t)t0 * q->OW * q->Cout + (size_t)g * q->Coutg), q->Cout, dt, 0.0f,
+                    dcol + (size_t)g * q->K, p.GK, DT_F32);
+        const size_t n = (size_t)(u1 - u0) * q->W * q->C;
+        CU_LAUNCH(col2im_kernel, grid_for(n), BLOCK, 0, stream_of(o), din.data, dt, dcol, *cfg, *q, u0, t0, n,
+                  accumulate);
+        launchCheck();
+        u0 = u1;
+    }
+}
+
+static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, float *db, Tensor dout, Tensor in,
+                                        void *ws) {
+    ConvPlan p = conv_plan(cfg, in.shape, in.dtype);
+    const ConvGeom *q = &p.q;
+    conv_check_out("conv2d_backward_weight (dout shape)", q, dout.shape, cfg, in.shape);
+    if (db && !cfg->has_bias && !p.depthwise)
+        conv_fail("conv2d_backward_weight (a bias gradient for a conv without bias)", cfg, in.shape);
+    if (db) bias_grad(o, db, dout, p.parts, (float *)ws);
+    if (!dw) return;
+    if (p.depthwise) {
+        const int taps = cfg->kh * cfg->kw;
+        dim3 grid((q->C + RED_X - 1) / RED_X, p.parts, taps), block(RED_X, RED_Y);
+        CU_LAUNCH(depthwise_weight_partial_kernel, grid, block, 0, stream_of(o), (float *)ws, dout.data, in.data,
+                  dout.dtype, in.dtype, *cfg, *q, rows_per_part((size_t)q->N * q->P, p.parts));
+        launchCheck();
+        size_t n = (size_t)q->C * taps;
+        CU_LAUNCH(sum_parts_kernel, grid_for(n), BLOCK, 0, stream_of(o), dw, (const float *)ws, p.parts, n);
+        launchCheck();
+        return;
+    }
+    if (dout.dtype != in.dtype) conv_fail("conv2d_backward_weight (in and dout storage types differ)", cfg, in.shape);
+    const DType dt = in.dtype;
+    if (p.pointwise) {
+        // dW[Cout][Cin] += dout[M][Cout]ᵀ·in[M][Cin]; column-major: dWᵀ (Cin×Cout) += inᵀ (Cin×M)·dout (op T)
+        gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_T, q->C, q->Cout, (size_t)q->N * q->H * q->W, in.data, q->C, dout.data,
+                q->Cout, dt, 1.0f, dw, q->C, DT_F32);
+        return;
+    }
+    void *col = ws;  // (rows·OW, G·K), after the bias gradient is done with ws
+    const int total = q->N * q->OH;
+    for (int t0 = 0; t0 < total;) {
+        const int t1 = chunk_end(t0, p.fwd_rows, q->OH, total);
+        const size_t pix = (size_t)(t1 - t0) * q->OW;
+        im2col(o, col, in, cfg, q, t0, t1);
+        // dW_g[Coutg][K] += dout_g[pix][Coutg]ᵀ·col_g[pix][K]; column-major: dW_gᵀ (K×Coutg) += col_gᵀ·dout_g (op T)
+        for (int g = 0; g < p.G; g++)
+            gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_T, q->K, q->Coutg, pix, at_elem(col, dt, (size_t)g * q->K), p.GK,
+                    at_elem(dout.data, dt, (size_t)t0 * q->OW * q->Cout + (size_t)g * q->Coutg), q->Cout, dt, 1.0f,
+                    dw + (size_t)g * q->Coutg * q->K, q->K, DT_F32);
+        t0 = t1;
+    }
+}
+
+// ----------------------------------------------------------------------------
 // the CUDA ops table. Entries not filled in yet are NULL (the cuda_ops_complete
 // test lists them).
 
@@ -153,6 +635,10 @@ static Ops make_ops_cuda(void) {
     o.synchronize = cuda_synchronize;
     o.fill = fill_cuda;
     o.copy = copy_cuda;
+    o.conv2d_workspace = conv2d_workspace_cuda;
+    o.conv2d_forward = conv2d_forward_cuda;
+    o.conv2d_backward_data = conv2d_backward_data_cuda;
+    o.conv2d_backward_weight = conv2d_backward_weight_cuda;
     return o;
 }
 Ops ops_cuda = make_ops_cuda();  // declared extern "C" in segnet.h

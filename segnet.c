@@ -228,32 +228,11 @@ static void nonfinite_cpu(Ops *o, Tensor t, int32_t *flag) {
 // A 1×1 stride-1 conv (fp32) needs no im2col: NHWC is already [N·H·W][Cin].
 // Depthwise convs (groups = Cin = Cout) are direct loops.
 
-typedef struct {
-    int N, H, W, C;      // input (N,H,W,C)
-    int OH, OW, Cout;    // output (N,OH,OW,Cout)
-    int pt, pl;          // padding before, top and left
-    int Cg, Coutg, K;    // channels per group in and out; K = kh·kw·Cg
-    size_t P;            // output pixels per image
-} ConvGeom;
-
 static ConvGeom conv_geom(const ConvCfg *cfg, Shape in) {
     ConvGeom q;
-    q.N = in.n; q.H = in.h; q.W = in.w; q.C = in.c; q.Cout = cfg->cout;
-    int okh = conv_axis(in.h, cfg->kh, cfg->stride, cfg->pad, &q.OH, &q.pt);
-    int okw = conv_axis(in.w, cfg->kw, cfg->stride, cfg->pad, &q.OW, &q.pl);
-    snCheck(okh && okw && in.c == cfg->cin, "conv2d: input " SHAPE_FMT " does not fit the conv (cin %d, kernel %dx%d)",
+    snCheck(conv_geom_of(cfg, in, &q), "conv2d: input " SHAPE_FMT " does not fit the conv (cin %d, kernel %dx%d)",
             SHAPE_ARGS(in), cfg->cin, cfg->kh, cfg->kw);
-    q.Cg = cfg->cin / cfg->groups; q.Coutg = cfg->cout / cfg->groups;
-    q.K = cfg->kh * cfg->kw * q.Cg;
-    q.P = (size_t)q.OH * q.OW;
     return q;
-}
-
-static int conv_is_pointwise(const ConvCfg *cfg) {
-    return cfg->kh == 1 && cfg->kw == 1 && cfg->stride == 1 && cfg->groups == 1;
-}
-static int conv_is_depthwise(const ConvCfg *cfg) {
-    return cfg->groups > 1 && cfg->groups == cfg->cin && cfg->cout == cfg->cin;
 }
 
 // Workspace in bytes: col (P·K) for the GEMM paths, plus an fp32 copy of one

@@ -194,6 +194,36 @@ static inline SN_HD int conv_axis(int in, int k, int s, PadMode pad, int *out, i
     return 1;
 }
 
+// A conv on a given input: its sizes, padding and GEMM dimensions (both backends).
+typedef struct {
+    int N, H, W, C;      // input (N,H,W,C)
+    int OH, OW, Cout;    // output (N,OH,OW,Cout)
+    int pt, pl;          // padding before, top and left
+    int Cg, Coutg, K;    // channels per group in and out; K = kh·kw·Cg
+    size_t P;            // output pixels per image
+} ConvGeom;
+
+// Fills *q; returns 0 if the input does not fit the conv (wrong Cin, kernel
+// larger than the padded input).
+static inline int conv_geom_of(const ConvCfg *cfg, Shape in, ConvGeom *q) {
+    q->N = in.n; q->H = in.h; q->W = in.w; q->C = in.c; q->Cout = cfg->cout;
+    int okh = conv_axis(in.h, cfg->kh, cfg->stride, cfg->pad, &q->OH, &q->pt);
+    int okw = conv_axis(in.w, cfg->kw, cfg->stride, cfg->pad, &q->OW, &q->pl);
+    q->Cg = cfg->cin / cfg->groups; q->Coutg = cfg->cout / cfg->groups;
+    q->K = cfg->kh * cfg->kw * q->Cg;
+    q->P = (size_t)q->OH * q->OW;
+    return okh && okw && in.c == cfg->cin;
+}
+
+// 1×1 stride 1 dense: NHWC is already the GEMM operand [N·H·W][Cin], no im2col
+static inline int conv_is_pointwise(const ConvCfg *cfg) {
+    return cfg->kh == 1 && cfg->kw == 1 && cfg->stride == 1 && cfg->groups == 1;
+}
+// one filter per channel: direct loops (kernels), no GEMM
+static inline int conv_is_depthwise(const ConvCfg *cfg) {
+    return cfg->groups > 1 && cfg->groups == cfg->cin && cfg->cout == cfg->cin;
+}
+
 // ----------------------------------------------------------------------------
 // the ops table: every primitive the graph needs. One table per backend
 // (ops_cpu in segnet.c, ops_cuda in kernels.cu); model code calls only these.
@@ -338,6 +368,11 @@ extern Ops ops_cpu;
 // message when there is no driver or no such device.
 extern Ops ops_cuda;
 int cuda_backend_open(int device, char *err);
+// Bytes of im2col columns (and fp32 rows) the CUDA convs hold at once: larger
+// convs run in chunks of output rows (whole images when they fit). It sizes
+// conv2d_workspace, so change it only before planning (tests lower it to run
+// the chunked paths on small shapes).
+extern size_t cuda_conv_chunk_bytes;
 extern size_t cpu_bytes_live, cpu_bytes_peak;  // what ops_cpu.alloc has handed out (now, at most)
 
 // Bytes of workspace the CPU backend's conv needs (the planner asks the table).

@@ -4885,6 +4885,225 @@ static void test_cuda_fill_copy(void) {
             }
     free(v);
 }
+
+// ---- conv2d: every lowering of kernels.cu (pointwise GEMM; im2col + GEMM in
+// whole-image chunks and in bands of rows; grouped; depthwise kernels) against
+// ops_cpu on the same storage-rounded inputs.
+//
+// Error bound, per element, derived rather than tuned: an output is a sum of
+// T terms t_i (T per op below) plus what is added into. Both backends sum in
+// fp32 in different orders (the CPU's weight and bias gradients in fp64), so
+// each is within γ_T·S of the exact sum, S = Σ|t_i| (+ the |value| added into),
+// and they differ by at most 2T·2^-24·S. With fp16/bf16 activations the GPU
+// GEMMs use weights rounded to the storage type (unit roundoff u = 2^-11 for
+// fp16, 2^-8 for bf16): that moves the sum by at most u·S (forward and
+// backward-data of GEMM convs; depthwise kernels and weight gradients use no
+// rounded weights). A 16-bit output is then rounded once on each side, which
+// adds at most u·|cpu| + u·|gpu| ≈ 2u·|cpu|, plus twice the absolute error η of
+// rounding a subnormal (fp16: half its spacing, 2^-25; bf16 has fp32's range). So
+//     |gpu - cpu| <= (2T·2^-24 + u_w)·S + 2·u_out·|cpu| + 2·η
+// with T = kh·kw·Cin/groups + 1 (forward, with the bias), kh·kw·Cout/groups + 1
+// (backward data, with the accumulated din), N·OH·OW + 1 (weight and bias
+// gradients, with the value added into); S is computed by the CPU op on |x|,
+// |w|, |b| (|dout|, |din|...), i.e. the sum of absolute terms per element.
+// The measured worst relative error max|gpu - cpu| / max|cpu| per op and
+// precision is printed with -v.
+
+typedef struct { const char *label; Shape in; int cout, k, stride, groups; PadMode pad; } CuConvCase;
+
+static double g_conv_worst[4][3];  // [forward, backward data, backward weight, bias][dtype]
+
+static float dtype_unit_roundoff(DType dt) {
+    return dt == DT_F16 ? 0x1p-11f : dt == DT_BF16 ? 0x1p-8f : 0.0f;
+}
+static double dtype_subnormal_error(DType dt) { return dt == DT_F16 ? 0x1p-25 : dt == DT_BF16 ? 0x1p-134 : 0.0; }
+static float *abs_copy(const float *v, size_t n) {
+    float *a = malloc(sizeof(float) * (n ? n : 1));
+    for (size_t i = 0; i < n; i++) a[i] = fabsf(v[i]);
+    return a;
+}
+// the values a tensor holds, as floats (host copy)
+static float *cu_host_values(Tensor t) {
+    size_t n = shape_numel(t.shape);
+    float *f = malloc(sizeof(float) * (n ? n : 1));
+    for (size_t i = 0; i < n; i++) f[i] = ld(t, i);
+    return f;
+}
+// checks gpu against cpu with the bound above; S = sum of absolute terms; returns the relative error
+static double cu_conv_compare(const char *what, const char *label, int op, DType dt, const float *gpu,
+                              const float *cpu, const float *S, size_t n, size_t terms, float u_w, DType out) {
+    const double rel = 2.0 * terms * 0x1p-24 + u_w, u_out = dtype_unit_roundoff(out), eta = dtype_subnormal_error(out);
+    size_t bad = 0, first = 0;
+    for (size_t i = 0; i < n; i++) {
+        double bound = rel * S[i] + 2.0 * u_out * fabs(cpu[i]) + 2.0 * eta;
+        if (!(fabs((double)gpu[i] - cpu[i]) <= bound)) { if (!bad++) first = i; }
+    }
+    CHECK(!bad, "%s %s %s: %zu of %zu elements outside the bound, e.g. [%zu] gpu %.9g cpu %.9g S %.3g", label, what,
+          DT_NAME[dt], bad, n, first, gpu[first], cpu[first], S[first]);
+    double e = cu_rel_err(gpu, cpu, n, 1e-30);
+    if (e > g_conv_worst[op][dt]) g_conv_worst[op][dt] = e;
+    return e;
+}
+
+static void cuda_conv_case(const CuConvCase *tc, DType dt, int bias, Rng *r) {
+    Ops *o = cu_ops();
+    ConvCfg cfg = {0};
+    cfg.cin = tc->in.c; cfg.cout = tc->cout; cfg.kh = cfg.kw = tc->k; cfg.stride = tc->stride;
+    cfg.groups = tc->groups; cfg.pad = tc->pad; cfg.has_bias = bias;
+    ConvGeom q;
+    snCheck(conv_geom_of(&cfg, tc->in, &q), "test case %s does not fit", tc->label);
+    const Shape in = tc->in, os = shape4(q.N, q.OH, q.OW, q.Cout);
+    const size_t nin = shape_numel(in), nout = shape_numel(os), nw = (size_t)q.Cout * q.K, M = (size_t)q.N * q.P;
+    const int depthwise = conv_is_depthwise(&cfg);
+    const float u_w = depthwise ? 0.0f : dtype_unit_roundoff(dt);
+    float *x = randn(r, nin, 1.0f), *w = randn(r, nw, 1.0f / sqrtf((float)q.K)), *b = randn(r, q.Cout, 0.5f);
+    float *dy = randn(r, nout, 1.0f), *din0 = randn(r, nin, 1.0f), *dw0 = randn(r, nw, 1.0f), *db0 = randn(r, q.Cout, 1.0f);
+    CuPair X = cu_pair(x, in, dt), Y = cu_pair(NULL, os, dt), DY = cu_pair(dy, os, dt);
+    // the inputs as the ops see them (rounded to dt), and their absolute values for S
+    float *xr = cu_host_values(X.cpu), *dyr = cu_host_values(DY.cpu);
+    float *ax = abs_copy(xr, nin), *aw = abs_copy(w, nw), *ab = abs_copy(b, q.Cout), *ady = abs_copy(dyr, nout);
+    float *w_d = cu_floats(w, nw), *b_d = cu_floats(b, q.Cout);
+    void *cws = malloc(conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32) + conv2d_workspace_cpu(&ops_cpu, &cfg, in, dt) + 1);
+    // the GPU workspace: exactly conv2d_workspace bytes, then a guard; cudaMalloc fills
+    // both with 0xff (NaN), so reading unwritten workspace shows, and writes past the end too
+    const size_t ws_bytes = o->conv2d_workspace(o, &cfg, in, dt), guard = 256;
+    unsigned char *gws = o->alloc(o, ws_bytes + guard);
+    float *S = malloc(sizeof(float) * (nin > nout ? (nin > nw ? nin : nw) : (nout > nw ? nout : nw)));
+
+    // forward
+    ops_cpu.conv2d_forward(&ops_cpu, &cfg, Y.cpu, X.cpu, w, bias ? b : NULL, cws);
+    o->conv2d_forward(o, &cfg, Y.gpu, X.gpu, w_d, bias ? b_d : NULL, gws);
+    ops_cpu.conv2d_forward(&ops_cpu, &cfg, tensor_f32(S, os), tensor_f32(ax, in), aw, bias ? ab : NULL, cws);
+    float *yc = cu_host_values(Y.cpu), *yg = cu_to_host(Y.gpu.data, nout, dt);
+    cu_conv_compare("forward", tc->label, 0, dt, yg, yc, S, nout, (size_t)q.K + 1, u_w, dt);
+    free(yc); free(yg);
+
+    // backward data, overwrite (din starts as NaN) and accumulate (din starts finite)
+    for (int acc = 0; acc < 2; acc++) {
+        CuPair DX = cu_pair(acc ? din0 : NULL, in, dt);
+        ops_cpu.conv2d_backward_data(&ops_cpu, &cfg, DX.cpu, DY.cpu, w, acc, cws);
+        o->conv2d_backward_data(o, &cfg, DX.gpu, DY.gpu, w_d, acc, gws);
+        float *dx_old = abs_copy(din0, nin);  // |din| as stored: round through dt
+        for (size_t i = 0; i < nin; i++) dx_old[i] = fabsf(dtype_round(dt, dx_old[i]));
+        ops_cpu.conv2d_backward_data(&ops_cpu, &cfg, tensor_f32(S, in), tensor_f32(ady, os), aw, 0, cws);
+        if (acc) for (size_t i = 0; i < nin; i++) S[i] += dx_old[i];
+        float *c = cu_host_values(DX.cpu), *g = cu_to_host(DX.gpu.data, nin, dt);
+        cu_conv_compare(acc ? "backward data (accumulate)" : "backward data", tc->label, 1, dt, g, c, S, nin,
+                        (size_t)tc->k * tc->k * (q.Cout / cfg.groups) + 1, u_w, dt);
+        free(c); free(g); free(dx_old);
+        cu_pair_free(&DX);
+    }
+
+    // backward weight and bias, added into random values; then the bias alone (dweight not wanted)
+    float *dw_c = malloc(sizeof(float) * nw), *db_c = malloc(sizeof(float) * q.Cout);
+    memcpy(dw_c, dw0, sizeof(float) * nw); memcpy(db_c, db0, sizeof(float) * q.Cout);
+    float *dw_d = cu_floats(dw0, nw), *db_d = cu_floats(db0, q.Cout);
+    ops_cpu.conv2d_backward_weight(&ops_cpu, &cfg, dw_c, bias ? db_c : NULL, DY.cpu, X.cpu, cws);
+    o->conv2d_backward_weight(o, &cfg, dw_d, bias ? db_d : NULL, DY.gpu, X.gpu, gws);
+    for (size_t i = 0; i < nw; i++) S[i] = fabsf(dw0[i]);
+    ops_cpu.conv2d_backward_weight(&ops_cpu, &cfg, S, NULL, tensor_f32(ady, os), tensor_f32(ax, in), cws);
+    float *g = cu_to_host(dw_d, nw, DT_F32);
+    cu_conv_compare("backward weight", tc->label, 2, dt, g, dw_c, S, nw, M + 1, 0.0f, DT_F32);
+    free(g);
+    if (bias) {
+        for (int c = 0; c < q.Cout; c++) S[c] = fabsf(db0[c]);
+        ops_cpu.conv2d_backward_weight(&ops_cpu, &cfg, NULL, S, tensor_f32(ady, os), tensor_f32(ax, in), cws);
+        g = cu_to_host(db_d, q.Cout, DT_F32);
+        cu_conv_compare("bias gradient", tc->label, 3, dt, g, db_c, S, q.Cout, M + 1, 0.0f, DT_F32);
+        free(g);
+        ops_cpu.conv2d_backward_weight(&ops_cpu, &cfg, NULL, db_c, DY.cpu, X.cpu, cws);
+        o->conv2d_backward_weight(o, &cfg, NULL, db_d, DY.gpu, X.gpu, gws);
+        for (int c = 0; c < q.Cout; c++) S[c] = S[c] * 2.0f;  // two sums added into db0
+        g = cu_to_host(db_d, q.Cout, DT_F32);
+        cu_conv_compare("bias gradient, no dweight", tc->label, 3, dt, g, db_c, S, q.Cout, 2 * M + 1, 0.0f, DT_F32);
+        free(g);
+    }
+
+    // the workspace: nothing written past conv2d_workspace, and the last bytes
+    // written by some op (the size is what the ops use, not more)
+    unsigned char *h = malloc(ws_bytes + guard);
+    o->download(o, h, gws, ws_bytes + guard);
+    size_t past = 0;
+    for (size_t i = ws_bytes; i < ws_bytes + guard; i++) past += h[i] != 0xff;
+    CHECK(past == 0, "%s %s: %zu bytes written past the %zu-byte workspace", tc->label, DT_NAME[dt], past, ws_bytes);
+    if (ws_bytes) {
+        int used = 0;
+        for (size_t i = ws_bytes - 4; i < ws_bytes; i++) used |= h[i] != 0xff;
+        CHECK(used, "%s %s: no op wrote the last bytes of its %zu-byte workspace", tc->label, DT_NAME[dt], ws_bytes);
+    }
+    free(h);
+
+    o->free(o, dw_d); o->free(o, db_d); o->free(o, w_d); o->free(o, b_d); o->free(o, gws);
+    cu_pair_free(&X); cu_pair_free(&Y); cu_pair_free(&DY);
+    free(x); free(w); free(b); free(dy); free(din0); free(dw0); free(db0); free(xr); free(dyr);
+    free(ax); free(aw); free(ab); free(ady); free(cws); free(S); free(dw_c); free(db_c);
+}
+
+// each case in fp32, fp16, bf16, with and without bias; GEMM convs also with
+// the chunk budget at 1 byte (every chunk one output row, every backward band
+// one input row) and at 2 KiB (a few rows, or whole images)
+static void cuda_conv_cases(const CuConvCase *cases, size_t n, int chunked) {
+    Rng r; rng_seed(&r, 91);
+    const size_t saved = cuda_conv_chunk_bytes, budgets[3] = {saved, 1, 2048};
+    memset(g_conv_worst, 0, sizeof g_conv_worst);
+    for (size_t i = 0; i < n; i++)
+        for (int nb = 0; nb < (chunked ? 3 : 1); nb++) {
+            cuda_conv_chunk_bytes = budgets[nb];
+            for (int dt = 0; dt < 3; dt++)
+                for (int bias = 0; bias < 2; bias++) cuda_conv_case(&cases[i], (DType)dt, bias, &r);
+        }
+    cuda_conv_chunk_bytes = saved;
+    if (g_verbose) {
+        static const char *const OP[4] = {"forward", "backward data", "backward weight", "bias gradient"};
+        for (int op = 0; op < 4; op++)
+            printf("    worst relative error %-16s fp32 %.2e  fp16 %.2e  bf16 %.2e\n", OP[op], g_conv_worst[op][0],
+                   g_conv_worst[op][1], g_conv_worst[op][2]);
+    }
+}
+
+static void test_cuda_conv_pointwise(void) {
+    static const CuConvCase cases[] = {
+        {"1x1 s1 (one GEMM)", {2, 7, 9, 5}, 13, 1, 1, 1, PAD_SAME},
+        {"1x1 s1, 13 -> 3", {2, 5, 6, 13}, 3, 1, 1, 1, PAD_SYMMETRIC},
+        {"dense layer (N,1,1,C)", {2, 1, 1, 13}, 5, 1, 1, 1, PAD_SAME},
+        {"1x1 s2 same", {2, 7, 9, 5}, 3, 1, 2, 1, PAD_SAME},
+        {"1x1 s2 symmetric", {2, 5, 6, 3}, 4, 1, 2, 1, PAD_SYMMETRIC},
+    };
+    cuda_conv_cases(cases, sizeof cases / sizeof cases[0], 1);
+}
+static void test_cuda_conv_dense(void) {
+    static const CuConvCase cases[] = {
+        {"3x3 s1 same", {2, 7, 9, 3}, 5, 3, 1, 1, PAD_SAME},
+        {"3x3 s1 symmetric", {2, 5, 6, 5}, 3, 3, 1, 1, PAD_SYMMETRIC},
+        {"3x3 s2 same", {2, 7, 9, 3}, 5, 3, 2, 1, PAD_SAME},
+        {"3x3 s2 symmetric", {2, 5, 6, 5}, 4, 3, 2, 1, PAD_SYMMETRIC},
+        {"5x5 s1 same", {2, 7, 9, 3}, 4, 5, 1, 1, PAD_SAME},
+        {"5x5 s2 symmetric", {2, 7, 6, 2}, 3, 5, 2, 1, PAD_SYMMETRIC},
+    };
+    cuda_conv_cases(cases, sizeof cases / sizeof cases[0], 1);
+}
+static void test_cuda_conv_grouped(void) {
+    static const CuConvCase cases[] = {
+        {"3x3 groups 2, 6 -> 4", {2, 5, 6, 6}, 4, 3, 1, 2, PAD_SAME},
+        {"3x3 s2 groups 3, symmetric", {2, 7, 5, 6}, 3, 3, 2, 3, PAD_SYMMETRIC},
+        {"1x1 groups 2", {2, 3, 5, 4}, 6, 1, 1, 2, PAD_SAME},
+        {"depthwise multiplier 2 (GEMM)", {2, 5, 5, 3}, 6, 3, 1, 3, PAD_SAME},
+    };
+    cuda_conv_cases(cases, sizeof cases / sizeof cases[0], 1);
+}
+static void test_cuda_conv_depthwise(void) {
+    static const CuConvCase cases[] = {
+        {"depthwise 3x3 s1 same", {2, 7, 9, 13}, 13, 3, 1, 13, PAD_SAME},
+        {"depthwise 3x3 s1 symmetric", {2, 5, 6, 5}, 5, 3, 1, 5, PAD_SYMMETRIC},
+        {"depthwise 3x3 s2 same", {2, 7, 9, 13}, 13, 3, 2, 13, PAD_SAME},
+        {"depthwise 3x3 s2 symmetric", {2, 5, 6, 5}, 5, 3, 2, 5, PAD_SYMMETRIC},
+        {"depthwise 5x5 s1 same", {2, 5, 6, 5}, 5, 5, 1, 5, PAD_SAME},
+        {"depthwise 5x5 s1 symmetric", {2, 7, 9, 3}, 3, 5, 1, 3, PAD_SYMMETRIC},
+        {"depthwise 5x5 s2 same", {2, 7, 9, 13}, 13, 5, 2, 13, PAD_SAME},
+        {"depthwise 5x5 s2 symmetric", {2, 5, 6, 5}, 5, 5, 2, 5, PAD_SYMMETRIC},
+    };
+    cuda_conv_cases(cases, sizeof cases / sizeof cases[0], 0);
+}
 #endif
 
 static const Test TESTS[] = {
@@ -4997,6 +5216,10 @@ static const Test TESTS[] = {
 #endif
 #ifdef SEGNET_CUDA
     {"cuda_fill_copy", test_cuda_fill_copy},
+    {"cuda_conv_pointwise", test_cuda_conv_pointwise},
+    {"cuda_conv_dense", test_cuda_conv_dense},
+    {"cuda_conv_grouped", test_cuda_conv_grouped},
+    {"cuda_conv_depthwise", test_cuda_conv_depthwise},
 #endif
 };
 
