@@ -213,8 +213,8 @@ static int rows_per_chunk(size_t row_bytes, int rows_per_image, int images, size
 }
 // the chunk starting at row t0: whole images or a band inside one image
 static int chunk_end(int t0, int step, int rows_per_image, int total) {
-    int end = step >= rows_per_image ? t0 + step : (t0 / rows_per_image + 1) * rows_per_image;
-    if (step < rows_per_image && t0 + step < end) end = t0 + step;
+    int end = t0 + step, image_end = (t0 / rows_per_image + 1) * rows_per_image;
+    if (step < rows_per_image && end > image_end) end = image_end;  // a band stays inside its image
     return end < total ? end : total;
 }
 // Output rows [*t0, *t1) (flattened n·OH + oy) that input rows [u0, u1)

@@ -4963,7 +4963,8 @@ static void cuda_conv_case(const CuConvCase *tc, DType dt, int bias, Rng *r) {
     float *xr = cu_host_values(X.cpu), *dyr = cu_host_values(DY.cpu);
     float *ax = abs_copy(xr, nin), *aw = abs_copy(w, nw), *ab = abs_copy(b, q.Cout), *ady = abs_copy(dyr, nout);
     float *w_d = cu_floats(w, nw), *b_d = cu_floats(b, q.Cout);
-    void *cws = malloc(conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32) + conv2d_workspace_cpu(&ops_cpu, &cfg, in, dt) + 1);
+    const size_t cws_f32 = conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32), cws_dt = conv2d_workspace_cpu(&ops_cpu, &cfg, in, dt);
+    void *cws = malloc((cws_f32 > cws_dt ? cws_f32 : cws_dt) + 1);  // the ops in dt, the bounds S in fp32
     // the GPU workspace: exactly conv2d_workspace bytes, then a guard; cudaMalloc fills
     // both with 0xff (NaN), so reading unwritten workspace shows, and writes past the end too
     const size_t ws_bytes = o->conv2d_workspace(o, &cfg, in, dt), guard = 256;
