@@ -4804,6 +4804,8 @@ typedef struct { const char *name; void (*fn)(void); } Test;
 // reverse order (CUEMU_ORDER=reverse), which breaks kernels missing a barrier.
 
 #ifdef SEGNET_CUDA
+#include <cublas_v2.h>  // cuda_gemm_ex_types calls the library (the emulator's here) directly
+
 static Ops *cu_ops(void) {
     static int opened = 0;
     if (!opened) {
@@ -4884,6 +4886,64 @@ static void test_cuda_fill_copy(void) {
                 cu_pair_free(&src); cu_pair_free(&dst);
             }
     free(v);
+}
+
+// cublasGemmEx as the convs use it (here the emulator's; on a GPU the library's):
+// column-major with op T on A, every type combination cuBLAS documents for
+// CUBLAS_COMPUTE_32F, beta = 0 not reading C (it starts as NaN), beta = 1 adding
+// into C, fp32 accumulation with one rounding of a 16-bit C, and refusal of
+// combinations cuBLAS does not support.
+static cublasStatus_t cu_gemm_2x2x3(cublasHandle_t h, DType ab, DType ct, const float *a, const float *b,
+                                    const float *c0, float beta, float *c_out) {
+    static const cudaDataType T[3] = {CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF};
+    Ops *o = cu_ops();
+    CuPair A = cu_pair(a, shape4(1, 1, 1, 6), ab), B = cu_pair(b, shape4(1, 1, 1, 6), ab);
+    CuPair C = cu_pair(c0, shape4(1, 1, 1, 4), ct);
+    const float alpha = 1.0f;
+    // C (2×2) = op(A)·B, A stored 3×2 (lda 3) and transposed, B 3×2 (ldb 3)
+    cublasStatus_t s = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, 2, 2, 3, &alpha, A.gpu.data, T[ab], 3, B.gpu.data,
+                                    T[ab], 3, &beta, C.gpu.data, T[ct], 2, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    o->synchronize(o);
+    float *r = cu_to_host(C.gpu.data, 4, ct);
+    memcpy(c_out, r, sizeof(float) * 4);
+    free(r);
+    cu_pair_free(&A); cu_pair_free(&B); cu_pair_free(&C);
+    return s;
+}
+static void test_cuda_gemm_ex_types(void) {
+    cu_ops();
+    cublasHandle_t h;
+    CHECK(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS, "cublasCreate");
+    // op(A) = [[1,2,3],[4,5,6]], B columns (1,0,-1), (2,1,0): C = [[-2,4],[-2,13]], column-major
+    const float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, 0, -1, 2, 1, 0}, c0[4] = {0.5f, 0.25f, 1, 2};
+    const float want0[4] = {-2, -2, 4, 13}, want1[4] = {-1.5f, -1.75f, 5, 15};
+    const DType combos[5][2] = {{DT_F32, DT_F32}, {DT_F16, DT_F16}, {DT_F16, DT_F32}, {DT_BF16, DT_BF16}, {DT_BF16, DT_F32}};
+    float c[4];
+    for (int i = 0; i < 5; i++) {
+        DType ab = combos[i][0], ct = combos[i][1];
+        CHECK(cu_gemm_2x2x3(h, ab, ct, a, b, NULL, 0.0f, c) == CUBLAS_STATUS_SUCCESS, "%s x %s -> %s accepted",
+              DT_NAME[ab], DT_NAME[ab], DT_NAME[ct]);
+        CHECK(!memcmp(c, want0, sizeof c), "%s -> %s, beta 0: %g %g %g %g", DT_NAME[ab], DT_NAME[ct], c[0], c[1], c[2], c[3]);
+        cu_gemm_2x2x3(h, ab, ct, a, b, c0, 1.0f, c);
+        CHECK(!memcmp(c, want1, sizeof c), "%s -> %s, beta 1: %g %g %g %g", DT_NAME[ab], DT_NAME[ct], c[0], c[1], c[2], c[3]);
+    }
+    // 1 + 2^-8 + 2^-9 summed in fp32 and rounded once to bf16 is 1 + 2^-7; summed
+    // in bf16 it would stay 1 (1 + 2^-8 ties to even)
+    const float a2[6] = {1, 0x1p-8f, 0x1p-9f, 0, 0, 0}, b2[6] = {1, 1, 1, 0, 0, 0};
+    cu_gemm_2x2x3(h, DT_BF16, DT_BF16, a2, b2, NULL, 0.0f, c);
+    CHECK(c[0] == 1.0f + 0x1p-7f, "bf16 output rounded once from fp32: got %.9g", c[0]);
+    // combinations cuBLAS does not support with CUBLAS_COMPUTE_32F
+    Ops *o = cu_ops();
+    void *m = o->alloc(o, 64);
+    const float alpha = 1.0f, beta = 0.0f;
+    const cudaDataType bad[3][3] = {{CUDA_R_16F, CUDA_R_16BF, CUDA_R_32F}, {CUDA_R_32F, CUDA_R_32F, CUDA_R_16F},
+                                    {CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16F}};
+    for (int i = 0; i < 3; i++)
+        CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 2, &alpha, m, bad[i][0], 2, m, bad[i][1], 2, &beta, m,
+                           bad[i][2], 2, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_NOT_SUPPORTED,
+              "type combination %d refused", i);
+    o->free(o, m);
+    cublasDestroy(h);
 }
 
 // ---- conv2d: every lowering of kernels.cu (pointwise GEMM; im2col + GEMM in
@@ -5217,6 +5277,7 @@ static const Test TESTS[] = {
 #endif
 #ifdef SEGNET_CUDA
     {"cuda_fill_copy", test_cuda_fill_copy},
+    {"cuda_gemm_ex_types", test_cuda_gemm_ex_types},
     {"cuda_conv_pointwise", test_cuda_conv_pointwise},
     {"cuda_conv_dense", test_cuda_conv_dense},
     {"cuda_conv_grouped", test_cuda_conv_grouped},
