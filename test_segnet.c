@@ -5025,10 +5025,12 @@ static void cuda_conv_case(const CuConvCase *tc, DType dt, int bias, Rng *r) {
     float *w_d = cu_floats(w, nw), *b_d = cu_floats(b, q.Cout);
     const size_t cws_f32 = conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32), cws_dt = conv2d_workspace_cpu(&ops_cpu, &cfg, in, dt);
     void *cws = malloc((cws_f32 > cws_dt ? cws_f32 : cws_dt) + 1);  // the ops in dt, the bounds S in fp32
-    // the GPU workspace: exactly conv2d_workspace bytes, then a guard; cudaMalloc fills
-    // both with 0xff (NaN), so reading unwritten workspace shows, and writes past the end too
+    // the GPU workspace: exactly conv2d_workspace bytes, then a guard, both filled
+    // with 0xff bytes (NaN), so reading unwritten workspace shows, and writes past the end too
     const size_t ws_bytes = o->conv2d_workspace(o, &cfg, in, dt), guard = 256;
-    unsigned char *gws = o->alloc(o, ws_bytes + guard);
+    unsigned char *gws = o->alloc(o, ws_bytes + guard), *h = malloc(ws_bytes + guard);
+    memset(h, 0xff, ws_bytes + guard);
+    o->upload(o, gws, h, ws_bytes + guard);
     float *S = malloc(sizeof(float) * (nin > nout ? (nin > nw ? nin : nw) : (nout > nw ? nout : nw)));
 
     // forward
@@ -5082,7 +5084,6 @@ static void cuda_conv_case(const CuConvCase *tc, DType dt, int bias, Rng *r) {
 
     // the workspace: nothing written past conv2d_workspace, and the last bytes
     // written by some op (the size is what the ops use, not more)
-    unsigned char *h = malloc(ws_bytes + guard);
     o->download(o, h, gws, ws_bytes + guard);
     size_t past = 0;
     for (size_t i = ws_bytes; i < ws_bytes + guard; i++) past += h[i] != 0xff;
