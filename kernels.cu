@@ -362,10 +362,10 @@ __global__ void col2im_kernel(void *din, DType dt, const float *dcol, ConvCfg cf
     }
 }
 
-// y[r][c] = rows[r][c] + b[c], rounded to y's type (b NULL: + 0); rows may alias y when it is fp32
+// y[r][c] = rows[r][c] + b[c], rounded to y's type; rows may alias y when it is fp32
 __global__ void bias_rows_kernel(void *y, DType dt, const float *rows, const float *b, int C, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x)
-        st(y, dt, i, b ? rows[i] + b[i % C] : rows[i]);
+        st(y, dt, i, rows[i] + b[i % C]);
 }
 
 // Deterministic column sums, pass 1. A block is 32 columns × 8 row lanes; it
