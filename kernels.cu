@@ -54,10 +54,17 @@ static void cublas_check(cublasStatus_t s, const char *what, const char *file, i
 // ----------------------------------------------------------------------------
 // the backend's state and small helpers shared by the kernels
 
+// Partial sums of the deterministic reductions (sum_squares, softmax_xent): one
+// row of REDUCE_WIDTH doubles per block of the first pass, summed in block order
+// by the second.
+#define REDUCE_BLOCKS_MAX 1024
+#define REDUCE_WIDTH 3
+
 struct CudaCtx {
     int device;
     cudaStream_t stream;  // every op runs on it, in order
     cublasHandle_t blas;
+    double *reduce_partials;  // (REDUCE_BLOCKS_MAX, REDUCE_WIDTH), allocated once in cuda_backend_open
 };
 static CudaCtx *ctx_of(Ops *o) { return (CudaCtx *)o->ctx; }
 static cudaStream_t stream_of(Ops *o) { return ctx_of(o)->stream; }
@@ -136,6 +143,230 @@ static void copy_cuda(Ops *o, Tensor dst, Tensor src, int accumulate) {
     if (!n) return;
     CU_LAUNCH(copy_kernel, grid_for(n), BLOCK, 0, stream_of(o), dst.data, dst.dtype, src.data, src.dtype, n,
               accumulate);
+    launchCheck();
+}
+
+// t *= a
+__global__ void scale_kernel(void *t, DType dt, size_t n, float a) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x)
+        st(t, dt, i, a * ld(t, dt, i));
+}
+static void scale_cuda(Ops *o, Tensor t, float a) {
+    size_t n = shape_numel(t.shape);
+    if (!n) return;
+    CU_LAUNCH(scale_kernel, grid_for(n), BLOCK, 0, stream_of(o), t.data, t.dtype, n, a);
+    launchCheck();
+}
+
+// y (=|+=) a·x + b
+__global__ void axpby_kernel(void *y, DType dt_y, const void *x, DType dt_x, size_t n, float a, float b,
+                             int accumulate) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
+        float v = a * ld(x, dt_x, i) + b;
+        st(y, dt_y, i, accumulate ? ld(y, dt_y, i) + v : v);
+    }
+}
+static void axpby_cuda(Ops *o, Tensor y, Tensor x, float a, float b, int accumulate) {
+    size_t n = shape_numel(x.shape);
+    if (!n) return;
+    CU_LAUNCH(axpby_kernel, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, x.data, x.dtype, n, a, b,
+              accumulate);
+    launchCheck();
+}
+
+// ---- deterministic reductions: each block of the first pass sums a fixed set
+// of elements (grid-stride over a grid that depends only on n) in fp64 and
+// reduces them in a fixed tree; the second pass adds the blocks' partials in
+// block order. The same input gives the same bits on any GPU, run to run.
+
+static unsigned reduce_grid(size_t n) {
+    size_t b = (n + BLOCK - 1) / BLOCK;
+    if (b < 1) b = 1;
+    if (b > REDUCE_BLOCKS_MAX) b = REDUCE_BLOCKS_MAX;
+    return (unsigned)b;
+}
+
+// sh (BLOCK, REDUCE_WIDTH) holds each thread's values; afterwards sh[0..width-1]
+// holds the block's sums, each paired in the same order whatever the timing
+static __device__ void block_sum_tree(double *sh, int width) {
+    __syncthreads();
+    for (int s = BLOCK / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s)
+            for (int j = 0; j < width; j++) sh[threadIdx.x * REDUCE_WIDTH + j] += sh[(threadIdx.x + s) * REDUCE_WIDTH + j];
+        __syncthreads();
+    }
+}
+
+// second pass, one block: out[j] (=|+=) (float)Σ_b partials[b, j] over the n_blocks rows
+__global__ void reduce_partials_kernel(const double *partials, int n_blocks, int width, float *out, int accumulate) {
+    __shared__ double sh[BLOCK * REDUCE_WIDTH];
+    for (int j = 0; j < width; j++) {
+        double s = 0.0;
+        for (int b = threadIdx.x; b < n_blocks; b += BLOCK) s += partials[b * REDUCE_WIDTH + j];
+        sh[threadIdx.x * REDUCE_WIDTH + j] = s;
+    }
+    block_sum_tree(sh, width);
+    if (threadIdx.x == 0)
+        for (int j = 0; j < width; j++) out[j] = accumulate ? out[j] + (float)sh[j] : (float)sh[j];
+}
+static void reduce_partials(Ops *o, unsigned n_blocks, int width, float *out, int accumulate) {
+    CU_LAUNCH(reduce_partials_kernel, 1, BLOCK, 0, stream_of(o), ctx_of(o)->reduce_partials, (int)n_blocks, width,
+              out, accumulate);
+    launchCheck();
+}
+
+// *out = Σ t², accumulated in fp64 (as on the CPU), rounded once to fp32
+__global__ void sum_squares_kernel(const void *t, DType dt, size_t n, double *partials) {
+    __shared__ double sh[BLOCK * REDUCE_WIDTH];
+    double s = 0.0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
+        double v = ld(t, dt, i);
+        s += v * v;
+    }
+    sh[threadIdx.x * REDUCE_WIDTH] = s;
+    block_sum_tree(sh, 1);
+    if (threadIdx.x == 0) partials[blockIdx.x * REDUCE_WIDTH] = sh[0];
+}
+static void sum_squares_cuda(Ops *o, Tensor t, float *out) {
+    size_t n = shape_numel(t.shape);
+    unsigned grid = reduce_grid(n);
+    CU_LAUNCH(sum_squares_kernel, grid, BLOCK, 0, stream_of(o), t.data, t.dtype, n, ctx_of(o)->reduce_partials);
+    launchCheck();
+    reduce_partials(o, grid, 1, out, 0);
+}
+
+// *flag = 1 if any element is inf or NaN; untouched otherwise (so one flag can
+// collect the checks of several tensors)
+__global__ void nonfinite_kernel(const void *t, DType dt, size_t n, int32_t *flag) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x)
+        if (!isfinite(ld(t, dt, i))) atomicExch((int *)flag, 1);
+}
+static void nonfinite_cuda(Ops *o, Tensor t, int32_t *flag) {
+    size_t n = shape_numel(t.shape);
+    if (!n) return;
+    CU_LAUNCH(nonfinite_kernel, grid_for(n), BLOCK, 0, stream_of(o), t.data, t.dtype, n, flag);
+    launchCheck();
+}
+
+// ----------------------------------------------------------------------------
+// fused softmax + weighted cross-entropy, per pixel (row of K logits), as the
+// CPU op: p = softmax(z) with the max subtracted, nll = log Σ_k exp(z_k - max) + max - z_y,
+// loss += w[y]·nll, wsum += w[y], dz_k = w[y]·(p_k - [k = y])·inv_norm.
+// One thread per row (K is small for segmentation); the per-row arithmetic is
+// fp32, the sums over rows fp64 through the deterministic two-pass reduction.
+
+__global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t *labels, const float *class_weights,
+                                    int K, size_t rows, float inv_norm, void *dlogits, DType dt_grad,
+                                    double *partials) {
+    __shared__ double sh[BLOCK * REDUCE_WIDTH];
+    double loss = 0.0, wsum = 0.0, invalid = 0.0;
+    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows; r += (size_t)blockDim.x * gridDim.x) {
+        const int32_t y = labels[r];
+        const int valid = y >= 0 && y < K;
+        const float wy = valid ? class_weights[y] : 0.0f;
+        if (!valid) invalid += 1.0;
+        const size_t base = r * (size_t)K;
+        float zmax = -INFINITY;
+        for (int c = 0; c < K; c++) { float z = ld(logits, dt, base + c); if (z > zmax) zmax = z; }
+        float sum = 0.0f;
+        for (int c = 0; c < K; c++) sum += expf(ld(logits, dt, base + c) - zmax);
+        if (wy != 0.0f) {
+            float nll = logf(sum) + zmax - ld(logits, dt, base + y);
+            loss += (double)wy * nll;
+            wsum += wy;
+        }
+        if (dlogits)
+            for (int c = 0; c < K; c++) {
+                float p = expf(ld(logits, dt, base + c) - zmax) / sum;
+                st(dlogits, dt_grad, base + c, wy * (p - (c == y ? 1.0f : 0.0f)) * inv_norm);
+            }
+    }
+    sh[threadIdx.x * REDUCE_WIDTH + 0] = loss;
+    sh[threadIdx.x * REDUCE_WIDTH + 1] = wsum;
+    sh[threadIdx.x * REDUCE_WIDTH + 2] = invalid;
+    block_sum_tree(sh, 3);
+    if (threadIdx.x == 0)
+        for (int j = 0; j < 3; j++) partials[blockIdx.x * REDUCE_WIDTH + j] = sh[j];
+}
+// logits (N,H,W,K), labels (N·H·W), class_weights (K); stats[0..2] += Σ w·nll, Σ w, invalid labels
+static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
+                              float inv_norm, float *stats, Tensor dlogits) {
+    const int K = logits.shape.c;
+    const size_t rows = shape_numel(logits.shape) / K;
+    unsigned grid = reduce_grid(rows);
+    CU_LAUNCH(softmax_xent_kernel, grid, BLOCK, 0, stream_of(o), logits.data, logits.dtype, labels, class_weights, K,
+              rows, inv_norm, dlogits.data, dlogits.dtype, ctx_of(o)->reduce_partials);
+    launchCheck();
+    reduce_partials(o, grid, 3, stats, 1);
+}
+
+// confusion[y·K + argmax_k z_k] += 1 for labels in 0..K-1, ties to the lowest
+// class (the CPU's strict >, so a NaN logit never wins unless it is the first).
+// Integer atomics are exact, so the counts are deterministic. For K ≤
+// CONFUSION_SHARED_MAX_K each block counts in shared memory first and adds its
+// K×K counts once: segmentation has few classes and many pixels, which would
+// otherwise all hit the same few counters.
+#define CONFUSION_SHARED_MAX_K 64  // K·K·8 bytes = 32 KiB of shared memory at most
+
+__global__ void confusion_kernel(const void *logits, DType dt, const int32_t *labels, int K, size_t rows,
+                                 unsigned long long *confusion, int in_shared) {
+    CU_DYN_SHARED(unsigned long long, block_counts);  // (K,K) when in_shared
+    unsigned long long *counts = in_shared ? block_counts : confusion;
+    if (in_shared) {
+        for (int i = threadIdx.x; i < K * K; i += blockDim.x) block_counts[i] = 0;
+        __syncthreads();
+    }
+    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows; r += (size_t)blockDim.x * gridDim.x) {
+        const int32_t y = labels[r];
+        if (y < 0 || y >= K) continue;
+        const size_t base = r * (size_t)K;
+        int best = 0;
+        float zbest = ld(logits, dt, base);
+        for (int c = 1; c < K; c++) { float z = ld(logits, dt, base + c); if (z > zbest) { zbest = z; best = c; } }
+        atomicAdd(&counts[y * K + best], 1ull);
+    }
+    if (in_shared) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < K * K; i += blockDim.x)
+            if (block_counts[i]) atomicAdd(&confusion[i], block_counts[i]);
+    }
+}
+// logits (N,H,W,K), labels (N·H·W), confusion (K,K) int64, true class by row
+static void confusion_accumulate_cuda(Ops *o, Tensor logits, const int32_t *labels, int64_t *confusion) {
+    const int K = logits.shape.c;
+    const size_t rows = shape_numel(logits.shape) / K;
+    if (!rows) return;
+    const int in_shared = K <= CONFUSION_SHARED_MAX_K;
+    const size_t smem = in_shared ? (size_t)K * K * sizeof(unsigned long long) : 0;
+    CU_LAUNCH(confusion_kernel, grid_for(rows), BLOCK, smem, stream_of(o), logits.data, logits.dtype, labels, K,
+              rows, (unsigned long long *)confusion, in_shared);
+    launchCheck();
+}
+
+// ----------------------------------------------------------------------------
+// Adam over the whole parameter buffer (the formula is at AdamStep in segnet.h),
+// elementwise. Every operation is rounded on its own (__fmul_rn and friends
+// cannot be fused into multiply-adds) in the CPU op's order, which is compiled
+// without contraction too: both backends give the same bits.
+
+__global__ void adam_kernel(float *params, const float *grads, float *m, float *v, size_t n, AdamStep s) {
+    const float decay = __fmul_rn(s.lr, s.weight_decay);
+    const float one_minus_b1 = __fsub_rn(1.0f, s.beta1), one_minus_b2 = __fsub_rn(1.0f, s.beta2);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
+        float g = __fmul_rn(grads[i], s.grad_scale), p = params[i];
+        if (decay != 0.0f) p = __fsub_rn(p, __fmul_rn(decay, p));
+        float mi = __fadd_rn(m[i], __fmul_rn(__fsub_rn(g, m[i]), one_minus_b1));
+        float vi = __fadd_rn(v[i], __fmul_rn(__fsub_rn(__fmul_rn(g, g), v[i]), one_minus_b2));
+        m[i] = mi;
+        v[i] = vi;
+        params[i] = __fsub_rn(p, __fdiv_rn(__fmul_rn(s.alpha, mi), __fadd_rn(__fsqrt_rn(vi), s.eps)));
+    }
+}
+// params, grads, m, v: (n) fp32
+static void adam_update_cuda(Ops *o, float *params, const float *grads, float *m, float *v, size_t n,
+                             const AdamStep *s) {
+    if (!n) return;
+    CU_LAUNCH(adam_kernel, grid_for(n), BLOCK, 0, stream_of(o), params, grads, m, v, n, *s);
     launchCheck();
 }
 
@@ -639,6 +870,13 @@ static Ops make_ops_cuda(void) {
     o.conv2d_forward = conv2d_forward_cuda;
     o.conv2d_backward_data = conv2d_backward_data_cuda;
     o.conv2d_backward_weight = conv2d_backward_weight_cuda;
+    o.scale = scale_cuda;
+    o.axpby = axpby_cuda;
+    o.sum_squares = sum_squares_cuda;
+    o.nonfinite = nonfinite_cuda;
+    o.softmax_xent = softmax_xent_cuda;
+    o.confusion_accumulate = confusion_accumulate_cuda;
+    o.adam_update = adam_update_cuda;
     return o;
 }
 Ops ops_cuda = make_ops_cuda();  // declared extern "C" in segnet.h
@@ -667,6 +905,7 @@ int cuda_backend_open(int device, char *err) {
     cudaCheck(cudaStreamCreate(&ctx.stream));
     cublasCheck(cublasCreate(&ctx.blas));
     cublasCheck(cublasSetStream(ctx.blas, ctx.stream));
+    cudaCheck(cudaMalloc((void **)&ctx.reduce_partials, sizeof(double) * REDUCE_BLOCKS_MAX * REDUCE_WIDTH));
     ops_cuda.ctx = &ctx;
     return 0;
 }

@@ -1747,6 +1747,10 @@ AdamStep adam_step_init(float lr, float beta1, float beta2, float eps, float wei
     return s;
 }
 
+// Compiled without multiply-add contraction (-march=native would fuse some of
+// these products into FMAs, others not): each operation rounds on its own, in
+// the order written, so the CUDA kernel gives the same bits.
+__attribute__((optimize("fp-contract=off")))
 static void adam_update_cpu(Ops *o, float *params, const float *grads, float *m, float *v, size_t n,
                             const AdamStep *s) {
     (void)o;

@@ -5166,6 +5166,218 @@ static void test_cuda_conv_depthwise(void) {
     };
     cuda_conv_cases(cases, sizeof cases / sizeof cases[0], 0);
 }
+
+// One unit in the last place of each storage type, relative to the value (2^-23,
+// 2^-10, 2^-7): a result that differs by one rounding of fp32 arithmetic may
+// round to the neighbouring storage value, which is this far from the CPU's.
+static const double CU_ULP[] = {0x1p-23, 0x1p-10, 0x1p-7};
+
+static void cu_check_err(const char *op, DType dt, double err, double tol) {
+    if (g_verbose) printf("      %-28s %s error %.3g (tolerance %.3g)\n", op, DT_NAME[dt], err, tol);
+    CHECK(err <= tol, "%s %s: error %.3g > %.3g", op, DT_NAME[dt], err, tol);
+}
+// an fp32 device buffer of n floats equal to the host's, bit for bit
+static int cu_floats_equal(const float *dev, const float *host, size_t n) {
+    float *g = cu_to_host(dev, n, DT_F32);
+    int same = !memcmp(g, host, n * sizeof(float));
+    free(g);
+    return same;
+}
+
+// scale: one product, rounded once: the same bits. axpby: gcc -march=native
+// fuses a·x + b into one FMA on the CPU, the emulator's g++ does not: one fp32
+// rounding apart (two when adding into y), so 2 ulp of the storage type.
+static void test_cuda_scale_axpby(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 72);
+    Shape shapes[2] = {shape4(2, 3, 5, 7), shape4(1, 1, 1, 1031)};  // odd sizes; several blocks
+    for (int si = 0; si < 2; si++) {
+        Shape s = shapes[si];
+        float *v = randn(&r, shape_numel(s), 3.0f), *u = randn(&r, shape_numel(s), 2.0f);
+        for (int a = 0; a < 3; a++) {
+            CuPair t = cu_pair(v, s, (DType)a);
+            ops_cpu.scale(&ops_cpu, t.cpu, -1.7f);
+            o->scale(o, t.gpu, -1.7f);
+            cu_check_err("scale", (DType)a, cu_pair_err(t), 0.0);
+            cu_pair_free(&t);
+            for (int b = 0; b < 3; b++)
+                for (int acc = 0; acc < 2; acc++) {
+                    CuPair x = cu_pair(v, s, (DType)a), y = cu_pair(u, s, (DType)b);
+                    ops_cpu.axpby(&ops_cpu, y.cpu, x.cpu, 0.37f, -1.25f, acc);
+                    o->axpby(o, y.gpu, x.gpu, 0.37f, -1.25f, acc);
+                    cu_check_err(acc ? "axpby (x -> y, accumulate)" : "axpby (x -> y)", (DType)b, cu_pair_err(y),
+                                 2 * CU_ULP[b]);
+                    cu_pair_free(&x); cu_pair_free(&y);
+                }
+        }
+        free(v); free(u);
+    }
+}
+
+// sum_squares: fp64 sums on both backends in different orders, rounded once to
+// fp32: equal up to that rounding (1 ulp). Run twice: the same bits. nonfinite:
+// the CPU's verdict for inf, -inf, NaN at the ends and in the middle, values
+// that overflow fp16 only, and all finite (flag untouched).
+static void test_cuda_sum_squares_nonfinite(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 73);
+    const int sizes[4] = {1, 37, 1031, 300007};  // the last: more blocks than the reduction's grid
+    float *out = o->alloc(o, sizeof(float));
+    int32_t *flag = o->alloc(o, sizeof(int32_t));
+    for (int si = 0; si < 4; si++) {
+        Shape s = shape4(1, 1, 1, sizes[si]);
+        size_t n = shape_numel(s);
+        float *v = randn(&r, n, 3.0f);
+        for (int a = 0; a < 3; a++) {
+            CuPair t = cu_pair(v, s, (DType)a);
+            float cpu = -1.0f, gpu = -1.0f, again = -2.0f;
+            ops_cpu.sum_squares(&ops_cpu, t.cpu, &cpu);
+            o->sum_squares(o, t.gpu, out);
+            o->download(o, &gpu, out, sizeof gpu);
+            o->sum_squares(o, t.gpu, out);
+            o->download(o, &again, out, sizeof again);
+            cu_check_err("sum_squares", (DType)a, fabs((double)gpu - cpu) / cpu, CU_ULP[DT_F32]);
+            CHECK(f32_bits(gpu) == f32_bits(again), "sum_squares n=%zu %s: two runs differ", n, DT_NAME[a]);
+            cu_pair_free(&t);
+        }
+        if (n < 37) { free(v); continue; }
+        const float bad_values[4] = {INFINITY, -INFINITY, NAN, 1e5f};  // 1e5: inf in fp16 only
+        const size_t where[3] = {0, n / 2, n - 1};
+        for (int a = 0; a < 3; a++)
+            for (int bi = -1; bi < 4; bi++)
+                for (int wi = 0; wi < 3; wi++) {
+                    float keep = 0.0f;
+                    if (bi >= 0) { keep = v[where[wi]]; v[where[wi]] = bad_values[bi]; }
+                    CuPair t = cu_pair(v, s, (DType)a);
+                    int32_t cpu = 5, gpu = -1;
+                    o->upload(o, flag, &cpu, sizeof cpu);
+                    ops_cpu.nonfinite(&ops_cpu, t.cpu, &cpu);
+                    o->nonfinite(o, t.gpu, flag);
+                    o->download(o, &gpu, flag, sizeof gpu);
+                    CHECK(gpu == cpu, "nonfinite n=%zu %s value %g at %zu: flag %d, CPU %d", n, DT_NAME[a],
+                          bi >= 0 ? bad_values[bi] : 0.0, where[wi], gpu, cpu);
+                    CHECK(bi >= 0 || gpu == 5, "nonfinite %s: finite values changed the flag", DT_NAME[a]);
+                    if (bi >= 0) v[where[wi]] = keep;
+                    cu_pair_free(&t);
+                    if (bi < 0) break;
+                }
+        free(v);
+    }
+    o->free(o, out); o->free(o, flag);
+}
+
+// Labels for a loss test: mostly 0..K-1, every 7th outside (-1, K, 1000).
+static int32_t *cu_labels(Rng *r, size_t rows, int K) {
+    int32_t *y = malloc(sizeof(int32_t) * rows);
+    const int32_t invalid[3] = {-1, K, 1000};
+    for (size_t i = 0; i < rows; i++)
+        y[i] = i % 7 == 3 ? invalid[(i / 7) % 3] : (int32_t)(rng_next(r) % (uint64_t)K);
+    return y;
+}
+
+// softmax_xent against the CPU op: K = 1, 2, 3, 7, a class weight 0, invalid
+// labels, stats added into nonzero values, with and without the gradient.
+// Tolerances: the CPU sums each row's exponentials in fp64, the kernel in fp32
+// (expf and logf within 2 ulp, K terms): the loss sum within 1e-6 relative;
+// Σ w and the invalid count are sums of small exact values: equal. The
+// gradient is within 1e-6 of its largest element in fp32 (p computed in fp32
+// vs fp64), plus a storage ulp where it is stored in fp16/bf16.
+static void test_cuda_softmax_xent(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 74);
+    const int Ks[4] = {1, 2, 3, 7};
+    for (int ki = 0; ki < 4; ki++)
+        for (int big = 0; big < 2; big++) {
+            const int K = Ks[ki];
+            Shape s = big ? shape4(2, 33, 31, K) : shape4(2, 3, 5, K);  // 2046 rows: 8 blocks
+            size_t rows = shape_numel(s) / K;
+            float *z = randn(&r, shape_numel(s), 3.0f), w[7];
+            for (int c = 0; c < K; c++) w[c] = c == 1 ? 0.0f : 0.5f + 1.5f * rng_float(&r);
+            int32_t *y = cu_labels(&r, rows, K), *y_gpu = o->alloc(o, sizeof(int32_t) * rows);
+            o->upload(o, y_gpu, y, sizeof(int32_t) * rows);
+            float *w_gpu = cu_floats(w, K), *stats_gpu = o->alloc(o, 3 * sizeof(float));
+            const float inv_norm = (float)(1.0 / fmax(label_weight_sum(y, rows, w, K), 1.0));
+            for (int a = 0; a < 3; a++)
+                for (int with_grad = 0; with_grad < 2; with_grad++) {
+                    CuPair t = cu_pair(z, s, (DType)a), dz = cu_pair(NULL, s, (DType)a);
+                    float stats[3] = {0.5f, 1.5f, 2.0f}, gs[3];
+                    o->upload(o, stats_gpu, stats, sizeof stats);
+                    Tensor dz_cpu = dz.cpu, dz_gpu = dz.gpu;
+                    if (!with_grad) dz_cpu.data = dz_gpu.data = NULL;
+                    ops_cpu.softmax_xent(&ops_cpu, t.cpu, y, w, inv_norm, stats, dz_cpu);
+                    o->softmax_xent(o, t.gpu, y_gpu, w_gpu, inv_norm, stats_gpu, dz_gpu);
+                    o->download(o, gs, stats_gpu, sizeof gs);
+                    cu_check_err("softmax_xent loss", (DType)a, fabs((double)gs[0] - stats[0]) / fabs(stats[0]), 1e-6);
+                    CHECK(gs[1] == stats[1] && gs[2] == stats[2], "softmax_xent K=%d %s: Σw %.9g invalid %g, CPU %.9g %g",
+                          K, DT_NAME[a], gs[1], gs[2], stats[1], stats[2]);
+                    if (with_grad) cu_check_err("softmax_xent dlogits", (DType)a, cu_pair_err(dz), 1e-6 + CU_ULP[a]);
+                    cu_pair_free(&t); cu_pair_free(&dz);
+                }
+            o->free(o, y_gpu); o->free(o, w_gpu); o->free(o, stats_gpu);
+            free(z); free(y);
+        }
+}
+
+// confusion_accumulate: exact counts. Integer logits make ties (the lowest
+// class wins); K = 70 takes the kernel's global-atomics path; a NaN logit first
+// in its row wins, elsewhere never (the CPU's strict >); counts add into what
+// is there.
+static void test_cuda_confusion(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 75);
+    const int Ks[4] = {2, 3, 7, 70};
+    for (int ki = 0; ki < 4; ki++)
+        for (int big = 0; big < 2; big++) {
+            const int K = Ks[ki];
+            Shape s = big ? shape4(1, 17, 19, K) : shape4(2, 5, 7, K);
+            size_t rows = shape_numel(s) / K, kk = (size_t)K * K;
+            float *z = randn(&r, shape_numel(s), 1.5f);
+            for (size_t i = 0; i < shape_numel(s); i++) z[i] = roundf(z[i]);
+            z[0] = NAN;                 // row 0: NaN first
+            z[(size_t)5 * K + 1] = NAN;  // row 5: NaN later
+            int32_t *y = cu_labels(&r, rows, K), *y_gpu = o->alloc(o, sizeof(int32_t) * rows);
+            y[0] = y[5] = 0;
+            o->upload(o, y_gpu, y, sizeof(int32_t) * rows);
+            int64_t *cm = malloc(sizeof(int64_t) * kk), *gm = malloc(sizeof(int64_t) * kk);
+            for (size_t i = 0; i < kk; i++) cm[i] = (int64_t)(rng_next(&r) % 5);
+            int64_t *cm_gpu = o->alloc(o, sizeof(int64_t) * kk);
+            o->upload(o, cm_gpu, cm, sizeof(int64_t) * kk);
+            for (int a = 0; a < 3; a++) {
+                CuPair t = cu_pair(z, s, (DType)a);
+                ops_cpu.confusion_accumulate(&ops_cpu, t.cpu, y, cm);
+                o->confusion_accumulate(o, t.gpu, y_gpu, cm_gpu);
+                o->download(o, gm, cm_gpu, sizeof(int64_t) * kk);
+                CHECK(!memcmp(gm, cm, sizeof(int64_t) * kk), "confusion K=%d rows %zu %s: counts differ", K, rows,
+                      DT_NAME[a]);
+                cu_pair_free(&t);
+            }
+            o->free(o, y_gpu); o->free(o, cm_gpu);
+            free(z); free(y); free(cm); free(gm);
+        }
+}
+
+// adam_update: both backends round every operation on its own in the same
+// order (no fused multiply-adds): params, m and v bit-identical over steps with
+// and without weight decay and a gradient scale.
+static void test_cuda_adam(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 76);
+    const size_t n = 1031;
+    float *p = randn(&r, n, 1.0f), *m = calloc(n, sizeof(float)), *v = calloc(n, sizeof(float));
+    float *p_gpu = cu_floats(p, n), *m_gpu = cu_floats(m, n), *v_gpu = cu_floats(v, n);
+    for (int t = 1; t <= 4; t++) {
+        float *g = randn(&r, n, 0.1f), *g_gpu = cu_floats(g, n);
+        AdamStep st = adam_step_init(1e-2f, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, t % 2 ? 0.0f : 0.05f,
+                                     t < 3 ? 1.0f : 0.25f, t);
+        ops_cpu.adam_update(&ops_cpu, p, g, m, v, n, &st);
+        o->adam_update(o, p_gpu, g_gpu, m_gpu, v_gpu, n, &st);
+        CHECK(cu_floats_equal(p_gpu, p, n) && cu_floats_equal(m_gpu, m, n) && cu_floats_equal(v_gpu, v, n),
+              "adam step %d: params, m or v differ from the CPU", t);
+        o->free(o, g_gpu); free(g);
+    }
+    o->free(o, p_gpu); o->free(o, m_gpu); o->free(o, v_gpu);
+    free(p); free(m); free(v);
+}
 #endif
 
 static const Test TESTS[] = {
@@ -5283,6 +5495,11 @@ static const Test TESTS[] = {
     {"cuda_conv_dense", test_cuda_conv_dense},
     {"cuda_conv_grouped", test_cuda_conv_grouped},
     {"cuda_conv_depthwise", test_cuda_conv_depthwise},
+    {"cuda_scale_axpby", test_cuda_scale_axpby},
+    {"cuda_sum_squares_nonfinite", test_cuda_sum_squares_nonfinite},
+    {"cuda_softmax_xent", test_cuda_softmax_xent},
+    {"cuda_confusion", test_cuda_confusion},
+    {"cuda_adam", test_cuda_adam},
 #endif
 };
 
