@@ -1814,6 +1814,63 @@ Ops ops_cpu = {
 };
 
 // ----------------------------------------------------------------------------
+// choosing a backend
+
+// Every function entry of struct Ops by name (the test ops_entries_listed checks
+// that none is left out).
+#define OPS_ENTRY(name) {#name, offsetof(Ops, name)}
+static const struct { const char *name; size_t offset; } OPS_ENTRIES[] = {
+    OPS_ENTRY(alloc), OPS_ENTRY(free), OPS_ENTRY(upload), OPS_ENTRY(download), OPS_ENTRY(synchronize),
+    OPS_ENTRY(fill), OPS_ENTRY(scale), OPS_ENTRY(axpby), OPS_ENTRY(copy), OPS_ENTRY(sum_squares),
+    OPS_ENTRY(nonfinite), OPS_ENTRY(conv2d_workspace), OPS_ENTRY(conv2d_forward), OPS_ENTRY(conv2d_backward_data),
+    OPS_ENTRY(conv2d_backward_weight), OPS_ENTRY(bn_stats), OPS_ENTRY(bn_forward), OPS_ENTRY(bn_update_running),
+    OPS_ENTRY(bn_backward_reduce), OPS_ENTRY(bn_backward_data), OPS_ENTRY(act_forward), OPS_ENTRY(act_backward),
+    OPS_ENTRY(global_avg_pool_forward), OPS_ENTRY(global_avg_pool_backward), OPS_ENTRY(channel_scale_forward),
+    OPS_ENTRY(channel_scale_backward), OPS_ENTRY(add_forward), OPS_ENTRY(concat_forward), OPS_ENTRY(concat_backward),
+    OPS_ENTRY(dropout_forward), OPS_ENTRY(dropout_backward), OPS_ENTRY(maxpool2_forward), OPS_ENTRY(maxpool2_backward),
+    OPS_ENTRY(upsample2_forward), OPS_ENTRY(upsample2_backward), OPS_ENTRY(resize_bilinear_forward),
+    OPS_ENTRY(resize_bilinear_backward), OPS_ENTRY(softmax_xent), OPS_ENTRY(confusion_accumulate),
+    OPS_ENTRY(adam_update),
+};
+#define N_OPS_ENTRIES (sizeof OPS_ENTRIES / sizeof *OPS_ENTRIES)
+
+int ops_missing(const Ops *o, char *list, size_t size) {
+    int n = 0;
+    list[0] = 0;
+    for (size_t i = 0; i < N_OPS_ENTRIES; i++) {
+        void (*fn)(void);
+        memcpy(&fn, (const char *)o + OPS_ENTRIES[i].offset, sizeof fn);
+        if (fn) continue;
+        size_t len = strlen(list);
+        snprintf(list + len, size - len, "%s%s", n++ ? ", " : "", OPS_ENTRIES[i].name);
+    }
+    return n;
+}
+
+const char *const DEVICE_NAMES[3] = {"cpu", "cuda", "auto"};
+
+Ops *ops_for_device(Device d, char err[SN_ERR_MAX]) {
+    if (d == DEVICE_CPU) return &ops_cpu;
+    char why[SN_ERR_MAX];
+#ifdef SEGNET_CUDA
+    char missing[SN_ERR_MAX];
+    if (cuda_backend_open(0, why) == 0) {
+        if (!ops_missing(&ops_cuda, missing, sizeof missing)) return &ops_cuda;
+        snprintf(why, sizeof why, "the CUDA backend of this build lacks %.400s", missing);
+    }
+#else
+    snprintf(why, sizeof why, "this segnet was built without the CUDA backend (no nvcc when it was built)");
+#endif
+    if (d == DEVICE_CUDA) {
+        snprintf(err, SN_ERR_MAX, "--device cuda: %.480s", why);
+        return NULL;
+    }
+    static int noticed;  // once per process
+    if (!noticed++) fprintf(stderr, "segnet: no GPU: %s; running on the CPU\n", why);
+    return &ops_cpu;
+}
+
+// ----------------------------------------------------------------------------
 // the graph: builders validate shapes and name the layer in every error
 
 static const char *LAYER_KIND_NAMES[LAYER_KIND_COUNT] = {
@@ -4049,7 +4106,8 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
     StFile wf;
     PathList list;
     int rc = -1;
-    if (net_create(&net, &g, &ops_cpu, DT_F32, 0, err) != 0) { graph_free(&g); return -1; }
+    Ops *o = ops_for_device(pc->device, err);
+    if (!o || net_create(&net, &g, o, DT_F32, 0, err) != 0) { graph_free(&g); return -1; }
     if (st_read(pc->weights, &wf, err) != 0) goto done_net;
     if (net_load_weights(&net, &wf, pc->weights, NULL, 0, err) != 0) goto done_weights;
     if (list_images(pc->input, &list, err) != 0) goto done_weights;
@@ -4065,10 +4123,11 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
         fputc('\n', f);
     }
     const size_t img_floats = (size_t)si.h * si.w * 3, out_floats = (size_t)so.h * so.w * K;
-    float *x = net.act[g.input], *logits = malloc(sizeof(float) * N * out_floats);  // (N,OH,OW,K)
-    float **imgs = calloc((size_t)N, sizeof(float *));                                // N × (h,w,3)
+    float *x = malloc(sizeof(float) * N * img_floats);           // (N,H,W,3) on the host, uploaded per batch
+    float *logits = malloc(sizeof(float) * N * out_floats);      // (N,OH,OW,K)
+    float **imgs = calloc((size_t)N, sizeof(float *));           // N × (h,w,3)
     int *hw = malloc(sizeof(int) * 2 * N);
-    snCheck(logits && imgs && hw, "out of host memory");
+    snCheck(x && logits && imgs && hw, "out of host memory");
     int ok = 1;
     for (int start = 0; ok && start < list.n; start += N) {
         int count = list.n - start < N ? list.n - start : N;
@@ -4083,8 +4142,9 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
             else ops_cpu.resize_bilinear_forward(&ops_cpu, dst, tensor_f32(img, shape4(1, h, w, 3)));
         }
         if (ok) {
+            o->upload(o, net.act[g.input], x, sizeof(float) * N * img_floats);
             net_forward(&net, 0);
-            ops_cpu.download(&ops_cpu, logits, net.act[out], sizeof(float) * N * out_floats);
+            o->download(o, logits, net.act[out], sizeof(float) * N * out_floats);
         }
         for (int j = 0; ok && j < count; j++) {
             const char *path = list.paths[start + j];
@@ -4096,7 +4156,7 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
         if (pc->progress) fprintf(stderr, "\rpredict: %d/%d images", start + count, list.n);
     }
     if (pc->progress) fputc('\n', stderr);
-    free(logits); free(imgs); free(hw);
+    free(x); free(logits); free(imgs); free(hw);
     rc = f ? atomic_file_commit(f, tmp, pc->out, ok, err) : ok ? 0 : -1;
 done_list:
     path_list_free(&list);
@@ -5003,8 +5063,6 @@ static void trainer_close(Trainer *t) {
 static int trainer_open(Trainer *t, const TrainCfg *c, const char *train, const char *val, char err[SN_ERR_MAX]) {
     memset(t, 0, sizeof *t);
     t->c = c;
-    t->o = &ops_cpu;
-    Ops *o = t->o;
     graph_init(&t->g);
     t->logits = model_build(&t->g, &c->model);
     if (t->logits < 0) { snprintf(err, SN_ERR_MAX, "%s", t->g.err); return -1; }
@@ -5042,6 +5100,9 @@ static int trainer_open(Trainer *t, const TrainCfg *c, const char *train, const 
         }
     }
     if (c->accum < 1 || c->accum > SN_MAX_ACCUM) { snprintf(err, SN_ERR_MAX, "--accum %d must be 1..%d", c->accum, SN_MAX_ACCUM); return -1; }
+    // the device after every input check: a bad input is one line, without the CPU notice before it
+    if (!(t->o = ops_for_device(c->device, err))) return -1;
+    Ops *o = t->o;
     if (net_create_planned(&t->net, &t->g, o, c->precision, 0, t->logits, c->checkpoint, err)) return -1;
     // trainable parameters as runs of the buffer: frozen ones get no optimiser state
     const Graph *g = &t->g;
@@ -5528,6 +5589,7 @@ static void config_text(const TrainCfg *c, StBuf *b) {
     CFG("\nloss-norm = %s\nseed = %" PRIu64 "\n", c->loss_norm_keras ? "keras" : "weighted", c->seed);
     CFG("precision = %s\naccum = %d\nfreeze = %s\nunfreeze-last = %d\ncheckpoint = %s\n", DTYPE_NAMES[c->precision],
         c->accum, c->freeze_base ? "base" : "none", c->unfreeze_last, c->checkpoint ? "blocks" : "none");
+    CFG("device = %s\n", DEVICE_NAMES[c->device]);  // as asked (auto stays auto: a resumed run may move)
 #undef CFG
 }
 
@@ -5612,8 +5674,9 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
     // every input has been checked: from here on the run folder is written
     if (mkdir_p(run, err) || write_config(c, run, err)) goto done;
     if (c->progress)
-        fprintf(stderr, "segnet train: %s, %d training images%s, %" PRIu64 " parameters; run folder %s\n", c->model.model,
-                t.train.n, t.has_val ? "" : " (no validation set)", (uint64_t)t.g.n_param_floats, run);
+        fprintf(stderr, "segnet train: %s on %s, %d training images%s, %" PRIu64 " parameters; run folder %s\n",
+                c->model.model, t.o->name, t.train.n, t.has_val ? "" : " (no validation set)",
+                (uint64_t)t.g.n_param_floats, run);
     Metrics m = {0, 0, iou}, vm = {0, 0, iou + c->model.classes};
     while (t.epoch < c->epochs && !t.finished) {
         double t0 = now_seconds();
@@ -5738,6 +5801,8 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
 // Builds the graph of c (frozen layers marked) and its plan. Returns the logits, or -1 with err.
 static int plan_for(const TrainCfg *c, Graph *g, Plan *p, char err[SN_ERR_MAX]) {
     graph_init(g);
+    Ops *o = ops_for_device(c->device, err);  // its conv workspace sizes
+    if (!o) return -1;
     int logits = model_build(g, &c->model);
     if (logits < 0) { snprintf(err, SN_ERR_MAX, "%s", g->err); return -1; }
     if (c->freeze_base) {
@@ -5751,7 +5816,7 @@ static int plan_for(const TrainCfg *c, Graph *g, Plan *p, char err[SN_ERR_MAX]) 
     int *needs_grad = malloc(sizeof(int) * (size_t)g->n_tensors);
     snCheck(needs_grad != NULL, "out of host memory");
     graph_needs_grad(g, 0, needs_grad);
-    plan_build(p, g, needs_grad, c->precision, logits, c->checkpoint, net_workspace_bytes(g, &ops_cpu, c->precision));
+    plan_build(p, g, needs_grad, c->precision, logits, c->checkpoint, net_workspace_bytes(g, o, c->precision));
     free(needs_grad);
     return logits;
 }
@@ -5818,6 +5883,7 @@ typedef struct {
     DType precision;     // activation storage
     int checkpoint;      // recompute blocks in backward
     uint64_t seed;
+    Device device;
 } BenchCfg;
 
 typedef struct {
@@ -5828,6 +5894,7 @@ typedef struct {
     double kind_gflop[BK_COUNT];     // per step, forward + backward (convs only)
     size_t n_params;
     int threads;                     // the OpenMP threads it ran with
+    const char *backend;             // the ops table's name
 } BenchResult;
 
 // The op kind a layer's time is booked under. The SE pieces are the pooling,
@@ -5862,7 +5929,8 @@ static int cmp_double(const void *a, const void *b) {
 int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     memset(r, 0, sizeof *r);
     set_threads(c->threads);
-    Ops *o = &ops_cpu;
+    Ops *o = ops_for_device(c->device, err);
+    if (!o) return -1;
     Graph g;
     graph_init(&g);
     int logits = model_build(&g, &c->model);
@@ -5871,6 +5939,7 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     if (net_create_planned(&net, &g, o, c->precision, 0, logits, c->checkpoint, err)) { graph_free(&g); return -1; }
     net_init_params(&net, c->seed);
     r->n_params = g.n_param_floats;
+    r->backend = o->name;
 #ifdef _OPENMP
     r->threads = omp_get_max_threads();
 #else
@@ -6119,6 +6188,8 @@ static const char *TRAIN_USAGE =
     "                        (default none)\n"
     "  --unfreeze-last N     with --freeze base, also train the backbone's last N blocks\n"
     "  --seed S              initialisation, data order, augmentation, dropout (default 1)\n"
+    "  --device D            auto (default: the GPU if there is one, else the CPU,\n"
+    "                        saying so), cuda or cpu\n"
     "  --threads T           CPU threads (default: all cores)\n"
     "  --workers N           data loading threads (default 1)\n"
     "  --padding MODE        EfficientNetV2 convs: same (default) or symmetric\n"
@@ -6140,6 +6211,7 @@ static const char *EVAL_USAGE =
     "the data (unless --data is given). Otherwise the model options are those of\n"
     "segnet train (--model, --classes, --class-weights, --size, --padding, ...).\n"
     "  --batch B    images per forward pass (default 8)\n"
+    "  --device D   auto (default), cuda or cpu, as for segnet train\n"
     "  --threads T  CPU threads\n";
 
 static int parse_float(const char *flag, const char *v, float lo, float *out) {
@@ -6179,6 +6251,14 @@ static int parse_augment(const char *v, Augment *a) {
     return 0;
 }
 
+// --device cpu|cuda|auto
+static int parse_device(const char *v, Device *d) {
+    for (int k = 0; k < 3; k++)
+        if (!strcmp(v, DEVICE_NAMES[k])) { *d = (Device)k; return 0; }
+    fprintf(stderr, "segnet: --device '%s' must be cpu, cuda or auto\n", v);
+    return -1;
+}
+
 // "12G", "512M", "1.5G", or bytes
 static int parse_bytes(const char *v, size_t *out) {
     char *end;
@@ -6213,7 +6293,7 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
                                         "--lr", "--adam-eps", "--weight-decay", "--clipnorm", "--schedule", "--warmup",
                                         "--early-stopping", "--augment", "--seed", "--threads", "--workers", "--loss-norm",
                                         "--run", "--precision", "--accum", "--freeze", "--unfreeze-last", "--checkpoint",
-                                        "--memory"};
+                                        "--memory", "--device"};
     int known = 0;
     for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
     if (!known) return 0;
@@ -6223,6 +6303,7 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     a->fixed |= !strcmp(f, "--checkpoint") || !strcmp(f, "--precision");
     if (!strcmp(f, "--data")) c->data = v;
     else if (!strcmp(f, "--memory")) rc = parse_bytes(v, &a->memory);
+    else if (!strcmp(f, "--device")) rc = parse_device(v, &c->device);
     else if (!strcmp(f, "--val")) c->val = v;
     else if (!strcmp(f, "--out")) c->out = v;
     else if (!strcmp(f, "--resume")) a->resume = v;
@@ -6315,6 +6396,7 @@ static int read_run_config(TrainArgs *a, const char *run) {
 // Returns 0, 1 after --help, -1 on error.
 static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd, const char *usage) {
     train_cfg_default(&a->c);
+    a->c.device = DEVICE_AUTO;
     for (int i = 2; i < argc;) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(usage, stdout); return 1; }
         int k = parse_train_option(a, argc, argv, i);
@@ -6326,6 +6408,7 @@ static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd
     if (base) {  // the run's settings first, then the command line's on top
         TrainArgs cli = *a;
         train_cfg_default(&a->c);
+        a->c.device = DEVICE_AUTO;  // a config.txt written before --device existed
         a->class_weights = NULL;
         if (read_run_config(a, base)) return -1;
         for (int i = 2; i < argc; i += 2) if (parse_train_option(a, argc, argv, i) < 0) return -1;
@@ -6438,10 +6521,11 @@ static const char *PREDICT_USAGE =
     "  --batch B           images per forward pass (default 8)\n"
     "  --head-hidden H     the classifier's hidden layer, as trained (default 0)\n"
     "  --depth D           unet levels below the top, as trained (default 4)\n"
-    "  --width W           unet channels at the top level, as trained (default 32)\n";
+    "  --width W           unet channels at the top level, as trained (default 32)\n"
+    "  --device D          auto (default), cuda or cpu, as for segnet train\n";
 
 static int cmd_predict(int argc, char **argv) {
-    PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1};
+    PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO};
     pc.model.model = "effv2-s";
     pc.model.batch = 8;
     int size_given = 0, classes_given = 0;
@@ -6453,6 +6537,12 @@ static int cmd_predict(int argc, char **argv) {
         if (target) {
             if (i + 1 >= argc) { fprintf(stderr, "segnet predict: %s needs a value\n", f); return 2; }
             *target = argv[i + 1];
+            i += 2;
+            continue;
+        }
+        if (!strcmp(f, "--device")) {
+            if (i + 1 >= argc) { fprintf(stderr, "segnet predict: --device needs a value\n"); return 2; }
+            if (parse_device(argv[i + 1], &pc.device)) return 2;
             i += 2;
             continue;
         }
@@ -6496,11 +6586,12 @@ static const char *BENCH_USAGE =
     "  --precision P       activation storage: fp32 (default), fp16 or bf16\n"
     "  --checkpoint C      none (default) or blocks: recompute each block in backward\n"
     "  --seed S            initialisation and data (default 1)\n"
+    "  --device D          auto (default), cuda or cpu, as for segnet train\n"
     "  --classes K, --padding MODE, --head-hidden H, --depth D, --width W:\n"
     "                      the model, as for segnet train\n";
 
 static int cmd_bench(int argc, char **argv) {
-    BenchCfg c = {model_cfg_default(), 5, 1, 0, 0, DT_F32, 0, 1};
+    BenchCfg c = {model_cfg_default(), 5, 1, 0, 0, DT_F32, 0, 1, DEVICE_AUTO};
     c.model.batch = 4;
     int size_given = 0;
     for (int i = 2; i < argc;) {
@@ -6512,7 +6603,8 @@ static int cmd_bench(int argc, char **argv) {
         if (k < 0) return 2;
         if (k > 0) { i += k; continue; }
         int is_own = !strcmp(f, "--steps") || !strcmp(f, "--warmup") || !strcmp(f, "--threads") ||
-                     !strcmp(f, "--precision") || !strcmp(f, "--checkpoint") || !strcmp(f, "--seed");
+                     !strcmp(f, "--precision") || !strcmp(f, "--checkpoint") || !strcmp(f, "--seed") ||
+                     !strcmp(f, "--device");
         if (!is_own) { fprintf(stderr, "segnet bench: unknown option '%s' (see segnet bench --help)\n", f); return 2; }
         if (i + 1 >= argc) { fprintf(stderr, "segnet bench: %s needs a value\n", f); return 2; }
         const char *v = argv[i + 1];
@@ -6521,6 +6613,7 @@ static int cmd_bench(int argc, char **argv) {
         else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, 1 << 20, &c.warmup);
         else if (!strcmp(f, "--threads")) rc = parse_int(f, v, 1, 4096, &c.threads);
         else if (!strcmp(f, "--seed")) { rc = parse_int(f, v, 0, 2147483647, &seed); c.seed = (uint64_t)seed; }
+        else if (!strcmp(f, "--device")) rc = parse_device(v, &c.device);
         else if (!strcmp(f, "--precision")) {
             int k = 0;
             while (k < 3 && strcmp(v, DTYPE_NAMES[k])) k++;
@@ -6537,8 +6630,8 @@ static int cmd_bench(int argc, char **argv) {
     BenchResult r;
     char err[SN_ERR_MAX];
     if (bench_run(&c, &r, err)) { fprintf(stderr, "segnet bench: %s\n", err); return 1; }
-    printf("model: %s  input (%d,%d,%d,3)  classes %d  parameters %zu  threads %d\n", c.model.model, c.model.batch,
-           c.model.height, c.model.width, c.model.classes, r.n_params, r.threads);
+    printf("model: %s  input (%d,%d,%d,3)  classes %d  parameters %zu  threads %d  backend %s\n", c.model.model,
+           c.model.batch, c.model.height, c.model.width, c.model.classes, r.n_params, r.threads, r.backend);
     if (c.profile) {
         double total = 0.0;
         for (int k = 0; k < BK_COUNT; k++) total += r.kind_fwd_ms[k] + r.kind_bwd_ms[k];
@@ -6560,6 +6653,13 @@ static int cmd_bench(int argc, char **argv) {
 
 static int cmd_info(void) {
     printf("backend: %s\n", ops_cpu.name);
+#ifdef SEGNET_CUDA
+    char why[SN_ERR_MAX];
+    if (cuda_backend_open(0, why) == 0) printf("cuda: device 0 (--device auto uses it)\n");
+    else printf("cuda: built, but %s\n", why);
+#else
+    printf("cuda: not built (no nvcc)\n");
+#endif
     printf("blas: %s\n", openblas_get_config());
     printf("blas_threads: %d\n", openblas_get_num_threads());
 #ifdef _OPENMP
@@ -6597,12 +6697,14 @@ static const char *PLAN_USAGE =
     "  --padding MODE      same (TensorFlow/Keras, default) or symmetric (torchvision)\n"
     "  --head-hidden H     classifier hidden layer width (default 0: none)\n"
     "  --depth D           unet levels below the top (default 4)\n"
-    "  --width W           unet channels at the top level (default 32)\n";
+    "  --width W           unet channels at the top level (default 32)\n"
+    "  --device D          auto (default), cuda or cpu: whose conv workspace is planned\n";
 
 static int cmd_plan(int argc, char **argv) {
     TrainArgs a = {0};
     train_cfg_default(&a.c);
     a.c.model.batch = 1;
+    a.c.device = DEVICE_AUTO;
     for (int i = 2; i < argc;) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(PLAN_USAGE, stdout); return 0; }
         int k = parse_train_option(&a, argc, argv, i);

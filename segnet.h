@@ -375,6 +375,17 @@ int cuda_backend_open(int device, char *err);
 extern size_t cuda_conv_chunk_bytes;
 extern size_t cpu_bytes_live, cpu_bytes_peak;  // what ops_cpu.alloc has handed out (now, at most)
 
+// Where a command runs (--device): DEVICE_AUTO is the GPU when cuda_backend_open(0)
+// succeeds, else the CPU with a one-line notice on stderr (once per process);
+// DEVICE_CUDA without a usable GPU, or in a build without the CUDA backend, is
+// an error. Returns the ops table, or NULL with err.
+typedef enum { DEVICE_CPU = 0, DEVICE_CUDA, DEVICE_AUTO } Device;
+extern const char *const DEVICE_NAMES[3];  // "cpu", "cuda", "auto": as --device spells them
+Ops *ops_for_device(Device d, char err[SN_ERR_MAX]);
+// The entries of an ops table that are NULL, as "name, name, ..." in list
+// (empty if none). Returns their number.
+int ops_missing(const Ops *o, char *list, size_t size);
+
 // Bytes of workspace the CPU backend's conv needs (the planner asks the table).
 size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt);
 
@@ -674,6 +685,7 @@ typedef struct {
     // each PNG atomic, nothing written unless every image decodes.
     const char *out;
     int progress;          // report progress on stderr
+    Device device;         // where the forward passes run
 } PredictCfg;
 int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);
 
@@ -844,6 +856,7 @@ typedef struct {
     int unfreeze_last;              // ... except its last N blocks
     int loss_scale_interval;        // fp16: finite steps before the loss scale doubles
     int checkpoint;                 // recompute each block's activations in backward (--checkpoint blocks)
+    Device device;                  // train_cfg_default: DEVICE_CPU; the command line's default is DEVICE_AUTO
 } TrainCfg;
 
 void train_cfg_default(TrainCfg *c);

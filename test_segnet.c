@@ -2233,7 +2233,7 @@ static void test_predict_classifier(void) {
     FILE *f = fopen(csv, "w");
     fprintf(f, "path,label\na.png,0\nb.png,2\n\"c,odd.png\",1\n");
     fclose(f);
-    PredictCfg pc = {c, wpath, dir, out1, 0};
+    PredictCfg pc = {c, wpath, dir, out1, 0, DEVICE_CPU};
     pc.model.batch = 2;  // 3 images: the last batch is partly empty
     CHECK(predict_run(&pc, err) == 0, "predict on a folder: %s", err);
     pc.input = csv; pc.out = out2;
@@ -2299,7 +2299,7 @@ static void test_predict_bad_input(void) {
     f = fopen(corrupt, "wb"); fputs("\x89PNG\r\n\x1a\nnot really a png", f); fclose(f);
     ModelCfg c = model_cfg_default();
     c.model = "effv2-t"; c.classes = 3; c.height = 32; c.width = 32;
-    PredictCfg pc = {c, wpath, csv, out, 0};
+    PredictCfg pc = {c, wpath, csv, out, 0, DEVICE_CPU};
     struct { const char *rows, *want1, *want2; } cases[] = {
         {"good.png\ncorrupt.png\n", "corrupt.png", "cannot decode"},
         {"good.png\nmissing.png\n", "missing.png", "No such file"},
@@ -2771,7 +2771,7 @@ static void test_predict_segmentation(void) {
         snprintf(path, sizeof path, "%s/%s", in, SEG_NAMES[i]);
         write_png_red(path, SEG_W[i], SEG_H[i], reds[i], &r);
     }
-    PredictCfg pc = {c, wpath, in, outdir, 0};  // batch 2, 3 images: the last batch is partly empty
+    PredictCfg pc = {c, wpath, in, outdir, 0, DEVICE_CPU};  // batch 2, 3 images: the last batch is partly empty
     CHECK(predict_run(&pc, err) == 0, "predict: %s", err);
     check_seg_outputs(&net, out, in, outdir);
     CHECK(predict_run(&pc, err) == 0, "predict again, into the existing folder: %s", err);
@@ -2799,7 +2799,7 @@ static void test_predict_segmentation_refused(void) {
     FILE *f = fopen(file, "w"); fputs("keep\n", f); fclose(f);
     struct stat sb;
 
-    PredictCfg pc = {c, wpath, in, file, 0};
+    PredictCfg pc = {c, wpath, in, file, 0, DEVICE_CPU};
     CHECK(predict_run(&pc, err) == -1 && contains(err, file) && contains(err, "not a folder"), "--out a file: '%s'", err);
     char *t = read_text(file);
     CHECK(t && !strcmp(t, "keep\n"), "the file is untouched");
@@ -4793,6 +4793,65 @@ static void test_fast_paths_deterministic(void) {
 #endif  // _OPENMP
 
 // ----------------------------------------------------------------------------
+// choosing a backend
+
+// OPS_ENTRIES names every function entry of struct Ops (they follow `ctx`, all
+// function pointers), and the CPU table fills them all.
+static void test_ops_entries_listed(void) {
+    size_t entries = (sizeof(Ops) - offsetof(Ops, alloc)) / sizeof(void (*)(void));
+    CHECK(N_OPS_ENTRIES == entries, "OPS_ENTRIES lists %zu entries, struct Ops has %zu", (size_t)N_OPS_ENTRIES, entries);
+    for (size_t i = 1; i < N_OPS_ENTRIES; i++)
+        CHECK(OPS_ENTRIES[i].offset == OPS_ENTRIES[i - 1].offset + sizeof(void (*)(void)), "OPS_ENTRIES[%zu] '%s' out of order",
+              i, OPS_ENTRIES[i].name);
+    char missing[4096];
+    CHECK(ops_missing(&ops_cpu, missing, sizeof missing) == 0, "ops_cpu lacks %s", missing);
+    Ops partial = ops_cpu;
+    partial.bn_stats = NULL; partial.adam_update = NULL;
+    CHECK(ops_missing(&partial, missing, sizeof missing) == 2 && !strcmp(missing, "bn_stats, adam_update"),
+          "two NULL entries: '%s'", missing);
+    char err[SN_ERR_MAX];
+    CHECK(ops_for_device(DEVICE_CPU, err) == &ops_cpu, "--device cpu");
+}
+
+// ./segnet --device: cpu runs without a notice and records the device in
+// config.txt; cuda either runs (a GPU) or is one line naming --device cuda, exit
+// 1, no run folder; auto without a GPU is the CPU with one notice line; a bad
+// value is refused with exit 2.
+static void test_device_choice(void) {
+    const char *data = "/tmp/segnet_test_device_data", *run = "/tmp/segnet_test_device_run";
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 2, 8, 8, 3);
+    char args[1024], msg[4096], path[512];
+    const char *base = "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --epochs 1 --classes 3";
+    snprintf(args, sizeof args, "%s --data %s --out %s/cpu --device cpu", base, data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0 && !contains(msg, "no GPU"), "--device cpu: %s", msg);
+    snprintf(path, sizeof path, "%s/cpu/config.txt", run);
+    size_t n;
+    char *cfg = read_file(path, &n);
+    CHECK(cfg && contains(cfg, "\ndevice = cpu\n"), "config.txt records the device: %s", cfg ? cfg : "(missing)");
+    free(cfg);
+    snprintf(args, sizeof args, "train --resume %s/cpu --epochs 2", run);  // config.txt's device read back
+    CHECK(run_segnet(args, msg, sizeof msg) == 0 && !contains(msg, "no GPU"), "resume with device = cpu: %s", msg);
+
+    snprintf(args, sizeof args, "%s --data %s --out %s/cuda --device cuda", base, data, run);
+    int rc = run_segnet(args, msg, sizeof msg);
+    snprintf(path, sizeof path, "%s/cuda", run);
+    if (rc != 0) {
+        CHECK(rc == 1 && contains(msg, "--device cuda: ") && strchr(msg, '\n') == msg + strlen(msg) - 1,
+              "--device cuda without a GPU: exit %d, %s", rc, msg);
+        CHECK(access(path, F_OK) != 0, "--device cuda failed but created %s", path);
+        snprintf(args, sizeof args, "%s --data %s --out %s/auto", base, data, run);
+        rc = run_segnet(args, msg, sizeof msg);
+        const char *notice = strstr(msg, "no GPU");
+        CHECK(rc == 0 && notice && !strstr(notice + 1, "no GPU") && contains(msg, "running on the CPU"),
+              "--device auto without a GPU: exit %d, %s", rc, msg);
+    }
+    snprintf(args, sizeof args, "%s --data %s --out %s/bad --device tpu", base, data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "--device 'tpu' must be cpu, cuda or auto"), "%s", msg);
+    rm_rf(data); rm_rf(run);
+}
+
+// ----------------------------------------------------------------------------
 // the runner
 
 typedef struct { const char *name; void (*fn)(void); } Test;
@@ -5378,6 +5437,84 @@ static void test_cuda_adam(void) {
     o->free(o, p_gpu); o->free(o, m_gpu); o->free(o, v_gpu);
     free(p); free(m); free(v);
 }
+
+// Every entry of ops_cuda filled in; otherwise the test fails naming the NULL ones.
+static int cu_ops_complete(const char *who) {
+    char missing[4096];
+    int n = ops_missing(cu_ops(), missing, sizeof missing);
+    CHECK(n == 0, "%s: ops_cuda has %d NULL entries: %s", who, n, missing);
+    return n == 0;
+}
+static void test_cuda_ops_complete(void) { cu_ops_complete("cuda_ops_complete"); }
+
+// A few optimiser steps of a tiny segmentation model through the trainer
+// (trainer_open, train_step: upload, forward, loss, backward, clipping, Adam)
+// on one backend; losses[s] is step s's loss (Σ w·nll / Σ w of its batch).
+static void cu_train_losses(const char *model, int hw, DType dt, Device device, int steps, double *losses) {
+    TrainCfg c;
+    train_cfg_default(&c);
+    c.model.model = model;
+    c.model.classes = 3; c.model.height = c.model.width = hw; c.model.batch = 2;
+    c.model.depth = 2; c.model.width_base = 4;  // plain unet
+    c.class_weights[0] = 0.0f; c.class_weights[2] = 2.0f;
+    c.lr = 1e-3f; c.clipnorm = 1.0f;  // clipping: sum_squares on the gradients
+    c.precision = dt;
+    c.device = device;
+    c.progress = 0;
+    Trainer t;
+    char err[SN_ERR_MAX];
+    CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s on %s: %s", model, DEVICE_NAMES[device], err);
+    Rng r;
+    rng_seed(&r, 77);
+    float *images = malloc(sizeof(float) * 2 * hw * hw * 3);
+    int32_t *labels = malloc(sizeof(int32_t) * 2 * hw * hw);
+    int64_t cm[9];
+    for (int s = 0; s < steps; s++) {
+        random_batch(&r, 2, hw, 3, images, labels);
+        MicroBatch mb = {2, images, labels};
+        PassTotals pt = {0, 0, cm};
+        train_step(&t, &mb, 1, &pt);
+        losses[s] = pt.loss_sum / pt.norm_sum;
+    }
+    free(images); free(labels);
+    trainer_close(&t);
+}
+
+// The same steps on the emulated CUDA backend and on the CPU, from the same
+// seed and data (batch 2, 3 classes, a class weight 0, clipping), in fp32 and
+// bf16 storage. The loss of each step, relative:
+// - fp32 within 2e-5: the backends add in different orders (GEMMs, BN
+//   statistics and the loss's row sums in fp64 on the CPU, fp32 on the GPU),
+//   ~1e-7 per op, carried through the steps' Adam updates;
+// - bf16 within 1e-2: an activation whose fp32 value differs in its last bit
+//   now and then rounds to the neighbouring bf16 value (2^-8 relative).
+// Models: the plain unet (depth 2, width 4) at 32×32 for 4 steps; unet-effv2-t
+// at 32×32 for 2 steps (the forward at equal weights, then one update): its
+// last stage is 1×1, where batch norm normalises 2 values, and from the third
+// step on a last-bit difference grows ~100× per step (measured with only the
+// loss's gradient computed differently: step 3 differs by 9e-4), which says
+// nothing about the kernels.
+static void test_cuda_train_steps(void) {
+    if (!cu_ops_complete("cuda_train_steps")) return;
+    const struct { const char *model; int steps; } runs[2] = {{"unet", 4}, {"unet-effv2-t", 2}};
+    const DType dts[2] = {DT_F32, DT_BF16};
+    const double tols[2] = {2e-5, 1e-2};
+    for (int m = 0; m < 2; m++)
+        for (int k = 0; k < 2; k++) {
+            double cpu[4], gpu[4], worst = 0.0;
+            cu_train_losses(runs[m].model, 32, dts[k], DEVICE_CPU, runs[m].steps, cpu);
+            cu_train_losses(runs[m].model, 32, dts[k], DEVICE_CUDA, runs[m].steps, gpu);
+            for (int s = 0; s < runs[m].steps; s++) {
+                double e = fabs(gpu[s] - cpu[s]) / fabs(cpu[s]);
+                if (!(e <= worst)) worst = e;  // NaN too
+                CHECK(e <= tols[k], "%s %s step %d: loss %.9g on cuda, %.9g on the CPU (relative error %.3g > %.1g)",
+                      runs[m].model, DT_NAME[dts[k]], s + 1, gpu[s], cpu[s], e, tols[k]);
+            }
+            if (g_verbose)
+                printf("      %-13s %s: %d steps, loss %.6f .. %.6f, worst relative difference %.3g (tolerance %.1g)\n",
+                       runs[m].model, DT_NAME[dts[k]], runs[m].steps, cpu[0], cpu[runs[m].steps - 1], worst, tols[k]);
+        }
+}
 #endif
 
 static const Test TESTS[] = {
@@ -5488,6 +5625,8 @@ static const Test TESTS[] = {
 #ifdef _OPENMP
     {"fast_paths_deterministic", test_fast_paths_deterministic},
 #endif
+    {"ops_entries_listed", test_ops_entries_listed},
+    {"device_choice", test_device_choice},
 #ifdef SEGNET_CUDA
     {"cuda_fill_copy", test_cuda_fill_copy},
     {"cuda_gemm_ex_types", test_cuda_gemm_ex_types},
@@ -5500,6 +5639,8 @@ static const Test TESTS[] = {
     {"cuda_softmax_xent", test_cuda_softmax_xent},
     {"cuda_confusion", test_cuda_confusion},
     {"cuda_adam", test_cuda_adam},
+    {"cuda_ops_complete", test_cuda_ops_complete},
+    {"cuda_train_steps", test_cuda_train_steps},
 #endif
 };
 
