@@ -1,5 +1,5 @@
 // kernels.cu -- the CUDA ops table (ops_cuda): hand-written kernels, cuBLAS for
-// GEMMs, NCCL for all-reduce, no cuDNN.
+// GEMMs, NCCL for all-reduce; no vendor DNN library.
 //
 // One source, two builds (see DESIGN.md, "GPU code without a GPU"):
 //   nvcc -c kernels.cu                         for GPUs (real <<<>>>, __shared__, cuBLAS, NCCL)
@@ -29,6 +29,7 @@
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unordered_map>
 
 #include "segnet.h"
 
@@ -94,6 +95,11 @@ static __device__ __forceinline__ void st(void *p, DType dt, size_t i, float v) 
 // ----------------------------------------------------------------------------
 // memory: device allocations, copies between host and device
 
+// The backend counts the bytes it hands out (live and peak, as the CPU backend
+// does): segnet bench reports the peak as peak_device_bytes.
+size_t cuda_bytes_live, cuda_bytes_peak;
+static std::unordered_map<void *, size_t> cuda_alloc_sizes;  // live allocations: their sizes
+
 static void *cuda_alloc(Ops *o, size_t bytes) {
     (void)o;
     void *p = NULL;
@@ -101,11 +107,17 @@ static void *cuda_alloc(Ops *o, size_t bytes) {
         cudaGetLastError();  // clear the sticky error: the caller reports "out of memory"
         return NULL;
     }
+    cuda_alloc_sizes[p] = bytes;
+    cuda_bytes_live += bytes;
+    if (cuda_bytes_live > cuda_bytes_peak) cuda_bytes_peak = cuda_bytes_live;
     return p;
 }
 static void cuda_free(Ops *o, void *p) {
     (void)o;
-    if (p) cudaCheck(cudaFree(p));
+    if (!p) return;
+    auto it = cuda_alloc_sizes.find(p);
+    if (it != cuda_alloc_sizes.end()) { cuda_bytes_live -= it->second; cuda_alloc_sizes.erase(it); }
+    cudaCheck(cudaFree(p));
 }
 static void cuda_upload(Ops *o, void *dst, const void *host_src, size_t bytes) {
     cudaCheck(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_of(o)));

@@ -5890,6 +5890,7 @@ typedef struct {
     double step_ms;                  // median over the timed steps
     double images_per_s;             // batch / median step
     size_t peak_rss_bytes;           // getrusage ru_maxrss of the whole process
+    size_t peak_device_bytes;        // the most the backend's alloc had handed out at once
     double kind_fwd_ms[BK_COUNT], kind_bwd_ms[BK_COUNT];  // per step (mean), with profile
     double kind_gflop[BK_COUNT];     // per step, forward + backward (convs only)
     size_t n_params;
@@ -6019,6 +6020,10 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     r->peak_rss_bytes = (size_t)ru.ru_maxrss * 1024;
+    r->peak_device_bytes = cpu_bytes_peak;
+#ifdef SEGNET_CUDA
+    if (o == &ops_cuda) r->peak_device_bytes = cuda_bytes_peak;
+#endif
     if (c->profile && n) {
         for (int i = 0; i < g.n_layers; i++) {
             const Layer *l = &g.layers[i];
@@ -6573,6 +6578,7 @@ static const char *BENCH_USAGE =
     "  train_step_ms: X     median over the S steps\n"
     "  images_per_s: Y      batch / median step\n"
     "  peak_rss_bytes: Z    the process's peak resident memory (getrusage)\n"
+    "  peak_device_bytes: D the backend's peak allocation (the GPU's with --device cuda)\n"
     "ref/bench_torch.py runs the same in PyTorch; `make bench` compares the two.\n"
     "\n"
     "  --model NAME        unet (default), effv2-s|m|l|t, unet-effv2-s|m|l|t\n"
@@ -6648,6 +6654,7 @@ static int cmd_bench(int argc, char **argv) {
     printf("train_step_ms: %.2f\n", r.step_ms);
     printf("images_per_s: %.3f\n", r.images_per_s);
     printf("peak_rss_bytes: %zu\n", r.peak_rss_bytes);
+    printf("peak_device_bytes: %zu\n", r.peak_device_bytes);
     return 0;
 }
 

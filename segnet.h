@@ -373,6 +373,7 @@ int cuda_backend_open(int device, char *err);
 // conv2d_workspace, so change it only before planning (tests lower it to run
 // the chunked paths on small shapes).
 extern size_t cuda_conv_chunk_bytes;
+extern size_t cuda_bytes_live, cuda_bytes_peak;  // what ops_cuda.alloc has handed out (now, at most)
 extern size_t cpu_bytes_live, cpu_bytes_peak;  // what ops_cpu.alloc has handed out (now, at most)
 
 // Where a command runs (--device): DEVICE_AUTO is the GPU when cuda_backend_open(0)

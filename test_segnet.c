@@ -5438,6 +5438,19 @@ static void test_cuda_adam(void) {
     free(p); free(m); free(v);
 }
 
+// cuda_alloc counts the bytes it hands out: live and peak (segnet bench's peak_device_bytes)
+static void test_cuda_alloc_counts(void) {
+    Ops *o = cu_ops();
+    size_t live = cuda_bytes_live;
+    void *a = o->alloc(o, 1000), *b = o->alloc(o, 24);
+    CHECK(cuda_bytes_live == live + 1024 && cuda_bytes_peak >= live + 1024, "live %zu (was %zu), peak %zu",
+          cuda_bytes_live, live, cuda_bytes_peak);
+    o->free(o, a);
+    CHECK(cuda_bytes_live == live + 24, "after one free: live %zu (was %zu)", cuda_bytes_live, live);
+    o->free(o, b);
+    CHECK(cuda_bytes_live == live, "after both: live %zu (was %zu)", cuda_bytes_live, live);
+}
+
 // Every entry of ops_cuda filled in; otherwise the test fails naming the NULL ones.
 static int cu_ops_complete(const char *who) {
     char missing[4096];
@@ -5639,6 +5652,7 @@ static const Test TESTS[] = {
     {"cuda_softmax_xent", test_cuda_softmax_xent},
     {"cuda_confusion", test_cuda_confusion},
     {"cuda_adam", test_cuda_adam},
+    {"cuda_alloc_counts", test_cuda_alloc_counts},
     {"cuda_ops_complete", test_cuda_ops_complete},
     {"cuda_train_steps", test_cuda_train_steps},
 #endif
