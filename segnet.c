@@ -1866,7 +1866,7 @@ Ops *ops_for_device(Device d, char err[SN_ERR_MAX]) {
         return NULL;
     }
     static int noticed;  // once per process
-    if (!noticed++) fprintf(stderr, "segnet: no GPU: %s; running on the CPU\n", why);
+    if (!noticed++) fprintf(stderr, "segnet: not on a GPU: %s; running on the CPU\n", why);
     return &ops_cpu;
 }
 
