@@ -204,7 +204,8 @@ static __device__ void block_sum_tree(double *sh, int width) {
     __syncthreads();
     for (int s = BLOCK / 2; s > 0; s >>= 1) {
         if ((int)threadIdx.x < s)
-            for (int j = 0; j < width; j++) sh[threadIdx.x * REDUCE_WIDTH + j] += sh[(threadIdx.x + s) * REDUCE_WIDTH + j];
+            for (int j = 0; j < width; j++)
+                sh[threadIdx.x * REDUCE_WIDTH + j] += sh[(threadIdx.x + s) * REDUCE_WIDTH + j];
         __syncthreads();
     }
 }
