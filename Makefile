@@ -2,6 +2,7 @@
 #
 #   make            build ./segnet and ./test_segnet (CPU backend, always)
 #   make test       build and run the test suite
+#   make test-heavy the checks that take minutes (16-bit training vs fp32)
 #   make train      build and run the main job on the bundled data
 #   make bench      segnet bench against PyTorch (ref/bench_torch.py), same run
 #   make gpucheck   on a machine with a GPU: the cuda_ tests on the device, and
@@ -68,7 +69,7 @@ endif
 DEP_CFLAGS = $(shell $(OPENBLAS_PC) --cflags openblas 2>/dev/null) -I/usr/include/stb
 DEP_LIBS   = $(shell $(OPENBLAS_PC) --libs openblas 2>/dev/null) -Wl,-rpath,$(OPENBLAS_DIR) -lstb
 
-.PHONY: all deps test train bench gpucheck clean
+.PHONY: all deps test test-heavy train bench gpucheck clean
 
 all: segnet test_segnet
 
@@ -132,6 +133,10 @@ test: segnet test_segnet
 	./test_segnet
 	@if [ -n "$(NVCC)" ]; then echo "== the emulated CUDA tests again, threads in reverse order"; \
 	  CUEMU_ORDER=reverse ./test_segnet --filter cuda_; fi
+
+# checks that take minutes (fp32/fp16/bf16 quickstart runs against each other)
+test-heavy: segnet test_segnet
+	SEGNET_HEAVY=1 ./test_segnet --filter heavy_
 
 train: segnet
 	./segnet train

@@ -6049,6 +6049,10 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
 // ----------------------------------------------------------------------------
 // command line
 
+// what `segnet train` with no options runs (make train): the bundled data set
+#define QUICKSTART_ARGS "--model unet --depth 3 --width 16 --size 64x64 --data data/train --val data/val " \
+    "--classes 4 --class-weights 0,1,1,1 --batch 8 --epochs 12 --schedule cosine --augment flip"
+
 #ifndef TESTING
 
 static const char *USAGE =
@@ -6130,9 +6134,6 @@ static void print_shape(Shape s) {
 }
 
 
-// what `segnet train` with no options runs (make train): the bundled data set
-#define QUICKSTART_ARGS "--model unet --depth 3 --width 16 --size 64x64 --data data/train --val data/val " \
-    "--classes 4 --class-weights 0,1,1,1 --batch 8 --epochs 12 --schedule cosine --augment flip"
 
 static const char *TRAIN_USAGE =
     "usage: segnet train --data TRAIN --classes K [options]\n"
