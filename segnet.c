@@ -26,6 +26,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#ifdef SEGNET_MPI
+#include <mpi.h>
+#endif
 #include "segnet.h"
 
 // ----------------------------------------------------------------------------
@@ -2774,6 +2777,60 @@ int net_create_planned(Net *net, const Graph *g, Ops *o, DType dtype, int input_
 // are active under the same condition.
 static int layer_in_train_mode(const Net *net, const Layer *l) { return net->training && !l->frozen; }
 
+// ---- batch norm across replicas (--sync-bn)
+//
+// Forward: the statistics of the global batch from every replica's count n_r
+// and its fp32 mean_r, var_r (bn_stats), in fp64, in two all-reduces:
+//   mean = Σ n_r·mean_r / Σ n_r,   var = Σ n_r·(var_r + (mean_r - mean)²) / Σ n_r
+// The second sum is centred on the global mean: exact algebra, without the
+// cancellation of Σx²/n - mean². It differs from bn_stats over the whole
+// batch on one replica only by the fp32 rounding of each mean_r and var_r
+// (relative 2^-24 each) and the final rounding to fp32: a few ulp.
+// Backward: Σg and Σg·xhat added over the replicas (fp64, rounded once).
+// A replica with an empty shard takes part with n_r = 0. Both return the
+// global count, or 0 when the collective failed (net->failed is then set).
+
+static int bn_synced(const Net *net, const Layer *l) {
+    return net->sync_bn && l->kind == LAYER_BN && layer_in_train_mode(net, l);
+}
+
+static size_t bn_sync_stats(Net *net, float *mean, float *var, int C, size_t count) {
+    Comm *comm = net->sync_bn;
+    Ops *o = net->o;
+    float m[C], v[C];  // (C)
+    double s[C + 1], q[C];
+    if (count) { o->download(o, m, mean, sizeof m); o->download(o, v, var, sizeof v); }
+    for (int c = 0; c < C; c++) s[c] = count ? (double)count * m[c] : 0.0;
+    s[C] = (double)count;
+    if (comm->allreduce_f64(comm, s, (size_t)C + 1)) { net->failed = 1; return 0; }
+    const double total = s[C];
+    for (int c = 0; c < C; c++) {
+        s[c] /= total;
+        double d = count ? (double)m[c] - s[c] : 0.0;
+        q[c] = count ? (double)count * ((double)v[c] + d * d) : 0.0;
+    }
+    if (comm->allreduce_f64(comm, q, (size_t)C)) { net->failed = 1; return 0; }
+    for (int c = 0; c < C; c++) { m[c] = (float)s[c]; v[c] = (float)(q[c] / total); }
+    o->upload(o, mean, m, sizeof m);
+    o->upload(o, var, v, sizeof v);
+    return (size_t)total;
+}
+
+static size_t bn_sync_grads(Net *net, float *sum_g, float *sum_gx, int C, size_t count) {
+    Comm *comm = net->sync_bn;
+    Ops *o = net->o;
+    float a[2 * C];  // (2C) Σg, then Σg·xhat
+    double s[2 * C + 1];
+    if (count) { o->download(o, a, sum_g, sizeof(float) * C); o->download(o, a + C, sum_gx, sizeof(float) * C); }
+    for (int k = 0; k < 2 * C; k++) s[k] = count ? a[k] : 0.0;
+    s[2 * C] = (double)count;
+    if (comm->allreduce_f64(comm, s, 2 * (size_t)C + 1)) { net->failed = 1; return 0; }
+    for (int k = 0; k < 2 * C; k++) a[k] = (float)s[k];
+    o->upload(o, sum_g, a, sizeof(float) * C);
+    o->upload(o, sum_gx, a + C, sizeof(float) * C);
+    return (size_t)s[2 * C];
+}
+
 // wall clock for net->layer_seconds
 static double layer_clock(void) {
     struct timespec ts;
@@ -2790,6 +2847,8 @@ static void layer_forward(Net *net, int i, int recompute) {
     Ops *o = net->o;
     {
         const Layer *l = &g->layers[i];
+        // a replica with an empty shard (the last, small global batch) only takes part in the collectives
+        if (net->failed || (net->batch == 0 && !(bn_synced(net, l) && !recompute))) return;
         Tensor x = net_tensor(net, l->in[0]), y = net_tensor(net, l->out);
         Tensor x2 = l->in[1] >= 0 ? net_tensor(net, l->in[1]) : tensor(NULL, x.shape, net->dtype);
         float *w = param_ptr(net->params, g, l->weight), *b = param_ptr(net->params, g, l->bias);
@@ -2802,11 +2861,13 @@ static void layer_forward(Net *net, int i, int recompute) {
             float *rm = buffer_ptr(net, l->run_mean), *rv = buffer_ptr(net, l->run_var);
             if (layer_in_train_mode(net, l)) {
                 if (!recompute) {
-                    o->bn_stats(o, x, net->bn_mean[i], net->bn_var[i]);
-                    o->bn_update_running(o, rm, rv, net->bn_mean[i], net->bn_var[i], x.shape.c,
-                                         shape_numel(x.shape) / x.shape.c, BN_MOMENTUM);
+                    const int C = x.shape.c;
+                    size_t count = shape_numel(x.shape) / C;
+                    if (count) o->bn_stats(o, x, net->bn_mean[i], net->bn_var[i]);
+                    if (net->sync_bn) count = bn_sync_stats(net, net->bn_mean[i], net->bn_var[i], C, count);
+                    if (count) o->bn_update_running(o, rm, rv, net->bn_mean[i], net->bn_var[i], C, count, BN_MOMENTUM);
                 }
-                o->bn_forward(o, y, x, net->bn_mean[i], net->bn_var[i], w, b, l->eps, l->act);
+                if (net->batch) o->bn_forward(o, y, x, net->bn_mean[i], net->bn_var[i], w, b, l->eps, l->act);
             } else {
                 o->bn_forward(o, y, x, rm, rv, w, b, l->eps, l->act);
             }
@@ -2852,6 +2913,7 @@ static void layer_backward(Net *net, int i) {
     {
         const Layer *l = &g->layers[i];
         if (!net->needs_grad[l->out]) return;
+        if (net->failed || (net->batch == 0 && !bn_synced(net, l))) return;  // as in layer_forward
         Tensor dy = net_grad(net, l->out);
         if (!written[l->out]) { o->fill(o, dy, 0.0f); written[l->out] = 1; }  // no path to the loss
         const int a = l->in[0], b = l->in[1];
@@ -2880,11 +2942,12 @@ static void layer_backward(Net *net, int i) {
             int batch = layer_in_train_mode(net, l);
             const float *mean = batch ? net->bn_mean[i] : buffer_ptr(net, l->run_mean);
             const float *var = batch ? net->bn_var[i] : buffer_ptr(net, l->run_var);
-            if (batch || dw)
+            size_t count = batch ? shape_numel(x.shape) / C : 0;  // 0: the statistics were constants
+            if ((batch || dw) && net->batch)
                 o->bn_backward_reduce(o, dy, x, mean, var, w, bias, l->eps, l->act, sum_g, sum_gx, dw, dbias);
-            if (dx.data)
-                o->bn_backward_data(o, dx, dy, x, mean, var, w, bias, l->eps, l->act, sum_g, sum_gx,
-                                    batch ? shape_numel(x.shape) / C : 0, acc_a);
+            if (batch && net->sync_bn && net->needs_grad[a]) count = bn_sync_grads(net, sum_g, sum_gx, C, count);
+            if (dx.data && net->batch && !net->failed)
+                o->bn_backward_data(o, dx, dy, x, mean, var, w, bias, l->eps, l->act, sum_g, sum_gx, count, acc_a);
             break;
         }
         case LAYER_ACT: if (dx.data) o->act_backward(o, l->act, dx, dy, x, acc_a); break;
@@ -4913,6 +4976,266 @@ float rng_normal(Rng *r) {
 }
 
 // ----------------------------------------------------------------------------
+// replicas: communicators
+//
+// A sum over ranks is ((b0 + b1) + b2) + ... element by element, the same
+// expression on every rank and for every communicator, so `--replicas N` and
+// `mpirun -np N` give the same bits, and every rank holds the same result.
+
+// dst[i] = ((src[0][i] + src[1][i]) + ...) + src[size-1][i]; dst may be src[0]
+#define DEFINE_SUM_RANKS(NAME, T)                                                   \
+    static void NAME(T *dst, T *const *src, int size, size_t n) {                    \
+        _Pragma("omp parallel for schedule(static) if(PAR(n * size))")               \
+        for (size_t i = 0; i < n; i++) {                                             \
+            T s = src[0][i];                                                         \
+            for (int r = 1; r < size; r++) s += src[r][i];                           \
+            dst[i] = s;                                                              \
+        }                                                                            \
+    }
+DEFINE_SUM_RANKS(sum_ranks_f32, float)
+DEFINE_SUM_RANKS(sum_ranks_f64, double)
+DEFINE_SUM_RANKS(sum_ranks_i64, int64_t)
+
+// "stopped: rank R failed" for a collective that returned -1
+static int comm_failure(Comm *c, char err[SN_ERR_MAX]) {
+    snprintf(err, SN_ERR_MAX, "stopped because rank %d failed", c->failed_rank(c));
+    return -1;
+}
+
+int comm_agree(Comm *c, int rc, char err[SN_ERR_MAX]) {
+    if (c->size == 1) return rc;
+    int64_t failed[SN_MAX_REPLICAS] = {0};
+    failed[c->rank] = rc != 0;
+    if (c->allreduce_i64(c, failed, (size_t)c->size)) return comm_failure(c, err);
+    int first = 0;
+    while (first < c->size && !failed[first]) first++;
+    if (first == c->size) return 0;
+    char msg[SN_ERR_MAX];
+    snprintf(msg, sizeof msg, "%s", c->rank == first ? err : "");
+    if (c->broadcast(c, msg, sizeof msg, first)) return comm_failure(c, err);
+    snprintf(err, SN_ERR_MAX, "rank %d: %.480s", first, msg);
+    return -1;
+}
+
+// ---- local: the ranks are threads of this process that take turns
+
+typedef enum { LOCAL_F32, LOCAL_F64, LOCAL_I64, LOCAL_BCAST } LocalKind;
+
+typedef struct {
+    int size;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int turn;                     // a rank holds the turn (is running)
+    int arrived;                  // ranks in the current collective
+    uint64_t generation;          // collectives completed
+    void *buf[SN_MAX_REPLICAS];   // each rank's buffer in the current collective
+    size_t n[SN_MAX_REPLICAS];
+    int failed_rank;              // first rank that aborted, -1
+    int returned;                 // ranks whose thread has returned 0
+} LocalGroup;
+
+// The last rank to arrive combines every rank's buffer (all others are
+// waiting, so nothing else runs) and keeps the turn; the others hand it on
+// while they wait and take it back after.
+static int local_collective(Comm *c, void *buf, size_t n, LocalKind kind, int root) {
+    LocalGroup *g = c->ctx;
+    if (g->size == 1) return 0;
+    pthread_mutex_lock(&g->mu);
+    if (g->failed_rank >= 0) { pthread_mutex_unlock(&g->mu); return -1; }
+    g->buf[c->rank] = buf;
+    g->n[c->rank] = n;
+    int ok = 1;
+    if (++g->arrived == g->size) {
+        for (int r = 0; r < g->size; r++)
+            snCheck(g->n[r] == n, "a collective of %zu elements on rank %d but %zu on rank %d", n, c->rank, g->n[r], r);
+        if (kind == LOCAL_BCAST) {
+            for (int r = 0; r < g->size; r++) if (r != root) memcpy(g->buf[r], g->buf[root], n);
+        } else {
+            size_t elem = kind == LOCAL_F32 ? sizeof(float) : 8;
+            if (kind == LOCAL_F32) sum_ranks_f32(g->buf[0], (float *const *)g->buf, g->size, n);
+            else if (kind == LOCAL_F64) sum_ranks_f64(g->buf[0], (double *const *)g->buf, g->size, n);
+            else sum_ranks_i64(g->buf[0], (int64_t *const *)g->buf, g->size, n);
+            for (int r = 1; r < g->size; r++) memcpy(g->buf[r], g->buf[0], n * elem);
+        }
+        g->arrived = 0;
+        g->generation++;
+        pthread_cond_broadcast(&g->cv);
+    } else {
+        uint64_t gen = g->generation;
+        g->turn = 0;
+        pthread_cond_broadcast(&g->cv);
+        while (g->generation == gen && g->failed_rank < 0) {
+            // a rank that returned will never arrive: a mismatch of collectives, not a user error
+            snCheck(g->returned == 0, "rank %d waits in a collective that a rank which has returned will never join", c->rank);
+            pthread_cond_wait(&g->cv, &g->mu);
+        }
+        ok = g->generation != gen;
+        while (g->turn) pthread_cond_wait(&g->cv, &g->mu);
+        g->turn = 1;
+    }
+    pthread_mutex_unlock(&g->mu);
+    return ok ? 0 : -1;
+}
+
+static int local_allreduce_f32(Comm *c, float *b, size_t n) { return local_collective(c, b, n, LOCAL_F32, 0); }
+static int local_allreduce_f64(Comm *c, double *b, size_t n) { return local_collective(c, b, n, LOCAL_F64, 0); }
+static int local_allreduce_i64(Comm *c, int64_t *b, size_t n) { return local_collective(c, b, n, LOCAL_I64, 0); }
+static int local_broadcast(Comm *c, void *b, size_t bytes, int root) { return local_collective(c, b, bytes, LOCAL_BCAST, root); }
+
+static void local_abort(Comm *c, const char *why) {
+    (void)why;  // the rank's own error is returned by its thread
+    LocalGroup *g = c->ctx;
+    pthread_mutex_lock(&g->mu);
+    if (g->failed_rank < 0) g->failed_rank = c->rank;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+}
+
+static int local_failed_rank(Comm *c) {
+    LocalGroup *g = c->ctx;
+    pthread_mutex_lock(&g->mu);
+    int r = g->failed_rank;
+    pthread_mutex_unlock(&g->mu);
+    return r;
+}
+
+int comm_local_create(Comm *comms, int n) {
+    if (n < 1 || n > SN_MAX_REPLICAS) return -1;
+    LocalGroup *g = calloc(1, sizeof *g);
+    snCheck(g != NULL, "out of host memory");
+    g->size = n;
+    g->failed_rank = -1;
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->cv, NULL);
+    for (int r = 0; r < n; r++)
+        comms[r] = (Comm){"local", r, n, g, local_allreduce_f32, local_allreduce_f64, local_allreduce_i64,
+                          local_broadcast, local_abort, local_failed_rank};
+    return 0;
+}
+
+void comm_local_destroy(Comm *comms, int n) {
+    if (n < 1) return;
+    LocalGroup *g = comms[0].ctx;
+    pthread_mutex_destroy(&g->mu);
+    pthread_cond_destroy(&g->cv);
+    free(g);
+}
+
+typedef struct { Comm *c; int (*fn)(Comm *, void *); void *arg; int rc; } LocalRank;
+
+static void *local_rank_main(void *p) {
+    LocalRank *lr = p;
+    LocalGroup *g = lr->c->ctx;
+    pthread_mutex_lock(&g->mu);
+    while (g->turn) pthread_cond_wait(&g->cv, &g->mu);
+    g->turn = 1;
+    pthread_mutex_unlock(&g->mu);
+    lr->rc = lr->fn(lr->c, lr->arg);
+    if (lr->rc) local_abort(lr->c, "returned an error");
+    pthread_mutex_lock(&g->mu);
+    if (!lr->rc) g->returned++;
+    g->turn = 0;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+    return NULL;
+}
+
+void comm_local_run(Comm *comms, int n, int (*fn)(Comm *c, void *arg), void **args, int *rc) {
+    LocalRank lr[SN_MAX_REPLICAS];
+    pthread_t th[SN_MAX_REPLICAS];
+    for (int r = 0; r < n; r++) lr[r] = (LocalRank){&comms[r], fn, args[r], 0};
+    if (n == 1) { rc[0] = fn(&comms[0], args[0]); return; }
+    for (int r = 0; r < n; r++) snCheck(pthread_create(&th[r], NULL, local_rank_main, &lr[r]) == 0, "cannot start a replica thread");
+    for (int r = 0; r < n; r++) { pthread_join(th[r], NULL); rc[r] = lr[r].rc; }
+}
+
+// ---- mpi: one process per rank
+
+int comm_mpi_launched(void) {
+    const char *vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"};
+    for (int k = 0; k < 3; k++) {
+        const char *v = getenv(vars[k]);
+        if (v && atoi(v) > 0) return atoi(v);
+    }
+    return 1;
+}
+
+#ifdef SEGNET_MPI
+// A sum in rank order: every rank gathers every rank's chunk (at most
+// MPI_CHUNK_BYTES from each) and adds them up itself. MPI_Allreduce would
+// choose its own order (and grouping) by message size and rank count.
+#define MPI_CHUNK_BYTES ((size_t)1 << 22)
+
+static int mpi_sum(Comm *c, void *buf, size_t n, size_t elem, MPI_Datatype type) {
+    if (c->size == 1 || n == 0) return 0;
+    size_t chunk = MPI_CHUNK_BYTES / elem;
+    if (chunk > n) chunk = n;
+    uint8_t *all = malloc(chunk * elem * (size_t)c->size);
+    snCheck(all != NULL, "out of host memory");
+    void *src[SN_MAX_REPLICAS];
+    for (size_t off = 0; off < n; off += chunk) {
+        size_t m = n - off < chunk ? n - off : chunk;
+        uint8_t *b = (uint8_t *)buf + off * elem;
+        MPI_Allgather(b, (int)m, type, all, (int)m, type, MPI_COMM_WORLD);
+        for (int r = 0; r < c->size; r++) src[r] = all + (size_t)r * m * elem;
+        if (type == MPI_FLOAT) sum_ranks_f32((float *)b, (float *const *)src, c->size, m);
+        else if (type == MPI_DOUBLE) sum_ranks_f64((double *)b, (double *const *)src, c->size, m);
+        else sum_ranks_i64((int64_t *)b, (int64_t *const *)src, c->size, m);
+    }
+    free(all);
+    return 0;
+}
+static int mpi_allreduce_f32(Comm *c, float *b, size_t n) { return mpi_sum(c, b, n, sizeof(float), MPI_FLOAT); }
+static int mpi_allreduce_f64(Comm *c, double *b, size_t n) { return mpi_sum(c, b, n, sizeof(double), MPI_DOUBLE); }
+static int mpi_allreduce_i64(Comm *c, int64_t *b, size_t n) { return mpi_sum(c, b, n, sizeof(int64_t), MPI_INT64_T); }
+
+static int mpi_broadcast(Comm *c, void *buf, size_t bytes, int root) {
+    for (size_t off = 0; off < bytes; off += MPI_CHUNK_BYTES) {
+        size_t m = bytes - off < MPI_CHUNK_BYTES ? bytes - off : MPI_CHUNK_BYTES;
+        MPI_Bcast((uint8_t *)buf + off, (int)m, MPI_BYTE, root, MPI_COMM_WORLD);
+    }
+    (void)c;
+    return 0;
+}
+
+static void mpi_abort(Comm *c, const char *why) {
+    fprintf(stderr, "segnet: rank %d ends the job: %s\n", c->rank, why);
+    fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+static int mpi_failed_rank(Comm *c) { (void)c; return -1; }  // a failed rank has ended the job
+
+static void mpi_finalize_at_exit(void) {
+    int done = 0;
+    MPI_Finalized(&done);
+    if (!done) MPI_Finalize();
+}
+
+int comm_mpi_open(Comm *c, char err[SN_ERR_MAX]) {
+    int started = 0, rank = 0, size = 1;
+    MPI_Initialized(&started);
+    if (!started) {
+        if (MPI_Init(NULL, NULL) != MPI_SUCCESS) { snprintf(err, SN_ERR_MAX, "MPI_Init failed"); return -1; }
+        atexit(mpi_finalize_at_exit);
+    }
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (size > SN_MAX_REPLICAS) { snprintf(err, SN_ERR_MAX, "%d MPI processes: at most %d replicas", size, SN_MAX_REPLICAS); return -1; }
+    *c = (Comm){"mpi", rank, size, NULL, mpi_allreduce_f32, mpi_allreduce_f64, mpi_allreduce_i64, mpi_broadcast,
+                mpi_abort, mpi_failed_rank};
+    return 0;
+}
+#else
+int comm_mpi_open(Comm *c, char err[SN_ERR_MAX]) {
+    (void)c;
+    snprintf(err, SN_ERR_MAX, "started by mpirun with %d processes, but this segnet was built without MPI "
+             "(install libopenmpi-dev and rebuild)", comm_mpi_launched());
+    return -1;
+}
+#endif
+
+// ----------------------------------------------------------------------------
 // training: initialisation, metrics, schedules, checkpoints, the loop
 
 static double now_seconds(void) {
@@ -5042,7 +5365,17 @@ typedef struct {
     double best;                // lowest monitored loss so far (val_loss, else loss)
     int best_epoch, bad_epochs;
     int finished;               // stopped early (a run that reached its epochs can be extended)
+    Comm *comm;                 // the replicas (size 1: this trainer alone)
+    int shard;                  // images of a full global batch on this replica: model.batch / replicas
+    int borrowed_data;          // train and val belong to another replica (local replicas share them)
+    double *bn_host;            // (n_buffer_floats + 1) fp64 staging to average BN statistics over replicas
 } Trainer;
+
+// the communicator of a trainer without replicas
+static LocalGroup comm_one_group = {.size = 1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER,
+                                    .failed_rank = -1};
+static Comm comm_one = {"local", 0, 1, &comm_one_group, local_allreduce_f32, local_allreduce_f64, local_allreduce_i64,
+                        local_broadcast, local_abort, local_failed_rank};
 
 static void trainer_close(Trainer *t) {
     Ops *o = t->o;
@@ -5051,20 +5384,38 @@ static void trainer_close(Trainer *t) {
         o->free(o, t->labels); o->free(o, t->confusion); o->free(o, t->scalars);
         o->free(o, t->stage); o->free(o, t->flag);
     }
-    free(t->ranges); free(t->accum_images); free(t->accum_labels);
+    free(t->ranges); free(t->accum_images); free(t->accum_labels); free(t->bn_host);
     net_free(&t->net);
     graph_free(&t->g);
-    if (t->has_train) dataset_free(&t->train);
-    if (t->has_val) dataset_free(&t->val);
+    if (t->has_train && !t->borrowed_data) dataset_free(&t->train);
+    if (t->has_val && !t->borrowed_data) dataset_free(&t->val);
     memset(t, 0, sizeof *t);
 }
 
+// optimiser steps of the whole run: K global batches of model.batch images per step
+static void trainer_count_steps(Trainer *t) {
+    const TrainCfg *c = t->c;
+    int64_t batches = (t->train.n + c->model.batch - 1) / c->model.batch;
+    t->total_steps = t->has_train ? (batches + c->accum - 1) / c->accum * c->epochs : 0;
+}
+
 // Builds the model and opens the data (train may be NULL: evaluation only).
-static int trainer_open(Trainer *t, const TrainCfg *c, const char *train, const char *val, char err[SN_ERR_MAX]) {
+// comm: the replicas (NULL: none); each builds the model for its shard,
+// model.batch / replicas images.
+static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, const char *val, Comm *comm,
+                           char err[SN_ERR_MAX]) {
     memset(t, 0, sizeof *t);
     t->c = c;
+    t->comm = comm ? comm : &comm_one;
     graph_init(&t->g);
-    t->logits = model_build(&t->g, &c->model);
+    const int R = t->comm->size;
+    if (c->model.batch % R) {
+        snprintf(err, SN_ERR_MAX, "--batch %d is the global batch: it must be a multiple of the %d replicas", c->model.batch, R);
+        return -1;
+    }
+    ModelCfg shard = c->model;
+    shard.batch = t->shard = c->model.batch / R;
+    t->logits = model_build(&t->g, &shard);
     if (t->logits < 0) { snprintf(err, SN_ERR_MAX, "%s", t->g.err); return -1; }
     Shape out = t->g.tensors[t->logits].shape, in = t->g.tensors[t->g.input].shape;
     t->K = out.c;
@@ -5149,14 +5500,101 @@ static int trainer_open(Trainer *t, const TrainCfg *c, const char *train, const 
     o->fill(o, tensor_f32(t->adam_v, shape4((int)T, 1, 1, 1)), 0.0f);
     o->upload(o, t->class_weights, c->class_weights, sizeof(float) * t->K);
     t->loss_scale = c->precision == DT_F16 ? LOSS_SCALE_INIT : 1.0f;
-    if (t->has_train) {
-        int64_t batches = (t->train.n + in.n - 1) / in.n;
-        t->total_steps = (batches + c->accum - 1) / c->accum * c->epochs;
+    trainer_count_steps(t);
+    if (R > 1) {
+        t->bn_host = malloc(sizeof(double) * (g->n_buffer_floats + 1));
+        snCheck(t->bn_host != NULL, "out of host memory");
+        if (c->sync_bn) t->net.sync_bn = t->comm;
     }
     net_init_params(&t->net, c->seed);
     t->net.seed = c->seed;
     t->best = INFINITY;
     return 0;
+}
+
+static int trainer_open(Trainer *t, const TrainCfg *c, const char *train, const char *val, char err[SN_ERR_MAX]) {
+    return trainer_open_on(t, c, train, val, NULL, err);
+}
+
+// Local replicas read the data sets opened once (by rank 0)
+static void trainer_borrow_data(Trainer *t, const Dataset *train, const Dataset *val) {
+    if (train) { t->train = *train; t->has_train = 1; }
+    if (val) { t->val = *val; t->has_val = 1; }
+    t->borrowed_data = 1;
+    trainer_count_steps(t);
+}
+
+// A sum over the replicas of a buffer in the backend's memory. The CPU
+// backend's memory is the host's; other backends stage it through the host.
+static int comm_allreduce_backend(Trainer *t, float *buf, size_t n) {
+    Comm *comm = t->comm;
+    if (comm->size == 1 || n == 0) return 0;
+    if (t->o == &ops_cpu) return comm->allreduce_f32(comm, buf, n);
+    float *host = malloc(sizeof(float) * n);
+    snCheck(host != NULL, "out of host memory");
+    t->o->download(t->o, host, buf, sizeof(float) * n);
+    int rc = comm->allreduce_f32(comm, host, n);
+    t->o->upload(t->o, buf, host, sizeof(float) * n);
+    free(host);
+    return rc;
+}
+
+static int comm_broadcast_backend(Trainer *t, void *buf, size_t bytes) {
+    Comm *comm = t->comm;
+    if (comm->size == 1 || bytes == 0) return 0;
+    if (t->o == &ops_cpu) return comm->broadcast(comm, buf, bytes, 0);
+    void *host = malloc(bytes);
+    snCheck(host != NULL, "out of host memory");
+    t->o->download(t->o, host, buf, bytes);
+    int rc = comm->broadcast(comm, host, bytes, 0);
+    t->o->upload(t->o, buf, host, bytes);
+    free(host);
+    return rc;
+}
+
+// Mirrors rank 0 on every replica (at the start, after loading weights or a
+// checkpoint there): parameters, BN statistics, Adam moments and the counters.
+static int trainer_broadcast(Trainer *t) {
+    const Graph *g = &t->g;
+    struct {
+        int64_t step, good_steps;
+        double best;
+        float loss_scale;
+        int epoch, best_epoch, bad_epochs, finished;
+    } k = {t->step, t->good_steps, t->best, t->loss_scale, t->epoch, t->best_epoch, t->bad_epochs, t->finished};
+    if (comm_broadcast_backend(t, t->net.params, sizeof(float) * g->n_param_floats) ||
+        comm_broadcast_backend(t, t->net.buffers, sizeof(float) * g->n_buffer_floats) ||
+        comm_broadcast_backend(t, t->adam_m, sizeof(float) * t->n_trainable) ||
+        comm_broadcast_backend(t, t->adam_v, sizeof(float) * t->n_trainable) ||
+        (t->comm->size > 1 && t->comm->broadcast(t->comm, &k, sizeof k, 0)))
+        return -1;
+    t->step = k.step; t->good_steps = k.good_steps; t->best = k.best; t->loss_scale = k.loss_scale;
+    t->epoch = k.epoch; t->best_epoch = k.best_epoch; t->bad_epochs = k.bad_epochs; t->finished = k.finished;
+    return 0;
+}
+
+// Without --sync-bn each replica's running statistics follow its own shard.
+// Averaging them after every micro-batch, weighted by the shard sizes n_r,
+// keeps them mirrored; the update is linear, so this equals running
+// statistics fed the mean of the replicas' batch statistics (Keras reads its
+// ON_READ MEAN variables the same way). Statistics the step did not change
+// (frozen BN) come back exactly: Σ n_r·x / Σ n_r = x in fp64.
+static int replicas_average_bn(Trainer *t, int n) {
+    const Graph *g = &t->g;
+    const size_t B = g->n_buffer_floats;
+    int any = 0;
+    for (int i = 0; i < g->n_layers; i++) any |= g->layers[i].kind == LAYER_BN && !g->layers[i].frozen;
+    if (!any || t->comm->size == 1 || t->c->sync_bn) return 0;
+    float *f = malloc(sizeof(float) * (B ? B : 1));
+    snCheck(f != NULL, "out of host memory");
+    t->o->download(t->o, f, t->net.buffers, sizeof(float) * B);
+    for (size_t k = 0; k < B; k++) t->bn_host[k] = (double)n * f[k];
+    t->bn_host[B] = n;
+    int rc = t->comm->allreduce_f64(t->comm, t->bn_host, B + 1);
+    for (size_t k = 0; k < B && rc == 0; k++) f[k] = (float)(t->bn_host[k] / t->bn_host[B]);
+    if (rc == 0) t->o->upload(t->o, t->net.buffers, f, sizeof(float) * B);
+    free(f);
+    return rc;
 }
 
 // Loads weights for training or evaluation. A classifier's head may be left
@@ -5240,16 +5678,26 @@ static double trainable_sum_squares(Trainer *t) {
 // a denominator known before the first forward. With fp16 storage the loss is
 // scaled (dynamic loss scaling, Keras' LossScaleOptimizer): unscale → check for
 // inf/NaN (skip the update, halve the scale) → clip → Adam; the step counts
-// either way, as in Keras. Returns 1 if the update was applied.
+// either way, as in Keras. Returns 1 if the update was applied, -1 if a
+// collective failed (another replica stopped).
+//
+// With replicas, mb are this replica's shards of the k global batches: the
+// denominator is all-reduced before the forward (every replica divides by the
+// global Σ w), the gradients after the backward (their sum is then the
+// gradient of the global loss), and the inf/NaN flag with them, so every
+// replica takes the same decision and the same Adam step.
 static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     const TrainCfg *c = t->c;
     Ops *o = t->o;
     Net *net = &t->net;
-    double norm = 0.0;
+    Comm *comm = t->comm;
+    double local_norm = 0.0;
     for (int i = 0; i < k; i++) {
         size_t n_labels = (size_t)mb[i].n * t->per_image;
-        norm += c->loss_norm_keras ? (double)n_labels : label_weight_sum(mb[i].labels, n_labels, c->class_weights, t->K);
+        local_norm += c->loss_norm_keras ? (double)n_labels : label_weight_sum(mb[i].labels, n_labels, c->class_weights, t->K);
     }
+    double norm = local_norm;
+    if (comm->size > 1 && comm->allreduce_f64(comm, &norm, 1)) return -1;
     const float scale = t->loss_scale, inv_norm = norm > 0 ? (float)(1.0 / norm) : 0.0f;
     for (int r = 0; r < t->n_ranges; r++)
         o->fill(o, tensor_f32(net->grads + t->ranges[r].offset, shape4((int)t->ranges[r].count, 1, 1, 1)), 0.0f);
@@ -5257,10 +5705,13 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
         upload_batch(t, &mb[i]);
         net->step = (uint64_t)(t->step * c->accum + i);  // dropout masks differ per micro-batch
         net_forward(net, 1);
-        pt->loss_sum += score_batch(t, inv_norm * scale, net_grad(net, t->logits));
+        if (mb[i].n) pt->loss_sum += score_batch(t, inv_norm * scale, net_grad(net, t->logits));
         net_backward(net, t->logits);
+        if (net->failed || replicas_average_bn(t, mb[i].n)) return -1;
     }
-    pt->norm_sum += norm;
+    pt->norm_sum += local_norm;  // the pass adds the replicas' parts up at its end
+    for (int r = 0; r < t->n_ranges; r++)
+        if (comm_allreduce_backend(t, net->grads + t->ranges[r].offset, t->ranges[r].count)) return -1;
     int64_t step = t->step++;
     if (net->dtype == DT_F16) {
         int32_t flag = 0;
@@ -5268,7 +5719,11 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
         for (int r = 0; r < t->n_ranges; r++)
             o->nonfinite(o, tensor_f32(net->grads + t->ranges[r].offset, shape4((int)t->ranges[r].count, 1, 1, 1)), t->flag);
         o->download(o, &flag, t->flag, sizeof flag);
-        if (flag) {
+        // The summed gradients are the same bits on every replica, so their
+        // flags agree; summing the flags makes that a guarantee, not a property.
+        int64_t any = flag;
+        if (comm->size > 1 && comm->allreduce_i64(comm, &any, 1)) return -1;
+        if (any) {
             t->loss_scale = fmaxf(1.0f, t->loss_scale / 2);
             t->good_steps = 0;
             return 0;
@@ -5288,14 +5743,38 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     return 1;
 }
 
+// Images [lo, hi) of a global batch of n images are replica r's of R: the
+// shards of a full batch are equal, those of a last, smaller one differ by at
+// most one image (and may be empty).
+static void shard_range(int n, int R, int r, int *lo, int *hi) {
+    *lo = (int)((int64_t)n * r / R);
+    *hi = (int)((int64_t)n * (r + 1) / R);
+}
+
+// The replicas' sums of a pass added up: loss, normaliser, confusion matrix
+static int reduce_totals(Trainer *t, PassTotals *pt) {
+    Comm *comm = t->comm;
+    if (comm->size == 1) return 0;
+    double sums[2] = {pt->loss_sum, pt->norm_sum};
+    if (comm->allreduce_f64(comm, sums, 2) || comm->allreduce_i64(comm, pt->cm, (size_t)t->K * t->K)) return -1;
+    pt->loss_sum = sums[0];
+    pt->norm_sum = sums[1];
+    return 0;
+}
+
+// One pass over a data set: global batches of model.batch images in a shuffled
+// order (training) or in order; this replica runs its shard of each. Returns
+// -1 with err if the data failed here (the other replicas are told) or on
+// another replica.
 static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, char err[SN_ERR_MAX]) {
     const TrainCfg *c = t->c;
     Ops *o = t->o;
     Net *net = &t->net;
-    const int N = c->model.batch, K = t->K;
+    Comm *comm = t->comm;
+    const int B = c->model.batch, N = t->shard, K = t->K, R = comm->size;
     const Shape in = t->g.tensors[t->g.input].shape;
-    int *order = malloc(sizeof(int) * (size_t)d->n);
-    snCheck(order != NULL, "out of host memory");
+    int *order = malloc(sizeof(int) * (size_t)(d->n ? d->n : 1)), *mine = malloc(sizeof(int) * (size_t)(d->n ? d->n : 1));
+    snCheck(order && mine, "out of host memory");
     for (int i = 0; i < d->n; i++) order[i] = i;
     uint64_t epoch_seed = rng_mix64(c->seed ^ rng_mix64(0x7261696e00000000ull + (uint64_t)t->epoch));
     if (training) {  // Fisher-Yates with the epoch's own stream
@@ -5306,49 +5785,87 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
             order[i] = order[j]; order[j] = tmp;
         }
     }
-    Loader *L = loader_start(d, order, d->n, N, training ? &c->augment : NULL, rng_mix64(epoch_seed + 1),
-                             c->workers, 4);
+    // this replica's shards of the global batches, in order: the loader takes them N at a time
+    const int n_batches = (d->n + B - 1) / B;
+    int n_mine = 0, lo, hi;
+    for (int j = 0; j < n_batches; j++) {
+        shard_range(d->n - j * B < B ? d->n - j * B : B, R, comm->rank, &lo, &hi);
+        for (int i = lo; i < hi; i++) mine[n_mine++] = order[j * B + i];
+    }
+    Loader *L = n_mine ? loader_start(d, mine, n_mine, N, training ? &c->augment : NULL, rng_mix64(epoch_seed + 1),
+                                      c->workers, 4) : NULL;
     o->fill(o, tensor_f32((float *)t->confusion, shape4(2 * K * K, 1, 1, 1)), 0.0f);  // int64 zeros
     pt->loss_sum = pt->norm_sum = 0.0;
-    const int n_batches = (d->n + N - 1) / N, tty = isatty(STDERR_FILENO);
-    const int every = tty ? 1 : (n_batches + 3) / 4;
+    const int tty = isatty(STDERR_FILENO) && comm->rank == 0;
+    // With replicas, progress lines are totals over all of them (a collective
+    // on every replica at the same batches): a quarter of the epoch apart.
+    const int every = tty && R == 1 ? 1 : (n_batches + 3) / 4;
     const size_t image_floats = (size_t)N * in.h * in.w * 3, label_count = (size_t)N * t->per_image;
     double t0 = now_seconds();
     int64_t images = 0;
-    int pending = 0;  // micro-batches gathered for the next optimiser step
+    int pending = 0, rc = 0;  // pending: micro-batches gathered for the next optimiser step
     MicroBatch mb[SN_MAX_ACCUM];
-    const LoaderBatch *b;
-    while ((b = loader_next(L))) {
+    for (int j = 0; j < n_batches && rc == 0; j++) {
+        const int nj = d->n - j * B < B ? d->n - j * B : B;
+        shard_range(nj, R, comm->rank, &lo, &hi);
+        MicroBatch shard = {0, NULL, NULL};
+        if (hi > lo) {
+            const LoaderBatch *b = loader_next(L);
+            if (!b) {  // a file that changed on disk since the start: this replica cannot go on
+                snprintf(err, SN_ERR_MAX, "%s", loader_error(L));
+                rc = -2;
+                break;
+            }
+            snCheck(b->n == hi - lo, "the loader gave %d images for a shard of %d", b->n, hi - lo);
+            shard = (MicroBatch){b->n, b->images, b->labels};
+        }
+        int step_rc = 0;
         if (training && c->accum == 1) {
-            mb[0] = (MicroBatch){b->n, b->images, b->labels};
-            train_step(t, mb, 1, pt);
+            step_rc = train_step(t, &shard, 1, pt);
         } else if (training) {  // the loader reuses its buffers: keep copies until the step
-            memcpy(t->accum_images + pending * image_floats, b->images, sizeof(float) * (size_t)b->n * in.h * in.w * 3);
-            memcpy(t->accum_labels + pending * label_count, b->labels, sizeof(int32_t) * (size_t)b->n * t->per_image);
-            mb[pending] = (MicroBatch){b->n, t->accum_images + pending * image_floats, t->accum_labels + pending * label_count};
-            if (++pending == c->accum || b->index + 1 == n_batches) { train_step(t, mb, pending, pt); pending = 0; }
-        } else {
-            MicroBatch one = {b->n, b->images, b->labels};
-            upload_batch(t, &one);
+            memcpy(t->accum_images + pending * image_floats, shard.images, sizeof(float) * (size_t)shard.n * in.h * in.w * 3);
+            memcpy(t->accum_labels + pending * label_count, shard.labels, sizeof(int32_t) * (size_t)shard.n * t->per_image);
+            mb[pending] = (MicroBatch){shard.n, t->accum_images + pending * image_floats, t->accum_labels + pending * label_count};
+            if (++pending == c->accum || j + 1 == n_batches) { step_rc = train_step(t, mb, pending, pt); pending = 0; }
+        } else if (shard.n) {
+            upload_batch(t, &shard);
             net_forward(net, 0);
             pt->loss_sum += score_batch(t, 0.0f, tensor(NULL, net_tensor(net, t->logits).shape, net->dtype));
-            size_t n_labels = (size_t)b->n * t->per_image;
-            pt->norm_sum += c->loss_norm_keras ? (double)n_labels : label_weight_sum(b->labels, n_labels, c->class_weights, K);
+            size_t n_labels = (size_t)shard.n * t->per_image;
+            pt->norm_sum += c->loss_norm_keras ? (double)n_labels : label_weight_sum(shard.labels, n_labels, c->class_weights, K);
         }
-        images += b->n;
-        if (c->progress && (training || tty) && ((b->index + 1) % every == 0 || b->index + 1 == n_batches)) {
+        if (step_rc < 0) { rc = -1; break; }
+        images += nj;
+        if (c->progress && (training || (tty && R == 1)) && ((j + 1) % every == 0 || j + 1 == n_batches)) {
             o->download(o, pt->cm, t->confusion, sizeof(int64_t) * K * K);
-            progress_line(t, training, b->index + 1, n_batches, t0, images, pt, tty);
+            PassTotals now = *pt;
+            if (R > 1) {
+                now.cm = malloc(sizeof(int64_t) * K * K);
+                snCheck(now.cm != NULL, "out of host memory");
+                memcpy(now.cm, pt->cm, sizeof(int64_t) * K * K);
+                rc = reduce_totals(t, &now);
+            }
+            if (rc == 0 && comm->rank == 0) progress_line(t, training, j + 1, n_batches, t0, images, &now, tty);
+            if (R > 1) free(now.cm);
         }
     }
-    int rc = loader_error(L)[0] ? -1 : 0;
-    if (rc) snprintf(err, SN_ERR_MAX, "%s", loader_error(L));
-    loader_stop(L);
-    free(order);
+    if (L) loader_stop(L);
+    free(order); free(mine);
     net->batch = N;
+    if (rc == -2) {  // this replica failed: the others stop at their next collective (mpi: the job ends)
+        if (R > 1) {
+            char why[SN_ERR_MAX];
+            snprintf(why, sizeof why, "rank %d: %.480s", comm->rank, err);
+            snprintf(err, SN_ERR_MAX, "%s", why);
+            comm->abort(comm, err);
+        }
+        return -1;
+    }
     o->download(o, pt->cm, t->confusion, sizeof(int64_t) * K * K);
+    if (rc == 0 && reduce_totals(t, pt)) rc = -1;
+    if (rc) return comm_failure(comm, err);
     if (c->progress && tty && (training || d->n)) fputs("\r\033[K", stderr);
-    return rc;
+    return 0;
 }
 
 // ---- run folder: config.txt, metrics.csv, curves.svg, checkpoints
@@ -5590,6 +6107,8 @@ static void config_text(const TrainCfg *c, StBuf *b) {
     CFG("precision = %s\naccum = %d\nfreeze = %s\nunfreeze-last = %d\ncheckpoint = %s\n", DTYPE_NAMES[c->precision],
         c->accum, c->freeze_base ? "base" : "none", c->unfreeze_last, c->checkpoint ? "blocks" : "none");
     CFG("device = %s\n", DEVICE_NAMES[c->device]);  // as asked (auto stays auto: a resumed run may move)
+    // the replica count is not a setting of the run: any count (or mpirun) continues it
+    CFG("sync-bn = %s\n", c->sync_bn ? "on" : "off");
 #undef CFG
 }
 
@@ -5629,7 +6148,28 @@ static void set_threads(int threads) {
     openblas_set_num_threads(threads);
 }
 
-int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
+// What every replica of a run shares (local replicas: one process)
+typedef struct {
+    const TrainCfg *c;
+    const char *resume;
+    int share_data;              // local replicas: rank 0 opens the data sets, the others read them
+    Dataset train, val;          // ... here, freed by train_run after every replica has returned
+    int has_train, has_val;
+} RunShared;
+
+typedef struct { RunShared *run; char err[SN_ERR_MAX]; } ReplicaArgs;
+
+// One replica of a run (all of it without replicas). Every replica takes
+// every decision from the same mirrored state and the same all-reduced
+// figures; only rank 0 reads and writes the run folder. A failure that some
+// replicas see and others do not is agreed on (comm_agree) before going on.
+static int train_replica(Comm *comm, void *arg) {
+    ReplicaArgs *a = arg;
+    RunShared *sh = a->run;
+    const TrainCfg *c = sh->c;
+    const char *resume = sh->resume;
+    char *err = a->err;
+    const int root = comm->rank == 0;
     set_threads(c->threads);
     if (c->patience > 0 && !c->val) { snprintf(err, SN_ERR_MAX, "--early-stopping needs a validation set (--val)"); return -1; }
     char run[4096], path[4200];
@@ -5639,44 +6179,62 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
         time_t now = time(NULL);
         strftime(run, sizeof run, "runs/%Y%m%d-%H%M%S", localtime(&now));
     }
-    if (!resume) {  // never overwrite a run
-        const char *files[3] = {"config.txt", "last.safetensors", "metrics.csv"};
-        for (int k = 0; k < 3; k++) {
-            run_path(path, sizeof path, run, files[k]);
-            if (access(path, F_OK) == 0) {
-                snprintf(err, SN_ERR_MAX, "%.200s: already holds a run (%s); continue it with --resume %.200s or choose another --out",
-                         run, files[k], run);
-                return -1;
-            }
-        }
-    }
+    if (comm->size > 1 && comm->broadcast(comm, run, sizeof run, 0)) return comm_failure(comm, err);  // rank 0's clock
     Trainer t;
+    memset(&t, 0, sizeof t);
     History h = {0};
-    int rc = -1;
+    int rc = 0;
     double *iou = malloc(sizeof(double) * 2 * c->model.classes);
     snCheck(iou != NULL, "out of host memory");
     int64_t *cm = malloc(sizeof(int64_t) * c->model.classes * c->model.classes);
     snCheck(cm != NULL, "out of host memory");
-    if (trainer_open(&t, c, c->data, c->val, err)) goto done;
-    if (!resume && c->weights && trainer_load_weights(&t, c->weights, err)) goto done;
-    if (resume) {
-        run_path(path, sizeof path, run, "last.safetensors");
-        if (load_checkpoint(&t, path, err)) goto done;
-        run_path(path, sizeof path, run, "metrics.csv");
-        if (history_load(&t, path, &h, err)) goto done;
-        if (t.finished || t.epoch >= c->epochs) {
-            if (c->progress) fprintf(stderr, "segnet train: %s has finished (%d epochs%s); nothing to do (--epochs N trains longer)\n", run,
-                    t.epoch, t.finished ? ", stopped early" : "");
-            rc = 0;
-            goto done;
+    if (root && !resume) {  // never overwrite a run
+        const char *files[3] = {"config.txt", "last.safetensors", "metrics.csv"};
+        for (int k = 0; k < 3 && rc == 0; k++) {
+            run_path(path, sizeof path, run, files[k]);
+            if (access(path, F_OK) == 0) {
+                snprintf(err, SN_ERR_MAX, "%.200s: already holds a run (%s); continue it with --resume %.200s or choose another --out",
+                         run, files[k], run);
+                rc = -1;
+            }
         }
     }
+    if (rc == 0 && (root || !sh->share_data)) rc = trainer_open_on(&t, c, c->data, c->val, comm, err);
+    if (sh->share_data) {
+        if (root && rc == 0) {  // the data sets now belong to the run
+            sh->train = t.train; sh->has_train = t.has_train;
+            sh->val = t.val; sh->has_val = t.has_val;
+            t.borrowed_data = 1;
+        }
+        if (comm_agree(comm, rc, err)) { rc = -1; goto done; }
+        if (!root) {
+            rc = trainer_open_on(&t, c, NULL, NULL, comm, err);
+            if (rc == 0) trainer_borrow_data(&t, sh->has_train ? &sh->train : NULL, sh->has_val ? &sh->val : NULL);
+        }
+    }
+    if (rc == 0 && root && !resume && c->weights) rc = trainer_load_weights(&t, c->weights, err);
+    if (rc == 0 && root && resume) {
+        run_path(path, sizeof path, run, "last.safetensors");
+        rc = load_checkpoint(&t, path, err);
+        run_path(path, sizeof path, run, "metrics.csv");
+        if (rc == 0) rc = history_load(&t, path, &h, err);
+    }
+    if (comm_agree(comm, rc, err)) { rc = -1; goto done; }
+    if (trainer_broadcast(&t)) { rc = comm_failure(comm, err); goto done; }
+    rc = -1;
+    if (resume && (t.finished || t.epoch >= c->epochs)) {
+        if (c->progress && root) fprintf(stderr, "segnet train: %s has finished (%d epochs%s); nothing to do (--epochs N trains longer)\n", run,
+                t.epoch, t.finished ? ", stopped early" : "");
+        rc = 0;
+        goto done;
+    }
     // every input has been checked: from here on the run folder is written
-    if (mkdir_p(run, err) || write_config(c, run, err)) goto done;
-    if (c->progress)
-        fprintf(stderr, "segnet train: %s on %s, %d training images%s, %" PRIu64 " parameters; run folder %s\n",
-                c->model.model, t.o->name, t.train.n, t.has_val ? "" : " (no validation set)",
-                (uint64_t)t.g.n_param_floats, run);
+    if (comm_agree(comm, root ? mkdir_p(run, err) || write_config(c, run, err) : 0, err)) goto done;
+    if (c->progress && root)
+        fprintf(stderr, "segnet train: %s on %s, %d training images%s, %" PRIu64 " parameters%s; run folder %s\n",
+                c->model.model, t.o->name, t.train.n, t.has_val ? "" : " (no validation set)", (uint64_t)t.g.n_param_floats,
+                comm->size > 1 ? (c->sync_bn ? ", replicas with batch norm synchronised" : ", replicas with batch norm per replica") : "",
+                run);
     Metrics m = {0, 0, iou}, vm = {0, 0, iou + c->model.classes};
     while (t.epoch < c->epochs && !t.finished) {
         double t0 = now_seconds();
@@ -5691,32 +6249,36 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
         }
         t.epoch++;
         double lr = lr_at_step(c->lr, c->schedule, c->warmup, t.total_steps, t.step - 1);
-        StBuf row = {0};
-        char s[64];
-        char lr_text[32];
-        snprintf(s, sizeof s, "%d,%s", t.epoch, float_str(lr_text, (float)lr));
-        sb_str(&row, s);
-        csv_num(&row, loss);
-        csv_num(&row, val_loss);
-        csv_metrics(&t, &row, &m);
-        csv_metrics(&t, &row, t.has_val ? &vm : NULL);
-        sb_put(&row, "", 1);
-        snCheck(!row.oom, "out of host memory");
         EpochRecord rec = {t.epoch, lr, loss, val_loss, t.segmentation ? m.mean_iou : m.accuracy,
                            t.has_val ? (t.segmentation ? vm.mean_iou : vm.accuracy) : NAN};
-        history_add(&h, row.p, rec);
         // Keras' EarlyStopping(monitor="val_loss", min_delta=0): an epoch improves when its loss is lower
         double monitored = t.has_val ? val_loss : loss;
         int improved = monitored < t.best;
         if (improved) { t.best = monitored; t.best_epoch = t.epoch; t.bad_epochs = 0; }
         else t.bad_epochs++;
         if (c->patience > 0 && t.bad_epochs >= c->patience) t.finished = 1;  // stopped early: resuming does nothing
-        // metrics.csv before last.safetensors: a crash in between re-runs the epoch
-        if (history_write(&t, &h, run, err)) goto done;
-        if (improved) { run_path(path, sizeof path, run, "best.safetensors"); if (save_checkpoint(&t, path, err)) goto done; }
-        run_path(path, sizeof path, run, "last.safetensors");
-        if (save_checkpoint(&t, path, err)) goto done;
-        if (c->progress) {
+        int wrc = 0;
+        if (root) {
+            StBuf row = {0};
+            char s[64];
+            char lr_text[32];
+            snprintf(s, sizeof s, "%d,%s", t.epoch, float_str(lr_text, (float)lr));
+            sb_str(&row, s);
+            csv_num(&row, loss);
+            csv_num(&row, val_loss);
+            csv_metrics(&t, &row, &m);
+            csv_metrics(&t, &row, t.has_val ? &vm : NULL);
+            sb_put(&row, "", 1);
+            snCheck(!row.oom, "out of host memory");
+            history_add(&h, row.p, rec);
+            // metrics.csv before last.safetensors: a crash in between re-runs the epoch
+            wrc = history_write(&t, &h, run, err);
+            if (wrc == 0 && improved) { run_path(path, sizeof path, run, "best.safetensors"); wrc = save_checkpoint(&t, path, err); }
+            run_path(path, sizeof path, run, "last.safetensors");
+            if (wrc == 0) wrc = save_checkpoint(&t, path, err);
+        }
+        if (comm_agree(comm, wrc, err)) goto done;
+        if (c->progress && root) {
             fprintf(stderr, "epoch %d/%d  loss %.4f  %s %.4f", t.epoch, c->epochs, loss,
                     t.segmentation ? "mIoU" : "accuracy", rec.metric);
             if (t.has_val) fprintf(stderr, "  val_loss %.4f  val_%s %.4f", val_loss, t.segmentation ? "mIoU" : "accuracy", rec.val_metric);
@@ -5724,7 +6286,7 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
         }
         if (c->stop_after_epochs && t.epoch >= c->stop_after_epochs && !t.finished) { rc = 0; goto done; }
     }
-    if (c->progress) {
+    if (c->progress && root) {
         if (c->patience > 0 && t.epoch < c->epochs)
             fprintf(stderr, "early stopping: val_loss has not improved for %d epochs\n", c->patience);
         fprintf(stderr, "segnet train: best epoch %d; weights in %s/best.safetensors\n", t.best_epoch, run);
@@ -5733,16 +6295,53 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
         snprintf(err, SN_ERR_MAX, "the loss was not finite in any epoch: training diverged (a lower --lr, or --clipnorm, may help)");
         goto done;
     }
-    // the best epoch's figures, for the weights that are kept
-    const EpochRecord *best = &h.rec[t.best_epoch - 1];
-    if (c->progress) printf("run: %s\nbest_epoch: %d\nloss: %.6f\n", run, t.best_epoch, best->loss);
-    if (c->progress && t.has_val) printf("val_loss: %.6f\nval_%s: %.6f\n", best->val_loss, t.segmentation ? "mIoU" : "accuracy", best->val_metric);
+    if (root) {  // the best epoch's figures, for the weights that are kept
+        const EpochRecord *best = &h.rec[t.best_epoch - 1];
+        if (c->progress) printf("run: %s\nbest_epoch: %d\nloss: %.6f\n", run, t.best_epoch, best->loss);
+        if (c->progress && t.has_val) printf("val_loss: %.6f\nval_%s: %.6f\n", best->val_loss, t.segmentation ? "mIoU" : "accuracy", best->val_metric);
+    }
     rc = 0;
 done:
     history_free(&h);
     trainer_close(&t);
     free(iou); free(cm);
     return rc;
+}
+
+int train_run_comm(const TrainCfg *c, const char *resume, Comm *comm, char err[SN_ERR_MAX]) {
+    RunShared sh = {.c = c, .resume = resume};
+    ReplicaArgs a = {&sh, ""};
+    int rc = train_replica(comm, &a);
+    if (rc) snprintf(err, SN_ERR_MAX, "%s", a.err);
+    return rc;
+}
+
+// Without replicas and outside mpirun: one replica on a communicator of one.
+int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
+    const int procs = comm_mpi_launched(), R = c->replicas > 1 ? c->replicas : 1;
+    if (procs > 1) {
+        if (R > 1) { snprintf(err, SN_ERR_MAX, "--replicas %d under mpirun: one replica per process (mpirun -np N)", R); return -1; }
+        Comm comm;
+        return comm_mpi_open(&comm, err) ? -1 : train_run_comm(c, resume, &comm, err);
+    }
+    if (R > SN_MAX_REPLICAS) { snprintf(err, SN_ERR_MAX, "--replicas %d: at most %d", R, SN_MAX_REPLICAS); return -1; }
+    if (R == 1) return train_run_comm(c, resume, &comm_one, err);
+    Comm comms[SN_MAX_REPLICAS];
+    RunShared sh = {.c = c, .resume = resume, .share_data = 1};
+    ReplicaArgs args[SN_MAX_REPLICAS];
+    void *argp[SN_MAX_REPLICAS];
+    int rc[SN_MAX_REPLICAS];
+    for (int r = 0; r < R; r++) { args[r] = (ReplicaArgs){&sh, ""}; argp[r] = &args[r]; }
+    snCheck(comm_local_create(comms, R) == 0, "cannot create %d local replicas", R);
+    comm_local_run(comms, R, train_replica, argp, rc);
+    // the first rank that failed on its own, else one that stopped with the others (an agreed error)
+    int failed = comms[0].failed_rank(&comms[0]), any = 0;
+    if (failed < 0) for (int r = R - 1; r >= 0; r--) if (rc[r]) failed = r;
+    if (failed >= 0) { snprintf(err, SN_ERR_MAX, "%s", args[failed].err); any = 1; }
+    comm_local_destroy(comms, R);
+    if (sh.has_train) dataset_free(&sh.train);
+    if (sh.has_val) dataset_free(&sh.val);
+    return any ? -1 : 0;
 }
 
 int eval_run(const TrainCfg *c, const char *weights, const char *data, EvalResult *r, char err[SN_ERR_MAX]) {
@@ -6193,10 +6792,16 @@ static const char *TRAIN_USAGE =
     "                        trunk, U-Net encoder) is frozen, its BN in inference mode\n"
     "                        (default none)\n"
     "  --unfreeze-last N     with --freeze base, also train the backbone's last N blocks\n"
+    "  --replicas N          N data-parallel replicas in this process, each on B/N\n"
+    "                        images of every batch B (under `mpirun -np N`: one per\n"
+    "                        process); loss, gradients and metrics are those of the\n"
+    "                        global batch, so N does not change the result\n"
+    "  --sync-bn             batch norm statistics over the global batch (all-reduced);\n"
+    "                        without it each replica normalises its own shard (Keras)\n"
     "  --seed S              initialisation, data order, augmentation, dropout (default 1)\n"
     "  --device D            auto (default: the GPU if there is one, else the CPU,\n"
     "                        saying so), cuda or cpu\n"
-    "  --threads T           CPU threads (default: all cores)\n"
+    "  --threads T           CPU threads (default: all cores; shared by --replicas)\n"
     "  --workers N           data loading threads (default 1)\n"
     "  --padding MODE        EfficientNetV2 convs: same (default) or symmetric\n"
     "  --head-hidden H       classifier hidden layer width (default 0: none)\n"
@@ -6293,13 +6898,18 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     TrainCfg *c = &a->c;
     const char *f = argv[i];
     a->size_given |= !strcmp(f, "--size");
+    if (!strcmp(f, "--sync-bn")) {  // a switch; config.txt spells it `sync-bn = on|off`
+        int valued = i + 1 < argc && (!strcmp(argv[i + 1], "on") || !strcmp(argv[i + 1], "off"));
+        c->sync_bn = !valued || !strcmp(argv[i + 1], "on");
+        return valued ? 2 : 1;
+    }
     int k = parse_model_option(&c->model, argc, argv, i);
     if (k) return k;
     static const char *const FLAGS[] = {"--data", "--val", "--out", "--resume", "--weights", "--class-weights", "--epochs",
                                         "--lr", "--adam-eps", "--weight-decay", "--clipnorm", "--schedule", "--warmup",
                                         "--early-stopping", "--augment", "--seed", "--threads", "--workers", "--loss-norm",
                                         "--run", "--precision", "--accum", "--freeze", "--unfreeze-last", "--checkpoint",
-                                        "--memory", "--device"};
+                                        "--memory", "--device", "--replicas"};
     int known = 0;
     for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
     if (!known) return 0;
@@ -6322,6 +6932,7 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     else if (!strcmp(f, "--threads")) rc = parse_int(f, v, 1, 4096, &c->threads);
     else if (!strcmp(f, "--workers")) rc = parse_int(f, v, 1, 256, &c->workers);
     else if (!strcmp(f, "--accum")) rc = parse_int(f, v, 1, SN_MAX_ACCUM, &c->accum);
+    else if (!strcmp(f, "--replicas")) rc = parse_int(f, v, 1, SN_MAX_REPLICAS, &c->replicas);
     else if (!strcmp(f, "--unfreeze-last")) rc = parse_int(f, v, 0, 1 << 20, &c->unfreeze_last);
     else if (!strcmp(f, "--checkpoint")) {
         if (!strcmp(v, "blocks")) c->checkpoint = 1;
@@ -6417,7 +7028,7 @@ static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd
         a->c.device = DEVICE_AUTO;  // a config.txt written before --device existed
         a->class_weights = NULL;
         if (read_run_config(a, base)) return -1;
-        for (int i = 2; i < argc; i += 2) if (parse_train_option(a, argc, argv, i) < 0) return -1;
+        for (int i = 2, k; i < argc; i += k) if ((k = parse_train_option(a, argc, argv, i)) <= 0) return -1;
         a->resume = cli.resume; a->run = cli.run;
     }
     if (!a->size_given) model_default_size(&a->c.model);

@@ -568,6 +568,8 @@ typedef struct {
     int poison;           // fill every buffer with NaN when its life ends (tests: nothing reads a dead buffer)
     double *layer_seconds; // (2·n_layers) or NULL: seconds per layer are added in, forward at [i],
                            // backward at [n_layers + i] (segnet bench --profile)
+    struct Comm *sync_bn; // NULL, or the replicas whose batch norm statistics and gradient sums are all-reduced
+    int failed;           // a collective failed (another rank stopped): the rest of the pass is skipped
 } Net;
 
 // Returns 0, or -1 with the reason in err (out of memory). One allocation per
@@ -789,6 +791,56 @@ int write_curves_svg(const char *path, const EpochRecord *rows, int n, const cha
                      char err[SN_ERR_MAX]);
 
 // ----------------------------------------------------------------------------
+// replicas: the communicator of a data-parallel run (see DESIGN.md, "Replicas")
+//
+// Every rank calls every collective, in the same order, with the same sizes.
+// A reduction is a sum in rank order, ((b0 + b1) + b2) + ..., computed the
+// same way on every rank: every rank gets the same bits, whatever the timing.
+// Buffers are host memory, reduced in place. A collective returns 0, or -1
+// once a rank has failed (abort): the caller unwinds, and failed_rank names it.
+
+#define SN_MAX_REPLICAS 64
+
+typedef struct Comm Comm;
+struct Comm {
+    const char *name;  // "local", "mpi"
+    int rank, size;
+    void *ctx;
+    int (*allreduce_f32)(Comm *c, float *buf, size_t n);
+    int (*allreduce_f64)(Comm *c, double *buf, size_t n);
+    int (*allreduce_i64)(Comm *c, int64_t *buf, size_t n);
+    int (*broadcast)(Comm *c, void *buf, size_t bytes, int root);
+    // This rank cannot go on (why: one line). local: every pending and later
+    // collective of the other ranks returns -1; mpi: the job ends (MPI_Abort,
+    // which mpirun reports with the rank), so other ranks never wait on it.
+    void (*abort)(Comm *c, const char *why);
+    int (*failed_rank)(Comm *c);  // the first rank that aborted, -1 if none
+};
+
+// N ranks in one process (--replicas N): comms[r] is rank r's communicator.
+// comm_local_run runs fn(comms[r], args[r]) on one thread per rank and returns
+// when all have returned; a rank whose fn returns non-zero aborts the others.
+// The ranks take turns: one runs at a time and hands the turn on while it
+// waits in a collective, so each op still has all of --threads (the CPU
+// backend runs replicas one after another, as one device would).
+int comm_local_create(Comm *comms, int n);
+void comm_local_destroy(Comm *comms, int n);
+void comm_local_run(Comm *comms, int n, int (*fn)(Comm *c, void *arg), void **args, int *rc);
+
+// One process per rank under mpirun (a build with MPI: SEGNET_MPI).
+// comm_mpi_launched: the size of the job this process was started in (from the
+// launcher's environment: OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_SIZE), 1 if none.
+// comm_mpi_open initialises MPI (finalised at exit); -1 with err when the build
+// has no MPI.
+int comm_mpi_launched(void);
+int comm_mpi_open(Comm *c, char err[SN_ERR_MAX]);
+
+// Agreement after a step that can fail on some ranks: every rank passes its
+// rc (0 or -1, err holding its message); returns -1 on every rank if any rank
+// failed, err then "rank R: <that rank's message>" for the lowest failed rank.
+int comm_agree(Comm *c, int rc, char err[SN_ERR_MAX]);
+
+// ----------------------------------------------------------------------------
 // training: initialisation, metrics, schedules, the training loop, evaluation
 
 // Draws every parameter by the graph's InitScheme. Deterministic in seed.
@@ -858,14 +910,20 @@ typedef struct {
     int loss_scale_interval;        // fp16: finite steps before the loss scale doubles
     int checkpoint;                 // recompute each block's activations in backward (--checkpoint blocks)
     Device device;                  // train_cfg_default: DEVICE_CPU; the command line's default is DEVICE_AUTO
+    int replicas;                   // local replicas in this process (--replicas N); model.batch is the global batch
+    int sync_bn;                    // batch norm over the global batch (--sync-bn), else over each replica's shard
 } TrainCfg;
 
 void train_cfg_default(TrainCfg *c);
 // Trains and writes the run folder. resume: a run folder to continue, whose
 // config.txt the caller has already parsed into c. Returns 0, or -1 with one
 // line in err; nothing in an existing run folder is changed before every
-// input has been checked.
+// input has been checked. With c->replicas > 1, or when started by mpirun
+// with several processes, the global batch model.batch is split over the
+// replicas (train_run_comm for a communicator of one's own); only rank 0
+// writes the run folder.
 int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]);
+int train_run_comm(const TrainCfg *c, const char *resume, Comm *comm, char err[SN_ERR_MAX]);
 
 // Evaluates weights on a data set: loss (the weighted mean, or Keras' pixel
 // mean) and the metrics. iou: (K) caller's memory.

@@ -4862,6 +4862,327 @@ typedef struct { const char *name; void (*fn)(void); } Test;
 // `make test` runs these tests a second time with the threads of every block in
 // reverse order (CUEMU_ORDER=reverse), which breaks kernels missing a barrier.
 
+// ----------------------------------------------------------------------------
+// replicas (mirroring): N replicas with B/N images each train like 1 with B
+
+// One replica's run of `steps` optimiser steps over given global batches
+// (steps·accum of them, B images each), and what it ends with.
+typedef struct {
+    const TrainCfg *c;
+    int steps, B, freeze_bn;
+    const float *images;     // steps·accum × (B,H,W,3)
+    const int32_t *labels;   // steps·accum × (B·H·W)
+    int reverse;             // each global batch's images in reverse order (the same batch summed in another order)
+    int last;                // images in the last global batch (0: B), the others' shards may be empty
+    int inf_rank;            // ≥ 0: this replica's first shard of step 1 gets an inf pixel (fp16 overflow on one rank)
+    float *params, *buffers; // out: after the last step
+    double loss, norm;       // out: the pass totals, all-reduced
+    int64_t cm[9];           // out: confusion matrix of every forward, all-reduced
+    int applied[8];          // out: per step, train_step's result
+    float scale[8];          // out: per step, the loss scale after it
+    char err[SN_ERR_MAX];
+} ReplicaJob;
+
+static int replica_job(Comm *comm, void *arg) {
+    ReplicaJob *j = arg;
+    const TrainCfg *c = j->c;
+    Trainer t;
+    if (trainer_open_on(&t, c, NULL, NULL, comm, j->err)) return -1;
+    if (j->freeze_bn)
+        for (int i = 0; i < t.g.n_layers; i++) if (t.g.layers[i].kind == LAYER_BN) t.g.layers[i].frozen = 1;
+    const size_t hw = (size_t)c->model.height * c->model.width;
+    const int n_img = j->steps * c->accum * j->B;
+    float *img = malloc(sizeof(float) * n_img * hw * 3);
+    int32_t *lab = malloc(sizeof(int32_t) * n_img * hw);
+    for (int i = 0; i < n_img; i++) {  // image i of the run, or its mirror within its batch
+        int first = i / j->B * j->B, n = j->last && first + j->B == n_img ? j->last : j->B;
+        int src = j->reverse && i - first < n ? first + (n - 1 - (i - first)) : i;
+        memcpy(img + i * hw * 3, j->images + src * hw * 3, sizeof(float) * hw * 3);
+        memcpy(lab + i * hw, j->labels + src * hw, sizeof(int32_t) * hw);
+    }
+    memset(t.confusion, 0, sizeof(int64_t) * 9);
+    PassTotals pt = {0, 0, j->cm};
+    int rc = 0;
+    for (int s = 0; s < j->steps && rc == 0; s++) {
+        MicroBatch mb[SN_MAX_ACCUM];
+        for (int k = 0; k < c->accum; k++) {
+            int lo, hi, first = (s * c->accum + k) * j->B, last = s == j->steps - 1 && k == c->accum - 1;
+            shard_range(last && j->last ? j->last : j->B, comm->size, comm->rank, &lo, &hi);
+            mb[k] = (MicroBatch){hi - lo, img + (first + lo) * hw * 3, lab + (first + lo) * hw};
+            if (s == 1 && k == 0 && comm->rank == j->inf_rank) img[(first + lo) * hw * 3 + 5] = INFINITY;
+        }
+        j->applied[s] = train_step(&t, mb, c->accum, &pt);
+        j->scale[s] = t.loss_scale;
+        if (j->applied[s] < 0) rc = comm_failure(comm, j->err);
+    }
+    memcpy(j->cm, t.confusion, sizeof(int64_t) * 9);
+    if (rc == 0 && reduce_totals(&t, &pt)) rc = comm_failure(comm, j->err);
+    j->loss = pt.loss_sum;
+    j->norm = pt.norm_sum;
+    j->params = malloc(sizeof(float) * t.g.n_param_floats);
+    j->buffers = malloc(sizeof(float) * (t.g.n_buffer_floats + 1));
+    memcpy(j->params, t.net.params, sizeof(float) * t.g.n_param_floats);
+    memcpy(j->buffers, t.net.buffers, sizeof(float) * t.g.n_buffer_floats);
+    free(img); free(lab);
+    trainer_close(&t);
+    return rc;
+}
+
+// runs jobs[0..R-1] as the R local replicas of one run; 0 if every one succeeded
+static int run_replicas(ReplicaJob *jobs, int R) {
+    Comm comms[SN_MAX_REPLICAS];
+    void *args[SN_MAX_REPLICAS];
+    int rc[SN_MAX_REPLICAS], bad = 0;
+    CHECK(comm_local_create(comms, R) == 0, "comm_local_create(%d)", R);
+    for (int r = 0; r < R; r++) args[r] = &jobs[r];
+    comm_local_run(comms, R, replica_job, args, rc);
+    comm_local_destroy(comms, R);
+    for (int r = 0; r < R; r++) {
+        CHECK(rc[r] == 0, "replica %d of %d: %s", r, R, jobs[r].err);
+        bad |= rc[r];
+    }
+    return bad;
+}
+
+static void replica_job_free(ReplicaJob *j) { free(j->params); free(j->buffers); j->params = j->buffers = NULL; }
+
+// ‖a - b‖₂ / ‖b‖₂ and max_i |a_i - b_i| / max_i |b_i|
+static double rel_l2(const float *a, const float *b, size_t n) {
+    double d = 0, s = 0;
+    for (size_t i = 0; i < n; i++) { d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]); s += (double)b[i] * b[i]; }
+    return s > 0 ? sqrt(d / s) : sqrt(d);
+}
+static double rel_max(const float *a, const float *b, size_t n) {
+    double d = 0, s = 0;
+    for (size_t i = 0; i < n; i++) { d = fmax(d, fabs((double)a[i] - b[i])); s = fmax(s, fabs((double)b[i])); }
+    return s > 0 ? d / s : d;
+}
+
+// Global batches whose shards have very different weight sums: in the first
+// half of every batch most pixels are class 0 (weight 0), so a loss normalised
+// per replica would weigh the halves differently from the global mean.
+static void replica_batches(int n_batches, int B, int hw, uint64_t seed, float **images, int32_t **labels) {
+    Rng r;
+    rng_seed(&r, seed);
+    *images = malloc(sizeof(float) * n_batches * B * hw * hw * 3);
+    *labels = malloc(sizeof(int32_t) * n_batches * B * hw * hw);
+    random_batch(&r, n_batches * B, hw, 3, *images, *labels);
+    for (int b = 0; b < n_batches; b++)
+        for (int i = 0; i < B / 2 * hw * hw; i++) {
+            int32_t *y = *labels + (size_t)b * B * hw * hw + i;
+            if (i % 7) *y = 0;
+        }
+}
+
+// Compares a replicated run with one replica on the same global batches and
+// with one replica on the batches' images in reverse order. The reversed run
+// is the same computation summed in another order: its distance from the
+// plain run is the fp32 summation-order rounding of exactly this training,
+// measured. Replicas only regroup the same sums (per shard, then across
+// shards in rank order), so they must stay within that distance: at most
+// REPLICA_NOISE_FACTOR times it, for weights and BN statistics as a whole
+// (‖·‖₂ over every float). The reordering can leave a sum's bits unchanged
+// (BN statistics are summed in fp64), while replicas round each shard's
+// statistics and sums to fp32 once more: the floor is one fp32 rounding,
+// FLT_EPSILON. A wrong normalisation (per replica instead of global) or BN
+// over shards moves them by orders of magnitude more.
+#define REPLICA_NOISE_FACTOR 4.0
+static void compare_to_one(const char *what, ReplicaJob *rep, ReplicaJob *one, ReplicaJob *rev, size_t P, size_t NB) {
+    double dw = rel_l2(rep->params, one->params, P), nw = rel_l2(rev->params, one->params, P);
+    double db = rel_l2(rep->buffers, one->buffers, NB), nb = rel_l2(rev->buffers, one->buffers, NB);
+    double loss = rep->loss / rep->norm, loss1 = one->loss / one->norm, lossr = rev->loss / rev->norm;
+    double dl = fabs(loss - loss1) / loss1, nl = fabs(lossr - loss1) / loss1;
+    if (g_verbose)
+        printf("    %s: weights %.3g (order %.3g, max %.3g), BN stats %.3g (order %.3g, max %.3g), loss %.3g (order %.3g)\n",
+               what, dw, nw, rel_max(rep->params, one->params, P), db, nb, rel_max(rep->buffers, one->buffers, NB), dl, nl);
+    CHECK(dw <= REPLICA_NOISE_FACTOR * fmax(nw, FLT_EPSILON), "%s: weights differ from 1 replica by %.3g, reordering the batch by %.3g",
+          what, dw, nw);
+    CHECK(db <= REPLICA_NOISE_FACTOR * fmax(nb, FLT_EPSILON), "%s: BN statistics differ from 1 replica by %.3g, reordering the batch by %.3g",
+          what, db, nb);
+    CHECK(dl <= REPLICA_NOISE_FACTOR * fmax(nl, FLT_EPSILON), "%s: loss %.9g vs %.9g for 1 replica (reordered %.9g)", what, loss, loss1, lossr);
+    CHECK(rep->norm == one->norm, "%s: the normaliser is the global Σw: %.17g vs %.17g", what, rep->norm, one->norm);
+}
+
+static void check_mirrored(const char *what, ReplicaJob *jobs, int R, size_t P, size_t NB) {
+    for (int r = 1; r < R; r++) {
+        CHECK(!memcmp(jobs[r].params, jobs[0].params, sizeof(float) * P), "%s: replica %d's weights differ from replica 0's", what, r);
+        CHECK(!memcmp(jobs[r].buffers, jobs[0].buffers, sizeof(float) * NB), "%s: replica %d's BN statistics differ from replica 0's", what, r);
+        CHECK(jobs[r].loss == jobs[0].loss && !memcmp(jobs[r].cm, jobs[0].cm, sizeof jobs[0].cm), "%s: replica %d's totals differ", what, r);
+    }
+}
+
+static void model_sizes(const TrainCfg *c, size_t *P, size_t *NB) {
+    Graph g;
+    graph_init(&g);
+    model_build(&g, &c->model);
+    *P = g.n_param_floats;
+    *NB = g.n_buffer_floats;
+    graph_free(&g);
+}
+
+// --sync-bn: N replicas train 3 steps (global batches of 6) like one replica:
+// the same weights, BN statistics and loss to fp32 summation order
+static void test_replicas_sync_bn(void) {
+    enum { B = 6, STEPS = 3, HW = 8 };
+    float *images;
+    int32_t *labels;
+    replica_batches(STEPS, B, HW, 11, &images, &labels);
+    TrainCfg c = tiny_seg_cfg(NULL, NULL);
+    c.model.batch = B;
+    c.sync_bn = 1;
+    c.threads = 1;
+    size_t P, NB;
+    model_sizes(&c, &P, &NB);
+    // 2 and 3 replicas; 2 with 2 micro-batches per step; 4 replicas whose last
+    // global batch of 3 images leaves one of them empty
+    struct { int R, accum, last; } cases[] = {{2, 1, 0}, {3, 1, 0}, {2, 2, 0}, {6, 1, 5}};
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        c.accum = cases[k].accum;
+        const int R = cases[k].R, steps = STEPS / c.accum;
+        ReplicaJob one = {.c = &c, .steps = steps, .B = B, .images = images, .labels = labels, .last = cases[k].last,
+                          .inf_rank = -1}, rev = one;
+        rev.reverse = 1;
+        ReplicaJob jobs[SN_MAX_REPLICAS];
+        for (int r = 0; r < R; r++) jobs[r] = one;
+        if (run_replicas(&one, 1) == 0 && run_replicas(&rev, 1) == 0 && run_replicas(jobs, R) == 0) {
+            char what[64];
+            snprintf(what, sizeof what, "%d replicas, sync-bn, accum %d, last batch %d", R, c.accum, cases[k].last ? cases[k].last : B);
+            check_mirrored(what, jobs, R, P, NB);
+            compare_to_one(what, &jobs[0], &one, &rev, P, NB);
+        }
+        for (int r = 0; r < R; r++) replica_job_free(&jobs[r]);
+        replica_job_free(&one); replica_job_free(&rev);
+    }
+    free(images); free(labels);
+}
+
+// Without --sync-bn, on a model whose BN is frozen (nothing depends on the
+// shard but the sums): the loss and the gradients use the global Σw, so 2
+// replicas train like one. With lr = 0 the weights stay put and every forward
+// sees the same weights: the confusion matrix (integer counts) is exactly the
+// single replica's. Then with BN per shard (not frozen): the replicas' running
+// statistics stay mirrored.
+static void test_replicas_global_denominator(void) {
+    enum { B = 4, STEPS = 3, HW = 8, R = 2 };
+    float *images;
+    int32_t *labels;
+    replica_batches(STEPS, B, HW, 12, &images, &labels);
+    TrainCfg c = tiny_seg_cfg(NULL, NULL);
+    c.model.batch = B;
+    c.threads = 1;
+    size_t P, NB;
+    model_sizes(&c, &P, &NB);
+    for (int frozen_lr0 = 0; frozen_lr0 < 2; frozen_lr0++) {
+        c.lr = frozen_lr0 ? 0.0f : 1e-3f;
+        ReplicaJob one = {.c = &c, .steps = STEPS, .B = B, .freeze_bn = 1, .images = images, .labels = labels, .inf_rank = -1};
+        ReplicaJob rev = one, jobs[R] = {one, one};
+        rev.reverse = 1;
+        if (run_replicas(&one, 1) == 0 && run_replicas(&rev, 1) == 0 && run_replicas(jobs, R) == 0) {
+            check_mirrored("BN frozen", jobs, R, P, NB);
+            compare_to_one(frozen_lr0 ? "2 replicas, BN frozen, lr 0" : "2 replicas, BN frozen", &jobs[0], &one, &rev, P, NB);
+            if (frozen_lr0) {
+                CHECK(!memcmp(jobs[0].cm, one.cm, sizeof one.cm), "the confusion matrix differs from one replica's");
+                double iou[3], iou1[3];
+                Metrics m = {0, 0, iou}, m1 = {0, 0, iou1};
+                metrics_compute(jobs[0].cm, 3, c.class_weights, &m);
+                metrics_compute(one.cm, 3, c.class_weights, &m1);
+                CHECK(m.mean_iou == m1.mean_iou && m.accuracy == m1.accuracy, "mIoU %.17g vs %.17g", m.mean_iou, m1.mean_iou);
+            }
+        }
+        for (int r = 0; r < R; r++) replica_job_free(&jobs[r]);
+        replica_job_free(&one); replica_job_free(&rev);
+    }
+    // BN over each shard: not the single replica's result (by design), but mirrored
+    ReplicaJob jobs[R] = {{.c = &c, .steps = STEPS, .B = B, .images = images, .labels = labels, .inf_rank = -1}};
+    jobs[1] = jobs[0];
+    c.lr = 1e-3f;
+    if (run_replicas(jobs, R) == 0) check_mirrored("BN per shard", jobs, R, P, NB);
+    for (int r = 0; r < R; r++) replica_job_free(&jobs[r]);
+    free(images); free(labels);
+}
+
+// fp16: an inf in one replica's shard only: every replica skips the step and
+// halves its scale (the flag is all-reduced with the gradients), as one
+// replica with the same batch does; the weights stay mirrored
+static void test_replicas_fp16_skip(void) {
+    enum { B = 4, STEPS = 4, HW = 8, R = 2 };
+    float *images;
+    int32_t *labels;
+    replica_batches(STEPS, B, HW, 13, &images, &labels);
+    TrainCfg c = tiny_seg_cfg(NULL, NULL);
+    c.model.batch = B;
+    c.threads = 1;
+    c.precision = DT_F16;
+    c.sync_bn = 1;
+    c.loss_scale_interval = 2;
+    size_t P, NB;
+    model_sizes(&c, &P, &NB);
+    ReplicaJob one = {.c = &c, .steps = STEPS, .B = B, .images = images, .labels = labels, .inf_rank = 0};
+    ReplicaJob jobs[R] = {one, one};
+    jobs[0].inf_rank = jobs[1].inf_rank = 1;  // the inf lands in replica 1's shard: image B/2, as in `one`'s image 2... 
+    if (run_replicas(&one, 1) == 0 && run_replicas(jobs, R) == 0) {
+        check_mirrored("fp16", jobs, R, P, NB);
+        for (int s = 0; s < STEPS; s++)
+            for (int r = 0; r < R; r++)
+                CHECK(jobs[r].applied[s] == one.applied[s] && jobs[r].scale[s] == one.scale[s],
+                      "step %d replica %d: applied %d scale %g; one replica: applied %d scale %g", s, r, jobs[r].applied[s],
+                      jobs[r].scale[s], one.applied[s], one.scale[s]);
+        CHECK(one.applied[1] == 0 && one.scale[1] == LOSS_SCALE_INIT / 2 && one.applied[3] == 1 && one.scale[3] == LOSS_SCALE_INIT,
+              "one replica: step 1 skipped, the scale halved then doubled after 2 finite steps");
+    }
+    for (int r = 0; r < R; r++) replica_job_free(&jobs[r]);
+    replica_job_free(&one);
+    free(images); free(labels);
+}
+
+// The local communicator: sums in rank order on every rank ((a + b) + c,
+// not a + (b + c): values where fp32 tells them apart), broadcasts, and a
+// rank that fails stops the others' collectives instead of leaving them waiting.
+typedef struct { int fail_at; float v[3]; double d; int64_t k; char b[8]; int collectives; } CommProbe;
+static int comm_probe(Comm *c, void *arg) {
+    CommProbe *p = arg;
+    for (int i = 0; i < 5; i++) {
+        if (i == p->fail_at) { c->abort(c, "probe"); return -1; }
+        if (i == 4) p->v[0] = c->rank == 0 ? 1e8f : c->rank == 1 ? -1e8f : 1.0f;  // the last round checks the order
+        if (c->allreduce_f32(c, p->v, 3) || c->allreduce_f64(c, &p->d, 1) || c->allreduce_i64(c, &p->k, 1) ||
+            c->broadcast(c, p->b, sizeof p->b, 1))
+            return -1;
+        p->collectives++;
+    }
+    return 0;
+}
+static void test_comm_local(void) {
+    Comm comms[3];
+    CommProbe p[3];
+    void *args[3];
+    int rc[3];
+    CHECK(comm_local_create(comms, 3) == 0, "create");
+    for (int r = 0; r < 3; r++) {
+        p[r] = (CommProbe){-1, {(float)r, 1.0f, 0.5f}, 0.25 * r, r + 1, "", 0};
+        snprintf(p[r].b, sizeof p[r].b, "rank%d", r);
+        args[r] = &p[r];
+    }
+    comm_local_run(comms, 3, comm_probe, args, rc);
+    for (int r = 0; r < 3; r++) {
+        CHECK(rc[r] == 0 && p[r].collectives == 5, "rank %d: rc %d after %d collectives", r, rc[r], p[r].collectives);
+        // last round: (1e8 + -1e8) + 1 = 1 in rank order; 1e8 + (-1e8 + 1) would be 0
+        CHECK(p[r].v[0] == 1.0f && p[r].d == 0.75 * 81 && p[r].k == 6 * 81 && !strcmp(p[r].b, "rank1"),
+              "rank %d: %g %g %" PRId64 " '%s'", r, p[r].v[0], p[r].d, p[r].k, p[r].b);
+    }
+    comm_local_destroy(comms, 3);
+    // rank 2 fails before its third round: ranks 0 and 1 return from that collective with -1
+    CHECK(comm_local_create(comms, 3) == 0, "create");
+    for (int r = 0; r < 3; r++) p[r] = (CommProbe){r == 2 ? 2 : -1, {0}, 0, 0, "", 0};
+    double t0 = now_s();
+    comm_local_run(comms, 3, comm_probe, args, rc);
+    CHECK(now_s() - t0 < 5.0, "the others stopped (%.1f s)", now_s() - t0);
+    CHECK(comms[0].failed_rank(&comms[0]) == 2, "failed rank %d", comms[0].failed_rank(&comms[0]));
+    for (int r = 0; r < 3; r++) CHECK(rc[r] == -1 && p[r].collectives == 2, "rank %d: rc %d, %d collectives", r, rc[r], p[r].collectives);
+    char err[SN_ERR_MAX] = "";
+    CHECK(comm_failure(&comms[0], err) == -1 && contains(err, "rank 2 failed"), "'%s'", err);
+    comm_local_destroy(comms, 3);
+}
+
 #ifdef SEGNET_CUDA
 #include <cublas_v2.h>  // cuda_gemm_ex_types calls the library (the emulator's here) directly
 
@@ -5645,6 +5966,10 @@ static const Test TESTS[] = {
     {"eval_matches_run", test_eval_matches_run},
     {"fp16_loss_scaling", test_fp16_loss_scaling},
     {"accum_equals_big_batch", test_accum_equals_big_batch},
+    {"replicas_sync_bn", test_replicas_sync_bn},
+    {"replicas_global_denominator", test_replicas_global_denominator},
+    {"replicas_fp16_skip", test_replicas_fp16_skip},
+    {"comm_local", test_comm_local},
     {"freeze_base", test_freeze_base},
     {"plan_matches_per_tensor", test_plan_matches_per_tensor},
     {"checkpoint_training_bitwise", test_checkpoint_training_bitwise},
