@@ -59,6 +59,19 @@ CXX      ?= g++
 EMUFLAGS := -std=c++17 -O2 -g -Wall -Wextra -Wno-unknown-pragmas -Wno-sign-compare -I. -I$(CUDA_HOME)/include
 NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -Wall,-Wextra -Werror all-warnings -I.
 
+# MPI: ./segnet is built with it when mpicc is found (OpenMPI, Debian's
+# openmpi-bin and libopenmpi-dev), so that `mpirun -np N ./segnet train ...`
+# runs one replica per process; without it ./segnet refuses to run under a
+# launcher with several processes. ./test_segnet runs the MPI tests through
+# ./segnet and mpirun.
+ifneq ($(NO_MPI),1)
+  MPICC := $(shell command -v mpicc 2>/dev/null)
+endif
+ifneq ($(MPICC),)
+  MPI_CFLAGS := -DSEGNET_MPI $(shell $(MPICC) --showme:compile 2>/dev/null)
+  MPI_LIBS   := $(shell $(MPICC) --showme:link 2>/dev/null)
+endif
+
 ifeq ($(NO_OMP),1)
   OMP_FLAGS :=
 else
@@ -110,12 +123,12 @@ deps:
 	   echo "  ✓ PyTorch    (reference: make test runs the live parity checks)"; \
 	 else echo "  ✗ PyTorch    live parity checks not run (apt-get install python3-torch python3-torchvision)"; fi
 	@if [ "$(NO_MPI)" = 1 ]; then echo "  ✗ MPI        off (NO_MPI=1)"; \
-	 elif command -v mpicc >/dev/null 2>&1; then echo "  ✓ MPI        mpicc found (used by the replica layer, not built yet)"; \
+	 elif [ -n "$(MPICC)" ]; then echo "  ✓ MPI        $(MPICC): mpirun -np N ./segnet train runs N replicas"; \
 	 else echo "  ✗ MPI        no mpicc (apt-get install openmpi-bin libopenmpi-dev)"; fi
 
 # ---- programs ---------------------------------------------------------------
 segnet: segnet.c segnet.h $(GPU_OBJS) | deps
-	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -o $@ segnet.c $(GPU_OBJS) $(DEP_LIBS) $(CUDA_LIBS) $(LDLIBS)
+	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) $(MPI_CFLAGS) -o $@ segnet.c $(GPU_OBJS) $(DEP_LIBS) $(CUDA_LIBS) $(MPI_LIBS) $(LDLIBS)
 
 test_segnet: test_segnet.c segnet.c segnet.h $(EMU_OBJS) | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -o $@ test_segnet.c $(EMU_OBJS) $(DEP_LIBS) $(EMU_LIBS) $(LDLIBS)

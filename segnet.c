@@ -7279,6 +7279,11 @@ static int cmd_info(void) {
 #else
     printf("cuda: not built (no nvcc)\n");
 #endif
+#ifdef SEGNET_MPI
+    printf("mpi: yes\n");
+#else
+    printf("mpi: no (built without MPI)\n");
+#endif
     printf("blas: %s\n", openblas_get_config());
     printf("blas_threads: %d\n", openblas_get_num_threads());
 #ifdef _OPENMP

@@ -6,6 +6,8 @@
 #include <sys/file.h>
 #include <ctype.h>
 #include <float.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <stb_image_write.h>  // Debian libstb-dev (implementation in libstb.so): test images
 
 // ----------------------------------------------------------------------------
@@ -5183,6 +5185,153 @@ static void test_comm_local(void) {
     comm_local_destroy(comms, 3);
 }
 
+// ---- the command line with replicas, and under mpirun (when ./segnet has MPI)
+
+#define MPIRUN "mpirun --allow-run-as-root --oversubscribe"
+
+// runs a shell command; stderr in *msg
+static int run_shell(const char *cmd, char *msg, size_t size) {
+    char full[4096];
+    snprintf(full, sizeof full, "%s >/tmp/segnet_test_out.txt 2>/tmp/segnet_test_err.txt", cmd);
+    int rc = system(full);
+    size_t n;
+    char *e = read_file("/tmp/segnet_test_err.txt", &n);
+    snprintf(msg, size, "%s", e ? e : "");
+    free(e);
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+static int mpi_available(void) {
+    char msg[256];
+    return access("./segnet", X_OK) == 0 && run_shell("./segnet info | grep -q '^mpi: yes' && command -v mpirun", msg, sizeof msg) == 0;
+}
+
+static void compare_runs(const char *a, const char *b, const char *what) {
+    const char *files[] = {"last.safetensors", "best.safetensors", "metrics.csv"};
+    char pa[600], pb[600];
+    for (int k = 0; k < 3; k++) {
+        snprintf(pa, sizeof pa, "%s/%s", a, files[k]);
+        snprintf(pb, sizeof pb, "%s/%s", b, files[k]);
+        CHECK(files_equal(pa, pb), "%s: %s differs", what, files[k]);
+    }
+}
+
+// `--replicas 2` and `mpirun -np 2` sum in the same order: the same run folder
+// bit for bit, with a last global batch of one image (one shard empty); a run
+// of --replicas 2 resumed under mpirun ends where the uninterrupted one does;
+// BN per shard (no --sync-bn) likewise.
+static void test_replicas_cli(void) {
+    const char *data = "/tmp/segnet_test_rep_data", *a = "/tmp/segnet_test_rep_a", *b = "/tmp/segnet_test_rep_b";
+    rm_rf(data); rm_rf(a); rm_rf(b);
+    write_seg_set(data, 5, 8, 8, 21);
+    char common[1024], cmd[2048], msg[4096];
+    for (int sync = 1; sync >= 0; sync--) {
+        snprintf(common, sizeof common, "train --model unet --depth 1 --width 4 --size 8x8 --classes 3 --class-weights 0,1,1 "
+                 "--batch 4 --data %s --val %s --threads 1 --augment flip --seed 3%s", data, data, sync ? " --sync-bn" : "");
+        snprintf(cmd, sizeof cmd, "./segnet %s --epochs 2 --replicas 2 --out %s", common, a);
+        CHECK(run_shell(cmd, msg, sizeof msg) == 0, "%s: %s", cmd, msg);
+        if (!mpi_available()) {
+            if (g_verbose) printf("    mpirun: skipped (./segnet without MPI, or no mpirun)\n");
+            rm_rf(a);
+            continue;
+        }
+        snprintf(cmd, sizeof cmd, MPIRUN " -np 2 ./segnet %s --epochs 2 --out %s", common, b);
+        CHECK(run_shell(cmd, msg, sizeof msg) == 0, "%s: %s", cmd, msg);
+        compare_runs(a, b, sync ? "mpirun vs --replicas, sync-bn" : "mpirun vs --replicas");
+        rm_rf(b);
+        snprintf(cmd, sizeof cmd, "./segnet %s --epochs 1 --replicas 2 --out %s && " MPIRUN " -np 2 ./segnet train --resume %s --epochs 2",
+                 common, b, b);
+        CHECK(run_shell(cmd, msg, sizeof msg) == 0, "%s: %s", cmd, msg);
+        compare_runs(a, b, "resumed under mpirun");
+        rm_rf(a); rm_rf(b);
+    }
+    rm_rf(data);
+}
+
+// pid of the child of `parent` whose environment says OMPI_COMM_WORLD_RANK=rank, or -1
+static pid_t mpi_rank_pid(pid_t parent, int rank) {
+    DIR *d = opendir("/proc");
+    pid_t found = -1;
+    char want[64], path[64];
+    snprintf(want, sizeof want, "OMPI_COMM_WORLD_RANK=%d", rank);
+    for (struct dirent *e; d && found < 0 && (e = readdir(d));) {
+        if (!isdigit((unsigned char)e->d_name[0])) continue;
+        snprintf(path, sizeof path, "/proc/%s/stat", e->d_name);
+        FILE *f = fopen(path, "r");
+        int ppid = -1;
+        if (f) { if (fscanf(f, "%*d (%*[^)]) %*c %d", &ppid) != 1) ppid = -1; fclose(f); }
+        if (ppid != parent) continue;
+        snprintf(path, sizeof path, "/proc/%s/environ", e->d_name);
+        static char env[1 << 16];  // /proc files have no size: read until the end
+        size_t n = 0;
+        if ((f = fopen(path, "r"))) { n = fread(env, 1, sizeof env - 1, f); fclose(f); }
+        env[n] = 0;
+        for (size_t k = 0; k < n; k += strlen(env + k) + 1) if (!strcmp(env + k, want)) found = atoi(e->d_name);
+    }
+    if (d) closedir(d);
+    return found;
+}
+
+// Faults under mpirun. A bad file seen by rank 1 only (its own --data, MPMD):
+// both ranks stop before anything is written, with rank 1 and the file named.
+// Rank 1 killed during training: the job ends within REPLICA_STOP_BOUND_S
+// (mpirun notices the death and ends the others, which never wait on it), and
+// the last checkpoint loads and resumes.
+#define REPLICA_STOP_BOUND_S 30.0
+static void test_replicas_mpi_faults(void) {
+    if (!mpi_available()) { if (g_verbose) printf("    skipped: ./segnet without MPI, or no mpirun\n"); return; }
+    const char *ok = "/tmp/segnet_test_fault_ok", *bad = "/tmp/segnet_test_fault_bad", *run = "/tmp/segnet_test_fault_run";
+    rm_rf(ok); rm_rf(bad); rm_rf(run);
+    write_seg_set(ok, 4, 8, 8, 31);
+    write_seg_set(bad, 4, 8, 8, 31);
+    char cmd[4096], msg[8192], common[512], path[512];
+    snprintf(path, sizeof path, "%s/images/i02.png", bad);
+    FILE *f = fopen(path, "w");
+    if (f) { fputs("not a png", f); fclose(f); }
+    snprintf(common, sizeof common, "train --model unet --depth 1 --width 4 --size 8x8 --classes 3 --batch 4 --threads 1 --out %s", run);
+    snprintf(cmd, sizeof cmd, MPIRUN " -np 1 ./segnet %s --data %s : -np 1 ./segnet %s --data %s", common, ok, common, bad);
+    int rc = run_shell(cmd, msg, sizeof msg);
+    CHECK(rc != 0 && contains(msg, "rank 1: ") && contains(msg, "i02.png") && contains(msg, "cannot decode"),
+          "a bad file on rank 1: exit %d, '%s'", rc, msg);
+    CHECK(access(run, F_OK) != 0, "nothing written");
+    // a long run; rank 1 killed once the first checkpoint is there
+    pid_t pid = fork();
+    if (pid == 0) {
+        snprintf(cmd, sizeof cmd, "exec " MPIRUN " -np 2 ./segnet %s --data %s --epochs 100000 >/dev/null 2>/tmp/segnet_test_kill_err.txt",
+                 common, ok);
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    snprintf(path, sizeof path, "%s/last.safetensors", run);
+    pid_t victim = -1;
+    for (double t0 = now_s(); now_s() - t0 < 60 && victim < 0;) {
+        if (access(path, F_OK) == 0) victim = mpi_rank_pid(pid, 1);
+        else usleep(50000);
+    }
+    CHECK(victim > 0, "rank 1 of mpirun (pid %d) not found", (int)pid);
+    int status = 0, done = 0;
+    double t0 = now_s(), waited = 0;
+    if (victim > 0) kill(victim, SIGKILL);
+    while (!done && (waited = now_s() - t0) < REPLICA_STOP_BOUND_S) {
+        done = waitpid(pid, &status, WNOHANG) == pid;
+        if (!done) usleep(20000);
+    }
+    if (!done) { kill(pid, SIGTERM); waitpid(pid, &status, 0); }
+    CHECK(done && !(WIFEXITED(status) && WEXITSTATUS(status) == 0), "mpirun still running %.1f s after rank 1 was killed", waited);
+    size_t n;
+    char *e = read_file("/tmp/segnet_test_kill_err.txt", &n);
+    CHECK(e && contains(e, "rank 1"), "mpirun names the rank that died: '%s'", e ? e : "");
+    free(e);
+    if (g_verbose) printf("    the job ended %.2f s after rank 1 was killed\n", waited);
+    StFile st;
+    char err[SN_ERR_MAX];
+    CHECK(st_read(path, &st, err) == 0, "the last checkpoint is intact: %s", err);
+    st_free(&st);
+    snprintf(cmd, sizeof cmd, "./segnet train --resume %s --epochs 1 --threads 1", run);
+    CHECK(run_shell(cmd, msg, sizeof msg) == 0, "resuming after the kill: %s", msg);
+    rm_rf(ok); rm_rf(bad); rm_rf(run);
+}
+
 #ifdef SEGNET_CUDA
 #include <cublas_v2.h>  // cuda_gemm_ex_types calls the library (the emulator's here) directly
 
@@ -5970,6 +6119,8 @@ static const Test TESTS[] = {
     {"replicas_global_denominator", test_replicas_global_denominator},
     {"replicas_fp16_skip", test_replicas_fp16_skip},
     {"comm_local", test_comm_local},
+    {"replicas_cli", test_replicas_cli},
+    {"replicas_mpi_faults", test_replicas_mpi_faults},
     {"freeze_base", test_freeze_base},
     {"plan_matches_per_tensor", test_plan_matches_per_tensor},
     {"checkpoint_training_bitwise", test_checkpoint_training_bitwise},
