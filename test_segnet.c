@@ -5252,7 +5252,7 @@ static void test_replicas_cli(void) {
 static pid_t mpi_rank_pid(pid_t parent, int rank) {
     DIR *d = opendir("/proc");
     pid_t found = -1;
-    char want[64], path[64];
+    char want[64], path[300];
     snprintf(want, sizeof want, "OMPI_COMM_WORLD_RANK=%d", rank);
     for (struct dirent *e; d && found < 0 && (e = readdir(d));) {
         if (!isdigit((unsigned char)e->d_name[0])) continue;
