@@ -5199,7 +5199,7 @@ static int mpi_broadcast(Comm *c, void *buf, size_t bytes, int root) {
 }
 
 static void mpi_abort(Comm *c, const char *why) {
-    fprintf(stderr, "segnet: rank %d ends the job: %s\n", c->rank, why);
+    fprintf(stderr, "segnet: rank %d ends the job (MPI_Abort): %s\n", c->rank, why);
     fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, 1);
 }

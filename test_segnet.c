@@ -5119,9 +5119,10 @@ static void test_replicas_fp16_skip(void) {
     c.loss_scale_interval = 2;
     size_t P, NB;
     model_sizes(&c, &P, &NB);
+    // the inf goes into image 0 of step 1 for one replica, into replica 1's first image for two
     ReplicaJob one = {.c = &c, .steps = STEPS, .B = B, .images = images, .labels = labels, .inf_rank = 0};
     ReplicaJob jobs[R] = {one, one};
-    jobs[0].inf_rank = jobs[1].inf_rank = 1;  // the inf lands in replica 1's shard: image B/2, as in `one`'s image 2... 
+    jobs[0].inf_rank = jobs[1].inf_rank = 1;
     if (run_replicas(&one, 1) == 0 && run_replicas(jobs, R) == 0) {
         check_mirrored("fp16", jobs, R, P, NB);
         for (int s = 0; s < STEPS; s++)
@@ -5192,7 +5193,7 @@ static void test_comm_local(void) {
 // runs a shell command; stderr in *msg
 static int run_shell(const char *cmd, char *msg, size_t size) {
     char full[4096];
-    snprintf(full, sizeof full, "%s >/tmp/segnet_test_out.txt 2>/tmp/segnet_test_err.txt", cmd);
+    snprintf(full, sizeof full, "{ %s; } >/tmp/segnet_test_out.txt 2>/tmp/segnet_test_err.txt", cmd);
     int rc = system(full);
     size_t n;
     char *e = read_file("/tmp/segnet_test_err.txt", &n);
