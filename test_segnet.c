@@ -6011,14 +6011,17 @@ static void test_cuda_train_steps(void) {
 static double quickstart_miou(const char *precision) {
     char out[256], cmd[1024];
     snprintf(out, sizeof out, "/tmp/segnet_test_%ld_precision_%s", (long)getpid(), precision);
-    snprintf(cmd, sizeof cmd, "rm -rf %s && ./segnet train %s --precision %s --device cpu --out %s "
-             "| sed -n 's/^val_mIoU: //p'", out, QUICKSTART_ARGS, precision, out);
+    snprintf(cmd, sizeof cmd, "rm -rf %s && ./segnet train %s --precision %s --device cpu --out %s 2>%s.log "
+             "| sed -n 's/^val_mIoU: //p'", out, QUICKSTART_ARGS, precision, out, out);
     FILE *f = popen(cmd, "r");
     double miou = NAN;
     if (!f || fscanf(f, "%lf", &miou) != 1) miou = NAN;
     if (f) pclose(f);
-    snprintf(cmd, sizeof cmd, "rm -rf %s", out);
-    CHECK(system(cmd) == 0, "cleanup");
+    CHECK(!isnan(miou), "segnet train --precision %s printed no val_mIoU: see %s.log", precision, out);
+    snprintf(cmd, sizeof cmd, "rm -rf %s%s", out, isnan(miou) ? "" : " && rm -f %s.log");
+    char rm[1024];
+    snprintf(rm, sizeof rm, cmd, out);
+    CHECK(system(rm) == 0, "cleanup");
     printf("    %s: val mIoU %.4f\n", precision, miou);
     return miou;
 }
