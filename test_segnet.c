@@ -6009,7 +6009,7 @@ static void test_cuda_train_steps(void) {
 // curves wander apart by up to 0.1 (rounding makes the runs different
 // trajectories), so only whole runs are compared.
 static double quickstart_miou(const char *precision) {
-    char out[256], cmd[1024];
+    char out[256], cmd[2048];
     snprintf(out, sizeof out, "/tmp/segnet_test_%ld_precision_%s", (long)getpid(), precision);
     snprintf(cmd, sizeof cmd, "rm -rf %s && ./segnet train %s --precision %s --device cpu --out %s 2>%s.log "
              "| sed -n 's/^val_mIoU: //p'", out, QUICKSTART_ARGS, precision, out, out);
@@ -6018,10 +6018,9 @@ static double quickstart_miou(const char *precision) {
     if (!f || fscanf(f, "%lf", &miou) != 1) miou = NAN;
     if (f) pclose(f);
     CHECK(!isnan(miou), "segnet train --precision %s printed no val_mIoU: see %s.log", precision, out);
-    snprintf(cmd, sizeof cmd, "rm -rf %s%s", out, isnan(miou) ? "" : " && rm -f %s.log");
-    char rm[1024];
-    snprintf(rm, sizeof rm, cmd, out);
-    CHECK(system(rm) == 0, "cleanup");
+    if (isnan(miou)) snprintf(cmd, sizeof cmd, "rm -rf %s", out);
+    else snprintf(cmd, sizeof cmd, "rm -rf %s %s.log", out, out);
+    CHECK(system(cmd) == 0, "cleanup");
     printf("    %s: val mIoU %.4f\n", precision, miou);
     return miou;
 }
