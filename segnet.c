@@ -2627,6 +2627,26 @@ Tensor net_tensor(const Net *net, int t) { return tensor(net->act[t], net_shape(
 Tensor net_grad(const Net *net, int t) { return tensor(net->grad[t], net_shape(net, t), net->dtype); }
 
 static float *param_ptr(float *base, const Graph *g, int id) { return id < 0 ? NULL : base + g->params[id].offset; }
+// a parameter's gradient, NULL when it has none (no parameter, or frozen)
+static float *grad_ptr(const Net *net, int id) {
+    return id < 0 || net->grad_offset[id] == SIZE_MAX ? NULL : net->grads + net->grad_offset[id];
+}
+
+// Gradients exist for the parameters of layers not frozen when the net is
+// created, packed in parameter order: the layout of the optimiser's moments.
+static size_t grad_layout(const Graph *g, size_t *grad_offset) {
+    for (int p = 0; p < g->n_params; p++) grad_offset[p] = SIZE_MAX;
+    for (int i = 0; i < g->n_layers; i++) {
+        const Layer *l = &g->layers[i];
+        if (l->frozen) continue;
+        if (l->weight >= 0) grad_offset[l->weight] = 0;
+        if (l->bias >= 0) grad_offset[l->bias] = 0;
+    }
+    size_t n = 0;
+    for (int p = 0; p < g->n_params; p++)
+        if (grad_offset[p] != SIZE_MAX) { grad_offset[p] = n; n += g->params[p].count; }
+    return n;
+}
 static float *buffer_ptr(const Net *net, int id) { return net->buffers + net->g->buffers[id].offset; }
 
 uint64_t net_layer_seed(const Net *net, int layer) {
@@ -2643,6 +2663,7 @@ void net_free(Net *net) {
     o->free(o, net->params); o->free(o, net->grads); o->free(o, net->buffers);
     o->free(o, net->bn_scratch); o->free(o, net->ws);
     free(net->act); free(net->grad); free(net->needs_grad); free(net->grad_written); free(net->bn_mean); free(net->bn_var);
+    free(net->grad_offset);
     memset(net, 0, sizeof *net);
 }
 
@@ -2727,9 +2748,12 @@ static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int in
         }
     }
     size_t pbytes = sizeof(float) * g->n_param_floats, bbytes = sizeof(float) * g->n_buffer_floats;
+    net->grad_offset = malloc(sizeof(size_t) * ((size_t)g->n_params + 1));
+    snCheck(net->grad_offset != NULL, "out of host memory");
+    net->n_grad_floats = grad_layout(g, net->grad_offset);
     if (ok) {
         net->params = o->alloc(o, pbytes);
-        net->grads = o->alloc(o, pbytes);
+        net->grads = o->alloc(o, sizeof(float) * (net->n_grad_floats ? net->n_grad_floats : 1));
         net->buffers = o->alloc(o, bbytes);
         net->bn_scratch = o->alloc(o, sizeof(float) * 2 * (size_t)cmax);
         if (!plan) {
@@ -2746,7 +2770,7 @@ static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int in
     }
     if (plan) plan_enter(net, 0);  // the input's place is known before the first forward
     o->fill(o, tensor_f32(net->params, shape4((int)g->n_param_floats, 1, 1, 1)), 0.0f);
-    o->fill(o, tensor_f32(net->grads, shape4((int)g->n_param_floats, 1, 1, 1)), 0.0f);
+    o->fill(o, tensor_f32(net->grads, shape4((int)net->n_grad_floats, 1, 1, 1)), 0.0f);
     // running statistics start at mean 0, variance 1
     for (int b = 0; b < g->n_buffers; b++) {
         int is_var = strstr(g->buffers[b].name, ".running_var") != NULL;
@@ -2928,8 +2952,8 @@ static void layer_backward(Net *net, int i) {
         if (dx2.data) written[b] = 1;
         const int trainable = !l->frozen;
         float *w = param_ptr(net->params, g, l->weight), *bias = param_ptr(net->params, g, l->bias);
-        float *dw = trainable ? param_ptr(net->grads, g, l->weight) : NULL;
-        float *dbias = trainable ? param_ptr(net->grads, g, l->bias) : NULL;
+        float *dw = trainable ? grad_ptr(net, l->weight) : NULL;
+        float *dbias = trainable ? grad_ptr(net, l->bias) : NULL;
         double t0 = net->layer_seconds ? layer_clock() : 0.0;
         switch (l->kind) {
         case LAYER_CONV: case LAYER_DENSE:
@@ -5455,27 +5479,20 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     if (!(t->o = ops_for_device(c->device, err))) return -1;
     Ops *o = t->o;
     if (net_create_planned(&t->net, &t->g, o, c->precision, 0, t->logits, c->checkpoint, err)) return -1;
-    // trainable parameters as runs of the buffer: frozen ones get no optimiser state
+    // trainable parameters as runs of the parameter buffer: their gradients
+    // and Adam moments are packed in the same order; frozen ones have neither
     const Graph *g = &t->g;
-    char *trainable = calloc((size_t)g->n_params + 1, 1);
-    snCheck(trainable != NULL, "out of host memory");
-    for (int i = 0; i < g->n_layers; i++) {
-        const Layer *l = &g->layers[i];
-        if (l->frozen) continue;
-        if (l->weight >= 0) trainable[l->weight] = 1;
-        if (l->bias >= 0) trainable[l->bias] = 1;
-    }
     t->ranges = calloc((size_t)g->n_params + 1, sizeof *t->ranges);
     snCheck(t->ranges != NULL, "out of host memory");
     for (int p = 0; p < g->n_params; p++) {  // parameters are laid out in id order
-        if (!trainable[p]) continue;
+        if (t->net.grad_offset[p] == SIZE_MAX) continue;
         if (t->n_ranges && t->ranges[t->n_ranges - 1].offset + t->ranges[t->n_ranges - 1].count == g->params[p].offset)
             t->ranges[t->n_ranges - 1].count += g->params[p].count;
         else
             t->ranges[t->n_ranges++] = (typeof(*t->ranges)){g->params[p].offset, g->params[p].count};
         t->n_trainable += g->params[p].count;
     }
-    free(trainable);
+    snCheck(t->n_trainable == t->net.n_grad_floats, "trainable ranges and gradient layout disagree");
     size_t T = t->n_trainable, labels = (size_t)in.n * (t->segmentation ? (size_t)in.h * in.w : 1);
     t->per_image = t->segmentation ? (size_t)in.h * in.w : 1;
     t->adam_m = o->alloc(o, sizeof(float) * (T ? T : 1));
@@ -5660,17 +5677,15 @@ static float score_batch(Trainer *t, float grad_scale, Tensor dlogits) {
     return stats[0];
 }
 
-// Σ over the trainable ranges of an op that reduces a tensor into one float
+// the whole gradient buffer (the trainable parameters') as one tensor
+static Tensor grads_tensor(Trainer *t) { return tensor_f32(t->net.grads, shape4((int)t->n_trainable, 1, 1, 1)); }
+
 static double trainable_sum_squares(Trainer *t) {
     Ops *o = t->o;
-    double total = 0.0;
-    for (int r = 0; r < t->n_ranges; r++) {
-        float ss;
-        o->sum_squares(o, tensor_f32(t->net.grads + t->ranges[r].offset, shape4((int)t->ranges[r].count, 1, 1, 1)), t->scalars + 3);
-        o->download(o, &ss, t->scalars + 3, sizeof ss);
-        total += ss;
-    }
-    return total;
+    float ss;
+    o->sum_squares(o, grads_tensor(t), t->scalars + 3);
+    o->download(o, &ss, t->scalars + 3, sizeof ss);
+    return ss;
 }
 
 // One optimiser step over k micro-batches (gradient accumulation when k > 1).
@@ -5699,8 +5714,7 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     double norm = local_norm;
     if (comm->size > 1 && comm->allreduce_f64(comm, &norm, 1)) return -1;
     const float scale = t->loss_scale, inv_norm = norm > 0 ? (float)(1.0 / norm) : 0.0f;
-    for (int r = 0; r < t->n_ranges; r++)
-        o->fill(o, tensor_f32(net->grads + t->ranges[r].offset, shape4((int)t->ranges[r].count, 1, 1, 1)), 0.0f);
+    o->fill(o, grads_tensor(t), 0.0f);
     for (int i = 0; i < k; i++) {
         upload_batch(t, &mb[i]);
         net->step = (uint64_t)(t->step * c->accum + i);  // dropout masks differ per micro-batch
@@ -5710,14 +5724,12 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
         if (net->failed || replicas_average_bn(t, mb[i].n)) return -1;
     }
     pt->norm_sum += local_norm;  // the pass adds the replicas' parts up at its end
-    for (int r = 0; r < t->n_ranges; r++)
-        if (comm_allreduce_backend(t, net->grads + t->ranges[r].offset, t->ranges[r].count)) return -1;
+    if (comm_allreduce_backend(t, net->grads, t->n_trainable)) return -1;
     int64_t step = t->step++;
     if (net->dtype == DT_F16) {
         int32_t flag = 0;
         o->upload(o, t->flag, &flag, sizeof flag);
-        for (int r = 0; r < t->n_ranges; r++)
-            o->nonfinite(o, tensor_f32(net->grads + t->ranges[r].offset, shape4((int)t->ranges[r].count, 1, 1, 1)), t->flag);
+        o->nonfinite(o, grads_tensor(t), t->flag);
         o->download(o, &flag, t->flag, sizeof flag);
         // The summed gradients are the same bits on every replica, so their
         // flags agree; summing the flags makes that a guarantee, not a property.
@@ -5734,11 +5746,11 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     if (c->clipnorm > 0.0f) grad_scale *= clip_factor(sqrt(trainable_sum_squares(t)) / scale, c->clipnorm);
     double lr = lr_at_step(c->lr, c->schedule, c->warmup, t->total_steps, step);
     AdamStep s = adam_step_init((float)lr, ADAM_BETA1, ADAM_BETA2, c->adam_eps, c->weight_decay, grad_scale, step + 1);
-    size_t moment = 0;
+    size_t packed = 0;  // offset of the range in the gradients and moments
     for (int r = 0; r < t->n_ranges; r++) {
         size_t off = t->ranges[r].offset, n = t->ranges[r].count;
-        o->adam_update(o, net->params + off, net->grads + off, t->adam_m + moment, t->adam_v + moment, n, &s);
-        moment += n;
+        o->adam_update(o, net->params + off, net->grads + packed, t->adam_m + packed, t->adam_v + packed, n, &s);
+        packed += n;
     }
     return 1;
 }
@@ -6380,7 +6392,8 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
     const Shape in = g->tensors[g->input].shape, out = g->tensors[logits].shape;
     const size_t K = (size_t)out.c, labels = (size_t)out.n * out.h * out.w;
     int cmax = 1;
-    m->params = m->grads = sizeof(float) * g->n_param_floats;
+    m->params = sizeof(float) * g->n_param_floats;
+    m->grads = sizeof(float) * (m->n_trainable ? m->n_trainable : 1);  // as net_create allocates them
     m->optimizer = 2 * sizeof(float) * m->n_trainable;
     m->statistics = sizeof(float) * g->n_buffer_floats;
     for (int i = 0; i < g->n_layers; i++)

@@ -549,7 +549,9 @@ typedef struct {
     Ops *o;
     DType dtype;          // activation storage type
     float *params;        // (n_param_floats) fp32 master weights
-    float *grads;         // (n_param_floats) same layout
+    float *grads;         // (n_grad_floats) the trainable parameters' gradients, packed in parameter order
+    size_t *grad_offset;  // per parameter: its gradient's offset in grads, or SIZE_MAX (frozen: none)
+    size_t n_grad_floats; // Σ counts of the trainable parameters (= n_param_floats when nothing is frozen)
     float *buffers;       // (n_buffer_floats) BN running statistics
     void **act;           // per tensor: activation storage
     void **grad;          // per tensor: gradient storage (NULL where none is needed)

@@ -159,8 +159,8 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
     for (int t = 0; t < g->n_tensors; t++)
         if (net.grad[t]) for (size_t i = 0; i < shape_numel(g->tensors[t].shape); i++) ((float *)net.grad[t])[i] = NAN;
     memcpy(net.grad[out], r, sizeof(float) * ny);
-    float *prefill = randn(&rng, g->n_param_floats, 1.0f);
-    memcpy(net.grads, prefill, sizeof(float) * g->n_param_floats);
+    float *prefill = randn(&rng, net.n_grad_floats, 1.0f);
+    memcpy(net.grads, prefill, sizeof(float) * net.n_grad_floats);
     net_backward(&net, out);
 
     // analytic and numerical values of every checked tensor first, compared after
@@ -206,13 +206,11 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
             if (ids[j] < 0) continue;
             const ParamInfo *p = &g->params[ids[j]];
             float *v = net.params + p->offset;
-            const float *gr = net.grads + p->offset, *pre = prefill + p->offset;
-            if (L->frozen) {  // a frozen layer's gradient slice is never touched
-                int same = 1;
-                for (size_t k = 0; k < p->count; k++) same &= gr[k] == pre[k];
-                CHECK(same, "%s: frozen parameter's gradient was written", p->name);
+            if (L->frozen) {  // a frozen layer holds no gradient
+                CHECK(net.grad_offset[ids[j]] == SIZE_MAX, "%s: frozen parameter has gradient storage", p->name);
                 continue;
             }
+            const float *gr = net.grads + net.grad_offset[ids[j]], *pre = prefill + net.grad_offset[ids[j]];
             NEXT(p->name);
             SAMPLE(p->count);
             for (int k = 0; k < n; k++) an[k] = gr[idx[k]] - pre[idx[k]];
@@ -1180,7 +1178,7 @@ static void run_every_kind(Net *net, int out, const float *xin, const float *r) 
     memcpy(net->act[g->input], xin, sizeof(float) * shape_numel(g->tensors[g->input].shape));
     net_forward(net, 1);
     memcpy(net->grad[out], r, sizeof(float) * shape_numel(g->tensors[out].shape));
-    memset(net->grads, 0, sizeof(float) * g->n_param_floats);
+    memset(net->grads, 0, sizeof(float) * net->n_grad_floats);
     net_backward(net, out);
 }
 
@@ -1200,7 +1198,7 @@ static void test_parallel_paths_match_serial(void) {
     omp_min_work = 0;
     run_every_kind(&b, y, xin, r);
     omp_min_work = saved;
-    int same = !memcmp(a.grads, b.grads, sizeof(float) * g.n_param_floats) &&
+    int same = !memcmp(a.grads, b.grads, sizeof(float) * a.n_grad_floats) &&
                !memcmp(a.buffers, b.buffers, sizeof(float) * g.n_buffer_floats);
     for (int t = 0; t < g.n_tensors; t++) {
         size_t bytes = sizeof(float) * shape_numel(g.tensors[t].shape);
@@ -2052,8 +2050,9 @@ static void parity_check(Net *net, int out, const int32_t *labels, const StFile 
         if (!ref[i]) continue;
         const ParamInfo *p = &g->params[i];
         float *mine = malloc(sizeof(float) * p->count);
-        if (p->ndim == 4) ohwi_to_oihw(net->grads + p->offset, mine, p->dims[0], p->dims[3], p->dims[1], p->dims[2]);
-        else memcpy(mine, net->grads + p->offset, sizeof(float) * p->count);
+        const float *gr = net->grads + net->grad_offset[i];
+        if (p->ndim == 4) ohwi_to_oihw(gr, mine, p->dims[0], p->dims[3], p->dims[1], p->dims[2]);
+        else memcpy(mine, gr, sizeof(float) * p->count);
         double e = rel_err(mine, ref[i], p->count, 1e-3 * max_norm);
         if (e > e_grad) { e_grad = e; worst = p->name; }
         free(mine); free(ref[i]);
@@ -3905,6 +3904,8 @@ static void test_freeze_base(void) {
     for (int p = 0; p < g->n_params; p++) if (strncmp(g->params[p].name, "enc0.", 5)) trainable += g->params[p].count;
     CHECK(t.n_trainable == trainable && trainable < g->n_param_floats, "Adam state for %zu floats, expected %zu (of %zu)",
           t.n_trainable, trainable, g->n_param_floats);
+    CHECK(t.net.n_grad_floats == trainable, "gradients for %zu floats, expected the %zu trainable ones",
+          t.net.n_grad_floats, trainable);
     for (int i = 0; i < g->n_layers; i++) {
         const Layer *l = &g->layers[i];
         CHECK(l->frozen == !strncmp(l->name, "enc0.", 5), "layer %s frozen %d", l->name, l->frozen);
@@ -3987,7 +3988,7 @@ static void test_plan_matches_per_tensor(void) {
         for (int v = 1; v < 3; v++) {
             const char *what = v == 1 ? "planned" : "checkpointed";
             CHECK(loss[v][0] == loss[0][0], "%s %s: loss %.9g vs %.9g", cases[k].model, what, loss[v][0], loss[0][0]);
-            CHECK(!memcmp(nets[v]->grads, ref.grads, sizeof(float) * g.n_param_floats), "%s %s: parameter gradients differ",
+            CHECK(!memcmp(nets[v]->grads, ref.grads, sizeof(float) * ref.n_grad_floats), "%s %s: parameter gradients differ",
                   cases[k].model, what);
             CHECK(!memcmp(nets[v]->buffers, ref.buffers, sizeof(float) * g.n_buffer_floats), "%s %s: BN statistics differ",
                   cases[k].model, what);
@@ -4039,7 +4040,7 @@ static void test_checkpoint_training_bitwise(void) {
     CHECK(pa.loss_sum == pb.loss_sum, "loss %.9g vs %.9g", pa.loss_sum, pb.loss_sum);
     CHECK(!memcmp(a.net.params, b.net.params, sizeof(float) * a.g.n_param_floats), "weights differ");
     CHECK(!memcmp(a.net.buffers, b.net.buffers, sizeof(float) * a.g.n_buffer_floats), "BN statistics differ");
-    CHECK(!memcmp(a.net.grads, b.net.grads, sizeof(float) * a.g.n_param_floats), "last gradients differ");
+    CHECK(!memcmp(a.net.grads, b.net.grads, sizeof(float) * a.net.n_grad_floats), "last gradients differ");
     trainer_close(&a); trainer_close(&b);
 }
 
