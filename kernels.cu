@@ -66,6 +66,7 @@ struct CudaCtx {
     cudaStream_t stream;  // every op runs on it, in order
     cublasHandle_t blas;
     double *reduce_partials;  // (REDUCE_BLOCKS_MAX, REDUCE_WIDTH), allocated once in cuda_backend_open
+    double *sums;  // (SUMS_SCRATCH) partial per-channel sums of channel_sums
 };
 static CudaCtx *ctx_of(Ops *o) { return (CudaCtx *)o->ctx; }
 static cudaStream_t stream_of(Ops *o) { return ctx_of(o)->stream; }
@@ -865,6 +866,546 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
 }
 
 // ----------------------------------------------------------------------------
+// per-channel sums over rows: batch norm statistics and gradient sums,
+// squeeze-excitation pooling and scale gradient
+//
+//   out[g][c][q] = Σ_{r < rows} f(element (g·rows + r, c))[q]
+// for G groups of `rows` rows of C channels (batch norm: G = 1, rows = N·H·W;
+// squeeze-excitation: G = N, rows = H·W) and NQ quantities at once, summed in
+// fp64 in an order fixed by the shape alone (deterministic on any GPU):
+//   block: SUMS_CW channels (threadIdx.x, coalesced in NHWC) × SUMS_LANES row lanes
+//   grid:  (channel tiles, row chunks, G)
+//   a thread sums rows r0 + lane, r0 + lane + SUMS_LANES, ... of its chunk in order,
+//   the lanes are added in lane order, and the chunks' partial sums (in the
+//   context's scratch) are added in chunk order by a second kernel, one thread
+//   per (g, c). With one chunk the first kernel finishes the sum itself.
+// The callers are functors: F(i, c, v) gives the NQ values of element i =
+// (g·rows + r)·C + c in v; E(g, c, s) consumes the NQ sums.
+
+#define SUMS_CW 32            // channels per block
+#define SUMS_LANES 8          // row lanes per block
+#define SUMS_MIN_ROWS 32      // rows per chunk at least (4 per lane)
+#define SUMS_MAX_CHUNKS 1024  // chunks per (channel tile, group) at most: enough blocks to fill a GPU
+// The scratch of partial sums, (G, chunks, NQ, C) fp64: its size bounds the chunk
+// count (chunks ≤ SUMS_SCRATCH/(G·NQ·C), at least 1, which needs no scratch); it
+// never limits the shapes an op accepts.
+#define SUMS_SCRATCH ((size_t)1 << 20)  // doubles (8 MiB)
+
+template <int NQ, class F, class E>
+__global__ void channel_sums_kernel(F f, E e, double *partial, size_t rows, int C, size_t rows_per_chunk) {
+    __shared__ double lane_sums[NQ][SUMS_LANES][SUMS_CW];
+    const int c = blockIdx.x * SUMS_CW + threadIdx.x, chunk = blockIdx.y, g = blockIdx.z;
+    const size_t r0 = chunk * rows_per_chunk, r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+    double acc[NQ];
+    for (int q = 0; q < NQ; q++) acc[q] = 0.0;
+    if (c < C)
+        for (size_t r = r0 + threadIdx.y; r < r1; r += SUMS_LANES) {
+            double v[NQ];
+            f(((size_t)g * rows + r) * C + c, c, v);
+            for (int q = 0; q < NQ; q++) acc[q] += v[q];
+        }
+    for (int q = 0; q < NQ; q++) lane_sums[q][threadIdx.y][threadIdx.x] = acc[q];
+    __syncthreads();
+    if (threadIdx.y != 0 || c >= C) return;
+    double s[NQ];
+    for (int q = 0; q < NQ; q++) {
+        s[q] = 0.0;
+        for (int l = 0; l < SUMS_LANES; l++) s[q] += lane_sums[q][l][threadIdx.x];
+    }
+    if (gridDim.y == 1) e(g, c, s);
+    else
+        for (int q = 0; q < NQ; q++) partial[(((size_t)g * gridDim.y + chunk) * NQ + q) * C + c] = s[q];
+}
+
+template <int NQ, class E>
+__global__ void channel_sums_finish_kernel(E e, const double *partial, int G, int C, int chunks) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)G * C; i += (size_t)blockDim.x * gridDim.x) {
+        const int g = (int)(i / C), c = (int)(i % C);
+        double s[NQ];
+        for (int q = 0; q < NQ; q++) {
+            s[q] = 0.0;
+            for (int k = 0; k < chunks; k++) s[q] += partial[(((size_t)g * chunks + k) * NQ + q) * C + c];
+        }
+        e(g, c, s);
+    }
+}
+
+template <int NQ, class F, class E>
+static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C) {
+    size_t chunks = (rows + SUMS_MIN_ROWS - 1) / SUMS_MIN_ROWS;
+    size_t fit = SUMS_SCRATCH / ((size_t)G * NQ * C);
+    if (chunks > SUMS_MAX_CHUNKS) chunks = SUMS_MAX_CHUNKS;
+    if (chunks > fit) chunks = fit;
+    if (chunks < 1) chunks = 1;
+    const size_t rows_per_chunk = rows ? (rows + chunks - 1) / chunks : 1;
+    chunks = rows ? (rows + rows_per_chunk - 1) / rows_per_chunk : 1;  // no empty chunk
+    dim3 grid((C + SUMS_CW - 1) / SUMS_CW, (unsigned)chunks, G), block(SUMS_CW, SUMS_LANES);
+    double *partial = chunks > 1 ? ctx_of(o)->sums : NULL;
+    CU_LAUNCH((channel_sums_kernel<NQ, F, E>), grid, block, 0, stream_of(o), f, e, partial, rows, C, rows_per_chunk);
+    launchCheck();
+    if (chunks == 1) return;
+    CU_LAUNCH((channel_sums_finish_kernel<NQ, E>), grid_for((size_t)G * C), BLOCK, 0, stream_of(o), e, partial, G, C,
+              (int)chunks);
+    launchCheck();
+}
+
+// the summands: (x - mean)²; a or a·b
+struct SquaredDeviation {
+    const void *x; DType dt; const float *mean;
+    __device__ void operator()(size_t i, int c, double *v) const {
+        double d = (double)ld(x, dt, i) - mean[c];
+        v[0] = d * d;
+    }
+};
+struct SumOfProduct {  // b NULL: Σ a
+    const void *a; DType dta; const void *b; DType dtb;
+    __device__ void operator()(size_t i, int c, double *v) const {
+        (void)c;
+        v[0] = b ? (double)ld(a, dta, i) * ld(b, dtb, i) : (double)ld(a, dta, i);
+    }
+};
+// the consumer: y (G,1,1,C) (=|+=) sum/divisor, in y's storage type
+struct StoreSum {
+    void *y; DType dt; int C; double divisor; int accumulate;
+    __device__ void operator()(int g, int c, const double *s) const {
+        size_t i = (size_t)g * C + c;
+        float v = (float)(s[0] / divisor);
+        st(y, dt, i, accumulate ? ld(y, dt, i) + v : v);
+    }
+};
+
+// ----------------------------------------------------------------------------
+// batch norm (see segnet.c for the formulas)
+//   z = gamma·((x - mean)·invstd) + beta, the CPU's expression, so z falls on the
+//   same side of ReLU's kink; y = act(z); backward g = dy·act'(z), z recomputed from x
+
+// mean = Σx/M, then var = Σ(x - mean)²/M: two passes, each an fp64 sum
+static void bn_stats_cuda(Ops *o, Tensor x, float *mean, float *var) {
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    channel_sums<1>(o, SumOfProduct{x.data, x.dtype, NULL, DT_F32}, StoreSum{mean, DT_F32, C, (double)M, 0}, 1, M, C);
+    channel_sums<1>(o, SquaredDeviation{x.data, x.dtype, mean}, StoreSum{var, DT_F32, C, (double)M, 0}, 1, M, C);
+}
+
+__global__ void bn_forward_kernel(void *y, DType dty, const void *x, DType dtx, size_t n, int C, const float *mean,
+                                  const float *var, const float *gamma, const float *beta, float eps, Act act) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
+        const int c = (int)(i % C);
+        float z = gamma[c] * ((ld(x, dtx, i) - mean[c]) * bn_invstd(var, c, eps)) + beta[c];
+        st(y, dty, i, act_apply(act, z));
+    }
+}
+static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const float *mean, const float *var, const float *gamma,
+                            const float *beta, float eps, Act act) {
+    const size_t n = shape_numel(x.shape);
+    if (!n) return;
+    CU_LAUNCH(bn_forward_kernel, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, x.data, x.dtype, n,
+              x.shape.c, mean, var, gamma, beta, eps, act);
+    launchCheck();
+}
+
+// the C running statistics, one thread each; the unbiasing factor in fp64 as on the CPU
+__global__ void bn_update_running_kernel(float *run_mean, float *run_var, const float *mean, const float *var, int C,
+                                         double unbias, float momentum) {
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += blockDim.x * gridDim.x) {
+        run_mean[c] = (1.0f - momentum) * run_mean[c] + momentum * mean[c];
+        run_var[c] = (1.0f - momentum) * run_var[c] + momentum * (float)(var[c] * unbias);
+    }
+}
+static void bn_update_running_cuda(Ops *o, float *run_mean, float *run_var, const float *mean, const float *var,
+                                   int C, size_t count, float momentum) {
+    if (C <= 0) return;
+    double unbias = count > 1 ? (double)count / (double)(count - 1) : 1.0;
+    CU_LAUNCH(bn_update_running_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), run_mean, run_var, mean, var, C,
+              unbias, momentum);
+    launchCheck();
+}
+
+// xhat and g = dy·act'(z) of element i (channel c)
+struct BnGrad {
+    const void *dy; DType dt_dy; const void *x; DType dt_x;
+    const float *mean, *var, *gamma, *beta; float eps; Act act;
+    __device__ void operator()(size_t i, int c, float *xhat, float *g) const {
+        *xhat = (ld(x, dt_x, i) - mean[c]) * bn_invstd(var, c, eps);
+        *g = ld(dy, dt_dy, i) * act_grad(act, gamma[c] * *xhat + beta[c]);
+    }
+};
+struct BnGradTerms {  // the summands g and g·xhat
+    BnGrad bg;
+    __device__ void operator()(size_t i, int c, double *v) const {
+        float xhat, g;
+        bg(i, c, &xhat, &g);
+        v[0] = g;
+        v[1] = (double)g * xhat;
+    }
+};
+struct BnGradSums {  // sum_g, sum_gx overwritten; dbeta, dgamma added into
+    float *sum_g, *sum_gx, *dgamma, *dbeta;
+    __device__ void operator()(int g, int c, const double *s) const {
+        (void)g;
+        if (sum_g) sum_g[c] = (float)s[0];
+        if (sum_gx) sum_gx[c] = (float)s[1];
+        if (dbeta) dbeta[c] += (float)s[0];
+        if (dgamma) dgamma[c] += (float)s[1];
+    }
+};
+static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
+                                    const float *gamma, const float *beta, float eps, Act act, float *sum_g,
+                                    float *sum_gx, float *dgamma, float *dbeta) {
+    const int C = x.shape.c;
+    BnGrad bg = {dy.data, dy.dtype, x.data, x.dtype, mean, var, gamma, beta, eps, act};
+    channel_sums<2>(o, BnGradTerms{bg}, BnGradSums{sum_g, sum_gx, dgamma, dbeta}, 1, shape_numel(x.shape) / C, C);
+}
+
+// dx (=|+=) gamma·invstd·(g - (sum_g + xhat·sum_gx)/count); count 0: gamma·invstd·g
+__global__ void bn_backward_data_kernel(void *dx, DType dt_dx, BnGrad bg, size_t n, int C, const float *sum_g,
+                                        const float *sum_gx, size_t count, int accumulate) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
+        const int c = (int)(i % C);
+        float xhat, g;
+        bg(i, c, &xhat, &g);
+        if (count) g -= (sum_g[c] + xhat * sum_gx[c]) / (float)count;
+        float d = bg.gamma[c] * bn_invstd(bg.var, c, bg.eps) * g;
+        st(dx, dt_dx, i, accumulate ? ld(dx, dt_dx, i) + d : d);
+    }
+}
+static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean, const float *var,
+                                  const float *gamma, const float *beta, float eps, Act act, const float *sum_g,
+                                  const float *sum_gx, size_t count, int accumulate) {
+    const size_t n = shape_numel(x.shape);
+    if (!n || !dx.data) return;
+    BnGrad bg = {dy.data, dy.dtype, x.data, x.dtype, mean, var, gamma, beta, eps, act};
+    CU_LAUNCH(bn_backward_data_kernel, grid_for(n), BLOCK, 0, stream_of(o), dx.data, dx.dtype, bg, n, x.shape.c,
+              sum_g, sum_gx, count, accumulate);
+    launchCheck();
+}
+
+// ----------------------------------------------------------------------------
+// activations: y = act(x), dx (=|+=) dy·act'(x)
+
+__global__ void act_forward_kernel(Act act, void *y, DType dty, const void *x, DType dtx, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x)
+        st(y, dty, i, act_apply(act, ld(x, dtx, i)));
+}
+static void act_forward_cuda(Ops *o, Act act, Tensor y, Tensor x) {
+    const size_t n = shape_numel(x.shape);
+    if (!n) return;
+    CU_LAUNCH(act_forward_kernel, grid_for(n), BLOCK, 0, stream_of(o), act, y.data, y.dtype, x.data, x.dtype, n);
+    launchCheck();
+}
+
+__global__ void act_backward_kernel(Act act, void *dx, DType dtdx, const void *dy, DType dtdy, const void *x,
+                                    DType dtx, size_t n, int accumulate) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
+        float d = ld(dy, dtdy, i) * act_grad(act, ld(x, dtx, i));
+        st(dx, dtdx, i, accumulate ? ld(dx, dtdx, i) + d : d);
+    }
+}
+static void act_backward_cuda(Ops *o, Act act, Tensor dx, Tensor dy, Tensor x, int accumulate) {
+    const size_t n = shape_numel(x.shape);
+    if (!n || !dx.data) return;
+    CU_LAUNCH(act_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), act, dx.data, dx.dtype, dy.data, dy.dtype,
+              x.data, x.dtype, n, accumulate);
+    launchCheck();
+}
+
+// ----------------------------------------------------------------------------
+// squeeze-excitation pieces, x (N,H,W,C), pooled and s (N,1,1,C)
+//   pool:  y[n,c] = Σ_{h,w} x[n,h,w,c] / (H·W);      dx[n,h,w,c] = dy[n,c] / (H·W)
+//   scale: y[n,h,w,c] = x[n,h,w,c]·s[n,c];           dx = dy·s,  ds[n,c] = Σ_{h,w} dy·x
+
+static void global_avg_pool_forward_cuda(Ops *o, Tensor y, Tensor x) {
+    const int N = x.shape.n, C = x.shape.c;
+    const size_t HW = (size_t)x.shape.h * x.shape.w;
+    if (!N || !C) return;
+    channel_sums<1>(o, SumOfProduct{x.data, x.dtype, NULL, DT_F32}, StoreSum{y.data, y.dtype, C, (double)HW, 0}, N,
+                    HW, C);
+}
+
+// dst[i] (=|+=) src[n,c]·a for the element i = ((n·H + h)·W + w)·C + c of dst (N,H,W,C);
+// src (N,1,1,C). b given: times b[i] as well (a = 1).
+__global__ void per_image_channel_kernel(void *dst, DType dt_dst, const void *src, DType dt_src, const void *b,
+                                         DType dt_b, float a, size_t n, size_t HWC, int C, int accumulate) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
+        float s = ld(src, dt_src, i / HWC * C + i % C);
+        float v = b ? ld(b, dt_b, i) * s : s * a;
+        st(dst, dt_dst, i, accumulate ? ld(dst, dt_dst, i) + v : v);
+    }
+}
+static void per_image_channel(Ops *o, Tensor dst, Tensor src, const void *b, DType dt_b, float a, int accumulate) {
+    const size_t n = shape_numel(dst.shape), HWC = (size_t)dst.shape.h * dst.shape.w * dst.shape.c;
+    if (!n) return;
+    CU_LAUNCH(per_image_channel_kernel, grid_for(n), BLOCK, 0, stream_of(o), dst.data, dst.dtype, src.data, src.dtype,
+              b, dt_b, a, n, HWC, dst.shape.c, accumulate);
+    launchCheck();
+}
+
+static void global_avg_pool_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
+    if (!dx.data) return;
+    per_image_channel(o, dx, dy, NULL, DT_F32, 1.0f / (float)((size_t)dx.shape.h * dx.shape.w), accumulate);
+}
+
+static void channel_scale_forward_cuda(Ops *o, Tensor y, Tensor x, Tensor s) {
+    per_image_channel(o, y, s, x.data, x.dtype, 1.0f, 0);
+}
+
+static void channel_scale_backward_cuda(Ops *o, Tensor dx, Tensor ds, Tensor dy, Tensor x, Tensor s,
+                                        int accumulate_dx, int accumulate_ds) {
+    if (dx.data) per_image_channel(o, dx, s, dy.data, dy.dtype, 1.0f, accumulate_dx);
+    const int N = x.shape.n, C = x.shape.c;
+    if (!ds.data || !N || !C) return;
+    channel_sums<1>(o, SumOfProduct{dy.data, dy.dtype, x.data, x.dtype},
+                    StoreSum{ds.data, ds.dtype, C, 1.0, accumulate_ds}, N, (size_t)x.shape.h * x.shape.w, C);
+}
+
+// ----------------------------------------------------------------------------
+// residual add and channel concat
+
+__global__ void add_kernel(void *y, DType dty, const void *a, DType dta, const void *b, DType dtb, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x)
+        st(y, dty, i, ld(a, dta, i) + ld(b, dtb, i));
+}
+static void add_forward_cuda(Ops *o, Tensor y, Tensor a, Tensor b) {
+    const size_t n = shape_numel(y.shape);
+    if (!n) return;
+    CU_LAUNCH(add_kernel, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, a.data, a.dtype, b.data, b.dtype, n);
+    launchCheck();
+}
+
+// y[r, 0:Ca] = a[r, :], y[r, Ca:Ca+Cb] = b[r, :] for every pixel r; one thread per element of y
+__global__ void concat_forward_kernel(void *y, DType dty, const void *a, DType dta, int Ca, const void *b, DType dtb,
+                                      int Cb, size_t n) {
+    const int C = Ca + Cb;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
+        const size_t r = i / C;
+        const int c = (int)(i % C);
+        st(y, dty, i, c < Ca ? ld(a, dta, r * Ca + c) : ld(b, dtb, r * Cb + c - Ca));
+    }
+}
+static void concat_forward_cuda(Ops *o, Tensor y, Tensor a, Tensor b) {
+    const size_t n = shape_numel(y.shape);
+    if (!n) return;
+    CU_LAUNCH(concat_forward_kernel, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, a.data, a.dtype, a.shape.c,
+              b.data, b.dtype, b.shape.c, n);
+    launchCheck();
+}
+
+// the adjoint: one thread per element of dy, into da or db (NULL: not wanted)
+__global__ void concat_backward_kernel(void *da, DType dta, int Ca, int acc_a, void *db, DType dtb, int Cb, int acc_b,
+                                       const void *dy, DType dtdy, size_t n) {
+    const int C = Ca + Cb;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
+        const size_t r = i / C;
+        const int c = (int)(i % C);
+        const float g = ld(dy, dtdy, i);
+        if (c < Ca && da) {
+            const size_t j = r * Ca + c;
+            st(da, dta, j, acc_a ? ld(da, dta, j) + g : g);
+        } else if (c >= Ca && db) {
+            const size_t j = r * Cb + c - Ca;
+            st(db, dtb, j, acc_b ? ld(db, dtb, j) + g : g);
+        }
+    }
+}
+static void concat_backward_cuda(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
+    const size_t n = shape_numel(dy.shape);
+    if (!n || (!da.data && !db.data)) return;
+    CU_LAUNCH(concat_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), da.data, da.dtype, da.shape.c, accumulate_a,
+              db.data, db.dtype, db.shape.c, accumulate_b, dy.data, dy.dtype, n);
+    launchCheck();
+}
+
+// ----------------------------------------------------------------------------
+// dropout and drop-path
+//   keep_i = rng_uniform(seed, i / per_draw) >= rate, per_draw 1 (dropout: the
+//   element index) or H·W·C (drop-path: the sample index), as on the CPU, so the
+//   masks are the same bits; out (=|+=) in·keep/(1 - rate)
+
+__global__ void dropout_kernel(void *out, DType dt_out, const void *in, DType dt_in, size_t n, size_t per_draw,
+                               float rate, uint64_t seed, int accumulate) {
+    const float kept = 1.0f / (1.0f - rate);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
+        float v = ld(in, dt_in, i) * (rng_uniform(seed, i / per_draw) >= rate ? kept : 0.0f);
+        st(out, dt_out, i, accumulate ? ld(out, dt_out, i) + v : v);
+    }
+}
+static void dropout(Ops *o, Tensor out, Tensor in, float rate, uint64_t seed, int per_sample, int accumulate) {
+    const size_t n = shape_numel(in.shape);
+    if (!n || !out.data) return;
+    const size_t per_draw = per_sample ? n / in.shape.n : 1;
+    CU_LAUNCH(dropout_kernel, grid_for(n), BLOCK, 0, stream_of(o), out.data, out.dtype, in.data, in.dtype, n, per_draw,
+              rate, seed, accumulate);
+    launchCheck();
+}
+static void dropout_forward_cuda(Ops *o, Tensor y, Tensor x, float rate, uint64_t seed, int per_sample) {
+    dropout(o, y, x, rate, seed, per_sample, 0);
+}
+static void dropout_backward_cuda(Ops *o, Tensor dx, Tensor dy, float rate, uint64_t seed, int per_sample,
+                                  int accumulate) {
+    dropout(o, dx, dy, rate, seed, per_sample, accumulate);
+}
+
+// ----------------------------------------------------------------------------
+// pooling and resampling; one thread per output element (backward: per element
+// of dx, gathering), so nothing is written twice and no atomics are needed
+
+// element (n, y, x, c) of a tensor of shape s
+static __device__ __forceinline__ size_t nhwc_at(Shape s, int n, int y, int x, int c) {
+    return (((size_t)n * s.h + y) * s.w + x) * s.c + c;
+}
+// split an element index of shape s into (n, y, x, c)
+static __device__ __forceinline__ void nhwc_coords(Shape s, size_t i, int *n, int *y, int *x, int *c) {
+    *c = (int)(i % s.c);
+    i /= s.c;
+    *x = (int)(i % s.w);
+    i /= s.w;
+    *y = (int)(i % s.h);
+    *n = (int)(i / s.h);
+}
+// which of the 2×2 window (row-major k = 0..3) at output (oy, ox) holds its first maximum
+static __device__ __forceinline__ int window_first_max(const void *x, DType dt, Shape s, int n, int oy, int ox, int c,
+                                                       float *max_value) {
+    int first = 0;
+    float m = -INFINITY;
+    for (int k = 0; k < 4; k++) {
+        float v = ld(x, dt, nhwc_at(s, n, 2 * oy + k / 2, 2 * ox + k % 2, c));
+        if (v > m) { m = v; first = k; }
+    }
+    *max_value = m;
+    return first;
+}
+
+// y[n,oy,ox,c] = max_{dy,dx ∈ {0,1}} x[n, 2·oy + dy, 2·ox + dx, c]
+__global__ void maxpool2_forward_kernel(void *y, DType dty, Shape t, const void *x, DType dtx, Shape s) {
+    const size_t n_out = shape_numel(t);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_out; i += (size_t)blockDim.x * gridDim.x) {
+        int n, oy, ox, c;
+        float m;
+        nhwc_coords(t, i, &n, &oy, &ox, &c);
+        window_first_max(x, dtx, s, n, oy, ox, c, &m);
+        st(y, dty, i, m);
+    }
+}
+static void maxpool2_forward_cuda(Ops *o, Tensor y, Tensor x) {
+    const size_t n = shape_numel(y.shape);
+    if (!n) return;
+    CU_LAUNCH(maxpool2_forward_kernel, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, y.shape, x.data, x.dtype,
+              x.shape);
+    launchCheck();
+}
+
+// dx gets dy of its window where it is the window's first maximum, else 0 (also
+// in the row/column past the floor)
+__global__ void maxpool2_backward_kernel(void *dx, DType dtdx, const void *dy, DType dtdy, Shape t, const void *x,
+                                         DType dtx, Shape s, int accumulate) {
+    const size_t n_in = shape_numel(s);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_in; i += (size_t)blockDim.x * gridDim.x) {
+        int n, iy, ix, c;
+        nhwc_coords(s, i, &n, &iy, &ix, &c);
+        const int oy = iy / 2, ox = ix / 2;
+        float g = 0.0f, m;
+        if (oy < t.h && ox < t.w && window_first_max(x, dtx, s, n, oy, ox, c, &m) == (iy - 2 * oy) * 2 + (ix - 2 * ox))
+            g = ld(dy, dtdy, nhwc_at(t, n, oy, ox, c));
+        st(dx, dtdx, i, accumulate ? ld(dx, dtdx, i) + g : g);
+    }
+}
+static void maxpool2_backward_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, int accumulate) {
+    const size_t n = shape_numel(x.shape);
+    if (!n || !dx.data) return;
+    CU_LAUNCH(maxpool2_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), dx.data, dx.dtype, dy.data, dy.dtype,
+              dy.shape, x.data, x.dtype, x.shape, accumulate);
+    launchCheck();
+}
+
+// y[n,oy,ox,c] = x[n, oy/2, ox/2, c]
+__global__ void upsample2_forward_kernel(void *y, DType dty, Shape t, const void *x, DType dtx, Shape s) {
+    const size_t n_out = shape_numel(t);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_out; i += (size_t)blockDim.x * gridDim.x) {
+        int n, oy, ox, c;
+        nhwc_coords(t, i, &n, &oy, &ox, &c);
+        st(y, dty, i, ld(x, dtx, nhwc_at(s, n, oy / 2, ox / 2, c)));
+    }
+}
+static void upsample2_forward_cuda(Ops *o, Tensor y, Tensor x) {
+    const size_t n = shape_numel(y.shape);
+    if (!n) return;
+    CU_LAUNCH(upsample2_forward_kernel, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, y.shape, x.data, x.dtype,
+              x.shape);
+    launchCheck();
+}
+
+// dx[n,iy,ix,c] = Σ of the 2×2 dy it was copied to, in row-major order
+__global__ void upsample2_backward_kernel(void *dx, DType dtdx, Shape s, const void *dy, DType dtdy, Shape t,
+                                          int accumulate) {
+    const size_t n_in = shape_numel(s);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_in; i += (size_t)blockDim.x * gridDim.x) {
+        int n, iy, ix, c;
+        nhwc_coords(s, i, &n, &iy, &ix, &c);
+        float g = 0.0f;
+        for (int k = 0; k < 4; k++) g += ld(dy, dtdy, nhwc_at(t, n, 2 * iy + k / 2, 2 * ix + k % 2, c));
+        st(dx, dtdx, i, accumulate ? ld(dx, dtdx, i) + g : g);
+    }
+}
+static void upsample2_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
+    const size_t n = shape_numel(dx.shape);
+    if (!n || !dx.data) return;
+    CU_LAUNCH(upsample2_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), dx.data, dx.dtype, dx.shape, dy.data,
+              dy.dtype, dy.shape, accumulate);
+    launchCheck();
+}
+
+// bilinear with half-pixel centres (the taps of segnet.h):
+//   y = (1-λy)·((1-λx)·x00 + λx·x01) + λy·((1-λx)·x10 + λx·x11)
+__global__ void resize_bilinear_forward_kernel(void *y, DType dty, Shape t, const void *x, DType dtx, Shape s) {
+    const size_t n_out = shape_numel(t);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_out; i += (size_t)blockDim.x * gridDim.x) {
+        int n, oy, ox, c;
+        nhwc_coords(t, i, &n, &oy, &ox, &c);
+        const BilinearTap ty = bilinear_tap(oy, s.h, t.h), tx = bilinear_tap(ox, s.w, t.w);
+        float top = (1.0f - tx.l) * ld(x, dtx, nhwc_at(s, n, ty.i0, tx.i0, c)) + tx.l * ld(x, dtx, nhwc_at(s, n, ty.i0, tx.i1, c));
+        float bot = (1.0f - tx.l) * ld(x, dtx, nhwc_at(s, n, ty.i1, tx.i0, c)) + tx.l * ld(x, dtx, nhwc_at(s, n, ty.i1, tx.i1, c));
+        st(y, dty, i, (1.0f - ty.l) * top + ty.l * bot);
+    }
+}
+static void resize_bilinear_forward_cuda(Ops *o, Tensor y, Tensor x) {
+    const size_t n = shape_numel(y.shape);
+    if (!n) return;
+    CU_LAUNCH(resize_bilinear_forward_kernel, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, y.shape, x.data,
+              x.dtype, x.shape);
+    launchCheck();
+}
+
+// The adjoint as a gather, as on the CPU (same outputs, same order):
+//   dx[n,iy,ix,c] (=|+=) Σ_{oy,ox} wy(oy,iy)·wx(ox,ix)·dy[n,oy,ox,c]
+__global__ void resize_bilinear_backward_kernel(void *dx, DType dtdx, Shape s, const void *dy, DType dtdy, Shape t,
+                                                int accumulate) {
+    const size_t n_in = shape_numel(s);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_in; i += (size_t)blockDim.x * gridDim.x) {
+        int n, iy, ix, c, oy0, oy1, ox0, ox1;
+        nhwc_coords(s, i, &n, &iy, &ix, &c);
+        tap_range(iy, s.h, t.h, &oy0, &oy1);
+        tap_range(ix, s.w, t.w, &ox0, &ox1);
+        float g = 0.0f;
+        for (int oy = oy0; oy <= oy1; oy++) {
+            float wy = tap_weight(bilinear_tap(oy, s.h, t.h), iy);
+            if (wy == 0.0f) continue;
+            for (int ox = ox0; ox <= ox1; ox++) {
+                float wx = tap_weight(bilinear_tap(ox, s.w, t.w), ix);
+                if (wx != 0.0f) g += wy * wx * ld(dy, dtdy, nhwc_at(t, n, oy, ox, c));
+            }
+        }
+        st(dx, dtdx, i, accumulate ? ld(dx, dtdx, i) + g : g);
+    }
+}
+static void resize_bilinear_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
+    const size_t n = shape_numel(dx.shape);
+    if (!n || !dx.data) return;
+    CU_LAUNCH(resize_bilinear_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), dx.data, dx.dtype, dx.shape,
+              dy.data, dy.dtype, dy.shape, accumulate);
+    launchCheck();
+}
+
+// ----------------------------------------------------------------------------
 // the CUDA ops table. Entries not filled in yet are NULL (the cuda_ops_complete
 // test lists them).
 
@@ -890,6 +1431,28 @@ static Ops make_ops_cuda(void) {
     o.softmax_xent = softmax_xent_cuda;
     o.confusion_accumulate = confusion_accumulate_cuda;
     o.adam_update = adam_update_cuda;
+    o.bn_stats = bn_stats_cuda;
+    o.bn_forward = bn_forward_cuda;
+    o.bn_update_running = bn_update_running_cuda;
+    o.bn_backward_reduce = bn_backward_reduce_cuda;
+    o.bn_backward_data = bn_backward_data_cuda;
+    o.act_forward = act_forward_cuda;
+    o.act_backward = act_backward_cuda;
+    o.global_avg_pool_forward = global_avg_pool_forward_cuda;
+    o.global_avg_pool_backward = global_avg_pool_backward_cuda;
+    o.channel_scale_forward = channel_scale_forward_cuda;
+    o.channel_scale_backward = channel_scale_backward_cuda;
+    o.add_forward = add_forward_cuda;
+    o.concat_forward = concat_forward_cuda;
+    o.concat_backward = concat_backward_cuda;
+    o.dropout_forward = dropout_forward_cuda;
+    o.dropout_backward = dropout_backward_cuda;
+    o.maxpool2_forward = maxpool2_forward_cuda;
+    o.maxpool2_backward = maxpool2_backward_cuda;
+    o.upsample2_forward = upsample2_forward_cuda;
+    o.upsample2_backward = upsample2_backward_cuda;
+    o.resize_bilinear_forward = resize_bilinear_forward_cuda;
+    o.resize_bilinear_backward = resize_bilinear_backward_cuda;
     return o;
 }
 Ops ops_cuda = make_ops_cuda();  // declared extern "C" in segnet.h
@@ -919,6 +1482,12 @@ int cuda_backend_open(int device, char *err) {
     cublasCheck(cublasCreate(&ctx.blas));
     cublasCheck(cublasSetStream(ctx.blas, ctx.stream));
     cudaCheck(cudaMalloc((void **)&ctx.reduce_partials, sizeof(double) * REDUCE_BLOCKS_MAX * REDUCE_WIDTH));
+    if ((e = cudaMalloc(&ctx.sums, SUMS_SCRATCH * sizeof(double))) != cudaSuccess) {
+        snprintf(err, SN_ERR_MAX, "CUDA device %d: cannot allocate %zu bytes of scratch (%s)", device,
+                 SUMS_SCRATCH * sizeof(double), cudaGetErrorString(e));
+        cudaGetLastError();
+        return -1;
+    }
     ops_cuda.ctx = &ctx;
     return 0;
 }

@@ -969,8 +969,6 @@ static void bn_update_running_cpu(Ops *o, float *run_mean, float *run_var, const
     }
 }
 
-static inline float bn_invstd(const float *var, int c, float eps) { return 1.0f / sqrtf(var[c] + eps); }
-
 static __attribute__((unused)) void bn_forward_ref(Tensor y, Tensor x, const float *mean, const float *var,
                            const float *gamma, const float *beta, float eps, Act act) {
     const int C = x.shape.c;
@@ -1589,21 +1587,7 @@ static void upsample2_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accumulate)
     }
 }
 
-// Bilinear, half-pixel centres: output o samples input coordinate
-//   src = (o + 0.5)·in/out - 0.5, clamped below at 0,
-// between i0 = floor(src) and i1 = min(i0 + 1, in - 1) with weight λ = src - i0.
-typedef struct { int i0, i1; float l; } BilinearTap;
-
-static BilinearTap bilinear_tap(int o, int in, int out) {
-    float src = ((float)o + 0.5f) * ((float)in / (float)out) - 0.5f;
-    if (src < 0.0f) src = 0.0f;
-    BilinearTap t;
-    t.i0 = (int)src;
-    if (t.i0 > in - 1) t.i0 = in - 1;
-    t.i1 = t.i0 + 1 < in ? t.i0 + 1 : in - 1;
-    t.l = src - (float)t.i0;
-    return t;
-}
+// Bilinear, half-pixel centres: the taps of segnet.h (bilinear_tap, tap_weight, tap_range).
 
 static void resize_bilinear_forward_cpu(Ops *o, Tensor y, Tensor x) {
     (void)o;
@@ -1623,20 +1607,6 @@ static void resize_bilinear_forward_cpu(Ops *o, Tensor y, Tensor x) {
             }
         }
     }
-}
-
-// weight with which output coordinate o (tap t) reads input coordinate i
-static float tap_weight(BilinearTap t, int i) {
-    return (t.i0 == i ? 1.0f - t.l : 0.0f) + (t.i1 == i ? t.l : 0.0f);
-}
-// A range of outputs that contains every output reading input i: those with
-// src in [i - 1, i + 1), widened by 2 for rounding and the clamps at the edges.
-static void tap_range(int i, int in, int out, int *lo, int *hi) {
-    float inv_scale = (float)out / (float)in;
-    *lo = (int)floorf(((float)i - 0.5f) * inv_scale - 0.5f) - 2;
-    *hi = (int)ceilf(((float)i + 1.5f) * inv_scale - 0.5f) + 2;
-    if (*lo < 0) *lo = 0;
-    if (*hi > out - 1) *hi = out - 1;
 }
 
 // The adjoint as a gather, each dx written once:

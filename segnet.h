@@ -145,6 +145,9 @@ static inline SN_HD float act_grad(Act a, float z) {
     }
 }
 
+// batch norm's 1/sqrt(var + eps), per channel
+static inline SN_HD float bn_invstd(const float *var, int c, float eps) { return 1.0f / sqrtf(var[c] + eps); }
+
 // ----------------------------------------------------------------------------
 // counter-based RNG: a uniform number is a pure function of (seed, counter),
 // so dropout masks are recomputed in backward (and in checkpoint recompute, and
@@ -222,6 +225,38 @@ static inline int conv_is_pointwise(const ConvCfg *cfg) {
 // one filter per channel: direct loops (kernels), no GEMM
 static inline int conv_is_depthwise(const ConvCfg *cfg) {
     return cfg->groups > 1 && cfg->groups == cfg->cin && cfg->cout == cfg->cin;
+}
+
+// ----------------------------------------------------------------------------
+// bilinear resampling geometry (the resize ops of both backends)
+//
+// Half-pixel centres: output o samples input coordinate
+//   src = (o + 0.5)·in/out - 0.5, clamped below at 0,
+// between i0 = floor(src) and i1 = min(i0 + 1, in - 1) with weight λ = src - i0.
+typedef struct { int i0, i1; float l; } BilinearTap;
+
+static inline SN_HD BilinearTap bilinear_tap(int o, int in, int out) {
+    float src = ((float)o + 0.5f) * ((float)in / (float)out) - 0.5f;
+    if (src < 0.0f) src = 0.0f;
+    BilinearTap t;
+    t.i0 = (int)src;
+    if (t.i0 > in - 1) t.i0 = in - 1;
+    t.i1 = t.i0 + 1 < in ? t.i0 + 1 : in - 1;
+    t.l = src - (float)t.i0;
+    return t;
+}
+// weight with which output coordinate o (tap t) reads input coordinate i
+static inline SN_HD float tap_weight(BilinearTap t, int i) {
+    return (t.i0 == i ? 1.0f - t.l : 0.0f) + (t.i1 == i ? t.l : 0.0f);
+}
+// A range of outputs that contains every output reading input i: those with
+// src in [i - 1, i + 1), widened by 2 for rounding and the clamps at the edges.
+static inline SN_HD void tap_range(int i, int in, int out, int *lo, int *hi) {
+    float inv_scale = (float)out / (float)in;
+    *lo = (int)floorf(((float)i - 0.5f) * inv_scale - 0.5f) - 2;
+    *hi = (int)ceilf(((float)i + 1.5f) * inv_scale - 0.5f) + 2;
+    if (*lo < 0) *lo = 0;
+    if (*hi > out - 1) *hi = out - 1;
 }
 
 // ----------------------------------------------------------------------------

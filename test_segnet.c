@@ -6000,6 +6000,392 @@ static void test_cuda_train_steps(void) {
                        runs[m].model, DT_NAME[dts[k]], runs[m].steps, cpu[0], cpu[runs[m].steps - 1], worst, tols[k]);
         }
 }
+
+// ---- batch norm, activations, squeeze-excitation, add/concat, dropout, pooling
+// and resampling. Destinations are pre-filled on both backends with NaN where the
+// op overwrites (an op that reads them fails) and with the same random values
+// where it adds into. Tolerances are relative to the largest |CPU value|:
+//   - ops that only move values, or add one pair (concat, add, upsample, maxpool,
+//     dropout's mask and scaling, x·s): 0 in fp32, the same bits; with
+//     `accumulate` a multiply-add may fuse into an FMA on one backend and not the
+//     other (CU_FMA: one fp32 rounding);
+//   - fp32 arithmetic (z of batch norm, exp in SiLU/sigmoid: CUDA's expf is
+//     within 2 ulp, glibc's correctly rounded; FMA contraction differs between
+//     compilers): a few fp32 roundings, stated per op;
+//   - fp16/bf16 outputs: in addition one rounding of the result to the storage
+//     type, where the fp32 values differ in their last bits across a rounding
+//     boundary (CU_ULP16: one ulp relative to the value, 2^-10 fp16, 2^-7 bf16).
+// Per-channel sums are fp64 on both backends (another order): a few fp32 roundings.
+
+#define CU_FMA 0x1p-23
+static double cu_ulp16(DType dt) { return dt == DT_F16 ? 0x1p-10 : dt == DT_BF16 ? 0x1p-7 : 0.0; }
+static double cu_tol(DType dt, double fp32_tol) { return fp32_tol + cu_ulp16(dt); }
+
+// err ≤ tol, printed with -v (the worst errors of the closing note)
+static void cu_expect(double err, double tol, const char *what, DType dt) {
+    if (g_verbose) printf("    %-40s %s err %.3g (tol %.3g)\n", what, DT_NAME[dt], err, tol);
+    CHECK(err <= tol, "%s %s: error %.3g > tolerance %.3g", what, DT_NAME[dt], err, tol);
+}
+// a destination: the same random values on both backends (accumulate), else NaN
+static CuPair cu_dest(Rng *r, Shape s, DType dt, int accumulate) {
+    float *v = accumulate ? randn(r, shape_numel(s), 1.0f) : NULL;
+    CuPair p = cu_pair(v, s, dt);
+    free(v);
+    return p;
+}
+// an fp32 device buffer against its CPU counterpart
+static double cu_floats_err(const float *dev, const float *host, size_t n) {
+    float *g = cu_to_host(dev, n, DT_F32);
+    double e = cu_rel_err(g, host, n, 1e-30);
+    free(g);
+    return e;
+}
+static float *cu_nans(size_t n) {
+    float *v = malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) v[i] = NAN;
+    return v;
+}
+static const char *const ACT_NAME[] = {"none", "relu", "silu", "sigmoid"};
+
+// small odd shapes; C = 37 spans two channel tiles of the reduction kernels; rows
+// from 15 (one chunk) to 126 (four chunks, the last partial)
+static const Shape CU_SHAPES[] = {{1, 5, 3, 5}, {2, 5, 7, 3}, {2, 9, 7, 13}, {2, 5, 5, 37}};
+#define CU_NSHAPES (int)(sizeof CU_SHAPES / sizeof CU_SHAPES[0])
+
+// statistics and running update; per (shape, storage type)
+static void test_cuda_bn_stats(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 81);
+    for (int si = 0; si < CU_NSHAPES; si++)
+        for (int dt = 0; dt < 3; dt++) {
+            const Shape s = CU_SHAPES[si];
+            const int C = s.c;
+            const size_t n = shape_numel(s), M = n / C;
+            float *xv = randn(&r, n, 2.0f);
+            for (size_t i = 0; i < n; i++) xv[i] += 1.5f + (float)(i % C);  // channel means far from 0
+            CuPair x = cu_pair(xv, s, (DType)dt);
+            float mean[C], var[C], *nan = cu_nans(C);
+            float *dmean = cu_floats(nan, C), *dvar = cu_floats(nan, C);
+            ops_cpu.bn_stats(&ops_cpu, x.cpu, mean, var);
+            o->bn_stats(o, x.gpu, dmean, dvar);
+            // fp64 sums in another order, rounded once to fp32; the deviations from the fp32 mean
+            cu_expect(cu_floats_err(dmean, mean, C), 4 * 0x1p-24, "bn_stats mean", (DType)dt);
+            cu_expect(cu_floats_err(dvar, var, C), 4 * 0x1p-24, "bn_stats var", (DType)dt);
+
+            float *rm = randn(&r, C, 1.0f), *rv = randn(&r, C, 1.0f);
+            for (int c = 0; c < C; c++) rv[c] = fabsf(rv[c]) + 0.1f;
+            float *drm = cu_floats(rm, C), *drv = cu_floats(rv, C);
+            ops_cpu.bn_update_running(&ops_cpu, rm, rv, mean, var, C, M, BN_MOMENTUM);
+            o->bn_update_running(o, drm, drv, dmean, dvar, C, M, BN_MOMENTUM);  // dmean, dvar: within 4 ulp of mean, var
+            // (1-m)·r + m·b: the batch statistics' 4 ulp, two products and a sum (FMA or not)
+            cu_expect(cu_floats_err(drm, rm, C), 8 * 0x1p-24, "bn_update_running mean", (DType)dt);
+            cu_expect(cu_floats_err(drv, rv, C), 8 * 0x1p-24, "bn_update_running var", (DType)dt);
+            o->free(o, dmean); o->free(o, dvar); o->free(o, drm); o->free(o, drv);
+            free(rm); free(rv); free(nan); free(xv);
+            cu_pair_free(&x);
+        }
+}
+
+// forward, backward_reduce and backward_data, every activation, training (batch
+// statistics, count = M) and inference (running statistics, count = 0), both
+// accumulate modes. Each op gets the CPU's inputs (statistics, sums), so each is
+// measured alone.
+static void test_cuda_bn_forward_backward(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 82);
+    for (int si = 0; si < CU_NSHAPES; si++)
+        for (int dt = 0; dt < 3; dt++)
+            for (int training = 0; training < 2; training++) {
+                const Shape s = CU_SHAPES[si];
+                const int C = s.c;
+                const size_t n = shape_numel(s), M = n / C;
+                const float eps = BN_EPS_EFFNET;
+                float *xv = randn(&r, n, 2.0f), *dyv = randn(&r, n, 1.0f);
+                for (size_t i = 0; i < n; i++) xv[i] += 1.5f;
+                CuPair x = cu_pair(xv, s, (DType)dt), dy = cu_pair(dyv, s, (DType)dt);
+                float mean[C], var[C], *gamma = randn(&r, C, 0.5f), *beta = randn(&r, C, 0.5f);
+                for (int c = 0; c < C; c++) gamma[c] += 1.0f;
+                if (training) ops_cpu.bn_stats(&ops_cpu, x.cpu, mean, var);
+                else for (int c = 0; c < C; c++) { mean[c] = 1.5f + 0.3f * rng_normal(&r); var[c] = 2.0f + rng_float(&r); }
+                float *dmean = cu_floats(mean, C), *dvar = cu_floats(var, C);
+                float *dgamma_v = cu_floats(gamma, C), *dbeta_v = cu_floats(beta, C);
+                for (int a = 0; a < 4; a++) {
+                    char what[64];
+                    // forward: z to the same bits but for FMA contraction (1 ulp of z), the
+                    // activation's exp (2 ulp on a GPU): 8 fp32 roundings of the largest |y|
+                    CuPair y = cu_pair(NULL, s, (DType)dt);
+                    ops_cpu.bn_forward(&ops_cpu, y.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a);
+                    o->bn_forward(o, y.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a);
+                    snprintf(what, sizeof what, "bn_forward %s %s", training ? "train" : "infer", ACT_NAME[a]);
+                    cu_expect(cu_pair_err(y), cu_tol((DType)dt, 8 * 0x1p-24), what, (DType)dt);
+                    cu_pair_free(&y);
+
+                    // reduce: sums overwritten (NaN before), dgamma/dbeta added into (random before).
+                    // fp64 sums of the same g, g·xhat but for their last bits: 16 fp32 roundings
+                    float sg[C], sgx[C], *dg = randn(&r, C, 1.0f), *db = randn(&r, C, 1.0f), *nan = cu_nans(C);
+                    float *dsg = cu_floats(nan, C), *dsgx = cu_floats(nan, C), *ddg = cu_floats(dg, C), *ddb = cu_floats(db, C);
+                    ops_cpu.bn_backward_reduce(&ops_cpu, dy.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a, sg, sgx, dg, db);
+                    o->bn_backward_reduce(o, dy.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a, dsg, dsgx, ddg, ddb);
+                    snprintf(what, sizeof what, "bn_backward_reduce %s %s", training ? "train" : "infer", ACT_NAME[a]);
+                    double e = fmax(fmax(cu_floats_err(dsg, sg, C), cu_floats_err(dsgx, sgx, C)),
+                                    fmax(cu_floats_err(ddg, dg, C), cu_floats_err(ddb, db, C)));
+                    cu_expect(e, 16 * 0x1p-24, what, (DType)dt);
+
+                    // data: g - (sum_g + xhat·sum_gx)/count cancels: 32 fp32 roundings of the largest |dx|;
+                    // inference passes NULL sums (count 0 must not read them)
+                    float *dsg_cpu = cu_floats(sg, C), *dsgx_cpu = cu_floats(sgx, C);
+                    for (int acc = 0; acc < 2; acc++) {
+                        CuPair dx = cu_dest(&r, s, (DType)dt, acc);
+                        ops_cpu.bn_backward_data(&ops_cpu, dx.cpu, dy.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a,
+                                                 training ? sg : NULL, training ? sgx : NULL, training ? M : 0, acc);
+                        o->bn_backward_data(o, dx.gpu, dy.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a,
+                                            training ? dsg_cpu : NULL, training ? dsgx_cpu : NULL, training ? M : 0, acc);
+                        snprintf(what, sizeof what, "bn_backward_data %s %s acc %d", training ? "train" : "infer",
+                                 ACT_NAME[a], acc);
+                        cu_expect(cu_pair_err(dx), cu_tol((DType)dt, 32 * 0x1p-24), what, (DType)dt);
+                        cu_pair_free(&dx);
+                    }
+                    o->free(o, dsg); o->free(o, dsgx); o->free(o, ddg); o->free(o, ddb);
+                    o->free(o, dsg_cpu); o->free(o, dsgx_cpu);
+                    free(dg); free(db); free(nan);
+                }
+                o->free(o, dmean); o->free(o, dvar); o->free(o, dgamma_v); o->free(o, dbeta_v);
+                free(xv); free(dyv); free(gamma); free(beta);
+                cu_pair_free(&x); cu_pair_free(&dy);
+            }
+}
+
+// y = act(x), dx (=|+=) dy·act'(x); exp as in batch norm: 8 fp32 roundings
+static void test_cuda_act(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 83);
+    const Shape s = shape4(2, 7, 5, 13);
+    const size_t n = shape_numel(s);
+    for (int dt = 0; dt < 3; dt++)
+        for (int a = 0; a < 4; a++) {
+            char what[64];
+            float *xv = randn(&r, n, 3.0f), *dyv = randn(&r, n, 1.0f);
+            CuPair x = cu_pair(xv, s, (DType)dt), dy = cu_pair(dyv, s, (DType)dt), y = cu_pair(NULL, s, (DType)dt);
+            ops_cpu.act_forward(&ops_cpu, (Act)a, y.cpu, x.cpu);
+            o->act_forward(o, (Act)a, y.gpu, x.gpu);
+            snprintf(what, sizeof what, "act_forward %s", ACT_NAME[a]);
+            cu_expect(cu_pair_err(y), cu_tol((DType)dt, 8 * 0x1p-24), what, (DType)dt);
+            for (int acc = 0; acc < 2; acc++) {
+                CuPair dx = cu_dest(&r, s, (DType)dt, acc);
+                ops_cpu.act_backward(&ops_cpu, (Act)a, dx.cpu, dy.cpu, x.cpu, acc);
+                o->act_backward(o, (Act)a, dx.gpu, dy.gpu, x.gpu, acc);
+                snprintf(what, sizeof what, "act_backward %s acc %d", ACT_NAME[a], acc);
+                cu_expect(cu_pair_err(dx), cu_tol((DType)dt, 8 * 0x1p-24), what, (DType)dt);
+                cu_pair_free(&dx);
+            }
+            cu_pair_free(&x); cu_pair_free(&dy); cu_pair_free(&y);
+            free(xv); free(dyv);
+        }
+}
+
+// pooling (fp64 sums: 4 fp32 roundings), its backward and the scale (one product:
+// the same bits, CU_FMA with accumulate), the scale's ds (fp64 sums); dx or ds
+// not wanted (NULL) in some cases
+static void test_cuda_squeeze_excitation(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 84);
+    for (int si = 0; si < CU_NSHAPES; si++)
+        for (int dt = 0; dt < 3; dt++) {
+            const Shape s = CU_SHAPES[si], sp = shape4(s.n, 1, 1, s.c);
+            const size_t n = shape_numel(s), np = shape_numel(sp);
+            float *xv = randn(&r, n, 1.0f), *dyv = randn(&r, n, 1.0f), *sv = randn(&r, np, 1.0f), *dpv = randn(&r, np, 1.0f);
+            for (size_t i = 0; i < n; i++) xv[i] += 1.0f;
+            CuPair x = cu_pair(xv, s, (DType)dt), dy = cu_pair(dyv, s, (DType)dt);
+            CuPair sc = cu_pair(sv, sp, (DType)dt), dpool = cu_pair(dpv, sp, (DType)dt);
+            CuPair pooled = cu_pair(NULL, sp, (DType)dt), y = cu_pair(NULL, s, (DType)dt);
+            ops_cpu.global_avg_pool_forward(&ops_cpu, pooled.cpu, x.cpu);
+            o->global_avg_pool_forward(o, pooled.gpu, x.gpu);
+            cu_expect(cu_pair_err(pooled), cu_tol((DType)dt, 4 * 0x1p-24), "global_avg_pool_forward", (DType)dt);
+            ops_cpu.channel_scale_forward(&ops_cpu, y.cpu, x.cpu, sc.cpu);
+            o->channel_scale_forward(o, y.gpu, x.gpu, sc.gpu);
+            cu_expect(cu_pair_err(y), 0.0, "channel_scale_forward", (DType)dt);
+            for (int acc = 0; acc < 2; acc++) {
+                char what[64];
+                CuPair dx = cu_dest(&r, s, (DType)dt, acc);
+                ops_cpu.global_avg_pool_backward(&ops_cpu, dx.cpu, dpool.cpu, acc);
+                o->global_avg_pool_backward(o, dx.gpu, dpool.gpu, acc);
+                snprintf(what, sizeof what, "global_avg_pool_backward acc %d", acc);
+                cu_expect(cu_pair_err(dx), acc ? cu_tol((DType)dt, CU_FMA) : 0.0, what, (DType)dt);
+                cu_pair_free(&dx);
+                // (dx, ds) wanted: both; dx only; ds only
+                for (int want = 0; want < 3; want++) {
+                    CuPair dxs = cu_dest(&r, s, (DType)dt, acc), ds = cu_dest(&r, sp, (DType)dt, !acc);
+                    Tensor dx_c = dxs.cpu, dx_g = dxs.gpu, ds_c = ds.cpu, ds_g = ds.gpu;
+                    if (want == 2) dx_c.data = dx_g.data = NULL;
+                    if (want == 1) ds_c.data = ds_g.data = NULL;
+                    ops_cpu.channel_scale_backward(&ops_cpu, dx_c, ds_c, dy.cpu, x.cpu, sc.cpu, acc, !acc);
+                    o->channel_scale_backward(o, dx_g, ds_g, dy.gpu, x.gpu, sc.gpu, acc, !acc);
+                    if (want != 2) {
+                        snprintf(what, sizeof what, "channel_scale_backward dx acc %d", acc);
+                        cu_expect(cu_pair_err(dxs), acc ? cu_tol((DType)dt, CU_FMA) : 0.0, what, (DType)dt);
+                    }
+                    if (want != 1) {
+                        snprintf(what, sizeof what, "channel_scale_backward ds acc %d", !acc);
+                        cu_expect(cu_pair_err(ds), cu_tol((DType)dt, 4 * 0x1p-24), what, (DType)dt);
+                    }
+                    cu_pair_free(&dxs); cu_pair_free(&ds);
+                }
+            }
+            cu_pair_free(&x); cu_pair_free(&dy); cu_pair_free(&sc); cu_pair_free(&dpool);
+            cu_pair_free(&pooled); cu_pair_free(&y);
+            free(xv); free(dyv); free(sv); free(dpv);
+        }
+}
+
+// a + b (one sum), concat and its split (copies; one sum with accumulate): the same bits
+static void test_cuda_add_concat(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 85);
+    for (int dt = 0; dt < 3; dt++) {
+        const Shape sa = shape4(2, 5, 7, 5), sb = shape4(2, 5, 7, 13), sy = shape4(2, 5, 7, 18);
+        float *av = randn(&r, shape_numel(sa), 1.0f), *bv = randn(&r, shape_numel(sa), 1.0f);
+        float *cv = randn(&r, shape_numel(sb), 1.0f), *dyv = randn(&r, shape_numel(sy), 1.0f);
+        CuPair a = cu_pair(av, sa, (DType)dt), b = cu_pair(bv, sa, (DType)dt), cb = cu_pair(cv, sb, (DType)dt);
+        CuPair sum = cu_pair(NULL, sa, (DType)dt), cat = cu_pair(NULL, sy, (DType)dt), dy = cu_pair(dyv, sy, (DType)dt);
+        ops_cpu.add_forward(&ops_cpu, sum.cpu, a.cpu, b.cpu);
+        o->add_forward(o, sum.gpu, a.gpu, b.gpu);
+        cu_expect(cu_pair_err(sum), 0.0, "add_forward", (DType)dt);
+        ops_cpu.concat_forward(&ops_cpu, cat.cpu, a.cpu, cb.cpu);
+        o->concat_forward(o, cat.gpu, a.gpu, cb.gpu);
+        cu_expect(cu_pair_err(cat), 0.0, "concat_forward", (DType)dt);
+        // (accumulate_a, accumulate_b) all four; da or db not wanted
+        for (int mode = 0; mode < 6; mode++) {
+            int acc_a = mode & 1, acc_b = (mode >> 1) & 1;
+            CuPair da = cu_dest(&r, sa, (DType)dt, acc_a), db = cu_dest(&r, sb, (DType)dt, acc_b);
+            Tensor da_c = da.cpu, da_g = da.gpu, db_c = db.cpu, db_g = db.gpu;
+            if (mode == 4) da_c.data = da_g.data = NULL;
+            if (mode == 5) db_c.data = db_g.data = NULL;
+            ops_cpu.concat_backward(&ops_cpu, da_c, db_c, dy.cpu, acc_a, acc_b);
+            o->concat_backward(o, da_g, db_g, dy.gpu, acc_a, acc_b);
+            char what[64];
+            snprintf(what, sizeof what, "concat_backward mode %d", mode);
+            if (mode != 4) cu_expect(cu_pair_err(da), 0.0, what, (DType)dt);
+            if (mode != 5) cu_expect(cu_pair_err(db), 0.0, what, (DType)dt);
+            cu_pair_free(&da); cu_pair_free(&db);
+        }
+        cu_pair_free(&a); cu_pair_free(&b); cu_pair_free(&cb); cu_pair_free(&sum); cu_pair_free(&cat);
+        cu_pair_free(&dy);
+        free(av); free(bv); free(cv); free(dyv);
+    }
+}
+
+// dropout and drop-path: the counter-based masks are the same bits, so the outputs
+// are (one product each; CU_FMA with accumulate). Both masks keep and drop something.
+static void test_cuda_dropout(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 86);
+    const Shape s = shape4(8, 3, 5, 7);
+    const size_t n = shape_numel(s);
+    for (int dt = 0; dt < 3; dt++)
+        for (int per_sample = 0; per_sample < 2; per_sample++)
+            for (int ri = 0; ri < 2; ri++) {
+                const float rate = ri ? 0.5f : 0.2f;
+                const uint64_t seed = 1000 + 2 * per_sample + ri;  // per sample: drops 3 of 8 samples at either rate
+                float *xv = randn(&r, n, 1.0f);
+                for (size_t i = 0; i < n; i++) xv[i] += xv[i] >= 0 ? 0.5f : -0.5f;  // no zeros: a 0 out is a drop
+                CuPair x = cu_pair(xv, s, (DType)dt), y = cu_pair(NULL, s, (DType)dt);
+                ops_cpu.dropout_forward(&ops_cpu, y.cpu, x.cpu, rate, seed, per_sample);
+                o->dropout_forward(o, y.gpu, x.gpu, rate, seed, per_sample);
+                char what[64];
+                snprintf(what, sizeof what, "dropout_forward %s rate %.1f", per_sample ? "sample" : "element", rate);
+                cu_expect(cu_pair_err(y), 0.0, what, (DType)dt);
+                float *yg = cu_to_host(y.gpu.data, n, (DType)dt);
+                size_t dropped = 0;
+                for (size_t i = 0; i < n; i++) dropped += yg[i] == 0.0f;
+                CHECK(dropped > 0 && dropped < n, "%s: %zu of %zu dropped", what, dropped, n);
+                free(yg);
+                for (int acc = 0; acc < 2; acc++) {
+                    CuPair dx = cu_dest(&r, s, (DType)dt, acc);
+                    ops_cpu.dropout_backward(&ops_cpu, dx.cpu, x.cpu, rate, seed, per_sample, acc);
+                    o->dropout_backward(o, dx.gpu, x.gpu, rate, seed, per_sample, acc);
+                    snprintf(what, sizeof what, "dropout_backward %s rate %.1f acc %d", per_sample ? "sample" : "element",
+                             rate, acc);
+                    cu_expect(cu_pair_err(dx), acc ? cu_tol((DType)dt, CU_FMA) : 0.0, what, (DType)dt);
+                    cu_pair_free(&dx);
+                }
+                cu_pair_free(&x); cu_pair_free(&y);
+                free(xv);
+            }
+}
+
+// max-pool on small integers (ties in most windows: the gradient goes to the
+// first maximum in row-major order), odd sizes (the floor drops a row/column);
+// nearest upsampling: copies and sums of 4 in the CPU's order, the same bits
+static void test_cuda_pool_upsample(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 87);
+    const Shape shapes[] = {{2, 5, 7, 3}, {2, 9, 9, 5}, {1, 4, 6, 13}};
+    for (int si = 0; si < 3; si++)
+        for (int dt = 0; dt < 3; dt++) {
+            const Shape s = shapes[si], sp = shape4(s.n, s.h / 2, s.w / 2, s.c), su = shape4(s.n, 2 * s.h, 2 * s.w, s.c);
+            float *xv = malloc(shape_numel(s) * sizeof(float)), *dpv = randn(&r, shape_numel(sp), 1.0f);
+            float *duv = randn(&r, shape_numel(su), 1.0f);
+            for (size_t i = 0; i < shape_numel(s); i++) xv[i] = (float)(rng_next(&r) % 3);
+            CuPair x = cu_pair(xv, s, (DType)dt), dp = cu_pair(dpv, sp, (DType)dt), du = cu_pair(duv, su, (DType)dt);
+            CuPair yp = cu_pair(NULL, sp, (DType)dt), yu = cu_pair(NULL, su, (DType)dt);
+            ops_cpu.maxpool2_forward(&ops_cpu, yp.cpu, x.cpu);
+            o->maxpool2_forward(o, yp.gpu, x.gpu);
+            cu_expect(cu_pair_err(yp), 0.0, "maxpool2_forward", (DType)dt);
+            ops_cpu.upsample2_forward(&ops_cpu, yu.cpu, x.cpu);
+            o->upsample2_forward(o, yu.gpu, x.gpu);
+            cu_expect(cu_pair_err(yu), 0.0, "upsample2_forward", (DType)dt);
+            for (int acc = 0; acc < 2; acc++) {
+                char what[64];
+                CuPair dx = cu_dest(&r, s, (DType)dt, acc);
+                ops_cpu.maxpool2_backward(&ops_cpu, dx.cpu, dp.cpu, x.cpu, acc);
+                o->maxpool2_backward(o, dx.gpu, dp.gpu, x.gpu, acc);
+                snprintf(what, sizeof what, "maxpool2_backward acc %d", acc);
+                cu_expect(cu_pair_err(dx), 0.0, what, (DType)dt);
+                cu_pair_free(&dx);
+                dx = cu_dest(&r, s, (DType)dt, acc);
+                ops_cpu.upsample2_backward(&ops_cpu, dx.cpu, du.cpu, acc);
+                o->upsample2_backward(o, dx.gpu, du.gpu, acc);
+                snprintf(what, sizeof what, "upsample2_backward acc %d", acc);
+                cu_expect(cu_pair_err(dx), 0.0, what, (DType)dt);
+                cu_pair_free(&dx);
+            }
+            cu_pair_free(&x); cu_pair_free(&dp); cu_pair_free(&du); cu_pair_free(&yp); cu_pair_free(&yu);
+            free(xv); free(dpv); free(duv);
+        }
+}
+
+// bilinear resize up, down, to the same size and mixed. The taps are the shared
+// ones of segnet.h, but FMA contraction of src = (o + 0.5)·in/out - 0.5 on one
+// backend only moves src, and so λ, by up to an ulp of src (2^-20 for src < 16
+// here), which moves y by 2^-20·|x1 - x0|: forward 4·2^-20 of max |y| (~ max |x|);
+// the gather sums a few such terms per dx: 8·2^-20
+static void test_cuda_resize_bilinear(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 88);
+    const Shape from[] = {{2, 5, 7, 3}, {2, 9, 9, 5}, {1, 7, 5, 13}, {2, 2, 3, 3}};
+    const int to[][2] = {{9, 13}, {5, 7}, {7, 5}, {7, 4}};
+    for (int k = 0; k < 4; k++)
+        for (int dt = 0; dt < 3; dt++) {
+            const Shape s = from[k], t = shape4(s.n, to[k][0], to[k][1], s.c);
+            float *xv = randn(&r, shape_numel(s), 1.0f), *dyv = randn(&r, shape_numel(t), 1.0f);
+            CuPair x = cu_pair(xv, s, (DType)dt), dy = cu_pair(dyv, t, (DType)dt), y = cu_pair(NULL, t, (DType)dt);
+            char what[64];
+            ops_cpu.resize_bilinear_forward(&ops_cpu, y.cpu, x.cpu);
+            o->resize_bilinear_forward(o, y.gpu, x.gpu);
+            snprintf(what, sizeof what, "resize_bilinear_forward %dx%d->%dx%d", s.h, s.w, t.h, t.w);
+            cu_expect(cu_pair_err(y), cu_tol((DType)dt, 4 * 0x1p-20), what, (DType)dt);
+            for (int acc = 0; acc < 2; acc++) {
+                CuPair dx = cu_dest(&r, s, (DType)dt, acc);
+                ops_cpu.resize_bilinear_backward(&ops_cpu, dx.cpu, dy.cpu, acc);
+                o->resize_bilinear_backward(o, dx.gpu, dy.gpu, acc);
+                snprintf(what, sizeof what, "resize_bilinear_backward %dx%d->%dx%d acc %d", s.h, s.w, t.h, t.w, acc);
+                cu_expect(cu_pair_err(dx), cu_tol((DType)dt, 8 * 0x1p-20), what, (DType)dt);
+                cu_pair_free(&dx);
+            }
+            cu_pair_free(&x); cu_pair_free(&dy); cu_pair_free(&y);
+            free(xv); free(dyv);
+        }
+}
 #endif
 
 // ----------------------------------------------------------------------------
@@ -6164,6 +6550,14 @@ static const Test TESTS[] = {
     {"cuda_alloc_counts", test_cuda_alloc_counts},
     {"cuda_ops_complete", test_cuda_ops_complete},
     {"cuda_train_steps", test_cuda_train_steps},
+    {"cuda_bn_stats", test_cuda_bn_stats},
+    {"cuda_bn_forward_backward", test_cuda_bn_forward_backward},
+    {"cuda_act", test_cuda_act},
+    {"cuda_squeeze_excitation", test_cuda_squeeze_excitation},
+    {"cuda_add_concat", test_cuda_add_concat},
+    {"cuda_dropout", test_cuda_dropout},
+    {"cuda_pool_upsample", test_cuda_pool_upsample},
+    {"cuda_resize_bilinear", test_cuda_resize_bilinear},
 #endif
 };
 
