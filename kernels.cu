@@ -919,7 +919,8 @@ __global__ void channel_sums_kernel(F f, E e, double *partial, size_t rows, int 
 
 template <int NQ, class E>
 __global__ void channel_sums_finish_kernel(E e, const double *partial, int G, int C, int chunks) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)G * C; i += (size_t)blockDim.x * gridDim.x) {
+    const size_t n = (size_t)G * C;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
         const int g = (int)(i / C), c = (int)(i % C);
         double s[NQ];
         for (int q = 0; q < NQ; q++) {
@@ -1362,8 +1363,10 @@ __global__ void resize_bilinear_forward_kernel(void *y, DType dty, Shape t, cons
         int n, oy, ox, c;
         nhwc_coords(t, i, &n, &oy, &ox, &c);
         const BilinearTap ty = bilinear_tap(oy, s.h, t.h), tx = bilinear_tap(ox, s.w, t.w);
-        float top = (1.0f - tx.l) * ld(x, dtx, nhwc_at(s, n, ty.i0, tx.i0, c)) + tx.l * ld(x, dtx, nhwc_at(s, n, ty.i0, tx.i1, c));
-        float bot = (1.0f - tx.l) * ld(x, dtx, nhwc_at(s, n, ty.i1, tx.i0, c)) + tx.l * ld(x, dtx, nhwc_at(s, n, ty.i1, tx.i1, c));
+        const float x00 = ld(x, dtx, nhwc_at(s, n, ty.i0, tx.i0, c)), x01 = ld(x, dtx, nhwc_at(s, n, ty.i0, tx.i1, c));
+        const float x10 = ld(x, dtx, nhwc_at(s, n, ty.i1, tx.i0, c)), x11 = ld(x, dtx, nhwc_at(s, n, ty.i1, tx.i1, c));
+        float top = (1.0f - tx.l) * x00 + tx.l * x01;
+        float bot = (1.0f - tx.l) * x10 + tx.l * x11;
         st(y, dty, i, (1.0f - ty.l) * top + ty.l * bot);
     }
 }
