@@ -6048,8 +6048,8 @@ static float *cu_nans(size_t n) {
 static const char *const ACT_NAME[] = {"none", "relu", "silu", "sigmoid"};
 
 // small odd shapes; C = 37 spans two channel tiles of the reduction kernels; rows
-// from 15 (one chunk) to 126 (four chunks, the last partial)
-static const Shape CU_SHAPES[] = {{1, 5, 3, 5}, {2, 5, 7, 3}, {2, 9, 7, 13}, {2, 5, 5, 37}};
+// from 15 (one chunk) to 2046 (64 chunks, the last partial; 1023 per image in squeeze-excitation)
+static const Shape CU_SHAPES[] = {{1, 5, 3, 5}, {2, 5, 7, 3}, {2, 9, 7, 13}, {2, 5, 5, 37}, {2, 33, 31, 3}};
 #define CU_NSHAPES (int)(sizeof CU_SHAPES / sizeof CU_SHAPES[0])
 
 // statistics and running update; per (shape, storage type)
