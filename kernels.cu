@@ -1123,8 +1123,8 @@ static void global_avg_pool_forward_cuda(Ops *o, Tensor y, Tensor x) {
                     HW, C);
 }
 
-// dst[i] (=|+=) src[n,c]·a for the element i = ((n·H + h)·W + w)·C + c of dst (N,H,W,C);
-// src (N,1,1,C). b given: times b[i] as well (a = 1).
+// dst[i] (=|+=) b[i]·src[n,c], or src[n,c]·a where b is NULL, for the element
+// i = ((n·H + h)·W + w)·C + c of dst (N,H,W,C), b likewise; src (N,1,1,C)
 __global__ void per_image_channel_kernel(void *dst, DType dt_dst, const void *src, DType dt_src, const void *b,
                                          DType dt_b, float a, size_t n, size_t HWC, int C, int accumulate) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
@@ -1133,7 +1133,8 @@ __global__ void per_image_channel_kernel(void *dst, DType dt_dst, const void *sr
         st(dst, dt_dst, i, accumulate ? ld(dst, dt_dst, i) + v : v);
     }
 }
-static void per_image_channel(Ops *o, Tensor dst, Tensor src, const void *b, DType dt_b, float a, int accumulate) {
+static void per_image_channel(Ops *o, Tensor dst, Tensor src, const void *b, DType dt_b, float a,
+                              int accumulate) {
     const size_t n = shape_numel(dst.shape), HWC = (size_t)dst.shape.h * dst.shape.w * dst.shape.c;
     if (!n) return;
     CU_LAUNCH(per_image_channel_kernel, grid_for(n), BLOCK, 0, stream_of(o), dst.data, dst.dtype, src.data, src.dtype,
