@@ -5983,22 +5983,30 @@ static void test_cuda_train_steps(void) {
     if (!cu_ops_complete("cuda_train_steps")) return;
     const struct { const char *model; int steps; } runs[2] = {{"unet", 4}, {"unet-effv2-t", 2}};
     const DType dts[2] = {DT_F32, DT_BF16};
+    // bf16: the two backends round different partial sums (conv accumulation order),
+    // so each bf16 run is its own rounding noise around the fp32 run; two of them
+    // differ by up to about twice the CPU's bf16-vs-fp32 difference (3× here), at
+    // least 1e-2
     const double tols[2] = {2e-5, 1e-2};
-    for (int m = 0; m < 2; m++)
+    for (int m = 0; m < 2; m++) {
+        double cpu_f32[4];
         for (int k = 0; k < 2; k++) {
             double cpu[4], gpu[4], worst = 0.0;
             cu_train_losses(runs[m].model, 32, dts[k], DEVICE_CPU, runs[m].steps, cpu);
             cu_train_losses(runs[m].model, 32, dts[k], DEVICE_CUDA, runs[m].steps, gpu);
+            if (k == 0) memcpy(cpu_f32, cpu, sizeof cpu);
             for (int s = 0; s < runs[m].steps; s++) {
                 double e = fabs(gpu[s] - cpu[s]) / fabs(cpu[s]);
+                double tol = k == 0 ? tols[0] : fmax(tols[1], 3.0 * fabs(cpu[s] - cpu_f32[s]) / fabs(cpu[s]));
                 if (!(e <= worst)) worst = e;  // NaN too
-                CHECK(e <= tols[k], "%s %s step %d: loss %.9g on cuda, %.9g on the CPU (relative error %.3g > %.1g)",
-                      runs[m].model, DT_NAME[dts[k]], s + 1, gpu[s], cpu[s], e, tols[k]);
+                CHECK(e <= tol, "%s %s step %d: loss %.9g on cuda, %.9g on the CPU (relative error %.3g > %.2g)",
+                      runs[m].model, DT_NAME[dts[k]], s + 1, gpu[s], cpu[s], e, tol);
             }
             if (g_verbose)
                 printf("      %-13s %s: %d steps, loss %.6f .. %.6f, worst relative difference %.3g (tolerance %.1g)\n",
                        runs[m].model, DT_NAME[dts[k]], runs[m].steps, cpu[0], cpu[runs[m].steps - 1], worst, tols[k]);
         }
+    }
 }
 
 // ---- batch norm, activations, squeeze-excitation, add/concat, dropout, pooling
