@@ -1224,27 +1224,29 @@ static void concat_backward_cuda(Ops *o, Tensor da, Tensor db, Tensor dy, int ac
 //   masks are the same bits; out (=|+=) in·keep/(1 - rate)
 
 __global__ void dropout_kernel(void *out, DType dt_out, const void *in, DType dt_in, size_t n, size_t per_draw,
-                               float rate, uint64_t seed, int accumulate) {
-    const float kept = 1.0f / (1.0f - rate);
+                               float rate, uint64_t seed, uint64_t first, int accumulate) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        float v = ld(in, dt_in, i) * (rng_uniform(seed, i / per_draw) >= rate ? kept : 0.0f);
+        float v = ld(in, dt_in, i) * dropout_factor(rate, seed, first + i, per_draw);
         st(out, dt_out, i, accumulate ? ld(out, dt_out, i) + v : v);
     }
 }
-static void dropout(Ops *o, Tensor out, Tensor in, float rate, uint64_t seed, int per_sample, int accumulate) {
+// element i of the tensor is element first_sample·E + i of the step (E = H·W·C)
+static void dropout(Ops *o, Tensor out, Tensor in, float rate, uint64_t seed, int per_sample, uint64_t first_sample,
+                    int accumulate) {
     const size_t n = shape_numel(in.shape);
     if (!n || !out.data) return;
-    const size_t per_draw = per_sample ? n / in.shape.n : 1;
+    const size_t E = n / in.shape.n, per_draw = per_sample ? E : 1;
     CU_LAUNCH(dropout_kernel, grid_for(n), BLOCK, 0, stream_of(o), out.data, out.dtype, in.data, in.dtype, n, per_draw,
-              rate, seed, accumulate);
+              rate, seed, (uint64_t)(first_sample * E), accumulate);
     launchCheck();
 }
-static void dropout_forward_cuda(Ops *o, Tensor y, Tensor x, float rate, uint64_t seed, int per_sample) {
-    dropout(o, y, x, rate, seed, per_sample, 0);
+static void dropout_forward_cuda(Ops *o, Tensor y, Tensor x, float rate, uint64_t seed, int per_sample,
+                                 uint64_t first_sample) {
+    dropout(o, y, x, rate, seed, per_sample, first_sample, 0);
 }
 static void dropout_backward_cuda(Ops *o, Tensor dx, Tensor dy, float rate, uint64_t seed, int per_sample,
-                                  int accumulate) {
-    dropout(o, dx, dy, rate, seed, per_sample, accumulate);
+                                  uint64_t first_sample, int accumulate) {
+    dropout(o, dx, dy, rate, seed, per_sample, first_sample, accumulate);
 }
 
 // ----------------------------------------------------------------------------

@@ -1489,23 +1489,21 @@ static void concat_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int acc
 //   keep_i = rng_uniform(seed, i) >= rate, i the element (dropout) or the sample (drop-path)
 //   y = x·keep/(1 - rate),  dx = dy·keep/(1 - rate)
 
-static inline float dropout_factor(float rate, uint64_t seed, size_t i, size_t per_draw) {
-    return rng_uniform(seed, i / per_draw) >= rate ? 1.0f / (1.0f - rate) : 0.0f;
-}
-
-static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, float rate, uint64_t seed, int per_sample) {
+static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, float rate, uint64_t seed, int per_sample,
+                                uint64_t first_sample) {
     (void)o;
-    size_t n = shape_numel(x.shape), per_draw = per_sample ? n / x.shape.n : 1;
+    const size_t n = shape_numel(x.shape), E = n / x.shape.n, per_draw = per_sample ? E : 1;
     #pragma omp parallel for schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++) st(y, i, ld(x, i) * dropout_factor(rate, seed, i, per_draw));
+    for (size_t i = 0; i < n; i++) st(y, i, ld(x, i) * dropout_factor(rate, seed, first_sample * E + i, per_draw));
 }
 
 static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dy, float rate, uint64_t seed, int per_sample,
-                                 int accumulate) {
+                                 uint64_t first_sample, int accumulate) {
     (void)o;
-    size_t n = shape_numel(dy.shape), per_draw = per_sample ? n / dy.shape.n : 1;
+    const size_t n = shape_numel(dy.shape), E = n / dy.shape.n, per_draw = per_sample ? E : 1;
     #pragma omp parallel for schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++) st_acc(dx, i, ld(dy, i) * dropout_factor(rate, seed, i, per_draw), accumulate);
+    for (size_t i = 0; i < n; i++)
+        st_acc(dx, i, ld(dy, i) * dropout_factor(rate, seed, first_sample * E + i, per_draw), accumulate);
 }
 
 // ----------------------------------------------------------------------------
@@ -2878,7 +2876,7 @@ static void layer_forward(Net *net, int i, int recompute) {
         case LAYER_RESCALE: o->axpby(o, y, x, l->scale, l->offset, 0); break;
         case LAYER_DROPOUT: case LAYER_DROP_PATH:
             if (layer_in_train_mode(net, l) && l->rate > 0.0f)
-                o->dropout_forward(o, y, x, l->rate, net_layer_seed(net, i), l->kind == LAYER_DROP_PATH);
+                o->dropout_forward(o, y, x, l->rate, net_layer_seed(net, i), l->kind == LAYER_DROP_PATH, net->first_sample);
             else
                 o->copy(o, y, x, 0);
             break;
@@ -2959,7 +2957,8 @@ static void layer_backward(Net *net, int i) {
         case LAYER_DROPOUT: case LAYER_DROP_PATH:
             if (!dx.data) break;
             if (layer_in_train_mode(net, l) && l->rate > 0.0f)
-                o->dropout_backward(o, dx, dy, l->rate, net_layer_seed(net, i), l->kind == LAYER_DROP_PATH, acc_a);
+                o->dropout_backward(o, dx, dy, l->rate, net_layer_seed(net, i), l->kind == LAYER_DROP_PATH,
+                                    net->first_sample, acc_a);
             else
                 o->copy(o, dx, dy, acc_a);
             break;
@@ -5613,8 +5612,10 @@ static void progress_line(const Trainer *t, int training, int batch_no, int n_ba
     fflush(stderr);
 }
 
-// One micro-batch on the host: n images (n,H,W,3) fp32 0..255 and their labels.
-typedef struct { int n; const float *images; const int32_t *labels; } MicroBatch;
+// One micro-batch on the host: n images (n,H,W,3) fp32 0..255 and their labels;
+// `first` numbers its first image among the optimiser step's images (over
+// micro-batches and replicas), which is what dropout masks are drawn by.
+typedef struct { int n; const float *images; const int32_t *labels; int first; } MicroBatch;
 
 // Uploads a micro-batch into the net's input (cast to the storage type) and the labels buffer.
 static void upload_batch(Trainer *t, const MicroBatch *mb) {
@@ -5687,7 +5688,8 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     o->fill(o, grads_tensor(t), 0.0f);
     for (int i = 0; i < k; i++) {
         upload_batch(t, &mb[i]);
-        net->step = (uint64_t)(t->step * c->accum + i);  // dropout masks differ per micro-batch
+        net->step = (uint64_t)t->step;  // one seed per step; masks by image within it (first_sample)
+        net->first_sample = (uint64_t)mb[i].first;
         net_forward(net, 1);
         if (mb[i].n) pt->loss_sum += score_batch(t, inv_norm * scale, net_grad(net, t->logits));
         net_backward(net, t->logits);
@@ -5790,7 +5792,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
     for (int j = 0; j < n_batches && rc == 0; j++) {
         const int nj = d->n - j * B < B ? d->n - j * B : B;
         shard_range(nj, R, comm->rank, &lo, &hi);
-        MicroBatch shard = {0, NULL, NULL};
+        MicroBatch shard = {0, NULL, NULL, pending * B + lo};
         if (hi > lo) {
             const LoaderBatch *b = loader_next(L);
             if (!b) {  // a file that changed on disk since the start: this replica cannot go on
@@ -5799,7 +5801,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
                 break;
             }
             snCheck(b->n == hi - lo, "the loader gave %d images for a shard of %d", b->n, hi - lo);
-            shard = (MicroBatch){b->n, b->images, b->labels};
+            shard = (MicroBatch){b->n, b->images, b->labels, pending * B + lo};
         }
         int step_rc = 0;
         if (training && c->accum == 1) {
@@ -5807,7 +5809,8 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
         } else if (training) {  // the loader reuses its buffers: keep copies until the step
             memcpy(t->accum_images + pending * image_floats, shard.images, sizeof(float) * (size_t)shard.n * in.h * in.w * 3);
             memcpy(t->accum_labels + pending * label_count, shard.labels, sizeof(int32_t) * (size_t)shard.n * t->per_image);
-            mb[pending] = (MicroBatch){shard.n, t->accum_images + pending * image_floats, t->accum_labels + pending * label_count};
+            mb[pending] = (MicroBatch){shard.n, t->accum_images + pending * image_floats, t->accum_labels + pending * label_count,
+                                       shard.first};
             if (++pending == c->accum || j + 1 == n_batches) { step_rc = train_step(t, mb, pending, pt); pending = 0; }
         } else if (shard.n) {
             upload_batch(t, &shard);

@@ -163,6 +163,11 @@ static inline SN_HD uint64_t rng_mix64(uint64_t z) {
 static inline SN_HD float rng_uniform(uint64_t seed, uint64_t counter) {
     return (float)(rng_mix64(seed ^ rng_mix64(counter)) >> 40) * (1.0f / 16777216.0f);
 }
+// dropout's factor for element index i of the step (see dropout_forward in the ops table):
+// 0 (dropped) or 1/(1 - rate) (kept)
+static inline SN_HD float dropout_factor(float rate, uint64_t seed, uint64_t i, uint64_t per_draw) {
+    return rng_uniform(seed, i / per_draw) >= rate ? 1.0f / (1.0f - rate) : 0.0f;
+}
 
 // ----------------------------------------------------------------------------
 // convolution geometry
@@ -363,10 +368,15 @@ struct Ops {
 
     // dropout (per element) and drop-path (per sample, stochastic depth):
     // keep with probability 1 - rate, kept values scaled by 1/(1 - rate);
-    // the mask is rng_uniform(seed, element or sample index) >= rate
-    void (*dropout_forward)(Ops *o, Tensor y, Tensor x, float rate, uint64_t seed, int per_sample);
+    // the mask is rng_uniform(seed, counter) >= rate, counter the element's (or
+    // sample's) index in the whole step: the tensor's samples are first_sample,
+    // first_sample + 1, ... of it, so a replica's shard or a micro-batch draws
+    // the masks those images get in one big batch:
+    //   counter = (first_sample·E + i) / per_draw, E = H·W·C, per_draw = 1 or E
+    void (*dropout_forward)(Ops *o, Tensor y, Tensor x, float rate, uint64_t seed, int per_sample,
+                            uint64_t first_sample);
     void (*dropout_backward)(Ops *o, Tensor dx, Tensor dy, float rate, uint64_t seed, int per_sample,
-                             int accumulate);
+                             uint64_t first_sample, int accumulate);
 
     // 2×2 max-pool, stride 2, floor: y (N,H/2,W/2,C). Backward routes to the
     // first maximum of each window in row-major order, recomputed from x.
@@ -598,6 +608,7 @@ typedef struct {
     void *ws; size_t ws_bytes;
     int training;
     uint64_t seed, step;  // dropout masks are rng(seed ⊕ step ⊕ layer)
+    uint64_t first_sample; // the batch's first image in the optimiser step's images (replica shard, micro-batch)
     int batch;            // images in the current batch, ≤ the graph's N (a last, smaller batch)
     Plan *plan;           // net_create_planned: the arena's layout, else NULL
     uint8_t *arena;

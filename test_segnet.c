@@ -926,7 +926,7 @@ static void test_dropout_masks(void) {
     for (size_t i = 0; i < n; i++) x[i] = 1.0f;
     Shape s = shape4(10, 10, 100, 10);
     const float rate = 0.3f;
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), rate, 42, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), rate, 42, 0, 0);
     size_t kept = 0;
     int scaled = 1;
     for (size_t i = 0; i < n; i++) {
@@ -935,14 +935,14 @@ static void test_dropout_masks(void) {
     double frac = (double)kept / n, sigma = sqrt(rate * (1 - rate) / n);
     CHECK(fabs(frac - (1 - rate)) < 5 * sigma, "kept fraction %.4f, expected %.2f ± %.4f", frac, 1 - rate, 5 * sigma);
     CHECK(scaled, "kept values are scaled by 1/(1 - rate)");
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), rate, 42, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), rate, 42, 0, 0);
     CHECK(!memcmp(y, y2, sizeof(float) * n), "same seed, same mask");
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), rate, 43, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), rate, 43, 0, 0);
     CHECK(memcmp(y, y2, sizeof(float) * n) != 0, "another seed, another mask");
-    ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, s), tensor_f32(x, s), rate, 42, 0, 0);
+    ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, s), tensor_f32(x, s), rate, 42, 0, 0, 0);
     CHECK(!memcmp(y, dx, sizeof(float) * n), "backward recomputes the forward mask");
     // drop-path: all or nothing per sample
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), 0.5f, 7, 1);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), 0.5f, 7, 1, 0);
     int whole = 1, dropped = 0;
     size_t per = n / 10;
     for (int k = 0; k < 10; k++) {
@@ -952,6 +952,20 @@ static void test_dropout_masks(void) {
     }
     CHECK(whole, "drop-path drops or keeps (scaled by 2) each sample whole");
     CHECK(dropped > 0 && dropped < 10, "drop-path at rate 0.5 dropped %d of 10 samples", dropped);
+    // a batch split in parts (replica shards, micro-batches) draws the masks of the
+    // whole batch: samples 0..3 and 4..9 given first_sample 0 and 4
+    for (int per_sample = 0; per_sample < 2; per_sample++) {
+        ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), 0.5f, 9, per_sample, 0);
+        ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, shape4(4, 10, 100, 10)), tensor_f32(x, shape4(4, 10, 100, 10)),
+                                0.5f, 9, per_sample, 0);
+        ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2 + 4 * per, shape4(6, 10, 100, 10)),
+                                tensor_f32(x, shape4(6, 10, 100, 10)), 0.5f, 9, per_sample, 4);
+        CHECK(!memcmp(y, y2, sizeof(float) * n), "%s masks of a batch in two parts differ from the whole batch's",
+              per_sample ? "drop-path" : "dropout");
+        ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, shape4(6, 10, 100, 10)), tensor_f32(x, shape4(6, 10, 100, 10)),
+                                 0.5f, 9, per_sample, 4, 0);
+        CHECK(!memcmp(y + 4 * per, dx, sizeof(float) * 6 * per), "backward of the second part: its masks");
+    }
     free(x); free(y); free(y2); free(dx);
 }
 
@@ -3831,7 +3845,7 @@ static void test_fp16_loss_scaling(void) {
         random_batch(&r, 4, 8, 3, images, labels);
         if (s == 1) images[17] = INFINITY;  // an overflow, as fp16 activations would give
         memcpy(before, t.net.params, sizeof(float) * P);
-        MicroBatch mb = {4, images, labels};
+        MicroBatch mb = {4, images, labels, 0};
         int applied = train_step(&t, &mb, 1, &pt);
         int changed = memcmp(before, t.net.params, sizeof(float) * P) != 0;
         CHECK(applied == (s != 1) && changed == applied, "step %d: applied %d, weights changed %d", s, applied, changed);
@@ -3875,13 +3889,59 @@ static void test_accum_equals_big_batch(void) {
     for (int s = 0; s < STEPS; s++) {
         random_batch(&r, B * K, 8, 3, images, labels);
         for (int i = 0; i < B * 64; i++) labels[i] = i % 5 ? 0 : labels[i];  // micro-batch 0: mostly weight-0 pixels
-        MicroBatch one = {B * K, images, labels}, parts[K];
-        for (int k = 0; k < K; k++) parts[k] = (MicroBatch){B, images + k * B * 64 * 3, labels + k * B * 64};
+        MicroBatch one = {B * K, images, labels, 0}, parts[K];
+        for (int k = 0; k < K; k++) parts[k] = (MicroBatch){B, images + k * B * 64 * 3, labels + k * B * 64, k * B};
         train_step(&a, &one, 1, &pa);
         train_step(&b, parts, K, &pb);
     }
     CHECK(fabs(pa.loss_sum / pa.norm_sum - pb.loss_sum / pb.norm_sum) < 1e-6 * pa.loss_sum / pa.norm_sum, "loss %.9g vs %.9g",
           pa.loss_sum / pa.norm_sum, pb.loss_sum / pb.norm_sum);
+    double worst = 0;
+    for (size_t i = 0; i < a.g.n_param_floats; i++) worst = fmax(worst, fabs(a.net.params[i] - b.net.params[i]));
+    CHECK(worst < 1e-4 * big.lr, "weights after %d steps differ by %.3g (lr %g)", STEPS, worst, big.lr);
+    if (g_verbose) printf("    worst weight difference %.3g\n", worst);
+    trainer_close(&a); trainer_close(&b);
+}
+
+// The same with dropout and drop-path active (an effv2-t classifier, BN
+// frozen): micro-batch k's images are images k·B.. of the step, and their
+// masks are the ones those images get in the one big batch (first_sample). With
+// masks drawn per micro-batch instead, the weights differ by ~lr after a step.
+static void test_accum_dropout_equals_big_batch(void) {
+    enum { B = 2, K = 2, STEPS = 2, HW = 32 };
+    TrainCfg big;
+    train_cfg_default(&big);
+    big.model.model = "effv2-t"; big.model.classes = 3;
+    big.model.height = HW; big.model.width = HW;
+    big.progress = 0; big.threads = 0; big.lr = 1e-3f;
+    TrainCfg small = big;
+    big.model.batch = B * K;
+    small.model.batch = B;
+    small.accum = K;
+    Trainer a, b;
+    char err[SN_ERR_MAX];
+    CHECK(trainer_open(&a, &big, NULL, NULL, err) == 0 && trainer_open(&b, &small, NULL, NULL, err) == 0, "%s", err);
+    int n_drop = 0;
+    for (Trainer *t = &a; t; t = t == &a ? &b : NULL)
+        for (int i = 0; i < t->g.n_layers; i++) {
+            Layer *l = &t->g.layers[i];
+            if (l->kind == LAYER_BN) l->frozen = 1;
+            if (t == &a && (l->kind == LAYER_DROPOUT || l->kind == LAYER_DROP_PATH) && l->rate > 0) n_drop++;
+        }
+    CHECK(n_drop >= 2, "effv2-t has dropout and drop-path layers (%d)", n_drop);
+    Rng r; rng_seed(&r, 31);
+    float images[B * K * HW * HW * 3];
+    int32_t labels[B * K];
+    int64_t cma[9], cmb[9];
+    PassTotals pa = {0, 0, cma}, pb = {0, 0, cmb};
+    for (int s = 0; s < STEPS; s++) {
+        for (int i = 0; i < B * K * HW * HW * 3; i++) images[i] = (float)(rng_next(&r) % 256);
+        for (int i = 0; i < B * K; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
+        MicroBatch one = {B * K, images, labels, 0}, parts[K];
+        for (int k = 0; k < K; k++) parts[k] = (MicroBatch){B, images + k * B * HW * HW * 3, labels + k * B, k * B};
+        train_step(&a, &one, 1, &pa);
+        train_step(&b, parts, K, &pb);
+    }
     double worst = 0;
     for (size_t i = 0; i < a.g.n_param_floats; i++) worst = fmax(worst, fabs(a.net.params[i] - b.net.params[i]));
     CHECK(worst < 1e-4 * big.lr, "weights after %d steps differ by %.3g (lr %g)", STEPS, worst, big.lr);
@@ -3921,7 +3981,7 @@ static void test_freeze_base(void) {
     int64_t cm[9];
     PassTotals pt = {0, 0, cm};
     random_batch(&r, 4, 8, 3, images, labels);
-    MicroBatch mb = {4, images, labels};
+    MicroBatch mb = {4, images, labels, 0};
     train_step(&t, &mb, 1, &pt);
     for (int p = 0; p < g->n_params; p++) {
         const ParamInfo *q = &g->params[p];
@@ -4033,7 +4093,7 @@ static void test_checkpoint_training_bitwise(void) {
     for (int s = 0; s < 3; s++) {
         for (int i = 0; i < 4 * 32 * 32 * 3; i++) images[i] = (float)(rng_next(&r) % 256);
         for (int i = 0; i < 4; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
-        MicroBatch mb = {4, images, labels};
+        MicroBatch mb = {4, images, labels, 0};
         train_step(&a, &mb, 1, &pa);
         train_step(&b, &mb, 1, &pb);
     }
@@ -4077,7 +4137,7 @@ static void test_plan_equals_allocation(void) {
         for (int i = 0; i < n * (seg ? hw * hw : 1); i++) labels[i] = (int32_t)(rng_next(&r) % 3);
         int64_t cm[9];
         PassTotals pt = {0, 0, cm};
-        MicroBatch mb[2] = {{n, images, labels}, {n, images, labels}};
+        MicroBatch mb[2] = {{n, images, labels, 0}, {n, images, labels, n}};
         cpu_bytes_peak = cpu_bytes_live;
         train_step(&t, mb, cases[k].accum, &pt);
         CHECK(cpu_bytes_peak == cpu_bytes_live, "%s case %zu: a step allocated %zu bytes more", cases[k].model, k,
@@ -4911,7 +4971,7 @@ static int replica_job(Comm *comm, void *arg) {
         for (int k = 0; k < c->accum; k++) {
             int lo, hi, first = (s * c->accum + k) * j->B, last = s == j->steps - 1 && k == c->accum - 1;
             shard_range(last && j->last ? j->last : j->B, comm->size, comm->rank, &lo, &hi);
-            mb[k] = (MicroBatch){hi - lo, img + (first + lo) * hw * 3, lab + (first + lo) * hw};
+            mb[k] = (MicroBatch){hi - lo, img + (first + lo) * hw * 3, lab + (first + lo) * hw, k * j->B + lo};
             if (s == 1 && k == 0 && comm->rank == j->inf_rank) img[(first + lo) * hw * 3 + 5] = INFINITY;
         }
         j->applied[s] = train_step(&t, mb, c->accum, &pt);
@@ -5956,7 +6016,7 @@ static void cu_train_losses(const char *model, int hw, DType dt, Device device, 
     int64_t cm[9];
     for (int s = 0; s < steps; s++) {
         random_batch(&r, 2, hw, 3, images, labels);
-        MicroBatch mb = {2, images, labels};
+        MicroBatch mb = {2, images, labels, 0};
         PassTotals pt = {0, 0, cm};
         train_step(&t, &mb, 1, &pt);
         losses[s] = pt.loss_sum / pt.norm_sum;
@@ -6302,8 +6362,9 @@ static void test_cuda_dropout(void) {
                 float *xv = randn(&r, n, 1.0f);
                 for (size_t i = 0; i < n; i++) xv[i] += xv[i] >= 0 ? 0.5f : -0.5f;  // no zeros: a 0 out is a drop
                 CuPair x = cu_pair(xv, s, (DType)dt), y = cu_pair(NULL, s, (DType)dt);
-                ops_cpu.dropout_forward(&ops_cpu, y.cpu, x.cpu, rate, seed, per_sample);
-                o->dropout_forward(o, y.gpu, x.gpu, rate, seed, per_sample);
+                const uint64_t first = 3;  // the tensor is images 3.. of the step
+                ops_cpu.dropout_forward(&ops_cpu, y.cpu, x.cpu, rate, seed, per_sample, first);
+                o->dropout_forward(o, y.gpu, x.gpu, rate, seed, per_sample, first);
                 char what[64];
                 snprintf(what, sizeof what, "dropout_forward %s rate %.1f", per_sample ? "sample" : "element", rate);
                 cu_expect(cu_pair_err(y), 0.0, what, (DType)dt);
@@ -6314,8 +6375,8 @@ static void test_cuda_dropout(void) {
                 free(yg);
                 for (int acc = 0; acc < 2; acc++) {
                     CuPair dx = cu_dest(&r, s, (DType)dt, acc);
-                    ops_cpu.dropout_backward(&ops_cpu, dx.cpu, x.cpu, rate, seed, per_sample, acc);
-                    o->dropout_backward(o, dx.gpu, x.gpu, rate, seed, per_sample, acc);
+                    ops_cpu.dropout_backward(&ops_cpu, dx.cpu, x.cpu, rate, seed, per_sample, first, acc);
+                    o->dropout_backward(o, dx.gpu, x.gpu, rate, seed, per_sample, first, acc);
                     snprintf(what, sizeof what, "dropout_backward %s rate %.1f acc %d", per_sample ? "sample" : "element",
                              rate, acc);
                     cu_expect(cu_pair_err(dx), acc ? cu_tol((DType)dt, CU_FMA) : 0.0, what, (DType)dt);
@@ -6518,6 +6579,7 @@ static const Test TESTS[] = {
     {"eval_matches_run", test_eval_matches_run},
     {"fp16_loss_scaling", test_fp16_loss_scaling},
     {"accum_equals_big_batch", test_accum_equals_big_batch},
+    {"accum_dropout_equals_big_batch", test_accum_dropout_equals_big_batch},
     {"replicas_sync_bn", test_replicas_sync_bn},
     {"replicas_global_denominator", test_replicas_global_denominator},
     {"replicas_fp16_skip", test_replicas_fp16_skip},
