@@ -6,10 +6,10 @@
 #   make train      build and run the main job on the bundled data
 #   make bench      segnet bench against PyTorch (ref/bench_torch.py), same run
 #   make gpucheck   on a machine with a GPU: the cuda_ tests on the device, and
-#                   segnet against PyTorch (cuDNN) on it; table in gpucheck.txt
+#                   segnet against PyTorch on it; table in gpucheck.txt
 #
 # Switches: NO_OMP=1 (no OpenMP), NO_NATIVE=1 (no -march=native), NO_CUDA=1, NO_NCCL=1, NO_MPI=1 (skip the
-# detection of each; later parts of segnet use them when present).
+# detection of each: segnet is then built without that part).
 #
 # Build dependencies come from Debian packages, never from copies in this repo:
 # OpenBLAS (libopenblas-openmp-dev) and stb_image (libstb-dev). When one is
@@ -182,7 +182,7 @@ bench: segnet
 #    kernels for this GPU instead of the emulator;
 # 2. GPU_STEPS training steps of each GPU_MODELS entry in bf16 and fp16, with
 #    and without --checkpoint blocks, then the same model, size and batch in
-#    PyTorch (cuDNN, autocast, channels_last) when torch sees the GPU;
+#    PyTorch (its GPU library kernels, autocast, channels_last) when torch sees the GPU;
 # 3. one table (images/s, peak device memory, segnet/PyTorch ratios), also
 #    written to gpucheck.txt.
 # The whole target is sized to finish within 8 minutes on an H200.
