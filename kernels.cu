@@ -1412,8 +1412,8 @@ static void resize_bilinear_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accu
 }
 
 // ----------------------------------------------------------------------------
-// the CUDA ops table. Entries not filled in yet are NULL (the cuda_ops_complete
-// test lists them).
+// the CUDA ops table (cuda_ops_complete checks that no entry is left NULL;
+// ops_for_device refuses a table with NULL entries)
 
 static Ops make_ops_cuda(void) {
     Ops o;
