@@ -47,17 +47,29 @@ CUDA_ARCHS ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=
 ifneq ($(NO_CUDA),1)
   NVCC := $(shell command -v nvcc 2>/dev/null || { [ -x $(CUDA_HOME)/bin/nvcc ] && echo $(CUDA_HOME)/bin/nvcc; })
 endif
+# NCCL (the replicas' all-reduce on GPUs, kernels.cu) is in the CUDA build
+# unless NO_NCCL=1: the GPU build links -lnccl, the emulated one the emulator's
+# NCCL (cuda_emu.cpp). Without it, replicas on GPUs are refused with a message.
 ifneq ($(NVCC),)
-  CUDA_CFLAGS  := -DSEGNET_CUDA -I$(CUDA_HOME)/include
+  NCCL_H := $(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h))
+  ifeq ($(NO_NCCL),1)
+    NCCL_H :=
+  endif
+  ifneq ($(NCCL_H),)
+    NCCL_CFLAGS := -DSEGNET_NCCL
+    NCCL_LIBS   := -lnccl
+  endif
+  CUDA_CFLAGS  := -DSEGNET_CUDA $(NCCL_CFLAGS) -I$(CUDA_HOME)/include
   CUDA_LIBS    := -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/lib -Wl,-rpath,$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib \
-                  -lcudart -lcublas -lstdc++
+                  -lcudart -lcublas $(NCCL_LIBS) -lstdc++
   GPU_OBJS     := kernels_gpu.o
   EMU_OBJS     := kernels_emu.o cuda_emu.o
   EMU_LIBS     := -lstdc++
 endif
 CXX      ?= g++
-EMUFLAGS := -std=c++17 -O2 -g -Wall -Wextra -Wno-unknown-pragmas -Wno-sign-compare -I. -I$(CUDA_HOME)/include
+EMUFLAGS := -std=c++17 -O2 -g -Wall -Wextra -Wno-unknown-pragmas -Wno-sign-compare -I. -I$(CUDA_HOME)/include $(NCCL_CFLAGS)
 NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -Wall,-Wextra -Werror all-warnings -I.
+NVCCFLAGS += $(NCCL_CFLAGS)
 
 # MPI: ./segnet is built with it when mpicc is found (OpenMPI, Debian's
 # openmpi-bin and libopenmpi-dev), so that `mpirun -np N ./segnet train ...`
@@ -115,10 +127,11 @@ deps:
 	 elif [ -n "$(NVCC)" ]; then \
 	   echo "  ✓ CUDA       $(NVCC): ./segnet --device cuda, ./test_segnet runs the kernels emulated"; \
 	 else echo "  ✗ CUDA       no nvcc: CPU backend only"; fi
-	@if [ "$(NO_NCCL)" = 1 ]; then echo "  ✗ NCCL       off (NO_NCCL=1)"; \
-	 elif [ -f /usr/include/nccl.h ] || [ -f /usr/local/cuda/include/nccl.h ]; then \
-	   echo "  ✓ NCCL       nccl.h found (used by the replica layer, not built yet)"; \
-	 else echo "  ✗ NCCL       no nccl.h"; fi
+	@if [ "$(NO_NCCL)" = 1 ]; then echo "  ✗ NCCL       off (NO_NCCL=1): no replicas on GPUs"; \
+	 elif [ -z "$(NVCC)" ]; then echo "  ✗ NCCL       no CUDA build"; \
+	 elif [ -n "$(NCCL_H)" ]; then \
+	   echo "  ✓ NCCL       $(NCCL_H), -lnccl: --replicas N / mpirun with --device cuda, one GPU per replica"; \
+	 else echo "  ✗ NCCL       no nccl.h: no replicas on GPUs"; fi
 	@if /usr/bin/python3 -c 'import torch, torchvision' >/dev/null 2>&1; then \
 	   echo "  ✓ PyTorch    (reference: make test runs the live parity checks)"; \
 	 else echo "  ✗ PyTorch    live parity checks not run (apt-get install python3-torch python3-torchvision)"; fi

@@ -1820,16 +1820,18 @@ int ops_missing(const Ops *o, char *list, size_t size) {
 
 const char *const DEVICE_NAMES[3] = {"cpu", "cuda", "auto"};
 
-Ops *ops_for_device(Device d, char err[SN_ERR_MAX]) {
+Ops *ops_for_device(Device d, int gpu, char err[SN_ERR_MAX]) {
     if (d == DEVICE_CPU) return &ops_cpu;
     char why[SN_ERR_MAX];
 #ifdef SEGNET_CUDA
     char missing[SN_ERR_MAX];
-    if (cuda_backend_open(0, why) == 0) {
-        if (!ops_missing(&ops_cuda, missing, sizeof missing)) return &ops_cuda;
+    Ops *o = cuda_ops_for_device(gpu, why);
+    if (o) {
+        if (!ops_missing(o, missing, sizeof missing)) return o;
         snprintf(why, sizeof why, "the CUDA backend of this build lacks %.400s", missing);
     }
 #else
+    (void)gpu;
     snprintf(why, sizeof why, "this segnet was built without the CUDA backend (no nvcc when it was built)");
 #endif
     if (d == DEVICE_CUDA) {
@@ -4162,7 +4164,7 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
     StFile wf;
     PathList list;
     int rc = -1;
-    Ops *o = ops_for_device(pc->device, err);
+    Ops *o = ops_for_device(pc->device, 0, err);
     if (!o || net_create(&net, &g, o, DT_F32, 0, err) != 0) { graph_free(&g); return -1; }
     if (st_read(pc->weights, &wf, err) != 0) goto done_net;
     if (net_load_weights(&net, &wf, pc->weights, NULL, 0, err) != 0) goto done_weights;
@@ -5030,7 +5032,7 @@ typedef struct {
 // The last rank to arrive combines every rank's buffer (all others are
 // waiting, so nothing else runs) and keeps the turn; the others hand it on
 // while they wait and take it back after.
-static int local_collective(Comm *c, void *buf, size_t n, LocalKind kind, int root) {
+int comm_local_gather(Comm *c, void *buf, size_t n, CommCombine combine, void *arg) {
     LocalGroup *g = c->ctx;
     if (g->size == 1) return 0;
     pthread_mutex_lock(&g->mu);
@@ -5041,15 +5043,7 @@ static int local_collective(Comm *c, void *buf, size_t n, LocalKind kind, int ro
     if (++g->arrived == g->size) {
         for (int r = 0; r < g->size; r++)
             snCheck(g->n[r] == n, "a collective of %zu elements on rank %d but %zu on rank %d", n, c->rank, g->n[r], r);
-        if (kind == LOCAL_BCAST) {
-            for (int r = 0; r < g->size; r++) if (r != root) memcpy(g->buf[r], g->buf[root], n);
-        } else {
-            size_t elem = kind == LOCAL_F32 ? sizeof(float) : 8;
-            if (kind == LOCAL_F32) sum_ranks_f32(g->buf[0], (float *const *)g->buf, g->size, n);
-            else if (kind == LOCAL_F64) sum_ranks_f64(g->buf[0], (double *const *)g->buf, g->size, n);
-            else sum_ranks_i64(g->buf[0], (int64_t *const *)g->buf, g->size, n);
-            for (int r = 1; r < g->size; r++) memcpy(g->buf[r], g->buf[0], n * elem);
-        }
+        combine(g->buf, g->size, n, arg);
         g->arrived = 0;
         g->generation++;
         pthread_cond_broadcast(&g->cv);
@@ -5068,6 +5062,27 @@ static int local_collective(Comm *c, void *buf, size_t n, LocalKind kind, int ro
     }
     pthread_mutex_unlock(&g->mu);
     return ok ? 0 : -1;
+}
+
+// host buffers: sums in rank order into every rank's buffer, or root's bytes to every rank
+typedef struct { LocalKind kind; int root; } LocalOp;
+
+static void local_combine(void *const *bufs, int size, size_t n, void *arg) {
+    const LocalOp *op = arg;
+    if (op->kind == LOCAL_BCAST) {
+        for (int r = 0; r < size; r++) if (r != op->root) memcpy(bufs[r], bufs[op->root], n);
+        return;
+    }
+    size_t elem = op->kind == LOCAL_F32 ? sizeof(float) : 8;
+    if (op->kind == LOCAL_F32) sum_ranks_f32(bufs[0], (float *const *)bufs, size, n);
+    else if (op->kind == LOCAL_F64) sum_ranks_f64(bufs[0], (double *const *)bufs, size, n);
+    else sum_ranks_i64(bufs[0], (int64_t *const *)bufs, size, n);
+    for (int r = 1; r < size; r++) memcpy(bufs[r], bufs[0], n * elem);
+}
+
+static int local_collective(Comm *c, void *buf, size_t n, LocalKind kind, int root) {
+    LocalOp op = {kind, root};
+    return comm_local_gather(c, buf, n, local_combine, &op);
 }
 
 static int local_allreduce_f32(Comm *c, float *b, size_t n) { return local_collective(c, b, n, LOCAL_F32, 0); }
@@ -5102,7 +5117,7 @@ int comm_local_create(Comm *comms, int n) {
     pthread_cond_init(&g->cv, NULL);
     for (int r = 0; r < n; r++)
         comms[r] = (Comm){"local", r, n, g, local_allreduce_f32, local_allreduce_f64, local_allreduce_i64,
-                          local_broadcast, local_abort, local_failed_rank};
+                          local_broadcast, local_abort, local_failed_rank, .local_rank = r};
     return 0;
 }
 
@@ -5215,8 +5230,14 @@ int comm_mpi_open(Comm *c, char err[SN_ERR_MAX]) {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     if (size > SN_MAX_REPLICAS) { snprintf(err, SN_ERR_MAX, "%d MPI processes: at most %d replicas", size, SN_MAX_REPLICAS); return -1; }
+    // the ranks sharing this machine's memory, numbered from 0: a rank's GPU
+    MPI_Comm node;
+    int local_rank = 0;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+    MPI_Comm_rank(node, &local_rank);
+    MPI_Comm_free(&node);
     *c = (Comm){"mpi", rank, size, NULL, mpi_allreduce_f32, mpi_allreduce_f64, mpi_allreduce_i64, mpi_broadcast,
-                mpi_abort, mpi_failed_rank};
+                mpi_abort, mpi_failed_rank, .local_rank = local_rank};
     return 0;
 }
 #else
@@ -5368,7 +5389,7 @@ typedef struct {
 static LocalGroup comm_one_group = {.size = 1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER,
                                     .failed_rank = -1};
 static Comm comm_one = {"local", 0, 1, &comm_one_group, local_allreduce_f32, local_allreduce_f64, local_allreduce_i64,
-                        local_broadcast, local_abort, local_failed_rank};
+                        local_broadcast, local_abort, local_failed_rank, 0, NULL};
 
 static void trainer_close(Trainer *t) {
     Ops *o = t->o;
@@ -5444,8 +5465,10 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
         }
     }
     if (c->accum < 1 || c->accum > SN_MAX_ACCUM) { snprintf(err, SN_ERR_MAX, "--accum %d must be 1..%d", c->accum, SN_MAX_ACCUM); return -1; }
-    // the device after every input check: a bad input is one line, without the CPU notice before it
-    if (!(t->o = ops_for_device(c->device, err))) return -1;
+    // the device after every input check: a bad input is one line, without the CPU notice before it.
+    // Replicas under auto run on GPUs only with a device communicator (replicas_on_gpus).
+    Device device = R > 1 && c->device == DEVICE_AUTO && !t->comm->device ? DEVICE_CPU : c->device;
+    if (!(t->o = ops_for_device(device, t->comm->local_rank, err))) return -1;
     Ops *o = t->o;
     if (net_create_planned(&t->net, &t->g, o, c->precision, 0, t->logits, c->checkpoint, err)) return -1;
     // trainable parameters as runs of the parameter buffer: their gradients
@@ -5511,11 +5534,13 @@ static void trainer_borrow_data(Trainer *t, const Dataset *train, const Dataset 
 }
 
 // A sum over the replicas of a buffer in the backend's memory. The CPU
-// backend's memory is the host's; other backends stage it through the host.
+// backend's memory is the host's; a device communicator (NCCL) reduces device
+// memory in place; otherwise it is staged through the host.
 static int comm_allreduce_backend(Trainer *t, float *buf, size_t n) {
     Comm *comm = t->comm;
     if (comm->size == 1 || n == 0) return 0;
     if (t->o == &ops_cpu) return comm->allreduce_f32(comm, buf, n);
+    if (comm->device) return comm->device->allreduce_f32(comm->device, buf, n);
     float *host = malloc(sizeof(float) * n);
     snCheck(host != NULL, "out of host memory");
     t->o->download(t->o, host, buf, sizeof(float) * n);
@@ -5529,6 +5554,7 @@ static int comm_broadcast_backend(Trainer *t, void *buf, size_t bytes) {
     Comm *comm = t->comm;
     if (comm->size == 1 || bytes == 0) return 0;
     if (t->o == &ops_cpu) return comm->broadcast(comm, buf, bytes, 0);
+    if (comm->device) return comm->device->broadcast(comm->device, buf, bytes, 0);
     void *host = malloc(bytes);
     snCheck(host != NULL, "out of host memory");
     t->o->download(t->o, host, buf, bytes);
@@ -6301,13 +6327,42 @@ int train_run_comm(const TrainCfg *c, const char *resume, Comm *comm, char err[S
     return rc;
 }
 
+// Replicas on GPUs (--device cuda, or auto with one GPU per replica): NCCL
+// communicators over the host ones, hosts[0..n) (local), or this process's
+// (mpi), which become their `device`. Returns 0 (on GPUs, or on the CPU: cpu,
+// or auto without the GPUs, after the notice), or -1 with err.
+static int replicas_on_gpus(const TrainCfg *c, Comm *dcomms, Comm *hosts, int n, int mpi, char err[SN_ERR_MAX]) {
+    if (c->device == DEVICE_CPU) return 0;
+    char why[SN_ERR_MAX];
+#ifdef SEGNET_CUDA
+    if ((mpi ? cuda_comm_mpi_create(dcomms, hosts, why) : cuda_comm_local_create(dcomms, hosts, n, why)) == 0) return 0;
+#else
+    (void)dcomms; (void)n;
+    snprintf(why, sizeof why, "this segnet was built without the CUDA backend (no nvcc when it was built)");
+#endif
+    if (c->device == DEVICE_CUDA) { snprintf(err, SN_ERR_MAX, "--device cuda: %.480s", why); return -1; }
+    if (!mpi || hosts->rank == 0) fprintf(stderr, "segnet: not on a GPU: %s; running on the CPU\n", why);
+    return 0;
+}
+
+static void replicas_gpus_close(Comm *dcomms, int n) {
+#ifdef SEGNET_CUDA
+    cuda_comm_destroy(dcomms, n);
+#else
+    (void)dcomms; (void)n;
+#endif
+}
+
 // Without replicas and outside mpirun: one replica on a communicator of one.
 int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
     const int procs = comm_mpi_launched(), R = c->replicas > 1 ? c->replicas : 1;
     if (procs > 1) {
         if (R > 1) { snprintf(err, SN_ERR_MAX, "--replicas %d under mpirun: one replica per process (mpirun -np N)", R); return -1; }
-        Comm comm;
-        return comm_mpi_open(&comm, err) ? -1 : train_run_comm(c, resume, &comm, err);
+        Comm comm, dcomm;
+        if (comm_mpi_open(&comm, err) || replicas_on_gpus(c, &dcomm, &comm, 1, 1, err)) return -1;
+        int rc = train_run_comm(c, resume, &comm, err);
+        if (comm.device) replicas_gpus_close(&dcomm, 1);
+        return rc;
     }
     if (R > SN_MAX_REPLICAS) { snprintf(err, SN_ERR_MAX, "--replicas %d: at most %d", R, SN_MAX_REPLICAS); return -1; }
     if (R == 1) return train_run_comm(c, resume, &comm_one, err);
@@ -6318,7 +6373,11 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
     int rc[SN_MAX_REPLICAS];
     for (int r = 0; r < R; r++) { args[r] = (ReplicaArgs){&sh, ""}; argp[r] = &args[r]; }
     snCheck(comm_local_create(comms, R) == 0, "cannot create %d local replicas", R);
+    Comm dcomms[SN_MAX_REPLICAS];
+    if (replicas_on_gpus(c, dcomms, comms, R, 0, err)) { comm_local_destroy(comms, R); return -1; }
+    const int on_gpus = comms[0].device != NULL;
     comm_local_run(comms, R, train_replica, argp, rc);
+    if (on_gpus) replicas_gpus_close(dcomms, R);
     // the first rank that failed on its own, else one that stopped with the others (an agreed error)
     int failed = comms[0].failed_rank(&comms[0]), any = 0;
     if (failed < 0) for (int r = R - 1; r >= 0; r--) if (rc[r]) failed = r;
@@ -6386,7 +6445,7 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
 // Builds the graph of c (frozen layers marked) and its plan. Returns the logits, or -1 with err.
 static int plan_for(const TrainCfg *c, Graph *g, Plan *p, char err[SN_ERR_MAX]) {
     graph_init(g);
-    Ops *o = ops_for_device(c->device, err);  // its conv workspace sizes
+    Ops *o = ops_for_device(c->device, 0, err);  // its conv workspace sizes
     if (!o) return -1;
     int logits = model_build(g, &c->model);
     if (logits < 0) { snprintf(err, SN_ERR_MAX, "%s", g->err); return -1; }
@@ -6515,7 +6574,7 @@ static int cmp_double(const void *a, const void *b) {
 int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     memset(r, 0, sizeof *r);
     set_threads(c->threads);
-    Ops *o = ops_for_device(c->device, err);
+    Ops *o = ops_for_device(c->device, 0, err);
     if (!o) return -1;
     Graph g;
     graph_init(&g);

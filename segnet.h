@@ -411,7 +411,12 @@ extern Ops ops_cpu;
 // the CPU emulator of cuda_emu.h, in test_segnet. cuda_backend_open picks the
 // device and must succeed before ops_cuda is used; it returns -1 with a
 // message when there is no driver or no such device.
+// ops_cuda is device 0's table; cuda_ops_for_device(d) opens (once) and returns
+// device d's: the same entries with a context of its own (stream, cuBLAS
+// handle, scratch). Every entry makes its table's device current itself.
+// cuda_backend_open(d) is cuda_ops_for_device(d) as 0 / -1.
 extern Ops ops_cuda;
+Ops *cuda_ops_for_device(int device, char *err);
 int cuda_backend_open(int device, char *err);
 // Bytes of im2col columns (and fp32 rows) the CUDA convs hold at once: larger
 // convs run in chunks of output rows (whole images when they fit). It sizes
@@ -421,13 +426,14 @@ extern size_t cuda_conv_chunk_bytes;
 extern size_t cuda_bytes_live, cuda_bytes_peak;  // what ops_cuda.alloc has handed out (now, at most)
 extern size_t cpu_bytes_live, cpu_bytes_peak;  // what ops_cpu.alloc has handed out (now, at most)
 
-// Where a command runs (--device): DEVICE_AUTO is the GPU when cuda_backend_open(0)
-// succeeds, else the CPU with a one-line notice on stderr (once per process);
-// DEVICE_CUDA without a usable GPU, or in a build without the CUDA backend, is
-// an error. Returns the ops table, or NULL with err.
+// Where a command runs (--device): DEVICE_AUTO is GPU `gpu` (0, or a replica's
+// local rank) when cuda_ops_for_device(gpu) succeeds, else the CPU with a
+// one-line notice on stderr (once per process); DEVICE_CUDA without that GPU,
+// or in a build without the CUDA backend, is an error. Returns the ops table,
+// or NULL with err.
 typedef enum { DEVICE_CPU = 0, DEVICE_CUDA, DEVICE_AUTO } Device;
 extern const char *const DEVICE_NAMES[3];  // "cpu", "cuda", "auto": as --device spells them
-Ops *ops_for_device(Device d, char err[SN_ERR_MAX]);
+Ops *ops_for_device(Device d, int gpu, char err[SN_ERR_MAX]);
 // The entries of an ops table that are NULL, as "name, name, ..." in list
 // (empty if none). Returns their number.
 int ops_missing(const Ops *o, char *list, size_t size);
@@ -863,6 +869,10 @@ struct Comm {
     // which mpirun reports with the rank), so other ranks never wait on it.
     void (*abort)(Comm *c, const char *why);
     int (*failed_rank)(Comm *c);  // the first rank that aborted, -1 if none
+    int local_rank;  // this rank's index among the ranks on its machine: its GPU
+    // The same rank's communicator over device memory (NCCL, kernels.cu), or
+    // NULL: a backend's device buffers are then staged through the host.
+    struct Comm *device;
 };
 
 // N ranks in one process (--replicas N): comms[r] is rank r's communicator.
@@ -874,6 +884,12 @@ struct Comm {
 int comm_local_create(Comm *comms, int n);
 void comm_local_destroy(Comm *comms, int n);
 void comm_local_run(Comm *comms, int n, int (*fn)(Comm *c, void *arg), void **args, int *rc);
+// The rendezvous behind every local collective: once every rank has called it
+// with its buf (the same n on every rank), the last to arrive runs
+// combine(bufs, size, n, arg) with the ranks' bufs in rank order while the
+// others wait, and keeps the turn. Returns 0, or -1 once a rank has failed.
+typedef void (*CommCombine)(void *const *bufs, int size, size_t n, void *arg);
+int comm_local_gather(Comm *c, void *buf, size_t n, CommCombine combine, void *arg);
 
 // One process per rank under mpirun (a build with MPI: SEGNET_MPI).
 // comm_mpi_launched: the size of the job this process was started in (from the
@@ -887,6 +903,18 @@ int comm_mpi_open(Comm *c, char err[SN_ERR_MAX]);
 // rc (0 or -1, err holding its message); returns -1 on every rank if any rank
 // failed, err then "rank R: <that rank's message>" for the lowest failed rank.
 int comm_agree(Comm *c, int rc, char err[SN_ERR_MAX]);
+
+// NCCL communicators over CUDA device memory (kernels.cu; builds without NCCL
+// return -1 saying so). Each becomes hosts[r].device / host->device; every
+// collective is enqueued on the device's streams and returns, ordered before
+// the device work after it (no host synchronisation). Local: replica r on
+// device r (ncclCommInitAll; -1 with err if a device is missing). MPI: device
+// host->local_rank, the NCCL id broadcast by rank 0 over host (a collective of
+// host: every rank calls it). cuda_comm_destroy: all communicators made by one
+// create call (n of them local, 1 under MPI).
+int cuda_comm_local_create(Comm *dcomms, Comm *hosts, int n, char err[SN_ERR_MAX]);
+int cuda_comm_mpi_create(Comm *dcomm, Comm *host, char err[SN_ERR_MAX]);
+void cuda_comm_destroy(Comm *dcomms, int n);
 
 // ----------------------------------------------------------------------------
 // training: initialisation, metrics, schedules, the training loop, evaluation

@@ -4873,7 +4873,7 @@ static void test_ops_entries_listed(void) {
     CHECK(ops_missing(&partial, missing, sizeof missing) == 2 && !strcmp(missing, "bn_stats, adam_update"),
           "two NULL entries: '%s'", missing);
     char err[SN_ERR_MAX];
-    CHECK(ops_for_device(DEVICE_CPU, err) == &ops_cpu, "--device cpu");
+    CHECK(ops_for_device(DEVICE_CPU, 0, err) == &ops_cpu, "--device cpu");
 }
 
 // ./segnet --device: cpu runs without a notice and records the device in
