@@ -4963,7 +4963,9 @@ static int replica_job(Comm *comm, void *arg) {
         memcpy(img + i * hw * 3, j->images + src * hw * 3, sizeof(float) * hw * 3);
         memcpy(lab + i * hw, j->labels + src * hw, sizeof(int32_t) * hw);
     }
-    memset(t.confusion, 0, sizeof(int64_t) * 9);
+    Ops *o = t.o;  // the trainer's buffers are in its backend's memory
+    memset(j->cm, 0, sizeof j->cm);
+    o->upload(o, t.confusion, j->cm, sizeof(int64_t) * 9);
     PassTotals pt = {0, 0, j->cm};
     int rc = 0;
     for (int s = 0; s < j->steps && rc == 0; s++) {
@@ -4978,27 +4980,40 @@ static int replica_job(Comm *comm, void *arg) {
         j->scale[s] = t.loss_scale;
         if (j->applied[s] < 0) rc = comm_failure(comm, j->err);
     }
-    memcpy(j->cm, t.confusion, sizeof(int64_t) * 9);
+    o->download(o, j->cm, t.confusion, sizeof(int64_t) * 9);
     if (rc == 0 && reduce_totals(&t, &pt)) rc = comm_failure(comm, j->err);
     j->loss = pt.loss_sum;
     j->norm = pt.norm_sum;
     j->params = malloc(sizeof(float) * t.g.n_param_floats);
     j->buffers = malloc(sizeof(float) * (t.g.n_buffer_floats + 1));
-    memcpy(j->params, t.net.params, sizeof(float) * t.g.n_param_floats);
-    memcpy(j->buffers, t.net.buffers, sizeof(float) * t.g.n_buffer_floats);
+    o->download(o, j->params, t.net.params, sizeof(float) * t.g.n_param_floats);
+    o->download(o, j->buffers, t.net.buffers, sizeof(float) * t.g.n_buffer_floats);
     free(img); free(lab);
     trainer_close(&t);
     return rc;
 }
 
-// runs jobs[0..R-1] as the R local replicas of one run; 0 if every one succeeded
+// runs jobs[0..R-1] as the R local replicas of one run (on the CUDA backend:
+// replica r on device r, NCCL between them); 0 if every one succeeded
 static int run_replicas(ReplicaJob *jobs, int R) {
-    Comm comms[SN_MAX_REPLICAS];
+    Comm comms[SN_MAX_REPLICAS], dcomms[SN_MAX_REPLICAS];
     void *args[SN_MAX_REPLICAS];
     int rc[SN_MAX_REPLICAS], bad = 0;
     CHECK(comm_local_create(comms, R) == 0, "comm_local_create(%d)", R);
+#ifdef SEGNET_CUDA
+    char err[SN_ERR_MAX];
+    const int gpus = jobs[0].c->device == DEVICE_CUDA && R > 1;
+    if (gpus && cuda_comm_local_create(dcomms, comms, R, err)) {
+        CHECK(0, "cuda_comm_local_create(%d): %s", R, err);
+        comm_local_destroy(comms, R);
+        return 1;
+    }
+#else
+    const int gpus = 0;
+#endif
     for (int r = 0; r < R; r++) args[r] = &jobs[r];
     comm_local_run(comms, R, replica_job, args, rc);
+    if (gpus) replicas_gpus_close(dcomms, R);
     comm_local_destroy(comms, R);
     for (int r = 0; r < R; r++) {
         CHECK(rc[r] == 0, "replica %d of %d: %s", r, R, jobs[r].err);
@@ -6074,6 +6089,236 @@ static void test_cuda_train_steps(void) {
     }
 }
 
+// ---- replicas on emulated devices: NCCL communicators (kernels.cu) over the
+// emulator's devices (CUEMU_DEVICES, read at each call) and its NCCL, which sums
+// in rank order like the CPU replicas
+
+#define CU_DEVICES 3
+static void cu_devices(void) { setenv("CUEMU_DEVICES", "3", 1); }
+
+// One rank of test_cuda_nccl_comm: sums of float, double and int64 device
+// buffers, then a broadcast from rank 1; results downloaded into its NcclProbe.
+typedef struct {
+    const float *f; const double *d; const int64_t *i;  // (3) this rank's values
+    float f_out[3]; double d_out[3]; int64_t i_out[3];
+    uint8_t bytes[13];  // rank 1's pattern, broadcast
+    int ok;
+} NcclProbe;
+
+static int nccl_probe(Comm *c, void *arg) {
+    NcclProbe *p = arg;
+    char err[SN_ERR_MAX];
+    Ops *o = cuda_ops_for_device(c->local_rank, err);
+    if (!o) return -1;
+    float *f = o->alloc(o, sizeof p->f_out);
+    double *d = o->alloc(o, sizeof p->d_out);
+    int64_t *i = o->alloc(o, sizeof p->i_out);
+    uint8_t *b = o->alloc(o, sizeof p->bytes);
+    o->upload(o, f, p->f, sizeof p->f_out);
+    o->upload(o, d, p->d, sizeof p->d_out);
+    o->upload(o, i, p->i, sizeof p->i_out);
+    for (int k = 0; k < (int)sizeof p->bytes; k++) p->bytes[k] = (uint8_t)(c->rank * 100 + k);
+    o->upload(o, b, p->bytes, sizeof p->bytes);
+    Comm *dc = c->device;
+    int rc = dc->allreduce_f32(dc, f, 3) || dc->allreduce_f64(dc, d, 3) || dc->allreduce_i64(dc, i, 3) ||
+             dc->broadcast(dc, b, sizeof p->bytes, 1);
+    o->download(o, p->f_out, f, sizeof p->f_out);
+    o->download(o, p->d_out, d, sizeof p->d_out);
+    o->download(o, p->i_out, i, sizeof p->i_out);
+    o->download(o, p->bytes, b, sizeof p->bytes);
+    o->free(o, f); o->free(o, d); o->free(o, i); o->free(o, b);
+    return rc;
+}
+
+// 3 ranks on 3 emulated devices: the NCCL sums are ((b0 + b1) + b2), which
+// differs from any other order for 1 + 2^-24 + 2^-24 (fp32: 1 in rank order,
+// 1 + 2^-23 from the right) and 1 + 2^-53 + 2^-53 (fp64); int64 sums exact;
+// every rank gets the same bits; the broadcast gives every rank rank 1's bytes.
+// Replicas on more devices than there are is refused, naming the device.
+static void test_cuda_nccl_comm(void) {
+    cu_devices();
+    const float f[3][3] = {{1.0f, 0.1f, -3.5f}, {0x1p-24f, 0.2f, 1e-3f}, {0x1p-24f, 0.3f, 7.25f}};
+    const double d[3][3] = {{1.0, 0.1, -3.5}, {0x1p-53, 0.2, 1e-3}, {0x1p-53, 0.3, 7.25}};
+    const int64_t i[3][3] = {{(int64_t)1 << 40, -5, 3}, {7, 11, (int64_t)1 << 50}, {-9, 13, 1}};
+    Comm hosts[CU_DEVICES], dcomms[CU_DEVICES];
+    NcclProbe p[CU_DEVICES];
+    void *args[CU_DEVICES];
+    int rc[CU_DEVICES];
+    char err[SN_ERR_MAX];
+    CHECK(comm_local_create(hosts, CU_DEVICES) == 0, "comm_local_create");
+    if (cuda_comm_local_create(dcomms, hosts, CU_DEVICES, err)) {
+        CHECK(0, "cuda_comm_local_create(%d): %s", CU_DEVICES, err);
+        comm_local_destroy(hosts, CU_DEVICES);
+        return;
+    }
+    for (int r = 0; r < CU_DEVICES; r++) {
+        p[r] = (NcclProbe){.f = f[r], .d = d[r], .i = i[r]};
+        args[r] = &p[r];
+        CHECK(hosts[r].device == &dcomms[r] && !strcmp(dcomms[r].name, "nccl"), "rank %d's device communicator", r);
+    }
+    CHECK(cuda_ops_for_device(1, err) != &ops_cuda && cuda_ops_for_device(1, err)->ctx != ops_cuda.ctx,
+          "device 1 has a table and a context of its own");
+    comm_local_run(hosts, CU_DEVICES, nccl_probe, args, rc);
+    cuda_comm_destroy(dcomms, CU_DEVICES);
+    comm_local_destroy(hosts, CU_DEVICES);
+    for (int r = 0; r < CU_DEVICES; r++) {
+        CHECK(rc[r] == 0, "rank %d failed", r);
+        for (int k = 0; k < 3; k++) {
+            float fs = (f[0][k] + f[1][k]) + f[2][k];
+            double ds = (d[0][k] + d[1][k]) + d[2][k];
+            int64_t is = i[0][k] + i[1][k] + i[2][k];
+            CHECK(!memcmp(&p[r].f_out[k], &fs, sizeof fs), "rank %d float %d: %.9g, rank order %.9g", r, k, p[r].f_out[k], fs);
+            CHECK(!memcmp(&p[r].d_out[k], &ds, sizeof ds), "rank %d double %d: %.17g, rank order %.17g", r, k, p[r].d_out[k], ds);
+            CHECK(p[r].i_out[k] == is, "rank %d int64 %d: %lld, expected %lld", r, k, (long long)p[r].i_out[k], (long long)is);
+        }
+        for (int k = 0; k < 13; k++) CHECK(p[r].bytes[k] == 100 + k, "rank %d byte %d after the broadcast: %d", r, k, p[r].bytes[k]);
+    }
+    CHECK(p[0].f_out[0] == 1.0f && p[0].d_out[0] == 1.0, "1 + 2^-24 + 2^-24 in rank order is 1: %.9g, %.17g",
+          p[0].f_out[0], p[0].d_out[0]);
+    Comm more[CU_DEVICES + 1], dmore[CU_DEVICES + 1];
+    CHECK(comm_local_create(more, CU_DEVICES + 1) == 0, "comm_local_create");
+    CHECK(cuda_comm_local_create(dmore, more, CU_DEVICES + 1, err) == -1 && contains(err, "4 replicas need one CUDA device each") &&
+          contains(err, "no CUDA device 3"), "4 replicas on 3 devices: %s", err);
+    comm_local_destroy(more, CU_DEVICES + 1);
+}
+
+// --replicas 2 --sync-bn on 2 emulated devices (NCCL between them) trains 3
+// steps of global batches of 4 like one replica on one emulated device, within
+// the summation-order noise measured as in the replicas_ tests (compare_to_one:
+// the same batches reordered on one replica); the replicas stay mirrored bit for
+// bit; and the run matches the CPU backend's 2 replicas: the loss within 2e-5
+// relative, the tolerance of cuda_train_steps (the backends add in different
+// orders, ~1e-7 per op, carried through the Adam steps), and loss, weights and
+// BN statistics within REPLICA_NOISE_FACTOR times what separates the two
+// backends' single replicas (measured here). 16×16 keeps these distances at
+// ~1e-7; at 32×32 every one of them, the reordered batch's too, is ~2e-4:
+// Adam's first steps move a weight by ±lr whatever its gradient's size, so a
+// gradient near 0 whose last bits differ moves its weight the other way.
+static void test_cuda_replicas_sync_bn(void) {
+    if (!cu_ops_complete("cuda_replicas_sync_bn")) return;
+    cu_devices();
+    enum { B = 4, STEPS = 3, HW = 16, R = 2 };
+    float *images;
+    int32_t *labels;
+    replica_batches(STEPS, B, HW, 23, &images, &labels);
+    TrainCfg gpu = tiny_seg_cfg(NULL, NULL), cpu;
+    gpu.model.depth = 2; gpu.model.height = gpu.model.width = HW; gpu.model.batch = B;
+    gpu.sync_bn = 1;
+    gpu.threads = 1;
+    gpu.device = DEVICE_CUDA;
+    cpu = gpu;
+    cpu.device = DEVICE_CPU;
+    size_t P, NB;
+    model_sizes(&gpu, &P, &NB);
+    ReplicaJob one = {.c = &gpu, .steps = STEPS, .B = B, .images = images, .labels = labels, .inf_rank = -1}, rev = one,
+               one_cpu = one;
+    rev.reverse = 1;
+    one_cpu.c = &cpu;
+    ReplicaJob jobs[R], cpus[R];
+    for (int r = 0; r < R; r++) { jobs[r] = one; cpus[r] = one_cpu; }
+    if (run_replicas(&one, 1) == 0 && run_replicas(&rev, 1) == 0 && run_replicas(&one_cpu, 1) == 0 &&
+        run_replicas(jobs, R) == 0 && run_replicas(cpus, R) == 0) {
+        check_mirrored("cuda, 2 replicas, sync-bn", jobs, R, P, NB);
+        compare_to_one("cuda, 2 replicas, sync-bn", &jobs[0], &one, &rev, P, NB);
+        double loss = jobs[0].loss / jobs[0].norm, loss_cpu = cpus[0].loss / cpus[0].norm;
+        double dl = fabs(loss - loss_cpu) / loss_cpu, dw = rel_l2(jobs[0].params, cpus[0].params, P),
+               db = rel_l2(jobs[0].buffers, cpus[0].buffers, NB);
+        // the backends' distance on one replica: the noise floor of the comparison
+        double nl = fabs(one.loss / one.norm - one_cpu.loss / one_cpu.norm) / (one_cpu.loss / one_cpu.norm),
+               nw = rel_l2(one.params, one_cpu.params, P), nb = rel_l2(one.buffers, one_cpu.buffers, NB);
+        if (g_verbose)
+            printf("    cuda vs cpu, 2 replicas: loss %.3g, weights %.3g, BN stats %.3g (1 replica: %.3g, %.3g, %.3g)\n", dl, dw,
+                   db, nl, nw, nb);
+        CHECK(dl <= 2e-5 && dl <= REPLICA_NOISE_FACTOR * fmax(nl, FLT_EPSILON),
+              "2 replicas: loss %.9g on cuda, %.9g on the CPU (1 replica: %.3g apart)", loss, loss_cpu, nl);
+        CHECK(dw <= REPLICA_NOISE_FACTOR * fmax(nw, FLT_EPSILON), "2 replicas, cuda vs CPU: weights %.3g apart, 1 replica %.3g", dw, nw);
+        CHECK(db <= REPLICA_NOISE_FACTOR * fmax(nb, FLT_EPSILON), "2 replicas, cuda vs CPU: BN statistics %.3g apart, 1 replica %.3g",
+              db, nb);
+        CHECK(!memcmp(jobs[0].cm, cpus[0].cm, sizeof jobs[0].cm), "2 replicas: the confusion matrices differ between backends");
+    }
+    for (int r = 0; r < R; r++) { replica_job_free(&jobs[r]); replica_job_free(&cpus[r]); }
+    replica_job_free(&one); replica_job_free(&rev); replica_job_free(&one_cpu);
+    free(images); free(labels);
+}
+
+// every fp32 tensor of a safetensors file, concatenated in header order; NULL if unreadable
+static float *st_floats(const char *path, size_t *n) {
+    StFile f;
+    char err[SN_ERR_MAX];
+    *n = 0;
+    if (st_read(path, &f, err)) return NULL;
+    size_t total = 0;
+    for (int i = 0; i < f.n_tensors; i++) if (f.tensors[i].dtype == DT_F32) total += f.tensors[i].numel;
+    float *v = malloc(sizeof(float) * (total ? total : 1));
+    for (int i = 0; i < f.n_tensors; i++)
+        if (f.tensors[i].dtype == DT_F32) {
+            memcpy(v + *n, f.tensors[i].data, sizeof(float) * f.tensors[i].numel);
+            *n += f.tensors[i].numel;
+        }
+    st_free(&f);
+    return v;
+}
+
+// train_run with --replicas 2 --device cuda --sync-bn on 2 emulated devices:
+// NCCL communicators made by the run (the weights mirrored by an NCCL
+// broadcast, the gradients all-reduced by NCCL), 2 epochs (a last global batch
+// of one image: one shard empty) with validation. Against the CPU's
+// --replicas 2 run: metrics.csv's losses within cuda_train_steps' fp32
+// tolerance, 2e-5 relative, and every float of last.safetensors within 1e-5
+// (‖·‖₂ relative): the fp32 rounding of another summation order through a few
+// Adam steps, measured 5e-8 (-v prints it); gradients left unsummed put them
+// 3e-2 apart. (Both ranks draw the same initial weights, so the broadcast that
+// mirrors them changes nothing here; cuda_nccl_comm tests it.) More replicas
+// than devices: one line, no run folder.
+static void test_cuda_replicas_train_run(void) {
+    if (!cu_ops_complete("cuda_replicas_train_run")) return;
+    cu_devices();
+    const char *data = "/tmp/segnet_test_cuda_rep_data", *run = "/tmp/segnet_test_cuda_rep_run";
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 5, 8, 8, 31);
+    TrainCfg c = tiny_seg_cfg(data, data);
+    c.epochs = 2;
+    c.replicas = 2;
+    c.sync_bn = 1;
+    c.threads = 1;
+    double loss[2][2], val[2][2];
+    char out[2][600], path[1300], err[SN_ERR_MAX];
+    for (int k = 0; k < 2; k++) {
+        c.device = k ? DEVICE_CUDA : DEVICE_CPU;
+        snprintf(out[k], sizeof out[k], "%s/%s", run, DEVICE_NAMES[c.device]);
+        c.out = out[k];
+        CHECK(train_run(&c, NULL, err) == 0, "--replicas 2 --device %s: %s", DEVICE_NAMES[c.device], err);
+        snprintf(path, sizeof path, "%s/metrics.csv", out[k]);
+        CHECK(csv_column(path, "loss", loss[k], 2) == 2 && csv_column(path, "val_loss", val[k], 2) == 2, "%s: 2 epochs", path);
+    }
+    size_t n[2];
+    float *w[2];
+    for (int k = 0; k < 2; k++) {
+        snprintf(path, sizeof path, "%s/last.safetensors", out[k]);
+        w[k] = st_floats(path, &n[k]);
+    }
+    if (w[0] && w[1] && n[0] == n[1] && n[0] > 0) {
+        double dw = rel_l2(w[1], w[0], n[0]);
+        if (g_verbose) printf("    last.safetensors: %.3g apart (cuda vs cpu, %zu floats)\n", dw, n[0]);
+        CHECK(dw <= 1e-5, "last.safetensors: cuda and cpu %.3g apart", dw);
+    } else {
+        CHECK(0, "last.safetensors: %zu and %zu floats", n[0], n[1]);
+    }
+    free(w[0]); free(w[1]);
+    for (int e = 0; e < 2; e++) {
+        double dl = fabs(loss[1][e] - loss[0][e]) / loss[0][e], dv = fabs(val[1][e] - val[0][e]) / val[0][e];
+        if (g_verbose) printf("    epoch %d: loss %.3g, val_loss %.3g apart (cuda vs cpu)\n", e + 1, dl, dv);
+        CHECK(dl <= 2e-5 && dv <= 2e-5, "epoch %d: loss %.9g / %.9g, val_loss %.9g / %.9g (cuda / cpu)", e + 1, loss[1][e],
+              loss[0][e], val[1][e], val[0][e]);
+    }
+    c.replicas = CU_DEVICES + 1;
+    snprintf(out[0], sizeof out[0], "%s/more", run);
+    c.out = out[0];
+    CHECK(train_run(&c, NULL, err) == -1 && contains(err, "--device cuda: 4 replicas need one CUDA device each") &&
+          !strchr(err, '\n') && access(out[0], F_OK) != 0, "4 replicas on 3 devices: %s", err);
+    rm_rf(data); rm_rf(run);
+}
+
 // ---- batch norm, activations, squeeze-excitation, add/concat, dropout, pooling
 // and resampling. Destinations are pre-filled on both backends with NaN where the
 // op overwrites (an op that reads them fails) and with the same random values
@@ -6625,6 +6870,9 @@ static const Test TESTS[] = {
     {"cuda_alloc_counts", test_cuda_alloc_counts},
     {"cuda_ops_complete", test_cuda_ops_complete},
     {"cuda_train_steps", test_cuda_train_steps},
+    {"cuda_nccl_comm", test_cuda_nccl_comm},
+    {"cuda_replicas_sync_bn", test_cuda_replicas_sync_bn},
+    {"cuda_replicas_train_run", test_cuda_replicas_train_run},
     {"cuda_bn_stats", test_cuda_bn_stats},
     {"cuda_bn_forward_backward", test_cuda_bn_forward_backward},
     {"cuda_act", test_cuda_act},
