@@ -205,7 +205,7 @@ GPU_MODELS ?= "unet-effv2-l:--model unet-effv2-l --size 512x512 --batch 8 --clas
               "effv2-l:--model effv2-l --size 384x384 --batch 16 --classes 1000"
 test_segnet_gpu: test_segnet.c segnet.c segnet.h kernels.cu | deps
 	$(NVCC) $(NVCCFLAGS) -arch=native -c kernels.cu -o kernels_native.o
-	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -o $@ test_segnet.c kernels_native.o $(DEP_LIBS) $(CUDA_LIBS) $(LDLIBS)
+	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -DSEGNET_TEST_GPU -o $@ test_segnet.c kernels_native.o $(DEP_LIBS) $(CUDA_LIBS) $(LDLIBS)
 
 gpucheck: test_segnet_gpu segnet
 	@nvidia-smi -L 2>/dev/null || { echo "make gpucheck: no GPU here (nvidia-smi -L failed)" >&2; exit 1; }
