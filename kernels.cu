@@ -1724,6 +1724,67 @@ int cuda_comm_mpi_create(Comm *dcomm, Comm *host, char err[SN_ERR_MAX]) {
     return 0;
 }
 
+// ---- --sync-bn on the device: the fp64 per-channel sums of segnet.c's
+// bn_sync_stats / bn_sync_grads (the same terms, segnet.h), in the ctx's
+// `sums` scratch, all-reduced by NCCL. The scratch is free between ops: the
+// ops after the all-reduce wait for it on the compute stream.
+
+// s[c] = n·mean_r[c]
+__global__ void bn_sync_mean_terms_kernel(double *s, const float *mean, int C, double n) {
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += blockDim.x * gridDim.x)
+        s[c] = bn_sync_mean_term(n, mean[c]);
+}
+// the global mean into mean (fp32) and the centred terms q[c] (the replica's own mean first)
+__global__ void bn_sync_var_terms_kernel(double *q, float *mean, const float *var, const double *s, int C, double n,
+                                         double total) {
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += blockDim.x * gridDim.x) {
+        double global_mean = s[c] / total;
+        q[c] = bn_sync_var_term(n, mean[c], var[c], global_mean);
+        mean[c] = (float)global_mean;
+    }
+}
+__global__ void bn_sync_var_kernel(float *var, const double *q, int C, double total) {
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += blockDim.x * gridDim.x)
+        var[c] = (float)(q[c] / total);
+}
+
+int cuda_bn_sync_stats(Comm *dcomm, Ops *o, float *mean, float *var, int C, size_t count, size_t total) {
+    double *s = ctx_of(o)->sums, *q = s + C;  // (C) each
+    const unsigned grid = grid_for((size_t)C);
+    CU_LAUNCH(bn_sync_mean_terms_kernel, grid, BLOCK, 0, stream_of(o), s, mean, C, (double)count);
+    launchCheck();
+    if (dcomm->allreduce_f64(dcomm, s, (size_t)C)) return -1;
+    CU_LAUNCH(bn_sync_var_terms_kernel, grid, BLOCK, 0, stream_of(o), q, mean, var, s, C, (double)count, (double)total);
+    launchCheck();
+    if (dcomm->allreduce_f64(dcomm, q, (size_t)C)) return -1;
+    CU_LAUNCH(bn_sync_var_kernel, grid, BLOCK, 0, stream_of(o), var, q, C, (double)total);
+    launchCheck();
+    return 0;
+}
+
+// s = (Σg, Σg·xhat) in fp64, 0 for an empty shard (its sums were not computed); back to fp32 after the sum
+__global__ void bn_sync_grad_terms_kernel(double *s, const float *sum_g, const float *sum_gx, int C, int empty) {
+    for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < 2 * C; k += blockDim.x * gridDim.x)
+        s[k] = empty ? 0.0 : (double)(k < C ? sum_g[k] : sum_gx[k - C]);
+}
+__global__ void bn_sync_grads_kernel(float *sum_g, float *sum_gx, const double *s, int C) {
+    for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < 2 * C; k += blockDim.x * gridDim.x) {
+        if (k < C) sum_g[k] = (float)s[k];
+        else sum_gx[k - C] = (float)s[k];
+    }
+}
+
+int cuda_bn_sync_grads(Comm *dcomm, Ops *o, float *sum_g, float *sum_gx, int C, size_t count) {
+    double *s = ctx_of(o)->sums;  // (2C)
+    const unsigned grid = grid_for(2 * (size_t)C);
+    CU_LAUNCH(bn_sync_grad_terms_kernel, grid, BLOCK, 0, stream_of(o), s, sum_g, sum_gx, C, count == 0);
+    launchCheck();
+    if (dcomm->allreduce_f64(dcomm, s, 2 * (size_t)C)) return -1;
+    CU_LAUNCH(bn_sync_grads_kernel, grid, BLOCK, 0, stream_of(o), sum_g, sum_gx, s, C);
+    launchCheck();
+    return 0;
+}
+
 void cuda_comm_destroy(Comm *dcomms, int n) {
     if (n < 1) return;
     NcclGroup *g = ((NcclRank *)dcomms[0].ctx)->group;
@@ -1748,4 +1809,13 @@ int cuda_comm_mpi_create(Comm *dcomm, Comm *host, char err[SN_ERR_MAX]) {
     return -1;
 }
 void cuda_comm_destroy(Comm *dcomms, int n) { (void)dcomms; (void)n; }
+// without NCCL no Comm has a device communicator: these are never called
+int cuda_bn_sync_stats(Comm *dcomm, Ops *o, float *mean, float *var, int C, size_t count, size_t total) {
+    (void)dcomm; (void)o; (void)mean; (void)var; (void)C; (void)count; (void)total;
+    return -1;
+}
+int cuda_bn_sync_grads(Comm *dcomm, Ops *o, float *sum_g, float *sum_gx, int C, size_t count) {
+    (void)dcomm; (void)o; (void)sum_g; (void)sum_gx; (void)C; (void)count;
+    return -1;
+}
 #endif

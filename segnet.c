@@ -2788,20 +2788,34 @@ static int bn_synced(const Net *net, const Layer *l) {
     return net->sync_bn && l->kind == LAYER_BN && layer_in_train_mode(net, l);
 }
 
+// On a device with a device communicator (NCCL) the sums stay in device
+// memory (cuda_bn_sync_stats/grads, the same fp64 terms); the global count is
+// a host scalar, all-reduced here.
+#ifdef SEGNET_CUDA
+static int bn_sync_on_device(const Net *net) { return net->sync_bn->device && net->o != &ops_cpu; }
+#endif
+
 static size_t bn_sync_stats(Net *net, float *mean, float *var, int C, size_t count) {
     Comm *comm = net->sync_bn;
     Ops *o = net->o;
+#ifdef SEGNET_CUDA
+    if (bn_sync_on_device(net)) {
+        int64_t total = (int64_t)count;
+        if (comm->allreduce_i64(comm, &total, 1) ||
+            cuda_bn_sync_stats(comm->device, o, mean, var, C, count, (size_t)total)) { net->failed = 1; return 0; }
+        return (size_t)total;
+    }
+#endif
     float m[C], v[C];  // (C)
     double s[C + 1], q[C];
     if (count) { o->download(o, m, mean, sizeof m); o->download(o, v, var, sizeof v); }
-    for (int c = 0; c < C; c++) s[c] = count ? (double)count * m[c] : 0.0;
+    for (int c = 0; c < C; c++) s[c] = bn_sync_mean_term((double)count, m[c]);
     s[C] = (double)count;
     if (comm->allreduce_f64(comm, s, (size_t)C + 1)) { net->failed = 1; return 0; }
     const double total = s[C];
     for (int c = 0; c < C; c++) {
         s[c] /= total;
-        double d = count ? (double)m[c] - s[c] : 0.0;
-        q[c] = count ? (double)count * ((double)v[c] + d * d) : 0.0;
+        q[c] = bn_sync_var_term((double)count, m[c], v[c], s[c]);
     }
     if (comm->allreduce_f64(comm, q, (size_t)C)) { net->failed = 1; return 0; }
     for (int c = 0; c < C; c++) { m[c] = (float)s[c]; v[c] = (float)(q[c] / total); }
@@ -2813,6 +2827,16 @@ static size_t bn_sync_stats(Net *net, float *mean, float *var, int C, size_t cou
 static size_t bn_sync_grads(Net *net, float *sum_g, float *sum_gx, int C, size_t count) {
     Comm *comm = net->sync_bn;
     Ops *o = net->o;
+#ifdef SEGNET_CUDA
+    if (bn_sync_on_device(net)) {
+        int64_t total = (int64_t)count;
+        if (comm->allreduce_i64(comm, &total, 1) || cuda_bn_sync_grads(comm->device, o, sum_g, sum_gx, C, count)) {
+            net->failed = 1;
+            return 0;
+        }
+        return (size_t)total;
+    }
+#endif
     float a[2 * C];  // (2C) Σg, then Σg·xhat
     double s[2 * C + 1];
     if (count) { o->download(o, a, sum_g, sizeof(float) * C); o->download(o, a + C, sum_gx, sizeof(float) * C); }

@@ -148,6 +148,16 @@ static inline SN_HD float act_grad(Act a, float z) {
 // batch norm's 1/sqrt(var + eps), per channel
 static inline SN_HD float bn_invstd(const float *var, int c, float eps) { return 1.0f / sqrtf(var[c] + eps); }
 
+// --sync-bn (segnet.c, "batch norm across replicas"): a replica's terms of the
+// global sums, n_r·mean_r and n_r·(var_r + (mean_r - mean)²) in fp64; an empty
+// shard (n_r = 0) adds 0
+static inline SN_HD double bn_sync_mean_term(double n, float mean_r) { return n != 0.0 ? n * (double)mean_r : 0.0; }
+static inline SN_HD double bn_sync_var_term(double n, float mean_r, float var_r, double mean) {
+    if (n == 0.0) return 0.0;
+    double d = (double)mean_r - mean;
+    return n * ((double)var_r + d * d);
+}
+
 // ----------------------------------------------------------------------------
 // counter-based RNG: a uniform number is a pure function of (seed, counter),
 // so dropout masks are recomputed in backward (and in checkpoint recompute, and
@@ -915,6 +925,13 @@ int comm_agree(Comm *c, int rc, char err[SN_ERR_MAX]);
 int cuda_comm_local_create(Comm *dcomms, Comm *hosts, int n, char err[SN_ERR_MAX]);
 int cuda_comm_mpi_create(Comm *dcomm, Comm *host, char err[SN_ERR_MAX]);
 void cuda_comm_destroy(Comm *dcomms, int n);
+// --sync-bn on the device (kernels.cu): bn_sync_stats and bn_sync_grads of
+// segnet.c with the per-channel fp64 sums made, all-reduced over dcomm and
+// turned back into fp32 on the device; count: this replica's values per
+// channel, total: every replica's (all-reduced by the caller on the host).
+// Return 0, or -1 when a rank has failed.
+int cuda_bn_sync_stats(Comm *dcomm, Ops *o, float *mean, float *var, int C, size_t count, size_t total);
+int cuda_bn_sync_grads(Comm *dcomm, Ops *o, float *sum_g, float *sum_gx, int C, size_t count);
 
 // ----------------------------------------------------------------------------
 // training: initialisation, metrics, schedules, the training loop, evaluation
