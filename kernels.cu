@@ -50,13 +50,6 @@ static void cublas_check(cublasStatus_t s, const char *what, const char *file, i
     exit(1);
 }
 #define cublasCheck(call) cublas_check((call), #call, __FILE__, __LINE__)
-// a broken invariant of the host code (a bug)
-static void internal_check(bool ok, const char *what, const char *file, int line) {
-    if (ok) return;
-    fprintf(stderr, "segnet: internal error at %s:%d: %s\n", file, line, what);
-    exit(1);
-}
-#define internalCheck(cond) internal_check((cond), #cond, __FILE__, __LINE__)
 // after every launch: a bad configuration is reported at the launch, not later
 #define launchCheck() cuda_check(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
 
@@ -1600,6 +1593,13 @@ static void nccl_check(ncclResult_t r, const char *what, const char *file, int l
     exit(1);
 }
 #define ncclCheck(call) nccl_check((call), #call, __FILE__, __LINE__)
+// a broken invariant of the host code (a bug)
+static void internal_check(bool ok, const char *what, const char *file, int line) {
+    if (ok) return;
+    fprintf(stderr, "segnet: internal error at %s:%d: %s\n", file, line, what);
+    exit(1);
+}
+#define internalCheck(cond) internal_check((cond), #cond, __FILE__, __LINE__)
 
 typedef enum { NCCL_SUM_F32, NCCL_SUM_F64, NCCL_SUM_I64, NCCL_BROADCAST } NcclKind;
 

@@ -6089,6 +6089,7 @@ static void test_cuda_train_steps(void) {
     }
 }
 
+#ifdef SEGNET_NCCL
 // ---- replicas on emulated devices: NCCL communicators (kernels.cu) over the
 // emulator's devices (CUEMU_DEVICES, read at each call) and its NCCL, which sums
 // in rank order like the CPU replicas
@@ -6344,6 +6345,17 @@ static void test_cuda_replicas_train_run(void) {
           !strchr(err, '\n') && access(out[0], F_OK) != 0, "4 replicas on 3 devices: %s", err);
     rm_rf(data); rm_rf(run);
 }
+
+#else
+// A build without NCCL (NO_NCCL=1) refuses replicas on CUDA devices in one line.
+static void test_cuda_replicas_no_nccl(void) {
+    TrainCfg c = tiny_seg_cfg("/nonexistent", NULL);
+    c.replicas = 2;
+    c.device = DEVICE_CUDA;
+    char err[SN_ERR_MAX];
+    CHECK(train_run(&c, NULL, err) == -1 && contains(err, "need NCCL: this segnet was built without it"), "%s", err);
+}
+#endif
 
 // ---- batch norm, activations, squeeze-excitation, add/concat, dropout, pooling
 // and resampling. Destinations are pre-filled on both backends with NaN where the
@@ -6896,9 +6908,13 @@ static const Test TESTS[] = {
     {"cuda_alloc_counts", test_cuda_alloc_counts},
     {"cuda_ops_complete", test_cuda_ops_complete},
     {"cuda_train_steps", test_cuda_train_steps},
+#ifdef SEGNET_NCCL
     {"cuda_nccl_comm", test_cuda_nccl_comm},
     {"cuda_replicas_sync_bn", test_cuda_replicas_sync_bn},
     {"cuda_replicas_train_run", test_cuda_replicas_train_run},
+#else
+    {"cuda_replicas_no_nccl", test_cuda_replicas_no_nccl},
+#endif
     {"cuda_bn_stats", test_cuda_bn_stats},
     {"cuda_bn_forward_backward", test_cuda_bn_forward_backward},
     {"cuda_act", test_cuda_act},
