@@ -1702,8 +1702,7 @@ int cuda_comm_local_create(Comm *dcomms, Comm *hosts, int n, char err[SN_ERR_MAX
 int cuda_comm_mpi_create(Comm *dcomm, Comm *host, char err[SN_ERR_MAX]) {
     char why[SN_ERR_MAX] = "";
     Ops *o = cuda_ops_for_device(host->local_rank, why);
-    if (!o) snprintf(why + strlen(why), SN_ERR_MAX - strlen(why), " (rank %d, rank %d on its machine)", host->rank,
-                     host->local_rank);
+    if (!o) snprintf(why + strlen(why), SN_ERR_MAX - strlen(why), " (its rank on its machine: %d)", host->local_rank);
     if (comm_agree(host, o ? 0 : -1, why)) {  // every rank has its device, or none goes on
         snprintf(err, SN_ERR_MAX, "%.480s", why);
         return -1;
