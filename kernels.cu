@@ -1494,6 +1494,9 @@ static Ops cuda_tables[CUDA_MAX_DEVICES];  // [0] unused: device 0's table is op
 static std::mutex cuda_open_mutex;
 
 // Makes ctx device `device`'s: its streams, events, cuBLAS handle and scratch.
+// a device context's own allocations (the reductions' scratch)
+#define CUDA_CONTEXT_BYTES (sizeof(double) * REDUCE_BLOCKS_MAX * REDUCE_WIDTH + SUMS_SCRATCH * sizeof(double))
+
 static int ctx_open(CudaCtx *ctx, int device, char *err) {
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
@@ -1525,6 +1528,10 @@ static int ctx_open(CudaCtx *ctx, int device, char *err) {
         cudaGetLastError();
         return -1;
     }
+    // counted with what the tables' alloc hands out: peak_device_bytes and the plan include it
+    std::lock_guard<std::mutex> lock(cuda_alloc_mutex);
+    cuda_bytes_live += CUDA_CONTEXT_BYTES;
+    if (cuda_bytes_live > cuda_bytes_peak) cuda_bytes_peak = cuda_bytes_live;
     return 0;
 }
 
@@ -1542,6 +1549,7 @@ Ops *cuda_ops_for_device(int device, char *err) {
     if (ctx_open(&cuda_ctxs[device], device, err)) return NULL;
     if (device > 0) *o = ops_cuda;  // the same entries, another context
     o->ctx = &cuda_ctxs[device];
+    o->context_bytes = CUDA_CONTEXT_BYTES;
     return o;
 }
 

@@ -6433,11 +6433,12 @@ done:
 // ---- memory of a run, from its plan (what trainer_open allocates)
 
 typedef struct {
-    size_t params, grads, optimizer, statistics, activations, workspace, io, total;
+    size_t params, grads, optimizer, statistics, activations, workspace, io, backend, total;
     size_t n_trainable;
 } MemoryReport;
 
-static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int logits, MemoryReport *m) {
+static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int logits, const Ops *o,
+                          MemoryReport *m) {
     memset(m, 0, sizeof *m);
     for (int i = 0; i < g->n_layers; i++) {
         const Layer *l = &g->layers[i];
@@ -6463,13 +6464,15 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
     m->activations = p->peak - p->workspace;
     m->io = sizeof(float) * K + sizeof(int32_t) * labels + sizeof(int64_t) * K * K + 4 * sizeof(float) + sizeof(int32_t);
     if (c->precision != DT_F32) m->io += sizeof(float) * shape_numel(in);
-    m->total = m->params + m->grads + m->optimizer + m->statistics + m->activations + m->workspace + m->io;
+    m->backend = o->context_bytes;
+    m->total = m->params + m->grads + m->optimizer + m->statistics + m->activations + m->workspace + m->io +
+               m->backend;
 }
 
 // Builds the graph of c (frozen layers marked) and its plan. Returns the logits, or -1 with err.
-static int plan_for(const TrainCfg *c, Graph *g, Plan *p, char err[SN_ERR_MAX]) {
+static int plan_for(const TrainCfg *c, Graph *g, Plan *p, Ops **op, char err[SN_ERR_MAX]) {
     graph_init(g);
-    Ops *o = ops_for_device(c->device, 0, err);  // its conv workspace sizes
+    Ops *o = *op = ops_for_device(c->device, 0, err);  // its conv workspace sizes, its own memory
     if (!o) return -1;
     int logits = model_build(g, &c->model);
     if (logits < 0) { snprintf(err, SN_ERR_MAX, "%s", g->err); return -1; }
@@ -6508,10 +6511,11 @@ static int choose_setting(TrainCfg *c, size_t budget, char *why, size_t why_size
             t.precision = v & 2 ? DT_F16 : DT_F32;
             Graph g;
             Plan p;
-            int logits = plan_for(&t, &g, &p, err);
+            Ops *o;
+            int logits = plan_for(&t, &g, &p, &o, err);
             if (logits < 0) { graph_free(&g); return -1; }
             MemoryReport m;
-            memory_report(&g, &p, &t, logits, &m);
+            memory_report(&g, &p, &t, logits, o, &m);
             plan_free(&p);
             graph_free(&g);
             tried++;
@@ -7411,10 +7415,11 @@ static int cmd_plan(int argc, char **argv) {
     if (a.memory && pick_setting(&a, "plan", stdout)) return 1;
     Graph g;
     Plan p;
-    int logits = plan_for(c, &g, &p, err);
+    Ops *o;
+    int logits = plan_for(c, &g, &p, &o, err);
     if (logits < 0) { fprintf(stderr, "segnet plan: %s\n", err); graph_free(&g); return 1; }
     MemoryReport m;
-    memory_report(&g, &p, c, logits, &m);
+    memory_report(&g, &p, c, logits, o, &m);
     printf("model: %s  input (%d,%d,%d,3)  classes %d  precision %s  checkpoint %s  accum %d%s\n", c->model.model,
            c->model.batch, c->model.height, c->model.width, c->model.classes, DTYPE_NAMES[c->precision],
            c->checkpoint ? "blocks" : "none", c->accum, c->freeze_base ? "  backbone frozen" : "");
@@ -7454,6 +7459,7 @@ static int cmd_plan(int argc, char **argv) {
            m.params, m.grads, m.optimizer);
     printf("  BN statistics           %14zu\n  activations + gradients %14zu\n  conv workspace          %14zu\n"
            "  inputs, labels, metrics %14zu\n", m.statistics, m.activations, m.workspace, m.io);
+    if (m.backend) printf("  backend scratch (%s)   %14zu\n", o->name, m.backend);
     printf("peak: %zu bytes (%.2f GiB)\n", m.total, m.total / 1073741824.0);
     plan_free(&p);
     graph_free(&g);

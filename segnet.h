@@ -313,6 +313,7 @@ typedef struct Ops Ops;
 struct Ops {
     const char *name;  // "cpu", "cuda"
     void *ctx;         // backend state (streams, handles)
+    size_t context_bytes;  // memory the backend holds outside any plan (its reductions' scratch), per device
 
     // memory in the backend's address space
     void *(*alloc)(Ops *o, size_t bytes);  // NULL on failure

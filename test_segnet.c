@@ -4119,10 +4119,11 @@ static void test_plan_equals_allocation(void) {
         Graph g;
         Plan p;
         char err[SN_ERR_MAX];
-        int logits = plan_for(&c, &g, &p, err);
+        Ops *o;
+        int logits = plan_for(&c, &g, &p, &o, err);
         CHECK(logits >= 0, "%s", err);
         MemoryReport m;
-        memory_report(&g, &p, &c, logits, &m);
+        memory_report(&g, &p, &c, logits, o, &m);
         size_t before = cpu_bytes_live;
         Trainer t;
         CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s", err);
@@ -4161,9 +4162,10 @@ static void test_plan_equals_allocation(void) {
         Graph g;
         Plan p;
         char err[SN_ERR_MAX];
-        int logits = plan_for(&t, &g, &p, err);
+        Ops *o;
+        int logits = plan_for(&t, &g, &p, &o, err);
         MemoryReport m;
-        memory_report(&g, &p, &t, logits, &m);
+        memory_report(&g, &p, &t, logits, o, &m);
         totals[v] = m.total;
         plan_free(&p); graph_free(&g);
     }
@@ -6054,6 +6056,39 @@ static void cu_train_losses(const char *model, int hw, DType dt, Device device, 
 // step on a last-bit difference grows ~100× per step (measured with only the
 // loss's gradient computed differently: step 3 differs by 9e-4), which says
 // nothing about the kernels.
+// The plan on the CUDA backend: trainer_open allocates exactly what the
+// plan counts for the run, and the plan adds the device context's own scratch
+// (allocated once, when the device is opened), which peak_device_bytes counts.
+static void test_cuda_plan_equals_allocation(void) {
+    if (!cu_ops_complete("cuda_plan_equals_allocation")) return;
+    const char *models[2] = {"unet", "unet-effv2-t"};
+    for (int k = 0; k < 2; k++) {
+        TrainCfg c = tiny_seg_cfg(NULL, NULL);
+        c.model.model = models[k]; c.model.height = c.model.width = 32; c.model.batch = 2; c.model.depth = 2;
+        c.checkpoint = k; c.precision = k ? DT_BF16 : DT_F32;
+        c.device = DEVICE_CUDA;
+        Graph g;
+        Plan p;
+        Ops *o;
+        char err[SN_ERR_MAX];
+        int logits = plan_for(&c, &g, &p, &o, err);
+        CHECK(logits >= 0 && o == &ops_cuda, "%s", err);
+        if (logits < 0) { graph_free(&g); continue; }
+        MemoryReport m;
+        memory_report(&g, &p, &c, logits, o, &m);
+        CHECK(m.backend == o->context_bytes && m.backend > 0 && cuda_bytes_peak >= m.backend,
+              "context %zu bytes, counted %zu, peak %zu", o->context_bytes, m.backend, cuda_bytes_peak);
+        size_t before = cuda_bytes_live;
+        Trainer t;
+        CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s", err);
+        size_t used = cuda_bytes_live - before;
+        CHECK(used + m.backend == m.total, "%s: planned %zu bytes (%zu of them the context's), allocated %zu",
+              models[k], m.total, m.backend, used);
+        trainer_close(&t);
+        plan_free(&p); graph_free(&g);
+    }
+}
+
 static void test_cuda_train_steps(void) {
     if (!cu_ops_complete("cuda_train_steps")) return;
     const struct { const char *model; int steps; } runs[2] = {{"unet", 4}, {"unet-effv2-t", 2}};
@@ -6908,6 +6943,7 @@ static const Test TESTS[] = {
     {"cuda_alloc_counts", test_cuda_alloc_counts},
     {"cuda_ops_complete", test_cuda_ops_complete},
     {"cuda_train_steps", test_cuda_train_steps},
+    {"cuda_plan_equals_allocation", test_cuda_plan_equals_allocation},
 #ifdef SEGNET_NCCL
     {"cuda_nccl_comm", test_cuda_nccl_comm},
     {"cuda_replicas_sync_bn", test_cuda_replicas_sync_bn},
