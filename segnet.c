@@ -518,8 +518,11 @@ static void depthwise_backward_weight_f32(const ConvCfg *cfg, const ConvGeom *q,
 #if defined(__AVX512F__)
 #define CONV_VL 16                      // fp32 lanes per vector register
 #define CONV_REGS 32                    // vector registers
-#else
+#elif defined(__AVX__)
 #define CONV_VL 8
+#define CONV_REGS 16
+#else                                   // SSE2 (every x86-64), NEON: 128-bit vectors
+#define CONV_VL 4
 #define CONV_REGS 16
 #endif
 #define CONV_VMAX 4                     // output-channel vectors per tile
@@ -1820,6 +1823,14 @@ int ops_missing(const Ops *o, char *list, size_t size) {
 
 const char *const DEVICE_NAMES[3] = {"cpu", "cuda", "auto"};
 
+#define NO_CUDA_BUILD "this segnet was built without the CUDA backend (no nvcc when it was built)"
+
+// --device auto without a usable GPU: one line on stderr, once per process
+static void cpu_fallback_notice(const char *why) {
+    static int noticed;
+    if (!noticed++) fprintf(stderr, "segnet: not on a GPU: %s; running on the CPU\n", why);
+}
+
 Ops *ops_for_device(Device d, int gpu, char err[SN_ERR_MAX]) {
     if (d == DEVICE_CPU) return &ops_cpu;
     char why[SN_ERR_MAX];
@@ -1832,14 +1843,13 @@ Ops *ops_for_device(Device d, int gpu, char err[SN_ERR_MAX]) {
     }
 #else
     (void)gpu;
-    snprintf(why, sizeof why, "this segnet was built without the CUDA backend (no nvcc when it was built)");
+    snprintf(why, sizeof why, "%s", NO_CUDA_BUILD);
 #endif
     if (d == DEVICE_CUDA) {
         snprintf(err, SN_ERR_MAX, "--device cuda: %.480s", why);
         return NULL;
     }
-    static int noticed;  // once per process
-    if (!noticed++) fprintf(stderr, "segnet: not on a GPU: %s; running on the CPU\n", why);
+    cpu_fallback_notice(why);
     return &ops_cpu;
 }
 
@@ -6362,10 +6372,10 @@ static int replicas_on_gpus(const TrainCfg *c, Comm *dcomms, Comm *hosts, int n,
     if ((mpi ? cuda_comm_mpi_create(dcomms, hosts, why) : cuda_comm_local_create(dcomms, hosts, n, why)) == 0) return 0;
 #else
     (void)dcomms; (void)n;
-    snprintf(why, sizeof why, "this segnet was built without the CUDA backend (no nvcc when it was built)");
+    snprintf(why, sizeof why, "%s", NO_CUDA_BUILD);
 #endif
     if (c->device == DEVICE_CUDA) { snprintf(err, SN_ERR_MAX, "--device cuda: %.480s", why); return -1; }
-    if (!mpi || hosts->rank == 0) fprintf(stderr, "segnet: not on a GPU: %s; running on the CPU\n", why);
+    if (!mpi || hosts->rank == 0) cpu_fallback_notice(why);
     return 0;
 }
 
@@ -6440,12 +6450,10 @@ typedef struct {
 static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int logits, const Ops *o,
                           MemoryReport *m) {
     memset(m, 0, sizeof *m);
-    for (int i = 0; i < g->n_layers; i++) {
-        const Layer *l = &g->layers[i];
-        if (l->frozen) continue;
-        if (l->weight >= 0) m->n_trainable += g->params[l->weight].count;
-        if (l->bias >= 0) m->n_trainable += g->params[l->bias].count;
-    }
+    size_t *grad_offset = malloc(sizeof(size_t) * ((size_t)g->n_params + 1));
+    snCheck(grad_offset != NULL, "out of host memory");
+    m->n_trainable = grad_layout(g, grad_offset);  // what net_create gives gradients (and Adam moments)
+    free(grad_offset);
     const Shape in = g->tensors[g->input].shape, out = g->tensors[logits].shape;
     const size_t K = (size_t)out.c, labels = (size_t)out.n * out.h * out.w;
     int cmax = 1;

@@ -5442,7 +5442,7 @@ static void cu_pair_free(CuPair *p) {
     cu_ops()->free(cu_ops(), p->gpu.data);
 }
 // fp32 buffers (parameters, statistics): a device copy of n host floats
-static inline float *cu_floats(const float *host, size_t n) {
+static float *cu_floats(const float *host, size_t n) {
     float *d = cu_ops()->alloc(cu_ops(), n * sizeof(float));
     cu_ops()->upload(cu_ops(), d, host, n * sizeof(float));
     return d;
