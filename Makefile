@@ -7,6 +7,10 @@
 #   make bench      segnet bench against PyTorch (ref/bench_torch.py), same run
 #   make gpucheck   on a machine with a GPU: the cuda_ tests on the device, and
 #                   segnet against PyTorch on it; table in gpucheck.txt
+#   make gpubuild   build everything gpucheck runs, without running it
+#   make gpu-deps   download the build's Debian packages into .deps/ (for a
+#                   machine with no network: make deps-unpack there, then
+#                   DEPS_ROOT=$PWD/.deps/root on every make command)
 #
 # Switches: NO_OMP=1 (no OpenMP), NO_NATIVE=1 (no -march=native), NO_CUDA=1, NO_NCCL=1, NO_MPI=1 (skip the
 # detection of each: segnet is then built without that part).
@@ -14,7 +18,8 @@
 # Build dependencies come from Debian packages, never from copies in this repo:
 # OpenBLAS (libopenblas-openmp-dev) and stb_image (libstb-dev). When one is
 # missing, `make` installs it with apt-get if run as root, else stops with the
-# command to run.
+# command to run. With DEPS_ROOT=DIR (the packages unpacked there with
+# dpkg -x) headers and libraries come from DIR and apt-get is never called.
 #
 # OpenBLAS is its OpenMP build, pinned with an rpath: GEMMs then run in the
 # same thread pool as segnet's own loops. With the pthread build the two pools
@@ -25,9 +30,29 @@ CFLAGS  ?= -O2 -g
 CFLAGS  += -std=gnu11 -Wall -Wextra -Wno-unknown-pragmas -pthread
 LDLIBS  += -lm
 
-MULTIARCH    := $(shell $(CC) -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
-OPENBLAS_DIR := /usr/lib/$(MULTIARCH)/openblas-openmp
-OPENBLAS_PC  := PKG_CONFIG_PATH=$(OPENBLAS_DIR)/pkgconfig pkg-config
+MULTIARCH := $(shell $(CC) -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
+# the packages of the build and of its libraries' own dependencies (libopenblas
+# needs libgfortran, which needs libquadmath; libgomp comes with the compiler)
+DEB_PACKAGES := libopenblas-openmp-dev libopenblas0-openmp libgfortran5 libquadmath0 libstb-dev libstb0
+DEPS_DIR     := .deps
+ifeq ($(DEPS_ROOT),)
+  DEP_PREFIX :=
+  # the system's libopenblas is pinned with an rpath (see above)
+  DEP_RPATH  := -Wl,-rpath,/usr/lib/$(MULTIARCH)/openblas-openmp
+else
+  override DEPS_ROOT := $(abspath $(DEPS_ROOT))
+  DEP_PREFIX := $(DEPS_ROOT)
+  # DT_RPATH (not RUNPATH) so that libopenblas finds libgfortran there too:
+  # RUNPATH would apply to ./segnet's own libraries only
+  DEP_RPATH  := -Wl,--disable-new-dtags \
+                -Wl,-rpath,$(DEPS_ROOT)/usr/lib/$(MULTIARCH)/openblas-openmp:$(DEPS_ROOT)/usr/lib/$(MULTIARCH)
+endif
+OPENBLAS_DIR := $(DEP_PREFIX)/usr/lib/$(MULTIARCH)/openblas-openmp
+OPENBLAS_INC := $(DEP_PREFIX)/usr/include/$(MULTIARCH)/openblas-openmp
+STB_INC      := $(DEP_PREFIX)/usr/include/stb
+STB_LIBDIR   := $(DEP_PREFIX)/usr/lib/$(MULTIARCH)
+DEP_CFLAGS   := -I$(OPENBLAS_INC) -I$(STB_INC)
+DEP_LIBS     := -L$(OPENBLAS_DIR) -lopenblas -L$(STB_LIBDIR) -lstb $(DEP_RPATH)
 
 # The CPU ops' inner loops are written for the compiler to vectorise: build for
 # this machine's vector units (AVX2/AVX-512) when the compiler accepts
@@ -43,25 +68,42 @@ CFLAGS += $(ARCH_FLAGS)
 # cuda_emu.cpp) and ./test_segnet links that, so the cuda_ tests run every
 # kernel on the CPU. Without nvcc (or with NO_CUDA=1) both programs are CPU-only.
 CUDA_HOME  ?= /usr/local/cuda
-CUDA_ARCHS ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+# GPU_ARCH: the GPU code's target, `native` (the GPU of this machine) when one
+# is visible at build time, else sm_90 (H100/H200; sm_80 for an A100)
+GPU_ARCH   ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo native || echo sm_90)
+CUDA_ARCHS ?= -arch=$(GPU_ARCH)
 ifneq ($(NO_CUDA),1)
   NVCC := $(shell command -v nvcc 2>/dev/null || { [ -x $(CUDA_HOME)/bin/nvcc ] && echo $(CUDA_HOME)/bin/nvcc; })
 endif
 # NCCL (the replicas' all-reduce on GPUs, kernels.cu) is in the CUDA build
 # unless NO_NCCL=1: the GPU build links -lnccl, the emulated one the emulator's
 # NCCL (cuda_emu.cpp). Without it, replicas on GPUs are refused with a message.
+# NCCL_HOME=DIR takes DIR/include/nccl.h and DIR/lib/libnccl.so* (e.g. the one
+# inside PyTorch's packages, site-packages/nvidia/nccl); else the toolkit's or
+# the system's. None found: built without it, said by `make`.
 ifneq ($(NVCC),)
-  NCCL_H := $(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h))
+  ifneq ($(NCCL_HOME),)
+    NCCL_H   := $(wildcard $(NCCL_HOME)/include/nccl.h)
+    NCCL_LIB := $(firstword $(wildcard $(NCCL_HOME)/lib/libnccl.so $(NCCL_HOME)/lib/libnccl.so.[0-9]))
+    ifeq ($(NCCL_LIB),)
+      NCCL_H :=
+    endif
+    NCCL_INC  := -I$(NCCL_HOME)/include
+    NCCL_LINK := -L$(NCCL_HOME)/lib -Wl,-rpath,$(NCCL_HOME)/lib -l:$(notdir $(NCCL_LIB))
+  else
+    NCCL_H    := $(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h))
+    NCCL_LINK := -lnccl
+  endif
   ifeq ($(NO_NCCL),1)
     NCCL_H :=
   endif
   ifneq ($(NCCL_H),)
-    NCCL_CFLAGS := -DSEGNET_NCCL
-    NCCL_LIBS   := -lnccl
+    NCCL_CFLAGS := -DSEGNET_NCCL $(NCCL_INC)
+    NCCL_LIBS   := $(NCCL_LINK)
   endif
   CUDA_CFLAGS  := -DSEGNET_CUDA $(NCCL_CFLAGS) -I$(CUDA_HOME)/include
-  CUDA_LIBS    := -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/lib -Wl,-rpath,$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib \
-                  -lcudart -lcublas $(NCCL_LIBS) -lstdc++
+  CUDA_LIBS    := $(NCCL_LIBS) -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/lib -Wl,-rpath,$(CUDA_HOME)/lib64 \
+                  -Wl,-rpath,$(CUDA_HOME)/lib -lcudart -lcublas -lstdc++
   GPU_OBJS     := kernels_gpu.o
   EMU_OBJS     := kernels_emu.o cuda_emu.o
   EMU_LIBS     := -lstdc++
@@ -90,20 +132,16 @@ else
   OMP_FLAGS := -fopenmp
 endif
 
-# Evaluated when a recipe runs, i.e. after `deps` has installed what was missing.
-DEP_CFLAGS = $(shell $(OPENBLAS_PC) --cflags openblas 2>/dev/null) -I/usr/include/stb
-DEP_LIBS   = $(shell $(OPENBLAS_PC) --libs openblas 2>/dev/null) -Wl,-rpath,$(OPENBLAS_DIR) -lstb
-
-.PHONY: all deps test test-heavy train bench gpucheck clean
+.PHONY: all deps test test-heavy train bench gpucheck gpubuild gpu-deps deps-unpack clean
 
 all: segnet test_segnet
 
 # ---- dependencies and feature detection -------------------------------------
 deps:
+ifeq ($(DEPS_ROOT),)
 	@missing=""; \
-	command -v pkg-config >/dev/null 2>&1 || missing="$$missing pkg-config"; \
-	[ -f $(OPENBLAS_DIR)/pkgconfig/openblas.pc ] || missing="$$missing libopenblas-openmp-dev"; \
-	[ -f /usr/include/stb/stb_image.h ] || missing="$$missing libstb-dev"; \
+	[ -f $(OPENBLAS_INC)/cblas.h ] || missing="$$missing libopenblas-openmp-dev"; \
+	[ -f $(STB_INC)/stb_image.h ] || missing="$$missing libstb-dev"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "segnet: installing missing Debian packages:$$missing"; \
@@ -115,9 +153,14 @@ deps:
 	    exit 1; \
 	  fi; \
 	fi
+else
+	@for f in $(OPENBLAS_INC)/cblas.h $(OPENBLAS_DIR)/libopenblas.so $(STB_INC)/stb_image.h $(STB_LIBDIR)/libstb.so; do \
+	  [ -e $$f ] || { echo "segnet: DEPS_ROOT=$(DEPS_ROOT) has no $${f#$(DEPS_ROOT)/} (make gpu-deps downloads the packages into $(DEPS_DIR)/, make deps-unpack unpacks them into $(DEPS_DIR)/root)" >&2; exit 1; }; \
+	done
+endif
 	@echo "segnet build:"
-	@echo "  ✓ OpenBLAS   $$($(OPENBLAS_PC) --modversion openblas) (OpenMP build)"
-	@echo "  ✓ stb_image  /usr/include/stb/stb_image.h"
+	@echo "  ✓ OpenBLAS   $$(sed -n 's/^Version: //p' $(OPENBLAS_DIR)/pkgconfig/openblas.pc) (OpenMP build) $(OPENBLAS_DIR)"
+	@echo "  ✓ stb_image  $(STB_INC)/stb_image.h"
 	@if [ -n "$(ARCH_FLAGS)" ]; then echo "  ✓ vectorised -march=native"; \
 	 else echo "  ✗ vectorised portable build (NO_NATIVE=1, or $(CC) refuses -march=native)"; fi
 	@if [ "$(NO_OMP)" = 1 ]; then echo "  ✗ OpenMP     off (NO_OMP=1)"; \
@@ -130,7 +173,7 @@ deps:
 	@if [ "$(NO_NCCL)" = 1 ]; then echo "  ✗ NCCL       off (NO_NCCL=1): no replicas on GPUs"; \
 	 elif [ -z "$(NVCC)" ]; then echo "  ✗ NCCL       no CUDA build"; \
 	 elif [ -n "$(NCCL_H)" ]; then \
-	   echo "  ✓ NCCL       $(NCCL_H), -lnccl: --replicas N / mpirun with --device cuda, one GPU per replica"; \
+	   echo "  ✓ NCCL       $(NCCL_H), $(NCCL_LIBS): --replicas N / mpirun with --device cuda, one GPU per replica"; \
 	 else echo "  ✗ NCCL       no nccl.h: no replicas on GPUs"; fi
 	@if /usr/bin/python3 -c 'import torch, torchvision' >/dev/null 2>&1; then \
 	   echo "  ✓ PyTorch    (reference: make test runs the live parity checks)"; \
@@ -155,10 +198,10 @@ kernels_emu.o: kernels.cu segnet.h cuda_emu.h
 cuda_emu.o: cuda_emu.cpp cuda_emu.h
 	$(CXX) $(EMUFLAGS) -c cuda_emu.cpp -o $@
 
+# every test, then (with the emulated CUDA backend) the cuda_ tests again with
+# the threads of each block in reverse order; the last line counts both
 test: segnet test_segnet
 	./test_segnet
-	@if [ -n "$(NVCC)" ]; then echo "== the emulated CUDA tests again, threads in reverse order"; \
-	  CUEMU_ORDER=reverse ./test_segnet --filter cuda_; fi
 
 # checks that take minutes (fp32/fp16/bf16 quickstart runs against each other)
 test-heavy: segnet test_segnet
@@ -192,37 +235,88 @@ bench: segnet
 
 # ---- make gpucheck: on a machine with an NVIDIA GPU (none on our CI) ----------
 # 1. the cuda_ tests on the device: test_segnet linked with the nvcc-built
-#    kernels for this GPU instead of the emulator;
-# 2. GPU_STEPS training steps of each GPU_MODELS entry in bf16 and fp16, with
-#    and without --checkpoint blocks, then the same model, size and batch in
-#    PyTorch (its GPU library kernels, autocast, channels_last) when torch sees the GPU;
-# 3. one table (images/s, peak device memory, segnet/PyTorch ratios), also
-#    written to gpucheck.txt.
-# The whole target is sized to finish within 8 minutes on an H200.
-GPU_STEPS  ?= 20
-GPU_SECONDS ?= 360   # the benchmarks' whole budget (builds and the cuda_ tests come first): a run past it is cut short (its row shows nan)
+#    kernels instead of the emulator (time-boxed);
+# 2. the same tests once under compute-sanitizer's memcheck where it is
+#    installed (time-boxed: a cut-short run says how far it got);
+# 3. GPU_STEPS training steps of each GPU_MODELS entry in bf16 and fp16, with
+#    and without --checkpoint blocks, and the same model, size and batch in
+#    PyTorch (cuDNN, autocast, channels_last) with GPU_PYTHON when its torch
+#    sees the GPU;
+# 4. gpucheck.txt: the GPU, the tests' and the sanitizer's verdicts and one
+#    table (images/s, peak device memory, segnet/PyTorch ratios), printed last.
+# A step that fails (no GPU, a crash) leaves its line or row saying so (nan)
+# and the next step runs; the exit status is the tests'. GPU_SECONDS bounds
+# everything after the builds, so that with them it fits 8 minutes on an H200.
+# GPU_PYTHON: the first python3 on PATH that imports torch (on the lent GPU
+# machines that is not /usr/bin/python3). NCCL: the toolkit's or the system's,
+# else the one inside that Python's packages (nvidia/nccl), else none.
+GPU_STEPS       ?= 20
+GPU_SECONDS     ?= 420
+GPU_TEST_SECONDS ?= 120
+GPU_SANITIZER_SECONDS ?= 60
 GPU_MODELS ?= "unet-effv2-l:--model unet-effv2-l --size 512x512 --batch 8 --classes 4" \
               "effv2-l:--model effv2-l --size 384x384 --batch 16 --classes 1000"
-test_segnet_gpu: test_segnet.c segnet.c segnet.h kernels.cu | deps
-	$(NVCC) $(NVCCFLAGS) -arch=native -c kernels.cu -o kernels_native.o
-	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -DSEGNET_TEST_GPU -o $@ test_segnet.c kernels_native.o $(DEP_LIBS) $(CUDA_LIBS) $(LDLIBS)
+GPU_PYTHON ?=
+# shell: py= the Python that runs ref/bench_torch.py (empty: none imports torch)
+FIND_GPU_PYTHON = py="$(GPU_PYTHON)"; \
+	if [ -z "$$py" ]; then \
+	  for d in $$(echo "$$PATH" | tr : ' ') /usr/bin; do \
+	    [ -x "$$d/python3" ] && "$$d/python3" -c 'import torch' >/dev/null 2>&1 && { py="$$d/python3"; break; }; \
+	  done; \
+	fi
 
-gpucheck: test_segnet_gpu segnet
-	@nvidia-smi -L 2>/dev/null || { echo "make gpucheck: no GPU here (nvidia-smi -L failed)" >&2; exit 1; }
-	./test_segnet_gpu --filter cuda_
-	@rows=""; end=$$(( $$(date +%s) + $(GPU_SECONDS) )); \
+test_segnet_gpu: test_segnet.c segnet.c segnet.h kernels_gpu.o | deps
+	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -DSEGNET_TEST_GPU -o $@ test_segnet.c kernels_gpu.o $(DEP_LIBS) $(CUDA_LIBS) $(LDLIBS)
+
+gpubuild:
+	@[ -n "$(NVCC)" ] || { echo "make gpubuild: no nvcc (not on PATH, nor in CUDA_HOME=$(CUDA_HOME))" >&2; exit 1; }
+	@$(FIND_GPU_PYTHON); nccl="$(NCCL_HOME)"; \
+	if [ -z "$$nccl" ] && [ -z "$(NCCL_H)" ] && [ "$(NO_NCCL)" != 1 ] && [ -n "$$py" ]; then \
+	  nccl=$$("$$py" -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null); \
+	  [ -f "$$nccl/include/nccl.h" ] || nccl=""; \
+	fi; \
+	echo "$(MAKE) segnet test_segnet_gpu GPU_ARCH=$(GPU_ARCH)$${nccl:+ NCCL_HOME=$$nccl}"; \
+	$(MAKE) segnet test_segnet_gpu GPU_ARCH=$(GPU_ARCH) $${nccl:+NCCL_HOME=$$nccl}
+
+gpucheck: gpubuild
+	@end=$$(( $$(date +%s) + $(GPU_SECONDS) )); \
 	budget() { l=$$(( end - $$(date +%s) )); [ $$l -gt $$1 ] && l=$$1; [ $$l -lt 1 ] && l=1; echo $$l; }; \
+	out=gpucheck.txt; : > $$out; \
+	gpu=$$(nvidia-smi -L 2>/dev/null | head -n 1); \
+	[ -n "$$gpu" ] || echo "make gpucheck: no GPU visible (nvidia-smi -L failed): the GPU steps below fail" >&2; \
+	echo "gpu: $${gpu:-none visible}" >> $$out; \
+	echo "== 1. the cuda_ tests on the device (at most $$(budget $(GPU_TEST_SECONDS)) s)" >&2; \
+	timeout $$(budget $(GPU_TEST_SECONDS)) ./test_segnet_gpu --filter cuda_ > gpucheck-tests.log 2>&1; trc=$$?; \
+	cat gpucheck-tests.log >&2; \
+	echo "cuda_ tests: $$(grep -E '^[0-9]+ passed, [0-9]+ failed$$' gpucheck-tests.log || echo 'no count line') (exit $$trc$$([ $$trc = 124 ] && echo ', cut short'))" >> $$out; \
+	san=$$(command -v compute-sanitizer || { [ -x $(CUDA_HOME)/bin/compute-sanitizer ] && echo $(CUDA_HOME)/bin/compute-sanitizer; }); \
+	if [ -n "$$san" ]; then \
+	  s_budget=$$(budget $(GPU_SANITIZER_SECONDS)); \
+	  echo "== 2. the cuda_ tests under compute-sanitizer memcheck (at most $$s_budget s)" >&2; \
+	  timeout $$s_budget $$san --tool memcheck --error-exitcode 3 ./test_segnet_gpu --filter cuda_ > gpucheck-memcheck.log 2>&1; src=$$?; \
+	  tail -n 5 gpucheck-memcheck.log >&2; \
+	  n=$$(grep -cE '^(ok|FAIL) ' gpucheck-memcheck.log); \
+	  errs=$$(sed -n 's/^========= ERROR SUMMARY: \([0-9]*\) error.*/\1/p' gpucheck-memcheck.log | tail -n 1); \
+	  if [ $$src = 124 ]; then \
+	    v="cut short after $$s_budget s: $$n tests run, $$(grep -cE '^========= (Invalid|Program hit)' gpucheck-memcheck.log) errors so far"; \
+	  else v="$${errs:-no} errors reported in $$n tests (exit $$src$$([ $$src = 3 ] && echo ': errors found, see gpucheck-memcheck.log'))"; fi; \
+	  echo "compute-sanitizer memcheck: $$v" >> $$out; \
+	else echo "compute-sanitizer: not installed" >> $$out; fi; \
+	$(FIND_GPU_PYTHON); \
+	torch_gpu=0; [ -n "$$py" ] && "$$py" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null && torch_gpu=1; \
+	echo "pytorch: $$([ $$torch_gpu = 1 ] && echo "$$py, sees the GPU" || echo "not run ($${py:-no python3 on PATH imports torch}$${py:+: its torch sees no GPU})")" >> $$out; \
+	rows=""; \
 	for m in $(GPU_MODELS); do \
 	  name=$${m%%:*}; args=$${m#*:}; \
 	  for p in bf16 fp16; do \
 	    t=""; \
-	    if /usr/bin/python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then \
-	      echo "== $$name $$p: ref/bench_torch.py --device cuda $$args" >&2; \
-	      t=$$(timeout $$(budget 90) /usr/bin/python3 ref/bench_torch.py --device cuda --precision $$p $$args --steps $(GPU_STEPS) --warmup 3) || t=""; \
+	    if [ $$torch_gpu = 1 ]; then \
+	      echo "== 3. $$name $$p: ref/bench_torch.py --device cuda $$args" >&2; \
+	      t=$$(timeout $$(budget 90) "$$py" ref/bench_torch.py --device cuda --precision $$p $$args --steps $(GPU_STEPS) --warmup 3) || t=""; \
 	      echo "$$t" >&2; \
 	    fi; \
 	    for c in none blocks; do \
-	      echo "== $$name $$p --checkpoint $$c: segnet bench --device cuda $$args" >&2; \
+	      echo "== 3. $$name $$p --checkpoint $$c: segnet bench --device cuda $$args" >&2; \
 	      s=$$(timeout $$(budget 120) ./segnet bench --device cuda --precision $$p --checkpoint $$c $$args --steps $(GPU_STEPS) --warmup 3) || s=""; \
 	      echo "$$s" >&2; \
 	      get() { v=$$(echo "$$1" | sed -n "s/^$$2: //p"); echo $${v:-nan}; }; \
@@ -231,7 +325,32 @@ gpucheck: test_segnet_gpu segnet
 	  done; \
 	done; \
 	printf "$$rows" | awk 'BEGIN { printf "%-13s %-5s %-6s %10s %10s %7s %11s %11s %7s\n", "model", "prec", "ckpt", "segnet i/s", "torch i/s", "ratio", "segnet GiB", "torch GiB", "ratio" } \
-	  { printf "%-13s %-5s %-6s %10.2f %10.2f %7.2f %11.2f %11.2f %7.2f\n", $$1, $$2, $$3, $$4, $$5, $$4 / $$5, $$6 / 1073741824, $$7 / 1073741824, $$6 / $$7 }' | tee gpucheck.txt
+	  { printf "%-13s %-5s %-6s %10.2f %10.2f %7.2f %11.2f %11.2f %7.2f\n", $$1, $$2, $$3, $$4, $$5, $$4 / $$5, $$6 / 1073741824, $$7 / 1073741824, $$6 / $$7 }' >> $$out; \
+	echo "== gpucheck.txt" >&2; cat $$out; \
+	[ $$trc = 0 ]
+
+# ---- builds without apt: the Debian packages as files -------------------------
+# make gpu-deps (here, with apt) -> .deps/*.deb; carry .deps to the machine with
+# no network; there: make deps-unpack, then make ... DEPS_ROOT=$PWD/.deps/root.
+gpu-deps:
+	@mkdir -p $(DEPS_DIR) && rm -f $(DEPS_DIR)/*.deb
+	@cd $(DEPS_DIR) && { apt-get download $(DEB_PACKAGES) >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get download $(DEB_PACKAGES) >/dev/null 2>&1; }; } || \
+	  { echo "make gpu-deps: apt-get download $(DEB_PACKAGES) failed (run apt-get update as root first)" >&2; exit 1; }
+	@ls $(DEPS_DIR)/*.deb; echo "make gpu-deps: $$(ls $(DEPS_DIR)/*.deb | wc -l) packages, $$(du -sh $(DEPS_DIR) | cut -f1) in $(DEPS_DIR)/"
+
+# dpkg-deb where there is one, else the .deb's data member by ar and tar
+deps-unpack:
+	@ls $(DEPS_DIR)/*.deb >/dev/null 2>&1 || { echo "make deps-unpack: no .deb files in $(DEPS_DIR)/ (make gpu-deps downloads them)" >&2; exit 1; }
+	@rm -rf $(DEPS_DIR)/root $(DEPS_DIR)/ar && mkdir -p $(DEPS_DIR)/root
+	@for f in $(DEPS_DIR)/*.deb; do \
+	  if command -v dpkg-deb >/dev/null 2>&1; then dpkg-deb -x $$f $(DEPS_DIR)/root; \
+	  else mkdir -p $(DEPS_DIR)/ar && (cd $(DEPS_DIR)/ar && ar x ../$${f##*/}) && tar -xf $(DEPS_DIR)/ar/data.tar.* -C $(DEPS_DIR)/root \
+	    && rm -rf $(DEPS_DIR)/ar; fi \
+	  || { echo "make deps-unpack: cannot unpack $$f" >&2; exit 1; }; \
+	done
+	@echo "make deps-unpack: $$(ls $(DEPS_DIR)/*.deb | wc -l) packages in $(DEPS_DIR)/root; build with DEPS_ROOT=$$PWD/$(DEPS_DIR)/root"
 
 clean:
-	rm -f segnet test_segnet test_segnet_gpu gpucheck.txt *.o
+	rm -f segnet test_segnet test_segnet_gpu gpucheck.txt gpucheck-tests.log gpucheck-memcheck.log *.o
+	rm -rf $(DEPS_DIR)/root

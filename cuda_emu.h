@@ -86,6 +86,14 @@ template <class T> T cas_add(T* p, T v) {  // float/double atomicAdd via CAS on 
 }
 }  // namespace cuemu
 
+// the emulator's own API: threads and blocks of the following launches in
+// reverse order (1) or in order (0); CUEMU_ORDER=reverse sets it at start
+extern "C" void cuemu_set_reverse(int reverse);
+// and its counters since the start: "launches", "blas_calls", "syncs" (host
+// waits: device, stream, event, and copies to or from the host), "h2d_bytes",
+// "d2h_bytes"; -1 for another name
+extern "C" long long cuemu_count(const char* name);
+
 // 3. Launch macro (same spelling in both builds, see cuda_compat.h).
 //    Template kernels: wrap the name in parentheses: CU_LAUNCH((k<float,256>), ...)
 #define CU_LAUNCH(kernel, grid, block, smem, stream, ...) \

@@ -50,8 +50,14 @@ static void cublas_check(cublasStatus_t s, const char *what, const char *file, i
     exit(1);
 }
 #define cublasCheck(call) cublas_check((call), #call, __FILE__, __LINE__)
-// after every launch: a bad configuration is reported at the launch, not later
-#define launchCheck() cuda_check(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
+// After every launch and cuBLAS call: a bad configuration is reported at the
+// launch. A fault inside a kernel (a bad address, a trap) surfaces only at a
+// later synchronisation, far from its cause; with SEGNET_CUDA_SYNC=1 in the
+// environment (read when a device is opened) each launch is followed by
+// cudaDeviceSynchronize, so the message names the op (the function that
+// launched) that faulted. Slow: for finding faults only.
+static void launch_check(const char *op, const char *file, int line);
+#define launchCheck() launch_check(__func__, __FILE__, __LINE__)
 
 // ----------------------------------------------------------------------------
 // the backend's state and small helpers shared by the kernels
@@ -79,11 +85,24 @@ struct CudaCtx {
     // work after them (comm_done): see "NCCL communicators" below
     cudaStream_t comm_stream;
     cudaEvent_t compute_done, comm_done;
+    void *blas_workspace;  // (CUBLAS_WORKSPACE_BYTES) cuBLAS's, given with cublasSetWorkspace
+    bool sync_each;        // SEGNET_CUDA_SYNC: synchronise and check after every launch
 };
+static thread_local CudaCtx *ctx_current;  // the last table entered on this thread (launch_check's)
 static CudaCtx *ctx_of(Ops *o) {
     CudaCtx *x = (CudaCtx *)o->ctx;
     cudaCheck(cudaSetDevice(x->device));
+    ctx_current = x;
     return x;
+}
+static void launch_check(const char *op, const char *file, int line) {
+    cudaError_t e = cudaGetLastError();
+    const bool sync = ctx_current && ctx_current->sync_each;
+    if (e == cudaSuccess && sync) e = cudaDeviceSynchronize();
+    if (e == cudaSuccess) return;
+    fprintf(stderr, "segnet: CUDA error in %s (%s:%d)%s: %s\n", op, file, line,
+            sync ? ", synchronised after the launch (SEGNET_CUDA_SYNC)" : "", cudaGetErrorString(e));
+    exit(1);
 }
 static cudaStream_t stream_of(Ops *o) { return ctx_of(o)->stream; }
 
@@ -580,6 +599,7 @@ static void gemm_ex(Ops *o, cublasOperation_t ta, cublasOperation_t tb, size_t m
     const float alpha = 1.0f;
     cublasCheck(cublasGemmEx(ctx_of(o)->blas, ta, tb, (int)m, (int)n, (int)k, &alpha, A, blas_type(ab), lda, B,
                              blas_type(ab), ldb, &beta, C, blas_type(c), ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    launchCheck();
 }
 
 // col[p][g][ky][kx][ci] = x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci] (0 outside)
@@ -1493,9 +1513,22 @@ static CudaCtx cuda_ctxs[CUDA_MAX_DEVICES];
 static Ops cuda_tables[CUDA_MAX_DEVICES];  // [0] unused: device 0's table is ops_cuda
 static std::mutex cuda_open_mutex;
 
+// cuBLAS's workspace, ours so that the plan counts it: the size cuBLAS's
+// documentation recommends for Hopper (4 MiB before it); without
+// cublasSetWorkspace the library would allocate one of its own, unseen.
+#define CUBLAS_WORKSPACE_BYTES ((size_t)32 << 20)
+// a device context's own allocations (the reductions' scratch, cuBLAS's workspace)
+#define CUDA_CONTEXT_BYTES \
+    (sizeof(double) * REDUCE_BLOCKS_MAX * REDUCE_WIDTH + SUMS_SCRATCH * sizeof(double) + CUBLAS_WORKSPACE_BYTES)
+// What the driver holds for the process on the device beyond any cudaMalloc:
+// the context, the loaded kernels of segnet and cuBLAS (lazy loading, CUDA
+// 12+), local memory and printf buffers. Not measurable before the device is
+// opened, so the plan counts an estimate: processes holding a context and a
+// cuBLAS handle show about 0.4-0.5 GiB in nvidia-smi on Hopper; `segnet info`
+// measures it on the machine at hand (device memory in use minus segnet's).
+#define CUDA_DRIVER_BYTES_ESTIMATE ((size_t)512 << 20)
+
 // Makes ctx device `device`'s: its streams, events, cuBLAS handle and scratch.
-// a device context's own allocations (the reductions' scratch)
-#define CUDA_CONTEXT_BYTES (sizeof(double) * REDUCE_BLOCKS_MAX * REDUCE_WIDTH + SUMS_SCRATCH * sizeof(double))
 
 static int ctx_open(CudaCtx *ctx, int device, char *err) {
     int count = 0;
@@ -1521,13 +1554,17 @@ static int ctx_open(CudaCtx *ctx, int device, char *err) {
     cudaCheck(cudaEventCreateWithFlags(&ctx->comm_done, cudaEventDisableTiming));
     cublasCheck(cublasCreate(&ctx->blas));
     cublasCheck(cublasSetStream(ctx->blas, ctx->stream));
+    const char *sync = getenv("SEGNET_CUDA_SYNC");
+    ctx->sync_each = sync && *sync && strcmp(sync, "0");
     cudaCheck(cudaMalloc((void **)&ctx->reduce_partials, sizeof(double) * REDUCE_BLOCKS_MAX * REDUCE_WIDTH));
-    if ((e = cudaMalloc(&ctx->sums, SUMS_SCRATCH * sizeof(double))) != cudaSuccess) {
+    if ((e = cudaMalloc(&ctx->sums, SUMS_SCRATCH * sizeof(double))) != cudaSuccess ||
+        (e = cudaMalloc(&ctx->blas_workspace, CUBLAS_WORKSPACE_BYTES)) != cudaSuccess) {
         snprintf(err, SN_ERR_MAX, "CUDA device %d: cannot allocate %zu bytes of scratch (%s)", device,
-                 SUMS_SCRATCH * sizeof(double), cudaGetErrorString(e));
+                 CUDA_CONTEXT_BYTES, cudaGetErrorString(e));
         cudaGetLastError();
         return -1;
     }
+    cublasCheck(cublasSetWorkspace(ctx->blas, ctx->blas_workspace, CUBLAS_WORKSPACE_BYTES));
     // counted with what the tables' alloc hands out: peak_device_bytes and the plan include it
     std::lock_guard<std::mutex> lock(cuda_alloc_mutex);
     cuda_bytes_live += CUDA_CONTEXT_BYTES;
@@ -1550,10 +1587,19 @@ Ops *cuda_ops_for_device(int device, char *err) {
     if (device > 0) *o = ops_cuda;  // the same entries, another context
     o->ctx = &cuda_ctxs[device];
     o->context_bytes = CUDA_CONTEXT_BYTES;
+    o->driver_bytes = CUDA_DRIVER_BYTES_ESTIMATE;
     return o;
 }
 
 int cuda_backend_open(int device, char *err) { return cuda_ops_for_device(device, err) ? 0 : -1; }
+
+int cuda_memory_info(int device, size_t *free_bytes, size_t *total_bytes, char *err) {
+    Ops *o = cuda_ops_for_device(device, err);
+    if (!o) return -1;
+    ctx_of(o);
+    cudaCheck(cudaMemGetInfo(free_bytes, total_bytes));
+    return 0;
+}
 
 // ----------------------------------------------------------------------------
 // NCCL communicators: the Comm interface of segnet.h over device buffers

@@ -6443,7 +6443,7 @@ done:
 // ---- memory of a run, from its plan (what trainer_open allocates)
 
 typedef struct {
-    size_t params, grads, optimizer, statistics, activations, workspace, io, backend, total;
+    size_t params, grads, optimizer, statistics, activations, workspace, io, backend, driver, total;
     size_t n_trainable;
 } MemoryReport;
 
@@ -6473,8 +6473,9 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
     m->io = sizeof(float) * K + sizeof(int32_t) * labels + sizeof(int64_t) * K * K + 4 * sizeof(float) + sizeof(int32_t);
     if (c->precision != DT_F32) m->io += sizeof(float) * shape_numel(in);
     m->backend = o->context_bytes;
+    m->driver = o->driver_bytes;
     m->total = m->params + m->grads + m->optimizer + m->statistics + m->activations + m->workspace + m->io +
-               m->backend;
+               m->backend + m->driver;
 }
 
 // Builds the graph of c (frozen layers marked) and its plan. Returns the logits, or -1 with err.
@@ -7355,8 +7356,18 @@ static int cmd_info(void) {
     printf("backend: %s\n", ops_cpu.name);
 #ifdef SEGNET_CUDA
     char why[SN_ERR_MAX];
-    if (cuda_backend_open(0, why) == 0) printf("cuda: device 0 (--device auto uses it)\n");
-    else printf("cuda: built, but %s\n", why);
+    size_t free_b, total_b;
+    if (cuda_memory_info(0, &free_b, &total_b, why) == 0) {
+        // what the device holds beyond segnet's own allocations: the driver's
+        // context (and other processes' memory, if any share the device)
+        size_t held = total_b - free_b, ours = cuda_bytes_live, driver = held > ours ? held - ours : 0;
+        printf("cuda: device 0 (--device auto uses it), %.2f GiB, %.2f GiB free\n", total_b / 1073741824.0,
+               free_b / 1073741824.0);
+        printf("cuda_context_bytes: %zu measured (in use %zu less segnet's %zu; the plan counts %zu)\n", driver,
+               held, ours, ops_cuda.driver_bytes);
+    } else {
+        printf("cuda: built, but %s\n", why);
+    }
 #else
     printf("cuda: not built (no nvcc)\n");
 #endif
@@ -7468,6 +7479,7 @@ static int cmd_plan(int argc, char **argv) {
     printf("  BN statistics           %14zu\n  activations + gradients %14zu\n  conv workspace          %14zu\n"
            "  inputs, labels, metrics %14zu\n", m.statistics, m.activations, m.workspace, m.io);
     if (m.backend) printf("  backend scratch (%s)   %14zu\n", o->name, m.backend);
+    if (m.driver) printf("  CUDA context (estimate) %14zu\n", m.driver);
     printf("peak: %zu bytes (%.2f GiB)\n", m.total, m.total / 1073741824.0);
     plan_free(&p);
     graph_free(&g);

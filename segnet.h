@@ -313,7 +313,9 @@ typedef struct Ops Ops;
 struct Ops {
     const char *name;  // "cpu", "cuda"
     void *ctx;         // backend state (streams, handles)
-    size_t context_bytes;  // memory the backend holds outside any plan (its reductions' scratch), per device
+    size_t context_bytes;  // memory the backend allocates outside any plan (scratch, cuBLAS's workspace), per device
+    size_t driver_bytes;   // memory the device's driver holds for the process (CUDA context, loaded kernels):
+                           // an estimate, counted by the plan; 0 on the CPU
 
     // memory in the backend's address space
     void *(*alloc)(Ops *o, size_t bytes);  // NULL on failure
@@ -429,6 +431,8 @@ extern Ops ops_cpu;
 extern Ops ops_cuda;
 Ops *cuda_ops_for_device(int device, char *err);
 int cuda_backend_open(int device, char *err);
+// cudaMemGetInfo of device `device` (opened if it is not): its free and total bytes
+int cuda_memory_info(int device, size_t *free_bytes, size_t *total_bytes, char *err);
 // Bytes of im2col columns (and fp32 rows) the CUDA convs hold at once: larger
 // convs run in chunks of output rows (whole images when they fit). It sizes
 // conv2d_workspace, so change it only before planning (tests lower it to run

@@ -10,6 +10,15 @@
 #include <sys/wait.h>
 #include <stb_image_write.h>  // Debian libstb-dev (implementation in libstb.so): test images
 
+// the CUDA backend under the emulator (cuda_emu.cpp), not on a GPU (test_segnet_gpu)
+#if defined(SEGNET_CUDA) && !defined(SEGNET_TEST_GPU)
+#define EMULATED_CUDA 1
+void cuemu_set_reverse(int reverse);      // threads and blocks of the following launches in reverse order
+long long cuemu_count(const char *name);  // launches, cuBLAS calls, host waits, bytes copied since the start
+#else
+#define EMULATED_CUDA 0
+#endif
+
 // ----------------------------------------------------------------------------
 // a tiny test framework
 
@@ -6012,7 +6021,11 @@ static void test_cuda_ops_complete(void) { cu_ops_complete("cuda_ops_complete");
 // A few optimiser steps of a tiny segmentation model through the trainer
 // (trainer_open, train_step: upload, forward, loss, backward, clipping, Adam)
 // on one backend; losses[s] is step s's loss (Σ w·nll / Σ w of its batch).
-static void cu_train_losses(const char *model, int hw, DType dt, Device device, int steps, double *losses) {
+// `steps` training steps of `model` (batch 2, 3 classes, a class weight 0,
+// clipping) on hw×hw random images from a fixed seed: the loss of each step,
+// and with grad1 != NULL the raw gradient sum of step 1 (malloc'd, *n_grad floats)
+static void cu_train_losses(const char *model, int hw, DType dt, Device device, int steps, double *losses,
+                            float **grad1, size_t *n_grad) {
     TrainCfg c;
     train_cfg_default(&c);
     c.model.model = model;
@@ -6037,28 +6050,129 @@ static void cu_train_losses(const char *model, int hw, DType dt, Device device, 
         PassTotals pt = {0, 0, cm};
         train_step(&t, &mb, 1, &pt);
         losses[s] = pt.loss_sum / pt.norm_sum;
+        if (s == 0 && grad1) {
+            *n_grad = t.n_trainable;
+            *grad1 = malloc(sizeof(float) * t.n_trainable);
+            t.o->download(t.o, *grad1, t.net.grads, sizeof(float) * t.n_trainable);
+        }
     }
     free(images); free(labels);
     trainer_close(&t);
 }
 
-// The same steps on the emulated CUDA backend and on the CPU, from the same
-// seed and data (batch 2, 3 classes, a class weight 0, clipping), in fp32 and
-// bf16 storage. The loss of each step, relative:
-// - fp32 within 2e-5: the backends add in different orders (GEMMs, BN
-//   statistics and the loss's row sums in fp64 on the CPU, fp32 on the GPU),
-//   ~1e-7 per op, carried through the steps' Adam updates;
-// - bf16 within 1e-2: an activation whose fp32 value differs in its last bit
-//   now and then rounds to the neighbouring bf16 value (2^-8 relative).
-// Models: the plain unet (depth 2, width 4) at 32×32 for 4 steps; unet-effv2-t
-// at 32×32 for 2 steps (the forward at equal weights, then one update): its
-// last stage is 1×1, where batch norm normalises 2 values, and from the third
-// step on a last-bit difference grows ~100× per step (measured with only the
-// loss's gradient computed differently: step 3 differs by 9e-4), which says
-// nothing about the kernels.
+#if EMULATED_CUDA
+// SEGNET_CUDA_SYNC=1 (read when a device is opened): every kernel launch and
+// every cuBLAS call is followed by a wait for the device, so that a fault is
+// reported at the op that caused it; without it an op waits for nothing. The
+// emulator counts launches, cuBLAS calls and waits: on a device opened with
+// the variable the waits equal launches + cuBLAS calls, on device 0 (opened
+// without it) there are none.
+static void test_cuda_sync_each(void) {
+    char err[SN_ERR_MAX], devices[16];
+    const int dev = SN_MAX_REPLICAS - 1;  // a device no other test opens
+    const char *old = getenv("CUEMU_DEVICES");
+    char *keep = old ? strdup(old) : NULL;
+    snprintf(devices, sizeof devices, "%d", SN_MAX_REPLICAS);
+    setenv("CUEMU_DEVICES", devices, 1);
+    setenv("SEGNET_CUDA_SYNC", "1", 1);
+    Ops *sync_ops = cuda_ops_for_device(dev, err);
+    unsetenv("SEGNET_CUDA_SYNC");
+    CHECK(sync_ops != NULL, "device %d: %s", dev, err);
+    Ops *ops[2] = {cu_ops(), sync_ops};
+    for (int k = 0; k < 2 && ops[k]; k++) {
+        Ops *o = ops[k];
+        const Shape s = shape4(2, 3, 4, 5);
+        const ConvCfg cfg = {5, 6, 1, 1, 1, 1, PAD_SAME, 1};  // 1×1: one cuBLAS GEMM
+        float *x = o->alloc(o, sizeof(float) * shape_numel(s)), *y = o->alloc(o, sizeof(float) * 2 * 3 * 4 * 6);
+        float *w = o->alloc(o, sizeof(float) * 30), *b = o->alloc(o, sizeof(float) * 6);
+        size_t ws_bytes = o->conv2d_workspace(o, &cfg, s, DT_F32);
+        void *ws = ws_bytes ? o->alloc(o, ws_bytes) : NULL;
+        long long l0 = cuemu_count("launches"), g0 = cuemu_count("blas_calls"), s0 = cuemu_count("syncs");
+        o->fill(o, tensor_f32(x, s), 0.5f);
+        o->fill(o, tensor_f32(w, shape4(30, 1, 1, 1)), 0.25f);
+        o->fill(o, tensor_f32(b, shape4(6, 1, 1, 1)), 1.0f);
+        o->scale(o, tensor_f32(x, s), 2.0f);
+        o->conv2d_forward(o, &cfg, tensor_f32(y, shape4(2, 3, 4, 6)), tensor_f32(x, s), w, b, ws);
+        long long launches = cuemu_count("launches") - l0, blas = cuemu_count("blas_calls") - g0,
+                  syncs = cuemu_count("syncs") - s0;
+        CHECK(launches >= 4 && blas >= 1, "%lld launches and %lld cuBLAS calls counted", launches, blas);
+        CHECK(syncs == (k ? launches + blas : 0), "%s: %lld waits for %lld launches and %lld cuBLAS calls",
+              k ? "SEGNET_CUDA_SYNC=1" : "without SEGNET_CUDA_SYNC", syncs, launches, blas);
+        float out = 0.0f;
+        o->download(o, &out, y, sizeof out);
+        CHECK(out == 1.0f + 5 * 0.25f, "1×1 conv of 1.0s with weights 0.25 and bias 1: %g", out);
+        o->free(o, x); o->free(o, y); o->free(o, w); o->free(o, b);
+        if (ws) o->free(o, ws);
+    }
+    if (keep) setenv("CUEMU_DEVICES", keep, 1);
+    else unsetenv("CUEMU_DEVICES");
+    free(keep);
+}
+#endif
+
+// The real trainer on the emulated CUDA backend and on the CPU, from the same
+// seed and data, in fp32 and bf16 storage. Only what is well-conditioned is
+// compared: a quantity whose value moves by orders of magnitude more than a
+// rounding when a last bit changes says nothing about the kernels, and its
+// difference depends on the machine's vector unit (AVX-512, AVX2, SSE round
+// the CPU's partial sums differently). Measured with three builds of the same
+// steps (CPU -march=native on AVX-512, CPU NO_NATIVE=1, emulated CUDA):
+// - plain unet (depth 2, width 4) at 32×32, 4 steps: losses within 1.1e-7 of
+//   each other, step 1's gradient (L2) within 8.9e-7: checked at 2e-5 and 1e-5;
+// - unet-effv2-t: only step 1's loss (the forward at equal weights), at 64×64,
+//   where the three agree to 6e-8 (checked at 2e-5). At 32×32 its last stages
+//   normalise 2 values per channel and the builds differ by 5e-6 already at
+//   step 1; after one Adam update (≈ lr·sign(g), and the gradients upstream of
+//   those batch norms are rounding noise) step 2 differs by 3e-3, and even at
+//   64×64 step 1's gradient differs by 2% (L2) between two CPU builds, growing
+//   ~10× per decoder level from the head. Its backward ops are compared one by
+//   one in the other cuda_ tests.
+// - bf16: an activation whose fp32 value differs in its last bit now and then
+//   rounds to the neighbouring bf16 value (2^-8 relative), so each bf16 run is
+//   its own rounding noise around the fp32 run and two of them differ by up to
+//   about twice the CPU's bf16-vs-fp32 difference: checked at 3× that, at
+//   least 1e-2 (measured: 2.4e-3 at unet's step 4, 2.1e-3 at unet-effv2-t's step 1).
+static void test_cuda_train_steps(void) {
+    if (!cu_ops_complete("cuda_train_steps")) return;
+    const struct { const char *model; int hw, steps; } runs[2] = {{"unet", 32, 4}, {"unet-effv2-t", 64, 1}};
+    const DType dts[2] = {DT_F32, DT_BF16};
+    const double tol_f32 = 2e-5, tol_bf16 = 1e-2, tol_grad_f32 = 1e-5;
+    for (int m = 0; m < 2; m++) {
+        double cpu_f32[4];
+        for (int k = 0; k < 2; k++) {
+            double cpu[4], gpu[4], worst = 0.0, tol_used = 0.0;
+            const int steps = runs[m].steps, grads = k == 0 && m == 0;
+            float *g_cpu = NULL, *g_gpu = NULL;
+            size_t n_cpu = 0, n_gpu = 0;
+            cu_train_losses(runs[m].model, runs[m].hw, dts[k], DEVICE_CPU, steps, cpu, grads ? &g_cpu : NULL, &n_cpu);
+            cu_train_losses(runs[m].model, runs[m].hw, dts[k], DEVICE_CUDA, steps, gpu, grads ? &g_gpu : NULL, &n_gpu);
+            if (k == 0) memcpy(cpu_f32, cpu, sizeof cpu);
+            for (int s = 0; s < steps; s++) {
+                double e = fabs(gpu[s] - cpu[s]) / fabs(cpu[s]);
+                double tol = k == 0 ? tol_f32 : fmax(tol_bf16, 3.0 * fabs(cpu[s] - cpu_f32[s]) / fabs(cpu[s]));
+                if (!(e <= worst)) worst = e;  // NaN too
+                tol_used = fmax(tol_used, tol);
+                CHECK(e <= tol, "%s %s step %d: loss %.9g on cuda, %.9g on the CPU (relative error %.3g > %.2g)",
+                      runs[m].model, DT_NAME[dts[k]], s + 1, gpu[s], cpu[s], e, tol);
+            }
+            if (g_verbose)
+                printf("      %-13s %s %d×%d: %d steps, loss %.6f .. %.6f, worst relative difference %.3g (tolerance %.2g)\n",
+                       runs[m].model, DT_NAME[dts[k]], runs[m].hw, runs[m].hw, steps, cpu[0], cpu[steps - 1], worst, tol_used);
+            if (grads) {
+                double e = n_cpu == n_gpu ? rel_l2(g_gpu, g_cpu, n_cpu) : INFINITY;
+                CHECK(e <= tol_grad_f32, "%s fp32 step 1: gradient (%zu floats on cuda, %zu on the CPU) %.3g apart (L2) > %.1g",
+                      runs[m].model, n_gpu, n_cpu, e, tol_grad_f32);
+                if (g_verbose) printf("      %-13s fp32 step 1 gradient: %.3g apart (L2, tolerance %.1g)\n", runs[m].model, e, tol_grad_f32);
+            }
+            free(g_cpu); free(g_gpu);
+        }
+    }
+}
+
 // The plan on the CUDA backend: trainer_open allocates exactly what the
 // plan counts for the run, and the plan adds the device context's own scratch
-// (allocated once, when the device is opened), which peak_device_bytes counts.
+// and cuBLAS's workspace (allocated once, when the device is opened), which
+// peak_device_bytes counts, and the estimate of what the driver holds.
 static void test_cuda_plan_equals_allocation(void) {
     if (!cu_ops_complete("cuda_plan_equals_allocation")) return;
     const char *models[2] = {"unet", "unet-effv2-t"};
@@ -6082,45 +6196,12 @@ static void test_cuda_plan_equals_allocation(void) {
         Trainer t;
         CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s", err);
         size_t used = cuda_bytes_live - before;
-        CHECK(used + m.backend == m.total, "%s: planned %zu bytes (%zu of them the context's), allocated %zu",
-              models[k], m.total, m.backend, used);
+        CHECK(m.driver == o->driver_bytes && m.driver > 0, "the driver's context: %zu bytes counted", m.driver);
+        CHECK(used + m.backend + m.driver == m.total,
+              "%s: planned %zu bytes (%zu of them the context's scratch, %zu the driver's), allocated %zu",
+              models[k], m.total, m.backend, m.driver, used);
         trainer_close(&t);
         plan_free(&p); graph_free(&g);
-    }
-}
-
-static void test_cuda_train_steps(void) {
-    if (!cu_ops_complete("cuda_train_steps")) return;
-    const struct { const char *model; int steps; } runs[2] = {{"unet", 4}, {"unet-effv2-t", 2}};
-    const DType dts[2] = {DT_F32, DT_BF16};
-    // bf16: the two backends round different partial sums (conv accumulation order),
-    // so each bf16 run is its own rounding noise around the fp32 run; two of them
-    // differ by up to about twice the CPU's bf16-vs-fp32 difference (3× here), at
-    // least 1e-2
-    const double tols[2] = {2e-5, 1e-2};
-    for (int m = 0; m < 2; m++) {
-        double cpu_f32[4];
-        for (int k = 0; k < 2; k++) {
-            double cpu[4], gpu[4], worst = 0.0, tol_used = 0.0;
-            cu_train_losses(runs[m].model, 32, dts[k], DEVICE_CPU, runs[m].steps, cpu);
-            cu_train_losses(runs[m].model, 32, dts[k], DEVICE_CUDA, runs[m].steps, gpu);
-            if (k == 0) memcpy(cpu_f32, cpu, sizeof cpu);
-            // bf16 unet-effv2-t: after one update its 2-value batch norms turn the bf16
-            // rounding into a 3% loss change already (CPU bf16 vs fp32), so only the
-            // first step (the forward at equal weights) says something about the kernels
-            const int checked = k == 1 && m == 1 ? 1 : runs[m].steps;
-            for (int s = 0; s < checked; s++) {
-                double e = fabs(gpu[s] - cpu[s]) / fabs(cpu[s]);
-                double tol = k == 0 ? tols[0] : fmax(tols[1], 3.0 * fabs(cpu[s] - cpu_f32[s]) / fabs(cpu[s]));
-                if (!(e <= worst)) worst = e;  // NaN too
-                tol_used = fmax(tol_used, tol);
-                CHECK(e <= tol, "%s %s step %d: loss %.9g on cuda, %.9g on the CPU (relative error %.3g > %.2g)",
-                      runs[m].model, DT_NAME[dts[k]], s + 1, gpu[s], cpu[s], e, tol);
-            }
-            if (g_verbose)
-                printf("      %-13s %s: %d steps, loss %.6f .. %.6f, worst relative difference %.3g (tolerance %.2g)\n",
-                       runs[m].model, DT_NAME[dts[k]], checked, cpu[0], cpu[checked - 1], worst, tol_used);
-        }
     }
 }
 
@@ -6944,6 +7025,9 @@ static const Test TESTS[] = {
     {"cuda_ops_complete", test_cuda_ops_complete},
     {"cuda_train_steps", test_cuda_train_steps},
     {"cuda_plan_equals_allocation", test_cuda_plan_equals_allocation},
+#if EMULATED_CUDA
+    {"cuda_sync_each", test_cuda_sync_each},
+#endif
 #ifdef SEGNET_NCCL
     {"cuda_nccl_comm", test_cuda_nccl_comm},
     {"cuda_replicas_sync_bn", test_cuda_replicas_sync_bn},
@@ -6962,13 +7046,39 @@ static const Test TESTS[] = {
 #endif
 };
 
+typedef struct { int passed, failed, not_run, heavy; } Tally;
+
+// Runs the tests whose name contains `filter` (all: NULL) and, with `prefix`,
+// only those whose name starts with it; `label` follows each name printed.
+static void run_tests(const char *filter, const char *prefix, const char *label, Tally *tl) {
+    for (size_t i = 0; i < sizeof TESTS / sizeof TESTS[0]; i++) {
+        const char *name = TESTS[i].name;
+        if (filter && !strstr(name, filter)) continue;
+        if (prefix && strncmp(name, prefix, strlen(prefix))) continue;
+        if (!strncmp(name, "parity_live", 11) && !torch_found()) { tl->not_run++; continue; }
+        if (!strncmp(name, "heavy_", 6) && !getenv("SEGNET_HEAVY")) { tl->heavy++; continue; }
+        g_failures = 0;
+        double t0 = now_s();
+        TESTS[i].fn();
+        double dt = now_s() - t0;
+        if (g_failures) { tl->failed++; printf("FAIL %s%s (%d checks, %.2fs)\n", name, label, g_failures, dt); }
+        else { tl->passed++; printf("ok   %s%s (%.2fs)\n", name, label, dt); }
+        fflush(stdout);
+    }
+}
+
 int main(int argc, char **argv) {
-    const char *filter = NULL;
+    const char *filter = NULL, *order = "both";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--filter") && i + 1 < argc) filter = argv[++i];
+        else if (!strcmp(argv[i], "--order") && i + 1 < argc &&
+                 (!strcmp(argv[i + 1], "forward") || !strcmp(argv[i + 1], "reverse") || !strcmp(argv[i + 1], "both")))
+            order = argv[++i];
         else if (!strcmp(argv[i], "-v") || !strcmp(argv[i], "--verbose")) g_verbose = 1;
         else {
-            fprintf(stderr, "usage: %s [--filter SUBSTRING] [-v]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--filter SUBSTRING] [--order forward|reverse|both] [-v]\n"
+                            "  --order: the emulated GPU's threads in order, in reverse order, or both (default:\n"
+                            "           every test in order, then the cuda_ tests again in reverse order)\n", argv[0]);
             return 2;
         }
     }
@@ -6980,20 +7090,32 @@ int main(int argc, char **argv) {
         fflush(stdout);
         flock(lock, LOCK_EX);
     }
-    int passed = 0, failed = 0, not_run = 0, heavy = 0;
+    Tally tl = {0, 0, 0, 0};
     double t_all = now_s();
-    for (size_t i = 0; i < sizeof TESTS / sizeof TESTS[0]; i++) {
-        if (filter && !strstr(TESTS[i].name, filter)) continue;
-        if (!strncmp(TESTS[i].name, "parity_live", 11) && !torch_found()) { not_run++; continue; }
-        if (!strncmp(TESTS[i].name, "heavy_", 6) && !getenv("SEGNET_HEAVY")) { heavy++; continue; }
-        g_failures = 0;
-        double t0 = now_s();
-        TESTS[i].fn();
-        double dt = now_s() - t0;
-        if (g_failures) { failed++; printf("FAIL %s (%d checks, %.2fs)\n", TESTS[i].name, g_failures, dt); }
-        else { passed++; printf("ok   %s (%.2fs)\n", TESTS[i].name, dt); }
-        fflush(stdout);
+#ifdef SEGNET_TEST_GPU
+    char why[SN_ERR_MAX];
+    if (cuda_backend_open(0, why)) {  // the cuda_ tests would each stop at it
+        printf("test_segnet_gpu: no GPU to test on: %s\n0 passed, 1 failed\n", why);
+        return 1;
     }
+#endif
+#if EMULATED_CUDA
+    // A kernel that misses a barrier can pass with the threads of a block run
+    // in one order and fail in the other: the cuda_ tests run in both.
+    if (strcmp(order, "reverse")) run_tests(filter, NULL, "", &tl);
+    if (strcmp(order, "forward")) {
+        printf("== the emulated CUDA tests again, threads in reverse order\n");
+        cuemu_set_reverse(1);
+        Tally rev = {0, 0, 0, 0};
+        run_tests(filter, "cuda_", " [reverse order]", &rev);
+        cuemu_set_reverse(0);
+        tl.passed += rev.passed;
+        tl.failed += rev.failed;
+    }
+#else
+    (void)order;
+    run_tests(filter, NULL, "", &tl);
+#endif
     int any = 0;
     for (int k = 0; k < LAYER_KIND_COUNT; k++) any |= g_worst[k] > 0;
     if (any) {
@@ -7002,11 +7124,11 @@ int main(int argc, char **argv) {
             if (g_worst[k] > 0) printf("  %-16s %.2e\n", layer_kind_name((LayerKind)k), g_worst[k]);
         if (g_worst_xent > 0) printf("  %-16s %.2e\n", "softmax_xent", g_worst_xent);
     }
-    if (not_run)
+    if (tl.not_run)
         printf("%d live PyTorch parity tests not run: /usr/bin/python3 cannot import torch and torchvision "
-               "(apt-get install python3-torch python3-torchvision)\n", not_run);
-    if (heavy) printf("%d heavy tests not run (minutes each): make test-heavy\n", heavy);
+               "(apt-get install python3-torch python3-torchvision)\n", tl.not_run);
+    if (tl.heavy) printf("%d heavy tests not run (minutes each): make test-heavy\n", tl.heavy);
     printf("total %.1fs\n", now_s() - t_all);
-    printf("%d passed, %d failed\n", passed, failed);
-    return failed ? 1 : 0;
+    printf("%d passed, %d failed\n", tl.passed, tl.failed);
+    return tl.failed ? 1 : 0;
 }
