@@ -56,6 +56,7 @@ uint64_t shfl_bits(unsigned mask, uint64_t v, ShflMode m, int arg, int width);
 unsigned vote(unsigned mask, int pred); // ballot
 int block_count(int pred);              // __syncthreads_count
 bool is_device_ptr(const void* p);      // allocation registry (cudaMalloc)
+void check_vector_access(const void* p, size_t bytes);  // aligned to `bytes`, inside one allocation
 void bad_kernel_arg(const char* kernel, int idx, const void* p);
 
 template <class T> void check_arg(const char* k, int i, const T& a) {

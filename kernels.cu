@@ -17,6 +17,8 @@
 
 #if defined(__CUDACC__)
 #include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
 #define CU_LAUNCH(kernel, grid, block, smem, stream, ...) \
     kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 #define CU_DYN_SHARED(T, name)                                         \
@@ -29,6 +31,7 @@
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <initializer_list>
 #include <mutex>
 #include <unordered_map>
 
@@ -108,6 +111,36 @@ static cudaStream_t stream_of(Ops *o) { return ctx_of(o)->stream; }
 
 #define BLOCK 256  // threads per block of the elementwise kernels
 
+// ----------------------------------------------------------------------------
+// indexing and memory access, for every kernel below
+//
+// Indices are 32-bit: an op whose tensors could hold 2^31 elements or more is
+// split by the host into launches that stay below LAUNCH_MAX_ELEMENTS (chunks
+// of whole rows), so no kernel divides a 64-bit number. Where a kernel must
+// split an index by a launch constant it uses FastDiv (segnet.h), a
+// multiply-high.
+//
+// An NHWC tensor is (rows, C), a row one pixel's C channels. Two kinds of
+// kernel implement the ops:
+//   - generic kernels: one element per thread step, storage types read at run
+//     time (any mix of fp32/fp16/bf16), any C, any alignment;
+//   - vector kernels: 16 bytes per load and store (a Vec of 4 fp32 or 8
+//     fp16/bf16 values of consecutive elements), templates over the one
+//     storage type T of all the op's tensors. Channel ops lay their threads
+//     out over (channel vector, row): threadIdx.x + blockIdx.x·blockDim.x
+//     fixes a thread's channels, so per-channel constants are loaded once,
+//     and rows are walked by a grid-stride loop without any division.
+// An op takes the vector kernel when its tensors share one storage type, C
+// (or the length) is a multiple of the vector width and every pointer is
+// 16-byte aligned (the memory plan aligns every tensor), else the generic one.
+// Both evaluate the CPU op's expression in fp32 and round once when storing,
+// so they give the same bits; the cuda_ tests run every op both ways
+// (cuda_vector_kernels = 0 forces the generic kernels).
+
+int cuda_vector_kernels = 1;                     // declared in segnet.h
+#define LAUNCH_MAX_ELEMENTS ((size_t)1 << 30)    // per launch, so that indices stay 32-bit
+#define VEC_BYTES 16
+
 // blocks for a grid-stride loop over n elements (bounded: the loop covers the rest)
 static unsigned grid_for(size_t n) {
     size_t b = (n + BLOCK - 1) / BLOCK;
@@ -116,17 +149,148 @@ static unsigned grid_for(size_t n) {
     return (unsigned)b;
 }
 
-// storage-type load and store: the conversions of segnet.h, so a value rounds
-// to the same bits on both backends
-static __device__ __forceinline__ float ld(const void *p, DType dt, size_t i) {
+// storage-type load and store by run-time type: the conversions of segnet.h,
+// so a value rounds to the same bits on both backends
+static __device__ __forceinline__ float ld(const void *p, DType dt, uint32_t i) {
     if (dt == DT_F32) return ((const float *)p)[i];
     uint16_t h = ((const uint16_t *)p)[i];
     return dt == DT_F16 ? f16_to_f32(h) : bf16_to_f32(h);
 }
-static __device__ __forceinline__ void st(void *p, DType dt, size_t i, float v) {
+static __device__ __forceinline__ void st(void *p, DType dt, uint32_t i, float v) {
     if (dt == DT_F32) ((float *)p)[i] = v;
     else ((uint16_t *)p)[i] = dt == DT_F16 ? f32_to_f16(v) : f32_to_bf16(v);
 }
+// element i of a buffer of storage type dt
+static __host__ __device__ __forceinline__ void *elem_ptr(const void *p, DType dt, size_t i) {
+    return (char *)p + i * dtype_size(dt);
+}
+
+// the storage types as template parameters: float, and the 16-bit formats by their bits
+struct F16 { uint16_t bits; };
+struct BF16 { uint16_t bits; };
+// The hardware conversions round to nearest-even like segnet.h's: the same bits
+// for every value but NaN payloads (a NaN stays a NaN).
+static __device__ __forceinline__ float to_f32(float v) { return v; }
+static __device__ __forceinline__ float to_f32(BF16 v) { return bits_f32((uint32_t)v.bits << 16); }
+static __device__ __forceinline__ float to_f32(F16 v) {
+#if defined(__CUDACC__)
+    return __half2float(__ushort_as_half(v.bits));
+#else
+    return f16_to_f32(v.bits);
+#endif
+}
+template <class T> static __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ F16 from_f32<F16>(float v) {
+#if defined(__CUDACC__)
+    return F16{__half_as_ushort(__float2half_rn(v))};
+#else
+    return F16{f32_to_f16(v)};
+#endif
+}
+template <> __device__ __forceinline__ BF16 from_f32<BF16>(float v) {
+#if defined(__CUDACC__)
+    return BF16{__bfloat16_as_ushort(__float2bfloat16_rn(v))};
+#else
+    return BF16{f32_to_bf16(v)};
+#endif
+}
+
+// 16 bytes of consecutive elements, moved by one 128-bit load or store
+template <class T> struct alignas(VEC_BYTES) Vec {
+    static constexpr int N = VEC_BYTES / sizeof(T);
+    T v[N];
+};
+template <class T> static __device__ __forceinline__ Vec<T> load_vec(const T *p) {
+    Vec<T> r;
+#if defined(__CUDACC__)
+    *reinterpret_cast<uint4 *>(&r) = *reinterpret_cast<const uint4 *>(p);
+#else
+    cuemu::check_vector_access(p, VEC_BYTES);  // the emulator: aligned, inside one allocation
+    memcpy(&r, p, VEC_BYTES);
+#endif
+    return r;
+}
+template <class T> static __device__ __forceinline__ void store_vec(T *p, const Vec<T> &v) {
+#if defined(__CUDACC__)
+    *reinterpret_cast<uint4 *>(p) = *reinterpret_cast<const uint4 *>(&v);
+#else
+    cuemu::check_vector_access(p, VEC_BYTES);
+    memcpy(p, &v, VEC_BYTES);
+#endif
+}
+
+// whether the vector kernels apply: one storage type, n a multiple of the
+// width (elements of a 1-D op, C of a channel op), every pointer aligned
+static bool vec_ok(std::initializer_list<DType> dts, size_t n, std::initializer_list<const void *> ptrs) {
+    if (!cuda_vector_kernels) return false;
+    for (DType d : dts)
+        if (d != *dts.begin()) return false;
+    if (n % (VEC_BYTES / dtype_size(*dts.begin()))) return false;
+    for (const void *p : ptrs)
+        if ((uintptr_t)p % VEC_BYTES) return false;
+    return true;
+}
+
+// runs the statements with T the template type of storage type dt
+#define SWITCH_STORAGE(dt, T, ...)                             \
+    do {                                                       \
+        switch (dt) {                                          \
+        case DT_F32: { typedef float T; __VA_ARGS__; } break;  \
+        case DT_F16: { typedef F16 T; __VA_ARGS__; } break;    \
+        default: { typedef BF16 T; __VA_ARGS__; } break;       \
+        }                                                      \
+    } while (0)
+
+// Accessors of W consecutive channels at element i of a tensor, so that one
+// kernel source serves both kinds: AnyIO (W = 1, run-time storage type) for
+// the generic kernels, VecIO<T> (W = Vec<T>::N, one 16-byte access) for the
+// vector ones. Values are fp32; a store rounds once to the storage type.
+struct AnyIO {
+    static constexpr int W = 1;
+    void *p; DType dt;
+    static AnyIO of(Tensor t) { return {t.data, t.dtype}; }
+    __device__ void load(uint32_t i, float *v) const { v[0] = ld(p, dt, i); }
+    __device__ void store(uint32_t i, const float *v) const { st(p, dt, i, v[0]); }
+};
+template <class T> struct VecIO {
+    static constexpr int W = Vec<T>::N;
+    T *p;
+    static VecIO of(Tensor t) { return {(T *)t.data}; }
+    __device__ void load(uint32_t i, float *v) const {
+        const Vec<T> x = load_vec(p + i);
+        for (int k = 0; k < W; k++) v[k] = to_f32(x.v[k]);
+    }
+    __device__ void store(uint32_t i, const float *v) const {
+        Vec<T> x;
+        for (int k = 0; k < W; k++) x.v[k] = from_f32<T>(v[k]);
+        store_vec(p + i, x);
+    }
+};
+
+// row × channel kernels: the thread layout of the elementwise channel ops
+//   block (TX channel lanes, TY rows), grid (channel tiles, row blocks[, images])
+// and the host's loop over launches of fewer than LAUNCH_MAX_ELEMENTS elements
+
+struct RowGrid { dim3 grid, block; };
+// lanes channel lanes (channels, or channel vectors), rows rows per launch; z images
+static RowGrid row_grid(int lanes, size_t rows, unsigned z = 1) {
+    const unsigned tx = lanes < 32 ? (unsigned)lanes : 32, ty = BLOCK / tx;
+    size_t by = (rows + ty - 1) / ty;
+    const size_t max_by = 4096 / (z < 4096 ? z : 4096) + 1;  // grid-stride beyond: enough blocks for a GPU
+    if (by > max_by) by = max_by;
+    if (by < 1) by = 1;
+    RowGrid g = {dim3((lanes + tx - 1) / tx, (unsigned)by, z), dim3(tx, ty)};
+    return g;
+}
+// rows [r0, r0 + count) per launch, count·C < LAUNCH_MAX_ELEMENTS
+template <class L> static void for_row_launches(size_t rows, int C, L launch) {
+    size_t per = LAUNCH_MAX_ELEMENTS / (C > 0 ? (size_t)C : 1);
+    if (per < 1) per = 1;
+    for (size_t r0 = 0; r0 < rows; r0 += per) launch(r0, rows - r0 < per ? rows - r0 : per);
+}
+#define FOR_ROWS(r, rows) \
+    for (uint32_t r = blockIdx.y * blockDim.y + threadIdx.y; r < (uint32_t)(rows); r += blockDim.y * gridDim.y)
 
 // ----------------------------------------------------------------------------
 // memory: device allocations, copies between host and device
@@ -172,59 +336,89 @@ static void cuda_synchronize(Ops *o) { cudaCheck(cudaStreamSynchronize(stream_of
 
 // ----------------------------------------------------------------------------
 // utilities over whole buffers
+//
+// Elementwise ops are one of two map kernels with a functor f(a, b) of the
+// elements of up to two inputs (0 where an input is absent):
+//   y[i] (=|+=) f(x0[i], x1[i])
+// A kernel walks its n elements in chunks of LAUNCH_MAX_ELEMENTS (64-bit
+// offsets between chunks, 32-bit indices inside), grid-stride within each.
 
-__global__ void fill_kernel(void *y, DType dt, size_t n, float value) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x)
-        st(y, dt, i, value);
+#define FOR_CHUNKS(n, base, m) \
+    for (size_t base = 0, m; base < (n) && ((m = (n) - base < LAUNCH_MAX_ELEMENTS ? (n) - base : LAUNCH_MAX_ELEMENTS), 1); \
+         base += LAUNCH_MAX_ELEMENTS)
+#define FOR_GRID(i, m) \
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < (uint32_t)(m); i += blockDim.x * gridDim.x)
+
+template <class F>
+__global__ void map_kernel(void *y, DType dty, const void *x0, DType dt0, const void *x1, DType dt1, size_t n,
+                           int accumulate, F f) {
+    FOR_CHUNKS(n, base, m) {
+        void *yc = elem_ptr(y, dty, base);
+        const void *a = x0 ? elem_ptr(x0, dt0, base) : NULL, *b = x1 ? elem_ptr(x1, dt1, base) : NULL;
+        FOR_GRID(i, m) {
+            float v = f(a ? ld(a, dt0, i) : 0.0f, b ? ld(b, dt1, i) : 0.0f);
+            st(yc, dty, i, accumulate ? ld(yc, dty, i) + v : v);
+        }
+    }
 }
-static void fill_cuda(Ops *o, Tensor t, float value) {
-    size_t n = shape_numel(t.shape);
-    if (!n) return;
-    CU_LAUNCH(fill_kernel, grid_for(n), BLOCK, 0, stream_of(o), t.data, t.dtype, n, value);
+template <class T, class F>
+__global__ void map_vec_kernel(T *y, const T *x0, const T *x1, size_t n_vec, int accumulate, F f) {
+    constexpr int N = Vec<T>::N;
+    FOR_CHUNKS(n_vec, base, m) {
+        T *yc = y + base * N;
+        const T *a = x0 ? x0 + base * N : NULL, *b = x1 ? x1 + base * N : NULL;
+        FOR_GRID(i, m) {
+            Vec<T> va, vb, vy;
+            if (a) va = load_vec(a + i * N);
+            if (b) vb = load_vec(b + i * N);
+            if (accumulate) vy = load_vec(yc + i * N);
+            for (int k = 0; k < N; k++) {
+                float v = f(a ? to_f32(va.v[k]) : 0.0f, b ? to_f32(vb.v[k]) : 0.0f);
+                vy.v[k] = from_f32<T>(accumulate ? to_f32(vy.v[k]) + v : v);
+            }
+            store_vec(yc + i * N, vy);
+        }
+    }
+}
+// y (=|+=) f(x0, x1) over y's elements; x0, x1 NULL data: absent
+template <class F> static void map_op(Ops *o, Tensor y, Tensor x0, Tensor x1, int accumulate, F f) {
+    const size_t n = shape_numel(y.shape);
+    if (!n || !y.data) return;
+    if (vec_ok({y.dtype, x0.data ? x0.dtype : y.dtype, x1.data ? x1.dtype : y.dtype}, n, {y.data, x0.data, x1.data})) {
+        SWITCH_STORAGE(y.dtype, T, {
+            const size_t n_vec = n / Vec<T>::N;
+            CU_LAUNCH((map_vec_kernel<T, F>), grid_for(n_vec), BLOCK, 0, stream_of(o), (T *)y.data,
+                      (const T *)x0.data, (const T *)x1.data, n_vec, accumulate, f);
+        });
+    } else {
+        CU_LAUNCH(map_kernel<F>, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, x0.data, x0.dtype, x1.data,
+                  x1.dtype, n, accumulate, f);
+    }
     launchCheck();
 }
+static const Tensor NO_TENSOR = {NULL, {0, 0, 0, 0}, DT_F32};
 
+struct Constant { float value; __device__ float operator()(float, float) const { return value; } };
+struct Identity { __device__ float operator()(float a, float) const { return a; } };
+struct Scale { float a; __device__ float operator()(float x, float) const { return a * x; } };
+struct Axpb { float a, b; __device__ float operator()(float x, float) const { return a * x + b; } };
+struct Sum2 { __device__ float operator()(float a, float b) const { return a + b; } };
+struct ActForward { Act act; __device__ float operator()(float x, float) const { return act_apply(act, x); } };
+struct ActBackward {  // a = dy, b = x
+    Act act;
+    __device__ float operator()(float dy, float x) const { return dy * act_grad(act, x); }
+};
+
+static void fill_cuda(Ops *o, Tensor t, float value) { map_op(o, t, NO_TENSOR, NO_TENSOR, 0, Constant{value}); }
 // dst (=|+=) src, casting between storage types; += adds in fp32 and rounds once
-__global__ void copy_kernel(void *dst, DType dt_dst, const void *src, DType dt_src, size_t n, int accumulate) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        float v = ld(src, dt_src, i);
-        st(dst, dt_dst, i, accumulate ? ld(dst, dt_dst, i) + v : v);
-    }
-}
 static void copy_cuda(Ops *o, Tensor dst, Tensor src, int accumulate) {
-    size_t n = shape_numel(src.shape);
-    if (!n) return;
-    CU_LAUNCH(copy_kernel, grid_for(n), BLOCK, 0, stream_of(o), dst.data, dst.dtype, src.data, src.dtype, n,
-              accumulate);
-    launchCheck();
+    map_op(o, dst, src, NO_TENSOR, accumulate, Identity{});
 }
-
 // t *= a
-__global__ void scale_kernel(void *t, DType dt, size_t n, float a) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x)
-        st(t, dt, i, a * ld(t, dt, i));
-}
-static void scale_cuda(Ops *o, Tensor t, float a) {
-    size_t n = shape_numel(t.shape);
-    if (!n) return;
-    CU_LAUNCH(scale_kernel, grid_for(n), BLOCK, 0, stream_of(o), t.data, t.dtype, n, a);
-    launchCheck();
-}
-
+static void scale_cuda(Ops *o, Tensor t, float a) { map_op(o, t, t, NO_TENSOR, 0, Scale{a}); }
 // y (=|+=) a·x + b
-__global__ void axpby_kernel(void *y, DType dt_y, const void *x, DType dt_x, size_t n, float a, float b,
-                             int accumulate) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        float v = a * ld(x, dt_x, i) + b;
-        st(y, dt_y, i, accumulate ? ld(y, dt_y, i) + v : v);
-    }
-}
 static void axpby_cuda(Ops *o, Tensor y, Tensor x, float a, float b, int accumulate) {
-    size_t n = shape_numel(x.shape);
-    if (!n) return;
-    CU_LAUNCH(axpby_kernel, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, x.data, x.dtype, n, a, b,
-              accumulate);
-    launchCheck();
+    map_op(o, tensor(y.data, x.shape, y.dtype), x, NO_TENSOR, accumulate, Axpb{a, b});
 }
 
 // ---- deterministic reductions: each block of the first pass sums a fixed set
@@ -273,9 +467,29 @@ static void reduce_partials(Ops *o, unsigned n_blocks, int width, float *out, in
 __global__ void sum_squares_kernel(const void *t, DType dt, size_t n, double *partials) {
     __shared__ double sh[BLOCK * REDUCE_WIDTH];
     double s = 0.0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        double v = ld(t, dt, i);
-        s += v * v;
+    FOR_CHUNKS(n, base, m) {
+        const void *tc = elem_ptr(t, dt, base);
+        FOR_GRID(i, m) {
+            double v = ld(tc, dt, i);
+            s += v * v;
+        }
+    }
+    sh[threadIdx.x * REDUCE_WIDTH] = s;
+    block_sum_tree(sh, 1);
+    if (threadIdx.x == 0) partials[blockIdx.x * REDUCE_WIDTH] = sh[0];
+}
+template <class T> __global__ void sum_squares_vec_kernel(const T *t, size_t n_vec, double *partials) {
+    __shared__ double sh[BLOCK * REDUCE_WIDTH];
+    constexpr int N = Vec<T>::N;
+    double s = 0.0;
+    FOR_CHUNKS(n_vec, base, m) {
+        FOR_GRID(i, m) {
+            Vec<T> v = load_vec(t + (base + i) * N);
+            for (int k = 0; k < N; k++) {
+                double x = to_f32(v.v[k]);
+                s += x * x;
+            }
+        }
     }
     sh[threadIdx.x * REDUCE_WIDTH] = s;
     block_sum_tree(sh, 1);
@@ -283,8 +497,17 @@ __global__ void sum_squares_kernel(const void *t, DType dt, size_t n, double *pa
 }
 static void sum_squares_cuda(Ops *o, Tensor t, float *out) {
     size_t n = shape_numel(t.shape);
-    unsigned grid = reduce_grid(n);
-    CU_LAUNCH(sum_squares_kernel, grid, BLOCK, 0, stream_of(o), t.data, t.dtype, n, ctx_of(o)->reduce_partials);
+    double *partials = ctx_of(o)->reduce_partials;
+    unsigned grid = 1;
+    if (vec_ok({t.dtype}, n, {t.data})) {
+        SWITCH_STORAGE(t.dtype, T, {
+            grid = reduce_grid(n / Vec<T>::N);
+            CU_LAUNCH(sum_squares_vec_kernel<T>, grid, BLOCK, 0, stream_of(o), (const T *)t.data, n / Vec<T>::N, partials);
+        });
+    } else {
+        grid = reduce_grid(n);
+        CU_LAUNCH(sum_squares_kernel, grid, BLOCK, 0, stream_of(o), t.data, t.dtype, n, partials);
+    }
     launchCheck();
     reduce_partials(o, grid, 1, out, 0);
 }
@@ -292,13 +515,33 @@ static void sum_squares_cuda(Ops *o, Tensor t, float *out) {
 // *flag = 1 if any element is inf or NaN; untouched otherwise (so one flag can
 // collect the checks of several tensors)
 __global__ void nonfinite_kernel(const void *t, DType dt, size_t n, int32_t *flag) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x)
-        if (!isfinite(ld(t, dt, i))) atomicExch((int *)flag, 1);
+    FOR_CHUNKS(n, base, m) {
+        const void *tc = elem_ptr(t, dt, base);
+        FOR_GRID(i, m) if (!isfinite(ld(tc, dt, i))) atomicExch((int *)flag, 1);
+    }
+}
+template <class T> __global__ void nonfinite_vec_kernel(const T *t, size_t n_vec, int32_t *flag) {
+    constexpr int N = Vec<T>::N;
+    FOR_CHUNKS(n_vec, base, m) {
+        FOR_GRID(i, m) {
+            Vec<T> v = load_vec(t + (base + i) * N);
+            bool bad = false;
+            for (int k = 0; k < N; k++) bad |= !isfinite(to_f32(v.v[k]));
+            if (bad) atomicExch((int *)flag, 1);
+        }
+    }
 }
 static void nonfinite_cuda(Ops *o, Tensor t, int32_t *flag) {
     size_t n = shape_numel(t.shape);
     if (!n) return;
-    CU_LAUNCH(nonfinite_kernel, grid_for(n), BLOCK, 0, stream_of(o), t.data, t.dtype, n, flag);
+    if (vec_ok({t.dtype}, n, {t.data})) {
+        SWITCH_STORAGE(t.dtype, T, {
+            CU_LAUNCH(nonfinite_vec_kernel<T>, grid_for(n / Vec<T>::N), BLOCK, 0, stream_of(o), (const T *)t.data,
+                      n / Vec<T>::N, flag);
+        });
+    } else {
+        CU_LAUNCH(nonfinite_kernel, grid_for(n), BLOCK, 0, stream_of(o), t.data, t.dtype, n, flag);
+    }
     launchCheck();
 }
 
@@ -403,24 +646,52 @@ static void confusion_accumulate_cuda(Ops *o, Tensor logits, const int32_t *labe
 // cannot be fused into multiply-adds) in the CPU op's order, which is compiled
 // without contraction too: both backends give the same bits.
 
-__global__ void adam_kernel(float *params, const float *grads, float *m, float *v, size_t n, AdamStep s) {
-    const float decay = __fmul_rn(s.lr, s.weight_decay);
-    const float one_minus_b1 = __fsub_rn(1.0f, s.beta1), one_minus_b2 = __fsub_rn(1.0f, s.beta2);
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        float g = __fmul_rn(grads[i], s.grad_scale), p = params[i];
+struct AdamElement {
+    AdamStep s;
+    float decay, one_minus_b1, one_minus_b2;
+    __device__ void operator()(float &p, float grad, float &m, float &v) const {
+        float g = __fmul_rn(grad, s.grad_scale);
         if (decay != 0.0f) p = __fsub_rn(p, __fmul_rn(decay, p));
-        float mi = __fadd_rn(m[i], __fmul_rn(__fsub_rn(g, m[i]), one_minus_b1));
-        float vi = __fadd_rn(v[i], __fmul_rn(__fsub_rn(__fmul_rn(g, g), v[i]), one_minus_b2));
-        m[i] = mi;
-        v[i] = vi;
-        params[i] = __fsub_rn(p, __fdiv_rn(__fmul_rn(s.alpha, mi), __fadd_rn(__fsqrt_rn(vi), s.eps)));
+        m = __fadd_rn(m, __fmul_rn(__fsub_rn(g, m), one_minus_b1));
+        v = __fadd_rn(v, __fmul_rn(__fsub_rn(__fmul_rn(g, g), v), one_minus_b2));
+        p = __fsub_rn(p, __fdiv_rn(__fmul_rn(s.alpha, m), __fadd_rn(__fsqrt_rn(v), s.eps)));
+    }
+};
+static __device__ AdamElement adam_element(const AdamStep &s) {
+    return {s, __fmul_rn(s.lr, s.weight_decay), __fsub_rn(1.0f, s.beta1), __fsub_rn(1.0f, s.beta2)};
+}
+__global__ void adam_kernel(float *params, const float *grads, float *m, float *v, size_t n, AdamStep s) {
+    const AdamElement adam = adam_element(s);
+    FOR_CHUNKS(n, base, cnt) {
+        FOR_GRID(i, cnt) {
+            const size_t j = base + i;
+            float p = params[j], mj = m[j], vj = v[j];
+            adam(p, grads[j], mj, vj);
+            params[j] = p; m[j] = mj; v[j] = vj;
+        }
+    }
+}
+__global__ void adam_vec_kernel(float *params, const float *grads, float *m, float *v, size_t n_vec, AdamStep s) {
+    const AdamElement adam = adam_element(s);
+    constexpr int N = Vec<float>::N;
+    FOR_CHUNKS(n_vec, base, cnt) {
+        FOR_GRID(i, cnt) {
+            const size_t j = (base + i) * N;
+            Vec<float> p = load_vec(params + j), g = load_vec(grads + j), mv = load_vec(m + j), vv = load_vec(v + j);
+            for (int k = 0; k < N; k++) adam(p.v[k], g.v[k], mv.v[k], vv.v[k]);
+            store_vec(params + j, p); store_vec(m + j, mv); store_vec(v + j, vv);
+        }
     }
 }
 // params, grads, m, v: (n) fp32
 static void adam_update_cuda(Ops *o, float *params, const float *grads, float *m, float *v, size_t n,
                              const AdamStep *s) {
     if (!n) return;
-    CU_LAUNCH(adam_kernel, grid_for(n), BLOCK, 0, stream_of(o), params, grads, m, v, n, *s);
+    if (vec_ok({DT_F32}, n, {params, grads, m, v}))
+        CU_LAUNCH(adam_vec_kernel, grid_for(n / Vec<float>::N), BLOCK, 0, stream_of(o), params, grads, m, v,
+                  n / Vec<float>::N, *s);
+    else
+        CU_LAUNCH(adam_kernel, grid_for(n), BLOCK, 0, stream_of(o), params, grads, m, v, n, *s);
     launchCheck();
 }
 
@@ -648,10 +919,20 @@ __global__ void col2im_kernel(void *din, DType dt, const float *dcol, ConvCfg cf
     }
 }
 
-// y[r][c] = rows[r][c] + b[c], rounded to y's type; rows may alias y when it is fp32
-__global__ void bias_rows_kernel(void *y, DType dt, const float *rows, const float *b, int C, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x)
-        st(y, dt, i, rows[i] + b[i % C]);
+// y[r][c] = rows[r][c] + b[c], rounded to y's type; rows (fp32) may alias y when it is fp32
+__global__ void bias_rows_kernel(void *y, DType dt, const float *rows, const float *b, int C, uint32_t n_rows) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const float bc = b[c];
+    FOR_ROWS(r, n_rows) st(y, dt, r * C + c, rows[r * C + c] + bc);
+}
+static void bias_rows(Ops *o, void *y, DType dt, const float *rows32, const float *b, int C, size_t n_rows) {
+    for_row_launches(n_rows, C, [&](size_t r0, size_t count) {
+        RowGrid g = row_grid(C, count);
+        CU_LAUNCH(bias_rows_kernel, g.grid, g.block, 0, stream_of(o), elem_ptr(y, dt, r0 * C), dt,
+                  rows32 + r0 * C, b, C, (uint32_t)count);
+        launchCheck();
+    });
 }
 
 // Deterministic column sums, pass 1. A block is 32 columns × 8 row lanes; it
@@ -782,9 +1063,8 @@ static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor i
     const DType dt = in.dtype;
     const void *wt = w;  // [Cout][K] in the storage type
     if (dt != DT_F32) {
-        CU_LAUNCH(copy_kernel, grid_for((size_t)q->Cout * q->K), BLOCK, 0, stream_of(o), ws, dt, w, DT_F32,
-                  (size_t)q->Cout * q->K, 0);
-        launchCheck();
+        const Shape ws_shape = shape4(1, 1, q->Cout, q->K);  // the weights, rounded to the storage type
+        copy_cuda(o, tensor(ws, ws_shape, dt), tensor_f32((float *)w, ws_shape), 0);
         wt = ws;
     }
     void *col = (char *)ws + align_up(p.wcast);                              // (rows·OW, G·K)
@@ -805,11 +1085,8 @@ static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor i
                     at_elem(B, dt, (size_t)g * q->K), ldb, dt, 0.0f, at_elem(y, via32 ? DT_F32 : dt, (size_t)g * q->Coutg),
                     q->Cout, via32 ? DT_F32 : dt);
         if (b) {
-            const size_t n = pix * q->Cout;
             void *dst = at_elem(out.data, dt, first * q->Cout);
-            CU_LAUNCH(bias_rows_kernel, grid_for(n), BLOCK, 0, stream_of(o), dst, dt,
-                      via32 ? (const float *)rows32 : (const float *)dst, b, q->Cout, n);
-            launchCheck();
+            bias_rows(o, dst, dt, via32 ? (const float *)rows32 : (const float *)dst, b, q->Cout, pix);
         }
         t0 = t1;
     }
@@ -832,9 +1109,8 @@ static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Te
     const DType dt = din.dtype;
     const void *wt = w;
     if (dt != DT_F32) {
-        CU_LAUNCH(copy_kernel, grid_for((size_t)q->Cout * q->K), BLOCK, 0, stream_of(o), ws, dt, w, DT_F32,
-                  (size_t)q->Cout * q->K, 0);
-        launchCheck();
+        const Shape ws_shape = shape4(1, 1, q->Cout, q->K);  // the weights, rounded to the storage type
+        copy_cuda(o, tensor(ws, ws_shape, dt), tensor_f32((float *)w, ws_shape), 0);
         wt = ws;
     }
     if (p.pointwise) {
@@ -910,59 +1186,75 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
 // per-channel sums over rows: batch norm statistics and gradient sums,
 // squeeze-excitation pooling and scale gradient
 //
-//   out[g][c][q] = Σ_{r < rows} f(element (g·rows + r, c))[q]
+//   out[g][c][q] = Σ_{r < rows} f(row g·rows + r, channel c)[q]
 // for G groups of `rows` rows of C channels (batch norm: G = 1, rows = N·H·W;
 // squeeze-excitation: G = N, rows = H·W) and NQ quantities at once, summed in
 // fp64 in an order fixed by the shape alone (deterministic on any GPU):
-//   block: SUMS_CW channels (threadIdx.x, coalesced in NHWC) × SUMS_LANES row lanes
+//   block: TX channel lanes (threadIdx.x; 1 channel each in the generic kernel,
+//          a Vec of N in the vector kernel) × TY row lanes, BLOCK threads
 //   grid:  (channel tiles, row chunks, G)
-//   a thread sums rows r0 + lane, r0 + lane + SUMS_LANES, ... of its chunk in order,
+//   a thread sums rows r0 + lane, r0 + lane + TY, ... of its chunk in order,
 //   the lanes are added in lane order, and the chunks' partial sums (in the
 //   context's scratch) are added in chunk order by a second kernel, one thread
 //   per (g, c). With one chunk the first kernel finishes the sum itself.
-// The callers are functors: F(i, c, v) gives the NQ values of element i =
-// (g·rows + r)·C + c in v; E(g, c, s) consumes the NQ sums.
+// The callers are functors. F::Lane is a thread's view of its channels,
+// made once (per-channel constants in registers): lane(row, k, v) gives the NQ
+// values of channel c0 + k of a row (the generic kernel: k = 0 only). E(g, c, s)
+// consumes the NQ sums of channel c.
 
-#define SUMS_CW 32            // channels per block
-#define SUMS_LANES 8          // row lanes per block
-#define SUMS_MIN_ROWS 32      // rows per chunk at least (4 per lane)
+#define SUMS_MIN_ROWS 32      // rows per chunk at least
 #define SUMS_MAX_CHUNKS 1024  // chunks per (channel tile, group) at most: enough blocks to fill a GPU
 // The scratch of partial sums, (G, chunks, NQ, C) fp64: its size bounds the chunk
 // count (chunks ≤ SUMS_SCRATCH/(G·NQ·C), at least 1, which needs no scratch); it
 // never limits the shapes an op accepts.
 #define SUMS_SCRATCH ((size_t)1 << 20)  // doubles (8 MiB)
 
-template <int NQ, class F, class E>
-__global__ void channel_sums_kernel(F f, E e, double *partial, size_t rows, int C, size_t rows_per_chunk) {
-    __shared__ double lane_sums[NQ][SUMS_LANES][SUMS_CW];
-    const int c = blockIdx.x * SUMS_CW + threadIdx.x, chunk = blockIdx.y, g = blockIdx.z;
-    const size_t r0 = chunk * rows_per_chunk, r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
-    double acc[NQ];
-    for (int q = 0; q < NQ; q++) acc[q] = 0.0;
-    if (c < C)
-        for (size_t r = r0 + threadIdx.y; r < r1; r += SUMS_LANES) {
-            double v[NQ];
-            f(((size_t)g * rows + r) * C + c, c, v);
-            for (int q = 0; q < NQ; q++) acc[q] += v[q];
-        }
-    for (int q = 0; q < NQ; q++) lane_sums[q][threadIdx.y][threadIdx.x] = acc[q];
-    __syncthreads();
-    if (threadIdx.y != 0 || c >= C) return;
-    double s[NQ];
-    for (int q = 0; q < NQ; q++) {
-        s[q] = 0.0;
-        for (int l = 0; l < SUMS_LANES; l++) s[q] += lane_sums[q][l][threadIdx.x];
-    }
-    if (gridDim.y == 1) e(g, c, s);
-    else
-        for (int q = 0; q < NQ; q++) partial[(((size_t)g * gridDim.y + chunk) * NQ + q) * C + c] = s[q];
+// a thread's rows of its chunk: r0 + lane, + TY, ... < r1
+struct RowChunk { uint32_t r0, r1; };
+static __device__ __forceinline__ RowChunk row_chunk(uint32_t rows, uint32_t rows_per_chunk) {
+    const uint32_t r0 = blockIdx.y * rows_per_chunk;
+    return {r0, r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows};
 }
-
+// lane sums (TY, TX·W, NQ) in shared memory → lane 0's totals, added in lane order
+template <int NQ, int W>
+static __device__ __forceinline__ void sum_lanes(double *sh, const double (&acc)[W][NQ], double (&s)[W][NQ]) {
+    const int TX = blockDim.x, TY = blockDim.y;
+    for (int k = 0; k < W; k++)
+        for (int q = 0; q < NQ; q++) sh[((threadIdx.y * TX + threadIdx.x) * W + k) * NQ + q] = acc[k][q];
+    __syncthreads();
+    if (threadIdx.y != 0) return;
+    for (int k = 0; k < W; k++)
+        for (int q = 0; q < NQ; q++) {
+            s[k][q] = 0.0;
+            for (int l = 0; l < TY; l++) s[k][q] += sh[((l * TX + threadIdx.x) * W + k) * NQ + q];
+        }
+}
+// W channels per thread (1: generic, Vec<T>::N: vector); F::Lane knows its loads
+template <int NQ, int W, class F, class E>
+__global__ void channel_sums_kernel(F f, E e, double *partial, uint32_t rows, int C, uint32_t rows_per_chunk) {
+    __shared__ double sh[BLOCK * W * NQ];
+    const int lane_c = blockIdx.x * blockDim.x + threadIdx.x, c0 = lane_c * W, g = blockIdx.z;
+    const RowChunk rc = row_chunk(rows, rows_per_chunk);
+    double acc[W][NQ];
+    for (int k = 0; k < W; k++)
+        for (int q = 0; q < NQ; q++) acc[k][q] = 0.0;
+    if (c0 < C) {
+        const typename F::Lane lane = f.lane(g, c0);
+        for (uint32_t r = rc.r0 + threadIdx.y; r < rc.r1; r += blockDim.y) lane.add(r, acc);
+    }
+    double s[W][NQ];
+    sum_lanes<NQ, W>(sh, acc, s);
+    if (threadIdx.y != 0 || c0 >= C) return;
+    for (int k = 0; k < W; k++) {
+        if (gridDim.y == 1) e(g, c0 + k, s[k]);
+        else
+            for (int q = 0; q < NQ; q++) partial[(((size_t)g * gridDim.y + blockIdx.y) * NQ + q) * C + c0 + k] = s[k][q];
+    }
+}
 template <int NQ, class E>
 __global__ void channel_sums_finish_kernel(E e, const double *partial, int G, int C, int chunks) {
-    const size_t n = (size_t)G * C;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        const int g = (int)(i / C), c = (int)(i % C);
+    FOR_GRID(i, (uint32_t)G * C) {
+        const int g = (int)(i / (uint32_t)C), c = (int)(i % (uint32_t)C);  // once per (g, c)
         double s[NQ];
         for (int q = 0; q < NQ; q++) {
             s[q] = 0.0;
@@ -971,9 +1263,16 @@ __global__ void channel_sums_finish_kernel(E e, const double *partial, int G, in
         e(g, c, s);
     }
 }
-
-template <int NQ, class F, class E>
+// W: channels per thread; G·rows·C < 2^31 (checked by the callers' shapes: one tensor)
+template <int NQ, int W, class F, class E>
 static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C) {
+    if ((size_t)G * rows * C >= ((size_t)1 << 31)) {
+        fprintf(stderr, "segnet: internal error: per-channel sums over %zu elements (fewer than 2^31 supported)\n",
+                (size_t)G * rows * C);
+        exit(1);
+    }
+    const int lanes = (C + W - 1) / W;  // channel lanes
+    const unsigned tx = lanes < 32 ? (unsigned)lanes : 32, ty = BLOCK / tx;
     size_t chunks = (rows + SUMS_MIN_ROWS - 1) / SUMS_MIN_ROWS;
     size_t fit = SUMS_SCRATCH / ((size_t)G * NQ * C);
     if (chunks > SUMS_MAX_CHUNKS) chunks = SUMS_MAX_CHUNKS;
@@ -981,9 +1280,10 @@ static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C) {
     if (chunks < 1) chunks = 1;
     const size_t rows_per_chunk = rows ? (rows + chunks - 1) / chunks : 1;
     chunks = rows ? (rows + rows_per_chunk - 1) / rows_per_chunk : 1;  // no empty chunk
-    dim3 grid((C + SUMS_CW - 1) / SUMS_CW, (unsigned)chunks, G), block(SUMS_CW, SUMS_LANES);
+    dim3 grid((lanes + tx - 1) / tx, (unsigned)chunks, G), block(tx, ty);
     double *partial = chunks > 1 ? ctx_of(o)->sums : NULL;
-    CU_LAUNCH((channel_sums_kernel<NQ, F, E>), grid, block, 0, stream_of(o), f, e, partial, rows, C, rows_per_chunk);
+    CU_LAUNCH((channel_sums_kernel<NQ, W, F, E>), grid, block, 0, stream_of(o), f, e, partial, (uint32_t)rows, C,
+              (uint32_t)rows_per_chunk);
     launchCheck();
     if (chunks == 1) return;
     CU_LAUNCH((channel_sums_finish_kernel<NQ, E>), grid_for((size_t)G * C), BLOCK, 0, stream_of(o), e, partial, G, C,
@@ -991,65 +1291,179 @@ static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C) {
     launchCheck();
 }
 
-// the summands: (x - mean)²; a or a·b
-struct SquaredDeviation {
-    const void *x; DType dt; const float *mean;
-    __device__ void operator()(size_t i, int c, double *v) const {
-        double d = (double)ld(x, dt, i) - mean[c];
-        v[0] = d * d;
+// The summands. Each comes as a generic functor (run-time storage types, one
+// channel per lane) and a vector one (storage type T, Vec<T>::N channels).
+// Σ a, or Σ a·b (b NULL: Σ a); rows of group g start at element g·rows·C
+struct SumOfProduct {
+    const void *a; DType dta; const void *b; DType dtb; int C; uint32_t rows;
+    struct Lane {
+        const void *a, *b; DType dta, dtb; int C;
+        __device__ void add(uint32_t r, double (&acc)[1][1]) const {
+            acc[0][0] += b ? (double)ld(a, dta, r * C) * ld(b, dtb, r * C) : (double)ld(a, dta, r * C);
+        }
+    };
+    __device__ Lane lane(int g, int c) const {
+        const size_t at = (size_t)g * rows * C + c;
+        return {elem_ptr(a, dta, at), b ? elem_ptr(b, dtb, at) : NULL, dta, dtb, C};
     }
 };
-struct SumOfProduct {  // b NULL: Σ a
-    const void *a; DType dta; const void *b; DType dtb;
-    __device__ void operator()(size_t i, int c, double *v) const {
-        (void)c;
-        v[0] = b ? (double)ld(a, dta, i) * ld(b, dtb, i) : (double)ld(a, dta, i);
+template <class T> struct SumOfProductVec {
+    const T *a, *b; int C; uint32_t rows;
+    static constexpr int N = Vec<T>::N;
+    struct Lane {
+        const T *a, *b; int C;
+        __device__ void add(uint32_t r, double (&acc)[N][1]) const {
+            Vec<T> va = load_vec(a + r * C), vb;
+            if (b) vb = load_vec(b + r * C);
+            for (int k = 0; k < N; k++)
+                acc[k][0] += b ? (double)to_f32(va.v[k]) * to_f32(vb.v[k]) : (double)to_f32(va.v[k]);
+        }
+    };
+    __device__ Lane lane(int g, int c0) const {
+        const size_t at = (size_t)g * rows * C + c0;
+        return {a + at, b ? b + at : NULL, C};
     }
+};
+// Σx and Σx² (batch norm statistics in one pass)
+struct Moments {
+    const void *x; DType dt; int C;
+    struct Lane {
+        const void *x; DType dt; int C;
+        __device__ void add(uint32_t r, double (&acc)[1][2]) const {
+            double v = ld(x, dt, r * C);
+            acc[0][0] += v;
+            acc[0][1] += v * v;
+        }
+    };
+    __device__ Lane lane(int, int c) const { return {elem_ptr(x, dt, c), dt, C}; }
+};
+template <class T> struct MomentsVec {
+    const T *x; int C;
+    static constexpr int N = Vec<T>::N;
+    struct Lane {
+        const T *x; int C;
+        __device__ void add(uint32_t r, double (&acc)[N][2]) const {
+            Vec<T> v = load_vec(x + r * C);
+            for (int k = 0; k < N; k++) {
+                double d = to_f32(v.v[k]);
+                acc[k][0] += d;
+                acc[k][1] += d * d;
+            }
+        }
+    };
+    __device__ Lane lane(int, int c0) const { return {x + c0, C}; }
 };
 // the consumer: y (G,1,1,C) (=|+=) sum/divisor, in y's storage type
 struct StoreSum {
     void *y; DType dt; int C; double divisor; int accumulate;
     __device__ void operator()(int g, int c, const double *s) const {
-        size_t i = (size_t)g * C + c;
+        uint32_t i = (uint32_t)g * C + c;
         float v = (float)(s[0] / divisor);
         st(y, dt, i, accumulate ? ld(y, dt, i) + v : v);
     }
 };
 
+// Σ a·b (or Σ a) per (g, c) of a, b (G, rows, C) into `out`
+template <class E>
+static void sums_of_product(Ops *o, E e, Tensor a, const Tensor *b, int G, size_t rows, int C) {
+    if (vec_ok({a.dtype, b ? b->dtype : a.dtype}, C, {a.data, b ? b->data : NULL})) {
+        SWITCH_STORAGE(a.dtype, T, {
+            SumOfProductVec<T> f = {(const T *)a.data, b ? (const T *)b->data : NULL, C, (uint32_t)rows};
+            channel_sums<1, Vec<T>::N>(o, f, e, G, rows, C);
+        });
+    } else {
+        SumOfProduct f = {a.data, a.dtype, b ? b->data : NULL, b ? b->dtype : DT_F32, C, (uint32_t)rows};
+        channel_sums<1, 1>(o, f, e, G, rows, C);
+    }
+}
+
 // ----------------------------------------------------------------------------
 // batch norm (see segnet.c for the formulas)
 //   z = gamma·((x - mean)·invstd) + beta, the CPU's expression, so z falls on the
-//   same side of ReLU's kink; y = act(z); backward g = dy·act'(z), z recomputed from x
+//   same side of ReLU's kink; y = act(z); backward g = dy·act'(z), z recomputed from x.
+//   invstd = bn_invstd(var, c, eps) once per thread and channel, not per element.
 
-// mean = Σx/M, then var = Σ(x - mean)²/M: two passes, each an fp64 sum
+// Σx and Σx² in one pass (fp64), then mean = Σx/M, var = Σx²/M - mean² in fp64:
+// the cancellation loses (mean²/var)·2^-52 of var, far below its fp32 rounding
+// for any activation (it would take |mean| > 2^14·σ to reach 2^-24)
+struct StoreMoments {
+    float *mean, *var; double M;
+    __device__ void operator()(int, int c, const double *s) const {
+        const double mu = s[0] / M, v = s[1] / M - mu * mu;
+        mean[c] = (float)mu;
+        var[c] = (float)(v > 0.0 ? v : 0.0);
+    }
+};
 static void bn_stats_cuda(Ops *o, Tensor x, float *mean, float *var) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
-    channel_sums<1>(o, SumOfProduct{x.data, x.dtype, NULL, DT_F32}, StoreSum{mean, DT_F32, C, (double)M, 0}, 1, M, C);
-    channel_sums<1>(o, SquaredDeviation{x.data, x.dtype, mean}, StoreSum{var, DT_F32, C, (double)M, 0}, 1, M, C);
+    const StoreMoments e = {mean, var, (double)M};
+    if (vec_ok({x.dtype}, C, {x.data})) {
+        SWITCH_STORAGE(x.dtype, T, { channel_sums<2, Vec<T>::N>(o, MomentsVec<T>{(const T *)x.data, C}, e, 1, M, C); });
+    } else {
+        channel_sums<2, 1>(o, Moments{x.data, x.dtype, C}, e, 1, M, C);
+    }
 }
 
-__global__ void bn_forward_kernel(void *y, DType dty, const void *x, DType dtx, size_t n, int C, const float *mean,
+// per-channel constants of the batch norm of channel c
+struct BnChannel {
+    float mean, invstd, gamma, beta;
+    __device__ BnChannel() {}
+    __device__ BnChannel(const float *m, const float *var, const float *g, const float *b, float eps, int c)
+        : mean(m[c]), invstd(bn_invstd(var, c, eps)), gamma(g[c]), beta(b[c]) {}
+    __device__ float xhat(float x) const { return (x - mean) * invstd; }
+    __device__ float z(float xh) const { return gamma * xh + beta; }
+};
+
+__global__ void bn_forward_kernel(void *y, DType dty, const void *x, DType dtx, uint32_t rows, int C, const float *mean,
                                   const float *var, const float *gamma, const float *beta, float eps, Act act) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        const int c = (int)(i % C);
-        float z = gamma[c] * ((ld(x, dtx, i) - mean[c]) * bn_invstd(var, c, eps)) + beta[c];
-        st(y, dty, i, act_apply(act, z));
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const BnChannel bn(mean, var, gamma, beta, eps, c);
+    FOR_ROWS(r, rows) st(y, dty, r * C + c, act_apply(act, bn.z(bn.xhat(ld(x, dtx, r * C + c)))));
+}
+template <class T>
+__global__ void bn_forward_vec_kernel(T *y, const T *x, uint32_t rows, int C, const float *mean, const float *var,
+                                      const float *gamma, const float *beta, float eps, Act act) {
+    constexpr int N = Vec<T>::N;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
+    if (c0 >= C) return;
+    BnChannel bn[N];
+    for (int k = 0; k < N; k++) bn[k] = BnChannel(mean, var, gamma, beta, eps, c0 + k);
+    FOR_ROWS(r, rows) {
+        Vec<T> v = load_vec(x + r * C + c0);
+        for (int k = 0; k < N; k++) v.v[k] = from_f32<T>(act_apply(act, bn[k].z(bn[k].xhat(to_f32(v.v[k])))));
+        store_vec(y + r * C + c0, v);
     }
 }
 static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const float *mean, const float *var, const float *gamma,
                             const float *beta, float eps, Act act) {
-    const size_t n = shape_numel(x.shape);
-    if (!n) return;
-    CU_LAUNCH(bn_forward_kernel, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, x.data, x.dtype, n,
-              x.shape.c, mean, var, gamma, beta, eps, act);
-    launchCheck();
+    const int C = x.shape.c;
+    const size_t rows = shape_numel(x.shape) / (C ? C : 1);
+    if (!rows || !C) return;
+    const bool vec = vec_ok({y.dtype, x.dtype}, C, {y.data, x.data});
+    for_row_launches(rows, C, [&](size_t r0, size_t count) {
+        void *yc = elem_ptr(y.data, y.dtype, r0 * C);
+        const void *xc = elem_ptr(x.data, x.dtype, r0 * C);
+        if (vec) {
+            SWITCH_STORAGE(x.dtype, T, {
+                RowGrid g = row_grid(C / Vec<T>::N, count);
+                CU_LAUNCH(bn_forward_vec_kernel<T>, g.grid, g.block, 0, stream_of(o), (T *)yc, (const T *)xc,
+                          (uint32_t)count, C, mean, var, gamma, beta, eps, act);
+            });
+        } else {
+            RowGrid g = row_grid(C, count);
+            CU_LAUNCH(bn_forward_kernel, g.grid, g.block, 0, stream_of(o), yc, y.dtype, xc, x.dtype, (uint32_t)count, C,
+                      mean, var, gamma, beta, eps, act);
+        }
+        launchCheck();
+    });
 }
 
 // the C running statistics, one thread each; the unbiasing factor in fp64 as on the CPU
 __global__ void bn_update_running_kernel(float *run_mean, float *run_var, const float *mean, const float *var, int C,
                                          double unbias, float momentum) {
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += blockDim.x * gridDim.x) {
+    FOR_GRID(c, C) {
         run_mean[c] = (1.0f - momentum) * run_mean[c] + momentum * mean[c];
         run_var[c] = (1.0f - momentum) * run_var[c] + momentum * (float)(var[c] * unbias);
     }
@@ -1063,28 +1477,55 @@ static void bn_update_running_cuda(Ops *o, float *run_mean, float *run_var, cons
     launchCheck();
 }
 
-// xhat and g = dy·act'(z) of element i (channel c)
-struct BnGrad {
-    const void *dy; DType dt_dy; const void *x; DType dt_x;
+// backward: g = dy·act'(z), the sums Σg and Σg·xhat, then
+// dx (=|+=) gamma·invstd·(g - (sum_g + xhat·sum_gx)/count); count 0: gamma·invstd·g
+struct BnParams {
     const float *mean, *var, *gamma, *beta; float eps; Act act;
-    __device__ void operator()(size_t i, int c, float *xhat, float *g) const {
-        *xhat = (ld(x, dt_x, i) - mean[c]) * bn_invstd(var, c, eps);
-        *g = ld(dy, dt_dy, i) * act_grad(act, gamma[c] * *xhat + beta[c]);
+    __device__ BnChannel channel(int c) const { return BnChannel(mean, var, gamma, beta, eps, c); }
+    __device__ void grad(const BnChannel &bn, float x, float dy, float *xhat, float *g) const {
+        *xhat = bn.xhat(x);
+        *g = dy * act_grad(act, bn.z(*xhat));
     }
 };
-struct BnGradTerms {  // the summands g and g·xhat
-    BnGrad bg;
-    __device__ void operator()(size_t i, int c, double *v) const {
-        float xhat, g;
-        bg(i, c, &xhat, &g);
-        v[0] = g;
-        v[1] = (double)g * xhat;
+struct BnGradTerms {  // the summands g and g·xhat, generic
+    const void *dy; DType dt_dy; const void *x; DType dt_x; int C; BnParams p;
+    struct Lane {
+        const void *dy; DType dt_dy; const void *x; DType dt_x; int C; BnParams p; BnChannel bn;
+        __device__ void add(uint32_t r, double (&acc)[1][2]) const {
+            float xhat, g;
+            p.grad(bn, ld(x, dt_x, r * C), ld(dy, dt_dy, r * C), &xhat, &g);
+            acc[0][0] += g;
+            acc[0][1] += (double)g * xhat;
+        }
+    };
+    __device__ Lane lane(int, int c) const {
+        return {elem_ptr(dy, dt_dy, c), dt_dy, elem_ptr(x, dt_x, c), dt_x, C, p, p.channel(c)};
+    }
+};
+template <class T> struct BnGradTermsVec {
+    const T *dy, *x; int C; BnParams p;
+    static constexpr int N = Vec<T>::N;
+    struct Lane {
+        const T *dy, *x; int C; BnParams p; BnChannel bn[N];
+        __device__ void add(uint32_t r, double (&acc)[N][2]) const {
+            Vec<T> vx = load_vec(x + r * C), vdy = load_vec(dy + r * C);
+            for (int k = 0; k < N; k++) {
+                float xhat, g;
+                p.grad(bn[k], to_f32(vx.v[k]), to_f32(vdy.v[k]), &xhat, &g);
+                acc[k][0] += g;
+                acc[k][1] += (double)g * xhat;
+            }
+        }
+    };
+    __device__ Lane lane(int, int c0) const {
+        Lane l = {dy + c0, x + c0, C, p, {}};
+        for (int k = 0; k < N; k++) l.bn[k] = p.channel(c0 + k);
+        return l;
     }
 };
 struct BnGradSums {  // sum_g, sum_gx overwritten; dbeta, dgamma added into
     float *sum_g, *sum_gx, *dgamma, *dbeta;
-    __device__ void operator()(int g, int c, const double *s) const {
-        (void)g;
+    __device__ void operator()(int, int c, const double *s) const {
         if (sum_g) sum_g[c] = (float)s[0];
         if (sum_gx) sum_gx[c] = (float)s[1];
         if (dbeta) dbeta[c] += (float)s[0];
@@ -1095,60 +1536,107 @@ static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const float *me
                                     const float *gamma, const float *beta, float eps, Act act, float *sum_g,
                                     float *sum_gx, float *dgamma, float *dbeta) {
     const int C = x.shape.c;
-    BnGrad bg = {dy.data, dy.dtype, x.data, x.dtype, mean, var, gamma, beta, eps, act};
-    channel_sums<2>(o, BnGradTerms{bg}, BnGradSums{sum_g, sum_gx, dgamma, dbeta}, 1, shape_numel(x.shape) / C, C);
+    const size_t M = shape_numel(x.shape) / C;
+    const BnParams p = {mean, var, gamma, beta, eps, act};
+    const BnGradSums e = {sum_g, sum_gx, dgamma, dbeta};
+    if (vec_ok({dy.dtype, x.dtype}, C, {dy.data, x.data})) {
+        SWITCH_STORAGE(x.dtype, T, {
+            channel_sums<2, Vec<T>::N>(o, BnGradTermsVec<T>{(const T *)dy.data, (const T *)x.data, C, p}, e, 1, M, C);
+        });
+    } else {
+        channel_sums<2, 1>(o, BnGradTerms{dy.data, dy.dtype, x.data, x.dtype, C, p}, e, 1, M, C);
+    }
 }
 
-// dx (=|+=) gamma·invstd·(g - (sum_g + xhat·sum_gx)/count); count 0: gamma·invstd·g
-__global__ void bn_backward_data_kernel(void *dx, DType dt_dx, BnGrad bg, size_t n, int C, const float *sum_g,
-                                        const float *sum_gx, size_t count, int accumulate) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        const int c = (int)(i % C);
+// the data gradient of channel c from g and xhat
+struct BnDataGrad {
+    float scale, sum_g, sum_gx, count;  // gamma·invstd; count 0: no batch-statistics terms
+    __device__ BnDataGrad() {}
+    __device__ BnDataGrad(const BnChannel &bn, const float *sg, const float *sgx, uint32_t n, int c)
+        : scale(bn.gamma * bn.invstd), sum_g(n ? sg[c] : 0.0f), sum_gx(n ? sgx[c] : 0.0f), count((float)n) {}
+    __device__ float operator()(float g, float xhat) const {
+        if (count != 0.0f) g -= (sum_g + xhat * sum_gx) / count;
+        return scale * g;
+    }
+};
+__global__ void bn_backward_data_kernel(void *dx, DType dt_dx, const void *dy, DType dt_dy, const void *x, DType dt_x,
+                                        uint32_t rows, int C, BnParams p, const float *sum_g, const float *sum_gx,
+                                        uint32_t count, int accumulate) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const BnChannel bn = p.channel(c);
+    const BnDataGrad dgrad(bn, sum_g, sum_gx, count, c);
+    FOR_ROWS(r, rows) {
+        const uint32_t i = r * C + c;
         float xhat, g;
-        bg(i, c, &xhat, &g);
-        if (count) g -= (sum_g[c] + xhat * sum_gx[c]) / (float)count;
-        float d = bg.gamma[c] * bn_invstd(bg.var, c, bg.eps) * g;
+        p.grad(bn, ld(x, dt_x, i), ld(dy, dt_dy, i), &xhat, &g);
+        const float d = dgrad(g, xhat);
         st(dx, dt_dx, i, accumulate ? ld(dx, dt_dx, i) + d : d);
+    }
+}
+template <class T>
+__global__ void bn_backward_data_vec_kernel(T *dx, const T *dy, const T *x, uint32_t rows, int C, BnParams p,
+                                            const float *sum_g, const float *sum_gx, uint32_t count, int accumulate) {
+    constexpr int N = Vec<T>::N;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
+    if (c0 >= C) return;
+    BnChannel bn[N];
+    BnDataGrad dgrad[N];
+    for (int k = 0; k < N; k++) {
+        bn[k] = p.channel(c0 + k);
+        dgrad[k] = BnDataGrad(bn[k], sum_g, sum_gx, count, c0 + k);
+    }
+    FOR_ROWS(r, rows) {
+        const uint32_t i = r * C + c0;
+        Vec<T> vx = load_vec(x + i), vdy = load_vec(dy + i), vdx;
+        if (accumulate) vdx = load_vec(dx + i);
+        for (int k = 0; k < N; k++) {
+            float xhat, g;
+            p.grad(bn[k], to_f32(vx.v[k]), to_f32(vdy.v[k]), &xhat, &g);
+            const float d = dgrad[k](g, xhat);
+            vdx.v[k] = from_f32<T>(accumulate ? to_f32(vdx.v[k]) + d : d);
+        }
+        store_vec(dx + i, vdx);
     }
 }
 static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean, const float *var,
                                   const float *gamma, const float *beta, float eps, Act act, const float *sum_g,
                                   const float *sum_gx, size_t count, int accumulate) {
-    const size_t n = shape_numel(x.shape);
-    if (!n || !dx.data) return;
-    BnGrad bg = {dy.data, dy.dtype, x.data, x.dtype, mean, var, gamma, beta, eps, act};
-    CU_LAUNCH(bn_backward_data_kernel, grid_for(n), BLOCK, 0, stream_of(o), dx.data, dx.dtype, bg, n, x.shape.c,
-              sum_g, sum_gx, count, accumulate);
-    launchCheck();
+    const int C = x.shape.c;
+    const size_t rows = shape_numel(x.shape) / (C ? C : 1);
+    if (!rows || !C || !dx.data) return;
+    if (count >= ((size_t)1 << 31)) {
+        fprintf(stderr, "segnet: internal error: batch norm over %zu values per channel\n", count);
+        exit(1);
+    }
+    const BnParams p = {mean, var, gamma, beta, eps, act};
+    const bool vec = vec_ok({dx.dtype, dy.dtype, x.dtype}, C, {dx.data, dy.data, x.data});
+    for_row_launches(rows, C, [&](size_t r0, size_t n_rows) {
+        void *dxc = elem_ptr(dx.data, dx.dtype, r0 * C);
+        const void *dyc = elem_ptr(dy.data, dy.dtype, r0 * C), *xc = elem_ptr(x.data, x.dtype, r0 * C);
+        if (vec) {
+            SWITCH_STORAGE(x.dtype, T, {
+                RowGrid g = row_grid(C / Vec<T>::N, n_rows);
+                CU_LAUNCH(bn_backward_data_vec_kernel<T>, g.grid, g.block, 0, stream_of(o), (T *)dxc, (const T *)dyc,
+                          (const T *)xc, (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count, accumulate);
+            });
+        } else {
+            RowGrid g = row_grid(C, n_rows);
+            CU_LAUNCH(bn_backward_data_kernel, g.grid, g.block, 0, stream_of(o), dxc, dx.dtype, dyc, dy.dtype, xc,
+                      x.dtype, (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count, accumulate);
+        }
+        launchCheck();
+    });
 }
 
 // ----------------------------------------------------------------------------
 // activations: y = act(x), dx (=|+=) dy·act'(x)
 
-__global__ void act_forward_kernel(Act act, void *y, DType dty, const void *x, DType dtx, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x)
-        st(y, dty, i, act_apply(act, ld(x, dtx, i)));
-}
 static void act_forward_cuda(Ops *o, Act act, Tensor y, Tensor x) {
-    const size_t n = shape_numel(x.shape);
-    if (!n) return;
-    CU_LAUNCH(act_forward_kernel, grid_for(n), BLOCK, 0, stream_of(o), act, y.data, y.dtype, x.data, x.dtype, n);
-    launchCheck();
-}
-
-__global__ void act_backward_kernel(Act act, void *dx, DType dtdx, const void *dy, DType dtdy, const void *x,
-                                    DType dtx, size_t n, int accumulate) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        float d = ld(dy, dtdy, i) * act_grad(act, ld(x, dtx, i));
-        st(dx, dtdx, i, accumulate ? ld(dx, dtdx, i) + d : d);
-    }
+    map_op(o, tensor(y.data, x.shape, y.dtype), x, NO_TENSOR, 0, ActForward{act});
 }
 static void act_backward_cuda(Ops *o, Act act, Tensor dx, Tensor dy, Tensor x, int accumulate) {
-    const size_t n = shape_numel(x.shape);
-    if (!n || !dx.data) return;
-    CU_LAUNCH(act_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), act, dx.data, dx.dtype, dy.data, dy.dtype,
-              x.data, x.dtype, n, accumulate);
-    launchCheck();
+    map_op(o, tensor(dx.data, x.shape, dx.dtype), dy, x, accumulate, ActBackward{act});
 }
 
 // ----------------------------------------------------------------------------
@@ -1160,27 +1648,74 @@ static void global_avg_pool_forward_cuda(Ops *o, Tensor y, Tensor x) {
     const int N = x.shape.n, C = x.shape.c;
     const size_t HW = (size_t)x.shape.h * x.shape.w;
     if (!N || !C) return;
-    channel_sums<1>(o, SumOfProduct{x.data, x.dtype, NULL, DT_F32}, StoreSum{y.data, y.dtype, C, (double)HW, 0}, N,
-                    HW, C);
+    sums_of_product(o, StoreSum{y.data, y.dtype, C, (double)HW, 0}, x, NULL, N, HW, C);
 }
 
-// dst[i] (=|+=) b[i]·src[n,c], or src[n,c]·a where b is NULL, for the element
-// i = ((n·H + h)·W + w)·C + c of dst (N,H,W,C), b likewise; src (N,1,1,C)
+// dst[n,h,w,c] (=|+=) b[n,h,w,c]·src[n,c], or src[n,c]·a where b is NULL; dst, b
+// (N,H,W,C), src (N,1,1,C). Grid (channel tiles, row blocks, images): the image
+// is blockIdx.z, the rows are its H·W pixels, src[n,c] is loaded once per thread.
 __global__ void per_image_channel_kernel(void *dst, DType dt_dst, const void *src, DType dt_src, const void *b,
-                                         DType dt_b, float a, size_t n, size_t HWC, int C, int accumulate) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        float s = ld(src, dt_src, i / HWC * C + i % C);
-        float v = b ? ld(b, dt_b, i) * s : s * a;
-        st(dst, dt_dst, i, accumulate ? ld(dst, dt_dst, i) + v : v);
+                                         DType dt_b, float a, uint32_t HW, int C, int accumulate) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const uint32_t n = blockIdx.z;
+    const float s = ld(src, dt_src, n * C + c);
+    void *y = elem_ptr(dst, dt_dst, (size_t)n * HW * C);
+    const void *bn = b ? elem_ptr(b, dt_b, (size_t)n * HW * C) : NULL;
+    FOR_ROWS(r, HW) {
+        const uint32_t i = r * C + c;
+        float v = bn ? ld(bn, dt_b, i) * s : s * a;
+        st(y, dt_dst, i, accumulate ? ld(y, dt_dst, i) + v : v);
     }
 }
-static void per_image_channel(Ops *o, Tensor dst, Tensor src, const void *b, DType dt_b, float a,
-                              int accumulate) {
-    const size_t n = shape_numel(dst.shape), HWC = (size_t)dst.shape.h * dst.shape.w * dst.shape.c;
-    if (!n) return;
-    CU_LAUNCH(per_image_channel_kernel, grid_for(n), BLOCK, 0, stream_of(o), dst.data, dst.dtype, src.data, src.dtype,
-              b, dt_b, a, n, HWC, dst.shape.c, accumulate);
-    launchCheck();
+template <class T>
+__global__ void per_image_channel_vec_kernel(T *dst, const T *src, const T *b, float a, uint32_t HW, int C,
+                                             int accumulate) {
+    constexpr int N = Vec<T>::N;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
+    if (c0 >= C) return;
+    const uint32_t n = blockIdx.z;
+    const Vec<T> vs = load_vec(src + n * C + c0);
+    T *y = dst + (size_t)n * HW * C + c0;
+    const T *bn = b ? b + (size_t)n * HW * C + c0 : NULL;
+    FOR_ROWS(r, HW) {
+        Vec<T> vb, vy;
+        if (bn) vb = load_vec(bn + r * C);
+        if (accumulate) vy = load_vec(y + r * C);
+        for (int k = 0; k < N; k++) {
+            const float s = to_f32(vs.v[k]), v = bn ? to_f32(vb.v[k]) * s : s * a;
+            vy.v[k] = from_f32<T>(accumulate ? to_f32(vy.v[k]) + v : v);
+        }
+        store_vec(y + r * C, vy);
+    }
+}
+static void per_image_channel(Ops *o, Tensor dst, Tensor src, const void *b, DType dt_b, float a, int accumulate) {
+    const int N = dst.shape.n, C = dst.shape.c;
+    const size_t HW = (size_t)dst.shape.h * dst.shape.w;
+    if (!N || !C || !HW) return;
+    if (HW * C >= LAUNCH_MAX_ELEMENTS) {
+        fprintf(stderr, "segnet: internal error: %zu elements per image in one channel op\n", HW * C);
+        exit(1);
+    }
+    const bool vec = vec_ok({dst.dtype, src.dtype, b ? dt_b : dst.dtype}, C, {dst.data, src.data, b});
+    for (int n0 = 0; n0 < N; n0 += 65535) {  // gridDim.z ≤ 65535
+        const unsigned images = N - n0 < 65535 ? N - n0 : 65535;
+        const size_t at = (size_t)n0 * HW * C;
+        void *y = elem_ptr(dst.data, dst.dtype, at);
+        const void *s = elem_ptr(src.data, src.dtype, (size_t)n0 * C), *bb = b ? elem_ptr(b, dt_b, at) : NULL;
+        if (vec) {
+            SWITCH_STORAGE(dst.dtype, T, {
+                RowGrid g = row_grid(C / Vec<T>::N, HW, images);
+                CU_LAUNCH(per_image_channel_vec_kernel<T>, g.grid, g.block, 0, stream_of(o), (T *)y, (const T *)s,
+                          (const T *)bb, a, (uint32_t)HW, C, accumulate);
+            });
+        } else {
+            RowGrid g = row_grid(C, HW, images);
+            CU_LAUNCH(per_image_channel_kernel, g.grid, g.block, 0, stream_of(o), y, dst.dtype, s, src.dtype, bb, dt_b, a,
+                      (uint32_t)HW, C, accumulate);
+        }
+        launchCheck();
+    }
 }
 
 static void global_avg_pool_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
@@ -1197,65 +1732,84 @@ static void channel_scale_backward_cuda(Ops *o, Tensor dx, Tensor ds, Tensor dy,
     if (dx.data) per_image_channel(o, dx, s, dy.data, dy.dtype, 1.0f, accumulate_dx);
     const int N = x.shape.n, C = x.shape.c;
     if (!ds.data || !N || !C) return;
-    channel_sums<1>(o, SumOfProduct{dy.data, dy.dtype, x.data, x.dtype},
-                    StoreSum{ds.data, ds.dtype, C, 1.0, accumulate_ds}, N, (size_t)x.shape.h * x.shape.w, C);
+    sums_of_product(o, StoreSum{ds.data, ds.dtype, C, 1.0, accumulate_ds}, dy, &x, N, (size_t)x.shape.h * x.shape.w, C);
 }
 
 // ----------------------------------------------------------------------------
-// residual add and channel concat
+// residual add
 
-__global__ void add_kernel(void *y, DType dty, const void *a, DType dta, const void *b, DType dtb, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x)
-        st(y, dty, i, ld(a, dta, i) + ld(b, dtb, i));
-}
-static void add_forward_cuda(Ops *o, Tensor y, Tensor a, Tensor b) {
-    const size_t n = shape_numel(y.shape);
-    if (!n) return;
-    CU_LAUNCH(add_kernel, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, a.data, a.dtype, b.data, b.dtype, n);
-    launchCheck();
-}
+static void add_forward_cuda(Ops *o, Tensor y, Tensor a, Tensor b) { map_op(o, y, a, b, 0, Sum2{}); }
 
-// y[r, 0:Ca] = a[r, :], y[r, Ca:Ca+Cb] = b[r, :] for every pixel r; one thread per element of y
-__global__ void concat_forward_kernel(void *y, DType dty, const void *a, DType dta, int Ca, const void *b, DType dtb,
-                                      int Cb, size_t n) {
-    const int C = Ca + Cb;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        const size_t r = i / C;
-        const int c = (int)(i % C);
-        st(y, dty, i, c < Ca ? ld(a, dta, r * Ca + c) : ld(b, dtb, r * Cb + c - Ca));
+// ----------------------------------------------------------------------------
+// channel concat
+//   y[r, 0:Ca] = a[r, :], y[r, Ca:Ca+Cb] = b[r, :] for every pixel r, and the
+//   adjoint, each channel lane reading or writing a or b (fixed per thread)
+
+template <class IO>
+__global__ void concat_forward_kernel(IO y, IO a, int Ca, IO b, int Cb, uint32_t rows) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, C = Ca + Cb;
+    if (c0 >= C) return;
+    float v[W];
+    FOR_ROWS(r, rows) {
+        if (c0 < Ca) a.load(r * Ca + c0, v);
+        else b.load(r * Cb + c0 - Ca, v);
+        y.store(r * C + c0, v);
     }
+}
+template <class IO>
+__global__ void concat_backward_kernel(IO da, int Ca, int acc_a, IO db, int Cb, int acc_b, IO dy, uint32_t rows) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, C = Ca + Cb;
+    if (c0 >= C || (c0 < Ca ? !da.p : !db.p)) return;
+    const IO &d = c0 < Ca ? da : db;
+    const int Cd = c0 < Ca ? Ca : Cb, cd = c0 < Ca ? c0 : c0 - Ca, acc = c0 < Ca ? acc_a : acc_b;
+    float g[W], old[W];
+    FOR_ROWS(r, rows) {
+        dy.load(r * C + c0, g);
+        if (acc) {
+            d.load(r * Cd + cd, old);
+            for (int k = 0; k < W; k++) g[k] += old[k];
+        }
+        d.store(r * Cd + cd, g);
+    }
+}
+// launches over row chunks with the generic or the vector accessors
+template <class K> static void concat_launch(Tensor y, Tensor a, Tensor b, K kernel_for) {
+    const int Ca = a.shape.c, Cb = b.shape.c, C = Ca + Cb;
+    const size_t rows = shape_numel(y.shape) / C;
+    const bool vec = vec_ok({y.dtype, a.dtype, b.dtype}, Ca, {y.data, a.data, b.data}) &&
+                     Cb % (VEC_BYTES / dtype_size(y.dtype)) == 0;
+    for_row_launches(rows, C, [&](size_t r0, size_t count) {
+        Tensor yc = tensor(y.data ? elem_ptr(y.data, y.dtype, r0 * C) : NULL, y.shape, y.dtype);
+        Tensor ac = tensor(a.data ? elem_ptr(a.data, a.dtype, r0 * Ca) : NULL, a.shape, a.dtype);
+        Tensor bc = tensor(b.data ? elem_ptr(b.data, b.dtype, r0 * Cb) : NULL, b.shape, b.dtype);
+        if (vec) {
+            SWITCH_STORAGE(y.dtype, T, {
+                RowGrid g = row_grid(C / Vec<T>::N, count);
+                kernel_for(g, VecIO<T>::of(yc), VecIO<T>::of(ac), VecIO<T>::of(bc), (uint32_t)count);
+            });
+        } else {
+            RowGrid g = row_grid(C, count);
+            kernel_for(g, AnyIO::of(yc), AnyIO::of(ac), AnyIO::of(bc), (uint32_t)count);
+        }
+        launchCheck();
+    });
 }
 static void concat_forward_cuda(Ops *o, Tensor y, Tensor a, Tensor b) {
-    const size_t n = shape_numel(y.shape);
-    if (!n) return;
-    CU_LAUNCH(concat_forward_kernel, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, a.data, a.dtype, a.shape.c,
-              b.data, b.dtype, b.shape.c, n);
-    launchCheck();
-}
-
-// the adjoint: one thread per element of dy, into da or db (NULL: not wanted)
-__global__ void concat_backward_kernel(void *da, DType dta, int Ca, int acc_a, void *db, DType dtb, int Cb, int acc_b,
-                                       const void *dy, DType dtdy, size_t n) {
-    const int C = Ca + Cb;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        const size_t r = i / C;
-        const int c = (int)(i % C);
-        const float g = ld(dy, dtdy, i);
-        if (c < Ca && da) {
-            const size_t j = r * Ca + c;
-            st(da, dta, j, acc_a ? ld(da, dta, j) + g : g);
-        } else if (c >= Ca && db) {
-            const size_t j = r * Cb + c - Ca;
-            st(db, dtb, j, acc_b ? ld(db, dtb, j) + g : g);
-        }
-    }
+    if (!shape_numel(y.shape)) return;
+    const int Ca = a.shape.c, Cb = b.shape.c;
+    concat_launch(y, a, b, [&](RowGrid g, auto yio, auto aio, auto bio, uint32_t rows) {
+        CU_LAUNCH(concat_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, aio, Ca, bio, Cb, rows);
+    });
 }
 static void concat_backward_cuda(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
-    const size_t n = shape_numel(dy.shape);
-    if (!n || (!da.data && !db.data)) return;
-    CU_LAUNCH(concat_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), da.data, da.dtype, da.shape.c, accumulate_a,
-              db.data, db.dtype, db.shape.c, accumulate_b, dy.data, dy.dtype, n);
-    launchCheck();
+    if (!shape_numel(dy.shape) || (!da.data && !db.data)) return;
+    const int Ca = da.shape.c, Cb = db.shape.c;
+    concat_launch(dy, da, db, [&](RowGrid g, auto dyio, auto daio, auto dbio, uint32_t rows) {
+        CU_LAUNCH(concat_backward_kernel<decltype(dyio)>, g.grid, g.block, 0, stream_of(o), daio, Ca, accumulate_a,
+                  dbio, Cb, accumulate_b, dyio, rows);
+    });
 }
 
 // ----------------------------------------------------------------------------
@@ -1264,22 +1818,66 @@ static void concat_backward_cuda(Ops *o, Tensor da, Tensor db, Tensor dy, int ac
 //   element index) or H·W·C (drop-path: the sample index), as on the CPU, so the
 //   masks are the same bits; out (=|+=) in·keep/(1 - rate)
 
-__global__ void dropout_kernel(void *out, DType dt_out, const void *in, DType dt_in, size_t n, size_t per_draw,
-                               float rate, uint64_t seed, uint64_t first, int accumulate) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        float v = ld(in, dt_in, i) * dropout_factor(rate, seed, first + i, per_draw);
-        st(out, dt_out, i, accumulate ? ld(out, dt_out, i) + v : v);
+// grid: (element blocks, samples); element i of sample blockIdx.y of this
+// launch, whose first sample is the step's `first_sample`
+__global__ void dropout_kernel(void *out, DType dt_out, const void *in, DType dt_in, uint32_t E, int per_sample,
+                               float rate, uint64_t seed, uint64_t first_sample, int accumulate) {
+    const uint64_t sample = first_sample + blockIdx.y;
+    void *y = elem_ptr(out, dt_out, (size_t)blockIdx.y * E);
+    const void *x = elem_ptr(in, dt_in, (size_t)blockIdx.y * E);
+    FOR_GRID(i, E) {
+        float v = ld(x, dt_in, i) * dropout_keep(rate, seed, per_sample ? sample : sample * E + i);
+        st(y, dt_out, i, accumulate ? ld(y, dt_out, i) + v : v);
     }
 }
-// element i of the tensor is element first_sample·E + i of the step (E = H·W·C)
+template <class T>
+__global__ void dropout_vec_kernel(T *out, const T *in, uint32_t E, int per_sample, float rate, uint64_t seed,
+                                   uint64_t first_sample, int accumulate) {
+    constexpr int N = Vec<T>::N;
+    const uint64_t sample = first_sample + blockIdx.y;
+    T *y = out + (size_t)blockIdx.y * E;
+    const T *x = in + (size_t)blockIdx.y * E;
+    const float keep_sample = per_sample ? dropout_keep(rate, seed, sample) : 0.0f;
+    FOR_GRID(j, E / N) {
+        Vec<T> vx = load_vec(x + j * N), vy;
+        if (accumulate) vy = load_vec(y + j * N);
+        for (int k = 0; k < N; k++) {
+            const uint32_t i = j * N + k;
+            float v = to_f32(vx.v[k]) * (per_sample ? keep_sample : dropout_keep(rate, seed, sample * E + i));
+            vy.v[k] = from_f32<T>(accumulate ? to_f32(vy.v[k]) + v : v);
+        }
+        store_vec(y + j * N, vy);
+    }
+}
+// element i of sample n of the tensor is element (first_sample + n)·E + i of the
+// step (E = H·W·C), whose draw is that index (dropout) or first_sample + n (drop-path)
 static void dropout(Ops *o, Tensor out, Tensor in, float rate, uint64_t seed, int per_sample, uint64_t first_sample,
                     int accumulate) {
     const size_t n = shape_numel(in.shape);
     if (!n || !out.data) return;
-    const size_t E = n / in.shape.n, per_draw = per_sample ? E : 1;
-    CU_LAUNCH(dropout_kernel, grid_for(n), BLOCK, 0, stream_of(o), out.data, out.dtype, in.data, in.dtype, n, per_draw,
-              rate, seed, (uint64_t)(first_sample * E), accumulate);
-    launchCheck();
+    const size_t E = n / in.shape.n;
+    if (E >= LAUNCH_MAX_ELEMENTS) {
+        fprintf(stderr, "segnet: internal error: dropout over %zu elements per sample (at most %zu)\n", E,
+                LAUNCH_MAX_ELEMENTS - 1);
+        exit(1);
+    }
+    const unsigned blocks = grid_for(E) / 8 + 1;  // × samples: enough blocks for a GPU
+    for (int n0 = 0; n0 < in.shape.n; n0 += 65535) {  // gridDim.y ≤ 65535
+        const int count = in.shape.n - n0 < 65535 ? in.shape.n - n0 : 65535;
+        const dim3 grid(blocks, count);
+        void *y = elem_ptr(out.data, out.dtype, (size_t)n0 * E);
+        const void *x = elem_ptr(in.data, in.dtype, (size_t)n0 * E);
+        if (vec_ok({out.dtype, in.dtype}, E, {out.data, in.data})) {
+            SWITCH_STORAGE(in.dtype, T, {
+                CU_LAUNCH(dropout_vec_kernel<T>, grid, BLOCK, 0, stream_of(o), (T *)y, (const T *)x, (uint32_t)E,
+                          per_sample, rate, seed, first_sample + n0, accumulate);
+            });
+        } else {
+            CU_LAUNCH(dropout_kernel, grid, BLOCK, 0, stream_of(o), y, out.dtype, x, in.dtype, (uint32_t)E, per_sample,
+                      rate, seed, first_sample + n0, accumulate);
+        }
+        launchCheck();
+    }
 }
 static void dropout_forward_cuda(Ops *o, Tensor y, Tensor x, float rate, uint64_t seed, int per_sample,
                                  uint64_t first_sample) {
@@ -1291,165 +1889,249 @@ static void dropout_backward_cuda(Ops *o, Tensor dx, Tensor dy, float rate, uint
 }
 
 // ----------------------------------------------------------------------------
-// pooling and resampling; one thread per output element (backward: per element
-// of dx, gathering), so nothing is written twice and no atomics are needed
+// pooling and resampling: one thread per output pixel and channel lane
+// (backward: per pixel of dx, gathering), so nothing is written twice and no
+// atomics are needed. Grid (channel tiles, column blocks, image rows): an
+// image row t = n·H + y of the tensor a thread writes is blockIdx.z, split
+// once per thread; the columns are walked by a grid-stride loop.
 
+// (n, y) of image row t of a tensor of height h
+struct ImageRow { uint32_t n, y; };
+static __device__ __forceinline__ ImageRow image_row(uint32_t t, int h) { return {t / h, t % h}; }
 // element (n, y, x, c) of a tensor of shape s
-static __device__ __forceinline__ size_t nhwc_at(Shape s, int n, int y, int x, int c) {
-    return (((size_t)n * s.h + y) * s.w + x) * s.c + c;
+static __device__ __forceinline__ uint32_t nhwc_at(Shape s, uint32_t n, int y, int x, int c) {
+    return ((n * s.h + y) * s.w + x) * s.c + c;
 }
-// split an element index of shape s into (n, y, x, c)
-static __device__ __forceinline__ void nhwc_coords(Shape s, size_t i, int *n, int *y, int *x, int *c) {
-    *c = (int)(i % s.c);
-    i /= s.c;
-    *x = (int)(i % s.w);
-    i /= s.w;
-    *y = (int)(i % s.h);
-    *n = (int)(i / s.h);
-}
-// which of the 2×2 window (row-major k = 0..3) at output (oy, ox) holds its first maximum
-static __device__ __forceinline__ int window_first_max(const void *x, DType dt, Shape s, int n, int oy, int ox, int c,
-                                                       float *max_value) {
-    int first = 0;
-    float m = -INFINITY;
-    for (int k = 0; k < 4; k++) {
-        float v = ld(x, dt, nhwc_at(s, n, 2 * oy + k / 2, 2 * ox + k % 2, c));
-        if (v > m) { m = v; first = k; }
+#define FOR_COLUMNS(x, width) for (int x = blockIdx.y * blockDim.y + threadIdx.y; x < (width); x += blockDim.y * gridDim.y)
+
+// Launches `kernel_for(grid, io_out, io_in, io_extra, out shape, in shape)` over
+// chunks of images (the tensors' pointers advanced), so that the grid's z
+// (image rows of out) stays within 65535 and every index within 2^31. `extra`
+// (data NULL: none) is shaped like out. The vector accessors when every
+// tensor has one storage type and C is a multiple of the width, else the
+// generic ones.
+template <class K> static void image_rows_launch(Tensor out, Tensor in, Tensor extra, K kernel_for) {
+    const int N = out.shape.n, C = out.shape.c, H = out.shape.h;
+    const size_t out_image = N ? shape_numel(out.shape) / N : 0, in_image = N ? shape_numel(in.shape) / N : 0;
+    const size_t per_image = out_image > in_image ? out_image : in_image;
+    if (!N || !per_image) return;
+    size_t images = 65535 / (H ? H : 1);
+    if ((LAUNCH_MAX_ELEMENTS - 1) / per_image < images) images = (LAUNCH_MAX_ELEMENTS - 1) / per_image;
+    if (images < 1) {
+        fprintf(stderr, "segnet: internal error: image of (%d,%d,%d) too large for one launch\n", H, out.shape.w, C);
+        exit(1);
     }
-    *max_value = m;
-    return first;
+    const bool vec = vec_ok({out.dtype, in.dtype, extra.data ? extra.dtype : out.dtype}, C,
+                            {out.data, in.data, extra.data});
+    for (int n0 = 0; n0 < N; n0 += (int)images) {
+        const int count = N - n0 < (int)images ? N - n0 : (int)images;
+        Tensor oc = tensor(elem_ptr(out.data, out.dtype, (size_t)n0 * out_image), out.shape, out.dtype);
+        Tensor ic = tensor(elem_ptr(in.data, in.dtype, (size_t)n0 * in_image), in.shape, in.dtype);
+        Tensor ec = tensor(extra.data ? elem_ptr(extra.data, extra.dtype, (size_t)n0 * out_image) : NULL, out.shape,
+                           extra.dtype);
+        oc.shape.n = ic.shape.n = count;
+        if (vec) {
+            SWITCH_STORAGE(out.dtype, T, {
+                RowGrid g = row_grid(C / Vec<T>::N, out.shape.w, (unsigned)(count * H));
+                kernel_for(g, VecIO<T>::of(oc), VecIO<T>::of(ic), VecIO<T>::of(ec), oc.shape, ic.shape);
+            });
+        } else {
+            RowGrid g = row_grid(C, out.shape.w, (unsigned)(count * H));
+            kernel_for(g, AnyIO::of(oc), AnyIO::of(ic), AnyIO::of(ec), oc.shape, ic.shape);
+        }
+        launchCheck();
+    }
 }
 
-// y[n,oy,ox,c] = max_{dy,dx ∈ {0,1}} x[n, 2·oy + dy, 2·ox + dx, c]
-__global__ void maxpool2_forward_kernel(void *y, DType dty, Shape t, const void *x, DType dtx, Shape s) {
-    const size_t n_out = shape_numel(t);
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_out; i += (size_t)blockDim.x * gridDim.x) {
-        int n, oy, ox, c;
-        float m;
-        nhwc_coords(t, i, &n, &oy, &ox, &c);
-        window_first_max(x, dtx, s, n, oy, ox, c, &m);
-        st(y, dty, i, m);
+// y[n,oy,ox,c] = max_{dy,dx ∈ {0,1}} x[n, 2·oy + dy, 2·ox + dx, c]; ties and NaN
+// as the CPU: the first maximum of the window in row-major order (strict >)
+template <class IO>
+__global__ void maxpool2_forward_kernel(IO y, Shape t, IO x, Shape s) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
+    if (c0 >= t.c) return;
+    const ImageRow row = image_row(blockIdx.z, t.h);
+    FOR_COLUMNS(ox, t.w) {
+        float m[W], v[W];
+        for (int k = 0; k < W; k++) m[k] = -INFINITY;
+        for (int q = 0; q < 4; q++) {
+            x.load(nhwc_at(s, row.n, 2 * row.y + q / 2, 2 * ox + q % 2, c0), v);
+            for (int k = 0; k < W; k++)
+                if (v[k] > m[k]) m[k] = v[k];
+        }
+        y.store(nhwc_at(t, row.n, row.y, ox, c0), m);
     }
 }
 static void maxpool2_forward_cuda(Ops *o, Tensor y, Tensor x) {
-    const size_t n = shape_numel(y.shape);
-    if (!n) return;
-    CU_LAUNCH(maxpool2_forward_kernel, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, y.shape, x.data, x.dtype,
-              x.shape);
-    launchCheck();
+    if (!shape_numel(y.shape)) return;
+    image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
+        CU_LAUNCH(maxpool2_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t, xio, s);
+    });
 }
 
 // dx gets dy of its window where it is the window's first maximum, else 0 (also
 // in the row/column past the floor)
-__global__ void maxpool2_backward_kernel(void *dx, DType dtdx, const void *dy, DType dtdy, Shape t, const void *x,
-                                         DType dtx, Shape s, int accumulate) {
-    const size_t n_in = shape_numel(s);
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_in; i += (size_t)blockDim.x * gridDim.x) {
-        int n, iy, ix, c;
-        nhwc_coords(s, i, &n, &iy, &ix, &c);
-        const int oy = iy / 2, ox = ix / 2;
-        float g = 0.0f, m;
-        if (oy < t.h && ox < t.w && window_first_max(x, dtx, s, n, oy, ox, c, &m) == (iy - 2 * oy) * 2 + (ix - 2 * ox))
-            g = ld(dy, dtdy, nhwc_at(t, n, oy, ox, c));
-        st(dx, dtdx, i, accumulate ? ld(dx, dtdx, i) + g : g);
+template <class IO>
+__global__ void maxpool2_backward_kernel(IO dx, Shape s, IO dy, Shape t, IO x, int accumulate) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
+    if (c0 >= s.c) return;
+    const ImageRow row = image_row(blockIdx.z, s.h);
+    const int iy = row.y, oy = iy / 2;
+    FOR_COLUMNS(ix, s.w) {
+        const int ox = ix / 2, mine = (iy - 2 * oy) * 2 + (ix - 2 * ox);
+        float g[W], old[W];
+        for (int k = 0; k < W; k++) g[k] = 0.0f;
+        if (oy < t.h && ox < t.w) {
+            float m[W], v[W], d[W];
+            int first[W];
+            for (int k = 0; k < W; k++) { m[k] = -INFINITY; first[k] = 0; }
+            for (int q = 0; q < 4; q++) {
+                x.load(nhwc_at(s, row.n, 2 * oy + q / 2, 2 * ox + q % 2, c0), v);
+                for (int k = 0; k < W; k++)
+                    if (v[k] > m[k]) { m[k] = v[k]; first[k] = q; }
+            }
+            dy.load(nhwc_at(t, row.n, oy, ox, c0), d);
+            for (int k = 0; k < W; k++)
+                if (first[k] == mine) g[k] = d[k];
+        }
+        const uint32_t i = nhwc_at(s, row.n, iy, ix, c0);
+        if (accumulate) {
+            dx.load(i, old);
+            for (int k = 0; k < W; k++) g[k] = old[k] + g[k];
+        }
+        dx.store(i, g);
     }
 }
 static void maxpool2_backward_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, int accumulate) {
-    const size_t n = shape_numel(x.shape);
-    if (!n || !dx.data) return;
-    CU_LAUNCH(maxpool2_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), dx.data, dx.dtype, dy.data, dy.dtype,
-              dy.shape, x.data, x.dtype, x.shape, accumulate);
-    launchCheck();
+    if (!shape_numel(x.shape) || !dx.data) return;
+    image_rows_launch(dx, dy, x, [&](RowGrid g, auto dxio, auto dyio, auto xio, Shape s, Shape t) {
+        CU_LAUNCH(maxpool2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t, xio,
+                  accumulate);
+    });
 }
 
 // y[n,oy,ox,c] = x[n, oy/2, ox/2, c]
-__global__ void upsample2_forward_kernel(void *y, DType dty, Shape t, const void *x, DType dtx, Shape s) {
-    const size_t n_out = shape_numel(t);
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_out; i += (size_t)blockDim.x * gridDim.x) {
-        int n, oy, ox, c;
-        nhwc_coords(t, i, &n, &oy, &ox, &c);
-        st(y, dty, i, ld(x, dtx, nhwc_at(s, n, oy / 2, ox / 2, c)));
+template <class IO>
+__global__ void upsample2_forward_kernel(IO y, Shape t, IO x, Shape s) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
+    if (c0 >= t.c) return;
+    const ImageRow row = image_row(blockIdx.z, t.h);
+    float v[W];
+    FOR_COLUMNS(ox, t.w) {
+        x.load(nhwc_at(s, row.n, row.y / 2, ox / 2, c0), v);
+        y.store(nhwc_at(t, row.n, row.y, ox, c0), v);
     }
 }
 static void upsample2_forward_cuda(Ops *o, Tensor y, Tensor x) {
-    const size_t n = shape_numel(y.shape);
-    if (!n) return;
-    CU_LAUNCH(upsample2_forward_kernel, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, y.shape, x.data, x.dtype,
-              x.shape);
-    launchCheck();
+    if (!shape_numel(y.shape)) return;
+    image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
+        CU_LAUNCH(upsample2_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t, xio, s);
+    });
 }
 
 // dx[n,iy,ix,c] = Σ of the 2×2 dy it was copied to, in row-major order
-__global__ void upsample2_backward_kernel(void *dx, DType dtdx, Shape s, const void *dy, DType dtdy, Shape t,
-                                          int accumulate) {
-    const size_t n_in = shape_numel(s);
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_in; i += (size_t)blockDim.x * gridDim.x) {
-        int n, iy, ix, c;
-        nhwc_coords(s, i, &n, &iy, &ix, &c);
-        float g = 0.0f;
-        for (int k = 0; k < 4; k++) g += ld(dy, dtdy, nhwc_at(t, n, 2 * iy + k / 2, 2 * ix + k % 2, c));
-        st(dx, dtdx, i, accumulate ? ld(dx, dtdx, i) + g : g);
+template <class IO>
+__global__ void upsample2_backward_kernel(IO dx, Shape s, IO dy, Shape t, int accumulate) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
+    if (c0 >= s.c) return;
+    const ImageRow row = image_row(blockIdx.z, s.h);
+    FOR_COLUMNS(ix, s.w) {
+        float g[W], v[W];
+        for (int k = 0; k < W; k++) g[k] = 0.0f;
+        for (int q = 0; q < 4; q++) {
+            dy.load(nhwc_at(t, row.n, 2 * row.y + q / 2, 2 * ix + q % 2, c0), v);
+            for (int k = 0; k < W; k++) g[k] += v[k];
+        }
+        const uint32_t i = nhwc_at(s, row.n, row.y, ix, c0);
+        if (accumulate) {
+            dx.load(i, v);
+            for (int k = 0; k < W; k++) g[k] = v[k] + g[k];
+        }
+        dx.store(i, g);
     }
 }
 static void upsample2_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
-    const size_t n = shape_numel(dx.shape);
-    if (!n || !dx.data) return;
-    CU_LAUNCH(upsample2_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), dx.data, dx.dtype, dx.shape, dy.data,
-              dy.dtype, dy.shape, accumulate);
-    launchCheck();
+    if (!shape_numel(dx.shape) || !dx.data) return;
+    image_rows_launch(dx, dy, NO_TENSOR, [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
+        CU_LAUNCH(upsample2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t,
+                  accumulate);
+    });
 }
 
 // bilinear with half-pixel centres (the taps of segnet.h):
 //   y = (1-λy)·((1-λx)·x00 + λx·x01) + λy·((1-λx)·x10 + λx·x11)
-__global__ void resize_bilinear_forward_kernel(void *y, DType dty, Shape t, const void *x, DType dtx, Shape s) {
-    const size_t n_out = shape_numel(t);
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_out; i += (size_t)blockDim.x * gridDim.x) {
-        int n, oy, ox, c;
-        nhwc_coords(t, i, &n, &oy, &ox, &c);
-        const BilinearTap ty = bilinear_tap(oy, s.h, t.h), tx = bilinear_tap(ox, s.w, t.w);
-        const float x00 = ld(x, dtx, nhwc_at(s, n, ty.i0, tx.i0, c)), x01 = ld(x, dtx, nhwc_at(s, n, ty.i0, tx.i1, c));
-        const float x10 = ld(x, dtx, nhwc_at(s, n, ty.i1, tx.i0, c)), x11 = ld(x, dtx, nhwc_at(s, n, ty.i1, tx.i1, c));
-        float top = (1.0f - tx.l) * x00 + tx.l * x01;
-        float bot = (1.0f - tx.l) * x10 + tx.l * x11;
-        st(y, dty, i, (1.0f - ty.l) * top + ty.l * bot);
+template <class IO>
+__global__ void resize_bilinear_forward_kernel(IO y, Shape t, IO x, Shape s) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
+    if (c0 >= t.c) return;
+    const ImageRow row = image_row(blockIdx.z, t.h);
+    const BilinearTap ty = bilinear_tap(row.y, s.h, t.h);
+    FOR_COLUMNS(ox, t.w) {
+        const BilinearTap tx = bilinear_tap(ox, s.w, t.w);
+        float x00[W], x01[W], x10[W], x11[W], out[W];
+        x.load(nhwc_at(s, row.n, ty.i0, tx.i0, c0), x00);
+        x.load(nhwc_at(s, row.n, ty.i0, tx.i1, c0), x01);
+        x.load(nhwc_at(s, row.n, ty.i1, tx.i0, c0), x10);
+        x.load(nhwc_at(s, row.n, ty.i1, tx.i1, c0), x11);
+        for (int k = 0; k < W; k++) {
+            float top = (1.0f - tx.l) * x00[k] + tx.l * x01[k];
+            float bot = (1.0f - tx.l) * x10[k] + tx.l * x11[k];
+            out[k] = (1.0f - ty.l) * top + ty.l * bot;
+        }
+        y.store(nhwc_at(t, row.n, row.y, ox, c0), out);
     }
 }
 static void resize_bilinear_forward_cuda(Ops *o, Tensor y, Tensor x) {
-    const size_t n = shape_numel(y.shape);
-    if (!n) return;
-    CU_LAUNCH(resize_bilinear_forward_kernel, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, y.shape, x.data,
-              x.dtype, x.shape);
-    launchCheck();
+    if (!shape_numel(y.shape)) return;
+    image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
+        CU_LAUNCH(resize_bilinear_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t, xio, s);
+    });
 }
 
 // The adjoint as a gather, as on the CPU (same outputs, same order):
 //   dx[n,iy,ix,c] (=|+=) Σ_{oy,ox} wy(oy,iy)·wx(ox,ix)·dy[n,oy,ox,c]
-__global__ void resize_bilinear_backward_kernel(void *dx, DType dtdx, Shape s, const void *dy, DType dtdy, Shape t,
-                                                int accumulate) {
-    const size_t n_in = shape_numel(s);
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_in; i += (size_t)blockDim.x * gridDim.x) {
-        int n, iy, ix, c, oy0, oy1, ox0, ox1;
-        nhwc_coords(s, i, &n, &iy, &ix, &c);
-        tap_range(iy, s.h, t.h, &oy0, &oy1);
+template <class IO>
+__global__ void resize_bilinear_backward_kernel(IO dx, Shape s, IO dy, Shape t, int accumulate) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
+    if (c0 >= s.c) return;
+    const ImageRow row = image_row(blockIdx.z, s.h);
+    const int iy = row.y;
+    int oy0, oy1;
+    tap_range(iy, s.h, t.h, &oy0, &oy1);
+    FOR_COLUMNS(ix, s.w) {
+        int ox0, ox1;
         tap_range(ix, s.w, t.w, &ox0, &ox1);
-        float g = 0.0f;
+        float g[W], v[W];
+        for (int k = 0; k < W; k++) g[k] = 0.0f;
         for (int oy = oy0; oy <= oy1; oy++) {
-            float wy = tap_weight(bilinear_tap(oy, s.h, t.h), iy);
+            const float wy = tap_weight(bilinear_tap(oy, s.h, t.h), iy);
             if (wy == 0.0f) continue;
             for (int ox = ox0; ox <= ox1; ox++) {
-                float wx = tap_weight(bilinear_tap(ox, s.w, t.w), ix);
-                if (wx != 0.0f) g += wy * wx * ld(dy, dtdy, nhwc_at(t, n, oy, ox, c));
+                const float wx = tap_weight(bilinear_tap(ox, s.w, t.w), ix);
+                if (wx == 0.0f) continue;
+                dy.load(nhwc_at(t, row.n, oy, ox, c0), v);
+                for (int k = 0; k < W; k++) g[k] += wy * wx * v[k];
             }
         }
-        st(dx, dtdx, i, accumulate ? ld(dx, dtdx, i) + g : g);
+        const uint32_t i = nhwc_at(s, row.n, iy, ix, c0);
+        if (accumulate) {
+            dx.load(i, v);
+            for (int k = 0; k < W; k++) g[k] = v[k] + g[k];
+        }
+        dx.store(i, g);
     }
 }
 static void resize_bilinear_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
-    const size_t n = shape_numel(dx.shape);
-    if (!n || !dx.data) return;
-    CU_LAUNCH(resize_bilinear_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), dx.data, dx.dtype, dx.shape,
-              dy.data, dy.dtype, dy.shape, accumulate);
-    launchCheck();
+    if (!shape_numel(dx.shape) || !dx.data) return;
+    image_rows_launch(dx, dy, NO_TENSOR, [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
+        CU_LAUNCH(resize_bilinear_backward_kernel<decltype(dxio)>, g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t,
+                  accumulate);
+    });
 }
 
 // ----------------------------------------------------------------------------

@@ -6544,16 +6544,17 @@ static int choose_setting(TrainCfg *c, size_t budget, char *why, size_t why_size
 
 
 // ----------------------------------------------------------------------------
-// benchmark: full training steps (forward, loss, backward, Adam) on synthetic
-// data, built from the trainer's pieces as train_step does a step (the planned
-// arena, so the peak memory is the trainer's); optionally a profile by op kind
-// from net->layer_seconds.
+// benchmark: the trainer's own training steps (train_step: forward, loss,
+// backward, loss scaling, Adam) on synthetic data, in the trainer's planned
+// arena, so the time and the peak memory are a run's; optionally a profile by
+// op kind from net->layer_seconds, the rest of the step (loss, optimiser,
+// uploads) in one row.
 
 typedef enum {
-    BK_CONV1, BK_CONVK, BK_DEPTHWISE, BK_BN, BK_ACT, BK_SE, BK_LOSS, BK_OPT, BK_OTHER, BK_COUNT
+    BK_CONV1, BK_CONVK, BK_DEPTHWISE, BK_BN, BK_ACT, BK_SE, BK_OTHER, BK_REST, BK_COUNT
 } BenchKind;
 static const char *const BENCH_KIND_NAMES[BK_COUNT] = {
-    "conv 1x1", "conv kxk", "depthwise", "batch norm", "activations", "squeeze-exc", "loss", "optimizer", "other",
+    "conv 1x1", "conv kxk", "depthwise", "batch norm", "activations", "squeeze-exc", "other", "loss+optim",
 };
 
 typedef struct {
@@ -6611,86 +6612,59 @@ static int cmp_double(const void *a, const void *b) {
 int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     memset(r, 0, sizeof *r);
     set_threads(c->threads);
-    Ops *o = ops_for_device(c->device, 0, err);
-    if (!o) return -1;
-    Graph g;
-    graph_init(&g);
-    int logits = model_build(&g, &c->model);
-    if (logits < 0) { snprintf(err, SN_ERR_MAX, "%s", g.err); graph_free(&g); return -1; }
-    Net net;
-    if (net_create_planned(&net, &g, o, c->precision, 0, logits, c->checkpoint, err)) { graph_free(&g); return -1; }
-    net_init_params(&net, c->seed);
-    r->n_params = g.n_param_floats;
+    TrainCfg tc;  // the trainer's defaults: Adam (lr 1e-3), every class weight 1, no clipping
+    train_cfg_default(&tc);
+    tc.model = c->model;
+    tc.precision = c->precision;
+    tc.checkpoint = c->checkpoint;
+    tc.device = c->device;
+    tc.seed = c->seed;
+    tc.progress = 0;
+    Trainer t;
+    if (trainer_open(&t, &tc, NULL, NULL, err)) { trainer_close(&t); return -1; }
+    const Graph *g = &t.g;
+    Ops *o = t.o;
+    r->n_params = g->n_param_floats;
     r->backend = o->name;
 #ifdef _OPENMP
     r->threads = omp_get_max_threads();
 #else
     r->threads = 1;
 #endif
-    const Shape in = g.tensors[g.input].shape, zs = g.tensors[logits].shape;
-    const int K = zs.c, N = in.n;
-    const size_t n_in = shape_numel(in), n_labels = shape_numel(zs) / K, P = g.n_param_floats;
-    // synthetic data: images 0..255, labels 0..K-1, every class weight 1
-    float *host_in = malloc(sizeof(float) * n_in), *host_cw = malloc(sizeof(float) * K);
+    const Shape in = g->tensors[g->input].shape;
+    const int K = t.K, N = in.n;
+    const size_t n_in = shape_numel(in), n_labels = (size_t)N * t.per_image;
+    // synthetic data: images 0..255, labels 0..K-1
+    float *host_in = malloc(sizeof(float) * n_in);
     int32_t *host_lab = malloc(sizeof(int32_t) * n_labels);
-    snCheck(host_in && host_cw && host_lab, "out of host memory");
+    int64_t *cm = calloc((size_t)K * K, sizeof(int64_t));
+    double *times = malloc(sizeof(double) * (size_t)(c->steps > 0 ? c->steps : 1));
+    double *layer_s = c->profile ? calloc(2 * (size_t)g->n_layers, sizeof(double)) : NULL;
+    snCheck(host_in && host_lab && cm && times && (!c->profile || layer_s), "out of host memory");
     Rng rng;
     rng_seed(&rng, c->seed ^ 0x62656e6368ull);
     for (size_t i = 0; i < n_in; i++) host_in[i] = (float)(rng_next(&rng) % 256);
     for (size_t i = 0; i < n_labels; i++) host_lab[i] = (int32_t)(rng_next(&rng) % (uint64_t)K);
-    for (int k = 0; k < K; k++) host_cw[k] = 1.0f;
-    float *adam_m = o->alloc(o, sizeof(float) * (P ? P : 1)), *adam_v = o->alloc(o, sizeof(float) * (P ? P : 1));
-    float *cw = o->alloc(o, sizeof(float) * K), *stats = o->alloc(o, sizeof(float) * 4);
-    float *stage = c->precision == DT_F32 ? NULL : o->alloc(o, sizeof(float) * n_in);  // (N,H,W,3) fp32 input
-    int32_t *labels = o->alloc(o, sizeof(int32_t) * n_labels);
-    double *times = malloc(sizeof(double) * (size_t)(c->steps > 0 ? c->steps : 1));
-    double *layer_s = c->profile ? calloc(2 * (size_t)g.n_layers, sizeof(double)) : NULL;
-    if (!adam_m || !adam_v || !cw || !stats || !labels || !times || (c->profile && !layer_s) ||
-        (c->precision != DT_F32 && !stage)) {
-        snprintf(err, SN_ERR_MAX, "out of memory for the benchmark's buffers");
-        net_free(&net); graph_free(&g);
-        return -1;
-    }
-    const Tensor grads = tensor_f32(net.grads, shape4((int)P, 1, 1, 1));
-    o->fill(o, tensor_f32(adam_m, shape4((int)P, 1, 1, 1)), 0.0f);
-    o->fill(o, tensor_f32(adam_v, shape4((int)P, 1, 1, 1)), 0.0f);
-    o->upload(o, labels, host_lab, sizeof(int32_t) * n_labels);
-    o->upload(o, cw, host_cw, sizeof(float) * K);
-    const float inv_norm = (float)(1.0 / (double)n_labels);
-    double loss_s = 0.0, opt_s = 0.0;
+    double rest_s = 0.0;  // what the layers' times leave of the timed steps: loss, optimiser, copies
     for (int step = 0; step < c->warmup + c->steps; step++) {
         const int timed = step >= c->warmup;
-        net.layer_seconds = timed ? layer_s : NULL;
+        double layers_before = 0.0;
+        if (layer_s) for (int i = 0; i < 2 * g->n_layers; i++) layers_before += layer_s[i];
+        t.net.layer_seconds = timed ? layer_s : NULL;
         o->synchronize(o);
         double t0 = now_seconds();
-        o->fill(o, grads, 0.0f);
+        MicroBatch mb = {N, host_in, host_lab, 0};
+        PassTotals pt = {0.0, 0.0, cm};
+        train_step(&t, &mb, 1, &pt);
         o->synchronize(o);
-        double tz = now_seconds();
-        if (c->precision == DT_F32) {  // the input's place in the arena takes each step's batch
-            o->upload(o, net.act[g.input], host_in, sizeof(float) * n_in);
-        } else {
-            o->upload(o, stage, host_in, sizeof(float) * n_in);
-            o->copy(o, net_tensor(&net, g.input), tensor_f32(stage, in), 0);
-        }
-        net.step = (uint64_t)step;
-        net_forward(&net, 1);
-        o->synchronize(o);
-        double t1 = now_seconds();
-        o->fill(o, tensor_f32(stats, shape4(4, 1, 1, 1)), 0.0f);
-        o->softmax_xent(o, net_tensor(&net, logits), labels, cw, inv_norm, stats, net_grad(&net, logits));
-        o->synchronize(o);
-        double t2 = now_seconds();
-        net_backward(&net, logits);
-        o->synchronize(o);
-        double t3 = now_seconds();
-        AdamStep s = adam_step_init(1e-3f, ADAM_BETA1, ADAM_BETA2, 1e-7f, 0.0f, 1.0f, step + 1);
-        o->adam_update(o, net.params, net.grads, adam_m, adam_v, P, &s);
-        o->synchronize(o);
-        double t4 = now_seconds();
+        double dt = now_seconds() - t0;
         if (timed) {
-            times[step - c->warmup] = t4 - t0;
-            loss_s += t2 - t1;
-            opt_s += (t4 - t3) + (tz - t0);  // Adam and the zeroing of the gradients
+            times[step - c->warmup] = dt;
+            if (layer_s) {
+                double layers = -layers_before;
+                for (int i = 0; i < 2 * g->n_layers; i++) layers += layer_s[i];
+                rest_s += dt - layers;
+            }
         }
     }
     int n = c->steps > 0 ? c->steps : 0;
@@ -6706,24 +6680,21 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     if (o == &ops_cuda) r->peak_device_bytes = cuda_bytes_peak;
 #endif
     if (c->profile && n) {
-        for (int i = 0; i < g.n_layers; i++) {
-            const Layer *l = &g.layers[i];
-            BenchKind k = bench_kind(&g, l);
+        for (int i = 0; i < g->n_layers; i++) {
+            const Layer *l = &g->layers[i];
+            BenchKind k = bench_kind(g, l);
             r->kind_fwd_ms[k] += 1e3 * layer_s[i] / n;
-            r->kind_bwd_ms[k] += 1e3 * layer_s[g.n_layers + i] / n;
+            r->kind_bwd_ms[k] += 1e3 * layer_s[g->n_layers + i] / n;
             if (l->kind == LAYER_CONV && k != BK_SE) {
-                double f = conv_flops(&g, l);
-                int grads_w = !l->frozen, grads_x = net.needs_grad[l->in[0]];
+                double f = conv_flops(g, l);
+                int grads_w = !l->frozen, grads_x = t.net.needs_grad[l->in[0]];
                 r->kind_gflop[k] += 1e-9 * f * (1 + grads_w + grads_x);
             }
         }
-        r->kind_fwd_ms[BK_LOSS] += 1e3 * loss_s / n;
-        r->kind_bwd_ms[BK_OPT] += 1e3 * opt_s / n;
+        r->kind_bwd_ms[BK_REST] += 1e3 * rest_s / n;
     }
-    free(host_in); free(host_cw); free(host_lab); free(times); free(layer_s);
-    o->free(o, adam_m); o->free(o, adam_v); o->free(o, cw); o->free(o, stats); o->free(o, labels); o->free(o, stage);
-    net_free(&net);
-    graph_free(&g);
+    free(host_in); free(host_lab); free(cm); free(times); free(layer_s);
+    trainer_close(&t);
     return 0;
 }
 
@@ -7266,9 +7237,9 @@ static int cmd_predict(int argc, char **argv) {
 static const char *BENCH_USAGE =
     "usage: segnet bench --model NAME [--size HxW] [--batch B] [--steps S] [options]\n"
     "\n"
-    "Times S full training steps (forward, softmax cross-entropy, backward, Adam)\n"
-    "on synthetic data (random images 0..255, random labels) after warm-up steps,\n"
-    "and prints\n"
+    "Times S training steps of segnet train (forward, softmax cross-entropy,\n"
+    "backward, fp16 loss scaling, Adam) on synthetic data (random images 0..255,\n"
+    "random labels, every class weight 1) after warm-up steps, and prints\n"
     "  train_step_ms: X     median over the S steps\n"
     "  images_per_s: Y      batch / median step\n"
     "  peak_rss_bytes: Z    the process's peak resident memory (getrusage)\n"

@@ -173,10 +173,33 @@ static inline SN_HD uint64_t rng_mix64(uint64_t z) {
 static inline SN_HD float rng_uniform(uint64_t seed, uint64_t counter) {
     return (float)(rng_mix64(seed ^ rng_mix64(counter)) >> 40) * (1.0f / 16777216.0f);
 }
-// dropout's factor for element index i of the step (see dropout_forward in the ops table):
-// 0 (dropped) or 1/(1 - rate) (kept)
+// dropout's factor for the draw `counter`: 0 (dropped) or 1/(1 - rate) (kept)
+static inline SN_HD float dropout_keep(float rate, uint64_t seed, uint64_t counter) {
+    return rng_uniform(seed, counter) >= rate ? 1.0f / (1.0f - rate) : 0.0f;
+}
+// the factor of element index i of the step (see dropout_forward in the ops
+// table): one draw per element (per_draw 1) or per sample (per_draw H·W·C)
 static inline SN_HD float dropout_factor(float rate, uint64_t seed, uint64_t i, uint64_t per_draw) {
-    return rng_uniform(seed, i / per_draw) >= rate ? 1.0f / (1.0f - rate) : 0.0f;
+    return dropout_keep(rate, seed, i / per_draw);
+}
+
+// ----------------------------------------------------------------------------
+// division by a constant as a multiply-high (the CUDA kernels' index math)
+//
+// For 1 ≤ d < 2^31 let l = ⌈log2 d⌉ and m = ⌊2^32·(2^l - d)/d⌋ + 1 (< 2^32), so
+// that M = 2^32 + m ≥ 2^(32+l)/d with e = M·d - 2^(32+l) ≤ d. Then for 0 ≤ n < 2^31
+//   n/d ≤ M·n/2^(32+l) = n/d + e·n/(d·2^(32+l)) < n/d + 1/(2d),
+// and since n/d = q + r/d with r ≤ d - 1, the floor of the middle is q:
+//   q = (⌊m·n/2^32⌋ + n) >> l, where the sum stays below 2^32.
+typedef struct { uint32_t d, m, l; } FastDiv;
+static inline SN_HD FastDiv fastdiv_make(uint32_t d) {
+    uint32_t l = 0;
+    while (l < 31 && ((uint32_t)1 << l) < d) l++;
+    FastDiv f = {d, (uint32_t)((((uint64_t)1 << l) - d) * ((uint64_t)1 << 32) / d + 1), l};
+    return f;
+}
+static inline SN_HD uint32_t fastdiv(FastDiv f, uint32_t n) {  // n / f.d for n < 2^31
+    return (uint32_t)((((uint64_t)f.m * n) >> 32) + n) >> f.l;
 }
 
 // ----------------------------------------------------------------------------
@@ -438,6 +461,9 @@ int cuda_memory_info(int device, size_t *free_bytes, size_t *total_bytes, char *
 // conv2d_workspace, so change it only before planning (tests lower it to run
 // the chunked paths on small shapes).
 extern size_t cuda_conv_chunk_bytes;
+// 1 (default): ops take their 16-byte vector kernels where they apply; 0: the
+// generic kernels only (the tests run both)
+extern int cuda_vector_kernels;
 extern size_t cuda_bytes_live, cuda_bytes_peak;  // what ops_cuda.alloc has handed out (now, at most)
 extern size_t cpu_bytes_live, cpu_bytes_peak;  // what ops_cpu.alloc has handed out (now, at most)
 

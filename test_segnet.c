@@ -5488,7 +5488,9 @@ static double cu_pair_err(CuPair p) {
 static void test_cuda_fill_copy(void) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 71);
-    Shape s = shape4(2, 3, 5, 7);
+    const Shape shapes[2] = {shape4(2, 3, 5, 7), shape4(2, 3, 5, 16)};  // odd; whole 16-byte vectors
+    for (int si = 0; si < 2; si++) {
+    const Shape s = shapes[si];
     float *v = randn(&r, shape_numel(s), 3.0f);
     for (int a = 0; a < 3; a++)
         for (int b = 0; b < 3; b++)
@@ -5503,6 +5505,7 @@ static void test_cuda_fill_copy(void) {
                 cu_pair_free(&src); cu_pair_free(&dst);
             }
     free(v);
+    }
 }
 
 // cublasGemmEx as the convs use it (here the emulator's; on a GPU the library's):
@@ -5807,8 +5810,8 @@ static int cu_floats_equal(const float *dev, const float *host, size_t n) {
 static void test_cuda_scale_axpby(void) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 72);
-    Shape shapes[2] = {shape4(2, 3, 5, 7), shape4(1, 1, 1, 1031)};  // odd sizes; several blocks
-    for (int si = 0; si < 2; si++) {
+    Shape shapes[3] = {shape4(2, 3, 5, 7), shape4(1, 1, 1, 1031), shape4(2, 3, 5, 16)};  // odd sizes; several blocks; vectors
+    for (int si = 0; si < 3; si++) {
         Shape s = shapes[si];
         float *v = randn(&r, shape_numel(s), 3.0f), *u = randn(&r, shape_numel(s), 2.0f);
         for (int a = 0; a < 3; a++) {
@@ -5838,10 +5841,11 @@ static void test_cuda_scale_axpby(void) {
 static void test_cuda_sum_squares_nonfinite(void) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 73);
-    const int sizes[4] = {1, 37, 1031, 300007};  // the last: more blocks than the reduction's grid
+    // the 4th: more blocks than the reduction's grid; the last two: whole 16-byte vectors
+    const int sizes[6] = {1, 37, 1031, 300007, 4096, 300008};
     float *out = o->alloc(o, sizeof(float));
     int32_t *flag = o->alloc(o, sizeof(int32_t));
-    for (int si = 0; si < 4; si++) {
+    for (int si = 0; si < 6; si++) {
         Shape s = shape4(1, 1, 1, sizes[si]);
         size_t n = shape_numel(s);
         float *v = randn(&r, n, 3.0f);
@@ -6521,7 +6525,10 @@ static const char *const ACT_NAME[] = {"none", "relu", "silu", "sigmoid"};
 
 // small odd shapes; C = 37 spans two channel tiles of the reduction kernels; rows
 // from 15 (one chunk) to 2046 (64 chunks, the last partial; 1023 per image in squeeze-excitation)
-static const Shape CU_SHAPES[] = {{1, 5, 3, 5}, {2, 5, 7, 3}, {2, 9, 7, 13}, {2, 5, 5, 37}, {2, 33, 31, 3}};
+// odd channel counts (the generic kernels), then multiples of the 16-byte
+// vectors' 4 fp32 or 8 fp16/bf16 values (the vector kernels; 12: fp32 only)
+static const Shape CU_SHAPES[] = {{1, 5, 3, 5}, {2, 5, 7, 3}, {2, 9, 7, 13}, {2, 5, 5, 37}, {2, 33, 31, 3},
+                                  {2, 5, 7, 16}, {1, 9, 5, 40}, {2, 5, 3, 12}, {2, 17, 19, 8}};
 #define CU_NSHAPES (int)(sizeof CU_SHAPES / sizeof CU_SHAPES[0])
 
 // statistics and running update; per (shape, storage type)
@@ -6631,11 +6638,13 @@ static void test_cuda_bn_forward_backward(void) {
 static void test_cuda_act(void) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 83);
-    const Shape s = shape4(2, 7, 5, 13);
-    const size_t n = shape_numel(s);
+    const Shape shapes[2] = {shape4(2, 7, 5, 13), shape4(2, 7, 5, 16)};  // odd; whole 16-byte vectors
+    for (int si = 0; si < 2; si++)
     for (int dt = 0; dt < 3; dt++)
         for (int a = 0; a < 4; a++) {
             char what[64];
+            const Shape s = shapes[si];
+            const size_t n = shape_numel(s);
             float *xv = randn(&r, n, 3.0f), *dyv = randn(&r, n, 1.0f);
             CuPair x = cu_pair(xv, s, (DType)dt), dy = cu_pair(dyv, s, (DType)dt), y = cu_pair(NULL, s, (DType)dt);
             ops_cpu.act_forward(&ops_cpu, (Act)a, y.cpu, x.cpu);
@@ -6713,8 +6722,12 @@ static void test_cuda_squeeze_excitation(void) {
 static void test_cuda_add_concat(void) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 85);
+    // odd channel counts, then whole 16-byte vectors (8 + 16 = 24 channels)
+    const int chans[2][2] = {{5, 13}, {8, 16}};
+    for (int ci = 0; ci < 2; ci++)
     for (int dt = 0; dt < 3; dt++) {
-        const Shape sa = shape4(2, 5, 7, 5), sb = shape4(2, 5, 7, 13), sy = shape4(2, 5, 7, 18);
+        const int Ca = chans[ci][0], Cb = chans[ci][1];
+        const Shape sa = shape4(2, 5, 7, Ca), sb = shape4(2, 5, 7, Cb), sy = shape4(2, 5, 7, Ca + Cb);
         float *av = randn(&r, shape_numel(sa), 1.0f), *bv = randn(&r, shape_numel(sa), 1.0f);
         float *cv = randn(&r, shape_numel(sb), 1.0f), *dyv = randn(&r, shape_numel(sy), 1.0f);
         CuPair a = cu_pair(av, sa, (DType)dt), b = cu_pair(bv, sa, (DType)dt), cb = cu_pair(cv, sb, (DType)dt);
@@ -6751,13 +6764,15 @@ static void test_cuda_add_concat(void) {
 static void test_cuda_dropout(void) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 86);
-    const Shape s = shape4(8, 3, 5, 7);
-    const size_t n = shape_numel(s);
+    const Shape shapes[2] = {shape4(8, 3, 5, 7), shape4(8, 3, 5, 8)};  // odd; whole 16-byte vectors
+    for (int si = 0; si < 2; si++)
     for (int dt = 0; dt < 3; dt++)
         for (int per_sample = 0; per_sample < 2; per_sample++)
             for (int ri = 0; ri < 2; ri++) {
                 const float rate = ri ? 0.5f : 0.2f;
                 const uint64_t seed = 1000 + 2 * per_sample + ri;  // per sample: drops 3 of 8 samples at either rate
+                const Shape s = shapes[si];
+                const size_t n = shape_numel(s);
                 float *xv = randn(&r, n, 1.0f);
                 for (size_t i = 0; i < n; i++) xv[i] += xv[i] >= 0 ? 0.5f : -0.5f;  // no zeros: a 0 out is a drop
                 CuPair x = cu_pair(xv, s, (DType)dt), y = cu_pair(NULL, s, (DType)dt);
@@ -6792,8 +6807,8 @@ static void test_cuda_dropout(void) {
 static void test_cuda_pool_upsample(void) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 87);
-    const Shape shapes[] = {{2, 5, 7, 3}, {2, 9, 9, 5}, {1, 4, 6, 13}};
-    for (int si = 0; si < 3; si++)
+    const Shape shapes[] = {{2, 5, 7, 3}, {2, 9, 9, 5}, {1, 4, 6, 13}, {2, 5, 7, 16}};  // the last: 16-byte vectors
+    for (int si = 0; si < 4; si++)
         for (int dt = 0; dt < 3; dt++) {
             const Shape s = shapes[si], sp = shape4(s.n, s.h / 2, s.w / 2, s.c), su = shape4(s.n, 2 * s.h, 2 * s.w, s.c);
             float *xv = malloc(shape_numel(s) * sizeof(float)), *dpv = randn(&r, shape_numel(sp), 1.0f);
@@ -6835,9 +6850,9 @@ static void test_cuda_pool_upsample(void) {
 static void test_cuda_resize_bilinear(void) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 88);
-    const Shape from[] = {{2, 5, 7, 3}, {2, 9, 9, 5}, {1, 7, 5, 13}, {2, 2, 3, 3}};
-    const int to[][2] = {{9, 13}, {5, 7}, {7, 5}, {7, 4}};
-    for (int k = 0; k < 4; k++)
+    const Shape from[] = {{2, 5, 7, 3}, {2, 9, 9, 5}, {1, 7, 5, 13}, {2, 2, 3, 3}, {2, 5, 7, 8}};  // the last: vectors
+    const int to[][2] = {{9, 13}, {5, 7}, {7, 5}, {7, 4}, {9, 13}};
+    for (int k = 0; k < 5; k++)
         for (int dt = 0; dt < 3; dt++) {
             const Shape s = from[k], t = shape4(s.n, to[k][0], to[k][1], s.c);
             float *xv = randn(&r, shape_numel(s), 1.0f), *dyv = randn(&r, shape_numel(t), 1.0f);
@@ -7111,6 +7126,17 @@ int main(int argc, char **argv) {
         cuemu_set_reverse(0);
         tl.passed += rev.passed;
         tl.failed += rev.failed;
+    }
+    if (!strcmp(order, "both")) {
+        // every op has a generic and a vector kernel (kernels.cu, "indexing and
+        // memory access"); the first passes ran the vector ones where they apply
+        printf("== the emulated CUDA tests again, generic kernels only\n");
+        cuda_vector_kernels = 0;
+        Tally gen = {0, 0, 0, 0};
+        run_tests(filter, "cuda_", " [generic kernels]", &gen);
+        cuda_vector_kernels = 1;
+        tl.passed += gen.passed;
+        tl.failed += gen.failed;
     }
 #else
     (void)order;
