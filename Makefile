@@ -159,7 +159,7 @@ else
 	done
 endif
 	@echo "segnet build:"
-	@echo "  ✓ OpenBLAS   $$(sed -n 's/^Version: //p' $(OPENBLAS_DIR)/pkgconfig/openblas.pc) (OpenMP build) $(OPENBLAS_DIR)"
+	@echo "  ✓ OpenBLAS   $$(sed -n 's/^version=//p' $(OPENBLAS_DIR)/pkgconfig/openblas.pc) (OpenMP build) $(OPENBLAS_DIR)"
 	@echo "  ✓ stb_image  $(STB_INC)/stb_image.h"
 	@if [ -n "$(ARCH_FLAGS)" ]; then echo "  ✓ vectorised -march=native"; \
 	 else echo "  ✗ vectorised portable build (NO_NATIVE=1, or $(CC) refuses -march=native)"; fi

@@ -874,47 +874,69 @@ static void gemm_ex(Ops *o, cublasOperation_t ta, cublasOperation_t tb, size_t m
 }
 
 // col[p][g][ky][kx][ci] = x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci] (0 outside)
-// for the output pixels p of output rows t0.. (flattened n·OH + oy), p relative to t0
-__global__ void im2col_kernel(void *col, const void *in, DType dt, ConvCfg cfg, ConvGeom q, int t0, size_t n) {
-    const int taps = cfg.kh * cfg.kw, GK = cfg.groups * q.K;
-    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n; e += (size_t)blockDim.x * gridDim.x) {
-        const int ci = (int)(e % q.Cg), tap = (int)(e / q.Cg % taps), g = (int)(e / q.K % cfg.groups);
-        const size_t p = e / GK;
-        const int t = t0 + (int)(p / q.OW), ox = (int)(p % q.OW), img = t / q.OH, oy = t % q.OH;
-        const int iy = oy * cfg.stride - q.pt + tap / cfg.kw, ix = ox * cfg.stride - q.pl + tap % cfg.kw;
+// for the output pixels p of output rows t0.. (flattened n·OH + oy), p relative to t0.
+// A chunk holds fewer than 2^31 elements (cuda_conv_chunk_bytes); its element
+// index is split by the FastDivs of the divisors named.
+struct Im2colDivs { FastDiv GK, K, Cg, kw, OW, OH; };
+static Im2colDivs im2col_divs(const ConvCfg *cfg, const ConvGeom *q) {
+    return {fastdiv_make(cfg->groups * q->K), fastdiv_make(q->K), fastdiv_make(q->Cg), fastdiv_make(cfg->kw),
+            fastdiv_make(q->OW), fastdiv_make(q->OH)};
+}
+__global__ void im2col_kernel(void *col, const void *in, DType dt, ConvCfg cfg, ConvGeom q, int t0, uint32_t n,
+                              Im2colDivs d) {
+    FOR_GRID(e, n) {
+        const uint32_t p = fastdiv(d.GK, e), j = e - p * d.GK.d;                 // pixel, column
+        const uint32_t g = fastdiv(d.K, j), r = j - g * d.K.d;                   // group, within the group
+        const uint32_t tap = fastdiv(d.Cg, r), ci = r - tap * d.Cg.d;
+        const uint32_t ky = fastdiv(d.kw, tap), kx = tap - ky * d.kw.d;
+        const uint32_t ph = fastdiv(d.OW, p), ox = p - ph * d.OW.d, t = t0 + ph;  // output row t = n·OH + oy
+        const uint32_t img = fastdiv(d.OH, t), oy = t - img * d.OH.d;
+        const int iy = (int)(oy * cfg.stride + ky) - q.pt, ix = (int)(ox * cfg.stride + kx) - q.pl;
         float v = 0.0f;
         if (iy >= 0 && iy < q.H && ix >= 0 && ix < q.W)
-            v = ld(in, dt, (((size_t)img * q.H + iy) * q.W + ix) * q.C + (size_t)g * q.Cg + ci);
+            v = ld(in, dt, ((img * q.H + iy) * q.W + ix) * q.C + g * q.Cg + ci);
         st(col, dt, e, v);  // a stored value: exact in its own type
+    }
+}
+static void chunk_fits(size_t n, const char *what) {
+    if (n >= ((size_t)1 << 31)) {
+        fprintf(stderr, "segnet: internal error: %s of %zu elements in one chunk (cuda_conv_chunk_bytes too large)\n", what, n);
+        exit(1);
     }
 }
 static void im2col(Ops *o, void *col, Tensor in, const ConvCfg *cfg, const ConvGeom *q, int t0, int t1) {
     size_t n = (size_t)(t1 - t0) * q->OW * cfg->groups * q->K;
-    CU_LAUNCH(im2col_kernel, grid_for(n), BLOCK, 0, stream_of(o), col, in.data, in.dtype, *cfg, *q, t0, n);
+    chunk_fits(n, "im2col");
+    chunk_fits(shape_numel(in.shape), "im2col input");
+    CU_LAUNCH(im2col_kernel, grid_for(n), BLOCK, 0, stream_of(o), col, in.data, in.dtype, *cfg, *q, t0, (uint32_t)n,
+              im2col_divs(cfg, q));
     launchCheck();
 }
 
 // din[n,iy,ix,g·Cg+ci] (=|+=) Σ_{ky,kx} dcol[p(oy,ox)][g][ky][kx][ci], oy = (iy + pt - ky)/s
 // integral and inside the output (likewise ox), summed in (ky, kx) order like the
 // CPU's col2im; input rows u0.. (flattened n·H + iy), dcol rows from output row t0
+struct Col2imDivs { FastDiv C, W, H, Cg; };
 __global__ void col2im_kernel(void *din, DType dt, const float *dcol, ConvCfg cfg, ConvGeom q, int u0, int t0,
-                              size_t n, int accumulate) {
+                              uint32_t n, int accumulate, Col2imDivs d) {
     const int s = cfg.stride, GK = cfg.groups * q.K;
-    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n; e += (size_t)blockDim.x * gridDim.x) {
-        const int c = (int)(e % q.C), ix = (int)(e / q.C % q.W), u = u0 + (int)(e / ((size_t)q.C * q.W));
-        const int img = u / q.H, iy = u % q.H, g = c / q.Cg, ci = c % q.Cg;
+    FOR_GRID(e, n) {
+        const uint32_t row = fastdiv(d.C, e), c = e - row * q.C;                 // input pixel, channel
+        const uint32_t ur = fastdiv(d.W, row), ix = row - ur * q.W, u = u0 + ur;  // input row u = n·H + iy
+        const uint32_t img = fastdiv(d.H, u), iy = u - img * q.H;
+        const uint32_t g = fastdiv(d.Cg, c), ci = c - g * q.Cg;
         float acc = 0.0f;
         for (int ky = 0; ky < cfg.kh; ky++) {
-            const int ty = iy + q.pt - ky;
+            const int ty = (int)iy + q.pt - ky;
             if (ty < 0 || ty % s || ty / s >= q.OH) continue;
             for (int kx = 0; kx < cfg.kw; kx++) {
-                const int tx = ix + q.pl - kx;
+                const int tx = (int)ix + q.pl - kx;
                 if (tx < 0 || tx % s || tx / s >= q.OW) continue;
-                const size_t p = (size_t)(img * q.OH + ty / s - t0) * q.OW + tx / s;
-                acc += dcol[p * GK + (size_t)g * q.K + (ky * cfg.kw + kx) * q.Cg + ci];
+                const uint32_t p = (img * q.OH + ty / s - t0) * q.OW + tx / s;
+                acc += dcol[p * GK + g * q.K + (ky * cfg.kw + kx) * q.Cg + ci];
             }
         }
-        const size_t i = (size_t)u * q.W * q.C + (size_t)ix * q.C + c;
+        const uint32_t i = u * q.W * q.C + ix * q.C + c;
         st(din, dt, i, accumulate ? ld(din, dt, i) + acc : acc);
     }
 }
@@ -981,70 +1003,17 @@ static void bias_grad(Ops *o, float *db, Tensor dout, int parts, float *partial)
     launchCheck();
 }
 
-// depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx, c]·w[c][ky][kx],
-// taps in (ky, kx) order after the bias, like the CPU
-__global__ void depthwise_forward_kernel(void *out, const void *in, DType dt_out, DType dt_in, const float *w,
-                                         const float *b, ConvCfg cfg, ConvGeom q, size_t n) {
-    const int taps = cfg.kh * cfg.kw;
-    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n; e += (size_t)blockDim.x * gridDim.x) {
-        const int c = (int)(e % q.C), ox = (int)(e / q.C % q.OW), oy = (int)(e / ((size_t)q.C * q.OW) % q.OH);
-        const int img = (int)(e / ((size_t)q.C * q.P));
-        float acc = b ? b[c] : 0.0f;
-        for (int ky = 0; ky < cfg.kh; ky++) {
-            const int iy = oy * cfg.stride - q.pt + ky;
-            if (iy < 0 || iy >= q.H) continue;
-            for (int kx = 0; kx < cfg.kw; kx++) {
-                const int ix = ox * cfg.stride - q.pl + kx;
-                if (ix < 0 || ix >= q.W) continue;
-                acc += ld(in, dt_in, (((size_t)img * q.H + iy) * q.W + ix) * q.C + c) * w[c * taps + ky * cfg.kw + kx];
-            }
-        }
-        st(out, dt_out, e, acc);
-    }
-}
-// din[n,iy,ix,c] (=|+=) Σ_{ky,kx} dout[n,oy,ox,c]·w[c][ky][kx], oy = (iy + pt - ky)/s integral
-__global__ void depthwise_backward_data_kernel(void *din, const void *dout, DType dt_din, DType dt_dout,
-                                               const float *w, ConvCfg cfg, ConvGeom q, size_t n, int accumulate) {
-    const int taps = cfg.kh * cfg.kw, s = cfg.stride;
-    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n; e += (size_t)blockDim.x * gridDim.x) {
-        const int c = (int)(e % q.C), ix = (int)(e / q.C % q.W), iy = (int)(e / ((size_t)q.C * q.W) % q.H);
-        const int img = (int)(e / ((size_t)q.C * q.W * q.H));
-        float acc = 0.0f;
-        for (int ky = 0; ky < cfg.kh; ky++) {
-            const int ty = iy + q.pt - ky;
-            if (ty < 0 || ty % s || ty / s >= q.OH) continue;
-            for (int kx = 0; kx < cfg.kw; kx++) {
-                const int tx = ix + q.pl - kx;
-                if (tx < 0 || tx % s || tx / s >= q.OW) continue;
-                acc += ld(dout, dt_dout, (((size_t)img * q.OH + ty / s) * q.OW + tx / s) * q.C + c) *
-                       w[c * taps + ky * cfg.kw + kx];
-            }
-        }
-        st(din, dt_din, e, accumulate ? ld(din, dt_din, e) + acc : acc);
-    }
-}
-// pass 1 of dw[c][ky][kx] += Σ_{n,oy,ox} dout[n,oy,ox,c]·x[n, oy·s - pt + ky, ox·s - pl + kx, c]:
-// block (columns c, part, tap = blockIdx.z) writes partial[part][c][tap]
-__global__ void depthwise_weight_partial_kernel(float *partial, const void *dout, const void *in, DType dt_dout,
-                                                DType dt_in, ConvCfg cfg, ConvGeom q, size_t rows_per_part) {
-    const int c = blockIdx.x * RED_X + threadIdx.x, part = blockIdx.y, tap = blockIdx.z;
-    const int ky = tap / cfg.kw, kx = tap % cfg.kw, taps = cfg.kh * cfg.kw;
-    const size_t M = (size_t)q.N * q.P, r0 = part * rows_per_part, r1 = r0 + rows_per_part < M ? r0 + rows_per_part : M;
-    float s = 0.0f;
-    if (c < q.C)
-        for (size_t r = r0 + threadIdx.y; r < r1; r += RED_Y) {  // r = (n·OH + oy)·OW + ox
-            const int ox = (int)(r % q.OW), oy = (int)(r / q.OW % q.OH), img = (int)(r / q.P);
-            const int iy = oy * cfg.stride - q.pt + ky, ix = ox * cfg.stride - q.pl + kx;
-            if (iy < 0 || iy >= q.H || ix < 0 || ix >= q.W) continue;
-            s += ld(dout, dt_dout, r * q.C + c) * ld(in, dt_in, (((size_t)img * q.H + iy) * q.W + ix) * q.C + c);
-        }
-    s = block_rows_sum(s);
-    if (threadIdx.y == 0 && c < q.C) partial[((size_t)part * q.C + c) * taps + tap] = s;
-}
-
 static void conv_check_out(const char *what, const ConvGeom *q, Shape out, const ConvCfg *cfg, Shape in) {
     if (out.n != q->N || out.h != q->OH || out.w != q->OW || out.c != q->Cout) conv_fail(what, cfg, in);
 }
+
+// depthwise convs have kernels of their own (below, after the pooling kernels whose layout they share)
+static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
+                              const float *b);
+static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
+                                    const float *w, int accumulate);
+static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
+                                      int parts, float *partial);
 
 static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in, const float *w, const float *b,
                                 void *ws) {
@@ -1052,10 +1021,7 @@ static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor i
     const ConvGeom *q = &p.q;
     conv_check_out("conv2d_forward (out shape)", q, out.shape, cfg, in.shape);
     if (p.depthwise) {
-        size_t n = shape_numel(out.shape);
-        CU_LAUNCH(depthwise_forward_kernel, grid_for(n), BLOCK, 0, stream_of(o), out.data, in.data, out.dtype,
-                  in.dtype, w, b, *cfg, *q, n);
-        launchCheck();
+        depthwise_forward(o, cfg, q, out, in, w, b);
         return;
     }
     if (out.dtype != in.dtype) conv_fail("conv2d_forward (in and out storage types differ)", cfg, in.shape);
@@ -1099,10 +1065,7 @@ static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Te
     const ConvGeom *q = &p.q;
     conv_check_out("conv2d_backward_data (dout shape)", q, dout.shape, cfg, din.shape);
     if (p.depthwise) {
-        size_t n = shape_numel(din.shape);
-        CU_LAUNCH(depthwise_backward_data_kernel, grid_for(n), BLOCK, 0, stream_of(o), din.data, dout.data,
-                  din.dtype, dout.dtype, w, *cfg, *q, n, accumulate);
-        launchCheck();
+        depthwise_backward_data(o, cfg, q, din, dout, w, accumulate);
         return;
     }
     if (dout.dtype != din.dtype) conv_fail("conv2d_backward_data (din and dout storage types differ)", cfg, din.shape);
@@ -1132,8 +1095,11 @@ static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Te
                     at_elem(dout.data, dt, (size_t)t0 * q->OW * q->Cout + (size_t)g * q->Coutg), q->Cout, dt, 0.0f,
                     dcol + (size_t)g * q->K, p.GK, DT_F32);
         const size_t n = (size_t)(u1 - u0) * q->W * q->C;
-        CU_LAUNCH(col2im_kernel, grid_for(n), BLOCK, 0, stream_of(o), din.data, dt, dcol, *cfg, *q, u0, t0, n,
-                  accumulate);
+        chunk_fits(n, "col2im");
+        chunk_fits(shape_numel(din.shape), "col2im output");
+        const Col2imDivs d = {fastdiv_make(q->C), fastdiv_make(q->W), fastdiv_make(q->H), fastdiv_make(q->Cg)};
+        CU_LAUNCH(col2im_kernel, grid_for(n), BLOCK, 0, stream_of(o), din.data, dt, dcol, *cfg, *q, u0, t0,
+                  (uint32_t)n, accumulate, d);
         launchCheck();
         u0 = u1;
     }
@@ -1149,14 +1115,7 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
     if (db) bias_grad(o, db, dout, p.parts, (float *)ws);
     if (!dw) return;
     if (p.depthwise) {
-        const int taps = cfg->kh * cfg->kw;
-        dim3 grid((q->C + RED_X - 1) / RED_X, p.parts, taps), block(RED_X, RED_Y);
-        CU_LAUNCH(depthwise_weight_partial_kernel, grid, block, 0, stream_of(o), (float *)ws, dout.data, in.data,
-                  dout.dtype, in.dtype, *cfg, *q, rows_per_part((size_t)q->N * q->P, p.parts));
-        launchCheck();
-        size_t n = (size_t)q->C * taps;
-        CU_LAUNCH(sum_parts_kernel, grid_for(n), BLOCK, 0, stream_of(o), dw, (const float *)ws, p.parts, n);
-        launchCheck();
+        depthwise_backward_weight(o, cfg, q, dw, dout, in, p.parts, (float *)ws);
         return;
     }
     if (dout.dtype != in.dtype) conv_fail("conv2d_backward_weight (in and dout storage types differ)", cfg, in.shape);
@@ -2132,6 +2091,159 @@ static void resize_bilinear_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accu
         CU_LAUNCH(resize_bilinear_backward_kernel<decltype(dxio)>, g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t,
                   accumulate);
     });
+}
+
+// ----------------------------------------------------------------------------
+// depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx, c]·w[c][ky][kx],
+// taps in (ky, kx) order after the bias, like the CPU. Threads over (channel
+// lane, output pixel) as the pooling kernels: grid (channel tiles, column
+// blocks, output image rows); W channels per lane (1 generic, Vec<T>::N vector).
+template <class IO>
+__global__ void depthwise_forward_kernel(IO y, Shape t, IO x, Shape s, const float *w, const float *b, ConvCfg cfg,
+                                         int pt, int pl) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, taps = cfg.kh * cfg.kw;
+    if (c0 >= t.c) return;
+    const ImageRow row = image_row(blockIdx.z, t.h);
+    FOR_COLUMNS(ox, t.w) {
+        float acc[W], v[W];
+        for (int k = 0; k < W; k++) acc[k] = b ? b[c0 + k] : 0.0f;
+        for (int ky = 0; ky < cfg.kh; ky++) {
+            const int iy = (int)row.y * cfg.stride - pt + ky;
+            if (iy < 0 || iy >= s.h) continue;
+            for (int kx = 0; kx < cfg.kw; kx++) {
+                const int ix = ox * cfg.stride - pl + kx;
+                if (ix < 0 || ix >= s.w) continue;
+                x.load(nhwc_at(s, row.n, iy, ix, c0), v);
+                for (int k = 0; k < W; k++) acc[k] += v[k] * w[(c0 + k) * taps + ky * cfg.kw + kx];
+            }
+        }
+        y.store(nhwc_at(t, row.n, row.y, ox, c0), acc);
+    }
+}
+// din[n,iy,ix,c] (=|+=) Σ_{ky,kx} dout[n,oy,ox,c]·w[c][ky][kx], oy = (iy + pt - ky)/s integral
+template <class IO>
+__global__ void depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t, const float *w, ConvCfg cfg, int pt,
+                                               int pl, int accumulate) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, taps = cfg.kh * cfg.kw, st = cfg.stride;
+    if (c0 >= s.c) return;
+    const ImageRow row = image_row(blockIdx.z, s.h);
+    FOR_COLUMNS(ix, s.w) {
+        float acc[W], v[W];
+        for (int k = 0; k < W; k++) acc[k] = 0.0f;
+        for (int ky = 0; ky < cfg.kh; ky++) {
+            const int ty = (int)row.y + pt - ky;
+            if (ty < 0 || ty % st || ty / st >= t.h) continue;
+            for (int kx = 0; kx < cfg.kw; kx++) {
+                const int tx = ix + pl - kx;
+                if (tx < 0 || tx % st || tx / st >= t.w) continue;
+                dout.load(nhwc_at(t, row.n, ty / st, tx / st, c0), v);
+                for (int k = 0; k < W; k++) acc[k] += v[k] * w[(c0 + k) * taps + ky * cfg.kw + kx];
+            }
+        }
+        const uint32_t i = nhwc_at(s, row.n, row.y, ix, c0);
+        if (accumulate) {
+            din.load(i, v);
+            for (int k = 0; k < W; k++) acc[k] = v[k] + acc[k];
+        }
+        din.store(i, acc);
+    }
+}
+// Pass 1 of dw[c][ky][kx] += Σ_{n,oy,ox} dout[n,oy,ox,c]·x[n, oy·s - pt + ky, ox·s - pl + kx, c]:
+// block (channel lanes × row lanes) of part blockIdx.y sums the output pixels
+// r = (n·OH + oy)·OW + ox of its part, each row lane every blockDim.y-th pixel,
+// all taps of its W channels in registers (fp32), then the lanes in order;
+// it writes partial[part][c][tap]. sum_parts_kernel adds the parts in order.
+#define DW_MAX_TAPS 9  // taps kept in registers (3×3); larger kernels run tap by tap
+template <class IO, int TAPS>
+__global__ void depthwise_weight_partial_kernel(float *partial, IO dout, Shape t, IO x, Shape s, ConvCfg cfg, int pt,
+                                                int pl, uint32_t pixels_per_part, int tap0, FastDiv by_ow,
+                                                FastDiv by_oh) {
+    constexpr int W = IO::W;
+    __shared__ float lanes[BLOCK * W];
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, part = blockIdx.y, C = s.c;
+    const int ntaps = cfg.kh * cfg.kw;
+    const uint32_t M = (uint32_t)t.n * t.h * t.w, p0 = part * pixels_per_part;
+    const uint32_t p1 = p0 + pixels_per_part < M ? p0 + pixels_per_part : M;
+    float acc[TAPS][W];
+    for (int q = 0; q < TAPS; q++)
+        for (int k = 0; k < W; k++) acc[q][k] = 0.0f;
+    if (c0 < C)
+        for (uint32_t r = p0 + threadIdx.y; r < p1; r += blockDim.y) {
+            const uint32_t rows = fastdiv(by_ow, r), img = fastdiv(by_oh, rows);
+            const int ox = (int)(r - rows * t.w), oy = (int)(rows - img * t.h);
+            float g[W], v[W];
+            dout.load(r * C + c0, g);
+            for (int q = 0; q < TAPS; q++) {
+                const int tap = tap0 + q, ky = tap / cfg.kw, kx = tap % cfg.kw;
+                if (tap >= ntaps) break;
+                const int iy = oy * cfg.stride - pt + ky, ix = ox * cfg.stride - pl + kx;
+                if (iy < 0 || iy >= s.h || ix < 0 || ix >= s.w) continue;
+                x.load(nhwc_at(s, img, iy, ix, c0), v);
+                for (int k = 0; k < W; k++) acc[q][k] += g[k] * v[k];
+            }
+        }
+    // the row lanes' sums in lane order, tap by tap through shared memory
+    const int lane = threadIdx.y * blockDim.x + threadIdx.x;
+    for (int q = 0; q < TAPS && tap0 + q < ntaps; q++) {
+        for (int k = 0; k < W; k++) lanes[lane * W + k] = acc[q][k];
+        __syncthreads();
+        if (threadIdx.y == 0 && c0 < C)
+            for (int k = 0; k < W; k++) {
+                float sum = 0.0f;
+                for (int l = 0; l < (int)blockDim.y; l++) sum += lanes[(l * blockDim.x + threadIdx.x) * W + k];
+                partial[((size_t)part * C + c0 + k) * ntaps + tap0 + q] = sum;
+            }
+        __syncthreads();
+    }
+}
+
+static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
+                              const float *b) {
+    if (!shape_numel(out.shape)) return;
+    image_rows_launch(out, in, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
+        CU_LAUNCH(depthwise_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t, xio, s, w, b, *cfg,
+                  q->pt, q->pl);
+    });
+}
+static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
+                                    const float *w, int accumulate) {
+    if (!shape_numel(din.shape)) return;
+    image_rows_launch(din, dout, NO_TENSOR, [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
+        CU_LAUNCH(depthwise_backward_data_kernel<decltype(dxio)>, g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t, w,
+                  *cfg, q->pt, q->pl, accumulate);
+    });
+}
+// partial (parts, C, taps) in the workspace, then dw += Σ_parts in part order
+static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
+                                      int parts, float *partial) {
+    const size_t M = (size_t)q->N * q->P, taps = (size_t)cfg->kh * cfg->kw;
+    if (!M) return;
+    if (shape_numel(in.shape) >= ((size_t)1 << 31) || shape_numel(dout.shape) >= ((size_t)1 << 31)) {
+        fprintf(stderr, "segnet: internal error: depthwise weight gradient over more than 2^31 elements\n");
+        exit(1);
+    }
+    const uint32_t per_part = (uint32_t)((M + parts - 1) / parts);
+    const Shape t = dout.shape, s = in.shape;
+    auto run = [&](auto dyio, auto xio, int lanes) {
+        typedef decltype(dyio) IO;
+        const unsigned tx = lanes < 32 ? (unsigned)lanes : 32;
+        const dim3 grid((lanes + tx - 1) / tx, parts), block(tx, BLOCK / tx);
+        for (int tap0 = 0; tap0 < (int)taps; tap0 += DW_MAX_TAPS) {
+            CU_LAUNCH((depthwise_weight_partial_kernel<IO, DW_MAX_TAPS>), grid, block, 0, stream_of(o), partial, dyio,
+                      t, xio, s, *cfg, q->pt, q->pl, per_part, tap0, fastdiv_make(t.w), fastdiv_make(t.h));
+            launchCheck();
+        }
+    };
+    if (vec_ok({dout.dtype, in.dtype}, q->C, {dout.data, in.data})) {
+        SWITCH_STORAGE(in.dtype, T, { run(VecIO<T>::of(dout), VecIO<T>::of(in), q->C / Vec<T>::N); });
+    } else {
+        run(AnyIO::of(dout), AnyIO::of(in), q->C);
+    }
+    const size_t n = (size_t)q->C * taps;
+    CU_LAUNCH(sum_parts_kernel, grid_for(n), BLOCK, 0, stream_of(o), dw, (const float *)partial, parts, n);
+    launchCheck();
 }
 
 // ----------------------------------------------------------------------------

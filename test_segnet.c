@@ -5783,6 +5783,11 @@ static void test_cuda_conv_depthwise(void) {
         {"depthwise 5x5 s1 symmetric", {2, 7, 9, 3}, 3, 5, 1, 3, PAD_SYMMETRIC},
         {"depthwise 5x5 s2 same", {2, 7, 9, 13}, 13, 5, 2, 13, PAD_SAME},
         {"depthwise 5x5 s2 symmetric", {2, 5, 6, 5}, 5, 5, 2, 5, PAD_SYMMETRIC},
+        // whole 16-byte vectors of channels (the vector kernels)
+        {"depthwise 3x3 s1 same, 16 channels", {2, 7, 9, 16}, 16, 3, 1, 16, PAD_SAME},
+        {"depthwise 3x3 s2 symmetric, 24 channels", {2, 9, 6, 24}, 24, 3, 2, 24, PAD_SYMMETRIC},
+        {"depthwise 5x5 s2 same, 8 channels", {2, 7, 9, 8}, 8, 5, 2, 8, PAD_SAME},
+        {"depthwise 3x3 s1 symmetric, 12 channels", {1, 6, 5, 12}, 12, 3, 1, 12, PAD_SYMMETRIC},
     };
     cuda_conv_cases(cases, sizeof cases / sizeof cases[0], 0);
 }
