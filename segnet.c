@@ -2471,10 +2471,13 @@ void plan_free(Plan *p) {
     memset(p, 0, sizeof *p);
 }
 
+// Every buffer takes a multiple of SN_TENSOR_ALIGN bytes, so that every tensor
+// of the arena starts aligned for the GPU's 16-byte vector accesses.
 static int plan_add(Plan *p, int tensor, int is_grad, int recompute, int first, int last, size_t bytes) {
     PlanBuffer *b = &p->bufs[p->n_bufs];
     b->tensor = tensor; b->is_grad = is_grad; b->recompute = recompute;
-    b->first = first; b->last = last; b->bytes = bytes; b->offset = 0;
+    b->first = first; b->last = last; b->offset = 0;
+    b->bytes = (bytes + SN_TENSOR_ALIGN - 1) / SN_TENSOR_ALIGN * SN_TENSOR_ALIGN;
     return p->n_bufs++;
 }
 
@@ -2494,6 +2497,7 @@ void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int
     memset(p, 0, sizeof *p);
     const int L = g->n_layers, T = g->n_tensors;
     p->checkpoint = checkpoint;
+    workspace = (workspace + SN_TENSOR_ALIGN - 1) / SN_TENSOR_ALIGN * SN_TENSOR_ALIGN;  // the tensors after it stay aligned
     p->workspace = workspace;
     p->fwd_slot = malloc(sizeof(int) * L); p->rec_slot = malloc(sizeof(int) * L); p->bwd_slot = malloc(sizeof(int) * L);
     p->recompute = calloc((size_t)L, sizeof(int));

@@ -35,6 +35,7 @@ extern "C" {
 #define BN_MOMENTUM   0.1f
 #define SN_NAME_MAX   96     // longest parameter / layer name, with the NUL
 #define SN_ERR_MAX    512    // longest error message
+#define SN_TENSOR_ALIGN 16   // bytes: every tensor of a planned arena starts on this boundary (GPU vector loads)
 
 // ----------------------------------------------------------------------------
 // storage types: activations may be stored in fp32, fp16 or bf16; arithmetic

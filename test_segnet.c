@@ -6197,6 +6197,10 @@ static void test_cuda_plan_equals_allocation(void) {
         int logits = plan_for(&c, &g, &p, &o, err);
         CHECK(logits >= 0 && o == &ops_cuda, "%s", err);
         if (logits < 0) { graph_free(&g); continue; }
+        int misaligned = 0;  // the vector kernels need every tensor on a 16-byte boundary of the arena
+        for (int b = 0; b < p.n_bufs; b++) misaligned += p.bufs[b].offset % SN_TENSOR_ALIGN != 0;
+        CHECK(misaligned == 0, "%s: %d of %d planned buffers not %d-byte aligned", models[k], misaligned, p.n_bufs,
+              SN_TENSOR_ALIGN);
         MemoryReport m;
         memory_report(&g, &p, &c, logits, o, &m);
         CHECK(m.backend == o->context_bytes && m.backend > 0 && cuda_bytes_peak >= m.backend,
