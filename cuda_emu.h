@@ -45,7 +45,6 @@ constexpr int warpSize = 32;
 namespace cuemu {
 // type-erased callable (no allocation)
 struct Thunk { void (*fn)(void*); void* obj; void operator()() const { fn(obj); } };
-template <class F> Thunk make_thunk(F& f) { return Thunk{[](void* o) { (*static_cast<F*>(o))(); }, &f}; }
 
 void* dyn_smem();                       // this block's dynamic shared memory
 void block_barrier();                   // __syncthreads
@@ -127,8 +126,9 @@ extern "C" void cuemu_set_reverse(int reverse);
 //   graph_launches    cudaGraphLaunch calls
 //   blas_calls        cuBLAS GEMMs run (eager or replayed)
 //   nccl_calls        NCCL collectives run (eager or replayed)
-//   syncs             host waits: device, stream and event synchronisation, and
-//                     copies between the device and pageable host memory
+//   syncs             host waits: device, stream and event synchronisation,
+//                     cudaMemcpy to or from the host, and cudaMemcpyAsync
+//                     between the device and pageable host memory
 //   h2d_bytes, d2h_bytes, d2d_bytes   bytes copied (cudaMemcpy*, replayed copy nodes)
 //   allocs            cudaMalloc calls that succeeded
 //   alloc_bytes_peak  the most device memory (cudaMalloc) live at once
