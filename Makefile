@@ -8,6 +8,8 @@
 #   make gpucheck   on a machine with a GPU: the cuda_ tests on the device, and
 #                   segnet against PyTorch on it; table in gpucheck.txt
 #   make gpubuild   build everything gpucheck runs, without running it
+#   make gpucount   what one training step asks of a GPU (kernel launches,
+#                   cuBLAS calls, host waits, copies), counted on the emulator
 #   make gpu-deps   download the build's Debian packages into .deps/ (for a
 #                   machine with no network: make deps-unpack there, then
 #                   DEPS_ROOT=$PWD/.deps/root on every make command)
@@ -132,7 +134,7 @@ else
   OMP_FLAGS := -fopenmp
 endif
 
-.PHONY: all deps test test-heavy train bench gpucheck gpubuild gpu-deps deps-unpack clean
+.PHONY: all deps test test-heavy train bench gpucheck gpubuild gpucount gpu-deps deps-unpack clean
 
 all: segnet test_segnet
 
@@ -189,6 +191,13 @@ segnet: segnet.c segnet.h $(GPU_OBJS) | deps
 test_segnet: test_segnet.c segnet.c segnet.h $(EMU_OBJS) | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -o $@ test_segnet.c $(EMU_OBJS) $(DEP_LIBS) $(EMU_LIBS) $(LDLIBS)
 
+# segnet on the emulated GPU: ./segnet's build linked with the emulator
+# (kernels_emu.o cuda_emu.o) instead of the nvcc object. With CUEMU_COUNT=FILE
+# it counts what a run asks of the GPU without running a kernel (make gpucount).
+segnet_emu: segnet.c segnet.h $(EMU_OBJS) | deps
+	@[ -n "$(EMU_OBJS)" ] || { echo "make segnet_emu: needs the CUDA toolkit's nvcc and headers (none found, or NO_CUDA=1)" >&2; exit 1; }
+	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) $(MPI_CFLAGS) -o $@ segnet.c $(EMU_OBJS) $(DEP_LIBS) $(EMU_LIBS) $(MPI_LIBS) $(LDLIBS)
+
 kernels_gpu.o: kernels.cu segnet.h
 	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCHS) -c kernels.cu -o $@
 
@@ -200,7 +209,7 @@ cuda_emu.o: cuda_emu.cpp cuda_emu.h
 
 # every test, then (with the emulated CUDA backend) the cuda_ tests again with
 # the threads of each block in reverse order; the last line counts both
-test: segnet test_segnet
+test: segnet test_segnet $(if $(EMU_OBJS),segnet_emu)
 	./test_segnet
 
 # checks that take minutes (fp32/fp16/bf16 quickstart runs against each other)
@@ -232,6 +241,39 @@ bench: segnet
 	done; \
 	printf "$$rows" | awk 'BEGIN { printf "%-9s %12s %12s %7s %13s %13s %7s\n", "model", "segnet ms", "pytorch ms", "ratio", "segnet MiB", "pytorch MiB", "ratio" } \
 	  { printf "%-9s %12.1f %12.1f %7.2f %13.1f %13.1f %7.2f\n", $$1, $$2, $$3, $$2 / $$3, $$4 / 1048576, $$5 / 1048576, $$4 / $$5 }'
+
+# ---- make gpucount: a training step's GPU work, counted without a GPU ---------
+# For each GPUCOUNT_MODELS entry ("title:bench options"), segnet_emu runs
+# `bench --device cuda` in the emulator's counting mode (CUEMU_COUNT: kernels,
+# GEMMs and collectives counted, not run; device memory reserved, not
+# committed) with 1 warm-up and 1 timed step, then with 2 timed steps; the
+# difference of the counters is one step's. The last two lines of a block are
+# the two runs' wall time and their larger peak host RSS.
+GPUCOUNT_MODELS ?= "effv2-l 384x384 b16 bf16:--model effv2-l --size 384x384 --batch 16 --classes 1000 --precision bf16" \
+                   "unet-effv2-l 512x512 b8 bf16:--model unet-effv2-l --size 512x512 --batch 8 --classes 4 --precision bf16"
+gpucount: segnet_emu
+	@dir=$$(mktemp -d) || exit 1; trap 'rm -rf "$$dir"' EXIT; \
+	for m in $(GPUCOUNT_MODELS); do \
+	  title=$${m%%:*}; args=$${m#*:}; secs=""; rss=0; \
+	  for k in 1 2; do \
+	    cmd="./segnet_emu bench --device cuda $$args --warmup 1 --steps $$k"; \
+	    t0=$$(date +%s.%N); \
+	    CUEMU_COUNT=$$dir/count$$k.txt $$cmd > $$dir/run$$k.log 2>&1 \
+	      || { echo "make gpucount: CUEMU_COUNT=FILE $$cmd failed:" >&2; cat $$dir/run$$k.log >&2; exit 1; }; \
+	    secs="$$secs$${secs:+, }$$(echo "$$t0 $$(date +%s.%N)" | awk '{ printf "%.1f s", $$2 - $$1 }')"; \
+	    r=$$(sed -n 's/^peak_rss_bytes: //p' $$dir/run$$k.log); [ "$${r:-0}" -gt "$$rss" ] && rss=$$r; \
+	  done; \
+	  echo "$$title:"; \
+	  awk 'NR == FNR { one[$$1] = $$2; next } { two[$$1] = $$2 } \
+	    END { n = split("launches:launches api_launches:api_launches graph_launches:graph_launches " \
+	                    "blas_calls:cublas_calls nccl_calls:nccl_calls syncs:host_syncs h2d_bytes:h2d_bytes " \
+	                    "d2h_bytes:d2h_bytes d2d_bytes:d2d_bytes", kv, " "); \
+	          for (i = 1; i <= n; i++) { split(kv[i], p, ":"); \
+	            if (!(p[1] in two) || !(p[1] in one)) { print "make gpucount: no counter " p[1] > "/dev/stderr"; exit 1 } \
+	            printf "  %s_per_step: %d\n", p[2], two[p[1]] - one[p[1]] } }' $$dir/count1.txt $$dir/count2.txt || exit 1; \
+	  echo "  count_runs: $$secs"; \
+	  echo "  peak_host_rss_mib: $$((rss / 1048576))"; \
+	done
 
 # ---- make gpucheck: on a machine with an NVIDIA GPU (none on our CI) ----------
 # 1. the cuda_ tests on the device: test_segnet linked with the nvcc-built
@@ -352,5 +394,5 @@ deps-unpack:
 	@echo "make deps-unpack: $$(ls $(DEPS_DIR)/*.deb | wc -l) packages in $(DEPS_DIR)/root; build with DEPS_ROOT=$$PWD/$(DEPS_DIR)/root"
 
 clean:
-	rm -f segnet test_segnet test_segnet_gpu gpucheck.txt gpucheck-tests.log gpucheck-memcheck.log *.o
+	rm -f segnet segnet_emu test_segnet test_segnet_gpu gpucheck.txt gpucheck-tests.log gpucheck-memcheck.log *.o
 	rm -rf $(DEPS_DIR)/root

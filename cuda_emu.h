@@ -45,9 +45,7 @@ constexpr int warpSize = 32;
 namespace cuemu {
 // type-erased callable (no allocation)
 struct Thunk { void (*fn)(void*); void* obj; void operator()() const { fn(obj); } };
-template <class F> Thunk make_thunk(F& f) { return Thunk{[](void* o) { (*static_cast<F*>(o))(); }, &f}; }
 
-void run_grid(dim3 grid, dim3 block, size_t dyn_smem, cudaStream_t s, Thunk body, const char* name);
 void* dyn_smem();                       // this block's dynamic shared memory
 void block_barrier();                   // __syncthreads
 void warp_barrier(unsigned mask);       // __syncwarp / every shuffle
@@ -56,23 +54,53 @@ uint64_t shfl_bits(unsigned mask, uint64_t v, ShflMode m, int arg, int width);
 unsigned vote(unsigned mask, int pred); // ballot
 int block_count(int pred);              // __syncthreads_count
 bool is_device_ptr(const void* p);      // allocation registry (cudaMalloc)
-void check_vector_access(const void* p, size_t bytes);  // aligned to `bytes`, inside one allocation
 void bad_kernel_arg(const char* kernel, int idx, const void* p);
+
+// Kernels call this before every vector load or store of `bytes` (4, 8 or 16)
+// at p, under #ifndef __CUDACC__. Fatal (abort, naming the running kernel,
+// its block and thread, and the address) unless p is a multiple of `bytes` and
+// [p, p + bytes) lies inside one device allocation (cudaMalloc, cudaMallocHost,
+// a __device__ symbol) or inside the block's dynamic shared memory. Static
+// __shared__ arrays are unknown to the emulator: do not check those. With
+// CUEMU_ALLOW_HOST_PTRS=1 an address outside every allocation passes the range
+// check (the alignment check stays).
+void check_vector_access(const void* p, size_t bytes);
 
 template <class T> void check_arg(const char* k, int i, const T& a) {
   if constexpr (std::is_pointer_v<T>)
     if (a && !is_device_ptr((const void*)a)) bad_kernel_arg(k, i, (const void*)a);
 }
 
-// Launch: parameters are copied once (like the launch parameter buffer) and
-// passed BY VALUE to every simulated thread, so a kernel may modify them.
+// A kernel bound to a copy of its launch's arguments (the launch parameter
+// buffer). Every simulated thread calls run(), which passes the arguments BY
+// VALUE, so a kernel may modify its parameters. A captured launch (graph node)
+// keeps a clone: its replays see the values of the capture.
+struct BoundKernel {
+  virtual ~BoundKernel() = default;
+  virtual void run() = 0;                               // the kernel, as the current thread
+  virtual void check_args(const char* name) const = 0;  // pointer arguments are device memory
+  virtual BoundKernel* clone() const = 0;
+};
+template <class F, class... P> struct BoundLaunch final : BoundKernel {
+  F kernel;
+  std::tuple<P...> params;
+  template <class... A> explicit BoundLaunch(F k, A&&... a) : kernel(k), params(std::forward<A>(a)...) {}
+  void run() override { std::apply(kernel, params); }
+  void check_args(const char* name) const override {
+    std::apply([&](const auto&... x) { int i = 0; (check_arg(name, i++, x), ...); }, params);
+  }
+  BoundKernel* clone() const override { return new BoundLaunch(*this); }
+};
+struct LaunchConfig { const char* name; const void* func; dim3 grid, block; size_t smem; cudaStream_t stream; };
+// Runs, counts (CUEMU_COUNT) or captures the launch; a bad configuration is
+// the launch error that cudaGetLastError returns.
+void submit_launch(const LaunchConfig& c, BoundKernel& k);
+
 template <class... P, class... A>
 void launch(const char* name, void (*k)(P...), dim3 g, dim3 b, size_t smem, cudaStream_t s, A&&... a) {
   static_assert(sizeof...(P) == sizeof...(A), "wrong number of kernel arguments");
-  std::tuple<std::decay_t<P>...> params(std::forward<A>(a)...);
-  std::apply([&](const auto&... x) { int i = 0; (check_arg(name, i++, x), ...); }, params);
-  auto body = [&] { std::apply(k, params); };
-  run_grid(g, b, smem, s, make_thunk(body), name);
+  BoundLaunch<void (*)(P...), std::decay_t<P>...> bound(k, std::forward<A>(a)...);
+  submit_launch(LaunchConfig{name, reinterpret_cast<const void*>(k), g, b, smem, s}, bound);
 }
 
 template <class T> T from_bits(uint64_t b) { T r; std::memcpy(&r, &b, sizeof(T)); return r; }
@@ -87,13 +115,34 @@ template <class T> T cas_add(T* p, T v) {  // float/double atomicAdd via CAS on 
 }
 }  // namespace cuemu
 
-// the emulator's own API: threads and blocks of the following launches in
-// reverse order (1) or in order (0); CUEMU_ORDER=reverse sets it at start
+// The emulator's own API (not CUDA's).
+// Threads and blocks of the following launches in reverse order (1) or in
+// order (0); CUEMU_ORDER=reverse sets it at start. Graph replays then also run
+// independent branches in reverse (see cudaGraphLaunch in cuda_emu.cpp).
 extern "C" void cuemu_set_reverse(int reverse);
-// and its counters since the start: "launches", "blas_calls", "syncs" (host
-// waits: device, stream, event, and copies to or from the host), "h2d_bytes",
-// "d2h_bytes"; -1 for another name
+// Counters since the start, -1 for another name:
+//   launches          kernels run (eager or replayed graph nodes; in counting mode: that would have run)
+//   api_launches      host launch calls: eager kernel launches plus cudaGraphLaunch calls
+//   graph_launches    cudaGraphLaunch calls
+//   blas_calls        cuBLAS GEMMs run (eager or replayed)
+//   nccl_calls        NCCL collectives run (eager or replayed)
+//   syncs             host waits: device, stream and event synchronisation,
+//                     cudaMemcpy to or from the host, and cudaMemcpyAsync
+//                     between the device and pageable host memory
+//   h2d_bytes, d2h_bytes, d2d_bytes   bytes copied (cudaMemcpy*, replayed copy nodes)
+//   allocs            cudaMalloc calls that succeeded
+//   alloc_bytes_peak  the most device memory (cudaMalloc) live at once
 extern "C" long long cuemu_count(const char* name);
+// Counting mode (1): kernels, cuBLAS and NCCL calls are counted and not run;
+// new device memory is reserved, not committed (reads as zero, no NaN
+// poisoning); copies to and from the host still copy. 0: back to running.
+extern "C" void cuemu_set_count_only(int on);
+// Counting mode from now on, and at exit the counters written to `path` as
+// "name value" lines. CUEMU_COUNT=path in the environment calls it at start.
+extern "C" void cuemu_count_to_file(const char* path);
+// The emulator's checks of its own semantics (graphs, counting, limits): the
+// number that failed, one line per failure in `report`.
+extern "C" int cuemu_selftest(char* report, size_t n);
 
 // 3. Launch macro (same spelling in both builds, see cuda_compat.h).
 //    Template kernels: wrap the name in parentheses: CU_LAUNCH((k<float,256>), ...)
@@ -107,6 +156,11 @@ template <class T> cudaError_t cudaMemcpyToSymbol(const T& sym, const void* src,
 template <class T> cudaError_t cudaMemcpyFromSymbol(void* dst, const T& sym, size_t n, size_t off = 0, cudaMemcpyKind = cudaMemcpyDeviceToHost) { std::memcpy(dst, (const char*)&sym + off, n); return cudaSuccess; }
 namespace cuemu { void register_device_range(const void* p, size_t n); }
 template <class T> cudaError_t cudaGetSymbolAddress(void** p, const T& sym) { *p = (void*)&sym; cuemu::register_device_range(&sym, sizeof(T)); return cudaSuccess; }
+// The kernel-pointer form of cudaFuncSetAttribute (nvcc's headers have it as a
+// template too); the attributes are kept per kernel function.
+template <class T> cudaError_t cudaFuncSetAttribute(T* kernel, cudaFuncAttribute attr, int value) {
+  return ::cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), attr, value);
+}
 
 // 4. Synchronisation, warp intrinsics
 inline void __syncthreads() { cuemu::block_barrier(); }

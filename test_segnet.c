@@ -6117,6 +6117,50 @@ static void test_cuda_sync_each(void) {
     else unsetenv("CUEMU_DEVICES");
     free(keep);
 }
+
+// The emulator's own semantics on its own tiny kernels (cuda_emu.cpp,
+// cuemu_selftest): graph capture and replay with the captured arguments, the
+// order of replays, what a capture refuses, the 48 KB dynamic shared memory
+// limit and cudaFuncSetAttribute, the vector access check (aborts, seen from
+// a child process), counting mode, thread order and the counters.
+int cuemu_selftest(char *report, size_t n);
+static void test_cuda_emu_semantics(void) {
+    char report[8192];
+    int failed = cuemu_selftest(report, sizeof report);
+    CHECK(failed == 0, "%d checks of the emulator failed:\n%s", failed, report);
+}
+
+// CUEMU_COUNT=FILE: ./segnet_emu (segnet on the emulator) counts a training
+// step's device work without running it and writes the counters at exit.
+static void test_cuda_emu_count_file(void) {
+    const char *path = "/tmp/segnet_test_emu_count.txt";
+    char cmd[1024], msg[4096];
+    unlink(path);
+    snprintf(cmd, sizeof cmd, "CUEMU_COUNT=%s ./segnet_emu bench --device cuda --model unet --depth 2 --width 8 "
+             "--size 32x32 --batch 2 --classes 3 --steps 1 --warmup 0 --threads 1", path);
+    int rc = run_shell(cmd, msg, sizeof msg);
+    CHECK(rc == 0, "%s: exit %d: %s (make segnet_emu builds it)", cmd, rc, msg);
+    size_t n;
+    char *text = read_file(path, &n);
+    CHECK(text != NULL, "%s was not written", path);
+    if (!text) return;
+    const char *names[] = {"launches", "api_launches", "blas_calls", "syncs", "h2d_bytes", "d2h_bytes",
+                           "d2d_bytes", "allocs", "alloc_bytes_peak"};
+    long long v[9];
+    for (int i = 0; i < 9; i++) {
+        char key[64];
+        snprintf(key, sizeof key, "%s ", names[i]);
+        const char *at = strstr(text, key);
+        while (at && at != text && at[-1] != '\n') at = strstr(at + 1, key);
+        v[i] = at ? atoll(at + strlen(key)) : -1;
+        CHECK(at != NULL, "no line '%s N' in %s:\n%s", names[i], path, text);
+    }
+    CHECK(v[0] > 0 && v[1] > 0 && v[1] <= v[0], "launches %lld, api_launches %lld", v[0], v[1]);
+    CHECK(v[4] >= 2 * 32 * 32 * 3 * 4, "h2d_bytes %lld: the batch's images were not counted", v[4]);
+    CHECK(v[7] > 0 && v[8] > 0, "allocs %lld, alloc_bytes_peak %lld", v[7], v[8]);
+    free(text);
+    unlink(path);
+}
 #endif
 
 // The real trainer on the emulated CUDA backend and on the CPU, from the same
@@ -7051,6 +7095,8 @@ static const Test TESTS[] = {
     {"cuda_plan_equals_allocation", test_cuda_plan_equals_allocation},
 #if EMULATED_CUDA
     {"cuda_sync_each", test_cuda_sync_each},
+    {"cuda_emu_semantics", test_cuda_emu_semantics},
+    {"cuda_emu_count_file", test_cuda_emu_count_file},
 #endif
 #ifdef SEGNET_NCCL
     {"cuda_nccl_comm", test_cuda_nccl_comm},
