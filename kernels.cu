@@ -114,11 +114,12 @@ static cudaStream_t stream_of(Ops *o) { return ctx_of(o)->stream; }
 // ----------------------------------------------------------------------------
 // indexing and memory access, for every kernel below
 //
-// Indices are 32-bit: an op whose tensors could hold 2^31 elements or more is
-// split by the host into launches that stay below LAUNCH_MAX_ELEMENTS (chunks
-// of whole rows), so no kernel divides a 64-bit number. Where a kernel must
-// split an index by a launch constant it uses FastDiv (segnet.h), a
-// multiply-high.
+// No kernel divides a 64-bit number (a subroutine of dozens of instructions
+// on a GPU): an index a kernel splits, or walks in a grid-stride loop, is
+// 32-bit, the host splitting an op into launches below LAUNCH_MAX_ELEMENTS
+// (chunks of whole rows or images) where its tensors could be larger; a split
+// by a launch constant inside a loop is a FastDiv (segnet.h), a multiply-high.
+// Offsets that are only multiplied and added may be 64-bit.
 //
 // An NHWC tensor is (rows, C), a row one pixel's C channels. Two kinds of
 // kernel implement the ops:
@@ -151,12 +152,12 @@ static unsigned grid_for(size_t n) {
 
 // storage-type load and store by run-time type: the conversions of segnet.h,
 // so a value rounds to the same bits on both backends
-static __device__ __forceinline__ float ld(const void *p, DType dt, uint32_t i) {
+static __device__ __forceinline__ float ld(const void *p, DType dt, size_t i) {
     if (dt == DT_F32) return ((const float *)p)[i];
     uint16_t h = ((const uint16_t *)p)[i];
     return dt == DT_F16 ? f16_to_f32(h) : bf16_to_f32(h);
 }
-static __device__ __forceinline__ void st(void *p, DType dt, uint32_t i, float v) {
+static __device__ __forceinline__ void st(void *p, DType dt, size_t i, float v) {
     if (dt == DT_F32) ((float *)p)[i] = v;
     else ((uint16_t *)p)[i] = dt == DT_F16 ? f32_to_f16(v) : f32_to_bf16(v);
 }
@@ -343,8 +344,9 @@ static void cuda_synchronize(Ops *o) { cudaCheck(cudaStreamSynchronize(stream_of
 // A kernel walks its n elements in chunks of LAUNCH_MAX_ELEMENTS (64-bit
 // offsets between chunks, 32-bit indices inside), grid-stride within each.
 
-#define FOR_CHUNKS(n, base, m) \
-    for (size_t base = 0, m; base < (n) && ((m = (n) - base < LAUNCH_MAX_ELEMENTS ? (n) - base : LAUNCH_MAX_ELEMENTS), 1); \
+#define FOR_CHUNKS(n, base, m)                                                                      \
+    for (size_t base = 0, m;                                                                        \
+         base < (n) && ((m = (n) - base < LAUNCH_MAX_ELEMENTS ? (n) - base : LAUNCH_MAX_ELEMENTS), 1); \
          base += LAUNCH_MAX_ELEMENTS)
 #define FOR_GRID(i, m) \
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < (uint32_t)(m); i += blockDim.x * gridDim.x)
@@ -502,7 +504,8 @@ static void sum_squares_cuda(Ops *o, Tensor t, float *out) {
     if (vec_ok({t.dtype}, n, {t.data})) {
         SWITCH_STORAGE(t.dtype, T, {
             grid = reduce_grid(n / Vec<T>::N);
-            CU_LAUNCH(sum_squares_vec_kernel<T>, grid, BLOCK, 0, stream_of(o), (const T *)t.data, n / Vec<T>::N, partials);
+            CU_LAUNCH(sum_squares_vec_kernel<T>, grid, BLOCK, 0, stream_of(o), (const T *)t.data, n / Vec<T>::N,
+                      partials);
         });
     } else {
         grid = reduce_grid(n);
@@ -900,7 +903,8 @@ __global__ void im2col_kernel(void *col, const void *in, DType dt, ConvCfg cfg, 
 }
 static void chunk_fits(size_t n, const char *what) {
     if (n >= ((size_t)1 << 31)) {
-        fprintf(stderr, "segnet: internal error: %s of %zu elements in one chunk (cuda_conv_chunk_bytes too large)\n", what, n);
+        fprintf(stderr, "segnet: internal error: %s of %zu elements in one chunk (cuda_conv_chunk_bytes too large)\n",
+                what, n);
         exit(1);
     }
 }
@@ -1222,12 +1226,11 @@ __global__ void channel_sums_finish_kernel(E e, const double *partial, int G, in
         e(g, c, s);
     }
 }
-// W: channels per thread; G·rows·C < 2^31 (checked by the callers' shapes: one tensor)
+// W: channels per thread
 template <int NQ, int W, class F, class E>
 static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C) {
-    if ((size_t)G * rows * C >= ((size_t)1 << 31)) {
-        fprintf(stderr, "segnet: internal error: per-channel sums over %zu elements (fewer than 2^31 supported)\n",
-                (size_t)G * rows * C);
+    if (rows >= ((size_t)1 << 32)) {  // row indices are 32-bit (offsets are 64-bit products)
+        fprintf(stderr, "segnet: internal error: per-channel sums over %zu rows\n", rows);
         exit(1);
     }
     const int lanes = (C + W - 1) / W;  // channel lanes
@@ -1258,7 +1261,8 @@ struct SumOfProduct {
     struct Lane {
         const void *a, *b; DType dta, dtb; int C;
         __device__ void add(uint32_t r, double (&acc)[1][1]) const {
-            acc[0][0] += b ? (double)ld(a, dta, r * C) * ld(b, dtb, r * C) : (double)ld(a, dta, r * C);
+            const size_t i = (size_t)r * C;
+            acc[0][0] += b ? (double)ld(a, dta, i) * ld(b, dtb, i) : (double)ld(a, dta, i);
         }
     };
     __device__ Lane lane(int g, int c) const {
@@ -1272,8 +1276,8 @@ template <class T> struct SumOfProductVec {
     struct Lane {
         const T *a, *b; int C;
         __device__ void add(uint32_t r, double (&acc)[N][1]) const {
-            Vec<T> va = load_vec(a + r * C), vb;
-            if (b) vb = load_vec(b + r * C);
+            Vec<T> va = load_vec(a + (size_t)r * C), vb;
+            if (b) vb = load_vec(b + (size_t)r * C);
             for (int k = 0; k < N; k++)
                 acc[k][0] += b ? (double)to_f32(va.v[k]) * to_f32(vb.v[k]) : (double)to_f32(va.v[k]);
         }
@@ -1289,7 +1293,7 @@ struct Moments {
     struct Lane {
         const void *x; DType dt; int C;
         __device__ void add(uint32_t r, double (&acc)[1][2]) const {
-            double v = ld(x, dt, r * C);
+            double v = ld(x, dt, (size_t)r * C);
             acc[0][0] += v;
             acc[0][1] += v * v;
         }
@@ -1302,7 +1306,7 @@ template <class T> struct MomentsVec {
     struct Lane {
         const T *x; int C;
         __device__ void add(uint32_t r, double (&acc)[N][2]) const {
-            Vec<T> v = load_vec(x + r * C);
+            Vec<T> v = load_vec(x + (size_t)r * C);
             for (int k = 0; k < N; k++) {
                 double d = to_f32(v.v[k]);
                 acc[k][0] += d;
@@ -1452,7 +1456,7 @@ struct BnGradTerms {  // the summands g and g·xhat, generic
         const void *dy; DType dt_dy; const void *x; DType dt_x; int C; BnParams p; BnChannel bn;
         __device__ void add(uint32_t r, double (&acc)[1][2]) const {
             float xhat, g;
-            p.grad(bn, ld(x, dt_x, r * C), ld(dy, dt_dy, r * C), &xhat, &g);
+            p.grad(bn, ld(x, dt_x, (size_t)r * C), ld(dy, dt_dy, (size_t)r * C), &xhat, &g);
             acc[0][0] += g;
             acc[0][1] += (double)g * xhat;
         }
@@ -1467,7 +1471,7 @@ template <class T> struct BnGradTermsVec {
     struct Lane {
         const T *dy, *x; int C; BnParams p; BnChannel bn[N];
         __device__ void add(uint32_t r, double (&acc)[N][2]) const {
-            Vec<T> vx = load_vec(x + r * C), vdy = load_vec(dy + r * C);
+            Vec<T> vx = load_vec(x + (size_t)r * C), vdy = load_vec(dy + (size_t)r * C);
             for (int k = 0; k < N; k++) {
                 float xhat, g;
                 p.grad(bn[k], to_f32(vx.v[k]), to_f32(vdy.v[k]), &xhat, &g);
