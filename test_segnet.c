@@ -1044,6 +1044,31 @@ static void test_bf16_by_hand(void) {
     CHECK(roundtrip, "every bf16 value survives bf16 -> float -> bf16");
 }
 
+// FastDiv (segnet.h), the CUDA kernels' division by a launch constant: the
+// quotient of every n < 2^31 equals n / d. Checked for every d up to 4096
+// against n around each multiple of d and at the ends, and for random d up to
+// 2^31 - 1 and random n (the bound's derivation is above fastdiv_make).
+static void test_fastdiv(void) {
+    Rng r;
+    rng_seed(&r, 91);
+    long bad = 0, checked = 0;
+    for (uint32_t d = 1; d <= 4096; d++) {
+        const FastDiv f = fastdiv_make(d);
+        const uint32_t ns[] = {0, 1, d - 1, d, d + 1, 7 * d - 1, 7 * d, (1u << 31) - 1, (1u << 31) - 2,
+                               (1u << 31) - 1 - ((1u << 31) - 1) % d};
+        for (int k = 0; k < (int)(sizeof ns / sizeof ns[0]); k++, checked++) bad += fastdiv(f, ns[k]) != ns[k] / d;
+        for (int k = 0; k < 64; k++, checked++) {
+            const uint32_t n = (uint32_t)(rng_next(&r) >> 33);
+            bad += fastdiv(f, n) != n / d;
+        }
+    }
+    for (int k = 0; k < 200000; k++, checked++) {
+        const uint32_t d = (uint32_t)(rng_next(&r) >> 33) | 1u, n = (uint32_t)(rng_next(&r) >> 33);
+        bad += fastdiv(fastdiv_make(d), n) != n / d;
+    }
+    CHECK(bad == 0, "fastdiv: %ld of %ld quotients wrong", bad, checked);
+}
+
 static void test_utilities(void) {
     float a[5] = {1, 2, 3, -4, 0.5f}, ss;
     Shape s5 = shape4(5, 1, 1, 1);
@@ -6988,6 +7013,7 @@ static const Test TESTS[] = {
     {"fp16_vs_compiler", test_fp16_vs_compiler},
     {"bf16_by_hand", test_bf16_by_hand},
     {"utilities", test_utilities},
+    {"fastdiv", test_fastdiv},
     {"storage_types", test_storage_types},
 #ifdef _OPENMP  // without OpenMP there is one thread and no parallel path
     {"determinism_across_threads", test_determinism_across_threads},
