@@ -282,7 +282,7 @@ gpucount: segnet_emu
 #    installed (time-boxed: a cut-short run says how far it got);
 # 3. GPU_STEPS training steps of each GPU_MODELS entry in bf16 and fp16, with
 #    and without --checkpoint blocks, and the same model, size and batch in
-#    PyTorch (cuDNN, autocast, channels_last) with GPU_PYTHON when its torch
+#    PyTorch (its GPU library kernels, autocast, channels_last) with GPU_PYTHON when its torch
 #    sees the GPU;
 # 4. gpucheck.txt: the GPU, the tests' and the sanitizer's verdicts and one
 #    table (images/s, peak device memory, segnet/PyTorch ratios), printed last.

@@ -1,7 +1,7 @@
 // kernels.cu -- the CUDA ops table (ops_cuda): hand-written kernels, cuBLAS for
 // GEMMs, NCCL for all-reduce; no vendor DNN library.
 //
-// One source, two builds (see DESIGN.md, "GPU code without a GPU"):
+// One source, two builds (see README.md, "GPU code without a GPU"):
 //   nvcc -c kernels.cu                         for GPUs (real <<<>>>, __shared__, cuBLAS, NCCL)
 //   g++ -x c++ -std=c++17 -c kernels.cu        for the CPU, against cuda_emu.h / cuda_emu.cpp
 // so every kernel launches through CU_LAUNCH and takes dynamic shared memory
@@ -164,6 +164,14 @@ static __device__ __forceinline__ void st(void *p, DType dt, size_t i, float v) 
 // element i of a buffer of storage type dt
 static __host__ __device__ __forceinline__ void *elem_ptr(const void *p, DType dt, size_t i) {
     return (char *)p + i * dtype_size(dt);
+}
+
+// An op whose sizes exceed what its kernels index in 32 bits: a shape no model
+// of segnet reaches (the callers split everything else), so an internal error.
+static void require_below(size_t n, size_t limit, const char *what) {
+    if (n < limit) return;
+    fprintf(stderr, "segnet: internal error: %s: %zu, at most %zu supported\n", what, n, limit - 1);
+    exit(1);
 }
 
 // the storage types as template parameters: float, and the 16-bit formats by their bits
@@ -859,8 +867,6 @@ static size_t conv2d_workspace_cuda(Ops *o, const ConvCfg *cfg, Shape in, DType 
 }
 
 static cudaDataType blas_type(DType dt) { return dt == DT_F32 ? CUDA_R_32F : dt == DT_F16 ? CUDA_R_16F : CUDA_R_16BF; }
-static void *at_elem(const void *p, DType dt, size_t i) { return (char *)p + i * dtype_size(dt); }
-
 // C (m×n, column-major) = op(A)·op(B) + beta·C with fp32 accumulation; A and B of
 // type ab, C of type c: the combinations cuBLAS supports with CUBLAS_COMPUTE_32F
 // (A = B = fp32 with C fp32; A = B = fp16 or bf16 with C the same or fp32)
@@ -901,17 +907,10 @@ __global__ void im2col_kernel(void *col, const void *in, DType dt, ConvCfg cfg, 
         st(col, dt, e, v);  // a stored value: exact in its own type
     }
 }
-static void chunk_fits(size_t n, const char *what) {
-    if (n >= ((size_t)1 << 31)) {
-        fprintf(stderr, "segnet: internal error: %s of %zu elements in one chunk (cuda_conv_chunk_bytes too large)\n",
-                what, n);
-        exit(1);
-    }
-}
 static void im2col(Ops *o, void *col, Tensor in, const ConvCfg *cfg, const ConvGeom *q, int t0, int t1) {
     size_t n = (size_t)(t1 - t0) * q->OW * cfg->groups * q->K;
-    chunk_fits(n, "im2col");
-    chunk_fits(shape_numel(in.shape), "im2col input");
+    require_below(n, (size_t)1 << 31, "im2col elements in one chunk (cuda_conv_chunk_bytes)");
+    require_below(shape_numel(in.shape), (size_t)1 << 31, "im2col input elements");
     CU_LAUNCH(im2col_kernel, grid_for(n), BLOCK, 0, stream_of(o), col, in.data, in.dtype, *cfg, *q, t0, (uint32_t)n,
               im2col_divs(cfg, q));
     launchCheck();
@@ -1046,16 +1045,16 @@ static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor i
         const void *B = in.data;  // pointwise: the input pixels are the output pixels
         int ldb = q->C;
         if (!p.pointwise) { im2col(o, col, in, cfg, q, t0, t1); B = col; ldb = p.GK; }
-        else B = at_elem(in.data, dt, first * q->C);
+        else B = elem_ptr(in.data, dt, first * q->C);
         const int via32 = b && dt != DT_F32;
-        void *y = via32 ? (void *)rows32 : at_elem(out.data, dt, first * q->Cout);
+        void *y = via32 ? (void *)rows32 : elem_ptr(out.data, dt, first * q->Cout);
         // out_g[pix][Coutg] = col_g[pix][K]·W_g[Coutg][K]ᵀ; column-major: out_gᵀ (Coutg×pix) = W_gᵀ-as-stored (op T)·col_gᵀ
         for (int g = 0; g < p.G; g++)
-            gemm_ex(o, CUBLAS_OP_T, CUBLAS_OP_N, q->Coutg, pix, q->K, at_elem(wt, dt, (size_t)g * q->Coutg * q->K), q->K,
-                    at_elem(B, dt, (size_t)g * q->K), ldb, dt, 0.0f, at_elem(y, via32 ? DT_F32 : dt, (size_t)g * q->Coutg),
+            gemm_ex(o, CUBLAS_OP_T, CUBLAS_OP_N, q->Coutg, pix, q->K, elem_ptr(wt, dt, (size_t)g * q->Coutg * q->K), q->K,
+                    elem_ptr(B, dt, (size_t)g * q->K), ldb, dt, 0.0f, elem_ptr(y, via32 ? DT_F32 : dt, (size_t)g * q->Coutg),
                     q->Cout, via32 ? DT_F32 : dt);
         if (b) {
-            void *dst = at_elem(out.data, dt, first * q->Cout);
+            void *dst = elem_ptr(out.data, dt, first * q->Cout);
             bias_rows(o, dst, dt, via32 ? (const float *)rows32 : (const float *)dst, b, q->Cout, pix);
         }
         t0 = t1;
@@ -1095,12 +1094,12 @@ static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Te
         const size_t pix = (size_t)(t1 - t0) * q->OW;
         // dcol_g[pix][K] = dout_g[pix][Coutg]·W_g[Coutg][K]; column-major: dcol_gᵀ (K×pix) = W_g-as-stored (K×Coutg)·dout_gᵀ
         for (int g = 0; g < p.G && pix; g++)
-            gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_N, q->K, pix, q->Coutg, at_elem(wt, dt, (size_t)g * q->Coutg * q->K), q->K,
-                    at_elem(dout.data, dt, (size_t)t0 * q->OW * q->Cout + (size_t)g * q->Coutg), q->Cout, dt, 0.0f,
+            gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_N, q->K, pix, q->Coutg, elem_ptr(wt, dt, (size_t)g * q->Coutg * q->K), q->K,
+                    elem_ptr(dout.data, dt, (size_t)t0 * q->OW * q->Cout + (size_t)g * q->Coutg), q->Cout, dt, 0.0f,
                     dcol + (size_t)g * q->K, p.GK, DT_F32);
         const size_t n = (size_t)(u1 - u0) * q->W * q->C;
-        chunk_fits(n, "col2im");
-        chunk_fits(shape_numel(din.shape), "col2im output");
+        require_below(n, (size_t)1 << 31, "col2im elements in one chunk (cuda_conv_chunk_bytes)");
+        require_below(shape_numel(din.shape), (size_t)1 << 31, "col2im output elements");
         const Col2imDivs d = {fastdiv_make(q->C), fastdiv_make(q->W), fastdiv_make(q->H), fastdiv_make(q->Cg)};
         CU_LAUNCH(col2im_kernel, grid_for(n), BLOCK, 0, stream_of(o), din.data, dt, dcol, *cfg, *q, u0, t0,
                   (uint32_t)n, accumulate, d);
@@ -1138,8 +1137,8 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
         im2col(o, col, in, cfg, q, t0, t1);
         // dW_g[Coutg][K] += dout_g[pix][Coutg]ᵀ·col_g[pix][K]; column-major: dW_gᵀ (K×Coutg) += col_gᵀ·dout_g (op T)
         for (int g = 0; g < p.G; g++)
-            gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_T, q->K, q->Coutg, pix, at_elem(col, dt, (size_t)g * q->K), p.GK,
-                    at_elem(dout.data, dt, (size_t)t0 * q->OW * q->Cout + (size_t)g * q->Coutg), q->Cout, dt, 1.0f,
+            gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_T, q->K, q->Coutg, pix, elem_ptr(col, dt, (size_t)g * q->K), p.GK,
+                    elem_ptr(dout.data, dt, (size_t)t0 * q->OW * q->Cout + (size_t)g * q->Coutg), q->Cout, dt, 1.0f,
                     dw + (size_t)g * q->Coutg * q->K, q->K, DT_F32);
         t0 = t1;
     }
@@ -1229,10 +1228,7 @@ __global__ void channel_sums_finish_kernel(E e, const double *partial, int G, in
 // W: channels per thread
 template <int NQ, int W, class F, class E>
 static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C) {
-    if (rows >= ((size_t)1 << 32)) {  // row indices are 32-bit (offsets are 64-bit products)
-        fprintf(stderr, "segnet: internal error: per-channel sums over %zu rows\n", rows);
-        exit(1);
-    }
+    require_below(rows, (size_t)1 << 32, "rows of per-channel sums");  // 32-bit row indices, 64-bit offsets
     const int lanes = (C + W - 1) / W;  // channel lanes
     const unsigned tx = lanes < 32 ? (unsigned)lanes : 32, ty = BLOCK / tx;
     size_t chunks = (rows + SUMS_MIN_ROWS - 1) / SUMS_MIN_ROWS;
@@ -1568,10 +1564,7 @@ static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const 
     const int C = x.shape.c;
     const size_t rows = shape_numel(x.shape) / (C ? C : 1);
     if (!rows || !C || !dx.data) return;
-    if (count >= ((size_t)1 << 31)) {
-        fprintf(stderr, "segnet: internal error: batch norm over %zu values per channel\n", count);
-        exit(1);
-    }
+    require_below(count, (size_t)1 << 31, "batch norm values per channel");
     const BnParams p = {mean, var, gamma, beta, eps, act};
     const bool vec = vec_ok({dx.dtype, dy.dtype, x.dtype}, C, {dx.data, dy.data, x.data});
     for_row_launches(rows, C, [&](size_t r0, size_t n_rows) {
@@ -1656,10 +1649,7 @@ static void per_image_channel(Ops *o, Tensor dst, Tensor src, const void *b, DTy
     const int N = dst.shape.n, C = dst.shape.c;
     const size_t HW = (size_t)dst.shape.h * dst.shape.w;
     if (!N || !C || !HW) return;
-    if (HW * C >= LAUNCH_MAX_ELEMENTS) {
-        fprintf(stderr, "segnet: internal error: %zu elements per image in one channel op\n", HW * C);
-        exit(1);
-    }
+    require_below(HW * C, LAUNCH_MAX_ELEMENTS, "elements per image of a per-image channel op");
     const bool vec = vec_ok({dst.dtype, src.dtype, b ? dt_b : dst.dtype}, C, {dst.data, src.data, b});
     for (int n0 = 0; n0 < N; n0 += 65535) {  // gridDim.z ≤ 65535
         const unsigned images = N - n0 < 65535 ? N - n0 : 65535;
@@ -1819,11 +1809,7 @@ static void dropout(Ops *o, Tensor out, Tensor in, float rate, uint64_t seed, in
     const size_t n = shape_numel(in.shape);
     if (!n || !out.data) return;
     const size_t E = n / in.shape.n;
-    if (E >= LAUNCH_MAX_ELEMENTS) {
-        fprintf(stderr, "segnet: internal error: dropout over %zu elements per sample (at most %zu)\n", E,
-                LAUNCH_MAX_ELEMENTS - 1);
-        exit(1);
-    }
+    require_below(E, LAUNCH_MAX_ELEMENTS, "dropout elements per sample");
     const unsigned blocks = grid_for(E) / 8 + 1;  // × samples: enough blocks for a GPU
     for (int n0 = 0; n0 < in.shape.n; n0 += 65535) {  // gridDim.y ≤ 65535
         const int count = in.shape.n - n0 < 65535 ? in.shape.n - n0 : 65535;
@@ -1878,12 +1864,10 @@ template <class K> static void image_rows_launch(Tensor out, Tensor in, Tensor e
     const size_t out_image = N ? shape_numel(out.shape) / N : 0, in_image = N ? shape_numel(in.shape) / N : 0;
     const size_t per_image = out_image > in_image ? out_image : in_image;
     if (!N || !per_image) return;
-    size_t images = 65535 / (H ? H : 1);
+    require_below(per_image, LAUNCH_MAX_ELEMENTS, "elements per image of a pooling or resampling op");
+    require_below((size_t)H, 65536, "rows per image of a pooling or resampling op");  // gridDim.z ≤ 65535
+    size_t images = 65535 / (H ? H : 1);  // at least 1 now
     if ((LAUNCH_MAX_ELEMENTS - 1) / per_image < images) images = (LAUNCH_MAX_ELEMENTS - 1) / per_image;
-    if (images < 1) {
-        fprintf(stderr, "segnet: internal error: image of (%d,%d,%d) too large for one launch\n", H, out.shape.w, C);
-        exit(1);
-    }
     const bool vec = vec_ok({out.dtype, in.dtype, extra.data ? extra.dtype : out.dtype}, C,
                             {out.data, in.data, extra.data});
     for (int n0 = 0; n0 < N; n0 += (int)images) {
@@ -2224,11 +2208,9 @@ static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom
                                       int parts, float *partial) {
     const size_t M = (size_t)q->N * q->P, taps = (size_t)cfg->kh * cfg->kw;
     if (!M) return;
-    if (shape_numel(in.shape) >= ((size_t)1 << 31) || shape_numel(dout.shape) >= ((size_t)1 << 31)) {
-        fprintf(stderr, "segnet: internal error: depthwise weight gradient over more than 2^31 elements\n");
-        exit(1);
-    }
-    const uint32_t per_part = (uint32_t)((M + parts - 1) / parts);
+    require_below(shape_numel(in.shape) > shape_numel(dout.shape) ? shape_numel(in.shape) : shape_numel(dout.shape),
+                  (size_t)1 << 31, "elements of a depthwise weight gradient's tensors");
+    const uint32_t per_part = (uint32_t)rows_per_part(M, parts);
     const Shape t = dout.shape, s = in.shape;
     auto run = [&](auto dyio, auto xio, int lanes) {
         typedef decltype(dyio) IO;

@@ -1643,7 +1643,7 @@ static void resize_bilinear_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accum
 //   p = softmax(z), nll_i = log Σ_k exp(z_k) - z_y  (computed with max subtracted)
 //   loss contribution w[y]·nll_i, weight w[y]
 //   dz_k = w[y]·(p_k - [k = y])·inv_norm
-// The caller divides Σ w·nll by the global Σ w (weighted mean, DESIGN.md).
+// The caller divides Σ w·nll by the global Σ w (the weighted mean: README.md, "How it works").
 
 #define XENT_CHUNK 4096
 

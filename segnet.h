@@ -1,6 +1,6 @@
 // segnet.h -- every public type and function of segnet.
 //
-// Layout conventions (see DESIGN.md):
+// Layout conventions (see README.md, "How it works"):
 //   activations  NHWC, shape comment (N,H,W,C) on every tensor
 //   conv weights [Cout][kh][kw][Cin/groups]  ("OHWI"), dense weights [out][in]
 //   parameters   one fp32 buffer, an offset table of named slices into it
@@ -887,7 +887,7 @@ int write_curves_svg(const char *path, const EpochRecord *rows, int n, const cha
                      char err[SN_ERR_MAX]);
 
 // ----------------------------------------------------------------------------
-// replicas: the communicator of a data-parallel run (see DESIGN.md, "Replicas")
+// replicas: the communicator of a data-parallel run (see README.md, "Replicas")
 //
 // Every rank calls every collective, in the same order, with the same sizes.
 // A reduction is a sum in rank order, ((b0 + b1) + b2) + ..., computed the
