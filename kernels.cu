@@ -342,6 +342,53 @@ static void cuda_download(Ops *o, void *host_dst, const void *src, size_t bytes)
     cudaCheck(cudaStreamSynchronize(stream_of(o)));
 }
 static void cuda_synchronize(Ops *o) { cudaCheck(cudaStreamSynchronize(stream_of(o))); }
+static void *cuda_host_alloc(Ops *o, size_t bytes) {
+    ctx_of(o);
+    void *p = NULL;
+    if (cudaMallocHost(&p, bytes ? bytes : 1) != cudaSuccess) {
+        cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+static void cuda_host_free(Ops *o, void *p) {
+    if (!p) return;
+    ctx_of(o);
+    cudaCheck(cudaFreeHost(p));
+}
+static void cuda_upload_async(Ops *o, void *dst, const void *pinned_src, size_t bytes) {
+    cudaCheck(cudaMemcpyAsync(dst, pinned_src, bytes, cudaMemcpyHostToDevice, stream_of(o)));
+}
+
+// A recorded step is a CUDA graph captured from the context's stream. Not
+// with SEGNET_CUDA_SYNC (its synchronisations cannot be captured).
+static int cuda_capture_begin(Ops *o) {
+    CudaCtx *ctx = ctx_of(o);
+    if (ctx->sync_each) return -1;
+    cudaCheck(cudaStreamBeginCapture(ctx->stream, cudaStreamCaptureModeGlobal));
+    return 0;
+}
+static void *cuda_capture_end(Ops *o, char *err) {
+    CudaCtx *ctx = ctx_of(o);
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    cudaError_t e = cudaStreamEndCapture(ctx->stream, &graph);
+    if (e == cudaSuccess) e = cudaGraphInstantiate(&exec, graph, 0);
+    if (graph) cudaGraphDestroy(graph);
+    if (e != cudaSuccess) {
+        snprintf(err, SN_ERR_MAX, "CUDA graph capture: %s", cudaGetErrorString(e));
+        cudaGetLastError();
+        return NULL;
+    }
+    return exec;
+}
+static void cuda_replay(Ops *o, void *record) {
+    cudaCheck(cudaGraphLaunch((cudaGraphExec_t)record, stream_of(o)));
+}
+static void cuda_record_free(Ops *o, void *record) {
+    ctx_of(o);
+    cudaCheck(cudaGraphExecDestroy((cudaGraphExec_t)record));
+}
 
 // ----------------------------------------------------------------------------
 // utilities over whole buffers
@@ -559,14 +606,15 @@ static void nonfinite_cuda(Ops *o, Tensor t, int32_t *flag) {
 // ----------------------------------------------------------------------------
 // fused softmax + weighted cross-entropy, per pixel (row of K logits), as the
 // CPU op: p = softmax(z) with the max subtracted, nll = log Σ_k exp(z_k - max) + max - z_y,
-// loss += w[y]·nll, wsum += w[y], dz_k = w[y]·(p_k - [k = y])·inv_norm.
+// loss += w[y]·nll, wsum += w[y], dz_k = w[y]·(p_k - [k = y])·grad_scale.
 // One thread per row (K is small for segmentation); the per-row arithmetic is
 // fp32, the sums over rows fp64 through the deterministic two-pass reduction.
 
 __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t *labels, const float *class_weights,
-                                    int K, size_t rows, float inv_norm, void *dlogits, DType dt_grad,
+                                    int K, size_t rows, const float *grad_scale, void *dlogits, DType dt_grad,
                                     double *partials) {
     __shared__ double sh[BLOCK * REDUCE_WIDTH];
+    const float scale = dlogits ? *grad_scale : 0.0f;
     double loss = 0.0, wsum = 0.0, invalid = 0.0;
     for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows; r += (size_t)blockDim.x * gridDim.x) {
         const int32_t y = labels[r];
@@ -586,7 +634,7 @@ __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t 
         if (dlogits)
             for (int c = 0; c < K; c++) {
                 float p = expf(ld(logits, dt, base + c) - zmax) / sum;
-                st(dlogits, dt_grad, base + c, wy * (p - (c == y ? 1.0f : 0.0f)) * inv_norm);
+                st(dlogits, dt_grad, base + c, wy * (p - (c == y ? 1.0f : 0.0f)) * scale);
             }
     }
     sh[threadIdx.x * REDUCE_WIDTH + 0] = loss;
@@ -598,12 +646,12 @@ __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t 
 }
 // logits (N,H,W,K), labels (N·H·W), class_weights (K); stats[0..2] += Σ w·nll, Σ w, invalid labels
 static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
-                              float inv_norm, float *stats, Tensor dlogits) {
+                              const float *grad_scale, float *stats, Tensor dlogits) {
     const int K = logits.shape.c;
     const size_t rows = shape_numel(logits.shape) / K;
     unsigned grid = reduce_grid(rows);
     CU_LAUNCH(softmax_xent_kernel, grid, BLOCK, 0, stream_of(o), logits.data, logits.dtype, labels, class_weights, K,
-              rows, inv_norm, dlogits.data, dlogits.dtype, ctx_of(o)->reduce_partials);
+              rows, grad_scale, dlogits.data, dlogits.dtype, ctx_of(o)->reduce_partials);
     launchCheck();
     reduce_partials(o, grid, 3, stats, 1);
 }
@@ -671,7 +719,9 @@ struct AdamElement {
 static __device__ AdamElement adam_element(const AdamStep &s) {
     return {s, __fmul_rn(s.lr, s.weight_decay), __fsub_rn(1.0f, s.beta1), __fsub_rn(1.0f, s.beta2)};
 }
-__global__ void adam_kernel(float *params, const float *grads, float *m, float *v, size_t n, AdamStep s) {
+__global__ void adam_kernel(float *params, const float *grads, float *m, float *v, size_t n, const AdamStep *step) {
+    const AdamStep s = *step;
+    if (s.skip) return;
     const AdamElement adam = adam_element(s);
     FOR_CHUNKS(n, base, cnt) {
         FOR_GRID(i, cnt) {
@@ -682,7 +732,10 @@ __global__ void adam_kernel(float *params, const float *grads, float *m, float *
         }
     }
 }
-__global__ void adam_vec_kernel(float *params, const float *grads, float *m, float *v, size_t n_vec, AdamStep s) {
+__global__ void adam_vec_kernel(float *params, const float *grads, float *m, float *v, size_t n_vec,
+                                const AdamStep *step) {
+    const AdamStep s = *step;
+    if (s.skip) return;
     const AdamElement adam = adam_element(s);
     constexpr int N = Vec<float>::N;
     FOR_CHUNKS(n_vec, base, cnt) {
@@ -694,15 +747,22 @@ __global__ void adam_vec_kernel(float *params, const float *grads, float *m, flo
         }
     }
 }
-// params, grads, m, v: (n) fp32
+// params, grads, m, v: (n) fp32; s: device memory
 static void adam_update_cuda(Ops *o, float *params, const float *grads, float *m, float *v, size_t n,
                              const AdamStep *s) {
     if (!n) return;
     if (vec_ok({DT_F32}, n, {params, grads, m, v}))
         CU_LAUNCH(adam_vec_kernel, grid_for(n / Vec<float>::N), BLOCK, 0, stream_of(o), params, grads, m, v,
-                  n / Vec<float>::N, *s);
+                  n / Vec<float>::N, s);
     else
-        CU_LAUNCH(adam_kernel, grid_for(n), BLOCK, 0, stream_of(o), params, grads, m, v, n, *s);
+        CU_LAUNCH(adam_kernel, grid_for(n), BLOCK, 0, stream_of(o), params, grads, m, v, n, s);
+    launchCheck();
+}
+
+// the step's decisions (step_control_apply in segnet.h), on one thread
+__global__ void step_control_kernel(const StepArgs *a, StepState *s, StepPhase phase) { step_control_apply(a, s, phase); }
+static void step_control_cuda(Ops *o, const StepArgs *a, StepState *s, StepPhase phase) {
+    CU_LAUNCH(step_control_kernel, 1, 1, 0, stream_of(o), a, s, phase);
     launchCheck();
 }
 
@@ -1774,8 +1834,8 @@ static void concat_backward_cuda(Ops *o, Tensor da, Tensor db, Tensor dy, int ac
 // grid: (element blocks, samples); element i of sample blockIdx.y of this
 // launch, whose first sample is the step's `first_sample`
 __global__ void dropout_kernel(void *out, DType dt_out, const void *in, DType dt_in, uint32_t E, int per_sample,
-                               float rate, uint64_t seed, uint64_t first_sample, int accumulate) {
-    const uint64_t sample = first_sample + blockIdx.y;
+                               float rate, const uint64_t *seed_at, uint64_t first_sample, int accumulate) {
+    const uint64_t sample = first_sample + blockIdx.y, seed = *seed_at;
     void *y = elem_ptr(out, dt_out, (size_t)blockIdx.y * E);
     const void *x = elem_ptr(in, dt_in, (size_t)blockIdx.y * E);
     FOR_GRID(i, E) {
@@ -1784,10 +1844,10 @@ __global__ void dropout_kernel(void *out, DType dt_out, const void *in, DType dt
     }
 }
 template <class T>
-__global__ void dropout_vec_kernel(T *out, const T *in, uint32_t E, int per_sample, float rate, uint64_t seed,
-                                   uint64_t first_sample, int accumulate) {
+__global__ void dropout_vec_kernel(T *out, const T *in, uint32_t E, int per_sample, float rate,
+                                   const uint64_t *seed_at, uint64_t first_sample, int accumulate) {
     constexpr int N = Vec<T>::N;
-    const uint64_t sample = first_sample + blockIdx.y;
+    const uint64_t sample = first_sample + blockIdx.y, seed = *seed_at;
     T *y = out + (size_t)blockIdx.y * E;
     const T *x = in + (size_t)blockIdx.y * E;
     const float keep_sample = per_sample ? dropout_keep(rate, seed, sample) : 0.0f;
@@ -1803,9 +1863,10 @@ __global__ void dropout_vec_kernel(T *out, const T *in, uint32_t E, int per_samp
     }
 }
 // element i of sample n of the tensor is element (first_sample + n)·E + i of the
-// step (E = H·W·C), whose draw is that index (dropout) or first_sample + n (drop-path)
-static void dropout(Ops *o, Tensor out, Tensor in, float rate, uint64_t seed, int per_sample, uint64_t first_sample,
-                    int accumulate) {
+// step (E = H·W·C), whose draw is that index (dropout) or first_sample + n (drop-path);
+// seed: device memory
+static void dropout(Ops *o, Tensor out, Tensor in, float rate, const uint64_t *seed, int per_sample,
+                    uint64_t first_sample, int accumulate) {
     const size_t n = shape_numel(in.shape);
     if (!n || !out.data) return;
     const size_t E = n / in.shape.n;
@@ -1828,11 +1889,11 @@ static void dropout(Ops *o, Tensor out, Tensor in, float rate, uint64_t seed, in
         launchCheck();
     }
 }
-static void dropout_forward_cuda(Ops *o, Tensor y, Tensor x, float rate, uint64_t seed, int per_sample,
+static void dropout_forward_cuda(Ops *o, Tensor y, Tensor x, float rate, const uint64_t *seed, int per_sample,
                                  uint64_t first_sample) {
     dropout(o, y, x, rate, seed, per_sample, first_sample, 0);
 }
-static void dropout_backward_cuda(Ops *o, Tensor dx, Tensor dy, float rate, uint64_t seed, int per_sample,
+static void dropout_backward_cuda(Ops *o, Tensor dx, Tensor dy, float rate, const uint64_t *seed, int per_sample,
                                   uint64_t first_sample, int accumulate) {
     dropout(o, dx, dy, rate, seed, per_sample, first_sample, accumulate);
 }
@@ -2245,6 +2306,14 @@ static Ops make_ops_cuda(void) {
     o.upload = cuda_upload;
     o.download = cuda_download;
     o.synchronize = cuda_synchronize;
+    o.host_alloc = cuda_host_alloc;
+    o.host_free = cuda_host_free;
+    o.upload_async = cuda_upload_async;
+    o.capture_begin = cuda_capture_begin;
+    o.capture_end = cuda_capture_end;
+    o.replay = cuda_replay;
+    o.record_free = cuda_record_free;
+    o.step_control = step_control_cuda;
     o.fill = fill_cuda;
     o.copy = copy_cuda;
     o.conv2d_workspace = conv2d_workspace_cuda;

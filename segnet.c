@@ -146,6 +146,12 @@ static void cpu_free(Ops *o, void *p) {
 }
 static void cpu_memcpy(Ops *o, void *dst, const void *src, size_t bytes) { (void)o; memcpy(dst, src, bytes); }
 static void cpu_synchronize(Ops *o) { (void)o; }
+static void *cpu_host_alloc(Ops *o, size_t bytes) { (void)o; return malloc(bytes ? bytes : 1); }
+static void cpu_host_free(Ops *o, void *p) { (void)o; free(p); }
+static void step_control_cpu(Ops *o, const StepArgs *a, StepState *s, StepPhase phase) {
+    (void)o;
+    step_control_apply(a, s, phase);
+}
 
 static void fill_cpu(Ops *o, Tensor t, float value) {
     (void)o;
@@ -1492,17 +1498,19 @@ static void concat_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int acc
 //   keep_i = rng_uniform(seed, i) >= rate, i the element (dropout) or the sample (drop-path)
 //   y = x·keep/(1 - rate),  dx = dy·keep/(1 - rate)
 
-static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, float rate, uint64_t seed, int per_sample,
+static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, float rate, const uint64_t *seed_at, int per_sample,
                                 uint64_t first_sample) {
     (void)o;
+    const uint64_t seed = *seed_at;
     const size_t n = shape_numel(x.shape), E = n / x.shape.n, per_draw = per_sample ? E : 1;
     #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) st(y, i, ld(x, i) * dropout_factor(rate, seed, first_sample * E + i, per_draw));
 }
 
-static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dy, float rate, uint64_t seed, int per_sample,
+static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dy, float rate, const uint64_t *seed_at, int per_sample,
                                  uint64_t first_sample, int accumulate) {
     (void)o;
+    const uint64_t seed = *seed_at;
     const size_t n = shape_numel(dy.shape), E = n / dy.shape.n, per_draw = per_sample ? E : 1;
     #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++)
@@ -1642,14 +1650,15 @@ static void resize_bilinear_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accum
 // fused softmax + weighted cross-entropy, per pixel i with logits z (K classes):
 //   p = softmax(z), nll_i = log Σ_k exp(z_k) - z_y  (computed with max subtracted)
 //   loss contribution w[y]·nll_i, weight w[y]
-//   dz_k = w[y]·(p_k - [k = y])·inv_norm
+//   dz_k = w[y]·(p_k - [k = y])·grad_scale
 // The caller divides Σ w·nll by the global Σ w (the weighted mean: README.md, "How it works").
 
 #define XENT_CHUNK 4096
 
 static void softmax_xent_cpu(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
-                             float inv_norm, float *stats, Tensor dlogits) {
+                             const float *grad_scale, float *stats, Tensor dlogits) {
     (void)o;
+    const float gscale = dlogits.data ? *grad_scale : 0.0f;
     const int K = logits.shape.c;
     const size_t M = shape_numel(logits.shape) / K, n_chunks = (M + XENT_CHUNK - 1) / XENT_CHUNK;
     double loss = 0.0, wsum = 0.0, invalid = 0.0;
@@ -1678,7 +1687,7 @@ static void softmax_xent_cpu(Ops *o, Tensor logits, const int32_t *labels, const
                 if (dlogits.data)
                     for (int c = 0; c < K; c++) {
                         double p = exp((double)ld(logits, r * K + c) - zmax) / sum;
-                        st(dlogits, r * K + c, (float)(wy * (p - (c == y)) * inv_norm));
+                        st(dlogits, r * K + c, (float)(wy * (p - (c == y)) * gscale));
                     }
             }
             pl[k - g0] = l; pw[k - g0] = w; pi[k - g0] = bad;
@@ -1716,7 +1725,7 @@ double label_weight_sum(const int32_t *labels, size_t n, const float *class_weig
 
 AdamStep adam_step_init(float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
                         int64_t t) {
-    AdamStep s = {lr, beta1, beta2, eps, weight_decay, grad_scale, 0.0f};
+    AdamStep s = {lr, beta1, beta2, eps, weight_decay, grad_scale, 0.0f, 0};
     s.alpha = (float)((double)lr * sqrt(1.0 - pow(beta2, (double)t)) / (1.0 - pow(beta1, (double)t)));
     return s;
 }
@@ -1728,6 +1737,7 @@ __attribute__((optimize("fp-contract=off")))
 static void adam_update_cpu(Ops *o, float *params, const float *grads, float *m, float *v, size_t n,
                             const AdamStep *s) {
     (void)o;
+    if (s->skip) return;
     const float decay = s->lr * s->weight_decay;
     #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) {
@@ -1750,6 +1760,10 @@ Ops ops_cpu = {
     .upload = cpu_memcpy,
     .download = cpu_memcpy,
     .synchronize = cpu_synchronize,
+    .host_alloc = cpu_host_alloc,
+    .host_free = cpu_host_free,
+    .upload_async = cpu_memcpy,
+    .step_control = step_control_cpu,
     .fill = fill_cpu,
     .scale = scale_cpu,
     .axpby = axpby_cpu,
@@ -1791,12 +1805,15 @@ Ops ops_cpu = {
 // choosing a backend
 
 // Every function entry of struct Ops by name (the test ops_entries_listed checks
-// that none is left out).
-#define OPS_ENTRY(name) {#name, offsetof(Ops, name)}
-static const struct { const char *name; size_t offset; } OPS_ENTRIES[] = {
+// that none is left out); optional ones may be NULL (recording steps).
+#define OPS_ENTRY(name) {#name, offsetof(Ops, name), 0}
+#define OPS_OPTIONAL(name) {#name, offsetof(Ops, name), 1}
+static const struct { const char *name; size_t offset; int optional; } OPS_ENTRIES[] = {
     OPS_ENTRY(alloc), OPS_ENTRY(free), OPS_ENTRY(upload), OPS_ENTRY(download), OPS_ENTRY(synchronize),
+    OPS_ENTRY(host_alloc), OPS_ENTRY(host_free), OPS_ENTRY(upload_async), OPS_OPTIONAL(capture_begin),
+    OPS_OPTIONAL(capture_end), OPS_OPTIONAL(replay), OPS_OPTIONAL(record_free),
     OPS_ENTRY(fill), OPS_ENTRY(scale), OPS_ENTRY(axpby), OPS_ENTRY(copy), OPS_ENTRY(sum_squares),
-    OPS_ENTRY(nonfinite), OPS_ENTRY(conv2d_workspace), OPS_ENTRY(conv2d_forward), OPS_ENTRY(conv2d_backward_data),
+    OPS_ENTRY(nonfinite), OPS_ENTRY(step_control), OPS_ENTRY(conv2d_workspace), OPS_ENTRY(conv2d_forward), OPS_ENTRY(conv2d_backward_data),
     OPS_ENTRY(conv2d_backward_weight), OPS_ENTRY(bn_stats), OPS_ENTRY(bn_forward), OPS_ENTRY(bn_update_running),
     OPS_ENTRY(bn_backward_reduce), OPS_ENTRY(bn_backward_data), OPS_ENTRY(act_forward), OPS_ENTRY(act_backward),
     OPS_ENTRY(global_avg_pool_forward), OPS_ENTRY(global_avg_pool_backward), OPS_ENTRY(channel_scale_forward),
@@ -1814,7 +1831,7 @@ int ops_missing(const Ops *o, char *list, size_t size) {
     for (size_t i = 0; i < N_OPS_ENTRIES; i++) {
         void (*fn)(void);
         memcpy(&fn, (const char *)o + OPS_ENTRIES[i].offset, sizeof fn);
-        if (fn) continue;
+        if (fn || OPS_ENTRIES[i].optional) continue;
         size_t len = strlen(list);
         snprintf(list + len, size - len, "%s%s", n++ ? ", " : "", OPS_ENTRIES[i].name);
     }
@@ -2636,6 +2653,22 @@ static float *buffer_ptr(const Net *net, int id) { return net->buffers + net->g-
 uint64_t net_layer_seed(const Net *net, int layer) {
     return rng_mix64(rng_mix64(net->seed ^ rng_mix64(net->step)) + (uint64_t)layer);
 }
+void net_layer_seeds(const Net *net, uint64_t *seeds) {
+    for (int i = 0; i < net->g->n_layers; i++) seeds[i] = net_layer_seed(net, i);
+}
+// The dropout ops read their seeds from backend memory (so that a replayed
+// step reads this step's): uploaded here unless the trainer already queued
+// them for this (seed, step).
+static void net_seeds_current(Net *net) {
+    if (net->seeds_set && net->seeds_of[0] == net->seed && net->seeds_of[1] == net->step) return;
+    const int L = net->g->n_layers;
+    uint64_t *seeds = malloc(sizeof(uint64_t) * (size_t)L);
+    snCheck(seeds != NULL, "out of host memory");
+    net_layer_seeds(net, seeds);
+    net->o->upload(net->o, net->layer_seeds, seeds, sizeof(uint64_t) * (size_t)L);
+    free(seeds);
+    net->seeds_of[0] = net->seed; net->seeds_of[1] = net->step; net->seeds_set = 1;
+}
 
 void net_free(Net *net) {
     Ops *o = net->o;
@@ -2645,7 +2678,7 @@ void net_free(Net *net) {
     else for (int t = 0; net->act && t < g->n_tensors; t++) { o->free(o, net->act[t]); if (net->grad) o->free(o, net->grad[t]); }
     for (int l = 0; net->bn_mean && l < g->n_layers; l++) { o->free(o, net->bn_mean[l]); o->free(o, net->bn_var[l]); }
     o->free(o, net->params); o->free(o, net->grads); o->free(o, net->buffers);
-    o->free(o, net->bn_scratch); o->free(o, net->ws);
+    o->free(o, net->bn_scratch); o->free(o, net->ws); o->free(o, net->layer_seeds);
     free(net->act); free(net->grad); free(net->needs_grad); free(net->grad_written); free(net->bn_mean); free(net->bn_var);
     free(net->grad_offset);
     memset(net, 0, sizeof *net);
@@ -2740,11 +2773,12 @@ static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int in
         net->grads = o->alloc(o, sizeof(float) * (net->n_grad_floats ? net->n_grad_floats : 1));
         net->buffers = o->alloc(o, bbytes);
         net->bn_scratch = o->alloc(o, sizeof(float) * 2 * (size_t)cmax);
+        net->layer_seeds = o->alloc(o, sizeof(uint64_t) * (size_t)L);
         if (!plan) {
             net->ws_bytes = ws;
             net->ws = ws ? o->alloc(o, ws) : NULL;
         }
-        ok = net->params && net->grads && net->buffers && net->bn_scratch && (!ws || net->ws);
+        ok = net->params && net->grads && net->buffers && net->bn_scratch && net->layer_seeds && (!ws || net->ws);
     }
     if (!ok) {
         snprintf(err, SN_ERR_MAX, "out of %s memory allocating the network's tensors", o->name);
@@ -2916,7 +2950,7 @@ static void layer_forward(Net *net, int i, int recompute) {
         case LAYER_RESCALE: o->axpby(o, y, x, l->scale, l->offset, 0); break;
         case LAYER_DROPOUT: case LAYER_DROP_PATH:
             if (layer_in_train_mode(net, l) && l->rate > 0.0f)
-                o->dropout_forward(o, y, x, l->rate, net_layer_seed(net, i), l->kind == LAYER_DROP_PATH, net->first_sample);
+                o->dropout_forward(o, y, x, l->rate, net->layer_seeds + i, l->kind == LAYER_DROP_PATH, net->first_sample);
             else
                 o->copy(o, y, x, 0);
             break;
@@ -2928,6 +2962,7 @@ static void layer_forward(Net *net, int i, int recompute) {
 
 void net_forward(Net *net, int training) {
     net->training = training;
+    if (training) net_seeds_current(net);
     for (int i = 0; i < net->g->n_layers; i++) {
         if (net->plan) plan_enter(net, net->plan->fwd_slot[i]);
         layer_forward(net, i, 0);
@@ -2997,7 +3032,7 @@ static void layer_backward(Net *net, int i) {
         case LAYER_DROPOUT: case LAYER_DROP_PATH:
             if (!dx.data) break;
             if (layer_in_train_mode(net, l) && l->rate > 0.0f)
-                o->dropout_backward(o, dx, dy, l->rate, net_layer_seed(net, i), l->kind == LAYER_DROP_PATH,
+                o->dropout_backward(o, dx, dy, l->rate, net->layer_seeds + i, l->kind == LAYER_DROP_PATH,
                                     net->first_sample, acc_a);
             else
                 o->copy(o, dx, dy, acc_a);
@@ -5361,9 +5396,6 @@ double lr_at_step(double lr, Schedule s, int64_t warmup, int64_t total_steps, in
     return lr * 0.5 * (1.0 + cos(M_PI * progress));
 }
 
-float clip_factor(double global_norm, float clipnorm) {
-    return clipnorm > 0.0f && global_norm > clipnorm ? (float)(clipnorm / global_norm) : 1.0f;
-}
 
 void train_cfg_default(TrainCfg *c) {
     memset(c, 0, sizeof *c);
@@ -5400,13 +5432,20 @@ typedef struct {
     float *class_weights;       // (K)
     int32_t *labels;            // (N·H·W) or (N)
     int64_t *confusion;         // (K,K)
-    float *scalars;             // [0..2] softmax_xent stats, [3] Σ grad²
+    StepArgs *args;             // backend memory: the step's arguments, from host_args
+    StepState *state;           // backend memory: what the step decides (step_control)
+    StepArgs *host_args;        // host_alloc: written before each step, read when its upload runs
+    StepState *host_state;      // host_alloc: the step's StepState, read back at its end
+    uint64_t *host_seeds;       // host_alloc: (n_layers) the step's dropout seeds
+    float *host_images;         // host_alloc: (N,H,W,3) the micro-batch being uploaded
+    int32_t *host_labels;       // host_alloc: its labels
+    void *record;               // the recorded step (Ops.capture_*), replayed by later steps; NULL: none
+    int records;                // 1: record steps where the backend can (SEGNET_CUDA_GRAPHS=0: never)
     size_t per_image;           // labels per image: H·W (segmentation) or 1
     struct { size_t offset, count; } *ranges;  // trainable parameters: runs of the parameter buffer
     int n_ranges;
     size_t n_trainable;         // Σ counts: the size of each Adam moment
     float *stage;               // (N,H,W,3) fp32 images before the cast to the storage type
-    int32_t *flag;              // (1) nonfinite result
     float *accum_images;        // host: accum × (N,H,W,3), micro-batches waiting for their step
     int32_t *accum_labels;      // host: accum × (N·H·W or N)
     int64_t total_steps;        // optimiser steps of the whole run (schedules)
@@ -5433,8 +5472,13 @@ static void trainer_close(Trainer *t) {
     Ops *o = t->o;
     if (o) {
         o->free(o, t->adam_m); o->free(o, t->adam_v); o->free(o, t->class_weights);
-        o->free(o, t->labels); o->free(o, t->confusion); o->free(o, t->scalars);
-        o->free(o, t->stage); o->free(o, t->flag);
+        o->free(o, t->labels); o->free(o, t->confusion); o->free(o, t->args); o->free(o, t->state);
+        o->free(o, t->stage);
+        if (t->record) o->record_free(o, t->record);
+        if (o->host_free) {
+            o->host_free(o, t->host_args); o->host_free(o, t->host_state); o->host_free(o, t->host_seeds);
+            o->host_free(o, t->host_images); o->host_free(o, t->host_labels);
+        }
     }
     free(t->ranges); free(t->accum_images); free(t->accum_labels); free(t->bn_host);
     net_free(&t->net);
@@ -5530,14 +5574,25 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     t->class_weights = o->alloc(o, sizeof(float) * t->K);
     t->labels = o->alloc(o, sizeof(int32_t) * labels);
     t->confusion = o->alloc(o, sizeof(int64_t) * t->K * t->K);
-    t->scalars = o->alloc(o, sizeof(float) * 4);
-    t->flag = o->alloc(o, sizeof(int32_t));
+    t->args = o->alloc(o, sizeof(StepArgs));
+    t->state = o->alloc(o, sizeof(StepState));
     t->stage = c->precision == DT_F32 ? NULL : o->alloc(o, sizeof(float) * (size_t)in.n * in.h * in.w * 3);
-    if (!t->adam_m || !t->adam_v || !t->class_weights || !t->labels || !t->confusion || !t->scalars || !t->flag ||
+    if (!t->adam_m || !t->adam_v || !t->class_weights || !t->labels || !t->confusion || !t->args || !t->state ||
         (c->precision != DT_F32 && !t->stage)) {
         snprintf(err, SN_ERR_MAX, "out of %s memory for the optimiser state", o->name);
         return -1;
     }
+    t->host_args = o->host_alloc(o, sizeof(StepArgs));
+    t->host_state = o->host_alloc(o, sizeof(StepState));
+    t->host_seeds = o->host_alloc(o, sizeof(uint64_t) * (size_t)g->n_layers);
+    t->host_images = o->host_alloc(o, sizeof(float) * (size_t)in.n * in.h * in.w * 3);
+    t->host_labels = o->host_alloc(o, sizeof(int32_t) * labels);
+    if (!t->host_args || !t->host_state || !t->host_seeds || !t->host_images || !t->host_labels) {
+        snprintf(err, SN_ERR_MAX, "out of pinned host memory for the staging buffers");
+        return -1;
+    }
+    const char *records = getenv("SEGNET_CUDA_GRAPHS");
+    t->records = !(records && !strcmp(records, "0"));
     if (c->accum > 1) {
         t->accum_images = malloc(sizeof(float) * (size_t)c->accum * in.n * in.h * in.w * 3);
         t->accum_labels = malloc(sizeof(int32_t) * (size_t)c->accum * labels);
@@ -5681,46 +5736,108 @@ static void progress_line(const Trainer *t, int training, int batch_no, int n_ba
 // micro-batches and replicas), which is what dropout masks are drawn by.
 typedef struct { int n; const float *images; const int32_t *labels; int first; } MicroBatch;
 
-// Uploads a micro-batch into the net's input (cast to the storage type) and the labels buffer.
-static void upload_batch(Trainer *t, const MicroBatch *mb) {
+// A micro-batch into the host staging buffers (written while the device is
+// idle: after the last step's download, or a synchronize).
+static void stage_batch(Trainer *t, const MicroBatch *mb) {
+    const Shape in = t->g.tensors[t->g.input].shape;
+    memcpy(t->host_images, mb->images, sizeof(float) * (size_t)mb->n * in.h * in.w * 3);
+    memcpy(t->host_labels, mb->labels, sizeof(int32_t) * (size_t)mb->n * t->per_image);
+}
+
+// Queues the staged micro-batch's upload into the net's input (cast to the
+// storage type) and the labels buffer.
+static void upload_staged(Trainer *t, int n) {
     Ops *o = t->o;
     Net *net = &t->net;
     const Shape in = t->g.tensors[t->g.input].shape;
-    const size_t floats = (size_t)mb->n * in.h * in.w * 3;
-    net->batch = mb->n;
+    const size_t floats = (size_t)n * in.h * in.w * 3;
+    net->batch = n;
     if (net->dtype == DT_F32) {
-        o->upload(o, net->act[t->g.input], mb->images, sizeof(float) * floats);
+        o->upload_async(o, net->act[t->g.input], t->host_images, sizeof(float) * floats);
     } else {
-        o->upload(o, t->stage, mb->images, sizeof(float) * floats);
-        o->copy(o, net_tensor(net, t->g.input), tensor_f32(t->stage, shape4(mb->n, in.h, in.w, 3)), 0);
+        o->upload_async(o, t->stage, t->host_images, sizeof(float) * floats);
+        o->copy(o, net_tensor(net, t->g.input), tensor_f32(t->stage, shape4(n, in.h, in.w, 3)), 0);
     }
-    o->upload(o, t->labels, mb->labels, sizeof(int32_t) * (size_t)mb->n * t->per_image);
+    o->upload_async(o, t->labels, t->host_labels, sizeof(int32_t) * (size_t)n * t->per_image);
 }
 
 // The loss and metrics of the batch in the net: softmax cross-entropy of the
-// logits (its gradient into dlogits when that has data, scaled by grad_scale)
-// and the confusion matrix. Returns the batch's Σ w·nll.
-static float score_batch(Trainer *t, float grad_scale, Tensor dlogits) {
+// logits (its gradient into dlogits when that has data, scaled by
+// state->xent_scale) and the confusion matrix, added into state->loss.
+static void score_batch(Trainer *t, Tensor dlogits) {
     Ops *o = t->o;
     Tensor z = net_tensor(&t->net, t->logits);
-    o->fill(o, tensor_f32(t->scalars, shape4(4, 1, 1, 1)), 0.0f);
-    o->softmax_xent(o, z, t->labels, t->class_weights, grad_scale, t->scalars, dlogits);
+    o->softmax_xent(o, z, t->labels, t->class_weights, dlogits.data ? &t->state->xent_scale : NULL, t->state->loss,
+                    dlogits);
     o->confusion_accumulate(o, z, t->labels, t->confusion);
-    float stats[3];
-    o->download(o, stats, t->scalars, sizeof stats);
-    snCheck(stats[2] == 0.0f, "labels outside 0..%d passed the data set's checks", t->K - 1);
-    return stats[0];
+}
+
+// An evaluation batch: the forward and its loss Σ w·nll (metrics into the confusion matrix).
+static float eval_batch(Trainer *t, const MicroBatch *mb) {
+    Ops *o = t->o;
+    Net *net = &t->net;
+    stage_batch(t, mb);
+    upload_staged(t, mb->n);
+    net_forward(net, 0);
+    o->fill(o, tensor_f32(t->state->loss, shape4(3, 1, 1, 1)), 0.0f);
+    score_batch(t, tensor(NULL, net_tensor(net, t->logits).shape, net->dtype));
+    float loss[3];
+    o->download(o, loss, t->state->loss, sizeof loss);
+    snCheck(loss[2] == 0.0f, "labels outside 0..%d passed the data set's checks", t->K - 1);
+    return loss[0];
 }
 
 // the whole gradient buffer (the trainable parameters') as one tensor
 static Tensor grads_tensor(Trainer *t) { return tensor_f32(t->net.grads, shape4((int)t->n_trainable, 1, 1, 1)); }
 
-static double trainable_sum_squares(Trainer *t) {
+// The optimiser step's work on the device, from the uploads to Adam, all
+// queued: no host synchronisation unless replicas exchange values (then
+// returns -1 if a collective failed). Micro-batch 0 is staged by the caller.
+static int step_work(Trainer *t, const MicroBatch *mb, int k) {
+    const TrainCfg *c = t->c;
     Ops *o = t->o;
-    float ss;
-    o->sum_squares(o, grads_tensor(t), t->scalars + 3);
-    o->download(o, &ss, t->scalars + 3, sizeof ss);
-    return ss;
+    Net *net = &t->net;
+    Comm *comm = t->comm;
+    o->upload_async(o, t->args, t->host_args, sizeof(StepArgs));
+    o->upload_async(o, net->layer_seeds, t->host_seeds, sizeof(uint64_t) * (size_t)t->g.n_layers);
+    o->step_control(o, t->args, t->state, STEP_BEGIN);
+    o->fill(o, grads_tensor(t), 0.0f);
+    for (int i = 0; i < k; i++) {
+        if (i > 0) {  // the staging buffers hold one micro-batch
+            o->synchronize(o);
+            stage_batch(t, &mb[i]);
+        }
+        upload_staged(t, mb[i].n);
+        net->first_sample = (uint64_t)mb[i].first;
+        net_forward(net, 1);
+        if (mb[i].n) score_batch(t, net_grad(net, t->logits));
+        net_backward(net, t->logits);
+        if (net->failed || replicas_average_bn(t, mb[i].n)) return -1;
+    }
+    if (comm_allreduce_backend(t, net->grads, t->n_trainable)) return -1;
+    if (net->dtype == DT_F16) {
+        o->nonfinite(o, grads_tensor(t), &t->state->nonfinite);
+        if (comm->size > 1) {
+            // The summed gradients are the same bits on every replica, so their
+            // flags agree; summing the flags makes that a guarantee, not a property.
+            int32_t flag;
+            o->download(o, &flag, &t->state->nonfinite, sizeof flag);
+            int64_t any = flag;
+            if (comm->allreduce_i64(comm, &any, 1)) return -1;
+            flag = any != 0;
+            o->upload(o, &t->state->nonfinite, &flag, sizeof flag);
+        }
+    }
+    if (c->clipnorm > 0.0f) o->sum_squares(o, grads_tensor(t), &t->state->grad_sum_squares);
+    o->step_control(o, t->args, t->state, STEP_DECIDE);
+    size_t packed = 0;  // offset of the range in the gradients and moments
+    for (int r = 0; r < t->n_ranges; r++) {
+        size_t off = t->ranges[r].offset, n = t->ranges[r].count;
+        o->adam_update(o, net->params + off, net->grads + packed, t->adam_m + packed, t->adam_v + packed, n,
+                       &t->state->adam);
+        packed += n;
+    }
+    return 0;
 }
 
 // One optimiser step over k micro-batches (gradient accumulation when k > 1).
@@ -5728,14 +5845,18 @@ static double trainable_sum_squares(Trainer *t) {
 // a denominator known before the first forward. With fp16 storage the loss is
 // scaled (dynamic loss scaling, Keras' LossScaleOptimizer): unscale → check for
 // inf/NaN (skip the update, halve the scale) → clip → Adam; the step counts
-// either way, as in Keras. Returns 1 if the update was applied, -1 if a
-// collective failed (another replica stopped).
+// either way, as in Keras. Returns 1 if the update was applied, 0 if it was
+// skipped, -1 if a collective failed (another replica stopped).
 //
 // With replicas, mb are this replica's shards of the k global batches: the
 // denominator is all-reduced before the forward (every replica divides by the
 // global Σ w), the gradients after the backward (their sum is then the
 // gradient of the global loss), and the inf/NaN flag with them, so every
 // replica takes the same decision and the same Adam step.
+//
+// The host writes the step's arguments, queues the work (or replays the
+// record of an earlier step with the same shapes) and reads StepState once
+// at the end: the step's only wait for the device.
 static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     const TrainCfg *c = t->c;
     Ops *o = t->o;
@@ -5748,47 +5869,48 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     }
     double norm = local_norm;
     if (comm->size > 1 && comm->allreduce_f64(comm, &norm, 1)) return -1;
-    const float scale = t->loss_scale, inv_norm = norm > 0 ? (float)(1.0 / norm) : 0.0f;
-    o->fill(o, grads_tensor(t), 0.0f);
-    for (int i = 0; i < k; i++) {
-        upload_batch(t, &mb[i]);
-        net->step = (uint64_t)t->step;  // one seed per step; masks by image within it (first_sample)
-        net->first_sample = (uint64_t)mb[i].first;
-        net_forward(net, 1);
-        if (mb[i].n) pt->loss_sum += score_batch(t, inv_norm * scale, net_grad(net, t->logits));
-        net_backward(net, t->logits);
-        if (net->failed || replicas_average_bn(t, mb[i].n)) return -1;
-    }
-    pt->norm_sum += local_norm;  // the pass adds the replicas' parts up at its end
-    if (comm_allreduce_backend(t, net->grads, t->n_trainable)) return -1;
-    int64_t step = t->step++;
-    if (net->dtype == DT_F16) {
-        int32_t flag = 0;
-        o->upload(o, t->flag, &flag, sizeof flag);
-        o->nonfinite(o, grads_tensor(t), t->flag);
-        o->download(o, &flag, t->flag, sizeof flag);
-        // The summed gradients are the same bits on every replica, so their
-        // flags agree; summing the flags makes that a guarantee, not a property.
-        int64_t any = flag;
-        if (comm->size > 1 && comm->allreduce_i64(comm, &any, 1)) return -1;
-        if (any) {
-            t->loss_scale = fmaxf(1.0f, t->loss_scale / 2);
-            t->good_steps = 0;
-            return 0;
+    const int64_t step = t->step++;
+    StepArgs *a = t->host_args;
+    const double lr = lr_at_step(c->lr, c->schedule, c->warmup, t->total_steps, step);
+    a->adam = adam_step_init((float)lr, ADAM_BETA1, ADAM_BETA2, c->adam_eps, c->weight_decay, 1.0f, step + 1);
+    a->inv_norm = norm > 0 ? (float)(1.0 / norm) : 0.0f;
+    a->clipnorm = c->clipnorm;
+    a->loss_scaling = net->dtype == DT_F16;
+    a->scale_interval = c->loss_scale_interval;
+    a->loss_scale = t->loss_scale;
+    a->good_steps = t->good_steps;
+    net->step = (uint64_t)step;  // one seed per step; masks by image within it (first_sample)
+    net_layer_seeds(net, t->host_seeds);
+    net->seeds_of[0] = net->seed; net->seeds_of[1] = net->step; net->seeds_set = 1;  // step_work uploads them
+    stage_batch(t, &mb[0]);
+    // A record replays the same shapes: one full micro-batch (a smaller last
+    // one runs op by op), no replicas (their collectives run on the host),
+    // nothing timed per layer.
+    const int recordable = t->records && o->capture_begin && k == 1 && mb[0].n == t->shard && comm->size == 1 &&
+                           !net->layer_seconds;
+    if (recordable && !t->record && o->capture_begin(o) == 0) {
+        int rc = step_work(t, mb, k);
+        char err[SN_ERR_MAX];
+        t->record = o->capture_end(o, err);
+        snCheck(rc == 0, "a step without replicas failed a collective");
+        if (!t->record) {  // nothing ran: run it eagerly, and the rest of the run too
+            fprintf(stderr, "segnet: recording the training step failed (%s); running steps one op at a time\n", err);
+            t->records = 0;
         }
-        if (++t->good_steps >= c->loss_scale_interval) { t->loss_scale *= 2; t->good_steps = 0; }
     }
-    float grad_scale = 1.0f / scale;
-    if (c->clipnorm > 0.0f) grad_scale *= clip_factor(sqrt(trainable_sum_squares(t)) / scale, c->clipnorm);
-    double lr = lr_at_step(c->lr, c->schedule, c->warmup, t->total_steps, step);
-    AdamStep s = adam_step_init((float)lr, ADAM_BETA1, ADAM_BETA2, c->adam_eps, c->weight_decay, grad_scale, step + 1);
-    size_t packed = 0;  // offset of the range in the gradients and moments
-    for (int r = 0; r < t->n_ranges; r++) {
-        size_t off = t->ranges[r].offset, n = t->ranges[r].count;
-        o->adam_update(o, net->params + off, net->grads + packed, t->adam_m + packed, t->adam_v + packed, n, &s);
-        packed += n;
+    if (recordable && t->record) {
+        o->replay(o, t->record);
+    } else if (step_work(t, mb, k)) {
+        return -1;
     }
-    return 1;
+    o->download(o, t->host_state, t->state, sizeof(StepState));
+    const StepState s = *t->host_state;
+    snCheck(s.loss[2] == 0.0f, "labels outside 0..%d passed the data set's checks", t->K - 1);
+    pt->loss_sum += s.loss[0];
+    pt->norm_sum += local_norm;  // the pass adds the replicas' parts up at its end
+    t->loss_scale = s.loss_scale;
+    t->good_steps = s.good_steps;
+    return s.applied;
 }
 
 // Images [lo, hi) of a global batch of n images are replica r's of R: the
@@ -5877,9 +5999,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
                                        shard.first};
             if (++pending == c->accum || j + 1 == n_batches) { step_rc = train_step(t, mb, pending, pt); pending = 0; }
         } else if (shard.n) {
-            upload_batch(t, &shard);
-            net_forward(net, 0);
-            pt->loss_sum += score_batch(t, 0.0f, tensor(NULL, net_tensor(net, t->logits).shape, net->dtype));
+            pt->loss_sum += eval_batch(t, &shard);
             size_t n_labels = (size_t)shard.n * t->per_image;
             pt->norm_sum += c->loss_norm_keras ? (double)n_labels : label_weight_sum(shard.labels, n_labels, c->class_weights, K);
         }
@@ -6474,7 +6594,8 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
     m->statistics += 2 * sizeof(float) * (size_t)cmax;
     m->workspace = p->workspace;
     m->activations = p->peak - p->workspace;
-    m->io = sizeof(float) * K + sizeof(int32_t) * labels + sizeof(int64_t) * K * K + 4 * sizeof(float) + sizeof(int32_t);
+    m->io = sizeof(float) * K + sizeof(int32_t) * labels + sizeof(int64_t) * K * K + sizeof(StepArgs) + sizeof(StepState) +
+            sizeof(uint64_t) * (size_t)g->n_layers;
     if (c->precision != DT_F32) m->io += sizeof(float) * shape_numel(in);
     m->backend = o->context_bytes;
     m->driver = o->driver_bytes;
@@ -6655,12 +6776,10 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
         double layers_before = 0.0;
         if (layer_s) for (int i = 0; i < 2 * g->n_layers; i++) layers_before += layer_s[i];
         t.net.layer_seconds = timed ? layer_s : NULL;
-        o->synchronize(o);
-        double t0 = now_seconds();
+        double t0 = now_seconds();  // train_step returns when the device has finished the step (its one wait)
         MicroBatch mb = {N, host_in, host_lab, 0};
         PassTotals pt = {0.0, 0.0, cm};
         train_step(&t, &mb, 1, &pt);
-        o->synchronize(o);
         double dt = now_seconds() - t0;
         if (timed) {
             times[step - c->warmup] = dt;

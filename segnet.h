@@ -326,12 +326,81 @@ static inline SN_HD void tap_range(int i, int in, int out, int *lo, int *hi) {
 typedef struct {
     float lr, beta1, beta2, eps, weight_decay, grad_scale;
     float alpha;  // lr·√(1-β2^t)/(1-β1^t), computed by adam_step_init in double
+    int32_t skip; // 1: leave parameters and moments as they are (fp16 inf/NaN gradients)
 } AdamStep;
 #define ADAM_BETA1 0.9f
 #define ADAM_BETA2 0.999f
 #define ADAM_EPS   1e-7f   // Keras' default ε̂ (PyTorch's 1e-8 is ε', see above)
 AdamStep adam_step_init(float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
                         int64_t t);
+
+// tf.clip_by_global_norm's factor: clipnorm / max(norm, clipnorm) (1 if clipnorm ≤ 0)
+static inline SN_HD float clip_factor(double global_norm, float clipnorm) {
+    return clipnorm > 0.0f && global_norm > clipnorm ? (float)(clipnorm / global_norm) : 1.0f;
+}
+
+// ----------------------------------------------------------------------------
+// an optimiser step's decisions, made where its values are (step_control)
+//
+// A training step needs no host synchronisation: the host writes what it
+// knows before the step (StepArgs, uploaded from pinned memory), and what
+// depends on the step's own values (the loss, the inf/NaN flag, the gradient
+// norm) stays in backend memory (StepState) and is decided there by the one
+// function below, which both backends run (the CUDA one in a one-thread
+// kernel). The host reads StepState once, after the step, and passes the
+// loss scale on to the next step's StepArgs.
+typedef struct {
+    AdamStep adam;          // lr, β1, β2, ε, decay, α of this step; grad_scale and skip are decided
+    float inv_norm;         // 1 / the step's global Σw (or label count)
+    float clipnorm;         // clip the global gradient norm to this (0: off)
+    int32_t loss_scaling;   // 1: dynamic loss scaling (fp16 storage)
+    int32_t scale_interval; // double the loss scale after this many finite steps
+    float loss_scale;       // the scale so far (1 without loss scaling): the last step's StepState
+    int64_t good_steps;     // consecutive finite steps since it last changed: likewise
+} StepArgs;
+typedef struct {
+    float loss_scale;       // after the step
+    int64_t good_steps;
+    float xent_scale;       // softmax_xent's grad_scale: inv_norm·loss_scale
+    float loss[3];          // softmax_xent's sums: Σw·nll, Σw, labels out of range
+    float grad_sum_squares; // Σg² of the (still scaled) gradients, when clipping
+    int32_t nonfinite;      // 1: some gradient is inf or NaN (fp16)
+    int32_t applied;        // 1: the update was applied (0: skipped, the scale halved)
+    AdamStep adam;          // the update adam_update applies
+} StepState;
+typedef enum { STEP_BEGIN = 0, STEP_DECIDE = 1 } StepPhase;
+// BEGIN, before the forward: the loss sums and the flag zeroed, the loss's
+// gradient scale set. DECIDE, after the gradients (and nonfinite, and
+// sum_squares when clipping): Keras' LossScaleOptimizer (inf/NaN: skip, halve
+// the scale, at least 1; else double it after scale_interval good steps) and
+// tf.clip_by_global_norm on the unscaled gradients, folded into Adam's grad_scale.
+static inline SN_HD void step_control_apply(const StepArgs *a, StepState *s, int phase) {
+    if (phase == STEP_BEGIN) {
+        s->loss_scale = a->loss_scale;
+        s->good_steps = a->good_steps;
+        s->xent_scale = a->inv_norm * s->loss_scale;
+        s->loss[0] = s->loss[1] = s->loss[2] = 0.0f;
+        s->grad_sum_squares = 0.0f;
+        s->nonfinite = 0;
+        return;
+    }
+    const float scale = s->loss_scale;  // the scale the gradients carry
+    s->applied = 1;
+    if (a->loss_scaling) {
+        if (s->nonfinite) {
+            s->loss_scale = scale / 2 > 1.0f ? scale / 2 : 1.0f;
+            s->good_steps = 0;
+            s->applied = 0;
+        } else if (++s->good_steps >= a->scale_interval) {
+            s->loss_scale = scale * 2;
+            s->good_steps = 0;
+        }
+    }
+    s->adam = a->adam;
+    s->adam.grad_scale = 1.0f / scale;
+    if (a->clipnorm > 0.0f) s->adam.grad_scale *= clip_factor(sqrt((double)s->grad_sum_squares) / scale, a->clipnorm);
+    s->adam.skip = !s->applied;
+}
 
 typedef struct Ops Ops;
 struct Ops {
@@ -344,9 +413,25 @@ struct Ops {
     // memory in the backend's address space
     void *(*alloc)(Ops *o, size_t bytes);  // NULL on failure
     void (*free)(Ops *o, void *p);
-    void (*upload)(Ops *o, void *dst, const void *host_src, size_t bytes);
-    void (*download)(Ops *o, void *host_dst, const void *src, size_t bytes);
+    void (*upload)(Ops *o, void *dst, const void *host_src, size_t bytes);      // returns when done
+    void (*download)(Ops *o, void *host_dst, const void *src, size_t bytes);    // returns when done
     void (*synchronize)(Ops *o);
+    // host memory the device copies from without the host waiting (pinned on CUDA)
+    void *(*host_alloc)(Ops *o, size_t bytes);  // NULL on failure
+    void (*host_free)(Ops *o, void *p);
+    // queued after the work before it; host_src (from host_alloc) is read when the
+    // copy runs, so it must not change until the next download or synchronize
+    void (*upload_async)(Ops *o, void *dst, const void *host_src, size_t bytes);
+
+    // Recording the work of a step once and replaying it (CUDA graphs): between
+    // capture_begin and capture_end the backend records what it is given
+    // instead of running it; replay runs the record with the same arguments,
+    // so whatever changes from step to step must be read from memory (StepArgs,
+    // upload_async'ed buffers). NULL on a backend without it (the CPU).
+    int (*capture_begin)(Ops *o);            // 0: recording; -1: not here (run eagerly)
+    void *(*capture_end)(Ops *o, char *err); // the record, or NULL with err (nothing ran)
+    void (*replay)(Ops *o, void *record);
+    void (*record_free)(Ops *o, void *record);
 
     // utilities over whole buffers
     void (*fill)(Ops *o, Tensor t, float value);
@@ -355,6 +440,7 @@ struct Ops {
     void (*copy)(Ops *o, Tensor dst, Tensor src, int accumulate);  // dst (=|+=) src, casting between storage types
     void (*sum_squares)(Ops *o, Tensor t, float *out);             // *out = Σ t² (one float)
     void (*nonfinite)(Ops *o, Tensor t, int32_t *flag);            // *flag = 1 if any inf/NaN, else unchanged
+    void (*step_control)(Ops *o, const StepArgs *a, StepState *s, StepPhase phase);  // step_control_apply, there
 
     // convolution: in (N,H,W,Cin), out (N,OH,OW,Cout), weight [Cout][kh][kw][Cin/groups], bias [Cout]
     size_t (*conv2d_workspace)(Ops *o, const ConvCfg *cfg, Shape in, DType dt);
@@ -410,9 +496,10 @@ struct Ops {
     // first_sample + 1, ... of it, so a replica's shard or a micro-batch draws
     // the masks those images get in one big batch:
     //   counter = (first_sample·E + i) / per_draw, E = H·W·C, per_draw = 1 or E
-    void (*dropout_forward)(Ops *o, Tensor y, Tensor x, float rate, uint64_t seed, int per_sample,
+    // seed: in backend memory (it changes every step; a replayed record reads it there)
+    void (*dropout_forward)(Ops *o, Tensor y, Tensor x, float rate, const uint64_t *seed, int per_sample,
                             uint64_t first_sample);
-    void (*dropout_backward)(Ops *o, Tensor dx, Tensor dy, float rate, uint64_t seed, int per_sample,
+    void (*dropout_backward)(Ops *o, Tensor dx, Tensor dy, float rate, const uint64_t *seed, int per_sample,
                              uint64_t first_sample, int accumulate);
 
     // 2×2 max-pool, stride 2, floor: y (N,H/2,W/2,C). Backward routes to the
@@ -430,15 +517,17 @@ struct Ops {
     // fused softmax + weighted cross-entropy from logits (N,H,W,K), labels (N·H·W) int32.
     // Adds into stats[0] Σ w[y]·(-log p[y]), stats[1] Σ w[y], stats[2] the count of
     // labels outside 0..K-1 (which contribute nothing). If dlogits has data it is
-    // overwritten with w[y]·(p - onehot(y))·inv_norm, inv_norm = 1/(global normaliser).
+    // overwritten with w[y]·(p - onehot(y))·grad_scale, grad_scale (in backend
+    // memory; NULL without dlogits) = 1/(global normaliser), times a loss scale.
     void (*softmax_xent)(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
-                         float inv_norm, float *stats, Tensor dlogits);
+                         const float *grad_scale, float *stats, Tensor dlogits);
     // confusion[y·K + argmax_k z_k] += 1 for every pixel with a label in 0..K-1
     // (ties go to the lowest class); confusion is (K,K) int64, true class by row
     void (*confusion_accumulate)(Ops *o, Tensor logits, const int32_t *labels, int64_t *confusion);
 
     // one Adam step over n parameters (Keras' update, see AdamStep), with the
-    // gradient multiplied by grad_scale first (loss-scale unscaling, clipping)
+    // gradient multiplied by grad_scale first (loss-scale unscaling, clipping);
+    // s in backend memory (StepState.adam: decided there)
     void (*adam_update)(Ops *o, float *params, const float *grads, float *m, float *v, size_t n,
                         const AdamStep *s);
 };
@@ -656,6 +745,9 @@ typedef struct {
     void *ws; size_t ws_bytes;
     int training;
     uint64_t seed, step;  // dropout masks are rng(seed ⊕ step ⊕ layer)
+    uint64_t *layer_seeds; // (n_layers) backend memory: net_layer_seed of each layer for seeds_of
+    uint64_t seeds_of[2];  // the (seed, step) layer_seeds hold; seeds_set 0: none yet
+    int seeds_set;
     uint64_t first_sample; // the batch's first image in the optimiser step's images (replica shard, micro-batch)
     int batch;            // images in the current batch, ≤ the graph's N (a last, smaller batch)
     Plan *plan;           // net_create_planned: the arena's layout, else NULL
@@ -686,6 +778,8 @@ void net_forward(Net *net, int training);
 // gradients are added into net->grads, activation gradients overwritten.
 void net_backward(Net *net, int output);
 uint64_t net_layer_seed(const Net *net, int layer);
+// the n_layers seeds of net's (seed, step) into host memory `seeds`
+void net_layer_seeds(const Net *net, uint64_t *seeds);
 
 // ----------------------------------------------------------------------------
 // losses (host-side helpers; the per-pixel work is ops->softmax_xent)
@@ -990,8 +1084,6 @@ typedef enum { SCHEDULE_CONSTANT = 0, SCHEDULE_COSINE = 1 } Schedule;
 // warm-up lr·(step+1)/warmup over the first `warmup` steps, then constant, or
 // cosine lr·(1 + cos(π·(step - warmup)/(total_steps - warmup)))/2.
 double lr_at_step(double lr, Schedule s, int64_t warmup, int64_t total_steps, int64_t step);
-// tf.clip_by_global_norm's factor: clipnorm / max(norm, clipnorm) (1 if clipnorm ≤ 0)
-float clip_factor(double global_norm, float clipnorm);
 
 #define SN_MAX_CLASSES 4096
 #define SN_MAX_ACCUM   1024   // micro-batches per optimiser step

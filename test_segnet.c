@@ -880,7 +880,7 @@ static void test_softmax_xent_by_hand(void) {
     int32_t y[3] = {1, 0, 5};
     float stats[3] = {0, 0, 0}, dz[6];
     Tensor tz = tensor_f32(z, shape4(1, 1, 3, 2));
-    ops_cpu.softmax_xent(&ops_cpu, tz, y, w, 0.5f, stats, tensor_f32(dz, shape4(1, 1, 3, 2)));
+    ops_cpu.softmax_xent(&ops_cpu, tz, y, w, &(float){0.5f}, stats, tensor_f32(dz, shape4(1, 1, 3, 2)));
     CHECK_NEAR(stats[0], 2.0 * log(4.0 / 3.0), 1e-6, "weighted nll sum");
     CHECK_NEAR(stats[1], 2.0, 0, "weight sum");
     CHECK_NEAR(stats[2], 1.0, 0, "invalid labels");
@@ -889,12 +889,12 @@ static void test_softmax_xent_by_hand(void) {
     CHECK(dz[2] == 0 && dz[3] == 0 && dz[4] == 0 && dz[5] == 0, "weight-0 and invalid pixels have zero gradient");
     CHECK_NEAR(label_weight_sum(y, 3, w, 2), 2.0, 0, "label_weight_sum");
     // stats add up over calls (micro-batches)
-    ops_cpu.softmax_xent(&ops_cpu, tz, y, w, 0.5f, stats, tensor_f32(NULL, tz.shape));
+    ops_cpu.softmax_xent(&ops_cpu, tz, y, w, &(float){0.5f}, stats, tensor_f32(NULL, tz.shape));
     CHECK_NEAR(stats[1], 4.0, 0, "stats accumulate");
     // extreme logits stay finite
     float big[2] = {1000.0f, -1000.0f}, s2[3] = {0, 0, 0}, w1[2] = {1, 1};
     int32_t y1 = 1;
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(big, shape4(1, 1, 1, 2)), &y1, w1, 1.0f, s2, tensor_f32(NULL, shape4(1, 1, 1, 2)));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(big, shape4(1, 1, 1, 2)), &y1, w1, &(float){1.0f}, s2, tensor_f32(NULL, shape4(1, 1, 1, 2)));
     CHECK_NEAR(s2[0], 2000.0, 1e-3, "nll of a logit 2000 below the max");
 }
 
@@ -909,13 +909,13 @@ static void test_softmax_xent_grad(void) {
     Shape s = shape4(2, 3, 4, K);
     float inv = (float)(1.0 / label_weight_sum(y, M, w, K));
     float st0[3] = {0, 0, 0};
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, inv, st0, tensor_f32(dz, s));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, &(float){inv}, st0, tensor_f32(dz, s));
     double maxfd = 0, maxdiff = 0;
     const float h = 1e-2f;
     for (int i = 0; i < M * K; i++) {
         float keep = z[i], sp[3] = {0, 0, 0}, sm[3] = {0, 0, 0};
-        z[i] = keep + h; ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, inv, sp, tensor_f32(NULL, s));
-        z[i] = keep - h; ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, inv, sm, tensor_f32(NULL, s));
+        z[i] = keep + h; ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, &(float){inv}, sp, tensor_f32(NULL, s));
+        z[i] = keep - h; ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, &(float){inv}, sm, tensor_f32(NULL, s));
         z[i] = keep;
         double fd = ((double)sp[0] - sm[0]) / (2.0 * h) * inv;  // d(Σ w·nll / Σ w)/dz
         if (fabs(fd) > maxfd) maxfd = fabs(fd);
@@ -935,7 +935,7 @@ static void test_dropout_masks(void) {
     for (size_t i = 0; i < n; i++) x[i] = 1.0f;
     Shape s = shape4(10, 10, 100, 10);
     const float rate = 0.3f;
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), rate, 42, 0, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), rate, &(uint64_t){42}, 0, 0);
     size_t kept = 0;
     int scaled = 1;
     for (size_t i = 0; i < n; i++) {
@@ -944,14 +944,14 @@ static void test_dropout_masks(void) {
     double frac = (double)kept / n, sigma = sqrt(rate * (1 - rate) / n);
     CHECK(fabs(frac - (1 - rate)) < 5 * sigma, "kept fraction %.4f, expected %.2f ± %.4f", frac, 1 - rate, 5 * sigma);
     CHECK(scaled, "kept values are scaled by 1/(1 - rate)");
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), rate, 42, 0, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), rate, &(uint64_t){42}, 0, 0);
     CHECK(!memcmp(y, y2, sizeof(float) * n), "same seed, same mask");
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), rate, 43, 0, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), rate, &(uint64_t){43}, 0, 0);
     CHECK(memcmp(y, y2, sizeof(float) * n) != 0, "another seed, another mask");
-    ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, s), tensor_f32(x, s), rate, 42, 0, 0, 0);
+    ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, s), tensor_f32(x, s), rate, &(uint64_t){42}, 0, 0, 0);
     CHECK(!memcmp(y, dx, sizeof(float) * n), "backward recomputes the forward mask");
     // drop-path: all or nothing per sample
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), 0.5f, 7, 1, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), 0.5f, &(uint64_t){7}, 1, 0);
     int whole = 1, dropped = 0;
     size_t per = n / 10;
     for (int k = 0; k < 10; k++) {
@@ -964,15 +964,15 @@ static void test_dropout_masks(void) {
     // a batch split in parts (replica shards, micro-batches) draws the masks of the
     // whole batch: samples 0..3 and 4..9 given first_sample 0 and 4
     for (int per_sample = 0; per_sample < 2; per_sample++) {
-        ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), 0.5f, 9, per_sample, 0);
+        ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), 0.5f, &(uint64_t){9}, per_sample, 0);
         ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, shape4(4, 10, 100, 10)), tensor_f32(x, shape4(4, 10, 100, 10)),
-                                0.5f, 9, per_sample, 0);
+                                0.5f, &(uint64_t){9}, per_sample, 0);
         ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2 + 4 * per, shape4(6, 10, 100, 10)),
-                                tensor_f32(x, shape4(6, 10, 100, 10)), 0.5f, 9, per_sample, 4);
+                                tensor_f32(x, shape4(6, 10, 100, 10)), 0.5f, &(uint64_t){9}, per_sample, 4);
         CHECK(!memcmp(y, y2, sizeof(float) * n), "%s masks of a batch in two parts differ from the whole batch's",
               per_sample ? "drop-path" : "dropout");
         ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, shape4(6, 10, 100, 10)), tensor_f32(x, shape4(6, 10, 100, 10)),
-                                 0.5f, 9, per_sample, 4, 0);
+                                 0.5f, &(uint64_t){9}, per_sample, 4, 0);
         CHECK(!memcmp(y + 4 * per, dx, sizeof(float) * 6 * per), "backward of the second part: its masks");
     }
     free(x); free(y); free(y2); free(dx);
@@ -1209,7 +1209,7 @@ static void test_determinism_across_threads(void) {
                                    ACT_SILU, o + 74, o + 111, dg, db);
         ops_cpu.sum_squares(&ops_cpu, tensor_f32(x, s), o + 148);
         o[149] = o[150] = o[151] = 0;
-        ops_cpu.softmax_xent(&ops_cpu, tensor_f32(x, s), lab, cw, 1.0f, o + 149, tensor_f32(NULL, s));
+        ops_cpu.softmax_xent(&ops_cpu, tensor_f32(x, s), lab, cw, &(float){1.0f}, o + 149, tensor_f32(NULL, s));
     }
     omp_set_num_threads(saved);
     CHECK(!memcmp(res[0], res[1], sizeof res[0]), "results differ between 1 and 3 threads");
@@ -2074,7 +2074,7 @@ static void parity_check(Net *net, int out, const int32_t *labels, const StFile 
     float *ones = malloc(sizeof(float) * K), stats[3] = {0, 0, 0};
     for (int k = 0; k < K; k++) ones[k] = 1.0f;
     float inv_norm = (float)(1.0 / label_weight_sum(labels, M, ones, K));
-    ops_cpu.softmax_xent(&ops_cpu, net_tensor(net, out), labels, ones, inv_norm, stats, net_grad(net, out));
+    ops_cpu.softmax_xent(&ops_cpu, net_tensor(net, out), labels, ones, &(float){inv_norm}, stats, net_grad(net, out));
     double loss = stats[0] * inv_norm, e_loss = fabs(loss - loss_ref) / fabs(loss_ref);
     net_backward(net, out);
     double e_run = 0;
@@ -2441,7 +2441,7 @@ static void test_weighted_loss_by_hand(void) {
     const int32_t y[3] = {0, 1, 2};
     const float w[3] = {0.5f, 2.0f, 0.0f};
     float stats[3] = {0, 0, 0};
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32((float *)z, shape4(1, 1, 3, 3)), y, w, 0.0f, stats,
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32((float *)z, shape4(1, 1, 3, 3)), y, w, &(float){0.0f}, stats,
                          tensor(NULL, shape4(1, 1, 3, 3), DT_F32));
     double nll0 = log(exp(2.0) + exp(0.5) + exp(-1.0)) - 2.0;
     double nll1 = log(exp(0.1) + exp(0.2) + exp(0.3)) - 0.2;
@@ -2479,8 +2479,8 @@ static void test_weight0_pixels_ignored(void) {
     float sa[3] = {0}, sb[3] = {0};
     double na = label_weight_sum(ya, M, w, K), nb = label_weight_sum(yb, M, w, K);
     CHECK(na == nb, "weight sums %g vs %g", na, nb);
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(za, s), ya, w, (float)(1 / na), sa, tensor_f32(ga, s));
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(zb, s), yb, w, (float)(1 / nb), sb, tensor_f32(gb, s));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(za, s), ya, w, &(float){(float)(1 / na)}, sa, tensor_f32(ga, s));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(zb, s), yb, w, &(float){(float)(1 / nb)}, sb, tensor_f32(gb, s));
     CHECK(sa[0] == sb[0] && sa[1] == sb[1], "loss sums %g/%g vs %g/%g", sa[0], sa[1], sb[0], sb[1]);
     int bad = 0;
     for (size_t i = 0; i < M; i++)
@@ -4076,7 +4076,7 @@ static void test_plan_matches_per_tensor(void) {
             memcpy(nets[v]->act[g.input], x, sizeof(float) * n_in);
             net_forward(nets[v], 1);
             memset(loss[v], 0, sizeof loss[v]);
-            ops_cpu.softmax_xent(&ops_cpu, net_tensor(nets[v], out), lab, w, 1.0f / n_lab, loss[v], net_grad(nets[v], out));
+            ops_cpu.softmax_xent(&ops_cpu, net_tensor(nets[v], out), lab, w, &(float){1.0f / n_lab}, loss[v], net_grad(nets[v], out));
             net_backward(nets[v], out);
         }
         for (int v = 1; v < 3; v++) {
@@ -4269,7 +4269,7 @@ static void test_train_steps_by_hand(void) {
         memset(t.net.grads, 0, sizeof(float) * P);
         float stats[3] = {0, 0, 0};
         net_forward(&t.net, 1);
-        ops_cpu.softmax_xent(&ops_cpu, net_tensor(&t.net, t.logits), lab, c.class_weights, (float)(1 / wsum), stats,
+        ops_cpu.softmax_xent(&ops_cpu, net_tensor(&t.net, t.logits), lab, c.class_weights, &(float){(float)(1 / wsum)}, stats,
                              net_grad(&t.net, t.logits));
         net_backward(&t.net, t.logits);
         memcpy(g, t.net.grads, sizeof(float) * P);
@@ -5476,11 +5476,12 @@ static void cu_pair_free(CuPair *p) {
     cu_ops()->free(cu_ops(), p->gpu.data);
 }
 // fp32 buffers (parameters, statistics): a device copy of n host floats
-static float *cu_floats(const float *host, size_t n) {
-    float *d = cu_ops()->alloc(cu_ops(), n * sizeof(float));
-    cu_ops()->upload(cu_ops(), d, host, n * sizeof(float));
+static void *cu_copy_of(const void *host, size_t bytes) {
+    void *d = cu_ops()->alloc(cu_ops(), bytes);
+    cu_ops()->upload(cu_ops(), d, host, bytes);
     return d;
 }
+static float *cu_floats(const float *host, size_t n) { return cu_copy_of(host, n * sizeof(float)); }
 static float *cu_to_host(const void *dev, size_t n, DType dt) {
     Tensor t = tensor(malloc(n * dtype_size(dt) + 1), shape4(1, 1, 1, (int)n), dt);
     cu_ops()->download(cu_ops(), t.data, dev, n * dtype_size(dt));
@@ -5955,8 +5956,10 @@ static void test_cuda_softmax_xent(void) {
                     o->upload(o, stats_gpu, stats, sizeof stats);
                     Tensor dz_cpu = dz.cpu, dz_gpu = dz.gpu;
                     if (!with_grad) dz_cpu.data = dz_gpu.data = NULL;
-                    ops_cpu.softmax_xent(&ops_cpu, t.cpu, y, w, inv_norm, stats, dz_cpu);
-                    o->softmax_xent(o, t.gpu, y_gpu, w_gpu, inv_norm, stats_gpu, dz_gpu);
+                    ops_cpu.softmax_xent(&ops_cpu, t.cpu, y, w, &(float){inv_norm}, stats, dz_cpu);
+                    float *scale_gpu = cu_floats(&inv_norm, 1);
+                    o->softmax_xent(o, t.gpu, y_gpu, w_gpu, scale_gpu, stats_gpu, dz_gpu);
+                    o->free(o, scale_gpu);
                     o->download(o, gs, stats_gpu, sizeof gs);
                     cu_check_err("softmax_xent loss", (DType)a, fabs((double)gs[0] - stats[0]) / fabs(stats[0]), 1e-6);
                     CHECK(gs[1] == stats[1] && gs[2] == stats[2], "softmax_xent K=%d %s: Σw %.9g invalid %g, CPU %.9g %g",
@@ -6009,7 +6012,8 @@ static void test_cuda_confusion(void) {
 
 // adam_update: both backends round every operation on its own in the same
 // order (no fused multiply-adds): params, m and v bit-identical over steps with
-// and without weight decay and a gradient scale.
+// and without weight decay and a gradient scale; a skipped step (fp16
+// overflow) changes nothing.
 static void test_cuda_adam(void) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 76);
@@ -6020,11 +6024,15 @@ static void test_cuda_adam(void) {
         float *g = randn(&r, n, 0.1f), *g_gpu = cu_floats(g, n);
         AdamStep st = adam_step_init(1e-2f, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, t % 2 ? 0.0f : 0.05f,
                                      t < 3 ? 1.0f : 0.25f, t);
+        st.skip = t == 2;
+        float *p_before = t == 2 ? memcpy(malloc(n * sizeof(float)), p, n * sizeof(float)) : NULL;
+        AdamStep *st_gpu = cu_copy_of(&st, sizeof st);
         ops_cpu.adam_update(&ops_cpu, p, g, m, v, n, &st);
-        o->adam_update(o, p_gpu, g_gpu, m_gpu, v_gpu, n, &st);
+        o->adam_update(o, p_gpu, g_gpu, m_gpu, v_gpu, n, st_gpu);
         CHECK(cu_floats_equal(p_gpu, p, n) && cu_floats_equal(m_gpu, m, n) && cu_floats_equal(v_gpu, v, n),
               "adam step %d: params, m or v differ from the CPU", t);
-        o->free(o, g_gpu); free(g);
+        if (p_before) CHECK(!memcmp(p_before, p, n * sizeof(float)), "adam: a skipped step changed the parameters");
+        o->free(o, g_gpu); o->free(o, st_gpu); free(g); free(p_before);
     }
     o->free(o, p_gpu); o->free(o, m_gpu); o->free(o, v_gpu);
     free(p); free(m); free(v);
@@ -6093,6 +6101,150 @@ static void cu_train_losses(const char *model, int hw, DType dt, Device device, 
     free(images); free(labels);
     trainer_close(&t);
 }
+
+// step_control on a backend: the decisions of Keras' LossScaleOptimizer and
+// clip_by_global_norm, worked by hand. Scale 1024, interval 3:
+//   finite step, good 1 → 2: applied, scale kept; grad_scale 1/1024
+//   finite step, good 2 → 3 = interval: scale 2048, good 0
+//   inf/NaN: skipped, scale 512, good 0; at scale 1 it stays 1
+//   clipping, norm 2: Σg² = (4·1024)² scaled → unscaled norm 4 → factor 2/4,
+//   grad_scale 0.5/1024; below the norm (Σg² = 1024², norm 1): factor 1
+// and BEGIN: xent_scale = inv_norm·scale, the sums and the flag zeroed.
+static void step_control_case(Ops *o, const char *who) {
+    struct { float scale; int64_t good; int nonfinite; float clip, ss; float want_scale; int64_t want_good; int applied; float want_gs; } cases[] = {
+        {1024, 1, 0, 0, 0, 1024, 2, 1, 1.0f / 1024},
+        {1024, 2, 0, 0, 0, 2048, 0, 1, 1.0f / 1024},
+        {1024, 2, 1, 0, 0, 512, 0, 0, 1.0f / 1024},
+        {1, 5, 1, 0, 0, 1, 0, 0, 1.0f},
+        {1024, 0, 0, 2.0f, 4096.0f * 4096.0f, 1024, 1, 1, 0.5f / 1024},
+        {1024, 0, 0, 2.0f, 1024.0f * 1024.0f, 1024, 1, 1, 1.0f / 1024},
+    };
+    StepArgs *a_dev = o->alloc(o, sizeof(StepArgs));
+    StepState *s_dev = o->alloc(o, sizeof(StepState));
+    for (int k = 0; k < (int)(sizeof cases / sizeof *cases); k++) {
+        StepArgs a;
+        memset(&a, 0, sizeof a);
+        a.adam = adam_step_init(1e-3f, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, 0.0f, 1.0f, 3);
+        a.inv_norm = 0.25f; a.clipnorm = cases[k].clip; a.loss_scaling = 1; a.scale_interval = 3;
+        a.loss_scale = cases[k].scale; a.good_steps = cases[k].good;
+        StepState st;
+        memset(&st, 0x7f, sizeof st);  // BEGIN must set what it owns
+        o->upload(o, a_dev, &a, sizeof a);
+        o->upload(o, s_dev, &st, sizeof st);
+        o->step_control(o, a_dev, s_dev, STEP_BEGIN);
+        o->download(o, &st, s_dev, sizeof st);
+        CHECK(st.xent_scale == 0.25f * cases[k].scale && st.loss[0] == 0 && st.loss[1] == 0 && st.loss[2] == 0 &&
+              st.nonfinite == 0 && st.grad_sum_squares == 0 && st.loss_scale == cases[k].scale,
+              "%s case %d BEGIN: xent_scale %g, flag %d, scale %g", who, k, st.xent_scale, st.nonfinite, st.loss_scale);
+        st.nonfinite = cases[k].nonfinite;
+        st.grad_sum_squares = cases[k].ss;
+        o->upload(o, s_dev, &st, sizeof st);
+        o->step_control(o, a_dev, s_dev, STEP_DECIDE);
+        o->download(o, &st, s_dev, sizeof st);
+        CHECK(st.loss_scale == cases[k].want_scale && st.good_steps == cases[k].want_good &&
+              st.applied == cases[k].applied && st.adam.skip == !cases[k].applied && st.adam.grad_scale == cases[k].want_gs &&
+              st.adam.alpha == a.adam.alpha && st.adam.lr == a.adam.lr,
+              "%s case %d: scale %g good %lld applied %d skip %d grad_scale %.9g; expected %g %lld %d %.9g", who, k,
+              st.loss_scale, (long long)st.good_steps, st.applied, st.adam.skip, st.adam.grad_scale, cases[k].want_scale,
+              (long long)cases[k].want_good, cases[k].applied, cases[k].want_gs);
+    }
+    o->free(o, a_dev); o->free(o, s_dev);
+}
+static void test_step_control(void) { step_control_case(&ops_cpu, "cpu"); }
+
+// A recorded step (a CUDA graph) replayed does what the step run op by op
+// does, to the bit: three steps of unet-effv2-t (drop-path, whose seeds
+// change every step) in fp16 (loss scaling, which here skips and doubles),
+// with clipping and a warm-up (a learning rate per step), then a smaller last
+// batch (run op by op: other shapes) and a full one again (step 1's record).
+// Compared: the losses, the parameters and Adam's moments, the loss scale.
+// Under the emulator also: the steps were replays, and each step waited for
+// the device once (its one download).
+static void cu_graph_run(int records, double *losses, float **params, float **moments, float *scale,
+                         long long *replays, long long *syncs) {
+    TrainCfg c;
+    train_cfg_default(&c);
+    c.model.model = "unet-effv2-t";
+    c.model.classes = 3; c.model.height = c.model.width = 32; c.model.batch = 2;
+    c.lr = 1e-3f; c.clipnorm = 0.5f; c.warmup = 10; c.schedule = SCHEDULE_COSINE;
+    c.loss_scale_interval = 2;
+    c.precision = DT_F16;
+    c.device = DEVICE_CUDA;
+    c.progress = 0;
+    Trainer t;
+    char err[SN_ERR_MAX];
+    CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s", err);
+    t.records = records;
+    t.total_steps = 20;
+    int drop_paths = 0;
+    for (int i = 0; i < t.g.n_layers; i++) drop_paths += t.g.layers[i].kind == LAYER_DROP_PATH && t.g.layers[i].rate > 0;
+    CHECK(drop_paths > 0, "unet-effv2-t has no drop-path layer to test the per-step seeds with");
+    Rng r;
+    rng_seed(&r, 78);
+    const int hw = 32, sizes[5] = {2, 2, 2, 1, 2};
+    float *images = malloc(sizeof(float) * 2 * hw * hw * 3);
+    int32_t *labels = malloc(sizeof(int32_t) * 2 * hw * hw);
+    int64_t cm[9];
+#if EMULATED_CUDA
+    const long long g0 = cuemu_count("graph_launches"), s0 = cuemu_count("syncs");
+#endif
+    for (int s = 0; s < 5; s++) {
+        random_batch(&r, sizes[s], hw, 3, images, labels);
+        MicroBatch mb = {sizes[s], images, labels, 0};
+        PassTotals pt = {0, 0, cm};
+        CHECK(train_step(&t, &mb, 1, &pt) >= 0, "step %d failed", s + 1);
+        losses[s] = pt.loss_sum / pt.norm_sum;
+    }
+#if EMULATED_CUDA
+    *replays = cuemu_count("graph_launches") - g0;
+    *syncs = cuemu_count("syncs") - s0;
+#else
+    *replays = *syncs = -1;
+#endif
+    *params = malloc(sizeof(float) * t.g.n_param_floats);
+    *moments = malloc(sizeof(float) * 2 * t.n_trainable);
+    t.o->download(t.o, *params, t.net.params, sizeof(float) * t.g.n_param_floats);
+    t.o->download(t.o, *moments, t.adam_m, sizeof(float) * t.n_trainable);
+    t.o->download(t.o, *moments + t.n_trainable, t.adam_v, sizeof(float) * t.n_trainable);
+    *scale = t.loss_scale;
+    free(images); free(labels);
+    trainer_close(&t);
+}
+static void test_cuda_graph_step(void) {
+    if (!cu_ops_complete("cuda_graph_step")) return;
+    double eager[5], graph[5];
+    float *p_eager, *p_graph, *m_eager, *m_graph, scale_eager, scale_graph;
+    long long replays_eager, replays_graph, syncs_eager, syncs_graph;
+    cu_graph_run(0, eager, &p_eager, &m_eager, &scale_eager, &replays_eager, &syncs_eager);
+    cu_graph_run(1, graph, &p_graph, &m_graph, &scale_graph, &replays_graph, &syncs_graph);
+    TrainCfg c;
+    Graph g;
+    graph_init(&g);
+    train_cfg_default(&c);
+    c.model.model = "unet-effv2-t"; c.model.classes = 3; c.model.height = c.model.width = 32; c.model.batch = 2;
+    model_build(&g, &c.model);
+    const size_t np = g.n_param_floats;
+    size_t nt = 0;
+    for (int i = 0; i < g.n_params; i++) nt += g.params[i].count;
+    graph_free(&g);
+    for (int s = 0; s < 5; s++)
+        CHECK(eager[s] == graph[s], "step %d: loss %.9g replayed, %.9g op by op", s + 1, graph[s], eager[s]);
+    CHECK(!memcmp(p_eager, p_graph, sizeof(float) * np), "the parameters after 5 steps differ (replayed vs op by op)");
+    CHECK(!memcmp(m_eager, m_graph, sizeof(float) * 2 * nt), "Adam's moments after 5 steps differ");
+    CHECK(scale_eager == scale_graph, "loss scale %g replayed, %g op by op", scale_graph, scale_eager);
+#if EMULATED_CUDA
+    // steps 1-3 and 5 replayed (1 right after its recording), step 4 not
+    CHECK(replays_eager == 0 && replays_graph == 4, "graph launches: %lld op by op, %lld recorded (expected 0 and 4)",
+          replays_eager, replays_graph);
+    CHECK(syncs_eager == 5 && syncs_graph == 5, "host waits in 5 steps: %lld op by op, %lld recorded (expected 5: one per step)",
+          syncs_eager, syncs_graph);
+#endif
+    if (g_verbose)
+        printf("      5 steps: losses %.6f .. %.6f, loss scale %g, %lld replays, %lld host waits\n", graph[0], graph[4],
+               scale_graph, replays_graph, syncs_graph);
+    free(p_eager); free(p_graph); free(m_eager); free(m_graph);
+}
+static void test_cuda_step_control(void) { step_control_case(cu_ops(), "cuda"); }
 
 #if EMULATED_CUDA
 // SEGNET_CUDA_SYNC=1 (read when a device is opened): every kernel launch and
@@ -6855,8 +7007,9 @@ static void test_cuda_dropout(void) {
                 for (size_t i = 0; i < n; i++) xv[i] += xv[i] >= 0 ? 0.5f : -0.5f;  // no zeros: a 0 out is a drop
                 CuPair x = cu_pair(xv, s, (DType)dt), y = cu_pair(NULL, s, (DType)dt);
                 const uint64_t first = 3;  // the tensor is images 3.. of the step
-                ops_cpu.dropout_forward(&ops_cpu, y.cpu, x.cpu, rate, seed, per_sample, first);
-                o->dropout_forward(o, y.gpu, x.gpu, rate, seed, per_sample, first);
+                ops_cpu.dropout_forward(&ops_cpu, y.cpu, x.cpu, rate, &(uint64_t){seed}, per_sample, first);
+                uint64_t *seed_gpu = cu_copy_of(&seed, sizeof seed);
+                o->dropout_forward(o, y.gpu, x.gpu, rate, seed_gpu, per_sample, first);
                 char what[64];
                 snprintf(what, sizeof what, "dropout_forward %s rate %.1f", per_sample ? "sample" : "element", rate);
                 cu_expect(cu_pair_err(y), 0.0, what, (DType)dt);
@@ -6867,14 +7020,15 @@ static void test_cuda_dropout(void) {
                 free(yg);
                 for (int acc = 0; acc < 2; acc++) {
                     CuPair dx = cu_dest(&r, s, (DType)dt, acc);
-                    ops_cpu.dropout_backward(&ops_cpu, dx.cpu, x.cpu, rate, seed, per_sample, first, acc);
-                    o->dropout_backward(o, dx.gpu, x.gpu, rate, seed, per_sample, first, acc);
+                    ops_cpu.dropout_backward(&ops_cpu, dx.cpu, x.cpu, rate, &(uint64_t){seed}, per_sample, first, acc);
+                    o->dropout_backward(o, dx.gpu, x.gpu, rate, seed_gpu, per_sample, first, acc);
                     snprintf(what, sizeof what, "dropout_backward %s rate %.1f acc %d", per_sample ? "sample" : "element",
                              rate, acc);
                     cu_expect(cu_pair_err(dx), acc ? cu_tol((DType)dt, CU_FMA) : 0.0, what, (DType)dt);
                     cu_pair_free(&dx);
                 }
                 cu_pair_free(&x); cu_pair_free(&y);
+                o->free(o, seed_gpu);
                 free(xv);
             }
 }
@@ -7047,6 +7201,7 @@ static const Test TESTS[] = {
     {"weighted_loss_by_hand", test_weighted_loss_by_hand},
     {"weight0_pixels_ignored", test_weight0_pixels_ignored},
     {"adam_keras_formula", test_adam_keras_formula},
+    {"step_control", test_step_control},
     {"clip_global_norm", test_clip_global_norm},
     {"lr_schedule", test_lr_schedule},
     {"init_params", test_init_params},
@@ -7118,6 +7273,8 @@ static const Test TESTS[] = {
     {"cuda_alloc_counts", test_cuda_alloc_counts},
     {"cuda_ops_complete", test_cuda_ops_complete},
     {"cuda_train_steps", test_cuda_train_steps},
+    {"cuda_step_control", test_cuda_step_control},
+    {"cuda_graph_step", test_cuda_graph_step},
     {"cuda_plan_equals_allocation", test_cuda_plan_equals_allocation},
 #if EMULATED_CUDA
     {"cuda_sync_each", test_cuda_sync_each},
