@@ -83,6 +83,7 @@ struct CudaCtx {
     cublasHandle_t blas;
     double *reduce_partials;  // (REDUCE_BLOCKS_MAX, REDUCE_WIDTH), allocated once in ctx_open
     double *sums;  // (SUMS_SCRATCH) partial per-channel sums of channel_sums
+    unsigned *sums_done;  // (SUMS_COUNTERS) its finished chunks per (tile, group), 0 between launches
     // the replicas' collectives (NCCL) run on a stream of their own, ordered
     // after the work on `stream` before them (compute_done) and before the
     // work after them (comm_done): see "NCCL communicators" below
@@ -1078,8 +1079,8 @@ static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *
 static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
                                       int parts, float *partial);
 
-static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in, const float *w, const float *b,
-                                void *ws) {
+static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in, const float *w,
+                                const void *w_cast, const float *b, void *ws) {
     ConvPlan p = conv_plan(cfg, in.shape, in.dtype);
     const ConvGeom *q = &p.q;
     conv_check_out("conv2d_forward (out shape)", q, out.shape, cfg, in.shape);
@@ -1090,8 +1091,8 @@ static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor i
     if (out.dtype != in.dtype) conv_fail("conv2d_forward (in and out storage types differ)", cfg, in.shape);
     if (b && !cfg->has_bias) conv_fail("conv2d_forward (a bias for a conv without one)", cfg, in.shape);
     const DType dt = in.dtype;
-    const void *wt = w;  // [Cout][K] in the storage type
-    if (dt != DT_F32) {
+    const void *wt = dt == DT_F32 ? (const void *)w : w_cast;  // [Cout][K] in the storage type
+    if (!wt) {
         const Shape ws_shape = shape4(1, 1, q->Cout, q->K);  // the weights, rounded to the storage type
         copy_cuda(o, tensor(ws, ws_shape, dt), tensor_f32((float *)w, ws_shape), 0);
         wt = ws;
@@ -1122,7 +1123,7 @@ static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor i
 }
 
 static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout, const float *w,
-                                      int accumulate, void *ws) {
+                                      const void *w_cast, int accumulate, void *ws) {
     if (!din.data) return;
     ConvPlan p = conv_plan(cfg, din.shape, din.dtype);
     const ConvGeom *q = &p.q;
@@ -1133,8 +1134,8 @@ static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Te
     }
     if (dout.dtype != din.dtype) conv_fail("conv2d_backward_data (din and dout storage types differ)", cfg, din.shape);
     const DType dt = din.dtype;
-    const void *wt = w;
-    if (dt != DT_F32) {
+    const void *wt = dt == DT_F32 ? (const void *)w : w_cast;
+    if (!wt) {
         const Shape ws_shape = shape4(1, 1, q->Cout, q->K);  // the weights, rounded to the storage type
         copy_cuda(o, tensor(ws, ws_shape, dt), tensor_f32((float *)w, ws_shape), 0);
         wt = ws;
@@ -1217,8 +1218,13 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
 //   grid:  (channel tiles, row chunks, G)
 //   a thread sums rows r0 + lane, r0 + lane + TY, ... of its chunk in order,
 //   the lanes are added in lane order, and the chunks' partial sums (in the
-//   context's scratch) are added in chunk order by a second kernel, one thread
-//   per (g, c). With one chunk the first kernel finishes the sum itself.
+//   context's scratch) by the block of the (channel tile, g) that finishes
+//   last: it counts the finished blocks in an atomic counter (the CUDA
+//   Programming Guide's "last block" pattern, after a __threadfence), and
+//   then sums chunks lane, lane + TY, ... and the lanes in lane order. The
+//   order depends on the shape only, so the sums are deterministic; which
+//   block finishes last does not matter. One launch; the last block sets its
+//   counter back to 0 for the next one (and for a replayed graph).
 // The callers are functors. F::Lane is a thread's view of its channels,
 // made once (per-channel constants in registers): lane(row, k, v) gives the NQ
 // values of channel c0 + k of a row (the generic kernel: k = 0 only). E(g, c, s)
@@ -1230,6 +1236,9 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
 // count (chunks ≤ SUMS_SCRATCH/(G·NQ·C), at least 1, which needs no scratch); it
 // never limits the shapes an op accepts.
 #define SUMS_SCRATCH ((size_t)1 << 20)  // doubles (8 MiB)
+// Counters of finished chunks, one per (channel tile, group) of a launch with
+// more than one chunk; a launch with more tiles × groups runs one chunk.
+#define SUMS_COUNTERS ((size_t)1 << 15)
 
 // a thread's rows of its chunk: r0 + lane, + TY, ... < r1
 struct RowChunk { uint32_t r0, r1; };
@@ -1253,9 +1262,12 @@ static __device__ __forceinline__ void sum_lanes(double *sh, const double (&acc)
 }
 // W channels per thread (1: generic, Vec<T>::N: vector); F::Lane knows its loads
 template <int NQ, int W, class F, class E>
-__global__ void channel_sums_kernel(F f, E e, double *partial, uint32_t rows, int C, uint32_t rows_per_chunk) {
+__global__ void channel_sums_kernel(F f, E e, double *partial, unsigned *done, uint32_t rows, int C,
+                                    uint32_t rows_per_chunk) {
     __shared__ double sh[BLOCK * W * NQ];
+    __shared__ bool last;
     const int lane_c = blockIdx.x * blockDim.x + threadIdx.x, c0 = lane_c * W, g = blockIdx.z;
+    const uint32_t chunks = gridDim.y;
     const RowChunk rc = row_chunk(rows, rows_per_chunk);
     double acc[W][NQ];
     for (int k = 0; k < W; k++)
@@ -1264,26 +1276,33 @@ __global__ void channel_sums_kernel(F f, E e, double *partial, uint32_t rows, in
         const typename F::Lane lane = f.lane(g, c0);
         for (uint32_t r = rc.r0 + threadIdx.y; r < rc.r1; r += blockDim.y) lane.add(r, acc);
     }
-    double s[W][NQ];
+    double s[W][NQ] = {};
     sum_lanes<NQ, W>(sh, acc, s);
-    if (threadIdx.y != 0 || c0 >= C) return;
-    for (int k = 0; k < W; k++) {
-        if (gridDim.y == 1) e(g, c0 + k, s[k]);
-        else
-            for (int q = 0; q < NQ; q++) partial[(((size_t)g * gridDim.y + blockIdx.y) * NQ + q) * C + c0 + k] = s[k][q];
+    const bool owner = threadIdx.y == 0 && c0 < C;  // holds its channels' sums
+    if (chunks > 1) {
+        if (owner)
+            for (int k = 0; k < W; k++)
+                for (int q = 0; q < NQ; q++) partial[(((size_t)g * chunks + blockIdx.y) * NQ + q) * C + c0 + k] = s[k][q];
+        __threadfence();  // the partial sums are visible to every block before the count says so
+        __syncthreads();
+        unsigned *count = done + (size_t)g * gridDim.x + blockIdx.x;
+        if (threadIdx.x == 0 && threadIdx.y == 0) last = atomicAdd(count, 1u) == chunks - 1;
+        __syncthreads();
+        if (!last) return;
+        if (threadIdx.x == 0 && threadIdx.y == 0) *count = 0;
+        // every chunk's sums, read past this SM's L1 (other blocks wrote them)
+        const volatile double *in = partial;
+        for (int k = 0; k < W; k++)
+            for (int q = 0; q < NQ; q++) acc[k][q] = 0.0;
+        if (c0 < C)
+            for (uint32_t j = threadIdx.y; j < chunks; j += blockDim.y)
+                for (int k = 0; k < W; k++)
+                    for (int q = 0; q < NQ; q++) acc[k][q] += in[(((size_t)g * chunks + j) * NQ + q) * C + c0 + k];
+        __syncthreads();  // sh is read by sum_lanes above until here
+        sum_lanes<NQ, W>(sh, acc, s);
     }
-}
-template <int NQ, class E>
-__global__ void channel_sums_finish_kernel(E e, const double *partial, int G, int C, int chunks) {
-    FOR_GRID(i, (uint32_t)G * C) {
-        const int g = (int)(i / (uint32_t)C), c = (int)(i % (uint32_t)C);  // once per (g, c)
-        double s[NQ];
-        for (int q = 0; q < NQ; q++) {
-            s[q] = 0.0;
-            for (int k = 0; k < chunks; k++) s[q] += partial[(((size_t)g * chunks + k) * NQ + q) * C + c];
-        }
-        e(g, c, s);
-    }
+    if (owner)
+        for (int k = 0; k < W; k++) e(g, c0 + k, s[k]);
 }
 // W: channels per thread
 template <int NQ, int W, class F, class E>
@@ -1295,17 +1314,13 @@ static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C) {
     size_t fit = SUMS_SCRATCH / ((size_t)G * NQ * C);
     if (chunks > SUMS_MAX_CHUNKS) chunks = SUMS_MAX_CHUNKS;
     if (chunks > fit) chunks = fit;
-    if (chunks < 1) chunks = 1;
+    const unsigned tiles = (lanes + tx - 1) / tx;
+    if (chunks < 1 || (size_t)tiles * G > SUMS_COUNTERS) chunks = 1;
     const size_t rows_per_chunk = rows ? (rows + chunks - 1) / chunks : 1;
     chunks = rows ? (rows + rows_per_chunk - 1) / rows_per_chunk : 1;  // no empty chunk
-    dim3 grid((lanes + tx - 1) / tx, (unsigned)chunks, G), block(tx, ty);
-    double *partial = chunks > 1 ? ctx_of(o)->sums : NULL;
-    CU_LAUNCH((channel_sums_kernel<NQ, W, F, E>), grid, block, 0, stream_of(o), f, e, partial, (uint32_t)rows, C,
-              (uint32_t)rows_per_chunk);
-    launchCheck();
-    if (chunks == 1) return;
-    CU_LAUNCH((channel_sums_finish_kernel<NQ, E>), grid_for((size_t)G * C), BLOCK, 0, stream_of(o), e, partial, G, C,
-              (int)chunks);
+    dim3 grid(tiles, (unsigned)chunks, G), block(tx, ty);
+    CU_LAUNCH((channel_sums_kernel<NQ, W, F, E>), grid, block, 0, stream_of(o), f, e, ctx_of(o)->sums,
+              ctx_of(o)->sums_done, (uint32_t)rows, C, (uint32_t)rows_per_chunk);
     launchCheck();
 }
 
@@ -1405,18 +1420,26 @@ static void sums_of_product(Ops *o, E e, Tensor a, const Tensor *b, int G, size_
 // Σx and Σx² in one pass (fp64), then mean = Σx/M, var = Σx²/M - mean² in fp64:
 // the cancellation loses (mean²/var)·2^-52 of var, far below its fp32 rounding
 // for any activation (it would take |mean| > 2^14·σ to reach 2^-24)
+// running = (1-m)·running + m·batch, the variance made unbiased (bn_update_running)
+static __device__ void running_update(float *run_mean, float *run_var, float mean, float var, int c, double unbias,
+                                      float momentum) {
+    run_mean[c] = (1.0f - momentum) * run_mean[c] + momentum * mean;
+    run_var[c] = (1.0f - momentum) * run_var[c] + momentum * (float)(var * unbias);
+}
+// and the running statistics' update (bn_update_running's, run_mean not NULL)
 struct StoreMoments {
-    float *mean, *var; double M;
+    float *mean, *var; double M; float *run_mean, *run_var; float momentum;
     __device__ void operator()(int, int c, const double *s) const {
         const double mu = s[0] / M, v = s[1] / M - mu * mu;
         mean[c] = (float)mu;
         var[c] = (float)(v > 0.0 ? v : 0.0);
+        if (run_mean) running_update(run_mean, run_var, mean[c], var[c], c, M > 1 ? M / (M - 1) : 1.0, momentum);
     }
 };
-static void bn_stats_cuda(Ops *o, Tensor x, float *mean, float *var) {
+static void bn_stats_cuda(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
-    const StoreMoments e = {mean, var, (double)M};
+    const StoreMoments e = {mean, var, (double)M, run_mean, run_var, momentum};
     if (vec_ok({x.dtype}, C, {x.data})) {
         SWITCH_STORAGE(x.dtype, T, { channel_sums<2, Vec<T>::N>(o, MomentsVec<T>{(const T *)x.data, C}, e, 1, M, C); });
     } else {
@@ -1482,10 +1505,7 @@ static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const float *mean, const
 // the C running statistics, one thread each; the unbiasing factor in fp64 as on the CPU
 __global__ void bn_update_running_kernel(float *run_mean, float *run_var, const float *mean, const float *var, int C,
                                          double unbias, float momentum) {
-    FOR_GRID(c, C) {
-        run_mean[c] = (1.0f - momentum) * run_mean[c] + momentum * mean[c];
-        run_var[c] = (1.0f - momentum) * run_var[c] + momentum * (float)(var[c] * unbias);
-    }
+    FOR_GRID(c, C) running_update(run_mean, run_var, mean[c], var[c], c, unbias, momentum);
 }
 static void bn_update_running_cuda(Ops *o, float *run_mean, float *run_var, const float *mean, const float *var,
                                    int C, size_t count, float momentum) {
@@ -1752,6 +1772,56 @@ static void channel_scale_backward_cuda(Ops *o, Tensor dx, Tensor ds, Tensor dy,
 // residual add
 
 static void add_forward_cuda(Ops *o, Tensor y, Tensor a, Tensor b) { map_op(o, y, a, b, 0, Sum2{}); }
+
+// add's backward, the CPU's two copies in one pass over dy: da (=|+=) dy, db (=|+=) dy
+__global__ void add_backward_kernel(void *da, DType dta, int acc_a, void *db, DType dtb, int acc_b, const void *dy,
+                                    DType dt, size_t n) {
+    FOR_CHUNKS(n, base, m) {
+        void *a = da ? elem_ptr(da, dta, base) : NULL, *b = db ? elem_ptr(db, dtb, base) : NULL;
+        const void *g = elem_ptr(dy, dt, base);
+        FOR_GRID(i, m) {
+            const float v = ld(g, dt, i);
+            if (a) st(a, dta, i, acc_a ? ld(a, dta, i) + v : v);
+            if (b) st(b, dtb, i, acc_b ? ld(b, dtb, i) + v : v);
+        }
+    }
+}
+template <class T>
+__global__ void add_backward_vec_kernel(T *da, int acc_a, T *db, int acc_b, const T *dy, size_t n_vec) {
+    constexpr int N = Vec<T>::N;
+    FOR_CHUNKS(n_vec, base, m) {
+        T *a = da ? da + base * N : NULL, *b = db ? db + base * N : NULL;
+        const T *g = dy + base * N;
+        FOR_GRID(i, m) {
+            const Vec<T> v = load_vec(g + i * N);
+            for (int which = 0; which < 2; which++) {
+                T *y = which ? b : a;
+                if (!y) continue;
+                Vec<T> out = v;
+                if (which ? acc_b : acc_a) {
+                    const Vec<T> old = load_vec(y + i * N);
+                    for (int k = 0; k < N; k++) out.v[k] = from_f32<T>(to_f32(old.v[k]) + to_f32(v.v[k]));
+                }
+                store_vec(y + i * N, out);
+            }
+        }
+    }
+}
+static void add_backward_cuda(Ops *o, Tensor da, Tensor db, Tensor dy, int acc_a, int acc_b) {
+    const size_t n = shape_numel(dy.shape);
+    if (!n || (!da.data && !db.data)) return;
+    const DType dta = da.data ? da.dtype : dy.dtype, dtb = db.data ? db.dtype : dy.dtype;
+    if (dta == dy.dtype && dtb == dy.dtype && vec_ok({dy.dtype}, n, {dy.data, da.data, db.data})) {
+        SWITCH_STORAGE(dy.dtype, T, {
+            CU_LAUNCH(add_backward_vec_kernel<T>, grid_for(n / Vec<T>::N), BLOCK, 0, stream_of(o), (T *)da.data, acc_a,
+                      (T *)db.data, acc_b, (const T *)dy.data, n / Vec<T>::N);
+        });
+    } else {
+        CU_LAUNCH(add_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), da.data, dta, acc_a, db.data, dtb, acc_b,
+                  dy.data, dy.dtype, n);
+    }
+    launchCheck();
+}
 
 // ----------------------------------------------------------------------------
 // channel concat
@@ -2301,6 +2371,7 @@ static Ops make_ops_cuda(void) {
     Ops o;
     memset(&o, 0, sizeof o);
     o.name = "cuda";
+    o.weights_in_storage_type = 1;  // cuBLAS multiplies bf16 and fp16 operands
     o.alloc = cuda_alloc;
     o.free = cuda_free;
     o.upload = cuda_upload;
@@ -2339,6 +2410,7 @@ static Ops make_ops_cuda(void) {
     o.channel_scale_forward = channel_scale_forward_cuda;
     o.channel_scale_backward = channel_scale_backward_cuda;
     o.add_forward = add_forward_cuda;
+    o.add_backward = add_backward_cuda;
     o.concat_forward = concat_forward_cuda;
     o.concat_backward = concat_backward_cuda;
     o.dropout_forward = dropout_forward_cuda;
@@ -2368,7 +2440,8 @@ static std::mutex cuda_open_mutex;
 #define CUBLAS_WORKSPACE_BYTES ((size_t)32 << 20)
 // a device context's own allocations (the reductions' scratch, cuBLAS's workspace)
 #define CUDA_CONTEXT_BYTES \
-    (sizeof(double) * REDUCE_BLOCKS_MAX * REDUCE_WIDTH + SUMS_SCRATCH * sizeof(double) + CUBLAS_WORKSPACE_BYTES)
+    (sizeof(double) * REDUCE_BLOCKS_MAX * REDUCE_WIDTH + SUMS_SCRATCH * sizeof(double) + \
+     SUMS_COUNTERS * sizeof(unsigned) + CUBLAS_WORKSPACE_BYTES)
 // What the driver holds for the process on the device beyond any cudaMalloc:
 // the context, the loaded kernels of segnet and cuBLAS (lazy loading, CUDA
 // 12+), local memory and printf buffers. Not measurable before the device is
@@ -2407,6 +2480,8 @@ static int ctx_open(CudaCtx *ctx, int device, char *err) {
     ctx->sync_each = sync && *sync && strcmp(sync, "0");
     cudaCheck(cudaMalloc((void **)&ctx->reduce_partials, sizeof(double) * REDUCE_BLOCKS_MAX * REDUCE_WIDTH));
     if ((e = cudaMalloc(&ctx->sums, SUMS_SCRATCH * sizeof(double))) != cudaSuccess ||
+        (e = cudaMalloc(&ctx->sums_done, SUMS_COUNTERS * sizeof(unsigned))) != cudaSuccess ||
+        (e = cudaMemsetAsync(ctx->sums_done, 0, SUMS_COUNTERS * sizeof(unsigned), ctx->stream)) != cudaSuccess ||
         (e = cudaMalloc(&ctx->blas_workspace, CUBLAS_WORKSPACE_BYTES)) != cudaSuccess) {
         snprintf(err, SN_ERR_MAX, "CUDA device %d: cannot allocate %zu bytes of scratch (%s)", device,
                  CUDA_CONTEXT_BYTES, cudaGetErrorString(e));

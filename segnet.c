@@ -802,8 +802,8 @@ static void conv2d_backward_weight_gemm(const ConvCfg *cfg, const ConvGeom *q, f
                                         float *ws);
 
 static void conv2d_forward_cpu(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in, const float *w,
-                               const float *b, void *ws) {
-    (void)o;
+                               const void *w_cast, const float *b, void *ws) {
+    (void)o; (void)w_cast;  // the CPU multiplies in fp32
     ConvGeom q = conv_geom(cfg, in.shape);
     snCheck(out.shape.n == q.N && out.shape.h == q.OH && out.shape.w == q.OW && out.shape.c == q.Cout,
             "conv2d_forward: out " SHAPE_FMT " for in " SHAPE_FMT, SHAPE_ARGS(out.shape), SHAPE_ARGS(in.shape));
@@ -849,8 +849,8 @@ static void conv2d_forward_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor o
 }
 
 static void conv2d_backward_data_cpu(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout, const float *w,
-                                     int accumulate, void *ws) {
-    (void)o;
+                                     const void *w_cast, int accumulate, void *ws) {
+    (void)o; (void)w_cast;
     ConvGeom q = conv_geom(cfg, din.shape);
     if (conv_is_depthwise(cfg)) {
         if (din.dtype == DT_F32 && dout.dtype == DT_F32)
@@ -1287,9 +1287,10 @@ static void bn_backward_data_fast(Tensor dx, Tensor dy, Tensor x, const float *m
     }
 }
 
-static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var) {
-    (void)o;
+static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum) {
     bn_stats_fast(x, mean, var);
+    const int C = x.shape.c;
+    if (run_mean) bn_update_running_cpu(o, run_mean, run_var, mean, var, C, shape_numel(x.shape) / C, momentum);
 }
 
 static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
@@ -1468,6 +1469,11 @@ static void add_forward_cpu(Ops *o, Tensor y, Tensor a, Tensor b) {
     (void)o;
     #pragma omp parallel for schedule(static) if(PAR(shape_numel(y.shape)))
     for (size_t i = 0; i < shape_numel(y.shape); i++) st(y, i, ld(a, i) + ld(b, i));
+}
+
+static void add_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
+    if (da.data) copy_cpu(o, da, dy, accumulate_a);
+    if (db.data) copy_cpu(o, db, dy, accumulate_b);
 }
 
 // y[r, 0:Ca] = a[r, :], y[r, Ca:Ca+Cb] = b[r, :] for every pixel r
@@ -1786,6 +1792,7 @@ Ops ops_cpu = {
     .channel_scale_forward = channel_scale_forward_cpu,
     .channel_scale_backward = channel_scale_backward_cpu,
     .add_forward = add_forward_cpu,
+    .add_backward = add_backward_cpu,
     .concat_forward = concat_forward_cpu,
     .concat_backward = concat_backward_cpu,
     .dropout_forward = dropout_forward_cpu,
@@ -1817,7 +1824,7 @@ static const struct { const char *name; size_t offset; int optional; } OPS_ENTRI
     OPS_ENTRY(conv2d_backward_weight), OPS_ENTRY(bn_stats), OPS_ENTRY(bn_forward), OPS_ENTRY(bn_update_running),
     OPS_ENTRY(bn_backward_reduce), OPS_ENTRY(bn_backward_data), OPS_ENTRY(act_forward), OPS_ENTRY(act_backward),
     OPS_ENTRY(global_avg_pool_forward), OPS_ENTRY(global_avg_pool_backward), OPS_ENTRY(channel_scale_forward),
-    OPS_ENTRY(channel_scale_backward), OPS_ENTRY(add_forward), OPS_ENTRY(concat_forward), OPS_ENTRY(concat_backward),
+    OPS_ENTRY(channel_scale_backward), OPS_ENTRY(add_forward), OPS_ENTRY(add_backward), OPS_ENTRY(concat_forward), OPS_ENTRY(concat_backward),
     OPS_ENTRY(dropout_forward), OPS_ENTRY(dropout_backward), OPS_ENTRY(maxpool2_forward), OPS_ENTRY(maxpool2_backward),
     OPS_ENTRY(upsample2_forward), OPS_ENTRY(upsample2_backward), OPS_ENTRY(resize_bilinear_forward),
     OPS_ENTRY(resize_bilinear_backward), OPS_ENTRY(softmax_xent), OPS_ENTRY(confusion_accumulate),
@@ -2628,6 +2635,10 @@ Tensor net_tensor(const Net *net, int t) { return tensor(net->act[t], net_shape(
 Tensor net_grad(const Net *net, int t) { return tensor(net->grad[t], net_shape(net, t), net->dtype); }
 
 static float *param_ptr(float *base, const Graph *g, int id) { return id < 0 ? NULL : base + g->params[id].offset; }
+// a parameter in the storage type (weights_in_storage_type), or NULL
+static const void *param_cast(const Net *net, int id) {
+    return id < 0 || !net->params_cast ? NULL : (const char *)net->params_cast + net->g->params[id].offset * dtype_size(net->dtype);
+}
 // a parameter's gradient, NULL when it has none (no parameter, or frozen)
 static float *grad_ptr(const Net *net, int id) {
     return id < 0 || net->grad_offset[id] == SIZE_MAX ? NULL : net->grads + net->grad_offset[id];
@@ -2678,7 +2689,7 @@ void net_free(Net *net) {
     else for (int t = 0; net->act && t < g->n_tensors; t++) { o->free(o, net->act[t]); if (net->grad) o->free(o, net->grad[t]); }
     for (int l = 0; net->bn_mean && l < g->n_layers; l++) { o->free(o, net->bn_mean[l]); o->free(o, net->bn_var[l]); }
     o->free(o, net->params); o->free(o, net->grads); o->free(o, net->buffers);
-    o->free(o, net->bn_scratch); o->free(o, net->ws); o->free(o, net->layer_seeds);
+    o->free(o, net->bn_scratch); o->free(o, net->ws); o->free(o, net->layer_seeds); o->free(o, net->params_cast);
     free(net->act); free(net->grad); free(net->needs_grad); free(net->grad_written); free(net->bn_mean); free(net->bn_var);
     free(net->grad_offset);
     memset(net, 0, sizeof *net);
@@ -2770,6 +2781,8 @@ static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int in
     net->n_grad_floats = grad_layout(g, net->grad_offset);
     if (ok) {
         net->params = o->alloc(o, pbytes);
+        const int cast = o->weights_in_storage_type && dtype != DT_F32;
+        if (cast) net->params_cast = o->alloc(o, g->n_param_floats * dtype_size(dtype));
         net->grads = o->alloc(o, sizeof(float) * (net->n_grad_floats ? net->n_grad_floats : 1));
         net->buffers = o->alloc(o, bbytes);
         net->bn_scratch = o->alloc(o, sizeof(float) * 2 * (size_t)cmax);
@@ -2778,7 +2791,8 @@ static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int in
             net->ws_bytes = ws;
             net->ws = ws ? o->alloc(o, ws) : NULL;
         }
-        ok = net->params && net->grads && net->buffers && net->bn_scratch && net->layer_seeds && (!ws || net->ws);
+        ok = net->params && net->grads && net->buffers && net->bn_scratch && net->layer_seeds && (!ws || net->ws) &&
+             (!cast || net->params_cast);
     }
     if (!ok) {
         snprintf(err, SN_ERR_MAX, "out of %s memory allocating the network's tensors", o->name);
@@ -2921,7 +2935,7 @@ static void layer_forward(Net *net, int i, int recompute) {
         double t0 = net->layer_seconds ? layer_clock() : 0.0;
         switch (l->kind) {
         case LAYER_CONV: case LAYER_DENSE:
-            o->conv2d_forward(o, &l->conv, y, x, w, b, net->ws);
+            o->conv2d_forward(o, &l->conv, y, x, w, param_cast(net, l->weight), b, net->ws);
             break;
         case LAYER_BN: {
             float *rm = buffer_ptr(net, l->run_mean), *rv = buffer_ptr(net, l->run_var);
@@ -2929,9 +2943,12 @@ static void layer_forward(Net *net, int i, int recompute) {
                 if (!recompute) {
                     const int C = x.shape.c;
                     size_t count = shape_numel(x.shape) / C;
-                    if (count) o->bn_stats(o, x, net->bn_mean[i], net->bn_var[i]);
-                    if (net->sync_bn) count = bn_sync_stats(net, net->bn_mean[i], net->bn_var[i], C, count);
-                    if (count) o->bn_update_running(o, rm, rv, net->bn_mean[i], net->bn_var[i], C, count, BN_MOMENTUM);
+                    // without --sync-bn the running statistics are updated in the same pass
+                    if (count) o->bn_stats(o, x, net->bn_mean[i], net->bn_var[i], net->sync_bn ? NULL : rm, rv, BN_MOMENTUM);
+                    if (net->sync_bn) {
+                        count = bn_sync_stats(net, net->bn_mean[i], net->bn_var[i], C, count);
+                        if (count) o->bn_update_running(o, rm, rv, net->bn_mean[i], net->bn_var[i], C, count, BN_MOMENTUM);
+                    }
                 }
                 if (net->batch) o->bn_forward(o, y, x, net->bn_mean[i], net->bn_var[i], w, b, l->eps, l->act);
             } else {
@@ -2963,6 +2980,9 @@ static void layer_forward(Net *net, int i, int recompute) {
 void net_forward(Net *net, int training) {
     net->training = training;
     if (training) net_seeds_current(net);
+    if (net->params_cast)  // once per forward: whatever changed the fp32 weights since, the copy follows
+        net->o->copy(net->o, tensor(net->params_cast, shape4((int)net->g->n_param_floats, 1, 1, 1), net->dtype),
+                     tensor_f32(net->params, shape4((int)net->g->n_param_floats, 1, 1, 1)), 0);
     for (int i = 0; i < net->g->n_layers; i++) {
         if (net->plan) plan_enter(net, net->plan->fwd_slot[i]);
         layer_forward(net, i, 0);
@@ -3001,7 +3021,7 @@ static void layer_backward(Net *net, int i) {
         switch (l->kind) {
         case LAYER_CONV: case LAYER_DENSE:
             if (dw || dbias) o->conv2d_backward_weight(o, &l->conv, dw, dbias, dy, x, net->ws);
-            if (dx.data) o->conv2d_backward_data(o, &l->conv, dx, dy, w, acc_a, net->ws);
+            if (dx.data) o->conv2d_backward_data(o, &l->conv, dx, dy, w, param_cast(net, l->weight), acc_a, net->ws);
             break;
         case LAYER_BN: {
             const int C = x.shape.c;
@@ -3020,10 +3040,7 @@ static void layer_backward(Net *net, int i) {
         case LAYER_ACT: if (dx.data) o->act_backward(o, l->act, dx, dy, x, acc_a); break;
         case LAYER_GAP: if (dx.data) o->global_avg_pool_backward(o, dx, dy, acc_a); break;
         case LAYER_SCALE: o->channel_scale_backward(o, dx, dx2, dy, x, x2, acc_a, acc_b); break;
-        case LAYER_ADD:
-            if (dx.data) o->copy(o, dx, dy, acc_a);
-            if (dx2.data) o->copy(o, dx2, dy, acc_b);
-            break;
+        case LAYER_ADD: o->add_backward(o, dx, dx2, dy, acc_a, acc_b); break;
         case LAYER_CONCAT: o->concat_backward(o, dx, dx2, dy, acc_a, acc_b); break;
         case LAYER_MAXPOOL: if (dx.data) o->maxpool2_backward(o, dx, dy, x, acc_a); break;
         case LAYER_UPSAMPLE: if (dx.data) o->upsample2_backward(o, dx, dy, acc_a); break;
@@ -6582,6 +6599,7 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
     const size_t K = (size_t)out.c, labels = (size_t)out.n * out.h * out.w;
     int cmax = 1;
     m->params = sizeof(float) * g->n_param_floats;
+    if (o->weights_in_storage_type && c->precision != DT_F32) m->params += dtype_size(c->precision) * g->n_param_floats;
     m->grads = sizeof(float) * (m->n_trainable ? m->n_trainable : 1);  // as net_create allocates them
     m->optimizer = 2 * sizeof(float) * m->n_trainable;
     m->statistics = sizeof(float) * g->n_buffer_floats;

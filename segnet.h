@@ -409,6 +409,8 @@ struct Ops {
     size_t context_bytes;  // memory the backend allocates outside any plan (scratch, cuBLAS's workspace), per device
     size_t driver_bytes;   // memory the device's driver holds for the process (CUDA context, loaded kernels):
                            // an estimate, counted by the plan; 0 on the CPU
+    int weights_in_storage_type;  // the convs multiply in the activations' storage type: a net keeps a
+                                  // copy of its weights in it (params_cast), made once per forward
 
     // memory in the backend's address space
     void *(*alloc)(Ops *o, size_t bytes);  // NULL on failure
@@ -442,19 +444,21 @@ struct Ops {
     void (*nonfinite)(Ops *o, Tensor t, int32_t *flag);            // *flag = 1 if any inf/NaN, else unchanged
     void (*step_control)(Ops *o, const StepArgs *a, StepState *s, StepPhase phase);  // step_control_apply, there
 
-    // convolution: in (N,H,W,Cin), out (N,OH,OW,Cout), weight [Cout][kh][kw][Cin/groups], bias [Cout]
+    // convolution: in (N,H,W,Cin), out (N,OH,OW,Cout), weight [Cout][kh][kw][Cin/groups], bias [Cout];
+    // weight_cast: NULL, or the weight in the storage type of `in` (weights_in_storage_type)
     size_t (*conv2d_workspace)(Ops *o, const ConvCfg *cfg, Shape in, DType dt);
     void (*conv2d_forward)(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in,
-                           const float *weight, const float *bias, void *ws);
+                           const float *weight, const void *weight_cast, const float *bias, void *ws);
     void (*conv2d_backward_data)(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout,
-                                 const float *weight, int accumulate, void *ws);
+                                 const float *weight, const void *weight_cast, int accumulate, void *ws);
     void (*conv2d_backward_weight)(Ops *o, const ConvCfg *cfg, float *dweight, float *dbias,
                                    Tensor dout, Tensor in, void *ws);
 
     // batch norm, split so that replicas can all-reduce between the pieces:
     //   stats -> (all-reduce) -> forward; backward_reduce -> (all-reduce) -> backward_data
-    // mean, var: (C) biased per-channel statistics of x over N·H·W
-    void (*bn_stats)(Ops *o, Tensor x, float *mean, float *var);
+    // mean, var: (C) biased per-channel statistics of x over N·H·W; with run_mean
+    // (not NULL) also bn_update_running with count N·H·W, in the same pass
+    void (*bn_stats)(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum);
     // y = act(gamma·(x - mean)/sqrt(var + eps) + beta): training (batch stats) and inference (running stats)
     void (*bn_forward)(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
                        const float *gamma, const float *beta, float eps, Act act);
@@ -483,8 +487,9 @@ struct Ops {
     void (*channel_scale_backward)(Ops *o, Tensor dx, Tensor ds, Tensor dy, Tensor x, Tensor s,
                                    int accumulate_dx, int accumulate_ds);
 
-    // residual add y = a + b (its backward is `copy` into da and db)
+    // residual add y = a + b; its backward da (=|+=) dy, db (=|+=) dy (either may have no data)
     void (*add_forward)(Ops *o, Tensor y, Tensor a, Tensor b);
+    void (*add_backward)(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b);
     // concat along C: y (N,H,W,Ca+Cb); backward splits dy into da, db
     void (*concat_forward)(Ops *o, Tensor y, Tensor a, Tensor b);
     void (*concat_backward)(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b);
@@ -731,6 +736,7 @@ typedef struct {
     Ops *o;
     DType dtype;          // activation storage type
     float *params;        // (n_param_floats) fp32 master weights
+    void *params_cast;    // (n_param_floats) in dtype, for backends with weights_in_storage_type; else NULL
     float *grads;         // (n_grad_floats) the trainable parameters' gradients, packed in parameter order
     size_t *grad_offset;  // per parameter: its gradient's offset in grads, or SIZE_MAX (frozen: none)
     size_t n_grad_floats; // Σ counts of the trainable parameters (= n_param_floats when nothing is frozen)

@@ -684,7 +684,7 @@ static void test_conv_forward_vs_naive(void) {
         Shape os = shape4(in.n, oh, ow, cfg.cout);
         float *y = malloc(sizeof(float) * shape_numel(os));
         void *ws = malloc(conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32) + 1);
-        ops_cpu.conv2d_forward(&ops_cpu, &cfg, tensor_f32(y, os), tensor_f32(x, in), w, cfg.has_bias ? b : NULL, ws);
+        ops_cpu.conv2d_forward(&ops_cpu, &cfg, tensor_f32(y, os), tensor_f32(x, in), w, NULL, cfg.has_bias ? b : NULL, ws);
         double e = 0.0;
         for (size_t i = 0; i < shape_numel(os); i++) if (fabs(y[i] - ref[i]) > e) e = fabs(y[i] - ref[i]);
         CHECK(e < 1e-4, "case %zu: conv forward differs from the naive formula by %.3g", t, e);
@@ -773,9 +773,9 @@ static void test_conv_padding_by_hand(void) {
     ConvCfg same = {1, 1, 3, 3, 2, 1, PAD_SAME, 0}, sym = {1, 1, 3, 3, 2, 1, PAD_SYMMETRIC, 0};
     size_t wsb = conv2d_workspace_cpu(&ops_cpu, &same, in, DT_F32), wsb2 = conv2d_workspace_cpu(&ops_cpu, &sym, in, DT_F32);
     float *ws = malloc(wsb > wsb2 ? wsb : wsb2);
-    ops_cpu.conv2d_forward(&ops_cpu, &same, tensor_f32(y, os), tensor_f32(x, in), w, NULL, ws);
+    ops_cpu.conv2d_forward(&ops_cpu, &same, tensor_f32(y, os), tensor_f32(x, in), w, NULL, NULL, ws);
     CHECK(y[0] == 321 && y[1] == 43, "SAME: got [%g %g], expected [321 43]", y[0], y[1]);
-    ops_cpu.conv2d_forward(&ops_cpu, &sym, tensor_f32(y, os), tensor_f32(x, in), w, NULL, ws);
+    ops_cpu.conv2d_forward(&ops_cpu, &sym, tensor_f32(y, os), tensor_f32(x, in), w, NULL, NULL, ws);
     CHECK(y[0] == 210 && y[1] == 432, "symmetric: got [%g %g], expected [210 432]", y[0], y[1]);
     free(ws);
     int o, p;
@@ -794,7 +794,7 @@ static void test_bn_by_hand(void) {
     // one channel, x = 1 2 3 4: mean 2.5, biased var 1.25, unbiased 5/3
     float x[4] = {1, 2, 3, 4}, y[4], mean, var, gamma = 2, beta = 0.5f, rm = 0, rv = 1;
     Tensor tx = tensor_f32(x, shape4(1, 2, 2, 1)), ty = tensor_f32(y, shape4(1, 2, 2, 1));
-    ops_cpu.bn_stats(&ops_cpu, tx, &mean, &var);
+    ops_cpu.bn_stats(&ops_cpu, tx, &mean, &var, NULL, NULL, 0.0f);
     CHECK_NEAR(mean, 2.5, 1e-7, "mean");
     CHECK_NEAR(var, 1.25, 1e-7, "biased variance");
     ops_cpu.bn_update_running(&ops_cpu, &rm, &rv, &mean, &var, 1, 4, BN_MOMENTUM);
@@ -1147,8 +1147,8 @@ static void test_storage_types(void) {
             uint16_t *ys = malloc(2 * shape_numel(os));
             size_t wsb = conv2d_workspace_cpu(&ops_cpu, cfg, in, dt), wsf = conv2d_workspace_cpu(&ops_cpu, cfg, in, DT_F32);
             void *ws = malloc((wsb > wsf ? wsb : wsf) + 1);
-            ops_cpu.conv2d_forward(&ops_cpu, cfg, tensor_f32(y32, os), tensor_f32(x, in), w, b, ws);
-            ops_cpu.conv2d_forward(&ops_cpu, cfg, tensor(ys, os, dt), tx, w, b, ws);
+            ops_cpu.conv2d_forward(&ops_cpu, cfg, tensor_f32(y32, os), tensor_f32(x, in), w, NULL, b, ws);
+            ops_cpu.conv2d_forward(&ops_cpu, cfg, tensor(ys, os, dt), tx, w, NULL, b, ws);
             double u = max_ulp_diff(tensor(ys, os, dt), y32);
             CHECK(u <= 1.0, "%s %s forward: %.2f units in the last place from fp32", dn, names[c], u);
             // backward data and weight with the output gradient stored in dt
@@ -1157,8 +1157,8 @@ static void test_storage_types(void) {
             ops_cpu.copy(&ops_cpu, tensor(ys, os, dt), tensor_f32(dy, os), 0);
             float *dx32 = malloc(sizeof(float) * nx);
             uint16_t *dxs = malloc(2 * nx);
-            ops_cpu.conv2d_backward_data(&ops_cpu, cfg, tensor_f32(dx32, in), tensor_f32(dy, os), w, 0, ws);
-            ops_cpu.conv2d_backward_data(&ops_cpu, cfg, tensor(dxs, in, dt), tensor(ys, os, dt), w, 0, ws);
+            ops_cpu.conv2d_backward_data(&ops_cpu, cfg, tensor_f32(dx32, in), tensor_f32(dy, os), w, NULL, 0, ws);
+            ops_cpu.conv2d_backward_data(&ops_cpu, cfg, tensor(dxs, in, dt), tensor(ys, os, dt), w, NULL, 0, ws);
             u = max_ulp_diff(tensor(dxs, in, dt), dx32);
             CHECK(u <= 1.0, "%s %s backward data: %.2f ulp", dn, names[c], u);
             size_t nw = (size_t)cfg->cout * cfg->kh * cfg->kw * (cfg->cin / cfg->groups);
@@ -1172,9 +1172,9 @@ static void test_storage_types(void) {
         }
         // batch norm + SiLU forward with the stats of the rounded input
         float mean[4], var[4], gam[4] = {1, 0.5f, 2, -1}, bet[4] = {0, 0.1f, -0.2f, 0.3f};
-        ops_cpu.bn_stats(&ops_cpu, tx, mean, var);
+        ops_cpu.bn_stats(&ops_cpu, tx, mean, var, NULL, NULL, 0.0f);
         float m32[4], v32[4];
-        ops_cpu.bn_stats(&ops_cpu, tensor_f32(x, in), m32, v32);
+        ops_cpu.bn_stats(&ops_cpu, tensor_f32(x, in), m32, v32, NULL, NULL, 0.0f);
         CHECK(!memcmp(mean, m32, sizeof mean) && !memcmp(var, v32, sizeof var), "%s bn statistics equal fp32's", dn);
         float *y32 = malloc(sizeof(float) * nx);
         uint16_t *ys = malloc(2 * nx);
@@ -1204,7 +1204,7 @@ static void test_determinism_across_threads(void) {
         omp_set_num_threads(t ? 3 : 1);
         float *o = res[t], gam[37], bet[37], dg[37] = {0}, db[37] = {0};
         for (int c = 0; c < 37; c++) { gam[c] = 1; bet[c] = 0; }
-        ops_cpu.bn_stats(&ops_cpu, tensor_f32(x, s), o, o + 37);
+        ops_cpu.bn_stats(&ops_cpu, tensor_f32(x, s), o, o + 37, NULL, NULL, 0.0f);
         ops_cpu.bn_backward_reduce(&ops_cpu, tensor_f32(dy, s), tensor_f32(x, s), o, o + 37, gam, bet, 1e-3f,
                                    ACT_SILU, o + 74, o + 111, dg, db);
         ops_cpu.sum_squares(&ops_cpu, tensor_f32(x, s), o + 148);
@@ -4671,7 +4671,7 @@ static void test_fast_bn_16bit(void) {
                 for (size_t i = 0; i < n; i++) { st(x, i, xv[i] + 2.0f); st(dy, i, dyv[i]); }
                 float gam[21], bet[21], m1[21], v1[21], m2[21], v2[21], f1[n], f2[n];
                 for (int c = 0; c < C; c++) { gam[c] = 1.0f + 0.3f * rng_normal(&r); bet[c] = 0.5f * rng_normal(&r); }
-                bn_stats_cpu(&ops_cpu, x, m1, v1);
+                bn_stats_cpu(&ops_cpu, x, m1, v1, NULL, NULL, 0.0f);
                 bn_stats_ref(x, m2, v2);
                 CHECK(rel_diff(m1, m2, C, 1e-3) < 2e-6 && rel_diff(v1, v2, C, 1e-3) < 2e-6, "bn_stats %s", DT_NAME[dt]);
                 bn_forward_cpu(&ops_cpu, y1, x, m2, v2, gam, bet, 1e-3f, (Act)act);
@@ -4762,7 +4762,7 @@ static void test_fast_depthwise_vs_ref(void) {
                     float *x = randn(&r, ni, 1.0f), *w = randn(&r, (size_t)C * k * k, 0.3f), *b = randn(&r, C, 0.1f);
                     float *dy = randn(&r, no, 1.0f), *ws = malloc(conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32));
                     float *y1 = malloc(sizeof(float) * no), *y2 = malloc(sizeof(float) * no);
-                    conv2d_forward_cpu(&ops_cpu, &cfg, tensor_f32(y1, out), tensor_f32(x, in), w, b, ws);
+                    conv2d_forward_cpu(&ops_cpu, &cfg, tensor_f32(y1, out), tensor_f32(x, in), w, NULL, b, ws);
                     depthwise_forward_ref(&cfg, &q, tensor_f32(y2, out), tensor_f32(x, in), w, b);
                     double e = rel_diff(y1, y2, no, 1.0);
                     CHECK(e < 1e-6, "depthwise forward fast vs reference %.2e (C %d, k %d, stride %d, %s)", e, C, k, stride,
@@ -4771,7 +4771,7 @@ static void test_fast_depthwise_vs_ref(void) {
                     for (int acc = 0; acc < 2; acc++) {
                         memcpy(g1, d0, sizeof(float) * ni);
                         memcpy(g2, d0, sizeof(float) * ni);
-                        conv2d_backward_data_cpu(&ops_cpu, &cfg, tensor_f32(g1, in), tensor_f32(dy, out), w, acc, ws);
+                        conv2d_backward_data_cpu(&ops_cpu, &cfg, tensor_f32(g1, in), tensor_f32(dy, out), w, NULL, acc, ws);
                         depthwise_backward_data_ref(&cfg, &q, tensor_f32(g2, in), tensor_f32(dy, out), w, acc);
                         e = rel_diff(g1, g2, ni, 1.0);
                         CHECK(e < 1e-6, "depthwise data gradient fast vs reference %.2e (C %d, k %d, stride %d, acc %d)", e, C,
@@ -4841,7 +4841,7 @@ static void fast_paths_run(float *out, const float *x, const float *dy, Shape s,
     float *m = out, *v = out + C, *sg = out + 2 * C, *sgx = out + 3 * C, *dg = out + 4 * C, *db = out + 5 * C;
     memset(out, 0, sizeof(float) * 6 * C);
     k = 6 * C;
-    ops_cpu.bn_stats(&ops_cpu, tensor_f32((float *)x, s), m, v);
+    ops_cpu.bn_stats(&ops_cpu, tensor_f32((float *)x, s), m, v, NULL, NULL, 0.0f);
     ops_cpu.bn_forward(&ops_cpu, tensor_f32(out + k, s), tensor_f32((float *)x, s), m, v, gam, bet, 1e-3f, ACT_SILU);
     k += n;
     ops_cpu.bn_backward_reduce(&ops_cpu, tensor_f32((float *)dy, s), tensor_f32((float *)x, s), m, v, gam, bet, 1e-3f,
@@ -4851,9 +4851,9 @@ static void fast_paths_run(float *out, const float *x, const float *dy, Shape s,
     k += n;
     float w[37 * 9];
     for (int i = 0; i < C * 9; i++) w[i] = 0.1f * (float)((i * 7) % 11) - 0.5f;
-    ops_cpu.conv2d_forward(&ops_cpu, dw, tensor_f32(out + k, dwo), tensor_f32((float *)x, s), w, NULL, ws);
+    ops_cpu.conv2d_forward(&ops_cpu, dw, tensor_f32(out + k, dwo), tensor_f32((float *)x, s), w, NULL, NULL, ws);
     k += shape_numel(dwo);
-    ops_cpu.conv2d_backward_data(&ops_cpu, dw, tensor_f32(out + k, s), tensor_f32((float *)dy, dwo), w, 0, ws);
+    ops_cpu.conv2d_backward_data(&ops_cpu, dw, tensor_f32(out + k, s), tensor_f32((float *)dy, dwo), w, NULL, 0, ws);
     k += n;
     memset(out + k, 0, sizeof(float) * C * 9);
     ops_cpu.conv2d_backward_weight(&ops_cpu, dw, out + k, NULL, tensor_f32((float *)dy, dwo), tensor_f32((float *)x, s), ws);
@@ -5680,21 +5680,36 @@ static void cuda_conv_case(const CuConvCase *tc, DType dt, int bias, Rng *r) {
     float *S = malloc(sizeof(float) * (nin > nout ? (nin > nw ? nin : nw) : (nout > nw ? nout : nw)));
 
     // forward
-    ops_cpu.conv2d_forward(&ops_cpu, &cfg, Y.cpu, X.cpu, w, bias ? b : NULL, cws);
-    o->conv2d_forward(o, &cfg, Y.gpu, X.gpu, w_d, bias ? b_d : NULL, gws);
-    ops_cpu.conv2d_forward(&ops_cpu, &cfg, tensor_f32(S, os), tensor_f32(ax, in), aw, bias ? ab : NULL, cws);
+    ops_cpu.conv2d_forward(&ops_cpu, &cfg, Y.cpu, X.cpu, w, NULL, bias ? b : NULL, cws);
+    o->conv2d_forward(o, &cfg, Y.gpu, X.gpu, w_d, NULL, bias ? b_d : NULL, gws);
+    ops_cpu.conv2d_forward(&ops_cpu, &cfg, tensor_f32(S, os), tensor_f32(ax, in), aw, NULL, bias ? ab : NULL, cws);
     float *yc = cu_host_values(Y.cpu), *yg = cu_to_host(Y.gpu.data, nout, dt);
     cu_conv_compare("forward", tc->label, 0, dt, yg, yc, S, nout, (size_t)q.K + 1, u_w, dt);
     free(yc); free(yg);
+    if (dt != DT_F32) {  // the weights cast by the caller (a net's params_cast): the same bits as cast here
+        void *w_cast = o->alloc(o, nw * dtype_size(dt));
+        o->copy(o, tensor(w_cast, shape4(1, 1, 1, (int)nw), dt), tensor_f32(w_d, shape4(1, 1, 1, (int)nw)), 0);
+        CuPair Y2 = cu_pair(NULL, os, dt), DX1 = cu_pair(NULL, in, dt), DX2 = cu_pair(NULL, in, dt);
+        o->conv2d_forward(o, &cfg, Y2.gpu, X.gpu, w_d, w_cast, bias ? b_d : NULL, gws);
+        o->conv2d_backward_data(o, &cfg, DX1.gpu, DY.gpu, w_d, NULL, 0, gws);
+        o->conv2d_backward_data(o, &cfg, DX2.gpu, DY.gpu, w_d, w_cast, 0, gws);
+        float *a = cu_to_host(Y.gpu.data, nout, dt), *b2 = cu_to_host(Y2.gpu.data, nout, dt);
+        float *c = cu_to_host(DX1.gpu.data, nin, dt), *d = cu_to_host(DX2.gpu.data, nin, dt);
+        CHECK(!memcmp(a, b2, sizeof(float) * nout) && !memcmp(c, d, sizeof(float) * nin),
+              "conv %s %s: with the caller's cast weights the outputs differ", tc->label, DT_NAME[dt]);
+        free(a); free(b2); free(c); free(d);
+        cu_pair_free(&Y2); cu_pair_free(&DX1); cu_pair_free(&DX2);
+        o->free(o, w_cast);
+    }
 
     // backward data, overwrite (din starts as NaN) and accumulate (din starts finite)
     for (int acc = 0; acc < 2; acc++) {
         CuPair DX = cu_pair(acc ? din0 : NULL, in, dt);
-        ops_cpu.conv2d_backward_data(&ops_cpu, &cfg, DX.cpu, DY.cpu, w, acc, cws);
-        o->conv2d_backward_data(o, &cfg, DX.gpu, DY.gpu, w_d, acc, gws);
+        ops_cpu.conv2d_backward_data(&ops_cpu, &cfg, DX.cpu, DY.cpu, w, NULL, acc, cws);
+        o->conv2d_backward_data(o, &cfg, DX.gpu, DY.gpu, w_d, NULL, acc, gws);
         float *dx_old = abs_copy(din0, nin);  // |din| as stored: round through dt
         for (size_t i = 0; i < nin; i++) dx_old[i] = fabsf(dtype_round(dt, dx_old[i]));
-        ops_cpu.conv2d_backward_data(&ops_cpu, &cfg, tensor_f32(S, in), tensor_f32(ady, os), aw, 0, cws);
+        ops_cpu.conv2d_backward_data(&ops_cpu, &cfg, tensor_f32(S, in), tensor_f32(ady, os), aw, NULL, 0, cws);
         if (acc) for (size_t i = 0; i < nin; i++) S[i] += dx_old[i];
         float *c = cu_host_values(DX.cpu), *g = cu_to_host(DX.gpu.data, nin, dt);
         cu_conv_compare(acc ? "backward data (accumulate)" : "backward data", tc->label, 1, dt, g, c, S, nin,
@@ -6278,7 +6293,7 @@ static void test_cuda_sync_each(void) {
         o->fill(o, tensor_f32(w, shape4(30, 1, 1, 1)), 0.25f);
         o->fill(o, tensor_f32(b, shape4(6, 1, 1, 1)), 1.0f);
         o->scale(o, tensor_f32(x, s), 2.0f);
-        o->conv2d_forward(o, &cfg, tensor_f32(y, shape4(2, 3, 4, 6)), tensor_f32(x, s), w, b, ws);
+        o->conv2d_forward(o, &cfg, tensor_f32(y, shape4(2, 3, 4, 6)), tensor_f32(x, s), w, NULL, b, ws);
         long long launches = cuemu_count("launches") - l0, blas = cuemu_count("blas_calls") - g0,
                   syncs = cuemu_count("syncs") - s0;
         CHECK(launches >= 4 && blas >= 1, "%lld launches and %lld cuBLAS calls counted", launches, blas);
@@ -6775,20 +6790,24 @@ static void test_cuda_bn_stats(void) {
             CuPair x = cu_pair(xv, s, (DType)dt);
             float mean[C], var[C], *nan = cu_nans(C);
             float *dmean = cu_floats(nan, C), *dvar = cu_floats(nan, C);
-            ops_cpu.bn_stats(&ops_cpu, x.cpu, mean, var);
-            o->bn_stats(o, x.gpu, dmean, dvar);
+            ops_cpu.bn_stats(&ops_cpu, x.cpu, mean, var, NULL, NULL, 0.0f);
+            o->bn_stats(o, x.gpu, dmean, dvar, NULL, NULL, 0.0f);
             // fp64 sums in another order, rounded once to fp32; the deviations from the fp32 mean
             cu_expect(cu_floats_err(dmean, mean, C), 4 * 0x1p-24, "bn_stats mean", (DType)dt);
             cu_expect(cu_floats_err(dvar, var, C), 4 * 0x1p-24, "bn_stats var", (DType)dt);
 
             float *rm = randn(&r, C, 1.0f), *rv = randn(&r, C, 1.0f);
             for (int c = 0; c < C; c++) rv[c] = fabsf(rv[c]) + 0.1f;
-            float *drm = cu_floats(rm, C), *drv = cu_floats(rv, C);
+            float *drm = cu_floats(rm, C), *drv = cu_floats(rv, C), *drm2 = cu_floats(rm, C), *drv2 = cu_floats(rv, C);
             ops_cpu.bn_update_running(&ops_cpu, rm, rv, mean, var, C, M, BN_MOMENTUM);
             o->bn_update_running(o, drm, drv, dmean, dvar, C, M, BN_MOMENTUM);  // dmean, dvar: within 4 ulp of mean, var
+            o->bn_stats(o, x.gpu, dmean, dvar, drm2, drv2, BN_MOMENTUM);        // the same update, in the stats' pass
             // (1-m)·r + m·b: the batch statistics' 4 ulp, two products and a sum (FMA or not)
             cu_expect(cu_floats_err(drm, rm, C), 8 * 0x1p-24, "bn_update_running mean", (DType)dt);
             cu_expect(cu_floats_err(drv, rv, C), 8 * 0x1p-24, "bn_update_running var", (DType)dt);
+            cu_expect(cu_floats_err(drm2, rm, C), 8 * 0x1p-24, "bn_stats running mean", (DType)dt);
+            cu_expect(cu_floats_err(drv2, rv, C), 8 * 0x1p-24, "bn_stats running var", (DType)dt);
+            o->free(o, drm2); o->free(o, drv2);
             o->free(o, dmean); o->free(o, dvar); o->free(o, drm); o->free(o, drv);
             free(rm); free(rv); free(nan); free(xv);
             cu_pair_free(&x);
@@ -6814,7 +6833,7 @@ static void test_cuda_bn_forward_backward(void) {
                 CuPair x = cu_pair(xv, s, (DType)dt), dy = cu_pair(dyv, s, (DType)dt);
                 float mean[C], var[C], *gamma = randn(&r, C, 0.5f), *beta = randn(&r, C, 0.5f);
                 for (int c = 0; c < C; c++) gamma[c] += 1.0f;
-                if (training) ops_cpu.bn_stats(&ops_cpu, x.cpu, mean, var);
+                if (training) ops_cpu.bn_stats(&ops_cpu, x.cpu, mean, var, NULL, NULL, 0.0f);
                 else for (int c = 0; c < C; c++) { mean[c] = 1.5f + 0.3f * rng_normal(&r); var[c] = 2.0f + rng_float(&r); }
                 float *dmean = cu_floats(mean, C), *dvar = cu_floats(var, C);
                 float *dgamma_v = cu_floats(gamma, C), *dbeta_v = cu_floats(beta, C);
@@ -6948,7 +6967,7 @@ static void test_cuda_squeeze_excitation(void) {
         }
 }
 
-// a + b (one sum), concat and its split (copies; one sum with accumulate): the same bits
+// a + b (one sum), its backward, concat and its split (copies; one sum with accumulate): the same bits
 static void test_cuda_add_concat(void) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 85);
@@ -6982,6 +7001,17 @@ static void test_cuda_add_concat(void) {
             if (mode != 4) cu_expect(cu_pair_err(da), 0.0, what, (DType)dt);
             if (mode != 5) cu_expect(cu_pair_err(db), 0.0, what, (DType)dt);
             cu_pair_free(&da); cu_pair_free(&db);
+            // add's backward: dy (here a) into both, in the same modes
+            CuPair ga = cu_dest(&r, sa, (DType)dt, acc_a), gb = cu_dest(&r, sa, (DType)dt, acc_b);
+            Tensor ga_c = ga.cpu, ga_g = ga.gpu, gb_c = gb.cpu, gb_g = gb.gpu;
+            if (mode == 4) ga_c.data = ga_g.data = NULL;
+            if (mode == 5) gb_c.data = gb_g.data = NULL;
+            ops_cpu.add_backward(&ops_cpu, ga_c, gb_c, a.cpu, acc_a, acc_b);
+            o->add_backward(o, ga_g, gb_g, a.gpu, acc_a, acc_b);
+            snprintf(what, sizeof what, "add_backward mode %d", mode);
+            if (mode != 4) cu_expect(cu_pair_err(ga), 0.0, what, (DType)dt);
+            if (mode != 5) cu_expect(cu_pair_err(gb), 0.0, what, (DType)dt);
+            cu_pair_free(&ga); cu_pair_free(&gb);
         }
         cu_pair_free(&a); cu_pair_free(&b); cu_pair_free(&cb); cu_pair_free(&sum); cu_pair_free(&cat);
         cu_pair_free(&dy);
