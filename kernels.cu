@@ -803,14 +803,14 @@ static void step_control_cuda(Ops *o, const StepArgs *a, StepState *s, StepPhase
 // Workspace (conv2d_workspace, the same plan as the ops): the 16-bit weights,
 // then the columns of at most cuda_conv_chunk_bytes of output rows (whole
 // images when one fits, else bands of rows of one image; at least one row), or
-// the partial sums of the reductions. The ops run chunk after chunk on one
+// the depthwise weight gradient's partial sums. The ops run chunk after chunk on one
 // stream, so a chunk may reuse the previous chunk's space.
 
 size_t cuda_conv_chunk_bytes = (size_t)64 << 20;  // 64 MiB: a large conv still runs as a few big GEMMs
 
 #define WS_ALIGN 256          // each part of the workspace starts on a 256-byte boundary
-#define REDUCE_ROWS 256       // rows summed by one block of a column reduction, at least...
-#define REDUCE_PARTS_MAX 64   // ...but at most this many partial sums per column (pass 2 adds them)
+#define REDUCE_ROWS 256       // pixels summed by one block of the depthwise weight gradient, at least...
+#define REDUCE_PARTS_MAX 64   // ...but at most this many partial sums per weight (sum_parts adds them)
 
 static size_t align_up(size_t b) { return (b + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN; }
 
@@ -877,11 +877,10 @@ static ConvPlan conv_plan(const ConvCfg *cfg, Shape in, DType dt) {
     p.parts = (int)((M + REDUCE_ROWS - 1) / REDUCE_ROWS);
     if (p.parts > REDUCE_PARTS_MAX) p.parts = REDUCE_PARTS_MAX;
     if (p.parts < 1) p.parts = 1;
-    if (p.depthwise) {  // the weight gradient's partial sums, [part][c][ky][kx]; dbias uses the first C·parts
+    if (p.depthwise) {  // the weight gradient's partial sums, [part][c][ky][kx]
         p.reduce = (size_t)p.parts * q->C * cfg->kh * cfg->kw * sizeof(float);
         return p;
     }
-    p.reduce = cfg->has_bias ? (size_t)p.parts * q->Cout * sizeof(float) : 0;
     p.wcast = dt == DT_F32 ? 0 : (size_t)q->Cout * q->K * es;
     p.col_row = p.pointwise ? 0 : (size_t)q->OW * p.GK * es;
     p.rows32_row = dt != DT_F32 && cfg->has_bias ? (size_t)q->OW * q->Cout * sizeof(float) : 0;
@@ -1021,31 +1020,6 @@ static void bias_rows(Ops *o, void *y, DType dt, const float *rows32, const floa
     });
 }
 
-// Deterministic column sums, pass 1. A block is 32 columns × 8 row lanes; it
-// sums the rows of its part [part·rows_per_part, ...) for its columns, each lane
-// every 8th row in order, then the 8 lanes in order, and writes
-// partial[part][col]. Pass 2 (sum_parts_kernel) adds the parts in order.
-#define RED_X 32
-#define RED_Y 8
-static __device__ float block_rows_sum(float v) {  // the sum of v over threadIdx.y, valid in lane y = 0
-    __shared__ float lanes[RED_Y][RED_X];
-    lanes[threadIdx.y][threadIdx.x] = v;
-    __syncthreads();
-    float s = 0.0f;
-    if (threadIdx.y == 0)
-        for (int y = 0; y < RED_Y; y++) s += lanes[y][threadIdx.x];
-    return s;
-}
-// partial[part][c] = Σ_{r in part} x[r][c]: x (M, C) in storage type
-__global__ void column_sum_kernel(float *partial, const void *x, DType dt, size_t M, int C, size_t rows_per_part) {
-    const int c = blockIdx.x * RED_X + threadIdx.x, part = blockIdx.y;
-    const size_t r0 = part * rows_per_part, r1 = r0 + rows_per_part < M ? r0 + rows_per_part : M;
-    float s = 0.0f;
-    if (c < C)
-        for (size_t r = r0 + threadIdx.y; r < r1; r += RED_Y) s += ld(x, dt, r * C + c);
-    s = block_rows_sum(s);
-    if (threadIdx.y == 0 && c < C) partial[(size_t)part * C + c] = s;
-}
 // dst[i] += Σ_{part} partial[part][i], parts in order
 __global__ void sum_parts_kernel(float *dst, const float *partial, int parts, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
@@ -1055,21 +1029,12 @@ __global__ void sum_parts_kernel(float *dst, const float *partial, int parts, si
     }
 }
 static size_t rows_per_part(size_t M, int parts) { return (M + parts - 1) / parts; }
-// db[c] += Σ_{n,oy,ox} dout[n,oy,ox,c], through `partial` (parts·C floats)
-static void bias_grad(Ops *o, float *db, Tensor dout, int parts, float *partial) {
-    const int C = dout.shape.c;
-    const size_t M = shape_numel(dout.shape) / C;
-    dim3 grid((C + RED_X - 1) / RED_X, parts), block(RED_X, RED_Y);
-    CU_LAUNCH(column_sum_kernel, grid, block, 0, stream_of(o), partial, dout.data, dout.dtype, M, C,
-              rows_per_part(M, parts));
-    launchCheck();
-    CU_LAUNCH(sum_parts_kernel, grid_for(C), BLOCK, 0, stream_of(o), db, partial, parts, (size_t)C);
-    launchCheck();
-}
 
 static void conv_check_out(const char *what, const ConvGeom *q, Shape out, const ConvCfg *cfg, Shape in) {
     if (out.n != q->N || out.h != q->OH || out.w != q->OW || out.c != q->Cout) conv_fail(what, cfg, in);
 }
+
+static void bias_grad(Ops *o, float *db, Tensor dout);  // with the per-channel sums, below
 
 // depthwise convs have kernels of their own (below, after the pooling kernels whose layout they share)
 static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
@@ -1176,7 +1141,7 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
     conv_check_out("conv2d_backward_weight (dout shape)", q, dout.shape, cfg, in.shape);
     if (db && !cfg->has_bias && !p.depthwise)
         conv_fail("conv2d_backward_weight (a bias gradient for a conv without bias)", cfg, in.shape);
-    if (db) bias_grad(o, db, dout, p.parts, (float *)ws);
+    if (db) bias_grad(o, db, dout);
     if (!dw) return;
     if (p.depthwise) {
         depthwise_backward_weight(o, cfg, q, dw, dout, in, p.parts, (float *)ws);
@@ -1387,6 +1352,25 @@ template <class T> struct MomentsVec {
     };
     __device__ Lane lane(int, int c0) const { return {x + c0, C}; }
 };
+// a conv's bias gradient: db[c] += Σ_{n,oy,ox} dout[n,oy,ox,c]
+struct AddSum {
+    float *dst;
+    __device__ void operator()(int, int c, const double *s) const { dst[c] += (float)s[0]; }
+};
+static void bias_grad(Ops *o, float *db, Tensor dout) {
+    const int C = dout.shape.c;
+    const size_t M = shape_numel(dout.shape) / C;
+    if (!M) return;
+    if (vec_ok({dout.dtype}, C, {dout.data})) {
+        SWITCH_STORAGE(dout.dtype, T, {
+            channel_sums<1, Vec<T>::N>(o, SumOfProductVec<T>{(const T *)dout.data, NULL, C, (uint32_t)M}, AddSum{db}, 1,
+                                      M, C);
+        });
+    } else {
+        channel_sums<1, 1>(o, SumOfProduct{dout.data, dout.dtype, NULL, dout.dtype, C, (uint32_t)M}, AddSum{db}, 1, M, C);
+    }
+}
+
 // the consumer: y (G,1,1,C) (=|+=) sum/divisor, in y's storage type
 struct StoreSum {
     void *y; DType dt; int C; double divisor; int accumulate;
