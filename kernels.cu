@@ -1886,70 +1886,85 @@ static void concat_backward_cuda(Ops *o, Tensor da, Tensor db, Tensor dy, int ac
 //   masks are the same bits; out (=|+=) in·keep/(1 - rate)
 
 // grid: (element blocks, samples); element i of sample blockIdx.y of this
-// launch, whose first sample is the step's `first_sample`
-__global__ void dropout_kernel(void *out, DType dt_out, const void *in, DType dt_in, uint32_t E, int per_sample,
-                               float rate, const uint64_t *seed_at, uint64_t first_sample, int accumulate) {
+// launch, whose first sample is the step's `first_sample`. Forward: out = in·keep
+// (+ res, a residual block's end); backward: out (=|+=) in·keep, res (=|+=) in
+// (out or res may be absent there).
+__global__ void dropout_kernel(void *out, DType dt_out, const void *in, DType dt_in, void *res, DType dt_res,
+                               int backward, uint32_t E, int per_sample, float rate, const uint64_t *seed_at,
+                               uint64_t first_sample, int accumulate, int accumulate_res) {
     const uint64_t sample = first_sample + blockIdx.y, seed = *seed_at;
-    void *y = elem_ptr(out, dt_out, (size_t)blockIdx.y * E);
+    void *y = out ? elem_ptr(out, dt_out, (size_t)blockIdx.y * E) : NULL;
+    void *r = res ? elem_ptr(res, dt_res, (size_t)blockIdx.y * E) : NULL;
     const void *x = elem_ptr(in, dt_in, (size_t)blockIdx.y * E);
     FOR_GRID(i, E) {
-        float v = ld(x, dt_in, i) * dropout_keep(rate, seed, per_sample ? sample : sample * E + i);
-        st(y, dt_out, i, accumulate ? ld(y, dt_out, i) + v : v);
+        const float xi = ld(x, dt_in, i);
+        float v = xi * dropout_keep(rate, seed, per_sample ? sample : sample * E + i);
+        if (r && !backward) v += ld(r, dt_res, i);
+        if (y) st(y, dt_out, i, accumulate ? ld(y, dt_out, i) + v : v);
+        if (r && backward) st(r, dt_res, i, accumulate_res ? ld(r, dt_res, i) + xi : xi);
     }
 }
 template <class T>
-__global__ void dropout_vec_kernel(T *out, const T *in, uint32_t E, int per_sample, float rate,
-                                   const uint64_t *seed_at, uint64_t first_sample, int accumulate) {
+__global__ void dropout_vec_kernel(T *out, const T *in, T *res, int backward, uint32_t E, int per_sample, float rate,
+                                   const uint64_t *seed_at, uint64_t first_sample, int accumulate, int accumulate_res) {
     constexpr int N = Vec<T>::N;
     const uint64_t sample = first_sample + blockIdx.y, seed = *seed_at;
-    T *y = out + (size_t)blockIdx.y * E;
+    T *y = out ? out + (size_t)blockIdx.y * E : NULL, *r = res ? res + (size_t)blockIdx.y * E : NULL;
     const T *x = in + (size_t)blockIdx.y * E;
     const float keep_sample = per_sample ? dropout_keep(rate, seed, sample) : 0.0f;
     FOR_GRID(j, E / N) {
-        Vec<T> vx = load_vec(x + j * N), vy;
-        if (accumulate) vy = load_vec(y + j * N);
+        Vec<T> vx = load_vec(x + j * N), vy, vr;
+        if (y && accumulate) vy = load_vec(y + j * N);
+        if (r && (!backward || accumulate_res)) vr = load_vec(r + j * N);
         for (int k = 0; k < N; k++) {
             const uint32_t i = j * N + k;
-            float v = to_f32(vx.v[k]) * (per_sample ? keep_sample : dropout_keep(rate, seed, sample * E + i));
-            vy.v[k] = from_f32<T>(accumulate ? to_f32(vy.v[k]) + v : v);
+            const float xi = to_f32(vx.v[k]);
+            float v = xi * (per_sample ? keep_sample : dropout_keep(rate, seed, sample * E + i));
+            if (r && !backward) v += to_f32(vr.v[k]);
+            if (y) vy.v[k] = from_f32<T>(accumulate ? to_f32(vy.v[k]) + v : v);
+            if (r && backward) vr.v[k] = from_f32<T>(accumulate_res ? to_f32(vr.v[k]) + xi : xi);
         }
-        store_vec(y + j * N, vy);
+        if (y) store_vec(y + j * N, vy);
+        if (r && backward) store_vec(r + j * N, vr);
     }
 }
 // element i of sample n of the tensor is element (first_sample + n)·E + i of the
 // step (E = H·W·C), whose draw is that index (dropout) or first_sample + n (drop-path);
 // seed: device memory
-static void dropout(Ops *o, Tensor out, Tensor in, float rate, const uint64_t *seed, int per_sample,
-                    uint64_t first_sample, int accumulate) {
+static void dropout(Ops *o, Tensor out, Tensor in, Tensor res, int backward, float rate, const uint64_t *seed,
+                    int per_sample, uint64_t first_sample, int accumulate, int accumulate_res) {
     const size_t n = shape_numel(in.shape);
-    if (!n || !out.data) return;
+    if (!n || (!out.data && !res.data)) return;
     const size_t E = n / in.shape.n;
     require_below(E, LAUNCH_MAX_ELEMENTS, "dropout elements per sample");
     const unsigned blocks = grid_for(E) / 8 + 1;  // × samples: enough blocks for a GPU
+    const DType dt_out = out.data ? out.dtype : in.dtype, dt_res = res.data ? res.dtype : in.dtype;
+    const bool vec = dt_out == in.dtype && dt_res == in.dtype && vec_ok({in.dtype}, E, {out.data, in.data, res.data});
     for (int n0 = 0; n0 < in.shape.n; n0 += 65535) {  // gridDim.y ≤ 65535
         const int count = in.shape.n - n0 < 65535 ? in.shape.n - n0 : 65535;
         const dim3 grid(blocks, count);
-        void *y = elem_ptr(out.data, out.dtype, (size_t)n0 * E);
+        void *y = out.data ? elem_ptr(out.data, dt_out, (size_t)n0 * E) : NULL;
+        void *r = res.data ? elem_ptr(res.data, dt_res, (size_t)n0 * E) : NULL;
         const void *x = elem_ptr(in.data, in.dtype, (size_t)n0 * E);
-        if (vec_ok({out.dtype, in.dtype}, E, {out.data, in.data})) {
+        if (vec) {
             SWITCH_STORAGE(in.dtype, T, {
-                CU_LAUNCH(dropout_vec_kernel<T>, grid, BLOCK, 0, stream_of(o), (T *)y, (const T *)x, (uint32_t)E,
-                          per_sample, rate, seed, first_sample + n0, accumulate);
+                CU_LAUNCH(dropout_vec_kernel<T>, grid, BLOCK, 0, stream_of(o), (T *)y, (const T *)x, (T *)r, backward,
+                          (uint32_t)E, per_sample, rate, seed, first_sample + n0, accumulate, accumulate_res);
             });
         } else {
-            CU_LAUNCH(dropout_kernel, grid, BLOCK, 0, stream_of(o), y, out.dtype, x, in.dtype, (uint32_t)E, per_sample,
-                      rate, seed, first_sample + n0, accumulate);
+            CU_LAUNCH(dropout_kernel, grid, BLOCK, 0, stream_of(o), y, dt_out, x, in.dtype, r, dt_res, backward,
+                      (uint32_t)E, per_sample, rate, seed, first_sample + n0, accumulate, accumulate_res);
         }
         launchCheck();
     }
 }
-static void dropout_forward_cuda(Ops *o, Tensor y, Tensor x, float rate, const uint64_t *seed, int per_sample,
-                                 uint64_t first_sample) {
-    dropout(o, y, x, rate, seed, per_sample, first_sample, 0);
+static void dropout_forward_cuda(Ops *o, Tensor y, Tensor x, Tensor residual, float rate, const uint64_t *seed,
+                                 int per_sample, uint64_t first_sample) {
+    dropout(o, y, x, residual, 0, rate, seed, per_sample, first_sample, 0, 0);
 }
-static void dropout_backward_cuda(Ops *o, Tensor dx, Tensor dy, float rate, const uint64_t *seed, int per_sample,
-                                  uint64_t first_sample, int accumulate) {
-    dropout(o, dx, dy, rate, seed, per_sample, first_sample, accumulate);
+static void dropout_backward_cuda(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate, const uint64_t *seed,
+                                  int per_sample, uint64_t first_sample, int accumulate, int accumulate_residual) {
+    dropout(o, dx, dy, dresidual, 1, rate, seed, per_sample, first_sample, accumulate, accumulate_residual);
 }
 
 // ----------------------------------------------------------------------------

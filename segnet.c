@@ -1504,23 +1504,28 @@ static void concat_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int acc
 //   keep_i = rng_uniform(seed, i) >= rate, i the element (dropout) or the sample (drop-path)
 //   y = x·keep/(1 - rate),  dx = dy·keep/(1 - rate)
 
-static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, float rate, const uint64_t *seed_at, int per_sample,
-                                uint64_t first_sample) {
+static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, Tensor residual, float rate, const uint64_t *seed_at,
+                                int per_sample, uint64_t first_sample) {
     (void)o;
     const uint64_t seed = *seed_at;
     const size_t n = shape_numel(x.shape), E = n / x.shape.n, per_draw = per_sample ? E : 1;
     #pragma omp parallel for schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++) st(y, i, ld(x, i) * dropout_factor(rate, seed, first_sample * E + i, per_draw));
+    for (size_t i = 0; i < n; i++) {
+        const float v = ld(x, i) * dropout_factor(rate, seed, first_sample * E + i, per_draw);
+        st(y, i, residual.data ? v + ld(residual, i) : v);
+    }
 }
 
-static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dy, float rate, const uint64_t *seed_at, int per_sample,
-                                 uint64_t first_sample, int accumulate) {
+static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate, const uint64_t *seed_at,
+                                 int per_sample, uint64_t first_sample, int accumulate, int accumulate_residual) {
     (void)o;
     const uint64_t seed = *seed_at;
     const size_t n = shape_numel(dy.shape), E = n / dy.shape.n, per_draw = per_sample ? E : 1;
     #pragma omp parallel for schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++)
-        st_acc(dx, i, ld(dy, i) * dropout_factor(rate, seed, first_sample * E + i, per_draw), accumulate);
+    for (size_t i = 0; i < n; i++) {
+        if (dx.data) st_acc(dx, i, ld(dy, i) * dropout_factor(rate, seed, first_sample * E + i, per_draw), accumulate);
+        if (dresidual.data) st_acc(dresidual, i, ld(dy, i), accumulate_residual);
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -2173,6 +2178,17 @@ void graph_begin_stage(Graph *g, const char *name) {
 
 int graph_dropout(Graph *g, const char *name, int x, float rate) { return dropout_layer(g, LAYER_DROPOUT, name, x, rate); }
 int graph_drop_path(Graph *g, const char *name, int x, float rate) { return dropout_layer(g, LAYER_DROP_PATH, name, x, rate); }
+int graph_drop_path_add(Graph *g, const char *name, int x, int residual, float rate) {
+    if (g->err[0] || !valid_tensor(g, name, residual)) return -1;
+    if (!shape_eq(tshape(g, x), tshape(g, residual))) {
+        graph_fail(g, "layer '%s': cannot add " SHAPE_FMT " and " SHAPE_FMT, name, SHAPE_ARGS(tshape(g, x)),
+                   SHAPE_ARGS(tshape(g, residual)));
+        return -1;
+    }
+    int y = dropout_layer(g, LAYER_DROP_PATH, name, x, rate);
+    if (y >= 0) g->layers[g->n_layers - 1].in[1] = residual;
+    return y;
+}
 
 // ----------------------------------------------------------------------------
 // models
@@ -2293,8 +2309,8 @@ static int effnetv2_features(Graph *g, const EffSpec *sp, int x, PadMode pad, in
                 y = conv_bn_act(g, lname(b, p, "block.3"), y, st->cout, 1, 1, 1, pad, BN_EPS_EFFNET, ACT_NONE);
             }
             if (stride == 1 && cin == st->cout) {
-                y = graph_drop_path(g, lname(b, p, "stochastic_depth"), y, EFF_STOCHASTIC_DEPTH * (float)b_id / (float)total);
-                y = graph_add(g, lname(b, p, "add"), x, y);
+                y = graph_drop_path_add(g, lname(b, p, "stochastic_depth_add"), y, x,
+                                        EFF_STOCHASTIC_DEPTH * (float)b_id / (float)total);
             }
             x = y;
         }
@@ -2967,7 +2983,10 @@ static void layer_forward(Net *net, int i, int recompute) {
         case LAYER_RESCALE: o->axpby(o, y, x, l->scale, l->offset, 0); break;
         case LAYER_DROPOUT: case LAYER_DROP_PATH:
             if (layer_in_train_mode(net, l) && l->rate > 0.0f)
-                o->dropout_forward(o, y, x, l->rate, net->layer_seeds + i, l->kind == LAYER_DROP_PATH, net->first_sample);
+                o->dropout_forward(o, y, x, x2, l->rate, net->layer_seeds + i, l->kind == LAYER_DROP_PATH,
+                                   net->first_sample);
+            else if (x2.data)
+                o->add_forward(o, y, x, x2);
             else
                 o->copy(o, y, x, 0);
             break;
@@ -3047,12 +3066,11 @@ static void layer_backward(Net *net, int i) {
         case LAYER_RESIZE: if (dx.data) o->resize_bilinear_backward(o, dx, dy, acc_a); break;
         case LAYER_RESCALE: if (dx.data) o->axpby(o, dx, dy, l->scale, 0.0f, acc_a); break;
         case LAYER_DROPOUT: case LAYER_DROP_PATH:
-            if (!dx.data) break;
             if (layer_in_train_mode(net, l) && l->rate > 0.0f)
-                o->dropout_backward(o, dx, dy, l->rate, net->layer_seeds + i, l->kind == LAYER_DROP_PATH,
-                                    net->first_sample, acc_a);
+                o->dropout_backward(o, dx, dx2, dy, l->rate, net->layer_seeds + i, l->kind == LAYER_DROP_PATH,
+                                    net->first_sample, acc_a, acc_b);
             else
-                o->copy(o, dx, dy, acc_a);
+                o->add_backward(o, dx, dx2, dy, acc_a, acc_b);  // without a residual: a copy into dx
             break;
         default: snCheck(0, "backward: layer '%s' has unknown kind %d", l->name, (int)l->kind);
         }
@@ -7526,15 +7544,129 @@ static const char *PLAN_USAGE =
     "  --head-hidden H     classifier hidden layer width (default 0: none)\n"
     "  --depth D           unet levels below the top (default 4)\n"
     "  --width W           unet channels at the top level (default 32)\n"
-    "  --device D          auto (default), cuda or cpu: whose conv workspace is planned\n";
+    "  --device D          auto (default), cuda or cpu: whose conv workspace is planned\n"
+    "  --roofline          also the bytes and FLOPs of a training step by op kind on\n"
+    "                      the CUDA kernels, and the least time an H200 needs for them\n";
+
+// ---- a roofline of the training step (segnet plan --roofline)
+//
+// The bytes each op of a training step moves through device memory, as the
+// CUDA kernels and cuBLAS calls of today do it (each tensor read or written
+// once per pass; accumulation reads and L2 reuse left out), and its FLOPs.
+// An op takes at least max(bytes / bandwidth, FLOPs / peak): the step at least
+// the sum. H200: 4.8 TB/s, 790 TFLOP/s dense bf16 (fp32: the 67 TFLOP/s of
+// its CUDA cores).
+#define ROOF_BANDWIDTH 4.8e12
+#define ROOF_PEAK_16BIT 790e12
+#define ROOF_PEAK_FP32 67e12
+enum { ROOF_CONV_KXK, ROOF_CONV_1X1, ROOF_DEPTHWISE, ROOF_BN, ROOF_ELEMENTWISE, ROOF_SE, ROOF_RESAMPLE,
+       ROOF_OPTIMIZER, ROOF_KINDS };
+static const char *const ROOF_NAMES[ROOF_KINDS] = {
+    "conv k×k (im2col + GEMM)", "conv 1×1, dense (GEMM)", "depthwise conv", "batch norm (+act)",
+    "elementwise (act, add, dropout)", "squeeze-excitation pool/scale", "pool, upsample, resize, concat",
+    "optimizer (Adam, cast, zero)"};
+typedef struct { double bytes[ROOF_KINDS], flops[ROOF_KINDS], seconds[ROOF_KINDS]; double peak; } Roofline;
+static void roof_pass(Roofline *r, int kind, double bytes, double flops) {
+    r->bytes[kind] += bytes;
+    r->flops[kind] += flops;
+    const double tb = bytes / ROOF_BANDWIDTH, tf = flops / r->peak;
+    r->seconds[kind] += tb > tf ? tb : tf;
+}
+static void roofline_step(const Graph *g, DType dt, Roofline *r) {
+    memset(r, 0, sizeof *r);
+    r->peak = dt == DT_F32 ? ROOF_PEAK_FP32 : ROOF_PEAK_16BIT;
+    int *needs = malloc(sizeof(int) * (size_t)g->n_tensors);
+    snCheck(needs != NULL, "out of host memory");
+    graph_needs_grad(g, 0, needs);
+    const double e = (double)dtype_size(dt);
+    double trainable = 0;
+    for (int i = 0; i < g->n_layers; i++) {
+        const Layer *l = &g->layers[i];
+        const double X = (double)shape_numel(tshape(g, l->in[0])), Y = (double)shape_numel(tshape(g, l->out));
+        const double X2 = l->in[1] >= 0 ? (double)shape_numel(tshape(g, l->in[1])) : 0.0;
+        const int bwd = needs[l->out], dx = needs[l->in[0]], dx2 = l->in[1] >= 0 && needs[l->in[1]];
+        const int wgrad = bwd && !l->frozen && l->weight >= 0;
+        for (int k = 0; k < 2; k++) {
+            const int id = k ? l->bias : l->weight;
+            if (id >= 0 && !l->frozen) trainable += (double)g->params[id].count;
+        }
+        switch (l->kind) {
+        case LAYER_CONV: case LAYER_DENSE: {
+            const ConvCfg *c = &l->conv;
+            const Shape out = tshape(g, l->out);
+            const double K = (double)c->kh * c->kw * (tshape(g, l->in[0]).c / c->groups), P = Y / out.c;
+            const double flops = 2.0 * Y * K, col = P * K * c->groups, w = (double)out.c * K;
+            if (conv_is_depthwise(c)) {
+                roof_pass(r, ROOF_DEPTHWISE, (X + Y) * e, flops);
+                if (dx) roof_pass(r, ROOF_DEPTHWISE, (X + Y) * e, flops);
+                if (wgrad) roof_pass(r, ROOF_DEPTHWISE, (X + Y) * e, flops);
+            } else if (conv_is_pointwise(c)) {
+                roof_pass(r, ROOF_CONV_1X1, (X + Y + w) * e, flops);
+                if (dx) roof_pass(r, ROOF_CONV_1X1, (X + Y + w) * e, flops);
+                if (wgrad) roof_pass(r, ROOF_CONV_1X1, (X + Y) * e + w * 4, flops);
+            } else {  // the columns are written and read once per pass; backward data's in fp32, then col2im
+                roof_pass(r, ROOF_CONV_KXK, X * e + 2 * col * e + (Y + w) * e, flops);
+                if (dx) roof_pass(r, ROOF_CONV_KXK, (Y + w) * e + 2 * col * 4 + X * e, flops);
+                if (wgrad) roof_pass(r, ROOF_CONV_KXK, X * e + 2 * col * e + Y * e + w * 4, flops);
+            }
+            if (l->bias >= 0) roof_pass(r, ROOF_ELEMENTWISE, 2 * Y * e, 0);  // bias_rows
+            if (l->bias >= 0 && wgrad) roof_pass(r, ROOF_ELEMENTWISE, Y * e, 0);
+            break;
+        }
+        case LAYER_BN:  // statistics, apply; backward reduce, data
+            roof_pass(r, ROOF_BN, X * e, 2 * X);
+            roof_pass(r, ROOF_BN, 2 * X * e, 4 * X);
+            if (bwd) roof_pass(r, ROOF_BN, 2 * X * e, 6 * X);
+            if (dx) roof_pass(r, ROOF_BN, 3 * X * e, 6 * X);
+            break;
+        case LAYER_ACT: case LAYER_RESCALE:
+            roof_pass(r, ROOF_ELEMENTWISE, (X + Y) * e, 0);
+            if (dx) roof_pass(r, ROOF_ELEMENTWISE, 3 * X * e, 0);
+            break;
+        case LAYER_ADD: case LAYER_DROPOUT: case LAYER_DROP_PATH:
+            roof_pass(r, ROOF_ELEMENTWISE, (X + X2 + Y) * e, 0);
+            if (dx || dx2) roof_pass(r, ROOF_ELEMENTWISE, (Y + (dx ? X : 0) + (dx2 ? X2 : 0)) * e, 0);
+            break;
+        case LAYER_GAP: case LAYER_SCALE:
+            roof_pass(r, ROOF_SE, (X + (l->kind == LAYER_SCALE ? X : 0)) * e, 0);
+            if (dx) roof_pass(r, ROOF_SE, 2 * X * e, 0);
+            if (dx2) roof_pass(r, ROOF_SE, 2 * X * e, 0);
+            break;
+        default:  // pooling, upsampling, resizing, concatenation
+            roof_pass(r, ROOF_RESAMPLE, (X + X2 + Y) * e, 0);
+            if (dx || dx2) roof_pass(r, ROOF_RESAMPLE, (X + X2 + Y) * e, 0);
+            break;
+        }
+    }
+    // Adam reads p, g, m, v and writes p, m, v (fp32); the weights are cast once per forward; the gradients zeroed
+    const double params = (double)g->n_param_floats;
+    roof_pass(r, ROOF_OPTIMIZER, 28 * trainable + 4 * trainable + (dt == DT_F32 ? 0 : (4 + e) * params), 10 * trainable);
+    free(needs);
+}
+static void print_roofline(const Graph *g, DType dt) {
+    Roofline r;
+    roofline_step(g, dt, &r);
+    double B = 0, F = 0, T = 0;
+    printf("roofline of a training step (H200: %.1f TB/s, %.0f TFLOP/s %s; each tensor moved once per pass):\n",
+           ROOF_BANDWIDTH / 1e12, r.peak / 1e12, dt == DT_F32 ? "fp32" : "dense 16-bit");
+    printf("  %-34s %10s %10s %10s\n", "op kind", "GB moved", "TFLOP", "ms (bound)");
+    for (int k = 0; k < ROOF_KINDS; k++) {
+        if (r.bytes[k] == 0 && r.flops[k] == 0) continue;
+        printf("  %-34s %10.2f %10.3f %10.3f\n", ROOF_NAMES[k], r.bytes[k] / 1e9, r.flops[k] / 1e12, 1e3 * r.seconds[k]);
+        B += r.bytes[k]; F += r.flops[k]; T += r.seconds[k];
+    }
+    printf("  %-34s %10.2f %10.3f %10.3f\n", "step", B / 1e9, F / 1e12, 1e3 * T);
+}
 
 static int cmd_plan(int argc, char **argv) {
     TrainArgs a = {0};
     train_cfg_default(&a.c);
     a.c.model.batch = 1;
     a.c.device = DEVICE_AUTO;
+    int roofline = 0;
     for (int i = 2; i < argc;) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(PLAN_USAGE, stdout); return 0; }
+        if (!strcmp(argv[i], "--roofline")) { roofline = 1; i++; continue; }
         int k = parse_train_option(&a, argc, argv, i);
         if (k < 0) return 2;
         if (k == 0) { fprintf(stderr, "segnet plan: unknown option '%s' (see segnet plan --help)\n", argv[i]); return 2; }
@@ -7593,6 +7725,7 @@ static int cmd_plan(int argc, char **argv) {
     if (m.backend) printf("  backend scratch (%s)   %14zu\n", o->name, m.backend);
     if (m.driver) printf("  CUDA context (estimate) %14zu\n", m.driver);
     printf("peak: %zu bytes (%.2f GiB)\n", m.total, m.total / 1073741824.0);
+    if (roofline) print_roofline(&g, c->precision);
     plan_free(&p);
     graph_free(&g);
     return 0;

@@ -501,11 +501,13 @@ struct Ops {
     // first_sample + 1, ... of it, so a replica's shard or a micro-batch draws
     // the masks those images get in one big batch:
     //   counter = (first_sample·E + i) / per_draw, E = H·W·C, per_draw = 1 or E
-    // seed: in backend memory (it changes every step; a replayed record reads it there)
-    void (*dropout_forward)(Ops *o, Tensor y, Tensor x, float rate, const uint64_t *seed, int per_sample,
-                            uint64_t first_sample);
-    void (*dropout_backward)(Ops *o, Tensor dx, Tensor dy, float rate, const uint64_t *seed, int per_sample,
-                             uint64_t first_sample, int accumulate);
+    // seed: in backend memory (it changes every step; a replayed record reads it there).
+    // With a residual (data not NULL) the op is a residual block's end, y = dropout(x) + residual,
+    // and its backward also gives dresidual (=|+=) dy.
+    void (*dropout_forward)(Ops *o, Tensor y, Tensor x, Tensor residual, float rate, const uint64_t *seed,
+                            int per_sample, uint64_t first_sample);
+    void (*dropout_backward)(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate, const uint64_t *seed,
+                             int per_sample, uint64_t first_sample, int accumulate, int accumulate_residual);
 
     // 2×2 max-pool, stride 2, floor: y (N,H/2,W/2,C). Backward routes to the
     // first maximum of each window in row-major order, recomputed from x.
@@ -671,6 +673,8 @@ int graph_upsample(Graph *g, const char *name, int x);
 int graph_resize(Graph *g, const char *name, int x, int oh, int ow);
 int graph_dropout(Graph *g, const char *name, int x, float rate);
 int graph_drop_path(Graph *g, const char *name, int x, float rate);
+// a residual block's end, residual + drop_path(x), as one layer (one pass, no tensor in between)
+int graph_drop_path_add(Graph *g, const char *name, int x, int residual, float rate);
 int graph_rescale(Graph *g, const char *name, int x, float scale, float offset);
 
 // Layers added from now on belong to a new checkpoint block / a new named stage.

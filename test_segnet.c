@@ -40,6 +40,7 @@ static double now_s(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
+static const Tensor NO_RESIDUAL = {NULL, {0, 0, 0, 0}, DT_F32};  // dropout without a residual
 static float *randn(Rng *r, size_t n, float scale) {
     float *p = malloc(sizeof(float) * (n ? n : 1));
     for (size_t i = 0; i < n; i++) p[i] = scale * rng_normal(r);
@@ -935,7 +936,7 @@ static void test_dropout_masks(void) {
     for (size_t i = 0; i < n; i++) x[i] = 1.0f;
     Shape s = shape4(10, 10, 100, 10);
     const float rate = 0.3f;
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), rate, &(uint64_t){42}, 0, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), NO_RESIDUAL, rate, &(uint64_t){42}, 0, 0);
     size_t kept = 0;
     int scaled = 1;
     for (size_t i = 0; i < n; i++) {
@@ -944,14 +945,14 @@ static void test_dropout_masks(void) {
     double frac = (double)kept / n, sigma = sqrt(rate * (1 - rate) / n);
     CHECK(fabs(frac - (1 - rate)) < 5 * sigma, "kept fraction %.4f, expected %.2f ± %.4f", frac, 1 - rate, 5 * sigma);
     CHECK(scaled, "kept values are scaled by 1/(1 - rate)");
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), rate, &(uint64_t){42}, 0, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), NO_RESIDUAL, rate, &(uint64_t){42}, 0, 0);
     CHECK(!memcmp(y, y2, sizeof(float) * n), "same seed, same mask");
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), rate, &(uint64_t){43}, 0, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), NO_RESIDUAL, rate, &(uint64_t){43}, 0, 0);
     CHECK(memcmp(y, y2, sizeof(float) * n) != 0, "another seed, another mask");
-    ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, s), tensor_f32(x, s), rate, &(uint64_t){42}, 0, 0, 0);
+    ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, s), NO_RESIDUAL, tensor_f32(x, s), rate, &(uint64_t){42}, 0, 0, 0, 0);
     CHECK(!memcmp(y, dx, sizeof(float) * n), "backward recomputes the forward mask");
     // drop-path: all or nothing per sample
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), 0.5f, &(uint64_t){7}, 1, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), NO_RESIDUAL, 0.5f, &(uint64_t){7}, 1, 0);
     int whole = 1, dropped = 0;
     size_t per = n / 10;
     for (int k = 0; k < 10; k++) {
@@ -964,17 +965,32 @@ static void test_dropout_masks(void) {
     // a batch split in parts (replica shards, micro-batches) draws the masks of the
     // whole batch: samples 0..3 and 4..9 given first_sample 0 and 4
     for (int per_sample = 0; per_sample < 2; per_sample++) {
-        ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), 0.5f, &(uint64_t){9}, per_sample, 0);
-        ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, shape4(4, 10, 100, 10)), tensor_f32(x, shape4(4, 10, 100, 10)),
+        ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), NO_RESIDUAL, 0.5f, &(uint64_t){9}, per_sample, 0);
+        ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, shape4(4, 10, 100, 10)), tensor_f32(x, shape4(4, 10, 100, 10)), NO_RESIDUAL,
                                 0.5f, &(uint64_t){9}, per_sample, 0);
         ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2 + 4 * per, shape4(6, 10, 100, 10)),
-                                tensor_f32(x, shape4(6, 10, 100, 10)), 0.5f, &(uint64_t){9}, per_sample, 4);
+                                tensor_f32(x, shape4(6, 10, 100, 10)), NO_RESIDUAL, 0.5f, &(uint64_t){9}, per_sample, 4);
         CHECK(!memcmp(y, y2, sizeof(float) * n), "%s masks of a batch in two parts differ from the whole batch's",
               per_sample ? "drop-path" : "dropout");
-        ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, shape4(6, 10, 100, 10)), tensor_f32(x, shape4(6, 10, 100, 10)),
-                                 0.5f, &(uint64_t){9}, per_sample, 4, 0);
+        ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, shape4(6, 10, 100, 10)), NO_RESIDUAL, tensor_f32(x, shape4(6, 10, 100, 10)),
+                                 0.5f, &(uint64_t){9}, per_sample, 4, 0, 0);
         CHECK(!memcmp(y + 4 * per, dx, sizeof(float) * 6 * per), "backward of the second part: its masks");
     }
+    // a residual block's end (drop-path + residual): y = x·keep + res, dres = dy, dx = dy·keep
+    // (x = 1, res = 3, keep 0 or 2: every value exact); then added into dres = 1
+    float *res = malloc(sizeof(float) * n), *dres = malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++) { res[i] = 3.0f; dres[i] = 1.0f; }
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), NO_RESIDUAL, 0.5f, &(uint64_t){7}, 1, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), tensor_f32(res, s), 0.5f, &(uint64_t){7}, 1, 0);
+    int sums = 1;
+    for (size_t i = 0; i < n; i++) sums &= y2[i] == y[i] + 3.0f;
+    CHECK(sums, "drop-path + residual: y is not the drop-path's output + 3");
+    ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, s), tensor_f32(dres, s), tensor_f32(x, s), 0.5f, &(uint64_t){7}, 1, 0,
+                             0, 1);
+    int grads = 1;
+    for (size_t i = 0; i < n; i++) grads &= dx[i] == y[i] && dres[i] == 2.0f;
+    CHECK(grads, "drop-path + residual backward: dx is not dy·keep or dres is not 1 + dy");
+    free(res); free(dres);
     free(x); free(y); free(y2); free(dx);
 }
 
@@ -7037,9 +7053,9 @@ static void test_cuda_dropout(void) {
                 for (size_t i = 0; i < n; i++) xv[i] += xv[i] >= 0 ? 0.5f : -0.5f;  // no zeros: a 0 out is a drop
                 CuPair x = cu_pair(xv, s, (DType)dt), y = cu_pair(NULL, s, (DType)dt);
                 const uint64_t first = 3;  // the tensor is images 3.. of the step
-                ops_cpu.dropout_forward(&ops_cpu, y.cpu, x.cpu, rate, &(uint64_t){seed}, per_sample, first);
+                ops_cpu.dropout_forward(&ops_cpu, y.cpu, x.cpu, NO_RESIDUAL, rate, &(uint64_t){seed}, per_sample, first);
                 uint64_t *seed_gpu = cu_copy_of(&seed, sizeof seed);
-                o->dropout_forward(o, y.gpu, x.gpu, rate, seed_gpu, per_sample, first);
+                o->dropout_forward(o, y.gpu, x.gpu, NO_RESIDUAL, rate, seed_gpu, per_sample, first);
                 char what[64];
                 snprintf(what, sizeof what, "dropout_forward %s rate %.1f", per_sample ? "sample" : "element", rate);
                 cu_expect(cu_pair_err(y), 0.0, what, (DType)dt);
@@ -7050,13 +7066,34 @@ static void test_cuda_dropout(void) {
                 free(yg);
                 for (int acc = 0; acc < 2; acc++) {
                     CuPair dx = cu_dest(&r, s, (DType)dt, acc);
-                    ops_cpu.dropout_backward(&ops_cpu, dx.cpu, x.cpu, rate, &(uint64_t){seed}, per_sample, first, acc);
-                    o->dropout_backward(o, dx.gpu, x.gpu, rate, seed_gpu, per_sample, first, acc);
+                    ops_cpu.dropout_backward(&ops_cpu, dx.cpu, NO_RESIDUAL, x.cpu, rate, &(uint64_t){seed}, per_sample, first, acc, 0);
+                    o->dropout_backward(o, dx.gpu, NO_RESIDUAL, x.gpu, rate, seed_gpu, per_sample, first, acc, 0);
                     snprintf(what, sizeof what, "dropout_backward %s rate %.1f acc %d", per_sample ? "sample" : "element",
                              rate, acc);
                     cu_expect(cu_pair_err(dx), acc ? cu_tol((DType)dt, CU_FMA) : 0.0, what, (DType)dt);
                     cu_pair_free(&dx);
                 }
+                // a residual block's end: y = dropout(x) + res, and dx, dres (either absent) in every accumulate mode
+                CuPair res = cu_pair(xv, s, (DType)dt), yr = cu_pair(NULL, s, (DType)dt);
+                ops_cpu.dropout_forward(&ops_cpu, yr.cpu, x.cpu, res.cpu, rate, &(uint64_t){seed}, per_sample, first);
+                o->dropout_forward(o, yr.gpu, x.gpu, res.gpu, rate, seed_gpu, per_sample, first);
+                snprintf(what, sizeof what, "dropout_forward + residual %s", per_sample ? "sample" : "element");
+                cu_expect(cu_pair_err(yr), cu_tol((DType)dt, CU_FMA), what, (DType)dt);
+                for (int mode = 0; mode < 6; mode++) {
+                    const int acc = mode & 1, acc_res = (mode >> 1) & 1;
+                    CuPair dx = cu_dest(&r, s, (DType)dt, acc), dres = cu_dest(&r, s, (DType)dt, acc_res);
+                    Tensor dx_c = dx.cpu, dx_g = dx.gpu, dr_c = dres.cpu, dr_g = dres.gpu;
+                    if (mode == 4) dx_c.data = dx_g.data = NULL;
+                    if (mode == 5) dr_c.data = dr_g.data = NULL;
+                    ops_cpu.dropout_backward(&ops_cpu, dx_c, dr_c, x.cpu, rate, &(uint64_t){seed}, per_sample, first, acc,
+                                             acc_res);
+                    o->dropout_backward(o, dx_g, dr_g, x.gpu, rate, seed_gpu, per_sample, first, acc, acc_res);
+                    snprintf(what, sizeof what, "dropout_backward + residual mode %d", mode);
+                    if (mode != 4) cu_expect(cu_pair_err(dx), acc ? cu_tol((DType)dt, CU_FMA) : 0.0, what, (DType)dt);
+                    if (mode != 5) cu_expect(cu_pair_err(dres), 0.0, what, (DType)dt);
+                    cu_pair_free(&dx); cu_pair_free(&dres);
+                }
+                cu_pair_free(&res); cu_pair_free(&yr);
                 cu_pair_free(&x); cu_pair_free(&y);
                 o->free(o, seed_gpu);
                 free(xv);
