@@ -810,7 +810,7 @@ size_t cuda_conv_chunk_bytes = (size_t)64 << 20;  // 64 MiB: a large conv still 
 
 #define WS_ALIGN 256          // each part of the workspace starts on a 256-byte boundary
 #define REDUCE_ROWS 256       // pixels summed by one block of the depthwise weight gradient, at least...
-#define REDUCE_PARTS_MAX 64   // ...but at most this many partial sums per weight (sum_parts adds them)
+#define REDUCE_PARTS_MAX 64   // ...but at most this many partial sums per weight
 
 static size_t align_up(size_t b) { return (b + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN; }
 
@@ -1020,14 +1020,6 @@ static void bias_rows(Ops *o, void *y, DType dt, const float *rows32, const floa
     });
 }
 
-// dst[i] += Σ_{part} partial[part][i], parts in order
-__global__ void sum_parts_kernel(float *dst, const float *partial, int parts, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)blockDim.x * gridDim.x) {
-        float s = 0.0f;
-        for (int k = 0; k < parts; k++) s += partial[k * n + i];
-        dst[i] += s;
-    }
-}
 static size_t rows_per_part(size_t M, int parts) { return (M + parts - 1) / parts; }
 
 static void conv_check_out(const char *what, const ConvGeom *q, Shape out, const ConvCfg *cfg, Shape in) {
@@ -1184,12 +1176,9 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
 //   a thread sums rows r0 + lane, r0 + lane + TY, ... of its chunk in order,
 //   the lanes are added in lane order, and the chunks' partial sums (in the
 //   context's scratch) by the block of the (channel tile, g) that finishes
-//   last: it counts the finished blocks in an atomic counter (the CUDA
-//   Programming Guide's "last block" pattern, after a __threadfence), and
-//   then sums chunks lane, lane + TY, ... and the lanes in lane order. The
-//   order depends on the shape only, so the sums are deterministic; which
-//   block finishes last does not matter. One launch; the last block sets its
-//   counter back to 0 for the next one (and for a replayed graph).
+//   last (last_block), summing chunks lane, lane + TY, ... and the lanes in
+//   lane order. The order depends on the shape only, so the sums are
+//   deterministic; which block finishes last does not matter. One launch.
 // The callers are functors. F::Lane is a thread's view of its channels,
 // made once (per-channel constants in registers): lane(row, k, v) gives the NQ
 // values of channel c0 + k of a row (the generic kernel: k = 0 only). E(g, c, s)
@@ -1204,6 +1193,24 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
 // Counters of finished chunks, one per (channel tile, group) of a launch with
 // more than one chunk; a launch with more tiles × groups runs one chunk.
 #define SUMS_COUNTERS ((size_t)1 << 15)
+
+// The last block pattern (CUDA Programming Guide, "Memory Fence Functions"):
+// every block of a group writes its partial results, fences them, and counts
+// itself in *count; true in every thread of the block that counts last, which
+// then adds the group's partials (in a fixed order, reading them past L1:
+// other SMs wrote them) and sets *count back to 0 for the next launch or
+// graph replay. Called by every thread of the block.
+static __device__ bool last_block(unsigned *count, unsigned blocks) {
+    __shared__ bool last;
+    __threadfence();  // this thread's partials are visible to every block before the count says so
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0) {
+        last = atomicAdd(count, 1u) == blocks - 1;
+        if (last) *count = 0;
+    }
+    __syncthreads();
+    return last;
+}
 
 // a thread's rows of its chunk: r0 + lane, + TY, ... < r1
 struct RowChunk { uint32_t r0, r1; };
@@ -1230,7 +1237,6 @@ template <int NQ, int W, class F, class E>
 __global__ void channel_sums_kernel(F f, E e, double *partial, unsigned *done, uint32_t rows, int C,
                                     uint32_t rows_per_chunk) {
     __shared__ double sh[BLOCK * W * NQ];
-    __shared__ bool last;
     const int lane_c = blockIdx.x * blockDim.x + threadIdx.x, c0 = lane_c * W, g = blockIdx.z;
     const uint32_t chunks = gridDim.y;
     const RowChunk rc = row_chunk(rows, rows_per_chunk);
@@ -1248,14 +1254,7 @@ __global__ void channel_sums_kernel(F f, E e, double *partial, unsigned *done, u
         if (owner)
             for (int k = 0; k < W; k++)
                 for (int q = 0; q < NQ; q++) partial[(((size_t)g * chunks + blockIdx.y) * NQ + q) * C + c0 + k] = s[k][q];
-        __threadfence();  // the partial sums are visible to every block before the count says so
-        __syncthreads();
-        unsigned *count = done + (size_t)g * gridDim.x + blockIdx.x;
-        if (threadIdx.x == 0 && threadIdx.y == 0) last = atomicAdd(count, 1u) == chunks - 1;
-        __syncthreads();
-        if (!last) return;
-        if (threadIdx.x == 0 && threadIdx.y == 0) *count = 0;
-        // every chunk's sums, read past this SM's L1 (other blocks wrote them)
+        if (!last_block(done + (size_t)g * gridDim.x + blockIdx.x, chunks)) return;
         const volatile double *in = partial;
         for (int k = 0; k < W; k++)
             for (int q = 0; q < NQ; q++) acc[k][q] = 0.0;
@@ -2272,12 +2271,13 @@ __global__ void depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t
 // block (channel lanes × row lanes) of part blockIdx.y sums the output pixels
 // r = (n·OH + oy)·OW + ox of its part, each row lane every blockDim.y-th pixel,
 // all taps of its W channels in registers (fp32), then the lanes in order;
-// it writes partial[part][c][tap]. sum_parts_kernel adds the parts in order.
+// it writes partial[part][c][tap]. The last block of a channel tile
+// (last_block) adds the parts in part order into dw.
 #define DW_MAX_TAPS 9  // taps kept in registers (3×3); larger kernels run tap by tap
 template <class IO, int TAPS>
-__global__ void depthwise_weight_partial_kernel(float *partial, IO dout, Shape t, IO x, Shape s, ConvCfg cfg, int pt,
-                                                int pl, uint32_t pixels_per_part, int tap0, FastDiv by_ow,
-                                                FastDiv by_oh) {
+__global__ void depthwise_weight_kernel(float *dw, float *partial, unsigned *done, IO dout, Shape t, IO x, Shape s,
+                                        ConvCfg cfg, int pt, int pl, uint32_t pixels_per_part, int tap0, FastDiv by_ow,
+                                        FastDiv by_oh) {
     constexpr int W = IO::W;
     __shared__ float lanes[BLOCK * W];
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, part = blockIdx.y, C = s.c;
@@ -2315,6 +2315,17 @@ __global__ void depthwise_weight_partial_kernel(float *partial, IO dout, Shape t
             }
         __syncthreads();
     }
+    if (!last_block(done + blockIdx.x, gridDim.y)) return;
+    // dw[c][tap] += Σ_part partial[part][c][tap] in part order, for this tile's channels and taps
+    const volatile float *in = partial;
+    const int c_first = blockIdx.x * blockDim.x * W, n_c = C - c_first < (int)blockDim.x * W ? C - c_first : blockDim.x * W;
+    const int n_taps = ntaps - tap0 < TAPS ? ntaps - tap0 : TAPS;
+    for (int item = lane; item < n_c * n_taps; item += blockDim.x * blockDim.y) {
+        const size_t at = (size_t)(c_first + item / n_taps) * ntaps + tap0 + item % n_taps;
+        float sum = 0.0f;
+        for (uint32_t part_k = 0; part_k < gridDim.y; part_k++) sum += in[part_k * (size_t)C * ntaps + at];
+        dw[at] += sum;
+    }
 }
 
 static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
@@ -2333,7 +2344,7 @@ static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *
                   *cfg, q->pt, q->pl, accumulate);
     });
 }
-// partial (parts, C, taps) in the workspace, then dw += Σ_parts in part order
+// partial (parts, C, taps) in the workspace, then dw += Σ_parts in part order, in one launch per 9 taps
 static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
                                       int parts, float *partial) {
     const size_t M = (size_t)q->N * q->P, taps = (size_t)cfg->kh * cfg->kw;
@@ -2346,9 +2357,11 @@ static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom
         typedef decltype(dyio) IO;
         const unsigned tx = lanes < 32 ? (unsigned)lanes : 32;
         const dim3 grid((lanes + tx - 1) / tx, parts), block(tx, BLOCK / tx);
+        require_below(grid.x, SUMS_COUNTERS + 1, "channel tiles of a depthwise weight gradient");
         for (int tap0 = 0; tap0 < (int)taps; tap0 += DW_MAX_TAPS) {
-            CU_LAUNCH((depthwise_weight_partial_kernel<IO, DW_MAX_TAPS>), grid, block, 0, stream_of(o), partial, dyio,
-                      t, xio, s, *cfg, q->pt, q->pl, per_part, tap0, fastdiv_make(t.w), fastdiv_make(t.h));
+            CU_LAUNCH((depthwise_weight_kernel<IO, DW_MAX_TAPS>), grid, block, 0, stream_of(o), dw, partial,
+                      ctx_of(o)->sums_done, dyio, t, xio, s, *cfg, q->pt, q->pl, per_part, tap0, fastdiv_make(t.w),
+                      fastdiv_make(t.h));
             launchCheck();
         }
     };
@@ -2357,9 +2370,6 @@ static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom
     } else {
         run(AnyIO::of(dout), AnyIO::of(in), q->C);
     }
-    const size_t n = (size_t)q->C * taps;
-    CU_LAUNCH(sum_parts_kernel, grid_for(n), BLOCK, 0, stream_of(o), dw, (const float *)partial, parts, n);
-    launchCheck();
 }
 
 // ----------------------------------------------------------------------------

@@ -5845,6 +5845,9 @@ static void test_cuda_conv_depthwise(void) {
         {"depthwise 3x3 s2 symmetric, 24 channels", {2, 9, 6, 24}, 24, 3, 2, 24, PAD_SYMMETRIC},
         {"depthwise 5x5 s2 same, 8 channels", {2, 7, 9, 8}, 8, 5, 2, 8, PAD_SAME},
         {"depthwise 3x3 s1 symmetric, 12 channels", {1, 6, 5, 12}, 12, 3, 1, 12, PAD_SYMMETRIC},
+        // over 256 output pixels: the weight gradient in 3 parts, added by the last block
+        {"depthwise 3x3 s1 same, 646 pixels, 16 channels", {2, 17, 19, 16}, 16, 3, 1, 16, PAD_SAME},
+        {"depthwise 5x5 s1 same, 646 pixels", {2, 17, 19, 5}, 5, 5, 1, 5, PAD_SAME},
     };
     cuda_conv_cases(cases, sizeof cases / sizeof cases[0], 0);
 }
