@@ -1743,12 +1743,207 @@ static void channel_scale_forward_cuda(Ops *o, Tensor y, Tensor x, Tensor s) {
     per_image_channel(o, y, s, x.data, x.dtype, 1.0f, 0);
 }
 
+// channel_scale's backward in one pass when both are wanted: the per-image sums
+// ds = Σ_pixels dy·x, each (pixel, channel) visited once, also writing
+// dx (=|+=) dy·s[n,c] (the generic lane: one channel; the vector lane: a Vec)
+struct ScaleGrad {
+    const void *dy, *x, *s; void *dx; DType dt, dt_s, dt_dx; int C; uint32_t rows; int accumulate;
+    struct Lane {
+        const void *dy, *x; void *dx; DType dt, dt_dx; int C; float sc; int accumulate;
+        __device__ void add(uint32_t r, double (&acc)[1][1]) const {
+            const size_t i = (size_t)r * C;
+            const float g = ld(dy, dt, i);
+            acc[0][0] += (double)g * ld(x, dt, i);
+            const float v = g * sc;
+            st(dx, dt_dx, i, accumulate ? ld(dx, dt_dx, i) + v : v);
+        }
+    };
+    __device__ Lane lane(int g, int c) const {
+        const size_t at = (size_t)g * rows * C + c;
+        return {elem_ptr(dy, dt, at), elem_ptr(x, dt, at), elem_ptr(dx, dt_dx, at), dt, dt_dx, C,
+                ld(s, dt_s, (size_t)g * C + c), accumulate};
+    }
+};
+template <class T> struct ScaleGradVec {
+    const T *dy, *x, *s; T *dx; int C; uint32_t rows; int accumulate;
+    static constexpr int N = Vec<T>::N;
+    struct Lane {
+        const T *dy, *x; T *dx; int C; float sc[N]; int accumulate;
+        __device__ void add(uint32_t r, double (&acc)[N][1]) const {
+            const size_t i = (size_t)r * C;
+            Vec<T> g = load_vec(dy + i), v = load_vec(x + i), out;
+            if (accumulate) out = load_vec(dx + i);
+            for (int k = 0; k < N; k++) {
+                const float gk = to_f32(g.v[k]);
+                acc[k][0] += (double)gk * to_f32(v.v[k]);
+                out.v[k] = from_f32<T>(accumulate ? to_f32(out.v[k]) + gk * sc[k] : gk * sc[k]);
+            }
+            store_vec(dx + i, out);
+        }
+    };
+    __device__ Lane lane(int g, int c0) const {
+        const size_t at = (size_t)g * rows * C + c0;
+        Lane l = {dy + at, x + at, dx + at, C, {}, accumulate};
+        for (int k = 0; k < N; k++) l.sc[k] = to_f32(s[(size_t)g * C + c0 + k]);
+        return l;
+    }
+};
 static void channel_scale_backward_cuda(Ops *o, Tensor dx, Tensor ds, Tensor dy, Tensor x, Tensor s,
                                         int accumulate_dx, int accumulate_ds) {
-    if (dx.data) per_image_channel(o, dx, s, dy.data, dy.dtype, 1.0f, accumulate_dx);
     const int N = x.shape.n, C = x.shape.c;
-    if (!ds.data || !N || !C) return;
-    sums_of_product(o, StoreSum{ds.data, ds.dtype, C, 1.0, accumulate_ds}, dy, &x, N, (size_t)x.shape.h * x.shape.w, C);
+    const size_t rows = (size_t)x.shape.h * x.shape.w;
+    if (!ds.data || !N || !C) {
+        if (dx.data) per_image_channel(o, dx, s, dy.data, dy.dtype, 1.0f, accumulate_dx);
+        return;
+    }
+    const StoreSum e = {ds.data, ds.dtype, C, 1.0, accumulate_ds};
+    if (!dx.data) {
+        sums_of_product(o, e, dy, &x, N, rows, C);
+    } else if (dx.dtype == dy.dtype && s.dtype == dy.dtype && x.dtype == dy.dtype &&
+               vec_ok({dy.dtype}, C, {dy.data, x.data, dx.data, s.data})) {
+        SWITCH_STORAGE(dy.dtype, T, {
+            ScaleGradVec<T> f = {(const T *)dy.data, (const T *)x.data, (const T *)s.data, (T *)dx.data, C,
+                                 (uint32_t)rows, accumulate_dx};
+            channel_sums<1, Vec<T>::N>(o, f, e, N, rows, C);
+        });
+    } else {
+        ScaleGrad f = {dy.data, x.data, s.data, dx.data, dy.dtype, s.dtype, dx.dtype, C, (uint32_t)rows, accumulate_dx};
+        channel_sums<1, 1>(o, f, e, N, rows, C);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// squeeze-excitation's gate (se_gate_forward in segnet.h; the CPU op, se_gate_image
+// in segnet.c, is the reference). One block per image; the two matrix-vector
+// products per image are fp64 sums in an order fixed by the shape:
+//   rows of W1 (z1 = W1·p) and of W2 (z2 = W2·y1): a warp per output, lane l
+//   adding terms l, l + 32, ..., the lanes added in a fixed butterfly;
+//   columns (W2ᵀ·dz2, W1ᵀ·dz1): a thread per output, terms in order, so
+//   that neighbouring threads read neighbouring weights.
+// The backward's second kernel adds the weight gradients over the images, a
+// thread per weight, images in order.
+
+#define SE_WARPS (BLOCK / 32)
+
+// Σ_k a[k]·b[k] for k = lane, lane + 32, ... < n, then over the warp
+static __device__ double warp_dot(const float *a, const float *b, int n) {
+    double t = 0.0;
+    for (int k = threadIdx.x % 32; k < n; k += 32) t += (double)a[k] * b[k];
+    for (int d = 16; d > 0; d /= 2) t += __shfl_xor_sync(0xffffffffu, t, d);
+    return t;
+}
+// one image's z1, y1 (S) and z2 (C) in shared memory, rounded to dt, from p (C) there
+static __device__ void se_gate_image_dev(DType dt, const float *p, const float *w1, const float *b1, const float *w2,
+                                         const float *b2, int C, int S, Act act1, float *z1, float *y1, float *z2) {
+    const int warp = threadIdx.x / 32;
+    for (int j = warp; j < S; j += SE_WARPS) {
+        const float z = dtype_round(dt, (float)(b1[j] + warp_dot(w1 + (size_t)j * C, p, C)));
+        if (threadIdx.x % 32 == 0) { z1[j] = z; y1[j] = dtype_round(dt, act_apply(act1, z)); }
+    }
+    __syncthreads();
+    for (int c = warp; c < C; c += SE_WARPS) {
+        const float z = dtype_round(dt, (float)(b2[c] + warp_dot(w2 + (size_t)c * S, y1, S)));
+        if (threadIdx.x % 32 == 0) z2[c] = z;
+    }
+    __syncthreads();
+}
+// shared memory: p, z2 (C each), z1, y1 (S each)
+__global__ void se_gate_forward_kernel(void *s, const void *p, DType dt, const float *w1, const float *b1, const float *w2,
+                                       const float *b2, int C, int S, Act act1, Act act2) {
+    CU_DYN_SHARED(float, sh);
+    float *pv = sh, *z2 = sh + C, *z1 = sh + 2 * C, *y1 = z1 + S;
+    const size_t at = (size_t)blockIdx.x * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) pv[c] = ld(p, dt, at + c);
+    __syncthreads();
+    se_gate_image_dev(dt, pv, w1, b1, w2, b2, C, S, act1, z1, y1, z2);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) st(s, dt, at + c, act_apply(act2, z2[c]));
+}
+// per image: dz2 = ds·act2'(z2), dz1 = (W2ᵀ·dz2)·act1'(z1), dp (=|+=) W1ᵀ·dz1; dz2, y1, dz1
+// into `keep` (N·C, N·S, N·S floats) for the weight gradients
+__global__ void se_gate_backward_kernel(void *dp, DType dt_dp, const void *ds, const void *p, DType dt,
+                                        const float *w1, const float *b1, const float *w2, const float *b2, int C,
+                                        int S, Act act1, Act act2, float *keep, int N, int accumulate) {
+    CU_DYN_SHARED(float, sh);
+    float *pv = sh, *z2 = sh + C, *z1 = sh + 2 * C, *y1 = z1 + S, *g1 = y1 + S;
+    const int n = blockIdx.x;
+    const size_t at = (size_t)n * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) pv[c] = ld(p, dt, at + c);
+    __syncthreads();
+    se_gate_image_dev(dt, pv, w1, b1, w2, b2, C, S, act1, z1, y1, z2);
+    float *g2 = z2;  // dz2 replaces z2
+    for (int c = threadIdx.x; c < C; c += blockDim.x) g2[c] = dtype_round(dt, ld(ds, dt, at + c) * act_grad(act2, z2[c]));
+    __syncthreads();
+    for (int j = threadIdx.x; j < S; j += blockDim.x) {
+        double a = 0.0;
+        for (int c = 0; c < C; c++) a += (double)w2[(size_t)c * S + j] * g2[c];
+        g1[j] = dtype_round(dt, dtype_round(dt, (float)a) * act_grad(act1, z1[j]));
+    }
+    __syncthreads();
+    if (dp)
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            double a = 0.0;
+            for (int j = 0; j < S; j++) a += (double)w1[(size_t)j * C + c] * g1[j];
+            st(dp, dt_dp, at + c, accumulate ? ld(dp, dt_dp, at + c) + (float)a : (float)a);
+        }
+    if (keep) {
+        float *kz2 = keep, *ky1 = keep + (size_t)N * C, *kz1 = ky1 + (size_t)N * S;
+        for (int c = threadIdx.x; c < C; c += blockDim.x) kz2[at + c] = g2[c];
+        for (int j = threadIdx.x; j < S; j += blockDim.x) { ky1[(size_t)n * S + j] = y1[j]; kz1[(size_t)n * S + j] = g1[j]; }
+    }
+}
+// dW2[c][j] += Σ_n dz2[n][c]·y1[n][j], dW1[j][c] += Σ_n dz1[n][j]·p[n][c], db2[c] += Σ_n dz2[n][c],
+// db1[j] += Σ_n dz1[n][j]: item i < C·S is dW2's element i, then dW1's, db2's, db1's
+__global__ void se_gate_weights_kernel(const float *keep, const void *p, DType dt, int N, int C, int S, float *dw1,
+                                       float *db1, float *dw2, float *db2, FastDiv by_s, FastDiv by_c) {
+    const uint32_t CS = (uint32_t)C * S, items = 2 * CS + C + S;
+    const float *kz2 = keep, *ky1 = keep + (size_t)N * C, *kz1 = ky1 + (size_t)N * S;
+    FOR_GRID(i, items) {
+        double a = 0.0;
+        if (i < CS) {
+            const uint32_t c = fastdiv(by_s, i), j = i - c * S;
+            for (int n = 0; n < N; n++) a += (double)kz2[(size_t)n * C + c] * ky1[(size_t)n * S + j];
+            dw2[i] += (float)a;
+        } else if (i < 2 * CS) {
+            const uint32_t k = i - CS, j = fastdiv(by_c, k), c = k - j * C;
+            for (int n = 0; n < N; n++) a += (double)kz1[(size_t)n * S + j] * ld(p, dt, (size_t)n * C + c);
+            dw1[k] += (float)a;
+        } else if (i < 2 * CS + C) {
+            const uint32_t c = i - 2 * CS;
+            for (int n = 0; n < N; n++) a += kz2[(size_t)n * C + c];
+            db2[c] += (float)a;
+        } else {
+            const uint32_t j = i - 2 * CS - C;
+            for (int n = 0; n < N; n++) a += kz1[(size_t)n * S + j];
+            db1[j] += (float)a;
+        }
+    }
+}
+static size_t se_gate_smem(int C, int S) { return sizeof(float) * (2 * (size_t)C + 3 * (size_t)S); }
+static void se_gate_forward_cuda(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1, const float *w2,
+                                 const float *b2, int S, Act act1, Act act2) {
+    const int N = p.shape.n, C = p.shape.c;
+    if (!N) return;
+    require_below(se_gate_smem(C, S), (size_t)48 << 10, "shared memory of a squeeze-excitation gate (bytes)");
+    CU_LAUNCH(se_gate_forward_kernel, N, BLOCK, se_gate_smem(C, S), stream_of(o), s.data, p.data, p.dtype, w1, b1, w2,
+              b2, C, S, act1, act2);
+    launchCheck();
+}
+static void se_gate_backward_cuda(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1, const float *b1,
+                                  const float *w2, const float *b2, int S, Act act1, Act act2, float *dw1, float *db1,
+                                  float *dw2, float *db2, int accumulate) {
+    const int N = p.shape.n, C = p.shape.c;
+    if (!N || (!dp.data && !dw1)) return;
+    require_below(se_gate_smem(C, S), (size_t)48 << 10, "shared memory of a squeeze-excitation gate (bytes)");
+    float *keep = dw1 ? (float *)ctx_of(o)->sums : NULL;  // dz2, y1, dz1 of every image
+    if (dw1) require_below((size_t)N * (C + 2 * (size_t)S), 2 * SUMS_SCRATCH + 1, "squeeze-excitation gate values kept");
+    CU_LAUNCH(se_gate_backward_kernel, N, BLOCK, se_gate_smem(C, S), stream_of(o), dp.data, dp.dtype, ds.data, p.data,
+              p.dtype, w1, b1, w2, b2, C, S, act1, act2, keep, N, accumulate);
+    launchCheck();
+    if (!dw1) return;
+    const uint32_t items = 2 * (uint32_t)C * S + C + S;
+    CU_LAUNCH(se_gate_weights_kernel, grid_for(items), BLOCK, 0, stream_of(o), keep, p.data, p.dtype, N, C, S, dw1,
+              db1, dw2, db2, fastdiv_make((uint32_t)S), fastdiv_make((uint32_t)C));
+    launchCheck();
 }
 
 // ----------------------------------------------------------------------------
@@ -2418,6 +2613,8 @@ static Ops make_ops_cuda(void) {
     o.global_avg_pool_backward = global_avg_pool_backward_cuda;
     o.channel_scale_forward = channel_scale_forward_cuda;
     o.channel_scale_backward = channel_scale_backward_cuda;
+    o.se_gate_forward = se_gate_forward_cuda;
+    o.se_gate_backward = se_gate_backward_cuda;
     o.add_forward = add_forward_cuda;
     o.add_backward = add_backward_cuda;
     o.concat_forward = concat_forward_cuda;

@@ -1317,6 +1317,87 @@ static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const f
 // ----------------------------------------------------------------------------
 // activations: y = act(x), dx = dy·act'(x)
 
+// ----------------------------------------------------------------------------
+// squeeze-excitation's gate (the formulas are at se_gate_forward in segnet.h)
+//   per image: z1 = W1·p + b1, y1 = act1(z1), z2 = W2·y1 + b2, s = act2(z2)
+
+// one image's z1, y1 (S) and z2 (C), rounded to dt as stored tensors would be
+static void se_gate_image(DType dt, const float *p, const float *w1, const float *b1, const float *w2,
+                          const float *b2, int C, int S, Act act1, float *z1, float *y1, float *z2) {
+    for (int j = 0; j < S; j++) {
+        double a = b1[j];
+        for (int c = 0; c < C; c++) a += (double)w1[(size_t)j * C + c] * p[c];
+        z1[j] = dtype_round(dt, (float)a);
+        y1[j] = dtype_round(dt, act_apply(act1, z1[j]));
+    }
+    for (int c = 0; c < C; c++) {
+        double a = b2[c];
+        for (int j = 0; j < S; j++) a += (double)w2[(size_t)c * S + j] * y1[j];
+        z2[c] = dtype_round(dt, (float)a);
+    }
+}
+// dw[a][b] += Σ_n dz[n][a]·v[n][b], db[a] += Σ_n dz[n][a] (fp64, images in order)
+static void outer_sums(float *dw, float *db, const float *dz, int A, const float *v, int B, int N) {
+    for (int a = 0; a < A; a++) {
+        double t = 0.0;
+        for (int n = 0; n < N; n++) t += dz[(size_t)n * A + a];
+        db[a] += (float)t;
+        for (int b = 0; b < B; b++) {
+            t = 0.0;
+            for (int n = 0; n < N; n++) t += (double)dz[(size_t)n * A + a] * v[(size_t)n * B + b];
+            dw[(size_t)a * B + b] += (float)t;
+        }
+    }
+}
+static void se_gate_forward_cpu(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1, const float *w2,
+                                const float *b2, int S, Act act1, Act act2) {
+    (void)o;
+    const int N = p.shape.n, C = p.shape.c;
+    float *buf = malloc(sizeof(float) * (size_t)(2 * C + 2 * S));
+    snCheck(buf != NULL, "out of host memory");
+    float *pv = buf, *z2 = buf + C, *z1 = buf + 2 * C, *y1 = z1 + S;
+    for (int n = 0; n < N; n++) {
+        for (int c = 0; c < C; c++) pv[c] = ld(p, (size_t)n * C + c);
+        se_gate_image(s.dtype, pv, w1, b1, w2, b2, C, S, act1, z1, y1, z2);
+        for (int c = 0; c < C; c++) st(s, (size_t)n * C + c, act_apply(act2, z2[c]));
+    }
+    free(buf);
+}
+static void se_gate_backward_cpu(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1, const float *b1,
+                                 const float *w2, const float *b2, int S, Act act1, Act act2, float *dw1, float *db1,
+                                 float *dw2, float *db2, int accumulate) {
+    (void)o;
+    const int N = p.shape.n, C = p.shape.c;
+    const DType dt = ds.dtype;
+    // every image's p, y1, dz1, dz2, for the weight gradients' sums over images
+    float *pv = malloc(sizeof(float) * (size_t)N * C), *dz2 = malloc(sizeof(float) * (size_t)N * C);
+    float *y1 = malloc(sizeof(float) * (size_t)N * S), *dz1 = malloc(sizeof(float) * (size_t)N * S);
+    float *z1 = malloc(sizeof(float) * (size_t)S), *z2 = malloc(sizeof(float) * (size_t)C);
+    snCheck(pv && dz2 && y1 && dz1 && z1 && z2, "out of host memory");
+    for (int n = 0; n < N; n++) {
+        float *pn = pv + (size_t)n * C, *y1n = y1 + (size_t)n * S, *g2 = dz2 + (size_t)n * C, *g1 = dz1 + (size_t)n * S;
+        for (int c = 0; c < C; c++) pn[c] = ld(p, (size_t)n * C + c);
+        se_gate_image(dt, pn, w1, b1, w2, b2, C, S, act1, z1, y1n, z2);
+        for (int c = 0; c < C; c++) g2[c] = dtype_round(dt, ld(ds, (size_t)n * C + c) * act_grad(act2, z2[c]));
+        for (int j = 0; j < S; j++) {
+            double a = 0.0;
+            for (int c = 0; c < C; c++) a += (double)w2[(size_t)c * S + j] * g2[c];
+            g1[j] = dtype_round(dt, dtype_round(dt, (float)a) * act_grad(act1, z1[j]));
+        }
+        if (dp.data)
+            for (int c = 0; c < C; c++) {
+                double a = 0.0;
+                for (int j = 0; j < S; j++) a += (double)w1[(size_t)j * C + c] * g1[j];
+                st_acc(dp, (size_t)n * C + c, (float)a, accumulate);
+            }
+    }
+    if (dw1) {
+        outer_sums(dw2, db2, dz2, C, y1, S, N);
+        outer_sums(dw1, db1, dz1, S, pv, C, N);
+    }
+    free(pv); free(dz2); free(y1); free(dz1); free(z1); free(z2);
+}
+
 static void act_forward_cpu(Ops *o, Act act, Tensor y, Tensor x) {
     (void)o;
     size_t n = shape_numel(x.shape);
@@ -1796,6 +1877,8 @@ Ops ops_cpu = {
     .global_avg_pool_backward = global_avg_pool_backward_cpu,
     .channel_scale_forward = channel_scale_forward_cpu,
     .channel_scale_backward = channel_scale_backward_cpu,
+    .se_gate_forward = se_gate_forward_cpu,
+    .se_gate_backward = se_gate_backward_cpu,
     .add_forward = add_forward_cpu,
     .add_backward = add_backward_cpu,
     .concat_forward = concat_forward_cpu,
@@ -1829,7 +1912,8 @@ static const struct { const char *name; size_t offset; int optional; } OPS_ENTRI
     OPS_ENTRY(conv2d_backward_weight), OPS_ENTRY(bn_stats), OPS_ENTRY(bn_forward), OPS_ENTRY(bn_update_running),
     OPS_ENTRY(bn_backward_reduce), OPS_ENTRY(bn_backward_data), OPS_ENTRY(act_forward), OPS_ENTRY(act_backward),
     OPS_ENTRY(global_avg_pool_forward), OPS_ENTRY(global_avg_pool_backward), OPS_ENTRY(channel_scale_forward),
-    OPS_ENTRY(channel_scale_backward), OPS_ENTRY(add_forward), OPS_ENTRY(add_backward), OPS_ENTRY(concat_forward), OPS_ENTRY(concat_backward),
+    OPS_ENTRY(channel_scale_backward), OPS_ENTRY(se_gate_forward), OPS_ENTRY(se_gate_backward),
+    OPS_ENTRY(add_forward), OPS_ENTRY(add_backward), OPS_ENTRY(concat_forward), OPS_ENTRY(concat_backward),
     OPS_ENTRY(dropout_forward), OPS_ENTRY(dropout_backward), OPS_ENTRY(maxpool2_forward), OPS_ENTRY(maxpool2_backward),
     OPS_ENTRY(upsample2_forward), OPS_ENTRY(upsample2_backward), OPS_ENTRY(resize_bilinear_forward),
     OPS_ENTRY(resize_bilinear_backward), OPS_ENTRY(softmax_xent), OPS_ENTRY(confusion_accumulate),
@@ -1887,9 +1971,16 @@ Ops *ops_for_device(Device d, int gpu, char err[SN_ERR_MAX]) {
 
 static const char *LAYER_KIND_NAMES[LAYER_KIND_COUNT] = {
     "conv", "dense", "batchnorm", "activation", "global_avg_pool", "channel_scale", "add",
-    "concat", "maxpool2", "upsample2", "resize_bilinear", "dropout", "drop_path", "rescale",
+    "concat", "maxpool2", "upsample2", "resize_bilinear", "dropout", "drop_path", "rescale", "se_gate",
 };
 const char *layer_kind_name(LayerKind k) { return k >= 0 && k < LAYER_KIND_COUNT ? LAYER_KIND_NAMES[k] : "?"; }
+// a layer's parameter ids into ids (weight, bias, weight2, bias2, those it has); returns how many
+static int layer_params(const Layer *l, int ids[4]) {
+    const int all[4] = {l->weight, l->bias, l->weight2, l->bias2};
+    int n = 0;
+    for (int k = 0; k < 4; k++) if (all[k] >= 0) ids[n++] = all[k];
+    return n;
+}
 
 void graph_init(Graph *g) {
     memset(g, 0, sizeof *g);
@@ -1993,7 +2084,7 @@ static Layer *add_layer(Graph *g, LayerKind kind, const char *name, int a, int b
     l->kind = kind;
     snprintf(l->name, sizeof l->name, "%s", name);
     l->in[0] = a; l->in[1] = b;
-    l->weight = l->bias = l->run_mean = l->run_var = -1;
+    l->weight = l->bias = l->weight2 = l->bias2 = l->run_mean = l->run_var = -1;
     l->block = g->block;
     l->stage = g->n_stages - 1;
     l->out = new_tensor(g, name, out, g->n_layers);
@@ -2189,6 +2280,28 @@ int graph_drop_path_add(Graph *g, const char *name, int x, int residual, float r
     if (y >= 0) g->layers[g->n_layers - 1].in[1] = residual;
     return y;
 }
+static const char *lname(char buf[2 * SN_NAME_MAX], const char *prefix, const char *suffix);
+int graph_se_gate(Graph *g, const char *name, int p, int squeeze, Act act1, Act act2) {
+    if (g->err[0] || !valid_tensor(g, name, p)) return -1;
+    const Shape in = tshape(g, p);
+    if (in.h != 1 || in.w != 1 || squeeze < 1) {
+        graph_fail(g, "layer '%s': a squeeze-excitation gate takes pooled (N,1,1,C) and squeezes to ≥ 1 channel, not "
+                   SHAPE_FMT " to %d", name, SHAPE_ARGS(in), squeeze);
+        return -1;
+    }
+    Layer *l = add_layer(g, LAYER_SE_GATE, name, p, -1, in);
+    if (!l) return -1;
+    const ConvCfg fc1 = {in.c, squeeze, 1, 1, 1, 1, PAD_SAME, 1};
+    l->conv = fc1;  // fc2 is its transpose: squeeze -> C
+    l->act = act1; l->act2 = act2;
+    char b[2 * SN_NAME_MAX];
+    int w1[4] = {squeeze, 1, 1, in.c}, w2[4] = {in.c, 1, 1, squeeze};
+    l->weight = add_weight(g, lname(b, name, "fc1"), "weight", 4, w1);
+    l->bias = add_weight(g, lname(b, name, "fc1"), "bias", 1, &squeeze);
+    l->weight2 = add_weight(g, lname(b, name, "fc2"), "weight", 4, w2);
+    l->bias2 = add_weight(g, lname(b, name, "fc2"), "bias", 1, &in.c);
+    return g->err[0] ? -1 : l->out;
+}
 
 // ----------------------------------------------------------------------------
 // models
@@ -2269,9 +2382,9 @@ static int conv_bn_act(Graph *g, const char *p, int x, int cout, int k, int stri
 static int squeeze_excitation(Graph *g, const char *p, int x, int squeeze) {
     char b[2 * SN_NAME_MAX];
     int C = g->err[0] ? 1 : tshape(g, x).c;
+    (void)C;
     int s = graph_gap(g, lname(b, p, "avgpool"), x);
-    s = graph_act(g, lname(b, p, "act"), graph_conv(g, lname(b, p, "fc1"), s, squeeze, 1, 1, 1, PAD_SAME, 1), ACT_SILU);
-    s = graph_act(g, lname(b, p, "gate"), graph_conv(g, lname(b, p, "fc2"), s, C, 1, 1, 1, PAD_SAME, 1), ACT_SIGMOID);
+    s = graph_se_gate(g, p, s, squeeze, ACT_SILU, ACT_SIGMOID);  // fc1, SiLU, fc2, sigmoid
     return graph_scale(g, lname(b, p, "scale"), x, s);
 }
 
@@ -2487,7 +2600,7 @@ int graph_freeze_base(Graph *g, int unfreeze_last) {
 static int layer_backward_reads(const Layer *l, int k) {
     switch (l->kind) {
     case LAYER_CONV: case LAYER_DENSE: return k == 0 && !l->frozen && (l->weight >= 0 || l->bias >= 0);
-    case LAYER_BN: case LAYER_ACT: case LAYER_MAXPOOL: return k == 0;
+    case LAYER_BN: case LAYER_ACT: case LAYER_MAXPOOL: case LAYER_SE_GATE: return k == 0;
     case LAYER_SCALE: return 1;
     default: return 0;
     }
@@ -2667,8 +2780,8 @@ static size_t grad_layout(const Graph *g, size_t *grad_offset) {
     for (int i = 0; i < g->n_layers; i++) {
         const Layer *l = &g->layers[i];
         if (l->frozen) continue;
-        if (l->weight >= 0) grad_offset[l->weight] = 0;
-        if (l->bias >= 0) grad_offset[l->bias] = 0;
+        int ids[4];
+        for (int k = layer_params(l, ids); k-- > 0;) grad_offset[ids[k]] = 0;
     }
     size_t n = 0;
     for (int p = 0; p < g->n_params; p++)
@@ -2973,6 +3086,10 @@ static void layer_forward(Net *net, int i, int recompute) {
             break;
         }
         case LAYER_ACT: o->act_forward(o, l->act, y, x); break;
+        case LAYER_SE_GATE:
+            o->se_gate_forward(o, y, x, w, b, param_ptr(net->params, g, l->weight2), param_ptr(net->params, g, l->bias2),
+                               l->conv.cout, l->act, l->act2);
+            break;
         case LAYER_GAP: o->global_avg_pool_forward(o, y, x); break;
         case LAYER_SCALE: o->channel_scale_forward(o, y, x, x2); break;
         case LAYER_ADD: o->add_forward(o, y, x, x2); break;
@@ -3057,6 +3174,12 @@ static void layer_backward(Net *net, int i) {
             break;
         }
         case LAYER_ACT: if (dx.data) o->act_backward(o, l->act, dx, dy, x, acc_a); break;
+        case LAYER_SE_GATE:
+            o->se_gate_backward(o, dx, dy, x, w, bias, param_ptr(net->params, g, l->weight2),
+                                param_ptr(net->params, g, l->bias2), l->conv.cout, l->act, l->act2, dw, dbias,
+                                trainable ? grad_ptr(net, l->weight2) : NULL, trainable ? grad_ptr(net, l->bias2) : NULL,
+                                acc_a);
+            break;
         case LAYER_GAP: if (dx.data) o->global_avg_pool_backward(o, dx, dy, acc_a); break;
         case LAYER_SCALE: o->channel_scale_backward(o, dx, dx2, dy, x, x2, acc_a, acc_b); break;
         case LAYER_ADD: o->add_backward(o, dx, dx2, dy, acc_a, acc_b); break;
@@ -5366,6 +5489,31 @@ static double now_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+// one layer's weight (and bias) in host: its own random stream, by parameter id
+static void init_weights(const Graph *g, LayerKind kind, const ConvCfg *conv, int weight, int bias, uint64_t seed,
+                         float *host) {
+    const ParamInfo *p = &g->params[weight];
+    float *w = host + p->offset;
+    Rng r;  // one stream per tensor: adding a layer does not reshuffle the others
+    rng_seed(&r, rng_mix64(seed ^ rng_mix64((uint64_t)weight + 1)));
+    if ((kind == LAYER_CONV || kind == LAYER_DENSE) && g->init == INIT_TORCH_DEFAULT) {
+        float bound = 1.0f / sqrtf((float)(conv->cin / conv->groups * conv->kh * conv->kw));
+        for (size_t k = 0; k < p->count; k++) w[k] = bound * (2.0f * rng_float(&r) - 1.0f);
+        if (bias >= 0) {
+            const ParamInfo *pb = &g->params[bias];
+            for (size_t k = 0; k < pb->count; k++) host[pb->offset + k] = bound * (2.0f * rng_float(&r) - 1.0f);
+        }
+    } else if (kind == LAYER_CONV) {
+        double std = sqrt(2.0 / ((double)conv->cout * conv->kh * conv->kw));
+        for (size_t k = 0; k < p->count; k++) w[k] = (float)(std * rng_normal(&r));
+    } else if (kind == LAYER_DENSE) {
+        float range = 1.0f / sqrtf((float)conv->cout);
+        for (size_t k = 0; k < p->count; k++) w[k] = range * (2.0f * rng_float(&r) - 1.0f);
+    } else if (kind == LAYER_BN) {
+        for (size_t k = 0; k < p->count; k++) w[k] = 1.0f;
+    }
+}
+
 void net_init_params(Net *net, uint64_t seed) {
     const Graph *g = net->g;
     float *host = calloc(g->n_param_floats ? g->n_param_floats : 1, sizeof(float));
@@ -5373,25 +5521,12 @@ void net_init_params(Net *net, uint64_t seed) {
     for (int i = 0; i < g->n_layers; i++) {
         const Layer *l = &g->layers[i];
         if (l->weight < 0) continue;
-        const ParamInfo *p = &g->params[l->weight];
-        float *w = host + p->offset;
-        Rng r;  // one stream per tensor: adding a layer does not reshuffle the others
-        rng_seed(&r, rng_mix64(seed ^ rng_mix64((uint64_t)l->weight + 1)));
-        if ((l->kind == LAYER_CONV || l->kind == LAYER_DENSE) && g->init == INIT_TORCH_DEFAULT) {
-            float bound = 1.0f / sqrtf((float)(l->conv.cin / l->conv.groups * l->conv.kh * l->conv.kw));
-            for (size_t k = 0; k < p->count; k++) w[k] = bound * (2.0f * rng_float(&r) - 1.0f);
-            if (l->bias >= 0) {
-                const ParamInfo *pb = &g->params[l->bias];
-                for (size_t k = 0; k < pb->count; k++) host[pb->offset + k] = bound * (2.0f * rng_float(&r) - 1.0f);
-            }
-        } else if (l->kind == LAYER_CONV) {
-            double std = sqrt(2.0 / ((double)l->conv.cout * l->conv.kh * l->conv.kw));
-            for (size_t k = 0; k < p->count; k++) w[k] = (float)(std * rng_normal(&r));
-        } else if (l->kind == LAYER_DENSE) {
-            float range = 1.0f / sqrtf((float)l->conv.cout);
-            for (size_t k = 0; k < p->count; k++) w[k] = range * (2.0f * rng_float(&r) - 1.0f);
-        } else if (l->kind == LAYER_BN) {
-            for (size_t k = 0; k < p->count; k++) w[k] = 1.0f;
+        if (l->kind == LAYER_SE_GATE) {  // fc1 and fc2 as the 1×1 convs they are
+            const ConvCfg fc2 = {l->conv.cout, l->conv.cin, 1, 1, 1, 1, PAD_SAME, 1};
+            init_weights(g, LAYER_CONV, &l->conv, l->weight, l->bias, seed, host);
+            init_weights(g, LAYER_CONV, &fc2, l->weight2, l->bias2, seed, host);
+        } else {
+            init_weights(g, l->kind, &l->conv, l->weight, l->bias, seed, host);
         }
     }
     net->o->upload(net->o, net->params, host, sizeof(float) * g->n_param_floats);
@@ -6754,7 +6889,7 @@ static BenchKind bench_kind(const Graph *g, const Layer *l) {
         return l->conv.kh == 1 && l->conv.kw == 1 ? BK_CONV1 : BK_CONVK;
     case LAYER_BN: return BK_BN;
     case LAYER_ACT: return on_pooled ? BK_SE : BK_ACT;
-    case LAYER_GAP: case LAYER_SCALE: return BK_SE;
+    case LAYER_GAP: case LAYER_SCALE: case LAYER_SE_GATE: return BK_SE;
     default: return BK_OTHER;
     }
 }
@@ -7586,10 +7721,9 @@ static void roofline_step(const Graph *g, DType dt, Roofline *r) {
         const double X2 = l->in[1] >= 0 ? (double)shape_numel(tshape(g, l->in[1])) : 0.0;
         const int bwd = needs[l->out], dx = needs[l->in[0]], dx2 = l->in[1] >= 0 && needs[l->in[1]];
         const int wgrad = bwd && !l->frozen && l->weight >= 0;
-        for (int k = 0; k < 2; k++) {
-            const int id = k ? l->bias : l->weight;
-            if (id >= 0 && !l->frozen) trainable += (double)g->params[id].count;
-        }
+        int ids[4];
+        for (int k = layer_params(l, ids); k-- > 0;)
+            if (!l->frozen) trainable += (double)g->params[ids[k]].count;
         switch (l->kind) {
         case LAYER_CONV: case LAYER_DENSE: {
             const ConvCfg *c = &l->conv;
@@ -7627,6 +7761,12 @@ static void roofline_step(const Graph *g, DType dt, Roofline *r) {
             roof_pass(r, ROOF_ELEMENTWISE, (X + X2 + Y) * e, 0);
             if (dx || dx2) roof_pass(r, ROOF_ELEMENTWISE, (Y + (dx ? X : 0) + (dx2 ? X2 : 0)) * e, 0);
             break;
+        case LAYER_SE_GATE: {  // two small GEMMs per image, fp32 weights; the backward recomputes the forward
+            const double w = 2.0 * l->conv.cin * l->conv.cout;  // both weight matrices
+            roof_pass(r, ROOF_SE, (X + Y) * e + 4 * w, 2 * w * tshape(g, l->in[0]).n);
+            if (bwd) roof_pass(r, ROOF_SE, 2 * X * e + Y * e + (wgrad ? 12 : 4) * w, 6 * w * tshape(g, l->in[0]).n);
+            break;
+        }
         case LAYER_GAP: case LAYER_SCALE:
             roof_pass(r, ROOF_SE, (X + (l->kind == LAYER_SCALE ? X : 0)) * e, 0);
             if (dx) roof_pass(r, ROOF_SE, 2 * X * e, 0);
@@ -7695,11 +7835,10 @@ static int cmd_plan(int argc, char **argv) {
             const Layer *L = &g.layers[l];
             if (L->stage != s) continue;
             last = l;
-            for (int k = 0; k < 2; k++) {
-                int id = k ? L->bias : L->weight;
-                if (id < 0) continue;
-                n += g.params[id].count;
-                if (!L->frozen) trainable += g.params[id].count;
+            int ids[4];
+            for (int k = layer_params(L, ids); k-- > 0;) {
+                n += g.params[ids[k]].count;
+                if (!L->frozen) trainable += g.params[ids[k]].count;
             }
         }
         if (last < 0) continue;

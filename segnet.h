@@ -487,6 +487,19 @@ struct Ops {
     void (*channel_scale_backward)(Ops *o, Tensor dx, Tensor ds, Tensor dy, Tensor x, Tensor s,
                                    int accumulate_dx, int accumulate_ds);
 
+    // squeeze-excitation's gate (LAYER_SE_GATE), per image n of p (N,1,1,C):
+    //   z1 = W1·p + b1, y1 = act1(z1) (S values), z2 = W2·y1 + b2, s = act2(z2) (C values),
+    // W1 [S][C], W2 [C][S] fp32, sums in fp64, z1, y1, z2 rounded to s's storage type
+    // (as the layers' tensors would be). The backward recomputes them from p:
+    //   dz2 = ds·act2'(z2), dz1 = (W2ᵀ·dz2)·act1'(z1) (each rounded likewise),
+    //   dp (=|+=) W1ᵀ·dz1 (dp without data: not wanted), and when dw1 is not NULL
+    //   dW2 += Σ_n dz2 y1ᵀ, db2 += Σ_n dz2, dW1 += Σ_n dz1 pᵀ, db1 += Σ_n dz1.
+    void (*se_gate_forward)(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1, const float *w2,
+                            const float *b2, int S, Act act1, Act act2);
+    void (*se_gate_backward)(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1, const float *b1,
+                             const float *w2, const float *b2, int S, Act act1, Act act2, float *dw1, float *db1,
+                             float *dw2, float *db2, int accumulate);
+
     // residual add y = a + b; its backward da (=|+=) dy, db (=|+=) dy (either may have no data)
     void (*add_forward)(Ops *o, Tensor y, Tensor a, Tensor b);
     void (*add_backward)(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b);
@@ -597,6 +610,7 @@ typedef enum {
     LAYER_DROPOUT,    // per element
     LAYER_DROP_PATH,  // per sample
     LAYER_RESCALE,    // y = scale·x + offset (input preprocessing inside the model)
+    LAYER_SE_GATE,    // squeeze-excitation's gate on pooled (N,1,1,C): act2(fc2(act(fc1(p)))) -> (N,1,1,C)
     LAYER_KIND_COUNT
 } LayerKind;
 
@@ -619,10 +633,12 @@ typedef struct {
     char name[SN_NAME_MAX];
     int in[2];       // input tensor ids (-1: unused)
     int out;         // output tensor id
-    int weight, bias;          // parameter ids (-1: none); BN: gamma, beta
+    int weight, bias;          // parameter ids (-1: none); BN: gamma, beta; SE gate: fc1's
+    int weight2, bias2;        // LAYER_SE_GATE: fc2's (else -1)
     int run_mean, run_var;     // BN running statistics: ids in the buffer table
     ConvCfg conv;              // LAYER_CONV, LAYER_DENSE
-    Act act;                   // LAYER_BN (fused), LAYER_ACT
+    Act act;                   // LAYER_BN (fused), LAYER_ACT, LAYER_SE_GATE (after fc1)
+    Act act2;                  // LAYER_SE_GATE: the gate's (after fc2)
     float eps;                 // LAYER_BN
     float rate;                // LAYER_DROPOUT, LAYER_DROP_PATH
     float scale, offset;       // LAYER_RESCALE
@@ -675,6 +691,10 @@ int graph_dropout(Graph *g, const char *name, int x, float rate);
 int graph_drop_path(Graph *g, const char *name, int x, float rate);
 // a residual block's end, residual + drop_path(x), as one layer (one pass, no tensor in between)
 int graph_drop_path_add(Graph *g, const char *name, int x, int residual, float rate);
+// squeeze-excitation's gate on pooled p (N,1,1,C), one layer with the parameters of
+// two 1×1 convs with bias, name.fc1 (squeeze×C) and name.fc2 (C×squeeze):
+// s = act2(fc2(act1(fc1(p)))) (N,1,1,C)
+int graph_se_gate(Graph *g, const char *name, int p, int squeeze, Act act1, Act act2);
 int graph_rescale(Graph *g, const char *name, int x, float scale, float offset);
 
 // Layers added from now on belong to a new checkpoint block / a new named stage.

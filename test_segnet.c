@@ -929,6 +929,49 @@ static void test_softmax_xent_grad(void) {
     free(z); free(dz);
 }
 
+// The squeeze-excitation gate (one layer, se_gate_*) against the four layers it
+// replaces, run through the CPU's own ops (fc1: 1×1 conv + bias, SiLU, fc2,
+// sigmoid; their backwards), fp32, N = 3, C = 24, S = 6. The fused op sums in
+// fp64, the convs in fp32 over at most 24 terms of size ≤ 1: the two agree
+// within 1e-5 of each tensor's largest value.
+static void test_se_gate_matches_layers(void) {
+    enum { N = 3, C = 24, S = 6 };
+    Rng r; rng_seed(&r, 31);
+    float *p = randn(&r, (size_t)N * C, 1.0f), *w1 = randn(&r, (size_t)S * C, 0.3f), *b1 = randn(&r, S, 0.3f);
+    float *w2 = randn(&r, (size_t)C * S, 0.3f), *b2 = randn(&r, C, 0.3f), *ds = randn(&r, (size_t)N * C, 1.0f);
+    const Shape sp = shape4(N, 1, 1, C), sz = shape4(N, 1, 1, S);
+    const ConvCfg fc1 = {C, S, 1, 1, 1, 1, PAD_SAME, 1}, fc2 = {S, C, 1, 1, 1, 1, PAD_SAME, 1};
+    float s_fused[N * C], z1[N * S], y1[N * S], z2[N * C], s_layers[N * C];
+    float ws[4096];
+    ops_cpu.se_gate_forward(&ops_cpu, tensor_f32(s_fused, sp), tensor_f32(p, sp), w1, b1, w2, b2, S, ACT_SILU, ACT_SIGMOID);
+    ops_cpu.conv2d_forward(&ops_cpu, &fc1, tensor_f32(z1, sz), tensor_f32(p, sp), w1, NULL, b1, ws);
+    ops_cpu.act_forward(&ops_cpu, ACT_SILU, tensor_f32(y1, sz), tensor_f32(z1, sz));
+    ops_cpu.conv2d_forward(&ops_cpu, &fc2, tensor_f32(z2, sp), tensor_f32(y1, sz), w2, NULL, b2, ws);
+    ops_cpu.act_forward(&ops_cpu, ACT_SIGMOID, tensor_f32(s_layers, sp), tensor_f32(z2, sp));
+    CHECK(rel_diff(s_fused, s_layers, (size_t)N * C, 1e-30) < 1e-5, "se gate forward: %.3g from the layers",
+          rel_diff(s_fused, s_layers, (size_t)N * C, 1e-30));
+    // backward, into dp = 0.5 (accumulate) and zeroed parameter gradients
+    float dp_f[N * C], dw1_f[S * C] = {0}, db1_f[S] = {0}, dw2_f[C * S] = {0}, db2_f[C] = {0};
+    float dp_l[N * C], dw1_l[S * C] = {0}, db1_l[S] = {0}, dw2_l[C * S] = {0}, db2_l[C] = {0};
+    float dz2[N * C], dy1[N * S], dz1[N * S];
+    for (int i = 0; i < N * C; i++) dp_f[i] = dp_l[i] = 0.5f;
+    ops_cpu.se_gate_backward(&ops_cpu, tensor_f32(dp_f, sp), tensor_f32(ds, sp), tensor_f32(p, sp), w1, b1, w2, b2, S,
+                             ACT_SILU, ACT_SIGMOID, dw1_f, db1_f, dw2_f, db2_f, 1);
+    ops_cpu.act_backward(&ops_cpu, ACT_SIGMOID, tensor_f32(dz2, sp), tensor_f32(ds, sp), tensor_f32(z2, sp), 0);
+    ops_cpu.conv2d_backward_weight(&ops_cpu, &fc2, dw2_l, db2_l, tensor_f32(dz2, sp), tensor_f32(y1, sz), ws);
+    ops_cpu.conv2d_backward_data(&ops_cpu, &fc2, tensor_f32(dy1, sz), tensor_f32(dz2, sp), w2, NULL, 0, ws);
+    ops_cpu.act_backward(&ops_cpu, ACT_SILU, tensor_f32(dz1, sz), tensor_f32(dy1, sz), tensor_f32(z1, sz), 0);
+    ops_cpu.conv2d_backward_weight(&ops_cpu, &fc1, dw1_l, db1_l, tensor_f32(dz1, sz), tensor_f32(p, sp), ws);
+    ops_cpu.conv2d_backward_data(&ops_cpu, &fc1, tensor_f32(dp_l, sp), tensor_f32(dz1, sz), w1, NULL, 1, ws);
+    const struct { const char *name; const float *a, *b; size_t n; } pairs[5] = {
+        {"dp", dp_f, dp_l, (size_t)N * C}, {"dW1", dw1_f, dw1_l, (size_t)S * C}, {"db1", db1_f, db1_l, S},
+        {"dW2", dw2_f, dw2_l, (size_t)C * S}, {"db2", db2_f, db2_l, C}};
+    for (int k = 0; k < 5; k++)
+        CHECK(rel_diff(pairs[k].a, pairs[k].b, pairs[k].n, 1e-30) < 1e-5, "se gate backward %s: %.3g from the layers",
+              pairs[k].name, rel_diff(pairs[k].a, pairs[k].b, pairs[k].n, 1e-30));
+    free(p); free(w1); free(b1); free(w2); free(b2); free(ds);
+}
+
 static void test_dropout_masks(void) {
     const size_t n = 100000;
     float *x = malloc(sizeof(float) * n), *y = malloc(sizeof(float) * n), *y2 = malloc(sizeof(float) * n);
@@ -1906,7 +1949,11 @@ static void test_effv2_tiny_grad(void) {
         }
         GradOpts o = grad_opts();
         o.max_samples = 6;
-        o.h = 2e-2f;
+        // The central difference's step: its error is truncation (∝ h²) plus fp32 rounding
+        // (∝ 1/h). Measured at h = 2e-2, 1.4e-2, 1e-2: effv2-t's worst error falls as h²
+        // (5.2e-3, 2.5e-3, 1.3e-3: truncation), unet-effv2-t's grows as 1/h (2.1e-3,
+        // 3.7e-3, 4.6e-3: rounding), so each takes the step where its error is least.
+        o.h = m ? 2e-2f : 1e-2f;
         o.grad_floor = 0.01f;
         o.input_scale = 60.0f;
         o.skip_input = 1;
@@ -6986,6 +7033,58 @@ static void test_cuda_squeeze_excitation(void) {
         }
 }
 
+// the squeeze-excitation gate against the CPU's (both sum in fp64; expf and the
+// order of the sums differ): within 1e-5 of each tensor's largest value in
+// fp32, plus two storage ulps where a rounded z1, y1 or z2 lands on the other
+// side of a rounding boundary; dp overwritten, added into, and not wanted; the
+// weights frozen (no parameter gradients)
+static void test_cuda_se_gate(void) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 88);
+    const int N = 3, C = 40, S = 10;
+    float *pv = randn(&r, (size_t)N * C, 1.0f), *dsv = randn(&r, (size_t)N * C, 1.0f);
+    float *w1 = randn(&r, (size_t)S * C, 0.3f), *b1 = randn(&r, S, 0.3f), *w2 = randn(&r, (size_t)C * S, 0.3f);
+    float *b2 = randn(&r, C, 0.3f);
+    float *w1_d = cu_floats(w1, (size_t)S * C), *b1_d = cu_floats(b1, S), *w2_d = cu_floats(w2, (size_t)C * S);
+    float *b2_d = cu_floats(b2, C);
+    const Shape sp = shape4(N, 1, 1, C);
+    for (int dt = 0; dt < 3; dt++) {
+        const double tol = 1e-5 + 2 * cu_ulp16((DType)dt);
+        CuPair p = cu_pair(pv, sp, (DType)dt), sg = cu_pair(NULL, sp, (DType)dt), ds = cu_pair(dsv, sp, (DType)dt);
+        ops_cpu.se_gate_forward(&ops_cpu, sg.cpu, p.cpu, w1, b1, w2, b2, S, ACT_SILU, ACT_SIGMOID);
+        o->se_gate_forward(o, sg.gpu, p.gpu, w1_d, b1_d, w2_d, b2_d, S, ACT_SILU, ACT_SIGMOID);
+        cu_expect(cu_pair_err(sg), tol, "se_gate_forward", (DType)dt);
+        for (int mode = 0; mode < 4; mode++) {  // dp overwritten, added into, not wanted; frozen weights
+            const int acc = mode == 1, frozen = mode == 3;
+            CuPair dp = cu_dest(&r, sp, (DType)dt, acc);
+            Tensor dp_c = dp.cpu, dp_g = dp.gpu;
+            if (mode == 2) dp_c.data = dp_g.data = NULL;
+            float *g0 = randn(&r, (size_t)2 * S * C + C + S, 1.0f);  // the gradients are added into these
+            float *gc = malloc(sizeof(float) * ((size_t)2 * S * C + C + S));
+            memcpy(gc, g0, sizeof(float) * ((size_t)2 * S * C + C + S));
+            float *gg = cu_floats(g0, (size_t)2 * S * C + C + S);
+            const size_t o_b1 = (size_t)S * C, o_w2 = o_b1 + S, o_b2 = o_w2 + (size_t)C * S;
+            ops_cpu.se_gate_backward(&ops_cpu, dp_c, ds.cpu, p.cpu, w1, b1, w2, b2, S, ACT_SILU, ACT_SIGMOID,
+                                     frozen ? NULL : gc, frozen ? NULL : gc + o_b1, frozen ? NULL : gc + o_w2,
+                                     frozen ? NULL : gc + o_b2, acc);
+            o->se_gate_backward(o, dp_g, ds.gpu, p.gpu, w1_d, b1_d, w2_d, b2_d, S, ACT_SILU, ACT_SIGMOID,
+                                frozen ? NULL : gg, frozen ? NULL : gg + o_b1, frozen ? NULL : gg + o_w2,
+                                frozen ? NULL : gg + o_b2, acc);
+            char what[64];
+            snprintf(what, sizeof what, "se_gate_backward mode %d dp", mode);
+            if (mode != 2) cu_expect(cu_pair_err(dp), tol, what, (DType)dt);
+            snprintf(what, sizeof what, "se_gate_backward mode %d weights", mode);
+            cu_expect(cu_floats_err(gg, gc, (size_t)2 * S * C + C + S), tol, what, (DType)dt);
+            if (frozen) CHECK(!memcmp(gc, g0, sizeof(float) * ((size_t)2 * S * C + C + S)), "se gate: frozen weights got gradients");
+            o->free(o, gg); free(gc); free(g0);
+            cu_pair_free(&dp);
+        }
+        cu_pair_free(&p); cu_pair_free(&sg); cu_pair_free(&ds);
+    }
+    o->free(o, w1_d); o->free(o, b1_d); o->free(o, w2_d); o->free(o, b2_d);
+    free(pv); free(dsv); free(w1); free(b1); free(w2); free(b2);
+}
+
 // a + b (one sum), its backward, concat and its split (copies; one sum with accumulate): the same bits
 static void test_cuda_add_concat(void) {
     Ops *o = cu_ops();
@@ -7272,6 +7371,7 @@ static const Test TESTS[] = {
     {"weight0_pixels_ignored", test_weight0_pixels_ignored},
     {"adam_keras_formula", test_adam_keras_formula},
     {"step_control", test_step_control},
+    {"se_gate_matches_layers", test_se_gate_matches_layers},
     {"clip_global_norm", test_clip_global_norm},
     {"lr_schedule", test_lr_schedule},
     {"init_params", test_init_params},
@@ -7336,6 +7436,7 @@ static const Test TESTS[] = {
     {"cuda_conv_grouped", test_cuda_conv_grouped},
     {"cuda_conv_depthwise", test_cuda_conv_depthwise},
     {"cuda_scale_axpby", test_cuda_scale_axpby},
+    {"cuda_se_gate", test_cuda_se_gate},
     {"cuda_sum_squares_nonfinite", test_cuda_sum_squares_nonfinite},
     {"cuda_softmax_xent", test_cuda_softmax_xent},
     {"cuda_confusion", test_cuda_confusion},
