@@ -41,9 +41,17 @@
 // checks: a failing CUDA or cuBLAS call is a bug or a dead device, not a user
 // error the program can recover from; report where and stop.
 
+// the errors of work the runtime refuses while a stream captures (a training step being recorded)
+#define CAPTURE_HINT " (while recording the training step as a CUDA graph: SEGNET_CUDA_GRAPHS=0 runs steps op by op)"
+static bool capture_error(cudaError_t e) {
+    return e == cudaErrorStreamCaptureUnsupported || e == cudaErrorStreamCaptureInvalidated ||
+           e == cudaErrorStreamCaptureImplicit || e == cudaErrorStreamCaptureIsolation ||
+           e == cudaErrorStreamCaptureUnjoined || e == cudaErrorCapturedEvent;
+}
 static void cuda_check(cudaError_t e, const char *what, const char *file, int line) {
     if (e == cudaSuccess) return;
-    fprintf(stderr, "segnet: CUDA error at %s:%d: %s: %s\n", file, line, what, cudaGetErrorString(e));
+    fprintf(stderr, "segnet: CUDA error at %s:%d: %s: %s%s\n", file, line, what, cudaGetErrorString(e),
+            capture_error(e) ? CAPTURE_HINT : "");
     exit(1);
 }
 #define cudaCheck(call) cuda_check((call), #call, __FILE__, __LINE__)
@@ -104,8 +112,9 @@ static void launch_check(const char *op, const char *file, int line) {
     const bool sync = ctx_current && ctx_current->sync_each;
     if (e == cudaSuccess && sync) e = cudaDeviceSynchronize();
     if (e == cudaSuccess) return;
-    fprintf(stderr, "segnet: CUDA error in %s (%s:%d)%s: %s\n", op, file, line,
-            sync ? ", synchronised after the launch (SEGNET_CUDA_SYNC)" : "", cudaGetErrorString(e));
+    fprintf(stderr, "segnet: CUDA error in %s (%s:%d)%s: %s%s\n", op, file, line,
+            sync ? ", synchronised after the launch (SEGNET_CUDA_SYNC)" : "", cudaGetErrorString(e),
+            capture_error(e) ? CAPTURE_HINT : "");
     exit(1);
 }
 static cudaStream_t stream_of(Ops *o) { return ctx_of(o)->stream; }
