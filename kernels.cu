@@ -1822,7 +1822,7 @@ static void channel_scale_backward_cuda(Ops *o, Tensor dx, Tensor ds, Tensor dy,
 }
 
 // ----------------------------------------------------------------------------
-// squeeze-excitation's gate (se_gate_forward in segnet.h; the CPU op, se_gate_image
+// squeeze-excitation's gate (se_gate_forward in segnet.h; the CPU op, se_gate_images
 // in segnet.c, is the reference). One block per image; the two matrix-vector
 // products per image are fp64 sums in an order fixed by the shape:
 //   rows of W1 (z1 = W1·p) and of W2 (z2 = W2·y1): a warp per output, lane l

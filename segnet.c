@@ -1321,23 +1321,29 @@ static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const f
 // squeeze-excitation's gate (the formulas are at se_gate_forward in segnet.h)
 //   per image: z1 = W1·p + b1, y1 = act1(z1), z2 = W2·y1 + b2, s = act2(z2)
 
-// one image's z1, y1 (S) and z2 (C), rounded to dt as stored tensors would be
-static void se_gate_image(DType dt, const float *p, const float *w1, const float *b1, const float *w2,
-                          const float *b2, int C, int S, Act act1, float *z1, float *y1, float *z2) {
-    for (int j = 0; j < S; j++) {
-        double a = b1[j];
-        for (int c = 0; c < C; c++) a += (double)w1[(size_t)j * C + c] * p[c];
-        z1[j] = dtype_round(dt, (float)a);
-        y1[j] = dtype_round(dt, act_apply(act1, z1[j]));
-    }
-    for (int c = 0; c < C; c++) {
-        double a = b2[c];
-        for (int j = 0; j < S; j++) a += (double)w2[(size_t)c * S + j] * y1[j];
-        z2[c] = dtype_round(dt, (float)a);
-    }
+// every image's z1, y1 (N,S) and z2 (N,C) from pv (N,C), rounded to dt as stored
+// tensors would be; threads share the outputs, each a sum in a fixed order
+static void se_gate_images(DType dt, int N, const float *pv, const float *w1, const float *b1, const float *w2,
+                           const float *b2, int C, int S, Act act1, float *z1, float *y1, float *z2) {
+    #pragma omp parallel for schedule(static) if(PAR((size_t)N * C * S))
+    for (int j = 0; j < S; j++)
+        for (int n = 0; n < N; n++) {
+            double a = b1[j];
+            for (int c = 0; c < C; c++) a += (double)w1[(size_t)j * C + c] * pv[(size_t)n * C + c];
+            z1[(size_t)n * S + j] = dtype_round(dt, (float)a);
+            y1[(size_t)n * S + j] = dtype_round(dt, act_apply(act1, z1[(size_t)n * S + j]));
+        }
+    #pragma omp parallel for schedule(static) if(PAR((size_t)N * C * S))
+    for (int c = 0; c < C; c++)
+        for (int n = 0; n < N; n++) {
+            double a = b2[c];
+            for (int j = 0; j < S; j++) a += (double)w2[(size_t)c * S + j] * y1[(size_t)n * S + j];
+            z2[(size_t)n * C + c] = dtype_round(dt, (float)a);
+        }
 }
 // dw[a][b] += Σ_n dz[n][a]·v[n][b], db[a] += Σ_n dz[n][a] (fp64, images in order)
 static void outer_sums(float *dw, float *db, const float *dz, int A, const float *v, int B, int N) {
+    #pragma omp parallel for schedule(static) if(PAR((size_t)N * A * B))
     for (int a = 0; a < A; a++) {
         double t = 0.0;
         for (int n = 0; n < N; n++) t += dz[(size_t)n * A + a];
@@ -1349,19 +1355,24 @@ static void outer_sums(float *dw, float *db, const float *dz, int A, const float
         }
     }
 }
+// p's values and room for z1, y1 (N·S each), z2 (N·C), then dz2 (N·C), dz1 (N·S)
+typedef struct { float *pv, *z1, *y1, *z2, *dz2, *dz1; } SeGateBuf;
+static SeGateBuf se_gate_buf(Tensor p, int S) {
+    const size_t NC = shape_numel(p.shape), NS = (size_t)p.shape.n * S;
+    float *m = malloc(sizeof(float) * (3 * NC + 3 * NS + 1));
+    snCheck(m != NULL, "out of host memory");
+    SeGateBuf b = {m, m + NC, m + NC + NS, m + NC + 2 * NS, m + 2 * NC + 2 * NS, m + 3 * NC + 2 * NS};
+    for (size_t i = 0; i < NC; i++) b.pv[i] = ld(p, i);
+    return b;
+}
 static void se_gate_forward_cpu(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1, const float *w2,
                                 const float *b2, int S, Act act1, Act act2) {
     (void)o;
     const int N = p.shape.n, C = p.shape.c;
-    float *buf = malloc(sizeof(float) * (size_t)(2 * C + 2 * S));
-    snCheck(buf != NULL, "out of host memory");
-    float *pv = buf, *z2 = buf + C, *z1 = buf + 2 * C, *y1 = z1 + S;
-    for (int n = 0; n < N; n++) {
-        for (int c = 0; c < C; c++) pv[c] = ld(p, (size_t)n * C + c);
-        se_gate_image(s.dtype, pv, w1, b1, w2, b2, C, S, act1, z1, y1, z2);
-        for (int c = 0; c < C; c++) st(s, (size_t)n * C + c, act_apply(act2, z2[c]));
-    }
-    free(buf);
+    SeGateBuf b = se_gate_buf(p, S);
+    se_gate_images(s.dtype, N, b.pv, w1, b1, w2, b2, C, S, act1, b.z1, b.y1, b.z2);
+    for (size_t i = 0; i < (size_t)N * C; i++) st(s, i, act_apply(act2, b.z2[i]));
+    free(b.pv);
 }
 static void se_gate_backward_cpu(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1, const float *b1,
                                  const float *w2, const float *b2, int S, Act act1, Act act2, float *dw1, float *db1,
@@ -1369,33 +1380,31 @@ static void se_gate_backward_cpu(Ops *o, Tensor dp, Tensor ds, Tensor p, const f
     (void)o;
     const int N = p.shape.n, C = p.shape.c;
     const DType dt = ds.dtype;
-    // every image's p, y1, dz1, dz2, for the weight gradients' sums over images
-    float *pv = malloc(sizeof(float) * (size_t)N * C), *dz2 = malloc(sizeof(float) * (size_t)N * C);
-    float *y1 = malloc(sizeof(float) * (size_t)N * S), *dz1 = malloc(sizeof(float) * (size_t)N * S);
-    float *z1 = malloc(sizeof(float) * (size_t)S), *z2 = malloc(sizeof(float) * (size_t)C);
-    snCheck(pv && dz2 && y1 && dz1 && z1 && z2, "out of host memory");
-    for (int n = 0; n < N; n++) {
-        float *pn = pv + (size_t)n * C, *y1n = y1 + (size_t)n * S, *g2 = dz2 + (size_t)n * C, *g1 = dz1 + (size_t)n * S;
-        for (int c = 0; c < C; c++) pn[c] = ld(p, (size_t)n * C + c);
-        se_gate_image(dt, pn, w1, b1, w2, b2, C, S, act1, z1, y1n, z2);
-        for (int c = 0; c < C; c++) g2[c] = dtype_round(dt, ld(ds, (size_t)n * C + c) * act_grad(act2, z2[c]));
-        for (int j = 0; j < S; j++) {
+    SeGateBuf b = se_gate_buf(p, S);
+    se_gate_images(dt, N, b.pv, w1, b1, w2, b2, C, S, act1, b.z1, b.y1, b.z2);
+    for (size_t i = 0; i < (size_t)N * C; i++) b.dz2[i] = dtype_round(dt, ld(ds, i) * act_grad(act2, b.z2[i]));
+    #pragma omp parallel for schedule(static) if(PAR((size_t)N * C * S))
+    for (int j = 0; j < S; j++)
+        for (int n = 0; n < N; n++) {
             double a = 0.0;
-            for (int c = 0; c < C; c++) a += (double)w2[(size_t)c * S + j] * g2[c];
-            g1[j] = dtype_round(dt, dtype_round(dt, (float)a) * act_grad(act1, z1[j]));
+            for (int c = 0; c < C; c++) a += (double)w2[(size_t)c * S + j] * b.dz2[(size_t)n * C + c];
+            const size_t i = (size_t)n * S + j;
+            b.dz1[i] = dtype_round(dt, dtype_round(dt, (float)a) * act_grad(act1, b.z1[i]));
         }
-        if (dp.data)
-            for (int c = 0; c < C; c++) {
+    if (dp.data) {
+        #pragma omp parallel for schedule(static) if(PAR((size_t)N * C * S))
+        for (int c = 0; c < C; c++)
+            for (int n = 0; n < N; n++) {
                 double a = 0.0;
-                for (int j = 0; j < S; j++) a += (double)w1[(size_t)j * C + c] * g1[j];
+                for (int j = 0; j < S; j++) a += (double)w1[(size_t)j * C + c] * b.dz1[(size_t)n * S + j];
                 st_acc(dp, (size_t)n * C + c, (float)a, accumulate);
             }
     }
     if (dw1) {
-        outer_sums(dw2, db2, dz2, C, y1, S, N);
-        outer_sums(dw1, db1, dz1, S, pv, C, N);
+        outer_sums(dw2, db2, b.dz2, C, b.y1, S, N);
+        outer_sums(dw1, db1, b.dz1, S, b.pv, C, N);
     }
-    free(pv); free(dz2); free(y1); free(dz1); free(z1); free(z2);
+    free(b.pv);
 }
 
 static void act_forward_cpu(Ops *o, Act act, Tensor y, Tensor x) {
