@@ -2419,48 +2419,72 @@ static void resize_bilinear_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accu
 // taps in (ky, kx) order after the bias, like the CPU. Threads over (channel
 // lane, output pixel) as the pooling kernels: grid (channel tiles, column
 // blocks, output image rows); W channels per lane (1 generic, Vec<T>::N vector).
-template <class IO>
+// KS: the kernel size when it is known at compile time (3: EfficientNet's; 0:
+// read from cfg); then the loops unroll and a thread keeps its channels' taps
+// in registers (DepthwiseTaps) instead of loading them per output pixel.
+template <int KS, int W> struct DepthwiseTaps {
+    float v[KS ? KS * KS : 1][W];
+    __device__ DepthwiseTaps(const float *w, int c0, int taps) {
+        for (int q = 0; q < (KS ? KS * KS : 0); q++)
+            for (int k = 0; k < W; k++) v[q][k] = w[(c0 + k) * taps + q];
+    }
+    // channel c0 + k's tap q: from registers (KS), else from w
+    __device__ float at(const float *w, int c0, int taps, int q, int k) const {
+        return KS ? v[KS ? q : 0][k] : w[(c0 + k) * taps + q];
+    }
+};
+template <class IO, int KS>
 __global__ void depthwise_forward_kernel(IO y, Shape t, IO x, Shape s, const float *w, const float *b, ConvCfg cfg,
                                          int pt, int pl) {
     constexpr int W = IO::W;
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, taps = cfg.kh * cfg.kw;
+    const int kh = KS ? KS : cfg.kh, kw = KS ? KS : cfg.kw, taps = kh * kw;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
     if (c0 >= t.c) return;
+    const DepthwiseTaps<KS, W> tap(w, c0, taps);
     const ImageRow row = image_row(blockIdx.z, t.h);
     FOR_COLUMNS(ox, t.w) {
         float acc[W], v[W];
         for (int k = 0; k < W; k++) acc[k] = b ? b[c0 + k] : 0.0f;
-        for (int ky = 0; ky < cfg.kh; ky++) {
+#pragma unroll
+        for (int ky = 0; ky < kh; ky++) {
             const int iy = (int)row.y * cfg.stride - pt + ky;
             if (iy < 0 || iy >= s.h) continue;
-            for (int kx = 0; kx < cfg.kw; kx++) {
+#pragma unroll
+            for (int kx = 0; kx < kw; kx++) {
                 const int ix = ox * cfg.stride - pl + kx;
                 if (ix < 0 || ix >= s.w) continue;
                 x.load(nhwc_at(s, row.n, iy, ix, c0), v);
-                for (int k = 0; k < W; k++) acc[k] += v[k] * w[(c0 + k) * taps + ky * cfg.kw + kx];
+                for (int k = 0; k < W; k++) acc[k] += v[k] * tap.at(w, c0, taps, ky * kw + kx, k);
             }
         }
         y.store(nhwc_at(t, row.n, row.y, ox, c0), acc);
     }
 }
 // din[n,iy,ix,c] (=|+=) Σ_{ky,kx} dout[n,oy,ox,c]·w[c][ky][kx], oy = (iy + pt - ky)/s integral
-template <class IO>
+// KS as in the forward; ST: the stride when known at compile time (1 or 2: the
+// divisions by it are shifts), 0: cfg's
+template <class IO, int KS, int ST>
 __global__ void depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t, const float *w, ConvCfg cfg, int pt,
                                                int pl, int accumulate) {
     constexpr int W = IO::W;
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, taps = cfg.kh * cfg.kw, st = cfg.stride;
+    const int kh = KS ? KS : cfg.kh, kw = KS ? KS : cfg.kw, taps = kh * kw, st = ST ? ST : cfg.stride;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
     if (c0 >= s.c) return;
+    const DepthwiseTaps<KS, W> tap(w, c0, taps);
     const ImageRow row = image_row(blockIdx.z, s.h);
     FOR_COLUMNS(ix, s.w) {
         float acc[W], v[W];
         for (int k = 0; k < W; k++) acc[k] = 0.0f;
-        for (int ky = 0; ky < cfg.kh; ky++) {
+#pragma unroll
+        for (int ky = 0; ky < kh; ky++) {
             const int ty = (int)row.y + pt - ky;
             if (ty < 0 || ty % st || ty / st >= t.h) continue;
-            for (int kx = 0; kx < cfg.kw; kx++) {
+#pragma unroll
+            for (int kx = 0; kx < kw; kx++) {
                 const int tx = ix + pl - kx;
                 if (tx < 0 || tx % st || tx / st >= t.w) continue;
                 dout.load(nhwc_at(t, row.n, ty / st, tx / st, c0), v);
-                for (int k = 0; k < W; k++) acc[k] += v[k] * w[(c0 + k) * taps + ky * cfg.kw + kx];
+                for (int k = 0; k < W; k++) acc[k] += v[k] * tap.at(w, c0, taps, ky * kw + kx, k);
             }
         }
         const uint32_t i = nhwc_at(s, row.n, row.y, ix, c0);
@@ -2536,16 +2560,30 @@ static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Ten
                               const float *b) {
     if (!shape_numel(out.shape)) return;
     image_rows_launch(out, in, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
-        CU_LAUNCH(depthwise_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t, xio, s, w, b, *cfg,
-                  q->pt, q->pl);
+        typedef decltype(yio) IO;
+        if (cfg->kh == 3 && cfg->kw == 3)
+            CU_LAUNCH((depthwise_forward_kernel<IO, 3>), g.grid, g.block, 0, stream_of(o), yio, t, xio, s, w, b, *cfg,
+                      q->pt, q->pl);
+        else
+            CU_LAUNCH((depthwise_forward_kernel<IO, 0>), g.grid, g.block, 0, stream_of(o), yio, t, xio, s, w, b, *cfg,
+                      q->pt, q->pl);
     });
 }
 static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
                                     const float *w, int accumulate) {
     if (!shape_numel(din.shape)) return;
     image_rows_launch(din, dout, NO_TENSOR, [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
-        CU_LAUNCH(depthwise_backward_data_kernel<decltype(dxio)>, g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t, w,
-                  *cfg, q->pt, q->pl, accumulate);
+        typedef decltype(dxio) IO;
+        const bool k3 = cfg->kh == 3 && cfg->kw == 3;
+        if (k3 && cfg->stride == 1)
+            CU_LAUNCH((depthwise_backward_data_kernel<IO, 3, 1>), g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t, w,
+                      *cfg, q->pt, q->pl, accumulate);
+        else if (k3 && cfg->stride == 2)
+            CU_LAUNCH((depthwise_backward_data_kernel<IO, 3, 2>), g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t, w,
+                      *cfg, q->pt, q->pl, accumulate);
+        else
+            CU_LAUNCH((depthwise_backward_data_kernel<IO, 0, 0>), g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t, w,
+                      *cfg, q->pt, q->pl, accumulate);
     });
 }
 // partial (parts, C, taps) in the workspace, then dw += Σ_parts in part order, in one launch per 9 taps

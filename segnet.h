@@ -636,7 +636,7 @@ typedef struct {
     int weight, bias;          // parameter ids (-1: none); BN: gamma, beta; SE gate: fc1's
     int weight2, bias2;        // LAYER_SE_GATE: fc2's (else -1)
     int run_mean, run_var;     // BN running statistics: ids in the buffer table
-    ConvCfg conv;              // LAYER_CONV, LAYER_DENSE
+    ConvCfg conv;              // LAYER_CONV, LAYER_DENSE; LAYER_SE_GATE: fc1 (fc2 is its transpose)
     Act act;                   // LAYER_BN (fused), LAYER_ACT, LAYER_SE_GATE (after fc1)
     Act act2;                  // LAYER_SE_GATE: the gate's (after fc2)
     float eps;                 // LAYER_BN
