@@ -1321,25 +1321,23 @@ static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const f
 // squeeze-excitation's gate (the formulas are at se_gate_forward in segnet.h)
 //   per image: z1 = W1·p + b1, y1 = act1(z1), z2 = W2·y1 + b2, s = act2(z2)
 
-// every image's z1, y1 (N,S) and z2 (N,C) from pv (N,C), rounded to dt as stored
-// tensors would be; threads share the outputs, each a sum in a fixed order
+// z[n][a] = b[a] + Σ_k w[a][k]·x[n][k] for N images, rounded to dt: threads share
+// the outputs, each a sum in fp64 in k order
+static void affine_rows(DType dt, float *z, const float *w, const float *b, const float *x, int A, int K, int N) {
+    #pragma omp parallel for schedule(static) if(PAR((size_t)N * A * K))
+    for (int a = 0; a < A; a++)
+        for (int n = 0; n < N; n++) {
+            double t = b[a];
+            for (int k = 0; k < K; k++) t += (double)w[(size_t)a * K + k] * x[(size_t)n * K + k];
+            z[(size_t)n * A + a] = dtype_round(dt, (float)t);
+        }
+}
+// every image's z1, y1 (N,S) and z2 (N,C) from pv (N,C), rounded to dt as stored tensors would be
 static void se_gate_images(DType dt, int N, const float *pv, const float *w1, const float *b1, const float *w2,
                            const float *b2, int C, int S, Act act1, float *z1, float *y1, float *z2) {
-    #pragma omp parallel for schedule(static) if(PAR((size_t)N * C * S))
-    for (int j = 0; j < S; j++)
-        for (int n = 0; n < N; n++) {
-            double a = b1[j];
-            for (int c = 0; c < C; c++) a += (double)w1[(size_t)j * C + c] * pv[(size_t)n * C + c];
-            z1[(size_t)n * S + j] = dtype_round(dt, (float)a);
-            y1[(size_t)n * S + j] = dtype_round(dt, act_apply(act1, z1[(size_t)n * S + j]));
-        }
-    #pragma omp parallel for schedule(static) if(PAR((size_t)N * C * S))
-    for (int c = 0; c < C; c++)
-        for (int n = 0; n < N; n++) {
-            double a = b2[c];
-            for (int j = 0; j < S; j++) a += (double)w2[(size_t)c * S + j] * y1[(size_t)n * S + j];
-            z2[(size_t)n * C + c] = dtype_round(dt, (float)a);
-        }
+    affine_rows(dt, z1, w1, b1, pv, S, C, N);
+    for (size_t i = 0; i < (size_t)N * S; i++) y1[i] = dtype_round(dt, act_apply(act1, z1[i]));
+    affine_rows(dt, z2, w2, b2, y1, C, S, N);
 }
 // dw[a][b] += Σ_n dz[n][a]·v[n][b], db[a] += Σ_n dz[n][a] (fp64, images in order)
 static void outer_sums(float *dw, float *db, const float *dz, int A, const float *v, int B, int N) {
