@@ -74,8 +74,8 @@ static void launch_check(const char *op, const char *file, int line);
 // the backend's state and small helpers shared by the kernels
 
 // Partial sums of the deterministic reductions (sum_squares, softmax_xent): one
-// row of REDUCE_WIDTH doubles per block of the first pass, summed in block order
-// by the second.
+// row of REDUCE_WIDTH doubles per block, summed in block order by the block
+// that finishes last (reduce_finish).
 #define REDUCE_BLOCKS_MAX 1024
 #define REDUCE_WIDTH 3
 
@@ -488,10 +488,28 @@ static void axpby_cuda(Ops *o, Tensor y, Tensor x, float a, float b, int accumul
     map_op(o, tensor(y.data, x.shape, y.dtype), x, NO_TENSOR, accumulate, Axpb{a, b});
 }
 
-// ---- deterministic reductions: each block of the first pass sums a fixed set
-// of elements (grid-stride over a grid that depends only on n) in fp64 and
-// reduces them in a fixed tree; the second pass adds the blocks' partials in
-// block order. The same input gives the same bits on any GPU, run to run.
+// The last block pattern (CUDA Programming Guide, "Memory Fence Functions"):
+// every block of a group writes its partial results, fences them, and counts
+// itself in *count; true in every thread of the block that counts last, which
+// then adds the group's partials (in a fixed order, reading them past L1:
+// other SMs wrote them) and sets *count back to 0 for the next launch or
+// graph replay. Called by every thread of the block.
+static __device__ bool last_block(unsigned *count, unsigned blocks) {
+    __shared__ bool last;
+    __threadfence();  // this thread's partials are visible to every block before the count says so
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0) {
+        last = atomicAdd(count, 1u) == blocks - 1;
+        if (last) *count = 0;
+    }
+    __syncthreads();
+    return last;
+}
+
+// ---- deterministic reductions: each block sums a fixed set of elements
+// (grid-stride over a grid that depends only on n) in fp64 and reduces them in
+// a fixed tree; the last block to finish adds the blocks' partials in block
+// order. The same input gives the same bits on any GPU, run to run.
 
 static unsigned reduce_grid(size_t n) {
     size_t b = (n + BLOCK - 1) / BLOCK;
@@ -512,26 +530,31 @@ static __device__ void block_sum_tree(double *sh, int width) {
     }
 }
 
-// second pass, one block: out[j] (=|+=) (float)Σ_b partials[b, j] over the n_blocks rows
-__global__ void reduce_partials_kernel(const double *partials, int n_blocks, int width, float *out, int accumulate) {
-    __shared__ double sh[BLOCK * REDUCE_WIDTH];
-    for (int j = 0; j < width; j++) {
+// Where a reduction's sums go: each block's `width` sums (sh[0..width-1] after
+// block_sum_tree) into partials[block], then the last block adds them:
+// out[j] (=|+=) (float)Σ_b partials[b][j], thread t taking blocks t, t + BLOCK,
+// ..., then the same tree. Called by every thread of every block.
+struct ReduceOut { double *partials; unsigned *done; float *out; int width, accumulate; };
+static ReduceOut reduce_out(Ops *o, float *out, int width, int accumulate) {
+    return {ctx_of(o)->reduce_partials, ctx_of(o)->sums_done, out, width, accumulate};
+}
+static __device__ void reduce_finish(const ReduceOut &r, double *sh) {
+    if (threadIdx.x == 0)
+        for (int j = 0; j < r.width; j++) r.partials[blockIdx.x * REDUCE_WIDTH + j] = sh[j];
+    if (!last_block(r.done, gridDim.x)) return;
+    const volatile double *p = r.partials;
+    for (int j = 0; j < r.width; j++) {
         double s = 0.0;
-        for (int b = threadIdx.x; b < n_blocks; b += BLOCK) s += partials[b * REDUCE_WIDTH + j];
+        for (unsigned b = threadIdx.x; b < gridDim.x; b += BLOCK) s += p[b * REDUCE_WIDTH + j];
         sh[threadIdx.x * REDUCE_WIDTH + j] = s;
     }
-    block_sum_tree(sh, width);
+    block_sum_tree(sh, r.width);
     if (threadIdx.x == 0)
-        for (int j = 0; j < width; j++) out[j] = accumulate ? out[j] + (float)sh[j] : (float)sh[j];
-}
-static void reduce_partials(Ops *o, unsigned n_blocks, int width, float *out, int accumulate) {
-    CU_LAUNCH(reduce_partials_kernel, 1, BLOCK, 0, stream_of(o), ctx_of(o)->reduce_partials, (int)n_blocks, width,
-              out, accumulate);
-    launchCheck();
+        for (int j = 0; j < r.width; j++) r.out[j] = r.accumulate ? r.out[j] + (float)sh[j] : (float)sh[j];
 }
 
 // *out = Σ t², accumulated in fp64 (as on the CPU), rounded once to fp32
-__global__ void sum_squares_kernel(const void *t, DType dt, size_t n, double *partials) {
+__global__ void sum_squares_kernel(const void *t, DType dt, size_t n, ReduceOut r) {
     __shared__ double sh[BLOCK * REDUCE_WIDTH];
     double s = 0.0;
     FOR_CHUNKS(n, base, m) {
@@ -543,9 +566,9 @@ __global__ void sum_squares_kernel(const void *t, DType dt, size_t n, double *pa
     }
     sh[threadIdx.x * REDUCE_WIDTH] = s;
     block_sum_tree(sh, 1);
-    if (threadIdx.x == 0) partials[blockIdx.x * REDUCE_WIDTH] = sh[0];
+    reduce_finish(r, sh);
 }
-template <class T> __global__ void sum_squares_vec_kernel(const T *t, size_t n_vec, double *partials) {
+template <class T> __global__ void sum_squares_vec_kernel(const T *t, size_t n_vec, ReduceOut r) {
     __shared__ double sh[BLOCK * REDUCE_WIDTH];
     constexpr int N = Vec<T>::N;
     double s = 0.0;
@@ -560,24 +583,20 @@ template <class T> __global__ void sum_squares_vec_kernel(const T *t, size_t n_v
     }
     sh[threadIdx.x * REDUCE_WIDTH] = s;
     block_sum_tree(sh, 1);
-    if (threadIdx.x == 0) partials[blockIdx.x * REDUCE_WIDTH] = sh[0];
+    reduce_finish(r, sh);
 }
 static void sum_squares_cuda(Ops *o, Tensor t, float *out) {
     size_t n = shape_numel(t.shape);
-    double *partials = ctx_of(o)->reduce_partials;
-    unsigned grid = 1;
+    const ReduceOut r = reduce_out(o, out, 1, 0);
     if (vec_ok({t.dtype}, n, {t.data})) {
         SWITCH_STORAGE(t.dtype, T, {
-            grid = reduce_grid(n / Vec<T>::N);
-            CU_LAUNCH(sum_squares_vec_kernel<T>, grid, BLOCK, 0, stream_of(o), (const T *)t.data, n / Vec<T>::N,
-                      partials);
+            CU_LAUNCH(sum_squares_vec_kernel<T>, reduce_grid(n / Vec<T>::N), BLOCK, 0, stream_of(o), (const T *)t.data,
+                      n / Vec<T>::N, r);
         });
     } else {
-        grid = reduce_grid(n);
-        CU_LAUNCH(sum_squares_kernel, grid, BLOCK, 0, stream_of(o), t.data, t.dtype, n, partials);
+        CU_LAUNCH(sum_squares_kernel, reduce_grid(n), BLOCK, 0, stream_of(o), t.data, t.dtype, n, r);
     }
     launchCheck();
-    reduce_partials(o, grid, 1, out, 0);
 }
 
 // *flag = 1 if any element is inf or NaN; untouched otherwise (so one flag can
@@ -618,11 +637,11 @@ static void nonfinite_cuda(Ops *o, Tensor t, int32_t *flag) {
 // CPU op: p = softmax(z) with the max subtracted, nll = log Σ_k exp(z_k - max) + max - z_y,
 // loss += w[y]·nll, wsum += w[y], dz_k = w[y]·(p_k - [k = y])·grad_scale.
 // One thread per row (K is small for segmentation); the per-row arithmetic is
-// fp32, the sums over rows fp64 through the deterministic two-pass reduction.
+// fp32, the sums over rows fp64 through the deterministic reduction (reduce_finish).
 
 __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t *labels, const float *class_weights,
                                     int K, size_t rows, const float *grad_scale, void *dlogits, DType dt_grad,
-                                    double *partials) {
+                                    ReduceOut r) {
     __shared__ double sh[BLOCK * REDUCE_WIDTH];
     const float scale = dlogits ? *grad_scale : 0.0f;
     double loss = 0.0, wsum = 0.0, invalid = 0.0;
@@ -651,8 +670,7 @@ __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t 
     sh[threadIdx.x * REDUCE_WIDTH + 1] = wsum;
     sh[threadIdx.x * REDUCE_WIDTH + 2] = invalid;
     block_sum_tree(sh, 3);
-    if (threadIdx.x == 0)
-        for (int j = 0; j < 3; j++) partials[blockIdx.x * REDUCE_WIDTH + j] = sh[j];
+    reduce_finish(r, sh);
 }
 // logits (N,H,W,K), labels (N·H·W), class_weights (K); stats[0..2] += Σ w·nll, Σ w, invalid labels
 static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
@@ -661,9 +679,8 @@ static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels, cons
     const size_t rows = shape_numel(logits.shape) / K;
     unsigned grid = reduce_grid(rows);
     CU_LAUNCH(softmax_xent_kernel, grid, BLOCK, 0, stream_of(o), logits.data, logits.dtype, labels, class_weights, K,
-              rows, grad_scale, dlogits.data, dlogits.dtype, ctx_of(o)->reduce_partials);
+              rows, grad_scale, dlogits.data, dlogits.dtype, reduce_out(o, stats, 3, 1));
     launchCheck();
-    reduce_partials(o, grid, 3, stats, 1);
 }
 
 // confusion[y·K + argmax_k z_k] += 1 for labels in 0..K-1, ties to the lowest
@@ -791,7 +808,7 @@ static void step_control_cuda(Ops *o, const StepArgs *a, StepState *s, StepPhase
 //     col2im is a gather: each input element sums the dcol entries that read it
 //     in (ky, kx) order and is written once (deterministic, no atomics).
 //   depthwise: direct kernels with threads along C; the weight gradient is a
-//     two-pass fixed-order reduction over N·OH·OW.
+//     fixed-order reduction over N·OH·OW (parts, added by the last block).
 // cuBLAS is column-major: a row-major (R×C) matrix with leading dimension ld is
 // the column-major (C×R) matrix with the same ld, so every product above is
 // issued transposed, Cᵀ = op(B)ᵀ·op(A)ᵀ (see each call).
@@ -1202,24 +1219,6 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
 // Counters of finished chunks, one per (channel tile, group) of a launch with
 // more than one chunk; a launch with more tiles × groups runs one chunk.
 #define SUMS_COUNTERS ((size_t)1 << 15)
-
-// The last block pattern (CUDA Programming Guide, "Memory Fence Functions"):
-// every block of a group writes its partial results, fences them, and counts
-// itself in *count; true in every thread of the block that counts last, which
-// then adds the group's partials (in a fixed order, reading them past L1:
-// other SMs wrote them) and sets *count back to 0 for the next launch or
-// graph replay. Called by every thread of the block.
-static __device__ bool last_block(unsigned *count, unsigned blocks) {
-    __shared__ bool last;
-    __threadfence();  // this thread's partials are visible to every block before the count says so
-    __syncthreads();
-    if (threadIdx.x == 0 && threadIdx.y == 0) {
-        last = atomicAdd(count, 1u) == blocks - 1;
-        if (last) *count = 0;
-    }
-    __syncthreads();
-    return last;
-}
 
 // a thread's rows of its chunk: r0 + lane, + TY, ... < r1
 struct RowChunk { uint32_t r0, r1; };
