@@ -308,6 +308,15 @@ template <class L> static void for_row_launches(size_t rows, int C, L launch) {
     if (per < 1) per = 1;
     for (size_t r0 = 0; r0 < rows; r0 += per) launch(r0, rows - r0 < per ? rows - r0 : per);
 }
+// io[i..i+W) (=|+=) v: the old value plus v when accumulating (the CPU's st_acc)
+template <class IO> static __device__ void store_acc(const IO &io, uint32_t i, float *v, int accumulate) {
+    if (accumulate) {
+        float old[IO::W];
+        io.load(i, old);
+        for (int k = 0; k < IO::W; k++) v[k] = old[k] + v[k];
+    }
+    io.store(i, v);
+}
 #define FOR_ROWS(r, rows) \
     for (uint32_t r = blockIdx.y * blockDim.y + threadIdx.y; r < (uint32_t)(rows); r += blockDim.y * gridDim.y)
 
@@ -2259,7 +2268,7 @@ __global__ void maxpool2_backward_kernel(IO dx, Shape s, IO dy, Shape t, IO x, i
     const int iy = row.y, oy = iy / 2;
     FOR_COLUMNS(ix, s.w) {
         const int ox = ix / 2, mine = (iy - 2 * oy) * 2 + (ix - 2 * ox);
-        float g[W], old[W];
+        float g[W];
         for (int k = 0; k < W; k++) g[k] = 0.0f;
         if (oy < t.h && ox < t.w) {
             float m[W], v[W], d[W];
@@ -2274,12 +2283,7 @@ __global__ void maxpool2_backward_kernel(IO dx, Shape s, IO dy, Shape t, IO x, i
             for (int k = 0; k < W; k++)
                 if (first[k] == mine) g[k] = d[k];
         }
-        const uint32_t i = nhwc_at(s, row.n, iy, ix, c0);
-        if (accumulate) {
-            dx.load(i, old);
-            for (int k = 0; k < W; k++) g[k] = old[k] + g[k];
-        }
-        dx.store(i, g);
+        store_acc(dx, nhwc_at(s, row.n, iy, ix, c0), g, accumulate);
     }
 }
 static void maxpool2_backward_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, int accumulate) {
@@ -2324,12 +2328,7 @@ __global__ void upsample2_backward_kernel(IO dx, Shape s, IO dy, Shape t, int ac
             dy.load(nhwc_at(t, row.n, 2 * row.y + q / 2, 2 * ix + q % 2, c0), v);
             for (int k = 0; k < W; k++) g[k] += v[k];
         }
-        const uint32_t i = nhwc_at(s, row.n, row.y, ix, c0);
-        if (accumulate) {
-            dx.load(i, v);
-            for (int k = 0; k < W; k++) g[k] = v[k] + g[k];
-        }
-        dx.store(i, g);
+        store_acc(dx, nhwc_at(s, row.n, row.y, ix, c0), g, accumulate);
     }
 }
 static void upsample2_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
@@ -2397,12 +2396,7 @@ __global__ void resize_bilinear_backward_kernel(IO dx, Shape s, IO dy, Shape t, 
                 for (int k = 0; k < W; k++) g[k] += wy * wx * v[k];
             }
         }
-        const uint32_t i = nhwc_at(s, row.n, iy, ix, c0);
-        if (accumulate) {
-            dx.load(i, v);
-            for (int k = 0; k < W; k++) g[k] = v[k] + g[k];
-        }
-        dx.store(i, g);
+        store_acc(dx, nhwc_at(s, row.n, iy, ix, c0), g, accumulate);
     }
 }
 static void resize_bilinear_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
@@ -2486,12 +2480,7 @@ __global__ void depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t
                 for (int k = 0; k < W; k++) acc[k] += v[k] * tap.at(w, c0, taps, ky * kw + kx, k);
             }
         }
-        const uint32_t i = nhwc_at(s, row.n, row.y, ix, c0);
-        if (accumulate) {
-            din.load(i, v);
-            for (int k = 0; k < W; k++) acc[k] = v[k] + acc[k];
-        }
-        din.store(i, acc);
+        store_acc(din, nhwc_at(s, row.n, row.y, ix, c0), acc, accumulate);
     }
 }
 // Pass 1 of dw[c][ky][kx] += Σ_{n,oy,ox} dout[n,oy,ox,c]·x[n, oy·s - pt + ky, ox·s - pl + kx, c]:
