@@ -66,6 +66,34 @@ void bad_kernel_arg(const char* kernel, int idx, const void* p);
 // check (the alignment check stays).
 void check_vector_access(const void* p, size_t bytes);
 
+// Tensor-core and asynchronous-copy instructions of sm_80+, as kernels.cu's
+// wrappers spell them (kernels.cu: "tensor-core tiles"). The fragment layouts
+// are those the PTX ISA documents for mma.m16n8k16 with .f16/.bf16 inputs
+// and ldmatrix .m8n8 .b16; cuemu_selftest checks them against its own copy of
+// the tables. Warp-collective: every lane of a full warp (32 live threads)
+// takes part, else fatal.
+//   mma_m16n8k16: D (16×8, fp32) = A (16×16, row) · B (16×8, col) + C, each
+//     product exact in fp32 and added into C's element in k order, rounding
+//     each addition (an fp32 dot product; hardware orders and rounds inside
+//     its adder tree, within the same bound).
+//   ldmatrix: `num` (1, 2, 4) 8×8 matrices of 16-bit elements, matrix i's
+//     rows at the addresses of lanes 8i..8i+7 (16-byte aligned, in the
+//     block's dynamic shared memory); register i of lane l holds row l/4,
+//     columns 2(l%4), 2(l%4)+1 (trans: the transposed matrix).
+//   cp_async16: 16 bytes from global memory to the block's dynamic shared
+//     memory, src_bytes (0..16) of them read, the rest zero. The destination
+//     holds 0xff bytes (NaN) from the call until the calling thread's
+//     cp_async_wait completes its group, so a read before the wait (or
+//     before the barrier that follows it) sees NaN. cp_async_commit closes
+//     the thread's group; cp_async_wait(n) completes all but its n newest
+//     committed groups.
+enum MmaType { MMA_F16, MMA_BF16 };
+void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4], MmaType t);
+void ldmatrix(uint32_t* r, int num, const void* row, bool trans);
+void cp_async16(void* dst, const void* src, int src_bytes);
+void cp_async_commit();
+void cp_async_wait(int newest_pending);
+
 template <class T> void check_arg(const char* k, int i, const T& a) {
   if constexpr (std::is_pointer_v<T>)
     if (a && !is_device_ptr((const void*)a)) bad_kernel_arg(k, i, (const void*)a);
