@@ -72,10 +72,10 @@ void check_vector_access(const void* p, size_t bytes);
 // and ldmatrix .m8n8 .b16; cuemu_selftest checks them against its own copy of
 // the tables. Warp-collective: every lane of a full warp (32 live threads)
 // takes part, else fatal.
-//   mma_m16n8k16: D (16×8, fp32) = A (16×16, row) · B (16×8, col) + C, each
-//     product exact in fp32 and added into C's element in k order, rounding
-//     each addition (an fp32 dot product; hardware orders and rounds inside
-//     its adder tree, within the same bound).
+//   mma_m16n8k16: D (16×8, fp32) = A (16×16, row) · B (16×8, col) + C: the 16
+//     products (exact in fp32) summed in k order in fp32, then added to C's
+//     element (an fp32 dot product of 17 terms; hardware orders and rounds
+//     inside its adder tree, within the same bound).
 //   ldmatrix: `num` (1, 2, 4) 8×8 matrices of 16-bit elements, matrix i's
 //     rows at the addresses of lanes 8i..8i+7 (16-byte aligned, in the
 //     block's dynamic shared memory); register i of lane l holds row l/4,

@@ -99,6 +99,7 @@ struct CudaCtx {
     cudaEvent_t compute_done, comm_done;
     void *blas_workspace;  // (CUBLAS_WORKSPACE_BYTES) cuBLAS's, given with cublasSetWorkspace
     bool sync_each;        // SEGNET_CUDA_SYNC: synchronise and check after every launch
+    int sm_major;          // compute capability (major): the tensor-core kernels need 8 or more
 };
 static thread_local CudaCtx *ctx_current;  // the last table entered on this thread (launch_check's)
 static CudaCtx *ctx_of(Ops *o) {
@@ -854,6 +855,7 @@ typedef struct {
     ConvGeom q;
     int G, GK;             // groups; columns of an im2col row, G·K = kh·kw·Cin
     int pointwise, depthwise;
+    int implicit;          // forward by the implicit-GEMM kernel (no columns)
     DType dt;
     int fwd_rows;          // output rows (n,oy) per forward / backward-weight chunk
     int bwd_rows;          // input rows (n,iy) per backward-data chunk
@@ -900,7 +902,8 @@ static void conv_fail(const char *what, const ConvCfg *cfg, Shape in) {
     exit(1);
 }
 
-static ConvPlan conv_plan(const ConvCfg *cfg, Shape in, DType dt) {
+static bool conv_takes_implicit(Ops *o, const ConvCfg *cfg, DType dt);
+static ConvPlan conv_plan(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
     ConvPlan p;
     memset(&p, 0, sizeof p);
     if (!conv_geom_of(cfg, in, &p.q)) conv_fail("conv2d (input does not fit)", cfg, in);
@@ -908,6 +911,7 @@ static ConvPlan conv_plan(const ConvCfg *cfg, Shape in, DType dt) {
     const size_t es = dtype_size(dt), cap = cuda_conv_chunk_bytes;
     p.G = cfg->groups; p.GK = cfg->groups * q->K; p.dt = dt;
     p.pointwise = conv_is_pointwise(cfg); p.depthwise = conv_is_depthwise(cfg);
+    p.implicit = conv_takes_implicit(o, cfg, dt);
     size_t M = (size_t)q->N * q->P;
     p.parts = (int)((M + REDUCE_ROWS - 1) / REDUCE_ROWS);
     if (p.parts > REDUCE_PARTS_MAX) p.parts = REDUCE_PARTS_MAX;
@@ -940,6 +944,7 @@ static ConvPlan conv_plan(const ConvCfg *cfg, Shape in, DType dt) {
 }
 // the workspace parts of each op (bytes from ws); conv2d_workspace is their maximum
 static size_t ws_forward(const ConvPlan *p) {
+    if (p->implicit) return p->wcast;
     size_t col = p->fwd_rows * p->col_row, rows32 = p->fwd_rows * p->rows32_row;
     if (rows32) col = align_up(col) + rows32;
     return col ? align_up(p->wcast) + col : p->wcast;
@@ -954,8 +959,7 @@ static size_t ws_backward_weight(const ConvPlan *p) {
 }
 
 static size_t conv2d_workspace_cuda(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
-    (void)o;
-    ConvPlan p = conv_plan(cfg, in, dt);
+    ConvPlan p = conv_plan(o, cfg, in, dt);
     if (p.depthwise) return p.reduce;
     size_t f = ws_forward(&p), d = ws_backward_data(&p), w = ws_backward_weight(&p);
     return f > d ? (f > w ? f : w) : (d > w ? d : w);
@@ -1057,6 +1061,239 @@ static void bias_rows(Ops *o, void *y, DType dt, const float *rows32, const floa
 
 static size_t rows_per_part(size_t M, int parts) { return (M + parts - 1) / parts; }
 
+// ----------------------------------------------------------------------------
+// tensor-core instructions (sm_80 and later), one wrapper each: inline PTX on
+// GPUs, the emulator's model of the same instruction here (cuda_emu.h states
+// the fragment layouts, from the PTX ISA, and cuemu_selftest checks them)
+
+template <class T> struct IsBF16 { static constexpr bool value = false; };
+template <> struct IsBF16<BF16> { static constexpr bool value = true; };
+
+// d (16×8 fp32) += a (16×16) · b (16×8), operands of 16-bit type T in registers
+template <class T> static __device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+#if defined(__CUDACC__)
+#if __CUDA_ARCH__ >= 800
+    if (IsBF16<T>::value)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // the host never launches these kernels below compute capability 8.0
+#endif
+#else
+    cuemu::mma_m16n8k16(d, a, b, d, IsBF16<T>::value ? cuemu::MMA_BF16 : cuemu::MMA_F16);
+#endif
+}
+// four 8×8 matrices of 16-bit elements from shared memory, matrix i's rows at
+// the addresses of lanes 8i..8i+7
+static __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void *row) {
+#if defined(__CUDACC__)
+#if __CUDA_ARCH__ >= 800
+    const unsigned a = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#else
+    __trap();
+#endif
+#else
+    cuemu::ldmatrix(r, 4, row, false);
+#endif
+}
+// 16 bytes global -> shared without passing through registers; src_bytes 0
+// (a pixel of the padding, a row past the end) stores 16 zero bytes
+static __device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes) {
+#if defined(__CUDACC__)
+#if __CUDA_ARCH__ >= 800
+    const unsigned a = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(src_bytes) : "memory");
+#else
+    __trap();
+#endif
+#else
+    cuemu::cp_async16(dst, src, src_bytes);
+#endif
+}
+static __device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDACC__)
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+#else
+    cuemu::cp_async_commit();
+#endif
+}
+// waits until at most `pending` of this thread's newest committed groups are in flight
+template <int pending> static __device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDACC__)
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory");
+#endif
+#else
+    cuemu::cp_async_wait(pending);
+#endif
+}
+
+// ----------------------------------------------------------------------------
+// implicit-GEMM convolution (forward), fp16/bf16 on tensor cores
+//
+// The GEMM of the im2col lowering above, per group g,
+//   out[p][g·Coutg + co] = Σ_k col[p][k] · W[g·Coutg + co][k] (+ b),  k = (ky, kx, ci), K = kh·kw·Cg,
+// with col[p][k] = x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci] (0 outside) read
+// straight from x into shared memory: no column buffer. Replaces im2col +
+// cublasGemmEx for 16-bit k×k convs (the reference path, SEGNET_CONV=gemm).
+//
+// Tiling: a block of 4 warps computes IG_BM output pixels × IG_BN output
+// channels of one group; warp w the 64×32 sub-tile at pixels 64·(w%2),
+// channels 32·(w/2), as 4×4 mma.m16n8k16 tiles with fp32 accumulators in
+// registers. K is walked IG_BK at a time through IG_STAGES shared-memory
+// buffers filled by cp.async while the tensor cores work on an earlier one.
+//   Loading: thread t fills 16-byte chunk t%4 (8 consecutive k) of tile rows
+//   t/4 + 32i: each thread decodes its pixels (n, oy, ox) once, and walks its
+//   k = (ky, kx, ci) by adding IG_BK (no division in the loop). A chunk is 8
+//   channels of one tap when Cg is a multiple of 8 (one cp.async, zero-filled
+//   outside the image); otherwise (the stem's 3 channels) 8 scalar loads.
+//   Shared memory rows are IG_BK = 32 elements (64 bytes); chunk c of row r
+//   is stored at chunk c ^ ((r/2) % 4), so the 8 rows one ldmatrix reads lie
+//   in 8 different 16-byte bank groups (no bank conflicts).
+//   Fragments: ldmatrix.x4 gives an mma's A operand (16 pixels × 16 k) or the
+//   B operands of two 8-channel tiles (W's rows are k-contiguous: the "col"
+//   layout mma wants).
+// Epilogue: acc + b, rounded once to the storage type (as the CPU op).
+// Accumulation is fp32 in an order fixed by the tile shapes: deterministic.
+
+#define IG_BM 128
+#define IG_BN 64
+#define IG_BK 32
+#define IG_STAGES 3
+#define IG_THREADS 128
+#define IG_STAGE_ELEMS ((IG_BM + IG_BN) * IG_BK)
+#define IG_SMEM_BYTES (IG_STAGES * IG_STAGE_ELEMS * 2)
+
+struct ImplicitConvArgs {
+    int H, W, C, Cout, Cg, Coutg, K, kw, stride, pt, pl;
+    uint32_t M;                 // output pixels N·OH·OW
+    FastDiv OW, OH;
+};
+// element offset of (row, 8-element chunk) in a swizzled tile of IG_BK-element rows
+static __device__ __forceinline__ int ig_swizzle(int row, int chunk) {
+    return row * IG_BK + ((chunk ^ ((row >> 1) & 3)) << 3);
+}
+// a thread's position in K: k = (ky·kw + kx)·Cg + ci
+struct TapWalk {
+    int k, ky, kx, ci;
+    __device__ void advance(int by, const ImplicitConvArgs &a) {
+        k += by; ci += by;
+        while (ci >= a.Cg) { ci -= a.Cg; if (++kx == a.kw) { kx = 0; ++ky; } }
+    }
+};
+
+template <class T, bool VEC>
+__global__ void __launch_bounds__(IG_THREADS) conv_implicit_kernel(T *y, const T *x, const T *w, const float *bias,
+                                                                   ImplicitConvArgs a) {
+    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BM rows, B: IG_BN rows) of IG_BK elements
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = blockIdx.z, m0 = blockIdx.x * IG_BM, n0 = blockIdx.y * IG_BN;
+    const int chunk = tid & 3, row0 = tid >> 2;
+
+    // this thread's 4 pixels: x's offset of (n, 0, 0, g·Cg) and the top-left input tap
+    int pix_base[4], pix_iy[4], pix_ix[4];
+    for (int i = 0; i < 4; i++) {
+        const uint32_t m = (uint32_t)(m0 + row0 + 32 * i);
+        const uint32_t t = fastdiv(a.OW, m), ox = m - t * a.OW.d, n = fastdiv(a.OH, t), oy = t - n * a.OH.d;
+        pix_base[i] = (int)n * a.H * a.W * a.C + g * a.Cg;
+        pix_iy[i] = m < a.M ? (int)oy * a.stride - a.pt : INT_MIN / 2;  // rows past M: always outside
+        pix_ix[i] = (int)ox * a.stride - a.pl;
+    }
+    TapWalk walk = {0, 0, 0, 0};
+    walk.advance(chunk * 8, a);
+    const T *wg = w + (size_t)g * a.Coutg * a.K;
+
+    auto load_stage = [&](int buf) {
+        T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
+        if (VEC) {
+            const bool k_in = walk.k < a.K;
+            for (int i = 0; i < 4; i++) {
+                const int iy = pix_iy[i] + walk.ky, ix = pix_ix[i] + walk.kx;
+                const bool in = k_in && (unsigned)iy < (unsigned)a.H && (unsigned)ix < (unsigned)a.W;
+                const T *src = in ? x + pix_base[i] + (iy * a.W + ix) * a.C + walk.ci : x;
+                cp_async16(As + ig_swizzle(row0 + 32 * i, chunk), src, in ? 16 : 0);
+            }
+            for (int j = 0; j < 2; j++) {
+                const int co = n0 + row0 + 32 * j;
+                const bool in = k_in && co < a.Coutg;
+                cp_async16(Bs + ig_swizzle(row0 + 32 * j, chunk), in ? wg + co * a.K + walk.k : w, in ? 16 : 0);
+            }
+        } else {
+            TapWalk e = walk;
+            for (int q = 0; q < 8; q++, e.advance(1, a)) {
+                const bool k_in = e.k < a.K;
+                for (int i = 0; i < 4; i++) {
+                    const int iy = pix_iy[i] + e.ky, ix = pix_ix[i] + e.kx;
+                    const bool in = k_in && (unsigned)iy < (unsigned)a.H && (unsigned)ix < (unsigned)a.W;
+                    As[ig_swizzle(row0 + 32 * i, chunk) + q] = in ? x[pix_base[i] + (iy * a.W + ix) * a.C + e.ci] : T{0};
+                }
+                for (int j = 0; j < 2; j++) {
+                    const int co = n0 + row0 + 32 * j;
+                    Bs[ig_swizzle(row0 + 32 * j, chunk) + q] = k_in && co < a.Coutg ? wg[co * a.K + e.k] : T{0};
+                }
+            }
+        }
+        walk.advance(IG_BK, a);
+    };
+
+    float acc[4][4][4];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++)
+            for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;
+    const int k_tiles = (a.K + IG_BK - 1) / IG_BK;
+    for (int s = 0; s < IG_STAGES - 1; s++) {  // one commit per stage, loaded or not: the group count stays fixed
+        if (s < k_tiles) load_stage(s);
+        cp_async_commit();
+    }
+    const int wm = (warp & 1) * 64, wn = (warp >> 1) * 32;
+    for (int kt = 0; kt < k_tiles; kt++) {
+        cp_async_wait<IG_STAGES - 2>();  // this thread's copies of tile kt are in...
+        __syncthreads();                  // ...and everybody's; tile kt-1's buffer is free
+        if (kt + IG_STAGES - 1 < k_tiles) load_stage((kt + IG_STAGES - 1) % IG_STAGES);
+        cp_async_commit();
+        const T *As = smem + (kt % IG_STAGES) * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
+        for (int ks = 0; ks < IG_BK / 16; ks++) {
+            uint32_t af[4][4], bf[4][2];
+            for (int i = 0; i < 4; i++)  // matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15): a0..a3
+                ldmatrix_x4(af[i], As + ig_swizzle(wm + 16 * i + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * ks + (lane >> 4)));
+            for (int j = 0; j < 2; j++) {  // matrices (channels 0-7 | 8-15) × (k 0-7 | 8-15): b0, b1 of two tiles
+                uint32_t r[4];
+                ldmatrix_x4(r, Bs + ig_swizzle(wn + 16 * j + (lane & 7) + (lane >> 4) * 8, 2 * ks + ((lane >> 3) & 1)));
+                bf[2 * j][0] = r[0]; bf[2 * j][1] = r[1]; bf[2 * j + 1][0] = r[2]; bf[2 * j + 1][1] = r[3];
+            }
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++) mma_16816<T>(acc[i][j], af[i], bf[j]);
+        }
+    }
+    cp_async_wait<0>();
+
+    // accumulator r of tile (i, j): pixel +gid (+8 for r ≥ 2), channel 2·tig + r%2
+    const int gid = lane >> 2, tig = lane & 3;
+    for (int i = 0; i < 4; i++)
+        for (int h = 0; h < 2; h++) {
+            const uint32_t m = (uint32_t)(m0 + wm + 16 * i + gid + 8 * h);
+            if (m >= a.M) continue;
+            for (int j = 0; j < 4; j++)
+                for (int e = 0; e < 2; e++) {
+                    const int co = n0 + wn + 8 * j + 2 * tig + e;
+                    if (co >= a.Coutg) continue;
+                    const int c = g * a.Coutg + co;
+                    y[m * (uint32_t)a.Cout + c] = from_f32<T>(bias ? acc[i][j][2 * h + e] + bias[c] : acc[i][j][2 * h + e]);
+                }
+        }
+}
+
 static void conv_check_out(const char *what, const ConvGeom *q, Shape out, const ConvCfg *cfg, Shape in) {
     if (out.n != q->N || out.h != q->OH || out.w != q->OW || out.c != q->Cout) conv_fail(what, cfg, in);
 }
@@ -1071,9 +1308,39 @@ static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *
 static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
                                       int parts, float *partial);
 
+int cuda_conv_implicit = 1;  // declared in segnet.h
+
+// whether a conv takes the implicit-GEMM kernels: 16-bit k×k (not depthwise) on sm_80+
+static bool conv_takes_implicit(Ops *o, const ConvCfg *cfg, DType dt) {
+    return cuda_conv_implicit && dt != DT_F32 && !conv_is_pointwise(cfg) && !conv_is_depthwise(cfg) &&
+           ctx_of(o)->sm_major >= 8;
+}
+static ImplicitConvArgs implicit_args(const ConvCfg *cfg, const ConvGeom *q) {
+    ImplicitConvArgs a;
+    a.H = q->H; a.W = q->W; a.C = q->C; a.Cout = q->Cout; a.Cg = q->Cg; a.Coutg = q->Coutg; a.K = q->K;
+    a.kw = cfg->kw; a.stride = cfg->stride; a.pt = q->pt; a.pl = q->pl;
+    a.M = (uint32_t)(q->N * q->P); a.OW = fastdiv_make(q->OW); a.OH = fastdiv_make(q->OH);
+    return a;
+}
+static void conv_implicit_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const void *wt,
+                                  const float *b) {
+    require_below(shape_numel(in.shape), (size_t)1 << 31, "implicit-GEMM conv input elements");
+    require_below(shape_numel(out.shape), (size_t)1 << 31, "implicit-GEMM conv output elements");
+    const ImplicitConvArgs a = implicit_args(cfg, q);
+    const dim3 grid((a.M + IG_BM - 1) / IG_BM, (q->Coutg + IG_BN - 1) / IG_BN, cfg->groups);
+    const bool vec = cuda_vector_kernels && q->Cg % 8 == 0 && (uintptr_t)in.data % VEC_BYTES == 0 && (uintptr_t)wt % VEC_BYTES == 0;
+    SWITCH_STORAGE(in.dtype, T, {
+        if (vec) CU_LAUNCH((conv_implicit_kernel<T, true>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)out.data,
+                           (const T *)in.data, (const T *)wt, b, a);
+        else CU_LAUNCH((conv_implicit_kernel<T, false>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)out.data,
+                       (const T *)in.data, (const T *)wt, b, a);
+    });
+    launchCheck();
+}
+
 static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in, const float *w,
                                 const void *w_cast, const float *b, void *ws) {
-    ConvPlan p = conv_plan(cfg, in.shape, in.dtype);
+    ConvPlan p = conv_plan(o, cfg, in.shape, in.dtype);
     const ConvGeom *q = &p.q;
     conv_check_out("conv2d_forward (out shape)", q, out.shape, cfg, in.shape);
     if (p.depthwise) {
@@ -1088,6 +1355,10 @@ static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor i
         const Shape ws_shape = shape4(1, 1, q->Cout, q->K);  // the weights, rounded to the storage type
         copy_cuda(o, tensor(ws, ws_shape, dt), tensor_f32((float *)w, ws_shape), 0);
         wt = ws;
+    }
+    if (p.implicit) {
+        conv_implicit_forward(o, cfg, q, out, in, wt, b);
+        return;
     }
     void *col = (char *)ws + align_up(p.wcast);                              // (rows·OW, G·K)
     float *rows32 = (float *)((char *)col + align_up(p.fwd_rows * p.col_row));  // (rows·OW, Cout)
@@ -1117,7 +1388,7 @@ static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor i
 static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout, const float *w,
                                       const void *w_cast, int accumulate, void *ws) {
     if (!din.data) return;
-    ConvPlan p = conv_plan(cfg, din.shape, din.dtype);
+    ConvPlan p = conv_plan(o, cfg, din.shape, din.dtype);
     const ConvGeom *q = &p.q;
     conv_check_out("conv2d_backward_data (dout shape)", q, dout.shape, cfg, din.shape);
     if (p.depthwise) {
@@ -1163,7 +1434,7 @@ static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Te
 
 static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, float *db, Tensor dout, Tensor in,
                                         void *ws) {
-    ConvPlan p = conv_plan(cfg, in.shape, in.dtype);
+    ConvPlan p = conv_plan(o, cfg, in.shape, in.dtype);
     const ConvGeom *q = &p.q;
     conv_check_out("conv2d_backward_weight (dout shape)", q, dout.shape, cfg, in.shape);
     if (db && !cfg->has_bias && !p.depthwise)
@@ -2719,6 +2990,9 @@ static int ctx_open(CudaCtx *ctx, int device, char *err) {
     cublasCheck(cublasSetStream(ctx->blas, ctx->stream));
     const char *sync = getenv("SEGNET_CUDA_SYNC");
     ctx->sync_each = sync && *sync && strcmp(sync, "0");
+    cudaCheck(cudaDeviceGetAttribute(&ctx->sm_major, cudaDevAttrComputeCapabilityMajor, device));
+    const char *conv = getenv("SEGNET_CONV");
+    if (conv && !strcmp(conv, "gemm")) cuda_conv_implicit = 0;
     cudaCheck(cudaMalloc((void **)&ctx->reduce_partials, sizeof(double) * REDUCE_BLOCKS_MAX * REDUCE_WIDTH));
     if ((e = cudaMalloc(&ctx->sums, SUMS_SCRATCH * sizeof(double))) != cudaSuccess ||
         (e = cudaMalloc(&ctx->sums_done, SUMS_COUNTERS * sizeof(unsigned))) != cudaSuccess ||

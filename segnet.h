@@ -574,6 +574,11 @@ extern size_t cuda_conv_chunk_bytes;
 // 1 (default): ops take their 16-byte vector kernels where they apply; 0: the
 // generic kernels only (the tests run both)
 extern int cuda_vector_kernels;
+// 1 (default): k×k convs in fp16/bf16 run as implicit GEMMs on tensor cores
+// (kernels.cu, "implicit-GEMM convolution") on GPUs of compute capability 8.0
+// and later; 0 (SEGNET_CONV=gemm in the environment when the backend opens):
+// im2col and cuBLAS, the reference path (the tests run both)
+extern int cuda_conv_implicit;
 extern size_t cuda_bytes_live, cuda_bytes_peak;  // what ops_cuda.alloc has handed out (now, at most)
 extern size_t cpu_bytes_live, cpu_bytes_peak;  // what ops_cpu.alloc has handed out (now, at most)
 

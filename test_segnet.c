@@ -5899,6 +5899,77 @@ static void test_cuda_conv_depthwise(void) {
     cuda_conv_cases(cases, sizeof cases / sizeof cases[0], 0);
 }
 
+// Every k×k conv that is neither pointwise nor depthwise in the model builders
+// (both paddings of the EfficientNetV2s; the U-Nets' encoders and decoders),
+// deduplicated by configuration: the convs the implicit-GEMM kernels run in
+// training. Returns how many were written (at most cap).
+static int model_conv_cfgs(ConvCfg *out, int cap) {
+    static const char *const models[] = {"effv2-s", "effv2-m", "effv2-l", "effv2-t", "unet",
+                                         "unet-effv2-s", "unet-effv2-m", "unet-effv2-l", "unet-effv2-t"};
+    int n = 0;
+    for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++)
+        for (int pad = PAD_SAME; pad <= PAD_SYMMETRIC; pad++) {
+            ModelCfg c = model_cfg_default();
+            c.model = models[mi]; c.classes = 4; c.batch = 1; c.height = c.width = 64; c.pad = (PadMode)pad;
+            Graph g;
+            graph_init(&g);
+            snCheck(model_build(&g, &c) >= 0, "model %s: %s", models[mi], g.err);
+            for (int i = 0; i < g.n_layers; i++) {
+                const ConvCfg *k = &g.layers[i].conv;
+                if (g.layers[i].kind != LAYER_CONV || conv_is_pointwise(k) || conv_is_depthwise(k)) continue;
+                int seen = 0;
+                for (int j = 0; j < n && !seen; j++) seen = !memcmp(&out[j], k, sizeof *k);
+                if (!seen && n < cap) out[n++] = *k;
+            }
+            graph_free(&g);
+        }
+    return n;
+}
+
+// The forward of every conv of model_conv_cfgs in fp16 and bf16 (where the
+// implicit-GEMM kernels apply; fp32 stays on cuBLAS) on a 2×5×7 input (one
+// partial pixel tile; both paddings' edges), with and without bias, against
+// the CPU op on the same rounded inputs, with cu_conv_compare's bound (fp32
+// sums of K + 1 terms, weights rounded once to the storage type).
+static void test_cuda_conv_model_shapes(void) {
+    ConvCfg cfgs[128];
+    const int n = model_conv_cfgs(cfgs, 128);
+    CHECK(n >= 40 && n < 128, "model_conv_cfgs found %d convs, expected the 62 of the models (at least 40)", n);
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 17);
+    memset(g_conv_worst, 0, sizeof g_conv_worst);
+    for (int i = 0; i < n; i++) {
+        ConvCfg cfg = cfgs[i];
+        const DType dt = i % 2 ? DT_BF16 : DT_F16;
+        cfg.has_bias = i % 4 < 2;
+        ConvGeom q;
+        const Shape in = shape4(2, 5, 7, cfg.cin);
+        snCheck(conv_geom_of(&cfg, in, &q), "model conv %d does not fit a 5x7 input", i);
+        const Shape os = shape4(q.N, q.OH, q.OW, q.Cout);
+        const size_t nin = shape_numel(in), nout = shape_numel(os), nw = (size_t)q.Cout * q.K;
+        float *x = randn(&r, nin, 1.0f), *w = randn(&r, nw, 1.0f / sqrtf((float)q.K)), *b = randn(&r, q.Cout, 0.5f);
+        CuPair X = cu_pair(x, in, dt), Y = cu_pair(NULL, os, dt);
+        float *xr = cu_host_values(X.cpu), *ax = abs_copy(xr, nin), *aw = abs_copy(w, nw), *ab = abs_copy(b, q.Cout);
+        float *w_d = cu_floats(w, nw), *b_d = cu_floats(b, q.Cout), *S = malloc(sizeof(float) * nout);
+        const size_t cws = conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32), gws = o->conv2d_workspace(o, &cfg, in, dt);
+        void *cw = malloc(cws + 1), *gw = o->alloc(o, gws + 1);
+        ops_cpu.conv2d_forward(&ops_cpu, &cfg, Y.cpu, X.cpu, w, NULL, cfg.has_bias ? b : NULL, cw);
+        o->conv2d_forward(o, &cfg, Y.gpu, X.gpu, w_d, NULL, cfg.has_bias ? b_d : NULL, gw);
+        ops_cpu.conv2d_forward(&ops_cpu, &cfg, tensor_f32(S, os), tensor_f32(ax, in), aw, NULL, cfg.has_bias ? ab : NULL, cw);
+        float *yc = cu_host_values(Y.cpu), *yg = cu_to_host(Y.gpu.data, nout, dt);
+        char label[96];
+        snprintf(label, sizeof label, "model conv %d (cin %d cout %d %dx%d s%d pad %d)", i, cfg.cin, cfg.cout, cfg.kh,
+                 cfg.kw, cfg.stride, (int)cfg.pad);
+        cu_conv_compare("forward", label, 0, dt, yg, yc, S, nout, (size_t)q.K + 1, dtype_unit_roundoff(dt), dt);
+        free(yc); free(yg); free(x); free(w); free(b); free(xr); free(ax); free(aw); free(ab); free(S); free(cw);
+        o->free(o, w_d); o->free(o, b_d); o->free(o, gw);
+        cu_pair_free(&X); cu_pair_free(&Y);
+    }
+    if (g_verbose)
+        printf("    %d convs; worst relative error forward fp16 %.2e  bf16 %.2e\n", n, g_conv_worst[0][DT_F16],
+               g_conv_worst[0][DT_BF16]);
+}
+
 // One unit in the last place of each storage type, relative to the value (2^-23,
 // 2^-10, 2^-7): a result that differs by one rounding of fp32 arithmetic may
 // round to the neighbouring storage value, which is this far from the CPU's.
@@ -7435,6 +7506,7 @@ static const Test TESTS[] = {
     {"cuda_conv_dense", test_cuda_conv_dense},
     {"cuda_conv_grouped", test_cuda_conv_grouped},
     {"cuda_conv_depthwise", test_cuda_conv_depthwise},
+    {"cuda_conv_model_shapes", test_cuda_conv_model_shapes},
     {"cuda_scale_axpby", test_cuda_scale_axpby},
     {"cuda_se_gate", test_cuda_se_gate},
     {"cuda_sum_squares_nonfinite", test_cuda_sum_squares_nonfinite},
