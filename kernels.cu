@@ -1203,6 +1203,7 @@ __global__ void __launch_bounds__(IG_THREADS) conv_implicit_kernel(T *y, const T
 
     // this thread's 4 pixels: x's offset of (n, 0, 0, g·Cg) and the top-left input tap
     int pix_base[4], pix_iy[4], pix_ix[4];
+    #pragma unroll
     for (int i = 0; i < 4; i++) {
         const uint32_t m = (uint32_t)(m0 + row0 + 32 * i);
         const uint32_t t = fastdiv(a.OW, m), ox = m - t * a.OW.d, n = fastdiv(a.OH, t), oy = t - n * a.OH.d;
@@ -1218,12 +1219,14 @@ __global__ void __launch_bounds__(IG_THREADS) conv_implicit_kernel(T *y, const T
         T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
         if (VEC) {
             const bool k_in = walk.k < a.K;
+            #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int iy = pix_iy[i] + walk.ky, ix = pix_ix[i] + walk.kx;
                 const bool in = k_in && (unsigned)iy < (unsigned)a.H && (unsigned)ix < (unsigned)a.W;
                 const T *src = in ? x + pix_base[i] + (iy * a.W + ix) * a.C + walk.ci : x;
                 cp_async16(As + ig_swizzle(row0 + 32 * i, chunk), src, in ? 16 : 0);
             }
+            #pragma unroll
             for (int j = 0; j < 2; j++) {
                 const int co = n0 + row0 + 32 * j;
                 const bool in = k_in && co < a.Coutg;
@@ -1231,13 +1234,16 @@ __global__ void __launch_bounds__(IG_THREADS) conv_implicit_kernel(T *y, const T
             }
         } else {
             TapWalk e = walk;
+            #pragma unroll
             for (int q = 0; q < 8; q++, e.advance(1, a)) {
                 const bool k_in = e.k < a.K;
+                #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const int iy = pix_iy[i] + e.ky, ix = pix_ix[i] + e.kx;
                     const bool in = k_in && (unsigned)iy < (unsigned)a.H && (unsigned)ix < (unsigned)a.W;
                     As[ig_swizzle(row0 + 32 * i, chunk) + q] = in ? x[pix_base[i] + (iy * a.W + ix) * a.C + e.ci] : T{0};
                 }
+                #pragma unroll
                 for (int j = 0; j < 2; j++) {
                     const int co = n0 + row0 + 32 * j;
                     Bs[ig_swizzle(row0 + 32 * j, chunk) + q] = k_in && co < a.Coutg ? wg[co * a.K + e.k] : T{0};
@@ -1248,10 +1254,14 @@ __global__ void __launch_bounds__(IG_THREADS) conv_implicit_kernel(T *y, const T
     };
 
     float acc[4][4][4];
+    #pragma unroll
     for (int i = 0; i < 4; i++)
+        #pragma unroll
         for (int j = 0; j < 4; j++)
+            #pragma unroll
             for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;
     const int k_tiles = (a.K + IG_BK - 1) / IG_BK;
+    #pragma unroll
     for (int s = 0; s < IG_STAGES - 1; s++) {  // one commit per stage, loaded or not: the group count stays fixed
         if (s < k_tiles) load_stage(s);
         cp_async_commit();
@@ -1263,16 +1273,21 @@ __global__ void __launch_bounds__(IG_THREADS) conv_implicit_kernel(T *y, const T
         if (kt + IG_STAGES - 1 < k_tiles) load_stage((kt + IG_STAGES - 1) % IG_STAGES);
         cp_async_commit();
         const T *As = smem + (kt % IG_STAGES) * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
+        #pragma unroll
         for (int ks = 0; ks < IG_BK / 16; ks++) {
             uint32_t af[4][4], bf[4][2];
+            #pragma unroll
             for (int i = 0; i < 4; i++)  // matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15): a0..a3
                 ldmatrix_x4(af[i], As + ig_swizzle(wm + 16 * i + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * ks + (lane >> 4)));
+            #pragma unroll
             for (int j = 0; j < 2; j++) {  // matrices (channels 0-7 | 8-15) × (k 0-7 | 8-15): b0, b1 of two tiles
                 uint32_t r[4];
                 ldmatrix_x4(r, Bs + ig_swizzle(wn + 16 * j + (lane & 7) + (lane >> 4) * 8, 2 * ks + ((lane >> 3) & 1)));
                 bf[2 * j][0] = r[0]; bf[2 * j][1] = r[1]; bf[2 * j + 1][0] = r[2]; bf[2 * j + 1][1] = r[3];
             }
+            #pragma unroll
             for (int i = 0; i < 4; i++)
+                #pragma unroll
                 for (int j = 0; j < 4; j++) mma_16816<T>(acc[i][j], af[i], bf[j]);
         }
     }
@@ -1280,11 +1295,15 @@ __global__ void __launch_bounds__(IG_THREADS) conv_implicit_kernel(T *y, const T
 
     // accumulator r of tile (i, j): pixel +gid (+8 for r ≥ 2), channel 2·tig + r%2
     const int gid = lane >> 2, tig = lane & 3;
+    #pragma unroll
     for (int i = 0; i < 4; i++)
+        #pragma unroll
         for (int h = 0; h < 2; h++) {
             const uint32_t m = (uint32_t)(m0 + wm + 16 * i + gid + 8 * h);
             if (m >= a.M) continue;
+            #pragma unroll
             for (int j = 0; j < 4; j++)
+                #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const int co = n0 + wn + 8 * j + 2 * tig + e;
                     if (co >= a.Coutg) continue;
