@@ -855,7 +855,7 @@ typedef struct {
     ConvGeom q;
     int G, GK;             // groups; columns of an im2col row, G·K = kh·kw·Cin
     int pointwise, depthwise;
-    int implicit;          // forward by the implicit-GEMM kernel (no columns)
+    int implicit;          // forward and backward data by the implicit-GEMM kernels (no columns)
     DType dt;
     int fwd_rows;          // output rows (n,oy) per forward / backward-weight chunk
     int bwd_rows;          // input rows (n,iy) per backward-data chunk
@@ -950,6 +950,7 @@ static size_t ws_forward(const ConvPlan *p) {
     return col ? align_up(p->wcast) + col : p->wcast;
 }
 static size_t ws_backward_data(const ConvPlan *p) {
+    if (p->implicit) return p->wcast;
     size_t dcol = p->bwd_out_rows * p->dcol_row;
     return dcol ? align_up(p->wcast) + dcol : p->wcast;
 }
@@ -1140,175 +1141,314 @@ template <int pending> static __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ----------------------------------------------------------------------------
-// implicit-GEMM convolution (forward), fp16/bf16 on tensor cores
+// implicit-GEMM convolution, fp16/bf16 on tensor cores
 //
-// The GEMM of the im2col lowering above, per group g,
-//   out[p][g·Coutg + co] = Σ_k col[p][k] · W[g·Coutg + co][k] (+ b),  k = (ky, kx, ci), K = kh·kw·Cg,
-// with col[p][k] = x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci] (0 outside) read
-// straight from x into shared memory: no column buffer. Replaces im2col +
-// cublasGemmEx for 16-bit k×k convs (the reference path, SEGNET_CONV=gemm).
+// The GEMMs of the im2col lowering above without the column buffer: the
+// operand im2col would have copied is gathered straight from the tensor into
+// shared memory. They replace im2col + cublasGemmEx (+ col2im) for 16-bit k×k
+// convs; that path stays as the reference (SEGNET_CONV=gemm).
 //
-// Tiling: a block of 4 warps computes IG_BM output pixels × IG_BN output
-// channels of one group; warp w the 64×32 sub-tile at pixels 64·(w%2),
-// channels 32·(w/2), as 4×4 mma.m16n8k16 tiles with fp32 accumulators in
-// registers. K is walked IG_BK at a time through IG_STAGES shared-memory
-// buffers filled by cp.async while the tensor cores work on an earlier one.
-//   Loading: thread t fills 16-byte chunk t%4 (8 consecutive k) of tile rows
-//   t/4 + 32i: each thread decodes its pixels (n, oy, ox) once, and walks its
-//   k = (ky, kx, ci) by adding IG_BK (no division in the loop). A chunk is 8
-//   channels of one tap when Cg is a multiple of 8 (one cp.async, zero-filled
-//   outside the image); otherwise (the stem's 3 channels) 8 scalar loads.
-//   Shared memory rows are IG_BK = 32 elements (64 bytes); chunk c of row r
-//   is stored at chunk c ^ ((r/2) % 4), so the 8 rows one ldmatrix reads lie
-//   in 8 different 16-byte bank groups (no bank conflicts).
-//   Fragments: ldmatrix.x4 gives an mma's A operand (16 pixels × 16 k) or the
-//   B operands of two 8-channel tiles (W's rows are k-contiguous: the "col"
-//   layout mma wants).
-// Epilogue: acc + b, rounded once to the storage type (as the CPU op).
-// Accumulation is fp32 in an order fixed by the tile shapes: deterministic.
+//   forward (conv_fwd_kernel), per group g, GEMM rows = output pixels p = (n, oy, ox):
+//     out[p][g·Coutg + co] = Σ_k A[p][k] · W[g·Coutg + co][k] (+ b),  k = (ky, kx, ci), K = kh·kw·Cg
+//     A[p][k] = x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci]  (0 outside x)
+//   backward data (conv_dgrad_kernel), GEMM rows = input pixels i = (n, iy, ix):
+//     din[i][g·Cg + ci] (=|+=) Σ_{ky,kx,co} dout[n, oy, ox, g·Coutg + co] · W[g·Coutg + co][ky, kx, ci]
+//     over the taps with iy + pt - ky = oy·s (likewise x), 0 ≤ oy < OH. For s = 2 the
+//     input pixels fall into s·s phases (iy % s, ix % s), and in a phase the taps
+//     that reach an output are fixed: ky ≡ iy + pt (mod s). Each phase is a GEMM of
+//     its own (a slice of the grid) over only its taps: no multiply by a zero tap,
+//     no col2im. With iy = py + s·u and ky = ky0 + s·a, oy = u + dy0 - a, where
+//     dy0 = (py + pt - ky0)/s: a gather from dout with the taps walked backwards.
+// Both read their A operand the same way (Gather): rows of pixels of an NHWC
+// tensor, columns k = (a, b, c), A[m][k] = src[n, y_m + dir·a, x_m + dir·b, c0 + c].
+//
+// Tiling: a block of 4 warps computes IG_BM GEMM rows × IG_BN channels of one
+// group (and phase); warp w the 64×32 sub-tile at rows 64·(w%2), channels
+// 32·(w/2), as 4×4 mma.m16n8k16 tiles with fp32 accumulators in registers. K
+// is walked IG_BK at a time through IG_STAGES shared-memory buffers that
+// cp.async fills while the tensor cores work on an earlier one (ig_mainloop).
+//   Loading A: thread t fills 16-byte chunk t%4 (8 consecutive k) of tile rows
+//   t/4 + 32i; it decodes its pixels once and walks its k = (a, b, c) by adding
+//   IG_BK (TapWalk: no division in the loop). A chunk is 8 channels of one tap
+//   when the channel count is a multiple of 8 (one cp.async, zero-filled
+//   outside the tensor); otherwise (the stem's 3 channels) 8 scalar loads.
+//   Loading B: forward, rows of W (channel co, k-contiguous), like A; backward
+//   data, rows k = (tap, co) of IG_BN consecutive ci (a row of W's [co][tap][ci]).
+//   Shared memory: a tile row's 16-byte chunks are stored XOR-swizzled by the
+//   row, so the 8 rows one ldmatrix reads lie in 8 different bank groups.
+//   Fragments: ldmatrix.x4 gives an mma's A operand (16 rows × 16 k) or the B
+//   operands of two 8-channel tiles (.trans for backward data's [k][ci] tile).
+// Epilogue: the fp32 sum (+ b; + din when accumulating) rounded once to the
+// storage type, as the CPU op. Every sum runs in an order fixed by the tile
+// shapes: deterministic.
 
 #define IG_BM 128
 #define IG_BN 64
 #define IG_BK 32
 #define IG_STAGES 3
 #define IG_THREADS 128
-#define IG_STAGE_ELEMS ((IG_BM + IG_BN) * IG_BK)
+#define IG_STAGE_ELEMS ((IG_BM + IG_BN) * IG_BK)  // the A tile, then the B tile (IG_BN×IG_BK or IG_BK×IG_BN)
 #define IG_SMEM_BYTES (IG_STAGES * IG_STAGE_ELEMS * 2)
+#define IG_MAX_PHASES 4  // backward data: stride ≤ 2 (larger strides take the reference path)
 
-struct ImplicitConvArgs {
-    int H, W, C, Cout, Cg, Coutg, K, kw, stride, pt, pl;
-    uint32_t M;                 // output pixels N·OH·OW
-    FastDiv OW, OH;
-};
-// element offset of (row, 8-element chunk) in a swizzled tile of IG_BK-element rows
+// element offset of (row, 8-element chunk) in a tile of IG_BK-element rows (4 chunks)
 static __device__ __forceinline__ int ig_swizzle(int row, int chunk) {
     return row * IG_BK + ((chunk ^ ((row >> 1) & 3)) << 3);
 }
-// a thread's position in K: k = (ky·kw + kx)·Cg + ci
+// ...and in a tile of IG_BN-element rows (8 chunks)
+static __device__ __forceinline__ int ig_swizzle_wide(int row, int chunk) {
+    return row * IG_BN + ((chunk ^ (row & 7)) << 3);
+}
+
+// The A operand: src (H, W, C) NHWC, k = (a·taps_x + b)·Ck + c, K columns,
+// A[m][k] = src[n, y_m + dir·a, x_m + dir·b, c0 + c] (0 outside)
+struct Gather { int H, W, C, taps_x, Ck, dir, K; };
+// a thread's place in k = (a·taps_x + b)·Ck + c
 struct TapWalk {
-    int k, ky, kx, ci;
-    __device__ void advance(int by, const ImplicitConvArgs &a) {
-        k += by; ci += by;
-        while (ci >= a.Cg) { ci -= a.Cg; if (++kx == a.kw) { kx = 0; ++ky; } }
+    int k, a, b, c;
+    __device__ void advance(int by, int Ck, int taps_x) {
+        k += by; c += by;
+        while (c >= Ck) { c -= Ck; if (++b == taps_x) { b = 0; ++a; } }
     }
 };
+// a thread's 4 tile rows: src's offset of (n, 0, 0, c0) and (y_m, x_m); y of rows past M: always outside
+struct PixelRows { int base[4], y[4], x[4]; };
+#define IG_ROW_NONE (INT_MIN / 2)
 
 template <class T, bool VEC>
-__global__ void __launch_bounds__(IG_THREADS) conv_implicit_kernel(T *y, const T *x, const T *w, const float *bias,
-                                                                   ImplicitConvArgs a) {
-    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BM rows, B: IG_BN rows) of IG_BK elements
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = blockIdx.z, m0 = blockIdx.x * IG_BM, n0 = blockIdx.y * IG_BN;
-    const int chunk = tid & 3, row0 = tid >> 2;
-
-    // this thread's 4 pixels: x's offset of (n, 0, 0, g·Cg) and the top-left input tap
-    int pix_base[4], pix_iy[4], pix_ix[4];
-    #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const uint32_t m = (uint32_t)(m0 + row0 + 32 * i);
-        const uint32_t t = fastdiv(a.OW, m), ox = m - t * a.OW.d, n = fastdiv(a.OH, t), oy = t - n * a.OH.d;
-        pix_base[i] = (int)n * a.H * a.W * a.C + g * a.Cg;
-        pix_iy[i] = m < a.M ? (int)oy * a.stride - a.pt : INT_MIN / 2;  // rows past M: always outside
-        pix_ix[i] = (int)ox * a.stride - a.pl;
-    }
-    TapWalk walk = {0, 0, 0, 0};
-    walk.advance(chunk * 8, a);
-    const T *wg = w + (size_t)g * a.Coutg * a.K;
-
-    auto load_stage = [&](int buf) {
-        T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
-        if (VEC) {
-            const bool k_in = walk.k < a.K;
-            #pragma unroll
+static __device__ __forceinline__ void load_a(T *As, const T *src, const Gather &gd, const PixelRows &pr,
+                                              const TapWalk &walk, int row0, int chunk) {
+    if (VEC) {
+        const bool k_in = walk.k < gd.K;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int iy = pr.y[i] + gd.dir * walk.a, ix = pr.x[i] + gd.dir * walk.b;
+            const bool in = k_in && (unsigned)iy < (unsigned)gd.H && (unsigned)ix < (unsigned)gd.W;
+            cp_async16(As + ig_swizzle(row0 + 32 * i, chunk), in ? src + pr.base[i] + (iy * gd.W + ix) * gd.C + walk.c : src,
+                       in ? 16 : 0);
+        }
+    } else {
+        TapWalk e = walk;
+#pragma unroll
+        for (int q = 0; q < 8; q++, e.advance(1, gd.Ck, gd.taps_x)) {
+            const bool k_in = e.k < gd.K;
+#pragma unroll
             for (int i = 0; i < 4; i++) {
-                const int iy = pix_iy[i] + walk.ky, ix = pix_ix[i] + walk.kx;
-                const bool in = k_in && (unsigned)iy < (unsigned)a.H && (unsigned)ix < (unsigned)a.W;
-                const T *src = in ? x + pix_base[i] + (iy * a.W + ix) * a.C + walk.ci : x;
-                cp_async16(As + ig_swizzle(row0 + 32 * i, chunk), src, in ? 16 : 0);
-            }
-            #pragma unroll
-            for (int j = 0; j < 2; j++) {
-                const int co = n0 + row0 + 32 * j;
-                const bool in = k_in && co < a.Coutg;
-                cp_async16(Bs + ig_swizzle(row0 + 32 * j, chunk), in ? wg + co * a.K + walk.k : w, in ? 16 : 0);
-            }
-        } else {
-            TapWalk e = walk;
-            #pragma unroll
-            for (int q = 0; q < 8; q++, e.advance(1, a)) {
-                const bool k_in = e.k < a.K;
-                #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int iy = pix_iy[i] + e.ky, ix = pix_ix[i] + e.kx;
-                    const bool in = k_in && (unsigned)iy < (unsigned)a.H && (unsigned)ix < (unsigned)a.W;
-                    As[ig_swizzle(row0 + 32 * i, chunk) + q] = in ? x[pix_base[i] + (iy * a.W + ix) * a.C + e.ci] : T{0};
-                }
-                #pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    const int co = n0 + row0 + 32 * j;
-                    Bs[ig_swizzle(row0 + 32 * j, chunk) + q] = k_in && co < a.Coutg ? wg[co * a.K + e.k] : T{0};
-                }
+                const int iy = pr.y[i] + gd.dir * e.a, ix = pr.x[i] + gd.dir * e.b;
+                const bool in = k_in && (unsigned)iy < (unsigned)gd.H && (unsigned)ix < (unsigned)gd.W;
+                As[ig_swizzle(row0 + 32 * i, chunk) + q] = in ? src[pr.base[i] + (iy * gd.W + ix) * gd.C + e.c] : T{0};
             }
         }
-        walk.advance(IG_BK, a);
-    };
+    }
+}
 
-    float acc[4][4][4];
-    #pragma unroll
+static __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void *row) {
+#if defined(__CUDACC__)
+#if __CUDA_ARCH__ >= 800
+    const unsigned a = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#else
+    __trap();
+#endif
+#else
+    cuemu::ldmatrix(r, 4, row, true);
+#endif
+}
+
+// The K loop of both kernels: acc[i][j] (the warp's 16×8 tile (i, j)) += A·B
+// over k_tiles tiles of IG_BK; load_stage(buf) issues the copies of the next
+// tile into buffer buf. B_TRANS: the B tile is [IG_BK][IG_BN] (k rows), else
+// [IG_BN][IG_BK] (channel rows).
+template <class T, bool B_TRANS, class LoadStage>
+static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *smem, int k_tiles, LoadStage load_stage) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = (warp & 1) * 64, wn = (warp >> 1) * 32;
+#pragma unroll
     for (int i = 0; i < 4; i++)
-        #pragma unroll
+#pragma unroll
         for (int j = 0; j < 4; j++)
-            #pragma unroll
+#pragma unroll
             for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;
-    const int k_tiles = (a.K + IG_BK - 1) / IG_BK;
-    #pragma unroll
+#pragma unroll
     for (int s = 0; s < IG_STAGES - 1; s++) {  // one commit per stage, loaded or not: the group count stays fixed
         if (s < k_tiles) load_stage(s);
         cp_async_commit();
     }
-    const int wm = (warp & 1) * 64, wn = (warp >> 1) * 32;
     for (int kt = 0; kt < k_tiles; kt++) {
         cp_async_wait<IG_STAGES - 2>();  // this thread's copies of tile kt are in...
         __syncthreads();                  // ...and everybody's; tile kt-1's buffer is free
         if (kt + IG_STAGES - 1 < k_tiles) load_stage((kt + IG_STAGES - 1) % IG_STAGES);
         cp_async_commit();
         const T *As = smem + (kt % IG_STAGES) * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
-        #pragma unroll
+#pragma unroll
         for (int ks = 0; ks < IG_BK / 16; ks++) {
             uint32_t af[4][4], bf[4][2];
-            #pragma unroll
+#pragma unroll
             for (int i = 0; i < 4; i++)  // matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15): a0..a3
                 ldmatrix_x4(af[i], As + ig_swizzle(wm + 16 * i + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * ks + (lane >> 4)));
-            #pragma unroll
+#pragma unroll
             for (int j = 0; j < 2; j++) {  // matrices (channels 0-7 | 8-15) × (k 0-7 | 8-15): b0, b1 of two tiles
                 uint32_t r[4];
-                ldmatrix_x4(r, Bs + ig_swizzle(wn + 16 * j + (lane & 7) + (lane >> 4) * 8, 2 * ks + ((lane >> 3) & 1)));
+                if (B_TRANS)  // rows k, 8 channels a chunk: (k 0-7 | 8-15) × (channels 0-7 | 8-15)
+                    ldmatrix_x4_trans(r, Bs + ig_swizzle_wide(16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                              (wn + 16 * j) / 8 + (lane >> 4)));
+                else
+                    ldmatrix_x4(r, Bs + ig_swizzle(wn + 16 * j + (lane & 7) + (lane >> 4) * 8, 2 * ks + ((lane >> 3) & 1)));
                 bf[2 * j][0] = r[0]; bf[2 * j][1] = r[1]; bf[2 * j + 1][0] = r[2]; bf[2 * j + 1][1] = r[3];
             }
-            #pragma unroll
+#pragma unroll
             for (int i = 0; i < 4; i++)
-                #pragma unroll
+#pragma unroll
                 for (int j = 0; j < 4; j++) mma_16816<T>(acc[i][j], af[i], bf[j]);
         }
     }
     cp_async_wait<0>();
+}
+// where accumulator r of the warp's tile (i, j) lies in the block's tile:
+// row wm + 16i + lane/4 (+8 for r ≥ 2), channel wn + 8j + 2·(lane%4) + r%2
+static __device__ __forceinline__ int ig_acc_row(int i, int r) {
+    return ((threadIdx.x >> 5) & 1) * 64 + 16 * i + ((threadIdx.x & 31) >> 2) + 8 * (r >> 1);
+}
+static __device__ __forceinline__ int ig_acc_col(int j, int r) {
+    return (threadIdx.x >> 6) * 32 + 8 * j + 2 * (threadIdx.x & 3) + (r & 1);
+}
 
-    // accumulator r of tile (i, j): pixel +gid (+8 for r ≥ 2), channel 2·tig + r%2
-    const int gid = lane >> 2, tig = lane & 3;
-    #pragma unroll
+struct ConvFwdArgs {
+    Gather gd;                  // over x: (H, W, C), taps_x = kw, Ck = Cg, dir = +1, K = kh·kw·Cg
+    int Cout, Cg, Coutg, stride, pt, pl;
+    uint32_t M;                 // output pixels N·OH·OW
+    FastDiv OW, OH;
+};
+
+template <class T, bool VEC>
+__global__ void __launch_bounds__(IG_THREADS) conv_fwd_kernel(T *y, const T *x, const T *w, const float *bias,
+                                                              ConvFwdArgs a) {
+    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BM rows, B: IG_BN rows) of IG_BK elements
+    const int tid = threadIdx.x, g = blockIdx.z, m0 = blockIdx.x * IG_BM, n0 = blockIdx.y * IG_BN;
+    const int chunk = tid & 3, row0 = tid >> 2, K = a.gd.K;
+    PixelRows pr;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t m = (uint32_t)(m0 + row0 + 32 * i);
+        const uint32_t t = fastdiv(a.OW, m), ox = m - t * a.OW.d, n = fastdiv(a.OH, t), oy = t - n * a.OH.d;
+        pr.base[i] = (int)n * a.gd.H * a.gd.W * a.gd.C + g * a.Cg;
+        pr.y[i] = m < a.M ? (int)oy * a.stride - a.pt : IG_ROW_NONE;
+        pr.x[i] = (int)ox * a.stride - a.pl;
+    }
+    TapWalk walk = {0, 0, 0, 0};
+    walk.advance(chunk * 8, a.gd.Ck, a.gd.taps_x);
+    const T *wg = w + (size_t)g * a.Coutg * K;
+    auto load_stage = [&](int buf) {
+        T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
+        load_a<T, VEC>(As, x, a.gd, pr, walk, row0, chunk);
+#pragma unroll
+        for (int j = 0; j < 2; j++) {  // W's rows co, k-contiguous, like A's
+            const int co = n0 + row0 + 32 * j;
+            T *dst = Bs + ig_swizzle(row0 + 32 * j, chunk);
+            if (VEC) {
+                const bool in = walk.k < K && co < a.Coutg;
+                cp_async16(dst, in ? wg + co * K + walk.k : w, in ? 16 : 0);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 8; q++) dst[q] = walk.k + q < K && co < a.Coutg ? wg[co * K + walk.k + q] : T{0};
+            }
+        }
+        walk.advance(IG_BK, a.gd.Ck, a.gd.taps_x);
+    };
+    float acc[4][4][4];
+    ig_mainloop<T, false>(acc, smem, (K + IG_BK - 1) / IG_BK, load_stage);
+#pragma unroll
     for (int i = 0; i < 4; i++)
-        #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const uint32_t m = (uint32_t)(m0 + wm + 16 * i + gid + 8 * h);
-            if (m >= a.M) continue;
-            #pragma unroll
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const uint32_t m = (uint32_t)(m0 + ig_acc_row(i, r));
+                const int co = n0 + ig_acc_col(j, r), c = g * a.Coutg + co;
+                if (m < a.M && co < a.Coutg) y[m * (uint32_t)a.Cout + c] = from_f32<T>(bias ? acc[i][j][r] + bias[c] : acc[i][j][r]);
+            }
+}
+
+struct ConvDgradArgs {
+    Gather gd;                  // over dout: (OH, OW, Cout), Ck = Coutg, dir = -1; taps_x and K per phase (below)
+    int H, W, C, Cg, Coutg, Kw; // din (N,H,W,C); Kw = kh·kw·Cg, a row of W
+    int kw, stride, phases, accumulate;
+    // per phase (py, px) = (phase / stride, phase % stride): its rows N·Hu·Wv
+    // (iy = py + s·u, ix = px + s·v), its taps ky = ky0 + s·a (a < nky), kx
+    // likewise, and oy = u + dy0 - a, ox = v + dx0 - b
+    uint32_t M[IG_MAX_PHASES];
+    FastDiv Hu[IG_MAX_PHASES], Wv[IG_MAX_PHASES];
+    int py[IG_MAX_PHASES], px[IG_MAX_PHASES], ky0[IG_MAX_PHASES], kx0[IG_MAX_PHASES];
+    int nky[IG_MAX_PHASES], nkx[IG_MAX_PHASES], dy0[IG_MAX_PHASES], dx0[IG_MAX_PHASES];
+};
+
+template <class T, bool VEC>
+__global__ void __launch_bounds__(IG_THREADS) conv_dgrad_kernel(T *din, const T *dout, const T *w, ConvDgradArgs a) {
+    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BM rows of IG_BK, B: IG_BK rows of IG_BN)
+    const int tid = threadIdx.x, ph = blockIdx.z % a.phases, g = blockIdx.z / a.phases;
+    const int m0 = blockIdx.x * IG_BM, n0 = blockIdx.y * IG_BN;
+    const uint32_t M = a.M[ph];
+    if ((uint32_t)m0 >= M) return;  // the whole block: this phase has fewer rows
+    Gather gd = a.gd;
+    gd.taps_x = a.nkx[ph];
+    gd.K = a.nky[ph] * a.nkx[ph] * a.Coutg;
+    const int chunk = tid & 3, row0 = tid >> 2, s = a.stride;
+    PixelRows pr;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t m = (uint32_t)(m0 + row0 + 32 * i);
+        const uint32_t t = fastdiv(a.Wv[ph], m), v = m - t * a.Wv[ph].d, n = fastdiv(a.Hu[ph], t), u = t - n * a.Hu[ph].d;
+        pr.base[i] = (int)n * gd.H * gd.W * gd.C + g * a.Coutg;
+        pr.y[i] = m < M ? (int)u + a.dy0[ph] : IG_ROW_NONE;
+        pr.x[i] = (int)v + a.dx0[ph];
+    }
+    TapWalk walk = {0, 0, 0, 0};
+    walk.advance(chunk * 8, gd.Ck, gd.taps_x);
+    // B: thread t fills chunk t%8 (channels n0 + 8·(t%8)..) of k rows t/8 and t/8 + 16
+    const int bchunk = tid & 7, brow0 = tid >> 3, ci = n0 + 8 * bchunk;
+    TapWalk bwalk[2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) { bwalk[j] = TapWalk{0, 0, 0, 0}; bwalk[j].advance(brow0 + 16 * j, gd.Ck, gd.taps_x); }
+    const T *wg = w + (size_t)g * a.Coutg * a.Kw;
+    auto load_stage = [&](int buf) {
+        T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
+        load_a<T, VEC>(As, dout, gd, pr, walk, row0, chunk);
+        walk.advance(IG_BK, gd.Ck, gd.taps_x);
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const TapWalk &b = bwalk[j];
+            const int tap = (a.ky0[ph] + s * b.a) * a.kw + a.kx0[ph] + s * b.b;
+            const T *src = wg + b.c * a.Kw + tap * a.Cg + ci;
+            T *dst = Bs + ig_swizzle_wide(brow0 + 16 * j, bchunk);
+            if (VEC) {
+                const bool in = b.k < gd.K && ci < a.Cg;
+                cp_async16(dst, in ? src : w, in ? 16 : 0);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 8; q++) dst[q] = b.k < gd.K && ci + q < a.Cg ? src[q] : T{0};
+            }
+            bwalk[j].advance(IG_BK, gd.Ck, gd.taps_x);
+        }
+    };
+    float acc[4][4][4];
+    ig_mainloop<T, true>(acc, smem, (gd.K + IG_BK - 1) / IG_BK, load_stage);
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int r = 0; r < 4; r += 2) {
+            const uint32_t m = (uint32_t)(m0 + ig_acc_row(i, r));
+            if (m >= M) continue;
+            const uint32_t t = fastdiv(a.Wv[ph], m), v = m - t * a.Wv[ph].d, n = fastdiv(a.Hu[ph], t), u = t - n * a.Hu[ph].d;
+            const uint32_t pixel = (n * a.H + a.py[ph] + s * u) * a.W + a.px[ph] + s * v;
+#pragma unroll
             for (int j = 0; j < 4; j++)
-                #pragma unroll
+#pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    const int co = n0 + wn + 8 * j + 2 * tig + e;
-                    if (co >= a.Coutg) continue;
-                    const int c = g * a.Coutg + co;
-                    y[m * (uint32_t)a.Cout + c] = from_f32<T>(bias ? acc[i][j][2 * h + e] + bias[c] : acc[i][j][2 * h + e]);
+                    const int c = n0 + ig_acc_col(j, r + e);
+                    if (c >= a.Cg) continue;
+                    const uint32_t idx = pixel * a.C + g * a.Cg + c;
+                    const float v32 = acc[i][j][r + e];
+                    din[idx] = from_f32<T>(a.accumulate ? to_f32(din[idx]) + v32 : v32);
                 }
         }
 }
@@ -1332,27 +1472,58 @@ int cuda_conv_implicit = 1;  // declared in segnet.h
 // whether a conv takes the implicit-GEMM kernels: 16-bit k×k (not depthwise) on sm_80+
 static bool conv_takes_implicit(Ops *o, const ConvCfg *cfg, DType dt) {
     return cuda_conv_implicit && dt != DT_F32 && !conv_is_pointwise(cfg) && !conv_is_depthwise(cfg) &&
-           ctx_of(o)->sm_major >= 8;
+           cfg->stride * cfg->stride <= IG_MAX_PHASES && ctx_of(o)->sm_major >= 8;
 }
-static ImplicitConvArgs implicit_args(const ConvCfg *cfg, const ConvGeom *q) {
-    ImplicitConvArgs a;
-    a.H = q->H; a.W = q->W; a.C = q->C; a.Cout = q->Cout; a.Cg = q->Cg; a.Coutg = q->Coutg; a.K = q->K;
-    a.kw = cfg->kw; a.stride = cfg->stride; a.pt = q->pt; a.pl = q->pl;
-    a.M = (uint32_t)(q->N * q->P); a.OW = fastdiv_make(q->OW); a.OH = fastdiv_make(q->OH);
-    return a;
-}
+static bool aligned16(const void *p) { return (uintptr_t)p % VEC_BYTES == 0; }
+
 static void conv_implicit_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const void *wt,
                                   const float *b) {
     require_below(shape_numel(in.shape), (size_t)1 << 31, "implicit-GEMM conv input elements");
     require_below(shape_numel(out.shape), (size_t)1 << 31, "implicit-GEMM conv output elements");
-    const ImplicitConvArgs a = implicit_args(cfg, q);
+    ConvFwdArgs a;
+    a.gd = Gather{q->H, q->W, q->C, cfg->kw, q->Cg, +1, q->K};
+    a.Cout = q->Cout; a.Cg = q->Cg; a.Coutg = q->Coutg; a.stride = cfg->stride; a.pt = q->pt; a.pl = q->pl;
+    a.M = (uint32_t)(q->N * q->P); a.OW = fastdiv_make(q->OW); a.OH = fastdiv_make(q->OH);
     const dim3 grid((a.M + IG_BM - 1) / IG_BM, (q->Coutg + IG_BN - 1) / IG_BN, cfg->groups);
-    const bool vec = cuda_vector_kernels && q->Cg % 8 == 0 && (uintptr_t)in.data % VEC_BYTES == 0 && (uintptr_t)wt % VEC_BYTES == 0;
+    const bool vec = cuda_vector_kernels && q->Cg % 8 == 0 && aligned16(in.data) && aligned16(wt);
     SWITCH_STORAGE(in.dtype, T, {
-        if (vec) CU_LAUNCH((conv_implicit_kernel<T, true>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)out.data,
+        if (vec) CU_LAUNCH((conv_fwd_kernel<T, true>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)out.data,
                            (const T *)in.data, (const T *)wt, b, a);
-        else CU_LAUNCH((conv_implicit_kernel<T, false>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)out.data,
+        else CU_LAUNCH((conv_fwd_kernel<T, false>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)out.data,
                        (const T *)in.data, (const T *)wt, b, a);
+    });
+    launchCheck();
+}
+
+static void conv_implicit_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
+                                        const void *wt, int accumulate) {
+    require_below(shape_numel(din.shape), (size_t)1 << 31, "implicit-GEMM conv input elements");
+    require_below(shape_numel(dout.shape), (size_t)1 << 31, "implicit-GEMM conv output elements");
+    const int s = cfg->stride;
+    ConvDgradArgs a;
+    memset(&a, 0, sizeof a);
+    a.gd = Gather{q->OH, q->OW, q->Cout, 0, q->Coutg, -1, 0};
+    a.H = q->H; a.W = q->W; a.C = q->C; a.Cg = q->Cg; a.Coutg = q->Coutg; a.Kw = q->K;
+    a.kw = cfg->kw; a.stride = s; a.phases = s * s; a.accumulate = accumulate;
+    uint32_t rows = 0;
+    for (int ph = 0; ph < a.phases; ph++) {
+        const int py = ph / s, px = ph % s, hu = (q->H - py + s - 1) / s, wv = (q->W - px + s - 1) / s;
+        a.py[ph] = py; a.px[ph] = px;
+        a.ky0[ph] = (py + q->pt) % s; a.kx0[ph] = (px + q->pl) % s;
+        a.nky[ph] = a.ky0[ph] < cfg->kh ? (cfg->kh - a.ky0[ph] + s - 1) / s : 0;
+        a.nkx[ph] = a.kx0[ph] < cfg->kw ? (cfg->kw - a.kx0[ph] + s - 1) / s : 0;
+        a.dy0[ph] = (py + q->pt - a.ky0[ph]) / s; a.dx0[ph] = (px + q->pl - a.kx0[ph]) / s;
+        a.M[ph] = (uint32_t)(q->N * (hu > 0 ? hu : 0) * (wv > 0 ? wv : 0));
+        a.Hu[ph] = fastdiv_make(hu > 0 ? hu : 1); a.Wv[ph] = fastdiv_make(wv > 0 ? wv : 1);
+        if (a.M[ph] > rows) rows = a.M[ph];
+    }
+    const dim3 grid((rows + IG_BM - 1) / IG_BM, (q->Cg + IG_BN - 1) / IG_BN, cfg->groups * a.phases);
+    const bool vec = cuda_vector_kernels && q->Cg % 8 == 0 && q->Coutg % 8 == 0 && aligned16(dout.data) && aligned16(wt);
+    SWITCH_STORAGE(din.dtype, T, {
+        if (vec) CU_LAUNCH((conv_dgrad_kernel<T, true>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)din.data,
+                           (const T *)dout.data, (const T *)wt, a);
+        else CU_LAUNCH((conv_dgrad_kernel<T, false>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)din.data,
+                       (const T *)dout.data, (const T *)wt, a);
     });
     launchCheck();
 }
@@ -1421,6 +1592,10 @@ static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Te
         const Shape ws_shape = shape4(1, 1, q->Cout, q->K);  // the weights, rounded to the storage type
         copy_cuda(o, tensor(ws, ws_shape, dt), tensor_f32((float *)w, ws_shape), 0);
         wt = ws;
+    }
+    if (p.implicit) {
+        conv_implicit_backward_data(o, cfg, q, din, dout, wt, accumulate);
+        return;
     }
     if (p.pointwise) {
         // din[M][Cin] (=|+=) dout[M][Cout]·W[Cout][Cin]; column-major: dinᵀ (Cin×M) = W-as-stored (Cin×Cout)·doutᵀ

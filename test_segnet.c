@@ -5926,11 +5926,13 @@ static int model_conv_cfgs(ConvCfg *out, int cap) {
     return n;
 }
 
-// The forward of every conv of model_conv_cfgs in fp16 and bf16 (where the
-// implicit-GEMM kernels apply; fp32 stays on cuBLAS) on a 2×5×7 input (one
-// partial pixel tile; both paddings' edges), with and without bias, against
-// the CPU op on the same rounded inputs, with cu_conv_compare's bound (fp32
-// sums of K + 1 terms, weights rounded once to the storage type).
+// The forward and backward data of every conv of model_conv_cfgs in fp16 and
+// bf16 (where the implicit-GEMM kernels apply; fp32 stays on cuBLAS) on a
+// 2×5×7 input (one partial pixel tile; both paddings' edges; stride 2's four
+// phases of unequal sizes), with and without bias, overwriting and
+// accumulating, against the CPU op on the same rounded inputs with
+// cu_conv_compare's bound (fp32 sums of K + 1 terms, weights rounded once to
+// the storage type).
 static void test_cuda_conv_model_shapes(void) {
     ConvCfg cfgs[128];
     const int n = model_conv_cfgs(cfgs, 128);
@@ -5951,8 +5953,9 @@ static void test_cuda_conv_model_shapes(void) {
         CuPair X = cu_pair(x, in, dt), Y = cu_pair(NULL, os, dt);
         float *xr = cu_host_values(X.cpu), *ax = abs_copy(xr, nin), *aw = abs_copy(w, nw), *ab = abs_copy(b, q.Cout);
         float *w_d = cu_floats(w, nw), *b_d = cu_floats(b, q.Cout), *S = malloc(sizeof(float) * nout);
-        const size_t cws = conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32), gws = o->conv2d_workspace(o, &cfg, in, dt);
-        void *cw = malloc(cws + 1), *gw = o->alloc(o, gws + 1);
+        const size_t cws_f32 = conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32), cws_dt = conv2d_workspace_cpu(&ops_cpu, &cfg, in, dt);
+        const size_t gws = o->conv2d_workspace(o, &cfg, in, dt);
+        void *cw = malloc((cws_f32 > cws_dt ? cws_f32 : cws_dt) + 1), *gw = o->alloc(o, gws + 1);  // the ops in dt, the bounds in fp32
         ops_cpu.conv2d_forward(&ops_cpu, &cfg, Y.cpu, X.cpu, w, NULL, cfg.has_bias ? b : NULL, cw);
         o->conv2d_forward(o, &cfg, Y.gpu, X.gpu, w_d, NULL, cfg.has_bias ? b_d : NULL, gw);
         ops_cpu.conv2d_forward(&ops_cpu, &cfg, tensor_f32(S, os), tensor_f32(ax, in), aw, NULL, cfg.has_bias ? ab : NULL, cw);
@@ -5961,13 +5964,30 @@ static void test_cuda_conv_model_shapes(void) {
         snprintf(label, sizeof label, "model conv %d (cin %d cout %d %dx%d s%d pad %d)", i, cfg.cin, cfg.cout, cfg.kh,
                  cfg.kw, cfg.stride, (int)cfg.pad);
         cu_conv_compare("forward", label, 0, dt, yg, yc, S, nout, (size_t)q.K + 1, dtype_unit_roundoff(dt), dt);
-        free(yc); free(yg); free(x); free(w); free(b); free(xr); free(ax); free(aw); free(ab); free(S); free(cw);
+        free(yc); free(yg);
+
+        // backward data, into NaN (every third conv: added into random values)
+        const int acc = i % 3 == 0;
+        float *dy = randn(&r, nout, 1.0f), *din0 = randn(&r, nin, 1.0f);
+        CuPair DY = cu_pair(dy, os, dt), DX = cu_pair(acc ? din0 : NULL, in, dt);
+        float *dyr = cu_host_values(DY.cpu), *ady = abs_copy(dyr, nout), *Sx = malloc(sizeof(float) * nin);
+        ops_cpu.conv2d_backward_data(&ops_cpu, &cfg, DX.cpu, DY.cpu, w, NULL, acc, cw);
+        o->conv2d_backward_data(o, &cfg, DX.gpu, DY.gpu, w_d, NULL, acc, gw);
+        ops_cpu.conv2d_backward_data(&ops_cpu, &cfg, tensor_f32(Sx, in), tensor_f32(ady, os), aw, NULL, 0, cw);
+        for (size_t e = 0; acc && e < nin; e++) Sx[e] += fabsf(dtype_round(dt, din0[e]));
+        float *xc = cu_host_values(DX.cpu), *xg = cu_to_host(DX.gpu.data, nin, dt);
+        cu_conv_compare(acc ? "backward data (accumulate)" : "backward data", label, 1, dt, xg, xc, Sx, nin,
+                        (size_t)cfg.kh * cfg.kw * q.Coutg + 1, dtype_unit_roundoff(dt), dt);
+        free(xc); free(xg); free(dy); free(din0); free(dyr); free(ady); free(Sx);
+        cu_pair_free(&DY); cu_pair_free(&DX);
+
+        free(x); free(w); free(b); free(xr); free(ax); free(aw); free(ab); free(S); free(cw);
         o->free(o, w_d); o->free(o, b_d); o->free(o, gw);
         cu_pair_free(&X); cu_pair_free(&Y);
     }
     if (g_verbose)
-        printf("    %d convs; worst relative error forward fp16 %.2e  bf16 %.2e\n", n, g_conv_worst[0][DT_F16],
-               g_conv_worst[0][DT_BF16]);
+        printf("    %d convs; worst relative error forward fp16 %.2e  bf16 %.2e; backward data fp16 %.2e  bf16 %.2e\n", n,
+               g_conv_worst[0][DT_F16], g_conv_worst[0][DT_BF16], g_conv_worst[1][DT_F16], g_conv_worst[1][DT_BF16]);
 }
 
 // One unit in the last place of each storage type, relative to the value (2^-23,
