@@ -85,6 +85,11 @@ static void launch_check(const char *op, const char *file, int line);
 // a stream or cuBLAS, so one thread may call the tables of several devices in
 // turn (tests, the local replicas' turns) without setting the device itself.
 // With the device already current, cudaSetDevice is a check of a thread-local.
+// Counters of finished blocks for the reductions whose last block adds the
+// others' partials (last_block): one per (channel tile, group) of a channel-sums
+// launch, per output tile of an implicit-GEMM weight gradient. 0 between launches.
+#define SUMS_COUNTERS ((size_t)1 << 15)
+
 struct CudaCtx {
     int device;
     cudaStream_t stream;  // every op runs on it, in order
@@ -260,6 +265,13 @@ static bool vec_ok(std::initializer_list<DType> dts, size_t n, std::initializer_
         case DT_F16: { typedef F16 T; __VA_ARGS__; } break;    \
         default: { typedef BF16 T; __VA_ARGS__; } break;       \
         }                                                      \
+    } while (0)
+
+// ...for the ops of 16-bit types only (the tensor-core kernels)
+#define SWITCH_HALF(dt, T, ...)                               \
+    do {                                                      \
+        if (dt == DT_F16) { typedef F16 T; __VA_ARGS__; }     \
+        else { typedef BF16 T; __VA_ARGS__; }                 \
     } while (0)
 
 // Accessors of W consecutive channels at element i of a tensor, so that one
@@ -855,7 +867,9 @@ typedef struct {
     ConvGeom q;
     int G, GK;             // groups; columns of an im2col row, G·K = kh·kw·Cin
     int pointwise, depthwise;
-    int implicit;          // forward and backward data by the implicit-GEMM kernels (no columns)
+    int implicit;          // forward and backward by the implicit-GEMM kernels (no columns)
+    int wgrad_parts;       // implicit backward weight: pixel ranges summed apart (partials in `reduce`)...
+    uint32_t wgrad_part_pixels;  // ...of this many pixels each (a multiple of IG_BK)
     DType dt;
     int fwd_rows;          // output rows (n,oy) per forward / backward-weight chunk
     int bwd_rows;          // input rows (n,iy) per backward-data chunk
@@ -903,6 +917,7 @@ static void conv_fail(const char *what, const ConvCfg *cfg, Shape in) {
 }
 
 static bool conv_takes_implicit(Ops *o, const ConvCfg *cfg, DType dt);
+static void wgrad_split(const ConvCfg *cfg, const ConvGeom *q, int *parts, uint32_t *part_pixels);
 static ConvPlan conv_plan(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
     ConvPlan p;
     memset(&p, 0, sizeof p);
@@ -921,6 +936,11 @@ static ConvPlan conv_plan(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
         return p;
     }
     p.wcast = dt == DT_F32 ? 0 : (size_t)q->Cout * q->K * es;
+    if (p.implicit) {
+        wgrad_split(cfg, q, &p.wgrad_parts, &p.wgrad_part_pixels);
+        p.reduce = p.wgrad_parts > 1 ? (size_t)p.wgrad_parts * q->Cout * q->K * sizeof(float) : 0;
+        return p;
+    }
     p.col_row = p.pointwise ? 0 : (size_t)q->OW * p.GK * es;
     p.rows32_row = dt != DT_F32 && cfg->has_bias ? (size_t)q->OW * q->Cout * sizeof(float) : 0;
     p.dcol_row = p.pointwise ? 0 : (size_t)q->OW * p.GK * sizeof(float);
@@ -955,6 +975,7 @@ static size_t ws_backward_data(const ConvPlan *p) {
     return dcol ? align_up(p->wcast) + dcol : p->wcast;
 }
 static size_t ws_backward_weight(const ConvPlan *p) {
+    if (p->implicit) return p->reduce;
     size_t col = p->fwd_rows * p->col_row;
     return col > p->reduce ? col : p->reduce;
 }
@@ -1195,9 +1216,9 @@ template <int pending> static __device__ __forceinline__ void cp_async_wait() {
 static __device__ __forceinline__ int ig_swizzle(int row, int chunk) {
     return row * IG_BK + ((chunk ^ ((row >> 1) & 3)) << 3);
 }
-// ...and in a tile of IG_BN-element rows (8 chunks)
-static __device__ __forceinline__ int ig_swizzle_wide(int row, int chunk) {
-    return row * IG_BN + ((chunk ^ (row & 7)) << 3);
+// ...and in a tile of ROW-element rows (8 or 16 chunks; the low 3 bits of the chunk swizzled)
+template <int ROW> static __device__ __forceinline__ int ig_swizzle_wide(int row, int chunk) {
+    return row * ROW + ((chunk ^ (row & 7)) << 3);
 }
 
 // The A operand: src (H, W, C) NHWC, k = (a·taps_x + b)·Ck + c, K columns,
@@ -1256,11 +1277,12 @@ static __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const vo
 #endif
 }
 
-// The K loop of both kernels: acc[i][j] (the warp's 16×8 tile (i, j)) += A·B
-// over k_tiles tiles of IG_BK; load_stage(buf) issues the copies of the next
-// tile into buffer buf. B_TRANS: the B tile is [IG_BK][IG_BN] (k rows), else
-// [IG_BN][IG_BK] (channel rows).
-template <class T, bool B_TRANS, class LoadStage>
+// The K loop of the three kernels: acc[i][j] (the warp's 16×8 tile (i, j)) +=
+// A·B over k_tiles tiles of IG_BK; load_stage(buf) issues the copies of the
+// next tile into buffer buf. The A tile is [IG_BM][IG_BK] (GEMM rows), or with
+// A_TRANS [IG_BK][IG_BM] (reduction rows); the B tile [IG_BN][IG_BK] (channel
+// rows), or with B_TRANS [IG_BK][IG_BN].
+template <class T, bool A_TRANS, bool B_TRANS, class LoadStage>
 static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *smem, int k_tiles, LoadStage load_stage) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = (warp & 1) * 64, wn = (warp >> 1) * 32;
 #pragma unroll
@@ -1285,12 +1307,16 @@ static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *sme
             uint32_t af[4][4], bf[4][2];
 #pragma unroll
             for (int i = 0; i < 4; i++)  // matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15): a0..a3
-                ldmatrix_x4(af[i], As + ig_swizzle(wm + 16 * i + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * ks + (lane >> 4)));
+                if (A_TRANS)
+                    ldmatrix_x4_trans(af[i], As + ig_swizzle_wide<IG_BM>(16 * ks + (lane & 7) + (lane >> 4) * 8,
+                                                                         (wm + 16 * i) / 8 + ((lane >> 3) & 1)));
+                else
+                    ldmatrix_x4(af[i], As + ig_swizzle(wm + 16 * i + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * ks + (lane >> 4)));
 #pragma unroll
             for (int j = 0; j < 2; j++) {  // matrices (channels 0-7 | 8-15) × (k 0-7 | 8-15): b0, b1 of two tiles
                 uint32_t r[4];
                 if (B_TRANS)  // rows k, 8 channels a chunk: (k 0-7 | 8-15) × (channels 0-7 | 8-15)
-                    ldmatrix_x4_trans(r, Bs + ig_swizzle_wide(16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8,
+                    ldmatrix_x4_trans(r, Bs + ig_swizzle_wide<IG_BN>(16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                               (wn + 16 * j) / 8 + (lane >> 4)));
                 else
                     ldmatrix_x4(r, Bs + ig_swizzle(wn + 16 * j + (lane & 7) + (lane >> 4) * 8, 2 * ks + ((lane >> 3) & 1)));
@@ -1356,7 +1382,7 @@ __global__ void __launch_bounds__(IG_THREADS) conv_fwd_kernel(T *y, const T *x, 
         walk.advance(IG_BK, a.gd.Ck, a.gd.taps_x);
     };
     float acc[4][4][4];
-    ig_mainloop<T, false>(acc, smem, (K + IG_BK - 1) / IG_BK, load_stage);
+    ig_mainloop<T, false, false>(acc, smem, (K + IG_BK - 1) / IG_BK, load_stage);
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
@@ -1419,7 +1445,7 @@ __global__ void __launch_bounds__(IG_THREADS) conv_dgrad_kernel(T *din, const T 
             const TapWalk &b = bwalk[j];
             const int tap = (a.ky0[ph] + s * b.a) * a.kw + a.kx0[ph] + s * b.b;
             const T *src = wg + b.c * a.Kw + tap * a.Cg + ci;
-            T *dst = Bs + ig_swizzle_wide(brow0 + 16 * j, bchunk);
+            T *dst = Bs + ig_swizzle_wide<IG_BN>(brow0 + 16 * j, bchunk);
             if (VEC) {
                 const bool in = b.k < gd.K && ci < a.Cg;
                 cp_async16(dst, in ? src : w, in ? 16 : 0);
@@ -1431,7 +1457,7 @@ __global__ void __launch_bounds__(IG_THREADS) conv_dgrad_kernel(T *din, const T 
         }
     };
     float acc[4][4][4];
-    ig_mainloop<T, true>(acc, smem, (gd.K + IG_BK - 1) / IG_BK, load_stage);
+    ig_mainloop<T, false, true>(acc, smem, (gd.K + IG_BK - 1) / IG_BK, load_stage);
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
@@ -1467,6 +1493,118 @@ static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *
 static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
                                       int parts, float *partial);
 
+// Backward weight, GEMM rows k = (ky, kx, ci) of W's rows, columns co, the
+// reduction over output pixels p = (n, oy, ox):
+//   dW[g·Coutg + co][k] += Σ_p A[p][k] · dout[p][g·Coutg + co]   (A: the forward's gather)
+// Both tiles hold IG_BK pixels as rows (A [IG_BK][IG_BM] k-contiguous, B
+// [IG_BK][IG_BN] co-contiguous), read transposed by ldmatrix. The pixels are
+// split into `parts` ranges (grid.z = g·parts + part) so that small convs
+// still fill the GPU; a part's block writes its fp32 tile to
+// partial[part][Cout][K] and the last block of the tile (last_block) adds the
+// parts in part order into dW (one part: straight into dW). The split depends
+// on the shape only: the same bits on any GPU.
+struct ConvWgradArgs {
+    int H, W, C, Cg, Cout, Coutg, K, kw, stride, pt, pl, OH, OW;
+    uint32_t M;                 // output pixels N·OH·OW
+    uint32_t part_pixels;       // pixels per part, a multiple of IG_BK
+    int parts;
+    FastDiv OW_div, OH_div;
+};
+// an output pixel (n, oy, ox) walked forward in steps of IG_BK
+struct PixelWalk {
+    int n, oy, ox;
+    __device__ void advance(int by, int OH, int OW) {
+        ox += by;
+        while (ox >= OW) { ox -= OW; if (++oy == OH) { oy = 0; ++n; } }
+    }
+};
+
+template <class T, bool VEC>
+__global__ void __launch_bounds__(IG_THREADS) conv_wgrad_kernel(float *dw, float *partial, unsigned *done,
+                                                                const T *dout, const T *x, ConvWgradArgs a) {
+    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BK rows of IG_BM, B: IG_BK rows of IG_BN)
+    const int tid = threadIdx.x, part = blockIdx.z % a.parts, g = blockIdx.z / a.parts;
+    const int k0 = blockIdx.x * IG_BM, co0 = blockIdx.y * IG_BN;
+    const uint32_t p_begin = part * a.part_pixels;
+    const uint32_t p_end = p_begin + a.part_pixels < a.M ? p_begin + a.part_pixels : a.M;
+    // A: thread t fills chunk t%16 (k0 + 8·(t%16)..) of pixel rows t/16 + 8i
+    const int achunk = tid & 15, arow0 = tid >> 4;
+    TapWalk tap = {0, 0, 0, 0};
+    tap.advance(k0 + 8 * achunk, a.Cg, a.kw);
+    PixelWalk pix[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t p = p_begin + arow0 + 8 * i, t = fastdiv(a.OW_div, p), n = fastdiv(a.OH_div, t);
+        pix[i] = PixelWalk{(int)n, (int)(t - n * a.OH_div.d), (int)(p - t * a.OW_div.d)};
+    }
+    // B: thread t fills chunk t%8 (co0 + 8·(t%8)..) of pixel rows t/8 + 16j
+    const int bchunk = tid & 7, brow0 = tid >> 3, co = co0 + 8 * bchunk;
+    uint32_t p_tile = p_begin;
+    auto load_stage = [&](int buf) {
+        T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BK * IG_BM;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const PixelWalk &w = pix[i];
+            const bool p_in = p_tile + arow0 + 8 * i < p_end;
+            T *dst = As + ig_swizzle_wide<IG_BM>(arow0 + 8 * i, achunk);
+            if (VEC) {
+                const int iy = w.oy * a.stride - a.pt + tap.a, ix = w.ox * a.stride - a.pl + tap.b;
+                const bool in = p_in && tap.k < a.K && (unsigned)iy < (unsigned)a.H && (unsigned)ix < (unsigned)a.W;
+                cp_async16(dst, in ? x + ((w.n * a.H + iy) * a.W + ix) * a.C + g * a.Cg + tap.c : x, in ? 16 : 0);
+            } else {
+                TapWalk e = tap;
+#pragma unroll
+                for (int q = 0; q < 8; q++, e.advance(1, a.Cg, a.kw)) {
+                    const int iy = w.oy * a.stride - a.pt + e.a, ix = w.ox * a.stride - a.pl + e.b;
+                    const bool in = p_in && e.k < a.K && (unsigned)iy < (unsigned)a.H && (unsigned)ix < (unsigned)a.W;
+                    dst[q] = in ? x[((w.n * a.H + iy) * a.W + ix) * a.C + g * a.Cg + e.c] : T{0};
+                }
+            }
+            pix[i].advance(IG_BK, a.OH, a.OW);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const uint32_t p = p_tile + brow0 + 16 * j;
+            const T *src = dout + p * a.Cout + g * a.Coutg + co;
+            T *dst = Bs + ig_swizzle_wide<IG_BN>(brow0 + 16 * j, bchunk);
+            if (VEC) {
+                const bool in = p < p_end && co < a.Coutg;
+                cp_async16(dst, in ? src : dout, in ? 16 : 0);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 8; q++) dst[q] = p < p_end && co + q < a.Coutg ? src[q] : T{0};
+            }
+        }
+        p_tile += IG_BK;
+    };
+    float acc[4][4][4];
+    ig_mainloop<T, true, true>(acc, smem, (int)((p_end - p_begin + IG_BK - 1) / IG_BK), load_stage);
+    // acc row: k0 + ig_acc_row, column: co0 + ig_acc_col; dW and the partials are [Cout][K]
+    float *out = a.parts > 1 ? partial + (size_t)part * a.Cout * a.K : dw;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const int k = k0 + ig_acc_row(i, r), c = co0 + ig_acc_col(j, r);
+                if (k >= a.K || c >= a.Coutg) continue;
+                const uint32_t idx = (uint32_t)(g * a.Coutg + c) * a.K + k;
+                if (a.parts > 1) out[idx] = acc[i][j][r];
+                else out[idx] += acc[i][j][r];
+            }
+    if (a.parts == 1) return;
+    if (!last_block(done + (blockIdx.z / a.parts * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x, a.parts)) return;
+    for (int e = tid; e < IG_BM * IG_BN; e += IG_THREADS) {  // the tile, k fastest
+        const int k = k0 + e % IG_BM, c = co0 + e / IG_BM;
+        if (k >= a.K || c >= a.Coutg) continue;
+        const uint32_t idx = (uint32_t)(g * a.Coutg + c) * a.K + k;
+        float sum = 0.0f;
+        for (int q = 0; q < a.parts; q++) sum += partial[(size_t)q * a.Cout * a.K + idx];
+        dw[idx] += sum;
+    }
+}
+
 int cuda_conv_implicit = 1;  // declared in segnet.h
 
 // whether a conv takes the implicit-GEMM kernels: 16-bit k×k (not depthwise) on sm_80+
@@ -1475,6 +1613,27 @@ static bool conv_takes_implicit(Ops *o, const ConvCfg *cfg, DType dt) {
            cfg->stride * cfg->stride <= IG_MAX_PHASES && ctx_of(o)->sm_major >= 8;
 }
 static bool aligned16(const void *p) { return (uintptr_t)p % VEC_BYTES == 0; }
+
+// The weight gradient's pixel split: about WGRAD_BLOCKS blocks in all (4 per SM
+// of a 132-SM GPU; a constant, so the sums do not depend on the GPU), each part
+// at least WGRAD_MIN_TILES tiles of IG_BK pixels, at most WGRAD_PARTS_MAX parts.
+#define WGRAD_BLOCKS 528
+#define WGRAD_MIN_TILES 8
+#define WGRAD_PARTS_MAX 64
+static void wgrad_split(const ConvCfg *cfg, const ConvGeom *q, int *parts, uint32_t *part_pixels) {
+    const size_t tiles = (size_t)((q->K + IG_BM - 1) / IG_BM) * ((q->Coutg + IG_BN - 1) / IG_BN) * cfg->groups;
+    const size_t M = (size_t)q->N * q->P, most = (M + IG_BK * WGRAD_MIN_TILES - 1) / (IG_BK * WGRAD_MIN_TILES);
+    size_t n = (WGRAD_BLOCKS + tiles - 1) / tiles;
+    if (n > most) n = most;
+    if (n > WGRAD_PARTS_MAX) n = WGRAD_PARTS_MAX;
+    if (n < 1) n = 1;
+    size_t per = (M + n - 1) / n;
+    per = (per + IG_BK - 1) / IG_BK * IG_BK;
+    if (per < IG_BK) per = IG_BK;
+    *parts = (int)((M + per - 1) / per);
+    if (*parts < 1) *parts = 1;
+    *part_pixels = (uint32_t)per;
+}
 
 static void conv_implicit_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const void *wt,
                                   const float *b) {
@@ -1486,7 +1645,7 @@ static void conv_implicit_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q,
     a.M = (uint32_t)(q->N * q->P); a.OW = fastdiv_make(q->OW); a.OH = fastdiv_make(q->OH);
     const dim3 grid((a.M + IG_BM - 1) / IG_BM, (q->Coutg + IG_BN - 1) / IG_BN, cfg->groups);
     const bool vec = cuda_vector_kernels && q->Cg % 8 == 0 && aligned16(in.data) && aligned16(wt);
-    SWITCH_STORAGE(in.dtype, T, {
+    SWITCH_HALF(in.dtype, T, {
         if (vec) CU_LAUNCH((conv_fwd_kernel<T, true>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)out.data,
                            (const T *)in.data, (const T *)wt, b, a);
         else CU_LAUNCH((conv_fwd_kernel<T, false>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)out.data,
@@ -1519,11 +1678,34 @@ static void conv_implicit_backward_data(Ops *o, const ConvCfg *cfg, const ConvGe
     }
     const dim3 grid((rows + IG_BM - 1) / IG_BM, (q->Cg + IG_BN - 1) / IG_BN, cfg->groups * a.phases);
     const bool vec = cuda_vector_kernels && q->Cg % 8 == 0 && q->Coutg % 8 == 0 && aligned16(dout.data) && aligned16(wt);
-    SWITCH_STORAGE(din.dtype, T, {
+    SWITCH_HALF(din.dtype, T, {
         if (vec) CU_LAUNCH((conv_dgrad_kernel<T, true>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)din.data,
                            (const T *)dout.data, (const T *)wt, a);
         else CU_LAUNCH((conv_dgrad_kernel<T, false>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)din.data,
                        (const T *)dout.data, (const T *)wt, a);
+    });
+    launchCheck();
+}
+
+static void conv_implicit_backward_weight(Ops *o, const ConvCfg *cfg, const ConvPlan *p, float *dw, Tensor dout,
+                                          Tensor in, void *ws) {
+    const ConvGeom *q = &p->q;
+    require_below(shape_numel(in.shape), (size_t)1 << 31, "implicit-GEMM conv input elements");
+    require_below(shape_numel(dout.shape), (size_t)1 << 31, "implicit-GEMM conv output elements");
+    ConvWgradArgs a;
+    a.H = q->H; a.W = q->W; a.C = q->C; a.Cg = q->Cg; a.Cout = q->Cout; a.Coutg = q->Coutg; a.K = q->K;
+    a.kw = cfg->kw; a.stride = cfg->stride; a.pt = q->pt; a.pl = q->pl; a.OH = q->OH; a.OW = q->OW;
+    a.M = (uint32_t)(q->N * q->P); a.part_pixels = p->wgrad_part_pixels; a.parts = p->wgrad_parts;
+    a.OW_div = fastdiv_make(q->OW); a.OH_div = fastdiv_make(q->OH);
+    const dim3 grid((q->K + IG_BM - 1) / IG_BM, (q->Coutg + IG_BN - 1) / IG_BN, cfg->groups * a.parts);
+    require_below((size_t)grid.x * grid.y * cfg->groups, SUMS_COUNTERS + 1, "implicit-GEMM weight gradient tiles");
+    const bool vec = cuda_vector_kernels && q->Cg % 8 == 0 && q->Coutg % 8 == 0 && aligned16(dout.data) && aligned16(in.data);
+    unsigned *done = ctx_of(o)->sums_done;
+    SWITCH_HALF(in.dtype, T, {
+        if (vec) CU_LAUNCH((conv_wgrad_kernel<T, true>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), dw, (float *)ws,
+                           done, (const T *)dout.data, (const T *)in.data, a);
+        else CU_LAUNCH((conv_wgrad_kernel<T, false>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), dw, (float *)ws,
+                       done, (const T *)dout.data, (const T *)in.data, a);
     });
     launchCheck();
 }
@@ -1641,6 +1823,10 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
     }
     if (dout.dtype != in.dtype) conv_fail("conv2d_backward_weight (in and dout storage types differ)", cfg, in.shape);
     const DType dt = in.dtype;
+    if (p.implicit) {
+        conv_implicit_backward_weight(o, cfg, &p, dw, dout, in, ws);
+        return;
+    }
     if (p.pointwise) {
         // dW[Cout][Cin] += dout[M][Cout]ᵀ·in[M][Cin]; column-major: dWᵀ (Cin×Cout) += inᵀ (Cin×M)·dout (op T)
         gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_T, q->C, q->Cout, (size_t)q->N * q->H * q->W, in.data, q->C, dout.data,
@@ -1690,9 +1876,7 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
 // count (chunks ≤ SUMS_SCRATCH/(G·NQ·C), at least 1, which needs no scratch); it
 // never limits the shapes an op accepts.
 #define SUMS_SCRATCH ((size_t)1 << 20)  // doubles (8 MiB)
-// Counters of finished chunks, one per (channel tile, group) of a launch with
-// more than one chunk; a launch with more tiles × groups runs one chunk.
-#define SUMS_COUNTERS ((size_t)1 << 15)
+// (SUMS_COUNTERS, at the context: a launch with more tiles × groups runs one chunk)
 
 // a thread's rows of its chunk: r0 + lane, + TY, ... < r1
 struct RowChunk { uint32_t r0, r1; };

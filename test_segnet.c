@@ -5865,6 +5865,10 @@ static void test_cuda_conv_dense(void) {
         {"3x3 s2 symmetric", {2, 5, 6, 5}, 4, 3, 2, 1, PAD_SYMMETRIC},
         {"5x5 s1 same", {2, 7, 9, 3}, 4, 5, 1, 1, PAD_SAME},
         {"5x5 s2 symmetric", {2, 7, 6, 2}, 3, 5, 2, 1, PAD_SYMMETRIC},
+        // 646 output pixels: several pixel tiles, and the implicit-GEMM weight
+        // gradient in 3 parts added by the last block; 16-byte chunks (8 channels) and not
+        {"3x3 s1 same, 646 pixels, 8 -> 16", {2, 17, 19, 8}, 16, 3, 1, 1, PAD_SAME},
+        {"3x3 s1 symmetric, 646 pixels, 3 -> 5", {2, 17, 19, 3}, 5, 3, 1, 1, PAD_SYMMETRIC},
     };
     cuda_conv_cases(cases, sizeof cases / sizeof cases[0], 1);
 }
@@ -5926,7 +5930,7 @@ static int model_conv_cfgs(ConvCfg *out, int cap) {
     return n;
 }
 
-// The forward and backward data of every conv of model_conv_cfgs in fp16 and
+// The forward and backward (data, weight) of every conv of model_conv_cfgs in fp16 and
 // bf16 (where the implicit-GEMM kernels apply; fp32 stays on cuBLAS) on a
 // 2×5×7 input (one partial pixel tile; both paddings' edges; stride 2's four
 // phases of unequal sizes), with and without bias, overwriting and
@@ -5978,7 +5982,21 @@ static void test_cuda_conv_model_shapes(void) {
         float *xc = cu_host_values(DX.cpu), *xg = cu_to_host(DX.gpu.data, nin, dt);
         cu_conv_compare(acc ? "backward data (accumulate)" : "backward data", label, 1, dt, xg, xc, Sx, nin,
                         (size_t)cfg.kh * cfg.kw * q.Coutg + 1, dtype_unit_roundoff(dt), dt);
-        free(xc); free(xg); free(dy); free(din0); free(dyr); free(ady); free(Sx);
+        free(xc); free(xg); free(din0); free(Sx);
+
+        // backward weight, added into random values
+        const size_t M = (size_t)q.N * q.P;
+        float *dw0 = randn(&r, nw, 1.0f), *dw_c = malloc(sizeof(float) * nw), *Sw = malloc(sizeof(float) * nw);
+        memcpy(dw_c, dw0, sizeof(float) * nw);
+        float *dw_d = cu_floats(dw0, nw);
+        ops_cpu.conv2d_backward_weight(&ops_cpu, &cfg, dw_c, NULL, DY.cpu, X.cpu, cw);
+        o->conv2d_backward_weight(o, &cfg, dw_d, NULL, DY.gpu, X.gpu, gw);
+        for (size_t e = 0; e < nw; e++) Sw[e] = fabsf(dw0[e]);
+        ops_cpu.conv2d_backward_weight(&ops_cpu, &cfg, Sw, NULL, tensor_f32(ady, os), tensor_f32(ax, in), cw);
+        float *wg = cu_to_host(dw_d, nw, DT_F32);
+        cu_conv_compare("backward weight", label, 2, dt, wg, dw_c, Sw, nw, M + 1, 0.0f, DT_F32);
+        free(wg); free(dw0); free(dw_c); free(Sw); free(dy); free(dyr); free(ady);
+        o->free(o, dw_d);
         cu_pair_free(&DY); cu_pair_free(&DX);
 
         free(x); free(w); free(b); free(xr); free(ax); free(aw); free(ab); free(S); free(cw);
@@ -5986,8 +6004,9 @@ static void test_cuda_conv_model_shapes(void) {
         cu_pair_free(&X); cu_pair_free(&Y);
     }
     if (g_verbose)
-        printf("    %d convs; worst relative error forward fp16 %.2e  bf16 %.2e; backward data fp16 %.2e  bf16 %.2e\n", n,
-               g_conv_worst[0][DT_F16], g_conv_worst[0][DT_BF16], g_conv_worst[1][DT_F16], g_conv_worst[1][DT_BF16]);
+        printf("    %d convs; worst relative error forward fp16 %.2e  bf16 %.2e; backward data fp16 %.2e  bf16 %.2e; "
+               "backward weight fp16 %.2e  bf16 %.2e\n", n, g_conv_worst[0][DT_F16], g_conv_worst[0][DT_BF16],
+               g_conv_worst[1][DT_F16], g_conv_worst[1][DT_BF16], g_conv_worst[2][DT_F16], g_conv_worst[2][DT_BF16]);
 }
 
 // One unit in the last place of each storage type, relative to the value (2^-23,
