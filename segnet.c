@@ -7694,7 +7694,9 @@ static const char *PLAN_USAGE =
 //
 // The bytes each op of a training step moves through device memory, as the
 // CUDA kernels and cuBLAS calls of today do it (each tensor read or written
-// once per pass; accumulation reads and L2 reuse left out), and its FLOPs.
+// once per pass; accumulation reads, the weight gradient's partial sums and
+// re-reads that L2 may serve (an implicit GEMM reads its input once per tile
+// of 64 output channels) left out), and its FLOPs.
 // An op takes at least max(bytes / bandwidth, FLOPs / peak): the step at least
 // the sum. H200: 4.8 TB/s, 790 TFLOP/s dense bf16 (fp32: the 67 TFLOP/s of
 // its CUDA cores).
@@ -7704,7 +7706,7 @@ static const char *PLAN_USAGE =
 enum { ROOF_CONV_KXK, ROOF_CONV_1X1, ROOF_DEPTHWISE, ROOF_BN, ROOF_ELEMENTWISE, ROOF_SE, ROOF_RESAMPLE,
        ROOF_OPTIMIZER, ROOF_KINDS };
 static const char *const ROOF_NAMES[ROOF_KINDS] = {
-    "conv k×k (im2col + GEMM)", "conv 1×1, dense (GEMM)", "depthwise conv", "batch norm (+act)",
+    "conv k×k (16-bit: implicit GEMM)", "conv 1×1, dense (GEMM)", "depthwise conv", "batch norm (+act)",
     "elementwise (act, add, dropout)", "squeeze-excitation pool/scale", "pool, upsample, resize, concat",
     "optimizer (Adam, cast, zero)"};
 typedef struct { double bytes[ROOF_KINDS], flops[ROOF_KINDS], seconds[ROOF_KINDS]; double peak; } Roofline;
@@ -7745,7 +7747,11 @@ static void roofline_step(const Graph *g, DType dt, Roofline *r) {
                 roof_pass(r, ROOF_CONV_1X1, (X + Y + w) * e, flops);
                 if (dx) roof_pass(r, ROOF_CONV_1X1, (X + Y + w) * e, flops);
                 if (wgrad) roof_pass(r, ROOF_CONV_1X1, (X + Y) * e + w * 4, flops);
-            } else {  // the columns are written and read once per pass; backward data's in fp32, then col2im
+            } else if (dt != DT_F32) {  // implicit GEMM: the operands gathered from the tensors themselves
+                roof_pass(r, ROOF_CONV_KXK, (X + Y + w) * e, flops);
+                if (dx) roof_pass(r, ROOF_CONV_KXK, (Y + w + X) * e, flops);
+                if (wgrad) roof_pass(r, ROOF_CONV_KXK, (X + Y) * e + w * 4, flops);
+            } else {  // im2col: the columns written and read once per pass; backward data's in fp32, then col2im
                 roof_pass(r, ROOF_CONV_KXK, X * e + 2 * col * e + (Y + w) * e, flops);
                 if (dx) roof_pass(r, ROOF_CONV_KXK, (Y + w) * e + 2 * col * 4 + X * e, flops);
                 if (wgrad) roof_pass(r, ROOF_CONV_KXK, X * e + 2 * col * e + Y * e + w * 4, flops);
@@ -7799,7 +7805,8 @@ static void print_roofline(const Graph *g, DType dt) {
     printf("  %-34s %10s %10s %10s\n", "op kind", "GB moved", "TFLOP", "ms (bound)");
     for (int k = 0; k < ROOF_KINDS; k++) {
         if (r.bytes[k] == 0 && r.flops[k] == 0) continue;
-        printf("  %-34s %10.2f %10.3f %10.3f\n", ROOF_NAMES[k], r.bytes[k] / 1e9, r.flops[k] / 1e12, 1e3 * r.seconds[k]);
+        const char *name = k == ROOF_CONV_KXK && dt == DT_F32 ? "conv k×k (fp32: im2col + GEMM)" : ROOF_NAMES[k];
+        printf("  %-34s %10.2f %10.3f %10.3f\n", name, r.bytes[k] / 1e9, r.flops[k] / 1e12, 1e3 * r.seconds[k]);
         B += r.bytes[k]; F += r.flops[k]; T += r.seconds[k];
     }
     printf("  %-34s %10.2f %10.3f %10.3f\n", "step", B / 1e9, F / 1e12, 1e3 * T);
