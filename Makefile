@@ -282,7 +282,8 @@ gpucount: segnet_emu
 #    installed (time-boxed: a cut-short run says how far it got);
 # 3. GPU_STEPS training steps of each GPU_MODELS entry in bf16 and fp16, with
 #    and without --checkpoint blocks (in bf16 also op by op, SEGNET_CUDA_GRAPHS=0,
-#    ckpt "eager": what the recorded step gains), and the same model, size and batch in
+#    ckpt "eager": what the recorded step gains; and with k×k convs by im2col and
+#    cuBLAS, SEGNET_CONV=gemm, ckpt "gemm": what the implicit GEMMs gain), and the same model, size and batch in
 #    PyTorch (its GPU library kernels, autocast, channels_last) with GPU_PYTHON when its torch
 #    sees the GPU;
 # 4. gpucheck.txt: the GPU, the tests' and the sanitizer's verdicts and one
@@ -358,10 +359,10 @@ gpucheck: gpubuild
 	      t=$$(timeout $$(budget 90) "$$py" ref/bench_torch.py --device cuda --precision $$p $$args --steps $(GPU_STEPS) --warmup 3) || t=""; \
 	      echo "$$t" >&2; \
 	    fi; \
-	    for c in none blocks $$([ $$p = bf16 ] && echo eager); do \
-	      ckpt=$$c; graphs=1; [ $$c = eager ] && { ckpt=none; graphs=0; }; \
-	      echo "== 3. $$name $$p --checkpoint $$ckpt$$([ $$graphs = 0 ] && echo ', SEGNET_CUDA_GRAPHS=0'): segnet bench --device cuda $$args" >&2; \
-	      s=$$(SEGNET_CUDA_GRAPHS=$$graphs timeout $$(budget 120) ./segnet bench --device cuda --precision $$p --checkpoint $$ckpt $$args --steps $(GPU_STEPS) --warmup 3) || s=""; \
+	    for c in none blocks $$([ $$p = bf16 ] && echo eager gemm); do \
+	      ckpt=$$c; graphs=1; conv=implicit; [ $$c = eager ] && { ckpt=none; graphs=0; }; [ $$c = gemm ] && { ckpt=none; conv=gemm; }; \
+	      echo "== 3. $$name $$p --checkpoint $$ckpt$$([ $$graphs = 0 ] && echo ', SEGNET_CUDA_GRAPHS=0')$$([ $$conv = gemm ] && echo ', SEGNET_CONV=gemm'): segnet bench --device cuda $$args" >&2; \
+	      s=$$(SEGNET_CUDA_GRAPHS=$$graphs SEGNET_CONV=$$conv timeout $$(budget 120) ./segnet bench --device cuda --precision $$p --checkpoint $$ckpt $$args --steps $(GPU_STEPS) --warmup 3) || s=""; \
 	      echo "$$s" >&2; \
 	      get() { v=$$(echo "$$1" | sed -n "s/^$$2: //p"); echo $${v:-nan}; }; \
 	      rows="$$rows$$name $$p $$c $$(get "$$s" images_per_s) $$(get "$$t" images_per_s) $$(get "$$s" peak_device_bytes) $$(get "$$t" peak_device_bytes)\n"; \

@@ -3548,6 +3548,10 @@ static void nccl_comm_bind(Comm *dcomm, Comm *host, NcclGroup *g, int i) {
 }
 
 int cuda_comm_local_create(Comm *dcomms, Comm *hosts, int n, char err[SN_ERR_MAX]) {
+    if (n < 1 || n > SN_MAX_REPLICAS) {
+        snprintf(err, SN_ERR_MAX, "%d replicas: 1 to %d are supported", n, SN_MAX_REPLICAS);
+        return -1;
+    }
     int devices[SN_MAX_REPLICAS] = {0};
     NcclGroup *g = (NcclGroup *)calloc(1, sizeof *g);
     internalCheck(g != NULL);  // out of host memory
