@@ -267,13 +267,6 @@ static bool vec_ok(std::initializer_list<DType> dts, size_t n, std::initializer_
         }                                                      \
     } while (0)
 
-// ...for the ops of 16-bit types only (the tensor-core kernels)
-#define SWITCH_HALF(dt, T, ...)                               \
-    do {                                                      \
-        if (dt == DT_F16) { typedef F16 T; __VA_ARGS__; }     \
-        else { typedef BF16 T; __VA_ARGS__; }                 \
-    } while (0)
-
 // Accessors of W consecutive channels at element i of a tensor, so that one
 // kernel source serves both kinds: AnyIO (W = 1, run-time storage type) for
 // the generic kernels, VecIO<T> (W = Vec<T>::N, one 16-byte access) for the
@@ -1209,20 +1202,24 @@ template <int pending> static __device__ __forceinline__ void cp_async_wait() {
 #define IG_STAGES 3
 #define IG_THREADS 128
 #define IG_STAGE_ELEMS ((IG_BM + IG_BN) * IG_BK)  // the A tile, then the B tile (IG_BN×IG_BK or IG_BK×IG_BN)
-#define IG_SMEM_BYTES (IG_STAGES * IG_STAGE_ELEMS * 2)
 #define IG_MAX_PHASES 4  // backward data: stride ≤ 2 (larger strides take the reference path)
 
-// element offset of (row, 8-element chunk) in a tile of IG_BK-element rows (4 chunks)
-static __device__ __forceinline__ int ig_swizzle(int row, int chunk) {
-    return row * IG_BK + ((chunk ^ ((row >> 1) & 3)) << 3);
+// A tile row holds ROW elements of type T, moved in 16-byte chunks of CE
+// elements. Chunk c of row r is stored at chunk c ^ (r/2 % 4) in rows of 4
+// chunks, c ^ (r % 8) in longer ones: the 8 rows an ldmatrix (or 8 threads of
+// the SIMT product) read at one column lie in 8 different 16-byte bank groups.
+template <class T> struct Chunk { static constexpr int CE = VEC_BYTES / sizeof(T); };
+template <class T, int ROW> static __device__ __forceinline__ int ig_swizzle(int row, int chunk) {
+    constexpr int chunks = ROW / Chunk<T>::CE;
+    return row * ROW + (chunks == 4 ? chunk ^ ((row >> 1) & 3) : chunk ^ (row & 7)) * Chunk<T>::CE;
 }
-// ...and in a tile of ROW-element rows (8 or 16 chunks; the low 3 bits of the chunk swizzled)
-template <int ROW> static __device__ __forceinline__ int ig_swizzle_wide(int row, int chunk) {
-    return row * ROW + ((chunk ^ (row & 7)) << 3);
+// element (row, col) of such a tile
+template <class T, int ROW> static __device__ __forceinline__ int ig_at(int row, int col) {
+    return ig_swizzle<T, ROW>(row, col / Chunk<T>::CE) + col % Chunk<T>::CE;
 }
 
-// The A operand: src (H, W, C) NHWC, k = (a·taps_x + b)·Ck + c, K columns,
-// A[m][k] = src[n, y_m + dir·a, x_m + dir·b, c0 + c] (0 outside)
+// The A operand of forward and backward data: src (H, W, C) NHWC, columns
+// k = (a·taps_x + b)·Ck + c, K of them, A[m][k] = src[n, y_m + dir·a, x_m + dir·b, c0 + c] (0 outside)
 struct Gather { int H, W, C, taps_x, Ck, dir, K; };
 // a thread's place in k = (a·taps_x + b)·Ck + c
 struct TapWalk {
@@ -1232,32 +1229,40 @@ struct TapWalk {
         while (c >= Ck) { c -= Ck; if (++b == taps_x) { b = 0; ++a; } }
     }
 };
-// a thread's 4 tile rows: src's offset of (n, 0, 0, c0) and (y_m, x_m); y of rows past M: always outside
-struct PixelRows { int base[4], y[4], x[4]; };
-#define IG_ROW_NONE (INT_MIN / 2)
+// Which rows and chunk of a [ROWS][ROW] tile a thread fills: chunk t % CPR of
+// rows t / CPR + STEP·i, i < N (CPR chunks per row, STEP = threads / CPR)
+template <class T, int ROW, int ROWS> struct TileFill {
+    static constexpr int CPR = ROW / Chunk<T>::CE, STEP = IG_THREADS / CPR, N = ROWS / STEP;
+    static __device__ int chunk() { return threadIdx.x % CPR; }
+    static __device__ int row(int i) { return threadIdx.x / CPR + STEP * i; }
+};
+#define IG_ROW_NONE (INT_MIN / 2)  // a row past the GEMM's end: its taps are never inside
 
-template <class T, bool VEC>
-static __device__ __forceinline__ void load_a(T *As, const T *src, const Gather &gd, const PixelRows &pr,
-                                              const TapWalk &walk, int row0, int chunk) {
+// the A tile [IG_BM][IG_BK] of a Gather: rows y[i], x[i] (top-left tap), base[i] (src's offset of (n, 0, 0, c0))
+template <class T, bool VEC, int N>
+static __device__ __forceinline__ void load_a(T *As, const T *src, const Gather &gd, const int (&base)[N],
+                                              const int (&y)[N], const int (&x)[N], const TapWalk &walk) {
+    typedef TileFill<T, IG_BK, IG_BM> F;
+    const int chunk = F::chunk();
     if (VEC) {
         const bool k_in = walk.k < gd.K;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int iy = pr.y[i] + gd.dir * walk.a, ix = pr.x[i] + gd.dir * walk.b;
+        for (int i = 0; i < N; i++) {
+            const int iy = y[i] + gd.dir * walk.a, ix = x[i] + gd.dir * walk.b;
             const bool in = k_in && (unsigned)iy < (unsigned)gd.H && (unsigned)ix < (unsigned)gd.W;
-            cp_async16(As + ig_swizzle(row0 + 32 * i, chunk), in ? src + pr.base[i] + (iy * gd.W + ix) * gd.C + walk.c : src,
+            cp_async16(As + ig_swizzle<T, IG_BK>(F::row(i), chunk), in ? src + base[i] + (iy * gd.W + ix) * gd.C + walk.c : src,
                        in ? 16 : 0);
         }
     } else {
         TapWalk e = walk;
 #pragma unroll
-        for (int q = 0; q < 8; q++, e.advance(1, gd.Ck, gd.taps_x)) {
+        for (int q = 0; q < Chunk<T>::CE; q++, e.advance(1, gd.Ck, gd.taps_x)) {
             const bool k_in = e.k < gd.K;
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int iy = pr.y[i] + gd.dir * e.a, ix = pr.x[i] + gd.dir * e.b;
+            for (int i = 0; i < N; i++) {
+                const int iy = y[i] + gd.dir * e.a, ix = x[i] + gd.dir * e.b;
                 const bool in = k_in && (unsigned)iy < (unsigned)gd.H && (unsigned)ix < (unsigned)gd.W;
-                As[ig_swizzle(row0 + 32 * i, chunk) + q] = in ? src[pr.base[i] + (iy * gd.W + ix) * gd.C + e.c] : T{0};
+                As[ig_swizzle<T, IG_BK>(F::row(i), chunk) + q] = in ? src[base[i] + (iy * gd.W + ix) * gd.C + e.c] : T{0};
             }
         }
     }
@@ -1277,11 +1282,23 @@ static __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const vo
 #endif
 }
 
+// where accumulator r of the warp's 16×8 tile (i, j) lies in the block's tile:
+// row wm + 16i + lane/4 (+8 for r ≥ 2), column wn + 8j + 2·(lane%4) + r%2, with
+// (wm, wn) = (64·(warp%2), 32·(warp/2)): mma.m16n8k16's D layout
+static __device__ __forceinline__ int ig_acc_row(int i, int r) {
+    return ((threadIdx.x >> 5) & 1) * 64 + 16 * i + ((threadIdx.x & 31) >> 2) + 8 * (r >> 1);
+}
+static __device__ __forceinline__ int ig_acc_col(int j, int r) {
+    return (threadIdx.x >> 6) * 32 + 8 * j + 2 * (threadIdx.x & 3) + (r & 1);
+}
+
 // The K loop of the three kernels: acc[i][j] (the warp's 16×8 tile (i, j)) +=
 // A·B over k_tiles tiles of IG_BK; load_stage(buf) issues the copies of the
 // next tile into buffer buf. The A tile is [IG_BM][IG_BK] (GEMM rows), or with
 // A_TRANS [IG_BK][IG_BM] (reduction rows); the B tile [IG_BN][IG_BK] (channel
-// rows), or with B_TRANS [IG_BK][IG_BN].
+// rows), or with B_TRANS [IG_BK][IG_BN]. fp16/bf16: ldmatrix and mma.sync;
+// fp32: the same accumulators by a SIMT product (each thread its own 64
+// elements, k in order, exact fp32 arithmetic).
 template <class T, bool A_TRANS, bool B_TRANS, class LoadStage>
 static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *smem, int k_tiles, LoadStage load_stage) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = (warp & 1) * 64, wn = (warp >> 1) * 32;
@@ -1302,41 +1319,62 @@ static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *sme
         if (kt + IG_STAGES - 1 < k_tiles) load_stage((kt + IG_STAGES - 1) % IG_STAGES);
         cp_async_commit();
         const T *As = smem + (kt % IG_STAGES) * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
+        if constexpr (sizeof(T) == 4) {
+#pragma unroll 4
+            for (int k = 0; k < IG_BK; k++) {
+                float a[4][2], b[4][2];
 #pragma unroll
-        for (int ks = 0; ks < IG_BK / 16; ks++) {
-            uint32_t af[4][4], bf[4][2];
+                for (int i = 0; i < 4; i++)
 #pragma unroll
-            for (int i = 0; i < 4; i++)  // matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15): a0..a3
-                if (A_TRANS)
-                    ldmatrix_x4_trans(af[i], As + ig_swizzle_wide<IG_BM>(16 * ks + (lane & 7) + (lane >> 4) * 8,
-                                                                         (wm + 16 * i) / 8 + ((lane >> 3) & 1)));
-                else
-                    ldmatrix_x4(af[i], As + ig_swizzle(wm + 16 * i + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * ks + (lane >> 4)));
+                    for (int h = 0; h < 2; h++) {
+                        const int m = ig_acc_row(i, 2 * h);
+                        a[i][h] = to_f32(A_TRANS ? As[ig_at<T, IG_BM>(k, m)] : As[ig_at<T, IG_BK>(m, k)]);
+                    }
 #pragma unroll
-            for (int j = 0; j < 2; j++) {  // matrices (channels 0-7 | 8-15) × (k 0-7 | 8-15): b0, b1 of two tiles
-                uint32_t r[4];
-                if (B_TRANS)  // rows k, 8 channels a chunk: (k 0-7 | 8-15) × (channels 0-7 | 8-15)
-                    ldmatrix_x4_trans(r, Bs + ig_swizzle_wide<IG_BN>(16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                              (wn + 16 * j) / 8 + (lane >> 4)));
-                else
-                    ldmatrix_x4(r, Bs + ig_swizzle(wn + 16 * j + (lane & 7) + (lane >> 4) * 8, 2 * ks + ((lane >> 3) & 1)));
-                bf[2 * j][0] = r[0]; bf[2 * j][1] = r[1]; bf[2 * j + 1][0] = r[2]; bf[2 * j + 1][1] = r[3];
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int n = ig_acc_col(j, e);
+                        b[j][e] = to_f32(B_TRANS ? Bs[ig_at<T, IG_BN>(k, n)] : Bs[ig_at<T, IG_BK>(n, k)]);
+                    }
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+#pragma unroll
+                        for (int r = 0; r < 4; r++) acc[i][j][r] += a[i][r >> 1] * b[j][r & 1];
             }
+        } else {
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+            for (int ks = 0; ks < IG_BK / 16; ks++) {
+                uint32_t af[4][4], bf[4][2];
 #pragma unroll
-                for (int j = 0; j < 4; j++) mma_16816<T>(acc[i][j], af[i], bf[j]);
+                for (int i = 0; i < 4; i++)  // matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15): a0..a3
+                    if (A_TRANS)
+                        ldmatrix_x4_trans(af[i], As + ig_swizzle<T, IG_BM>(16 * ks + (lane & 7) + (lane >> 4) * 8,
+                                                                           (wm + 16 * i) / 8 + ((lane >> 3) & 1)));
+                    else
+                        ldmatrix_x4(af[i], As + ig_swizzle<T, IG_BK>(wm + 16 * i + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                                     2 * ks + (lane >> 4)));
+#pragma unroll
+                for (int j = 0; j < 2; j++) {  // matrices (channels 0-7 | 8-15) × (k 0-7 | 8-15): b0, b1 of two tiles
+                    uint32_t r[4];
+                    if (B_TRANS)  // rows k: (k 0-7 | 8-15) × (channels 0-7 | 8-15)
+                        ldmatrix_x4_trans(r, Bs + ig_swizzle<T, IG_BN>(16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                                       (wn + 16 * j) / 8 + (lane >> 4)));
+                    else
+                        ldmatrix_x4(r, Bs + ig_swizzle<T, IG_BK>(wn + 16 * j + (lane & 7) + (lane >> 4) * 8,
+                                                                 2 * ks + ((lane >> 3) & 1)));
+                    bf[2 * j][0] = r[0]; bf[2 * j][1] = r[1]; bf[2 * j + 1][0] = r[2]; bf[2 * j + 1][1] = r[3];
+                }
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++) mma_16816<T>(acc[i][j], af[i], bf[j]);
+            }
         }
     }
     cp_async_wait<0>();
-}
-// where accumulator r of the warp's tile (i, j) lies in the block's tile:
-// row wm + 16i + lane/4 (+8 for r ≥ 2), channel wn + 8j + 2·(lane%4) + r%2
-static __device__ __forceinline__ int ig_acc_row(int i, int r) {
-    return ((threadIdx.x >> 5) & 1) * 64 + 16 * i + ((threadIdx.x & 31) >> 2) + 8 * (r >> 1);
-}
-static __device__ __forceinline__ int ig_acc_col(int j, int r) {
-    return (threadIdx.x >> 6) * 32 + 8 * j + 2 * (threadIdx.x & 3) + (r & 1);
 }
 
 struct ConvFwdArgs {
@@ -1350,33 +1388,35 @@ template <class T, bool VEC>
 __global__ void __launch_bounds__(IG_THREADS) conv_fwd_kernel(T *y, const T *x, const T *w, const float *bias,
                                                               ConvFwdArgs a) {
     CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BM rows, B: IG_BN rows) of IG_BK elements
-    const int tid = threadIdx.x, g = blockIdx.z, m0 = blockIdx.x * IG_BM, n0 = blockIdx.y * IG_BN;
-    const int chunk = tid & 3, row0 = tid >> 2, K = a.gd.K;
-    PixelRows pr;
+    typedef TileFill<T, IG_BK, IG_BM> FA;
+    typedef TileFill<T, IG_BK, IG_BN> FB;
+    constexpr int CE = Chunk<T>::CE;
+    const int g = blockIdx.z, m0 = blockIdx.x * IG_BM, n0 = blockIdx.y * IG_BN, K = a.gd.K;
+    int base[FA::N], py[FA::N], px[FA::N];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const uint32_t m = (uint32_t)(m0 + row0 + 32 * i);
+    for (int i = 0; i < FA::N; i++) {
+        const uint32_t m = (uint32_t)(m0 + FA::row(i));
         const uint32_t t = fastdiv(a.OW, m), ox = m - t * a.OW.d, n = fastdiv(a.OH, t), oy = t - n * a.OH.d;
-        pr.base[i] = (int)n * a.gd.H * a.gd.W * a.gd.C + g * a.Cg;
-        pr.y[i] = m < a.M ? (int)oy * a.stride - a.pt : IG_ROW_NONE;
-        pr.x[i] = (int)ox * a.stride - a.pl;
+        base[i] = (int)n * a.gd.H * a.gd.W * a.gd.C + g * a.Cg;
+        py[i] = m < a.M ? (int)oy * a.stride - a.pt : IG_ROW_NONE;
+        px[i] = (int)ox * a.stride - a.pl;
     }
     TapWalk walk = {0, 0, 0, 0};
-    walk.advance(chunk * 8, a.gd.Ck, a.gd.taps_x);
+    walk.advance(FA::chunk() * CE, a.gd.Ck, a.gd.taps_x);  // FB's chunk is the same column
     const T *wg = w + (size_t)g * a.Coutg * K;
     auto load_stage = [&](int buf) {
         T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
-        load_a<T, VEC>(As, x, a.gd, pr, walk, row0, chunk);
+        load_a<T, VEC>(As, x, a.gd, base, py, px, walk);
 #pragma unroll
-        for (int j = 0; j < 2; j++) {  // W's rows co, k-contiguous, like A's
-            const int co = n0 + row0 + 32 * j;
-            T *dst = Bs + ig_swizzle(row0 + 32 * j, chunk);
+        for (int j = 0; j < FB::N; j++) {  // W's rows co, k-contiguous, like A's
+            const int co = n0 + FB::row(j);
+            T *dst = Bs + ig_swizzle<T, IG_BK>(FB::row(j), FB::chunk());
             if (VEC) {
                 const bool in = walk.k < K && co < a.Coutg;
                 cp_async16(dst, in ? wg + co * K + walk.k : w, in ? 16 : 0);
             } else {
 #pragma unroll
-                for (int q = 0; q < 8; q++) dst[q] = walk.k + q < K && co < a.Coutg ? wg[co * K + walk.k + q] : T{0};
+                for (int q = 0; q < CE; q++) dst[q] = walk.k + q < K && co < a.Coutg ? wg[co * K + walk.k + q] : T{0};
             }
         }
         walk.advance(IG_BK, a.gd.Ck, a.gd.taps_x);
@@ -1411,47 +1451,50 @@ struct ConvDgradArgs {
 template <class T, bool VEC>
 __global__ void __launch_bounds__(IG_THREADS) conv_dgrad_kernel(T *din, const T *dout, const T *w, ConvDgradArgs a) {
     CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BM rows of IG_BK, B: IG_BK rows of IG_BN)
-    const int tid = threadIdx.x, ph = blockIdx.z % a.phases, g = blockIdx.z / a.phases;
+    typedef TileFill<T, IG_BK, IG_BM> FA;
+    typedef TileFill<T, IG_BN, IG_BK> FB;
+    constexpr int CE = Chunk<T>::CE;
+    const int ph = blockIdx.z % a.phases, g = blockIdx.z / a.phases;
     const int m0 = blockIdx.x * IG_BM, n0 = blockIdx.y * IG_BN;
     const uint32_t M = a.M[ph];
     if ((uint32_t)m0 >= M) return;  // the whole block: this phase has fewer rows
     Gather gd = a.gd;
     gd.taps_x = a.nkx[ph];
     gd.K = a.nky[ph] * a.nkx[ph] * a.Coutg;
-    const int chunk = tid & 3, row0 = tid >> 2, s = a.stride;
-    PixelRows pr;
+    const int s = a.stride;
+    int base[FA::N], py[FA::N], px[FA::N];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const uint32_t m = (uint32_t)(m0 + row0 + 32 * i);
+    for (int i = 0; i < FA::N; i++) {
+        const uint32_t m = (uint32_t)(m0 + FA::row(i));
         const uint32_t t = fastdiv(a.Wv[ph], m), v = m - t * a.Wv[ph].d, n = fastdiv(a.Hu[ph], t), u = t - n * a.Hu[ph].d;
-        pr.base[i] = (int)n * gd.H * gd.W * gd.C + g * a.Coutg;
-        pr.y[i] = m < M ? (int)u + a.dy0[ph] : IG_ROW_NONE;
-        pr.x[i] = (int)v + a.dx0[ph];
+        base[i] = (int)n * gd.H * gd.W * gd.C + g * a.Coutg;
+        py[i] = m < M ? (int)u + a.dy0[ph] : IG_ROW_NONE;
+        px[i] = (int)v + a.dx0[ph];
     }
     TapWalk walk = {0, 0, 0, 0};
-    walk.advance(chunk * 8, gd.Ck, gd.taps_x);
-    // B: thread t fills chunk t%8 (channels n0 + 8·(t%8)..) of k rows t/8 and t/8 + 16
-    const int bchunk = tid & 7, brow0 = tid >> 3, ci = n0 + 8 * bchunk;
-    TapWalk bwalk[2];
+    walk.advance(FA::chunk() * CE, gd.Ck, gd.taps_x);
+    // B: rows k = (a, b, co) of W's [co][ky][kx][ci], IG_BN consecutive ci from n0
+    const int ci = n0 + FB::chunk() * CE;
+    TapWalk bwalk[FB::N];
 #pragma unroll
-    for (int j = 0; j < 2; j++) { bwalk[j] = TapWalk{0, 0, 0, 0}; bwalk[j].advance(brow0 + 16 * j, gd.Ck, gd.taps_x); }
+    for (int j = 0; j < FB::N; j++) { bwalk[j] = TapWalk{0, 0, 0, 0}; bwalk[j].advance(FB::row(j), gd.Ck, gd.taps_x); }
     const T *wg = w + (size_t)g * a.Coutg * a.Kw;
     auto load_stage = [&](int buf) {
         T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
-        load_a<T, VEC>(As, dout, gd, pr, walk, row0, chunk);
+        load_a<T, VEC>(As, dout, gd, base, py, px, walk);
         walk.advance(IG_BK, gd.Ck, gd.taps_x);
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
+        for (int j = 0; j < FB::N; j++) {
             const TapWalk &b = bwalk[j];
             const int tap = (a.ky0[ph] + s * b.a) * a.kw + a.kx0[ph] + s * b.b;
             const T *src = wg + b.c * a.Kw + tap * a.Cg + ci;
-            T *dst = Bs + ig_swizzle_wide<IG_BN>(brow0 + 16 * j, bchunk);
+            T *dst = Bs + ig_swizzle<T, IG_BN>(FB::row(j), FB::chunk());
             if (VEC) {
                 const bool in = b.k < gd.K && ci < a.Cg;
                 cp_async16(dst, in ? src : w, in ? 16 : 0);
             } else {
 #pragma unroll
-                for (int q = 0; q < 8; q++) dst[q] = b.k < gd.K && ci + q < a.Cg ? src[q] : T{0};
+                for (int q = 0; q < CE; q++) dst[q] = b.k < gd.K && ci + q < a.Cg ? src[q] : T{0};
             }
             bwalk[j].advance(IG_BK, gd.Ck, gd.taps_x);
         }
@@ -1479,30 +1522,16 @@ __global__ void __launch_bounds__(IG_THREADS) conv_dgrad_kernel(T *din, const T 
         }
 }
 
-static void conv_check_out(const char *what, const ConvGeom *q, Shape out, const ConvCfg *cfg, Shape in) {
-    if (out.n != q->N || out.h != q->OH || out.w != q->OW || out.c != q->Cout) conv_fail(what, cfg, in);
-}
-
-static void bias_grad(Ops *o, float *db, Tensor dout);  // with the per-channel sums, below
-
-// depthwise convs have kernels of their own (below, after the pooling kernels whose layout they share)
-static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
-                              const float *b);
-static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
-                                    const float *w, int accumulate);
-static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
-                                      int parts, float *partial);
-
 // Backward weight, GEMM rows k = (ky, kx, ci) of W's rows, columns co, the
 // reduction over output pixels p = (n, oy, ox):
 //   dW[g·Coutg + co][k] += Σ_p A[p][k] · dout[p][g·Coutg + co]   (A: the forward's gather)
 // Both tiles hold IG_BK pixels as rows (A [IG_BK][IG_BM] k-contiguous, B
-// [IG_BK][IG_BN] co-contiguous), read transposed by ldmatrix. The pixels are
-// split into `parts` ranges (grid.z = g·parts + part) so that small convs
-// still fill the GPU; a part's block writes its fp32 tile to
-// partial[part][Cout][K] and the last block of the tile (last_block) adds the
-// parts in part order into dW (one part: straight into dW). The split depends
-// on the shape only: the same bits on any GPU.
+// [IG_BK][IG_BN] co-contiguous), read transposed. The pixels are split into
+// `parts` ranges (grid.z = g·parts + part) so that small convs still fill the
+// GPU; a part's block writes its fp32 tile to partial[part][Cout][K] and the
+// last block of the tile (last_block) adds the parts in part order into dW
+// (one part: straight into dW). The split depends on the shape only: the
+// same bits on any GPU.
 struct ConvWgradArgs {
     int H, W, C, Cg, Cout, Coutg, K, kw, stride, pt, pl, OH, OW;
     uint32_t M;                 // output pixels N·OH·OW
@@ -1510,7 +1539,7 @@ struct ConvWgradArgs {
     int parts;
     FastDiv OW_div, OH_div;
 };
-// an output pixel (n, oy, ox) walked forward in steps of IG_BK
+// an output pixel (n, oy, ox) walked forward
 struct PixelWalk {
     int n, oy, ox;
     __device__ void advance(int by, int OH, int OW) {
@@ -1523,30 +1552,31 @@ template <class T, bool VEC>
 __global__ void __launch_bounds__(IG_THREADS) conv_wgrad_kernel(float *dw, float *partial, unsigned *done,
                                                                 const T *dout, const T *x, ConvWgradArgs a) {
     CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BK rows of IG_BM, B: IG_BK rows of IG_BN)
+    typedef TileFill<T, IG_BM, IG_BK> FA;
+    typedef TileFill<T, IG_BN, IG_BK> FB;
+    constexpr int CE = Chunk<T>::CE;
     const int tid = threadIdx.x, part = blockIdx.z % a.parts, g = blockIdx.z / a.parts;
     const int k0 = blockIdx.x * IG_BM, co0 = blockIdx.y * IG_BN;
     const uint32_t p_begin = part * a.part_pixels;
     const uint32_t p_end = p_begin + a.part_pixels < a.M ? p_begin + a.part_pixels : a.M;
-    // A: thread t fills chunk t%16 (k0 + 8·(t%16)..) of pixel rows t/16 + 8i
-    const int achunk = tid & 15, arow0 = tid >> 4;
+    // A: this thread's column k0 + CE·chunk and pixel rows FA::row(i)
     TapWalk tap = {0, 0, 0, 0};
-    tap.advance(k0 + 8 * achunk, a.Cg, a.kw);
-    PixelWalk pix[4];
+    tap.advance(k0 + CE * FA::chunk(), a.Cg, a.kw);
+    PixelWalk pix[FA::N];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const uint32_t p = p_begin + arow0 + 8 * i, t = fastdiv(a.OW_div, p), n = fastdiv(a.OH_div, t);
+    for (int i = 0; i < FA::N; i++) {
+        const uint32_t p = p_begin + FA::row(i), t = fastdiv(a.OW_div, p), n = fastdiv(a.OH_div, t);
         pix[i] = PixelWalk{(int)n, (int)(t - n * a.OH_div.d), (int)(p - t * a.OW_div.d)};
     }
-    // B: thread t fills chunk t%8 (co0 + 8·(t%8)..) of pixel rows t/8 + 16j
-    const int bchunk = tid & 7, brow0 = tid >> 3, co = co0 + 8 * bchunk;
+    const int co = co0 + CE * FB::chunk();
     uint32_t p_tile = p_begin;
     auto load_stage = [&](int buf) {
         T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BK * IG_BM;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < FA::N; i++) {
             const PixelWalk &w = pix[i];
-            const bool p_in = p_tile + arow0 + 8 * i < p_end;
-            T *dst = As + ig_swizzle_wide<IG_BM>(arow0 + 8 * i, achunk);
+            const bool p_in = p_tile + FA::row(i) < p_end;
+            T *dst = As + ig_swizzle<T, IG_BM>(FA::row(i), FA::chunk());
             if (VEC) {
                 const int iy = w.oy * a.stride - a.pt + tap.a, ix = w.ox * a.stride - a.pl + tap.b;
                 const bool in = p_in && tap.k < a.K && (unsigned)iy < (unsigned)a.H && (unsigned)ix < (unsigned)a.W;
@@ -1554,7 +1584,7 @@ __global__ void __launch_bounds__(IG_THREADS) conv_wgrad_kernel(float *dw, float
             } else {
                 TapWalk e = tap;
 #pragma unroll
-                for (int q = 0; q < 8; q++, e.advance(1, a.Cg, a.kw)) {
+                for (int q = 0; q < CE; q++, e.advance(1, a.Cg, a.kw)) {
                     const int iy = w.oy * a.stride - a.pt + e.a, ix = w.ox * a.stride - a.pl + e.b;
                     const bool in = p_in && e.k < a.K && (unsigned)iy < (unsigned)a.H && (unsigned)ix < (unsigned)a.W;
                     dst[q] = in ? x[((w.n * a.H + iy) * a.W + ix) * a.C + g * a.Cg + e.c] : T{0};
@@ -1563,16 +1593,16 @@ __global__ void __launch_bounds__(IG_THREADS) conv_wgrad_kernel(float *dw, float
             pix[i].advance(IG_BK, a.OH, a.OW);
         }
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const uint32_t p = p_tile + brow0 + 16 * j;
+        for (int j = 0; j < FB::N; j++) {
+            const uint32_t p = p_tile + FB::row(j);
             const T *src = dout + p * a.Cout + g * a.Coutg + co;
-            T *dst = Bs + ig_swizzle_wide<IG_BN>(brow0 + 16 * j, bchunk);
+            T *dst = Bs + ig_swizzle<T, IG_BN>(FB::row(j), FB::chunk());
             if (VEC) {
                 const bool in = p < p_end && co < a.Coutg;
                 cp_async16(dst, in ? src : dout, in ? 16 : 0);
             } else {
 #pragma unroll
-                for (int q = 0; q < 8; q++) dst[q] = p < p_end && co + q < a.Coutg ? src[q] : T{0};
+                for (int q = 0; q < CE; q++) dst[q] = p < p_end && co + q < a.Coutg ? src[q] : T{0};
             }
         }
         p_tile += IG_BK;
@@ -1605,14 +1635,42 @@ __global__ void __launch_bounds__(IG_THREADS) conv_wgrad_kernel(float *dw, float
     }
 }
 
+static void conv_check_out(const char *what, const ConvGeom *q, Shape out, const ConvCfg *cfg, Shape in) {
+    if (out.n != q->N || out.h != q->OH || out.w != q->OW || out.c != q->Cout) conv_fail(what, cfg, in);
+}
+
+static void bias_grad(Ops *o, float *db, Tensor dout);  // with the per-channel sums, below
+
+// depthwise convs have kernels of their own (below, after the pooling kernels whose layout they share)
+static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
+                              const float *b);
+static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
+                                    const float *w, int accumulate);
+static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
+                                      int parts, float *partial);
+
 int cuda_conv_implicit = 1;  // declared in segnet.h
 
-// whether a conv takes the implicit-GEMM kernels: 16-bit k×k (not depthwise) on sm_80+
+// whether a conv takes the implicit-GEMM kernels: k×k (not depthwise), stride ≤ 2, on sm_80+ (cp.async)
 static bool conv_takes_implicit(Ops *o, const ConvCfg *cfg, DType dt) {
-    return cuda_conv_implicit && dt != DT_F32 && !conv_is_pointwise(cfg) && !conv_is_depthwise(cfg) &&
+    (void)dt;
+    return cuda_conv_implicit && !conv_is_pointwise(cfg) && !conv_is_depthwise(cfg) &&
            cfg->stride * cfg->stride <= IG_MAX_PHASES && ctx_of(o)->sm_major >= 8;
 }
 static bool aligned16(const void *p) { return (uintptr_t)p % VEC_BYTES == 0; }
+static int chunk_elems(DType dt) { return VEC_BYTES / (int)dtype_size(dt); }
+// the kernels' dynamic shared memory: IG_STAGES stages of an A and a B tile;
+// fp32's 72 KB need the opt-in that ig_raise_smem_limits gives
+static size_t ig_smem_bytes(size_t elem) { return (size_t)IG_STAGES * IG_STAGE_ELEMS * elem; }
+static void ig_raise_smem_limits() {
+    const int f32 = (int)ig_smem_bytes(sizeof(float));
+    cudaCheck(cudaFuncSetAttribute(conv_fwd_kernel<float, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+    cudaCheck(cudaFuncSetAttribute(conv_fwd_kernel<float, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+    cudaCheck(cudaFuncSetAttribute(conv_dgrad_kernel<float, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+    cudaCheck(cudaFuncSetAttribute(conv_dgrad_kernel<float, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+    cudaCheck(cudaFuncSetAttribute(conv_wgrad_kernel<float, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+    cudaCheck(cudaFuncSetAttribute(conv_wgrad_kernel<float, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+}
 
 // The weight gradient's pixel split: about WGRAD_BLOCKS blocks in all (4 per SM
 // of a 132-SM GPU; a constant, so the sums do not depend on the GPU), each part
@@ -1644,11 +1702,11 @@ static void conv_implicit_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q,
     a.Cout = q->Cout; a.Cg = q->Cg; a.Coutg = q->Coutg; a.stride = cfg->stride; a.pt = q->pt; a.pl = q->pl;
     a.M = (uint32_t)(q->N * q->P); a.OW = fastdiv_make(q->OW); a.OH = fastdiv_make(q->OH);
     const dim3 grid((a.M + IG_BM - 1) / IG_BM, (q->Coutg + IG_BN - 1) / IG_BN, cfg->groups);
-    const bool vec = cuda_vector_kernels && q->Cg % 8 == 0 && aligned16(in.data) && aligned16(wt);
-    SWITCH_HALF(in.dtype, T, {
-        if (vec) CU_LAUNCH((conv_fwd_kernel<T, true>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)out.data,
+    const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(in.dtype) == 0 && aligned16(in.data) && aligned16(wt);
+    SWITCH_STORAGE(in.dtype, T, {
+        if (vec) CU_LAUNCH((conv_fwd_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)), stream_of(o), (T *)out.data,
                            (const T *)in.data, (const T *)wt, b, a);
-        else CU_LAUNCH((conv_fwd_kernel<T, false>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)out.data,
+        else CU_LAUNCH((conv_fwd_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)), stream_of(o), (T *)out.data,
                        (const T *)in.data, (const T *)wt, b, a);
     });
     launchCheck();
@@ -1677,11 +1735,12 @@ static void conv_implicit_backward_data(Ops *o, const ConvCfg *cfg, const ConvGe
         if (a.M[ph] > rows) rows = a.M[ph];
     }
     const dim3 grid((rows + IG_BM - 1) / IG_BM, (q->Cg + IG_BN - 1) / IG_BN, cfg->groups * a.phases);
-    const bool vec = cuda_vector_kernels && q->Cg % 8 == 0 && q->Coutg % 8 == 0 && aligned16(dout.data) && aligned16(wt);
-    SWITCH_HALF(din.dtype, T, {
-        if (vec) CU_LAUNCH((conv_dgrad_kernel<T, true>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)din.data,
+    const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(din.dtype) == 0 && q->Coutg % chunk_elems(din.dtype) == 0 &&
+                     aligned16(dout.data) && aligned16(wt);
+    SWITCH_STORAGE(din.dtype, T, {
+        if (vec) CU_LAUNCH((conv_dgrad_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)), stream_of(o), (T *)din.data,
                            (const T *)dout.data, (const T *)wt, a);
-        else CU_LAUNCH((conv_dgrad_kernel<T, false>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), (T *)din.data,
+        else CU_LAUNCH((conv_dgrad_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)), stream_of(o), (T *)din.data,
                        (const T *)dout.data, (const T *)wt, a);
     });
     launchCheck();
@@ -1699,12 +1758,13 @@ static void conv_implicit_backward_weight(Ops *o, const ConvCfg *cfg, const Conv
     a.OW_div = fastdiv_make(q->OW); a.OH_div = fastdiv_make(q->OH);
     const dim3 grid((q->K + IG_BM - 1) / IG_BM, (q->Coutg + IG_BN - 1) / IG_BN, cfg->groups * a.parts);
     require_below((size_t)grid.x * grid.y * cfg->groups, SUMS_COUNTERS + 1, "implicit-GEMM weight gradient tiles");
-    const bool vec = cuda_vector_kernels && q->Cg % 8 == 0 && q->Coutg % 8 == 0 && aligned16(dout.data) && aligned16(in.data);
+    const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(in.dtype) == 0 && q->Coutg % chunk_elems(in.dtype) == 0 &&
+                     aligned16(dout.data) && aligned16(in.data);
     unsigned *done = ctx_of(o)->sums_done;
-    SWITCH_HALF(in.dtype, T, {
-        if (vec) CU_LAUNCH((conv_wgrad_kernel<T, true>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), dw, (float *)ws,
+    SWITCH_STORAGE(in.dtype, T, {
+        if (vec) CU_LAUNCH((conv_wgrad_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)), stream_of(o), dw, (float *)ws,
                            done, (const T *)dout.data, (const T *)in.data, a);
-        else CU_LAUNCH((conv_wgrad_kernel<T, false>), grid, IG_THREADS, IG_SMEM_BYTES, stream_of(o), dw, (float *)ws,
+        else CU_LAUNCH((conv_wgrad_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)), stream_of(o), dw, (float *)ws,
                        done, (const T *)dout.data, (const T *)in.data, a);
     });
     launchCheck();
@@ -3369,6 +3429,7 @@ static int ctx_open(CudaCtx *ctx, int device, char *err) {
     const char *sync = getenv("SEGNET_CUDA_SYNC");
     ctx->sync_each = sync && *sync && strcmp(sync, "0");
     cudaCheck(cudaDeviceGetAttribute(&ctx->sm_major, cudaDevAttrComputeCapabilityMajor, device));
+    if (ctx->sm_major >= 8) ig_raise_smem_limits();
     const char *conv = getenv("SEGNET_CONV");
     if (conv && !strcmp(conv, "gemm")) cuda_conv_implicit = 0;
     cudaCheck(cudaMalloc((void **)&ctx->reduce_partials, sizeof(double) * REDUCE_BLOCKS_MAX * REDUCE_WIDTH));

@@ -7706,7 +7706,7 @@ static const char *PLAN_USAGE =
 enum { ROOF_CONV_KXK, ROOF_CONV_1X1, ROOF_DEPTHWISE, ROOF_BN, ROOF_ELEMENTWISE, ROOF_SE, ROOF_RESAMPLE,
        ROOF_OPTIMIZER, ROOF_KINDS };
 static const char *const ROOF_NAMES[ROOF_KINDS] = {
-    "conv k×k (16-bit: implicit GEMM)", "conv 1×1, dense (GEMM)", "depthwise conv", "batch norm (+act)",
+    "conv k×k (implicit GEMM)", "conv 1×1, dense (GEMM)", "depthwise conv", "batch norm (+act)",
     "elementwise (act, add, dropout)", "squeeze-excitation pool/scale", "pool, upsample, resize, concat",
     "optimizer (Adam, cast, zero)"};
 typedef struct { double bytes[ROOF_KINDS], flops[ROOF_KINDS], seconds[ROOF_KINDS]; double peak; } Roofline;
@@ -7747,7 +7747,7 @@ static void roofline_step(const Graph *g, DType dt, Roofline *r) {
                 roof_pass(r, ROOF_CONV_1X1, (X + Y + w) * e, flops);
                 if (dx) roof_pass(r, ROOF_CONV_1X1, (X + Y + w) * e, flops);
                 if (wgrad) roof_pass(r, ROOF_CONV_1X1, (X + Y) * e + w * 4, flops);
-            } else if (dt != DT_F32) {  // implicit GEMM: the operands gathered from the tensors themselves
+            } else if (c->stride <= 2) {  // implicit GEMM: the operands gathered from the tensors themselves
                 roof_pass(r, ROOF_CONV_KXK, (X + Y + w) * e, flops);
                 if (dx) roof_pass(r, ROOF_CONV_KXK, (Y + w + X) * e, flops);
                 if (wgrad) roof_pass(r, ROOF_CONV_KXK, (X + Y) * e + w * 4, flops);
@@ -7805,8 +7805,7 @@ static void print_roofline(const Graph *g, DType dt) {
     printf("  %-34s %10s %10s %10s\n", "op kind", "GB moved", "TFLOP", "ms (bound)");
     for (int k = 0; k < ROOF_KINDS; k++) {
         if (r.bytes[k] == 0 && r.flops[k] == 0) continue;
-        const char *name = k == ROOF_CONV_KXK && dt == DT_F32 ? "conv k×k (fp32: im2col + GEMM)" : ROOF_NAMES[k];
-        printf("  %-34s %10.2f %10.3f %10.3f\n", name, r.bytes[k] / 1e9, r.flops[k] / 1e12, 1e3 * r.seconds[k]);
+        printf("  %-34s %10.2f %10.3f %10.3f\n", ROOF_NAMES[k], r.bytes[k] / 1e9, r.flops[k] / 1e12, 1e3 * r.seconds[k]);
         B += r.bytes[k]; F += r.flops[k]; T += r.seconds[k];
     }
     printf("  %-34s %10.2f %10.3f %10.3f\n", "step", B / 1e9, F / 1e12, 1e3 * T);

@@ -5930,9 +5930,9 @@ static int model_conv_cfgs(ConvCfg *out, int cap) {
     return n;
 }
 
-// The forward and backward (data, weight) of every conv of model_conv_cfgs in fp16 and
-// bf16 (where the implicit-GEMM kernels apply; fp32 stays on cuBLAS) on a
-// 2×5×7 input (one partial pixel tile; both paddings' edges; stride 2's four
+// The forward and backward (data, weight) of every conv of model_conv_cfgs,
+// in fp32, fp16 and bf16 by turns (the implicit-GEMM kernels: tensor cores in
+// 16 bits, the SIMT product in fp32), on a 2×5×7 input (one partial pixel tile; both paddings' edges; stride 2's four
 // phases of unequal sizes), with and without bias, overwriting and
 // accumulating, against the CPU op on the same rounded inputs with
 // cu_conv_compare's bound (fp32 sums of K + 1 terms, weights rounded once to
@@ -5946,7 +5946,7 @@ static void test_cuda_conv_model_shapes(void) {
     memset(g_conv_worst, 0, sizeof g_conv_worst);
     for (int i = 0; i < n; i++) {
         ConvCfg cfg = cfgs[i];
-        const DType dt = i % 2 ? DT_BF16 : DT_F16;
+        const DType dt = (DType)(i % 3);
         cfg.has_bias = i % 4 < 2;
         ConvGeom q;
         const Shape in = shape4(2, 5, 7, cfg.cin);
@@ -6004,9 +6004,10 @@ static void test_cuda_conv_model_shapes(void) {
         cu_pair_free(&X); cu_pair_free(&Y);
     }
     if (g_verbose)
-        printf("    %d convs; worst relative error forward fp16 %.2e  bf16 %.2e; backward data fp16 %.2e  bf16 %.2e; "
-               "backward weight fp16 %.2e  bf16 %.2e\n", n, g_conv_worst[0][DT_F16], g_conv_worst[0][DT_BF16],
-               g_conv_worst[1][DT_F16], g_conv_worst[1][DT_BF16], g_conv_worst[2][DT_F16], g_conv_worst[2][DT_BF16]);
+        for (int op = 0; op < 3; op++)
+            printf("    %d convs; worst relative error %-15s fp32 %.2e  fp16 %.2e  bf16 %.2e\n", n,
+                   op == 0 ? "forward" : op == 1 ? "backward data" : "backward weight", g_conv_worst[op][DT_F32],
+                   g_conv_worst[op][DT_F16], g_conv_worst[op][DT_BF16]);
 }
 
 // One unit in the last place of each storage type, relative to the value (2^-23,
