@@ -5825,20 +5825,24 @@ static void cuda_conv_case(const CuConvCase *tc, DType dt, int bias, Rng *r) {
     free(ax); free(aw); free(ab); free(ady); free(cws); free(S); free(dw_c); free(db_c);
 }
 
-// each case in fp32, fp16, bf16, with and without bias; GEMM convs also with
-// the chunk budget at 1 byte (every chunk one output row, every backward band
-// one input row) and at 2 KiB (a few rows, or whole images)
+// each case in fp32, fp16, bf16, with and without bias; GEMM convs by both
+// paths: the implicit-GEMM kernels, and the reference (SEGNET_CONV=gemm:
+// im2col + cuBLAS) with the chunk budget as it is, at 1 byte (every chunk one
+// output row, every backward band one input row) and at 2 KiB (a few rows,
+// or whole images)
 static void cuda_conv_cases(const CuConvCase *cases, size_t n, int chunked) {
     Rng r; rng_seed(&r, 91);
     const size_t saved = cuda_conv_chunk_bytes, budgets[3] = {saved, 1, 2048};
     memset(g_conv_worst, 0, sizeof g_conv_worst);
     for (size_t i = 0; i < n; i++)
-        for (int nb = 0; nb < (chunked ? 3 : 1); nb++) {
-            cuda_conv_chunk_bytes = budgets[nb];
+        for (int run = 0; run < (chunked ? 4 : 1); run++) {
+            cuda_conv_implicit = run == 0;
+            cuda_conv_chunk_bytes = budgets[run == 0 ? 0 : run - 1];
             for (int dt = 0; dt < 3; dt++)
                 for (int bias = 0; bias < 2; bias++) cuda_conv_case(&cases[i], (DType)dt, bias, &r);
         }
     cuda_conv_chunk_bytes = saved;
+    cuda_conv_implicit = 1;
     if (g_verbose) {
         static const char *const OP[4] = {"forward", "backward data", "backward weight", "bias gradient"};
         for (int op = 0; op < 4; op++)
