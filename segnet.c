@@ -4027,9 +4027,32 @@ static void list_add(char *list, size_t size, int *count, const char *name) {
     (*count)++;
 }
 
+// whether name starts with one of the comma-separated prefixes ("*": any name)
+static int has_prefix_in(const char *name, const char *prefixes) {
+    if (!prefixes || !prefixes[0]) return 0;
+    if (!strcmp(prefixes, "*")) return 1;
+    for (const char *p = prefixes; *p;) {
+        const char *end = strchr(p, ',');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        if (len && !strncmp(name, p, len)) return 1;
+        if (!end) break;
+        p = end + 1;
+    }
+    return 0;
+}
+
 int net_load_weights(Net *net, const StFile *f, const char *path, const char *allow_missing, int allow_unexpected,
                      char err[SN_ERR_MAX]) {
+    const LoadRules rules = {allow_missing, allow_unexpected ? "*" : NULL};
+    return net_load_weights_rules(net, f, path, &rules, NULL, err);
+}
+
+int net_load_weights_rules(Net *net, const StFile *f, const char *path, const LoadRules *rules, char *report,
+                           char err[SN_ERR_MAX]) {
     const Graph *g = net->g;
+    const char *allow_missing = rules ? rules->init : NULL;
+    int n_loaded = 0, n_timm = 0, n_init = 0, n_ignored = 0;
+    char init_list[256] = "", ignored_list[256] = "";
     const int n_entries = g->n_params + g->n_buffers;
     const StTensor **src = calloc((size_t)n_entries, sizeof *src);
     char *used = calloc((size_t)f->n_tensors + 1, 1);
@@ -4041,8 +4064,8 @@ int net_load_weights(Net *net, const StFile *f, const char *path, const char *al
         const ParamInfo *p = e < g->n_params ? &g->params[e] : &g->buffers[e - g->n_params];
         const StTensor *t = st_find(f, p->name);
         char alias[SN_NAME_MAX];
-        if (!t && effnet_timm_name(g, p->name, alias)) t = st_find(f, alias);  // timm's naming
-        int skippable = allow_missing && allow_missing[0] && !strncmp(p->name, allow_missing, strlen(allow_missing));
+        if (!t && effnet_timm_name(g, p->name, alias) && (t = st_find(f, alias)) != NULL) n_timm++;  // timm's naming
+        int skippable = has_prefix_in(p->name, allow_missing);
         if (t) used[t - f->tensors] = 1;
         int64_t want[4];
         torch_dims(p, want);
@@ -4050,8 +4073,10 @@ int net_load_weights(Net *net, const StFile *f, const char *path, const char *al
         for (int k = 0; same && k < p->ndim; k++) same = t->dims[k] == want[k];
         if (!t) {
             if (!skippable) list_add(missing, sizeof missing, &n_missing, p->name);
+            else list_add(init_list, sizeof init_list, &n_init, p->name);
         } else if (!same) {
-            if (!skippable) {
+            if (skippable) list_add(init_list, sizeof init_list, &n_init, p->name);
+            else {
                 char a[96], b[96], item[2 * SN_NAME_MAX + 200];
                 dims_str(a, sizeof a, t->dims, t->ndim);
                 dims_str(b, sizeof b, want, p->ndim);
@@ -4060,22 +4085,31 @@ int net_load_weights(Net *net, const StFile *f, const char *path, const char *al
             }
         } else {
             src[e] = t;
+            n_loaded++;
         }
     }
-    for (int i = 0; i < f->n_tensors; i++)
-        if (!used[i] && !strstr(f->tensors[i].name, "num_batches_tracked") &&
-            strncmp(f->tensors[i].name, TRAIN_STATE_PREFIX, strlen(TRAIN_STATE_PREFIX)))
-            list_add(unexpected, sizeof unexpected, &n_unexpected, f->tensors[i].name);
-    int refuse = n_missing || n_wrong || (n_unexpected && !allow_unexpected);
+    for (int i = 0; i < f->n_tensors; i++) {
+        const char *name = f->tensors[i].name;
+        if (used[i] || strstr(name, "num_batches_tracked") || !strncmp(name, TRAIN_STATE_PREFIX, strlen(TRAIN_STATE_PREFIX)))
+            continue;
+        if (has_prefix_in(name, rules ? rules->ignore : NULL)) list_add(ignored_list, sizeof ignored_list, &n_ignored, name);
+        else list_add(unexpected, sizeof unexpected, &n_unexpected, name);
+    }
+    int refuse = n_missing || n_wrong || n_unexpected;
     if (refuse) {
         int k = snprintf(err, SN_ERR_MAX, "%s: not loaded:", path);
         if (n_missing && k < SN_ERR_MAX) k += snprintf(err + k, SN_ERR_MAX - k, " %d missing (%s);", n_missing, missing);
         if (n_wrong && k < SN_ERR_MAX) k += snprintf(err + k, SN_ERR_MAX - k, " %d of the wrong shape (%s);", n_wrong, wrong);
-        if (n_unexpected && !allow_unexpected && k < SN_ERR_MAX)
+        if (n_unexpected && k < SN_ERR_MAX)
             k += snprintf(err + k, SN_ERR_MAX - k, " %d unexpected (%s);", n_unexpected, unexpected);
-        if (k < SN_ERR_MAX && n_missing)
-            snprintf(err + k, SN_ERR_MAX - k, " a new head can be left out with --allow-missing PREFIX");
+        if (k < SN_ERR_MAX && (n_missing || n_wrong))
+            snprintf(err + k, SN_ERR_MAX - k, " tensors a training run should initialise instead can be named with "
+                     "--allow-missing PREFIX");
     } else {
+        if (report)
+            snprintf(report, SN_ERR_MAX, "weights: %d tensors loaded from %.200s (%s names), %d initialised%s%s%s, "
+                     "%d ignored%s%s%s", n_loaded, path, n_timm ? "timm" : "torchvision", n_init, n_init ? " (" : "",
+                     init_list, n_init ? ")" : "", n_ignored, n_ignored ? " (" : "", ignored_list, n_ignored ? ")" : "");
         Ops *o = net->o;
         size_t max_count = 1;
         for (int e = 0; e < n_entries; e++) {
@@ -5879,12 +5913,28 @@ static int replicas_average_bn(Trainer *t, int n) {
     return rc;
 }
 
-// Loads weights for training or evaluation. A classifier's head may be left
-// out of the file or have another class count (fine-tuning on new classes).
-static int trainer_load_weights(Trainer *t, const char *path, char err[SN_ERR_MAX]) {
+// The tensors a fine-tuning run may initialise instead of loading, and the
+// file's tensors it may leave unused: a classifier's head (another class
+// count, a hidden layer); a U-Net on an EfficientNetV2 encoder from a
+// classifier's weights: its decoder and head initialised, the classifier's
+// head ignored. Plus the user's --allow-missing prefixes.
+static LoadRules finetune_rules(const TrainCfg *c, char *init, size_t size) {
+    const char *model = c->model.model, *own = "";
+    LoadRules r = {init, NULL};
+    if (eff_spec(model)) own = "classifier.";
+    else if (!strncmp(model, "unet-", 5)) { own = "decoder.,segmentation_head."; r.ignore = "classifier."; }
+    snprintf(init, size, "%s%s%s", own, own[0] && c->allow_missing ? "," : "", c->allow_missing ? c->allow_missing : "");
+    return r;
+}
+
+// Loads the initial weights of a training run (rules above; the report line
+// in `report`), or, with report NULL, weights to evaluate: every tensor.
+static int trainer_load_weights(Trainer *t, const char *path, char *report, char err[SN_ERR_MAX]) {
     StFile f;
     if (st_read(path, &f, err)) return -1;
-    int rc = net_load_weights(&t->net, &f, path, t->segmentation ? NULL : "classifier.", 0, err);
+    char init[SN_ERR_MAX];
+    const LoadRules strict = {NULL, NULL}, rules = report ? finetune_rules(t->c, init, sizeof init) : strict;
+    int rc = net_load_weights_rules(&t->net, &f, path, &rules, report, err);
     st_free(&f);
     return rc;
 }
@@ -6434,6 +6484,7 @@ static void config_text(const TrainCfg *c, StBuf *b) {
     CFG("data = %s\n", c->data);
     if (c->val) CFG("val = %s\n", c->val);
     if (c->weights) CFG("weights = %s\n", c->weights);
+    if (c->allow_missing) CFG("allow-missing = %s\n", c->allow_missing);
     char f[4][32];
     sb_str(b, "class-weights = ");
     for (int k = 0; k < m->classes; k++) CFG("%s%s", k ? "," : "", float_str(f[0], c->class_weights[k]));
@@ -6558,7 +6609,11 @@ static int train_replica(Comm *comm, void *arg) {
             if (rc == 0) trainer_borrow_data(&t, sh->has_train ? &sh->train : NULL, sh->has_val ? &sh->val : NULL);
         }
     }
-    if (rc == 0 && root && !resume && c->weights) rc = trainer_load_weights(&t, c->weights, err);
+    if (rc == 0 && root && !resume && c->weights) {
+        char report[SN_ERR_MAX];
+        rc = trainer_load_weights(&t, c->weights, report, err);
+        if (rc == 0) printf("%s\n", report);
+    }
     if (rc == 0 && root && resume) {
         run_path(path, sizeof path, run, "last.safetensors");
         rc = load_checkpoint(&t, path, err);
@@ -6729,7 +6784,7 @@ int eval_run(const TrainCfg *c, const char *weights, const char *data, EvalResul
     int rc = -1;
     int64_t *cm = malloc(sizeof(int64_t) * c->model.classes * c->model.classes);
     snCheck(cm != NULL, "out of host memory");
-    if (trainer_open(&t, c, NULL, data, err) || trainer_load_weights(&t, weights, err)) goto done;
+    if (trainer_open(&t, c, NULL, data, err) || trainer_load_weights(&t, weights, NULL, err)) goto done;
     PassTotals pt = {0, 0, cm};
     if (run_pass(&t, &t.val, 0, &pt, err)) goto done;
     r->loss = pt.loss_sum / pt.norm_sum;
@@ -7126,7 +7181,14 @@ static const char *TRAIN_USAGE =
     "  --augment LIST        none (default) or any of flip, brightness=D,\n"
     "                        contrast=LO:HI (tf.image semantics), comma-separated\n"
     "  --weights W           initial weights (safetensors, torchvision or timm\n"
-    "                        names); a classifier's head may differ in classes\n"
+    "                        names); a classifier's head may differ in classes or\n"
+    "                        be absent; a unet-effv2-* takes its encoder from an\n"
+    "                        EfficientNetV2 classifier's weights (decoder and head\n"
+    "                        initialised, the classifier's head ignored); one line\n"
+    "                        `weights: ...` reports what was loaded\n"
+    "  --allow-missing P     with --weights: tensors whose names start with P\n"
+    "                        (comma-separated prefixes) may be absent from the file\n"
+    "                        or of another shape and are initialised\n"
     "  --out RUN             run folder (default runs/<date>-<time>)\n"
     "  --resume RUN          continue RUN from its last.safetensors; the result\n"
     "                        equals an uninterrupted run bit for bit\n"
@@ -7263,7 +7325,7 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
                                         "--lr", "--adam-eps", "--weight-decay", "--clipnorm", "--schedule", "--warmup",
                                         "--early-stopping", "--augment", "--seed", "--threads", "--workers", "--loss-norm",
                                         "--run", "--precision", "--accum", "--freeze", "--unfreeze-last", "--checkpoint",
-                                        "--memory", "--device", "--replicas"};
+                                        "--memory", "--device", "--replicas", "--allow-missing"};
     int known = 0;
     for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
     if (!known) return 0;
@@ -7279,6 +7341,7 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     else if (!strcmp(f, "--resume")) a->resume = v;
     else if (!strcmp(f, "--run")) a->run = v;
     else if (!strcmp(f, "--weights")) c->weights = v;
+    else if (!strcmp(f, "--allow-missing")) c->allow_missing = v;
     else if (!strcmp(f, "--class-weights")) a->class_weights = v;
     else if (!strcmp(f, "--epochs")) rc = parse_int(f, v, 1, 1 << 20, &c->epochs);
     else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, 1 << 30, &c->warmup);

@@ -880,6 +880,16 @@ int file_write_atomic(const char *path, const void *const *parts, const size_t *
 // their current values.
 int net_load_weights(Net *net, const StFile *f, const char *path, const char *allow_missing, int allow_unexpected,
                      char err[SN_ERR_MAX]);
+// The same with a report: `init` and `ignore` are comma-separated name
+// prefixes; model tensors under `init` may be absent or of another shape
+// (they keep their initial values), file tensors under `ignore` ("*": any)
+// may go unused. On success `report` (SN_ERR_MAX bytes, if not NULL) holds
+// "weights: N tensors loaded from FILE (S names), M initialised (...), K
+// ignored (...)" with S the naming found: timm, or torchvision (segnet's own
+// names are torchvision's).
+typedef struct { const char *init, *ignore; } LoadRules;
+int net_load_weights_rules(Net *net, const StFile *f, const char *path, const LoadRules *rules, char *report,
+                           char err[SN_ERR_MAX]);
 int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]);
 // Training checkpoints: the weights as above plus `extra` tensors (named
 // TRAIN_STATE_PREFIX..., which loading weights ignores) and string metadata.
@@ -1140,6 +1150,7 @@ typedef struct {
     const char *data, *val;         // training and (optional) validation data
     const char *out;                // run folder (NULL: runs/<timestamp>)
     const char *weights;            // initial weights (safetensors), or NULL
+    const char *allow_missing;      // more prefixes (comma-separated) of tensors the weights may lack, or NULL
     int class_weights_given;
     float class_weights[SN_MAX_CLASSES];  // default all 1
     int epochs;

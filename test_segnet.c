@@ -2061,6 +2061,73 @@ static void test_weights_refused(void) {
     unlink(path); unlink(path2);
 }
 
+// A U-Net on an EfficientNetV2 encoder starts from a classifier's weights (the
+// users' `Unet(BACKBONE, encoder_weights='imagenet')`): with a training run's
+// rules the encoder loads, the decoder and head keep their initial values,
+// the classifier's head is ignored, and the report line says so; the same
+// file in timm's names reports timm; evaluation (no rules) refuses the file.
+static void test_weights_unet_encoder_from_classifier(void) {
+    Graph gc, gu; Net cls, unet; char err[SN_ERR_MAX], report[SN_ERR_MAX], path[128], path2[128], init[SN_ERR_MAX];
+    snprintf(path, sizeof path, "/tmp/segnet_test_%ld_cls.safetensors", (long)getpid());
+    snprintf(path2, sizeof path2, "/tmp/segnet_test_%ld_cls_timm.safetensors", (long)getpid());
+    tiny_net(&gc, &cls, 1000, 1);
+    CHECK(net_save_weights(&cls, path, err) == 0, "save: %s", err);
+    TrainCfg c;
+    memset(&c, 0, sizeof c);
+    c.model = model_cfg_default();
+    c.model.model = "unet-effv2-t"; c.model.classes = 4; c.model.height = c.model.width = 32;
+    graph_init(&gu);
+    CHECK(model_build(&gu, &c.model) >= 0 && net_create(&unet, &gu, &ops_cpu, DT_F32, 0, err) == 0, "unet: %s %s", gu.err, err);
+    Rng r; rng_seed(&r, 5);
+    random_params(&unet, &r);
+    float *before = malloc(sizeof(float) * gu.n_param_floats);
+    memcpy(before, unet.params, sizeof(float) * gu.n_param_floats);
+    StFile f;
+    CHECK(st_read(path, &f, err) == 0, "%s", err);
+    const LoadRules strict = {NULL, NULL};
+    CHECK(net_load_weights_rules(&unet, &f, path, &strict, NULL, err) == -1 && contains(err, "missing (decoder.") &&
+          contains(err, "unexpected (classifier.1.weight") && contains(err, "--allow-missing PREFIX"),
+          "strict load of classifier weights into a U-Net: '%s'", err);
+    CHECK(!memcmp(before, unet.params, sizeof(float) * gu.n_param_floats), "a refused load changes nothing");
+    const LoadRules rules = finetune_rules(&c, init, sizeof init);
+    CHECK(net_load_weights_rules(&unet, &f, path, &rules, report, err) == 0, "fine-tune load: %s", err);
+    int n_enc = 0, n_dec = 0, enc_same = 1, dec_kept = 1;
+    for (int i = 0; i < gu.n_params; i++) {
+        const ParamInfo *p = &gu.params[i];
+        if (!strncmp(p->name, "features.", 9)) {
+            const ParamInfo *q = &gc.params[graph_find_param(&gc, p->name)];
+            enc_same &= q->count == p->count && !memcmp(unet.params + p->offset, cls.params + q->offset, sizeof(float) * p->count);
+            n_enc++;
+        } else {
+            dec_kept &= !memcmp(unet.params + p->offset, before + p->offset, sizeof(float) * p->count);
+            n_dec++;
+        }
+    }
+    CHECK(n_enc > 0 && n_dec > 0 && enc_same && dec_kept, "%d encoder tensors loaded (%s), %d decoder/head tensors kept (%s)",
+          n_enc, enc_same ? "yes" : "NO", n_dec, dec_kept ? "yes" : "NO");
+    char want[256];
+    snprintf(want, sizeof want, "tensors loaded from %s (torchvision names)", path);
+    CHECK(!strncmp(report, "weights: ", 9) && contains(report, want) && contains(report, "initialised (decoder.") &&
+          contains(report, "2 ignored (classifier.1.weight, classifier.1.bias)"), "report: '%s'", report);
+    // the user's --allow-missing adds prefixes: here one that matches nothing more
+    c.allow_missing = "extra.";
+    const LoadRules more = finetune_rules(&c, init, sizeof init);
+    CHECK(!strcmp(init, "decoder.,segmentation_head.,extra.") && net_load_weights_rules(&unet, &f, path, &more, report, err) == 0,
+          "with --allow-missing: init '%s', %s", init, err);
+    // the same weights in timm's names
+    for (int i = 0; i < f.n_tensors; i++) {
+        char t[SN_NAME_MAX];
+        if (effnet_timm_name(&gc, f.tensors[i].name, t)) snprintf(f.tensors[i].name, SN_NAME_MAX, "%s", t);
+    }
+    StFile f2;
+    CHECK(st_write(path2, f.tensors, f.n_tensors, NULL, NULL, 0, err) == 0 && st_read(path2, &f2, err) == 0, "%s", err);
+    CHECK(net_load_weights_rules(&unet, &f2, path2, &rules, report, err) == 0 && contains(report, "(timm names)"),
+          "timm-named: %s / '%s'", err, report);
+    st_free(&f2); st_free(&f); free(before);
+    net_free(&cls); net_free(&unet); graph_free(&gc); graph_free(&gu);
+    unlink(path); unlink(path2);
+}
+
 // timm's names (ref/timm_names.py, from timm's tf_efficientnetv2_s/m/l) are
 // the aliases segnet accepts, and a file in timm's names loads like torchvision's
 static void test_effv2_timm_names(void) {
@@ -7478,6 +7545,7 @@ static const Test TESTS[] = {
     {"effv2_tiny_grad", test_effv2_tiny_grad},
     {"weights_round_trip", test_weights_round_trip},
     {"weights_refused", test_weights_refused},
+    {"weights_unet_encoder_from_classifier", test_weights_unet_encoder_from_classifier},
     {"parity_torch_effv2_tiny", test_parity_torch_effv2_tiny},
     {"predict_classifier", test_predict_classifier},
     {"predict_bad_input", test_predict_bad_input},
