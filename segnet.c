@@ -2445,7 +2445,7 @@ static int effnetv2_features(Graph *g, const EffSpec *sp, int x, PadMode pad, in
 }
 
 ModelCfg model_cfg_default(void) {
-    ModelCfg c = {"unet", 4, 1, 256, 256, PAD_SAME, 0, 4, 32};
+    ModelCfg c = {"unet", 4, 1, 256, 256, PAD_SAME, 0, 4, 32, 0};
     return c;
 }
 
@@ -4133,6 +4133,45 @@ int net_load_weights_rules(Net *net, const StFile *f, const char *path, const Lo
     }
     free(src); free(used);
     return refuse ? -1 : 0;
+}
+
+static const char *st_meta(const StFile *f, const char *key);
+int weights_padding(const StFile *f, PadMode *pad, const char **why) {
+    const char *meta = st_meta(f, "padding");
+    if (meta && (!strcmp(meta, "same") || !strcmp(meta, "symmetric"))) {
+        *pad = strcmp(meta, "same") ? PAD_SYMMETRIC : PAD_SAME;
+        *why = "from the file's metadata";
+        return 1;
+    }
+    if (st_meta(f, "epoch")) return 0;  // a segnet checkpoint from before the padding was recorded
+    if (st_find(f, "conv_stem.weight")) { *pad = PAD_SAME; *why = "timm's tf_efficientnetv2 names: TensorFlow's SAME"; return 1; }
+    if (st_find(f, "features.0.0.weight")) { *pad = PAD_SYMMETRIC; *why = "torchvision names"; return 1; }
+    return 0;
+}
+
+static const char *PAD_NAME[2] = {"same", "symmetric"};
+int padding_follow_weights(ModelCfg *m, const char *weights, const char *cmd, char *note, char err[SN_ERR_MAX]) {
+    note[0] = 0;
+    const char *model = m->model;
+    if (!weights || !(eff_spec(model) || (!strncmp(model, "unet-", 5) && eff_spec(model + 5)))) return 0;
+    StFile f;
+    if (st_read(weights, &f, err)) return -1;
+    PadMode pad;
+    const char *why;
+    if (!weights_padding(&f, &pad, &why)) {
+        snprintf(note, SN_ERR_MAX, "padding %s (%s; the weights do not say)", PAD_NAME[m->pad],
+                 m->pad_given ? "--padding" : "the default");
+    } else if (!m->pad_given) {
+        m->pad = pad;
+        snprintf(note, SN_ERR_MAX, "padding %s (%s)", PAD_NAME[pad], why);
+    } else {
+        if (m->pad != pad)
+            fprintf(stderr, "segnet %s: warning: --padding %s, but the weights were trained with %s padding (%s)\n", cmd,
+                    PAD_NAME[m->pad], PAD_NAME[pad], why);
+        snprintf(note, SN_ERR_MAX, "padding %s (--padding%s)", PAD_NAME[m->pad], m->pad != pad ? ", against the weights" : "");
+    }
+    st_free(&f);
+    return 0;
 }
 
 int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]) {
@@ -6307,9 +6346,12 @@ static int save_checkpoint(const Trainer *t, const char *path, char err[SN_ERR_M
     snprintf(vals[6], 64, "%d", t->finished);
     snprintf(vals[7], 64, "%a", (double)t->loss_scale);
     snprintf(vals[8], 64, "%" PRId64, t->good_steps);
-    const char *values[CHECKPOINT_KEYS];
-    for (int k = 0; k < CHECKPOINT_KEYS; k++) values[k] = vals[k];
-    int rc = net_save_checkpoint(&t->net, path, extra, 2, CHECKPOINT_META, values, CHECKPOINT_KEYS, err);
+    // the required keys, then "padding" (weights_padding reads it; older checkpoints lack it)
+    const char *keys[CHECKPOINT_KEYS + 1], *values[CHECKPOINT_KEYS + 1];
+    for (int k = 0; k < CHECKPOINT_KEYS; k++) { keys[k] = CHECKPOINT_META[k]; values[k] = vals[k]; }
+    keys[CHECKPOINT_KEYS] = "padding";
+    values[CHECKPOINT_KEYS] = PAD_NAME[t->c->model.pad];
+    int rc = net_save_checkpoint(&t->net, path, extra, 2, keys, values, CHECKPOINT_KEYS + 1, err);
     free(m); free(v);
     return rc;
 }
@@ -6612,7 +6654,8 @@ static int train_replica(Comm *comm, void *arg) {
     if (rc == 0 && root && !resume && c->weights) {
         char report[SN_ERR_MAX];
         rc = trainer_load_weights(&t, c->weights, report, err);
-        if (rc == 0) printf("%s\n", report);
+        if (rc == 0) printf("%s%s%s\n", report, c->weights_note && c->weights_note[0] ? "; " : "",
+                            c->weights_note ? c->weights_note : "");
     }
     if (rc == 0 && root && resume) {
         run_path(path, sizeof path, run, "last.safetensors");
@@ -7112,6 +7155,7 @@ static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
     else if (!strcmp(f, "--depth")) { if (parse_int(f, v, 1, 8, &c->depth)) return -1; }
     else if (!strcmp(f, "--width")) { if (parse_int(f, v, 1, 1 << 16, &c->width_base)) return -1; }
     else if (!strcmp(f, "--padding")) {
+        c->pad_given = 1;
         if (!strcmp(v, "same")) c->pad = PAD_SAME;
         else if (!strcmp(v, "symmetric")) c->pad = PAD_SYMMETRIC;
         else { fprintf(stderr, "segnet: --padding '%s' must be same or symmetric\n", v); return -1; }
@@ -7219,7 +7263,9 @@ static const char *TRAIN_USAGE =
     "                        saying so), cuda or cpu\n"
     "  --threads T           CPU threads (default: all cores; shared by --replicas)\n"
     "  --workers N           data loading threads (default 1)\n"
-    "  --padding MODE        EfficientNetV2 convs: same (default) or symmetric\n"
+    "  --padding MODE        EfficientNetV2 convs: same or symmetric; default: as the\n"
+    "                        --weights were trained (torchvision names symmetric,\n"
+    "                        timm's SAME, segnet's recorded), else same\n"
     "  --head-hidden H       classifier hidden layer width (default 0: none)\n"
     "  --depth D, --width W  unet levels below the top (default 4), channels at the top (32)\n"
     "\n"
@@ -7491,8 +7537,13 @@ static int cmd_train(int argc, char **argv) {
         return 2;
     }
     if (quickstart) fprintf(stderr, "segnet train: the quickstart: segnet train %s\n", QUICKSTART_ARGS);
+    char err[SN_ERR_MAX], note[SN_ERR_MAX];
+    if (!a.resume && padding_follow_weights(&a.c.model, a.c.weights, "train", note, err)) {
+        fprintf(stderr, "segnet train: %s\n", err);
+        return 1;
+    }
+    a.c.weights_note = note;
     if (a.memory && !a.resume && pick_setting(&a, "train", stderr)) return 1;
-    char err[SN_ERR_MAX];
     if (train_run(&a.c, a.resume, err)) { fprintf(stderr, "segnet train: %s\n", err); return 1; }
     return 0;
 }
@@ -7505,6 +7556,11 @@ static int cmd_eval(int argc, char **argv) {
     if (a.run) snprintf(weights, sizeof weights, "%s/best.safetensors", a.run);
     else if (a.c.weights) snprintf(weights, sizeof weights, "%s", a.c.weights);
     else { fprintf(stderr, "segnet eval: give --run RUN, or --weights W with the model options (see segnet eval --help)\n"); return 2; }
+    char err[SN_ERR_MAX], note[SN_ERR_MAX];
+    if (!a.run && padding_follow_weights(&a.c.model, weights, "eval", note, err)) {
+        fprintf(stderr, "segnet eval: %s\n", err);
+        return 1;
+    }
     const char *data = a.c.val;
     for (int i = 2; i + 1 < argc; i++) if (!strcmp(argv[i], "--data")) data = argv[i + 1];
     if (!data) { fprintf(stderr, "segnet eval: --data VAL is required\n"); return 2; }
@@ -7513,7 +7569,6 @@ static int cmd_eval(int argc, char **argv) {
     EvalResult r;
     double iou[SN_MAX_CLASSES];
     r.m.iou = iou;
-    char err[SN_ERR_MAX];
     if (eval_run(&a.c, weights, data, &r, err)) { fprintf(stderr, "segnet eval: %s\n", err); return 1; }
     printf("val_loss: %.6f\n", r.loss);
     if (model_is_classifier(a.c.model.model)) { printf("val_accuracy: %.6f\n", r.m.accuracy); return 0; }
@@ -7549,7 +7604,8 @@ static const char *PREDICT_USAGE =
     "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
     "  --weights W         safetensors in PyTorch layout (segnet, torchvision or timm\n"
     "                      names); training checkpoints load as they are\n"
-    "  --padding MODE      same (Keras/TF weights, default) or symmetric (torchvision)\n"
+    "  --padding MODE      same (Keras/TF weights) or symmetric (torchvision); default:\n"
+    "                      as the weights were trained (their names or metadata), else same\n"
     "  --size HxW          input size (default: effv2-s 384x384, effv2-m/l 480x480,\n"
     "                      effv2-t 64x64, U-Nets 256x256)\n"
     "  --batch B           images per forward pass (default 8)\n"
@@ -7592,7 +7648,12 @@ static int cmd_predict(int argc, char **argv) {
         return 2;
     }
     if (!size_given) model_default_size(&pc.model);
-    char err[SN_ERR_MAX];
+    char err[SN_ERR_MAX], note[SN_ERR_MAX];
+    if (padding_follow_weights(&pc.model, pc.weights, "predict", note, err)) {
+        fprintf(stderr, "segnet predict: %s\n", err);
+        return 1;
+    }
+    if (note[0]) fprintf(stderr, "segnet predict: %s\n", note);
     if (predict_run(&pc, err) != 0) { fprintf(stderr, "segnet predict: %s\n", err); return 1; }
     fprintf(stderr, "segnet predict: wrote %s\n", pc.out);
     return 0;

@@ -719,6 +719,7 @@ typedef struct {
     PadMode pad;            // EfficientNetV2 convs: same (TensorFlow/Keras) or symmetric (torchvision)
     int head_hidden;        // classifier: 0, or the width of a hidden ReLU layer
     int depth, width_base;  // unet: levels below the top, channels of level 0
+    int pad_given;          // --padding was given (else the weights may decide: weights_padding)
 } ModelCfg;
 
 ModelCfg model_cfg_default(void);
@@ -888,6 +889,18 @@ int net_load_weights(Net *net, const StFile *f, const char *path, const char *al
 // ignored (...)" with S the naming found: timm, or torchvision (segnet's own
 // names are torchvision's).
 typedef struct { const char *init, *ignore; } LoadRules;
+// The padding EfficientNetV2 weights were trained with: the file's
+// "padding" metadata (segnet's checkpoints, ref/'s files), else timm's
+// tf_efficientnetv2 names (TensorFlow's SAME) or torchvision's names
+// (symmetric). 1 with *pad and `why` set, 0 when the file does not say
+// (segnet checkpoints from before the metadata, other names).
+int weights_padding(const StFile *f, PadMode *pad, const char **why);
+// For a run with --weights on an EfficientNetV2 (or unet-effv2-*) model: with
+// no --padding, the weights' padding becomes m->pad; a --padding that
+// contradicts them gets a warning on stderr (`cmd` names the command). `note`
+// (SN_ERR_MAX bytes) receives "padding P (why)" for the report. -1 on an
+// unreadable file.
+int padding_follow_weights(ModelCfg *m, const char *weights, const char *cmd, char *note, char err[SN_ERR_MAX]);
 int net_load_weights_rules(Net *net, const StFile *f, const char *path, const LoadRules *rules, char *report,
                            char err[SN_ERR_MAX]);
 int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]);
@@ -1151,6 +1164,7 @@ typedef struct {
     const char *out;                // run folder (NULL: runs/<timestamp>)
     const char *weights;            // initial weights (safetensors), or NULL
     const char *allow_missing;      // more prefixes (comma-separated) of tensors the weights may lack, or NULL
+    const char *weights_note;       // appended to the `weights:` line (the padding decided), or NULL
     int class_weights_given;
     float class_weights[SN_MAX_CLASSES];  // default all 1
     int epochs;

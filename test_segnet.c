@@ -2128,6 +2128,58 @@ static void test_weights_unet_encoder_from_classifier(void) {
     unlink(path); unlink(path2);
 }
 
+// The padding follows the weights when --padding is not given: torchvision's
+// names mean symmetric, timm's (tf_efficientnetv2) TF-SAME, a "padding"
+// metadata entry (segnet's checkpoints) says it outright; an explicit
+// --padding stands and is reported as against the weights.
+static void test_weights_padding_follows(void) {
+    Graph g; Net net; char err[SN_ERR_MAX], note[SN_ERR_MAX], p_tv[128], p_timm[128], p_meta[128];
+    snprintf(p_tv, sizeof p_tv, "/tmp/segnet_test_%ld_pad_tv.safetensors", (long)getpid());
+    snprintf(p_timm, sizeof p_timm, "/tmp/segnet_test_%ld_pad_timm.safetensors", (long)getpid());
+    snprintf(p_meta, sizeof p_meta, "/tmp/segnet_test_%ld_pad_meta.safetensors", (long)getpid());
+    tiny_net(&g, &net, 3, 1);
+    StFile f;
+    CHECK(net_save_weights(&net, p_tv, err) == 0 && st_read(p_tv, &f, err) == 0, "%s", err);
+    StTensor *renamed = malloc(sizeof(StTensor) * f.n_tensors);
+    memcpy(renamed, f.tensors, sizeof(StTensor) * f.n_tensors);
+    for (int i = 0; i < f.n_tensors; i++) {
+        char t[SN_NAME_MAX];
+        if (effnet_timm_name(&g, renamed[i].name, t)) snprintf(renamed[i].name, SN_NAME_MAX, "%s", t);
+    }
+    const char *key = "padding", *same = "same", *epoch_key = "epoch", *one = "1";
+    CHECK(st_write(p_timm, renamed, f.n_tensors, NULL, NULL, 0, err) == 0, "%s", err);
+    CHECK(st_write(p_meta, f.tensors, f.n_tensors, &key, &same, 1, err) == 0, "%s", err);
+    const struct { const char *path; int pad_given; PadMode given, want; const char *says; } cases[] = {
+        {p_tv, 0, PAD_SAME, PAD_SYMMETRIC, "padding symmetric (torchvision names)"},
+        {p_timm, 0, PAD_SYMMETRIC, PAD_SAME, "padding same (timm's tf_efficientnetv2 names"},
+        {p_meta, 0, PAD_SYMMETRIC, PAD_SAME, "padding same (from the file's metadata)"},
+        {p_tv, 1, PAD_SAME, PAD_SAME, "padding same (--padding, against the weights)"},
+        {p_tv, 1, PAD_SYMMETRIC, PAD_SYMMETRIC, "padding symmetric (--padding)"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        ModelCfg m = model_cfg_default();
+        m.model = i % 2 ? "unet-effv2-t" : "effv2-t";
+        m.pad = cases[i].given; m.pad_given = cases[i].pad_given;
+        CHECK(padding_follow_weights(&m, cases[i].path, "test", note, err) == 0 && m.pad == cases[i].want &&
+              contains(note, cases[i].says), "case %zu: padding %d, note '%s' (%s)", i, (int)m.pad, note, err);
+    }
+    // a segnet checkpoint without the entry does not say; a plain U-Net has no padding to decide
+    CHECK(st_write(p_meta, f.tensors, f.n_tensors, &epoch_key, &one, 1, err) == 0, "%s", err);
+    ModelCfg m = model_cfg_default();
+    m.model = "effv2-t";
+    CHECK(padding_follow_weights(&m, p_meta, "test", note, err) == 0 && m.pad == PAD_SAME && contains(note, "do not say"),
+          "an old checkpoint: '%s'", note);
+    m.model = "unet";
+    CHECK(padding_follow_weights(&m, p_tv, "test", note, err) == 0 && note[0] == 0, "unet: '%s'", note);
+    m.model = "effv2-t";
+    CHECK(padding_follow_weights(&m, "/nonexistent/w.safetensors", "test", note, err) == -1 &&
+          contains(err, "/nonexistent/w.safetensors"), "a missing file: '%s'", err);
+    free(renamed);
+    st_free(&f);
+    net_free(&net); graph_free(&g);
+    unlink(p_tv); unlink(p_timm); unlink(p_meta);
+}
+
 // timm's names (ref/timm_names.py, from timm's tf_efficientnetv2_s/m/l) are
 // the aliases segnet accepts, and a file in timm's names loads like torchvision's
 static void test_effv2_timm_names(void) {
@@ -7546,6 +7598,7 @@ static const Test TESTS[] = {
     {"weights_round_trip", test_weights_round_trip},
     {"weights_refused", test_weights_refused},
     {"weights_unet_encoder_from_classifier", test_weights_unet_encoder_from_classifier},
+    {"weights_padding_follows", test_weights_padding_follows},
     {"parity_torch_effv2_tiny", test_parity_torch_effv2_tiny},
     {"predict_classifier", test_predict_classifier},
     {"predict_bad_input", test_predict_bad_input},
