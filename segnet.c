@@ -7579,8 +7579,13 @@ static int cmd_eval(int argc, char **argv) {
 }
 
 static const char *PREDICT_USAGE =
-    "usage: segnet predict --model NAME --classes K --weights W.safetensors\n"
+    "usage: segnet predict --run RUN --input DIR_OR_CSV --out OUT [options]\n"
+    "       segnet predict --model NAME --classes K --weights W.safetensors\n"
     "                      --input DIR_OR_CSV --out OUT [options]\n"
+    "\n"
+    "With --run, the run's config.txt gives the model options (model, classes,\n"
+    "size, padding, ...) and RUN/best.safetensors the weights (--last:\n"
+    "last.safetensors); options given as well override them.\n"
     "\n"
     "Predicts every image of a folder (*.png, *.jpg, *.jpeg, sorted by name) or of\n"
     "a CSV's first column (paths relative to the CSV; a header 'path' is skipped).\n"
@@ -7612,16 +7617,41 @@ static const char *PREDICT_USAGE =
     "  --head-hidden H     the classifier's hidden layer, as trained (default 0)\n"
     "  --depth D           unet levels below the top, as trained (default 4)\n"
     "  --width W           unet channels at the top level, as trained (default 32)\n"
-    "  --device D          auto (default), cuda or cpu, as for segnet train\n";
+    "  --device D          auto (default), cuda or cpu, as for segnet train\n"
+    "  --threads T         CPU threads (default: all cores)\n";
 
 static int cmd_predict(int argc, char **argv) {
     PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO};
     pc.model.model = "effv2-s";
     pc.model.batch = 8;
-    int size_given = 0, classes_given = 0;
+    int size_given = 0, classes_given = 0, last = 0;
+    const char *run = NULL;
+    char run_weights[4200];
+    for (int i = 2; i + 1 < argc; i++) if (!strcmp(argv[i], "--run")) run = argv[i + 1];
+    if (run) {  // the run's model settings first, then the command line's on top
+        TrainArgs ta;
+        memset(&ta, 0, sizeof ta);
+        train_cfg_default(&ta.c);
+        if (read_run_config(&ta, run)) return 2;
+        pc.model = ta.c.model;
+        pc.model.batch = 8;
+        size_given = classes_given = 1;
+    }
     for (int i = 2; i < argc;) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(PREDICT_USAGE, stdout); return 0; }
+        if (!strcmp(f, "--last")) { last = 1; i++; continue; }
+        if (!strcmp(f, "--run")) { i += 2; continue; }
+        if (!strcmp(f, "--threads")) {
+            int threads;
+            if (i + 1 >= argc || parse_int(f, argv[i + 1], 1, 4096, &threads)) {
+                if (i + 1 >= argc) fprintf(stderr, "segnet predict: --threads needs a value\n");
+                return 2;
+            }
+            set_threads(threads);
+            i += 2;
+            continue;
+        }
         const char **target = !strcmp(f, "--weights") ? &pc.weights : !strcmp(f, "--input") ? &pc.input
                             : !strcmp(f, "--out") ? &pc.out : NULL;
         if (target) {
@@ -7643,8 +7673,13 @@ static int cmd_predict(int argc, char **argv) {
         if (k == 0) { fprintf(stderr, "segnet predict: unknown option '%s' (see segnet predict --help)\n", f); return 2; }
         i += k;
     }
+    if (run && !pc.weights) {
+        snprintf(run_weights, sizeof run_weights, "%s/%s.safetensors", run, last ? "last" : "best");
+        pc.weights = run_weights;
+    }
     if (!pc.weights || !pc.input || !pc.out || !classes_given) {
-        fprintf(stderr, "segnet predict: --weights, --input, --out and --classes are required (see segnet predict --help)\n");
+        fprintf(stderr, "segnet predict: --input, --out and either --run RUN or --weights and --classes are required "
+                "(see segnet predict --help)\n");
         return 2;
     }
     if (!size_given) model_default_size(&pc.model);

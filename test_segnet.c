@@ -3889,6 +3889,38 @@ static int run_segnet(const char *args, char *msg, size_t size) {
     return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
 }
 
+// `segnet predict --run RUN` takes the model options from RUN/config.txt and
+// RUN/best.safetensors (--last: last.safetensors): the same masks as predict
+// given every option and the weights by hand; a folder that is not a run is
+// refused naming its config.txt.
+static void test_predict_from_run(void) {
+    const char *data = "/tmp/segnet_test_predict_run_data", *run = "/tmp/segnet_test_predict_run";
+    const char *o1 = "/tmp/segnet_test_predict_run_o1", *o2 = "/tmp/segnet_test_predict_run_o2";
+    rm_rf(data); rm_rf(run); rm_rf(o1); rm_rf(o2);
+    write_seg_set(data, 4, 8, 8, 9);
+    char args[2048], msg[4096], a[600], b[600];
+    snprintf(args, sizeof args, "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --epochs 2 --classes 3 "
+             "--data %s --out %s --device cpu --threads 1", data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "train: %s", msg);
+    for (int last = 0; last < 2; last++) {
+        rm_rf(o1); rm_rf(o2);
+        snprintf(args, sizeof args, "predict --run %s%s --input %s/images --out %s --device cpu --threads 1", run,
+                 last ? " --last" : "", data, o1);
+        CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict --run%s: %s", last ? " --last" : "", msg);
+        snprintf(args, sizeof args, "predict --model unet --depth 1 --width 2 --size 8x8 --classes 3 --weights %s/%s.safetensors "
+                 "--input %s/images --out %s --device cpu --threads 1", run, last ? "last" : "best", data, o2);
+        CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict by hand: %s", msg);
+        for (int i = 0; i < 4; i++) {
+            snprintf(a, sizeof a, "%s/i%02d.png", o1, i);
+            snprintf(b, sizeof b, "%s/i%02d.png", o2, i);
+            CHECK(files_equal(a, b), "%s and %s differ (%s)", a, b, last ? "--last" : "best");
+        }
+    }
+    snprintf(args, sizeof args, "predict --run %s --input %s/images --out %s", data, data, o1);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "config.txt"), "not a run: '%s'", msg);
+    rm_rf(data); rm_rf(run); rm_rf(o1); rm_rf(o2);
+}
+
 // Bad arguments and bad run folders: one clear line, non-zero exit, and every
 // file of an existing run folder unchanged.
 static void test_train_bad_input(void) {
@@ -7629,6 +7661,7 @@ static const Test TESTS[] = {
     {"resume_bitwise", test_resume_bitwise},
     {"early_stopping", test_early_stopping},
     {"train_bad_input", test_train_bad_input},
+    {"predict_from_run", test_predict_from_run},
     {"classifier_csv_trains", test_classifier_csv_trains},
     {"eval_matches_run", test_eval_matches_run},
     {"fp16_loss_scaling", test_fp16_loss_scaling},
