@@ -2445,7 +2445,7 @@ static int effnetv2_features(Graph *g, const EffSpec *sp, int x, PadMode pad, in
 }
 
 ModelCfg model_cfg_default(void) {
-    ModelCfg c = {"unet", 4, 1, 256, 256, PAD_SAME, 0, 4, 32, 0};
+    ModelCfg c = {"unet", 4, 1, 256, 256, PAD_SAME, 0, 4, 32, 0, -1.0f};
     return c;
 }
 
@@ -2453,10 +2453,11 @@ ModelCfg model_cfg_default(void) {
 static int classifier_head(Graph *g, int x, const EffSpec *sp, const ModelCfg *c) {
     graph_begin_stage(g, "classifier");
     graph_begin_block(g);
-    x = graph_dropout(g, "classifier.0", graph_gap(g, "avgpool", x), sp->dropout);
+    const float rate = c->dropout >= 0.0f ? c->dropout : sp->dropout;
+    x = graph_dropout(g, "classifier.0", graph_gap(g, "avgpool", x), rate);
     if (c->head_hidden > 0) {
         x = graph_act(g, "classifier.2", graph_dense(g, "classifier.1", x, c->head_hidden, 1), ACT_RELU);
-        x = graph_dropout(g, "classifier.3", x, sp->dropout);
+        x = graph_dropout(g, "classifier.3", x, rate);
         return graph_dense(g, "classifier.4", x, c->classes, 1);
     }
     return graph_dense(g, "classifier.1", x, c->classes, 1);
@@ -6513,6 +6514,13 @@ static const char *float_str(char buf[32], float v) {
     return buf;
 }
 
+// what early stopping and best.safetensors watch: the validation loss, or the
+// validation mIoU (segmentation) / accuracy (classification); the training
+// run's own values when there is no validation set
+static const char *monitor_name(const TrainCfg *c) {
+    return !c->monitor_metric ? "val_loss" : model_is_classifier(c->model.model) ? "val_accuracy" : "val_mIoU";
+}
+
 // config.txt: `key = value`, one per setting, the keys being the train
 // flags without their dashes, so that --resume can read it back as flags.
 static void config_text(const TrainCfg *c, StBuf *b) {
@@ -6523,6 +6531,8 @@ static void config_text(const TrainCfg *c, StBuf *b) {
     CFG("model = %s\nclasses = %d\nsize = %dx%d\nbatch = %d\n", m->model, m->classes, m->height, m->width, m->batch);
     CFG("padding = %s\nhead-hidden = %d\ndepth = %d\nwidth = %d\n", m->pad == PAD_SAME ? "same" : "symmetric",
         m->head_hidden, m->depth, m->width_base);
+    char d[32];
+    if (m->dropout >= 0.0f) CFG("dropout = %s\n", float_str(d, m->dropout));
     CFG("data = %s\n", c->data);
     if (c->val) CFG("val = %s\n", c->val);
     if (c->weights) CFG("weights = %s\n", c->weights);
@@ -6534,6 +6544,7 @@ static void config_text(const TrainCfg *c, StBuf *b) {
         float_str(f[1], c->adam_eps), float_str(f[2], c->weight_decay), float_str(f[3], c->clipnorm));
     CFG("schedule = %s\nwarmup = %d\nearly-stopping = %d\n", c->schedule == SCHEDULE_COSINE ? "cosine" : "constant",
         c->warmup, c->patience);
+    CFG("monitor = %s\nmin-delta = %s\n", monitor_name(c), float_str(f[0], c->min_delta));
     const Augment *a = &c->augment;
     int n = 0;
     sb_str(b, "augment = ");
@@ -6695,10 +6706,12 @@ static int train_replica(Comm *comm, void *arg) {
         double lr = lr_at_step(c->lr, c->schedule, c->warmup, t.total_steps, t.step - 1);
         EpochRecord rec = {t.epoch, lr, loss, val_loss, t.segmentation ? m.mean_iou : m.accuracy,
                            t.has_val ? (t.segmentation ? vm.mean_iou : vm.accuracy) : NAN};
-        // Keras' EarlyStopping(monitor="val_loss", min_delta=0): an epoch improves when its loss is lower
-        double monitored = t.has_val ? val_loss : loss;
-        int improved = monitored < t.best;
-        if (improved) { t.best = monitored; t.best_epoch = t.epoch; t.bad_epochs = 0; }
+        // Keras' EarlyStopping(monitor, min_delta): an epoch improves when the loss is lower than the
+        // best by more than min_delta (a metric: higher); t.best holds the loss, or the metric negated
+        const double metric = t.has_val ? rec.val_metric : rec.metric;
+        const double score = c->monitor_metric ? -metric : t.has_val ? val_loss : loss;
+        int improved = score < t.best - c->min_delta;
+        if (improved) { t.best = score; t.best_epoch = t.epoch; t.bad_epochs = 0; }
         else t.bad_epochs++;
         if (c->patience > 0 && t.bad_epochs >= c->patience) t.finished = 1;  // stopped early: resuming does nothing
         int wrc = 0;
@@ -6732,7 +6745,7 @@ static int train_replica(Comm *comm, void *arg) {
     }
     if (c->progress && root) {
         if (c->patience > 0 && t.epoch < c->epochs)
-            fprintf(stderr, "early stopping: val_loss has not improved for %d epochs\n", c->patience);
+            fprintf(stderr, "early stopping: %s has not improved for %d epochs\n", monitor_name(c), c->patience);
         fprintf(stderr, "segnet train: best epoch %d; weights in %s/best.safetensors\n", t.best_epoch, run);
     }
     if (t.best_epoch == 0) {
@@ -7144,7 +7157,7 @@ static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
     const char *f = argv[i];
     int is_model_flag = !strcmp(f, "--model") || !strcmp(f, "--classes") || !strcmp(f, "--size") ||
                         !strcmp(f, "--batch") || !strcmp(f, "--padding") || !strcmp(f, "--head-hidden") ||
-                        !strcmp(f, "--depth") || !strcmp(f, "--width");
+                        !strcmp(f, "--depth") || !strcmp(f, "--width") || !strcmp(f, "--dropout");
     if (!is_model_flag) return 0;
     if (i + 1 >= argc) { fprintf(stderr, "segnet: %s needs a value\n", f); return -1; }
     const char *v = argv[i + 1];
@@ -7152,6 +7165,15 @@ static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
     else if (!strcmp(f, "--classes")) { if (parse_int(f, v, 1, 1 << 20, &c->classes)) return -1; }
     else if (!strcmp(f, "--batch")) { if (parse_int(f, v, 1, 1 << 16, &c->batch)) return -1; }
     else if (!strcmp(f, "--head-hidden")) { if (parse_int(f, v, 0, 1 << 20, &c->head_hidden)) return -1; }
+    else if (!strcmp(f, "--dropout")) {
+        char *end;
+        double r = strtod(v, &end);
+        if (end == v || *end || !(r >= 0.0 && r < 1.0)) {
+            fprintf(stderr, "segnet: --dropout '%s' must be a rate in [0, 1)\n", v);
+            return -1;
+        }
+        c->dropout = (float)r;
+    }
     else if (!strcmp(f, "--depth")) { if (parse_int(f, v, 1, 8, &c->depth)) return -1; }
     else if (!strcmp(f, "--width")) { if (parse_int(f, v, 1, 1 << 16, &c->width_base)) return -1; }
     else if (!strcmp(f, "--padding")) {
@@ -7220,8 +7242,13 @@ static const char *TRAIN_USAGE =
     "  --clipnorm C          clip the gradient's global norm to C (default 0: off)\n"
     "  --schedule S          constant (default) or cosine (decays to 0 at the end)\n"
     "  --warmup STEPS        linear warm-up steps (default 0)\n"
-    "  --early-stopping P    stop when val_loss has not improved for P epochs and\n"
-    "                        keep the best weights (default 0: off; needs --val)\n"
+    "  --early-stopping P    stop when the monitored value has not improved for P\n"
+    "                        epochs (default 0: off; needs --val)\n"
+    "  --monitor M           what early stopping and best.safetensors watch: val_loss\n"
+    "                        (default), val_mIoU (segmentation) or val_accuracy\n"
+    "                        (classification); without --val the training values\n"
+    "  --min-delta D         an epoch improves only by more than D (default 0), as\n"
+    "                        Keras' EarlyStopping(min_delta)\n"
     "  --augment LIST        none (default) or any of flip, brightness=D,\n"
     "                        contrast=LO:HI (tf.image semantics), comma-separated\n"
     "  --weights W           initial weights (safetensors, torchvision or timm\n"
@@ -7266,7 +7293,12 @@ static const char *TRAIN_USAGE =
     "  --padding MODE        EfficientNetV2 convs: same or symmetric; default: as the\n"
     "                        --weights were trained (torchvision names symmetric,\n"
     "                        timm's SAME, segnet's recorded), else same\n"
-    "  --head-hidden H       classifier hidden layer width (default 0: none)\n"
+    "  --head-hidden H       classifier hidden layer width (default 0: none); the\n"
+    "                        seed's Keras head GAP → Dropout 0.2 → Dense 128 ReLU →\n"
+    "                        Dropout 0.2 → Dense K is --head-hidden 128 --dropout 0.2\n"
+    "  --dropout R           the classifier head's dropout rate (both dropouts with\n"
+    "                        --head-hidden; default torchvision's: effv2-s 0.2,\n"
+    "                        effv2-m 0.3, effv2-l 0.4)\n"
     "  --depth D, --width W  unet levels below the top (default 4), channels at the top (32)\n"
     "\n"
     "The quickstart (`segnet train` with no options, or `make train`, from the\n"
@@ -7349,6 +7381,7 @@ static int parse_bytes(const char *v, size_t *out) {
 typedef struct {
     TrainCfg c;
     const char *class_weights, *resume, *run;
+    const char *monitor;  // --monitor's metric name as given (checked against the model)
     int size_given;
     size_t memory;      // --memory: pick the setting that fits (0: not given)
     int fixed;          // --checkpoint or --precision given
@@ -7371,7 +7404,7 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
                                         "--lr", "--adam-eps", "--weight-decay", "--clipnorm", "--schedule", "--warmup",
                                         "--early-stopping", "--augment", "--seed", "--threads", "--workers", "--loss-norm",
                                         "--run", "--precision", "--accum", "--freeze", "--unfreeze-last", "--checkpoint",
-                                        "--memory", "--device", "--replicas", "--allow-missing"};
+                                        "--memory", "--device", "--replicas", "--allow-missing", "--monitor", "--min-delta"};
     int known = 0;
     for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
     if (!known) return 0;
@@ -7392,6 +7425,12 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     else if (!strcmp(f, "--epochs")) rc = parse_int(f, v, 1, 1 << 20, &c->epochs);
     else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, 1 << 30, &c->warmup);
     else if (!strcmp(f, "--early-stopping")) rc = parse_int(f, v, 0, 1 << 20, &c->patience);
+    else if (!strcmp(f, "--min-delta")) rc = parse_float(f, v, 0.0f, &c->min_delta);
+    else if (!strcmp(f, "--monitor")) {
+        if (!strcmp(v, "val_loss")) c->monitor_metric = 0;
+        else if (!strcmp(v, "val_mIoU") || !strcmp(v, "val_accuracy")) { c->monitor_metric = 1; a->monitor = v; }
+        else { fprintf(stderr, "segnet: --monitor '%s' must be val_loss, val_mIoU or val_accuracy\n", v); rc = -1; }
+    }
     else if (!strcmp(f, "--threads")) rc = parse_int(f, v, 1, 4096, &c->threads);
     else if (!strcmp(f, "--workers")) rc = parse_int(f, v, 1, 256, &c->workers);
     else if (!strcmp(f, "--accum")) rc = parse_int(f, v, 1, SN_MAX_ACCUM, &c->accum);
@@ -7496,6 +7535,11 @@ static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd
     }
     if (!a->size_given) model_default_size(&a->c.model);
     if (a->c.model.classes > SN_MAX_CLASSES) { fprintf(stderr, "segnet %s: at most %d classes\n", cmd, SN_MAX_CLASSES); return -1; }
+    if (a->monitor && strcmp(a->monitor, monitor_name(&a->c))) {
+        fprintf(stderr, "segnet %s: --monitor %s: model '%s' reports %s\n", cmd, a->monitor, a->c.model.model,
+                monitor_name(&a->c));
+        return -1;
+    }
     if (a->class_weights) {
         if (parse_class_weights(a->class_weights, a->c.model.classes, a->c.class_weights)) return -1;
         a->c.class_weights_given = 1;

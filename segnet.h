@@ -720,6 +720,7 @@ typedef struct {
     int head_hidden;        // classifier: 0, or the width of a hidden ReLU layer
     int depth, width_base;  // unet: levels below the top, channels of level 0
     int pad_given;          // --padding was given (else the weights may decide: weights_padding)
+    float dropout;          // classifier head's dropout rate(s); < 0: the model's (EffSpec: s 0.2, m 0.3, l 0.4)
 } ModelCfg;
 
 ModelCfg model_cfg_default(void);
@@ -1171,7 +1172,9 @@ typedef struct {
     float lr, adam_eps, weight_decay, clipnorm;
     Schedule schedule;
     int warmup;                     // steps
-    int patience;                   // early stopping on val_loss; 0: off
+    int patience;                   // early stopping on the monitored value; 0: off
+    int monitor_metric;             // 0: monitor val_loss (lower is better); 1: val_mIoU / val_accuracy (higher)
+    float min_delta;                // an epoch improves by more than this (Keras' min_delta)
     Augment augment;
     uint64_t seed;
     int threads;                    // 0: OpenMP's default

@@ -3889,6 +3889,65 @@ static int run_segnet(const char *args, char *msg, size_t size) {
     return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
 }
 
+// --dropout sets both dropouts of the classifier head (the seed's head: --head-hidden
+// 128 --dropout 0.2); without it the model's own rate (effv2-l: torchvision's 0.4)
+static void test_head_dropout(void) {
+    for (int given = 0; given < 2; given++) {
+        ModelCfg c = model_cfg_default();
+        c.model = "effv2-l"; c.classes = 6; c.height = 64; c.width = 64; c.head_hidden = 128;
+        if (given) c.dropout = 0.2f;
+        Graph g;
+        graph_init(&g);
+        CHECK(model_build(&g, &c) >= 0, "%s", g.err);
+        int n = 0;
+        for (int i = 0; i < g.n_layers; i++)
+            if (g.layers[i].kind == LAYER_DROPOUT && !strncmp(g.layers[i].name, "classifier.", 11)) {
+                CHECK(g.layers[i].rate == (given ? 0.2f : 0.4f), "%s: rate %g", g.layers[i].name, g.layers[i].rate);
+                n++;
+            }
+        CHECK(n == 2, "%d head dropouts, want 2", n);
+        graph_free(&g);
+    }
+}
+
+// --min-delta: an epoch improves only by more than min_delta. With patience 1
+// a run whose val_loss falls every epoch runs all its 5 epochs with min_delta
+// 0, and stops after its second with min_delta 100 (more than the loss can
+// fall); --monitor val_mIoU with min_delta 1 (more than mIoU can rise) stops
+// there too. The monitor is in config.txt; a metric the model does not
+// report is refused.
+static void test_monitor_min_delta(void) {
+    const char *data = "/tmp/segnet_test_monitor_data", *run = "/tmp/segnet_test_monitor_run";
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 4, 8, 8, 11);
+    char args[2048], msg[4096], path[600];
+    const struct { const char *opts; int want; } cases[] = {
+        {"--min-delta 0", 5}, {"--min-delta 100", 2}, {"--monitor val_mIoU --min-delta 1", 2}};
+    for (int i = 0; i < 3; i++) {
+        rm_rf(run);
+        snprintf(args, sizeof args, "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --epochs 5 --classes 3 "
+                 "--data %s --val %s --out %s --device cpu --threads 1 --lr 0.01 --early-stopping 1 %s",
+                 data, data, run, cases[i].opts);
+        CHECK(run_segnet(args, msg, sizeof msg) == 0, "train: %s", msg);
+        double col[8];
+        snprintf(path, sizeof path, "%s/metrics.csv", run);
+        int rows = csv_column(path, "val_loss", col, 8);
+        CHECK(rows == cases[i].want, "%s: %d epochs ran, want %d (val_loss %g %g %g %g %g)", cases[i].opts, rows,
+              cases[i].want, col[0], col[1], col[2], col[3], col[4]);
+    }
+    snprintf(path, sizeof path, "%s/config.txt", run);
+    size_t n;
+    char *cfg = read_file(path, &n);
+    CHECK(cfg && contains(cfg, "monitor = val_mIoU") && contains(cfg, "min-delta = 1"), "config.txt: %s", cfg ? cfg : "(none)");
+    free(cfg);
+    rm_rf(run);
+    snprintf(args, sizeof args, "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --epochs 1 --classes 3 "
+             "--data %s --out %s --device cpu --monitor val_accuracy", data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "--monitor val_accuracy") && contains(msg, "val_mIoU"),
+          "a classifier's metric for a U-Net: '%s'", msg);
+    rm_rf(data); rm_rf(run);
+}
+
 // `segnet predict --run RUN` takes the model options from RUN/config.txt and
 // RUN/best.safetensors (--last: last.safetensors): the same masks as predict
 // given every option and the weights by hand; a folder that is not a run is
@@ -7662,6 +7721,8 @@ static const Test TESTS[] = {
     {"early_stopping", test_early_stopping},
     {"train_bad_input", test_train_bad_input},
     {"predict_from_run", test_predict_from_run},
+    {"head_dropout", test_head_dropout},
+    {"monitor_min_delta", test_monitor_min_delta},
     {"classifier_csv_trains", test_classifier_csv_trains},
     {"eval_matches_run", test_eval_matches_run},
     {"fp16_loss_scaling", test_fp16_loss_scaling},
