@@ -3948,6 +3948,51 @@ static void test_monitor_min_delta(void) {
     rm_rf(data); rm_rf(run);
 }
 
+// Seed 001's two phases: phase 1 trains with the base frozen; phase 2 is a new
+// run with --weights RUN1/best.safetensors and everything trainable (the
+// optimiser starts afresh; the checkpoint's Adam moments are not weights and
+// are skipped). Phase 2 loads every tensor (the report says so; with lr 0
+// its weights stay phase 1's exactly) and trains the formerly frozen encoder.
+static void test_two_phase_finetune(void) {
+    const char *data = "/tmp/segnet_test_phases_data", *r1 = "/tmp/segnet_test_phase1", *r2 = "/tmp/segnet_test_phase2";
+    rm_rf(data); rm_rf(r1); rm_rf(r2);
+    write_seg_set(data, 4, 8, 8, 13);
+    char args[2048], msg[4096], path[600];
+    const char *base = "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 --device cpu --threads 1";
+    snprintf(args, sizeof args, "%s --epochs 2 --data %s --val %s --out %s --freeze base --unfreeze-last 1", base, data, data, r1);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "phase 1: %s", msg);
+    StFile best, last;
+    char err[SN_ERR_MAX];
+    snprintf(path, sizeof path, "%s/best.safetensors", r1);
+    CHECK(st_read(path, &best, err) == 0, "%s", err);
+    for (int lr0 = 1; lr0 >= 0; lr0--) {
+        rm_rf(r2);
+        snprintf(args, sizeof args, "%s --epochs 1 --data %s --out %s --weights %s/best.safetensors%s", base, data, r2, r1,
+                 lr0 ? " --lr 0" : "");
+        CHECK(run_segnet(args, msg, sizeof msg) == 0, "phase 2: %s", msg);
+        size_t n;
+        char *out = read_file("/tmp/segnet_test_out.txt", &n), want[700];
+        snprintf(want, sizeof want, "tensors loaded from %s/best.safetensors (torchvision names), 0 initialised, 0 ignored", r1);
+        CHECK(out && !strncmp(out, "weights: ", 9) && contains(out, want), "phase 2's report: '%s'", out ? out : "");
+        free(out);
+        snprintf(path, sizeof path, "%s/last.safetensors", r2);
+        CHECK(st_read(path, &last, err) == 0, "%s", err);
+        int enc_same = 1, all_same = 1, n_enc = 0;
+        for (int i = 0; i < best.n_tensors; i++) {
+            const StTensor *a = &best.tensors[i], *b = st_find(&last, a->name);
+            if (!strncmp(a->name, TRAIN_STATE_PREFIX, strlen(TRAIN_STATE_PREFIX)) || strstr(a->name, "running_")) continue;
+            int same = b && a->numel == b->numel && a->dtype == b->dtype && !memcmp(a->data, b->data, a->numel * dtype_size(a->dtype));
+            all_same &= same;
+            if (!strncmp(a->name, "enc0.", 5)) { enc_same &= same; n_enc++; }
+        }
+        if (lr0) CHECK(all_same, "phase 2 with lr 0: its weights are not phase 1's best");
+        else CHECK(n_enc > 0 && !enc_same, "phase 2 did not train the encoder frozen in phase 1 (%d tensors)", n_enc);
+        st_free(&last);
+    }
+    st_free(&best);
+    rm_rf(data); rm_rf(r1); rm_rf(r2);
+}
+
 // `segnet predict --run RUN` takes the model options from RUN/config.txt and
 // RUN/best.safetensors (--last: last.safetensors): the same masks as predict
 // given every option and the weights by hand; a folder that is not a run is
@@ -7723,6 +7768,7 @@ static const Test TESTS[] = {
     {"predict_from_run", test_predict_from_run},
     {"head_dropout", test_head_dropout},
     {"monitor_min_delta", test_monitor_min_delta},
+    {"two_phase_finetune", test_two_phase_finetune},
     {"classifier_csv_trains", test_classifier_csv_trains},
     {"eval_matches_run", test_eval_matches_run},
     {"fp16_loss_scaling", test_fp16_loss_scaling},
