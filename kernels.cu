@@ -1106,18 +1106,22 @@ template <class T> static __device__ __forceinline__ void mma_16816(float d[4], 
 #endif
 }
 // four 8×8 matrices of 16-bit elements from shared memory, matrix i's rows at
-// the addresses of lanes 8i..8i+7
-static __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void *row) {
+// the addresses of lanes 8i..8i+7 (TRANS: each matrix transposed)
+template <bool TRANS> static __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void *row) {
 #if defined(__CUDACC__)
 #if __CUDA_ARCH__ >= 800
     const unsigned a = (unsigned)__cvta_generic_to_shared(row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 #else
     __trap();
 #endif
 #else
-    cuemu::ldmatrix(r, 4, row, false);
+    cuemu::ldmatrix(r, 4, row, TRANS);
 #endif
 }
 // 16 bytes global -> shared without passing through registers; src_bytes 0
@@ -1268,20 +1272,6 @@ static __device__ __forceinline__ void load_a(T *As, const T *src, const Gather 
     }
 }
 
-static __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void *row) {
-#if defined(__CUDACC__)
-#if __CUDA_ARCH__ >= 800
-    const unsigned a = (unsigned)__cvta_generic_to_shared(row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-#else
-    __trap();
-#endif
-#else
-    cuemu::ldmatrix(r, 4, row, true);
-#endif
-}
-
 // where accumulator r of the warp's 16×8 tile (i, j) lies in the block's tile:
 // row wm + 16i + lane/4 (+8 for r ≥ 2), column wn + 8j + 2·(lane%4) + r%2, with
 // (wm, wn) = (64·(warp%2), 32·(warp/2)): mma.m16n8k16's D layout
@@ -1351,19 +1341,19 @@ static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *sme
 #pragma unroll
                 for (int i = 0; i < 4; i++)  // matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15): a0..a3
                     if (A_TRANS)
-                        ldmatrix_x4_trans(af[i], As + ig_swizzle<T, IG_BM>(16 * ks + (lane & 7) + (lane >> 4) * 8,
+                        ldmatrix_x4<true>(af[i], As + ig_swizzle<T, IG_BM>(16 * ks + (lane & 7) + (lane >> 4) * 8,
                                                                            (wm + 16 * i) / 8 + ((lane >> 3) & 1)));
                     else
-                        ldmatrix_x4(af[i], As + ig_swizzle<T, IG_BK>(wm + 16 * i + (lane & 7) + ((lane >> 3) & 1) * 8,
+                        ldmatrix_x4<false>(af[i], As + ig_swizzle<T, IG_BK>(wm + 16 * i + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                                      2 * ks + (lane >> 4)));
 #pragma unroll
                 for (int j = 0; j < 2; j++) {  // matrices (channels 0-7 | 8-15) × (k 0-7 | 8-15): b0, b1 of two tiles
                     uint32_t r[4];
                     if (B_TRANS)  // rows k: (k 0-7 | 8-15) × (channels 0-7 | 8-15)
-                        ldmatrix_x4_trans(r, Bs + ig_swizzle<T, IG_BN>(16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8,
+                        ldmatrix_x4<true>(r, Bs + ig_swizzle<T, IG_BN>(16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                                        (wn + 16 * j) / 8 + (lane >> 4)));
                     else
-                        ldmatrix_x4(r, Bs + ig_swizzle<T, IG_BK>(wn + 16 * j + (lane & 7) + (lane >> 4) * 8,
+                        ldmatrix_x4<false>(r, Bs + ig_swizzle<T, IG_BK>(wn + 16 * j + (lane & 7) + (lane >> 4) * 8,
                                                                  2 * ks + ((lane >> 3) & 1)));
                     bf[2 * j][0] = r[0]; bf[2 * j][1] = r[1]; bf[2 * j + 1][0] = r[2]; bf[2 * j + 1][1] = r[3];
                 }
