@@ -79,17 +79,17 @@ static void launch_check(const char *op, const char *file, int line);
 #define REDUCE_BLOCKS_MAX 1024
 #define REDUCE_WIDTH 3
 
+// Counters of finished blocks for the reductions whose last block adds the
+// others' partials (last_block): one per (channel tile, group) of a channel-sums
+// launch, per output tile of an implicit-GEMM weight gradient. 0 between launches.
+#define SUMS_COUNTERS ((size_t)1 << 15)
+
 // One per device: every ops table (ops_cuda for device 0, copies of it for the
 // others: cuda_ops_for_device) has its own. Every entry point of a table makes
 // its device current (ctx_of calls cudaSetDevice) before it touches memory,
 // a stream or cuBLAS, so one thread may call the tables of several devices in
 // turn (tests, the local replicas' turns) without setting the device itself.
 // With the device already current, cudaSetDevice is a check of a thread-local.
-// Counters of finished blocks for the reductions whose last block adds the
-// others' partials (last_block): one per (channel tile, group) of a channel-sums
-// launch, per output tile of an implicit-GEMM weight gradient. 0 between launches.
-#define SUMS_COUNTERS ((size_t)1 << 15)
-
 struct CudaCtx {
     int device;
     cudaStream_t stream;  // every op runs on it, in order
@@ -811,7 +811,10 @@ static void step_control_cuda(Ops *o, const StepArgs *a, StepState *s, StepPhase
 // ----------------------------------------------------------------------------
 // conv2d
 //
-// The lowering of the CPU ops (segnet.c, "conv2d"), on cuBLAS:
+// k×k convs (stride ≤ 2, sm_80+) run as implicit GEMMs ("implicit-GEMM
+// convolution" below); what follows first is the reference path they replace
+// (SEGNET_CONV=gemm, and the only path otherwise), and the path of every
+// pointwise conv. The lowering of the CPU ops (segnet.c, "conv2d"), on cuBLAS:
 //   pointwise (1×1 stride 1 dense; dense layers are 1×1 convs on (N,1,1,C)):
 //     NHWC is already the GEMM operand [N·H·W][Cin], so each op is one GEMM
 //     on the tensors themselves, no copies.
