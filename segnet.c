@@ -4341,14 +4341,18 @@ static void csv_write_field(FILE *f, const char *s) {
     fputc('"', f);
 }
 
-// a classifier's row: path,pred,p0,...,p{K-1} with p = softmax(z), pred = argmax (lowest on ties)
-static void csv_write_prediction(FILE *f, const char *path, const float *z, int K) {
+// a classifier's row: path,pred[,pred_name],p0,...,p{K-1} with p = softmax(z), pred = argmax (lowest on ties)
+static void csv_write_prediction(FILE *f, const char *path, const float *z, int K, char *const *names, int n_names) {
     int best = 0;
     double sum = 0;
     for (int k = 1; k < K; k++) if (z[k] > z[best]) best = k;
     for (int k = 0; k < K; k++) sum += exp((double)z[k] - z[best]);
     csv_write_field(f, path);
     fprintf(f, ",%d", best);
+    if (n_names) {
+        fputc(',', f);
+        csv_write_field(f, best < n_names ? names[best] : "");
+    }
     for (int k = 0; k < K; k++) fprintf(f, ",%.7g", exp((double)z[k] - z[best]) / sum);
     fputc('\n', f);
 }
@@ -4488,7 +4492,7 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
         if (seg_check_inputs(&list, pc->out, err) != 0) goto done_list;
     } else {
         if (!(f = atomic_file_open(pc->out, tmp, sizeof tmp, err))) goto done_list;
-        fprintf(f, "path,pred");
+        fprintf(f, "path,pred%s", pc->n_class_names ? ",pred_name" : "");
         for (int k = 0; k < K; k++) fprintf(f, ",p%d", k);
         fputc('\n', f);
     }
@@ -4518,7 +4522,7 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
         }
         for (int j = 0; ok && j < count; j++) {
             const char *path = list.paths[start + j];
-            if (!seg) csv_write_prediction(f, path, logits + (size_t)j * K, K);
+            if (!seg) csv_write_prediction(f, path, logits + (size_t)j * K, K, pc->class_names, pc->n_class_names);
             else ok = seg_write(pc->out, path, imgs[j], hw[2 * j], hw[2 * j + 1], logits + out_floats * j,
                                 so.h, so.w, K, err) == 0;
         }
@@ -4663,9 +4667,30 @@ static void add_sample(Dataset *d, PathList *l, int *cap, const char *path, int 
     d->labels[l->n - 1] = label;
 }
 
-// DIR/<class>/*: sub-folders sorted by name are classes 0, 1, ...
-static int list_class_folders(Dataset *d, const char *dir, char err[SN_ERR_MAX]) {
+// class names: d->names takes `names` (n of them, sorted, owned by d)
+static void set_names(Dataset *d, char **names, int n) { d->names = names; d->n_names = n; }
+// the index of `name` among names_from's, or -1 (a message naming the known ones in err)
+static int name_index(const Dataset *from, const char *name, const char *where, char err[SN_ERR_MAX]) {
+    for (int k = 0; k < from->n_names; k++) if (!strcmp(from->names[k], name)) return k;
+    int n = snprintf(err, SN_ERR_MAX, "%.400s: class '%.100s' is not one of the training set's (", where, name);
+    for (int k = 0; k < from->n_names && n < SN_ERR_MAX - 8; k++)
+        n += snprintf(err + n, SN_ERR_MAX - n, "%s%.60s", k ? ", " : "", from->names[k]);
+    if (n < SN_ERR_MAX) snprintf(err + n, SN_ERR_MAX - n, ")");
+    return -1;
+}
+// copies of names (n), sorted
+static char **names_copy(char *const *names, int n) {
+    char **c = malloc(sizeof(char *) * (size_t)(n ? n : 1));
+    snCheck(c != NULL, "out of host memory");
+    for (int k = 0; k < n; k++) { c[k] = strdup(names[k]); snCheck(c[k] != NULL, "out of host memory"); }
+    return c;
+}
+
+// DIR/<class>/*: sub-folders sorted by name are classes 0, 1, ... (or the
+// classes of names_from with those names)
+static int list_class_folders(Dataset *d, const char *dir, const Dataset *names_from, char err[SN_ERR_MAX]) {
     PathList classes = {0}, all = {0};
+    char **names = NULL;  // the folders' names (sorted)
     int cap = 0, rc = -1;
     DIR *dp = opendir(dir);
     if (!dp) { snprintf(err, SN_ERR_MAX, "%s: %s", dir, strerror(errno)); return -1; }
@@ -4681,10 +4706,21 @@ static int list_class_folders(Dataset *d, const char *dir, char err[SN_ERR_MAX])
         snprintf(err, SN_ERR_MAX, "%s: %d class folders, but there are %d classes", dir, classes.n, d->classes);
         goto done;
     }
+    names = malloc(sizeof(char *) * (size_t)(classes.n ? classes.n : 1));
+    snCheck(names != NULL, "out of host memory");
     for (int c = 0; c < classes.n; c++) {
+        const char *slash = strrchr(classes.paths[c], '/');
+        names[c] = strdup(slash ? slash + 1 : classes.paths[c]);
+        snCheck(names[c] != NULL, "out of host memory");
+    }
+    if (names_from && names_from->names) set_names(d, names_copy(names_from->names, names_from->n_names), names_from->n_names);
+    else set_names(d, names, classes.n);
+    for (int c = 0; c < classes.n; c++) {
+        const int label = names_from && names_from->names ? name_index(names_from, names[c], classes.paths[c], err) : c;
+        if (label < 0) goto done;
         PathList l;
         if (list_folder(classes.paths[c], &l, err)) goto done;
-        for (int k = 0; k < l.n; k++) add_sample(d, &all, &cap, l.paths[k], c);
+        for (int k = 0; k < l.n; k++) add_sample(d, &all, &cap, l.paths[k], label);
         path_list_free(&l);
     }
     if (all.n == 0) {
@@ -4696,21 +4732,27 @@ static int list_class_folders(Dataset *d, const char *dir, char err[SN_ERR_MAX])
     rc = 0;
 done:
     if (rc) path_list_free(&all);
+    if (names && d->names != names) {
+        for (int c = 0; c < classes.n; c++) free(names[c]);
+        free(names);
+    }
     path_list_free(&classes);
     return rc;
 }
 
 // a CSV `path,label` (an optional header whose first field is "path"); every
-// listed file must exist, every label be an integer 0..K-1
-static int list_csv(Dataset *d, const char *csv, char err[SN_ERR_MAX]) {
+// listed file must exist, every label be an integer 0..K-1, or every label a
+// class name (the sorted distinct names are classes 0, 1, ..., or names_from's)
+static int list_csv(Dataset *d, const char *csv, const Dataset *names_from, char err[SN_ERR_MAX]) {
     FILE *f = fopen(csv, "r");
     if (!f) { snprintf(err, SN_ERR_MAX, "%s: %s", csv, strerror(errno)); return -1; }
     char dir[4096], line[8192], path[4096], label[64];
     snprintf(dir, sizeof dir, "%s", csv);
     char *slash = strrchr(dir, '/');
     if (slash) *slash = 0; else snprintf(dir, sizeof dir, ".");
-    PathList all = {0};
-    int cap = 0, rc = 0;
+    PathList all = {0}, texts = {0};  // texts: each sample's label as written, while they are names
+    int cap = 0, rc = 0, numeric = -1;   // numeric: -1 no label yet, 1 integers, 0 names
+    int first_row[2] = {0, 0};            // the first row with an integer label, with a name
     for (int row = 1; rc == 0 && fgets(line, sizeof line, f); row++) {
         const char *s = line;
         struct stat sb;
@@ -4734,13 +4776,26 @@ static int list_csv(Dataset *d, const char *csv, char err[SN_ERR_MAX]) {
             end += strspn(end, " \t");
             char full[8200];
             snprintf(full, sizeof full, "%s%s%s", path[0] == '/' ? "" : dir, path[0] == '/' ? "" : "/", path);
+            const int is_int = label[0] && !*end && errno != ERANGE;
+            if (label[0] && !first_row[is_int]) first_row[is_int] = row;
             if (!label[0]) {
                 snprintf(err, SN_ERR_MAX, "%s: row %d: no label (rows are path,label)", csv, row);
                 rc = -1;
-            } else if (*end || errno == ERANGE) {
-                snprintf(err, SN_ERR_MAX, "%s: row %d: label '%s' is not an integer", csv, row, label);
+            } else if (numeric >= 0 && numeric != is_int) {
+                snprintf(err, SN_ERR_MAX, "%s: row %d: label '%s' is %s, but row %d's is %s (labels are all integers "
+                         "0..K-1 or all class names)", csv, row, label, is_int ? "an integer" : "a name",
+                         first_row[!is_int], is_int ? "a name" : "an integer");
                 rc = -1;
-            } else if (v < 0 || v >= d->classes) {
+            } else if (!is_int) {  // a class name: its index once every name is known
+                numeric = 0;
+                if (stat(full, &sb) != 0) {
+                    snprintf(err, SN_ERR_MAX, "%s: row %d: %.400s: %s", csv, row, full, strerror(errno));
+                    rc = -1;
+                } else {
+                    add_sample(d, &all, &cap, full, -1);
+                    path_list_add(&texts, NULL, label);
+                }
+            } else if ((numeric = 1) && (v < 0 || v >= d->classes)) {
                 snprintf(err, SN_ERR_MAX, "%s: row %d: label '%s' is out of range (there are %d classes: 0..%d)", csv, row,
                          label, d->classes, d->classes - 1);
                 rc = -1;
@@ -4754,6 +4809,32 @@ static int list_csv(Dataset *d, const char *csv, char err[SN_ERR_MAX]) {
     }
     fclose(f);
     if (rc == 0 && all.n == 0) { snprintf(err, SN_ERR_MAX, "%s: no images listed", csv); rc = -1; }
+    if (rc == 0 && numeric == 0) {  // name the classes, then number the samples
+        if (names_from && names_from->names) {
+            set_names(d, names_copy(names_from->names, names_from->n_names), names_from->n_names);
+        } else {
+            char **sorted = names_copy(texts.paths, texts.n);
+            qsort(sorted, (size_t)texts.n, sizeof(char *), cmp_str);
+            int n = 0;
+            for (int i = 0; i < texts.n; i++) {
+                if (n && !strcmp(sorted[n - 1], sorted[i])) { free(sorted[i]); continue; }
+                sorted[n++] = sorted[i];
+            }
+            set_names(d, sorted, n);
+            if (n > d->classes) {
+                snprintf(err, SN_ERR_MAX, "%s: %d class names (%s, %s, ...), but there are %d classes", csv, n, sorted[0],
+                         sorted[1], d->classes);
+                rc = -1;
+            }
+        }
+        for (int i = 0; rc == 0 && i < texts.n; i++) {
+            int k = 0;
+            while (k < d->n_names && strcmp(d->names[k], texts.paths[i])) k++;
+            if (k == d->n_names) { name_index(d, texts.paths[i], csv, err); rc = -1; }
+            else d->labels[i] = k;
+        }
+    }
+    path_list_free(&texts);
     if (rc) { path_list_free(&all); return -1; }
     d->n = all.n;
     d->images = all.paths;
@@ -4897,11 +4978,18 @@ void dataset_free(Dataset *d) {
     free(d->labels);
     free(d->image_cache);
     free(d->mask_cache);
+    for (int k = 0; k < d->n_names; k++) free(d->names[k]);
+    free(d->names);
     memset(d, 0, sizeof *d);
 }
 
 int dataset_open(Dataset *d, const char *path, int segmentation, int classes, int height, int width,
                  size_t cache_bytes, int threads, char err[SN_ERR_MAX]) {
+    return dataset_open_named(d, path, segmentation, classes, height, width, cache_bytes, threads, NULL, err);
+}
+
+int dataset_open_named(Dataset *d, const char *path, int segmentation, int classes, int height, int width,
+                       size_t cache_bytes, int threads, const Dataset *names_from, char err[SN_ERR_MAX]) {
     snCheck(classes >= 1 && height >= 1 && width >= 1 && threads >= 1, "dataset_open: classes %d, size %dx%d, threads %d",
             classes, width, height, threads);
     memset(d, 0, sizeof *d);
@@ -4916,7 +5004,7 @@ int dataset_open(Dataset *d, const char *path, int segmentation, int classes, in
     struct stat sb;
     if (stat(path, &sb) != 0) { snprintf(err, SN_ERR_MAX, "%s: %s", path, strerror(errno)); return -1; }
     int rc = segmentation ? list_segmentation(d, path, err)
-           : S_ISDIR(sb.st_mode) ? list_class_folders(d, path, err) : list_csv(d, path, err);
+           : S_ISDIR(sb.st_mode) ? list_class_folders(d, path, names_from, err) : list_csv(d, path, names_from, err);
     if (rc) { dataset_free(d); return -1; }
 
     // cache the resized bytes when they fit (and can be allocated)
@@ -5786,7 +5874,8 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
         t->has_train = 1;
     }
     if (val) {
-        if (dataset_open(&t->val, val, t->segmentation, t->K, in.h, in.w, c->cache_bytes, c->threads > 0 ? c->threads : 2, err)) return -1;
+        if (dataset_open_named(&t->val, val, t->segmentation, t->K, in.h, in.w, c->cache_bytes, c->threads > 0 ? c->threads : 2,
+                               train ? &t->train : NULL, err)) return -1;
         t->has_val = 1;
     }
     if (c->freeze_base) {
@@ -6521,6 +6610,50 @@ static const char *monitor_name(const TrainCfg *c) {
     return !c->monitor_metric ? "val_loss" : model_is_classifier(c->model.model) ? "val_accuracy" : "val_mIoU";
 }
 
+// RUN/classes.txt: class k's name on line k+1, when the training set names its
+// classes (class folders, a CSV's text labels); predict --run reads it back
+#define CLASSES_FILE "classes.txt"
+static int write_class_names(const Dataset *d, const char *run, char err[SN_ERR_MAX]) {
+    if (!d->names) return 0;
+    StBuf b = {0};
+    for (int k = 0; k < d->n_names; k++) {
+        if (strpbrk(d->names[k], "\r\n")) {
+            snprintf(err, SN_ERR_MAX, "class name '%.100s' contains a line break", d->names[k]);
+            free(b.p);
+            return -1;
+        }
+        sb_str(&b, d->names[k]);
+        sb_str(&b, "\n");
+    }
+    sb_put(&b, "", 1);  // the terminator
+    char path[4200];
+    run_path(path, sizeof path, run, CLASSES_FILE);
+    int rc = b.oom ? -1 : write_text_atomic(path, b.p, err);
+    free(b.p);
+    return rc;
+}
+// the names RUN/classes.txt lists (0 and NULL when there is none)
+static int read_class_names(const char *run, char ***names) {
+    char path[4200], line[4096];
+    run_path(path, sizeof path, run, CLASSES_FILE);
+    *names = NULL;
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    int n = 0, cap = 0;
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\r\n")] = 0;
+        if (n == cap) {
+            cap = cap ? 2 * cap : 16;
+            *names = realloc(*names, sizeof(char *) * (size_t)cap);
+            snCheck(*names != NULL, "out of host memory");
+        }
+        (*names)[n] = strdup(line);
+        snCheck((*names)[n++] != NULL, "out of host memory");
+    }
+    fclose(f);
+    return n;
+}
+
 // config.txt: `key = value`, one per setting, the keys being the train
 // flags without their dashes, so that --resume can read it back as flags.
 static void config_text(const TrainCfg *c, StBuf *b) {
@@ -6684,7 +6817,8 @@ static int train_replica(Comm *comm, void *arg) {
         goto done;
     }
     // every input has been checked: from here on the run folder is written
-    if (comm_agree(comm, root ? mkdir_p(run, err) || write_config(c, run, err) : 0, err)) goto done;
+    if (comm_agree(comm, root ? mkdir_p(run, err) || write_config(c, run, err) || write_class_names(&t.train, run, err) : 0,
+                   err)) goto done;
     if (c->progress && root)
         fprintf(stderr, "segnet train: %s on %s, %d training images%s, %" PRIu64 " parameters%s; run folder %s\n",
                 c->model.model, t.o->name, t.train.n, t.has_val ? "" : " (no validation set)", (uint64_t)t.g.n_param_floats,
@@ -7637,17 +7771,20 @@ static const char *PREDICT_USAGE =
     "(bilinear) for the forward pass.\n"
     "\n"
     "Classifiers (effv2-*): OUT is a CSV with one row per image,\n"
-    "path,pred,p0,...,p{K-1} (softmax probabilities). It is replaced only when\n"
-    "every image was read.\n"
+    "path,pred,p0,...,p{K-1} (softmax probabilities); with --run of a run whose\n"
+    "classes have names (class folders, text labels: RUN/classes.txt) also\n"
+    "pred_name after pred. It is replaced only when every image was read.\n"
     "\n"
     "Segmentation models (unet, unet-effv2-*): OUT is a folder, created if missing,\n"
     "that receives for each image OUT/<stem>.png, the mask (8-bit grey, pixel =\n"
     "predicted class 0..K-1), and OUT/<stem>_overlay.png, the image blended 50/50\n"
-    "with a colour per class, both at the image's own size (the mask is brought\n"
-    "back by nearest neighbour). Every image is decoded, and no two may share a\n"
-    "stem, before anything is written; each PNG is written atomically, replacing\n"
-    "a file of that name. A failure while writing (disk full) leaves the PNGs\n"
-    "written before it.\n"
+    "with a colour per class (0 black, 1 red, 2 green, 3 yellow, 4 blue, 5 orange,\n"
+    "6 purple, 7 cyan, 8 magenta, 9 lime, 10 pink, 11 teal, 12 lavender, 13 brown,\n"
+    "14 maroon, 15 navy, then again from black), both at the image's own size\n"
+    "(the mask is brought back by nearest neighbour). Every image is decoded,\n"
+    "and no two may share a stem, before anything is written; each PNG is\n"
+    "written atomically, replacing a file of that name. A failure while writing\n"
+    "(disk full) leaves the PNGs written before it.\n"
     "\n"
     "  --model NAME        effv2-s (default), effv2-m, effv2-l, effv2-t, unet,\n"
     "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
@@ -7665,7 +7802,7 @@ static const char *PREDICT_USAGE =
     "  --threads T         CPU threads (default: all cores)\n";
 
 static int cmd_predict(int argc, char **argv) {
-    PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO};
+    PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO, NULL, 0};
     pc.model.model = "effv2-s";
     pc.model.batch = 8;
     int size_given = 0, classes_given = 0, last = 0;
@@ -7721,6 +7858,7 @@ static int cmd_predict(int argc, char **argv) {
         snprintf(run_weights, sizeof run_weights, "%s/%s.safetensors", run, last ? "last" : "best");
         pc.weights = run_weights;
     }
+    if (run) pc.n_class_names = read_class_names(run, &pc.class_names);
     if (!pc.weights || !pc.input || !pc.out || !classes_given) {
         fprintf(stderr, "segnet predict: --input, --out and either --run RUN or --weights and --classes are required "
                 "(see segnet predict --help)\n");
@@ -7733,7 +7871,10 @@ static int cmd_predict(int argc, char **argv) {
         return 1;
     }
     if (note[0]) fprintf(stderr, "segnet predict: %s\n", note);
-    if (predict_run(&pc, err) != 0) { fprintf(stderr, "segnet predict: %s\n", err); return 1; }
+    const int rc = predict_run(&pc, err);
+    for (int k = 0; k < pc.n_class_names; k++) free(pc.class_names[k]);
+    free(pc.class_names);
+    if (rc != 0) { fprintf(stderr, "segnet predict: %s\n", err); return 1; }
     fprintf(stderr, "segnet predict: wrote %s\n", pc.out);
     return 0;
 }

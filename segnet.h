@@ -938,6 +938,8 @@ typedef struct {
     const char *out;
     int progress;          // report progress on stderr
     Device device;         // where the forward passes run
+    char **class_names;    // classifier: a `pred_name` column with class k's name (n_class_names, 0: none)
+    int n_class_names;
 } PredictCfg;
 int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);
 
@@ -979,11 +981,20 @@ typedef struct {
     int32_t *labels;        // (n) class per sample (classification), else NULL
     uint8_t *image_cache;   // (n,H,W,3) resized RGB, or NULL when not cached
     uint8_t *mask_cache;    // (n,H,W) resized class indices (segmentation), or NULL
+    char **names;           // (n_names) class k's name: class folders, or a CSV's text labels; else NULL
+    int n_names;
 } Dataset;
 
 // Returns 0, or -1 with one line in err naming the file (row, pixel) and the problem.
 int dataset_open(Dataset *d, const char *path, int segmentation, int classes, int height, int width,
                  size_t cache_bytes, int threads, char err[SN_ERR_MAX]);
+// The same for a set whose class names must be those of `names_from` (a
+// validation set takes the training set's: a folder or label absent from the
+// validation set shifts nothing; one the training set lacks is an error).
+// Named classes: the sorted folder names, or the sorted distinct text labels
+// of a CSV (a CSV's labels are all integers 0..K-1 or all names).
+int dataset_open_named(Dataset *d, const char *path, int segmentation, int classes, int height, int width,
+                       size_t cache_bytes, int threads, const Dataset *names_from, char err[SN_ERR_MAX]);
 void dataset_free(Dataset *d);
 
 // Assembles one batch of samples idx[0..n-1]: images (n,H,W,3) fp32 0..255 after

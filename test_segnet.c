@@ -2464,7 +2464,7 @@ static void test_predict_classifier(void) {
     FILE *f = fopen(csv, "w");
     fprintf(f, "path,label\na.png,0\nb.png,2\n\"c,odd.png\",1\n");
     fclose(f);
-    PredictCfg pc = {c, wpath, dir, out1, 0, DEVICE_CPU};
+    PredictCfg pc = {c, wpath, dir, out1, 0, DEVICE_CPU, NULL, 0};
     pc.model.batch = 2;  // 3 images: the last batch is partly empty
     CHECK(predict_run(&pc, err) == 0, "predict on a folder: %s", err);
     pc.input = csv; pc.out = out2;
@@ -2530,7 +2530,7 @@ static void test_predict_bad_input(void) {
     f = fopen(corrupt, "wb"); fputs("\x89PNG\r\n\x1a\nnot really a png", f); fclose(f);
     ModelCfg c = model_cfg_default();
     c.model = "effv2-t"; c.classes = 3; c.height = 32; c.width = 32;
-    PredictCfg pc = {c, wpath, csv, out, 0, DEVICE_CPU};
+    PredictCfg pc = {c, wpath, csv, out, 0, DEVICE_CPU, NULL, 0};
     struct { const char *rows, *want1, *want2; } cases[] = {
         {"good.png\ncorrupt.png\n", "corrupt.png", "cannot decode"},
         {"good.png\nmissing.png\n", "missing.png", "No such file"},
@@ -3002,7 +3002,7 @@ static void test_predict_segmentation(void) {
         snprintf(path, sizeof path, "%s/%s", in, SEG_NAMES[i]);
         write_png_red(path, SEG_W[i], SEG_H[i], reds[i], &r);
     }
-    PredictCfg pc = {c, wpath, in, outdir, 0, DEVICE_CPU};  // batch 2, 3 images: the last batch is partly empty
+    PredictCfg pc = {c, wpath, in, outdir, 0, DEVICE_CPU, NULL, 0};  // batch 2, 3 images: the last batch is partly empty
     CHECK(predict_run(&pc, err) == 0, "predict: %s", err);
     check_seg_outputs(&net, out, in, outdir);
     CHECK(predict_run(&pc, err) == 0, "predict again, into the existing folder: %s", err);
@@ -3030,7 +3030,7 @@ static void test_predict_segmentation_refused(void) {
     FILE *f = fopen(file, "w"); fputs("keep\n", f); fclose(f);
     struct stat sb;
 
-    PredictCfg pc = {c, wpath, in, file, 0, DEVICE_CPU};
+    PredictCfg pc = {c, wpath, in, file, 0, DEVICE_CPU, NULL, 0};
     CHECK(predict_run(&pc, err) == -1 && contains(err, file) && contains(err, "not a folder"), "--out a file: '%s'", err);
     char *t = read_text(file);
     CHECK(t && !strcmp(t, "keep\n"), "the file is untouched");
@@ -3491,7 +3491,8 @@ static void test_dataset_bad_input(void) {
         {"", "noimages", "noimages/images", "no such folder", ""},
         {"", "missing", "missing", "No such file", ""},
         {"path,label\ncls/a/ok.png,1\nmissing.png,0\n", "list.csv", "row 3", "missing.png", "No such file"},
-        {"cls/a/ok.png,cat\n", "list.csv", "row 1", "'cat'", "not an integer"},
+        {"cls/a/ok.png,1\ncls/a/ok.png,cat\n", "list.csv", "row 2", "'cat' is a name, but row 1's is an integer",
+         "all integers 0..K-1 or all class names"},
         {"path,label\ncls/a/ok.png,4\n", "list.csv", "row 2", "'4'", "out of range"},
         {"path,label\n", "list.csv", "list.csv", "no images", ""},
         {"cls/a/ok.png,1\njunk.png,0\n", "list.csv", "junk.png", "cannot decode the image", ""},
@@ -3991,6 +3992,73 @@ static void test_two_phase_finetune(void) {
     }
     st_free(&best);
     rm_rf(data); rm_rf(r1); rm_rf(r2);
+}
+
+// Class names: class folders sorted by name, or a CSV's distinct text labels
+// sorted; a validation set takes the training set's numbering by name (a class
+// it lacks shifts nothing, one the training set lacks is refused); a run keeps
+// them in classes.txt and predict --run writes each image's class name.
+static void test_class_names(void) {
+    const char *dir = "/tmp/segnet_test_class_names", *run = "/tmp/segnet_test_class_names_run";
+    char cmd[1400], err[SN_ERR_MAX], path[700], msg[4096];
+    rm_rf(dir); rm_rf(run);
+    snprintf(cmd, sizeof cmd, "mkdir -p %s/train/cat %s/train/dog %s/train/emu %s/val/cat %s/val/emu %s/bad/fox", dir, dir,
+             dir, dir, dir, dir);
+    CHECK(system(cmd) == 0, "mkdir");
+    uint8_t px[8 * 8 * 3];
+    for (int i = 0; i < 8 * 8 * 3; i++) px[i] = (uint8_t)(i * 37);
+    const char *files[] = {"train/cat/a.png", "train/cat/b.png", "train/dog/c.png", "train/emu/d.png", "val/cat/e.png",
+                           "val/emu/f.png", "bad/fox/g.png", "h.png", "i.png", "j.png"};
+    for (int i = 0; i < 10; i++) ds_png(dir, files[i], 8, 8, 3, px);
+    Dataset tr, va;
+    snprintf(path, sizeof path, "%s/train", dir);
+    CHECK(dataset_open(&tr, path, 0, 3, 8, 8, 1 << 20, 1, err) == 0, "%s", err);
+    CHECK(tr.n_names == 3 && !strcmp(tr.names[0], "cat") && !strcmp(tr.names[1], "dog") && !strcmp(tr.names[2], "emu") &&
+          tr.n == 4 && tr.labels[0] == 0 && tr.labels[1] == 0 && tr.labels[2] == 1 && tr.labels[3] == 2,
+          "training folders: %d names, labels %d %d %d %d", tr.n_names, tr.labels[0], tr.labels[1], tr.labels[2], tr.labels[3]);
+    snprintf(path, sizeof path, "%s/val", dir);
+    CHECK(dataset_open_named(&va, path, 0, 3, 8, 8, 1 << 20, 1, &tr, err) == 0, "%s", err);
+    CHECK(va.n == 2 && va.labels[0] == 0 && va.labels[1] == 2 && va.n_names == 3, "validation: emu is class %d, want 2",
+          va.n == 2 ? va.labels[1] : -1);
+    dataset_free(&va);
+    snprintf(path, sizeof path, "%s/bad", dir);
+    CHECK(dataset_open_named(&va, path, 0, 3, 8, 8, 1 << 20, 1, &tr, err) == -1 && contains(err, "'fox'") &&
+          contains(err, "cat, dog, emu") && contains(err, "bad/fox"), "an unknown class folder: '%s'", err);
+    // a CSV of names, and one with more names than classes
+    ds_text(dir, "names.csv", "path,label\nh.png,zebra\ni.png,ant\nj.png,zebra\n");
+    snprintf(path, sizeof path, "%s/names.csv", dir);
+    Dataset cs;
+    CHECK(dataset_open(&cs, path, 0, 3, 8, 8, 1 << 20, 1, err) == 0, "%s", err);
+    CHECK(cs.n_names == 2 && !strcmp(cs.names[0], "ant") && !strcmp(cs.names[1], "zebra") && cs.labels[0] == 1 &&
+          cs.labels[1] == 0 && cs.labels[2] == 1, "CSV names: %d, labels %d %d %d", cs.n_names, cs.labels[0], cs.labels[1],
+          cs.labels[2]);
+    dataset_free(&cs);
+    ds_text(dir, "many.csv", "h.png,a\ni.png,b\nj.png,c\nh.png,d\n");
+    snprintf(path, sizeof path, "%s/many.csv", dir);
+    CHECK(dataset_open(&cs, path, 0, 3, 8, 8, 1 << 20, 1, err) == -1 && contains(err, "4 class names") &&
+          contains(err, "there are 3 classes"), "too many names: '%s'", err);
+    dataset_free(&tr);
+    // a run keeps them; predict --run names each image's class
+    snprintf(cmd, sizeof cmd, "train --model effv2-t --classes 3 --size 32x32 --batch 2 --epochs 1 --data %s/train "
+             "--val %s/val --out %s --device cpu --threads 1", dir, dir, run);
+    CHECK(run_segnet(cmd, msg, sizeof msg) == 0, "train: %s", msg);
+    char **names;
+    int n = read_class_names(run, &names);
+    CHECK(n == 3 && !strcmp(names[0], "cat") && !strcmp(names[2], "emu"), "classes.txt: %d names", n);
+    for (int k = 0; k < n; k++) free(names[k]);
+    free(names);
+    snprintf(cmd, sizeof cmd, "predict --run %s --input %s/val/emu --out %s/p.csv --device cpu --threads 1", run, dir, dir);
+    CHECK(run_segnet(cmd, msg, sizeof msg) == 0, "predict: %s", msg);
+    snprintf(path, sizeof path, "%s/p.csv", dir);
+    size_t len;
+    char *csv = read_file(path, &len);
+    int pred = -1, off = 0;
+    char name[16] = "";
+    CHECK(csv && !strncmp(csv, "path,pred,pred_name,p0,p1,p2\n", 29) &&
+          sscanf(csv + 29, "%*[^,],%d,%15[^,],%n", &pred, name, &off) == 2 && off > 0 && pred >= 0 && pred < 3 &&
+          !strcmp(name, pred == 0 ? "cat" : pred == 1 ? "dog" : "emu"), "predictions: '%s'", csv ? csv : "");
+    free(csv);
+    rm_rf(dir); rm_rf(run);
 }
 
 // `segnet predict --run RUN` takes the model options from RUN/config.txt and
@@ -7769,6 +7837,7 @@ static const Test TESTS[] = {
     {"head_dropout", test_head_dropout},
     {"monitor_min_delta", test_monitor_min_delta},
     {"two_phase_finetune", test_two_phase_finetune},
+    {"class_names", test_class_names},
     {"classifier_csv_trains", test_classifier_csv_trains},
     {"eval_matches_run", test_eval_matches_run},
     {"fp16_loss_scaling", test_fp16_loss_scaling},
