@@ -912,7 +912,7 @@ static void conv_fail(const char *what, const ConvCfg *cfg, Shape in) {
     exit(1);
 }
 
-static bool conv_takes_implicit(Ops *o, const ConvCfg *cfg, DType dt);
+static bool conv_takes_implicit(Ops *o, const ConvCfg *cfg);
 static void wgrad_split(const ConvCfg *cfg, const ConvGeom *q, int *parts, uint32_t *part_pixels);
 static ConvPlan conv_plan(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
     ConvPlan p;
@@ -922,7 +922,7 @@ static ConvPlan conv_plan(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
     const size_t es = dtype_size(dt), cap = cuda_conv_chunk_bytes;
     p.G = cfg->groups; p.GK = cfg->groups * q->K; p.dt = dt;
     p.pointwise = conv_is_pointwise(cfg); p.depthwise = conv_is_depthwise(cfg);
-    p.implicit = conv_takes_implicit(o, cfg, dt);
+    p.implicit = conv_takes_implicit(o, cfg);
     size_t M = (size_t)q->N * q->P;
     p.parts = (int)((M + REDUCE_ROWS - 1) / REDUCE_ROWS);
     if (p.parts > REDUCE_PARTS_MAX) p.parts = REDUCE_PARTS_MAX;
@@ -1284,6 +1284,15 @@ static __device__ __forceinline__ int ig_acc_row(int i, int r) {
 static __device__ __forceinline__ int ig_acc_col(int j, int r) {
     return (threadIdx.x >> 6) * 32 + 8 * j + 2 * (threadIdx.x & 3) + (r & 1);
 }
+// store(row, column, value) for each of the thread's accumulators, at its place in the block's tile
+template <class Store> static __device__ __forceinline__ void ig_each_acc(const float (&acc)[4][4][4], Store store) {
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) store(ig_acc_row(i, r), ig_acc_col(j, r), acc[i][j][r]);
+}
 
 // The K loop of the three kernels: acc[i][j] (the warp's 16×8 tile (i, j)) +=
 // A·B over k_tiles tiles of IG_BK; load_stage(buf) issues the copies of the
@@ -1416,16 +1425,11 @@ __global__ void __launch_bounds__(IG_THREADS) conv_fwd_kernel(T *y, const T *x, 
     };
     float acc[4][4][4];
     ig_mainloop<T, false, false>(acc, smem, (K + IG_BK - 1) / IG_BK, load_stage);
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) {
-                const uint32_t m = (uint32_t)(m0 + ig_acc_row(i, r));
-                const int co = n0 + ig_acc_col(j, r), c = g * a.Coutg + co;
-                if (m < a.M && co < a.Coutg) y[m * (uint32_t)a.Cout + c] = from_f32<T>(bias ? acc[i][j][r] + bias[c] : acc[i][j][r]);
-            }
+    ig_each_acc(acc, [&](int row, int col, float v) {
+        const uint32_t m = (uint32_t)(m0 + row);
+        const int co = n0 + col, c = g * a.Coutg + co;
+        if (m < a.M && co < a.Coutg) y[m * (uint32_t)a.Cout + c] = from_f32<T>(bias ? v + bias[c] : v);
+    });
 }
 
 struct ConvDgradArgs {
@@ -1604,18 +1608,13 @@ __global__ void __launch_bounds__(IG_THREADS) conv_wgrad_kernel(float *dw, float
     ig_mainloop<T, true, true>(acc, smem, (int)((p_end - p_begin + IG_BK - 1) / IG_BK), load_stage);
     // acc row: k0 + ig_acc_row, column: co0 + ig_acc_col; dW and the partials are [Cout][K]
     float *out = a.parts > 1 ? partial + (size_t)part * a.Cout * a.K : dw;
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) {
-                const int k = k0 + ig_acc_row(i, r), c = co0 + ig_acc_col(j, r);
-                if (k >= a.K || c >= a.Coutg) continue;
-                const uint32_t idx = (uint32_t)(g * a.Coutg + c) * a.K + k;
-                if (a.parts > 1) out[idx] = acc[i][j][r];
-                else out[idx] += acc[i][j][r];
-            }
+    ig_each_acc(acc, [&](int row, int col, float v) {
+        const int k = k0 + row, c = co0 + col;
+        if (k >= a.K || c >= a.Coutg) return;
+        const uint32_t idx = (uint32_t)(g * a.Coutg + c) * a.K + k;
+        if (a.parts > 1) out[idx] = v;
+        else out[idx] += v;
+    });
     if (a.parts == 1) return;
     if (!last_block(done + (blockIdx.z / a.parts * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x, a.parts)) return;
     for (int e = tid; e < IG_BM * IG_BN; e += IG_THREADS) {  // the tile, k fastest
@@ -1645,8 +1644,7 @@ static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom
 int cuda_conv_implicit = 1;  // declared in segnet.h
 
 // whether a conv takes the implicit-GEMM kernels: k×k (not depthwise), stride ≤ 2, on sm_80+ (cp.async)
-static bool conv_takes_implicit(Ops *o, const ConvCfg *cfg, DType dt) {
-    (void)dt;
+static bool conv_takes_implicit(Ops *o, const ConvCfg *cfg) {
     return cuda_conv_implicit && !conv_is_pointwise(cfg) && !conv_is_depthwise(cfg) &&
            cfg->stride * cfg->stride <= IG_MAX_PHASES && ctx_of(o)->sm_major >= 8;
 }

@@ -4678,7 +4678,7 @@ static int name_index(const Dataset *from, const char *name, const char *where, 
     if (n < SN_ERR_MAX) snprintf(err + n, SN_ERR_MAX - n, ")");
     return -1;
 }
-// copies of names (n), sorted
+// copies of names (n)
 static char **names_copy(char *const *names, int n) {
     char **c = malloc(sizeof(char *) * (size_t)(n ? n : 1));
     snCheck(c != NULL, "out of host memory");
@@ -4828,9 +4828,8 @@ static int list_csv(Dataset *d, const char *csv, const Dataset *names_from, char
             }
         }
         for (int i = 0; rc == 0 && i < texts.n; i++) {
-            int k = 0;
-            while (k < d->n_names && strcmp(d->names[k], texts.paths[i])) k++;
-            if (k == d->n_names) { name_index(d, texts.paths[i], csv, err); rc = -1; }
+            const int k = name_index(d, texts.paths[i], csv, err);
+            if (k < 0) rc = -1;
             else d->labels[i] = k;
         }
     }
@@ -6662,7 +6661,7 @@ static void config_text(const TrainCfg *c, StBuf *b) {
 #define CFG(...) do { snprintf(s, sizeof s, __VA_ARGS__); sb_str(b, s); } while (0)
     CFG("# segnet train settings: `segnet train --resume RUN` continues with these\n");
     CFG("model = %s\nclasses = %d\nsize = %dx%d\nbatch = %d\n", m->model, m->classes, m->height, m->width, m->batch);
-    CFG("padding = %s\nhead-hidden = %d\ndepth = %d\nwidth = %d\n", m->pad == PAD_SAME ? "same" : "symmetric",
+    CFG("padding = %s\nhead-hidden = %d\ndepth = %d\nwidth = %d\n", PAD_NAME[m->pad],
         m->head_hidden, m->depth, m->width_base);
     char d[32];
     if (m->dropout >= 0.0f) CFG("dropout = %s\n", float_str(d, m->dropout));
