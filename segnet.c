@@ -11,11 +11,15 @@
 #include <string.h>
 #include <math.h>
 #include <errno.h>
+#include <ctype.h>
+#include <float.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <dirent.h>
 #include <strings.h>
 #include <sys/stat.h>
+#include <sys/file.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
@@ -2012,6 +2016,18 @@ static void graph_fail(Graph *g, const char *fmt, ...) {
     if ((n) == (cap)) { (cap) = (cap) ? 2 * (cap) : 16; (arr) = realloc((arr), sizeof *(arr) * (size_t)(cap)); \
                         snCheck((arr) != NULL, "out of host memory growing the graph"); } } while (0)
 
+// The largest tensor or parameter table a graph may hold: 2^40 elements (4 TiB
+// in fp32). Below it, every plan total (under 2^20 buffers) fits in 64 bits.
+#define GRAPH_MAX_ELEMENTS ((uint64_t)1 << 40)
+
+// n1·n2·...: the product, or UINT64_MAX if it overflows 64 bits
+static uint64_t checked_product(const int64_t *v, int n) {
+    uint64_t p = 1;
+    for (int i = 0; i < n; i++)
+        if (v[i] < 0 || __builtin_mul_overflow(p, (uint64_t)v[i], &p)) return UINT64_MAX;
+    return p;
+}
+
 static int add_param(Graph *g, ParamInfo **table, int *n, int *cap, size_t *total, const char *layer,
                      const char *suffix, int ndim, const int *dims) {
     GROW(*table, *n, *cap);
@@ -2022,8 +2038,15 @@ static int add_param(Graph *g, ParamInfo **table, int *n, int *cap, size_t *tota
         return -1;
     }
     p->ndim = ndim;
-    p->count = 1;
-    for (int i = 0; i < ndim; i++) { p->dims[i] = dims[i]; p->count *= (size_t)dims[i]; }
+    int64_t d64[4];  // ParamInfo.dims
+    for (int i = 0; i < ndim; i++) { p->dims[i] = dims[i]; d64[i] = dims[i]; }
+    const uint64_t count = checked_product(d64, ndim);
+    if (count > GRAPH_MAX_ELEMENTS || *total + count > GRAPH_MAX_ELEMENTS) {
+        graph_fail(g, "parameter '%s': the model's parameters would exceed the %.4g elements a plan can hold (a smaller --width)",
+                   p->name, (double)GRAPH_MAX_ELEMENTS);
+        return -1;
+    }
+    p->count = (size_t)count;
     p->offset = *total;
     *total += p->count;
     return (*n)++;
@@ -2042,6 +2065,11 @@ int graph_find_param(const Graph *g, const char *name) {
 }
 
 static int new_tensor(Graph *g, const char *name, Shape s, int producer) {
+    const int64_t dims[4] = {s.n, s.h, s.w, s.c};
+    const uint64_t numel = checked_product(dims, 4);
+    if (numel > GRAPH_MAX_ELEMENTS)
+        graph_fail(g, "tensor '%s' would be (%d,%d,%d,%d), %.4g elements: more than the %.4g a plan can hold (a smaller "
+                   "--size, --batch or --width)", name, s.n, s.h, s.w, s.c, (double)s.n * s.h * s.w * s.c, (double)GRAPH_MAX_ELEMENTS);
     GROW(g->tensors, g->n_tensors, g->cap_tensors);
     TensorInfo *t = &g->tensors[g->n_tensors];
     snprintf(t->name, sizeof t->name, "%s", name);
@@ -2547,7 +2575,7 @@ static int unet_effnetv2_build(Graph *g, const ModelCfg *c, const EffSpec *sp) {
 }
 
 // Builds the model named in c; returns the logits tensor, or -1 with g->err set.
-int model_build(Graph *g, const ModelCfg *c) {
+static int model_build_unchecked(Graph *g, const ModelCfg *c) {
     if (c->classes < 1 || c->batch < 1 || c->height < 1 || c->width < 1) {
         graph_fail(g, "model '%s': classes %d, batch %d and size %dx%d must be positive",
                    c->model, c->classes, c->batch, c->height, c->width);
@@ -2566,6 +2594,13 @@ int model_build(Graph *g, const ModelCfg *c) {
     int x = graph_input(g, shape4(c->batch, c->height, c->width, 3));
     x = effnetv2_features(g, sp, x, c->pad, stage_out);
     return classifier_head(g, x, sp, c);
+}
+
+// The model's graph: its logits, or -1 with g->err (also when a tensor failed
+// a check after which building went on).
+int model_build(Graph *g, const ModelCfg *c) {
+    int logits = model_build_unchecked(g, c);
+    return g->err[0] ? -1 : logits;
 }
 
 static int is_backbone_layer(const Layer *l) { return !strncmp(l->name, "features.", 9) || !strncmp(l->name, "enc", 3); }
@@ -3252,7 +3287,6 @@ void net_backward(Net *net, int output) {
 
 
 #define ST_HEADER_MAX   ((uint64_t)100 << 20)  // a longer header is absurd (real ones are kilobytes)
-#define ST_META_VALUE_MAX 256                   // sizeof StFile.meta_values[i]
 #define ST_QUOTE_MAX    64                      // names shown in messages are cut to this
 
 static const char *const ST_DTYPE_NAMES[] = {"F32", "F16", "BF16"};  // indexed by DType
@@ -3442,6 +3476,17 @@ static int jstring(Json *j, char *out, size_t cap, size_t *len) {
     return 0;
 }
 
+// A JSON string of any length into a malloc'd buffer: decoding never makes a
+// string longer than its source, so the header's remaining bytes bound it.
+static int jstring_alloc(Json *j, char **out) {
+    size_t len, cap = (size_t)(j->end - j->p) + 1;
+    if (!(*out = malloc(cap))) return jfail(j, "out of memory reading a string of the header");
+    if (jstring(j, *out, cap, &len)) return -1;
+    char *fit = realloc(*out, len + 1);
+    if (fit) *out = fit;
+    return 0;
+}
+
 // A JSON number that must be an integer within int64.
 static int jint(Json *j, int64_t *v, const char *what) {
     jws(j);
@@ -3539,10 +3584,10 @@ static int st_parse_tensor(Json *j, StTensor *t, const uint8_t *data, size_t dat
     return 0;
 }
 
-// "__metadata__": {"key": "value", ...}
+// "__metadata__": {"key": "value", ...}; keys and values of any length (the
+// header's limit bounds them), each in its own allocation
 static int st_parse_meta(Json *j, StFile *f, size_t *cap) {
     char q[ST_QUOTE_MAX + 4];
-    size_t len;
     if (!jeat(j, '{')) return jfail(j, "\"__metadata__\" must be an object of strings");
     if (!jeat(j, '}')) for (;;) {
         if (f->n_meta == INT32_MAX) return jfail(j, "too many \"__metadata__\" entries");
@@ -3555,18 +3600,13 @@ static int st_parse_meta(Json *j, StFile *f, size_t *cap) {
             if (!k || !v) return jfail(j, "out of memory reading \"__metadata__\"");
             *cap = c;
         }
-        char *key = f->meta_keys[f->n_meta], *val = f->meta_values[f->n_meta];
-        if (jstring(j, key, SN_NAME_MAX, &len)) return -1;
-        if (len >= SN_NAME_MAX)
-            return jfail(j, "\"__metadata__\" key '%s' is %zu bytes, longer than the %d allowed",
-                         st_quote(q, key), len, SN_NAME_MAX - 1);
+        char **key = &f->meta_keys[f->n_meta], **val = &f->meta_values[f->n_meta];
+        *key = *val = NULL;
+        f->n_meta++;  // owned from here: st_free frees what is set
+        if (jstring_alloc(j, key)) return -1;
         if (!jeat(j, ':')) return jsyntax(j, "expected ':'");
-        if (jpeek(j) != '"') return jfail(j, "\"__metadata__\" '%s': value must be a string", st_quote(q, key));
-        if (jstring(j, val, ST_META_VALUE_MAX, &len)) return -1;
-        if (len >= ST_META_VALUE_MAX)
-            return jfail(j, "\"__metadata__\" '%s': value is %zu bytes, longer than the %d allowed",
-                         st_quote(q, key), len, ST_META_VALUE_MAX - 1);
-        f->n_meta++;
+        if (jpeek(j) != '"') return jfail(j, "\"__metadata__\" '%s': value must be a string", st_quote(q, *key));
+        if (jstring_alloc(j, val)) return -1;
         if (jeat(j, '}')) break;
         if (!jeat(j, ',')) return jsyntax(j, "expected ',' or '}' in \"__metadata__\"");
     }
@@ -3668,6 +3708,7 @@ done:
 
 void st_free(StFile *f) {
     free(f->tensors);
+    for (int i = 0; i < f->n_meta; i++) { free(f->meta_keys[i]); free(f->meta_values[i]); }
     free(f->meta_keys);
     free(f->meta_values);
     free(f->bytes);
@@ -3795,10 +3836,8 @@ static int st_check_write_args(const char *path, const StTensor *ts, int n, cons
         if (numel && !t->data) { st_errf(err, "%s: tensor '%s': data is NULL", path, nm); return -1; }
     }
     for (int i = 0; i < n_meta; i++) {
-        if (!mk[i] || !mv[i] || strlen(mk[i]) >= SN_NAME_MAX || strlen(mv[i]) >= ST_META_VALUE_MAX ||
-            !utf8_valid(mk[i]) || !utf8_valid(mv[i])) {
-            st_errf(err, "%s: metadata entry %d: key and value must be UTF-8 strings of at most %d and %d bytes",
-                    path, i, SN_NAME_MAX - 1, ST_META_VALUE_MAX - 1);
+        if (!mk[i] || !mv[i] || !utf8_valid(mk[i]) || !utf8_valid(mv[i])) {
+            st_errf(err, "%s: metadata entry %d: key and value must be UTF-8 strings", path, i);
             return -1;
         }
     }
@@ -4251,24 +4290,37 @@ static int has_image_ext(const char *name) {
 
 static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
-// One CSV field starting at *s (quoted with "" escapes, or up to a comma);
-// advances *s past it and its comma. Returns 0 on an unterminated quote.
-static int csv_field(const char **s, char *out, size_t size) {
-    const char *p = *s;
-    size_t k = 0;
+// One CSV field starting at *s: quoted (with "" for a quote) or up to a comma,
+// blanks around it dropped; *s moves past it and its comma. Returns NULL, or
+// why the row is malformed. *more (if given): another field follows.
+#define CSV_BLANKS " \t"
+static const char *csv_field(const char **s, char *out, size_t size, int *more) {
+    const char *p = *s + strspn(*s, CSV_BLANKS);
+    size_t k = 0, n = 0;
     if (*p == '"') {
         for (p++;; p++) {
-            if (!*p || *p == '\n' || *p == '\r') return 0;
+            if (!*p || *p == '\n' || *p == '\r') return "unterminated quoted field";
             if (*p == '"') { if (p[1] != '"') { p++; break; } p++; }
             if (k + 1 < size) out[k++] = *p;
+            n++;
         }
+        p += strspn(p, CSV_BLANKS);
+        if (*p && *p != ',' && *p != '\n' && *p != '\r') return "text after a closing quote";
     } else {
-        for (; *p && *p != ',' && *p != '\n' && *p != '\r'; p++) if (k + 1 < size) out[k++] = *p;
+        for (; *p && *p != ',' && *p != '\n' && *p != '\r'; p++, n++) if (k + 1 < size) out[k++] = *p;
+        while (k > 0 && strchr(CSV_BLANKS, out[k - 1])) k--;
     }
     out[k] = 0;
+    if (n >= size) return "a field is too long";
+    if (more) *more = *p == ',';
     if (*p == ',') p++;
     *s = p;
-    return 1;
+    return NULL;
+}
+
+// A CSV's first row may start with a UTF-8 byte order mark (spreadsheets write one).
+static const char *csv_skip_bom(const char *line, int row) {
+    return row == 1 && !memcmp(line, "\xef\xbb\xbf", 3) ? line + 3 : line;
 }
 
 int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]) {
@@ -4295,10 +4347,10 @@ int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]) {
                 snprintf(err, SN_ERR_MAX, "%s: row %d: longer than %zu characters", input, row, sizeof line - 1);
                 fclose(f); path_list_free(out); return -1;
             }
-            const char *s = line;
-            if (line[0] == '\n' || line[0] == '\r' || line[0] == 0) continue;
-            if (!csv_field(&s, field, sizeof field)) {
-                snprintf(err, SN_ERR_MAX, "%s: row %d: unterminated quoted field", input, row);
+            const char *s = csv_skip_bom(line, row), *why;
+            if (!s[strspn(s, CSV_BLANKS "\r\n")]) continue;
+            if ((why = csv_field(&s, field, sizeof field, NULL))) {
+                snprintf(err, SN_ERR_MAX, "%s: row %d: %s", input, row, why);
                 fclose(f); path_list_free(out); return -1;
             }
             if (row == 1 && !strcmp(field, "path")) continue;  // header
@@ -4314,21 +4366,97 @@ int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]) {
     return 0;
 }
 
+// stb_image's reason for its last failure (it may have none)
+static const char *decoder_reason(void) {
+    const char *why = stbi_failure_reason();
+    return why && why[0] ? why : "no reason given";
+}
+
+// ---- image files: read whole (regular files only), recognised by their first
+// bytes (PNG or JPEG, whatever the extension says), the size in the header
+// checked against --max-pixels before anything is decoded.
+
+#define IMAGE_MAX_PIXELS_DEFAULT 100000000  // 10^8: a 10000×10000 photograph; a decompression bomb declares more
+#define IMAGE_FILE_MAX ((size_t)1 << 30)    // stb_image takes an int length; real images are far smaller
+static int64_t image_max_pixels = IMAGE_MAX_PIXELS_DEFAULT;  // --max-pixels
+
+typedef enum { IMAGE_PNG, IMAGE_JPEG, IMAGE_UNKNOWN } ImageFormat;
+
+static ImageFormat image_format(const uint8_t *b, size_t n) {
+    if (n >= 8 && !memcmp(b, "\x89PNG\r\n\x1a\n", 8)) return IMAGE_PNG;
+    if (n >= 3 && b[0] == 0xff && b[1] == 0xd8 && b[2] == 0xff) return IMAGE_JPEG;
+    return IMAGE_UNKNOWN;
+}
+
+// The bytes of a regular file; a FIFO, device or folder is refused before a
+// read could block on it. NULL with err.
+static uint8_t *file_read_regular(const char *path, size_t max, size_t *n, char err[SN_ERR_MAX]) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) { snprintf(err, SN_ERR_MAX, "%s: %s", path, strerror(errno)); return NULL; }
+    struct stat sb;
+    uint8_t *b = NULL;
+    if (fstat(fd, &sb) || !S_ISREG(sb.st_mode)) {
+        snprintf(err, SN_ERR_MAX, "%s: not a regular file", path);
+    } else if ((uint64_t)sb.st_size > max) {
+        snprintf(err, SN_ERR_MAX, "%s: %" PRIu64 " bytes, more than the %zu an image may have", path, (uint64_t)sb.st_size, max);
+    } else {
+        size_t got = 0, want = (size_t)sb.st_size;
+        b = malloc(want ? want : 1);
+        snCheck(b != NULL, "out of host memory");
+        for (ssize_t r; got < want; got += (size_t)r)
+            if ((r = read(fd, b + got, want - got)) <= 0) {
+                if (r < 0 && errno == EINTR) { r = 0; continue; }
+                snprintf(err, SN_ERR_MAX, "%s: %s after %zu of %zu bytes", path, r ? strerror(errno) : "file shrank while reading",
+                         got, want);
+                free(b);
+                b = NULL;
+                break;
+            }
+        *n = got;
+    }
+    close(fd);
+    return b;
+}
+
+// An image file's bytes, its format and header checked: (h,w) from the header,
+// within image_max_pixels. png_only: masks (a JPEG's artefacts change classes).
+static uint8_t *image_file_bytes(const char *path, int png_only, size_t *n, int *h, int *w, char err[SN_ERR_MAX]) {
+    uint8_t *b = file_read_regular(path, IMAGE_FILE_MAX, n, err);
+    if (!b) return NULL;
+    const ImageFormat fmt = image_format(b, *n);
+    int comp;
+    if (fmt == IMAGE_UNKNOWN || (png_only && fmt != IMAGE_PNG)) {
+        snprintf(err, SN_ERR_MAX, "%s: %s", path, fmt == IMAGE_JPEG ? "holds JPEG data, but a mask must be a PNG (JPEG's "
+                 "compression changes pixel values, so classes)" : png_only ? "not a PNG file" : "not a PNG or JPEG file");
+    } else if (!stbi_info_from_memory(b, (int)*n, w, h, &comp)) {
+        snprintf(err, SN_ERR_MAX, "%s: cannot decode the image (%s)", path, decoder_reason());
+    } else if ((int64_t)*w * *h > image_max_pixels) {
+        snprintf(err, SN_ERR_MAX, "%s: %dx%d is %" PRId64 " pixels, more than the limit of %" PRId64 " (--max-pixels)", path,
+                 *w, *h, (int64_t)*w * *h, image_max_pixels);
+    } else {
+        return b;
+    }
+    free(b);
+    return NULL;
+}
+
 // (h,w,3) RGB values 0..255, malloc'd; NULL with err naming the file and the problem
 float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]) {
-    FILE *f = fopen(path, "rb");
-    if (!f) { snprintf(err, SN_ERR_MAX, "%s: %s", path, strerror(errno)); return NULL; }
-    int comp;
-    unsigned char *px = stbi_load_from_file(f, w, h, &comp, 3);
-    fclose(f);
-    if (!px) {
-        snprintf(err, SN_ERR_MAX, "%s: cannot decode the image (%s)", path, stbi_failure_reason());
+    size_t n;
+    int hh, ww, comp;
+    uint8_t *b = image_file_bytes(path, 0, &n, &hh, &ww, err);
+    if (!b) return NULL;
+    unsigned char *px = stbi_load_from_memory(b, (int)n, w, h, &comp, 3);
+    free(b);
+    if (!px || *w != ww || *h != hh) {
+        snprintf(err, SN_ERR_MAX, "%s: cannot decode the image (%s)", path, px ? "its size changed while decoding" : decoder_reason());
+        stbi_image_free(px);
         return NULL;
     }
-    size_t n = (size_t)*h * *w * 3;
-    float *img = malloc(sizeof(float) * n);
+    size_t count = (size_t)*h * *w * 3;
+    float *img = malloc(sizeof(float) * count);
     snCheck(img != NULL, "out of host memory");
-    for (size_t i = 0; i < n; i++) img[i] = px[i];
+    for (size_t i = 0; i < count; i++) img[i] = px[i];
     stbi_image_free(px);
     return img;
 }
@@ -4754,15 +4882,19 @@ static int list_csv(Dataset *d, const char *csv, const Dataset *names_from, char
     int cap = 0, rc = 0, numeric = -1;   // numeric: -1 no label yet, 1 integers, 0 names
     int first_row[2] = {0, 0};            // the first row with an integer label, with a name
     for (int row = 1; rc == 0 && fgets(line, sizeof line, f); row++) {
-        const char *s = line;
+        const char *s = csv_skip_bom(line, row), *why;
         struct stat sb;
+        int more = 0;
         if (!strchr(line, '\n') && !feof(f)) {
             snprintf(err, SN_ERR_MAX, "%s: row %d: longer than %zu characters", csv, row, sizeof line - 1);
             rc = -1;
-        } else if (line[0] == '\n' || line[0] == '\r' || line[0] == 0) {
+        } else if (!s[strspn(s, CSV_BLANKS "\r\n")]) {
             continue;
-        } else if (!csv_field(&s, path, sizeof path) || !csv_field(&s, label, sizeof label)) {
-            snprintf(err, SN_ERR_MAX, "%s: row %d: unterminated quoted field", csv, row);
+        } else if ((why = csv_field(&s, path, sizeof path, &more)) || (why = csv_field(&s, label, sizeof label, &more))) {
+            snprintf(err, SN_ERR_MAX, "%s: row %d: %s", csv, row, why);
+            rc = -1;
+        } else if (more) {
+            snprintf(err, SN_ERR_MAX, "%s: row %d: more than two fields (rows are path,label)", csv, row);
             rc = -1;
         } else if (row == 1 && !strcmp(path, "path")) {
             continue;  // header
@@ -4844,22 +4976,25 @@ static int list_csv(Dataset *d, const char *csv, const Dataset *names_from, char
 // size must be the image's (ih,iw) and every value below K. A palette PNG is
 // refused: stb_image expands a palette to colours, losing the indices.
 static uint8_t *mask_load(const char *path, int ih, int iw, int K, char err[SN_ERR_MAX]) {
-    FILE *f = fopen(path, "rb");
-    if (!f) { snprintf(err, SN_ERR_MAX, "%s: %s", path, strerror(errno)); return NULL; }
-    uint8_t hdr[26];  // PNG signature, IHDR chunk: width, height, bit depth (24), colour type (25)
-    int is_png = fread(hdr, 1, sizeof hdr, f) == sizeof hdr && !memcmp(hdr, "\x89PNG\r\n\x1a\n", 8) &&
-                 !memcmp(hdr + 12, "IHDR", 4);
-    rewind(f);
-    if (is_png && hdr[25] == 3) {
-        fclose(f);
+    size_t n;
+    int h, w, comp, hh, ww;
+    uint8_t *b = image_file_bytes(path, 1, &n, &hh, &ww, err);
+    if (!b) return NULL;
+    // IHDR, the PNG's first chunk: bit depth at byte 24, colour type at 25
+    if (n >= 26 && b[25] == 3) {
+        free(b);
         snprintf(err, SN_ERR_MAX, "%s: a palette PNG (stb_image gives its colours, not the class indices): "
                  "save masks as 8-bit grey", path);
         return NULL;
     }
-    int h, w, comp, deep = is_png && hdr[24] == 16;
-    void *px = deep ? (void *)stbi_load_from_file_16(f, &w, &h, &comp, 0) : (void *)stbi_load_from_file(f, &w, &h, &comp, 0);
-    fclose(f);
-    if (!px) { snprintf(err, SN_ERR_MAX, "%s: cannot decode the image (%s)", path, stbi_failure_reason()); return NULL; }
+    const int deep = n >= 26 && b[24] == 16;
+    void *px = deep ? (void *)stbi_load_16_from_memory(b, (int)n, &w, &h, &comp, 0) : (void *)stbi_load_from_memory(b, (int)n, &w, &h, &comp, 0);
+    free(b);
+    if (!px || w != ww || h != hh) {
+        snprintf(err, SN_ERR_MAX, "%s: cannot decode the image (%s)", path, px ? "its size changed while decoding" : decoder_reason());
+        stbi_image_free(px);
+        return NULL;
+    }
     uint8_t *m = NULL;
     if (w != iw || h != ih) {
         snprintf(err, SN_ERR_MAX, "%s: mask is %dx%d but its image is %dx%d", path, w, h, iw, ih);
@@ -5794,6 +5929,12 @@ typedef struct {
     double best;                // lowest monitored loss so far (val_loss, else loss)
     int best_epoch, bad_epochs;
     int finished;               // stopped early (a run that reached its epochs can be extended)
+    // an epoch interrupted part-way (SIGINT/SIGTERM): its training pass goes on at global batch
+    // resume_batch (the pass's batch count: only the validation is left) with these totals,
+    // this replica's so far; 0 when epochs start at their beginning
+    int resume_batch;
+    double resume_loss_sum, resume_norm_sum;
+    int64_t *resume_cm;         // (K,K), NULL when resume_batch is 0
     Comm *comm;                 // the replicas (size 1: this trainer alone)
     int shard;                  // images of a full global batch on this replica: model.batch / replicas
     int borrowed_data;          // train and val belong to another replica (local replicas share them)
@@ -5818,7 +5959,7 @@ static void trainer_close(Trainer *t) {
             o->host_free(o, t->host_images); o->host_free(o, t->host_labels);
         }
     }
-    free(t->ranges); free(t->accum_images); free(t->accum_labels); free(t->bn_host);
+    free(t->ranges); free(t->accum_images); free(t->accum_labels); free(t->bn_host); free(t->resume_cm);
     net_free(&t->net);
     graph_free(&t->g);
     if (t->has_train && !t->borrowed_data) dataset_free(&t->train);
@@ -6287,10 +6428,28 @@ static int reduce_totals(Trainer *t, PassTotals *pt) {
     return 0;
 }
 
+// ---- interruption: the first SIGINT or SIGTERM lets the step finish, then
+// the run saves where it is (last.safetensors, mid-epoch) and exits 128 +
+// the signal; a second one exits at once. The files stay whole either way:
+// every write is atomic (a *.tmp.<pid> left behind is removed at the next start).
+
+static volatile sig_atomic_t interrupt_signal;  // the first SIGINT/SIGTERM, 0 if none
+
+// Whether to stop now: 0, or the signal (every replica stops at the same
+// step: one that saw none stops with the others); -1 if a replica failed.
+static int interrupt_poll(Trainer *t) {
+    const int hook = t->c->interrupt_at_step && t->step >= t->c->interrupt_at_step;
+    int64_t any = interrupt_signal || hook;
+    if (t->comm->size > 1 && t->comm->allreduce_i64(t->comm, &any, 1)) return -1;
+    return !any ? 0 : interrupt_signal ? (int)interrupt_signal : hook ? SIGINT : SIGTERM;
+}
+
 // One pass over a data set: global batches of model.batch images in a shuffled
 // order (training) or in order; this replica runs its shard of each. Returns
 // -1 with err if the data failed here (the other replicas are told) or on
-// another replica.
+// another replica; the signal when interrupted after a step (training: t->resume_batch
+// says where the pass goes on; pt holds this replica's totals so far, not
+// summed over the replicas).
 static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, char err[SN_ERR_MAX]) {
     const TrainCfg *c = t->c;
     Ops *o = t->o;
@@ -6311,16 +6470,25 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
         }
     }
     // this replica's shards of the global batches, in order: the loader takes them N at a time
-    const int n_batches = (d->n + B - 1) / B;
-    int n_mine = 0, lo, hi;
+    const int n_batches = (d->n + B - 1) / B, start = training ? t->resume_batch : 0;
+    int n_mine = 0, skip = 0, lo, hi;
     for (int j = 0; j < n_batches; j++) {
         shard_range(d->n - j * B < B ? d->n - j * B : B, R, comm->rank, &lo, &hi);
         for (int i = lo; i < hi; i++) mine[n_mine++] = order[j * B + i];
+        if (j + 1 == start) skip = n_mine;  // an interrupted epoch goes on after its last step
     }
-    Loader *L = n_mine ? loader_start(d, mine, n_mine, N, training ? &c->augment : NULL, rng_mix64(epoch_seed + 1),
-                                      c->workers, 4) : NULL;
+    Loader *L = n_mine > skip ? loader_start(d, mine + skip, n_mine - skip, N, training ? &c->augment : NULL,
+                                             rng_mix64(epoch_seed + 1), c->workers, 4) : NULL;
     o->fill(o, tensor_f32((float *)t->confusion, shape4(2 * K * K, 1, 1, 1)), 0.0f);  // int64 zeros
     pt->loss_sum = pt->norm_sum = 0.0;
+    if (start) {  // the totals of the batches before it, as this replica had them
+        o->upload(o, t->confusion, t->resume_cm, sizeof(int64_t) * K * K);
+        pt->loss_sum = t->resume_loss_sum;
+        pt->norm_sum = t->resume_norm_sum;
+        free(t->resume_cm);
+        t->resume_cm = NULL;
+        t->resume_batch = 0;
+    }
     const int tty = isatty(STDERR_FILENO) && comm->rank == 0;
     // With replicas, progress lines are totals over all of them (a collective
     // on every replica at the same batches): a quarter of the epoch apart.
@@ -6328,9 +6496,9 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
     const size_t image_floats = (size_t)N * in.h * in.w * 3, label_count = (size_t)N * t->per_image;
     double t0 = now_seconds();
     int64_t images = 0;
-    int pending = 0, rc = 0;  // pending: micro-batches gathered for the next optimiser step
+    int pending = 0, rc = 0, stopped = 0, stop_signal = 0;  // pending: micro-batches gathered for the next optimiser step
     MicroBatch mb[SN_MAX_ACCUM];
-    for (int j = 0; j < n_batches && rc == 0; j++) {
+    for (int j = start; j < n_batches && rc == 0 && !stopped; j++) {
         const int nj = d->n - j * B < B ? d->n - j * B : B;
         shard_range(nj, R, comm->rank, &lo, &hi);
         MicroBatch shard = {0, NULL, NULL, pending * B + lo};
@@ -6359,6 +6527,11 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
             pt->norm_sum += c->loss_norm_keras ? (double)n_labels : label_weight_sum(shard.labels, n_labels, c->class_weights, K);
         }
         if (step_rc < 0) { rc = -1; break; }
+        if (!training || pending == 0) {  // a step (or a validation batch) is complete: stop here if asked
+            const int sig = interrupt_poll(t);
+            if (sig < 0) { rc = -1; break; }
+            if (sig) { stopped = j + 1; stop_signal = sig; }
+        }
         images += nj;
         if (c->progress && (training || (tty && R == 1)) && ((j + 1) % every == 0 || j + 1 == n_batches)) {
             o->download(o, pt->cm, t->confusion, sizeof(int64_t) * K * K);
@@ -6376,6 +6549,12 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
     if (L) loader_stop(L);
     free(order); free(mine);
     net->batch = N;
+    if (stopped && rc == 0) {  // this replica's totals so far; where the pass goes on
+        o->download(o, pt->cm, t->confusion, sizeof(int64_t) * K * K);
+        if (training) t->resume_batch = stopped;
+        if (c->progress && tty) fputs("\r\033[K", stderr);
+        return stop_signal;
+    }
     if (rc == -2) {  // this replica failed: the others stop at their next collective (mpi: the job ends)
         if (R > 1) {
             char why[SN_ERR_MAX];
@@ -6408,7 +6587,69 @@ static void run_path(char *buf, size_t size, const char *run, const char *file) 
 #define CHECKPOINT_KEYS 9
 static const char *const CHECKPOINT_META[CHECKPOINT_KEYS] = {
     "epoch", "step", "seed", "best_loss", "best_epoch", "bad_epochs", "finished", "loss_scale", "loss_scale_good_steps"};
-static int save_checkpoint(const Trainer *t, const char *path, char err[SN_ERR_MAX]) {
+// An epoch interrupted part-way: the global batch its training pass goes on
+// at, and each replica's totals so far (metadata "batch" and "pass_totals":
+// per replica `loss_sum norm_sum cm[0] ... cm[K·K-1]` with exact hex floats,
+// replicas separated by ';').
+typedef struct {
+    int batch, replicas, K;
+    double *sums;   // (replicas, 2): loss_sum, norm_sum
+    int64_t *cms;   // (replicas, K, K) confusion counts
+} PassSaved;
+
+static void pass_saved_free(PassSaved *ps) { free(ps->sums); free(ps->cms); memset(ps, 0, sizeof *ps); }
+
+static char *pass_totals_text(const PassSaved *ps) {
+    StBuf b = {0};
+    char num[64];
+    for (int r = 0; r < ps->replicas; r++) {
+        snprintf(num, sizeof num, "%s%a %a", r ? ";" : "", ps->sums[2 * r], ps->sums[2 * r + 1]);
+        sb_str(&b, num);
+        for (size_t k = 0; k < (size_t)ps->K * ps->K; k++) {
+            snprintf(num, sizeof num, " %" PRId64, ps->cms[(size_t)r * ps->K * ps->K + k]);
+            sb_str(&b, num);
+        }
+    }
+    sb_put(&b, "", 1);
+    snCheck(!b.oom, "out of host memory");
+    return b.p;
+}
+
+static int pass_totals_parse(const char *path, const char *text, int K, PassSaved *ps, char err[SN_ERR_MAX]) {
+    int R = 1;
+    for (const char *p = text; *p; p++) R += *p == ';';
+    if (R > SN_MAX_REPLICAS) {
+        snprintf(err, SN_ERR_MAX, "%.300s: metadata 'pass_totals' holds %d replicas, more than %d (a damaged checkpoint)", path, R,
+                 SN_MAX_REPLICAS);
+        return -1;
+    }
+    const size_t KK = (size_t)K * K;
+    ps->replicas = R;
+    ps->K = K;
+    ps->sums = malloc(sizeof(double) * 2 * (size_t)R);
+    ps->cms = malloc(sizeof(int64_t) * KK * (size_t)R);
+    snCheck(ps->sums && ps->cms, "out of host memory");
+    const char *p = text;
+    for (int r = 0; r < R; r++) {
+        for (size_t k = 0; k < 2 + KK; k++) {
+            char *end;
+            errno = 0;
+            if (k < 2) ps->sums[2 * r + k] = strtod(p, &end);
+            else ps->cms[(size_t)r * KK + k - 2] = strtoll(p, &end, 10);
+            const int count_ok = k < 2 || (errno != ERANGE && ps->cms[(size_t)r * KK + k - 2] >= 0);
+            const char sep = k + 1 < 2 + KK ? ' ' : r + 1 < R ? ';' : 0;
+            if (end == p || *p == ' ' || !count_ok || *end != sep) {
+                snprintf(err, SN_ERR_MAX, "%.300s: metadata 'pass_totals': replica %d, item %zu is not what %d classes need "
+                         "(a damaged checkpoint)", path, r, k + 1, K);
+                return -1;
+            }
+            p = end + (sep != 0);
+        }
+    }
+    return 0;
+}
+
+static int save_checkpoint(const Trainer *t, const char *path, const PassSaved *ps, char err[SN_ERR_MAX]) {
     Ops *o = t->o;
     size_t P = t->n_trainable;
     float *m = malloc(sizeof(float) * (P ? P : 1)), *v = malloc(sizeof(float) * (P ? P : 1));
@@ -6435,13 +6676,22 @@ static int save_checkpoint(const Trainer *t, const char *path, char err[SN_ERR_M
     snprintf(vals[6], 64, "%d", t->finished);
     snprintf(vals[7], 64, "%a", (double)t->loss_scale);
     snprintf(vals[8], 64, "%" PRId64, t->good_steps);
-    // the required keys, then "padding" (weights_padding reads it; older checkpoints lack it)
-    const char *keys[CHECKPOINT_KEYS + 1], *values[CHECKPOINT_KEYS + 1];
+    // the required keys, then "padding" (weights_padding reads it; older checkpoints lack it),
+    // then an interrupted epoch's position
+    const char *keys[CHECKPOINT_KEYS + 3], *values[CHECKPOINT_KEYS + 3];
     for (int k = 0; k < CHECKPOINT_KEYS; k++) { keys[k] = CHECKPOINT_META[k]; values[k] = vals[k]; }
-    keys[CHECKPOINT_KEYS] = "padding";
-    values[CHECKPOINT_KEYS] = PAD_NAME[t->c->model.pad];
-    int rc = net_save_checkpoint(&t->net, path, extra, 2, keys, values, CHECKPOINT_KEYS + 1, err);
-    free(m); free(v);
+    int n_keys = CHECKPOINT_KEYS;
+    keys[n_keys] = "padding";
+    values[n_keys++] = PAD_NAME[t->c->model.pad];
+    char batch[32], *totals = NULL;
+    if (ps) {
+        snprintf(batch, sizeof batch, "%d", ps->batch);
+        totals = pass_totals_text(ps);
+        keys[n_keys] = "batch"; values[n_keys++] = batch;
+        keys[n_keys] = "pass_totals"; values[n_keys++] = totals;
+    }
+    int rc = net_save_checkpoint(&t->net, path, extra, 2, keys, values, n_keys, err);
+    free(m); free(v); free(totals);
     return rc;
 }
 
@@ -6450,17 +6700,74 @@ static const char *st_meta(const StFile *f, const char *key) {
     return NULL;
 }
 
-// Restores everything save_checkpoint wrote; checks it all before changing anything.
-static int load_checkpoint(Trainer *t, const char *path, char err[SN_ERR_MAX]) {
+// A checkpoint's metadata is input like any file: each counter an integer in
+// its range, each figure a number, or the checkpoint is refused naming both.
+static int meta_int(const char *path, const char *key, const char *text, int64_t lo, int64_t hi, int64_t *v,
+                    char err[SN_ERR_MAX]) {
+    char *end;
+    errno = 0;
+    long long x = strtoll(text, &end, 10);
+    if (!text[0] || *end || errno == ERANGE || x < lo || x > hi || isspace((unsigned char)text[0])) {
+        snprintf(err, SN_ERR_MAX, "%.400s: metadata '%s' is '%.40s', not an integer in %" PRId64 "..%" PRId64 " (a damaged checkpoint)",
+                 path, key, text, lo, hi);
+        return -1;
+    }
+    *v = x;
+    return 0;
+}
+static int meta_num(const char *path, const char *key, const char *text, double *v, char err[SN_ERR_MAX]) {
+    char *end;
+    *v = strtod(text, &end);
+    if (!text[0] || *end || isnan(*v) || isspace((unsigned char)text[0])) {
+        snprintf(err, SN_ERR_MAX, "%.400s: metadata '%s' is '%.40s', not a number (a damaged checkpoint)", path, key, text);
+        return -1;
+    }
+    return 0;
+}
+
+// The counters of a checkpoint, read and range-checked before anything changes.
+typedef struct {
+    int64_t epoch, step, best_epoch, bad_epochs, finished, good_steps;
+    double best, loss_scale;
+} CheckpointCounters;
+
+static int checkpoint_counters(const char *path, const char *const val[CHECKPOINT_KEYS], CheckpointCounters *k,
+                               char err[SN_ERR_MAX]) {
+    const int64_t most = (int64_t)1 << 53;  // exact in a double: steps and epochs of any real run
+    if (meta_int(path, "epoch", val[0], 0, INT32_MAX - 1, &k->epoch, err) ||
+        meta_int(path, "step", val[1], 0, most, &k->step, err) ||
+        meta_num(path, "best_loss", val[3], &k->best, err) ||
+        meta_int(path, "best_epoch", val[4], 0, k->epoch, &k->best_epoch, err) ||
+        meta_int(path, "bad_epochs", val[5], 0, k->epoch, &k->bad_epochs, err) ||
+        meta_int(path, "finished", val[6], 0, 1, &k->finished, err) ||
+        meta_num(path, "loss_scale", val[7], &k->loss_scale, err) ||
+        meta_int(path, "loss_scale_good_steps", val[8], 0, k->step, &k->good_steps, err))
+        return -1;
+    if (!(k->loss_scale > 0.0 && k->loss_scale <= FLT_MAX)) {
+        snprintf(err, SN_ERR_MAX, "%.300s: metadata 'loss_scale' is '%.40s', not a positive float (a damaged checkpoint)", path, val[7]);
+        return -1;
+    }
+    if ((k->best_epoch == 0) != (k->best == INFINITY)) {  // no best epoch yet exactly when nothing was finite
+        snprintf(err, SN_ERR_MAX, "%.300s: metadata 'best_loss' '%.40s' does not fit 'best_epoch' %" PRId64 " (a damaged checkpoint)",
+                 path, val[3], k->best_epoch);
+        return -1;
+    }
+    return 0;
+}
+
+// Restores everything save_checkpoint wrote; checks it all before changing
+// anything. An interrupted epoch's position goes to ps (batch 0 if none).
+static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err[SN_ERR_MAX]) {
     StFile f;
     if (st_read(path, &f, err)) return -1;
     size_t P = t->n_trainable;
     const StTensor *m = st_find(&f, TRAIN_STATE_PREFIX "adam_m"), *v = st_find(&f, TRAIN_STATE_PREFIX "adam_v");
     const char *val[CHECKPOINT_KEYS];
+    CheckpointCounters k;
     int rc = -1;
-    for (int k = 0; k < CHECKPOINT_KEYS; k++)
-        if (!(val[k] = st_meta(&f, CHECKPOINT_META[k]))) {
-            snprintf(err, SN_ERR_MAX, "%.400s: not a segnet checkpoint (no '%s' in its metadata)", path, CHECKPOINT_META[k]);
+    for (int i = 0; i < CHECKPOINT_KEYS; i++)
+        if (!(val[i] = st_meta(&f, CHECKPOINT_META[i]))) {
+            snprintf(err, SN_ERR_MAX, "%.400s: not a segnet checkpoint (no '%s' in its metadata)", path, CHECKPOINT_META[i]);
             goto done;
         }
     if (!m || !v || m->numel != P || v->numel != P || m->dtype != DT_F32 || v->dtype != DT_F32) {
@@ -6468,24 +6775,47 @@ static int load_checkpoint(Trainer *t, const char *path, char err[SN_ERR_MAX]) {
                  path, P);
         goto done;
     }
-    if (strtoull(val[2], NULL, 10) != t->c->seed) {
-        snprintf(err, SN_ERR_MAX, "%.400s: saved with seed %s but config.txt says %" PRIu64, path, val[2], t->c->seed);
+    char seed_text[32];
+    snprintf(seed_text, sizeof seed_text, "%" PRIu64, t->c->seed);
+    if (strcmp(val[2], seed_text)) {
+        snprintf(err, SN_ERR_MAX, "%.300s: saved with seed '%.40s' but config.txt says %s", path, val[2], seed_text);
         goto done;
     }
-    if (net_load_weights(&t->net, &f, path, NULL, 0, err)) goto done;
+    if (checkpoint_counters(path, val, &k, err)) goto done;
+    const char *batch = st_meta(&f, "batch"), *totals = st_meta(&f, "pass_totals");
+    memset(ps, 0, sizeof *ps);
+    if (batch || totals) {
+        const int n_batches = (t->train.n + t->c->model.batch - 1) / t->c->model.batch;
+        int64_t b;
+        if (!batch || !totals) {
+            snprintf(err, SN_ERR_MAX, "%.300s: metadata has '%s' without '%s' (a damaged checkpoint)", path,
+                     batch ? "batch" : "pass_totals", batch ? "pass_totals" : "batch");
+            goto done;
+        }
+        if (meta_int(path, "batch", batch, 1, INT32_MAX, &b, err)) goto done;
+        if (b > n_batches || (b < n_batches && b % t->c->accum)) {
+            snprintf(err, SN_ERR_MAX, "%.300s: interrupted at batch %" PRId64 " of an epoch, but the training set has %d batches of %d%s "
+                     "(its images changed, or --accum?)", path, b, n_batches, t->c->model.batch,
+                     t->c->accum > 1 ? " in steps of --accum" : "");
+            goto done;
+        }
+        ps->batch = (int)b;
+        if (pass_totals_parse(path, totals, t->K, ps, err)) { pass_saved_free(ps); goto done; }
+    }
+    if (net_load_weights(&t->net, &f, path, NULL, 0, err)) { pass_saved_free(ps); goto done; }
     float *host = malloc(sizeof(float) * (P ? P : 1));
     snCheck(host != NULL, "out of host memory");
     st_tensor_f32(m, host); t->o->upload(t->o, t->adam_m, host, sizeof(float) * P);
     st_tensor_f32(v, host); t->o->upload(t->o, t->adam_v, host, sizeof(float) * P);
     free(host);
-    t->epoch = atoi(val[0]);
-    t->step = strtoll(val[1], NULL, 10);
-    t->best = strtod(val[3], NULL);
-    t->best_epoch = atoi(val[4]);
-    t->bad_epochs = atoi(val[5]);
-    t->finished = atoi(val[6]);
-    t->loss_scale = (float)strtod(val[7], NULL);
-    t->good_steps = strtoll(val[8], NULL, 10);
+    t->epoch = (int)k.epoch;
+    t->step = k.step;
+    t->best = k.best;
+    t->best_epoch = (int)k.best_epoch;
+    t->bad_epochs = (int)k.bad_epochs;
+    t->finished = (int)k.finished;
+    t->loss_scale = (float)k.loss_scale;
+    t->good_steps = k.good_steps;
     rc = 0;
 done:
     st_free(&f);
@@ -6543,6 +6873,7 @@ static void history_add(History *h, char *row, EpochRecord rec) {
 // Reads back the rows of epochs 1..t->epoch (a resumed run), checking the header.
 static int history_load(const Trainer *t, const char *path, History *h, char err[SN_ERR_MAX]) {
     FILE *f = fopen(path, "r");
+    if (!f && errno == ENOENT && t->epoch == 0) return 0;  // interrupted in its first epoch
     if (!f) { snprintf(err, SN_ERR_MAX, "%.400s: %s", path, strerror(errno)); return -1; }
     StBuf want = {0};
     csv_header(t, &want);
@@ -6576,6 +6907,21 @@ static int history_load(const Trainer *t, const char *path, History *h, char err
     free(line);
     free(want.p);
     return rc;
+}
+
+// The checkpoint's best figure must be metrics.csv's at its best epoch (the
+// file keeps 6 decimals: within 5e-7, plus the double's own rounding).
+static double monitored(const TrainCfg *c, const EpochRecord *r, int has_val) {
+    const double metric = has_val ? r->val_metric : r->metric;
+    return c->monitor_metric ? -metric : has_val ? r->val_loss : r->loss;
+}
+static int history_check_best(const Trainer *t, const History *h, const char *run, char err[SN_ERR_MAX]) {
+    if (t->best_epoch == 0) return 0;
+    const double want = monitored(t->c, &h->rec[t->best_epoch - 1], t->has_val);
+    if (fabs(want - t->best) <= 1e-6 + 1e-9 * fabs(want)) return 0;
+    snprintf(err, SN_ERR_MAX, "%.300s/last.safetensors: metadata 'best_loss' is %.6g, but metrics.csv's epoch %d (its best_epoch) "
+             "has %.6g (a damaged checkpoint)", run, t->best, t->best_epoch, want);
+    return -1;
 }
 
 static int history_write(const Trainer *t, const History *h, const char *run, char err[SN_ERR_MAX]) {
@@ -6722,6 +7068,86 @@ static int mkdir_p(const char *path, char err[SN_ERR_MAX]) {
     return 0;
 }
 
+// ---- one run per folder: RUN/.lock, held (flock) for the run's life by the
+// process that writes the folder; it holds that process's id for the message
+// of a second one. The kernel drops the lock when the holder exits, however.
+
+#define RUN_LOCK_FILE ".lock"
+
+// Locks run (which must exist); returns the lock's descriptor, or -1 with err.
+static int run_lock(const char *run, char err[SN_ERR_MAX]) {
+    char path[4200];
+    run_path(path, sizeof path, run, RUN_LOCK_FILE);
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) { snprintf(err, SN_ERR_MAX, "%.400s: cannot create the run's lock: %s", path, strerror(errno)); return -1; }
+    if (flock(fd, LOCK_EX | LOCK_NB)) {
+        char holder[32] = "";
+        ssize_t n = pread(fd, holder, sizeof holder - 1, 0);
+        holder[n > 0 ? n : 0] = 0;
+        holder[strcspn(holder, "\r\n")] = 0;
+        snprintf(err, SN_ERR_MAX, "%.400s: in use by another segnet train (%s); wait for it to end or choose another --out", run,
+                 holder[0] ? holder : "process id unknown");
+        close(fd);
+        return -1;
+    }
+    char me[32];
+    int len = snprintf(me, sizeof me, "pid %ld\n", (long)getpid());
+    if (ftruncate(fd, 0) || pwrite(fd, me, (size_t)len, 0) != len) { /* the lock holds without the note */ }
+    return fd;
+}
+
+// Temporary files a killed writer left in run ("<file>.tmp.<pid>", see
+// atomic_file_open): removed once the lock is held, if their process is gone.
+static void run_remove_stale(const char *run, int progress) {
+    DIR *d = opendir(run);
+    if (!d) return;
+    int removed = 0;
+    for (struct dirent *e; (e = readdir(d));) {
+        const char *tmp = strstr(e->d_name, ".tmp.");
+        if (!tmp) continue;
+        char *end;
+        long pid = strtol(tmp + 5, &end, 10);
+        if (end == tmp + 5 || *end || pid <= 0) continue;
+        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;  // its writer lives (or is not ours to judge)
+        char path[4096 + sizeof e->d_name + 2];
+        run_path(path, sizeof path, run, e->d_name);
+        removed += unlink(path) == 0;
+    }
+    closedir(d);
+    if (removed && progress) fprintf(stderr, "segnet train: removed %d temporary file%s left in %s by a stopped run\n", removed,
+                                     removed == 1 ? "" : "s", run);
+}
+
+// Takes the run folder for this run: created if new (*made), locked, cleared
+// of stale temporary files. A folder that holds a run (a checkpoint or
+// metrics) is refused unless resuming; one that holds only the settings of a
+// run stopped before its first checkpoint starts again (*fresh).
+static int run_claim(const char *run, const char *resume, int *lock, int *made, int *fresh, int progress,
+                     char err[SN_ERR_MAX]) {
+    struct stat sb;
+    if (!resume && stat(run, &sb) != 0) {
+        if (mkdir_p(run, err)) return -1;
+        *made = 1;
+    }
+    if ((*lock = run_lock(run, err)) < 0) return -1;
+    run_remove_stale(run, progress);
+    char ckpt[4200], metrics[4200];
+    run_path(ckpt, sizeof ckpt, run, "last.safetensors");
+    run_path(metrics, sizeof metrics, run, "metrics.csv");
+    const int has_ckpt = access(ckpt, F_OK) == 0, has_metrics = access(metrics, F_OK) == 0;
+    if (!resume && (has_ckpt || has_metrics)) {
+        snprintf(err, SN_ERR_MAX, "%.200s: already holds a run (%s); continue it with --resume %.200s or choose another --out",
+                 run, has_ckpt ? "last.safetensors" : "metrics.csv", run);
+        return -1;
+    }
+    if (resume && !has_ckpt && !has_metrics) {
+        *fresh = 1;
+        if (progress) fprintf(stderr, "segnet train: %s has no checkpoint yet (stopped before its first epoch ended): "
+                              "starting it again from the beginning\n", run);
+    }
+    return 0;
+}
+
 static void set_threads(int threads) {
     if (threads <= 0) return;
 #ifdef _OPENMP
@@ -6739,7 +7165,69 @@ typedef struct {
     int has_train, has_val;
 } RunShared;
 
-typedef struct { RunShared *run; char err[SN_ERR_MAX]; } ReplicaArgs;
+typedef struct {
+    RunShared *run;
+    char err[SN_ERR_MAX];
+    int interrupted;  // the signal that stopped the run (saved, to be resumed), 0 if none
+} ReplicaArgs;
+
+// Every replica's share of an interrupted epoch's totals, which rank 0 read:
+// its own with as many replicas as were saved; else rank 0 takes their sums
+// (the same totals, rounded in another order).
+static int pass_resume_share(Trainer *t, PassSaved *ps) {
+    Comm *comm = t->comm;
+    int head[2] = {ps->batch, ps->replicas};
+    if (comm->size > 1 && comm->broadcast(comm, head, sizeof head, 0)) return -1;
+    if (!head[0]) return 0;
+    const size_t KK = (size_t)t->K * t->K, R = (size_t)head[1];
+    if (comm->rank != 0) {
+        ps->sums = malloc(sizeof(double) * 2 * R);
+        ps->cms = malloc(sizeof(int64_t) * KK * R);
+        snCheck(ps->sums && ps->cms, "out of host memory");
+    }
+    if (comm->size > 1 && (comm->broadcast(comm, ps->sums, sizeof(double) * 2 * R, 0) ||
+                           comm->broadcast(comm, ps->cms, sizeof(int64_t) * KK * R, 0)))
+        return -1;
+    t->resume_batch = head[0];
+    t->resume_loss_sum = t->resume_norm_sum = 0.0;
+    t->resume_cm = calloc(KK, sizeof(int64_t));
+    snCheck(t->resume_cm != NULL, "out of host memory");
+    for (size_t r = 0; r < R; r++) {
+        if (R == (size_t)comm->size ? r != (size_t)comm->rank : comm->rank != 0) continue;
+        t->resume_loss_sum += ps->sums[2 * r];
+        t->resume_norm_sum += ps->sums[2 * r + 1];
+        for (size_t k = 0; k < KK; k++) t->resume_cm[k] += ps->cms[r * KK + k];
+    }
+    return 0;
+}
+
+// An interrupted epoch into last.safetensors: where its training pass goes on
+// (t->resume_batch) and every replica's totals, gathered to rank 0 (each in
+// its own slot of zeros, so the sums are exact). reduced: the training pass
+// had ended and its totals are the replicas' sums already (rank 0 keeps them).
+static int save_interrupted(Trainer *t, const PassTotals *tr, int reduced, const char *run, char err[SN_ERR_MAX]) {
+    Comm *comm = t->comm;
+    const int R = comm->size;
+    const size_t KK = (size_t)t->K * t->K;
+    PassSaved ps = {t->resume_batch, R, t->K, calloc(2 * (size_t)R, sizeof(double)), calloc(KK * (size_t)R, sizeof(int64_t))};
+    snCheck(ps.sums && ps.cms, "out of host memory");
+    const int slot = reduced ? 0 : comm->rank;
+    if (!reduced || comm->rank == 0) {
+        ps.sums[2 * slot] = tr->loss_sum;
+        ps.sums[2 * slot + 1] = tr->norm_sum;
+        memcpy(ps.cms + (size_t)slot * KK, tr->cm, sizeof(int64_t) * KK);
+    }
+    int rc = 0;
+    if (R > 1 && (comm->allreduce_f64(comm, ps.sums, 2 * (size_t)R) || comm->allreduce_i64(comm, ps.cms, KK * (size_t)R)))
+        rc = comm_failure(comm, err);
+    if (rc == 0 && comm->rank == 0) {
+        char path[4200];
+        run_path(path, sizeof path, run, "last.safetensors");
+        rc = save_checkpoint(t, path, &ps, err);
+    }
+    pass_saved_free(&ps);
+    return rc;
+}
 
 // One replica of a run (all of it without replicas). Every replica takes
 // every decision from the same mirrored state and the same all-reduced
@@ -6768,19 +7256,12 @@ static int train_replica(Comm *comm, void *arg) {
     int rc = 0;
     double *iou = malloc(sizeof(double) * 2 * c->model.classes);
     snCheck(iou != NULL, "out of host memory");
-    int64_t *cm = malloc(sizeof(int64_t) * c->model.classes * c->model.classes);
-    snCheck(cm != NULL, "out of host memory");
-    if (root && !resume) {  // never overwrite a run
-        const char *files[3] = {"config.txt", "last.safetensors", "metrics.csv"};
-        for (int k = 0; k < 3 && rc == 0; k++) {
-            run_path(path, sizeof path, run, files[k]);
-            if (access(path, F_OK) == 0) {
-                snprintf(err, SN_ERR_MAX, "%.200s: already holds a run (%s); continue it with --resume %.200s or choose another --out",
-                         run, files[k], run);
-                rc = -1;
-            }
-        }
-    }
+    int64_t *cm = malloc(sizeof(int64_t) * c->model.classes * c->model.classes),
+            *cm_val = malloc(sizeof(int64_t) * c->model.classes * c->model.classes);
+    snCheck(cm && cm_val, "out of host memory");
+    PassSaved saved = {0};  // an interrupted epoch's position (rank 0 reads it)
+    int lock = -1, made = 0, fresh = !resume, written = 0;
+    if (root) rc = run_claim(run, resume, &lock, &made, &fresh, c->progress, err);
     if (rc == 0 && (root || !sh->share_data)) rc = trainer_open_on(&t, c, c->data, c->val, comm, err);
     if (sh->share_data) {
         if (root && rc == 0) {  // the data sets now belong to the run
@@ -6794,20 +7275,21 @@ static int train_replica(Comm *comm, void *arg) {
             if (rc == 0) trainer_borrow_data(&t, sh->has_train ? &sh->train : NULL, sh->has_val ? &sh->val : NULL);
         }
     }
-    if (rc == 0 && root && !resume && c->weights) {
+    if (rc == 0 && root && fresh && c->weights) {
         char report[SN_ERR_MAX];
         rc = trainer_load_weights(&t, c->weights, report, err);
         if (rc == 0) printf("%s%s%s\n", report, c->weights_note && c->weights_note[0] ? "; " : "",
                             c->weights_note ? c->weights_note : "");
     }
-    if (rc == 0 && root && resume) {
+    if (rc == 0 && root && !fresh) {
         run_path(path, sizeof path, run, "last.safetensors");
-        rc = load_checkpoint(&t, path, err);
+        rc = load_checkpoint(&t, path, &saved, err);
         run_path(path, sizeof path, run, "metrics.csv");
         if (rc == 0) rc = history_load(&t, path, &h, err);
+        if (rc == 0) rc = history_check_best(&t, &h, run, err);
     }
     if (comm_agree(comm, rc, err)) { rc = -1; goto done; }
-    if (trainer_broadcast(&t)) { rc = comm_failure(comm, err); goto done; }
+    if (trainer_broadcast(&t) || pass_resume_share(&t, &saved)) { rc = comm_failure(comm, err); goto done; }
     rc = -1;
     if (resume && (t.finished || t.epoch >= c->epochs)) {
         if (c->progress && root) fprintf(stderr, "segnet train: %s has finished (%d epochs%s); nothing to do (--epochs N trains longer)\n", run,
@@ -6816,6 +7298,7 @@ static int train_replica(Comm *comm, void *arg) {
         goto done;
     }
     // every input has been checked: from here on the run folder is written
+    written = 1;
     if (comm_agree(comm, root ? mkdir_p(run, err) || write_config(c, run, err) || write_class_names(&t.train, run, err) : 0,
                    err)) goto done;
     if (c->progress && root)
@@ -6824,16 +7307,40 @@ static int train_replica(Comm *comm, void *arg) {
                 comm->size > 1 ? (c->sync_bn ? ", replicas with batch norm synchronised" : ", replicas with batch norm per replica") : "",
                 run);
     Metrics m = {0, 0, iou}, vm = {0, 0, iou + c->model.classes};
+    const int train_batches = (t.train.n + c->model.batch - 1) / c->model.batch;
     while (t.epoch < c->epochs && !t.finished) {
         double t0 = now_seconds();
-        PassTotals tr = {0, 0, cm}, va = {0, 0, cm};
-        if (run_pass(&t, &t.train, 1, &tr, err)) goto done;
-        metrics_compute(cm, t.K, c->class_weights, &m);
+        PassTotals tr = {0, 0, cm}, va = {0, 0, cm_val};
+        int stop = t.resume_batch ? 0 : interrupt_poll(&t);  // asked before the epoch: last.safetensors is its start
+        if (stop > 0) {
+            if (c->progress && root) fprintf(stderr, "segnet train: interrupted before epoch %d; continue with: segnet train --resume %s\n",
+                                             t.epoch + 1, run);
+            a->interrupted = stop;
+            rc = 0;
+            goto done;
+        }
+        int reduced = 0;
+        if (stop == 0) stop = run_pass(&t, &t.train, 1, &tr, err);
+        if (stop < 0) goto done;
         double loss = tr.loss_sum / tr.norm_sum, val_loss = NAN;
-        if (t.has_val) {
-            if (run_pass(&t, &t.val, 0, &va, err)) goto done;
-            metrics_compute(cm, t.K, c->class_weights, &vm);
-            val_loss = va.loss_sum / va.norm_sum;
+        if (stop == 0) {
+            metrics_compute(cm, t.K, c->class_weights, &m);
+            if (t.has_val && (stop = run_pass(&t, &t.val, 0, &va, err)) < 0) goto done;
+            if (stop) { t.resume_batch = train_batches; reduced = 1; }  // the validation runs again
+            if (t.has_val && !stop) {
+                metrics_compute(cm_val, t.K, c->class_weights, &vm);
+                val_loss = va.loss_sum / va.norm_sum;
+            }
+        }
+        if (stop) {
+            if (save_interrupted(&t, &tr, reduced, run, err) || comm_agree(comm, 0, err)) goto done;
+            if (c->progress && root)
+                fprintf(stderr, "segnet train: interrupted at epoch %d, step %d of %d (saved in last.safetensors); "
+                        "continue with: segnet train --resume %s\n", t.epoch + 1, (t.resume_batch + c->accum - 1) / c->accum,
+                        (train_batches + c->accum - 1) / c->accum, run);
+            a->interrupted = stop;
+            rc = 0;
+            goto done;
         }
         t.epoch++;
         double lr = lr_at_step(c->lr, c->schedule, c->warmup, t.total_steps, t.step - 1);
@@ -6841,8 +7348,7 @@ static int train_replica(Comm *comm, void *arg) {
                            t.has_val ? (t.segmentation ? vm.mean_iou : vm.accuracy) : NAN};
         // Keras' EarlyStopping(monitor, min_delta): an epoch improves when the loss is lower than the
         // best by more than min_delta (a metric: higher); t.best holds the loss, or the metric negated
-        const double metric = t.has_val ? rec.val_metric : rec.metric;
-        const double score = c->monitor_metric ? -metric : t.has_val ? val_loss : loss;
+        const double score = monitored(c, &rec, t.has_val);
         int improved = score < t.best - c->min_delta;
         if (improved) { t.best = score; t.best_epoch = t.epoch; t.bad_epochs = 0; }
         else t.bad_epochs++;
@@ -6863,9 +7369,9 @@ static int train_replica(Comm *comm, void *arg) {
             history_add(&h, row.p, rec);
             // metrics.csv before last.safetensors: a crash in between re-runs the epoch
             wrc = history_write(&t, &h, run, err);
-            if (wrc == 0 && improved) { run_path(path, sizeof path, run, "best.safetensors"); wrc = save_checkpoint(&t, path, err); }
+            if (wrc == 0 && improved) { run_path(path, sizeof path, run, "best.safetensors"); wrc = save_checkpoint(&t, path, NULL, err); }
             run_path(path, sizeof path, run, "last.safetensors");
-            if (wrc == 0) wrc = save_checkpoint(&t, path, err);
+            if (wrc == 0) wrc = save_checkpoint(&t, path, NULL, err);
         }
         if (comm_agree(comm, wrc, err)) goto done;
         if (c->progress && root) {
@@ -6894,16 +7400,23 @@ static int train_replica(Comm *comm, void *arg) {
 done:
     history_free(&h);
     trainer_close(&t);
-    free(iou); free(cm);
+    pass_saved_free(&saved);
+    free(iou); free(cm); free(cm_val);
+    if (made && !written) {  // refused before writing: the folder this run created goes again
+        run_path(path, sizeof path, run, RUN_LOCK_FILE);
+        unlink(path);
+        rmdir(run);
+    }
+    if (lock >= 0) close(lock);
     return rc;
 }
 
 int train_run_comm(const TrainCfg *c, const char *resume, Comm *comm, char err[SN_ERR_MAX]) {
     RunShared sh = {.c = c, .resume = resume};
-    ReplicaArgs a = {&sh, ""};
+    ReplicaArgs a = {&sh, "", 0};
     int rc = train_replica(comm, &a);
     if (rc) snprintf(err, SN_ERR_MAX, "%s", a.err);
-    return rc;
+    return rc ? rc : a.interrupted ? 128 + a.interrupted : 0;
 }
 
 // Replicas on GPUs (--device cuda, or auto with one GPU per replica): NCCL
@@ -6950,7 +7463,7 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
     ReplicaArgs args[SN_MAX_REPLICAS];
     void *argp[SN_MAX_REPLICAS];
     int rc[SN_MAX_REPLICAS];
-    for (int r = 0; r < R; r++) { args[r] = (ReplicaArgs){&sh, ""}; argp[r] = &args[r]; }
+    for (int r = 0; r < R; r++) { args[r] = (ReplicaArgs){&sh, "", 0}; argp[r] = &args[r]; }
     snCheck(comm_local_create(comms, R) == 0, "cannot create %d local replicas", R);
     Comm dcomms[SN_MAX_REPLICAS];
     if (replicas_on_gpus(c, dcomms, comms, R, 0, err)) { comm_local_destroy(comms, R); return -1; }
@@ -6964,7 +7477,7 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
     comm_local_destroy(comms, R);
     if (sh.has_train) dataset_free(&sh.train);
     if (sh.has_val) dataset_free(&sh.val);
-    return any ? -1 : 0;
+    return any ? -1 : args[0].interrupted ? 128 + args[0].interrupted : 0;
 }
 
 int eval_run(const TrainCfg *c, const char *weights, const char *data, EvalResult *r, char err[SN_ERR_MAX]) {
@@ -7250,27 +7763,17 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
 #define QUICKSTART_ARGS "--model unet --depth 3 --width 16 --size 64x64 --data data/train --val data/val " \
     "--classes 4 --class-weights 0,1,1,1 --batch 8 --epochs 12 --schedule cosine --augment flip"
 
-#ifndef TESTING
-
-static const char *USAGE =
-    "segnet: train U-Net segmentation and EfficientNetV2 classification models\n"
-    "\n"
-    "usage: segnet COMMAND [options]\n"
-    "\n"
-    "commands:\n"
-    "  plan      print a model's stages and the memory a training step takes;\n"
-    "            --memory 12G picks the fastest setting that fits\n"
-    "  predict   run a trained model on images: class rows (CSV) for a classifier,\n"
-    "            mask and overlay PNGs for a segmentation model\n"
-    "  train     train a model and write a run folder (no options: the quickstart\n"
-    "            on the bundled data/, as `make train`)\n"
-    "  eval      print a model's validation loss and metrics on a data set\n"
-    "  bench     time training steps on synthetic data (segnet bench --help)\n"
-    "  info      print the build: backend, BLAS, threads\n"
-    "  help      this text (also --help, -h); segnet COMMAND --help for a command\n"
-    "\n"
-    "The test suite is `make test`; see README.md.\n";
-
+// A message on one printable line: bytes below 0x20 and 0x7f (from file names,
+// file contents, a decoder's reason) shown as \xNN. UTF-8 stays as it is.
+static void print_message(FILE *to, const char *who, const char *msg) {
+    fputs(who, to);
+    fputs(": ", to);
+    for (const unsigned char *p = (const unsigned char *)msg; *p; p++) {
+        if (*p < 0x20 || *p == 0x7f) fprintf(to, "\\x%02x", *p);
+        else fputc(*p, to);
+    }
+    fputc('\n', to);
+}
 
 // strict integer option: the whole value must be a number in [lo, hi]
 static int parse_int(const char *flag, const char *v, int lo, int hi, int *out) {
@@ -7281,6 +7784,14 @@ static int parse_int(const char *flag, const char *v, int lo, int hi, int *out) 
         return -1;
     }
     *out = (int)x;
+    return 0;
+}
+
+// --max-pixels N: the largest width × height an image file may declare (process-wide, like --threads)
+static int parse_max_pixels(const char *flag, const char *v) {
+    int n;
+    if (parse_int(flag, v, 1, INT32_MAX, &n)) return -1;
+    image_max_pixels = n;
     return 0;
 }
 
@@ -7333,6 +7844,273 @@ static void model_default_size(ModelCfg *c) {
     else if (!strcmp(c->model, "effv2-t")) side = 64;
     c->height = c->width = side;
 }
+
+static int parse_float(const char *flag, const char *v, float lo, float *out) {
+    char *end;
+    double x = strtod(v, &end);
+    if (!*v || *end || !(x >= lo) || isinf(x)) {
+        fprintf(stderr, "segnet: %s '%s' is not a number ≥ %g\n", flag, v, lo);
+        return -1;
+    }
+    *out = (float)x;
+    return 0;
+}
+
+static int parse_augment(const char *v, Augment *a) {
+    memset(a, 0, sizeof *a);
+    if (!strcmp(v, "none")) return 0;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", v);
+    for (char *save = NULL, *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+        char *end;
+        if (!strcmp(item, "flip")) a->flip = 1;
+        else if (!strncmp(item, "brightness=", 11)) {
+            a->brightness = strtof(item + 11, &end);
+            if (item[11] == 0 || *end || !(a->brightness >= 0.0f && a->brightness <= 1.0f)) goto bad;
+        } else if (!strncmp(item, "contrast=", 9)) {
+            a->contrast_lo = strtof(item + 9, &end);
+            if (*end != ':') goto bad;
+            char *hi = end + 1;
+            a->contrast_hi = strtof(hi, &end);
+            if (!*hi || *end || !(a->contrast_lo > 0.0f && a->contrast_lo <= a->contrast_hi)) goto bad;
+        } else goto bad;
+        continue;
+    bad:
+        fprintf(stderr, "segnet: --augment item '%s' must be flip, brightness=D (0..1) or contrast=LO:HI (0 < LO ≤ HI)\n", item);
+        return -1;
+    }
+    return 0;
+}
+
+// --device cpu|cuda|auto
+static int parse_device(const char *v, Device *d) {
+    for (int k = 0; k < 3; k++)
+        if (!strcmp(v, DEVICE_NAMES[k])) { *d = (Device)k; return 0; }
+    fprintf(stderr, "segnet: --device '%s' must be cpu, cuda or auto\n", v);
+    return -1;
+}
+
+// "12G", "512M", "1.5G", or bytes
+static int parse_bytes(const char *v, size_t *out) {
+    char *end;
+    double x = strtod(v, &end);
+    double unit = !strcmp(end, "") ? 1 : !strcasecmp(end, "K") ? 1024.0 : !strcasecmp(end, "M") ? 1048576.0
+                : !strcasecmp(end, "G") ? 1073741824.0 : -1;
+    if (end == v || unit < 0 || !(x > 0) || x * unit > 1e18) {
+        fprintf(stderr, "segnet: --memory '%s' must be a size such as 12G, 512M or a number of bytes\n", v);
+        return -1;
+    }
+    *out = (size_t)(x * unit);
+    return 0;
+}
+
+typedef struct {
+    TrainCfg c;
+    const char *class_weights, *resume, *run;
+    const char *monitor;  // --monitor's metric name as given (checked against the model)
+    int size_given;
+    size_t memory;      // --memory: pick the setting that fits (0: not given)
+    int fixed;          // --checkpoint or --precision given
+    char **kept;        // config.txt's words, which c points into; train_args_free frees them
+    int n_kept;
+} TrainArgs;
+
+static void train_args_free(TrainArgs *a) {
+    for (int i = 0; i < a->n_kept; i++) free(a->kept[i]);
+    free(a->kept);
+    a->kept = NULL;
+    a->n_kept = 0;
+}
+
+// Parses one train/eval option at argv[i]. Returns the arguments consumed
+// (0: unknown), -1 on error.
+static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
+    TrainCfg *c = &a->c;
+    const char *f = argv[i];
+    a->size_given |= !strcmp(f, "--size");
+    if (!strcmp(f, "--sync-bn")) {  // a switch; config.txt spells it `sync-bn = on|off`
+        int valued = i + 1 < argc && (!strcmp(argv[i + 1], "on") || !strcmp(argv[i + 1], "off"));
+        c->sync_bn = !valued || !strcmp(argv[i + 1], "on");
+        return valued ? 2 : 1;
+    }
+    int k = parse_model_option(&c->model, argc, argv, i);
+    if (k) return k;
+    static const char *const FLAGS[] = {"--data", "--val", "--out", "--resume", "--weights", "--class-weights", "--epochs",
+                                        "--lr", "--adam-eps", "--weight-decay", "--clipnorm", "--schedule", "--warmup",
+                                        "--early-stopping", "--augment", "--seed", "--threads", "--workers", "--loss-norm",
+                                        "--run", "--precision", "--accum", "--freeze", "--unfreeze-last", "--checkpoint",
+                                        "--memory", "--device", "--replicas", "--allow-missing", "--monitor", "--min-delta",
+                                        "--max-pixels"};
+    int known = 0;
+    for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
+    if (!known) return 0;
+    if (i + 1 >= argc) { fprintf(stderr, "segnet: %s needs a value\n", f); return -1; }
+    const char *v = argv[i + 1];
+    int rc = 0, seed;
+    a->fixed |= !strcmp(f, "--checkpoint") || !strcmp(f, "--precision");
+    if (!strcmp(f, "--data")) c->data = v;
+    else if (!strcmp(f, "--memory")) rc = parse_bytes(v, &a->memory);
+    else if (!strcmp(f, "--device")) rc = parse_device(v, &c->device);
+    else if (!strcmp(f, "--val")) c->val = v;
+    else if (!strcmp(f, "--out")) c->out = v;
+    else if (!strcmp(f, "--resume")) a->resume = v;
+    else if (!strcmp(f, "--run")) a->run = v;
+    else if (!strcmp(f, "--weights")) c->weights = v;
+    else if (!strcmp(f, "--allow-missing")) c->allow_missing = v;
+    else if (!strcmp(f, "--class-weights")) a->class_weights = v;
+    else if (!strcmp(f, "--epochs")) rc = parse_int(f, v, 1, 1 << 20, &c->epochs);
+    else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, 1 << 30, &c->warmup);
+    else if (!strcmp(f, "--early-stopping")) rc = parse_int(f, v, 0, 1 << 20, &c->patience);
+    else if (!strcmp(f, "--min-delta")) rc = parse_float(f, v, 0.0f, &c->min_delta);
+    else if (!strcmp(f, "--monitor")) {
+        if (!strcmp(v, "val_loss")) c->monitor_metric = 0;
+        else if (!strcmp(v, "val_mIoU") || !strcmp(v, "val_accuracy")) { c->monitor_metric = 1; a->monitor = v; }
+        else { fprintf(stderr, "segnet: --monitor '%s' must be val_loss, val_mIoU or val_accuracy\n", v); rc = -1; }
+    }
+    else if (!strcmp(f, "--threads")) rc = parse_int(f, v, 1, 4096, &c->threads);
+    else if (!strcmp(f, "--max-pixels")) rc = parse_max_pixels(f, v);
+    else if (!strcmp(f, "--workers")) rc = parse_int(f, v, 1, 256, &c->workers);
+    else if (!strcmp(f, "--accum")) rc = parse_int(f, v, 1, SN_MAX_ACCUM, &c->accum);
+    else if (!strcmp(f, "--replicas")) rc = parse_int(f, v, 1, SN_MAX_REPLICAS, &c->replicas);
+    else if (!strcmp(f, "--unfreeze-last")) rc = parse_int(f, v, 0, 1 << 20, &c->unfreeze_last);
+    else if (!strcmp(f, "--checkpoint")) {
+        if (!strcmp(v, "blocks")) c->checkpoint = 1;
+        else if (!strcmp(v, "none")) c->checkpoint = 0;
+        else { fprintf(stderr, "segnet: --checkpoint '%s' must be none or blocks\n", v); rc = -1; }
+    } else if (!strcmp(f, "--freeze")) {
+        if (!strcmp(v, "base")) c->freeze_base = 1;
+        else if (!strcmp(v, "none")) c->freeze_base = 0;
+        else { fprintf(stderr, "segnet: --freeze '%s' must be base or none\n", v); rc = -1; }
+    } else if (!strcmp(f, "--precision")) {
+        int k = 0;
+        while (k < 3 && strcmp(v, DTYPE_NAMES[k])) k++;
+        if (k == 3) { fprintf(stderr, "segnet: --precision '%s' must be fp32, fp16 or bf16\n", v); rc = -1; }
+        else c->precision = (DType)k;
+    }
+    else if (!strcmp(f, "--seed")) { rc = parse_int(f, v, 0, 2147483647, &seed); c->seed = (uint64_t)seed; }
+    else if (!strcmp(f, "--lr")) rc = parse_float(f, v, 0.0f, &c->lr);
+    else if (!strcmp(f, "--adam-eps")) rc = parse_float(f, v, 0.0f, &c->adam_eps);
+    else if (!strcmp(f, "--weight-decay")) rc = parse_float(f, v, 0.0f, &c->weight_decay);
+    else if (!strcmp(f, "--clipnorm")) rc = parse_float(f, v, 0.0f, &c->clipnorm);
+    else if (!strcmp(f, "--augment")) rc = parse_augment(v, &c->augment);
+    else if (!strcmp(f, "--schedule")) {
+        if (!strcmp(v, "constant")) c->schedule = SCHEDULE_CONSTANT;
+        else if (!strcmp(v, "cosine")) c->schedule = SCHEDULE_COSINE;
+        else { fprintf(stderr, "segnet: --schedule '%s' must be constant or cosine\n", v); rc = -1; }
+    } else {  // --loss-norm
+        if (!strcmp(v, "weighted")) c->loss_norm_keras = 0;
+        else if (!strcmp(v, "keras")) c->loss_norm_keras = 1;
+        else { fprintf(stderr, "segnet: --loss-norm '%s' must be weighted or keras\n", v); rc = -1; }
+    }
+    return rc ? -1 : 2;
+}
+
+// K comma-separated weights, each a finite number ≥ 0
+static int parse_class_weights(const char *v, int K, float *w) {
+    int n = 0;
+    for (const char *s = v;; n++) {
+        char *end;
+        double x = strtod(s, &end);
+        if (end == s || (*end && *end != ',') || !(x >= 0.0) || isinf(x)) {
+            fprintf(stderr, "segnet: --class-weights '%s': item %d is not a number ≥ 0\n", v, n + 1);
+            return -1;
+        }
+        if (n < K) w[n] = (float)x;
+        if (!*end) { n++; break; }
+        s = end + 1;
+    }
+    if (n != K) { fprintf(stderr, "segnet: --class-weights has %d values but there are %d classes\n", n, K); return -1; }
+    return 0;
+}
+
+// RUN/config.txt as options: every `key = value` line is `--key value`.
+static int read_run_config(TrainArgs *a, const char *run) {
+    char path[4200], line[4096];
+    snprintf(path, sizeof path, "%s/config.txt", run);
+    FILE *f = fopen(path, "r");
+    if (!f) { fprintf(stderr, "segnet: %s: %s (not a run folder?)\n", path, strerror(errno)); return -1; }
+    int rc = 0;
+    for (int row = 1; rc == 0 && fgets(line, sizeof line, f); row++) {
+        line[strcspn(line, "\r\n")] = 0;
+        if (!line[0] || line[0] == '#') continue;
+        char *eq = strstr(line, " = ");
+        if (!eq) { fprintf(stderr, "segnet: %s: line %d: expected `key = value`\n", path, row); rc = -1; break; }
+        *eq = 0;
+        char flag[256];
+        snprintf(flag, sizeof flag, "--%.200s", line);
+        char **grown = realloc(a->kept, sizeof(char *) * (size_t)(a->n_kept + 2));
+        snCheck(grown != NULL, "out of host memory");
+        a->kept = grown;
+        char *argv2[2] = {strdup(flag), strdup(eq + 3)};  // kept: the config points into them
+        snCheck(argv2[0] && argv2[1], "out of host memory");
+        a->kept[a->n_kept++] = argv2[0];
+        a->kept[a->n_kept++] = argv2[1];
+        int k = parse_train_option(a, 2, argv2, 0);
+        if (k == 0) fprintf(stderr, "segnet: %s: line %d: unknown setting '%s'\n", path, row, line);
+        if (k <= 0) rc = -1;
+    }
+    fclose(f);
+    a->size_given = 1;
+    return rc;
+}
+
+// Parses train/eval arguments (argv[2..]); `usage` is printed for --help.
+// Returns 0, 1 after --help, -1 on error.
+static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd, const char *usage) {
+    train_cfg_default(&a->c);
+    a->c.device = DEVICE_AUTO;
+    for (int i = 2; i < argc;) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(usage, stdout); return 1; }
+        int k = parse_train_option(a, argc, argv, i);
+        if (k < 0) return -1;
+        if (k == 0) { fprintf(stderr, "segnet %s: unknown option '%s' (see segnet %s --help)\n", cmd, argv[i], cmd); return -1; }
+        i += k;
+    }
+    const char *base = a->resume ? a->resume : a->run;
+    if (base) {  // the run's settings first, then the command line's on top
+        TrainArgs cli = *a;
+        train_cfg_default(&a->c);
+        a->c.device = DEVICE_AUTO;  // a config.txt written before --device existed
+        a->class_weights = NULL;
+        if (read_run_config(a, base)) return -1;
+        for (int i = 2, k; i < argc; i += k) if ((k = parse_train_option(a, argc, argv, i)) <= 0) return -1;
+        a->resume = cli.resume; a->run = cli.run;
+    }
+    if (!a->size_given) model_default_size(&a->c.model);
+    if (a->c.model.classes > SN_MAX_CLASSES) { fprintf(stderr, "segnet %s: at most %d classes\n", cmd, SN_MAX_CLASSES); return -1; }
+    if (a->monitor && strcmp(a->monitor, monitor_name(&a->c))) {
+        fprintf(stderr, "segnet %s: --monitor %s: model '%s' reports %s\n", cmd, a->monitor, a->c.model.model,
+                monitor_name(&a->c));
+        return -1;
+    }
+    if (a->class_weights) {
+        if (parse_class_weights(a->class_weights, a->c.model.classes, a->c.class_weights)) return -1;
+        a->c.class_weights_given = 1;
+    }
+    return 0;
+}
+
+#ifndef TESTING
+
+static const char *USAGE =
+    "segnet: train U-Net segmentation and EfficientNetV2 classification models\n"
+    "\n"
+    "usage: segnet COMMAND [options]\n"
+    "\n"
+    "commands:\n"
+    "  plan      print a model's stages and the memory a training step takes;\n"
+    "            --memory 12G picks the fastest setting that fits\n"
+    "  predict   run a trained model on images: class rows (CSV) for a classifier,\n"
+    "            mask and overlay PNGs for a segmentation model\n"
+    "  train     train a model and write a run folder (no options: the quickstart\n"
+    "            on the bundled data/, as `make train`)\n"
+    "  eval      print a model's validation loss and metrics on a data set\n"
+    "  bench     time training steps on synthetic data (segnet bench --help)\n"
+    "  info      print the build: backend, BLAS, threads\n"
+    "  help      this text (also --help, -h); segnet COMMAND --help for a command\n"
+    "\n"
+    "The test suite is `make test`; see README.md.\n";
+
 
 static void print_shape(Shape s) {
     char buf[64];
@@ -7423,6 +8201,8 @@ static const char *TRAIN_USAGE =
     "                        saying so), cuda or cpu\n"
     "  --threads T           CPU threads (default: all cores; shared by --replicas)\n"
     "  --workers N           data loading threads (default 1)\n"
+    "  --max-pixels N        refuse an image whose header declares more than N pixels\n"
+    "                        (default 100000000), before decoding it\n"
     "  --padding MODE        EfficientNetV2 convs: same or symmetric; default: as the\n"
     "                        --weights were trained (torchvision names symmetric,\n"
     "                        timm's SAME, segnet's recorded), else same\n"
@@ -7450,235 +8230,8 @@ static const char *EVAL_USAGE =
     "segnet train (--model, --classes, --class-weights, --size, --padding, ...).\n"
     "  --batch B    images per forward pass (default 8)\n"
     "  --device D   auto (default), cuda or cpu, as for segnet train\n"
-    "  --threads T  CPU threads\n";
-
-static int parse_float(const char *flag, const char *v, float lo, float *out) {
-    char *end;
-    double x = strtod(v, &end);
-    if (!*v || *end || !(x >= lo) || isinf(x)) {
-        fprintf(stderr, "segnet: %s '%s' is not a number ≥ %g\n", flag, v, lo);
-        return -1;
-    }
-    *out = (float)x;
-    return 0;
-}
-
-static int parse_augment(const char *v, Augment *a) {
-    memset(a, 0, sizeof *a);
-    if (!strcmp(v, "none")) return 0;
-    char buf[256];
-    snprintf(buf, sizeof buf, "%s", v);
-    for (char *save = NULL, *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
-        char *end;
-        if (!strcmp(item, "flip")) a->flip = 1;
-        else if (!strncmp(item, "brightness=", 11)) {
-            a->brightness = strtof(item + 11, &end);
-            if (item[11] == 0 || *end || !(a->brightness >= 0.0f && a->brightness <= 1.0f)) goto bad;
-        } else if (!strncmp(item, "contrast=", 9)) {
-            a->contrast_lo = strtof(item + 9, &end);
-            if (*end != ':') goto bad;
-            char *hi = end + 1;
-            a->contrast_hi = strtof(hi, &end);
-            if (!*hi || *end || !(a->contrast_lo > 0.0f && a->contrast_lo <= a->contrast_hi)) goto bad;
-        } else goto bad;
-        continue;
-    bad:
-        fprintf(stderr, "segnet: --augment item '%s' must be flip, brightness=D (0..1) or contrast=LO:HI (0 < LO ≤ HI)\n", item);
-        return -1;
-    }
-    return 0;
-}
-
-// --device cpu|cuda|auto
-static int parse_device(const char *v, Device *d) {
-    for (int k = 0; k < 3; k++)
-        if (!strcmp(v, DEVICE_NAMES[k])) { *d = (Device)k; return 0; }
-    fprintf(stderr, "segnet: --device '%s' must be cpu, cuda or auto\n", v);
-    return -1;
-}
-
-// "12G", "512M", "1.5G", or bytes
-static int parse_bytes(const char *v, size_t *out) {
-    char *end;
-    double x = strtod(v, &end);
-    double unit = !strcmp(end, "") ? 1 : !strcasecmp(end, "K") ? 1024.0 : !strcasecmp(end, "M") ? 1048576.0
-                : !strcasecmp(end, "G") ? 1073741824.0 : -1;
-    if (end == v || unit < 0 || !(x > 0) || x * unit > 1e18) {
-        fprintf(stderr, "segnet: --memory '%s' must be a size such as 12G, 512M or a number of bytes\n", v);
-        return -1;
-    }
-    *out = (size_t)(x * unit);
-    return 0;
-}
-
-typedef struct {
-    TrainCfg c;
-    const char *class_weights, *resume, *run;
-    const char *monitor;  // --monitor's metric name as given (checked against the model)
-    int size_given;
-    size_t memory;      // --memory: pick the setting that fits (0: not given)
-    int fixed;          // --checkpoint or --precision given
-} TrainArgs;
-
-// Parses one train/eval option at argv[i]. Returns the arguments consumed
-// (0: unknown), -1 on error.
-static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
-    TrainCfg *c = &a->c;
-    const char *f = argv[i];
-    a->size_given |= !strcmp(f, "--size");
-    if (!strcmp(f, "--sync-bn")) {  // a switch; config.txt spells it `sync-bn = on|off`
-        int valued = i + 1 < argc && (!strcmp(argv[i + 1], "on") || !strcmp(argv[i + 1], "off"));
-        c->sync_bn = !valued || !strcmp(argv[i + 1], "on");
-        return valued ? 2 : 1;
-    }
-    int k = parse_model_option(&c->model, argc, argv, i);
-    if (k) return k;
-    static const char *const FLAGS[] = {"--data", "--val", "--out", "--resume", "--weights", "--class-weights", "--epochs",
-                                        "--lr", "--adam-eps", "--weight-decay", "--clipnorm", "--schedule", "--warmup",
-                                        "--early-stopping", "--augment", "--seed", "--threads", "--workers", "--loss-norm",
-                                        "--run", "--precision", "--accum", "--freeze", "--unfreeze-last", "--checkpoint",
-                                        "--memory", "--device", "--replicas", "--allow-missing", "--monitor", "--min-delta"};
-    int known = 0;
-    for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
-    if (!known) return 0;
-    if (i + 1 >= argc) { fprintf(stderr, "segnet: %s needs a value\n", f); return -1; }
-    const char *v = argv[i + 1];
-    int rc = 0, seed;
-    a->fixed |= !strcmp(f, "--checkpoint") || !strcmp(f, "--precision");
-    if (!strcmp(f, "--data")) c->data = v;
-    else if (!strcmp(f, "--memory")) rc = parse_bytes(v, &a->memory);
-    else if (!strcmp(f, "--device")) rc = parse_device(v, &c->device);
-    else if (!strcmp(f, "--val")) c->val = v;
-    else if (!strcmp(f, "--out")) c->out = v;
-    else if (!strcmp(f, "--resume")) a->resume = v;
-    else if (!strcmp(f, "--run")) a->run = v;
-    else if (!strcmp(f, "--weights")) c->weights = v;
-    else if (!strcmp(f, "--allow-missing")) c->allow_missing = v;
-    else if (!strcmp(f, "--class-weights")) a->class_weights = v;
-    else if (!strcmp(f, "--epochs")) rc = parse_int(f, v, 1, 1 << 20, &c->epochs);
-    else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, 1 << 30, &c->warmup);
-    else if (!strcmp(f, "--early-stopping")) rc = parse_int(f, v, 0, 1 << 20, &c->patience);
-    else if (!strcmp(f, "--min-delta")) rc = parse_float(f, v, 0.0f, &c->min_delta);
-    else if (!strcmp(f, "--monitor")) {
-        if (!strcmp(v, "val_loss")) c->monitor_metric = 0;
-        else if (!strcmp(v, "val_mIoU") || !strcmp(v, "val_accuracy")) { c->monitor_metric = 1; a->monitor = v; }
-        else { fprintf(stderr, "segnet: --monitor '%s' must be val_loss, val_mIoU or val_accuracy\n", v); rc = -1; }
-    }
-    else if (!strcmp(f, "--threads")) rc = parse_int(f, v, 1, 4096, &c->threads);
-    else if (!strcmp(f, "--workers")) rc = parse_int(f, v, 1, 256, &c->workers);
-    else if (!strcmp(f, "--accum")) rc = parse_int(f, v, 1, SN_MAX_ACCUM, &c->accum);
-    else if (!strcmp(f, "--replicas")) rc = parse_int(f, v, 1, SN_MAX_REPLICAS, &c->replicas);
-    else if (!strcmp(f, "--unfreeze-last")) rc = parse_int(f, v, 0, 1 << 20, &c->unfreeze_last);
-    else if (!strcmp(f, "--checkpoint")) {
-        if (!strcmp(v, "blocks")) c->checkpoint = 1;
-        else if (!strcmp(v, "none")) c->checkpoint = 0;
-        else { fprintf(stderr, "segnet: --checkpoint '%s' must be none or blocks\n", v); rc = -1; }
-    } else if (!strcmp(f, "--freeze")) {
-        if (!strcmp(v, "base")) c->freeze_base = 1;
-        else if (!strcmp(v, "none")) c->freeze_base = 0;
-        else { fprintf(stderr, "segnet: --freeze '%s' must be base or none\n", v); rc = -1; }
-    } else if (!strcmp(f, "--precision")) {
-        int k = 0;
-        while (k < 3 && strcmp(v, DTYPE_NAMES[k])) k++;
-        if (k == 3) { fprintf(stderr, "segnet: --precision '%s' must be fp32, fp16 or bf16\n", v); rc = -1; }
-        else c->precision = (DType)k;
-    }
-    else if (!strcmp(f, "--seed")) { rc = parse_int(f, v, 0, 2147483647, &seed); c->seed = (uint64_t)seed; }
-    else if (!strcmp(f, "--lr")) rc = parse_float(f, v, 0.0f, &c->lr);
-    else if (!strcmp(f, "--adam-eps")) rc = parse_float(f, v, 0.0f, &c->adam_eps);
-    else if (!strcmp(f, "--weight-decay")) rc = parse_float(f, v, 0.0f, &c->weight_decay);
-    else if (!strcmp(f, "--clipnorm")) rc = parse_float(f, v, 0.0f, &c->clipnorm);
-    else if (!strcmp(f, "--augment")) rc = parse_augment(v, &c->augment);
-    else if (!strcmp(f, "--schedule")) {
-        if (!strcmp(v, "constant")) c->schedule = SCHEDULE_CONSTANT;
-        else if (!strcmp(v, "cosine")) c->schedule = SCHEDULE_COSINE;
-        else { fprintf(stderr, "segnet: --schedule '%s' must be constant or cosine\n", v); rc = -1; }
-    } else {  // --loss-norm
-        if (!strcmp(v, "weighted")) c->loss_norm_keras = 0;
-        else if (!strcmp(v, "keras")) c->loss_norm_keras = 1;
-        else { fprintf(stderr, "segnet: --loss-norm '%s' must be weighted or keras\n", v); rc = -1; }
-    }
-    return rc ? -1 : 2;
-}
-
-// K comma-separated weights, each a finite number ≥ 0
-static int parse_class_weights(const char *v, int K, float *w) {
-    int n = 0;
-    for (const char *s = v;; n++) {
-        char *end;
-        double x = strtod(s, &end);
-        if (end == s || (*end && *end != ',') || !(x >= 0.0) || isinf(x)) {
-            fprintf(stderr, "segnet: --class-weights '%s': item %d is not a number ≥ 0\n", v, n + 1);
-            return -1;
-        }
-        if (n < K) w[n] = (float)x;
-        if (!*end) { n++; break; }
-        s = end + 1;
-    }
-    if (n != K) { fprintf(stderr, "segnet: --class-weights has %d values but there are %d classes\n", n, K); return -1; }
-    return 0;
-}
-
-// RUN/config.txt as options: every `key = value` line is `--key value`.
-static int read_run_config(TrainArgs *a, const char *run) {
-    char path[4200], line[4096];
-    snprintf(path, sizeof path, "%s/config.txt", run);
-    FILE *f = fopen(path, "r");
-    if (!f) { fprintf(stderr, "segnet: %s: %s (not a run folder?)\n", path, strerror(errno)); return -1; }
-    int rc = 0;
-    for (int row = 1; rc == 0 && fgets(line, sizeof line, f); row++) {
-        line[strcspn(line, "\r\n")] = 0;
-        if (!line[0] || line[0] == '#') continue;
-        char *eq = strstr(line, " = ");
-        if (!eq) { fprintf(stderr, "segnet: %s: line %d: expected `key = value`\n", path, row); rc = -1; break; }
-        *eq = 0;
-        char flag[256];
-        snprintf(flag, sizeof flag, "--%.200s", line);
-        char *argv2[2] = {strdup(flag), strdup(eq + 3)};  // kept: the config points into them
-        int k = parse_train_option(a, 2, argv2, 0);
-        if (k == 0) fprintf(stderr, "segnet: %s: line %d: unknown setting '%s'\n", path, row, line);
-        if (k <= 0) rc = -1;
-    }
-    fclose(f);
-    a->size_given = 1;
-    return rc;
-}
-
-// Parses train/eval arguments (argv[2..]); `usage` is printed for --help.
-// Returns 0, 1 after --help, -1 on error.
-static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd, const char *usage) {
-    train_cfg_default(&a->c);
-    a->c.device = DEVICE_AUTO;
-    for (int i = 2; i < argc;) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(usage, stdout); return 1; }
-        int k = parse_train_option(a, argc, argv, i);
-        if (k < 0) return -1;
-        if (k == 0) { fprintf(stderr, "segnet %s: unknown option '%s' (see segnet %s --help)\n", cmd, argv[i], cmd); return -1; }
-        i += k;
-    }
-    const char *base = a->resume ? a->resume : a->run;
-    if (base) {  // the run's settings first, then the command line's on top
-        TrainArgs cli = *a;
-        train_cfg_default(&a->c);
-        a->c.device = DEVICE_AUTO;  // a config.txt written before --device existed
-        a->class_weights = NULL;
-        if (read_run_config(a, base)) return -1;
-        for (int i = 2, k; i < argc; i += k) if ((k = parse_train_option(a, argc, argv, i)) <= 0) return -1;
-        a->resume = cli.resume; a->run = cli.run;
-    }
-    if (!a->size_given) model_default_size(&a->c.model);
-    if (a->c.model.classes > SN_MAX_CLASSES) { fprintf(stderr, "segnet %s: at most %d classes\n", cmd, SN_MAX_CLASSES); return -1; }
-    if (a->monitor && strcmp(a->monitor, monitor_name(&a->c))) {
-        fprintf(stderr, "segnet %s: --monitor %s: model '%s' reports %s\n", cmd, a->monitor, a->c.model.model,
-                monitor_name(&a->c));
-        return -1;
-    }
-    if (a->class_weights) {
-        if (parse_class_weights(a->class_weights, a->c.model.classes, a->c.class_weights)) return -1;
-        a->c.class_weights_given = 1;
-    }
-    return 0;
-}
+    "  --threads T  CPU threads\n"
+    "  --max-pixels N  the largest image, width × height (default 100000000)\n";
 
 // --memory: choose the setting, print what was tried and picked; -1 if nothing fits
 static int pick_setting(TrainArgs *a, const char *cmd, FILE *out) {
@@ -7686,7 +8239,12 @@ static int pick_setting(TrainArgs *a, const char *cmd, FILE *out) {
     char why[8192], err[SN_ERR_MAX];
     int global = a->c.model.batch * a->c.accum, rc = choose_setting(&a->c, a->memory, why, sizeof why, err);
     fprintf(out, "settings tried for %.2f GiB, global batch %d:\n%s", a->memory / 1073741824.0, global, why);
-    if (rc) { fprintf(stderr, "segnet %s: %s\n", cmd, err); return -1; }
+    if (rc) {
+        char who[64];
+        snprintf(who, sizeof who, "segnet %s", cmd);
+        print_message(stderr, who, err);
+        return -1;
+    }
     fprintf(out, "picked: --batch %d --accum %d --precision %s --checkpoint %s\n", a->c.model.batch, a->c.accum,
             DTYPE_NAMES[a->c.precision], a->c.checkpoint ? "blocks" : "none");
     return 0;
@@ -7697,8 +8255,26 @@ static int has_flag(int argc, char **argv, const char *flag) {
     return 0;
 }
 
-static int cmd_train(int argc, char **argv) {
-    TrainArgs a = {0};
+// SIGINT/SIGTERM set interrupt_signal (see run_pass): the first lets the step finish
+static void on_interrupt(int sig) {
+    if (interrupt_signal) _exit(128 + sig);
+    interrupt_signal = sig;
+    static const char msg[] = "\nsegnet train: stopping after this step to save the run (again to stop at once)\n";
+    ssize_t n = write(STDERR_FILENO, msg, sizeof msg - 1);
+    (void)n;
+}
+
+static void interrupt_handlers_install(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_interrupt;
+    sa.sa_flags = SA_RESTART;  // reads and writes in progress go on
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+}
+
+static int cmd_train_with(TrainArgs *a, int argc, char **argv) {
     char *quick[64], words[] = QUICKSTART_ARGS;
     int quickstart = argc == 2;
     if (quickstart) {  // `segnet train` alone: the bundled data set
@@ -7707,52 +8283,67 @@ static int cmd_train(int argc, char **argv) {
         for (char *save = NULL, *w = strtok_r(words, " ", &save); w && argc < 64; w = strtok_r(NULL, " ", &save)) quick[argc++] = w;
         argv = quick;
     }
-    int p = parse_train_args(&a, argc, argv, "train", TRAIN_USAGE);
+    int p = parse_train_args(a, argc, argv, "train", TRAIN_USAGE);
     if (p) return p > 0 ? 0 : 2;
-    if (!a.resume && (!a.c.data || !has_flag(argc, argv, "--classes"))) {
+    if (!a->resume && (!a->c.data || !has_flag(argc, argv, "--classes"))) {
         fprintf(stderr, "segnet train: --data and --classes are required (see segnet train --help)\n");
         return 2;
     }
     if (quickstart) fprintf(stderr, "segnet train: the quickstart: segnet train %s\n", QUICKSTART_ARGS);
     char err[SN_ERR_MAX], note[SN_ERR_MAX];
-    if (!a.resume && padding_follow_weights(&a.c.model, a.c.weights, "train", note, err)) {
-        fprintf(stderr, "segnet train: %s\n", err);
+    if (!a->resume && padding_follow_weights(&a->c.model, a->c.weights, "train", note, err)) {
+        print_message(stderr, "segnet train", err);
         return 1;
     }
-    a.c.weights_note = note;
-    if (a.memory && !a.resume && pick_setting(&a, "train", stderr)) return 1;
-    if (train_run(&a.c, a.resume, err)) { fprintf(stderr, "segnet train: %s\n", err); return 1; }
+    a->c.weights_note = note;
+    if (a->memory && !a->resume && pick_setting(a, "train", stderr)) return 1;
+    interrupt_handlers_install();
+    const int rc = train_run(&a->c, a->resume, err);
+    if (rc < 0) { print_message(stderr, "segnet train", err); return 1; }
+    return rc;  // 0, or 128 + the signal that interrupted it (130 SIGINT, 143 SIGTERM)
+}
+
+static int cmd_train(int argc, char **argv) {
+    TrainArgs a = {0};
+    int rc = cmd_train_with(&a, argc, argv);
+    train_args_free(&a);
+    return rc;
+}
+
+static int cmd_eval_with(TrainArgs *a, int argc, char **argv) {
+    int p = parse_train_args(a, argc, argv, "eval", EVAL_USAGE);
+    if (p) return p > 0 ? 0 : 2;
+    char weights[4200];
+    if (a->run) snprintf(weights, sizeof weights, "%s/best.safetensors", a->run);
+    else if (a->c.weights) snprintf(weights, sizeof weights, "%s", a->c.weights);
+    else { fprintf(stderr, "segnet eval: give --run RUN, or --weights W with the model options (see segnet eval --help)\n"); return 2; }
+    char err[SN_ERR_MAX], note[SN_ERR_MAX];
+    if (!a->run && padding_follow_weights(&a->c.model, weights, "eval", note, err)) {
+        print_message(stderr, "segnet eval", err);
+        return 1;
+    }
+    const char *data = a->c.val;
+    for (int i = 2; i + 1 < argc; i++) if (!strcmp(argv[i], "--data")) data = argv[i + 1];
+    if (!data) { fprintf(stderr, "segnet eval: --data VAL is required\n"); return 2; }
+    a->c.augment = (Augment){0};
+    a->c.progress = isatty(STDERR_FILENO);
+    EvalResult r;
+    double iou[SN_MAX_CLASSES];
+    r.m.iou = iou;
+    if (eval_run(&a->c, weights, data, &r, err)) { print_message(stderr, "segnet eval", err); return 1; }
+    printf("val_loss: %.6f\n", r.loss);
+    if (model_is_classifier(a->c.model.model)) { printf("val_accuracy: %.6f\n", r.m.accuracy); return 0; }
+    printf("val_mIoU: %.6f\nval_pixel_accuracy: %.6f\n", r.m.mean_iou, r.m.accuracy);
+    for (int k = 0; k < a->c.model.classes; k++)
+        if (!isnan(iou[k])) printf("val_IoU_%d: %.6f\n", k, iou[k]);
     return 0;
 }
 
 static int cmd_eval(int argc, char **argv) {
     TrainArgs a = {0};
-    int p = parse_train_args(&a, argc, argv, "eval", EVAL_USAGE);
-    if (p) return p > 0 ? 0 : 2;
-    char weights[4200];
-    if (a.run) snprintf(weights, sizeof weights, "%s/best.safetensors", a.run);
-    else if (a.c.weights) snprintf(weights, sizeof weights, "%s", a.c.weights);
-    else { fprintf(stderr, "segnet eval: give --run RUN, or --weights W with the model options (see segnet eval --help)\n"); return 2; }
-    char err[SN_ERR_MAX], note[SN_ERR_MAX];
-    if (!a.run && padding_follow_weights(&a.c.model, weights, "eval", note, err)) {
-        fprintf(stderr, "segnet eval: %s\n", err);
-        return 1;
-    }
-    const char *data = a.c.val;
-    for (int i = 2; i + 1 < argc; i++) if (!strcmp(argv[i], "--data")) data = argv[i + 1];
-    if (!data) { fprintf(stderr, "segnet eval: --data VAL is required\n"); return 2; }
-    a.c.augment = (Augment){0};
-    a.c.progress = isatty(STDERR_FILENO);
-    EvalResult r;
-    double iou[SN_MAX_CLASSES];
-    r.m.iou = iou;
-    if (eval_run(&a.c, weights, data, &r, err)) { fprintf(stderr, "segnet eval: %s\n", err); return 1; }
-    printf("val_loss: %.6f\n", r.loss);
-    if (model_is_classifier(a.c.model.model)) { printf("val_accuracy: %.6f\n", r.m.accuracy); return 0; }
-    printf("val_mIoU: %.6f\nval_pixel_accuracy: %.6f\n", r.m.mean_iou, r.m.accuracy);
-    for (int k = 0; k < a.c.model.classes; k++)
-        if (!isnan(iou[k])) printf("val_IoU_%d: %.6f\n", k, iou[k]);
-    return 0;
+    int rc = cmd_eval_with(&a, argc, argv);
+    train_args_free(&a);
+    return rc;
 }
 
 static const char *PREDICT_USAGE =
@@ -7798,9 +8389,10 @@ static const char *PREDICT_USAGE =
     "  --depth D           unet levels below the top, as trained (default 4)\n"
     "  --width W           unet channels at the top level, as trained (default 32)\n"
     "  --device D          auto (default), cuda or cpu, as for segnet train\n"
-    "  --threads T         CPU threads (default: all cores)\n";
+    "  --threads T         CPU threads (default: all cores)\n"
+    "  --max-pixels N      the largest image, width × height (default 100000000)\n";
 
-static int cmd_predict(int argc, char **argv) {
+static int cmd_predict_with(TrainArgs *ta, int argc, char **argv) {
     PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO, NULL, 0};
     pc.model.model = "effv2-s";
     pc.model.batch = 8;
@@ -7809,11 +8401,9 @@ static int cmd_predict(int argc, char **argv) {
     char run_weights[4200];
     for (int i = 2; i + 1 < argc; i++) if (!strcmp(argv[i], "--run")) run = argv[i + 1];
     if (run) {  // the run's model settings first, then the command line's on top
-        TrainArgs ta;
-        memset(&ta, 0, sizeof ta);
-        train_cfg_default(&ta.c);
-        if (read_run_config(&ta, run)) return 2;
-        pc.model = ta.c.model;
+        train_cfg_default(&ta->c);
+        if (read_run_config(ta, run)) return 2;
+        pc.model = ta->c.model;  // pointing into ta's words
         pc.model.batch = 8;
         size_given = classes_given = 1;
     }
@@ -7822,6 +8412,12 @@ static int cmd_predict(int argc, char **argv) {
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(PREDICT_USAGE, stdout); return 0; }
         if (!strcmp(f, "--last")) { last = 1; i++; continue; }
         if (!strcmp(f, "--run")) { i += 2; continue; }
+        if (!strcmp(f, "--max-pixels")) {
+            if (i + 1 >= argc) { fprintf(stderr, "segnet predict: --max-pixels needs a value\n"); return 2; }
+            if (parse_max_pixels(f, argv[i + 1])) return 2;
+            i += 2;
+            continue;
+        }
         if (!strcmp(f, "--threads")) {
             int threads;
             if (i + 1 >= argc || parse_int(f, argv[i + 1], 1, 4096, &threads)) {
@@ -7866,16 +8462,23 @@ static int cmd_predict(int argc, char **argv) {
     if (!size_given) model_default_size(&pc.model);
     char err[SN_ERR_MAX], note[SN_ERR_MAX];
     if (padding_follow_weights(&pc.model, pc.weights, "predict", note, err)) {
-        fprintf(stderr, "segnet predict: %s\n", err);
+        print_message(stderr, "segnet predict", err);
         return 1;
     }
-    if (note[0]) fprintf(stderr, "segnet predict: %s\n", note);
+    if (note[0]) print_message(stderr, "segnet predict", note);
     const int rc = predict_run(&pc, err);
     for (int k = 0; k < pc.n_class_names; k++) free(pc.class_names[k]);
     free(pc.class_names);
-    if (rc != 0) { fprintf(stderr, "segnet predict: %s\n", err); return 1; }
+    if (rc != 0) { print_message(stderr, "segnet predict", err); return 1; }
     fprintf(stderr, "segnet predict: wrote %s\n", pc.out);
     return 0;
+}
+
+static int cmd_predict(int argc, char **argv) {
+    TrainArgs ta = {0};  // the run's config.txt (--run)
+    int rc = cmd_predict_with(&ta, argc, argv);
+    train_args_free(&ta);
+    return rc;
 }
 
 static const char *BENCH_USAGE =
@@ -7944,7 +8547,7 @@ static int cmd_bench(int argc, char **argv) {
     if (!size_given) model_default_size(&c.model);
     BenchResult r;
     char err[SN_ERR_MAX];
-    if (bench_run(&c, &r, err)) { fprintf(stderr, "segnet bench: %s\n", err); return 1; }
+    if (bench_run(&c, &r, err)) { print_message(stderr, "segnet bench", err); return 1; }
     printf("model: %s  input (%d,%d,%d,3)  classes %d  parameters %zu  threads %d  backend %s\n", c.model.model,
            c.model.batch, c.model.height, c.model.width, c.model.classes, r.n_params, r.threads, r.backend);
     if (c.profile) {
@@ -8176,7 +8779,7 @@ static int cmd_plan(int argc, char **argv) {
     Plan p;
     Ops *o;
     int logits = plan_for(c, &g, &p, &o, err);
-    if (logits < 0) { fprintf(stderr, "segnet plan: %s\n", err); graph_free(&g); return 1; }
+    if (logits < 0) { print_message(stderr, "segnet plan", err); graph_free(&g); return 1; }
     MemoryReport m;
     memory_report(&g, &p, c, logits, o, &m);
     printf("model: %s  input (%d,%d,%d,3)  classes %d  precision %s  checkpoint %s  accum %d%s\n", c->model.model,

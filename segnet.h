@@ -847,8 +847,7 @@ typedef struct {
 
 typedef struct {
     StTensor *tensors; int n_tensors;            // in header order
-    char (*meta_keys)[SN_NAME_MAX];              // "__metadata__", in header order
-    char (*meta_values)[256];
+    char **meta_keys, **meta_values;             // "__metadata__", in header order, each malloc'd
     int n_meta;
     uint8_t *bytes; size_t n_bytes;              // the whole file, owned
 } StFile;
@@ -1194,6 +1193,7 @@ typedef struct {
     size_t cache_bytes;             // decoded data kept in memory up to this
     int progress;                   // 0 quiet, 1 progress on stderr
     int stop_after_epochs;          // leave after this many epochs, as if interrupted (0: never)
+    int64_t interrupt_at_step;      // tests: act as if SIGINT came during this optimiser step (0: never)
     DType precision;                // activation storage: fp32, fp16 (with loss scaling) or bf16
     int accum;                      // micro-batches per optimiser step (gradient accumulation)
     int freeze_base;                // freeze the backbone (graph_freeze_base) ...
@@ -1207,8 +1207,9 @@ typedef struct {
 
 void train_cfg_default(TrainCfg *c);
 // Trains and writes the run folder. resume: a run folder to continue, whose
-// config.txt the caller has already parsed into c. Returns 0, or -1 with one
-// line in err; nothing in an existing run folder is changed before every
+// config.txt the caller has already parsed into c. Returns 0, -1 with one
+// line in err, or 128 + the signal when SIGINT/SIGTERM (interrupt_handlers)
+// stopped it after a step, saved for --resume; nothing in an existing run folder is changed before every
 // input has been checked. With c->replicas > 1, or when started by mpirun
 // with several processes, the global batch model.batch is split over the
 // replicas (train_run_comm for a communicator of one's own); only rank 0
