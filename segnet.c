@@ -3715,16 +3715,31 @@ void st_free(StFile *f) {
     memset(f, 0, sizeof *f);
 }
 
+// A file opened for reading only if it is a regular file: opening a FIFO
+// waits for a writer, reading a device never ends. NULL with err ("path:
+// why"; errno kept from open).
+static FILE *fopen_regular(const char *path, const char *mode, char err[SN_ERR_MAX]) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) { snprintf(err, SN_ERR_MAX, "%.400s: %s", path, strerror(errno)); return NULL; }
+    struct stat sb;
+    if (fstat(fd, &sb) || !S_ISREG(sb.st_mode)) {
+        snprintf(err, SN_ERR_MAX, "%.400s: not a regular file", path);
+        close(fd);
+        errno = EINVAL;
+        return NULL;
+    }
+    FILE *f = fcntl(fd, F_SETFL, 0) == 0 ? fdopen(fd, mode) : NULL;  // blocking reads again
+    if (!f) { snprintf(err, SN_ERR_MAX, "%.400s: %s", path, strerror(errno)); close(fd); }
+    return f;
+}
+
 int st_read(const char *path, StFile *f, char err[SN_ERR_MAX]) {
     memset(f, 0, sizeof *f);
-    FILE *fp = fopen(path, "rb");
-    if (!fp) { st_errf(err, "%s: cannot open: %s", path, strerror(errno)); return -1; }
+    char why[SN_ERR_MAX];
+    FILE *fp = fopen_regular(path, "rb", why);
+    if (!fp) { st_errf(err, "%s: cannot open: %s", path, errno == EINVAL ? "not a regular file" : strerror(errno)); return -1; }
     struct stat sb;
-    if (fstat(fileno(fp), &sb) || !S_ISREG(sb.st_mode)) {
-        st_errf(err, "%s: not a regular file", path);
-        fclose(fp);
-        return -1;
-    }
+    if (fstat(fileno(fp), &sb)) { st_errf(err, "%s: %s", path, strerror(errno)); fclose(fp); return -1; }
     if ((uint64_t)sb.st_size > SIZE_MAX) { st_errf(err, "%s: too large to load", path); fclose(fp); return -1; }
     size_t n = (size_t)sb.st_size;
     f->bytes = malloc(n ? n : 1);
@@ -4335,8 +4350,8 @@ int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]) {
         closedir(d);
         qsort(out->paths, (size_t)out->n, sizeof(char *), cmp_str);
     } else {
-        FILE *f = fopen(input, "r");
-        if (!f) { snprintf(err, SN_ERR_MAX, "%s: %s", input, strerror(errno)); return -1; }
+        FILE *f = fopen_regular(input, "r", err);
+        if (!f) return -1;
         char dir[4096];
         snprintf(dir, sizeof dir, "%s", input);
         char *slash = strrchr(dir, '/');
@@ -4377,6 +4392,8 @@ static const char *decoder_reason(void) {
 // checked against --max-pixels before anything is decoded.
 
 #define IMAGE_MAX_PIXELS_DEFAULT 100000000  // 10^8: a 10000×10000 photograph; a decompression bomb declares more
+#define TEXT_OF(x) TEXT_OF_(x)              // a macro's value as a string literal (for --help)
+#define TEXT_OF_(x) #x
 #define IMAGE_FILE_MAX ((size_t)1 << 30)    // stb_image takes an int length; real images are far smaller
 static int64_t image_max_pixels = IMAGE_MAX_PIXELS_DEFAULT;  // --max-pixels
 
@@ -4872,8 +4889,8 @@ done:
 // listed file must exist, every label be an integer 0..K-1, or every label a
 // class name (the sorted distinct names are classes 0, 1, ..., or names_from's)
 static int list_csv(Dataset *d, const char *csv, const Dataset *names_from, char err[SN_ERR_MAX]) {
-    FILE *f = fopen(csv, "r");
-    if (!f) { snprintf(err, SN_ERR_MAX, "%s: %s", csv, strerror(errno)); return -1; }
+    FILE *f = fopen_regular(csv, "r", err);
+    if (!f) return -1;
     char dir[4096], line[8192], path[4096], label[64];
     snprintf(dir, sizeof dir, "%s", csv);
     char *slash = strrchr(dir, '/');
@@ -6872,9 +6889,9 @@ static void history_add(History *h, char *row, EpochRecord rec) {
 
 // Reads back the rows of epochs 1..t->epoch (a resumed run), checking the header.
 static int history_load(const Trainer *t, const char *path, History *h, char err[SN_ERR_MAX]) {
-    FILE *f = fopen(path, "r");
+    FILE *f = fopen_regular(path, "r", err);
     if (!f && errno == ENOENT && t->epoch == 0) return 0;  // interrupted in its first epoch
-    if (!f) { snprintf(err, SN_ERR_MAX, "%.400s: %s", path, strerror(errno)); return -1; }
+    if (!f) return -1;
     StBuf want = {0};
     csv_header(t, &want);
     sb_put(&want, "", 1);
@@ -6982,7 +6999,8 @@ static int read_class_names(const char *run, char ***names) {
     char path[4200], line[4096];
     run_path(path, sizeof path, run, CLASSES_FILE);
     *names = NULL;
-    FILE *f = fopen(path, "r");
+    char err[SN_ERR_MAX];
+    FILE *f = fopen_regular(path, "r", err);
     if (!f) return 0;
     int n = 0, cap = 0;
     while (fgets(line, sizeof line, f)) {
@@ -8027,8 +8045,14 @@ static int parse_class_weights(const char *v, int K, float *w) {
 static int read_run_config(TrainArgs *a, const char *run) {
     char path[4200], line[4096];
     snprintf(path, sizeof path, "%s/config.txt", run);
-    FILE *f = fopen(path, "r");
-    if (!f) { fprintf(stderr, "segnet: %s: %s (not a run folder?)\n", path, strerror(errno)); return -1; }
+    char err[SN_ERR_MAX];
+    FILE *f = fopen_regular(path, "r", err);
+    if (!f) {
+        char line1[SN_ERR_MAX + 32];
+        snprintf(line1, sizeof line1, "%s (not a run folder?)", err);
+        print_message(stderr, "segnet", line1);
+        return -1;
+    }
     int rc = 0;
     for (int row = 1; rc == 0 && fgets(line, sizeof line, f); row++) {
         line[strcspn(line, "\r\n")] = 0;
@@ -8129,11 +8153,15 @@ static const char *TRAIN_USAGE =
     "metrics.csv (one row per epoch), curves.svg, last.safetensors (weights, BN\n"
     "statistics, Adam moments, step) after every epoch and best.safetensors for\n"
     "the epoch with the lowest val_loss (loss without --val). Files are replaced\n"
-    "atomically; a run folder that already holds a run is never overwritten.\n"
+    "atomically; a run folder that already holds a run is never overwritten, and\n"
+    "one run at a time writes it (RUN/.lock). Ctrl-C or SIGTERM: the step ends,\n"
+    "last.safetensors keeps the place inside the epoch, --resume RUN goes on\n"
+    "from it exactly (exit 130/143); a second Ctrl-C stops at once.\n"
     "\n"
     "Data: segmentation models (unet, unet-effv2-*) read DIR/images/*.{png,jpg}\n"
-    "with DIR/masks/*.png of the same name (pixel = class index); classifiers\n"
-    "(effv2-*) read a CSV `path,label` or one sub-folder per class.\n"
+    "with DIR/masks/*.png of the same name (pixel = class index, PNG only);\n"
+    "classifiers (effv2-*) read a CSV `path,label` (an optional header `path,label`)\n"
+    "or one sub-folder per class.\n"
     "\n"
     "  --model NAME          unet (default), unet-effv2-s|m|l|t, effv2-s|m|l|t\n"
     "  --data TRAIN          training data (required)\n"
@@ -8202,7 +8230,7 @@ static const char *TRAIN_USAGE =
     "  --threads T           CPU threads (default: all cores; shared by --replicas)\n"
     "  --workers N           data loading threads (default 1)\n"
     "  --max-pixels N        refuse an image whose header declares more than N pixels\n"
-    "                        (default 100000000), before decoding it\n"
+    "                        (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) "), before decoding it\n"
     "  --padding MODE        EfficientNetV2 convs: same or symmetric; default: as the\n"
     "                        --weights were trained (torchvision names symmetric,\n"
     "                        timm's SAME, segnet's recorded), else same\n"
@@ -8231,7 +8259,7 @@ static const char *EVAL_USAGE =
     "  --batch B    images per forward pass (default 8)\n"
     "  --device D   auto (default), cuda or cpu, as for segnet train\n"
     "  --threads T  CPU threads\n"
-    "  --max-pixels N  the largest image, width × height (default 100000000)\n";
+    "  --max-pixels N  the largest image, width × height (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) ")\n";
 
 // --memory: choose the setting, print what was tried and picked; -1 if nothing fits
 static int pick_setting(TrainArgs *a, const char *cmd, FILE *out) {
@@ -8390,7 +8418,7 @@ static const char *PREDICT_USAGE =
     "  --width W           unet channels at the top level, as trained (default 32)\n"
     "  --device D          auto (default), cuda or cpu, as for segnet train\n"
     "  --threads T         CPU threads (default: all cores)\n"
-    "  --max-pixels N      the largest image, width × height (default 100000000)\n";
+    "  --max-pixels N      the largest image, width × height (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) ")\n";
 
 static int cmd_predict_with(TrainArgs *ta, int argc, char **argv) {
     PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO, NULL, 0};
