@@ -2063,6 +2063,11 @@ int graph_find_param(const Graph *g, const char *name) {
         if (strcmp(g->params[i].name, name) == 0) return i;
     return -1;
 }
+static int graph_find_buffer(const Graph *g, const char *name) {
+    for (int i = 0; i < g->n_buffers; i++)
+        if (strcmp(g->buffers[i].name, name) == 0) return i;
+    return -1;
+}
 
 static int new_tensor(Graph *g, const char *name, Shape s, int producer) {
     const int64_t dims[4] = {s.n, s.h, s.w, s.c};
@@ -3289,7 +3294,8 @@ void net_backward(Net *net, int output) {
 #define ST_HEADER_MAX   ((uint64_t)100 << 20)  // a longer header is absurd (real ones are kilobytes)
 #define ST_QUOTE_MAX    64                      // names shown in messages are cut to this
 
-static const char *const ST_DTYPE_NAMES[] = {"F32", "F16", "BF16"};  // indexed by DType
+static const char *const ST_DTYPE_NAMES[] = {"F32", "F16", "BF16", "I64"};  // indexed by DType
+#define ST_DTYPES ((int)(sizeof ST_DTYPE_NAMES / sizeof *ST_DTYPE_NAMES))
 
 static void st_errf(char *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void st_errf(char *err, const char *fmt, ...) {
@@ -3564,9 +3570,9 @@ static int st_parse_tensor(Json *j, StTensor *t, const uint8_t *data, size_t dat
     if (n_off < 0) return jfail(j, "missing \"data_offsets\"");
 
     int dt = -1;
-    for (int k = 0; k < 3; k++)
+    for (int k = 0; k < ST_DTYPES; k++)
         if (!strcmp(dtype, ST_DTYPE_NAMES[k])) dt = k;
-    if (dt < 0) return jfail(j, "dtype \"%s\" is not supported (segnet reads F32, F16, BF16)", st_quote(q, dtype));
+    if (dt < 0) return jfail(j, "dtype \"%s\" is not supported (segnet reads F32, F16, BF16, I64)", st_quote(q, dtype));
     t->dtype = (DType)dt;
     size_t elem = dtype_size(t->dtype);
     st_shape_str(shape, sizeof shape, t->dims, t->ndim);
@@ -3837,7 +3843,7 @@ static int st_check_write_args(const char *path, const StTensor *ts, int n, cons
             st_errf(err, "%s: tensor '%s': invalid name (not UTF-8, or \"__metadata__\")", path, nm);
             return -1;
         }
-        if ((unsigned)t->dtype > DT_BF16) { st_errf(err, "%s: tensor '%s': unknown dtype %d", path, nm, (int)t->dtype); return -1; }
+        if ((unsigned)t->dtype >= (unsigned)ST_DTYPES) { st_errf(err, "%s: tensor '%s': unknown dtype %d", path, nm, (int)t->dtype); return -1; }
         if (t->ndim < 0 || t->ndim > ST_MAX_DIMS) {
             st_errf(err, "%s: tensor '%s': ndim %d is outside 0..%d", path, nm, t->ndim, ST_MAX_DIMS);
             return -1;
@@ -4006,11 +4012,12 @@ static void ohwi_to_oihw(const float *src, float *dst, int n_out, int n_in, int 
                     dst[(((size_t)o * n_in + i) * kh + y) * kw + x] = src[(((size_t)o * kh + y) * kw + x) * n_in + i];
 }
 
-// a file tensor's values as fp32 (its data may be unaligned and fp16/bf16)
+// a file tensor's values as fp32 (its data may be unaligned and fp16/bf16/int64)
 void st_tensor_f32(const StTensor *t, float *dst) {
     const uint8_t *p = (const uint8_t *)t->data;
     for (size_t i = 0; i < t->numel; i++) {
         if (t->dtype == DT_F32) { memcpy(&dst[i], p + 4 * i, 4); continue; }
+        if (t->dtype == DT_I64) { int64_t v; memcpy(&v, p + 8 * i, 8); dst[i] = (float)v; continue; }
         uint16_t h;
         memcpy(&h, p + 2 * i, 2);
         dst[i] = t->dtype == DT_F16 ? f16_to_f32(h) : bf16_to_f32(h);
@@ -4124,7 +4131,7 @@ int net_load_weights_rules(Net *net, const StFile *f, const char *path, const Lo
         if (t) used[t - f->tensors] = 1;
         int64_t want[4];
         torch_dims(p, want);
-        int same = t && t->ndim == p->ndim;
+        int same = t && t->ndim == p->ndim && t->dtype != DT_I64;  // a weight is floating point
         for (int k = 0; same && k < p->ndim; k++) same = t->dims[k] == want[k];
         if (!t) {
             if (!skippable) list_add(missing, sizeof missing, &n_missing, p->name);
@@ -4135,7 +4142,7 @@ int net_load_weights_rules(Net *net, const StFile *f, const char *path, const Lo
                 char a[96], b[96], item[2 * SN_NAME_MAX + 200];
                 dims_str(a, sizeof a, t->dims, t->ndim);
                 dims_str(b, sizeof b, want, p->ndim);
-                snprintf(item, sizeof item, "%s is %s, the model needs %s", p->name, a, b);
+                snprintf(item, sizeof item, "%s is %s%s, the model needs %s", p->name, t->dtype == DT_I64 ? "I64 " : "", a, b);
                 list_add(wrong, sizeof wrong, &n_wrong, item);
             }
         } else {
@@ -7516,6 +7523,73 @@ done:
     return rc;
 }
 
+// ---- export: a run's weights for PyTorch
+
+// The names an export uses: torchvision's (segnet's own, plus batch norm's
+// num_batches_tracked, so that load_state_dict(strict=True) takes them), timm's
+// tf_efficientnetv2_* (also with num_batches_tracked), or segnet's as they are.
+typedef enum { EXPORT_TORCHVISION, EXPORT_TIMM, EXPORT_SEGNET } ExportNames;
+static const char *const EXPORT_NAMES[] = {"torchvision", "timm", "segnet"};  // indexed by ExportNames
+
+#define BN_STAT_SUFFIX ".running_var"       // one per batch norm: where num_batches_tracked goes
+#define BN_COUNT_SUFFIX ".num_batches_tracked"
+
+// The weights and BN statistics of checkpoint `path` (a run's best or last),
+// without the optimiser state, written atomically to out under `names`;
+// num_batches_tracked is the checkpoint's step. report: one line.
+int export_weights(const ModelCfg *m, const char *path, ExportNames names, const char *out, char report[SN_ERR_MAX],
+                   char err[SN_ERR_MAX]) {
+    StFile f;
+    if (st_read(path, &f, err)) return -1;
+    Graph g;
+    graph_init(&g);
+    int rc = -1, n = 0;
+    StTensor *ts = calloc(2 * (size_t)f.n_tensors + 1, sizeof *ts);
+    snCheck(ts != NULL, "out of host memory");
+    const char *step_text = st_meta(&f, "step");
+    int64_t step = 0;
+    if (model_build(&g, m) < 0) { snprintf(err, SN_ERR_MAX, "%s", g.err); goto done; }
+    if (step_text && meta_int(path, "step", step_text, 0, INT64_MAX, &step, err)) goto done;
+    for (int i = 0; i < f.n_tensors; i++) {
+        const StTensor *t = &f.tensors[i];
+        if (!strncmp(t->name, TRAIN_STATE_PREFIX, strlen(TRAIN_STATE_PREFIX)) || strstr(t->name, BN_COUNT_SUFFIX)) continue;
+        if (graph_find_param(&g, t->name) < 0 && graph_find_buffer(&g, t->name) < 0) {
+            snprintf(err, SN_ERR_MAX, "%.300s: tensor '%.100s' is not one of model '%s''s (another model's checkpoint?)", path,
+                     t->name, m->model);
+            goto done;
+        }
+        ts[n] = *t;
+        if (names == EXPORT_TIMM && !effnet_timm_name(&g, t->name, ts[n].name)) {
+            snprintf(err, SN_ERR_MAX, "model '%s': '%.100s' has no timm name (timm's tf_efficientnetv2_* are EfficientNetV2 "
+                     "classifiers without --head-hidden)", m->model, t->name);
+            goto done;
+        }
+        n++;
+        const size_t len = strlen(ts[n - 1].name), suffix = strlen(BN_STAT_SUFFIX);
+        if (names != EXPORT_SEGNET && len > suffix && !strcmp(ts[n - 1].name + len - suffix, BN_STAT_SUFFIX)) {
+            const StTensor *var = &ts[n - 1];
+            StTensor *c = &ts[n++];
+            memset(c, 0, sizeof *c);
+            memcpy(c->name, var->name, len - suffix);
+            snprintf(c->name + (len - suffix), sizeof c->name - (len - suffix), "%s", BN_COUNT_SUFFIX);
+            c->dtype = DT_I64;
+            c->ndim = 0;
+            c->numel = 1;
+            c->data = &step;
+        }
+    }
+    const char *keys[2] = {"format", "padding"}, *values[2] = {"pt", PAD_NAME[m->pad]};
+    if (st_write(out, ts, n, keys, values, 2, err)) goto done;
+    snprintf(report, SN_ERR_MAX, "wrote %.200s: %d tensors in %s names from %.200s (padding %s)", out, n, EXPORT_NAMES[names],
+             path, PAD_NAME[m->pad]);
+    rc = 0;
+done:
+    free(ts);
+    graph_free(&g);
+    st_free(&f);
+    return rc;
+}
+
 // ---- memory of a run, from its plan (what trainer_open allocates)
 
 typedef struct {
@@ -8129,6 +8203,7 @@ static const char *USAGE =
     "  train     train a model and write a run folder (no options: the quickstart\n"
     "            on the bundled data/, as `make train`)\n"
     "  eval      print a model's validation loss and metrics on a data set\n"
+    "  export    write a run's weights for PyTorch (torchvision or timm names)\n"
     "  bench     time training steps on synthetic data (segnet bench --help)\n"
     "  info      print the build: backend, BLAS, threads\n"
     "  help      this text (also --help, -h); segnet COMMAND --help for a command\n"
@@ -8509,6 +8584,61 @@ static int cmd_predict(int argc, char **argv) {
     return rc;
 }
 
+static const char *EXPORT_USAGE =
+    "usage: segnet export --run RUN --out FILE.safetensors [--names N] [--last]\n"
+    "\n"
+    "Writes a run's weights and batch-norm statistics, without the optimiser\n"
+    "state: best.safetensors (--last: last.safetensors), for PyTorch.\n"
+    "  --names torchvision  (default) torchvision's names with batch norm's\n"
+    "                       num_batches_tracked: load_state_dict(strict=True) into\n"
+    "                       torchvision.models.efficientnet_v2_s/m/l(num_classes=K).\n"
+    "                       With --head-hidden the head is classifier.1 and\n"
+    "                       classifier.4: nn.Sequential(Dropout, Linear, ReLU,\n"
+    "                       Dropout, Linear). A unet-effv2-* has its encoder in\n"
+    "                       torchvision's names (features.*) and its decoder as\n"
+    "                       ref/parity_live.py's UNetEff, which loads it strictly.\n"
+    "  --names timm         timm's tf_efficientnetv2_s/m/l (EfficientNetV2\n"
+    "                       classifiers without --head-hidden)\n"
+    "  --names segnet       segnet's names only (segnet --weights reads all three)\n"
+    "The padding the weights were trained with is in the file's metadata.\n";
+
+static int cmd_export(int argc, char **argv) {
+    const char *run = NULL, *out = NULL;
+    int last = 0;
+    ExportNames names = EXPORT_TORCHVISION;
+    for (int i = 2; i < argc; i++) {
+        const char *f = argv[i];
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(EXPORT_USAGE, stdout); return 0; }
+        if (!strcmp(f, "--last")) { last = 1; continue; }
+        if (strcmp(f, "--run") && strcmp(f, "--out") && strcmp(f, "--names")) {
+            fprintf(stderr, "segnet export: unknown option '%s' (see segnet export --help)\n", f);
+            return 2;
+        }
+        if (i + 1 >= argc) { fprintf(stderr, "segnet export: %s needs a value\n", f); return 2; }
+        const char *v = argv[++i];
+        if (!strcmp(f, "--run")) run = v;
+        else if (!strcmp(f, "--out")) out = v;
+        else {
+            int k = 0;
+            while (k < 3 && strcmp(v, EXPORT_NAMES[k])) k++;
+            if (k == 3) { fprintf(stderr, "segnet export: --names '%s' must be torchvision, timm or segnet\n", v); return 2; }
+            names = (ExportNames)k;
+        }
+    }
+    if (!run || !out) { fprintf(stderr, "segnet export: --run RUN and --out FILE are required (see segnet export --help)\n"); return 2; }
+    TrainArgs ta = {0};
+    train_cfg_default(&ta.c);
+    int rc = read_run_config(&ta, run) ? 2 : 0;
+    if (rc == 0) {
+        char path[4200], err[SN_ERR_MAX], report[SN_ERR_MAX];
+        snprintf(path, sizeof path, "%s/%s.safetensors", run, last ? "last" : "best");
+        if (export_weights(&ta.c.model, path, names, out, report, err)) { print_message(stderr, "segnet export", err); rc = 1; }
+        else print_message(stderr, "segnet export", report);
+    }
+    train_args_free(&ta);
+    return rc;
+}
+
 static const char *BENCH_USAGE =
     "usage: segnet bench --model NAME [--size HxW] [--batch B] [--steps S] [options]\n"
     "\n"
@@ -8868,6 +8998,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "train")) return cmd_train(argc, argv);
     if (!strcmp(argv[1], "eval")) return cmd_eval(argc, argv);
     if (!strcmp(argv[1], "bench")) return cmd_bench(argc, argv);
+    if (!strcmp(argv[1], "export")) return cmd_export(argc, argv);
     fprintf(stderr, "segnet: unknown command '%s' (try segnet --help)\n", argv[1]);
     return 2;
 }

@@ -42,9 +42,11 @@ extern "C" {
 // is always fp32 (accumulations in fp64 on the CPU). Conversions are done in
 // software with round-to-nearest-even, identically on every backend.
 
-typedef enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 } DType;
+// Storage types of tensors; DT_I64 only in safetensors files (batch norm's
+// num_batches_tracked, which PyTorch's strict loading wants), never storage.
+typedef enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_I64 = 3 } DType;
 
-static inline SN_HD size_t dtype_size(DType dt) { return dt == DT_F32 ? 4 : 2; }
+static inline SN_HD size_t dtype_size(DType dt) { return dt == DT_F32 ? 4 : dt == DT_I64 ? 8 : 2; }
 
 static inline SN_HD uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline SN_HD float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }

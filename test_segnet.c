@@ -1488,6 +1488,7 @@ static void test_safetensors_round_trip(void) {
     Rng r; rng_seed(&r, 11);
     float scalar = 3.25f, w[3 * 2 * 2 * 4];
     uint16_t h[5], b[2 * 3];
+    const int64_t tracked = -((int64_t)1 << 40) - 3;
     for (int i = 0; i < 48; i++) w[i] = rng_normal(&r);
     for (int i = 0; i < 5; i++) h[i] = f32_to_f16(rng_normal(&r));
     for (int i = 0; i < 6; i++) b[i] = f32_to_bf16(rng_normal(&r));
@@ -1498,6 +1499,7 @@ static void test_safetensors_round_trip(void) {
         st_tensor("half", DT_F16, 1, dh, h),
         st_tensor("brain \"quoted\" \\ \xc3\xa9", DT_BF16, 2, db, b),
         st_tensor("empty", DT_F32, 2, de, NULL),
+        st_tensor("bn.num_batches_tracked", DT_I64, 0, NULL, &tracked),  // PyTorch's BN counter
     };
     const int n = (int)(sizeof ts / sizeof ts[0]);
     // metadata of any length: third-party files carry keys over 95 bytes and values over 255
@@ -1643,7 +1645,7 @@ static void test_safetensors_malformed(void) {
         {TW("\"dtype\":\"F32\",\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]"), 4, "'w'", "\"dtype\" appears twice"},
         {TW("\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],\"foo\":1"), 4, "'w'", "unknown field \"foo\""},
         {TW("\"dtype\":\"F64\",\"shape\":[1],\"data_offsets\":[0,8]"), 8, "'w'", "dtype \"F64\" is not supported"},
-        {TW("\"dtype\":\"I64\",\"shape\":[1],\"data_offsets\":[0,8]"), 8, "'w'", "dtype \"I64\" is not supported"},
+        {TW("\"dtype\":\"I32\",\"shape\":[1],\"data_offsets\":[0,8]"), 8, "'w'", "dtype \"I32\" is not supported"},
         {TW("\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]"), 8, "'w'", "shape entry -2 is negative"},
         {TW("\"dtype\":\"F32\",\"shape\":[2.5],\"data_offsets\":[0,8]"), 8, "'w'", "shape entry 2.5 is not an integer"},
         {TW("\"dtype\":\"F32\",\"shape\":[1e3],\"data_offsets\":[0,8]"), 8, "'w'", "1e3 is not an integer"},
@@ -8150,6 +8152,78 @@ static void test_csv_strict(void) {
     ds_remove(dir);
 }
 
+// segnet export (fine-tuning issue, item 3): a run's weights in torchvision's
+// names load with load_state_dict(strict=True) into torchvision's
+// EfficientNetV2-S (with and without a hidden head) and into ref/'s U-Net on
+// its features, unchanged; timm's names are tf_efficientnetv2_s's; and segnet
+// reads every export back to the same validation loss as the run's own file.
+static void test_parity_live_export(void) {
+    if (access("./segnet", X_OK) != 0) { CHECK(0, "./segnet is missing: build it with make"); return; }
+    const char *dir = "/tmp/segnet_test_export";
+    rm_rf(dir);
+    char path[600], args[2048], msg[4096], specs[4096] = "";
+    Rng r; rng_seed(&r, 71);
+    const char *classes[] = {"cat", "dog"};
+    for (int k = 0; k < 2; k++) {
+        snprintf(path, sizeof path, "mkdir -p %s/cls/%s %s/seg", dir, classes[k], dir);
+        CHECK(system(path) == 0, "%s", path);
+        snprintf(path, sizeof path, "%s/cls/%s", dir, classes[k]);
+        write_png(path, "0.png", 32, 32, &r);
+        write_png(path, "1.png", 32, 32, &r);
+    }
+    snprintf(path, sizeof path, "%s/seg", dir);
+    write_seg_set(path, 2, 32, 32, 72);
+    struct { const char *name, *model, *data, *extra, *names; int hidden; } runs[] = {
+        {"plain", "effv2-s", "cls", "--padding symmetric", "torchvision,timm", 0},
+        {"hidden", "effv2-s", "cls", "--head-hidden 16", "torchvision", 16},
+        {"unet", "unet-effv2-s", "seg", "--padding symmetric --class-weights 0,1,1", "torchvision", 0},
+    };
+    for (size_t k = 0; k < sizeof runs / sizeof *runs; k++) {
+        const int K = strcmp(runs[k].data, "seg") ? 2 : 3;
+        snprintf(args, sizeof args, "train --model %s --classes %d --size 32x32 --batch 2 --epochs 1 --freeze base --lr 0.01 "
+                 "%s --data %s/%s --val %s/%s --out %s/run_%s --threads 2", runs[k].model, K, runs[k].extra, dir, runs[k].data,
+                 dir, runs[k].data, dir, runs[k].name);
+        if (run_segnet(args, msg, sizeof msg) != 0) { CHECK(0, "%s: %s", runs[k].name, msg); continue; }
+        snprintf(args, sizeof args, "eval --run %s/run_%s", dir, runs[k].name);
+        CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+        size_t n;
+        char *want = read_file("/tmp/segnet_test_out.txt", &n);
+        const char *names[] = {"torchvision", "timm", "segnet"};
+        for (int i = 0; i < 3; i++) {
+            if (i < 2 && !strstr(runs[k].names, names[i])) continue;
+            snprintf(args, sizeof args, "export --run %s/run_%s --names %s --out %s/%s_%s.safetensors", dir, runs[k].name,
+                     names[i], dir, runs[k].name, names[i]);
+            CHECK(run_segnet(args, msg, sizeof msg) == 0 && contains(msg, "wrote"), "%s", msg);
+            if (i < 2) {
+                size_t len = strlen(specs);
+                snprintf(specs + len, sizeof specs - len, " %s/%s_%s.safetensors:%s:%d:%s:%d", dir, runs[k].name, names[i],
+                         runs[k].model, K, names[i], runs[k].hidden);
+            }
+            // read back by segnet: the validation of the run's own weights, to the digit
+            snprintf(args, sizeof args, "eval --weights %s/%s_%s.safetensors --model %s --classes %d --size 32x32 %s --data %s/%s",
+                     dir, runs[k].name, names[i], runs[k].model, K, runs[k].extra, dir, runs[k].data);
+            CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+            char *got = read_file("/tmp/segnet_test_out.txt", &n);
+            CHECK(want && got && !strcmp(want, got), "%s, %s names: eval gives\n%s, the run's own weights\n%s", runs[k].name,
+                  names[i], got ? got : "", want ? want : "");
+            free(got);
+        }
+        free(want);
+    }
+    snprintf(args, sizeof args, "export --run %s/run_hidden --names timm --out %s/x.safetensors", dir, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "has no timm name"), "%s", msg);
+    char cmd[4200];
+    snprintf(cmd, sizeof cmd, "/usr/bin/python3 ref/check_export.py%s", specs);
+    CHECK(run_shell(cmd, msg, sizeof msg) == 0, "ref/check_export.py: %s", msg);
+    size_t n;
+    char *said = read_file("/tmp/segnet_test_out.txt", &n);
+    int oks = 0;
+    for (const char *p = said; p && (p = strstr(p, "ok ")); p += 3) oks++;
+    CHECK(oks == 4, "4 exports checked by PyTorch: %s", said ? said : "");
+    free(said);
+    rm_rf(dir);
+}
+
 // Finding 10: sizes beyond what a plan can hold are refused with the numbers,
 // before any total could wrap around 2^64.
 static void test_plan_refuses_huge(void) {
@@ -8293,6 +8367,7 @@ static const Test TESTS[] = {
     {"csv_strict", test_csv_strict},
     {"plan_refuses_huge", test_plan_refuses_huge},
     {"run_config_freed", test_run_config_freed},
+    {"parity_live_export", test_parity_live_export},
     {"early_stopping", test_early_stopping},
     {"train_bad_input", test_train_bad_input},
     {"predict_from_run", test_predict_from_run},
