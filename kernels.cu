@@ -655,8 +655,8 @@ static void nonfinite_cuda(Ops *o, Tensor t, int32_t *flag) {
 // fp32, the sums over rows fp64 through the deterministic reduction (reduce_finish).
 
 __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t *labels, const float *class_weights,
-                                    int K, size_t rows, const float *grad_scale, void *dlogits, DType dt_grad,
-                                    ReduceOut r) {
+                                    XentClip clip, int K, size_t rows, const float *grad_scale, void *dlogits,
+                                    DType dt_grad, ReduceOut r) {
     __shared__ double sh[BLOCK * REDUCE_WIDTH];
     const float scale = dlogits ? *grad_scale : 0.0f;
     double loss = 0.0, wsum = 0.0, invalid = 0.0;
@@ -670,15 +670,16 @@ __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t 
         for (int c = 0; c < K; c++) { float z = ld(logits, dt, base + c); if (z > zmax) zmax = z; }
         float sum = 0.0f;
         for (int c = 0; c < K; c++) sum += expf(ld(logits, dt, base + c) - zmax);
+        int flat = 0;
         if (wy != 0.0f) {
-            float nll = logf(sum) + zmax - ld(logits, dt, base + y);
+            float nll = (float)xent_clip(logf(sum) + zmax - ld(logits, dt, base + y), clip, &flat);
             loss += (double)wy * nll;
             wsum += wy;
         }
         if (dlogits)
             for (int c = 0; c < K; c++) {
                 float p = expf(ld(logits, dt, base + c) - zmax) / sum;
-                st(dlogits, dt_grad, base + c, wy * (p - (c == y ? 1.0f : 0.0f)) * scale);
+                st(dlogits, dt_grad, base + c, flat ? 0.0f : wy * (p - (c == y ? 1.0f : 0.0f)) * scale);
             }
     }
     sh[threadIdx.x * REDUCE_WIDTH + 0] = loss;
@@ -688,13 +689,13 @@ __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t 
     reduce_finish(r, sh);
 }
 // logits (N,H,W,K), labels (N·H·W), class_weights (K); stats[0..2] += Σ w·nll, Σ w, invalid labels
-static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
+static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights, float prob_clip,
                               const float *grad_scale, float *stats, Tensor dlogits) {
     const int K = logits.shape.c;
     const size_t rows = shape_numel(logits.shape) / K;
     unsigned grid = reduce_grid(rows);
-    CU_LAUNCH(softmax_xent_kernel, grid, BLOCK, 0, stream_of(o), logits.data, logits.dtype, labels, class_weights, K,
-              rows, grad_scale, dlogits.data, dlogits.dtype, reduce_out(o, stats, 3, 1));
+    CU_LAUNCH(softmax_xent_kernel, grid, BLOCK, 0, stream_of(o), logits.data, logits.dtype, labels, class_weights,
+              xent_clip_bounds(prob_clip), K, rows, grad_scale, dlogits.data, dlogits.dtype, reduce_out(o, stats, 3, 1));
     launchCheck();
 }
 

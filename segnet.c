@@ -1755,15 +1755,19 @@ static void resize_bilinear_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accum
 //   loss contribution w[y]·nll_i, weight w[y]
 //   dz_k = w[y]·(p_k - [k = y])·grad_scale
 // The caller divides Σ w·nll by the global Σ w (the weighted mean: README.md, "How it works").
+// With prob_clip ε > 0, Keras' categorical cross-entropy: p_y clipped to [ε, 1-ε]
+// before the log, i.e. nll clamped to [-log(1-ε), -log ε], and a pixel whose p_y
+// lies beyond the clip has no gradient (the clip's derivative is 0 there).
 
 #define XENT_CHUNK 4096
 
-static void softmax_xent_cpu(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
+static void softmax_xent_cpu(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights, float prob_clip,
                              const float *grad_scale, float *stats, Tensor dlogits) {
     (void)o;
     const float gscale = dlogits.data ? *grad_scale : 0.0f;
     const int K = logits.shape.c;
     const size_t M = shape_numel(logits.shape) / K, n_chunks = (M + XENT_CHUNK - 1) / XENT_CHUNK;
+    const XentClip clip = xent_clip_bounds(prob_clip);
     double loss = 0.0, wsum = 0.0, invalid = 0.0;
     // fixed chunks, partials added in order: deterministic for any thread count
     for (size_t g0 = 0; g0 < n_chunks; g0 += SUM_GROUP) {
@@ -1782,15 +1786,16 @@ static void softmax_xent_cpu(Ops *o, Tensor logits, const int32_t *labels, const
                 for (int c = 0; c < K; c++) { float z = ld(logits, r * K + c); if (z > zmax) zmax = z; }
                 double sum = 0.0;
                 for (int c = 0; c < K; c++) sum += exp((double)ld(logits, r * K + c) - zmax);
+                int flat = 0;
                 if (wy != 0.0f) {
-                    double nll = log(sum) + zmax - ld(logits, r * K + y);
+                    double nll = xent_clip(log(sum) + zmax - ld(logits, r * K + y), clip, &flat);
                     l += wy * nll;
                     w += wy;
                 }
                 if (dlogits.data)
                     for (int c = 0; c < K; c++) {
                         double p = exp((double)ld(logits, r * K + c) - zmax) / sum;
-                        st(dlogits, r * K + c, (float)(wy * (p - (c == y)) * gscale));
+                        st(dlogits, r * K + c, flat ? 0.0f : (float)(wy * (p - (c == y)) * gscale));
                     }
             }
             pl[k - g0] = l; pw[k - g0] = w; pi[k - g0] = bad;
@@ -6287,8 +6292,8 @@ static void upload_staged(Trainer *t, int n) {
 static void score_batch(Trainer *t, Tensor dlogits) {
     Ops *o = t->o;
     Tensor z = net_tensor(&t->net, t->logits);
-    o->softmax_xent(o, z, t->labels, t->class_weights, dlogits.data ? &t->state->xent_scale : NULL, t->state->loss,
-                    dlogits);
+    o->softmax_xent(o, z, t->labels, t->class_weights, t->c->loss_norm_keras ? KERAS_EPSILON : 0.0f,
+                    dlogits.data ? &t->state->xent_scale : NULL, t->state->loss, dlogits);
     o->confusion_accumulate(o, z, t->labels, t->confusion);
 }
 
@@ -7570,8 +7575,12 @@ int export_weights(const ModelCfg *m, const char *path, ExportNames names, const
             const StTensor *var = &ts[n - 1];
             StTensor *c = &ts[n++];
             memset(c, 0, sizeof *c);
+            if (len - suffix + strlen(BN_COUNT_SUFFIX) >= sizeof c->name) {
+                snprintf(err, SN_ERR_MAX, "'%.100s': its num_batches_tracked name is too long", var->name);
+                goto done;
+            }
             memcpy(c->name, var->name, len - suffix);
-            snprintf(c->name + (len - suffix), sizeof c->name - (len - suffix), "%s", BN_COUNT_SUFFIX);
+            memcpy(c->name + (len - suffix), BN_COUNT_SUFFIX, strlen(BN_COUNT_SUFFIX) + 1);
             c->dtype = DT_I64;
             c->ndim = 0;
             c->numel = 1;
@@ -8245,7 +8254,8 @@ static const char *TRAIN_USAGE =
     "  --class-weights LIST  K comma-separated weights ≥ 0 (default all 1); weight 0\n"
     "                        ignores a class, e.g. 0 = \"not annotated\"\n"
     "  --loss-norm MODE      weighted (default): Σ w·nll / Σ w over the batch;\n"
-    "                        keras: Σ w·nll / pixels, as Keras computes it\n"
+    "                        keras: Keras' loss, p[y] clipped to [1e-7, 1-1e-7] before\n"
+    "                        the log (no gradient where clipped), Σ w·nll / pixels\n"
     "  --size HxW            input size, images are resized to it (default: unet\n"
     "                        256x256, effv2-s 384x384, effv2-m/l 480x480, effv2-t 64x64)\n"
     "  --batch B             images per step (default 8)\n"
@@ -8585,7 +8595,7 @@ static int cmd_predict(int argc, char **argv) {
 }
 
 static const char *EXPORT_USAGE =
-    "usage: segnet export --run RUN --out FILE.safetensors [--names N] [--last]\n"
+    "usage: segnet export --run RUN --out FILE.safetensors [--names N] [--best|--last]\n"
     "\n"
     "Writes a run's weights and batch-norm statistics, without the optimiser\n"
     "state: best.safetensors (--last: last.safetensors), for PyTorch.\n"
@@ -8609,7 +8619,7 @@ static int cmd_export(int argc, char **argv) {
     for (int i = 2; i < argc; i++) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(EXPORT_USAGE, stdout); return 0; }
-        if (!strcmp(f, "--last")) { last = 1; continue; }
+        if (!strcmp(f, "--last") || !strcmp(f, "--best")) { last = !strcmp(f, "--last"); continue; }
         if (strcmp(f, "--run") && strcmp(f, "--out") && strcmp(f, "--names")) {
             fprintf(stderr, "segnet export: unknown option '%s' (see segnet export --help)\n", f);
             return 2;

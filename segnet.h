@@ -48,6 +48,21 @@ typedef enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_I64 = 3 } DType;
 
 static inline SN_HD size_t dtype_size(DType dt) { return dt == DT_F32 ? 4 : dt == DT_I64 ? 8 : 2; }
 
+// Keras' categorical cross-entropy clips p[y] to [ε, 1-ε] before the log: nll
+// to [-log(1-ε), -log ε] (Ops.softmax_xent's prob_clip; ε = 0: no clip).
+#define KERAS_EPSILON 1e-7f  // Keras' backend.epsilon(): the seed's clip of probabilities
+typedef struct { double lo, hi; } XentClip;
+static inline XentClip xent_clip_bounds(float prob_clip) {
+    XentClip c = {-1.0, INFINITY};  // nll ≥ 0 > lo: never moved
+    if (prob_clip > 0.0f) { c.lo = -log1p(-(double)prob_clip); c.hi = -log((double)prob_clip); }
+    return c;
+}
+// nll as clipped; *flat: the clip moved it (its gradient is 0)
+static inline SN_HD double xent_clip(double nll, XentClip c, int *flat) {
+    *flat = nll < c.lo || nll > c.hi;
+    return nll < c.lo ? c.lo : nll > c.hi ? c.hi : nll;
+}
+
 static inline SN_HD uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline SN_HD float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
@@ -541,7 +556,9 @@ struct Ops {
     // labels outside 0..K-1 (which contribute nothing). If dlogits has data it is
     // overwritten with w[y]·(p - onehot(y))·grad_scale, grad_scale (in backend
     // memory; NULL without dlogits) = 1/(global normaliser), times a loss scale.
-    void (*softmax_xent)(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
+    // prob_clip ε > 0 (Keras): p[y] clipped to [ε, 1-ε] before the log, and no
+    // gradient from a pixel whose p[y] the clip moved.
+    void (*softmax_xent)(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights, float prob_clip,
                          const float *grad_scale, float *stats, Tensor dlogits);
     // confusion[y·K + argmax_k z_k] += 1 for every pixel with a label in 0..K-1
     // (ties go to the lowest class); confusion is (K,K) int64, true class by row

@@ -882,7 +882,7 @@ static void test_softmax_xent_by_hand(void) {
     int32_t y[3] = {1, 0, 5};
     float stats[3] = {0, 0, 0}, dz[6];
     Tensor tz = tensor_f32(z, shape4(1, 1, 3, 2));
-    ops_cpu.softmax_xent(&ops_cpu, tz, y, w, &(float){0.5f}, stats, tensor_f32(dz, shape4(1, 1, 3, 2)));
+    ops_cpu.softmax_xent(&ops_cpu, tz, y, w, 0.0f, &(float){0.5f}, stats, tensor_f32(dz, shape4(1, 1, 3, 2)));
     CHECK_NEAR(stats[0], 2.0 * log(4.0 / 3.0), 1e-6, "weighted nll sum");
     CHECK_NEAR(stats[1], 2.0, 0, "weight sum");
     CHECK_NEAR(stats[2], 1.0, 0, "invalid labels");
@@ -891,12 +891,12 @@ static void test_softmax_xent_by_hand(void) {
     CHECK(dz[2] == 0 && dz[3] == 0 && dz[4] == 0 && dz[5] == 0, "weight-0 and invalid pixels have zero gradient");
     CHECK_NEAR(label_weight_sum(y, 3, w, 2), 2.0, 0, "label_weight_sum");
     // stats add up over calls (micro-batches)
-    ops_cpu.softmax_xent(&ops_cpu, tz, y, w, &(float){0.5f}, stats, tensor_f32(NULL, tz.shape));
+    ops_cpu.softmax_xent(&ops_cpu, tz, y, w, 0.0f, &(float){0.5f}, stats, tensor_f32(NULL, tz.shape));
     CHECK_NEAR(stats[1], 4.0, 0, "stats accumulate");
     // extreme logits stay finite
     float big[2] = {1000.0f, -1000.0f}, s2[3] = {0, 0, 0}, w1[2] = {1, 1};
     int32_t y1 = 1;
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(big, shape4(1, 1, 1, 2)), &y1, w1, &(float){1.0f}, s2, tensor_f32(NULL, shape4(1, 1, 1, 2)));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(big, shape4(1, 1, 1, 2)), &y1, w1, 0.0f, &(float){1.0f}, s2, tensor_f32(NULL, shape4(1, 1, 1, 2)));
     CHECK_NEAR(s2[0], 2000.0, 1e-3, "nll of a logit 2000 below the max");
 }
 
@@ -911,13 +911,13 @@ static void test_softmax_xent_grad(void) {
     Shape s = shape4(2, 3, 4, K);
     float inv = (float)(1.0 / label_weight_sum(y, M, w, K));
     float st0[3] = {0, 0, 0};
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, &(float){inv}, st0, tensor_f32(dz, s));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, 0.0f, &(float){inv}, st0, tensor_f32(dz, s));
     double maxfd = 0, maxdiff = 0;
     const float h = 1e-2f;
     for (int i = 0; i < M * K; i++) {
         float keep = z[i], sp[3] = {0, 0, 0}, sm[3] = {0, 0, 0};
-        z[i] = keep + h; ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, &(float){inv}, sp, tensor_f32(NULL, s));
-        z[i] = keep - h; ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, &(float){inv}, sm, tensor_f32(NULL, s));
+        z[i] = keep + h; ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, 0.0f, &(float){inv}, sp, tensor_f32(NULL, s));
+        z[i] = keep - h; ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, 0.0f, &(float){inv}, sm, tensor_f32(NULL, s));
         z[i] = keep;
         double fd = ((double)sp[0] - sm[0]) / (2.0 * h) * inv;  // d(Σ w·nll / Σ w)/dz
         if (fabs(fd) > maxfd) maxfd = fabs(fd);
@@ -1269,7 +1269,7 @@ static void test_determinism_across_threads(void) {
                                    ACT_SILU, o + 74, o + 111, dg, db);
         ops_cpu.sum_squares(&ops_cpu, tensor_f32(x, s), o + 148);
         o[149] = o[150] = o[151] = 0;
-        ops_cpu.softmax_xent(&ops_cpu, tensor_f32(x, s), lab, cw, &(float){1.0f}, o + 149, tensor_f32(NULL, s));
+        ops_cpu.softmax_xent(&ops_cpu, tensor_f32(x, s), lab, cw, 0.0f, &(float){1.0f}, o + 149, tensor_f32(NULL, s));
     }
     omp_set_num_threads(saved);
     CHECK(!memcmp(res[0], res[1], sizeof res[0]), "results differ between 1 and 3 threads");
@@ -2262,7 +2262,7 @@ static void parity_check(Net *net, int out, const int32_t *labels, const StFile 
     float *ones = malloc(sizeof(float) * K), stats[3] = {0, 0, 0};
     for (int k = 0; k < K; k++) ones[k] = 1.0f;
     float inv_norm = (float)(1.0 / label_weight_sum(labels, M, ones, K));
-    ops_cpu.softmax_xent(&ops_cpu, net_tensor(net, out), labels, ones, &(float){inv_norm}, stats, net_grad(net, out));
+    ops_cpu.softmax_xent(&ops_cpu, net_tensor(net, out), labels, ones, 0.0f, &(float){inv_norm}, stats, net_grad(net, out));
     double loss = stats[0] * inv_norm, e_loss = fabs(loss - loss_ref) / fabs(loss_ref);
     net_backward(net, out);
     double e_run = 0;
@@ -2629,7 +2629,7 @@ static void test_weighted_loss_by_hand(void) {
     const int32_t y[3] = {0, 1, 2};
     const float w[3] = {0.5f, 2.0f, 0.0f};
     float stats[3] = {0, 0, 0};
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32((float *)z, shape4(1, 1, 3, 3)), y, w, &(float){0.0f}, stats,
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32((float *)z, shape4(1, 1, 3, 3)), y, w, 0.0f, &(float){0.0f}, stats,
                          tensor(NULL, shape4(1, 1, 3, 3), DT_F32));
     double nll0 = log(exp(2.0) + exp(0.5) + exp(-1.0)) - 2.0;
     double nll1 = log(exp(0.1) + exp(0.2) + exp(0.3)) - 0.2;
@@ -2667,8 +2667,8 @@ static void test_weight0_pixels_ignored(void) {
     float sa[3] = {0}, sb[3] = {0};
     double na = label_weight_sum(ya, M, w, K), nb = label_weight_sum(yb, M, w, K);
     CHECK(na == nb, "weight sums %g vs %g", na, nb);
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(za, s), ya, w, &(float){(float)(1 / na)}, sa, tensor_f32(ga, s));
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(zb, s), yb, w, &(float){(float)(1 / nb)}, sb, tensor_f32(gb, s));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(za, s), ya, w, 0.0f, &(float){(float)(1 / na)}, sa, tensor_f32(ga, s));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(zb, s), yb, w, 0.0f, &(float){(float)(1 / nb)}, sb, tensor_f32(gb, s));
     CHECK(sa[0] == sb[0] && sa[1] == sb[1], "loss sums %g/%g vs %g/%g", sa[0], sa[1], sb[0], sb[1]);
     int bad = 0;
     for (size_t i = 0; i < M; i++)
@@ -4543,7 +4543,7 @@ static void test_plan_matches_per_tensor(void) {
             memcpy(nets[v]->act[g.input], x, sizeof(float) * n_in);
             net_forward(nets[v], 1);
             memset(loss[v], 0, sizeof loss[v]);
-            ops_cpu.softmax_xent(&ops_cpu, net_tensor(nets[v], out), lab, w, &(float){1.0f / n_lab}, loss[v], net_grad(nets[v], out));
+            ops_cpu.softmax_xent(&ops_cpu, net_tensor(nets[v], out), lab, w, 0.0f, &(float){1.0f / n_lab}, loss[v], net_grad(nets[v], out));
             net_backward(nets[v], out);
         }
         for (int v = 1; v < 3; v++) {
@@ -4736,7 +4736,7 @@ static void test_train_steps_by_hand(void) {
         memset(t.net.grads, 0, sizeof(float) * P);
         float stats[3] = {0, 0, 0};
         net_forward(&t.net, 1);
-        ops_cpu.softmax_xent(&ops_cpu, net_tensor(&t.net, t.logits), lab, c.class_weights, &(float){(float)(1 / wsum)}, stats,
+        ops_cpu.softmax_xent(&ops_cpu, net_tensor(&t.net, t.logits), lab, c.class_weights, 0.0f, &(float){(float)(1 / wsum)}, stats,
                              net_grad(&t.net, t.logits));
         net_backward(&t.net, t.logits);
         memcpy(g, t.net.grads, sizeof(float) * P);
@@ -6544,7 +6544,9 @@ static void test_cuda_softmax_xent(void) {
             const int K = Ks[ki];
             Shape s = big ? shape4(2, 33, 31, K) : shape4(2, 3, 5, K);  // 2046 rows: 8 blocks
             size_t rows = shape_numel(s) / K;
-            float *z = randn(&r, shape_numel(s), 3.0f), w[7];
+            // big: logits up to ±40, so that Keras' clip (p[y] in [1e-7, 1-1e-7]) moves many pixels
+            float *z = randn(&r, shape_numel(s), big ? 12.0f : 3.0f), w[7];
+            const float clip = big ? KERAS_EPSILON : 0.0f;
             for (int c = 0; c < K; c++) w[c] = c == 1 ? 0.0f : 0.5f + 1.5f * rng_float(&r);
             int32_t *y = cu_labels(&r, rows, K), *y_gpu = o->alloc(o, sizeof(int32_t) * rows);
             o->upload(o, y_gpu, y, sizeof(int32_t) * rows);
@@ -6557,20 +6559,58 @@ static void test_cuda_softmax_xent(void) {
                     o->upload(o, stats_gpu, stats, sizeof stats);
                     Tensor dz_cpu = dz.cpu, dz_gpu = dz.gpu;
                     if (!with_grad) dz_cpu.data = dz_gpu.data = NULL;
-                    ops_cpu.softmax_xent(&ops_cpu, t.cpu, y, w, &(float){inv_norm}, stats, dz_cpu);
+                    ops_cpu.softmax_xent(&ops_cpu, t.cpu, y, w, clip, &(float){inv_norm}, stats, dz_cpu);
                     float *scale_gpu = cu_floats(&inv_norm, 1);
-                    o->softmax_xent(o, t.gpu, y_gpu, w_gpu, scale_gpu, stats_gpu, dz_gpu);
+                    o->softmax_xent(o, t.gpu, y_gpu, w_gpu, clip, scale_gpu, stats_gpu, dz_gpu);
                     o->free(o, scale_gpu);
                     o->download(o, gs, stats_gpu, sizeof gs);
                     cu_check_err("softmax_xent loss", (DType)a, fabs((double)gs[0] - stats[0]) / fabs(stats[0]), 1e-6);
                     CHECK(gs[1] == stats[1] && gs[2] == stats[2], "softmax_xent K=%d %s: Σw %.9g invalid %g, CPU %.9g %g",
                           K, DT_NAME[a], gs[1], gs[2], stats[1], stats[2]);
                     if (with_grad) cu_check_err("softmax_xent dlogits", (DType)a, cu_pair_err(dz), 1e-6 + CU_ULP[a]);
+                    if (with_grad && clip > 0.0f && K > 1) {  // the clip acted: rows of a weighted class without gradient
+                        size_t flat = 0;
+                        for (size_t i = 0; i < rows; i++) {
+                            int zero = w[y[i]] != 0.0f;
+                            for (int c = 0; c < K && zero; c++) zero = ((float *)dz.cpu.data)[i * K + c] == 0.0f;
+                            flat += zero;
+                        }
+                        CHECK(dz.cpu.dtype != DT_F32 || flat > rows / 20, "K=%d: the clip left %zu of %zu rows flat", K, flat, rows);
+                    }
                     cu_pair_free(&t); cu_pair_free(&dz);
                 }
             o->free(o, y_gpu); o->free(o, w_gpu); o->free(o, stats_gpu);
             free(z); free(y);
         }
+}
+
+// --loss-norm keras is the seed's loss: Keras' categorical cross-entropy takes
+// the softmax, clips p[y] to [1e-7, 1 - 1e-7] and takes -log; a pixel whose
+// p[y] the clip moved has no gradient. Computed here from the probabilities.
+static void test_keras_clipped_xent(void) {
+    // pixels: confidently wrong (clipped low), confidently right (clipped high), ordinary, ordinary
+    const float z[4 * 3] = {30.0f, 0.0f, 0.0f, 0.0f, 40.0f, 0.0f, 0.3f, -0.2f, 0.5f, 1.0f, 2.0f, -1.0f};
+    const int32_t y[4] = {1, 1, 2, 0};
+    const float w[3] = {0.5f, 1.0f, 2.0f};
+    float stats[3] = {0}, dz[12];
+    const Shape s = shape4(1, 1, 4, 3);
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32((float *)z, s), y, w, KERAS_EPSILON, &(float){1.0f}, stats, tensor_f32(dz, s));
+    double want = 0.0, wsum = 0.0;
+    for (int i = 0; i < 4; i++) {
+        double e[3], sum = 0.0;
+        for (int c = 0; c < 3; c++) sum += e[c] = exp((double)z[3 * i + c]);
+        const double p = e[y[i]] / sum, eps = KERAS_EPSILON, clipped = p < eps ? eps : p > 1.0 - eps ? 1.0 - eps : p;
+        want += w[y[i]] * -log(clipped);
+        wsum += w[y[i]];
+        for (int c = 0; c < 3; c++) {
+            const double g = clipped != p ? 0.0 : w[y[i]] * (e[c] / sum - (c == y[i]));
+            CHECK(fabs(dz[3 * i + c] - g) <= 1e-7, "pixel %d class %d: gradient %.9g, Keras %.9g", i, c, dz[3 * i + c], g);
+        }
+    }
+    CHECK_NEAR(stats[0], want, 1e-6 * want, "Σ w·(-log clip(p[y]))");
+    CHECK_NEAR(stats[1], wsum, 0, "Σ w");
+    CHECK_NEAR(stats[0] / 1.0, 1.0 * -log(1e-7) + 1.0 * -log(1.0 - 1e-7) + 2.0 * -log(exp(0.5) / (exp(0.3) + exp(-0.2) + exp(0.5))) +
+               0.5 * -log(exp(1.0) / (exp(1.0) + exp(2.0) + exp(-1.0))), 2e-5, "the four pixels' terms written out");
 }
 
 // confusion_accumulate: exact counts. Integer logits make ties (the lowest
@@ -8367,6 +8407,7 @@ static const Test TESTS[] = {
     {"csv_strict", test_csv_strict},
     {"plan_refuses_huge", test_plan_refuses_huge},
     {"run_config_freed", test_run_config_freed},
+    {"keras_clipped_xent", test_keras_clipped_xent},
     {"parity_live_export", test_parity_live_export},
     {"early_stopping", test_early_stopping},
     {"train_bad_input", test_train_bad_input},
