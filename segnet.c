@@ -7149,9 +7149,9 @@ static void run_remove_stale(const char *run, int progress) {
 }
 
 // Takes the run folder for this run: created if new (*made), locked, cleared
-// of stale temporary files. A folder that holds a run (a checkpoint or
-// metrics) is refused unless resuming; one that holds only the settings of a
-// run stopped before its first checkpoint starts again (*fresh).
+// of stale temporary files. A folder that holds a run (a checkpoint) is
+// refused unless resuming; one whose run stopped before its first checkpoint
+// (its settings, perhaps a metrics row) starts again (*fresh).
 static int run_claim(const char *run, const char *resume, int *lock, int *made, int *fresh, int progress,
                      char err[SN_ERR_MAX]) {
     struct stat sb;
@@ -7165,15 +7165,16 @@ static int run_claim(const char *run, const char *resume, int *lock, int *made, 
     run_path(ckpt, sizeof ckpt, run, "last.safetensors");
     run_path(metrics, sizeof metrics, run, "metrics.csv");
     const int has_ckpt = access(ckpt, F_OK) == 0, has_metrics = access(metrics, F_OK) == 0;
-    if (!resume && (has_ckpt || has_metrics)) {
-        snprintf(err, SN_ERR_MAX, "%.200s: already holds a run (%s); continue it with --resume %.200s or choose another --out",
-                 run, has_ckpt ? "last.safetensors" : "metrics.csv", run);
+    if (!resume && has_ckpt) {
+        snprintf(err, SN_ERR_MAX, "%.200s: already holds a run (last.safetensors); continue it with --resume %.200s or "
+                 "choose another --out", run, run);
         return -1;
     }
-    if (resume && !has_ckpt && !has_metrics) {
+    // metrics.csv is written before last.safetensors: without the checkpoint its rows are re-run
+    if (resume && !has_ckpt) {
         *fresh = 1;
-        if (progress) fprintf(stderr, "segnet train: %s has no checkpoint yet (stopped before its first epoch ended): "
-                              "starting it again from the beginning\n", run);
+        if (progress) fprintf(stderr, "segnet train: %s has no checkpoint yet (stopped before its first one was written%s): "
+                              "starting it again from the beginning\n", run, has_metrics ? "; metrics.csv is rewritten" : "");
     }
     return 0;
 }

@@ -8026,8 +8026,9 @@ static void test_run_folder_claim(void) {
     if (held >= 0) close(held);
     // a run that left only its settings (killed before its first checkpoint), and a dead writer's file
     CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    // killed between metrics.csv and the first checkpoint: metrics.csv holds epoch 1, no checkpoint
     const char *results[] = {"last.safetensors", "best.safetensors", "metrics.csv", "curves.svg"};
-    for (int k = 0; k < 4; k++) { snprintf(path, sizeof path, "%s/%s", run, results[k]); unlink(path); }
+    for (int k = 0; k < 4; k++) { snprintf(path, sizeof path, "%s/%s", run, results[k]); if (k != 2) unlink(path); }
     pid_t dead = fork();
     if (dead == 0) _exit(0);
     waitpid(dead, NULL, 0);
@@ -8043,6 +8044,9 @@ static void test_run_folder_claim(void) {
     snprintf(path, sizeof path, "%s/last.safetensors", run);
     snprintf(other, sizeof other, "%s/last.safetensors", ref);
     CHECK(files_equal(path, other), "started again, the run ends as a fresh one does");
+    snprintf(path, sizeof path, "%s/metrics.csv", run);
+    snprintf(other, sizeof other, "%s/metrics.csv", ref);
+    CHECK(files_equal(path, other), "metrics.csv is the fresh run's");
     for (int k = 0; k < 4; k++) { snprintf(path, sizeof path, "%s/%s", run, results[k]); unlink(path); }
     CHECK(train_run(&c, NULL, err) == 0, "a new run into a folder without a checkpoint: %s", err);
     CHECK(train_run(&c, NULL, err) == -1 && contains(err, "already holds a run (last.safetensors)"), "'%s'", err);
