@@ -8268,6 +8268,99 @@ static void test_parity_live_export(void) {
     rm_rf(dir);
 }
 
+// ref/export_pretrained.py --random writes a framework's EfficientNetV2-S with
+// random weights and batch-norm statistics (built so that the images' features
+// differ and fp32 rounding is not amplified: see the script) in the names
+// segnet reads, and that framework's own softmax on a batch; segnet predict on
+// the same images (PNG, at the model's size: no resize) must give the same
+// probabilities within 1e-4. Returns the largest difference, or -1 when a
+// command failed (msg says why).
+#define PRETRAINED_TOLERANCE 1e-4
+static double pretrained_parity(const char *python, const char *source, char *msg, size_t size) {
+    const char *dir = "/tmp/segnet_test_pretrained";
+    char path[600], cmd[2048], err[SN_ERR_MAX];
+    rm_rf(dir);
+    snprintf(path, sizeof path, "mkdir -p %s/images", dir);
+    CHECK(system(path) == 0, "%s", path);
+    enum { N = 3, H = 64, W = 64, K = 5 };
+    static float batch[N * H * W * 3];
+    static uint8_t px[H * W * 3];
+    Rng r; rng_seed(&r, 81);
+    for (int i = 0; i < N; i++) {
+        for (int k = 0; k < H * W * 3; k++) batch[(size_t)i * H * W * 3 + k] = px[k] = (uint8_t)(rng_next(&r) & 255);
+        snprintf(path, sizeof path, "%s/images/i%d.png", dir, i);
+        CHECK(stbi_write_png(path, W, H, 3, px, W * 3) != 0, "write %s", path);
+    }
+    const int64_t dims[4] = {N, H, W, 3};
+    StTensor t = st_tensor("images", DT_F32, 4, dims, batch);
+    snprintf(path, sizeof path, "%s/batch.safetensors", dir);
+    CHECK(st_write(path, &t, 1, NULL, NULL, 0, err) == 0, "%s", err);
+    snprintf(cmd, sizeof cmd, "%s ref/export_pretrained.py --source %s --model effv2-s --random --classes %d --out %s/w.safetensors "
+             "--predict %s/batch.safetensors --predictions %s/theirs.csv", python, source, K, dir, dir, dir);
+    if (run_shell(cmd, msg, size) != 0) return -1;
+    snprintf(cmd, sizeof cmd, "predict --weights %s/w.safetensors --model effv2-s --classes %d --size %dx%d --input %s/images "
+             "--out %s/ours.csv", dir, K, H, W, dir, dir);
+    if (run_segnet(cmd, msg, size) != 0) return -1;
+    double ours[N][K], theirs[N][K], worst = 0.0;
+    int rows[2] = {0, 0};
+    for (int which = 0; which < 2; which++) {  // ours: path,pred,p0..: i0, i1, i2 in order; theirs: index,p0..
+        snprintf(path, sizeof path, "%s/%s.csv", dir, which ? "theirs" : "ours");
+        FILE *f = fopen(path, "r");
+        char line[4096];
+        while (f && fgets(line, sizeof line, f) && rows[which] < N) {
+            if (!which && !strstr(line, "/i")) continue;  // the header
+            const char *p = strchr(line, ',');
+            if (!which && p) p = strchr(p + 1, ',');
+            double *row = which ? theirs[rows[which]] : ours[rows[which]];
+            for (int k = 0; k < K && p; k++, p = strchr(p + 1, ',')) row[k] = strtod(p + 1, NULL);
+            rows[which]++;
+        }
+        if (f) fclose(f);
+    }
+    CHECK(rows[0] == N && rows[1] == N, "%d rows from segnet, %d from %s", rows[0], rows[1], source);
+    for (int i = 0; i < N; i++)
+        for (int k = 0; k < K; k++) worst = fmax(worst, fabs(ours[i][k] - theirs[i][k]));
+    msg[0] = 0;
+    rm_rf(dir);
+    return worst;
+}
+
+static void test_parity_live_pretrained(void) {
+    char msg[4096];
+    double d = pretrained_parity("/usr/bin/python3", "torchvision", msg, sizeof msg);
+    CHECK(d >= 0 && d <= PRETRAINED_TOLERANCE, "torchvision's own softmax and segnet predict differ by %.3g (max |dp|) %s", d, msg);
+    if (g_verbose) printf("    torchvision: max |dp| %.3g\n", d);
+}
+
+// The same for Keras (EfficientNetV2S, include_preprocessing=True: its own
+// x/128 - 1, TF-SAME padding), the layers renamed to timm's by the script,
+// and for timm's tf_efficientnetv2_s: tensorflow-cpu and timm from PyPI, each
+// in a venv beside Debian's packages (SEGNET_TF_VENV, SEGNET_TIMM_VENV;
+// default /tmp/segnet_tf_venv and /tmp/segnet_timm_venv, made once: TF brings
+// its own NumPy 2, which Debian's torch cannot load, hence two).
+static void test_heavy_pretrained_keras_timm(void) {
+    const struct { const char *source, *env, *dflt, *module, *install; } fw[] = {
+        {"keras", "SEGNET_TF_VENV", "/tmp/segnet_tf_venv", "tensorflow", "tensorflow-cpu"},
+        {"timm", "SEGNET_TIMM_VENV", "/tmp/segnet_timm_venv", "timm", "--no-deps timm==0.9.16 huggingface_hub pyyaml"},
+    };
+    for (int k = 0; k < 2; k++) {
+        const char *venv = getenv(fw[k].env) ? getenv(fw[k].env) : fw[k].dflt;
+        char python[600], cmd[2048], msg[4096];
+        snprintf(python, sizeof python, "%s/bin/python", venv);
+        snprintf(cmd, sizeof cmd, "%s -c 'import %s' 2>/dev/null || { /usr/bin/python3 -m venv --system-site-packages %s && "
+                 "%s/bin/pip install -q %s; }", python, fw[k].module, venv, venv, fw[k].install);
+        if (run_shell(cmd, msg, sizeof msg) != 0) {
+            printf("    %s parity not run: cannot install %s into %s: %.300s\n", fw[k].source, fw[k].install, venv, msg);
+            continue;
+        }
+        double d = pretrained_parity(python, fw[k].source, msg, sizeof msg);
+        CHECK(d >= 0 && d <= PRETRAINED_TOLERANCE, "%s's own softmax and segnet predict differ by %.3g (max |dp|) %s", fw[k].source,
+              d, msg);
+        printf("    %s EfficientNetV2-S (random weights and BN statistics), 3 images 64x64, 5 classes: max |dp| %.3g\n",
+               fw[k].source, d);
+    }
+}
+
 // Finding 10: sizes beyond what a plan can hold are refused with the numbers,
 // before any total could wrap around 2^64.
 static void test_plan_refuses_huge(void) {
@@ -8413,6 +8506,8 @@ static const Test TESTS[] = {
     {"run_config_freed", test_run_config_freed},
     {"keras_clipped_xent", test_keras_clipped_xent},
     {"parity_live_export", test_parity_live_export},
+    {"parity_live_pretrained", test_parity_live_pretrained},
+    {"heavy_pretrained_keras_timm", test_heavy_pretrained_keras_timm},
     {"early_stopping", test_early_stopping},
     {"train_bad_input", test_train_bad_input},
     {"predict_from_run", test_predict_from_run},

@@ -98,21 +98,32 @@ def calibrate_torch(model, head, images):
     with torch.no_grad():
         model(torch.from_numpy(images / 128.0 - 1.0).float().permute(0, 3, 1, 2))
     hook.remove()
-    kernel, bias = head_for_spread(seen[0], head.weight.double().numpy().T, head.bias.double().numpy())
+    kernel, bias = head_for_spread(seen[0], head.weight.detach().double().numpy().T, head.bias.detach().double().numpy())
     with torch.no_grad():
         head.weight.copy_(torch.from_numpy(kernel.T))
         head.bias.copy_(torch.from_numpy(bias))
 
 
-# Random weights for the tests, as torchvision draws them (kaiming normal,
-# fan_out = out_channels·kh·kw, depthwise kernels included; a uniform head):
-# timm's and Keras' own draws give depthwise kernels a fan_out of kh·kw, and
-# their activations grow until the comparison measures only fp32 rounding
-# amplified (the fp32 and fp64 forwards of such a net differ by 1e-2). Batch
-# norm gets random parameters and running statistics.
-def randomize_torch(model, seed):
+# Random weights for the tests. The convolutions and the head as torchvision
+# draws them (kaiming normal, fan_out = out_channels·kh·kw, depthwise kernels
+# included; a uniform head): timm's and Keras' own draws give depthwise
+# kernels a fan_out of kh·kw, and their activations grow without bound. Batch
+# norm: random γ and β, running statistics those of the test images, then
+# perturbed a little, and a small γ (0.3) at the end of every residual block.
+# A random network is otherwise either chaotic (the fp32 and fp64 forwards
+# differ by 1e-2) or blind to its input (the images' features agree to 1e-5);
+# so built, EfficientNetV2-S's features still vary between the images by 0.8
+# of their spread, and fp32 and fp64 agree to 5e-6 in the probabilities.
+GAMMA_BLOCK_END = 0.3
+
+
+def randomize_torch(model, seed, images):
     import torch
     g = torch.Generator().manual_seed(seed)
+    blocks = [b for stage in model.blocks for b in stage] if hasattr(model, "blocks") else \
+             [b for stage in model.features[1:-1] for b in stage]  # timm, torchvision
+    block_end = {id([m for m in b.modules() if isinstance(m, torch.nn.BatchNorm2d)][-1]) for b in blocks}
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.Conv2d):
@@ -124,11 +135,17 @@ def randomize_torch(model, seed):
                 r = 1.0 / m.out_features ** 0.5
                 m.weight.copy_((2 * torch.rand(m.weight.shape, generator=g) - 1) * r)
                 m.bias.zero_()
-            elif isinstance(m, torch.nn.BatchNorm2d):
-                m.weight.copy_(1.0 + 0.2 * torch.randn(m.weight.shape, generator=g))
-                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
-                m.running_mean.copy_(0.2 * torch.randn(m.running_mean.shape, generator=g))
-                m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
+        for m in bns:
+            scale = GAMMA_BLOCK_END if id(m) in block_end else 1.0
+            m.weight.copy_(scale * (1.0 + 0.2 * torch.randn(m.weight.shape, generator=g)))
+            m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+            m.momentum = 1.0  # running statistics := the images'
+        model.train()
+        model(torch.from_numpy(images / 128.0 - 1.0).float().permute(0, 3, 1, 2))
+        for m in bns:
+            m.momentum = 0.1
+            m.running_mean.add_(0.05 * m.running_var.sqrt() * torch.randn(m.running_mean.shape, generator=g))
+            m.running_var.mul_(0.9 + 0.2 * torch.rand(m.running_var.shape, generator=g))
     model.eval()
 
 
@@ -148,7 +165,7 @@ def torchvision_weights(size, random, classes, images):
     build = {"s": tvm.efficientnet_v2_s, "m": tvm.efficientnet_v2_m, "l": tvm.efficientnet_v2_l}[size]
     if random:
         model = build(num_classes=classes)
-        randomize_torch(model, 1)
+        randomize_torch(model, 1, images)
         calibrate = lambda images: calibrate_torch(model, model.classifier[1], images)
     else:
         calibrate = None
@@ -162,7 +179,7 @@ def timm_weights(size, random, classes, images):
     import timm
     model = timm.create_model(f"tf_efficientnetv2_{size}", pretrained=not random, num_classes=classes)
     if random:
-        randomize_torch(model, 1)
+        randomize_torch(model, 1, images)
     calibrate = (lambda images: calibrate_torch(model, model.classifier, images)) if random else None
     return (lambda: from_torch_model(model)), "same", lambda images: torch_predict(model, images), calibrate
 
@@ -194,7 +211,7 @@ def keras_weights(size, random, classes, images):
     model = build(weights=None if random else "imagenet", include_preprocessing=True, classes=classes,
                   input_shape=(64, 64, 3) if random else None)
     if random:
-        randomize_keras(model, 1)
+        randomize_keras(model, 1, images)
     predict = lambda images: model(images.astype(np.float32), training=False).numpy()
 
     def calibrate(images):  # as calibrate_torch
@@ -206,12 +223,13 @@ def keras_weights(size, random, classes, images):
     return (lambda: keras_to_timm(model)), "same", predict, calibrate if random else None
 
 
-def randomize_keras(model, seed):
-    """randomize_torch's draws, in Keras' layouts (HWIO kernels, (kh,kw,C,1)
-    depthwise kernels, (in,out) dense kernels)."""
+def randomize_keras(model, seed, images):
+    """randomize_torch in Keras' layouts (HWIO kernels, (kh,kw,C,1) depthwise
+    kernels, (in,out) dense kernels; a block ends at its project_bn)."""
     import tensorflow as tf
     rng = np.random.default_rng(seed)
     f32 = lambda a: np.asarray(a, dtype=np.float32)
+    bns = []
     for layer in model.layers:
         w = layer.get_weights()
         if isinstance(layer, tf.keras.layers.DepthwiseConv2D):
@@ -223,13 +241,23 @@ def randomize_keras(model, seed):
         elif isinstance(layer, tf.keras.layers.Dense):
             w[0] = f32((2 * rng.random(w[0].shape) - 1) / w[0].shape[1] ** 0.5)
         elif isinstance(layer, tf.keras.layers.BatchNormalization):
-            w = [f32(1.0 + 0.2 * rng.standard_normal(w[0].shape)), f32(0.1 * rng.standard_normal(w[1].shape)),
-                 f32(0.2 * rng.standard_normal(w[2].shape)), f32(0.5 + rng.random(w[3].shape))]
+            scale = GAMMA_BLOCK_END if layer.name.endswith("project_bn") and layer.name.startswith("block") else 1.0
+            w[0] = f32(scale * (1.0 + 0.2 * rng.standard_normal(w[0].shape)))
+            w[1] = f32(0.1 * rng.standard_normal(w[1].shape))
+            layer.momentum = 0.0  # moving statistics := the images'
+            bns.append(layer)
         else:
             continue
         if len(w) > 1 and not isinstance(layer, tf.keras.layers.BatchNormalization):
             w[1] = np.zeros_like(w[1])
         layer.set_weights(w)
+    model(images.astype(np.float32), training=True)
+    for layer in bns:
+        layer.momentum = 0.99
+        gamma, beta, mean, var = layer.get_weights()
+        mean = mean + 0.05 * np.sqrt(var) * rng.standard_normal(mean.shape)
+        var = var * (0.9 + 0.2 * rng.random(var.shape))
+        layer.set_weights([gamma, beta, f32(mean), f32(var)])
 
 
 def keras_to_timm(model):
