@@ -2,7 +2,8 @@
 #
 #   make            build ./segnet and ./test_segnet (CPU backend, always)
 #   make test       build and run the test suite
-#   make test-heavy the checks that take minutes (16-bit training vs fp32)
+#   make test-heavy the checks that take minutes (16-bit training vs fp32; Keras and timm
+#                   weights against their frameworks, installed from PyPI into venvs)
 #   make train      build and run the main job on the bundled data
 #   make bench      segnet bench against PyTorch (ref/bench_torch.py), same run
 #   make gpucheck   on a machine with a GPU: the cuda_ tests on the device, and
@@ -212,7 +213,9 @@ cuda_emu.o: cuda_emu.cpp cuda_emu.h
 test: segnet test_segnet $(if $(EMU_OBJS),segnet_emu)
 	./test_segnet
 
-# checks that take minutes (fp32/fp16/bf16 quickstart runs against each other)
+# checks that take minutes (fp32/fp16/bf16 quickstart runs against each other;
+# Keras' and timm's EfficientNetV2 through ref/export_pretrained.py against
+# segnet predict, tensorflow-cpu and timm installed into venvs on first use)
 test-heavy: segnet test_segnet
 	SEGNET_HEAVY=1 ./test_segnet --filter heavy_
 
