@@ -5010,13 +5010,14 @@ static uint8_t *mask_load(const char *path, int ih, int iw, int K, char err[SN_E
     uint8_t *b = image_file_bytes(path, 1, &n, &hh, &ww, err);
     if (!b) return NULL;
     // IHDR, the PNG's first chunk: bit depth at byte 24, colour type at 25
-    if (n >= 26 && b[25] == 3) {
+    const int ihdr = n >= 26 && !memcmp(b + 12, "IHDR", 4);
+    if (ihdr && b[25] == 3) {
         free(b);
         snprintf(err, SN_ERR_MAX, "%s: a palette PNG (stb_image gives its colours, not the class indices): "
                  "save masks as 8-bit grey", path);
         return NULL;
     }
-    const int deep = n >= 26 && b[24] == 16;
+    const int deep = ihdr && b[24] == 16;
     void *px = deep ? (void *)stbi_load_16_from_memory(b, (int)n, &w, &h, &comp, 0) : (void *)stbi_load_from_memory(b, (int)n, &w, &h, &comp, 0);
     free(b);
     if (!px || w != ww || h != hh) {
@@ -7100,7 +7101,8 @@ static int mkdir_p(const char *path, char err[SN_ERR_MAX]) {
 
 // ---- one run per folder: RUN/.lock, held (flock) for the run's life by the
 // process that writes the folder; it holds that process's id for the message
-// of a second one. The kernel drops the lock when the holder exits, however.
+// of a second one. The kernel drops the lock when the holder exits, however
+// it exits.
 
 #define RUN_LOCK_FILE ".lock"
 

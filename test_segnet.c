@@ -7895,11 +7895,10 @@ static void test_checkpoint_metadata_checked(void) {
     TrainCfg c = tiny_seg_cfg(data, NULL);
     c.epochs = 2;
     c.out = run;
-    char err[SN_ERR_MAX], path[300], keep[300];
+    char err[SN_ERR_MAX], path[300];
     CHECK(train_run(&c, NULL, err) == 0, "%s", err);
     c.epochs = 3;
     snprintf(path, sizeof path, "%s/last.safetensors", run);
-    snprintf(keep, sizeof keep, "%s/last.kept", run);
     size_t n;
     uint8_t *good = read_file_bytes(path, &n);
     CHECK(good != NULL, "no checkpoint");
@@ -7935,7 +7934,6 @@ static void test_checkpoint_metadata_checked(void) {
     write_file_bytes(path, good, n);
     CHECK(train_run(&c, run, err) == 0, "the undamaged checkpoint resumes: %s", err);
     free(good);
-    (void)keep;
     rm_rf(data); rm_rf(run);
 }
 
