@@ -2977,7 +2977,8 @@ static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int in
              (!cast || net->params_cast);
     }
     if (!ok) {
-        snprintf(err, SN_ERR_MAX, "out of %s memory allocating the network's tensors", o->name);
+        snprintf(err, SN_ERR_MAX, "out of %s memory allocating the network's tensors (%.2f GiB for the step's arena: "
+                 "segnet plan --memory SIZE finds a setting that fits)", o->name, plan ? plan->peak / 1073741824.0 : 0.0);
         if (plan && !net->plan) { plan_free(plan); free(plan); }
         net_free(net);
         return -1;
@@ -4469,6 +4470,15 @@ static uint8_t *image_file_bytes(const char *path, int png_only, size_t *n, int 
     return NULL;
 }
 
+// The model's input size is an image too: what an image may not declare, the
+// size every image is resized to may not be (decoding buffers are that large).
+static int input_size_checked(const ModelCfg *m, char err[SN_ERR_MAX]) {
+    if ((int64_t)m->height * m->width <= image_max_pixels) return 0;
+    snprintf(err, SN_ERR_MAX, "--size %dx%d is %" PRId64 " pixels, more than the limit of %" PRId64 " (--max-pixels)", m->height,
+             m->width, (int64_t)m->height * m->width, image_max_pixels);
+    return -1;
+}
+
 // (h,w,3) RGB values 0..255, malloc'd; NULL with err naming the file and the problem
 float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]) {
     size_t n;
@@ -4615,6 +4625,7 @@ static int seg_write(const char *out, const char *image, const float *img, int h
 // when every image has been read. A segmentation model writes a mask and an
 // overlay per image into the folder `out`, after checking every input.
 int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
+    if (input_size_checked(&pc->model, err)) return -1;
     Graph g;
     graph_init(&g);
     int out = model_build(&g, &pc->model);
@@ -5101,6 +5112,10 @@ static int threads_start(pthread_t *t, int n, void *(*fn)(void *), void *arg) {
     return k;
 }
 
+// The first SIGINT or SIGTERM, 0 if none (see "interruption" below): a long
+// check of the data stops at it too.
+static volatile sig_atomic_t interrupt_signal;
+
 // Validation: workers claim samples in order; the lowest failing sample's
 // error wins, so the report does not depend on the threads.
 typedef struct {
@@ -5118,7 +5133,7 @@ static void *check_worker(void *arg) {
     uint8_t *scratch = d->image_cache ? NULL : malloc(4 * P);  // (H,W,3) + (H,W) when not cached
     snCheck(d->image_cache || scratch, "out of host memory");
     int omp = omp_serial_begin();
-    for (int i; (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < __atomic_load_n(&c->bad, __ATOMIC_RELAXED);) {
+    for (int i; !interrupt_signal && (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < __atomic_load_n(&c->bad, __ATOMIC_RELAXED);) {
         uint8_t *rgb, *mask;
         char e[SN_ERR_MAX];
         sample_bytes(d, i, scratch, &rgb, &mask);
@@ -5190,6 +5205,7 @@ int dataset_open_named(Dataset *d, const char *path, int segmentation, int class
     free(t);
     pthread_mutex_destroy(&c.mu);
     if (c.bad < d->n) { snprintf(err, SN_ERR_MAX, "%s", c.err); dataset_free(d); return -1; }
+    if (interrupt_signal) { snprintf(err, SN_ERR_MAX, "%s: interrupted while checking its images", path); dataset_free(d); return -1; }
     return 0;
 }
 
@@ -6013,6 +6029,7 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     t->c = c;
     t->comm = comm ? comm : &comm_one;
     graph_init(&t->g);
+    if (input_size_checked(&c->model, err)) return -1;
     const int R = t->comm->size;
     if (c->model.batch % R) {
         snprintf(err, SN_ERR_MAX, "--batch %d is the global batch: it must be a multiple of the %d replicas", c->model.batch, R);
@@ -6463,7 +6480,7 @@ static int reduce_totals(Trainer *t, PassTotals *pt) {
 // the signal; a second one exits at once. The files stay whole either way:
 // every write is atomic (a *.tmp.<pid> left behind is removed at the next start).
 
-static volatile sig_atomic_t interrupt_signal;  // the first SIGINT/SIGTERM, 0 if none
+// interrupt_signal (declared with the data checks, which it also stops) is the first SIGINT/SIGTERM
 
 // Whether to stop now: 0, or the signal (every replica stops at the same
 // step: one that saw none stops with the others); -1 if a replica failed.
@@ -7296,6 +7313,12 @@ static int train_replica(Comm *comm, void *arg) {
     int lock = -1, made = 0, fresh = !resume, written = 0;
     if (root) rc = run_claim(run, resume, &lock, &made, &fresh, c->progress, err);
     if (rc == 0 && (root || !sh->share_data)) rc = trainer_open_on(&t, c, c->data, c->val, comm, err);
+    if (rc && interrupt_signal && comm->size == 1) {  // stopped while reading the data: nothing was written
+        if (c->progress) fprintf(stderr, "segnet train: interrupted before training started; nothing was written\n");
+        a->interrupted = interrupt_signal;
+        rc = 0;
+        goto done;
+    }
     if (sh->share_data) {
         if (root && rc == 0) {  // the data sets now belong to the run
             sh->train = t.train; sh->has_train = t.has_train;

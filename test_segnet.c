@@ -7937,6 +7937,30 @@ static void test_checkpoint_metadata_checked(void) {
     rm_rf(data); rm_rf(run);
 }
 
+// A signal while the data are being checked stops the check: nothing is
+// written, the folder the run would have made is not left behind, and the
+// run ends as interrupted (128 + the signal). An input size beyond the pixel
+// limit is refused before any image is read (finding 10: it used to end in an
+// internal error when the decode buffers could not be allocated).
+static void test_interrupt_before_training(void) {
+    const char *data = "/tmp/segnet_test_early_data", *run = "/tmp/segnet_test_early_run";
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 4, 8, 8, 91);
+    TrainCfg c = tiny_seg_cfg(data, NULL);
+    c.out = run;
+    char err[SN_ERR_MAX];
+    interrupt_signal = SIGTERM;
+    int rc = train_run(&c, NULL, err);
+    interrupt_signal = 0;
+    CHECK(rc == 128 + SIGTERM, "interrupted while reading the data: %d (%s)", rc, rc < 0 ? err : "");
+    CHECK(access(run, F_OK) != 0, "%s was left behind", run);
+    c.model.height = c.model.width = 32768;
+    rc = train_run(&c, NULL, err);
+    CHECK(rc == -1 && contains(err, "--size 32768x32768 is 1073741824 pixels, more than the limit of 100000000"), "'%s'", err);
+    CHECK(access(run, F_OK) != 0, "%s was left behind", run);
+    rm_rf(data);
+}
+
 // ./segnet ARGS in the background (exec'd by the shell, so signals reach it),
 // stderr into errpath; its process id
 static pid_t spawn_segnet(const char *args, const char *errpath) {
@@ -8498,6 +8522,7 @@ static const Test TESTS[] = {
     {"checkpoint_metadata_checked", test_checkpoint_metadata_checked},
     {"run_folder_claim", test_run_folder_claim},
     {"interrupt_signals_cli", test_interrupt_signals_cli},
+    {"interrupt_before_training", test_interrupt_before_training},
     {"image_files_checked", test_image_files_checked},
     {"csv_strict", test_csv_strict},
     {"plan_refuses_huge", test_plan_refuses_huge},
