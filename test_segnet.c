@@ -8907,12 +8907,14 @@ static int fuzz_corpus_add(const void *p, size_t n) {
     return 1;
 }
 
-// s with control bytes as \xNN, cut to fit
+// s with control bytes and bytes outside UTF-8 as \xNN, cut to fit
 static const char *fuzz_printable(char *out, size_t cap, const char *s) {
-    size_t k = 0;
-    for (; *s && k + 5 < cap; s++) {
-        if ((uint8_t)*s < 0x20 || *s == 0x7F) k += (size_t)snprintf(out + k, cap - k, "\\x%02x", (uint8_t)*s);
-        else out[k++] = *s;
+    size_t k = 0, n = strlen(s), u;
+    for (size_t i = 0; i < n && k + 5 < cap; i += u ? u : 1) {
+        u = utf8_len((const uint8_t *)s + i, n - i);
+        if (!u || (uint8_t)s[i] < 0x20 || s[i] == 0x7F) k += (size_t)snprintf(out + k, cap - k, "\\x%02x", (uint8_t)s[i]);
+        else if (k + u < cap) { memcpy(out + k, s + i, u); k += u; }
+        else break;
     }
     out[k] = 0;
     return out;
@@ -9004,7 +9006,9 @@ static size_t fuzz_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
     uint8_t tmp[512];
     switch (fuzz_draw(r, 14)) {
     case 0: if (n) b[pos] ^= (uint8_t)(1u << fuzz_draw(r, 8)); break;
-    case 1: if (n) b[pos] = (const uint8_t[]){0x00, 0x01, 0x7F, 0x80, 0xFF, 0x20, '0', '9', '\n', '"'}[fuzz_draw(r, 10)]; break;
+    case 1:
+        if (n) b[pos] = (const uint8_t[]){0x00, 0x01, 0x7F, 0x80, 0xFF, 0x20, '0', '9', '\n', '"'}[fuzz_draw(r, 10)];
+        break;
     case 2: if (n) b[pos] = (uint8_t)rng_next(r); break;
     case 3: if (n) b[pos] = (uint8_t)(b[pos] + fuzz_draw(r, 33) - 16); break;
     case 4:  // a few random bytes, or a run of one byte
@@ -9013,10 +9017,25 @@ static size_t fuzz_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
         n = fuzz_insert(b, n, fuzz_draw(r, n + 1), tmp, k);
         break;
     case 5:  // delete a range: short, or up to the end
-        if (n) { k = 1 + fuzz_draw(r, fuzz_draw(r, 8) ? fuzz_min(16, n - pos) : n - pos); memmove(b + pos, b + pos + k, n - pos - k); n -= k; }
+        if (!n) break;
+        k = 1 + fuzz_draw(r, fuzz_draw(r, 8) ? fuzz_min(16, n - pos) : n - pos);
+        memmove(b + pos, b + pos + k, n - pos - k);
+        n -= k;
         break;
-    case 6: if (n) { size_t to = fuzz_draw(r, n + 1); k = 1 + fuzz_draw(r, fuzz_min(n - pos, 256)); n = fuzz_insert(b, n, to, b + pos, k); } break;  // duplicate
-    case 7: if (n) { size_t from = fuzz_draw(r, n); k = 1 + fuzz_draw(r, fuzz_min(n - (pos > from ? pos : from), 64)); memmove(b + pos, b + from, k); } break;
+    case 6: {  // duplicate a range
+        if (!n) break;
+        size_t to = fuzz_draw(r, n + 1);
+        k = 1 + fuzz_draw(r, fuzz_min(n - pos, 256));
+        n = fuzz_insert(b, n, to, b + pos, k);
+        break;
+    }
+    case 7: {  // copy a range over another
+        if (!n) break;
+        size_t from = fuzz_draw(r, n);
+        k = 1 + fuzz_draw(r, fuzz_min(n - (pos > from ? pos : from), 64));
+        memmove(b + pos, b + from, k);
+        break;
+    }
     case 8: {  // splice: this input's head and another's tail, or a piece of another inserted
         const int e = (int)fuzz_draw(r, (uint64_t)g_fz->n_corpus);
         const uint8_t *o = g_fz->corpus + g_fz->corpus_at[e];
@@ -9033,14 +9052,25 @@ static size_t fuzz_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
         size_t w = (size_t)1 << fuzz_draw(r, 4);
         if (n < w) break;
         pos = fuzz_draw(r, n - w + 1);
-        uint64_t v = fuzz_draw(r, 8) ? FUZZ_INTS[fuzz_draw(r, sizeof FUZZ_INTS / sizeof *FUZZ_INTS)] : n - fuzz_draw(r, 2) * pos;
+        uint64_t v = fuzz_draw(r, 8) ? FUZZ_INTS[fuzz_draw(r, sizeof FUZZ_INTS / sizeof *FUZZ_INTS)]
+                                     : n - fuzz_draw(r, 2) * pos;
         v += fuzz_draw(r, 4) ? 0 : fuzz_draw(r, 5) - 2;
         int big = (int)fuzz_draw(r, 2);
         for (size_t i = 0; i < w; i++) b[pos + (big ? w - 1 - i : i)] = (uint8_t)(v >> 8 * i);
         break;
     }
-    case 10: if (t->n_dict) { const FuzzToken *tk = &t->dict[fuzz_draw(r, t->n_dict)]; n = fuzz_insert(b, n, fuzz_draw(r, n + 1), tk->s, tk->n); } break;
-    case 11: if (n && t->n_dict) { const FuzzToken *tk = &t->dict[fuzz_draw(r, t->n_dict)]; memcpy(b + pos, tk->s, fuzz_min(tk->n, n - pos)); } break;
+    case 10: {  // a token inserted
+        if (!t->n_dict) break;
+        const FuzzToken *tk = &t->dict[fuzz_draw(r, (uint64_t)t->n_dict)];
+        n = fuzz_insert(b, n, fuzz_draw(r, n + 1), tk->s, tk->n);
+        break;
+    }
+    case 11: {  // a token written over
+        if (!n || !t->n_dict) break;
+        const FuzzToken *tk = &t->dict[fuzz_draw(r, (uint64_t)t->n_dict)];
+        memcpy(b + pos, tk->s, fuzz_min(tk->n, n - pos));
+        break;
+    }
     case 12: {  // a number in text replaced by a boundary one
         while (pos < n && (b[pos] < '0' || b[pos] > '9')) pos++;
         size_t end = pos;
@@ -9118,7 +9148,8 @@ static void fuzz_st_seed_text(FuzzCtx *c, const char *header, const void *data, 
     free(b);
 }
 
-static void fuzz_st_seed_write(FuzzCtx *c, const StTensor *ts, int n, const char *const *keys, const char *const *vals, int n_meta) {
+static void fuzz_st_seed_write(FuzzCtx *c, const StTensor *ts, int n, const char *const *keys, const char *const *vals,
+                               int n_meta) {
     char path[300], err[SN_ERR_MAX];
     snprintf(path, sizeof path, "%s/seed.safetensors", c->dir);
     snCheck(st_write(path, ts, n, keys, vals, n_meta, err) == 0, "fuzz: %s", err);
@@ -9146,8 +9177,8 @@ static void fuzz_st_setup(FuzzCtx *c) {
     StTensor a[3] = {fuzz_st_tensor("w", DT_F32, 2, d23, f32), fuzz_st_tensor("h", DT_F16, 1, d4, f16),
                      fuzz_st_tensor("s", DT_BF16, 0, NULL, f16)};
     fuzz_st_seed_write(c, a, 3, k1, v1, 2);
-    StTensor b[3] = {fuzz_st_tensor("features.0.0.weight", DT_F32, 4, d2111, f32), fuzz_st_tensor("empty", DT_F32, 2, d0_3, f32),
-                     fuzz_st_tensor("deep", DT_F16, 8, d8, f16)};
+    StTensor b[3] = {fuzz_st_tensor("features.0.0.weight", DT_F32, 4, d2111, f32),
+                     fuzz_st_tensor("empty", DT_F32, 2, d0_3, f32), fuzz_st_tensor("deep", DT_F16, 8, d8, f16)};
     fuzz_st_seed_write(c, b, 3, NULL, NULL, 0);
     StTensor t3 = fuzz_st_tensor("conv_stem.weight", DT_BF16, 4, d1133, f16);
     fuzz_st_seed_write(c, &t3, 1, k3, v3, 1);
@@ -9169,7 +9200,8 @@ static const char *fuzz_after(const char *err, const char *path) {
 static void fuzz_st_round_trip(FuzzCtx *c, const StFile *f) {
     char path[300], err[SN_ERR_MAX];
     snprintf(path, sizeof path, "%s/copy.safetensors", c->dir);
-    const char **keys = malloc(sizeof(char *) * (size_t)(f->n_meta + 1)), **vals = malloc(sizeof(char *) * (size_t)(f->n_meta + 1));
+    const char **keys = malloc(sizeof(char *) * (size_t)(f->n_meta + 1));
+    const char **vals = malloc(sizeof(char *) * (size_t)(f->n_meta + 1));
     snCheck(keys && vals, "out of host memory");
     for (int k = 0; k < f->n_meta; k++) { keys[k] = f->meta_keys[k]; vals[k] = f->meta_values[k]; }
     StFile g;
@@ -9202,7 +9234,10 @@ static uint64_t fuzz_st_run(FuzzCtx *c, const uint8_t *in, size_t n) {
             fuzz_invariant(c, "st_read failed and left its StFile non-empty");
         fuzz_check_err(c);
         for (const char *p = c->err; *p; p++)
-            if ((uint8_t)*p < 0x20 || *p == 0x7F) { fuzz_invariant(c, "control byte 0x%02x in the error message", (uint8_t)*p); break; }
+            if ((uint8_t)*p < 0x20 || *p == 0x7F) {
+                fuzz_invariant(c, "control byte 0x%02x in the error message", (uint8_t)*p);
+                break;
+            }
         return fuzz_err_sig(c->err);
     }
     c->accepted = 1;
@@ -9255,7 +9290,10 @@ static void fuzz_buf_put(FuzzBuf *b, const void *s, size_t k) {
     memcpy(b->p + b->n, s, k);
     b->n += k;
 }
-static void fuzz_buf_u32be(FuzzBuf *b, uint32_t v) { uint8_t x[4] = {(uint8_t)(v >> 24), (uint8_t)(v >> 16), (uint8_t)(v >> 8), (uint8_t)v}; fuzz_buf_put(b, x, 4); }
+static void fuzz_buf_u32be(FuzzBuf *b, uint32_t v) {
+    uint8_t x[4] = {(uint8_t)(v >> 24), (uint8_t)(v >> 16), (uint8_t)(v >> 8), (uint8_t)v};
+    fuzz_buf_put(b, x, 4);
+}
 static void fuzz_write_func(void *ctx, void *data, int size) { fuzz_buf_put(ctx, data, (size_t)size); }
 static void fuzz_add_buf(FuzzCtx *c, FuzzBuf *b) { fuzz_add_seed(c, b->p, b->n); free(b->p); memset(b, 0, sizeof *b); }
 
@@ -9277,7 +9315,8 @@ static void fuzz_png_seed(FuzzCtx *c, int w, int h, int depth, int ctype, int in
                      DY[7] = {8, 8, 8, 4, 4, 2, 2};
     FuzzBuf raw = {0}, png = {0};
     for (int pass = 0; pass < (interlace ? 7 : 1); pass++) {
-        int pw = interlace ? (w - X0[pass] + DX[pass] - 1) / DX[pass] : w, ph = interlace ? (h - Y0[pass] + DY[pass] - 1) / DY[pass] : h;
+        const int pw = interlace ? (w - X0[pass] + DX[pass] - 1) / DX[pass] : w;
+        const int ph = interlace ? (h - Y0[pass] + DY[pass] - 1) / DY[pass] : h;
         size_t row = ((size_t)pw * CH[ctype] * depth + 7) / 8;
         for (int y = 0; pw > 0 && y < ph; y++) {
             uint8_t f = (uint8_t)(filters ? y % 5 : 0);
@@ -9452,7 +9491,10 @@ static uint64_t fuzz_csv_run(FuzzCtx *c, const uint8_t *in, size_t n) {
             if (strcmp(d.names[k - 1], d.names[k]) >= 0) { fuzz_invariant(c, "class names not sorted and distinct"); break; }
         for (int i = 0; i < d.n; i++) {
             const int32_t y = d.labels[i];
-            if (y < 0 || y >= d.classes || (d.names && y >= d.n_names)) { fuzz_invariant(c, "sample %d has label %d", i, y); break; }
+            if (y < 0 || y >= d.classes || (d.names && y >= d.n_names)) {
+                fuzz_invariant(c, "sample %d has label %d", i, y);
+                break;
+            }
             if (stat(d.images[i], &sb)) { fuzz_invariant(c, "listed sample %d does not exist", i); break; }
         }
         int facts[3] = {d.n < 4 ? d.n : 4, d.names != NULL, named};
@@ -9754,12 +9796,14 @@ static void fuzz_read_log(const char *log, int hang, char *summary, size_t n_sum
         else if (sum && !strstr(summary, "runtime error:")) snprintf(summary, n_summary, "%s", sum + 9);
         if (!frame[0] && sscanf(line, " #%*d 0x%*x in %159s %399s", func, where) == 2) {
             int skip = strstr(where, "libsanitizer") != NULL;
-            for (size_t i = 0; i < sizeof SKIP_FUNC / sizeof *SKIP_FUNC; i++) skip |= !strncmp(func, SKIP_FUNC[i], strlen(SKIP_FUNC[i]));
+            for (size_t i = 0; i < sizeof SKIP_FUNC / sizeof *SKIP_FUNC; i++)
+                skip |= !strncmp(func, SKIP_FUNC[i], strlen(SKIP_FUNC[i]));
             const char *file = strrchr(where, '/');
             if (!skip) snprintf(frame, n_frame, "%s %s", func, file ? file + 1 : where);
         } else if (!frame[0] && sscanf(line, " #%*d 0x%*x (%399[^)])", where) == 1) {
             int skip = 0;
-            for (size_t i = 0; i < sizeof SKIP_MODULE / sizeof *SKIP_MODULE; i++) skip |= strstr(where, SKIP_MODULE[i]) != NULL;
+            for (size_t i = 0; i < sizeof SKIP_MODULE / sizeof *SKIP_MODULE; i++)
+                skip |= strstr(where, SKIP_MODULE[i]) != NULL;
             const char *file = strrchr(where, '/');
             if (!skip && !handler) snprintf(frame, n_frame, "%s", file ? file + 1 : where);
             else if (!skip) handler = 0;
@@ -9813,7 +9857,8 @@ static int fuzz_report_death(const FuzzTarget *t, const char *base, int st, char
     }
     fuzz_read_log(g_flog, hang && !g_fz->leaked, summary, sizeof summary, frame, sizeof frame);
     if (g_fz->leaked) {
-        snprintf(what, sizeof what, "%s%s", summary, k == g_fz->leak_at ? "" : " (no input of the last ones leaks alone: the last saved)");
+        snprintf(what, sizeof what, "%s%s", summary,
+                 k == g_fz->leak_at ? "" : " (no input of the last ones leaks alone: the last saved)");
     } else if (WIFEXITED(st) && WEXITSTATUS(st) == FUZZ_EXIT_SETUP) {
         snprintf(what, sizeof what, "the target's fixtures and seeds leak: %s", summary);
         go_on = 0;
@@ -9979,7 +10024,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-v")) o.verbose = 1;
         else if (a[0] != '-' && n_chosen < N_FUZZ_TARGETS) names[n_chosen++] = a;
         else { fprintf(stderr, "fuzz_segnet: unknown argument '%s'\n", a); return fuzz_usage(argv[0]); }
-        if (bad || (end && (end == v || *end))) { fprintf(stderr, "fuzz_segnet: %s '%s' is not a valid value\n", a, v); return fuzz_usage(argv[0]); }
+        if (bad || (end && (end == v || *end))) {
+            fprintf(stderr, "fuzz_segnet: %s '%s' is not a valid value\n", a, v);
+            return fuzz_usage(argv[0]);
+        }
     }
     for (int i = 0; i < n_chosen; i++) {  // the faulty readers only by --replay
         chosen[i] = fuzz_find_target(names[i]);
