@@ -9171,15 +9171,17 @@ static StTensor fuzz_st_tensor(const char *name, DType dt, int ndim, const int64
 static void fuzz_st_setup(FuzzCtx *c) {
     static const float f32[6] = {1.0f, -2.5f, 0.0f, 3.25f, -0.0f, 1e-30f};
     static const uint16_t f16[8] = {0x3C00, 0xC000, 0x7C00, 0x7E00, 0x0001, 0x8000, 0x3555, 0xFBFF};
+    static const int64_t i64[1] = {INT64_MIN + 1};
     static const int64_t d23[2] = {2, 3}, d4[1] = {4}, d0_3[2] = {0, 3}, d2111[4] = {2, 1, 1, 1},
                          d8[8] = {1, 1, 1, 1, 1, 1, 1, 2}, d1133[4] = {1, 1, 2, 2};
     const char *k1[2] = {"format", "padding"}, *v1[2] = {"segnet", "same"}, *k3[1] = {"epoch"}, *v3[1] = {"3"};
     StTensor a[3] = {fuzz_st_tensor("w", DT_F32, 2, d23, f32), fuzz_st_tensor("h", DT_F16, 1, d4, f16),
                      fuzz_st_tensor("s", DT_BF16, 0, NULL, f16)};
     fuzz_st_seed_write(c, a, 3, k1, v1, 2);
-    StTensor b[3] = {fuzz_st_tensor("features.0.0.weight", DT_F32, 4, d2111, f32),
-                     fuzz_st_tensor("empty", DT_F32, 2, d0_3, f32), fuzz_st_tensor("deep", DT_F16, 8, d8, f16)};
-    fuzz_st_seed_write(c, b, 3, NULL, NULL, 0);
+    StTensor b[4] = {fuzz_st_tensor("features.0.0.weight", DT_F32, 4, d2111, f32),
+                     fuzz_st_tensor("empty", DT_F32, 2, d0_3, f32), fuzz_st_tensor("deep", DT_F16, 8, d8, f16),
+                     fuzz_st_tensor("features.0.1.num_batches_tracked", DT_I64, 0, NULL, i64)};
+    fuzz_st_seed_write(c, b, 4, NULL, NULL, 0);
     StTensor t3 = fuzz_st_tensor("conv_stem.weight", DT_BF16, 4, d1133, f16);
     fuzz_st_seed_write(c, &t3, 1, k3, v3, 1);
     // escapes, whitespace, fields in another order, a hole in the data section
