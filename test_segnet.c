@@ -9407,11 +9407,12 @@ static uint64_t fuzz_image_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     return fuzz_hash(fuzz_hash(FUZZ_HASH0, "img", 3), facts, sizeof facts) | 1;
 }
 
-// At the size the file claims (1 in 8: another size) and with K classes:
-// 4 (the seeds' values), 256, or 1..8.
+// At the size a PNG claims (1 in 8, or not a PNG: another size) and with K
+// classes: 4 (the seeds' values), 256, or 1..8.
 static uint64_t fuzz_mask_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     int w = 0, h = 0, comp;
-    stbi_info_from_memory(in, (int)n, &w, &h, &comp);
+    if (n >= 8 && !memcmp(in, "\x89PNG\r\n\x1a\n", 8))  // what mask_load hands to stb_image
+        stbi_info_from_memory(in, (int)n, &w, &h, &comp);
     Rng *r = &c->rng;
     if (w < 1 || h < 1 || !fuzz_draw(r, 8)) { w = 1 + (int)fuzz_draw(r, 9); h = 1 + (int)fuzz_draw(r, 9); }
     const int K = fuzz_draw(r, 2) ? 4 : fuzz_draw(r, 2) ? 256 : 1 + (int)fuzz_draw(r, 8);
