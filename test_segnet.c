@@ -8759,7 +8759,8 @@ int main(int argc, char **argv) {
 #define FUZZ_CORPUS_MAX   512
 #define FUZZ_CORPUS_BYTES (16 << 20)  // the corpus's bytes, shared by a target's children
 #define FUZZ_SIGS         4096        // outcome signatures remembered (a power of 2)
-#define FUZZ_MAX_FINDINGS 10          // a target stops after this many
+#define FUZZ_MAX_FINDINGS 10          // a target stops after this many distinct findings
+#define FUZZ_KEY_MAX      256         // a finding's name: its kind and where it happened
 #define FUZZ_EXIT_HANG    124         // a child's exit status: SIGALRM
 #define FUZZ_EXIT_SETUP   125         //   its fixtures or seeds failed, or leaked
 
@@ -8808,8 +8809,6 @@ typedef struct {
     const char *out;
     int hang_s, first_only, verbose;
 } FuzzOpts;
-
-#define FUZZ_KEY_MAX 256
 
 // Between the parent and a target's children (MAP_SHARED): what a child that
 // died was doing, the inputs since the last leak check, the findings so far.
