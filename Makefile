@@ -1,9 +1,12 @@
 # segnet -- build, test, train.
 #
 #   make            build ./segnet and ./test_segnet (CPU backend, always)
-#   make test       build and run the test suite
+#   make test       build and run the test suite (and, where the compiler has the
+#                   sanitizers, make fuzz for FUZZ_TEST_SECONDS per target)
 #   make test-heavy the checks that take minutes (16-bit training vs fp32; Keras and timm
 #                   weights against their frameworks, installed from PyPI into venvs)
+#   make fuzz       fuzz the file readers under ASan and UBSan: FUZZ_SECONDS per
+#                   target (default 60), findings with reproducers in fuzz-out/
 #   make train      build and run the main job on the bundled data
 #   make bench      segnet bench against PyTorch (ref/bench_torch.py), same run
 #   make gpucheck   on a machine with a GPU: the cuda_ tests on the device, and
@@ -135,7 +138,7 @@ else
   OMP_FLAGS := -fopenmp
 endif
 
-.PHONY: all deps test test-heavy train bench gpucheck gpubuild gpucount gpu-deps deps-unpack clean
+.PHONY: all deps test test-heavy fuzz train bench gpucheck gpubuild gpucount gpu-deps deps-unpack clean
 
 all: segnet test_segnet
 
@@ -208,10 +211,49 @@ kernels_emu.o: kernels.cu segnet.h cuda_emu.h
 cuda_emu.o: cuda_emu.cpp cuda_emu.h
 	$(CXX) $(EMUFLAGS) -c cuda_emu.cpp -o $@
 
+# ---- make fuzz: the file readers under AddressSanitizer and UBSan -------------
+# fuzz_segnet is test_segnet.c built with -DSEGNET_FUZZ, CPU only and -O1 (it
+# builds in seconds): seeded mutation fuzzing of the safetensors, image, mask,
+# CSV, checkpoint and config.txt readers, FUZZ_SECONDS per target (FUZZ_SEED:
+# the same inputs for the same seed). A finding is saved as FUZZ_OUT/TARGET-KIND-K.bin
+# (./fuzz_segnet --replay FILE TARGET runs it) with its report beside it; the
+# exit status is then 1. stb_image is compiled from the Debian header with ASan
+# (fuzz_stb_image.o) so that memory errors inside the decoders are seen;
+# libstb.so stays on the link line for stb_image_write.
+FUZZ_CC           ?= $(CC)
+FUZZ_SECONDS      ?= 60
+FUZZ_TEST_SECONDS ?= 3
+FUZZ_SEED         ?= 1
+FUZZ_OUT          ?= fuzz-out
+FUZZ_SAN    := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+# the tests are compiled but not called; -O1's range analysis warns of a
+# truncation in segnet.c that -O2's does not
+FUZZ_CFLAGS := -std=gnu11 -O1 -g -Wall -Wextra -Wno-unknown-pragmas -Wno-unused-function -Wno-format-truncation -pthread
+# make test: FUZZ_OK=1 when FUZZ_CC builds and runs a program under the sanitizers
+ifneq ($(filter test,$(MAKECMDGOALS)),)
+  FUZZ_OK := $(shell t=$$(mktemp) && echo 'int main(void){return 0;}' | $(FUZZ_CC) $(FUZZ_SAN) -x c - -o $$t >/dev/null 2>&1 \
+                && $$t && echo 1; rm -f $$t)
+endif
+
+fuzz_stb_image.o: $(wildcard $(STB_INC)/stb_image.h) | deps
+	$(FUZZ_CC) -x c -O1 -g -fsanitize=address -fno-omit-frame-pointer -w -DSTB_IMAGE_IMPLEMENTATION -c $(STB_INC)/stb_image.h -o $@
+
+fuzz_segnet: test_segnet.c segnet.c segnet.h fuzz_stb_image.o | deps
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(FUZZ_SAN) $(DEP_CFLAGS) -DSEGNET_FUZZ -o $@ test_segnet.c fuzz_stb_image.o $(DEP_LIBS) $(LDLIBS)
+
+fuzz: fuzz_segnet
+	./fuzz_segnet --seconds $(FUZZ_SECONDS) --seed $(FUZZ_SEED) --out $(FUZZ_OUT)
+
 # every test, then (with the emulated CUDA backend) the cuda_ tests again with
-# the threads of each block in reverse order; the last line counts both
-test: segnet test_segnet $(if $(EMU_OBJS),segnet_emu)
+# the threads of each block in reverse order; the last line counts both. Then,
+# where FUZZ_CC has the sanitizers, the fuzz harness's self-test and
+# FUZZ_TEST_SECONDS of make fuzz per target.
+test: segnet test_segnet $(if $(EMU_OBJS),segnet_emu) $(if $(FUZZ_OK),fuzz_segnet)
 	./test_segnet
+	@if [ -n "$(FUZZ_OK)" ]; then \
+	   ./fuzz_segnet --selftest --out $(FUZZ_OUT) && \
+	   ./fuzz_segnet --seconds $(FUZZ_TEST_SECONDS) --seed $(FUZZ_SEED) --out $(FUZZ_OUT); \
+	 else echo "make test: fuzz step skipped: $(FUZZ_CC) cannot build and run a program with $(FUZZ_SAN)"; fi
 
 # checks that take minutes (fp32/fp16/bf16 quickstart runs against each other;
 # Keras' and timm's EfficientNetV2 through ref/export_pretrained.py against
@@ -400,5 +442,5 @@ deps-unpack:
 	@echo "make deps-unpack: $$(ls $(DEPS_DIR)/*.deb | wc -l) packages in $(DEPS_DIR)/root; build with DEPS_ROOT=$$PWD/$(DEPS_DIR)/root"
 
 clean:
-	rm -f segnet segnet_emu test_segnet test_segnet_gpu gpucheck.txt gpucheck-tests.log gpucheck-memcheck.log *.o
+	rm -f segnet segnet_emu test_segnet test_segnet_gpu fuzz_segnet gpucheck.txt gpucheck-tests.log gpucheck-memcheck.log *.o
 	rm -rf $(DEPS_DIR)/root
