@@ -3932,7 +3932,7 @@ int file_write_atomic(const char *path, const void *const *parts, const size_t *
     FILE *f = atomic_file_open(path, tmp, sizeof tmp, err);
     if (!f) return -1;
     int ok = 1;
-    for (int i = 0; ok && i < n_parts; i++) ok = fwrite(parts[i], 1, sizes[i], f) == sizes[i];
+    for (int i = 0; ok && i < n_parts; i++) ok = !sizes[i] || fwrite(parts[i], 1, sizes[i], f) == sizes[i];  // an empty part may be NULL
     if (!ok) snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno));
     return atomic_file_commit(f, tmp, path, ok, err);
 }
@@ -4084,10 +4084,13 @@ static void dims_str(char *buf, size_t size, const int64_t *d, int n) {
 }
 
 // appends "name" to a comma-separated list, at most a few names then "..."
+// (a name from a file may hold any byte but NUL: control bytes are shown as '?',
+// so that the message stays one line)
 static void list_add(char *list, size_t size, int *count, const char *name) {
     if (*count < 4) {
         size_t len = strlen(list);
         snprintf(list + len, size - len, "%s%s", *count ? ", " : "", name);
+        for (char *p = list + len; *p; p++) if ((uint8_t)*p < 0x20 || *p == 0x7f) *p = '?';
     } else if (*count == 4) {
         size_t len = strlen(list);
         snprintf(list + len, size - len, ", ...");
@@ -4394,10 +4397,17 @@ int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]) {
     return 0;
 }
 
-// stb_image's reason for its last failure (it may have none)
+// stb_image's reason for its last failure, printable: it may have none, and
+// for an unknown PNG chunk it quotes the chunk's four raw bytes (from a static
+// buffer that other decoding threads may be writing).
 static const char *decoder_reason(void) {
+    static __thread char shown[64];
     const char *why = stbi_failure_reason();
-    return why && why[0] ? why : "no reason given";
+    if (!why || !why[0]) return "no reason given";
+    size_t k = 0;
+    for (; why[k] && k + 1 < sizeof shown; k++) shown[k] = (uint8_t)why[k] < 0x20 || (uint8_t)why[k] >= 0x7f ? '?' : why[k];
+    shown[k] = 0;
+    return shown;
 }
 
 // ---- image files: read whole (regular files only), recognised by their first

@@ -5913,6 +5913,85 @@ static void test_replicas_mpi_faults(void) {
     rm_rf(ok); rm_rf(bad); rm_rf(run);
 }
 
+// step_control on a backend: the decisions of Keras' LossScaleOptimizer and
+// clip_by_global_norm, worked by hand. Scale 1024, interval 3:
+//   finite step, good 1 → 2: applied, scale kept; grad_scale 1/1024
+//   finite step, good 2 → 3 = interval: scale 2048, good 0
+//   inf/NaN: skipped, scale 512, good 0; at scale 1 it stays 1
+//   clipping, norm 2: Σg² = (4·1024)² scaled → unscaled norm 4 → factor 2/4,
+//   grad_scale 0.5/1024; below the norm (Σg² = 1024², norm 1): factor 1
+// and BEGIN: xent_scale = inv_norm·scale, the sums and the flag zeroed.
+static void step_control_case(Ops *o, const char *who) {
+    struct { float scale; int64_t good; int nonfinite; float clip, ss; float want_scale; int64_t want_good; int applied; float want_gs; } cases[] = {
+        {1024, 1, 0, 0, 0, 1024, 2, 1, 1.0f / 1024},
+        {1024, 2, 0, 0, 0, 2048, 0, 1, 1.0f / 1024},
+        {1024, 2, 1, 0, 0, 512, 0, 0, 1.0f / 1024},
+        {1, 5, 1, 0, 0, 1, 0, 0, 1.0f},
+        {1024, 0, 0, 2.0f, 4096.0f * 4096.0f, 1024, 1, 1, 0.5f / 1024},
+        {1024, 0, 0, 2.0f, 1024.0f * 1024.0f, 1024, 1, 1, 1.0f / 1024},
+    };
+    StepArgs *a_dev = o->alloc(o, sizeof(StepArgs));
+    StepState *s_dev = o->alloc(o, sizeof(StepState));
+    for (int k = 0; k < (int)(sizeof cases / sizeof *cases); k++) {
+        StepArgs a;
+        memset(&a, 0, sizeof a);
+        a.adam = adam_step_init(1e-3f, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, 0.0f, 1.0f, 3);
+        a.inv_norm = 0.25f; a.clipnorm = cases[k].clip; a.loss_scaling = 1; a.scale_interval = 3;
+        a.loss_scale = cases[k].scale; a.good_steps = cases[k].good;
+        StepState st;
+        memset(&st, 0x7f, sizeof st);  // BEGIN must set what it owns
+        o->upload(o, a_dev, &a, sizeof a);
+        o->upload(o, s_dev, &st, sizeof st);
+        o->step_control(o, a_dev, s_dev, STEP_BEGIN);
+        o->download(o, &st, s_dev, sizeof st);
+        CHECK(st.xent_scale == 0.25f * cases[k].scale && st.loss[0] == 0 && st.loss[1] == 0 && st.loss[2] == 0 &&
+              st.nonfinite == 0 && st.grad_sum_squares == 0 && st.loss_scale == cases[k].scale,
+              "%s case %d BEGIN: xent_scale %g, flag %d, scale %g", who, k, st.xent_scale, st.nonfinite, st.loss_scale);
+        st.nonfinite = cases[k].nonfinite;
+        st.grad_sum_squares = cases[k].ss;
+        o->upload(o, s_dev, &st, sizeof st);
+        o->step_control(o, a_dev, s_dev, STEP_DECIDE);
+        o->download(o, &st, s_dev, sizeof st);
+        CHECK(st.loss_scale == cases[k].want_scale && st.good_steps == cases[k].want_good &&
+              st.applied == cases[k].applied && st.adam.skip == !cases[k].applied && st.adam.grad_scale == cases[k].want_gs &&
+              st.adam.alpha == a.adam.alpha && st.adam.lr == a.adam.lr,
+              "%s case %d: scale %g good %lld applied %d skip %d grad_scale %.9g; expected %g %lld %d %.9g", who, k,
+              st.loss_scale, (long long)st.good_steps, st.applied, st.adam.skip, st.adam.grad_scale, cases[k].want_scale,
+              (long long)cases[k].want_good, cases[k].applied, cases[k].want_gs);
+    }
+    o->free(o, a_dev); o->free(o, s_dev);
+}
+static void test_step_control(void) { step_control_case(&ops_cpu, "cpu"); }
+
+// --loss-norm keras is the seed's loss: Keras' categorical cross-entropy takes
+// the softmax, clips p[y] to [1e-7, 1 - 1e-7] and takes -log; a pixel whose
+// p[y] the clip moved has no gradient. Computed here from the probabilities.
+static void test_keras_clipped_xent(void) {
+    // pixels: confidently wrong (clipped low), confidently right (clipped high), ordinary, ordinary
+    const float z[4 * 3] = {30.0f, 0.0f, 0.0f, 0.0f, 40.0f, 0.0f, 0.3f, -0.2f, 0.5f, 1.0f, 2.0f, -1.0f};
+    const int32_t y[4] = {1, 1, 2, 0};
+    const float w[3] = {0.5f, 1.0f, 2.0f};
+    float stats[3] = {0}, dz[12];
+    const Shape s = shape4(1, 1, 4, 3);
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32((float *)z, s), y, w, KERAS_EPSILON, &(float){1.0f}, stats, tensor_f32(dz, s));
+    double want = 0.0, wsum = 0.0;
+    for (int i = 0; i < 4; i++) {
+        double e[3], sum = 0.0;
+        for (int c = 0; c < 3; c++) sum += e[c] = exp((double)z[3 * i + c]);
+        const double p = e[y[i]] / sum, eps = KERAS_EPSILON, clipped = p < eps ? eps : p > 1.0 - eps ? 1.0 - eps : p;
+        want += w[y[i]] * -log(clipped);
+        wsum += w[y[i]];
+        for (int c = 0; c < 3; c++) {
+            const double g = clipped != p ? 0.0 : w[y[i]] * (e[c] / sum - (c == y[i]));
+            CHECK(fabs(dz[3 * i + c] - g) <= 1e-7, "pixel %d class %d: gradient %.9g, Keras %.9g", i, c, dz[3 * i + c], g);
+        }
+    }
+    CHECK_NEAR(stats[0], want, 1e-6 * want, "Σ w·(-log clip(p[y]))");
+    CHECK_NEAR(stats[1], wsum, 0, "Σ w");
+    CHECK_NEAR(stats[0] / 1.0, 1.0 * -log(1e-7) + 1.0 * -log(1.0 - 1e-7) + 2.0 * -log(exp(0.5) / (exp(0.3) + exp(-0.2) + exp(0.5))) +
+               0.5 * -log(exp(1.0) / (exp(1.0) + exp(2.0) + exp(-1.0))), 2e-5, "the four pixels' terms written out");
+}
+
 #ifdef SEGNET_CUDA
 #include <cublas_v2.h>  // cuda_gemm_ex_types calls the library (the emulator's here) directly
 
@@ -6584,35 +6663,6 @@ static void test_cuda_softmax_xent(void) {
         }
 }
 
-// --loss-norm keras is the seed's loss: Keras' categorical cross-entropy takes
-// the softmax, clips p[y] to [1e-7, 1 - 1e-7] and takes -log; a pixel whose
-// p[y] the clip moved has no gradient. Computed here from the probabilities.
-static void test_keras_clipped_xent(void) {
-    // pixels: confidently wrong (clipped low), confidently right (clipped high), ordinary, ordinary
-    const float z[4 * 3] = {30.0f, 0.0f, 0.0f, 0.0f, 40.0f, 0.0f, 0.3f, -0.2f, 0.5f, 1.0f, 2.0f, -1.0f};
-    const int32_t y[4] = {1, 1, 2, 0};
-    const float w[3] = {0.5f, 1.0f, 2.0f};
-    float stats[3] = {0}, dz[12];
-    const Shape s = shape4(1, 1, 4, 3);
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32((float *)z, s), y, w, KERAS_EPSILON, &(float){1.0f}, stats, tensor_f32(dz, s));
-    double want = 0.0, wsum = 0.0;
-    for (int i = 0; i < 4; i++) {
-        double e[3], sum = 0.0;
-        for (int c = 0; c < 3; c++) sum += e[c] = exp((double)z[3 * i + c]);
-        const double p = e[y[i]] / sum, eps = KERAS_EPSILON, clipped = p < eps ? eps : p > 1.0 - eps ? 1.0 - eps : p;
-        want += w[y[i]] * -log(clipped);
-        wsum += w[y[i]];
-        for (int c = 0; c < 3; c++) {
-            const double g = clipped != p ? 0.0 : w[y[i]] * (e[c] / sum - (c == y[i]));
-            CHECK(fabs(dz[3 * i + c] - g) <= 1e-7, "pixel %d class %d: gradient %.9g, Keras %.9g", i, c, dz[3 * i + c], g);
-        }
-    }
-    CHECK_NEAR(stats[0], want, 1e-6 * want, "Σ w·(-log clip(p[y]))");
-    CHECK_NEAR(stats[1], wsum, 0, "Σ w");
-    CHECK_NEAR(stats[0] / 1.0, 1.0 * -log(1e-7) + 1.0 * -log(1.0 - 1e-7) + 2.0 * -log(exp(0.5) / (exp(0.3) + exp(-0.2) + exp(0.5))) +
-               0.5 * -log(exp(1.0) / (exp(1.0) + exp(2.0) + exp(-1.0))), 2e-5, "the four pixels' terms written out");
-}
-
 // confusion_accumulate: exact counts. Integer logits make ties (the lowest
 // class wins); K = 70 takes the kernel's global-atomics path; a NaN logit first
 // in its row wins, elsewhere never (the CPU's strict >); counts add into what
@@ -6743,55 +6793,6 @@ static void cu_train_losses(const char *model, int hw, DType dt, Device device, 
     trainer_close(&t);
 }
 
-// step_control on a backend: the decisions of Keras' LossScaleOptimizer and
-// clip_by_global_norm, worked by hand. Scale 1024, interval 3:
-//   finite step, good 1 → 2: applied, scale kept; grad_scale 1/1024
-//   finite step, good 2 → 3 = interval: scale 2048, good 0
-//   inf/NaN: skipped, scale 512, good 0; at scale 1 it stays 1
-//   clipping, norm 2: Σg² = (4·1024)² scaled → unscaled norm 4 → factor 2/4,
-//   grad_scale 0.5/1024; below the norm (Σg² = 1024², norm 1): factor 1
-// and BEGIN: xent_scale = inv_norm·scale, the sums and the flag zeroed.
-static void step_control_case(Ops *o, const char *who) {
-    struct { float scale; int64_t good; int nonfinite; float clip, ss; float want_scale; int64_t want_good; int applied; float want_gs; } cases[] = {
-        {1024, 1, 0, 0, 0, 1024, 2, 1, 1.0f / 1024},
-        {1024, 2, 0, 0, 0, 2048, 0, 1, 1.0f / 1024},
-        {1024, 2, 1, 0, 0, 512, 0, 0, 1.0f / 1024},
-        {1, 5, 1, 0, 0, 1, 0, 0, 1.0f},
-        {1024, 0, 0, 2.0f, 4096.0f * 4096.0f, 1024, 1, 1, 0.5f / 1024},
-        {1024, 0, 0, 2.0f, 1024.0f * 1024.0f, 1024, 1, 1, 1.0f / 1024},
-    };
-    StepArgs *a_dev = o->alloc(o, sizeof(StepArgs));
-    StepState *s_dev = o->alloc(o, sizeof(StepState));
-    for (int k = 0; k < (int)(sizeof cases / sizeof *cases); k++) {
-        StepArgs a;
-        memset(&a, 0, sizeof a);
-        a.adam = adam_step_init(1e-3f, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, 0.0f, 1.0f, 3);
-        a.inv_norm = 0.25f; a.clipnorm = cases[k].clip; a.loss_scaling = 1; a.scale_interval = 3;
-        a.loss_scale = cases[k].scale; a.good_steps = cases[k].good;
-        StepState st;
-        memset(&st, 0x7f, sizeof st);  // BEGIN must set what it owns
-        o->upload(o, a_dev, &a, sizeof a);
-        o->upload(o, s_dev, &st, sizeof st);
-        o->step_control(o, a_dev, s_dev, STEP_BEGIN);
-        o->download(o, &st, s_dev, sizeof st);
-        CHECK(st.xent_scale == 0.25f * cases[k].scale && st.loss[0] == 0 && st.loss[1] == 0 && st.loss[2] == 0 &&
-              st.nonfinite == 0 && st.grad_sum_squares == 0 && st.loss_scale == cases[k].scale,
-              "%s case %d BEGIN: xent_scale %g, flag %d, scale %g", who, k, st.xent_scale, st.nonfinite, st.loss_scale);
-        st.nonfinite = cases[k].nonfinite;
-        st.grad_sum_squares = cases[k].ss;
-        o->upload(o, s_dev, &st, sizeof st);
-        o->step_control(o, a_dev, s_dev, STEP_DECIDE);
-        o->download(o, &st, s_dev, sizeof st);
-        CHECK(st.loss_scale == cases[k].want_scale && st.good_steps == cases[k].want_good &&
-              st.applied == cases[k].applied && st.adam.skip == !cases[k].applied && st.adam.grad_scale == cases[k].want_gs &&
-              st.adam.alpha == a.adam.alpha && st.adam.lr == a.adam.lr,
-              "%s case %d: scale %g good %lld applied %d skip %d grad_scale %.9g; expected %g %lld %d %.9g", who, k,
-              st.loss_scale, (long long)st.good_steps, st.applied, st.adam.skip, st.adam.grad_scale, cases[k].want_scale,
-              (long long)cases[k].want_good, cases[k].applied, cases[k].want_gs);
-    }
-    o->free(o, a_dev); o->free(o, s_dev);
-}
-static void test_step_control(void) { step_control_case(&ops_cpu, "cpu"); }
 
 // A recorded step (a CUDA graph) replayed does what the step run op by op
 // does, to the bit: three steps of unet-effv2-t (drop-path, whose seeds
