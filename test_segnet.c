@@ -7981,10 +7981,10 @@ static void test_interrupt_signals_cli(void) {
     const char *data = "/tmp/segnet_test_sig_data", *ref = "/tmp/segnet_test_sig_ref", *run = "/tmp/segnet_test_sig_run";
     const char *errpath = "/tmp/segnet_test_sig_err.txt";
     rm_rf(data); rm_rf(ref);
-    write_seg_set(data, 40, 16, 16, 61);
+    write_seg_set(data, 24, 16, 16, 61);
     char base[512], args[1024], msg[4096], path[300], other[300];
     snprintf(base, sizeof base, "train --model unet --depth 1 --width 4 --size 16x16 --batch 2 --classes 3 --class-weights 0,1,1 "
-             "--data %s --epochs 30 --augment flip --threads 1", data);
+             "--data %s --epochs 10 --augment flip --threads 1", data);
     snprintf(args, sizeof args, "%s --out %s", base, ref);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
     struct { int sig, twice; } cases[] = {{SIGINT, 0}, {SIGTERM, 0}, {SIGINT, 1}};
