@@ -3727,31 +3727,45 @@ void st_free(StFile *f) {
     memset(f, 0, sizeof *f);
 }
 
-// A file opened for reading only if it is a regular file: opening a FIFO
-// waits for a writer, reading a device never ends. NULL with err ("path:
-// why"; errno kept from open).
-static FILE *fopen_regular(const char *path, const char *mode, char err[SN_ERR_MAX]) {
+// A descriptor for reading path only if it is a regular file: opening a FIFO
+// waits for a writer, reading a device never ends (O_NONBLOCK, then blocking
+// again). -1 with *why, errno kept from open (EINVAL: not a regular file).
+static int open_regular(const char *path, struct stat *sb, const char **why) {
     int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) { snprintf(err, SN_ERR_MAX, "%.400s: %s", path, strerror(errno)); return NULL; }
-    struct stat sb;
-    if (fstat(fd, &sb) || !S_ISREG(sb.st_mode)) {
-        snprintf(err, SN_ERR_MAX, "%.400s: not a regular file", path);
+    if (fd < 0) { *why = strerror(errno); return -1; }
+    if (fstat(fd, sb) || !S_ISREG(sb->st_mode)) {
         close(fd);
+        *why = "not a regular file";
         errno = EINVAL;
-        return NULL;
+        return -1;
     }
-    FILE *f = fcntl(fd, F_SETFL, 0) == 0 ? fdopen(fd, mode) : NULL;  // blocking reads again
-    if (!f) { snprintf(err, SN_ERR_MAX, "%.400s: %s", path, strerror(errno)); close(fd); }
+    if (fcntl(fd, F_SETFL, 0)) { *why = strerror(errno); close(fd); return -1; }
+    return fd;
+}
+
+// open_regular as a FILE (NULL with *why)
+static FILE *fopen_regular_stat(const char *path, const char *mode, struct stat *sb, const char **why) {
+    int fd = open_regular(path, sb, why);
+    FILE *f = fd < 0 ? NULL : fdopen(fd, mode);
+    if (fd >= 0 && !f) { *why = strerror(errno); close(fd); }
+    return f;
+}
+
+// ... NULL with err ("path: why"), errno as open_regular's
+static FILE *fopen_regular(const char *path, const char *mode, char err[SN_ERR_MAX]) {
+    struct stat sb;
+    const char *why;
+    FILE *f = fopen_regular_stat(path, mode, &sb, &why);
+    if (!f) snprintf(err, SN_ERR_MAX, "%.400s: %s", path, why);
     return f;
 }
 
 int st_read(const char *path, StFile *f, char err[SN_ERR_MAX]) {
     memset(f, 0, sizeof *f);
-    char why[SN_ERR_MAX];
-    FILE *fp = fopen_regular(path, "rb", why);
-    if (!fp) { st_errf(err, "%s: cannot open: %s", path, errno == EINVAL ? "not a regular file" : strerror(errno)); return -1; }
     struct stat sb;
-    if (fstat(fileno(fp), &sb)) { st_errf(err, "%s: %s", path, strerror(errno)); fclose(fp); return -1; }
+    const char *why;
+    FILE *fp = fopen_regular_stat(path, "rb", &sb, &why);
+    if (!fp) { st_errf(err, "%s: cannot open: %s", path, why); return -1; }
     if ((uint64_t)sb.st_size > SIZE_MAX) { st_errf(err, "%s: too large to load", path); fclose(fp); return -1; }
     size_t n = (size_t)sb.st_size;
     f->bytes = malloc(n ? n : 1);
@@ -4431,13 +4445,12 @@ static ImageFormat image_format(const uint8_t *b, size_t n) {
 // The bytes of a regular file; a FIFO, device or folder is refused before a
 // read could block on it. NULL with err.
 static uint8_t *file_read_regular(const char *path, size_t max, size_t *n, char err[SN_ERR_MAX]) {
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) { snprintf(err, SN_ERR_MAX, "%s: %s", path, strerror(errno)); return NULL; }
     struct stat sb;
+    const char *why;
+    int fd = open_regular(path, &sb, &why);
+    if (fd < 0) { snprintf(err, SN_ERR_MAX, "%s: %s", path, why); return NULL; }
     uint8_t *b = NULL;
-    if (fstat(fd, &sb) || !S_ISREG(sb.st_mode)) {
-        snprintf(err, SN_ERR_MAX, "%s: not a regular file", path);
-    } else if ((uint64_t)sb.st_size > max) {
+    if ((uint64_t)sb.st_size > max) {
         snprintf(err, SN_ERR_MAX, "%s: %" PRIu64 " bytes, more than the %zu an image may have", path, (uint64_t)sb.st_size, max);
     } else {
         size_t got = 0, want = (size_t)sb.st_size;
@@ -8423,7 +8436,16 @@ static void interrupt_handlers_install(void) {
     sigaction(SIGTERM, &sa, NULL);
 }
 
-static int cmd_train_with(TrainArgs *a, int argc, char **argv) {
+// A command's arguments, which hold the words of a run's config.txt when it
+// reads one (--run, --resume): freed after the command, whatever it returns.
+static int with_train_args(int (*cmd)(TrainArgs *, int, char **), int argc, char **argv) {
+    TrainArgs a = {0};
+    int rc = cmd(&a, argc, argv);
+    train_args_free(&a);
+    return rc;
+}
+
+static int cmd_train(TrainArgs *a, int argc, char **argv) {
     char *quick[64], words[] = QUICKSTART_ARGS;
     int quickstart = argc == 2;
     if (quickstart) {  // `segnet train` alone: the bundled data set
@@ -8452,14 +8474,7 @@ static int cmd_train_with(TrainArgs *a, int argc, char **argv) {
     return rc;  // 0, or 128 + the signal that interrupted it (130 SIGINT, 143 SIGTERM)
 }
 
-static int cmd_train(int argc, char **argv) {
-    TrainArgs a = {0};
-    int rc = cmd_train_with(&a, argc, argv);
-    train_args_free(&a);
-    return rc;
-}
-
-static int cmd_eval_with(TrainArgs *a, int argc, char **argv) {
+static int cmd_eval(TrainArgs *a, int argc, char **argv) {
     int p = parse_train_args(a, argc, argv, "eval", EVAL_USAGE);
     if (p) return p > 0 ? 0 : 2;
     char weights[4200];
@@ -8488,12 +8503,6 @@ static int cmd_eval_with(TrainArgs *a, int argc, char **argv) {
     return 0;
 }
 
-static int cmd_eval(int argc, char **argv) {
-    TrainArgs a = {0};
-    int rc = cmd_eval_with(&a, argc, argv);
-    train_args_free(&a);
-    return rc;
-}
 
 static const char *PREDICT_USAGE =
     "usage: segnet predict --run RUN --input DIR_OR_CSV --out OUT [options]\n"
@@ -8541,7 +8550,7 @@ static const char *PREDICT_USAGE =
     "  --threads T         CPU threads (default: all cores)\n"
     "  --max-pixels N      the largest image, width × height (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) ")\n";
 
-static int cmd_predict_with(TrainArgs *ta, int argc, char **argv) {
+static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
     PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO, NULL, 0};
     pc.model.model = "effv2-s";
     pc.model.batch = 8;
@@ -8623,12 +8632,6 @@ static int cmd_predict_with(TrainArgs *ta, int argc, char **argv) {
     return 0;
 }
 
-static int cmd_predict(int argc, char **argv) {
-    TrainArgs ta = {0};  // the run's config.txt (--run)
-    int rc = cmd_predict_with(&ta, argc, argv);
-    train_args_free(&ta);
-    return rc;
-}
 
 static const char *EXPORT_USAGE =
     "usage: segnet export --run RUN --out FILE.safetensors [--names N] [--best|--last]\n"
@@ -8648,7 +8651,7 @@ static const char *EXPORT_USAGE =
     "  --names segnet       segnet's names only (segnet --weights reads all three)\n"
     "The padding the weights were trained with is in the file's metadata.\n";
 
-static int cmd_export(int argc, char **argv) {
+static int cmd_export(TrainArgs *ta, int argc, char **argv) {
     const char *run = NULL, *out = NULL;
     int last = 0;
     ExportNames names = EXPORT_TORCHVISION;
@@ -8672,16 +8675,14 @@ static int cmd_export(int argc, char **argv) {
         }
     }
     if (!run || !out) { fprintf(stderr, "segnet export: --run RUN and --out FILE are required (see segnet export --help)\n"); return 2; }
-    TrainArgs ta = {0};
-    train_cfg_default(&ta.c);
-    int rc = read_run_config(&ta, run) ? 2 : 0;
+    train_cfg_default(&ta->c);
+    int rc = read_run_config(ta, run) ? 2 : 0;
     if (rc == 0) {
         char path[4200], err[SN_ERR_MAX], report[SN_ERR_MAX];
         snprintf(path, sizeof path, "%s/%s.safetensors", run, last ? "last" : "best");
-        if (export_weights(&ta.c.model, path, names, out, report, err)) { print_message(stderr, "segnet export", err); rc = 1; }
+        if (export_weights(&ta->c.model, path, names, out, report, err)) { print_message(stderr, "segnet export", err); rc = 1; }
         else print_message(stderr, "segnet export", report);
     }
-    train_args_free(&ta);
     return rc;
 }
 
@@ -9040,11 +9041,11 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(argv[1], "info")) return cmd_info();
     if (!strcmp(argv[1], "plan")) return cmd_plan(argc, argv);
-    if (!strcmp(argv[1], "predict")) return cmd_predict(argc, argv);
-    if (!strcmp(argv[1], "train")) return cmd_train(argc, argv);
-    if (!strcmp(argv[1], "eval")) return cmd_eval(argc, argv);
+    if (!strcmp(argv[1], "predict")) return with_train_args(cmd_predict, argc, argv);
+    if (!strcmp(argv[1], "train")) return with_train_args(cmd_train, argc, argv);
+    if (!strcmp(argv[1], "eval")) return with_train_args(cmd_eval, argc, argv);
     if (!strcmp(argv[1], "bench")) return cmd_bench(argc, argv);
-    if (!strcmp(argv[1], "export")) return cmd_export(argc, argv);
+    if (!strcmp(argv[1], "export")) return with_train_args(cmd_export, argc, argv);
     fprintf(stderr, "segnet: unknown command '%s' (try segnet --help)\n", argv[1]);
     return 2;
 }
