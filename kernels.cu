@@ -2118,34 +2118,48 @@ static void sums_of_product(Ops *o, E e, Tensor a, const Tensor *b, int G, size_
 //   same side of ReLU's kink; y = act(z); backward g = dy·act'(z), z recomputed from x.
 //   invstd = bn_invstd(var, c, eps) once per thread and channel, not per element.
 
-// Σx and Σx² in one pass (fp64), then mean = Σx/M, var = Σx²/M - mean² in fp64:
-// the cancellation loses (mean²/var)·2^-52 of var, far below its fp32 rounding
-// for any activation (it would take |mean| > 2^14·σ to reach 2^-24)
+// Σx and Σx² in one pass (fp64), then bn_moments_stats (segnet.h)
 // running = (1-m)·running + m·batch, the variance made unbiased (bn_update_running)
 static __device__ void running_update(float *run_mean, float *run_var, float mean, float var, int c, double unbias,
                                       float momentum) {
     run_mean[c] = (1.0f - momentum) * run_mean[c] + momentum * mean;
     run_var[c] = (1.0f - momentum) * run_var[c] + momentum * (float)(var * unbias);
 }
-// and the running statistics' update (bn_update_running's, run_mean not NULL)
+// and the running statistics' update (bn_update_running's, run_mean not NULL),
+// and the sums themselves (sums not NULL: --sync-bn)
 struct StoreMoments {
-    float *mean, *var; double M; float *run_mean, *run_var; float momentum;
+    float *mean, *var; double M; float *run_mean, *run_var; float momentum; double *sums; int C;
     __device__ void operator()(int, int c, const double *s) const {
-        const double mu = s[0] / M, v = s[1] / M - mu * mu;
-        mean[c] = (float)mu;
-        var[c] = (float)(v > 0.0 ? v : 0.0);
-        if (run_mean) running_update(run_mean, run_var, mean[c], var[c], c, M > 1 ? M / (M - 1) : 1.0, momentum);
+        bn_moments_stats(s[0], s[1], M, &mean[c], &var[c]);
+        if (run_mean) running_update(run_mean, run_var, mean[c], var[c], c, bn_running_unbias(M), momentum);
+        if (sums) { sums[c] = s[0]; sums[C + c] = s[1]; }
     }
 };
-static void bn_stats_cuda(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum) {
+static void bn_stats_cuda(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum,
+                          double *sums) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
-    const StoreMoments e = {mean, var, (double)M, run_mean, run_var, momentum};
+    const StoreMoments e = {mean, var, (double)M, run_mean, run_var, momentum, sums, C};
     if (vec_ok({x.dtype}, C, {x.data})) {
         SWITCH_STORAGE(x.dtype, T, { channel_sums<2, Vec<T>::N>(o, MomentsVec<T>{(const T *)x.data, C}, e, 1, M, C); });
     } else {
         channel_sums<2, 1>(o, Moments{x.data, x.dtype, C}, e, 1, M, C);
     }
+}
+// --sync-bn: the statistics from the replicas' summed sums, one thread per channel
+__global__ void bn_stats_finish_kernel(const double *sums, int C, double count, float *mean, float *var,
+                                       float *run_mean, float *run_var, float momentum) {
+    FOR_GRID(c, C) {
+        bn_moments_stats(sums[c], sums[C + c], count, &mean[c], &var[c]);
+        if (run_mean) running_update(run_mean, run_var, mean[c], var[c], c, bn_running_unbias(count), momentum);
+    }
+}
+static void bn_stats_finish_cuda(Ops *o, const double *sums, int C, size_t count, float *mean, float *var,
+                                 float *run_mean, float *run_var, float momentum) {
+    if (C <= 0) return;
+    CU_LAUNCH(bn_stats_finish_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), sums, C, (double)count, mean, var,
+              run_mean, run_var, momentum);
+    launchCheck();
 }
 
 // per-channel constants of the batch norm of channel c
@@ -2211,9 +2225,8 @@ __global__ void bn_update_running_kernel(float *run_mean, float *run_var, const 
 static void bn_update_running_cuda(Ops *o, float *run_mean, float *run_var, const float *mean, const float *var,
                                    int C, size_t count, float momentum) {
     if (C <= 0) return;
-    double unbias = count > 1 ? (double)count / (double)(count - 1) : 1.0;
     CU_LAUNCH(bn_update_running_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), run_mean, run_var, mean, var, C,
-              unbias, momentum);
+              bn_running_unbias((double)count), momentum);
     launchCheck();
 }
 
@@ -2263,22 +2276,20 @@ template <class T> struct BnGradTermsVec {
         return l;
     }
 };
-struct BnGradSums {  // sum_g, sum_gx overwritten; dbeta, dgamma added into
-    float *sum_g, *sum_gx, *dgamma, *dbeta;
+struct BnGradSums {  // sum_g, sum_gx overwritten; dbeta, dgamma added into; sums (not NULL) the fp64 sums
+    float *sum_g, *sum_gx, *dgamma, *dbeta; double *sums; int C;
     __device__ void operator()(int, int c, const double *s) const {
-        if (sum_g) sum_g[c] = (float)s[0];
-        if (sum_gx) sum_gx[c] = (float)s[1];
-        if (dbeta) dbeta[c] += (float)s[0];
-        if (dgamma) dgamma[c] += (float)s[1];
+        bn_grad_sums_store(c, s[0], s[1], sum_g, sum_gx, dgamma, dbeta);
+        if (sums) { sums[c] = s[0]; sums[C + c] = s[1]; }
     }
 };
 static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
                                     const float *gamma, const float *beta, float eps, Act act, float *sum_g,
-                                    float *sum_gx, float *dgamma, float *dbeta) {
+                                    float *sum_gx, float *dgamma, float *dbeta, double *sums) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     const BnParams p = {mean, var, gamma, beta, eps, act};
-    const BnGradSums e = {sum_g, sum_gx, dgamma, dbeta};
+    const BnGradSums e = {sum_g, sum_gx, dgamma, dbeta, sums, C};
     if (vec_ok({dy.dtype, x.dtype}, C, {dy.data, x.data})) {
         SWITCH_STORAGE(x.dtype, T, {
             channel_sums<2, Vec<T>::N>(o, BnGradTermsVec<T>{(const T *)dy.data, (const T *)x.data, C, p}, e, 1, M, C);
@@ -2286,6 +2297,18 @@ static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const float *me
     } else {
         channel_sums<2, 1>(o, BnGradTerms{dy.data, dy.dtype, x.data, x.dtype, C, p}, e, 1, M, C);
     }
+}
+// --sync-bn: the gradient sums from the replicas' summed sums, one thread per channel
+__global__ void bn_backward_finish_kernel(const double *sums, int C, float *sum_g, float *sum_gx, float *dgamma,
+                                          float *dbeta) {
+    FOR_GRID(c, C) bn_grad_sums_store(c, sums[c], sums[C + c], sum_g, sum_gx, dgamma, dbeta);
+}
+static void bn_backward_finish_cuda(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx, float *dgamma,
+                                    float *dbeta) {
+    if (C <= 0) return;
+    CU_LAUNCH(bn_backward_finish_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), sums, C, sum_g, sum_gx, dgamma,
+              dbeta);
+    launchCheck();
 }
 
 // the data gradient of channel c from g and xhat
@@ -3339,9 +3362,11 @@ static Ops make_ops_cuda(void) {
     o.confusion_accumulate = confusion_accumulate_cuda;
     o.adam_update = adam_update_cuda;
     o.bn_stats = bn_stats_cuda;
+    o.bn_stats_finish = bn_stats_finish_cuda;
     o.bn_forward = bn_forward_cuda;
     o.bn_update_running = bn_update_running_cuda;
     o.bn_backward_reduce = bn_backward_reduce_cuda;
+    o.bn_backward_finish = bn_backward_finish_cuda;
     o.bn_backward_data = bn_backward_data_cuda;
     o.act_forward = act_forward_cuda;
     o.act_backward = act_backward_cuda;
@@ -3651,67 +3676,6 @@ int cuda_comm_mpi_create(Comm *dcomm, Comm *host, char err[SN_ERR_MAX]) {
     return 0;
 }
 
-// ---- --sync-bn on the device: the fp64 per-channel sums of segnet.c's
-// bn_sync_stats / bn_sync_grads (the same terms, segnet.h), in the ctx's
-// `sums` scratch, all-reduced by NCCL. The scratch is free between ops: the
-// ops after the all-reduce wait for it on the compute stream.
-
-// s[c] = n·mean_r[c]
-__global__ void bn_sync_mean_terms_kernel(double *s, const float *mean, int C, double n) {
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += blockDim.x * gridDim.x)
-        s[c] = bn_sync_mean_term(n, mean[c]);
-}
-// the global mean into mean (fp32) and the centred terms q[c] (the replica's own mean first)
-__global__ void bn_sync_var_terms_kernel(double *q, float *mean, const float *var, const double *s, int C, double n,
-                                         double total) {
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += blockDim.x * gridDim.x) {
-        double global_mean = s[c] / total;
-        q[c] = bn_sync_var_term(n, mean[c], var[c], global_mean);
-        mean[c] = (float)global_mean;
-    }
-}
-__global__ void bn_sync_var_kernel(float *var, const double *q, int C, double total) {
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += blockDim.x * gridDim.x)
-        var[c] = (float)(q[c] / total);
-}
-
-int cuda_bn_sync_stats(Comm *dcomm, Ops *o, float *mean, float *var, int C, size_t count, size_t total) {
-    double *s = ctx_of(o)->sums, *q = s + C;  // (C) each
-    const unsigned grid = grid_for((size_t)C);
-    CU_LAUNCH(bn_sync_mean_terms_kernel, grid, BLOCK, 0, stream_of(o), s, mean, C, (double)count);
-    launchCheck();
-    if (dcomm->allreduce_f64(dcomm, s, (size_t)C)) return -1;
-    CU_LAUNCH(bn_sync_var_terms_kernel, grid, BLOCK, 0, stream_of(o), q, mean, var, s, C, (double)count, (double)total);
-    launchCheck();
-    if (dcomm->allreduce_f64(dcomm, q, (size_t)C)) return -1;
-    CU_LAUNCH(bn_sync_var_kernel, grid, BLOCK, 0, stream_of(o), var, q, C, (double)total);
-    launchCheck();
-    return 0;
-}
-
-// s = (Σg, Σg·xhat) in fp64, 0 for an empty shard (its sums were not computed); back to fp32 after the sum
-__global__ void bn_sync_grad_terms_kernel(double *s, const float *sum_g, const float *sum_gx, int C, int empty) {
-    for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < 2 * C; k += blockDim.x * gridDim.x)
-        s[k] = empty ? 0.0 : (double)(k < C ? sum_g[k] : sum_gx[k - C]);
-}
-__global__ void bn_sync_grads_kernel(float *sum_g, float *sum_gx, const double *s, int C) {
-    for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < 2 * C; k += blockDim.x * gridDim.x) {
-        if (k < C) sum_g[k] = (float)s[k];
-        else sum_gx[k - C] = (float)s[k];
-    }
-}
-
-int cuda_bn_sync_grads(Comm *dcomm, Ops *o, float *sum_g, float *sum_gx, int C, size_t count) {
-    double *s = ctx_of(o)->sums;  // (2C)
-    const unsigned grid = grid_for(2 * (size_t)C);
-    CU_LAUNCH(bn_sync_grad_terms_kernel, grid, BLOCK, 0, stream_of(o), s, sum_g, sum_gx, C, count == 0);
-    launchCheck();
-    if (dcomm->allreduce_f64(dcomm, s, 2 * (size_t)C)) return -1;
-    CU_LAUNCH(bn_sync_grads_kernel, grid, BLOCK, 0, stream_of(o), sum_g, sum_gx, s, C);
-    launchCheck();
-    return 0;
-}
-
 void cuda_comm_destroy(Comm *dcomms, int n) {
     if (n < 1) return;
     NcclGroup *g = ((NcclRank *)dcomms[0].ctx)->group;
@@ -3736,13 +3700,4 @@ int cuda_comm_mpi_create(Comm *dcomm, Comm *host, char err[SN_ERR_MAX]) {
     return -1;
 }
 void cuda_comm_destroy(Comm *dcomms, int n) { (void)dcomms; (void)n; }
-// without NCCL no Comm has a device communicator: these are never called
-int cuda_bn_sync_stats(Comm *dcomm, Ops *o, float *mean, float *var, int C, size_t count, size_t total) {
-    (void)dcomm; (void)o; (void)mean; (void)var; (void)C; (void)count; (void)total;
-    return -1;
-}
-int cuda_bn_sync_grads(Comm *dcomm, Ops *o, float *sum_g, float *sum_gx, int C, size_t count) {
-    (void)dcomm; (void)o; (void)sum_g; (void)sum_gx; (void)C; (void)count;
-    return -1;
-}
 #endif

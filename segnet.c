@@ -237,9 +237,14 @@ static void nonfinite_cpu(Ops *o, Tensor t, int32_t *flag) {
 // weight order), and
 //   forward          out_g[P][Coutg]  = col[P][K] · W_g[Coutg][K]ᵀ
 //   backward data    dcol[P][K]       = dout_g[P][Coutg] · W_g[Coutg][K], then col2im
-//   backward weight  dW_g[Coutg][K]  += dout_g[P][Coutg]ᵀ · col[P][K]
+//   backward weight  dW_g[Coutg][K]  += Σ_n dout_g[P][Coutg]ᵀ · col[P][K]
 // A 1×1 stride-1 conv (fp32) needs no im2col: NHWC is already [N·H·W][Cin].
 // Depthwise convs (groups = Cin = Cout) are direct loops.
+// Every weight gradient is a sum over images in fp64, rounded once: each
+// image's product (an fp32 GEMM over its own P rows) is added to an fp64 sum
+// in image order. A batch split across replicas then regroups only fp64
+// additions (2^-53) — one fp32 GEMM over all N·P rows regroups its fp32
+// accumulation instead, 1e-6 of a U-Net's gradient.
 
 static ConvGeom conv_geom(const ConvCfg *cfg, Shape in) {
     ConvGeom q;
@@ -249,25 +254,38 @@ static ConvGeom conv_geom(const ConvCfg *cfg, Shape in) {
 }
 
 // Workspace in bytes: col (P·K) for the GEMM paths, plus an fp32 copy of one
-// image's output or output gradient when activations are not stored in fp32;
+// image's output or output gradient when activations are not stored in fp32,
+// plus for the weight gradient its fp64 sum and one image's product (fp32);
 // depthwise: its weights transposed to [kh][kw][C].
 static int conv_is_direct(const ConvCfg *cfg);
 static int conv_direct_grad_data(const ConvCfg *cfg);
 static int conv_direct_grad_weight(const ConvCfg *cfg);
 static size_t direct_conv_floats(const ConvCfg *cfg, const ConvGeom *q, int backward);
+// the GEMM paths' floats: col (P,K) and fp32 output rows (P,Cout); the weight
+// gradient's fp64 sum (2 floats per weight) and one image's product (Coutg,K) before col
+static size_t im2col_floats(const ConvGeom *q, DType dt) { return q->P * q->K + (dt != DT_F32 ? q->P * q->Cout : 0); }
+static size_t gemm_weight_grad_floats(const ConvGeom *q, DType dt) {
+    return 2 * (size_t)q->Cout * q->K + (size_t)q->Coutg * q->K + im2col_floats(q, dt);
+}
 size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
     (void)o;
     if (conv_is_depthwise(cfg)) return sizeof(float) * (size_t)cfg->kh * cfg->kw * cfg->cin;  // weights [kh][kw][C]
-    if (conv_is_pointwise(cfg) && dt == DT_F32) return 0;
     ConvGeom q = conv_geom(cfg, in);
-    size_t im2col = q.P * q.K + (dt != DT_F32 ? q.P * q.Cout : 0);  // col (P,K) and fp32 output rows (P,Cout)
-    if (!conv_is_direct(cfg)) return im2col * sizeof(float);
+    if (conv_is_pointwise(cfg) && dt == DT_F32) return 3 * (size_t)q.Cout * q.K * sizeof(float);  // fp64 sum, one image's
+    size_t im2col = im2col_floats(&q, dt), dw_gemm = gemm_weight_grad_floats(&q, dt);  // dw_gemm > im2col
+    if (!conv_is_direct(cfg)) return dw_gemm * sizeof(float);
     size_t floats = direct_conv_floats(cfg, &q, 0);
     size_t dx = conv_direct_grad_data(cfg) ? direct_conv_floats(cfg, &q, 1) : im2col;
-    size_t dw = conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2) : im2col;
+    size_t dw = conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2) : dw_gemm;
     if (dw > floats) floats = dw;
     if (dx > floats) floats = dx;
     return floats * sizeof(float);
+}
+
+// sum[i] += x[i] in fp64 (one image's weight gradient into the batch's)
+static void sum_into_f64(double *sum, const float *x, size_t n) {
+    #pragma omp parallel for simd schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) sum[i] += x[i];
 }
 
 // col[p][(ky·kw + kx)·Cg + ci] = x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci]
@@ -912,10 +930,18 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
         return;
     }
     if (conv_is_pointwise(cfg) && in.dtype == DT_F32 && dout.dtype == DT_F32) {
-        // dW[Cout][Cin] += dout[N·H·W][Cout]ᵀ · in[N·H·W][Cin]
-        int M = q.N * q.H * q.W;
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, q.Cout, q.C, M, 1.0f,
-                    (const float *)dout.data, q.Cout, (const float *)in.data, q.C, 1.0f, dw, q.C);
+        // dW[Cout][Cin] += Σ_n dout_n[H·W][Cout]ᵀ · in_n[H·W][Cin]
+        const size_t n_w = (size_t)q.Cout * q.C;
+        double *sum = (double *)ws;                // (n_w) fp64
+        float *image_dw = (float *)(sum + n_w);    // (n_w) one image's product
+        memset(sum, 0, sizeof(double) * n_w);
+        for (int n = 0; n < q.N; n++) {
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, q.Cout, q.C, (int)q.P, 1.0f,
+                        (const float *)dout.data + (size_t)n * q.P * q.Cout, q.Cout,
+                        (const float *)in.data + (size_t)n * q.P * q.C, q.C, 0.0f, image_dw, q.C);
+            sum_into_f64(sum, image_dw, n_w);
+        }
+        for (size_t i = 0; i < n_w; i++) dw[i] += (float)sum[i];
         return;
     }
     if (conv_direct_grad_weight(cfg)) conv2d_backward_weight_direct(cfg, &q, dw, dout, in, (float *)ws);
@@ -925,16 +951,22 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
 static void conv2d_backward_weight_gemm(const ConvCfg *cfg, const ConvGeom *qp, float *dw, Tensor dout, Tensor in,
                                         float *ws) {
     const ConvGeom q = *qp;
-    float *col = ws;                              // (P, K)
+    const size_t n_w = (size_t)q.Cout * q.K, n_wg = (size_t)q.Coutg * q.K;
+    double *sum = (double *)ws;                   // (n_w) fp64
+    float *image_dw = (float *)(sum + n_w);       // (Coutg, K) one image's product for one group
+    float *col = image_dw + n_wg;                 // (P, K)
     float *rows = col + q.P * q.K;                // (P, Cout) when dout is not fp32
+    memset(sum, 0, sizeof(double) * n_w);
     for (int n = 0; n < q.N; n++) {
         const float *dy = image_rows_f32(dout, n, q.P, q.Cout, rows);
         for (int g = 0; g < cfg->groups; g++) {
             im2col(cfg, &q, in, n, g, col);
             cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, q.Coutg, q.K, (int)q.P, 1.0f,
-                        dy + (size_t)g * q.Coutg, q.Cout, col, q.K, 1.0f, dw + (size_t)g * q.Coutg * q.K, q.K);
+                        dy + (size_t)g * q.Coutg, q.Cout, col, q.K, 0.0f, image_dw, q.K);
+            sum_into_f64(sum + (size_t)g * n_wg, image_dw, n_wg);
         }
     }
+    for (size_t i = 0; i < n_w; i++) dw[i] += (float)sum[i];
 }
 
 // ----------------------------------------------------------------------------
@@ -975,7 +1007,7 @@ static __attribute__((unused)) void bn_stats_ref(Tensor x, float *mean, float *v
 static void bn_update_running_cpu(Ops *o, float *run_mean, float *run_var, const float *mean,
                                   const float *var, int C, size_t count, float momentum) {
     (void)o;
-    double unbias = count > 1 ? (double)count / (double)(count - 1) : 1.0;
+    const double unbias = bn_running_unbias((double)count);
     for (int c = 0; c < C; c++) {
         run_mean[c] = (1.0f - momentum) * run_mean[c] + momentum * mean[c];
         run_var[c] = (1.0f - momentum) * run_var[c] + momentum * (float)(var[c] * unbias);
@@ -1011,12 +1043,7 @@ static __attribute__((unused)) void bn_backward_reduce_ref(Tensor dy, Tensor x, 
                 sg[j] += g;
                 sgx[j] += (double)g * xhat;
             }
-        for (int j = 0; j < nc; j++) {
-            sum_g[c0 + j] = (float)sg[j];
-            sum_gx[c0 + j] = (float)sgx[j];
-            if (dbeta) dbeta[c0 + j] += (float)sg[j];
-            if (dgamma) dgamma[c0 + j] += (float)sgx[j];
-        }
+        for (int j = 0; j < nc; j++) bn_grad_sums_store(c0 + j, sg[j], sgx[j], sum_g, sum_gx, dgamma, dbeta);
     }
 }
 
@@ -1040,8 +1067,8 @@ static __attribute__((unused)) void bn_backward_data_ref(Tensor dx, Tensor dy, T
 // fast versions (fp32 math; 16-bit tensors converted a row at a time): the same formulas with per-channel constants hoisted out of
 // the pixel loop and channels innermost (contiguous, so the compiler
 // vectorises them), one pass over memory each:
-//   stats    Σd, Σd² in fp64 with d = x - x[0,c] (shifted, so no cancellation):
-//            mean = x[0,c] + Σd/M, var = Σd²/M - (Σd/M)²
+//   stats    Σx, Σx² in fp64 (x² is exact there), then bn_moments_stats: plain
+//            sums, so that replicas can add theirs (--sync-bn) and round once
 //   z        gamma·((x - mean)·invstd) + beta with invstd per channel hoisted: the
 //            reference's z to the bit (not a·x + b, which cancels when |mean·a| ≫ |z|,
 //            nor (x - mean)·(gamma·invstd) + beta, which puts other values on the
@@ -1092,31 +1119,28 @@ static inline float act_grad_vec(Act a, float z) {
     }
 }
 
-static void bn_stats_fast(Tensor x, float *mean, float *var) {
+static void bn_stats_fast(Tensor x, float *mean, float *var, double *sums) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
         const int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
-        double s[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0}, k[BN_CBLOCK] = {0};
+        double s[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0};
         float tmp[BN_CBLOCK];  // (BN_CBLOCK) one row's channels in fp32 when x is 16-bit
-        const float *x0 = ld_view(x, c0, tmp, nc);
-        for (int j = 0; j < nc; j++) k[j] = x0[j];
         if (nc == BN_CBLOCK) {  // the common case, with a constant trip count
             for (size_t r = 0; r < M; r++) {
                 const float *xr = ld_view(x, r * C + c0, tmp, BN_CBLOCK);
-                for (int j = 0; j < BN_CBLOCK; j++) { double d = xr[j] - k[j]; s[j] += d; q[j] += d * d; }
+                for (int j = 0; j < BN_CBLOCK; j++) { double v = xr[j]; s[j] += v; q[j] += v * v; }
             }
         } else {
             for (size_t r = 0; r < M; r++) {
                 const float *xr = ld_view(x, r * C + c0, tmp, nc);
-                for (int j = 0; j < nc; j++) { double d = xr[j] - k[j]; s[j] += d; q[j] += d * d; }
+                for (int j = 0; j < nc; j++) { double v = xr[j]; s[j] += v; q[j] += v * v; }
             }
         }
         for (int j = 0; j < nc; j++) {
-            double m = s[j] / (double)M, v = q[j] / (double)M - m * m;
-            mean[c0 + j] = (float)(k[j] + m);
-            var[c0 + j] = (float)(v > 0.0 ? v : 0.0);
+            bn_moments_stats(s[j], q[j], (double)M, &mean[c0 + j], &var[c0 + j]);
+            if (sums) { sums[c0 + j] = s[j]; sums[C + c0 + j] = q[j]; }
         }
     }
 }
@@ -1168,7 +1192,7 @@ static void bn_forward_fast(Tensor y, Tensor x, const float *mean, const float *
     }
 }
 
-// Σg and Σg·(x - mean) per channel over rows, g = dy·act'(gamma·((x - mean)·invstd) + b); act constant where inlined
+// Σg and Σg·xhat per channel over rows, g = dy·act'(gamma·xhat + b), xhat = (x - mean)·invstd; act constant where inlined
 static inline __attribute__((always_inline)) void bn_grad_sums(Tensor dy, Tensor x, size_t M, int C, int c0,
                                                                const float *gam, const float *inv, const float *b,
                                                                const float *mean, Act act, double *sg, double *sgx) {
@@ -1177,16 +1201,16 @@ static inline __attribute__((always_inline)) void bn_grad_sums(Tensor dy, Tensor
         const float *xr = ld_view(x, r * C + c0, xbuf, BN_CBLOCK), *dr = ld_view(dy, r * C + c0, dbuf, BN_CBLOCK);
         #pragma omp simd
         for (int j = 0; j < BN_CBLOCK; j++) {
-            float d = xr[j] - mean[c0 + j], g = dr[j] * act_grad_vec(act, gam[c0 + j] * (d * inv[c0 + j]) + b[c0 + j]);
+            float xhat = (xr[j] - mean[c0 + j]) * inv[c0 + j], g = dr[j] * act_grad_vec(act, gam[c0 + j] * xhat + b[c0 + j]);
             sg[j] += g;
-            sgx[j] += (double)g * d;
+            sgx[j] += (double)g * xhat;
         }
     }
 }
 
 static void bn_backward_reduce_fast(Tensor dy, Tensor x, const float *mean, const float *var, const float *gamma,
                                     const float *beta, float eps, Act act, float *sum_g, float *sum_gx,
-                                    float *dgamma, float *dbeta) {
+                                    float *dgamma, float *dbeta, double *sums) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     // gamma, invstd, beta, mean padded to whole channel blocks (the padding lanes are computed and dropped)
@@ -1214,18 +1238,16 @@ static void bn_backward_reduce_fast(Tensor dy, Tensor x, const float *mean, cons
             for (size_t r = 0; r < M; r++) {
                 const float *xr = ld_view(x, r * C + c0, xbuf, nc), *dr = ld_view(dy, r * C + c0, dbuf, nc);
                 for (int j = 0; j < nc; j++) {
-                    float d = xr[j] - m[c0 + j], g = dr[j] * act_grad_vec(act, gam[c0 + j] * (d * invstd[c0 + j]) + b[c0 + j]);
+                    float xhat = (xr[j] - m[c0 + j]) * invstd[c0 + j];
+                    float g = dr[j] * act_grad_vec(act, gam[c0 + j] * xhat + b[c0 + j]);
                     sg[j] += g;
-                    sgx[j] += (double)g * d;
+                    sgx[j] += (double)g * xhat;
                 }
             }
         }
         for (int j = 0; j < nc; j++) {
-            float gx = (float)(sgx[j] * invstd[c0 + j]);  // Σ g·xhat
-            sum_g[c0 + j] = (float)sg[j];
-            sum_gx[c0 + j] = gx;
-            if (dbeta) dbeta[c0 + j] += (float)sg[j];
-            if (dgamma) dgamma[c0 + j] += gx;
+            bn_grad_sums_store(c0 + j, sg[j], sgx[j], sum_g, sum_gx, dgamma, dbeta);
+            if (sums) { sums[c0 + j] = sg[j]; sums[C + c0 + j] = sgx[j]; }
         }
     }
 }
@@ -1291,10 +1313,16 @@ static void bn_backward_data_fast(Tensor dx, Tensor dy, Tensor x, const float *m
     }
 }
 
-static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum) {
-    bn_stats_fast(x, mean, var);
+static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum,
+                         double *sums) {
+    bn_stats_fast(x, mean, var, sums);
     const int C = x.shape.c;
     if (run_mean) bn_update_running_cpu(o, run_mean, run_var, mean, var, C, shape_numel(x.shape) / C, momentum);
+}
+static void bn_stats_finish_cpu(Ops *o, const double *sums, int C, size_t count, float *mean, float *var,
+                                float *run_mean, float *run_var, float momentum) {
+    for (int c = 0; c < C; c++) bn_moments_stats(sums[c], sums[C + c], (double)count, &mean[c], &var[c]);
+    if (run_mean) bn_update_running_cpu(o, run_mean, run_var, mean, var, C, count, momentum);
 }
 
 static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
@@ -1305,9 +1333,14 @@ static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const 
 
 static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
                                    const float *gamma, const float *beta, float eps, Act act,
-                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta) {
+                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums) {
     (void)o;
-    bn_backward_reduce_fast(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta);
+    bn_backward_reduce_fast(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta, sums);
+}
+static void bn_backward_finish_cpu(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx, float *dgamma,
+                                   float *dbeta) {
+    (void)o;
+    for (int c = 0; c < C; c++) bn_grad_sums_store(c, sums[c], sums[C + c], sum_g, sum_gx, dgamma, dbeta);
 }
 
 static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
@@ -1883,9 +1916,11 @@ Ops ops_cpu = {
     .conv2d_backward_data = conv2d_backward_data_cpu,
     .conv2d_backward_weight = conv2d_backward_weight_cpu,
     .bn_stats = bn_stats_cpu,
+    .bn_stats_finish = bn_stats_finish_cpu,
     .bn_forward = bn_forward_cpu,
     .bn_update_running = bn_update_running_cpu,
     .bn_backward_reduce = bn_backward_reduce_cpu,
+    .bn_backward_finish = bn_backward_finish_cpu,
     .bn_backward_data = bn_backward_data_cpu,
     .act_forward = act_forward_cpu,
     .act_backward = act_backward_cpu,
@@ -1924,9 +1959,10 @@ static const struct { const char *name; size_t offset; int optional; } OPS_ENTRI
     OPS_ENTRY(host_alloc), OPS_ENTRY(host_free), OPS_ENTRY(upload_async), OPS_OPTIONAL(capture_begin),
     OPS_OPTIONAL(capture_end), OPS_OPTIONAL(replay), OPS_OPTIONAL(record_free),
     OPS_ENTRY(fill), OPS_ENTRY(scale), OPS_ENTRY(axpby), OPS_ENTRY(copy), OPS_ENTRY(sum_squares),
-    OPS_ENTRY(nonfinite), OPS_ENTRY(step_control), OPS_ENTRY(conv2d_workspace), OPS_ENTRY(conv2d_forward), OPS_ENTRY(conv2d_backward_data),
-    OPS_ENTRY(conv2d_backward_weight), OPS_ENTRY(bn_stats), OPS_ENTRY(bn_forward), OPS_ENTRY(bn_update_running),
-    OPS_ENTRY(bn_backward_reduce), OPS_ENTRY(bn_backward_data), OPS_ENTRY(act_forward), OPS_ENTRY(act_backward),
+    OPS_ENTRY(nonfinite), OPS_ENTRY(step_control), OPS_ENTRY(conv2d_workspace), OPS_ENTRY(conv2d_forward),
+    OPS_ENTRY(conv2d_backward_data), OPS_ENTRY(conv2d_backward_weight), OPS_ENTRY(bn_stats), OPS_ENTRY(bn_stats_finish),
+    OPS_ENTRY(bn_forward), OPS_ENTRY(bn_update_running), OPS_ENTRY(bn_backward_reduce), OPS_ENTRY(bn_backward_finish),
+    OPS_ENTRY(bn_backward_data), OPS_ENTRY(act_forward), OPS_ENTRY(act_backward),
     OPS_ENTRY(global_avg_pool_forward), OPS_ENTRY(global_avg_pool_backward), OPS_ENTRY(channel_scale_forward),
     OPS_ENTRY(channel_scale_backward), OPS_ENTRY(se_gate_forward), OPS_ENTRY(se_gate_backward),
     OPS_ENTRY(add_forward), OPS_ENTRY(add_backward), OPS_ENTRY(concat_forward), OPS_ENTRY(concat_backward),
@@ -2871,7 +2907,8 @@ void net_free(Net *net) {
     else for (int t = 0; net->act && t < g->n_tensors; t++) { o->free(o, net->act[t]); if (net->grad) o->free(o, net->grad[t]); }
     for (int l = 0; net->bn_mean && l < g->n_layers; l++) { o->free(o, net->bn_mean[l]); o->free(o, net->bn_var[l]); }
     o->free(o, net->params); o->free(o, net->grads); o->free(o, net->buffers);
-    o->free(o, net->bn_scratch); o->free(o, net->ws); o->free(o, net->layer_seeds); o->free(o, net->params_cast);
+    o->free(o, net->bn_scratch); o->free(o, net->bn_sums); o->free(o, net->ws); o->free(o, net->layer_seeds);
+    o->free(o, net->params_cast);
     free(net->act); free(net->grad); free(net->needs_grad); free(net->grad_written); free(net->bn_mean); free(net->bn_var);
     free(net->grad_offset);
     memset(net, 0, sizeof *net);
@@ -2968,13 +3005,14 @@ static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int in
         net->grads = o->alloc(o, sizeof(float) * (net->n_grad_floats ? net->n_grad_floats : 1));
         net->buffers = o->alloc(o, bbytes);
         net->bn_scratch = o->alloc(o, sizeof(float) * 2 * (size_t)cmax);
+        net->bn_sums = o->alloc(o, sizeof(double) * 2 * (size_t)cmax);
         net->layer_seeds = o->alloc(o, sizeof(uint64_t) * (size_t)L);
         if (!plan) {
             net->ws_bytes = ws;
             net->ws = ws ? o->alloc(o, ws) : NULL;
         }
-        ok = net->params && net->grads && net->buffers && net->bn_scratch && net->layer_seeds && (!ws || net->ws) &&
-             (!cast || net->params_cast);
+        ok = net->params && net->grads && net->buffers && net->bn_scratch && net->bn_sums && net->layer_seeds &&
+             (!ws || net->ws) && (!cast || net->params_cast);
     }
     if (!ok) {
         snprintf(err, SN_ERR_MAX, "out of %s memory allocating the network's tensors (%.2f GiB for the step's arena: "
@@ -3018,80 +3056,52 @@ static int layer_in_train_mode(const Net *net, const Layer *l) { return net->tra
 
 // ---- batch norm across replicas (--sync-bn)
 //
-// Forward: the statistics of the global batch from every replica's count n_r
-// and its fp32 mean_r, var_r (bn_stats), in fp64, in two all-reduces:
-//   mean = Σ n_r·mean_r / Σ n_r,   var = Σ n_r·(var_r + (mean_r - mean)²) / Σ n_r
-// The second sum is centred on the global mean: exact algebra, without the
-// cancellation of Σx²/n - mean². It differs from bn_stats over the whole
-// batch on one replica only by the fp32 rounding of each mean_r and var_r
-// (relative 2^-24 each) and the final rounding to fp32: a few ulp.
-// Backward: Σg and Σg·xhat added over the replicas (fp64, rounded once).
-// A replica with an empty shard takes part with n_r = 0. Both return the
-// global count, or 0 when the collective failed (net->failed is then set).
+// Each reduction over the batch is a set of fp64 sums that the replicas add
+// up before anything is rounded to fp32:
+//   forward   Σx, Σx² per channel (bn_stats), all-reduced, then
+//             mean = Σx/n, var = Σx²/n - mean² (bn_stats_finish: bn_moments_stats)
+//   backward  Σg, Σg·xhat per channel (bn_backward_reduce), all-reduced, then
+//             rounded once (bn_backward_finish: bn_grad_sums_store)
+// One replica forms the same fp64 sums in one piece and rounds them with the
+// same formulas, so N replicas differ from it only in the order of the fp64
+// additions: 2^-53 of the summands' magnitude. That keeps the statistics the
+// one replica's to the fp32 bit but for values within that distance of a
+// rounding boundary, and keeps Σg accurate where it nearly cancels (a BN whose
+// output reaches another BN through a conv: rounding each shard's sums to fp32
+// before adding them moved a 2-level U-Net's first-step gradient by 1.4e-4).
+// dgamma, dbeta come from the global sums on rank 0 only: the gradients'
+// all-reduce then adds the other replicas' zeros to them. A replica with an
+// empty shard takes part with zero sums.
 
 static int bn_synced(const Net *net, const Layer *l) {
     return net->sync_bn && l->kind == LAYER_BN && layer_in_train_mode(net, l);
 }
 
-// On a device with a device communicator (NCCL) the sums stay in device
-// memory (cuda_bn_sync_stats/grads, the same fp64 terms); the global count is
-// a host scalar, all-reduced here.
-#ifdef SEGNET_CUDA
-static int bn_sync_on_device(const Net *net) { return net->sync_bn->device && net->o != &ops_cpu; }
-#endif
-
-static size_t bn_sync_stats(Net *net, float *mean, float *var, int C, size_t count) {
+// net->bn_sums (2C fp64, this replica's over `count` values per channel) summed
+// over the replicas: on a device with a device communicator (NCCL) in device
+// memory, else through the host. Returns the global count, or 0 when the
+// collective failed (net->failed is then set).
+static size_t bn_sync_sums(Net *net, int C, size_t count) {
     Comm *comm = net->sync_bn;
     Ops *o = net->o;
+    const size_t n = 2 * (size_t)C;
+    if (!count) o->fill(o, tensor_f32((float *)net->bn_sums, shape4((int)(2 * n), 1, 1, 1)), 0.0f);  // fp64 zeros
 #ifdef SEGNET_CUDA
-    if (bn_sync_on_device(net)) {
+    if (comm->device && o != &ops_cpu) {
         int64_t total = (int64_t)count;
-        if (comm->allreduce_i64(comm, &total, 1) ||
-            cuda_bn_sync_stats(comm->device, o, mean, var, C, count, (size_t)total)) { net->failed = 1; return 0; }
-        return (size_t)total;
-    }
-#endif
-    float m[C], v[C];  // (C)
-    double s[C + 1], q[C];
-    if (count) { o->download(o, m, mean, sizeof m); o->download(o, v, var, sizeof v); }
-    for (int c = 0; c < C; c++) s[c] = bn_sync_mean_term((double)count, m[c]);
-    s[C] = (double)count;
-    if (comm->allreduce_f64(comm, s, (size_t)C + 1)) { net->failed = 1; return 0; }
-    const double total = s[C];
-    for (int c = 0; c < C; c++) {
-        s[c] /= total;
-        q[c] = bn_sync_var_term((double)count, m[c], v[c], s[c]);
-    }
-    if (comm->allreduce_f64(comm, q, (size_t)C)) { net->failed = 1; return 0; }
-    for (int c = 0; c < C; c++) { m[c] = (float)s[c]; v[c] = (float)(q[c] / total); }
-    o->upload(o, mean, m, sizeof m);
-    o->upload(o, var, v, sizeof v);
-    return (size_t)total;
-}
-
-static size_t bn_sync_grads(Net *net, float *sum_g, float *sum_gx, int C, size_t count) {
-    Comm *comm = net->sync_bn;
-    Ops *o = net->o;
-#ifdef SEGNET_CUDA
-    if (bn_sync_on_device(net)) {
-        int64_t total = (int64_t)count;
-        if (comm->allreduce_i64(comm, &total, 1) || cuda_bn_sync_grads(comm->device, o, sum_g, sum_gx, C, count)) {
+        if (comm->allreduce_i64(comm, &total, 1) || comm->device->allreduce_f64(comm->device, net->bn_sums, n)) {
             net->failed = 1;
             return 0;
         }
         return (size_t)total;
     }
 #endif
-    float a[2 * C];  // (2C) Σg, then Σg·xhat
-    double s[2 * C + 1];
-    if (count) { o->download(o, a, sum_g, sizeof(float) * C); o->download(o, a + C, sum_gx, sizeof(float) * C); }
-    for (int k = 0; k < 2 * C; k++) s[k] = count ? a[k] : 0.0;
-    s[2 * C] = (double)count;
-    if (comm->allreduce_f64(comm, s, 2 * (size_t)C + 1)) { net->failed = 1; return 0; }
-    for (int k = 0; k < 2 * C; k++) a[k] = (float)s[k];
-    o->upload(o, sum_g, a, sizeof(float) * C);
-    o->upload(o, sum_gx, a + C, sizeof(float) * C);
-    return (size_t)s[2 * C];
+    double s[n + 1];  // (2C) the sums, then the count
+    o->download(o, s, net->bn_sums, sizeof(double) * n);
+    s[n] = (double)count;
+    if (comm->allreduce_f64(comm, s, n + 1)) { net->failed = 1; return 0; }
+    o->upload(o, net->bn_sums, s, sizeof(double) * n);
+    return (size_t)s[n];
 }
 
 // wall clock for net->layer_seconds
@@ -3126,11 +3136,13 @@ static void layer_forward(Net *net, int i, int recompute) {
                 if (!recompute) {
                     const int C = x.shape.c;
                     size_t count = shape_numel(x.shape) / C;
-                    // without --sync-bn the running statistics are updated in the same pass
-                    if (count) o->bn_stats(o, x, net->bn_mean[i], net->bn_var[i], net->sync_bn ? NULL : rm, rv, BN_MOMENTUM);
-                    if (net->sync_bn) {
-                        count = bn_sync_stats(net, net->bn_mean[i], net->bn_var[i], C, count);
-                        if (count) o->bn_update_running(o, rm, rv, net->bn_mean[i], net->bn_var[i], C, count, BN_MOMENTUM);
+                    float *mean = net->bn_mean[i], *var = net->bn_var[i];
+                    if (!net->sync_bn) {  // the running statistics are updated in the same pass
+                        if (count) o->bn_stats(o, x, mean, var, rm, rv, BN_MOMENTUM, NULL);
+                    } else {
+                        if (count) o->bn_stats(o, x, mean, var, NULL, NULL, 0.0f, net->bn_sums);
+                        count = bn_sync_sums(net, C, count);
+                        if (count) o->bn_stats_finish(o, net->bn_sums, C, count, mean, var, rm, rv, BN_MOMENTUM);
                     }
                 }
                 if (net->batch) o->bn_forward(o, y, x, net->bn_mean[i], net->bn_var[i], w, b, l->eps, l->act);
@@ -3220,9 +3232,16 @@ static void layer_backward(Net *net, int i) {
             const float *mean = batch ? net->bn_mean[i] : buffer_ptr(net, l->run_mean);
             const float *var = batch ? net->bn_var[i] : buffer_ptr(net, l->run_var);
             size_t count = batch ? shape_numel(x.shape) / C : 0;  // 0: the statistics were constants
+            const int synced = batch && net->sync_bn && (net->needs_grad[a] || dw);
             if ((batch || dw) && net->batch)
-                o->bn_backward_reduce(o, dy, x, mean, var, w, bias, l->eps, l->act, sum_g, sum_gx, dw, dbias);
-            if (batch && net->sync_bn && net->needs_grad[a]) count = bn_sync_grads(net, sum_g, sum_gx, C, count);
+                o->bn_backward_reduce(o, dy, x, mean, var, w, bias, l->eps, l->act, sum_g, sum_gx, synced ? NULL : dw,
+                                      synced ? NULL : dbias, synced ? net->bn_sums : NULL);
+            if (synced) {
+                count = bn_sync_sums(net, C, count);
+                const int adds = net->sync_bn->rank == 0;  // see "batch norm across replicas"
+                if (count)
+                    o->bn_backward_finish(o, net->bn_sums, C, sum_g, sum_gx, adds ? dw : NULL, adds ? dbias : NULL);
+            }
             if (dx.data && net->batch && !net->failed)
                 o->bn_backward_data(o, dx, dy, x, mean, var, w, bias, l->eps, l->act, sum_g, sum_gx, count, acc_a);
             break;
@@ -7676,7 +7695,7 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
             m->statistics += 2 * sizeof(float) * (size_t)C;
             if (C > cmax) cmax = C;
         }
-    m->statistics += 2 * sizeof(float) * (size_t)cmax;
+    m->statistics += 2 * (sizeof(float) + sizeof(double)) * (size_t)cmax;  // net->bn_scratch, net->bn_sums
     m->workspace = p->workspace;
     m->activations = p->peak - p->workspace;
     m->io = sizeof(float) * K + sizeof(int32_t) * labels + sizeof(int64_t) * K * K + sizeof(StepArgs) + sizeof(StepState) +
@@ -8356,8 +8375,9 @@ static const char *TRAIN_USAGE =
     "                        images of every batch B (under `mpirun -np N`: one per\n"
     "                        process); loss, gradients and metrics are those of the\n"
     "                        global batch, so N does not change the result\n"
-    "  --sync-bn             batch norm statistics over the global batch (all-reduced);\n"
-    "                        without it each replica normalises its own shard (Keras)\n"
+    "  --sync-bn             batch norm statistics over the global batch (fp64 sums,\n"
+    "                        all-reduced): N replicas then train as one does; without\n"
+    "                        it each replica normalises its own shard (Keras)\n"
     "  --seed S              initialisation, data order, augmentation, dropout (default 1)\n"
     "  --device D            auto (default: the GPU if there is one, else the CPU,\n"
     "                        saying so), cuda or cpu\n"

@@ -166,14 +166,26 @@ static inline SN_HD float act_grad(Act a, float z) {
 // batch norm's 1/sqrt(var + eps), per channel
 static inline SN_HD float bn_invstd(const float *var, int c, float eps) { return 1.0f / sqrtf(var[c] + eps); }
 
-// --sync-bn (segnet.c, "batch norm across replicas"): a replica's terms of the
-// global sums, n_r·mean_r and n_r·(var_r + (mean_r - mean)²) in fp64; an empty
-// shard (n_r = 0) adds 0
-static inline SN_HD double bn_sync_mean_term(double n, float mean_r) { return n != 0.0 ? n * (double)mean_r : 0.0; }
-static inline SN_HD double bn_sync_var_term(double n, float mean_r, float var_r, double mean) {
-    if (n == 0.0) return 0.0;
-    double d = (double)mean_r - mean;
-    return n * ((double)var_r + d * d);
+// batch norm's statistics of a channel from its fp64 sums over `count` values
+// (bn_stats, and --sync-bn's sums added over the replicas: the same formula):
+//   mean = Σx/count, var = Σx²/count - mean² (biased, ≥ 0)
+// x² of an fp32 x is exact in fp64, so the subtraction loses (mean²/var)·2^-52
+// of var: below its fp32 rounding unless |mean| > 2^14·σ.
+static inline SN_HD void bn_moments_stats(double sum, double sum_sq, double count, float *mean, float *var) {
+    const double m = sum / count, v = sum_sq / count - m * m;
+    *mean = (float)m;
+    *var = (float)(v > 0.0 ? v : 0.0);
+}
+// the running variance's unbiasing factor count/(count - 1) (bn_update_running)
+static inline SN_HD double bn_running_unbias(double count) { return count > 1.0 ? count / (count - 1.0) : 1.0; }
+// bn_backward_reduce's results for channel c from its fp64 Σg, Σg·xhat: each
+// rounded once to fp32, and added into dgamma, dbeta where they are not NULL
+static inline SN_HD void bn_grad_sums_store(int c, double sg, double sgx, float *sum_g, float *sum_gx, float *dgamma,
+                                            float *dbeta) {
+    sum_g[c] = (float)sg;
+    sum_gx[c] = (float)sgx;
+    if (dbeta) dbeta[c] += (float)sg;
+    if (dgamma) dgamma[c] += (float)sgx;
 }
 
 // ----------------------------------------------------------------------------
@@ -473,19 +485,32 @@ struct Ops {
 
     // batch norm, split so that replicas can all-reduce between the pieces:
     //   stats -> (all-reduce) -> forward; backward_reduce -> (all-reduce) -> backward_data
-    // mean, var: (C) biased per-channel statistics of x over N·H·W; with run_mean
-    // (not NULL) also bn_update_running with count N·H·W, in the same pass
-    void (*bn_stats)(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum);
+    // mean, var: (C) biased per-channel statistics of x over N·H·W (bn_moments_stats of
+    // the fp64 Σx, Σx²); with run_mean (not NULL) also bn_update_running with count
+    // N·H·W, in the same pass; sums: NULL, or (2C) where Σx, then Σx², are also
+    // written in fp64 (--sync-bn adds them over the replicas, then bn_stats_finish)
+    void (*bn_stats)(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum,
+                     double *sums);
+    // mean, var from sums (2C: Σx, Σx² over `count` values) as bn_stats computes them;
+    // with run_mean (not NULL) also bn_update_running with `count`
+    void (*bn_stats_finish)(Ops *o, const double *sums, int C, size_t count, float *mean, float *var,
+                            float *run_mean, float *run_var, float momentum);
     // y = act(gamma·(x - mean)/sqrt(var + eps) + beta): training (batch stats) and inference (running stats)
     void (*bn_forward)(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
                        const float *gamma, const float *beta, float eps, Act act);
     // running = (1-m)·running + m·batch, the variance made unbiased with count/(count-1)
     void (*bn_update_running)(Ops *o, float *run_mean, float *run_var, const float *mean,
                               const float *var, int C, size_t count, float momentum);
-    // g = dy·act'(z): sum_g = Σ g, sum_gx = Σ g·xhat per channel (overwritten), also added into dgamma/dbeta
+    // g = dy·act'(z), xhat = (x - mean)·invstd (fp32): sum_g = Σ g, sum_gx = Σ g·xhat per
+    // channel, summed in fp64 and rounded once (overwritten), also added into dgamma/dbeta
+    // (either may be NULL); sums: NULL, or (2C) where the fp64 Σg, then Σg·xhat, are also
+    // written (--sync-bn adds them over the replicas, then bn_backward_finish)
     void (*bn_backward_reduce)(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
                                const float *gamma, const float *beta, float eps, Act act,
-                               float *sum_g, float *sum_gx, float *dgamma, float *dbeta);
+                               float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums);
+    // sum_g, sum_gx from sums (2C) as bn_backward_reduce rounds them, also added into dgamma/dbeta
+    void (*bn_backward_finish)(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx, float *dgamma,
+                               float *dbeta);
     // dx = gamma·invstd·(g - sum_g/count - xhat·sum_gx/count); count = 0 means the
     // statistics were constants (inference mode): dx = gamma·invstd·g
     void (*bn_backward_data)(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
@@ -798,6 +823,7 @@ typedef struct {
     int input_needs_grad; // also compute the gradient of the graph input
     float **bn_mean, **bn_var;  // per layer (BN only): statistics used in the forward, (C)
     float *bn_scratch;    // (2·Cmax) per-channel sums in BN backward
+    double *bn_sums;      // (2·Cmax) --sync-bn: a BN layer's fp64 sums, all-reduced over the replicas
     void *ws; size_t ws_bytes;
     int training;
     uint64_t seed, step;  // dropout masks are rng(seed ⊕ step ⊕ layer)
@@ -1139,13 +1165,6 @@ int comm_agree(Comm *c, int rc, char err[SN_ERR_MAX]);
 int cuda_comm_local_create(Comm *dcomms, Comm *hosts, int n, char err[SN_ERR_MAX]);
 int cuda_comm_mpi_create(Comm *dcomm, Comm *host, char err[SN_ERR_MAX]);
 void cuda_comm_destroy(Comm *dcomms, int n);
-// --sync-bn on the device (kernels.cu): bn_sync_stats and bn_sync_grads of
-// segnet.c with the per-channel fp64 sums made, all-reduced over dcomm and
-// turned back into fp32 on the device; count: this replica's values per
-// channel, total: every replica's (all-reduced by the caller on the host).
-// Return 0, or -1 when a rank has failed.
-int cuda_bn_sync_stats(Comm *dcomm, Ops *o, float *mean, float *var, int C, size_t count, size_t total);
-int cuda_bn_sync_grads(Comm *dcomm, Ops *o, float *sum_g, float *sum_gx, int C, size_t count);
 
 // ----------------------------------------------------------------------------
 // training: initialisation, metrics, schedules, the training loop, evaluation
