@@ -5453,20 +5453,33 @@ int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pi
 // ----------------------------------------------------------------------------
 // training curves (curves.svg)
 //
-// Two panels side by side, loss (train, val) and the metric (train, val),
-// against the epoch. A series is its finite values joined in row order (a
-// missing validation epoch is bridged), with a marker on each value, so a
-// single epoch shows as points. y axes start at 0 and end at a "nice" number
-// above the largest value; the metric's axis spans at least 0..1.
+// Four panels in a 2×2 grid against the epoch: loss (train, val), the metric
+// (train, val), the gradient norm (mean, max; the clipping threshold as a
+// line; a cross at epochs with skipped steps; the loss scale on a right axis)
+// and the learning rate (the update ratio on a right axis). A series is its
+// finite values joined in row order (a missing validation epoch is bridged),
+// with a marker on each value, so a single epoch shows as points. y axes start
+// at 0 and end at a "nice" number above the largest value; the metric's axis
+// spans at least 0..1. The best epoch is a dotted vertical line in each panel.
 
 #define SVG_PANEL_W 480
-#define SVG_H 360
+#define SVG_PANEL_H 360
 #define SVG_LEFT 70     // plot area inside a panel: x in [LEFT, PANEL_W - RIGHT],
-#define SVG_RIGHT 20    // y in [TOP, H - BOTTOM]
+#define SVG_RIGHT 20    // y in [TOP, PANEL_H - BOTTOM]; RIGHT_AXIS instead of
+#define SVG_RIGHT_AXIS 70  // RIGHT when the panel has a second axis
 #define SVG_TOP 40
 #define SVG_BOTTOM 50
 
 typedef struct { size_t offset; const char *name, *colour, *dash; } SvgSeries;
+typedef struct {
+    const char *title;
+    const SvgSeries *left;   // 2 series on the left axis (name NULL: absent)
+    const SvgSeries *right;  // NULL, or 1 series on a right axis of its own
+    double y_min_top;        // the left axis reaches at least this
+    double hline;            // > 0: a horizontal line at this left-axis value, named hline_name
+    const char *hline_name;
+    int mark_skipped;        // a red cross on the left series at epochs with skipped steps
+} SvgPanel;
 
 static double record_value(const EpochRecord *r, size_t offset) { return *(const double *)((const char *)r + offset); }
 
@@ -5487,39 +5500,56 @@ static void svg_text(FILE *f, const char *s) {
     }
 }
 
-static void svg_panel(FILE *f, int x0, const char *title, const EpochRecord *rows, int n, const SvgSeries *s,
-                      double y_min_top) {
-    const double L = x0 + SVG_LEFT, R = x0 + SVG_PANEL_W - SVG_RIGHT, T = SVG_TOP, B = SVG_H - SVG_BOTTOM;
-    // x: the epochs, ±½ around a single one; y: 0 .. max(values, y_min_top), rounded up to a step
-    double ex0 = rows[0].epoch, ex1 = rows[0].epoch, ylo = 0, yhi = y_min_top;
-    int present[2] = {0, 0};
-    for (int i = 0; i < n; i++) {
-        ex0 = fmin(ex0, rows[i].epoch); ex1 = fmax(ex1, rows[i].epoch);
-        for (int k = 0; k < 2; k++) {
+// An axis 0..max(values, top) (or from a negative minimum), rounded out to a nice step
+typedef struct { double lo, hi, step; int ticks; } SvgAxis;
+static SvgAxis svg_axis(const EpochRecord *rows, int n, const SvgSeries *s, int n_series, double top, int *present) {
+    SvgAxis a = {0, top, 0, 0};
+    for (int k = 0; k < n_series; k++) {
+        present[k] = 0;
+        for (int i = 0; s[k].name && i < n; i++) {
             double v = record_value(&rows[i], s[k].offset);
             if (!isfinite(v)) continue;
             present[k]++;
-            ylo = fmin(ylo, v); yhi = fmax(yhi, v);
+            a.lo = fmin(a.lo, v); a.hi = fmax(a.hi, v);
         }
     }
-    if (ex1 == ex0) { ex0 -= 0.5; ex1 += 0.5; }
-    if (yhi == ylo) yhi = ylo + 1;  // all values 0
-    double ystep = nice_step(ylo, yhi), xstep = fmax(1, round(nice_step(ex0, ex1)));
-    double lo = floor(ylo / ystep) * ystep, hi = ceil(yhi / ystep) * ystep;
-    if (isfinite(lo)) ylo = lo;
-    if (isfinite(hi)) yhi = hi;
-    int y_ticks = (int)floor(yhi / ystep - ylo / ystep + 1e-9);
-#define SVG_X(e) (L + ((e) - ex0) / (ex1 - ex0) * (R - L))
-#define SVG_Y(v) (B - ((v) / 2 - ylo / 2) / (yhi / 2 - ylo / 2) * (B - T))  // halves: finite near ±DBL_MAX
+    if (a.hi == a.lo) a.hi = a.lo + 1;  // all values 0
+    a.step = nice_step(a.lo, a.hi);
+    double lo = floor(a.lo / a.step) * a.step, hi = ceil(a.hi / a.step) * a.step;
+    if (isfinite(lo)) a.lo = lo;
+    if (isfinite(hi)) a.hi = hi;
+    a.ticks = (int)floor(a.hi / a.step - a.lo / a.step + 1e-9);
+    return a;
+}
 
-    fprintf(f, "<g>\n<text x=\"%.1f\" y=\"24\" text-anchor=\"middle\" font-size=\"15\" font-weight=\"bold\">",
-            (L + R) / 2);
-    svg_text(f, title);
+static void svg_panel(FILE *f, int x0, int y0, const SvgPanel *p, const EpochRecord *rows, int n, int best_epoch) {
+    const double L = x0 + SVG_LEFT, R = x0 + SVG_PANEL_W - (p->right ? SVG_RIGHT_AXIS : SVG_RIGHT);
+    const double T = y0 + SVG_TOP, B = y0 + SVG_PANEL_H - SVG_BOTTOM;
+    // x: the epochs, ±½ around a single one
+    double ex0 = rows[0].epoch, ex1 = rows[0].epoch;
+    for (int i = 0; i < n; i++) { ex0 = fmin(ex0, rows[i].epoch); ex1 = fmax(ex1, rows[i].epoch); }
+    if (ex1 == ex0) { ex0 -= 0.5; ex1 += 0.5; }
+    const double xstep = fmax(1, round(nice_step(ex0, ex1)));
+    int present[3];
+    SvgAxis ya = svg_axis(rows, n, p->left, 2, fmax(p->y_min_top, p->hline), present), yr = {0, 1, 1, 0};
+    if (p->right) yr = svg_axis(rows, n, p->right, 1, 0, present + 2);
+    else present[2] = 0;
+#define SVG_X(e) (L + ((e) - ex0) / (ex1 - ex0) * (R - L))
+#define SVG_Y(a, v) (B - ((v) / 2 - (a).lo / 2) / ((a).hi / 2 - (a).lo / 2) * (B - T))  // halves: finite near ±DBL_MAX
+
+    fprintf(f, "<g>\n<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" font-size=\"15\" font-weight=\"bold\">",
+            (L + R) / 2, y0 + 24.0);
+    svg_text(f, p->title);
     fputs("</text>\n", f);
-    for (int i = 0; i <= y_ticks; i++) {  // y ticks and grid
-        double v = 2 * (ylo / 2 + i * (ystep / 2)), y = SVG_Y(v);
+    for (int i = 0; i <= ya.ticks; i++) {  // y ticks and grid
+        double v = 2 * (ya.lo / 2 + i * (ya.step / 2)), y = SVG_Y(ya, v);
         fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>"
                 "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.3g</text>\n", L, y, R, y, L - 6, y + 4, v);
+    }
+    for (int i = 0; p->right && i <= yr.ticks; i++) {  // the right axis' ticks
+        double v = 2 * (yr.lo / 2 + i * (yr.step / 2)), y = SVG_Y(yr, v);
+        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333\"/>"
+                "<text x=\"%.1f\" y=\"%.1f\" fill=\"%s\">%.3g</text>\n", R, y, R + 5, y, R + 8, y + 4, p->right->colour, v);
     }
     for (double e = ceil(ex0 / xstep) * xstep; e <= ex1; e += xstep)  // x ticks
         fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333\"/>"
@@ -5530,39 +5560,70 @@ static void svg_panel(FILE *f, int x0, const char *title, const EpochRecord *row
     fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">epoch</text>\n", (L + R) / 2, B + 40.0);
     fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" transform=\"rotate(-90 %.1f %.1f)\">",
             x0 + 18.0, (T + B) / 2, x0 + 18.0, (T + B) / 2);
-    svg_text(f, title);
+    svg_text(f, p->title);
     fputs("</text>\n", f);
-    // the legend goes top right, or bottom right when the curves end high (accuracy, IoU)
-    int legend = 0, n_series = (present[0] > 0) + (present[1] > 0), bottom = 0;
-    for (int i = n - 1; i >= 0; i--) {
-        double v = record_value(&rows[i], s[0].offset);
-        if (isfinite(v)) { bottom = SVG_Y(v) < (T + B) / 2; break; }
-    }
-    for (int k = 0; k < 2; k++) {
+    if (best_epoch >= ex0 && best_epoch <= ex1)
+        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#2ca02c\" stroke-dasharray=\"2 3\"/>"
+                "<text x=\"%.1f\" y=\"%.1f\" fill=\"#2ca02c\" text-anchor=\"middle\">best</text>\n",
+                SVG_X(best_epoch), T, SVG_X(best_epoch), B, SVG_X(best_epoch), T - 4);
+    if (p->hline > 0)
+        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#d62728\" stroke-dasharray=\"8 3\"/>\n",
+                L, SVG_Y(ya, p->hline), R, SVG_Y(ya, p->hline));
+    // the series: left ones, then the right one against its own axis
+    const SvgSeries *all[3] = {&p->left[0], &p->left[1], p->right};
+    const SvgAxis *axis[3] = {&ya, &ya, &yr};
+    for (int k = 0; k < 3; k++) {
         if (!present[k]) continue;
-        fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\"%s points=\"", s[k].colour, s[k].dash);
+        fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\"%s points=\"", all[k]->colour, all[k]->dash);
         for (int i = 0; i < n; i++) {
-            double v = record_value(&rows[i], s[k].offset);
-            if (isfinite(v)) fprintf(f, "%.1f,%.1f ", SVG_X(rows[i].epoch), SVG_Y(v));
+            double v = record_value(&rows[i], all[k]->offset);
+            if (isfinite(v)) fprintf(f, "%.1f,%.1f ", SVG_X(rows[i].epoch), SVG_Y(*axis[k], v));
         }
         fputs("\"/>\n", f);
         for (int i = 0; i < n; i++) {
-            double v = record_value(&rows[i], s[k].offset);
+            double v = record_value(&rows[i], all[k]->offset);
             if (isfinite(v))
-                fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>\n", SVG_X(rows[i].epoch), SVG_Y(v), s[k].colour);
+                fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>\n", SVG_X(rows[i].epoch),
+                        SVG_Y(*axis[k], v), all[k]->colour);
         }
-        double ly = bottom ? B - 12 - 18 * (n_series - 1 - legend) : T + 14 + 18 * legend;
-        legend++;
-        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2\"%s/>"
-                "<text x=\"%.1f\" y=\"%.1f\">%s</text>\n", R - 70, ly, R - 46, ly, s[k].colour, s[k].dash, R - 40, ly + 4, s[k].name);
     }
-    if (!legend) fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" fill=\"#888\">no values</text>\n", (L + R) / 2, (T + B) / 2);
+    for (int i = 0; p->mark_skipped && i < n; i++) {  // a cross at the bottom of each epoch with skipped steps
+        if (!(rows[i].skipped_steps > 0)) continue;
+        double x = SVG_X(rows[i].epoch);
+        fprintf(f, "<path d=\"M%.1f %.1fl8 8m0 -8l-8 8\" stroke=\"#d62728\" stroke-width=\"2\"/>\n", x - 4, B - 14);
+    }
+    // the legend goes top right, or bottom right when the first curve ends high (accuracy, IoU)
+    const char *names[5];
+    const char *colours[5], *dashes[5];
+    int n_legend = 0, bottom = 0;
+    for (int k = 0; k < 3; k++)
+        if (present[k]) { names[n_legend] = all[k]->name; colours[n_legend] = all[k]->colour; dashes[n_legend++] = all[k]->dash; }
+    if (p->hline > 0) { names[n_legend] = p->hline_name; colours[n_legend] = "#d62728"; dashes[n_legend++] = " stroke-dasharray=\"8 3\""; }
+    int any_skipped = 0;
+    for (int i = 0; p->mark_skipped && i < n; i++) any_skipped |= rows[i].skipped_steps > 0;
+    for (int i = n - 1; i >= 0; i--) {
+        double v = record_value(&rows[i], p->left[0].offset);
+        if (isfinite(v)) { bottom = SVG_Y(ya, v) < (T + B) / 2; break; }
+    }
+    const int lines = n_legend + any_skipped;
+    for (int k = 0; k < lines; k++) {
+        double ly = bottom ? B - 12 - 18 * (lines - 1 - k) : T + 14 + 18 * k;
+        if (k < n_legend)
+            fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2\"%s/>",
+                    R - 110, ly, R - 86, ly, colours[k], dashes[k]);
+        else
+            fprintf(f, "<path d=\"M%.1f %.1fl8 8m0 -8l-8 8\" stroke=\"#d62728\" stroke-width=\"2\"/>", R - 102, ly - 4);
+        fprintf(f, "<text x=\"%.1f\" y=\"%.1f\">", R - 80, ly + 4);
+        svg_text(f, k < n_legend ? names[k] : "skipped steps");
+        fputs("</text>\n", f);
+    }
+    if (!present[0] && !present[1]) fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" fill=\"#888\">no values</text>\n", (L + R) / 2, (T + B) / 2);
     fputs("</g>\n", f);
 #undef SVG_X
 #undef SVG_Y
 }
 
-int write_curves_svg(const char *path, const EpochRecord *rows, int n, const char *metric_name,
+int write_curves_svg(const char *path, const EpochRecord *rows, int n, const char *metric_name, const CurveMarks *marks,
                      char err[SN_ERR_MAX]) {
     snCheck(rows != NULL && n >= 1 && metric_name != NULL, "write_curves_svg: no rows");
     static const char *VAL_DASH = " stroke-dasharray=\"6 4\"";
@@ -5570,14 +5631,27 @@ int write_curves_svg(const char *path, const EpochRecord *rows, int n, const cha
                                {offsetof(EpochRecord, val_loss), "val", "#ff7f0e", VAL_DASH}};
     const SvgSeries metric[2] = {{offsetof(EpochRecord, metric), "train", "#1f77b4", ""},
                                  {offsetof(EpochRecord, val_metric), "val", "#ff7f0e", VAL_DASH}};
+    const SvgSeries norm[2] = {{offsetof(EpochRecord, grad_norm_mean), "mean", "#1f77b4", ""},
+                               {offsetof(EpochRecord, grad_norm_max), "max", "#9467bd", VAL_DASH}};
+    const SvgSeries scale = {offsetof(EpochRecord, loss_scale), "loss scale", "#8c564b", " stroke-dasharray=\"2 2\""};
+    const SvgSeries lr[2] = {{offsetof(EpochRecord, lr), "lr", "#1f77b4", ""}, {0, NULL, NULL, NULL}};
+    const SvgSeries ratio = {offsetof(EpochRecord, update_ratio), "update ratio", "#8c564b", " stroke-dasharray=\"2 2\""};
+    int fp16 = 0;  // the loss scale is drawn when it is not 1 throughout
+    for (int i = 0; i < n; i++) fp16 |= isfinite(rows[i].loss_scale) && rows[i].loss_scale != 1.0;
+    const SvgPanel panels[4] = {
+        {"loss", loss, NULL, 0, 0, NULL, 0},
+        {metric_name, metric, NULL, 1, 0, NULL, 0},
+        {"gradient norm", norm, fp16 ? &scale : NULL, 0, marks ? marks->clipnorm : 0, "clipnorm", 1},
+        {"learning rate", lr, &ratio, 0, 0, NULL, 0},
+    };
     char tmp[OUT_PATH_MAX];
     FILE *f = atomic_file_open(path, tmp, sizeof tmp, err);
     if (!f) return -1;
     fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" "
             "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
-            2 * SVG_PANEL_W, SVG_H, 2 * SVG_PANEL_W, SVG_H);
-    svg_panel(f, 0, "loss", rows, n, loss, 0);
-    svg_panel(f, SVG_PANEL_W, metric_name, rows, n, metric, 1);
+            2 * SVG_PANEL_W, 2 * SVG_PANEL_H, 2 * SVG_PANEL_W, 2 * SVG_PANEL_H);
+    for (int k = 0; k < 4; k++)
+        svg_panel(f, (k % 2) * SVG_PANEL_W, (k / 2) * SVG_PANEL_H, &panels[k], rows, n, marks ? marks->best_epoch : 0);
     fputs("</svg>\n", f);
     return atomic_file_commit(f, tmp, path, 1, err);
 }
@@ -5979,6 +6053,101 @@ void train_cfg_default(TrainCfg *c) {
 static int model_is_classifier(const char *model) { return !strncmp(model, "effv2-", 6); }
 static const char *const DTYPE_NAMES[] = {"fp32", "fp16", "bf16"};  // indexed by DType, as --precision spells them
 
+// ---- optimisation diagnostics (metrics.csv's last columns, steps.csv)
+//
+// Over a span of optimiser steps (an epoch; --log-every's interval), from
+// what each step's StepState already says, read at its end with the rest of
+// it (no other wait for the device): the global gradient norm before clipping
+// (unscaled), whether clipping acted, whether fp16 overflow skipped the step,
+// the loss scale after it; and the wall time of train_step. The update ratio
+// ‖Δw‖/‖w‖ (trainable weights, fp64) is that of the span's last step: the
+// weights are read before and after it, one wait per span.
+typedef struct {
+    int64_t steps, clipped, skipped;  // skipped: fp16 overflow, no update (the loss scale halved)
+    int64_t skip_run, skip_run_max;   // skipped steps in a row: the current run, the longest in the span
+    double norm_sum, norm_max;        // of the applied steps
+    double loss_sum, label_sum;       // this replica's Σw·nll and Σw (or labels) of the steps
+    double loss_scale;                // after the span's last step (1 without loss scaling)
+    double update_ratio;              // of the span's last step; NAN: not measured
+    double seconds;                   // in train_step, over `timed` steps: this process's (a checkpoint
+    int64_t timed;                    // keeps no wall time, so that resumed runs save the same bits)
+} StepStats;
+#define STEP_STATS_FIELDS 11          // as text (checkpoint metadata): the fields up to update_ratio, space-separated
+#define WARN_CLIP_FRACTION 0.5        // clipping acted on more than this fraction of an epoch's steps
+#define WARN_SKIP_FRACTION 0.05       // fp16 overflow skipped more than this fraction of an epoch's steps
+#define WARN_SKIP_RUN 3               // or more than this many steps in a row (the loss scale fell each time)
+#define WARN_TRAIN_MODE_GAP 0.05      // the train metric below the validation one by more than this
+
+static void csv_num(StBuf *b, double v);                // ",value" with 6 decimals; "," for NaN
+static void csv_sig(StBuf *b, double v);                // ",value" with 6 significant digits; "," for NaN
+static const char *float_str(char buf[32], float v);   // the shortest decimal that reads back as v
+
+static void step_stats_reset(StepStats *st) { *st = (StepStats){0}; st->loss_scale = 1.0; st->update_ratio = NAN; }
+
+static void step_stats_add(StepStats *st, const StepState *s, double seconds, double local_norm) {
+    st->steps++;
+    if (s->applied) {
+        st->skip_run = 0;
+        st->clipped += s->clipped;
+        st->norm_sum += s->grad_norm;
+        st->norm_max = fmax(st->norm_max, s->grad_norm);
+    } else {
+        st->skipped++;
+        if (++st->skip_run > st->skip_run_max) st->skip_run_max = st->skip_run;
+    }
+    st->seconds += seconds;
+    st->timed++;
+    st->loss_sum += s->loss[0];
+    st->label_sum += local_norm;
+    st->loss_scale = s->loss_scale;
+}
+
+// the columns' values: norm mean and max, clip fraction, loss scale, skipped steps, update ratio, ms per step
+static void step_stats_columns(const StepStats *st, double v[7]) {
+    const int64_t applied = st->steps - st->skipped;
+    v[0] = applied ? st->norm_sum / (double)applied : NAN;
+    v[1] = applied ? st->norm_max : NAN;
+    v[2] = st->steps ? (double)st->clipped / (double)st->steps : NAN;
+    v[3] = st->steps ? st->loss_scale : NAN;
+    v[4] = (double)st->skipped;
+    v[5] = st->update_ratio;
+    v[6] = st->timed ? 1000.0 * st->seconds / (double)st->timed : NAN;
+}
+static const char *const STEP_STATS_COLUMNS = "grad_norm_mean,grad_norm_max,clip_fraction,loss_scale,skipped_steps,"
+                                              "update_ratio,step_ms";
+
+static void step_stats_text(const StepStats *st, char *out, size_t size) {
+    snprintf(out, size, "%" PRId64 " %" PRId64 " %" PRId64 " %" PRId64 " %" PRId64 " %a %a %a %a %a %a", st->steps,
+             st->clipped, st->skipped, st->skip_run, st->skip_run_max, st->norm_sum, st->norm_max, st->loss_sum,
+             st->label_sum, st->loss_scale, st->update_ratio);
+}
+// the text of step_stats_text back, every field checked; -1 with err naming the file and key
+static int step_stats_parse(const char *path, const char *key, const char *text, StepStats *st, char err[SN_ERR_MAX]) {
+    int64_t n[5];
+    double x[6];
+    const char *p = text;
+    for (int k = 0; k < STEP_STATS_FIELDS; k++) {
+        char *end;
+        errno = 0;
+        if (k < 5) n[k] = strtoll(p, &end, 10);
+        else x[k - 5] = strtod(p, &end);
+        const char sep = k + 1 < STEP_STATS_FIELDS ? ' ' : 0;
+        if (end == p || *p == ' ' || errno == ERANGE || *end != sep || (k < 5 && n[k] < 0)) {
+            snprintf(err, SN_ERR_MAX, "%.300s: metadata '%s': item %d is not a number (a damaged checkpoint)", path, key, k + 1);
+            return -1;
+        }
+        p = end + (sep != 0);
+    }
+    *st = (StepStats){n[0], n[1], n[2], n[3], n[4], x[0], x[1], x[2], x[3], x[4], x[5], 0.0, 0};
+    if (st->clipped + st->skipped > st->steps || st->skip_run > st->skip_run_max || st->skip_run_max > st->skipped ||
+        !(st->label_sum >= 0) || !(st->loss_scale > 0) || !isfinite(st->loss_scale) || st->update_ratio < 0) {
+        snprintf(err, SN_ERR_MAX, "%.250s: metadata '%s' is '%.120s', counts or figures out of range (a damaged checkpoint)",
+                 path, key, text);
+        return -1;
+    }
+    return 0;
+}
+
 // Everything a run holds: the model on its backend, the data, the optimiser
 // state and the bookkeeping that a checkpoint saves.
 typedef struct {
@@ -6027,6 +6196,11 @@ typedef struct {
     int shard;                  // images of a full global batch on this replica: model.batch / replicas
     int borrowed_data;          // train and val belong to another replica (local replicas share them)
     double *bn_host;            // (n_buffer_floats + 1) fp64 staging to average BN statistics over replicas
+    StepStats epoch_stats;      // the optimisation diagnostics of this epoch's steps so far
+    StepStats log_stats;        // and of the steps since the last row of steps.csv (--log-every)
+    int measure_update;         // 1: the next step measures its update ratio (the epoch's last)
+    float *update_host;         // (2·n_trainable) host: the trainable weights before and after that step
+    char *steps_csv;            // steps.csv's path (root, --log-every), else NULL
 } Trainer;
 
 // the communicator of a trainer without replicas
@@ -6048,6 +6222,7 @@ static void trainer_close(Trainer *t) {
         }
     }
     free(t->ranges); free(t->accum_images); free(t->accum_labels); free(t->bn_host); free(t->resume_cm);
+    free(t->update_host); free(t->steps_csv);
     net_free(&t->net);
     graph_free(&t->g);
     if (t->has_train && !t->borrowed_data) dataset_free(&t->train);
@@ -6180,6 +6355,8 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     net_init_params(&t->net, c->seed);
     t->net.seed = c->seed;
     t->best = INFINITY;
+    step_stats_reset(&t->epoch_stats);
+    step_stats_reset(&t->log_stats);
     return 0;
 }
 
@@ -6400,6 +6577,8 @@ static int step_work(Trainer *t, const MicroBatch *mb, int k) {
         if (net->failed || replicas_average_bn(t, mb[i].n)) return -1;
     }
     if (comm_allreduce_backend(t, net->grads, t->n_trainable)) return -1;
+    if (c->overflow_at_step == t->step)  // tests: as if this step's fp16 gradients had overflowed
+        o->fill(o, tensor_f32(net->grads, shape4(1, 1, 1, 1)), INFINITY);
     if (net->dtype == DT_F16) {
         o->nonfinite(o, grads_tensor(t), &t->state->nonfinite);
         if (comm->size > 1) {
@@ -6413,7 +6592,7 @@ static int step_work(Trainer *t, const MicroBatch *mb, int k) {
             o->upload(o, &t->state->nonfinite, &flag, sizeof flag);
         }
     }
-    if (c->clipnorm > 0.0f) o->sum_squares(o, grads_tensor(t), &t->state->grad_sum_squares);
+    o->sum_squares(o, grads_tensor(t), &t->state->grad_sum_squares);
     o->step_control(o, t->args, t->state, STEP_DECIDE);
     size_t packed = 0;  // offset of the range in the gradients and moments
     for (int r = 0; r < t->n_ranges; r++) {
@@ -6422,6 +6601,61 @@ static int step_work(Trainer *t, const MicroBatch *mb, int k) {
                        &t->state->adam);
         packed += n;
     }
+    return 0;
+}
+
+// the trainable weights (t->ranges, packed) into t->update_host: its first half (before a step) or second (after)
+static void trainable_download(Trainer *t, int after) {
+    if (!t->update_host) {
+        t->update_host = malloc(sizeof(float) * 2 * (t->n_trainable ? t->n_trainable : 1));
+        snCheck(t->update_host != NULL, "out of host memory");
+    }
+    float *host = t->update_host + (after ? t->n_trainable : 0);
+    size_t packed = 0;
+    for (int r = 0; r < t->n_ranges; r++) {
+        t->o->download(t->o, host + packed, t->net.params + t->ranges[r].offset, sizeof(float) * t->ranges[r].count);
+        packed += t->ranges[r].count;
+    }
+}
+// ‖w_after - w_before‖ / ‖w_before‖ in fp64 (trainable_download(t, 0) before the step)
+static double trainable_update_ratio(Trainer *t) {
+    const size_t n = t->n_trainable;
+    trainable_download(t, 1);
+    const float *before = t->update_host, *after = t->update_host + n;
+    double d = 0.0, w = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        const double e = (double)after[i] - before[i];
+        d += e * e;
+        w += (double)before[i] * before[i];
+    }
+    return w > 0.0 ? sqrt(d / w) : NAN;
+}
+
+// steps.csv's row for the steps since the last one (every replica calls it: the loss is summed over them)
+static int steps_log_row(Trainer *t, double lr) {
+    StepStats *st = &t->log_stats;
+    double sums[2] = {st->loss_sum, st->label_sum}, v[7];
+    if (t->comm->size > 1 && t->comm->allreduce_f64(t->comm, sums, 2)) return -1;
+    if (t->steps_csv) {
+        StBuf row = {0};
+        char s[96], lr_text[32];
+        snprintf(s, sizeof s, "%" PRId64 ",%d,%s", t->step, t->epoch + 1, float_str(lr_text, (float)lr));
+        sb_str(&row, s);
+        csv_num(&row, sums[1] > 0 ? sums[0] / sums[1] : NAN);
+        step_stats_columns(st, v);
+        for (int k = 0; k < 7; k++) csv_sig(&row, v[k]);
+        sb_str(&row, "\n");
+        sb_put(&row, "", 1);
+        FILE *f = row.oom ? NULL : fopen(t->steps_csv, "a");
+        if (!f || fputs(row.p, f) < 0 || fclose(f)) {
+            fprintf(stderr, "segnet train: warning: %s: cannot append (%s); steps.csv is not written from here on\n",
+                    t->steps_csv, strerror(errno));
+            free(t->steps_csv);
+            t->steps_csv = NULL;
+        }
+        free(row.p);
+    }
+    step_stats_reset(st);
     return 0;
 }
 
@@ -6454,7 +6688,13 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     }
     double norm = local_norm;
     if (comm->size > 1 && comm->allreduce_f64(comm, &norm, 1)) return -1;
-    const int64_t step = t->step++;
+    const int64_t step = t->step;
+    // the update ratio of the epoch's last step and of each logged one (rank 0 writes both)
+    const int logged = c->log_every > 0 && (step + 1) % c->log_every == 0;
+    const int measure = (t->measure_update || logged) && comm->rank == 0;
+    if (measure) trainable_download(t, 0);
+    const double started = now_seconds();
+    t->step++;
     StepArgs *a = t->host_args;
     const double lr = lr_at_step(c->lr, c->schedule, c->warmup, t->total_steps, step);
     a->adam = adam_step_init((float)lr, ADAM_BETA1, ADAM_BETA2, c->adam_eps, c->weight_decay, 1.0f, step + 1);
@@ -6472,7 +6712,7 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     // one runs op by op), no replicas (their collectives run on the host),
     // nothing timed per layer.
     const int recordable = t->records && o->capture_begin && k == 1 && mb[0].n == t->shard && comm->size == 1 &&
-                           !net->layer_seconds;
+                           !net->layer_seconds && !c->overflow_at_step;
     if (recordable && !t->record && o->capture_begin(o) == 0) {
         int rc = step_work(t, mb, k);
         char err[SN_ERR_MAX];
@@ -6495,6 +6735,16 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     pt->norm_sum += local_norm;  // the pass adds the replicas' parts up at its end
     t->loss_scale = s.loss_scale;
     t->good_steps = s.good_steps;
+    const double seconds = now_seconds() - started;
+    step_stats_add(&t->epoch_stats, &s, seconds, local_norm);
+    step_stats_add(&t->log_stats, &s, seconds, local_norm);
+    if (measure) {
+        const double ratio = trainable_update_ratio(t);
+        if (t->measure_update) t->epoch_stats.update_ratio = ratio;
+        if (logged) t->log_stats.update_ratio = ratio;
+    }
+    t->measure_update = 0;
+    if (logged && steps_log_row(t, lr)) return -1;
     return s.applied;
 }
 
@@ -6570,6 +6820,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
                                              rng_mix64(epoch_seed + 1), c->workers, 4) : NULL;
     o->fill(o, tensor_f32((float *)t->confusion, shape4(2 * K * K, 1, 1, 1)), 0.0f);  // int64 zeros
     pt->loss_sum = pt->norm_sum = 0.0;
+    if (training && !start) step_stats_reset(&t->epoch_stats);  // else load_checkpoint restored them
     if (start) {  // the totals of the batches before it, as this replica had them
         o->upload(o, t->confusion, t->resume_cm, sizeof(int64_t) * K * K);
         pt->loss_sum = t->resume_loss_sum;
@@ -6602,6 +6853,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
             shard = (MicroBatch){b->n, b->images, b->labels, pending * B + lo};
         }
         int step_rc = 0;
+        t->measure_update = training && j + 1 == n_batches;  // the epoch's last step (train_step clears it)
         if (training && c->accum == 1) {
             step_rc = train_step(t, &shard, 1, pt);
         } else if (training) {  // the loader reuses its buffers: keep copies until the step
@@ -6767,17 +7019,23 @@ static int save_checkpoint(const Trainer *t, const char *path, const PassSaved *
     snprintf(vals[8], 64, "%" PRId64, t->good_steps);
     // the required keys, then "padding" (weights_padding reads it; older checkpoints lack it),
     // then an interrupted epoch's position
-    const char *keys[CHECKPOINT_KEYS + 3], *values[CHECKPOINT_KEYS + 3];
+    const char *keys[CHECKPOINT_KEYS + 5], *values[CHECKPOINT_KEYS + 5];
     for (int k = 0; k < CHECKPOINT_KEYS; k++) { keys[k] = CHECKPOINT_META[k]; values[k] = vals[k]; }
     int n_keys = CHECKPOINT_KEYS;
     keys[n_keys] = "padding";
     values[n_keys++] = PAD_NAME[t->c->model.pad];
-    char batch[32], *totals = NULL;
+    char batch[32], *totals = NULL, epoch_stats[512], log_stats[512];
     if (ps) {
         snprintf(batch, sizeof batch, "%d", ps->batch);
         totals = pass_totals_text(ps);
+        step_stats_text(&t->epoch_stats, epoch_stats, sizeof epoch_stats);
         keys[n_keys] = "batch"; values[n_keys++] = batch;
         keys[n_keys] = "pass_totals"; values[n_keys++] = totals;
+        keys[n_keys] = "epoch_stats"; values[n_keys++] = epoch_stats;
+    }
+    if (t->c->log_every > 0) {  // the steps since steps.csv's last row (they may span epochs)
+        step_stats_text(&t->log_stats, log_stats, sizeof log_stats);
+        keys[n_keys] = "log_stats"; values[n_keys++] = log_stats;
     }
     int rc = net_save_checkpoint(&t->net, path, extra, 2, keys, values, n_keys, err);
     free(m); free(v); free(totals);
@@ -6891,6 +7149,16 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
         ps->batch = (int)b;
         if (pass_totals_parse(path, totals, t->K, ps, err)) { pass_saved_free(ps); goto done; }
     }
+    // the diagnostics so far (a checkpoint without them: from here on)
+    const char *epoch_stats = st_meta(&f, "epoch_stats"), *log_stats = st_meta(&f, "log_stats");
+    StepStats es, ls;
+    step_stats_reset(&es);
+    step_stats_reset(&ls);
+    if ((epoch_stats && step_stats_parse(path, "epoch_stats", epoch_stats, &es, err)) ||
+        (log_stats && step_stats_parse(path, "log_stats", log_stats, &ls, err))) {
+        pass_saved_free(ps);
+        goto done;
+    }
     if (net_load_weights(&t->net, &f, path, NULL, 0, err)) { pass_saved_free(ps); goto done; }
     float *host = malloc(sizeof(float) * (P ? P : 1));
     snCheck(host != NULL, "out of host memory");
@@ -6905,6 +7173,8 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
     t->finished = (int)k.finished;
     t->loss_scale = (float)k.loss_scale;
     t->good_steps = k.good_steps;
+    t->epoch_stats = es;
+    t->log_stats = ls;
     rc = 0;
 done:
     st_free(&f);
@@ -6922,7 +7192,8 @@ static void history_free(History *h) {
     memset(h, 0, sizeof *h);
 }
 
-static void csv_header(const Trainer *t, StBuf *b) {
+// the header; without `diagnostics` that of the runs written before the diagnostics' columns
+static void csv_header(const Trainer *t, StBuf *b, int diagnostics) {
     sb_str(b, "epoch,lr,loss,val_loss");
     char name[64];
     for (int pass = 0; pass < 2; pass++) {
@@ -6932,12 +7203,21 @@ static void csv_header(const Trainer *t, StBuf *b) {
         sb_str(b, name);
         for (int k = 0; k < t->K; k++) { snprintf(name, sizeof name, ",%sIoU_%d", p, k); sb_str(b, name); }
     }
+    if (diagnostics) { sb_str(b, ","); sb_str(b, STEP_STATS_COLUMNS); }
 }
 
 static void csv_num(StBuf *b, double v) {
     char s[48];
     if (isnan(v)) snprintf(s, sizeof s, ",");
     else snprintf(s, sizeof s, ",%.6f", v);
+    sb_str(b, s);
+}
+
+// ",value" with 6 significant digits (the diagnostics span decades); "," for NaN
+static void csv_sig(StBuf *b, double v) {
+    char s[48];
+    if (isnan(v)) snprintf(s, sizeof s, ",");
+    else snprintf(s, sizeof s, ",%.6g", v);
     sb_str(b, s);
 }
 
@@ -6960,41 +7240,50 @@ static void history_add(History *h, char *row, EpochRecord rec) {
 }
 
 // Reads back the rows of epochs 1..t->epoch (a resumed run), checking the header.
+// A file from before the diagnostics' columns gets them empty.
 static int history_load(const Trainer *t, const char *path, History *h, char err[SN_ERR_MAX]) {
     FILE *f = fopen_regular(path, "r", err);
     if (!f && errno == ENOENT && t->epoch == 0) return 0;  // interrupted in its first epoch
     if (!f) return -1;
-    StBuf want = {0};
-    csv_header(t, &want);
+    StBuf want = {0}, older = {0};
+    csv_header(t, &want, 1);
+    csv_header(t, &older, 0);
     sb_put(&want, "", 1);
+    sb_put(&older, "", 1);
     size_t cap = 1 << 16;
     char *line = malloc(cap);
     snCheck(line != NULL, "out of host memory");
-    int rc = 0, row = 0;
-    const int val_col = t->segmentation ? 4 + 2 + t->K : 5;
+    int rc = 0, row = 0, pad = 0;
+    const int per_pass = t->segmentation ? 2 + t->K : 1, val_col = 4 + per_pass, diag_col = 4 + 2 * per_pass;
     while (rc == 0 && fgets(line, (int)cap, f)) {
         row++;
         line[strcspn(line, "\r\n")] = 0;
         if (row == 1) {
-            if (strcmp(line, want.p)) { snprintf(err, SN_ERR_MAX, "%.400s: the header does not match this run's model and classes", path); rc = -1; }
+            pad = !strcmp(line, older.p);
+            if (!pad && strcmp(line, want.p)) { snprintf(err, SN_ERR_MAX, "%.400s: the header does not match this run's model and classes", path); rc = -1; }
             continue;
         }
-        double v[8];
-        int cols[5] = {1, 2, 3, 4, val_col}, epoch = atoi(line);
+        double v[12];
+        int cols[12] = {1, 2, 3, 4, val_col}, epoch = atoi(line);
+        for (int k = 0; k < 7; k++) cols[5 + k] = diag_col + k;
         if (epoch != row - 1) { snprintf(err, SN_ERR_MAX, "%.400s: row %d: expected epoch %d", path, row, row - 1); rc = -1; break; }
         if (epoch > t->epoch) break;  // written after the checkpoint: that epoch runs again
-        for (int k = 0; k < 5; k++) {
+        for (int k = 0; k < 12; k++) {
             const char *s = line;
             for (int col = 0; col < cols[k] && s; col++) { s = strchr(s, ','); if (s) s++; }
             v[k] = s && *s && *s != ',' ? strtod(s, NULL) : NAN;
         }
-        EpochRecord r = {epoch, v[0], v[1], v[2], v[3], v[4]};
-        history_add(h, strdup(line), r);
+        EpochRecord r = {epoch, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11]};
+        char *kept = malloc(strlen(line) + 8);
+        snCheck(kept != NULL, "out of host memory");
+        sprintf(kept, "%s%s", line, pad ? ",,,,,,," : "");  // the 7 diagnostics
+        history_add(h, kept, r);
     }
     if (rc == 0 && h->n != t->epoch) { snprintf(err, SN_ERR_MAX, "%.400s: holds %d epochs, the checkpoint %d", path, h->n, t->epoch); rc = -1; }
     fclose(f);
     free(line);
     free(want.p);
+    free(older.p);
     return rc;
 }
 
@@ -7015,7 +7304,7 @@ static int history_check_best(const Trainer *t, const History *h, const char *ru
 
 static int history_write(const Trainer *t, const History *h, const char *run, char err[SN_ERR_MAX]) {
     StBuf b = {0};
-    csv_header(t, &b);
+    csv_header(t, &b, 1);
     sb_str(&b, "\n");
     for (int i = 0; i < h->n; i++) { sb_str(&b, h->rows[i]); sb_str(&b, "\n"); }
     sb_put(&b, "", 1);
@@ -7025,7 +7314,85 @@ static int history_write(const Trainer *t, const History *h, const char *run, ch
     free(b.p);
     if (rc) return rc;
     run_path(path, sizeof path, run, "curves.svg");
-    return write_curves_svg(path, h->rec, h->n, t->segmentation ? "mIoU" : "accuracy", err);
+    const CurveMarks marks = {t->best_epoch, t->c->clipnorm};
+    return write_curves_svg(path, h->rec, h->n, t->segmentation ? "mIoU" : "accuracy", &marks, err);
+}
+
+// steps.csv (--log-every): its header, then the rows that steps_log_row appends.
+// A resumed run keeps the whole rows of the steps its checkpoint holds and
+// drops the rest (written after it, or cut by a crash), rewriting the file
+// atomically; then appends.
+static const char *const STEPS_CSV_HEADER = "step,epoch,lr,loss,";
+static int steps_csv_start(Trainer *t, const char *run, char err[SN_ERR_MAX]) {
+    char path[4200];
+    run_path(path, sizeof path, run, "steps.csv");
+    StBuf b = {0};
+    sb_str(&b, STEPS_CSV_HEADER);
+    sb_str(&b, STEP_STATS_COLUMNS);
+    sb_str(&b, "\n");
+    const size_t header_len = b.n;
+    size_t n = 0;
+    char unread[SN_ERR_MAX];  // absent or unreadable: the file starts again
+    char *old = t->step > 0 ? (char *)file_read_regular(path, (size_t)1 << 40, &n, unread) : NULL;
+    if (old && n >= header_len && !memcmp(old, b.p, header_len)) {
+        for (size_t i = header_len; i < n;) {
+            const char *nl = memchr(old + i, '\n', n - i);
+            if (!nl) break;  // a row cut short
+            char *end;
+            const long long step = strtoll(old + i, &end, 10);
+            if (end == old + i || *end != ',' || step < 1 || step > t->step) break;
+            sb_put(&b, old + i, (size_t)(nl + 1 - (old + i)));
+            i = (size_t)(nl + 1 - old);
+        }
+    }
+    free(old);
+    sb_put(&b, "", 1);
+    int rc = b.oom ? -1 : write_text_atomic(path, b.p, err);
+    free(b.p);
+    if (rc == 0) {
+        t->steps_csv = strdup(path);
+        snCheck(t->steps_csv != NULL, "out of host memory");
+    }
+    return rc;
+}
+
+// What a user can act on, printed once per run at the first epoch where it holds (warned[k]).
+static void training_warnings(const Trainer *t, const EpochRecord *r, const EpochRecord *prev, int warned[3]) {
+    const TrainCfg *c = t->c;
+    const StepStats *st = &t->epoch_stats;
+    if (!warned[0] && c->clipnorm > 0.0f && st->steps && st->clipped > WARN_CLIP_FRACTION * (double)st->steps) {
+        warned[0] = 1;
+        fprintf(stderr, "segnet train: warning: epoch %d: --clipnorm %g scaled down the gradients of %.0f%% of the steps "
+                "(gradient norm: mean %.3g, max %.3g). Clipping that acts on most steps lowers the learning rate instead "
+                "of catching spikes; a threshold above the typical norm, e.g. --clipnorm %.2g (twice the mean), clips "
+                "only the spikes.\n", r->epoch, c->clipnorm, 100.0 * r->clip_fraction, r->grad_norm_mean, r->grad_norm_max,
+                2 * r->grad_norm_mean);
+    }
+    if (!warned[1] && st->steps && (st->skipped > WARN_SKIP_FRACTION * (double)st->steps || st->skip_run_max > WARN_SKIP_RUN)) {
+        warned[1] = 1;
+        fprintf(stderr, "segnet train: warning: epoch %d: fp16 overflow skipped %" PRId64 " of %" PRId64 " steps (%" PRId64
+                " in a row at most, the loss scale halved each time; %g now). Every skipped step is an update lost; "
+                "if it goes on, --precision bf16 has fp32's range and needs no loss scaling.\n",
+                r->epoch, st->skipped, st->steps, st->skip_run_max, r->loss_scale);
+    }
+    // from the second epoch on: the first one's average lags its end (the weights move most then)
+    const double gap = WARN_TRAIN_MODE_GAP;
+    const int below = r->epoch > 1 && r->metric < r->val_metric - gap;
+    const int falling = prev && r->metric < prev->metric - gap && !(r->val_metric < prev->val_metric - gap);
+    if (!warned[2] && !c->train_eval && t->has_val && (below || falling)) {
+        warned[2] = 1;
+        const char *name = t->segmentation ? "mIoU" : "accuracy";
+        if (below)
+            fprintf(stderr, "segnet train: note: epoch %d: train %s %.3f is below val_%s %.3f.", r->epoch, name, r->metric,
+                    name, r->val_metric);
+        else
+            fprintf(stderr, "segnet train: note: epoch %d: train %s fell from %.3f to %.3f while val_%s held (%.3f).",
+                    r->epoch, name, prev->metric, r->metric, name, r->val_metric);
+        fprintf(stderr, " Train figures are measured while training (dropout on, batch norm with each batch's "
+                "statistics, the weights changing through the epoch); validation in inference mode with the epoch's "
+                "final weights. --train-eval measures the training set in inference mode at each epoch's end, so the "
+                "two curves compare like with like.\n");
+    }
 }
 
 // the shortest decimal that reads back as the same float (0.001, not 0.00100000005)
@@ -7127,6 +7494,7 @@ static void config_text(const TrainCfg *c, StBuf *b) {
     CFG("device = %s\n", DEVICE_NAMES[c->device]);  // as asked (auto stays auto: a resumed run may move)
     // the replica count is not a setting of the run: any count (or mpirun) continues it
     CFG("sync-bn = %s\n", c->sync_bn ? "on" : "off");
+    CFG("log-every = %d\ntrain-eval = %s\n", c->log_every, c->train_eval ? "on" : "off");
 #undef CFG
 }
 
@@ -7406,6 +7774,8 @@ static int train_replica(Comm *comm, void *arg) {
                 run);
     Metrics m = {0, 0, iou}, vm = {0, 0, iou + c->model.classes};
     const int train_batches = (t.train.n + c->model.batch - 1) / c->model.batch;
+    int warned[3] = {0, 0, 0};  // each warning once per run
+    if (comm_agree(comm, root && c->log_every > 0 ? steps_csv_start(&t, run, err) : 0, err)) goto done;
     while (t.epoch < c->epochs && !t.finished) {
         double t0 = now_seconds();
         PassTotals tr = {0, 0, cm}, va = {0, 0, cm_val};
@@ -7423,8 +7793,16 @@ static int train_replica(Comm *comm, void *arg) {
         double loss = tr.loss_sum / tr.norm_sum, val_loss = NAN;
         if (stop == 0) {
             metrics_compute(cm, t.K, c->class_weights, &m);
-            if (t.has_val && (stop = run_pass(&t, &t.val, 0, &va, err)) < 0) goto done;
-            if (stop) { t.resume_batch = train_batches; reduced = 1; }  // the validation runs again
+            if (c->train_eval) {  // the train figures again, in inference mode (cm_val is free until the validation)
+                PassTotals te = {0, 0, cm_val};
+                if ((stop = run_pass(&t, &t.train, 0, &te, err)) < 0) goto done;
+                if (!stop) {
+                    metrics_compute(cm_val, t.K, c->class_weights, &m);
+                    loss = te.loss_sum / te.norm_sum;
+                }
+            }
+            if (!stop && t.has_val && (stop = run_pass(&t, &t.val, 0, &va, err)) < 0) goto done;
+            if (stop) { t.resume_batch = train_batches; reduced = 1; }  // the validation (and --train-eval) runs again
             if (t.has_val && !stop) {
                 metrics_compute(cm_val, t.K, c->class_weights, &vm);
                 val_loss = va.loss_sum / va.norm_sum;
@@ -7442,8 +7820,11 @@ static int train_replica(Comm *comm, void *arg) {
         }
         t.epoch++;
         double lr = lr_at_step(c->lr, c->schedule, c->warmup, t.total_steps, t.step - 1);
+        double diag[7];
+        step_stats_columns(&t.epoch_stats, diag);
         EpochRecord rec = {t.epoch, lr, loss, val_loss, t.segmentation ? m.mean_iou : m.accuracy,
-                           t.has_val ? (t.segmentation ? vm.mean_iou : vm.accuracy) : NAN};
+                           t.has_val ? (t.segmentation ? vm.mean_iou : vm.accuracy) : NAN,
+                           diag[0], diag[1], diag[2], diag[3], diag[4], diag[5], diag[6]};
         // Keras' EarlyStopping(monitor, min_delta): an epoch improves when the loss is lower than the
         // best by more than min_delta (a metric: higher); t.best holds the loss, or the metric negated
         const double score = monitored(c, &rec, t.has_val);
@@ -7462,6 +7843,7 @@ static int train_replica(Comm *comm, void *arg) {
             csv_num(&row, val_loss);
             csv_metrics(&t, &row, &m);
             csv_metrics(&t, &row, t.has_val ? &vm : NULL);
+            for (int k = 0; k < 7; k++) csv_sig(&row, diag[k]);
             sb_put(&row, "", 1);
             snCheck(!row.oom, "out of host memory");
             history_add(&h, row.p, rec);
@@ -7477,6 +7859,7 @@ static int train_replica(Comm *comm, void *arg) {
                     t.segmentation ? "mIoU" : "accuracy", rec.metric);
             if (t.has_val) fprintf(stderr, "  val_loss %.4f  val_%s %.4f", val_loss, t.segmentation ? "mIoU" : "accuracy", rec.val_metric);
             fprintf(stderr, "  (%.1f s)%s\n", now_seconds() - t0, improved ? "  best" : "");
+            training_warnings(&t, &rec, h.n > 1 ? &h.rec[h.n - 2] : NULL, warned);
         }
         if (c->stop_after_epochs && t.epoch >= c->stop_after_epochs && !t.finished) { rc = 0; goto done; }
     }
@@ -8097,9 +8480,9 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     TrainCfg *c = &a->c;
     const char *f = argv[i];
     a->size_given |= !strcmp(f, "--size");
-    if (!strcmp(f, "--sync-bn")) {  // a switch; config.txt spells it `sync-bn = on|off`
+    if (!strcmp(f, "--sync-bn") || !strcmp(f, "--train-eval")) {  // switches; config.txt spells them `... = on|off`
         int valued = i + 1 < argc && (!strcmp(argv[i + 1], "on") || !strcmp(argv[i + 1], "off"));
-        c->sync_bn = !valued || !strcmp(argv[i + 1], "on");
+        *(!strcmp(f, "--sync-bn") ? &c->sync_bn : &c->train_eval) = !valued || !strcmp(argv[i + 1], "on");
         return valued ? 2 : 1;
     }
     int k = parse_model_option(&c->model, argc, argv, i);
@@ -8109,7 +8492,7 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
                                         "--early-stopping", "--augment", "--seed", "--threads", "--workers", "--loss-norm",
                                         "--run", "--precision", "--accum", "--freeze", "--unfreeze-last", "--checkpoint",
                                         "--memory", "--device", "--replicas", "--allow-missing", "--monitor", "--min-delta",
-                                        "--max-pixels"};
+                                        "--max-pixels", "--log-every"};
     int known = 0;
     for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
     if (!known) return 0;
@@ -8140,6 +8523,7 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     else if (!strcmp(f, "--max-pixels")) rc = parse_max_pixels(f, v);
     else if (!strcmp(f, "--workers")) rc = parse_int(f, v, 1, 256, &c->workers);
     else if (!strcmp(f, "--accum")) rc = parse_int(f, v, 1, SN_MAX_ACCUM, &c->accum);
+    else if (!strcmp(f, "--log-every")) rc = parse_int(f, v, 0, 1 << 30, &c->log_every);
     else if (!strcmp(f, "--replicas")) rc = parse_int(f, v, 1, SN_MAX_REPLICAS, &c->replicas);
     else if (!strcmp(f, "--unfreeze-last")) rc = parse_int(f, v, 0, 1 << 20, &c->unfreeze_last);
     else if (!strcmp(f, "--checkpoint")) {
@@ -8304,7 +8688,15 @@ static const char *TRAIN_USAGE =
     "Trains a model and writes a run folder: config.txt (every setting),\n"
     "metrics.csv (one row per epoch), curves.svg, last.safetensors (weights, BN\n"
     "statistics, Adam moments, step) after every epoch and best.safetensors for\n"
-    "the epoch with the lowest val_loss (loss without --val). Files are replaced\n"
+    "the epoch with the lowest val_loss (loss without --val). metrics.csv ends\n"
+    "with the epoch's optimisation diagnostics: grad_norm_mean, grad_norm_max (the\n"
+    "global gradient norm before clipping, over the applied steps), clip_fraction\n"
+    "(steps that --clipnorm scaled down), loss_scale (fp16, after the epoch),\n"
+    "skipped_steps (fp16 overflow: no update), update_ratio (|dw|/|w| of the\n"
+    "trainable weights in the epoch's last step) and step_ms; curves.svg draws\n"
+    "them, and warnings name what to change when clipping acts on most steps,\n"
+    "overflow skips steps, or the train metric falls below the validation one.\n"
+    "Files are replaced\n"
     "atomically; a run folder that already holds a run is never overwritten, and\n"
     "one run at a time writes it (RUN/.lock). Ctrl-C or SIGTERM: the step ends,\n"
     "last.safetensors keeps the place inside the epoch, --resume RUN goes on\n"
@@ -8378,6 +8770,13 @@ static const char *TRAIN_USAGE =
     "  --sync-bn             batch norm statistics over the global batch (fp64 sums,\n"
     "                        all-reduced): N replicas then train as one does; without\n"
     "                        it each replica normalises its own shard (Keras)\n"
+    "  --log-every N         every N optimiser steps a row of steps.csv in the run\n"
+    "                        folder: step, epoch, lr, loss and the diagnostics below\n"
+    "                        over those N steps (default 0: none)\n"
+    "  --train-eval          at each epoch's end, measure the training set again in\n"
+    "                        inference mode (as the validation set is) for the train\n"
+    "                        columns; without it they are measured while training\n"
+    "                        (dropout on, batch norm with batch statistics)\n"
     "  --seed S              initialisation, data order, augmentation, dropout (default 1)\n"
     "  --device D            auto (default: the GPU if there is one, else the CPU,\n"
     "                        saying so), cuda or cpu\n"

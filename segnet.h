@@ -392,7 +392,9 @@ typedef struct {
     int64_t good_steps;
     float xent_scale;       // softmax_xent's grad_scale: inv_norm·loss_scale
     float loss[3];          // softmax_xent's sums: Σw·nll, Σw, labels out of range
-    float grad_sum_squares; // Σg² of the (still scaled) gradients, when clipping
+    float grad_sum_squares; // Σg² of the (still scaled) gradients
+    float grad_norm;        // the global gradient norm before clipping, unscaled (inf/NaN when skipped)
+    int32_t clipped;        // 1: clipping scaled this step's gradients down
     int32_t nonfinite;      // 1: some gradient is inf or NaN (fp16)
     int32_t applied;        // 1: the update was applied (0: skipped, the scale halved)
     AdamStep adam;          // the update adam_update applies
@@ -400,9 +402,10 @@ typedef struct {
 typedef enum { STEP_BEGIN = 0, STEP_DECIDE = 1 } StepPhase;
 // BEGIN, before the forward: the loss sums and the flag zeroed, the loss's
 // gradient scale set. DECIDE, after the gradients (and nonfinite, and
-// sum_squares when clipping): Keras' LossScaleOptimizer (inf/NaN: skip, halve
-// the scale, at least 1; else double it after scale_interval good steps) and
-// tf.clip_by_global_norm on the unscaled gradients, folded into Adam's grad_scale.
+// sum_squares): Keras' LossScaleOptimizer (inf/NaN: skip, halve the scale, at
+// least 1; else double it after scale_interval good steps) and
+// tf.clip_by_global_norm on the unscaled gradients, folded into Adam's grad_scale;
+// the norm and whether clipping acted are kept for the run's diagnostics.
 static inline SN_HD void step_control_apply(const StepArgs *a, StepState *s, int phase) {
     if (phase == STEP_BEGIN) {
         s->loss_scale = a->loss_scale;
@@ -425,9 +428,13 @@ static inline SN_HD void step_control_apply(const StepArgs *a, StepState *s, int
             s->good_steps = 0;
         }
     }
+    const double norm = sqrt((double)s->grad_sum_squares) / scale;
+    const float clip = clip_factor(norm, a->clipnorm);
+    s->grad_norm = (float)norm;
+    s->clipped = s->applied && clip < 1.0f;
     s->adam = a->adam;
     s->adam.grad_scale = 1.0f / scale;
-    if (a->clipnorm > 0.0f) s->adam.grad_scale *= clip_factor(sqrt((double)s->grad_sum_squares) / scale, a->clipnorm);
+    if (a->clipnorm > 0.0f) s->adam.grad_scale *= clip;
     s->adam.skip = !s->applied;
 }
 
@@ -1087,11 +1094,20 @@ typedef struct {
     double lr;                // learning rate at the end of the epoch
     double loss, val_loss;
     double metric, val_metric;  // mean IoU (segmentation) or accuracy (classification)
+    // the optimisation diagnostics (metrics.csv's last columns; see "optimisation diagnostics" in segnet.c)
+    double grad_norm_mean, grad_norm_max, clip_fraction, loss_scale, skipped_steps, update_ratio, step_ms;
 } EpochRecord;
 
-// curves.svg: loss (train and val) and the metric (train and val) against the
-// epoch, two panels with axis labels; written atomically.
-int write_curves_svg(const char *path, const EpochRecord *rows, int n, const char *metric_name,
+// What curves.svg marks besides the records: the best epoch (0: none) and the
+// clipping threshold (0: none).
+typedef struct { int best_epoch; double clipnorm; } CurveMarks;
+
+// curves.svg: four panels with axis labels against the epoch: loss (train and
+// val), the metric (train and val), the gradient norm (mean and max over the
+// epoch's steps, the clipping threshold as a line, epochs with skipped steps
+// marked, the loss scale on a second axis), and the learning rate with the
+// update ratio on a second axis; the best epoch marked in each. Written atomically.
+int write_curves_svg(const char *path, const EpochRecord *rows, int n, const char *metric_name, const CurveMarks *marks,
                      char err[SN_ERR_MAX]);
 
 // ----------------------------------------------------------------------------
@@ -1241,6 +1257,9 @@ typedef struct {
     Device device;                  // train_cfg_default: DEVICE_CPU; the command line's default is DEVICE_AUTO
     int replicas;                   // local replicas in this process (--replicas N); model.batch is the global batch
     int sync_bn;                    // batch norm over the global batch (--sync-bn), else over each replica's shard
+    int log_every;                  // steps.csv: the step diagnostics every this many optimiser steps (0: none)
+    int train_eval;                 // train metrics from an inference-mode pass over the training set at each epoch's end
+    int64_t overflow_at_step;       // tests: this optimiser step's gradients get an inf (fp16 overflow) (0: never)
 } TrainCfg;
 
 void train_cfg_default(TrainCfg *c);

@@ -3074,43 +3074,77 @@ static void check_svg(const char *path, int polylines, int circles, const char *
     size_t n = strlen(s);
     while (n && isspace((unsigned char)s[n - 1])) s[--n] = 0;
     CHECK(!strncmp(s, "<svg ", 5) && n > 6 && !strcmp(s + n - 6, "</svg>"), "%s: starts with <svg, ends with </svg>", what);
-    CHECK(count_substr(s, "<svg") == 1 && count_substr(s, "<g>") == 2 && count_substr(s, "</g>") == 2, "%s: element nesting", what);
+    CHECK(count_substr(s, "<svg") == 1 && count_substr(s, "<g>") == 4 && count_substr(s, "</g>") == 4, "%s: element nesting", what);
     CHECK(count_substr(s, "<") == count_substr(s, ">"), "%s: every < has its >", what);
     CHECK(count_substr(s, "<polyline") == polylines, "%s: %d polylines, expected %d", what, count_substr(s, "<polyline"), polylines);
     CHECK(count_substr(s, "<circle") == circles, "%s: %d markers, expected %d", what, count_substr(s, "<circle"), circles);
-    CHECK(count_substr(s, ">epoch<") == 2 && count_substr(s, ">loss<") == 2 && count_substr(s, metric) == 2,
-          "%s: axis labels and titles", what);
+    CHECK(count_substr(s, ">epoch<") == 4 && count_substr(s, ">loss<") == 2 && count_substr(s, metric) == 2 &&
+          count_substr(s, ">gradient norm<") == 2 && count_substr(s, ">learning rate<") == 2, "%s: axis labels and titles", what);
     for (const char *p = s; (p = strstr(p, "<circle cx=\"")); p++) {
         double cx = strtod(p + 12, NULL), cy = strtod(strstr(p, "cy=\"") + 4, NULL);
-        int in_panel = (cx >= SVG_LEFT && cx <= SVG_PANEL_W - SVG_RIGHT) ||
-                       (cx >= SVG_PANEL_W + SVG_LEFT && cx <= 2 * SVG_PANEL_W - SVG_RIGHT);
-        CHECK(in_panel && cy >= SVG_TOP && cy <= SVG_H - SVG_BOTTOM, "%s: marker (%g, %g) outside the plots", what, cx, cy);
+        int in_panel = 0;
+        for (int k = 0; k < 4; k++) {
+            const double x0 = (k % 2) * SVG_PANEL_W, y0 = (k / 2) * SVG_PANEL_H;
+            in_panel |= cx >= x0 + SVG_LEFT && cx <= x0 + SVG_PANEL_W - SVG_RIGHT && cy >= y0 + SVG_TOP &&
+                        cy <= y0 + SVG_PANEL_H - SVG_BOTTOM;
+        }
+        CHECK(in_panel, "%s: marker (%g, %g) outside the plots", what, cx, cy);
     }
     for (char *p = s; *p; p++) *p = (char)tolower((unsigned char)*p);
     CHECK(!strstr(s, "nan") && !strstr(s, "inf"), "%s: a non-finite number in the output", what);
     free(s);
 }
 
+// an epoch's figures without its diagnostics; then set_diagnostics
+#define EPOCH(e, lr_, loss_, val_loss_, metric_, val_metric_) \
+    {.epoch = e, .lr = lr_, .loss = loss_, .val_loss = val_loss_, .metric = metric_, .val_metric = val_metric_}
+// an epoch's diagnostics (EpochRecord's last fields)
+static void set_diagnostics(EpochRecord *r, double mean, double max, double clip, double scale, double skipped,
+                            double ratio) {
+    r->grad_norm_mean = mean; r->grad_norm_max = max; r->clip_fraction = clip; r->loss_scale = scale;
+    r->skipped_steps = skipped; r->update_ratio = ratio; r->step_ms = 10;
+}
+
+// Series counted by hand: loss and metric (train, val), the gradient norm (mean,
+// max, the loss scale when it is not 1), the learning rate and the update ratio.
 static void test_curves_svg(void) {
     char path[256], err[SN_ERR_MAX];
     snprintf(path, sizeof path, "/tmp/segnet_test_%ld_curves.svg", (long)getpid());
-    EpochRecord rows[3] = {{1, 1e-3, 1.25, 1.5, 0.3, 0.25}, {2, 1e-3, 0.75, NAN, 0.5, NAN}, {3, 5e-4, 0.5, 0.9, 0.7, 0.6}};
-    CHECK(write_curves_svg(path, rows, 3, "mIoU", err) == 0, "%s", err);
-    check_svg(path, 4, 10, ">mIoU<", "3 epochs, a missing val");
-    for (int i = 0; i < 3; i++) rows[i].val_loss = rows[i].val_metric = NAN;
-    CHECK(write_curves_svg(path, rows, 3, "accuracy", err) == 0, "%s", err);
-    check_svg(path, 2, 6, ">accuracy<", "no validation");
-    CHECK(write_curves_svg(path, rows, 1, "a<b", err) == 0, "%s", err);
-    check_svg(path, 2, 2, ">a&lt;b<", "one epoch, an escaped name");
-    EpochRecord flat[2] = {{1, 1e-3, 0, 0, 0, 0}, {2, 1e-3, 0, 0, 0, 0}};
-    CHECK(write_curves_svg(path, flat, 2, "mIoU", err) == 0, "%s", err);
-    check_svg(path, 4, 8, ">mIoU<", "all values 0");
-    EpochRecord huge[3] = {{1, 1e-3, DBL_MAX, -DBL_MAX, 0.1, INFINITY}, {2, 1e-3, 1e300, 3, 0.2, 2},
-                           {3, 1e-3, INFINITY, 1, NAN, 0.5}};
-    CHECK(write_curves_svg(path, huge, 3, "mIoU", err) == 0, "%s", err);
-    check_svg(path, 4, 9, ">mIoU<", "huge and infinite values");
+    EpochRecord rows[3] = {EPOCH(1, 1e-3, 1.25, 1.5, 0.3, 0.25), EPOCH(2, 1e-3, 0.75, NAN, 0.5, NAN),
+                           EPOCH(3, 5e-4, 0.5, 0.9, 0.7, 0.6)};
+    set_diagnostics(&rows[0], 2, 5, 0.5, 32768, 0, 1e-3);
+    set_diagnostics(&rows[1], 3, 9, 1, 16384, 2, 8e-4);
+    set_diagnostics(&rows[2], 2.5, 4, 0.25, 16384, 0, 5e-4);
+    const CurveMarks marks = {3, 4.0};
+    CHECK(write_curves_svg(path, rows, 3, "mIoU", &marks, err) == 0, "%s", err);
+    check_svg(path, 9, 25, ">mIoU<", "3 epochs, a missing val, fp16 and clipping");
+    char *text = read_text(path);
+    CHECK(text && count_substr(text, ">best<") == 4 && count_substr(text, ">clipnorm<") == 1 &&
+          count_substr(text, "<path") == 2 && count_substr(text, ">skipped steps<") == 1 && count_substr(text, ">loss scale<") == 1,
+          "the best epoch in 4 panels, the clip line, one epoch with skipped steps and its legend, the loss scale");
+    free(text);
+    for (int i = 0; i < 3; i++) {  // a run from before the diagnostics, without validation
+        rows[i].val_loss = rows[i].val_metric = NAN;
+        set_diagnostics(&rows[i], NAN, NAN, NAN, NAN, NAN, NAN);
+    }
+    CHECK(write_curves_svg(path, rows, 3, "accuracy", NULL, err) == 0, "%s", err);
+    check_svg(path, 3, 9, ">accuracy<", "no validation, no diagnostics");
+    CHECK(write_curves_svg(path, rows, 1, "a<b", NULL, err) == 0, "%s", err);
+    check_svg(path, 3, 3, ">a&lt;b<", "one epoch, an escaped name");
+    EpochRecord flat[2] = {EPOCH(1, 1e-3, 0, 0, 0, 0), EPOCH(2, 1e-3, 0, 0, 0, 0)};
+    for (int i = 0; i < 2; i++) set_diagnostics(&flat[i], 0, 0, 0, 1, 0, 0);
+    CHECK(write_curves_svg(path, flat, 2, "mIoU", NULL, err) == 0, "%s", err);
+    check_svg(path, 8, 16, ">mIoU<", "all values 0");
+    EpochRecord huge[3] = {EPOCH(1, 1e-3, DBL_MAX, -DBL_MAX, 0.1, INFINITY), EPOCH(2, 1e-3, 1e300, 3, 0.2, 2),
+                           EPOCH(3, 1e-3, INFINITY, 1, NAN, 0.5)};
+    set_diagnostics(&huge[0], DBL_MAX, INFINITY, 1, 65536, 0, NAN);
+    set_diagnostics(&huge[1], NAN, 1e300, 0, 1, 1, INFINITY);
+    set_diagnostics(&huge[2], INFINITY, NAN, 0, 2, 0, NAN);
+    CHECK(write_curves_svg(path, huge, 3, "mIoU", NULL, err) == 0, "%s", err);
+    // loss 2 + metric 2 + norm mean, max, scale 3 + lr 1 series; 5 + 4 + (1 + 1 + 3) + 3 markers
+    check_svg(path, 8, 17, ">mIoU<", "huge and infinite values");
     unlink(path);
-    CHECK(write_curves_svg("/nonexistent/dir/curves.svg", rows, 3, "mIoU", err) == -1 &&
+    CHECK(write_curves_svg("/nonexistent/dir/curves.svg", rows, 3, "mIoU", NULL, err) == -1 &&
           contains(err, "/nonexistent/dir/curves.svg"), "unwritable: '%s'", err);
 }
 
@@ -3696,9 +3730,36 @@ static void write_seg_set(const char *dir, int n, int h, int w, uint64_t seed) {
 
 static char *read_file(const char *path, size_t *n) { return (char *)read_file_bytes(path, n); }
 
+// each line without its last field (in place): metrics.csv's and steps.csv's step_ms, a wall time
+static size_t drop_last_field(char *p, size_t n) {
+    size_t out = 0, line = 0, comma = SIZE_MAX;
+    for (size_t i = 0; i < n; i++) {
+        if (p[i] == ',') comma = out;
+        if (p[i] == '\n') {
+            if (comma != SIZE_MAX && comma >= line) out = comma;
+            p[out++] = '\n';
+            line = out;
+            comma = SIZE_MAX;
+            continue;
+        }
+        p[out++] = p[i];
+    }
+    return out;
+}
+static int ends_with(const char *s, const char *tail) {
+    size_t n = strlen(s), m = strlen(tail);
+    return n >= m && !strcmp(s + n - m, tail);
+}
+
+// The same bytes; metrics.csv and steps.csv the same but for their step_ms
+// column (timing), which differs between any two runs.
 static int files_equal(const char *a, const char *b) {
     size_t na, nb;
     char *pa = read_file(a, &na), *pb = read_file(b, &nb);
+    if (pa && pb && (ends_with(a, "metrics.csv") || ends_with(a, "steps.csv"))) {
+        na = drop_last_field(pa, na);
+        nb = drop_last_field(pb, nb);
+    }
     int eq = pa && pb && na == nb && !memcmp(pa, pb, na);
     free(pa); free(pb);
     return eq;
@@ -3867,6 +3928,7 @@ static void test_interrupt_resume_bitwise(void) {
         c.epochs = 3;
         c.schedule = SCHEDULE_COSINE;
         c.augment = (Augment){1, 0.1f, 0.8f, 1.2f};
+        c.log_every = 2;  // steps.csv's intervals cross epochs and interruptions
         c.out = a;
         CHECK(train_run(&c, NULL, err) == 0, "%s: %s", cases[k].what, err);
         c.out = b;
@@ -3891,9 +3953,9 @@ static void test_interrupt_resume_bitwise(void) {
         c.interrupt_at_step = 0;
         c.replicas = cases[k].resume_replicas;
         CHECK(train_run(&c, b, err) == 0, "%s: resume: %s", cases[k].what, err);
-        const char *files[] = {"last.safetensors", "best.safetensors", "metrics.csv"};
+        const char *files[] = {"last.safetensors", "best.safetensors", "metrics.csv", "steps.csv"};
         const int exact = cases[k].replicas == cases[k].resume_replicas;
-        for (int i = 0; i < (exact ? 3 : 0); i++) {
+        for (int i = 0; i < (exact ? 4 : 0); i++) {
             snprintf(pa, sizeof pa, "%s/%s", a, files[i]);
             snprintf(pb, sizeof pb, "%s/%s", b, files[i]);
             CHECK(files_equal(pa, pb), "%s: %s differs between the resumed and the uninterrupted run", cases[k].what, files[i]);
@@ -4234,6 +4296,244 @@ static void test_train_bad_input(void) {
         CHECK(before[k] && after && n == sizes[k] && !memcmp(before[k], after, n), "%s changed", files[k]);
         free(after); free(before[k]);
     }
+    rm_rf(data); rm_rf(run);
+}
+
+// ---- the optimisation diagnostics (metrics.csv's last columns, steps.csv, the warnings)
+
+// fd 2 into a file while `run` runs; the file's text (malloc'd)
+static char *with_stderr_captured(int (*run)(void *), void *arg, int *rc) {
+    char path[128];
+    snprintf(path, sizeof path, "/tmp/segnet_test_%ld_stderr.txt", (long)getpid());
+    fflush(stderr);
+    int saved = dup(2), fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 2);
+    close(fd);
+    *rc = run(arg);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    char *text = read_text(path);
+    unlink(path);
+    return text ? text : strdup("");
+}
+typedef struct { TrainCfg *c; char err[SN_ERR_MAX]; } TrainJob;
+static int train_job(void *arg) { TrainJob *j = arg; return train_run(j->c, NULL, j->err); }
+
+// metrics.csv's (or steps.csv's) field `name` of row `row` (1-based) as text, "" if absent (malloc'd)
+static char *csv_field_text(const char *path, const char *name, int row) {
+    char *text = read_text(path), *out = NULL;
+    if (!text) return strdup("");
+    char *lines[64];
+    int n = 0;
+    for (char *save = NULL, *l = strtok_r(text, "\n", &save); l && n < 64; l = strtok_r(NULL, "\n", &save)) lines[n++] = l;
+    int col = -1, k = 0;
+    for (char *p = lines[0]; n > 0 && p; p = strchr(p, ','), p = p ? p + 1 : NULL, k++) {
+        size_t len = strcspn(p, ",");
+        if (len == strlen(name) && !strncmp(p, name, len)) { col = k; break; }
+    }
+    if (col >= 0 && row < n) {
+        char *p = lines[row];
+        for (int i = 0; i < col && p; i++) { p = strchr(p, ','); if (p) p++; }
+        if (p) out = strndup(p, strcspn(p, ","));
+    }
+    free(text);
+    return out ? out : strdup("");
+}
+
+// One step per epoch (the batch holds the 4 images), so each epoch's columns are
+// one step's, computed here again from the formulas:
+// - lr 0 and --clipnorm 1e-6: the gradient norm is ‖g‖ of the step's gradient
+//   (the same first step run here, its gradient read back), clipping acts on
+//   every step, the weights do not move (update ratio 0), and the clipping
+//   warning names the figures; steps.csv's rows are the epochs' (--log-every 1).
+// - lr 1e-3, no clipping: Adam's first step moves weight i by lr·g/(|g| + ε/√(1-β2))
+//   (m = (1-β1)g, v = (1-β2)g², α = lr·√(1-β2)/(1-β1)), so the epoch-1 update ratio
+//   is lr·‖g/(|g| + ε')‖/‖w0‖, w0 the initial weights (6 digits in the file; fp32
+//   weights: 1e-5 of the difference).
+// - fp16 with the first step's gradients overflowing: that epoch skips 1 of 1
+//   steps (no update: ratio 0, no norm), the loss scale is halved, the next
+//   epoch applies its step; the overflow warning fires.
+static void test_train_diagnostics(void) {
+    const char *data = "/tmp/segnet_test_diag_data", *run = "/tmp/segnet_test_diag_run";
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 4, 8, 8, 41);
+    char metrics[300], steps[300], err[SN_ERR_MAX];
+    snprintf(metrics, sizeof metrics, "%s/metrics.csv", run);
+    snprintf(steps, sizeof steps, "%s/steps.csv", run);
+    TrainCfg c = tiny_seg_cfg(data, NULL);
+    c.model.batch = 4;
+    c.epochs = 2;
+    c.threads = 1;
+    c.out = run;
+    c.progress = 1;  // the warnings are part of the progress output
+
+    // the same first step in-process: its gradient g and the initial weights w0
+    Trainer t;
+    CHECK(trainer_open(&t, &c, data, NULL, err) == 0, "%s", err);
+    const size_t P = t.n_trainable;
+    float *w0 = malloc(sizeof(float) * P), *g = malloc(sizeof(float) * P);
+    t.o->download(t.o, w0, t.net.params, sizeof(float) * P);  // every parameter is trainable: one range
+    CHECK(t.n_ranges == 1 && t.ranges[0].offset == 0 && t.ranges[0].count == P, "one range of trainable weights");
+    int64_t cm[9];
+    PassTotals pt = {0, 0, cm};
+    CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
+    t.o->download(t.o, g, t.net.grads, sizeof(float) * P);
+    trainer_close(&t);
+    double gg = 0, ww = 0, uu = 0;
+    const double eps = ADAM_EPS / sqrt(1.0 - ADAM_BETA2);
+    for (size_t i = 0; i < P; i++) {
+        gg += (double)g[i] * g[i];
+        ww += (double)w0[i] * w0[i];
+        const double u = g[i] / (fabs(g[i]) + eps);
+        uu += u * u;
+    }
+
+    c.lr = 0.0f;
+    c.clipnorm = 1e-6f;
+    c.log_every = 1;
+    TrainJob job = {&c, ""};
+    int rc;
+    char *out = with_stderr_captured(train_job, &job, &rc);
+    CHECK(rc == 0, "%s", job.err);
+    for (int e = 1; e <= 2; e++) {
+        char *norm = csv_field_text(metrics, "grad_norm_mean", e), *max = csv_field_text(metrics, "grad_norm_max", e);
+        char *clip = csv_field_text(metrics, "clip_fraction", e), *ratio = csv_field_text(metrics, "update_ratio", e);
+        char *scale = csv_field_text(metrics, "loss_scale", e), *skipped = csv_field_text(metrics, "skipped_steps", e);
+        char *ms = csv_field_text(metrics, "step_ms", e), *snorm = csv_field_text(steps, "grad_norm_mean", e);
+        char *sstep = csv_field_text(steps, "step", e);
+        CHECK(fabs(atof(norm) / sqrt(gg) - 1) < 1e-5 && !strcmp(norm, max), "epoch %d: gradient norm %s (max %s), by hand %.6g",
+              e, norm, max, sqrt(gg));
+        CHECK(!strcmp(clip, "1") && !strcmp(ratio, "0") && !strcmp(scale, "1") && !strcmp(skipped, "0"),
+              "epoch %d: clip fraction %s, update ratio %s, loss scale %s, skipped %s", e, clip, ratio, scale, skipped);
+        CHECK(atof(ms) > 0 && isfinite(atof(ms)), "epoch %d: step_ms '%s'", e, ms);
+        CHECK(atoi(sstep) == e && !strcmp(snorm, norm), "steps.csv row %d: step %s, norm %s (metrics.csv %s)", e, sstep, snorm, norm);
+        free(norm); free(max); free(clip); free(ratio); free(scale); free(skipped); free(ms); free(snorm); free(sstep);
+    }
+    CHECK(contains(out, "warning: epoch 1: --clipnorm 1e-06 scaled down the gradients of 100% of the steps") &&
+          count_substr(out, "warning") == 1 && !contains(out, "note:"), "the clipping warning, once: %s", out);
+    free(out);
+
+    rm_rf(run);
+    c.lr = 1e-3f;
+    c.clipnorm = 0.0f;
+    c.log_every = 0;
+    out = with_stderr_captured(train_job, &job, &rc);
+    CHECK(rc == 0, "%s", job.err);
+    char *ratio = csv_field_text(metrics, "update_ratio", 1), *clip = csv_field_text(metrics, "clip_fraction", 1);
+    const double want = c.lr * sqrt(uu / ww);
+    CHECK(fabs(atof(ratio) / want - 1) < 1e-4 && !strcmp(clip, "0"), "update ratio %s, by hand %.6g; clip fraction %s", ratio,
+          want, clip);
+    CHECK(!contains(out, "warning") && access(steps, F_OK) != 0, "no warning, no steps.csv: %s", out);
+    free(ratio); free(clip); free(out);
+
+    rm_rf(run);
+    c.precision = DT_F16;
+    c.overflow_at_step = 1;
+    out = with_stderr_captured(train_job, &job, &rc);
+    CHECK(rc == 0, "%s", job.err);
+    char *f[2][4];
+    const char *names[4] = {"skipped_steps", "loss_scale", "update_ratio", "grad_norm_mean"};
+    for (int e = 0; e < 2; e++)
+        for (int k = 0; k < 4; k++) f[e][k] = csv_field_text(metrics, names[k], e + 1);
+    CHECK(!strcmp(f[0][0], "1") && !strcmp(f[0][1], "16384") && !strcmp(f[0][2], "0") && !strcmp(f[0][3], ""),
+          "epoch 1: skipped %s, scale %s, ratio %s, norm '%s'", f[0][0], f[0][1], f[0][2], f[0][3]);
+    // epoch 2's step is the first one applied, at w0 on the same batch: the fp32 run's ‖g‖ unscaled, to
+    // 10 fp16 roundings (2^-11 each) of the activations (measured 3e-4); a scale left in: 16384 times it
+    CHECK(!strcmp(f[1][0], "0") && !strcmp(f[1][1], "16384") && atof(f[1][2]) > 0 && fabs(atof(f[1][3]) / sqrt(gg) - 1) < 5e-3,
+          "epoch 2: skipped %s, scale %s, ratio %s, norm %s (fp32 %.6g)", f[1][0], f[1][1], f[1][2], f[1][3], sqrt(gg));
+    if (g_verbose) printf("    fp16 gradient norm %s, fp32 %.6g\n", f[1][3], sqrt(gg));
+    CHECK(contains(out, "warning: epoch 1: fp16 overflow skipped 1 of 1 steps") && contains(out, "16384 now"),
+          "the overflow warning: %s", out);
+    for (int e = 0; e < 2; e++)
+        for (int k = 0; k < 4; k++) free(f[e][k]);
+    free(out);
+    free(w0); free(g);
+    rm_rf(data); rm_rf(run);
+}
+
+typedef struct { const Trainer *t; const EpochRecord *r, *prev; int *warned; } WarnCall;
+static int warn_call(void *arg) {
+    WarnCall *w = arg;
+    training_warnings(w->t, w->r, w->prev, w->warned);
+    return 0;
+}
+
+// The warnings on constructed epochs: each fires at the first epoch where it
+// holds, once, with its figures; figures that do not call for one print
+// nothing (the quickstart's epochs 2 and 7: train just below val, then above).
+static void test_training_warnings(void) {
+    TrainCfg c;
+    train_cfg_default(&c);
+    c.clipnorm = 1.0f;
+    Trainer t = {0};
+    t.c = &c;
+    t.has_val = 1;
+    t.segmentation = 1;
+    struct { EpochRecord r; StepStats st; const char *want; } cases[] = {
+        {EPOCH(2, 1e-3, 0.52, 0.43, 0.4355, 0.4430), {.steps = 60, .clipped = 30}, NULL},
+        {EPOCH(7, 1e-3, 0.08, 0.15, 0.9344, 0.7611), {.steps = 60, .skipped = 3, .skip_run_max = 3}, NULL},
+        {EPOCH(3, 1e-3, 0.5, 0.5, 0.5, 0.5), {.steps = 60, .clipped = 31}, "--clipnorm 1 scaled down the gradients of 52%"},
+        {EPOCH(4, 1e-3, 0.5, 0.5, 0.5, 0.5), {.steps = 60, .clipped = 60}, NULL},  // once
+        {EPOCH(5, 1e-3, 0.5, 0.5, 0.5, 0.5), {.steps = 60, .skipped = 4, .skip_run_max = 1}, "skipped 4 of 60 steps"},
+        {EPOCH(6, 1e-3, 0.5, 0.5, 0.6, 0.7), {.steps = 60}, "train mIoU 0.600 is below val_mIoU 0.700"},
+        {EPOCH(7, 1e-3, 0.5, 0.5, 0.5, 0.7), {.steps = 60}, NULL},  // once
+    };
+    int warned[3] = {0, 0, 0};
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        cases[k].r.clip_fraction = cases[k].st.steps ? (double)cases[k].st.clipped / cases[k].st.steps : 0;
+        cases[k].r.loss_scale = 1;
+        t.epoch_stats = cases[k].st;
+        int rc;
+        WarnCall a = {&t, &cases[k].r, NULL, warned};
+        char *out = with_stderr_captured(warn_call, &a, &rc);
+        if (cases[k].want) CHECK(contains(out, cases[k].want) && count_substr(out, "\n") == 1,
+                                 "epoch %d: '%s' should say '%s' on one line", cases[k].r.epoch, out, cases[k].want);
+        else CHECK(!out[0], "epoch %d: nothing to say, but: %s", cases[k].r.epoch, out);
+        free(out);
+    }
+    // a train metric falling while the validation one holds
+    int fresh[3] = {0, 0, 0};
+    EpochRecord prev = EPOCH(8, 1e-3, 0.3, 0.3, 0.90, 0.75), now = EPOCH(9, 1e-3, 0.4, 0.3, 0.82, 0.76);
+    t.epoch_stats = (StepStats){.steps = 60};
+    WarnCall b = {&t, &now, &prev, fresh};
+    int rc;
+    char *out = with_stderr_captured(warn_call, &b, &rc);
+    CHECK(contains(out, "train mIoU fell from 0.900 to 0.820 while val_mIoU held (0.760)") && contains(out, "--train-eval"),
+          "falling train metric: %s", out);
+    free(out);
+    c.train_eval = 1;  // with --train-eval the two compare like with like already
+    fresh[2] = 0;
+    out = with_stderr_captured(warn_call, &b, &rc);
+    CHECK(!out[0], "--train-eval: nothing to say, but %s", out);
+    free(out);
+}
+
+// --train-eval with the training set as the validation set: the train columns
+// are then the validation ones, to the bit (the same images, mode and weights)
+static void test_train_eval(void) {
+    const char *data = "/tmp/segnet_test_teval_data", *run = "/tmp/segnet_test_teval_run";
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 6, 8, 8, 43);
+    TrainCfg c = tiny_seg_cfg(data, data);
+    c.epochs = 2;
+    c.out = run;
+    c.train_eval = 1;
+    char err[SN_ERR_MAX], metrics[300];
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    snprintf(metrics, sizeof metrics, "%s/metrics.csv", run);
+    const char *pairs[3][2] = {{"loss", "val_loss"}, {"mIoU", "val_mIoU"}, {"IoU_1", "val_IoU_1"}};
+    for (int e = 1; e <= 2; e++)
+        for (int k = 0; k < 3; k++) {
+            char *a = csv_field_text(metrics, pairs[k][0], e), *b = csv_field_text(metrics, pairs[k][1], e);
+            CHECK(a[0] && !strcmp(a, b), "epoch %d: %s %s vs %s %s", e, pairs[k][0], a, pairs[k][1], b);
+            free(a); free(b);
+        }
+    char config[300];
+    snprintf(config, sizeof config, "%s/config.txt", run);
+    char *text = read_text(config);
+    CHECK(text && contains(text, "train-eval = on\n") && contains(text, "log-every = 0\n"), "config.txt keeps the settings");
+    free(text);
     rm_rf(data); rm_rf(run);
 }
 
@@ -8090,6 +8390,10 @@ static void test_checkpoint_metadata_checked(void) {
         {"batch", "999", "pass_totals", "0x0p+0 0x0p+0 0 0 0 0 0 0 0 0 0", "interrupted at batch 999 of an epoch"},
         {"batch", "1", "pass_totals", "0x0p+0 0x0p+0 1 2", "metadata 'pass_totals': replica 0, item 4"},
         {"batch", "1", NULL, NULL, "metadata has 'batch' without 'pass_totals'"},
+        {"log_stats", "1 0 0 0 0 0x1p+0 0x1p+0 0x1p+0 0x1p+0 0x1p+0", NULL, NULL,
+         "metadata 'log_stats': item 10 is not a number"},
+        {"epoch_stats", "1 2 0 0 0 0x1p+0 0x1p+0 0x1p+0 0x1p+0 0x1p+0 nan", NULL, NULL, "metadata 'epoch_stats' is '1 2 0"},
+        {"epoch_stats", "1 0 0 0 0 0x1p+0 0x1p+0 0x1p+0 -0x1p+0 0x1p+0 nan", NULL, NULL, "out of range"},
     };
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         write_file_bytes(path, good, n);
@@ -8714,6 +9018,9 @@ static const Test TESTS[] = {
     {"two_phase_finetune", test_two_phase_finetune},
     {"class_names", test_class_names},
     {"classifier_csv_trains", test_classifier_csv_trains},
+    {"train_diagnostics", test_train_diagnostics},
+    {"training_warnings", test_training_warnings},
+    {"train_eval", test_train_eval},
     {"eval_matches_run", test_eval_matches_run},
     {"fp16_loss_scaling", test_fp16_loss_scaling},
     {"accum_equals_big_batch", test_accum_equals_big_batch},
