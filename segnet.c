@@ -5478,7 +5478,7 @@ typedef struct {
     double y_min_top;        // the left axis reaches at least this
     double hline;            // > 0: a horizontal line at this left-axis value, named hline_name
     const char *hline_name;
-    int mark_skipped;        // a red cross on the left series at epochs with skipped steps
+    int mark_skipped;        // a red cross at the bottom of the epochs with skipped steps
 } SvgPanel;
 
 static double record_value(const EpochRecord *r, size_t offset) { return *(const double *)((const char *)r + offset); }
@@ -5549,7 +5549,7 @@ static void svg_panel(FILE *f, int x0, int y0, const SvgPanel *p, const EpochRec
     for (int i = 0; p->right && i <= yr.ticks; i++) {  // the right axis' ticks
         double v = 2 * (yr.lo / 2 + i * (yr.step / 2)), y = SVG_Y(yr, v);
         fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333\"/>"
-                "<text x=\"%.1f\" y=\"%.1f\" fill=\"%s\">%.3g</text>\n", R, y, R + 5, y, R + 8, y + 4, p->right->colour, v);
+                "<text x=\"%.1f\" y=\"%.1f\" fill=\"%s\">%.6g</text>\n", R, y, R + 5, y, R + 8, y + 4, p->right->colour, v);
     }
     for (double e = ceil(ex0 / xstep) * xstep; e <= ex1; e += xstep)  // x ticks
         fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333\"/>"
@@ -5592,20 +5592,35 @@ static void svg_panel(FILE *f, int x0, int y0, const SvgPanel *p, const EpochRec
         double x = SVG_X(rows[i].epoch);
         fprintf(f, "<path d=\"M%.1f %.1fl8 8m0 -8l-8 8\" stroke=\"#d62728\" stroke-width=\"2\"/>\n", x - 4, B - 14);
     }
-    // the legend goes top right, or bottom right when the first curve ends high (accuracy, IoU)
+    // the legend goes top right, or bottom right when more of the values in the panel's right
+    // half lie in its upper half (curves that end high: accuracy, IoU)
     const char *names[5];
     const char *colours[5], *dashes[5];
-    int n_legend = 0, bottom = 0;
-    for (int k = 0; k < 3; k++)
-        if (present[k]) { names[n_legend] = all[k]->name; colours[n_legend] = all[k]->colour; dashes[n_legend++] = all[k]->dash; }
-    if (p->hline > 0) { names[n_legend] = p->hline_name; colours[n_legend] = "#d62728"; dashes[n_legend++] = " stroke-dasharray=\"8 3\""; }
+    int n_legend = 0, upper = 0, lower = 0;
+    for (int k = 0; k < 3; k++) {
+        if (!present[k]) continue;
+        names[n_legend] = all[k]->name; colours[n_legend] = all[k]->colour; dashes[n_legend++] = all[k]->dash;
+        for (int i = 0; i < n; i++) {
+            double v = record_value(&rows[i], all[k]->offset);
+            if (!isfinite(v) || SVG_X(rows[i].epoch) < (L + R) / 2) continue;
+            if (SVG_Y(*axis[k], v) < (T + B) / 2) upper++;
+            else lower++;
+        }
+    }
+    const int bottom = upper > lower;
+    if (p->hline > 0) {
+        names[n_legend] = p->hline_name;
+        colours[n_legend] = "#d62728";
+        dashes[n_legend++] = " stroke-dasharray=\"8 3\"";
+    }
     int any_skipped = 0;
     for (int i = 0; p->mark_skipped && i < n; i++) any_skipped |= rows[i].skipped_steps > 0;
-    for (int i = n - 1; i >= 0; i--) {
-        double v = record_value(&rows[i], p->left[0].offset);
-        if (isfinite(v)) { bottom = SVG_Y(ya, v) < (T + B) / 2; break; }
-    }
     const int lines = n_legend + any_skipped;
+    if (lines) {  // on a white ground, over what it covers
+        const double top = bottom ? B - 12 - 18 * (lines - 1) : T + 14;
+        fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"white\" fill-opacity=\"0.85\"/>\n",
+                R - 116, top - 11, 112.0, 18.0 * lines + 4);
+    }
     for (int k = 0; k < lines; k++) {
         double ly = bottom ? B - 12 - 18 * (lines - 1 - k) : T + 14 + 18 * k;
         if (k < n_legend)
@@ -5617,7 +5632,9 @@ static void svg_panel(FILE *f, int x0, int y0, const SvgPanel *p, const EpochRec
         svg_text(f, k < n_legend ? names[k] : "skipped steps");
         fputs("</text>\n", f);
     }
-    if (!present[0] && !present[1]) fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" fill=\"#888\">no values</text>\n", (L + R) / 2, (T + B) / 2);
+    if (!present[0] && !present[1])
+        fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" fill=\"#888\">no values</text>\n", (L + R) / 2,
+                (T + B) / 2);
     fputs("</g>\n", f);
 #undef SVG_X
 #undef SVG_Y
@@ -7260,7 +7277,10 @@ static int history_load(const Trainer *t, const char *path, History *h, char err
         line[strcspn(line, "\r\n")] = 0;
         if (row == 1) {
             pad = !strcmp(line, older.p);
-            if (!pad && strcmp(line, want.p)) { snprintf(err, SN_ERR_MAX, "%.400s: the header does not match this run's model and classes", path); rc = -1; }
+            if (!pad && strcmp(line, want.p)) {
+                snprintf(err, SN_ERR_MAX, "%.400s: the header does not match this run's model and classes", path);
+                rc = -1;
+            }
             continue;
         }
         double v[12];
@@ -7363,10 +7383,10 @@ static void training_warnings(const Trainer *t, const EpochRecord *r, const Epoc
     if (!warned[0] && c->clipnorm > 0.0f && st->steps && st->clipped > WARN_CLIP_FRACTION * (double)st->steps) {
         warned[0] = 1;
         fprintf(stderr, "segnet train: warning: epoch %d: --clipnorm %g scaled down the gradients of %.0f%% of the steps "
-                "(gradient norm: mean %.3g, max %.3g). Clipping that acts on most steps lowers the learning rate instead "
-                "of catching spikes; a threshold above the typical norm, e.g. --clipnorm %.2g (twice the mean), clips "
-                "only the spikes.\n", r->epoch, c->clipnorm, 100.0 * r->clip_fraction, r->grad_norm_mean, r->grad_norm_max,
-                2 * r->grad_norm_mean);
+                "(gradient norm: mean %.3g, max %.3g). Clipping that acts on most steps no longer catches spikes: it "
+                "rescales every update, which under Adam weighs the steps with large gradients down against the others; "
+                "a threshold above the typical norm, e.g. --clipnorm %.2g (twice the mean), clips only the spikes.\n",
+                r->epoch, c->clipnorm, 100.0 * r->clip_fraction, r->grad_norm_mean, r->grad_norm_max, 2 * r->grad_norm_mean);
     }
     if (!warned[1] && st->steps && (st->skipped > WARN_SKIP_FRACTION * (double)st->steps || st->skip_run_max > WARN_SKIP_RUN)) {
         warned[1] = 1;

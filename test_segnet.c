@@ -4534,7 +4534,23 @@ static void test_train_eval(void) {
     char *text = read_text(config);
     CHECK(text && contains(text, "train-eval = on\n") && contains(text, "log-every = 0\n"), "config.txt keeps the settings");
     free(text);
-    rm_rf(data); rm_rf(run);
+    // the inference-mode pass changes nothing else: the same weights and validation figures without it
+    const char *plain = "/tmp/segnet_test_teval_plain";
+    rm_rf(plain);
+    c.train_eval = 0;
+    c.out = plain;
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    char pa[300], pb[300];
+    snprintf(pa, sizeof pa, "%s/last.safetensors", run);
+    snprintf(pb, sizeof pb, "%s/last.safetensors", plain);
+    CHECK(files_equal(pa, pb), "--train-eval changed the weights");
+    snprintf(pb, sizeof pb, "%s/metrics.csv", plain);
+    for (int e = 1; e <= 2; e++) {
+        char *a = csv_field_text(metrics, "val_mIoU", e), *b = csv_field_text(pb, "val_mIoU", e);
+        CHECK(!strcmp(a, b), "epoch %d: val_mIoU %s with --train-eval, %s without", e, a, b);
+        free(a); free(b);
+    }
+    rm_rf(data); rm_rf(run); rm_rf(plain);
 }
 
 // effv2 tiny with the hidden head on a CSV data set: trains, reports accuracy,
