@@ -270,7 +270,8 @@ BENCH_THREADS ?= 2
 BENCH_STEPS   ?= 5
 BENCH_WARMUP  ?= 2
 BENCH_MODELS  ?= "effv2-s:--model effv2-s --padding symmetric --size 224x224 --batch 4" \
-                 "unet:--model unet --depth 4 --width 32 --size 256x256 --batch 4"
+                 "unet:--model unet --depth 4 --width 32 --size 256x256 --batch 4" \
+                 "unet-64:--model unet --depth 4 --width 16 --size 64x64 --batch 8"
 bench: segnet
 	@/usr/bin/python3 -c 'import torch, torchvision' 2>/dev/null || { echo "make bench: /usr/bin/python3 needs torch and torchvision (apt-get install python3-torch python3-torchvision)" >&2; exit 1; }
 	@common="--classes 4 --threads $(BENCH_THREADS) --steps $(BENCH_STEPS) --warmup $(BENCH_WARMUP)"; \
