@@ -287,6 +287,10 @@ static void sum_into_f64(double *sum, const float *x, size_t n) {
     #pragma omp parallel for simd schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) sum[i] += x[i];
 }
+// dw[i] += sum[i] rounded once to fp32 (the batch's weight gradient into the step's)
+static void add_rounded(float *dw, const double *sum, size_t n) {
+    for (size_t i = 0; i < n; i++) dw[i] += (float)sum[i];
+}
 
 // col[p][(ky·kw + kx)·Cg + ci] = x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci]
 static void im2col(const ConvCfg *cfg, const ConvGeom *q, Tensor in, int n, int g, float *col) {
@@ -807,7 +811,7 @@ static void conv2d_backward_weight_direct(const ConvCfg *cfg, const ConvGeom *q,
         d.dy = image_rows_f32(dout, n, q->P, q->Cout, rows);
         direct_dw_image(&d);
     }
-    for (size_t i = 0; i < n_w; i++) dw[i] += (float)sum[i];
+    add_rounded(dw, sum, n_w);
 }
 
 static void add_bias_rows(float *y, size_t rows, int C, const float *b) {
@@ -941,7 +945,7 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
                         (const float *)in.data + (size_t)n * q.P * q.C, q.C, 0.0f, image_dw, q.C);
             sum_into_f64(sum, image_dw, n_w);
         }
-        for (size_t i = 0; i < n_w; i++) dw[i] += (float)sum[i];
+        add_rounded(dw, sum, n_w);
         return;
     }
     if (conv_direct_grad_weight(cfg)) conv2d_backward_weight_direct(cfg, &q, dw, dout, in, (float *)ws);
@@ -966,7 +970,7 @@ static void conv2d_backward_weight_gemm(const ConvCfg *cfg, const ConvGeom *qp, 
             sum_into_f64(sum + (size_t)g * n_wg, image_dw, n_wg);
         }
     }
-    for (size_t i = 0; i < n_w; i++) dw[i] += (float)sum[i];
+    add_rounded(dw, sum, n_w);
 }
 
 // ----------------------------------------------------------------------------
@@ -6120,7 +6124,10 @@ static void step_stats_add(StepStats *st, const StepState *s, double seconds, do
 }
 
 // the columns' values: norm mean and max, clip fraction, loss scale, skipped steps, update ratio, ms per step
-static void step_stats_columns(const StepStats *st, double v[7]) {
+#define STEP_STATS_N_COLUMNS 7
+static const char *const STEP_STATS_COLUMNS = "grad_norm_mean,grad_norm_max,clip_fraction,loss_scale,skipped_steps,"
+                                              "update_ratio,step_ms";
+static void step_stats_columns(const StepStats *st, double v[STEP_STATS_N_COLUMNS]) {
     const int64_t applied = st->steps - st->skipped;
     v[0] = applied ? st->norm_sum / (double)applied : NAN;
     v[1] = applied ? st->norm_max : NAN;
@@ -6130,8 +6137,7 @@ static void step_stats_columns(const StepStats *st, double v[7]) {
     v[5] = st->update_ratio;
     v[6] = st->timed ? 1000.0 * st->seconds / (double)st->timed : NAN;
 }
-static const char *const STEP_STATS_COLUMNS = "grad_norm_mean,grad_norm_max,clip_fraction,loss_scale,skipped_steps,"
-                                              "update_ratio,step_ms";
+
 
 static void step_stats_text(const StepStats *st, char *out, size_t size) {
     snprintf(out, size, "%" PRId64 " %" PRId64 " %" PRId64 " %" PRId64 " %" PRId64 " %a %a %a %a %a %a", st->steps,
@@ -6651,7 +6657,7 @@ static double trainable_update_ratio(Trainer *t) {
 // steps.csv's row for the steps since the last one (every replica calls it: the loss is summed over them)
 static int steps_log_row(Trainer *t, double lr) {
     StepStats *st = &t->log_stats;
-    double sums[2] = {st->loss_sum, st->label_sum}, v[7];
+    double sums[2] = {st->loss_sum, st->label_sum}, v[STEP_STATS_N_COLUMNS];
     if (t->comm->size > 1 && t->comm->allreduce_f64(t->comm, sums, 2)) return -1;
     if (t->steps_csv) {
         StBuf row = {0};
@@ -6660,7 +6666,7 @@ static int steps_log_row(Trainer *t, double lr) {
         sb_str(&row, s);
         csv_num(&row, sums[1] > 0 ? sums[0] / sums[1] : NAN);
         step_stats_columns(st, v);
-        for (int k = 0; k < 7; k++) csv_sig(&row, v[k]);
+        for (int k = 0; k < STEP_STATS_N_COLUMNS; k++) csv_sig(&row, v[k]);
         sb_str(&row, "\n");
         sb_put(&row, "", 1);
         FILE *f = row.oom ? NULL : fopen(t->steps_csv, "a");
@@ -7223,20 +7229,18 @@ static void csv_header(const Trainer *t, StBuf *b, int diagnostics) {
     if (diagnostics) { sb_str(b, ","); sb_str(b, STEP_STATS_COLUMNS); }
 }
 
-static void csv_num(StBuf *b, double v) {
+// ",value" in `format` (a printf conversion of one double); "," for NaN
+static void csv_value(StBuf *b, double v, const char *format) {
     char s[48];
-    if (isnan(v)) snprintf(s, sizeof s, ",");
-    else snprintf(s, sizeof s, ",%.6f", v);
+    s[0] = ',';
+    if (isnan(v)) s[1] = 0;
+    else snprintf(s + 1, sizeof s - 1, format, v);
     sb_str(b, s);
 }
+static void csv_num(StBuf *b, double v) { csv_value(b, v, "%.6f"); }
 
-// ",value" with 6 significant digits (the diagnostics span decades); "," for NaN
-static void csv_sig(StBuf *b, double v) {
-    char s[48];
-    if (isnan(v)) snprintf(s, sizeof s, ",");
-    else snprintf(s, sizeof s, ",%.6g", v);
-    sb_str(b, s);
-}
+// 6 significant digits: the diagnostics span decades
+static void csv_sig(StBuf *b, double v) { csv_value(b, v, "%.6g"); }
 
 static void csv_metrics(const Trainer *t, StBuf *b, const Metrics *m) {
     if (!t->segmentation) { csv_num(b, m ? m->accuracy : NAN); return; }
@@ -7283,20 +7287,23 @@ static int history_load(const Trainer *t, const char *path, History *h, char err
             }
             continue;
         }
-        double v[12];
-        int cols[12] = {1, 2, 3, 4, val_col}, epoch = atoi(line);
-        for (int k = 0; k < 7; k++) cols[5 + k] = diag_col + k;
+        double v[5 + STEP_STATS_N_COLUMNS];
+        int cols[5 + STEP_STATS_N_COLUMNS] = {1, 2, 3, 4, val_col}, epoch = atoi(line);
+        for (int k = 0; k < STEP_STATS_N_COLUMNS; k++) cols[5 + k] = diag_col + k;
         if (epoch != row - 1) { snprintf(err, SN_ERR_MAX, "%.400s: row %d: expected epoch %d", path, row, row - 1); rc = -1; break; }
         if (epoch > t->epoch) break;  // written after the checkpoint: that epoch runs again
-        for (int k = 0; k < 12; k++) {
+        for (int k = 0; k < 5 + STEP_STATS_N_COLUMNS; k++) {
             const char *s = line;
             for (int col = 0; col < cols[k] && s; col++) { s = strchr(s, ','); if (s) s++; }
             v[k] = s && *s && *s != ',' ? strtod(s, NULL) : NAN;
         }
         EpochRecord r = {epoch, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11]};
-        char *kept = malloc(strlen(line) + 8);
+        const size_t len = strlen(line), empty = pad ? STEP_STATS_N_COLUMNS : 0;  // the diagnostics, empty
+        char *kept = malloc(len + empty + 1);
         snCheck(kept != NULL, "out of host memory");
-        sprintf(kept, "%s%s", line, pad ? ",,,,,,," : "");  // the 7 diagnostics
+        memcpy(kept, line, len);
+        memset(kept + len, ',', empty);
+        kept[len + empty] = 0;
         history_add(h, kept, r);
     }
     if (rc == 0 && h->n != t->epoch) { snprintf(err, SN_ERR_MAX, "%.400s: holds %d epochs, the checkpoint %d", path, h->n, t->epoch); rc = -1; }
@@ -7840,7 +7847,7 @@ static int train_replica(Comm *comm, void *arg) {
         }
         t.epoch++;
         double lr = lr_at_step(c->lr, c->schedule, c->warmup, t.total_steps, t.step - 1);
-        double diag[7];
+        double diag[STEP_STATS_N_COLUMNS];
         step_stats_columns(&t.epoch_stats, diag);
         EpochRecord rec = {t.epoch, lr, loss, val_loss, t.segmentation ? m.mean_iou : m.accuracy,
                            t.has_val ? (t.segmentation ? vm.mean_iou : vm.accuracy) : NAN,
@@ -7863,7 +7870,7 @@ static int train_replica(Comm *comm, void *arg) {
             csv_num(&row, val_loss);
             csv_metrics(&t, &row, &m);
             csv_metrics(&t, &row, t.has_val ? &vm : NULL);
-            for (int k = 0; k < 7; k++) csv_sig(&row, diag[k]);
+            for (int k = 0; k < STEP_STATS_N_COLUMNS; k++) csv_sig(&row, diag[k]);
             sb_put(&row, "", 1);
             snCheck(!row.oom, "out of host memory");
             history_add(&h, row.p, rec);
