@@ -2179,8 +2179,14 @@ __global__ void bn_forward_kernel(void *y, DType dty, const void *x, DType dtx, 
     const BnChannel bn(mean, var, gamma, beta, eps, c);
     FOR_ROWS(r, rows) st(y, dty, r * C + c, act_apply(act, bn.z(bn.xhat(ld(x, dtx, r * C + c)))));
 }
-template <class T>
-__global__ void bn_forward_vec_kernel(T *y, const T *x, uint32_t rows, int C, const float *mean, const float *var,
+// Out(i, r, y): what becomes of y's Vec at element i (row r of the launch):
+// StoreVec (bn_forward) or ResidualEnd (BnNext FUSED_RESIDUAL, further on)
+template <class T> struct StoreVec {
+    T *y;
+    __device__ void operator()(uint32_t i, uint32_t, const Vec<T> &v) { store_vec(y + i, v); }
+};
+template <class T, class Out>
+__global__ void bn_forward_vec_kernel(Out out, const T *x, uint32_t rows, int C, const float *mean, const float *var,
                                       const float *gamma, const float *beta, float eps, Act act) {
     constexpr int N = Vec<T>::N;
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
@@ -2190,11 +2196,11 @@ __global__ void bn_forward_vec_kernel(T *y, const T *x, uint32_t rows, int C, co
     FOR_ROWS(r, rows) {
         Vec<T> v = load_vec(x + r * C + c0);
         for (int k = 0; k < N; k++) v.v[k] = from_f32<T>(act_apply(act, bn[k].z(bn[k].xhat(to_f32(v.v[k])))));
-        store_vec(y + r * C + c0, v);
+        out(r * C + c0, r, v);
     }
 }
-static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const float *mean, const float *var, const float *gamma,
-                            const float *beta, float eps, Act act) {
+static void bn_forward_plain(Ops *o, Tensor y, Tensor x, const float *mean, const float *var, const float *gamma,
+                             const float *beta, float eps, Act act) {
     const int C = x.shape.c;
     const size_t rows = shape_numel(x.shape) / (C ? C : 1);
     if (!rows || !C) return;
@@ -2205,8 +2211,8 @@ static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const float *mean, const
         if (vec) {
             SWITCH_STORAGE(x.dtype, T, {
                 RowGrid g = row_grid(C / Vec<T>::N, count);
-                CU_LAUNCH(bn_forward_vec_kernel<T>, g.grid, g.block, 0, stream_of(o), (T *)yc, (const T *)xc,
-                          (uint32_t)count, C, mean, var, gamma, beta, eps, act);
+                CU_LAUNCH((bn_forward_vec_kernel<T, StoreVec<T>>), g.grid, g.block, 0, stream_of(o), StoreVec<T>{(T *)yc},
+                          (const T *)xc, (uint32_t)count, C, mean, var, gamma, beta, eps, act);
             });
         } else {
             RowGrid g = row_grid(C, count);
@@ -2255,13 +2261,20 @@ struct BnGradTerms {  // the summands g and g·xhat, generic
         return {elem_ptr(dy, dt_dy, c), dt_dy, elem_ptr(x, dt_x, c), dt_x, C, p, p.channel(c)};
     }
 };
-template <class T> struct BnGradTermsVec {
-    const T *dy, *x; int C; BnParams p;
+// Dy: where the vector kernels read the output gradient dy's Vec at element i
+// (row r): DyVec (memory) or DyResidual (BnNext FUSED_RESIDUAL, further on)
+template <class T> struct DyVec {
+    const T *dy;
+    __device__ Vec<T> load(size_t i, uint32_t) { return load_vec(dy + i); }
+    __device__ DyVec at(int c0) const { return {dy + c0}; }  // from channel c0 on
+};
+template <class T, class Dy = DyVec<T>> struct BnGradTermsVec {
+    Dy dy; const T *x; int C; BnParams p;
     static constexpr int N = Vec<T>::N;
     struct Lane {
-        const T *dy, *x; int C; BnParams p; BnChannel bn[N];
+        mutable Dy dy; const T *x; int C; BnParams p; BnChannel bn[N];
         __device__ void add(uint32_t r, double (&acc)[N][2]) const {
-            Vec<T> vx = load_vec(x + (size_t)r * C), vdy = load_vec(dy + (size_t)r * C);
+            Vec<T> vx = load_vec(x + (size_t)r * C), vdy = dy.load((size_t)r * C, r);
             for (int k = 0; k < N; k++) {
                 float xhat, g;
                 p.grad(bn[k], to_f32(vx.v[k]), to_f32(vdy.v[k]), &xhat, &g);
@@ -2271,7 +2284,7 @@ template <class T> struct BnGradTermsVec {
         }
     };
     __device__ Lane lane(int, int c0) const {
-        Lane l = {dy + c0, x + c0, C, p, {}};
+        Lane l = {dy.at(c0), x + c0, C, p, {}};
         for (int k = 0; k < N; k++) l.bn[k] = p.channel(c0 + k);
         return l;
     }
@@ -2283,16 +2296,16 @@ struct BnGradSums {  // sum_g, sum_gx overwritten; dbeta, dgamma added into; sum
         if (sums) { sums[c] = s[0]; sums[C + c] = s[1]; }
     }
 };
-static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
-                                    const float *gamma, const float *beta, float eps, Act act, float *sum_g,
-                                    float *sum_gx, float *dgamma, float *dbeta, double *sums) {
+static void bn_backward_reduce_plain(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
+                                     const float *gamma, const float *beta, float eps, Act act, float *sum_g,
+                                     float *sum_gx, float *dgamma, float *dbeta, double *sums) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     const BnParams p = {mean, var, gamma, beta, eps, act};
     const BnGradSums e = {sum_g, sum_gx, dgamma, dbeta, sums, C};
     if (vec_ok({dy.dtype, x.dtype}, C, {dy.data, x.data})) {
         SWITCH_STORAGE(x.dtype, T, {
-            channel_sums<2, Vec<T>::N>(o, BnGradTermsVec<T>{(const T *)dy.data, (const T *)x.data, C, p}, e, 1, M, C);
+            channel_sums<2, Vec<T>::N>(o, BnGradTermsVec<T>{{(const T *)dy.data}, (const T *)x.data, C, p}, e, 1, M, C);
         });
     } else {
         channel_sums<2, 1>(o, BnGradTerms{dy.data, dy.dtype, x.data, x.dtype, C, p}, e, 1, M, C);
@@ -2337,8 +2350,8 @@ __global__ void bn_backward_data_kernel(void *dx, DType dt_dx, const void *dy, D
         st(dx, dt_dx, i, accumulate ? ld(dx, dt_dx, i) + d : d);
     }
 }
-template <class T>
-__global__ void bn_backward_data_vec_kernel(T *dx, const T *dy, const T *x, uint32_t rows, int C, BnParams p,
+template <class T, class Dy>
+__global__ void bn_backward_data_vec_kernel(T *dx, Dy dy, const T *x, uint32_t rows, int C, BnParams p,
                                             const float *sum_g, const float *sum_gx, uint32_t count, int accumulate) {
     constexpr int N = Vec<T>::N;
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
@@ -2351,7 +2364,7 @@ __global__ void bn_backward_data_vec_kernel(T *dx, const T *dy, const T *x, uint
     }
     FOR_ROWS(r, rows) {
         const uint32_t i = r * C + c0;
-        Vec<T> vx = load_vec(x + i), vdy = load_vec(dy + i), vdx;
+        Vec<T> vx = load_vec(x + i), vdy = dy.load(i, r), vdx;
         if (accumulate) vdx = load_vec(dx + i);
         for (int k = 0; k < N; k++) {
             float xhat, g;
@@ -2362,9 +2375,9 @@ __global__ void bn_backward_data_vec_kernel(T *dx, const T *dy, const T *x, uint
         store_vec(dx + i, vdx);
     }
 }
-static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean, const float *var,
-                                  const float *gamma, const float *beta, float eps, Act act, const float *sum_g,
-                                  const float *sum_gx, size_t count, int accumulate) {
+static void bn_backward_data_plain(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean, const float *var,
+                                   const float *gamma, const float *beta, float eps, Act act, const float *sum_g,
+                                   const float *sum_gx, size_t count, int accumulate) {
     const int C = x.shape.c;
     const size_t rows = shape_numel(x.shape) / (C ? C : 1);
     if (!rows || !C || !dx.data) return;
@@ -2377,8 +2390,9 @@ static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const 
         if (vec) {
             SWITCH_STORAGE(x.dtype, T, {
                 RowGrid g = row_grid(C / Vec<T>::N, n_rows);
-                CU_LAUNCH(bn_backward_data_vec_kernel<T>, g.grid, g.block, 0, stream_of(o), (T *)dxc, (const T *)dyc,
-                          (const T *)xc, (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count, accumulate);
+                CU_LAUNCH((bn_backward_data_vec_kernel<T, DyVec<T>>), g.grid, g.block, 0, stream_of(o), (T *)dxc,
+                          DyVec<T>{(const T *)dyc}, (const T *)xc, (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count,
+                          accumulate);
             });
         } else {
             RowGrid g = row_grid(C, n_rows);
@@ -2900,6 +2914,215 @@ static void dropout_forward_cuda(Ops *o, Tensor y, Tensor x, Tensor residual, fl
 static void dropout_backward_cuda(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate, const uint64_t *seed,
                                   int per_sample, uint64_t first_sample, int accumulate, int accumulate_residual) {
     dropout(o, dx, dy, dresidual, 1, rate, seed, per_sample, first_sample, accumulate, accumulate_residual);
+}
+
+// ----------------------------------------------------------------------------
+// batch norm with the layer after it (BnNext; the executor's "fusing layers" in
+// segnet.c). The fused kernels compute what the two ops would, rounding where
+// they store, so the results are the unfused ones bit for bit:
+//   FUSED_POOL      forward: channel_sums over (image, pixels) as
+//                   global_avg_pool_forward, whose summand applies the batch
+//                   norm and stores y on the way (BnPoolVec)
+//   FUSED_RESIDUAL  forward: out = y·keep(n) + residual from registers
+//                   (ResidualEnd); backward: y's gradient dy·keep(n), rounded
+//                   to the storage type, computed where the batch norm's two
+//                   passes read it (DyResidual), dresidual written by the first
+// keep(n) = dropout_keep(rate, seed, first_sample + n) of image n = row / (H·W).
+// Where the vector kernels do not apply (bn_next_vec, the same answer for the
+// reduce and the data op), the ops run one after the other, in place as on the
+// CPU: bn_backward_reduce then leaves y's gradient in dy.
+
+// drop_path's factor for the rows of one thread, which go up: the last image's
+// factor is kept (rows r0 + r of a launch; rows < 2^31, checked by the host)
+struct SampleKeep {
+    float rate; const uint64_t *seed; uint64_t first_sample; FastDiv hw; uint32_t r0;
+    uint32_t n; float keep;  // the image last asked for (UINT32_MAX: none yet) and its factor
+    __device__ float at(uint32_t r) {
+        if (rate <= 0.0f) return 1.0f;
+        const uint32_t image = fastdiv(hw, r0 + r);
+        if (image != n) { n = image; keep = dropout_keep(rate, *seed, first_sample + image); }
+        return keep;
+    }
+};
+static SampleKeep sample_keep(const BnNext *next, size_t rows_per_image, size_t r0) {
+    return {next->rate, next->seed, next->first_sample, fastdiv_make((uint32_t)rows_per_image), (uint32_t)r0,
+            UINT32_MAX, 1.0f};
+}
+
+// out = y·keep + residual, as dropout_vec_kernel's forward
+template <class T> struct ResidualEnd {
+    T *out; const T *res; SampleKeep keep;
+    __device__ void operator()(uint32_t i, uint32_t r, const Vec<T> &y) {
+        const float f = keep.at(r);
+        Vec<T> vr = load_vec(res + i), v;
+        for (int k = 0; k < Vec<T>::N; k++) {
+            float a = to_f32(y.v[k]) * f;
+            a += to_f32(vr.v[k]);
+            v.v[k] = from_f32<T>(a);
+        }
+        store_vec(out + i, v);
+    }
+};
+// y's gradient from out's: dout·keep rounded as dropout_backward stores it;
+// res (not NULL: the reduce pass) gets dresidual (=|+=) dout on the way
+template <class T> struct DyResidual {
+    const T *dout; T *res; int accumulate_res; SampleKeep keep;
+    __device__ Vec<T> load(size_t i, uint32_t r) {
+        const float f = keep.at(r);
+        const Vec<T> d = load_vec(dout + i);
+        Vec<T> g, vr;
+        if (res && accumulate_res) vr = load_vec(res + i);
+        for (int k = 0; k < Vec<T>::N; k++) {
+            g.v[k] = from_f32<T>(to_f32(d.v[k]) * f);
+            if (res) vr.v[k] = from_f32<T>(accumulate_res ? to_f32(vr.v[k]) + to_f32(d.v[k]) : to_f32(d.v[k]));
+        }
+        if (res) store_vec(res + i, vr);
+        return g;
+    }
+    __device__ DyResidual at(int c0) const { return {dout + c0, res ? res + c0 : NULL, accumulate_res, keep}; }
+};
+// the batch norm applied to rows of image g, y stored, Σ y per channel (FUSED_POOL)
+template <class T> struct BnPoolVec {
+    const T *x; T *y; int C; uint32_t rows; BnParams p;
+    static constexpr int N = Vec<T>::N;
+    struct Lane {
+        const T *x; T *y; int C; Act act; BnChannel bn[N];
+        __device__ void add(uint32_t r, double (&acc)[N][1]) const {
+            Vec<T> v = load_vec(x + (size_t)r * C);
+            for (int k = 0; k < N; k++) {
+                v.v[k] = from_f32<T>(act_apply(act, bn[k].z(bn[k].xhat(to_f32(v.v[k])))));
+                acc[k][0] += (double)to_f32(v.v[k]);
+            }
+            store_vec(y + (size_t)r * C, v);
+        }
+    };
+    __device__ Lane lane(int g, int c0) const {
+        const size_t at = (size_t)g * rows * C + c0;
+        Lane l = {x + at, y + at, C, p.act, {}};
+        for (int k = 0; k < N; k++) l.bn[k] = p.channel(c0 + k);
+        return l;
+    }
+};
+
+// whether the fused vector kernels serve `next` for a batch norm over x (y, dx: the
+// op's other tensors, when it has them)
+static bool bn_next_vec(const BnNext *next, Tensor x, std::initializer_list<const void *> more) {
+    const int C = x.shape.c;
+    const size_t HW = (size_t)x.shape.h * x.shape.w;
+    for (const Tensor *t : {&next->pooled, &next->out, &next->residual, &next->dresidual})
+        if (t->data && t->dtype != x.dtype) return false;
+    if (next->kind == FUSED_POOL)
+        return x.shape.n < 65536 && vec_ok({x.dtype}, C, {x.data, next->pooled.data}) && vec_ok({x.dtype}, C, more);
+    if (shape_numel(x.shape) / (C ? C : 1) >= ((size_t)1 << 31) || !HW) return false;  // SampleKeep's row numbers
+    return vec_ok({x.dtype}, C, {x.data, next->out.data, next->residual.data, next->dresidual.data}) &&
+           vec_ok({x.dtype}, C, more);
+}
+
+static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const float *mean, const float *var, const float *gamma,
+                            const float *beta, float eps, Act act, const BnNext *next) {
+    const int C = x.shape.c;
+    const size_t rows = shape_numel(x.shape) / (C ? C : 1), HW = (size_t)x.shape.h * x.shape.w;
+    if (next && next->kind == FUSED_RESIDUAL) y = next->out;  // y has no memory: out's, in place
+    if (!next || !rows || !C || !bn_next_vec(next, x, {y.data})) {
+        bn_forward_plain(o, y, x, mean, var, gamma, beta, eps, act);
+        if (next && next->kind == FUSED_POOL) global_avg_pool_forward_cuda(o, next->pooled, y);
+        if (next && next->kind == FUSED_RESIDUAL) {
+            if (next->rate > 0.0f)
+                dropout_forward_cuda(o, y, y, next->residual, next->rate, next->seed, 1, next->first_sample);
+            else
+                add_forward_cuda(o, y, y, next->residual);
+        }
+        return;
+    }
+    const BnParams p = {mean, var, gamma, beta, eps, act};
+    if (next->kind == FUSED_POOL) {
+        SWITCH_STORAGE(x.dtype, T, {
+            channel_sums<1, Vec<T>::N>(o, BnPoolVec<T>{(const T *)x.data, (T *)y.data, C, (uint32_t)HW, p},
+                                      StoreSum{next->pooled.data, next->pooled.dtype, C, (double)HW, 0}, x.shape.n, HW, C);
+        });
+        return;
+    }
+    for_row_launches(rows, C, [&](size_t r0, size_t count) {
+        SWITCH_STORAGE(x.dtype, T, {
+            const size_t at = r0 * C;
+            RowGrid g = row_grid(C / Vec<T>::N, count);
+            ResidualEnd<T> out = {(T *)next->out.data + at, (const T *)next->residual.data + at, sample_keep(next, HW, r0)};
+            CU_LAUNCH((bn_forward_vec_kernel<T, ResidualEnd<T>>), g.grid, g.block, 0, stream_of(o), out,
+                      (const T *)x.data + at, (uint32_t)count, C, mean, var, gamma, beta, eps, act);
+        });
+        launchCheck();
+    });
+}
+
+// dresidual (=|+=) dy, and (in place) dy = y's gradient dy·keep, by the unfused ops
+static void residual_end_backward(Ops *o, Tensor dy, const BnNext *next) {
+    if (next->rate > 0.0f)
+        dropout_backward_cuda(o, dy, next->dresidual, dy, next->rate, next->seed, 1, next->first_sample, 0,
+                              next->accumulate_residual);
+    else if (next->dresidual.data)
+        copy_cuda(o, next->dresidual, dy, next->accumulate_residual);  // keep = 1: dy is y's gradient as it is
+}
+// whether the fused kernels serve a FUSED_RESIDUAL backward (else dy becomes y's gradient in place)
+static bool bn_residual_fused(const BnNext *next, Tensor dy, Tensor x) {
+    return dy.dtype == x.dtype && shape_numel(x.shape) && bn_next_vec(next, x, {dy.data});
+}
+
+static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
+                                    const float *gamma, const float *beta, float eps, Act act, float *sum_g,
+                                    float *sum_gx, float *dgamma, float *dbeta, double *sums, const BnNext *next) {
+    if (next && next->kind == FUSED_RESIDUAL && !bn_residual_fused(next, dy, x)) {
+        residual_end_backward(o, dy, next);
+        next = NULL;  // dy is y's gradient now
+    }
+    if (!next || next->kind != FUSED_RESIDUAL) {
+        if (sum_g) bn_backward_reduce_plain(o, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta, sums);
+        return;
+    }
+    if (!sum_g) {  // dresidual alone
+        if (next->dresidual.data) add_backward_cuda(o, NO_TENSOR, next->dresidual, dy, 0, next->accumulate_residual);
+        return;
+    }
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C, HW = (size_t)x.shape.h * x.shape.w;
+    const BnParams p = {mean, var, gamma, beta, eps, act};
+    const BnGradSums e = {sum_g, sum_gx, dgamma, dbeta, sums, C};
+    SWITCH_STORAGE(x.dtype, T, {
+        const DyResidual<T> d = {(const T *)dy.data, (T *)next->dresidual.data, next->accumulate_residual,
+                                 sample_keep(next, HW, 0)};
+        channel_sums<2, Vec<T>::N>(o, BnGradTermsVec<T, DyResidual<T>>{d, (const T *)x.data, C, p}, e, 1, M, C);
+    });
+}
+
+static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean, const float *var,
+                                  const float *gamma, const float *beta, float eps, Act act, const float *sum_g,
+                                  const float *sum_gx, size_t count, int accumulate, const BnNext *next) {
+    if (!next || next->kind != FUSED_RESIDUAL || !bn_residual_fused(next, dy, x)) {  // dy: y's gradient
+        bn_backward_data_plain(o, dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
+        return;
+    }
+    const int C = x.shape.c;
+    const size_t rows = shape_numel(x.shape) / C, HW = (size_t)x.shape.h * x.shape.w;
+    if (!dx.data) return;
+    if (dx.dtype != x.dtype || !vec_ok({x.dtype}, C, {dx.data})) {
+        BnNext y_grad_only = *next;  // dy becomes y's gradient (dresidual was written by the reduce)
+        y_grad_only.dresidual = NO_TENSOR;
+        residual_end_backward(o, dy, &y_grad_only);
+        bn_backward_data_plain(o, dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
+        return;
+    }
+    require_below(count, (size_t)1 << 31, "batch norm values per channel");
+    const BnParams p = {mean, var, gamma, beta, eps, act};
+    for_row_launches(rows, C, [&](size_t r0, size_t n_rows) {
+        SWITCH_STORAGE(x.dtype, T, {
+            const size_t at = r0 * C;
+            RowGrid g = row_grid(C / Vec<T>::N, n_rows);
+            const DyResidual<T> d = {(const T *)dy.data + at, NULL, 0, sample_keep(next, HW, r0)};
+            CU_LAUNCH((bn_backward_data_vec_kernel<T, DyResidual<T>>), g.grid, g.block, 0, stream_of(o),
+                      (T *)dx.data + at, d, (const T *)x.data + at, (uint32_t)n_rows, C, p, sum_g, sum_gx,
+                      (uint32_t)count, accumulate);
+        });
+        launchCheck();
+    });
 }
 
 // ----------------------------------------------------------------------------

@@ -1329,30 +1329,10 @@ static void bn_stats_finish_cpu(Ops *o, const double *sums, int C, size_t count,
     if (run_mean) bn_update_running_cpu(o, run_mean, run_var, mean, var, C, count, momentum);
 }
 
-static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
-                           const float *gamma, const float *beta, float eps, Act act) {
-    (void)o;
-    bn_forward_fast(y, x, mean, var, gamma, beta, eps, act);
-}
-
-static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
-                                   const float *gamma, const float *beta, float eps, Act act,
-                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums) {
-    (void)o;
-    bn_backward_reduce_fast(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta, sums);
-}
 static void bn_backward_finish_cpu(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx, float *dgamma,
                                    float *dbeta) {
     (void)o;
     for (int c = 0; c < C; c++) bn_grad_sums_store(c, sums[c], sums[C + c], sum_g, sum_gx, dgamma, dbeta);
-}
-
-static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
-                                 const float *var, const float *gamma, const float *beta, float eps,
-                                 Act act, const float *sum_g, const float *sum_gx, size_t count,
-                                 int accumulate) {
-    (void)o;
-    bn_backward_data_fast(dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
 }
 
 // ----------------------------------------------------------------------------
@@ -1651,10 +1631,53 @@ static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dresidual, Tensor dy,
     const uint64_t seed = *seed_at;
     const size_t n = shape_numel(dy.shape), E = n / dy.shape.n, per_draw = per_sample ? E : 1;
     #pragma omp parallel for schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++) {
-        if (dx.data) st_acc(dx, i, ld(dy, i) * dropout_factor(rate, seed, first_sample * E + i, per_draw), accumulate);
-        if (dresidual.data) st_acc(dresidual, i, ld(dy, i), accumulate_residual);
+    for (size_t i = 0; i < n; i++) {  // dx may be dy (in place)
+        const float g = ld(dy, i);
+        if (dx.data) st_acc(dx, i, g * dropout_factor(rate, seed, first_sample * E + i, per_draw), accumulate);
+        if (dresidual.data) st_acc(dresidual, i, g, accumulate_residual);
     }
+}
+
+// ----------------------------------------------------------------------------
+// batch norm with the layer after it (BnNext): on the CPU the two ops one after
+// the other, a residual block's end in place in out (forward) and in out's
+// gradient dy (backward), so y and its gradient need no memory
+
+static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
+                           const float *gamma, const float *beta, float eps, Act act, const BnNext *next) {
+    if (next && next->kind == FUSED_RESIDUAL) y = next->out;
+    bn_forward_fast(y, x, mean, var, gamma, beta, eps, act);
+    if (next && next->kind == FUSED_POOL) global_avg_pool_forward_cpu(o, next->pooled, y);
+    if (!next || next->kind != FUSED_RESIDUAL) return;
+    if (next->rate > 0.0f)
+        dropout_forward_cpu(o, y, y, next->residual, next->rate, next->seed, 1, next->first_sample);
+    else
+        add_forward_cpu(o, y, y, next->residual);
+}
+
+// with a residual block's end, dy (out's gradient) becomes y's
+static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
+                                   const float *gamma, const float *beta, float eps, Act act,
+                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums,
+                                   const BnNext *next) {
+    if (next && next->kind == FUSED_RESIDUAL) {
+        const int acc = next->accumulate_residual;
+        if (next->rate > 0.0f)
+            dropout_backward_cpu(o, dy, next->dresidual, dy, next->rate, next->seed, 1, next->first_sample, 0, acc);
+        else if (next->dresidual.data)
+            copy_cpu(o, next->dresidual, dy, acc);  // keep = 1: dy is y's gradient as it is
+        if (!sum_g) return;
+    }
+    bn_backward_reduce_fast(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta, sums);
+}
+
+// dy: y's gradient, also with a residual block's end (bn_backward_reduce made it so)
+static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
+                                 const float *var, const float *gamma, const float *beta, float eps,
+                                 Act act, const float *sum_g, const float *sum_gx, size_t count,
+                                 int accumulate, const BnNext *next) {
+    (void)o; (void)next;
+    bn_backward_data_fast(dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
 }
 
 // ----------------------------------------------------------------------------
@@ -2686,8 +2709,9 @@ int graph_freeze_base(Graph *g, int unfreeze_last) {
 // With checkpointing, a tensor produced and consumed inside one block keeps no
 // forward life past its consumers: it lives again from the recompute. Only
 // the layers producing such tensors run again; the others' outputs are kept.
-// Offsets: largest buffer first, each at the lowest offset that does not
-// overlap a placed buffer whose lifetime intersects its own.
+// Offsets: largest buffer first, each in a gap between the placed buffers
+// whose lifetimes intersect its own: the lowest gap that fits (first fit), or
+// the smallest (best fit); the plan keeps the packing with the lower peak.
 
 // Does layer l's backward read its input k (given whether it computes weight gradients)?
 static int layer_backward_reads(const Layer *l, int k) {
@@ -2697,6 +2721,36 @@ static int layer_backward_reads(const Layer *l, int k) {
     case LAYER_SCALE: return 1;
     default: return 0;
     }
+}
+
+// ----------------------------------------------------------------------------
+// fusing layers
+//
+// A batch norm's output usually goes straight into one cheap layer. Where that
+// layer only reads the tensor once more, the executor hands its work to the
+// batch norm's ops (BnNext), which on a GPU saves a pass over the tensor and a
+// kernel launch:
+//   FUSED_POOL      squeeze-excitation's pool of the BN's output (forward; the
+//                   output is still written, the channel scale reads it);
+//   FUSED_RESIDUAL  a residual block's end, drop_path(BN output) + residual,
+//                   when nothing else reads the BN's output (forward and
+//                   backward: the BN's output and its gradient need not pass
+//                   through memory).
+// The results are the unfused ones, bit for bit (tests: fuse_layers 0). The
+// plan gives the fused layer its batch norm's slots, so that what either
+// layer touches is alive while the fused op runs.
+int fuse_layers = 1;
+
+Fusion layer_fusion(const Graph *g, int j) {
+    if (!fuse_layers || j < 1 || j >= g->n_layers) return FUSED_NONE;
+    const Layer *bn = &g->layers[j - 1], *l = &g->layers[j];
+    if (bn->kind != LAYER_BN || l->in[0] != bn->out || l->block != bn->block) return FUSED_NONE;
+    if (l->kind == LAYER_GAP) return FUSED_POOL;
+    if (l->kind != LAYER_DROP_PATH || l->in[1] < 0 || l->in[1] == bn->out || bn->out == g->layers[g->n_layers - 1].out)
+        return FUSED_NONE;
+    for (int i = 0; i < g->n_layers; i++)
+        if (i != j && (g->layers[i].in[0] == bn->out || g->layers[i].in[1] == bn->out)) return FUSED_NONE;
+    return FUSED_RESIDUAL;
 }
 
 void graph_needs_grad(const Graph *g, int input_needs_grad, int *needs_grad) {
@@ -2739,6 +2793,38 @@ static int cmp_offset(const void *a, const void *b, void *bufs_) {
     return x < y ? -1 : x > y;
 }
 
+// Places the buffers in `order` (placed, live: scratch of n_bufs ints); each goes
+// into a gap among the placed buffers alive at the same time: the lowest that
+// fits (first fit) or the smallest (best fit). Returns the arena's bytes.
+static size_t plan_pack(Plan *p, const int *order, int best_fit, size_t workspace, int *placed, int *live) {
+    size_t peak = workspace;
+    int n_placed = 0;
+    for (int k = 0; k < p->n_bufs; k++) {
+        PlanBuffer *b = &p->bufs[order[k]];
+        int n_live = 0;
+        for (int j = 0; j < n_placed; j++) {
+            const PlanBuffer *q = &p->bufs[placed[j]];
+            if (q->first <= b->last && b->first <= q->last) live[n_live++] = placed[j];
+        }
+        qsort_r(live, (size_t)n_live, sizeof(int), cmp_offset, p->bufs);
+        size_t at = workspace, gap_best = SIZE_MAX, from = workspace;  // from: where the next gap starts
+        for (int j = 0; j <= n_live; j++) {
+            const size_t to = j < n_live ? p->bufs[live[j]].offset : SIZE_MAX;  // the gap [from, to)
+            if (to >= from && to - from >= b->bytes && to - from < gap_best) {
+                at = from;
+                gap_best = to - from;
+                if (!best_fit) break;
+            }
+            if (j < n_live && p->bufs[live[j]].offset + p->bufs[live[j]].bytes > from)
+                from = p->bufs[live[j]].offset + p->bufs[live[j]].bytes;
+        }
+        b->offset = at;
+        if (at + b->bytes > peak) peak = at + b->bytes;
+        placed[n_placed++] = order[k];
+    }
+    return peak;
+}
+
 void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int output, int checkpoint, size_t workspace) {
     memset(p, 0, sizeof *p);
     const int L = g->n_layers, T = g->n_tensors;
@@ -2765,10 +2851,18 @@ void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int
         p->bwd_slot[i] = n; p->slot_kind[n] = SLOT_BACKWARD; p->slot_layer[n++] = i;
     }
     p->n_slots = n;
+    for (int j = 1; j < L; j++) {  // a fused layer runs in its batch norm's slots (their own stay empty)
+        const Fusion f = layer_fusion(g, j);
+        if (f == FUSED_NONE) continue;
+        p->fwd_slot[j] = p->fwd_slot[j - 1];
+        if (p->rec_slot[j] >= 0) p->rec_slot[j] = p->rec_slot[j - 1];
+        if (f == FUSED_RESIDUAL) p->bwd_slot[j] = p->bwd_slot[j - 1];
+    }
     // lifetimes
     for (int t = 0; t < T; t++) {
         const size_t bytes = shape_numel(g->tensors[t].shape) * dtype_size(dtype);
         const int prod = g->tensors[t].producer;
+        if (prod >= 0 && layer_fusion(g, prod + 1) == FUSED_RESIDUAL) continue;  // y of a fused residual end: no memory
         const int block = prod >= 0 ? g->layers[prod].block : -1;
         int internal = checkpoint && prod >= 0 && t != output && p->rec_slot[prod] >= 0;
         int fwd_last = prod >= 0 ? p->fwd_slot[prod] : 0, keep_last = fwd_last, rec_last = -1;
@@ -2803,33 +2897,19 @@ void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int
             plan_add(p, t, 1, 0, grad_first, last, bytes);
         }
     }
-    // offsets: the workspace first, at 0, for the whole step
+    // offsets: the workspace first, at 0, for the whole step; the lower of the two packings
     int *order = malloc(sizeof(int) * (size_t)(p->n_bufs + 1)), *placed = malloc(sizeof(int) * (size_t)(p->n_bufs + 1));
     int *live = malloc(sizeof(int) * (size_t)(p->n_bufs + 1));
-    snCheck(order && placed && live, "out of host memory");
+    size_t *lowest = malloc(sizeof(size_t) * (size_t)(p->n_bufs + 1));
+    snCheck(order && placed && live && lowest, "out of host memory");
     for (int b = 0; b < p->n_bufs; b++) order[b] = b;
     qsort_r(order, (size_t)p->n_bufs, sizeof(int), cmp_buffer_size, p->bufs);
-    size_t peak = workspace;
-    int n_placed = 0;
-    for (int k = 0; k < p->n_bufs; k++) {
-        PlanBuffer *b = &p->bufs[order[k]];
-        int n_live = 0;
-        for (int j = 0; j < n_placed; j++) {
-            const PlanBuffer *q = &p->bufs[placed[j]];
-            if (q->first <= b->last && b->first <= q->last) live[n_live++] = placed[j];
-        }
-        qsort_r(live, (size_t)n_live, sizeof(int), cmp_offset, p->bufs);
-        size_t at = workspace;  // the lowest gap that fits, among the buffers alive at the same time
-        for (int j = 0; j < n_live; j++) {
-            const PlanBuffer *q = &p->bufs[live[j]];
-            if (q->offset >= at + b->bytes) break;
-            if (q->offset + q->bytes > at) at = q->offset + q->bytes;
-        }
-        b->offset = at;
-        if (at + b->bytes > peak) peak = at + b->bytes;
-        placed[n_placed++] = order[k];
-    }
-    free(live);
+    size_t peak = plan_pack(p, order, 0, workspace, placed, live);
+    for (int b = 0; b < p->n_bufs; b++) lowest[b] = p->bufs[b].offset;
+    const size_t best_fit_peak = plan_pack(p, order, 1, workspace, placed, live);
+    if (best_fit_peak < peak) peak = best_fit_peak;
+    else for (int b = 0; b < p->n_bufs; b++) p->bufs[b].offset = lowest[b];
+    free(live); free(lowest);
     free(order); free(placed);
     p->peak = peak;
     // which buffers start and end at each slot
@@ -2914,6 +2994,7 @@ void net_free(Net *net) {
     o->free(o, net->bn_scratch); o->free(o, net->bn_sums); o->free(o, net->ws); o->free(o, net->layer_seeds);
     o->free(o, net->params_cast);
     free(net->act); free(net->grad); free(net->needs_grad); free(net->grad_written); free(net->bn_mean); free(net->bn_var);
+    free(net->fusion);
     free(net->grad_offset);
     memset(net, 0, sizeof *net);
 }
@@ -2970,7 +3051,10 @@ static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int in
     net->grad_written = calloc((size_t)T, sizeof(int));
     net->bn_mean = calloc((size_t)L, sizeof(float *));
     net->bn_var = calloc((size_t)L, sizeof(float *));
-    snCheck(net->act && net->grad && net->needs_grad && net->grad_written && net->bn_mean && net->bn_var, "out of host memory");
+    net->fusion = calloc((size_t)L, sizeof(Fusion));
+    snCheck(net->act && net->grad && net->needs_grad && net->grad_written && net->bn_mean && net->bn_var && net->fusion,
+            "out of host memory");
+    for (int j = 0; j < L; j++) net->fusion[j] = layer_fusion(g, j);
 
     // A tensor needs a gradient when a trainable parameter (or the input, if
     // asked) lies upstream of it; nothing below the lowest trainable layer does.
@@ -3115,11 +3199,39 @@ static double layer_clock(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-// Layer i's forward. A recompute (checkpointing) repeats the forward exactly:
+// The BnNext of batch norm i for the layer after it, fused (net->fusion[i + 1]):
+// its forward's tensors, or (backward) the gradients, where `written` is updated
+// as the drop_path_add's own backward would.
+static const BnNext *bn_next(Net *net, int i, int backward, BnNext *next) {
+    const Layer *l = &net->g->layers[i + 1];
+    memset(next, 0, sizeof *next);  // tensors without data
+    next->kind = net->fusion[i + 1];
+    if (next->kind == FUSED_POOL) {
+        next->pooled = net_tensor(net, l->out);
+        return next;
+    }
+    next->rate = layer_in_train_mode(net, l) && l->rate > 0.0f ? l->rate : 0.0f;
+    next->seed = net->layer_seeds + i + 1;
+    next->first_sample = net->first_sample;
+    if (!backward) {
+        next->out = net_tensor(net, l->out);
+        next->residual = net_tensor(net, l->in[1]);
+        return next;
+    }
+    if (net->needs_grad[l->in[1]]) {
+        next->dresidual = net_grad(net, l->in[1]);
+        next->accumulate_residual = net->grad_written[l->in[1]];
+        net->grad_written[l->in[1]] = 1;
+    }
+    return next;
+}
+
+// Layer i's forward; with_next: and layer i + 1's, fused into it (a batch norm's
+// BnNext). A recompute (checkpointing) repeats the forward exactly:
 // BN normalises with the batch statistics saved by the first forward and does
 // not update the running statistics again; dropout masks come from the same
 // (seed, step, layer).
-static void layer_forward(Net *net, int i, int recompute) {
+static void layer_forward(Net *net, int i, int recompute, int with_next) {
     const Graph *g = net->g;
     Ops *o = net->o;
     {
@@ -3136,6 +3248,8 @@ static void layer_forward(Net *net, int i, int recompute) {
             break;
         case LAYER_BN: {
             float *rm = buffer_ptr(net, l->run_mean), *rv = buffer_ptr(net, l->run_var);
+            BnNext fused;
+            const BnNext *next = with_next ? bn_next(net, i, 0, &fused) : NULL;
             if (layer_in_train_mode(net, l)) {
                 if (!recompute) {
                     const int C = x.shape.c;
@@ -3149,9 +3263,9 @@ static void layer_forward(Net *net, int i, int recompute) {
                         if (count) o->bn_stats_finish(o, net->bn_sums, C, count, mean, var, rm, rv, BN_MOMENTUM);
                     }
                 }
-                if (net->batch) o->bn_forward(o, y, x, net->bn_mean[i], net->bn_var[i], w, b, l->eps, l->act);
+                if (net->batch) o->bn_forward(o, y, x, net->bn_mean[i], net->bn_var[i], w, b, l->eps, l->act, next);
             } else {
-                o->bn_forward(o, y, x, rm, rv, w, b, l->eps, l->act);
+                o->bn_forward(o, y, x, rm, rv, w, b, l->eps, l->act, next);
             }
             break;
         }
@@ -3189,17 +3303,20 @@ void net_forward(Net *net, int training) {
     if (net->params_cast)  // once per forward: whatever changed the fp32 weights since, the copy follows
         net->o->copy(net->o, tensor(net->params_cast, shape4((int)net->g->n_param_floats, 1, 1, 1), net->dtype),
                      tensor_f32(net->params, shape4((int)net->g->n_param_floats, 1, 1, 1)), 0);
-    for (int i = 0; i < net->g->n_layers; i++) {
+    const int L = net->g->n_layers;
+    for (int i = 0; i < L; i++) {
+        if (net->fusion[i]) continue;  // runs with its batch norm, i - 1
         if (net->plan) plan_enter(net, net->plan->fwd_slot[i]);
-        layer_forward(net, i, 0);
+        layer_forward(net, i, 0, i + 1 < L && net->fusion[i + 1]);
         if (net->plan) plan_leave(net, net->plan->fwd_slot[i]);
     }
     if (net->plan) plan_enter(net, net->plan->loss_slot);  // the loss writes the output's gradient
 }
 
 // Layer i's backward; written[t]: t's gradient already holds a contribution,
-// so the next op adds into it.
-static void layer_backward(Net *net, int i) {
+// so the next op adds into it. with_next: a batch norm's, with the
+// drop_path_add after it fused in (FUSED_RESIDUAL): dy is that layer's output's.
+static void layer_backward(Net *net, int i, int with_next) {
     const Graph *g = net->g;
     Ops *o = net->o;
     int *written = net->grad_written;
@@ -3207,8 +3324,11 @@ static void layer_backward(Net *net, int i) {
         const Layer *l = &g->layers[i];
         if (!net->needs_grad[l->out]) return;
         if (net->failed || (net->batch == 0 && !bn_synced(net, l))) return;  // as in layer_forward
-        Tensor dy = net_grad(net, l->out);
-        if (!written[l->out]) { o->fill(o, dy, 0.0f); written[l->out] = 1; }  // no path to the loss
+        const int dy_of = with_next ? g->layers[i + 1].out : l->out;
+        Tensor dy = net_grad(net, dy_of);
+        if (!written[dy_of]) { o->fill(o, dy, 0.0f); written[dy_of] = 1; }  // no path to the loss
+        BnNext fused;
+        const BnNext *next = with_next ? bn_next(net, i, 1, &fused) : NULL;
         const int a = l->in[0], b = l->in[1];
         Tensor x = net_tensor(net, a);
         Tensor x2 = b >= 0 ? net_tensor(net, b) : tensor(NULL, x.shape, net->dtype);
@@ -3237,9 +3357,9 @@ static void layer_backward(Net *net, int i) {
             const float *var = batch ? net->bn_var[i] : buffer_ptr(net, l->run_var);
             size_t count = batch ? shape_numel(x.shape) / C : 0;  // 0: the statistics were constants
             const int synced = batch && net->sync_bn && (net->needs_grad[a] || dw);
-            if ((batch || dw) && net->batch)
-                o->bn_backward_reduce(o, dy, x, mean, var, w, bias, l->eps, l->act, sum_g, sum_gx, synced ? NULL : dw,
-                                      synced ? NULL : dbias, synced ? net->bn_sums : NULL);
+            if ((batch || dw || next) && net->batch)  // with next, always (BnNext)
+                o->bn_backward_reduce(o, dy, x, mean, var, w, bias, l->eps, l->act, batch || dw ? sum_g : NULL, sum_gx,
+                                      synced ? NULL : dw, synced ? NULL : dbias, synced ? net->bn_sums : NULL, next);
             if (synced) {
                 count = bn_sync_sums(net, C, count);
                 const int adds = net->sync_bn->rank == 0;  // see "batch norm across replicas"
@@ -3247,7 +3367,7 @@ static void layer_backward(Net *net, int i) {
                     o->bn_backward_finish(o, net->bn_sums, C, sum_g, sum_gx, adds ? dw : NULL, adds ? dbias : NULL);
             }
             if (dx.data && net->batch && !net->failed)
-                o->bn_backward_data(o, dx, dy, x, mean, var, w, bias, l->eps, l->act, sum_g, sum_gx, count, acc_a);
+                o->bn_backward_data(o, dx, dy, x, mean, var, w, bias, l->eps, l->act, sum_g, sum_gx, count, acc_a, next);
             break;
         }
         case LAYER_ACT: if (dx.data) o->act_backward(o, l->act, dx, dy, x, acc_a); break;
@@ -3289,14 +3409,20 @@ void net_backward(Net *net, int output) {
                                           g->layers[i + 1].block != g->layers[i].block)) {
             int first = i;  // the block's forward again, from its saved inputs
             while (first > 0 && g->layers[first - 1].block == g->layers[i].block) first--;
-            for (int j = first; j <= i; j++) {
+            for (int j = first; j <= i; j++) {  // a kept output is still there (and may be dead by now)
+                if (net->fusion[j]) continue;    // in its batch norm's slot
+                const int next = j < i && net->fusion[j + 1] && p->recompute[j + 1];
                 plan_enter(net, p->rec_slot[j]);
-                if (p->recompute[j]) layer_forward(net, j, 1);  // a kept output is still there (and may be dead by now)
+                if (p->recompute[j]) layer_forward(net, j, 1, next);
+                else if (next) layer_forward(net, j + 1, 1, 0);
                 plan_leave(net, p->rec_slot[j]);
             }
         }
+        if (net->fusion[i] == FUSED_RESIDUAL) continue;  // with its batch norm, i - 1
+        const int next = i + 1 < g->n_layers && net->fusion[i + 1] == FUSED_RESIDUAL;
         if (p) plan_enter(net, p->bwd_slot[i]);
-        layer_backward(net, i);
+        if (next && !net->needs_grad[g->layers[i].out]) layer_backward(net, i + 1, 0);  // nothing to fuse
+        layer_backward(net, i, next && net->needs_grad[g->layers[i].out]);
         if (p) plan_leave(net, p->bwd_slot[i]);
     }
 }

@@ -438,6 +438,28 @@ static inline SN_HD void step_control_apply(const StepArgs *a, StepState *s, int
     s->adam.skip = !s->applied;
 }
 
+// The layer after a batch norm, fused into the batch norm's ops by the executor
+// (see "fusing layers" in segnet.c); y below is the batch norm's output act(bn(x)).
+// - FUSED_POOL (a global average pool of y): the forward also writes
+//   pooled = global_avg_pool(y) (N,1,1,C); y is written as well.
+// - FUSED_RESIDUAL (a residual block's end that alone reads y, drop_path_add):
+//   y has no memory (the ops get a tensor without data); the forward writes
+//   out = drop_path(y) + residual (dropout_forward per sample; rate 0: a plain
+//   add). The backward's dy is out's gradient, which nothing reads after the
+//   batch norm: bn_backward_reduce, which the executor always runs (sum_g NULL
+//   when it wants none of the sums), writes dresidual (=|+=) dy (when it has
+//   data) and may overwrite dy with y's gradient dy·keep; bn_backward_data, run
+//   after it with the same dy, knows which of the two dy holds.
+typedef enum { FUSED_NONE = 0, FUSED_POOL, FUSED_RESIDUAL } Fusion;
+typedef struct {
+    Fusion kind;
+    Tensor pooled;                // FUSED_POOL, forward
+    Tensor out, residual;         // FUSED_RESIDUAL, forward
+    Tensor dresidual;             // FUSED_RESIDUAL, backward
+    int accumulate_residual;
+    float rate; const uint64_t *seed; uint64_t first_sample;  // drop_path's (seed in backend memory)
+} BnNext;
+
 typedef struct Ops Ops;
 struct Ops {
     const char *name;  // "cpu", "cuda"
@@ -502,28 +524,31 @@ struct Ops {
     // with run_mean (not NULL) also bn_update_running with `count`
     void (*bn_stats_finish)(Ops *o, const double *sums, int C, size_t count, float *mean, float *var,
                             float *run_mean, float *run_var, float momentum);
-    // y = act(gamma·(x - mean)/sqrt(var + eps) + beta): training (batch stats) and inference (running stats)
+    // y = act(gamma·(x - mean)/sqrt(var + eps) + beta): training (batch stats) and inference (running
+    // stats); next: NULL, or the layer after it, fused (BnNext)
     void (*bn_forward)(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
-                       const float *gamma, const float *beta, float eps, Act act);
+                       const float *gamma, const float *beta, float eps, Act act, const BnNext *next);
     // running = (1-m)·running + m·batch, the variance made unbiased with count/(count-1)
     void (*bn_update_running)(Ops *o, float *run_mean, float *run_var, const float *mean,
                               const float *var, int C, size_t count, float momentum);
     // g = dy·act'(z), xhat = (x - mean)·invstd (fp32): sum_g = Σ g, sum_gx = Σ g·xhat per
     // channel, summed in fp64 and rounded once (overwritten), also added into dgamma/dbeta
     // (either may be NULL); sums: NULL, or (2C) where the fp64 Σg, then Σg·xhat, are also
-    // written (--sync-bn adds them over the replicas, then bn_backward_finish)
+    // written (--sync-bn adds them over the replicas, then bn_backward_finish); next: NULL, or
+    // the layer after it, fused (BnNext: then sum_g NULL asks for none of the sums)
     void (*bn_backward_reduce)(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
                                const float *gamma, const float *beta, float eps, Act act,
-                               float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums);
+                               float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums,
+                               const BnNext *next);
     // sum_g, sum_gx from sums (2C) as bn_backward_reduce rounds them, also added into dgamma/dbeta
     void (*bn_backward_finish)(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx, float *dgamma,
                                float *dbeta);
     // dx = gamma·invstd·(g - sum_g/count - xhat·sum_gx/count); count = 0 means the
-    // statistics were constants (inference mode): dx = gamma·invstd·g
+    // statistics were constants (inference mode): dx = gamma·invstd·g; next as bn_backward_reduce's
     void (*bn_backward_data)(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
                              const float *var, const float *gamma, const float *beta, float eps,
                              Act act, const float *sum_g, const float *sum_gx, size_t count,
-                             int accumulate);
+                             int accumulate, const BnNext *next);
 
     // activations, elementwise
     void (*act_forward)(Ops *o, Act act, Tensor y, Tensor x);
@@ -798,7 +823,8 @@ typedef struct {
 typedef struct {
     int checkpoint;
     int n_slots, *slot_kind, *slot_layer;  // SlotKind and layer (-1 for the loss) of each slot
-    int *fwd_slot, *rec_slot, *bwd_slot;   // per layer (rec_slot -1: its block is not recomputed)
+    int *fwd_slot, *rec_slot, *bwd_slot;   // per layer (rec_slot -1: its block is not recomputed); a fused
+                                           // layer has its batch norm's slots (bwd: FUSED_RESIDUAL only)
     int *recompute;                        // per layer: runs again in its recompute slot
     int loss_slot;
     PlanBuffer *bufs; int n_bufs;
@@ -807,6 +833,11 @@ typedef struct {
     size_t workspace;                      // bytes at offset 0, alive for the whole step
     size_t peak;                           // arena bytes
 } Plan;
+
+// Layer j's work done by the batch norm j - 1 (its ops' BnNext; see "fusing
+// layers" in segnet.c). fuse_layers 0 (tests: fused ≡ unfused): none.
+extern int fuse_layers;
+Fusion layer_fusion(const Graph *g, int j);
 
 // needs_grad[t] (per tensor): a trainable parameter (or the input) lies upstream
 void graph_needs_grad(const Graph *g, int input_needs_grad, int *needs_grad);
@@ -826,6 +857,7 @@ typedef struct {
     void **act;           // per tensor: activation storage
     void **grad;          // per tensor: gradient storage (NULL where none is needed)
     int *needs_grad;      // per tensor: some trainable parameter (or the input) lies upstream
+    Fusion *fusion;       // per layer: layer_fusion, fixed when the net is created
     int *grad_written;    // per tensor, during backward: its gradient holds a contribution
     int input_needs_grad; // also compute the gradient of the graph input
     float **bn_mean, **bn_var;  // per layer (BN only): statistics used in the forward, (C)

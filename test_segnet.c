@@ -802,13 +802,13 @@ static void test_bn_by_hand(void) {
     ops_cpu.bn_update_running(&ops_cpu, &rm, &rv, &mean, &var, 1, 4, BN_MOMENTUM);
     CHECK_NEAR(rm, 0.25, 1e-7, "running mean 0.9·0 + 0.1·2.5");
     CHECK_NEAR(rv, 0.9 + 0.1 * 5.0 / 3.0, 1e-6, "running var 0.9·1 + 0.1·(5/3) (unbiased)");
-    ops_cpu.bn_forward(&ops_cpu, ty, tx, &mean, &var, &gamma, &beta, 1e-5f, ACT_NONE);
+    ops_cpu.bn_forward(&ops_cpu, ty, tx, &mean, &var, &gamma, &beta, 1e-5f, ACT_NONE, NULL);
     for (int i = 0; i < 4; i++) CHECK_NEAR(y[i], 2.0 * (x[i] - 2.5) / sqrt(1.25 + 1e-5) + 0.5, 1e-5, "bn output");
-    ops_cpu.bn_forward(&ops_cpu, ty, tx, &mean, &var, &gamma, &beta, 1e-5f, ACT_RELU);
+    ops_cpu.bn_forward(&ops_cpu, ty, tx, &mean, &var, &gamma, &beta, 1e-5f, ACT_RELU, NULL);
     CHECK(y[0] == 0.0f && y[3] > 0.0f, "fused relu");
     // inference with running statistics mean 1, var 3: (x - 1)/2
     float m1 = 1, v1 = 3.999f, g1 = 1, b1 = 0;
-    ops_cpu.bn_forward(&ops_cpu, ty, tx, &m1, &v1, &g1, &b1, 1e-3f, ACT_NONE);
+    ops_cpu.bn_forward(&ops_cpu, ty, tx, &m1, &v1, &g1, &b1, 1e-3f, ACT_NONE, NULL);
     CHECK_NEAR(y[2], 1.0, 1e-6, "inference bn (3-1)/sqrt(4)");
 }
 
@@ -1238,8 +1238,8 @@ static void test_storage_types(void) {
         CHECK(!memcmp(mean, m32, sizeof mean) && !memcmp(var, v32, sizeof var), "%s bn statistics equal fp32's", dn);
         float *y32 = malloc(sizeof(float) * nx);
         uint16_t *ys = malloc(2 * nx);
-        ops_cpu.bn_forward(&ops_cpu, tensor_f32(y32, in), tensor_f32(x, in), mean, var, gam, bet, 1e-3f, ACT_SILU);
-        ops_cpu.bn_forward(&ops_cpu, tensor(ys, in, dt), tx, mean, var, gam, bet, 1e-3f, ACT_SILU);
+        ops_cpu.bn_forward(&ops_cpu, tensor_f32(y32, in), tensor_f32(x, in), mean, var, gam, bet, 1e-3f, ACT_SILU, NULL);
+        ops_cpu.bn_forward(&ops_cpu, tensor(ys, in, dt), tx, mean, var, gam, bet, 1e-3f, ACT_SILU, NULL);
         double u = max_ulp_diff(tensor(ys, in, dt), y32);
         CHECK(u <= 1.0, "%s bn+silu forward: %.2f ulp", dn, u);
         free(x); free(xs); free(y32); free(ys);
@@ -1266,7 +1266,7 @@ static void test_determinism_across_threads(void) {
         for (int c = 0; c < 37; c++) { gam[c] = 1; bet[c] = 0; }
         ops_cpu.bn_stats(&ops_cpu, tensor_f32(x, s), o, o + 37, NULL, NULL, 0.0f, NULL);
         ops_cpu.bn_backward_reduce(&ops_cpu, tensor_f32(dy, s), tensor_f32(x, s), o, o + 37, gam, bet, 1e-3f,
-                                   ACT_SILU, o + 74, o + 111, dg, db, NULL);
+                                   ACT_SILU, o + 74, o + 111, dg, db, NULL, NULL);
         ops_cpu.sum_squares(&ops_cpu, tensor_f32(x, s), o + 148);
         o[149] = o[150] = o[151] = 0;
         ops_cpu.softmax_xent(&ops_cpu, tensor_f32(x, s), lab, cw, 0.0f, &(float){1.0f}, o + 149, tensor_f32(NULL, s));
@@ -4928,6 +4928,66 @@ static void test_checkpoint_training_bitwise(void) {
     trainer_close(&a); trainer_close(&b);
 }
 
+// The executor's fusions (layer_fusion: a BN's squeeze-excitation pool, a BN's
+// residual end with drop-path) change nothing but the work's grouping: three
+// training steps fused and unfused give the same bits, with checkpointed
+// blocks and every dead buffer poisoned (the fused slots keep alive what they
+// read), on the CPU in fp32 and on the emulated GPU in bf16, and with the
+// backbone frozen but its last 2 blocks (BN in inference mode). effv2-t has
+// both kinds, drop-path at rate 0 (its first block) and above.
+static void fused_run(const TrainCfg *c, int fuse, int steps, float **params, double *loss) {
+    const int saved = fuse_layers;
+    fuse_layers = fuse;
+    Trainer t;
+    char err[SN_ERR_MAX];
+    CHECK(trainer_open(&t, c, NULL, NULL, err) == 0, "%s", err);
+    fuse_layers = saved;
+    int kinds[3] = {0, 0, 0};
+    for (int j = 0; j < t.g.n_layers; j++) kinds[t.net.fusion[j]]++;
+    CHECK(fuse ? kinds[FUSED_POOL] >= 2 && kinds[FUSED_RESIDUAL] >= 3 : kinds[FUSED_NONE] == t.g.n_layers,
+          "fuse %d: %d pools and %d residual ends fused", fuse, kinds[FUSED_POOL], kinds[FUSED_RESIDUAL]);
+    t.net.poison = 1;
+    const int N = c->model.batch, hw = c->model.height;
+    Rng r;
+    rng_seed(&r, 61);
+    float *images = malloc(sizeof(float) * N * hw * hw * 3);
+    int32_t labels[16];
+    int64_t cm[16];
+    PassTotals pt = {0, 0, cm};
+    for (int s = 0; s < steps; s++) {
+        for (int i = 0; i < N * hw * hw * 3; i++) images[i] = (float)(rng_next(&r) % 256);
+        for (int i = 0; i < N; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
+        MicroBatch mb = {N, images, labels, 0};
+        train_step(&t, &mb, 1, &pt);
+    }
+    *loss = pt.loss_sum;
+    *params = malloc(sizeof(float) * t.g.n_param_floats);
+    t.o->download(t.o, *params, t.net.params, sizeof(float) * t.g.n_param_floats);
+    free(images);
+    trainer_close(&t);
+}
+static void fused_layers_case(Device device, DType dt, int freeze) {
+    TrainCfg c;
+    train_cfg_default(&c);
+    c.model.model = "effv2-t"; c.model.classes = 3; c.model.height = c.model.width = 32; c.model.batch = 4;
+    c.progress = 0; c.checkpoint = 1; c.device = device; c.precision = dt;
+    c.freeze_base = freeze; c.unfreeze_last = 2;
+    float *p[2];
+    double loss[2];
+    for (int fuse = 0; fuse < 2; fuse++) fused_run(&c, fuse, 3, &p[fuse], &loss[fuse]);
+    Graph g;
+    graph_init(&g);
+    model_build(&g, &c.model);
+    CHECK(loss[0] == loss[1] && !memcmp(p[0], p[1], sizeof(float) * g.n_param_floats),
+          "%s %s freeze %d: fused and unfused steps differ (loss %.9g vs %.9g)", DEVICE_NAMES[device], DT_NAME[dt], freeze,
+          loss[1], loss[0]);
+    graph_free(&g);
+    free(p[0]); free(p[1]);
+}
+static void test_fused_layers_bitwise(void) {
+    fused_layers_case(DEVICE_CPU, DT_F32, 0);
+    fused_layers_case(DEVICE_CPU, DT_F16, 1);
+}
 // The plan's total is exactly what the trainer allocates on the CPU backend,
 // a step allocates nothing more, and the arena's measured high-water mark is
 // the planned peak; --memory picks the first setting that fits
@@ -5414,13 +5474,13 @@ static void test_fast_bn_vs_ref(void) {
                 CHECK(rel_diff(m1, m2, C, 1e-3) < 1e-6 && rel_diff(v1, v2, C, 1e-3) < 1e-6,
                       "bn_stats fast vs reference, shape " SHAPE_FMT, SHAPE_ARGS(s));
                 float *y1 = malloc(sizeof(float) * n), *y2 = malloc(sizeof(float) * n);
-                bn_forward_cpu(&ops_cpu, tensor_f32(y1, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act);
+                bn_forward_cpu(&ops_cpu, tensor_f32(y1, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act, NULL);
                 bn_forward_ref(tensor_f32(y2, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act);
                 double e = rel_diff(y1, y2, n, 1.0);
                 CHECK(e < 2e-6, "bn_forward fast vs reference: %.2e (act %d, shape " SHAPE_FMT ")", e, act, SHAPE_ARGS(s));
                 float sg1[37], sgx1[37], sg2[37], sgx2[37], dgam1[37] = {0}, dbet1[37] = {0}, dgam2[37] = {0}, dbet2[37] = {0};
                 bn_backward_reduce_cpu(&ops_cpu, tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act,
-                                       sg1, sgx1, dgam1, dbet1, NULL);
+                                       sg1, sgx1, dgam1, dbet1, NULL, NULL);
                 bn_backward_reduce_ref(tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act,
                                        sg2, sgx2, dgam2, dbet2);
                 CHECK(rel_diff(sg1, sg2, C, 1.0) < 2e-6 && rel_diff(sgx1, sgx2, C, 1.0) < 2e-6 &&
@@ -5430,7 +5490,7 @@ static void test_fast_bn_vs_ref(void) {
                     memcpy(y1, d0, sizeof(float) * n);
                     memcpy(y2, d0, sizeof(float) * n);
                     bn_backward_data_cpu(&ops_cpu, tensor_f32(y1, s), tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet,
-                                         1e-3f, (Act)act, sg2, sgx2, batch ? M : 0, acc);
+                                         1e-3f, (Act)act, sg2, sgx2, batch ? M : 0, acc, NULL);
                     bn_backward_data_ref(tensor_f32(y2, s), tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f,
                                          (Act)act, sg2, sgx2, batch ? M : 0, acc);
                     e = rel_diff(y1, y2, n, 1.0);
@@ -5465,13 +5525,13 @@ static void test_fast_bn_16bit(void) {
                 bn_stats_cpu(&ops_cpu, x, m1, v1, NULL, NULL, 0.0f, NULL);
                 bn_stats_ref(x, m2, v2);
                 CHECK(rel_diff(m1, m2, C, 1e-3) < 2e-6 && rel_diff(v1, v2, C, 1e-3) < 2e-6, "bn_stats %s", DT_NAME[dt]);
-                bn_forward_cpu(&ops_cpu, y1, x, m2, v2, gam, bet, 1e-3f, (Act)act);
+                bn_forward_cpu(&ops_cpu, y1, x, m2, v2, gam, bet, 1e-3f, (Act)act, NULL);
                 bn_forward_ref(y2, x, m2, v2, gam, bet, 1e-3f, (Act)act);
                 for (size_t i = 0; i < n; i++) { f1[i] = ld(y1, i); f2[i] = ld(y2, i); }
                 double e = rel_diff(f1, f2, n, 1.0);
                 CHECK(e <= ulp, "bn_forward %s act %d: %.2e", DT_NAME[dt], act, e);
                 float sg1[21], sgx1[21], sg2[21], sgx2[21], dg1[21] = {0}, db1[21] = {0}, dg2[21] = {0}, db2[21] = {0};
-                bn_backward_reduce_cpu(&ops_cpu, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg1, sgx1, dg1, db1, NULL);
+                bn_backward_reduce_cpu(&ops_cpu, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg1, sgx1, dg1, db1, NULL, NULL);
                 bn_backward_reduce_ref(dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2, dg2, db2);
                 CHECK(rel_diff(sg1, sg2, C, 1.0) < 2e-6 && rel_diff(sgx1, sgx2, C, 1.0) < 2e-6 &&
                       rel_diff(dg1, dg2, C, 1.0) < 2e-6 && rel_diff(db1, db2, C, 1.0) < 2e-6,
@@ -5479,7 +5539,7 @@ static void test_fast_bn_16bit(void) {
                 for (int batch = 0; batch < 2; batch++) {
                     for (size_t i = 0; i < n; i++) { st(y1, i, d0[i]); st(y2, i, d0[i]); }
                     bn_backward_data_cpu(&ops_cpu, y1, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2,
-                                         batch ? M : 0, acc);
+                                         batch ? M : 0, acc, NULL);
                     bn_backward_data_ref(y2, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2, batch ? M : 0, acc);
                     for (size_t i = 0; i < n; i++) { f1[i] = ld(y1, i); f2[i] = ld(y2, i); }
                     e = rel_diff(f1, f2, n, 1.0);
@@ -5633,12 +5693,12 @@ static void fast_paths_run(float *out, const float *x, const float *dy, Shape s,
     memset(out, 0, sizeof(float) * 6 * C);
     k = 6 * C;
     ops_cpu.bn_stats(&ops_cpu, tensor_f32((float *)x, s), m, v, NULL, NULL, 0.0f, NULL);
-    ops_cpu.bn_forward(&ops_cpu, tensor_f32(out + k, s), tensor_f32((float *)x, s), m, v, gam, bet, 1e-3f, ACT_SILU);
+    ops_cpu.bn_forward(&ops_cpu, tensor_f32(out + k, s), tensor_f32((float *)x, s), m, v, gam, bet, 1e-3f, ACT_SILU, NULL);
     k += n;
     ops_cpu.bn_backward_reduce(&ops_cpu, tensor_f32((float *)dy, s), tensor_f32((float *)x, s), m, v, gam, bet, 1e-3f,
-                               ACT_SILU, sg, sgx, dg, db, NULL);
+                               ACT_SILU, sg, sgx, dg, db, NULL, NULL);
     ops_cpu.bn_backward_data(&ops_cpu, tensor_f32(out + k, s), tensor_f32((float *)dy, s), tensor_f32((float *)x, s), m, v,
-                             gam, bet, 1e-3f, ACT_SILU, sg, sgx, shape_numel(s) / C, 0);
+                             gam, bet, 1e-3f, ACT_SILU, sg, sgx, shape_numel(s) / C, 0, NULL);
     k += n;
     float w[37 * 9];
     for (int i = 0; i < C * 9; i++) w[i] = 0.1f * (float)((i * 7) % 11) - 0.5f;
@@ -7478,6 +7538,11 @@ static void test_cuda_train_steps(void) {
     }
 }
 
+static void test_cuda_fused_layers_bitwise(void) {
+    if (!cu_ops_complete("cuda_fused_layers_bitwise")) return;
+    fused_layers_case(DEVICE_CUDA, DT_BF16, 0);
+}
+
 // The plan on the CUDA backend: trainer_open allocates exactly what the
 // plan counts for the run, and the plan adds the device context's own scratch
 // and cuBLAS's workspace (allocated once, when the device is opened), which
@@ -7929,8 +7994,8 @@ static void test_cuda_bn_forward_backward(void) {
                     // forward: z to the same bits but for FMA contraction (1 ulp of z), the
                     // activation's exp (2 ulp on a GPU): 8 fp32 roundings of the largest |y|
                     CuPair y = cu_pair(NULL, s, (DType)dt);
-                    ops_cpu.bn_forward(&ops_cpu, y.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a);
-                    o->bn_forward(o, y.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a);
+                    ops_cpu.bn_forward(&ops_cpu, y.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a, NULL);
+                    o->bn_forward(o, y.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a, NULL);
                     snprintf(what, sizeof what, "bn_forward %s %s", training ? "train" : "infer", ACT_NAME[a]);
                     cu_expect(cu_pair_err(y), cu_tol((DType)dt, 8 * 0x1p-24), what, (DType)dt);
                     cu_pair_free(&y);
@@ -7939,8 +8004,8 @@ static void test_cuda_bn_forward_backward(void) {
                     // fp64 sums of the same g, g·xhat but for their last bits: 16 fp32 roundings
                     float sg[C], sgx[C], *dg = randn(&r, C, 1.0f), *db = randn(&r, C, 1.0f), *nan = cu_nans(C);
                     float *dsg = cu_floats(nan, C), *dsgx = cu_floats(nan, C), *ddg = cu_floats(dg, C), *ddb = cu_floats(db, C);
-                    ops_cpu.bn_backward_reduce(&ops_cpu, dy.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a, sg, sgx, dg, db, NULL);
-                    o->bn_backward_reduce(o, dy.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a, dsg, dsgx, ddg, ddb, NULL);
+                    ops_cpu.bn_backward_reduce(&ops_cpu, dy.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a, sg, sgx, dg, db, NULL, NULL);
+                    o->bn_backward_reduce(o, dy.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a, dsg, dsgx, ddg, ddb, NULL, NULL);
                     snprintf(what, sizeof what, "bn_backward_reduce %s %s", training ? "train" : "infer", ACT_NAME[a]);
                     double e = fmax(fmax(cu_floats_err(dsg, sg, C), cu_floats_err(dsgx, sgx, C)),
                                     fmax(cu_floats_err(ddg, dg, C), cu_floats_err(ddb, db, C)));
@@ -7952,9 +8017,9 @@ static void test_cuda_bn_forward_backward(void) {
                     memcpy(dg2, dg, sizeof dg2);
                     memcpy(db2, db, sizeof db2);
                     ops_cpu.bn_backward_reduce(&ops_cpu, dy.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a, sg2, sgx2, NULL,
-                                               NULL, sums);
+                                               NULL, sums, NULL);
                     o->bn_backward_reduce(o, dy.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a, dsg, dsgx, NULL,
-                                          NULL, dsums);
+                                          NULL, dsums, NULL);
                     o->download(o, dsums_host, dsums, sizeof dsums_host);
                     e = 0;
                     for (int k = 0; k < 2 * C; k++) scale = fmax(scale, fabs(sums[k]));
@@ -7982,9 +8047,9 @@ static void test_cuda_bn_forward_backward(void) {
                     for (int acc = 0; acc < 2; acc++) {
                         CuPair dx = cu_dest(&r, s, (DType)dt, acc);
                         ops_cpu.bn_backward_data(&ops_cpu, dx.cpu, dy.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a,
-                                                 training ? sg : NULL, training ? sgx : NULL, training ? M : 0, acc);
+                                                 training ? sg : NULL, training ? sgx : NULL, training ? M : 0, acc, NULL);
                         o->bn_backward_data(o, dx.gpu, dy.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a,
-                                            training ? dsg_cpu : NULL, training ? dsgx_cpu : NULL, training ? M : 0, acc);
+                                            training ? dsg_cpu : NULL, training ? dsgx_cpu : NULL, training ? M : 0, acc, NULL);
                         snprintf(what, sizeof what, "bn_backward_data %s %s acc %d", training ? "train" : "infer",
                                  ACT_NAME[a], acc);
                         cu_expect(cu_pair_err(dx), cu_tol((DType)dt, 32 * 0x1p-24), what, (DType)dt);
@@ -7999,6 +8064,131 @@ static void test_cuda_bn_forward_backward(void) {
                 cu_pair_free(&x); cu_pair_free(&dy);
             }
 }
+
+// Batch norm with the layer after it fused (BnNext), on each backend against
+// the same backend's ops one after the other, to the bit: the fused kernels
+// round where the unfused ops store. Shapes with whole 16-byte vectors (the
+// fused kernels) and without (the ops in sequence); drop_path with rate 0
+// and with a seed under which some of the 4 images are dropped and some kept;
+// dresidual overwritten and added into; the sums-free reduce (dresidual only).
+static int bytes_equal(Ops *o, const Tensor a, const Tensor b) {
+    const size_t n = shape_numel(a.shape) * dtype_size(a.dtype);
+    uint8_t *ha = malloc(n + 1), *hb = malloc(n + 1);
+    o->download(o, ha, a.data, n);
+    o->download(o, hb, b.data, n);
+    const int same = !memcmp(ha, hb, n);
+    free(ha); free(hb);
+    return same;
+}
+static Tensor backend_tensor(Ops *o, const float *values, Shape s, DType dt) {
+    const size_t n = shape_numel(s);
+    Tensor h = tensor(malloc(n * dtype_size(dt) + 1), s, dt);
+    for (size_t i = 0; i < n; i++) st(h, i, values[i]);
+    Tensor t = tensor(o->alloc(o, n * dtype_size(dt) + 1), s, dt);
+    o->upload(o, t.data, h.data, n * dtype_size(dt));
+    free(h.data);
+    return t;
+}
+static void bn_fused_case(Ops *o, Shape s, DType dt, Act act, float rate, Rng *r) {
+    const int C = s.c, N = s.n;
+    const size_t n = shape_numel(s), M = n / C;
+    const uint64_t first_sample = 3;
+    uint64_t seed = 1;
+    if (rate > 0.0f) {  // some image dropped, some kept
+        for (;; seed++) {
+            int dropped = 0;
+            for (int i = 0; i < N; i++) dropped += dropout_keep(rate, seed, first_sample + (uint64_t)i) == 0.0f;
+            if (dropped > 0 && dropped < N) break;
+        }
+    }
+    float *xv = randn(r, n, 2.0f), *resv = randn(r, n, 1.0f), *dyv = randn(r, n, 1.0f), *accv = randn(r, n, 1.0f);
+    float mean[64], var[64], gamma[64], beta[64], host[2][64];
+    for (int c = 0; c < C; c++) {
+        mean[c] = 0.3f * rng_normal(r); var[c] = 3.0f + rng_float(r);
+        gamma[c] = 1.0f + 0.3f * rng_normal(r); beta[c] = 0.3f * rng_normal(r);
+    }
+    void *dmean = o->alloc(o, sizeof mean), *dvar = o->alloc(o, sizeof var), *dgam = o->alloc(o, sizeof gamma),
+         *dbet = o->alloc(o, sizeof beta), *dseed = o->alloc(o, sizeof seed);
+    float *f32[8];  // sum_g, sum_gx, dgamma, dbeta of the fused [0..3] and the unfused [4..7] runs
+    for (int k = 0; k < 8; k++) f32[k] = o->alloc(o, sizeof(float) * C);
+    o->upload(o, dmean, mean, sizeof mean); o->upload(o, dvar, var, sizeof var);
+    o->upload(o, dgam, gamma, sizeof gamma); o->upload(o, dbet, beta, sizeof beta);
+    o->upload(o, dseed, &seed, sizeof seed);
+    const float eps = 1e-3f;
+    const char *where = o->name;
+    char what[160];
+    snprintf(what, sizeof what, "%s bn fused %s act %d rate %g shape " SHAPE_FMT, where, DT_NAME[dt], (int)act,
+             (double)rate, SHAPE_ARGS(s));
+    Tensor x = backend_tensor(o, xv, s, dt), res = backend_tensor(o, resv, s, dt);
+    Tensor y = backend_tensor(o, accv, s, dt), y2 = backend_tensor(o, accv, s, dt);
+    const Shape ps = shape4(N, 1, 1, C);
+    float *zeros = calloc(n, sizeof(float));
+    Tensor p1 = backend_tensor(o, zeros, ps, dt), p2 = backend_tensor(o, zeros, ps, dt);
+
+    // forward, FUSED_POOL: y and the pool
+    BnNext pool = {.kind = FUSED_POOL, .pooled = p1};
+    o->bn_forward(o, y, x, dmean, dvar, dgam, dbet, eps, act, &pool);
+    o->bn_forward(o, y2, x, dmean, dvar, dgam, dbet, eps, act, NULL);
+    o->global_avg_pool_forward(o, p2, y2);
+    CHECK(bytes_equal(o, y, y2) && bytes_equal(o, p1, p2), "%s: pool forward differs from bn_forward, global_avg_pool", what);
+
+    // forward, FUSED_RESIDUAL: out alone (y has no memory)
+    Tensor out1 = backend_tensor(o, accv, s, dt), out2 = backend_tensor(o, accv, s, dt);
+    BnNext end = {.kind = FUSED_RESIDUAL, .out = out1, .residual = res, .rate = rate, .seed = dseed,
+                  .first_sample = first_sample};
+    o->bn_forward(o, tensor(NULL, s, dt), x, dmean, dvar, dgam, dbet, eps, act, &end);
+    o->bn_forward(o, y2, x, dmean, dvar, dgam, dbet, eps, act, NULL);
+    if (rate > 0.0f) o->dropout_forward(o, out2, y2, res, rate, dseed, 1, first_sample);
+    else o->add_forward(o, out2, y2, res);
+    CHECK(bytes_equal(o, out1, out2), "%s: residual forward differs from bn_forward, dropout_forward", what);
+
+    // backward, FUSED_RESIDUAL, with the sums (training statistics) and without (dresidual alone)
+    for (int acc = 0; acc < 2; acc++)
+        for (int sums = 0; sums < 2; sums++) {
+            Tensor dy1 = backend_tensor(o, dyv, s, dt), dy2 = backend_tensor(o, dyv, s, dt);
+            Tensor dres1 = backend_tensor(o, accv, s, dt), dres2 = backend_tensor(o, accv, s, dt);
+            Tensor dx1 = backend_tensor(o, accv, s, dt), dx2 = backend_tensor(o, accv, s, dt);
+            Tensor dyb = backend_tensor(o, zeros, s, dt);
+            for (int k = 0; k < 8; k++) o->upload(o, f32[k], k % 4 >= 2 ? gamma : zeros, sizeof(float) * C);
+            BnNext back = {.kind = FUSED_RESIDUAL, .dresidual = dres1, .accumulate_residual = acc, .rate = rate,
+                           .seed = dseed, .first_sample = first_sample};
+            o->bn_backward_reduce(o, dy1, x, dmean, dvar, dgam, dbet, eps, act, sums ? f32[0] : NULL, f32[1], f32[2],
+                                  f32[3], NULL, &back);
+            o->bn_backward_data(o, dx1, dy1, x, dmean, dvar, dgam, dbet, eps, act, sums ? f32[0] : NULL,
+                                sums ? f32[1] : NULL, sums ? M : 0, acc, &back);
+            if (rate > 0.0f) o->dropout_backward(o, dyb, dres2, dy2, rate, dseed, 1, first_sample, 0, acc);
+            else o->add_backward(o, dyb, dres2, dy2, 0, acc);
+            if (sums) o->bn_backward_reduce(o, dyb, x, dmean, dvar, dgam, dbet, eps, act, f32[4], f32[5], f32[6], f32[7],
+                                            NULL, NULL);
+            o->bn_backward_data(o, dx2, dyb, x, dmean, dvar, dgam, dbet, eps, act, sums ? f32[4] : NULL,
+                                sums ? f32[5] : NULL, sums ? M : 0, acc, NULL);
+            for (int k = 0; k < 4; k++) {
+                o->download(o, host[0], f32[k], sizeof(float) * C);
+                o->download(o, host[1], f32[k + 4], sizeof(float) * C);
+                CHECK(!memcmp(host[0], host[1], sizeof(float) * C), "%s acc %d sums %d: per-channel result %d differs",
+                      what, acc, sums, k);
+            }
+            CHECK(bytes_equal(o, dres1, dres2), "%s acc %d sums %d: dresidual differs", what, acc, sums);
+            CHECK(bytes_equal(o, dx1, dx2), "%s acc %d sums %d: dx differs", what, acc, sums);
+            Tensor ts[7] = {dy1, dy2, dres1, dres2, dx1, dx2, dyb};
+            for (int k = 0; k < 7; k++) o->free(o, ts[k].data);
+        }
+    Tensor ts[8] = {x, res, y, y2, p1, p2, out1, out2};
+    for (int k = 0; k < 8; k++) o->free(o, ts[k].data);
+    for (int k = 0; k < 8; k++) o->free(o, f32[k]);
+    o->free(o, dmean); o->free(o, dvar); o->free(o, dgam); o->free(o, dbet); o->free(o, dseed);
+    free(xv); free(resv); free(dyv); free(accv); free(zeros);
+}
+static void bn_fused_cases(Ops *o, uint64_t rng_seed_value) {
+    Rng r; rng_seed(&r, rng_seed_value);
+    const Shape shapes[3] = {shape4(4, 5, 7, 16), shape4(4, 3, 11, 24), shape4(4, 3, 5, 13)};
+    for (int si = 0; si < 3; si++)
+        for (int dt = 0; dt < 3; dt++)
+            for (int a = 0; a < 2; a++)
+                for (int k = 0; k < 2; k++) bn_fused_case(o, shapes[si], (DType)dt, a ? ACT_SILU : ACT_NONE, k ? 0.4f : 0.0f, &r);
+}
+static void test_bn_fused_next(void) { bn_fused_cases(&ops_cpu, 91); }
+static void test_cuda_bn_fused_next(void) { bn_fused_cases(cu_ops(), 92); }
 
 // y = act(x), dx (=|+=) dy·act'(x); exp as in batch norm: 8 fp32 roundings
 static void test_cuda_act(void) {
@@ -9053,6 +9243,8 @@ static const Test TESTS[] = {
     {"freeze_base", test_freeze_base},
     {"plan_matches_per_tensor", test_plan_matches_per_tensor},
     {"checkpoint_training_bitwise", test_checkpoint_training_bitwise},
+    {"bn_fused_next", test_bn_fused_next},
+    {"fused_layers_bitwise", test_fused_layers_bitwise},
     {"plan_equals_allocation", test_plan_equals_allocation},
     {"train_steps_by_hand", test_train_steps_by_hand},
     {"train_epochs_reshuffle", test_train_epochs_reshuffle},
@@ -9108,6 +9300,8 @@ static const Test TESTS[] = {
 #endif
     {"cuda_bn_stats", test_cuda_bn_stats},
     {"cuda_bn_forward_backward", test_cuda_bn_forward_backward},
+    {"cuda_bn_fused_next", test_cuda_bn_fused_next},
+    {"cuda_fused_layers_bitwise", test_cuda_fused_layers_bitwise},
     {"cuda_act", test_cuda_act},
     {"cuda_squeeze_excitation", test_cuda_squeeze_excitation},
     {"cuda_add_concat", test_cuda_add_concat},
