@@ -2489,8 +2489,6 @@ static int conv_bn_act(Graph *g, const char *p, int x, int cout, int k, int stri
 
 static int squeeze_excitation(Graph *g, const char *p, int x, int squeeze) {
     char b[2 * SN_NAME_MAX];
-    int C = g->err[0] ? 1 : tshape(g, x).c;
-    (void)C;
     int s = graph_gap(g, lname(b, p, "avgpool"), x);
     s = graph_se_gate(g, p, s, squeeze, ACT_SILU, ACT_SIGMOID);  // fc1, SiLU, fc2, sigmoid
     return graph_scale(g, lname(b, p, "scale"), x, s);
@@ -2787,15 +2785,11 @@ static int cmp_buffer_size(const void *a, const void *b, void *bufs_) {
     if (x->first != y->first) return x->first < y->first ? -1 : 1;
     return *(const int *)a - *(const int *)b;
 }
-static int cmp_offset(const void *a, const void *b, void *bufs_) {
-    const PlanBuffer *bufs = bufs_;
-    size_t x = bufs[*(const int *)a].offset, y = bufs[*(const int *)b].offset;
-    return x < y ? -1 : x > y;
-}
 
 // Places the buffers in `order` (placed, live: scratch of n_bufs ints); each goes
 // into a gap among the placed buffers alive at the same time: the lowest that
 // fits (first fit) or the smallest (best fit). Returns the arena's bytes.
+// `placed` is kept in offset order, so the live buffers come out in it.
 static size_t plan_pack(Plan *p, const int *order, int best_fit, size_t workspace, int *placed, int *live) {
     size_t peak = workspace;
     int n_placed = 0;
@@ -2806,7 +2800,6 @@ static size_t plan_pack(Plan *p, const int *order, int best_fit, size_t workspac
             const PlanBuffer *q = &p->bufs[placed[j]];
             if (q->first <= b->last && b->first <= q->last) live[n_live++] = placed[j];
         }
-        qsort_r(live, (size_t)n_live, sizeof(int), cmp_offset, p->bufs);
         size_t at = workspace, gap_best = SIZE_MAX, from = workspace;  // from: where the next gap starts
         for (int j = 0; j <= n_live; j++) {
             const size_t to = j < n_live ? p->bufs[live[j]].offset : SIZE_MAX;  // the gap [from, to)
@@ -2820,7 +2813,9 @@ static size_t plan_pack(Plan *p, const int *order, int best_fit, size_t workspac
         }
         b->offset = at;
         if (at + b->bytes > peak) peak = at + b->bytes;
-        placed[n_placed++] = order[k];
+        int j = n_placed++;
+        for (; j > 0 && p->bufs[placed[j - 1]].offset > at; j--) placed[j] = placed[j - 1];
+        placed[j] = order[k];
     }
     return peak;
 }
