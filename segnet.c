@@ -4697,13 +4697,61 @@ static void csv_write_prediction(FILE *f, const char *path, const float *z, int 
 
 // class k is drawn in SEG_PALETTE[k % SEG_COLOURS]: black for class 0 (background in
 // most data sets, as in Pascal VOC's colour map), then 15 colours far apart
-// (Trubetskoy's "20 simple, distinct colours").
+// (Trubetskoy's "20 simple, distinct colours"). OUT/legend.png shows them: a
+// swatch and the class number per row. SEG_PALETTE_HELP says the same in
+// words (predict --help, README).
 #define SEG_COLOURS 16
 static const uint8_t SEG_PALETTE[SEG_COLOURS][3] = {
     {0, 0, 0},       {230, 25, 75},   {60, 180, 75},  {255, 225, 25}, {0, 130, 200},  {245, 130, 48},
     {145, 30, 180},  {70, 240, 240},  {240, 50, 230}, {210, 245, 60}, {250, 190, 212}, {0, 128, 128},
     {220, 190, 255}, {170, 110, 40},  {128, 0, 0},    {0, 0, 128},
 };
+#define SEG_PALETTE_HELP \
+    "  0 black, 1 red, 2 green, 3 yellow, 4 blue, 5 orange, 6 purple, 7 cyan,\n" \
+    "  8 magenta, 9 lime, 10 pink, 11 teal, 12 lavender, 13 brown, 14 maroon,\n" \
+    "  15 navy; class k ≥ 16 takes the colour of k mod 16\n"
+#define SEG_LEGEND_NAME "legend.png"
+
+// The legend: per class k a row of LEGEND_ROW pixels, a LEGEND_SWATCH-wide
+// swatch of its colour, then k in black digits (a 3×5 pixel font drawn
+// LEGEND_SCALE times larger) on white.
+#define LEGEND_ROW 24
+#define LEGEND_SWATCH 32
+#define LEGEND_SCALE 3
+#define LEGEND_TEXT_X (LEGEND_SWATCH + 12)
+// digit d's 5 rows of 3 pixels, the leftmost pixel in bit 2
+static const uint8_t DIGIT_3X5[10][5] = {
+    {7, 5, 5, 5, 7}, {2, 6, 2, 2, 7}, {7, 1, 7, 4, 7}, {7, 1, 7, 1, 7}, {5, 5, 7, 1, 1},
+    {7, 4, 7, 1, 7}, {7, 4, 7, 5, 7}, {7, 1, 1, 1, 1}, {7, 5, 7, 5, 7}, {7, 5, 7, 1, 7},
+};
+static void seg_legend_path(const char *out, char path[OUT_PATH_MAX]) {
+    snprintf(path, OUT_PATH_MAX, "%.*s/%s", (int)(OUT_PATH_MAX - sizeof SEG_LEGEND_NAME - 1), out, SEG_LEGEND_NAME);
+}
+static int seg_legend_write(const char *out, int K, char err[SN_ERR_MAX]) {
+    const int digit_w = 4 * LEGEND_SCALE;  // 3 pixels and a space
+    const int w = LEGEND_TEXT_X + 3 * digit_w + 4, h = K * LEGEND_ROW;
+    uint8_t *rgb = malloc((size_t)w * h * 3);
+    snCheck(rgb != NULL, "out of host memory");
+    memset(rgb, 255, (size_t)w * h * 3);
+    for (int k = 0; k < K; k++) {
+        const int y0 = k * LEGEND_ROW;
+        for (int y = y0 + 3; y < y0 + LEGEND_ROW - 3; y++)
+            for (int x = 4; x < LEGEND_SWATCH; x++) memcpy(rgb + 3 * ((size_t)y * w + x), SEG_PALETTE[k % SEG_COLOURS], 3);
+        char num[12];  // K ≤ 256: 3 digits
+        snprintf(num, sizeof num, "%d", k);
+        const int top = y0 + (LEGEND_ROW - 5 * LEGEND_SCALE) / 2;
+        for (int d = 0; num[d]; d++)
+            for (int gy = 0; gy < 5 * LEGEND_SCALE; gy++)
+                for (int gx = 0; gx < 3 * LEGEND_SCALE; gx++)
+                    if (DIGIT_3X5[num[d] - '0'][gy / LEGEND_SCALE] >> (2 - gx / LEGEND_SCALE) & 1)
+                        memset(rgb + 3 * ((size_t)(top + gy) * w + LEGEND_TEXT_X + d * digit_w + gx), 0, 3);
+    }
+    char path[OUT_PATH_MAX];
+    seg_legend_path(out, path);
+    const int rc = png_write_atomic(path, w, h, 3, rgb, err);
+    free(rgb);
+    return rc;
+}
 
 // the mask and overlay paths of an image: "x/a.b.jpg" → OUT/a.b.png, OUT/a.b_overlay.png
 static void seg_out_paths(const char *out, const char *image, char mask[OUT_PATH_MAX], char overlay[OUT_PATH_MAX]) {
@@ -4723,7 +4771,8 @@ static int cmp_seg_name(const void *a, const void *b) { return strcmp(((const Se
 // folder `out` is created if absent. Decoding twice costs far less than the
 // forward pass, and a bad image found halfway would leave a partial folder.
 static int seg_check_inputs(const PathList *l, const char *out, char err[SN_ERR_MAX]) {
-    SegName *names = malloc(sizeof(SegName) * 2 * l->n);
+    const int n = 2 * l->n + 1;  // the masks, the overlays and the legend (image -1)
+    SegName *names = malloc(sizeof(SegName) * n);
     snCheck(names != NULL, "out of host memory");
     for (int i = 0; i < l->n; i++) {
         char m[OUT_PATH_MAX], o[OUT_PATH_MAX];
@@ -4732,15 +4781,24 @@ static int seg_check_inputs(const PathList *l, const char *out, char err[SN_ERR_
         names[2 * i + 1] = (SegName){strdup(o), i};
         snCheck(names[2 * i].name && names[2 * i + 1].name, "out of host memory");
     }
-    qsort(names, (size_t)2 * l->n, sizeof(SegName), cmp_seg_name);
+    char legend[OUT_PATH_MAX];
+    seg_legend_path(out, legend);
+    names[n - 1] = (SegName){strdup(legend), -1};
+    snCheck(names[n - 1].name != NULL, "out of host memory");
+    qsort(names, (size_t)n, sizeof(SegName), cmp_seg_name);
     int rc = 0;
-    for (int i = 1; i < 2 * l->n && !rc; i++)
+    for (int i = 1; i < n && !rc; i++)
         if (!strcmp(names[i - 1].name, names[i].name)) {
-            snprintf(err, SN_ERR_MAX, "%.150s and %.150s would both write %.170s (rename one)",
-                     l->paths[names[i - 1].image], l->paths[names[i].image], names[i].name);
+            const SegName *a = &names[i - 1], *b = &names[i];
+            if (a->image < 0 || b->image < 0)
+                snprintf(err, SN_ERR_MAX, "%.200s would overwrite the colour legend %.170s (rename it)",
+                         l->paths[a->image < 0 ? b->image : a->image], names[i].name);
+            else
+                snprintf(err, SN_ERR_MAX, "%.150s and %.150s would both write %.170s (rename one)", l->paths[a->image],
+                         l->paths[b->image], names[i].name);
             rc = -1;
         }
-    for (int i = 0; i < 2 * l->n; i++) free(names[i].name);
+    for (int i = 0; i < n; i++) free(names[i].name);
     free(names);
     for (int i = 0; !rc && i < l->n; i++) {
         int h, w;
@@ -4824,7 +4882,7 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
     char tmp[OUT_PATH_MAX];
     FILE *f = NULL;
     if (seg) {
-        if (seg_check_inputs(&list, pc->out, err) != 0) goto done_list;
+        if (seg_check_inputs(&list, pc->out, err) != 0 || seg_legend_write(pc->out, K, err) != 0) goto done_list;
     } else {
         if (!(f = atomic_file_open(pc->out, tmp, sizeof tmp, err))) goto done_list;
         fprintf(f, "path,pred%s", pc->n_class_names ? ",pred_name" : "");
@@ -4837,7 +4895,8 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
     float **imgs = calloc((size_t)N, sizeof(float *));           // N × (h,w,3)
     int *hw = malloc(sizeof(int) * 2 * N);
     snCheck(x && logits && imgs && hw, "out of host memory");
-    int ok = 1;
+    int ok = 1, reported = 0;  // images the last progress line counted
+    const int tty = isatty(STDERR_FILENO);
     for (int start = 0; ok && start < list.n; start += N) {
         int count = list.n - start < N ? list.n - start : N;
         memset(x, 0, sizeof(float) * img_floats * N);  // slots past the last image stay empty
@@ -4862,9 +4921,15 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
                                 so.h, so.w, K, err) == 0;
         }
         for (int j = 0; j < count; j++) { free(imgs[j]); imgs[j] = NULL; }
-        if (pc->progress) fprintf(stderr, "\rpredict: %d/%d images", start + count, list.n);
+        // a terminal: one line rewritten; a log: a line per tenth of the images and the last
+        const int done = start + count;
+        if (pc->progress && tty) fprintf(stderr, "\rpredict: %d/%d images", done, list.n);
+        else if (pc->progress && (done == list.n || (int64_t)(done - reported) * 10 >= list.n)) {
+            fprintf(stderr, "predict: %d/%d images\n", done, list.n);
+            reported = done;
+        }
     }
-    if (pc->progress) fputc('\n', stderr);
+    if (pc->progress && tty) fputc('\n', stderr);
     free(x); free(logits); free(imgs); free(hw);
     rc = f ? atomic_file_commit(f, tmp, pc->out, ok, err) : ok ? 0 : -1;
 done_list:
@@ -9093,13 +9158,15 @@ static const char *PREDICT_USAGE =
     "Segmentation models (unet, unet-effv2-*): OUT is a folder, created if missing,\n"
     "that receives for each image OUT/<stem>.png, the mask (8-bit grey, pixel =\n"
     "predicted class 0..K-1), and OUT/<stem>_overlay.png, the image blended 50/50\n"
-    "with a colour per class (0 black, 1 red, 2 green, 3 yellow, 4 blue, 5 orange,\n"
-    "6 purple, 7 cyan, 8 magenta, 9 lime, 10 pink, 11 teal, 12 lavender, 13 brown,\n"
-    "14 maroon, 15 navy, then again from black), both at the image's own size\n"
-    "(the mask is brought back by nearest neighbour). Every image is decoded,\n"
-    "and no two may share a stem, before anything is written; each PNG is\n"
-    "written atomically, replacing a file of that name. A failure while writing\n"
-    "(disk full) leaves the PNGs written before it.\n"
+    "with a colour per class, both at the image's own size (the mask is brought\n"
+    "back by nearest neighbour); OUT/" SEG_LEGEND_NAME " shows each class's colour beside its\n"
+    "number. The colours:\n"
+    SEG_PALETTE_HELP
+    "Every image is decoded, and no two may share a stem, before anything is\n"
+    "written; each PNG is written atomically, replacing a file of that name. A\n"
+    "failure while writing (disk full) leaves the PNGs written before it.\n"
+    "Progress goes to stderr: one line rewritten on a terminal, else a line per\n"
+    "tenth of the images.\n"
     "\n"
     "  --model NAME        effv2-s (default), effv2-m, effv2-l, effv2-t, unet,\n"
     "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
