@@ -35,6 +35,26 @@ static int g_quiet = 0;     // while a test checks that the checker fails
     CHECK(fabs(a_ - b_) <= (tol), "%s: got %.9g, expected %.9g (tolerance %g)", what, a_, b_, (double)(tol)); \
 } while (0)
 
+// TEST(name) { ... } defines the test `name` and registers it before main runs
+// (a constructor); the runner takes the tests in the order of this file.
+typedef struct { const char *name; void (*fn)(void); int line; } Test;
+#define MAX_TESTS 512
+static Test g_tests[MAX_TESTS];
+static int g_n_tests;
+static void test_register(const char *name, void (*fn)(void), int line) {
+    if (g_n_tests == MAX_TESTS) {
+        fprintf(stderr, "test_segnet: more than %d tests: raise MAX_TESTS\n", MAX_TESTS);
+        exit(2);
+    }
+    g_tests[g_n_tests++] = (Test){name, fn, line};
+}
+#define TEST(name)                                                                  \
+    static void test_##name(void);                                                  \
+    __attribute__((constructor)) static void register_##name(void) {                \
+        test_register(#name, test_##name, __LINE__);                                \
+    }                                                                               \
+    static void test_##name(void)
+
 static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -271,7 +291,7 @@ static void conv_case(const char *label, Shape in, int cout, int k, int stride, 
     graph_free(&g);
 }
 
-static void test_conv_grad_dense(void) {
+TEST(conv_grad_dense) {
     conv_case("3x3 s1 same, odd 5x7",            shape4(2, 5, 7, 3), 4, 3, 1, 1, PAD_SAME, 1, 1);
     conv_case("3x3 s2 same, even 6x8",           shape4(2, 6, 8, 3), 4, 3, 2, 1, PAD_SAME, 1, 1);
     conv_case("3x3 s2 same, odd 7x5",            shape4(1, 7, 5, 2), 3, 3, 2, 1, PAD_SAME, 0, 1);
@@ -282,26 +302,26 @@ static void test_conv_grad_dense(void) {
     conv_case("kernel larger than input (same)", shape4(1, 2, 3, 2), 2, 5, 1, 1, PAD_SAME, 1, 0);
 }
 
-static void test_conv_grad_pointwise(void) {
+TEST(conv_grad_pointwise) {
     conv_case("1x1 s1 (one GEMM)",               shape4(2, 3, 5, 6), 5, 1, 1, 1, PAD_SAME, 1, 1);
     conv_case("1x1 s2 same, odd 5x5",            shape4(2, 5, 5, 3), 4, 1, 2, 1, PAD_SAME, 1, 1);
 }
 
-static void test_conv_grad_grouped(void) {
+TEST(conv_grad_grouped) {
     conv_case("3x3 groups 2",                    shape4(2, 5, 6, 4), 6, 3, 1, 2, PAD_SAME, 1, 1);
     conv_case("3x3 s2 groups 3, odd",            shape4(1, 7, 5, 6), 3, 3, 2, 3, PAD_SYMMETRIC, 1, 1);
     conv_case("1x1 groups 2",                    shape4(1, 3, 3, 4), 4, 1, 1, 2, PAD_SAME, 0, 1);
     conv_case("depthwise multiplier 2 (GEMM)",   shape4(1, 5, 5, 3), 6, 3, 1, 3, PAD_SAME, 1, 0);
 }
 
-static void test_conv_grad_depthwise(void) {
+TEST(conv_grad_depthwise) {
     conv_case("depthwise 3x3 s1 same",           shape4(2, 5, 6, 4), 4, 3, 1, 4, PAD_SAME, 1, 1);
     conv_case("depthwise 3x3 s2 same, even",     shape4(2, 6, 8, 3), 3, 3, 2, 3, PAD_SAME, 1, 1);
     conv_case("depthwise 5x5 s2 same, odd",      shape4(1, 7, 9, 3), 3, 5, 2, 3, PAD_SAME, 0, 1);
     conv_case("depthwise 3x3 s2 symmetric, odd", shape4(1, 7, 5, 5), 5, 3, 2, 5, PAD_SYMMETRIC, 1, 1);
 }
 
-static void test_dense_grad(void) {
+TEST(dense_grad) {
     Graph g; graph_init(&g);
     int x = graph_input(&g, shape4(3, 1, 1, 7));
     int a = graph_dense(&g, "fc_a", x, 5, 1);
@@ -354,14 +374,14 @@ static void bn_case(Act act, int training, int fanout) {
 }
 // graph_gradcheck draws params then input from the same seed in the same order as the search above.
 
-static void test_bn_grad_train(void) {
+TEST(bn_grad_train) {
     bn_case(ACT_NONE, 1, 1);
     bn_case(ACT_SILU, 1, 1);
     bn_case(ACT_SIGMOID, 1, 0);
     bn_case(ACT_RELU, 1, 1);
 }
 
-static void test_bn_grad_inference(void) {
+TEST(bn_grad_inference) {
     bn_case(ACT_NONE, 0, 1);
     bn_case(ACT_SILU, 0, 1);
     bn_case(ACT_RELU, 0, 0);
@@ -375,7 +395,7 @@ static float *kink_free_input(size_t n, uint64_t seed) {
     return x;
 }
 
-static void test_act_grad(void) {
+TEST(act_grad) {
     Act acts[3] = {ACT_RELU, ACT_SILU, ACT_SIGMOID};
     float *xin = kink_free_input(2 * 3 * 5 * 3, 7);
     for (int i = 0; i < 3; i++) {
@@ -392,7 +412,7 @@ static void test_act_grad(void) {
 
 // squeeze-excitation as in MBConv: s = sigmoid(fc2(silu(fc1(gap(x))))), y = x·s
 // (x feeds both the pool and the scale: accumulation through the SE branch)
-static void test_se_grad(void) {
+TEST(se_grad) {
     Graph g; graph_init(&g);
     int x = graph_input(&g, shape4(2, 4, 3, 6));
     int p = graph_gap(&g, "se.pool", x);
@@ -415,7 +435,7 @@ static void test_se_grad(void) {
 
 // Two-input ops reached with different accumulate flags: one input's gradient
 // already written by a later layer, the other not (each flag must go to its input).
-static void test_mixed_accumulate_grad(void) {
+TEST(mixed_accumulate_grad) {
     Graph g; graph_init(&g);
     int x = graph_input(&g, shape4(2, 3, 4, 3));
     int a = graph_conv(&g, "a", x, 2, 1, 1, 1, PAD_SAME, 1);
@@ -439,7 +459,7 @@ static void test_mixed_accumulate_grad(void) {
 }
 
 // residual add, concat and their backward (copy and split) with fan-out
-static void test_add_concat_grad(void) {
+TEST(add_concat_grad) {
     Graph g; graph_init(&g);
     int x = graph_input(&g, shape4(2, 3, 4, 3));
     int c = graph_conv(&g, "branch", x, 3, 3, 1, 1, PAD_SAME, 1);
@@ -461,7 +481,7 @@ static float *spaced_input(size_t n, uint64_t seed) {
     return x;
 }
 
-static void test_pool_upsample_grad(void) {
+TEST(pool_upsample_grad) {
     Shape shapes[2] = {shape4(2, 4, 6, 3), shape4(1, 5, 7, 2)};  // even, and odd (floor drops a row and a column)
     for (int i = 0; i < 2; i++) {
         Graph g; graph_init(&g);
@@ -481,7 +501,7 @@ static void test_pool_upsample_grad(void) {
     graph_free(&g);
 }
 
-static void test_resize_grad(void) {
+TEST(resize_grad) {
     int sizes[][4] = {{4, 5, 9, 7}, {7, 6, 3, 4}, {3, 3, 7, 2}, {5, 4, 5, 4}};  // up, down, mixed, identity
     for (int i = 0; i < 4; i++) {
         Graph g; graph_init(&g);
@@ -493,7 +513,7 @@ static void test_resize_grad(void) {
     }
 }
 
-static void test_dropout_grad(void) {
+TEST(dropout_grad) {
     for (int per_sample = 0; per_sample < 2; per_sample++) {
         Graph g; graph_init(&g);
         int x = graph_input(&g, shape4(6, 3, 3, 4));
@@ -536,7 +556,7 @@ static int build_every_kind(Graph *g, Shape in, int freeze_stem) {
     return graph_concat(g, "out", head, graph_gap(g, "head.pool2", res));
 }
 
-static void test_graph_grad_every_kind(void) {
+TEST(graph_grad_every_kind) {
     Graph g; graph_init(&g);
     int y = build_every_kind(&g, shape4(2, 6, 6, 3), 0);
     GradOpts o = grad_opts();
@@ -553,7 +573,7 @@ static void test_graph_grad_every_kind(void) {
 
 // Frozen stem: no gradient for its parameters (their slices untouched), BN in
 // inference mode there, and no gradient storage below the lowest trainable layer.
-static void test_graph_frozen(void) {
+TEST(graph_frozen) {
     Graph g; graph_init(&g);
     int y = build_every_kind(&g, shape4(2, 6, 6, 3), 1);
     Net net; char err[SN_ERR_MAX];
@@ -603,7 +623,7 @@ static void concat_backward_always_adds(Ops *o, Tensor da, Tensor db, Tensor dy,
     concat_backward_cpu(o, da, db, dy, 1, 1);
 }
 
-static void test_gradcheck_catches_errors(void) {
+TEST(gradcheck_catches_errors) {
     int before = g_failures;
     g_quiet = 1;
     g_broken = ops_cpu;
@@ -663,7 +683,7 @@ static void conv_naive(const float *x, Shape in, const float *w, const float *b,
     *oh_ = oh; *ow_ = ow;
 }
 
-static void test_conv_forward_vs_naive(void) {
+TEST(conv_forward_vs_naive) {
     struct { Shape in; int cout, k, s, groups; PadMode pad; int bias; } cases[] = {
         {{2, 5, 7, 3}, 4, 3, 1, 1, PAD_SAME, 1}, {{1, 6, 8, 3}, 4, 3, 2, 1, PAD_SAME, 0},
         {{1, 7, 5, 3}, 4, 3, 2, 1, PAD_SAME, 1}, {{1, 7, 5, 3}, 4, 3, 2, 1, PAD_SYMMETRIC, 1},
@@ -704,7 +724,7 @@ static void test_conv_forward_vs_naive(void) {
 // partly in fp64): 1e-5 of the largest value is far above that rounding
 // (~1e-7 typical) and far below a wrong tap or lane. 16-bit outputs are
 // rounded once more: one ulp of the type at the largest value on top.
-static void test_conv_direct_vs_gemm(void) {
+TEST(conv_direct_vs_gemm) {
     struct { Shape in; int cout, k, s; PadMode pad; int bias; } cases[] = {
         {{2, 7, 9, CONV_VL}, CONV_VL + 4, 3, 1, PAD_SAME, 1},
         {{1, 6, 11, CONV_VL + 1}, 2 * CONV_VL + 1, 5, 1, PAD_SYMMETRIC, 0},
@@ -769,7 +789,7 @@ static void test_conv_direct_vs_gemm(void) {
 // (3×3 kernel, zero outside its middle row), stride 2.
 //   TF SAME:   out 2, total pad (2-1)·2 + 3 - 4 = 1, all after:  [1·1+2·10+3·100, 3·1+4·10] = [321, 43]
 //   PyTorch:   pad 1 each side: [0·1+1·10+2·100, 2·1+3·10+4·100] = [210, 432]
-static void test_conv_padding_by_hand(void) {
+TEST(conv_padding_by_hand) {
     float x[4] = {1, 2, 3, 4}, w[9] = {0, 0, 0, 1, 10, 100, 0, 0, 0}, y[2];
     Shape in = shape4(1, 1, 4, 1), os = shape4(1, 1, 2, 1);
     ConvCfg same = {1, 1, 3, 3, 2, 1, PAD_SAME, 0}, sym = {1, 1, 3, 3, 2, 1, PAD_SYMMETRIC, 0};
@@ -792,7 +812,7 @@ static void test_conv_padding_by_hand(void) {
 // ----------------------------------------------------------------------------
 // hand-computed cases for the other ops
 
-static void test_bn_by_hand(void) {
+TEST(bn_by_hand) {
     // one channel, x = 1 2 3 4: mean 2.5, biased var 1.25, unbiased 5/3
     float x[4] = {1, 2, 3, 4}, y[4], mean, var, gamma = 2, beta = 0.5f, rm = 0, rv = 1;
     Tensor tx = tensor_f32(x, shape4(1, 2, 2, 1)), ty = tensor_f32(y, shape4(1, 2, 2, 1));
@@ -812,7 +832,7 @@ static void test_bn_by_hand(void) {
     CHECK_NEAR(y[2], 1.0, 1e-6, "inference bn (3-1)/sqrt(4)");
 }
 
-static void test_act_by_hand(void) {
+TEST(act_by_hand) {
     float x[4] = {-1.0f, 0.0f, 1.0f, 2.0f}, y[4];
     Tensor tx = tensor_f32(x, shape4(1, 1, 4, 1)), ty = tensor_f32(y, shape4(1, 1, 4, 1));
     ops_cpu.act_forward(&ops_cpu, ACT_RELU, ty, tx);
@@ -825,7 +845,7 @@ static void test_act_by_hand(void) {
     CHECK_NEAR(y[3], 1.0 / (1.0 + exp(-2.0)), 1e-7, "sigmoid(2)");
 }
 
-static void test_resize_by_hand(void) {
+TEST(resize_by_hand) {
     // [1 3] -> 4 wide: sources -0.25(→0), 0.25, 0.75, 1.25(→ clamps to 1) = [1, 1.5, 2.5, 3]
     float x[2] = {1, 3}, y[4], d[4] = {1, 2, 4, 8}, dx[2];
     ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(y, shape4(1, 1, 4, 1)), tensor_f32(x, shape4(1, 1, 2, 1)));
@@ -839,7 +859,7 @@ static void test_resize_by_hand(void) {
     CHECK(y2[0] == 1.5f && y2[1] == 3.5f, "downsize: [%g %g]", y2[0], y2[1]);
 }
 
-static void test_pool_upsample_by_hand(void) {
+TEST(pool_upsample_by_hand) {
     // 3×3 input, one channel: the pool reads the top-left 2×2 only (floor)
     float x[9] = {1, 5, 9, 5, 2, 9, 9, 9, 9}, y[1], dy[1] = {7}, dx[9];
     ops_cpu.maxpool2_forward(&ops_cpu, tensor_f32(y, shape4(1, 1, 1, 1)), tensor_f32(x, shape4(1, 3, 3, 1)));
@@ -877,7 +897,7 @@ static void test_pool_upsample_by_hand(void) {
 //   pixel A: logits (0, ln 3), label 1: p = (1/4, 3/4), nll = ln(4/3), weight 2
 //   pixel B: label 0, weight 0: contributes nothing to loss, weight or gradient
 //   pixel C: label 5, outside 0..1: counted as invalid, contributes nothing
-static void test_softmax_xent_by_hand(void) {
+TEST(softmax_xent_by_hand) {
     float z[6] = {0.0f, logf(3.0f), 4.0f, -1.0f, 0.3f, 0.7f}, w[2] = {0.0f, 2.0f};
     int32_t y[3] = {1, 0, 5};
     float stats[3] = {0, 0, 0}, dz[6];
@@ -901,7 +921,7 @@ static void test_softmax_xent_by_hand(void) {
 }
 
 // the loss gradient against finite differences of the loss itself
-static void test_softmax_xent_grad(void) {
+TEST(softmax_xent_grad) {
     const int K = 5, M = 2 * 3 * 4;
     Rng r; rng_seed(&r, 21);
     float *z = randn(&r, (size_t)M * K, 2.0f), *dz = malloc(sizeof(float) * M * K);
@@ -935,7 +955,7 @@ static void test_softmax_xent_grad(void) {
 // sigmoid; their backwards), fp32, N = 3, C = 24, S = 6. The fused op sums in
 // fp64, the convs in fp32 over at most 24 terms of size ≤ 1: the two agree
 // within 1e-5 of each tensor's largest value.
-static void test_se_gate_matches_layers(void) {
+TEST(se_gate_matches_layers) {
     enum { N = 3, C = 24, S = 6 };
     Rng r; rng_seed(&r, 31);
     float *p = randn(&r, (size_t)N * C, 1.0f), *w1 = randn(&r, (size_t)S * C, 0.3f), *b1 = randn(&r, S, 0.3f);
@@ -973,7 +993,7 @@ static void test_se_gate_matches_layers(void) {
     free(p); free(w1); free(b1); free(w2); free(b2); free(ds);
 }
 
-static void test_dropout_masks(void) {
+TEST(dropout_masks) {
     const size_t n = 100000;
     float *x = malloc(sizeof(float) * n), *y = malloc(sizeof(float) * n), *y2 = malloc(sizeof(float) * n);
     float *dx = malloc(sizeof(float) * n);
@@ -1043,7 +1063,7 @@ static void test_dropout_masks(void) {
 
 static uint16_t f16_bits_of(float f) { return f32_to_f16(f); }
 
-static void test_fp16_by_hand(void) {
+TEST(fp16_by_hand) {
     CHECK(f16_bits_of(1.0f) == 0x3C00, "1.0");
     CHECK(f16_bits_of(-2.0f) == 0xC000, "-2.0");
     CHECK(f16_bits_of(65504.0f) == 0x7BFF, "largest half");
@@ -1066,7 +1086,7 @@ static void test_fp16_by_hand(void) {
 }
 
 // against the compiler's own conversion (hardware round-to-nearest-even)
-static void test_fp16_vs_compiler(void) {
+TEST(fp16_vs_compiler) {
 #if defined(__FLT16_MAX__)
     Rng r; rng_seed(&r, 5);
     int bad = 0;
@@ -1086,7 +1106,7 @@ static void test_fp16_vs_compiler(void) {
 #endif
 }
 
-static void test_bf16_by_hand(void) {
+TEST(bf16_by_hand) {
     CHECK(f32_to_bf16(1.0f) == 0x3F80, "1.0");
     CHECK(f32_to_bf16(1.0f + ldexpf(1, -8)) == 0x3F80, "tie rounds to even (down)");
     CHECK(f32_to_bf16(1.0f + 3 * ldexpf(1, -8)) == 0x3F82, "tie rounds to even (up)");
@@ -1108,7 +1128,7 @@ static void test_bf16_by_hand(void) {
 // quotient of every n < 2^31 equals n / d. Checked for every d up to 4096
 // against n around each multiple of d and at the ends, and for random d up to
 // 2^31 - 1 and random n (the bound's derivation is above fastdiv_make).
-static void test_fastdiv(void) {
+TEST(fastdiv) {
     Rng r;
     rng_seed(&r, 91);
     long bad = 0, checked = 0;
@@ -1129,7 +1149,7 @@ static void test_fastdiv(void) {
     CHECK(bad == 0, "fastdiv: %ld of %ld quotients wrong", bad, checked);
 }
 
-static void test_utilities(void) {
+TEST(utilities) {
     float a[5] = {1, 2, 3, -4, 0.5f}, ss;
     Shape s5 = shape4(5, 1, 1, 1);
     ops_cpu.sum_squares(&ops_cpu, tensor_f32(a, s5), &ss);
@@ -1181,7 +1201,7 @@ static double max_ulp_diff(Tensor t, const float *ref) {
     return worst;
 }
 
-static void test_storage_types(void) {
+TEST(storage_types) {
     DType dts[2] = {DT_F16, DT_BF16};
     Rng r; rng_seed(&r, 77);
     for (int k = 0; k < 2; k++) {
@@ -1249,7 +1269,7 @@ static void test_storage_types(void) {
 // Reductions give bit-identical results for any thread count (needed for
 // recompute ≡ store and replicas ≡ one device).
 #ifdef _OPENMP
-static void test_determinism_across_threads(void) {
+TEST(determinism_across_threads) {
     Rng r; rng_seed(&r, 8);
     Shape s = shape4(3, 17, 19, 37);
     size_t n = shape_numel(s);
@@ -1290,7 +1310,7 @@ static void run_every_kind(Net *net, int out, const float *xin, const float *r) 
     net_backward(net, out);
 }
 
-static void test_parallel_paths_match_serial(void) {
+TEST(parallel_paths_match_serial) {
     Graph g; graph_init(&g);
     int y = build_every_kind(&g, shape4(2, 16, 12, 3), 0);
     Net a, b; char err[SN_ERR_MAX];
@@ -1324,7 +1344,7 @@ static void test_parallel_paths_match_serial(void) {
 // graph builders: shapes that do not fit are refused with the layer's name and
 // both shapes; nothing is added after the first error
 
-static void test_graph_errors(void) {
+TEST(graph_errors) {
     Graph g; graph_init(&g);
     int x = graph_input(&g, shape4(2, 8, 8, 16));
     int c = graph_conv(&g, "enc1.conv", x, 32, 3, 1, 1, PAD_SAME, 0);
@@ -1369,7 +1389,7 @@ static void test_graph_errors(void) {
     graph_free(&g);
 }
 
-static void test_graph_params(void) {
+TEST(graph_params) {
     Graph g; graph_init(&g);
     int x = graph_input(&g, shape4(1, 8, 8, 3));
     int c = graph_conv(&g, "stem.conv", x, 24, 3, 2, 1, PAD_SAME, 0);
@@ -1395,7 +1415,7 @@ static void test_graph_params(void) {
 
 // net_forward in inference mode is deterministic and leaves running stats alone;
 // training updates them once per forward.
-static void test_net_modes(void) {
+TEST(net_modes) {
     Graph g; graph_init(&g);
     int x = graph_input(&g, shape4(2, 4, 4, 3));
     int y = graph_dropout(&g, "drop", graph_bn(&g, "bn", x, BN_EPS_UNET, ACT_NONE), 0.5f);
@@ -1482,7 +1502,7 @@ static float get_f32le(const void *q) {
 }
 static uint16_t get_u16le(const void *q) { const uint8_t *p = q; return (uint16_t)(p[0] | p[1] << 8); }
 
-static void test_safetensors_round_trip(void) {
+TEST(safetensors_round_trip) {
     char path[256], err[SN_ERR_MAX] = "";
     st_test_path(path, sizeof path, "round_trip");
     Rng r; rng_seed(&r, 11);
@@ -1551,7 +1571,7 @@ static void test_safetensors_round_trip(void) {
 // A file built by hand as another implementation would write it (Python's
 // json.dumps spacing, fields in another order, \u escapes, a 0-d tensor,
 // a hole between tensors and unused bytes at the end).
-static void test_safetensors_hand_built(void) {
+TEST(safetensors_hand_built) {
     char path[256], err[SN_ERR_MAX] = "";
     st_test_path(path, sizeof path, "hand_built");
     const char *header =
@@ -1587,7 +1607,7 @@ static void test_safetensors_hand_built(void) {
 
 // The writer's bytes for a small file, spelled out: the compact header the
 // reference implementation writes, space-padded to 8 + N ≡ 0 (mod 8).
-static void test_safetensors_writer_bytes(void) {
+TEST(safetensors_writer_bytes) {
     char path[256], err[SN_ERR_MAX] = "";
     st_test_path(path, sizeof path, "writer_bytes");
     float a[2] = {1.0f, -2.0f};
@@ -1614,7 +1634,7 @@ static void test_safetensors_writer_bytes(void) {
     unlink(path);
 }
 
-static void test_safetensors_malformed(void) {
+TEST(safetensors_malformed) {
     char path[256], err[SN_ERR_MAX];
     st_test_path(path, sizeof path, "malformed");
     static char long_name[256], deep[20100], deep_top[10100];
@@ -1725,7 +1745,7 @@ static void test_safetensors_malformed(void) {
 
 static int file_exists(const char *path) { struct stat sb; return stat(path, &sb) == 0; }
 
-static void test_safetensors_write_atomic(void) {
+TEST(safetensors_write_atomic) {
     char path[256], tmp[300], err[SN_ERR_MAX] = "";
     st_test_path(path, sizeof path, "atomic");
     snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
@@ -1810,7 +1830,7 @@ static int build_model(Graph *g, const char *name, int classes, int h, int w, Pa
 
 // Counts from torchvision 0.14 (efficientnet_v2_s/m/l, 1000 classes): all
 // parameters, parameters without the classifier, BN running-statistics values.
-static void test_effv2_param_counts(void) {
+TEST(effv2_param_counts) {
     struct { const char *name; size_t all, features, bn; } want[] = {
         {"effv2-s", 21458488, 20177488, 153872},
         {"effv2-m", 54139356, 52858356, 292032},
@@ -1877,7 +1897,7 @@ static void check_name_fixture(const char *model, const char *source, NameMap ma
 }
 
 // torchvision's state_dict names (ref/torchvision_names.py) are segnet's own
-static void test_effv2_names_match_torchvision(void) {
+TEST(effv2_names_match_torchvision) {
     const char *models[3] = {"effv2-s", "effv2-m", "effv2-l"};
     for (int m = 0; m < 3; m++) check_name_fixture(models[m], "torchvision", same_name);
 }
@@ -1886,7 +1906,7 @@ static void test_effv2_names_match_torchvision(void) {
 // 4·ch BN parameters; level i has W·2^i channels; the 1×1 head has W·K + K.
 static size_t double_conv_params(size_t cin, size_t ch) { return 9 * cin * ch + 9 * ch * ch + 4 * ch; }
 
-static void test_unet_params(void) {
+TEST(unet_params) {
     Graph g;
     build_model(&g, "unet", 4, 64, 96, PAD_SAME);
     size_t W = 32, want = double_conv_params(3, W);
@@ -1911,7 +1931,7 @@ static void test_unet_params(void) {
     graph_free(&g);
 }
 
-static void test_model_refusals(void) {
+TEST(model_refusals) {
     Graph g; graph_init(&g);
     ModelCfg c = model_cfg_default();
     c.model = "unet-effv2-s"; c.height = 300; c.width = 500;
@@ -1937,7 +1957,7 @@ static void test_model_refusals(void) {
 // round-off, not truncation), 64×64 × 4 images so that the /32 batch norms
 // see 16 values, and a gradient floor of 1% of the largest gradient: a BN
 // shift followed by conv → BN has an exact gradient of 0.
-static void test_effv2_tiny_grad(void) {
+TEST(effv2_tiny_grad) {
     const char *models[2] = {"effv2-t", "unet-effv2-t"};
     for (int m = 0; m < 2; m++) {
         Graph g;
@@ -1984,7 +2004,7 @@ static int tiny_net(Graph *g, Net *net, int classes, uint64_t seed) {
     return y;
 }
 
-static void test_weights_round_trip(void) {
+TEST(weights_round_trip) {
     Graph g1, g2; Net a, b; char err[SN_ERR_MAX], path[128];
     snprintf(path, sizeof path, "/tmp/segnet_test_%ld_w.safetensors", (long)getpid());
     tiny_net(&g1, &a, 3, 1);
@@ -2013,7 +2033,7 @@ static void test_weights_round_trip(void) {
     unlink(path);
 }
 
-static void test_weights_refused(void) {
+TEST(weights_refused) {
     Graph g1, g2; Net a, b; char err[SN_ERR_MAX], path[128], path2[128];
     snprintf(path, sizeof path, "/tmp/segnet_test_%ld_w1.safetensors", (long)getpid());
     snprintf(path2, sizeof path2, "/tmp/segnet_test_%ld_w2.safetensors", (long)getpid());
@@ -2072,7 +2092,7 @@ static void test_weights_refused(void) {
 // rules the encoder loads, the decoder and head keep their initial values,
 // the classifier's head is ignored, and the report line says so; the same
 // file in timm's names reports timm; evaluation (no rules) refuses the file.
-static void test_weights_unet_encoder_from_classifier(void) {
+TEST(weights_unet_encoder_from_classifier) {
     Graph gc, gu; Net cls, unet; char err[SN_ERR_MAX], report[SN_ERR_MAX], path[128], path2[128], init[SN_ERR_MAX];
     snprintf(path, sizeof path, "/tmp/segnet_test_%ld_cls.safetensors", (long)getpid());
     snprintf(path2, sizeof path2, "/tmp/segnet_test_%ld_cls_timm.safetensors", (long)getpid());
@@ -2138,7 +2158,7 @@ static void test_weights_unet_encoder_from_classifier(void) {
 // names mean symmetric, timm's (tf_efficientnetv2) TF-SAME, a "padding"
 // metadata entry (segnet's checkpoints) says it outright; an explicit
 // --padding stands and is reported as against the weights.
-static void test_weights_padding_follows(void) {
+TEST(weights_padding_follows) {
     Graph g; Net net; char err[SN_ERR_MAX], note[SN_ERR_MAX], p_tv[128], p_timm[128], p_meta[128];
     snprintf(p_tv, sizeof p_tv, "/tmp/segnet_test_%ld_pad_tv.safetensors", (long)getpid());
     snprintf(p_timm, sizeof p_timm, "/tmp/segnet_test_%ld_pad_timm.safetensors", (long)getpid());
@@ -2188,7 +2208,7 @@ static void test_weights_padding_follows(void) {
 
 // timm's names (ref/timm_names.py, from timm's tf_efficientnetv2_s/m/l) are
 // the aliases segnet accepts, and a file in timm's names loads like torchvision's
-static void test_effv2_timm_names(void) {
+TEST(effv2_timm_names) {
     const char *models[3] = {"effv2-s", "effv2-m", "effv2-l"};
     for (int m = 0; m < 3; m++) check_name_fixture(models[m], "timm", effnet_timm_name);
     // a tiny model's weights renamed to timm's names load as they are
@@ -2335,7 +2355,7 @@ static void parity_case(const char *fixture, PadMode pad) {
     net_free(&net); graph_free(&g); st_free(&f);
 }
 
-static void test_parity_torch_effv2_tiny(void) {
+TEST(parity_torch_effv2_tiny) {
     parity_case("data/ref/effv2-t.symmetric.safetensors", PAD_SYMMETRIC);
     parity_case("data/ref/effv2-t.same.safetensors", PAD_SAME);
 }
@@ -2397,7 +2417,7 @@ static void live_parity(const char *model, int classes, int batch, int h, int w,
     net_free(&net); graph_free(&g);
 }
 
-static void test_parity_live_effv2(void) {
+TEST(parity_live_effv2) {
     live_parity("effv2-s", 7, 2, 64, 64, PAD_SYMMETRIC, 0, 1);
     live_parity("effv2-s", 7, 2, 64, 64, PAD_SAME, 0, 1);
     // at 64×64 the /32 batch norms of effv2-l see 8 values each and fp32 is
@@ -2408,7 +2428,7 @@ static void test_parity_live_effv2(void) {
     live_parity("effv2-l", 7, 2, 128, 128, PAD_SAME, 0, 1);
 }
 
-static void test_parity_live_unet(void) {
+TEST(parity_live_unet) {
     // With ReLU, the gradients of an fp32 network are ill-conditioned at the
     // kink: a pre-activation within the forward's rounding (~1e-5) of 0 takes
     // one side in PyTorch and maybe the other here, and one such flip moves the
@@ -2447,7 +2467,7 @@ static void write_png(const char *dir, const char *name, int h, int w, Rng *r) {
     free(px);
 }
 
-static void test_predict_classifier(void) {
+TEST(predict_classifier) {
     char dir[256], wpath[300], out1[300], out2[300], csv[300], err[SN_ERR_MAX];
     snprintf(dir, sizeof dir, "/tmp/segnet_test_%ld_predict", (long)getpid());
     mkdir(dir, 0755);
@@ -2518,7 +2538,7 @@ static void test_predict_classifier(void) {
     CHECK(system(cmd) == 0, "cleanup");
 }
 
-static void test_predict_bad_input(void) {
+TEST(predict_bad_input) {
     char dir[256], wpath[300], out[300], csv[300], err[SN_ERR_MAX];
     snprintf(dir, sizeof dir, "/tmp/segnet_test_%ld_predict_bad", (long)getpid());
     mkdir(dir, 0755);
@@ -2574,7 +2594,7 @@ static void test_predict_bad_input(void) {
 // training semantics: metrics, losses, Adam, clipping, schedules, initialisation
 
 // IoU and accuracy against a direct count over pixels, and one value by hand
-static void test_metrics_by_hand(void) {
+TEST(metrics_by_hand) {
     enum { K = 4, M = 12 };
     const float w[K] = {0, 1, 1, 1};  // class 0: not annotated
     //                    true:  0  0  1  1  1  2  2  2  3  3  1  2
@@ -2624,7 +2644,7 @@ static void test_metrics_by_hand(void) {
 }
 
 // the weighted-mean loss and Keras' pixel mean, by hand from the logits
-static void test_weighted_loss_by_hand(void) {
+TEST(weighted_loss_by_hand) {
     const float z[9] = {2.0f, 0.5f, -1.0f,   0.1f, 0.2f, 0.3f,   -2.0f, 1.0f, 4.0f};
     const int32_t y[3] = {0, 1, 2};
     const float w[3] = {0.5f, 2.0f, 0.0f};
@@ -2642,7 +2662,7 @@ static void test_weighted_loss_by_hand(void) {
 }
 
 // pixels of weight-0 classes change neither the loss, nor the gradient, nor the metrics
-static void test_weight0_pixels_ignored(void) {
+TEST(weight0_pixels_ignored) {
     enum { K = 4 };
     const Shape s = shape4(2, 4, 4, K);
     const size_t M = shape_numel(s) / K;
@@ -2701,7 +2721,7 @@ static void keras_adam_reference(double *p, double *m, double *v, const float *g
     }
 }
 
-static void test_adam_keras_formula(void) {
+TEST(adam_keras_formula) {
     enum { N = 64, STEPS = 6 };
     const struct { float lr, eps, wd, scale; } cases[3] = {{1e-3f, 1e-7f, 0, 1}, {0.05f, 1e-3f, 0.01f, 1}, {1e-2f, 1e-7f, 0.1f, 0.25f}};
     for (int c = 0; c < 3; c++) {
@@ -2733,7 +2753,7 @@ static void test_adam_keras_formula(void) {
     CHECK_NEAR(p, 1.0 - 0.1 * 0.5 / (0.5 + 1e-7 / sqrt(0.001)), 1e-7, "first step by hand");
 }
 
-static void test_clip_global_norm(void) {
+TEST(clip_global_norm) {
     CHECK_NEAR(clip_factor(5.0, 1.0f), 0.2, 1e-7, "norm 5 clipped to 1");
     CHECK(clip_factor(0.5, 1.0f) == 1.0f, "a norm below the limit is untouched");
     CHECK(clip_factor(1e9, 0.0f) == 1.0f, "clipnorm 0 is off");
@@ -2760,7 +2780,7 @@ static void test_clip_global_norm(void) {
     free(g);
 }
 
-static void test_lr_schedule(void) {
+TEST(lr_schedule) {
     const double lr = 0.1;
     CHECK_NEAR(lr_at_step(lr, SCHEDULE_CONSTANT, 0, 100, 0), lr, 1e-15, "constant");
     CHECK_NEAR(lr_at_step(lr, SCHEDULE_CONSTANT, 4, 100, 0), lr / 4, 1e-15, "warm-up step 0");
@@ -2772,7 +2792,7 @@ static void test_lr_schedule(void) {
     CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 0, 100, 150), 0.0, 1e-15, "past the end");
 }
 
-static void test_init_params(void) {
+TEST(init_params) {
     Graph g;
     graph_init(&g);
     int x = graph_input(&g, shape4(1, 4, 4, 64));
@@ -2823,7 +2843,7 @@ static void test_init_params(void) {
 }
 
 // Adam against PyTorch's (AdamW with weight decay), ε converted per step
-static void test_parity_live_adam(void) {
+TEST(parity_live_adam) {
     enum { N = 200, STEPS = 8 };
     const struct { double lr, eps, wd; } cases[2] = {{1e-3, 1e-7, 0.0}, {3e-2, 1e-4, 0.05}};
     for (int c = 0; c < 2; c++) {
@@ -2994,7 +3014,7 @@ static void check_seg_outputs(Net *net, int out, const char *in, const char *out
 }
 
 // predict with the hand-made U-Net into a new folder, then again into it
-static void test_predict_segmentation(void) {
+TEST(predict_segmentation) {
     char dir[256], in[300], outdir[300], wpath[300], path[400], err[SN_ERR_MAX];
     snprintf(dir, sizeof dir, "/tmp/segnet_test_%ld_predict_seg", (long)getpid());
     snprintf(in, sizeof in, "%s/images", dir);
@@ -3021,7 +3041,7 @@ static void test_predict_segmentation(void) {
 
 // Refused before anything is written: --out an existing file, an image that
 // does not decode, two images with the same stem; and a folder that cannot be created.
-static void test_predict_segmentation_refused(void) {
+TEST(predict_segmentation_refused) {
     char dir[256], in[300], file[300], outdir[300], wpath[300], path[400], err[SN_ERR_MAX];
     snprintf(dir, sizeof dir, "/tmp/segnet_test_%ld_predict_seg_bad", (long)getpid());
     snprintf(in, sizeof in, "%s/images", dir);
@@ -3109,7 +3129,7 @@ static void set_diagnostics(EpochRecord *r, double mean, double max, double clip
 
 // Series counted by hand: loss and metric (train, val), the gradient norm (mean,
 // max, the loss scale when it is not 1), the learning rate and the update ratio.
-static void test_curves_svg(void) {
+TEST(curves_svg) {
     char path[256], err[SN_ERR_MAX];
     snprintf(path, sizeof path, "/tmp/segnet_test_%ld_curves.svg", (long)getpid());
     EpochRecord rows[3] = {EPOCH(1, 1e-3, 1.25, 1.5, 0.3, 0.25), EPOCH(2, 1e-3, 0.75, NAN, 0.5, NAN),
@@ -3190,7 +3210,7 @@ static uint8_t *ds_random(Rng *r, size_t n, int below) {
 }
 static const char *const SEG_SUBS[] = {"images", "masks"};
 
-static void test_dataset_seg_round_trip(void) {
+TEST(dataset_seg_round_trip) {
     char dir[300], err[SN_ERR_MAX] = "";
     ds_fixture(dir, sizeof dir, "ds_seg", SEG_SUBS, 2);
     const int W = 5, H = 4, K = 4, P = W * H;
@@ -3229,7 +3249,7 @@ static void test_dataset_seg_round_trip(void) {
     ds_remove(dir);
 }
 
-static void test_dataset_resize(void) {
+TEST(dataset_resize) {
     char dir[300], err[SN_ERR_MAX] = "";
     ds_fixture(dir, sizeof dir, "ds_resize", SEG_SUBS, 2);
     uint8_t big[4 * 4 * 3], big_mask[16], small[2 * 2 * 3], small_mask[4] = {0, 1, 2, 3};
@@ -3302,7 +3322,7 @@ static int ds_one_sample(Dataset *d, char *dir, size_t cap, const char *tag) {
     return rc;
 }
 
-static void test_dataset_augment_flip(void) {
+TEST(dataset_augment_flip) {
     char dir[300], err[SN_ERR_MAX] = "";
     Dataset d;
     if (ds_one_sample(&d, dir, sizeof dir, "ds_flip")) { ds_remove(dir); return; }
@@ -3347,7 +3367,7 @@ static void channel_means(const float *x, int P, double m[3]) {
     }
 }
 
-static void test_dataset_augment_brightness_contrast(void) {
+TEST(dataset_augment_brightness_contrast) {
     char dir[300], err[SN_ERR_MAX] = "";
     Dataset d;
     if (ds_one_sample(&d, dir, sizeof dir, "ds_color")) { ds_remove(dir); return; }
@@ -3404,7 +3424,7 @@ static int ds_five(Dataset *d, char *dir, size_t cap, const char *tag, size_t ca
     return rc;
 }
 
-static void test_loader_determinism(void) {
+TEST(loader_determinism) {
     char dir[300], err[SN_ERR_MAX] = "";
     Dataset d;
     if (ds_five(&d, dir, sizeof dir, "ds_loader", 1 << 20)) { ds_remove(dir); return; }
@@ -3437,7 +3457,7 @@ static void test_loader_determinism(void) {
     ds_remove(dir);
 }
 
-static void test_loader_file_changed(void) {
+TEST(loader_file_changed) {
     char dir[300], err[SN_ERR_MAX] = "", path[400];
     Dataset d;
     if (ds_five(&d, dir, sizeof dir, "ds_changed", 0)) { ds_remove(dir); return; }  // not cached: batches decode again
@@ -3460,7 +3480,7 @@ static void test_loader_file_changed(void) {
     ds_remove(dir);
 }
 
-static void test_dataset_classification(void) {
+TEST(dataset_classification) {
     char dir[300], path[400], err[SN_ERR_MAX] = "";
     const char *const subs[] = {"imgs", "cls", "cls/dog", "cls/cat", "cls/emu", "cls/.hidden"};
     ds_fixture(dir, sizeof dir, "ds_cls", subs, 6);
@@ -3500,7 +3520,7 @@ static void test_dataset_classification(void) {
     ds_remove(dir);
 }
 
-static void test_dataset_bad_input(void) {
+TEST(dataset_bad_input) {
     char dir[300], path[400], err[SN_ERR_MAX];
     const char *const subs[] = {"seg", "seg/images", "seg/masks", "empty", "empty/images", "empty/masks", "nomasks",
                                 "nomasks/images", "noimages", "noimages/masks", "cls", "cls/a"};
@@ -3640,7 +3660,7 @@ static void png_by_hand(const char *path, int w, int h, int depth, const uint16_
     free(raw);
 }
 
-static void test_dataset_mask_formats(void) {
+TEST(dataset_mask_formats) {
     char dir[300], path[400], err[SN_ERR_MAX] = "";
     ds_fixture(dir, sizeof dir, "ds_masks", SEG_SUBS, 2);
     uint8_t px[4 * 3 * 3] = {0};
@@ -3672,7 +3692,7 @@ static void test_dataset_mask_formats(void) {
     ds_remove(dir);
 }
 
-static void test_png_write_atomic(void) {
+TEST(png_write_atomic) {
     char dir[300], path[400], err[SN_ERR_MAX] = "";
     ds_fixture(dir, sizeof dir, "png", NULL, 0);
     Rng r; rng_seed(&r, 6);
@@ -3805,7 +3825,7 @@ static TrainCfg tiny_seg_cfg(const char *data, const char *val) {
 
 // The epoch's loss and mIoU from the trainer equal Σ w·nll / Σ w (or / pixels)
 // and the IoU computed here from the logits of the same forward pass.
-static void test_train_loss_by_hand(void) {
+TEST(train_loss_by_hand) {
     const char *dir = "/tmp/segnet_test_lossdata";
     rm_rf(dir);
     write_seg_set(dir, 4, 8, 8, 1);
@@ -3856,7 +3876,7 @@ static void test_train_loss_by_hand(void) {
 
 // A run stopped after epoch 1 and resumed ends bit for bit where an
 // uninterrupted run ends (weights, BN statistics, Adam moments, metrics.csv).
-static void test_resume_bitwise(void) {
+TEST(resume_bitwise) {
     const char *data = "/tmp/segnet_test_resume_data", *a = "/tmp/segnet_test_resume_a", *b = "/tmp/segnet_test_resume_b";
     rm_rf(data); rm_rf(a); rm_rf(b);
     write_seg_set(data, 6, 8, 8, 2);
@@ -3906,7 +3926,7 @@ static void test_resume_bitwise(void) {
 // mid-epoch 2, with --accum 2, with 2 replicas, and after the last step of an
 // epoch (its validation runs again on resume). Resumed with another replica
 // count it ends with the same totals up to their rounding.
-static void test_interrupt_resume_bitwise(void) {
+TEST(interrupt_resume_bitwise) {
     const char *data = "/tmp/segnet_test_intr_data", *a = "/tmp/segnet_test_intr_a", *b = "/tmp/segnet_test_intr_b";
     rm_rf(data);
     write_seg_set(data, 10, 8, 8, 21);
@@ -3979,7 +3999,7 @@ static void test_interrupt_resume_bitwise(void) {
 
 // patience 1: training stops at the first epoch whose val_loss is not below
 // every earlier one, and best.safetensors holds the best epoch's weights
-static void test_early_stopping(void) {
+TEST(early_stopping) {
     const char *data = "/tmp/segnet_test_es_data", *a = "/tmp/segnet_test_es_a", *b = "/tmp/segnet_test_es_b";
     rm_rf(data); rm_rf(a); rm_rf(b);
     write_seg_set(data, 8, 8, 8, 4);
@@ -4037,7 +4057,7 @@ static int run_segnet(const char *args, char *msg, size_t size) {
 
 // --dropout sets both dropouts of the classifier head (the seed's head: --head-hidden
 // 128 --dropout 0.2); without it the model's own rate (effv2-l: torchvision's 0.4)
-static void test_head_dropout(void) {
+TEST(head_dropout) {
     for (int given = 0; given < 2; given++) {
         ModelCfg c = model_cfg_default();
         c.model = "effv2-l"; c.classes = 6; c.height = 64; c.width = 64; c.head_hidden = 128;
@@ -4062,7 +4082,7 @@ static void test_head_dropout(void) {
 // fall); --monitor val_mIoU with min_delta 1 (more than mIoU can rise) stops
 // there too. The monitor is in config.txt; a metric the model does not
 // report is refused.
-static void test_monitor_min_delta(void) {
+TEST(monitor_min_delta) {
     const char *data = "/tmp/segnet_test_monitor_data", *run = "/tmp/segnet_test_monitor_run";
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 4, 8, 8, 11);
@@ -4099,7 +4119,7 @@ static void test_monitor_min_delta(void) {
 // optimiser starts afresh; the checkpoint's Adam moments are not weights and
 // are skipped). Phase 2 loads every tensor (the report says so; with lr 0
 // its weights stay phase 1's exactly) and trains the formerly frozen encoder.
-static void test_two_phase_finetune(void) {
+TEST(two_phase_finetune) {
     const char *data = "/tmp/segnet_test_phases_data", *r1 = "/tmp/segnet_test_phase1", *r2 = "/tmp/segnet_test_phase2";
     rm_rf(data); rm_rf(r1); rm_rf(r2);
     write_seg_set(data, 4, 8, 8, 13);
@@ -4143,7 +4163,7 @@ static void test_two_phase_finetune(void) {
 // sorted; a validation set takes the training set's numbering by name (a class
 // it lacks shifts nothing, one the training set lacks is refused); a run keeps
 // them in classes.txt and predict --run writes each image's class name.
-static void test_class_names(void) {
+TEST(class_names) {
     const char *dir = "/tmp/segnet_test_class_names", *run = "/tmp/segnet_test_class_names_run";
     char cmd[1400], err[SN_ERR_MAX], path[700], msg[4096];
     rm_rf(dir); rm_rf(run);
@@ -4210,7 +4230,7 @@ static void test_class_names(void) {
 // RUN/best.safetensors (--last: last.safetensors): the same masks as predict
 // given every option and the weights by hand; a folder that is not a run is
 // refused naming its config.txt.
-static void test_predict_from_run(void) {
+TEST(predict_from_run) {
     const char *data = "/tmp/segnet_test_predict_run_data", *run = "/tmp/segnet_test_predict_run";
     const char *o1 = "/tmp/segnet_test_predict_run_o1", *o2 = "/tmp/segnet_test_predict_run_o2";
     rm_rf(data); rm_rf(run); rm_rf(o1); rm_rf(o2);
@@ -4240,7 +4260,7 @@ static void test_predict_from_run(void) {
 
 // Bad arguments and bad run folders: one clear line, non-zero exit, and every
 // file of an existing run folder unchanged.
-static void test_train_bad_input(void) {
+TEST(train_bad_input) {
     const char *data = "/tmp/segnet_test_bad_data", *run = "/tmp/segnet_test_bad_run";
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 2, 8, 8, 6);
@@ -4326,7 +4346,7 @@ static char *with_stderr_captured(int (*run)(void *), void *arg, int *rc) {
 // legend is refused before anything is written.
 typedef struct { PredictCfg *pc; char err[SN_ERR_MAX]; } PredictJob;
 static int predict_job(void *arg) { PredictJob *j = arg; return predict_run(j->pc, j->err); }
-static void test_predict_legend_progress(void) {
+TEST(predict_legend_progress) {
     char dir[256], in[300], outdir[300], wpath[300], path[400], err[SN_ERR_MAX];
     snprintf(dir, sizeof dir, "/tmp/segnet_test_%ld_predict_legend", (long)getpid());
     snprintf(in, sizeof in, "%s/images", dir);
@@ -4418,7 +4438,7 @@ static char *csv_field_text(const char *path, const char *name, int row) {
 // - fp16 with the first step's gradients overflowing: that epoch skips 1 of 1
 //   steps (no update: ratio 0, no norm), the loss scale is halved, the next
 //   epoch applies its step; the overflow warning fires.
-static void test_train_diagnostics(void) {
+TEST(train_diagnostics) {
     const char *data = "/tmp/segnet_test_diag_data", *run = "/tmp/segnet_test_diag_run";
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 4, 8, 8, 41);
@@ -4526,7 +4546,7 @@ static int warn_call(void *arg) {
 // The warnings on constructed epochs: each fires at the first epoch where it
 // holds, once, with its figures; figures that do not call for one print
 // nothing (the quickstart's epochs 2 and 7: train just below val, then above).
-static void test_training_warnings(void) {
+TEST(training_warnings) {
     TrainCfg c;
     train_cfg_default(&c);
     c.clipnorm = 1.0f;
@@ -4575,7 +4595,7 @@ static void test_training_warnings(void) {
 
 // --train-eval with the training set as the validation set: the train columns
 // are then the validation ones, to the bit (the same images, mode and weights)
-static void test_train_eval(void) {
+TEST(train_eval) {
     const char *data = "/tmp/segnet_test_teval_data", *run = "/tmp/segnet_test_teval_run";
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 6, 8, 8, 43);
@@ -4619,7 +4639,7 @@ static void test_train_eval(void) {
 
 // effv2 tiny with the hidden head on a CSV data set: trains, reports accuracy,
 // and learns an easy rule (dark vs bright images)
-static void test_classifier_csv_trains(void) {
+TEST(classifier_csv_trains) {
     const char *dir = "/tmp/segnet_test_cls", *run = "/tmp/segnet_test_cls_run";
     rm_rf(dir); rm_rf(run);
     char path[512];
@@ -4671,7 +4691,7 @@ static void test_classifier_csv_trains(void) {
 }
 
 // segnet eval --run: the loss and mIoU of best.safetensors, as metrics.csv recorded them
-static void test_eval_matches_run(void) {
+TEST(eval_matches_run) {
     const char *data = "/tmp/segnet_test_eval_data", *run = "/tmp/segnet_test_eval_run";
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 4, 8, 8, 7);
@@ -4711,7 +4731,7 @@ static void random_batch(Rng *r, int n, int hw, int K, float *images, int32_t *l
 
 // fp16: a step with inf/NaN gradients is skipped and halves the scale; after
 // `interval` finite steps the scale doubles; the scale survives a checkpoint
-static void test_fp16_loss_scaling(void) {
+TEST(fp16_loss_scaling) {
     TrainCfg c = tiny_seg_cfg(NULL, NULL);
     c.precision = DT_F16;
     c.loss_scale_interval = 3;
@@ -4755,7 +4775,7 @@ static void test_fp16_loss_scaling(void) {
 
 // --accum K with batch B is one step over K·B images: the same loss and, BN
 // frozen (batch statistics are per micro-batch), the same weights
-static void test_accum_equals_big_batch(void) {
+TEST(accum_equals_big_batch) {
     enum { B = 2, K = 3, STEPS = 2 };
     TrainCfg big = tiny_seg_cfg(NULL, NULL), small = big;
     big.model.batch = B * K;
@@ -4795,7 +4815,7 @@ static void test_accum_equals_big_batch(void) {
 // frozen): micro-batch k's images are images k·B.. of the step, and their
 // masks are the ones those images get in the one big batch (first_sample). With
 // masks drawn per micro-batch instead, the weights differ by ~lr after a step.
-static void test_accum_dropout_equals_big_batch(void) {
+TEST(accum_dropout_equals_big_batch) {
     enum { B = 2, K = 2, STEPS = 2, HW = 32 };
     TrainCfg big;
     train_cfg_default(&big);
@@ -4840,7 +4860,7 @@ static void test_accum_dropout_equals_big_batch(void) {
 // --freeze base --unfreeze-last 1 on a U-Net: enc0 frozen (weights, BN
 // statistics, no gradients stored below it), enc1, decoder and head trained,
 // Adam state only for those
-static void test_freeze_base(void) {
+TEST(freeze_base) {
     TrainCfg c = tiny_seg_cfg(NULL, NULL);
     c.freeze_base = 1;
     c.unfreeze_last = 1;
@@ -4895,7 +4915,7 @@ static void test_freeze_base(void) {
 // per-tensor net, and with the planned arena whose dead buffers are poisoned
 // (NaN): bit for bit the same, with and without checkpointing; the arena's
 // measured high-water mark is the planned peak.
-static void test_plan_matches_per_tensor(void) {
+TEST(plan_matches_per_tensor) {
     struct { const char *model; int size, freeze; } cases[] = {
         {"unet", 16, 0}, {"effv2-t", 32, 0}, {"unet-effv2-t", 32, 0}, {"unet", 16, 1}, {"effv2-t", 32, 1}};
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
@@ -4959,7 +4979,7 @@ static void test_plan_matches_per_tensor(void) {
 // Training with --checkpoint blocks ends bit for bit where training with
 // stored activations ends: weights, BN statistics (updated once per step),
 // dropout and drop-path active (effv2-t has both)
-static void test_checkpoint_training_bitwise(void) {
+TEST(checkpoint_training_bitwise) {
     TrainCfg c;
     train_cfg_default(&c);
     c.model.model = "effv2-t"; c.model.classes = 3; c.model.height = c.model.width = 32; c.model.batch = 4;
@@ -5048,7 +5068,7 @@ static void fused_layers_case(Device device, DType dt, int freeze) {
     graph_free(&g);
     free(p[0]); free(p[1]);
 }
-static void test_fused_layers_bitwise(void) {
+TEST(fused_layers_bitwise) {
     fused_layers_case(DEVICE_CPU, DT_F32, 0);
     fused_layers_case(DEVICE_CPU, DT_F16, 1);
 }
@@ -5174,11 +5194,11 @@ static void bn_fused_cases(Ops *o, uint64_t rng_seed_value) {
             for (int a = 0; a < 2; a++)
                 for (int k = 0; k < 2; k++) bn_fused_case(o, shapes[si], (DType)dt, a ? ACT_SILU : ACT_NONE, k ? 0.4f : 0.0f, &r);
 }
-static void test_bn_fused_next(void) { bn_fused_cases(&ops_cpu, 91); }
+TEST(bn_fused_next) { bn_fused_cases(&ops_cpu, 91); }
 // The plan's total is exactly what the trainer allocates on the CPU backend,
 // a step allocates nothing more, and the arena's measured high-water mark is
 // the planned peak; --memory picks the first setting that fits
-static void test_plan_equals_allocation(void) {
+TEST(plan_equals_allocation) {
     struct { const char *model; int size, batch; DType dt; int ckpt, freeze, accum; } cases[] = {
         {"unet", 16, 4, DT_F32, 0, 0, 1}, {"unet", 16, 2, DT_F16, 1, 0, 2}, {"effv2-t", 32, 4, DT_BF16, 1, 1, 1},
         {"effv2-t", 32, 3, DT_F32, 0, 0, 1}, {"unet-effv2-t", 32, 2, DT_F32, 1, 0, 1}};
@@ -5279,7 +5299,7 @@ static void write_id_set(const char *dir, int n, int h, int w) {
 // the gradient scaled to the clipnorm when its global norm is larger, the
 // decoupled weight decay, and the bias correction of step t = step + 1. A
 // large ε makes the update depend on the gradient's scale (clipping shows).
-static void test_train_steps_by_hand(void) {
+TEST(train_steps_by_hand) {
     const char *dir = "/tmp/segnet_test_steps";
     rm_rf(dir);
     write_seg_set(dir, 4, 8, 8, 11);
@@ -5358,7 +5378,7 @@ static void use_per_tensor_net(Trainer *t) {
     t->net.seed = t->c->seed;
 }
 
-static void test_train_epochs_reshuffle(void) {
+TEST(train_epochs_reshuffle) {
     const char *dir = "/tmp/segnet_test_reshuffle", *one = "/tmp/segnet_test_reshuffle_one";
     rm_rf(dir); rm_rf(one);
     write_id_set(dir, 8, 8, 8);
@@ -5427,7 +5447,7 @@ static void test_train_epochs_reshuffle(void) {
 // normaliser is Σ w[y] over all 6 masks and its confusion matrix counts all
 // 6·64 pixels; the validation pass's loss is Σ w·nll / Σ w over both batches
 // (not a mean of batch means) and its IoUs those of the logits computed here.
-static void test_train_epoch_totals(void) {
+TEST(train_epoch_totals) {
     const char *dir = "/tmp/segnet_test_totals";
     rm_rf(dir);
     write_seg_set(dir, 6, 8, 8, 12);
@@ -5497,7 +5517,7 @@ static const char *meta_of(const StFile *f, const char *key) {
 // bias) is not an improvement (Keras: strictly lower, min_delta 0): with
 // patience 2, epoch 1 is the best and training stops after epoch 3, also when
 // the run is interrupted after epoch 2 and resumed.
-static void test_early_stopping_ties(void) {
+TEST(early_stopping_ties) {
     const char *data = "/tmp/segnet_test_ties_data", *run = "/tmp/segnet_test_ties_run", *run2 = "/tmp/segnet_test_ties_run2",
                *w = "/tmp/segnet_test_ties.safetensors";
     rm_rf(data); rm_rf(run); rm_rf(run2); unlink(w);
@@ -5549,7 +5569,7 @@ static void test_early_stopping_ties(void) {
 // save_checkpoint then load_checkpoint into a fresh trainer gives back exactly
 // what was set: the counters, a best loss with no short decimal form (1/3), the
 // Adam moments, the weights and the BN statistics.
-static void test_checkpoint_round_trip(void) {
+TEST(checkpoint_round_trip) {
     const char *dir = "/tmp/segnet_test_ckpt", *path = "/tmp/segnet_test_ckpt/c.safetensors";
     rm_rf(dir);
     write_seg_set(dir, 2, 8, 8, 16);
@@ -5591,7 +5611,7 @@ static int copy_file(const char *from, const char *to) {
 // continues from last.safetensors even when metrics.csv already holds a row
 // past it (a crash between the two writes): the result equals, byte for byte,
 // an uninterrupted run with those settings (every one off its default).
-static void test_resume_cli_after_crash(void) {
+TEST(resume_cli_after_crash) {
     const char *data = "/tmp/segnet_test_rcli_data", *a = "/tmp/segnet_test_rcli_a", *b = "/tmp/segnet_test_rcli_b";
     rm_rf(data); rm_rf(a); rm_rf(b);
     write_seg_set(data, 6, 8, 8, 14);
@@ -5643,7 +5663,7 @@ static void test_resume_cli_after_crash(void) {
 // rounding to fp32); z is the reference's expression, exp_vec is within a
 // few ulp of expf, and dx adds sum_g/M and xhat·sum_gx/M as two terms with
 // pre-divided constants. A few fp32 ulp of the largest value: 2e-6.
-static void test_fast_bn_vs_ref(void) {
+TEST(fast_bn_vs_ref) {
     Rng r; rng_seed(&r, 81);
     const Shape shapes[3] = {shape4(2, 7, 5, 37), shape4(1, 9, 11, 16), shape4(3, 4, 6, 5)};
     for (int si = 0; si < 3; si++)
@@ -5693,7 +5713,7 @@ static void test_fast_bn_vs_ref(void) {
 // agree as in fp32 (2e-6); outputs are rounded once to the storage type, where
 // exp_vec's few-ulp fp32 difference can flip one rounding: one ulp of the
 // type at the largest value (bf16 2^-8, fp16 2^-11).
-static void test_fast_bn_16bit(void) {
+TEST(fast_bn_16bit) {
     Rng r; rng_seed(&r, 83);
     const Shape s = shape4(2, 5, 3, 21);  // one full channel block and a partial one
     const int C = s.c;
@@ -5739,7 +5759,7 @@ static void test_fast_bn_16bit(void) {
 // ld_run / st_run (vectorised conversions) against ld / st element by element:
 // every fp16 and bf16 value in, a sweep of fp32 bit patterns out (ties, subnormals,
 // overflow, NaN), with and without accumulation: the same bits.
-static void test_fp16_runs(void) {
+TEST(fp16_runs) {
     enum { N = 65536 };
     static uint16_t h[N], a[N], b[N];
     static float f1[N], f2[N];
@@ -5767,7 +5787,7 @@ static void test_fp16_runs(void) {
 }
 
 // exp_vec against libm over the range the activations use, and at the clamps
-static void test_exp_vec(void) {
+TEST(exp_vec) {
     double worst = 0.0;
     for (float x = -87.0f; x <= 88.0f; x += 0.013f) {
         double e = fabs((double)exp_vec(x) - exp((double)x)) / exp((double)x);
@@ -5782,7 +5802,7 @@ static void test_exp_vec(void) {
 // with the same products, so they differ at most by FMA contraction (1 ulp per
 // tap, 25 taps): 1e-6 of the largest value. The weight gradient sums the same
 // fp64 products in the same order: the same to fp32 rounding.
-static void test_fast_depthwise_vs_ref(void) {
+TEST(fast_depthwise_vs_ref) {
     Rng r; rng_seed(&r, 82);
     const int chans[3] = {37, 16, 5}, sizes[3][2] = {{9, 7}, {8, 8}, {5, 11}};
     for (int ci = 0; ci < 3; ci++)
@@ -5828,7 +5848,7 @@ static void test_fast_depthwise_vs_ref(void) {
 
 // Squeeze-excitation fp32 paths against the formulas in fp64 (per-image sums
 // in fp64 in both: equal to fp32 rounding; products x·s: 1 rounding).
-static void test_fast_se_vs_formula(void) {
+TEST(fast_se_vs_formula) {
     Rng r; rng_seed(&r, 83);
     Shape s = shape4(3, 5, 7, 37), p = shape4(3, 1, 1, 37);
     size_t n = shape_numel(s);
@@ -5902,7 +5922,7 @@ static void fast_paths_run(float *out, const float *x, const float *dy, Shape s,
                                    tensor_f32((float *)x, s), tensor_f32(out, sd), 0, 0);
 }
 
-static void test_fast_paths_deterministic(void) {
+TEST(fast_paths_deterministic) {
     Rng r; rng_seed(&r, 84);
     Shape s = shape4(3, 17, 19, 37), sd = shape4(3, 1, 1, 37);
     ConvCfg dw = {0};
@@ -5934,7 +5954,7 @@ static void test_fast_paths_deterministic(void) {
 
 // OPS_ENTRIES names every function entry of struct Ops (they follow `ctx`, all
 // function pointers), and the CPU table fills them all.
-static void test_ops_entries_listed(void) {
+TEST(ops_entries_listed) {
     size_t entries = (sizeof(Ops) - offsetof(Ops, alloc)) / sizeof(void (*)(void));
     CHECK(N_OPS_ENTRIES == entries, "OPS_ENTRIES lists %zu entries, struct Ops has %zu", (size_t)N_OPS_ENTRIES, entries);
     for (size_t i = 1; i < N_OPS_ENTRIES; i++)
@@ -5954,7 +5974,7 @@ static void test_ops_entries_listed(void) {
 // config.txt; cuda either runs (a GPU) or is one line naming --device cuda, exit
 // 1, no run folder; auto without a GPU is the CPU with one notice line; a bad
 // value is refused with exit 2.
-static void test_device_choice(void) {
+TEST(device_choice) {
     const char *data = "/tmp/segnet_test_device_data", *run = "/tmp/segnet_test_device_run";
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 2, 8, 8, 3);
@@ -5990,8 +6010,6 @@ static void test_device_choice(void) {
 
 // ----------------------------------------------------------------------------
 // the runner
-
-typedef struct { const char *name; void (*fn)(void); } Test;
 
 // ----------------------------------------------------------------------------
 // the CUDA backend (kernels.cu), run on the CPU by the emulator (cuda_emu.h),
@@ -6182,7 +6200,7 @@ static void model_sizes(const TrainCfg *c, size_t *P, size_t *NB) {
 
 // --sync-bn: N replicas train 3 steps (global batches of 6) like one replica:
 // the same weights, BN statistics and loss to fp32 summation order
-static void test_replicas_sync_bn(void) {
+TEST(replicas_sync_bn) {
     enum { B = 6, STEPS = 3, HW = 8 };
     float *images;
     int32_t *labels;
@@ -6225,7 +6243,7 @@ static void test_replicas_sync_bn(void) {
 // all-reduce, a few 2^-24 per element (measured 8e-8 overall, 3e-7 for the
 // worst tensor). An fp32 rounding of BN's sums per shard (1.4e-4 before) or
 // one fp32 GEMM over each shard's rows (8e-7) fails it or nearly.
-static void test_replicas_sync_bn_deep(void) {
+TEST(replicas_sync_bn_deep) {
     enum { B = 16, HW = 64 };
     float *images;
     int32_t *labels;
@@ -6281,7 +6299,7 @@ static void test_replicas_sync_bn_deep(void) {
 // sees the same weights: the confusion matrix (integer counts) is exactly the
 // single replica's. Then with BN per shard (not frozen): the replicas' running
 // statistics stay mirrored.
-static void test_replicas_global_denominator(void) {
+TEST(replicas_global_denominator) {
     enum { B = 4, STEPS = 3, HW = 8, R = 2 };
     float *images;
     int32_t *labels;
@@ -6323,7 +6341,7 @@ static void test_replicas_global_denominator(void) {
 // fp16: an inf in one replica's shard only: every replica skips the step and
 // halves its scale (the flag is all-reduced with the gradients), as one
 // replica with the same batch does; the weights stay mirrored
-static void test_replicas_fp16_skip(void) {
+TEST(replicas_fp16_skip) {
     enum { B = 4, STEPS = 4, HW = 8, R = 2 };
     float *images;
     int32_t *labels;
@@ -6371,7 +6389,7 @@ static int comm_probe(Comm *c, void *arg) {
     }
     return 0;
 }
-static void test_comm_local(void) {
+TEST(comm_local) {
     Comm comms[3];
     CommProbe p[3];
     void *args[3];
@@ -6438,7 +6456,7 @@ static void compare_runs(const char *a, const char *b, const char *what) {
 // bit for bit, with a last global batch of one image (one shard empty); a run
 // of --replicas 2 resumed under mpirun ends where the uninterrupted one does;
 // BN per shard (no --sync-bn) likewise.
-static void test_replicas_cli(void) {
+TEST(replicas_cli) {
     const char *data = "/tmp/segnet_test_rep_data", *a = "/tmp/segnet_test_rep_a", *b = "/tmp/segnet_test_rep_b";
     rm_rf(data); rm_rf(a); rm_rf(b);
     write_seg_set(data, 5, 8, 8, 21);
@@ -6485,7 +6503,7 @@ static float *run_adam_moment(const char *run, size_t *n) {
 // --sync-bn through the command line and under mpirun -np 2: the first step's
 // gradient (one step at --lr 0: Adam's first moment in the checkpoint) within
 // 1e-6 of one replica's, as test_replicas_sync_bn_deep checks in-process
-static void test_replicas_sync_bn_deep_cli(void) {
+TEST(replicas_sync_bn_deep_cli) {
     const char *data = "/tmp/segnet_test_syncdeep", *runs[3] = {"/tmp/segnet_test_syncdeep_1", "/tmp/segnet_test_syncdeep_2",
                                                                  "/tmp/segnet_test_syncdeep_m"};
     rm_rf(data);
@@ -6542,7 +6560,7 @@ static pid_t mpi_rank_pid(pid_t parent, int rank) {
 // (mpirun notices the death and ends the others, which never wait on it), and
 // the last checkpoint loads and resumes.
 #define REPLICA_STOP_BOUND_S 30.0
-static void test_replicas_mpi_faults(void) {
+TEST(replicas_mpi_faults) {
     if (!mpi_available()) { if (g_verbose) printf("    skipped: ./segnet without MPI, or no mpirun\n"); return; }
     const char *ok = "/tmp/segnet_test_fault_ok", *bad = "/tmp/segnet_test_fault_bad", *run = "/tmp/segnet_test_fault_run";
     rm_rf(ok); rm_rf(bad); rm_rf(run);
@@ -6644,12 +6662,12 @@ static void step_control_case(Ops *o, const char *who) {
     }
     o->free(o, a_dev); o->free(o, s_dev);
 }
-static void test_step_control(void) { step_control_case(&ops_cpu, "cpu"); }
+TEST(step_control) { step_control_case(&ops_cpu, "cpu"); }
 
 // --loss-norm keras is the seed's loss: Keras' categorical cross-entropy takes
 // the softmax, clips p[y] to [1e-7, 1 - 1e-7] and takes -log; a pixel whose
 // p[y] the clip moved has no gradient. Computed here from the probabilities.
-static void test_keras_clipped_xent(void) {
+TEST(keras_clipped_xent) {
     // pixels: confidently wrong (clipped low), confidently right (clipped high), ordinary, ordinary
     const float z[4 * 3] = {30.0f, 0.0f, 0.0f, 0.0f, 40.0f, 0.0f, 0.3f, -0.2f, 0.5f, 1.0f, 2.0f, -1.0f};
     const int32_t y[4] = {1, 1, 2, 0};
@@ -6741,7 +6759,7 @@ static double cu_pair_err(CuPair p) {
 }
 
 // fill, and copy with every cast and both modes: bit-identical to the CPU
-static void test_cuda_fill_copy(void) {
+TEST(cuda_fill_copy) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 71);
     const Shape shapes[2] = {shape4(2, 3, 5, 7), shape4(2, 3, 5, 16)};  // odd; whole 16-byte vectors
@@ -6786,7 +6804,7 @@ static cublasStatus_t cu_gemm_2x2x3(cublasHandle_t h, DType ab, DType ct, const 
     cu_pair_free(&A); cu_pair_free(&B); cu_pair_free(&C);
     return s;
 }
-static void test_cuda_gemm_ex_types(void) {
+TEST(cuda_gemm_ex_types) {
     cu_ops();
     cublasHandle_t h;
     CHECK(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS, "cublasCreate");
@@ -7018,7 +7036,7 @@ static void cuda_conv_cases(const CuConvCase *cases, size_t n, int chunked) {
     }
 }
 
-static void test_cuda_conv_pointwise(void) {
+TEST(cuda_conv_pointwise) {
     static const CuConvCase cases[] = {
         {"1x1 s1 (one GEMM)", {2, 7, 9, 5}, 13, 1, 1, 1, PAD_SAME},
         {"1x1 s1, 13 -> 3", {2, 5, 6, 13}, 3, 1, 1, 1, PAD_SYMMETRIC},
@@ -7028,7 +7046,7 @@ static void test_cuda_conv_pointwise(void) {
     };
     cuda_conv_cases(cases, sizeof cases / sizeof cases[0], 1);
 }
-static void test_cuda_conv_dense(void) {
+TEST(cuda_conv_dense) {
     static const CuConvCase cases[] = {
         {"3x3 s1 same", {2, 7, 9, 3}, 5, 3, 1, 1, PAD_SAME},
         {"3x3 s1 symmetric", {2, 5, 6, 5}, 3, 3, 1, 1, PAD_SYMMETRIC},
@@ -7043,7 +7061,7 @@ static void test_cuda_conv_dense(void) {
     };
     cuda_conv_cases(cases, sizeof cases / sizeof cases[0], 1);
 }
-static void test_cuda_conv_grouped(void) {
+TEST(cuda_conv_grouped) {
     static const CuConvCase cases[] = {
         {"3x3 groups 2, 6 -> 4", {2, 5, 6, 6}, 4, 3, 1, 2, PAD_SAME},
         {"3x3 s2 groups 3, symmetric", {2, 7, 5, 6}, 3, 3, 2, 3, PAD_SYMMETRIC},
@@ -7052,7 +7070,7 @@ static void test_cuda_conv_grouped(void) {
     };
     cuda_conv_cases(cases, sizeof cases / sizeof cases[0], 1);
 }
-static void test_cuda_conv_depthwise(void) {
+TEST(cuda_conv_depthwise) {
     static const CuConvCase cases[] = {
         {"depthwise 3x3 s1 same", {2, 7, 9, 13}, 13, 3, 1, 13, PAD_SAME},
         {"depthwise 3x3 s1 symmetric", {2, 5, 6, 5}, 5, 3, 1, 5, PAD_SYMMETRIC},
@@ -7108,7 +7126,7 @@ static int model_conv_cfgs(ConvCfg *out, int cap) {
 // accumulating, against the CPU op on the same rounded inputs with
 // cu_conv_compare's bound (fp32 sums of K + 1 terms, weights rounded once to
 // the storage type).
-static void test_cuda_conv_model_shapes(void) {
+TEST(cuda_conv_model_shapes) {
     ConvCfg cfgs[128];
     const int n = model_conv_cfgs(cfgs, 128);
     CHECK(n >= 40 && n < 128, "model_conv_cfgs found %d convs, expected the 62 of the models (at least 40)", n);
@@ -7201,7 +7219,7 @@ static int cu_floats_equal(const float *dev, const float *host, size_t n) {
 // scale: one product, rounded once: the same bits. axpby: gcc -march=native
 // fuses a·x + b into one FMA on the CPU, the emulator's g++ does not: one fp32
 // rounding apart (two when adding into y), so 2 ulp of the storage type.
-static void test_cuda_scale_axpby(void) {
+TEST(cuda_scale_axpby) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 72);
     Shape shapes[3] = {shape4(2, 3, 5, 7), shape4(1, 1, 1, 1031), shape4(2, 3, 5, 16)};  // odd sizes; several blocks; vectors
@@ -7232,7 +7250,7 @@ static void test_cuda_scale_axpby(void) {
 // fp32: equal up to that rounding (1 ulp). Run twice: the same bits. nonfinite:
 // the CPU's verdict for inf, -inf, NaN at the ends and in the middle, values
 // that overflow fp16 only, and all finite (flag untouched).
-static void test_cuda_sum_squares_nonfinite(void) {
+TEST(cuda_sum_squares_nonfinite) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 73);
     // the 4th: more blocks than the reduction's grid; the last two: whole 16-byte vectors
@@ -7297,7 +7315,7 @@ static int32_t *cu_labels(Rng *r, size_t rows, int K) {
 // Σ w and the invalid count are sums of small exact values: equal. The
 // gradient is within 1e-6 of its largest element in fp32 (p computed in fp32
 // vs fp64), plus a storage ulp where it is stored in fp16/bf16.
-static void test_cuda_softmax_xent(void) {
+TEST(cuda_softmax_xent) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 74);
     const int Ks[4] = {1, 2, 3, 7};
@@ -7351,7 +7369,7 @@ static void test_cuda_softmax_xent(void) {
 // class wins); K = 70 takes the kernel's global-atomics path; a NaN logit first
 // in its row wins, elsewhere never (the CPU's strict >); counts add into what
 // is there.
-static void test_cuda_confusion(void) {
+TEST(cuda_confusion) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 75);
     const int Ks[4] = {2, 3, 7, 70};
@@ -7389,7 +7407,7 @@ static void test_cuda_confusion(void) {
 // order (no fused multiply-adds): params, m and v bit-identical over steps with
 // and without weight decay and a gradient scale; a skipped step (fp16
 // overflow) changes nothing.
-static void test_cuda_adam(void) {
+TEST(cuda_adam) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 76);
     const size_t n = 1031;
@@ -7414,7 +7432,7 @@ static void test_cuda_adam(void) {
 }
 
 // cuda_alloc counts the bytes it hands out: live and peak (segnet bench's peak_device_bytes)
-static void test_cuda_alloc_counts(void) {
+TEST(cuda_alloc_counts) {
     Ops *o = cu_ops();
     size_t live = cuda_bytes_live;
     void *a = o->alloc(o, 1000), *b = o->alloc(o, 24);
@@ -7433,7 +7451,7 @@ static int cu_ops_complete(const char *who) {
     CHECK(n == 0, "%s: ops_cuda has %d NULL entries: %s", who, n, missing);
     return n == 0;
 }
-static void test_cuda_ops_complete(void) { cu_ops_complete("cuda_ops_complete"); }
+TEST(cuda_ops_complete) { cu_ops_complete("cuda_ops_complete"); }
 
 // A few optimiser steps of a tiny segmentation model through the trainer
 // (trainer_open, train_step: upload, forward, loss, backward, clipping, Adam)
@@ -7536,7 +7554,7 @@ static void cu_graph_run(int records, double *losses, float **params, float **mo
     free(images); free(labels);
     trainer_close(&t);
 }
-static void test_cuda_graph_step(void) {
+TEST(cuda_graph_step) {
     if (!cu_ops_complete("cuda_graph_step")) return;
     double eager[5], graph[5];
     float *p_eager, *p_graph, *m_eager, *m_graph, scale_eager, scale_graph;
@@ -7570,7 +7588,7 @@ static void test_cuda_graph_step(void) {
                scale_graph, replays_graph, syncs_graph);
     free(p_eager); free(p_graph); free(m_eager); free(m_graph);
 }
-static void test_cuda_step_control(void) { step_control_case(cu_ops(), "cuda"); }
+TEST(cuda_step_control) { step_control_case(cu_ops(), "cuda"); }
 
 #if EMULATED_CUDA
 // SEGNET_CUDA_SYNC=1 (read when a device is opened): every kernel launch and
@@ -7579,7 +7597,7 @@ static void test_cuda_step_control(void) { step_control_case(cu_ops(), "cuda"); 
 // emulator counts launches, cuBLAS calls and waits: on a device opened with
 // the variable the waits equal launches + cuBLAS calls, on device 0 (opened
 // without it) there are none.
-static void test_cuda_sync_each(void) {
+TEST(cuda_sync_each) {
     char err[SN_ERR_MAX], devices[16];
     const int dev = SN_MAX_REPLICAS - 1;  // a device no other test opens
     const char *old = getenv("CUEMU_DEVICES");
@@ -7627,7 +7645,7 @@ static void test_cuda_sync_each(void) {
 // limit and cudaFuncSetAttribute, the vector access check (aborts, seen from
 // a child process), counting mode, thread order and the counters.
 int cuemu_selftest(char *report, size_t n);
-static void test_cuda_emu_semantics(void) {
+TEST(cuda_emu_semantics) {
     char report[8192];
     int failed = cuemu_selftest(report, sizeof report);
     CHECK(failed == 0, "%d checks of the emulator failed:\n%s", failed, report);
@@ -7635,7 +7653,7 @@ static void test_cuda_emu_semantics(void) {
 
 // CUEMU_COUNT=FILE: ./segnet_emu (segnet on the emulator) counts a training
 // step's device work without running it and writes the counters at exit.
-static void test_cuda_emu_count_file(void) {
+TEST(cuda_emu_count_file) {
     const char *path = "/tmp/segnet_test_emu_count.txt";
     char cmd[1024], msg[4096];
     unlink(path);
@@ -7688,7 +7706,7 @@ static void test_cuda_emu_count_file(void) {
 //   its own rounding noise around the fp32 run and two of them differ by up to
 //   about twice the CPU's bf16-vs-fp32 difference: checked at 3× that, at
 //   least 1e-2 (measured: 2.4e-3 at unet's step 4, 2.1e-3 at unet-effv2-t's step 1).
-static void test_cuda_train_steps(void) {
+TEST(cuda_train_steps) {
     if (!cu_ops_complete("cuda_train_steps")) return;
     const struct { const char *model; int hw, steps; } runs[2] = {{"unet", 32, 4}, {"unet-effv2-t", 64, 1}};
     const DType dts[2] = {DT_F32, DT_BF16};
@@ -7725,7 +7743,7 @@ static void test_cuda_train_steps(void) {
     }
 }
 
-static void test_cuda_fused_layers_bitwise(void) {
+TEST(cuda_fused_layers_bitwise) {
     if (!cu_ops_complete("cuda_fused_layers_bitwise")) return;
     fused_layers_case(DEVICE_CUDA, DT_BF16, 0);
 }
@@ -7734,7 +7752,7 @@ static void test_cuda_fused_layers_bitwise(void) {
 // plan counts for the run, and the plan adds the device context's own scratch
 // and cuBLAS's workspace (allocated once, when the device is opened), which
 // peak_device_bytes counts, and the estimate of what the driver holds.
-static void test_cuda_plan_equals_allocation(void) {
+TEST(cuda_plan_equals_allocation) {
     if (!cu_ops_complete("cuda_plan_equals_allocation")) return;
     const char *models[2] = {"unet", "unet-effv2-t"};
     for (int k = 0; k < 2; k++) {
@@ -7834,7 +7852,7 @@ static int nccl_probe(Comm *c, void *arg) {
 // sums must be the same bits on every rank and within one rounding (relative
 // 2^-23, 2^-52) of the rank-order sum. Replicas on more devices than there are
 // is refused, naming the device.
-static void test_cuda_nccl_comm(void) {
+TEST(cuda_nccl_comm) {
     if (!cu_devices(CU_DEVICES, "cuda_nccl_comm")) return;
     const float f[3][3] = {{1.0f, 0.1f, -3.5f}, {0x1p-24f, 0.2f, 1e-3f}, {0x1p-24f, 0.3f, 7.25f}};
     const double d[3][3] = {{1.0, 0.1, -3.5}, {0x1p-53, 0.2, 1e-3}, {0x1p-53, 0.3, 7.25}};
@@ -7903,7 +7921,7 @@ static void test_cuda_nccl_comm(void) {
 // ~1e-7; at 32×32 every one of them, the reordered batch's too, is ~2e-4:
 // Adam's first steps move a weight by ±lr whatever its gradient's size, so a
 // gradient near 0 whose last bits differ moves its weight the other way.
-static void test_cuda_replicas_sync_bn(void) {
+TEST(cuda_replicas_sync_bn) {
     if (!cu_ops_complete("cuda_replicas_sync_bn") || !cu_devices(2, "cuda_replicas_sync_bn")) return;
     enum { B = 4, STEPS = 3, HW = 16, R = 2 };
     float *images;
@@ -7978,7 +7996,7 @@ static float *st_floats(const char *path, size_t *n) {
 // 3e-2 apart. (Both ranks draw the same initial weights, so the broadcast that
 // mirrors them changes nothing here; cuda_nccl_comm tests it.) More replicas
 // than devices: one line, no run folder.
-static void test_cuda_replicas_train_run(void) {
+TEST(cuda_replicas_train_run) {
     if (!cu_ops_complete("cuda_replicas_train_run") || !cu_devices(2, "cuda_replicas_train_run")) return;
     const char *data = "/tmp/segnet_test_cuda_rep_data", *run = "/tmp/segnet_test_cuda_rep_run";
     rm_rf(data); rm_rf(run);
@@ -8029,7 +8047,7 @@ static void test_cuda_replicas_train_run(void) {
 
 #else
 // A build without NCCL (NO_NCCL=1) refuses replicas on CUDA devices in one line.
-static void test_cuda_replicas_no_nccl(void) {
+TEST(cuda_replicas_no_nccl) {
     TrainCfg c = tiny_seg_cfg("/nonexistent", NULL);
     c.replicas = 2;
     c.device = DEVICE_CUDA;
@@ -8093,7 +8111,7 @@ static const Shape CU_SHAPES[] = {{1, 5, 3, 5}, {2, 5, 7, 3}, {2, 9, 7, 13}, {2,
 #define CU_NSHAPES (int)(sizeof CU_SHAPES / sizeof CU_SHAPES[0])
 
 // statistics and running update; per (shape, storage type)
-static void test_cuda_bn_stats(void) {
+TEST(cuda_bn_stats) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 81);
     for (int si = 0; si < CU_NSHAPES; si++)
@@ -8157,7 +8175,7 @@ static void test_cuda_bn_stats(void) {
 // statistics, count = M) and inference (running statistics, count = 0), both
 // accumulate modes. Each op gets the CPU's inputs (statistics, sums), so each is
 // measured alone.
-static void test_cuda_bn_forward_backward(void) {
+TEST(cuda_bn_forward_backward) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 82);
     for (int si = 0; si < CU_NSHAPES; si++)
@@ -8253,10 +8271,10 @@ static void test_cuda_bn_forward_backward(void) {
 }
 
 // bn_fused_cases (see test_bn_fused_next) on the emulated GPU
-static void test_cuda_bn_fused_next(void) { bn_fused_cases(cu_ops(), 92); }
+TEST(cuda_bn_fused_next) { bn_fused_cases(cu_ops(), 92); }
 
 // y = act(x), dx (=|+=) dy·act'(x); exp as in batch norm: 8 fp32 roundings
-static void test_cuda_act(void) {
+TEST(cuda_act) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 83);
     const Shape shapes[2] = {shape4(2, 7, 5, 13), shape4(2, 7, 5, 16)};  // odd; whole 16-byte vectors
@@ -8288,7 +8306,7 @@ static void test_cuda_act(void) {
 // pooling (fp64 sums: 4 fp32 roundings), its backward and the scale (one product:
 // the same bits, CU_FMA with accumulate), the scale's ds (fp64 sums); dx or ds
 // not wanted (NULL) in some cases
-static void test_cuda_squeeze_excitation(void) {
+TEST(cuda_squeeze_excitation) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 84);
     for (int si = 0; si < CU_NSHAPES; si++)
@@ -8344,7 +8362,7 @@ static void test_cuda_squeeze_excitation(void) {
 // fp32, plus two storage ulps where a rounded z1, y1 or z2 lands on the other
 // side of a rounding boundary; dp overwritten, added into, and not wanted; the
 // weights frozen (no parameter gradients)
-static void test_cuda_se_gate(void) {
+TEST(cuda_se_gate) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 88);
     const int N = 3, C = 40, S = 10;
@@ -8392,7 +8410,7 @@ static void test_cuda_se_gate(void) {
 }
 
 // a + b (one sum), its backward, concat and its split (copies; one sum with accumulate): the same bits
-static void test_cuda_add_concat(void) {
+TEST(cuda_add_concat) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 85);
     // odd channel counts, then whole 16-byte vectors (8 + 16 = 24 channels)
@@ -8445,7 +8463,7 @@ static void test_cuda_add_concat(void) {
 
 // dropout and drop-path: the counter-based masks are the same bits, so the outputs
 // are (one product each; CU_FMA with accumulate). Both masks keep and drop something.
-static void test_cuda_dropout(void) {
+TEST(cuda_dropout) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 86);
     const Shape shapes[2] = {shape4(8, 3, 5, 7), shape4(8, 3, 5, 8)};  // odd; whole 16-byte vectors
@@ -8511,7 +8529,7 @@ static void test_cuda_dropout(void) {
 // max-pool on small integers (ties in most windows: the gradient goes to the
 // first maximum in row-major order), odd sizes (the floor drops a row/column);
 // nearest upsampling: copies and sums of 4 in the CPU's order, the same bits
-static void test_cuda_pool_upsample(void) {
+TEST(cuda_pool_upsample) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 87);
     const Shape shapes[] = {{2, 5, 7, 3}, {2, 9, 9, 5}, {1, 4, 6, 13}, {2, 5, 7, 16}};  // the last: 16-byte vectors
@@ -8554,7 +8572,7 @@ static void test_cuda_pool_upsample(void) {
 // backend only moves src, and so λ, by up to an ulp of src (2^-20 for src < 16
 // here), which moves y by 2^-20·|x1 - x0|: forward 4·2^-20 of max |y| (~ max |x|);
 // the gather sums a few such terms per dx: 8·2^-20
-static void test_cuda_resize_bilinear(void) {
+TEST(cuda_resize_bilinear) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 88);
     const Shape from[] = {{2, 5, 7, 3}, {2, 9, 9, 5}, {1, 7, 5, 13}, {2, 2, 3, 3}, {2, 5, 7, 8}};  // the last: vectors
@@ -8606,7 +8624,7 @@ static double quickstart_miou(const char *precision) {
     printf("    %s: val mIoU %.4f\n", precision, miou);
     return miou;
 }
-static void test_precision_miou(void) {
+TEST(heavy_precision_miou) {
     double m32 = quickstart_miou("fp32"), m16 = quickstart_miou("fp16"), mb16 = quickstart_miou("bf16");
     CHECK(m32 > 0.85, "fp32 quickstart reached val mIoU %.4f (want > 0.85)", m32);
     CHECK(fabs(m16 - m32) <= 0.02, "fp16 val mIoU %.4f vs fp32 %.4f: more than 0.02 apart", m16, m32);
@@ -8634,7 +8652,7 @@ static void checkpoint_with_meta(const char *path, const char *key, const char *
 
 // Finding 1: a checkpoint's metadata is range-checked; a damaged one is refused
 // naming the file and the field, and the run folder is left as it was.
-static void test_checkpoint_metadata_checked(void) {
+TEST(checkpoint_metadata_checked) {
     const char *data = "/tmp/segnet_test_meta_data", *run = "/tmp/segnet_test_meta_run";
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 4, 8, 8, 31);
@@ -8692,7 +8710,7 @@ static void test_checkpoint_metadata_checked(void) {
 // run ends as interrupted (128 + the signal). An input size beyond the pixel
 // limit is refused before any image is read (finding 10: it used to end in an
 // internal error when the decode buffers could not be allocated).
-static void test_interrupt_before_training(void) {
+TEST(interrupt_before_training) {
     const char *data = "/tmp/segnet_test_early_data", *run = "/tmp/segnet_test_early_run";
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 4, 8, 8, 91);
@@ -8725,7 +8743,7 @@ static pid_t spawn_segnet(const char *args, const char *errpath) {
 // position inside the epoch, says how to continue and exits 130/143; a second
 // signal exits at once. Either way --resume ends bit for bit where the
 // uninterrupted run ends.
-static void test_interrupt_signals_cli(void) {
+TEST(interrupt_signals_cli) {
     if (access("./segnet", X_OK) != 0) { CHECK(0, "./segnet is missing: build it with make"); return; }
     const char *data = "/tmp/segnet_test_sig_data", *ref = "/tmp/segnet_test_sig_ref", *run = "/tmp/segnet_test_sig_run";
     const char *errpath = "/tmp/segnet_test_sig_err.txt";
@@ -8776,7 +8794,7 @@ static void test_interrupt_signals_cli(void) {
 // refused naming the holder); a folder whose run stopped before its first
 // checkpoint starts again, by --resume or by a new run; temporary files of
 // dead writers are removed (a live process's are not).
-static void test_run_folder_claim(void) {
+TEST(run_folder_claim) {
     const char *data = "/tmp/segnet_test_claim_data", *ref = "/tmp/segnet_test_claim_ref", *run = "/tmp/segnet_test_claim_run";
     rm_rf(data); rm_rf(ref); rm_rf(run);
     write_seg_set(data, 4, 8, 8, 41);
@@ -8877,7 +8895,7 @@ static int refused_without_blocking(int (*reader)(const char *), const char *pat
 // (--max-pixels); images are recognised by content and masks must be PNG; a
 // FIFO is refused without blocking (only regular files are read); messages are
 // one printable line.
-static void test_image_files_checked(void) {
+TEST(image_files_checked) {
     char dir[300], path[400], err[SN_ERR_MAX];
     const char *const subs[] = {"x"};
     ds_fixture(dir, sizeof dir, "images_checked", subs, 1);
@@ -8932,7 +8950,7 @@ static void test_image_files_checked(void) {
 // Finding 7: a CSV's fields are trimmed, a BOM is skipped, and a row with a
 // blank label, a label too long to keep or more than two fields is refused
 // naming the row.
-static void test_csv_strict(void) {
+TEST(csv_strict) {
     char dir[300], path[400], err[SN_ERR_MAX];
     const char *const subs[] = {"imgs"};
     ds_fixture(dir, sizeof dir, "csv_strict", subs, 1);
@@ -8973,7 +8991,7 @@ static void test_csv_strict(void) {
 // EfficientNetV2-S (with and without a hidden head) and into ref/'s U-Net on
 // its features, unchanged; timm's names are tf_efficientnetv2_s's; and segnet
 // reads every export back to the same validation loss as the run's own file.
-static void test_parity_live_export(void) {
+TEST(parity_live_export) {
     if (access("./segnet", X_OK) != 0) { CHECK(0, "./segnet is missing: build it with make"); return; }
     const char *dir = "/tmp/segnet_test_export";
     rm_rf(dir);
@@ -9097,7 +9115,7 @@ static double pretrained_parity(const char *python, const char *source, char *ms
     return worst;
 }
 
-static void test_parity_live_pretrained(void) {
+TEST(parity_live_pretrained) {
     char msg[4096];
     double d = pretrained_parity("/usr/bin/python3", "torchvision", msg, sizeof msg);
     CHECK(d >= 0 && d <= PRETRAINED_TOLERANCE, "torchvision's own softmax and segnet predict differ by %.3g (max |dp|) %s", d, msg);
@@ -9110,7 +9128,7 @@ static void test_parity_live_pretrained(void) {
 // in a venv beside Debian's packages (SEGNET_TF_VENV, SEGNET_TIMM_VENV;
 // default /tmp/segnet_tf_venv and /tmp/segnet_timm_venv, made once: TF brings
 // its own NumPy 2, which Debian's torch cannot load, hence two).
-static void test_heavy_pretrained_keras_timm(void) {
+TEST(heavy_pretrained_keras_timm) {
     const struct { const char *source, *env, *dflt, *module, *install; } fw[] = {
         {"keras", "SEGNET_TF_VENV", "/tmp/segnet_tf_venv", "tensorflow", "tensorflow-cpu"},
         {"timm", "SEGNET_TIMM_VENV", "/tmp/segnet_timm_venv", "timm", "--no-deps timm==0.9.16 huggingface_hub pyyaml"},
@@ -9135,7 +9153,7 @@ static void test_heavy_pretrained_keras_timm(void) {
 
 // Finding 10: sizes beyond what a plan can hold are refused with the numbers,
 // before any total could wrap around 2^64.
-static void test_plan_refuses_huge(void) {
+TEST(plan_refuses_huge) {
     ModelCfg m = model_cfg_default();
     m.model = "unet"; m.classes = 3; m.depth = 8; m.width_base = 65536; m.height = 32768; m.width = 32768; m.batch = 65536;
     Graph g;
@@ -9152,7 +9170,7 @@ static void test_plan_refuses_huge(void) {
 }
 
 // Finding 13: the words of a run's config.txt are freed with the arguments.
-static void test_run_config_freed(void) {
+TEST(run_config_freed) {
     const char *data = "/tmp/segnet_test_cfgfree_data", *run = "/tmp/segnet_test_cfgfree_run";
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 4, 8, 8, 51);
@@ -9183,214 +9201,21 @@ static void test_run_config_freed(void) {
 }
 
 #ifndef SEGNET_FUZZ  // fuzz_segnet: the tests compiled, its own main at the end
-static const Test TESTS[] = {
-    {"conv_grad_dense", test_conv_grad_dense},
-    {"conv_grad_pointwise", test_conv_grad_pointwise},
-    {"conv_grad_grouped", test_conv_grad_grouped},
-    {"conv_grad_depthwise", test_conv_grad_depthwise},
-    {"conv_forward_vs_naive", test_conv_forward_vs_naive},
-    {"conv_direct_vs_gemm", test_conv_direct_vs_gemm},
-    {"conv_padding_by_hand", test_conv_padding_by_hand},
-    {"dense_grad", test_dense_grad},
-    {"bn_grad_train", test_bn_grad_train},
-    {"bn_grad_inference", test_bn_grad_inference},
-    {"bn_by_hand", test_bn_by_hand},
-    {"act_grad", test_act_grad},
-    {"act_by_hand", test_act_by_hand},
-    {"se_grad", test_se_grad},
-    {"add_concat_grad", test_add_concat_grad},
-    {"mixed_accumulate_grad", test_mixed_accumulate_grad},
-    {"pool_upsample_grad", test_pool_upsample_grad},
-    {"pool_upsample_by_hand", test_pool_upsample_by_hand},
-    {"resize_grad", test_resize_grad},
-    {"resize_by_hand", test_resize_by_hand},
-    {"dropout_grad", test_dropout_grad},
-    {"dropout_masks", test_dropout_masks},
-    {"softmax_xent_by_hand", test_softmax_xent_by_hand},
-    {"softmax_xent_grad", test_softmax_xent_grad},
-    {"fp16_by_hand", test_fp16_by_hand},
-    {"fp16_vs_compiler", test_fp16_vs_compiler},
-    {"bf16_by_hand", test_bf16_by_hand},
-    {"utilities", test_utilities},
-    {"fastdiv", test_fastdiv},
-    {"storage_types", test_storage_types},
-#ifdef _OPENMP  // without OpenMP there is one thread and no parallel path
-    {"determinism_across_threads", test_determinism_across_threads},
-#endif
-    {"graph_errors", test_graph_errors},
-    {"graph_params", test_graph_params},
-    {"net_modes", test_net_modes},
-    {"graph_grad_every_kind", test_graph_grad_every_kind},
-    {"graph_frozen", test_graph_frozen},
-#ifdef _OPENMP
-    {"parallel_paths_match_serial", test_parallel_paths_match_serial},
-#endif
-    {"gradcheck_catches_errors", test_gradcheck_catches_errors},
-    {"safetensors_round_trip", test_safetensors_round_trip},
-    {"safetensors_hand_built", test_safetensors_hand_built},
-    {"safetensors_writer_bytes", test_safetensors_writer_bytes},
-    {"safetensors_malformed", test_safetensors_malformed},
-    {"safetensors_write_atomic", test_safetensors_write_atomic},
-    {"effv2_param_counts", test_effv2_param_counts},
-    {"effv2_names_match_torchvision", test_effv2_names_match_torchvision},
-    {"effv2_timm_names", test_effv2_timm_names},
-    {"unet_params", test_unet_params},
-    {"model_refusals", test_model_refusals},
-    {"effv2_tiny_grad", test_effv2_tiny_grad},
-    {"weights_round_trip", test_weights_round_trip},
-    {"weights_refused", test_weights_refused},
-    {"weights_unet_encoder_from_classifier", test_weights_unet_encoder_from_classifier},
-    {"weights_padding_follows", test_weights_padding_follows},
-    {"parity_torch_effv2_tiny", test_parity_torch_effv2_tiny},
-    {"predict_classifier", test_predict_classifier},
-    {"predict_bad_input", test_predict_bad_input},
-    {"metrics_by_hand", test_metrics_by_hand},
-    {"weighted_loss_by_hand", test_weighted_loss_by_hand},
-    {"weight0_pixels_ignored", test_weight0_pixels_ignored},
-    {"adam_keras_formula", test_adam_keras_formula},
-    {"step_control", test_step_control},
-    {"se_gate_matches_layers", test_se_gate_matches_layers},
-    {"clip_global_norm", test_clip_global_norm},
-    {"lr_schedule", test_lr_schedule},
-    {"init_params", test_init_params},
-    {"parity_live_adam", test_parity_live_adam},
-    {"predict_segmentation", test_predict_segmentation},
-    {"predict_segmentation_refused", test_predict_segmentation_refused},
-    {"predict_legend_progress", test_predict_legend_progress},
-    {"curves_svg", test_curves_svg},
-    {"dataset_seg_round_trip", test_dataset_seg_round_trip},
-    {"dataset_resize", test_dataset_resize},
-    {"dataset_augment_flip", test_dataset_augment_flip},
-    {"dataset_augment_brightness_contrast", test_dataset_augment_brightness_contrast},
-    {"dataset_classification", test_dataset_classification},
-    {"dataset_bad_input", test_dataset_bad_input},
-    {"dataset_mask_formats", test_dataset_mask_formats},
-    {"loader_determinism", test_loader_determinism},
-    {"loader_file_changed", test_loader_file_changed},
-    {"png_write_atomic", test_png_write_atomic},
-    {"train_loss_by_hand", test_train_loss_by_hand},
-    {"resume_bitwise", test_resume_bitwise},
-    {"interrupt_resume_bitwise", test_interrupt_resume_bitwise},
-    {"checkpoint_metadata_checked", test_checkpoint_metadata_checked},
-    {"run_folder_claim", test_run_folder_claim},
-    {"interrupt_signals_cli", test_interrupt_signals_cli},
-    {"interrupt_before_training", test_interrupt_before_training},
-    {"image_files_checked", test_image_files_checked},
-    {"csv_strict", test_csv_strict},
-    {"plan_refuses_huge", test_plan_refuses_huge},
-    {"run_config_freed", test_run_config_freed},
-    {"keras_clipped_xent", test_keras_clipped_xent},
-    {"parity_live_export", test_parity_live_export},
-    {"parity_live_pretrained", test_parity_live_pretrained},
-    {"heavy_pretrained_keras_timm", test_heavy_pretrained_keras_timm},
-    {"early_stopping", test_early_stopping},
-    {"train_bad_input", test_train_bad_input},
-    {"predict_from_run", test_predict_from_run},
-    {"head_dropout", test_head_dropout},
-    {"monitor_min_delta", test_monitor_min_delta},
-    {"two_phase_finetune", test_two_phase_finetune},
-    {"class_names", test_class_names},
-    {"classifier_csv_trains", test_classifier_csv_trains},
-    {"train_diagnostics", test_train_diagnostics},
-    {"training_warnings", test_training_warnings},
-    {"train_eval", test_train_eval},
-    {"eval_matches_run", test_eval_matches_run},
-    {"fp16_loss_scaling", test_fp16_loss_scaling},
-    {"accum_equals_big_batch", test_accum_equals_big_batch},
-    {"accum_dropout_equals_big_batch", test_accum_dropout_equals_big_batch},
-    {"replicas_sync_bn", test_replicas_sync_bn},
-    {"replicas_sync_bn_deep", test_replicas_sync_bn_deep},
-    {"replicas_sync_bn_deep_cli", test_replicas_sync_bn_deep_cli},
-    {"replicas_global_denominator", test_replicas_global_denominator},
-    {"replicas_fp16_skip", test_replicas_fp16_skip},
-    {"comm_local", test_comm_local},
-    {"replicas_cli", test_replicas_cli},
-    {"replicas_mpi_faults", test_replicas_mpi_faults},
-    {"freeze_base", test_freeze_base},
-    {"plan_matches_per_tensor", test_plan_matches_per_tensor},
-    {"checkpoint_training_bitwise", test_checkpoint_training_bitwise},
-    {"bn_fused_next", test_bn_fused_next},
-    {"fused_layers_bitwise", test_fused_layers_bitwise},
-    {"plan_equals_allocation", test_plan_equals_allocation},
-    {"train_steps_by_hand", test_train_steps_by_hand},
-    {"train_epochs_reshuffle", test_train_epochs_reshuffle},
-    {"train_epoch_totals", test_train_epoch_totals},
-    {"early_stopping_ties", test_early_stopping_ties},
-    {"checkpoint_round_trip", test_checkpoint_round_trip},
-    {"resume_cli_after_crash", test_resume_cli_after_crash},
-    {"parity_live_effv2", test_parity_live_effv2},  // "parity_live_*": run where PyTorch is found
-    {"parity_live_unet", test_parity_live_unet},
-    {"fast_bn_vs_ref", test_fast_bn_vs_ref},
-    {"exp_vec", test_exp_vec},
-    {"fast_bn_16bit", test_fast_bn_16bit},
-    {"heavy_precision_miou", test_precision_miou},
-    {"fp16_runs", test_fp16_runs},
-    {"fast_depthwise_vs_ref", test_fast_depthwise_vs_ref},
-    {"fast_se_vs_formula", test_fast_se_vs_formula},
-#ifdef _OPENMP
-    {"fast_paths_deterministic", test_fast_paths_deterministic},
-#endif
-    {"ops_entries_listed", test_ops_entries_listed},
-    {"device_choice", test_device_choice},
-#ifdef SEGNET_CUDA
-    {"cuda_fill_copy", test_cuda_fill_copy},
-    {"cuda_gemm_ex_types", test_cuda_gemm_ex_types},
-    {"cuda_conv_pointwise", test_cuda_conv_pointwise},
-    {"cuda_conv_dense", test_cuda_conv_dense},
-    {"cuda_conv_grouped", test_cuda_conv_grouped},
-    {"cuda_conv_depthwise", test_cuda_conv_depthwise},
-    {"cuda_conv_model_shapes", test_cuda_conv_model_shapes},
-    {"cuda_scale_axpby", test_cuda_scale_axpby},
-    {"cuda_se_gate", test_cuda_se_gate},
-    {"cuda_sum_squares_nonfinite", test_cuda_sum_squares_nonfinite},
-    {"cuda_softmax_xent", test_cuda_softmax_xent},
-    {"cuda_confusion", test_cuda_confusion},
-    {"cuda_adam", test_cuda_adam},
-    {"cuda_alloc_counts", test_cuda_alloc_counts},
-    {"cuda_ops_complete", test_cuda_ops_complete},
-    {"cuda_train_steps", test_cuda_train_steps},
-    {"cuda_step_control", test_cuda_step_control},
-    {"cuda_graph_step", test_cuda_graph_step},
-    {"cuda_plan_equals_allocation", test_cuda_plan_equals_allocation},
-#if EMULATED_CUDA
-    {"cuda_sync_each", test_cuda_sync_each},
-    {"cuda_emu_semantics", test_cuda_emu_semantics},
-    {"cuda_emu_count_file", test_cuda_emu_count_file},
-#endif
-#ifdef SEGNET_NCCL
-    {"cuda_nccl_comm", test_cuda_nccl_comm},
-    {"cuda_replicas_sync_bn", test_cuda_replicas_sync_bn},
-    {"cuda_replicas_train_run", test_cuda_replicas_train_run},
-#else
-    {"cuda_replicas_no_nccl", test_cuda_replicas_no_nccl},
-#endif
-    {"cuda_bn_stats", test_cuda_bn_stats},
-    {"cuda_bn_forward_backward", test_cuda_bn_forward_backward},
-    {"cuda_bn_fused_next", test_cuda_bn_fused_next},
-    {"cuda_fused_layers_bitwise", test_cuda_fused_layers_bitwise},
-    {"cuda_act", test_cuda_act},
-    {"cuda_squeeze_excitation", test_cuda_squeeze_excitation},
-    {"cuda_add_concat", test_cuda_add_concat},
-    {"cuda_dropout", test_cuda_dropout},
-    {"cuda_pool_upsample", test_cuda_pool_upsample},
-    {"cuda_resize_bilinear", test_cuda_resize_bilinear},
-#endif
-};
 
 typedef struct { int passed, failed, not_run, heavy; } Tally;
 
 // Runs the tests whose name contains `filter` (all: NULL) and, with `prefix`,
 // only those whose name starts with it; `label` follows each name printed.
 static void run_tests(const char *filter, const char *prefix, const char *label, Tally *tl) {
-    for (size_t i = 0; i < sizeof TESTS / sizeof TESTS[0]; i++) {
-        const char *name = TESTS[i].name;
+    for (int i = 0; i < g_n_tests; i++) {
+        const char *name = g_tests[i].name;
         if (filter && !strstr(name, filter)) continue;
         if (prefix && strncmp(name, prefix, strlen(prefix))) continue;
         if (!strncmp(name, "parity_live", 11) && !torch_found()) { tl->not_run++; continue; }
         if (!strncmp(name, "heavy_", 6) && !getenv("SEGNET_HEAVY")) { tl->heavy++; continue; }
         g_failures = 0;
         double t0 = now_s();
-        TESTS[i].fn();
+        g_tests[i].fn();
         double dt = now_s() - t0;
         if (g_failures) { tl->failed++; printf("FAIL %s%s (%d checks, %.2fs)\n", name, label, g_failures, dt); }
         else { tl->passed++; printf("ok   %s%s (%.2fs)\n", name, label, dt); }
@@ -9398,8 +9223,11 @@ static void run_tests(const char *filter, const char *prefix, const char *label,
     }
 }
 
+static int cmp_test_line(const void *a, const void *b) { return ((const Test *)a)->line - ((const Test *)b)->line; }
+
 int main(int argc, char **argv) {
     const char *filter = NULL, *order = "both";
+    qsort(g_tests, (size_t)g_n_tests, sizeof(Test), cmp_test_line);  // the file's order, whatever the constructors'
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--filter") && i + 1 < argc) filter = argv[++i];
         else if (!strcmp(argv[i], "--order") && i + 1 < argc &&
