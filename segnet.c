@@ -3438,17 +3438,17 @@ void net_backward(Net *net, int output) {
 // accepted: they cost nothing to allow and break no invariant we rely on.
 //
 // Alignment: the data section starts at byte 8 + N and offsets are arbitrary,
-// so StTensor.data has no alignment guarantee; callers memcpy out of it.
+// so SafetensorsTensor.data has no alignment guarantee; callers memcpy out of it.
 
 
 #define ST_HEADER_MAX   ((uint64_t)100 << 20)  // a longer header is absurd (real ones are kilobytes)
-#define ST_QUOTE_MAX    64                      // names shown in messages are cut to this
+#define SF_QUOTE_MAX    64                      // names shown in messages are cut to this
 
 static const char *const ST_DTYPE_NAMES[] = {"F32", "F16", "BF16", "I64"};  // indexed by DType
 #define ST_DTYPES ((int)(sizeof ST_DTYPE_NAMES / sizeof *ST_DTYPE_NAMES))
 
-static void st_errf(char *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void st_errf(char *err, const char *fmt, ...) {
+static void sf_errf(char *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sf_errf(char *err, const char *fmt, ...) {
     if (!err) return;
     va_list ap;
     va_start(ap, fmt);
@@ -3457,11 +3457,11 @@ static void st_errf(char *err, const char *fmt, ...) {
 }
 
 // A name as shown in a message: one line (control bytes become '?') and at
-// most ST_QUOTE_MAX bytes, cut on a UTF-8 boundary, "..." marking a cut.
-static const char *st_quote(char out[ST_QUOTE_MAX + 4], const char *s) {
+// most SF_QUOTE_MAX bytes, cut on a UTF-8 boundary, "..." marking a cut.
+static const char *sf_quote(char out[SF_QUOTE_MAX + 4], const char *s) {
     size_t n = strlen(s), k = n;
-    if (k > ST_QUOTE_MAX) {
-        k = ST_QUOTE_MAX;
+    if (k > SF_QUOTE_MAX) {
+        k = SF_QUOTE_MAX;
         while (k > 0 && ((uint8_t)s[k] & 0xC0) == 0x80) k--;
     }
     for (size_t i = 0; i < k; i++) out[i] = (uint8_t)s[i] < 0x20 || s[i] == 0x7F ? '?' : s[i];
@@ -3507,7 +3507,7 @@ static size_t utf8_put(uint32_t cp, uint8_t out[4]) {
 }
 
 // numel = Π dims; -1 if it (or numel·elem) does not fit in a size_t.
-static int st_numel(const int64_t *dims, int ndim, size_t elem, size_t *numel) {
+static int sf_numel(const int64_t *dims, int ndim, size_t elem, size_t *numel) {
     size_t n = 1;
     for (int i = 0; i < ndim; i++)
         if (dims[i] == 0) { *numel = 0; return 0; }  // empty, whatever the other dims
@@ -3521,7 +3521,7 @@ static int st_numel(const int64_t *dims, int ndim, size_t elem, size_t *numel) {
 }
 
 // "[2, 3, 4]"
-static const char *st_shape_str(char *out, size_t cap, const int64_t *dims, int ndim) {
+static const char *sf_shape_str(char *out, size_t cap, const int64_t *dims, int ndim) {
     size_t k = (size_t)snprintf(out, cap, "[");
     for (int i = 0; i < ndim && k < cap; i++)
         k += (size_t)snprintf(out + k, cap - k, "%s%" PRId64, i ? ", " : "", dims[i]);
@@ -3540,13 +3540,13 @@ typedef struct {
 
 static int jfail(Json *j, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int jfail(Json *j, const char *fmt, ...) {
-    char msg[SN_ERR_MAX], q[ST_QUOTE_MAX + 4];
+    char msg[SN_ERR_MAX], q[SF_QUOTE_MAX + 4];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    if (j->tensor) st_errf(j->err, "%s: tensor '%s': %s", j->path, st_quote(q, j->tensor), msg);
-    else st_errf(j->err, "%s: %s", j->path, msg);
+    if (j->tensor) sf_errf(j->err, "%s: tensor '%s': %s", j->path, sf_quote(q, j->tensor), msg);
+    else sf_errf(j->err, "%s: %s", j->path, msg);
     return -1;
 }
 static int jsyntax(Json *j, const char *what) {
@@ -3670,8 +3670,8 @@ static int jint(Json *j, int64_t *v, const char *what) {
 
 // {"dtype": "F32", "shape": [d0, ...], "data_offsets": [begin, end]}, fields in
 // any order, each exactly once. data: the data section, data_len bytes.
-static int st_parse_tensor(Json *j, StTensor *t, const uint8_t *data, size_t data_len) {
-    char field[32], dtype[16] = "", q[ST_QUOTE_MAX + 4], shape[256];
+static int sf_parse_tensor(Json *j, SafetensorsTensor *t, const uint8_t *data, size_t data_len) {
+    char field[32], dtype[16] = "", q[SF_QUOTE_MAX + 4], shape[256];
     size_t len;
     int have_dtype = 0, have_shape = 0, n_off = -1;
     int64_t off[2];
@@ -3710,7 +3710,7 @@ static int st_parse_tensor(Json *j, StTensor *t, const uint8_t *data, size_t dat
             }
             if (n_off != 2) return jfail(j, "\"data_offsets\" must be [begin, end]: %d entries", n_off);
         } else {
-            return jfail(j, "unknown field \"%s\"", st_quote(q, field));
+            return jfail(j, "unknown field \"%s\"", sf_quote(q, field));
         }
         if (jeat(j, '}')) break;
         if (!jeat(j, ',')) return jsyntax(j, "expected ',' or '}'");
@@ -3722,11 +3722,11 @@ static int st_parse_tensor(Json *j, StTensor *t, const uint8_t *data, size_t dat
     int dt = -1;
     for (int k = 0; k < ST_DTYPES; k++)
         if (!strcmp(dtype, ST_DTYPE_NAMES[k])) dt = k;
-    if (dt < 0) return jfail(j, "dtype \"%s\" is not supported (segnet reads F32, F16, BF16, I64)", st_quote(q, dtype));
+    if (dt < 0) return jfail(j, "dtype \"%s\" is not supported (segnet reads F32, F16, BF16, I64)", sf_quote(q, dtype));
     t->dtype = (DType)dt;
     size_t elem = dtype_size(t->dtype);
-    st_shape_str(shape, sizeof shape, t->dims, t->ndim);
-    if (st_numel(t->dims, t->ndim, elem, &t->numel))
+    sf_shape_str(shape, sizeof shape, t->dims, t->ndim);
+    if (sf_numel(t->dims, t->ndim, elem, &t->numel))
         return jfail(j, "shape %s overflows: its byte size does not fit in size_t", shape);
     if (off[0] > off[1])
         return jfail(j, "data_offsets [%" PRId64 ", %" PRId64 "]: begin > end", off[0], off[1]);
@@ -3742,8 +3742,8 @@ static int st_parse_tensor(Json *j, StTensor *t, const uint8_t *data, size_t dat
 
 // "__metadata__": {"key": "value", ...}; keys and values of any length (the
 // header's limit bounds them), each in its own allocation
-static int st_parse_meta(Json *j, StFile *f, size_t *cap) {
-    char q[ST_QUOTE_MAX + 4];
+static int sf_parse_meta(Json *j, SafetensorsFile *f, size_t *cap) {
+    char q[SF_QUOTE_MAX + 4];
     if (!jeat(j, '{')) return jfail(j, "\"__metadata__\" must be an object of strings");
     if (!jeat(j, '}')) for (;;) {
         if (f->n_meta == INT32_MAX) return jfail(j, "too many \"__metadata__\" entries");
@@ -3758,10 +3758,10 @@ static int st_parse_meta(Json *j, StFile *f, size_t *cap) {
         }
         char **key = &f->meta_keys[f->n_meta], **val = &f->meta_values[f->n_meta];
         *key = *val = NULL;
-        f->n_meta++;  // owned from here: st_free frees what is set
+        f->n_meta++;  // owned from here: safetensors_free frees what is set
         if (jstring_alloc(j, key)) return -1;
         if (!jeat(j, ':')) return jsyntax(j, "expected ':'");
-        if (jpeek(j) != '"') return jfail(j, "\"__metadata__\" '%s': value must be a string", st_quote(q, *key));
+        if (jpeek(j) != '"') return jfail(j, "\"__metadata__\" '%s': value must be a string", sf_quote(q, *key));
         if (jstring_alloc(j, val)) return -1;
         if (jeat(j, '}')) break;
         if (!jeat(j, ',')) return jsyntax(j, "expected ',' or '}' in \"__metadata__\"");
@@ -3769,8 +3769,8 @@ static int st_parse_meta(Json *j, StFile *f, size_t *cap) {
     return 0;
 }
 
-static int st_parse_header(Json *j, StFile *f, const uint8_t *data, size_t data_len) {
-    char name[SN_NAME_MAX], q[ST_QUOTE_MAX + 4];
+static int sf_parse_header(Json *j, SafetensorsFile *f, const uint8_t *data, size_t data_len) {
+    char name[SN_NAME_MAX], q[SF_QUOTE_MAX + 4];
     size_t len, cap_t = 0, cap_m = 0;
     int have_meta = 0;
     if (!jeat(j, '{'))
@@ -3780,24 +3780,24 @@ static int st_parse_header(Json *j, StFile *f, const uint8_t *data, size_t data_
         if (!jeat(j, ':')) return jsyntax(j, "expected ':'");
         if (!strcmp(name, "__metadata__")) {
             if (have_meta++) return jfail(j, "\"__metadata__\" appears twice");
-            if (st_parse_meta(j, f, &cap_m)) return -1;
+            if (sf_parse_meta(j, f, &cap_m)) return -1;
         } else {
             if (len >= SN_NAME_MAX)
                 return jfail(j, "tensor name '%s' is %zu bytes, longer than the %d allowed",
-                             st_quote(q, name), len, SN_NAME_MAX - 1);
+                             sf_quote(q, name), len, SN_NAME_MAX - 1);
             if (f->n_tensors == INT32_MAX) return jfail(j, "too many tensors");
             if ((size_t)f->n_tensors == cap_t) {
                 size_t c = cap_t ? 2 * cap_t : 16;
-                StTensor *t = realloc(f->tensors, c * sizeof *t);
+                SafetensorsTensor *t = realloc(f->tensors, c * sizeof *t);
                 if (!t) return jfail(j, "out of memory reading the header");
                 f->tensors = t;
                 cap_t = c;
             }
-            StTensor *t = &f->tensors[f->n_tensors];
+            SafetensorsTensor *t = &f->tensors[f->n_tensors];
             memset(t, 0, sizeof *t);
             memcpy(t->name, name, len + 1);
             j->tensor = t->name;
-            if (st_parse_tensor(j, t, data, data_len)) return -1;
+            if (sf_parse_tensor(j, t, data, data_len)) return -1;
             j->tensor = NULL;
             f->n_tensors++;
         }
@@ -3814,7 +3814,7 @@ static int st_parse_header(Json *j, StFile *f, const uint8_t *data, size_t data_
 static int cmp_name(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
 
 // The first name (in sorted order) that occurs twice, or NULL. Sorts names.
-static const char *st_duplicate(const char **names, size_t n) {
+static const char *sf_duplicate(const char **names, size_t n) {
     qsort(names, n, sizeof *names, cmp_name);
     for (size_t i = 1; i < n; i++)
         if (!strcmp(names[i - 1], names[i])) return names[i];
@@ -3822,34 +3822,34 @@ static const char *st_duplicate(const char **names, size_t n) {
 }
 
 static int cmp_tensor_begin(const void *a, const void *b) {
-    const uint8_t *x = (*(const StTensor *const *)a)->data, *y = (*(const StTensor *const *)b)->data;
+    const uint8_t *x = (*(const SafetensorsTensor *const *)a)->data, *y = (*(const SafetensorsTensor *const *)b)->data;
     return x < y ? -1 : x > y;
 }
 
 // Names are unique; non-empty tensors do not overlap (empty ones cover no byte).
-static int st_check_layout(const StFile *f, const uint8_t *data, const char *path, char *err) {
+static int sf_check_layout(const SafetensorsFile *f, const uint8_t *data, const char *path, char *err) {
     size_t n = (size_t)f->n_tensors;
-    char q1[ST_QUOTE_MAX + 4], q2[ST_QUOTE_MAX + 4];
+    char q1[SF_QUOTE_MAX + 4], q2[SF_QUOTE_MAX + 4];
     const char **names = malloc(sizeof *names * (n ? n : 1));
-    const StTensor **by_begin = malloc(sizeof *by_begin * (n ? n : 1));
+    const SafetensorsTensor **by_begin = malloc(sizeof *by_begin * (n ? n : 1));
     int rc = -1;
-    if (!names || !by_begin) { st_errf(err, "%s: out of memory checking the tensor table", path); goto done; }
+    if (!names || !by_begin) { sf_errf(err, "%s: out of memory checking the tensor table", path); goto done; }
     for (size_t i = 0; i < n; i++) names[i] = f->tensors[i].name;
-    const char *dup = st_duplicate(names, n);
-    if (dup) { st_errf(err, "%s: tensor '%s' appears twice (duplicate name)", path, st_quote(q1, dup)); goto done; }
+    const char *dup = sf_duplicate(names, n);
+    if (dup) { sf_errf(err, "%s: tensor '%s' appears twice (duplicate name)", path, sf_quote(q1, dup)); goto done; }
     size_t m = 0;
     for (size_t i = 0; i < n; i++)
         if (f->tensors[i].numel) by_begin[m++] = &f->tensors[i];
     qsort(by_begin, m, sizeof *by_begin, cmp_tensor_begin);
     // sorted by begin, each must start at or after the furthest end so far
-    const StTensor *reach = NULL;
+    const SafetensorsTensor *reach = NULL;
     const uint8_t *reach_end = NULL;
     for (size_t i = 0; i < m; i++) {
-        const StTensor *t = by_begin[i];
+        const SafetensorsTensor *t = by_begin[i];
         const uint8_t *b = t->data, *e = b + t->numel * dtype_size(t->dtype);
         if (reach && b < reach_end) {
-            st_errf(err, "%s: tensors '%s' and '%s' overlap in the data section: bytes [%zu, %zu) and [%zu, %zu)",
-                    path, st_quote(q1, reach->name), st_quote(q2, t->name), (size_t)((const uint8_t *)reach->data - data),
+            sf_errf(err, "%s: tensors '%s' and '%s' overlap in the data section: bytes [%zu, %zu) and [%zu, %zu)",
+                    path, sf_quote(q1, reach->name), sf_quote(q2, t->name), (size_t)((const uint8_t *)reach->data - data),
                     (size_t)(reach_end - data), (size_t)(b - data), (size_t)(e - data));
             goto done;
         }
@@ -3862,7 +3862,7 @@ done:
     return rc;
 }
 
-void st_free(StFile *f) {
+void safetensors_free(SafetensorsFile *f) {
     free(f->tensors);
     for (int i = 0; i < f->n_meta; i++) { free(f->meta_keys[i]); free(f->meta_values[i]); }
     free(f->meta_keys);
@@ -3904,53 +3904,53 @@ static FILE *fopen_regular(const char *path, const char *mode, char err[SN_ERR_M
     return f;
 }
 
-int st_read(const char *path, StFile *f, char err[SN_ERR_MAX]) {
+int safetensors_read(const char *path, SafetensorsFile *f, char err[SN_ERR_MAX]) {
     memset(f, 0, sizeof *f);
     struct stat sb;
     const char *why;
     FILE *fp = fopen_regular_stat(path, "rb", &sb, &why);
-    if (!fp) { st_errf(err, "%s: cannot open: %s", path, why); return -1; }
-    if ((uint64_t)sb.st_size > SIZE_MAX) { st_errf(err, "%s: too large to load", path); fclose(fp); return -1; }
+    if (!fp) { sf_errf(err, "%s: cannot open: %s", path, why); return -1; }
+    if ((uint64_t)sb.st_size > SIZE_MAX) { sf_errf(err, "%s: too large to load", path); fclose(fp); return -1; }
     size_t n = (size_t)sb.st_size;
     f->bytes = malloc(n ? n : 1);
-    if (!f->bytes) { st_errf(err, "%s: out of memory loading %zu bytes", path, n); fclose(fp); return -1; }
+    if (!f->bytes) { sf_errf(err, "%s: out of memory loading %zu bytes", path, n); fclose(fp); return -1; }
     size_t got = fread(f->bytes, 1, n, fp);
     int read_err = ferror(fp);
     fclose(fp);
     if (got != n) {
-        st_errf(err, "%s: %s after %zu of %zu bytes", path, read_err ? "read error" : "file shrank while reading", got, n);
-        st_free(f);
+        sf_errf(err, "%s: %s after %zu of %zu bytes", path, read_err ? "read error" : "file shrank while reading", got, n);
+        safetensors_free(f);
         return -1;
     }
     f->n_bytes = n;
     if (n < 8) {
-        st_errf(err, "%s: file is %zu bytes, too short for safetensors (an 8-byte header length comes first)", path, n);
-        st_free(f);
+        sf_errf(err, "%s: file is %zu bytes, too short for safetensors (an 8-byte header length comes first)", path, n);
+        safetensors_free(f);
         return -1;
     }
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--) hlen = hlen << 8 | f->bytes[i];
     if (hlen > n - 8) {
-        st_errf(err, "%s: header length %" PRIu64 " runs past the end of the file (%zu bytes): truncated or not safetensors",
+        sf_errf(err, "%s: header length %" PRIu64 " runs past the end of the file (%zu bytes): truncated or not safetensors",
                 path, hlen, n);
-        st_free(f);
+        safetensors_free(f);
         return -1;
     }
     if (hlen > ST_HEADER_MAX) {
-        st_errf(err, "%s: header length %" PRIu64 " is absurd (over %" PRIu64 " MB)", path, hlen, ST_HEADER_MAX >> 20);
-        st_free(f);
+        sf_errf(err, "%s: header length %" PRIu64 " is absurd (over %" PRIu64 " MB)", path, hlen, ST_HEADER_MAX >> 20);
+        safetensors_free(f);
         return -1;
     }
     Json j = {f->bytes + 8, f->bytes + 8, f->bytes + 8 + hlen, path, NULL, err};
     const uint8_t *data = f->bytes + 8 + hlen;
-    if (st_parse_header(&j, f, data, n - 8 - (size_t)hlen) || st_check_layout(f, data, path, err)) {
-        st_free(f);
+    if (sf_parse_header(&j, f, data, n - 8 - (size_t)hlen) || sf_check_layout(f, data, path, err)) {
+        safetensors_free(f);
         return -1;
     }
     return 0;
 }
 
-const StTensor *st_find(const StFile *f, const char *name) {
+const SafetensorsTensor *safetensors_find(const SafetensorsFile *f, const char *name) {
     for (int i = 0; i < f->n_tensors; i++)
         if (!strcmp(f->tensors[i].name, name)) return &f->tensors[i];
     return NULL;
@@ -3958,9 +3958,9 @@ const StTensor *st_find(const StFile *f, const char *name) {
 
 // ---- writing
 
-typedef struct { char *p; size_t n, cap; int oom; } StBuf;
+typedef struct { char *p; size_t n, cap; int oom; } SfBuf;
 
-static void sb_put(StBuf *b, const char *s, size_t k) {
+static void sb_put(SfBuf *b, const char *s, size_t k) {
     if (b->oom) return;
     if (b->n + k > b->cap) {
         size_t c = b->cap ? b->cap : 256;
@@ -3973,10 +3973,10 @@ static void sb_put(StBuf *b, const char *s, size_t k) {
     memcpy(b->p + b->n, s, k);
     b->n += k;
 }
-static void sb_str(StBuf *b, const char *s) { sb_put(b, s, strlen(s)); }
+static void sb_str(SfBuf *b, const char *s) { sb_put(b, s, strlen(s)); }
 
 // a JSON string: '"' and '\' escaped, control bytes as \u00XX, UTF-8 as is
-static void sb_json(StBuf *b, const char *s) {
+static void sb_json(SfBuf *b, const char *s) {
     sb_put(b, "\"", 1);
     for (; *s; s++) {
         char e[8];
@@ -3987,55 +3987,55 @@ static void sb_json(StBuf *b, const char *s) {
     sb_put(b, "\"", 1);
 }
 
-// Refuses what st_read would refuse, so every file written reads back.
-static int st_check_write_args(const char *path, const StTensor *ts, int n, const char *const *mk,
+// Refuses what safetensors_read would refuse, so every file written reads back.
+static int sf_check_write_args(const char *path, const SafetensorsTensor *ts, int n, const char *const *mk,
                                const char *const *mv, int n_meta, char *err) {
-    char q[ST_QUOTE_MAX + 4];
+    char q[SF_QUOTE_MAX + 4];
     if (n < 0 || n_meta < 0 || (n && !ts) || (n_meta && (!mk || !mv))) {
-        st_errf(err, "%s: bad arguments (%d tensors, %d metadata entries)", path, n, n_meta);
+        sf_errf(err, "%s: bad arguments (%d tensors, %d metadata entries)", path, n, n_meta);
         return -1;
     }
     for (int i = 0; i < n; i++) {
-        const StTensor *t = &ts[i];
+        const SafetensorsTensor *t = &ts[i];
         if (strnlen(t->name, SN_NAME_MAX) == SN_NAME_MAX) {
-            st_errf(err, "%s: tensor %d: name is not NUL-terminated within %d bytes", path, i, SN_NAME_MAX);
+            sf_errf(err, "%s: tensor %d: name is not NUL-terminated within %d bytes", path, i, SN_NAME_MAX);
             return -1;
         }
-        const char *nm = st_quote(q, t->name);
+        const char *nm = sf_quote(q, t->name);
         size_t numel;
         if (!utf8_valid(t->name) || !strcmp(t->name, "__metadata__")) {
-            st_errf(err, "%s: tensor '%s': invalid name (not UTF-8, or \"__metadata__\")", path, nm);
+            sf_errf(err, "%s: tensor '%s': invalid name (not UTF-8, or \"__metadata__\")", path, nm);
             return -1;
         }
-        if ((unsigned)t->dtype >= (unsigned)ST_DTYPES) { st_errf(err, "%s: tensor '%s': unknown dtype %d", path, nm, (int)t->dtype); return -1; }
+        if ((unsigned)t->dtype >= (unsigned)ST_DTYPES) { sf_errf(err, "%s: tensor '%s': unknown dtype %d", path, nm, (int)t->dtype); return -1; }
         if (t->ndim < 0 || t->ndim > ST_MAX_DIMS) {
-            st_errf(err, "%s: tensor '%s': ndim %d is outside 0..%d", path, nm, t->ndim, ST_MAX_DIMS);
+            sf_errf(err, "%s: tensor '%s': ndim %d is outside 0..%d", path, nm, t->ndim, ST_MAX_DIMS);
             return -1;
         }
         for (int d = 0; d < t->ndim; d++)
-            if (t->dims[d] < 0) { st_errf(err, "%s: tensor '%s': negative dimension %" PRId64, path, nm, t->dims[d]); return -1; }
-        if (st_numel(t->dims, t->ndim, dtype_size(t->dtype), &numel) || numel != t->numel) {
-            st_errf(err, "%s: tensor '%s': numel %zu does not match its shape", path, nm, t->numel);
+            if (t->dims[d] < 0) { sf_errf(err, "%s: tensor '%s': negative dimension %" PRId64, path, nm, t->dims[d]); return -1; }
+        if (sf_numel(t->dims, t->ndim, dtype_size(t->dtype), &numel) || numel != t->numel) {
+            sf_errf(err, "%s: tensor '%s': numel %zu does not match its shape", path, nm, t->numel);
             return -1;
         }
-        if (numel && !t->data) { st_errf(err, "%s: tensor '%s': data is NULL", path, nm); return -1; }
+        if (numel && !t->data) { sf_errf(err, "%s: tensor '%s': data is NULL", path, nm); return -1; }
     }
     for (int i = 0; i < n_meta; i++) {
         if (!mk[i] || !mv[i] || !utf8_valid(mk[i]) || !utf8_valid(mv[i])) {
-            st_errf(err, "%s: metadata entry %d: key and value must be UTF-8 strings", path, i);
+            sf_errf(err, "%s: metadata entry %d: key and value must be UTF-8 strings", path, i);
             return -1;
         }
     }
     const char **names = malloc(sizeof *names * (size_t)(n > n_meta ? n : n_meta ? n_meta : 1));
-    if (!names) { st_errf(err, "%s: out of memory", path); return -1; }
+    if (!names) { sf_errf(err, "%s: out of memory", path); return -1; }
     const char *dup;
     for (int i = 0; i < n; i++) names[i] = ts[i].name;
-    if ((dup = st_duplicate(names, (size_t)n)))
-        st_errf(err, "%s: tensor '%s' appears twice (duplicate name)", path, st_quote(q, dup));
+    if ((dup = sf_duplicate(names, (size_t)n)))
+        sf_errf(err, "%s: tensor '%s' appears twice (duplicate name)", path, sf_quote(q, dup));
     else {
         for (int i = 0; i < n_meta; i++) names[i] = mk[i];
-        if ((dup = st_duplicate(names, (size_t)n_meta)))
-            st_errf(err, "%s: metadata key '%s' appears twice", path, st_quote(q, dup));
+        if ((dup = sf_duplicate(names, (size_t)n_meta)))
+            sf_errf(err, "%s: metadata key '%s' appears twice", path, sf_quote(q, dup));
     }
     free(names);
     return dup ? -1 : 0;
@@ -4095,12 +4095,12 @@ int file_write_atomic(const char *path, const void *const *parts, const size_t *
     return atomic_file_commit(f, tmp, path, ok, err);
 }
 
-int st_write(const char *path, const StTensor *tensors, int n, const char *const *meta_keys,
+int safetensors_write(const char *path, const SafetensorsTensor *tensors, int n, const char *const *meta_keys,
              const char *const *meta_values, int n_meta, char err[SN_ERR_MAX]) {
-    if (st_check_write_args(path, tensors, n, meta_keys, meta_values, n_meta, err)) return -1;
+    if (sf_check_write_args(path, tensors, n, meta_keys, meta_values, n_meta, err)) return -1;
 
     // the header: compact JSON, "__metadata__" first, tensors contiguous in order
-    StBuf h = {0};
+    SfBuf h = {0};
     char num[64];
     size_t off = 0;
     sb_str(&h, "{");
@@ -4115,9 +4115,9 @@ int st_write(const char *path, const StTensor *tensors, int n, const char *const
         sb_str(&h, "}");
     }
     for (int i = 0; i < n; i++) {
-        const StTensor *t = &tensors[i];
+        const SafetensorsTensor *t = &tensors[i];
         size_t bytes = t->numel * dtype_size(t->dtype);
-        if (off > SIZE_MAX - bytes) { free(h.p); st_errf(err, "%s: total size overflows", path); return -1; }
+        if (off > SIZE_MAX - bytes) { free(h.p); sf_errf(err, "%s: total size overflows", path); return -1; }
         sb_str(&h, n_meta || i ? "," : "");
         sb_json(&h, t->name);
         sb_str(&h, ":{\"dtype\":\"");
@@ -4133,7 +4133,7 @@ int st_write(const char *path, const StTensor *tensors, int n, const char *const
     }
     sb_str(&h, "}");
     while ((8 + h.n) % 8) sb_str(&h, " ");  // the data section starts 8-byte aligned
-    if (h.oom) { free(h.p); st_errf(err, "%s: out of memory building the header", path); return -1; }
+    if (h.oom) { free(h.p); sf_errf(err, "%s: out of memory building the header", path); return -1; }
     uint8_t len8[8];
     for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)h.n >> (8 * i));
 
@@ -4147,7 +4147,7 @@ int st_write(const char *path, const StTensor *tensors, int n, const char *const
         for (int i = 0; i < n; i++) { parts[2 + i] = tensors[i].data; sizes[2 + i] = tensors[i].numel * dtype_size(tensors[i].dtype); }
         rc = file_write_atomic(path, parts, sizes, n_parts, err);
     } else {
-        st_errf(err, "%s: out of memory", path);
+        sf_errf(err, "%s: out of memory", path);
     }
     free(parts); free(sizes); free(h.p);
     return rc;
@@ -4177,7 +4177,7 @@ static void ohwi_to_oihw(const float *src, float *dst, int n_out, int n_in, int 
 }
 
 // a file tensor's values as fp32 (its data may be unaligned and fp16/bf16/int64)
-void st_tensor_f32(const StTensor *t, float *dst) {
+void st_tensor_f32(const SafetensorsTensor *t, float *dst) {
     const uint8_t *p = (const uint8_t *)t->data;
     for (size_t i = 0; i < t->numel; i++) {
         if (t->dtype == DT_F32) { memcpy(&dst[i], p + 4 * i, 4); continue; }
@@ -4270,20 +4270,20 @@ static int has_prefix_in(const char *name, const char *prefixes) {
     return 0;
 }
 
-int net_load_weights(Net *net, const StFile *f, const char *path, const char *allow_missing, int allow_unexpected,
+int net_load_weights(Net *net, const SafetensorsFile *f, const char *path, const char *allow_missing, int allow_unexpected,
                      char err[SN_ERR_MAX]) {
     const LoadRules rules = {allow_missing, allow_unexpected ? "*" : NULL};
     return net_load_weights_rules(net, f, path, &rules, NULL, err);
 }
 
-int net_load_weights_rules(Net *net, const StFile *f, const char *path, const LoadRules *rules, char *report,
+int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path, const LoadRules *rules, char *report,
                            char err[SN_ERR_MAX]) {
     const Graph *g = net->g;
     const char *allow_missing = rules ? rules->init : NULL;
     int n_loaded = 0, n_timm = 0, n_init = 0, n_ignored = 0;
     char init_list[256] = "", ignored_list[256] = "";
     const int n_entries = g->n_params + g->n_buffers;
-    const StTensor **src = calloc((size_t)n_entries, sizeof *src);
+    const SafetensorsTensor **src = calloc((size_t)n_entries, sizeof *src);
     char *used = calloc((size_t)f->n_tensors + 1, 1);
     snCheck(src && used, "out of host memory");
     char missing[256] = "", wrong[384] = "", unexpected[256] = "";
@@ -4291,9 +4291,9 @@ int net_load_weights_rules(Net *net, const StFile *f, const char *path, const Lo
     // first every check, then the copy: a refused file changes nothing
     for (int e = 0; e < n_entries; e++) {
         const ParamInfo *p = e < g->n_params ? &g->params[e] : &g->buffers[e - g->n_params];
-        const StTensor *t = st_find(f, p->name);
+        const SafetensorsTensor *t = safetensors_find(f, p->name);
         char alias[SN_NAME_MAX];
-        if (!t && effnet_timm_name(g, p->name, alias) && (t = st_find(f, alias)) != NULL) n_timm++;  // timm's naming
+        if (!t && effnet_timm_name(g, p->name, alias) && (t = safetensors_find(f, alias)) != NULL) n_timm++;  // timm's naming
         int skippable = has_prefix_in(p->name, allow_missing);
         if (t) used[t - f->tensors] = 1;
         int64_t want[4];
@@ -4364,17 +4364,17 @@ int net_load_weights_rules(Net *net, const StFile *f, const char *path, const Lo
     return refuse ? -1 : 0;
 }
 
-static const char *st_meta(const StFile *f, const char *key);
-int weights_padding(const StFile *f, PadMode *pad, const char **why) {
-    const char *meta = st_meta(f, "padding");
+static const char *safetensors_meta(const SafetensorsFile *f, const char *key);
+int weights_padding(const SafetensorsFile *f, PadMode *pad, const char **why) {
+    const char *meta = safetensors_meta(f, "padding");
     if (meta && (!strcmp(meta, "same") || !strcmp(meta, "symmetric"))) {
         *pad = strcmp(meta, "same") ? PAD_SYMMETRIC : PAD_SAME;
         *why = "from the file's metadata";
         return 1;
     }
-    if (st_meta(f, "epoch")) return 0;  // a segnet checkpoint from before the padding was recorded
-    if (st_find(f, "conv_stem.weight")) { *pad = PAD_SAME; *why = "timm's tf_efficientnetv2 names: TensorFlow's SAME"; return 1; }
-    if (st_find(f, "features.0.0.weight")) { *pad = PAD_SYMMETRIC; *why = "torchvision names"; return 1; }
+    if (safetensors_meta(f, "epoch")) return 0;  // a segnet checkpoint from before the padding was recorded
+    if (safetensors_find(f, "conv_stem.weight")) { *pad = PAD_SAME; *why = "timm's tf_efficientnetv2 names: TensorFlow's SAME"; return 1; }
+    if (safetensors_find(f, "features.0.0.weight")) { *pad = PAD_SYMMETRIC; *why = "torchvision names"; return 1; }
     return 0;
 }
 
@@ -4383,8 +4383,8 @@ int padding_follow_weights(ModelCfg *m, const char *weights, const char *cmd, ch
     note[0] = 0;
     const char *model = m->model;
     if (!weights || !(eff_spec(model) || (!strncmp(model, "unet-", 5) && eff_spec(model + 5)))) return 0;
-    StFile f;
-    if (st_read(weights, &f, err)) return -1;
+    SafetensorsFile f;
+    if (safetensors_read(weights, &f, err)) return -1;
     PadMode pad;
     const char *why;
     if (!weights_padding(&f, &pad, &why)) {
@@ -4399,7 +4399,7 @@ int padding_follow_weights(ModelCfg *m, const char *weights, const char *cmd, ch
                     PAD_NAME[m->pad], PAD_NAME[pad], why);
         snprintf(note, SN_ERR_MAX, "padding %s (--padding%s)", PAD_NAME[m->pad], m->pad != pad ? ", against the weights" : "");
     }
-    st_free(&f);
+    safetensors_free(&f);
     return 0;
 }
 
@@ -4407,7 +4407,7 @@ int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]) {
     return net_save_checkpoint(net, path, NULL, 0, NULL, NULL, 0, err);
 }
 
-int net_save_checkpoint(const Net *net, const char *path, const StTensor *extra, int n_extra,
+int net_save_checkpoint(const Net *net, const char *path, const SafetensorsTensor *extra, int n_extra,
                         const char *const *meta_keys, const char *const *meta_values, int n_meta,
                         char err[SN_ERR_MAX]) {
     const Graph *g = net->g;
@@ -4415,7 +4415,7 @@ int net_save_checkpoint(const Net *net, const char *path, const StTensor *extra,
     const int n_model = g->n_params + g->n_buffers, n = n_model + n_extra;
     size_t total = g->n_param_floats + g->n_buffer_floats;
     float *host = malloc(sizeof(float) * (total ? total : 1)), *tmp = malloc(sizeof(float) * (total ? total : 1));
-    StTensor *ts = calloc((size_t)n, sizeof *ts);
+    SafetensorsTensor *ts = calloc((size_t)n, sizeof *ts);
     snCheck(host && tmp && ts, "out of host memory");
     o->download(o, host, net->params, sizeof(float) * g->n_param_floats);
     o->download(o, host + g->n_param_floats, net->buffers, sizeof(float) * g->n_buffer_floats);
@@ -4428,7 +4428,7 @@ int net_save_checkpoint(const Net *net, const char *path, const StTensor *extra,
             ohwi_to_oihw(v, t, p->dims[0], p->dims[3], p->dims[1], p->dims[2]);
             v = t;
         }
-        StTensor *t = &ts[e];
+        SafetensorsTensor *t = &ts[e];
         snprintf(t->name, sizeof t->name, "%s", p->name);
         t->dtype = DT_F32;
         t->ndim = p->ndim;
@@ -4442,7 +4442,7 @@ int net_save_checkpoint(const Net *net, const char *path, const StTensor *extra,
     keys[0] = "format"; values[0] = "segnet";
     keys[1] = "layout"; values[1] = "pytorch (conv weights OIHW)";
     for (int k = 0; k < n_meta; k++) { keys[2 + k] = meta_keys[k]; values[2 + k] = meta_values[k]; }
-    int rc = st_write(path, ts, n, keys, values, n_meta + 2, err);
+    int rc = safetensors_write(path, ts, n, keys, values, n_meta + 2, err);
     free(host); free(tmp); free(ts); free(keys); free(values);
     return rc;
 }
@@ -4870,12 +4870,12 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
         return -1;
     }
     Net net;
-    StFile wf;
+    SafetensorsFile wf;
     PathList list;
     int rc = -1;
     Ops *o = ops_for_device(pc->device, 0, err);
     if (!o || net_create(&net, &g, o, DT_F32, 0, err) != 0) { graph_free(&g); return -1; }
-    if (st_read(pc->weights, &wf, err) != 0) goto done_net;
+    if (safetensors_read(pc->weights, &wf, err) != 0) goto done_net;
     if (net_load_weights(&net, &wf, pc->weights, NULL, 0, err) != 0) goto done_weights;
     if (list_images(pc->input, &list, err) != 0) goto done_weights;
 
@@ -4935,7 +4935,7 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
 done_list:
     path_list_free(&list);
 done_weights:
-    st_free(&wf);
+    safetensors_free(&wf);
 done_net:
     net_free(&net);
     graph_free(&g);
@@ -6285,8 +6285,8 @@ typedef struct {
 #define WARN_SKIP_RUN 3               // or more than this many steps in a row (the loss scale fell each time)
 #define WARN_TRAIN_MODE_GAP 0.05      // the train metric below the validation one by more than this
 
-static void csv_num(StBuf *b, double v);                // ",value" with 6 decimals; "," for NaN
-static void csv_sig(StBuf *b, double v);                // ",value" with 6 significant digits; "," for NaN
+static void csv_num(SfBuf *b, double v);                // ",value" with 6 decimals; "," for NaN
+static void csv_sig(SfBuf *b, double v);                // ",value" with 6 significant digits; "," for NaN
 static const char *float_str(char buf[32], float v);   // the shortest decimal that reads back as v
 
 static void step_stats_reset(StepStats *st) { *st = (StepStats){0}; st->loss_scale = 1.0; st->update_ratio = NAN; }
@@ -6674,12 +6674,12 @@ static LoadRules finetune_rules(const TrainCfg *c, char *init, size_t size) {
 // Loads the initial weights of a training run (rules above; the report line
 // in `report`), or, with report NULL, weights to evaluate: every tensor.
 static int trainer_load_weights(Trainer *t, const char *path, char *report, char err[SN_ERR_MAX]) {
-    StFile f;
-    if (st_read(path, &f, err)) return -1;
+    SafetensorsFile f;
+    if (safetensors_read(path, &f, err)) return -1;
     char init[SN_ERR_MAX];
     const LoadRules strict = {NULL, NULL}, rules = report ? finetune_rules(t->c, init, sizeof init) : strict;
     int rc = net_load_weights_rules(&t->net, &f, path, &rules, report, err);
-    st_free(&f);
+    safetensors_free(&f);
     return rc;
 }
 
@@ -6846,7 +6846,7 @@ static int steps_log_row(Trainer *t, double lr) {
     double sums[2] = {st->loss_sum, st->label_sum}, v[STEP_STATS_N_COLUMNS];
     if (t->comm->size > 1 && t->comm->allreduce_f64(t->comm, sums, 2)) return -1;
     if (t->steps_csv) {
-        StBuf row = {0};
+        SfBuf row = {0};
         char s[96], lr_text[32];
         snprintf(s, sizeof s, "%" PRId64 ",%d,%s", t->step, t->epoch + 1, float_str(lr_text, (float)lr));
         sb_str(&row, s);
@@ -7150,7 +7150,7 @@ typedef struct {
 static void pass_saved_free(PassSaved *ps) { free(ps->sums); free(ps->cms); memset(ps, 0, sizeof *ps); }
 
 static char *pass_totals_text(const PassSaved *ps) {
-    StBuf b = {0};
+    SfBuf b = {0};
     char num[64];
     for (int r = 0; r < ps->replicas; r++) {
         snprintf(num, sizeof num, "%s%a %a", r ? ";" : "", ps->sums[2 * r], ps->sums[2 * r + 1]);
@@ -7206,7 +7206,7 @@ static int save_checkpoint(const Trainer *t, const char *path, const PassSaved *
     snCheck(m && v, "out of host memory");
     o->download(o, m, t->adam_m, sizeof(float) * P);
     o->download(o, v, t->adam_v, sizeof(float) * P);
-    StTensor extra[2];
+    SafetensorsTensor extra[2];
     memset(extra, 0, sizeof extra);
     for (int k = 0; k < 2; k++) {
         snprintf(extra[k].name, sizeof extra[k].name, TRAIN_STATE_PREFIX "%s", k ? "adam_v" : "adam_m");
@@ -7251,7 +7251,7 @@ static int save_checkpoint(const Trainer *t, const char *path, const PassSaved *
     return rc;
 }
 
-static const char *st_meta(const StFile *f, const char *key) {
+static const char *safetensors_meta(const SafetensorsFile *f, const char *key) {
     for (int i = 0; i < f->n_meta; i++) if (!strcmp(f->meta_keys[i], key)) return f->meta_values[i];
     return NULL;
 }
@@ -7314,15 +7314,15 @@ static int checkpoint_counters(const char *path, const char *const val[CHECKPOIN
 // Restores everything save_checkpoint wrote; checks it all before changing
 // anything. An interrupted epoch's position goes to ps (batch 0 if none).
 static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err[SN_ERR_MAX]) {
-    StFile f;
-    if (st_read(path, &f, err)) return -1;
+    SafetensorsFile f;
+    if (safetensors_read(path, &f, err)) return -1;
     size_t P = t->n_trainable;
-    const StTensor *m = st_find(&f, TRAIN_STATE_PREFIX "adam_m"), *v = st_find(&f, TRAIN_STATE_PREFIX "adam_v");
+    const SafetensorsTensor *m = safetensors_find(&f, TRAIN_STATE_PREFIX "adam_m"), *v = safetensors_find(&f, TRAIN_STATE_PREFIX "adam_v");
     const char *val[CHECKPOINT_KEYS];
     CheckpointCounters k;
     int rc = -1;
     for (int i = 0; i < CHECKPOINT_KEYS; i++)
-        if (!(val[i] = st_meta(&f, CHECKPOINT_META[i]))) {
+        if (!(val[i] = safetensors_meta(&f, CHECKPOINT_META[i]))) {
             snprintf(err, SN_ERR_MAX, "%.400s: not a segnet checkpoint (no '%s' in its metadata)", path, CHECKPOINT_META[i]);
             goto done;
         }
@@ -7338,7 +7338,7 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
         goto done;
     }
     if (checkpoint_counters(path, val, &k, err)) goto done;
-    const char *batch = st_meta(&f, "batch"), *totals = st_meta(&f, "pass_totals");
+    const char *batch = safetensors_meta(&f, "batch"), *totals = safetensors_meta(&f, "pass_totals");
     memset(ps, 0, sizeof *ps);
     if (batch || totals) {
         const int n_batches = (t->train.n + t->c->model.batch - 1) / t->c->model.batch;
@@ -7359,7 +7359,7 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
         if (pass_totals_parse(path, totals, t->K, ps, err)) { pass_saved_free(ps); goto done; }
     }
     // the diagnostics so far (a checkpoint without them: from here on)
-    const char *epoch_stats = st_meta(&f, "epoch_stats"), *log_stats = st_meta(&f, "log_stats");
+    const char *epoch_stats = safetensors_meta(&f, "epoch_stats"), *log_stats = safetensors_meta(&f, "log_stats");
     StepStats es, ls;
     step_stats_reset(&es);
     step_stats_reset(&ls);
@@ -7386,7 +7386,7 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
     t->log_stats = ls;
     rc = 0;
 done:
-    st_free(&f);
+    safetensors_free(&f);
     return rc;
 }
 
@@ -7402,7 +7402,7 @@ static void history_free(History *h) {
 }
 
 // the header; without `diagnostics` that of the runs written before the diagnostics' columns
-static void csv_header(const Trainer *t, StBuf *b, int diagnostics) {
+static void csv_header(const Trainer *t, SfBuf *b, int diagnostics) {
     sb_str(b, "epoch,lr,loss,val_loss");
     char name[64];
     for (int pass = 0; pass < 2; pass++) {
@@ -7416,19 +7416,19 @@ static void csv_header(const Trainer *t, StBuf *b, int diagnostics) {
 }
 
 // ",value" in `format` (a printf conversion of one double); "," for NaN
-static void csv_value(StBuf *b, double v, const char *format) {
+static void csv_value(SfBuf *b, double v, const char *format) {
     char s[48];
     s[0] = ',';
     if (isnan(v)) s[1] = 0;
     else snprintf(s + 1, sizeof s - 1, format, v);
     sb_str(b, s);
 }
-static void csv_num(StBuf *b, double v) { csv_value(b, v, "%.6f"); }
+static void csv_num(SfBuf *b, double v) { csv_value(b, v, "%.6f"); }
 
 // 6 significant digits: the diagnostics span decades
-static void csv_sig(StBuf *b, double v) { csv_value(b, v, "%.6g"); }
+static void csv_sig(SfBuf *b, double v) { csv_value(b, v, "%.6g"); }
 
-static void csv_metrics(const Trainer *t, StBuf *b, const Metrics *m) {
+static void csv_metrics(const Trainer *t, SfBuf *b, const Metrics *m) {
     if (!t->segmentation) { csv_num(b, m ? m->accuracy : NAN); return; }
     csv_num(b, m ? m->mean_iou : NAN);
     csv_num(b, m ? m->accuracy : NAN);
@@ -7452,7 +7452,7 @@ static int history_load(const Trainer *t, const char *path, History *h, char err
     FILE *f = fopen_regular(path, "r", err);
     if (!f && errno == ENOENT && t->epoch == 0) return 0;  // interrupted in its first epoch
     if (!f) return -1;
-    StBuf want = {0}, older = {0};
+    SfBuf want = {0}, older = {0};
     csv_header(t, &want, 1);
     csv_header(t, &older, 0);
     sb_put(&want, "", 1);
@@ -7516,7 +7516,7 @@ static int history_check_best(const Trainer *t, const History *h, const char *ru
 }
 
 static int history_write(const Trainer *t, const History *h, const char *run, char err[SN_ERR_MAX]) {
-    StBuf b = {0};
+    SfBuf b = {0};
     csv_header(t, &b, 1);
     sb_str(&b, "\n");
     for (int i = 0; i < h->n; i++) { sb_str(&b, h->rows[i]); sb_str(&b, "\n"); }
@@ -7539,7 +7539,7 @@ static const char *const STEPS_CSV_HEADER = "step,epoch,lr,loss,";
 static int steps_csv_start(Trainer *t, const char *run, char err[SN_ERR_MAX]) {
     char path[4200];
     run_path(path, sizeof path, run, "steps.csv");
-    StBuf b = {0};
+    SfBuf b = {0};
     sb_str(&b, STEPS_CSV_HEADER);
     sb_str(&b, STEP_STATS_COLUMNS);
     sb_str(&b, "\n");
@@ -7629,7 +7629,7 @@ static const char *monitor_name(const TrainCfg *c) {
 #define CLASSES_FILE "classes.txt"
 static int write_class_names(const Dataset *d, const char *run, char err[SN_ERR_MAX]) {
     if (!d->names) return 0;
-    StBuf b = {0};
+    SfBuf b = {0};
     for (int k = 0; k < d->n_names; k++) {
         if (strpbrk(d->names[k], "\r\n")) {
             snprintf(err, SN_ERR_MAX, "class name '%.100s' contains a line break", d->names[k]);
@@ -7671,7 +7671,7 @@ static int read_class_names(const char *run, char ***names) {
 
 // config.txt: `key = value`, one per setting, the keys being the train
 // flags without their dashes, so that --resume can read it back as flags.
-static void config_text(const TrainCfg *c, StBuf *b) {
+static void config_text(const TrainCfg *c, SfBuf *b) {
     char s[512];
     const ModelCfg *m = &c->model;
 #define CFG(...) do { snprintf(s, sizeof s, __VA_ARGS__); sb_str(b, s); } while (0)
@@ -7712,7 +7712,7 @@ static void config_text(const TrainCfg *c, StBuf *b) {
 }
 
 static int write_config(const TrainCfg *c, const char *run, char err[SN_ERR_MAX]) {
-    StBuf b = {0};
+    SfBuf b = {0};
     config_text(c, &b);
     sb_put(&b, "", 1);
     char path[4200];
@@ -8047,7 +8047,7 @@ static int train_replica(Comm *comm, void *arg) {
         if (c->patience > 0 && t.bad_epochs >= c->patience) t.finished = 1;  // stopped early: resuming does nothing
         int wrc = 0;
         if (root) {
-            StBuf row = {0};
+            SfBuf row = {0};
             char s[64];
             char lr_text[32];
             snprintf(s, sizeof s, "%d,%s", t.epoch, float_str(lr_text, (float)lr));
@@ -8208,19 +8208,19 @@ static const char *const EXPORT_NAMES[] = {"torchvision", "timm", "segnet"};  //
 // num_batches_tracked is the checkpoint's step. report: one line.
 int export_weights(const ModelCfg *m, const char *path, ExportNames names, const char *out, char report[SN_ERR_MAX],
                    char err[SN_ERR_MAX]) {
-    StFile f;
-    if (st_read(path, &f, err)) return -1;
+    SafetensorsFile f;
+    if (safetensors_read(path, &f, err)) return -1;
     Graph g;
     graph_init(&g);
     int rc = -1, n = 0;
-    StTensor *ts = calloc(2 * (size_t)f.n_tensors + 1, sizeof *ts);
+    SafetensorsTensor *ts = calloc(2 * (size_t)f.n_tensors + 1, sizeof *ts);
     snCheck(ts != NULL, "out of host memory");
-    const char *step_text = st_meta(&f, "step");
+    const char *step_text = safetensors_meta(&f, "step");
     int64_t step = 0;
     if (model_build(&g, m) < 0) { snprintf(err, SN_ERR_MAX, "%s", g.err); goto done; }
     if (step_text && meta_int(path, "step", step_text, 0, INT64_MAX, &step, err)) goto done;
     for (int i = 0; i < f.n_tensors; i++) {
-        const StTensor *t = &f.tensors[i];
+        const SafetensorsTensor *t = &f.tensors[i];
         if (!strncmp(t->name, TRAIN_STATE_PREFIX, strlen(TRAIN_STATE_PREFIX)) || strstr(t->name, BN_COUNT_SUFFIX)) continue;
         if (graph_find_param(&g, t->name) < 0 && graph_find_buffer(&g, t->name) < 0) {
             snprintf(err, SN_ERR_MAX, "%.300s: tensor '%.100s' is not one of model '%s''s (another model's checkpoint?)", path,
@@ -8236,8 +8236,8 @@ int export_weights(const ModelCfg *m, const char *path, ExportNames names, const
         n++;
         const size_t len = strlen(ts[n - 1].name), suffix = strlen(BN_STAT_SUFFIX);
         if (names != EXPORT_SEGNET && len > suffix && !strcmp(ts[n - 1].name + len - suffix, BN_STAT_SUFFIX)) {
-            const StTensor *var = &ts[n - 1];
-            StTensor *c = &ts[n++];
+            const SafetensorsTensor *var = &ts[n - 1];
+            SafetensorsTensor *c = &ts[n++];
             memset(c, 0, sizeof *c);
             if (len - suffix + strlen(BN_COUNT_SUFFIX) >= sizeof c->name) {
                 snprintf(err, SN_ERR_MAX, "'%.100s': its num_batches_tracked name is too long", var->name);
@@ -8252,14 +8252,14 @@ int export_weights(const ModelCfg *m, const char *path, ExportNames names, const
         }
     }
     const char *keys[2] = {"format", "padding"}, *values[2] = {"pt", PAD_NAME[m->pad]};
-    if (st_write(out, ts, n, keys, values, 2, err)) goto done;
+    if (safetensors_write(out, ts, n, keys, values, 2, err)) goto done;
     snprintf(report, SN_ERR_MAX, "wrote %.200s: %d tensors in %s names from %.200s (padding %s)", out, n, EXPORT_NAMES[names],
              path, PAD_NAME[m->pad]);
     rc = 0;
 done:
     free(ts);
     graph_free(&g);
-    st_free(&f);
+    safetensors_free(&f);
     return rc;
 }
 

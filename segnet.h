@@ -923,31 +923,31 @@ typedef struct {
     int ndim;                    // 0 for a scalar (shape [])
     int64_t dims[ST_MAX_DIMS];
     size_t numel;                // Π dims (1 for a scalar)
-    // st_read: points into StFile.bytes, with NO alignment guarantee (the data
+    // safetensors_read: points into SafetensorsFile.bytes, with NO alignment guarantee (the data
     // section starts wherever the header ends, and offsets are arbitrary):
-    // memcpy out of it, never cast it to float*. st_write: the caller's memory.
+    // memcpy out of it, never cast it to float*. safetensors_write: the caller's memory.
     const void *data;
-} StTensor;
+} SafetensorsTensor;
 
 typedef struct {
-    StTensor *tensors; int n_tensors;            // in header order
+    SafetensorsTensor *tensors; int n_tensors;            // in header order
     char **meta_keys, **meta_values;             // "__metadata__", in header order, each malloc'd
     int n_meta;
     uint8_t *bytes; size_t n_bytes;              // the whole file, owned
-} StFile;
+} SafetensorsFile;
 
 // Reads a whole file. Returns 0, or -1 with one line in err naming the file,
-// the problem and the tensor at fault (f is then empty; st_free is harmless).
+// the problem and the tensor at fault (f is then empty; safetensors_free is harmless).
 // Never reads outside the file. Accepts holes (unused bytes) in the data section.
-int st_read(const char *path, StFile *f, char err[SN_ERR_MAX]);
-void st_free(StFile *f);
-const StTensor *st_find(const StFile *f, const char *name);  // NULL if absent
+int safetensors_read(const char *path, SafetensorsFile *f, char err[SN_ERR_MAX]);
+void safetensors_free(SafetensorsFile *f);
+const SafetensorsTensor *safetensors_find(const SafetensorsFile *f, const char *name);  // NULL if absent
 
 // Writes tensors (laid out in order, contiguous) and optional string metadata.
 // Atomic: writes "<path>.tmp.<pid>", fsyncs it, renames it over path, fsyncs
 // the directory. Returns 0, or -1 with err set; on failure before the rename
 // the temporary is removed and a file already at path is untouched.
-int st_write(const char *path, const StTensor *tensors, int n, const char *const *meta_keys,
+int safetensors_write(const char *path, const SafetensorsTensor *tensors, int n, const char *const *meta_keys,
              const char *const *meta_values, int n_meta, char err[SN_ERR_MAX]);
 
 // Writes the n_parts buffers one after another to path, atomically: to
@@ -963,7 +963,7 @@ int file_write_atomic(const char *path, const void *const *parts, const size_t *
 // load with their names in err. Names starting with allow_missing (e.g.
 // "classifier.") may be absent or of another shape (a new head): they keep
 // their current values.
-int net_load_weights(Net *net, const StFile *f, const char *path, const char *allow_missing, int allow_unexpected,
+int net_load_weights(Net *net, const SafetensorsFile *f, const char *path, const char *allow_missing, int allow_unexpected,
                      char err[SN_ERR_MAX]);
 // The same with a report: `init` and `ignore` are comma-separated name
 // prefixes; model tensors under `init` may be absent or of another shape
@@ -978,26 +978,26 @@ typedef struct { const char *init, *ignore; } LoadRules;
 // tf_efficientnetv2 names (TensorFlow's SAME) or torchvision's names
 // (symmetric). 1 with *pad and `why` set, 0 when the file does not say
 // (segnet checkpoints from before the metadata, other names).
-int weights_padding(const StFile *f, PadMode *pad, const char **why);
+int weights_padding(const SafetensorsFile *f, PadMode *pad, const char **why);
 // For a run with --weights on an EfficientNetV2 (or unet-effv2-*) model: with
 // no --padding, the weights' padding becomes m->pad; a --padding that
 // contradicts them gets a warning on stderr (`cmd` names the command). `note`
 // (SN_ERR_MAX bytes) receives "padding P (why)" for the report. -1 on an
 // unreadable file.
 int padding_follow_weights(ModelCfg *m, const char *weights, const char *cmd, char *note, char err[SN_ERR_MAX]);
-int net_load_weights_rules(Net *net, const StFile *f, const char *path, const LoadRules *rules, char *report,
+int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path, const LoadRules *rules, char *report,
                            char err[SN_ERR_MAX]);
 int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]);
 // Training checkpoints: the weights as above plus `extra` tensors (named
 // TRAIN_STATE_PREFIX..., which loading weights ignores) and string metadata.
 #define TRAIN_STATE_PREFIX "train_state."
-int net_save_checkpoint(const Net *net, const char *path, const StTensor *extra, int n_extra,
+int net_save_checkpoint(const Net *net, const char *path, const SafetensorsTensor *extra, int n_extra,
                         const char *const *meta_keys, const char *const *meta_values, int n_meta,
                         char err[SN_ERR_MAX]);
 // timm's name (tf_efficientnetv2_*) for an EfficientNetV2 tensor of g; 0 if none.
 // Loading finds a tensor by its segnet/torchvision name, else by this one.
 int effnet_timm_name(const Graph *g, const char *name, char out[SN_NAME_MAX]);
-void st_tensor_f32(const StTensor *t, float *dst);  // values as fp32, whatever the dtype
+void st_tensor_f32(const SafetensorsTensor *t, float *dst);  // values as fp32, whatever the dtype
 
 // ----------------------------------------------------------------------------
 // images and classifier prediction

@@ -1445,7 +1445,7 @@ TEST(net_modes) {
 // files (each refused with a message naming the file, problem and tensor),
 // atomic replacement
 
-static void st_test_path(char *out, size_t cap, const char *tag) {
+static void sf_test_path(char *out, size_t cap, const char *tag) {
     snprintf(out, cap, "/tmp/segnet_test_%ld_%s.safetensors", (long)getpid(), tag);
 }
 
@@ -1482,8 +1482,8 @@ static int write_st_raw(const char *path, uint64_t header_len, const char *heade
     return rc;
 }
 
-static StTensor st_tensor(const char *name, DType dt, int ndim, const int64_t *dims, const void *data) {
-    StTensor t;
+static SafetensorsTensor sf_tensor(const char *name, DType dt, int ndim, const int64_t *dims, const void *data) {
+    SafetensorsTensor t;
     memset(&t, 0, sizeof t);
     snprintf(t.name, sizeof t.name, "%s", name);
     t.dtype = dt;
@@ -1504,7 +1504,7 @@ static uint16_t get_u16le(const void *q) { const uint8_t *p = q; return (uint16_
 
 TEST(safetensors_round_trip) {
     char path[256], err[SN_ERR_MAX] = "";
-    st_test_path(path, sizeof path, "round_trip");
+    sf_test_path(path, sizeof path, "round_trip");
     Rng r; rng_seed(&r, 11);
     float scalar = 3.25f, w[3 * 2 * 2 * 4];
     uint16_t h[5], b[2 * 3];
@@ -1513,13 +1513,13 @@ TEST(safetensors_round_trip) {
     for (int i = 0; i < 5; i++) h[i] = f32_to_f16(rng_normal(&r));
     for (int i = 0; i < 6; i++) b[i] = f32_to_bf16(rng_normal(&r));
     const int64_t dw[] = {3, 2, 2, 4}, dh[] = {5}, db[] = {2, 3}, de[] = {0, 7};
-    StTensor ts[] = {
-        st_tensor("scalar", DT_F32, 0, NULL, &scalar),
-        st_tensor("enc1.conv.weight", DT_F32, 4, dw, w),
-        st_tensor("half", DT_F16, 1, dh, h),
-        st_tensor("brain \"quoted\" \\ \xc3\xa9", DT_BF16, 2, db, b),
-        st_tensor("empty", DT_F32, 2, de, NULL),
-        st_tensor("bn.num_batches_tracked", DT_I64, 0, NULL, &tracked),  // PyTorch's BN counter
+    SafetensorsTensor ts[] = {
+        sf_tensor("scalar", DT_F32, 0, NULL, &scalar),
+        sf_tensor("enc1.conv.weight", DT_F32, 4, dw, w),
+        sf_tensor("half", DT_F16, 1, dh, h),
+        sf_tensor("brain \"quoted\" \\ \xc3\xa9", DT_BF16, 2, db, b),
+        sf_tensor("empty", DT_F32, 2, de, NULL),
+        sf_tensor("bn.num_batches_tracked", DT_I64, 0, NULL, &tracked),  // PyTorch's BN counter
     };
     const int n = (int)(sizeof ts / sizeof ts[0]);
     // metadata of any length: third-party files carry keys over 95 bytes and values over 255
@@ -1528,21 +1528,21 @@ TEST(safetensors_round_trip) {
     for (size_t i = 0; i + 1 < sizeof long_value; i++) long_value[i] = (char)('a' + i % 26);
     const char *mk[] = {"format", "note\ttab", long_key}, *mv[] = {"pt", "line\nbreak, \"quote\", back\\slash, caf\xc3\xa9", long_value};
     const int n_mk = (int)(sizeof mk / sizeof mk[0]);
-    CHECK(st_write(path, ts, n, mk, mv, n_mk, err) == 0, "st_write: %s", err);
-    StFile f;
-    if (st_read(path, &f, err)) { CHECK(0, "st_read: %s", err); unlink(path); return; }
+    CHECK(safetensors_write(path, ts, n, mk, mv, n_mk, err) == 0, "safetensors_write: %s", err);
+    SafetensorsFile f;
+    if (safetensors_read(path, &f, err)) { CHECK(0, "safetensors_read: %s", err); unlink(path); return; }
     CHECK(f.n_tensors == n, "%d tensors read back, wrote %d", f.n_tensors, n);
     for (int i = 0; i < n && i < f.n_tensors; i++) {
-        const StTensor *a = &ts[i], *g = &f.tensors[i];
+        const SafetensorsTensor *a = &ts[i], *g = &f.tensors[i];
         int same_dims = g->ndim == a->ndim;
         for (int d = 0; same_dims && d < a->ndim; d++) same_dims = g->dims[d] == a->dims[d];
         size_t bytes = a->numel * dtype_size(a->dtype);
         CHECK(!strcmp(g->name, a->name), "tensor %d: name '%s', wrote '%s'", i, g->name, a->name);
         CHECK(g->dtype == a->dtype && same_dims && g->numel == a->numel, "tensor '%s': dtype/shape/numel differ", a->name);
         CHECK(g->numel == a->numel && (!bytes || !memcmp(g->data, a->data, bytes)), "tensor '%s': bytes differ", a->name);
-        CHECK(st_find(&f, a->name) == g, "st_find('%s')", a->name);
+        CHECK(safetensors_find(&f, a->name) == g, "safetensors_find('%s')", a->name);
     }
-    CHECK(st_find(&f, "absent") == NULL, "st_find of an absent name is NULL");
+    CHECK(safetensors_find(&f, "absent") == NULL, "safetensors_find of an absent name is NULL");
     CHECK(f.n_meta == n_mk, "%d metadata entries", f.n_meta);
     for (int i = 0; i < n_mk && i < f.n_meta; i++)
         CHECK(!strcmp(f.meta_keys[i], mk[i]) && !strcmp(f.meta_values[i], mv[i]), "metadata %d: '%.40s' = '%.40s' (%zu, %zu bytes)",
@@ -1559,12 +1559,12 @@ TEST(safetensors_round_trip) {
         off += f.tensors[i].numel * dtype_size(f.tensors[i].dtype);
     }
     CHECK(off == f.n_bytes, "no bytes after the last tensor (%zu of %zu)", off, f.n_bytes);
-    st_free(&f);
-    CHECK(f.tensors == NULL && f.bytes == NULL && f.n_tensors == 0, "st_free empties the StFile");
+    safetensors_free(&f);
+    CHECK(f.tensors == NULL && f.bytes == NULL && f.n_tensors == 0, "safetensors_free empties the SafetensorsFile");
     // no tensors, no metadata
-    CHECK(st_write(path, NULL, 0, NULL, NULL, 0, err) == 0, "empty file: %s", err);
-    CHECK(st_read(path, &f, err) == 0 && f.n_tensors == 0 && f.n_meta == 0 && f.n_bytes == 16, "empty file reads back: %s", err);
-    st_free(&f);
+    CHECK(safetensors_write(path, NULL, 0, NULL, NULL, 0, err) == 0, "empty file: %s", err);
+    CHECK(safetensors_read(path, &f, err) == 0 && f.n_tensors == 0 && f.n_meta == 0 && f.n_bytes == 16, "empty file reads back: %s", err);
+    safetensors_free(&f);
     unlink(path);
 }
 
@@ -1573,7 +1573,7 @@ TEST(safetensors_round_trip) {
 // a hole between tensors and unused bytes at the end).
 TEST(safetensors_hand_built) {
     char path[256], err[SN_ERR_MAX] = "";
-    st_test_path(path, sizeof path, "hand_built");
+    sf_test_path(path, sizeof path, "hand_built");
     const char *header =
         "{\"__metadata__\": {\"format\": \"pt\", \"note\": \"caf\\u00e9 \\ud83d\\ude00 \\\"q\\\" \\\\ \\/ \\n\"}, "
         "\"x.weight\": {\"dtype\": \"F16\", \"shape\": [2, 1], \"data_offsets\": [0, 4]},\n"
@@ -1587,10 +1587,10 @@ TEST(safetensors_hand_built) {
     put_f32le(data + 12, 3.0f);
     put_u16le(data + 16, 0xBFC0);  // BF16 -1.5
     CHECK(write_st_raw(path, strlen(header), header, data, sizeof data) == 0, "writing %s", path);
-    StFile f;
-    CHECK(st_read(path, &f, err) == 0, "st_read: %s", err);
+    SafetensorsFile f;
+    CHECK(safetensors_read(path, &f, err) == 0, "safetensors_read: %s", err);
     CHECK(f.n_tensors == 3 && f.n_meta == 2, "%d tensors, %d metadata entries", f.n_tensors, f.n_meta);
-    const StTensor *x = st_find(&f, "x.weight"), *y = st_find(&f, "y"), *s = st_find(&f, "s");
+    const SafetensorsTensor *x = safetensors_find(&f, "x.weight"), *y = safetensors_find(&f, "y"), *s = safetensors_find(&f, "s");
     CHECK(x && x->dtype == DT_F16 && x->ndim == 2 && x->dims[0] == 2 && x->dims[1] == 1 && x->numel == 2, "x.weight header");
     CHECK(x && f16_to_f32(get_u16le(x->data)) == 1.0f && f16_to_f32(get_u16le((const uint8_t *)x->data + 2)) == -2.0f,
           "x.weight values");
@@ -1601,7 +1601,7 @@ TEST(safetensors_hand_built) {
     CHECK(f.n_meta == 2 && !strcmp(f.meta_keys[0], "format") && !strcmp(f.meta_values[0], "pt"), "metadata format");
     CHECK(f.n_meta == 2 && !strcmp(f.meta_values[1], "caf\xc3\xa9 \xf0\x9f\x98\x80 \"q\" \\ / \n"),
           "escapes decoded to UTF-8: '%s'", f.n_meta == 2 ? f.meta_values[1] : "");
-    st_free(&f);
+    safetensors_free(&f);
     unlink(path);
 }
 
@@ -1609,13 +1609,13 @@ TEST(safetensors_hand_built) {
 // reference implementation writes, space-padded to 8 + N ≡ 0 (mod 8).
 TEST(safetensors_writer_bytes) {
     char path[256], err[SN_ERR_MAX] = "";
-    st_test_path(path, sizeof path, "writer_bytes");
+    sf_test_path(path, sizeof path, "writer_bytes");
     float a[2] = {1.0f, -2.0f};
     uint16_t b[2] = {f32_to_bf16(0.5f), f32_to_bf16(-1.5f)};
     const int64_t da[] = {2}, db[] = {1, 2};
-    StTensor ts[] = {st_tensor("a", DT_F32, 1, da, a), st_tensor("b", DT_BF16, 2, db, b)};
+    SafetensorsTensor ts[] = {sf_tensor("a", DT_F32, 1, da, a), sf_tensor("b", DT_BF16, 2, db, b)};
     const char *mk[] = {"format"}, *mv[] = {"pt"};
-    CHECK(st_write(path, ts, 2, mk, mv, 1, err) == 0, "st_write: %s", err);
+    CHECK(safetensors_write(path, ts, 2, mk, mv, 1, err) == 0, "safetensors_write: %s", err);
     const char *hdr = "{\"__metadata__\":{\"format\":\"pt\"},"
                       "\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
                       "\"b\":{\"dtype\":\"BF16\",\"shape\":[1,2],\"data_offsets\":[8,12]}}";
@@ -1636,7 +1636,7 @@ TEST(safetensors_writer_bytes) {
 
 TEST(safetensors_malformed) {
     char path[256], err[SN_ERR_MAX];
-    st_test_path(path, sizeof path, "malformed");
+    sf_test_path(path, sizeof path, "malformed");
     static char long_name[256], deep[20100], deep_top[10100];
     snprintf(long_name, sizeof long_name, "{\"%0120d\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 0);
     int k = snprintf(deep, sizeof deep, "{\"w\":{\"dtype\":");
@@ -1695,15 +1695,15 @@ TEST(safetensors_malformed) {
 #undef TW
     uint8_t zeros[64] = {0};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        StFile f;
+        SafetensorsFile f;
         write_st_raw(path, strlen(cases[c].header), cases[c].header, zeros, cases[c].data_len);
-        int rc = st_read(path, &f, err);
+        int rc = safetensors_read(path, &f, err);
         if (g_verbose) printf("      %s\n", err);
         CHECK(rc == -1 && contains(err, path) && contains(err, cases[c].want1) && contains(err, cases[c].want2) &&
               !strchr(err, '\n') && f.bytes == NULL && f.tensors == NULL,
               "case %zu (%.40s): rc %d, message '%s' should name the file, '%s' and '%s'", c, cases[c].header, rc,
               rc ? err : "", cases[c].want1, cases[c].want2);
-        if (rc == 0) st_free(&f);
+        if (rc == 0) safetensors_free(&f);
     }
     // file-level damage: too short, header length past the end, data cut short
     struct { const char *what; const char *want1, *want2; } files[] = {
@@ -1722,23 +1722,23 @@ TEST(safetensors_malformed) {
         if (!strcmp(w, "cut_data")) {
             float v[64] = {0};
             const int64_t d[] = {64};
-            StTensor t = st_tensor("t", DT_F32, 1, d, v);
+            SafetensorsTensor t = sf_tensor("t", DT_F32, 1, d, v);
             size_t n = 0;
-            CHECK(st_write(path, &t, 1, NULL, NULL, 0, err2) == 0, "st_write: %s", err2);
+            CHECK(safetensors_write(path, &t, 1, NULL, NULL, 0, err2) == 0, "safetensors_write: %s", err2);
             uint8_t *all = read_file_bytes(path, &n);
             CHECK(all && n > 128, "read back %zu bytes", n);
             if (all) write_file_bytes(path, all, n - 128);  // half the data section is gone
             free(all);
         }
         if (!strcmp(w, "missing")) unlink(path);
-        StFile f;
-        int rc = st_read(path, &f, err);
+        SafetensorsFile f;
+        int rc = safetensors_read(path, &f, err);
         if (g_verbose) printf("      %s\n", err);
         CHECK(rc == -1 && contains(err, path) && contains(err, files[c].want1) && contains(err, files[c].want2) &&
               f.bytes == NULL,
               "%s: rc %d, message '%s' should name the file, '%s' and '%s'", w, rc, rc ? err : "", files[c].want1,
               files[c].want2);
-        if (rc == 0) st_free(&f);
+        if (rc == 0) safetensors_free(&f);
     }
     unlink(path);
 }
@@ -1747,48 +1747,48 @@ static int file_exists(const char *path) { struct stat sb; return stat(path, &sb
 
 TEST(safetensors_write_atomic) {
     char path[256], tmp[300], err[SN_ERR_MAX] = "";
-    st_test_path(path, sizeof path, "atomic");
+    sf_test_path(path, sizeof path, "atomic");
     snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
     float big[100], small = 7.0f;
     for (int i = 0; i < 100; i++) big[i] = (float)i;
     const int64_t d100[] = {10, 10};
-    StTensor tb[] = {st_tensor("big", DT_F32, 2, d100, big), st_tensor("big2", DT_F32, 2, d100, big)};
-    StTensor ts = st_tensor("small", DT_F32, 0, NULL, &small);
+    SafetensorsTensor tb[] = {sf_tensor("big", DT_F32, 2, d100, big), sf_tensor("big2", DT_F32, 2, d100, big)};
+    SafetensorsTensor ts = sf_tensor("small", DT_F32, 0, NULL, &small);
 
     // a directory that does not exist: refused, nothing created
     char nodir[256], nofile[300];
     snprintf(nodir, sizeof nodir, "/tmp/segnet_test_%ld_nodir", (long)getpid());
     snprintf(nofile, sizeof nofile, "%s/x.safetensors", nodir);
-    CHECK(st_write(nofile, &ts, 1, NULL, NULL, 0, err) == -1 && contains(err, nofile) && contains(err, "No such file"),
+    CHECK(safetensors_write(nofile, &ts, 1, NULL, NULL, 0, err) == -1 && contains(err, nofile) && contains(err, "No such file"),
           "writing into a missing directory: '%s'", err);
     CHECK(!file_exists(nodir), "nothing created");
 
     // a larger file replaced whole by a smaller one, no temporary left behind
-    CHECK(st_write(path, tb, 2, NULL, NULL, 0, err) == 0, "first write: %s", err);
-    CHECK(st_write(path, &ts, 1, NULL, NULL, 0, err) == 0, "overwrite: %s", err);
-    StFile f;
-    CHECK(st_read(path, &f, err) == 0, "read after overwrite: %s", err);
+    CHECK(safetensors_write(path, tb, 2, NULL, NULL, 0, err) == 0, "first write: %s", err);
+    CHECK(safetensors_write(path, &ts, 1, NULL, NULL, 0, err) == 0, "overwrite: %s", err);
+    SafetensorsFile f;
+    CHECK(safetensors_read(path, &f, err) == 0, "read after overwrite: %s", err);
     size_t hl = strlen("{\"small\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[0,4]}}");
     size_t want_n = 8 + hl + (8 - (8 + hl) % 8) % 8 + 4;
     CHECK(f.n_tensors == 1 && !strcmp(f.tensors[0].name, "small") && get_f32le(f.tensors[0].data) == 7.0f &&
           f.n_bytes == want_n, "the new file alone (%d tensors, %zu bytes, want %zu)", f.n_tensors, f.n_bytes, want_n);
-    st_free(&f);
+    safetensors_free(&f);
     CHECK(!file_exists(tmp), "no temporary left after success");
     size_t n0 = 0, n1 = 0;
     uint8_t *before = read_file_bytes(path, &n0);
 
     // refused arguments leave the existing file alone
-    StTensor bad[2] = {ts, ts};
-    CHECK(st_write(path, bad, 2, NULL, NULL, 0, err) == -1 && contains(err, "'small'") && contains(err, "twice"),
+    SafetensorsTensor bad[2] = {ts, ts};
+    CHECK(safetensors_write(path, bad, 2, NULL, NULL, 0, err) == -1 && contains(err, "'small'") && contains(err, "twice"),
           "duplicate names refused: '%s'", err);
-    StTensor wrong = ts;
+    SafetensorsTensor wrong = ts;
     wrong.numel = 3;
-    CHECK(st_write(path, &wrong, 1, NULL, NULL, 0, err) == -1 && contains(err, "numel 3"), "numel mismatch: '%s'", err);
+    CHECK(safetensors_write(path, &wrong, 1, NULL, NULL, 0, err) == -1 && contains(err, "numel 3"), "numel mismatch: '%s'", err);
     wrong = ts;
     wrong.dtype = (DType)7;
-    CHECK(st_write(path, &wrong, 1, NULL, NULL, 0, err) == -1 && contains(err, "dtype 7"), "bad dtype: '%s'", err);
+    CHECK(safetensors_write(path, &wrong, 1, NULL, NULL, 0, err) == -1 && contains(err, "dtype 7"), "bad dtype: '%s'", err);
     const char *mk[] = {"k", "k"}, *mv[] = {"1", "2"};
-    CHECK(st_write(path, &ts, 1, mk, mv, 2, err) == -1 && contains(err, "'k' appears twice"), "duplicate key: '%s'", err);
+    CHECK(safetensors_write(path, &ts, 1, mk, mv, 2, err) == -1 && contains(err, "'k' appears twice"), "duplicate key: '%s'", err);
     uint8_t *after = read_file_bytes(path, &n1);
     CHECK(before && after && n0 == n1 && !memcmp(before, after, n0), "the existing file is untouched");
     free(before);
@@ -1801,7 +1801,7 @@ TEST(safetensors_write_atomic) {
     snprintf(dtmp, sizeof dtmp, "%s.tmp.%ld", dir, (long)getpid());
     mkdir(dir, 0755);
     struct stat sb;
-    CHECK(st_write(dir, &ts, 1, NULL, NULL, 0, err) == -1 && contains(err, "renaming"), "rename over a directory: '%s'", err);
+    CHECK(safetensors_write(dir, &ts, 1, NULL, NULL, 0, err) == -1 && contains(err, "renaming"), "rename over a directory: '%s'", err);
     CHECK(!file_exists(dtmp), "temporary removed after a failed rename");
     CHECK(stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode), "the directory is still there");
     rmdir(dir);
@@ -2010,11 +2010,11 @@ TEST(weights_round_trip) {
     tiny_net(&g1, &a, 3, 1);
     tiny_net(&g2, &b, 3, 2);
     CHECK(net_save_weights(&a, path, err) == 0, "save: %s", err);
-    StFile f;
-    CHECK(st_read(path, &f, err) == 0, "read back: %s", err);
+    SafetensorsFile f;
+    CHECK(safetensors_read(path, &f, err) == 0, "read back: %s", err);
     CHECK(f.n_tensors == g1.n_params + g1.n_buffers, "%d tensors for %d parameters and %d buffers", f.n_tensors, g1.n_params, g1.n_buffers);
     // the stem conv is OIHW in the file: element [o][i][y][x] is segnet's [o][y][x][i]
-    const StTensor *t = st_find(&f, "features.0.0.weight");
+    const SafetensorsTensor *t = safetensors_find(&f, "features.0.0.weight");
     const ParamInfo *p = &g1.params[graph_find_param(&g1, "features.0.0.weight")];
     CHECK(t && t->ndim == 4 && t->dims[0] == 8 && t->dims[1] == 3 && t->dims[2] == 3 && t->dims[3] == 3, "stem OIHW (8,3,3,3)");
     if (t) {
@@ -2028,7 +2028,7 @@ TEST(weights_round_trip) {
     CHECK(net_load_weights(&b, &f, path, NULL, 0, err) == 0, "load: %s", err);
     CHECK(!memcmp(a.params, b.params, sizeof(float) * g1.n_param_floats), "parameters survive save and load");
     CHECK(!memcmp(a.buffers, b.buffers, sizeof(float) * g1.n_buffer_floats), "BN running statistics survive");
-    st_free(&f);
+    safetensors_free(&f);
     net_free(&a); net_free(&b); graph_free(&g1); graph_free(&g2);
     unlink(path);
 }
@@ -2039,8 +2039,8 @@ TEST(weights_refused) {
     snprintf(path2, sizeof path2, "/tmp/segnet_test_%ld_w2.safetensors", (long)getpid());
     tiny_net(&g1, &a, 3, 1);
     CHECK(net_save_weights(&a, path, err) == 0, "save: %s", err);
-    StFile f;
-    CHECK(st_read(path, &f, err) == 0, "%s", err);
+    SafetensorsFile f;
+    CHECK(safetensors_read(path, &f, err) == 0, "%s", err);
     // another head (7 classes): refused, naming the tensor and both shapes; nothing changes
     tiny_net(&g2, &b, 7, 2);
     float *before = malloc(sizeof(float) * g2.n_param_floats);
@@ -2056,33 +2056,33 @@ TEST(weights_refused) {
     CHECK(!memcmp(b.params + head->offset, before + head->offset, sizeof(float) * head->count), "the new head kept its values");
     net_free(&b); graph_free(&g2);
     // a file without one tensor, and one with an extra tensor
-    StTensor *ts = malloc(sizeof(StTensor) * (f.n_tensors + 1));
+    SafetensorsTensor *ts = malloc(sizeof(SafetensorsTensor) * (f.n_tensors + 1));
     int n = 0;
     for (int i = 0; i < f.n_tensors; i++) if (strcmp(f.tensors[i].name, "features.4.0.block.2.fc1.bias")) ts[n++] = f.tensors[i];
-    CHECK(st_write(path2, ts, n, NULL, NULL, 0, err) == 0, "%s", err);
-    StFile f2;
-    CHECK(st_read(path2, &f2, err) == 0, "%s", err);
+    CHECK(safetensors_write(path2, ts, n, NULL, NULL, 0, err) == 0, "%s", err);
+    SafetensorsFile f2;
+    CHECK(safetensors_read(path2, &f2, err) == 0, "%s", err);
     tiny_net(&g2, &b, 3, 2);
     CHECK(net_load_weights(&b, &f2, path2, NULL, 0, err) == -1 && contains(err, "1 missing (features.4.0.block.2.fc1.bias)"),
           "missing: '%s'", err);
-    st_free(&f2);
-    memcpy(ts, f.tensors, sizeof(StTensor) * f.n_tensors);
+    safetensors_free(&f2);
+    memcpy(ts, f.tensors, sizeof(SafetensorsTensor) * f.n_tensors);
     ts[f.n_tensors] = f.tensors[0];
     snprintf(ts[f.n_tensors].name, SN_NAME_MAX, "extra.weight");
-    CHECK(st_write(path2, ts, f.n_tensors + 1, NULL, NULL, 0, err) == 0, "%s", err);
-    CHECK(st_read(path2, &f2, err) == 0, "%s", err);
+    CHECK(safetensors_write(path2, ts, f.n_tensors + 1, NULL, NULL, 0, err) == 0, "%s", err);
+    CHECK(safetensors_read(path2, &f2, err) == 0, "%s", err);
     CHECK(net_load_weights(&b, &f2, path2, NULL, 0, err) == -1 && contains(err, "1 unexpected (extra.weight)"), "unexpected: '%s'", err);
     CHECK(net_load_weights(&b, &f2, path2, NULL, 1, err) == 0, "unexpected allowed: %s", err);
-    st_free(&f2);
+    safetensors_free(&f2);
     // a truncated file is refused by the reader, naming the file
     FILE *fp = fopen(path, "r+");
     CHECK(fp && ftruncate(fileno(fp), (off_t)(f.n_bytes / 2)) == 0, "truncate");
     if (fp) fclose(fp);
-    CHECK(st_read(path2, &f2, err) == 0, "%s", err);
-    st_free(&f2);
-    CHECK(st_read(path, &f2, err) == -1 && contains(err, path), "truncated: '%s'", err);
+    CHECK(safetensors_read(path2, &f2, err) == 0, "%s", err);
+    safetensors_free(&f2);
+    CHECK(safetensors_read(path, &f2, err) == -1 && contains(err, path), "truncated: '%s'", err);
     free(ts); free(before);
-    st_free(&f);
+    safetensors_free(&f);
     net_free(&a); net_free(&b); graph_free(&g1); graph_free(&g2);
     unlink(path); unlink(path2);
 }
@@ -2108,8 +2108,8 @@ TEST(weights_unet_encoder_from_classifier) {
     random_params(&unet, &r);
     float *before = malloc(sizeof(float) * gu.n_param_floats);
     memcpy(before, unet.params, sizeof(float) * gu.n_param_floats);
-    StFile f;
-    CHECK(st_read(path, &f, err) == 0, "%s", err);
+    SafetensorsFile f;
+    CHECK(safetensors_read(path, &f, err) == 0, "%s", err);
     const LoadRules strict = {NULL, NULL};
     CHECK(net_load_weights_rules(&unet, &f, path, &strict, NULL, err) == -1 && contains(err, "missing (decoder.") &&
           contains(err, "unexpected (classifier.1.weight") && contains(err, "--allow-missing PREFIX"),
@@ -2145,11 +2145,11 @@ TEST(weights_unet_encoder_from_classifier) {
         char t[SN_NAME_MAX];
         if (effnet_timm_name(&gc, f.tensors[i].name, t)) snprintf(f.tensors[i].name, SN_NAME_MAX, "%s", t);
     }
-    StFile f2;
-    CHECK(st_write(path2, f.tensors, f.n_tensors, NULL, NULL, 0, err) == 0 && st_read(path2, &f2, err) == 0, "%s", err);
+    SafetensorsFile f2;
+    CHECK(safetensors_write(path2, f.tensors, f.n_tensors, NULL, NULL, 0, err) == 0 && safetensors_read(path2, &f2, err) == 0, "%s", err);
     CHECK(net_load_weights_rules(&unet, &f2, path2, &rules, report, err) == 0 && contains(report, "(timm names)"),
           "timm-named: %s / '%s'", err, report);
-    st_free(&f2); st_free(&f); free(before);
+    safetensors_free(&f2); safetensors_free(&f); free(before);
     net_free(&cls); net_free(&unet); graph_free(&gc); graph_free(&gu);
     unlink(path); unlink(path2);
 }
@@ -2164,17 +2164,17 @@ TEST(weights_padding_follows) {
     snprintf(p_timm, sizeof p_timm, "/tmp/segnet_test_%ld_pad_timm.safetensors", (long)getpid());
     snprintf(p_meta, sizeof p_meta, "/tmp/segnet_test_%ld_pad_meta.safetensors", (long)getpid());
     tiny_net(&g, &net, 3, 1);
-    StFile f;
-    CHECK(net_save_weights(&net, p_tv, err) == 0 && st_read(p_tv, &f, err) == 0, "%s", err);
-    StTensor *renamed = malloc(sizeof(StTensor) * f.n_tensors);
-    memcpy(renamed, f.tensors, sizeof(StTensor) * f.n_tensors);
+    SafetensorsFile f;
+    CHECK(net_save_weights(&net, p_tv, err) == 0 && safetensors_read(p_tv, &f, err) == 0, "%s", err);
+    SafetensorsTensor *renamed = malloc(sizeof(SafetensorsTensor) * f.n_tensors);
+    memcpy(renamed, f.tensors, sizeof(SafetensorsTensor) * f.n_tensors);
     for (int i = 0; i < f.n_tensors; i++) {
         char t[SN_NAME_MAX];
         if (effnet_timm_name(&g, renamed[i].name, t)) snprintf(renamed[i].name, SN_NAME_MAX, "%s", t);
     }
     const char *key = "padding", *same = "same", *epoch_key = "epoch", *one = "1";
-    CHECK(st_write(p_timm, renamed, f.n_tensors, NULL, NULL, 0, err) == 0, "%s", err);
-    CHECK(st_write(p_meta, f.tensors, f.n_tensors, &key, &same, 1, err) == 0, "%s", err);
+    CHECK(safetensors_write(p_timm, renamed, f.n_tensors, NULL, NULL, 0, err) == 0, "%s", err);
+    CHECK(safetensors_write(p_meta, f.tensors, f.n_tensors, &key, &same, 1, err) == 0, "%s", err);
     const struct { const char *path; int pad_given; PadMode given, want; const char *says; } cases[] = {
         {p_tv, 0, PAD_SAME, PAD_SYMMETRIC, "padding symmetric (torchvision names)"},
         {p_timm, 0, PAD_SYMMETRIC, PAD_SAME, "padding same (timm's tf_efficientnetv2 names"},
@@ -2190,7 +2190,7 @@ TEST(weights_padding_follows) {
               contains(note, cases[i].says), "case %zu: padding %d, note '%s' (%s)", i, (int)m.pad, note, err);
     }
     // a segnet checkpoint without the entry does not say; a plain U-Net has no padding to decide
-    CHECK(st_write(p_meta, f.tensors, f.n_tensors, &epoch_key, &one, 1, err) == 0, "%s", err);
+    CHECK(safetensors_write(p_meta, f.tensors, f.n_tensors, &epoch_key, &one, 1, err) == 0, "%s", err);
     ModelCfg m = model_cfg_default();
     m.model = "effv2-t";
     CHECK(padding_follow_weights(&m, p_meta, "test", note, err) == 0 && m.pad == PAD_SAME && contains(note, "do not say"),
@@ -2201,7 +2201,7 @@ TEST(weights_padding_follows) {
     CHECK(padding_follow_weights(&m, "/nonexistent/w.safetensors", "test", note, err) == -1 &&
           contains(err, "/nonexistent/w.safetensors"), "a missing file: '%s'", err);
     free(renamed);
-    st_free(&f);
+    safetensors_free(&f);
     net_free(&net); graph_free(&g);
     unlink(p_tv); unlink(p_timm); unlink(p_meta);
 }
@@ -2217,20 +2217,20 @@ TEST(effv2_timm_names) {
     snprintf(p2, sizeof p2, "/tmp/segnet_test_%ld_timm.safetensors", (long)getpid());
     tiny_net(&g1, &a, 3, 1);
     tiny_net(&g2, &b, 3, 2);
-    StFile f1, f2;
+    SafetensorsFile f1, f2;
     memset(&f1, 0, sizeof f1);
     memset(&f2, 0, sizeof f2);
-    CHECK(net_save_weights(&a, p1, err) == 0 && st_read(p1, &f1, err) == 0, "%s", err);
+    CHECK(net_save_weights(&a, p1, err) == 0 && safetensors_read(p1, &f1, err) == 0, "%s", err);
     for (int i = 0; i < f1.n_tensors; i++) {
         char t[SN_NAME_MAX];
         CHECK(effnet_timm_name(&g1, f1.tensors[i].name, t), "%s has a timm name", f1.tensors[i].name);
         snprintf(f1.tensors[i].name, SN_NAME_MAX, "%s", t);
     }
-    CHECK(st_write(p2, f1.tensors, f1.n_tensors, NULL, NULL, 0, err) == 0 && st_read(p2, &f2, err) == 0, "%s", err);
+    CHECK(safetensors_write(p2, f1.tensors, f1.n_tensors, NULL, NULL, 0, err) == 0 && safetensors_read(p2, &f2, err) == 0, "%s", err);
     CHECK(net_load_weights(&b, &f2, p2, NULL, 0, err) == 0, "timm-named file: %s", err);
     CHECK(!memcmp(a.params, b.params, sizeof(float) * g1.n_param_floats) &&
           !memcmp(a.buffers, b.buffers, sizeof(float) * g1.n_buffer_floats), "timm-named weights load identically");
-    st_free(&f1); st_free(&f2);
+    safetensors_free(&f1); safetensors_free(&f2);
     net_free(&a); net_free(&b); graph_free(&g1); graph_free(&g2);
     unlink(p1); unlink(p2);
 }
@@ -2252,10 +2252,10 @@ static double rel_err(const float *a, const float *b, size_t n, double floor_nor
 }
 
 // the reference's "<prefix><name>" as fp32 (malloc'd), NULL (and a failed check) if absent
-static float *ref_tensor(const StFile *f, const char *prefix, const ParamInfo *p) {
+static float *ref_tensor(const SafetensorsFile *f, const char *prefix, const ParamInfo *p) {
     char key[2 * SN_NAME_MAX];
     snprintf(key, sizeof key, "%s%s", prefix, p->name);
-    const StTensor *t = st_find(f, key);
+    const SafetensorsTensor *t = safetensors_find(f, key);
     CHECK(t && t->numel == p->count, "%s in the reference", key);
     if (!t || t->numel != p->count) return NULL;
     float *v = malloc(sizeof(float) * t->numel);
@@ -2266,9 +2266,9 @@ static float *ref_tensor(const StFile *f, const char *prefix, const ParamInfo *p
 // One training step on net (input already set) against a reference file
 // holding logits, loss, running.<buffer> and grad.<parameter>: prints the
 // errors and checks them against the bounds above.
-static void parity_check(Net *net, int out, const int32_t *labels, const StFile *f, const char *label, int check_grads) {
+static void parity_check(Net *net, int out, const int32_t *labels, const SafetensorsFile *f, const char *label, int check_grads) {
     const Graph *g = net->g;
-    const StTensor *tlog = st_find(f, "logits"), *tloss = st_find(f, "loss");
+    const SafetensorsTensor *tlog = safetensors_find(f, "logits"), *tloss = safetensors_find(f, "loss");
     size_t n_logits = shape_numel(g->tensors[out].shape), M = n_logits / g->tensors[out].shape.c;
     CHECK(tlog && tloss && tlog->numel == n_logits, "%s: reference logits and loss", label);
     if (!tlog || !tloss) return;
@@ -2331,8 +2331,8 @@ static void no_dropout(Graph *g) {
 
 static void parity_case(const char *fixture, PadMode pad) {
     char err[SN_ERR_MAX];
-    StFile f;
-    CHECK(st_read(fixture, &f, err) == 0, "%s (regenerate with ref/parity_effv2.py)", err);
+    SafetensorsFile f;
+    CHECK(safetensors_read(fixture, &f, err) == 0, "%s (regenerate with ref/parity_effv2.py)", err);
     if (f.n_tensors == 0) return;
     ModelCfg c = model_cfg_default();
     c.model = "effv2-t"; c.classes = 5; c.batch = 4; c.height = 64; c.width = 64; c.pad = pad;
@@ -2342,7 +2342,7 @@ static void parity_case(const char *fixture, PadMode pad) {
     Net net;
     CHECK(out >= 0 && net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s %s", g.err, err);
     CHECK(net_load_weights(&net, &f, fixture, NULL, 1, err) == 0, "%s", err);
-    const StTensor *tin = st_find(&f, "input"), *tlab = st_find(&f, "labels");
+    const SafetensorsTensor *tin = safetensors_find(&f, "input"), *tlab = safetensors_find(&f, "labels");
     CHECK(tin && tlab && tin->numel == 4 * 64 * 64 * 3 && tlab->numel == 4, "fixture input and labels");
     if (tin && tlab) {
         st_tensor_f32(tin, net.act[g.input]);
@@ -2352,7 +2352,7 @@ static void parity_case(const char *fixture, PadMode pad) {
         for (int i = 0; i < 4; i++) labels[i] = (int32_t)labf[i];
         parity_check(&net, out, labels, &f, pad == PAD_SAME ? "effv2-t same" : "effv2-t symmetric", 1);
     }
-    net_free(&net); graph_free(&g); st_free(&f);
+    net_free(&net); graph_free(&g); safetensors_free(&f);
 }
 
 TEST(parity_torch_effv2_tiny) {
@@ -2397,18 +2397,18 @@ static void live_parity(const char *model, int classes, int batch, int h, int w,
     int32_t *labels = malloc(sizeof(int32_t) * M);
     for (size_t i = 0; i < nx; i++) x[i] = 255.0f * rng_float(&r);
     for (size_t i = 0; i < M; i++) { labels[i] = (int32_t)(rng_next(&r) % classes); labf[i] = (float)labels[i]; }
-    StTensor bt[2] = {{"input", DT_F32, 4, {batch, h, w, 3}, nx, x}, {"labels", DT_F32, 1, {(int64_t)M}, M, labf}};
+    SafetensorsTensor bt[2] = {{"input", DT_F32, 4, {batch, h, w, 3}, nx, x}, {"labels", DT_F32, 1, {(int64_t)M}, M, labf}};
     if (M != (size_t)batch) { bt[1].ndim = 3; bt[1].dims[0] = batch; bt[1].dims[1] = h; bt[1].dims[2] = w; }
-    CHECK(net_save_weights(&net, wpath, err) == 0 && st_write(bpath, bt, 2, NULL, NULL, 0, err) == 0, "%s", err);
+    CHECK(net_save_weights(&net, wpath, err) == 0 && safetensors_write(bpath, bt, 2, NULL, NULL, 0, err) == 0, "%s", err);
     snprintf(cmd, sizeof cmd, "/usr/bin/python3 ref/parity_live.py --model %s --classes %d --padding %s "
              "--weights %s --batch %s --out %s%s", model, classes, pad == PAD_SAME ? "same" : "symmetric", wpath, bpath, opath,
              relu_as_silu ? " --relu-as-silu" : "");
     int rc = system(cmd);
     CHECK(rc == 0, "%s: ref/parity_live.py failed (status %d)", label, rc);
-    StFile f;
-    if (rc == 0 && st_read(opath, &f, err) == 0) {
+    SafetensorsFile f;
+    if (rc == 0 && safetensors_read(opath, &f, err) == 0) {
         parity_check(&net, out, labels, &f, label, check_grads);
-        st_free(&f);
+        safetensors_free(&f);
     } else if (rc == 0) {
         CHECK(0, "%s: %s", label, err);
     }
@@ -3957,10 +3957,10 @@ TEST(interrupt_resume_bitwise) {
         c.interrupt_at_step = cases[k].at_step;
         int rc = train_run(&c, NULL, err);
         CHECK(rc == 128 + SIGINT, "%s: interrupted run returned %d (%s)", cases[k].what, rc, rc < 0 ? err : "");
-        StFile f;
+        SafetensorsFile f;
         snprintf(pb, sizeof pb, "%s/last.safetensors", b);
-        if (st_read(pb, &f, err) == 0) {
-            const char *batch = st_meta(&f, "batch"), *step = st_meta(&f, "step");
+        if (safetensors_read(pb, &f, err) == 0) {
+            const char *batch = safetensors_meta(&f, "batch"), *step = safetensors_meta(&f, "step");
             // the global batch after the interrupted step: steps × accum micro-batches, at most the epoch's 10 images
             const int in_epoch = (int)(cases[k].at_step % cases[k].steps_per_epoch), n_batches = (10 + cases[k].batch - 1) / cases[k].batch;
             const int after = (in_epoch ? in_epoch : cases[k].steps_per_epoch) * cases[k].accum;
@@ -3968,7 +3968,7 @@ TEST(interrupt_resume_bitwise) {
                   batch ? batch : "(none)");
             CHECK(step && atoll(step) == cases[k].at_step, "%s: saved after step %s, expected %lld", cases[k].what,
                   step ? step : "(none)", (long long)cases[k].at_step);
-            st_free(&f);
+            safetensors_free(&f);
         } else {
             CHECK(0, "%s: %s", cases[k].what, err);
         }
@@ -4024,18 +4024,18 @@ TEST(early_stopping) {
     // the same run cut at the best epoch has the weights best.safetensors holds
     c.epochs = best; c.patience = 0; c.out = b;
     CHECK(train_run(&c, NULL, err) == 0, "%s", err);
-    StFile fa, fb;
+    SafetensorsFile fa, fb;
     char pa[300], pb[300];
     snprintf(pa, sizeof pa, "%s/best.safetensors", a);
     snprintf(pb, sizeof pb, "%s/last.safetensors", b);
-    CHECK(st_read(pa, &fa, err) == 0 && st_read(pb, &fb, err) == 0, "%s", err);
+    CHECK(safetensors_read(pa, &fa, err) == 0 && safetensors_read(pb, &fb, err) == 0, "%s", err);
     int differ = fa.n_tensors != fb.n_tensors;
     for (int i = 0; !differ && i < fa.n_tensors; i++) {
-        const StTensor *ta = &fa.tensors[i], *tb = st_find(&fb, ta->name);
+        const SafetensorsTensor *ta = &fa.tensors[i], *tb = safetensors_find(&fb, ta->name);
         differ = !tb || tb->numel != ta->numel || memcmp(ta->data, tb->data, ta->numel * dtype_size(ta->dtype));
     }
     CHECK(!differ, "best.safetensors is not the state after the best epoch (%d)", best);
-    st_free(&fa); st_free(&fb);
+    safetensors_free(&fa); safetensors_free(&fb);
     rm_rf(data); rm_rf(a); rm_rf(b);
 }
 
@@ -4127,10 +4127,10 @@ TEST(two_phase_finetune) {
     const char *base = "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 --device cpu --threads 1";
     snprintf(args, sizeof args, "%s --epochs 2 --data %s --val %s --out %s --freeze base --unfreeze-last 1", base, data, data, r1);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "phase 1: %s", msg);
-    StFile best, last;
+    SafetensorsFile best, last;
     char err[SN_ERR_MAX];
     snprintf(path, sizeof path, "%s/best.safetensors", r1);
-    CHECK(st_read(path, &best, err) == 0, "%s", err);
+    CHECK(safetensors_read(path, &best, err) == 0, "%s", err);
     for (int lr0 = 1; lr0 >= 0; lr0--) {
         rm_rf(r2);
         snprintf(args, sizeof args, "%s --epochs 1 --data %s --out %s --weights %s/best.safetensors%s", base, data, r2, r1,
@@ -4142,10 +4142,10 @@ TEST(two_phase_finetune) {
         CHECK(out && !strncmp(out, "weights: ", 9) && contains(out, want), "phase 2's report: '%s'", out ? out : "");
         free(out);
         snprintf(path, sizeof path, "%s/last.safetensors", r2);
-        CHECK(st_read(path, &last, err) == 0, "%s", err);
+        CHECK(safetensors_read(path, &last, err) == 0, "%s", err);
         int enc_same = 1, all_same = 1, n_enc = 0;
         for (int i = 0; i < best.n_tensors; i++) {
-            const StTensor *a = &best.tensors[i], *b = st_find(&last, a->name);
+            const SafetensorsTensor *a = &best.tensors[i], *b = safetensors_find(&last, a->name);
             if (!strncmp(a->name, TRAIN_STATE_PREFIX, strlen(TRAIN_STATE_PREFIX)) || strstr(a->name, "running_")) continue;
             int same = b && a->numel == b->numel && a->dtype == b->dtype && !memcmp(a->data, b->data, a->numel * dtype_size(a->dtype));
             all_same &= same;
@@ -4153,9 +4153,9 @@ TEST(two_phase_finetune) {
         }
         if (lr0) CHECK(all_same, "phase 2 with lr 0: its weights are not phase 1's best");
         else CHECK(n_enc > 0 && !enc_same, "phase 2 did not train the encoder frozen in phase 1 (%d tensors)", n_enc);
-        st_free(&last);
+        safetensors_free(&last);
     }
-    st_free(&best);
+    safetensors_free(&best);
     rm_rf(data); rm_rf(r1); rm_rf(r2);
 }
 
@@ -5508,7 +5508,7 @@ TEST(train_epoch_totals) {
     rm_rf(dir);
 }
 
-static const char *meta_of(const StFile *f, const char *key) {
+static const char *meta_of(const SafetensorsFile *f, const char *key) {
     for (int i = 0; i < f->n_meta; i++) if (!strcmp(f->meta_keys[i], key)) return f->meta_values[i];
     return "";
 }
@@ -5542,12 +5542,12 @@ TEST(early_stopping_ties) {
     int n = csv_column(path, "val_loss", vl, 8);
     CHECK(n >= 2 && vl[1] == vl[0], "the example's val_loss is constant (%g, %g)", vl[0], vl[1]);
     CHECK(n == 3, "stopped after %d epochs; patience 2 with no improvement after epoch 1 stops after epoch 3", n);
-    StFile f;
+    SafetensorsFile f;
     snprintf(path, sizeof path, "%s/best.safetensors", run);
-    CHECK(st_read(path, &f, err) == 0, "%s", err);
+    CHECK(safetensors_read(path, &f, err) == 0, "%s", err);
     CHECK(!strcmp(meta_of(&f, "epoch"), "1") && !strcmp(meta_of(&f, "best_epoch"), "1"),
           "best.safetensors is from epoch %s (best %s), not 1", meta_of(&f, "epoch"), meta_of(&f, "best_epoch"));
-    st_free(&f);
+    safetensors_free(&f);
     // the same run stopped after epoch 2 (one epoch without improvement) and
     // resumed: the best loss, best epoch and patience count come back, so it
     // stops after epoch 3 too, with the same files
@@ -6488,15 +6488,15 @@ TEST(replicas_cli) {
 static float *run_adam_moment(const char *run, size_t *n) {
     char path[600], err[SN_ERR_MAX];
     snprintf(path, sizeof path, "%s/last.safetensors", run);
-    StFile f;
+    SafetensorsFile f;
     float *m = NULL;
     *n = 0;
-    if (st_read(path, &f, err) == 0) {
-        const StTensor *t = st_find(&f, "train_state.adam_m");
+    if (safetensors_read(path, &f, err) == 0) {
+        const SafetensorsTensor *t = safetensors_find(&f, "train_state.adam_m");
         if (t && (m = malloc(sizeof(float) * (t->numel + 1)))) { st_tensor_f32(t, m); *n = t->numel; }
     }
     CHECK(m != NULL, "%s: no train_state.adam_m (%s)", path, err);
-    st_free(&f);
+    safetensors_free(&f);
     return m;
 }
 
@@ -6605,10 +6605,10 @@ TEST(replicas_mpi_faults) {
     CHECK(e && contains(e, "rank 1"), "mpirun names the rank that died: '%s'", e ? e : "");
     free(e);
     if (g_verbose) printf("    the job ended %.2f s after rank 1 was killed\n", waited);
-    StFile st;
+    SafetensorsFile st;
     char err[SN_ERR_MAX];
-    CHECK(st_read(path, &st, err) == 0, "the last checkpoint is intact: %s", err);
-    st_free(&st);
+    CHECK(safetensors_read(path, &st, err) == 0, "the last checkpoint is intact: %s", err);
+    safetensors_free(&st);
     snprintf(cmd, sizeof cmd, "./segnet train --resume %s --epochs 1 --threads 1", run);
     CHECK(run_shell(cmd, msg, sizeof msg) == 0, "resuming after the kill: %s", msg);
     rm_rf(ok); rm_rf(bad); rm_rf(run);
@@ -7969,10 +7969,10 @@ TEST(cuda_replicas_sync_bn) {
 
 // every fp32 tensor of a safetensors file, concatenated in header order; NULL if unreadable
 static float *st_floats(const char *path, size_t *n) {
-    StFile f;
+    SafetensorsFile f;
     char err[SN_ERR_MAX];
     *n = 0;
-    if (st_read(path, &f, err)) return NULL;
+    if (safetensors_read(path, &f, err)) return NULL;
     size_t total = 0;
     for (int i = 0; i < f.n_tensors; i++) if (f.tensors[i].dtype == DT_F32) total += f.tensors[i].numel;
     float *v = malloc(sizeof(float) * (total ? total : 1));
@@ -7981,7 +7981,7 @@ static float *st_floats(const char *path, size_t *n) {
             memcpy(v + *n, f.tensors[i].data, sizeof(float) * f.tensors[i].numel);
             *n += f.tensors[i].numel;
         }
-    st_free(&f);
+    safetensors_free(&f);
     return v;
 }
 
@@ -8636,9 +8636,9 @@ TEST(heavy_precision_miou) {
 
 // A copy of the checkpoint at path with metadata key set to value (added if absent).
 static void checkpoint_with_meta(const char *path, const char *key, const char *value) {
-    StFile f;
+    SafetensorsFile f;
     char err[SN_ERR_MAX];
-    if (st_read(path, &f, err)) { CHECK(0, "%s", err); return; }
+    if (safetensors_read(path, &f, err)) { CHECK(0, "%s", err); return; }
     const char *keys[32], *values[32];
     int n = 0, set = 0;
     for (int i = 0; i < f.n_meta && n < 31; i++, n++) {
@@ -8646,8 +8646,8 @@ static void checkpoint_with_meta(const char *path, const char *key, const char *
         values[n] = strcmp(f.meta_keys[i], key) ? f.meta_values[i] : (set = 1, value);
     }
     if (!set) { keys[n] = key; values[n++] = value; }
-    CHECK(st_write(path, f.tensors, f.n_tensors, keys, values, n, err) == 0, "%s", err);
-    st_free(&f);
+    CHECK(safetensors_write(path, f.tensors, f.n_tensors, keys, values, n, err) == 0, "%s", err);
+    safetensors_free(&f);
 }
 
 // Finding 1: a checkpoint's metadata is range-checked; a damaged one is refused
@@ -8875,9 +8875,9 @@ static int read_as_csv(const char *path) {
 }
 static int read_as_safetensors(const char *path) {
     char err[SN_ERR_MAX];
-    StFile f;
-    int rc = st_read(path, &f, err);
-    if (rc == 0) st_free(&f);
+    SafetensorsFile f;
+    int rc = safetensors_read(path, &f, err);
+    if (rc == 0) safetensors_free(&f);
     return rc && contains(err, "not a regular file") ? 0 : 1;
 }
 
@@ -9082,9 +9082,9 @@ static double pretrained_parity(const char *python, const char *source, char *ms
         CHECK(stbi_write_png(path, W, H, 3, px, W * 3) != 0, "write %s", path);
     }
     const int64_t dims[4] = {N, H, W, 3};
-    StTensor t = st_tensor("images", DT_F32, 4, dims, batch);
+    SafetensorsTensor t = sf_tensor("images", DT_F32, 4, dims, batch);
     snprintf(path, sizeof path, "%s/batch.safetensors", dir);
-    CHECK(st_write(path, &t, 1, NULL, NULL, 0, err) == 0, "%s", err);
+    CHECK(safetensors_write(path, &t, 1, NULL, NULL, 0, err) == 0, "%s", err);
     snprintf(cmd, sizeof cmd, "%s ref/export_pretrained.py --source %s --model effv2-s --random --classes %d --out %s/w.safetensors "
              "--predict %s/batch.safetensors --predictions %s/theirs.csv", python, source, K, dir, dir, dir);
     if (run_shell(cmd, msg, size) != 0) return -1;
@@ -9311,9 +9311,9 @@ int main(int argc, char **argv) {
 // This file built with -DSEGNET_FUZZ under AddressSanitizer and UBSan: the
 // tests above are compiled for their fixtures but not run. Each target writes
 // an input to a file in a tmpfs folder and calls the real reader on it:
-//   safetensors  st_read, then what a loader does with the result (every
-//                tensor as fp32, st_find, the metadata, weights_padding) and
-//                st_write of what was read, which must read back the same
+//   safetensors  safetensors_read, then what a loader does with the result (every
+//                tensor as fp32, safetensors_find, the metadata, weights_padding) and
+//                safetensors_write of what was read, which must read back the same
 //   image        image_load_rgb, then the resize of sample_load (image_to_bytes)
 //   mask         mask_load at the size the file claims and with K classes
 //                drawn, then the resize of sample_load (mask_resize)
@@ -9760,11 +9760,11 @@ static void fuzz_st_seed_text(FuzzCtx *c, const char *header, const void *data, 
     free(b);
 }
 
-static void fuzz_st_seed_write(FuzzCtx *c, const StTensor *ts, int n, const char *const *keys, const char *const *vals,
+static void fuzz_st_seed_write(FuzzCtx *c, const SafetensorsTensor *ts, int n, const char *const *keys, const char *const *vals,
                                int n_meta) {
     char path[300], err[SN_ERR_MAX];
     snprintf(path, sizeof path, "%s/seed.safetensors", c->dir);
-    snCheck(st_write(path, ts, n, keys, vals, n_meta, err) == 0, "fuzz: %s", err);
+    snCheck(safetensors_write(path, ts, n, keys, vals, n_meta, err) == 0, "fuzz: %s", err);
     fuzz_add_seed_file(c, path);
 }
 
@@ -9775,14 +9775,14 @@ static void fuzz_st_setup(FuzzCtx *c) {
     static const int64_t d23[2] = {2, 3}, d4[1] = {4}, d0_3[2] = {0, 3}, d2111[4] = {2, 1, 1, 1},
                          d8[8] = {1, 1, 1, 1, 1, 1, 1, 2}, d1133[4] = {1, 1, 2, 2};
     const char *k1[2] = {"format", "padding"}, *v1[2] = {"segnet", "same"}, *k3[1] = {"epoch"}, *v3[1] = {"3"};
-    StTensor a[3] = {st_tensor("w", DT_F32, 2, d23, f32), st_tensor("h", DT_F16, 1, d4, f16),
-                     st_tensor("s", DT_BF16, 0, NULL, f16)};
+    SafetensorsTensor a[3] = {sf_tensor("w", DT_F32, 2, d23, f32), sf_tensor("h", DT_F16, 1, d4, f16),
+                     sf_tensor("s", DT_BF16, 0, NULL, f16)};
     fuzz_st_seed_write(c, a, 3, k1, v1, 2);
-    StTensor b[4] = {st_tensor("features.0.0.weight", DT_F32, 4, d2111, f32),
-                     st_tensor("empty", DT_F32, 2, d0_3, f32), st_tensor("deep", DT_F16, 8, d8, f16),
-                     st_tensor("features.0.1.num_batches_tracked", DT_I64, 0, NULL, i64)};
+    SafetensorsTensor b[4] = {sf_tensor("features.0.0.weight", DT_F32, 4, d2111, f32),
+                     sf_tensor("empty", DT_F32, 2, d0_3, f32), sf_tensor("deep", DT_F16, 8, d8, f16),
+                     sf_tensor("features.0.1.num_batches_tracked", DT_I64, 0, NULL, i64)};
     fuzz_st_seed_write(c, b, 4, NULL, NULL, 0);
-    StTensor t3 = st_tensor("conv_stem.weight", DT_BF16, 4, d1133, f16);
+    SafetensorsTensor t3 = sf_tensor("conv_stem.weight", DT_BF16, 4, d1133, f16);
     fuzz_st_seed_write(c, &t3, 1, k3, v3, 1);
     // escapes, whitespace, fields in another order, a hole in the data section
     fuzz_st_seed_text(c, "{ \"a\\u00e9\\ud83d\\ude00\" : {\"data_offsets\":[0,8],\"shape\":[2],\"dtype\":\"F32\"} ,\n"
@@ -9791,7 +9791,7 @@ static void fuzz_st_setup(FuzzCtx *c) {
     fuzz_st_seed_text(c, "{}      ", "", 0);
 }
 
-// What st_read accepted, st_write writes and st_read reads back the same: the
+// What safetensors_read accepted, safetensors_write writes and safetensors_read reads back the same: the
 // writer refuses what the reader would refuse, and the reader is as strict.
 // err without its leading "PATH: "
 static const char *fuzz_after(const char *err, const char *path) {
@@ -9799,41 +9799,41 @@ static const char *fuzz_after(const char *err, const char *path) {
     return strncmp(err, path, k) ? err : err + k + (err[k] == ':') + (err[k] && err[k + 1] == ' ');
 }
 
-static void fuzz_st_round_trip(FuzzCtx *c, const StFile *f) {
+static void fuzz_st_round_trip(FuzzCtx *c, const SafetensorsFile *f) {
     char path[300], err[SN_ERR_MAX];
     snprintf(path, sizeof path, "%s/copy.safetensors", c->dir);
     const char **keys = malloc(sizeof(char *) * (size_t)(f->n_meta + 1));
     const char **vals = malloc(sizeof(char *) * (size_t)(f->n_meta + 1));
     snCheck(keys && vals, "out of host memory");
     for (int k = 0; k < f->n_meta; k++) { keys[k] = f->meta_keys[k]; vals[k] = f->meta_values[k]; }
-    StFile g;
-    if (st_write(path, f->tensors, f->n_tensors, keys, vals, f->n_meta, err)) {
-        fuzz_invariant(c, "st_read accepts the file, st_write refuses to write it back: %s", fuzz_after(err, path));
-    } else if (st_read(path, &g, err)) {
-        fuzz_invariant(c, "st_write's copy does not read back: %s", fuzz_after(err, path));
+    SafetensorsFile g;
+    if (safetensors_write(path, f->tensors, f->n_tensors, keys, vals, f->n_meta, err)) {
+        fuzz_invariant(c, "safetensors_read accepts the file, safetensors_write refuses to write it back: %s", fuzz_after(err, path));
+    } else if (safetensors_read(path, &g, err)) {
+        fuzz_invariant(c, "safetensors_write's copy does not read back: %s", fuzz_after(err, path));
     } else {
         int same = g.n_tensors == f->n_tensors && g.n_meta == f->n_meta;
         for (int i = 0; same && i < f->n_tensors; i++) {
-            const StTensor *x = &f->tensors[i], *y = &g.tensors[i];
+            const SafetensorsTensor *x = &f->tensors[i], *y = &g.tensors[i];
             same = !strcmp(x->name, y->name) && x->dtype == y->dtype && x->ndim == y->ndim && x->numel == y->numel &&
                    !memcmp(x->dims, y->dims, sizeof(int64_t) * (size_t)x->ndim) &&
                    !memcmp(x->data, y->data, x->numel * dtype_size(x->dtype));
         }
         for (int k = 0; same && k < f->n_meta; k++)
             same = !strcmp(f->meta_keys[k], g.meta_keys[k]) && !strcmp(f->meta_values[k], g.meta_values[k]);
-        if (!same) fuzz_invariant(c, "st_write's copy reads back different");
-        st_free(&g);
+        if (!same) fuzz_invariant(c, "safetensors_write's copy reads back different");
+        safetensors_free(&g);
     }
     free(keys);
     free(vals);
 }
 
 static uint64_t fuzz_st_run(FuzzCtx *c, const uint8_t *in, size_t n) {
-    StFile f;
+    SafetensorsFile f;
     fuzz_write_input(c, in, n);
-    if (st_read(c->path, &f, c->err)) {
+    if (safetensors_read(c->path, &f, c->err)) {
         if (f.tensors || f.meta_keys || f.meta_values || f.bytes || f.n_tensors || f.n_meta)
-            fuzz_invariant(c, "st_read failed and left its StFile non-empty");
+            fuzz_invariant(c, "safetensors_read failed and left its SafetensorsFile non-empty");
         fuzz_check_err(c);
         for (const char *p = c->err; *p; p++)
             if ((uint8_t)*p < 0x20 || *p == 0x7F) {
@@ -9845,13 +9845,13 @@ static uint64_t fuzz_st_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     c->accepted = 1;
     uint64_t sig = fuzz_hash(FUZZ_HASH0, "st", 2);
     for (int i = 0; i < f.n_tensors; i++) {
-        const StTensor *t = &f.tensors[i];
+        const SafetensorsTensor *t = &f.tensors[i];
         const size_t bytes = t->numel * dtype_size(t->dtype);
         const uint8_t *p = t->data;
         size_t numel;
         if (p < f.bytes + 8 || p > f.bytes + f.n_bytes || bytes > (size_t)(f.bytes + f.n_bytes - p))
             fuzz_invariant(c, "tensor %d's data lies outside the file", i);
-        else if (st_numel(t->dims, t->ndim, dtype_size(t->dtype), &numel) || numel != t->numel)
+        else if (sf_numel(t->dims, t->ndim, dtype_size(t->dtype), &numel) || numel != t->numel)
             fuzz_invariant(c, "tensor %d: numel %zu is not the product of its shape", i, t->numel);
         else {
             float *v = malloc(sizeof(float) * (t->numel ? t->numel : 1));
@@ -9859,17 +9859,17 @@ static uint64_t fuzz_st_run(FuzzCtx *c, const uint8_t *in, size_t n) {
             st_tensor_f32(t, v);
             free(v);
         }
-        if (st_find(&f, t->name) != t) fuzz_invariant(c, "st_find does not find tensor %d by its name", i);
+        if (safetensors_find(&f, t->name) != t) fuzz_invariant(c, "safetensors_find does not find tensor %d by its name", i);
         int facts[2] = {(int)t->dtype, t->ndim};
         sig = fuzz_hash(sig, facts, sizeof facts);
     }
     for (int k = 0; k < f.n_meta; k++)
-        if (!st_meta(&f, f.meta_keys[k])) fuzz_invariant(c, "st_meta does not find metadata key %d", k);
+        if (!safetensors_meta(&f, f.meta_keys[k])) fuzz_invariant(c, "safetensors_meta does not find metadata key %d", k);
     PadMode pad;
     const char *why;
     int follows = weights_padding(&f, &pad, &why), facts[3] = {f.n_tensors < 4 ? f.n_tensors : 4, f.n_meta > 0, follows};
     fuzz_st_round_trip(c, &f);
-    st_free(&f);
+    safetensors_free(&f);
     return fuzz_hash(sig, facts, sizeof facts) | 1;
 }
 
@@ -10169,7 +10169,7 @@ static const FuzzToken CFG_DICT[] = {
 // edit (comments, blank lines, CRLF).
 static void fuzz_config_setup(FuzzCtx *c) {
     TrainCfg cfg = tiny_seg_cfg("data/train", "data/val");
-    StBuf b = {0};
+    SfBuf b = {0};
     config_text(&cfg, &b);
     fuzz_add_seed(c, b.p, b.n);
     free(b.p);
