@@ -628,6 +628,22 @@ struct Ops {
                         const AdamStep *s);
 };
 
+// The compute entries of struct Ops (from fill on), in its order, written
+// once more here and nowhere else: the CPU table takes NAME_cpu for each
+// (segnet.c), the CUDA table NAME_cuda (kernels.cu), and ops_missing's list
+// of every entry comes from it (the test ops_entries_listed checks that it
+// covers the struct).
+#define SN_COMPUTE_OPS(X)                                                                                          \
+    X(fill) X(scale) X(axpby) X(copy) X(sum_squares) X(nonfinite) X(step_control)                                  \
+    X(conv2d_workspace) X(conv2d_forward) X(conv2d_backward_data) X(conv2d_backward_weight)                        \
+    X(bn_stats) X(bn_stats_finish) X(bn_forward) X(bn_update_running) X(bn_backward_reduce) X(bn_backward_finish)  \
+    X(bn_backward_data) X(act_forward) X(act_backward)                                                            \
+    X(global_avg_pool_forward) X(global_avg_pool_backward) X(channel_scale_forward) X(channel_scale_backward)      \
+    X(se_gate_forward) X(se_gate_backward) X(add_forward) X(add_backward) X(concat_forward) X(concat_backward)     \
+    X(dropout_forward) X(dropout_backward) X(maxpool2_forward) X(maxpool2_backward)                                \
+    X(upsample2_forward) X(upsample2_backward) X(resize_bilinear_forward) X(resize_bilinear_backward)              \
+    X(softmax_xent) X(confusion_accumulate) X(adam_update)
+
 extern Ops ops_cpu;
 // The CUDA backend (kernels.cu): in builds with nvcc (SEGNET_CUDA) and, under
 // the CPU emulator of cuda_emu.h, in test_segnet. cuda_backend_open picks the
