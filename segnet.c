@@ -4,6 +4,39 @@
 // The CPU ops are the specification every other backend is tested against.
 // Each op states its formula above it; index math uses NHWC:
 //   x[n,h,w,c] = data[((n·H + h)·W + w)·C + c]
+//
+// Contents, in file order (each part starts with a `// ----` banner):
+//   the ops        element access in any storage type; memory and utilities;
+//                  conv2d (im2col + GEMM, the depthwise references, then the
+//                  direct convolutions that replace im2col for k×k); batch norm
+//                  (the references *_ref, then the fused passes *_fast);
+//                  activations; squeeze-excitation; add, concat; dropout and
+//                  drop-path; batch norm with the layer after it; pooling and
+//                  resampling; softmax + weighted cross-entropy; Adam; ops_cpu
+//   the models     the graph's builders; EfficientNetV2 and the U-Nets
+//   the step       memory planning; fusing layers; the executor (layer_forward,
+//                  layer_backward); training (train_step, the loop, checkpoints)
+//   plumbing       safetensors; weights by name; images and prediction; data
+//                  sets; curves.svg; replicas; benchmark; the command line
+//
+// Math index (formula → where it is computed; segnet.h holds what both
+// backends must agree on bit for bit):
+//   conv out = Σ w·in (+ b), SAME / symmetric padding   conv2d_forward_cpu, conv_axis (segnet.h)
+//   conv gradients dx, dw, db                           conv2d_backward_data_cpu, conv2d_backward_weight_cpu
+//   batch norm statistics mean, var (biased, fp64 sums) bn_moments_stats (segnet.h), bn_stats_ref
+//   batch norm y = act(γ·(x − mean)/√(var + ε) + β)    bn_forward_ref; running statistics bn_update_running_cpu
+//   batch norm backward Σg, Σg·x̂, then dx              bn_backward_reduce_ref, bn_backward_data_ref
+//   ReLU, SiLU, sigmoid and their derivatives           act_apply, act_grad (segnet.h)
+//   squeeze-excitation gate s = σ(W2·SiLU(W1·p + b1) + b2)  se_gate_forward (segnet.h), se_gate_images
+//   global average pool, channel scale                  global_avg_pool_forward_cpu, channel_scale_forward_cpu
+//   dropout / drop-path keep = u ≥ rate, ×1/(1 − rate)  dropout_keep (segnet.h), dropout_forward_cpu
+//   max-pool, nearest and bilinear resampling           maxpool2_forward_cpu, upsample2_forward_cpu, bilinear_tap (segnet.h)
+//   softmax + weighted cross-entropy, Keras' clip        softmax_xent_cpu; its normaliser Σw label_weight_sum
+//   Adam (Keras' ε̂), decoupled weight decay             AdamStep (segnet.h), adam_step_init, adam_update_cpu
+//   loss scaling, global-norm clipping                   step_control_apply, clip_factor (segnet.h)
+//   learning-rate schedules with warm-up                 lr_at_step
+//   IoU = TP/(TP + FP + FN), mean IoU, accuracy          metrics_compute
+//   buffer lifetimes and offsets                         plan_build, plan_pack
 #define _GNU_SOURCE  // qsort_r
 #include <stdio.h>
 #include <stdlib.h>
