@@ -1022,10 +1022,10 @@ static void conv2d_backward_weight_gemm(const ConvCfg *cfg, const ConvGeom *qp, 
 
 #define BN_CBLOCK 16
 
-// The reference versions (any storage type, the formulas as written above); the
-// _cpu entries use the fast versions after them; the tests compare the two (unused otherwise).
+// The reference versions (any storage type, the formulas as written above):
+// ops_reference's entries; the _cpu entries use the fast versions after them.
 
-static __attribute__((unused)) void bn_stats_ref(Tensor x, float *mean, float *var) {
+static void bn_stats_ref(Tensor x, float *mean, float *var) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
@@ -1051,7 +1051,7 @@ static void bn_update_running_cpu(Ops *o, float *run_mean, float *run_var, const
     }
 }
 
-static __attribute__((unused)) void bn_forward_ref(Tensor y, Tensor x, const float *mean, const float *var,
+static void bn_forward_ref(Tensor y, Tensor x, const float *mean, const float *var,
                            const float *gamma, const float *beta, float eps, Act act) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
@@ -1063,7 +1063,7 @@ static __attribute__((unused)) void bn_forward_ref(Tensor y, Tensor x, const flo
         }
 }
 
-static __attribute__((unused)) void bn_backward_reduce_ref(Tensor dy, Tensor x, const float *mean, const float *var,
+static void bn_backward_reduce_ref(Tensor dy, Tensor x, const float *mean, const float *var,
                                    const float *gamma, const float *beta, float eps, Act act,
                                    float *sum_g, float *sum_gx, float *dgamma, float *dbeta) {
     const int C = x.shape.c;
@@ -1084,7 +1084,7 @@ static __attribute__((unused)) void bn_backward_reduce_ref(Tensor dy, Tensor x, 
     }
 }
 
-static __attribute__((unused)) void bn_backward_data_ref(Tensor dx, Tensor dy, Tensor x, const float *mean,
+static void bn_backward_data_ref(Tensor dx, Tensor dy, Tensor x, const float *mean,
                                  const float *var, const float *gamma, const float *beta, float eps,
                                  Act act, const float *sum_g, const float *sum_gx, size_t count,
                                  int accumulate) {
@@ -1676,32 +1676,37 @@ static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dresidual, Tensor dy,
 // the other, a residual block's end in place in out (forward) and in out's
 // gradient dy (backward), so y and its gradient need no memory
 
-static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
-                           const float *gamma, const float *beta, float eps, Act act, const BnNext *next) {
-    if (next && next->kind == FUSED_RESIDUAL) y = next->out;
-    bn_forward_fast(y, x, mean, var, gamma, beta, eps, act);
-    if (next && next->kind == FUSED_POOL) global_avg_pool_forward_cpu(o, next->pooled, y);
-    if (!next || next->kind != FUSED_RESIDUAL) return;
+// y written: the pool of y, or the residual end in place in out (which holds y)
+static void bn_next_forward_cpu(Ops *o, Tensor y, const BnNext *next) {
+    if (next->kind == FUSED_POOL) global_avg_pool_forward_cpu(o, next->pooled, y);
+    if (next->kind != FUSED_RESIDUAL) return;
     if (next->rate > 0.0f)
         dropout_forward_cpu(o, y, y, next->residual, next->rate, next->seed, 1, next->first_sample);
     else
         add_forward_cpu(o, y, y, next->residual);
 }
+// a residual end's backward: dresidual (=|+=) dy, and dy (out's gradient) becomes y's, dy·keep
+static void bn_next_backward_cpu(Ops *o, Tensor dy, const BnNext *next) {
+    const int acc = next->accumulate_residual;
+    if (next->rate > 0.0f)
+        dropout_backward_cpu(o, dy, next->dresidual, dy, next->rate, next->seed, 1, next->first_sample, 0, acc);
+    else if (next->dresidual.data)
+        copy_cpu(o, next->dresidual, dy, acc);  // keep = 1: dy is y's gradient as it is
+}
 
-// with a residual block's end, dy (out's gradient) becomes y's
+static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
+                           const float *gamma, const float *beta, float eps, Act act, const BnNext *next) {
+    if (next && next->kind == FUSED_RESIDUAL) y = next->out;
+    bn_forward_fast(y, x, mean, var, gamma, beta, eps, act);
+    if (next) bn_next_forward_cpu(o, y, next);
+}
+
 static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
                                    const float *gamma, const float *beta, float eps, Act act,
                                    float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums,
                                    const BnNext *next) {
-    if (next && next->kind == FUSED_RESIDUAL) {
-        const int acc = next->accumulate_residual;
-        if (next->rate > 0.0f)
-            dropout_backward_cpu(o, dy, next->dresidual, dy, next->rate, next->seed, 1, next->first_sample, 0, acc);
-        else if (next->dresidual.data)
-            copy_cpu(o, next->dresidual, dy, acc);  // keep = 1: dy is y's gradient as it is
-        if (!sum_g) return;
-    }
-    bn_backward_reduce_fast(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta, sums);
+    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_cpu(o, dy, next);
+    if (sum_g) bn_backward_reduce_fast(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta, sums);
 }
 
 // dy: y's gradient, also with a residual block's end (bn_backward_reduce made it so)
@@ -1968,6 +1973,180 @@ Ops ops_cpu = {
     SN_COMPUTE_OPS(OPS_CPU_ENTRY)
 #undef OPS_CPU_ENTRY
 };
+
+// ----------------------------------------------------------------------------
+// the reference table: ops_cpu with the straightforward versions of the ops
+// that have fast paths (the formulas as written, any storage type, fp64 sums
+// per output value), so that the tests can run a whole training step on it
+// and compare ops_cpu with it as they compare the GPU with the CPU:
+//   conv2d   out[n,oy,ox,co] = b[co] + Σ_{ky,kx,ci∈group(co)} w[co,ky,kx,ci]·in[n, oy·s + ky - pt, ox·s + kx - pl, ci]
+//            (zero outside the image); din and dw are its sums over the other indices
+//   batch norm  bn_stats_ref, bn_forward_ref, bn_backward_reduce_ref, bn_backward_data_ref
+
+// input pixel of output oy (stride s, tap ky, padding pt), or -1 outside
+static inline int conv_tap(int o, int s, int k, int pad, int in) {
+    const int i = o * s + k - pad;
+    return i >= 0 && i < in ? i : -1;
+}
+static void conv2d_forward_ref(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in, const float *w,
+                               const void *w_cast, const float *b, void *ws) {
+    (void)o; (void)w_cast; (void)ws;
+    ConvGeom q;
+    snCheck(conv_geom_of(cfg, in.shape, &q), "conv2d_forward_ref: input " SHAPE_FMT " does not fit", SHAPE_ARGS(in.shape));
+    const int K = cfg->kh, L = cfg->kw;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(out.shape) * q.K))
+    for (int row = 0; row < q.N * q.OH; row++) {
+        const int n = row / q.OH, oy = row % q.OH;
+        for (int ox = 0; ox < q.OW; ox++)
+            for (int co = 0; co < q.Cout; co++) {
+                const int c0 = co / q.Coutg * q.Cg;  // the group's first input channel
+                double acc = b ? b[co] : 0.0;
+                for (int ky = 0; ky < K; ky++) {
+                    const int iy = conv_tap(oy, cfg->stride, ky, q.pt, q.H);
+                    for (int kx = 0; iy >= 0 && kx < L; kx++) {
+                        const int ix = conv_tap(ox, cfg->stride, kx, q.pl, q.W);
+                        for (int ci = 0; ix >= 0 && ci < q.Cg; ci++)
+                            acc += (double)w[((size_t)(co * K + ky) * L + kx) * q.Cg + ci] *
+                                   ld(in, (((size_t)n * q.H + iy) * q.W + ix) * q.C + c0 + ci);
+                    }
+                }
+                st(out, (((size_t)n * q.OH + oy) * q.OW + ox) * q.Cout + co, (float)acc);
+            }
+    }
+}
+// din[n,iy,ix,ci] (=|+=) Σ over the outputs that read it
+static void conv2d_backward_data_ref(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout, const float *w,
+                                     const void *w_cast, int accumulate, void *ws) {
+    (void)o; (void)w_cast; (void)ws;
+    ConvGeom q;
+    snCheck(conv_geom_of(cfg, din.shape, &q), "conv2d_backward_data_ref: input " SHAPE_FMT " does not fit",
+            SHAPE_ARGS(din.shape));
+    const int K = cfg->kh, L = cfg->kw, s = cfg->stride;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(din.shape) * q.K))
+    for (int row = 0; row < q.N * q.H; row++) {
+        const int n = row / q.H, iy = row % q.H;
+        for (int ix = 0; ix < q.W; ix++)
+            for (int c = 0; c < q.C; c++) {
+                const int grp = c / q.Cg, ci = c % q.Cg;
+                double acc = 0.0;
+                for (int ky = 0; ky < K; ky++) {
+                    const int ty = iy + q.pt - ky;  // = oy·s
+                    if (ty < 0 || ty % s || ty / s >= q.OH) continue;
+                    for (int kx = 0; kx < L; kx++) {
+                        const int tx = ix + q.pl - kx;
+                        if (tx < 0 || tx % s || tx / s >= q.OW) continue;
+                        for (int j = 0; j < q.Coutg; j++) {
+                            const int co = grp * q.Coutg + j;
+                            acc += (double)w[((size_t)(co * K + ky) * L + kx) * q.Cg + ci] *
+                                   ld(dout, (((size_t)n * q.OH + ty / s) * q.OW + tx / s) * q.Cout + co);
+                        }
+                    }
+                }
+                st_acc(din, (((size_t)n * q.H + iy) * q.W + ix) * q.C + c, (float)acc, accumulate);
+            }
+    }
+}
+// dw[co,ky,kx,ci] += Σ_{n,oy,ox} dout·in, db[co] += Σ dout
+static void conv2d_backward_weight_ref(Ops *o, const ConvCfg *cfg, float *dw, float *db, Tensor dout, Tensor in,
+                                       void *ws) {
+    (void)o; (void)ws;
+    ConvGeom q;
+    snCheck(conv_geom_of(cfg, in.shape, &q), "conv2d_backward_weight_ref: input " SHAPE_FMT " does not fit",
+            SHAPE_ARGS(in.shape));
+    const int K = cfg->kh, L = cfg->kw;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(dout.shape) * q.K))
+    for (int co = 0; co < q.Cout; co++) {
+        const int c0 = co / q.Coutg * q.Cg;
+        for (int ky = 0; dw && ky < K; ky++)
+            for (int kx = 0; kx < L; kx++)
+                for (int ci = 0; ci < q.Cg; ci++) {
+                    double acc = 0.0;
+                    for (int n = 0; n < q.N; n++)
+                        for (int oy = 0; oy < q.OH; oy++) {
+                            const int iy = conv_tap(oy, cfg->stride, ky, q.pt, q.H);
+                            for (int ox = 0; iy >= 0 && ox < q.OW; ox++) {
+                                const int ix = conv_tap(ox, cfg->stride, kx, q.pl, q.W);
+                                if (ix >= 0)
+                                    acc += (double)ld(dout, (((size_t)n * q.OH + oy) * q.OW + ox) * q.Cout + co) *
+                                           ld(in, (((size_t)n * q.H + iy) * q.W + ix) * q.C + c0 + ci);
+                            }
+                        }
+                    dw[((size_t)(co * K + ky) * L + kx) * q.Cg + ci] += (float)acc;
+                }
+        if (db) {
+            double acc = 0.0;
+            for (size_t p = 0; p < (size_t)q.N * q.OH * q.OW; p++) acc += ld(dout, p * q.Cout + co);
+            db[co] += (float)acc;
+        }
+    }
+}
+
+// batch norm's ops from the references; the fp64 sums (--sync-bn) and the
+// running statistics as the ops table asks for them
+static void bn_stats_ref_op(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum,
+                            double *sums) {
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    bn_stats_ref(x, mean, var);
+    if (run_mean) bn_update_running_cpu(o, run_mean, run_var, mean, var, C, M, momentum);
+    for (int c = 0; sums && c < C; c++) {
+        double s1 = 0.0, s2 = 0.0;
+        for (size_t r = 0; r < M; r++) { const double v = ld(x, r * C + c); s1 += v; s2 += v * v; }
+        sums[c] = s1;
+        sums[C + c] = s2;
+    }
+}
+static void bn_forward_ref_op(Ops *o, Tensor y, Tensor x, const float *mean, const float *var, const float *gamma,
+                              const float *beta, float eps, Act act, const BnNext *next) {
+    if (next && next->kind == FUSED_RESIDUAL) y = next->out;
+    bn_forward_ref(y, x, mean, var, gamma, beta, eps, act);
+    if (next) bn_next_forward_cpu(o, y, next);
+}
+static void bn_backward_reduce_ref_op(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
+                                      const float *gamma, const float *beta, float eps, Act act, float *sum_g,
+                                      float *sum_gx, float *dgamma, float *dbeta, double *sums, const BnNext *next) {
+    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_cpu(o, dy, next);
+    if (!sum_g) return;
+    bn_backward_reduce_ref(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta);
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    for (int c = 0; sums && c < C; c++) {  // Σg, Σg·xhat in fp64, as bn_backward_reduce_ref sums them
+        double sg = 0.0, sgx = 0.0;
+        for (size_t r = 0; r < M; r++) {
+            const float xhat = (ld(x, r * C + c) - mean[c]) * bn_invstd(var, c, eps);
+            const float g = ld(dy, r * C + c) * act_grad(act, gamma[c] * xhat + beta[c]);
+            sg += g;
+            sgx += (double)g * xhat;
+        }
+        sums[c] = sg;
+        sums[C + c] = sgx;
+    }
+}
+static void bn_backward_data_ref_op(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean, const float *var,
+                                    const float *gamma, const float *beta, float eps, Act act, const float *sum_g,
+                                    const float *sum_gx, size_t count, int accumulate, const BnNext *next) {
+    (void)o; (void)next;  // with a residual end, dy is y's gradient already (bn_backward_reduce_ref_op)
+    bn_backward_data_ref(dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
+}
+
+static Ops ops_ref_table;
+static void ops_reference_make(void) {
+    Ops *r = &ops_ref_table;
+    *r = ops_cpu;
+    r->name = "ref";
+    r->conv2d_forward = conv2d_forward_ref;
+    r->conv2d_backward_data = conv2d_backward_data_ref;
+    r->conv2d_backward_weight = conv2d_backward_weight_ref;
+    r->bn_stats = bn_stats_ref_op;
+    r->bn_forward = bn_forward_ref_op;
+    r->bn_backward_reduce = bn_backward_reduce_ref_op;
+    r->bn_backward_data = bn_backward_data_ref_op;
+}
+Ops *ops_reference(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, ops_reference_make);
+    return &ops_ref_table;
+}
 
 // ----------------------------------------------------------------------------
 // choosing a backend

@@ -645,6 +645,9 @@ struct Ops {
     X(softmax_xent) X(confusion_accumulate) X(adam_update)
 
 extern Ops ops_cpu;
+// ops_cpu with the straightforward versions of the ops that have fast paths
+// (convolutions, batch norm): what the tests compare ops_cpu with
+Ops *ops_reference(void);
 // The CUDA backend (kernels.cu): in builds with nvcc (SEGNET_CUDA) and, under
 // the CPU emulator of cuda_emu.h, in test_segnet. cuda_backend_open picks the
 // device and must succeed before ops_cuda is used; it returns -1 with a

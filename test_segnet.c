@@ -288,6 +288,7 @@ static void conv_case(const char *label, Shape in, int cout, int k, int stride, 
     GradOpts o = grad_opts();
     if (g_verbose) printf("    %s\n", label);
     note_worst(LAYER_CONV, graph_gradcheck(&g, y, o, &ops_cpu));
+    note_worst(LAYER_CONV, graph_gradcheck(&g, y, o, ops_reference()));  // the reference conv too
     graph_free(&g);
 }
 
@@ -370,6 +371,7 @@ static void bn_case(Act act, int training, int fanout) {
         }
     }
     note_worst(LAYER_BN, graph_gradcheck(&g, y, o, &ops_cpu));
+    note_worst(LAYER_BN, graph_gradcheck(&g, y, o, ops_reference()));  // the reference batch norm too
     graph_free(&g);
 }
 // graph_gradcheck draws params then input from the same seed in the same order as the search above.
@@ -6130,6 +6132,76 @@ static double rel_l2(const float *a, const float *b, size_t n) {
     for (size_t i = 0; i < n; i++) { d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]); s += (double)b[i] * b[i]; }
     return s > 0 ? sqrt(d / s) : sqrt(d);
 }
+
+// ----------------------------------------------------------------------------
+// the reference table (ops_reference) against ops_cpu, as the cuda_ tests
+// compare the GPU with the CPU: one training forward and backward of effv2-t
+// (64², batch 2: depthwise, squeeze-excitation, strided and dense k×k convs,
+// batch norm with its fusions) and of a plain U-Net (grouped-free dense
+// convs, transposed paths through upsampling), fp32, the same weights and
+// inputs. Only the order of the sums differs: the reference adds each output's
+// K products in fp64 and rounds once, the fast paths add in fp32 blocks, so
+// each op's result is within about √K·2^-24 ≈ 1e-6 relative (K ≤ 9·48) of the
+// reference's, and over the ~60 layers a forward and a backward pass through
+// the loss agrees to 1e-5, the gradients and BN statistics (L2) to 1e-4.
+static void ref_table_step(Ops *o, const char *model, float **grads, size_t *n_grads, float **stats, size_t *n_stats,
+                           double *loss) {
+    Graph g;
+    graph_init(&g);
+    ModelCfg c = model_cfg_default();
+    c.model = model; c.classes = 3; c.batch = 2; c.height = c.width = 64; c.depth = 2; c.width_base = 4;
+    const int y = model_build(&g, &c);
+    Net net;
+    char err[SN_ERR_MAX];
+    CHECK(y >= 0 && net_create(&net, &g, o, DT_F32, 0, err) == 0, "%s: %s", model, y < 0 ? g.err : err);
+    net_init_params(&net, 5);
+    Rng r;
+    rng_seed(&r, 11);
+    const size_t n_in = shape_numel(g.tensors[g.input].shape);
+    float *x = malloc(sizeof(float) * n_in);
+    for (size_t i = 0; i < n_in; i++) x[i] = (float)(rng_next(&r) % 256);
+    o->upload(o, net.act[g.input], x, sizeof(float) * n_in);
+    net_forward(&net, 1);
+    Tensor z = net_tensor(&net, y);
+    const size_t n_labels = shape_numel(z.shape) / c.classes;
+    int32_t *labels = malloc(sizeof(int32_t) * n_labels);
+    for (size_t i = 0; i < n_labels; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
+    float weights[3] = {1.0f, 1.0f, 1.0f}, sums[3] = {0, 0, 0}, scale = 1.0f / (float)n_labels;
+    o->fill(o, tensor_f32(net.grads, shape4((int)net.n_grad_floats, 1, 1, 1)), 0.0f);
+    o->softmax_xent(o, z, labels, weights, 0.0f, &scale, sums, net_grad(&net, y));
+    net_backward(&net, y);
+    *loss = sums[0] / sums[1];
+    *n_grads = net.n_grad_floats;
+    *grads = malloc(sizeof(float) * net.n_grad_floats);
+    memcpy(*grads, net.grads, sizeof(float) * net.n_grad_floats);
+    *n_stats = g.n_buffer_floats;
+    *stats = malloc(sizeof(float) * g.n_buffer_floats);
+    memcpy(*stats, net.buffers, sizeof(float) * g.n_buffer_floats);
+    free(x); free(labels);
+    net_free(&net);
+    graph_free(&g);
+}
+TEST(ref_table_vs_cpu) {
+    const char *models[2] = {"effv2-t", "unet"};
+    CHECK(!strcmp(ops_reference()->name, "ref") && ops_reference()->conv2d_forward != ops_cpu.conv2d_forward &&
+          ops_reference()->bn_forward != ops_cpu.bn_forward, "ops_reference has its own conv and batch norm");
+    for (int m = 0; m < 2; m++) {
+        float *g[2], *st[2];
+        size_t ng[2], ns[2];
+        double loss[2];
+        ref_table_step(&ops_cpu, models[m], &g[0], &ng[0], &st[0], &ns[0], &loss[0]);
+        ref_table_step(ops_reference(), models[m], &g[1], &ng[1], &st[1], &ns[1], &loss[1]);
+        const double el = fabs(loss[0] - loss[1]) / fabs(loss[1]);
+        const double eg = ng[0] == ng[1] ? rel_l2(g[0], g[1], ng[0]) : INFINITY;
+        const double es = ns[0] == ns[1] ? rel_l2(st[0], st[1], ns[0]) : INFINITY;
+        CHECK(el <= 1e-5 && eg <= 1e-4 && es <= 1e-4,
+              "%s: ops_cpu against ops_reference: loss %.3g, gradients %.3g, BN statistics %.3g apart", models[m], el, eg, es);
+        if (g_verbose)
+            printf("      %s: loss %.3g, gradients %.3g, BN statistics %.3g apart (relative, L2)\n", models[m], el, eg, es);
+        free(g[0]); free(g[1]); free(st[0]); free(st[1]);
+    }
+}
+
 static double rel_max(const float *a, const float *b, size_t n) {
     double d = 0, s = 0;
     for (size_t i = 0; i < n; i++) { d = fmax(d, fabs((double)a[i] - b[i])); s = fmax(s, fabs((double)b[i])); }
