@@ -286,33 +286,11 @@ static ConvGeom conv_geom(const ConvCfg *cfg, Shape in) {
     return q;
 }
 
-// Workspace in bytes: col (P·K) for the GEMM paths, plus an fp32 copy of one
-// image's output or output gradient when activations are not stored in fp32,
-// plus for the weight gradient its fp64 sum and one image's product (fp32);
-// depthwise: its weights transposed to [kh][kw][C].
-static int conv_is_direct(const ConvCfg *cfg);
-static int conv_direct_grad_data(const ConvCfg *cfg);
-static int conv_direct_grad_weight(const ConvCfg *cfg);
-static size_t direct_conv_floats(const ConvCfg *cfg, const ConvGeom *q, int backward);
 // the GEMM paths' floats: col (P,K) and fp32 output rows (P,Cout); the weight
 // gradient's fp64 sum (2 floats per weight) and one image's product (Coutg,K) before col
 static size_t im2col_floats(const ConvGeom *q, DType dt) { return q->P * q->K + (dt != DT_F32 ? q->P * q->Cout : 0); }
 static size_t gemm_weight_grad_floats(const ConvGeom *q, DType dt) {
     return 2 * (size_t)q->Cout * q->K + (size_t)q->Coutg * q->K + im2col_floats(q, dt);
-}
-size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
-    (void)o;
-    if (conv_is_depthwise(cfg)) return sizeof(float) * (size_t)cfg->kh * cfg->kw * cfg->cin;  // weights [kh][kw][C]
-    ConvGeom q = conv_geom(cfg, in);
-    if (conv_is_pointwise(cfg) && dt == DT_F32) return 3 * (size_t)q.Cout * q.K * sizeof(float);  // fp64 sum, one image's
-    size_t im2col = im2col_floats(&q, dt), dw_gemm = gemm_weight_grad_floats(&q, dt);  // dw_gemm > im2col
-    if (!conv_is_direct(cfg)) return dw_gemm * sizeof(float);
-    size_t floats = direct_conv_floats(cfg, &q, 0);
-    size_t dx = conv_direct_grad_data(cfg) ? direct_conv_floats(cfg, &q, 1) : im2col;
-    size_t dw = conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2) : dw_gemm;
-    if (dw > floats) floats = dw;
-    if (dx > floats) floats = dx;
-    return floats * sizeof(float);
 }
 
 // sum[i] += x[i] in fp64 (one image's weight gradient into the batch's)
@@ -853,12 +831,82 @@ static void add_bias_rows(float *y, size_t rows, int C, const float *b) {
         for (int c = 0; c < C; c++) y[r * C + c] += b[c];
 }
 
-static void conv2d_forward_gemm(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
-                                const float *b, float *ws);
-static void conv2d_backward_data_gemm(const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
-                                      const float *w, int accumulate, float *ws);
-static void conv2d_backward_weight_gemm(const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
-                                        float *ws);
+// im2col + GEMM per image and group: grouped convs, and the reference for the direct paths
+static void conv2d_forward_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor out, Tensor in, const float *w,
+                                const float *b, float *ws) {
+    const ConvGeom q = *qp;
+    float *col = ws;                           // (P, K)
+    float *rows = col + q.P * q.K;             // (P, Cout) when out is not fp32
+    for (int n = 0; n < q.N; n++) {
+        float *y = out.dtype == DT_F32 ? (float *)out.data + (size_t)n * q.P * q.Cout : rows;  // (P, Cout)
+        for (int g = 0; g < cfg->groups; g++) {
+            im2col(cfg, &q, in, n, g, col);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)q.P, q.Coutg, q.K, 1.0f,
+                        col, q.K, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f, y + (size_t)g * q.Coutg, q.Cout);
+        }
+        if (b) add_bias_rows(y, q.P, q.Cout, b);
+        if (out.dtype != DT_F32) {
+            #pragma omp parallel for schedule(static) if(PAR(q.P * q.Cout))
+            for (size_t p = 0; p < q.P; p++)
+                st_run(out, ((size_t)n * q.P + p) * q.Cout, rows + p * q.Cout, (size_t)q.Cout, 0);
+        }
+    }
+}
+
+static void conv2d_backward_data_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor din, Tensor dout,
+                                      const float *w, int accumulate, float *ws) {
+    const ConvGeom q = *qp;
+    float *dcol = ws;                             // (P, K)
+    float *rows = dcol + q.P * q.K;               // (P, Cout) when dout is not fp32
+    for (int n = 0; n < q.N; n++) {
+        const float *dy = image_rows_f32(dout, n, q.P, q.Cout, rows);
+        for (int g = 0; g < cfg->groups; g++) {
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)q.P, q.K, q.Coutg, 1.0f,
+                        dy + (size_t)g * q.Coutg, q.Cout, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f, dcol, q.K);
+            col2im(cfg, &q, dcol, din, n, g, accumulate);
+        }
+    }
+}
+
+static void conv2d_backward_weight_gemm(const ConvCfg *cfg, const ConvGeom *qp, float *dw, Tensor dout, Tensor in,
+                                        float *ws) {
+    const ConvGeom q = *qp;
+    const size_t n_w = (size_t)q.Cout * q.K, n_wg = (size_t)q.Coutg * q.K;
+    double *sum = (double *)ws;                   // (n_w) fp64
+    float *image_dw = (float *)(sum + n_w);       // (Coutg, K) one image's product for one group
+    float *col = image_dw + n_wg;                 // (P, K)
+    float *rows = col + q.P * q.K;                // (P, Cout) when dout is not fp32
+    memset(sum, 0, sizeof(double) * n_w);
+    for (int n = 0; n < q.N; n++) {
+        const float *dy = image_rows_f32(dout, n, q.P, q.Cout, rows);
+        for (int g = 0; g < cfg->groups; g++) {
+            im2col(cfg, &q, in, n, g, col);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, q.Coutg, q.K, (int)q.P, 1.0f,
+                        dy + (size_t)g * q.Coutg, q.Cout, col, q.K, 0.0f, image_dw, q.K);
+            sum_into_f64(sum + (size_t)g * n_wg, image_dw, n_wg);
+        }
+    }
+    add_rounded(dw, sum, n_w);
+}
+
+// Workspace in bytes: col (P·K) for the GEMM paths, plus an fp32 copy of one
+// image's output or output gradient when activations are not stored in fp32,
+// plus for the weight gradient its fp64 sum and one image's product (fp32);
+// depthwise: its weights transposed to [kh][kw][C]; the direct convolutions' own.
+size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
+    (void)o;
+    if (conv_is_depthwise(cfg)) return sizeof(float) * (size_t)cfg->kh * cfg->kw * cfg->cin;  // weights [kh][kw][C]
+    ConvGeom q = conv_geom(cfg, in);
+    if (conv_is_pointwise(cfg) && dt == DT_F32) return 3 * (size_t)q.Cout * q.K * sizeof(float);  // fp64 sum, one image's
+    size_t im2col = im2col_floats(&q, dt), dw_gemm = gemm_weight_grad_floats(&q, dt);  // dw_gemm > im2col
+    if (!conv_is_direct(cfg)) return dw_gemm * sizeof(float);
+    size_t floats = direct_conv_floats(cfg, &q, 0);
+    size_t dx = conv_direct_grad_data(cfg) ? direct_conv_floats(cfg, &q, 1) : im2col;
+    size_t dw = conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2) : dw_gemm;
+    if (dw > floats) floats = dw;
+    if (dx > floats) floats = dx;
+    return floats * sizeof(float);
+}
 
 static void conv2d_forward_cpu(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in, const float *w,
                                const void *w_cast, const float *b, void *ws) {
@@ -885,28 +933,6 @@ static void conv2d_forward_cpu(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in
     else conv2d_forward_gemm(cfg, &q, out, in, w, b, (float *)ws);
 }
 
-// im2col + GEMM per image and group: grouped convs, and the reference for the direct paths
-static void conv2d_forward_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor out, Tensor in, const float *w,
-                                const float *b, float *ws) {
-    const ConvGeom q = *qp;
-    float *col = ws;                           // (P, K)
-    float *rows = col + q.P * q.K;             // (P, Cout) when out is not fp32
-    for (int n = 0; n < q.N; n++) {
-        float *y = out.dtype == DT_F32 ? (float *)out.data + (size_t)n * q.P * q.Cout : rows;  // (P, Cout)
-        for (int g = 0; g < cfg->groups; g++) {
-            im2col(cfg, &q, in, n, g, col);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)q.P, q.Coutg, q.K, 1.0f,
-                        col, q.K, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f, y + (size_t)g * q.Coutg, q.Cout);
-        }
-        if (b) add_bias_rows(y, q.P, q.Cout, b);
-        if (out.dtype != DT_F32) {
-            #pragma omp parallel for schedule(static) if(PAR(q.P * q.Cout))
-            for (size_t p = 0; p < q.P; p++)
-                st_run(out, ((size_t)n * q.P + p) * q.Cout, rows + p * q.Cout, (size_t)q.Cout, 0);
-        }
-    }
-}
-
 static void conv2d_backward_data_cpu(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout, const float *w,
                                      const void *w_cast, int accumulate, void *ws) {
     (void)o; (void)w_cast;
@@ -927,21 +953,6 @@ static void conv2d_backward_data_cpu(Ops *o, const ConvCfg *cfg, Tensor din, Ten
     }
     if (conv_direct_grad_data(cfg)) conv2d_backward_data_direct(cfg, &q, din, dout, w, accumulate, (float *)ws);
     else conv2d_backward_data_gemm(cfg, &q, din, dout, w, accumulate, (float *)ws);
-}
-
-static void conv2d_backward_data_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor din, Tensor dout,
-                                      const float *w, int accumulate, float *ws) {
-    const ConvGeom q = *qp;
-    float *dcol = ws;                             // (P, K)
-    float *rows = dcol + q.P * q.K;               // (P, Cout) when dout is not fp32
-    for (int n = 0; n < q.N; n++) {
-        const float *dy = image_rows_f32(dout, n, q.P, q.Cout, rows);
-        for (int g = 0; g < cfg->groups; g++) {
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)q.P, q.K, q.Coutg, 1.0f,
-                        dy + (size_t)g * q.Coutg, q.Cout, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f, dcol, q.K);
-            col2im(cfg, &q, dcol, din, n, g, accumulate);
-        }
-    }
 }
 
 static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, float *db, Tensor dout,
@@ -983,27 +994,6 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
     }
     if (conv_direct_grad_weight(cfg)) conv2d_backward_weight_direct(cfg, &q, dw, dout, in, (float *)ws);
     else conv2d_backward_weight_gemm(cfg, &q, dw, dout, in, (float *)ws);
-}
-
-static void conv2d_backward_weight_gemm(const ConvCfg *cfg, const ConvGeom *qp, float *dw, Tensor dout, Tensor in,
-                                        float *ws) {
-    const ConvGeom q = *qp;
-    const size_t n_w = (size_t)q.Cout * q.K, n_wg = (size_t)q.Coutg * q.K;
-    double *sum = (double *)ws;                   // (n_w) fp64
-    float *image_dw = (float *)(sum + n_w);       // (Coutg, K) one image's product for one group
-    float *col = image_dw + n_wg;                 // (P, K)
-    float *rows = col + q.P * q.K;                // (P, Cout) when dout is not fp32
-    memset(sum, 0, sizeof(double) * n_w);
-    for (int n = 0; n < q.N; n++) {
-        const float *dy = image_rows_f32(dout, n, q.P, q.Cout, rows);
-        for (int g = 0; g < cfg->groups; g++) {
-            im2col(cfg, &q, in, n, g, col);
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, q.Coutg, q.K, (int)q.P, 1.0f,
-                        dy + (size_t)g * q.Coutg, q.Cout, col, q.K, 0.0f, image_dw, q.K);
-            sum_into_f64(sum + (size_t)g * n_wg, image_dw, n_wg);
-        }
-    }
-    add_rounded(dw, sum, n_w);
 }
 
 // ----------------------------------------------------------------------------
@@ -8067,6 +8057,62 @@ static int save_interrupted(Trainer *t, const PassTotals *tr, int reduced, const
     return rc;
 }
 
+// RUN: --resume's folder, else --out, else runs/<date>-<time> (this replica's clock)
+static void run_folder_name(const TrainCfg *c, const char *resume, char *run, size_t size) {
+    if (resume) snprintf(run, size, "%s", resume);
+    else if (c->out) snprintf(run, size, "%s", c->out);
+    else {
+        time_t now = time(NULL);
+        strftime(run, size, "runs/%Y%m%d-%H%M%S", localtime(&now));
+    }
+}
+
+// Keras' EarlyStopping(monitor, min_delta): an epoch improves when the loss is
+// lower than the best by more than min_delta (a metric: higher; t->best holds
+// the loss, or the metric negated); patience epochs without: the run finishes
+// (and resuming it does nothing). Returns whether this epoch improved.
+static int epoch_judged(Trainer *t, const EpochRecord *rec) {
+    const TrainCfg *c = t->c;
+    const double score = monitored(c, rec, t->has_val);
+    const int improved = score < t->best - c->min_delta;
+    if (improved) { t->best = score; t->best_epoch = t->epoch; t->bad_epochs = 0; }
+    else t->bad_epochs++;
+    if (c->patience > 0 && t->bad_epochs >= c->patience) t->finished = 1;
+    return improved;
+}
+
+// The epoch's row of metrics.csv (rank 0), then best.safetensors when it
+// improved and last.safetensors: metrics.csv first, so that a crash in
+// between runs the epoch again. vm NULL: no validation set.
+static int epoch_written(Trainer *t, History *h, const EpochRecord *rec, const Metrics *m, const Metrics *vm,
+                         const double *diag, int improved, const char *run, char err[SN_ERR_MAX]) {
+    SfBuf row = {0};
+    char s[64], lr_text[32], path[4200];
+    snprintf(s, sizeof s, "%d,%s", rec->epoch, float_str(lr_text, (float)rec->lr));
+    sb_str(&row, s);
+    csv_num(&row, rec->loss);
+    csv_num(&row, rec->val_loss);
+    csv_metrics(t, &row, m);
+    csv_metrics(t, &row, vm);
+    for (int k = 0; k < STEP_STATS_N_COLUMNS; k++) csv_sig(&row, diag[k]);
+    sb_put(&row, "", 1);
+    snCheck(!row.oom, "out of host memory");
+    history_add(h, row.p, *rec);
+    int rc = history_write(t, h, run, err);
+    if (rc == 0 && improved) { run_path(path, sizeof path, run, "best.safetensors"); rc = save_checkpoint(t, path, NULL, err); }
+    run_path(path, sizeof path, run, "last.safetensors");
+    if (rc == 0) rc = save_checkpoint(t, path, NULL, err);
+    return rc;
+}
+
+// the epoch's progress line
+static void epoch_print(const Trainer *t, const EpochRecord *rec, double seconds, int improved) {
+    const char *metric = t->segmentation ? "mIoU" : "accuracy";
+    fprintf(stderr, "epoch %d/%d  loss %.4f  %s %.4f", rec->epoch, t->c->epochs, rec->loss, metric, rec->metric);
+    if (t->has_val) fprintf(stderr, "  val_loss %.4f  val_%s %.4f", rec->val_loss, metric, rec->val_metric);
+    fprintf(stderr, "  (%.1f s)%s\n", seconds, improved ? "  best" : "");
+}
+
 // One replica of a run (all of it without replicas). Every replica takes
 // every decision from the same mirrored state and the same all-reduced
 // figures; only rank 0 reads and writes the run folder. A failure that some
@@ -8081,12 +8127,7 @@ static int train_replica(Comm *comm, void *arg) {
     set_threads(c->threads);
     if (c->patience > 0 && !c->val) { snprintf(err, SN_ERR_MAX, "--early-stopping needs a validation set (--val)"); return -1; }
     char run[4096], path[4200];
-    if (resume) snprintf(run, sizeof run, "%s", resume);
-    else if (c->out) snprintf(run, sizeof run, "%s", c->out);
-    else {
-        time_t now = time(NULL);
-        strftime(run, sizeof run, "runs/%Y%m%d-%H%M%S", localtime(&now));
-    }
+    run_folder_name(c, resume, run, sizeof run);
     if (comm->size > 1 && comm->broadcast(comm, run, sizeof run, 0)) return comm_failure(comm, err);  // rank 0's clock
     Trainer t;
     memset(&t, 0, sizeof t);
@@ -8203,40 +8244,12 @@ static int train_replica(Comm *comm, void *arg) {
         EpochRecord rec = {t.epoch, lr, loss, val_loss, t.segmentation ? m.mean_iou : m.accuracy,
                            t.has_val ? (t.segmentation ? vm.mean_iou : vm.accuracy) : NAN,
                            diag[0], diag[1], diag[2], diag[3], diag[4], diag[5], diag[6]};
-        // Keras' EarlyStopping(monitor, min_delta): an epoch improves when the loss is lower than the
-        // best by more than min_delta (a metric: higher); t.best holds the loss, or the metric negated
-        const double score = monitored(c, &rec, t.has_val);
-        int improved = score < t.best - c->min_delta;
-        if (improved) { t.best = score; t.best_epoch = t.epoch; t.bad_epochs = 0; }
-        else t.bad_epochs++;
-        if (c->patience > 0 && t.bad_epochs >= c->patience) t.finished = 1;  // stopped early: resuming does nothing
-        int wrc = 0;
-        if (root) {
-            SfBuf row = {0};
-            char s[64];
-            char lr_text[32];
-            snprintf(s, sizeof s, "%d,%s", t.epoch, float_str(lr_text, (float)lr));
-            sb_str(&row, s);
-            csv_num(&row, loss);
-            csv_num(&row, val_loss);
-            csv_metrics(&t, &row, &m);
-            csv_metrics(&t, &row, t.has_val ? &vm : NULL);
-            for (int k = 0; k < STEP_STATS_N_COLUMNS; k++) csv_sig(&row, diag[k]);
-            sb_put(&row, "", 1);
-            snCheck(!row.oom, "out of host memory");
-            history_add(&h, row.p, rec);
-            // metrics.csv before last.safetensors: a crash in between re-runs the epoch
-            wrc = history_write(&t, &h, run, err);
-            if (wrc == 0 && improved) { run_path(path, sizeof path, run, "best.safetensors"); wrc = save_checkpoint(&t, path, NULL, err); }
-            run_path(path, sizeof path, run, "last.safetensors");
-            if (wrc == 0) wrc = save_checkpoint(&t, path, NULL, err);
-        }
-        if (comm_agree(comm, wrc, err)) goto done;
+        const int improved = epoch_judged(&t, &rec);
+        if (comm_agree(comm, root ? epoch_written(&t, &h, &rec, &m, t.has_val ? &vm : NULL, diag, improved, run, err) : 0,
+                       err))
+            goto done;
         if (c->progress && root) {
-            fprintf(stderr, "epoch %d/%d  loss %.4f  %s %.4f", t.epoch, c->epochs, loss,
-                    t.segmentation ? "mIoU" : "accuracy", rec.metric);
-            if (t.has_val) fprintf(stderr, "  val_loss %.4f  val_%s %.4f", val_loss, t.segmentation ? "mIoU" : "accuracy", rec.val_metric);
-            fprintf(stderr, "  (%.1f s)%s\n", now_seconds() - t0, improved ? "  best" : "");
+            epoch_print(&t, &rec, now_seconds() - t0, improved);
             training_warnings(&t, &rec, h.n > 1 ? &h.rec[h.n - 2] : NULL, warned);
         }
         if (c->stop_after_epochs && t.epoch >= c->stop_after_epochs && !t.finished) { rc = 0; goto done; }
