@@ -3596,11 +3596,11 @@ void net_backward(Net *net, int output) {
 // so SafetensorsTensor.data has no alignment guarantee; callers memcpy out of it.
 
 
-#define ST_HEADER_MAX   ((uint64_t)100 << 20)  // a longer header is absurd (real ones are kilobytes)
+#define SF_HEADER_MAX   ((uint64_t)100 << 20)  // a longer header is absurd (real ones are kilobytes)
 #define SF_QUOTE_MAX    64                      // names shown in messages are cut to this
 
-static const char *const ST_DTYPE_NAMES[] = {"F32", "F16", "BF16", "I64"};  // indexed by DType
-#define ST_DTYPES ((int)(sizeof ST_DTYPE_NAMES / sizeof *ST_DTYPE_NAMES))
+static const char *const SF_DTYPE_NAMES[] = {"F32", "F16", "BF16", "I64"};  // indexed by DType
+#define SF_DTYPES ((int)(sizeof SF_DTYPE_NAMES / sizeof *SF_DTYPE_NAMES))
 
 static void sf_errf(char *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void sf_errf(char *err, const char *fmt, ...) {
@@ -3843,7 +3843,7 @@ static int sf_parse_tensor(Json *j, SafetensorsTensor *t, const uint8_t *data, s
             if (!jeat(j, '[')) return jfail(j, "\"shape\" must be an array of integers");
             t->ndim = 0;
             if (!jeat(j, ']')) for (;;) {
-                if (t->ndim == ST_MAX_DIMS) return jfail(j, "shape has more than %d dimensions", ST_MAX_DIMS);
+                if (t->ndim == SF_MAX_DIMS) return jfail(j, "shape has more than %d dimensions", SF_MAX_DIMS);
                 int64_t d;
                 if (jint(j, &d, "shape entry")) return -1;
                 if (d < 0) return jfail(j, "shape entry %" PRId64 " is negative", d);
@@ -3875,8 +3875,8 @@ static int sf_parse_tensor(Json *j, SafetensorsTensor *t, const uint8_t *data, s
     if (n_off < 0) return jfail(j, "missing \"data_offsets\"");
 
     int dt = -1;
-    for (int k = 0; k < ST_DTYPES; k++)
-        if (!strcmp(dtype, ST_DTYPE_NAMES[k])) dt = k;
+    for (int k = 0; k < SF_DTYPES; k++)
+        if (!strcmp(dtype, SF_DTYPE_NAMES[k])) dt = k;
     if (dt < 0) return jfail(j, "dtype \"%s\" is not supported (segnet reads F32, F16, BF16, I64)", sf_quote(q, dtype));
     t->dtype = (DType)dt;
     size_t elem = dtype_size(t->dtype);
@@ -4091,8 +4091,8 @@ int safetensors_read(const char *path, SafetensorsFile *f, char err[SN_ERR_MAX])
         safetensors_free(f);
         return -1;
     }
-    if (hlen > ST_HEADER_MAX) {
-        sf_errf(err, "%s: header length %" PRIu64 " is absurd (over %" PRIu64 " MB)", path, hlen, ST_HEADER_MAX >> 20);
+    if (hlen > SF_HEADER_MAX) {
+        sf_errf(err, "%s: header length %" PRIu64 " is absurd (over %" PRIu64 " MB)", path, hlen, SF_HEADER_MAX >> 20);
         safetensors_free(f);
         return -1;
     }
@@ -4162,9 +4162,9 @@ static int sf_check_write_args(const char *path, const SafetensorsTensor *ts, in
             sf_errf(err, "%s: tensor '%s': invalid name (not UTF-8, or \"__metadata__\")", path, nm);
             return -1;
         }
-        if ((unsigned)t->dtype >= (unsigned)ST_DTYPES) { sf_errf(err, "%s: tensor '%s': unknown dtype %d", path, nm, (int)t->dtype); return -1; }
-        if (t->ndim < 0 || t->ndim > ST_MAX_DIMS) {
-            sf_errf(err, "%s: tensor '%s': ndim %d is outside 0..%d", path, nm, t->ndim, ST_MAX_DIMS);
+        if ((unsigned)t->dtype >= (unsigned)SF_DTYPES) { sf_errf(err, "%s: tensor '%s': unknown dtype %d", path, nm, (int)t->dtype); return -1; }
+        if (t->ndim < 0 || t->ndim > SF_MAX_DIMS) {
+            sf_errf(err, "%s: tensor '%s': ndim %d is outside 0..%d", path, nm, t->ndim, SF_MAX_DIMS);
             return -1;
         }
         for (int d = 0; d < t->ndim; d++)
@@ -4276,7 +4276,7 @@ int safetensors_write(const char *path, const SafetensorsTensor *tensors, int n,
         sb_str(&h, n_meta || i ? "," : "");
         sb_json(&h, t->name);
         sb_str(&h, ":{\"dtype\":\"");
-        sb_str(&h, ST_DTYPE_NAMES[t->dtype]);
+        sb_str(&h, SF_DTYPE_NAMES[t->dtype]);
         sb_str(&h, "\",\"shape\":[");
         for (int d = 0; d < t->ndim; d++) {
             snprintf(num, sizeof num, "%s%" PRId64, d ? "," : "", t->dims[d]);

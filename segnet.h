@@ -934,13 +934,13 @@ double label_weight_sum(const int32_t *labels, size_t n, const float *class_weig
 // then the data section; offsets are relative to its start (byte 8 + N).
 // Tensors are row-major and little-endian. segnet reads and writes F32, F16, BF16.
 
-#define ST_MAX_DIMS 8
+#define SF_MAX_DIMS 8
 
 typedef struct {
     char name[SN_NAME_MAX];
     DType dtype;
     int ndim;                    // 0 for a scalar (shape [])
-    int64_t dims[ST_MAX_DIMS];
+    int64_t dims[SF_MAX_DIMS];
     size_t numel;                // Π dims (1 for a scalar)
     // safetensors_read: points into SafetensorsFile.bytes, with NO alignment guarantee (the data
     // section starts wherever the header ends, and offsets are arbitrary):

@@ -9791,7 +9791,7 @@ static size_t fuzz_input(FuzzCtx *c, uint64_t seed, uint64_t k, uint8_t *b) {
 
 // ---- safetensors
 
-static const FuzzToken ST_DICT[] = {
+static const FuzzToken SF_DICT[] = {
     TOK("\""), TOK("\\"), TOK("\\u"), TOK("\\ud83d\\ude00"), TOK("\\ud800"), TOK("\\udc00"), TOK("\\u0000"), TOK("\\u001f"),
     TOK("{"), TOK("}"), TOK("["), TOK("]"), TOK(":"), TOK(","), TOK(" "), TOK("\t\r\n"), TOK("\"__metadata__\""),
     TOK("\"dtype\""), TOK("\"shape\""), TOK("\"data_offsets\""), TOK("\"F32\""), TOK("\"F16\""), TOK("\"BF16\""),
@@ -9805,7 +9805,7 @@ static const FuzzToken ST_DICT[] = {
 
 // Half the time the JSON header alone, its 8-byte length then set to match:
 // past the length check, into the parser and the layout checks.
-static size_t fuzz_st_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
+static size_t fuzz_sf_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
     static uint8_t data[FUZZ_MAX_LEN];
     uint64_t hlen = 0;
     for (int i = 7; i >= 0 && n >= 8; i--) hlen = hlen << 8 | b[i];
@@ -9822,7 +9822,7 @@ static size_t fuzz_st_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
 }
 
 // a safetensors file from header text and data bytes (the length prefix computed)
-static void fuzz_st_seed_text(FuzzCtx *c, const char *header, const void *data, size_t n_data) {
+static void fuzz_sf_seed_text(FuzzCtx *c, const char *header, const void *data, size_t n_data) {
     size_t h = strlen(header);
     uint8_t *b = malloc(8 + h + n_data);
     for (int i = 0; i < 8; i++) b[i] = (uint8_t)((uint64_t)h >> 8 * i);
@@ -9832,7 +9832,7 @@ static void fuzz_st_seed_text(FuzzCtx *c, const char *header, const void *data, 
     free(b);
 }
 
-static void fuzz_st_seed_write(FuzzCtx *c, const SafetensorsTensor *ts, int n, const char *const *keys, const char *const *vals,
+static void fuzz_sf_seed_write(FuzzCtx *c, const SafetensorsTensor *ts, int n, const char *const *keys, const char *const *vals,
                                int n_meta) {
     char path[300], err[SN_ERR_MAX];
     snprintf(path, sizeof path, "%s/seed.safetensors", c->dir);
@@ -9840,7 +9840,7 @@ static void fuzz_st_seed_write(FuzzCtx *c, const SafetensorsTensor *ts, int n, c
     fuzz_add_seed_file(c, path);
 }
 
-static void fuzz_st_setup(FuzzCtx *c) {
+static void fuzz_sf_setup(FuzzCtx *c) {
     static const float f32[6] = {1.0f, -2.5f, 0.0f, 3.25f, -0.0f, 1e-30f};
     static const uint16_t f16[8] = {0x3C00, 0xC000, 0x7C00, 0x7E00, 0x0001, 0x8000, 0x3555, 0xFBFF};
     static const int64_t i64[1] = {INT64_MIN + 1};
@@ -9849,18 +9849,18 @@ static void fuzz_st_setup(FuzzCtx *c) {
     const char *k1[2] = {"format", "padding"}, *v1[2] = {"segnet", "same"}, *k3[1] = {"epoch"}, *v3[1] = {"3"};
     SafetensorsTensor a[3] = {sf_tensor("w", DT_F32, 2, d23, f32), sf_tensor("h", DT_F16, 1, d4, f16),
                      sf_tensor("s", DT_BF16, 0, NULL, f16)};
-    fuzz_st_seed_write(c, a, 3, k1, v1, 2);
+    fuzz_sf_seed_write(c, a, 3, k1, v1, 2);
     SafetensorsTensor b[4] = {sf_tensor("features.0.0.weight", DT_F32, 4, d2111, f32),
                      sf_tensor("empty", DT_F32, 2, d0_3, f32), sf_tensor("deep", DT_F16, 8, d8, f16),
                      sf_tensor("features.0.1.num_batches_tracked", DT_I64, 0, NULL, i64)};
-    fuzz_st_seed_write(c, b, 4, NULL, NULL, 0);
+    fuzz_sf_seed_write(c, b, 4, NULL, NULL, 0);
     SafetensorsTensor t3 = sf_tensor("conv_stem.weight", DT_BF16, 4, d1133, f16);
-    fuzz_st_seed_write(c, &t3, 1, k3, v3, 1);
+    fuzz_sf_seed_write(c, &t3, 1, k3, v3, 1);
     // escapes, whitespace, fields in another order, a hole in the data section
-    fuzz_st_seed_text(c, "{ \"a\\u00e9\\ud83d\\ude00\" : {\"data_offsets\":[0,8],\"shape\":[2],\"dtype\":\"F32\"} ,\n"
+    fuzz_sf_seed_text(c, "{ \"a\\u00e9\\ud83d\\ude00\" : {\"data_offsets\":[0,8],\"shape\":[2],\"dtype\":\"F32\"} ,\n"
                     "\"b\\\"\\\\\\/\\b\\f\\n\\r\\t\": {\"dtype\":\"F16\",\"shape\":[1,1],\"data_offsets\":[12,14]},"
                     "\"__metadata__\":{\"k\":\"v\",\"\\u00ff\":\"\"}}   ", f32, 16);
-    fuzz_st_seed_text(c, "{}      ", "", 0);
+    fuzz_sf_seed_text(c, "{}      ", "", 0);
 }
 
 // What safetensors_read accepted, safetensors_write writes and safetensors_read reads back the same: the
@@ -9871,7 +9871,7 @@ static const char *fuzz_after(const char *err, const char *path) {
     return strncmp(err, path, k) ? err : err + k + (err[k] == ':') + (err[k] && err[k + 1] == ' ');
 }
 
-static void fuzz_st_round_trip(FuzzCtx *c, const SafetensorsFile *f) {
+static void fuzz_sf_round_trip(FuzzCtx *c, const SafetensorsFile *f) {
     char path[300], err[SN_ERR_MAX];
     snprintf(path, sizeof path, "%s/copy.safetensors", c->dir);
     const char **keys = malloc(sizeof(char *) * (size_t)(f->n_meta + 1));
@@ -9900,7 +9900,7 @@ static void fuzz_st_round_trip(FuzzCtx *c, const SafetensorsFile *f) {
     free(vals);
 }
 
-static uint64_t fuzz_st_run(FuzzCtx *c, const uint8_t *in, size_t n) {
+static uint64_t fuzz_sf_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     SafetensorsFile f;
     fuzz_write_input(c, in, n);
     if (safetensors_read(c->path, &f, c->err)) {
@@ -9940,7 +9940,7 @@ static uint64_t fuzz_st_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     PadMode pad;
     const char *why;
     int follows = weights_padding(&f, &pad, &why), facts[3] = {f.n_tensors < 4 ? f.n_tensors : 4, f.n_meta > 0, follows};
-    fuzz_st_round_trip(c, &f);
+    fuzz_sf_round_trip(c, &f);
     safetensors_free(&f);
     return fuzz_hash(sig, facts, sizeof facts) | 1;
 }
@@ -10314,11 +10314,11 @@ static uint64_t fuzz_faulty_hang(FuzzCtx *c, const uint8_t *in, size_t n) {
 }
 
 static const FuzzTarget FUZZ_TARGETS[] = {
-    {"safetensors", "input.safetensors", ST_DICT, sizeof ST_DICT / sizeof *ST_DICT, fuzz_st_setup, fuzz_st_run, fuzz_st_mutate},
+    {"safetensors", "input.safetensors", SF_DICT, sizeof SF_DICT / sizeof *SF_DICT, fuzz_sf_setup, fuzz_sf_run, fuzz_sf_mutate},
     {"image", "input.png", IMG_DICT, sizeof IMG_DICT / sizeof *IMG_DICT, fuzz_image_setup, fuzz_image_run, NULL},
     {"mask", "input.png", IMG_DICT, sizeof IMG_DICT / sizeof *IMG_DICT, fuzz_image_setup, fuzz_mask_run, NULL},
     {"csv", "list.csv", CSV_DICT, sizeof CSV_DICT / sizeof *CSV_DICT, fuzz_csv_setup, fuzz_csv_run, NULL},
-    {"checkpoint", "input.safetensors", ST_DICT, sizeof ST_DICT / sizeof *ST_DICT, fuzz_ckpt_setup, fuzz_ckpt_run, fuzz_st_mutate},
+    {"checkpoint", "input.safetensors", SF_DICT, sizeof SF_DICT / sizeof *SF_DICT, fuzz_ckpt_setup, fuzz_ckpt_run, fuzz_sf_mutate},
     {"config", "config.txt", CFG_DICT, sizeof CFG_DICT / sizeof *CFG_DICT, fuzz_config_setup, fuzz_config_run, NULL},
 };
 static const FuzzTarget SELFTEST_TARGETS[] = {
