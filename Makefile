@@ -266,7 +266,12 @@ train: segnet
 
 # segnet bench and ref/bench_torch.py on the same models, batch, threads and
 # steps; one row per model with the ratios segnet/PyTorch (step time, peak RSS).
+# Then the end-to-end row: `segnet train` of the quickstart's U-Net on data/
+# for BENCH_E2E_EPOCHS epochs (validation and a checkpoint each epoch) against
+# ref/bench_train_torch.py doing the same as a PyTorch loop (a DataLoader over
+# the same PNG folders, same threads), each process timed from start to exit.
 BENCH_THREADS ?= 2
+BENCH_E2E_EPOCHS ?= 3
 BENCH_STEPS   ?= 5
 BENCH_WARMUP  ?= 2
 BENCH_MODELS  ?= "effv2-s:--model effv2-s --padding symmetric --size 224x224 --batch 4" \
@@ -285,8 +290,16 @@ bench: segnet
 	  get() { echo "$$1" | sed -n "s/^$$2: //p"; }; \
 	  rows="$$rows$$name $$(get "$$s" train_step_ms) $$(get "$$t" train_step_ms) $$(get "$$s" peak_rss_bytes) $$(get "$$t" peak_rss_bytes)\n"; \
 	done; \
+	e2e="--model unet --depth 3 --width 16 --size 64x64 --data data/train --val data/val --classes 4 --class-weights 0,1,1,1 --batch 8 --epochs $(BENCH_E2E_EPOCHS) --schedule cosine --augment flip --threads $(BENCH_THREADS)"; \
+	dir=$$(mktemp -d) || exit 1; trap 'rm -rf "$$dir"' EXIT; \
+	echo "== e2e: segnet train $$e2e" >&2; \
+	t0=$$(date +%s.%N); ./segnet train $$e2e --out $$dir/segnet >$$dir/segnet.log 2>&1 || { cat $$dir/segnet.log >&2; exit 1; }; t1=$$(date +%s.%N); \
+	echo "== e2e: ref/bench_train_torch.py $$e2e" >&2; \
+	/usr/bin/python3 ref/bench_train_torch.py $$e2e --out $$dir/torch >$$dir/torch.log 2>&1 || { cat $$dir/torch.log >&2; exit 1; }; t2=$$(date +%s.%N); \
 	printf "$$rows" | awk 'BEGIN { printf "%-9s %12s %12s %7s %13s %13s %7s\n", "model", "segnet ms", "pytorch ms", "ratio", "segnet MiB", "pytorch MiB", "ratio" } \
-	  { printf "%-9s %12.1f %12.1f %7.2f %13.1f %13.1f %7.2f\n", $$1, $$2, $$3, $$2 / $$3, $$4 / 1048576, $$5 / 1048576, $$4 / $$5 }'
+	  { printf "%-9s %12.1f %12.1f %7.2f %13.1f %13.1f %7.2f\n", $$1, $$2, $$3, $$2 / $$3, $$4 / 1048576, $$5 / 1048576, $$4 / $$5 }'; \
+	echo "$$t0 $$t1 $$t2" | awk '{ printf "%-9s %12s %12s %7s\n%-9s %12.1f %12.1f %7.2f   (unet on data/, $(BENCH_E2E_EPOCHS) epochs, whole runs)\n", \
+	  "e2e", "segnet s", "pytorch s", "ratio", "e2e", $$2 - $$1, $$3 - $$2, ($$2 - $$1) / ($$3 - $$2) }'
 
 # ---- make gpucount: a training step's GPU work, counted without a GPU ---------
 # For each GPUCOUNT_MODELS entry ("title:bench options"), segnet_emu runs
