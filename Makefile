@@ -269,8 +269,12 @@ train: segnet
 # Then the end-to-end row: `segnet train` of the quickstart's U-Net on data/
 # for BENCH_E2E_EPOCHS epochs (validation and a checkpoint each epoch) against
 # ref/bench_train_torch.py doing the same as a PyTorch loop (a DataLoader over
-# the same PNG folders, same threads), each process timed from start to exit.
+# the same PNG folders, same threads), each process timed from start to exit
+# (that row in ms). A shared machine has slower stretches of many seconds, so
+# segnet and PyTorch run alternately BENCH_REPEATS times: the row gives the
+# medians, the median of the pairs' ratios and their range.
 BENCH_THREADS ?= 2
+BENCH_REPEATS ?= 3
 BENCH_E2E_EPOCHS ?= 3
 BENCH_STEPS   ?= 5
 BENCH_WARMUP  ?= 2
@@ -280,26 +284,41 @@ BENCH_MODELS  ?= "effv2-s:--model effv2-s --padding symmetric --size 224x224 --b
 bench: segnet
 	@/usr/bin/python3 -c 'import torch, torchvision' 2>/dev/null || { echo "make bench: /usr/bin/python3 needs torch and torchvision (apt-get install python3-torch python3-torchvision)" >&2; exit 1; }
 	@common="--classes 4 --threads $(BENCH_THREADS) --steps $(BENCH_STEPS) --warmup $(BENCH_WARMUP)"; \
+	get() { echo "$$1" | sed -n "s/^$$2: //p"; }; \
 	rows=""; \
 	for m in $(BENCH_MODELS); do \
-	  name=$${m%%:*}; args=$${m#*:}; \
-	  echo "== $$name: segnet bench $$args $$common" >&2; \
-	  s=$$(./segnet bench $$args $$common) || exit 1; echo "$$s" >&2; \
-	  echo "== $$name: ref/bench_torch.py $$args $$common" >&2; \
-	  t=$$(/usr/bin/python3 ref/bench_torch.py $$args $$common) || exit 1; echo "$$t" >&2; \
-	  get() { echo "$$1" | sed -n "s/^$$2: //p"; }; \
-	  rows="$$rows$$name $$(get "$$s" train_step_ms) $$(get "$$t" train_step_ms) $$(get "$$s" peak_rss_bytes) $$(get "$$t" peak_rss_bytes)\n"; \
+	  name=$${m%%:*}; args=$${m#*:}; row="$$name"; \
+	  for r in $$(seq $(BENCH_REPEATS)); do \
+	    echo "== $$name ($$r/$(BENCH_REPEATS)): segnet bench $$args $$common" >&2; \
+	    s=$$(./segnet bench $$args $$common) || exit 1; echo "$$s" >&2; \
+	    echo "== $$name ($$r/$(BENCH_REPEATS)): ref/bench_torch.py $$args $$common" >&2; \
+	    t=$$(/usr/bin/python3 ref/bench_torch.py $$args $$common) || exit 1; echo "$$t" >&2; \
+	    row="$$row $$(get "$$s" train_step_ms) $$(get "$$t" train_step_ms) $$(get "$$s" peak_rss_bytes) $$(get "$$t" peak_rss_bytes)"; \
+	  done; \
+	  rows="$$rows$$row\n"; \
 	done; \
 	e2e="--model unet --depth 3 --width 16 --size 64x64 --data data/train --val data/val --classes 4 --class-weights 0,1,1,1 --batch 8 --epochs $(BENCH_E2E_EPOCHS) --schedule cosine --augment flip --threads $(BENCH_THREADS)"; \
 	dir=$$(mktemp -d) || exit 1; trap 'rm -rf "$$dir"' EXIT; \
-	echo "== e2e: segnet train $$e2e" >&2; \
-	t0=$$(date +%s.%N); ./segnet train $$e2e --out $$dir/segnet >$$dir/segnet.log 2>&1 || { cat $$dir/segnet.log >&2; exit 1; }; t1=$$(date +%s.%N); \
-	echo "== e2e: ref/bench_train_torch.py $$e2e" >&2; \
-	/usr/bin/python3 ref/bench_train_torch.py $$e2e --out $$dir/torch >$$dir/torch.log 2>&1 || { cat $$dir/torch.log >&2; exit 1; }; t2=$$(date +%s.%N); \
-	printf "$$rows" | awk 'BEGIN { printf "%-9s %12s %12s %7s %13s %13s %7s\n", "model", "segnet ms", "pytorch ms", "ratio", "segnet MiB", "pytorch MiB", "ratio" } \
-	  { printf "%-9s %12.1f %12.1f %7.2f %13.1f %13.1f %7.2f\n", $$1, $$2, $$3, $$2 / $$3, $$4 / 1048576, $$5 / 1048576, $$4 / $$5 }'; \
-	echo "$$t0 $$t1 $$t2" | awk '{ printf "%-9s %12s %12s %7s\n%-9s %12.1f %12.1f %7.2f   (unet on data/, $(BENCH_E2E_EPOCHS) epochs, whole runs)\n", \
-	  "e2e", "segnet s", "pytorch s", "ratio", "e2e", $$2 - $$1, $$3 - $$2, ($$2 - $$1) / ($$3 - $$2) }'
+	row="e2e"; \
+	for r in $$(seq $(BENCH_REPEATS)); do \
+	  echo "== e2e ($$r/$(BENCH_REPEATS)): segnet train $$e2e" >&2; \
+	  t0=$$(date +%s.%N); ./segnet train $$e2e --out $$dir/segnet$$r >$$dir/segnet.log 2>&1 || { cat $$dir/segnet.log >&2; exit 1; }; t1=$$(date +%s.%N); \
+	  echo "== e2e ($$r/$(BENCH_REPEATS)): ref/bench_train_torch.py $$e2e" >&2; \
+	  /usr/bin/python3 ref/bench_train_torch.py $$e2e --out $$dir/torch$$r >$$dir/torch.log 2>&1 || { cat $$dir/torch.log >&2; exit 1; }; t2=$$(date +%s.%N); \
+	  row="$$row $$(echo "$$t0 $$t1 $$t2" | awk '{ printf "%.3f %.3f 0 0", 1000 * ($$2 - $$1), 1000 * ($$3 - $$2) }')"; \
+	done; \
+	printf "$$rows$$row\n" | awk ' \
+	  function median(a, n,   i, j, x) { for (i = 2; i <= n; i++) { x = a[i]; for (j = i - 1; j >= 1 && a[j] > x; j--) a[j + 1] = a[j]; a[j + 1] = x } \
+	    return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2 } \
+	  BEGIN { printf "%-9s %12s %12s %7s %13s %13s %13s %7s\n", "model", "segnet ms", "pytorch ms", "ratio", "ratio range", "segnet MiB", "pytorch MiB", "ratio" } \
+	  { n = (NF - 1) / 4; ms = mt = 0; \
+	    for (i = 1; i <= n; i++) { s[i] = $$(4 * i - 2); t[i] = $$(4 * i - 1); q[i] = s[i] / t[i]; \
+	      if ($$(4 * i) > ms) ms = $$(4 * i); if ($$(4 * i + 1) > mt) mt = $$(4 * i + 1) } \
+	    lo = hi = q[1]; for (i = 2; i <= n; i++) { if (q[i] < lo) lo = q[i]; if (q[i] > hi) hi = q[i] } \
+	    range = sprintf("%.2f-%.2f", lo, hi); \
+	    if ($$1 == "e2e") printf "%-9s %12.0f %12.0f %7.2f %13s   (whole runs: unet on data/, $(BENCH_E2E_EPOCHS) epochs)\n", $$1, median(s, n), median(t, n), median(q, n), range; \
+	    else printf "%-9s %12.1f %12.1f %7.2f %13s %13.1f %13.1f %7.2f\n", $$1, median(s, n), median(t, n), median(q, n), range, \
+	      ms / 1048576, mt / 1048576, ms / mt }'
 
 # ---- make gpucount: a training step's GPU work, counted without a GPU ---------
 # For each GPUCOUNT_MODELS entry ("title:bench options"), segnet_emu runs
