@@ -1055,7 +1055,7 @@ static void bn_forward_ref(Tensor y, Tensor x, const float *mean, const float *v
 
 static void bn_backward_reduce_ref(Tensor dy, Tensor x, const float *mean, const float *var,
                                    const float *gamma, const float *beta, float eps, Act act,
-                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta) {
+                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
@@ -1070,7 +1070,10 @@ static void bn_backward_reduce_ref(Tensor dy, Tensor x, const float *mean, const
                 sg[j] += g;
                 sgx[j] += (double)g * xhat;
             }
-        for (int j = 0; j < nc; j++) bn_grad_sums_store(c0 + j, sg[j], sgx[j], sum_g, sum_gx, dgamma, dbeta);
+        for (int j = 0; j < nc; j++) {
+            bn_grad_sums_store(c0 + j, sg[j], sgx[j], sum_g, sum_gx, dgamma, dbeta);
+            if (sums) { sums[c0 + j] = sg[j]; sums[C + c0 + j] = sgx[j]; }
+        }
     }
 }
 
@@ -2096,21 +2099,7 @@ static void bn_backward_reduce_ref_op(Ops *o, Tensor dy, Tensor x, const float *
                                       const float *gamma, const float *beta, float eps, Act act, float *sum_g,
                                       float *sum_gx, float *dgamma, float *dbeta, double *sums, const BnNext *next) {
     if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_cpu(o, dy, next);
-    if (!sum_g) return;
-    bn_backward_reduce_ref(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta);
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    for (int c = 0; sums && c < C; c++) {  // Σg, Σg·xhat in fp64, as bn_backward_reduce_ref sums them
-        double sg = 0.0, sgx = 0.0;
-        for (size_t r = 0; r < M; r++) {
-            const float xhat = (ld(x, r * C + c) - mean[c]) * bn_invstd(var, c, eps);
-            const float g = ld(dy, r * C + c) * act_grad(act, gamma[c] * xhat + beta[c]);
-            sg += g;
-            sgx += (double)g * xhat;
-        }
-        sums[c] = sg;
-        sums[C + c] = sgx;
-    }
+    if (sum_g) bn_backward_reduce_ref(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta, sums);
 }
 static void bn_backward_data_ref_op(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean, const float *var,
                                     const float *gamma, const float *beta, float eps, Act act, const float *sum_g,
@@ -3001,8 +2990,12 @@ void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int
         p->bwd_slot[i] = n; p->slot_kind[n] = SLOT_BACKWARD; p->slot_layer[n++] = i;
     }
     p->n_slots = n;
+    Fusion *fusion = malloc(sizeof(Fusion) * (size_t)(L + 1));
+    snCheck(fusion != NULL, "out of host memory");
+    for (int j = 0; j < L; j++) fusion[j] = layer_fusion(g, j);
+    fusion[L] = FUSED_NONE;
     for (int j = 1; j < L; j++) {  // a fused layer runs in its batch norm's slots (their own stay empty)
-        const Fusion f = layer_fusion(g, j);
+        const Fusion f = fusion[j];
         if (f == FUSED_NONE) continue;
         p->fwd_slot[j] = p->fwd_slot[j - 1];
         if (p->rec_slot[j] >= 0) p->rec_slot[j] = p->rec_slot[j - 1];
@@ -3012,7 +3005,7 @@ void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int
     for (int t = 0; t < T; t++) {
         const size_t bytes = shape_numel(g->tensors[t].shape) * dtype_size(dtype);
         const int prod = g->tensors[t].producer;
-        if (prod >= 0 && layer_fusion(g, prod + 1) == FUSED_RESIDUAL) continue;  // y of a fused residual end: no memory
+        if (prod >= 0 && fusion[prod + 1] == FUSED_RESIDUAL) continue;  // y of a fused residual end: no memory
         const int block = prod >= 0 ? g->layers[prod].block : -1;
         int internal = checkpoint && prod >= 0 && t != output && p->rec_slot[prod] >= 0;
         int fwd_last = prod >= 0 ? p->fwd_slot[prod] : 0, keep_last = fwd_last, rec_last = -1;
@@ -3059,7 +3052,7 @@ void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int
     const size_t best_fit_peak = plan_pack(p, order, 1, workspace, placed, live);
     if (best_fit_peak < peak) peak = best_fit_peak;
     else for (int b = 0; b < p->n_bufs; b++) p->bufs[b].offset = lowest[b];
-    free(live); free(lowest);
+    free(live); free(lowest); free(fusion);
     free(order); free(placed);
     p->peak = peak;
     // which buffers start and end at each slot

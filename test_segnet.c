@@ -3015,17 +3015,28 @@ static void check_seg_outputs(Net *net, int out, const char *in, const char *out
           files, leftovers);
 }
 
+// The predict tests' folder: dir = /tmp/segnet_test_<pid>_<tag> with an empty
+// dir/images (in), and the hand-made U-Net (batch images) saved as dir/w.safetensors.
+// Returns seg_hand_net's output tensor.
+typedef struct { char dir[256], in[300], wpath[300]; } PredictDirs;
+static int predict_fixture(const char *tag, int batch, PredictDirs *d, Graph *g, Net *net, ModelCfg *c) {
+    char err[SN_ERR_MAX];
+    snprintf(d->dir, sizeof d->dir, "/tmp/segnet_test_%ld_%s", (long)getpid(), tag);
+    snprintf(d->in, sizeof d->in, "%s/images", d->dir);
+    snprintf(d->wpath, sizeof d->wpath, "%s/w.safetensors", d->dir);
+    mkdir(d->dir, 0755); mkdir(d->in, 0755);
+    const int out = seg_hand_net(g, net, c, batch);
+    CHECK(net_save_weights(net, d->wpath, err) == 0, "%s", err);
+    return out;
+}
+
 // predict with the hand-made U-Net into a new folder, then again into it
 TEST(predict_segmentation) {
-    char dir[256], in[300], outdir[300], wpath[300], path[400], err[SN_ERR_MAX];
-    snprintf(dir, sizeof dir, "/tmp/segnet_test_%ld_predict_seg", (long)getpid());
-    snprintf(in, sizeof in, "%s/images", dir);
-    snprintf(outdir, sizeof outdir, "%s/masks", dir);  // absent: predict creates it
-    snprintf(wpath, sizeof wpath, "%s/w.safetensors", dir);
-    mkdir(dir, 0755); mkdir(in, 0755);
+    PredictDirs d;
     Graph g; Net net; ModelCfg c;
-    int out = seg_hand_net(&g, &net, &c, 2);
-    CHECK(net_save_weights(&net, wpath, err) == 0, "%s", err);
+    const int out = predict_fixture("predict_seg", 2, &d, &g, &net, &c);
+    char *dir = d.dir, *in = d.in, *wpath = d.wpath, outdir[300], path[400], err[SN_ERR_MAX];
+    snprintf(outdir, sizeof outdir, "%s/masks", dir);  // absent: predict creates it
     Rng r; rng_seed(&r, 5);
     int (*reds[3])(int, int) = {red_columns, NULL, NULL};
     for (int i = 0; i < 3; i++) {
@@ -3044,16 +3055,12 @@ TEST(predict_segmentation) {
 // Refused before anything is written: --out an existing file, an image that
 // does not decode, two images with the same stem; and a folder that cannot be created.
 TEST(predict_segmentation_refused) {
-    char dir[256], in[300], file[300], outdir[300], wpath[300], path[400], err[SN_ERR_MAX];
-    snprintf(dir, sizeof dir, "/tmp/segnet_test_%ld_predict_seg_bad", (long)getpid());
-    snprintf(in, sizeof in, "%s/images", dir);
+    PredictDirs d;
+    Graph g; Net net; ModelCfg c;
+    predict_fixture("predict_seg_bad", 1, &d, &g, &net, &c);
+    char *dir = d.dir, *in = d.in, *wpath = d.wpath, file[300], outdir[300], path[400], err[SN_ERR_MAX];
     snprintf(file, sizeof file, "%s/preds.csv", dir);
     snprintf(outdir, sizeof outdir, "%s/masks", dir);
-    snprintf(wpath, sizeof wpath, "%s/w.safetensors", dir);
-    mkdir(dir, 0755); mkdir(in, 0755);
-    Graph g; Net net; ModelCfg c;
-    seg_hand_net(&g, &net, &c, 1);
-    CHECK(net_save_weights(&net, wpath, err) == 0, "%s", err);
     Rng r; rng_seed(&r, 6);
     snprintf(path, sizeof path, "%s/good.png", in);
     write_png_red(path, 8, 8, NULL, &r);
@@ -4349,15 +4356,11 @@ static char *with_stderr_captured(int (*run)(void *), void *arg, int *rc) {
 typedef struct { PredictCfg *pc; char err[SN_ERR_MAX]; } PredictJob;
 static int predict_job(void *arg) { PredictJob *j = arg; return predict_run(j->pc, j->err); }
 TEST(predict_legend_progress) {
-    char dir[256], in[300], outdir[300], wpath[300], path[400], err[SN_ERR_MAX];
-    snprintf(dir, sizeof dir, "/tmp/segnet_test_%ld_predict_legend", (long)getpid());
-    snprintf(in, sizeof in, "%s/images", dir);
-    snprintf(outdir, sizeof outdir, "%s/out", dir);
-    snprintf(wpath, sizeof wpath, "%s/w.safetensors", dir);
-    mkdir(dir, 0755); mkdir(in, 0755);
+    PredictDirs d;
     Graph g; Net net; ModelCfg c;
-    seg_hand_net(&g, &net, &c, 2);
-    CHECK(net_save_weights(&net, wpath, err) == 0, "%s", err);
+    predict_fixture("predict_legend", 2, &d, &g, &net, &c);
+    char *dir = d.dir, *in = d.in, *wpath = d.wpath, outdir[300], path[400], err[SN_ERR_MAX];
+    snprintf(outdir, sizeof outdir, "%s/out", dir);
     Rng r; rng_seed(&r, 8);
     for (int i = 0; i < 3; i++) {
         snprintf(path, sizeof path, "%s/%s", in, SEG_NAMES[i]);
@@ -5691,7 +5694,7 @@ TEST(fast_bn_vs_ref) {
                 bn_backward_reduce_cpu(&ops_cpu, tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act,
                                        sg1, sgx1, dgam1, dbet1, NULL, NULL);
                 bn_backward_reduce_ref(tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act,
-                                       sg2, sgx2, dgam2, dbet2);
+                                       sg2, sgx2, dgam2, dbet2, NULL);
                 CHECK(rel_diff(sg1, sg2, C, 1.0) < 2e-6 && rel_diff(sgx1, sgx2, C, 1.0) < 2e-6 &&
                       rel_diff(dgam1, dgam2, C, 1.0) < 2e-6 && rel_diff(dbet1, dbet2, C, 1.0) < 2e-6,
                       "bn_backward_reduce fast vs reference (act %d, shape " SHAPE_FMT ")", act, SHAPE_ARGS(s));
@@ -5741,7 +5744,7 @@ TEST(fast_bn_16bit) {
                 CHECK(e <= ulp, "bn_forward %s act %d: %.2e", DT_NAME[dt], act, e);
                 float sg1[21], sgx1[21], sg2[21], sgx2[21], dg1[21] = {0}, db1[21] = {0}, dg2[21] = {0}, db2[21] = {0};
                 bn_backward_reduce_cpu(&ops_cpu, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg1, sgx1, dg1, db1, NULL, NULL);
-                bn_backward_reduce_ref(dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2, dg2, db2);
+                bn_backward_reduce_ref(dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2, dg2, db2, NULL);
                 CHECK(rel_diff(sg1, sg2, C, 1.0) < 2e-6 && rel_diff(sgx1, sgx2, C, 1.0) < 2e-6 &&
                       rel_diff(dg1, dg2, C, 1.0) < 2e-6 && rel_diff(db1, db2, C, 1.0) < 2e-6,
                       "bn_backward_reduce %s act %d", DT_NAME[dt], act);
