@@ -1,40 +1,50 @@
-// segnet.c -- the one readable C file: the CPU reference ops (forward next to
-// backward), the graph and its executor, and the command line.
+// segnet.c -- the one readable C file: the math of every op, the models, the
+// training step, how the CPU makes them fast, and the plumbing around them.
 //
 // The CPU ops are the specification every other backend is tested against.
 // Each op states its formula above it; index math uses NHWC:
 //   x[n,h,w,c] = data[((n·H + h)·W + w)·C + c]
 //
-// Contents, in file order (each part starts with a `// ----` banner):
-//   the ops        element access in any storage type; memory and utilities;
-//                  conv2d (im2col + GEMM, the depthwise references, then the
-//                  direct convolutions that replace im2col for k×k); batch norm
-//                  (the references *_ref, then the fused passes *_fast);
-//                  activations; squeeze-excitation; add, concat; dropout and
-//                  drop-path; batch norm with the layer after it; pooling and
-//                  resampling; softmax + weighted cross-entropy; Adam; ops_cpu
-//   the models     the graph's builders; EfficientNetV2 and the U-Nets
-//   the step       memory planning; fusing layers; the executor (layer_forward,
-//                  layer_backward); training (train_step, the loop, checkpoints)
-//   plumbing       safetensors; weights by name; images and prediction; data
-//                  sets; curves.svg; replicas; benchmark; the command line
+// Contents, in file order (each part opens with a `// ====` banner, each
+// section within it with a `// ----` one):
+//   I.   The math        element access in any storage type; memory and the
+//                        vector ops; conv2d; activations; squeeze-excitation;
+//                        add, concat; dropout and drop-path; pooling and
+//                        resampling; batch norm (with the layer after it);
+//                        softmax + weighted cross-entropy; Adam; metrics and
+//                        learning-rate schedules; the reference table ops_ref
+//   II.  The models      the graph's builders; EfficientNetV2 and the U-Nets;
+//                        initial weights
+//   III. The step        memory planning (with recompute); fusing layers; the
+//                        executor (layer_forward, layer_backward); the training
+//                        step (train_step, its work in numbered steps)
+//   IV.  Making it fast  the direct and GEMM convolutions, batch norm in fp32
+//                        passes with exp_vec, the squeeze-excitation pieces in
+//                        fp32; ops_cpu = ops_ref with those; choosing a backend
+//   V.   Plumbing        safetensors; weights by name; images and prediction;
+//                        data sets; curves.svg; replicas' communicators; the
+//                        training run (passes, checkpoints, metrics.csv,
+//                        resume); benchmark; the command line
 //
 // Math index (formula → where it is computed; segnet.h holds what both
 // backends must agree on bit for bit):
-//   conv out = Σ w·in (+ b), SAME / symmetric padding   conv2d_forward_cpu, conv_axis (segnet.h)
-//   conv gradients dx, dw, db                           conv2d_backward_data_cpu, conv2d_backward_weight_cpu
-//   batch norm statistics mean, var (biased, fp64 sums) bn_moments_stats (segnet.h), bn_stats_ref
-//   batch norm y = act(γ·(x − mean)/√(var + ε) + β)    bn_forward_ref; running statistics bn_update_running_cpu
+//   conv out = Σ w·in (+ b), SAME / symmetric padding   conv2d_forward_ref, conv_axis (segnet.h)
+//   conv gradients dx, dw, db                           conv2d_backward_data_ref, conv2d_backward_weight_ref
+//   batch norm statistics mean, var (biased, fp64 sums) bn_stats_ref, bn_moments_stats (segnet.h)
+//   batch norm y = act(γ·(x − mean)/√(var + ε) + β)    bn_forward_ref; running statistics bn_update_running_ref
 //   batch norm backward Σg, Σg·x̂, then dx              bn_backward_reduce_ref, bn_backward_data_ref
 //   ReLU, SiLU, sigmoid and their derivatives           act_apply, act_grad (segnet.h)
 //   squeeze-excitation gate s = σ(W2·SiLU(W1·p + b1) + b2)  se_gate_forward (segnet.h), se_gate_images
-//   global average pool, channel scale                  global_avg_pool_forward_cpu, channel_scale_forward_cpu
-//   dropout / drop-path keep = u ≥ rate, ×1/(1 − rate)  dropout_keep (segnet.h), dropout_forward_cpu
-//   max-pool, nearest and bilinear resampling           maxpool2_forward_cpu, upsample2_forward_cpu, bilinear_tap (segnet.h)
-//   softmax + weighted cross-entropy, Keras' clip        softmax_xent_cpu; its normaliser Σw label_weight_sum
-//   Adam (Keras' ε̂), decoupled weight decay             AdamStep (segnet.h), adam_step_init, adam_update_cpu
+//   global average pool, channel scale                  global_avg_pool_forward_ref, channel_scale_forward_ref
+//   dropout / drop-path keep = u ≥ rate, ×1/(1 − rate)  dropout_keep (segnet.h), dropout_forward_ref
+//   max-pool, nearest and bilinear resampling           maxpool2_forward_ref, upsample2_forward_ref, bilinear_tap (segnet.h)
+//   softmax + weighted cross-entropy, Keras' clip        softmax_xent_ref; its normaliser Σw label_weight_sum
+//   Adam (Keras' ε̂), decoupled weight decay             AdamStep (segnet.h), adam_step_init, adam_update_ref
 //   loss scaling, global-norm clipping                   step_control_apply, clip_factor (segnet.h)
 //   learning-rate schedules with warm-up                 lr_at_step
+//   IoU = TP/(TP + FP + FN), mean IoU, accuracy          metrics_compute
+//   buffer lifetimes and offsets                         plan_build, plan_pack
+//   one optimiser step                                   train_step, step_work
 //   IoU = TP/(TP + FP + FN), mean IoU, accuracy          metrics_compute
 //   buffer lifetimes and offsets                         plan_build, plan_pack
 #define _GNU_SOURCE  // qsort_r
@@ -67,6 +77,13 @@
 #include <mpi.h>
 #endif
 #include "segnet.h"
+
+// ============================================================================
+// PART I. THE MATH
+// Per op its formula, then a straightforward reference forward and backward:
+// any storage type, sums in fp64 in the formula's order. Together they are
+// the table ops_ref at the end of the part, which runs a whole training step.
+// ============================================================================
 
 // ----------------------------------------------------------------------------
 // checks for programming errors (conditions a user cannot cause: a user's bad
@@ -185,33 +202,33 @@ static void cpu_memcpy(Ops *o, void *dst, const void *src, size_t bytes) { (void
 static void cpu_synchronize(Ops *o) { (void)o; }
 static void *cpu_host_alloc(Ops *o, size_t bytes) { (void)o; return malloc(bytes ? bytes : 1); }
 static void cpu_host_free(Ops *o, void *p) { (void)o; free(p); }
-static void step_control_cpu(Ops *o, const StepArgs *a, StepState *s, StepPhase phase) {
+static void step_control_ref(Ops *o, const StepArgs *a, StepState *s, StepPhase phase) {
     (void)o;
     step_control_apply(a, s, phase);
 }
 
-static void fill_cpu(Ops *o, Tensor t, float value) {
+static void fill_ref(Ops *o, Tensor t, float value) {
     (void)o;
     size_t n = shape_numel(t.shape);
     #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) st(t, i, value);
 }
 
-static void scale_cpu(Ops *o, Tensor t, float a) {
+static void scale_ref(Ops *o, Tensor t, float a) {
     (void)o;
     size_t n = shape_numel(t.shape);
     #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) st(t, i, a * ld(t, i));
 }
 
-static void axpby_cpu(Ops *o, Tensor y, Tensor x, float a, float b, int accumulate) {
+static void axpby_ref(Ops *o, Tensor y, Tensor x, float a, float b, int accumulate) {
     (void)o;
     size_t n = shape_numel(x.shape);
     #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) st_acc(y, i, a * ld(x, i) + b, accumulate);
 }
 
-static void copy_cpu(Ops *o, Tensor dst, Tensor src, int accumulate) {
+static void copy_ref(Ops *o, Tensor dst, Tensor src, int accumulate) {
     (void)o;
     size_t n = shape_numel(src.shape);
     snCheck(shape_numel(dst.shape) == n, "copy: dst " SHAPE_FMT " src " SHAPE_FMT, SHAPE_ARGS(dst.shape), SHAPE_ARGS(src.shape));
@@ -225,7 +242,7 @@ static void copy_cpu(Ops *o, Tensor dst, Tensor src, int accumulate) {
 #define SUM_CHUNK  65536
 #define SUM_GROUP  256
 
-static void sum_squares_cpu(Ops *o, Tensor t, float *out) {
+static void sum_squares_ref(Ops *o, Tensor t, float *out) {
     (void)o;
     size_t n = shape_numel(t.shape), n_chunks = (n + SUM_CHUNK - 1) / SUM_CHUNK;
     double total = 0.0;
@@ -244,13 +261,19 @@ static void sum_squares_cpu(Ops *o, Tensor t, float *out) {
     *out = (float)total;
 }
 
-static void nonfinite_cpu(Ops *o, Tensor t, int32_t *flag) {
+static void nonfinite_ref(Ops *o, Tensor t, int32_t *flag) {
     (void)o;
     size_t n = shape_numel(t.shape);
     int bad = 0;
     #pragma omp parallel for schedule(static) reduction(|:bad) if(PAR(n))
     for (size_t i = 0; i < n; i++) bad |= !isfinite(ld(t, i));
     if (bad) *flag = 1;
+}
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 // ----------------------------------------------------------------------------
@@ -260,1721 +283,12 @@ static void nonfinite_cpu(Ops *o, Tensor t, int32_t *flag) {
 //                                      · w[co][ky][kx][ci]
 // with g = co / (Cout/groups) the group of co, Cg = Cin/groups, x = 0 outside
 // the input, and (pt, pl) the padding before (conv_axis in segnet.h).
-//
-// Dense k×k convs run as direct convolutions, register-blocked like a GEMM
-// micro-kernel but on the padded image itself (below, "direct k×k
-// convolution"). Grouped convs, and the gradients of convs with fewer input
-// channels than a vector, are lowered to GEMMs per image and group; that path
-// is also the reference the direct one is tested against. im2col gathers the
-// receptive fields into col[P][K] (P = OH·OW output pixels, K = kh·kw·Cg in
-// weight order), and
-//   forward          out_g[P][Coutg]  = col[P][K] · W_g[Coutg][K]ᵀ
-//   backward data    dcol[P][K]       = dout_g[P][Coutg] · W_g[Coutg][K], then col2im
-//   backward weight  dW_g[Coutg][K]  += Σ_n dout_g[P][Coutg]ᵀ · col[P][K]
-// A 1×1 stride-1 conv (fp32) needs no im2col: NHWC is already [N·H·W][Cin].
-// Depthwise convs (groups = Cin = Cout) are direct loops.
-// Every weight gradient is a sum over images in fp64, rounded once: each
-// image's product (an fp32 GEMM over its own P rows) is added to an fp64 sum
-// in image order. A batch split across replicas then regroups only fp64
-// additions (2^-53) — one fp32 GEMM over all N·P rows regroups its fp32
-// accumulation instead, 1e-6 of a U-Net's gradient.
-
-static ConvGeom conv_geom(const ConvCfg *cfg, Shape in) {
-    ConvGeom q;
-    snCheck(conv_geom_of(cfg, in, &q), "conv2d: input " SHAPE_FMT " does not fit the conv (cin %d, kernel %dx%d)",
-            SHAPE_ARGS(in), cfg->cin, cfg->kh, cfg->kw);
-    return q;
-}
-
-// the GEMM paths' floats: col (P,K) and fp32 output rows (P,Cout); the weight
-// gradient's fp64 sum (2 floats per weight) and one image's product (Coutg,K) before col
-static size_t im2col_floats(const ConvGeom *q, DType dt) { return q->P * q->K + (dt != DT_F32 ? q->P * q->Cout : 0); }
-static size_t gemm_weight_grad_floats(const ConvGeom *q, DType dt) {
-    return 2 * (size_t)q->Cout * q->K + (size_t)q->Coutg * q->K + im2col_floats(q, dt);
-}
-
-// sum[i] += x[i] in fp64 (one image's weight gradient into the batch's)
-static void sum_into_f64(double *sum, const float *x, size_t n) {
-    #pragma omp parallel for simd schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++) sum[i] += x[i];
-}
-// dw[i] += sum[i] rounded once to fp32 (the batch's weight gradient into the step's)
-static void add_rounded(float *dw, const double *sum, size_t n) {
-    for (size_t i = 0; i < n; i++) dw[i] += (float)sum[i];
-}
-
-// col[p][(ky·kw + kx)·Cg + ci] = x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci]
-static void im2col(const ConvCfg *cfg, const ConvGeom *q, Tensor in, int n, int g, float *col) {
-    #pragma omp parallel for schedule(static) if(PAR(q->P * q->K))
-    for (int oy = 0; oy < q->OH; oy++) {
-        for (int ox = 0; ox < q->OW; ox++) {
-            float *row = col + ((size_t)oy * q->OW + ox) * q->K;
-            for (int ky = 0; ky < cfg->kh; ky++) {
-                int iy = oy * cfg->stride - q->pt + ky;
-                for (int kx = 0; kx < cfg->kw; kx++) {
-                    int ix = ox * cfg->stride - q->pl + kx;
-                    float *dst = row + (ky * cfg->kw + kx) * q->Cg;
-                    if (iy < 0 || iy >= q->H || ix < 0 || ix >= q->W) {
-                        memset(dst, 0, sizeof(float) * q->Cg);
-                        continue;
-                    }
-                    size_t src = (((size_t)n * q->H + iy) * q->W + ix) * q->C + (size_t)g * q->Cg;
-                    ld_run(in, src, dst, (size_t)q->Cg);
-                }
-            }
-        }
-    }
-}
-
-// The adjoint of im2col, as a gather so that each input element is written
-// once: din[n,iy,ix,g·Cg+ci] (=|+=) Σ_{ky,kx} dcol[oy·OW+ox][(ky·kw+kx)·Cg+ci]
-// over the (ky,kx) with oy = (iy + pt - ky)/s an integer inside the output,
-// summed in (ky,kx) order. Channels are innermost (contiguous in dcol and
-// din), COL2IM_CHUNK at a time.
-#define COL2IM_CHUNK 256
-static void col2im(const ConvCfg *cfg, const ConvGeom *q, const float *dcol, Tensor din, int n, int g,
-                   int accumulate) {
-    const int s = cfg->stride;
-    #pragma omp parallel for schedule(static) if(PAR((size_t)q->H * q->W * q->K))
-    for (int iy = 0; iy < q->H; iy++) {
-        float acc[COL2IM_CHUNK];
-        for (int ix = 0; ix < q->W; ix++) {
-            size_t dst = (((size_t)n * q->H + iy) * q->W + ix) * q->C + (size_t)g * q->Cg;
-            for (int c0 = 0; c0 < q->Cg; c0 += COL2IM_CHUNK) {
-                const int nc = q->Cg - c0 < COL2IM_CHUNK ? q->Cg - c0 : COL2IM_CHUNK;
-                for (int ci = 0; ci < nc; ci++) acc[ci] = 0.0f;
-                for (int ky = 0; ky < cfg->kh; ky++) {
-                    int ty = iy + q->pt - ky;
-                    if (ty < 0 || ty % s || ty / s >= q->OH) continue;
-                    for (int kx = 0; kx < cfg->kw; kx++) {
-                        int tx = ix + q->pl - kx;
-                        if (tx < 0 || tx % s || tx / s >= q->OW) continue;
-                        const float *src = dcol + ((size_t)(ty / s) * q->OW + tx / s) * q->K + (ky * cfg->kw + kx) * q->Cg + c0;
-                        for (int ci = 0; ci < nc; ci++) acc[ci] += src[ci];
-                    }
-                }
-                st_run(din, dst + c0, acc, (size_t)nc, accumulate);
-            }
-        }
-    }
-}
-
-// One image's output (or output gradient) as fp32 rows [P][Cout]: the tensor's
-// own memory when it is fp32, else converted into `scratch`.
-static float *image_rows_f32(Tensor t, int n, size_t P, int Cout, float *scratch) {
-    size_t base = (size_t)n * P * Cout;
-    if (t.dtype == DT_F32) return (float *)t.data + base;
-    #pragma omp parallel for schedule(static) if(PAR(P * Cout))
-    for (size_t p = 0; p < P; p++) ld_run(t, base + p * Cout, scratch + p * Cout, (size_t)Cout);
-    return scratch;
-}
-
-// depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx, c] · w[c][ky][kx]
-static void depthwise_forward_ref(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
-                              const float *w, const float *b) {
-    const int KK = cfg->kh * cfg->kw;
-    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * q->C * KK))
-    for (int noy = 0; noy < q->N * q->OH; noy++) {
-        int n = noy / q->OH, oy = noy % q->OH;
-        for (int ox = 0; ox < q->OW; ox++) {
-            size_t o_base = (((size_t)n * q->OH + oy) * q->OW + ox) * q->C;
-            for (int c = 0; c < q->C; c++) {
-                float acc = b ? b[c] : 0.0f;
-                for (int ky = 0; ky < cfg->kh; ky++) {
-                    int iy = oy * cfg->stride - q->pt + ky;
-                    if (iy < 0 || iy >= q->H) continue;
-                    for (int kx = 0; kx < cfg->kw; kx++) {
-                        int ix = ox * cfg->stride - q->pl + kx;
-                        if (ix < 0 || ix >= q->W) continue;
-                        acc += ld(in, (((size_t)n * q->H + iy) * q->W + ix) * q->C + c) * w[c * KK + ky * cfg->kw + kx];
-                    }
-                }
-                st(out, o_base + c, acc);
-            }
-        }
-    }
-}
-
-// din[n,iy,ix,c] (=|+=) Σ_{ky,kx} dout[n,oy,ox,c]·w[c][ky][kx], oy = (iy + pt - ky)/s integral
-static void depthwise_backward_data_ref(const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
-                                    const float *w, int accumulate) {
-    const int KK = cfg->kh * cfg->kw, s = cfg->stride;
-    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->H * q->W * q->C * KK))
-    for (int niy = 0; niy < q->N * q->H; niy++) {
-        int n = niy / q->H, iy = niy % q->H;
-        for (int ix = 0; ix < q->W; ix++) {
-            size_t i_base = (((size_t)n * q->H + iy) * q->W + ix) * q->C;
-            for (int c = 0; c < q->C; c++) {
-                float acc = 0.0f;
-                for (int ky = 0; ky < cfg->kh; ky++) {
-                    int ty = iy + q->pt - ky;
-                    if (ty < 0 || ty % s || ty / s >= q->OH) continue;
-                    for (int kx = 0; kx < cfg->kw; kx++) {
-                        int tx = ix + q->pl - kx;
-                        if (tx < 0 || tx % s || tx / s >= q->OW) continue;
-                        acc += ld(dout, (((size_t)n * q->OH + ty / s) * q->OW + tx / s) * q->C + c) * w[c * KK + ky * cfg->kw + kx];
-                    }
-                }
-                st_acc(din, i_base + c, acc, accumulate);
-            }
-        }
-    }
-}
-
-// dw[c][ky][kx] += Σ_{n,oy,ox} dout[n,oy,ox,c] · x[n, oy·s - pt + ky, ox·s - pl + kx, c]
-static void depthwise_backward_weight_ref(const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout,
-                                      Tensor in) {
-    const int KK = cfg->kh * cfg->kw;
-    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * q->C * KK))
-    for (int ck = 0; ck < q->C * KK; ck++) {
-        int c = ck / KK, ky = (ck % KK) / cfg->kw, kx = ck % cfg->kw;
-        double acc = 0.0;
-        for (int n = 0; n < q->N; n++)
-            for (int oy = 0; oy < q->OH; oy++) {
-                int iy = oy * cfg->stride - q->pt + ky;
-                if (iy < 0 || iy >= q->H) continue;
-                for (int ox = 0; ox < q->OW; ox++) {
-                    int ix = ox * cfg->stride - q->pl + kx;
-                    if (ix < 0 || ix >= q->W) continue;
-                    acc += (double)ld(dout, (((size_t)n * q->OH + oy) * q->OW + ox) * q->C + c) *
-                           ld(in, (((size_t)n * q->H + iy) * q->W + ix) * q->C + c);
-                }
-            }
-        dw[ck] += (float)acc;
-    }
-}
-
-// fp32 depthwise: the same sums with channels innermost, so that each tap is
-// one vector multiply-add over C contiguous channels of x (or dout) and of the
-// weights transposed to wt[ky][kx][C] (in the workspace). The forward and the
-// data gradient add the taps in the reference's (ky, kx) order.
-static void depthwise_weights_t(const ConvCfg *cfg, int C, const float *w, float *wt) {
-    const int KK = cfg->kh * cfg->kw;
-    for (int c = 0; c < C; c++)
-        for (int k = 0; k < KK; k++) wt[(size_t)k * C + c] = w[(size_t)c * KK + k];
-}
-
-static void depthwise_forward_f32(const ConvCfg *cfg, const ConvGeom *q, float *out, const float *in,
-                                  const float *w, const float *b, float *wt) {
-    const int C = q->C, s = cfg->stride;
-    depthwise_weights_t(cfg, C, w, wt);
-    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * C * cfg->kh * cfg->kw))
-    for (int noy = 0; noy < q->N * q->OH; noy++) {
-        const int n = noy / q->OH, oy = noy % q->OH;
-        for (int ox = 0; ox < q->OW; ox++) {
-            float *o = out + (((size_t)n * q->OH + oy) * q->OW + ox) * C;  // (C)
-            for (int c = 0; c < C; c++) o[c] = b ? b[c] : 0.0f;
-            for (int ky = 0; ky < cfg->kh; ky++) {
-                const int iy = oy * s - q->pt + ky;
-                if (iy < 0 || iy >= q->H) continue;
-                for (int kx = 0; kx < cfg->kw; kx++) {
-                    const int ix = ox * s - q->pl + kx;
-                    if (ix < 0 || ix >= q->W) continue;
-                    const float *xr = in + (((size_t)n * q->H + iy) * q->W + ix) * C, *wr = wt + (size_t)(ky * cfg->kw + kx) * C;
-                    #pragma omp simd
-                    for (int c = 0; c < C; c++) o[c] += xr[c] * wr[c];
-                }
-            }
-        }
-    }
-}
-
-static void depthwise_backward_data_f32(const ConvCfg *cfg, const ConvGeom *q, float *din, const float *dout,
-                                        const float *w, int accumulate, float *wt) {
-    const int C = q->C, s = cfg->stride;
-    depthwise_weights_t(cfg, C, w, wt);
-    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->H * q->W * C * cfg->kh * cfg->kw))
-    for (int niy = 0; niy < q->N * q->H; niy++) {
-        const int n = niy / q->H, iy = niy % q->H;
-        float acc[C];  // (C)
-        for (int ix = 0; ix < q->W; ix++) {
-            for (int c = 0; c < C; c++) acc[c] = 0.0f;
-            for (int ky = 0; ky < cfg->kh; ky++) {
-                const int ty = iy + q->pt - ky;
-                if (ty < 0 || ty % s || ty / s >= q->OH) continue;
-                for (int kx = 0; kx < cfg->kw; kx++) {
-                    const int tx = ix + q->pl - kx;
-                    if (tx < 0 || tx % s || tx / s >= q->OW) continue;
-                    const float *dr = dout + (((size_t)n * q->OH + ty / s) * q->OW + tx / s) * C;
-                    const float *wr = wt + (size_t)(ky * cfg->kw + kx) * C;
-                    #pragma omp simd
-                    for (int c = 0; c < C; c++) acc[c] += dr[c] * wr[c];
-                }
-            }
-            float *d = din + (((size_t)n * q->H + iy) * q->W + ix) * C;
-            if (accumulate) for (int c = 0; c < C; c++) d[c] += acc[c];
-            else memcpy(d, acc, sizeof(float) * C);
-        }
-    }
-}
-
-// dw[c][ky][kx] += Σ_{n,oy,ox} dout·x in fp64, a block of channels per thread,
-// pixels in order: the same bits for any thread count.
-#define DW_CBLOCK 16
-static void depthwise_backward_weight_f32(const ConvCfg *cfg, const ConvGeom *q, float *dw, const float *dout,
-                                          const float *in) {
-    const int C = q->C, s = cfg->stride, KK = cfg->kh * cfg->kw;
-    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * C * KK))
-    for (int c0 = 0; c0 < C; c0 += DW_CBLOCK) {
-        const int nc = C - c0 < DW_CBLOCK ? C - c0 : DW_CBLOCK;
-        double acc[KK][DW_CBLOCK];  // (KK, DW_CBLOCK)
-        memset(acc, 0, sizeof acc);
-        for (int n = 0; n < q->N; n++)
-            for (int oy = 0; oy < q->OH; oy++)
-                for (int ox = 0; ox < q->OW; ox++) {
-                    const float *dr = dout + (((size_t)n * q->OH + oy) * q->OW + ox) * C + c0;
-                    for (int ky = 0; ky < cfg->kh; ky++) {
-                        const int iy = oy * s - q->pt + ky;
-                        if (iy < 0 || iy >= q->H) continue;
-                        for (int kx = 0; kx < cfg->kw; kx++) {
-                            const int ix = ox * s - q->pl + kx;
-                            if (ix < 0 || ix >= q->W) continue;
-                            const float *xr = in + (((size_t)n * q->H + iy) * q->W + ix) * C + c0;
-                            double *a = acc[ky * cfg->kw + kx];
-                            if (nc == DW_CBLOCK) {
-                                #pragma omp simd
-                                for (int j = 0; j < DW_CBLOCK; j++) a[j] += (double)dr[j] * xr[j];
-                            } else {
-                                for (int j = 0; j < nc; j++) a[j] += (double)dr[j] * xr[j];
-                            }
-                        }
-                    }
-                }
-        for (int j = 0; j < nc; j++)
-            for (int k = 0; k < KK; k++) dw[(size_t)(c0 + j) * KK + k] += (float)acc[k][j];
-    }
-}
-
-// ---- direct k×k convolution (dense, groups 1): the forward and, for stride 1,
-// the data gradient, without im2col. The input is copied once per image into
-// a zero-padded fp32 image xp (Hp,Wp,C), so the inner loops have no bounds
-// checks and any storage type is read once; then for a tile of R output
-// pixels along a row and V vectors of VL output channels, the R·V sums
-//   acc[r][v] = Σ_{ky,kx,ci} xp[oy·s + ky][(ox0 + r)·s + kx][ci] · wt[ky][kx][ci][co0 + v·VL ..]
-// stay in vector registers while the (ky,kx,ci) loop streams the input row
-// and the weights repacked as wt[ky][kx][ci][Cop] (output channels contiguous,
-// padded to Cop, a multiple of VL, with zeros). That is the register blocking
-// a GEMM micro-kernel does, on the image itself.
-// The data gradient of a stride-1 conv is the same sum over dout padded by
-// (k - 1 - pad) with the weights flipped and transposed:
-//   din[iy][ix][ci] = Σ_{ky',kx',co} dpad[iy + ky'][ix + kx'][co] · w[co][kh-1-ky'][kw-1-kx'][ci]
-#if defined(__AVX512F__)
-#define CONV_VL 16                      // fp32 lanes per vector register
-#define CONV_REGS 32                    // vector registers
-#elif defined(__AVX__)
-#define CONV_VL 8
-#define CONV_REGS 16
-#else                                   // SSE2 (every x86-64), NEON: 128-bit vectors
-#define CONV_VL 4
-#define CONV_REGS 16
-#endif
-#define CONV_VMAX 4                     // output-channel vectors per tile
-#define CONV_RMAX 12                    // output pixels per tile
-typedef float vfloat __attribute__((vector_size(CONV_VL * sizeof(float))));
-static inline vfloat vload(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
-static inline void vstore(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
-// pixels per tile for V channel vectors: R·V accumulators + V weights + 1 broadcast fit the registers
-static inline int conv_tile_pixels(int V) {
-    int r = (CONV_REGS - 2 - V) / V;
-    return r > CONV_RMAX ? CONV_RMAX : r;
-}
-
-typedef struct {
-    const float *xp;      // (Hp,Wp,C) padded input of one image
-    int Wp, C, s, kh, kw;
-    const float *wt;      // [kh][kw][C][Cop]
-    int Cop;
-    const float *bias;    // (Cout) or NULL
-    Tensor out;           // (N,OH,OW,Cout)
-    size_t out_image;     // element offset of this image in out
-    int OW, Cout, accumulate;
-} DirectConv;
-
-static inline __attribute__((always_inline)) void direct_conv_tile(const DirectConv *d, int R, int V, int oy, int ox0,
-                                                                   int co0) {
-    vfloat acc[CONV_RMAX][CONV_VMAX];  // fixed sizes: indexed by constants once unrolled, so kept in registers
-    #pragma GCC unroll 12
-    for (int r = 0; r < R; r++)
-        #pragma GCC unroll 4
-        for (int v = 0; v < V; v++) acc[r][v] = (vfloat){0};
-    const size_t row = (size_t)d->Wp * d->C;
-    for (int ky = 0; ky < d->kh; ky++)
-        for (int kx = 0; kx < d->kw; kx++) {
-            const float *xr = d->xp + (size_t)(oy * d->s + ky) * row + ((size_t)ox0 * d->s + kx) * d->C;
-            const float *wr = d->wt + (size_t)(ky * d->kw + kx) * d->C * d->Cop + co0;
-            const size_t xstep = (size_t)d->s * d->C;
-            for (int ci = 0; ci < d->C; ci++) {
-                vfloat wv[CONV_VMAX];
-                #pragma GCC unroll 4
-                for (int v = 0; v < V; v++) wv[v] = vload(wr + (size_t)ci * d->Cop + v * CONV_VL);
-                #pragma GCC unroll 12
-                for (int r = 0; r < R; r++) {
-                    vfloat b = (vfloat){0} + xr[r * xstep + ci];
-                    #pragma GCC unroll 4
-                    for (int v = 0; v < V; v++) acc[r][v] += b * wv[v];
-                }
-            }
-        }
-    const int nc = d->Cout - co0 < V * CONV_VL ? d->Cout - co0 : V * CONV_VL;
-    float tile[CONV_VMAX * CONV_VL];  // one pixel's channels co0.., then stored (rounded, accumulated) as a run
-    #pragma GCC unroll 12
-    for (int r = 0; r < R; r++) {
-        #pragma GCC unroll 4
-        for (int v = 0; v < V; v++) vstore(tile + v * CONV_VL, acc[r][v]);
-        if (d->bias) for (int j = 0; j < nc; j++) tile[j] += d->bias[co0 + j];
-        st_run(d->out, d->out_image + ((size_t)oy * d->OW + ox0 + r) * d->Cout + co0, tile, (size_t)nc, d->accumulate);
-    }
-}
-
-// one output row, all channel blocks; R and V are constants in each instance
-static inline __attribute__((always_inline)) void direct_conv_row_v(const DirectConv *d, int V, int oy, int co0) {
-    const int R = conv_tile_pixels(V);
-    int ox = 0;
-    for (; ox + R <= d->OW; ox += R) direct_conv_tile(d, R, V, oy, ox, co0);
-    // the rest (< R pixels) in tiles of 8, 4, 2, 1
-    if (R > 8 && d->OW - ox >= 8) { direct_conv_tile(d, 8, V, oy, ox, co0); ox += 8; }
-    if (R > 4 && d->OW - ox >= 4) { direct_conv_tile(d, 4, V, oy, ox, co0); ox += 4; }
-    if (R > 2 && d->OW - ox >= 2) { direct_conv_tile(d, 2, V, oy, ox, co0); ox += 2; }
-    if (ox < d->OW) direct_conv_tile(d, 1, V, oy, ox, co0);
-}
-static void direct_conv_row(const DirectConv *d, int oy) {
-    for (int co0 = 0; co0 < d->Cout; co0 += CONV_VMAX * CONV_VL) {
-        int V = (d->Cout - co0 + CONV_VL - 1) / CONV_VL;
-        switch (V > CONV_VMAX ? CONV_VMAX : V) {
-        case 1: direct_conv_row_v(d, 1, oy, co0); break;
-        case 2: direct_conv_row_v(d, 2, oy, co0); break;
-        case 3: direct_conv_row_v(d, 3, oy, co0); break;
-        default: direct_conv_row_v(d, 4, oy, co0);
-        }
-    }
-}
-
-static int conv_pad_to_vl(int c) { return (c + CONV_VL - 1) / CONV_VL * CONV_VL; }
-static int conv_is_direct(const ConvCfg *cfg) { return cfg->groups == 1 && cfg->kh * cfg->kw > 1; }
-// The gradients' vectors run over input channels: with fewer than a vector's
-// worth (an RGB stem) most lanes would idle, and im2col + GEMM is faster.
-static int conv_direct_grad_data(const ConvCfg *cfg) {
-    return conv_is_direct(cfg) && cfg->cin >= CONV_VL && cfg->stride == 1;
-}
-static int conv_direct_grad_weight(const ConvCfg *cfg) { return conv_is_direct(cfg) && cfg->cin >= CONV_VL; }
-// Floats of workspace for the direct paths (backward: 0 forward, 1 data gradient, 2 weight
-// gradient): the padded image and the repacked weights (the data gradient pads dout: its
-// "image" has Cout channels and its weights Cin outputs); see the weight gradient below.
-static size_t direct_conv_floats(const ConvCfg *cfg, const ConvGeom *q, int backward) {
-    if (backward == 2) {  // weight gradient: fp64 sums, the padded input with slack, dout rows in fp32
-        size_t pad = (size_t)((q->OH - 1) * cfg->stride + cfg->kh) * ((q->OW - 1) * cfg->stride + cfg->kw) * q->C;
-        return 2 * (size_t)q->Cout * cfg->kh * cfg->kw * q->C + pad + CONV_VMAX * CONV_VL + q->P * q->Cout;
-    }
-    if (backward) {
-        size_t pad = (size_t)(q->H + cfg->kh - 1) * (q->W + cfg->kw - 1) * q->Cout;
-        return pad + (size_t)cfg->kh * cfg->kw * q->Cout * conv_pad_to_vl(q->C);
-    }
-    size_t pad = (size_t)((q->OH - 1) * cfg->stride + cfg->kh) * ((q->OW - 1) * cfg->stride + cfg->kw) * q->C;
-    return pad + (size_t)cfg->kh * cfg->kw * q->C * conv_pad_to_vl(q->Cout);
-}
-
-// xp[y][x][c] = src[n, y - top, x - left, c] inside the source, else 0: (Hp,Wp,C) fp32
-static void pad_image(Tensor src, int n, int top, int left, int Hp, int Wp, float *xp) {
-    const int H = src.shape.h, W = src.shape.w, C = src.shape.c;
-    #pragma omp parallel for schedule(static) if(PAR((size_t)Hp * Wp * C))
-    for (int y = 0; y < Hp; y++) {
-        float *dst = xp + (size_t)y * Wp * C;
-        int sy = y - top;
-        if (sy < 0 || sy >= H) { memset(dst, 0, sizeof(float) * Wp * C); continue; }
-        int x0 = left > 0 ? left : 0, x1 = left + W < Wp ? left + W : Wp;  // destination columns with data
-        memset(dst, 0, sizeof(float) * x0 * C);
-        ld_run(src, (((size_t)n * H + sy) * W + (x0 - left)) * C, dst + (size_t)x0 * C, (size_t)(x1 - x0) * C);
-        memset(dst + (size_t)x1 * C, 0, sizeof(float) * (Wp - x1) * C);
-    }
-}
-
-static void direct_conv_image(DirectConv *d, int OH) {
-    #pragma omp parallel for schedule(dynamic, 1) if(PAR((size_t)OH * d->OW * d->Cout * d->C * d->kh * d->kw))
-    for (int oy = 0; oy < OH; oy++) direct_conv_row(d, oy);
-}
-
-static void conv2d_forward_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
-                                  const float *b, float *ws) {
-    const int s = cfg->stride, Hp = (q->OH - 1) * s + cfg->kh, Wp = (q->OW - 1) * s + cfg->kw;
-    const int Cop = conv_pad_to_vl(q->Cout), KK = cfg->kh * cfg->kw;
-    float *wt = ws, *xp = ws + (size_t)KK * q->C * Cop;  // [kh][kw][C][Cop], (Hp,Wp,C)
-    for (int k = 0; k < KK; k++)
-        for (int ci = 0; ci < q->C; ci++)
-            for (int co = 0; co < Cop; co++)
-                wt[((size_t)k * q->C + ci) * Cop + co] = co < q->Cout ? w[((size_t)co * KK + k) * q->C + ci] : 0.0f;
-    DirectConv d = {xp, Wp, q->C, s, cfg->kh, cfg->kw, wt, Cop, b, out, 0, q->OW, q->Cout, 0};
-    for (int n = 0; n < q->N; n++) {
-        pad_image(in, n, q->pt, q->pl, Hp, Wp, xp);
-        d.out_image = (size_t)n * q->P * q->Cout;
-        direct_conv_image(&d, q->OH);
-    }
-}
-
-static void conv2d_backward_data_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
-                                        const float *w, int accumulate, float *ws) {
-    const int Hp = q->H + cfg->kh - 1, Wp = q->W + cfg->kw - 1, KK = cfg->kh * cfg->kw;
-    const int Cip = conv_pad_to_vl(q->C);
-    float *wt = ws, *dp = ws + (size_t)KK * q->Cout * Cip;  // [kh][kw][Cout][Cip], (Hp,Wp,Cout)
-    for (int ky = 0; ky < cfg->kh; ky++)
-        for (int kx = 0; kx < cfg->kw; kx++) {
-            const int flipped = (cfg->kh - 1 - ky) * cfg->kw + (cfg->kw - 1 - kx);
-            for (int co = 0; co < q->Cout; co++)
-                for (int ci = 0; ci < Cip; ci++)
-                    wt[((size_t)(ky * cfg->kw + kx) * q->Cout + co) * Cip + ci] =
-                        ci < q->C ? w[((size_t)co * KK + flipped) * q->C + ci] : 0.0f;
-        }
-    DirectConv d = {dp, Wp, q->Cout, 1, cfg->kh, cfg->kw, wt, Cip, NULL, din, 0, q->W, q->C, accumulate};
-    for (int n = 0; n < q->N; n++) {
-        pad_image(dout, n, cfg->kh - 1 - q->pt, cfg->kw - 1 - q->pl, Hp, Wp, dp);
-        d.out_image = (size_t)n * q->H * q->W * q->C;
-        direct_conv_image(&d, q->H);
-    }
-}
-
-// The weight gradient, any stride:
-//   dw[co][ky][kx][ci] += Σ_{n,oy,ox} dout[n,oy,ox,co] · xp_n[oy·s + ky][ox·s + kx][ci]
-// per tap, a tile of R output channels (broadcast from dout) × V vectors of
-// input channels (loaded from the padded input) accumulates whole output rows,
-// about DW_FLUSH_PIXELS pixels, in registers (fp32), then adds them into fp64
-// sums: rows in order, so the result does not depend on the thread count.
-#define DW_FLUSH_PIXELS 512
-typedef struct {
-    const float *xp;      // (Hp,Wp,C) padded input of one image (with CONV_VMAX·CONV_VL floats of slack)
-    int Wp, C, s, kw, KK;
-    const float *dy;      // (OH,OW,Cout) fp32 output gradient of the same image
-    int OH, OW, Cout;
-    double *sum;          // [Cout][kh][kw][C], the weight gradient's layout
-} DirectDW;
-
-static inline __attribute__((always_inline)) void direct_dw_tile(const DirectDW *d, int R, int V, int tap, int co0,
-                                                                 int ci0) {
-    const int ky = tap / d->kw, kx = tap % d->kw;
-    const size_t xstep = (size_t)d->s * d->C;
-    const int rows = d->OW >= DW_FLUSH_PIXELS ? 1 : DW_FLUSH_PIXELS / d->OW;  // rows per fp32 partial sum
-    for (int oy0 = 0; oy0 < d->OH; oy0 += rows) {
-        vfloat acc[CONV_RMAX][CONV_VMAX];
-        #pragma GCC unroll 12
-        for (int r = 0; r < R; r++)
-            #pragma GCC unroll 4
-            for (int v = 0; v < V; v++) acc[r][v] = (vfloat){0};
-        for (int oy = oy0; oy < oy0 + rows && oy < d->OH; oy++) {
-        const float *xr = d->xp + ((size_t)(oy * d->s + ky) * d->Wp + kx) * d->C + ci0;
-        const float *dr = d->dy + (size_t)oy * d->OW * d->Cout + co0;
-        for (int ox = 0; ox < d->OW; ox++) {
-            vfloat xv[CONV_VMAX];
-            #pragma GCC unroll 4
-            for (int v = 0; v < V; v++) xv[v] = vload(xr + ox * xstep + v * CONV_VL);
-            #pragma GCC unroll 12
-            for (int r = 0; r < R; r++) {
-                vfloat b = (vfloat){0} + dr[(size_t)ox * d->Cout + r];
-                #pragma GCC unroll 4
-                for (int v = 0; v < V; v++) acc[r][v] += b * xv[v];
-            }
-        }
-        }
-        const int nc = d->C - ci0 < V * CONV_VL ? d->C - ci0 : V * CONV_VL;
-        float lanes[CONV_VMAX * CONV_VL];
-        #pragma GCC unroll 12
-        for (int r = 0; r < R; r++) {
-            #pragma GCC unroll 4
-            for (int v = 0; v < V; v++) vstore(lanes + v * CONV_VL, acc[r][v]);
-            double *sr = d->sum + ((size_t)(co0 + r) * d->KK + tap) * d->C + ci0;
-            for (int j = 0; j < nc; j++) sr[j] += lanes[j];
-        }
-    }
-}
-static inline __attribute__((always_inline)) void direct_dw_tiles_v(const DirectDW *d, int V, int tap, int ci0) {
-    const int R = conv_tile_pixels(V);
-    int co = 0;
-    for (; co + R <= d->Cout; co += R) direct_dw_tile(d, R, V, tap, co, ci0);
-    if (R > 8 && d->Cout - co >= 8) { direct_dw_tile(d, 8, V, tap, co, ci0); co += 8; }
-    if (R > 4 && d->Cout - co >= 4) { direct_dw_tile(d, 4, V, tap, co, ci0); co += 4; }
-    if (R > 2 && d->Cout - co >= 2) { direct_dw_tile(d, 2, V, tap, co, ci0); co += 2; }
-    if (co < d->Cout) direct_dw_tile(d, 1, V, tap, co, ci0);
-}
-static void direct_dw_image(const DirectDW *d) {
-    const int n_ci = (d->C + CONV_VMAX * CONV_VL - 1) / (CONV_VMAX * CONV_VL);
-    #pragma omp parallel for schedule(dynamic, 1) if(PAR((size_t)d->OH * d->OW * d->Cout * d->C * d->KK))
-    for (int item = 0; item < d->KK * n_ci; item++) {
-        const int tap = item / n_ci, ci0 = item % n_ci * CONV_VMAX * CONV_VL;
-        const int V = (d->C - ci0 + CONV_VL - 1) / CONV_VL;
-        switch (V > CONV_VMAX ? CONV_VMAX : V) {
-        case 1: direct_dw_tiles_v(d, 1, tap, ci0); break;
-        case 2: direct_dw_tiles_v(d, 2, tap, ci0); break;
-        case 3: direct_dw_tiles_v(d, 3, tap, ci0); break;
-        default: direct_dw_tiles_v(d, 4, tap, ci0);
-        }
-    }
-}
-
-static void conv2d_backward_weight_direct(const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
-                                          float *ws) {
-    const int s = cfg->stride, Hp = (q->OH - 1) * s + cfg->kh, Wp = (q->OW - 1) * s + cfg->kw;
-    const size_t n_w = (size_t)q->Cout * cfg->kh * cfg->kw * q->C;
-    double *sum = (double *)ws;                                       // (n_w) fp64
-    float *xp = ws + 2 * n_w;                                         // (Hp,Wp,C) + slack
-    float *rows = xp + (size_t)Hp * Wp * q->C + CONV_VMAX * CONV_VL;  // (OH,OW,Cout) when dout is 16-bit
-    memset(sum, 0, sizeof(double) * n_w);
-    DirectDW d = {xp, Wp, q->C, s, cfg->kw, cfg->kh * cfg->kw, NULL, q->OH, q->OW, q->Cout, sum};
-    memset(xp + (size_t)Hp * Wp * q->C, 0, sizeof(float) * CONV_VMAX * CONV_VL);
-    for (int n = 0; n < q->N; n++) {
-        pad_image(in, n, q->pt, q->pl, Hp, Wp, xp);
-        d.dy = image_rows_f32(dout, n, q->P, q->Cout, rows);
-        direct_dw_image(&d);
-    }
-    add_rounded(dw, sum, n_w);
-}
-
-static void add_bias_rows(float *y, size_t rows, int C, const float *b) {
-    #pragma omp parallel for schedule(static) if(PAR(rows * C))
-    for (size_t r = 0; r < rows; r++)
-        for (int c = 0; c < C; c++) y[r * C + c] += b[c];
-}
-
-// im2col + GEMM per image and group: grouped convs, and the reference for the direct paths
-static void conv2d_forward_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor out, Tensor in, const float *w,
-                                const float *b, float *ws) {
-    const ConvGeom q = *qp;
-    float *col = ws;                           // (P, K)
-    float *rows = col + q.P * q.K;             // (P, Cout) when out is not fp32
-    for (int n = 0; n < q.N; n++) {
-        float *y = out.dtype == DT_F32 ? (float *)out.data + (size_t)n * q.P * q.Cout : rows;  // (P, Cout)
-        for (int g = 0; g < cfg->groups; g++) {
-            im2col(cfg, &q, in, n, g, col);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)q.P, q.Coutg, q.K, 1.0f,
-                        col, q.K, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f, y + (size_t)g * q.Coutg, q.Cout);
-        }
-        if (b) add_bias_rows(y, q.P, q.Cout, b);
-        if (out.dtype != DT_F32) {
-            #pragma omp parallel for schedule(static) if(PAR(q.P * q.Cout))
-            for (size_t p = 0; p < q.P; p++)
-                st_run(out, ((size_t)n * q.P + p) * q.Cout, rows + p * q.Cout, (size_t)q.Cout, 0);
-        }
-    }
-}
-
-static void conv2d_backward_data_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor din, Tensor dout,
-                                      const float *w, int accumulate, float *ws) {
-    const ConvGeom q = *qp;
-    float *dcol = ws;                             // (P, K)
-    float *rows = dcol + q.P * q.K;               // (P, Cout) when dout is not fp32
-    for (int n = 0; n < q.N; n++) {
-        const float *dy = image_rows_f32(dout, n, q.P, q.Cout, rows);
-        for (int g = 0; g < cfg->groups; g++) {
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)q.P, q.K, q.Coutg, 1.0f,
-                        dy + (size_t)g * q.Coutg, q.Cout, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f, dcol, q.K);
-            col2im(cfg, &q, dcol, din, n, g, accumulate);
-        }
-    }
-}
-
-static void conv2d_backward_weight_gemm(const ConvCfg *cfg, const ConvGeom *qp, float *dw, Tensor dout, Tensor in,
-                                        float *ws) {
-    const ConvGeom q = *qp;
-    const size_t n_w = (size_t)q.Cout * q.K, n_wg = (size_t)q.Coutg * q.K;
-    double *sum = (double *)ws;                   // (n_w) fp64
-    float *image_dw = (float *)(sum + n_w);       // (Coutg, K) one image's product for one group
-    float *col = image_dw + n_wg;                 // (P, K)
-    float *rows = col + q.P * q.K;                // (P, Cout) when dout is not fp32
-    memset(sum, 0, sizeof(double) * n_w);
-    for (int n = 0; n < q.N; n++) {
-        const float *dy = image_rows_f32(dout, n, q.P, q.Cout, rows);
-        for (int g = 0; g < cfg->groups; g++) {
-            im2col(cfg, &q, in, n, g, col);
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, q.Coutg, q.K, (int)q.P, 1.0f,
-                        dy + (size_t)g * q.Coutg, q.Cout, col, q.K, 0.0f, image_dw, q.K);
-            sum_into_f64(sum + (size_t)g * n_wg, image_dw, n_wg);
-        }
-    }
-    add_rounded(dw, sum, n_w);
-}
-
-// Workspace in bytes: col (P·K) for the GEMM paths, plus an fp32 copy of one
-// image's output or output gradient when activations are not stored in fp32,
-// plus for the weight gradient its fp64 sum and one image's product (fp32);
-// depthwise: its weights transposed to [kh][kw][C]; the direct convolutions' own.
-size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
-    (void)o;
-    if (conv_is_depthwise(cfg)) return sizeof(float) * (size_t)cfg->kh * cfg->kw * cfg->cin;  // weights [kh][kw][C]
-    ConvGeom q = conv_geom(cfg, in);
-    if (conv_is_pointwise(cfg) && dt == DT_F32) return 3 * (size_t)q.Cout * q.K * sizeof(float);  // fp64 sum, one image's
-    size_t im2col = im2col_floats(&q, dt), dw_gemm = gemm_weight_grad_floats(&q, dt);  // dw_gemm > im2col
-    if (!conv_is_direct(cfg)) return dw_gemm * sizeof(float);
-    size_t floats = direct_conv_floats(cfg, &q, 0);
-    size_t dx = conv_direct_grad_data(cfg) ? direct_conv_floats(cfg, &q, 1) : im2col;
-    size_t dw = conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2) : dw_gemm;
-    if (dw > floats) floats = dw;
-    if (dx > floats) floats = dx;
-    return floats * sizeof(float);
-}
-
-static void conv2d_forward_cpu(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in, const float *w,
-                               const void *w_cast, const float *b, void *ws) {
-    (void)o; (void)w_cast;  // the CPU multiplies in fp32
-    ConvGeom q = conv_geom(cfg, in.shape);
-    snCheck(out.shape.n == q.N && out.shape.h == q.OH && out.shape.w == q.OW && out.shape.c == q.Cout,
-            "conv2d_forward: out " SHAPE_FMT " for in " SHAPE_FMT, SHAPE_ARGS(out.shape), SHAPE_ARGS(in.shape));
-    if (conv_is_depthwise(cfg)) {
-        if (in.dtype == DT_F32 && out.dtype == DT_F32)
-            depthwise_forward_f32(cfg, &q, (float *)out.data, (const float *)in.data, w, b, (float *)ws);
-        else
-            depthwise_forward_ref(cfg, &q, out, in, w, b);
-        return;
-    }
-    if (conv_is_pointwise(cfg) && in.dtype == DT_F32 && out.dtype == DT_F32) {
-        // out[N·H·W][Cout] = in[N·H·W][Cin] · W[Cout][Cin]ᵀ
-        int M = q.N * q.H * q.W;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, q.Cout, q.C, 1.0f,
-                    (const float *)in.data, q.C, w, q.C, 0.0f, (float *)out.data, q.Cout);
-        if (b) add_bias_rows((float *)out.data, (size_t)M, q.Cout, b);
-        return;
-    }
-    if (conv_is_direct(cfg)) conv2d_forward_direct(cfg, &q, out, in, w, b, (float *)ws);
-    else conv2d_forward_gemm(cfg, &q, out, in, w, b, (float *)ws);
-}
-
-static void conv2d_backward_data_cpu(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout, const float *w,
-                                     const void *w_cast, int accumulate, void *ws) {
-    (void)o; (void)w_cast;
-    ConvGeom q = conv_geom(cfg, din.shape);
-    if (conv_is_depthwise(cfg)) {
-        if (din.dtype == DT_F32 && dout.dtype == DT_F32)
-            depthwise_backward_data_f32(cfg, &q, (float *)din.data, (const float *)dout.data, w, accumulate, (float *)ws);
-        else
-            depthwise_backward_data_ref(cfg, &q, din, dout, w, accumulate);
-        return;
-    }
-    if (conv_is_pointwise(cfg) && din.dtype == DT_F32 && dout.dtype == DT_F32) {
-        // din[N·H·W][Cin] (=|+=) dout[N·H·W][Cout] · W[Cout][Cin]
-        int M = q.N * q.H * q.W;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, q.C, q.Cout, 1.0f,
-                    (const float *)dout.data, q.Cout, w, q.C, accumulate ? 1.0f : 0.0f, (float *)din.data, q.C);
-        return;
-    }
-    if (conv_direct_grad_data(cfg)) conv2d_backward_data_direct(cfg, &q, din, dout, w, accumulate, (float *)ws);
-    else conv2d_backward_data_gemm(cfg, &q, din, dout, w, accumulate, (float *)ws);
-}
-
-static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, float *db, Tensor dout,
-                                       Tensor in, void *ws) {
-    (void)o;
-    ConvGeom q = conv_geom(cfg, in.shape);
-    if (db) {
-        // db[co] += Σ_{n,oy,ox} dout[n,oy,ox,co]
-        size_t M = (size_t)q.N * q.P;
-        #pragma omp parallel for schedule(static) if(PAR(M * q.Cout))
-        for (int co = 0; co < q.Cout; co++) {
-            double s = 0.0;
-            for (size_t p = 0; p < M; p++) s += ld(dout, p * q.Cout + co);
-            db[co] += (float)s;
-        }
-    }
-    if (!dw) return;
-    if (conv_is_depthwise(cfg)) {
-        if (in.dtype == DT_F32 && dout.dtype == DT_F32)
-            depthwise_backward_weight_f32(cfg, &q, dw, (const float *)dout.data, (const float *)in.data);
-        else
-            depthwise_backward_weight_ref(cfg, &q, dw, dout, in);
-        return;
-    }
-    if (conv_is_pointwise(cfg) && in.dtype == DT_F32 && dout.dtype == DT_F32) {
-        // dW[Cout][Cin] += Σ_n dout_n[H·W][Cout]ᵀ · in_n[H·W][Cin]
-        const size_t n_w = (size_t)q.Cout * q.C;
-        double *sum = (double *)ws;                // (n_w) fp64
-        float *image_dw = (float *)(sum + n_w);    // (n_w) one image's product
-        memset(sum, 0, sizeof(double) * n_w);
-        for (int n = 0; n < q.N; n++) {
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, q.Cout, q.C, (int)q.P, 1.0f,
-                        (const float *)dout.data + (size_t)n * q.P * q.Cout, q.Cout,
-                        (const float *)in.data + (size_t)n * q.P * q.C, q.C, 0.0f, image_dw, q.C);
-            sum_into_f64(sum, image_dw, n_w);
-        }
-        add_rounded(dw, sum, n_w);
-        return;
-    }
-    if (conv_direct_grad_weight(cfg)) conv2d_backward_weight_direct(cfg, &q, dw, dout, in, (float *)ws);
-    else conv2d_backward_weight_gemm(cfg, &q, dw, dout, in, (float *)ws);
-}
-
-// ----------------------------------------------------------------------------
-// batch norm
-//
-// Per channel c over the M = N·H·W values of x:
-//   mean = Σx/M, var = Σ(x - mean)²/M (biased, used to normalise)
-//   xhat = (x - mean)·invstd, invstd = 1/sqrt(var + eps)
-//   z = gamma·xhat + beta, y = act(z)
-// Backward, with g = dy·act'(z):
-//   dbeta = Σg, dgamma = Σ g·xhat
-//   dx = gamma·invstd·(g - Σg/M - xhat·Σ(g·xhat)/M)   (batch statistics)
-//   dx = gamma·invstd·g                               (running statistics)
-// Reductions run per block of channels, each channel summed in row order in
-// fp64 by one thread: deterministic whatever the thread count.
-
-#define BN_CBLOCK 16
-
-// The reference versions (any storage type, the formulas as written above):
-// ops_reference's entries; the _cpu entries use the fast versions after them.
-
-static void bn_stats_ref(Tensor x, float *mean, float *var) {
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
-        int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
-        double s[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0};
-        for (size_t r = 0; r < M; r++)
-            for (int j = 0; j < nc; j++) s[j] += ld(x, r * C + c0 + j);
-        for (int j = 0; j < nc; j++) s[j] /= (double)M;
-        for (size_t r = 0; r < M; r++)
-            for (int j = 0; j < nc; j++) { double d = ld(x, r * C + c0 + j) - s[j]; q[j] += d * d; }
-        for (int j = 0; j < nc; j++) { mean[c0 + j] = (float)s[j]; var[c0 + j] = (float)(q[j] / (double)M); }
-    }
-}
-
-static void bn_update_running_cpu(Ops *o, float *run_mean, float *run_var, const float *mean,
-                                  const float *var, int C, size_t count, float momentum) {
-    (void)o;
-    const double unbias = bn_running_unbias((double)count);
-    for (int c = 0; c < C; c++) {
-        run_mean[c] = (1.0f - momentum) * run_mean[c] + momentum * mean[c];
-        run_var[c] = (1.0f - momentum) * run_var[c] + momentum * (float)(var[c] * unbias);
-    }
-}
-
-static void bn_forward_ref(Tensor y, Tensor x, const float *mean, const float *var,
-                           const float *gamma, const float *beta, float eps, Act act) {
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (size_t r = 0; r < M; r++)
-        for (int c = 0; c < C; c++) {
-            float z = gamma[c] * ((ld(x, r * C + c) - mean[c]) * bn_invstd(var, c, eps)) + beta[c];
-            st(y, r * C + c, act_apply(act, z));
-        }
-}
-
-static void bn_backward_reduce_ref(Tensor dy, Tensor x, const float *mean, const float *var,
-                                   const float *gamma, const float *beta, float eps, Act act,
-                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums) {
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
-        int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
-        double sg[BN_CBLOCK] = {0}, sgx[BN_CBLOCK] = {0};
-        for (size_t r = 0; r < M; r++)
-            for (int j = 0; j < nc; j++) {
-                int c = c0 + j;
-                float xhat = (ld(x, r * C + c) - mean[c]) * bn_invstd(var, c, eps);
-                float g = ld(dy, r * C + c) * act_grad(act, gamma[c] * xhat + beta[c]);
-                sg[j] += g;
-                sgx[j] += (double)g * xhat;
-            }
-        for (int j = 0; j < nc; j++) {
-            bn_grad_sums_store(c0 + j, sg[j], sgx[j], sum_g, sum_gx, dgamma, dbeta);
-            if (sums) { sums[c0 + j] = sg[j]; sums[C + c0 + j] = sgx[j]; }
-        }
-    }
-}
-
-static void bn_backward_data_ref(Tensor dx, Tensor dy, Tensor x, const float *mean,
-                                 const float *var, const float *gamma, const float *beta, float eps,
-                                 Act act, const float *sum_g, const float *sum_gx, size_t count,
-                                 int accumulate) {
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (size_t r = 0; r < M; r++)
-        for (int c = 0; c < C; c++) {
-            float invstd = bn_invstd(var, c, eps);
-            float xhat = (ld(x, r * C + c) - mean[c]) * invstd;
-            float g = ld(dy, r * C + c) * act_grad(act, gamma[c] * xhat + beta[c]);
-            if (count) g -= (sum_g[c] + xhat * sum_gx[c]) / (float)count;
-            st_acc(dx, r * C + c, gamma[c] * invstd * g, accumulate);
-        }
-}
-
-// fast versions (fp32 math; 16-bit tensors converted a row at a time): the same formulas with per-channel constants hoisted out of
-// the pixel loop and channels innermost (contiguous, so the compiler
-// vectorises them), one pass over memory each:
-//   stats    Σx, Σx² in fp64 (x² is exact there), then bn_moments_stats: plain
-//            sums, so that replicas can add theirs (--sync-bn) and round once
-//   z        gamma·((x - mean)·invstd) + beta with invstd per channel hoisted: the
-//            reference's z to the bit (not a·x + b, which cancels when |mean·a| ≫ |z|,
-//            nor (x - mean)·(gamma·invstd) + beta, which puts other values on the
-//            other side of ReLU's kink than the reference and PyTorch do)
-// Reductions keep the reference's scheme (a block of channels per thread,
-// rows in order): the same bits for any thread count.
-#define BN_ROWS 64  // rows per parallel work item of the elementwise passes
-
-// e^x for the vectorised fp32 loops (the compiler cannot vectorise libm's
-// expf): x = n·ln2 + r with |r| ≤ ln2/2 (ln2 split in two for an exact n·ln2_hi),
-// e^r by its Taylor series to r^7 (truncation < 6e-9 relative), 2^n from the
-// exponent bits; x is clamped to [-87, 88], where 2^n stays a normal float.
-// Within a few ulp of expf, and the same bits whether vectorised or not
-// (explicit fmaf, no data-dependent branch).
-static inline float exp_vec(float x) {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    // n = round(x·log2 e): adding and subtracting 1.5·2^23 rounds to an integer
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = fmaf(n, -0.693145751953125f, x);
-    r = fmaf(n, -1.428606765330187e-6f, r);
-    float p = 1.0f / 5040.0f;
-    p = fmaf(p, r, 1.0f / 720.0f);
-    p = fmaf(p, r, 1.0f / 120.0f);
-    p = fmaf(p, r, 1.0f / 24.0f);
-    p = fmaf(p, r, 1.0f / 6.0f);
-    p = fmaf(p, r, 0.5f);
-    p = fmaf(p, r, 1.0f);
-    p = fmaf(p, r, 1.0f);
-    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
-    return p * two_n.f;
-}
-static inline float sigmoid_vec(float z) { return 1.0f / (1.0f + exp_vec(-z)); }
-// act_apply and act_grad (segnet.h) with exp_vec
-static inline float act_apply_vec(Act a, float z) {
-    switch (a) {
-    case ACT_RELU: return z > 0.0f ? z : 0.0f;
-    case ACT_SILU: return z * sigmoid_vec(z);
-    case ACT_SIGMOID: return sigmoid_vec(z);
-    default: return z;
-    }
-}
-static inline float act_grad_vec(Act a, float z) {
-    switch (a) {
-    case ACT_RELU: return z > 0.0f ? 1.0f : 0.0f;
-    case ACT_SILU: { float s = sigmoid_vec(z); return s * (1.0f + z * (1.0f - s)); }
-    case ACT_SIGMOID: { float s = sigmoid_vec(z); return s * (1.0f - s); }
-    default: return 1.0f;
-    }
-}
-
-static void bn_stats_fast(Tensor x, float *mean, float *var, double *sums) {
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
-        const int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
-        double s[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0};
-        float tmp[BN_CBLOCK];  // (BN_CBLOCK) one row's channels in fp32 when x is 16-bit
-        if (nc == BN_CBLOCK) {  // the common case, with a constant trip count
-            for (size_t r = 0; r < M; r++) {
-                const float *xr = ld_view(x, r * C + c0, tmp, BN_CBLOCK);
-                for (int j = 0; j < BN_CBLOCK; j++) { double v = xr[j]; s[j] += v; q[j] += v * v; }
-            }
-        } else {
-            for (size_t r = 0; r < M; r++) {
-                const float *xr = ld_view(x, r * C + c0, tmp, nc);
-                for (int j = 0; j < nc; j++) { double v = xr[j]; s[j] += v; q[j] += v * v; }
-            }
-        }
-        for (int j = 0; j < nc; j++) {
-            bn_moments_stats(s[j], q[j], (double)M, &mean[c0 + j], &var[c0 + j]);
-            if (sums) { sums[c0 + j] = s[j]; sums[C + c0 + j] = q[j]; }
-        }
-    }
-}
-
-// y = act(g·((x - m)·k) + b) over `rows` rows from x, y; `act` is a constant where this is inlined
-static inline __attribute__((always_inline)) void bn_act_rows(float *y, const float *x, size_t rows, int C,
-                                                              const float *m, const float *k, const float *g,
-                                                              const float *b, Act act) {
-    for (size_t r = 0; r < rows; r++) {
-        const float *xr = x + r * C;
-        float *yr = y + r * C;
-        #pragma omp simd
-        for (int c = 0; c < C; c++) yr[c] = act_apply_vec(act, g[c] * ((xr[c] - m[c]) * k[c]) + b[c]);
-    }
-}
-static void bn_act_rows_any(float *y, const float *x, size_t rows, int C, const float *m, const float *k,
-                            const float *g, const float *b, Act act) {
-    switch (act) {
-    case ACT_RELU: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_RELU); break;
-    case ACT_SILU: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_SILU); break;
-    case ACT_SIGMOID: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_SIGMOID); break;
-    default: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_NONE);
-    }
-}
-
-// 16-bit tensors go through the same loops a row at a time, converted to fp32
-// on the way in and rounded once on the way out (as the reference's st does).
-static void bn_forward_fast(Tensor y, Tensor x, const float *mean, const float *var,
-                            const float *gamma, const float *beta, float eps, Act act) {
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    float k[C];  // (C)
-    for (int c = 0; c < C; c++) k[c] = bn_invstd(var, c, eps);
-    const size_t n_items = (M + BN_ROWS - 1) / BN_ROWS;
-    const int f32 = x.dtype == DT_F32 && y.dtype == DT_F32;
-    #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (size_t it = 0; it < n_items; it++) {
-        size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
-        if (f32) {
-            bn_act_rows_any((float *)y.data + r0 * C, (const float *)x.data + r0 * C, r1 - r0, C, mean, k, gamma,
-                            beta, act);
-            continue;
-        }
-        float xbuf[C], ybuf[C];  // (C) one row in fp32
-        for (size_t r = r0; r < r1; r++) {
-            bn_act_rows_any(ybuf, ld_view(x, r * C, xbuf, C), 1, C, mean, k, gamma, beta, act);
-            st_run(y, r * C, ybuf, C, 0);
-        }
-    }
-}
-
-// Σg and Σg·xhat per channel over rows, g = dy·act'(gamma·xhat + b), xhat = (x - mean)·invstd; act constant where inlined
-static inline __attribute__((always_inline)) void bn_grad_sums(Tensor dy, Tensor x, size_t M, int C, int c0,
-                                                               const float *gam, const float *inv, const float *b,
-                                                               const float *mean, Act act, double *sg, double *sgx) {
-    float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];  // one row's channels in fp32 when the tensors are 16-bit
-    for (size_t r = 0; r < M; r++) {
-        const float *xr = ld_view(x, r * C + c0, xbuf, BN_CBLOCK), *dr = ld_view(dy, r * C + c0, dbuf, BN_CBLOCK);
-        #pragma omp simd
-        for (int j = 0; j < BN_CBLOCK; j++) {
-            float xhat = (xr[j] - mean[c0 + j]) * inv[c0 + j], g = dr[j] * act_grad_vec(act, gam[c0 + j] * xhat + b[c0 + j]);
-            sg[j] += g;
-            sgx[j] += (double)g * xhat;
-        }
-    }
-}
-
-static void bn_backward_reduce_fast(Tensor dy, Tensor x, const float *mean, const float *var, const float *gamma,
-                                    const float *beta, float eps, Act act, float *sum_g, float *sum_gx,
-                                    float *dgamma, float *dbeta, double *sums) {
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    // gamma, invstd, beta, mean padded to whole channel blocks (the padding lanes are computed and dropped)
-    const int Cp = (C + BN_CBLOCK - 1) / BN_CBLOCK * BN_CBLOCK;
-    float gam[Cp], b[Cp], m[Cp], invstd[Cp];  // (Cp)
-    for (int c = 0; c < Cp; c++) {
-        invstd[c] = c < C ? bn_invstd(var, c, eps) : 0.0f;
-        gam[c] = c < C ? gamma[c] : 0.0f;
-        b[c] = c < C ? beta[c] : 0.0f;
-        m[c] = c < C ? mean[c] : 0.0f;
-    }
-    #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
-        const int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
-        double sg[BN_CBLOCK] = {0}, sgx[BN_CBLOCK] = {0};
-        if (nc == BN_CBLOCK) {
-            switch (act) {
-            case ACT_RELU: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_RELU, sg, sgx); break;
-            case ACT_SILU: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_SILU, sg, sgx); break;
-            case ACT_SIGMOID: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_SIGMOID, sg, sgx); break;
-            default: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_NONE, sg, sgx);
-            }
-        } else {  // the last, partial block
-            float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];
-            for (size_t r = 0; r < M; r++) {
-                const float *xr = ld_view(x, r * C + c0, xbuf, nc), *dr = ld_view(dy, r * C + c0, dbuf, nc);
-                for (int j = 0; j < nc; j++) {
-                    float xhat = (xr[j] - m[c0 + j]) * invstd[c0 + j];
-                    float g = dr[j] * act_grad_vec(act, gam[c0 + j] * xhat + b[c0 + j]);
-                    sg[j] += g;
-                    sgx[j] += (double)g * xhat;
-                }
-            }
-        }
-        for (int j = 0; j < nc; j++) {
-            bn_grad_sums_store(c0 + j, sg[j], sgx[j], sum_g, sum_gx, dgamma, dbeta);
-            if (sums) { sums[c0 + j] = sg[j]; sums[C + c0 + j] = sgx[j]; }
-        }
-    }
-}
-
-// dx (=|+=) a·(g - u - (x - mean)·v), a = gamma·invstd, u = Σg/count, v = invstd·Σg·xhat/count,
-// over `rows` rows from dx, dy, x
-static inline __attribute__((always_inline)) void bn_dx_rows(float *dx, const float *dy, const float *x, size_t rows,
-                                                             int C, const float *a, const float *gam,
-                                                             const float *inv, const float *b,
-                                                             const float *mean, const float *u, const float *v,
-                                                             Act act, int accumulate) {
-    for (size_t r = 0; r < rows; r++) {
-        const float *xr = x + r * C, *dr = dy + r * C;
-        float *o = dx + r * C;
-        #pragma omp simd
-        for (int c = 0; c < C; c++) {
-            float xm = xr[c] - mean[c], g = dr[c] * act_grad_vec(act, gam[c] * (xm * inv[c]) + b[c]);
-            float d = a[c] * (g - u[c] - xm * v[c]);
-            o[c] = accumulate ? o[c] + d : d;
-        }
-    }
-}
-static void bn_dx_rows_any(float *dx, const float *dy, const float *x, size_t rows, int C, const float *a,
-                           const float *gam, const float *inv, const float *b, const float *mean, const float *u,
-                           const float *v, Act act, int accumulate) {
-    switch (act) {
-    case ACT_RELU: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_RELU, accumulate); break;
-    case ACT_SILU: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_SILU, accumulate); break;
-    case ACT_SIGMOID: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_SIGMOID, accumulate); break;
-    default: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_NONE, accumulate);
-    }
-}
-
-static void bn_backward_data_fast(Tensor dx, Tensor dy, Tensor x, const float *mean, const float *var,
-                                  const float *gamma, const float *beta, float eps, Act act, const float *sum_g,
-                                  const float *sum_gx, size_t count, int accumulate) {
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    float a[C], inv[C], u[C], v[C];  // (C)
-    for (int c = 0; c < C; c++) {
-        inv[c] = bn_invstd(var, c, eps);
-        a[c] = gamma[c] * inv[c];
-        u[c] = count ? sum_g[c] / (float)count : 0.0f;
-        v[c] = count ? inv[c] * sum_gx[c] / (float)count : 0.0f;
-    }
-    const size_t n_items = (M + BN_ROWS - 1) / BN_ROWS;
-    const int f32 = dx.dtype == DT_F32 && dy.dtype == DT_F32 && x.dtype == DT_F32;
-    #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (size_t it = 0; it < n_items; it++) {
-        size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
-        if (f32) {
-            bn_dx_rows_any((float *)dx.data + r0 * C, (const float *)dy.data + r0 * C, (const float *)x.data + r0 * C,
-                           r1 - r0, C, a, gamma, inv, beta, mean, u, v, act, accumulate);
-            continue;
-        }
-        float xbuf[C], dybuf[C], dxbuf[C];  // (C) one row in fp32
-        for (size_t r = r0; r < r1; r++) {
-            if (accumulate) ld_run(dx, r * C, dxbuf, C);
-            bn_dx_rows_any(dxbuf, ld_view(dy, r * C, dybuf, C), ld_view(x, r * C, xbuf, C), 1, C, a, gamma, inv, beta,
-                           mean, u, v, act, accumulate);
-            st_run(dx, r * C, dxbuf, C, 0);
-        }
-    }
-}
-
-static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum,
-                         double *sums) {
-    bn_stats_fast(x, mean, var, sums);
-    const int C = x.shape.c;
-    if (run_mean) bn_update_running_cpu(o, run_mean, run_var, mean, var, C, shape_numel(x.shape) / C, momentum);
-}
-static void bn_stats_finish_cpu(Ops *o, const double *sums, int C, size_t count, float *mean, float *var,
-                                float *run_mean, float *run_var, float momentum) {
-    for (int c = 0; c < C; c++) bn_moments_stats(sums[c], sums[C + c], (double)count, &mean[c], &var[c]);
-    if (run_mean) bn_update_running_cpu(o, run_mean, run_var, mean, var, C, count, momentum);
-}
-
-static void bn_backward_finish_cpu(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx, float *dgamma,
-                                   float *dbeta) {
-    (void)o;
-    for (int c = 0; c < C; c++) bn_grad_sums_store(c, sums[c], sums[C + c], sum_g, sum_gx, dgamma, dbeta);
-}
-
-// ----------------------------------------------------------------------------
-// activations: y = act(x), dx = dy·act'(x)
-
-// ----------------------------------------------------------------------------
-// squeeze-excitation's gate (the formulas are at se_gate_forward in segnet.h)
-//   per image: z1 = W1·p + b1, y1 = act1(z1), z2 = W2·y1 + b2, s = act2(z2)
-
-// z[n][a] = b[a] + Σ_k w[a][k]·x[n][k] for N images, rounded to dt: threads share
-// the outputs, each a sum in fp64 in k order
-static void affine_rows(DType dt, float *z, const float *w, const float *b, const float *x, int A, int K, int N) {
-    #pragma omp parallel for schedule(static) if(PAR((size_t)N * A * K))
-    for (int a = 0; a < A; a++)
-        for (int n = 0; n < N; n++) {
-            double t = b[a];
-            for (int k = 0; k < K; k++) t += (double)w[(size_t)a * K + k] * x[(size_t)n * K + k];
-            z[(size_t)n * A + a] = dtype_round(dt, (float)t);
-        }
-}
-// every image's z1, y1 (N,S) and z2 (N,C) from pv (N,C), rounded to dt as stored tensors would be
-static void se_gate_images(DType dt, int N, const float *pv, const float *w1, const float *b1, const float *w2,
-                           const float *b2, int C, int S, Act act1, float *z1, float *y1, float *z2) {
-    affine_rows(dt, z1, w1, b1, pv, S, C, N);
-    for (size_t i = 0; i < (size_t)N * S; i++) y1[i] = dtype_round(dt, act_apply(act1, z1[i]));
-    affine_rows(dt, z2, w2, b2, y1, C, S, N);
-}
-// dw[a][b] += Σ_n dz[n][a]·v[n][b], db[a] += Σ_n dz[n][a] (fp64, images in order)
-static void outer_sums(float *dw, float *db, const float *dz, int A, const float *v, int B, int N) {
-    #pragma omp parallel for schedule(static) if(PAR((size_t)N * A * B))
-    for (int a = 0; a < A; a++) {
-        double t = 0.0;
-        for (int n = 0; n < N; n++) t += dz[(size_t)n * A + a];
-        db[a] += (float)t;
-        for (int b = 0; b < B; b++) {
-            t = 0.0;
-            for (int n = 0; n < N; n++) t += (double)dz[(size_t)n * A + a] * v[(size_t)n * B + b];
-            dw[(size_t)a * B + b] += (float)t;
-        }
-    }
-}
-// p's values and room for z1, y1 (N·S each), z2 (N·C), then dz2 (N·C), dz1 (N·S)
-typedef struct { float *pv, *z1, *y1, *z2, *dz2, *dz1; } SeGateBuf;
-static SeGateBuf se_gate_buf(Tensor p, int S) {
-    const size_t NC = shape_numel(p.shape), NS = (size_t)p.shape.n * S;
-    float *m = malloc(sizeof(float) * (3 * NC + 3 * NS + 1));
-    snCheck(m != NULL, "out of host memory");
-    SeGateBuf b = {m, m + NC, m + NC + NS, m + NC + 2 * NS, m + 2 * NC + 2 * NS, m + 3 * NC + 2 * NS};
-    for (size_t i = 0; i < NC; i++) b.pv[i] = ld(p, i);
-    return b;
-}
-static void se_gate_forward_cpu(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1, const float *w2,
-                                const float *b2, int S, Act act1, Act act2) {
-    (void)o;
-    const int N = p.shape.n, C = p.shape.c;
-    SeGateBuf b = se_gate_buf(p, S);
-    se_gate_images(s.dtype, N, b.pv, w1, b1, w2, b2, C, S, act1, b.z1, b.y1, b.z2);
-    for (size_t i = 0; i < (size_t)N * C; i++) st(s, i, act_apply(act2, b.z2[i]));
-    free(b.pv);
-}
-static void se_gate_backward_cpu(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1, const float *b1,
-                                 const float *w2, const float *b2, int S, Act act1, Act act2, float *dw1, float *db1,
-                                 float *dw2, float *db2, int accumulate) {
-    (void)o;
-    const int N = p.shape.n, C = p.shape.c;
-    const DType dt = ds.dtype;
-    SeGateBuf b = se_gate_buf(p, S);
-    se_gate_images(dt, N, b.pv, w1, b1, w2, b2, C, S, act1, b.z1, b.y1, b.z2);
-    for (size_t i = 0; i < (size_t)N * C; i++) b.dz2[i] = dtype_round(dt, ld(ds, i) * act_grad(act2, b.z2[i]));
-    #pragma omp parallel for schedule(static) if(PAR((size_t)N * C * S))
-    for (int j = 0; j < S; j++)
-        for (int n = 0; n < N; n++) {
-            double a = 0.0;
-            for (int c = 0; c < C; c++) a += (double)w2[(size_t)c * S + j] * b.dz2[(size_t)n * C + c];
-            const size_t i = (size_t)n * S + j;
-            b.dz1[i] = dtype_round(dt, dtype_round(dt, (float)a) * act_grad(act1, b.z1[i]));
-        }
-    if (dp.data) {
-        #pragma omp parallel for schedule(static) if(PAR((size_t)N * C * S))
-        for (int c = 0; c < C; c++)
-            for (int n = 0; n < N; n++) {
-                double a = 0.0;
-                for (int j = 0; j < S; j++) a += (double)w1[(size_t)j * C + c] * b.dz1[(size_t)n * S + j];
-                st_acc(dp, (size_t)n * C + c, (float)a, accumulate);
-            }
-    }
-    if (dw1) {
-        outer_sums(dw2, db2, b.dz2, C, b.y1, S, N);
-        outer_sums(dw1, db1, b.dz1, S, b.pv, C, N);
-    }
-    free(b.pv);
-}
-
-static void act_forward_cpu(Ops *o, Act act, Tensor y, Tensor x) {
-    (void)o;
-    size_t n = shape_numel(x.shape);
-    #pragma omp parallel for schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++) st(y, i, act_apply(act, ld(x, i)));
-}
-
-static void act_backward_cpu(Ops *o, Act act, Tensor dx, Tensor dy, Tensor x, int accumulate) {
-    (void)o;
-    size_t n = shape_numel(x.shape);
-    #pragma omp parallel for schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++) st_acc(dx, i, ld(dy, i) * act_grad(act, ld(x, i)), accumulate);
-}
-
-// ----------------------------------------------------------------------------
-// squeeze-excitation pieces
-//   pool:  y[n,c] = Σ_{h,w} x[n,h,w,c] / (H·W);      dx[n,h,w,c] = dy[n,c] / (H·W)
-//   scale: y[n,h,w,c] = x[n,h,w,c]·s[n,c];           dx = dy·s,  ds[n,c] = Σ_{h,w} dy·x
-
-// fp32: Σ over the pixels of image n per channel, fp64, channels innermost;
-// a block of channels per work item, pixels in order (any thread count, same bits)
-#define SE_CBLOCK 16
-static void channel_sums_f32(const float *a, const float *b, int N, size_t HW, int C, double *out) {
-    const int nblk = (C + SE_CBLOCK - 1) / SE_CBLOCK;
-    #pragma omp parallel for schedule(static) if(PAR((size_t)N * HW * C))
-    for (int nb = 0; nb < N * nblk; nb++) {
-        const int n = nb / nblk, c0 = nb % nblk * SE_CBLOCK, nc = C - c0 < SE_CBLOCK ? C - c0 : SE_CBLOCK;
-        double acc[SE_CBLOCK] = {0};
-        for (size_t p = 0; p < HW; p++) {
-            const size_t i = ((size_t)n * HW + p) * C + c0;
-            if (b) for (int j = 0; j < nc; j++) acc[j] += (double)a[i + j] * b[i + j];   // Σ a·b
-            else for (int j = 0; j < nc; j++) acc[j] += a[i + j];                         // Σ a
-        }
-        for (int j = 0; j < nc; j++) out[(size_t)n * C + c0 + j] = acc[j];
-    }
-}
-
-static void global_avg_pool_forward_cpu(Ops *o, Tensor y, Tensor x) {
-    (void)o;
-    if (x.dtype == DT_F32) {
-        const int N = x.shape.n, C = x.shape.c;
-        const size_t HW = (size_t)x.shape.h * x.shape.w;
-        double sums[N * C];  // (N,C)
-        channel_sums_f32((const float *)x.data, NULL, N, HW, C, sums);
-        for (int i = 0; i < N * C; i++) st(y, i, (float)(sums[i] / (double)HW));
-        return;
-    }
-    const int C = x.shape.c;
-    const size_t HW = (size_t)x.shape.h * x.shape.w;
-    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
-    for (int nc = 0; nc < x.shape.n * C; nc++) {
-        int n = nc / C, c = nc % C;
-        double s = 0.0;
-        for (size_t p = 0; p < HW; p++) s += ld(x, ((size_t)n * HW + p) * C + c);
-        st(y, nc, (float)(s / (double)HW));
-    }
-}
-
-static void global_avg_pool_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accumulate) {
-    (void)o;
-    const int C = dx.shape.c;
-    const size_t HW = (size_t)dx.shape.h * dx.shape.w;
-    const float inv = 1.0f / (float)HW;
-    if (dx.dtype == DT_F32 && dy.dtype == DT_F32) {  // rows of C, dy[n,:] per row
-        const size_t M = (size_t)dx.shape.n * HW;
-        const float *dyp = (const float *)dy.data;
-        float *dxp = (float *)dx.data;
-        #pragma omp parallel for schedule(static) if(PAR(M * C))
-        for (size_t r = 0; r < M; r++) {
-            const float *g = dyp + r / HW * C;
-            if (accumulate) for (int c = 0; c < C; c++) dxp[r * C + c] += g[c] * inv;
-            else for (int c = 0; c < C; c++) dxp[r * C + c] = g[c] * inv;
-        }
-        return;
-    }
-    #pragma omp parallel for schedule(static) if(PAR(shape_numel(dx.shape)))
-    for (size_t i = 0; i < shape_numel(dx.shape); i++) {
-        size_t n = i / (HW * C);
-        int c = (int)(i % C);
-        st_acc(dx, i, ld(dy, n * C + c) * inv, accumulate);
-    }
-}
-
-static void channel_scale_forward_cpu(Ops *o, Tensor y, Tensor x, Tensor s) {
-    (void)o;
-    if (x.dtype == DT_F32 && y.dtype == DT_F32 && s.dtype == DT_F32) {  // rows of C, s[n,:] per row
-        const int C = x.shape.c;
-        const size_t HW = (size_t)x.shape.h * x.shape.w, M = (size_t)x.shape.n * HW;
-        const float *xp = (const float *)x.data, *sp = (const float *)s.data;
-        float *yp = (float *)y.data;
-        #pragma omp parallel for schedule(static) if(PAR(M * C))
-        for (size_t r = 0; r < M; r++) {
-            const float *sr = sp + r / HW * C;
-            #pragma omp simd
-            for (int c = 0; c < C; c++) yp[r * C + c] = xp[r * C + c] * sr[c];
-        }
-        return;
-    }
-    const int C = x.shape.c;
-    const size_t HWC = (size_t)x.shape.h * x.shape.w * C;
-    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
-    for (size_t i = 0; i < shape_numel(x.shape); i++)
-        st(y, i, ld(x, i) * ld(s, (i / HWC) * C + i % C));
-}
-
-static void channel_scale_backward_cpu(Ops *o, Tensor dx, Tensor ds, Tensor dy, Tensor x, Tensor s,
-                                       int accumulate_dx, int accumulate_ds) {
-    (void)o;
-    const int C = x.shape.c;
-    const size_t HW = (size_t)x.shape.h * x.shape.w, HWC = HW * C;
-    const int f32 = x.dtype == DT_F32 && dy.dtype == DT_F32 && s.dtype == DT_F32;
-    if (dx.data && f32 && dx.dtype == DT_F32) {
-        const size_t M = (size_t)x.shape.n * HW;
-        const float *dyp = (const float *)dy.data, *sp = (const float *)s.data;
-        float *dxp = (float *)dx.data;
-        #pragma omp parallel for schedule(static) if(PAR(M * C))
-        for (size_t r = 0; r < M; r++) {
-            const float *sr = sp + r / HW * C;
-            if (accumulate_dx) for (int c = 0; c < C; c++) dxp[r * C + c] += dyp[r * C + c] * sr[c];
-            else for (int c = 0; c < C; c++) dxp[r * C + c] = dyp[r * C + c] * sr[c];
-        }
-    } else if (dx.data) {
-        #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
-        for (size_t i = 0; i < shape_numel(x.shape); i++)
-            st_acc(dx, i, ld(dy, i) * ld(s, (i / HWC) * C + i % C), accumulate_dx);
-    }
-    if (ds.data && f32) {
-        const int N = x.shape.n;
-        double sums[N * C];  // (N,C)
-        channel_sums_f32((const float *)dy.data, (const float *)x.data, N, HW, C, sums);
-        for (int nc = 0; nc < N * C; nc++) st_acc(ds, nc, (float)sums[nc], accumulate_ds);
-    } else if (ds.data) {
-        #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
-        for (int nc = 0; nc < x.shape.n * C; nc++) {
-            int n = nc / C, c = nc % C;
-            double acc = 0.0;
-            for (size_t p = 0; p < HW; p++) {
-                size_t i = ((size_t)n * HW + p) * C + c;
-                acc += (double)ld(dy, i) * ld(x, i);
-            }
-            st_acc(ds, nc, (float)acc, accumulate_ds);
-        }
-    }
-}
-
-// ----------------------------------------------------------------------------
-// residual add and channel concat
-
-static void add_forward_cpu(Ops *o, Tensor y, Tensor a, Tensor b) {
-    (void)o;
-    #pragma omp parallel for schedule(static) if(PAR(shape_numel(y.shape)))
-    for (size_t i = 0; i < shape_numel(y.shape); i++) st(y, i, ld(a, i) + ld(b, i));
-}
-
-static void add_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
-    if (da.data) copy_cpu(o, da, dy, accumulate_a);
-    if (db.data) copy_cpu(o, db, dy, accumulate_b);
-}
-
-// y[r, 0:Ca] = a[r, :], y[r, Ca:Ca+Cb] = b[r, :] for every pixel r
-static void concat_forward_cpu(Ops *o, Tensor y, Tensor a, Tensor b) {
-    (void)o;
-    const int Ca = a.shape.c, Cb = b.shape.c, C = Ca + Cb;
-    const size_t M = shape_numel(y.shape) / C;
-    #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (size_t r = 0; r < M; r++) {
-        for (int c = 0; c < Ca; c++) st(y, r * C + c, ld(a, r * Ca + c));
-        for (int c = 0; c < Cb; c++) st(y, r * C + Ca + c, ld(b, r * Cb + c));
-    }
-}
-
-static void concat_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
-    (void)o;
-    const int Ca = da.shape.c, Cb = db.shape.c, C = Ca + Cb;
-    const size_t M = shape_numel(dy.shape) / C;
-    #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (size_t r = 0; r < M; r++) {
-        if (da.data) for (int c = 0; c < Ca; c++) st_acc(da, r * Ca + c, ld(dy, r * C + c), accumulate_a);
-        if (db.data) for (int c = 0; c < Cb; c++) st_acc(db, r * Cb + c, ld(dy, r * C + Ca + c), accumulate_b);
-    }
-}
-
-// ----------------------------------------------------------------------------
-// dropout and drop-path
-//   keep_i = rng_uniform(seed, i) >= rate, i the element (dropout) or the sample (drop-path)
-//   y = x·keep/(1 - rate),  dx = dy·keep/(1 - rate)
-
-static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, Tensor residual, float rate, const uint64_t *seed_at,
-                                int per_sample, uint64_t first_sample) {
-    (void)o;
-    const uint64_t seed = *seed_at;
-    const size_t n = shape_numel(x.shape), E = n / x.shape.n, per_draw = per_sample ? E : 1;
-    #pragma omp parallel for schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++) {
-        const float v = ld(x, i) * dropout_factor(rate, seed, first_sample * E + i, per_draw);
-        st(y, i, residual.data ? v + ld(residual, i) : v);
-    }
-}
-
-static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate, const uint64_t *seed_at,
-                                 int per_sample, uint64_t first_sample, int accumulate, int accumulate_residual) {
-    (void)o;
-    const uint64_t seed = *seed_at;
-    const size_t n = shape_numel(dy.shape), E = n / dy.shape.n, per_draw = per_sample ? E : 1;
-    #pragma omp parallel for schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++) {  // dx may be dy (in place)
-        const float g = ld(dy, i);
-        if (dx.data) st_acc(dx, i, g * dropout_factor(rate, seed, first_sample * E + i, per_draw), accumulate);
-        if (dresidual.data) st_acc(dresidual, i, g, accumulate_residual);
-    }
-}
-
-// ----------------------------------------------------------------------------
-// batch norm with the layer after it (BnNext): on the CPU the two ops one after
-// the other, a residual block's end in place in out (forward) and in out's
-// gradient dy (backward), so y and its gradient need no memory
-
-// y written: the pool of y, or the residual end in place in out (which holds y)
-static void bn_next_forward_cpu(Ops *o, Tensor y, const BnNext *next) {
-    if (next->kind == FUSED_POOL) global_avg_pool_forward_cpu(o, next->pooled, y);
-    if (next->kind != FUSED_RESIDUAL) return;
-    if (next->rate > 0.0f)
-        dropout_forward_cpu(o, y, y, next->residual, next->rate, next->seed, 1, next->first_sample);
-    else
-        add_forward_cpu(o, y, y, next->residual);
-}
-// a residual end's backward: dresidual (=|+=) dy, and dy (out's gradient) becomes y's, dy·keep
-static void bn_next_backward_cpu(Ops *o, Tensor dy, const BnNext *next) {
-    const int acc = next->accumulate_residual;
-    if (next->rate > 0.0f)
-        dropout_backward_cpu(o, dy, next->dresidual, dy, next->rate, next->seed, 1, next->first_sample, 0, acc);
-    else if (next->dresidual.data)
-        copy_cpu(o, next->dresidual, dy, acc);  // keep = 1: dy is y's gradient as it is
-}
-
-static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
-                           const float *gamma, const float *beta, float eps, Act act, const BnNext *next) {
-    if (next && next->kind == FUSED_RESIDUAL) y = next->out;
-    bn_forward_fast(y, x, mean, var, gamma, beta, eps, act);
-    if (next) bn_next_forward_cpu(o, y, next);
-}
-
-static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
-                                   const float *gamma, const float *beta, float eps, Act act,
-                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums,
-                                   const BnNext *next) {
-    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_cpu(o, dy, next);
-    if (sum_g) bn_backward_reduce_fast(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta, sums);
-}
-
-// dy: y's gradient, also with a residual block's end (bn_backward_reduce made it so)
-static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
-                                 const float *var, const float *gamma, const float *beta, float eps,
-                                 Act act, const float *sum_g, const float *sum_gx, size_t count,
-                                 int accumulate, const BnNext *next) {
-    (void)o; (void)next;
-    bn_backward_data_fast(dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
-}
-
-// ----------------------------------------------------------------------------
-// pooling and resampling
-
-// y[n,oy,ox,c] = max_{dy,dx ∈ {0,1}} x[n, 2·oy + dy, 2·ox + dx, c]
-static void maxpool2_forward_cpu(Ops *o, Tensor y, Tensor x) {
-    (void)o;
-    const Shape s = x.shape, t = y.shape;
-    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
-    for (int noy = 0; noy < t.n * t.h; noy++) {
-        int n = noy / t.h, oy = noy % t.h;
-        for (int ox = 0; ox < t.w; ox++)
-            for (int c = 0; c < t.c; c++) {
-                float m = -INFINITY;
-                for (int k = 0; k < 4; k++) {
-                    float v = ld(x, (((size_t)n * s.h + 2 * oy + k / 2) * s.w + 2 * ox + k % 2) * s.c + c);
-                    if (v > m) m = v;
-                }
-                st(y, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c, m);
-            }
-    }
-}
-
-static void maxpool2_backward_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, int accumulate) {
-    (void)o;
-    const Shape s = x.shape, t = dy.shape;
-    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
-    for (int niy = 0; niy < s.n * s.h; niy++) {
-        int n = niy / s.h, iy = niy % s.h, oy = iy / 2;
-        for (int ix = 0; ix < s.w; ix++) {
-            int ox = ix / 2;
-            for (int c = 0; c < s.c; c++) {
-                size_t i = (((size_t)n * s.h + iy) * s.w + ix) * s.c + c;
-                float g = 0.0f;
-                if (oy < t.h && ox < t.w) {  // rows/cols past the floor get no gradient
-                    int first = 0;
-                    float m = -INFINITY;
-                    for (int k = 0; k < 4; k++) {
-                        float v = ld(x, (((size_t)n * s.h + 2 * oy + k / 2) * s.w + 2 * ox + k % 2) * s.c + c);
-                        if (v > m) { m = v; first = k; }
-                    }
-                    if (first == (iy - 2 * oy) * 2 + (ix - 2 * ox))
-                        g = ld(dy, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c);
-                }
-                st_acc(dx, i, g, accumulate);
-            }
-        }
-    }
-}
-
-// y[n,oy,ox,c] = x[n, oy/2, ox/2, c];  dx[n,iy,ix,c] = Σ of the 2×2 dy it was copied to
-static void upsample2_forward_cpu(Ops *o, Tensor y, Tensor x) {
-    (void)o;
-    const Shape s = x.shape, t = y.shape;
-    #pragma omp parallel for schedule(static) if(PAR(shape_numel(y.shape)))
-    for (int noy = 0; noy < t.n * t.h; noy++) {
-        int n = noy / t.h, oy = noy % t.h;
-        for (int ox = 0; ox < t.w; ox++)
-            for (int c = 0; c < t.c; c++)
-                st(y, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c,
-                   ld(x, (((size_t)n * s.h + oy / 2) * s.w + ox / 2) * s.c + c));
-    }
-}
-
-static void upsample2_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accumulate) {
-    (void)o;
-    const Shape s = dx.shape, t = dy.shape;
-    #pragma omp parallel for schedule(static) if(PAR(shape_numel(dy.shape)))
-    for (int niy = 0; niy < s.n * s.h; niy++) {
-        int n = niy / s.h, iy = niy % s.h;
-        for (int ix = 0; ix < s.w; ix++)
-            for (int c = 0; c < s.c; c++) {
-                float g = 0.0f;
-                for (int k = 0; k < 4; k++)
-                    g += ld(dy, (((size_t)n * t.h + 2 * iy + k / 2) * t.w + 2 * ix + k % 2) * t.c + c);
-                st_acc(dx, (((size_t)n * s.h + iy) * s.w + ix) * s.c + c, g, accumulate);
-            }
-    }
-}
-
-// Bilinear, half-pixel centres: the taps of segnet.h (bilinear_tap, tap_weight, tap_range).
-
-static void resize_bilinear_forward_cpu(Ops *o, Tensor y, Tensor x) {
-    (void)o;
-    const Shape s = x.shape, t = y.shape;
-    #pragma omp parallel for schedule(static) if(PAR(shape_numel(y.shape)))
-    for (int noy = 0; noy < t.n * t.h; noy++) {
-        int n = noy / t.h, oy = noy % t.h;
-        BilinearTap ty = bilinear_tap(oy, s.h, t.h);
-        for (int ox = 0; ox < t.w; ox++) {
-            BilinearTap tx = bilinear_tap(ox, s.w, t.w);
-            size_t r00 = (((size_t)n * s.h + ty.i0) * s.w + tx.i0) * s.c, r01 = (((size_t)n * s.h + ty.i0) * s.w + tx.i1) * s.c;
-            size_t r10 = (((size_t)n * s.h + ty.i1) * s.w + tx.i0) * s.c, r11 = (((size_t)n * s.h + ty.i1) * s.w + tx.i1) * s.c;
-            for (int c = 0; c < t.c; c++) {
-                float top = (1.0f - tx.l) * ld(x, r00 + c) + tx.l * ld(x, r01 + c);
-                float bot = (1.0f - tx.l) * ld(x, r10 + c) + tx.l * ld(x, r11 + c);
-                st(y, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c, (1.0f - ty.l) * top + ty.l * bot);
-            }
-        }
-    }
-}
-
-// The adjoint as a gather, each dx written once:
-//   dx[n,iy,ix,c] (=|+=) Σ_{oy,ox} wy(oy,iy)·wx(ox,ix)·dy[n,oy,ox,c]
-static void resize_bilinear_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accumulate) {
-    (void)o;
-    const Shape s = dx.shape, t = dy.shape;
-    #pragma omp parallel for schedule(static) if(PAR(shape_numel(dy.shape)))
-    for (int niy = 0; niy < s.n * s.h; niy++) {
-        int n = niy / s.h, iy = niy % s.h, oy0, oy1;
-        tap_range(iy, s.h, t.h, &oy0, &oy1);
-        for (int ix = 0; ix < s.w; ix++) {
-            int ox0, ox1;
-            tap_range(ix, s.w, t.w, &ox0, &ox1);
-            for (int c = 0; c < s.c; c++) {
-                float g = 0.0f;
-                for (int oy = oy0; oy <= oy1; oy++) {
-                    float wy = tap_weight(bilinear_tap(oy, s.h, t.h), iy);
-                    if (wy == 0.0f) continue;
-                    for (int ox = ox0; ox <= ox1; ox++) {
-                        float wx = tap_weight(bilinear_tap(ox, s.w, t.w), ix);
-                        if (wx != 0.0f) g += wy * wx * ld(dy, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c);
-                    }
-                }
-                st_acc(dx, (((size_t)n * s.h + iy) * s.w + ix) * s.c + c, g, accumulate);
-            }
-        }
-    }
-}
-
-// ----------------------------------------------------------------------------
-// fused softmax + weighted cross-entropy, per pixel i with logits z (K classes):
-//   p = softmax(z), nll_i = log Σ_k exp(z_k) - z_y  (computed with max subtracted)
-//   loss contribution w[y]·nll_i, weight w[y]
-//   dz_k = w[y]·(p_k - [k = y])·grad_scale
-// The caller divides Σ w·nll by the global Σ w (the weighted mean: README.md, "How it works").
-// With prob_clip ε > 0, Keras' categorical cross-entropy: p_y clipped to [ε, 1-ε]
-// before the log, i.e. nll clamped to [-log(1-ε), -log ε], and a pixel whose p_y
-// lies beyond the clip has no gradient (the clip's derivative is 0 there).
-
-#define XENT_CHUNK 4096
-
-static void softmax_xent_cpu(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights, float prob_clip,
-                             const float *grad_scale, float *stats, Tensor dlogits) {
-    (void)o;
-    const float gscale = dlogits.data ? *grad_scale : 0.0f;
-    const int K = logits.shape.c;
-    const size_t M = shape_numel(logits.shape) / K, n_chunks = (M + XENT_CHUNK - 1) / XENT_CHUNK;
-    const XentClip clip = xent_clip_bounds(prob_clip);
-    double loss = 0.0, wsum = 0.0, invalid = 0.0;
-    // fixed chunks, partials added in order: deterministic for any thread count
-    for (size_t g0 = 0; g0 < n_chunks; g0 += SUM_GROUP) {
-        double pl[SUM_GROUP], pw[SUM_GROUP], pi[SUM_GROUP];
-        size_t g1 = g0 + SUM_GROUP < n_chunks ? g0 + SUM_GROUP : n_chunks;
-        #pragma omp parallel for schedule(static) if(PAR(M * K))
-        for (size_t k = g0; k < g1; k++) {
-            double l = 0.0, w = 0.0, bad = 0.0;
-            size_t r1 = (k + 1) * XENT_CHUNK < M ? (k + 1) * XENT_CHUNK : M;
-            for (size_t r = k * XENT_CHUNK; r < r1; r++) {
-                const int32_t y = labels[r];
-                const int valid = y >= 0 && y < K;
-                const float wy = valid ? class_weights[y] : 0.0f;
-                if (!valid) bad += 1.0;
-                float zmax = -INFINITY;
-                for (int c = 0; c < K; c++) { float z = ld(logits, r * K + c); if (z > zmax) zmax = z; }
-                double sum = 0.0;
-                for (int c = 0; c < K; c++) sum += exp((double)ld(logits, r * K + c) - zmax);
-                int flat = 0;
-                if (wy != 0.0f) {
-                    double nll = xent_clip(log(sum) + zmax - ld(logits, r * K + y), clip, &flat);
-                    l += wy * nll;
-                    w += wy;
-                }
-                if (dlogits.data)
-                    for (int c = 0; c < K; c++) {
-                        double p = exp((double)ld(logits, r * K + c) - zmax) / sum;
-                        st(dlogits, r * K + c, flat ? 0.0f : (float)(wy * (p - (c == y)) * gscale));
-                    }
-            }
-            pl[k - g0] = l; pw[k - g0] = w; pi[k - g0] = bad;
-        }
-        for (size_t k = g0; k < g1; k++) { loss += pl[k - g0]; wsum += pw[k - g0]; invalid += pi[k - g0]; }
-    }
-    stats[0] += (float)loss;
-    stats[1] += (float)wsum;
-    stats[2] += (float)invalid;
-}
-
-static void confusion_accumulate_cpu(Ops *o, Tensor logits, const int32_t *labels, int64_t *confusion) {
-    (void)o;
-    const int K = logits.shape.c;
-    const size_t M = shape_numel(logits.shape) / K;
-    for (size_t r = 0; r < M; r++) {
-        const int32_t y = labels[r];
-        if (y < 0 || y >= K) continue;
-        int best = 0;
-        float zbest = ld(logits, r * K);
-        for (int c = 1; c < K; c++) { float z = ld(logits, r * K + c); if (z > zbest) { zbest = z; best = c; } }
-        confusion[(size_t)y * K + best]++;
-    }
-}
-
-double label_weight_sum(const int32_t *labels, size_t n, const float *class_weights, int K) {
-    double s = 0.0;
-    for (size_t i = 0; i < n; i++)
-        if (labels[i] >= 0 && labels[i] < K) s += class_weights[labels[i]];
-    return s;
-}
-
-// ----------------------------------------------------------------------------
-// Adam (the formula is at AdamStep in segnet.h)
-
-AdamStep adam_step_init(float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
-                        int64_t t) {
-    AdamStep s = {lr, beta1, beta2, eps, weight_decay, grad_scale, 0.0f, 0};
-    s.alpha = (float)((double)lr * sqrt(1.0 - pow(beta2, (double)t)) / (1.0 - pow(beta1, (double)t)));
-    return s;
-}
-
-// Compiled without multiply-add contraction (-march=native would fuse some of
-// these products into FMAs, others not): each operation rounds on its own, in
-// the order written, so the CUDA kernel gives the same bits.
-__attribute__((optimize("fp-contract=off")))
-static void adam_update_cpu(Ops *o, float *params, const float *grads, float *m, float *v, size_t n,
-                            const AdamStep *s) {
-    (void)o;
-    if (s->skip) return;
-    const float decay = s->lr * s->weight_decay;
-    #pragma omp parallel for schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++) {
-        float g = grads[i] * s->grad_scale, p = params[i];
-        if (decay != 0.0f) p -= decay * p;
-        m[i] += (g - m[i]) * (1.0f - s->beta1);
-        v[i] += (g * g - v[i]) * (1.0f - s->beta2);
-        params[i] = p - s->alpha * m[i] / (sqrtf(v[i]) + s->eps);
-    }
-}
-
-// ----------------------------------------------------------------------------
-// the CPU ops table
-
-Ops ops_cpu = {
-    .name = "cpu",
-    .ctx = NULL,
-    .alloc = cpu_alloc,
-    .free = cpu_free,
-    .upload = cpu_memcpy,
-    .download = cpu_memcpy,
-    .synchronize = cpu_synchronize,
-    .host_alloc = cpu_host_alloc,
-    .host_free = cpu_host_free,
-    .upload_async = cpu_memcpy,
-#define OPS_CPU_ENTRY(name) .name = name##_cpu,
-    SN_COMPUTE_OPS(OPS_CPU_ENTRY)
-#undef OPS_CPU_ENTRY
-};
-
-// ----------------------------------------------------------------------------
-// the reference table: ops_cpu with the straightforward versions of the ops
-// that have fast paths (the formulas as written, any storage type, fp64 sums
-// per output value), so that the tests can run a whole training step on it
-// and compare ops_cpu with it as they compare the GPU with the CPU:
-//   conv2d   out[n,oy,ox,co] = b[co] + Σ_{ky,kx,ci∈group(co)} w[co,ky,kx,ci]·in[n, oy·s + ky - pt, ox·s + kx - pl, ci]
-//            (zero outside the image); din and dw are its sums over the other indices
-//   batch norm  bn_stats_ref, bn_forward_ref, bn_backward_reduce_ref, bn_backward_data_ref
+//   din[n,iy,ix,ci] = Σ over the (oy, ox, ky, kx, co) that read it of dout[n,oy,ox,co]·w[co][ky][kx][ci]
+//   dw[co][ky][kx][ci] += Σ_{n,oy,ox} dout[n,oy,ox,co]·x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci]
+//   db[co] += Σ_{n,oy,ox} dout[n,oy,ox,co]
+// The references below compute each output value as one fp64 sum in the
+// formula's order, in any storage type; part IV's direct convolutions and
+// GEMMs compute the same in fp32 blocks.
 
 // input pixel of output oy (stride s, tap ky, padding pt), or -1 outside
 static inline int conv_tap(int o, int s, int k, int pad, int in) {
@@ -2074,14 +388,448 @@ static void conv2d_backward_weight_ref(Ops *o, const ConvCfg *cfg, float *dw, fl
     }
 }
 
-// batch norm's ops from the references; the fp64 sums (--sync-bn) and the
-// running statistics as the ops table asks for them
-static void bn_stats_ref_op(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum,
-                            double *sums) {
+// the references work in place: no workspace
+static size_t conv2d_workspace_ref(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
+    (void)o; (void)cfg; (void)in; (void)dt;
+    return 0;
+}
+
+// ----------------------------------------------------------------------------
+// activations: y = act(x), dx = dy·act'(x)
+
+static void act_forward_ref(Ops *o, Act act, Tensor y, Tensor x) {
+    (void)o;
+    size_t n = shape_numel(x.shape);
+    #pragma omp parallel for schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) st(y, i, act_apply(act, ld(x, i)));
+}
+
+static void act_backward_ref(Ops *o, Act act, Tensor dx, Tensor dy, Tensor x, int accumulate) {
+    (void)o;
+    size_t n = shape_numel(x.shape);
+    #pragma omp parallel for schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) st_acc(dx, i, ld(dy, i) * act_grad(act, ld(x, i)), accumulate);
+}
+
+// ----------------------------------------------------------------------------
+// squeeze-excitation's gate (the formulas are at se_gate_forward in segnet.h)
+//   per image: z1 = W1·p + b1, y1 = act1(z1), z2 = W2·y1 + b2, s = act2(z2)
+
+// z[n][a] = b[a] + Σ_k w[a][k]·x[n][k] for N images, rounded to dt: threads share
+// the outputs, each a sum in fp64 in k order
+static void affine_rows(DType dt, float *z, const float *w, const float *b, const float *x, int A, int K, int N) {
+    #pragma omp parallel for schedule(static) if(PAR((size_t)N * A * K))
+    for (int a = 0; a < A; a++)
+        for (int n = 0; n < N; n++) {
+            double t = b[a];
+            for (int k = 0; k < K; k++) t += (double)w[(size_t)a * K + k] * x[(size_t)n * K + k];
+            z[(size_t)n * A + a] = dtype_round(dt, (float)t);
+        }
+}
+// every image's z1, y1 (N,S) and z2 (N,C) from pv (N,C), rounded to dt as stored tensors would be
+static void se_gate_images(DType dt, int N, const float *pv, const float *w1, const float *b1, const float *w2,
+                           const float *b2, int C, int S, Act act1, float *z1, float *y1, float *z2) {
+    affine_rows(dt, z1, w1, b1, pv, S, C, N);
+    for (size_t i = 0; i < (size_t)N * S; i++) y1[i] = dtype_round(dt, act_apply(act1, z1[i]));
+    affine_rows(dt, z2, w2, b2, y1, C, S, N);
+}
+// dw[a][b] += Σ_n dz[n][a]·v[n][b], db[a] += Σ_n dz[n][a] (fp64, images in order)
+static void outer_sums(float *dw, float *db, const float *dz, int A, const float *v, int B, int N) {
+    #pragma omp parallel for schedule(static) if(PAR((size_t)N * A * B))
+    for (int a = 0; a < A; a++) {
+        double t = 0.0;
+        for (int n = 0; n < N; n++) t += dz[(size_t)n * A + a];
+        db[a] += (float)t;
+        for (int b = 0; b < B; b++) {
+            t = 0.0;
+            for (int n = 0; n < N; n++) t += (double)dz[(size_t)n * A + a] * v[(size_t)n * B + b];
+            dw[(size_t)a * B + b] += (float)t;
+        }
+    }
+}
+// p's values and room for z1, y1 (N·S each), z2 (N·C), then dz2 (N·C), dz1 (N·S)
+typedef struct { float *pv, *z1, *y1, *z2, *dz2, *dz1; } SeGateBuf;
+static SeGateBuf se_gate_buf(Tensor p, int S) {
+    const size_t NC = shape_numel(p.shape), NS = (size_t)p.shape.n * S;
+    float *m = malloc(sizeof(float) * (3 * NC + 3 * NS + 1));
+    snCheck(m != NULL, "out of host memory");
+    SeGateBuf b = {m, m + NC, m + NC + NS, m + NC + 2 * NS, m + 2 * NC + 2 * NS, m + 3 * NC + 2 * NS};
+    for (size_t i = 0; i < NC; i++) b.pv[i] = ld(p, i);
+    return b;
+}
+static void se_gate_forward_ref(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1, const float *w2,
+                                const float *b2, int S, Act act1, Act act2) {
+    (void)o;
+    const int N = p.shape.n, C = p.shape.c;
+    SeGateBuf b = se_gate_buf(p, S);
+    se_gate_images(s.dtype, N, b.pv, w1, b1, w2, b2, C, S, act1, b.z1, b.y1, b.z2);
+    for (size_t i = 0; i < (size_t)N * C; i++) st(s, i, act_apply(act2, b.z2[i]));
+    free(b.pv);
+}
+static void se_gate_backward_ref(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1, const float *b1,
+                                 const float *w2, const float *b2, int S, Act act1, Act act2, float *dw1, float *db1,
+                                 float *dw2, float *db2, int accumulate) {
+    (void)o;
+    const int N = p.shape.n, C = p.shape.c;
+    const DType dt = ds.dtype;
+    SeGateBuf b = se_gate_buf(p, S);
+    se_gate_images(dt, N, b.pv, w1, b1, w2, b2, C, S, act1, b.z1, b.y1, b.z2);
+    for (size_t i = 0; i < (size_t)N * C; i++) b.dz2[i] = dtype_round(dt, ld(ds, i) * act_grad(act2, b.z2[i]));
+    #pragma omp parallel for schedule(static) if(PAR((size_t)N * C * S))
+    for (int j = 0; j < S; j++)
+        for (int n = 0; n < N; n++) {
+            double a = 0.0;
+            for (int c = 0; c < C; c++) a += (double)w2[(size_t)c * S + j] * b.dz2[(size_t)n * C + c];
+            const size_t i = (size_t)n * S + j;
+            b.dz1[i] = dtype_round(dt, dtype_round(dt, (float)a) * act_grad(act1, b.z1[i]));
+        }
+    if (dp.data) {
+        #pragma omp parallel for schedule(static) if(PAR((size_t)N * C * S))
+        for (int c = 0; c < C; c++)
+            for (int n = 0; n < N; n++) {
+                double a = 0.0;
+                for (int j = 0; j < S; j++) a += (double)w1[(size_t)j * C + c] * b.dz1[(size_t)n * S + j];
+                st_acc(dp, (size_t)n * C + c, (float)a, accumulate);
+            }
+    }
+    if (dw1) {
+        outer_sums(dw2, db2, b.dz2, C, b.y1, S, N);
+        outer_sums(dw1, db1, b.dz1, S, b.pv, C, N);
+    }
+    free(b.pv);
+}
+
+// ----------------------------------------------------------------------------
+// squeeze-excitation pieces (fp32 versions in part IV)
+//   pool:  y[n,c] = Σ_{h,w} x[n,h,w,c] / (H·W);      dx[n,h,w,c] = dy[n,c] / (H·W)
+//   scale: y[n,h,w,c] = x[n,h,w,c]·s[n,c];           dx = dy·s,  ds[n,c] = Σ_{h,w} dy·x
+
+static void global_avg_pool_forward_ref(Ops *o, Tensor y, Tensor x) {
+    (void)o;
+    const int C = x.shape.c;
+    const size_t HW = (size_t)x.shape.h * x.shape.w;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
+    for (int nc = 0; nc < x.shape.n * C; nc++) {
+        int n = nc / C, c = nc % C;
+        double s = 0.0;
+        for (size_t p = 0; p < HW; p++) s += ld(x, ((size_t)n * HW + p) * C + c);
+        st(y, nc, (float)(s / (double)HW));
+    }
+}
+
+static void global_avg_pool_backward_ref(Ops *o, Tensor dx, Tensor dy, int accumulate) {
+    (void)o;
+    const int C = dx.shape.c;
+    const size_t HW = (size_t)dx.shape.h * dx.shape.w;
+    const float inv = 1.0f / (float)HW;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(dx.shape)))
+    for (size_t i = 0; i < shape_numel(dx.shape); i++) {
+        size_t n = i / (HW * C);
+        int c = (int)(i % C);
+        st_acc(dx, i, ld(dy, n * C + c) * inv, accumulate);
+    }
+}
+
+static void channel_scale_forward_ref(Ops *o, Tensor y, Tensor x, Tensor s) {
+    (void)o;
+    const int C = x.shape.c;
+    const size_t HWC = (size_t)x.shape.h * x.shape.w * C;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
+    for (size_t i = 0; i < shape_numel(x.shape); i++)
+        st(y, i, ld(x, i) * ld(s, (i / HWC) * C + i % C));
+}
+
+static void channel_scale_backward_ref(Ops *o, Tensor dx, Tensor ds, Tensor dy, Tensor x, Tensor s,
+                                       int accumulate_dx, int accumulate_ds) {
+    (void)o;
+    const int C = x.shape.c;
+    const size_t HW = (size_t)x.shape.h * x.shape.w, HWC = HW * C;
+    if (dx.data) {
+        #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
+        for (size_t i = 0; i < shape_numel(x.shape); i++)
+            st_acc(dx, i, ld(dy, i) * ld(s, (i / HWC) * C + i % C), accumulate_dx);
+    }
+    if (ds.data) {
+        #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
+        for (int nc = 0; nc < x.shape.n * C; nc++) {
+            int n = nc / C, c = nc % C;
+            double acc = 0.0;
+            for (size_t p = 0; p < HW; p++) {
+                size_t i = ((size_t)n * HW + p) * C + c;
+                acc += (double)ld(dy, i) * ld(x, i);
+            }
+            st_acc(ds, nc, (float)acc, accumulate_ds);
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------
+// residual add and channel concat
+
+static void add_forward_ref(Ops *o, Tensor y, Tensor a, Tensor b) {
+    (void)o;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(y.shape)))
+    for (size_t i = 0; i < shape_numel(y.shape); i++) st(y, i, ld(a, i) + ld(b, i));
+}
+
+static void add_backward_ref(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
+    if (da.data) copy_ref(o, da, dy, accumulate_a);
+    if (db.data) copy_ref(o, db, dy, accumulate_b);
+}
+
+// y[r, 0:Ca] = a[r, :], y[r, Ca:Ca+Cb] = b[r, :] for every pixel r
+static void concat_forward_ref(Ops *o, Tensor y, Tensor a, Tensor b) {
+    (void)o;
+    const int Ca = a.shape.c, Cb = b.shape.c, C = Ca + Cb;
+    const size_t M = shape_numel(y.shape) / C;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (size_t r = 0; r < M; r++) {
+        for (int c = 0; c < Ca; c++) st(y, r * C + c, ld(a, r * Ca + c));
+        for (int c = 0; c < Cb; c++) st(y, r * C + Ca + c, ld(b, r * Cb + c));
+    }
+}
+
+static void concat_backward_ref(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
+    (void)o;
+    const int Ca = da.shape.c, Cb = db.shape.c, C = Ca + Cb;
+    const size_t M = shape_numel(dy.shape) / C;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (size_t r = 0; r < M; r++) {
+        if (da.data) for (int c = 0; c < Ca; c++) st_acc(da, r * Ca + c, ld(dy, r * C + c), accumulate_a);
+        if (db.data) for (int c = 0; c < Cb; c++) st_acc(db, r * Cb + c, ld(dy, r * C + Ca + c), accumulate_b);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// dropout and drop-path
+//   keep_i = rng_uniform(seed, i) >= rate, i the element (dropout) or the sample (drop-path)
+//   y = x·keep/(1 - rate),  dx = dy·keep/(1 - rate)
+
+static void dropout_forward_ref(Ops *o, Tensor y, Tensor x, Tensor residual, float rate, const uint64_t *seed_at,
+                                int per_sample, uint64_t first_sample) {
+    (void)o;
+    const uint64_t seed = *seed_at;
+    const size_t n = shape_numel(x.shape), E = n / x.shape.n, per_draw = per_sample ? E : 1;
+    #pragma omp parallel for schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) {
+        const float v = ld(x, i) * dropout_factor(rate, seed, first_sample * E + i, per_draw);
+        st(y, i, residual.data ? v + ld(residual, i) : v);
+    }
+}
+
+static void dropout_backward_ref(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate, const uint64_t *seed_at,
+                                 int per_sample, uint64_t first_sample, int accumulate, int accumulate_residual) {
+    (void)o;
+    const uint64_t seed = *seed_at;
+    const size_t n = shape_numel(dy.shape), E = n / dy.shape.n, per_draw = per_sample ? E : 1;
+    #pragma omp parallel for schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) {  // dx may be dy (in place)
+        const float g = ld(dy, i);
+        if (dx.data) st_acc(dx, i, g * dropout_factor(rate, seed, first_sample * E + i, per_draw), accumulate);
+        if (dresidual.data) st_acc(dresidual, i, g, accumulate_residual);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// pooling and resampling
+
+// y[n,oy,ox,c] = max_{dy,dx ∈ {0,1}} x[n, 2·oy + dy, 2·ox + dx, c]
+static void maxpool2_forward_ref(Ops *o, Tensor y, Tensor x) {
+    (void)o;
+    const Shape s = x.shape, t = y.shape;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
+    for (int noy = 0; noy < t.n * t.h; noy++) {
+        int n = noy / t.h, oy = noy % t.h;
+        for (int ox = 0; ox < t.w; ox++)
+            for (int c = 0; c < t.c; c++) {
+                float m = -INFINITY;
+                for (int k = 0; k < 4; k++) {
+                    float v = ld(x, (((size_t)n * s.h + 2 * oy + k / 2) * s.w + 2 * ox + k % 2) * s.c + c);
+                    if (v > m) m = v;
+                }
+                st(y, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c, m);
+            }
+    }
+}
+
+static void maxpool2_backward_ref(Ops *o, Tensor dx, Tensor dy, Tensor x, int accumulate) {
+    (void)o;
+    const Shape s = x.shape, t = dy.shape;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
+    for (int niy = 0; niy < s.n * s.h; niy++) {
+        int n = niy / s.h, iy = niy % s.h, oy = iy / 2;
+        for (int ix = 0; ix < s.w; ix++) {
+            int ox = ix / 2;
+            for (int c = 0; c < s.c; c++) {
+                size_t i = (((size_t)n * s.h + iy) * s.w + ix) * s.c + c;
+                float g = 0.0f;
+                if (oy < t.h && ox < t.w) {  // rows/cols past the floor get no gradient
+                    int first = 0;
+                    float m = -INFINITY;
+                    for (int k = 0; k < 4; k++) {
+                        float v = ld(x, (((size_t)n * s.h + 2 * oy + k / 2) * s.w + 2 * ox + k % 2) * s.c + c);
+                        if (v > m) { m = v; first = k; }
+                    }
+                    if (first == (iy - 2 * oy) * 2 + (ix - 2 * ox))
+                        g = ld(dy, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c);
+                }
+                st_acc(dx, i, g, accumulate);
+            }
+        }
+    }
+}
+
+// y[n,oy,ox,c] = x[n, oy/2, ox/2, c];  dx[n,iy,ix,c] = Σ of the 2×2 dy it was copied to
+static void upsample2_forward_ref(Ops *o, Tensor y, Tensor x) {
+    (void)o;
+    const Shape s = x.shape, t = y.shape;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(y.shape)))
+    for (int noy = 0; noy < t.n * t.h; noy++) {
+        int n = noy / t.h, oy = noy % t.h;
+        for (int ox = 0; ox < t.w; ox++)
+            for (int c = 0; c < t.c; c++)
+                st(y, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c,
+                   ld(x, (((size_t)n * s.h + oy / 2) * s.w + ox / 2) * s.c + c));
+    }
+}
+
+static void upsample2_backward_ref(Ops *o, Tensor dx, Tensor dy, int accumulate) {
+    (void)o;
+    const Shape s = dx.shape, t = dy.shape;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(dy.shape)))
+    for (int niy = 0; niy < s.n * s.h; niy++) {
+        int n = niy / s.h, iy = niy % s.h;
+        for (int ix = 0; ix < s.w; ix++)
+            for (int c = 0; c < s.c; c++) {
+                float g = 0.0f;
+                for (int k = 0; k < 4; k++)
+                    g += ld(dy, (((size_t)n * t.h + 2 * iy + k / 2) * t.w + 2 * ix + k % 2) * t.c + c);
+                st_acc(dx, (((size_t)n * s.h + iy) * s.w + ix) * s.c + c, g, accumulate);
+            }
+    }
+}
+
+// Bilinear, half-pixel centres: the taps of segnet.h (bilinear_tap, tap_weight, tap_range).
+
+static void resize_bilinear_forward_ref(Ops *o, Tensor y, Tensor x) {
+    (void)o;
+    const Shape s = x.shape, t = y.shape;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(y.shape)))
+    for (int noy = 0; noy < t.n * t.h; noy++) {
+        int n = noy / t.h, oy = noy % t.h;
+        BilinearTap ty = bilinear_tap(oy, s.h, t.h);
+        for (int ox = 0; ox < t.w; ox++) {
+            BilinearTap tx = bilinear_tap(ox, s.w, t.w);
+            size_t r00 = (((size_t)n * s.h + ty.i0) * s.w + tx.i0) * s.c, r01 = (((size_t)n * s.h + ty.i0) * s.w + tx.i1) * s.c;
+            size_t r10 = (((size_t)n * s.h + ty.i1) * s.w + tx.i0) * s.c, r11 = (((size_t)n * s.h + ty.i1) * s.w + tx.i1) * s.c;
+            for (int c = 0; c < t.c; c++) {
+                float top = (1.0f - tx.l) * ld(x, r00 + c) + tx.l * ld(x, r01 + c);
+                float bot = (1.0f - tx.l) * ld(x, r10 + c) + tx.l * ld(x, r11 + c);
+                st(y, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c, (1.0f - ty.l) * top + ty.l * bot);
+            }
+        }
+    }
+}
+
+// The adjoint as a gather, each dx written once:
+//   dx[n,iy,ix,c] (=|+=) Σ_{oy,ox} wy(oy,iy)·wx(ox,ix)·dy[n,oy,ox,c]
+static void resize_bilinear_backward_ref(Ops *o, Tensor dx, Tensor dy, int accumulate) {
+    (void)o;
+    const Shape s = dx.shape, t = dy.shape;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(dy.shape)))
+    for (int niy = 0; niy < s.n * s.h; niy++) {
+        int n = niy / s.h, iy = niy % s.h, oy0, oy1;
+        tap_range(iy, s.h, t.h, &oy0, &oy1);
+        for (int ix = 0; ix < s.w; ix++) {
+            int ox0, ox1;
+            tap_range(ix, s.w, t.w, &ox0, &ox1);
+            for (int c = 0; c < s.c; c++) {
+                float g = 0.0f;
+                for (int oy = oy0; oy <= oy1; oy++) {
+                    float wy = tap_weight(bilinear_tap(oy, s.h, t.h), iy);
+                    if (wy == 0.0f) continue;
+                    for (int ox = ox0; ox <= ox1; ox++) {
+                        float wx = tap_weight(bilinear_tap(ox, s.w, t.w), ix);
+                        if (wx != 0.0f) g += wy * wx * ld(dy, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c);
+                    }
+                }
+                st_acc(dx, (((size_t)n * s.h + iy) * s.w + ix) * s.c + c, g, accumulate);
+            }
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------
+// batch norm
+//
+// Per channel c over the M = N·H·W values of x:
+//   mean = Σx/M, var = Σ(x - mean)²/M (biased, used to normalise)
+//   xhat = (x - mean)·invstd, invstd = 1/sqrt(var + eps)
+//   z = gamma·xhat + beta, y = act(z)
+// Backward, with g = dy·act'(z):
+//   dbeta = Σg, dgamma = Σ g·xhat
+//   dx = gamma·invstd·(g - Σg/M - xhat·Σ(g·xhat)/M)   (batch statistics)
+//   dx = gamma·invstd·g                               (running statistics)
+// Reductions run per block of channels, each channel summed in row order in
+// fp64 by one thread: deterministic whatever the thread count.
+
+#define BN_CBLOCK 16
+
+// The reference versions below (any storage type, the formulas as written)
+// are ops_ref's batch norm; part IV's bn_*_cpu compute the same in fewer passes.
+
+// Batch norm with the layer after it (BnNext): the two ops one after the
+// other, the layer after it from the same table o; a residual block's end in
+// place in out (forward) and in out's gradient dy (backward), so y and its
+// gradient need no memory.
+
+// y written: the pool of y, or the residual end in place in out (which holds y)
+static void bn_next_forward_ref(Ops *o, Tensor y, const BnNext *next) {
+    if (next->kind == FUSED_POOL) o->global_avg_pool_forward(o, next->pooled, y);
+    if (next->kind != FUSED_RESIDUAL) return;
+    if (next->rate > 0.0f)
+        o->dropout_forward(o, y, y, next->residual, next->rate, next->seed, 1, next->first_sample);
+    else
+        o->add_forward(o, y, y, next->residual);
+}
+// a residual end's backward: dresidual (=|+=) dy, and dy (out's gradient) becomes y's, dy·keep
+static void bn_next_backward_ref(Ops *o, Tensor dy, const BnNext *next) {
+    const int acc = next->accumulate_residual;
+    if (next->rate > 0.0f)
+        o->dropout_backward(o, dy, next->dresidual, dy, next->rate, next->seed, 1, next->first_sample, 0, acc);
+    else if (next->dresidual.data)
+        o->copy(o, next->dresidual, dy, acc);  // keep = 1: dy is y's gradient as it is
+}
+
+static void bn_update_running_ref(Ops *o, float *run_mean, float *run_var, const float *mean,
+                                  const float *var, int C, size_t count, float momentum) {
+    (void)o;
+    const double unbias = bn_running_unbias((double)count);
+    for (int c = 0; c < C; c++) {
+        run_mean[c] = (1.0f - momentum) * run_mean[c] + momentum * mean[c];
+        run_var[c] = (1.0f - momentum) * run_var[c] + momentum * (float)(var[c] * unbias);
+    }
+}
+
+// mean and var per channel in two passes (Σx, then Σ(x − mean)²); the running
+// statistics when asked, and the plain fp64 sums Σx, Σx² into sums when asked
+// (--sync-bn adds them over replicas and finishes with bn_stats_finish)
+static void bn_stats_ref(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum,
+                         double *sums) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
-    bn_stats_ref(x, mean, var);
-    if (run_mean) bn_update_running_cpu(o, run_mean, run_var, mean, var, C, M, momentum);
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
+        int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
+        double s[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0};
+        for (size_t r = 0; r < M; r++)
+            for (int j = 0; j < nc; j++) s[j] += ld(x, r * C + c0 + j);
+        for (int j = 0; j < nc; j++) s[j] /= (double)M;
+        for (size_t r = 0; r < M; r++)
+            for (int j = 0; j < nc; j++) { double d = ld(x, r * C + c0 + j) - s[j]; q[j] += d * d; }
+        for (int j = 0; j < nc; j++) { mean[c0 + j] = (float)s[j]; var[c0 + j] = (float)(q[j] / (double)M); }
+    }
+    if (run_mean) bn_update_running_ref(o, run_mean, run_var, mean, var, C, M, momentum);
     for (int c = 0; sums && c < C; c++) {
         double s1 = 0.0, s2 = 0.0;
         for (size_t r = 0; r < M; r++) { const double v = ld(x, r * C + c); s1 += v; s2 += v * v; }
@@ -2089,105 +837,258 @@ static void bn_stats_ref_op(Ops *o, Tensor x, float *mean, float *var, float *ru
         sums[C + c] = s2;
     }
 }
-static void bn_forward_ref_op(Ops *o, Tensor y, Tensor x, const float *mean, const float *var, const float *gamma,
-                              const float *beta, float eps, Act act, const BnNext *next) {
-    if (next && next->kind == FUSED_RESIDUAL) y = next->out;
-    bn_forward_ref(y, x, mean, var, gamma, beta, eps, act);
-    if (next) bn_next_forward_cpu(o, y, next);
-}
-static void bn_backward_reduce_ref_op(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
-                                      const float *gamma, const float *beta, float eps, Act act, float *sum_g,
-                                      float *sum_gx, float *dgamma, float *dbeta, double *sums, const BnNext *next) {
-    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_cpu(o, dy, next);
-    if (sum_g) bn_backward_reduce_ref(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta, sums);
-}
-static void bn_backward_data_ref_op(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean, const float *var,
-                                    const float *gamma, const float *beta, float eps, Act act, const float *sum_g,
-                                    const float *sum_gx, size_t count, int accumulate, const BnNext *next) {
-    (void)o; (void)next;  // with a residual end, dy is y's gradient already (bn_backward_reduce_ref_op)
-    bn_backward_data_ref(dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
+
+static void bn_stats_finish_ref(Ops *o, const double *sums, int C, size_t count, float *mean, float *var,
+                                float *run_mean, float *run_var, float momentum) {
+    for (int c = 0; c < C; c++) bn_moments_stats(sums[c], sums[C + c], (double)count, &mean[c], &var[c]);
+    if (run_mean) bn_update_running_ref(o, run_mean, run_var, mean, var, C, count, momentum);
 }
 
-static Ops ops_ref_table;
-static void ops_reference_make(void) {
-    Ops *r = &ops_ref_table;
-    *r = ops_cpu;
-    r->name = "ref";
-    r->conv2d_forward = conv2d_forward_ref;
-    r->conv2d_backward_data = conv2d_backward_data_ref;
-    r->conv2d_backward_weight = conv2d_backward_weight_ref;
-    r->bn_stats = bn_stats_ref_op;
-    r->bn_forward = bn_forward_ref_op;
-    r->bn_backward_reduce = bn_backward_reduce_ref_op;
-    r->bn_backward_data = bn_backward_data_ref_op;
+// y = act(gamma·((x − mean)·invstd) + beta), then the layer after it (next)
+static void bn_forward_ref(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
+                           const float *gamma, const float *beta, float eps, Act act, const BnNext *next) {
+    if (next && next->kind == FUSED_RESIDUAL) y = next->out;
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (size_t r = 0; r < M; r++)
+        for (int c = 0; c < C; c++) {
+            float z = gamma[c] * ((ld(x, r * C + c) - mean[c]) * bn_invstd(var, c, eps)) + beta[c];
+            st(y, r * C + c, act_apply(act, z));
+        }
+    if (next) bn_next_forward_ref(o, y, next);
 }
-Ops *ops_reference(void) {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, ops_reference_make);
-    return &ops_ref_table;
+
+// Σg and Σg·xhat per channel (sums: the same in fp64, --sync-bn), dgamma and dbeta;
+// first, with a residual block's end, dy becomes y's gradient (bn_next_backward_ref)
+static void bn_backward_reduce_ref(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
+                                   const float *gamma, const float *beta, float eps, Act act,
+                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums,
+                                   const BnNext *next) {
+    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_ref(o, dy, next);
+    if (!sum_g) return;
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
+        int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
+        double sg[BN_CBLOCK] = {0}, sgx[BN_CBLOCK] = {0};
+        for (size_t r = 0; r < M; r++)
+            for (int j = 0; j < nc; j++) {
+                int c = c0 + j;
+                float xhat = (ld(x, r * C + c) - mean[c]) * bn_invstd(var, c, eps);
+                float g = ld(dy, r * C + c) * act_grad(act, gamma[c] * xhat + beta[c]);
+                sg[j] += g;
+                sgx[j] += (double)g * xhat;
+            }
+        for (int j = 0; j < nc; j++) {
+            bn_grad_sums_store(c0 + j, sg[j], sgx[j], sum_g, sum_gx, dgamma, dbeta);
+            if (sums) { sums[c0 + j] = sg[j]; sums[C + c0 + j] = sgx[j]; }
+        }
+    }
+}
+
+static void bn_backward_finish_ref(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx, float *dgamma,
+                                   float *dbeta) {
+    (void)o;
+    for (int c = 0; c < C; c++) bn_grad_sums_store(c, sums[c], sums[C + c], sum_g, sum_gx, dgamma, dbeta);
+}
+
+// dx (=|+=) gamma·invstd·(g − (Σg + xhat·Σg·xhat)/count), count 0: running statistics;
+// dy is y's gradient, also with a residual block's end (bn_backward_reduce_ref made it so)
+static void bn_backward_data_ref(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
+                                 const float *var, const float *gamma, const float *beta, float eps,
+                                 Act act, const float *sum_g, const float *sum_gx, size_t count,
+                                 int accumulate, const BnNext *next) {
+    (void)o; (void)next;
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (size_t r = 0; r < M; r++)
+        for (int c = 0; c < C; c++) {
+            float invstd = bn_invstd(var, c, eps);
+            float xhat = (ld(x, r * C + c) - mean[c]) * invstd;
+            float g = ld(dy, r * C + c) * act_grad(act, gamma[c] * xhat + beta[c]);
+            if (count) g -= (sum_g[c] + xhat * sum_gx[c]) / (float)count;
+            st_acc(dx, r * C + c, gamma[c] * invstd * g, accumulate);
+        }
 }
 
 // ----------------------------------------------------------------------------
-// choosing a backend
+// fused softmax + weighted cross-entropy, per pixel i with logits z (K classes):
+//   p = softmax(z), nll_i = log Σ_k exp(z_k) - z_y  (computed with max subtracted)
+//   loss contribution w[y]·nll_i, weight w[y]
+//   dz_k = w[y]·(p_k - [k = y])·grad_scale
+// The caller divides Σ w·nll by the global Σ w (the weighted mean: README.md, "How it works").
+// With prob_clip ε > 0, Keras' categorical cross-entropy: p_y clipped to [ε, 1-ε]
+// before the log, i.e. nll clamped to [-log(1-ε), -log ε], and a pixel whose p_y
+// lies beyond the clip has no gradient (the clip's derivative is 0 there).
 
-// Every function entry of struct Ops by name (the test ops_entries_listed checks
-// that none is left out); optional ones may be NULL (recording steps).
-#define OPS_ENTRY(name) {#name, offsetof(Ops, name), 0}
-#define OPS_OPTIONAL(name) {#name, offsetof(Ops, name), 1}
-static const struct { const char *name; size_t offset; int optional; } OPS_ENTRIES[] = {
-    OPS_ENTRY(alloc), OPS_ENTRY(free), OPS_ENTRY(upload), OPS_ENTRY(download), OPS_ENTRY(synchronize),
-    OPS_ENTRY(host_alloc), OPS_ENTRY(host_free), OPS_ENTRY(upload_async), OPS_OPTIONAL(capture_begin),
-    OPS_OPTIONAL(capture_end), OPS_OPTIONAL(replay), OPS_OPTIONAL(record_free),
-#define OPS_COMPUTE_ENTRY(name) OPS_ENTRY(name),
-    SN_COMPUTE_OPS(OPS_COMPUTE_ENTRY)
-#undef OPS_COMPUTE_ENTRY
+#define XENT_CHUNK 4096
+
+static void softmax_xent_ref(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights, float prob_clip,
+                             const float *grad_scale, float *stats, Tensor dlogits) {
+    (void)o;
+    const float gscale = dlogits.data ? *grad_scale : 0.0f;
+    const int K = logits.shape.c;
+    const size_t M = shape_numel(logits.shape) / K, n_chunks = (M + XENT_CHUNK - 1) / XENT_CHUNK;
+    const XentClip clip = xent_clip_bounds(prob_clip);
+    double loss = 0.0, wsum = 0.0, invalid = 0.0;
+    // fixed chunks, partials added in order: deterministic for any thread count
+    for (size_t g0 = 0; g0 < n_chunks; g0 += SUM_GROUP) {
+        double pl[SUM_GROUP], pw[SUM_GROUP], pi[SUM_GROUP];
+        size_t g1 = g0 + SUM_GROUP < n_chunks ? g0 + SUM_GROUP : n_chunks;
+        #pragma omp parallel for schedule(static) if(PAR(M * K))
+        for (size_t k = g0; k < g1; k++) {
+            double l = 0.0, w = 0.0, bad = 0.0;
+            size_t r1 = (k + 1) * XENT_CHUNK < M ? (k + 1) * XENT_CHUNK : M;
+            for (size_t r = k * XENT_CHUNK; r < r1; r++) {
+                const int32_t y = labels[r];
+                const int valid = y >= 0 && y < K;
+                const float wy = valid ? class_weights[y] : 0.0f;
+                if (!valid) bad += 1.0;
+                float zmax = -INFINITY;
+                for (int c = 0; c < K; c++) { float z = ld(logits, r * K + c); if (z > zmax) zmax = z; }
+                double sum = 0.0;
+                for (int c = 0; c < K; c++) sum += exp((double)ld(logits, r * K + c) - zmax);
+                int flat = 0;
+                if (wy != 0.0f) {
+                    double nll = xent_clip(log(sum) + zmax - ld(logits, r * K + y), clip, &flat);
+                    l += wy * nll;
+                    w += wy;
+                }
+                if (dlogits.data)
+                    for (int c = 0; c < K; c++) {
+                        double p = exp((double)ld(logits, r * K + c) - zmax) / sum;
+                        st(dlogits, r * K + c, flat ? 0.0f : (float)(wy * (p - (c == y)) * gscale));
+                    }
+            }
+            pl[k - g0] = l; pw[k - g0] = w; pi[k - g0] = bad;
+        }
+        for (size_t k = g0; k < g1; k++) { loss += pl[k - g0]; wsum += pw[k - g0]; invalid += pi[k - g0]; }
+    }
+    stats[0] += (float)loss;
+    stats[1] += (float)wsum;
+    stats[2] += (float)invalid;
+}
+
+static void confusion_accumulate_ref(Ops *o, Tensor logits, const int32_t *labels, int64_t *confusion) {
+    (void)o;
+    const int K = logits.shape.c;
+    const size_t M = shape_numel(logits.shape) / K;
+    for (size_t r = 0; r < M; r++) {
+        const int32_t y = labels[r];
+        if (y < 0 || y >= K) continue;
+        int best = 0;
+        float zbest = ld(logits, r * K);
+        for (int c = 1; c < K; c++) { float z = ld(logits, r * K + c); if (z > zbest) { zbest = z; best = c; } }
+        confusion[(size_t)y * K + best]++;
+    }
+}
+
+double label_weight_sum(const int32_t *labels, size_t n, const float *class_weights, int K) {
+    double s = 0.0;
+    for (size_t i = 0; i < n; i++)
+        if (labels[i] >= 0 && labels[i] < K) s += class_weights[labels[i]];
+    return s;
+}
+
+// ----------------------------------------------------------------------------
+// Adam (the formula is at AdamStep in segnet.h)
+
+AdamStep adam_step_init(float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
+                        int64_t t) {
+    AdamStep s = {lr, beta1, beta2, eps, weight_decay, grad_scale, 0.0f, 0};
+    s.alpha = (float)((double)lr * sqrt(1.0 - pow(beta2, (double)t)) / (1.0 - pow(beta1, (double)t)));
+    return s;
+}
+
+// Compiled without multiply-add contraction (-march=native would fuse some of
+// these products into FMAs, others not): each operation rounds on its own, in
+// the order written, so the CUDA kernel gives the same bits.
+__attribute__((optimize("fp-contract=off")))
+static void adam_update_ref(Ops *o, float *params, const float *grads, float *m, float *v, size_t n,
+                            const AdamStep *s) {
+    (void)o;
+    if (s->skip) return;
+    const float decay = s->lr * s->weight_decay;
+    #pragma omp parallel for schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) {
+        float g = grads[i] * s->grad_scale, p = params[i];
+        if (decay != 0.0f) p -= decay * p;
+        m[i] += (g - m[i]) * (1.0f - s->beta1);
+        v[i] += (g * g - v[i]) * (1.0f - s->beta2);
+        params[i] = p - s->alpha * m[i] / (sqrtf(v[i]) + s->eps);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// metrics and learning-rate schedules
+//   over the confusion matrix cm[true][predicted] of the classes with weight > 0:
+//   IoU_c = TP/(TP + FP + FN) (FP counts only pixels whose true class has weight > 0,
+//   so that "not annotated" pixels are no one's false positive), mean IoU over the
+//   classes that occur, accuracy = Σ TP / Σ (TP + FN)
+//   lr: linear warm-up over `warmup` steps, then constant or a cosine to 0
+
+void metrics_compute(const int64_t *cm, int K, const float *class_weights, Metrics *m) {
+    int64_t correct = 0, counted = 0;
+    double iou_sum = 0.0;
+    int n_iou = 0;
+    for (int c = 0; c < K; c++) {
+        m->iou[c] = NAN;
+        if (!(class_weights[c] > 0.0f)) continue;
+        int64_t tp = cm[(size_t)c * K + c], fn = 0, fp = 0;
+        for (int k = 0; k < K; k++) {
+            if (k == c) continue;
+            fn += cm[(size_t)c * K + k];
+            if (class_weights[k] > 0.0f) fp += cm[(size_t)k * K + c];
+        }
+        correct += tp;
+        counted += tp + fn;
+        if (tp + fp + fn > 0) {
+            m->iou[c] = (double)tp / (double)(tp + fp + fn);
+            iou_sum += m->iou[c];
+            n_iou++;
+        }
+    }
+    m->mean_iou = n_iou ? iou_sum / n_iou : NAN;
+    m->accuracy = counted ? (double)correct / (double)counted : NAN;
+}
+
+double lr_at_step(double lr, Schedule s, int64_t warmup, int64_t total_steps, int64_t step) {
+    if (step < warmup) return lr * (double)(step + 1) / (double)warmup;
+    if (s == SCHEDULE_CONSTANT || total_steps <= warmup) return lr;
+    double progress = (double)(step - warmup) / (double)(total_steps - warmup);
+    if (progress > 1.0) progress = 1.0;
+    return lr * 0.5 * (1.0 + cos(M_PI * progress));
+}
+
+// ----------------------------------------------------------------------------
+// the reference table: every op above as its formula is written. ops_cpu
+// (part IV) is this table with fast versions of conv2d, batch norm and the
+// squeeze-excitation pieces; the tests run whole training steps on both and
+// compare them as they compare the GPU with the CPU.
+
+Ops ops_ref = {
+    .name = "ref",
+    .ctx = NULL,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_memcpy,
+    .download = cpu_memcpy,
+    .synchronize = cpu_synchronize,
+    .host_alloc = cpu_host_alloc,
+    .host_free = cpu_host_free,
+    .upload_async = cpu_memcpy,
+#define OPS_REF_ENTRY(name) .name = name##_ref,
+    SN_COMPUTE_OPS(OPS_REF_ENTRY)
+#undef OPS_REF_ENTRY
 };
-#define N_OPS_ENTRIES (sizeof OPS_ENTRIES / sizeof *OPS_ENTRIES)
-
-int ops_missing(const Ops *o, char *list, size_t size) {
-    int n = 0;
-    list[0] = 0;
-    for (size_t i = 0; i < N_OPS_ENTRIES; i++) {
-        void (*fn)(void);
-        memcpy(&fn, (const char *)o + OPS_ENTRIES[i].offset, sizeof fn);
-        if (fn || OPS_ENTRIES[i].optional) continue;
-        size_t len = strlen(list);
-        snprintf(list + len, size - len, "%s%s", n++ ? ", " : "", OPS_ENTRIES[i].name);
-    }
-    return n;
-}
-
-const char *const DEVICE_NAMES[3] = {"cpu", "cuda", "auto"};
-
-#define NO_CUDA_BUILD "this segnet was built without the CUDA backend (no nvcc when it was built)"
-
-// --device auto without a usable GPU: one line on stderr, once per process
-static void cpu_fallback_notice(const char *why) {
-    static int noticed;
-    if (!noticed++) fprintf(stderr, "segnet: not on a GPU: %s; running on the CPU\n", why);
-}
-
-Ops *ops_for_device(Device d, int gpu, char err[SN_ERR_MAX]) {
-    if (d == DEVICE_CPU) return &ops_cpu;
-    char why[SN_ERR_MAX];
-#ifdef SEGNET_CUDA
-    char missing[SN_ERR_MAX];
-    Ops *o = cuda_ops_for_device(gpu, why);
-    if (o) {
-        if (!ops_missing(o, missing, sizeof missing)) return o;
-        snprintf(why, sizeof why, "the CUDA backend of this build lacks %.400s", missing);
-    }
-#else
-    (void)gpu;
-    snprintf(why, sizeof why, "%s", NO_CUDA_BUILD);
-#endif
-    if (d == DEVICE_CUDA) {
-        snprintf(err, SN_ERR_MAX, "--device cuda: %.480s", why);
-        return NULL;
-    }
-    cpu_fallback_notice(why);
-    return &ops_cpu;
-}
+// ============================================================================
+// PART II. THE MODELS
+// A model is a graph of layers built from the ops' shapes; the builders check
+// every shape and name the layer in their errors.
+// ============================================================================
 
 // ----------------------------------------------------------------------------
 // the graph: builders validate shapes and name the layer in every error
@@ -2532,7 +1433,12 @@ int graph_drop_path_add(Graph *g, const char *name, int x, int residual, float r
     if (y >= 0) g->layers[g->n_layers - 1].in[1] = residual;
     return y;
 }
-static const char *lname(char buf[2 * SN_NAME_MAX], const char *prefix, const char *suffix);
+
+// layer name "prefix.suffix" (names are checked for length by add_layer)
+static const char *lname(char buf[2 * SN_NAME_MAX], const char *prefix, const char *suffix) {
+    if (snprintf(buf, 2 * SN_NAME_MAX, "%s.%s", prefix, suffix) >= 2 * SN_NAME_MAX) buf[2 * SN_NAME_MAX - 1] = 0;
+    return buf;
+}
 int graph_se_gate(Graph *g, const char *name, int p, int squeeze, Act act1, Act act2) {
     if (g->err[0] || !valid_tensor(g, name, p)) return -1;
     const Shape in = tshape(g, p);
@@ -2615,12 +1521,6 @@ static const EffSpec *eff_spec(const char *name) {
     for (size_t i = 0; i < sizeof EFF_SPECS / sizeof EFF_SPECS[0]; i++)
         if (!strcmp(EFF_SPECS[i].name, name)) return &EFF_SPECS[i];
     return NULL;
-}
-
-// layer name "prefix.suffix" (names are checked for length by add_layer)
-static const char *lname(char buf[2 * SN_NAME_MAX], const char *prefix, const char *suffix) {
-    if (snprintf(buf, 2 * SN_NAME_MAX, "%s.%s", prefix, suffix) >= 2 * SN_NAME_MAX) buf[2 * SN_NAME_MAX - 1] = 0;
-    return buf;
 }
 
 // conv (no bias) → BN (eps) → act, named P.0 and P.1 as torchvision's Conv2dNormActivation
@@ -2833,6 +1733,59 @@ int graph_freeze_base(Graph *g, int unfreeze_last) {
     }
     return n_blocks;
 }
+
+// ----------------------------------------------------------------------------
+// initial weights
+
+// one layer's weight (and bias) in host: its own random stream, by parameter id
+static void init_weights(const Graph *g, LayerKind kind, const ConvCfg *conv, int weight, int bias, uint64_t seed,
+                         float *host) {
+    const ParamInfo *p = &g->params[weight];
+    float *w = host + p->offset;
+    Rng r;  // one stream per tensor: adding a layer does not reshuffle the others
+    rng_seed(&r, rng_mix64(seed ^ rng_mix64((uint64_t)weight + 1)));
+    if ((kind == LAYER_CONV || kind == LAYER_DENSE) && g->init == INIT_TORCH_DEFAULT) {
+        float bound = 1.0f / sqrtf((float)(conv->cin / conv->groups * conv->kh * conv->kw));
+        for (size_t k = 0; k < p->count; k++) w[k] = bound * (2.0f * rng_float(&r) - 1.0f);
+        if (bias >= 0) {
+            const ParamInfo *pb = &g->params[bias];
+            for (size_t k = 0; k < pb->count; k++) host[pb->offset + k] = bound * (2.0f * rng_float(&r) - 1.0f);
+        }
+    } else if (kind == LAYER_CONV) {
+        double std = sqrt(2.0 / ((double)conv->cout * conv->kh * conv->kw));
+        for (size_t k = 0; k < p->count; k++) w[k] = (float)(std * rng_normal(&r));
+    } else if (kind == LAYER_DENSE) {
+        float range = 1.0f / sqrtf((float)conv->cout);
+        for (size_t k = 0; k < p->count; k++) w[k] = range * (2.0f * rng_float(&r) - 1.0f);
+    } else if (kind == LAYER_BN) {
+        for (size_t k = 0; k < p->count; k++) w[k] = 1.0f;
+    }
+}
+
+void net_init_params(Net *net, uint64_t seed) {
+    const Graph *g = net->g;
+    float *host = calloc(g->n_param_floats ? g->n_param_floats : 1, sizeof(float));
+    snCheck(host != NULL, "out of host memory");
+    for (int i = 0; i < g->n_layers; i++) {
+        const Layer *l = &g->layers[i];
+        if (l->weight < 0) continue;
+        if (l->kind == LAYER_SE_GATE) {  // fc1 and fc2 as the 1×1 convs they are
+            const ConvCfg fc2 = {l->conv.cout, l->conv.cin, 1, 1, 1, 1, PAD_SAME, 1};
+            init_weights(g, LAYER_CONV, &l->conv, l->weight, l->bias, seed, host);
+            init_weights(g, LAYER_CONV, &fc2, l->weight2, l->bias2, seed, host);
+        } else {
+            init_weights(g, l->kind, &l->conv, l->weight, l->bias, seed, host);
+        }
+    }
+    net->o->upload(net->o, net->params, host, sizeof(float) * g->n_param_floats);
+    free(host);
+}
+
+// ============================================================================
+// PART III. THE STEP
+// What runs a graph: memory planned before the first step, fused layers, the
+// executor that calls only an ops table, and one training step.
+// ============================================================================
 
 // ----------------------------------------------------------------------------
 // memory planning: every activation and gradient gets a lifetime over the
@@ -3571,6 +2524,1610 @@ void net_backward(Net *net, int output) {
 }
 
 // ----------------------------------------------------------------------------
+// the training step: one optimiser step of a Trainer (part V opens it, runs
+// the passes and saves it), its work on the device in numbered steps
+
+// ---- optimisation diagnostics (metrics.csv's last columns, steps.csv)
+//
+// Over a span of optimiser steps (an epoch; --log-every's interval), from
+// what each step's StepState already says, read at its end with the rest of
+// it (no other wait for the device): the global gradient norm before clipping
+// (unscaled), whether clipping acted, whether fp16 overflow skipped the step,
+// the loss scale after it; and the wall time of train_step. The update ratio
+// ‖Δw‖/‖w‖ (trainable weights, fp64) is that of the span's last step: the
+// weights are read before and after it, one wait per span.
+typedef struct {
+    int64_t steps, clipped, skipped;  // skipped: fp16 overflow, no update (the loss scale halved)
+    int64_t skip_run, skip_run_max;   // skipped steps in a row: the current run, the longest in the span
+    double norm_sum, norm_max;        // of the applied steps
+    double loss_sum, label_sum;       // this replica's Σw·nll and Σw (or labels) of the steps
+    double loss_scale;                // after the span's last step (1 without loss scaling)
+    double update_ratio;              // of the span's last step; NAN: not measured
+    double seconds;                   // in train_step, over `timed` steps: this process's (a checkpoint
+    int64_t timed;                    // keeps no wall time, so that resumed runs save the same bits)
+} StepStats;
+#define STEP_STATS_FIELDS 11          // as text (checkpoint metadata): the fields up to update_ratio, space-separated
+#define WARN_CLIP_FRACTION 0.5        // clipping acted on more than this fraction of an epoch's steps
+#define WARN_SKIP_FRACTION 0.05       // fp16 overflow skipped more than this fraction of an epoch's steps
+#define WARN_SKIP_RUN 3               // or more than this many steps in a row (the loss scale fell each time)
+#define WARN_TRAIN_MODE_GAP 0.05      // the train metric below the validation one by more than this
+
+static void step_stats_reset(StepStats *st) { *st = (StepStats){0}; st->loss_scale = 1.0; st->update_ratio = NAN; }
+
+static void step_stats_add(StepStats *st, const StepState *s, double seconds, double local_norm) {
+    st->steps++;
+    if (s->applied) {
+        st->skip_run = 0;
+        st->clipped += s->clipped;
+        st->norm_sum += s->grad_norm;
+        st->norm_max = fmax(st->norm_max, s->grad_norm);
+    } else {
+        st->skipped++;
+        if (++st->skip_run > st->skip_run_max) st->skip_run_max = st->skip_run;
+    }
+    st->seconds += seconds;
+    st->timed++;
+    st->loss_sum += s->loss[0];
+    st->label_sum += local_norm;
+    st->loss_scale = s->loss_scale;
+}
+
+// Everything a run holds: the model on its backend, the data, the optimiser
+// state and the bookkeeping that a checkpoint saves.
+typedef struct {
+    const TrainCfg *c;
+    Ops *o;
+    Graph g;
+    Net net;
+    int logits, K, segmentation;
+    Dataset train, val;
+    int has_train, has_val;
+    float *adam_m, *adam_v;     // (n_param_floats) backend memory
+    float *class_weights;       // (K)
+    int32_t *labels;            // (N·H·W) or (N)
+    int64_t *confusion;         // (K,K)
+    StepArgs *args;             // backend memory: the step's arguments, from host_args
+    StepState *state;           // backend memory: what the step decides (step_control)
+    StepArgs *host_args;        // host_alloc: written before each step, read when its upload runs
+    StepState *host_state;      // host_alloc: the step's StepState, read back at its end
+    uint64_t *host_seeds;       // host_alloc: (n_layers) the step's dropout seeds
+    float *host_images;         // host_alloc: (N,H,W,3) the micro-batch being uploaded
+    int32_t *host_labels;       // host_alloc: its labels
+    void *record;               // the recorded step (Ops.capture_*), replayed by later steps; NULL: none
+    int records;                // 1: record steps where the backend can (SEGNET_CUDA_GRAPHS=0: never)
+    size_t per_image;           // labels per image: H·W (segmentation) or 1
+    struct { size_t offset, count; } *ranges;  // trainable parameters: runs of the parameter buffer
+    int n_ranges;
+    size_t n_trainable;         // Σ counts: the size of each Adam moment
+    float *stage;               // (N,H,W,3) fp32 images before the cast to the storage type
+    float *accum_images;        // host: accum × (N,H,W,3), micro-batches waiting for their step
+    int32_t *accum_labels;      // host: accum × (N·H·W or N)
+    int64_t total_steps;        // optimiser steps of the whole run (schedules)
+    float loss_scale;           // fp16: the dynamic loss scale; else 1
+    int64_t good_steps;         // fp16: consecutive finite steps since the last change of scale
+    int64_t step;               // optimiser steps taken
+    int epoch;                  // epochs completed
+    double best;                // lowest monitored loss so far (val_loss, else loss)
+    int best_epoch, bad_epochs;
+    int finished;               // stopped early (a run that reached its epochs can be extended)
+    // an epoch interrupted part-way (SIGINT/SIGTERM): its training pass goes on at global batch
+    // resume_batch (the pass's batch count: only the validation is left) with these totals,
+    // this replica's so far; 0 when epochs start at their beginning
+    int resume_batch;
+    double resume_loss_sum, resume_norm_sum;
+    int64_t *resume_cm;         // (K,K), NULL when resume_batch is 0
+    Comm *comm;                 // the replicas (size 1: this trainer alone)
+    int shard;                  // images of a full global batch on this replica: model.batch / replicas
+    int borrowed_data;          // train and val belong to another replica (local replicas share them)
+    double *bn_host;            // (n_buffer_floats + 1) fp64 staging to average BN statistics over replicas
+    StepStats epoch_stats;      // the optimisation diagnostics of this epoch's steps so far
+    StepStats log_stats;        // and of the steps since the last row of steps.csv (--log-every)
+    int measure_update;         // 1: the next step measures its update ratio (the epoch's last)
+    float *update_host;         // (2·n_trainable) host: the trainable weights before and after that step
+    char *steps_csv;            // steps.csv's path (root, --log-every), else NULL
+} Trainer;
+
+// One pass over a data set. Training: shuffled order, augmentation, one Adam
+// step per batch. Returns the loss sum and normaliser sum, and the confusion
+// matrix, all over the whole pass.
+typedef struct { double loss_sum, norm_sum; int64_t *cm; } PassTotals;
+
+// part V: steps.csv
+static int steps_log_row(Trainer *t, double lr);
+
+// A sum over the replicas of a buffer in the backend's memory. The CPU
+// backend's memory is the host's; a device communicator (NCCL) reduces device
+// memory in place; otherwise it is staged through the host.
+static int comm_allreduce_backend(Trainer *t, float *buf, size_t n) {
+    Comm *comm = t->comm;
+    if (comm->size == 1 || n == 0) return 0;
+    if (t->o == &ops_cpu) return comm->allreduce_f32(comm, buf, n);
+    if (comm->device) return comm->device->allreduce_f32(comm->device, buf, n);
+    float *host = malloc(sizeof(float) * n);
+    snCheck(host != NULL, "out of host memory");
+    t->o->download(t->o, host, buf, sizeof(float) * n);
+    int rc = comm->allreduce_f32(comm, host, n);
+    t->o->upload(t->o, buf, host, sizeof(float) * n);
+    free(host);
+    return rc;
+}
+
+// Without --sync-bn each replica's running statistics follow its own shard.
+// Averaging them after every micro-batch, weighted by the shard sizes n_r,
+// keeps them mirrored; the update is linear, so this equals running
+// statistics fed the mean of the replicas' batch statistics (Keras reads its
+// ON_READ MEAN variables the same way). Statistics the step did not change
+// (frozen BN) come back exactly: Σ n_r·x / Σ n_r = x in fp64.
+static int replicas_average_bn(Trainer *t, int n) {
+    const Graph *g = &t->g;
+    const size_t B = g->n_buffer_floats;
+    int any = 0;
+    for (int i = 0; i < g->n_layers; i++) any |= g->layers[i].kind == LAYER_BN && !g->layers[i].frozen;
+    if (!any || t->comm->size == 1 || t->c->sync_bn) return 0;
+    float *f = malloc(sizeof(float) * (B ? B : 1));
+    snCheck(f != NULL, "out of host memory");
+    t->o->download(t->o, f, t->net.buffers, sizeof(float) * B);
+    for (size_t k = 0; k < B; k++) t->bn_host[k] = (double)n * f[k];
+    t->bn_host[B] = n;
+    int rc = t->comm->allreduce_f64(t->comm, t->bn_host, B + 1);
+    for (size_t k = 0; k < B && rc == 0; k++) f[k] = (float)(t->bn_host[k] / t->bn_host[B]);
+    if (rc == 0) t->o->upload(t->o, t->net.buffers, f, sizeof(float) * B);
+    free(f);
+    return rc;
+}
+
+// One micro-batch on the host: n images (n,H,W,3) fp32 0..255 and their labels;
+// `first` numbers its first image among the optimiser step's images (over
+// micro-batches and replicas), which is what dropout masks are drawn by.
+typedef struct { int n; const float *images; const int32_t *labels; int first; } MicroBatch;
+
+// A micro-batch into the host staging buffers (written while the device is
+// idle: after the last step's download, or a synchronize).
+static void stage_batch(Trainer *t, const MicroBatch *mb) {
+    const Shape in = t->g.tensors[t->g.input].shape;
+    memcpy(t->host_images, mb->images, sizeof(float) * (size_t)mb->n * in.h * in.w * 3);
+    memcpy(t->host_labels, mb->labels, sizeof(int32_t) * (size_t)mb->n * t->per_image);
+}
+
+// Queues the staged micro-batch's upload into the net's input (cast to the
+// storage type) and the labels buffer.
+static void upload_staged(Trainer *t, int n) {
+    Ops *o = t->o;
+    Net *net = &t->net;
+    const Shape in = t->g.tensors[t->g.input].shape;
+    const size_t floats = (size_t)n * in.h * in.w * 3;
+    net->batch = n;
+    if (net->dtype == DT_F32) {
+        o->upload_async(o, net->act[t->g.input], t->host_images, sizeof(float) * floats);
+    } else {
+        o->upload_async(o, t->stage, t->host_images, sizeof(float) * floats);
+        o->copy(o, net_tensor(net, t->g.input), tensor_f32(t->stage, shape4(n, in.h, in.w, 3)), 0);
+    }
+    o->upload_async(o, t->labels, t->host_labels, sizeof(int32_t) * (size_t)n * t->per_image);
+}
+
+// The loss and metrics of the batch in the net: softmax cross-entropy of the
+// logits (its gradient into dlogits when that has data, scaled by
+// state->xent_scale) and the confusion matrix, added into state->loss.
+static void score_batch(Trainer *t, Tensor dlogits) {
+    Ops *o = t->o;
+    Tensor z = net_tensor(&t->net, t->logits);
+    o->softmax_xent(o, z, t->labels, t->class_weights, t->c->loss_norm_keras ? KERAS_EPSILON : 0.0f,
+                    dlogits.data ? &t->state->xent_scale : NULL, t->state->loss, dlogits);
+    o->confusion_accumulate(o, z, t->labels, t->confusion);
+}
+
+// An evaluation batch: the forward and its loss Σ w·nll (metrics into the confusion matrix).
+static float eval_batch(Trainer *t, const MicroBatch *mb) {
+    Ops *o = t->o;
+    Net *net = &t->net;
+    stage_batch(t, mb);
+    upload_staged(t, mb->n);
+    net_forward(net, 0);
+    o->fill(o, tensor_f32(t->state->loss, shape4(3, 1, 1, 1)), 0.0f);
+    score_batch(t, tensor(NULL, net_tensor(net, t->logits).shape, net->dtype));
+    float loss[3];
+    o->download(o, loss, t->state->loss, sizeof loss);
+    snCheck(loss[2] == 0.0f, "labels outside 0..%d passed the data set's checks", t->K - 1);
+    return loss[0];
+}
+
+// the whole gradient buffer (the trainable parameters') as one tensor
+static Tensor grads_tensor(Trainer *t) { return tensor_f32(t->net.grads, shape4((int)t->n_trainable, 1, 1, 1)); }
+
+// The optimiser step's work on the device (steps 2–8 of train_step), from
+// the uploads to Adam, all queued: no host synchronisation unless replicas exchange values (then
+// returns -1 if a collective failed). Micro-batch 0 is staged by the caller.
+static int step_work(Trainer *t, const MicroBatch *mb, int k) {
+    const TrainCfg *c = t->c;
+    Ops *o = t->o;
+    Net *net = &t->net;
+    Comm *comm = t->comm;
+    o->upload_async(o, t->args, t->host_args, sizeof(StepArgs));
+    o->upload_async(o, net->layer_seeds, t->host_seeds, sizeof(uint64_t) * (size_t)t->g.n_layers);
+    o->step_control(o, t->args, t->state, STEP_BEGIN);
+    o->fill(o, grads_tensor(t), 0.0f);
+    // 2.–4. per micro-batch: forward, loss and its gradient, backward (gradients add up)
+    for (int i = 0; i < k; i++) {
+        if (i > 0) {  // the staging buffers hold one micro-batch
+            o->synchronize(o);
+            stage_batch(t, &mb[i]);
+        }
+        upload_staged(t, mb[i].n);
+        net->first_sample = (uint64_t)mb[i].first;
+        net_forward(net, 1);
+        if (mb[i].n) score_batch(t, net_grad(net, t->logits));
+        net_backward(net, t->logits);
+        if (net->failed || replicas_average_bn(t, mb[i].n)) return -1;
+    }
+    // 5. all-reduce: the replicas' gradients summed, the gradient of the global loss
+    if (comm_allreduce_backend(t, net->grads, t->n_trainable)) return -1;
+    if (c->overflow_at_step == t->step)  // tests: as if this step's fp16 gradients had overflowed
+        o->fill(o, tensor_f32(net->grads, shape4(1, 1, 1, 1)), INFINITY);
+    // 6. finiteness: with fp16 storage, an inf/NaN gradient skips the update (the loss scale halves)
+    if (net->dtype == DT_F16) {
+        o->nonfinite(o, grads_tensor(t), &t->state->nonfinite);
+        if (comm->size > 1) {
+            // The summed gradients are the same bits on every replica, so their
+            // flags agree; summing the flags makes that a guarantee, not a property.
+            int32_t flag;
+            o->download(o, &flag, &t->state->nonfinite, sizeof flag);
+            int64_t any = flag;
+            if (comm->allreduce_i64(comm, &any, 1)) return -1;
+            flag = any != 0;
+            o->upload(o, &t->state->nonfinite, &flag, sizeof flag);
+        }
+    }
+    // 7. clip: the global norm, the clip factor and the loss scale's next value (step_control_apply)
+    o->sum_squares(o, grads_tensor(t), &t->state->grad_sum_squares);
+    o->step_control(o, t->args, t->state, STEP_DECIDE);
+    // 8. Adam over the trainable ranges (a skipped step leaves them as they are)
+    size_t packed = 0;  // offset of the range in the gradients and moments
+    for (int r = 0; r < t->n_ranges; r++) {
+        size_t off = t->ranges[r].offset, n = t->ranges[r].count;
+        o->adam_update(o, net->params + off, net->grads + packed, t->adam_m + packed, t->adam_v + packed, n,
+                       &t->state->adam);
+        packed += n;
+    }
+    return 0;
+}
+
+// the trainable weights (t->ranges, packed) into t->update_host: its first half (before a step) or second (after)
+static void trainable_download(Trainer *t, int after) {
+    if (!t->update_host) {
+        t->update_host = malloc(sizeof(float) * 2 * (t->n_trainable ? t->n_trainable : 1));
+        snCheck(t->update_host != NULL, "out of host memory");
+    }
+    float *host = t->update_host + (after ? t->n_trainable : 0);
+    size_t packed = 0;
+    for (int r = 0; r < t->n_ranges; r++) {
+        t->o->download(t->o, host + packed, t->net.params + t->ranges[r].offset, sizeof(float) * t->ranges[r].count);
+        packed += t->ranges[r].count;
+    }
+}
+// ‖w_after - w_before‖ / ‖w_before‖ in fp64 (trainable_download(t, 0) before the step)
+static double trainable_update_ratio(Trainer *t) {
+    const size_t n = t->n_trainable;
+    trainable_download(t, 1);
+    const float *before = t->update_host, *after = t->update_host + n;
+    double d = 0.0, w = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        const double e = (double)after[i] - before[i];
+        d += e * e;
+        w += (double)before[i] * before[i];
+    }
+    return w > 0.0 ? sqrt(d / w) : NAN;
+}
+
+// One optimiser step over k micro-batches (gradient accumulation when k > 1).
+// The loss is Σ w·nll over all k divided by their global Σ w (or pixel count),
+// a denominator known before the first forward. With fp16 storage the loss is
+// scaled (dynamic loss scaling, Keras' LossScaleOptimizer): unscale → check for
+// inf/NaN (skip the update, halve the scale) → clip → Adam; the step counts
+// either way, as in Keras. Returns 1 if the update was applied, 0 if it was
+// skipped, -1 if a collective failed (another replica stopped).
+//
+// With replicas, mb are this replica's shards of the k global batches: the
+// denominator is all-reduced before the forward (every replica divides by the
+// global Σ w), the gradients after the backward (their sum is then the
+// gradient of the global loss), and the inf/NaN flag with them, so every
+// replica takes the same decision and the same Adam step.
+//
+// The host writes the step's arguments, queues the work (or replays the
+// record of an earlier step with the same shapes) and reads StepState once
+// at the end: the step's only wait for the device.
+static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
+    const TrainCfg *c = t->c;
+    Ops *o = t->o;
+    Net *net = &t->net;
+    Comm *comm = t->comm;
+    // 1. the normaliser: Σw over the step's labels (or their count), summed over the replicas
+    double local_norm = 0.0;
+    for (int i = 0; i < k; i++) {
+        size_t n_labels = (size_t)mb[i].n * t->per_image;
+        local_norm += c->loss_norm_keras ? (double)n_labels : label_weight_sum(mb[i].labels, n_labels, c->class_weights, t->K);
+    }
+    double norm = local_norm;
+    if (comm->size > 1 && comm->allreduce_f64(comm, &norm, 1)) return -1;
+    const int64_t step = t->step;
+    // the update ratio of the epoch's last step and of each logged one (rank 0 writes both)
+    const int logged = c->log_every > 0 && (step + 1) % c->log_every == 0;
+    const int measure = (t->measure_update || logged) && comm->rank == 0;
+    if (measure) trainable_download(t, 0);
+    const double started = now_seconds();
+    t->step++;
+    StepArgs *a = t->host_args;
+    const double lr = lr_at_step(c->lr, c->schedule, c->warmup, t->total_steps, step);
+    a->adam = adam_step_init((float)lr, ADAM_BETA1, ADAM_BETA2, c->adam_eps, c->weight_decay, 1.0f, step + 1);
+    a->inv_norm = norm > 0 ? (float)(1.0 / norm) : 0.0f;
+    a->clipnorm = c->clipnorm;
+    a->loss_scaling = net->dtype == DT_F16;
+    a->scale_interval = c->loss_scale_interval;
+    a->loss_scale = t->loss_scale;
+    a->good_steps = t->good_steps;
+    net->step = (uint64_t)step;  // one seed per step; masks by image within it (first_sample)
+    net_layer_seeds(net, t->host_seeds);
+    net->seeds_of[0] = net->seed; net->seeds_of[1] = net->step; net->seeds_set = 1;  // step_work uploads them
+    stage_batch(t, &mb[0]);
+    // A record replays the same shapes: one full micro-batch (a smaller last
+    // one runs op by op), no replicas (their collectives run on the host),
+    // nothing timed per layer.
+    const int recordable = t->records && o->capture_begin && k == 1 && mb[0].n == t->shard && comm->size == 1 &&
+                           !net->layer_seconds && !c->overflow_at_step;
+    if (recordable && !t->record && o->capture_begin(o) == 0) {
+        int rc = step_work(t, mb, k);
+        char err[SN_ERR_MAX];
+        t->record = o->capture_end(o, err);
+        snCheck(rc == 0, "a step without replicas failed a collective");
+        if (!t->record) {  // nothing ran: run it eagerly, and the rest of the run too
+            fprintf(stderr, "segnet: recording the training step failed (%s); running steps one op at a time\n", err);
+            t->records = 0;
+        }
+    }
+    // 2.–8. step_work: replayed from the record when there is one, else queued op by op
+    if (recordable && t->record) {
+        o->replay(o, t->record);
+    } else if (step_work(t, mb, k)) {
+        return -1;
+    }
+    // the step's one wait for the device: what it decided (applied, loss scale, norm)
+    o->download(o, t->host_state, t->state, sizeof(StepState));
+    const StepState s = *t->host_state;
+    snCheck(s.loss[2] == 0.0f, "labels outside 0..%d passed the data set's checks", t->K - 1);
+    pt->loss_sum += s.loss[0];
+    pt->norm_sum += local_norm;  // the pass adds the replicas' parts up at its end
+    t->loss_scale = s.loss_scale;
+    t->good_steps = s.good_steps;
+    const double seconds = now_seconds() - started;
+    step_stats_add(&t->epoch_stats, &s, seconds, local_norm);
+    step_stats_add(&t->log_stats, &s, seconds, local_norm);
+    if (measure) {
+        const double ratio = trainable_update_ratio(t);
+        if (t->measure_update) t->epoch_stats.update_ratio = ratio;
+        if (logged) t->log_stats.update_ratio = ratio;
+    }
+    t->measure_update = 0;
+    if (logged && steps_log_row(t, lr)) return -1;
+    return s.applied;
+}
+
+// ============================================================================
+// PART IV. MAKING IT FAST
+// The CPU's fast versions of conv2d, batch norm and the squeeze-excitation
+// pieces, each naming the reference of part I it replaces (the tests compare
+// them: ref_table_vs_cpu and the ops' own tests); ops_cpu is ops_ref with them.
+// ============================================================================
+
+// ----------------------------------------------------------------------------
+// conv2d, fast (conv2d_*_ref in part I states the sums)
+//
+// Dense k×k convs run as direct convolutions, register-blocked like a GEMM
+// micro-kernel but on the padded image itself (below, "direct k×k
+// convolution"). Grouped convs, and the gradients of convs with fewer input
+// channels than a vector, are lowered to GEMMs per image and group; that path
+// is also the reference the direct one is tested against. im2col gathers the
+// receptive fields into col[P][K] (P = OH·OW output pixels, K = kh·kw·Cg in
+// weight order), and
+//   forward          out_g[P][Coutg]  = col[P][K] · W_g[Coutg][K]ᵀ
+//   backward data    dcol[P][K]       = dout_g[P][Coutg] · W_g[Coutg][K], then col2im
+//   backward weight  dW_g[Coutg][K]  += Σ_n dout_g[P][Coutg]ᵀ · col[P][K]
+// A 1×1 stride-1 conv (fp32) needs no im2col: NHWC is already [N·H·W][Cin].
+// Depthwise convs (groups = Cin = Cout) are direct loops.
+// Every weight gradient is a sum over images in fp64, rounded once: each
+// image's product (an fp32 GEMM over its own P rows) is added to an fp64 sum
+// in image order. A batch split across replicas then regroups only fp64
+// additions (2^-53) — one fp32 GEMM over all N·P rows regroups its fp32
+// accumulation instead, 1e-6 of a U-Net's gradient.
+
+static ConvGeom conv_geom(const ConvCfg *cfg, Shape in) {
+    ConvGeom q;
+    snCheck(conv_geom_of(cfg, in, &q), "conv2d: input " SHAPE_FMT " does not fit the conv (cin %d, kernel %dx%d)",
+            SHAPE_ARGS(in), cfg->cin, cfg->kh, cfg->kw);
+    return q;
+}
+
+// the GEMM paths' floats: col (P,K) and fp32 output rows (P,Cout); the weight
+// gradient's fp64 sum (2 floats per weight) and one image's product (Coutg,K) before col
+static size_t im2col_floats(const ConvGeom *q, DType dt) { return q->P * q->K + (dt != DT_F32 ? q->P * q->Cout : 0); }
+static size_t gemm_weight_grad_floats(const ConvGeom *q, DType dt) {
+    return 2 * (size_t)q->Cout * q->K + (size_t)q->Coutg * q->K + im2col_floats(q, dt);
+}
+
+// sum[i] += x[i] in fp64 (one image's weight gradient into the batch's)
+static void sum_into_f64(double *sum, const float *x, size_t n) {
+    #pragma omp parallel for simd schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) sum[i] += x[i];
+}
+// dw[i] += sum[i] rounded once to fp32 (the batch's weight gradient into the step's)
+static void add_rounded(float *dw, const double *sum, size_t n) {
+    for (size_t i = 0; i < n; i++) dw[i] += (float)sum[i];
+}
+
+// col[p][(ky·kw + kx)·Cg + ci] = x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci]
+static void im2col(const ConvCfg *cfg, const ConvGeom *q, Tensor in, int n, int g, float *col) {
+    #pragma omp parallel for schedule(static) if(PAR(q->P * q->K))
+    for (int oy = 0; oy < q->OH; oy++) {
+        for (int ox = 0; ox < q->OW; ox++) {
+            float *row = col + ((size_t)oy * q->OW + ox) * q->K;
+            for (int ky = 0; ky < cfg->kh; ky++) {
+                int iy = oy * cfg->stride - q->pt + ky;
+                for (int kx = 0; kx < cfg->kw; kx++) {
+                    int ix = ox * cfg->stride - q->pl + kx;
+                    float *dst = row + (ky * cfg->kw + kx) * q->Cg;
+                    if (iy < 0 || iy >= q->H || ix < 0 || ix >= q->W) {
+                        memset(dst, 0, sizeof(float) * q->Cg);
+                        continue;
+                    }
+                    size_t src = (((size_t)n * q->H + iy) * q->W + ix) * q->C + (size_t)g * q->Cg;
+                    ld_run(in, src, dst, (size_t)q->Cg);
+                }
+            }
+        }
+    }
+}
+
+// The adjoint of im2col, as a gather so that each input element is written
+// once: din[n,iy,ix,g·Cg+ci] (=|+=) Σ_{ky,kx} dcol[oy·OW+ox][(ky·kw+kx)·Cg+ci]
+// over the (ky,kx) with oy = (iy + pt - ky)/s an integer inside the output,
+// summed in (ky,kx) order. Channels are innermost (contiguous in dcol and
+// din), COL2IM_CHUNK at a time.
+#define COL2IM_CHUNK 256
+static void col2im(const ConvCfg *cfg, const ConvGeom *q, const float *dcol, Tensor din, int n, int g,
+                   int accumulate) {
+    const int s = cfg->stride;
+    #pragma omp parallel for schedule(static) if(PAR((size_t)q->H * q->W * q->K))
+    for (int iy = 0; iy < q->H; iy++) {
+        float acc[COL2IM_CHUNK];
+        for (int ix = 0; ix < q->W; ix++) {
+            size_t dst = (((size_t)n * q->H + iy) * q->W + ix) * q->C + (size_t)g * q->Cg;
+            for (int c0 = 0; c0 < q->Cg; c0 += COL2IM_CHUNK) {
+                const int nc = q->Cg - c0 < COL2IM_CHUNK ? q->Cg - c0 : COL2IM_CHUNK;
+                for (int ci = 0; ci < nc; ci++) acc[ci] = 0.0f;
+                for (int ky = 0; ky < cfg->kh; ky++) {
+                    int ty = iy + q->pt - ky;
+                    if (ty < 0 || ty % s || ty / s >= q->OH) continue;
+                    for (int kx = 0; kx < cfg->kw; kx++) {
+                        int tx = ix + q->pl - kx;
+                        if (tx < 0 || tx % s || tx / s >= q->OW) continue;
+                        const float *src = dcol + ((size_t)(ty / s) * q->OW + tx / s) * q->K + (ky * cfg->kw + kx) * q->Cg + c0;
+                        for (int ci = 0; ci < nc; ci++) acc[ci] += src[ci];
+                    }
+                }
+                st_run(din, dst + c0, acc, (size_t)nc, accumulate);
+            }
+        }
+    }
+}
+
+// One image's output (or output gradient) as fp32 rows [P][Cout]: the tensor's
+// own memory when it is fp32, else converted into `scratch`.
+static float *image_rows_f32(Tensor t, int n, size_t P, int Cout, float *scratch) {
+    size_t base = (size_t)n * P * Cout;
+    if (t.dtype == DT_F32) return (float *)t.data + base;
+    #pragma omp parallel for schedule(static) if(PAR(P * Cout))
+    for (size_t p = 0; p < P; p++) ld_run(t, base + p * Cout, scratch + p * Cout, (size_t)Cout);
+    return scratch;
+}
+
+// depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx, c] · w[c][ky][kx]
+static void depthwise_forward_ref(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
+                              const float *w, const float *b) {
+    const int KK = cfg->kh * cfg->kw;
+    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * q->C * KK))
+    for (int noy = 0; noy < q->N * q->OH; noy++) {
+        int n = noy / q->OH, oy = noy % q->OH;
+        for (int ox = 0; ox < q->OW; ox++) {
+            size_t o_base = (((size_t)n * q->OH + oy) * q->OW + ox) * q->C;
+            for (int c = 0; c < q->C; c++) {
+                float acc = b ? b[c] : 0.0f;
+                for (int ky = 0; ky < cfg->kh; ky++) {
+                    int iy = oy * cfg->stride - q->pt + ky;
+                    if (iy < 0 || iy >= q->H) continue;
+                    for (int kx = 0; kx < cfg->kw; kx++) {
+                        int ix = ox * cfg->stride - q->pl + kx;
+                        if (ix < 0 || ix >= q->W) continue;
+                        acc += ld(in, (((size_t)n * q->H + iy) * q->W + ix) * q->C + c) * w[c * KK + ky * cfg->kw + kx];
+                    }
+                }
+                st(out, o_base + c, acc);
+            }
+        }
+    }
+}
+
+// din[n,iy,ix,c] (=|+=) Σ_{ky,kx} dout[n,oy,ox,c]·w[c][ky][kx], oy = (iy + pt - ky)/s integral
+static void depthwise_backward_data_ref(const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
+                                    const float *w, int accumulate) {
+    const int KK = cfg->kh * cfg->kw, s = cfg->stride;
+    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->H * q->W * q->C * KK))
+    for (int niy = 0; niy < q->N * q->H; niy++) {
+        int n = niy / q->H, iy = niy % q->H;
+        for (int ix = 0; ix < q->W; ix++) {
+            size_t i_base = (((size_t)n * q->H + iy) * q->W + ix) * q->C;
+            for (int c = 0; c < q->C; c++) {
+                float acc = 0.0f;
+                for (int ky = 0; ky < cfg->kh; ky++) {
+                    int ty = iy + q->pt - ky;
+                    if (ty < 0 || ty % s || ty / s >= q->OH) continue;
+                    for (int kx = 0; kx < cfg->kw; kx++) {
+                        int tx = ix + q->pl - kx;
+                        if (tx < 0 || tx % s || tx / s >= q->OW) continue;
+                        acc += ld(dout, (((size_t)n * q->OH + ty / s) * q->OW + tx / s) * q->C + c) * w[c * KK + ky * cfg->kw + kx];
+                    }
+                }
+                st_acc(din, i_base + c, acc, accumulate);
+            }
+        }
+    }
+}
+
+// dw[c][ky][kx] += Σ_{n,oy,ox} dout[n,oy,ox,c] · x[n, oy·s - pt + ky, ox·s - pl + kx, c]
+static void depthwise_backward_weight_ref(const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout,
+                                      Tensor in) {
+    const int KK = cfg->kh * cfg->kw;
+    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * q->C * KK))
+    for (int ck = 0; ck < q->C * KK; ck++) {
+        int c = ck / KK, ky = (ck % KK) / cfg->kw, kx = ck % cfg->kw;
+        double acc = 0.0;
+        for (int n = 0; n < q->N; n++)
+            for (int oy = 0; oy < q->OH; oy++) {
+                int iy = oy * cfg->stride - q->pt + ky;
+                if (iy < 0 || iy >= q->H) continue;
+                for (int ox = 0; ox < q->OW; ox++) {
+                    int ix = ox * cfg->stride - q->pl + kx;
+                    if (ix < 0 || ix >= q->W) continue;
+                    acc += (double)ld(dout, (((size_t)n * q->OH + oy) * q->OW + ox) * q->C + c) *
+                           ld(in, (((size_t)n * q->H + iy) * q->W + ix) * q->C + c);
+                }
+            }
+        dw[ck] += (float)acc;
+    }
+}
+
+// fp32 depthwise: the same sums with channels innermost, so that each tap is
+// one vector multiply-add over C contiguous channels of x (or dout) and of the
+// weights transposed to wt[ky][kx][C] (in the workspace). The forward and the
+// data gradient add the taps in the reference's (ky, kx) order.
+static void depthwise_weights_t(const ConvCfg *cfg, int C, const float *w, float *wt) {
+    const int KK = cfg->kh * cfg->kw;
+    for (int c = 0; c < C; c++)
+        for (int k = 0; k < KK; k++) wt[(size_t)k * C + c] = w[(size_t)c * KK + k];
+}
+
+static void depthwise_forward_f32(const ConvCfg *cfg, const ConvGeom *q, float *out, const float *in,
+                                  const float *w, const float *b, float *wt) {
+    const int C = q->C, s = cfg->stride;
+    depthwise_weights_t(cfg, C, w, wt);
+    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * C * cfg->kh * cfg->kw))
+    for (int noy = 0; noy < q->N * q->OH; noy++) {
+        const int n = noy / q->OH, oy = noy % q->OH;
+        for (int ox = 0; ox < q->OW; ox++) {
+            float *o = out + (((size_t)n * q->OH + oy) * q->OW + ox) * C;  // (C)
+            for (int c = 0; c < C; c++) o[c] = b ? b[c] : 0.0f;
+            for (int ky = 0; ky < cfg->kh; ky++) {
+                const int iy = oy * s - q->pt + ky;
+                if (iy < 0 || iy >= q->H) continue;
+                for (int kx = 0; kx < cfg->kw; kx++) {
+                    const int ix = ox * s - q->pl + kx;
+                    if (ix < 0 || ix >= q->W) continue;
+                    const float *xr = in + (((size_t)n * q->H + iy) * q->W + ix) * C, *wr = wt + (size_t)(ky * cfg->kw + kx) * C;
+                    #pragma omp simd
+                    for (int c = 0; c < C; c++) o[c] += xr[c] * wr[c];
+                }
+            }
+        }
+    }
+}
+
+static void depthwise_backward_data_f32(const ConvCfg *cfg, const ConvGeom *q, float *din, const float *dout,
+                                        const float *w, int accumulate, float *wt) {
+    const int C = q->C, s = cfg->stride;
+    depthwise_weights_t(cfg, C, w, wt);
+    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->H * q->W * C * cfg->kh * cfg->kw))
+    for (int niy = 0; niy < q->N * q->H; niy++) {
+        const int n = niy / q->H, iy = niy % q->H;
+        float acc[C];  // (C)
+        for (int ix = 0; ix < q->W; ix++) {
+            for (int c = 0; c < C; c++) acc[c] = 0.0f;
+            for (int ky = 0; ky < cfg->kh; ky++) {
+                const int ty = iy + q->pt - ky;
+                if (ty < 0 || ty % s || ty / s >= q->OH) continue;
+                for (int kx = 0; kx < cfg->kw; kx++) {
+                    const int tx = ix + q->pl - kx;
+                    if (tx < 0 || tx % s || tx / s >= q->OW) continue;
+                    const float *dr = dout + (((size_t)n * q->OH + ty / s) * q->OW + tx / s) * C;
+                    const float *wr = wt + (size_t)(ky * cfg->kw + kx) * C;
+                    #pragma omp simd
+                    for (int c = 0; c < C; c++) acc[c] += dr[c] * wr[c];
+                }
+            }
+            float *d = din + (((size_t)n * q->H + iy) * q->W + ix) * C;
+            if (accumulate) for (int c = 0; c < C; c++) d[c] += acc[c];
+            else memcpy(d, acc, sizeof(float) * C);
+        }
+    }
+}
+
+// dw[c][ky][kx] += Σ_{n,oy,ox} dout·x in fp64, a block of channels per thread,
+// pixels in order: the same bits for any thread count.
+#define DW_CBLOCK 16
+static void depthwise_backward_weight_f32(const ConvCfg *cfg, const ConvGeom *q, float *dw, const float *dout,
+                                          const float *in) {
+    const int C = q->C, s = cfg->stride, KK = cfg->kh * cfg->kw;
+    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * C * KK))
+    for (int c0 = 0; c0 < C; c0 += DW_CBLOCK) {
+        const int nc = C - c0 < DW_CBLOCK ? C - c0 : DW_CBLOCK;
+        double acc[KK][DW_CBLOCK];  // (KK, DW_CBLOCK)
+        memset(acc, 0, sizeof acc);
+        for (int n = 0; n < q->N; n++)
+            for (int oy = 0; oy < q->OH; oy++)
+                for (int ox = 0; ox < q->OW; ox++) {
+                    const float *dr = dout + (((size_t)n * q->OH + oy) * q->OW + ox) * C + c0;
+                    for (int ky = 0; ky < cfg->kh; ky++) {
+                        const int iy = oy * s - q->pt + ky;
+                        if (iy < 0 || iy >= q->H) continue;
+                        for (int kx = 0; kx < cfg->kw; kx++) {
+                            const int ix = ox * s - q->pl + kx;
+                            if (ix < 0 || ix >= q->W) continue;
+                            const float *xr = in + (((size_t)n * q->H + iy) * q->W + ix) * C + c0;
+                            double *a = acc[ky * cfg->kw + kx];
+                            if (nc == DW_CBLOCK) {
+                                #pragma omp simd
+                                for (int j = 0; j < DW_CBLOCK; j++) a[j] += (double)dr[j] * xr[j];
+                            } else {
+                                for (int j = 0; j < nc; j++) a[j] += (double)dr[j] * xr[j];
+                            }
+                        }
+                    }
+                }
+        for (int j = 0; j < nc; j++)
+            for (int k = 0; k < KK; k++) dw[(size_t)(c0 + j) * KK + k] += (float)acc[k][j];
+    }
+}
+
+// ---- direct k×k convolution (dense, groups 1): the forward and, for stride 1,
+// the data gradient, without im2col. The input is copied once per image into
+// a zero-padded fp32 image xp (Hp,Wp,C), so the inner loops have no bounds
+// checks and any storage type is read once; then for a tile of R output
+// pixels along a row and V vectors of VL output channels, the R·V sums
+//   acc[r][v] = Σ_{ky,kx,ci} xp[oy·s + ky][(ox0 + r)·s + kx][ci] · wt[ky][kx][ci][co0 + v·VL ..]
+// stay in vector registers while the (ky,kx,ci) loop streams the input row
+// and the weights repacked as wt[ky][kx][ci][Cop] (output channels contiguous,
+// padded to Cop, a multiple of VL, with zeros). That is the register blocking
+// a GEMM micro-kernel does, on the image itself.
+// The data gradient of a stride-1 conv is the same sum over dout padded by
+// (k - 1 - pad) with the weights flipped and transposed:
+//   din[iy][ix][ci] = Σ_{ky',kx',co} dpad[iy + ky'][ix + kx'][co] · w[co][kh-1-ky'][kw-1-kx'][ci]
+#if defined(__AVX512F__)
+#define CONV_VL 16                      // fp32 lanes per vector register
+#define CONV_REGS 32                    // vector registers
+#elif defined(__AVX__)
+#define CONV_VL 8
+#define CONV_REGS 16
+#else                                   // SSE2 (every x86-64), NEON: 128-bit vectors
+#define CONV_VL 4
+#define CONV_REGS 16
+#endif
+#define CONV_VMAX 4                     // output-channel vectors per tile
+#define CONV_RMAX 12                    // output pixels per tile
+typedef float vfloat __attribute__((vector_size(CONV_VL * sizeof(float))));
+static inline vfloat vload(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
+// pixels per tile for V channel vectors: R·V accumulators + V weights + 1 broadcast fit the registers
+static inline int conv_tile_pixels(int V) {
+    int r = (CONV_REGS - 2 - V) / V;
+    return r > CONV_RMAX ? CONV_RMAX : r;
+}
+
+typedef struct {
+    const float *xp;      // (Hp,Wp,C) padded input of one image
+    int Wp, C, s, kh, kw;
+    const float *wt;      // [kh][kw][C][Cop]
+    int Cop;
+    const float *bias;    // (Cout) or NULL
+    Tensor out;           // (N,OH,OW,Cout)
+    size_t out_image;     // element offset of this image in out
+    int OW, Cout, accumulate;
+} DirectConv;
+
+static inline __attribute__((always_inline)) void direct_conv_tile(const DirectConv *d, int R, int V, int oy, int ox0,
+                                                                   int co0) {
+    vfloat acc[CONV_RMAX][CONV_VMAX];  // fixed sizes: indexed by constants once unrolled, so kept in registers
+    #pragma GCC unroll 12
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 4
+        for (int v = 0; v < V; v++) acc[r][v] = (vfloat){0};
+    const size_t row = (size_t)d->Wp * d->C;
+    for (int ky = 0; ky < d->kh; ky++)
+        for (int kx = 0; kx < d->kw; kx++) {
+            const float *xr = d->xp + (size_t)(oy * d->s + ky) * row + ((size_t)ox0 * d->s + kx) * d->C;
+            const float *wr = d->wt + (size_t)(ky * d->kw + kx) * d->C * d->Cop + co0;
+            const size_t xstep = (size_t)d->s * d->C;
+            for (int ci = 0; ci < d->C; ci++) {
+                vfloat wv[CONV_VMAX];
+                #pragma GCC unroll 4
+                for (int v = 0; v < V; v++) wv[v] = vload(wr + (size_t)ci * d->Cop + v * CONV_VL);
+                #pragma GCC unroll 12
+                for (int r = 0; r < R; r++) {
+                    vfloat b = (vfloat){0} + xr[r * xstep + ci];
+                    #pragma GCC unroll 4
+                    for (int v = 0; v < V; v++) acc[r][v] += b * wv[v];
+                }
+            }
+        }
+    const int nc = d->Cout - co0 < V * CONV_VL ? d->Cout - co0 : V * CONV_VL;
+    float tile[CONV_VMAX * CONV_VL];  // one pixel's channels co0.., then stored (rounded, accumulated) as a run
+    #pragma GCC unroll 12
+    for (int r = 0; r < R; r++) {
+        #pragma GCC unroll 4
+        for (int v = 0; v < V; v++) vstore(tile + v * CONV_VL, acc[r][v]);
+        if (d->bias) for (int j = 0; j < nc; j++) tile[j] += d->bias[co0 + j];
+        st_run(d->out, d->out_image + ((size_t)oy * d->OW + ox0 + r) * d->Cout + co0, tile, (size_t)nc, d->accumulate);
+    }
+}
+
+// one output row, all channel blocks; R and V are constants in each instance
+static inline __attribute__((always_inline)) void direct_conv_row_v(const DirectConv *d, int V, int oy, int co0) {
+    const int R = conv_tile_pixels(V);
+    int ox = 0;
+    for (; ox + R <= d->OW; ox += R) direct_conv_tile(d, R, V, oy, ox, co0);
+    // the rest (< R pixels) in tiles of 8, 4, 2, 1
+    if (R > 8 && d->OW - ox >= 8) { direct_conv_tile(d, 8, V, oy, ox, co0); ox += 8; }
+    if (R > 4 && d->OW - ox >= 4) { direct_conv_tile(d, 4, V, oy, ox, co0); ox += 4; }
+    if (R > 2 && d->OW - ox >= 2) { direct_conv_tile(d, 2, V, oy, ox, co0); ox += 2; }
+    if (ox < d->OW) direct_conv_tile(d, 1, V, oy, ox, co0);
+}
+static void direct_conv_row(const DirectConv *d, int oy) {
+    for (int co0 = 0; co0 < d->Cout; co0 += CONV_VMAX * CONV_VL) {
+        int V = (d->Cout - co0 + CONV_VL - 1) / CONV_VL;
+        switch (V > CONV_VMAX ? CONV_VMAX : V) {
+        case 1: direct_conv_row_v(d, 1, oy, co0); break;
+        case 2: direct_conv_row_v(d, 2, oy, co0); break;
+        case 3: direct_conv_row_v(d, 3, oy, co0); break;
+        default: direct_conv_row_v(d, 4, oy, co0);
+        }
+    }
+}
+
+static int conv_pad_to_vl(int c) { return (c + CONV_VL - 1) / CONV_VL * CONV_VL; }
+static int conv_is_direct(const ConvCfg *cfg) { return cfg->groups == 1 && cfg->kh * cfg->kw > 1; }
+// The gradients' vectors run over input channels: with fewer than a vector's
+// worth (an RGB stem) most lanes would idle, and im2col + GEMM is faster.
+static int conv_direct_grad_data(const ConvCfg *cfg) {
+    return conv_is_direct(cfg) && cfg->cin >= CONV_VL && cfg->stride == 1;
+}
+static int conv_direct_grad_weight(const ConvCfg *cfg) { return conv_is_direct(cfg) && cfg->cin >= CONV_VL; }
+// Floats of workspace for the direct paths (backward: 0 forward, 1 data gradient, 2 weight
+// gradient): the padded image and the repacked weights (the data gradient pads dout: its
+// "image" has Cout channels and its weights Cin outputs); see the weight gradient below.
+static size_t direct_conv_floats(const ConvCfg *cfg, const ConvGeom *q, int backward) {
+    if (backward == 2) {  // weight gradient: fp64 sums, the padded input with slack, dout rows in fp32
+        size_t pad = (size_t)((q->OH - 1) * cfg->stride + cfg->kh) * ((q->OW - 1) * cfg->stride + cfg->kw) * q->C;
+        return 2 * (size_t)q->Cout * cfg->kh * cfg->kw * q->C + pad + CONV_VMAX * CONV_VL + q->P * q->Cout;
+    }
+    if (backward) {
+        size_t pad = (size_t)(q->H + cfg->kh - 1) * (q->W + cfg->kw - 1) * q->Cout;
+        return pad + (size_t)cfg->kh * cfg->kw * q->Cout * conv_pad_to_vl(q->C);
+    }
+    size_t pad = (size_t)((q->OH - 1) * cfg->stride + cfg->kh) * ((q->OW - 1) * cfg->stride + cfg->kw) * q->C;
+    return pad + (size_t)cfg->kh * cfg->kw * q->C * conv_pad_to_vl(q->Cout);
+}
+
+// xp[y][x][c] = src[n, y - top, x - left, c] inside the source, else 0: (Hp,Wp,C) fp32
+static void pad_image(Tensor src, int n, int top, int left, int Hp, int Wp, float *xp) {
+    const int H = src.shape.h, W = src.shape.w, C = src.shape.c;
+    #pragma omp parallel for schedule(static) if(PAR((size_t)Hp * Wp * C))
+    for (int y = 0; y < Hp; y++) {
+        float *dst = xp + (size_t)y * Wp * C;
+        int sy = y - top;
+        if (sy < 0 || sy >= H) { memset(dst, 0, sizeof(float) * Wp * C); continue; }
+        int x0 = left > 0 ? left : 0, x1 = left + W < Wp ? left + W : Wp;  // destination columns with data
+        memset(dst, 0, sizeof(float) * x0 * C);
+        ld_run(src, (((size_t)n * H + sy) * W + (x0 - left)) * C, dst + (size_t)x0 * C, (size_t)(x1 - x0) * C);
+        memset(dst + (size_t)x1 * C, 0, sizeof(float) * (Wp - x1) * C);
+    }
+}
+
+static void direct_conv_image(DirectConv *d, int OH) {
+    #pragma omp parallel for schedule(dynamic, 1) if(PAR((size_t)OH * d->OW * d->Cout * d->C * d->kh * d->kw))
+    for (int oy = 0; oy < OH; oy++) direct_conv_row(d, oy);
+}
+
+static void conv2d_forward_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
+                                  const float *b, float *ws) {
+    const int s = cfg->stride, Hp = (q->OH - 1) * s + cfg->kh, Wp = (q->OW - 1) * s + cfg->kw;
+    const int Cop = conv_pad_to_vl(q->Cout), KK = cfg->kh * cfg->kw;
+    float *wt = ws, *xp = ws + (size_t)KK * q->C * Cop;  // [kh][kw][C][Cop], (Hp,Wp,C)
+    for (int k = 0; k < KK; k++)
+        for (int ci = 0; ci < q->C; ci++)
+            for (int co = 0; co < Cop; co++)
+                wt[((size_t)k * q->C + ci) * Cop + co] = co < q->Cout ? w[((size_t)co * KK + k) * q->C + ci] : 0.0f;
+    DirectConv d = {xp, Wp, q->C, s, cfg->kh, cfg->kw, wt, Cop, b, out, 0, q->OW, q->Cout, 0};
+    for (int n = 0; n < q->N; n++) {
+        pad_image(in, n, q->pt, q->pl, Hp, Wp, xp);
+        d.out_image = (size_t)n * q->P * q->Cout;
+        direct_conv_image(&d, q->OH);
+    }
+}
+
+static void conv2d_backward_data_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
+                                        const float *w, int accumulate, float *ws) {
+    const int Hp = q->H + cfg->kh - 1, Wp = q->W + cfg->kw - 1, KK = cfg->kh * cfg->kw;
+    const int Cip = conv_pad_to_vl(q->C);
+    float *wt = ws, *dp = ws + (size_t)KK * q->Cout * Cip;  // [kh][kw][Cout][Cip], (Hp,Wp,Cout)
+    for (int ky = 0; ky < cfg->kh; ky++)
+        for (int kx = 0; kx < cfg->kw; kx++) {
+            const int flipped = (cfg->kh - 1 - ky) * cfg->kw + (cfg->kw - 1 - kx);
+            for (int co = 0; co < q->Cout; co++)
+                for (int ci = 0; ci < Cip; ci++)
+                    wt[((size_t)(ky * cfg->kw + kx) * q->Cout + co) * Cip + ci] =
+                        ci < q->C ? w[((size_t)co * KK + flipped) * q->C + ci] : 0.0f;
+        }
+    DirectConv d = {dp, Wp, q->Cout, 1, cfg->kh, cfg->kw, wt, Cip, NULL, din, 0, q->W, q->C, accumulate};
+    for (int n = 0; n < q->N; n++) {
+        pad_image(dout, n, cfg->kh - 1 - q->pt, cfg->kw - 1 - q->pl, Hp, Wp, dp);
+        d.out_image = (size_t)n * q->H * q->W * q->C;
+        direct_conv_image(&d, q->H);
+    }
+}
+
+// The weight gradient, any stride:
+//   dw[co][ky][kx][ci] += Σ_{n,oy,ox} dout[n,oy,ox,co] · xp_n[oy·s + ky][ox·s + kx][ci]
+// per tap, a tile of R output channels (broadcast from dout) × V vectors of
+// input channels (loaded from the padded input) accumulates whole output rows,
+// about DW_FLUSH_PIXELS pixels, in registers (fp32), then adds them into fp64
+// sums: rows in order, so the result does not depend on the thread count.
+#define DW_FLUSH_PIXELS 512
+typedef struct {
+    const float *xp;      // (Hp,Wp,C) padded input of one image (with CONV_VMAX·CONV_VL floats of slack)
+    int Wp, C, s, kw, KK;
+    const float *dy;      // (OH,OW,Cout) fp32 output gradient of the same image
+    int OH, OW, Cout;
+    double *sum;          // [Cout][kh][kw][C], the weight gradient's layout
+} DirectDW;
+
+static inline __attribute__((always_inline)) void direct_dw_tile(const DirectDW *d, int R, int V, int tap, int co0,
+                                                                 int ci0) {
+    const int ky = tap / d->kw, kx = tap % d->kw;
+    const size_t xstep = (size_t)d->s * d->C;
+    const int rows = d->OW >= DW_FLUSH_PIXELS ? 1 : DW_FLUSH_PIXELS / d->OW;  // rows per fp32 partial sum
+    for (int oy0 = 0; oy0 < d->OH; oy0 += rows) {
+        vfloat acc[CONV_RMAX][CONV_VMAX];
+        #pragma GCC unroll 12
+        for (int r = 0; r < R; r++)
+            #pragma GCC unroll 4
+            for (int v = 0; v < V; v++) acc[r][v] = (vfloat){0};
+        for (int oy = oy0; oy < oy0 + rows && oy < d->OH; oy++) {
+        const float *xr = d->xp + ((size_t)(oy * d->s + ky) * d->Wp + kx) * d->C + ci0;
+        const float *dr = d->dy + (size_t)oy * d->OW * d->Cout + co0;
+        for (int ox = 0; ox < d->OW; ox++) {
+            vfloat xv[CONV_VMAX];
+            #pragma GCC unroll 4
+            for (int v = 0; v < V; v++) xv[v] = vload(xr + ox * xstep + v * CONV_VL);
+            #pragma GCC unroll 12
+            for (int r = 0; r < R; r++) {
+                vfloat b = (vfloat){0} + dr[(size_t)ox * d->Cout + r];
+                #pragma GCC unroll 4
+                for (int v = 0; v < V; v++) acc[r][v] += b * xv[v];
+            }
+        }
+        }
+        const int nc = d->C - ci0 < V * CONV_VL ? d->C - ci0 : V * CONV_VL;
+        float lanes[CONV_VMAX * CONV_VL];
+        #pragma GCC unroll 12
+        for (int r = 0; r < R; r++) {
+            #pragma GCC unroll 4
+            for (int v = 0; v < V; v++) vstore(lanes + v * CONV_VL, acc[r][v]);
+            double *sr = d->sum + ((size_t)(co0 + r) * d->KK + tap) * d->C + ci0;
+            for (int j = 0; j < nc; j++) sr[j] += lanes[j];
+        }
+    }
+}
+static inline __attribute__((always_inline)) void direct_dw_tiles_v(const DirectDW *d, int V, int tap, int ci0) {
+    const int R = conv_tile_pixels(V);
+    int co = 0;
+    for (; co + R <= d->Cout; co += R) direct_dw_tile(d, R, V, tap, co, ci0);
+    if (R > 8 && d->Cout - co >= 8) { direct_dw_tile(d, 8, V, tap, co, ci0); co += 8; }
+    if (R > 4 && d->Cout - co >= 4) { direct_dw_tile(d, 4, V, tap, co, ci0); co += 4; }
+    if (R > 2 && d->Cout - co >= 2) { direct_dw_tile(d, 2, V, tap, co, ci0); co += 2; }
+    if (co < d->Cout) direct_dw_tile(d, 1, V, tap, co, ci0);
+}
+static void direct_dw_image(const DirectDW *d) {
+    const int n_ci = (d->C + CONV_VMAX * CONV_VL - 1) / (CONV_VMAX * CONV_VL);
+    #pragma omp parallel for schedule(dynamic, 1) if(PAR((size_t)d->OH * d->OW * d->Cout * d->C * d->KK))
+    for (int item = 0; item < d->KK * n_ci; item++) {
+        const int tap = item / n_ci, ci0 = item % n_ci * CONV_VMAX * CONV_VL;
+        const int V = (d->C - ci0 + CONV_VL - 1) / CONV_VL;
+        switch (V > CONV_VMAX ? CONV_VMAX : V) {
+        case 1: direct_dw_tiles_v(d, 1, tap, ci0); break;
+        case 2: direct_dw_tiles_v(d, 2, tap, ci0); break;
+        case 3: direct_dw_tiles_v(d, 3, tap, ci0); break;
+        default: direct_dw_tiles_v(d, 4, tap, ci0);
+        }
+    }
+}
+
+static void conv2d_backward_weight_direct(const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
+                                          float *ws) {
+    const int s = cfg->stride, Hp = (q->OH - 1) * s + cfg->kh, Wp = (q->OW - 1) * s + cfg->kw;
+    const size_t n_w = (size_t)q->Cout * cfg->kh * cfg->kw * q->C;
+    double *sum = (double *)ws;                                       // (n_w) fp64
+    float *xp = ws + 2 * n_w;                                         // (Hp,Wp,C) + slack
+    float *rows = xp + (size_t)Hp * Wp * q->C + CONV_VMAX * CONV_VL;  // (OH,OW,Cout) when dout is 16-bit
+    memset(sum, 0, sizeof(double) * n_w);
+    DirectDW d = {xp, Wp, q->C, s, cfg->kw, cfg->kh * cfg->kw, NULL, q->OH, q->OW, q->Cout, sum};
+    memset(xp + (size_t)Hp * Wp * q->C, 0, sizeof(float) * CONV_VMAX * CONV_VL);
+    for (int n = 0; n < q->N; n++) {
+        pad_image(in, n, q->pt, q->pl, Hp, Wp, xp);
+        d.dy = image_rows_f32(dout, n, q->P, q->Cout, rows);
+        direct_dw_image(&d);
+    }
+    add_rounded(dw, sum, n_w);
+}
+
+static void add_bias_rows(float *y, size_t rows, int C, const float *b) {
+    #pragma omp parallel for schedule(static) if(PAR(rows * C))
+    for (size_t r = 0; r < rows; r++)
+        for (int c = 0; c < C; c++) y[r * C + c] += b[c];
+}
+
+// im2col + GEMM per image and group: grouped convs, and the reference for the direct paths
+static void conv2d_forward_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor out, Tensor in, const float *w,
+                                const float *b, float *ws) {
+    const ConvGeom q = *qp;
+    float *col = ws;                           // (P, K)
+    float *rows = col + q.P * q.K;             // (P, Cout) when out is not fp32
+    for (int n = 0; n < q.N; n++) {
+        float *y = out.dtype == DT_F32 ? (float *)out.data + (size_t)n * q.P * q.Cout : rows;  // (P, Cout)
+        for (int g = 0; g < cfg->groups; g++) {
+            im2col(cfg, &q, in, n, g, col);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)q.P, q.Coutg, q.K, 1.0f,
+                        col, q.K, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f, y + (size_t)g * q.Coutg, q.Cout);
+        }
+        if (b) add_bias_rows(y, q.P, q.Cout, b);
+        if (out.dtype != DT_F32) {
+            #pragma omp parallel for schedule(static) if(PAR(q.P * q.Cout))
+            for (size_t p = 0; p < q.P; p++)
+                st_run(out, ((size_t)n * q.P + p) * q.Cout, rows + p * q.Cout, (size_t)q.Cout, 0);
+        }
+    }
+}
+
+static void conv2d_backward_data_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor din, Tensor dout,
+                                      const float *w, int accumulate, float *ws) {
+    const ConvGeom q = *qp;
+    float *dcol = ws;                             // (P, K)
+    float *rows = dcol + q.P * q.K;               // (P, Cout) when dout is not fp32
+    for (int n = 0; n < q.N; n++) {
+        const float *dy = image_rows_f32(dout, n, q.P, q.Cout, rows);
+        for (int g = 0; g < cfg->groups; g++) {
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)q.P, q.K, q.Coutg, 1.0f,
+                        dy + (size_t)g * q.Coutg, q.Cout, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f, dcol, q.K);
+            col2im(cfg, &q, dcol, din, n, g, accumulate);
+        }
+    }
+}
+
+static void conv2d_backward_weight_gemm(const ConvCfg *cfg, const ConvGeom *qp, float *dw, Tensor dout, Tensor in,
+                                        float *ws) {
+    const ConvGeom q = *qp;
+    const size_t n_w = (size_t)q.Cout * q.K, n_wg = (size_t)q.Coutg * q.K;
+    double *sum = (double *)ws;                   // (n_w) fp64
+    float *image_dw = (float *)(sum + n_w);       // (Coutg, K) one image's product for one group
+    float *col = image_dw + n_wg;                 // (P, K)
+    float *rows = col + q.P * q.K;                // (P, Cout) when dout is not fp32
+    memset(sum, 0, sizeof(double) * n_w);
+    for (int n = 0; n < q.N; n++) {
+        const float *dy = image_rows_f32(dout, n, q.P, q.Cout, rows);
+        for (int g = 0; g < cfg->groups; g++) {
+            im2col(cfg, &q, in, n, g, col);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, q.Coutg, q.K, (int)q.P, 1.0f,
+                        dy + (size_t)g * q.Coutg, q.Cout, col, q.K, 0.0f, image_dw, q.K);
+            sum_into_f64(sum + (size_t)g * n_wg, image_dw, n_wg);
+        }
+    }
+    add_rounded(dw, sum, n_w);
+}
+
+// Workspace in bytes: col (P·K) for the GEMM paths, plus an fp32 copy of one
+// image's output or output gradient when activations are not stored in fp32,
+// plus for the weight gradient its fp64 sum and one image's product (fp32);
+// depthwise: its weights transposed to [kh][kw][C]; the direct convolutions' own.
+size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
+    (void)o;
+    if (conv_is_depthwise(cfg)) return sizeof(float) * (size_t)cfg->kh * cfg->kw * cfg->cin;  // weights [kh][kw][C]
+    ConvGeom q = conv_geom(cfg, in);
+    if (conv_is_pointwise(cfg) && dt == DT_F32) return 3 * (size_t)q.Cout * q.K * sizeof(float);  // fp64 sum, one image's
+    size_t im2col = im2col_floats(&q, dt), dw_gemm = gemm_weight_grad_floats(&q, dt);  // dw_gemm > im2col
+    if (!conv_is_direct(cfg)) return dw_gemm * sizeof(float);
+    size_t floats = direct_conv_floats(cfg, &q, 0);
+    size_t dx = conv_direct_grad_data(cfg) ? direct_conv_floats(cfg, &q, 1) : im2col;
+    size_t dw = conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2) : dw_gemm;
+    if (dw > floats) floats = dw;
+    if (dx > floats) floats = dx;
+    return floats * sizeof(float);
+}
+
+static void conv2d_forward_cpu(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in, const float *w,
+                               const void *w_cast, const float *b, void *ws) {
+    (void)o; (void)w_cast;  // the CPU multiplies in fp32
+    ConvGeom q = conv_geom(cfg, in.shape);
+    snCheck(out.shape.n == q.N && out.shape.h == q.OH && out.shape.w == q.OW && out.shape.c == q.Cout,
+            "conv2d_forward: out " SHAPE_FMT " for in " SHAPE_FMT, SHAPE_ARGS(out.shape), SHAPE_ARGS(in.shape));
+    if (conv_is_depthwise(cfg)) {
+        if (in.dtype == DT_F32 && out.dtype == DT_F32)
+            depthwise_forward_f32(cfg, &q, (float *)out.data, (const float *)in.data, w, b, (float *)ws);
+        else
+            depthwise_forward_ref(cfg, &q, out, in, w, b);
+        return;
+    }
+    if (conv_is_pointwise(cfg) && in.dtype == DT_F32 && out.dtype == DT_F32) {
+        // out[N·H·W][Cout] = in[N·H·W][Cin] · W[Cout][Cin]ᵀ
+        int M = q.N * q.H * q.W;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, q.Cout, q.C, 1.0f,
+                    (const float *)in.data, q.C, w, q.C, 0.0f, (float *)out.data, q.Cout);
+        if (b) add_bias_rows((float *)out.data, (size_t)M, q.Cout, b);
+        return;
+    }
+    if (conv_is_direct(cfg)) conv2d_forward_direct(cfg, &q, out, in, w, b, (float *)ws);
+    else conv2d_forward_gemm(cfg, &q, out, in, w, b, (float *)ws);
+}
+
+static void conv2d_backward_data_cpu(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout, const float *w,
+                                     const void *w_cast, int accumulate, void *ws) {
+    (void)o; (void)w_cast;
+    ConvGeom q = conv_geom(cfg, din.shape);
+    if (conv_is_depthwise(cfg)) {
+        if (din.dtype == DT_F32 && dout.dtype == DT_F32)
+            depthwise_backward_data_f32(cfg, &q, (float *)din.data, (const float *)dout.data, w, accumulate, (float *)ws);
+        else
+            depthwise_backward_data_ref(cfg, &q, din, dout, w, accumulate);
+        return;
+    }
+    if (conv_is_pointwise(cfg) && din.dtype == DT_F32 && dout.dtype == DT_F32) {
+        // din[N·H·W][Cin] (=|+=) dout[N·H·W][Cout] · W[Cout][Cin]
+        int M = q.N * q.H * q.W;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, q.C, q.Cout, 1.0f,
+                    (const float *)dout.data, q.Cout, w, q.C, accumulate ? 1.0f : 0.0f, (float *)din.data, q.C);
+        return;
+    }
+    if (conv_direct_grad_data(cfg)) conv2d_backward_data_direct(cfg, &q, din, dout, w, accumulate, (float *)ws);
+    else conv2d_backward_data_gemm(cfg, &q, din, dout, w, accumulate, (float *)ws);
+}
+
+static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, float *db, Tensor dout,
+                                       Tensor in, void *ws) {
+    (void)o;
+    ConvGeom q = conv_geom(cfg, in.shape);
+    if (db) {
+        // db[co] += Σ_{n,oy,ox} dout[n,oy,ox,co]
+        size_t M = (size_t)q.N * q.P;
+        #pragma omp parallel for schedule(static) if(PAR(M * q.Cout))
+        for (int co = 0; co < q.Cout; co++) {
+            double s = 0.0;
+            for (size_t p = 0; p < M; p++) s += ld(dout, p * q.Cout + co);
+            db[co] += (float)s;
+        }
+    }
+    if (!dw) return;
+    if (conv_is_depthwise(cfg)) {
+        if (in.dtype == DT_F32 && dout.dtype == DT_F32)
+            depthwise_backward_weight_f32(cfg, &q, dw, (const float *)dout.data, (const float *)in.data);
+        else
+            depthwise_backward_weight_ref(cfg, &q, dw, dout, in);
+        return;
+    }
+    if (conv_is_pointwise(cfg) && in.dtype == DT_F32 && dout.dtype == DT_F32) {
+        // dW[Cout][Cin] += Σ_n dout_n[H·W][Cout]ᵀ · in_n[H·W][Cin]
+        const size_t n_w = (size_t)q.Cout * q.C;
+        double *sum = (double *)ws;                // (n_w) fp64
+        float *image_dw = (float *)(sum + n_w);    // (n_w) one image's product
+        memset(sum, 0, sizeof(double) * n_w);
+        for (int n = 0; n < q.N; n++) {
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, q.Cout, q.C, (int)q.P, 1.0f,
+                        (const float *)dout.data + (size_t)n * q.P * q.Cout, q.Cout,
+                        (const float *)in.data + (size_t)n * q.P * q.C, q.C, 0.0f, image_dw, q.C);
+            sum_into_f64(sum, image_dw, n_w);
+        }
+        add_rounded(dw, sum, n_w);
+        return;
+    }
+    if (conv_direct_grad_weight(cfg)) conv2d_backward_weight_direct(cfg, &q, dw, dout, in, (float *)ws);
+    else conv2d_backward_weight_gemm(cfg, &q, dw, dout, in, (float *)ws);
+}
+
+// ----------------------------------------------------------------------------
+// batch norm, fast (bn_*_ref in part I states the formulas)
+//
+// fp32 math (16-bit tensors converted a row at a time): the same formulas with
+// per-channel constants hoisted out of the pixel loop and channels innermost
+// (contiguous, so the compiler vectorises them), one pass over memory each:
+//   stats    Σx, Σx² in fp64 (x² is exact there), then bn_moments_stats: plain
+//            sums, so that replicas can add theirs (--sync-bn) and round once
+//   z        gamma·((x - mean)·invstd) + beta with invstd per channel hoisted: the
+//            reference's z to the bit (not a·x + b, which cancels when |mean·a| ≫ |z|,
+//            nor (x - mean)·(gamma·invstd) + beta, which puts other values on the
+//            other side of ReLU's kink than the reference and PyTorch do)
+// Reductions keep the reference's scheme (a block of channels per thread,
+// rows in order): the same bits for any thread count.
+#define BN_ROWS 64  // rows per parallel work item of the elementwise passes
+
+// e^x for the vectorised fp32 loops (the compiler cannot vectorise libm's
+// expf): x = n·ln2 + r with |r| ≤ ln2/2 (ln2 split in two for an exact n·ln2_hi),
+// e^r by its Taylor series to r^7 (truncation < 6e-9 relative), 2^n from the
+// exponent bits; x is clamped to [-87, 88], where 2^n stays a normal float.
+// Within a few ulp of expf, and the same bits whether vectorised or not
+// (explicit fmaf, no data-dependent branch).
+static inline float exp_vec(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    // n = round(x·log2 e): adding and subtracting 1.5·2^23 rounds to an integer
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = fmaf(n, -0.693145751953125f, x);
+    r = fmaf(n, -1.428606765330187e-6f, r);
+    float p = 1.0f / 5040.0f;
+    p = fmaf(p, r, 1.0f / 720.0f);
+    p = fmaf(p, r, 1.0f / 120.0f);
+    p = fmaf(p, r, 1.0f / 24.0f);
+    p = fmaf(p, r, 1.0f / 6.0f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
+    return p * two_n.f;
+}
+static inline float sigmoid_vec(float z) { return 1.0f / (1.0f + exp_vec(-z)); }
+// act_apply and act_grad (segnet.h) with exp_vec
+static inline float act_apply_vec(Act a, float z) {
+    switch (a) {
+    case ACT_RELU: return z > 0.0f ? z : 0.0f;
+    case ACT_SILU: return z * sigmoid_vec(z);
+    case ACT_SIGMOID: return sigmoid_vec(z);
+    default: return z;
+    }
+}
+static inline float act_grad_vec(Act a, float z) {
+    switch (a) {
+    case ACT_RELU: return z > 0.0f ? 1.0f : 0.0f;
+    case ACT_SILU: { float s = sigmoid_vec(z); return s * (1.0f + z * (1.0f - s)); }
+    case ACT_SIGMOID: { float s = sigmoid_vec(z); return s * (1.0f - s); }
+    default: return 1.0f;
+    }
+}
+
+static void bn_stats_fast(Tensor x, float *mean, float *var, double *sums) {
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
+        const int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
+        double s[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0};
+        float tmp[BN_CBLOCK];  // (BN_CBLOCK) one row's channels in fp32 when x is 16-bit
+        if (nc == BN_CBLOCK) {  // the common case, with a constant trip count
+            for (size_t r = 0; r < M; r++) {
+                const float *xr = ld_view(x, r * C + c0, tmp, BN_CBLOCK);
+                for (int j = 0; j < BN_CBLOCK; j++) { double v = xr[j]; s[j] += v; q[j] += v * v; }
+            }
+        } else {
+            for (size_t r = 0; r < M; r++) {
+                const float *xr = ld_view(x, r * C + c0, tmp, nc);
+                for (int j = 0; j < nc; j++) { double v = xr[j]; s[j] += v; q[j] += v * v; }
+            }
+        }
+        for (int j = 0; j < nc; j++) {
+            bn_moments_stats(s[j], q[j], (double)M, &mean[c0 + j], &var[c0 + j]);
+            if (sums) { sums[c0 + j] = s[j]; sums[C + c0 + j] = q[j]; }
+        }
+    }
+}
+
+// y = act(g·((x - m)·k) + b) over `rows` rows from x, y; `act` is a constant where this is inlined
+static inline __attribute__((always_inline)) void bn_act_rows(float *y, const float *x, size_t rows, int C,
+                                                              const float *m, const float *k, const float *g,
+                                                              const float *b, Act act) {
+    for (size_t r = 0; r < rows; r++) {
+        const float *xr = x + r * C;
+        float *yr = y + r * C;
+        #pragma omp simd
+        for (int c = 0; c < C; c++) yr[c] = act_apply_vec(act, g[c] * ((xr[c] - m[c]) * k[c]) + b[c]);
+    }
+}
+static void bn_act_rows_any(float *y, const float *x, size_t rows, int C, const float *m, const float *k,
+                            const float *g, const float *b, Act act) {
+    switch (act) {
+    case ACT_RELU: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_RELU); break;
+    case ACT_SILU: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_SILU); break;
+    case ACT_SIGMOID: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_SIGMOID); break;
+    default: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_NONE);
+    }
+}
+
+// 16-bit tensors go through the same loops a row at a time, converted to fp32
+// on the way in and rounded once on the way out (as the reference's st does).
+static void bn_forward_fast(Tensor y, Tensor x, const float *mean, const float *var,
+                            const float *gamma, const float *beta, float eps, Act act) {
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    float k[C];  // (C)
+    for (int c = 0; c < C; c++) k[c] = bn_invstd(var, c, eps);
+    const size_t n_items = (M + BN_ROWS - 1) / BN_ROWS;
+    const int f32 = x.dtype == DT_F32 && y.dtype == DT_F32;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (size_t it = 0; it < n_items; it++) {
+        size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
+        if (f32) {
+            bn_act_rows_any((float *)y.data + r0 * C, (const float *)x.data + r0 * C, r1 - r0, C, mean, k, gamma,
+                            beta, act);
+            continue;
+        }
+        float xbuf[C], ybuf[C];  // (C) one row in fp32
+        for (size_t r = r0; r < r1; r++) {
+            bn_act_rows_any(ybuf, ld_view(x, r * C, xbuf, C), 1, C, mean, k, gamma, beta, act);
+            st_run(y, r * C, ybuf, C, 0);
+        }
+    }
+}
+
+// Σg and Σg·xhat per channel over rows, g = dy·act'(gamma·xhat + b), xhat = (x - mean)·invstd; act constant where inlined
+static inline __attribute__((always_inline)) void bn_grad_sums(Tensor dy, Tensor x, size_t M, int C, int c0,
+                                                               const float *gam, const float *inv, const float *b,
+                                                               const float *mean, Act act, double *sg, double *sgx) {
+    float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];  // one row's channels in fp32 when the tensors are 16-bit
+    for (size_t r = 0; r < M; r++) {
+        const float *xr = ld_view(x, r * C + c0, xbuf, BN_CBLOCK), *dr = ld_view(dy, r * C + c0, dbuf, BN_CBLOCK);
+        #pragma omp simd
+        for (int j = 0; j < BN_CBLOCK; j++) {
+            float xhat = (xr[j] - mean[c0 + j]) * inv[c0 + j], g = dr[j] * act_grad_vec(act, gam[c0 + j] * xhat + b[c0 + j]);
+            sg[j] += g;
+            sgx[j] += (double)g * xhat;
+        }
+    }
+}
+
+static void bn_backward_reduce_fast(Tensor dy, Tensor x, const float *mean, const float *var, const float *gamma,
+                                    const float *beta, float eps, Act act, float *sum_g, float *sum_gx,
+                                    float *dgamma, float *dbeta, double *sums) {
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    // gamma, invstd, beta, mean padded to whole channel blocks (the padding lanes are computed and dropped)
+    const int Cp = (C + BN_CBLOCK - 1) / BN_CBLOCK * BN_CBLOCK;
+    float gam[Cp], b[Cp], m[Cp], invstd[Cp];  // (Cp)
+    for (int c = 0; c < Cp; c++) {
+        invstd[c] = c < C ? bn_invstd(var, c, eps) : 0.0f;
+        gam[c] = c < C ? gamma[c] : 0.0f;
+        b[c] = c < C ? beta[c] : 0.0f;
+        m[c] = c < C ? mean[c] : 0.0f;
+    }
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
+        const int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
+        double sg[BN_CBLOCK] = {0}, sgx[BN_CBLOCK] = {0};
+        if (nc == BN_CBLOCK) {
+            switch (act) {
+            case ACT_RELU: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_RELU, sg, sgx); break;
+            case ACT_SILU: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_SILU, sg, sgx); break;
+            case ACT_SIGMOID: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_SIGMOID, sg, sgx); break;
+            default: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_NONE, sg, sgx);
+            }
+        } else {  // the last, partial block
+            float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];
+            for (size_t r = 0; r < M; r++) {
+                const float *xr = ld_view(x, r * C + c0, xbuf, nc), *dr = ld_view(dy, r * C + c0, dbuf, nc);
+                for (int j = 0; j < nc; j++) {
+                    float xhat = (xr[j] - m[c0 + j]) * invstd[c0 + j];
+                    float g = dr[j] * act_grad_vec(act, gam[c0 + j] * xhat + b[c0 + j]);
+                    sg[j] += g;
+                    sgx[j] += (double)g * xhat;
+                }
+            }
+        }
+        for (int j = 0; j < nc; j++) {
+            bn_grad_sums_store(c0 + j, sg[j], sgx[j], sum_g, sum_gx, dgamma, dbeta);
+            if (sums) { sums[c0 + j] = sg[j]; sums[C + c0 + j] = sgx[j]; }
+        }
+    }
+}
+
+// dx (=|+=) a·(g - u - (x - mean)·v), a = gamma·invstd, u = Σg/count, v = invstd·Σg·xhat/count,
+// over `rows` rows from dx, dy, x
+static inline __attribute__((always_inline)) void bn_dx_rows(float *dx, const float *dy, const float *x, size_t rows,
+                                                             int C, const float *a, const float *gam,
+                                                             const float *inv, const float *b,
+                                                             const float *mean, const float *u, const float *v,
+                                                             Act act, int accumulate) {
+    for (size_t r = 0; r < rows; r++) {
+        const float *xr = x + r * C, *dr = dy + r * C;
+        float *o = dx + r * C;
+        #pragma omp simd
+        for (int c = 0; c < C; c++) {
+            float xm = xr[c] - mean[c], g = dr[c] * act_grad_vec(act, gam[c] * (xm * inv[c]) + b[c]);
+            float d = a[c] * (g - u[c] - xm * v[c]);
+            o[c] = accumulate ? o[c] + d : d;
+        }
+    }
+}
+static void bn_dx_rows_any(float *dx, const float *dy, const float *x, size_t rows, int C, const float *a,
+                           const float *gam, const float *inv, const float *b, const float *mean, const float *u,
+                           const float *v, Act act, int accumulate) {
+    switch (act) {
+    case ACT_RELU: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_RELU, accumulate); break;
+    case ACT_SILU: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_SILU, accumulate); break;
+    case ACT_SIGMOID: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_SIGMOID, accumulate); break;
+    default: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_NONE, accumulate);
+    }
+}
+
+static void bn_backward_data_fast(Tensor dx, Tensor dy, Tensor x, const float *mean, const float *var,
+                                  const float *gamma, const float *beta, float eps, Act act, const float *sum_g,
+                                  const float *sum_gx, size_t count, int accumulate) {
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    float a[C], inv[C], u[C], v[C];  // (C)
+    for (int c = 0; c < C; c++) {
+        inv[c] = bn_invstd(var, c, eps);
+        a[c] = gamma[c] * inv[c];
+        u[c] = count ? sum_g[c] / (float)count : 0.0f;
+        v[c] = count ? inv[c] * sum_gx[c] / (float)count : 0.0f;
+    }
+    const size_t n_items = (M + BN_ROWS - 1) / BN_ROWS;
+    const int f32 = dx.dtype == DT_F32 && dy.dtype == DT_F32 && x.dtype == DT_F32;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (size_t it = 0; it < n_items; it++) {
+        size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
+        if (f32) {
+            bn_dx_rows_any((float *)dx.data + r0 * C, (const float *)dy.data + r0 * C, (const float *)x.data + r0 * C,
+                           r1 - r0, C, a, gamma, inv, beta, mean, u, v, act, accumulate);
+            continue;
+        }
+        float xbuf[C], dybuf[C], dxbuf[C];  // (C) one row in fp32
+        for (size_t r = r0; r < r1; r++) {
+            if (accumulate) ld_run(dx, r * C, dxbuf, C);
+            bn_dx_rows_any(dxbuf, ld_view(dy, r * C, dybuf, C), ld_view(x, r * C, xbuf, C), 1, C, a, gamma, inv, beta,
+                           mean, u, v, act, accumulate);
+            st_run(dx, r * C, dxbuf, C, 0);
+        }
+    }
+}
+
+static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum,
+                         double *sums) {
+    bn_stats_fast(x, mean, var, sums);
+    const int C = x.shape.c;
+    if (run_mean) bn_update_running_ref(o, run_mean, run_var, mean, var, C, shape_numel(x.shape) / C, momentum);
+}
+
+static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
+                           const float *gamma, const float *beta, float eps, Act act, const BnNext *next) {
+    if (next && next->kind == FUSED_RESIDUAL) y = next->out;
+    bn_forward_fast(y, x, mean, var, gamma, beta, eps, act);
+    if (next) bn_next_forward_ref(o, y, next);
+}
+
+static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
+                                   const float *gamma, const float *beta, float eps, Act act,
+                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums,
+                                   const BnNext *next) {
+    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_ref(o, dy, next);
+    if (sum_g) bn_backward_reduce_fast(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta, sums);
+}
+
+// dy: y's gradient, also with a residual block's end (bn_backward_reduce made it so)
+static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
+                                 const float *var, const float *gamma, const float *beta, float eps,
+                                 Act act, const float *sum_g, const float *sum_gx, size_t count,
+                                 int accumulate, const BnNext *next) {
+    (void)o; (void)next;
+    bn_backward_data_fast(dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
+}
+
+// ----------------------------------------------------------------------------
+// squeeze-excitation pieces in fp32 (global_avg_pool_*_ref and
+// channel_scale_*_ref otherwise): rows of C channels, the per-image sums
+// over pixels a block of channels at a time, the same fp64 sums in the same
+// order as the references (the same bits)
+
+// fp32: Σ over the pixels of image n per channel, fp64, channels innermost;
+// a block of channels per work item, pixels in order (any thread count, same bits)
+#define SE_CBLOCK 16
+static void channel_sums_f32(const float *a, const float *b, int N, size_t HW, int C, double *out) {
+    const int nblk = (C + SE_CBLOCK - 1) / SE_CBLOCK;
+    #pragma omp parallel for schedule(static) if(PAR((size_t)N * HW * C))
+    for (int nb = 0; nb < N * nblk; nb++) {
+        const int n = nb / nblk, c0 = nb % nblk * SE_CBLOCK, nc = C - c0 < SE_CBLOCK ? C - c0 : SE_CBLOCK;
+        double acc[SE_CBLOCK] = {0};
+        for (size_t p = 0; p < HW; p++) {
+            const size_t i = ((size_t)n * HW + p) * C + c0;
+            if (b) for (int j = 0; j < nc; j++) acc[j] += (double)a[i + j] * b[i + j];   // Σ a·b
+            else for (int j = 0; j < nc; j++) acc[j] += a[i + j];                         // Σ a
+        }
+        for (int j = 0; j < nc; j++) out[(size_t)n * C + c0 + j] = acc[j];
+    }
+}
+
+static void global_avg_pool_forward_cpu(Ops *o, Tensor y, Tensor x) {
+    if (x.dtype == DT_F32) {
+        const int N = x.shape.n, C = x.shape.c;
+        const size_t HW = (size_t)x.shape.h * x.shape.w;
+        double sums[N * C];  // (N,C)
+        channel_sums_f32((const float *)x.data, NULL, N, HW, C, sums);
+        for (int i = 0; i < N * C; i++) st(y, i, (float)(sums[i] / (double)HW));
+        return;
+    }
+    global_avg_pool_forward_ref(o, y, x);
+}
+
+static void global_avg_pool_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accumulate) {
+    const int C = dx.shape.c;
+    const size_t HW = (size_t)dx.shape.h * dx.shape.w;
+    const float inv = 1.0f / (float)HW;
+    if (dx.dtype == DT_F32 && dy.dtype == DT_F32) {  // rows of C, dy[n,:] per row
+        const size_t M = (size_t)dx.shape.n * HW;
+        const float *dyp = (const float *)dy.data;
+        float *dxp = (float *)dx.data;
+        #pragma omp parallel for schedule(static) if(PAR(M * C))
+        for (size_t r = 0; r < M; r++) {
+            const float *g = dyp + r / HW * C;
+            if (accumulate) for (int c = 0; c < C; c++) dxp[r * C + c] += g[c] * inv;
+            else for (int c = 0; c < C; c++) dxp[r * C + c] = g[c] * inv;
+        }
+        return;
+    }
+    global_avg_pool_backward_ref(o, dx, dy, accumulate);
+}
+
+static void channel_scale_forward_cpu(Ops *o, Tensor y, Tensor x, Tensor s) {
+    if (x.dtype == DT_F32 && y.dtype == DT_F32 && s.dtype == DT_F32) {  // rows of C, s[n,:] per row
+        const int C = x.shape.c;
+        const size_t HW = (size_t)x.shape.h * x.shape.w, M = (size_t)x.shape.n * HW;
+        const float *xp = (const float *)x.data, *sp = (const float *)s.data;
+        float *yp = (float *)y.data;
+        #pragma omp parallel for schedule(static) if(PAR(M * C))
+        for (size_t r = 0; r < M; r++) {
+            const float *sr = sp + r / HW * C;
+            #pragma omp simd
+            for (int c = 0; c < C; c++) yp[r * C + c] = xp[r * C + c] * sr[c];
+        }
+        return;
+    }
+    channel_scale_forward_ref(o, y, x, s);
+}
+
+static void channel_scale_backward_cpu(Ops *o, Tensor dx, Tensor ds, Tensor dy, Tensor x, Tensor s,
+                                       int accumulate_dx, int accumulate_ds) {
+    const int f32 = x.dtype == DT_F32 && dy.dtype == DT_F32 && s.dtype == DT_F32 && (!dx.data || dx.dtype == DT_F32);
+    if (!f32) {
+        channel_scale_backward_ref(o, dx, ds, dy, x, s, accumulate_dx, accumulate_ds);
+        return;
+    }
+    const int N = x.shape.n, C = x.shape.c;
+    const size_t HW = (size_t)x.shape.h * x.shape.w;
+    if (dx.data) {
+        const size_t M = (size_t)N * HW;
+        const float *dyp = (const float *)dy.data, *sp = (const float *)s.data;
+        float *dxp = (float *)dx.data;
+        #pragma omp parallel for schedule(static) if(PAR(M * C))
+        for (size_t r = 0; r < M; r++) {
+            const float *sr = sp + r / HW * C;
+            if (accumulate_dx) for (int c = 0; c < C; c++) dxp[r * C + c] += dyp[r * C + c] * sr[c];
+            else for (int c = 0; c < C; c++) dxp[r * C + c] = dyp[r * C + c] * sr[c];
+        }
+    }
+    if (ds.data) {
+        double sums[N * C];  // (N,C)
+        channel_sums_f32((const float *)dy.data, (const float *)x.data, N, HW, C, sums);
+        for (int nc = 0; nc < N * C; nc++) st_acc(ds, nc, (float)sums[nc], accumulate_ds);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// the CPU ops table: ops_ref with the fast versions above, filled before main
+
+Ops ops_cpu;
+__attribute__((constructor)) static void ops_cpu_make(void) {
+    ops_cpu = ops_ref;
+    ops_cpu.name = "cpu";
+    ops_cpu.conv2d_workspace = conv2d_workspace_cpu;
+    ops_cpu.conv2d_forward = conv2d_forward_cpu;
+    ops_cpu.conv2d_backward_data = conv2d_backward_data_cpu;
+    ops_cpu.conv2d_backward_weight = conv2d_backward_weight_cpu;
+    ops_cpu.bn_stats = bn_stats_cpu;
+    ops_cpu.bn_forward = bn_forward_cpu;
+    ops_cpu.bn_backward_reduce = bn_backward_reduce_cpu;
+    ops_cpu.bn_backward_data = bn_backward_data_cpu;
+    ops_cpu.global_avg_pool_forward = global_avg_pool_forward_cpu;
+    ops_cpu.global_avg_pool_backward = global_avg_pool_backward_cpu;
+    ops_cpu.channel_scale_forward = channel_scale_forward_cpu;
+    ops_cpu.channel_scale_backward = channel_scale_backward_cpu;
+}
+
+// ----------------------------------------------------------------------------
+// choosing a backend
+
+// Every function entry of struct Ops by name (the test ops_entries_listed checks
+// that none is left out); optional ones may be NULL (recording steps).
+#define OPS_ENTRY(name) {#name, offsetof(Ops, name), 0}
+#define OPS_OPTIONAL(name) {#name, offsetof(Ops, name), 1}
+static const struct { const char *name; size_t offset; int optional; } OPS_ENTRIES[] = {
+    OPS_ENTRY(alloc), OPS_ENTRY(free), OPS_ENTRY(upload), OPS_ENTRY(download), OPS_ENTRY(synchronize),
+    OPS_ENTRY(host_alloc), OPS_ENTRY(host_free), OPS_ENTRY(upload_async), OPS_OPTIONAL(capture_begin),
+    OPS_OPTIONAL(capture_end), OPS_OPTIONAL(replay), OPS_OPTIONAL(record_free),
+#define OPS_COMPUTE_ENTRY(name) OPS_ENTRY(name),
+    SN_COMPUTE_OPS(OPS_COMPUTE_ENTRY)
+#undef OPS_COMPUTE_ENTRY
+};
+#define N_OPS_ENTRIES (sizeof OPS_ENTRIES / sizeof *OPS_ENTRIES)
+
+int ops_missing(const Ops *o, char *list, size_t size) {
+    int n = 0;
+    list[0] = 0;
+    for (size_t i = 0; i < N_OPS_ENTRIES; i++) {
+        void (*fn)(void);
+        memcpy(&fn, (const char *)o + OPS_ENTRIES[i].offset, sizeof fn);
+        if (fn || OPS_ENTRIES[i].optional) continue;
+        size_t len = strlen(list);
+        snprintf(list + len, size - len, "%s%s", n++ ? ", " : "", OPS_ENTRIES[i].name);
+    }
+    return n;
+}
+
+const char *const DEVICE_NAMES[3] = {"cpu", "cuda", "auto"};
+
+#define NO_CUDA_BUILD "this segnet was built without the CUDA backend (no nvcc when it was built)"
+
+// --device auto without a usable GPU: one line on stderr, once per process
+static void cpu_fallback_notice(const char *why) {
+    static int noticed;
+    if (!noticed++) fprintf(stderr, "segnet: not on a GPU: %s; running on the CPU\n", why);
+}
+
+Ops *ops_for_device(Device d, int gpu, char err[SN_ERR_MAX]) {
+    if (d == DEVICE_CPU) return &ops_cpu;
+    char why[SN_ERR_MAX];
+#ifdef SEGNET_CUDA
+    char missing[SN_ERR_MAX];
+    Ops *o = cuda_ops_for_device(gpu, why);
+    if (o) {
+        if (!ops_missing(o, missing, sizeof missing)) return o;
+        snprintf(why, sizeof why, "the CUDA backend of this build lacks %.400s", missing);
+    }
+#else
+    (void)gpu;
+    snprintf(why, sizeof why, "%s", NO_CUDA_BUILD);
+#endif
+    if (d == DEVICE_CUDA) {
+        snprintf(err, SN_ERR_MAX, "--device cuda: %.480s", why);
+        return NULL;
+    }
+    cpu_fallback_notice(why);
+    return &ops_cpu;
+}
+
+// ============================================================================
+// PART V. PLUMBING
+// Files, data, replicas, the training run around the step, benchmark, and the
+// command line.
+// ============================================================================
+
+// ----------------------------------------------------------------------------
 // safetensors files
 //
 // The header parser is not a general JSON parser: it follows the one shape a
@@ -3587,7 +4144,6 @@ void net_backward(Net *net, int output) {
 //
 // Alignment: the data section starts at byte 8 + N and offsets are arbitrary,
 // so SafetensorsTensor.data has no alignment guarantee; callers memcpy out of it.
-
 
 #define SF_HEADER_MAX   ((uint64_t)100 << 20)  // a longer header is absurd (real ones are kilobytes)
 #define SF_QUOTE_MAX    64                      // names shown in messages are cut to this
@@ -4512,7 +5068,12 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
     return refuse ? -1 : 0;
 }
 
-static const char *safetensors_meta(const SafetensorsFile *f, const char *key);
+// a metadata value of the file, NULL if it has no such key
+static const char *safetensors_meta(const SafetensorsFile *f, const char *key) {
+    for (int i = 0; i < f->n_meta; i++) if (!strcmp(f->meta_keys[i], key)) return f->meta_values[i];
+    return NULL;
+}
+
 int weights_padding(const SafetensorsFile *f, PadMode *pad, const char **why) {
     const char *meta = safetensors_meta(f, "padding");
     if (meta && (!strcmp(meta, "same") || !strcmp(meta, "symmetric"))) {
@@ -6301,91 +6862,7 @@ int comm_mpi_open(Comm *c, char err[SN_ERR_MAX]) {
 #endif
 
 // ----------------------------------------------------------------------------
-// training: initialisation, metrics, schedules, checkpoints, the loop
-
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-// one layer's weight (and bias) in host: its own random stream, by parameter id
-static void init_weights(const Graph *g, LayerKind kind, const ConvCfg *conv, int weight, int bias, uint64_t seed,
-                         float *host) {
-    const ParamInfo *p = &g->params[weight];
-    float *w = host + p->offset;
-    Rng r;  // one stream per tensor: adding a layer does not reshuffle the others
-    rng_seed(&r, rng_mix64(seed ^ rng_mix64((uint64_t)weight + 1)));
-    if ((kind == LAYER_CONV || kind == LAYER_DENSE) && g->init == INIT_TORCH_DEFAULT) {
-        float bound = 1.0f / sqrtf((float)(conv->cin / conv->groups * conv->kh * conv->kw));
-        for (size_t k = 0; k < p->count; k++) w[k] = bound * (2.0f * rng_float(&r) - 1.0f);
-        if (bias >= 0) {
-            const ParamInfo *pb = &g->params[bias];
-            for (size_t k = 0; k < pb->count; k++) host[pb->offset + k] = bound * (2.0f * rng_float(&r) - 1.0f);
-        }
-    } else if (kind == LAYER_CONV) {
-        double std = sqrt(2.0 / ((double)conv->cout * conv->kh * conv->kw));
-        for (size_t k = 0; k < p->count; k++) w[k] = (float)(std * rng_normal(&r));
-    } else if (kind == LAYER_DENSE) {
-        float range = 1.0f / sqrtf((float)conv->cout);
-        for (size_t k = 0; k < p->count; k++) w[k] = range * (2.0f * rng_float(&r) - 1.0f);
-    } else if (kind == LAYER_BN) {
-        for (size_t k = 0; k < p->count; k++) w[k] = 1.0f;
-    }
-}
-
-void net_init_params(Net *net, uint64_t seed) {
-    const Graph *g = net->g;
-    float *host = calloc(g->n_param_floats ? g->n_param_floats : 1, sizeof(float));
-    snCheck(host != NULL, "out of host memory");
-    for (int i = 0; i < g->n_layers; i++) {
-        const Layer *l = &g->layers[i];
-        if (l->weight < 0) continue;
-        if (l->kind == LAYER_SE_GATE) {  // fc1 and fc2 as the 1×1 convs they are
-            const ConvCfg fc2 = {l->conv.cout, l->conv.cin, 1, 1, 1, 1, PAD_SAME, 1};
-            init_weights(g, LAYER_CONV, &l->conv, l->weight, l->bias, seed, host);
-            init_weights(g, LAYER_CONV, &fc2, l->weight2, l->bias2, seed, host);
-        } else {
-            init_weights(g, l->kind, &l->conv, l->weight, l->bias, seed, host);
-        }
-    }
-    net->o->upload(net->o, net->params, host, sizeof(float) * g->n_param_floats);
-    free(host);
-}
-
-void metrics_compute(const int64_t *cm, int K, const float *class_weights, Metrics *m) {
-    int64_t correct = 0, counted = 0;
-    double iou_sum = 0.0;
-    int n_iou = 0;
-    for (int c = 0; c < K; c++) {
-        m->iou[c] = NAN;
-        if (!(class_weights[c] > 0.0f)) continue;
-        int64_t tp = cm[(size_t)c * K + c], fn = 0, fp = 0;
-        for (int k = 0; k < K; k++) {
-            if (k == c) continue;
-            fn += cm[(size_t)c * K + k];
-            if (class_weights[k] > 0.0f) fp += cm[(size_t)k * K + c];
-        }
-        correct += tp;
-        counted += tp + fn;
-        if (tp + fp + fn > 0) {
-            m->iou[c] = (double)tp / (double)(tp + fp + fn);
-            iou_sum += m->iou[c];
-            n_iou++;
-        }
-    }
-    m->mean_iou = n_iou ? iou_sum / n_iou : NAN;
-    m->accuracy = counted ? (double)correct / (double)counted : NAN;
-}
-
-double lr_at_step(double lr, Schedule s, int64_t warmup, int64_t total_steps, int64_t step) {
-    if (step < warmup) return lr * (double)(step + 1) / (double)warmup;
-    if (s == SCHEDULE_CONSTANT || total_steps <= warmup) return lr;
-    double progress = (double)(step - warmup) / (double)(total_steps - warmup);
-    if (progress > 1.0) progress = 1.0;
-    return lr * 0.5 * (1.0 + cos(M_PI * progress));
-}
-
+// the training run: options, the trainer, passes, checkpoints, metrics.csv, resume
 
 void train_cfg_default(TrainCfg *c) {
     memset(c, 0, sizeof *c);
@@ -6408,53 +6885,26 @@ void train_cfg_default(TrainCfg *c) {
 static int model_is_classifier(const char *model) { return !strncmp(model, "effv2-", 6); }
 static const char *const DTYPE_NAMES[] = {"fp32", "fp16", "bf16"};  // indexed by DType, as --precision spells them
 
-// ---- optimisation diagnostics (metrics.csv's last columns, steps.csv)
-//
-// Over a span of optimiser steps (an epoch; --log-every's interval), from
-// what each step's StepState already says, read at its end with the rest of
-// it (no other wait for the device): the global gradient norm before clipping
-// (unscaled), whether clipping acted, whether fp16 overflow skipped the step,
-// the loss scale after it; and the wall time of train_step. The update ratio
-// ‖Δw‖/‖w‖ (trainable weights, fp64) is that of the span's last step: the
-// weights are read before and after it, one wait per span.
-typedef struct {
-    int64_t steps, clipped, skipped;  // skipped: fp16 overflow, no update (the loss scale halved)
-    int64_t skip_run, skip_run_max;   // skipped steps in a row: the current run, the longest in the span
-    double norm_sum, norm_max;        // of the applied steps
-    double loss_sum, label_sum;       // this replica's Σw·nll and Σw (or labels) of the steps
-    double loss_scale;                // after the span's last step (1 without loss scaling)
-    double update_ratio;              // of the span's last step; NAN: not measured
-    double seconds;                   // in train_step, over `timed` steps: this process's (a checkpoint
-    int64_t timed;                    // keeps no wall time, so that resumed runs save the same bits)
-} StepStats;
-#define STEP_STATS_FIELDS 11          // as text (checkpoint metadata): the fields up to update_ratio, space-separated
-#define WARN_CLIP_FRACTION 0.5        // clipping acted on more than this fraction of an epoch's steps
-#define WARN_SKIP_FRACTION 0.05       // fp16 overflow skipped more than this fraction of an epoch's steps
-#define WARN_SKIP_RUN 3               // or more than this many steps in a row (the loss scale fell each time)
-#define WARN_TRAIN_MODE_GAP 0.05      // the train metric below the validation one by more than this
+// ",value" in `format` (a printf conversion of one double); "," for NaN
+static void csv_value(SfBuf *b, double v, const char *format) {
+    char s[48];
+    s[0] = ',';
+    if (isnan(v)) s[1] = 0;
+    else snprintf(s + 1, sizeof s - 1, format, v);
+    sb_str(b, s);
+}
+static void csv_num(SfBuf *b, double v) { csv_value(b, v, "%.6f"); }
 
-static void csv_num(SfBuf *b, double v);                // ",value" with 6 decimals; "," for NaN
-static void csv_sig(SfBuf *b, double v);                // ",value" with 6 significant digits; "," for NaN
-static const char *float_str(char buf[32], float v);   // the shortest decimal that reads back as v
+// 6 significant digits: the diagnostics span decades
+static void csv_sig(SfBuf *b, double v) { csv_value(b, v, "%.6g"); }
 
-static void step_stats_reset(StepStats *st) { *st = (StepStats){0}; st->loss_scale = 1.0; st->update_ratio = NAN; }
-
-static void step_stats_add(StepStats *st, const StepState *s, double seconds, double local_norm) {
-    st->steps++;
-    if (s->applied) {
-        st->skip_run = 0;
-        st->clipped += s->clipped;
-        st->norm_sum += s->grad_norm;
-        st->norm_max = fmax(st->norm_max, s->grad_norm);
-    } else {
-        st->skipped++;
-        if (++st->skip_run > st->skip_run_max) st->skip_run_max = st->skip_run;
+// the shortest decimal that reads back as the same float (0.001, not 0.00100000005)
+static const char *float_str(char buf[32], float v) {
+    for (int digits = 6; digits <= 9; digits++) {
+        snprintf(buf, 32, "%.*g", digits, v);
+        if (strtof(buf, NULL) == v) break;
     }
-    st->seconds += seconds;
-    st->timed++;
-    st->loss_sum += s->loss[0];
-    st->label_sum += local_norm;
-    st->loss_scale = s->loss_scale;
+    return buf;
 }
 
 // the columns' values: norm mean and max, clip fraction, loss scale, skipped steps, update ratio, ms per step
@@ -6471,7 +6921,6 @@ static void step_stats_columns(const StepStats *st, double v[STEP_STATS_N_COLUMN
     v[5] = st->update_ratio;
     v[6] = st->timed ? 1000.0 * st->seconds / (double)st->timed : NAN;
 }
-
 
 static void step_stats_text(const StepStats *st, char *out, size_t size) {
     snprintf(out, size, "%" PRId64 " %" PRId64 " %" PRId64 " %" PRId64 " %" PRId64 " %a %a %a %a %a %a", st->steps,
@@ -6505,61 +6954,6 @@ static int step_stats_parse(const char *path, const char *key, const char *text,
     return 0;
 }
 
-// Everything a run holds: the model on its backend, the data, the optimiser
-// state and the bookkeeping that a checkpoint saves.
-typedef struct {
-    const TrainCfg *c;
-    Ops *o;
-    Graph g;
-    Net net;
-    int logits, K, segmentation;
-    Dataset train, val;
-    int has_train, has_val;
-    float *adam_m, *adam_v;     // (n_param_floats) backend memory
-    float *class_weights;       // (K)
-    int32_t *labels;            // (N·H·W) or (N)
-    int64_t *confusion;         // (K,K)
-    StepArgs *args;             // backend memory: the step's arguments, from host_args
-    StepState *state;           // backend memory: what the step decides (step_control)
-    StepArgs *host_args;        // host_alloc: written before each step, read when its upload runs
-    StepState *host_state;      // host_alloc: the step's StepState, read back at its end
-    uint64_t *host_seeds;       // host_alloc: (n_layers) the step's dropout seeds
-    float *host_images;         // host_alloc: (N,H,W,3) the micro-batch being uploaded
-    int32_t *host_labels;       // host_alloc: its labels
-    void *record;               // the recorded step (Ops.capture_*), replayed by later steps; NULL: none
-    int records;                // 1: record steps where the backend can (SEGNET_CUDA_GRAPHS=0: never)
-    size_t per_image;           // labels per image: H·W (segmentation) or 1
-    struct { size_t offset, count; } *ranges;  // trainable parameters: runs of the parameter buffer
-    int n_ranges;
-    size_t n_trainable;         // Σ counts: the size of each Adam moment
-    float *stage;               // (N,H,W,3) fp32 images before the cast to the storage type
-    float *accum_images;        // host: accum × (N,H,W,3), micro-batches waiting for their step
-    int32_t *accum_labels;      // host: accum × (N·H·W or N)
-    int64_t total_steps;        // optimiser steps of the whole run (schedules)
-    float loss_scale;           // fp16: the dynamic loss scale; else 1
-    int64_t good_steps;         // fp16: consecutive finite steps since the last change of scale
-    int64_t step;               // optimiser steps taken
-    int epoch;                  // epochs completed
-    double best;                // lowest monitored loss so far (val_loss, else loss)
-    int best_epoch, bad_epochs;
-    int finished;               // stopped early (a run that reached its epochs can be extended)
-    // an epoch interrupted part-way (SIGINT/SIGTERM): its training pass goes on at global batch
-    // resume_batch (the pass's batch count: only the validation is left) with these totals,
-    // this replica's so far; 0 when epochs start at their beginning
-    int resume_batch;
-    double resume_loss_sum, resume_norm_sum;
-    int64_t *resume_cm;         // (K,K), NULL when resume_batch is 0
-    Comm *comm;                 // the replicas (size 1: this trainer alone)
-    int shard;                  // images of a full global batch on this replica: model.batch / replicas
-    int borrowed_data;          // train and val belong to another replica (local replicas share them)
-    double *bn_host;            // (n_buffer_floats + 1) fp64 staging to average BN statistics over replicas
-    StepStats epoch_stats;      // the optimisation diagnostics of this epoch's steps so far
-    StepStats log_stats;        // and of the steps since the last row of steps.csv (--log-every)
-    int measure_update;         // 1: the next step measures its update ratio (the epoch's last)
-    float *update_host;         // (2·n_trainable) host: the trainable weights before and after that step
-    char *steps_csv;            // steps.csv's path (root, --log-every), else NULL
-} Trainer;
-
 // the communicator of a trainer without replicas
 static LocalGroup comm_one_group = {.size = 1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER,
                                     .failed_rank = -1};
@@ -6592,6 +6986,14 @@ static void trainer_count_steps(Trainer *t) {
     const TrainCfg *c = t->c;
     int64_t batches = (t->train.n + c->model.batch - 1) / c->model.batch;
     t->total_steps = t->has_train ? (batches + c->accum - 1) / c->accum * c->epochs : 0;
+}
+
+// The device of a replica. With replicas, replicas_on_gpus has decided before
+// they start: a device communicator (comm->device) means GPUs; --device auto
+// without one means the CPU. Without replicas, --device as given.
+static Device replica_device(const TrainCfg *c, const Comm *comm) {
+    if (comm->size > 1 && c->device == DEVICE_AUTO && !comm->device) return DEVICE_CPU;
+    return c->device;
 }
 
 // Builds the model and opens the data (train may be NULL: evaluation only).
@@ -6648,10 +7050,8 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
         }
     }
     if (c->accum < 1 || c->accum > SN_MAX_ACCUM) { snprintf(err, SN_ERR_MAX, "--accum %d must be 1..%d", c->accum, SN_MAX_ACCUM); return -1; }
-    // the device after every input check: a bad input is one line, without the CPU notice before it.
-    // Replicas under auto run on GPUs only with a device communicator (replicas_on_gpus).
-    Device device = R > 1 && c->device == DEVICE_AUTO && !t->comm->device ? DEVICE_CPU : c->device;
-    if (!(t->o = ops_for_device(device, t->comm->local_rank, err))) return -1;
+    // the device after every input check: a bad input is one line, without the CPU notice before it
+    if (!(t->o = ops_for_device(replica_device(c, t->comm), t->comm->local_rank, err))) return -1;
     Ops *o = t->o;
     if (net_create_planned(&t->net, &t->g, o, c->precision, 0, t->logits, c->checkpoint, err)) return -1;
     // trainable parameters as runs of the parameter buffer: their gradients
@@ -6677,9 +7077,10 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     t->confusion = o->alloc(o, sizeof(int64_t) * t->K * t->K);
     t->args = o->alloc(o, sizeof(StepArgs));
     t->state = o->alloc(o, sizeof(StepState));
-    t->stage = c->precision == DT_F32 ? NULL : o->alloc(o, sizeof(float) * (size_t)in.n * in.h * in.w * 3);
+    const DType dtype = t->net.dtype;  // the storage type, from here on the net's
+    t->stage = dtype == DT_F32 ? NULL : o->alloc(o, sizeof(float) * (size_t)in.n * in.h * in.w * 3);
     if (!t->adam_m || !t->adam_v || !t->class_weights || !t->labels || !t->confusion || !t->args || !t->state ||
-        (c->precision != DT_F32 && !t->stage)) {
+        (dtype != DT_F32 && !t->stage)) {
         snprintf(err, SN_ERR_MAX, "out of %s memory for the optimiser state", o->name);
         return -1;
     }
@@ -6702,7 +7103,7 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     o->fill(o, tensor_f32(t->adam_m, shape4((int)T, 1, 1, 1)), 0.0f);
     o->fill(o, tensor_f32(t->adam_v, shape4((int)T, 1, 1, 1)), 0.0f);
     o->upload(o, t->class_weights, c->class_weights, sizeof(float) * t->K);
-    t->loss_scale = c->precision == DT_F16 ? LOSS_SCALE_INIT : 1.0f;
+    t->loss_scale = dtype == DT_F16 ? LOSS_SCALE_INIT : 1.0f;
     trainer_count_steps(t);
     if (R > 1) {
         t->bn_host = malloc(sizeof(double) * (g->n_buffer_floats + 1));
@@ -6727,23 +7128,6 @@ static void trainer_borrow_data(Trainer *t, const Dataset *train, const Dataset 
     if (val) { t->val = *val; t->has_val = 1; }
     t->borrowed_data = 1;
     trainer_count_steps(t);
-}
-
-// A sum over the replicas of a buffer in the backend's memory. The CPU
-// backend's memory is the host's; a device communicator (NCCL) reduces device
-// memory in place; otherwise it is staged through the host.
-static int comm_allreduce_backend(Trainer *t, float *buf, size_t n) {
-    Comm *comm = t->comm;
-    if (comm->size == 1 || n == 0) return 0;
-    if (t->o == &ops_cpu) return comm->allreduce_f32(comm, buf, n);
-    if (comm->device) return comm->device->allreduce_f32(comm->device, buf, n);
-    float *host = malloc(sizeof(float) * n);
-    snCheck(host != NULL, "out of host memory");
-    t->o->download(t->o, host, buf, sizeof(float) * n);
-    int rc = comm->allreduce_f32(comm, host, n);
-    t->o->upload(t->o, buf, host, sizeof(float) * n);
-    free(host);
-    return rc;
 }
 
 static int comm_broadcast_backend(Trainer *t, void *buf, size_t bytes) {
@@ -6781,30 +7165,6 @@ static int trainer_broadcast(Trainer *t) {
     return 0;
 }
 
-// Without --sync-bn each replica's running statistics follow its own shard.
-// Averaging them after every micro-batch, weighted by the shard sizes n_r,
-// keeps them mirrored; the update is linear, so this equals running
-// statistics fed the mean of the replicas' batch statistics (Keras reads its
-// ON_READ MEAN variables the same way). Statistics the step did not change
-// (frozen BN) come back exactly: Σ n_r·x / Σ n_r = x in fp64.
-static int replicas_average_bn(Trainer *t, int n) {
-    const Graph *g = &t->g;
-    const size_t B = g->n_buffer_floats;
-    int any = 0;
-    for (int i = 0; i < g->n_layers; i++) any |= g->layers[i].kind == LAYER_BN && !g->layers[i].frozen;
-    if (!any || t->comm->size == 1 || t->c->sync_bn) return 0;
-    float *f = malloc(sizeof(float) * (B ? B : 1));
-    snCheck(f != NULL, "out of host memory");
-    t->o->download(t->o, f, t->net.buffers, sizeof(float) * B);
-    for (size_t k = 0; k < B; k++) t->bn_host[k] = (double)n * f[k];
-    t->bn_host[B] = n;
-    int rc = t->comm->allreduce_f64(t->comm, t->bn_host, B + 1);
-    for (size_t k = 0; k < B && rc == 0; k++) f[k] = (float)(t->bn_host[k] / t->bn_host[B]);
-    if (rc == 0) t->o->upload(t->o, t->net.buffers, f, sizeof(float) * B);
-    free(f);
-    return rc;
-}
-
 // The tensors a fine-tuning run may initialise instead of loading, and the
 // file's tensors it may leave unused: a classifier's head (another class
 // count, a hidden layer); a U-Net on an EfficientNetV2 encoder from a
@@ -6831,11 +7191,6 @@ static int trainer_load_weights(Trainer *t, const char *path, char *report, char
     return rc;
 }
 
-// One pass over a data set. Training: shuffled order, augmentation, one Adam
-// step per batch. Returns the loss sum and normaliser sum, and the confusion
-// matrix, all over the whole pass.
-typedef struct { double loss_sum, norm_sum; int64_t *cm; } PassTotals;
-
 static void progress_line(const Trainer *t, int training, int batch_no, int n_batches, double t0, int64_t images,
                           const PassTotals *pt, int tty) {
     double el = now_seconds() - t0, eta = batch_no ? el / batch_no * (n_batches - batch_no) : 0.0;
@@ -6848,144 +7203,6 @@ static void progress_line(const Trainer *t, int training, int batch_no, int n_ba
             (int)eta / 60, (int)eta % 60, el > 0 ? images / el : 0.0, pt->loss_sum / pt->norm_sum,
             t->segmentation ? "mIoU" : "accuracy", t->segmentation ? m.mean_iou : m.accuracy, tty ? "\033[K" : "\n");
     fflush(stderr);
-}
-
-// One micro-batch on the host: n images (n,H,W,3) fp32 0..255 and their labels;
-// `first` numbers its first image among the optimiser step's images (over
-// micro-batches and replicas), which is what dropout masks are drawn by.
-typedef struct { int n; const float *images; const int32_t *labels; int first; } MicroBatch;
-
-// A micro-batch into the host staging buffers (written while the device is
-// idle: after the last step's download, or a synchronize).
-static void stage_batch(Trainer *t, const MicroBatch *mb) {
-    const Shape in = t->g.tensors[t->g.input].shape;
-    memcpy(t->host_images, mb->images, sizeof(float) * (size_t)mb->n * in.h * in.w * 3);
-    memcpy(t->host_labels, mb->labels, sizeof(int32_t) * (size_t)mb->n * t->per_image);
-}
-
-// Queues the staged micro-batch's upload into the net's input (cast to the
-// storage type) and the labels buffer.
-static void upload_staged(Trainer *t, int n) {
-    Ops *o = t->o;
-    Net *net = &t->net;
-    const Shape in = t->g.tensors[t->g.input].shape;
-    const size_t floats = (size_t)n * in.h * in.w * 3;
-    net->batch = n;
-    if (net->dtype == DT_F32) {
-        o->upload_async(o, net->act[t->g.input], t->host_images, sizeof(float) * floats);
-    } else {
-        o->upload_async(o, t->stage, t->host_images, sizeof(float) * floats);
-        o->copy(o, net_tensor(net, t->g.input), tensor_f32(t->stage, shape4(n, in.h, in.w, 3)), 0);
-    }
-    o->upload_async(o, t->labels, t->host_labels, sizeof(int32_t) * (size_t)n * t->per_image);
-}
-
-// The loss and metrics of the batch in the net: softmax cross-entropy of the
-// logits (its gradient into dlogits when that has data, scaled by
-// state->xent_scale) and the confusion matrix, added into state->loss.
-static void score_batch(Trainer *t, Tensor dlogits) {
-    Ops *o = t->o;
-    Tensor z = net_tensor(&t->net, t->logits);
-    o->softmax_xent(o, z, t->labels, t->class_weights, t->c->loss_norm_keras ? KERAS_EPSILON : 0.0f,
-                    dlogits.data ? &t->state->xent_scale : NULL, t->state->loss, dlogits);
-    o->confusion_accumulate(o, z, t->labels, t->confusion);
-}
-
-// An evaluation batch: the forward and its loss Σ w·nll (metrics into the confusion matrix).
-static float eval_batch(Trainer *t, const MicroBatch *mb) {
-    Ops *o = t->o;
-    Net *net = &t->net;
-    stage_batch(t, mb);
-    upload_staged(t, mb->n);
-    net_forward(net, 0);
-    o->fill(o, tensor_f32(t->state->loss, shape4(3, 1, 1, 1)), 0.0f);
-    score_batch(t, tensor(NULL, net_tensor(net, t->logits).shape, net->dtype));
-    float loss[3];
-    o->download(o, loss, t->state->loss, sizeof loss);
-    snCheck(loss[2] == 0.0f, "labels outside 0..%d passed the data set's checks", t->K - 1);
-    return loss[0];
-}
-
-// the whole gradient buffer (the trainable parameters') as one tensor
-static Tensor grads_tensor(Trainer *t) { return tensor_f32(t->net.grads, shape4((int)t->n_trainable, 1, 1, 1)); }
-
-// The optimiser step's work on the device, from the uploads to Adam, all
-// queued: no host synchronisation unless replicas exchange values (then
-// returns -1 if a collective failed). Micro-batch 0 is staged by the caller.
-static int step_work(Trainer *t, const MicroBatch *mb, int k) {
-    const TrainCfg *c = t->c;
-    Ops *o = t->o;
-    Net *net = &t->net;
-    Comm *comm = t->comm;
-    o->upload_async(o, t->args, t->host_args, sizeof(StepArgs));
-    o->upload_async(o, net->layer_seeds, t->host_seeds, sizeof(uint64_t) * (size_t)t->g.n_layers);
-    o->step_control(o, t->args, t->state, STEP_BEGIN);
-    o->fill(o, grads_tensor(t), 0.0f);
-    for (int i = 0; i < k; i++) {
-        if (i > 0) {  // the staging buffers hold one micro-batch
-            o->synchronize(o);
-            stage_batch(t, &mb[i]);
-        }
-        upload_staged(t, mb[i].n);
-        net->first_sample = (uint64_t)mb[i].first;
-        net_forward(net, 1);
-        if (mb[i].n) score_batch(t, net_grad(net, t->logits));
-        net_backward(net, t->logits);
-        if (net->failed || replicas_average_bn(t, mb[i].n)) return -1;
-    }
-    if (comm_allreduce_backend(t, net->grads, t->n_trainable)) return -1;
-    if (c->overflow_at_step == t->step)  // tests: as if this step's fp16 gradients had overflowed
-        o->fill(o, tensor_f32(net->grads, shape4(1, 1, 1, 1)), INFINITY);
-    if (net->dtype == DT_F16) {
-        o->nonfinite(o, grads_tensor(t), &t->state->nonfinite);
-        if (comm->size > 1) {
-            // The summed gradients are the same bits on every replica, so their
-            // flags agree; summing the flags makes that a guarantee, not a property.
-            int32_t flag;
-            o->download(o, &flag, &t->state->nonfinite, sizeof flag);
-            int64_t any = flag;
-            if (comm->allreduce_i64(comm, &any, 1)) return -1;
-            flag = any != 0;
-            o->upload(o, &t->state->nonfinite, &flag, sizeof flag);
-        }
-    }
-    o->sum_squares(o, grads_tensor(t), &t->state->grad_sum_squares);
-    o->step_control(o, t->args, t->state, STEP_DECIDE);
-    size_t packed = 0;  // offset of the range in the gradients and moments
-    for (int r = 0; r < t->n_ranges; r++) {
-        size_t off = t->ranges[r].offset, n = t->ranges[r].count;
-        o->adam_update(o, net->params + off, net->grads + packed, t->adam_m + packed, t->adam_v + packed, n,
-                       &t->state->adam);
-        packed += n;
-    }
-    return 0;
-}
-
-// the trainable weights (t->ranges, packed) into t->update_host: its first half (before a step) or second (after)
-static void trainable_download(Trainer *t, int after) {
-    if (!t->update_host) {
-        t->update_host = malloc(sizeof(float) * 2 * (t->n_trainable ? t->n_trainable : 1));
-        snCheck(t->update_host != NULL, "out of host memory");
-    }
-    float *host = t->update_host + (after ? t->n_trainable : 0);
-    size_t packed = 0;
-    for (int r = 0; r < t->n_ranges; r++) {
-        t->o->download(t->o, host + packed, t->net.params + t->ranges[r].offset, sizeof(float) * t->ranges[r].count);
-        packed += t->ranges[r].count;
-    }
-}
-// ‖w_after - w_before‖ / ‖w_before‖ in fp64 (trainable_download(t, 0) before the step)
-static double trainable_update_ratio(Trainer *t) {
-    const size_t n = t->n_trainable;
-    trainable_download(t, 1);
-    const float *before = t->update_host, *after = t->update_host + n;
-    double d = 0.0, w = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        const double e = (double)after[i] - before[i];
-        d += e * e;
-        w += (double)before[i] * before[i];
-    }
-    return w > 0.0 ? sqrt(d / w) : NAN;
 }
 
 // steps.csv's row for the steps since the last one (every replica calls it: the loss is summed over them)
@@ -7014,95 +7231,6 @@ static int steps_log_row(Trainer *t, double lr) {
     }
     step_stats_reset(st);
     return 0;
-}
-
-// One optimiser step over k micro-batches (gradient accumulation when k > 1).
-// The loss is Σ w·nll over all k divided by their global Σ w (or pixel count),
-// a denominator known before the first forward. With fp16 storage the loss is
-// scaled (dynamic loss scaling, Keras' LossScaleOptimizer): unscale → check for
-// inf/NaN (skip the update, halve the scale) → clip → Adam; the step counts
-// either way, as in Keras. Returns 1 if the update was applied, 0 if it was
-// skipped, -1 if a collective failed (another replica stopped).
-//
-// With replicas, mb are this replica's shards of the k global batches: the
-// denominator is all-reduced before the forward (every replica divides by the
-// global Σ w), the gradients after the backward (their sum is then the
-// gradient of the global loss), and the inf/NaN flag with them, so every
-// replica takes the same decision and the same Adam step.
-//
-// The host writes the step's arguments, queues the work (or replays the
-// record of an earlier step with the same shapes) and reads StepState once
-// at the end: the step's only wait for the device.
-static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
-    const TrainCfg *c = t->c;
-    Ops *o = t->o;
-    Net *net = &t->net;
-    Comm *comm = t->comm;
-    double local_norm = 0.0;
-    for (int i = 0; i < k; i++) {
-        size_t n_labels = (size_t)mb[i].n * t->per_image;
-        local_norm += c->loss_norm_keras ? (double)n_labels : label_weight_sum(mb[i].labels, n_labels, c->class_weights, t->K);
-    }
-    double norm = local_norm;
-    if (comm->size > 1 && comm->allreduce_f64(comm, &norm, 1)) return -1;
-    const int64_t step = t->step;
-    // the update ratio of the epoch's last step and of each logged one (rank 0 writes both)
-    const int logged = c->log_every > 0 && (step + 1) % c->log_every == 0;
-    const int measure = (t->measure_update || logged) && comm->rank == 0;
-    if (measure) trainable_download(t, 0);
-    const double started = now_seconds();
-    t->step++;
-    StepArgs *a = t->host_args;
-    const double lr = lr_at_step(c->lr, c->schedule, c->warmup, t->total_steps, step);
-    a->adam = adam_step_init((float)lr, ADAM_BETA1, ADAM_BETA2, c->adam_eps, c->weight_decay, 1.0f, step + 1);
-    a->inv_norm = norm > 0 ? (float)(1.0 / norm) : 0.0f;
-    a->clipnorm = c->clipnorm;
-    a->loss_scaling = net->dtype == DT_F16;
-    a->scale_interval = c->loss_scale_interval;
-    a->loss_scale = t->loss_scale;
-    a->good_steps = t->good_steps;
-    net->step = (uint64_t)step;  // one seed per step; masks by image within it (first_sample)
-    net_layer_seeds(net, t->host_seeds);
-    net->seeds_of[0] = net->seed; net->seeds_of[1] = net->step; net->seeds_set = 1;  // step_work uploads them
-    stage_batch(t, &mb[0]);
-    // A record replays the same shapes: one full micro-batch (a smaller last
-    // one runs op by op), no replicas (their collectives run on the host),
-    // nothing timed per layer.
-    const int recordable = t->records && o->capture_begin && k == 1 && mb[0].n == t->shard && comm->size == 1 &&
-                           !net->layer_seconds && !c->overflow_at_step;
-    if (recordable && !t->record && o->capture_begin(o) == 0) {
-        int rc = step_work(t, mb, k);
-        char err[SN_ERR_MAX];
-        t->record = o->capture_end(o, err);
-        snCheck(rc == 0, "a step without replicas failed a collective");
-        if (!t->record) {  // nothing ran: run it eagerly, and the rest of the run too
-            fprintf(stderr, "segnet: recording the training step failed (%s); running steps one op at a time\n", err);
-            t->records = 0;
-        }
-    }
-    if (recordable && t->record) {
-        o->replay(o, t->record);
-    } else if (step_work(t, mb, k)) {
-        return -1;
-    }
-    o->download(o, t->host_state, t->state, sizeof(StepState));
-    const StepState s = *t->host_state;
-    snCheck(s.loss[2] == 0.0f, "labels outside 0..%d passed the data set's checks", t->K - 1);
-    pt->loss_sum += s.loss[0];
-    pt->norm_sum += local_norm;  // the pass adds the replicas' parts up at its end
-    t->loss_scale = s.loss_scale;
-    t->good_steps = s.good_steps;
-    const double seconds = now_seconds() - started;
-    step_stats_add(&t->epoch_stats, &s, seconds, local_norm);
-    step_stats_add(&t->log_stats, &s, seconds, local_norm);
-    if (measure) {
-        const double ratio = trainable_update_ratio(t);
-        if (t->measure_update) t->epoch_stats.update_ratio = ratio;
-        if (logged) t->log_stats.update_ratio = ratio;
-    }
-    t->measure_update = 0;
-    if (logged && steps_log_row(t, lr)) return -1;
-    return s.applied;
 }
 
 // Images [lo, hi) of a global batch of n images are replica r's of R: the
@@ -7399,11 +7527,6 @@ static int save_checkpoint(const Trainer *t, const char *path, const PassSaved *
     return rc;
 }
 
-static const char *safetensors_meta(const SafetensorsFile *f, const char *key) {
-    for (int i = 0; i < f->n_meta; i++) if (!strcmp(f->meta_keys[i], key)) return f->meta_values[i];
-    return NULL;
-}
-
 // A checkpoint's metadata is input like any file: each counter an integer in
 // its range, each figure a number, or the checkpoint is refused naming both.
 static int meta_int(const char *path, const char *key, const char *text, int64_t lo, int64_t hi, int64_t *v,
@@ -7562,19 +7685,6 @@ static void csv_header(const Trainer *t, SfBuf *b, int diagnostics) {
     }
     if (diagnostics) { sb_str(b, ","); sb_str(b, STEP_STATS_COLUMNS); }
 }
-
-// ",value" in `format` (a printf conversion of one double); "," for NaN
-static void csv_value(SfBuf *b, double v, const char *format) {
-    char s[48];
-    s[0] = ',';
-    if (isnan(v)) s[1] = 0;
-    else snprintf(s + 1, sizeof s - 1, format, v);
-    sb_str(b, s);
-}
-static void csv_num(SfBuf *b, double v) { csv_value(b, v, "%.6f"); }
-
-// 6 significant digits: the diagnostics span decades
-static void csv_sig(SfBuf *b, double v) { csv_value(b, v, "%.6g"); }
 
 static void csv_metrics(const Trainer *t, SfBuf *b, const Metrics *m) {
     if (!t->segmentation) { csv_num(b, m ? m->accuracy : NAN); return; }
@@ -7754,15 +7864,6 @@ static void training_warnings(const Trainer *t, const EpochRecord *r, const Epoc
                 "final weights. --train-eval measures the training set in inference mode at each epoch's end, so the "
                 "two curves compare like with like.\n");
     }
-}
-
-// the shortest decimal that reads back as the same float (0.001, not 0.00100000005)
-static const char *float_str(char buf[32], float v) {
-    for (int digits = 6; digits <= 9; digits++) {
-        snprintf(buf, 32, "%.*g", digits, v);
-        if (strtof(buf, NULL) == v) break;
-    }
-    return buf;
 }
 
 // what early stopping and best.safetensors watch: the validation loss, or the
@@ -8106,6 +8207,51 @@ static void epoch_print(const Trainer *t, const EpochRecord *rec, double seconds
     fprintf(stderr, "  (%.1f s)%s\n", seconds, improved ? "  best" : "");
 }
 
+// A replica's trainer, ready for its first epoch: the model and the data
+// (rank 0 opens the data sets and, with local replicas, lends them to the
+// others), the initial weights of a fresh run or the checkpoint and history
+// of a resumed one (rank 0 reads them), then rank 0's state mirrored on every
+// replica. claimed: rank 0's run_claim result. Returns 0, -1 with err, or the
+// signal that interrupted the data's reading (without replicas; nothing was
+// written).
+static int replica_open(Comm *comm, RunShared *sh, int claimed, int fresh, const char *run, Trainer *t, History *h,
+                        PassSaved *saved, char err[SN_ERR_MAX]) {
+    const TrainCfg *c = sh->c;
+    const int root = comm->rank == 0;
+    char path[4200];
+    int rc = claimed;
+    if (rc == 0 && (root || !sh->share_data)) rc = trainer_open_on(t, c, c->data, c->val, comm, err);
+    if (rc && interrupt_signal && comm->size == 1) return interrupt_signal;
+    if (sh->share_data) {
+        if (root && rc == 0) {  // the data sets now belong to the run
+            sh->train = t->train; sh->has_train = t->has_train;
+            sh->val = t->val; sh->has_val = t->has_val;
+            t->borrowed_data = 1;
+        }
+        if (comm_agree(comm, rc, err)) return -1;
+        if (!root) {
+            rc = trainer_open_on(t, c, NULL, NULL, comm, err);
+            if (rc == 0) trainer_borrow_data(t, sh->has_train ? &sh->train : NULL, sh->has_val ? &sh->val : NULL);
+        }
+    }
+    if (rc == 0 && root && fresh && c->weights) {
+        char report[SN_ERR_MAX];
+        rc = trainer_load_weights(t, c->weights, report, err);
+        if (rc == 0) printf("%s%s%s\n", report, c->weights_note && c->weights_note[0] ? "; " : "",
+                            c->weights_note ? c->weights_note : "");
+    }
+    if (rc == 0 && root && !fresh) {
+        run_path(path, sizeof path, run, "last.safetensors");
+        rc = load_checkpoint(t, path, saved, err);
+        run_path(path, sizeof path, run, "metrics.csv");
+        if (rc == 0) rc = history_load(t, path, h, err);
+        if (rc == 0) rc = history_check_best(t, h, run, err);
+    }
+    if (comm_agree(comm, rc, err)) return -1;
+    if (trainer_broadcast(t) || pass_resume_share(t, saved)) return comm_failure(comm, err);
+    return 0;
+}
+
 // One replica of a run (all of it without replicas). Every replica takes
 // every decision from the same mirrored state and the same all-reduced
 // figures; only rank 0 reads and writes the run folder. A failure that some
@@ -8134,40 +8280,14 @@ static int train_replica(Comm *comm, void *arg) {
     PassSaved saved = {0};  // an interrupted epoch's position (rank 0 reads it)
     int lock = -1, made = 0, fresh = !resume, written = 0;
     if (root) rc = run_claim(run, resume, &lock, &made, &fresh, c->progress, err);
-    if (rc == 0 && (root || !sh->share_data)) rc = trainer_open_on(&t, c, c->data, c->val, comm, err);
-    if (rc && interrupt_signal && comm->size == 1) {  // stopped while reading the data: nothing was written
+    rc = replica_open(comm, sh, rc, fresh, run, &t, &h, &saved, err);
+    if (rc > 0) {  // stopped while reading the data: nothing was written
         if (c->progress) fprintf(stderr, "segnet train: interrupted before training started; nothing was written\n");
-        a->interrupted = interrupt_signal;
+        a->interrupted = rc;
         rc = 0;
         goto done;
     }
-    if (sh->share_data) {
-        if (root && rc == 0) {  // the data sets now belong to the run
-            sh->train = t.train; sh->has_train = t.has_train;
-            sh->val = t.val; sh->has_val = t.has_val;
-            t.borrowed_data = 1;
-        }
-        if (comm_agree(comm, rc, err)) { rc = -1; goto done; }
-        if (!root) {
-            rc = trainer_open_on(&t, c, NULL, NULL, comm, err);
-            if (rc == 0) trainer_borrow_data(&t, sh->has_train ? &sh->train : NULL, sh->has_val ? &sh->val : NULL);
-        }
-    }
-    if (rc == 0 && root && fresh && c->weights) {
-        char report[SN_ERR_MAX];
-        rc = trainer_load_weights(&t, c->weights, report, err);
-        if (rc == 0) printf("%s%s%s\n", report, c->weights_note && c->weights_note[0] ? "; " : "",
-                            c->weights_note ? c->weights_note : "");
-    }
-    if (rc == 0 && root && !fresh) {
-        run_path(path, sizeof path, run, "last.safetensors");
-        rc = load_checkpoint(&t, path, &saved, err);
-        run_path(path, sizeof path, run, "metrics.csv");
-        if (rc == 0) rc = history_load(&t, path, &h, err);
-        if (rc == 0) rc = history_check_best(&t, &h, run, err);
-    }
-    if (comm_agree(comm, rc, err)) { rc = -1; goto done; }
-    if (trainer_broadcast(&t) || pass_resume_share(&t, &saved)) { rc = comm_failure(comm, err); goto done; }
+    if (rc) goto done;
     rc = -1;
     if (resume && (t.finished || t.epoch >= c->epochs)) {
         if (c->progress && root) fprintf(stderr, "segnet train: %s has finished (%d epochs%s); nothing to do (--epochs N trains longer)\n", run,
@@ -8537,7 +8657,6 @@ static int choose_setting(TrainCfg *c, size_t budget, char *why, size_t why_size
              budget / 1073741824.0, tried, smallest, smallest / 1073741824.0);
     return -1;
 }
-
 
 // ----------------------------------------------------------------------------
 // benchmark: the trainer's own training steps (train_step: forward, loss,
@@ -9055,14 +9174,11 @@ static const char *USAGE =
     "\n"
     "The test suite is `make test`; see README.md.\n";
 
-
 static void print_shape(Shape s) {
     char buf[64];
     snprintf(buf, sizeof buf, "(%d,%d,%d,%d)", s.n, s.h, s.w, s.c);
     printf("%-22s", buf);
 }
-
-
 
 static const char *TRAIN_USAGE =
     "usage: segnet train --data TRAIN --classes K [options]\n"
@@ -9306,7 +9422,6 @@ static int cmd_eval(TrainArgs *a, int argc, char **argv) {
     return 0;
 }
 
-
 static const char *PREDICT_USAGE =
     "usage: segnet predict --run RUN --input DIR_OR_CSV --out OUT [options]\n"
     "       segnet predict --model NAME --classes K --weights W.safetensors\n"
@@ -9436,7 +9551,6 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
     fprintf(stderr, "segnet predict: wrote %s\n", pc.out);
     return 0;
 }
-
 
 static const char *EXPORT_USAGE =
     "usage: segnet export --run RUN --out FILE.safetensors [--names N] [--best|--last]\n"

@@ -629,7 +629,7 @@ struct Ops {
 };
 
 // The compute entries of struct Ops (from fill on), in its order, written
-// once more here and nowhere else: the CPU table takes NAME_cpu for each
+// once more here and nowhere else: the reference table takes NAME_ref for each
 // (segnet.c), the CUDA table NAME_cuda (kernels.cu), and ops_missing's list
 // of every entry comes from it (the test ops_entries_listed checks that it
 // covers the struct).
@@ -644,10 +644,11 @@ struct Ops {
     X(upsample2_forward) X(upsample2_backward) X(resize_bilinear_forward) X(resize_bilinear_backward)              \
     X(softmax_xent) X(confusion_accumulate) X(adam_update)
 
+// ops_ref: every op as its formula is written (segnet.c, part I), what the
+// tests compare ops_cpu with; ops_cpu: ops_ref with fast versions of conv2d,
+// batch norm and the squeeze-excitation pieces (part IV)
+extern Ops ops_ref;
 extern Ops ops_cpu;
-// ops_cpu with the straightforward versions of the ops that have fast paths
-// (convolutions, batch norm): what the tests compare ops_cpu with
-Ops *ops_reference(void);
 // The CUDA backend (kernels.cu): in builds with nvcc (SEGNET_CUDA) and, under
 // the CPU emulator of cuda_emu.h, in test_segnet. cuda_backend_open picks the
 // device and must succeed before ops_cuda is used; it returns -1 with a

@@ -288,7 +288,7 @@ static void conv_case(const char *label, Shape in, int cout, int k, int stride, 
     GradOpts o = grad_opts();
     if (g_verbose) printf("    %s\n", label);
     note_worst(LAYER_CONV, graph_gradcheck(&g, y, o, &ops_cpu));
-    note_worst(LAYER_CONV, graph_gradcheck(&g, y, o, ops_reference()));  // the reference conv too
+    note_worst(LAYER_CONV, graph_gradcheck(&g, y, o, &ops_ref));  // the reference conv too
     graph_free(&g);
 }
 
@@ -371,7 +371,7 @@ static void bn_case(Act act, int training, int fanout) {
         }
     }
     note_worst(LAYER_BN, graph_gradcheck(&g, y, o, &ops_cpu));
-    note_worst(LAYER_BN, graph_gradcheck(&g, y, o, ops_reference()));  // the reference batch norm too
+    note_worst(LAYER_BN, graph_gradcheck(&g, y, o, &ops_ref));  // the reference batch norm too
     graph_free(&g);
 }
 // graph_gradcheck draws params then input from the same seed in the same order as the search above.
@@ -622,7 +622,7 @@ static void act_backward_wrong(Ops *o, Act act, Tensor dx, Tensor dy, Tensor x, 
 }
 static void concat_backward_always_adds(Ops *o, Tensor da, Tensor db, Tensor dy, int acc_a, int acc_b) {
     (void)acc_a; (void)acc_b;
-    concat_backward_cpu(o, da, db, dy, 1, 1);
+    concat_backward_ref(o, da, db, dy, 1, 1);
 }
 
 TEST(gradcheck_catches_errors) {
@@ -5682,19 +5682,19 @@ TEST(fast_bn_vs_ref) {
                 float gam[37], bet[37], m1[37], v1[37], m2[37], v2[37];
                 for (int c = 0; c < C; c++) { gam[c] = 1.0f + 0.3f * rng_normal(&r); bet[c] = 0.5f * rng_normal(&r); }
                 bn_stats_fast(tensor_f32(x, s), m1, v1, NULL);
-                bn_stats_ref(tensor_f32(x, s), m2, v2);
+                bn_stats_ref(&ops_ref, tensor_f32(x, s), m2, v2, NULL, NULL, 0.0f, NULL);
                 CHECK(rel_diff(m1, m2, C, 1e-3) < 1e-6 && rel_diff(v1, v2, C, 1e-3) < 1e-6,
                       "bn_stats fast vs reference, shape " SHAPE_FMT, SHAPE_ARGS(s));
                 float *y1 = malloc(sizeof(float) * n), *y2 = malloc(sizeof(float) * n);
                 bn_forward_cpu(&ops_cpu, tensor_f32(y1, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act, NULL);
-                bn_forward_ref(tensor_f32(y2, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act);
+                bn_forward_ref(&ops_ref, tensor_f32(y2, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act, NULL);
                 double e = rel_diff(y1, y2, n, 1.0);
                 CHECK(e < 2e-6, "bn_forward fast vs reference: %.2e (act %d, shape " SHAPE_FMT ")", e, act, SHAPE_ARGS(s));
                 float sg1[37], sgx1[37], sg2[37], sgx2[37], dgam1[37] = {0}, dbet1[37] = {0}, dgam2[37] = {0}, dbet2[37] = {0};
                 bn_backward_reduce_cpu(&ops_cpu, tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act,
                                        sg1, sgx1, dgam1, dbet1, NULL, NULL);
-                bn_backward_reduce_ref(tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act,
-                                       sg2, sgx2, dgam2, dbet2, NULL);
+                bn_backward_reduce_ref(&ops_ref, tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act,
+                                       sg2, sgx2, dgam2, dbet2, NULL, NULL);
                 CHECK(rel_diff(sg1, sg2, C, 1.0) < 2e-6 && rel_diff(sgx1, sgx2, C, 1.0) < 2e-6 &&
                       rel_diff(dgam1, dgam2, C, 1.0) < 2e-6 && rel_diff(dbet1, dbet2, C, 1.0) < 2e-6,
                       "bn_backward_reduce fast vs reference (act %d, shape " SHAPE_FMT ")", act, SHAPE_ARGS(s));
@@ -5703,8 +5703,8 @@ TEST(fast_bn_vs_ref) {
                     memcpy(y2, d0, sizeof(float) * n);
                     bn_backward_data_cpu(&ops_cpu, tensor_f32(y1, s), tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet,
                                          1e-3f, (Act)act, sg2, sgx2, batch ? M : 0, acc, NULL);
-                    bn_backward_data_ref(tensor_f32(y2, s), tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f,
-                                         (Act)act, sg2, sgx2, batch ? M : 0, acc);
+                    bn_backward_data_ref(&ops_ref, tensor_f32(y2, s), tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f,
+                                         (Act)act, sg2, sgx2, batch ? M : 0, acc, NULL);
                     e = rel_diff(y1, y2, n, 1.0);
                     CHECK(e < 2e-6, "bn_backward_data fast vs reference: %.2e (act %d, acc %d, count %d, shape " SHAPE_FMT ")",
                           e, act, acc, batch, SHAPE_ARGS(s));
@@ -5735,16 +5735,16 @@ TEST(fast_bn_16bit) {
                 float gam[21], bet[21], m1[21], v1[21], m2[21], v2[21], f1[n], f2[n];
                 for (int c = 0; c < C; c++) { gam[c] = 1.0f + 0.3f * rng_normal(&r); bet[c] = 0.5f * rng_normal(&r); }
                 bn_stats_cpu(&ops_cpu, x, m1, v1, NULL, NULL, 0.0f, NULL);
-                bn_stats_ref(x, m2, v2);
+                bn_stats_ref(&ops_ref, x, m2, v2, NULL, NULL, 0.0f, NULL);
                 CHECK(rel_diff(m1, m2, C, 1e-3) < 2e-6 && rel_diff(v1, v2, C, 1e-3) < 2e-6, "bn_stats %s", DT_NAME[dt]);
                 bn_forward_cpu(&ops_cpu, y1, x, m2, v2, gam, bet, 1e-3f, (Act)act, NULL);
-                bn_forward_ref(y2, x, m2, v2, gam, bet, 1e-3f, (Act)act);
+                bn_forward_ref(&ops_ref, y2, x, m2, v2, gam, bet, 1e-3f, (Act)act, NULL);
                 for (size_t i = 0; i < n; i++) { f1[i] = ld(y1, i); f2[i] = ld(y2, i); }
                 double e = rel_diff(f1, f2, n, 1.0);
                 CHECK(e <= ulp, "bn_forward %s act %d: %.2e", DT_NAME[dt], act, e);
                 float sg1[21], sgx1[21], sg2[21], sgx2[21], dg1[21] = {0}, db1[21] = {0}, dg2[21] = {0}, db2[21] = {0};
                 bn_backward_reduce_cpu(&ops_cpu, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg1, sgx1, dg1, db1, NULL, NULL);
-                bn_backward_reduce_ref(dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2, dg2, db2, NULL);
+                bn_backward_reduce_ref(&ops_ref, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2, dg2, db2, NULL, NULL);
                 CHECK(rel_diff(sg1, sg2, C, 1.0) < 2e-6 && rel_diff(sgx1, sgx2, C, 1.0) < 2e-6 &&
                       rel_diff(dg1, dg2, C, 1.0) < 2e-6 && rel_diff(db1, db2, C, 1.0) < 2e-6,
                       "bn_backward_reduce %s act %d", DT_NAME[dt], act);
@@ -5752,7 +5752,7 @@ TEST(fast_bn_16bit) {
                     for (size_t i = 0; i < n; i++) { st(y1, i, d0[i]); st(y2, i, d0[i]); }
                     bn_backward_data_cpu(&ops_cpu, y1, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2,
                                          batch ? M : 0, acc, NULL);
-                    bn_backward_data_ref(y2, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2, batch ? M : 0, acc);
+                    bn_backward_data_ref(&ops_ref, y2, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2, batch ? M : 0, acc, NULL);
                     for (size_t i = 0; i < n; i++) { f1[i] = ld(y1, i); f2[i] = ld(y2, i); }
                     e = rel_diff(f1, f2, n, 1.0);
                     CHECK(e <= ulp, "bn_backward_data %s act %d acc %d count %d: %.2e", DT_NAME[dt], act, acc, batch, e);
@@ -5891,6 +5891,61 @@ TEST(fast_se_vs_formula) {
     CHECK(e_pool < 1e-6 && e_scale < 1e-6 && e_dx < 1e-6 && e_ds < 1e-6 && e_gapb < 1e-6,
           "SE fp32 paths vs formulas: pool %.1e scale %.1e dx %.1e ds %.1e pool backward %.1e", e_pool, e_scale, e_dx, e_ds, e_gapb);
     free(x); free(dy); free(sc); free(dp); free(y); free(pool); free(ds);
+}
+
+// The squeeze-excitation pieces of ops_cpu (part IV) against ops_ref's: the
+// same fp64 sums over the pixels in the same order, and the same fp32
+// products, so the same bits; except where a gradient is added to one already
+// there (accumulate): the fast loop's a + b·c may be one fused multiply-add
+// (the native build contracts it), fl(a + b·c), against the reference's
+// fl(a + fl(b·c)), at most u·|b·c| + 2u·|result| apart (u = 2^-24), which
+// 2^-23·(|b·c| + |result|) bounds.
+TEST(fast_se_vs_ref) {
+    Rng r; rng_seed(&r, 85);
+    const Shape s = shape4(2, 6, 5, 21), p = shape4(2, 1, 1, 21);  // a full channel block and a partial one
+    const int C = s.c;
+    const size_t n = shape_numel(s), np = shape_numel(p), HW = n / np;
+    float *x = randn(&r, n, 1.0f), *dy = randn(&r, n, 1.0f), *sc = randn(&r, np, 1.0f), *dp = randn(&r, np, 1.0f);
+    Ops *tables[2] = {&ops_cpu, &ops_ref};
+    float *pool[2], *y[2], *dx[2][2], *ds[2][2], *dgap[2][2];  // [table] or [table][accumulate]
+    for (int t = 0; t < 2; t++) {
+        Ops *o = tables[t];
+        pool[t] = malloc(sizeof(float) * np);
+        y[t] = malloc(sizeof(float) * n);
+        o->global_avg_pool_forward(o, tensor_f32(pool[t], p), tensor_f32(x, s));
+        o->channel_scale_forward(o, tensor_f32(y[t], s), tensor_f32(x, s), tensor_f32(sc, p));
+        for (int acc = 0; acc < 2; acc++) {
+            dx[t][acc] = malloc(sizeof(float) * n);
+            ds[t][acc] = malloc(sizeof(float) * np);
+            dgap[t][acc] = malloc(sizeof(float) * n);
+            for (size_t i = 0; i < n; i++) dx[t][acc][i] = dgap[t][acc][i] = 0.25f;
+            for (size_t i = 0; i < np; i++) ds[t][acc][i] = 0.5f;
+            o->channel_scale_backward(o, tensor_f32(dx[t][acc], s), tensor_f32(ds[t][acc], p), tensor_f32(dy, s),
+                                      tensor_f32(x, s), tensor_f32(sc, p), acc, acc);
+            o->global_avg_pool_backward(o, tensor_f32(dgap[t][acc], s), tensor_f32(dp, p), acc);
+        }
+    }
+    size_t differ = 0, beyond = 0;  // bits that differ where they must not; accumulated values beyond the bound
+    for (size_t i = 0; i < np; i++)
+        differ += memcmp(&pool[0][i], &pool[1][i], sizeof(float)) != 0 ||
+                  memcmp(&ds[0][0][i], &ds[1][0][i], sizeof(float)) != 0 ||
+                  memcmp(&ds[0][1][i], &ds[1][1][i], sizeof(float)) != 0;
+    for (size_t i = 0; i < n; i++) {
+        const size_t k = i / HW / C * C + i % C;  // (n, c) of element i
+        differ += memcmp(&y[0][i], &y[1][i], sizeof(float)) != 0 || memcmp(&dx[0][0][i], &dx[1][0][i], sizeof(float)) != 0 ||
+                  memcmp(&dgap[0][0][i], &dgap[1][0][i], sizeof(float)) != 0;
+        const double pdx = fabs((double)dy[i] * sc[k]), pgap = fabs((double)dp[k] / (double)HW);
+        beyond += fabs((double)dx[0][1][i] - dx[1][1][i]) > ldexp(pdx + fabs(dx[1][1][i]), -23) ||
+                  fabs((double)dgap[0][1][i] - dgap[1][1][i]) > ldexp(pgap + fabs(dgap[1][1][i]), -23);
+    }
+    CHECK(differ == 0 && beyond == 0,
+          "squeeze-excitation pieces, ops_cpu against ops_ref: %zu values with other bits, %zu accumulated ones beyond the bound",
+          differ, beyond);
+    free(x); free(dy); free(sc); free(dp);
+    for (int t = 0; t < 2; t++) {
+        free(pool[t]); free(y[t]);
+        for (int acc = 0; acc < 2; acc++) { free(dx[t][acc]); free(ds[t][acc]); free(dgap[t][acc]); }
+    }
 }
 
 // The fast paths give the same bits on 1 and 3 threads, and serial vs forced-parallel
@@ -6137,7 +6192,7 @@ static double rel_l2(const float *a, const float *b, size_t n) {
 }
 
 // ----------------------------------------------------------------------------
-// the reference table (ops_reference) against ops_cpu, as the cuda_ tests
+// the reference table (ops_ref) against ops_cpu, as the cuda_ tests
 // compare the GPU with the CPU: one training forward and backward of effv2-t
 // (64², batch 2: depthwise, squeeze-excitation, strided and dense k×k convs,
 // batch norm with its fusions) and of a plain U-Net (grouped-free dense
@@ -6186,19 +6241,31 @@ static void ref_table_step(Ops *o, const char *model, float **grads, size_t *n_g
 }
 TEST(ref_table_vs_cpu) {
     const char *models[2] = {"effv2-t", "unet"};
-    CHECK(!strcmp(ops_reference()->name, "ref") && ops_reference()->conv2d_forward != ops_cpu.conv2d_forward &&
-          ops_reference()->bn_forward != ops_cpu.bn_forward, "ops_reference has its own conv and batch norm");
+    // ops_cpu is ops_ref with part IV's versions of exactly these entries
+    const char *fast = "conv2d_workspace conv2d_forward conv2d_backward_data conv2d_backward_weight bn_stats bn_forward "
+                       "bn_backward_reduce bn_backward_data global_avg_pool_forward global_avg_pool_backward "
+                       "channel_scale_forward channel_scale_backward";
+    char differ[1024] = "";
+    for (size_t i = 0; i < N_OPS_ENTRIES; i++) {
+        void (*a)(void), (*b)(void);
+        memcpy(&a, (const char *)&ops_cpu + OPS_ENTRIES[i].offset, sizeof a);
+        memcpy(&b, (const char *)&ops_ref + OPS_ENTRIES[i].offset, sizeof b);
+        if (a != b) snprintf(differ + strlen(differ), sizeof differ - strlen(differ), "%s%s", differ[0] ? " " : "",
+                             OPS_ENTRIES[i].name);
+    }
+    CHECK(!strcmp(ops_ref.name, "ref") && !strcmp(ops_cpu.name, "cpu") && !strcmp(differ, fast),
+          "ops_cpu differs from ops_ref in: %s (expected: %s)", differ, fast);
     for (int m = 0; m < 2; m++) {
         float *g[2], *st[2];
         size_t ng[2], ns[2];
         double loss[2];
         ref_table_step(&ops_cpu, models[m], &g[0], &ng[0], &st[0], &ns[0], &loss[0]);
-        ref_table_step(ops_reference(), models[m], &g[1], &ng[1], &st[1], &ns[1], &loss[1]);
+        ref_table_step(&ops_ref, models[m], &g[1], &ng[1], &st[1], &ns[1], &loss[1]);
         const double el = fabs(loss[0] - loss[1]) / fabs(loss[1]);
         const double eg = ng[0] == ng[1] ? rel_l2(g[0], g[1], ng[0]) : INFINITY;
         const double es = ns[0] == ns[1] ? rel_l2(st[0], st[1], ns[0]) : INFINITY;
         CHECK(el <= 1e-5 && eg <= 1e-4 && es <= 1e-4,
-              "%s: ops_cpu against ops_reference: loss %.3g, gradients %.3g, BN statistics %.3g apart", models[m], el, eg, es);
+              "%s: ops_cpu against ops_ref: loss %.3g, gradients %.3g, BN statistics %.3g apart", models[m], el, eg, es);
         if (g_verbose)
             printf("      %s: loss %.3g, gradients %.3g, BN statistics %.3g apart (relative, L2)\n", models[m], el, eg, es);
         free(g[0]); free(g[1]); free(st[0]); free(st[1]);
