@@ -81,8 +81,8 @@
 // ============================================================================
 // PART I. THE MATH
 // Per op its formula, then a straightforward reference forward and backward:
-// any storage type, sums in fp64 in the formula's order. Together they are
-// the table ops_ref at the end of the part, which runs a whole training step.
+// any storage type, reductions in fp64 in the formula's order. Together they
+// are the table ops_ref at the end of the part, which runs a whole training step.
 // ============================================================================
 
 // ----------------------------------------------------------------------------
@@ -1066,8 +1066,8 @@ double lr_at_step(double lr, Schedule s, int64_t warmup, int64_t total_steps, in
 // ----------------------------------------------------------------------------
 // the reference table: every op above as its formula is written. ops_cpu
 // (part IV) is this table with fast versions of conv2d, batch norm and the
-// squeeze-excitation pieces; the tests run whole training steps on both and
-// compare them as they compare the GPU with the CPU.
+// squeeze-excitation pieces; the tests run a training forward and backward on
+// both and compare them as they compare the GPU with the CPU.
 
 Ops ops_ref = {
     .name = "ref",
@@ -1084,6 +1084,7 @@ Ops ops_ref = {
     SN_COMPUTE_OPS(OPS_REF_ENTRY)
 #undef OPS_REF_ENTRY
 };
+
 // ============================================================================
 // PART II. THE MODELS
 // A model is a graph of layers built from the ops' shapes; the builders check
@@ -6862,7 +6863,7 @@ int comm_mpi_open(Comm *c, char err[SN_ERR_MAX]) {
 #endif
 
 // ----------------------------------------------------------------------------
-// the training run: options, the trainer, passes, checkpoints, metrics.csv, resume
+// the training run: options, opening a trainer, passes, checkpoints, metrics.csv, resume
 
 void train_cfg_default(TrainCfg *c) {
     memset(c, 0, sizeof *c);
