@@ -3025,13 +3025,7 @@ static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const float *mean, const
     if (next && next->kind == FUSED_RESIDUAL) y = next->out;  // y has no memory: out's, in place
     if (!next || !rows || !C || !bn_next_vec(next, x, {y.data})) {
         bn_forward_plain(o, y, x, mean, var, gamma, beta, eps, act);
-        if (next && next->kind == FUSED_POOL) global_avg_pool_forward_cuda(o, next->pooled, y);
-        if (next && next->kind == FUSED_RESIDUAL) {
-            if (next->rate > 0.0f)
-                dropout_forward_cuda(o, y, y, next->residual, next->rate, next->seed, 1, next->first_sample);
-            else
-                add_forward_cuda(o, y, y, next->residual);
-        }
+        if (next) bn_next_forward_unfused(o, y, next);
         return;
     }
     const BnParams p = {mean, var, gamma, beta, eps, act};
@@ -3054,14 +3048,6 @@ static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const float *mean, const
     });
 }
 
-// dresidual (=|+=) dy, and (in place) dy = y's gradient dy·keep, by the unfused ops
-static void residual_end_backward(Ops *o, Tensor dy, const BnNext *next) {
-    if (next->rate > 0.0f)
-        dropout_backward_cuda(o, dy, next->dresidual, dy, next->rate, next->seed, 1, next->first_sample, 0,
-                              next->accumulate_residual);
-    else if (next->dresidual.data)
-        copy_cuda(o, next->dresidual, dy, next->accumulate_residual);  // keep = 1: dy is y's gradient as it is
-}
 // whether the fused kernels serve a FUSED_RESIDUAL backward (else dy becomes y's gradient in place)
 static bool bn_residual_fused(const BnNext *next, Tensor dy, Tensor x) {
     return dy.dtype == x.dtype && shape_numel(x.shape) && bn_next_vec(next, x, {dy.data});
@@ -3071,7 +3057,7 @@ static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const float *me
                                     const float *gamma, const float *beta, float eps, Act act, float *sum_g,
                                     float *sum_gx, float *dgamma, float *dbeta, double *sums, const BnNext *next) {
     if (next && next->kind == FUSED_RESIDUAL && !bn_residual_fused(next, dy, x)) {
-        residual_end_backward(o, dy, next);
+        bn_next_backward_unfused(o, dy, next);
         next = NULL;  // dy is y's gradient now
     }
     if (!next || next->kind != FUSED_RESIDUAL) {
@@ -3106,7 +3092,7 @@ static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const 
     if (dx.dtype != x.dtype || !vec_ok({x.dtype}, C, {dx.data})) {
         BnNext y_grad_only = *next;  // dy becomes y's gradient (dresidual was written by the reduce)
         y_grad_only.dresidual = NO_TENSOR;
-        residual_end_backward(o, dy, &y_grad_only);
+        bn_next_backward_unfused(o, dy, &y_grad_only);
         bn_backward_data_plain(o, dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
         return;
     }

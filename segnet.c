@@ -779,12 +779,13 @@ static void resize_bilinear_backward_ref(Ops *o, Tensor dx, Tensor dy, int accum
 // are ops_ref's batch norm; part IV's bn_*_cpu compute the same in fewer passes.
 
 // Batch norm with the layer after it (BnNext): the two ops one after the
-// other, the layer after it from the same table o; a residual block's end in
-// place in out (forward) and in out's gradient dy (backward), so y and its
-// gradient need no memory.
+// other, the layer after it from the same table o (every backend's fallback
+// where it has no fused kernel); a residual block's end in place in out
+// (forward) and in out's gradient dy (backward), so y and its gradient need no
+// memory.
 
 // y written: the pool of y, or the residual end in place in out (which holds y)
-static void bn_next_forward_ref(Ops *o, Tensor y, const BnNext *next) {
+void bn_next_forward_unfused(Ops *o, Tensor y, const BnNext *next) {
     if (next->kind == FUSED_POOL) o->global_avg_pool_forward(o, next->pooled, y);
     if (next->kind != FUSED_RESIDUAL) return;
     if (next->rate > 0.0f)
@@ -793,7 +794,7 @@ static void bn_next_forward_ref(Ops *o, Tensor y, const BnNext *next) {
         o->add_forward(o, y, y, next->residual);
 }
 // a residual end's backward: dresidual (=|+=) dy, and dy (out's gradient) becomes y's, dy·keep
-static void bn_next_backward_ref(Ops *o, Tensor dy, const BnNext *next) {
+void bn_next_backward_unfused(Ops *o, Tensor dy, const BnNext *next) {
     const int acc = next->accumulate_residual;
     if (next->rate > 0.0f)
         o->dropout_backward(o, dy, next->dresidual, dy, next->rate, next->seed, 1, next->first_sample, 0, acc);
@@ -821,21 +822,18 @@ static void bn_stats_ref(Ops *o, Tensor x, float *mean, float *var, float *run_m
     #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
         int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
-        double s[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0};
+        double s[BN_CBLOCK] = {0}, s2[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0};  // Σx, Σx², Σ(x − mean)²
         for (size_t r = 0; r < M; r++)
-            for (int j = 0; j < nc; j++) s[j] += ld(x, r * C + c0 + j);
-        for (int j = 0; j < nc; j++) s[j] /= (double)M;
+            for (int j = 0; j < nc; j++) { const double v = ld(x, r * C + c0 + j); s[j] += v; s2[j] += v * v; }
+        for (int j = 0; j < nc; j++) {
+            if (sums) { sums[c0 + j] = s[j]; sums[C + c0 + j] = s2[j]; }
+            s[j] /= (double)M;
+        }
         for (size_t r = 0; r < M; r++)
             for (int j = 0; j < nc; j++) { double d = ld(x, r * C + c0 + j) - s[j]; q[j] += d * d; }
         for (int j = 0; j < nc; j++) { mean[c0 + j] = (float)s[j]; var[c0 + j] = (float)(q[j] / (double)M); }
     }
     if (run_mean) bn_update_running_ref(o, run_mean, run_var, mean, var, C, M, momentum);
-    for (int c = 0; sums && c < C; c++) {
-        double s1 = 0.0, s2 = 0.0;
-        for (size_t r = 0; r < M; r++) { const double v = ld(x, r * C + c); s1 += v; s2 += v * v; }
-        sums[c] = s1;
-        sums[C + c] = s2;
-    }
 }
 
 static void bn_stats_finish_ref(Ops *o, const double *sums, int C, size_t count, float *mean, float *var,
@@ -856,16 +854,16 @@ static void bn_forward_ref(Ops *o, Tensor y, Tensor x, const float *mean, const 
             float z = gamma[c] * ((ld(x, r * C + c) - mean[c]) * bn_invstd(var, c, eps)) + beta[c];
             st(y, r * C + c, act_apply(act, z));
         }
-    if (next) bn_next_forward_ref(o, y, next);
+    if (next) bn_next_forward_unfused(o, y, next);
 }
 
 // Σg and Σg·xhat per channel (sums: the same in fp64, --sync-bn), dgamma and dbeta;
-// first, with a residual block's end, dy becomes y's gradient (bn_next_backward_ref)
+// first, with a residual block's end, dy becomes y's gradient (bn_next_backward_unfused)
 static void bn_backward_reduce_ref(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
                                    const float *gamma, const float *beta, float eps, Act act,
                                    float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums,
                                    const BnNext *next) {
-    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_ref(o, dy, next);
+    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_unfused(o, dy, next);
     if (!sum_g) return;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
@@ -3920,14 +3918,14 @@ static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const 
                            const float *gamma, const float *beta, float eps, Act act, const BnNext *next) {
     if (next && next->kind == FUSED_RESIDUAL) y = next->out;
     bn_forward_fast(y, x, mean, var, gamma, beta, eps, act);
-    if (next) bn_next_forward_ref(o, y, next);
+    if (next) bn_next_forward_unfused(o, y, next);
 }
 
 static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
                                    const float *gamma, const float *beta, float eps, Act act,
                                    float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums,
                                    const BnNext *next) {
-    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_ref(o, dy, next);
+    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_unfused(o, dy, next);
     if (sum_g) bn_backward_reduce_fast(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta, sums);
 }
 
@@ -4882,7 +4880,7 @@ static void ohwi_to_oihw(const float *src, float *dst, int n_out, int n_in, int 
 }
 
 // a file tensor's values as fp32 (its data may be unaligned and fp16/bf16/int64)
-void st_tensor_f32(const SafetensorsTensor *t, float *dst) {
+void safetensors_tensor_f32(const SafetensorsTensor *t, float *dst) {
     const uint8_t *p = (const uint8_t *)t->data;
     for (size_t i = 0; i < t->numel; i++) {
         if (t->dtype == DT_F32) { memcpy(&dst[i], p + 4 * i, 4); continue; }
@@ -5056,7 +5054,7 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
             if (!src[e]) continue;  // skipped under allow_missing
             const int is_param = e < g->n_params;
             const ParamInfo *p = is_param ? &g->params[e] : &g->buffers[e - g->n_params];
-            st_tensor_f32(src[e], vals);
+            safetensors_tensor_f32(src[e], vals);
             if (p->ndim == 4) {
                 oihw_to_ohwi(vals, tmp, p->dims[0], p->dims[3], p->dims[1], p->dims[2]);
                 memcpy(vals, tmp, sizeof(float) * p->count);
@@ -7643,8 +7641,8 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
     if (net_load_weights(&t->net, &f, path, NULL, 0, err)) { pass_saved_free(ps); goto done; }
     float *host = malloc(sizeof(float) * (P ? P : 1));
     snCheck(host != NULL, "out of host memory");
-    st_tensor_f32(m, host); t->o->upload(t->o, t->adam_m, host, sizeof(float) * P);
-    st_tensor_f32(v, host); t->o->upload(t->o, t->adam_v, host, sizeof(float) * P);
+    safetensors_tensor_f32(m, host); t->o->upload(t->o, t->adam_m, host, sizeof(float) * P);
+    safetensors_tensor_f32(v, host); t->o->upload(t->o, t->adam_v, host, sizeof(float) * P);
     free(host);
     t->epoch = (int)k.epoch;
     t->step = k.step;

@@ -649,6 +649,12 @@ struct Ops {
 // batch norm and the squeeze-excitation pieces (part IV)
 extern Ops ops_ref;
 extern Ops ops_cpu;
+// The layer after a batch norm by the table's own unfused ops, after the batch
+// norm wrote y (for FUSED_RESIDUAL: y in out's memory, overwritten by out):
+// what a backend without a fused kernel for a case runs (segnet.c). Backward:
+// dresidual (=|+=) dy, and dy (out's gradient) becomes y's, in place.
+void bn_next_forward_unfused(Ops *o, Tensor y, const BnNext *next);
+void bn_next_backward_unfused(Ops *o, Tensor dy, const BnNext *next);
 // The CUDA backend (kernels.cu): in builds with nvcc (SEGNET_CUDA) and, under
 // the CPU emulator of cuda_emu.h, in test_segnet. cuda_backend_open picks the
 // device and must succeed before ops_cuda is used; it returns -1 with a
@@ -1017,7 +1023,7 @@ int net_save_checkpoint(const Net *net, const char *path, const SafetensorsTenso
 // timm's name (tf_efficientnetv2_*) for an EfficientNetV2 tensor of g; 0 if none.
 // Loading finds a tensor by its segnet/torchvision name, else by this one.
 int effnet_timm_name(const Graph *g, const char *name, char out[SN_NAME_MAX]);
-void st_tensor_f32(const SafetensorsTensor *t, float *dst);  // values as fp32, whatever the dtype
+void safetensors_tensor_f32(const SafetensorsTensor *t, float *dst);  // values as fp32, whatever the dtype
 
 // ----------------------------------------------------------------------------
 // images and classifier prediction

@@ -2021,7 +2021,7 @@ TEST(weights_round_trip) {
     CHECK(t && t->ndim == 4 && t->dims[0] == 8 && t->dims[1] == 3 && t->dims[2] == 3 && t->dims[3] == 3, "stem OIHW (8,3,3,3)");
     if (t) {
         float v[216];
-        st_tensor_f32(t, v);
+        safetensors_tensor_f32(t, v);
         int same = 1;
         for (int o = 0; o < 8; o++) for (int i = 0; i < 3; i++) for (int y = 0; y < 3; y++) for (int x = 0; x < 3; x++)
             same &= v[((o * 3 + i) * 3 + y) * 3 + x] == a.params[p->offset + ((o * 3 + y) * 3 + x) * 3 + i];
@@ -2261,7 +2261,7 @@ static float *ref_tensor(const SafetensorsFile *f, const char *prefix, const Par
     CHECK(t && t->numel == p->count, "%s in the reference", key);
     if (!t || t->numel != p->count) return NULL;
     float *v = malloc(sizeof(float) * t->numel);
-    st_tensor_f32(t, v);
+    safetensors_tensor_f32(t, v);
     return v;
 }
 
@@ -2275,8 +2275,8 @@ static void parity_check(Net *net, int out, const int32_t *labels, const Safeten
     CHECK(tlog && tloss && tlog->numel == n_logits, "%s: reference logits and loss", label);
     if (!tlog || !tloss) return;
     float *logits_ref = malloc(sizeof(float) * n_logits), loss_ref;
-    st_tensor_f32(tlog, logits_ref);
-    st_tensor_f32(tloss, &loss_ref);
+    safetensors_tensor_f32(tlog, logits_ref);
+    safetensors_tensor_f32(tloss, &loss_ref);
     net_forward(net, 1);
     double e_logits = rel_err(net->act[out], logits_ref, n_logits, 0);
     // mean cross-entropy over images (or pixels): class weights 1, normaliser Σw = M
@@ -2347,10 +2347,10 @@ static void parity_case(const char *fixture, PadMode pad) {
     const SafetensorsTensor *tin = safetensors_find(&f, "input"), *tlab = safetensors_find(&f, "labels");
     CHECK(tin && tlab && tin->numel == 4 * 64 * 64 * 3 && tlab->numel == 4, "fixture input and labels");
     if (tin && tlab) {
-        st_tensor_f32(tin, net.act[g.input]);
+        safetensors_tensor_f32(tin, net.act[g.input]);
         float labf[4];
         int32_t labels[4];
-        st_tensor_f32(tlab, labf);
+        safetensors_tensor_f32(tlab, labf);
         for (int i = 0; i < 4; i++) labels[i] = (int32_t)labf[i];
         parity_check(&net, out, labels, &f, pad == PAD_SAME ? "effv2-t same" : "effv2-t symmetric", 1);
     }
@@ -6635,7 +6635,7 @@ static float *run_adam_moment(const char *run, size_t *n) {
     *n = 0;
     if (safetensors_read(path, &f, err) == 0) {
         const SafetensorsTensor *t = safetensors_find(&f, "train_state.adam_m");
-        if (t && (m = malloc(sizeof(float) * (t->numel + 1)))) { st_tensor_f32(t, m); *n = t->numel; }
+        if (t && (m = malloc(sizeof(float) * (t->numel + 1)))) { safetensors_tensor_f32(t, m); *n = t->numel; }
     }
     CHECK(m != NULL, "%s: no train_state.adam_m (%s)", path, err);
     safetensors_free(&f);
@@ -8110,7 +8110,7 @@ TEST(cuda_replicas_sync_bn) {
 }
 
 // every fp32 tensor of a safetensors file, concatenated in header order; NULL if unreadable
-static float *st_floats(const char *path, size_t *n) {
+static float *safetensors_floats(const char *path, size_t *n) {
     SafetensorsFile f;
     char err[SN_ERR_MAX];
     *n = 0;
@@ -8162,7 +8162,7 @@ TEST(cuda_replicas_train_run) {
     float *w[2];
     for (int k = 0; k < 2; k++) {
         snprintf(path, sizeof path, "%s/last.safetensors", out[k]);
-        w[k] = st_floats(path, &n[k]);
+        w[k] = safetensors_floats(path, &n[k]);
     }
     if (w[0] && w[1] && n[0] == n[1] && n[0] > 0) {
         double dw = rel_l2(w[1], w[0], n[0]);
@@ -9998,7 +9998,7 @@ static uint64_t fuzz_sf_run(FuzzCtx *c, const uint8_t *in, size_t n) {
         else {
             float *v = malloc(sizeof(float) * (t->numel ? t->numel : 1));
             snCheck(v != NULL, "out of host memory");
-            st_tensor_f32(t, v);
+            safetensors_tensor_f32(t, v);
             free(v);
         }
         if (safetensors_find(&f, t->name) != t) fuzz_invariant(c, "safetensors_find does not find tensor %d by its name", i);
