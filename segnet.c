@@ -1010,7 +1010,7 @@ static void adam_update_ref(Ops *o, float *params, const float *grads, float *m,
     (void)o;
     if (s->skip) return;
     const float decay = s->lr * s->weight_decay;
-    #pragma omp parallel for schedule(static) if(PAR(n))
+    #pragma omp parallel for simd schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) {
         float g = grads[i] * s->grad_scale, p = params[i];
         if (decay != 0.0f) p -= decay * p;
@@ -3018,14 +3018,17 @@ static void col2im(const ConvCfg *cfg, const ConvGeom *q, const float *dcol, Ten
     }
 }
 
-// One image's output (or output gradient) as fp32 rows [P][Cout]: the tensor's
-// own memory when it is fp32, else converted into `scratch`.
-static float *image_rows_f32(Tensor t, int n, size_t P, int Cout, float *scratch) {
-    size_t base = (size_t)n * P * Cout;
+// Images n0 .. n0 + nb - 1 of an output (or output gradient) as fp32 rows
+// [nb·P][Cout]: the tensor's own memory when it is fp32, else converted into `scratch`.
+static float *images_rows_f32(Tensor t, int n0, int nb, size_t P, int Cout, float *scratch) {
+    const size_t base = (size_t)n0 * P * Cout, rows = (size_t)nb * P;
     if (t.dtype == DT_F32) return (float *)t.data + base;
-    #pragma omp parallel for schedule(static) if(PAR(P * Cout))
-    for (size_t p = 0; p < P; p++) ld_run(t, base + p * Cout, scratch + p * Cout, (size_t)Cout);
+    #pragma omp parallel for schedule(static) if(PAR(rows * Cout))
+    for (size_t p = 0; p < rows; p++) ld_run(t, base + p * Cout, scratch + p * Cout, (size_t)Cout);
     return scratch;
+}
+static float *image_rows_f32(Tensor t, int n, size_t P, int Cout, float *scratch) {
+    return images_rows_f32(t, n, 1, P, Cout, scratch);
 }
 
 // depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx, c] · w[c][ky][kx]
@@ -3232,14 +3235,42 @@ static void depthwise_backward_weight_f32(const ConvCfg *cfg, const ConvGeom *q,
 typedef float vfloat __attribute__((vector_size(CONV_VL * sizeof(float))));
 static inline vfloat vload(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
+static inline vfloat vsplat(float x) {  // x in every lane (one broadcast; (vfloat){0} + x would add 0 first)
+    vfloat v;
+    for (int i = 0; i < CONV_VL; i++) v[i] = x;
+    return v;
+}
 // pixels per tile for V channel vectors: R·V accumulators + V weights + 1 broadcast fit the registers
 static inline int conv_tile_pixels(int V) {
     int r = (CONV_REGS - 2 - V) / V;
     return r > CONV_RMAX ? CONV_RMAX : r;
 }
+// A row of tiles is the tiles of conv_tile_pixels(V) and then the rest in
+// tiles of 8, 4, 2 and 1. Each tile shape (R, V) is compiled as a function of
+// its own from an always-inline body with R and V constant: in one function
+// the compiler allocated the shapes' accumulators together and kept some of
+// them on the stack (the 4-pixel tiles of a 4×4 image ran at half speed).
+enum { CONV_TILE_FULL, CONV_TILE_8, CONV_TILE_4, CONV_TILE_2, CONV_TILE_1, CONV_TILE_KINDS };
+#define CONV_TILE_TABLE(prefix) {                                                                      \
+    {NULL},                                                                                            \
+    {prefix##_full1, prefix##_8x1, prefix##_4x1, prefix##_2x1, prefix##_1x1},                          \
+    {prefix##_full2, prefix##_8x2, prefix##_4x2, prefix##_2x2, prefix##_1x2},                          \
+    {prefix##_full3, prefix##_8x3, prefix##_4x3, prefix##_2x3, prefix##_1x3},                          \
+    {prefix##_full4, prefix##_8x4, prefix##_4x4, prefix##_2x4, prefix##_1x4}}
+// the R·V tiles along `count` (pixels of a row, or output channels) from 0
+#define CONV_TILE_ROW(tiles, V, count, call)                                                           \
+    do {                                                                                               \
+        const int R_ = conv_tile_pixels(V);                                                            \
+        int at_ = 0;                                                                                   \
+        for (; at_ + R_ <= (count); at_ += R_) call((tiles)[CONV_TILE_FULL], at_);                     \
+        if (R_ > 8 && (count) - at_ >= 8) { call((tiles)[CONV_TILE_8], at_); at_ += 8; }               \
+        if (R_ > 4 && (count) - at_ >= 4) { call((tiles)[CONV_TILE_4], at_); at_ += 4; }               \
+        if (R_ > 2 && (count) - at_ >= 2) { call((tiles)[CONV_TILE_2], at_); at_ += 2; }               \
+        if (at_ < (count)) call((tiles)[CONV_TILE_1], at_);                                            \
+    } while (0)
 
 typedef struct {
-    const float *xp;      // (Hp,Wp,C) padded input of one image
+    const float *xp;      // (Hp,Wp,C) padded input of one image (the first of a chunk)
     int Wp, C, s, kh, kw;
     const float *wt;      // [kh][kw][C][Cop]
     int Cop;
@@ -3247,6 +3278,7 @@ typedef struct {
     Tensor out;           // (N,OH,OW,Cout)
     size_t out_image;     // element offset of this image in out
     int OW, Cout, accumulate;
+    size_t xp_image, out_stride;  // floats per padded image, elements per output image (the chunk's next image)
 } DirectConv;
 
 static inline __attribute__((always_inline)) void direct_conv_tile(const DirectConv *d, int R, int V, int oy, int ox0,
@@ -3268,7 +3300,7 @@ static inline __attribute__((always_inline)) void direct_conv_tile(const DirectC
                 for (int v = 0; v < V; v++) wv[v] = vload(wr + (size_t)ci * d->Cop + v * CONV_VL);
                 #pragma GCC unroll 12
                 for (int r = 0; r < R; r++) {
-                    vfloat b = (vfloat){0} + xr[r * xstep + ci];
+                    vfloat b = vsplat(xr[r * xstep + ci]);
                     #pragma GCC unroll 4
                     for (int v = 0; v < V; v++) acc[r][v] += b * wv[v];
                 }
@@ -3285,27 +3317,28 @@ static inline __attribute__((always_inline)) void direct_conv_tile(const DirectC
     }
 }
 
-// one output row, all channel blocks; R and V are constants in each instance
-static inline __attribute__((always_inline)) void direct_conv_row_v(const DirectConv *d, int V, int oy, int co0) {
-    const int R = conv_tile_pixels(V);
-    int ox = 0;
-    for (; ox + R <= d->OW; ox += R) direct_conv_tile(d, R, V, oy, ox, co0);
-    // the rest (< R pixels) in tiles of 8, 4, 2, 1
-    if (R > 8 && d->OW - ox >= 8) { direct_conv_tile(d, 8, V, oy, ox, co0); ox += 8; }
-    if (R > 4 && d->OW - ox >= 4) { direct_conv_tile(d, 4, V, oy, ox, co0); ox += 4; }
-    if (R > 2 && d->OW - ox >= 2) { direct_conv_tile(d, 2, V, oy, ox, co0); ox += 2; }
-    if (ox < d->OW) direct_conv_tile(d, 1, V, oy, ox, co0);
-}
-static void direct_conv_row(const DirectConv *d, int oy) {
-    for (int co0 = 0; co0 < d->Cout; co0 += CONV_VMAX * CONV_VL) {
-        int V = (d->Cout - co0 + CONV_VL - 1) / CONV_VL;
-        switch (V > CONV_VMAX ? CONV_VMAX : V) {
-        case 1: direct_conv_row_v(d, 1, oy, co0); break;
-        case 2: direct_conv_row_v(d, 2, oy, co0); break;
-        case 3: direct_conv_row_v(d, 3, oy, co0); break;
-        default: direct_conv_row_v(d, 4, oy, co0);
-        }
+typedef void (*DirectConvTile)(const DirectConv *d, int oy, int ox0, int co0);
+#define DIRECT_CONV_TILE(name, R, V)                                                        \
+    static __attribute__((noinline)) void name(const DirectConv *d, int oy, int ox0, int co0) { \
+        direct_conv_tile(d, R, V, oy, ox0, co0);                                            \
     }
+#define DIRECT_CONV_TILES(V)                                                                \
+    DIRECT_CONV_TILE(direct_conv_tile_full##V, conv_tile_pixels(V), V)                      \
+    DIRECT_CONV_TILE(direct_conv_tile_8x##V, 8, V) DIRECT_CONV_TILE(direct_conv_tile_4x##V, 4, V) \
+    DIRECT_CONV_TILE(direct_conv_tile_2x##V, 2, V) DIRECT_CONV_TILE(direct_conv_tile_1x##V, 1, V)
+DIRECT_CONV_TILES(1) DIRECT_CONV_TILES(2) DIRECT_CONV_TILES(3) DIRECT_CONV_TILES(4)
+static const DirectConvTile direct_conv_tiles[CONV_VMAX + 1][CONV_TILE_KINDS] = CONV_TILE_TABLE(direct_conv_tile);
+
+// row oy of the chunk's image n, output channels co0 .. co0 + CONV_VMAX·CONV_VL - 1
+static void direct_conv_row(const DirectConv *chunk, int n, int oy, int co0) {
+    DirectConv image = *chunk;
+    image.xp += (size_t)n * chunk->xp_image;
+    image.out_image += (size_t)n * chunk->out_stride;
+    int V = (chunk->Cout - co0 + CONV_VL - 1) / CONV_VL;
+    if (V > CONV_VMAX) V = CONV_VMAX;
+#define CONV_TILE_AT(tile, ox) (tile)(&image, oy, ox, co0)
+    CONV_TILE_ROW(direct_conv_tiles[V], V, image.OW, CONV_TILE_AT);
+#undef CONV_TILE_AT
 }
 
 static int conv_pad_to_vl(int c) { return (c + CONV_VL - 1) / CONV_VL * CONV_VL; }
@@ -3316,28 +3349,43 @@ static int conv_direct_grad_data(const ConvCfg *cfg) {
     return conv_is_direct(cfg) && cfg->cin >= CONV_VL && cfg->stride == 1;
 }
 static int conv_direct_grad_weight(const ConvCfg *cfg) { return conv_is_direct(cfg) && cfg->cin >= CONV_VL; }
-// Floats of workspace for the direct paths (backward: 0 forward, 1 data gradient, 2 weight
-// gradient): the padded image and the repacked weights (the data gradient pads dout: its
-// "image" has Cout channels and its weights Cin outputs); see the weight gradient below.
-static size_t direct_conv_floats(const ConvCfg *cfg, const ConvGeom *q, int backward) {
-    if (backward == 2) {  // weight gradient: fp64 sums, the padded input with slack, dout rows in fp32
-        size_t pad = (size_t)((q->OH - 1) * cfg->stride + cfg->kh) * ((q->OW - 1) * cfg->stride + cfg->kw) * q->C;
-        return 2 * (size_t)q->Cout * cfg->kh * cfg->kw * q->C + pad + CONV_VMAX * CONV_VL + q->P * q->Cout;
-    }
-    if (backward) {
-        size_t pad = (size_t)(q->H + cfg->kh - 1) * (q->W + cfg->kw - 1) * q->Cout;
-        return pad + (size_t)cfg->kh * cfg->kw * q->Cout * conv_pad_to_vl(q->C);
-    }
+// The direct paths pad a chunk of images at a time: as many as fit in
+// conv_chunk_floats, at least one. Small images (a U-Net's deep levels) then
+// give each parallel loop rows of several images and each weight-gradient
+// tile several images' pixels, with two parallel loops per chunk instead of
+// per image, while a large image's workspace stays one image.
+size_t conv_chunk_floats = (size_t)1 << 20;  // 4 MiB (a variable: the tests lower it)
+static int conv_chunk_images(size_t image_floats, int N) {
+    size_t k = conv_chunk_floats / image_floats;
+    return k < 1 ? 1 : k > (size_t)N ? N : (int)k;
+}
+// Floats of one padded image (backward: 0 forward, 1 data gradient, 2 weight
+// gradient), with the weight gradient's fp32 dout rows: the data gradient pads
+// dout, whose "image" has Cout channels.
+static size_t direct_conv_image_floats(const ConvCfg *cfg, const ConvGeom *q, int backward) {
+    if (backward == 1) return (size_t)(q->H + cfg->kh - 1) * (q->W + cfg->kw - 1) * q->Cout;
     size_t pad = (size_t)((q->OH - 1) * cfg->stride + cfg->kh) * ((q->OW - 1) * cfg->stride + cfg->kw) * q->C;
-    return pad + (size_t)cfg->kh * cfg->kw * q->C * conv_pad_to_vl(q->Cout);
+    return pad + (backward == 2 ? q->P * q->Cout : 0);
+}
+// Floats of workspace for the direct paths: a chunk of padded images and the
+// repacked weights (the data gradient's have Cin outputs); the weight
+// gradient's fp64 sums and slack after the images instead (see below).
+static size_t direct_conv_floats(const ConvCfg *cfg, const ConvGeom *q, int backward) {
+    const size_t image = direct_conv_image_floats(cfg, q, backward), KK = (size_t)cfg->kh * cfg->kw;
+    const size_t images = (size_t)conv_chunk_images(image, q->N) * image;
+    if (backward == 2) return 2 * (size_t)q->Cout * KK * q->C + images + CONV_VMAX * CONV_VL;
+    if (backward == 1) return images + KK * q->Cout * conv_pad_to_vl(q->C);
+    return images + KK * q->C * conv_pad_to_vl(q->Cout);
 }
 
-// xp[y][x][c] = src[n, y - top, x - left, c] inside the source, else 0: (Hp,Wp,C) fp32
-static void pad_image(Tensor src, int n, int top, int left, int Hp, int Wp, float *xp) {
+// xp[k][y][x][c] = src[n0 + k, y - top, x - left, c] inside the source, else 0:
+// (nb,Hp,Wp,C) fp32, the nb images from n0 (image k at xp + k·image floats)
+static void pad_images(Tensor src, int n0, int nb, int top, int left, int Hp, int Wp, size_t image, float *xp) {
     const int H = src.shape.h, W = src.shape.w, C = src.shape.c;
-    #pragma omp parallel for schedule(static) if(PAR((size_t)Hp * Wp * C))
-    for (int y = 0; y < Hp; y++) {
-        float *dst = xp + (size_t)y * Wp * C;
+    #pragma omp parallel for schedule(static) if(PAR((size_t)nb * Hp * Wp * C))
+    for (int ky = 0; ky < nb * Hp; ky++) {
+        const int k = ky / Hp, y = ky % Hp, n = n0 + k;
+        float *dst = xp + k * image + (size_t)y * Wp * C;
         int sy = y - top;
         if (sy < 0 || sy >= H) { memset(dst, 0, sizeof(float) * Wp * C); continue; }
         int x0 = left > 0 ? left : 0, x1 = left + W < Wp ? left + W : Wp;  // destination columns with data
@@ -3347,61 +3395,74 @@ static void pad_image(Tensor src, int n, int top, int left, int Hp, int Wp, floa
     }
 }
 
-static void direct_conv_image(DirectConv *d, int OH) {
-    #pragma omp parallel for schedule(dynamic, 1) if(PAR((size_t)OH * d->OW * d->Cout * d->C * d->kh * d->kw))
-    for (int oy = 0; oy < OH; oy++) direct_conv_row(d, oy);
+// The conv of the images in chunks: each chunk padded (src with padding top,
+// left into d->xp), then in one parallel loop its rows of all images, block of
+// output channels by block: the threads stream one block's weights
+// (kh·kw·C·CONV_VMAX·CONV_VL floats, a few hundred KiB) from their caches
+// over all the chunk's rows before the next, where all the weights for each
+// row would not stay in cache when they exceed it (deep levels of small images).
+static void direct_conv_images(DirectConv *d, Tensor src, int N, int top, int left, int Hp, int Wp, int OH) {
+    const int chunk = conv_chunk_images(d->xp_image, N), block = CONV_VMAX * CONV_VL;
+    const int blocks = (d->Cout + block - 1) / block;
+    for (int n0 = 0; n0 < N; n0 += chunk) {
+        const int nb = N - n0 < chunk ? N - n0 : chunk, rows = nb * OH;
+        pad_images(src, n0, nb, top, left, Hp, Wp, d->xp_image, (float *)d->xp);
+        d->out_image = (size_t)n0 * d->out_stride;
+        #pragma omp parallel for schedule(dynamic, 1) if(PAR((size_t)rows * d->OW * d->Cout * d->C * d->kh * d->kw))
+        for (int item = 0; item < blocks * rows; item++) {
+            const int row = item % rows;
+            direct_conv_row(d, row / OH, row % OH, item / rows * block);
+        }
+    }
 }
 
 static void conv2d_forward_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
                                   const float *b, float *ws) {
     const int s = cfg->stride, Hp = (q->OH - 1) * s + cfg->kh, Wp = (q->OW - 1) * s + cfg->kw;
     const int Cop = conv_pad_to_vl(q->Cout), KK = cfg->kh * cfg->kw;
-    float *wt = ws, *xp = ws + (size_t)KK * q->C * Cop;  // [kh][kw][C][Cop], (Hp,Wp,C)
-    for (int k = 0; k < KK; k++)
-        for (int ci = 0; ci < q->C; ci++)
-            for (int co = 0; co < Cop; co++)
-                wt[((size_t)k * q->C + ci) * Cop + co] = co < q->Cout ? w[((size_t)co * KK + k) * q->C + ci] : 0.0f;
-    DirectConv d = {xp, Wp, q->C, s, cfg->kh, cfg->kw, wt, Cop, b, out, 0, q->OW, q->Cout, 0};
-    for (int n = 0; n < q->N; n++) {
-        pad_image(in, n, q->pt, q->pl, Hp, Wp, xp);
-        d.out_image = (size_t)n * q->P * q->Cout;
-        direct_conv_image(&d, q->OH);
+    float *wt = ws, *xp = ws + (size_t)KK * q->C * Cop;  // [kh][kw][C][Cop], chunk of (Hp,Wp,C)
+    #pragma omp parallel for schedule(static) if(PAR((size_t)KK * q->C * Cop))
+    for (int kc = 0; kc < KK * q->C; kc++) {
+        const int k = kc / q->C, ci = kc % q->C;
+        for (int co = 0; co < Cop; co++)
+            wt[(size_t)kc * Cop + co] = co < q->Cout ? w[((size_t)co * KK + k) * q->C + ci] : 0.0f;
     }
+    DirectConv d = {xp, Wp, q->C, s, cfg->kh, cfg->kw, wt, Cop, b, out, 0, q->OW, q->Cout, 0,
+                    direct_conv_image_floats(cfg, q, 0), q->P * q->Cout};
+    direct_conv_images(&d, in, q->N, q->pt, q->pl, Hp, Wp, q->OH);
 }
 
 static void conv2d_backward_data_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
                                         const float *w, int accumulate, float *ws) {
     const int Hp = q->H + cfg->kh - 1, Wp = q->W + cfg->kw - 1, KK = cfg->kh * cfg->kw;
     const int Cip = conv_pad_to_vl(q->C);
-    float *wt = ws, *dp = ws + (size_t)KK * q->Cout * Cip;  // [kh][kw][Cout][Cip], (Hp,Wp,Cout)
-    for (int ky = 0; ky < cfg->kh; ky++)
-        for (int kx = 0; kx < cfg->kw; kx++) {
-            const int flipped = (cfg->kh - 1 - ky) * cfg->kw + (cfg->kw - 1 - kx);
-            for (int co = 0; co < q->Cout; co++)
-                for (int ci = 0; ci < Cip; ci++)
-                    wt[((size_t)(ky * cfg->kw + kx) * q->Cout + co) * Cip + ci] =
-                        ci < q->C ? w[((size_t)co * KK + flipped) * q->C + ci] : 0.0f;
-        }
-    DirectConv d = {dp, Wp, q->Cout, 1, cfg->kh, cfg->kw, wt, Cip, NULL, din, 0, q->W, q->C, accumulate};
-    for (int n = 0; n < q->N; n++) {
-        pad_image(dout, n, cfg->kh - 1 - q->pt, cfg->kw - 1 - q->pl, Hp, Wp, dp);
-        d.out_image = (size_t)n * q->H * q->W * q->C;
-        direct_conv_image(&d, q->H);
+    float *wt = ws, *dp = ws + (size_t)KK * q->Cout * Cip;  // [kh][kw][Cout][Cip], chunk of (Hp,Wp,Cout)
+    #pragma omp parallel for schedule(static) if(PAR((size_t)KK * q->Cout * Cip))
+    for (int kc = 0; kc < KK * q->Cout; kc++) {
+        const int k = kc / q->Cout, co = kc % q->Cout, ky = k / cfg->kw, kx = k % cfg->kw;
+        const int flipped = (cfg->kh - 1 - ky) * cfg->kw + (cfg->kw - 1 - kx);
+        for (int ci = 0; ci < Cip; ci++)
+            wt[(size_t)kc * Cip + ci] = ci < q->C ? w[((size_t)co * KK + flipped) * q->C + ci] : 0.0f;
     }
+    DirectConv d = {dp, Wp, q->Cout, 1, cfg->kh, cfg->kw, wt, Cip, NULL, din, 0, q->W, q->C, accumulate,
+                    direct_conv_image_floats(cfg, q, 1), (size_t)q->H * q->W * q->C};
+    direct_conv_images(&d, dout, q->N, cfg->kh - 1 - q->pt, cfg->kw - 1 - q->pl, Hp, Wp, q->H);
 }
 
 // The weight gradient, any stride:
 //   dw[co][ky][kx][ci] += Σ_{n,oy,ox} dout[n,oy,ox,co] · xp_n[oy·s + ky][ox·s + kx][ci]
 // per tap, a tile of R output channels (broadcast from dout) × V vectors of
-// input channels (loaded from the padded input) accumulates whole output rows,
-// about DW_FLUSH_PIXELS pixels, in registers (fp32), then adds them into fp64
-// sums: rows in order, so the result does not depend on the thread count.
+// input channels (loaded from the padded input) accumulates whole output rows
+// of a chunk's images, about DW_FLUSH_PIXELS pixels, in registers (fp32), then
+// adds them into fp64 sums: rows in order, so the result does not depend on
+// the thread count.
 #define DW_FLUSH_PIXELS 512
 typedef struct {
-    const float *xp;      // (Hp,Wp,C) padded input of one image (with CONV_VMAX·CONV_VL floats of slack)
+    const float *xp;      // nb × (Hp,Wp,C) padded input of the chunk's images (with CONV_VMAX·CONV_VL floats of slack)
+    size_t xp_image;      // floats per padded image
     int Wp, C, s, kw, KK;
-    const float *dy;      // (OH,OW,Cout) fp32 output gradient of the same image
-    int OH, OW, Cout;
+    const float *dy;      // (nb,OH,OW,Cout) fp32 output gradient of the same images
+    int nb, OH, OW, Cout;
     double *sum;          // [Cout][kh][kw][C], the weight gradient's layout
 } DirectDW;
 
@@ -3410,22 +3471,24 @@ static inline __attribute__((always_inline)) void direct_dw_tile(const DirectDW 
     const int ky = tap / d->kw, kx = tap % d->kw;
     const size_t xstep = (size_t)d->s * d->C;
     const int rows = d->OW >= DW_FLUSH_PIXELS ? 1 : DW_FLUSH_PIXELS / d->OW;  // rows per fp32 partial sum
-    for (int oy0 = 0; oy0 < d->OH; oy0 += rows) {
+    const int total = d->nb * d->OH;                                          // the chunk's rows, image by image
+    for (int row0 = 0; row0 < total; row0 += rows) {
         vfloat acc[CONV_RMAX][CONV_VMAX];
         #pragma GCC unroll 12
         for (int r = 0; r < R; r++)
             #pragma GCC unroll 4
             for (int v = 0; v < V; v++) acc[r][v] = (vfloat){0};
-        for (int oy = oy0; oy < oy0 + rows && oy < d->OH; oy++) {
-        const float *xr = d->xp + ((size_t)(oy * d->s + ky) * d->Wp + kx) * d->C + ci0;
-        const float *dr = d->dy + (size_t)oy * d->OW * d->Cout + co0;
+        for (int row = row0; row < row0 + rows && row < total; row++) {
+        const int n = row / d->OH, oy = row % d->OH;
+        const float *xr = d->xp + n * d->xp_image + ((size_t)(oy * d->s + ky) * d->Wp + kx) * d->C + ci0;
+        const float *dr = d->dy + (size_t)row * d->OW * d->Cout + co0;
         for (int ox = 0; ox < d->OW; ox++) {
             vfloat xv[CONV_VMAX];
             #pragma GCC unroll 4
             for (int v = 0; v < V; v++) xv[v] = vload(xr + ox * xstep + v * CONV_VL);
             #pragma GCC unroll 12
             for (int r = 0; r < R; r++) {
-                vfloat b = (vfloat){0} + dr[(size_t)ox * d->Cout + r];
+                vfloat b = vsplat(dr[(size_t)ox * d->Cout + r]);
                 #pragma GCC unroll 4
                 for (int v = 0; v < V; v++) acc[r][v] += b * xv[v];
             }
@@ -3442,44 +3505,47 @@ static inline __attribute__((always_inline)) void direct_dw_tile(const DirectDW 
         }
     }
 }
-static inline __attribute__((always_inline)) void direct_dw_tiles_v(const DirectDW *d, int V, int tap, int ci0) {
-    const int R = conv_tile_pixels(V);
-    int co = 0;
-    for (; co + R <= d->Cout; co += R) direct_dw_tile(d, R, V, tap, co, ci0);
-    if (R > 8 && d->Cout - co >= 8) { direct_dw_tile(d, 8, V, tap, co, ci0); co += 8; }
-    if (R > 4 && d->Cout - co >= 4) { direct_dw_tile(d, 4, V, tap, co, ci0); co += 4; }
-    if (R > 2 && d->Cout - co >= 2) { direct_dw_tile(d, 2, V, tap, co, ci0); co += 2; }
-    if (co < d->Cout) direct_dw_tile(d, 1, V, tap, co, ci0);
-}
-static void direct_dw_image(const DirectDW *d) {
+typedef void (*DirectDWTile)(const DirectDW *d, int tap, int co0, int ci0);
+#define DIRECT_DW_TILE(name, R, V)                                                        \
+    static __attribute__((noinline)) void name(const DirectDW *d, int tap, int co0, int ci0) { \
+        direct_dw_tile(d, R, V, tap, co0, ci0);                                           \
+    }
+#define DIRECT_DW_TILES(V)                                                                \
+    DIRECT_DW_TILE(direct_dw_tile_full##V, conv_tile_pixels(V), V)                        \
+    DIRECT_DW_TILE(direct_dw_tile_8x##V, 8, V) DIRECT_DW_TILE(direct_dw_tile_4x##V, 4, V) \
+    DIRECT_DW_TILE(direct_dw_tile_2x##V, 2, V) DIRECT_DW_TILE(direct_dw_tile_1x##V, 1, V)
+DIRECT_DW_TILES(1) DIRECT_DW_TILES(2) DIRECT_DW_TILES(3) DIRECT_DW_TILES(4)
+static const DirectDWTile direct_dw_tiles[CONV_VMAX + 1][CONV_TILE_KINDS] = CONV_TILE_TABLE(direct_dw_tile);
+
+static void direct_dw_chunk(const DirectDW *d) {
     const int n_ci = (d->C + CONV_VMAX * CONV_VL - 1) / (CONV_VMAX * CONV_VL);
-    #pragma omp parallel for schedule(dynamic, 1) if(PAR((size_t)d->OH * d->OW * d->Cout * d->C * d->KK))
+    #pragma omp parallel for schedule(dynamic, 1) if(PAR((size_t)d->nb * d->OH * d->OW * d->Cout * d->C * d->KK))
     for (int item = 0; item < d->KK * n_ci; item++) {
         const int tap = item / n_ci, ci0 = item % n_ci * CONV_VMAX * CONV_VL;
-        const int V = (d->C - ci0 + CONV_VL - 1) / CONV_VL;
-        switch (V > CONV_VMAX ? CONV_VMAX : V) {
-        case 1: direct_dw_tiles_v(d, 1, tap, ci0); break;
-        case 2: direct_dw_tiles_v(d, 2, tap, ci0); break;
-        case 3: direct_dw_tiles_v(d, 3, tap, ci0); break;
-        default: direct_dw_tiles_v(d, 4, tap, ci0);
-        }
+        int V = (d->C - ci0 + CONV_VL - 1) / CONV_VL;
+        if (V > CONV_VMAX) V = CONV_VMAX;
+#define DW_TILE_AT(tile, co) (tile)(d, tap, co, ci0)
+        CONV_TILE_ROW(direct_dw_tiles[V], V, d->Cout, DW_TILE_AT);
+#undef DW_TILE_AT
     }
 }
 
 static void conv2d_backward_weight_direct(const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
                                           float *ws) {
     const int s = cfg->stride, Hp = (q->OH - 1) * s + cfg->kh, Wp = (q->OW - 1) * s + cfg->kw;
-    const size_t n_w = (size_t)q->Cout * cfg->kh * cfg->kw * q->C;
-    double *sum = (double *)ws;                                       // (n_w) fp64
-    float *xp = ws + 2 * n_w;                                         // (Hp,Wp,C) + slack
-    float *rows = xp + (size_t)Hp * Wp * q->C + CONV_VMAX * CONV_VL;  // (OH,OW,Cout) when dout is 16-bit
+    const size_t n_w = (size_t)q->Cout * cfg->kh * cfg->kw * q->C, image = (size_t)Hp * Wp * q->C;
+    const int chunk = conv_chunk_images(direct_conv_image_floats(cfg, q, 2), q->N);
+    double *sum = (double *)ws;                                     // (n_w) fp64
+    float *xp = ws + 2 * n_w;                                       // chunk × (Hp,Wp,C) + slack
+    float *rows = xp + chunk * image + CONV_VMAX * CONV_VL;         // (chunk,OH,OW,Cout) when dout is 16-bit
     memset(sum, 0, sizeof(double) * n_w);
-    DirectDW d = {xp, Wp, q->C, s, cfg->kw, cfg->kh * cfg->kw, NULL, q->OH, q->OW, q->Cout, sum};
-    memset(xp + (size_t)Hp * Wp * q->C, 0, sizeof(float) * CONV_VMAX * CONV_VL);
-    for (int n = 0; n < q->N; n++) {
-        pad_image(in, n, q->pt, q->pl, Hp, Wp, xp);
-        d.dy = image_rows_f32(dout, n, q->P, q->Cout, rows);
-        direct_dw_image(&d);
+    DirectDW d = {xp, image, Wp, q->C, s, cfg->kw, cfg->kh * cfg->kw, NULL, 0, q->OH, q->OW, q->Cout, sum};
+    for (int n0 = 0; n0 < q->N; n0 += chunk) {
+        d.nb = q->N - n0 < chunk ? q->N - n0 : chunk;
+        pad_images(in, n0, d.nb, q->pt, q->pl, Hp, Wp, image, xp);
+        memset(xp + d.nb * image, 0, sizeof(float) * CONV_VMAX * CONV_VL);
+        d.dy = images_rows_f32(dout, n0, d.nb, q->P, q->Cout, rows);
+        direct_dw_chunk(&d);
     }
     add_rounded(dw, sum, n_w);
 }
@@ -4038,6 +4104,148 @@ static void channel_scale_backward_cpu(Ops *o, Tensor dx, Tensor ds, Tensor dy, 
 }
 
 // ----------------------------------------------------------------------------
+// pooling, nearest upsampling and concatenation in fp32 (maxpool2_*_ref,
+// upsample2_*_ref and concat_*_ref state them; these give the same bits)
+//
+// The references read and write one element at a time through ld/st, for
+// any storage type. With fp32 tensors (the CPU's default) these loop over
+// rows of pixels with the channels innermost, so that the compiler
+// vectorises them, and max-pool's backward finds each 2×2 window's argmax
+// once per row of the window instead of once per element. Other storage
+// types take the references.
+
+static int all_f32(Tensor a, Tensor b) { return a.dtype == DT_F32 && b.dtype == DT_F32; }
+
+// y[n,oy,ox,c] = max over the 2×2 window, taken in the reference's order
+static void maxpool2_forward_cpu(Ops *o, Tensor y, Tensor x) {
+    if (!all_f32(y, x)) { maxpool2_forward_ref(o, y, x); return; }
+    const Shape s = x.shape, t = y.shape;
+    const int C = s.c;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
+    for (int noy = 0; noy < t.n * t.h; noy++) {
+        const int n = noy / t.h, oy = noy % t.h;
+        const float *x0 = (const float *)x.data + ((size_t)n * s.h + 2 * oy) * s.w * C, *x1 = x0 + (size_t)s.w * C;
+        float *yr = (float *)y.data + (size_t)noy * t.w * C;
+        for (int ox = 0; ox < t.w; ox++) {
+            const float *a = x0 + (size_t)2 * ox * C, *b = x1 + (size_t)2 * ox * C;
+            float *m = yr + (size_t)ox * C;
+            #pragma omp simd
+            for (int c = 0; c < C; c++) {
+                float mc = -INFINITY;
+                mc = a[c] > mc ? a[c] : mc;
+                mc = a[C + c] > mc ? a[C + c] : mc;
+                mc = b[c] > mc ? b[c] : mc;
+                m[c] = b[C + c] > mc ? b[C + c] : mc;
+            }
+        }
+    }
+}
+
+// dx (=|+=) dy at each window's first maximum, 0 elsewhere and past the floor
+static void maxpool2_backward_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, int accumulate) {
+    if (!all_f32(dx, dy) || x.dtype != DT_F32) { maxpool2_backward_ref(o, dx, dy, x, accumulate); return; }
+    const Shape s = x.shape, t = dy.shape;
+    const int C = s.c;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
+    for (int niy = 0; niy < s.n * s.h; niy++) {
+        const int n = niy / s.h, iy = niy % s.h, oy = iy / 2, row_k = (iy - 2 * oy) * 2;
+        float *d = (float *)dx.data + (size_t)niy * s.w * C;
+        int ix = 0;
+        if (oy < t.h) {
+            const float *x0 = (const float *)x.data + ((size_t)n * s.h + 2 * oy) * s.w * C, *x1 = x0 + (size_t)s.w * C;
+            const float *g = (const float *)dy.data + ((size_t)n * t.h + oy) * t.w * C;
+            for (int ox = 0; ox < t.w; ox++, ix += 2) {
+                const float *a = x0 + (size_t)ix * C, *b = x1 + (size_t)ix * C, *gc = g + (size_t)ox * C;
+                float *d0 = d + (size_t)ix * C, *d1 = d0 + C;
+                #pragma omp simd
+                for (int c = 0; c < C; c++) {
+                    float m = -INFINITY;
+                    int first = 0;
+                    if (a[c] > m) { m = a[c]; first = 0; }
+                    if (a[C + c] > m) { m = a[C + c]; first = 1; }
+                    if (b[c] > m) { m = b[c]; first = 2; }
+                    if (b[C + c] > m) first = 3;
+                    const float g0 = first == row_k ? gc[c] : 0.0f, g1 = first == row_k + 1 ? gc[c] : 0.0f;
+                    d0[c] = accumulate ? d0[c] + g0 : g0;
+                    d1[c] = accumulate ? d1[c] + g1 : g1;
+                }
+            }
+        }
+        for (size_t i = (size_t)ix * C; i < (size_t)s.w * C; i++) d[i] = accumulate ? d[i] + 0.0f : 0.0f;  // past the floor
+    }
+}
+
+// y[n,oy,ox,c] = x[n, oy/2, ox/2, c]
+static void upsample2_forward_cpu(Ops *o, Tensor y, Tensor x) {
+    if (!all_f32(y, x)) { upsample2_forward_ref(o, y, x); return; }
+    const Shape s = x.shape, t = y.shape;
+    const int C = s.c;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(y.shape)))
+    for (int noy = 0; noy < t.n * t.h; noy++) {
+        const int n = noy / t.h, oy = noy % t.h;
+        const float *xr = (const float *)x.data + ((size_t)n * s.h + oy / 2) * s.w * C;
+        float *yr = (float *)y.data + (size_t)noy * t.w * C;
+        for (int ox = 0; ox < t.w; ox++) memcpy(yr + (size_t)ox * C, xr + (size_t)(ox / 2) * C, sizeof(float) * C);
+    }
+}
+
+// dx (=|+=) the 2×2 dy it was copied to, summed from 0 in the reference's order
+static void upsample2_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accumulate) {
+    if (!all_f32(dx, dy)) { upsample2_backward_ref(o, dx, dy, accumulate); return; }
+    const Shape s = dx.shape, t = dy.shape;
+    const int C = s.c;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(dy.shape)))
+    for (int niy = 0; niy < s.n * s.h; niy++) {
+        const int n = niy / s.h, iy = niy % s.h;
+        const float *g0 = (const float *)dy.data + ((size_t)n * t.h + 2 * iy) * t.w * C, *g1 = g0 + (size_t)t.w * C;
+        float *d = (float *)dx.data + (size_t)niy * s.w * C;
+        for (int ix = 0; ix < s.w; ix++) {
+            const float *a = g0 + (size_t)2 * ix * C, *b = g1 + (size_t)2 * ix * C;
+            float *dc = d + (size_t)ix * C;
+            #pragma omp simd
+            for (int c = 0; c < C; c++) {
+                const float g = 0.0f + a[c] + a[C + c] + b[c] + b[C + c];
+                dc[c] = accumulate ? dc[c] + g : g;
+            }
+        }
+    }
+}
+
+// y[r, 0:Ca] = a[r, :], y[r, Ca:Ca+Cb] = b[r, :]; backward: the same copies the other way (=|+=)
+static void concat_forward_cpu(Ops *o, Tensor y, Tensor a, Tensor b) {
+    if (!all_f32(y, a) || b.dtype != DT_F32) { concat_forward_ref(o, y, a, b); return; }
+    const int Ca = a.shape.c, Cb = b.shape.c, C = Ca + Cb;
+    const size_t M = shape_numel(y.shape) / C;
+    float *yp = (float *)y.data;
+    const float *ap = (const float *)a.data, *bp = (const float *)b.data;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (size_t r = 0; r < M; r++) {
+        memcpy(yp + r * C, ap + r * Ca, sizeof(float) * Ca);
+        memcpy(yp + r * C + Ca, bp + r * Cb, sizeof(float) * Cb);
+    }
+}
+
+static void copy_or_add_f32(float *dst, const float *src, int n, int accumulate) {
+    if (!accumulate) { memcpy(dst, src, sizeof(float) * n); return; }
+    #pragma omp simd
+    for (int i = 0; i < n; i++) dst[i] += src[i];
+}
+static void concat_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
+    if (dy.dtype != DT_F32 || (da.data && da.dtype != DT_F32) || (db.data && db.dtype != DT_F32)) {
+        concat_backward_ref(o, da, db, dy, accumulate_a, accumulate_b);
+        return;
+    }
+    const int Ca = da.shape.c, Cb = db.shape.c, C = Ca + Cb;
+    const size_t M = shape_numel(dy.shape) / C;
+    const float *g = (const float *)dy.data;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (size_t r = 0; r < M; r++) {
+        if (da.data) copy_or_add_f32((float *)da.data + r * Ca, g + r * C, Ca, accumulate_a);
+        if (db.data) copy_or_add_f32((float *)db.data + r * Cb, g + r * C + Ca, Cb, accumulate_b);
+    }
+}
+
+// ----------------------------------------------------------------------------
 // the CPU ops table: ops_ref with the fast versions above, filled before main
 
 Ops ops_cpu;
@@ -4056,6 +4264,12 @@ __attribute__((constructor)) static void ops_cpu_make(void) {
     ops_cpu.global_avg_pool_backward = global_avg_pool_backward_cpu;
     ops_cpu.channel_scale_forward = channel_scale_forward_cpu;
     ops_cpu.channel_scale_backward = channel_scale_backward_cpu;
+    ops_cpu.maxpool2_forward = maxpool2_forward_cpu;
+    ops_cpu.maxpool2_backward = maxpool2_backward_cpu;
+    ops_cpu.upsample2_forward = upsample2_forward_cpu;
+    ops_cpu.upsample2_backward = upsample2_backward_cpu;
+    ops_cpu.concat_forward = concat_forward_cpu;
+    ops_cpu.concat_backward = concat_backward_cpu;
 }
 
 // ----------------------------------------------------------------------------

@@ -720,7 +720,8 @@ TEST(conv_forward_vs_naive) {
 
 // The direct k×k paths (register-blocked, no im2col) against im2col + GEMM on
 // shapes that take them (input channels >= a vector), with row and channel
-// tails, strides 1 and 2, both paddings, accumulate, bias, 16-bit storage.
+// tails, strides 1 and 2, both paddings, accumulate, bias, 16-bit storage;
+// all images padded at once, one by one, and two at a time (conv_chunk_floats).
 // Both sum the same fp32 products in different orders (forward and data
 // gradient: kh·kw·C terms; weight gradient: N·OH·OW terms, the direct path
 // partly in fp64): 1e-5 of the largest value is far above that rounding
@@ -734,12 +735,23 @@ TEST(conv_direct_vs_gemm) {
         {{1, 13, 14, 2 * CONV_VL}, 5 * CONV_VL / 2, 3, 2, PAD_SYMMETRIC, 1},
         {{1, 5, 31, CONV_VL}, 4 * CONV_VL + 6, 3, 1, PAD_SAME, 0},
         {{1, 4, 27, 5 * CONV_VL}, 7, 3, 1, PAD_SYMMETRIC, 1},
+        {{3, 4, 5, 2 * CONV_VL}, 3 * CONV_VL, 3, 1, PAD_SAME, 0},
     };
     Rng rng; rng_seed(&rng, 123);
     double worst[3] = {0};
+    const size_t chunk_floats = conv_chunk_floats;
     for (size_t t = 0; t < sizeof cases / sizeof cases[0]; t++)
-        for (int dt = DT_F32; dt <= DT_BF16; dt++) {
+        for (int dt = DT_F32; dt <= DT_BF16; dt++)
+        for (int chunking = 0; chunking < 3; chunking++) {
             Shape in = cases[t].in;
+            {
+                ConvCfg c = {in.c, cases[t].cout, cases[t].k, cases[t].k, cases[t].s, 1, cases[t].pad, 0};
+                ConvGeom g = conv_geom(&c, in);
+                const size_t image = direct_conv_image_floats(&c, &g, 0);
+                conv_chunk_floats = chunking == 0 ? chunk_floats : chunking == 1 ? 1 : 2 * image;
+                CHECK(conv_chunk_images(image, in.n) == (chunking == 0 ? in.n : chunking == 1 ? 1 : in.n < 2 ? in.n : 2),
+                      "case %zu chunking %d: images per chunk", t, chunking);
+            }
             ConvCfg cfg = {in.c, cases[t].cout, cases[t].k, cases[t].k, cases[t].s, 1, cases[t].pad, cases[t].bias};
             CHECK(conv_is_direct(&cfg) && conv_direct_grad_weight(&cfg), "case %zu takes the direct paths", t);
             ConvGeom q = conv_geom(&cfg, in);
@@ -784,6 +796,7 @@ TEST(conv_direct_vs_gemm) {
             free(xv); free(dyv); free(w); free(b); free(d0); free(ws); free(f1); free(f2); free(dw1); free(dw2);
             free(x.data); free(dy.data); free(y1.data); free(y2.data); free(dx1.data); free(dx2.data);
         }
+    conv_chunk_floats = chunk_floats;
     if (g_verbose) printf("    worst direct vs gemm: forward %.2e, data %.2e, weight %.2e\n", worst[0], worst[1], worst[2]);
 }
 
@@ -5948,6 +5961,74 @@ TEST(fast_se_vs_ref) {
     }
 }
 
+// ops_cpu's fp32 max-pool, nearest upsampling and concatenation against
+// ops_ref's element-by-element versions: the same bits, forward and backward,
+// written and accumulated, on odd sizes (max-pool's floor: the last row and
+// column get no gradient) with ties, NaN, ±inf and ±0 in the windows (the
+// first maximum in window order takes the gradient; NaN never wins).
+TEST(fast_pool_concat_vs_ref) {
+    Rng r; rng_seed(&r, 86);
+    const Shape s = shape4(2, 7, 9, 21), p = shape4(2, 3, 4, 21), u = shape4(2, 6, 8, 21), b = shape4(2, 7, 9, 5);
+    const Shape cat = shape4(2, 7, 9, 26);
+    const size_t n = shape_numel(s), np = shape_numel(p), nu = shape_numel(u), nb = shape_numel(b), nc = shape_numel(cat);
+    float *x = randn(&r, n, 1.0f), *dp = randn(&r, np, 1.0f), *du = randn(&r, nu, 1.0f), *xb = randn(&r, nb, 1.0f);
+    float *dcat = randn(&r, nc, 1.0f);
+    const float special[] = {NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1.0f};
+    for (size_t i = 0; i < n; i += 3) x[i] = special[(i / 3) % 6];     // in about a third of the windows' places
+    for (size_t i = 0; i < n; i++)                                      // ties: in a row, and across the window's rows
+        if ((i / 21) % 9 % 2 == 1 && i % 4 == 0) x[i] = x[i - 21];
+        else if ((i / 21 / 9) % 7 % 2 == 1 && i % 5 == 0) x[i] = x[i - 9 * 21];
+    for (size_t i = 0; i < nu; i++)  // whole windows of -0 (upsample's sum starts from +0, as the reference's)
+        if ((i / 21) % 8 < 2 && (i / 21 / 8) % 6 < 2 && i % 21 < 3) du[i] = -0.0f;
+    Ops *tables[2] = {&ops_cpu, &ops_ref};
+    float *out[2][9];  // [table]: pool, dx pool (written, accumulated), up, dx up (2), cat, da, db
+    for (int t = 0; t < 2; t++) {
+        Ops *o = tables[t];
+        float **q = out[t];
+        q[0] = malloc(sizeof(float) * np);
+        o->maxpool2_forward(o, tensor_f32(q[0], p), tensor_f32(x, s));
+        for (int acc = 0; acc < 2; acc++) {
+            q[1 + acc] = malloc(sizeof(float) * n);
+            for (size_t i = 0; i < n; i++) q[1 + acc][i] = i % 5 ? 0.25f : -0.0f;
+            o->maxpool2_backward(o, tensor_f32(q[1 + acc], s), tensor_f32(dp, p), tensor_f32(x, s), acc);
+        }
+        q[3] = malloc(sizeof(float) * nu);
+        o->upsample2_forward(o, tensor_f32(q[3], u), tensor_f32(dp, shape4(2, 3, 4, 21)));
+        for (int acc = 0; acc < 2; acc++) {
+            q[4 + acc] = malloc(sizeof(float) * np);
+            for (size_t i = 0; i < np; i++) q[4 + acc][i] = i % 5 ? 0.5f : -0.0f;
+            o->upsample2_backward(o, tensor_f32(q[4 + acc], p), tensor_f32(du, u), acc);
+        }
+        q[6] = malloc(sizeof(float) * nc);
+        o->concat_forward(o, tensor_f32(q[6], cat), tensor_f32(x, s), tensor_f32(xb, b));
+        q[7] = malloc(sizeof(float) * n);
+        q[8] = malloc(sizeof(float) * nb);
+        for (size_t i = 0; i < n; i++) q[7][i] = 0.125f;
+        for (size_t i = 0; i < nb; i++) q[8][i] = 0.125f;
+        o->concat_backward(o, tensor_f32(q[7], s), tensor_f32(q[8], b), tensor_f32(dcat, cat), 1, 0);
+    }
+    const size_t count[9] = {np, n, n, nu, np, np, nc, n, nb};
+    const char *what[9] = {"max-pool forward", "max-pool backward", "max-pool backward, accumulated", "upsample forward",
+                           "upsample backward", "upsample backward, accumulated", "concat forward",
+                           "concat backward, accumulated", "concat backward"};
+    for (int k = 0; k < 9; k++) {
+        size_t differ = 0;
+        for (size_t i = 0; i < count[k]; i++) differ += memcmp(&out[0][k][i], &out[1][k][i], sizeof(float)) != 0;
+        CHECK(differ == 0, "%s: ops_cpu and ops_ref differ in %zu of %zu values", what[k], differ, count[k]);
+    }
+    size_t floor_grad = 0;  // the written max-pool gradient past the floor (row 6, column 8) is 0
+    for (int nn = 0; nn < 2; nn++)
+        for (int y = 0; y < 7; y++)
+            for (int xx = 0; xx < 9; xx++)
+                if (y == 6 || xx == 8)
+                    for (int c = 0; c < 21; c++)
+                        floor_grad += out[0][1][(((size_t)nn * 7 + y) * 9 + xx) * 21 + c] != 0.0f;
+    CHECK(floor_grad == 0, "max-pool backward: %zu gradients past the floor", floor_grad);
+    free(x); free(dp); free(du); free(xb); free(dcat);
+    for (int t = 0; t < 2; t++)
+        for (int k = 0; k < 9; k++) free(out[t][k]);
+}
+
 // The fast paths give the same bits on 1 and 3 threads, and serial vs forced-parallel
 #ifdef _OPENMP
 static void fast_paths_run(float *out, const float *x, const float *dy, Shape s, Shape sd, const ConvCfg *dw,
@@ -6244,7 +6325,8 @@ TEST(ref_table_vs_cpu) {
     // ops_cpu is ops_ref with part IV's versions of exactly these entries
     const char *fast = "conv2d_workspace conv2d_forward conv2d_backward_data conv2d_backward_weight bn_stats bn_forward "
                        "bn_backward_reduce bn_backward_data global_avg_pool_forward global_avg_pool_backward "
-                       "channel_scale_forward channel_scale_backward";
+                       "channel_scale_forward channel_scale_backward concat_forward concat_backward maxpool2_forward "
+                       "maxpool2_backward upsample2_forward upsample2_backward";
     char differ[1024] = "";
     for (size_t i = 0; i < N_OPS_ENTRIES; i++) {
         void (*a)(void), (*b)(void);
