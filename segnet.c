@@ -19,8 +19,9 @@
 //                        executor (layer_forward, layer_backward); the training
 //                        step (train_step, its work in numbered steps)
 //   IV.  Making it fast  the direct and GEMM convolutions, batch norm in fp32
-//                        passes with exp_vec, the squeeze-excitation pieces in
-//                        fp32; ops_cpu = ops_ref with those; choosing a backend
+//                        passes with exp_vec, the squeeze-excitation pieces,
+//                        pooling, upsampling, concat and the elementwise ops
+//                        in fp32; ops_cpu = ops_ref with those; choosing a backend
 //   V.   Plumbing        safetensors; weights by name; images and prediction;
 //                        data sets; curves.svg; replicas' communicators; the
 //                        training run (passes, checkpoints, metrics.csv,
@@ -1063,8 +1064,9 @@ double lr_at_step(double lr, Schedule s, int64_t warmup, int64_t total_steps, in
 
 // ----------------------------------------------------------------------------
 // the reference table: every op above as its formula is written. ops_cpu
-// (part IV) is this table with fast versions of conv2d, batch norm and the
-// squeeze-excitation pieces; the tests run a training forward and backward on
+// (part IV) is this table with fast versions of conv2d, batch norm, the
+// squeeze-excitation pieces and the memory-bound ops (pooling, upsampling,
+// concat, adds, copies, dropout); the tests run a training forward and backward on
 // both and compare them as they compare the GPU with the CPU.
 
 Ops ops_ref = {
@@ -2912,9 +2914,11 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
 
 // ============================================================================
 // PART IV. MAKING IT FAST
-// The CPU's fast versions of conv2d, batch norm and the squeeze-excitation
-// pieces, each naming the reference of part I it replaces (the tests compare
-// them: ref_table_vs_cpu and the ops' own tests); ops_cpu is ops_ref with them.
+// The CPU's fast versions of conv2d, batch norm, the squeeze-excitation
+// pieces and the memory-bound ops in fp32 (max-pool, upsampling, concat,
+// fill, copy, axpby, add, dropout), each naming the reference of part I it
+// replaces (the tests compare them: ref_table_vs_cpu and the ops' own tests);
+// ops_cpu is ops_ref with them.
 // ============================================================================
 
 // ----------------------------------------------------------------------------
@@ -3257,16 +3261,16 @@ enum { CONV_TILE_FULL, CONV_TILE_8, CONV_TILE_4, CONV_TILE_2, CONV_TILE_1, CONV_
     {prefix##_full2, prefix##_8x2, prefix##_4x2, prefix##_2x2, prefix##_1x2},                          \
     {prefix##_full3, prefix##_8x3, prefix##_4x3, prefix##_2x3, prefix##_1x3},                          \
     {prefix##_full4, prefix##_8x4, prefix##_4x4, prefix##_2x4, prefix##_1x4}}
-// the R·V tiles along `count` (pixels of a row, or output channels) from 0
-#define CONV_TILE_ROW(tiles, V, count, call)                                                           \
+// the R·V tiles along [from, to) (pixels of a row, or output channels)
+#define CONV_TILE_ROW(tiles, V, from, to, call)                                                        \
     do {                                                                                               \
         const int R_ = conv_tile_pixels(V);                                                            \
-        int at_ = 0;                                                                                   \
-        for (; at_ + R_ <= (count); at_ += R_) call((tiles)[CONV_TILE_FULL], at_);                     \
-        if (R_ > 8 && (count) - at_ >= 8) { call((tiles)[CONV_TILE_8], at_); at_ += 8; }               \
-        if (R_ > 4 && (count) - at_ >= 4) { call((tiles)[CONV_TILE_4], at_); at_ += 4; }               \
-        if (R_ > 2 && (count) - at_ >= 2) { call((tiles)[CONV_TILE_2], at_); at_ += 2; }               \
-        if (at_ < (count)) call((tiles)[CONV_TILE_1], at_);                                            \
+        int at_ = (from);                                                                              \
+        for (; at_ + R_ <= (to); at_ += R_) call((tiles)[CONV_TILE_FULL], at_);                        \
+        if (R_ > 8 && (to) - at_ >= 8) { call((tiles)[CONV_TILE_8], at_); at_ += 8; }                  \
+        if (R_ > 4 && (to) - at_ >= 4) { call((tiles)[CONV_TILE_4], at_); at_ += 4; }                  \
+        if (R_ > 2 && (to) - at_ >= 2) { call((tiles)[CONV_TILE_2], at_); at_ += 2; }                  \
+        if (at_ < (to)) call((tiles)[CONV_TILE_1], at_);                                               \
     } while (0)
 
 typedef struct {
@@ -3337,18 +3341,21 @@ static void direct_conv_row(const DirectConv *chunk, int n, int oy, int co0) {
     int V = (chunk->Cout - co0 + CONV_VL - 1) / CONV_VL;
     if (V > CONV_VMAX) V = CONV_VMAX;
 #define CONV_TILE_AT(tile, ox) (tile)(&image, oy, ox, co0)
-    CONV_TILE_ROW(direct_conv_tiles[V], V, image.OW, CONV_TILE_AT);
+    CONV_TILE_ROW(direct_conv_tiles[V], V, 0, image.OW, CONV_TILE_AT);
 #undef CONV_TILE_AT
 }
 
 static int conv_pad_to_vl(int c) { return (c + CONV_VL - 1) / CONV_VL * CONV_VL; }
 static int conv_is_direct(const ConvCfg *cfg) { return cfg->groups == 1 && cfg->kh * cfg->kw > 1; }
 // The gradients' vectors run over input channels: with fewer than a vector's
-// worth (an RGB stem) most lanes would idle, and im2col + GEMM is faster.
+// worth (an RGB stem) most lanes would idle, and im2col + GEMM is faster. The
+// weight gradient of a dense 1×1 conv takes the direct path too: a GEMM per
+// image (its fp64 sum image by image) was slower for the small images of the
+// late stages, where K = H·W is a few hundred.
 static int conv_direct_grad_data(const ConvCfg *cfg) {
     return conv_is_direct(cfg) && cfg->cin >= CONV_VL && cfg->stride == 1;
 }
-static int conv_direct_grad_weight(const ConvCfg *cfg) { return conv_is_direct(cfg) && cfg->cin >= CONV_VL; }
+static int conv_direct_grad_weight(const ConvCfg *cfg) { return cfg->groups == 1 && cfg->cin >= CONV_VL; }
 // The direct paths pad a chunk of images at a time: as many as fit in
 // conv_chunk_floats, at least one. Small images (a U-Net's deep levels) then
 // give each parallel loop rows of several images and each weight-gradient
@@ -3517,15 +3524,30 @@ typedef void (*DirectDWTile)(const DirectDW *d, int tap, int co0, int ci0);
 DIRECT_DW_TILES(1) DIRECT_DW_TILES(2) DIRECT_DW_TILES(3) DIRECT_DW_TILES(4)
 static const DirectDWTile direct_dw_tiles[CONV_VMAX + 1][CONV_TILE_KINDS] = CONV_TILE_TABLE(direct_dw_tile);
 
+// Work items: (tap, block of input channels, part of the output channels).
+// Each weight belongs to one item, which sums its rows in order, so neither
+// the split nor the thread count changes a bit. Few taps and channel blocks (a
+// 1×1 conv) are split along the output channels into parts of whole tiles
+// (DW_PART_ALIGN: a multiple of every conv_tile_pixels) until there are
+// DW_MIN_ITEMS items.
+#define DW_MIN_ITEMS 8
+#define DW_PART_ALIGN 36
 static void direct_dw_chunk(const DirectDW *d) {
     const int n_ci = (d->C + CONV_VMAX * CONV_VL - 1) / (CONV_VMAX * CONV_VL);
+    int part = d->Cout;
+    if (d->KK * n_ci < DW_MIN_ITEMS) {
+        const int parts = (DW_MIN_ITEMS + d->KK * n_ci - 1) / (d->KK * n_ci);
+        part = ((d->Cout + parts - 1) / parts + DW_PART_ALIGN - 1) / DW_PART_ALIGN * DW_PART_ALIGN;
+    }
+    const int n_co = (d->Cout + part - 1) / part;
     #pragma omp parallel for schedule(dynamic, 1) if(PAR((size_t)d->nb * d->OH * d->OW * d->Cout * d->C * d->KK))
-    for (int item = 0; item < d->KK * n_ci; item++) {
-        const int tap = item / n_ci, ci0 = item % n_ci * CONV_VMAX * CONV_VL;
+    for (int item = 0; item < d->KK * n_ci * n_co; item++) {
+        const int co_lo = item % n_co * part, co_hi = co_lo + part < d->Cout ? co_lo + part : d->Cout;
+        const int tap = item / n_co / n_ci, ci0 = item / n_co % n_ci * CONV_VMAX * CONV_VL;
         int V = (d->C - ci0 + CONV_VL - 1) / CONV_VL;
         if (V > CONV_VMAX) V = CONV_VMAX;
 #define DW_TILE_AT(tile, co) (tile)(d, tap, co, ci0)
-        CONV_TILE_ROW(direct_dw_tiles[V], V, d->Cout, DW_TILE_AT);
+        CONV_TILE_ROW(direct_dw_tiles[V], V, co_lo, co_hi, DW_TILE_AT);
 #undef DW_TILE_AT
     }
 }
@@ -3622,12 +3644,13 @@ size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
     (void)o;
     if (conv_is_depthwise(cfg)) return sizeof(float) * (size_t)cfg->kh * cfg->kw * cfg->cin;  // weights [kh][kw][C]
     ConvGeom q = conv_geom(cfg, in);
-    if (conv_is_pointwise(cfg) && dt == DT_F32) return 3 * (size_t)q.Cout * q.K * sizeof(float);  // fp64 sum, one image's
+    if (conv_is_pointwise(cfg) && dt == DT_F32)  // the weight gradient's: direct, or an fp64 sum and one image's
+        return (conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2) : 3 * (size_t)q.Cout * q.K) * sizeof(float);
     size_t im2col = im2col_floats(&q, dt), dw_gemm = gemm_weight_grad_floats(&q, dt);  // dw_gemm > im2col
-    if (!conv_is_direct(cfg)) return dw_gemm * sizeof(float);
+    size_t dw = conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2) : dw_gemm;
+    if (!conv_is_direct(cfg)) return (dw > im2col ? dw : im2col) * sizeof(float);
     size_t floats = direct_conv_floats(cfg, &q, 0);
     size_t dx = conv_direct_grad_data(cfg) ? direct_conv_floats(cfg, &q, 1) : im2col;
-    size_t dw = conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2) : dw_gemm;
     if (dw > floats) floats = dw;
     if (dx > floats) floats = dx;
     return floats * sizeof(float);
@@ -3702,6 +3725,10 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
             depthwise_backward_weight_ref(cfg, &q, dw, dout, in);
         return;
     }
+    if (conv_direct_grad_weight(cfg)) {
+        conv2d_backward_weight_direct(cfg, &q, dw, dout, in, (float *)ws);
+        return;
+    }
     if (conv_is_pointwise(cfg) && in.dtype == DT_F32 && dout.dtype == DT_F32) {
         // dW[Cout][Cin] += Σ_n dout_n[H·W][Cout]ᵀ · in_n[H·W][Cin]
         const size_t n_w = (size_t)q.Cout * q.C;
@@ -3717,8 +3744,7 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
         add_rounded(dw, sum, n_w);
         return;
     }
-    if (conv_direct_grad_weight(cfg)) conv2d_backward_weight_direct(cfg, &q, dw, dout, in, (float *)ws);
-    else conv2d_backward_weight_gemm(cfg, &q, dw, dout, in, (float *)ws);
+    conv2d_backward_weight_gemm(cfg, &q, dw, dout, in, (float *)ws);
 }
 
 // ----------------------------------------------------------------------------
@@ -4246,6 +4272,112 @@ static void concat_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int acc
 }
 
 // ----------------------------------------------------------------------------
+// elementwise ops in fp32 (fill_ref, copy_ref, axpby_ref, add_*_ref and
+// dropout_*_ref state them; these give the same bits)
+//
+// Loops over fp32 arrays that the compiler vectorises, where the references
+// go through ld/st per element; dropout's per-sample factor (drop-path) is
+// drawn once per sample instead of once per element with a 64-bit division.
+// Other storage types take the references.
+
+static void fill_cpu(Ops *o, Tensor t, float value) {
+    if (t.dtype != DT_F32) { fill_ref(o, t, value); return; }
+    const size_t n = shape_numel(t.shape);
+    float *p = (float *)t.data;
+    #pragma omp parallel for simd schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) p[i] = value;
+}
+
+static void copy_cpu(Ops *o, Tensor dst, Tensor src, int accumulate) {
+    const size_t n = shape_numel(src.shape);
+    if (!all_f32(dst, src) || shape_numel(dst.shape) != n) { copy_ref(o, dst, src, accumulate); return; }
+    float *d = (float *)dst.data;
+    const float *s = (const float *)src.data;
+    if (!accumulate) {
+        if (d != s) memcpy(d, s, sizeof(float) * n);
+        return;
+    }
+    #pragma omp parallel for simd schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) d[i] += s[i];
+}
+
+static void axpby_cpu(Ops *o, Tensor y, Tensor x, float a, float b, int accumulate) {
+    if (!all_f32(y, x)) { axpby_ref(o, y, x, a, b, accumulate); return; }
+    const size_t n = shape_numel(x.shape);
+    float *yp = (float *)y.data;
+    const float *xp = (const float *)x.data;
+    #pragma omp parallel for simd schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) {
+        const float v = a * xp[i] + b;
+        yp[i] = accumulate ? yp[i] + v : v;
+    }
+}
+
+static void add_forward_cpu(Ops *o, Tensor y, Tensor a, Tensor b) {
+    if (!all_f32(y, a) || b.dtype != DT_F32) { add_forward_ref(o, y, a, b); return; }
+    const size_t n = shape_numel(y.shape);
+    float *yp = (float *)y.data;
+    const float *ap = (const float *)a.data, *bp = (const float *)b.data;
+    #pragma omp parallel for simd schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) yp[i] = ap[i] + bp[i];
+}
+
+static void add_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
+    if (da.data) copy_cpu(o, da, dy, accumulate_a);
+    if (db.data) copy_cpu(o, db, dy, accumulate_b);
+}
+
+// y = x·keep/(1 - rate) (+ residual); the factor per element, or per sample (E elements)
+static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, Tensor residual, float rate, const uint64_t *seed_at,
+                                int per_sample, uint64_t first_sample) {
+    if (!all_f32(y, x) || (residual.data && residual.dtype != DT_F32)) {
+        dropout_forward_ref(o, y, x, residual, rate, seed_at, per_sample, first_sample);
+        return;
+    }
+    const uint64_t seed = *seed_at;
+    const size_t n = shape_numel(x.shape), E = n / x.shape.n, rows = per_sample ? (size_t)x.shape.n : 1;
+    const size_t row = per_sample ? E : n;  // elements with one draw each, or all of them
+    float *yp = (float *)y.data;
+    const float *xp = (const float *)x.data, *rp = (const float *)residual.data;
+    for (size_t s = 0; s < rows; s++) {
+        const size_t i0 = s * row;
+        const float f = per_sample ? dropout_keep(rate, seed, first_sample + s) : 0.0f;
+        #pragma omp parallel for simd schedule(static) if(PAR(row))
+        for (size_t i = i0; i < i0 + row; i++) {
+            const float v = xp[i] * (per_sample ? f : dropout_keep(rate, seed, first_sample * E + i));
+            yp[i] = rp ? v + rp[i] : v;
+        }
+    }
+}
+
+static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate, const uint64_t *seed_at,
+                                 int per_sample, uint64_t first_sample, int accumulate, int accumulate_residual) {
+    if (dy.dtype != DT_F32 || (dx.data && dx.dtype != DT_F32) || (dresidual.data && dresidual.dtype != DT_F32)) {
+        dropout_backward_ref(o, dx, dresidual, dy, rate, seed_at, per_sample, first_sample, accumulate,
+                             accumulate_residual);
+        return;
+    }
+    const uint64_t seed = *seed_at;
+    const size_t n = shape_numel(dy.shape), E = n / dy.shape.n, rows = per_sample ? (size_t)dy.shape.n : 1;
+    const size_t row = per_sample ? E : n;
+    float *dxp = (float *)dx.data, *drp = (float *)dresidual.data;
+    const float *g = (const float *)dy.data;
+    for (size_t s = 0; s < rows; s++) {
+        const size_t i0 = s * row;
+        const float f = per_sample ? dropout_keep(rate, seed, first_sample + s) : 0.0f;
+        #pragma omp parallel for simd schedule(static) if(PAR(row))
+        for (size_t i = i0; i < i0 + row; i++) {  // dx may be dy (in place)
+            const float gi = g[i];
+            if (dxp) {
+                const float v = gi * (per_sample ? f : dropout_keep(rate, seed, first_sample * E + i));
+                dxp[i] = accumulate ? dxp[i] + v : v;
+            }
+            if (drp) drp[i] = accumulate_residual ? drp[i] + gi : gi;
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------
 // the CPU ops table: ops_ref with the fast versions above, filled before main
 
 Ops ops_cpu;
@@ -4270,6 +4402,13 @@ __attribute__((constructor)) static void ops_cpu_make(void) {
     ops_cpu.upsample2_backward = upsample2_backward_cpu;
     ops_cpu.concat_forward = concat_forward_cpu;
     ops_cpu.concat_backward = concat_backward_cpu;
+    ops_cpu.fill = fill_cpu;
+    ops_cpu.copy = copy_cpu;
+    ops_cpu.axpby = axpby_cpu;
+    ops_cpu.add_forward = add_forward_cpu;
+    ops_cpu.add_backward = add_backward_cpu;
+    ops_cpu.dropout_forward = dropout_forward_cpu;
+    ops_cpu.dropout_backward = dropout_backward_cpu;
 }
 
 // ----------------------------------------------------------------------------

@@ -736,6 +736,8 @@ TEST(conv_direct_vs_gemm) {
         {{1, 5, 31, CONV_VL}, 4 * CONV_VL + 6, 3, 1, PAD_SAME, 0},
         {{1, 4, 27, 5 * CONV_VL}, 7, 3, 1, PAD_SYMMETRIC, 1},
         {{3, 4, 5, 2 * CONV_VL}, 3 * CONV_VL, 3, 1, PAD_SAME, 0},
+        {{2, 5, 6, CONV_VL}, 100, 1, 1, PAD_SAME, 1},           // 1×1: the weight gradient's items split along Cout
+        {{1, 7, 3, 5 * CONV_VL + 3}, CONV_VL + 1, 1, 1, PAD_SAME, 0},
     };
     Rng rng; rng_seed(&rng, 123);
     double worst[3] = {0};
@@ -753,14 +755,17 @@ TEST(conv_direct_vs_gemm) {
                       "case %zu chunking %d: images per chunk", t, chunking);
             }
             ConvCfg cfg = {in.c, cases[t].cout, cases[t].k, cases[t].k, cases[t].s, 1, cases[t].pad, cases[t].bias};
-            CHECK(conv_is_direct(&cfg) && conv_direct_grad_weight(&cfg), "case %zu takes the direct paths", t);
+            CHECK((conv_is_direct(&cfg) || conv_is_pointwise(&cfg)) && conv_direct_grad_weight(&cfg),
+                  "case %zu takes the direct paths", t);
             ConvGeom q = conv_geom(&cfg, in);
             Shape os = shape4(in.n, q.OH, q.OW, cfg.cout);
             size_t nx = shape_numel(in), ny = shape_numel(os), nw = (size_t)cfg.cout * cfg.kh * cfg.kw * in.c;
             float *xv = randn(&rng, nx, 1.0f), *dyv = randn(&rng, ny, 1.0f), *w = randn(&rng, nw, 0.3f);
             float *b = randn(&rng, cfg.cout, 1.0f), *d0 = randn(&rng, nx, 1.0f);
             size_t wsb = conv2d_workspace_cpu(&ops_cpu, &cfg, in, (DType)dt), gemm = 4 * gemm_weight_grad_floats(&q, (DType)dt);
-            float *ws = malloc((wsb > gemm ? wsb : gemm) + 64);  // the op's own paths, or im2col's
+            for (int pass = 0; pass < 3; pass++)  // a 1×1 conv's own paths are not all direct
+                if (4 * direct_conv_floats(&cfg, &q, pass) > wsb) wsb = 4 * direct_conv_floats(&cfg, &q, pass);
+            float *ws = malloc((wsb > gemm ? wsb : gemm) + 64);  // the direct paths, or im2col's
             Tensor x = tensor(malloc(nx * 4), in, (DType)dt), dy = tensor(malloc(ny * 4), os, (DType)dt);
             Tensor y1 = tensor(malloc(ny * 4), os, (DType)dt), y2 = tensor(malloc(ny * 4), os, (DType)dt);
             Tensor dx1 = tensor(malloc(nx * 4), in, (DType)dt), dx2 = tensor(malloc(nx * 4), in, (DType)dt);
@@ -6029,6 +6034,63 @@ TEST(fast_pool_concat_vs_ref) {
         for (int k = 0; k < 9; k++) free(out[t][k]);
 }
 
+// ops_cpu's fp32 elementwise ops against ops_ref's: the same bits for fill,
+// copy, axpby, add (forward, backward), and dropout per element and per
+// sample (drop-path: one draw per sample from first_sample on), with and
+// without a residual, written, accumulated and in place.
+TEST(fast_elementwise_vs_ref) {
+    Rng r; rng_seed(&r, 87);
+    const Shape s = shape4(8, 5, 7, 11);
+    const size_t n = shape_numel(s);
+    float *x = randn(&r, n, 1.0f), *b = randn(&r, n, 1.0f), *init = randn(&r, n, 1.0f);
+    const uint64_t seed = 0x5eed;
+    Ops *tables[2] = {&ops_cpu, &ops_ref};
+    enum { OUTS = 18 };
+    float *out[2][OUTS];
+    for (int t = 0; t < 2; t++) {
+        Ops *o = tables[t];
+        int k = 0;
+        for (int j = 0; j < OUTS; j++) { out[t][j] = malloc(sizeof(float) * n); memcpy(out[t][j], init, sizeof(float) * n); }
+        o->fill(o, tensor_f32(out[t][k++], s), -0.75f);
+        for (int acc = 0; acc < 2; acc++) o->copy(o, tensor_f32(out[t][k++], s), tensor_f32(x, s), acc);
+        for (int acc = 0; acc < 2; acc++) o->axpby(o, tensor_f32(out[t][k++], s), tensor_f32(x, s), 1.0f / 3.0f, -0.2f, acc);
+        o->add_forward(o, tensor_f32(out[t][k++], s), tensor_f32(x, s), tensor_f32(b, s));
+        o->add_backward(o, tensor_f32(out[t][k], s), tensor_f32(out[t][k + 1], s), tensor_f32(x, s), 1, 0);
+        k += 2;
+        for (int per_sample = 0; per_sample < 2; per_sample++) {
+            o->dropout_forward(o, tensor_f32(out[t][k++], s), tensor_f32(x, s), tensor(NULL, s, DT_F32), 0.3f, &seed,
+                               per_sample, 5);
+            o->dropout_forward(o, tensor_f32(out[t][k++], s), tensor_f32(x, s), tensor_f32(b, s), 0.3f, &seed,
+                               per_sample, 5);
+            o->dropout_backward(o, tensor_f32(out[t][k], s), tensor_f32(out[t][k + 1], s), tensor_f32(x, s), 0.3f,
+                                &seed, per_sample, 5, per_sample, !per_sample);
+            k += 2;
+        }
+        memcpy(out[t][k], x, sizeof(float) * n);  // in place: dx is dy
+        o->dropout_backward(o, tensor_f32(out[t][k], s), tensor(NULL, s, DT_F32), tensor_f32(out[t][k], s), 0.5f,
+                            &seed, 1, 2, 0, 0);
+        k++;
+        CHECK(k == OUTS - 1, "%d outputs", k);
+    }
+    for (int k = 0; k < OUTS - 1; k++) {
+        size_t differ = 0;
+        for (size_t i = 0; i < n; i++) differ += memcmp(&out[0][k][i], &out[1][k][i], sizeof(float)) != 0;
+        CHECK(differ == 0, "output %d: ops_cpu and ops_ref differ in %zu of %zu values", k, differ, n);
+    }
+    size_t dropped = 0;  // per sample (output 12): whole samples dropped or kept
+    for (int m = 0; m < s.n; m++) {
+        const size_t E = n / s.n;
+        size_t zeros = 0;
+        for (size_t i = 0; i < E; i++) zeros += out[0][12][m * E + i] == 0.0f;
+        dropped += zeros == E;
+        CHECK(zeros == 0 || zeros == E, "drop-path: sample %d has %zu of %zu elements dropped", m, zeros, E);
+    }
+    CHECK(dropped > 0 && dropped < (size_t)s.n, "drop-path dropped %zu of %d samples (the comparison wants both)", dropped, s.n);
+    free(x); free(b); free(init);
+    for (int t = 0; t < 2; t++)
+        for (int j = 0; j < OUTS; j++) free(out[t][j]);
+}
+
 // The fast paths give the same bits on 1 and 3 threads, and serial vs forced-parallel
 #ifdef _OPENMP
 static void fast_paths_run(float *out, const float *x, const float *dy, Shape s, Shape sd, const ConvCfg *dw,
@@ -6323,9 +6385,10 @@ static void ref_table_step(Ops *o, const char *model, float **grads, size_t *n_g
 TEST(ref_table_vs_cpu) {
     const char *models[2] = {"effv2-t", "unet"};
     // ops_cpu is ops_ref with part IV's versions of exactly these entries
-    const char *fast = "conv2d_workspace conv2d_forward conv2d_backward_data conv2d_backward_weight bn_stats bn_forward "
-                       "bn_backward_reduce bn_backward_data global_avg_pool_forward global_avg_pool_backward "
-                       "channel_scale_forward channel_scale_backward concat_forward concat_backward maxpool2_forward "
+    const char *fast = "fill axpby copy conv2d_workspace conv2d_forward conv2d_backward_data conv2d_backward_weight "
+                       "bn_stats bn_forward bn_backward_reduce bn_backward_data global_avg_pool_forward "
+                       "global_avg_pool_backward channel_scale_forward channel_scale_backward add_forward add_backward "
+                       "concat_forward concat_backward dropout_forward dropout_backward maxpool2_forward "
                        "maxpool2_backward upsample2_forward upsample2_backward";
     char differ[1024] = "";
     for (size_t i = 0; i < N_OPS_ENTRIES; i++) {
