@@ -46,8 +46,6 @@
 //   IoU = TP/(TP + FP + FN), mean IoU, accuracy          metrics_compute
 //   buffer lifetimes and offsets                         plan_build, plan_pack
 //   one optimiser step                                   train_step, step_work
-//   IoU = TP/(TP + FP + FN), mean IoU, accuracy          metrics_compute
-//   buffer lifetimes and offsets                         plan_build, plan_pack
 #define _GNU_SOURCE  // qsort_r
 #include <stdio.h>
 #include <stdlib.h>
@@ -3878,20 +3876,29 @@ static void bn_forward_fast(Tensor y, Tensor x, const float *mean, const float *
     }
 }
 
-// Σg and Σg·xhat per channel over rows, g = dy·act'(gamma·xhat + b), xhat = (x - mean)·invstd; act constant where inlined
-static inline __attribute__((always_inline)) void bn_grad_sums(Tensor dy, Tensor x, size_t M, int C, int c0,
+// Σg and Σg·xhat per channel over rows, g = dy·act'(gamma·xhat + b), xhat = (x - mean)·invstd, for nb
+// whole channel blocks from c0 (sums [nb][BN_CBLOCK]); act constant where inlined. Rows outermost: a
+// row's nb·BN_CBLOCK channels are read as one run (a thread per block, walking down the rows with
+// the tensor's stride, ran at a tenth of the memory's speed); each channel's sums still take the
+// rows in order.
+#define BN_GROUP_MAX 8  // channel blocks per work item of the backward reduction
+static inline __attribute__((always_inline)) void bn_grad_sums(Tensor dy, Tensor x, size_t M, int C, int c0, int nb,
                                                                const float *gam, const float *inv, const float *b,
-                                                               const float *mean, Act act, double *sg, double *sgx) {
-    float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];  // one row's channels in fp32 when the tensors are 16-bit
-    for (size_t r = 0; r < M; r++) {
-        const float *xr = ld_view(x, r * C + c0, xbuf, BN_CBLOCK), *dr = ld_view(dy, r * C + c0, dbuf, BN_CBLOCK);
-        #pragma omp simd
-        for (int j = 0; j < BN_CBLOCK; j++) {
-            float xhat = (xr[j] - mean[c0 + j]) * inv[c0 + j], g = dr[j] * act_grad_vec(act, gam[c0 + j] * xhat + b[c0 + j]);
-            sg[j] += g;
-            sgx[j] += (double)g * xhat;
+                                                               const float *mean, Act act,
+                                                               double (*sg)[BN_CBLOCK], double (*sgx)[BN_CBLOCK]) {
+    float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];  // one block of a row in fp32 when the tensors are 16-bit
+    for (size_t r = 0; r < M; r++)
+        for (int k = 0; k < nb; k++) {
+            const int c = c0 + k * BN_CBLOCK;
+            const float *xr = ld_view(x, r * C + c, xbuf, BN_CBLOCK), *dr = ld_view(dy, r * C + c, dbuf, BN_CBLOCK);
+            double *s = sg[k], *q = sgx[k];
+            #pragma omp simd
+            for (int j = 0; j < BN_CBLOCK; j++) {
+                float xhat = (xr[j] - mean[c + j]) * inv[c + j], g = dr[j] * act_grad_vec(act, gam[c + j] * xhat + b[c + j]);
+                s[j] += g;
+                q[j] += (double)g * xhat;
+            }
         }
-    }
 }
 
 static void bn_backward_reduce_fast(Tensor dy, Tensor x, const float *mean, const float *var, const float *gamma,
@@ -3908,32 +3915,48 @@ static void bn_backward_reduce_fast(Tensor dy, Tensor x, const float *mean, cons
         b[c] = c < C ? beta[c] : 0.0f;
         m[c] = c < C ? mean[c] : 0.0f;
     }
+    // work items: groups of at most BN_GROUP_MAX whole blocks, at least one per thread when there
+    // are blocks enough (the grouping changes no sum), then the last, partial block
+    const int full = C / BN_CBLOCK;
+    int items = (full + BN_GROUP_MAX - 1) / BN_GROUP_MAX;
+#ifdef _OPENMP
+    const int threads = omp_get_max_threads() < full ? omp_get_max_threads() : full;
+    if (items < threads) items = threads;
+#endif
+    const int per = items ? (full + items - 1) / items : 0;
+    items = per ? (full + per - 1) / per : 0;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
-        const int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
-        double sg[BN_CBLOCK] = {0}, sgx[BN_CBLOCK] = {0};
-        if (nc == BN_CBLOCK) {
+    for (int it = 0; it < items + (C % BN_CBLOCK != 0); it++) {
+        double sg[BN_GROUP_MAX][BN_CBLOCK] = {{0}}, sgx[BN_GROUP_MAX][BN_CBLOCK] = {{0}};
+        int c0, nc;  // the item's channels
+        if (it < items) {
+            const int nb = full - it * per < per ? full - it * per : per;
+            c0 = it * per * BN_CBLOCK;
+            nc = nb * BN_CBLOCK;
             switch (act) {
-            case ACT_RELU: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_RELU, sg, sgx); break;
-            case ACT_SILU: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_SILU, sg, sgx); break;
-            case ACT_SIGMOID: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_SIGMOID, sg, sgx); break;
-            default: bn_grad_sums(dy, x, M, C, c0, gam, invstd, b, m, ACT_NONE, sg, sgx);
+            case ACT_RELU: bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_RELU, sg, sgx); break;
+            case ACT_SILU: bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_SILU, sg, sgx); break;
+            case ACT_SIGMOID: bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_SIGMOID, sg, sgx); break;
+            default: bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_NONE, sg, sgx);
             }
         } else {  // the last, partial block
+            c0 = full * BN_CBLOCK;
+            nc = C - c0;
             float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];
             for (size_t r = 0; r < M; r++) {
                 const float *xr = ld_view(x, r * C + c0, xbuf, nc), *dr = ld_view(dy, r * C + c0, dbuf, nc);
                 for (int j = 0; j < nc; j++) {
                     float xhat = (xr[j] - m[c0 + j]) * invstd[c0 + j];
                     float g = dr[j] * act_grad_vec(act, gam[c0 + j] * xhat + b[c0 + j]);
-                    sg[j] += g;
-                    sgx[j] += (double)g * xhat;
+                    sg[0][j] += g;
+                    sgx[0][j] += (double)g * xhat;
                 }
             }
         }
         for (int j = 0; j < nc; j++) {
-            bn_grad_sums_store(c0 + j, sg[j], sgx[j], sum_g, sum_gx, dgamma, dbeta);
-            if (sums) { sums[c0 + j] = sg[j]; sums[C + c0 + j] = sgx[j]; }
+            const double s = sg[j / BN_CBLOCK][j % BN_CBLOCK], q = sgx[j / BN_CBLOCK][j % BN_CBLOCK];
+            bn_grad_sums_store(c0 + j, s, q, sum_g, sum_gx, dgamma, dbeta);
+            if (sums) { sums[c0 + j] = s; sums[C + c0 + j] = q; }
         }
     }
 }
@@ -4045,10 +4068,15 @@ static void channel_sums_f32(const float *a, const float *b, int N, size_t HW, i
     for (int nb = 0; nb < N * nblk; nb++) {
         const int n = nb / nblk, c0 = nb % nblk * SE_CBLOCK, nc = C - c0 < SE_CBLOCK ? C - c0 : SE_CBLOCK;
         double acc[SE_CBLOCK] = {0};
-        for (size_t p = 0; p < HW; p++) {
+        for (size_t p = 0; p < HW; p++) {  // each acc[j] is a sum of its own: vectorised across j, same bits
             const size_t i = ((size_t)n * HW + p) * C + c0;
-            if (b) for (int j = 0; j < nc; j++) acc[j] += (double)a[i + j] * b[i + j];   // Σ a·b
-            else for (int j = 0; j < nc; j++) acc[j] += a[i + j];                         // Σ a
+            if (b) {
+                #pragma omp simd
+                for (int j = 0; j < nc; j++) acc[j] += (double)a[i + j] * b[i + j];   // Σ a·b
+            } else {
+                #pragma omp simd
+                for (int j = 0; j < nc; j++) acc[j] += a[i + j];                       // Σ a
+            }
         }
         for (int j = 0; j < nc; j++) out[(size_t)n * C + c0 + j] = acc[j];
     }
@@ -4077,8 +4105,8 @@ static void global_avg_pool_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accum
         #pragma omp parallel for schedule(static) if(PAR(M * C))
         for (size_t r = 0; r < M; r++) {
             const float *g = dyp + r / HW * C;
-            if (accumulate) for (int c = 0; c < C; c++) dxp[r * C + c] += g[c] * inv;
-            else for (int c = 0; c < C; c++) dxp[r * C + c] = g[c] * inv;
+            #pragma omp simd
+            for (int c = 0; c < C; c++) dxp[r * C + c] = accumulate ? dxp[r * C + c] + g[c] * inv : g[c] * inv;
         }
         return;
     }
@@ -4118,8 +4146,9 @@ static void channel_scale_backward_cpu(Ops *o, Tensor dx, Tensor ds, Tensor dy, 
         #pragma omp parallel for schedule(static) if(PAR(M * C))
         for (size_t r = 0; r < M; r++) {
             const float *sr = sp + r / HW * C;
-            if (accumulate_dx) for (int c = 0; c < C; c++) dxp[r * C + c] += dyp[r * C + c] * sr[c];
-            else for (int c = 0; c < C; c++) dxp[r * C + c] = dyp[r * C + c] * sr[c];
+            #pragma omp simd
+            for (int c = 0; c < C; c++)
+                dxp[r * C + c] = accumulate_dx ? dxp[r * C + c] + dyp[r * C + c] * sr[c] : dyp[r * C + c] * sr[c];
         }
     }
     if (ds.data) {
