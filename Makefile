@@ -281,9 +281,11 @@ BENCH_REPEATS ?= 3
 BENCH_E2E_EPOCHS ?= 3
 BENCH_STEPS   ?= 5
 BENCH_WARMUP  ?= 2
+# (a row's own options come after the common ones: effv2-l's steps of ~6 s run 2 after 1 warm-up)
 BENCH_MODELS  ?= "effv2-s:--model effv2-s --padding symmetric --size 224x224 --batch 4" \
                  "unet:--model unet --depth 4 --width 32 --size 256x256 --batch 4" \
-                 "unet-64:--model unet --depth 4 --width 16 --size 64x64 --batch 8"
+                 "unet-64:--model unet --depth 4 --width 16 --size 64x64 --batch 8" \
+                 "effv2-l:--model effv2-l --padding symmetric --size 300x500 --batch 2 --steps 2 --warmup 1"
 bench: segnet
 	@/usr/bin/python3 -c 'import torch, torchvision' 2>/dev/null || { echo "make bench: /usr/bin/python3 needs torch and torchvision (apt-get install python3-torch python3-torchvision)" >&2; exit 1; }
 	@common="--classes 4 --threads $(BENCH_THREADS) --steps $(BENCH_STEPS) --warmup $(BENCH_WARMUP)"; \
@@ -292,10 +294,10 @@ bench: segnet
 	for m in $(BENCH_MODELS); do \
 	  name=$${m%%:*}; args=$${m#*:}; row="$$name"; \
 	  for r in $$(seq $(BENCH_REPEATS)); do \
-	    echo "== $$name ($$r/$(BENCH_REPEATS)): segnet bench $$args $$common" >&2; \
-	    s=$$(./segnet bench $$args $$common) || exit 1; echo "$$s" >&2; \
-	    echo "== $$name ($$r/$(BENCH_REPEATS)): ref/bench_torch.py $$args $$common" >&2; \
-	    t=$$(/usr/bin/python3 ref/bench_torch.py $$args $$common) || exit 1; echo "$$t" >&2; \
+	    echo "== $$name ($$r/$(BENCH_REPEATS)): segnet bench $$common $$args" >&2; \
+	    s=$$(./segnet bench $$common $$args) || exit 1; echo "$$s" >&2; \
+	    echo "== $$name ($$r/$(BENCH_REPEATS)): ref/bench_torch.py $$common $$args" >&2; \
+	    t=$$(/usr/bin/python3 ref/bench_torch.py $$common $$args) || exit 1; echo "$$t" >&2; \
 	    row="$$row $$(get "$$s" train_step_ms) $$(get "$$t" train_step_ms) $$(get "$$s" peak_rss_bytes) $$(get "$$t" peak_rss_bytes)"; \
 	  done; \
 	  rows="$$rows$$row\n"; \
