@@ -4159,6 +4159,132 @@ static void channel_scale_backward_cpu(Ops *o, Tensor dx, Tensor ds, Tensor dy, 
 }
 
 // ----------------------------------------------------------------------------
+// squeeze-excitation's gate in fp32 (se_gate_forward_ref and
+// se_gate_backward_ref otherwise; the same bits)
+//
+// The reference takes each output's fp64 sum as a dot product down a row or
+// a column: one dependent add after another, and column walks through W.
+// Here the loops are interchanged so that the innermost runs across
+// independent outputs, contiguous in memory (vectorised), while each
+// output's sum still adds its terms in the reference's order; W1 is read
+// through its transpose for z1. Threads share the images (the gradients of
+// the weights: their rows).
+
+static int all_f32(Tensor a, Tensor b) { return a.dtype == DT_F32 && b.dtype == DT_F32; }
+
+// z[n][a] = b[a] + Σ_k wt[k][a]·x[n][k], k in order; wt = wᵀ (K,A); t: (A) fp64
+static void affine_rows_t(float *z, const float *wt, const float *b, const float *x, int A, int K, int n, double *t) {
+    for (int a = 0; a < A; a++) t[a] = b[a];
+    for (int k = 0; k < K; k++) {
+        const double xk = x[(size_t)n * K + k];
+        const float *w = wt + (size_t)k * A;
+        #pragma omp simd
+        for (int a = 0; a < A; a++) t[a] += (double)w[a] * xk;
+    }
+    for (int a = 0; a < A; a++) z[(size_t)n * A + a] = (float)t[a];
+}
+
+// the gate's forward for every image: z1, y1 (N,S), z2 (N,C) from pv (N,C) as se_gate_images
+static void se_gate_images_f32(int N, const float *pv, const float *w1, const float *b1, const float *w2,
+                               const float *b2, int C, int S, Act act1, float *z1, float *y1, float *z2) {
+    float *w1t = malloc(sizeof(float) * (size_t)C * S), *w2t = malloc(sizeof(float) * (size_t)C * S);  // (C,S), (S,C)
+    double *t = malloc(sizeof(double) * (size_t)N * (C > S ? C : S));
+    snCheck(w1t && w2t && t, "out of host memory");
+    for (int j = 0; j < S; j++)
+        for (int c = 0; c < C; c++) {
+            w1t[(size_t)c * S + j] = w1[(size_t)j * C + c];
+            w2t[(size_t)j * C + c] = w2[(size_t)c * S + j];
+        }
+    const int T = C > S ? C : S;
+    #pragma omp parallel for schedule(static) if(PAR((size_t)N * C * S))
+    for (int n = 0; n < N; n++) {
+        affine_rows_t(z1, w1t, b1, pv, S, C, n, t + (size_t)n * T);
+        for (int j = 0; j < S; j++) y1[(size_t)n * S + j] = act_apply(act1, z1[(size_t)n * S + j]);
+        affine_rows_t(z2, w2t, b2, y1, C, S, n, t + (size_t)n * T);
+    }
+    free(w1t); free(w2t); free(t);
+}
+
+static void se_gate_forward_cpu(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1, const float *w2,
+                                const float *b2, int S, Act act1, Act act2) {
+    if (!all_f32(s, p)) { se_gate_forward_ref(o, s, p, w1, b1, w2, b2, S, act1, act2); return; }
+    const int N = p.shape.n, C = p.shape.c;
+    SeGateBuf b = se_gate_buf(p, S);
+    se_gate_images_f32(N, b.pv, w1, b1, w2, b2, C, S, act1, b.z1, b.y1, b.z2);
+    float *sp = (float *)s.data;
+    for (size_t i = 0; i < (size_t)N * C; i++) sp[i] = act_apply(act2, b.z2[i]);
+    free(b.pv);
+}
+
+// dw[a][b] += Σ_n dz[n][a]·v[n][b], db[a] += Σ_n dz[n][a], n in order (outer_sums)
+static void outer_sums_f32(float *dw, float *db, const float *dz, int A, const float *v, int B, int N) {
+    #pragma omp parallel for schedule(static) if(PAR((size_t)N * A * B))
+    for (int a = 0; a < A; a++) {
+        double t[B];  // (B)
+        double d = 0.0;
+        for (int j = 0; j < B; j++) t[j] = 0.0;
+        for (int n = 0; n < N; n++) {
+            const double g = dz[(size_t)n * A + a];
+            d += g;
+            #pragma omp simd
+            for (int j = 0; j < B; j++) t[j] += g * v[(size_t)n * B + j];
+        }
+        db[a] += (float)d;
+        for (int j = 0; j < B; j++) dw[(size_t)a * B + j] += (float)t[j];
+    }
+}
+
+static void se_gate_backward_cpu(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1, const float *b1,
+                                 const float *w2, const float *b2, int S, Act act1, Act act2, float *dw1, float *db1,
+                                 float *dw2, float *db2, int accumulate) {
+    if (!all_f32(ds, p) || (dp.data && dp.dtype != DT_F32)) {
+        se_gate_backward_ref(o, dp, ds, p, w1, b1, w2, b2, S, act1, act2, dw1, db1, dw2, db2, accumulate);
+        return;
+    }
+    const int N = p.shape.n, C = p.shape.c;
+    SeGateBuf b = se_gate_buf(p, S);
+    se_gate_images_f32(N, b.pv, w1, b1, w2, b2, C, S, act1, b.z1, b.y1, b.z2);
+    const float *dsp = (const float *)ds.data;
+    for (size_t i = 0; i < (size_t)N * C; i++) b.dz2[i] = dsp[i] * act_grad(act2, b.z2[i]);
+    const int T = C > S ? C : S;
+    double *t = malloc(sizeof(double) * (size_t)N * T);
+    snCheck(t != NULL, "out of host memory");
+    #pragma omp parallel for schedule(static) if(PAR((size_t)N * C * S))
+    for (int n = 0; n < N; n++) {
+        double *tn = t + (size_t)n * T;
+        // dz1[n][j] = (Σ_c w2[c][j]·dz2[n][c]) · act1'(z1), c in order
+        for (int j = 0; j < S; j++) tn[j] = 0.0;
+        for (int c = 0; c < C; c++) {
+            const double g = b.dz2[(size_t)n * C + c];
+            const float *w = w2 + (size_t)c * S;
+            #pragma omp simd
+            for (int j = 0; j < S; j++) tn[j] += (double)w[j] * g;
+        }
+        for (int j = 0; j < S; j++) {
+            const size_t i = (size_t)n * S + j;
+            b.dz1[i] = (float)tn[j] * act_grad(act1, b.z1[i]);
+        }
+        if (!dp.data) continue;
+        // dp[n][c] (=|+=) Σ_j w1[j][c]·dz1[n][j], j in order
+        for (int c = 0; c < C; c++) tn[c] = 0.0;
+        for (int j = 0; j < S; j++) {
+            const double g = b.dz1[(size_t)n * S + j];
+            const float *w = w1 + (size_t)j * C;
+            #pragma omp simd
+            for (int c = 0; c < C; c++) tn[c] += (double)w[c] * g;
+        }
+        float *d = (float *)dp.data + (size_t)n * C;
+        for (int c = 0; c < C; c++) d[c] = accumulate ? d[c] + (float)tn[c] : (float)tn[c];
+    }
+    if (dw1) {
+        outer_sums_f32(dw2, db2, b.dz2, C, b.y1, S, N);
+        outer_sums_f32(dw1, db1, b.dz1, S, b.pv, C, N);
+    }
+    free(t);
+    free(b.pv);
+}
+
+// ----------------------------------------------------------------------------
 // pooling, nearest upsampling and concatenation in fp32 (maxpool2_*_ref,
 // upsample2_*_ref and concat_*_ref state them; these give the same bits)
 //
@@ -4168,8 +4294,6 @@ static void channel_scale_backward_cpu(Ops *o, Tensor dx, Tensor ds, Tensor dy, 
 // vectorises them, and max-pool's backward finds each 2×2 window's argmax
 // once per row of the window instead of once per element. Other storage
 // types take the references.
-
-static int all_f32(Tensor a, Tensor b) { return a.dtype == DT_F32 && b.dtype == DT_F32; }
 
 // y[n,oy,ox,c] = max over the 2×2 window, taken in the reference's order
 static void maxpool2_forward_cpu(Ops *o, Tensor y, Tensor x) {
@@ -4425,6 +4549,8 @@ __attribute__((constructor)) static void ops_cpu_make(void) {
     ops_cpu.global_avg_pool_backward = global_avg_pool_backward_cpu;
     ops_cpu.channel_scale_forward = channel_scale_forward_cpu;
     ops_cpu.channel_scale_backward = channel_scale_backward_cpu;
+    ops_cpu.se_gate_forward = se_gate_forward_cpu;
+    ops_cpu.se_gate_backward = se_gate_backward_cpu;
     ops_cpu.maxpool2_forward = maxpool2_forward_cpu;
     ops_cpu.maxpool2_backward = maxpool2_backward_cpu;
     ops_cpu.upsample2_forward = upsample2_forward_cpu;

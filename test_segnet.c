@@ -5966,6 +5966,47 @@ TEST(fast_se_vs_ref) {
     }
 }
 
+// ops_cpu's fp32 squeeze-excitation gate against ops_ref's: the same bits for
+// s, dp (written and accumulated) and the weights' gradients (added into),
+// with more squeezed channels than a vector and fewer, and C not a multiple
+// of a vector.
+TEST(fast_se_gate_vs_ref) {
+    Rng r; rng_seed(&r, 88);
+    const struct { int N, C, S; } cases[] = {{3, 37, 5}, {2, 70, 19}};
+    for (int k = 0; k < 2; k++) {
+        const int N = cases[k].N, C = cases[k].C, S = cases[k].S;
+        const Shape ps = shape4(N, 1, 1, C);
+        float *p = randn(&r, (size_t)N * C, 1.0f), *ds = randn(&r, (size_t)N * C, 1.0f);
+        float *w1 = randn(&r, (size_t)S * C, 0.3f), *b1 = randn(&r, S, 0.3f);
+        float *w2 = randn(&r, (size_t)C * S, 0.3f), *b2 = randn(&r, C, 0.3f);
+        Ops *tables[2] = {&ops_cpu, &ops_ref};
+        float *out[2][7];  // s, dp written, dp accumulated, dw1, db1, dw2, db2
+        const size_t count[7] = {(size_t)N * C, (size_t)N * C, (size_t)N * C, (size_t)S * C, (size_t)S,
+                                 (size_t)C * S, (size_t)C};
+        for (int t = 0; t < 2; t++) {
+            Ops *o = tables[t];
+            for (int j = 0; j < 7; j++) {
+                out[t][j] = malloc(sizeof(float) * count[j]);
+                for (size_t i = 0; i < count[j]; i++) out[t][j][i] = 0.125f * (float)(i % 7);
+            }
+            o->se_gate_forward(o, tensor_f32(out[t][0], ps), tensor_f32(p, ps), w1, b1, w2, b2, S, ACT_SILU, ACT_SIGMOID);
+            for (int acc = 0; acc < 2; acc++)
+                o->se_gate_backward(o, tensor_f32(out[t][1 + acc], ps), tensor_f32(ds, ps), tensor_f32(p, ps), w1, b1, w2,
+                                    b2, S, ACT_SILU, ACT_SIGMOID, out[t][3], out[t][4], out[t][5], out[t][6], acc);
+        }
+        const char *what[7] = {"s", "dp", "dp accumulated", "dW1", "db1", "dW2", "db2"};
+        for (int j = 0; j < 7; j++) {
+            size_t differ = 0;
+            for (size_t i = 0; i < count[j]; i++) differ += memcmp(&out[0][j][i], &out[1][j][i], sizeof(float)) != 0;
+            CHECK(differ == 0, "C %d, S %d: %s: ops_cpu and ops_ref differ in %zu of %zu values", C, S, what[j], differ,
+                  count[j]);
+        }
+        for (int t = 0; t < 2; t++)
+            for (int j = 0; j < 7; j++) free(out[t][j]);
+        free(p); free(ds); free(w1); free(b1); free(w2); free(b2);
+    }
+}
+
 // ops_cpu's fp32 max-pool, nearest upsampling and concatenation against
 // ops_ref's element-by-element versions: the same bits, forward and backward,
 // written and accumulated, on odd sizes (max-pool's floor: the last row and
@@ -6387,7 +6428,8 @@ TEST(ref_table_vs_cpu) {
     // ops_cpu is ops_ref with part IV's versions of exactly these entries
     const char *fast = "fill axpby copy conv2d_workspace conv2d_forward conv2d_backward_data conv2d_backward_weight "
                        "bn_stats bn_forward bn_backward_reduce bn_backward_data global_avg_pool_forward "
-                       "global_avg_pool_backward channel_scale_forward channel_scale_backward add_forward add_backward "
+                       "global_avg_pool_backward channel_scale_forward channel_scale_backward se_gate_forward "
+                       "se_gate_backward add_forward add_backward "
                        "concat_forward concat_backward dropout_forward dropout_backward maxpool2_forward "
                        "maxpool2_backward upsample2_forward upsample2_backward";
     char differ[1024] = "";
