@@ -3359,7 +3359,7 @@ static int conv_direct_grad_weight(const ConvCfg *cfg) { return cfg->groups == 1
 // give each parallel loop rows of several images and each weight-gradient
 // tile several images' pixels, with two parallel loops per chunk instead of
 // per image, while a large image's workspace stays one image.
-size_t conv_chunk_floats = (size_t)1 << 20;  // 4 MiB (a variable: the tests lower it)
+static size_t conv_chunk_floats = (size_t)1 << 20;  // 4 MiB (a variable: the tests lower it)
 static int conv_chunk_images(size_t image_floats, int N) {
     size_t k = conv_chunk_floats / image_floats;
     return k < 1 ? 1 : k > (size_t)N ? N : (int)k;
