@@ -4184,12 +4184,21 @@ static void affine_rows_t(float *z, const float *wt, const float *b, const float
     for (int a = 0; a < A; a++) z[(size_t)n * A + a] = (float)t[a];
 }
 
+// The fp64 sums t (N·max(C,S)), then W1ᵀ (C,S) and W2ᵀ (S,C): one allocation per call
+typedef struct { double *t; float *w1t, *w2t; } SeGateWork;
+static SeGateWork se_gate_work(int N, int C, int S) {
+    const size_t T = (size_t)N * (C > S ? C : S);
+    double *t = malloc(sizeof(double) * T + sizeof(float) * 2 * (size_t)C * S);
+    snCheck(t != NULL, "out of host memory");
+    return (SeGateWork){t, (float *)(t + T), (float *)(t + T) + (size_t)C * S};
+}
+
 // the gate's forward for every image: z1, y1 (N,S), z2 (N,C) from pv (N,C) as se_gate_images
 static void se_gate_images_f32(int N, const float *pv, const float *w1, const float *b1, const float *w2,
-                               const float *b2, int C, int S, Act act1, float *z1, float *y1, float *z2) {
-    float *w1t = malloc(sizeof(float) * (size_t)C * S), *w2t = malloc(sizeof(float) * (size_t)C * S);  // (C,S), (S,C)
-    double *t = malloc(sizeof(double) * (size_t)N * (C > S ? C : S));
-    snCheck(w1t && w2t && t, "out of host memory");
+                               const float *b2, int C, int S, Act act1, float *z1, float *y1, float *z2,
+                               const SeGateWork *work) {
+    float *w1t = work->w1t, *w2t = work->w2t;
+    double *t = work->t;
     for (int j = 0; j < S; j++)
         for (int c = 0; c < C; c++) {
             w1t[(size_t)c * S + j] = w1[(size_t)j * C + c];
@@ -4202,7 +4211,6 @@ static void se_gate_images_f32(int N, const float *pv, const float *w1, const fl
         for (int j = 0; j < S; j++) y1[(size_t)n * S + j] = act_apply(act1, z1[(size_t)n * S + j]);
         affine_rows_t(z2, w2t, b2, y1, C, S, n, t + (size_t)n * T);
     }
-    free(w1t); free(w2t); free(t);
 }
 
 static void se_gate_forward_cpu(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1, const float *w2,
@@ -4210,9 +4218,11 @@ static void se_gate_forward_cpu(Ops *o, Tensor s, Tensor p, const float *w1, con
     if (!all_f32(s, p)) { se_gate_forward_ref(o, s, p, w1, b1, w2, b2, S, act1, act2); return; }
     const int N = p.shape.n, C = p.shape.c;
     SeGateBuf b = se_gate_buf(p, S);
-    se_gate_images_f32(N, b.pv, w1, b1, w2, b2, C, S, act1, b.z1, b.y1, b.z2);
+    SeGateWork work = se_gate_work(N, C, S);
+    se_gate_images_f32(N, b.pv, w1, b1, w2, b2, C, S, act1, b.z1, b.y1, b.z2, &work);
     float *sp = (float *)s.data;
     for (size_t i = 0; i < (size_t)N * C; i++) sp[i] = act_apply(act2, b.z2[i]);
+    free(work.t);
     free(b.pv);
 }
 
@@ -4243,12 +4253,12 @@ static void se_gate_backward_cpu(Ops *o, Tensor dp, Tensor ds, Tensor p, const f
     }
     const int N = p.shape.n, C = p.shape.c;
     SeGateBuf b = se_gate_buf(p, S);
-    se_gate_images_f32(N, b.pv, w1, b1, w2, b2, C, S, act1, b.z1, b.y1, b.z2);
+    SeGateWork work = se_gate_work(N, C, S);
+    se_gate_images_f32(N, b.pv, w1, b1, w2, b2, C, S, act1, b.z1, b.y1, b.z2, &work);
     const float *dsp = (const float *)ds.data;
     for (size_t i = 0; i < (size_t)N * C; i++) b.dz2[i] = dsp[i] * act_grad(act2, b.z2[i]);
     const int T = C > S ? C : S;
-    double *t = malloc(sizeof(double) * (size_t)N * T);
-    snCheck(t != NULL, "out of host memory");
+    double *t = work.t;  // the forward's sums are spent
     #pragma omp parallel for schedule(static) if(PAR((size_t)N * C * S))
     for (int n = 0; n < N; n++) {
         double *tn = t + (size_t)n * T;
@@ -4280,7 +4290,7 @@ static void se_gate_backward_cpu(Ops *o, Tensor dp, Tensor ds, Tensor p, const f
         outer_sums_f32(dw2, db2, b.dz2, C, b.y1, S, N);
         outer_sums_f32(dw1, db1, b.dz1, S, b.pv, C, N);
     }
-    free(t);
+    free(work.t);
     free(b.pv);
 }
 
