@@ -57,6 +57,7 @@
 #include <float.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <dirent.h>
 #include <strings.h>
 #include <sys/stat.h>
@@ -5262,18 +5263,60 @@ static int sf_check_write_args(const char *path, const SafetensorsTensor *ts, in
     return dup ? -1 : 0;
 }
 
-// write(2) until done (it may write less than asked, or be interrupted)
-// ---- atomic replacement of a file: write "<path>.tmp.<pid>" in the same
-// folder, fsync it, rename it over path, fsync the folder. A crash at any
-// moment leaves either the old file or the new one, never a mix.
+// ---- atomic replacement of a file: write a temporary file beside path (see
+// atomic_tmp_name), fsync it, rename it over path, fsync the folder. A crash
+// at any moment leaves either the old file or the new one, never a mix.
 
-#define OUT_PATH_MAX 4200
+#define OUT_PATH_MAX 4200  // the buffers of output paths: a path may have PATH_MAX - 1 bytes
+#define TMP_MARK ".tmp."   // "<name>.tmp.<pid>": run_remove_stale finds a dead writer's files by it
 
-static FILE *atomic_file_open(const char *path, char *tmp, size_t tmp_size, char err[SN_ERR_MAX]) {
-    snprintf(tmp, tmp_size, "%s.tmp.%ld", path, (long)getpid());
-    FILE *f = fopen(tmp, "wb");
-    if (!f) snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno));
-    return f;
+// The last component of path (after its last '/').
+static const char *path_base(const char *path) {
+    const char *slash = strrchr(path, '/');
+    return slash ? slash + 1 : path;
+}
+
+// An output path the file system takes: its name within NAME_MAX bytes, the
+// whole within PATH_MAX - 1. Checked with the other inputs, before anything is
+// written (a name too long found at the last file would leave the others written).
+static int out_path_check(const char *path, char err[SN_ERR_MAX]) {
+    const size_t base = strlen(path_base(path)), whole = strlen(path);
+    if (base > NAME_MAX)
+        snprintf(err, SN_ERR_MAX, "%.300s...: the file name is %zu bytes, more than the %d a file system takes", path, base,
+                 NAME_MAX);
+    else if (whole >= PATH_MAX)
+        snprintf(err, SN_ERR_MAX, "%.300s...: the path is %zu bytes, more than the %d a path may have", path, whole,
+                 PATH_MAX - 1);
+    else
+        return 0;
+    return -1;
+}
+
+// "<name>.tmp.<pid>" in path's folder, the name cut short so that the whole
+// fits NAME_MAX (any legal name may be written; the temporary one is ours).
+static void atomic_tmp_name(const char *path, char tmp[OUT_PATH_MAX]) {
+    char suffix[32];
+    const int n_suffix = snprintf(suffix, sizeof suffix, TMP_MARK "%ld", (long)getpid());
+    const char *base = path_base(path);
+    const int dir = (int)(base - path), keep = (int)strnlen(base, NAME_MAX - n_suffix);
+    snprintf(tmp, OUT_PATH_MAX, "%.*s%.*s%s", dir, path, keep, base, suffix);
+}
+
+// The temporary file, created new (O_EXCL): never a file or link that is
+// already there (a link planted at the name would redirect the write).
+static FILE *atomic_file_open(const char *path, char tmp[OUT_PATH_MAX], char err[SN_ERR_MAX]) {
+    if (out_path_check(path, err)) return NULL;
+    atomic_tmp_name(path, tmp);
+    const int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    FILE *f = fd < 0 ? NULL : fdopen(fd, "wb");
+    if (f) return f;
+    if (fd >= 0) close(fd);
+    if (errno == EEXIST)
+        snprintf(err, SN_ERR_MAX, "%.200s: cannot write: its temporary file %.200s is already there (not this "
+                 "process's; remove it)", path, path_base(tmp));
+    else
+        snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno));
+    return NULL;
 }
 
 // Closes f and renames tmp over path if ok (else, or on a failure, removes tmp).
@@ -5308,7 +5351,7 @@ static int atomic_file_commit(FILE *f, const char *tmp, const char *path, int ok
 int file_write_atomic(const char *path, const void *const *parts, const size_t *sizes, int n_parts,
                       char err[SN_ERR_MAX]) {
     char tmp[OUT_PATH_MAX];
-    FILE *f = atomic_file_open(path, tmp, sizeof tmp, err);
+    FILE *f = atomic_file_open(path, tmp, err);
     if (!f) return -1;
     int ok = 1;
     for (int i = 0; ok && i < n_parts; i++) ok = !sizes[i] || fwrite(parts[i], 1, sizes[i], f) == sizes[i];  // an empty part may be NULL
@@ -5992,11 +6035,195 @@ static void seg_out_paths(const char *out, const char *image, char mask[OUT_PATH
 typedef struct { char *name; int image; } SegName;
 static int cmp_seg_name(const void *a, const void *b) { return strcmp(((const SegName *)a)->name, ((const SegName *)b)->name); }
 
+// ---- outputs never replace what the user owns
+//
+// predict writes no path that is, or lies inside, its input folder, and never
+// replaces an input image or list, whatever the path says (files compared by
+// device and inode). Any other existing file it replaces only with
+// --overwrite, and only one that it wrote itself: a mask, overlay or legend
+// that OUT/.segnet-predict lists (the names it has written into OUT), a
+// classifier CSV whose first line is its own header.
+
+#define PREDICT_MANIFEST      ".segnet-predict"
+#define PREDICT_MANIFEST_HEAD "segnet predict: the files it wrote in this folder, which --overwrite may replace\n"
+#define PREDICT_CSV_HEAD      "path,pred"  // what a classifier's CSV starts with (csv_header_prediction)
+
+static int stat_same(const struct stat *a, const struct stat *b) { return a->st_dev == b->st_dev && a->st_ino == b->st_ino; }
+
+// Whether path, or when it does not exist yet the folder it would be made in,
+// is the folder dir or lies inside it. Walks up through "..", so that links,
+// mounts and spellings of the path make no difference.
+static int path_inside(const char *path, const struct stat *dir) {
+    char at[OUT_PATH_MAX];
+    snprintf(at, sizeof at, "%s", path);
+    struct stat sb;
+    for (;;) {  // the nearest part of the path that exists
+        if (stat(at, &sb) == 0) break;
+        char *slash = strrchr(at, '/');
+        if (!slash) { snprintf(at, sizeof at, "."); break; }
+        if (slash == at) slash++;  // "/"
+        *slash = 0;
+    }
+    int fd = open(at, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0 && errno == ENOTDIR) {  // an existing file: where it lies
+        char *slash = strrchr(at, '/');
+        if (!slash) snprintf(at, sizeof at, ".");
+        else slash[slash == at] = 0;
+        fd = open(at, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    }
+    for (int depth = 0; fd >= 0 && depth < PATH_MAX; depth++) {
+        struct stat here, up_sb;
+        if (fstat(fd, &here) || stat_same(&here, dir)) break;
+        const int up = openat(fd, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        close(fd);
+        fd = up;
+        if (fd < 0 || fstat(fd, &up_sb) || stat_same(&up_sb, &here)) break;  // "/" is its own parent
+    }
+    if (fd < 0) return 0;
+    struct stat last;
+    const int inside = fstat(fd, &last) == 0 && stat_same(&last, dir);
+    close(fd);
+    return inside;
+}
+
+// The files a prediction reads, by identity: image i, or the list (-1)
+typedef struct { dev_t dev; ino_t ino; int input; } FileId;
+static int cmp_file_id(const void *a, const void *b) {
+    const FileId *x = a, *y = b;
+    if (x->dev != y->dev) return x->dev < y->dev ? -1 : 1;
+    return x->ino < y->ino ? -1 : x->ino > y->ino;
+}
+static FileId *input_ids(const PredictCfg *pc, const PathList *l, int *n) {
+    FileId *ids = malloc(sizeof(FileId) * ((size_t)l->n + 1));
+    snCheck(ids != NULL, "out of host memory");
+    struct stat sb;
+    *n = 0;
+    for (int i = -1; i < l->n; i++)
+        if (stat(i < 0 ? pc->input : l->paths[i], &sb) == 0 && S_ISREG(sb.st_mode))
+            ids[(*n)++] = (FileId){sb.st_dev, sb.st_ino, i};
+    qsort(ids, (size_t)*n, sizeof(FileId), cmp_file_id);
+    return ids;
+}
+// the input that `path` is ("input image X", "input list X"), or NULL
+static const char *input_named(const PredictCfg *pc, const PathList *l, const FileId *ids, int n, const char *path,
+                               char what[OUT_PATH_MAX]) {
+    struct stat sb;
+    if (stat(path, &sb) != 0) return NULL;
+    const FileId key = {sb.st_dev, sb.st_ino, 0}, *hit = bsearch(&key, ids, (size_t)n, sizeof(FileId), cmp_file_id);
+    if (!hit) return NULL;
+    snprintf(what, OUT_PATH_MAX, "%s %.400s", hit->input < 0 ? "the input list" : "the input image",
+             hit->input < 0 ? pc->input : l->paths[hit->input]);
+    return what;
+}
+
+// The names OUT's manifest lists, sorted (NULL, 0 when there is none); -1 with err if it is not one.
+static int manifest_read(const char *out, char **buf, char ***names, int *n, char err[SN_ERR_MAX]) {
+    char path[OUT_PATH_MAX];
+    snprintf(path, sizeof path, "%s/" PREDICT_MANIFEST, out);
+    const size_t head = strlen(PREDICT_MANIFEST_HEAD);
+    size_t bytes = 0;
+    *buf = NULL; *names = NULL; *n = 0;
+    struct stat sb;
+    if (lstat(path, &sb) != 0 && errno == ENOENT) return 0;
+    char *b = (char *)file_read_regular(path, (size_t)1 << 30, &bytes, err);
+    if (!b) return -1;
+    if (bytes < head || memcmp(b, PREDICT_MANIFEST_HEAD, head) || (bytes > head && b[bytes - 1])) {
+        snprintf(err, SN_ERR_MAX, "%.300s: not segnet predict's list of the files it wrote (it names nothing for "
+                 "--overwrite; remove it or choose another --out)", path);
+        free(b);
+        return -1;
+    }
+    int cap = 0;
+    for (size_t i = head; i < bytes; i += strlen(b + i) + 1) {
+        GROW(*names, *n, cap);
+        (*names)[(*n)++] = b + i;
+    }
+    qsort(*names, (size_t)*n, sizeof(char *), cmp_str);
+    *buf = b;
+    return 0;
+}
+
+// OUT's manifest: the names it listed and `add` (m of them), each once.
+static int manifest_write(const char *out, char **listed, int n, const SegName *add, int m, char err[SN_ERR_MAX]) {
+    const char **all = malloc(sizeof(char *) * ((size_t)n + m + 1));
+    snCheck(all != NULL, "out of host memory");
+    int k = 0;
+    for (int i = 0; i < n; i++) all[k++] = listed[i];
+    for (int i = 0; i < m; i++) all[k++] = path_base(add[i].name);
+    qsort(all, (size_t)k, sizeof(char *), cmp_str);
+    SfBuf b = {0};
+    sb_str(&b, PREDICT_MANIFEST_HEAD);
+    for (int i = 0; i < k; i++)
+        if (i == 0 || strcmp(all[i - 1], all[i])) sb_put(&b, all[i], strlen(all[i]) + 1);
+    free(all);
+    snCheck(!b.oom, "out of host memory");
+    char path[OUT_PATH_MAX];
+    snprintf(path, sizeof path, "%s/" PREDICT_MANIFEST, out);
+    const void *parts[1] = {b.p};
+    const int rc = file_write_atomic(path, parts, &b.n, 1, err);
+    free(b.p);
+    return rc;
+}
+
+// Whether the file at path starts with a classifier CSV's header (segnet predict wrote it).
+static int is_prediction_csv(const char *path) {
+    struct stat sb;
+    const char *why;
+    const int fd = open_regular(path, &sb, &why);
+    if (fd < 0) return 0;
+    char head[sizeof PREDICT_CSV_HEAD] = "";
+    const ssize_t got = read(fd, head, sizeof head - 1);
+    close(fd);
+    return got == (ssize_t)sizeof head - 1 && !memcmp(head, PREDICT_CSV_HEAD, sizeof head - 1);
+}
+
+// Refuses an output that predict may not write (see above): out inside the
+// input folder, or any of `outs` (m paths) that exists and is an input, a
+// folder, or not predict's own: in the manifest (seg: its names, sorted, in
+// listed), else a classifier's CSV recognised by its header.
+static int outputs_allowed(const PredictCfg *pc, const PathList *l, const SegName *outs, int m, int seg, char **listed,
+                           int n_listed, char err[SN_ERR_MAX]) {
+    struct stat in_sb;
+    if (stat(pc->input, &in_sb) == 0 && S_ISDIR(in_sb.st_mode) && path_inside(pc->out, &in_sb)) {
+        snprintf(err, SN_ERR_MAX, "--out %.180s is, or is inside, the input folder %.180s: predictions never go among "
+                 "the images they are made from", pc->out, pc->input);
+        return -1;
+    }
+    int n_ids, rc = 0;
+    FileId *ids = input_ids(pc, l, &n_ids);
+    for (int i = 0; i < m && rc == 0; i++) {
+        const char *p = outs[i].name, *input;
+        char what[OUT_PATH_MAX];
+        struct stat sb;
+        if (lstat(p, &sb) != 0) continue;  // a new file
+        const char *base = path_base(p);
+        rc = -1;
+        if (S_ISDIR(sb.st_mode))
+            snprintf(err, SN_ERR_MAX, "%.400s: is a folder, where segnet predict would write a file", p);
+        else if ((input = input_named(pc, l, ids, n_ids, p, what)))
+            snprintf(err, SN_ERR_MAX, "%.200s: segnet predict would replace %.250s", p, input);
+        else if (!pc->overwrite)
+            snprintf(err, SN_ERR_MAX, "%.300s: exists; segnet predict replaces a file only with --overwrite, and only "
+                     "one it wrote itself (an earlier prediction)", p);
+        else if (seg ? !n_listed || !bsearch(&base, listed, (size_t)n_listed, sizeof(char *), cmp_str) : !is_prediction_csv(p))
+            snprintf(err, SN_ERR_MAX, "%.300s: exists and is not an output of segnet predict (%s): --overwrite does not "
+                     "replace it", p, seg ? "not listed in " PREDICT_MANIFEST : "its first line is not " PREDICT_CSV_HEAD "...");
+        else
+            rc = 0;
+    }
+    free(ids);
+    return rc;
+}
+
+
 // Before anything is written: no two images would write the same file (a.png
-// and a.jpg, or a_overlay.png beside a.png) and every image decodes; then the
-// folder `out` is created if absent. Decoding twice costs far less than the
-// forward pass, and a bad image found halfway would leave a partial folder.
-static int seg_check_inputs(const PathList *l, const char *out, char err[SN_ERR_MAX]) {
+// and a.jpg, or a_overlay.png beside a.png), every name fits the file system,
+// no output replaces what it may not (outputs_allowed) and every image decodes;
+// then the folder `out` is created if absent and its manifest lists the files
+// about to be written. Decoding twice costs far less than the forward pass,
+// and a bad image found halfway would leave a partial folder.
+static int seg_check_inputs(const PredictCfg *pc, const PathList *l, char err[SN_ERR_MAX]) {
+    const char *out = pc->out;
     const int n = 2 * l->n + 1;  // the masks, the overlays and the legend (image -1)
     SegName *names = malloc(sizeof(SegName) * n);
     snCheck(names != NULL, "out of host memory");
@@ -6024,8 +6251,11 @@ static int seg_check_inputs(const PathList *l, const char *out, char err[SN_ERR_
                          l->paths[b->image], names[i].name);
             rc = -1;
         }
-    for (int i = 0; i < n; i++) free(names[i].name);
-    free(names);
+    for (int i = 0; i < n && !rc; i++) rc = out_path_check(names[i].name, err);
+    char *manifest = NULL, **listed = NULL;
+    int n_listed = 0;
+    if (!rc) rc = manifest_read(out, &manifest, &listed, &n_listed, err);
+    if (!rc) rc = outputs_allowed(pc, l, names, n, 1, listed, n_listed, err);
     for (int i = 0; !rc && i < l->n; i++) {
         int h, w;
         float *img = image_load_rgb(l->paths[i], &h, &w, err);
@@ -6036,6 +6266,9 @@ static int seg_check_inputs(const PathList *l, const char *out, char err[SN_ERR_
         snprintf(err, SN_ERR_MAX, "%.400s: cannot create the folder: %s", out, strerror(errno));
         rc = -1;
     }
+    if (!rc) rc = manifest_write(out, listed, n_listed, names, n, err);
+    for (int i = 0; i < n; i++) free(names[i].name);
+    free(names); free(listed); free(manifest);
     return rc;
 }
 
@@ -6108,10 +6341,12 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
     char tmp[OUT_PATH_MAX];
     FILE *f = NULL;
     if (seg) {
-        if (seg_check_inputs(&list, pc->out, err) != 0 || seg_legend_write(pc->out, K, err) != 0) goto done_list;
+        if (seg_check_inputs(pc, &list, err) != 0 || seg_legend_write(pc->out, K, err) != 0) goto done_list;
     } else {
-        if (!(f = atomic_file_open(pc->out, tmp, sizeof tmp, err))) goto done_list;
-        fprintf(f, "path,pred%s", pc->n_class_names ? ",pred_name" : "");
+        const SegName csv = {(char *)pc->out, -1};
+        if (outputs_allowed(pc, &list, &csv, 1, 0, NULL, 0, err) || !(f = atomic_file_open(pc->out, tmp, err)))
+            goto done_list;
+        fprintf(f, PREDICT_CSV_HEAD "%s", pc->n_class_names ? ",pred_name" : "");
         for (int k = 0; k < K; k++) fprintf(f, ",p%d", k);
         fputc('\n', f);
     }
@@ -6859,7 +7094,7 @@ static void png_put(void *f, void *data, int size) { fwrite(data, 1, (size_t)siz
 int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pixels, char err[SN_ERR_MAX]) {
     snCheck(w >= 1 && h >= 1 && (comp == 1 || comp == 3), "png_write_atomic: %dx%d, %d channels", w, h, comp);
     char tmp[OUT_PATH_MAX];
-    FILE *f = atomic_file_open(path, tmp, sizeof tmp, err);
+    FILE *f = atomic_file_open(path, tmp, err);
     if (!f) return -1;
     int ok = stbi_write_png_to_func(png_put, f, w, h, comp, pixels, w * comp) != 0;
     if (!ok) snprintf(err, SN_ERR_MAX, "%.400s: cannot encode the PNG", path);
@@ -7078,7 +7313,7 @@ int write_curves_svg(const char *path, const EpochRecord *rows, int n, const cha
         {"learning rate", lr, &ratio, 0, 0, NULL, 0},
     };
     char tmp[OUT_PATH_MAX];
-    FILE *f = atomic_file_open(path, tmp, sizeof tmp, err);
+    FILE *f = atomic_file_open(path, tmp, err);
     if (!f) return -1;
     fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" "
             "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
@@ -8512,40 +8747,51 @@ static int mkdir_p(const char *path, char err[SN_ERR_MAX]) {
 
 #define RUN_LOCK_FILE ".lock"
 
-// Locks run (which must exist); returns the lock's descriptor, or -1 with err.
-static int run_lock(const char *run, char err[SN_ERR_MAX]) {
+// Locks run (which must exist) for `who` ("segnet train", "segnet export");
+// returns the lock's descriptor, or -1 with err. A reader (export) of a
+// folder it cannot write takes no lock when there is none: nothing writes there.
+#define RUN_NOT_LOCKED (-2)
+static int run_lock(const char *run, const char *who, char err[SN_ERR_MAX]) {
     char path[4200];
     run_path(path, sizeof path, run, RUN_LOCK_FILE);
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    const int reader = strcmp(who, "segnet train") != 0;
+    int fd = open(path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd < 0 && reader && (errno == EACCES || errno == EROFS)) {
+        fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);  // flock needs no write access
+        if (fd < 0 && errno == ENOENT) return RUN_NOT_LOCKED;
+    }
     if (fd < 0) { snprintf(err, SN_ERR_MAX, "%.400s: cannot create the run's lock: %s", path, strerror(errno)); return -1; }
     if (flock(fd, LOCK_EX | LOCK_NB)) {
-        char holder[32] = "";
+        char holder[64] = "";
         ssize_t n = pread(fd, holder, sizeof holder - 1, 0);
         holder[n > 0 ? n : 0] = 0;
         holder[strcspn(holder, "\r\n")] = 0;
-        snprintf(err, SN_ERR_MAX, "%.400s: in use by another segnet train (%s); wait for it to end or choose another --out", run,
-                 holder[0] ? holder : "process id unknown");
+        snprintf(err, SN_ERR_MAX, "%.300s: in use by another process (%s); %s", run, holder[0] ? holder : "process id unknown",
+                 reader ? "a run is read when nothing writes it: wait for it to end"
+                        : "wait for it to end or choose another --out");
         close(fd);
         return -1;
     }
-    char me[32];
-    int len = snprintf(me, sizeof me, "pid %ld\n", (long)getpid());
+    char me[64];
+    int len = snprintf(me, sizeof me, "pid %ld, %s\n", (long)getpid(), who);
     if (ftruncate(fd, 0) || pwrite(fd, me, (size_t)len, 0) != len) { /* the lock holds without the note */ }
     return fd;
 }
 
 // Temporary files a killed writer left in run ("<file>.tmp.<pid>", see
-// atomic_file_open): removed once the lock is held, if their process is gone.
+// atomic_tmp_name): removed once the lock is held, if their process is gone.
 static void run_remove_stale(const char *run, int progress) {
     DIR *d = opendir(run);
     if (!d) return;
     int removed = 0;
     for (struct dirent *e; (e = readdir(d));) {
-        const char *tmp = strstr(e->d_name, ".tmp.");
+        const char *tmp = NULL;  // the last mark: the file's own name may hold one
+        for (const char *p = e->d_name; (p = strstr(p, TMP_MARK)); p++) tmp = p;
         if (!tmp) continue;
         char *end;
-        long pid = strtol(tmp + 5, &end, 10);
-        if (end == tmp + 5 || *end || pid <= 0) continue;
+        const char *digits = tmp + strlen(TMP_MARK);
+        long pid = strtol(digits, &end, 10);
+        if (end == digits || *end || pid <= 0) continue;
         if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;  // its writer lives (or is not ours to judge)
         char path[4096 + sizeof e->d_name + 2];
         run_path(path, sizeof path, run, e->d_name);
@@ -8556,33 +8802,107 @@ static void run_remove_stale(const char *run, int progress) {
                                      removed == 1 ? "" : "s", run);
 }
 
+// The files a run writes into its folder (besides its lock). A new run never
+// replaces one of them unless --overwrite; export never writes one.
+static const char *const RUN_FILES[] = {"last.safetensors", "best.safetensors", "config.txt", "metrics.csv",
+                                        "curves.svg", "steps.csv", CLASSES_FILE};
+#define RUN_N_FILES ((int)(sizeof RUN_FILES / sizeof *RUN_FILES))
+
+static int is_run_file(const char *name) {
+    for (int k = 0; k < RUN_N_FILES; k++) if (!strcmp(name, RUN_FILES[k])) return 1;
+    return 0;
+}
+
+// The run files in run: a list for a message, and how many
+static int run_files_held(const char *run, char *list, size_t size) {
+    int n = 0;
+    list[0] = 0;
+    for (int k = 0; k < RUN_N_FILES; k++) {
+        char path[4200];
+        struct stat sb;
+        run_path(path, sizeof path, run, RUN_FILES[k]);
+        if (lstat(path, &sb) == 0) list_add(list, size, &n, RUN_FILES[k]);
+    }
+    return n;
+}
+
+// The epochs metrics.csv holds (its rows after the header; 0 when it is absent or unreadable)
+static int metrics_rows(const char *run) {
+    char path[4200], err[SN_ERR_MAX];
+    run_path(path, sizeof path, run, "metrics.csv");
+    FILE *f = fopen_regular(path, "r", err);
+    if (!f) return 0;
+    int rows = 0, c, last = '\n';
+    while ((c = getc(f)) != EOF) { rows += c == '\n'; last = c; }
+    rows += last != '\n';
+    fclose(f);
+    return rows > 0 ? rows - 1 : 0;
+}
+
 // Takes the run folder for this run: created if new (*made), locked, cleared
-// of stale temporary files. A folder that holds a run (a checkpoint) is
-// refused unless resuming; one whose run stopped before its first checkpoint
-// (its settings, perhaps a metrics row) starts again (*fresh).
-static int run_claim(const char *run, const char *resume, int *lock, int *made, int *fresh, int progress,
-                     char err[SN_ERR_MAX]) {
+// of stale temporary files. A new run refuses a folder that holds any run file
+// unless overwrite (*replace: they are removed when writing starts). --resume
+// needs last.safetensors; a run that stopped before its first checkpoint
+// (its settings, perhaps epoch 1's metrics row) starts again (*fresh); a run
+// whose checkpoint is gone but that has trained longer is refused.
+static int run_claim(const char *run, const char *resume, int overwrite, int *lock, int *made, int *fresh, int *replace,
+                     int progress, char err[SN_ERR_MAX]) {
     struct stat sb;
+    if (resume && (stat(run, &sb) != 0 || !S_ISDIR(sb.st_mode))) {
+        snprintf(err, SN_ERR_MAX, "--resume %.300s: %s", run, stat(run, &sb) != 0 ? strerror(errno) : "not a folder");
+        return -1;
+    }
+    char ckpt[4200], best[4200], tmp[OUT_PATH_MAX];
+    run_path(ckpt, sizeof ckpt, run, "last.safetensors");
+    run_path(best, sizeof best, run, "best.safetensors");
+    atomic_tmp_name(ckpt, tmp);  // the longest path a run writes
+    if (out_path_check(tmp, err)) return -1;
     if (!resume && stat(run, &sb) != 0) {
         if (mkdir_p(run, err)) return -1;
         *made = 1;
     }
-    if ((*lock = run_lock(run, err)) < 0) return -1;
+    if ((*lock = run_lock(run, "segnet train", err)) < 0) return -1;
     run_remove_stale(run, progress);
-    char ckpt[4200], metrics[4200];
-    run_path(ckpt, sizeof ckpt, run, "last.safetensors");
-    run_path(metrics, sizeof metrics, run, "metrics.csv");
-    const int has_ckpt = access(ckpt, F_OK) == 0, has_metrics = access(metrics, F_OK) == 0;
-    if (!resume && has_ckpt) {
-        snprintf(err, SN_ERR_MAX, "%.200s: already holds a run (last.safetensors); continue it with --resume %.200s or "
-                 "choose another --out", run, run);
+    char held[256];
+    const int n_held = run_files_held(run, held, sizeof held);
+    const int has_ckpt = access(ckpt, F_OK) == 0, has_best = access(best, F_OK) == 0, epochs = metrics_rows(run);
+    if (!resume) {
+        if (n_held && !overwrite) {
+            if (has_ckpt)
+                snprintf(err, SN_ERR_MAX, "%.150s: already holds a run (last.safetensors); continue it with --resume %.150s, "
+                         "start it again with --overwrite, or choose another --out", run, run);
+            else
+                snprintf(err, SN_ERR_MAX, "%.200s: holds an earlier run's files (%s) but no checkpoint; --overwrite replaces "
+                         "them, or choose another --out", run, held);
+            return -1;
+        }
+        *replace = n_held > 0;
+        return 0;
+    }
+    if (!has_ckpt && (has_best || epochs > 1)) {
+        snprintf(err, SN_ERR_MAX, "%.200s: has no last.safetensors, but %s%s%d epoch%s in metrics.csv: its checkpoint is gone, "
+                 "so the run cannot go on (--weights %.100s/best.safetensors starts a new one from its best weights)", run,
+                 has_best ? "best.safetensors" : "", has_best ? " and " : "", epochs, epochs == 1 ? "" : "s", run);
         return -1;
     }
-    // metrics.csv is written before last.safetensors: without the checkpoint its rows are re-run
-    if (resume && !has_ckpt) {
+    // metrics.csv is written before last.safetensors: without the checkpoint its row is re-run
+    if (!has_ckpt) {
         *fresh = 1;
         if (progress) fprintf(stderr, "segnet train: %s has no checkpoint yet (stopped before its first one was written%s): "
-                              "starting it again from the beginning\n", run, has_metrics ? "; metrics.csv is rewritten" : "");
+                              "starting it again from the beginning\n", run, epochs ? "; metrics.csv is rewritten" : "");
+    }
+    return 0;
+}
+
+// A new run with --overwrite: the earlier run's files go before the first is written.
+static int run_files_remove(const char *run, char err[SN_ERR_MAX]) {
+    for (int k = 0; k < RUN_N_FILES; k++) {
+        char path[4200];
+        run_path(path, sizeof path, run, RUN_FILES[k]);
+        if (unlink(path) != 0 && errno != ENOENT) {
+            snprintf(err, SN_ERR_MAX, "%.400s: cannot remove it (--overwrite): %s", path, strerror(errno));
+            return -1;
+        }
     }
     return 0;
 }
@@ -8795,8 +9115,8 @@ static int train_replica(Comm *comm, void *arg) {
             *cm_val = malloc(sizeof(int64_t) * c->model.classes * c->model.classes);
     snCheck(cm && cm_val, "out of host memory");
     PassSaved saved = {0};  // an interrupted epoch's position (rank 0 reads it)
-    int lock = -1, made = 0, fresh = !resume, written = 0;
-    if (root) rc = run_claim(run, resume, &lock, &made, &fresh, c->progress, err);
+    int lock = -1, made = 0, fresh = !resume, replace = 0, written = 0;
+    if (root) rc = run_claim(run, resume, c->overwrite, &lock, &made, &fresh, &replace, c->progress, err);
     rc = replica_open(comm, sh, rc, fresh, run, &t, &h, &saved, err);
     if (rc > 0) {  // stopped while reading the data: nothing was written
         if (c->progress) fprintf(stderr, "segnet train: interrupted before training started; nothing was written\n");
@@ -8814,8 +9134,8 @@ static int train_replica(Comm *comm, void *arg) {
     }
     // every input has been checked: from here on the run folder is written
     written = 1;
-    if (comm_agree(comm, root ? mkdir_p(run, err) || write_config(c, run, err) || write_class_names(&t.train, run, err) : 0,
-                   err)) goto done;
+    if (comm_agree(comm, root ? (replace && run_files_remove(run, err)) || mkdir_p(run, err) || write_config(c, run, err) ||
+                               write_class_names(&t.train, run, err) : 0, err)) goto done;
     if (c->progress && root)
         fprintf(stderr, "segnet train: %s on %s, %d training images%s, %" PRIu64 " parameters%s; run folder %s\n",
                 c->model.model, t.o->name, t.train.n, t.has_val ? "" : " (no validation set)", (uint64_t)t.g.n_param_floats,
@@ -9011,6 +9331,63 @@ static const char *const EXPORT_NAMES[] = {"torchvision", "timm", "segnet"};  //
 #define BN_STAT_SUFFIX ".running_var"       // one per batch norm: where num_batches_tracked goes
 #define BN_COUNT_SUFFIX ".num_batches_tracked"
 
+// An export's metadata names its writer, so that --overwrite recognises an
+// earlier export (and nothing else) as replaceable: in the compact header
+// safetensors_write makes, the pair appears as EXPORT_WRITER_PAIR.
+#define EXPORT_WRITER      "segnet export"
+#define EXPORT_WRITER_PAIR "\"writer\":\"" EXPORT_WRITER "\""
+
+// Whether the safetensors file at path was written by export (its header holds the pair).
+static int is_export(const char *path) {
+    struct stat sb;
+    const char *why;
+    const int fd = open_regular(path, &sb, &why);
+    if (fd < 0) return 0;
+    uint8_t len8[8];
+    uint64_t hlen = 0;
+    char *head = NULL;
+    if (read(fd, len8, 8) == 8) {
+        for (int i = 7; i >= 0; i--) hlen = hlen << 8 | len8[i];
+        if (hlen <= SF_HEADER_MAX && (head = malloc(hlen + 1)) && read(fd, head, hlen) == (ssize_t)hlen) head[hlen] = 0;
+        else { free(head); head = NULL; }
+    }
+    close(fd);
+    const int ours = head && strstr(head, EXPORT_WRITER_PAIR) != NULL;
+    free(head);
+    return ours;
+}
+
+// Where an export may write: a name the file system takes, never a file a run
+// writes in a run folder; an existing file only with overwrite, and only an
+// earlier export (a run's checkpoint, pretrained weights, anything else: never).
+static int export_out_allowed(const char *out, int overwrite, char err[SN_ERR_MAX]) {
+    if (out_path_check(out, err)) return -1;
+    const char *base = path_base(out);
+    char dir[OUT_PATH_MAX], probe[OUT_PATH_MAX + 32];
+    snprintf(dir, sizeof dir, "%.*s", base == out ? 1 : base - 1 == out ? 1 : (int)(base - 1 - out), base == out ? "." : out);
+    const char *marks[] = {"config.txt", "last.safetensors", RUN_LOCK_FILE};
+    int run_folder = 0;
+    for (int k = 0; k < 3; k++) {
+        snprintf(probe, sizeof probe, "%s/%s", dir, marks[k]);
+        run_folder |= access(probe, F_OK) == 0;
+    }
+    struct stat sb;
+    if (run_folder && is_run_file(base))
+        snprintf(err, SN_ERR_MAX, "%.300s: a file of the run in %.100s (export writes only a new file of its own there)", out, dir);
+    else if (lstat(out, &sb) != 0)
+        return 0;
+    else if (S_ISDIR(sb.st_mode))
+        snprintf(err, SN_ERR_MAX, "%.400s: is a folder (--out names the file to write)", out);
+    else if (!overwrite)
+        snprintf(err, SN_ERR_MAX, "%.300s: exists; export replaces a file only with --overwrite, and only an earlier export", out);
+    else if (!is_export(out))
+        snprintf(err, SN_ERR_MAX, "%.300s: exists and is not an earlier export (no %s in its metadata): --overwrite does not "
+                 "replace it", out, EXPORT_WRITER_PAIR);
+    else
+        return 0;
+    return -1;
+}
+
 // The weights and BN statistics of checkpoint `path` (a run's best or last),
 // without the optimiser state, written atomically to out under `names`;
 // num_batches_tracked is the checkpoint's step. report: one line.
@@ -9059,8 +9436,8 @@ int export_weights(const ModelCfg *m, const char *path, ExportNames names, const
             c->data = &step;
         }
     }
-    const char *keys[2] = {"format", "padding"}, *values[2] = {"pt", PAD_NAME[m->pad]};
-    if (safetensors_write(out, ts, n, keys, values, 2, err)) goto done;
+    const char *keys[3] = {"format", "padding", "writer"}, *values[3] = {"pt", PAD_NAME[m->pad], EXPORT_WRITER};
+    if (safetensors_write(out, ts, n, keys, values, 3, err)) goto done;
     snprintf(report, SN_ERR_MAX, "wrote %.200s: %d tensors in %s names from %.200s (padding %s)", out, n, EXPORT_NAMES[names],
              path, PAD_NAME[m->pad]);
     rc = 0;
@@ -9068,6 +9445,19 @@ done:
     free(ts);
     graph_free(&g);
     safetensors_free(&f);
+    return rc;
+}
+
+// export of a run's best (or last) checkpoint: its lock held while it is read
+int export_run(const ModelCfg *m, const char *run, int last, ExportNames names, const char *out, int overwrite,
+               char report[SN_ERR_MAX], char err[SN_ERR_MAX]) {
+    char path[4200];
+    run_path(path, sizeof path, run, last ? "last.safetensors" : "best.safetensors");
+    if (export_out_allowed(out, overwrite, err)) return -1;
+    const int lock = run_lock(run, "segnet export", err);
+    if (lock == -1) return -1;
+    const int rc = export_weights(m, path, names, out, report, err);
+    if (lock >= 0) close(lock);
     return rc;
 }
 
@@ -9714,10 +10104,14 @@ static const char *TRAIN_USAGE =
     "them, and warnings name what to change when clipping acts on most steps,\n"
     "overflow skips steps, or the train metric falls below the validation one.\n"
     "Files are replaced\n"
-    "atomically; a run folder that already holds a run is never overwritten, and\n"
-    "one run at a time writes it (RUN/.lock). Ctrl-C or SIGTERM: the step ends,\n"
-    "last.safetensors keeps the place inside the epoch, --resume RUN goes on\n"
-    "from it exactly (exit 130/143); a second Ctrl-C stops at once.\n"
+    "atomically; a run folder that holds another run's files is never\n"
+    "overwritten (unless --overwrite), and one run at a time writes it\n"
+    "(RUN/.lock). Ctrl-C, SIGTERM, SIGHUP (the terminal closed) or SIGPIPE (the\n"
+    "reader of its output gone): the step ends, last.safetensors keeps the place\n"
+    "inside the epoch, --resume RUN goes on from it exactly (exit 128 + the\n"
+    "signal: 130 for Ctrl-C); a second Ctrl-C stops at once. A model that is no\n"
+    "longer finite (NaN or inf in a weight, a batch-norm statistic or Adam's\n"
+    "moments) stops the run with exit 1, naming the tensor; it is never saved.\n"
     "\n"
     "Data: segmentation models (unet, unet-effv2-*) read DIR/images/*.{png,jpg}\n"
     "with DIR/masks/*.png of the same name (pixel = class index, PNG only);\n"
@@ -9761,7 +10155,10 @@ static const char *TRAIN_USAGE =
     "  --allow-missing P     with --weights: tensors whose names start with P\n"
     "                        (comma-separated prefixes) may be absent from the file\n"
     "                        or of another shape and are initialised\n"
-    "  --out RUN             run folder (default runs/<date>-<time>)\n"
+    "  --out RUN             run folder (default runs/<date>-<time>); one that holds\n"
+    "                        another run's files is refused\n"
+    "  --overwrite           start a new run in --out RUN, replacing the files of the\n"
+    "                        run there (checkpoints, metrics, settings)\n"
     "  --resume RUN          continue RUN from its last.safetensors; the result\n"
     "                        equals an uninterrupted run bit for bit\n"
     "  --precision P         activation storage: fp32 (default), fp16 (dynamic loss\n"
@@ -9890,8 +10287,22 @@ static int cmd_train(TrainArgs *a, int argc, char **argv) {
         for (char *save = NULL, *w = strtok_r(words, " ", &save); w && argc < 64; w = strtok_r(NULL, " ", &save)) quick[argc++] = w;
         argv = quick;
     }
+    int overwrite = 0;  // train's own switch (eval shares the other options): taken out before parsing
+    for (int i = 2; i < argc; i++)
+        if (!strcmp(argv[i], "--overwrite")) {
+            overwrite = 1;
+            memmove(&argv[i], &argv[i + 1], sizeof(char *) * (size_t)(argc - i - 1));
+            argc--; i--;
+        }
     int p = parse_train_args(a, argc, argv, "train", TRAIN_USAGE);
     if (p) return p > 0 ? 0 : 2;
+    a->c.overwrite = overwrite;
+    if (a->resume && (a->c.out || overwrite)) {
+        fprintf(stderr, "segnet train: --resume %s continues the run in its own folder; %s\n", a->resume,
+                overwrite ? "--overwrite starts a new run (give --out instead of --resume)"
+                          : "--out would be another one (a new run from its weights: --weights RUN/best.safetensors --out NEW)");
+        return 2;
+    }
     if (!a->resume && (!a->c.data || !has_flag(argc, argv, "--classes"))) {
         fprintf(stderr, "segnet train: --data and --classes are required (see segnet train --help)\n");
         return 2;
@@ -9966,11 +10377,19 @@ static const char *PREDICT_USAGE =
     "number. The colours:\n"
     SEG_PALETTE_HELP
     "Every image is decoded, and no two may share a stem, before anything is\n"
-    "written; each PNG is written atomically, replacing a file of that name. A\n"
-    "failure while writing (disk full) leaves the PNGs written before it.\n"
+    "written; each PNG is written atomically. A failure while writing (disk\n"
+    "full) leaves the PNGs written before it. OUT/" PREDICT_MANIFEST " lists the files\n"
+    "predict has written into OUT.\n"
+    "\n"
+    "Nothing the user owns is replaced: OUT may not be, or lie inside, the input\n"
+    "folder; an input image or list is never replaced (whatever its path); an\n"
+    "existing file only with --overwrite, and then only one that an earlier\n"
+    "segnet predict wrote (listed in OUT/" PREDICT_MANIFEST ", or a CSV starting\n"
+    "with its header).\n"
     "Progress goes to stderr: one line rewritten on a terminal, else a line per\n"
     "tenth of the images.\n"
     "\n"
+    "  --overwrite         replace the outputs of an earlier segnet predict into OUT\n"
     "  --model NAME        effv2-s (default), effv2-m, effv2-l, effv2-t, unet,\n"
     "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
     "  --weights W         safetensors in PyTorch layout (segnet, torchvision or timm\n"
@@ -9988,7 +10407,7 @@ static const char *PREDICT_USAGE =
     "  --max-pixels N      the largest image, width × height (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) ")\n";
 
 static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
-    PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO, NULL, 0};
+    PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO, NULL, 0, 0};
     pc.model.model = "effv2-s";
     pc.model.batch = 8;
     int size_given = 0, classes_given = 0, last = 0;
@@ -10006,6 +10425,7 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(PREDICT_USAGE, stdout); return 0; }
         if (!strcmp(f, "--last")) { last = 1; i++; continue; }
+        if (!strcmp(f, "--overwrite")) { pc.overwrite = 1; i++; continue; }
         if (!strcmp(f, "--run")) { i += 2; continue; }
         if (!strcmp(f, "--max-pixels")) {
             if (i + 1 >= argc) { fprintf(stderr, "segnet predict: --max-pixels needs a value\n"); return 2; }
@@ -10071,9 +10491,12 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
 
 static const char *EXPORT_USAGE =
     "usage: segnet export --run RUN --out FILE.safetensors [--names N] [--best|--last]\n"
+    "                     [--overwrite]\n"
     "\n"
     "Writes a run's weights and batch-norm statistics, without the optimiser\n"
-    "state: best.safetensors (--last: last.safetensors), for PyTorch.\n"
+    "state: best.safetensors (--last: last.safetensors), for PyTorch. The run is\n"
+    "read while no segnet train writes it (RUN/.lock). FILE is new, or with\n"
+    "--overwrite an earlier export; never a run's own file or anything else.\n"
     "  --names torchvision  (default) torchvision's names with batch norm's\n"
     "                       num_batches_tracked: load_state_dict(strict=True) into\n"
     "                       torchvision.models.efficientnet_v2_s/m/l(num_classes=K).\n"
@@ -10089,12 +10512,13 @@ static const char *EXPORT_USAGE =
 
 static int cmd_export(TrainArgs *ta, int argc, char **argv) {
     const char *run = NULL, *out = NULL;
-    int last = 0;
+    int last = 0, overwrite = 0;
     ExportNames names = EXPORT_TORCHVISION;
     for (int i = 2; i < argc; i++) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(EXPORT_USAGE, stdout); return 0; }
         if (!strcmp(f, "--last") || !strcmp(f, "--best")) { last = !strcmp(f, "--last"); continue; }
+        if (!strcmp(f, "--overwrite")) { overwrite = 1; continue; }
         if (strcmp(f, "--run") && strcmp(f, "--out") && strcmp(f, "--names")) {
             fprintf(stderr, "segnet export: unknown option '%s' (see segnet export --help)\n", f);
             return 2;
@@ -10112,14 +10536,14 @@ static int cmd_export(TrainArgs *ta, int argc, char **argv) {
     }
     if (!run || !out) { fprintf(stderr, "segnet export: --run RUN and --out FILE are required (see segnet export --help)\n"); return 2; }
     train_cfg_default(&ta->c);
-    int rc = read_run_config(ta, run) ? 2 : 0;
-    if (rc == 0) {
-        char path[4200], err[SN_ERR_MAX], report[SN_ERR_MAX];
-        snprintf(path, sizeof path, "%s/%s.safetensors", run, last ? "last" : "best");
-        if (export_weights(&ta->c.model, path, names, out, report, err)) { print_message(stderr, "segnet export", err); rc = 1; }
-        else print_message(stderr, "segnet export", report);
+    if (read_run_config(ta, run)) return 2;
+    char err[SN_ERR_MAX], report[SN_ERR_MAX];
+    if (export_run(&ta->c.model, run, last, names, out, overwrite, report, err)) {
+        print_message(stderr, "segnet export", err);
+        return 1;
     }
-    return rc;
+    print_message(stderr, "segnet export", report);
+    return 0;
 }
 
 static const char *BENCH_USAGE =

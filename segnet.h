@@ -1043,12 +1043,15 @@ typedef struct {
     // untouched on failure. Segmentation: a folder (created if missing) that
     // receives per image <stem>.png, the mask (grey = class, K ≤ 256), and
     // <stem>_overlay.png (image and class colour 50/50), at the image's size;
-    // each PNG atomic, nothing written unless every image decodes.
+    // each PNG atomic, nothing written unless every image decodes. Never the
+    // input folder or inside it; an existing file only with overwrite, and
+    // only one an earlier predict wrote (OUT/.segnet-predict lists those).
     const char *out;
     int progress;          // report progress on stderr
     Device device;         // where the forward passes run
     char **class_names;    // classifier: a `pred_name` column with class k's name (n_class_names, 0: none)
     int n_class_names;
+    int overwrite;         // replace existing outputs that an earlier predict wrote (never anything else)
 } PredictCfg;
 int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);
 
@@ -1318,6 +1321,7 @@ typedef struct {
     int log_every;                  // steps.csv: the step diagnostics every this many optimiser steps (0: none)
     int train_eval;                 // train metrics from an inference-mode pass over the training set at each epoch's end
     int64_t overflow_at_step;       // tests: this optimiser step's gradients get an inf (fp16 overflow) (0: never)
+    int overwrite;                  // a new run may replace the files of an earlier one in its folder (--overwrite)
 } TrainCfg;
 
 void train_cfg_default(TrainCfg *c);

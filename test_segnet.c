@@ -2492,8 +2492,8 @@ TEST(predict_classifier) {
     snprintf(dir, sizeof dir, "/tmp/segnet_test_%ld_predict", (long)getpid());
     mkdir(dir, 0755);
     snprintf(wpath, sizeof wpath, "%s/w.safetensors", dir);
-    snprintf(out1, sizeof out1, "%s/out1.csv", dir);
-    snprintf(out2, sizeof out2, "%s/out2.csv", dir);
+    snprintf(out1, sizeof out1, "%s_out1.csv", dir);  // beside the input folder: never inside it
+    snprintf(out2, sizeof out2, "%s_out2.csv", dir);
     snprintf(csv, sizeof csv, "%s/list.csv", dir);
     Graph g; Net net;
     ModelCfg c = model_cfg_default();
@@ -2510,7 +2510,7 @@ TEST(predict_classifier) {
     FILE *f = fopen(csv, "w");
     fprintf(f, "path,label\na.png,0\nb.png,2\n\"c,odd.png\",1\n");
     fclose(f);
-    PredictCfg pc = {c, wpath, dir, out1, 0, DEVICE_CPU, NULL, 0};
+    PredictCfg pc = {c, wpath, dir, out1, 0, DEVICE_CPU, NULL, 0, 0};
     pc.model.batch = 2;  // 3 images: the last batch is partly empty
     CHECK(predict_run(&pc, err) == 0, "predict on a folder: %s", err);
     pc.input = csv; pc.out = out2;
@@ -2553,6 +2553,7 @@ TEST(predict_classifier) {
     CHECK(line && line[1] == 0, "exactly three rows");
     free(t1); free(t2);
     net_free(&net); graph_free(&g);
+    unlink(out1); unlink(out2);
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     CHECK(system(cmd) == 0, "cleanup");
@@ -2570,13 +2571,14 @@ TEST(predict_bad_input) {
     CHECK(net_save_weights(&net, wpath, err) == 0, "%s", err);
     Rng r; rng_seed(&r, 9);
     write_png(dir, "good.png", 32, 32, &r);
-    FILE *f = fopen(out, "w"); fputs("keep\n", f); fclose(f);
+    const char *earlier = "path,pred,p0,p1,p2\nkeep\n";  // an earlier prediction, which --overwrite may replace
+    FILE *f = fopen(out, "w"); fputs(earlier, f); fclose(f);
     char corrupt[300];
     snprintf(corrupt, sizeof corrupt, "%s/corrupt.png", dir);
     f = fopen(corrupt, "wb"); fputs("\x89PNG\r\n\x1a\nnot really a png", f); fclose(f);
     ModelCfg c = model_cfg_default();
     c.model = "effv2-t"; c.classes = 3; c.height = 32; c.width = 32;
-    PredictCfg pc = {c, wpath, csv, out, 0, DEVICE_CPU, NULL, 0};
+    PredictCfg pc = {c, wpath, csv, out, 0, DEVICE_CPU, NULL, 0, 1};
     struct { const char *rows, *want1, *want2; } cases[] = {
         {"good.png\ncorrupt.png\n", "corrupt.png", "cannot decode"},
         {"good.png\nmissing.png\n", "missing.png", "No such file"},
@@ -2588,7 +2590,7 @@ TEST(predict_bad_input) {
         CHECK(predict_run(&pc, err) == -1 && contains(err, cases[k].want1) && contains(err, cases[k].want2),
               "case %zu: '%s'", k, err);
         char *t = read_text(out);
-        CHECK(t && !strcmp(t, "keep\n"), "case %zu: the existing output is untouched", k);
+        CHECK(t && !strcmp(t, earlier), "case %zu: the existing output is untouched", k);
         free(t);
     }
     pc.input = dir;
@@ -3061,9 +3063,12 @@ TEST(predict_segmentation) {
         snprintf(path, sizeof path, "%s/%s", in, SEG_NAMES[i]);
         write_png_red(path, SEG_W[i], SEG_H[i], reds[i], &r);
     }
-    PredictCfg pc = {c, wpath, in, outdir, 0, DEVICE_CPU, NULL, 0};  // batch 2, 3 images: the last batch is partly empty
+    PredictCfg pc = {c, wpath, in, outdir, 0, DEVICE_CPU, NULL, 0, 0};  // batch 2, 3 images: the last batch is partly empty
     CHECK(predict_run(&pc, err) == 0, "predict: %s", err);
     check_seg_outputs(&net, out, in, outdir);
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "exists") && contains(err, "--overwrite"),
+          "predict again, into the existing folder, without --overwrite: '%s'", err);
+    pc.overwrite = 1;
     CHECK(predict_run(&pc, err) == 0, "predict again, into the existing folder: %s", err);
     check_seg_outputs(&net, out, in, outdir);
     net_free(&net); graph_free(&g);
@@ -3085,7 +3090,7 @@ TEST(predict_segmentation_refused) {
     FILE *f = fopen(file, "w"); fputs("keep\n", f); fclose(f);
     struct stat sb;
 
-    PredictCfg pc = {c, wpath, in, file, 0, DEVICE_CPU, NULL, 0};
+    PredictCfg pc = {c, wpath, in, file, 0, DEVICE_CPU, NULL, 0, 0};
     CHECK(predict_run(&pc, err) == -1 && contains(err, file) && contains(err, "not a folder"), "--out a file: '%s'", err);
     char *t = read_text(file);
     CHECK(t && !strcmp(t, "keep\n"), "the file is untouched");
@@ -4384,7 +4389,7 @@ TEST(predict_legend_progress) {
         snprintf(path, sizeof path, "%s/%s", in, SEG_NAMES[i]);
         write_png_red(path, SEG_W[i], SEG_H[i], NULL, &r);
     }
-    PredictCfg pc = {c, wpath, in, outdir, 1, DEVICE_CPU, NULL, 0};  // batch 2: progress after 2 and 3 images
+    PredictCfg pc = {c, wpath, in, outdir, 1, DEVICE_CPU, NULL, 0, 0};  // batch 2: progress after 2 and 3 images
     PredictJob job = {&pc, ""};
     int rc;
     char *text = with_stderr_captured(predict_job, &job, &rc);
@@ -9134,11 +9139,11 @@ TEST(run_folder_claim) {
     CHECK(train_run(&c, NULL, err) == 0, "%s", err);
     // held by another open file description (as by another process)
     mkdir(run, 0755);
-    int held = run_lock(run, err);
+    int held = run_lock(run, "segnet train", err);
     CHECK(held >= 0, "%s", err);
     c.out = run;
     char want[64];
-    snprintf(want, sizeof want, "in use by another segnet train (pid %ld)", (long)getpid());
+    snprintf(want, sizeof want, "in use by another process (pid %ld, segnet train)", (long)getpid());
     CHECK(train_run(&c, NULL, err) == -1 && contains(err, run) && contains(err, want), "a second run: '%s'", err);
     snprintf(path, sizeof path, "%s/config.txt", run);
     CHECK(access(path, F_OK) != 0, "the refused run wrote config.txt");
@@ -9148,6 +9153,20 @@ TEST(run_folder_claim) {
     // killed between metrics.csv and the first checkpoint: metrics.csv holds epoch 1, no checkpoint
     const char *results[] = {"last.safetensors", "best.safetensors", "metrics.csv", "curves.svg"};
     for (int k = 0; k < 4; k++) { snprintf(path, sizeof path, "%s/%s", run, results[k]); if (k != 2) unlink(path); }
+    snprintf(path, sizeof path, "%s/metrics.csv", run);
+    char *rows = read_text(path), *second = rows ? strchr(strchr(rows, '\n') + 1, '\n') : NULL;
+    CHECK(second != NULL, "metrics.csv has two epochs");
+    // a checkpoint lost after two epochs (deleted, say): --resume cannot go on and says what is there
+    CHECK(train_run(&c, run, err) == -1 && contains(err, "no last.safetensors") && contains(err, "2 epochs in metrics.csv"),
+          "--resume without the checkpoint of 2 epochs: '%s'", err);
+    snprintf(other, sizeof other, "%s/best.safetensors", ref);
+    snprintf(path, sizeof path, "%s/best.safetensors", run);
+    copy_file(other, path);
+    CHECK(train_run(&c, run, err) == -1 && contains(err, "best.safetensors and 2 epochs"), "with best.safetensors: '%s'", err);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/metrics.csv", run);
+    if (second) write_file_bytes(path, rows, (size_t)(second + 1 - rows));  // epoch 1's row, as a kill leaves it
+    free(rows);
     pid_t dead = fork();
     if (dead == 0) _exit(0);
     waitpid(dead, NULL, 0);
@@ -9167,8 +9186,25 @@ TEST(run_folder_claim) {
     snprintf(other, sizeof other, "%s/metrics.csv", ref);
     CHECK(files_equal(path, other), "metrics.csv is the fresh run's");
     for (int k = 0; k < 4; k++) { snprintf(path, sizeof path, "%s/%s", run, results[k]); unlink(path); }
-    CHECK(train_run(&c, NULL, err) == 0, "a new run into a folder without a checkpoint: %s", err);
+    // a new run into a folder with an earlier run's files: refused naming them, unless --overwrite
+    snprintf(path, sizeof path, "%s/config.txt", run);
+    char *config = read_text(path);
+    CHECK(train_run(&c, NULL, err) == -1 && contains(err, "holds an earlier run's files (config.txt)") &&
+          contains(err, "--overwrite"), "a new run into a folder without a checkpoint: '%s'", err);
+    char *after = read_text(path);
+    CHECK(config && after && !strcmp(config, after), "the refused run left config.txt as it was");
+    free(config); free(after);
+    c.overwrite = 1;
+    CHECK(train_run(&c, NULL, err) == 0, "--overwrite: %s", err);
+    c.overwrite = 0;
     CHECK(train_run(&c, NULL, err) == -1 && contains(err, "already holds a run (last.safetensors)"), "'%s'", err);
+    c.overwrite = 1;  // an earlier run that trained longer is replaced whole: its best epoch goes too
+    c.epochs = 1;
+    CHECK(train_run(&c, NULL, err) == 0, "--overwrite of a whole run: %s", err);
+    snprintf(path, sizeof path, "%s/metrics.csv", run);
+    CHECK(metrics_rows(run) == 1, "metrics.csv holds the new run's one epoch, not %d", metrics_rows(run));
+    c.overwrite = 0;
+    c.epochs = 2;
     // a refused new run leaves no folder behind
     c.out = "/tmp/segnet_test_claim_new";
     rm_rf(c.out);
