@@ -9565,6 +9565,258 @@ TEST(run_config_freed) {
     rm_rf(data); rm_rf(run);
 }
 
+// ----------------------------------------------------------------------------
+// outputs never replace what the user owns (issue 31)
+
+// Whether the files at a and b hold the same bytes (both must exist).
+static int same_bytes(const char *a, const char *b) {
+    size_t na, nb;
+    uint8_t *pa = read_file_bytes(a, &na), *pb = read_file_bytes(b, &nb);
+    const int eq = pa && pb && na == nb && !memcmp(pa, pb, na);
+    free(pa); free(pb);
+    return eq;
+}
+
+// a copy of the file at path beside it (path.orig), to compare with afterwards
+static void keep_copy(const char *path) {
+    char orig[600];
+    snprintf(orig, sizeof orig, "%s.orig", path);
+    CHECK(copy_file(path, orig), "copy of %s", path);
+}
+static int unchanged(const char *path) {
+    char orig[600];
+    snprintf(orig, sizeof orig, "%s.orig", path);
+    return same_bytes(path, orig);
+}
+
+// Finding 1: predict writes nothing into its input folder (given by any path
+// to it), never replaces an input image or list (even with --overwrite, even
+// under a name it wrote before), and replaces an existing file only with
+// --overwrite and only one it wrote itself.
+TEST(predict_outputs_protected) {
+    PredictDirs d;
+    Graph g; Net net; ModelCfg c;
+    predict_fixture("predict_own", 1, &d, &g, &net, &c);
+    char *dir = d.dir, *in = d.in, path[600], out[400], err[SN_ERR_MAX];
+    Rng r; rng_seed(&r, 8);
+    const char *names[2] = {"a.png", "b.png"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(path, sizeof path, "%s/%s", in, names[i]);
+        write_png_red(path, 8, 8, NULL, &r);
+        keep_copy(path);  // in/x.png.orig: not an image name, so not an input
+    }
+    PredictCfg pc = {c, d.wpath, in, in, 0, DEVICE_CPU, NULL, 0, 1};
+    // the input folder itself, a folder inside it, and both through a link to it
+    snprintf(out, sizeof out, "%s/pred", in);
+    char to_in[400], via_link[400];
+    snprintf(to_in, sizeof to_in, "%s/link", dir);
+    snprintf(via_link, sizeof via_link, "%s/link/pred", dir);
+    CHECK(symlink("images", to_in) == 0, "symlink: %s", strerror(errno));
+    const char *inside[4] = {in, out, to_in, via_link};
+    for (int k = 0; k < 4; k++) {
+        pc.out = inside[k];
+        CHECK(predict_run(&pc, err) == -1 && contains(err, "is, or is inside, the input folder"), "--out %s: '%s'", inside[k], err);
+    }
+    struct stat sb;
+    CHECK(stat(out, &sb) != 0, "%s was created", out);
+    for (int i = 0; i < 2; i++) {
+        snprintf(path, sizeof path, "%s/%s", in, names[i]);
+        CHECK(unchanged(path), "%s changed", path);
+    }
+    // a list of the images: the masks would land on them (in is not the input folder now)
+    char csv[400];
+    snprintf(csv, sizeof csv, "%s/list.csv", dir);
+    write_file_bytes(csv, "images/a.png\nimages/b.png\n", 26);
+    pc.input = csv;
+    pc.out = in;
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "would replace the input image") && contains(err, "a.png"),
+          "masks over their images: '%s'", err);
+    // an existing file that predict did not write: refused, with --overwrite too
+    snprintf(out, sizeof out, "%s/out", dir);
+    mkdir(out, 0755);
+    snprintf(path, sizeof path, "%s/b.png", out);
+    write_file_bytes(path, "mine", 4);
+    pc.input = in;
+    pc.out = out;
+    pc.overwrite = 0;
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "b.png: exists") && contains(err, "--overwrite"), "'%s'", err);
+    pc.overwrite = 1;
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "not an output of segnet predict"), "--overwrite: '%s'", err);
+    char *t = read_text(path);
+    CHECK(t && !strcmp(t, "mine"), "the user's file is untouched");
+    free(t);
+    unlink(path);
+    pc.overwrite = 0;
+    CHECK(predict_run(&pc, err) == 0, "into a folder without those names: %s", err);
+    pc.overwrite = 1;
+    CHECK(predict_run(&pc, err) == 0, "again, --overwrite: %s", err);
+    // a name predict wrote, now a hard link to an input image: the image is never replaced
+    unlink(path);
+    char image_b[600];
+    snprintf(image_b, sizeof image_b, "%s/b.png", in);
+    CHECK(link(image_b, path) == 0, "link: %s", strerror(errno));
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "would replace the input image") && contains(err, image_b),
+          "hard link: '%s'", err);
+    CHECK(unchanged(image_b), "%s changed", image_b);
+    unlink(path);
+
+    // a classifier's CSV: never its input list or an image, never inside the input folder
+    Graph cg; Net cnet;
+    tiny_net(&cg, &cnet, 3, 5);
+    char cw[400], cdir[300], clist[500], cimage[500];
+    snprintf(cw, sizeof cw, "%s/c.safetensors", dir);
+    CHECK(net_save_weights(&cnet, cw, err) == 0, "%s", err);
+    snprintf(cdir, sizeof cdir, "%s/cls", dir);
+    mkdir(cdir, 0755);
+    write_png(cdir, "x.png", 32, 32, &r);
+    snprintf(cimage, sizeof cimage, "%s/x.png", cdir);
+    snprintf(clist, sizeof clist, "%s/list.csv", dir);
+    write_file_bytes(clist, "path,label\ncls/x.png,1\n", 23);
+    keep_copy(clist); keep_copy(cimage);
+    ModelCfg cc = model_cfg_default();
+    cc.model = "effv2-t"; cc.classes = 3; cc.height = 32; cc.width = 32;
+    PredictCfg pcc = {cc, cw, clist, clist, 0, DEVICE_CPU, NULL, 0, 1};
+    CHECK(predict_run(&pcc, err) == -1 && contains(err, "would replace the input list"), "--out the list: '%s'", err);
+    pcc.out = cimage;
+    CHECK(predict_run(&pcc, err) == -1 && contains(err, "would replace the input image"), "--out an image: '%s'", err);
+    CHECK(unchanged(clist) && unchanged(cimage), "the list and the image are untouched");
+    pcc.input = cdir;
+    snprintf(out, sizeof out, "%s/p.csv", cdir);
+    pcc.out = out;
+    CHECK(predict_run(&pcc, err) == -1 && contains(err, "is, or is inside, the input folder"), "inside: '%s'", err);
+    snprintf(out, sizeof out, "%s/p.csv", dir);
+    pcc.overwrite = 0;
+    CHECK(predict_run(&pcc, err) == 0, "%s", err);
+    CHECK(predict_run(&pcc, err) == -1 && contains(err, "exists"), "a second time: '%s'", err);
+    pcc.overwrite = 1;
+    CHECK(predict_run(&pcc, err) == 0, "a second time, --overwrite: %s", err);
+    snprintf(out, sizeof out, "%s/notes.csv", dir);  // a CSV of the user's
+    write_file_bytes(out, "notes\n", 6);
+    CHECK(predict_run(&pcc, err) == -1 && contains(err, "not an output of segnet predict"), "--overwrite notes.csv: '%s'", err);
+    t = read_text(out);
+    CHECK(t && !strcmp(t, "notes\n"), "notes.csv is untouched");
+    free(t);
+    net_free(&cnet); graph_free(&cg);
+    net_free(&net); graph_free(&g);
+    rm_rf(dir);
+}
+
+// Finding 12: a legal name whose outputs' names are legal too is predicted
+// (its temporary files' names are cut to fit); one whose overlay's name would
+// not fit is refused before anything is written.
+TEST(predict_long_names) {
+    PredictDirs d;
+    Graph g; Net net; ModelCfg c;
+    predict_fixture("predict_long", 1, &d, &g, &net, &c);
+    char name[300], path[900], out[400], err[SN_ERR_MAX];
+    Rng r; rng_seed(&r, 12);
+    memset(name, 'n', 240);
+    snprintf(name + 240, sizeof name - 240, ".png");  // 244 bytes: the overlay's name has 252
+    snprintf(path, sizeof path, "%s/%s", d.in, name);
+    write_png_red(path, 8, 8, NULL, &r);
+    snprintf(out, sizeof out, "%s/out", d.dir);
+    PredictCfg pc = {c, d.wpath, d.in, out, 0, DEVICE_CPU, NULL, 0, 0};
+    CHECK(predict_run(&pc, err) == 0, "a 244-byte name: %s", err);
+    snprintf(path, sizeof path, "%s/%.240s_overlay.png", out, name);
+    CHECK(file_exists(path), "its overlay was written");
+    rm_rf(out);
+    memset(name, 'n', 246);
+    snprintf(name + 246, sizeof name - 246, ".png");  // 250 bytes: the overlay's would have 258
+    snprintf(path, sizeof path, "%s/%s", d.in, name);
+    write_png_red(path, 8, 8, NULL, &r);
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "the file name is 258 bytes"), "a 250-byte name: '%s'", err);
+    CHECK(!file_exists(out), "nothing was written for the 250-byte name");
+    net_free(&net); graph_free(&g);
+    rm_rf(d.dir);
+}
+
+// Finding 10: a link planted at the temporary file's name is never followed
+// (nor is any file there reused); a name that fills NAME_MAX gets a temporary
+// name cut to fit, and nothing is left behind.
+TEST(atomic_write_no_links) {
+    char dir[300], path[600], victim[400], tmp[OUT_PATH_MAX], err[SN_ERR_MAX];
+    ds_fixture(dir, sizeof dir, "atomic_links", NULL, 0);
+    snprintf(victim, sizeof victim, "%s/victim.txt", dir);
+    write_file_bytes(victim, "victim", 6);
+    snprintf(path, sizeof path, "%s/out.txt", dir);
+    atomic_tmp_name(path, tmp);
+    CHECK(symlink(victim, tmp) == 0, "symlink: %s", strerror(errno));
+    CHECK(write_text_atomic(path, "new", err) == -1 && contains(err, "temporary file") && contains(err, "already there"),
+          "a link at the temporary name: '%s'", err);
+    char *t = read_text(victim);
+    CHECK(t && !strcmp(t, "victim"), "the link's target is untouched");
+    free(t);
+    struct stat sb;
+    CHECK(lstat(path, &sb) != 0, "out.txt was created");
+    unlink(tmp);
+    char name[NAME_MAX + 1];
+    memset(name, 'x', NAME_MAX);
+    name[NAME_MAX] = 0;
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    CHECK(write_text_atomic(path, "long", err) == 0, "a %d-byte name: %s", NAME_MAX, err);
+    t = read_text(path);
+    CHECK(t && !strcmp(t, "long"), "the %d-byte name holds its text", NAME_MAX);
+    free(t);
+    atomic_tmp_name(path, tmp);
+    CHECK(strlen(path_base(tmp)) == NAME_MAX && contains(tmp, TMP_MARK), "temporary name '%s' (%zu bytes)", path_base(tmp),
+          strlen(path_base(tmp)));
+    snprintf(path, sizeof path, "%s/%sx", dir, name);
+    CHECK(write_text_atomic(path, "longer", err) == -1 && contains(err, "more than the 255"), "a 256-byte name: '%s'", err);
+    DIR *dd = opendir(dir);
+    int files = 0;
+    for (struct dirent *e; dd && (e = readdir(dd));) files += e->d_name[0] != '.';
+    if (dd) closedir(dd);
+    CHECK(files == 2, "the folder holds victim.txt and the long name, not %d files", files);
+    ds_remove(dir);
+}
+
+// Finding 2: export never writes a run's own file (with --overwrite neither),
+// writes a new file in the run folder, replaces an earlier export only with
+// --overwrite and anything else never; it reads a run that no train holds.
+TEST(export_outputs_protected) {
+    const char *data = "/tmp/segnet_test_export_data", *run = "/tmp/segnet_test_export_run";
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 4, 8, 8, 17);
+    TrainCfg c = tiny_seg_cfg(data, NULL);
+    c.epochs = 1;
+    c.out = run;
+    char err[SN_ERR_MAX], report[SN_ERR_MAX], path[400], out[400];
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    const char *own[2] = {"last.safetensors", "best.safetensors"};
+    for (int k = 0; k < 2; k++) {
+        snprintf(path, sizeof path, "%s/%s", run, own[k]);
+        keep_copy(path);
+        for (int ow = 0; ow < 2; ow++)
+            CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, path, ow, report, err) == -1 &&
+                  contains(err, "a file of the run"), "--out %s%s: '%s'", own[k], ow ? " --overwrite" : "", err);
+        CHECK(unchanged(path), "%s changed", path);
+    }
+    snprintf(out, sizeof out, "%s/metrics.csv", run);  // any file a run writes, present or not
+    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 1, report, err) == -1, "--out metrics.csv");
+    snprintf(out, sizeof out, "%s/steps.csv", run);
+    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 1, report, err) == -1, "--out steps.csv (absent)");
+    snprintf(out, sizeof out, "%s/model.safetensors", run);  // a new file of its own
+    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 0, report, err) == 0, "%s", err);
+    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 0, report, err) == -1 && contains(err, "exists"),
+          "again: '%s'", err);
+    CHECK(export_run(&c.model, run, 1, EXPORT_TORCHVISION, out, 1, report, err) == 0, "again, --overwrite: %s", err);
+    snprintf(path, sizeof path, "%s/best.safetensors.orig", run);  // a copy of a checkpoint: not an export
+    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, path, 1, report, err) == -1 &&
+          contains(err, "not an earlier export"), "--overwrite a checkpoint's copy: '%s'", err);
+    const int held = run_lock(run, "segnet train", err);
+    CHECK(held >= 0, "%s", err);
+    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 1, report, err) == -1 && contains(err, "in use") &&
+          contains(err, "segnet train"), "while a train holds the run: '%s'", err);
+    if (held >= 0) close(held);
+    // the command line: refused, exit 1, and the run goes on from its checkpoint
+    char args[1024], msg[4096];
+    snprintf(args, sizeof args, "export --run %s --out %s/last.safetensors --overwrite", run, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "a file of the run"), "segnet export: '%s'", msg);
+    c.epochs = 2;
+    CHECK(train_run(&c, run, err) == 0, "--resume after the refused exports: %s", err);
+    rm_rf(data); rm_rf(run);
+}
+
 #ifndef SEGNET_FUZZ  // fuzz_segnet: the tests compiled, its own main at the end
 
 typedef struct { int passed, failed, not_run, heavy; } Tally;
