@@ -2625,6 +2625,7 @@ typedef struct {
     int measure_update;         // 1: the next step measures its update ratio (the epoch's last)
     float *update_host;         // (2·n_trainable) host: the trainable weights before and after that step
     char *steps_csv;            // steps.csv's path (root, --log-every), else NULL
+    int32_t *nonfinite;         // backend memory: set when a tensor of the model holds NaN or inf (model_finite)
 } Trainer;
 
 // One pass over a data set. Training: shuffled order, augmentation, one Adam
@@ -5534,6 +5535,28 @@ static int has_prefix_in(const char *name, const char *prefixes) {
     return 0;
 }
 
+#define BN_STAT_SUFFIX ".running_var"       // one per batch norm: where num_batches_tracked goes
+#define BN_COUNT_SUFFIX ".num_batches_tracked"
+
+static int name_ends_with(const char *name, const char *suffix) {
+    const size_t n = strlen(name), k = strlen(suffix);
+    return n >= k && !strcmp(name + n - k, suffix);
+}
+
+// Values no model may hold: NaN or inf anywhere (a diverged run's), a
+// negative batch-norm variance. -1 with err naming the file, the tensor and
+// the first such element.
+static int values_allowed(const char *path, const char *name, const float *v, size_t n, char err[SN_ERR_MAX]) {
+    const int variance = name_ends_with(name, BN_STAT_SUFFIX);
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(v[i]) || (variance && v[i] < 0.0f)) {
+            snprintf(err, SN_ERR_MAX, "%.250s: tensor '%.100s' holds %g at element %zu: %s", path, name, v[i], i,
+                     isfinite(v[i]) ? "a variance cannot be negative" : "not a finite number (the weights of a diverged run?)");
+            return -1;
+        }
+    return 0;
+}
+
 int net_load_weights(Net *net, const SafetensorsFile *f, const char *path, const char *allow_missing, int allow_unexpected,
                      char err[SN_ERR_MAX]) {
     const LoadRules rules = {allow_missing, allow_unexpected ? "*" : NULL};
@@ -5573,7 +5596,10 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
                 char a[96], b[96], item[2 * SN_NAME_MAX + 200];
                 dims_str(a, sizeof a, t->dims, t->ndim);
                 dims_str(b, sizeof b, want, p->ndim);
-                snprintf(item, sizeof item, "%s is %s%s, the model needs %s", p->name, t->dtype == DT_I64 ? "I64 " : "", a, b);
+                if (t->dtype == DT_I64)
+                    snprintf(item, sizeof item, "%s is I64, a weight is floating point (F32, F16 or BF16)", p->name);
+                else
+                    snprintf(item, sizeof item, "%s is %s, the model needs %s", p->name, a, b);
                 list_add(wrong, sizeof wrong, &n_wrong, item);
             }
         } else {
@@ -5592,25 +5618,31 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
     if (refuse) {
         int k = snprintf(err, SN_ERR_MAX, "%s: not loaded:", path);
         if (n_missing && k < SN_ERR_MAX) k += snprintf(err + k, SN_ERR_MAX - k, " %d missing (%s);", n_missing, missing);
-        if (n_wrong && k < SN_ERR_MAX) k += snprintf(err + k, SN_ERR_MAX - k, " %d of the wrong shape (%s);", n_wrong, wrong);
+        if (n_wrong && k < SN_ERR_MAX) k += snprintf(err + k, SN_ERR_MAX - k, " %d of the wrong shape or type (%s);", n_wrong, wrong);
         if (n_unexpected && k < SN_ERR_MAX)
             k += snprintf(err + k, SN_ERR_MAX - k, " %d unexpected (%s);", n_unexpected, unexpected);
         if (k < SN_ERR_MAX && (n_missing || n_wrong))
             snprintf(err + k, SN_ERR_MAX - k, " tensors a training run should initialise instead can be named with "
                      "--allow-missing PREFIX");
-    } else {
+    }
+    size_t max_count = 1;
+    for (int e = 0; e < n_entries; e++) {
+        const ParamInfo *p = e < g->n_params ? &g->params[e] : &g->buffers[e - g->n_params];
+        if (p->count > max_count) max_count = p->count;
+    }
+    float *vals = malloc(sizeof(float) * max_count), *tmp = malloc(sizeof(float) * max_count);
+    snCheck(vals && tmp, "out of host memory");
+    for (int e = 0; e < n_entries && !refuse; e++)  // the values, before anything is copied
+        if (src[e]) {
+            safetensors_tensor_f32(src[e], vals);
+            refuse = values_allowed(path, src[e]->name, vals, src[e]->numel, err) != 0;
+        }
+    if (!refuse) {
         if (report)
             snprintf(report, SN_ERR_MAX, "weights: %d tensors loaded from %.200s (%s names), %d initialised%s%s%s, "
                      "%d ignored%s%s%s", n_loaded, path, n_timm ? "timm" : "torchvision", n_init, n_init ? " (" : "",
                      init_list, n_init ? ")" : "", n_ignored, n_ignored ? " (" : "", ignored_list, n_ignored ? ")" : "");
         Ops *o = net->o;
-        size_t max_count = 1;
-        for (int e = 0; e < n_entries; e++) {
-            const ParamInfo *p = e < g->n_params ? &g->params[e] : &g->buffers[e - g->n_params];
-            if (p->count > max_count) max_count = p->count;
-        }
-        float *vals = malloc(sizeof(float) * max_count), *tmp = malloc(sizeof(float) * max_count);
-        snCheck(vals && tmp, "out of host memory");
         for (int e = 0; e < n_entries; e++) {
             if (!src[e]) continue;  // skipped under allow_missing
             const int is_param = e < g->n_params;
@@ -5622,8 +5654,8 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
             }
             o->upload(o, (is_param ? net->params : net->buffers) + p->offset, vals, sizeof(float) * p->count);
         }
-        free(vals); free(tmp);
     }
+    free(vals); free(tmp);
     free(src); free(used);
     return refuse ? -1 : 0;
 }
@@ -6816,6 +6848,7 @@ typedef struct {
     int next;                // next sample to claim (atomic)
     int bad;                 // lowest failing sample so far, n if none (atomic; written under mu)
     char err[SN_ERR_MAX];    // its error
+    int64_t *counts;         // (classes) the masks' pixels per class, every worker's added under mu
     pthread_mutex_t mu;
 } DatasetCheck;
 
@@ -6824,18 +6857,26 @@ static void *check_worker(void *arg) {
     const Dataset *d = c->d;
     const size_t P = (size_t)d->height * d->width;
     uint8_t *scratch = d->image_cache ? NULL : malloc(4 * P);  // (H,W,3) + (H,W) when not cached
-    snCheck(d->image_cache || scratch, "out of host memory");
+    int64_t *counts = calloc((size_t)d->classes, sizeof(int64_t));
+    snCheck((d->image_cache || scratch) && counts, "out of host memory");
     int omp = omp_serial_begin();
     for (int i; !interrupt_signal && (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < __atomic_load_n(&c->bad, __ATOMIC_RELAXED);) {
         uint8_t *rgb, *mask;
         char e[SN_ERR_MAX];
         sample_bytes(d, i, scratch, &rgb, &mask);
-        if (sample_load(d, i, rgb, mask, e) == 0) continue;
+        if (sample_load(d, i, rgb, mask, e) == 0) {
+            if (d->segmentation) for (size_t p = 0; p < P; p++) counts[mask[p]]++;
+            continue;
+        }
         pthread_mutex_lock(&c->mu);
         if (i < c->bad) { __atomic_store_n(&c->bad, i, __ATOMIC_RELAXED); memcpy(c->err, e, SN_ERR_MAX); }
         pthread_mutex_unlock(&c->mu);
     }
     omp_serial_end(omp);
+    pthread_mutex_lock(&c->mu);
+    for (int k = 0; k < d->classes; k++) c->counts[k] += counts[k];
+    pthread_mutex_unlock(&c->mu);
+    free(counts);
     free(scratch);
     return NULL;
 }
@@ -6850,6 +6891,7 @@ void dataset_free(Dataset *d) {
     free(d->labels);
     free(d->image_cache);
     free(d->mask_cache);
+    free(d->class_counts);
     for (int k = 0; k < d->n_names; k++) free(d->names[k]);
     free(d->names);
     memset(d, 0, sizeof *d);
@@ -6889,7 +6931,10 @@ int dataset_open_named(Dataset *d, const char *path, int segmentation, int class
             d->image_cache = d->mask_cache = NULL;
         }
     }
-    DatasetCheck c = {d, 0, d->n, "", PTHREAD_MUTEX_INITIALIZER};
+    d->class_counts = calloc((size_t)classes, sizeof(int64_t));
+    snCheck(d->class_counts != NULL, "out of host memory");
+    if (!segmentation) for (int i = 0; i < d->n; i++) d->class_counts[d->labels[i]]++;
+    DatasetCheck c = {d, 0, d->n, "", d->class_counts, PTHREAD_MUTEX_INITIALIZER};
     pthread_t *t = malloc(sizeof(pthread_t) * (size_t)threads);
     snCheck(t != NULL, "out of host memory");
     int started = threads_start(t, threads - 1, check_worker, &c);
@@ -7717,7 +7762,7 @@ static void trainer_close(Trainer *t) {
     if (o) {
         o->free(o, t->adam_m); o->free(o, t->adam_v); o->free(o, t->class_weights);
         o->free(o, t->labels); o->free(o, t->confusion); o->free(o, t->args); o->free(o, t->state);
-        o->free(o, t->stage);
+        o->free(o, t->stage); o->free(o, t->nonfinite);
         if (t->record) o->record_free(o, t->record);
         if (o->host_free) {
             o->host_free(o, t->host_args); o->host_free(o, t->host_state); o->host_free(o, t->host_seeds);
@@ -7746,6 +7791,23 @@ static void trainer_count_steps(Trainer *t) {
 static Device replica_device(const TrainCfg *c, const Comm *comm) {
     if (comm->size > 1 && c->device == DEVICE_AUTO && !comm->device) return DEVICE_CPU;
     return c->device;
+}
+
+// A data set holds something the loss weighs: a pixel (sample) of a class
+// whose weight is above 0. Without one its loss would be 0/0.
+static int dataset_weighted(const Dataset *d, const char *path, const TrainCfg *c, char err[SN_ERR_MAX]) {
+    char held[256] = "";
+    int n_held = 0;
+    for (int k = 0; k < d->classes; k++) {
+        if (d->class_counts[k] && c->class_weights[k] > 0.0f) return 0;
+        char item[64];
+        snprintf(item, sizeof item, "%d (weight %g)", k, c->class_weights[k]);
+        if (d->class_counts[k]) list_add(held, sizeof held, &n_held, item);
+    }
+    snprintf(err, SN_ERR_MAX, "%.200s: not one %s of a class whose weight is above 0: its %s only class%s %s, so its loss "
+             "would be 0/0 (see --class-weights)", path, d->segmentation ? "pixel" : "image",
+             d->segmentation ? "masks hold" : "labels are", n_held == 1 ? "" : "es", held);
+    return -1;
 }
 
 // Builds the model and opens the data (train may be NULL: evaluation only).
@@ -7793,6 +7855,7 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
                                train ? &t->train : NULL, err)) return -1;
         t->has_val = 1;
     }
+    if ((train && dataset_weighted(&t->train, train, c, err)) || (val && dataset_weighted(&t->val, val, c, err))) return -1;
     if (c->freeze_base) {
         int blocks = graph_freeze_base(&t->g, c->unfreeze_last);
         if (c->unfreeze_last > blocks) {
@@ -7829,10 +7892,11 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     t->confusion = o->alloc(o, sizeof(int64_t) * t->K * t->K);
     t->args = o->alloc(o, sizeof(StepArgs));
     t->state = o->alloc(o, sizeof(StepState));
+    t->nonfinite = o->alloc(o, sizeof(int32_t));
     const DType dtype = t->net.dtype;  // the storage type, from here on the net's
     t->stage = dtype == DT_F32 ? NULL : o->alloc(o, sizeof(float) * (size_t)in.n * in.h * in.w * 3);
     if (!t->adam_m || !t->adam_v || !t->class_weights || !t->labels || !t->confusion || !t->args || !t->state ||
-        (dtype != DT_F32 && !t->stage)) {
+        !t->nonfinite || (dtype != DT_F32 && !t->stage)) {
         snprintf(err, SN_ERR_MAX, "out of %s memory for the optimiser state", o->name);
         return -1;
     }
@@ -8227,6 +8291,45 @@ static int pass_totals_parse(const char *path, const char *text, int K, PassSave
     return 0;
 }
 
+// Whether the model is finite: its weights, batch-norm statistics and Adam's
+// moments (one flag over all of them on the backend, one download). If not,
+// -1 and `which` names the first tensor holding a NaN or inf (found on the
+// host) and how many of its values are. Nothing non-finite is ever saved.
+static int model_finite(Trainer *t, char which[SN_ERR_MAX]) {
+    Ops *o = t->o;
+    const Graph *g = &t->g;
+    const size_t T = t->n_trainable;
+    const struct { const float *data; size_t n; } parts[4] = {
+        {t->net.params, g->n_param_floats}, {t->net.buffers, g->n_buffer_floats}, {t->adam_m, T}, {t->adam_v, T}};
+    int32_t flag = 0;
+    o->upload(o, t->nonfinite, &flag, sizeof flag);
+    for (int k = 0; k < 4; k++)
+        if (parts[k].n) o->nonfinite(o, tensor_f32((float *)parts[k].data, shape4((int)parts[k].n, 1, 1, 1)), t->nonfinite);
+    o->download(o, &flag, t->nonfinite, sizeof flag);
+    if (!flag) return 0;
+    snprintf(which, SN_ERR_MAX, "a tensor holds NaN or inf");  // unless one is found below (the flag is all the backend says)
+    for (int k = 0; k < 4; k++) {
+        float *host = malloc(sizeof(float) * (parts[k].n ? parts[k].n : 1));
+        snCheck(host != NULL, "out of host memory");
+        o->download(o, host, parts[k].data, sizeof(float) * parts[k].n);
+        const int n_tensors = k == 0 || k >= 2 ? g->n_params : g->n_buffers;
+        for (int i = 0; i < n_tensors; i++) {
+            const ParamInfo *p = k == 1 ? &g->buffers[i] : &g->params[i];
+            const size_t at = k < 2 ? p->offset : t->net.grad_offset[i];
+            if (k >= 2 && at == SIZE_MAX) continue;  // frozen: no moments
+            size_t bad = 0;
+            for (size_t j = 0; j < p->count; j++) bad += !isfinite(host[at + j]);
+            if (!bad) continue;
+            snprintf(which, SN_ERR_MAX, "%s%.200s holds NaN or inf (%zu of its %zu values)",
+                     k == 2 ? "Adam's first moment of " : k == 3 ? "Adam's second moment of " : "", p->name, bad, p->count);
+            free(host);
+            return -1;
+        }
+        free(host);
+    }
+    return -1;
+}
+
 static int save_checkpoint(const Trainer *t, const char *path, const PassSaved *ps, char err[SN_ERR_MAX]) {
     Ops *o = t->o;
     size_t P = t->n_trainable;
@@ -8391,12 +8494,23 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
         pass_saved_free(ps);
         goto done;
     }
-    if (net_load_weights(&t->net, &f, path, NULL, 0, err)) { pass_saved_free(ps); goto done; }
-    float *host = malloc(sizeof(float) * (P ? P : 1));
-    snCheck(host != NULL, "out of host memory");
-    safetensors_tensor_f32(m, host); t->o->upload(t->o, t->adam_m, host, sizeof(float) * P);
-    safetensors_tensor_f32(v, host); t->o->upload(t->o, t->adam_v, host, sizeof(float) * P);
-    free(host);
+    float *host_m = malloc(sizeof(float) * (P ? P : 1)), *host_v = malloc(sizeof(float) * (P ? P : 1));
+    snCheck(host_m && host_v, "out of host memory");
+    safetensors_tensor_f32(m, host_m);
+    safetensors_tensor_f32(v, host_v);
+    size_t bad = P;  // Adam's second moment is a mean of squares: never negative
+    for (size_t i = 0; i < P && bad == P; i++) if (!isfinite(host_m[i]) || !isfinite(host_v[i]) || host_v[i] < 0.0f) bad = i;
+    if (bad < P)
+        snprintf(err, SN_ERR_MAX, "%.300s: the optimiser state holds m = %g, v = %g at element %zu: not finite, or a negative "
+                 "second moment (a damaged checkpoint)", path, host_m[bad], host_v[bad], bad);
+    if (bad < P || net_load_weights(&t->net, &f, path, NULL, 0, err)) {
+        free(host_m); free(host_v);
+        pass_saved_free(ps);
+        goto done;
+    }
+    t->o->upload(t->o, t->adam_m, host_m, sizeof(float) * P);
+    t->o->upload(t->o, t->adam_v, host_v, sizeof(float) * P);
+    free(host_m); free(host_v);
     t->epoch = (int)k.epoch;
     t->step = k.step;
     t->best = k.best;
@@ -9005,7 +9119,8 @@ static void run_folder_name(const TrainCfg *c, const char *resume, char *run, si
 static int epoch_judged(Trainer *t, const EpochRecord *rec) {
     const TrainCfg *c = t->c;
     const double score = monitored(c, rec, t->has_val);
-    const int improved = score < t->best - c->min_delta;
+    // an epoch whose loss is not finite is never the best, whatever the monitored metric says
+    const int improved = score < t->best - c->min_delta && isfinite(t->has_val ? rec->val_loss : rec->loss);
     if (improved) { t->best = score; t->best_epoch = t->epoch; t->bad_epochs = 0; }
     else t->bad_epochs++;
     if (c->patience > 0 && t->bad_epochs >= c->patience) t->finished = 1;
@@ -9034,6 +9149,22 @@ static int epoch_written(Trainer *t, History *h, const EpochRecord *rec, const M
     run_path(path, sizeof path, run, "last.safetensors");
     if (rc == 0) rc = save_checkpoint(t, path, NULL, err);
     return rc;
+}
+
+// The model before anything of epoch `epoch` (1-based) is written or judged:
+// a model that is no longer finite stops the run (every replica checks its
+// copy; they agree). Nothing of it is saved: the run folder keeps what it had.
+static int epoch_model_finite(Trainer *t, int epoch, char err[SN_ERR_MAX]) {
+    char which[SN_ERR_MAX];
+    int rc = 0;
+    if (model_finite(t, which)) {
+        char kept[64] = "";
+        if (t->best_epoch) snprintf(kept, sizeof kept, "; best.safetensors keeps epoch %d", t->best_epoch);
+        snprintf(err, SN_ERR_MAX, "epoch %d: the model is no longer finite: %.250s. Training diverged (a lower --lr, or "
+                 "--clipnorm, may help); nothing of this epoch was saved%s", epoch, which, kept);
+        rc = -1;
+    }
+    return comm_agree(t->comm, rc, err);
 }
 
 // the epoch's progress line
@@ -9178,7 +9309,8 @@ static int train_replica(Comm *comm, void *arg) {
             }
         }
         if (stop) {
-            if (save_interrupted(&t, &tr, reduced, run, err) || comm_agree(comm, 0, err)) goto done;
+            if (epoch_model_finite(&t, t.epoch + 1, err) || save_interrupted(&t, &tr, reduced, run, err) ||
+                comm_agree(comm, 0, err)) goto done;
             if (c->progress && root)
                 fprintf(stderr, "segnet train: interrupted at epoch %d, step %d of %d (saved in last.safetensors); "
                         "continue with: segnet train --resume %s\n", t.epoch + 1, (t.resume_batch + c->accum - 1) / c->accum,
@@ -9187,6 +9319,7 @@ static int train_replica(Comm *comm, void *arg) {
             rc = 0;
             goto done;
         }
+        if (epoch_model_finite(&t, t.epoch + 1, err)) goto done;
         t.epoch++;
         double lr = lr_at_step(c->lr, c->schedule, c->warmup, t.total_steps, t.step - 1);
         double diag[STEP_STATS_N_COLUMNS];
@@ -9204,15 +9337,14 @@ static int train_replica(Comm *comm, void *arg) {
         }
         if (c->stop_after_epochs && t.epoch >= c->stop_after_epochs && !t.finished) { rc = 0; goto done; }
     }
-    if (c->progress && root) {
-        if (c->patience > 0 && t.epoch < c->epochs)
-            fprintf(stderr, "early stopping: %s has not improved for %d epochs\n", monitor_name(c), c->patience);
-        fprintf(stderr, "segnet train: best epoch %d; weights in %s/best.safetensors\n", t.best_epoch, run);
-    }
+    if (c->progress && root && c->patience > 0 && t.epoch < c->epochs)
+        fprintf(stderr, "early stopping: %s has not improved for %d epochs\n", monitor_name(c), c->patience);
     if (t.best_epoch == 0) {
-        snprintf(err, SN_ERR_MAX, "the loss was not finite in any epoch: training diverged (a lower --lr, or --clipnorm, may help)");
+        snprintf(err, SN_ERR_MAX, "no epoch had a finite %s: training diverged (a lower --lr, or --clipnorm, may help); "
+                 "no best.safetensors was written", t.has_val ? "val_loss" : "loss");
         goto done;
     }
+    if (c->progress && root) fprintf(stderr, "segnet train: best epoch %d; weights in %s/best.safetensors\n", t.best_epoch, run);
     if (root) {  // the best epoch's figures, for the weights that are kept
         const EpochRecord *best = &h.rec[t.best_epoch - 1];
         if (c->progress) printf("run: %s\nbest_epoch: %d\nloss: %.6f\n", run, t.best_epoch, best->loss);
@@ -9328,8 +9460,6 @@ done:
 typedef enum { EXPORT_TORCHVISION, EXPORT_TIMM, EXPORT_SEGNET } ExportNames;
 static const char *const EXPORT_NAMES[] = {"torchvision", "timm", "segnet"};  // indexed by ExportNames
 
-#define BN_STAT_SUFFIX ".running_var"       // one per batch norm: where num_batches_tracked goes
-#define BN_COUNT_SUFFIX ".num_batches_tracked"
 
 // An export's metadata names its writer, so that --overwrite recognises an
 // earlier export (and nothing else) as replaceable: in the compact header
@@ -9412,6 +9542,12 @@ int export_weights(const ModelCfg *m, const char *path, ExportNames names, const
                      t->name, m->model);
             goto done;
         }
+        float *v = malloc(sizeof(float) * (t->numel ? t->numel : 1));
+        snCheck(v != NULL, "out of host memory");
+        safetensors_tensor_f32(t, v);
+        const int allowed = values_allowed(path, t->name, v, t->numel, err) == 0;
+        free(v);
+        if (!allowed) goto done;
         ts[n] = *t;
         if (names == EXPORT_TIMM && !effnet_timm_name(&g, t->name, ts[n].name)) {
             snprintf(err, SN_ERR_MAX, "model '%s': '%.100s' has no timm name (timm's tf_efficientnetv2_* are EfficientNetV2 "
@@ -9493,7 +9629,7 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
     m->workspace = p->workspace;
     m->activations = p->peak - p->workspace;
     m->io = sizeof(float) * K + sizeof(int32_t) * labels + sizeof(int64_t) * K * K + sizeof(StepArgs) + sizeof(StepState) +
-            sizeof(uint64_t) * (size_t)g->n_layers;
+            sizeof(uint64_t) * (size_t)g->n_layers + sizeof(int32_t);  // the last: Trainer.nonfinite
     if (c->precision != DT_F32) m->io += sizeof(float) * shape_numel(in);
     m->backend = o->context_bytes;
     m->driver = o->driver_bytes;

@@ -1095,6 +1095,7 @@ typedef struct {
     uint8_t *mask_cache;    // (n,H,W) resized class indices (segmentation), or NULL
     char **names;           // (n_names) class k's name: class folders, or a CSV's text labels; else NULL
     int n_names;
+    int64_t *class_counts;  // (classes) the pixels (of the resized masks) or samples of each class
 } Dataset;
 
 // Returns 0, or -1 with one line in err naming the file (row, pixel) and the problem.

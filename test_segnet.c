@@ -4788,6 +4788,12 @@ TEST(fp16_loss_scaling) {
         CHECK(t.step == s + 1, "the skipped step counts (Keras): step %" PRId64, t.step);
     }
     CHECK(t.good_steps == 2, "2 finite steps since the last doubling: %" PRId64, t.good_steps);
+    // The inf input made the BN running statistics NaN (the forward updates
+    // them; only the weights' update is skipped, as in Keras). A checkpoint
+    // holding NaN is refused on load (weights_values_refused): fresh ones here.
+    for (int b = 0; b < t.g.n_buffers; b++)
+        for (size_t k = 0; k < t.g.buffers[b].count; k++)
+            t.net.buffers[t.g.buffers[b].offset + k] = contains(t.g.buffers[b].name, "running_var") ? 1.0f : 0.0f;
     const char *path = "/tmp/segnet_test_fp16.safetensors";
     t.loss_scale = 4096; t.good_steps = 1;  // as after some halvings
     CHECK(save_checkpoint(&t, path, NULL, err) == 0, "%s", err);
@@ -9815,6 +9821,219 @@ TEST(export_outputs_protected) {
     c.epochs = 2;
     CHECK(train_run(&c, run, err) == 0, "--resume after the refused exports: %s", err);
     rm_rf(data); rm_rf(run);
+}
+
+// ----------------------------------------------------------------------------
+// non-finite is never "best" (issue 31)
+
+// path's tensor `name` with element i set to v (F32), written back with the file's metadata
+static void poison_tensor(const char *path, const char *name, size_t i, float v) {
+    SafetensorsFile f;
+    char err[SN_ERR_MAX];
+    CHECK(safetensors_read(path, &f, err) == 0, "%s", err);
+    const SafetensorsTensor *t = safetensors_find(&f, name);
+    CHECK(t && t->dtype == DT_F32 && i < t->numel, "%s has no F32 element %zu of '%s'", path, i, name);
+    if (t && t->dtype == DT_F32 && i < t->numel) memcpy((uint8_t *)t->data + 4 * i, &v, 4);
+    CHECK(safetensors_write(path, f.tensors, f.n_tensors, (const char *const *)f.meta_keys, (const char *const *)f.meta_values,
+                            f.n_meta, err) == 0, "%s", err);
+    safetensors_free(&f);
+}
+
+// Finding 4: a run whose model stops being finite stops at that epoch with
+// exit 1, naming the tensor; nothing of the epoch is saved (best and last
+// keep what they held); the run never ends with a NaN "best".
+TEST(diverged_run_never_saved) {
+    const char *data = "/tmp/segnet_test_nan_data", *run = "/tmp/segnet_test_nan_run";
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 8, 8, 8, 23);
+    char err[SN_ERR_MAX], path[400];
+    const char *kept[3] = {"best.safetensors", "last.safetensors", "metrics.csv"};
+    for (int metric = 0; metric < 2; metric++) {
+        TrainCfg c = tiny_seg_cfg(data, data);
+        c.out = run;
+        c.epochs = 1;
+        c.monitor_metric = metric;
+        rm_rf(run);
+        CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+        for (int k = 0; k < 3; k++) { snprintf(path, sizeof path, "%s/%s", run, kept[k]); keep_copy(path); }
+        c.epochs = 2;
+        c.lr = metric ? 1e36f : 1e34f;  // the seed's flat val IoU, taken to the end
+        CHECK(train_run(&c, run, err) == -1 && contains(err, "epoch 2: the model is no longer finite") &&
+              contains(err, "holds NaN or inf") && contains(err, "best.safetensors keeps epoch 1"),
+              "lr %g%s: '%s'", c.lr, metric ? ", --monitor val_mIoU" : "", err);
+        for (int k = 0; k < 3; k++) {
+            snprintf(path, sizeof path, "%s/%s", run, kept[k]);
+            CHECK(unchanged(path), "lr %g: %s changed", c.lr, kept[k]);
+        }
+    }
+    // from the first epoch, on the command line: exit 1, and no best.safetensors is named
+    char args[1024], msg[4096];
+    snprintf(args, sizeof args, "train --model unet --depth 1 --width 4 --size 8x8 --batch 4 --classes 3 --class-weights 0,1,1 "
+             "--data %s --val %s --out %s/first --lr 1e34 --epochs 2 --device cpu --threads 1", data, data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "epoch 1: the model is no longer finite") &&
+          !contains(msg, "best epoch 0") && !contains(msg, "keeps epoch"), "first epoch: '%s'", msg);
+    snprintf(path, sizeof path, "%s/first/best.safetensors", run);
+    CHECK(!file_exists(path), "a best.safetensors was written");
+    snprintf(path, sizeof path, "%s/first/last.safetensors", run);
+    CHECK(!file_exists(path), "a last.safetensors was written");
+    rm_rf(data); rm_rf(run);
+}
+
+// The trainer's finiteness check finds each kind of tensor it covers, and says which.
+TEST(model_finite_names_tensor) {
+    TrainCfg c = tiny_seg_cfg(NULL, NULL);
+    Trainer t;
+    char err[SN_ERR_MAX], which[SN_ERR_MAX];
+    CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s", err);
+    CHECK(model_finite(&t, which) == 0, "a fresh model is finite: '%s'", which);
+    const ParamInfo *w = &t.g.params[graph_find_param(&t.g, "dec0.conv2.0.weight")];
+    const ParamInfo *rv = &t.g.buffers[graph_find_buffer(&t.g, "enc0.conv1.1.running_var")];
+    struct { float *at; const char *want; } cases[] = {
+        {t.net.params + w->offset + 5, "dec0.conv2.0.weight holds NaN or inf (1 of its"},
+        {t.net.buffers + rv->offset, "enc0.conv1.1.running_var holds NaN or inf"},
+        {t.adam_m + t.net.grad_offset[w - t.g.params] + 1, "Adam's first moment of dec0.conv2.0.weight"},
+        {t.adam_v + t.n_trainable - 1, "Adam's second moment of head.bias"},
+    };
+    for (int k = 0; k < 4; k++) {
+        const float keep = *cases[k].at;
+        *cases[k].at = k % 2 ? INFINITY : NAN;
+        CHECK(model_finite(&t, which) == -1 && contains(which, cases[k].want), "case %d: '%s'", k, which);
+        *cases[k].at = keep;
+    }
+    CHECK(model_finite(&t, which) == 0, "finite again");
+    trainer_close(&t);
+}
+
+// Finding 5: a NaN or inf in any tensor, or a negative running_var, refuses
+// the file wherever weights are read (--weights, predict, eval, export, a
+// checkpoint's optimiser state), naming the file and the tensor; the model is
+// untouched; an I64 weight is named as such.
+TEST(weights_values_refused) {
+    char dir[300], w[400], bad[400], err[SN_ERR_MAX];
+    ds_fixture(dir, sizeof dir, "weights_values", NULL, 0);
+    snprintf(w, sizeof w, "%s/w.safetensors", dir);
+    snprintf(bad, sizeof bad, "%s/bad.safetensors", dir);
+    Graph g; Net net;
+    tiny_net(&g, &net, 3, 4);
+    CHECK(net_save_weights(&net, w, err) == 0, "%s", err);
+    float *before = malloc(sizeof(float) * g.n_param_floats);
+    memcpy(before, net.params, sizeof(float) * g.n_param_floats);
+    struct { const char *name; size_t i; float v; const char *want; } cases[] = {
+        {"features.0.0.weight", 7, NAN, "not a finite number"},
+        {"classifier.1.bias", 0, INFINITY, "holds inf at element 0"},
+        {"features.1.0.block.0.1.running_var", 2, -0.5f, "a variance cannot be negative"},
+        {"features.1.0.block.0.1.running_mean", 1, -INFINITY, "not a finite number"},
+    };
+    for (int k = 0; k < 4; k++) {
+        copy_file(w, bad);
+        poison_tensor(bad, cases[k].name, cases[k].i, cases[k].v);
+        SafetensorsFile f;
+        CHECK(safetensors_read(bad, &f, err) == 0, "%s", err);
+        CHECK(net_load_weights(&net, &f, bad, NULL, 0, err) == -1 && contains(err, bad) && contains(err, cases[k].name) &&
+              contains(err, cases[k].want), "case %d: '%s'", k, err);
+        safetensors_free(&f);
+        CHECK(!memcmp(before, net.params, sizeof(float) * g.n_param_floats), "case %d: the refused file changed the model", k);
+    }
+    // an I64 tensor of the right shape: named as a type, not as a shape
+    SafetensorsFile f;
+    CHECK(safetensors_read(w, &f, err) == 0, "%s", err);
+    SafetensorsTensor *ts = malloc(sizeof(SafetensorsTensor) * f.n_tensors);
+    memcpy(ts, f.tensors, sizeof(SafetensorsTensor) * f.n_tensors);
+    int64_t ints[3] = {0, 1, 2};
+    for (int i = 0; i < f.n_tensors; i++)
+        if (!strcmp(ts[i].name, "classifier.1.bias")) { ts[i].dtype = DT_I64; ts[i].data = ints; }
+    CHECK(safetensors_write(bad, ts, f.n_tensors, NULL, NULL, 0, err) == 0, "%s", err);
+    free(ts);
+    safetensors_free(&f);
+    CHECK(safetensors_read(bad, &f, err) == 0, "%s", err);
+    CHECK(net_load_weights(&net, &f, bad, NULL, 0, err) == -1 && contains(err, "classifier.1.bias is I64, a weight is floating point") &&
+          !contains(err, "the model needs (3)"), "I64: '%s'", err);
+    safetensors_free(&f);
+    // where users give weights: predict and eval (a classifier's), train (--weights)
+    copy_file(w, bad);
+    poison_tensor(bad, "features.0.0.weight", 3, NAN);
+    char args[1600], msg[4096];
+    snprintf(args, sizeof args, "predict --model effv2-t --classes 3 --size 32x32 --weights %s --input %s --out %s/p.csv "
+             "--device cpu", bad, dir, dir);
+    write_png(dir, "x.png", 32, 32, &(Rng){5});
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "features.0.0.weight") && contains(msg, "not a finite number"),
+          "predict --weights: '%s'", msg);
+    char csv[320];
+    snprintf(csv, sizeof csv, "%s/list.csv", dir);
+    write_file_bytes(csv, "x.png,1\n", 8);
+    snprintf(args, sizeof args, "eval --model effv2-t --classes 3 --size 32x32 --weights %s --data %s --device cpu", bad, csv);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "features.0.0.weight") && contains(msg, "not a finite number"),
+          "eval --weights: '%s'", msg);
+    snprintf(args, sizeof args, "train --model effv2-t --classes 3 --size 32x32 --batch 1 --epochs 1 --weights %s --data %s "
+             "--out %s/run --device cpu", bad, csv, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "features.0.0.weight") && !contains(msg, "training diverged"),
+          "train --weights: '%s'", msg);
+    snprintf(args, sizeof args, "%s/run", dir);
+    CHECK(!file_exists(args), "the refused run left its folder");
+    net_free(&net); graph_free(&g);
+    free(before);
+
+    // a run's checkpoints: export refuses a NaN weight, --resume a NaN in Adam's state
+    const char *data = "/tmp/segnet_test_nanck_data", *run = "/tmp/segnet_test_nanck_run";
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 4, 8, 8, 29);
+    TrainCfg c = tiny_seg_cfg(data, NULL);
+    c.out = run;
+    c.epochs = 1;
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    char ck[400], report[SN_ERR_MAX], out[400];
+    snprintf(ck, sizeof ck, "%s/best.safetensors", run);
+    poison_tensor(ck, "head.bias", 0, NAN);
+    snprintf(out, sizeof out, "%s/export.safetensors", dir);
+    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 0, report, err) == -1 && contains(err, "head.bias"),
+          "export: '%s'", err);
+    CHECK(!file_exists(out), "export wrote %s", out);
+    snprintf(ck, sizeof ck, "%s/last.safetensors", run);
+    poison_tensor(ck, TRAIN_STATE_PREFIX "adam_v", 2, -1.0f);
+    c.epochs = 2;
+    CHECK(train_run(&c, run, err) == -1 && contains(err, "last.safetensors") && contains(err, "negative second moment"),
+          "--resume with a negative Adam v: '%s'", err);
+    rm_rf(data); rm_rf(run);
+    ds_remove(dir);
+}
+
+// Finding 8: a data set without one pixel (image) of a class whose weight is
+// above 0 is refused when the data is checked, naming the set and the classes
+// it holds; nothing is written.
+TEST(dataset_without_weighted_label) {
+    const char *data = "/tmp/segnet_test_unlabelled", *run = "/tmp/segnet_test_unlabelled_run";
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 4, 8, 8, 31);
+    char val[300], path[1400], err[SN_ERR_MAX];
+    snprintf(val, sizeof val, "%s/val", data);
+    snprintf(path, sizeof path, "mkdir -p '%s/images' '%s/masks' && cp %s/images/i00.png %s/images/", val, val, data, val);
+    CHECK(system(path) == 0, "%s", path);
+    uint8_t zeros[64] = {0};
+    snprintf(path, sizeof path, "%s/masks/i00.png", val);
+    CHECK(stbi_write_png(path, 8, 8, 1, zeros, 8) != 0, "write %s", path);
+    TrainCfg c = tiny_seg_cfg(data, val);  // class weights 0,1,1
+    c.out = run;
+    CHECK(train_run(&c, NULL, err) == -1 && contains(err, val) && contains(err, "not one pixel of a class whose weight is above 0") &&
+          contains(err, "only class 0 (weight 0)"), "an unlabelled validation set: '%s'", err);
+    CHECK(!file_exists(run), "the refused run left %s", run);
+    c.data = val; c.val = NULL;
+    CHECK(train_run(&c, NULL, err) == -1 && contains(err, "not one pixel"), "an unlabelled training set: '%s'", err);
+    c.class_weights[0] = 1.0f;  // with class 0 weighed, the same set trains
+    c.epochs = 1;
+    CHECK(train_run(&c, NULL, err) == 0, "class 0 weighed: %s", err);
+    // a classifier whose only labels have weight 0
+    char csv[400];
+    snprintf(csv, sizeof csv, "%s/list.csv", data);
+    write_file_bytes(csv, "images/i00.png,2\nimages/i01.png,2\n", 34);
+    TrainCfg k = c;
+    k.model = model_cfg_default();
+    k.model.model = "effv2-t"; k.model.classes = 3; k.model.height = k.model.width = 32; k.model.batch = 2;
+    k.class_weights[0] = 1; k.class_weights[1] = 1; k.class_weights[2] = 0;
+    k.data = csv; k.val = NULL;
+    k.out = "/tmp/segnet_test_unlabelled_cls";
+    CHECK(train_run(&k, NULL, err) == -1 && contains(err, "not one image") && contains(err, "only class 2 (weight 0)"),
+          "a classifier: '%s'", err);
+    rm_rf(data); rm_rf(run); rm_rf(k.out);
 }
 
 #ifndef SEGNET_FUZZ  // fuzz_segnet: the tests compiled, its own main at the end
