@@ -7417,7 +7417,8 @@ int comm_agree(Comm *c, int rc, char err[SN_ERR_MAX]) {
     char msg[SN_ERR_MAX];
     snprintf(msg, sizeof msg, "%s", c->rank == first ? err : "");
     if (c->broadcast(c, msg, sizeof msg, first)) return comm_failure(c, err);
-    snprintf(err, SN_ERR_MAX, "rank %d: %.480s", first, msg);
+    if (first == 0) snprintf(err, SN_ERR_MAX, "%s", msg);  // the rank that reads the data and writes the run: no prefix
+    else snprintf(err, SN_ERR_MAX, "rank %d: %.480s", first, msg);
     return -1;
 }
 
@@ -7810,6 +7811,21 @@ static int dataset_weighted(const Dataset *d, const char *path, const TrainCfg *
     return -1;
 }
 
+// --freeze base (and --unfreeze-last N) on the graph; -1 with err for an N
+// the backbone does not have, or an N without --freeze base (it would do nothing).
+static int freeze_apply(Graph *g, const TrainCfg *c, char err[SN_ERR_MAX]) {
+    if (!c->freeze_base) {
+        if (c->unfreeze_last <= 0) return 0;
+        snprintf(err, SN_ERR_MAX, "--unfreeze-last %d does nothing without --freeze base (every layer trains)", c->unfreeze_last);
+        return -1;
+    }
+    const int blocks = graph_freeze_base(g, c->unfreeze_last);
+    if (c->unfreeze_last <= blocks) return 0;
+    snprintf(err, SN_ERR_MAX, "--unfreeze-last %d: model '%s' has %d blocks in its backbone", c->unfreeze_last, c->model.model,
+             blocks);
+    return -1;
+}
+
 // Builds the model and opens the data (train may be NULL: evaluation only).
 // comm: the replicas (NULL: none); each builds the model for its shard,
 // model.batch / replicas images.
@@ -7856,14 +7872,7 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
         t->has_val = 1;
     }
     if ((train && dataset_weighted(&t->train, train, c, err)) || (val && dataset_weighted(&t->val, val, c, err))) return -1;
-    if (c->freeze_base) {
-        int blocks = graph_freeze_base(&t->g, c->unfreeze_last);
-        if (c->unfreeze_last > blocks) {
-            snprintf(err, SN_ERR_MAX, "--unfreeze-last %d: model '%s' has %d blocks in its backbone", c->unfreeze_last,
-                     c->model.model, blocks);
-            return -1;
-        }
-    }
+    if (freeze_apply(&t->g, c, err)) return -1;
     if (c->accum < 1 || c->accum > SN_MAX_ACCUM) { snprintf(err, SN_ERR_MAX, "--accum %d must be 1..%d", c->accum, SN_MAX_ACCUM); return -1; }
     // the device after every input check: a bad input is one line, without the CPU notice before it
     if (!(t->o = ops_for_device(replica_device(c, t->comm), t->comm->local_rank, err))) return -1;
@@ -8792,13 +8801,21 @@ static void config_text(const TrainCfg *c, SfBuf *b) {
 #define CFG(...) do { snprintf(s, sizeof s, __VA_ARGS__); sb_str(b, s); } while (0)
     CFG("# segnet train settings: `segnet train --resume RUN` continues with these\n");
     CFG("model = %s\nclasses = %d\nsize = %dx%d\nbatch = %d\n", m->model, m->classes, m->height, m->width, m->batch);
-    CFG("padding = %s\nhead-hidden = %d\ndepth = %d\nwidth = %d\n", PAD_NAME[m->pad],
-        m->head_hidden, m->depth, m->width_base);
+    CFG("padding = %s\n", PAD_NAME[m->pad]);
+    if (model_is_classifier(m->model)) CFG("head-hidden = %d\n", m->head_hidden);
+    if (!strcmp(m->model, "unet")) CFG("depth = %d\nwidth = %d\n", m->depth, m->width_base);
     char d[32];
     if (m->dropout >= 0.0f) CFG("dropout = %s\n", float_str(d, m->dropout));
-    CFG("data = %s\n", c->data);
-    if (c->val) CFG("val = %s\n", c->val);
-    if (c->weights) CFG("weights = %s\n", c->weights);
+    // absolute: --resume and predict --run work from any folder
+    const char *keys[3] = {"data", "val", "weights"}, *paths[3] = {c->data, c->val, c->weights};
+    for (int k = 0; k < 3; k++) {
+        if (!paths[k]) continue;
+        char abs[PATH_MAX];
+        sb_str(b, keys[k]);
+        sb_str(b, " = ");
+        sb_str(b, realpath(paths[k], abs) ? abs : paths[k]);
+        sb_str(b, "\n");
+    }
     if (c->allow_missing) CFG("allow-missing = %s\n", c->allow_missing);
     char f[4][32];
     sb_str(b, "class-weights = ");
@@ -9258,8 +9275,13 @@ static int train_replica(Comm *comm, void *arg) {
     if (rc) goto done;
     rc = -1;
     if (resume && (t.finished || t.epoch >= c->epochs)) {
-        if (c->progress && root) fprintf(stderr, "segnet train: %s has finished (%d epochs%s); nothing to do (--epochs N trains longer)\n", run,
-                t.epoch, t.finished ? ", stopped early" : "");
+        if (c->progress && root && !t.finished && t.resume_batch)
+            fprintf(stderr, "segnet train: %s has completed %d epoch%s and was interrupted inside epoch %d; --epochs %d asks for "
+                    "no more: nothing to do (--epochs %d completes epoch %d)\n", run, t.epoch, t.epoch == 1 ? "" : "s",
+                    t.epoch + 1, c->epochs, t.epoch + 1, t.epoch + 1);
+        else if (c->progress && root)
+            fprintf(stderr, "segnet train: %s has finished (%d epoch%s%s); nothing to do (--epochs N trains longer)\n", run,
+                    t.epoch, t.epoch == 1 ? "" : "s", t.finished ? ", stopped early" : "");
         rc = 0;
         goto done;
     }
@@ -9644,14 +9666,7 @@ static int plan_for(const TrainCfg *c, Graph *g, Plan *p, Ops **op, char err[SN_
     if (!o) return -1;
     int logits = model_build(g, &c->model);
     if (logits < 0) { snprintf(err, SN_ERR_MAX, "%s", g->err); return -1; }
-    if (c->freeze_base) {
-        int blocks = graph_freeze_base(g, c->unfreeze_last);
-        if (c->unfreeze_last > blocks) {
-            snprintf(err, SN_ERR_MAX, "--unfreeze-last %d: model '%s' has %d blocks in its backbone", c->unfreeze_last,
-                     c->model.model, blocks);
-            return -1;
-        }
-    }
+    if (freeze_apply(g, c, err)) return -1;
     int *needs_grad = malloc(sizeof(int) * (size_t)g->n_tensors);
     snCheck(needs_grad != NULL, "out of host memory");
     graph_needs_grad(g, 0, needs_grad);
@@ -10386,6 +10401,27 @@ static int has_flag(int argc, char **argv, const char *flag) {
     return 0;
 }
 
+// An option on the command line that does nothing for the model is refused
+// (a run would record it as if it did): the classifier head's for a U-Net,
+// the plain unet's levels and channels for the others.
+static int model_options_used(const char *cmd, const char *model, int argc, char **argv) {
+    static const struct { const char *flag; int head; } OWN[] = {
+        {"--head-hidden", 1}, {"--dropout", 1}, {"--depth", 0}, {"--width", 0}};
+    for (size_t k = 0; k < sizeof OWN / sizeof *OWN; k++) {
+        if (!has_flag(argc, argv, OWN[k].flag)) continue;
+        if (OWN[k].head && !model_is_classifier(model))
+            fprintf(stderr, "segnet %s: %s: model '%s' has no classifier head (an option of the classifiers, effv2-*)\n", cmd,
+                    OWN[k].flag, model);
+        else if (!OWN[k].head && strcmp(model, "unet"))
+            fprintf(stderr, "segnet %s: %s: model '%s' does not use it (the levels and channels of the plain unet)\n", cmd,
+                    OWN[k].flag, model);
+        else
+            continue;
+        return -1;
+    }
+    return 0;
+}
+
 // SIGINT/SIGTERM set interrupt_signal (see run_pass): the first lets the step finish
 static void on_interrupt(int sig) {
     if (interrupt_signal) _exit(128 + sig);
@@ -10432,6 +10468,7 @@ static int cmd_train(TrainArgs *a, int argc, char **argv) {
         }
     int p = parse_train_args(a, argc, argv, "train", TRAIN_USAGE);
     if (p) return p > 0 ? 0 : 2;
+    if (model_options_used("train", a->c.model.model, argc, argv)) return 2;
     a->c.overwrite = overwrite;
     if (a->resume && (a->c.out || overwrite)) {
         fprintf(stderr, "segnet train: --resume %s continues the run in its own folder; %s\n", a->resume,
@@ -10460,6 +10497,7 @@ static int cmd_train(TrainArgs *a, int argc, char **argv) {
 static int cmd_eval(TrainArgs *a, int argc, char **argv) {
     int p = parse_train_args(a, argc, argv, "eval", EVAL_USAGE);
     if (p) return p > 0 ? 0 : 2;
+    if (model_options_used("eval", a->c.model.model, argc, argv)) return 2;
     char weights[4200];
     if (a->run) snprintf(weights, sizeof weights, "%s/best.safetensors", a->run);
     else if (a->c.weights) snprintf(weights, sizeof weights, "%s", a->c.weights);
@@ -10611,6 +10649,7 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
         return 2;
     }
     if (!size_given) model_default_size(&pc.model);
+    if (model_options_used("predict", pc.model.model, argc, argv)) return 2;
     char err[SN_ERR_MAX], note[SN_ERR_MAX];
     if (padding_follow_weights(&pc.model, pc.weights, "predict", note, err)) {
         print_message(stderr, "segnet predict", err);
@@ -10746,6 +10785,7 @@ static int cmd_bench(int argc, char **argv) {
         i += 2;
     }
     if (!size_given) model_default_size(&c.model);
+    if (model_options_used("bench", c.model.model, argc, argv)) return 2;
     BenchResult r;
     char err[SN_ERR_MAX];
     if (bench_run(&c, &r, err)) { print_message(stderr, "segnet bench", err); return 1; }
@@ -10973,6 +11013,7 @@ static int cmd_plan(int argc, char **argv) {
         i += k;
     }
     if (!a.size_given) model_default_size(&a.c.model);
+    if (model_options_used("plan", a.c.model.model, argc, argv)) return 2;
     TrainCfg *c = &a.c;
     char err[SN_ERR_MAX];
     if (a.memory && pick_setting(&a, "plan", stdout)) return 1;

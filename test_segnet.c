@@ -4955,7 +4955,7 @@ TEST(plan_matches_per_tensor) {
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         ModelCfg mc = model_cfg_default();
         mc.model = cases[k].model; mc.classes = 3; mc.batch = 2; mc.height = mc.width = cases[k].size;
-        mc.depth = 2; mc.width_base = 4;
+        if (!strcmp(mc.model, "unet")) { mc.depth = 2; mc.width_base = 4; }  // the plain unet's options only
         Graph g;
         graph_init(&g);
         int out = model_build(&g, &mc);
@@ -5089,7 +5089,7 @@ static void fused_layers_case(Device device, DType dt, int freeze) {
     train_cfg_default(&c);
     c.model.model = "effv2-t"; c.model.classes = 3; c.model.height = c.model.width = 32; c.model.batch = 4;
     c.progress = 0; c.checkpoint = 1; c.device = device; c.precision = dt;
-    c.freeze_base = freeze; c.unfreeze_last = 2;
+    c.freeze_base = freeze; c.unfreeze_last = freeze ? 2 : 0;
     float *p[2];
     double loss[2];
     for (int fuse = 0; fuse < 2; fuse++) fused_run(&c, fuse, 3, &p[fuse], &loss[fuse]);
@@ -6402,7 +6402,8 @@ static void ref_table_step(Ops *o, const char *model, float **grads, size_t *n_g
     Graph g;
     graph_init(&g);
     ModelCfg c = model_cfg_default();
-    c.model = model; c.classes = 3; c.batch = 2; c.height = c.width = 64; c.depth = 2; c.width_base = 4;
+    c.model = model; c.classes = 3; c.batch = 2; c.height = c.width = 64;
+    if (!strcmp(model, "unet")) { c.depth = 2; c.width_base = 4; }
     const int y = model_build(&g, &c);
     Net net;
     char err[SN_ERR_MAX];
