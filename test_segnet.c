@@ -10111,6 +10111,8 @@ int main(int argc, char **argv) {
 //   image        image_load_rgb, then the resize of sample_load (image_to_bytes)
 //   mask         mask_load at the size the file claims and with K classes
 //                drawn, then the resize of sample_load (mask_resize)
+//   exif         exif_orientation on a JPEG's bytes, then exif_orient (--exif
+//                apply's turn) by that orientation on a small image
 //   csv          list_csv (train/eval, with and without a training set's
 //                class names) and list_images (predict) on the same file
 //   checkpoint   load_checkpoint into a tiny U-Net trainer (--resume)
@@ -10766,6 +10768,11 @@ static void fuzz_image_setup(FuzzCtx *c) {
     stbi_write_png_to_func(fuzz_write_func, &b, 6, 4, 1, px, 6); fuzz_add_buf(c, &b);
     stbi_write_png_to_func(fuzz_write_func, &b, 4, 4, 3, px, 12); fuzz_add_buf(c, &b);
     stbi_write_png_to_func(fuzz_write_func, &b, 3, 3, 4, px, 12); fuzz_add_buf(c, &b);
+    uint8_t grey[5 * 3 * 4];  // classes 0..3 stored as RGB and RGBA (R = G = B): masks accept them
+    for (int p = 0; p < 15; p++) { grey[4 * p] = grey[4 * p + 1] = grey[4 * p + 2] = (uint8_t)(p % 4); grey[4 * p + 3] = (uint8_t)(17 * p); }
+    stbi_write_png_to_func(fuzz_write_func, &b, 5, 3, 4, grey, 20); fuzz_add_buf(c, &b);
+    for (int p = 0; p < 15; p++) memmove(grey + 3 * p, grey + 4 * p, 3);
+    stbi_write_png_to_func(fuzz_write_func, &b, 5, 3, 3, grey, 15); fuzz_add_buf(c, &b);
     fuzz_png_seed(c, 6, 4, 8, 0, 0, 0);   // 8-bit grey: a mask
     fuzz_png_seed(c, 4, 3, 16, 0, 0, 0);  // 16-bit grey: the mask's 16-bit path
     fuzz_png_seed(c, 3, 3, 8, 3, 0, 0);   // palette with transparency (masks refuse it)
@@ -10821,6 +10828,66 @@ static uint64_t fuzz_mask_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     free(m);
     int facts[2] = {K, w % 4};
     return fuzz_hash(fuzz_hash(FUZZ_HASH0, "mask", 4), facts, sizeof facts) | 1;
+}
+
+// ---- EXIF orientation
+
+static const FuzzToken EXIF_DICT[] = {
+    TOK("\xff\xd8"), TOK("\xff\xe0"), TOK("\xff\xe1"), TOK("\xff\xda"), TOK("\xff\xd9"), TOK("\xff\xff"), TOK("Exif\0\0"),
+    TOK("MM\0*"), TOK("II*\0"), TOK("\x01\x12"), TOK("\x12\x01"), TOK("\x00\x03"), TOK("\x03\x00"),
+    TOK("\x00\x00\x00\x01"), TOK("\x01\x00\x00\x00"), TOK("\x00\x00\x00\x08"), TOK("\x08\x00\x00\x00"), TOK("\x00\x06"),
+    TOK("\x06\x00"), TOK("\x00\x09"), TOK("\xff\xff\xff\xff"), TOK("\x00\x00"),
+};
+
+// stbi_write_jpg's bytes with exif_app1(o, big) after the SOI marker
+static void fuzz_exif_seed(FuzzCtx *c, int w, int h, int quality, int o, int big) {
+    uint8_t px[17 * 9 * 3];
+    for (size_t i = 0; i < sizeof px; i++) px[i] = (uint8_t)(i * 29 + i / 7);
+    FuzzBuf jpg = {0}, b = {0};
+    stbi_write_jpg_to_func(fuzz_write_func, &jpg, w, h, 3, px, quality);
+    uint8_t app1[EXIF_APP1_LEN];
+    exif_app1(app1, o, big);
+    fuzz_buf_put(&b, jpg.p, 2);
+    fuzz_buf_put(&b, app1, sizeof app1);
+    fuzz_buf_put(&b, jpg.p + 2, jpg.n - 2);
+    fuzz_add_buf(c, &b);
+    free(jpg.p);
+}
+
+// JPEGs with every orientation in both byte orders, and a JPEG's head alone
+static void fuzz_exif_setup(FuzzCtx *c) {
+    for (int o = 1; o <= 8; o++) fuzz_exif_seed(c, o % 2 ? 17 : 8, 9, o < 5 ? 95 : 50, o, o > 2 && o < 7);
+    uint8_t head[EXIF_HEAD_APP1_END + 4];
+    fuzz_add_seed(c, head, exif_jpeg_head(head, 6, 1));
+}
+
+// exif_orientation on a copy of exactly the input's length (ASan sees a read
+// past it), then exif_orient with that orientation on an h×w image drawn
+// (1..9 each), whose pixels are their own indices: the result must hold every
+// stored pixel once. The JPEG itself is not decoded: stb_image's decoder is
+// the image target's.
+static uint64_t fuzz_exif_run(FuzzCtx *c, const uint8_t *in, size_t n) {
+    uint8_t *copy = malloc(n ? n : 1);
+    snCheck(copy != NULL, "out of host memory");
+    if (n) memcpy(copy, in, n);
+    const int o = exif_orientation(copy, n);
+    free(copy);
+    if (o < 1 || o > 8) { fuzz_invariant(c, "exif_orientation gave %d", o); return 0; }
+    c->accepted = o != 1;
+    const int h = 1 + (int)fuzz_draw(&c->rng, 9), w = 1 + (int)fuzz_draw(&c->rng, 9);
+    uint8_t src[9 * 9 * 3];
+    for (int p = 0; p < h * w; p++) src[3 * p] = src[3 * p + 1] = src[3 * p + 2] = (uint8_t)p;
+    float *dst = malloc(sizeof(float) * 3 * h * w);
+    snCheck(dst != NULL, "out of host memory");
+    exif_orient(dst, src, h, w, o);
+    int seen[81] = {0}, bad = 0;
+    for (int p = 0; p < h * w; p++) {
+        const int v = (int)dst[3 * p];
+        if (v < 0 || v >= h * w || seen[v]++ || dst[3 * p + 1] != v || dst[3 * p + 2] != v) bad = 1;
+    }
+    if (bad) fuzz_invariant(c, "exif_orient %d of %dx%d does not move every pixel once", o, w, h);
+    free(dst);
+    return fuzz_hash(fuzz_hash(FUZZ_HASH0, "exif", 4), &o, sizeof o) | 1;
 }
 
 // ---- CSV lists
@@ -10956,7 +11023,8 @@ static const FuzzToken CFG_DICT[] = {
     TOK("unet-effv2-s"), TOK("effv2-t"), TOK("classes = "), TOK("size = "), TOK("class-weights = "), TOK("augment = "),
     TOK("brightness="), TOK("contrast="), TOK("flip"), TOK("monitor = "), TOK("val_mIoU"), TOK("val_accuracy"),
     TOK("memory = "), TOK("12G"), TOK("max-pixels = "), TOK("sync-bn = "), TOK("on"), TOK("-1"), TOK("0"), TOK("1e40"),
-    TOK("nan"), TOK("inf"), TOK("2147483648"), TOK("18446744073709551616"), TOK("\x00"), TOK("\xff"),
+    TOK("nan"), TOK("inf"), TOK("2147483648"), TOK("18446744073709551616"), TOK("\x00"), TOK("\xff"), TOK("exif = "),
+    TOK("apply"),
 };
 
 // Seeds: config_text's for a segmentation run and a classifier, and a hand
@@ -11039,6 +11107,7 @@ static const FuzzTarget FUZZ_TARGETS[] = {
     {"safetensors", "input.safetensors", SF_DICT, sizeof SF_DICT / sizeof *SF_DICT, fuzz_sf_setup, fuzz_sf_run, fuzz_sf_mutate},
     {"image", "input.png", IMG_DICT, sizeof IMG_DICT / sizeof *IMG_DICT, fuzz_image_setup, fuzz_image_run, NULL},
     {"mask", "input.png", IMG_DICT, sizeof IMG_DICT / sizeof *IMG_DICT, fuzz_image_setup, fuzz_mask_run, NULL},
+    {"exif", "input.jpg", EXIF_DICT, sizeof EXIF_DICT / sizeof *EXIF_DICT, fuzz_exif_setup, fuzz_exif_run, NULL},
     {"csv", "list.csv", CSV_DICT, sizeof CSV_DICT / sizeof *CSV_DICT, fuzz_csv_setup, fuzz_csv_run, NULL},
     {"checkpoint", "input.safetensors", SF_DICT, sizeof SF_DICT / sizeof *SF_DICT, fuzz_ckpt_setup, fuzz_ckpt_run, fuzz_sf_mutate},
     {"config", "config.txt", CFG_DICT, sizeof CFG_DICT / sizeof *CFG_DICT, fuzz_config_setup, fuzz_config_run, NULL},
@@ -11394,7 +11463,7 @@ static int fuzz_usage(const char *argv0) {
             "target (default 60), at most N inputs with --runs; an input running over --hang seconds\n"
             "(default %d) is a hang. A finding is saved as DIR/TARGET-KIND-K.bin with its report in\n"
             "DIR/TARGET-KIND-K.txt (default DIR: fuzz-out); the exit status is 1 if there is one.\n"
-            "Targets: safetensors image mask csv checkpoint config (default: all). -v: the seeds' outcomes.\n"
+            "Targets: safetensors image mask exif csv checkpoint config (default: all). -v: the seeds' outcomes.\n"
             "--replay runs one saved input; --selftest checks that the harness catches planted faults.\n",
             argv0, argv0, argv0, FUZZ_HANG_S);
     return 2;
