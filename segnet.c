@@ -5947,12 +5947,122 @@ static int input_size_checked(const ModelCfg *m, char err[SN_ERR_MAX]) {
     return -1;
 }
 
-// (h,w,3) RGB values 0..255, malloc'd; NULL with err naming the file and the problem
-float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]) {
+// ---- EXIF orientation: a JPEG may say how its stored pixels are to be turned
+// for display (the Orientation tag, 0x0112, of the TIFF structure in its APP1
+// "Exif" segment). --exif ignore (the default, as tf.image.decode_jpeg and
+// Keras' loaders) reads the pixels as stored; --exif apply as displayed (PIL's
+// ImageOps.exif_transpose), the view masks are drawn on.
+
+typedef enum { EXIF_IGNORE, EXIF_APPLY } ExifMode;
+static const char *const EXIF_MODE_NAMES[] = {"ignore", "apply"};
+static ExifMode image_exif = EXIF_IGNORE;  // --exif
+
+#define JPEG_SOS 0xda                // start of scan: the entropy-coded data follows
+#define JPEG_EOI 0xd9
+#define JPEG_APP1 0xe1
+#define EXIF_HEADER "Exif\0\0"       // an APP1 segment's first bytes when it holds EXIF
+#define EXIF_HEADER_LEN 6
+#define TIFF_HEADER_LEN 8            // byte order "II"/"MM", 42, IFD0's offset
+#define TIFF_MAGIC 42
+#define TIFF_ENTRY_LEN 12            // tag, type, count, value (or its offset)
+#define TIFF_SHORT 3
+#define EXIF_ORIENTATION_TAG 0x0112
+
+// what display does to the stored pixels, by orientation 1..8 (the EXIF
+// specification's "0th row / 0th column" table)
+static const char *const EXIF_DISPLAYED[9] = {
+    NULL, "shown as stored", "mirrored left to right", "rotated 180°", "mirrored top to bottom",
+    "mirrored left to right and rotated 90° anticlockwise", "rotated 90° clockwise",
+    "mirrored left to right and rotated 90° clockwise", "rotated 90° anticlockwise"};
+
+static uint32_t tiff_u16(const uint8_t *p, int big) { return big ? (uint32_t)p[0] << 8 | p[1] : (uint32_t)p[1] << 8 | p[0]; }
+static uint32_t tiff_u32(const uint8_t *p, int big) {
+    return big ? tiff_u16(p, 1) << 16 | tiff_u16(p + 2, 1) : tiff_u16(p + 2, 0) << 16 | tiff_u16(p, 0);
+}
+
+// IFD0's Orientation in the TIFF structure t[0..n): 1..8, or 1 when it has
+// none or anything on the way is malformed (every offset checked against n).
+static int tiff_orientation(const uint8_t *t, size_t n) {
+    if (n < TIFF_HEADER_LEN) return 1;
+    const int big = !memcmp(t, "MM", 2);
+    if ((!big && memcmp(t, "II", 2)) || tiff_u16(t + 2, big) != TIFF_MAGIC) return 1;
+    const uint32_t ifd = tiff_u32(t + 4, big);
+    if (ifd < TIFF_HEADER_LEN || ifd > n - 2) return 1;
+    const uint32_t entries = tiff_u16(t + ifd, big);
+    if (entries > (n - ifd - 2) / TIFF_ENTRY_LEN) return 1;
+    for (uint32_t i = 0; i < entries; i++) {
+        const uint8_t *e = t + ifd + 2 + (size_t)TIFF_ENTRY_LEN * i;
+        if (tiff_u16(e, big) != EXIF_ORIENTATION_TAG) continue;
+        if (tiff_u16(e + 2, big) != TIFF_SHORT || tiff_u32(e + 4, big) != 1) return 1;
+        const uint32_t v = tiff_u16(e + 8, big);  // a single SHORT sits in the value field's first two bytes
+        return v >= 1 && v <= 8 ? (int)v : 1;
+    }
+    return 1;
+}
+
+// A JPEG's EXIF orientation 1..8 from its bytes b[0..n): the first APP1
+// "Exif" segment before the scan data; 1 for anything else (no tag, not a
+// JPEG, a malformed segment). Reads nothing outside b.
+static int exif_orientation(const uint8_t *b, size_t n) {
+    if (n < 2 || b[0] != 0xff || b[1] != 0xd8) return 1;
+    for (size_t p = 2; p + 4 <= n;) {
+        if (b[p] != 0xff) return 1;
+        const uint8_t marker = b[p + 1];
+        if (marker == 0xff) { p++; continue; }  // a fill byte before the marker
+        if (marker == JPEG_SOS || marker == JPEG_EOI) return 1;
+        const size_t len = (size_t)b[p + 2] << 8 | b[p + 3];  // counts its own two bytes
+        if (len < 2 || len > n - p - 2) return 1;
+        const uint8_t *seg = b + p + 4;
+        if (marker == JPEG_APP1 && len - 2 >= EXIF_HEADER_LEN && !memcmp(seg, EXIF_HEADER, EXIF_HEADER_LEN))
+            return tiff_orientation(seg + EXIF_HEADER_LEN, len - 2 - EXIF_HEADER_LEN);
+        p += 2 + len;
+    }
+    return 1;
+}
+
+// dst (H,W,3) = src (h,w,3) as displayed under orientation o: (H,W) = (w,h)
+// for 5..8. Displayed pixel (y,x) is stored pixel (sy,sx) with
+//   sy = a·(h−1) + b·y + c·x,  sx = d·(w−1) + e·y + f·x
+// ({a,b,c,d,e,f} per orientation below, from the specification's table: e.g.
+// 6, "the 0th row is the visual right-hand side, the 0th column the visual
+// top", gives sy = h−1−x, sx = y).
+static void exif_orient(float *dst, const uint8_t *src, int h, int w, int o) {
+    static const int8_t M[9][6] = {
+        {0, 1, 0, 0, 0, 1},  {0, 1, 0, 0, 0, 1},  {0, 1, 0, 1, 0, -1}, {1, -1, 0, 1, 0, -1}, {1, -1, 0, 0, 0, 1},
+        {0, 0, 1, 0, 1, 0},  {1, 0, -1, 0, 1, 0}, {1, 0, -1, 1, -1, 0}, {0, 0, 1, 1, -1, 0}};
+    const int8_t *m = M[o >= 1 && o <= 8 ? o : 1];
+    const int H = o >= 5 ? w : h, W = o >= 5 ? h : w;
+    for (int y = 0; y < H; y++)
+        for (int x = 0; x < W; x++) {
+            const int sy = m[0] * (h - 1) + m[1] * y + m[2] * x, sx = m[3] * (w - 1) + m[4] * y + m[5] * x;
+            const uint8_t *s = src + 3 * ((size_t)sy * w + sx);
+            float *d = dst + 3 * ((size_t)y * W + x);
+            d[0] = s[0]; d[1] = s[1]; d[2] = s[2];
+        }
+}
+
+// For a message about an image's size: what its EXIF orientation o did (--exif
+// apply) or would do (ignore) to it; "" when o is 1.
+static const char *exif_size_note(char *s, size_t cap, int o) {
+    if (o <= 1 || o > 8) s[0] = 0;
+    else if (image_exif == EXIF_APPLY)
+        snprintf(s, cap, " (the image's EXIF orientation %d was applied: it is read %s; --exif ignore reads images as stored)",
+                 o, EXIF_DISPLAYED[o]);
+    else
+        snprintf(s, cap, " (the image's EXIF orientation is %d, %s when displayed; --exif apply reads images as displayed)",
+                 o, EXIF_DISPLAYED[o]);
+    return s;
+}
+
+// (h,w,3) RGB values 0..255, malloc'd, as stored or as displayed (--exif);
+// *orientation: the file's EXIF orientation (1 without one). NULL with err
+// naming the file and the problem.
+static float *image_load_oriented(const char *path, int *h, int *w, int *orientation, char err[SN_ERR_MAX]) {
     size_t n;
     int hh, ww, comp;
     uint8_t *b = image_file_bytes(path, 0, &n, &hh, &ww, err);
     if (!b) return NULL;
+    *orientation = exif_orientation(b, n);
     unsigned char *px = stbi_load_from_memory(b, (int)n, w, h, &comp, 3);
     free(b);
     if (!px || *w != ww || *h != hh) {
@@ -5963,9 +6073,20 @@ float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]) {
     size_t count = (size_t)*h * *w * 3;
     float *img = malloc(sizeof(float) * count);
     snCheck(img != NULL, "out of host memory");
-    for (size_t i = 0; i < count; i++) img[i] = px[i];
+    if (image_exif == EXIF_APPLY && *orientation != 1) {
+        exif_orient(img, px, *h, *w, *orientation);
+        if (*orientation >= 5) { *h = ww; *w = hh; }
+    } else {
+        for (size_t i = 0; i < count; i++) img[i] = px[i];
+    }
     stbi_image_free(px);
     return img;
+}
+
+// (h,w,3) RGB values 0..255, malloc'd, as --exif says; NULL with err naming the file and the problem
+float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]) {
+    int orientation;
+    return image_load_oriented(path, h, w, &orientation, err);
 }
 
 // a path as a CSV field: quoted (with "" for ") when it holds a comma, quote or newline
@@ -6737,23 +6858,30 @@ static int list_csv(Dataset *d, const char *csv, const Dataset *names_from, char
     return 0;
 }
 
-// A mask's class indices (h,w): the first channel of an 8- or 16-bit PNG. Its
-// size must be the image's (ih,iw) and every value below K. A palette PNG is
-// refused: stb_image expands a palette to colours, losing the indices.
-static uint8_t *mask_load(const char *path, int ih, int iw, int K, char err[SN_ERR_MAX]) {
+// A mask's class indices (h,w): the stored values of a PNG's pixels. Grey of
+// 1 to 16 bits, grey + alpha (alpha ignored), or RGB(A) whose every pixel has
+// R = G = B (grey stored as colour); a pixel of differing R, G, B is refused
+// (a colour-coded mask has no class indices), as is a palette PNG (stb_image
+// gives its colours, not the indices). Its size must be the image's (ih,iw),
+// whose EXIF orientation a mismatch mentions, and every value below K.
+static uint8_t *mask_load(const char *path, int ih, int iw, int image_orientation, int K, char err[SN_ERR_MAX]) {
     size_t n;
     int h, w, comp, hh, ww;
     uint8_t *b = image_file_bytes(path, 1, &n, &hh, &ww, err);
     if (!b) return NULL;
     // IHDR, the PNG's first chunk: bit depth at byte 24, colour type at 25
     const int ihdr = n >= 26 && !memcmp(b + 12, "IHDR", 4);
-    if (ihdr && b[25] == 3) {
+    const int depth = ihdr ? b[24] : 8, colour = ihdr ? b[25] : 0;
+    if (colour == 3) {
         free(b);
         snprintf(err, SN_ERR_MAX, "%s: a palette PNG (stb_image gives its colours, not the class indices): "
                  "save masks as 8-bit grey", path);
         return NULL;
     }
-    const int deep = ihdr && b[24] == 16;
+    // stb_image scales 1-, 2- and 4-bit grey to 8 bits, v·255/(2^depth − 1): divided back, exactly
+    const int grey_scale = colour == 0 && (depth == 1 || depth == 2 || depth == 4) ? 255 / ((1 << depth) - 1) : 1;
+    const int deep = depth == 16;
+    // req_comp 0: the file's channels, comp of them (with tRNS's alpha counted)
     void *px = deep ? (void *)stbi_load_16_from_memory(b, (int)n, &w, &h, &comp, 0) : (void *)stbi_load_from_memory(b, (int)n, &w, &h, &comp, 0);
     free(b);
     if (!px || w != ww || h != hh) {
@@ -6763,20 +6891,31 @@ static uint8_t *mask_load(const char *path, int ih, int iw, int K, char err[SN_E
     }
     uint8_t *m = NULL;
     if (w != iw || h != ih) {
-        snprintf(err, SN_ERR_MAX, "%s: mask is %dx%d but its image is %dx%d", path, w, h, iw, ih);
+        char note[SN_ERR_MAX];
+        snprintf(err, SN_ERR_MAX, "%s: mask is %dx%d but its image is %dx%d%s", path, w, h, iw, ih,
+                 exif_size_note(note, sizeof note, image_orientation));
     } else {
         m = malloc((size_t)h * w);
         snCheck(m != NULL, "out of host memory");
         for (size_t p = 0; p < (size_t)h * w; p++) {
-            int v = deep ? ((const uint16_t *)px)[p * comp] : ((const uint8_t *)px)[p * comp];
-            if (v >= K) {
-                snprintf(err, SN_ERR_MAX, "%s: pixel (%d,%d) has class %d, but there are %d classes (0..%d)", path,
-                         (int)(p % w), (int)(p / w), v, K, K - 1);
-                free(m);
-                m = NULL;
-                break;
+            int v[3];
+            for (int c = 0; c < 3; c++) {
+                const size_t i = p * comp + (comp >= 3 ? c : 0);
+                v[c] = deep ? ((const uint16_t *)px)[i] : ((const uint8_t *)px)[i];
             }
-            m[p] = (uint8_t)v;
+            if (v[1] != v[0] || v[2] != v[0]) {
+                snprintf(err, SN_ERR_MAX, "%s: pixel (%d,%d) has the colour (%d,%d,%d), not a class index: save masks as "
+                         "8-bit grey, pixel value = class index", path, (int)(p % w), (int)(p / w), v[0], v[1], v[2]);
+            } else if (v[0] / grey_scale >= K) {
+                snprintf(err, SN_ERR_MAX, "%s: pixel (%d,%d) has class %d, but there are %d classes (0..%d)", path,
+                         (int)(p % w), (int)(p / w), v[0] / grey_scale, K, K - 1);
+            } else {
+                m[p] = (uint8_t)(v[0] / grey_scale);
+                continue;
+            }
+            free(m);
+            m = NULL;
+            break;
         }
     }
     stbi_image_free(px);
@@ -6818,10 +6957,10 @@ static void sample_bytes(const Dataset *d, int i, uint8_t *scratch, uint8_t **rg
 
 // Sample i decoded, checked and resized: rgb (H,W,3), mask (H,W) (segmentation).
 static int sample_load(const Dataset *d, int i, uint8_t *rgb, uint8_t *mask, char err[SN_ERR_MAX]) {
-    int h, w;
-    float *img = image_load_rgb(d->images[i], &h, &w, err);
+    int h, w, orientation;
+    float *img = image_load_oriented(d->images[i], &h, &w, &orientation, err);
     if (!img) return -1;
-    uint8_t *m = d->segmentation ? mask_load(d->masks[i], h, w, d->classes, err) : NULL;
+    uint8_t *m = d->segmentation ? mask_load(d->masks[i], h, w, orientation, d->classes, err) : NULL;
     int ok = !d->segmentation || m;
     if (ok) image_to_bytes(rgb, d->height, d->width, img, h, w);
     if (m) mask_resize(mask, d->height, d->width, m, h, w);
@@ -8840,6 +8979,7 @@ static void config_text(const TrainCfg *c, SfBuf *b) {
     // the replica count is not a setting of the run: any count (or mpirun) continues it
     CFG("sync-bn = %s\n", c->sync_bn ? "on" : "off");
     CFG("log-every = %d\ntrain-eval = %s\n", c->log_every, c->train_eval ? "on" : "off");
+    CFG("exif = %s\n", EXIF_MODE_NAMES[image_exif]);  // process-wide, as --max-pixels, but it changes what the run sees
 #undef CFG
 }
 
@@ -9908,6 +10048,14 @@ static int parse_max_pixels(const char *flag, const char *v) {
     return 0;
 }
 
+// --exif ignore|apply: images as stored or as their EXIF orientation displays them (process-wide, like --max-pixels)
+static int parse_exif(const char *flag, const char *v) {
+    for (int k = 0; k < 2; k++)
+        if (!strcmp(v, EXIF_MODE_NAMES[k])) { image_exif = (ExifMode)k; return 0; }
+    fprintf(stderr, "segnet: %s '%s' must be ignore or apply\n", flag, v);
+    return -1;
+}
+
 // Parses the model options shared by plan (and later train, predict, bench).
 // Returns the number of arguments consumed at argv[i] (0: not a model option), -1 on error.
 static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
@@ -10053,7 +10201,7 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
                                         "--early-stopping", "--augment", "--seed", "--threads", "--workers", "--loss-norm",
                                         "--run", "--precision", "--accum", "--freeze", "--unfreeze-last", "--checkpoint",
                                         "--memory", "--device", "--replicas", "--allow-missing", "--monitor", "--min-delta",
-                                        "--max-pixels", "--log-every"};
+                                        "--max-pixels", "--log-every", "--exif"};
     int known = 0;
     for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
     if (!known) return 0;
@@ -10082,6 +10230,7 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     }
     else if (!strcmp(f, "--threads")) rc = parse_int(f, v, 1, 4096, &c->threads);
     else if (!strcmp(f, "--max-pixels")) rc = parse_max_pixels(f, v);
+    else if (!strcmp(f, "--exif")) rc = parse_exif(f, v);
     else if (!strcmp(f, "--workers")) rc = parse_int(f, v, 1, 256, &c->workers);
     else if (!strcmp(f, "--accum")) rc = parse_int(f, v, 1, SN_MAX_ACCUM, &c->accum);
     else if (!strcmp(f, "--log-every")) rc = parse_int(f, v, 0, 1 << 30, &c->log_every);
@@ -10349,6 +10498,10 @@ static const char *TRAIN_USAGE =
     "  --workers N           data loading threads (default 1)\n"
     "  --max-pixels N        refuse an image whose header declares more than N pixels\n"
     "                        (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) "), before decoding it\n"
+    "  --exif MODE           a JPEG's EXIF orientation (a phone's turned photos): ignore\n"
+    "                        (default: the pixels as stored, as tf.image and Keras) or\n"
+    "                        apply (as displayed: the view masks are drawn on); kept\n"
+    "                        in config.txt for --resume, eval --run and predict --run\n"
     "  --padding MODE        EfficientNetV2 convs: same or symmetric; default: as the\n"
     "                        --weights were trained (torchvision names symmetric,\n"
     "                        timm's SAME, segnet's recorded), else same\n"
@@ -10377,7 +10530,9 @@ static const char *EVAL_USAGE =
     "  --batch B    images per forward pass (default 8)\n"
     "  --device D   auto (default), cuda or cpu, as for segnet train\n"
     "  --threads T  CPU threads\n"
-    "  --max-pixels N  the largest image, width × height (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) ")\n";
+    "  --max-pixels N  the largest image, width × height (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) ")\n"
+    "  --exif MODE     ignore or apply a JPEG's EXIF orientation, as for segnet\n"
+    "                  train (default: the run's, else ignore)\n";
 
 // --memory: choose the setting, print what was tried and picked; -1 if nothing fits
 static int pick_setting(TrainArgs *a, const char *cmd, FILE *out) {
@@ -10578,7 +10733,10 @@ static const char *PREDICT_USAGE =
     "  --width W           unet channels at the top level, as trained (default 32)\n"
     "  --device D          auto (default), cuda or cpu, as for segnet train\n"
     "  --threads T         CPU threads (default: all cores)\n"
-    "  --max-pixels N      the largest image, width × height (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) ")\n";
+    "  --max-pixels N      the largest image, width × height (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) ")\n"
+    "  --exif MODE         ignore (default; with --run: the run's) or apply a JPEG's EXIF\n"
+    "                      orientation, as for segnet train; the outputs are of the\n"
+    "                      image as read\n";
 
 static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
     PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO, NULL, 0, 0};
@@ -10601,9 +10759,9 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
         if (!strcmp(f, "--last")) { last = 1; i++; continue; }
         if (!strcmp(f, "--overwrite")) { pc.overwrite = 1; i++; continue; }
         if (!strcmp(f, "--run")) { i += 2; continue; }
-        if (!strcmp(f, "--max-pixels")) {
-            if (i + 1 >= argc) { fprintf(stderr, "segnet predict: --max-pixels needs a value\n"); return 2; }
-            if (parse_max_pixels(f, argv[i + 1])) return 2;
+        if (!strcmp(f, "--max-pixels") || !strcmp(f, "--exif")) {
+            if (i + 1 >= argc) { fprintf(stderr, "segnet predict: %s needs a value\n", f); return 2; }
+            if ((!strcmp(f, "--exif") ? parse_exif : parse_max_pixels)(f, argv[i + 1])) return 2;
             i += 2;
             continue;
         }

@@ -1032,7 +1032,8 @@ typedef struct { char **paths; int n, cap; } PathList;
 // a folder's *.png/*.jpg/*.jpeg (sorted), or the first column of a CSV
 int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]);
 void path_list_free(PathList *l);
-// (h,w,3) RGB values 0..255, malloc'd; NULL with err naming the file
+// (h,w,3) RGB values 0..255, malloc'd, as stored or, with --exif apply, as a
+// JPEG's EXIF orientation displays it; NULL with err naming the file
 float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]);
 
 typedef struct {

@@ -9,6 +9,8 @@
 #include <signal.h>
 #include <sys/wait.h>
 #include <malloc.h>
+#include <sys/mman.h>
+#include <setjmp.h>
 #include <stb_image_write.h>  // Debian libstb-dev (implementation in libstb.so): test images
 
 // the CUDA backend under the emulator (cuda_emu.cpp), not on a GPU (test_segnet_gpu)
@@ -3249,8 +3251,8 @@ TEST(dataset_seg_round_trip) {
     Rng r; rng_seed(&r, 5);
     uint8_t *img[2] = {ds_random(&r, 3 * P, 256), ds_random(&r, 3 * P, 256)};
     uint8_t *cls[2] = {ds_random(&r, P, K), ds_random(&r, P, K)};
-    uint8_t rgb_mask[3 * 20];  // b's mask as RGB: the class is the first channel, the others are not classes
-    for (int p = 0; p < P; p++) { rgb_mask[3 * p] = cls[1][p]; rgb_mask[3 * p + 1] = 200; rgb_mask[3 * p + 2] = 9; }
+    uint8_t rgb_mask[3 * 20];  // b's mask as RGB with R = G = B: grey stored as colour (mask_colour: the rest)
+    for (int p = 0; p < P; p++) rgb_mask[3 * p] = rgb_mask[3 * p + 1] = rgb_mask[3 * p + 2] = cls[1][p];
     ds_png(dir, "images/a.png", W, H, 3, img[0]);
     ds_png(dir, "masks/a.png", W, H, 1, cls[0]);
     ds_png(dir, "images/b.png", W, H, 3, img[1]);
@@ -3645,8 +3647,9 @@ TEST(dataset_bad_input) {
     ds_remove(dir);
 }
 
-// PNGs that stb_image_write cannot write (16-bit, palette), by hand: IHDR, an
-// optional PLTE, one IDAT of rows with filter byte 0, IEND; chunk CRCs as PNG's
+// PNGs that stb_image_write cannot write (1-, 2-, 4-, 16-bit, palette, tRNS),
+// by hand: IHDR, an optional PLTE or tRNS, one IDAT of rows with filter byte 0,
+// IEND; chunk CRCs as PNG's
 unsigned char *stbi_zlib_compress(unsigned char *data, int data_len, int *out_len, int quality);  // libstb.so
 
 static uint32_t png_crc(const uint8_t *p, size_t n, uint32_t c) {
@@ -3666,30 +3669,40 @@ static void png_chunk(FILE *f, const char *type, const uint8_t *data, uint32_t n
     uint8_t cb[4] = {(uint8_t)(crc >> 24), (uint8_t)(crc >> 16), (uint8_t)(crc >> 8), (uint8_t)crc};
     fwrite(cb, 1, 4, f);
 }
-// one channel (grey, or palette indices with plte of n_plte RGB entries); samples 8 or 16 bits big-endian
-static void png_by_hand(const char *path, int w, int h, int depth, const uint16_t *samples, const uint8_t *plte, int n_plte) {
+// One channel (grey, or palette indices with plte of n_plte RGB entries).
+// Samples of 1, 2 or 4 bits are packed into bytes from the most significant
+// bit, each row padded to a whole byte; 8 bits; or 16 bits big-endian.
+// trns_grey >= 0 (grey only): a tRNS chunk making that grey value transparent.
+static void png_by_hand_trns(const char *path, int w, int h, int depth, const uint16_t *samples, const uint8_t *plte,
+                             int n_plte, int trns_grey) {
     FILE *f = fopen(path, "wb");
     CHECK(f != NULL, "creating %s", path);
     if (!f) return;
-    const int row = 1 + w * depth / 8;
+    const int row = 1 + (w * depth + 7) / 8;
     uint8_t ihdr[13] = {0, 0, 0, (uint8_t)w, 0, 0, 0, (uint8_t)h, (uint8_t)depth, (uint8_t)(plte ? 3 : 0), 0, 0, 0};
     uint8_t *raw = calloc((size_t)row * h, 1);
     for (int y = 0; y < h; y++)
         for (int x = 0; x < w; x++) {
             uint16_t v = samples[y * w + x];
-            if (depth == 16) { raw[y * row + 1 + 2 * x] = (uint8_t)(v >> 8); raw[y * row + 2 + 2 * x] = (uint8_t)v; }
-            else raw[y * row + 1 + x] = (uint8_t)v;
+            uint8_t *r = raw + (size_t)y * row + 1;
+            if (depth == 16) { r[2 * x] = (uint8_t)(v >> 8); r[2 * x + 1] = (uint8_t)v; }
+            else if (depth == 8) r[x] = (uint8_t)v;
+            else r[x * depth / 8] |= (uint8_t)(v << (8 - depth - x * depth % 8));
         }
     int zn = 0;
     uint8_t *z = stbi_zlib_compress(raw, row * h, &zn, 8);
     fwrite("\x89PNG\r\n\x1a\n", 1, 8, f);
     png_chunk(f, "IHDR", ihdr, 13);
     if (plte) png_chunk(f, "PLTE", plte, (uint32_t)(3 * n_plte));
+    if (trns_grey >= 0) png_chunk(f, "tRNS", (const uint8_t[]){(uint8_t)(trns_grey >> 8), (uint8_t)trns_grey}, 2);
     png_chunk(f, "IDAT", z, (uint32_t)zn);
     png_chunk(f, "IEND", NULL, 0);
     fclose(f);
     free(z);
     free(raw);
+}
+static void png_by_hand(const char *path, int w, int h, int depth, const uint16_t *samples, const uint8_t *plte, int n_plte) {
+    png_by_hand_trns(path, w, h, depth, samples, plte, n_plte, -1);
 }
 
 TEST(dataset_mask_formats) {
@@ -3721,6 +3734,104 @@ TEST(dataset_mask_formats) {
     uint8_t *rgb = stbi_load(path, &w, &h, &n, 0);
     CHECK(rgb && n == 3 && rgb[3] == 255, "the hand-made palette PNG decodes (to colours)");
     stbi_image_free(rgb);
+    ds_remove(dir);
+}
+
+// Issue 31, finding 6: a 1-, 2- or 4-bit grey mask gives its stored values.
+// stb_image scales them to 8 bits (×255, ×85, ×17 for depths 1, 2, 4), so
+// without the division back a stored 1 was class 255, 85 or 17. Width 5
+// makes every depth pad its rows (5, 10, 20 bits).
+TEST(mask_low_depth) {
+    char dir[300], path[400], err[SN_ERR_MAX] = "";
+    ds_fixture(dir, sizeof dir, "mask_depth", SEG_SUBS, 2);
+    snprintf(path, sizeof path, "%s/masks/a.png", dir);
+    enum { W = 5, H = 3, P = W * H };
+    static const int SCALE[5] = {0, 255, 85, 0, 17};  // 255 / (2^depth - 1), by hand
+    for (int depth = 1; depth <= 4; depth *= 2) {
+        const int levels = 1 << depth;
+        uint16_t v[P];
+        for (int p = 0; p < P; p++) v[p] = (uint16_t)((p * 7 + depth) % levels);  // depth 4: 15 distinct values
+        png_by_hand(path, W, H, depth, v, NULL, 0);
+        int w, h, n;
+        uint8_t *stb = stbi_load(path, &w, &h, &n, 0);
+        int scaled = stb && w == W && h == H && n == 1;
+        for (int p = 0; scaled && p < P; p++) scaled = stb[p] == v[p] * SCALE[depth];
+        CHECK(scaled, "depth %d: stb_image no longer gives v*%d (the fix divides by it)", depth, SCALE[depth]);
+        stbi_image_free(stb);
+        uint8_t *m = mask_load(path, H, W, 1, levels, err);
+        CHECK(m != NULL, "depth %d: %s", depth, err);
+        for (int p = 0; m && p < P; p++) CHECK(m[p] == v[p], "depth %d, pixel %d: class %d, stored %d", depth, p, m[p], v[p]);
+        free(m);
+        // the same through a transparent grey (tRNS: stb_image adds an alpha channel)
+        png_by_hand_trns(path, W, H, depth, v, NULL, 0, 0);
+        m = mask_load(path, H, W, 1, levels, err);
+        CHECK(m != NULL, "depth %d with tRNS: %s", depth, err);
+        for (int p = 0; m && p < P; p++) CHECK(m[p] == v[p], "depth %d with tRNS, pixel %d: class %d, stored %d", depth, p, m[p], v[p]);
+        free(m);
+        // the largest stored value, levels - 1, with levels - 1 classes: named as stored
+        png_by_hand(path, W, H, depth, v, NULL, 0);
+        int first = 0;
+        while (v[first] != levels - 1) first++;
+        char want[128];
+        snprintf(want, sizeof want, "masks/a.png: pixel (%d,%d) has class %d, but there are %d classes", first % W, first / W,
+                 levels - 1, levels - 1);
+        m = mask_load(path, H, W, 1, levels - 1, err);
+        CHECK(!m && contains(err, want), "depth %d out of range: '%s', want '%s'", depth, err, want);
+        free(m);
+    }
+    // the finding's case: a 4-bit mask of {0, 1} with 18 classes, through the data set
+    uint16_t v[P];
+    for (int p = 0; p < P; p++) v[p] = (uint16_t)(p % 3 == 1);
+    png_by_hand(path, W, H, 4, v, NULL, 0);
+    uint8_t px[P * 3] = {0};
+    ds_png(dir, "images/a.png", W, H, 3, px);
+    Dataset d;
+    float x[P * 3];
+    int32_t y[P];
+    const int idx = 0;
+    int rc = dataset_open(&d, dir, 1, 18, H, W, 1 << 20, 1, err);
+    CHECK(rc == 0 && dataset_batch(&d, &idx, 1, NULL, 0, x, y, err) == 0, "4-bit mask, 18 classes: %s", err);
+    for (int p = 0; rc == 0 && p < P; p++) CHECK(y[p] == v[p], "pixel %d: class %d, stored %d", p, y[p], v[p]);
+    if (rc == 0) dataset_free(&d);
+    ds_remove(dir);
+}
+
+// Issue 31, finding 7: a colour mask (pixels of differing R, G, B) is refused,
+// naming the first such pixel and its colour; RGB and RGBA whose pixels all
+// have R = G = B, and grey + alpha, give the grey value (alpha ignored).
+TEST(mask_colour) {
+    char dir[300], path[400], err[SN_ERR_MAX] = "";
+    ds_fixture(dir, sizeof dir, "mask_colour", SEG_SUBS, 2);
+    snprintf(path, sizeof path, "%s/masks/a.png", dir);
+    enum { W = 4, H = 3, P = W * H };
+    static const uint8_t CLS[P] = {0, 1, 2, 3, 3, 2, 1, 0, 1, 1, 2, 2};
+    uint8_t px[P * 4];
+    for (int comp = 2; comp <= 4; comp++) {  // grey + alpha, RGB, RGBA
+        for (int p = 0; p < P; p++)
+            for (int c = 0; c < comp; c++)
+                px[p * comp + c] = (comp % 2 == 0 && c == comp - 1) ? (uint8_t)(255 - 20 * p) : CLS[p];  // alpha varies
+        CHECK(stbi_write_png(path, W, H, comp, px, W * comp) != 0, "writing %s", path);
+        uint8_t *m = mask_load(path, H, W, 1, 4, err);
+        CHECK(m != NULL, "%d channels: %s", comp, err);
+        for (int p = 0; m && p < P; p++) CHECK(m[p] == CLS[p], "%d channels, pixel %d: class %d, want %d", comp, p, m[p], CLS[p]);
+        free(m);
+    }
+    // classes as colours: black 0, green, blue; the first coloured pixel is (2,1)
+    memset(px, 0, sizeof px);
+    px[3 * 6 + 1] = 255;   // pixel 6 = (2,1): (0,255,0)
+    px[3 * 9 + 2] = 255;   // pixel 9 = (1,2): (0,0,255)
+    ds_png(dir, "masks/a.png", W, H, 3, px);
+    uint8_t *m = mask_load(path, H, W, 1, 4, err);
+    CHECK(!m && contains(err, "masks/a.png: pixel (2,1) has the colour (0,255,0), not a class index") &&
+          contains(err, "8-bit grey, pixel value = class index") && !strchr(err, '\n'), "RGB classes: '%s'", err);
+    free(m);
+    // RGBA: one channel off by one is colour too (no channel is preferred)
+    for (int p = 0; p < P; p++) { px[4 * p] = px[4 * p + 1] = px[4 * p + 2] = 1; px[4 * p + 3] = 255; }
+    px[4 * 11 + 2] = 2;    // pixel 11 = (3,2): (1,1,2)
+    CHECK(stbi_write_png(path, W, H, 4, px, W * 4) != 0, "writing %s", path);
+    m = mask_load(path, H, W, 1, 4, err);
+    CHECK(!m && contains(err, "masks/a.png: pixel (3,2) has the colour (1,1,2)"), "RGBA: '%s'", err);
+    free(m);
     ds_remove(dir);
 }
 
@@ -9293,7 +9404,7 @@ TEST(image_files_checked) {
     img = image_load_rgb(path, &h, &w, err);
     CHECK(img && h == 8 && w == 8, "JPEG content named .png is an image: %s", img ? "" : err);
     free(img);
-    uint8_t *m = mask_load(path, 8, 8, 3, err);
+    uint8_t *m = mask_load(path, 8, 8, 1, 3, err);
     CHECK(!m && contains(err, "photo.png: holds JPEG data, but a mask must be a PNG"), "'%s'", err);
     free(m);
     snprintf(path, sizeof path, "%s/text.png", dir);
@@ -9539,6 +9650,360 @@ TEST(plan_refuses_huge) {
     char msg[4096];
     CHECK(run_segnet("plan --model unet --depth 8 --width 65536 --size 32768x32768 --batch 65536", msg, sizeof msg) == 1 &&
           contains(msg, "a plan can hold"), "segnet plan: %s", msg);
+}
+
+// ---- EXIF orientation (issue 31, finding 14): the tag read strictly, the
+// eight orientations applied with --exif apply, size mismatches naming it
+
+static void tiff_put16(uint8_t *p, uint32_t v, int big) {
+    p[big ? 0 : 1] = (uint8_t)(v >> 8);
+    p[big ? 1 : 0] = (uint8_t)v;
+}
+static void tiff_put32(uint8_t *p, uint32_t v, int big) {
+    tiff_put16(p + (big ? 0 : 2), v >> 16, big);
+    tiff_put16(p + (big ? 2 : 0), v & 0xffff, big);
+}
+
+// An APP1 segment, marker to end (EXIF_APP1_LEN bytes): "Exif\0\0", then a
+// TIFF header in byte order MM (big) or II whose IFD0 (at offset 8) has two
+// entries, Make = "ab" (ASCII, 3 bytes inline) and Orientation = o (SHORT,
+// count 1), and no next IFD. Where its fields are, from the marker:
+#define EXIF_APP1_LEN   48  // 2 marker + 2 length + 6 "Exif\0\0" + 38 TIFF
+#define EXIF_AT_TIFF    10  // byte order; 12: 42; 14: IFD0's offset
+#define EXIF_AT_COUNT   18  // IFD0's entry count
+#define EXIF_AT_ORIENT  32  // the Orientation entry: tag; 34 type; 36 count; 40 value
+static void exif_app1(uint8_t s[EXIF_APP1_LEN], int o, int big) {
+    memset(s, 0, EXIF_APP1_LEN);
+    s[0] = 0xff; s[1] = 0xe1;
+    s[2] = 0; s[3] = EXIF_APP1_LEN - 2;  // JPEG lengths are big-endian whatever the TIFF's order
+    memcpy(s + 4, "Exif\0\0", 6);
+    uint8_t *t = s + EXIF_AT_TIFF;
+    memcpy(t, big ? "MM" : "II", 2);
+    tiff_put16(t + 2, 42, big);
+    tiff_put32(t + 4, 8, big);
+    tiff_put16(t + 8, 2, big);
+    tiff_put16(t + 10, 0x010f, big); tiff_put16(t + 12, 2, big); tiff_put32(t + 14, 3, big); memcpy(t + 18, "ab", 3);
+    tiff_put16(t + 22, 0x0112, big); tiff_put16(t + 24, 3, big); tiff_put32(t + 26, 1, big); tiff_put16(t + 30, (uint32_t)o, big);
+}
+
+// The head of a JPEG as a phone writes it: SOI, APP0 (JFIF), the APP1 above,
+// then the start of a scan. Returns its length; the APP1 ends at EXIF_HEAD_APP1_END.
+#define EXIF_HEAD_APP1_AT  20
+#define EXIF_HEAD_APP1_END (EXIF_HEAD_APP1_AT + EXIF_APP1_LEN)
+static size_t exif_jpeg_head(uint8_t *b, int o, int big) {
+    static const uint8_t SOI_APP0[EXIF_HEAD_APP1_AT] = {0xff, 0xd8, 0xff, 0xe0, 0, 16, 'J', 'F', 'I', 'F', 0, 1, 1, 0, 0, 1, 0, 1, 0, 0};
+    memcpy(b, SOI_APP0, sizeof SOI_APP0);
+    exif_app1(b + EXIF_HEAD_APP1_AT, o, big);
+    memcpy(b + EXIF_HEAD_APP1_END, "\xff\xda\x00\x02", 4);
+    return EXIF_HEAD_APP1_END + 4;
+}
+
+// n bytes at the end of a readable page that an unreadable one follows: a
+// read past the end faults. guarded_free unmaps it.
+static const uint8_t *guarded_copy(const uint8_t *src, size_t n) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    snCheck(n <= page, "guarded_copy: %zu bytes", n);
+    uint8_t *map = mmap(NULL, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    snCheck(map != MAP_FAILED && mprotect(map + page, page, PROT_NONE) == 0, "guarded_copy: mmap");
+    if (n) memcpy(map + page - n, src, n);
+    return map + page - n;
+}
+static void guarded_free(const uint8_t *b, size_t n) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    munmap((uint8_t *)b + n - page, 2 * page);
+}
+// exif_orientation on a guarded copy of b[0..n); -1 when it read past the end
+// (the fault caught, so that the test fails instead of the run)
+static sigjmp_buf g_guard_jump;
+static void guard_fault(int sig) { (void)sig; siglongjmp(g_guard_jump, 1); }
+static int exif_orientation_guarded(const uint8_t *b, size_t n) {
+    const uint8_t *g = guarded_copy(b, n);
+    struct sigaction sa, old;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = guard_fault;
+    sigaction(SIGSEGV, &sa, &old);
+    volatile int o = -1;
+    if (!sigsetjmp(g_guard_jump, 1)) o = exif_orientation(g, n);
+    sigaction(SIGSEGV, &old, NULL);
+    guarded_free(g, n);
+    return o;
+}
+
+TEST(exif_orientation_reader) {
+    uint8_t b[256], v[256];
+    // (a result of -1: the reader read past the end of its bytes)
+    // every orientation in both byte orders; every shorter prefix (a file cut
+    // short) gives 1 until the whole APP1 segment is there
+    for (int big = 0; big < 2; big++)
+        for (int o = 1; o <= 8; o++) {
+            const size_t n = exif_jpeg_head(b, o, big);
+            for (size_t k = 0; k <= n; k++) {
+                const int want = k >= EXIF_HEAD_APP1_END ? o : 1, got = exif_orientation_guarded(b, k);
+                CHECK(got == want, "%s, orientation %d, first %zu of %zu bytes: %d, want %d", big ? "MM" : "II", o, k, n, got, want);
+            }
+        }
+    // malformed: each gives 1, read whole and cut at the APP1 segment's end
+    // (a guarded page after each: a read past the end faults)
+    const size_t n = exif_jpeg_head(b, 6, 1);
+    const uint8_t *t = b + EXIF_HEAD_APP1_AT + EXIF_AT_TIFF;
+    const size_t T = t - b, C = T + (EXIF_AT_COUNT - EXIF_AT_TIFF), O = T + (EXIF_AT_ORIENT - EXIF_AT_TIFF);
+    struct { const char *what; size_t at; const char *bytes; size_t len; } bad[] = {
+        {"byte order IM", T, "IM", 2},
+        {"II with a big-endian 42", T, "II\x00\x2a", 4},
+        {"not 42", T + 2, "\x00\x2b", 2},
+        {"IFD0 at 0xfffffff0", T + 4, "\xff\xff\xff\xf0", 4},
+        {"IFD0 at the TIFF's last byte", T + 4, "\x00\x00\x00\x25", 4},
+        {"IFD0 where only its count fits", T + 4, "\x00\x00\x00\x24", 4},
+        {"IFD0 inside the header", T + 4, "\x00\x00\x00\x04", 4},
+        {"65535 entries", C, "\xff\xff", 2},
+        {"3 entries where 2 fit", C, "\x00\x03", 2},
+        {"Orientation a LONG", O + 2, "\x00\x04", 2},
+        {"Orientation of count 2", O + 4, "\x00\x00\x00\x02", 4},
+        {"Orientation 0", O + 8, "\x00\x00", 2},
+        {"Orientation 9", O + 8, "\x00\x09", 2},
+        {"no Orientation tag", O, "\x01\x13", 2},
+        {"APP1 of length 1", EXIF_HEAD_APP1_AT + 2, "\x00\x01", 2},
+        {"APP1 longer than the file", EXIF_HEAD_APP1_AT + 2, "\xff\xff", 2},
+        {"Exif\\0X", EXIF_HEAD_APP1_AT + 9, "X", 1},
+        {"no marker after APP0", EXIF_HEAD_APP1_AT, "\x00", 1},
+        {"a scan before the APP1", EXIF_HEAD_APP1_AT + 1, "\xda", 1},
+        {"not a JPEG", 0, "\x89PNG", 4},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof *bad; k++) {
+        memcpy(v, b, n);
+        memcpy(v + bad[k].at, bad[k].bytes, bad[k].len);
+        CHECK(exif_orientation_guarded(v, n) == 1, "%s: orientation %d", bad[k].what, exif_orientation_guarded(v, n));
+        CHECK(exif_orientation_guarded(v, EXIF_HEAD_APP1_END) == 1, "%s, cut after the APP1: not 1", bad[k].what);
+    }
+    // a TIFF shorter than its IFD: the segment's length says 30 of its 38 bytes
+    memcpy(v, b, n);
+    v[EXIF_HEAD_APP1_AT + 3] -= 8;
+    CHECK(exif_orientation_guarded(v, EXIF_HEAD_APP1_END - 8) == 1, "an IFD past the segment's end");
+    CHECK(exif_orientation_guarded(b, 0) == 1 && exif_orientation_guarded(b, 1) == 1, "0 or 1 bytes");
+    // found past another APP1 (XMP) and fill bytes
+    static const uint8_t XMP[] = {0xff, 0xe1, 0, 12, 'h', 't', 't', 'p', ':', '/', '/', 'n', 's', '.'};
+    size_t m = 0;
+    memcpy(v, b, EXIF_HEAD_APP1_AT); m = EXIF_HEAD_APP1_AT;
+    memcpy(v + m, XMP, sizeof XMP); m += sizeof XMP;
+    v[m++] = 0xff; v[m++] = 0xff;  // fill bytes before the next marker
+    memcpy(v + m, b + EXIF_HEAD_APP1_AT, EXIF_APP1_LEN); m += EXIF_APP1_LEN;
+    CHECK(exif_orientation_guarded(v, m) == 6, "after an XMP APP1 and fill bytes: %d", exif_orientation_guarded(v, m));
+}
+
+// A JPEG of stored size w×h written by stb_image_write (quality 100: every
+// quantiser 1, no chroma subsampling), with exif_app1(o, big) spliced in after
+// its SOI marker (o 0: none).
+typedef struct { uint8_t *p; size_t n, cap; } TestBytes;
+static void test_bytes_put(void *ctx, void *data, int size) {
+    TestBytes *b = ctx;
+    if (b->n + (size_t)size > b->cap) {
+        b->cap = 2 * (b->n + (size_t)size);
+        b->p = realloc(b->p, b->cap);
+        snCheck(b->p != NULL, "out of host memory");
+    }
+    memcpy(b->p + b->n, data, (size_t)size);
+    b->n += (size_t)size;
+}
+static void jpeg_with_exif(const char *path, int w, int h, const uint8_t *rgb, int o, int big) {
+    TestBytes jpg = {0};
+    CHECK(stbi_write_jpg_to_func(test_bytes_put, &jpg, w, h, 3, rgb, 100) != 0, "encoding %s", path);
+    uint8_t app1[EXIF_APP1_LEN];
+    exif_app1(app1, o, big);
+    TestBytes out = {0};
+    test_bytes_put(&out, jpg.p, 2);
+    if (o) test_bytes_put(&out, app1, EXIF_APP1_LEN);
+    test_bytes_put(&out, jpg.p + 2, (int)jpg.n - 2);
+    CHECK(write_file_bytes(path, out.p, out.n) == 0, "writing %s", path);
+    free(jpg.p);
+    free(out.p);
+}
+
+// The EXIF table: "the 0th row is the visual <row side>, the 0th column the
+// visual <column side>" (Top, Bottom, Left, Right) for orientations 1..8.
+static const char EXIF_SIDES[9][3] = {"", "TL", "TR", "BR", "BL", "LT", "RT", "RB", "LB"};
+// Where stored pixel (sy,sx) of an h×w image is displayed: stored rows run away
+// from the row side, stored columns away from the column side.
+static void exif_displayed_at(int o, int h, int w, int sy, int sx, int *dy, int *dx) {
+    const int H = o >= 5 ? w : h, W = o >= 5 ? h : w;
+    for (int i = 0; i < 2; i++) {
+        const int k = i ? sx : sy;
+        switch (EXIF_SIDES[o][i]) {
+        case 'T': *dy = k; break;
+        case 'B': *dy = H - 1 - k; break;
+        case 'L': *dx = k; break;
+        case 'R': *dx = W - 1 - k; break;
+        }
+    }
+}
+
+// Images of 8×8 blocks of flat colour, block k's colour below (R 40 apart).
+// A flat block at quality 100 (quantisers 1, no subsampling) keeps only its
+// DC term, so it comes back within the rounding of its Y, Cb, Cr to integers
+// (±0.5 each): B = Y + 1.772·(Cb − 128) moves by at most 0.5 + 1.772·0.5 =
+// 1.39 (R, G less), and the decoder rounds once more (±0.5): under 2; 3
+// leaves a margin for the decoder's fixed point. Blocks differ by 25 or more.
+#define EXIF_BLOCK 8
+#define EXIF_TOL 3
+static void exif_block_colour(int k, uint8_t c[3]) { c[0] = (uint8_t)(20 + 40 * k); c[1] = (uint8_t)(230 - 40 * k); c[2] = (uint8_t)(90 + 25 * k); }
+static uint8_t *exif_blocks(int h, int w) {
+    uint8_t *px = malloc((size_t)h * w * 3);
+    for (int y = 0; y < h; y++)
+        for (int x = 0; x < w; x++) exif_block_colour(y / EXIF_BLOCK * (w / EXIF_BLOCK) + x / EXIF_BLOCK, px + 3 * ((size_t)y * w + x));
+    return px;
+}
+
+// --exif apply: each orientation's pixels are the stored ones where the
+// EXIF table displays them; --exif ignore: as stored.
+TEST(exif_apply_pixels) {
+    char dir[300], path[400], err[SN_ERR_MAX] = "";
+    ds_fixture(dir, sizeof dir, "exif_pixels", NULL, 0);
+    snprintf(path, sizeof path, "%s/photo.jpg", dir);
+    enum { h = 16, w = 24 };  // 2×3 blocks: a 90° turn, a mirror, a transpose each differ
+    uint8_t *px = exif_blocks(h, w);
+    for (int o = 1; o <= 8; o++)
+        for (int apply = 0; apply < 2; apply++) {
+            jpeg_with_exif(path, w, h, px, o, o % 2);
+            image_exif = apply ? EXIF_APPLY : EXIF_IGNORE;
+            int H = 0, W = 0, orientation = 0;
+            float *img = image_load_oriented(path, &H, &W, &orientation, err);
+            image_exif = EXIF_IGNORE;
+            const int turned = apply && o >= 5;
+            CHECK(img && orientation == o && H == (turned ? w : h) && W == (turned ? h : w),
+                  "orientation %d, %s: %dx%d, orientation %d (%s)", o, apply ? "apply" : "ignore", W, H, orientation, img ? "" : err);
+            if (!img || H != (turned ? w : h)) { free(img); continue; }
+            double worst = 0;
+            int wrong = 0;
+            for (int sy = 0; sy < h; sy++)
+                for (int sx = 0; sx < w; sx++) {
+                    int dy = sy, dx = sx;
+                    if (apply) exif_displayed_at(o, h, w, sy, sx, &dy, &dx);
+                    for (int c = 0; c < 3; c++) {
+                        const double e = fabs(img[3 * ((size_t)dy * W + dx) + c] - px[3 * ((size_t)sy * w + sx) + c]);
+                        worst = e > worst ? e : worst;
+                        wrong += e > EXIF_TOL;
+                    }
+                }
+            CHECK(!wrong, "orientation %d, %s: %d values off by more than %d (worst %g)", o, apply ? "apply" : "ignore", wrong,
+                  EXIF_TOL, worst);
+            free(img);
+        }
+    free(px);
+    ds_remove(dir);
+}
+
+// A mask drawn on the displayed photo: with --exif ignore its size mismatch
+// names the orientation; with apply it lines up (class k where block k's
+// colour is), and a mask of the stored view's size says the orientation was applied.
+TEST(exif_mask_mismatch) {
+    char dir[300], path[400], err[SN_ERR_MAX] = "";
+    ds_fixture(dir, sizeof dir, "exif_masks", SEG_SUBS, 2);
+    enum { h = 16, w = 24, K = 6 };
+    uint8_t *px = exif_blocks(h, w), mask[h * w];
+    snprintf(path, sizeof path, "%s/images/a.jpg", dir);
+    jpeg_with_exif(path, w, h, px, 6, 1);
+    for (int sy = 0; sy < h; sy++)  // orientation 6 displays w×h as h×w (16 wide, 24 high)
+        for (int sx = 0; sx < w; sx++) {
+            int dy, dx;
+            exif_displayed_at(6, h, w, sy, sx, &dy, &dx);
+            mask[dy * h + dx] = (uint8_t)(sy / EXIF_BLOCK * (w / EXIF_BLOCK) + sx / EXIF_BLOCK);
+        }
+    ds_png(dir, "masks/a.png", h, w, 1, mask);
+    Dataset d;
+    CHECK(dataset_open(&d, dir, 1, K, w, h, 1 << 20, 1, err) == -1 &&
+          contains(err, "masks/a.png: mask is 16x24 but its image is 24x16 (the image's EXIF orientation is 6, rotated 90° "
+                        "clockwise when displayed; --exif apply reads images as displayed)") && !strchr(err, '\n'),
+          "ignore: '%s'", err);
+    image_exif = EXIF_APPLY;
+    float x[h * w * 3];
+    int32_t y[h * w];
+    const int idx = 0;
+    int rc = dataset_open(&d, dir, 1, K, w, h, 1 << 20, 1, err);
+    CHECK(rc == 0 && dataset_batch(&d, &idx, 1, NULL, 0, x, y, err) == 0, "apply: %s", err);
+    int misaligned = 0;
+    for (int p = 0; rc == 0 && p < h * w; p++) {
+        uint8_t c[3];
+        exif_block_colour(y[p], c);
+        misaligned += y[p] != mask[p] || fabsf(x[3 * p] - c[0]) > EXIF_TOL || fabsf(x[3 * p + 1] - c[1]) > EXIF_TOL ||
+                      fabsf(x[3 * p + 2] - c[2]) > EXIF_TOL;
+    }
+    CHECK(!misaligned, "apply: %d pixels whose colour is not their class's block", misaligned);
+    if (rc == 0) dataset_free(&d);
+    uint8_t stored_view[h * w] = {0};
+    ds_png(dir, "masks/a.png", w, h, 1, stored_view);
+    CHECK(dataset_open(&d, dir, 1, K, w, h, 1 << 20, 1, err) == -1 &&
+          contains(err, "masks/a.png: mask is 24x16 but its image is 16x24 (the image's EXIF orientation 6 was applied: it "
+                        "is read rotated 90° clockwise; --exif ignore reads images as stored)"), "apply, stored-view mask: '%s'", err);
+    image_exif = EXIF_IGNORE;
+    jpeg_with_exif(path, w, h, px, 0, 0);  // no EXIF: the message says nothing of it
+    ds_png(dir, "masks/a.png", h, w, 1, mask);
+    CHECK(dataset_open(&d, dir, 1, K, w, h, 1 << 20, 1, err) == -1 && contains(err, "its image is 24x16") &&
+          !contains(err, "EXIF"), "no orientation: '%s'", err);
+    jpeg_with_exif(path, w, h, px, 1, 0);  // orientation 1: neither
+    CHECK(dataset_open(&d, dir, 1, K, w, h, 1 << 20, 1, err) == -1 && contains(err, "its image is 24x16") &&
+          !contains(err, "EXIF"), "orientation 1: '%s'", err);
+    free(px);
+    ds_remove(dir);
+}
+
+// The command line: --exif apply for train, recorded in config.txt and so
+// used by --resume, eval --run and predict --run (whose masks are then of the
+// displayed image); --exif ignore on top of the run's; a bad value; --help.
+TEST(exif_cli) {
+    const char *data = "/tmp/segnet_test_exif_data", *run = "/tmp/segnet_test_exif_run";
+    const char *o1 = "/tmp/segnet_test_exif_o1", *o2 = "/tmp/segnet_test_exif_o2";
+    rm_rf(data); rm_rf(run); rm_rf(o1); rm_rf(o2);
+    const char *const subs[] = {"images", "masks"};
+    char path[600], args[2048], msg[4096];
+    CHECK(mkdir(data, 0755) == 0, "mkdir %s", data);
+    for (int k = 0; k < 2; k++) { snprintf(path, sizeof path, "%s/%s", data, subs[k]); CHECK(mkdir(path, 0755) == 0, "mkdir %s", path); }
+    enum { h = 8, w = 16 };  // stored 16 wide, 8 high; orientation 6 displays it 8 wide, 16 high
+    uint8_t *px = exif_blocks(h, w), mask[h * w];
+    for (int p = 0; p < h * w; p++) mask[p] = (uint8_t)(p >= h * w / 2);  // displayed: block 0 on top, 1 below
+    for (int i = 0; i < 4; i++) {
+        snprintf(path, sizeof path, "%s/images/i%02d.jpg", data, i);
+        jpeg_with_exif(path, w, h, px, 6, i % 2);
+        snprintf(path, sizeof path, "masks/i%02d.png", i);
+        ds_png(data, path, h, w, 1, mask);
+    }
+    const char *base = "--model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 2 --device cpu --threads 1";
+    snprintf(args, sizeof args, "train %s --epochs 1 --data %s --out %s/default", base, data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "EXIF orientation is 6") && contains(msg, "--exif apply"),
+          "train without --exif: %s", msg);
+    snprintf(args, sizeof args, "train %s --epochs 1 --data %s --out %s/bad --exif sideways", base, data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "--exif 'sideways' must be ignore or apply"), "%s", msg);
+    snprintf(args, sizeof args, "train %s --epochs 1 --data %s --out %s --exif apply", base, data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "train --exif apply: %s", msg);
+    snprintf(path, sizeof path, "%s/config.txt", run);
+    char *cfg = read_text(path);
+    CHECK(cfg && contains(cfg, "\nexif = apply\n"), "config.txt: %s", cfg ? cfg : "(none)");
+    free(cfg);
+    snprintf(args, sizeof args, "train --resume %s --epochs 2", run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "--resume: %s", msg);
+    snprintf(args, sizeof args, "eval --run %s --data %s --device cpu --threads 1", run, data);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "eval --run: %s", msg);
+    snprintf(args, sizeof args, "eval --run %s --data %s --device cpu --threads 1 --exif ignore", run, data);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "EXIF orientation is 6"), "eval --run --exif ignore: %s", msg);
+    for (int ignore = 0; ignore < 2; ignore++) {
+        snprintf(args, sizeof args, "predict --run %s --input %s/images --out %s --device cpu --threads 1%s", run, data,
+                 ignore ? o2 : o1, ignore ? " --exif ignore" : "");
+        CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict --run%s: %s", ignore ? " --exif ignore" : "", msg);
+        for (int f = 0; f < 2; f++) {
+            int pw = 0, ph = 0, pc;
+            snprintf(path, sizeof path, "%s/i00%s.png", ignore ? o2 : o1, f ? "_overlay" : "");
+            CHECK(stbi_info(path, &pw, &ph, &pc) && pw == (ignore ? w : h) && ph == (ignore ? h : w),
+                  "%s: %dx%d, want %dx%d", path, pw, ph, ignore ? w : h, ignore ? h : w);
+        }
+    }
+    const char *cmds[] = {"train", "eval", "predict"};
+    for (int k = 0; k < 3; k++) {
+        snprintf(args, sizeof args, "%s --help", cmds[k]);
+        CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s --help", cmds[k]);
+        char *out = read_text("/tmp/segnet_test_out.txt");
+        CHECK(out && contains(out, "--exif MODE"), "%s --help does not mention --exif", cmds[k]);
+        free(out);
+    }
+    free(px);
+    rm_rf(data); rm_rf(run); rm_rf(o1); rm_rf(o2);
 }
 
 // Finding 13: the words of a run's config.txt are freed with the arguments.
@@ -10154,6 +10619,8 @@ int main(int argc, char **argv) {
 //   image        image_load_rgb, then the resize of sample_load (image_to_bytes)
 //   mask         mask_load at the size the file claims and with K classes
 //                drawn, then the resize of sample_load (mask_resize)
+//   exif         exif_orientation on a JPEG's bytes, then exif_orient (--exif
+//                apply's turn) by that orientation on a small image
 //   csv          list_csv (train/eval, with and without a training set's
 //                class names) and list_images (predict) on the same file
 //   checkpoint   load_checkpoint into a tiny U-Net trainer (--resume)
@@ -10809,6 +11276,11 @@ static void fuzz_image_setup(FuzzCtx *c) {
     stbi_write_png_to_func(fuzz_write_func, &b, 6, 4, 1, px, 6); fuzz_add_buf(c, &b);
     stbi_write_png_to_func(fuzz_write_func, &b, 4, 4, 3, px, 12); fuzz_add_buf(c, &b);
     stbi_write_png_to_func(fuzz_write_func, &b, 3, 3, 4, px, 12); fuzz_add_buf(c, &b);
+    uint8_t grey[5 * 3 * 4];  // classes 0..3 stored as RGB and RGBA (R = G = B): masks accept them
+    for (int p = 0; p < 15; p++) { grey[4 * p] = grey[4 * p + 1] = grey[4 * p + 2] = (uint8_t)(p % 4); grey[4 * p + 3] = (uint8_t)(17 * p); }
+    stbi_write_png_to_func(fuzz_write_func, &b, 5, 3, 4, grey, 20); fuzz_add_buf(c, &b);
+    for (int p = 0; p < 15; p++) memmove(grey + 3 * p, grey + 4 * p, 3);
+    stbi_write_png_to_func(fuzz_write_func, &b, 5, 3, 3, grey, 15); fuzz_add_buf(c, &b);
     fuzz_png_seed(c, 6, 4, 8, 0, 0, 0);   // 8-bit grey: a mask
     fuzz_png_seed(c, 4, 3, 16, 0, 0, 0);  // 16-bit grey: the mask's 16-bit path
     fuzz_png_seed(c, 3, 3, 8, 3, 0, 0);   // palette with transparency (masks refuse it)
@@ -10854,7 +11326,7 @@ static uint64_t fuzz_mask_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     if (w < 1 || h < 1 || !fuzz_draw(r, 8)) { w = 1 + (int)fuzz_draw(r, 9); h = 1 + (int)fuzz_draw(r, 9); }
     const int K = fuzz_draw(r, 2) ? 4 : fuzz_draw(r, 2) ? 256 : 1 + (int)fuzz_draw(r, 8);
     fuzz_write_input(c, in, n);
-    uint8_t *m = mask_load(c->path, h, w, K, c->err);
+    uint8_t *m = mask_load(c->path, h, w, 1, K, c->err);
     if (!m) { fuzz_check_err(c); return fuzz_err_sig(c->err); }
     c->accepted = 1;
     for (size_t p = 0; p < (size_t)h * w; p++)
@@ -10864,6 +11336,66 @@ static uint64_t fuzz_mask_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     free(m);
     int facts[2] = {K, w % 4};
     return fuzz_hash(fuzz_hash(FUZZ_HASH0, "mask", 4), facts, sizeof facts) | 1;
+}
+
+// ---- EXIF orientation
+
+static const FuzzToken EXIF_DICT[] = {
+    TOK("\xff\xd8"), TOK("\xff\xe0"), TOK("\xff\xe1"), TOK("\xff\xda"), TOK("\xff\xd9"), TOK("\xff\xff"), TOK("Exif\0\0"),
+    TOK("MM\0*"), TOK("II*\0"), TOK("\x01\x12"), TOK("\x12\x01"), TOK("\x00\x03"), TOK("\x03\x00"),
+    TOK("\x00\x00\x00\x01"), TOK("\x01\x00\x00\x00"), TOK("\x00\x00\x00\x08"), TOK("\x08\x00\x00\x00"), TOK("\x00\x06"),
+    TOK("\x06\x00"), TOK("\x00\x09"), TOK("\xff\xff\xff\xff"), TOK("\x00\x00"),
+};
+
+// stbi_write_jpg's bytes with exif_app1(o, big) after the SOI marker
+static void fuzz_exif_seed(FuzzCtx *c, int w, int h, int quality, int o, int big) {
+    uint8_t px[17 * 9 * 3];
+    for (size_t i = 0; i < sizeof px; i++) px[i] = (uint8_t)(i * 29 + i / 7);
+    FuzzBuf jpg = {0}, b = {0};
+    stbi_write_jpg_to_func(fuzz_write_func, &jpg, w, h, 3, px, quality);
+    uint8_t app1[EXIF_APP1_LEN];
+    exif_app1(app1, o, big);
+    fuzz_buf_put(&b, jpg.p, 2);
+    fuzz_buf_put(&b, app1, sizeof app1);
+    fuzz_buf_put(&b, jpg.p + 2, jpg.n - 2);
+    fuzz_add_buf(c, &b);
+    free(jpg.p);
+}
+
+// JPEGs with every orientation in both byte orders, and a JPEG's head alone
+static void fuzz_exif_setup(FuzzCtx *c) {
+    for (int o = 1; o <= 8; o++) fuzz_exif_seed(c, o % 2 ? 17 : 8, 9, o < 5 ? 95 : 50, o, o > 2 && o < 7);
+    uint8_t head[EXIF_HEAD_APP1_END + 4];
+    fuzz_add_seed(c, head, exif_jpeg_head(head, 6, 1));
+}
+
+// exif_orientation on a copy of exactly the input's length (ASan sees a read
+// past it), then exif_orient with that orientation on an h×w image drawn
+// (1..9 each), whose pixels are their own indices: the result must hold every
+// stored pixel once. The JPEG itself is not decoded: stb_image's decoder is
+// the image target's.
+static uint64_t fuzz_exif_run(FuzzCtx *c, const uint8_t *in, size_t n) {
+    uint8_t *copy = malloc(n ? n : 1);
+    snCheck(copy != NULL, "out of host memory");
+    if (n) memcpy(copy, in, n);
+    const int o = exif_orientation(copy, n);
+    free(copy);
+    if (o < 1 || o > 8) { fuzz_invariant(c, "exif_orientation gave %d", o); return 0; }
+    c->accepted = o != 1;
+    const int h = 1 + (int)fuzz_draw(&c->rng, 9), w = 1 + (int)fuzz_draw(&c->rng, 9);
+    uint8_t src[9 * 9 * 3];
+    for (int p = 0; p < h * w; p++) src[3 * p] = src[3 * p + 1] = src[3 * p + 2] = (uint8_t)p;
+    float *dst = malloc(sizeof(float) * 3 * h * w);
+    snCheck(dst != NULL, "out of host memory");
+    exif_orient(dst, src, h, w, o);
+    int seen[81] = {0}, bad = 0;
+    for (int p = 0; p < h * w; p++) {
+        const int v = (int)dst[3 * p];
+        if (v < 0 || v >= h * w || seen[v]++ || dst[3 * p + 1] != v || dst[3 * p + 2] != v) bad = 1;
+    }
+    if (bad) fuzz_invariant(c, "exif_orient %d of %dx%d does not move every pixel once", o, w, h);
+    free(dst);
+    return fuzz_hash(fuzz_hash(FUZZ_HASH0, "exif", 4), &o, sizeof o) | 1;
 }
 
 // ---- CSV lists
@@ -10999,7 +11531,8 @@ static const FuzzToken CFG_DICT[] = {
     TOK("unet-effv2-s"), TOK("effv2-t"), TOK("classes = "), TOK("size = "), TOK("class-weights = "), TOK("augment = "),
     TOK("brightness="), TOK("contrast="), TOK("flip"), TOK("monitor = "), TOK("val_mIoU"), TOK("val_accuracy"),
     TOK("memory = "), TOK("12G"), TOK("max-pixels = "), TOK("sync-bn = "), TOK("on"), TOK("-1"), TOK("0"), TOK("1e40"),
-    TOK("nan"), TOK("inf"), TOK("2147483648"), TOK("18446744073709551616"), TOK("\x00"), TOK("\xff"),
+    TOK("nan"), TOK("inf"), TOK("2147483648"), TOK("18446744073709551616"), TOK("\x00"), TOK("\xff"), TOK("exif = "),
+    TOK("apply"),
 };
 
 // Seeds: config_text's for a segmentation run and a classifier, and a hand
@@ -11082,6 +11615,7 @@ static const FuzzTarget FUZZ_TARGETS[] = {
     {"safetensors", "input.safetensors", SF_DICT, sizeof SF_DICT / sizeof *SF_DICT, fuzz_sf_setup, fuzz_sf_run, fuzz_sf_mutate},
     {"image", "input.png", IMG_DICT, sizeof IMG_DICT / sizeof *IMG_DICT, fuzz_image_setup, fuzz_image_run, NULL},
     {"mask", "input.png", IMG_DICT, sizeof IMG_DICT / sizeof *IMG_DICT, fuzz_image_setup, fuzz_mask_run, NULL},
+    {"exif", "input.jpg", EXIF_DICT, sizeof EXIF_DICT / sizeof *EXIF_DICT, fuzz_exif_setup, fuzz_exif_run, NULL},
     {"csv", "list.csv", CSV_DICT, sizeof CSV_DICT / sizeof *CSV_DICT, fuzz_csv_setup, fuzz_csv_run, NULL},
     {"checkpoint", "input.safetensors", SF_DICT, sizeof SF_DICT / sizeof *SF_DICT, fuzz_ckpt_setup, fuzz_ckpt_run, fuzz_sf_mutate},
     {"config", "config.txt", CFG_DICT, sizeof CFG_DICT / sizeof *CFG_DICT, fuzz_config_setup, fuzz_config_run, NULL},
@@ -11437,7 +11971,7 @@ static int fuzz_usage(const char *argv0) {
             "target (default 60), at most N inputs with --runs; an input running over --hang seconds\n"
             "(default %d) is a hang. A finding is saved as DIR/TARGET-KIND-K.bin with its report in\n"
             "DIR/TARGET-KIND-K.txt (default DIR: fuzz-out); the exit status is 1 if there is one.\n"
-            "Targets: safetensors image mask csv checkpoint config (default: all). -v: the seeds' outcomes.\n"
+            "Targets: safetensors image mask exif csv checkpoint config (default: all). -v: the seeds' outcomes.\n"
             "--replay runs one saved input; --selftest checks that the harness catches planted faults.\n",
             argv0, argv0, argv0, FUZZ_HANG_S);
     return 2;
