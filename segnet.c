@@ -2626,6 +2626,7 @@ typedef struct {
     float *update_host;         // (2·n_trainable) host: the trainable weights before and after that step
     char *steps_csv;            // steps.csv's path (root, --log-every), else NULL
     int32_t *nonfinite;         // backend memory: set when a tensor of the model holds NaN or inf (model_finite)
+    char data_print[64];        // the training set's fingerprint (data_fingerprint), saved with each checkpoint
 } Trainer;
 
 // One pass over a data set. Training: shuffled order, augmentation, one Adam
@@ -2685,6 +2686,7 @@ typedef struct { int n; const float *images; const int32_t *labels; int first; }
 // A micro-batch into the host staging buffers (written while the device is
 // idle: after the last step's download, or a synchronize).
 static void stage_batch(Trainer *t, const MicroBatch *mb) {
+    if (mb->n == 0) return;  // an empty shard (a last batch smaller than the replicas): its arrays are NULL
     const Shape in = t->g.tensors[t->g.input].shape;
     memcpy(t->host_images, mb->images, sizeof(float) * (size_t)mb->n * in.h * in.w * 3);
     memcpy(t->host_labels, mb->labels, sizeof(int32_t) * (size_t)mb->n * t->per_image);
@@ -5559,7 +5561,7 @@ static int values_allowed(const char *path, const char *name, const float *v, si
 
 int net_load_weights(Net *net, const SafetensorsFile *f, const char *path, const char *allow_missing, int allow_unexpected,
                      char err[SN_ERR_MAX]) {
-    const LoadRules rules = {allow_missing, allow_unexpected ? "*" : NULL};
+    const LoadRules rules = {allow_missing, allow_unexpected ? "*" : NULL, 0};
     return net_load_weights_rules(net, f, path, &rules, NULL, err);
 }
 
@@ -5637,7 +5639,7 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
             safetensors_tensor_f32(src[e], vals);
             refuse = values_allowed(path, src[e]->name, vals, src[e]->numel, err) != 0;
         }
-    if (!refuse) {
+    if (!refuse && !(rules && rules->check_only)) {
         if (report)
             snprintf(report, SN_ERR_MAX, "weights: %d tensors loaded from %.200s (%s names), %d initialised%s%s%s, "
                      "%d ignored%s%s%s", n_loaded, path, n_timm ? "timm" : "torchvision", n_init, n_init ? " (" : "",
@@ -5780,6 +5782,11 @@ static int has_image_ext(const char *name) {
 
 static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
+// qsort for arrays that may be empty (and NULL, which qsort may not be given)
+static void sort_n(void *base, size_t n, size_t size, int (*cmp)(const void *, const void *)) {
+    if (n > 1) qsort(base, n, size, cmp);
+}
+
 // One CSV field starting at *s: quoted (with "" for a quote) or up to a comma,
 // blanks around it dropped; *s moves past it and its comma. Returns NULL, or
 // why the row is malformed. *more (if given): another field follows.
@@ -5823,7 +5830,7 @@ int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]) {
         for (struct dirent *e; (e = readdir(d));)
             if (e->d_name[0] != '.' && has_image_ext(e->d_name)) path_list_add(out, input, e->d_name);
         closedir(d);
-        qsort(out->paths, (size_t)out->n, sizeof(char *), cmp_str);
+        sort_n(out->paths, (size_t)out->n, sizeof(char *), cmp_str);
     } else {
         FILE *f = fopen_regular(input, "r", err);
         if (!f) return -1;
@@ -6291,7 +6298,7 @@ static int manifest_read(const char *out, char **buf, char ***names, int *n, cha
         GROW(*names, *n, cap);
         (*names)[(*n)++] = b + i;
     }
-    qsort(*names, (size_t)*n, sizeof(char *), cmp_str);
+    sort_n(*names, (size_t)*n, sizeof(char *), cmp_str);
     *buf = b;
     return 0;
 }
@@ -6631,8 +6638,8 @@ static int list_segmentation(Dataset *d, const char *dir, char err[SN_ERR_MAX]) 
     }
     if (list_folder(sub[0], &im, err) || list_folder(sub[1], &mk, err)) goto fail;
     if (im.n == 0) { snprintf(err, SN_ERR_MAX, "%.300s: no images (*.png, *.jpg, *.jpeg)", sub[0]); goto fail; }
-    qsort(im.paths, (size_t)im.n, sizeof(char *), cmp_by_stem);
-    qsort(mk.paths, (size_t)mk.n, sizeof(char *), cmp_by_stem);
+    sort_n(im.paths, (size_t)im.n, sizeof(char *), cmp_by_stem);
+    sort_n(mk.paths, (size_t)mk.n, sizeof(char *), cmp_by_stem);
     for (int k = 0; k < mk.n; k++) {
         const char *dot = strrchr(mk.paths[k], '.');
         if (strcasecmp(dot, ".png")) {  // listed, so it has an image extension
@@ -6715,7 +6722,7 @@ static int list_class_folders(Dataset *d, const char *dir, const Dataset *names_
         if (stat(classes.paths[classes.n - 1], &sb) != 0 || !S_ISDIR(sb.st_mode)) free(classes.paths[--classes.n]);
     }
     closedir(dp);
-    qsort(classes.paths, (size_t)classes.n, sizeof(char *), cmp_str);
+    sort_n(classes.paths, (size_t)classes.n, sizeof(char *), cmp_str);
     if (classes.n > d->classes) {
         snprintf(err, SN_ERR_MAX, "%s: %d class folders, but there are %d classes", dir, classes.n, d->classes);
         goto done;
@@ -6832,7 +6839,7 @@ static int list_csv(Dataset *d, const char *csv, const Dataset *names_from, char
             set_names(d, names_copy(names_from->names, names_from->n_names), names_from->n_names);
         } else {
             char **sorted = names_copy(texts.paths, texts.n);
-            qsort(sorted, (size_t)texts.n, sizeof(char *), cmp_str);
+            sort_n(sorted, (size_t)texts.n, sizeof(char *), cmp_str);
             int n = 0;
             for (int i = 0; i < texts.n; i++) {
                 if (n && !strcmp(sorted[n - 1], sorted[i])) { free(sorted[i]); continue; }
@@ -7844,6 +7851,38 @@ static const char *float_str(char buf[32], float v) {
     return buf;
 }
 
+// --augment's value: none, or its items comma-separated
+static void augment_text(const Augment *a, SfBuf *b) {
+    char s[96], f[2][32];
+    int n = 0;
+    if (a->flip) { sb_str(b, "flip"); n++; }
+    if (a->brightness > 0) {
+        snprintf(s, sizeof s, "%sbrightness=%s", n++ ? "," : "", float_str(f[0], a->brightness));
+        sb_str(b, s);
+    }
+    if (a->contrast_lo > 0 || a->contrast_hi > 0) {
+        snprintf(s, sizeof s, "%scontrast=%s:%s", n++ ? "," : "", float_str(f[0], a->contrast_lo), float_str(f[1], a->contrast_hi));
+        sb_str(b, s);
+    }
+    if (!n) sb_str(b, "none");
+}
+
+// --class-weights' value: K weights comma-separated
+static void class_weights_text(const TrainCfg *c, SfBuf *b) {
+    char f[32];
+    for (int k = 0; k < c->model.classes; k++) {
+        if (k) sb_str(b, ",");
+        sb_str(b, float_str(f, c->class_weights[k]));
+    }
+}
+
+// what early stopping and best.safetensors watch: the validation loss, or the
+// validation mIoU (segmentation) / accuracy (classification); the training
+// run's own values when there is no validation set
+static const char *monitor_name(const TrainCfg *c) {
+    return !c->monitor_metric ? "val_loss" : model_is_classifier(c->model.model) ? "val_accuracy" : "val_mIoU";
+}
+
 // the columns' values: norm mean and max, clip fraction, loss scale, skipped steps, update ratio, ms per step
 #define STEP_STATS_N_COLUMNS 7
 static const char *const STEP_STATS_COLUMNS = "grad_norm_mean,grad_norm_max,clip_fraction,loss_scale,skipped_steps,"
@@ -7933,6 +7972,40 @@ static Device replica_device(const TrainCfg *c, const Comm *comm) {
     return c->device;
 }
 
+// The training set's fingerprint: an FNV-1a hash (64-bit) over its samples in order.
+#define FNV1A_OFFSET 0xcbf29ce484222325ull
+#define FNV1A_PRIME  0x100000001b3ull
+
+static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
+    for (size_t i = 0; i < n; i++) h = (h ^ ((const uint8_t *)p)[i]) * FNV1A_PRIME;
+    return h;
+}
+// a sample file's share of the hash: its name under root (whole when outside it) and its size
+static uint64_t fingerprint_file(uint64_t h, const char *path, const char *root) {
+    const size_t k = strlen(root);
+    const char *name = !strncmp(path, root, k) && path[k] == '/' ? path + k + 1 : path;
+    struct stat sb;
+    const int64_t size = stat(path, &sb) == 0 ? (int64_t)sb.st_size : -1;
+    return fnv1a(fnv1a(h, name, strlen(name) + 1), &size, sizeof size);
+}
+// "<samples> <hash>" of data set d, opened from path (a folder, or a CSV whose folder its paths start from)
+static void data_fingerprint(const Dataset *d, const char *path, char out[64]) {
+    char root[OUT_PATH_MAX];
+    struct stat sb;
+    snprintf(root, sizeof root, "%s", path);
+    if (stat(path, &sb) == 0 && !S_ISDIR(sb.st_mode)) {
+        char *slash = strrchr(root, '/');
+        if (slash) *slash = 0; else snprintf(root, sizeof root, ".");
+    }
+    uint64_t h = FNV1A_OFFSET;
+    for (int i = 0; i < d->n; i++) {
+        h = fingerprint_file(h, d->images[i], root);
+        if (d->masks) h = fingerprint_file(h, d->masks[i], root);
+        else h = fnv1a(h, &d->labels[i], sizeof d->labels[i]);
+    }
+    snprintf(out, 64, "%d %016" PRIx64, d->n, h);
+}
+
 // A data set holds something the loss weighs: a pixel (sample) of a class
 // whose weight is above 0. Without one its loss would be 0/0.
 static int dataset_weighted(const Dataset *d, const char *path, const TrainCfg *c, char err[SN_ERR_MAX]) {
@@ -8004,6 +8077,7 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     if (train) {
         if (dataset_open(&t->train, train, t->segmentation, t->K, in.h, in.w, c->cache_bytes, c->threads > 0 ? c->threads : 2, err)) return -1;
         t->has_train = 1;
+        data_fingerprint(&t->train, train, t->data_print);
     }
     if (val) {
         if (dataset_open_named(&t->val, val, t->segmentation, t->K, in.h, in.w, c->cache_bytes, c->threads > 0 ? c->threads : 2,
@@ -8136,7 +8210,7 @@ static int trainer_broadcast(Trainer *t) {
 // head ignored. Plus the user's --allow-missing prefixes.
 static LoadRules finetune_rules(const TrainCfg *c, char *init, size_t size) {
     const char *model = c->model.model, *own = "";
-    LoadRules r = {init, NULL};
+    LoadRules r = {init, NULL, 0};
     if (eff_spec(model)) own = "classifier.";
     else if (!strncmp(model, "unet-", 5)) { own = "decoder.,segmentation_head."; r.ignore = "classifier."; }
     snprintf(init, size, "%s%s%s", own, own[0] && c->allow_missing ? "," : "", c->allow_missing ? c->allow_missing : "");
@@ -8149,7 +8223,7 @@ static int trainer_load_weights(Trainer *t, const char *path, char *report, char
     SafetensorsFile f;
     if (safetensors_read(path, &f, err)) return -1;
     char init[SN_ERR_MAX];
-    const LoadRules strict = {NULL, NULL}, rules = report ? finetune_rules(t->c, init, sizeof init) : strict;
+    const LoadRules strict = {NULL, NULL, 0}, rules = report ? finetune_rules(t->c, init, sizeof init) : strict;
     int rc = net_load_weights_rules(&t->net, &f, path, &rules, report, err);
     safetensors_free(&f);
     return rc;
@@ -8306,8 +8380,10 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
         if (training && c->accum == 1) {
             step_rc = train_step(t, &shard, 1, pt);
         } else if (training) {  // the loader reuses its buffers: keep copies until the step
-            memcpy(t->accum_images + pending * image_floats, shard.images, sizeof(float) * (size_t)shard.n * in.h * in.w * 3);
-            memcpy(t->accum_labels + pending * label_count, shard.labels, sizeof(int32_t) * (size_t)shard.n * t->per_image);
+            if (shard.n) {
+                memcpy(t->accum_images + pending * image_floats, shard.images, sizeof(float) * (size_t)shard.n * in.h * in.w * 3);
+                memcpy(t->accum_labels + pending * label_count, shard.labels, sizeof(int32_t) * (size_t)shard.n * t->per_image);
+            }
             mb[pending] = (MicroBatch){shard.n, t->accum_images + pending * image_floats, t->accum_labels + pending * label_count,
                                        shard.first};
             if (++pending == c->accum || j + 1 == n_batches) { step_rc = train_step(t, mb, pending, pt); pending = 0; }
@@ -8478,6 +8554,110 @@ static int model_finite(Trainer *t, char which[SN_ERR_MAX]) {
     return -1;
 }
 
+// ---- what a checkpoint's place in the run depends on
+//
+// A checkpoint records the training set it was made with (RESUME_DATA_KEY:
+// the count of samples and an FNV-1a hash of their files' names under the
+// data folder, sizes and labels, in order) and the settings that shape each
+// step (RESUME_SETTINGS_KEY, `--flag=value` items). --resume compares them
+// with its own. What the monitored loss measures (size, class weights, loss
+// normalisation, the monitor) stays for the whole run, so that "best"
+// compares like with like. The batch, accumulation, augmentation and the
+// data may change between epochs (said), never inside one: an interrupted
+// epoch's place (its batch, its shuffled order) means nothing under others.
+
+#define RESUME_DATA_KEY     "data"
+#define RESUME_SETTINGS_KEY "settings"
+static const char *const RESUME_FIXED[] = {"size", "class-weights", "loss-norm", "monitor"};
+
+// the settings that shape a step, `--flag=value` items separated by spaces (NUL-terminated, malloc'd)
+static char *step_settings_text(const TrainCfg *c) {
+    SfBuf b = {0};
+    char s[160];
+    snprintf(s, sizeof s, "size=%dx%d loss-norm=%s monitor=%s batch=%d accum=%d class-weights=", c->model.height,
+             c->model.width, c->loss_norm_keras ? "keras" : "weighted", monitor_name(c), c->model.batch, c->accum);
+    sb_str(&b, s);
+    class_weights_text(c, &b);
+    sb_str(&b, " augment=");
+    augment_text(&c->augment, &b);
+    sb_put(&b, "", 1);
+    snCheck(!b.oom, "out of host memory");
+    return b.p;
+}
+
+// setting `key`'s value in a settings text (its own, up to the next space), or NULL
+static const char *setting_in(const char *text, const char *key, int *len) {
+    const size_t k = strlen(key);
+    for (const char *p = text; p && *p; p = strchr(p, ' '), p = p ? p + 1 : p)
+        if (!strncmp(p, key, k) && p[k] == '=') {
+            *len = (int)strcspn(p + k + 1, " ");
+            return p + k + 1;
+        }
+    return NULL;
+}
+
+// A checkpoint's data and settings against this run's (see above): -1 with err
+// for a change that may not happen now (mid: the checkpoint is inside an
+// epoch), else 0, the changes said on stderr. A checkpoint from before they
+// were recorded is taken as it is.
+static int resume_compare(const Trainer *t, const char *path, const SafetensorsFile *f, int mid, char err[SN_ERR_MAX]) {
+    const char *saved = safetensors_meta(f, RESUME_SETTINGS_KEY), *data = safetensors_meta(f, RESUME_DATA_KEY);
+    const int epoch = t->epoch + 1;  // the epoch that goes on (mid) or starts
+    int rc = 0;
+    if (saved) {
+        char *now = step_settings_text(t->c);
+        for (const char *p = now; rc == 0 && *p;) {
+            const int klen = (int)strcspn(p, "="), vlen = (int)strcspn(p + klen + 1, " ");
+            char key[32];
+            snprintf(key, sizeof key, "%.*s", klen, p);
+            const char *value = p + klen + 1;
+            p = value + vlen + (value[vlen] == ' ');
+            int was_len;
+            const char *was = setting_in(saved, key, &was_len);
+            if (!was || (was_len == vlen && !memcmp(was, value, (size_t)vlen))) continue;
+            int fixed = 0;
+            for (size_t k = 0; k < sizeof RESUME_FIXED / sizeof *RESUME_FIXED; k++) fixed |= !strcmp(key, RESUME_FIXED[k]);
+            if (fixed) {
+                snprintf(err, SN_ERR_MAX, "%.150s: --%s %.*s, but the run was trained with %.*s: it defines the loss that "
+                         "best.safetensors is judged by, so it stays for the whole run (a new run can start from the "
+                         "weights: --weights RUN/best.safetensors)", path, key, vlen > 40 ? 40 : vlen, value,
+                         was_len > 40 ? 40 : was_len, was);
+                rc = -1;
+            } else if (mid) {
+                snprintf(err, SN_ERR_MAX, "%.150s: --%s %.*s, but the run was interrupted inside epoch %d with %.*s: that "
+                         "epoch goes on only as it began (resume without the change; it may change between epochs)", path,
+                         key, vlen > 40 ? 40 : vlen, value, epoch, was_len > 40 ? 40 : was_len, was);
+                rc = -1;
+            } else if (t->c->progress) {
+                fprintf(stderr, "segnet train: --%s %.*s from epoch %d on (until now %.*s)\n", key, vlen, value, epoch,
+                        was_len, was);
+            }
+        }
+        free(now);
+    }
+    if (rc == 0 && data && t->has_train) {
+        char now[64];
+        data_fingerprint(&t->train, t->c->data, now);
+        int was_n = 0, now_n = atoi(now);
+        sscanf(data, "%d", &was_n);
+        if (strcmp(data, now)) {
+            char what[160];
+            if (was_n != now_n) snprintf(what, sizeof what, "%d samples, the run's had %d", now_n, was_n);
+            else snprintf(what, sizeof what, "%d samples as before, but not the same files (names, sizes or labels)", now_n);
+            if (mid) {
+                snprintf(err, SN_ERR_MAX, "%.120s: the training set %.100s has %.100s: the run was interrupted inside epoch %d, "
+                         "whose order and place are those of its data (restore it to finish the epoch)", path, t->c->data,
+                         what, epoch);
+                rc = -1;
+            } else if (t->c->progress) {
+                fprintf(stderr, "segnet train: the training set %s has changed since the last checkpoint: %s; it is used "
+                        "from epoch %d on\n", t->c->data, what, epoch);
+            }
+        }
+    }
+    return rc;
+}
+
 static int save_checkpoint(const Trainer *t, const char *path, const PassSaved *ps, char err[SN_ERR_MAX]) {
     Ops *o = t->o;
     size_t P = t->n_trainable;
@@ -8507,11 +8687,14 @@ static int save_checkpoint(const Trainer *t, const char *path, const PassSaved *
     snprintf(vals[8], 64, "%" PRId64, t->good_steps);
     // the required keys, then "padding" (weights_padding reads it; older checkpoints lack it),
     // then an interrupted epoch's position
-    const char *keys[CHECKPOINT_KEYS + 5], *values[CHECKPOINT_KEYS + 5];
+    const char *keys[CHECKPOINT_KEYS + 7], *values[CHECKPOINT_KEYS + 7];
     for (int k = 0; k < CHECKPOINT_KEYS; k++) { keys[k] = CHECKPOINT_META[k]; values[k] = vals[k]; }
     int n_keys = CHECKPOINT_KEYS;
     keys[n_keys] = "padding";
     values[n_keys++] = PAD_NAME[t->c->model.pad];
+    char *settings = step_settings_text(t->c);
+    keys[n_keys] = RESUME_SETTINGS_KEY; values[n_keys++] = settings;
+    if (t->has_train) { keys[n_keys] = RESUME_DATA_KEY; values[n_keys++] = t->data_print; }
     char batch[32], *totals = NULL, epoch_stats[512], log_stats[512];
     if (ps) {
         snprintf(batch, sizeof batch, "%d", ps->batch);
@@ -8526,7 +8709,7 @@ static int save_checkpoint(const Trainer *t, const char *path, const PassSaved *
         keys[n_keys] = "log_stats"; values[n_keys++] = log_stats;
     }
     int rc = net_save_checkpoint(&t->net, path, extra, 2, keys, values, n_keys, err);
-    free(m); free(v); free(totals);
+    free(m); free(v); free(totals); free(settings);
     return rc;
 }
 
@@ -8600,6 +8783,12 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
             snprintf(err, SN_ERR_MAX, "%.400s: not a segnet checkpoint (no '%s' in its metadata)", path, CHECKPOINT_META[i]);
             goto done;
         }
+    const LoadRules check = {NULL, NULL, 1};  // the model's tensors first: an edited config.txt shows here
+    if (net_load_weights_rules(&t->net, &f, path, &check, NULL, err)) {
+        const size_t len = strlen(err);
+        snprintf(err + len, SN_ERR_MAX - len, " (the model of config.txt and the options is not the run's?)");
+        goto done;
+    }
     if (!m || !v || m->numel != P || v->numel != P || m->dtype != DT_F32 || v->dtype != DT_F32) {
         snprintf(err, SN_ERR_MAX, "%.400s: the optimiser state (" TRAIN_STATE_PREFIX "adam_m/adam_v, %zu floats each) is missing or of another size",
                  path, P);
@@ -8608,11 +8797,14 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
     char seed_text[32];
     snprintf(seed_text, sizeof seed_text, "%" PRIu64, t->c->seed);
     if (strcmp(val[2], seed_text)) {
-        snprintf(err, SN_ERR_MAX, "%.300s: saved with seed '%.40s' but config.txt says %s", path, val[2], seed_text);
+        snprintf(err, SN_ERR_MAX, "--seed %s, but the run was trained with seed %.40s (%.200s): a resumed run keeps its "
+                 "seed, which its data order, augmentation and dropout follow", seed_text, val[2], path);
         goto done;
     }
     if (checkpoint_counters(path, val, &k, err)) goto done;
     const char *batch = safetensors_meta(&f, "batch"), *totals = safetensors_meta(&f, "pass_totals");
+    t->epoch = (int)k.epoch;  // for resume_compare's messages (restored with the rest below)
+    if (resume_compare(t, path, &f, batch || totals, err)) goto done;
     memset(ps, 0, sizeof *ps);
     if (batch || totals) {
         const int n_batches = (t->train.n + t->c->model.batch - 1) / t->c->model.batch;
@@ -8880,13 +9072,6 @@ static void training_warnings(const Trainer *t, const EpochRecord *r, const Epoc
     }
 }
 
-// what early stopping and best.safetensors watch: the validation loss, or the
-// validation mIoU (segmentation) / accuracy (classification); the training
-// run's own values when there is no validation set
-static const char *monitor_name(const TrainCfg *c) {
-    return !c->monitor_metric ? "val_loss" : model_is_classifier(c->model.model) ? "val_accuracy" : "val_mIoU";
-}
-
 // RUN/classes.txt: class k's name on line k+1, when the training set names its
 // classes (class folders, a CSV's text labels); predict --run reads it back
 #define CLASSES_FILE "classes.txt"
@@ -8958,20 +9143,14 @@ static void config_text(const TrainCfg *c, SfBuf *b) {
     if (c->allow_missing) CFG("allow-missing = %s\n", c->allow_missing);
     char f[4][32];
     sb_str(b, "class-weights = ");
-    for (int k = 0; k < m->classes; k++) CFG("%s%s", k ? "," : "", float_str(f[0], c->class_weights[k]));
+    class_weights_text(c, b);
     CFG("\nepochs = %d\nlr = %s\nadam-eps = %s\nweight-decay = %s\nclipnorm = %s\n", c->epochs, float_str(f[0], c->lr),
         float_str(f[1], c->adam_eps), float_str(f[2], c->weight_decay), float_str(f[3], c->clipnorm));
     CFG("schedule = %s\nwarmup = %d\nearly-stopping = %d\n", c->schedule == SCHEDULE_COSINE ? "cosine" : "constant",
         c->warmup, c->patience);
     CFG("monitor = %s\nmin-delta = %s\n", monitor_name(c), float_str(f[0], c->min_delta));
-    const Augment *a = &c->augment;
-    int n = 0;
     sb_str(b, "augment = ");
-    if (a->flip) { sb_str(b, "flip"); n++; }
-    if (a->brightness > 0) { CFG("%sbrightness=%s", n++ ? "," : "", float_str(f[0], a->brightness)); }
-    if (a->contrast_lo > 0 || a->contrast_hi > 0)
-        CFG("%scontrast=%s:%s", n++ ? "," : "", float_str(f[0], a->contrast_lo), float_str(f[1], a->contrast_hi));
-    if (!n) sb_str(b, "none");
+    augment_text(&c->augment, b);
     CFG("\nloss-norm = %s\nseed = %" PRIu64 "\n", c->loss_norm_keras ? "keras" : "weighted", c->seed);
     CFG("precision = %s\naccum = %d\nfreeze = %s\nunfreeze-last = %d\ncheckpoint = %s\n", DTYPE_NAMES[c->precision],
         c->accum, c->freeze_base ? "base" : "none", c->unfreeze_last, c->checkpoint ? "blocks" : "none");
@@ -10577,9 +10756,17 @@ static int model_options_used(const char *cmd, const char *model, int argc, char
     return 0;
 }
 
-// SIGINT/SIGTERM set interrupt_signal (see run_pass): the first lets the step finish
+// SIGINT, SIGTERM, SIGHUP (the terminal or ssh session closed) and SIGPIPE
+// (the reader of stdout or stderr gone, as `| head` does) set interrupt_signal
+// (see run_pass): the step finishes and the run saves. A second SIGINT, SIGTERM
+// or SIGHUP exits at once. SIGPIPE comes again with every write to the broken
+// pipe: those writes fail (EPIPE) and the progress they carried is dropped.
 static void on_interrupt(int sig) {
-    if (interrupt_signal) _exit(128 + sig);
+    if (sig == SIGPIPE) {
+        if (!interrupt_signal) interrupt_signal = sig;
+        return;
+    }
+    if (interrupt_signal && interrupt_signal != SIGPIPE) _exit(128 + sig);
     interrupt_signal = sig;
     static const char msg[] = "\nsegnet train: stopping after this step to save the run (again to stop at once)\n";
     ssize_t n = write(STDERR_FILENO, msg, sizeof msg - 1);
@@ -10592,8 +10779,8 @@ static void interrupt_handlers_install(void) {
     sa.sa_handler = on_interrupt;
     sa.sa_flags = SA_RESTART;  // reads and writes in progress go on
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
+    const int signals[] = {SIGINT, SIGTERM, SIGHUP, SIGPIPE};
+    for (size_t k = 0; k < sizeof signals / sizeof *signals; k++) sigaction(signals[k], &sa, NULL);
 }
 
 // A command's arguments, which hold the words of a run's config.txt when it

@@ -997,8 +997,8 @@ int net_load_weights(Net *net, const SafetensorsFile *f, const char *path, const
 // may go unused. On success `report` (SN_ERR_MAX bytes, if not NULL) holds
 // "weights: N tensors loaded from FILE (S names), M initialised (...), K
 // ignored (...)" with S the naming found: timm, or torchvision (segnet's own
-// names are torchvision's).
-typedef struct { const char *init, *ignore; } LoadRules;
+// names are torchvision's). check_only: every check, nothing copied.
+typedef struct { const char *init, *ignore; int check_only; } LoadRules;
 // The padding EfficientNetV2 weights were trained with: the file's
 // "padding" metadata (segnet's checkpoints, ref/'s files), else timm's
 // tf_efficientnetv2 names (TensorFlow's SAME) or torchvision's names

@@ -1,7 +1,13 @@
 // test_segnet.c -- every test of segnet. Build: make test_segnet; run: ./test_segnet [--filter SUBSTR]
 // The last line is "N passed, M failed"; the exit status is non-zero if anything failed.
+#ifndef SEGNET_FUZZ
 #define TESTING
 #include "segnet.c"
+#else
+#define main segnet_main  // fuzz_segnet calls segnet's command line too (its target cli)
+#include "segnet.c"
+#undef main
+#endif
 #include <time.h>
 #include <sys/file.h>
 #include <ctype.h>
@@ -2132,7 +2138,7 @@ TEST(weights_unet_encoder_from_classifier) {
     memcpy(before, unet.params, sizeof(float) * gu.n_param_floats);
     SafetensorsFile f;
     CHECK(safetensors_read(path, &f, err) == 0, "%s", err);
-    const LoadRules strict = {NULL, NULL};
+    const LoadRules strict = {NULL, NULL, 0};
     CHECK(net_load_weights_rules(&unet, &f, path, &strict, NULL, err) == -1 && contains(err, "missing (decoder.") &&
           contains(err, "unexpected (classifier.1.weight") && contains(err, "--allow-missing PREFIX"),
           "strict load of classifier weights into a U-Net: '%s'", err);
@@ -9206,14 +9212,14 @@ TEST(interrupt_signals_cli) {
              "--data %s --epochs 10 --augment flip --threads 1", data);
     snprintf(args, sizeof args, "%s --out %s", base, ref);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
-    struct { int sig, twice; } cases[] = {{SIGINT, 0}, {SIGTERM, 0}, {SIGINT, 1}};
+    struct { int sig, twice; } cases[] = {{SIGINT, 0}, {SIGTERM, 0}, {SIGHUP, 0}, {SIGINT, 1}};
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         rm_rf(run);
         snprintf(args, sizeof args, "%s --out %s", base, run);
         pid_t pid = spawn_segnet(args, errpath);
         snprintf(path, sizeof path, "%s/metrics.csv", run);
         for (int waited = 0; waited < 2000 && access(path, F_OK) != 0; waited++) usleep(5000);  // after epoch 1,
-        usleep(20000 * (useconds_t)k);                                                           // or inside epoch 2
+        usleep(20000 * (useconds_t)(k % 3));                                                     // or inside epoch 2
         kill(pid, cases[k].sig);
         if (cases[k].twice) kill(pid, cases[k].sig);
         int status = 0;
@@ -9237,6 +9243,29 @@ TEST(interrupt_signals_cli) {
             CHECK(files_equal(path, other), "signal %d%s: %s differs from the uninterrupted run's", cases[k].sig,
                   cases[k].twice ? " twice" : "", files[i]);
         }
+    }
+    // SIGPIPE: the reader of its output gone (`| head -n 4`, inside epoch 1): saved as for the
+    // others, exit 141; the writes to the broken pipe do not end the run before its checkpoint
+    const char *status_path = "/tmp/segnet_test_sig_status.txt";
+    rm_rf(run);
+    char cmd[1600];
+    snprintf(cmd, sizeof cmd, "(./segnet %s --out %s 2>&1; echo $? > %s) | head -n 4 >/dev/null", base, run, status_path);
+    CHECK(system(cmd) == 0, "%s", cmd);
+    for (int waited = 0; waited < 2000 && !file_exists(status_path); waited++) usleep(5000);  // the subshell outlives head
+    usleep(50000);
+    char *status = read_text(status_path);
+    CHECK(status && atoi(status) == 128 + SIGPIPE, "a broken pipe: exit %s, expected %d", status ? status : "(none)", 128 + SIGPIPE);
+    free(status);
+    unlink(status_path);
+    snprintf(path, sizeof path, "%s/last.safetensors", run);
+    CHECK(file_exists(path), "a broken pipe: no checkpoint was saved");
+    snprintf(args, sizeof args, "train --resume %s", run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "resume after a broken pipe: %s", msg);
+    for (int i = 0; i < 3; i++) {
+        const char *files[] = {"last.safetensors", "best.safetensors", "metrics.csv"};
+        snprintf(path, sizeof path, "%s/%s", run, files[i]);
+        snprintf(other, sizeof other, "%s/%s", ref, files[i]);
+        CHECK(files_equal(path, other), "a broken pipe: %s differs from the uninterrupted run's", files[i]);
     }
     unlink(errpath);
     rm_rf(data); rm_rf(ref); rm_rf(run);
@@ -10502,6 +10531,168 @@ TEST(dataset_without_weighted_label) {
     rm_rf(data); rm_rf(run); rm_rf(k.out);
 }
 
+// ----------------------------------------------------------------------------
+// a resumed run trains exactly the data it says (issue 31)
+
+typedef struct { TrainCfg *c; const char *resume; char err[SN_ERR_MAX]; } ResumeJob;
+static int resume_job(void *arg) { ResumeJob *j = arg; return train_run(j->c, j->resume, j->err); }
+
+// rm DIR/images/NAME.png and DIR/masks/NAME.png
+static void remove_sample(const char *dir, const char *name) {
+    char path[400];
+    snprintf(path, sizeof path, "%s/images/%s.png", dir, name);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/masks/%s.png", dir, name);
+    unlink(path);
+}
+
+// Finding 9: inside an interrupted epoch, another batch, accumulation,
+// augmentation or training set is refused, naming the change (the epoch's
+// place means nothing under them); between epochs they are taken and said.
+// What defines the monitored loss (size, class weights, loss normalisation,
+// the monitor) never changes within a run.
+TEST(resume_checks_data_and_settings) {
+    const char *data = "/tmp/segnet_test_fp_data", *run = "/tmp/segnet_test_fp_run", *ref = "/tmp/segnet_test_fp_ref";
+    rm_rf(data); rm_rf(run); rm_rf(ref);
+    write_seg_set(data, 8, 8, 8, 43);
+    TrainCfg c = tiny_seg_cfg(data, NULL);
+    c.model.batch = 2;  // 4 steps per epoch
+    c.epochs = 2;
+    c.out = ref;
+    char err[SN_ERR_MAX];
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    c.out = run;
+    c.interrupt_at_step = 2;  // inside epoch 1
+    CHECK(train_run(&c, NULL, err) == 128 + SIGINT, "interrupted: %s", err);
+    c.interrupt_at_step = 0;
+    struct { const char *what, *want; int batch, accum, size, weight0, keras, monitor, flip; } cases[] = {
+        {"--batch 4", "--batch 4, but the run was interrupted inside epoch 1 with 2", 4, 1, 8, 0, 0, 0, 0},
+        {"--accum 2", "--accum 2, but the run was interrupted inside epoch 1 with 1", 2, 2, 8, 0, 0, 0, 0},
+        {"--augment flip", "--augment flip, but the run was interrupted inside epoch 1 with none", 2, 1, 8, 0, 0, 0, 1},
+        {"--size 16x16", "--size 16x16, but the run was trained with 8x8", 2, 1, 16, 0, 0, 0, 0},
+        {"--class-weights 1,1,1", "--class-weights 1,1,1, but the run was trained with 0,1,1", 2, 1, 8, 1, 0, 0, 0},
+        {"--loss-norm keras", "--loss-norm keras, but the run was trained with weighted", 2, 1, 8, 0, 1, 0, 0},
+        {"--monitor val_mIoU", "--monitor val_mIoU, but the run was trained with val_loss", 2, 1, 8, 0, 0, 1, 0},
+    };
+    char path[400], before[400];
+    snprintf(path, sizeof path, "%s/last.safetensors", run);
+    snprintf(before, sizeof before, "%s/last.safetensors.orig", run);
+    keep_copy(path);
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        TrainCfg d = c;
+        d.model.batch = cases[k].batch; d.accum = cases[k].accum;
+        d.model.height = d.model.width = cases[k].size;
+        d.class_weights[0] = (float)cases[k].weight0;
+        d.loss_norm_keras = cases[k].keras; d.monitor_metric = cases[k].monitor; d.augment.flip = cases[k].flip;
+        CHECK(train_run(&d, run, err) == -1 && contains(err, cases[k].want), "%s: '%s'", cases[k].what, err);
+        CHECK(unchanged(path), "%s: the checkpoint changed", cases[k].what);
+    }
+    // the training set changed: fewer images, or as many but not the same files (names and sizes)
+    remove_sample(data, "i07");
+    CHECK(train_run(&c, run, err) == -1 && contains(err, data) && contains(err, "7 samples, the run's had 8") &&
+          contains(err, "interrupted inside epoch 1"), "an image fewer: '%s'", err);
+    write_seg_set(data, 8, 8, 8, 43);  // the same files again
+    uint8_t flat[8 * 8 * 3] = {0};      // compresses to another size
+    snprintf(path, sizeof path, "%s/images/i07.png", data);
+    CHECK(stbi_write_png(path, 8, 8, 3, flat, 8 * 3) != 0, "write %s", path);
+    CHECK(train_run(&c, run, err) == -1 && contains(err, "8 samples as before, but not the same files"),
+          "another image in its place: '%s'", err);
+    write_seg_set(data, 8, 8, 8, 43);
+    CHECK(train_run(&c, run, err) == 0, "the run's own data and settings: %s", err);
+    snprintf(path, sizeof path, "%s/last.safetensors", run);
+    snprintf(before, sizeof before, "%s/last.safetensors", ref);
+    CHECK(files_equal(path, before), "resumed, the run ends as the uninterrupted one");
+    // between epochs: another batch and another training set are taken, and said
+    c.epochs = 3;
+    c.model.batch = 4;
+    c.progress = 1;
+    remove_sample(data, "i07");
+    ResumeJob job = {&c, run, ""};
+    int rc;
+    char *said = with_stderr_captured(resume_job, &job, &rc);
+    CHECK(rc == 0, "between epochs: %s", job.err);
+    CHECK(contains(said, "--batch 4 from epoch 3 on (until now 2)"), "the batch's change is said: %s", said);
+    CHECK(contains(said, "has changed since the last checkpoint: 7 samples, the run's had 8"), "the data's change is said: %s", said);
+    free(said);
+    rm_rf(data); rm_rf(run); rm_rf(ref);
+}
+
+// Finding 14: what --resume, the options and the messages say is what happened.
+TEST(resume_and_options_messages) {
+    const char *data = "/tmp/segnet_test_msg_data", *run = "/tmp/segnet_test_msg_run";
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 4, 8, 8, 47);
+    char args[1400], msg[4096], path[400], err[SN_ERR_MAX];
+    const char *base = "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 --device cpu --threads 1";
+    snprintf(args, sizeof args, "%s --epochs 1 --data %s --out %s", base, data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    struct { const char *extra, *want; int rc; } cases[] = {
+        {"--seed 5", "--seed 5, but the run was trained with seed 1", 1},
+        {"--out /tmp/segnet_test_msg_other", "continues the run in its own folder", 2},
+        {"--overwrite", "--overwrite starts a new run", 2},
+        {"--head-hidden 16", "--head-hidden: model 'unet' has no classifier head", 2},
+        {"--dropout 0.2", "--dropout: model 'unet' has no classifier head", 2},
+        {"--unfreeze-last 1", "--unfreeze-last 1 does nothing without --freeze base", 1},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        snprintf(args, sizeof args, "train --resume %s --epochs 2 %s", run, cases[k].extra);
+        const int rc = run_segnet(args, msg, sizeof msg);
+        CHECK(rc == cases[k].rc && contains(msg, cases[k].want), "`%s`: exit %d, '%s'", cases[k].extra, rc, msg);
+        CHECK(!contains(msg, "config.txt says") && !contains(msg, "rank 0:"), "`%s`: '%s'", cases[k].extra, msg);
+    }
+    snprintf(args, sizeof args, "train --model effv2-t --depth 2 --size 32x32 --classes 3 --data %s --out %s_x", data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "--depth: model 'effv2-t' does not use it"), "'%s'", msg);
+    // a model changed in config.txt: named as that, not as a damaged optimiser state
+    snprintf(path, sizeof path, "%s/config.txt", run);
+    keep_copy(path);
+    char *config = read_text(path), *edited = malloc(strlen(config) + 16);
+    char *at = strstr(config, "width = 2");
+    CHECK(at != NULL, "config.txt holds width = 2: %s", config);
+    if (at) {
+        snprintf(edited, strlen(config) + 16, "%.*swidth = 4%s", (int)(at - config), config, at + 9);
+        write_file_bytes(path, edited, strlen(edited));
+        snprintf(args, sizeof args, "train --resume %s --epochs 2", run);
+        CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "of the wrong shape") &&
+              contains(msg, "the model of config.txt and the options is not the run's?") && !contains(msg, "optimiser state"),
+              "an edited config.txt: '%s'", msg);
+    }
+    free(config); free(edited);
+    snprintf(args, sizeof args, "%s.orig", path);
+    rename(args, path);
+    // interrupted inside epoch 2, resumed with --epochs 1: said as that
+    TrainCfg c = tiny_seg_cfg(data, NULL);
+    c.model.width_base = 2; c.model.batch = 2; c.epochs = 2; c.out = run; c.overwrite = 1; c.interrupt_at_step = 3;
+    CHECK(train_run(&c, NULL, err) == 128 + SIGINT, "%s", err);
+    c.overwrite = 0; c.interrupt_at_step = 0; c.epochs = 1; c.progress = 1;
+    ResumeJob job = {&c, run, ""};
+    int rc;
+    char *said = with_stderr_captured(resume_job, &job, &rc);
+    CHECK(rc == 0 && contains(said, "has completed 1 epoch and was interrupted inside epoch 2; --epochs 1 asks for no more") &&
+          !contains(said, "has finished"), "--epochs 1: '%s'", said);
+    free(said);
+    // a relative --data is recorded absolute: --resume works from another folder
+    char cwd[PATH_MAX];
+    CHECK(getcwd(cwd, sizeof cwd) != NULL, "getcwd");
+    CHECK(chdir("/tmp") == 0, "chdir");
+    c.data = "segnet_test_msg_data";
+    c.epochs = 1; c.overwrite = 1; c.progress = 0;
+    rc = train_run(&c, NULL, err);
+    CHECK(chdir(cwd) == 0, "chdir back");
+    CHECK(rc == 0, "a relative --data: %s", err);
+    config = read_text(path);
+    CHECK(config && contains(config, "data = /tmp/segnet_test_msg_data\n"), "config.txt: %s", config ? config : "");
+    free(config);
+    snprintf(args, sizeof args, "train --resume %s --epochs 2", run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "--resume from another folder: '%s'", msg);
+    // replicas in one process: a data error names the file, not a rank
+    snprintf(path, sizeof path, "%s/masks/i00.png", data);
+    write_file_bytes(path, "not a png", 9);
+    snprintf(args, sizeof args, "%s --replicas 2 --epochs 1 --data %s --out %s_r", base, data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && !strncmp(msg, "segnet train: /tmp/segnet_test_msg_data/masks/i00.png", 53),
+          "replicas: '%s'", msg);
+    rm_rf(data); rm_rf(run);
+}
+
 #ifndef SEGNET_FUZZ  // fuzz_segnet: the tests compiled, its own main at the end
 
 typedef struct { int passed, failed, not_run, heavy; } Tally;
@@ -10625,6 +10816,8 @@ int main(int argc, char **argv) {
 //                class names) and list_images (predict) on the same file
 //   checkpoint   load_checkpoint into a tiny U-Net trainer (--resume)
 //   config       parse_train_args reading a run's config.txt (--run, --resume)
+//   cli          whole commands (train, predict, eval, export, plan) in a
+//                sandbox, outputs checked against what the user owns (below)
 // Input k is a function of --seed, the target and k (time decides only where
 // a run stops): the seeds first, then a corpus entry with 1..16 stacked
 // mutations. The corpus starts as the seeds and keeps each input whose outcome
@@ -11495,7 +11688,8 @@ static Trainer g_ftrainer;  // a tiny U-Net's: what --resume loads into
 // between epochs, one in the middle of an epoch (its pass totals), and
 // weights alone (refused).
 static void fuzz_ckpt_setup(FuzzCtx *c) {
-    char path[300], data[300], err[SN_ERR_MAX];
+    static char data[300];  // the trainer's config points to it
+    char path[300], err[SN_ERR_MAX];
     snprintf(data, sizeof data, "%s/data", c->dir);
     write_seg_set(data, 8, 8, 8, 1);
     g_fcfg = tiny_seg_cfg(data, NULL);
@@ -11581,6 +11775,462 @@ static uint64_t fuzz_config_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     return fuzz_err_sig(c->err);
 }
 
+// ---- whole commands (target cli)
+//
+// An input is a command line, one argument per line, that segnet's own main
+// (segnet_main: this program holds the command line too) runs in a fresh
+// process, under the same sanitizers, in a sandbox: a copy of a template
+// folder made once per run (fuzz_cli_template): data sets, a finished run
+// runs/r, an earlier prediction preds/ (with its manifest), an earlier export
+// exports/m.safetensors and files of the user's own in user/. Lines starting
+// with '!' change the sandbox before the command: !rm P, !truncate P, !nan P
+// (a NaN in a safetensors file), !corrupt P, !write P (a file of the user's),
+// !mkdir P, !symlink P T. A path may not climb out (an argument or line that
+// could is dropped), and what would only be slow is tamed (bench, the
+// quickstart, big models, sizes, epochs). Findings besides crashes and leaks
+// (LeakSanitizer after the command), as invariants:
+//   - an exit status other than 0, 1 and 2, or a refusal without a message;
+//   - a hang (FUZZ_CLI_HANG_S);
+//   - a file that existed before changed or went, unless the command may
+//     replace it: the run's own files by `train --resume runs/r` or `--out
+//     runs/r --overwrite`, a listed prediction by `predict --out preds
+//     --overwrite`, the export by `export --out exports/m.safetensors
+//     --overwrite` (its lock file aside);
+//   - a temporary file left behind; a safetensors file written or changed
+//     that holds NaN or inf.
+
+#define FUZZ_CLI_HANG_S   30          // a command running longer is a hang (tamed inputs take ~1 s)
+#define FUZZ_CLI_ARGS     64
+#define FUZZ_CLI_OPS      8
+#define FUZZ_CLI_LEAK     123         // the command's exit status after LeakSanitizer found a leak
+
+static const FuzzToken CLI_DICT[] = {
+    TOK("train\n"), TOK("predict\n"), TOK("eval\n"), TOK("export\n"), TOK("plan\n"), TOK("--data\n"), TOK("--val\n"),
+    TOK("--out\n"), TOK("--resume\n"), TOK("--run\n"), TOK("--weights\n"), TOK("--input\n"), TOK("--overwrite\n"),
+    TOK("--last\n"), TOK("--best\n"), TOK("--names\n"), TOK("--epochs\n"), TOK("--batch\n"), TOK("--size\n"),
+    TOK("--classes\n"), TOK("--class-weights\n"), TOK("--model\n"), TOK("--lr\n"), TOK("--seed\n"), TOK("--accum\n"),
+    TOK("--augment\n"), TOK("--monitor\n"), TOK("--early-stopping\n"), TOK("--freeze\n"), TOK("--unfreeze-last\n"),
+    TOK("--head-hidden\n"), TOK("--dropout\n"), TOK("--depth\n"), TOK("--width\n"), TOK("--exif\n"),
+    TOK("--max-pixels\n"), TOK("--replicas\n"), TOK("--sync-bn\n"), TOK("--log-every\n"), TOK("--precision\n"),
+    TOK("--checkpoint\n"), TOK("--loss-norm\n"), TOK("--clipnorm\n"), TOK("--allow-missing\n"), TOK("--train-eval\n"),
+    TOK("--workers\n"), TOK("--padding\n"), TOK("--memory\n"), TOK("--min-delta\n"), TOK("data/train\n"),
+    TOK("data/val\n"), TOK("data/cls.csv\n"), TOK("data/train/images\n"), TOK("data/val/images\n"), TOK("runs/r\n"),
+    TOK("runs/new\n"), TOK("runs/r/best.safetensors\n"), TOK("runs/r/last.safetensors\n"), TOK("runs/r/config.txt\n"),
+    TOK("preds\n"), TOK("preds/i00.png\n"), TOK("user\n"), TOK("user/notes.txt\n"), TOK("user/photo.png\n"),
+    TOK("exports/m.safetensors\n"), TOK("exports/new.safetensors\n"), TOK("link\n"), TOK("unet\n"),
+    TOK("unet-effv2-t\n"), TOK("effv2-t\n"), TOK("0\n"), TOK("1\n"), TOK("2\n"), TOK("3\n"), TOK("-1\n"), TOK("1e34\n"),
+    TOK("1e36\n"), TOK("nan\n"), TOK("inf\n"), TOK("8x8\n"), TOK("16x16\n"), TOK("0,1,1\n"), TOK("1,1,1\n"),
+    TOK("0,0,0\n"), TOK("flip\n"), TOK("none\n"), TOK("val_mIoU\n"), TOK("val_loss\n"), TOK("base\n"), TOK("fp16\n"),
+    TOK("bf16\n"), TOK("blocks\n"), TOK("keras\n"), TOK("apply\n"), TOK("torchvision\n"), TOK("timm\n"), TOK("segnet\n"),
+    TOK("!rm runs/r/last.safetensors\n"), TOK("!rm runs/r/best.safetensors\n"), TOK("!nan runs/r/best.safetensors\n"),
+    TOK("!nan runs/r/last.safetensors\n"), TOK("!truncate runs/r/last.safetensors\n"), TOK("!rm data/train/images/i03.png\n"),
+    TOK("!write runs/new/config.txt\n"), TOK("!write preds/user.png\n"), TOK("!symlink link runs/r\n"),
+    TOK("!symlink link data/val/images\n"), TOK("!corrupt data/val/masks/i00.png\n"), TOK("!mkdir runs/new\n"),
+    TOK("!rm "), TOK("!nan "), TOK("!truncate "), TOK("!corrupt "), TOK("!write "), TOK("!mkdir "), TOK("!symlink "),
+};
+
+static const char *const CLI_SEEDS[] = {
+    "train\n--model\nunet\n--depth\n1\n--width\n2\n--size\n8x8\n--batch\n2\n--epochs\n1\n--classes\n3\n--class-weights\n0,1,1\n"
+    "--data\ndata/train\n--val\ndata/val\n--out\nruns/new\n--threads\n1\n",
+    "train\n--resume\nruns/r\n--epochs\n2\n--threads\n1\n",
+    "train\n--model\nunet\n--depth\n1\n--width\n2\n--size\n8x8\n--batch\n2\n--epochs\n1\n--classes\n3\n--data\ndata/train\n"
+    "--out\nruns/r\n--overwrite\n--threads\n1\n",
+    "predict\n--run\nruns/r\n--input\ndata/val/images\n--out\npreds\n--overwrite\n--threads\n1\n",
+    "predict\n--run\nruns/r\n--input\ndata/val/images\n--out\npreds2\n--threads\n1\n",
+    "export\n--run\nruns/r\n--out\nexports/m.safetensors\n--overwrite\n",
+    "export\n--run\nruns/r\n--out\nruns/r/last.safetensors\n",
+    "eval\n--run\nruns/r\n--threads\n1\n",
+    "train\n--model\neffv2-t\n--size\n16x16\n--batch\n2\n--epochs\n1\n--classes\n3\n--data\ndata/cls.csv\n--out\nruns/cls\n"
+    "--threads\n1\n",
+    "plan\n--model\nunet-effv2-t\n--size\n32x32\n",
+    "!nan runs/r/best.safetensors\npredict\n--run\nruns/r\n--input\ndata/val/images\n--out\npreds3\n",
+    // replicas whose shards of the last batch are empty (5 images, batches of 4): staged, accumulated
+    "train\n--model\nunet\n--depth\n1\n--width\n2\n--size\n8x8\n--batch\n4\n--replicas\n2\n--epochs\n1\n--classes\n3\n"
+    "--data\ndata/train\n--out\nruns/rep\n--threads\n1\n",
+    "train\n--model\nunet\n--depth\n1\n--width\n2\n--size\n8x8\n--batch\n2\n--replicas\n2\n--accum\n2\n--epochs\n1\n"
+    "--classes\n3\n--data\ndata/train\n--out\nruns/acc\n--threads\n1\n",
+    // empty folders
+    "!mkdir data/empty\npredict\n--run\nruns/r\n--input\ndata/empty\n--out\npreds4\n",
+    "!mkdir data/empty\n!mkdir data/empty/images\n!mkdir data/empty/masks\ntrain\n--model\nunet\n--depth\n1\n--classes\n3\n"
+    "--size\n8x8\n--data\ndata/empty\n--out\nruns/e\n",
+};
+
+// The template, made once (in a process of its own: the harness's children
+// must not start OpenMP's threads, which a fork would not carry): built in
+// the sandbox's place, so that the run's config.txt names the sandbox's data.
+static void fuzz_cli_template(FuzzCtx *c) {
+    char tpl[300], box[300], path[700], err[SN_ERR_MAX];
+    snprintf(tpl, sizeof tpl, "%s/template", c->dir);
+    snprintf(box, sizeof box, "%s/sandbox", c->dir);
+    struct stat sb;
+    if (stat(tpl, &sb) == 0) return;
+    pid_t pid = fork();
+    if (pid == 0) {
+        rm_rf(box);
+        snCheck(mkdir(box, 0755) == 0 && chdir(box) == 0, "fuzz cli: %s: %s", box, strerror(errno));
+        mkdir("data", 0755); mkdir("runs", 0755); mkdir("user", 0755); mkdir("exports", 0755);
+        write_seg_set("data/train", 5, 8, 8, 3);  // 5: a last batch smaller than the replicas (seeds)
+        write_seg_set("data/val", 2, 8, 8, 4);
+        write_file_bytes("data/cls.csv", "train/images/i00.png,0\ntrain/images/i01.png,1\ntrain/images/i02.png,2\n", 69);
+        write_file_bytes("user/notes.txt", "the user's\n", 11);
+        snCheck(copy_file("data/val/images/i00.png", "user/photo.png"), "fuzz cli: copy");
+        TrainCfg t = tiny_seg_cfg("data/train", "data/val");
+        t.model.width_base = 2; t.model.batch = 2; t.epochs = 1; t.threads = 1; t.out = "runs/r";
+        snCheck(train_run(&t, NULL, err) == 0, "fuzz cli: %s", err);
+        PredictCfg pc = {t.model, "runs/r/best.safetensors", "data/val/images", "preds", 0, DEVICE_CPU, NULL, 0, 0};
+        snCheck(predict_run(&pc, err) == 0, "fuzz cli: %s", err);
+        char report[SN_ERR_MAX];
+        snCheck(export_run(&t.model, "runs/r", 0, EXPORT_TORCHVISION, "exports/m.safetensors", 0, report, err) == 0,
+                "fuzz cli: %s", err);
+        snprintf(path, sizeof path, "mv '%s' '%s'", box, tpl);
+        _exit(system(path) == 0 ? 0 : 1);
+    }
+    int st;
+    waitpid(pid, &st, 0);
+    snCheck(WIFEXITED(st) && WEXITSTATUS(st) == 0 && stat(tpl, &sb) == 0, "fuzz cli: the template was not made");
+}
+
+static void fuzz_cli_setup(FuzzCtx *c) {
+    fuzz_cli_template(c);
+    for (size_t i = 0; i < sizeof CLI_SEEDS / sizeof *CLI_SEEDS; i++) fuzz_add_seed(c, CLI_SEEDS[i], strlen(CLI_SEEDS[i]));
+}
+
+// a path the sandbox keeps: relative, never climbing out
+static int fuzz_cli_path_ok(const char *p) { return p[0] && p[0] != '/' && !strstr(p, ".."); }
+
+// What a slow but correct command would be, tamed: big models, sizes, epochs, batches
+static void fuzz_cli_tame(char **argv, int argc) {
+    static const char *const LIMITS[][2] = {{"--epochs", "2"}, {"--batch", "4"}, {"--threads", "2"}, {"--workers", "2"},
+                                            {"--replicas", "2"}, {"--accum", "4"}, {"--classes", "8"},
+                                            {"--head-hidden", "16"}, {"--width", "8"}, {"--depth", "3"}};
+    for (int i = 2; i + 1 < argc; i++) {
+        for (size_t k = 0; k < sizeof LIMITS / sizeof *LIMITS; k++)
+            if (!strcmp(argv[i], LIMITS[k][0]) && atoi(argv[i + 1]) > atoi(LIMITS[k][1])) argv[i + 1] = (char *)LIMITS[k][1];
+        int h, w;
+        if (!strcmp(argv[i], "--size") && sscanf(argv[i + 1], "%dx%d", &h, &w) == 2 && (int64_t)h * w > 32 * 32)
+            argv[i + 1] = "16x16";
+        if (!strcmp(argv[i], "--model") && (strstr(argv[i + 1], "effv2-s") || strstr(argv[i + 1], "effv2-m") ||
+                                            strstr(argv[i + 1], "effv2-l")))
+            argv[i + 1] = "effv2-t";
+    }
+}
+
+// one entry of a folder's snapshot: what a file holds (hash), or a link's target
+typedef struct { char path[600]; int link; uint64_t hash; } CliEntry;
+typedef struct { CliEntry *e; int n, cap; } CliSnap;
+
+static void fuzz_cli_walk(CliSnap *s, const char *root, const char *rel) {
+    char dir[700];
+    snprintf(dir, sizeof dir, "%s%s%s", root, rel[0] ? "/" : "", rel);
+    DIR *d = opendir(dir);
+    if (!d) return;
+    for (struct dirent *e; (e = readdir(d));) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char r[600], full[1400];
+        snprintf(r, sizeof r, "%s%s%s", rel, rel[0] ? "/" : "", e->d_name);
+        snprintf(full, sizeof full, "%s/%s", root, r);
+        struct stat sb;
+        if (lstat(full, &sb) != 0) continue;
+        if (S_ISDIR(sb.st_mode)) { fuzz_cli_walk(s, root, r); continue; }
+        GROW(s->e, s->n, s->cap);
+        CliEntry *x = &s->e[s->n++];
+        snprintf(x->path, sizeof x->path, "%s", r);
+        x->link = S_ISLNK(sb.st_mode);
+        x->hash = FUZZ_HASH0;
+        if (x->link) {
+            char target[600];
+            const ssize_t k = readlink(full, target, sizeof target);
+            x->hash = fuzz_hash(x->hash, target, k > 0 ? (size_t)k : 0);
+        } else {
+            size_t n;
+            uint8_t *p = read_file_bytes(full, &n);
+            x->hash = p ? fuzz_hash(x->hash, p, n) : 0;
+            free(p);
+        }
+    }
+    closedir(d);
+}
+
+static const CliEntry *fuzz_cli_find(const CliSnap *s, const char *path) {
+    for (int i = 0; i < s->n; i++) if (!strcmp(s->e[i].path, path)) return &s->e[i];
+    return NULL;
+}
+
+// Whether the sandbox paths a and b are the same file or folder
+static int fuzz_cli_same(const char *box, const char *a, const char *b) {
+    char pa[1400], pb[1400], ra[PATH_MAX], rb[PATH_MAX];
+    snprintf(pa, sizeof pa, "%s/%s", box, a);
+    snprintf(pb, sizeof pb, "%s/%s", box, b);
+    return realpath(pa, ra) && realpath(pb, rb) && !strcmp(ra, rb);
+}
+
+// The value after the last `flag` in argv, or NULL
+static const char *fuzz_cli_value(char **argv, int argc, const char *flag) {
+    const char *v = NULL;
+    for (int i = 2; i + 1 < argc; i++) if (!strcmp(argv[i], flag)) v = argv[i + 1];
+    return v;
+}
+
+// Whether the command may change or remove `path` (which existed before it), by the rules above
+static int fuzz_cli_may_change(const char *box, const char *path, char **argv, int argc, const char *listed, size_t n_listed) {
+    const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
+    if (!strcmp(base, RUN_LOCK_FILE)) return 1;
+    const char *cmd = argc > 1 ? argv[1] : "", *out = fuzz_cli_value(argv, argc, "--out");
+    const char *resume = fuzz_cli_value(argv, argc, "--resume");
+    const int overwrite = has_flag(argc, argv, "--overwrite");
+    if (!strncmp(path, "runs/r/", 7))
+        return !strcmp(cmd, "train") && ((resume && fuzz_cli_same(box, resume, "runs/r")) ||
+                                         (overwrite && out && fuzz_cli_same(box, out, "runs/r")));
+    if (!strncmp(path, "preds/", 6)) {
+        int in_manifest = 0;
+        for (size_t i = 0; i < n_listed; i += strlen(listed + i) + 1) in_manifest |= !strcmp(listed + i, base);
+        return !strcmp(cmd, "predict") && overwrite && out && fuzz_cli_same(box, out, "preds") &&
+               (in_manifest || !strcmp(base, PREDICT_MANIFEST));
+    }
+    if (!strcmp(path, "exports/m.safetensors"))
+        return !strcmp(cmd, "export") && overwrite && out && fuzz_cli_same(box, out, path);
+    return 0;
+}
+
+// Whether a safetensors file holds only finite values (what it holds, if it reads)
+static int fuzz_cli_finite(const char *path, char *which, size_t cap) {
+    SafetensorsFile f;
+    char err[SN_ERR_MAX];
+    if (safetensors_read(path, &f, err)) return 1;  // not a model (a truncated copy, another file)
+    int ok = 1;
+    for (int i = 0; ok && i < f.n_tensors; i++) {
+        const SafetensorsTensor *t = &f.tensors[i];
+        if (t->dtype == DT_I64) continue;
+        float *v = malloc(sizeof(float) * (t->numel ? t->numel : 1));
+        snCheck(v != NULL, "out of host memory");
+        safetensors_tensor_f32(t, v);
+        for (size_t k = 0; ok && k < t->numel; k++)
+            if (!isfinite(v[k])) { ok = 0; snprintf(which, cap, "%s", t->name); }
+        free(v);
+    }
+    safetensors_free(&f);
+    return ok;
+}
+
+// A sandbox change (`!OP PATH [TARGET]`) before the command
+static void fuzz_cli_op(const char *box, const char *line) {
+    char op[16], p[300], target[300] = "", full[700];
+    if (sscanf(line, "!%15s %299s %299s", op, p, target) < 2 || !fuzz_cli_path_ok(p) || (target[0] && !fuzz_cli_path_ok(target)))
+        return;
+    snprintf(full, sizeof full, "%s/%s", box, p);
+    if (!strcmp(op, "rm")) unlink(full);
+    else if (!strcmp(op, "mkdir")) mkdir(full, 0755);
+    else if (!strcmp(op, "write")) write_file_bytes(full, "the user's\n", 11);
+    else if (!strcmp(op, "symlink") && target[0]) {
+        char to[700];
+        snprintf(to, sizeof to, "%s/%s", box, target);  // absolute within the sandbox: the link's own folder may differ
+        if (symlink(to, full)) {}
+    } else if (!strcmp(op, "truncate") || !strcmp(op, "corrupt") || !strcmp(op, "nan")) {
+        size_t n;
+        uint8_t *b = read_file_bytes(full, &n);
+        if (!b) return;
+        if (!strcmp(op, "truncate")) n /= 2;
+        else if (!strcmp(op, "corrupt") && n) b[n / 2] ^= 0x5a;
+        else {  // a NaN at the start of the first F32 tensor's data
+            SafetensorsFile f;
+            char err[SN_ERR_MAX];
+            if (safetensors_read(full, &f, err) == 0) {
+                for (int i = 0; i < f.n_tensors; i++)
+                    if (f.tensors[i].dtype == DT_F32 && f.tensors[i].numel) {
+                        const size_t at = (size_t)((const uint8_t *)f.tensors[i].data - f.bytes);
+                        const float nan = NAN;
+                        memcpy(b + at, &nan, 4);
+                        break;
+                    }
+                safetensors_free(&f);
+            }
+        }
+        write_file_bytes(full, b, n);
+        free(b);
+    }
+}
+
+static uint64_t fuzz_cli_run(FuzzCtx *c, const uint8_t *in, size_t n) {
+    alarm(0);  // the command has its own limit
+    char box[300], tpl[300], cmd[800], outp[300], errp[300];
+    snprintf(box, sizeof box, "%s/sandbox", c->dir);
+    snprintf(tpl, sizeof tpl, "%s/template", c->dir);
+    snprintf(outp, sizeof outp, "%s/out.txt", c->dir);
+    snprintf(errp, sizeof errp, "%s/err.txt", c->dir);
+    // the input's lines: sandbox changes and arguments
+    char *text = malloc(n + 1);
+    snCheck(text != NULL, "out of host memory");
+    memcpy(text, in, n);
+    text[n] = 0;
+    char *argv[FUZZ_CLI_ARGS + 2], *ops[FUZZ_CLI_OPS];
+    int argc = 1, n_ops = 0;
+    argv[0] = "segnet";
+    for (char *save = NULL, *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        if (line[0] == '!') { if (n_ops < FUZZ_CLI_OPS) ops[n_ops++] = line; }
+        else if (argc <= FUZZ_CLI_ARGS && fuzz_cli_path_ok(line)) argv[argc++] = line;  // no way out of the sandbox
+    }
+    argv[argc] = NULL;
+    if (argc > 1 && !strcmp(argv[1], "bench")) argv[1] = "plan";
+    uint64_t sig;
+    if (argc < 2 || (argc == 2 && !strcmp(argv[1], "train"))) {  // the quickstart: minutes
+        free(text);
+        snprintf(c->err, SN_ERR_MAX, "tamed: nothing to run");
+        return fuzz_hash(FUZZ_HASH0, "none", 4);
+    }
+    fuzz_cli_tame(argv, argc);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s' && cp -a '%s' '%s'", box, tpl, box);
+    snCheck(system(cmd) == 0, "fuzz cli: cannot copy the template");
+    for (int i = 0; i < n_ops; i++) fuzz_cli_op(box, ops[i]);
+    CliSnap before = {0}, after = {0};
+    fuzz_cli_walk(&before, box, "");
+    size_t n_listed = 0;
+    char manifest[700];
+    snprintf(manifest, sizeof manifest, "%s/preds/" PREDICT_MANIFEST, tpl);
+    char *listed = (char *)read_file_bytes(manifest, &n_listed);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        __sanitizer_set_death_callback(NULL);
+        signal(SIGALRM, SIG_DFL);
+        int fd0 = open("/dev/null", O_RDONLY), fd1 = open(outp, O_WRONLY | O_CREAT | O_TRUNC, 0644),
+            fd2 = open(errp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd0 < 0 || fd1 < 0 || fd2 < 0 || chdir(box) != 0) _exit(FUZZ_EXIT_SETUP);
+        dup2(fd0, 0); dup2(fd1, 1); dup2(fd2, 2);
+        alarm(FUZZ_CLI_HANG_S);
+        const int rc = segnet_main(argc, argv);
+        fflush(stdout); fflush(stderr);
+        _exit(__lsan_do_recoverable_leak_check() ? FUZZ_CLI_LEAK : rc);
+    }
+    int st;
+    waitpid(pid, &st, 0);
+    size_t n_err;
+    char *said = read_file(errp, &n_err), last[SN_ERR_MAX] = "";
+    const char *report = said ? strstr(said, "ERROR: AddressSanitizer") : NULL;
+    if (said && !report) report = strstr(said, "runtime error:");
+    if (said && !report) report = strstr(said, "ERROR: LeakSanitizer");
+    for (char *p = said, *e; p && *p; p = e + (*e != 0)) {  // the last line said
+        e = p + strcspn(p, "\n");
+        if (e > p) snprintf(last, sizeof last, "%.*s", (int)(e - p), p);
+    }
+    const int rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    snprintf(c->err, SN_ERR_MAX, "%s", last);
+    if (report) fuzz_invariant(c, "`segnet %s` under the sanitizers: %.*s", argv[1], (int)strcspn(report, "\n"), report);
+    else if (WIFSIGNALED(st) && WTERMSIG(st) == SIGALRM) fuzz_invariant(c, "`segnet %s` still running after %d s", argv[1], FUZZ_CLI_HANG_S);
+    else if (WIFSIGNALED(st)) fuzz_invariant(c, "`segnet %s` killed by %s", argv[1], strsignal(WTERMSIG(st)));
+    else if (rc == FUZZ_CLI_LEAK) fuzz_invariant(c, "`segnet %s` leaks (LeakSanitizer after the command)", argv[1]);
+    else if (rc != 0 && rc != 1 && rc != 2) fuzz_invariant(c, "`segnet %s` exited %d: %s", argv[1], rc, last);
+    else if (rc != 0 && !last[0]) fuzz_invariant(c, "`segnet %s` exited %d without a message", argv[1], rc);
+    fuzz_cli_walk(&after, box, "");
+    for (int i = 0; i < before.n; i++) {
+        const CliEntry *b = &before.e[i], *a = fuzz_cli_find(&after, b->path);
+        if ((!a || a->hash != b->hash || a->link != b->link) &&
+            !fuzz_cli_may_change(box, b->path, argv, argc, listed ? listed + strlen(PREDICT_MANIFEST_HEAD) : NULL,
+                                 listed && n_listed > strlen(PREDICT_MANIFEST_HEAD) ? n_listed - strlen(PREDICT_MANIFEST_HEAD) : 0))
+            fuzz_invariant(c, "`segnet %s` %s %s, a file it may not replace", argv[1], a ? "changed" : "removed", b->path);
+    }
+    for (int i = 0; i < after.n; i++) {
+        const CliEntry *a = &after.e[i], *b = fuzz_cli_find(&before, a->path);
+        char full[1400], which[SN_NAME_MAX] = "";
+        snprintf(full, sizeof full, "%s/%s", box, a->path);
+        if (strstr(a->path, TMP_MARK) && !(b && b->hash == a->hash))
+            fuzz_invariant(c, "`segnet %s` left a temporary file: %s", argv[1], a->path);
+        if ((!b || b->hash != a->hash) && !a->link && name_ends_with(a->path, ".safetensors") &&
+            !fuzz_cli_finite(full, which, sizeof which))
+            fuzz_invariant(c, "`segnet %s` wrote %s holding NaN or inf (%s)", argv[1], a->path, which);
+    }
+    c->accepted = rc == 0;
+    sig = fuzz_hash(fuzz_hash(FUZZ_HASH0, argv[1], strlen(argv[1])), &rc, sizeof rc) ^ (rc ? fuzz_err_sig(last) : 0);
+    free(before.e); free(after.e); free(listed); free(said); free(text);
+    return sig | 1;
+}
+
+// Mutations of the command as lines, most of them keeping it well formed (a
+// value that fits its option, from CLI_OPTIONS, so that commands get past the
+// parser into the runs): a value replaced, an option with a value or a switch
+// inserted, an option deleted, a sandbox change first, another command; else a
+// byte-level mutation or a dictionary token.
+static const struct { const char *flag, *values; } CLI_OPTIONS[] = {
+    {"--data", "data/train|data/val|data/cls.csv|data/empty|user|link"}, {"--val", "data/val|data/train|data/cls.csv"},
+    {"--out", "runs/new|runs/r|preds|preds2|user|user/notes.txt|user/photo.png|exports/m.safetensors|exports/new.safetensors|"
+              "data/val/images|data/val/images/p|link|runs/r/last.safetensors|runs/r/best.safetensors|runs/r/x.safetensors"},
+    {"--resume", "runs/r|runs/new|link|preds"}, {"--run", "runs/r|link|runs/new|data/train"},
+    {"--weights", "runs/r/best.safetensors|runs/r/last.safetensors|exports/m.safetensors|user/notes.txt"},
+    {"--input", "data/val/images|data/train/images|user|preds|data/cls.csv|link|runs/r"},
+    {"--epochs", "1|2"}, {"--batch", "1|2|3|4"}, {"--size", "8x8|16x16|7x9|32x32"}, {"--classes", "3|2|4|1"},
+    {"--class-weights", "0,1,1|1,1,1|0,0,0|1,0,0|0,1|nan,1,1"}, {"--model", "unet|unet-effv2-t|effv2-t"},
+    {"--lr", "0.001|1e34|1e36|0"}, {"--seed", "1|5"}, {"--accum", "1|2|3"},
+    {"--augment", "flip|none|brightness=0.5|contrast=0.5:1.5"}, {"--monitor", "val_loss|val_mIoU|val_accuracy"},
+    {"--early-stopping", "1|2"}, {"--freeze", "base|none"}, {"--unfreeze-last", "0|1|2"}, {"--head-hidden", "0|4"},
+    {"--dropout", "0.2|0"}, {"--depth", "1|2"}, {"--width", "2|4"}, {"--exif", "apply|ignore"},
+    {"--max-pixels", "1|64|100000000"}, {"--replicas", "1|2"}, {"--log-every", "1|0"}, {"--precision", "fp32|fp16|bf16"},
+    {"--checkpoint", "none|blocks"}, {"--loss-norm", "weighted|keras"}, {"--clipnorm", "0|1"},
+    {"--allow-missing", "head.|enc"}, {"--workers", "1|2"}, {"--padding", "same|symmetric"}, {"--memory", "1G|1K"},
+    {"--min-delta", "0|0.1"}, {"--names", "torchvision|timm|segnet"}, {"--threads", "1|2"}, {"--warmup", "0|3"},
+    {"--schedule", "cosine|constant"}, {"--weight-decay", "0|0.01"},
+};
+static const char *const CLI_SWITCHES[] = {"--overwrite", "--last", "--best", "--sync-bn", "--train-eval"};
+static const char *const CLI_COMMANDS[] = {"train", "predict", "eval", "export", "plan"};
+
+// one of `values` ('|'-separated) into out, with its newline
+static size_t fuzz_cli_pick(Rng *r, const char *values, char *out, size_t cap) {
+    int n = 1;
+    for (const char *p = values; *p; p++) n += *p == '|';
+    const char *v = values;
+    for (int k = (int)fuzz_draw(r, (uint64_t)n); k > 0; k--) v = strchr(v, '|') + 1;
+    return (size_t)snprintf(out, cap, "%.*s\n", (int)strcspn(v, "|"), v);
+}
+
+static size_t fuzz_cli_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
+    size_t starts[FUZZ_CLI_ARGS * 2 + 1], k = 0;
+    for (size_t i = 0; i < n && k + 1 < sizeof starts / sizeof *starts; i++) if (i == 0 || b[i - 1] == '\n') starts[k++] = i;
+    starts[k] = n;
+    size_t cmd = 0;  // the command word's line: the first that is no sandbox change
+    while (cmd < k && b[starts[cmd]] == '!') cmd++;
+    const uint64_t how = fuzz_draw(r, 20);
+    if (cmd == k || how >= 18) return fuzz_mutate(c, r, b, n);
+    char add[256];
+    size_t m;
+    if (how < 7) {  // a value replaced by one its option takes
+        const size_t line = cmd + 1 + fuzz_draw(r, k - cmd), at = starts[line - 1], len = starts[line] - at;
+        for (size_t o = 0; line < k && o < sizeof CLI_OPTIONS / sizeof *CLI_OPTIONS; o++)
+            if (len == strlen(CLI_OPTIONS[o].flag) + 1 && !memcmp(b + at, CLI_OPTIONS[o].flag, len - 1)) {
+                m = fuzz_cli_pick(r, CLI_OPTIONS[o].values, add, sizeof add);
+                memmove(b + starts[line], b + starts[line + 1], n - starts[line + 1]);
+                return fuzz_insert(b, n - (starts[line + 1] - starts[line]), starts[line], add, m);
+            }
+        return n;
+    }
+    size_t bounds[FUZZ_CLI_ARGS * 2 + 1], n_bounds = 0;  // where an option may go: before one, or at the end
+    for (size_t i = cmd + 1; i <= k; i++)
+        if (i == k || (b[starts[i]] == '-' && starts[i] + 1 < n && b[starts[i] + 1] == '-')) bounds[n_bounds++] = starts[i];
+    const size_t pos = bounds[fuzz_draw(r, n_bounds)];
+    if (how < 12) {  // an option with a value
+        const size_t o = fuzz_draw(r, sizeof CLI_OPTIONS / sizeof *CLI_OPTIONS);
+        m = (size_t)snprintf(add, sizeof add, "%s\n", CLI_OPTIONS[o].flag);
+        m += fuzz_cli_pick(r, CLI_OPTIONS[o].values, add + m, sizeof add - m);
+        return fuzz_insert(b, n, pos, add, m);
+    }
+    if (how < 14) {  // a switch
+        m = (size_t)snprintf(add, sizeof add, "%s\n", CLI_SWITCHES[fuzz_draw(r, sizeof CLI_SWITCHES / sizeof *CLI_SWITCHES)]);
+        return fuzz_insert(b, n, pos, add, m);
+    }
+    if (how < 16) {  // a line deleted (an option's value then takes the next option as its own)
+        const size_t line = cmd + 1 + fuzz_draw(r, k - cmd);
+        if (line >= k) return n;
+        memmove(b + starts[line], b + starts[line + 1], n - starts[line + 1]);
+        return n - (starts[line + 1] - starts[line]);
+    }
+    if (how == 16) {  // a sandbox change first
+        const FuzzToken *tk;
+        do tk = &CLI_DICT[fuzz_draw(r, sizeof CLI_DICT / sizeof *CLI_DICT)]; while (tk->s[0] != '!' || tk->s[tk->n - 1] != '\n');
+        return fuzz_insert(b, n, 0, tk->s, tk->n);
+    }
+    // another command
+    m = (size_t)snprintf(add, sizeof add, "%s\n", CLI_COMMANDS[fuzz_draw(r, sizeof CLI_COMMANDS / sizeof *CLI_COMMANDS)]);
+    memmove(b + starts[cmd], b + starts[cmd + 1], n - starts[cmd + 1]);
+    return fuzz_insert(b, n - (starts[cmd + 1] - starts[cmd]), starts[cmd], add, m);
+}
+
 // ---- deliberately faulty readers: --selftest checks that each fault is caught
 
 static void fuzz_faulty_setup(FuzzCtx *c) { fuzz_add_seed(c, "\x02" "abc", 4); }
@@ -11619,6 +12269,7 @@ static const FuzzTarget FUZZ_TARGETS[] = {
     {"csv", "list.csv", CSV_DICT, sizeof CSV_DICT / sizeof *CSV_DICT, fuzz_csv_setup, fuzz_csv_run, NULL},
     {"checkpoint", "input.safetensors", SF_DICT, sizeof SF_DICT / sizeof *SF_DICT, fuzz_ckpt_setup, fuzz_ckpt_run, fuzz_sf_mutate},
     {"config", "config.txt", CFG_DICT, sizeof CFG_DICT / sizeof *CFG_DICT, fuzz_config_setup, fuzz_config_run, NULL},
+    {"cli", "command.txt", CLI_DICT, sizeof CLI_DICT / sizeof *CLI_DICT, fuzz_cli_setup, fuzz_cli_run, fuzz_cli_mutate},
 };
 static const FuzzTarget SELFTEST_TARGETS[] = {
     {"selftest-overflow", "input", NULL, 0, fuzz_faulty_setup, fuzz_faulty_overflow, NULL},
@@ -11971,7 +12622,7 @@ static int fuzz_usage(const char *argv0) {
             "target (default 60), at most N inputs with --runs; an input running over --hang seconds\n"
             "(default %d) is a hang. A finding is saved as DIR/TARGET-KIND-K.bin with its report in\n"
             "DIR/TARGET-KIND-K.txt (default DIR: fuzz-out); the exit status is 1 if there is one.\n"
-            "Targets: safetensors image mask exif csv checkpoint config (default: all). -v: the seeds' outcomes.\n"
+            "Targets: safetensors image mask exif csv checkpoint config cli (default: all). -v: the seeds' outcomes.\n"
             "--replay runs one saved input; --selftest checks that the harness catches planted faults.\n",
             argv0, argv0, argv0, FUZZ_HANG_S);
     return 2;
