@@ -216,8 +216,9 @@ cuda_emu.o: cuda_emu.cpp cuda_emu.h
 
 # ---- make fuzz: the file readers under AddressSanitizer and UBSan -------------
 # fuzz_segnet is test_segnet.c built with -DSEGNET_FUZZ, CPU only and -O1 (it
-# builds in seconds): seeded mutation fuzzing of the safetensors, image, mask,
-# EXIF orientation, CSV, checkpoint and config.txt readers, FUZZ_SECONDS per target (FUZZ_SEED:
+# builds in about a minute): seeded mutation fuzzing of the safetensors, image, mask,
+# EXIF orientation, CSV, checkpoint and config.txt readers and of whole commands
+# (target cli: segnet's own main in a sandbox), FUZZ_SECONDS per target (FUZZ_SEED:
 # the same inputs for the same seed). A finding is saved as FUZZ_OUT/TARGET-KIND-K.bin
 # (./fuzz_segnet --replay FILE TARGET runs it) with its report beside it; the
 # exit status is then 1. stb_image is compiled from the Debian header with ASan

@@ -6206,7 +6206,7 @@ static int cmp_seg_name(const void *a, const void *b) { return strcmp(((const Se
 
 #define PREDICT_MANIFEST      ".segnet-predict"
 #define PREDICT_MANIFEST_HEAD "segnet predict: the files it wrote in this folder, which --overwrite may replace\n"
-#define PREDICT_CSV_HEAD      "path,pred"  // what a classifier's CSV starts with (csv_header_prediction)
+#define PREDICT_CSV_HEAD      "path,pred"  // what a classifier's CSV starts with (predict_run writes it)
 
 static int stat_same(const struct stat *a, const struct stat *b) { return a->st_dev == b->st_dev && a->st_ino == b->st_ino; }
 
@@ -6374,7 +6374,6 @@ static int outputs_allowed(const PredictCfg *pc, const PathList *l, const SegNam
     free(ids);
     return rc;
 }
-
 
 // Before anything is written: no two images would write the same file (a.png
 // and a.jpg, or a_overlay.png beside a.png), every name fits the file system,
