@@ -154,8 +154,10 @@ ifeq ($(DEPS_ROOT),)
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "segnet: installing missing Debian packages:$$missing"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null \
-	      || { echo "segnet: apt-get install failed; run: apt-get install -y$$missing" >&2; exit 1; }; \
+	    log=$$(mktemp); \
+	    if apt-get update -qq >$$log 2>&1 && \
+	       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >>$$log 2>&1; then rm -f $$log; \
+	    else cat $$log >&2; rm -f $$log; echo "segnet: apt-get install failed; run: apt-get install -y$$missing" >&2; exit 1; fi; \
 	  else \
 	    echo "segnet: missing build dependencies. Run:" >&2; \
 	    echo "  sudo apt-get install -y$$missing" >&2; \

@@ -5593,8 +5593,10 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
             if (!skippable) list_add(missing, sizeof missing, &n_missing, p->name);
             else list_add(init_list, sizeof init_list, &n_init, p->name);
         } else if (!same) {
-            if (skippable) list_add(init_list, sizeof init_list, &n_init, p->name);
-            else {
+            if (skippable) {  // the model's tensor initialised, the file's (of another shape) ignored
+                list_add(init_list, sizeof init_list, &n_init, p->name);
+                list_add(ignored_list, sizeof ignored_list, &n_ignored, t->name);
+            } else {
                 char a[96], b[96], item[2 * SN_NAME_MAX + 200];
                 dims_str(a, sizeof a, t->dims, t->ndim);
                 dims_str(b, sizeof b, want, p->ndim);
@@ -5689,18 +5691,17 @@ int padding_follow_weights(ModelCfg *m, const char *weights, const char *cmd, ch
     SafetensorsFile f;
     if (safetensors_read(weights, &f, err)) return -1;
     PadMode pad;
-    const char *why;
+    const char *why, *source = m->pad_given == PAD_RUN ? "the run's config.txt" : m->pad_given ? "--padding" : "the default";
     if (!weights_padding(&f, &pad, &why)) {
-        snprintf(note, SN_ERR_MAX, "padding %s (%s; the weights do not say)", PAD_NAME[m->pad],
-                 m->pad_given ? "--padding" : "the default");
+        snprintf(note, SN_ERR_MAX, "padding %s (%s; the weights do not say)", PAD_NAME[m->pad], source);
     } else if (!m->pad_given) {
         m->pad = pad;
         snprintf(note, SN_ERR_MAX, "padding %s (%s)", PAD_NAME[pad], why);
     } else {
         if (m->pad != pad)
-            fprintf(stderr, "segnet %s: warning: --padding %s, but the weights were trained with %s padding (%s)\n", cmd,
-                    PAD_NAME[m->pad], PAD_NAME[pad], why);
-        snprintf(note, SN_ERR_MAX, "padding %s (--padding%s)", PAD_NAME[m->pad], m->pad != pad ? ", against the weights" : "");
+            fprintf(stderr, "segnet %s: warning: padding %s (%s), but the weights were trained with %s padding (%s)\n", cmd,
+                    PAD_NAME[m->pad], source, PAD_NAME[pad], why);
+        snprintf(note, SN_ERR_MAX, "padding %s (%s%s)", PAD_NAME[m->pad], source, m->pad != pad ? ", against the weights" : "");
     }
     safetensors_free(&f);
     return 0;
@@ -9192,7 +9193,8 @@ static int mkdir_p(const char *path, char err[SN_ERR_MAX]) {
 // ---- one run per folder: RUN/.lock, held (flock) for the run's life by the
 // process that writes the folder; it holds that process's id for the message
 // of a second one. The kernel drops the lock when the holder exits, however
-// it exits.
+// it exits; the file goes when the holder lets go of it (a killed run's stays
+// behind, and the next run takes the lock on it).
 
 #define RUN_LOCK_FILE ".lock"
 
@@ -9696,12 +9698,12 @@ done:
     trainer_close(&t);
     pass_saved_free(&saved);
     free(iou); free(cm); free(cm_val);
-    if (made && !written) {  // refused before writing: the folder this run created goes again
+    if (lock >= 0) {  // the lock file goes with the lock (a killed run's stays, and the next run takes it over)
         run_path(path, sizeof path, run, RUN_LOCK_FILE);
         unlink(path);
-        rmdir(run);
+        close(lock);
     }
-    if (lock >= 0) close(lock);
+    if (made && !written) rmdir(run);  // refused before writing: the folder this run created goes again
     return rc;
 }
 
@@ -9933,7 +9935,11 @@ int export_run(const ModelCfg *m, const char *run, int last, ExportNames names, 
     const int lock = run_lock(run, "segnet export", err);
     if (lock == -1) return -1;
     const int rc = export_weights(m, path, names, out, report, err);
-    if (lock >= 0) close(lock);
+    if (lock >= 0) {  // its file goes with it, as when a run ends
+        run_path(path, sizeof path, run, RUN_LOCK_FILE);
+        unlink(path);
+        close(lock);
+    }
     return rc;
 }
 
@@ -10260,7 +10266,7 @@ static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
     else if (!strcmp(f, "--depth")) { if (parse_int(f, v, 1, 8, &c->depth)) return -1; }
     else if (!strcmp(f, "--width")) { if (parse_int(f, v, 1, 1 << 16, &c->width_base)) return -1; }
     else if (!strcmp(f, "--padding")) {
-        c->pad_given = 1;
+        c->pad_given = PAD_OPTION;
         if (!strcmp(v, "same")) c->pad = PAD_SAME;
         else if (!strcmp(v, "symmetric")) c->pad = PAD_SYMMETRIC;
         else { fprintf(stderr, "segnet: --padding '%s' must be same or symmetric\n", v); return -1; }
@@ -10936,6 +10942,7 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
         train_cfg_default(&ta->c);
         if (read_run_config(ta, run)) return 2;
         pc.model = ta->c.model;  // pointing into ta's words
+        if (pc.model.pad_given) pc.model.pad_given = PAD_RUN;
         pc.model.batch = 8;
         size_given = classes_given = 1;
     }
@@ -11416,6 +11423,7 @@ static int cmd_plan(int argc, char **argv) {
 }
 
 int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IOLBF, 0);  // each report line when it happens, in a log too (a file is block-buffered)
     if (argc < 2 || !strcmp(argv[1], "help") || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         fputs(USAGE, stdout);
         return argc < 2 ? 2 : 0;

@@ -821,7 +821,10 @@ typedef struct {
     PadMode pad;            // EfficientNetV2 convs: same (TensorFlow/Keras) or symmetric (torchvision)
     int head_hidden;        // classifier: 0, or the width of a hidden ReLU layer
     int depth, width_base;  // unet: levels below the top, channels of level 0
-    int pad_given;          // --padding was given (else the weights may decide: weights_padding)
+    int pad_given;          // PAD_DEFAULT, PAD_OPTION (--padding) or PAD_RUN (a run's config.txt); else the weights decide
+#define PAD_DEFAULT 0
+#define PAD_OPTION  1
+#define PAD_RUN     2
     float dropout;          // classifier head's dropout rate(s); < 0: the model's (EffSpec: s 0.2, m 0.3, l 0.4)
 } ModelCfg;
 

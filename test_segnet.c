@@ -10693,6 +10693,102 @@ TEST(resume_and_options_messages) {
     rm_rf(data); rm_rf(run);
 }
 
+// ----------------------------------------------------------------------------
+// the first hour: what a newcomer sees is true (issue 32, its small untruths)
+
+// A classifier fine-tuned from weights of another class count: its report
+// names the head it initialised and the file's head it ignored, as a U-Net's
+// report does for the classifier head it does not have.
+TEST(weights_report_vocabulary) {
+    Graph g1, g2; Net a, b; char err[SN_ERR_MAX], path[128], report[SN_ERR_MAX];
+    snprintf(path, sizeof path, "/tmp/segnet_test_%ld_vocab.safetensors", (long)getpid());
+    tiny_net(&g1, &a, 3, 1);
+    CHECK(net_save_weights(&a, path, err) == 0, "%s", err);
+    tiny_net(&g2, &b, 7, 2);
+    SafetensorsFile f;
+    CHECK(safetensors_read(path, &f, err) == 0, "%s", err);
+    const LoadRules rules = {"classifier.", NULL, 0};
+    CHECK(net_load_weights_rules(&b, &f, path, &rules, report, err) == 0, "%s", err);
+    CHECK(contains(report, "2 initialised (classifier.1.weight, classifier.1.bias)") &&
+          contains(report, "2 ignored (classifier.1.weight, classifier.1.bias)"), "report: '%s'", report);
+    safetensors_free(&f);
+    net_free(&a); net_free(&b); graph_free(&g1); graph_free(&g2);
+    unlink(path);
+}
+
+// stdout is line-buffered: a log shows the `weights:` line while the run goes
+// on (here: still there after kill -9 during the run); the lock file goes when
+// a run or an export ends; config.txt records only the options the model uses;
+// predict --run names where its padding came from.
+TEST(first_hour_untruths) {
+    const char *data = "/tmp/segnet_test_fh_data", *run = "/tmp/segnet_test_fh_run";
+    char args[1400], msg[4096], path[400], out[400], err[SN_ERR_MAX];
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 8, 8, 8, 53);
+    snprintf(args, sizeof args, "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 --epochs 1 --data %s "
+             "--out %s --device cpu --threads 1", data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    snprintf(path, sizeof path, "%s/" RUN_LOCK_FILE, run);
+    CHECK(!file_exists(path), "the lock file stays after the run");
+    snprintf(path, sizeof path, "%s/best.safetensors", run);
+    snprintf(out, sizeof out, "%s_w.safetensors", run);
+    snprintf(args, sizeof args, "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 --epochs 200 --data %s "
+             "--weights %s --out %s_k --device cpu --threads 1", data, path, run);
+    char cmd[2000], log[300];
+    snprintf(log, sizeof log, "%s_stdout.txt", run);
+    snprintf(cmd, sizeof cmd, "exec ./segnet %s >%s 2>/dev/null", args, log);
+    pid_t pid = fork();
+    if (pid == 0) { execl("/bin/sh", "sh", "-c", cmd, (char *)NULL); _exit(127); }
+    char metrics[400];
+    snprintf(metrics, sizeof metrics, "%s_k/metrics.csv", run);
+    for (int waited = 0; waited < 2000 && !file_exists(metrics); waited++) usleep(5000);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    char *said = read_text(log);
+    CHECK(said && contains(said, "weights: ") && contains(said, "loaded from"), "stdout after kill -9: '%s'", said ? said : "");
+    free(said);
+    unlink(log);
+    snprintf(path, sizeof path, "%s_k", run);
+    rm_rf(path);
+    // export: its lock file goes too
+    TrainCfg c = tiny_seg_cfg(data, NULL);
+    c.model.width_base = 2;
+    char report[SN_ERR_MAX];
+    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 0, report, err) == 0, "%s", err);
+    snprintf(path, sizeof path, "%s/" RUN_LOCK_FILE, run);
+    CHECK(!file_exists(path), "the lock file stays after an export");
+    unlink(out);
+    // config.txt: the plain unet's levels and channels, no classifier head; a unet-effv2's neither
+    snprintf(path, sizeof path, "%s/config.txt", run);
+    char *config = read_text(path);
+    CHECK(config && contains(config, "depth = 1\n") && contains(config, "width = 2\n") && !contains(config, "head-hidden"),
+          "unet config.txt: %s", config ? config : "");
+    free(config);
+    TrainCfg u = c;
+    u.model = model_cfg_default();
+    SfBuf b = {0};
+    u.model.model = "unet-effv2-t"; u.model.classes = 3;
+    config_text(&u, &b);
+    sb_put(&b, "", 1);
+    CHECK(!contains(b.p, "depth =") && !contains(b.p, "width =") && !contains(b.p, "head-hidden ="), "unet-effv2-t config: %s", b.p);
+    free(b.p);
+    // predict --run of a classifier says its padding came from the run, not from --padding
+    char csv[400], crun[400];
+    snprintf(csv, sizeof csv, "%s/list.csv", data);
+    write_file_bytes(csv, "images/i00.png,0\nimages/i01.png,1\nimages/i02.png,2\n", 51);
+    snprintf(crun, sizeof crun, "%s_cls", run);
+    rm_rf(crun);
+    snprintf(args, sizeof args, "train --model effv2-t --size 32x32 --batch 2 --classes 3 --epochs 1 --data %s --out %s "
+             "--device cpu --threads 1", csv, crun);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    snprintf(args, sizeof args, "predict --run %s --input %s/images --out %s_p.csv --device cpu --threads 1", crun, data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0 && contains(msg, "(the run's config.txt)") && !contains(msg, "(--padding)"),
+          "predict --run: '%s'", msg);
+    snprintf(path, sizeof path, "%s_p.csv", run);
+    unlink(path);
+    rm_rf(crun); rm_rf(data); rm_rf(run);
+}
+
 #ifndef SEGNET_FUZZ  // fuzz_segnet: the tests compiled, its own main at the end
 
 typedef struct { int passed, failed, not_run, heavy; } Tally;
