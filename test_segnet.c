@@ -11994,8 +11994,9 @@ static void fuzz_cli_setup(FuzzCtx *c) {
 // a path the sandbox keeps: relative, never climbing out
 static int fuzz_cli_path_ok(const char *p) { return p[0] && p[0] != '/' && !strstr(p, ".."); }
 
-// What a slow but correct command would be, tamed: big models, sizes, epochs, batches
-static void fuzz_cli_tame(char **argv, int argc) {
+// What a slow but correct command would be, tamed: big models, sizes (the
+// default ones too, where no run gives the size), epochs, batches. Returns argc.
+static int fuzz_cli_tame(char **argv, int argc) {
     static const char *const LIMITS[][2] = {{"--epochs", "2"}, {"--batch", "4"}, {"--threads", "2"}, {"--workers", "2"},
                                             {"--replicas", "2"}, {"--accum", "4"}, {"--classes", "8"},
                                             {"--head-hidden", "16"}, {"--width", "8"}, {"--depth", "3"}};
@@ -12009,6 +12010,13 @@ static void fuzz_cli_tame(char **argv, int argc) {
                                             strstr(argv[i + 1], "effv2-l")))
             argv[i + 1] = "effv2-t";
     }
+    if (argc + 2 <= FUZZ_CLI_ARGS + 1 && !has_flag(argc, argv, "--size") && !has_flag(argc, argv, "--run") &&
+        !has_flag(argc, argv, "--resume")) {
+        argv[argc++] = "--size";
+        argv[argc++] = "16x16";
+        argv[argc] = NULL;
+    }
+    return argc;
 }
 
 // one entry of a folder's snapshot: what a file holds (hash), or a link's target
@@ -12173,7 +12181,7 @@ static uint64_t fuzz_cli_run(FuzzCtx *c, const uint8_t *in, size_t n) {
         snprintf(c->err, SN_ERR_MAX, "tamed: nothing to run");
         return fuzz_hash(FUZZ_HASH0, "none", 4);
     }
-    fuzz_cli_tame(argv, argc);
+    argc = fuzz_cli_tame(argv, argc);
     snprintf(cmd, sizeof cmd, "rm -rf '%s' && cp -a '%s' '%s'", box, tpl, box);
     snCheck(system(cmd) == 0, "fuzz cli: cannot copy the template");
     for (int i = 0; i < n_ops; i++) fuzz_cli_op(box, ops[i]);
