@@ -5279,6 +5279,14 @@ static const char *path_base(const char *path) {
     return slash ? slash + 1 : path;
 }
 
+// The folder path lies in: "." for a bare name, "/" for one at the root.
+static void path_folder(const char *path, char dir[OUT_PATH_MAX]) {
+    const char *slash = strrchr(path, '/');
+    if (!slash) snprintf(dir, OUT_PATH_MAX, ".");
+    else if (slash == path) snprintf(dir, OUT_PATH_MAX, "/");
+    else snprintf(dir, OUT_PATH_MAX, "%.*s", (int)(slash - path), path);
+}
+
 // An output path the file system takes: its name within NAME_MAX bytes, the
 // whole within PATH_MAX - 1. Checked with the other inputs, before anything is
 // written (a name too long found at the last file would leave the others written).
@@ -5337,10 +5345,7 @@ static int atomic_file_commit(FILE *f, const char *tmp, const char *path, int ok
     if (!ok) { unlink(tmp); return -1; }
     // The file is in place; syncing the folder makes the rename itself durable.
     char dir[OUT_PATH_MAX];
-    const char *slash = strrchr(path, '/');
-    if (!slash) snprintf(dir, sizeof dir, ".");
-    else if (slash == path) snprintf(dir, sizeof dir, "/");
-    else snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+    path_folder(path, dir);
     int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0 || fsync(dfd)) {
         snprintf(err, SN_ERR_MAX, "%.400s: written, but syncing its folder failed: %s", path, strerror(errno));
@@ -6227,10 +6232,9 @@ static int path_inside(const char *path, const struct stat *dir) {
     }
     int fd = open(at, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0 && errno == ENOTDIR) {  // an existing file: where it lies
-        char *slash = strrchr(at, '/');
-        if (!slash) snprintf(at, sizeof at, ".");
-        else slash[slash == at] = 0;
-        fd = open(at, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        char dir[OUT_PATH_MAX];
+        path_folder(at, dir);
+        fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     }
     for (int depth = 0; fd >= 0 && depth < PATH_MAX; depth++) {
         struct stat here, up_sb;
@@ -7992,11 +7996,8 @@ static uint64_t fingerprint_file(uint64_t h, const char *path, const char *root)
 static void data_fingerprint(const Dataset *d, const char *path, char out[64]) {
     char root[OUT_PATH_MAX];
     struct stat sb;
-    snprintf(root, sizeof root, "%s", path);
-    if (stat(path, &sb) == 0 && !S_ISDIR(sb.st_mode)) {
-        char *slash = strrchr(root, '/');
-        if (slash) *slash = 0; else snprintf(root, sizeof root, ".");
-    }
+    if (stat(path, &sb) == 0 && !S_ISDIR(sb.st_mode)) path_folder(path, root);
+    else snprintf(root, sizeof root, "%s", path);
     uint64_t h = FNV1A_OFFSET;
     for (int i = 0; i < d->n; i++) {
         h = fingerprint_file(h, d->images[i], root);
@@ -9229,6 +9230,15 @@ static int run_lock(const char *run, const char *who, char err[SN_ERR_MAX]) {
     return fd;
 }
 
+// Lets go of run_lock's lock, its file with it (the descriptor may be RUN_NOT_LOCKED or -1: nothing)
+static void run_unlock(const char *run, int lock) {
+    if (lock < 0) return;
+    char path[4200];
+    run_path(path, sizeof path, run, RUN_LOCK_FILE);
+    unlink(path);
+    close(lock);
+}
+
 // Temporary files a killed writer left in run ("<file>.tmp.<pid>", see
 // atomic_tmp_name): removed once the lock is held, if their process is gone.
 static void run_remove_stale(const char *run, int progress) {
@@ -9570,7 +9580,7 @@ static int train_replica(Comm *comm, void *arg) {
     const int root = comm->rank == 0;
     set_threads(c->threads);
     if (c->patience > 0 && !c->val) { snprintf(err, SN_ERR_MAX, "--early-stopping needs a validation set (--val)"); return -1; }
-    char run[4096], path[4200];
+    char run[4096];
     run_folder_name(c, resume, run, sizeof run);
     if (comm->size > 1 && comm->broadcast(comm, run, sizeof run, 0)) return comm_failure(comm, err);  // rank 0's clock
     Trainer t;
@@ -9698,11 +9708,7 @@ done:
     trainer_close(&t);
     pass_saved_free(&saved);
     free(iou); free(cm); free(cm_val);
-    if (lock >= 0) {  // the lock file goes with the lock (a killed run's stays, and the next run takes it over)
-        run_path(path, sizeof path, run, RUN_LOCK_FILE);
-        unlink(path);
-        close(lock);
-    }
+    run_unlock(run, lock);
     if (made && !written) rmdir(run);  // refused before writing: the folder this run created goes again
     return rc;
 }
@@ -9836,7 +9842,7 @@ static int export_out_allowed(const char *out, int overwrite, char err[SN_ERR_MA
     if (out_path_check(out, err)) return -1;
     const char *base = path_base(out);
     char dir[OUT_PATH_MAX], probe[OUT_PATH_MAX + 32];
-    snprintf(dir, sizeof dir, "%.*s", base == out ? 1 : base - 1 == out ? 1 : (int)(base - 1 - out), base == out ? "." : out);
+    path_folder(out, dir);
     const char *marks[] = {"config.txt", "last.safetensors", RUN_LOCK_FILE};
     int run_folder = 0;
     for (int k = 0; k < 3; k++) {
@@ -9935,11 +9941,7 @@ int export_run(const ModelCfg *m, const char *run, int last, ExportNames names, 
     const int lock = run_lock(run, "segnet export", err);
     if (lock == -1) return -1;
     const int rc = export_weights(m, path, names, out, report, err);
-    if (lock >= 0) {  // its file goes with it, as when a run ends
-        run_path(path, sizeof path, run, RUN_LOCK_FILE);
-        unlink(path);
-        close(lock);
-    }
+    run_unlock(run, lock);
     return rc;
 }
 
