@@ -141,7 +141,7 @@ else
   OMP_FLAGS := -fopenmp
 endif
 
-.PHONY: all deps test test-heavy fuzz train bench gpucheck gpubuild gpucount gpu-deps deps-unpack clean
+.PHONY: all deps test check test-heavy fuzz train bench gpucheck gpubuild gpucount gpu-deps deps-unpack clean
 
 all: segnet test_segnet
 
@@ -235,8 +235,8 @@ FUZZ_SAN    := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno
 # the tests are compiled but not called; -O1's range analysis warns of a
 # truncation in segnet.c that -O2's does not
 FUZZ_CFLAGS := -std=gnu11 -O1 -g -Wall -Wextra -Wno-unknown-pragmas -Wno-unused-function -Wno-format-truncation -pthread
-# make test: FUZZ_OK=1 when FUZZ_CC builds and runs a program under the sanitizers
-ifneq ($(filter test,$(MAKECMDGOALS)),)
+# make test, check: FUZZ_OK=1 when FUZZ_CC builds and runs a program under the sanitizers
+ifneq ($(filter test check,$(MAKECMDGOALS)),)
   FUZZ_OK := $(shell t=$$(mktemp) && echo 'int main(void){return 0;}' | $(FUZZ_CC) $(FUZZ_SAN) -x c - -o $$t >/dev/null 2>&1 \
                 && $$t && echo 1; rm -f $$t)
 endif
@@ -250,16 +250,22 @@ fuzz_segnet: test_segnet.c segnet.c segnet.h fuzz_stb_image.o | deps
 fuzz: fuzz_segnet
 	./fuzz_segnet --seconds $(FUZZ_SECONDS) --seed $(FUZZ_SEED) --out $(FUZZ_OUT)
 
-# every test, then (with the emulated CUDA backend) the cuda_ tests again with
-# the threads of each block in reverse order; the last line counts both. Then,
-# where FUZZ_CC has the sanitizers, the fuzz harness's self-test and
-# FUZZ_TEST_SECONDS of make fuzz per target.
-test: segnet test_segnet $(if $(EMU_OBJS),segnet_emu) $(if $(FUZZ_OK),fuzz_segnet)
-	./test_segnet
-	@if [ -n "$(FUZZ_OK)" ]; then \
-	   ./fuzz_segnet --selftest --out $(FUZZ_OUT) && \
-	   ./fuzz_segnet --seconds $(FUZZ_TEST_SECONDS) --seed $(FUZZ_SEED) --out $(FUZZ_OUT); \
-	 else echo "make test: fuzz step skipped: $(FUZZ_CC) cannot build and run a program with $(FUZZ_SAN)"; fi
+# make test: the programs built in parallel, then every test but the slow ones
+# (with the emulated CUDA backend the cuda_ tests again with the threads of each
+# block in reverse order, and with the generic kernels), the fuzz harness last:
+# its self-test and FUZZ_TEST_SECONDS per target, where FUZZ_CC has the
+# sanitizers. The last line counts them all: N passed, M failed, K skipped,
+# below the list of what was not run here and why.
+# make check: the same with the slow tests too (the live PyTorch parity of the
+# large models, the emulated GPU's whole steps): what .ci/run runs.
+TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+TEST_PROGRAMS = segnet test_segnet $(if $(EMU_OBJS),segnet_emu) $(if $(FUZZ_OK),fuzz_segnet)
+TEST_ENV = $(if $(FUZZ_OK),SEGNET_FUZZ_BIN=./fuzz_segnet SEGNET_FUZZ_SECONDS=$(FUZZ_TEST_SECONDS) \
+             SEGNET_FUZZ_SEED=$(FUZZ_SEED) SEGNET_FUZZ_OUT=$(FUZZ_OUT),\
+             SEGNET_FUZZ_NONE="no sanitizers: $(FUZZ_CC) cannot build and run a program with $(FUZZ_SAN)")
+test check:
+	@$(MAKE) --no-print-directory $(if $(findstring -j,$(MAKEFLAGS)),,-j$(TEST_JOBS)) $(TEST_PROGRAMS)
+	$(TEST_ENV) ./test_segnet$(if $(filter check,$@), --all)
 
 # checks that take minutes (fp32/fp16/bf16 quickstart runs against each other;
 # Keras' and timm's EfficientNetV2 through ref/export_pretrained.py against

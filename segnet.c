@@ -8218,14 +8218,22 @@ static LoadRules finetune_rules(const TrainCfg *c, char *init, size_t size) {
     return r;
 }
 
+// ref/export_pretrained.py --random writes this metadata: a trial's starting
+// weights, which no one should mistake for ImageNet's
+#define WEIGHTS_KIND_KEY "weights"
+#define WEIGHTS_RANDOM "random"
+
 // Loads the initial weights of a training run (rules above; the report line
-// in `report`), or, with report NULL, weights to evaluate: every tensor.
-static int trainer_load_weights(Trainer *t, const char *path, char *report, char err[SN_ERR_MAX]) {
+// in `report`, and in *random whether the file says its weights are random),
+// or, with report NULL, weights to evaluate: every tensor.
+static int trainer_load_weights(Trainer *t, const char *path, char *report, int *random, char err[SN_ERR_MAX]) {
     SafetensorsFile f;
     if (safetensors_read(path, &f, err)) return -1;
     char init[SN_ERR_MAX];
     const LoadRules strict = {NULL, NULL, 0}, rules = report ? finetune_rules(t->c, init, sizeof init) : strict;
     int rc = net_load_weights_rules(&t->net, &f, path, &rules, report, err);
+    const char *kind = safetensors_meta(&f, WEIGHTS_KIND_KEY);
+    if (random) *random = kind && !strcmp(kind, WEIGHTS_RANDOM);
     safetensors_free(&f);
     return rc;
 }
@@ -9551,9 +9559,13 @@ static int replica_open(Comm *comm, RunShared *sh, int claimed, int fresh, const
     }
     if (rc == 0 && root && fresh && c->weights) {
         char report[SN_ERR_MAX];
-        rc = trainer_load_weights(t, c->weights, report, err);
+        int random = 0;
+        rc = trainer_load_weights(t, c->weights, report, &random, err);
         if (rc == 0) printf("%s%s%s\n", report, c->weights_note && c->weights_note[0] ? "; " : "",
                             c->weights_note ? c->weights_note : "");
+        if (rc == 0 && random)
+            printf("weights: %s holds random weights (ref/export_pretrained.py --random), not ImageNet's: a trial run, "
+                   "whose validation figures will be poor\n", c->weights);
     }
     if (rc == 0 && root && !fresh) {
         run_path(path, sizeof path, run, "last.safetensors");
@@ -9788,7 +9800,7 @@ int eval_run(const TrainCfg *c, const char *weights, const char *data, EvalResul
     int rc = -1;
     int64_t *cm = malloc(sizeof(int64_t) * c->model.classes * c->model.classes);
     snCheck(cm != NULL, "out of host memory");
-    if (trainer_open(&t, c, NULL, data, err) || trainer_load_weights(&t, weights, NULL, err)) goto done;
+    if (trainer_open(&t, c, NULL, data, err) || trainer_load_weights(&t, weights, NULL, NULL, err)) goto done;
     PassTotals pt = {0, 0, cm};
     if (run_pass(&t, &t.val, 0, &pt, err)) goto done;
     r->loss = pt.loss_sum / pt.norm_sum;
@@ -11071,6 +11083,11 @@ static int cmd_export(TrainArgs *ta, int argc, char **argv) {
         return 1;
     }
     print_message(stderr, "segnet export", report);
+    const char *model = ta->c.model.model;
+    if (names == EXPORT_TORCHVISION && ta->c.model.pad == PAD_SAME && (eff_spec(model) || !strncmp(model, "unet-effv2", 10)))
+        fprintf(stderr, "segnet export: note: the run pads as TensorFlow ('same'), torchvision's EfficientNetV2 (and "
+                "UNetEff) symmetrically: there these weights give other outputs. For torchvision, train with --padding "
+                "symmetric; timm's tf_efficientnetv2_* pads as 'same' (--names timm)\n");
     return 0;
 }
 

@@ -18,7 +18,9 @@ usage: ref/export_pretrained.py --source torchvision|timm|keras --model effv2-s|
                transposed; Keras' Rescaling(1/128, offset -1) is segnet's own
                x/128 - 1, so nothing else changes.
   --random     the architecture with random weights and random batch-norm
-               statistics instead of ImageNet's (what the tests use: no download);
+               statistics instead of ImageNet's (what the tests use: no download;
+               for a trial of segnet where there is no internet: the file says
+               so in its metadata, and segnet train says so when it loads it);
                with --predict, the head scaled so that the probabilities vary
                from image to image
   --classes K  the head's classes (default 1000, ImageNet's)
@@ -305,6 +307,22 @@ def keras_to_timm(model):
     return {k: np.ascontiguousarray(v.astype(np.int64 if v.dtype == np.int64 else np.float32)) for k, v in out.items()}
 
 
+def download_failed(e):
+    """Whether e (or what it was raised from) is a failed download: urllib's
+    URLError (torchvision), a requests/huggingface_hub error (timm), both
+    OSErrors, or Keras' "URL fetch failure" (its get_file)."""
+    while e is not None:
+        if isinstance(e, OSError) or "URL fetch failure" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def first_line(e):
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", required=True, choices=("torchvision", "timm", "keras"))
@@ -320,11 +338,20 @@ def main():
     size = a.model[-1]
     source = {"torchvision": torchvision_weights, "timm": timm_weights, "keras": keras_weights}[a.source]
     images = read_batch(a.predict) if a.predict else noise_images(1)
-    weights, padding, run, calibrate = source(size, a.random, a.classes, images)
+    try:
+        weights, padding, run, calibrate = source(size, a.random, a.classes, images)
+    except Exception as e:  # noqa: BLE001 (only a failed download is answered here; anything else goes on up)
+        if a.random or not download_failed(e):
+            raise
+        sys.exit(f"export_pretrained.py: cannot download {a.source}'s ImageNet weights for {a.model} ({first_line(e)}): "
+                 f"this needs the internet or the framework's cache; for a trial without them, --random writes the same "
+                 f"network with random weights")
     if calibrate:
         calibrate(images)
     tensors = weights()
-    write_safetensors(a.out, tensors, {"format": "pt", "padding": padding, "source": a.source})
+    # "weights": segnet train says so when a run starts from random ones
+    write_safetensors(a.out, tensors, {"format": "pt", "padding": padding, "source": a.source,
+                                       "weights": "random" if a.random else "imagenet"})
     if a.predict:
         p = run(images)
         with open(a.predictions, "w") as f:
