@@ -262,7 +262,7 @@ TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 TEST_PROGRAMS = segnet test_segnet $(if $(EMU_OBJS),segnet_emu) $(if $(FUZZ_OK),fuzz_segnet)
 TEST_ENV = $(if $(FUZZ_OK),SEGNET_FUZZ_BIN=./fuzz_segnet SEGNET_FUZZ_SECONDS=$(FUZZ_TEST_SECONDS) \
              SEGNET_FUZZ_SEED=$(FUZZ_SEED) SEGNET_FUZZ_OUT=$(FUZZ_OUT),\
-             SEGNET_FUZZ_NONE="no sanitizers: $(FUZZ_CC) cannot build and run a program with $(FUZZ_SAN)")
+             SEGNET_FUZZ_NONE="no sanitizers ($(FUZZ_CC) cannot build and run a program with $(FUZZ_SAN))")
 test check:
 	@$(MAKE) --no-print-directory $(if $(findstring -j,$(MAKEFLAGS)),,-j$(TEST_JOBS)) $(TEST_PROGRAMS)
 	$(TEST_ENV) ./test_segnet$(if $(filter check,$@), --all)

@@ -69,12 +69,12 @@ static void test_register(const char *name, void (*fn)(void), int line, int slow
 // A test that cannot run here says why and returns: it is counted as skipped
 // (not passed) and listed with its reason at the end. One reason per missing
 // thing, so that the list groups them.
-#define SKIP_NO_MPI   "no MPI: ./segnet built without it, or no mpirun (apt-get install openmpi-bin libopenmpi-dev, then make)"
-#define SKIP_NO_TORCH "no PyTorch: /usr/bin/python3 cannot import torch and torchvision " \
-                      "(apt-get install python3-torch python3-torchvision)"
-#define SKIP_NO_NVCC  "no nvcc: the emulated CUDA backend is not built (install the CUDA toolkit, then make)"
-#define SKIP_SLOW     "slow (minutes together): make check runs them too, as .ci/run does"
-#define SKIP_HEAVY    "heavy (minutes each, packages from PyPI): make test-heavy"
+#define SKIP_NO_MPI   "no MPI (./segnet built without it, or no mpirun: apt-get install openmpi-bin libopenmpi-dev, then make)"
+#define SKIP_NO_TORCH "no PyTorch (/usr/bin/python3 cannot import torch and torchvision: " \
+                      "apt-get install python3-torch python3-torchvision)"
+#define SKIP_NO_NVCC  "no nvcc (the emulated CUDA backend is not built: install the CUDA toolkit, then make)"
+#define SKIP_SLOW     "slow (make check runs them too, as .ci/run does)"
+#define SKIP_HEAVY    "heavy (make test-heavy: minutes each, packages from PyPI)"
 static const char *g_skip;  // the current test's reason to skip, or NULL
 #define SKIP(reason) do { g_skip = (reason); return; } while (0)
 
@@ -9737,7 +9737,7 @@ TEST(heavy_pretrained_keras_timm) {
                  "%s/bin/pip install -q %s; }", python, fw[k].module, venv, venv, fw[k].install);
         if (run_shell(cmd, msg, sizeof msg) != 0) {
             printf("    %s parity not run: cannot install %s into %s: %.300s\n", fw[k].source, fw[k].install, venv, msg);
-            g_skip = "heavy: a framework could not be installed from PyPI (above)";
+            g_skip = "a package from PyPI could not be installed (see above)";
             continue;
         }
         double d = pretrained_parity(python, fw[k].source, msg, sizeof msg);
@@ -9778,7 +9778,7 @@ TEST(heavy_readme_pytorch_story) {
     snprintf(cmd, sizeof cmd, "cd %s && HOME=%s/home PATH=/usr/bin:/bin sh -e setup.sh", dir, dir);  // Debian's python3
     if (sh && py && run_shell(cmd, msg, sizeof msg) != 0) {
         printf("    not run: README's venv set-up failed here: %.300s\n", msg);
-        g_skip = "heavy: a framework could not be installed from PyPI (above)";
+        g_skip = "a package from PyPI could not be installed (see above)";
     }
     snprintf(path, sizeof path, "%s/story.py", dir);
     if (py) write_file_bytes(path, py, strlen(py));
@@ -11035,7 +11035,7 @@ TEST(runner_counts_skips) {
 // the sanitizers and names it in SEGNET_FUZZ_BIN (or says in SEGNET_FUZZ_NONE
 // why not); its self-test, then SEGNET_FUZZ_SECONDS per target (make fuzz: minutes)
 
-#define SKIP_NO_FUZZ "no fuzz_segnet: make test builds it and runs it here (SEGNET_FUZZ_BIN)"
+#define SKIP_NO_FUZZ "no fuzz_segnet (make test builds it and names it in SEGNET_FUZZ_BIN)"
 
 static const char *fuzz_env(const char *name, const char *otherwise) {
     const char *v = getenv(name);
