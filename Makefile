@@ -1,8 +1,10 @@
 # segnet -- build, test, train.
 #
 #   make            build ./segnet and ./test_segnet (CPU backend, always)
-#   make test       build and run the test suite (and, where the compiler has the
-#                   sanitizers, make fuzz for FUZZ_TEST_SECONDS per target)
+#   make test       build and run the test suite but its slow tests (and, where the
+#                   compiler has the sanitizers, make fuzz for FUZZ_TEST_SECONDS per
+#                   target); the last line is "N passed, M failed, K skipped"
+#   make check      make test with the slow tests too (what .ci/run runs)
 #   make test-heavy the checks that take minutes (16-bit training vs fp32; Keras and timm
 #                   weights against their frameworks, installed from PyPI into venvs)
 #   make fuzz       fuzz the file readers under ASan and UBSan: FUZZ_SECONDS per
@@ -187,7 +189,7 @@ endif
 	   echo "  ✓ NCCL       $(NCCL_H), $(NCCL_LIBS): --replicas N / mpirun with --device cuda, one GPU per replica"; \
 	 else echo "  ✗ NCCL       no nccl.h: no replicas on GPUs"; fi
 	@if /usr/bin/python3 -c 'import torch, torchvision' >/dev/null 2>&1; then \
-	   echo "  ✓ PyTorch    (reference: make test runs the live parity checks)"; \
+	   echo "  ✓ PyTorch    (reference: make test runs the live parity checks, make check all of them)"; \
 	 else echo "  ✗ PyTorch    live parity checks not run (apt-get install python3-torch python3-torchvision)"; fi
 	@if [ "$(NO_MPI)" = 1 ]; then echo "  ✗ MPI        off (NO_MPI=1)"; \
 	 elif [ -n "$(MPICC)" ]; then echo "  ✓ MPI        $(MPICC): mpirun -np N ./segnet train runs N replicas"; \

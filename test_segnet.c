@@ -9561,7 +9561,7 @@ TEST(csv_strict) {
 // EfficientNetV2-S (with and without a hidden head) and into ref/'s U-Net on
 // its features, unchanged; timm's names are tf_efficientnetv2_s's; and segnet
 // reads every export back to the same validation loss as the run's own file.
-TEST(parity_live_export) {
+SLOW_TEST(parity_live_export) {
     if (access("./segnet", X_OK) != 0) { CHECK(0, "./segnet is missing: build it with make"); return; }
     const char *dir = "/tmp/segnet_test_export";
     rm_rf(dir);
