@@ -196,16 +196,20 @@ endif
 	 else echo "  ✗ MPI        no mpicc (apt-get install openmpi-bin libopenmpi-dev)"; fi
 
 # ---- programs ---------------------------------------------------------------
-segnet: segnet.c segnet.h $(GPU_OBJS) | deps
+# segnet.c (the math, the models, the step) includes the plumbing files at its
+# end: one translation unit
+PROGRAM_SRCS := segnet.c safetensors.c weights.c images.c datasets.c curves.c replicas.c run.c bench.c cli.c
+
+segnet: $(PROGRAM_SRCS) segnet.h $(GPU_OBJS) | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) $(MPI_CFLAGS) -o $@ segnet.c $(GPU_OBJS) $(DEP_LIBS) $(CUDA_LIBS) $(MPI_LIBS) $(LDLIBS)
 
-test_segnet: test_segnet.c segnet.c segnet.h $(EMU_OBJS) | deps
+test_segnet: test_segnet.c $(PROGRAM_SRCS) segnet.h $(EMU_OBJS) | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -o $@ test_segnet.c $(EMU_OBJS) $(DEP_LIBS) $(EMU_LIBS) $(LDLIBS)
 
 # segnet on the emulated GPU: ./segnet's build linked with the emulator
 # (kernels_emu.o cuda_emu.o) instead of the nvcc object. With CUEMU_COUNT=FILE
 # it counts what a run asks of the GPU without running a kernel (make gpucount).
-segnet_emu: segnet.c segnet.h $(EMU_OBJS) | deps
+segnet_emu: $(PROGRAM_SRCS) segnet.h $(EMU_OBJS) | deps
 	@[ -n "$(EMU_OBJS)" ] || { echo "make segnet_emu: needs the CUDA toolkit's nvcc and headers (none found, or NO_CUDA=1)" >&2; exit 1; }
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) $(MPI_CFLAGS) -o $@ segnet.c $(EMU_OBJS) $(DEP_LIBS) $(EMU_LIBS) $(MPI_LIBS) $(LDLIBS)
 
@@ -246,7 +250,7 @@ endif
 fuzz_stb_image.o: $(wildcard $(STB_INC)/stb_image.h) | deps
 	$(FUZZ_CC) -x c -O1 -g -fsanitize=address -fno-omit-frame-pointer -w -DSTB_IMAGE_IMPLEMENTATION -c $(STB_INC)/stb_image.h -o $@
 
-fuzz_segnet: test_segnet.c segnet.c segnet.h fuzz_stb_image.o | deps
+fuzz_segnet: test_segnet.c $(PROGRAM_SRCS) segnet.h fuzz_stb_image.o | deps
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $(FUZZ_SAN) $(DEP_CFLAGS) -DSEGNET_FUZZ -o $@ test_segnet.c fuzz_stb_image.o $(DEP_LIBS) $(LDLIBS)
 
 fuzz: fuzz_segnet
@@ -403,7 +407,7 @@ FIND_GPU_PYTHON = py="$(GPU_PYTHON)"; \
 	  done; \
 	fi
 
-test_segnet_gpu: test_segnet.c segnet.c segnet.h kernels_gpu.o | deps
+test_segnet_gpu: test_segnet.c $(PROGRAM_SRCS) segnet.h kernels_gpu.o | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -DSEGNET_TEST_GPU -o $@ test_segnet.c kernels_gpu.o $(DEP_LIBS) $(CUDA_LIBS) $(LDLIBS)
 
 gpubuild:

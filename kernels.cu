@@ -3556,9 +3556,47 @@ static Ops make_ops_cuda(void) {
     o.capture_end = cuda_capture_end;
     o.replay = cuda_replay;
     o.record_free = cuda_record_free;
-#define OPS_CUDA_ENTRY(name) o.name = name##_cuda;
-    SN_COMPUTE_OPS(OPS_CUDA_ENTRY)
-#undef OPS_CUDA_ENTRY
+    o.fill = fill_cuda;
+    o.scale = scale_cuda;
+    o.axpby = axpby_cuda;
+    o.copy = copy_cuda;
+    o.sum_squares = sum_squares_cuda;
+    o.nonfinite = nonfinite_cuda;
+    o.step_control = step_control_cuda;
+    o.conv2d_workspace = conv2d_workspace_cuda;
+    o.conv2d_forward = conv2d_forward_cuda;
+    o.conv2d_backward_data = conv2d_backward_data_cuda;
+    o.conv2d_backward_weight = conv2d_backward_weight_cuda;
+    o.bn_stats = bn_stats_cuda;
+    o.bn_stats_finish = bn_stats_finish_cuda;
+    o.bn_forward = bn_forward_cuda;
+    o.bn_update_running = bn_update_running_cuda;
+    o.bn_backward_reduce = bn_backward_reduce_cuda;
+    o.bn_backward_finish = bn_backward_finish_cuda;
+    o.bn_backward_data = bn_backward_data_cuda;
+    o.act_forward = act_forward_cuda;
+    o.act_backward = act_backward_cuda;
+    o.global_avg_pool_forward = global_avg_pool_forward_cuda;
+    o.global_avg_pool_backward = global_avg_pool_backward_cuda;
+    o.channel_scale_forward = channel_scale_forward_cuda;
+    o.channel_scale_backward = channel_scale_backward_cuda;
+    o.se_gate_forward = se_gate_forward_cuda;
+    o.se_gate_backward = se_gate_backward_cuda;
+    o.add_forward = add_forward_cuda;
+    o.add_backward = add_backward_cuda;
+    o.concat_forward = concat_forward_cuda;
+    o.concat_backward = concat_backward_cuda;
+    o.dropout_forward = dropout_forward_cuda;
+    o.dropout_backward = dropout_backward_cuda;
+    o.maxpool2_forward = maxpool2_forward_cuda;
+    o.maxpool2_backward = maxpool2_backward_cuda;
+    o.upsample2_forward = upsample2_forward_cuda;
+    o.upsample2_backward = upsample2_backward_cuda;
+    o.resize_bilinear_forward = resize_bilinear_forward_cuda;
+    o.resize_bilinear_backward = resize_bilinear_backward_cuda;
+    o.softmax_xent = softmax_xent_cuda;
+    o.confusion_accumulate = confusion_accumulate_cuda;
+    o.adam_update = adam_update_cuda;
     return o;
 }
 Ops ops_cuda = make_ops_cuda();  // declared extern "C" in segnet.h

@@ -628,11 +628,11 @@ struct Ops {
                         const AdamStep *s);
 };
 
-// The compute entries of struct Ops (from fill on), in its order, written
-// once more here and nowhere else: the reference table takes NAME_ref for each
-// (segnet.c), the CUDA table NAME_cuda (kernels.cu), and ops_missing's list
-// of every entry comes from it (the test ops_entries_listed checks that it
-// covers the struct).
+// The compute entries of struct Ops (from fill on), in its order. The tables
+// name each entry's function literally (ops_ref: NAME_ref in segnet.c, ops_cpu:
+// NAME_cpu where it is faster, ops_cuda: NAME_cuda in kernels.cu); this list
+// gives ops_missing every entry to check, so that a table that leaves one out
+// fails the tests (ops_entries_listed checks that it covers the struct).
 #define SN_COMPUTE_OPS(X)                                                                                          \
     X(fill) X(scale) X(axpby) X(copy) X(sum_squares) X(nonfinite) X(step_control)                                  \
     X(conv2d_workspace) X(conv2d_forward) X(conv2d_backward_data) X(conv2d_backward_weight)                        \

@@ -1,0 +1,156 @@
+// bench.c -- segnet bench: the trainer's own training steps on synthetic data, timed.
+// Plumbing of the segnet program: segnet.c (the math, the models, the step)
+// includes this file at its end, so that the program is one translation unit.
+
+// ----------------------------------------------------------------------------
+// benchmark: the trainer's own training steps (train_step: forward, loss,
+// backward, loss scaling, Adam) on synthetic data, in the trainer's planned
+// arena, so the time and the peak memory are a run's; optionally a profile by
+// op kind from net->layer_seconds, the rest of the step (loss, optimiser,
+// uploads) in one row.
+
+typedef enum {
+    BK_CONV1, BK_CONVK, BK_DEPTHWISE, BK_BN, BK_ACT, BK_SE, BK_OTHER, BK_REST, BK_COUNT
+} BenchKind;
+static const char *const BENCH_KIND_NAMES[BK_COUNT] = {
+    "conv 1x1", "conv kxk", "depthwise", "batch norm", "activations", "squeeze-exc", "other", "loss+optim",
+};
+
+typedef struct {
+    ModelCfg model;
+    int steps, warmup;   // timed steps, untimed steps before them
+    int threads;         // 0: OpenMP's default
+    int profile;         // fill BenchResult's per-kind table
+    DType precision;     // activation storage
+    int checkpoint;      // recompute blocks in backward
+    uint64_t seed;
+    Device device;
+} BenchCfg;
+
+typedef struct {
+    double step_ms;                  // median over the timed steps
+    double images_per_s;             // batch / median step
+    size_t peak_rss_bytes;           // getrusage ru_maxrss of the whole process
+    size_t peak_device_bytes;        // the most the backend's alloc had handed out at once
+    double kind_fwd_ms[BK_COUNT], kind_bwd_ms[BK_COUNT];  // per step (mean), with profile
+    double kind_gflop[BK_COUNT];     // per step, forward + backward (convs only)
+    size_t n_params;
+    int threads;                     // the OpenMP threads it ran with
+    const char *backend;             // the ops table's name
+} BenchResult;
+
+// The op kind a layer's time is booked under. The SE pieces are the pooling,
+// the scale and the convs and activations on (N,1,1,C) tensors; dense layers
+// (the classifier) count as "other".
+static BenchKind bench_kind(const Graph *g, const Layer *l) {
+    Shape in = tshape(g, l->in[0]);
+    int on_pooled = in.h == 1 && in.w == 1;
+    switch (l->kind) {
+    case LAYER_CONV:
+        if (on_pooled) return BK_SE;
+        if (conv_is_depthwise(&l->conv)) return BK_DEPTHWISE;
+        return l->conv.kh == 1 && l->conv.kw == 1 ? BK_CONV1 : BK_CONVK;
+    case LAYER_BN: return BK_BN;
+    case LAYER_ACT: return on_pooled ? BK_SE : BK_ACT;
+    case LAYER_GAP: case LAYER_SCALE: case LAYER_SE_GATE: return BK_SE;
+    default: return BK_OTHER;
+    }
+}
+
+// multiply-adds ×2 of a conv's forward: 2·N·OH·OW·Cout·(kh·kw·Cin/groups)
+static double conv_flops(const Graph *g, const Layer *l) {
+    Shape out = tshape(g, l->out);
+    return 2.0 * out.n * out.h * out.w * out.c * (double)l->conv.kh * l->conv.kw * (l->conv.cin / l->conv.groups);
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
+    memset(r, 0, sizeof *r);
+    set_threads(c->threads);
+    TrainCfg tc;  // the trainer's defaults: Adam (lr 1e-3), every class weight 1, no clipping
+    train_cfg_default(&tc);
+    tc.model = c->model;
+    tc.precision = c->precision;
+    tc.checkpoint = c->checkpoint;
+    tc.device = c->device;
+    tc.seed = c->seed;
+    tc.progress = 0;
+    Trainer t;
+    if (trainer_open(&t, &tc, NULL, NULL, err)) { trainer_close(&t); return -1; }
+    const Graph *g = &t.g;
+    Ops *o = t.o;
+    r->n_params = g->n_param_floats;
+    r->backend = o->name;
+#ifdef _OPENMP
+    r->threads = omp_get_max_threads();
+#else
+    r->threads = 1;
+#endif
+    const Shape in = g->tensors[g->input].shape;
+    const int K = t.K, N = in.n;
+    const size_t n_in = shape_numel(in), n_labels = (size_t)N * t.per_image;
+    // synthetic data: images 0..255, labels 0..K-1
+    float *host_in = malloc(sizeof(float) * n_in);
+    int32_t *host_lab = malloc(sizeof(int32_t) * n_labels);
+    int64_t *cm = calloc((size_t)K * K, sizeof(int64_t));
+    double *times = malloc(sizeof(double) * (size_t)(c->steps > 0 ? c->steps : 1));
+    double *layer_s = c->profile ? calloc(2 * (size_t)g->n_layers, sizeof(double)) : NULL;
+    snCheck(host_in && host_lab && cm && times && (!c->profile || layer_s), "out of host memory");
+    Rng rng;
+    rng_seed(&rng, c->seed ^ 0x62656e6368ull);
+    for (size_t i = 0; i < n_in; i++) host_in[i] = (float)(rng_next(&rng) % 256);
+    for (size_t i = 0; i < n_labels; i++) host_lab[i] = (int32_t)(rng_next(&rng) % (uint64_t)K);
+    double rest_s = 0.0;  // what the layers' times leave of the timed steps: loss, optimiser, copies
+    for (int step = 0; step < c->warmup + c->steps; step++) {
+        const int timed = step >= c->warmup;
+        double layers_before = 0.0;
+        if (layer_s) for (int i = 0; i < 2 * g->n_layers; i++) layers_before += layer_s[i];
+        t.net.layer_seconds = timed ? layer_s : NULL;
+        double t0 = now_seconds();  // train_step returns when the device has finished the step (its one wait)
+        MicroBatch mb = {N, host_in, host_lab, 0};
+        PassTotals pt = {0.0, 0.0, cm};
+        train_step(&t, &mb, 1, &pt);
+        double dt = now_seconds() - t0;
+        if (timed) {
+            times[step - c->warmup] = dt;
+            if (layer_s) {
+                double layers = -layers_before;
+                for (int i = 0; i < 2 * g->n_layers; i++) layers += layer_s[i];
+                rest_s += dt - layers;
+            }
+        }
+    }
+    int n = c->steps > 0 ? c->steps : 0;
+    qsort(times, (size_t)n, sizeof(double), cmp_double);
+    double med = n ? (n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2])) : 0.0;
+    r->step_ms = 1e3 * med;
+    r->images_per_s = med > 0.0 ? N / med : 0.0;
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    r->peak_rss_bytes = (size_t)ru.ru_maxrss * 1024;
+    r->peak_device_bytes = cpu_bytes_peak;
+#ifdef SEGNET_CUDA
+    if (o == &ops_cuda) r->peak_device_bytes = cuda_bytes_peak;
+#endif
+    if (c->profile && n) {
+        for (int i = 0; i < g->n_layers; i++) {
+            const Layer *l = &g->layers[i];
+            BenchKind k = bench_kind(g, l);
+            r->kind_fwd_ms[k] += 1e3 * layer_s[i] / n;
+            r->kind_bwd_ms[k] += 1e3 * layer_s[g->n_layers + i] / n;
+            if (l->kind == LAYER_CONV && k != BK_SE) {
+                double f = conv_flops(g, l);
+                int grads_w = !l->frozen, grads_x = t.net.needs_grad[l->in[0]];
+                r->kind_gflop[k] += 1e-9 * f * (1 + grads_w + grads_x);
+            }
+        }
+        r->kind_bwd_ms[BK_REST] += 1e3 * rest_s / n;
+    }
+    free(host_in); free(host_lab); free(cm); free(times); free(layer_s);
+    trainer_close(&t);
+    return 0;
+}

@@ -1,0 +1,1256 @@
+// cli.c -- the command line: options, usage texts, the commands and main.
+// Plumbing of the segnet program: segnet.c (the math, the models, the step)
+// includes this file at its end, so that the program is one translation unit.
+
+// ----------------------------------------------------------------------------
+// command line
+
+// what `segnet train` with no options runs (make train): the bundled data set
+#define QUICKSTART_ARGS "--model unet --depth 3 --width 16 --size 64x64 --data data/train --val data/val " \
+    "--classes 4 --class-weights 0,1,1,1 --batch 8 --epochs 12 --schedule cosine --augment flip"
+
+// A message on one printable line: bytes below 0x20 and 0x7f (from file names,
+// file contents, a decoder's reason) shown as \xNN. UTF-8 stays as it is.
+static void print_message(FILE *to, const char *who, const char *msg) {
+    fputs(who, to);
+    fputs(": ", to);
+    for (const unsigned char *p = (const unsigned char *)msg; *p; p++) {
+        if (*p < 0x20 || *p == 0x7f) fprintf(to, "\\x%02x", *p);
+        else fputc(*p, to);
+    }
+    fputc('\n', to);
+}
+
+// strict integer option: the whole value must be a number in [lo, hi]
+static int parse_int(const char *flag, const char *v, int lo, int hi, int *out) {
+    char *end;
+    long x = strtol(v, &end, 10);
+    if (!*v || *end || x < lo || x > hi) {
+        fprintf(stderr, "segnet: %s '%s' is not an integer in %d..%d\n", flag, v, lo, hi);
+        return -1;
+    }
+    *out = (int)x;
+    return 0;
+}
+
+// --max-pixels N: the largest width × height an image file may declare (process-wide, like --threads)
+static int parse_max_pixels(const char *flag, const char *v) {
+    int n;
+    if (parse_int(flag, v, 1, INT32_MAX, &n)) return -1;
+    image_max_pixels = n;
+    return 0;
+}
+
+// --exif ignore|apply: images as stored or as their EXIF orientation displays them (process-wide, like --max-pixels)
+static int parse_exif(const char *flag, const char *v) {
+    for (int k = 0; k < 2; k++)
+        if (!strcmp(v, EXIF_MODE_NAMES[k])) { image_exif = (ExifMode)k; return 0; }
+    fprintf(stderr, "segnet: %s '%s' must be ignore or apply\n", flag, v);
+    return -1;
+}
+
+// Parses the model options shared by plan (and later train, predict, bench).
+// Returns the number of arguments consumed at argv[i] (0: not a model option), -1 on error.
+static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
+    const char *f = argv[i];
+    int is_model_flag = !strcmp(f, "--model") || !strcmp(f, "--classes") || !strcmp(f, "--size") ||
+                        !strcmp(f, "--batch") || !strcmp(f, "--padding") || !strcmp(f, "--head-hidden") ||
+                        !strcmp(f, "--depth") || !strcmp(f, "--width") || !strcmp(f, "--dropout");
+    if (!is_model_flag) return 0;
+    if (i + 1 >= argc) { fprintf(stderr, "segnet: %s needs a value\n", f); return -1; }
+    const char *v = argv[i + 1];
+    if (!strcmp(f, "--model")) c->model = v;
+    else if (!strcmp(f, "--classes")) { if (parse_int(f, v, 1, 1 << 20, &c->classes)) return -1; }
+    else if (!strcmp(f, "--batch")) { if (parse_int(f, v, 1, 1 << 16, &c->batch)) return -1; }
+    else if (!strcmp(f, "--head-hidden")) { if (parse_int(f, v, 0, 1 << 20, &c->head_hidden)) return -1; }
+    else if (!strcmp(f, "--dropout")) {
+        char *end;
+        double r = strtod(v, &end);
+        if (end == v || *end || !(r >= 0.0 && r < 1.0)) {
+            fprintf(stderr, "segnet: --dropout '%s' must be a rate in [0, 1)\n", v);
+            return -1;
+        }
+        c->dropout = (float)r;
+    }
+    else if (!strcmp(f, "--depth")) { if (parse_int(f, v, 1, 8, &c->depth)) return -1; }
+    else if (!strcmp(f, "--width")) { if (parse_int(f, v, 1, 1 << 16, &c->width_base)) return -1; }
+    else if (!strcmp(f, "--padding")) {
+        c->pad_given = PAD_OPTION;
+        if (!strcmp(v, "same")) c->pad = PAD_SAME;
+        else if (!strcmp(v, "symmetric")) c->pad = PAD_SYMMETRIC;
+        else { fprintf(stderr, "segnet: --padding '%s' must be same or symmetric\n", v); return -1; }
+    } else {  // --size HxW
+        int h, w, k;
+        if (sscanf(v, "%dx%d%n", &h, &w, &k) != 2 || v[k] || h < 1 || w < 1 || h > 1 << 15 || w > 1 << 15) {
+            fprintf(stderr, "segnet: --size '%s' must be HxW, e.g. 384x384\n", v);
+            return -1;
+        }
+        c->height = h; c->width = w;
+    }
+    return 2;
+}
+
+// the input size a model is used at when --size is not given (Keras' defaults for V2-S/M/L)
+static void model_default_size(ModelCfg *c) {
+    int side = 256;
+    if (!strcmp(c->model, "effv2-s")) side = 384;
+    else if (!strcmp(c->model, "effv2-m") || !strcmp(c->model, "effv2-l")) side = 480;
+    else if (!strcmp(c->model, "effv2-t")) side = 64;
+    c->height = c->width = side;
+}
+
+static int parse_float(const char *flag, const char *v, float lo, float *out) {
+    char *end;
+    double x = strtod(v, &end);
+    if (!*v || *end || !(x >= lo) || isinf(x)) {
+        fprintf(stderr, "segnet: %s '%s' is not a number ≥ %g\n", flag, v, lo);
+        return -1;
+    }
+    *out = (float)x;
+    return 0;
+}
+
+static int parse_augment(const char *v, Augment *a) {
+    memset(a, 0, sizeof *a);
+    if (!strcmp(v, "none")) return 0;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", v);
+    for (char *save = NULL, *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+        char *end;
+        if (!strcmp(item, "flip")) a->flip = 1;
+        else if (!strncmp(item, "brightness=", 11)) {
+            a->brightness = strtof(item + 11, &end);
+            if (item[11] == 0 || *end || !(a->brightness >= 0.0f && a->brightness <= 1.0f)) goto bad;
+        } else if (!strncmp(item, "contrast=", 9)) {
+            a->contrast_lo = strtof(item + 9, &end);
+            if (*end != ':') goto bad;
+            char *hi = end + 1;
+            a->contrast_hi = strtof(hi, &end);
+            if (!*hi || *end || !(a->contrast_lo > 0.0f && a->contrast_lo <= a->contrast_hi)) goto bad;
+        } else goto bad;
+        continue;
+    bad:
+        fprintf(stderr, "segnet: --augment item '%s' must be flip, brightness=D (0..1) or contrast=LO:HI (0 < LO ≤ HI)\n", item);
+        return -1;
+    }
+    return 0;
+}
+
+// --device cpu|cuda|auto
+static int parse_device(const char *v, Device *d) {
+    for (int k = 0; k < 3; k++)
+        if (!strcmp(v, DEVICE_NAMES[k])) { *d = (Device)k; return 0; }
+    fprintf(stderr, "segnet: --device '%s' must be cpu, cuda or auto\n", v);
+    return -1;
+}
+
+// "12G", "512M", "1.5G", or bytes
+static int parse_bytes(const char *v, size_t *out) {
+    char *end;
+    double x = strtod(v, &end);
+    double unit = !strcmp(end, "") ? 1 : !strcasecmp(end, "K") ? 1024.0 : !strcasecmp(end, "M") ? 1048576.0
+                : !strcasecmp(end, "G") ? 1073741824.0 : -1;
+    if (end == v || unit < 0 || !(x > 0) || x * unit > 1e18) {
+        fprintf(stderr, "segnet: --memory '%s' must be a size such as 12G, 512M or a number of bytes\n", v);
+        return -1;
+    }
+    *out = (size_t)(x * unit);
+    return 0;
+}
+
+typedef struct {
+    TrainCfg c;
+    const char *class_weights, *resume, *run;
+    const char *monitor;  // --monitor's metric name as given (checked against the model)
+    int size_given;
+    size_t memory;      // --memory: pick the setting that fits (0: not given)
+    int fixed;          // --checkpoint or --precision given
+    char **kept;        // config.txt's words, which c points into; train_args_free frees them
+    int n_kept;
+} TrainArgs;
+
+static void train_args_free(TrainArgs *a) {
+    for (int i = 0; i < a->n_kept; i++) free(a->kept[i]);
+    free(a->kept);
+    a->kept = NULL;
+    a->n_kept = 0;
+}
+
+// Parses one train/eval option at argv[i]. Returns the arguments consumed
+// (0: unknown), -1 on error.
+static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
+    TrainCfg *c = &a->c;
+    const char *f = argv[i];
+    a->size_given |= !strcmp(f, "--size");
+    if (!strcmp(f, "--sync-bn") || !strcmp(f, "--train-eval")) {  // switches; config.txt spells them `... = on|off`
+        int valued = i + 1 < argc && (!strcmp(argv[i + 1], "on") || !strcmp(argv[i + 1], "off"));
+        *(!strcmp(f, "--sync-bn") ? &c->sync_bn : &c->train_eval) = !valued || !strcmp(argv[i + 1], "on");
+        return valued ? 2 : 1;
+    }
+    int k = parse_model_option(&c->model, argc, argv, i);
+    if (k) return k;
+    static const char *const FLAGS[] = {"--data", "--val", "--out", "--resume", "--weights", "--class-weights", "--epochs",
+                                        "--lr", "--adam-eps", "--weight-decay", "--clipnorm", "--schedule", "--warmup",
+                                        "--early-stopping", "--augment", "--seed", "--threads", "--workers", "--loss-norm",
+                                        "--run", "--precision", "--accum", "--freeze", "--unfreeze-last", "--checkpoint",
+                                        "--memory", "--device", "--replicas", "--allow-missing", "--monitor", "--min-delta",
+                                        "--max-pixels", "--log-every", "--exif"};
+    int known = 0;
+    for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
+    if (!known) return 0;
+    if (i + 1 >= argc) { fprintf(stderr, "segnet: %s needs a value\n", f); return -1; }
+    const char *v = argv[i + 1];
+    int rc = 0, seed;
+    a->fixed |= !strcmp(f, "--checkpoint") || !strcmp(f, "--precision");
+    if (!strcmp(f, "--data")) c->data = v;
+    else if (!strcmp(f, "--memory")) rc = parse_bytes(v, &a->memory);
+    else if (!strcmp(f, "--device")) rc = parse_device(v, &c->device);
+    else if (!strcmp(f, "--val")) c->val = v;
+    else if (!strcmp(f, "--out")) c->out = v;
+    else if (!strcmp(f, "--resume")) a->resume = v;
+    else if (!strcmp(f, "--run")) a->run = v;
+    else if (!strcmp(f, "--weights")) c->weights = v;
+    else if (!strcmp(f, "--allow-missing")) c->allow_missing = v;
+    else if (!strcmp(f, "--class-weights")) a->class_weights = v;
+    else if (!strcmp(f, "--epochs")) rc = parse_int(f, v, 1, 1 << 20, &c->epochs);
+    else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, 1 << 30, &c->warmup);
+    else if (!strcmp(f, "--early-stopping")) rc = parse_int(f, v, 0, 1 << 20, &c->patience);
+    else if (!strcmp(f, "--min-delta")) rc = parse_float(f, v, 0.0f, &c->min_delta);
+    else if (!strcmp(f, "--monitor")) {
+        if (!strcmp(v, "val_loss")) c->monitor_metric = 0;
+        else if (!strcmp(v, "val_mIoU") || !strcmp(v, "val_accuracy")) { c->monitor_metric = 1; a->monitor = v; }
+        else { fprintf(stderr, "segnet: --monitor '%s' must be val_loss, val_mIoU or val_accuracy\n", v); rc = -1; }
+    }
+    else if (!strcmp(f, "--threads")) rc = parse_int(f, v, 1, 4096, &c->threads);
+    else if (!strcmp(f, "--max-pixels")) rc = parse_max_pixels(f, v);
+    else if (!strcmp(f, "--exif")) rc = parse_exif(f, v);
+    else if (!strcmp(f, "--workers")) rc = parse_int(f, v, 1, 256, &c->workers);
+    else if (!strcmp(f, "--accum")) rc = parse_int(f, v, 1, SN_MAX_ACCUM, &c->accum);
+    else if (!strcmp(f, "--log-every")) rc = parse_int(f, v, 0, 1 << 30, &c->log_every);
+    else if (!strcmp(f, "--replicas")) rc = parse_int(f, v, 1, SN_MAX_REPLICAS, &c->replicas);
+    else if (!strcmp(f, "--unfreeze-last")) rc = parse_int(f, v, 0, 1 << 20, &c->unfreeze_last);
+    else if (!strcmp(f, "--checkpoint")) {
+        if (!strcmp(v, "blocks")) c->checkpoint = 1;
+        else if (!strcmp(v, "none")) c->checkpoint = 0;
+        else { fprintf(stderr, "segnet: --checkpoint '%s' must be none or blocks\n", v); rc = -1; }
+    } else if (!strcmp(f, "--freeze")) {
+        if (!strcmp(v, "base")) c->freeze_base = 1;
+        else if (!strcmp(v, "none")) c->freeze_base = 0;
+        else { fprintf(stderr, "segnet: --freeze '%s' must be base or none\n", v); rc = -1; }
+    } else if (!strcmp(f, "--precision")) {
+        int k = 0;
+        while (k < 3 && strcmp(v, DTYPE_NAMES[k])) k++;
+        if (k == 3) { fprintf(stderr, "segnet: --precision '%s' must be fp32, fp16 or bf16\n", v); rc = -1; }
+        else c->precision = (DType)k;
+    }
+    else if (!strcmp(f, "--seed")) { rc = parse_int(f, v, 0, 2147483647, &seed); c->seed = (uint64_t)seed; }
+    else if (!strcmp(f, "--lr")) rc = parse_float(f, v, 0.0f, &c->lr);
+    else if (!strcmp(f, "--adam-eps")) rc = parse_float(f, v, 0.0f, &c->adam_eps);
+    else if (!strcmp(f, "--weight-decay")) rc = parse_float(f, v, 0.0f, &c->weight_decay);
+    else if (!strcmp(f, "--clipnorm")) rc = parse_float(f, v, 0.0f, &c->clipnorm);
+    else if (!strcmp(f, "--augment")) rc = parse_augment(v, &c->augment);
+    else if (!strcmp(f, "--schedule")) {
+        if (!strcmp(v, "constant")) c->schedule = SCHEDULE_CONSTANT;
+        else if (!strcmp(v, "cosine")) c->schedule = SCHEDULE_COSINE;
+        else { fprintf(stderr, "segnet: --schedule '%s' must be constant or cosine\n", v); rc = -1; }
+    } else {  // --loss-norm
+        if (!strcmp(v, "weighted")) c->loss_norm_keras = 0;
+        else if (!strcmp(v, "keras")) c->loss_norm_keras = 1;
+        else { fprintf(stderr, "segnet: --loss-norm '%s' must be weighted or keras\n", v); rc = -1; }
+    }
+    return rc ? -1 : 2;
+}
+
+// K comma-separated weights, each a finite number ≥ 0
+static int parse_class_weights(const char *v, int K, float *w) {
+    int n = 0;
+    for (const char *s = v;; n++) {
+        char *end;
+        double x = strtod(s, &end);
+        if (end == s || (*end && *end != ',') || !(x >= 0.0) || isinf(x)) {
+            fprintf(stderr, "segnet: --class-weights '%s': item %d is not a number ≥ 0\n", v, n + 1);
+            return -1;
+        }
+        if (n < K) w[n] = (float)x;
+        if (!*end) { n++; break; }
+        s = end + 1;
+    }
+    if (n != K) { fprintf(stderr, "segnet: --class-weights has %d values but there are %d classes\n", n, K); return -1; }
+    return 0;
+}
+
+// RUN/config.txt as options: every `key = value` line is `--key value`.
+static int read_run_config(TrainArgs *a, const char *run) {
+    char path[4200], line[4096];
+    snprintf(path, sizeof path, "%s/config.txt", run);
+    char err[SN_ERR_MAX];
+    FILE *f = fopen_regular(path, "r", err);
+    if (!f) {
+        char line1[SN_ERR_MAX + 32];
+        snprintf(line1, sizeof line1, "%s (not a run folder?)", err);
+        print_message(stderr, "segnet", line1);
+        return -1;
+    }
+    int rc = 0;
+    for (int row = 1; rc == 0 && fgets(line, sizeof line, f); row++) {
+        line[strcspn(line, "\r\n")] = 0;
+        if (!line[0] || line[0] == '#') continue;
+        char *eq = strstr(line, " = ");
+        if (!eq) { fprintf(stderr, "segnet: %s: line %d: expected `key = value`\n", path, row); rc = -1; break; }
+        *eq = 0;
+        char flag[256];
+        snprintf(flag, sizeof flag, "--%.200s", line);
+        char **grown = realloc(a->kept, sizeof(char *) * (size_t)(a->n_kept + 2));
+        snCheck(grown != NULL, "out of host memory");
+        a->kept = grown;
+        char *argv2[2] = {strdup(flag), strdup(eq + 3)};  // kept: the config points into them
+        snCheck(argv2[0] && argv2[1], "out of host memory");
+        a->kept[a->n_kept++] = argv2[0];
+        a->kept[a->n_kept++] = argv2[1];
+        int k = parse_train_option(a, 2, argv2, 0);
+        if (k == 0) fprintf(stderr, "segnet: %s: line %d: unknown setting '%s'\n", path, row, line);
+        if (k <= 0) rc = -1;
+    }
+    fclose(f);
+    a->size_given = 1;
+    return rc;
+}
+
+// Parses train/eval arguments (argv[2..]); `usage` is printed for --help.
+// Returns 0, 1 after --help, -1 on error.
+static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd, const char *usage) {
+    train_cfg_default(&a->c);
+    a->c.device = DEVICE_AUTO;
+    for (int i = 2; i < argc;) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(usage, stdout); return 1; }
+        int k = parse_train_option(a, argc, argv, i);
+        if (k < 0) return -1;
+        if (k == 0) { fprintf(stderr, "segnet %s: unknown option '%s' (see segnet %s --help)\n", cmd, argv[i], cmd); return -1; }
+        i += k;
+    }
+    const char *base = a->resume ? a->resume : a->run;
+    if (base) {  // the run's settings first, then the command line's on top
+        TrainArgs cli = *a;
+        train_cfg_default(&a->c);
+        a->c.device = DEVICE_AUTO;  // a config.txt written before --device existed
+        a->class_weights = NULL;
+        if (read_run_config(a, base)) return -1;
+        for (int i = 2, k; i < argc; i += k) if ((k = parse_train_option(a, argc, argv, i)) <= 0) return -1;
+        a->resume = cli.resume; a->run = cli.run;
+    }
+    if (!a->size_given) model_default_size(&a->c.model);
+    if (a->c.model.classes > SN_MAX_CLASSES) { fprintf(stderr, "segnet %s: at most %d classes\n", cmd, SN_MAX_CLASSES); return -1; }
+    if (a->monitor && strcmp(a->monitor, monitor_name(&a->c))) {
+        fprintf(stderr, "segnet %s: --monitor %s: model '%s' reports %s\n", cmd, a->monitor, a->c.model.model,
+                monitor_name(&a->c));
+        return -1;
+    }
+    if (a->class_weights) {
+        if (parse_class_weights(a->class_weights, a->c.model.classes, a->c.class_weights)) return -1;
+        a->c.class_weights_given = 1;
+    }
+    return 0;
+}
+
+#ifndef TESTING
+
+static const char *USAGE =
+    "segnet: train U-Net segmentation and EfficientNetV2 classification models\n"
+    "\n"
+    "usage: segnet COMMAND [options]\n"
+    "\n"
+    "commands:\n"
+    "  plan      print a model's stages and the memory a training step takes;\n"
+    "            --memory 12G picks the fastest setting that fits\n"
+    "  predict   run a trained model on images: class rows (CSV) for a classifier,\n"
+    "            mask and overlay PNGs for a segmentation model\n"
+    "  train     train a model and write a run folder (no options: the quickstart\n"
+    "            on the bundled data/, as `make train`)\n"
+    "  eval      print a model's validation loss and metrics on a data set\n"
+    "  export    write a run's weights for PyTorch (torchvision or timm names)\n"
+    "  bench     time training steps on synthetic data (segnet bench --help)\n"
+    "  info      print the build: backend, BLAS, threads\n"
+    "  help      this text (also --help, -h); segnet COMMAND --help for a command\n"
+    "\n"
+    "The test suite is `make test`; see README.md.\n";
+
+static void print_shape(Shape s) {
+    char buf[64];
+    snprintf(buf, sizeof buf, "(%d,%d,%d,%d)", s.n, s.h, s.w, s.c);
+    printf("%-22s", buf);
+}
+
+static const char *TRAIN_USAGE =
+    "usage: segnet train --data TRAIN --classes K [options]\n"
+    "       segnet train --resume RUN [options that override RUN/config.txt, e.g. --epochs]\n"
+    "       segnet train              (no options: the quickstart, see below)\n"
+    "\n"
+    "Trains a model and writes a run folder: config.txt (every setting),\n"
+    "metrics.csv (one row per epoch), curves.svg, last.safetensors (weights, BN\n"
+    "statistics, Adam moments, step) after every epoch and best.safetensors for\n"
+    "the epoch with the lowest val_loss (loss without --val). metrics.csv ends\n"
+    "with the epoch's optimisation diagnostics: grad_norm_mean, grad_norm_max (the\n"
+    "global gradient norm before clipping, over the applied steps), clip_fraction\n"
+    "(steps that --clipnorm scaled down), loss_scale (fp16, after the epoch),\n"
+    "skipped_steps (fp16 overflow: no update), update_ratio (|dw|/|w| of the\n"
+    "trainable weights in the epoch's last step) and step_ms; curves.svg draws\n"
+    "them, and warnings name what to change when clipping acts on most steps,\n"
+    "overflow skips steps, or the train metric falls below the validation one.\n"
+    "Files are replaced\n"
+    "atomically; a run folder that holds another run's files is never\n"
+    "overwritten (unless --overwrite), and one run at a time writes it\n"
+    "(RUN/.lock). Ctrl-C, SIGTERM, SIGHUP (the terminal closed) or SIGPIPE (the\n"
+    "reader of its output gone): the step ends, last.safetensors keeps the place\n"
+    "inside the epoch, --resume RUN goes on from it exactly (exit 128 + the\n"
+    "signal: 130 for Ctrl-C); a second Ctrl-C stops at once. A model that is no\n"
+    "longer finite (NaN or inf in a weight, a batch-norm statistic or Adam's\n"
+    "moments) stops the run with exit 1, naming the tensor; it is never saved.\n"
+    "\n"
+    "Data: segmentation models (unet, unet-effv2-*) read DIR/images/*.{png,jpg}\n"
+    "with DIR/masks/*.png of the same name (pixel = class index, PNG only);\n"
+    "classifiers (effv2-*) read a CSV `path,label` (an optional header `path,label`)\n"
+    "or one sub-folder per class.\n"
+    "\n"
+    "  --model NAME          unet (default), unet-effv2-s|m|l|t, effv2-s|m|l|t\n"
+    "  --data TRAIN          training data (required)\n"
+    "  --val VAL             validation data (default: none)\n"
+    "  --classes K           number of classes (required)\n"
+    "  --class-weights LIST  K comma-separated weights ≥ 0 (default all 1); weight 0\n"
+    "                        ignores a class, e.g. 0 = \"not annotated\"\n"
+    "  --loss-norm MODE      weighted (default): Σ w·nll / Σ w over the batch;\n"
+    "                        keras: Keras' loss, p[y] clipped to [1e-7, 1-1e-7] before\n"
+    "                        the log (no gradient where clipped), Σ w·nll / pixels\n"
+    "  --size HxW            input size, images are resized to it (default: unet\n"
+    "                        256x256, effv2-s 384x384, effv2-m/l 480x480, effv2-t 64x64)\n"
+    "  --batch B             images per step (default 8)\n"
+    "  --epochs E            (default 10)\n"
+    "  --lr LR               Adam learning rate (default 0.001)\n"
+    "  --adam-eps EPS        Keras' epsilon-hat (default 1e-07)\n"
+    "  --weight-decay WD     decoupled weight decay, AdamW (default 0)\n"
+    "  --clipnorm C          clip the gradient's global norm to C (default 0: off)\n"
+    "  --schedule S          constant (default) or cosine (decays to 0 at the end)\n"
+    "  --warmup STEPS        linear warm-up steps (default 0)\n"
+    "  --early-stopping P    stop when the monitored value has not improved for P\n"
+    "                        epochs (default 0: off; needs --val)\n"
+    "  --monitor M           what early stopping and best.safetensors watch: val_loss\n"
+    "                        (default), val_mIoU (segmentation) or val_accuracy\n"
+    "                        (classification); without --val the training values\n"
+    "  --min-delta D         an epoch improves only by more than D (default 0), as\n"
+    "                        Keras' EarlyStopping(min_delta)\n"
+    "  --augment LIST        none (default) or any of flip, brightness=D,\n"
+    "                        contrast=LO:HI (tf.image semantics), comma-separated\n"
+    "  --weights W           initial weights (safetensors, torchvision or timm\n"
+    "                        names); a classifier's head may differ in classes or\n"
+    "                        be absent; a unet-effv2-* takes its encoder from an\n"
+    "                        EfficientNetV2 classifier's weights (decoder and head\n"
+    "                        initialised, the classifier's head ignored); one line\n"
+    "                        `weights: ...` reports what was loaded\n"
+    "  --allow-missing P     with --weights: tensors whose names start with P\n"
+    "                        (comma-separated prefixes) may be absent from the file\n"
+    "                        or of another shape and are initialised\n"
+    "  --out RUN             run folder (default runs/<date>-<time>); one that holds\n"
+    "                        another run's files is refused\n"
+    "  --overwrite           start a new run in --out RUN, replacing the files of the\n"
+    "                        run there (checkpoints, metrics, settings)\n"
+    "  --resume RUN          continue RUN from its last.safetensors; the result\n"
+    "                        equals an uninterrupted run bit for bit\n"
+    "  --precision P         activation storage: fp32 (default), fp16 (dynamic loss\n"
+    "                        scaling as Keras: from 2^15, halve and skip the update on\n"
+    "                        inf/NaN, double after 2000 finite steps) or bf16; weights\n"
+    "                        and Adam state stay fp32\n"
+    "  --accum K             K micro-batches of --batch images per optimiser step; the\n"
+    "                        loss is normalised over the whole step (default 1)\n"
+    "  --memory SIZE         e.g. 12G: choose --batch/--accum (keeping the global batch),\n"
+    "                        --checkpoint and --precision so that the run fits, as\n"
+    "                        segnet plan --memory does\n"
+    "  --checkpoint MODE     none (default) or blocks: keep only each block's inputs in\n"
+    "                        the forward and recompute the block before its backward\n"
+    "                        (less memory, the same result bit for bit)\n"
+    "  --freeze base         train only the head/decoder: the backbone (EfficientNetV2\n"
+    "                        trunk, U-Net encoder) is frozen, its BN in inference mode\n"
+    "                        (default none)\n"
+    "  --unfreeze-last N     with --freeze base, also train the backbone's last N blocks\n"
+    "  --replicas N          N data-parallel replicas in this process, each on B/N\n"
+    "                        images of every batch B (under `mpirun -np N`: one per\n"
+    "                        process); loss, gradients and metrics are those of the\n"
+    "                        global batch, so N does not change the result\n"
+    "  --sync-bn             batch norm statistics over the global batch (fp64 sums,\n"
+    "                        all-reduced): N replicas then train as one does; without\n"
+    "                        it each replica normalises its own shard (Keras)\n"
+    "  --log-every N         every N optimiser steps a row of steps.csv in the run\n"
+    "                        folder: step, epoch, lr, loss and the diagnostics below\n"
+    "                        over those N steps (default 0: none)\n"
+    "  --train-eval          at each epoch's end, measure the training set again in\n"
+    "                        inference mode (as the validation set is) for the train\n"
+    "                        columns; without it they are measured while training\n"
+    "                        (dropout on, batch norm with batch statistics)\n"
+    "  --seed S              initialisation, data order, augmentation, dropout (default 1)\n"
+    "  --device D            auto (default: the GPU if there is one, else the CPU,\n"
+    "                        saying so), cuda or cpu\n"
+    "  --threads T           CPU threads (default: all cores; shared by --replicas)\n"
+    "  --workers N           data loading threads (default 1)\n"
+    "  --max-pixels N        refuse an image whose header declares more than N pixels\n"
+    "                        (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) "), before decoding it\n"
+    "  --exif MODE           a JPEG's EXIF orientation (a phone's turned photos): ignore\n"
+    "                        (default: the pixels as stored, as tf.image and Keras) or\n"
+    "                        apply (as displayed: the view masks are drawn on); kept\n"
+    "                        in config.txt for --resume, eval --run and predict --run\n"
+    "  --padding MODE        EfficientNetV2 convs: same or symmetric; default: as the\n"
+    "                        --weights were trained (torchvision names symmetric,\n"
+    "                        timm's SAME, segnet's recorded), else same\n"
+    "  --head-hidden H       classifier hidden layer width (default 0: none); the\n"
+    "                        seed's Keras head GAP → Dropout 0.2 → Dense 128 ReLU →\n"
+    "                        Dropout 0.2 → Dense K is --head-hidden 128 --dropout 0.2\n"
+    "  --dropout R           the classifier head's dropout rate (both dropouts with\n"
+    "                        --head-hidden; default torchvision's: effv2-s 0.2,\n"
+    "                        effv2-m 0.3, effv2-l 0.4)\n"
+    "  --depth D, --width W  unet levels below the top (default 4), channels at the top (32)\n"
+    "\n"
+    "The quickstart (`segnet train` with no options, or `make train`, from the\n"
+    "repository root) is:\n"
+    "  segnet train " QUICKSTART_ARGS "\n";
+
+static const char *EVAL_USAGE =
+    "usage: segnet eval --run RUN [--data VAL]\n"
+    "       segnet eval --weights W.safetensors --model NAME --classes K --data VAL [options]\n"
+    "\n"
+    "Evaluates weights on a data set and prints one metric per line, `name: value`:\n"
+    "val_loss, then val_mIoU, val_pixel_accuracy and val_IoU_<class> (segmentation)\n"
+    "or val_accuracy (classification). With --run, the run's config.txt gives the\n"
+    "model and class weights, best.safetensors the weights and its validation set\n"
+    "the data (unless --data is given). Otherwise the model options are those of\n"
+    "segnet train (--model, --classes, --class-weights, --size, --padding, ...).\n"
+    "  --batch B    images per forward pass (default 8)\n"
+    "  --device D   auto (default), cuda or cpu, as for segnet train\n"
+    "  --threads T  CPU threads\n"
+    "  --max-pixels N  the largest image, width × height (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) ")\n"
+    "  --exif MODE     ignore or apply a JPEG's EXIF orientation, as for segnet\n"
+    "                  train (default: the run's, else ignore)\n";
+
+// --memory: choose the setting, print what was tried and picked; -1 if nothing fits
+static int pick_setting(TrainArgs *a, const char *cmd, FILE *out) {
+    if (a->fixed) { fprintf(stderr, "segnet %s: --memory chooses --checkpoint and --precision; leave them out\n", cmd); return -1; }
+    char why[8192], err[SN_ERR_MAX];
+    int global = a->c.model.batch * a->c.accum, rc = choose_setting(&a->c, a->memory, why, sizeof why, err);
+    fprintf(out, "settings tried for %.2f GiB, global batch %d:\n%s", a->memory / 1073741824.0, global, why);
+    if (rc) {
+        char who[64];
+        snprintf(who, sizeof who, "segnet %s", cmd);
+        print_message(stderr, who, err);
+        return -1;
+    }
+    fprintf(out, "picked: --batch %d --accum %d --precision %s --checkpoint %s\n", a->c.model.batch, a->c.accum,
+            DTYPE_NAMES[a->c.precision], a->c.checkpoint ? "blocks" : "none");
+    return 0;
+}
+
+static int has_flag(int argc, char **argv, const char *flag) {
+    for (int i = 2; i < argc; i++) if (!strcmp(argv[i], flag)) return 1;
+    return 0;
+}
+
+// An option on the command line that does nothing for the model is refused
+// (a run would record it as if it did): the classifier head's for a U-Net,
+// the plain unet's levels and channels for the others.
+static int model_options_used(const char *cmd, const char *model, int argc, char **argv) {
+    static const struct { const char *flag; int head; } OWN[] = {
+        {"--head-hidden", 1}, {"--dropout", 1}, {"--depth", 0}, {"--width", 0}};
+    for (size_t k = 0; k < sizeof OWN / sizeof *OWN; k++) {
+        if (!has_flag(argc, argv, OWN[k].flag)) continue;
+        if (OWN[k].head && !model_is_classifier(model))
+            fprintf(stderr, "segnet %s: %s: model '%s' has no classifier head (an option of the classifiers, effv2-*)\n", cmd,
+                    OWN[k].flag, model);
+        else if (!OWN[k].head && strcmp(model, "unet"))
+            fprintf(stderr, "segnet %s: %s: model '%s' does not use it (the levels and channels of the plain unet)\n", cmd,
+                    OWN[k].flag, model);
+        else
+            continue;
+        return -1;
+    }
+    return 0;
+}
+
+// SIGINT, SIGTERM, SIGHUP (the terminal or ssh session closed) and SIGPIPE
+// (the reader of stdout or stderr gone, as `| head` does) set interrupt_signal
+// (see run_pass): the step finishes and the run saves. A second SIGINT, SIGTERM
+// or SIGHUP exits at once. SIGPIPE comes again with every write to the broken
+// pipe: those writes fail (EPIPE) and the progress they carried is dropped.
+static void on_interrupt(int sig) {
+    if (sig == SIGPIPE) {
+        if (!interrupt_signal) interrupt_signal = sig;
+        return;
+    }
+    if (interrupt_signal && interrupt_signal != SIGPIPE) _exit(128 + sig);
+    interrupt_signal = sig;
+    static const char msg[] = "\nsegnet train: stopping after this step to save the run (again to stop at once)\n";
+    ssize_t n = write(STDERR_FILENO, msg, sizeof msg - 1);
+    (void)n;
+}
+
+static void interrupt_handlers_install(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_interrupt;
+    sa.sa_flags = SA_RESTART;  // reads and writes in progress go on
+    sigemptyset(&sa.sa_mask);
+    const int signals[] = {SIGINT, SIGTERM, SIGHUP, SIGPIPE};
+    for (size_t k = 0; k < sizeof signals / sizeof *signals; k++) sigaction(signals[k], &sa, NULL);
+}
+
+// A command's arguments, which hold the words of a run's config.txt when it
+// reads one (--run, --resume): freed after the command, whatever it returns.
+static int with_train_args(int (*cmd)(TrainArgs *, int, char **), int argc, char **argv) {
+    TrainArgs a = {0};
+    int rc = cmd(&a, argc, argv);
+    train_args_free(&a);
+    return rc;
+}
+
+static int cmd_train(TrainArgs *a, int argc, char **argv) {
+    char *quick[64], words[] = QUICKSTART_ARGS;
+    int quickstart = argc == 2;
+    if (quickstart) {  // `segnet train` alone: the bundled data set
+        quick[0] = argv[0]; quick[1] = argv[1];
+        argc = 2;
+        for (char *save = NULL, *w = strtok_r(words, " ", &save); w && argc < 64; w = strtok_r(NULL, " ", &save)) quick[argc++] = w;
+        argv = quick;
+    }
+    int overwrite = 0;  // train's own switch (eval shares the other options): taken out before parsing
+    for (int i = 2; i < argc; i++)
+        if (!strcmp(argv[i], "--overwrite")) {
+            overwrite = 1;
+            memmove(&argv[i], &argv[i + 1], sizeof(char *) * (size_t)(argc - i - 1));
+            argc--; i--;
+        }
+    int p = parse_train_args(a, argc, argv, "train", TRAIN_USAGE);
+    if (p) return p > 0 ? 0 : 2;
+    if (model_options_used("train", a->c.model.model, argc, argv)) return 2;
+    a->c.overwrite = overwrite;
+    if (a->resume && (a->c.out || overwrite)) {
+        fprintf(stderr, "segnet train: --resume %s continues the run in its own folder; %s\n", a->resume,
+                overwrite ? "--overwrite starts a new run (give --out instead of --resume)"
+                          : "--out would be another one (a new run from its weights: --weights RUN/best.safetensors --out NEW)");
+        return 2;
+    }
+    if (!a->resume && (!a->c.data || !has_flag(argc, argv, "--classes"))) {
+        fprintf(stderr, "segnet train: --data and --classes are required (see segnet train --help)\n");
+        return 2;
+    }
+    if (quickstart) fprintf(stderr, "segnet train: the quickstart: segnet train %s\n", QUICKSTART_ARGS);
+    char err[SN_ERR_MAX], note[SN_ERR_MAX];
+    if (!a->resume && padding_follow_weights(&a->c.model, a->c.weights, "train", note, err)) {
+        print_message(stderr, "segnet train", err);
+        return 1;
+    }
+    a->c.weights_note = note;
+    if (a->memory && !a->resume && pick_setting(a, "train", stderr)) return 1;
+    interrupt_handlers_install();
+    const int rc = train_run(&a->c, a->resume, err);
+    if (rc < 0) { print_message(stderr, "segnet train", err); return 1; }
+    return rc;  // 0, or 128 + the signal that interrupted it (130 SIGINT, 143 SIGTERM)
+}
+
+static int cmd_eval(TrainArgs *a, int argc, char **argv) {
+    int p = parse_train_args(a, argc, argv, "eval", EVAL_USAGE);
+    if (p) return p > 0 ? 0 : 2;
+    if (model_options_used("eval", a->c.model.model, argc, argv)) return 2;
+    char weights[4200];
+    if (a->run) snprintf(weights, sizeof weights, "%s/best.safetensors", a->run);
+    else if (a->c.weights) snprintf(weights, sizeof weights, "%s", a->c.weights);
+    else { fprintf(stderr, "segnet eval: give --run RUN, or --weights W with the model options (see segnet eval --help)\n"); return 2; }
+    char err[SN_ERR_MAX], note[SN_ERR_MAX];
+    if (!a->run && padding_follow_weights(&a->c.model, weights, "eval", note, err)) {
+        print_message(stderr, "segnet eval", err);
+        return 1;
+    }
+    const char *data = a->c.val;
+    for (int i = 2; i + 1 < argc; i++) if (!strcmp(argv[i], "--data")) data = argv[i + 1];
+    if (!data) { fprintf(stderr, "segnet eval: --data VAL is required\n"); return 2; }
+    a->c.augment = (Augment){0};
+    a->c.progress = isatty(STDERR_FILENO);
+    EvalResult r;
+    double iou[SN_MAX_CLASSES];
+    r.m.iou = iou;
+    if (eval_run(&a->c, weights, data, &r, err)) { print_message(stderr, "segnet eval", err); return 1; }
+    printf("val_loss: %.6f\n", r.loss);
+    if (model_is_classifier(a->c.model.model)) { printf("val_accuracy: %.6f\n", r.m.accuracy); return 0; }
+    printf("val_mIoU: %.6f\nval_pixel_accuracy: %.6f\n", r.m.mean_iou, r.m.accuracy);
+    for (int k = 0; k < a->c.model.classes; k++)
+        if (!isnan(iou[k])) printf("val_IoU_%d: %.6f\n", k, iou[k]);
+    return 0;
+}
+
+static const char *PREDICT_USAGE =
+    "usage: segnet predict --run RUN --input DIR_OR_CSV --out OUT [options]\n"
+    "       segnet predict --model NAME --classes K --weights W.safetensors\n"
+    "                      --input DIR_OR_CSV --out OUT [options]\n"
+    "\n"
+    "With --run, the run's config.txt gives the model options (model, classes,\n"
+    "size, padding, ...) and RUN/best.safetensors the weights (--last:\n"
+    "last.safetensors); options given as well override them.\n"
+    "\n"
+    "Predicts every image of a folder (*.png, *.jpg, *.jpeg, sorted by name) or of\n"
+    "a CSV's first column (paths relative to the CSV; a header 'path' is skipped).\n"
+    "Images of the model's input size are used as they are; others are resized\n"
+    "(bilinear) for the forward pass.\n"
+    "\n"
+    "Classifiers (effv2-*): OUT is a CSV with one row per image,\n"
+    "path,pred,p0,...,p{K-1} (softmax probabilities); with --run of a run whose\n"
+    "classes have names (class folders, text labels: RUN/classes.txt) also\n"
+    "pred_name after pred. It is replaced only when every image was read.\n"
+    "\n"
+    "Segmentation models (unet, unet-effv2-*): OUT is a folder, created if missing,\n"
+    "that receives for each image OUT/<stem>.png, the mask (8-bit grey, pixel =\n"
+    "predicted class 0..K-1), and OUT/<stem>_overlay.png, the image blended 50/50\n"
+    "with a colour per class, both at the image's own size (the mask is brought\n"
+    "back by nearest neighbour); OUT/" SEG_LEGEND_NAME " shows each class's colour beside its\n"
+    "number. The colours:\n"
+    SEG_PALETTE_HELP
+    "Every image is decoded, and no two may share a stem, before anything is\n"
+    "written; each PNG is written atomically. A failure while writing (disk\n"
+    "full) leaves the PNGs written before it. OUT/" PREDICT_MANIFEST " lists the files\n"
+    "predict has written into OUT.\n"
+    "\n"
+    "Nothing the user owns is replaced: OUT may not be, or lie inside, the input\n"
+    "folder; an input image or list is never replaced (whatever its path); an\n"
+    "existing file only with --overwrite, and then only one that an earlier\n"
+    "segnet predict wrote (listed in OUT/" PREDICT_MANIFEST ", or a CSV starting\n"
+    "with its header).\n"
+    "Progress goes to stderr: one line rewritten on a terminal, else a line per\n"
+    "tenth of the images.\n"
+    "\n"
+    "  --overwrite         replace the outputs of an earlier segnet predict into OUT\n"
+    "  --model NAME        effv2-s (default), effv2-m, effv2-l, effv2-t, unet,\n"
+    "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
+    "  --weights W         safetensors in PyTorch layout (segnet, torchvision or timm\n"
+    "                      names); training checkpoints load as they are\n"
+    "  --padding MODE      same (Keras/TF weights) or symmetric (torchvision); default:\n"
+    "                      as the weights were trained (their names or metadata), else same\n"
+    "  --size HxW          input size (default: effv2-s 384x384, effv2-m/l 480x480,\n"
+    "                      effv2-t 64x64, U-Nets 256x256)\n"
+    "  --batch B           images per forward pass (default 8)\n"
+    "  --head-hidden H     the classifier's hidden layer, as trained (default 0)\n"
+    "  --depth D           unet levels below the top, as trained (default 4)\n"
+    "  --width W           unet channels at the top level, as trained (default 32)\n"
+    "  --device D          auto (default), cuda or cpu, as for segnet train\n"
+    "  --threads T         CPU threads (default: all cores)\n"
+    "  --max-pixels N      the largest image, width × height (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) ")\n"
+    "  --exif MODE         ignore (default; with --run: the run's) or apply a JPEG's EXIF\n"
+    "                      orientation, as for segnet train; the outputs are of the\n"
+    "                      image as read\n";
+
+static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
+    PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO, NULL, 0, 0};
+    pc.model.model = "effv2-s";
+    pc.model.batch = 8;
+    int size_given = 0, classes_given = 0, last = 0;
+    const char *run = NULL;
+    char run_weights[4200];
+    for (int i = 2; i + 1 < argc; i++) if (!strcmp(argv[i], "--run")) run = argv[i + 1];
+    if (run) {  // the run's model settings first, then the command line's on top
+        train_cfg_default(&ta->c);
+        if (read_run_config(ta, run)) return 2;
+        pc.model = ta->c.model;  // pointing into ta's words
+        if (pc.model.pad_given) pc.model.pad_given = PAD_RUN;
+        pc.model.batch = 8;
+        size_given = classes_given = 1;
+    }
+    for (int i = 2; i < argc;) {
+        const char *f = argv[i];
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(PREDICT_USAGE, stdout); return 0; }
+        if (!strcmp(f, "--last")) { last = 1; i++; continue; }
+        if (!strcmp(f, "--overwrite")) { pc.overwrite = 1; i++; continue; }
+        if (!strcmp(f, "--run")) { i += 2; continue; }
+        if (!strcmp(f, "--max-pixels") || !strcmp(f, "--exif")) {
+            if (i + 1 >= argc) { fprintf(stderr, "segnet predict: %s needs a value\n", f); return 2; }
+            if ((!strcmp(f, "--exif") ? parse_exif : parse_max_pixels)(f, argv[i + 1])) return 2;
+            i += 2;
+            continue;
+        }
+        if (!strcmp(f, "--threads")) {
+            int threads;
+            if (i + 1 >= argc || parse_int(f, argv[i + 1], 1, 4096, &threads)) {
+                if (i + 1 >= argc) fprintf(stderr, "segnet predict: --threads needs a value\n");
+                return 2;
+            }
+            set_threads(threads);
+            i += 2;
+            continue;
+        }
+        const char **target = !strcmp(f, "--weights") ? &pc.weights : !strcmp(f, "--input") ? &pc.input
+                            : !strcmp(f, "--out") ? &pc.out : NULL;
+        if (target) {
+            if (i + 1 >= argc) { fprintf(stderr, "segnet predict: %s needs a value\n", f); return 2; }
+            *target = argv[i + 1];
+            i += 2;
+            continue;
+        }
+        if (!strcmp(f, "--device")) {
+            if (i + 1 >= argc) { fprintf(stderr, "segnet predict: --device needs a value\n"); return 2; }
+            if (parse_device(argv[i + 1], &pc.device)) return 2;
+            i += 2;
+            continue;
+        }
+        size_given |= !strcmp(f, "--size");
+        classes_given |= !strcmp(f, "--classes");
+        int k = parse_model_option(&pc.model, argc, argv, i);
+        if (k < 0) return 2;
+        if (k == 0) { fprintf(stderr, "segnet predict: unknown option '%s' (see segnet predict --help)\n", f); return 2; }
+        i += k;
+    }
+    if (run && !pc.weights) {
+        snprintf(run_weights, sizeof run_weights, "%s/%s.safetensors", run, last ? "last" : "best");
+        pc.weights = run_weights;
+    }
+    if (run) pc.n_class_names = read_class_names(run, &pc.class_names);
+    if (!pc.weights || !pc.input || !pc.out || !classes_given) {
+        fprintf(stderr, "segnet predict: --input, --out and either --run RUN or --weights and --classes are required "
+                "(see segnet predict --help)\n");
+        return 2;
+    }
+    if (!size_given) model_default_size(&pc.model);
+    if (model_options_used("predict", pc.model.model, argc, argv)) return 2;
+    char err[SN_ERR_MAX], note[SN_ERR_MAX];
+    if (padding_follow_weights(&pc.model, pc.weights, "predict", note, err)) {
+        print_message(stderr, "segnet predict", err);
+        return 1;
+    }
+    if (note[0]) print_message(stderr, "segnet predict", note);
+    const int rc = predict_run(&pc, err);
+    for (int k = 0; k < pc.n_class_names; k++) free(pc.class_names[k]);
+    free(pc.class_names);
+    if (rc != 0) { print_message(stderr, "segnet predict", err); return 1; }
+    fprintf(stderr, "segnet predict: wrote %s\n", pc.out);
+    return 0;
+}
+
+static const char *EXPORT_USAGE =
+    "usage: segnet export --run RUN --out FILE.safetensors [--names N] [--best|--last]\n"
+    "                     [--overwrite]\n"
+    "\n"
+    "Writes a run's weights and batch-norm statistics, without the optimiser\n"
+    "state: best.safetensors (--last: last.safetensors), for PyTorch. The run is\n"
+    "read while no segnet train writes it (RUN/.lock). FILE is new, or with\n"
+    "--overwrite an earlier export; never a run's own file or anything else.\n"
+    "  --names torchvision  (default) torchvision's names with batch norm's\n"
+    "                       num_batches_tracked: load_state_dict(strict=True) into\n"
+    "                       torchvision.models.efficientnet_v2_s/m/l(num_classes=K).\n"
+    "                       With --head-hidden the head is classifier.1 and\n"
+    "                       classifier.4: nn.Sequential(Dropout, Linear, ReLU,\n"
+    "                       Dropout, Linear). A unet-effv2-* has its encoder in\n"
+    "                       torchvision's names (features.*) and its decoder as\n"
+    "                       ref/parity_live.py's UNetEff, which loads it strictly.\n"
+    "  --names timm         timm's tf_efficientnetv2_s/m/l (EfficientNetV2\n"
+    "                       classifiers without --head-hidden)\n"
+    "  --names segnet       segnet's names only (segnet --weights reads all three)\n"
+    "The padding the weights were trained with is in the file's metadata.\n";
+
+static int cmd_export(TrainArgs *ta, int argc, char **argv) {
+    const char *run = NULL, *out = NULL;
+    int last = 0, overwrite = 0;
+    ExportNames names = EXPORT_TORCHVISION;
+    for (int i = 2; i < argc; i++) {
+        const char *f = argv[i];
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(EXPORT_USAGE, stdout); return 0; }
+        if (!strcmp(f, "--last") || !strcmp(f, "--best")) { last = !strcmp(f, "--last"); continue; }
+        if (!strcmp(f, "--overwrite")) { overwrite = 1; continue; }
+        if (strcmp(f, "--run") && strcmp(f, "--out") && strcmp(f, "--names")) {
+            fprintf(stderr, "segnet export: unknown option '%s' (see segnet export --help)\n", f);
+            return 2;
+        }
+        if (i + 1 >= argc) { fprintf(stderr, "segnet export: %s needs a value\n", f); return 2; }
+        const char *v = argv[++i];
+        if (!strcmp(f, "--run")) run = v;
+        else if (!strcmp(f, "--out")) out = v;
+        else {
+            int k = 0;
+            while (k < 3 && strcmp(v, EXPORT_NAMES[k])) k++;
+            if (k == 3) { fprintf(stderr, "segnet export: --names '%s' must be torchvision, timm or segnet\n", v); return 2; }
+            names = (ExportNames)k;
+        }
+    }
+    if (!run || !out) { fprintf(stderr, "segnet export: --run RUN and --out FILE are required (see segnet export --help)\n"); return 2; }
+    train_cfg_default(&ta->c);
+    if (read_run_config(ta, run)) return 2;
+    char err[SN_ERR_MAX], report[SN_ERR_MAX];
+    if (export_run(&ta->c.model, run, last, names, out, overwrite, report, err)) {
+        print_message(stderr, "segnet export", err);
+        return 1;
+    }
+    print_message(stderr, "segnet export", report);
+    const char *model = ta->c.model.model;
+    if (names == EXPORT_TORCHVISION && ta->c.model.pad == PAD_SAME && (eff_spec(model) || !strncmp(model, "unet-effv2", 10)))
+        fprintf(stderr, "segnet export: note: the run pads as TensorFlow ('same'), torchvision's EfficientNetV2 (and "
+                "UNetEff) symmetrically: there these weights give other outputs. For torchvision, train with --padding "
+                "symmetric; timm's tf_efficientnetv2_* pads as 'same' (--names timm)\n");
+    return 0;
+}
+
+static const char *BENCH_USAGE =
+    "usage: segnet bench --model NAME [--size HxW] [--batch B] [--steps S] [options]\n"
+    "\n"
+    "Times S training steps of segnet train (forward, softmax cross-entropy,\n"
+    "backward, fp16 loss scaling, Adam) on synthetic data (random images 0..255,\n"
+    "random labels, every class weight 1) after warm-up steps, and prints\n"
+    "  train_step_ms: X     median over the S steps\n"
+    "  images_per_s: Y      batch / median step\n"
+    "  peak_rss_bytes: Z    the process's peak resident memory (getrusage)\n"
+    "  peak_device_bytes: D the backend's peak allocation (the GPU's with --device cuda)\n"
+    "ref/bench_torch.py runs the same in PyTorch; `make bench` compares the two.\n"
+    "\n"
+    "  --model NAME        unet (default), effv2-s|m|l|t, unet-effv2-s|m|l|t\n"
+    "  --size HxW          input size (defaults as segnet train)\n"
+    "  --batch B           images per step (default 4)\n"
+    "  --steps S           timed steps (default 5)\n"
+    "  --warmup W          untimed steps first (default 1)\n"
+    "  --threads T         CPU threads (default: all cores)\n"
+    "  --profile           also print the time per op kind per step (forward,\n"
+    "                      backward) and GFLOP/s of the convs\n"
+    "  --precision P       activation storage: fp32 (default), fp16 or bf16\n"
+    "  --checkpoint C      none (default) or blocks: recompute each block in backward\n"
+    "  --seed S            initialisation and data (default 1)\n"
+    "  --device D          auto (default), cuda or cpu, as for segnet train\n"
+    "  --classes K, --padding MODE, --head-hidden H, --depth D, --width W:\n"
+    "                      the model, as for segnet train\n";
+
+static int cmd_bench(int argc, char **argv) {
+    BenchCfg c = {model_cfg_default(), 5, 1, 0, 0, DT_F32, 0, 1, DEVICE_AUTO};
+    c.model.batch = 4;
+    int size_given = 0;
+    for (int i = 2; i < argc;) {
+        const char *f = argv[i];
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(BENCH_USAGE, stdout); return 0; }
+        if (!strcmp(f, "--profile")) { c.profile = 1; i++; continue; }
+        size_given |= !strcmp(f, "--size");
+        int k = parse_model_option(&c.model, argc, argv, i);
+        if (k < 0) return 2;
+        if (k > 0) { i += k; continue; }
+        int is_own = !strcmp(f, "--steps") || !strcmp(f, "--warmup") || !strcmp(f, "--threads") ||
+                     !strcmp(f, "--precision") || !strcmp(f, "--checkpoint") || !strcmp(f, "--seed") ||
+                     !strcmp(f, "--device");
+        if (!is_own) { fprintf(stderr, "segnet bench: unknown option '%s' (see segnet bench --help)\n", f); return 2; }
+        if (i + 1 >= argc) { fprintf(stderr, "segnet bench: %s needs a value\n", f); return 2; }
+        const char *v = argv[i + 1];
+        int rc = 0, seed;
+        if (!strcmp(f, "--steps")) rc = parse_int(f, v, 1, 1 << 20, &c.steps);
+        else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, 1 << 20, &c.warmup);
+        else if (!strcmp(f, "--threads")) rc = parse_int(f, v, 1, 4096, &c.threads);
+        else if (!strcmp(f, "--seed")) { rc = parse_int(f, v, 0, 2147483647, &seed); c.seed = (uint64_t)seed; }
+        else if (!strcmp(f, "--device")) rc = parse_device(v, &c.device);
+        else if (!strcmp(f, "--precision")) {
+            int k = 0;
+            while (k < 3 && strcmp(v, DTYPE_NAMES[k])) k++;
+            if (k == 3) { fprintf(stderr, "segnet bench: --precision '%s' must be fp32, fp16 or bf16\n", v); rc = -1; }
+            else c.precision = (DType)k;
+        } else if (!strcmp(f, "--checkpoint")) {
+            if (!strcmp(v, "blocks")) c.checkpoint = 1;
+            else if (strcmp(v, "none")) { fprintf(stderr, "segnet bench: --checkpoint '%s' must be none or blocks\n", v); rc = -1; }
+        }
+        if (rc) return 2;
+        i += 2;
+    }
+    if (!size_given) model_default_size(&c.model);
+    if (model_options_used("bench", c.model.model, argc, argv)) return 2;
+    BenchResult r;
+    char err[SN_ERR_MAX];
+    if (bench_run(&c, &r, err)) { print_message(stderr, "segnet bench", err); return 1; }
+    printf("model: %s  input (%d,%d,%d,3)  classes %d  parameters %zu  threads %d  backend %s\n", c.model.model,
+           c.model.batch, c.model.height, c.model.width, c.model.classes, r.n_params, r.threads, r.backend);
+    if (c.profile) {
+        double total = 0.0;
+        for (int k = 0; k < BK_COUNT; k++) total += r.kind_fwd_ms[k] + r.kind_bwd_ms[k];
+        printf("%-12s %10s %10s %10s %7s %9s\n", "op kind", "fwd ms", "bwd ms", "total ms", "share", "GFLOP/s");
+        for (int k = 0; k < BK_COUNT; k++) {
+            double t = r.kind_fwd_ms[k] + r.kind_bwd_ms[k];
+            printf("%-12s %10.2f %10.2f %10.2f %6.1f%%", BENCH_KIND_NAMES[k], r.kind_fwd_ms[k], r.kind_bwd_ms[k], t,
+                   total > 0.0 ? 100.0 * t / total : 0.0);
+            if (r.kind_gflop[k] > 0.0 && t > 0.0) printf(" %9.1f", r.kind_gflop[k] / (1e-3 * t));
+            printf("\n");
+        }
+        printf("%-12s %10s %10s %10.2f   (the profiled steps; the median step may differ)\n", "sum", "", "", total);
+    }
+    printf("train_step_ms: %.2f\n", r.step_ms);
+    printf("images_per_s: %.3f\n", r.images_per_s);
+    printf("peak_rss_bytes: %zu\n", r.peak_rss_bytes);
+    printf("peak_device_bytes: %zu\n", r.peak_device_bytes);
+    return 0;
+}
+
+static int cmd_info(void) {
+    printf("backend: %s\n", ops_cpu.name);
+#ifdef SEGNET_CUDA
+    char why[SN_ERR_MAX];
+    size_t free_b, total_b;
+    if (cuda_memory_info(0, &free_b, &total_b, why) == 0) {
+        // what the device holds beyond segnet's own allocations: the driver's
+        // context (and other processes' memory, if any share the device)
+        size_t held = total_b - free_b, ours = cuda_bytes_live, driver = held > ours ? held - ours : 0;
+        printf("cuda: device 0 (--device auto uses it), %.2f GiB, %.2f GiB free\n", total_b / 1073741824.0,
+               free_b / 1073741824.0);
+        printf("cuda_context_bytes: %zu measured (in use %zu less segnet's %zu; the plan counts %zu)\n", driver,
+               held, ours, ops_cuda.driver_bytes);
+    } else {
+        printf("cuda: built, but %s\n", why);
+    }
+#else
+    printf("cuda: not built (no nvcc)\n");
+#endif
+#ifdef SEGNET_MPI
+    printf("mpi: yes\n");
+#else
+    printf("mpi: no (built without MPI)\n");
+#endif
+    printf("blas: %s\n", openblas_get_config());
+    printf("blas_threads: %d\n", openblas_get_num_threads());
+#ifdef _OPENMP
+    printf("openmp_threads: %d\n", omp_get_max_threads());
+#else
+    printf("openmp_threads: off (built with NO_OMP=1)\n");
+#endif
+    return 0;
+}
+
+static const char *PLAN_USAGE =
+    "usage: segnet plan --model NAME [options]\n"
+    "\n"
+    "Prints the model stage by stage (output shape (N,H,W,C), parameters, the bytes\n"
+    "of activations kept for the backward and, with --checkpoint blocks, the bytes\n"
+    "recomputed), then the memory a training step takes, from the same plan the\n"
+    "run allocates with: parameters, gradients, Adam state, BN statistics,\n"
+    "activations and their gradients (one arena laid out by lifetimes), conv\n"
+    "workspace, and `peak: N bytes (X.XX GiB)`. Nothing is allocated.\n"
+    "\n"
+    "  --model NAME        unet (default), effv2-s, effv2-m, effv2-l, effv2-t,\n"
+    "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
+    "  --classes K         output classes (default 4)\n"
+    "  --size HxW          input size (default: effv2-s 384x384, effv2-m/l 480x480,\n"
+    "                      effv2-t 64x64, U-Nets 256x256)\n"
+    "  --batch B           images per step (default 1); with --memory, the global\n"
+    "                      batch to keep\n"
+    "  --precision P       fp32 (default), fp16 or bf16 activation storage\n"
+    "  --checkpoint MODE   none (default) or blocks\n"
+    "  --freeze base, --unfreeze-last N, --accum K   as for segnet train\n"
+    "  --memory SIZE       e.g. 12G: pick the fastest setting that fits: the largest\n"
+    "                      micro-batch first, then checkpointing, then fp16, then\n"
+    "                      accumulation of smaller micro-batches; prints what was\n"
+    "                      tried and picked (leave --precision and --checkpoint out)\n"
+    "  --padding MODE      same (TensorFlow/Keras, default) or symmetric (torchvision)\n"
+    "  --head-hidden H     classifier hidden layer width (default 0: none)\n"
+    "  --depth D           unet levels below the top (default 4)\n"
+    "  --width W           unet channels at the top level (default 32)\n"
+    "  --device D          auto (default), cuda or cpu: whose conv workspace is planned\n"
+    "  --roofline          also the bytes and FLOPs of a training step by op kind on\n"
+    "                      the CUDA kernels, and the least time an H200 needs for them\n";
+
+// ---- a roofline of the training step (segnet plan --roofline)
+//
+// The bytes each op of a training step moves through device memory, as the
+// CUDA kernels and cuBLAS calls of today do it (each tensor read or written
+// once per pass; accumulation reads, the weight gradient's partial sums and
+// re-reads that L2 may serve (an implicit GEMM reads its input once per tile
+// of 64 output channels) left out), and its FLOPs.
+// An op takes at least max(bytes / bandwidth, FLOPs / peak): the step at least
+// the sum. H200: 4.8 TB/s, 790 TFLOP/s dense bf16 (fp32: the 67 TFLOP/s of
+// its CUDA cores).
+#define ROOF_BANDWIDTH 4.8e12
+#define ROOF_PEAK_16BIT 790e12
+#define ROOF_PEAK_FP32 67e12
+enum { ROOF_CONV_KXK, ROOF_CONV_1X1, ROOF_DEPTHWISE, ROOF_BN, ROOF_ELEMENTWISE, ROOF_SE, ROOF_RESAMPLE,
+       ROOF_OPTIMIZER, ROOF_KINDS };
+static const char *const ROOF_NAMES[ROOF_KINDS] = {
+    "conv k×k (implicit GEMM)", "conv 1×1, dense (GEMM)", "depthwise conv", "batch norm (+act)",
+    "elementwise (act, add, dropout)", "squeeze-excitation pool/scale", "pool, upsample, resize, concat",
+    "optimizer (Adam, cast, zero)"};
+typedef struct { double bytes[ROOF_KINDS], flops[ROOF_KINDS], seconds[ROOF_KINDS]; double peak; } Roofline;
+static void roof_pass(Roofline *r, int kind, double bytes, double flops) {
+    r->bytes[kind] += bytes;
+    r->flops[kind] += flops;
+    const double tb = bytes / ROOF_BANDWIDTH, tf = flops / r->peak;
+    r->seconds[kind] += tb > tf ? tb : tf;
+}
+static void roofline_step(const Graph *g, DType dt, Roofline *r) {
+    memset(r, 0, sizeof *r);
+    r->peak = dt == DT_F32 ? ROOF_PEAK_FP32 : ROOF_PEAK_16BIT;
+    int *needs = malloc(sizeof(int) * (size_t)g->n_tensors);
+    snCheck(needs != NULL, "out of host memory");
+    graph_needs_grad(g, 0, needs);
+    const double e = (double)dtype_size(dt);
+    double trainable = 0;
+    for (int i = 0; i < g->n_layers; i++) {
+        const Layer *l = &g->layers[i];
+        const double X = (double)shape_numel(tshape(g, l->in[0])), Y = (double)shape_numel(tshape(g, l->out));
+        const double X2 = l->in[1] >= 0 ? (double)shape_numel(tshape(g, l->in[1])) : 0.0;
+        const int bwd = needs[l->out], dx = needs[l->in[0]], dx2 = l->in[1] >= 0 && needs[l->in[1]];
+        const int wgrad = bwd && !l->frozen && l->weight >= 0;
+        int ids[4];
+        for (int k = layer_params(l, ids); k-- > 0;)
+            if (!l->frozen) trainable += (double)g->params[ids[k]].count;
+        switch (l->kind) {
+        case LAYER_CONV: case LAYER_DENSE: {
+            const ConvCfg *c = &l->conv;
+            const Shape out = tshape(g, l->out);
+            const double K = (double)c->kh * c->kw * (tshape(g, l->in[0]).c / c->groups), P = Y / out.c;
+            const double flops = 2.0 * Y * K, col = P * K * c->groups, w = (double)out.c * K;
+            if (conv_is_depthwise(c)) {
+                roof_pass(r, ROOF_DEPTHWISE, (X + Y) * e, flops);
+                if (dx) roof_pass(r, ROOF_DEPTHWISE, (X + Y) * e, flops);
+                if (wgrad) roof_pass(r, ROOF_DEPTHWISE, (X + Y) * e, flops);
+            } else if (conv_is_pointwise(c)) {
+                roof_pass(r, ROOF_CONV_1X1, (X + Y + w) * e, flops);
+                if (dx) roof_pass(r, ROOF_CONV_1X1, (X + Y + w) * e, flops);
+                if (wgrad) roof_pass(r, ROOF_CONV_1X1, (X + Y) * e + w * 4, flops);
+            } else if (c->stride <= 2) {  // implicit GEMM: the operands gathered from the tensors themselves
+                roof_pass(r, ROOF_CONV_KXK, (X + Y + w) * e, flops);
+                if (dx) roof_pass(r, ROOF_CONV_KXK, (Y + w + X) * e, flops);
+                if (wgrad) roof_pass(r, ROOF_CONV_KXK, (X + Y) * e + w * 4, flops);
+            } else {  // im2col: the columns written and read once per pass; backward data's in fp32, then col2im
+                roof_pass(r, ROOF_CONV_KXK, X * e + 2 * col * e + (Y + w) * e, flops);
+                if (dx) roof_pass(r, ROOF_CONV_KXK, (Y + w) * e + 2 * col * 4 + X * e, flops);
+                if (wgrad) roof_pass(r, ROOF_CONV_KXK, X * e + 2 * col * e + Y * e + w * 4, flops);
+            }
+            if (l->bias >= 0) roof_pass(r, ROOF_ELEMENTWISE, 2 * Y * e, 0);  // bias_rows
+            if (l->bias >= 0 && wgrad) roof_pass(r, ROOF_ELEMENTWISE, Y * e, 0);
+            break;
+        }
+        case LAYER_BN:  // statistics, apply; backward reduce, data
+            roof_pass(r, ROOF_BN, X * e, 2 * X);
+            roof_pass(r, ROOF_BN, 2 * X * e, 4 * X);
+            if (bwd) roof_pass(r, ROOF_BN, 2 * X * e, 6 * X);
+            if (dx) roof_pass(r, ROOF_BN, 3 * X * e, 6 * X);
+            break;
+        case LAYER_ACT: case LAYER_RESCALE:
+            roof_pass(r, ROOF_ELEMENTWISE, (X + Y) * e, 0);
+            if (dx) roof_pass(r, ROOF_ELEMENTWISE, 3 * X * e, 0);
+            break;
+        case LAYER_ADD: case LAYER_DROPOUT: case LAYER_DROP_PATH:
+            roof_pass(r, ROOF_ELEMENTWISE, (X + X2 + Y) * e, 0);
+            if (dx || dx2) roof_pass(r, ROOF_ELEMENTWISE, (Y + (dx ? X : 0) + (dx2 ? X2 : 0)) * e, 0);
+            break;
+        case LAYER_SE_GATE: {  // two small GEMMs per image, fp32 weights; the backward recomputes the forward
+            const double w = 2.0 * l->conv.cin * l->conv.cout;  // both weight matrices
+            roof_pass(r, ROOF_SE, (X + Y) * e + 4 * w, 2 * w * tshape(g, l->in[0]).n);
+            if (bwd) roof_pass(r, ROOF_SE, 2 * X * e + Y * e + (wgrad ? 12 : 4) * w, 6 * w * tshape(g, l->in[0]).n);
+            break;
+        }
+        case LAYER_GAP: case LAYER_SCALE:
+            roof_pass(r, ROOF_SE, (X + (l->kind == LAYER_SCALE ? X : 0)) * e, 0);
+            if (dx) roof_pass(r, ROOF_SE, 2 * X * e, 0);
+            if (dx2) roof_pass(r, ROOF_SE, 2 * X * e, 0);
+            break;
+        default:  // pooling, upsampling, resizing, concatenation
+            roof_pass(r, ROOF_RESAMPLE, (X + X2 + Y) * e, 0);
+            if (dx || dx2) roof_pass(r, ROOF_RESAMPLE, (X + X2 + Y) * e, 0);
+            break;
+        }
+    }
+    // Adam reads p, g, m, v and writes p, m, v (fp32); the weights are cast once per forward; the gradients zeroed
+    const double params = (double)g->n_param_floats;
+    roof_pass(r, ROOF_OPTIMIZER, 28 * trainable + 4 * trainable + (dt == DT_F32 ? 0 : (4 + e) * params), 10 * trainable);
+    free(needs);
+}
+static void print_roofline(const Graph *g, DType dt) {
+    Roofline r;
+    roofline_step(g, dt, &r);
+    double B = 0, F = 0, T = 0;
+    printf("roofline of a training step (H200: %.1f TB/s, %.0f TFLOP/s %s; each tensor moved once per pass):\n",
+           ROOF_BANDWIDTH / 1e12, r.peak / 1e12, dt == DT_F32 ? "fp32" : "dense 16-bit");
+    printf("  %-34s %10s %10s %10s\n", "op kind", "GB moved", "TFLOP", "ms (bound)");
+    for (int k = 0; k < ROOF_KINDS; k++) {
+        if (r.bytes[k] == 0 && r.flops[k] == 0) continue;
+        printf("  %-34s %10.2f %10.3f %10.3f\n", ROOF_NAMES[k], r.bytes[k] / 1e9, r.flops[k] / 1e12, 1e3 * r.seconds[k]);
+        B += r.bytes[k]; F += r.flops[k]; T += r.seconds[k];
+    }
+    printf("  %-34s %10.2f %10.3f %10.3f\n", "step", B / 1e9, F / 1e12, 1e3 * T);
+}
+
+static int cmd_plan(int argc, char **argv) {
+    TrainArgs a = {0};
+    train_cfg_default(&a.c);
+    a.c.model.batch = 1;
+    a.c.device = DEVICE_AUTO;
+    int roofline = 0;
+    for (int i = 2; i < argc;) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(PLAN_USAGE, stdout); return 0; }
+        if (!strcmp(argv[i], "--roofline")) { roofline = 1; i++; continue; }
+        int k = parse_train_option(&a, argc, argv, i);
+        if (k < 0) return 2;
+        if (k == 0) { fprintf(stderr, "segnet plan: unknown option '%s' (see segnet plan --help)\n", argv[i]); return 2; }
+        i += k;
+    }
+    if (!a.size_given) model_default_size(&a.c.model);
+    if (model_options_used("plan", a.c.model.model, argc, argv)) return 2;
+    TrainCfg *c = &a.c;
+    char err[SN_ERR_MAX];
+    if (a.memory && pick_setting(&a, "plan", stdout)) return 1;
+    Graph g;
+    Plan p;
+    Ops *o;
+    int logits = plan_for(c, &g, &p, &o, err);
+    if (logits < 0) { print_message(stderr, "segnet plan", err); graph_free(&g); return 1; }
+    MemoryReport m;
+    memory_report(&g, &p, c, logits, o, &m);
+    printf("model: %s  input (%d,%d,%d,3)  classes %d  precision %s  checkpoint %s  accum %d%s\n", c->model.model,
+           c->model.batch, c->model.height, c->model.width, c->model.classes, DTYPE_NAMES[c->precision],
+           c->checkpoint ? "blocks" : "none", c->accum, c->freeze_base ? "  backbone frozen" : "");
+    printf("%-28s %-22s %14s %14s %14s\n", "stage", "output", "parameters", "kept (bytes)", "recomputed");
+    size_t total = 0, trainable = 0;
+    for (int s = 0; s < g.n_stages; s++) {
+        size_t n = 0, kept = 0, recomputed = 0;
+        int last = -1;
+        for (int l = 0; l < g.n_layers; l++) {
+            const Layer *L = &g.layers[l];
+            if (L->stage != s) continue;
+            last = l;
+            int ids[4];
+            for (int k = layer_params(L, ids); k-- > 0;) {
+                n += g.params[ids[k]].count;
+                if (!L->frozen) trainable += g.params[ids[k]].count;
+            }
+        }
+        if (last < 0) continue;
+        for (int b = 0; b < p.n_bufs; b++) {
+            const PlanBuffer *q = &p.bufs[b];
+            int prod = g.tensors[q->tensor].producer;
+            if (q->is_grad || prod < 0 || g.layers[prod].stage != s) continue;
+            if (q->recompute) recomputed += q->bytes;
+            else if (q->first <= p.loss_slot && q->last >= p.loss_slot) kept += q->bytes;
+        }
+        printf("%-28s ", g.stage_names[s]);
+        print_shape(g.tensors[g.layers[last].out].shape);
+        printf(" %14zu %14zu %14zu\n", n, kept, recomputed);
+        total += n;
+    }
+    printf("parameters: %zu (trainable %zu)\n", total, trainable);
+    printf("batch norm statistics: %zu values\n", g.n_buffer_floats);
+    printf("memory (bytes):\n");
+    printf("  parameters (fp32)       %14zu\n  gradients (fp32)        %14zu\n  optimiser state (Adam)  %14zu\n",
+           m.params, m.grads, m.optimizer);
+    printf("  BN statistics           %14zu\n  activations + gradients %14zu\n  conv workspace          %14zu\n"
+           "  inputs, labels, metrics %14zu\n", m.statistics, m.activations, m.workspace, m.io);
+    if (m.backend) printf("  backend scratch (%s)   %14zu\n", o->name, m.backend);
+    if (m.driver) printf("  CUDA context (estimate) %14zu\n", m.driver);
+    printf("peak: %zu bytes (%.2f GiB)\n", m.total, m.total / 1073741824.0);
+    if (roofline) print_roofline(&g, c->precision);
+    plan_free(&p);
+    graph_free(&g);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IOLBF, 0);  // each report line when it happens, in a log too (a file is block-buffered)
+    if (argc < 2 || !strcmp(argv[1], "help") || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+        fputs(USAGE, stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    if (!strcmp(argv[1], "info")) return cmd_info();
+    if (!strcmp(argv[1], "plan")) return cmd_plan(argc, argv);
+    if (!strcmp(argv[1], "predict")) return with_train_args(cmd_predict, argc, argv);
+    if (!strcmp(argv[1], "train")) return with_train_args(cmd_train, argc, argv);
+    if (!strcmp(argv[1], "eval")) return with_train_args(cmd_eval, argc, argv);
+    if (!strcmp(argv[1], "bench")) return cmd_bench(argc, argv);
+    if (!strcmp(argv[1], "export")) return with_train_args(cmd_export, argc, argv);
+    fprintf(stderr, "segnet: unknown command '%s' (try segnet --help)\n", argv[1]);
+    return 2;
+}
+
+#endif  // TESTING

@@ -1,0 +1,732 @@
+// datasets.c -- data sets: listing, decoding, resizing, augmentation, batching, prefetch.
+// Plumbing of the segnet program: segnet.c (the math, the models, the step)
+// includes this file at its end, so that the program is one translation unit.
+
+// ----------------------------------------------------------------------------
+// data sets: listing, decoding, resizing, augmentation, batching, prefetch
+//
+// dataset_open lists the samples, then decodes every one of them on `threads`
+// threads: that is the validation, and it fills the cache when the resized
+// samples fit. sample_load is the one place that decodes, checks and resizes a
+// sample, so dataset_batch, which decodes again when nothing is cached, refuses
+// a file that changed on disk with the same message. Threads are pthreads (the
+// loader needs long-lived ones anyway); each runs OpenMP regions on one thread.
+
+static int omp_serial_begin(void) {
+#ifdef _OPENMP
+    int n = omp_get_max_threads();
+    omp_set_num_threads(1);  // a decoding thread is one core's work; no nested teams
+    return n;
+#else
+    return 1;
+#endif
+}
+static void omp_serial_end(int n) {
+#ifdef _OPENMP
+    omp_set_num_threads(n);
+#else
+    (void)n;
+#endif
+}
+
+// a path's file name without its extension, as pointer and length: "d/a.b.png" -> "a.b"
+static const char *path_stem(const char *path, int *len) {
+    const char *s = strrchr(path, '/'), *dot;
+    s = s ? s + 1 : path;
+    dot = strrchr(s, '.');
+    *len = dot ? (int)(dot - s) : (int)strlen(s);
+    return s;
+}
+static int cmp_stems(const char *a, const char *b) {
+    int la, lb;
+    const char *sa = path_stem(a, &la), *sb = path_stem(b, &lb);
+    int c = memcmp(sa, sb, (size_t)(la < lb ? la : lb));
+    return c ? c : la - lb;
+}
+// by stem, then by path: images and masks pair in one merge, duplicates are adjacent
+static int cmp_by_stem(const void *a, const void *b) {
+    int c = cmp_stems(*(char *const *)a, *(char *const *)b);
+    return c ? c : cmp_str(a, b);
+}
+
+// A folder's images, sorted; an empty folder is no error here (callers say
+// what is missing). Anything but a readable folder is one.
+static int list_folder(const char *dir, PathList *out, char err[SN_ERR_MAX]) {
+    struct stat sb;
+    memset(out, 0, sizeof *out);
+    if (stat(dir, &sb) != 0) { snprintf(err, SN_ERR_MAX, "%s: %s", dir, strerror(errno)); return -1; }
+    if (!S_ISDIR(sb.st_mode)) { snprintf(err, SN_ERR_MAX, "%s: not a folder", dir); return -1; }
+    if (list_images(dir, out, err) == 0) return 0;
+    return out->n == 0 && access(dir, R_OK | X_OK) == 0 ? 0 : -1;  // list_images refuses an empty list
+}
+
+// DIR/images/<stem>.{png,jpg,jpeg} paired with DIR/masks/<stem>.png by one merge
+// of the two lists sorted by stem; the first problem in that order is reported.
+static int list_segmentation(Dataset *d, const char *dir, char err[SN_ERR_MAX]) {
+    char sub[2][4096];
+    PathList im = {0}, mk = {0};
+    snprintf(sub[0], sizeof sub[0], "%s/images", dir);
+    snprintf(sub[1], sizeof sub[1], "%s/masks", dir);
+    for (int k = 0; k < 2; k++) {
+        struct stat sb;
+        if (stat(sub[k], &sb) != 0 || !S_ISDIR(sb.st_mode)) {
+            snprintf(err, SN_ERR_MAX, "%.300s: no such folder (segmentation data is %s/images/*.{png,jpg,jpeg} and %s/masks/*.png)",
+                     sub[k], dir, dir);
+            return -1;
+        }
+    }
+    if (list_folder(sub[0], &im, err) || list_folder(sub[1], &mk, err)) goto fail;
+    if (im.n == 0) { snprintf(err, SN_ERR_MAX, "%.300s: no images (*.png, *.jpg, *.jpeg)", sub[0]); goto fail; }
+    sort_n(im.paths, (size_t)im.n, sizeof(char *), cmp_by_stem);
+    sort_n(mk.paths, (size_t)mk.n, sizeof(char *), cmp_by_stem);
+    for (int k = 0; k < mk.n; k++) {
+        const char *dot = strrchr(mk.paths[k], '.');
+        if (strcasecmp(dot, ".png")) {  // listed, so it has an image extension
+            snprintf(err, SN_ERR_MAX, "%s: a mask must be a PNG (JPEG compression changes class indices)", mk.paths[k]);
+            goto fail;
+        }
+    }
+    const PathList *lists[2] = {&im, &mk};
+    for (int k = 0; k < 2; k++)
+        for (int i = 1; i < lists[k]->n; i++)
+            if (cmp_stems(lists[k]->paths[i - 1], lists[k]->paths[i]) == 0) {
+                snprintf(err, SN_ERR_MAX, "%s: same name as %s (masks pair with images by name)", lists[k]->paths[i],
+                         lists[k]->paths[i - 1]);
+                goto fail;
+            }
+    for (int i = 0; i < im.n || i < mk.n; i++) {
+        int c = i == im.n ? 1 : i == mk.n ? -1 : cmp_stems(im.paths[i], mk.paths[i]), len;
+        if (c < 0) {
+            const char *s = path_stem(im.paths[i], &len);
+            snprintf(err, SN_ERR_MAX, "%s: no mask (expected %.300s/%.*s.png)", im.paths[i], sub[1], len, s);
+            goto fail;
+        }
+        if (c > 0) {
+            const char *s = path_stem(mk.paths[i], &len);
+            snprintf(err, SN_ERR_MAX, "%s: no image (expected %.300s/%.*s.png, .jpg or .jpeg)", mk.paths[i], sub[0], len, s);
+            goto fail;
+        }
+    }
+    d->n = im.n;
+    d->images = im.paths;
+    d->masks = mk.paths;
+    return 0;
+fail:
+    path_list_free(&im);
+    path_list_free(&mk);
+    return -1;
+}
+
+static void add_sample(Dataset *d, PathList *l, int *cap, const char *path, int label) {
+    path_list_add(l, NULL, path);
+    if (l->cap != *cap) {  // labels grow with the paths
+        *cap = l->cap;
+        d->labels = realloc(d->labels, sizeof(int32_t) * (size_t)*cap);
+        snCheck(d->labels != NULL, "out of host memory");
+    }
+    d->labels[l->n - 1] = label;
+}
+
+// class names: d->names takes `names` (n of them, sorted, owned by d)
+static void set_names(Dataset *d, char **names, int n) { d->names = names; d->n_names = n; }
+// the index of `name` among names_from's, or -1 (a message naming the known ones in err)
+static int name_index(const Dataset *from, const char *name, const char *where, char err[SN_ERR_MAX]) {
+    for (int k = 0; k < from->n_names; k++) if (!strcmp(from->names[k], name)) return k;
+    int n = snprintf(err, SN_ERR_MAX, "%.400s: class '%.100s' is not one of the training set's (", where, name);
+    for (int k = 0; k < from->n_names && n < SN_ERR_MAX - 8; k++)
+        n += snprintf(err + n, SN_ERR_MAX - n, "%s%.60s", k ? ", " : "", from->names[k]);
+    if (n < SN_ERR_MAX) snprintf(err + n, SN_ERR_MAX - n, ")");
+    return -1;
+}
+// copies of names (n)
+static char **names_copy(char *const *names, int n) {
+    char **c = malloc(sizeof(char *) * (size_t)(n ? n : 1));
+    snCheck(c != NULL, "out of host memory");
+    for (int k = 0; k < n; k++) { c[k] = strdup(names[k]); snCheck(c[k] != NULL, "out of host memory"); }
+    return c;
+}
+
+// DIR/<class>/*: sub-folders sorted by name are classes 0, 1, ... (or the
+// classes of names_from with those names)
+static int list_class_folders(Dataset *d, const char *dir, const Dataset *names_from, char err[SN_ERR_MAX]) {
+    PathList classes = {0}, all = {0};
+    char **names = NULL;  // the folders' names (sorted)
+    int cap = 0, rc = -1;
+    DIR *dp = opendir(dir);
+    if (!dp) { snprintf(err, SN_ERR_MAX, "%s: %s", dir, strerror(errno)); return -1; }
+    for (struct dirent *e; (e = readdir(dp));) {
+        if (e->d_name[0] == '.') continue;
+        path_list_add(&classes, dir, e->d_name);
+        struct stat sb;
+        if (stat(classes.paths[classes.n - 1], &sb) != 0 || !S_ISDIR(sb.st_mode)) free(classes.paths[--classes.n]);
+    }
+    closedir(dp);
+    sort_n(classes.paths, (size_t)classes.n, sizeof(char *), cmp_str);
+    if (classes.n > d->classes) {
+        snprintf(err, SN_ERR_MAX, "%s: %d class folders, but there are %d classes", dir, classes.n, d->classes);
+        goto done;
+    }
+    names = malloc(sizeof(char *) * (size_t)(classes.n ? classes.n : 1));
+    snCheck(names != NULL, "out of host memory");
+    for (int c = 0; c < classes.n; c++) {
+        const char *slash = strrchr(classes.paths[c], '/');
+        names[c] = strdup(slash ? slash + 1 : classes.paths[c]);
+        snCheck(names[c] != NULL, "out of host memory");
+    }
+    if (names_from && names_from->names) set_names(d, names_copy(names_from->names, names_from->n_names), names_from->n_names);
+    else set_names(d, names, classes.n);
+    for (int c = 0; c < classes.n; c++) {
+        const int label = names_from && names_from->names ? name_index(names_from, names[c], classes.paths[c], err) : c;
+        if (label < 0) goto done;
+        PathList l;
+        if (list_folder(classes.paths[c], &l, err)) goto done;
+        for (int k = 0; k < l.n; k++) add_sample(d, &all, &cap, l.paths[k], label);
+        path_list_free(&l);
+    }
+    if (all.n == 0) {
+        snprintf(err, SN_ERR_MAX, "%s: no images (expected %s/<class>/*.{png,jpg,jpeg}, one sub-folder per class)", dir, dir);
+        goto done;
+    }
+    d->n = all.n;
+    d->images = all.paths;
+    rc = 0;
+done:
+    if (rc) path_list_free(&all);
+    if (names && d->names != names) {
+        for (int c = 0; c < classes.n; c++) free(names[c]);
+        free(names);
+    }
+    path_list_free(&classes);
+    return rc;
+}
+
+// a CSV `path,label` (an optional header whose first field is "path"); every
+// listed file must exist, every label be an integer 0..K-1, or every label a
+// class name (the sorted distinct names are classes 0, 1, ..., or names_from's)
+static int list_csv(Dataset *d, const char *csv, const Dataset *names_from, char err[SN_ERR_MAX]) {
+    FILE *f = fopen_regular(csv, "r", err);
+    if (!f) return -1;
+    char dir[4096], line[8192], path[4096], label[64];
+    snprintf(dir, sizeof dir, "%s", csv);
+    char *slash = strrchr(dir, '/');
+    if (slash) *slash = 0; else snprintf(dir, sizeof dir, ".");
+    PathList all = {0}, texts = {0};  // texts: each sample's label as written, while they are names
+    int cap = 0, rc = 0, numeric = -1;   // numeric: -1 no label yet, 1 integers, 0 names
+    int first_row[2] = {0, 0};            // the first row with an integer label, with a name
+    for (int row = 1; rc == 0 && fgets(line, sizeof line, f); row++) {
+        const char *s = csv_skip_bom(line, row), *why;
+        struct stat sb;
+        int more = 0;
+        if (!strchr(line, '\n') && !feof(f)) {
+            snprintf(err, SN_ERR_MAX, "%s: row %d: longer than %zu characters", csv, row, sizeof line - 1);
+            rc = -1;
+        } else if (!s[strspn(s, CSV_BLANKS "\r\n")]) {
+            continue;
+        } else if ((why = csv_field(&s, path, sizeof path, &more)) || (why = csv_field(&s, label, sizeof label, &more))) {
+            snprintf(err, SN_ERR_MAX, "%s: row %d: %s", csv, row, why);
+            rc = -1;
+        } else if (more) {
+            snprintf(err, SN_ERR_MAX, "%s: row %d: more than two fields (rows are path,label)", csv, row);
+            rc = -1;
+        } else if (row == 1 && !strcmp(path, "path")) {
+            continue;  // header
+        } else if (!path[0]) {
+            snprintf(err, SN_ERR_MAX, "%s: row %d: empty path", csv, row);
+            rc = -1;
+        } else {
+            char *end;
+            errno = 0;
+            long v = strtol(label, &end, 10);
+            end += strspn(end, " \t");
+            char full[8200];
+            snprintf(full, sizeof full, "%s%s%s", path[0] == '/' ? "" : dir, path[0] == '/' ? "" : "/", path);
+            const int is_int = label[0] && !*end && errno != ERANGE;
+            if (label[0] && !first_row[is_int]) first_row[is_int] = row;
+            if (!label[0]) {
+                snprintf(err, SN_ERR_MAX, "%s: row %d: no label (rows are path,label)", csv, row);
+                rc = -1;
+            } else if (numeric >= 0 && numeric != is_int) {
+                snprintf(err, SN_ERR_MAX, "%s: row %d: label '%s' is %s, but row %d's is %s (labels are all integers "
+                         "0..K-1 or all class names)", csv, row, label, is_int ? "an integer" : "a name",
+                         first_row[!is_int], is_int ? "a name" : "an integer");
+                rc = -1;
+            } else if (!is_int) {  // a class name: its index once every name is known
+                numeric = 0;
+                if (stat(full, &sb) != 0) {
+                    snprintf(err, SN_ERR_MAX, "%s: row %d: %.400s: %s", csv, row, full, strerror(errno));
+                    rc = -1;
+                } else {
+                    add_sample(d, &all, &cap, full, -1);
+                    path_list_add(&texts, NULL, label);
+                }
+            } else if ((numeric = 1) && (v < 0 || v >= d->classes)) {
+                snprintf(err, SN_ERR_MAX, "%s: row %d: label '%s' is out of range (there are %d classes: 0..%d)", csv, row,
+                         label, d->classes, d->classes - 1);
+                rc = -1;
+            } else if (stat(full, &sb) != 0) {
+                snprintf(err, SN_ERR_MAX, "%s: row %d: %.400s: %s", csv, row, full, strerror(errno));
+                rc = -1;
+            } else {
+                add_sample(d, &all, &cap, full, (int)v);
+            }
+        }
+    }
+    fclose(f);
+    if (rc == 0 && all.n == 0) { snprintf(err, SN_ERR_MAX, "%s: no images listed", csv); rc = -1; }
+    if (rc == 0 && numeric == 0) {  // name the classes, then number the samples
+        if (names_from && names_from->names) {
+            set_names(d, names_copy(names_from->names, names_from->n_names), names_from->n_names);
+        } else {
+            char **sorted = names_copy(texts.paths, texts.n);
+            sort_n(sorted, (size_t)texts.n, sizeof(char *), cmp_str);
+            int n = 0;
+            for (int i = 0; i < texts.n; i++) {
+                if (n && !strcmp(sorted[n - 1], sorted[i])) { free(sorted[i]); continue; }
+                sorted[n++] = sorted[i];
+            }
+            set_names(d, sorted, n);
+            if (n > d->classes) {
+                snprintf(err, SN_ERR_MAX, "%s: %d class names (%s, %s, ...), but there are %d classes", csv, n, sorted[0],
+                         sorted[1], d->classes);
+                rc = -1;
+            }
+        }
+        for (int i = 0; rc == 0 && i < texts.n; i++) {
+            const int k = name_index(d, texts.paths[i], csv, err);
+            if (k < 0) rc = -1;
+            else d->labels[i] = k;
+        }
+    }
+    path_list_free(&texts);
+    if (rc) { path_list_free(&all); return -1; }
+    d->n = all.n;
+    d->images = all.paths;
+    return 0;
+}
+
+// A mask's class indices (h,w): the stored values of a PNG's pixels. Grey of
+// 1 to 16 bits, grey + alpha (alpha ignored), or RGB(A) whose every pixel has
+// R = G = B (grey stored as colour); a pixel of differing R, G, B is refused
+// (a colour-coded mask has no class indices), as is a palette PNG (stb_image
+// gives its colours, not the indices). Its size must be the image's (ih,iw),
+// whose EXIF orientation a mismatch mentions, and every value below K.
+static uint8_t *mask_load(const char *path, int ih, int iw, int image_orientation, int K, char err[SN_ERR_MAX]) {
+    size_t n;
+    int h, w, comp, hh, ww;
+    uint8_t *b = image_file_bytes(path, 1, &n, &hh, &ww, err);
+    if (!b) return NULL;
+    // IHDR, the PNG's first chunk: bit depth at byte 24, colour type at 25
+    const int ihdr = n >= 26 && !memcmp(b + 12, "IHDR", 4);
+    const int depth = ihdr ? b[24] : 8, colour = ihdr ? b[25] : 0;
+    if (colour == 3) {
+        free(b);
+        snprintf(err, SN_ERR_MAX, "%s: a palette PNG (stb_image gives its colours, not the class indices): "
+                 "save masks as 8-bit grey", path);
+        return NULL;
+    }
+    // stb_image scales 1-, 2- and 4-bit grey to 8 bits, v·255/(2^depth − 1): divided back, exactly
+    const int grey_scale = colour == 0 && (depth == 1 || depth == 2 || depth == 4) ? 255 / ((1 << depth) - 1) : 1;
+    const int deep = depth == 16;
+    // req_comp 0: the file's channels, comp of them (with tRNS's alpha counted)
+    void *px = deep ? (void *)stbi_load_16_from_memory(b, (int)n, &w, &h, &comp, 0) : (void *)stbi_load_from_memory(b, (int)n, &w, &h, &comp, 0);
+    free(b);
+    if (!px || w != ww || h != hh) {
+        snprintf(err, SN_ERR_MAX, "%s: cannot decode the image (%s)", path, px ? "its size changed while decoding" : decoder_reason());
+        stbi_image_free(px);
+        return NULL;
+    }
+    uint8_t *m = NULL;
+    if (w != iw || h != ih) {
+        char note[SN_ERR_MAX];
+        snprintf(err, SN_ERR_MAX, "%s: mask is %dx%d but its image is %dx%d%s", path, w, h, iw, ih,
+                 exif_size_note(note, sizeof note, image_orientation));
+    } else {
+        m = malloc((size_t)h * w);
+        snCheck(m != NULL, "out of host memory");
+        for (size_t p = 0; p < (size_t)h * w; p++) {
+            int v[3];
+            for (int c = 0; c < 3; c++) {
+                const size_t i = p * comp + (comp >= 3 ? c : 0);
+                v[c] = deep ? ((const uint16_t *)px)[i] : ((const uint8_t *)px)[i];
+            }
+            if (v[1] != v[0] || v[2] != v[0]) {
+                snprintf(err, SN_ERR_MAX, "%s: pixel (%d,%d) has the colour (%d,%d,%d), not a class index: save masks as "
+                         "8-bit grey, pixel value = class index", path, (int)(p % w), (int)(p / w), v[0], v[1], v[2]);
+            } else if (v[0] / grey_scale >= K) {
+                snprintf(err, SN_ERR_MAX, "%s: pixel (%d,%d) has class %d, but there are %d classes (0..%d)", path,
+                         (int)(p % w), (int)(p / w), v[0] / grey_scale, K, K - 1);
+            } else {
+                m[p] = (uint8_t)(v[0] / grey_scale);
+                continue;
+            }
+            free(m);
+            m = NULL;
+            break;
+        }
+    }
+    stbi_image_free(px);
+    return m;
+}
+
+// (H,W,3) bytes from an (h,w,3) image: bilinear with half-pixel centres (the
+// model's resize op), rounded to nearest and clamped to 0..255
+static void image_to_bytes(uint8_t *dst, int H, int W, float *src, int h, int w) {
+    float *y = src;
+    if (h != H || w != W) {
+        y = malloc(sizeof(float) * 3 * H * W);
+        snCheck(y != NULL, "out of host memory");
+        ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(y, shape4(1, H, W, 3)), tensor_f32(src, shape4(1, h, w, 3)));
+    }
+    for (size_t i = 0; i < (size_t)3 * H * W; i++) {
+        long v = lrintf(y[i]);
+        dst[i] = (uint8_t)(v < 0 ? 0 : v > 255 ? 255 : v);
+    }
+    if (y != src) free(y);
+}
+
+// (H,W) from (h,w), nearest neighbour with half-pixel centres, exact in integers:
+//   dst[oy,ox] = src[⌊(oy + ½)·h/H⌋, ⌊(ox + ½)·w/W⌋]
+static void mask_resize(uint8_t *dst, int H, int W, const uint8_t *src, int h, int w) {
+    for (int oy = 0; oy < H; oy++) {
+        int sy = (int)((2 * (int64_t)oy + 1) * h / (2 * (int64_t)H));
+        for (int ox = 0; ox < W; ox++)
+            dst[(size_t)oy * W + ox] = src[(size_t)sy * w + (2 * (int64_t)ox + 1) * w / (2 * (int64_t)W)];
+    }
+}
+
+// Where sample i's bytes are: the cache, else scratch (H,W,3) + (H,W) to decode into.
+static void sample_bytes(const Dataset *d, int i, uint8_t *scratch, uint8_t **rgb, uint8_t **mask) {
+    const size_t P = (size_t)d->height * d->width;
+    *rgb = d->image_cache ? d->image_cache + 3 * P * i : scratch;
+    *mask = d->mask_cache ? d->mask_cache + P * i : scratch ? scratch + 3 * P : NULL;
+}
+
+// Sample i decoded, checked and resized: rgb (H,W,3), mask (H,W) (segmentation).
+static int sample_load(const Dataset *d, int i, uint8_t *rgb, uint8_t *mask, char err[SN_ERR_MAX]) {
+    int h, w, orientation;
+    float *img = image_load_oriented(d->images[i], &h, &w, &orientation, err);
+    if (!img) return -1;
+    uint8_t *m = d->segmentation ? mask_load(d->masks[i], h, w, orientation, d->classes, err) : NULL;
+    int ok = !d->segmentation || m;
+    if (ok) image_to_bytes(rgb, d->height, d->width, img, h, w);
+    if (m) mask_resize(mask, d->height, d->width, m, h, w);
+    free(img);
+    free(m);
+    return ok ? 0 : -1;
+}
+
+// Starts up to n threads running fn(arg); returns how many started.
+static int threads_start(pthread_t *t, int n, void *(*fn)(void *), void *arg) {
+    int k = 0;
+    while (k < n && pthread_create(&t[k], NULL, fn, arg) == 0) k++;
+    return k;
+}
+
+// The first SIGINT or SIGTERM, 0 if none (see "interruption" below): a long
+// check of the data stops at it too.
+static volatile sig_atomic_t interrupt_signal;
+
+// Validation: workers claim samples in order; the lowest failing sample's
+// error wins, so the report does not depend on the threads.
+typedef struct {
+    const Dataset *d;
+    int next;                // next sample to claim (atomic)
+    int bad;                 // lowest failing sample so far, n if none (atomic; written under mu)
+    char err[SN_ERR_MAX];    // its error
+    int64_t *counts;         // (classes) the masks' pixels per class, every worker's added under mu
+    pthread_mutex_t mu;
+} DatasetCheck;
+
+static void *check_worker(void *arg) {
+    DatasetCheck *c = arg;
+    const Dataset *d = c->d;
+    const size_t P = (size_t)d->height * d->width;
+    uint8_t *scratch = d->image_cache ? NULL : malloc(4 * P);  // (H,W,3) + (H,W) when not cached
+    int64_t *counts = calloc((size_t)d->classes, sizeof(int64_t));
+    snCheck((d->image_cache || scratch) && counts, "out of host memory");
+    int omp = omp_serial_begin();
+    for (int i; !interrupt_signal && (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < __atomic_load_n(&c->bad, __ATOMIC_RELAXED);) {
+        uint8_t *rgb, *mask;
+        char e[SN_ERR_MAX];
+        sample_bytes(d, i, scratch, &rgb, &mask);
+        if (sample_load(d, i, rgb, mask, e) == 0) {
+            if (d->segmentation) for (size_t p = 0; p < P; p++) counts[mask[p]]++;
+            continue;
+        }
+        pthread_mutex_lock(&c->mu);
+        if (i < c->bad) { __atomic_store_n(&c->bad, i, __ATOMIC_RELAXED); memcpy(c->err, e, SN_ERR_MAX); }
+        pthread_mutex_unlock(&c->mu);
+    }
+    omp_serial_end(omp);
+    pthread_mutex_lock(&c->mu);
+    for (int k = 0; k < d->classes; k++) c->counts[k] += counts[k];
+    pthread_mutex_unlock(&c->mu);
+    free(counts);
+    free(scratch);
+    return NULL;
+}
+
+void dataset_free(Dataset *d) {
+    for (int i = 0; i < d->n; i++) {
+        free(d->images[i]);
+        if (d->masks) free(d->masks[i]);
+    }
+    free(d->images);
+    free(d->masks);
+    free(d->labels);
+    free(d->image_cache);
+    free(d->mask_cache);
+    free(d->class_counts);
+    for (int k = 0; k < d->n_names; k++) free(d->names[k]);
+    free(d->names);
+    memset(d, 0, sizeof *d);
+}
+
+int dataset_open(Dataset *d, const char *path, int segmentation, int classes, int height, int width,
+                 size_t cache_bytes, int threads, char err[SN_ERR_MAX]) {
+    return dataset_open_named(d, path, segmentation, classes, height, width, cache_bytes, threads, NULL, err);
+}
+
+int dataset_open_named(Dataset *d, const char *path, int segmentation, int classes, int height, int width,
+                       size_t cache_bytes, int threads, const Dataset *names_from, char err[SN_ERR_MAX]) {
+    snCheck(classes >= 1 && height >= 1 && width >= 1 && threads >= 1, "dataset_open: classes %d, size %dx%d, threads %d",
+            classes, width, height, threads);
+    memset(d, 0, sizeof *d);
+    d->segmentation = segmentation;
+    d->classes = classes;
+    d->height = height;
+    d->width = width;
+    if (segmentation && classes > 256) {
+        snprintf(err, SN_ERR_MAX, "%d classes: segmentation supports at most 256 (masks hold 8-bit class indices)", classes);
+        return -1;
+    }
+    struct stat sb;
+    if (stat(path, &sb) != 0) { snprintf(err, SN_ERR_MAX, "%s: %s", path, strerror(errno)); return -1; }
+    int rc = segmentation ? list_segmentation(d, path, err)
+           : S_ISDIR(sb.st_mode) ? list_class_folders(d, path, names_from, err) : list_csv(d, path, names_from, err);
+    if (rc) { dataset_free(d); return -1; }
+
+    // cache the resized bytes when they fit (and can be allocated)
+    const size_t P = (size_t)height * width, per = P * (segmentation ? 4 : 3);
+    if (per <= cache_bytes / (size_t)d->n) {
+        d->image_cache = malloc(3 * P * d->n);
+        d->mask_cache = segmentation ? malloc(P * d->n) : NULL;
+        if (!d->image_cache || (segmentation && !d->mask_cache)) {
+            free(d->image_cache); free(d->mask_cache);
+            d->image_cache = d->mask_cache = NULL;
+        }
+    }
+    d->class_counts = calloc((size_t)classes, sizeof(int64_t));
+    snCheck(d->class_counts != NULL, "out of host memory");
+    if (!segmentation) for (int i = 0; i < d->n; i++) d->class_counts[d->labels[i]]++;
+    DatasetCheck c = {d, 0, d->n, "", d->class_counts, PTHREAD_MUTEX_INITIALIZER};
+    pthread_t *t = malloc(sizeof(pthread_t) * (size_t)threads);
+    snCheck(t != NULL, "out of host memory");
+    int started = threads_start(t, threads - 1, check_worker, &c);
+    check_worker(&c);  // the calling thread is one of the workers
+    for (int k = 0; k < started; k++) pthread_join(t[k], NULL);
+    free(t);
+    pthread_mutex_destroy(&c.mu);
+    if (c.bad < d->n) { snprintf(err, SN_ERR_MAX, "%s", c.err); dataset_free(d); return -1; }
+    if (interrupt_signal) { snprintf(err, SN_ERR_MAX, "%s: interrupted while checking its images", path); dataset_free(d); return -1; }
+    return 0;
+}
+
+// Sample idx's augmented image (H,W,3) as 0..255 floats from its bytes (and its
+// mask as labels): first the flip of image and mask together, then, on 0..1
+// values v = x/255 (tf.image semantics, no clipping):
+//   brightness  v + δ,                   δ ~ U[-D, D)
+//   contrast    (v - mean_c)·f + mean_c,  f ~ U[lo, hi), mean_c over H·W per channel
+// Draw k of sample idx is rng_uniform(seed, idx·AUG_DRAWS + k): a pure function
+// of (seed, idx), whichever thread builds the batch.
+enum { AUG_FLIP, AUG_BRIGHTNESS, AUG_CONTRAST, AUG_DRAWS };
+
+static void sample_augment(const Dataset *d, const uint8_t *rgb, const uint8_t *mask, int idx, const Augment *aug,
+                           uint64_t seed, float *out, int32_t *labels) {
+    const int H = d->height, W = d->width;
+    const size_t P = (size_t)H * W;
+    const uint64_t ctr = (uint64_t)idx * AUG_DRAWS;
+    int flip = aug && aug->flip && rng_uniform(seed, ctr + AUG_FLIP) < 0.5f;
+    for (int y = 0; y < H; y++)
+        for (int x = 0; x < W; x++) {
+            size_t o = (size_t)y * W + x, s = (size_t)y * W + (flip ? W - 1 - x : x);
+            for (int c = 0; c < 3; c++) out[3 * o + c] = rgb[3 * s + c];
+            if (mask) labels[o] = mask[s];
+        }
+    int bright = aug && aug->brightness > 0.0f, contrast = aug && (aug->contrast_lo != 0.0f || aug->contrast_hi != 0.0f);
+    if (!bright && !contrast) return;
+    float delta = bright ? aug->brightness * (2.0f * rng_uniform(seed, ctr + AUG_BRIGHTNESS) - 1.0f) : 0.0f;
+    float f = contrast ? aug->contrast_lo + (aug->contrast_hi - aug->contrast_lo) * rng_uniform(seed, ctr + AUG_CONTRAST) : 1.0f;
+    for (int c = 0; c < 3; c++) {
+        double sum = 0.0;
+        for (size_t p = 0; p < P; p++) {
+            out[3 * p + c] = out[3 * p + c] / 255.0f + delta;
+            sum += out[3 * p + c];
+        }
+        float mean = (float)(sum / (double)P);
+        for (size_t p = 0; p < P; p++) {
+            float v = out[3 * p + c];
+            out[3 * p + c] = 255.0f * (contrast ? (v - mean) * f + mean : v);
+        }
+    }
+}
+
+int dataset_batch(const Dataset *d, const int *idx, int n, const Augment *aug, uint64_t seed,
+                  float *images, int32_t *labels, char err[SN_ERR_MAX]) {
+    const size_t P = (size_t)d->height * d->width;
+    uint8_t *scratch = d->image_cache ? NULL : malloc(4 * P);  // (H,W,3) + (H,W) when not cached
+    snCheck(d->image_cache || scratch, "out of host memory");
+    int rc = 0;
+    for (int j = 0; j < n && rc == 0; j++) {
+        const int i = idx[j];
+        snCheck(i >= 0 && i < d->n, "dataset_batch: sample %d of %d", i, d->n);
+        uint8_t *rgb, *mask;
+        sample_bytes(d, i, scratch, &rgb, &mask);
+        if (scratch) rc = sample_load(d, i, rgb, mask, err);
+        if (rc) break;
+        sample_augment(d, rgb, d->segmentation ? mask : NULL, i, aug, seed, images + 3 * P * j,
+                       d->segmentation ? labels + P * j : NULL);
+        if (!d->segmentation) labels[j] = d->labels[i];
+    }
+    free(scratch);
+    return rc;
+}
+
+// The loader: a ring of `depth` batch slots, batch b built in slot b % depth.
+// A worker may claim batch b once b < released + depth (the slot's previous
+// batch has been given back); loader_next gives back the batch it returned
+// last, then waits for the next one in order. Everything below mu is guarded.
+struct Loader {
+    const Dataset *d;
+    int *order, n_order, batch, n_batches, depth;
+    Augment aug;
+    int has_aug;
+    uint64_t seed;
+    LoaderBatch *slots;          // (depth)
+    int *built;                  // (depth) the batch whose build finished in each slot, -1 if none
+    pthread_t *threads;
+    int n_threads;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;           // any change below
+    int next_build;              // next batch a worker claims
+    int released;                // batches given back by the consumer
+    int next_out;                // next batch loader_next hands out
+    int failed;                  // lowest batch whose build failed, n_batches if none
+    int stop;
+    char build_err[SN_ERR_MAX];  // the error of batch `failed`
+    char err[SN_ERR_MAX];        // loader_error's text (the consumer's copy)
+};
+
+static void *loader_worker(void *arg) {
+    Loader *l = arg;
+    omp_serial_begin();
+    pthread_mutex_lock(&l->mu);
+    for (;;) {
+        while (!l->stop && l->next_build < l->n_batches && l->next_build >= l->released + l->depth)
+            pthread_cond_wait(&l->cv, &l->mu);
+        if (l->stop || l->next_build >= l->n_batches) break;
+        const int b = l->next_build++, first = b * l->batch;
+        const int n = l->n_order - first < l->batch ? l->n_order - first : l->batch;
+        LoaderBatch *s = &l->slots[b % l->depth];
+        pthread_mutex_unlock(&l->mu);
+        char e[SN_ERR_MAX];
+        int rc = dataset_batch(l->d, l->order + first, n, l->has_aug ? &l->aug : NULL, l->seed, s->images, s->labels, e);
+        pthread_mutex_lock(&l->mu);
+        if (rc == 0) { s->n = n; s->index = b; l->built[b % l->depth] = b; }
+        else if (b < l->failed) { l->failed = b; memcpy(l->build_err, e, SN_ERR_MAX); }
+        pthread_cond_broadcast(&l->cv);
+    }
+    pthread_mutex_unlock(&l->mu);
+    return NULL;
+}
+
+Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch, const Augment *aug,
+                     uint64_t seed, int workers, int depth) {
+    snCheck(n_order >= 0 && batch >= 1 && workers >= 1 && depth >= 1, "loader_start: n_order %d, batch %d, workers %d, depth %d",
+            n_order, batch, workers, depth);
+    Loader *l = calloc(1, sizeof *l);
+    snCheck(l != NULL, "out of host memory");
+    const size_t P = (size_t)d->height * d->width;
+    l->d = d;
+    l->n_order = n_order;
+    l->batch = batch;
+    l->n_batches = (n_order + batch - 1) / batch;
+    l->depth = depth;
+    l->has_aug = aug != NULL;
+    if (aug) l->aug = *aug;
+    l->seed = seed;
+    l->failed = l->n_batches;
+    l->order = malloc(sizeof(int) * (size_t)(n_order ? n_order : 1));
+    l->slots = calloc((size_t)depth, sizeof *l->slots);
+    l->built = malloc(sizeof(int) * (size_t)depth);
+    l->threads = malloc(sizeof(pthread_t) * (size_t)workers);
+    snCheck(l->order && l->slots && l->built && l->threads, "out of host memory");
+    memcpy(l->order, order, sizeof(int) * (size_t)n_order);
+    for (int k = 0; k < depth; k++) {
+        l->built[k] = -1;
+        l->slots[k].images = malloc(sizeof(float) * 3 * P * batch);
+        l->slots[k].labels = malloc(sizeof(int32_t) * (d->segmentation ? P : 1) * batch);
+        snCheck(l->slots[k].images && l->slots[k].labels, "out of host memory for %d batches of %d", depth, batch);
+    }
+    pthread_mutex_init(&l->mu, NULL);
+    pthread_cond_init(&l->cv, NULL);
+    l->n_threads = threads_start(l->threads, workers, loader_worker, l);
+    if (l->n_threads == 0 && l->n_batches > 0) {  // loader_next reports it
+        l->failed = 0;
+        snprintf(l->build_err, SN_ERR_MAX, "cannot start a loader thread");
+    }
+    return l;
+}
+
+const LoaderBatch *loader_next(Loader *l) {
+    const LoaderBatch *out = NULL;
+    pthread_mutex_lock(&l->mu);
+    l->released = l->next_out;  // the batch returned last is given back
+    pthread_cond_broadcast(&l->cv);
+    if (!l->err[0] && l->next_out < l->n_batches) {
+        const int b = l->next_out, k = b % l->depth;
+        while (l->built[k] != b && l->failed != b) pthread_cond_wait(&l->cv, &l->mu);
+        if (l->failed == b) {
+            memcpy(l->err, l->build_err, SN_ERR_MAX);
+            l->stop = 1;
+            pthread_cond_broadcast(&l->cv);
+        } else {
+            out = &l->slots[k];
+            l->next_out++;
+        }
+    }
+    pthread_mutex_unlock(&l->mu);
+    return out;
+}
+
+const char *loader_error(const Loader *l) { return l->err; }
+
+void loader_stop(Loader *l) {
+    if (!l) return;
+    pthread_mutex_lock(&l->mu);
+    l->stop = 1;
+    pthread_cond_broadcast(&l->cv);
+    pthread_mutex_unlock(&l->mu);
+    for (int k = 0; k < l->n_threads; k++) pthread_join(l->threads[k], NULL);
+    pthread_cond_destroy(&l->cv);
+    pthread_mutex_destroy(&l->mu);
+    for (int k = 0; k < l->depth; k++) { free(l->slots[k].images); free(l->slots[k].labels); }
+    free(l->slots);
+    free(l->built);
+    free(l->threads);
+    free(l->order);
+    free(l);
+}
+
+// PNG through stb_image_write's callback into the shared atomic writer
+static void png_put(void *f, void *data, int size) { fwrite(data, 1, (size_t)size, (FILE *)f); }
+
+int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pixels, char err[SN_ERR_MAX]) {
+    snCheck(w >= 1 && h >= 1 && (comp == 1 || comp == 3), "png_write_atomic: %dx%d, %d channels", w, h, comp);
+    char tmp[OUT_PATH_MAX];
+    FILE *f = atomic_file_open(path, tmp, err);
+    if (!f) return -1;
+    int ok = stbi_write_png_to_func(png_put, f, w, h, comp, pixels, w * comp) != 0;
+    if (!ok) snprintf(err, SN_ERR_MAX, "%.400s: cannot encode the PNG", path);
+    return atomic_file_commit(f, tmp, path, ok, err);
+}
