@@ -223,9 +223,10 @@ cuda_emu.o: cuda_emu.cpp cuda_emu.h
 	$(CXX) $(EMUFLAGS) -c cuda_emu.cpp -o $@
 
 # ---- make fuzz: the file readers under AddressSanitizer and UBSan -------------
-# fuzz_segnet is test_segnet.c built with -DSEGNET_FUZZ, CPU only and -O1 (it
-# builds in about a minute): seeded mutation fuzzing of the safetensors, image, mask,
-# EXIF orientation, CSV, checkpoint and config.txt readers and of whole commands
+# fuzz_segnet is test_segnet.c built with -DSEGNET_FUZZ (its runner replaced by
+# fuzz.c, the harness), CPU only and -O1 (it builds in about a minute): seeded
+# mutation fuzzing of the safetensors, image, mask, EXIF orientation, CSV,
+# checkpoint and config.txt readers and of whole commands
 # (target cli: segnet's own main in a sandbox), FUZZ_SECONDS per target (FUZZ_SEED:
 # the same inputs for the same seed). A finding is saved as FUZZ_OUT/TARGET-KIND-K.bin
 # (./fuzz_segnet --replay FILE TARGET runs it) with its report beside it; the
@@ -250,7 +251,7 @@ endif
 fuzz_stb_image.o: $(wildcard $(STB_INC)/stb_image.h) | deps
 	$(FUZZ_CC) -x c -O1 -g -fsanitize=address -fno-omit-frame-pointer -w -DSTB_IMAGE_IMPLEMENTATION -c $(STB_INC)/stb_image.h -o $@
 
-fuzz_segnet: test_segnet.c $(PROGRAM_SRCS) segnet.h fuzz_stb_image.o | deps
+fuzz_segnet: test_segnet.c fuzz.c $(PROGRAM_SRCS) segnet.h fuzz_stb_image.o | deps
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $(FUZZ_SAN) $(DEP_CFLAGS) -DSEGNET_FUZZ -o $@ test_segnet.c fuzz_stb_image.o $(DEP_LIBS) $(LDLIBS)
 
 fuzz: fuzz_segnet
