@@ -431,7 +431,7 @@ gpucheck: gpubuild
 	echo "== 1. the cuda_ tests on the device (at most $$(budget $(GPU_TEST_SECONDS)) s)" >&2; \
 	timeout $$(budget $(GPU_TEST_SECONDS)) ./test_segnet_gpu --filter cuda_ > gpucheck-tests.log 2>&1; trc=$$?; \
 	cat gpucheck-tests.log >&2; \
-	echo "cuda_ tests: $$(grep -E '^[0-9]+ passed, [0-9]+ failed$$' gpucheck-tests.log || echo 'no count line') (exit $$trc$$([ $$trc = 124 ] && echo ', cut short'))" >> $$out; \
+	echo "cuda_ tests: $$(grep -E '^[0-9]+ passed, [0-9]+ failed, [0-9]+ skipped$$' gpucheck-tests.log || echo 'no count line') (exit $$trc$$([ $$trc = 124 ] && echo ', cut short'))" >> $$out; \
 	san=$$(command -v compute-sanitizer || { [ -x $(CUDA_HOME)/bin/compute-sanitizer ] && echo $(CUDA_HOME)/bin/compute-sanitizer; }); \
 	if [ -n "$$san" ]; then \
 	  s_budget=$$(budget $(GPU_SANITIZER_SECONDS)); \
