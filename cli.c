@@ -878,8 +878,7 @@ static int cmd_export(TrainArgs *ta, int argc, char **argv) {
         return 1;
     }
     print_message(stderr, "segnet export", report);
-    const char *model = ta->c.model.model;
-    if (names == EXPORT_TORCHVISION && ta->c.model.pad == PAD_SAME && (eff_spec(model) || !strncmp(model, "unet-effv2", 10)))
+    if (names == EXPORT_TORCHVISION && ta->c.model.pad == PAD_SAME && model_is_effnet(ta->c.model.model))
         fprintf(stderr, "segnet export: note: the run pads as TensorFlow ('same'), torchvision's EfficientNetV2 (and "
                 "UNetEff) symmetrically: there these weights give other outputs. For torchvision, train with --padding "
                 "symmetric; timm's tf_efficientnetv2_* pads as 'same' (--names timm)\n");

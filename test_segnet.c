@@ -11016,19 +11016,18 @@ TEST(runner_counts_skips) {
         {"SEGNET_NO_MPI=1", "replicas_mpi_faults", SKIP_NO_MPI},
     };
     for (int k = 0; k < 2; k++) {
-        char cmd[600], want[600];
-        snprintf(cmd, sizeof cmd, "SEGNET_TEST_NESTED=1 %s /proc/%ld/exe --filter %s >/tmp/segnet_test_nested.txt 2>&1",
-                 cases[k].env, (long)getpid(), cases[k].test);
-        int rc = system(cmd);
+        char cmd[600], want[600], unused[8];
+        snprintf(cmd, sizeof cmd, "SEGNET_TEST_NESTED=1 %s /proc/%ld/exe --filter %s 2>&1", cases[k].env, (long)getpid(),
+                 cases[k].test);
+        int rc = run_shell(cmd, unused, sizeof unused);
         size_t n;
-        char *out = read_file("/tmp/segnet_test_nested.txt", &n);
+        char *out = read_file("/tmp/segnet_test_out.txt", &n);
         snprintf(want, sizeof want, "not run here (1):\n  %s: %s (1)\n", cases[k].reason, cases[k].test);
         const char *last = out ? strstr(out, "\n0 passed, 0 failed, 1 skipped\n") : NULL;
         CHECK(rc == 0 && out && contains(out, want) && last && !last[strlen("\n0 passed, 0 failed, 1 skipped\n")],
               "%s: exit %d, output:\n%s", cmd, rc, out ? out : "");
         free(out);
     }
-    unlink("/tmp/segnet_test_nested.txt");
 }
 
 // ----------------------------------------------------------------------------
@@ -11045,16 +11044,13 @@ static const char *fuzz_env(const char *name, const char *otherwise) {
 
 // ./fuzz_segnet ARGS --out SEGNET_FUZZ_OUT: its exit status, and its output (malloc'd) in *out
 static int run_fuzz(const char *args, char **out) {
-    const char *log = "/tmp/segnet_test_fuzz.txt";
-    char cmd[1024];
-    snprintf(cmd, sizeof cmd, "%s %s --out %s >%s 2>&1", fuzz_env("SEGNET_FUZZ_BIN", ""), args,
-             fuzz_env("SEGNET_FUZZ_OUT", "fuzz-out"), log);
-    int rc = system(cmd);
+    char cmd[1024], unused[8];
+    snprintf(cmd, sizeof cmd, "%s %s --out %s 2>&1", fuzz_env("SEGNET_FUZZ_BIN", ""), args, fuzz_env("SEGNET_FUZZ_OUT", "fuzz-out"));
+    int rc = run_shell(cmd, unused, sizeof unused);
     size_t n;
-    *out = read_file(log, &n);
+    *out = read_file("/tmp/segnet_test_out.txt", &n);
     if (!*out) *out = strdup("");
-    unlink(log);
-    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+    return rc;
 }
 
 // the harness catches an overflow, a leak and a hang planted in readers of its own

@@ -266,10 +266,16 @@ int weights_padding(const SafetensorsFile *f, PadMode *pad, const char **why) {
 }
 
 static const char *PAD_NAME[2] = {"same", "symmetric"};
+
+// An EfficientNetV2 or a U-Net on one: the models whose strided convs --padding changes
+static int model_is_effnet(const char *model) {
+    return eff_spec(model) || (!strncmp(model, "unet-", 5) && eff_spec(model + 5));
+}
+
 int padding_follow_weights(ModelCfg *m, const char *weights, const char *cmd, char *note, char err[SN_ERR_MAX]) {
     note[0] = 0;
     const char *model = m->model;
-    if (!weights || !(eff_spec(model) || (!strncmp(model, "unet-", 5) && eff_spec(model + 5)))) return 0;
+    if (!weights || !model_is_effnet(model)) return 0;
     SafetensorsFile f;
     if (safetensors_read(weights, &f, err)) return -1;
     PadMode pad;
