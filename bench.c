@@ -13,7 +13,8 @@ typedef enum {
     BK_CONV1, BK_CONVK, BK_DEPTHWISE, BK_BN, BK_ACT, BK_SE, BK_OTHER, BK_REST, BK_COUNT
 } BenchKind;
 static const char *const BENCH_KIND_NAMES[BK_COUNT] = {
-    "conv 1x1", "conv kxk", "depthwise", "batch norm", "activations", "squeeze-exc", "other", "loss+optim",
+        "conv 1x1",    "conv kxk",    "depthwise", "batch norm",
+        "activations", "squeeze-exc", "other",     "loss+optim",
 };
 
 typedef struct {
@@ -60,7 +61,8 @@ static BenchKind bench_kind(const Graph *g, const Layer *l) {
 // multiply-adds ×2 of a conv's forward: 2·N·OH·OW·Cout·(kh·kw·Cin/groups)
 static double conv_flops(const Graph *g, const Layer *l) {
     Shape out = tshape(g, l->out);
-    return 2.0 * out.n * out.h * out.w * out.c * (double)l->conv.kh * l->conv.kw * (l->conv.cin / l->conv.groups);
+    return 2.0 * out.n * out.h * out.w * out.c * (double)l->conv.kh * l->conv.kw *
+           (l->conv.cin / l->conv.groups);
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -104,13 +106,15 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     rng_seed(&rng, c->seed ^ 0x62656e6368ull);
     for (size_t i = 0; i < n_in; i++) host_in[i] = (float)(rng_next(&rng) % 256);
     for (size_t i = 0; i < n_labels; i++) host_lab[i] = (int32_t)(rng_next(&rng) % (uint64_t)K);
-    double rest_s = 0.0;  // what the layers' times leave of the timed steps: loss, optimiser, copies
+    // what the layers' times leave of the timed steps: loss, optimiser, copies
+    double rest_s = 0.0;
     for (int step = 0; step < c->warmup + c->steps; step++) {
         const int timed = step >= c->warmup;
         double layers_before = 0.0;
         if (layer_s) for (int i = 0; i < 2 * g->n_layers; i++) layers_before += layer_s[i];
         t.net.layer_seconds = timed ? layer_s : NULL;
-        double t0 = now_seconds();  // train_step returns when the device has finished the step (its one wait)
+        // train_step returns when the device has finished the step (its one wait)
+        double t0 = now_seconds();
         MicroBatch mb = {N, host_in, host_lab, 0};
         PassTotals pt = {0.0, 0.0, cm};
         train_step(&t, &mb, 1, &pt);

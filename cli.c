@@ -33,7 +33,8 @@ static int parse_int(const char *flag, const char *v, int lo, int hi, int *out) 
     return 0;
 }
 
-// --max-pixels N: the largest width × height an image file may declare (process-wide, like --threads)
+// --max-pixels N: the largest width × height an image file may declare (process-wide, like
+// --threads)
 static int parse_max_pixels(const char *flag, const char *v) {
     int n;
     if (parse_int(flag, v, 1, INT32_MAX, &n)) return -1;
@@ -41,7 +42,8 @@ static int parse_max_pixels(const char *flag, const char *v) {
     return 0;
 }
 
-// --exif ignore|apply: images as stored or as their EXIF orientation displays them (process-wide, like --max-pixels)
+// --exif ignore|apply: images as stored or as their EXIF orientation displays them (process-wide,
+// like --max-pixels)
 static int parse_exif(const char *flag, const char *v) {
     for (int k = 0; k < 2; k++)
         if (!strcmp(v, EXIF_MODE_NAMES[k])) { image_exif = (ExifMode)k; return 0; }
@@ -54,16 +56,18 @@ static int parse_exif(const char *flag, const char *v) {
 static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
     const char *f = argv[i];
     int is_model_flag = !strcmp(f, "--model") || !strcmp(f, "--classes") || !strcmp(f, "--size") ||
-                        !strcmp(f, "--batch") || !strcmp(f, "--padding") || !strcmp(f, "--head-hidden") ||
-                        !strcmp(f, "--depth") || !strcmp(f, "--width") || !strcmp(f, "--dropout");
+                        !strcmp(f, "--batch") || !strcmp(f, "--padding") ||
+                        !strcmp(f, "--head-hidden") || !strcmp(f, "--depth") ||
+                        !strcmp(f, "--width") || !strcmp(f, "--dropout");
     if (!is_model_flag) return 0;
     if (i + 1 >= argc) { fprintf(stderr, "segnet: %s needs a value\n", f); return -1; }
     const char *v = argv[i + 1];
     if (!strcmp(f, "--model")) c->model = v;
     else if (!strcmp(f, "--classes")) { if (parse_int(f, v, 1, 1 << 20, &c->classes)) return -1; }
-    else if (!strcmp(f, "--batch")) { if (parse_int(f, v, 1, 1 << 16, &c->batch)) return -1; }
-    else if (!strcmp(f, "--head-hidden")) { if (parse_int(f, v, 0, 1 << 20, &c->head_hidden)) return -1; }
-    else if (!strcmp(f, "--dropout")) {
+    else if (!strcmp(f, "--batch")) { if (parse_int(f, v, 1, 1 << 16, &c->batch)) return -1;
+    } else if (!strcmp(f, "--head-hidden")) {
+        if (parse_int(f, v, 0, 1 << 20, &c->head_hidden)) return -1;
+    } else if (!strcmp(f, "--dropout")) {
         char *end;
         double r = strtod(v, &end);
         if (end == v || *end || !(r >= 0.0 && r < 1.0)) {
@@ -71,17 +75,22 @@ static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
             return -1;
         }
         c->dropout = (float)r;
-    }
-    else if (!strcmp(f, "--depth")) { if (parse_int(f, v, 1, 8, &c->depth)) return -1; }
-    else if (!strcmp(f, "--width")) { if (parse_int(f, v, 1, 1 << 16, &c->width_base)) return -1; }
-    else if (!strcmp(f, "--padding")) {
+    } else if (!strcmp(f, "--depth")) {
+        if (parse_int(f, v, 1, 8, &c->depth)) return -1;
+    } else if (!strcmp(f, "--width")) {
+        if (parse_int(f, v, 1, 1 << 16, &c->width_base)) return -1;
+    } else if (!strcmp(f, "--padding")) {
         c->pad_given = PAD_OPTION;
         if (!strcmp(v, "same")) c->pad = PAD_SAME;
         else if (!strcmp(v, "symmetric")) c->pad = PAD_SYMMETRIC;
-        else { fprintf(stderr, "segnet: --padding '%s' must be same or symmetric\n", v); return -1; }
+        else {
+            fprintf(stderr, "segnet: --padding '%s' must be same or symmetric\n", v);
+            return -1;
+        }
     } else {  // --size HxW
         int h, w, k;
-        if (sscanf(v, "%dx%d%n", &h, &w, &k) != 2 || v[k] || h < 1 || w < 1 || h > 1 << 15 || w > 1 << 15) {
+        if (sscanf(v, "%dx%d%n", &h, &w, &k) != 2 || v[k] || h < 1 || w < 1 || h > 1 << 15 ||
+            w > 1 << 15) {
             fprintf(stderr, "segnet: --size '%s' must be HxW, e.g. 384x384\n", v);
             return -1;
         }
@@ -115,22 +124,28 @@ static int parse_augment(const char *v, Augment *a) {
     if (!strcmp(v, "none")) return 0;
     char buf[256];
     snprintf(buf, sizeof buf, "%s", v);
-    for (char *save = NULL, *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+    for (char *save = NULL, *item = strtok_r(buf, ",", &save); item;
+         item = strtok_r(NULL, ",", &save)) {
         char *end;
         if (!strcmp(item, "flip")) a->flip = 1;
         else if (!strncmp(item, "brightness=", 11)) {
             a->brightness = strtof(item + 11, &end);
-            if (item[11] == 0 || *end || !(a->brightness >= 0.0f && a->brightness <= 1.0f)) goto bad;
+            if (item[11] == 0 || *end || !(a->brightness >= 0.0f && a->brightness <= 1.0f))
+                goto bad;
         } else if (!strncmp(item, "contrast=", 9)) {
             a->contrast_lo = strtof(item + 9, &end);
             if (*end != ':') goto bad;
             char *hi = end + 1;
             a->contrast_hi = strtof(hi, &end);
-            if (!*hi || *end || !(a->contrast_lo > 0.0f && a->contrast_lo <= a->contrast_hi)) goto bad;
+            if (!*hi || *end || !(a->contrast_lo > 0.0f && a->contrast_lo <= a->contrast_hi))
+                goto bad;
         } else goto bad;
         continue;
     bad:
-        fprintf(stderr, "segnet: --augment item '%s' must be flip, brightness=D (0..1) or contrast=LO:HI (0 < LO ≤ HI)\n", item);
+        fprintf(stderr,
+                "segnet: --augment item '%s' must be flip, brightness=D (0..1) or contrast=LO:HI "
+                "(0 < LO ≤ HI)\n",
+                item);
         return -1;
     }
     return 0;
@@ -148,10 +163,14 @@ static int parse_device(const char *v, Device *d) {
 static int parse_bytes(const char *v, size_t *out) {
     char *end;
     double x = strtod(v, &end);
-    double unit = !strcmp(end, "") ? 1 : !strcasecmp(end, "K") ? 1024.0 : !strcasecmp(end, "M") ? 1048576.0
-                : !strcasecmp(end, "G") ? 1073741824.0 : -1;
+    double unit = !strcmp(end, "")        ? 1
+                  : !strcasecmp(end, "K") ? 1024.0
+                  : !strcasecmp(end, "M") ? 1048576.0
+                  : !strcasecmp(end, "G") ? 1073741824.0
+                                          : -1;
     if (end == v || unit < 0 || !(x > 0) || x * unit > 1e18) {
-        fprintf(stderr, "segnet: --memory '%s' must be a size such as 12G, 512M or a number of bytes\n", v);
+        fprintf(stderr,
+                "segnet: --memory '%s' must be a size such as 12G, 512M or a number of bytes\n", v);
         return -1;
     }
     *out = (size_t)(x * unit);
@@ -182,19 +201,32 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     TrainCfg *c = &a->c;
     const char *f = argv[i];
     a->size_given |= !strcmp(f, "--size");
-    if (!strcmp(f, "--sync-bn") || !strcmp(f, "--train-eval")) {  // switches; config.txt spells them `... = on|off`
+    // switches; config.txt spells them `... = on|off`
+    if (!strcmp(f, "--sync-bn") || !strcmp(f, "--train-eval")) {
         int valued = i + 1 < argc && (!strcmp(argv[i + 1], "on") || !strcmp(argv[i + 1], "off"));
-        *(!strcmp(f, "--sync-bn") ? &c->sync_bn : &c->train_eval) = !valued || !strcmp(argv[i + 1], "on");
+        *(!strcmp(f, "--sync-bn") ? &c->sync_bn : &c->train_eval) =
+                !valued || !strcmp(argv[i + 1], "on");
         return valued ? 2 : 1;
     }
     int k = parse_model_option(&c->model, argc, argv, i);
     if (k) return k;
-    static const char *const FLAGS[] = {"--data", "--val", "--out", "--resume", "--weights", "--class-weights", "--epochs",
-                                        "--lr", "--adam-eps", "--weight-decay", "--clipnorm", "--schedule", "--warmup",
-                                        "--early-stopping", "--augment", "--seed", "--threads", "--workers", "--loss-norm",
-                                        "--run", "--precision", "--accum", "--freeze", "--unfreeze-last", "--checkpoint",
-                                        "--memory", "--device", "--replicas", "--allow-missing", "--monitor", "--min-delta",
-                                        "--max-pixels", "--log-every", "--exif"};
+    static const char *const FLAGS[] = {"--data",          "--val",
+                                        "--out",           "--resume",
+                                        "--weights",       "--class-weights",
+                                        "--epochs",        "--lr",
+                                        "--adam-eps",      "--weight-decay",
+                                        "--clipnorm",      "--schedule",
+                                        "--warmup",        "--early-stopping",
+                                        "--augment",       "--seed",
+                                        "--threads",       "--workers",
+                                        "--loss-norm",     "--run",
+                                        "--precision",     "--accum",
+                                        "--freeze",        "--unfreeze-last",
+                                        "--checkpoint",    "--memory",
+                                        "--device",        "--replicas",
+                                        "--allow-missing", "--monitor",
+                                        "--min-delta",     "--max-pixels",
+                                        "--log-every",     "--exif"};
     int known = 0;
     for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
     if (!known) return 0;
@@ -218,8 +250,14 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     else if (!strcmp(f, "--min-delta")) rc = parse_float(f, v, 0.0f, &c->min_delta);
     else if (!strcmp(f, "--monitor")) {
         if (!strcmp(v, "val_loss")) c->monitor_metric = 0;
-        else if (!strcmp(v, "val_mIoU") || !strcmp(v, "val_accuracy")) { c->monitor_metric = 1; a->monitor = v; }
-        else { fprintf(stderr, "segnet: --monitor '%s' must be val_loss, val_mIoU or val_accuracy\n", v); rc = -1; }
+        else if (!strcmp(v, "val_mIoU") || !strcmp(v, "val_accuracy")) {
+            c->monitor_metric = 1;
+            a->monitor = v;
+        } else {
+            fprintf(stderr, "segnet: --monitor '%s' must be val_loss, val_mIoU or val_accuracy\n",
+                    v);
+            rc = -1;
+        }
     }
     else if (!strcmp(f, "--threads")) rc = parse_int(f, v, 1, 4096, &c->threads);
     else if (!strcmp(f, "--max-pixels")) rc = parse_max_pixels(f, v);
@@ -240,11 +278,16 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     } else if (!strcmp(f, "--precision")) {
         int k = 0;
         while (k < 3 && strcmp(v, DTYPE_NAMES[k])) k++;
-        if (k == 3) { fprintf(stderr, "segnet: --precision '%s' must be fp32, fp16 or bf16\n", v); rc = -1; }
-        else c->precision = (DType)k;
-    }
-    else if (!strcmp(f, "--seed")) { rc = parse_int(f, v, 0, 2147483647, &seed); c->seed = (uint64_t)seed; }
-    else if (!strcmp(f, "--lr")) rc = parse_float(f, v, 0.0f, &c->lr);
+        if (k == 3) {
+            fprintf(stderr, "segnet: --precision '%s' must be fp32, fp16 or bf16\n", v);
+            rc = -1;
+        } else
+            c->precision = (DType)k;
+    } else if (!strcmp(f, "--seed")) {
+        rc = parse_int(f, v, 0, 2147483647, &seed);
+        c->seed = (uint64_t)seed;
+    } else if (!strcmp(f, "--lr"))
+        rc = parse_float(f, v, 0.0f, &c->lr);
     else if (!strcmp(f, "--adam-eps")) rc = parse_float(f, v, 0.0f, &c->adam_eps);
     else if (!strcmp(f, "--weight-decay")) rc = parse_float(f, v, 0.0f, &c->weight_decay);
     else if (!strcmp(f, "--clipnorm")) rc = parse_float(f, v, 0.0f, &c->clipnorm);
@@ -252,11 +295,17 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     else if (!strcmp(f, "--schedule")) {
         if (!strcmp(v, "constant")) c->schedule = SCHEDULE_CONSTANT;
         else if (!strcmp(v, "cosine")) c->schedule = SCHEDULE_COSINE;
-        else { fprintf(stderr, "segnet: --schedule '%s' must be constant or cosine\n", v); rc = -1; }
+        else {
+            fprintf(stderr, "segnet: --schedule '%s' must be constant or cosine\n", v);
+            rc = -1;
+        }
     } else {  // --loss-norm
         if (!strcmp(v, "weighted")) c->loss_norm_keras = 0;
         else if (!strcmp(v, "keras")) c->loss_norm_keras = 1;
-        else { fprintf(stderr, "segnet: --loss-norm '%s' must be weighted or keras\n", v); rc = -1; }
+        else {
+            fprintf(stderr, "segnet: --loss-norm '%s' must be weighted or keras\n", v);
+            rc = -1;
+        }
     }
     return rc ? -1 : 2;
 }
@@ -268,14 +317,18 @@ static int parse_class_weights(const char *v, int K, float *w) {
         char *end;
         double x = strtod(s, &end);
         if (end == s || (*end && *end != ',') || !(x >= 0.0) || isinf(x)) {
-            fprintf(stderr, "segnet: --class-weights '%s': item %d is not a number ≥ 0\n", v, n + 1);
+            fprintf(stderr, "segnet: --class-weights '%s': item %d is not a number ≥ 0\n", v,
+                    n + 1);
             return -1;
         }
         if (n < K) w[n] = (float)x;
         if (!*end) { n++; break; }
         s = end + 1;
     }
-    if (n != K) { fprintf(stderr, "segnet: --class-weights has %d values but there are %d classes\n", n, K); return -1; }
+    if (n != K) {
+        fprintf(stderr, "segnet: --class-weights has %d values but there are %d classes\n", n, K);
+        return -1;
+    }
     return 0;
 }
 
@@ -296,7 +349,11 @@ static int read_run_config(TrainArgs *a, const char *run) {
         line[strcspn(line, "\r\n")] = 0;
         if (!line[0] || line[0] == '#') continue;
         char *eq = strstr(line, " = ");
-        if (!eq) { fprintf(stderr, "segnet: %s: line %d: expected `key = value`\n", path, row); rc = -1; break; }
+        if (!eq) {
+            fprintf(stderr, "segnet: %s: line %d: expected `key = value`\n", path, row);
+            rc = -1;
+            break;
+        }
         *eq = 0;
         char flag[256];
         snprintf(flag, sizeof flag, "--%.200s", line);
@@ -318,14 +375,22 @@ static int read_run_config(TrainArgs *a, const char *run) {
 
 // Parses train/eval arguments (argv[2..]); `usage` is printed for --help.
 // Returns 0, 1 after --help, -1 on error.
-static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd, const char *usage) {
+static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd,
+                            const char *usage) {
     train_cfg_default(&a->c);
     a->c.device = DEVICE_AUTO;
     for (int i = 2; i < argc;) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(usage, stdout); return 1; }
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            fputs(usage, stdout);
+            return 1;
+        }
         int k = parse_train_option(a, argc, argv, i);
         if (k < 0) return -1;
-        if (k == 0) { fprintf(stderr, "segnet %s: unknown option '%s' (see segnet %s --help)\n", cmd, argv[i], cmd); return -1; }
+        if (k == 0) {
+            fprintf(stderr, "segnet %s: unknown option '%s' (see segnet %s --help)\n", cmd, argv[i],
+                    cmd);
+            return -1;
+        }
         i += k;
     }
     const char *base = a->resume ? a->resume : a->run;
@@ -335,18 +400,23 @@ static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd
         a->c.device = DEVICE_AUTO;  // a config.txt written before --device existed
         a->class_weights = NULL;
         if (read_run_config(a, base)) return -1;
-        for (int i = 2, k; i < argc; i += k) if ((k = parse_train_option(a, argc, argv, i)) <= 0) return -1;
+        for (int i = 2, k; i < argc; i += k)
+            if ((k = parse_train_option(a, argc, argv, i)) <= 0) return -1;
         a->resume = cli.resume; a->run = cli.run;
     }
     if (!a->size_given) model_default_size(&a->c.model);
-    if (a->c.model.classes > SN_MAX_CLASSES) { fprintf(stderr, "segnet %s: at most %d classes\n", cmd, SN_MAX_CLASSES); return -1; }
+    if (a->c.model.classes > SN_MAX_CLASSES) {
+        fprintf(stderr, "segnet %s: at most %d classes\n", cmd, SN_MAX_CLASSES);
+        return -1;
+    }
     if (a->monitor && strcmp(a->monitor, monitor_name(&a->c))) {
-        fprintf(stderr, "segnet %s: --monitor %s: model '%s' reports %s\n", cmd, a->monitor, a->c.model.model,
-                monitor_name(&a->c));
+        fprintf(stderr, "segnet %s: --monitor %s: model '%s' reports %s\n", cmd, a->monitor,
+                a->c.model.model, monitor_name(&a->c));
         return -1;
     }
     if (a->class_weights) {
-        if (parse_class_weights(a->class_weights, a->c.model.classes, a->c.class_weights)) return -1;
+        if (parse_class_weights(a->class_weights, a->c.model.classes, a->c.class_weights))
+            return -1;
         a->c.class_weights_given = 1;
     }
     return 0;
@@ -511,36 +581,45 @@ static const char *TRAIN_USAGE =
     "  segnet train " QUICKSTART_ARGS "\n";
 
 static const char *EVAL_USAGE =
-    "usage: segnet eval --run RUN [--data VAL]\n"
-    "       segnet eval --weights W.safetensors --model NAME --classes K --data VAL [options]\n"
-    "\n"
-    "Evaluates weights on a data set and prints one metric per line, `name: value`:\n"
-    "val_loss, then val_mIoU, val_pixel_accuracy and val_IoU_<class> (segmentation)\n"
-    "or val_accuracy (classification). With --run, the run's config.txt gives the\n"
-    "model and class weights, best.safetensors the weights and its validation set\n"
-    "the data (unless --data is given). Otherwise the model options are those of\n"
-    "segnet train (--model, --classes, --class-weights, --size, --padding, ...).\n"
-    "  --batch B    images per forward pass (default 8)\n"
-    "  --device D   auto (default), cuda or cpu, as for segnet train\n"
-    "  --threads T  CPU threads\n"
-    "  --max-pixels N  the largest image, width × height (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) ")\n"
-    "  --exif MODE     ignore or apply a JPEG's EXIF orientation, as for segnet\n"
-    "                  train (default: the run's, else ignore)\n";
+        "usage: segnet eval --run RUN [--data VAL]\n"
+        "       segnet eval --weights W.safetensors --model NAME --classes K --data VAL [options]\n"
+        "\n"
+        "Evaluates weights on a data set and prints one metric per line, `name: value`:\n"
+        "val_loss, then val_mIoU, val_pixel_accuracy and val_IoU_<class> (segmentation)\n"
+        "or val_accuracy (classification). With --run, the run's config.txt gives the\n"
+        "model and class weights, best.safetensors the weights and its validation set\n"
+        "the data (unless --data is given). Otherwise the model options are those of\n"
+        "segnet train (--model, --classes, --class-weights, --size, --padding, ...).\n"
+        "  --batch B    images per forward pass (default 8)\n"
+        "  --device D   auto (default), cuda or cpu, as for segnet train\n"
+        "  --threads T  CPU threads\n"
+        "  --max-pixels N  the largest image, width × height (default " TEXT_OF(
+                IMAGE_MAX_PIXELS_DEFAULT) ")\n"
+                                          "  --exif MODE     ignore or apply a JPEG's EXIF "
+                                          "orientation, as for segnet\n"
+                                          "                  train (default: the run's, else "
+                                          "ignore)\n";
 
 // --memory: choose the setting, print what was tried and picked; -1 if nothing fits
 static int pick_setting(TrainArgs *a, const char *cmd, FILE *out) {
-    if (a->fixed) { fprintf(stderr, "segnet %s: --memory chooses --checkpoint and --precision; leave them out\n", cmd); return -1; }
+    if (a->fixed) {
+        fprintf(stderr,
+                "segnet %s: --memory chooses --checkpoint and --precision; leave them out\n", cmd);
+        return -1;
+    }
     char why[8192], err[SN_ERR_MAX];
-    int global = a->c.model.batch * a->c.accum, rc = choose_setting(&a->c, a->memory, why, sizeof why, err);
-    fprintf(out, "settings tried for %.2f GiB, global batch %d:\n%s", a->memory / 1073741824.0, global, why);
+    int global = a->c.model.batch * a->c.accum,
+        rc = choose_setting(&a->c, a->memory, why, sizeof why, err);
+    fprintf(out, "settings tried for %.2f GiB, global batch %d:\n%s", a->memory / 1073741824.0,
+            global, why);
     if (rc) {
         char who[64];
         snprintf(who, sizeof who, "segnet %s", cmd);
         print_message(stderr, who, err);
         return -1;
     }
-    fprintf(out, "picked: --batch %d --accum %d --precision %s --checkpoint %s\n", a->c.model.batch, a->c.accum,
-            DTYPE_NAMES[a->c.precision], a->c.checkpoint ? "blocks" : "none");
+    fprintf(out, "picked: --batch %d --accum %d --precision %s --checkpoint %s\n", a->c.model.batch,
+            a->c.accum, DTYPE_NAMES[a->c.precision], a->c.checkpoint ? "blocks" : "none");
     return 0;
 }
 
@@ -558,11 +637,15 @@ static int model_options_used(const char *cmd, const char *model, int argc, char
     for (size_t k = 0; k < sizeof OWN / sizeof *OWN; k++) {
         if (!has_flag(argc, argv, OWN[k].flag)) continue;
         if (OWN[k].head && !model_is_classifier(model))
-            fprintf(stderr, "segnet %s: %s: model '%s' has no classifier head (an option of the classifiers, effv2-*)\n", cmd,
-                    OWN[k].flag, model);
+            fprintf(stderr,
+                    "segnet %s: %s: model '%s' has no classifier head (an option of the "
+                    "classifiers, effv2-*)\n",
+                    cmd, OWN[k].flag, model);
         else if (!OWN[k].head && strcmp(model, "unet"))
-            fprintf(stderr, "segnet %s: %s: model '%s' does not use it (the levels and channels of the plain unet)\n", cmd,
-                    OWN[k].flag, model);
+            fprintf(stderr,
+                    "segnet %s: %s: model '%s' does not use it (the levels and channels of the "
+                    "plain unet)\n",
+                    cmd, OWN[k].flag, model);
         else
             continue;
         return -1;
@@ -582,7 +665,8 @@ static void on_interrupt(int sig) {
     }
     if (interrupt_signal && interrupt_signal != SIGPIPE) _exit(128 + sig);
     interrupt_signal = sig;
-    static const char msg[] = "\nsegnet train: stopping after this step to save the run (again to stop at once)\n";
+    static const char msg[] =
+            "\nsegnet train: stopping after this step to save the run (again to stop at once)\n";
     ssize_t n = write(STDERR_FILENO, msg, sizeof msg - 1);
     (void)n;
 }
@@ -612,10 +696,13 @@ static int cmd_train(TrainArgs *a, int argc, char **argv) {
     if (quickstart) {  // `segnet train` alone: the bundled data set
         quick[0] = argv[0]; quick[1] = argv[1];
         argc = 2;
-        for (char *save = NULL, *w = strtok_r(words, " ", &save); w && argc < 64; w = strtok_r(NULL, " ", &save)) quick[argc++] = w;
+        for (char *save = NULL, *w = strtok_r(words, " ", &save); w && argc < 64;
+             w = strtok_r(NULL, " ", &save))
+            quick[argc++] = w;
         argv = quick;
     }
-    int overwrite = 0;  // train's own switch (eval shares the other options): taken out before parsing
+    // train's own switch (eval shares the other options): taken out before parsing
+    int overwrite = 0;
     for (int i = 2; i < argc; i++)
         if (!strcmp(argv[i], "--overwrite")) {
             overwrite = 1;
@@ -627,16 +714,20 @@ static int cmd_train(TrainArgs *a, int argc, char **argv) {
     if (model_options_used("train", a->c.model.model, argc, argv)) return 2;
     a->c.overwrite = overwrite;
     if (a->resume && (a->c.out || overwrite)) {
-        fprintf(stderr, "segnet train: --resume %s continues the run in its own folder; %s\n", a->resume,
+        fprintf(stderr, "segnet train: --resume %s continues the run in its own folder; %s\n",
+                a->resume,
                 overwrite ? "--overwrite starts a new run (give --out instead of --resume)"
-                          : "--out would be another one (a new run from its weights: --weights RUN/best.safetensors --out NEW)");
+                          : "--out would be another one (a new run from its weights: --weights "
+                            "RUN/best.safetensors --out NEW)");
         return 2;
     }
     if (!a->resume && (!a->c.data || !has_flag(argc, argv, "--classes"))) {
-        fprintf(stderr, "segnet train: --data and --classes are required (see segnet train --help)\n");
+        fprintf(stderr,
+                "segnet train: --data and --classes are required (see segnet train --help)\n");
         return 2;
     }
-    if (quickstart) fprintf(stderr, "segnet train: the quickstart: segnet train %s\n", QUICKSTART_ARGS);
+    if (quickstart)
+        fprintf(stderr, "segnet train: the quickstart: segnet train %s\n", QUICKSTART_ARGS);
     char err[SN_ERR_MAX], note[SN_ERR_MAX];
     if (!a->resume && padding_follow_weights(&a->c.model, a->c.weights, "train", note, err)) {
         print_message(stderr, "segnet train", err);
@@ -657,7 +748,11 @@ static int cmd_eval(TrainArgs *a, int argc, char **argv) {
     char weights[4200];
     if (a->run) snprintf(weights, sizeof weights, "%s/best.safetensors", a->run);
     else if (a->c.weights) snprintf(weights, sizeof weights, "%s", a->c.weights);
-    else { fprintf(stderr, "segnet eval: give --run RUN, or --weights W with the model options (see segnet eval --help)\n"); return 2; }
+    else {
+        fprintf(stderr, "segnet eval: give --run RUN, or --weights W with the model options (see "
+                        "segnet eval --help)\n");
+        return 2;
+    }
     char err[SN_ERR_MAX], note[SN_ERR_MAX];
     if (!a->run && padding_follow_weights(&a->c.model, weights, "eval", note, err)) {
         print_message(stderr, "segnet eval", err);
@@ -671,9 +766,15 @@ static int cmd_eval(TrainArgs *a, int argc, char **argv) {
     EvalResult r;
     double iou[SN_MAX_CLASSES];
     r.m.iou = iou;
-    if (eval_run(&a->c, weights, data, &r, err)) { print_message(stderr, "segnet eval", err); return 1; }
+    if (eval_run(&a->c, weights, data, &r, err)) {
+        print_message(stderr, "segnet eval", err);
+        return 1;
+    }
     printf("val_loss: %.6f\n", r.loss);
-    if (model_is_classifier(a->c.model.model)) { printf("val_accuracy: %.6f\n", r.m.accuracy); return 0; }
+    if (model_is_classifier(a->c.model.model)) {
+        printf("val_accuracy: %.6f\n", r.m.accuracy);
+        return 0;
+    }
     printf("val_mIoU: %.6f\nval_pixel_accuracy: %.6f\n", r.m.mean_iou, r.m.accuracy);
     for (int k = 0; k < a->c.model.classes; k++)
         if (!isnan(iou[k])) printf("val_IoU_%d: %.6f\n", k, iou[k]);
@@ -681,63 +782,65 @@ static int cmd_eval(TrainArgs *a, int argc, char **argv) {
 }
 
 static const char *PREDICT_USAGE =
-    "usage: segnet predict --run RUN --input DIR_OR_CSV --out OUT [options]\n"
-    "       segnet predict --model NAME --classes K --weights W.safetensors\n"
-    "                      --input DIR_OR_CSV --out OUT [options]\n"
-    "\n"
-    "With --run, the run's config.txt gives the model options (model, classes,\n"
-    "size, padding, ...) and RUN/best.safetensors the weights (--last:\n"
-    "last.safetensors); options given as well override them.\n"
-    "\n"
-    "Predicts every image of a folder (*.png, *.jpg, *.jpeg, sorted by name) or of\n"
-    "a CSV's first column (paths relative to the CSV; a header 'path' is skipped).\n"
-    "Images of the model's input size are used as they are; others are resized\n"
-    "(bilinear) for the forward pass.\n"
-    "\n"
-    "Classifiers (effv2-*): OUT is a CSV with one row per image,\n"
-    "path,pred,p0,...,p{K-1} (softmax probabilities); with --run of a run whose\n"
-    "classes have names (class folders, text labels: RUN/classes.txt) also\n"
-    "pred_name after pred. It is replaced only when every image was read.\n"
-    "\n"
-    "Segmentation models (unet, unet-effv2-*): OUT is a folder, created if missing,\n"
-    "that receives for each image OUT/<stem>.png, the mask (8-bit grey, pixel =\n"
-    "predicted class 0..K-1), and OUT/<stem>_overlay.png, the image blended 50/50\n"
-    "with a colour per class, both at the image's own size (the mask is brought\n"
-    "back by nearest neighbour); OUT/" SEG_LEGEND_NAME " shows each class's colour beside its\n"
-    "number. The colours:\n"
-    SEG_PALETTE_HELP
-    "Every image is decoded, and no two may share a stem, before anything is\n"
-    "written; each PNG is written atomically. A failure while writing (disk\n"
-    "full) leaves the PNGs written before it. OUT/" PREDICT_MANIFEST " lists the files\n"
-    "predict has written into OUT.\n"
-    "\n"
-    "Nothing the user owns is replaced: OUT may not be, or lie inside, the input\n"
-    "folder; an input image or list is never replaced (whatever its path); an\n"
-    "existing file only with --overwrite, and then only one that an earlier\n"
-    "segnet predict wrote (listed in OUT/" PREDICT_MANIFEST ", or a CSV starting\n"
-    "with its header).\n"
-    "Progress goes to stderr: one line rewritten on a terminal, else a line per\n"
-    "tenth of the images.\n"
-    "\n"
-    "  --overwrite         replace the outputs of an earlier segnet predict into OUT\n"
-    "  --model NAME        effv2-s (default), effv2-m, effv2-l, effv2-t, unet,\n"
-    "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
-    "  --weights W         safetensors in PyTorch layout (segnet, torchvision or timm\n"
-    "                      names); training checkpoints load as they are\n"
-    "  --padding MODE      same (Keras/TF weights) or symmetric (torchvision); default:\n"
-    "                      as the weights were trained (their names or metadata), else same\n"
-    "  --size HxW          input size (default: effv2-s 384x384, effv2-m/l 480x480,\n"
-    "                      effv2-t 64x64, U-Nets 256x256)\n"
-    "  --batch B           images per forward pass (default 8)\n"
-    "  --head-hidden H     the classifier's hidden layer, as trained (default 0)\n"
-    "  --depth D           unet levels below the top, as trained (default 4)\n"
-    "  --width W           unet channels at the top level, as trained (default 32)\n"
-    "  --device D          auto (default), cuda or cpu, as for segnet train\n"
-    "  --threads T         CPU threads (default: all cores)\n"
-    "  --max-pixels N      the largest image, width × height (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) ")\n"
-    "  --exif MODE         ignore (default; with --run: the run's) or apply a JPEG's EXIF\n"
-    "                      orientation, as for segnet train; the outputs are of the\n"
-    "                      image as read\n";
+        "usage: segnet predict --run RUN --input DIR_OR_CSV --out OUT [options]\n"
+        "       segnet predict --model NAME --classes K --weights W.safetensors\n"
+        "                      --input DIR_OR_CSV --out OUT [options]\n"
+        "\n"
+        "With --run, the run's config.txt gives the model options (model, classes,\n"
+        "size, padding, ...) and RUN/best.safetensors the weights (--last:\n"
+        "last.safetensors); options given as well override them.\n"
+        "\n"
+        "Predicts every image of a folder (*.png, *.jpg, *.jpeg, sorted by name) or of\n"
+        "a CSV's first column (paths relative to the CSV; a header 'path' is skipped).\n"
+        "Images of the model's input size are used as they are; others are resized\n"
+        "(bilinear) for the forward pass.\n"
+        "\n"
+        "Classifiers (effv2-*): OUT is a CSV with one row per image,\n"
+        "path,pred,p0,...,p{K-1} (softmax probabilities); with --run of a run whose\n"
+        "classes have names (class folders, text labels: RUN/classes.txt) also\n"
+        "pred_name after pred. It is replaced only when every image was read.\n"
+        "\n"
+        "Segmentation models (unet, unet-effv2-*): OUT is a folder, created if missing,\n"
+        "that receives for each image OUT/<stem>.png, the mask (8-bit grey, pixel =\n"
+        "predicted class 0..K-1), and OUT/<stem>_overlay.png, the image blended 50/50\n"
+        "with a colour per class, both at the image's own size (the mask is brought\n"
+        "back by nearest neighbour); OUT/" SEG_LEGEND_NAME " shows each class's colour beside its\n"
+        "number. The colours:\n" SEG_PALETTE_HELP
+        "Every image is decoded, and no two may share a stem, before anything is\n"
+        "written; each PNG is written atomically. A failure while writing (disk\n"
+        "full) leaves the PNGs written before it. OUT/" PREDICT_MANIFEST " lists the files\n"
+        "predict has written into OUT.\n"
+        "\n"
+        "Nothing the user owns is replaced: OUT may not be, or lie inside, the input\n"
+        "folder; an input image or list is never replaced (whatever its path); an\n"
+        "existing file only with --overwrite, and then only one that an earlier\n"
+        "segnet predict wrote (listed in OUT/" PREDICT_MANIFEST ", or a CSV starting\n"
+        "with its header).\n"
+        "Progress goes to stderr: one line rewritten on a terminal, else a line per\n"
+        "tenth of the images.\n"
+        "\n"
+        "  --overwrite         replace the outputs of an earlier segnet predict into OUT\n"
+        "  --model NAME        effv2-s (default), effv2-m, effv2-l, effv2-t, unet,\n"
+        "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
+        "  --weights W         safetensors in PyTorch layout (segnet, torchvision or timm\n"
+        "                      names); training checkpoints load as they are\n"
+        "  --padding MODE      same (Keras/TF weights) or symmetric (torchvision); default:\n"
+        "                      as the weights were trained (their names or metadata), else same\n"
+        "  --size HxW          input size (default: effv2-s 384x384, effv2-m/l 480x480,\n"
+        "                      effv2-t 64x64, U-Nets 256x256)\n"
+        "  --batch B           images per forward pass (default 8)\n"
+        "  --head-hidden H     the classifier's hidden layer, as trained (default 0)\n"
+        "  --depth D           unet levels below the top, as trained (default 4)\n"
+        "  --width W           unet channels at the top level, as trained (default 32)\n"
+        "  --device D          auto (default), cuda or cpu, as for segnet train\n"
+        "  --threads T         CPU threads (default: all cores)\n"
+        "  --max-pixels N      the largest image, width × height (default " TEXT_OF(
+                IMAGE_MAX_PIXELS_DEFAULT) ")\n"
+                                          "  --exif MODE         ignore (default; with --run: the "
+                                          "run's) or apply a JPEG's EXIF\n"
+                                          "                      orientation, as for segnet train; "
+                                          "the outputs are of the\n"
+                                          "                      image as read\n";
 
 static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
     PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO, NULL, 0, 0};
@@ -762,7 +865,10 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
         if (!strcmp(f, "--overwrite")) { pc.overwrite = 1; i++; continue; }
         if (!strcmp(f, "--run")) { i += 2; continue; }
         if (!strcmp(f, "--max-pixels") || !strcmp(f, "--exif")) {
-            if (i + 1 >= argc) { fprintf(stderr, "segnet predict: %s needs a value\n", f); return 2; }
+            if (i + 1 >= argc) {
+                fprintf(stderr, "segnet predict: %s needs a value\n", f);
+                return 2;
+            }
             if ((!strcmp(f, "--exif") ? parse_exif : parse_max_pixels)(f, argv[i + 1])) return 2;
             i += 2;
             continue;
@@ -777,16 +883,24 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
             i += 2;
             continue;
         }
-        const char **target = !strcmp(f, "--weights") ? &pc.weights : !strcmp(f, "--input") ? &pc.input
-                            : !strcmp(f, "--out") ? &pc.out : NULL;
+        const char **target = !strcmp(f, "--weights") ? &pc.weights
+                              : !strcmp(f, "--input") ? &pc.input
+                              : !strcmp(f, "--out")   ? &pc.out
+                                                      : NULL;
         if (target) {
-            if (i + 1 >= argc) { fprintf(stderr, "segnet predict: %s needs a value\n", f); return 2; }
+            if (i + 1 >= argc) {
+                fprintf(stderr, "segnet predict: %s needs a value\n", f);
+                return 2;
+            }
             *target = argv[i + 1];
             i += 2;
             continue;
         }
         if (!strcmp(f, "--device")) {
-            if (i + 1 >= argc) { fprintf(stderr, "segnet predict: --device needs a value\n"); return 2; }
+            if (i + 1 >= argc) {
+                fprintf(stderr, "segnet predict: --device needs a value\n");
+                return 2;
+            }
             if (parse_device(argv[i + 1], &pc.device)) return 2;
             i += 2;
             continue;
@@ -795,7 +909,10 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
         classes_given |= !strcmp(f, "--classes");
         int k = parse_model_option(&pc.model, argc, argv, i);
         if (k < 0) return 2;
-        if (k == 0) { fprintf(stderr, "segnet predict: unknown option '%s' (see segnet predict --help)\n", f); return 2; }
+        if (k == 0) {
+            fprintf(stderr, "segnet predict: unknown option '%s' (see segnet predict --help)\n", f);
+            return 2;
+        }
         i += k;
     }
     if (run && !pc.weights) {
@@ -804,8 +921,9 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
     }
     if (run) pc.n_class_names = read_class_names(run, &pc.class_names);
     if (!pc.weights || !pc.input || !pc.out || !classes_given) {
-        fprintf(stderr, "segnet predict: --input, --out and either --run RUN or --weights and --classes are required "
-                "(see segnet predict --help)\n");
+        fprintf(stderr, "segnet predict: --input, --out and either --run RUN or --weights and "
+                        "--classes are required "
+                        "(see segnet predict --help)\n");
         return 2;
     }
     if (!size_given) model_default_size(&pc.model);
@@ -865,11 +983,19 @@ static int cmd_export(TrainArgs *ta, int argc, char **argv) {
         else {
             int k = 0;
             while (k < 3 && strcmp(v, EXPORT_NAMES[k])) k++;
-            if (k == 3) { fprintf(stderr, "segnet export: --names '%s' must be torchvision, timm or segnet\n", v); return 2; }
+            if (k == 3) {
+                fprintf(stderr, "segnet export: --names '%s' must be torchvision, timm or segnet\n",
+                        v);
+                return 2;
+            }
             names = (ExportNames)k;
         }
     }
-    if (!run || !out) { fprintf(stderr, "segnet export: --run RUN and --out FILE are required (see segnet export --help)\n"); return 2; }
+    if (!run || !out) {
+        fprintf(stderr, "segnet export: --run RUN and --out FILE are required (see segnet export "
+                        "--help)\n");
+        return 2;
+    }
     train_cfg_default(&ta->c);
     if (read_run_config(ta, run)) return 2;
     char err[SN_ERR_MAX], report[SN_ERR_MAX];
@@ -878,10 +1004,13 @@ static int cmd_export(TrainArgs *ta, int argc, char **argv) {
         return 1;
     }
     print_message(stderr, "segnet export", report);
-    if (names == EXPORT_TORCHVISION && ta->c.model.pad == PAD_SAME && model_is_effnet(ta->c.model.model))
-        fprintf(stderr, "segnet export: note: the run pads as TensorFlow ('same'), torchvision's EfficientNetV2 (and "
-                "UNetEff) symmetrically: there these weights give other outputs. For torchvision, train with --padding "
-                "symmetric; timm's tf_efficientnetv2_* pads as 'same' (--names timm)\n");
+    if (names == EXPORT_TORCHVISION && ta->c.model.pad == PAD_SAME &&
+        model_is_effnet(ta->c.model.model))
+        fprintf(stderr, "segnet export: note: the run pads as TensorFlow ('same'), torchvision's "
+                        "EfficientNetV2 (and "
+                        "UNetEff) symmetrically: there these weights give other outputs. For "
+                        "torchvision, train with --padding "
+                        "symmetric; timm's tf_efficientnetv2_* pads as 'same' (--names timm)\n");
     return 0;
 }
 
@@ -925,25 +1054,37 @@ static int cmd_bench(int argc, char **argv) {
         if (k < 0) return 2;
         if (k > 0) { i += k; continue; }
         int is_own = !strcmp(f, "--steps") || !strcmp(f, "--warmup") || !strcmp(f, "--threads") ||
-                     !strcmp(f, "--precision") || !strcmp(f, "--checkpoint") || !strcmp(f, "--seed") ||
-                     !strcmp(f, "--device");
-        if (!is_own) { fprintf(stderr, "segnet bench: unknown option '%s' (see segnet bench --help)\n", f); return 2; }
+                     !strcmp(f, "--precision") || !strcmp(f, "--checkpoint") ||
+                     !strcmp(f, "--seed") || !strcmp(f, "--device");
+        if (!is_own) {
+            fprintf(stderr, "segnet bench: unknown option '%s' (see segnet bench --help)\n", f);
+            return 2;
+        }
         if (i + 1 >= argc) { fprintf(stderr, "segnet bench: %s needs a value\n", f); return 2; }
         const char *v = argv[i + 1];
         int rc = 0, seed;
         if (!strcmp(f, "--steps")) rc = parse_int(f, v, 1, 1 << 20, &c.steps);
         else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, 1 << 20, &c.warmup);
         else if (!strcmp(f, "--threads")) rc = parse_int(f, v, 1, 4096, &c.threads);
-        else if (!strcmp(f, "--seed")) { rc = parse_int(f, v, 0, 2147483647, &seed); c.seed = (uint64_t)seed; }
-        else if (!strcmp(f, "--device")) rc = parse_device(v, &c.device);
+        else if (!strcmp(f, "--seed")) {
+            rc = parse_int(f, v, 0, 2147483647, &seed);
+            c.seed = (uint64_t)seed;
+        } else if (!strcmp(f, "--device"))
+            rc = parse_device(v, &c.device);
         else if (!strcmp(f, "--precision")) {
             int k = 0;
             while (k < 3 && strcmp(v, DTYPE_NAMES[k])) k++;
-            if (k == 3) { fprintf(stderr, "segnet bench: --precision '%s' must be fp32, fp16 or bf16\n", v); rc = -1; }
-            else c.precision = (DType)k;
+            if (k == 3) {
+                fprintf(stderr, "segnet bench: --precision '%s' must be fp32, fp16 or bf16\n", v);
+                rc = -1;
+            } else
+                c.precision = (DType)k;
         } else if (!strcmp(f, "--checkpoint")) {
             if (!strcmp(v, "blocks")) c.checkpoint = 1;
-            else if (strcmp(v, "none")) { fprintf(stderr, "segnet bench: --checkpoint '%s' must be none or blocks\n", v); rc = -1; }
+            else if (strcmp(v, "none")) {
+                fprintf(stderr, "segnet bench: --checkpoint '%s' must be none or blocks\n", v);
+                rc = -1;
+            }
         }
         if (rc) return 2;
         i += 2;
@@ -953,20 +1094,23 @@ static int cmd_bench(int argc, char **argv) {
     BenchResult r;
     char err[SN_ERR_MAX];
     if (bench_run(&c, &r, err)) { print_message(stderr, "segnet bench", err); return 1; }
-    printf("model: %s  input (%d,%d,%d,3)  classes %d  parameters %zu  threads %d  backend %s\n", c.model.model,
-           c.model.batch, c.model.height, c.model.width, c.model.classes, r.n_params, r.threads, r.backend);
+    printf("model: %s  input (%d,%d,%d,3)  classes %d  parameters %zu  threads %d  backend %s\n",
+           c.model.model, c.model.batch, c.model.height, c.model.width, c.model.classes, r.n_params,
+           r.threads, r.backend);
     if (c.profile) {
         double total = 0.0;
         for (int k = 0; k < BK_COUNT; k++) total += r.kind_fwd_ms[k] + r.kind_bwd_ms[k];
-        printf("%-12s %10s %10s %10s %7s %9s\n", "op kind", "fwd ms", "bwd ms", "total ms", "share", "GFLOP/s");
+        printf("%-12s %10s %10s %10s %7s %9s\n", "op kind", "fwd ms", "bwd ms", "total ms", "share",
+               "GFLOP/s");
         for (int k = 0; k < BK_COUNT; k++) {
             double t = r.kind_fwd_ms[k] + r.kind_bwd_ms[k];
-            printf("%-12s %10.2f %10.2f %10.2f %6.1f%%", BENCH_KIND_NAMES[k], r.kind_fwd_ms[k], r.kind_bwd_ms[k], t,
-                   total > 0.0 ? 100.0 * t / total : 0.0);
+            printf("%-12s %10.2f %10.2f %10.2f %6.1f%%", BENCH_KIND_NAMES[k], r.kind_fwd_ms[k],
+                   r.kind_bwd_ms[k], t, total > 0.0 ? 100.0 * t / total : 0.0);
             if (r.kind_gflop[k] > 0.0 && t > 0.0) printf(" %9.1f", r.kind_gflop[k] / (1e-3 * t));
             printf("\n");
         }
-        printf("%-12s %10s %10s %10.2f   (the profiled steps; the median step may differ)\n", "sum", "", "", total);
+        printf("%-12s %10s %10s %10.2f   (the profiled steps; the median step may differ)\n", "sum",
+               "", "", total);
     }
     printf("train_step_ms: %.2f\n", r.step_ms);
     printf("images_per_s: %.3f\n", r.images_per_s);
@@ -983,11 +1127,13 @@ static int cmd_info(void) {
     if (cuda_memory_info(0, &free_b, &total_b, why) == 0) {
         // what the device holds beyond segnet's own allocations: the driver's
         // context (and other processes' memory, if any share the device)
-        size_t held = total_b - free_b, ours = cuda_bytes_live, driver = held > ours ? held - ours : 0;
-        printf("cuda: device 0 (--device auto uses it), %.2f GiB, %.2f GiB free\n", total_b / 1073741824.0,
-               free_b / 1073741824.0);
-        printf("cuda_context_bytes: %zu measured (in use %zu less segnet's %zu; the plan counts %zu)\n", driver,
-               held, ours, ops_cuda.driver_bytes);
+        size_t held = total_b - free_b, ours = cuda_bytes_live,
+               driver = held > ours ? held - ours : 0;
+        printf("cuda: device 0 (--device auto uses it), %.2f GiB, %.2f GiB free\n",
+               total_b / 1073741824.0, free_b / 1073741824.0);
+        printf("cuda_context_bytes: %zu measured (in use %zu less segnet's %zu; the plan counts "
+               "%zu)\n",
+               driver, held, ours, ops_cuda.driver_bytes);
     } else {
         printf("cuda: built, but %s\n", why);
     }
@@ -1054,13 +1200,29 @@ static const char *PLAN_USAGE =
 #define ROOF_BANDWIDTH 4.8e12
 #define ROOF_PEAK_16BIT 790e12
 #define ROOF_PEAK_FP32 67e12
-enum { ROOF_CONV_KXK, ROOF_CONV_1X1, ROOF_DEPTHWISE, ROOF_BN, ROOF_ELEMENTWISE, ROOF_SE, ROOF_RESAMPLE,
-       ROOF_OPTIMIZER, ROOF_KINDS };
-static const char *const ROOF_NAMES[ROOF_KINDS] = {
-    "conv k×k (implicit GEMM)", "conv 1×1, dense (GEMM)", "depthwise conv", "batch norm (+act)",
-    "elementwise (act, add, dropout)", "squeeze-excitation pool/scale", "pool, upsample, resize, concat",
-    "optimizer (Adam, cast, zero)"};
-typedef struct { double bytes[ROOF_KINDS], flops[ROOF_KINDS], seconds[ROOF_KINDS]; double peak; } Roofline;
+enum {
+    ROOF_CONV_KXK,
+    ROOF_CONV_1X1,
+    ROOF_DEPTHWISE,
+    ROOF_BN,
+    ROOF_ELEMENTWISE,
+    ROOF_SE,
+    ROOF_RESAMPLE,
+    ROOF_OPTIMIZER,
+    ROOF_KINDS
+};
+static const char *const ROOF_NAMES[ROOF_KINDS] = {"conv k×k (implicit GEMM)",
+                                                   "conv 1×1, dense (GEMM)",
+                                                   "depthwise conv",
+                                                   "batch norm (+act)",
+                                                   "elementwise (act, add, dropout)",
+                                                   "squeeze-excitation pool/scale",
+                                                   "pool, upsample, resize, concat",
+                                                   "optimizer (Adam, cast, zero)"};
+typedef struct {
+    double bytes[ROOF_KINDS], flops[ROOF_KINDS], seconds[ROOF_KINDS];
+    double peak;
+} Roofline;
 static void roof_pass(Roofline *r, int kind, double bytes, double flops) {
     r->bytes[kind] += bytes;
     r->flops[kind] += flops;
@@ -1077,7 +1239,8 @@ static void roofline_step(const Graph *g, DType dt, Roofline *r) {
     double trainable = 0;
     for (int i = 0; i < g->n_layers; i++) {
         const Layer *l = &g->layers[i];
-        const double X = (double)shape_numel(tshape(g, l->in[0])), Y = (double)shape_numel(tshape(g, l->out));
+        const double X = (double)shape_numel(tshape(g, l->in[0])),
+                     Y = (double)shape_numel(tshape(g, l->out));
         const double X2 = l->in[1] >= 0 ? (double)shape_numel(tshape(g, l->in[1])) : 0.0;
         const int bwd = needs[l->out], dx = needs[l->in[0]], dx2 = l->in[1] >= 0 && needs[l->in[1]];
         const int wgrad = bwd && !l->frozen && l->weight >= 0;
@@ -1088,7 +1251,8 @@ static void roofline_step(const Graph *g, DType dt, Roofline *r) {
         case LAYER_CONV: case LAYER_DENSE: {
             const ConvCfg *c = &l->conv;
             const Shape out = tshape(g, l->out);
-            const double K = (double)c->kh * c->kw * (tshape(g, l->in[0]).c / c->groups), P = Y / out.c;
+            const double K = (double)c->kh * c->kw * (tshape(g, l->in[0]).c / c->groups),
+                         P = Y / out.c;
             const double flops = 2.0 * Y * K, col = P * K * c->groups, w = (double)out.c * K;
             if (conv_is_depthwise(c)) {
                 roof_pass(r, ROOF_DEPTHWISE, (X + Y) * e, flops);
@@ -1098,11 +1262,14 @@ static void roofline_step(const Graph *g, DType dt, Roofline *r) {
                 roof_pass(r, ROOF_CONV_1X1, (X + Y + w) * e, flops);
                 if (dx) roof_pass(r, ROOF_CONV_1X1, (X + Y + w) * e, flops);
                 if (wgrad) roof_pass(r, ROOF_CONV_1X1, (X + Y) * e + w * 4, flops);
-            } else if (c->stride <= 2) {  // implicit GEMM: the operands gathered from the tensors themselves
+            // implicit GEMM: the operands gathered from the tensors themselves
+            } else if (c->stride <= 2) {
                 roof_pass(r, ROOF_CONV_KXK, (X + Y + w) * e, flops);
                 if (dx) roof_pass(r, ROOF_CONV_KXK, (Y + w + X) * e, flops);
                 if (wgrad) roof_pass(r, ROOF_CONV_KXK, (X + Y) * e + w * 4, flops);
-            } else {  // im2col: the columns written and read once per pass; backward data's in fp32, then col2im
+            // im2col: the columns written and read once per pass; backward data's in fp32, then
+            // col2im
+            } else {
                 roof_pass(r, ROOF_CONV_KXK, X * e + 2 * col * e + (Y + w) * e, flops);
                 if (dx) roof_pass(r, ROOF_CONV_KXK, (Y + w) * e + 2 * col * 4 + X * e, flops);
                 if (wgrad) roof_pass(r, ROOF_CONV_KXK, X * e + 2 * col * e + Y * e + w * 4, flops);
@@ -1123,12 +1290,16 @@ static void roofline_step(const Graph *g, DType dt, Roofline *r) {
             break;
         case LAYER_ADD: case LAYER_DROPOUT: case LAYER_DROP_PATH:
             roof_pass(r, ROOF_ELEMENTWISE, (X + X2 + Y) * e, 0);
-            if (dx || dx2) roof_pass(r, ROOF_ELEMENTWISE, (Y + (dx ? X : 0) + (dx2 ? X2 : 0)) * e, 0);
+            if (dx || dx2)
+                roof_pass(r, ROOF_ELEMENTWISE, (Y + (dx ? X : 0) + (dx2 ? X2 : 0)) * e, 0);
             break;
-        case LAYER_SE_GATE: {  // two small GEMMs per image, fp32 weights; the backward recomputes the forward
+        // two small GEMMs per image, fp32 weights; the backward recomputes the forward
+        case LAYER_SE_GATE: {
             const double w = 2.0 * l->conv.cin * l->conv.cout;  // both weight matrices
             roof_pass(r, ROOF_SE, (X + Y) * e + 4 * w, 2 * w * tshape(g, l->in[0]).n);
-            if (bwd) roof_pass(r, ROOF_SE, 2 * X * e + Y * e + (wgrad ? 12 : 4) * w, 6 * w * tshape(g, l->in[0]).n);
+            if (bwd)
+                roof_pass(r, ROOF_SE, 2 * X * e + Y * e + (wgrad ? 12 : 4) * w,
+                          6 * w * tshape(g, l->in[0]).n);
             break;
         }
         case LAYER_GAP: case LAYER_SCALE:
@@ -1142,21 +1313,26 @@ static void roofline_step(const Graph *g, DType dt, Roofline *r) {
             break;
         }
     }
-    // Adam reads p, g, m, v and writes p, m, v (fp32); the weights are cast once per forward; the gradients zeroed
+    // Adam reads p, g, m, v and writes p, m, v (fp32); the weights are cast once per forward; the
+    // gradients zeroed
     const double params = (double)g->n_param_floats;
-    roof_pass(r, ROOF_OPTIMIZER, 28 * trainable + 4 * trainable + (dt == DT_F32 ? 0 : (4 + e) * params), 10 * trainable);
+    roof_pass(r, ROOF_OPTIMIZER,
+              28 * trainable + 4 * trainable + (dt == DT_F32 ? 0 : (4 + e) * params),
+              10 * trainable);
     free(needs);
 }
 static void print_roofline(const Graph *g, DType dt) {
     Roofline r;
     roofline_step(g, dt, &r);
     double B = 0, F = 0, T = 0;
-    printf("roofline of a training step (H200: %.1f TB/s, %.0f TFLOP/s %s; each tensor moved once per pass):\n",
+    printf("roofline of a training step (H200: %.1f TB/s, %.0f TFLOP/s %s; each tensor moved once "
+           "per pass):\n",
            ROOF_BANDWIDTH / 1e12, r.peak / 1e12, dt == DT_F32 ? "fp32" : "dense 16-bit");
     printf("  %-34s %10s %10s %10s\n", "op kind", "GB moved", "TFLOP", "ms (bound)");
     for (int k = 0; k < ROOF_KINDS; k++) {
         if (r.bytes[k] == 0 && r.flops[k] == 0) continue;
-        printf("  %-34s %10.2f %10.3f %10.3f\n", ROOF_NAMES[k], r.bytes[k] / 1e9, r.flops[k] / 1e12, 1e3 * r.seconds[k]);
+        printf("  %-34s %10.2f %10.3f %10.3f\n", ROOF_NAMES[k], r.bytes[k] / 1e9, r.flops[k] / 1e12,
+               1e3 * r.seconds[k]);
         B += r.bytes[k]; F += r.flops[k]; T += r.seconds[k];
     }
     printf("  %-34s %10.2f %10.3f %10.3f\n", "step", B / 1e9, F / 1e12, 1e3 * T);
@@ -1169,11 +1345,17 @@ static int cmd_plan(int argc, char **argv) {
     a.c.device = DEVICE_AUTO;
     int roofline = 0;
     for (int i = 2; i < argc;) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(PLAN_USAGE, stdout); return 0; }
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            fputs(PLAN_USAGE, stdout);
+            return 0;
+        }
         if (!strcmp(argv[i], "--roofline")) { roofline = 1; i++; continue; }
         int k = parse_train_option(&a, argc, argv, i);
         if (k < 0) return 2;
-        if (k == 0) { fprintf(stderr, "segnet plan: unknown option '%s' (see segnet plan --help)\n", argv[i]); return 2; }
+        if (k == 0) {
+            fprintf(stderr, "segnet plan: unknown option '%s' (see segnet plan --help)\n", argv[i]);
+            return 2;
+        }
         i += k;
     }
     if (!a.size_given) model_default_size(&a.c.model);
@@ -1188,10 +1370,12 @@ static int cmd_plan(int argc, char **argv) {
     if (logits < 0) { print_message(stderr, "segnet plan", err); graph_free(&g); return 1; }
     MemoryReport m;
     memory_report(&g, &p, c, logits, o, &m);
-    printf("model: %s  input (%d,%d,%d,3)  classes %d  precision %s  checkpoint %s  accum %d%s\n", c->model.model,
-           c->model.batch, c->model.height, c->model.width, c->model.classes, DTYPE_NAMES[c->precision],
-           c->checkpoint ? "blocks" : "none", c->accum, c->freeze_base ? "  backbone frozen" : "");
-    printf("%-28s %-22s %14s %14s %14s\n", "stage", "output", "parameters", "kept (bytes)", "recomputed");
+    printf("model: %s  input (%d,%d,%d,3)  classes %d  precision %s  checkpoint %s  accum %d%s\n",
+           c->model.model, c->model.batch, c->model.height, c->model.width, c->model.classes,
+           DTYPE_NAMES[c->precision], c->checkpoint ? "blocks" : "none", c->accum,
+           c->freeze_base ? "  backbone frozen" : "");
+    printf("%-28s %-22s %14s %14s %14s\n", "stage", "output", "parameters", "kept (bytes)",
+           "recomputed");
     size_t total = 0, trainable = 0;
     for (int s = 0; s < g.n_stages; s++) {
         size_t n = 0, kept = 0, recomputed = 0;
@@ -1222,10 +1406,13 @@ static int cmd_plan(int argc, char **argv) {
     printf("parameters: %zu (trainable %zu)\n", total, trainable);
     printf("batch norm statistics: %zu values\n", g.n_buffer_floats);
     printf("memory (bytes):\n");
-    printf("  parameters (fp32)       %14zu\n  gradients (fp32)        %14zu\n  optimiser state (Adam)  %14zu\n",
+    printf("  parameters (fp32)       %14zu\n  gradients (fp32)        %14zu\n  optimiser state "
+           "(Adam)  %14zu\n",
            m.params, m.grads, m.optimizer);
-    printf("  BN statistics           %14zu\n  activations + gradients %14zu\n  conv workspace          %14zu\n"
-           "  inputs, labels, metrics %14zu\n", m.statistics, m.activations, m.workspace, m.io);
+    printf("  BN statistics           %14zu\n  activations + gradients %14zu\n  conv workspace     "
+           "     %14zu\n"
+           "  inputs, labels, metrics %14zu\n",
+           m.statistics, m.activations, m.workspace, m.io);
     if (m.backend) printf("  backend scratch (%s)   %14zu\n", o->name, m.backend);
     if (m.driver) printf("  CUDA context (estimate) %14zu\n", m.driver);
     printf("peak: %zu bytes (%.2f GiB)\n", m.total, m.total / 1073741824.0);
@@ -1236,8 +1423,10 @@ static int cmd_plan(int argc, char **argv) {
 }
 
 int main(int argc, char **argv) {
-    setvbuf(stdout, NULL, _IOLBF, 0);  // each report line when it happens, in a log too (a file is block-buffered)
-    if (argc < 2 || !strcmp(argv[1], "help") || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+    // each report line when it happens, in a log too (a file is block-buffered)
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (argc < 2 || !strcmp(argv[1], "help") || !strcmp(argv[1], "--help") ||
+        !strcmp(argv[1], "-h")) {
         fputs(USAGE, stdout);
         return argc < 2 ? 2 : 0;
     }

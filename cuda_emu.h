@@ -88,7 +88,8 @@ void check_vector_access(const void* p, size_t bytes);
 //     the thread's group; cp_async_wait(n) completes all but its n newest
 //     committed groups.
 enum MmaType { MMA_F16, MMA_BF16 };
-void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4], MmaType t);
+void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4],
+                  MmaType t);
 void ldmatrix(uint32_t* r, int num, const void* row, bool trans);
 void cp_async16(void* dst, const void* src, int src_bytes);
 void cp_async_commit();
@@ -112,27 +113,40 @@ struct BoundKernel {
 template <class F, class... P> struct BoundLaunch final : BoundKernel {
   F kernel;
   std::tuple<P...> params;
-  template <class... A> explicit BoundLaunch(F k, A&&... a) : kernel(k), params(std::forward<A>(a)...) {}
+  template <class... A>
+  explicit BoundLaunch(F k, A &&...a) : kernel(k), params(std::forward<A>(a)...) {}
   void run() override { std::apply(kernel, params); }
   void check_args(const char* name) const override {
     std::apply([&](const auto&... x) { int i = 0; (check_arg(name, i++, x), ...); }, params);
   }
   BoundKernel* clone() const override { return new BoundLaunch(*this); }
 };
-struct LaunchConfig { const char* name; const void* func; dim3 grid, block; size_t smem; cudaStream_t stream; };
+struct LaunchConfig {
+    const char *name;
+    const void *func;
+    dim3 grid, block;
+    size_t smem;
+    cudaStream_t stream;
+};
 // Runs, counts (CUEMU_COUNT) or captures the launch; a bad configuration is
 // the launch error that cudaGetLastError returns.
 void submit_launch(const LaunchConfig& c, BoundKernel& k);
 
 template <class... P, class... A>
-void launch(const char* name, void (*k)(P...), dim3 g, dim3 b, size_t smem, cudaStream_t s, A&&... a) {
-  static_assert(sizeof...(P) == sizeof...(A), "wrong number of kernel arguments");
-  BoundLaunch<void (*)(P...), std::decay_t<P>...> bound(k, std::forward<A>(a)...);
-  submit_launch(LaunchConfig{name, reinterpret_cast<const void*>(k), g, b, smem, s}, bound);
+void launch(const char *name, void (*k)(P...), dim3 g, dim3 b, size_t smem, cudaStream_t s,
+            A &&...a) {
+    static_assert(sizeof...(P) == sizeof...(A), "wrong number of kernel arguments");
+    BoundLaunch<void (*)(P...), std::decay_t<P>...> bound(k, std::forward<A>(a)...);
+    submit_launch(LaunchConfig{name, reinterpret_cast<const void *>(k), g, b, smem, s}, bound);
 }
 
 template <class T> T from_bits(uint64_t b) { T r; std::memcpy(&r, &b, sizeof(T)); return r; }
-template <class T> uint64_t to_bits(T v) { static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>); uint64_t b = 0; std::memcpy(&b, &v, sizeof(T)); return b; }
+template <class T> uint64_t to_bits(T v) {
+    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
+    uint64_t b = 0;
+    std::memcpy(&b, &v, sizeof(T));
+    return b;
+}
 template <class T> T cas_add(T* p, T v) {  // float/double atomicAdd via CAS on the bit pattern
   using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
   U* q = reinterpret_cast<U*>(p);
@@ -180,10 +194,24 @@ extern "C" int cuemu_selftest(char* report, size_t n);
 
 // cuda_runtime.h hides its C++ symbol templates behind __CUDACC__: provide them.
 // __device__/__constant__ variables are plain globals here.
-template <class T> cudaError_t cudaMemcpyToSymbol(const T& sym, const void* src, size_t n, size_t off = 0, cudaMemcpyKind = cudaMemcpyHostToDevice) { std::memcpy((char*)&sym + off, src, n); return cudaSuccess; }
-template <class T> cudaError_t cudaMemcpyFromSymbol(void* dst, const T& sym, size_t n, size_t off = 0, cudaMemcpyKind = cudaMemcpyDeviceToHost) { std::memcpy(dst, (const char*)&sym + off, n); return cudaSuccess; }
+template <class T>
+cudaError_t cudaMemcpyToSymbol(const T &sym, const void *src, size_t n, size_t off = 0,
+                               cudaMemcpyKind = cudaMemcpyHostToDevice) {
+    std::memcpy((char *)&sym + off, src, n);
+    return cudaSuccess;
+}
+template <class T>
+cudaError_t cudaMemcpyFromSymbol(void *dst, const T &sym, size_t n, size_t off = 0,
+                                 cudaMemcpyKind = cudaMemcpyDeviceToHost) {
+    std::memcpy(dst, (const char *)&sym + off, n);
+    return cudaSuccess;
+}
 namespace cuemu { void register_device_range(const void* p, size_t n); }
-template <class T> cudaError_t cudaGetSymbolAddress(void** p, const T& sym) { *p = (void*)&sym; cuemu::register_device_range(&sym, sizeof(T)); return cudaSuccess; }
+template <class T> cudaError_t cudaGetSymbolAddress(void **p, const T &sym) {
+    *p = (void *)&sym;
+    cuemu::register_device_range(&sym, sizeof(T));
+    return cudaSuccess;
+}
 // The kernel-pointer form of cudaFuncSetAttribute (nvcc's headers have it as a
 // template too); the attributes are kept per kernel function.
 template <class T> cudaError_t cudaFuncSetAttribute(T* kernel, cudaFuncAttribute attr, int value) {
@@ -194,12 +222,22 @@ template <class T> cudaError_t cudaFuncSetAttribute(T* kernel, cudaFuncAttribute
 inline void __syncthreads() { cuemu::block_barrier(); }
 inline int __syncthreads_count(int p) { return cuemu::block_count(p); }
 inline int __syncthreads_or(int p) { return cuemu::block_count(p) != 0; }
-inline int __syncthreads_and(int p) { return cuemu::block_count(p) == (int)(blockDim.x * blockDim.y * blockDim.z); }
+inline int __syncthreads_and(int p) {
+    return cuemu::block_count(p) == (int)(blockDim.x * blockDim.y * blockDim.z);
+}
 inline void __syncwarp(unsigned mask = 0xffffffffu) { cuemu::warp_barrier(mask); }
-template <class T> T __shfl_sync(unsigned m, T v, int src, int w = 32) { return cuemu::from_bits<T>(cuemu::shfl_bits(m, cuemu::to_bits(v), cuemu::IDX, src, w)); }
-template <class T> T __shfl_up_sync(unsigned m, T v, unsigned d, int w = 32) { return cuemu::from_bits<T>(cuemu::shfl_bits(m, cuemu::to_bits(v), cuemu::UP, (int)d, w)); }
-template <class T> T __shfl_down_sync(unsigned m, T v, unsigned d, int w = 32) { return cuemu::from_bits<T>(cuemu::shfl_bits(m, cuemu::to_bits(v), cuemu::DOWN, (int)d, w)); }
-template <class T> T __shfl_xor_sync(unsigned m, T v, int lm, int w = 32) { return cuemu::from_bits<T>(cuemu::shfl_bits(m, cuemu::to_bits(v), cuemu::XOR, lm, w)); }
+template <class T> T __shfl_sync(unsigned m, T v, int src, int w = 32) {
+    return cuemu::from_bits<T>(cuemu::shfl_bits(m, cuemu::to_bits(v), cuemu::IDX, src, w));
+}
+template <class T> T __shfl_up_sync(unsigned m, T v, unsigned d, int w = 32) {
+    return cuemu::from_bits<T>(cuemu::shfl_bits(m, cuemu::to_bits(v), cuemu::UP, (int)d, w));
+}
+template <class T> T __shfl_down_sync(unsigned m, T v, unsigned d, int w = 32) {
+    return cuemu::from_bits<T>(cuemu::shfl_bits(m, cuemu::to_bits(v), cuemu::DOWN, (int)d, w));
+}
+template <class T> T __shfl_xor_sync(unsigned m, T v, int lm, int w = 32) {
+    return cuemu::from_bits<T>(cuemu::shfl_bits(m, cuemu::to_bits(v), cuemu::XOR, lm, w));
+}
 inline unsigned __ballot_sync(unsigned m, int p) { return cuemu::vote(m, p); }
 inline int __any_sync(unsigned m, int p) { return cuemu::vote(m, p) != 0; }
 inline int __all_sync(unsigned m, int p) { return cuemu::vote(m, !p) == 0; }
@@ -208,18 +246,46 @@ inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
 // 5. Atomics (real atomics: blocks may run on several OS threads)
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
-inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
-inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+inline unsigned atomicAdd(unsigned *p, unsigned v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+inline unsigned long long atomicAdd(unsigned long long *p, unsigned long long v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
 inline float atomicAdd(float* p, float v) { return cuemu::cas_add(p, v); }
 inline double atomicAdd(double* p, double v) { return cuemu::cas_add(p, v); }
 inline int atomicSub(int* p, int v) { return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED); }
 inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); }
-inline float atomicExch(float* p, float v) { float r; __atomic_exchange(p, &v, &r, __ATOMIC_RELAXED); return r; }
-inline int atomicCAS(int* p, int c, int v) { __atomic_compare_exchange_n(p, &c, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED); return c; }
-inline unsigned atomicCAS(unsigned* p, unsigned c, unsigned v) { __atomic_compare_exchange_n(p, &c, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED); return c; }
-inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long c, unsigned long long v) { __atomic_compare_exchange_n(p, &c, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED); return c; }
-inline int atomicMax(int* p, int v) { int o = __atomic_load_n(p, __ATOMIC_RELAXED); while (o < v && !__atomic_compare_exchange_n(p, &o, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {} return o; }
-inline int atomicMin(int* p, int v) { int o = __atomic_load_n(p, __ATOMIC_RELAXED); while (o > v && !__atomic_compare_exchange_n(p, &o, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {} return o; }
+inline float atomicExch(float *p, float v) {
+    float r;
+    __atomic_exchange(p, &v, &r, __ATOMIC_RELAXED);
+    return r;
+}
+inline int atomicCAS(int *p, int c, int v) {
+    __atomic_compare_exchange_n(p, &c, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    return c;
+}
+inline unsigned atomicCAS(unsigned *p, unsigned c, unsigned v) {
+    __atomic_compare_exchange_n(p, &c, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    return c;
+}
+inline unsigned long long atomicCAS(unsigned long long *p, unsigned long long c,
+                                    unsigned long long v) {
+    __atomic_compare_exchange_n(p, &c, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    return c;
+}
+inline int atomicMax(int *p, int v) {
+    int o = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (o < v &&
+           !__atomic_compare_exchange_n(p, &o, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
+    return o;
+}
+inline int atomicMin(int *p, int v) {
+    int o = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (o > v &&
+           !__atomic_compare_exchange_n(p, &o, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
+    return o;
+}
 
 // 6. A few device intrinsics / math (extend as kernels need them)
 inline float __expf(float x) { return expf(x); }

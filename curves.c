@@ -33,7 +33,9 @@ typedef struct {
     int mark_skipped;        // a red cross at the bottom of the epochs with skipped steps
 } SvgPanel;
 
-static double record_value(const EpochRecord *r, size_t offset) { return *(const double *)((const char *)r + offset); }
+static double record_value(const EpochRecord *r, size_t offset) {
+    return *(const double *)((const char *)r + offset);
+}
 
 // a step of 1, 2 or 5 × 10^k near (hi - lo)/5 (computed so that it stays finite near ±DBL_MAX)
 static double nice_step(double lo, double hi) {
@@ -54,7 +56,8 @@ static void svg_text(FILE *f, const char *s) {
 
 // An axis 0..max(values, top) (or from a negative minimum), rounded out to a nice step
 typedef struct { double lo, hi, step; int ticks; } SvgAxis;
-static SvgAxis svg_axis(const EpochRecord *rows, int n, const SvgSeries *s, int n_series, double top, int *present) {
+static SvgAxis svg_axis(const EpochRecord *rows, int n, const SvgSeries *s, int n_series,
+                        double top, int *present) {
     SvgAxis a = {0, top, 0, 0};
     for (int k = 0; k < n_series; k++) {
         present[k] = 0;
@@ -74,7 +77,8 @@ static SvgAxis svg_axis(const EpochRecord *rows, int n, const SvgSeries *s, int 
     return a;
 }
 
-static void svg_panel(FILE *f, int x0, int y0, const SvgPanel *p, const EpochRecord *rows, int n, int best_epoch) {
+static void svg_panel(FILE *f, int x0, int y0, const SvgPanel *p, const EpochRecord *rows, int n,
+                      int best_epoch) {
     const double L = x0 + SVG_LEFT, R = x0 + SVG_PANEL_W - (p->right ? SVG_RIGHT_AXIS : SVG_RIGHT);
     const double T = y0 + SVG_TOP, B = y0 + SVG_PANEL_H - SVG_BOTTOM;
     // x: the epochs, ±½ around a single one
@@ -83,50 +87,67 @@ static void svg_panel(FILE *f, int x0, int y0, const SvgPanel *p, const EpochRec
     if (ex1 == ex0) { ex0 -= 0.5; ex1 += 0.5; }
     const double xstep = fmax(1, round(nice_step(ex0, ex1)));
     int present[3];
-    SvgAxis ya = svg_axis(rows, n, p->left, 2, fmax(p->y_min_top, p->hline), present), yr = {0, 1, 1, 0};
+    SvgAxis ya = svg_axis(rows, n, p->left, 2, fmax(p->y_min_top, p->hline), present),
+            yr = {0, 1, 1, 0};
     if (p->right) yr = svg_axis(rows, n, p->right, 1, 0, present + 2);
     else present[2] = 0;
 #define SVG_X(e) (L + ((e) - ex0) / (ex1 - ex0) * (R - L))
 #define SVG_Y(a, v) (B - ((v) / 2 - (a).lo / 2) / ((a).hi / 2 - (a).lo / 2) * (B - T))  // halves: finite near ±DBL_MAX
 
-    fprintf(f, "<g>\n<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" font-size=\"15\" font-weight=\"bold\">",
+    fprintf(f,
+            "<g>\n<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" font-size=\"15\" "
+            "font-weight=\"bold\">",
             (L + R) / 2, y0 + 24.0);
     svg_text(f, p->title);
     fputs("</text>\n", f);
     for (int i = 0; i <= ya.ticks; i++) {  // y ticks and grid
         double v = 2 * (ya.lo / 2 + i * (ya.step / 2)), y = SVG_Y(ya, v);
-        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>"
-                "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.3g</text>\n", L, y, R, y, L - 6, y + 4, v);
+        fprintf(f,
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>"
+                "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.3g</text>\n",
+                L, y, R, y, L - 6, y + 4, v);
     }
     for (int i = 0; p->right && i <= yr.ticks; i++) {  // the right axis' ticks
         double v = 2 * (yr.lo / 2 + i * (yr.step / 2)), y = SVG_Y(yr, v);
-        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333\"/>"
-                "<text x=\"%.1f\" y=\"%.1f\" fill=\"%s\">%.6g</text>\n", R, y, R + 5, y, R + 8, y + 4, p->right->colour, v);
+        fprintf(f,
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333\"/>"
+                "<text x=\"%.1f\" y=\"%.1f\" fill=\"%s\">%.6g</text>\n",
+                R, y, R + 5, y, R + 8, y + 4, p->right->colour, v);
     }
     for (double e = ceil(ex0 / xstep) * xstep; e <= ex1; e += xstep)  // x ticks
         fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333\"/>"
                 "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.0f</text>\n",
                 SVG_X(e), B, SVG_X(e), B + 5, SVG_X(e), B + 19, e);
-    fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" stroke=\"#333\"/>\n",
+    fprintf(f,
+            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
+            "stroke=\"#333\"/>\n",
             L, T, R - L, B - T);
-    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">epoch</text>\n", (L + R) / 2, B + 40.0);
-    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" transform=\"rotate(-90 %.1f %.1f)\">",
+    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">epoch</text>\n", (L + R) / 2,
+            B + 40.0);
+    fprintf(f,
+            "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" transform=\"rotate(-90 %.1f "
+            "%.1f)\">",
             x0 + 18.0, (T + B) / 2, x0 + 18.0, (T + B) / 2);
     svg_text(f, p->title);
     fputs("</text>\n", f);
     if (best_epoch >= ex0 && best_epoch <= ex1)
-        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#2ca02c\" stroke-dasharray=\"2 3\"/>"
+        fprintf(f,
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#2ca02c\" "
+                "stroke-dasharray=\"2 3\"/>"
                 "<text x=\"%.1f\" y=\"%.1f\" fill=\"#2ca02c\" text-anchor=\"middle\">best</text>\n",
                 SVG_X(best_epoch), T, SVG_X(best_epoch), B, SVG_X(best_epoch), T - 4);
     if (p->hline > 0)
-        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#d62728\" stroke-dasharray=\"8 3\"/>\n",
+        fprintf(f,
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#d62728\" "
+                "stroke-dasharray=\"8 3\"/>\n",
                 L, SVG_Y(ya, p->hline), R, SVG_Y(ya, p->hline));
     // the series: left ones, then the right one against its own axis
     const SvgSeries *all[3] = {&p->left[0], &p->left[1], p->right};
     const SvgAxis *axis[3] = {&ya, &ya, &yr};
     for (int k = 0; k < 3; k++) {
         if (!present[k]) continue;
-        fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\"%s points=\"", all[k]->colour, all[k]->dash);
+        fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\"%s points=\"",
+                all[k]->colour, all[k]->dash);
         for (int i = 0; i < n; i++) {
             double v = record_value(&rows[i], all[k]->offset);
             if (isfinite(v)) fprintf(f, "%.1f,%.1f ", SVG_X(rows[i].epoch), SVG_Y(*axis[k], v));
@@ -135,14 +156,16 @@ static void svg_panel(FILE *f, int x0, int y0, const SvgPanel *p, const EpochRec
         for (int i = 0; i < n; i++) {
             double v = record_value(&rows[i], all[k]->offset);
             if (isfinite(v))
-                fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>\n", SVG_X(rows[i].epoch),
-                        SVG_Y(*axis[k], v), all[k]->colour);
+                fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>\n",
+                        SVG_X(rows[i].epoch), SVG_Y(*axis[k], v), all[k]->colour);
         }
     }
-    for (int i = 0; p->mark_skipped && i < n; i++) {  // a cross at the bottom of each epoch with skipped steps
+    // a cross at the bottom of each epoch with skipped steps
+    for (int i = 0; p->mark_skipped && i < n; i++) {
         if (!(rows[i].skipped_steps > 0)) continue;
         double x = SVG_X(rows[i].epoch);
-        fprintf(f, "<path d=\"M%.1f %.1fl8 8m0 -8l-8 8\" stroke=\"#d62728\" stroke-width=\"2\"/>\n", x - 4, B - 14);
+        fprintf(f, "<path d=\"M%.1f %.1fl8 8m0 -8l-8 8\" stroke=\"#d62728\" stroke-width=\"2\"/>\n",
+                x - 4, B - 14);
     }
     // the legend goes top right, or bottom right when more of the values in the panel's right
     // half lie in its upper half (curves that end high: accuracy, IoU)
@@ -151,7 +174,9 @@ static void svg_panel(FILE *f, int x0, int y0, const SvgPanel *p, const EpochRec
     int n_legend = 0, upper = 0, lower = 0;
     for (int k = 0; k < 3; k++) {
         if (!present[k]) continue;
-        names[n_legend] = all[k]->name; colours[n_legend] = all[k]->colour; dashes[n_legend++] = all[k]->dash;
+        names[n_legend] = all[k]->name;
+        colours[n_legend] = all[k]->colour;
+        dashes[n_legend++] = all[k]->dash;
         for (int i = 0; i < n; i++) {
             double v = record_value(&rows[i], all[k]->offset);
             if (!isfinite(v) || SVG_X(rows[i].epoch) < (L + R) / 2) continue;
@@ -170,30 +195,38 @@ static void svg_panel(FILE *f, int x0, int y0, const SvgPanel *p, const EpochRec
     const int lines = n_legend + any_skipped;
     if (lines) {  // on a white ground, over what it covers
         const double top = bottom ? B - 12 - 18 * (lines - 1) : T + 14;
-        fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"white\" fill-opacity=\"0.85\"/>\n",
+        fprintf(f,
+                "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"white\" "
+                "fill-opacity=\"0.85\"/>\n",
                 R - 116, top - 11, 112.0, 18.0 * lines + 4);
     }
     for (int k = 0; k < lines; k++) {
         double ly = bottom ? B - 12 - 18 * (lines - 1 - k) : T + 14 + 18 * k;
         if (k < n_legend)
-            fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" stroke-width=\"2\"%s/>",
+            fprintf(f,
+                    "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
+                    "stroke-width=\"2\"%s/>",
                     R - 110, ly, R - 86, ly, colours[k], dashes[k]);
         else
-            fprintf(f, "<path d=\"M%.1f %.1fl8 8m0 -8l-8 8\" stroke=\"#d62728\" stroke-width=\"2\"/>", R - 102, ly - 4);
+            fprintf(f,
+                    "<path d=\"M%.1f %.1fl8 8m0 -8l-8 8\" stroke=\"#d62728\" stroke-width=\"2\"/>",
+                    R - 102, ly - 4);
         fprintf(f, "<text x=\"%.1f\" y=\"%.1f\">", R - 80, ly + 4);
         svg_text(f, k < n_legend ? names[k] : "skipped steps");
         fputs("</text>\n", f);
     }
     if (!present[0] && !present[1])
-        fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" fill=\"#888\">no values</text>\n", (L + R) / 2,
-                (T + B) / 2);
+        fprintf(f,
+                "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" fill=\"#888\">no "
+                "values</text>\n",
+                (L + R) / 2, (T + B) / 2);
     fputs("</g>\n", f);
 #undef SVG_X
 #undef SVG_Y
 }
 
-int write_curves_svg(const char *path, const EpochRecord *rows, int n, const char *metric_name, const CurveMarks *marks,
-                     char err[SN_ERR_MAX]) {
+int write_curves_svg(const char *path, const EpochRecord *rows, int n, const char *metric_name,
+                     const CurveMarks *marks, char err[SN_ERR_MAX]) {
     snCheck(rows != NULL && n >= 1 && metric_name != NULL, "write_curves_svg: no rows");
     static const char *VAL_DASH = " stroke-dasharray=\"6 4\"";
     const SvgSeries loss[2] = {{offsetof(EpochRecord, loss), "train", "#1f77b4", ""},
@@ -202,25 +235,33 @@ int write_curves_svg(const char *path, const EpochRecord *rows, int n, const cha
                                  {offsetof(EpochRecord, val_metric), "val", "#ff7f0e", VAL_DASH}};
     const SvgSeries norm[2] = {{offsetof(EpochRecord, grad_norm_mean), "mean", "#1f77b4", ""},
                                {offsetof(EpochRecord, grad_norm_max), "max", "#9467bd", VAL_DASH}};
-    const SvgSeries scale = {offsetof(EpochRecord, loss_scale), "loss scale", "#8c564b", " stroke-dasharray=\"2 2\""};
-    const SvgSeries lr[2] = {{offsetof(EpochRecord, lr), "lr", "#1f77b4", ""}, {0, NULL, NULL, NULL}};
-    const SvgSeries ratio = {offsetof(EpochRecord, update_ratio), "update ratio", "#8c564b", " stroke-dasharray=\"2 2\""};
+    const SvgSeries scale = {offsetof(EpochRecord, loss_scale), "loss scale", "#8c564b",
+                             " stroke-dasharray=\"2 2\""};
+    const SvgSeries lr[2] = {{offsetof(EpochRecord, lr), "lr", "#1f77b4", ""},
+                             {0, NULL, NULL, NULL}};
+    const SvgSeries ratio = {offsetof(EpochRecord, update_ratio), "update ratio", "#8c564b",
+                             " stroke-dasharray=\"2 2\""};
     int fp16 = 0;  // the loss scale is drawn when it is not 1 throughout
     for (int i = 0; i < n; i++) fp16 |= isfinite(rows[i].loss_scale) && rows[i].loss_scale != 1.0;
     const SvgPanel panels[4] = {
-        {"loss", loss, NULL, 0, 0, NULL, 0},
-        {metric_name, metric, NULL, 1, 0, NULL, 0},
-        {"gradient norm", norm, fp16 ? &scale : NULL, 0, marks ? marks->clipnorm : 0, "clipnorm", 1},
-        {"learning rate", lr, &ratio, 0, 0, NULL, 0},
+            {"loss", loss, NULL, 0, 0, NULL, 0},
+            {metric_name, metric, NULL, 1, 0, NULL, 0},
+            {"gradient norm", norm, fp16 ? &scale : NULL, 0, marks ? marks->clipnorm : 0,
+             "clipnorm", 1},
+            {"learning rate", lr, &ratio, 0, 0, NULL, 0},
     };
     char tmp[OUT_PATH_MAX];
     FILE *f = atomic_file_open(path, tmp, err);
     if (!f) return -1;
-    fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" "
-            "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
+    fprintf(f,
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d "
+            "%d\" "
+            "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" "
+            "fill=\"white\"/>\n",
             2 * SVG_PANEL_W, 2 * SVG_PANEL_H, 2 * SVG_PANEL_W, 2 * SVG_PANEL_H);
     for (int k = 0; k < 4; k++)
-        svg_panel(f, (k % 2) * SVG_PANEL_W, (k / 2) * SVG_PANEL_H, &panels[k], rows, n, marks ? marks->best_epoch : 0);
+        svg_panel(f, (k % 2) * SVG_PANEL_W, (k / 2) * SVG_PANEL_H, &panels[k], rows, n,
+                  marks ? marks->best_epoch : 0);
     fputs("</svg>\n", f);
     return atomic_file_commit(f, tmp, path, 1, err);
 }

@@ -54,10 +54,14 @@ static int cmp_by_stem(const void *a, const void *b) {
 static int list_folder(const char *dir, PathList *out, char err[SN_ERR_MAX]) {
     struct stat sb;
     memset(out, 0, sizeof *out);
-    if (stat(dir, &sb) != 0) { snprintf(err, SN_ERR_MAX, "%s: %s", dir, strerror(errno)); return -1; }
+    if (stat(dir, &sb) != 0) {
+        snprintf(err, SN_ERR_MAX, "%s: %s", dir, strerror(errno));
+        return -1;
+    }
     if (!S_ISDIR(sb.st_mode)) { snprintf(err, SN_ERR_MAX, "%s: not a folder", dir); return -1; }
     if (list_images(dir, out, err) == 0) return 0;
-    return out->n == 0 && access(dir, R_OK | X_OK) == 0 ? 0 : -1;  // list_images refuses an empty list
+    // list_images refuses an empty list
+    return out->n == 0 && access(dir, R_OK | X_OK) == 0 ? 0 : -1;
 }
 
 // DIR/images/<stem>.{png,jpg,jpeg} paired with DIR/masks/<stem>.png by one merge
@@ -70,19 +74,26 @@ static int list_segmentation(Dataset *d, const char *dir, char err[SN_ERR_MAX]) 
     for (int k = 0; k < 2; k++) {
         struct stat sb;
         if (stat(sub[k], &sb) != 0 || !S_ISDIR(sb.st_mode)) {
-            snprintf(err, SN_ERR_MAX, "%.300s: no such folder (segmentation data is %s/images/*.{png,jpg,jpeg} and %s/masks/*.png)",
+            snprintf(err, SN_ERR_MAX,
+                     "%.300s: no such folder (segmentation data is %s/images/*.{png,jpg,jpeg} and "
+                     "%s/masks/*.png)",
                      sub[k], dir, dir);
             return -1;
         }
     }
     if (list_folder(sub[0], &im, err) || list_folder(sub[1], &mk, err)) goto fail;
-    if (im.n == 0) { snprintf(err, SN_ERR_MAX, "%.300s: no images (*.png, *.jpg, *.jpeg)", sub[0]); goto fail; }
+    if (im.n == 0) {
+        snprintf(err, SN_ERR_MAX, "%.300s: no images (*.png, *.jpg, *.jpeg)", sub[0]);
+        goto fail;
+    }
     sort_n(im.paths, (size_t)im.n, sizeof(char *), cmp_by_stem);
     sort_n(mk.paths, (size_t)mk.n, sizeof(char *), cmp_by_stem);
     for (int k = 0; k < mk.n; k++) {
         const char *dot = strrchr(mk.paths[k], '.');
         if (strcasecmp(dot, ".png")) {  // listed, so it has an image extension
-            snprintf(err, SN_ERR_MAX, "%s: a mask must be a PNG (JPEG compression changes class indices)", mk.paths[k]);
+            snprintf(err, SN_ERR_MAX,
+                     "%s: a mask must be a PNG (JPEG compression changes class indices)",
+                     mk.paths[k]);
             goto fail;
         }
     }
@@ -90,20 +101,22 @@ static int list_segmentation(Dataset *d, const char *dir, char err[SN_ERR_MAX]) 
     for (int k = 0; k < 2; k++)
         for (int i = 1; i < lists[k]->n; i++)
             if (cmp_stems(lists[k]->paths[i - 1], lists[k]->paths[i]) == 0) {
-                snprintf(err, SN_ERR_MAX, "%s: same name as %s (masks pair with images by name)", lists[k]->paths[i],
-                         lists[k]->paths[i - 1]);
+                snprintf(err, SN_ERR_MAX, "%s: same name as %s (masks pair with images by name)",
+                         lists[k]->paths[i], lists[k]->paths[i - 1]);
                 goto fail;
             }
     for (int i = 0; i < im.n || i < mk.n; i++) {
         int c = i == im.n ? 1 : i == mk.n ? -1 : cmp_stems(im.paths[i], mk.paths[i]), len;
         if (c < 0) {
             const char *s = path_stem(im.paths[i], &len);
-            snprintf(err, SN_ERR_MAX, "%s: no mask (expected %.300s/%.*s.png)", im.paths[i], sub[1], len, s);
+            snprintf(err, SN_ERR_MAX, "%s: no mask (expected %.300s/%.*s.png)", im.paths[i], sub[1],
+                     len, s);
             goto fail;
         }
         if (c > 0) {
             const char *s = path_stem(mk.paths[i], &len);
-            snprintf(err, SN_ERR_MAX, "%s: no image (expected %.300s/%.*s.png, .jpg or .jpeg)", mk.paths[i], sub[0], len, s);
+            snprintf(err, SN_ERR_MAX, "%s: no image (expected %.300s/%.*s.png, .jpg or .jpeg)",
+                     mk.paths[i], sub[0], len, s);
             goto fail;
         }
     }
@@ -130,9 +143,11 @@ static void add_sample(Dataset *d, PathList *l, int *cap, const char *path, int 
 // class names: d->names takes `names` (n of them, sorted, owned by d)
 static void set_names(Dataset *d, char **names, int n) { d->names = names; d->n_names = n; }
 // the index of `name` among names_from's, or -1 (a message naming the known ones in err)
-static int name_index(const Dataset *from, const char *name, const char *where, char err[SN_ERR_MAX]) {
+static int name_index(const Dataset *from, const char *name, const char *where,
+                      char err[SN_ERR_MAX]) {
     for (int k = 0; k < from->n_names; k++) if (!strcmp(from->names[k], name)) return k;
-    int n = snprintf(err, SN_ERR_MAX, "%.400s: class '%.100s' is not one of the training set's (", where, name);
+    int n = snprintf(err, SN_ERR_MAX, "%.400s: class '%.100s' is not one of the training set's (",
+                     where, name);
     for (int k = 0; k < from->n_names && n < SN_ERR_MAX - 8; k++)
         n += snprintf(err + n, SN_ERR_MAX - n, "%s%.60s", k ? ", " : "", from->names[k]);
     if (n < SN_ERR_MAX) snprintf(err + n, SN_ERR_MAX - n, ")");
@@ -142,13 +157,17 @@ static int name_index(const Dataset *from, const char *name, const char *where, 
 static char **names_copy(char *const *names, int n) {
     char **c = malloc(sizeof(char *) * (size_t)(n ? n : 1));
     snCheck(c != NULL, "out of host memory");
-    for (int k = 0; k < n; k++) { c[k] = strdup(names[k]); snCheck(c[k] != NULL, "out of host memory"); }
+    for (int k = 0; k < n; k++) {
+        c[k] = strdup(names[k]);
+        snCheck(c[k] != NULL, "out of host memory");
+    }
     return c;
 }
 
 // DIR/<class>/*: sub-folders sorted by name are classes 0, 1, ... (or the
 // classes of names_from with those names)
-static int list_class_folders(Dataset *d, const char *dir, const Dataset *names_from, char err[SN_ERR_MAX]) {
+static int list_class_folders(Dataset *d, const char *dir, const Dataset *names_from,
+                              char err[SN_ERR_MAX]) {
     PathList classes = {0}, all = {0};
     char **names = NULL;  // the folders' names (sorted)
     int cap = 0, rc = -1;
@@ -158,12 +177,14 @@ static int list_class_folders(Dataset *d, const char *dir, const Dataset *names_
         if (e->d_name[0] == '.') continue;
         path_list_add(&classes, dir, e->d_name);
         struct stat sb;
-        if (stat(classes.paths[classes.n - 1], &sb) != 0 || !S_ISDIR(sb.st_mode)) free(classes.paths[--classes.n]);
+        if (stat(classes.paths[classes.n - 1], &sb) != 0 || !S_ISDIR(sb.st_mode))
+            free(classes.paths[--classes.n]);
     }
     closedir(dp);
     sort_n(classes.paths, (size_t)classes.n, sizeof(char *), cmp_str);
     if (classes.n > d->classes) {
-        snprintf(err, SN_ERR_MAX, "%s: %d class folders, but there are %d classes", dir, classes.n, d->classes);
+        snprintf(err, SN_ERR_MAX, "%s: %d class folders, but there are %d classes", dir, classes.n,
+                 d->classes);
         goto done;
     }
     names = malloc(sizeof(char *) * (size_t)(classes.n ? classes.n : 1));
@@ -173,10 +194,13 @@ static int list_class_folders(Dataset *d, const char *dir, const Dataset *names_
         names[c] = strdup(slash ? slash + 1 : classes.paths[c]);
         snCheck(names[c] != NULL, "out of host memory");
     }
-    if (names_from && names_from->names) set_names(d, names_copy(names_from->names, names_from->n_names), names_from->n_names);
+    if (names_from && names_from->names)
+        set_names(d, names_copy(names_from->names, names_from->n_names), names_from->n_names);
     else set_names(d, names, classes.n);
     for (int c = 0; c < classes.n; c++) {
-        const int label = names_from && names_from->names ? name_index(names_from, names[c], classes.paths[c], err) : c;
+        const int label = names_from && names_from->names
+                                  ? name_index(names_from, names[c], classes.paths[c], err)
+                                  : c;
         if (label < 0) goto done;
         PathList l;
         if (list_folder(classes.paths[c], &l, err)) goto done;
@@ -184,7 +208,9 @@ static int list_class_folders(Dataset *d, const char *dir, const Dataset *names_
         path_list_free(&l);
     }
     if (all.n == 0) {
-        snprintf(err, SN_ERR_MAX, "%s: no images (expected %s/<class>/*.{png,jpg,jpeg}, one sub-folder per class)", dir, dir);
+        snprintf(err, SN_ERR_MAX,
+                 "%s: no images (expected %s/<class>/*.{png,jpg,jpeg}, one sub-folder per class)",
+                 dir, dir);
         goto done;
     }
     d->n = all.n;
@@ -218,15 +244,18 @@ static int list_csv(Dataset *d, const char *csv, const Dataset *names_from, char
         struct stat sb;
         int more = 0;
         if (!strchr(line, '\n') && !feof(f)) {
-            snprintf(err, SN_ERR_MAX, "%s: row %d: longer than %zu characters", csv, row, sizeof line - 1);
+            snprintf(err, SN_ERR_MAX, "%s: row %d: longer than %zu characters", csv, row,
+                     sizeof line - 1);
             rc = -1;
         } else if (!s[strspn(s, CSV_BLANKS "\r\n")]) {
             continue;
-        } else if ((why = csv_field(&s, path, sizeof path, &more)) || (why = csv_field(&s, label, sizeof label, &more))) {
+        } else if ((why = csv_field(&s, path, sizeof path, &more)) ||
+                   (why = csv_field(&s, label, sizeof label, &more))) {
             snprintf(err, SN_ERR_MAX, "%s: row %d: %s", csv, row, why);
             rc = -1;
         } else if (more) {
-            snprintf(err, SN_ERR_MAX, "%s: row %d: more than two fields (rows are path,label)", csv, row);
+            snprintf(err, SN_ERR_MAX, "%s: row %d: more than two fields (rows are path,label)", csv,
+                     row);
             rc = -1;
         } else if (row == 1 && !strcmp(path, "path")) {
             continue;  // header
@@ -239,32 +268,39 @@ static int list_csv(Dataset *d, const char *csv, const Dataset *names_from, char
             long v = strtol(label, &end, 10);
             end += strspn(end, " \t");
             char full[8200];
-            snprintf(full, sizeof full, "%s%s%s", path[0] == '/' ? "" : dir, path[0] == '/' ? "" : "/", path);
+            snprintf(full, sizeof full, "%s%s%s", path[0] == '/' ? "" : dir,
+                     path[0] == '/' ? "" : "/", path);
             const int is_int = label[0] && !*end && errno != ERANGE;
             if (label[0] && !first_row[is_int]) first_row[is_int] = row;
             if (!label[0]) {
                 snprintf(err, SN_ERR_MAX, "%s: row %d: no label (rows are path,label)", csv, row);
                 rc = -1;
             } else if (numeric >= 0 && numeric != is_int) {
-                snprintf(err, SN_ERR_MAX, "%s: row %d: label '%s' is %s, but row %d's is %s (labels are all integers "
-                         "0..K-1 or all class names)", csv, row, label, is_int ? "an integer" : "a name",
-                         first_row[!is_int], is_int ? "a name" : "an integer");
+                snprintf(
+                        err, SN_ERR_MAX,
+                        "%s: row %d: label '%s' is %s, but row %d's is %s (labels are all integers "
+                        "0..K-1 or all class names)",
+                        csv, row, label, is_int ? "an integer" : "a name", first_row[!is_int],
+                        is_int ? "a name" : "an integer");
                 rc = -1;
             } else if (!is_int) {  // a class name: its index once every name is known
                 numeric = 0;
                 if (stat(full, &sb) != 0) {
-                    snprintf(err, SN_ERR_MAX, "%s: row %d: %.400s: %s", csv, row, full, strerror(errno));
+                    snprintf(err, SN_ERR_MAX, "%s: row %d: %.400s: %s", csv, row, full,
+                             strerror(errno));
                     rc = -1;
                 } else {
                     add_sample(d, &all, &cap, full, -1);
                     path_list_add(&texts, NULL, label);
                 }
             } else if ((numeric = 1) && (v < 0 || v >= d->classes)) {
-                snprintf(err, SN_ERR_MAX, "%s: row %d: label '%s' is out of range (there are %d classes: 0..%d)", csv, row,
-                         label, d->classes, d->classes - 1);
+                snprintf(err, SN_ERR_MAX,
+                         "%s: row %d: label '%s' is out of range (there are %d classes: 0..%d)",
+                         csv, row, label, d->classes, d->classes - 1);
                 rc = -1;
             } else if (stat(full, &sb) != 0) {
-                snprintf(err, SN_ERR_MAX, "%s: row %d: %.400s: %s", csv, row, full, strerror(errno));
+                snprintf(err, SN_ERR_MAX, "%s: row %d: %.400s: %s", csv, row, full,
+                         strerror(errno));
                 rc = -1;
             } else {
                 add_sample(d, &all, &cap, full, (int)v);
@@ -286,8 +322,9 @@ static int list_csv(Dataset *d, const char *csv, const Dataset *names_from, char
             }
             set_names(d, sorted, n);
             if (n > d->classes) {
-                snprintf(err, SN_ERR_MAX, "%s: %d class names (%s, %s, ...), but there are %d classes", csv, n, sorted[0],
-                         sorted[1], d->classes);
+                snprintf(err, SN_ERR_MAX,
+                         "%s: %d class names (%s, %s, ...), but there are %d classes", csv, n,
+                         sorted[0], sorted[1], d->classes);
                 rc = -1;
             }
         }
@@ -310,7 +347,8 @@ static int list_csv(Dataset *d, const char *csv, const Dataset *names_from, char
 // (a colour-coded mask has no class indices), as is a palette PNG (stb_image
 // gives its colours, not the indices). Its size must be the image's (ih,iw),
 // whose EXIF orientation a mismatch mentions, and every value below K.
-static uint8_t *mask_load(const char *path, int ih, int iw, int image_orientation, int K, char err[SN_ERR_MAX]) {
+static uint8_t *mask_load(const char *path, int ih, int iw, int image_orientation, int K,
+                          char err[SN_ERR_MAX]) {
     size_t n;
     int h, w, comp, hh, ww;
     uint8_t *b = image_file_bytes(path, 1, &n, &hh, &ww, err);
@@ -320,18 +358,23 @@ static uint8_t *mask_load(const char *path, int ih, int iw, int image_orientatio
     const int depth = ihdr ? b[24] : 8, colour = ihdr ? b[25] : 0;
     if (colour == 3) {
         free(b);
-        snprintf(err, SN_ERR_MAX, "%s: a palette PNG (stb_image gives its colours, not the class indices): "
-                 "save masks as 8-bit grey", path);
+        snprintf(err, SN_ERR_MAX,
+                 "%s: a palette PNG (stb_image gives its colours, not the class indices): "
+                 "save masks as 8-bit grey",
+                 path);
         return NULL;
     }
     // stb_image scales 1-, 2- and 4-bit grey to 8 bits, v·255/(2^depth − 1): divided back, exactly
-    const int grey_scale = colour == 0 && (depth == 1 || depth == 2 || depth == 4) ? 255 / ((1 << depth) - 1) : 1;
+    const int grey_scale =
+            colour == 0 && (depth == 1 || depth == 2 || depth == 4) ? 255 / ((1 << depth) - 1) : 1;
     const int deep = depth == 16;
     // req_comp 0: the file's channels, comp of them (with tRNS's alpha counted)
-    void *px = deep ? (void *)stbi_load_16_from_memory(b, (int)n, &w, &h, &comp, 0) : (void *)stbi_load_from_memory(b, (int)n, &w, &h, &comp, 0);
+    void *px = deep ? (void *)stbi_load_16_from_memory(b, (int)n, &w, &h, &comp, 0)
+                    : (void *)stbi_load_from_memory(b, (int)n, &w, &h, &comp, 0);
     free(b);
     if (!px || w != ww || h != hh) {
-        snprintf(err, SN_ERR_MAX, "%s: cannot decode the image (%s)", path, px ? "its size changed while decoding" : decoder_reason());
+        snprintf(err, SN_ERR_MAX, "%s: cannot decode the image (%s)", path,
+                 px ? "its size changed while decoding" : decoder_reason());
         stbi_image_free(px);
         return NULL;
     }
@@ -350,10 +393,14 @@ static uint8_t *mask_load(const char *path, int ih, int iw, int image_orientatio
                 v[c] = deep ? ((const uint16_t *)px)[i] : ((const uint8_t *)px)[i];
             }
             if (v[1] != v[0] || v[2] != v[0]) {
-                snprintf(err, SN_ERR_MAX, "%s: pixel (%d,%d) has the colour (%d,%d,%d), not a class index: save masks as "
-                         "8-bit grey, pixel value = class index", path, (int)(p % w), (int)(p / w), v[0], v[1], v[2]);
+                snprintf(err, SN_ERR_MAX,
+                         "%s: pixel (%d,%d) has the colour (%d,%d,%d), not a class index: save "
+                         "masks as "
+                         "8-bit grey, pixel value = class index",
+                         path, (int)(p % w), (int)(p / w), v[0], v[1], v[2]);
             } else if (v[0] / grey_scale >= K) {
-                snprintf(err, SN_ERR_MAX, "%s: pixel (%d,%d) has class %d, but there are %d classes (0..%d)", path,
+                snprintf(err, SN_ERR_MAX,
+                         "%s: pixel (%d,%d) has class %d, but there are %d classes (0..%d)", path,
                          (int)(p % w), (int)(p / w), v[0] / grey_scale, K, K - 1);
             } else {
                 m[p] = (uint8_t)(v[0] / grey_scale);
@@ -375,7 +422,8 @@ static void image_to_bytes(uint8_t *dst, int H, int W, float *src, int h, int w)
     if (h != H || w != W) {
         y = malloc(sizeof(float) * 3 * H * W);
         snCheck(y != NULL, "out of host memory");
-        ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(y, shape4(1, H, W, 3)), tensor_f32(src, shape4(1, h, w, 3)));
+        ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(y, shape4(1, H, W, 3)),
+                                        tensor_f32(src, shape4(1, h, w, 3)));
     }
     for (size_t i = 0; i < (size_t)3 * H * W; i++) {
         long v = lrintf(y[i]);
@@ -390,7 +438,8 @@ static void mask_resize(uint8_t *dst, int H, int W, const uint8_t *src, int h, i
     for (int oy = 0; oy < H; oy++) {
         int sy = (int)((2 * (int64_t)oy + 1) * h / (2 * (int64_t)H));
         for (int ox = 0; ox < W; ox++)
-            dst[(size_t)oy * W + ox] = src[(size_t)sy * w + (2 * (int64_t)ox + 1) * w / (2 * (int64_t)W)];
+            dst[(size_t)oy * W + ox] =
+                    src[(size_t)sy * w + (2 * (int64_t)ox + 1) * w / (2 * (int64_t)W)];
     }
 }
 
@@ -406,7 +455,8 @@ static int sample_load(const Dataset *d, int i, uint8_t *rgb, uint8_t *mask, cha
     int h, w, orientation;
     float *img = image_load_oriented(d->images[i], &h, &w, &orientation, err);
     if (!img) return -1;
-    uint8_t *m = d->segmentation ? mask_load(d->masks[i], h, w, orientation, d->classes, err) : NULL;
+    uint8_t *m =
+            d->segmentation ? mask_load(d->masks[i], h, w, orientation, d->classes, err) : NULL;
     int ok = !d->segmentation || m;
     if (ok) image_to_bytes(rgb, d->height, d->width, img, h, w);
     if (m) mask_resize(mask, d->height, d->width, m, h, w);
@@ -445,7 +495,8 @@ static void *check_worker(void *arg) {
     int64_t *counts = calloc((size_t)d->classes, sizeof(int64_t));
     snCheck((d->image_cache || scratch) && counts, "out of host memory");
     int omp = omp_serial_begin();
-    for (int i; !interrupt_signal && (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < __atomic_load_n(&c->bad, __ATOMIC_RELAXED);) {
+    for (int i; !interrupt_signal && (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) <
+                                             __atomic_load_n(&c->bad, __ATOMIC_RELAXED);) {
         uint8_t *rgb, *mask;
         char e[SN_ERR_MAX];
         sample_bytes(d, i, scratch, &rgb, &mask);
@@ -454,7 +505,10 @@ static void *check_worker(void *arg) {
             continue;
         }
         pthread_mutex_lock(&c->mu);
-        if (i < c->bad) { __atomic_store_n(&c->bad, i, __ATOMIC_RELAXED); memcpy(c->err, e, SN_ERR_MAX); }
+        if (i < c->bad) {
+            __atomic_store_n(&c->bad, i, __ATOMIC_RELAXED);
+            memcpy(c->err, e, SN_ERR_MAX);
+        }
         pthread_mutex_unlock(&c->mu);
     }
     omp_serial_end(omp);
@@ -484,26 +538,34 @@ void dataset_free(Dataset *d) {
 
 int dataset_open(Dataset *d, const char *path, int segmentation, int classes, int height, int width,
                  size_t cache_bytes, int threads, char err[SN_ERR_MAX]) {
-    return dataset_open_named(d, path, segmentation, classes, height, width, cache_bytes, threads, NULL, err);
+    return dataset_open_named(d, path, segmentation, classes, height, width, cache_bytes, threads,
+                              NULL, err);
 }
 
-int dataset_open_named(Dataset *d, const char *path, int segmentation, int classes, int height, int width,
-                       size_t cache_bytes, int threads, const Dataset *names_from, char err[SN_ERR_MAX]) {
-    snCheck(classes >= 1 && height >= 1 && width >= 1 && threads >= 1, "dataset_open: classes %d, size %dx%d, threads %d",
-            classes, width, height, threads);
+int dataset_open_named(Dataset *d, const char *path, int segmentation, int classes, int height,
+                       int width, size_t cache_bytes, int threads, const Dataset *names_from,
+                       char err[SN_ERR_MAX]) {
+    snCheck(classes >= 1 && height >= 1 && width >= 1 && threads >= 1,
+            "dataset_open: classes %d, size %dx%d, threads %d", classes, width, height, threads);
     memset(d, 0, sizeof *d);
     d->segmentation = segmentation;
     d->classes = classes;
     d->height = height;
     d->width = width;
     if (segmentation && classes > 256) {
-        snprintf(err, SN_ERR_MAX, "%d classes: segmentation supports at most 256 (masks hold 8-bit class indices)", classes);
+        snprintf(err, SN_ERR_MAX,
+                 "%d classes: segmentation supports at most 256 (masks hold 8-bit class indices)",
+                 classes);
         return -1;
     }
     struct stat sb;
-    if (stat(path, &sb) != 0) { snprintf(err, SN_ERR_MAX, "%s: %s", path, strerror(errno)); return -1; }
-    int rc = segmentation ? list_segmentation(d, path, err)
-           : S_ISDIR(sb.st_mode) ? list_class_folders(d, path, names_from, err) : list_csv(d, path, names_from, err);
+    if (stat(path, &sb) != 0) {
+        snprintf(err, SN_ERR_MAX, "%s: %s", path, strerror(errno));
+        return -1;
+    }
+    int rc = segmentation          ? list_segmentation(d, path, err)
+             : S_ISDIR(sb.st_mode) ? list_class_folders(d, path, names_from, err)
+                                   : list_csv(d, path, names_from, err);
     if (rc) { dataset_free(d); return -1; }
 
     // cache the resized bytes when they fit (and can be allocated)
@@ -528,7 +590,11 @@ int dataset_open_named(Dataset *d, const char *path, int segmentation, int class
     free(t);
     pthread_mutex_destroy(&c.mu);
     if (c.bad < d->n) { snprintf(err, SN_ERR_MAX, "%s", c.err); dataset_free(d); return -1; }
-    if (interrupt_signal) { snprintf(err, SN_ERR_MAX, "%s: interrupted while checking its images", path); dataset_free(d); return -1; }
+    if (interrupt_signal) {
+        snprintf(err, SN_ERR_MAX, "%s: interrupted while checking its images", path);
+        dataset_free(d);
+        return -1;
+    }
     return 0;
 }
 
@@ -541,8 +607,8 @@ int dataset_open_named(Dataset *d, const char *path, int segmentation, int class
 // of (seed, idx), whichever thread builds the batch.
 enum { AUG_FLIP, AUG_BRIGHTNESS, AUG_CONTRAST, AUG_DRAWS };
 
-static void sample_augment(const Dataset *d, const uint8_t *rgb, const uint8_t *mask, int idx, const Augment *aug,
-                           uint64_t seed, float *out, int32_t *labels) {
+static void sample_augment(const Dataset *d, const uint8_t *rgb, const uint8_t *mask, int idx,
+                           const Augment *aug, uint64_t seed, float *out, int32_t *labels) {
     const int H = d->height, W = d->width;
     const size_t P = (size_t)H * W;
     const uint64_t ctr = (uint64_t)idx * AUG_DRAWS;
@@ -553,10 +619,14 @@ static void sample_augment(const Dataset *d, const uint8_t *rgb, const uint8_t *
             for (int c = 0; c < 3; c++) out[3 * o + c] = rgb[3 * s + c];
             if (mask) labels[o] = mask[s];
         }
-    int bright = aug && aug->brightness > 0.0f, contrast = aug && (aug->contrast_lo != 0.0f || aug->contrast_hi != 0.0f);
+    int bright = aug && aug->brightness > 0.0f,
+        contrast = aug && (aug->contrast_lo != 0.0f || aug->contrast_hi != 0.0f);
     if (!bright && !contrast) return;
-    float delta = bright ? aug->brightness * (2.0f * rng_uniform(seed, ctr + AUG_BRIGHTNESS) - 1.0f) : 0.0f;
-    float f = contrast ? aug->contrast_lo + (aug->contrast_hi - aug->contrast_lo) * rng_uniform(seed, ctr + AUG_CONTRAST) : 1.0f;
+    float delta = bright ? aug->brightness * (2.0f * rng_uniform(seed, ctr + AUG_BRIGHTNESS) - 1.0f)
+                         : 0.0f;
+    float f = contrast ? aug->contrast_lo + (aug->contrast_hi - aug->contrast_lo) *
+                                                    rng_uniform(seed, ctr + AUG_CONTRAST)
+                       : 1.0f;
     for (int c = 0; c < 3; c++) {
         double sum = 0.0;
         for (size_t p = 0; p < P; p++) {
@@ -630,7 +700,8 @@ static void *loader_worker(void *arg) {
         LoaderBatch *s = &l->slots[b % l->depth];
         pthread_mutex_unlock(&l->mu);
         char e[SN_ERR_MAX];
-        int rc = dataset_batch(l->d, l->order + first, n, l->has_aug ? &l->aug : NULL, l->seed, s->images, s->labels, e);
+        int rc = dataset_batch(l->d, l->order + first, n, l->has_aug ? &l->aug : NULL, l->seed,
+                               s->images, s->labels, e);
         pthread_mutex_lock(&l->mu);
         if (rc == 0) { s->n = n; s->index = b; l->built[b % l->depth] = b; }
         else if (b < l->failed) { l->failed = b; memcpy(l->build_err, e, SN_ERR_MAX); }
@@ -642,8 +713,9 @@ static void *loader_worker(void *arg) {
 
 Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch, const Augment *aug,
                      uint64_t seed, int workers, int depth) {
-    snCheck(n_order >= 0 && batch >= 1 && workers >= 1 && depth >= 1, "loader_start: n_order %d, batch %d, workers %d, depth %d",
-            n_order, batch, workers, depth);
+    snCheck(n_order >= 0 && batch >= 1 && workers >= 1 && depth >= 1,
+            "loader_start: n_order %d, batch %d, workers %d, depth %d", n_order, batch, workers,
+            depth);
     Loader *l = calloc(1, sizeof *l);
     snCheck(l != NULL, "out of host memory");
     const size_t P = (size_t)d->height * d->width;
@@ -666,7 +738,8 @@ Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch,
         l->built[k] = -1;
         l->slots[k].images = malloc(sizeof(float) * 3 * P * batch);
         l->slots[k].labels = malloc(sizeof(int32_t) * (d->segmentation ? P : 1) * batch);
-        snCheck(l->slots[k].images && l->slots[k].labels, "out of host memory for %d batches of %d", depth, batch);
+        snCheck(l->slots[k].images && l->slots[k].labels, "out of host memory for %d batches of %d",
+                depth, batch);
     }
     pthread_mutex_init(&l->mu, NULL);
     pthread_cond_init(&l->cv, NULL);
@@ -721,8 +794,10 @@ void loader_stop(Loader *l) {
 // PNG through stb_image_write's callback into the shared atomic writer
 static void png_put(void *f, void *data, int size) { fwrite(data, 1, (size_t)size, (FILE *)f); }
 
-int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pixels, char err[SN_ERR_MAX]) {
-    snCheck(w >= 1 && h >= 1 && (comp == 1 || comp == 3), "png_write_atomic: %dx%d, %d channels", w, h, comp);
+int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pixels,
+                     char err[SN_ERR_MAX]) {
+    snCheck(w >= 1 && h >= 1 && (comp == 1 || comp == 3), "png_write_atomic: %dx%d, %d channels", w,
+            h, comp);
     char tmp[OUT_PATH_MAX];
     FILE *f = atomic_file_open(path, tmp, err);
     if (!f) return -1;

@@ -89,7 +89,8 @@
 // with symbolize=1 (fuzz_write_report).
 const char *__asan_default_options(void);
 const char *__asan_default_options(void) {
-    return "allocator_may_return_null=1:max_allocation_size_mb=512:detect_leaks=1:leak_check_at_exit=0:"
+    return "allocator_may_return_null=1:max_allocation_size_mb=512:detect_leaks=1:leak_check_at_"
+           "exit=0:"
            "handle_abort=1:quarantine_size_mb=64:symbolize=0";
 }
 const char *__ubsan_default_options(void);
@@ -189,7 +190,11 @@ static uint64_t fuzz_err_sig(const char *e) {
             continue;
         }
         int digits = 0, slash = 0;
-        while (*end && *end != ' ') { digits |= *end >= '0' && *end <= '9'; slash |= *end == '/'; end++; }
+        while (*end && *end != ' ') {
+            digits |= *end >= '0' && *end <= '9';
+            slash |= *end == '/';
+            end++;
+        }
         in_path |= slash;
         for (; !digits && !in_path && w < end; w++)
             if ((*w >= 'a' && *w <= 'z') || (*w >= 'A' && *w <= 'Z')) h = fuzz_hash(h, w, 1);
@@ -204,7 +209,8 @@ static uint64_t fuzz_err_sig(const char *e) {
 // whether sig is new (then remembered)
 static int fuzz_sig_new(uint64_t sig) {
     uint64_t *sigs = g_fz->sigs;
-    for (uint64_t i = sig & (FUZZ_SIGS - 1), k = 0; k < FUZZ_SIGS; k++, i = (i + 1) & (FUZZ_SIGS - 1)) {
+    for (uint64_t i = sig & (FUZZ_SIGS - 1), k = 0; k < FUZZ_SIGS;
+         k++, i = (i + 1) & (FUZZ_SIGS - 1)) {
         if (sigs[i] == sig) return 0;
         if (!sigs[i]) { if (k < FUZZ_SIGS / 2) sigs[i] = sig; return 1; }
     }
@@ -226,7 +232,8 @@ static const char *fuzz_printable(char *out, size_t cap, const char *s) {
     size_t k = 0, n = strlen(s), u;
     for (size_t i = 0; i < n && k + 5 < cap; i += u ? u : 1) {
         u = utf8_len((const uint8_t *)s + i, n - i);
-        if (!u || (uint8_t)s[i] < 0x20 || s[i] == 0x7F) k += (size_t)snprintf(out + k, cap - k, "\\x%02x", (uint8_t)s[i]);
+        if (!u || (uint8_t)s[i] < 0x20 || s[i] == 0x7F)
+            k += (size_t)snprintf(out + k, cap - k, "\\x%02x", (uint8_t)s[i]);
         else if (k + u < cap) { memcpy(out + k, s + i, u); k += u; }
         else break;
     }
@@ -238,7 +245,8 @@ static const char *fuzz_printable(char *out, size_t cap, const char *s) {
 static int fuzz_finding_new(const char *key) {
     for (int i = 0; i < g_fz->findings && i < FUZZ_MAX_FINDINGS; i++)
         if (!strcmp(g_fz->keys[i], key)) return 0;
-    if (g_fz->findings < FUZZ_MAX_FINDINGS) snprintf(g_fz->keys[g_fz->findings], FUZZ_KEY_MAX, "%s", key);
+    if (g_fz->findings < FUZZ_MAX_FINDINGS)
+        snprintf(g_fz->keys[g_fz->findings], FUZZ_KEY_MAX, "%s", key);
     g_fz->findings++;
     return 1;
 }
@@ -258,8 +266,8 @@ static void fuzz_invariant(FuzzCtx *c, const char *fmt, ...) {
     snprintf(key, sizeof key, "invariant %s", fmt);
     if (!fuzz_finding_new(key)) { g_fz->repeats++; return; }
     if (fuzz_save(c->t->name, "invariant", g_fz->current, path)) path[0] = 0;
-    printf("fuzz %s: invariant broken at input %" PRIu64 ": %s%s%s\n", c->t->name, g_fz->current, shown,
-           path[0] ? "; reproducer " : "", path);
+    printf("fuzz %s: invariant broken at input %" PRIu64 ": %s%s%s\n", c->t->name, g_fz->current,
+           shown, path[0] ? "; reproducer " : "", path);
     fflush(stdout);
 }
 
@@ -267,8 +275,10 @@ static void fuzz_invariant(FuzzCtx *c, const char *fmt, ...) {
 // error naming the file and the problem")
 static void fuzz_check_err(FuzzCtx *c) {
     if (!c->err[0]) fuzz_invariant(c, "refused with an empty error message");
-    else if (strpbrk(c->err, "\n\r")) fuzz_invariant(c, "error message of several lines: %s", c->err);
-    else if (!strstr(c->err, c->dir)) fuzz_invariant(c, "error message does not name the file: %s", c->err);
+    else if (strpbrk(c->err, "\n\r"))
+        fuzz_invariant(c, "error message of several lines: %s", c->err);
+    else if (!strstr(c->err, c->dir))
+        fuzz_invariant(c, "error message does not name the file: %s", c->err);
 }
 
 static void fuzz_write_input(FuzzCtx *c, const uint8_t *in, size_t n) {
@@ -278,7 +288,8 @@ static void fuzz_write_input(FuzzCtx *c, const uint8_t *in, size_t n) {
 // a seed, by the first child's setup (the same seeds come again in the next ones)
 static void fuzz_add_seed(FuzzCtx *c, const void *p, size_t n) {
     if (g_fz->seeded) return;
-    snCheck(n <= FUZZ_MAX_LEN, "fuzz %s: seed %d is %zu bytes, over FUZZ_MAX_LEN", c->t->name, g_fz->n_corpus, n);
+    snCheck(n <= FUZZ_MAX_LEN, "fuzz %s: seed %d is %zu bytes, over FUZZ_MAX_LEN", c->t->name,
+            g_fz->n_corpus, n);
     snCheck(fuzz_corpus_add(p, n), "fuzz %s: too many seeds", c->t->name);
     g_fz->n_seeds = g_fz->n_corpus;
 }
@@ -293,14 +304,48 @@ static void fuzz_add_seed_file(FuzzCtx *c, const char *path) {
 
 // ---- mutations
 
-static const uint64_t FUZZ_INTS[] = {0, 1, 2, 3, 7, 8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 511, 512, 1023, 1024,
-                                     4095, 4096, 32767, 32768, 65535, 65536, 1u << 24, (1u << 24) + 1, 0x7FFFFFFF,
-                                     0x80000000u, 0xFFFFFFFFu, 1ull << 32, 1ull << 53, 0x7FFFFFFFFFFFFFFFull,
-                                     1ull << 63, ~0ull};
-static const char *const FUZZ_NUMBERS[] = {"0", "-0", "1", "-1", "00", "01", "255", "256", "65536", "2147483647",
-                                           "2147483648", "-2147483649", "4294967296", "9223372036854775807",
-                                           "9223372036854775808", "-9223372036854775808", "18446744073709551616",
-                                           "99999999999999999999999999999999", "1e9", "1.5", "0x10", "+1", " 1", "1 "};
+static const uint64_t FUZZ_INTS[] = {0,           1,
+                                     2,           3,
+                                     7,           8,
+                                     15,          16,
+                                     31,          32,
+                                     63,          64,
+                                     127,         128,
+                                     255,         256,
+                                     511,         512,
+                                     1023,        1024,
+                                     4095,        4096,
+                                     32767,       32768,
+                                     65535,       65536,
+                                     1u << 24,    (1u << 24) + 1,
+                                     0x7FFFFFFF,  0x80000000u,
+                                     0xFFFFFFFFu, 1ull << 32,
+                                     1ull << 53,  0x7FFFFFFFFFFFFFFFull,
+                                     1ull << 63,  ~0ull};
+static const char *const FUZZ_NUMBERS[] = {"0",
+                                           "-0",
+                                           "1",
+                                           "-1",
+                                           "00",
+                                           "01",
+                                           "255",
+                                           "256",
+                                           "65536",
+                                           "2147483647",
+                                           "2147483648",
+                                           "-2147483649",
+                                           "4294967296",
+                                           "9223372036854775807",
+                                           "9223372036854775808",
+                                           "-9223372036854775808",
+                                           "18446744073709551616",
+                                           "99999999999999999999999999999999",
+                                           "1e9",
+                                           "1.5",
+                                           "0x10",
+                                           "+1",
+                                           " 1",
+                                           "1 "};
 
 // inserts k bytes of src (which may lie in b) at pos, as many as fit
 static size_t fuzz_insert(uint8_t *b, size_t n, size_t pos, const void *src, size_t k) {
@@ -321,13 +366,20 @@ static size_t fuzz_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
     switch (fuzz_draw(r, 14)) {
     case 0: if (n) b[pos] ^= (uint8_t)(1u << fuzz_draw(r, 8)); break;
     case 1:
-        if (n) b[pos] = (const uint8_t[]){0x00, 0x01, 0x7F, 0x80, 0xFF, 0x20, '0', '9', '\n', '"'}[fuzz_draw(r, 10)];
+        if (n)
+            b[pos] = (const uint8_t[]){
+                    0x00, 0x01, 0x7F, 0x80, 0xFF, 0x20, '0', '9', '\n', '"'}[fuzz_draw(r, 10)];
         break;
     case 2: if (n) b[pos] = (uint8_t)rng_next(r); break;
     case 3: if (n) b[pos] = (uint8_t)(b[pos] + fuzz_draw(r, 33) - 16); break;
     case 4:  // a few random bytes, or a run of one byte
-        if (fuzz_draw(r, 4)) { k = 1 + fuzz_draw(r, 8); for (size_t i = 0; i < k; i++) tmp[i] = (uint8_t)rng_next(r); }
-        else { k = 1 + fuzz_draw(r, sizeof tmp); memset(tmp, n && fuzz_draw(r, 2) ? b[pos] : (int)fuzz_draw(r, 256), k); }
+        if (fuzz_draw(r, 4)) {
+            k = 1 + fuzz_draw(r, 8);
+            for (size_t i = 0; i < k; i++) tmp[i] = (uint8_t)rng_next(r);
+        } else {
+            k = 1 + fuzz_draw(r, sizeof tmp);
+            memset(tmp, n && fuzz_draw(r, 2) ? b[pos] : (int)fuzz_draw(r, 256), k);
+        }
         n = fuzz_insert(b, n, fuzz_draw(r, n + 1), tmp, k);
         break;
     case 5:  // delete a range: short, or up to the end
@@ -362,7 +414,9 @@ static size_t fuzz_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
         n = fuzz_insert(b, n, to, o + from, k);
         break;
     }
-    case 9: {  // an integer of 1, 2, 4 or 8 bytes, little- or big-endian, at a boundary (or the input's length)
+    // an integer of 1, 2, 4 or 8 bytes, little- or big-endian, at a boundary (or the input's
+    // length)
+    case 9: {
         size_t w = (size_t)1 << fuzz_draw(r, 4);
         if (n < w) break;
         pos = fuzz_draw(r, n - w + 1);
@@ -392,7 +446,8 @@ static size_t fuzz_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
         if (pos == n) break;
         char num[32];
         const char *s = num;
-        if (fuzz_draw(r, 4)) s = FUZZ_NUMBERS[fuzz_draw(r, sizeof FUZZ_NUMBERS / sizeof *FUZZ_NUMBERS)];
+        if (fuzz_draw(r, 4))
+            s = FUZZ_NUMBERS[fuzz_draw(r, sizeof FUZZ_NUMBERS / sizeof *FUZZ_NUMBERS)];
         else snprintf(num, sizeof num, "%" PRIu64, rng_next(r) >> fuzz_draw(r, 64));
         memmove(b + pos, b + end, n - end);
         n = fuzz_insert(b, n - (end - pos), pos, s, strlen(s));
@@ -408,8 +463,10 @@ static size_t fuzz_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
 // from earlier inputs.
 static size_t fuzz_input(FuzzCtx *c, uint64_t seed, uint64_t k, uint8_t *b) {
     Rng r;
-    rng_seed(&r, rng_mix64(rng_mix64(seed ^ fuzz_hash(FUZZ_HASH0, c->t->name, strlen(c->t->name))) + k));
-    const int e = k < (uint64_t)g_fz->n_seeds ? (int)k : (int)fuzz_draw(&r, (uint64_t)g_fz->n_corpus);
+    rng_seed(&r, rng_mix64(rng_mix64(seed ^ fuzz_hash(FUZZ_HASH0, c->t->name, strlen(c->t->name))) +
+                           k));
+    const int e =
+            k < (uint64_t)g_fz->n_seeds ? (int)k : (int)fuzz_draw(&r, (uint64_t)g_fz->n_corpus);
     size_t n = g_fz->corpus_len[e];
     memcpy(b, g_fz->corpus + g_fz->corpus_at[e], n);
     if (k < (uint64_t)g_fz->n_seeds) return n;
@@ -422,15 +479,58 @@ static size_t fuzz_input(FuzzCtx *c, uint64_t seed, uint64_t k, uint8_t *b) {
 // ---- safetensors
 
 static const FuzzToken SF_DICT[] = {
-    TOK("\""), TOK("\\"), TOK("\\u"), TOK("\\ud83d\\ude00"), TOK("\\ud800"), TOK("\\udc00"), TOK("\\u0000"), TOK("\\u001f"),
-    TOK("{"), TOK("}"), TOK("["), TOK("]"), TOK(":"), TOK(","), TOK(" "), TOK("\t\r\n"), TOK("\"__metadata__\""),
-    TOK("\"dtype\""), TOK("\"shape\""), TOK("\"data_offsets\""), TOK("\"F32\""), TOK("\"F16\""), TOK("\"BF16\""),
-    TOK("\"I64\""), TOK("-1"), TOK("0"), TOK("00"), TOK("1.5"), TOK("1e3"), TOK("9223372036854775807"),
-    TOK("9223372036854775808"), TOK("18446744073709551615"), TOK("-9223372036854775808"), TOK("null"), TOK("true"),
-    TOK("[]"), TOK("[0,0]"), TOK("{}"), TOK("\xc3\xa9"), TOK("\xed\xa0\x80"), TOK("\xf4\x90\x80\x80"), TOK("\xc0\xaf"),
-    TOK("\xff"), TOK("\x00"), TOK("\"x\":{\"dtype\":\"F16\",\"shape\":[1],\"data_offsets\":[0,2]},"),
-    TOK("\"k\":\"v\","), TOK("\"padding\""), TOK("\"same\""), TOK("\"epoch\""), TOK("\"conv_stem.weight\""),
-    TOK("\"features.0.0.weight\""), TOK("\"train_state.adam_m\""),
+        TOK("\""),
+        TOK("\\"),
+        TOK("\\u"),
+        TOK("\\ud83d\\ude00"),
+        TOK("\\ud800"),
+        TOK("\\udc00"),
+        TOK("\\u0000"),
+        TOK("\\u001f"),
+        TOK("{"),
+        TOK("}"),
+        TOK("["),
+        TOK("]"),
+        TOK(":"),
+        TOK(","),
+        TOK(" "),
+        TOK("\t\r\n"),
+        TOK("\"__metadata__\""),
+        TOK("\"dtype\""),
+        TOK("\"shape\""),
+        TOK("\"data_offsets\""),
+        TOK("\"F32\""),
+        TOK("\"F16\""),
+        TOK("\"BF16\""),
+        TOK("\"I64\""),
+        TOK("-1"),
+        TOK("0"),
+        TOK("00"),
+        TOK("1.5"),
+        TOK("1e3"),
+        TOK("9223372036854775807"),
+        TOK("9223372036854775808"),
+        TOK("18446744073709551615"),
+        TOK("-9223372036854775808"),
+        TOK("null"),
+        TOK("true"),
+        TOK("[]"),
+        TOK("[0,0]"),
+        TOK("{}"),
+        TOK("\xc3\xa9"),
+        TOK("\xed\xa0\x80"),
+        TOK("\xf4\x90\x80\x80"),
+        TOK("\xc0\xaf"),
+        TOK("\xff"),
+        TOK("\x00"),
+        TOK("\"x\":{\"dtype\":\"F16\",\"shape\":[1],\"data_offsets\":[0,2]},"),
+        TOK("\"k\":\"v\","),
+        TOK("\"padding\""),
+        TOK("\"same\""),
+        TOK("\"epoch\""),
+        TOK("\"conv_stem.weight\""),
+        TOK("\"features.0.0.weight\""),
+        TOK("\"train_state.adam_m\""),
 };
 
 // Half the time the JSON header alone, its 8-byte length then set to match:
@@ -462,8 +562,8 @@ static void fuzz_sf_seed_text(FuzzCtx *c, const char *header, const void *data, 
     free(b);
 }
 
-static void fuzz_sf_seed_write(FuzzCtx *c, const SafetensorsTensor *ts, int n, const char *const *keys, const char *const *vals,
-                               int n_meta) {
+static void fuzz_sf_seed_write(FuzzCtx *c, const SafetensorsTensor *ts, int n,
+                               const char *const *keys, const char *const *vals, int n_meta) {
     char path[300], err[SN_ERR_MAX];
     snprintf(path, sizeof path, "%s/seed.safetensors", c->dir);
     snCheck(safetensors_write(path, ts, n, keys, vals, n_meta, err) == 0, "fuzz: %s", err);
@@ -476,24 +576,32 @@ static void fuzz_sf_setup(FuzzCtx *c) {
     static const int64_t i64[1] = {INT64_MIN + 1};
     static const int64_t d23[2] = {2, 3}, d4[1] = {4}, d0_3[2] = {0, 3}, d2111[4] = {2, 1, 1, 1},
                          d8[8] = {1, 1, 1, 1, 1, 1, 1, 2}, d1133[4] = {1, 1, 2, 2};
-    const char *k1[2] = {"format", "padding"}, *v1[2] = {"segnet", "same"}, *k3[1] = {"epoch"}, *v3[1] = {"3"};
-    SafetensorsTensor a[3] = {sf_tensor("w", DT_F32, 2, d23, f32), sf_tensor("h", DT_F16, 1, d4, f16),
-                     sf_tensor("s", DT_BF16, 0, NULL, f16)};
+    const char *k1[2] = {"format", "padding"}, *v1[2] = {"segnet", "same"}, *k3[1] = {"epoch"},
+               *v3[1] = {"3"};
+    SafetensorsTensor a[3] = {sf_tensor("w", DT_F32, 2, d23, f32),
+                              sf_tensor("h", DT_F16, 1, d4, f16),
+                              sf_tensor("s", DT_BF16, 0, NULL, f16)};
     fuzz_sf_seed_write(c, a, 3, k1, v1, 2);
     SafetensorsTensor b[4] = {sf_tensor("features.0.0.weight", DT_F32, 4, d2111, f32),
-                     sf_tensor("empty", DT_F32, 2, d0_3, f32), sf_tensor("deep", DT_F16, 8, d8, f16),
-                     sf_tensor("features.0.1.num_batches_tracked", DT_I64, 0, NULL, i64)};
+                              sf_tensor("empty", DT_F32, 2, d0_3, f32),
+                              sf_tensor("deep", DT_F16, 8, d8, f16),
+                              sf_tensor("features.0.1.num_batches_tracked", DT_I64, 0, NULL, i64)};
     fuzz_sf_seed_write(c, b, 4, NULL, NULL, 0);
     SafetensorsTensor t3 = sf_tensor("conv_stem.weight", DT_BF16, 4, d1133, f16);
     fuzz_sf_seed_write(c, &t3, 1, k3, v3, 1);
     // escapes, whitespace, fields in another order, a hole in the data section
-    fuzz_sf_seed_text(c, "{ \"a\\u00e9\\ud83d\\ude00\" : {\"data_offsets\":[0,8],\"shape\":[2],\"dtype\":\"F32\"} ,\n"
-                    "\"b\\\"\\\\\\/\\b\\f\\n\\r\\t\": {\"dtype\":\"F16\",\"shape\":[1,1],\"data_offsets\":[12,14]},"
-                    "\"__metadata__\":{\"k\":\"v\",\"\\u00ff\":\"\"}}   ", f32, 16);
+    fuzz_sf_seed_text(c,
+                      "{ \"a\\u00e9\\ud83d\\ude00\" : "
+                      "{\"data_offsets\":[0,8],\"shape\":[2],\"dtype\":\"F32\"} ,\n"
+                      "\"b\\\"\\\\\\/\\b\\f\\n\\r\\t\": "
+                      "{\"dtype\":\"F16\",\"shape\":[1,1],\"data_offsets\":[12,14]},"
+                      "\"__metadata__\":{\"k\":\"v\",\"\\u00ff\":\"\"}}   ",
+                      f32, 16);
     fuzz_sf_seed_text(c, "{}      ", "", 0);
 }
 
-// What safetensors_read accepted, safetensors_write writes and safetensors_read reads back the same: the
+// What safetensors_read accepted, safetensors_write writes and safetensors_read reads back the
+// same: the
 // writer refuses what the reader would refuse, and the reader is as strict.
 // err without its leading "PATH: "
 static const char *fuzz_after(const char *err, const char *path) {
@@ -510,19 +618,24 @@ static void fuzz_sf_round_trip(FuzzCtx *c, const SafetensorsFile *f) {
     for (int k = 0; k < f->n_meta; k++) { keys[k] = f->meta_keys[k]; vals[k] = f->meta_values[k]; }
     SafetensorsFile g;
     if (safetensors_write(path, f->tensors, f->n_tensors, keys, vals, f->n_meta, err)) {
-        fuzz_invariant(c, "safetensors_read accepts the file, safetensors_write refuses to write it back: %s", fuzz_after(err, path));
+        fuzz_invariant(
+                c,
+                "safetensors_read accepts the file, safetensors_write refuses to write it back: %s",
+                fuzz_after(err, path));
     } else if (safetensors_read(path, &g, err)) {
         fuzz_invariant(c, "safetensors_write's copy does not read back: %s", fuzz_after(err, path));
     } else {
         int same = g.n_tensors == f->n_tensors && g.n_meta == f->n_meta;
         for (int i = 0; same && i < f->n_tensors; i++) {
             const SafetensorsTensor *x = &f->tensors[i], *y = &g.tensors[i];
-            same = !strcmp(x->name, y->name) && x->dtype == y->dtype && x->ndim == y->ndim && x->numel == y->numel &&
+            same = !strcmp(x->name, y->name) && x->dtype == y->dtype && x->ndim == y->ndim &&
+                   x->numel == y->numel &&
                    !memcmp(x->dims, y->dims, sizeof(int64_t) * (size_t)x->ndim) &&
                    !memcmp(x->data, y->data, x->numel * dtype_size(x->dtype));
         }
         for (int k = 0; same && k < f->n_meta; k++)
-            same = !strcmp(f->meta_keys[k], g.meta_keys[k]) && !strcmp(f->meta_values[k], g.meta_values[k]);
+            same = !strcmp(f->meta_keys[k], g.meta_keys[k]) &&
+                   !strcmp(f->meta_values[k], g.meta_values[k]);
         if (!same) fuzz_invariant(c, "safetensors_write's copy reads back different");
         safetensors_free(&g);
     }
@@ -561,15 +674,18 @@ static uint64_t fuzz_sf_run(FuzzCtx *c, const uint8_t *in, size_t n) {
             safetensors_tensor_f32(t, v);
             free(v);
         }
-        if (safetensors_find(&f, t->name) != t) fuzz_invariant(c, "safetensors_find does not find tensor %d by its name", i);
+        if (safetensors_find(&f, t->name) != t)
+            fuzz_invariant(c, "safetensors_find does not find tensor %d by its name", i);
         int facts[2] = {(int)t->dtype, t->ndim};
         sig = fuzz_hash(sig, facts, sizeof facts);
     }
     for (int k = 0; k < f.n_meta; k++)
-        if (!safetensors_meta(&f, f.meta_keys[k])) fuzz_invariant(c, "safetensors_meta does not find metadata key %d", k);
+        if (!safetensors_meta(&f, f.meta_keys[k]))
+            fuzz_invariant(c, "safetensors_meta does not find metadata key %d", k);
     PadMode pad;
     const char *why;
-    int follows = weights_padding(&f, &pad, &why), facts[3] = {f.n_tensors < 4 ? f.n_tensors : 4, f.n_meta > 0, follows};
+    int follows = weights_padding(&f, &pad, &why),
+        facts[3] = {f.n_tensors < 4 ? f.n_tensors : 4, f.n_meta > 0, follows};
     fuzz_sf_round_trip(c, &f);
     safetensors_free(&f);
     return fuzz_hash(sig, facts, sizeof facts) | 1;
@@ -578,10 +694,31 @@ static uint64_t fuzz_sf_run(FuzzCtx *c, const uint8_t *in, size_t n) {
 // ---- images and masks
 
 static const FuzzToken IMG_DICT[] = {
-    TOK("\x89PNG\r\n\x1a\n"), TOK("IHDR"), TOK("IDAT"), TOK("IEND"), TOK("PLTE"), TOK("tRNS"), TOK("CgBI"),
-    TOK("\x00\x00\x00\x00"), TOK("\xff\xd8\xff"), TOK("\xff\xc0"), TOK("\xff\xc2"), TOK("\xff\xc4"), TOK("\xff\xda"),
-    TOK("\xff\xdb"), TOK("\xff\xdd"), TOK("\xff\xd9"), TOK("\xff\xe0"), TOK("\xff\xee"), TOK("\xff\xff"),
-    TOK("\x78\x01"), TOK("\x78\x9c"), TOK("\x01\xff\xff\x00\x00"), TOK("\x00\x00\xff\xff"), TOK("BM"), TOK("P5\n"),
+        TOK("\x89PNG\r\n\x1a\n"),
+        TOK("IHDR"),
+        TOK("IDAT"),
+        TOK("IEND"),
+        TOK("PLTE"),
+        TOK("tRNS"),
+        TOK("CgBI"),
+        TOK("\x00\x00\x00\x00"),
+        TOK("\xff\xd8\xff"),
+        TOK("\xff\xc0"),
+        TOK("\xff\xc2"),
+        TOK("\xff\xc4"),
+        TOK("\xff\xda"),
+        TOK("\xff\xdb"),
+        TOK("\xff\xdd"),
+        TOK("\xff\xd9"),
+        TOK("\xff\xe0"),
+        TOK("\xff\xee"),
+        TOK("\xff\xff"),
+        TOK("\x78\x01"),
+        TOK("\x78\x9c"),
+        TOK("\x01\xff\xff\x00\x00"),
+        TOK("\x00\x00\xff\xff"),
+        TOK("BM"),
+        TOK("P5\n"),
 };
 
 typedef struct { uint8_t *p; size_t n, cap; } FuzzBuf;
@@ -598,8 +735,14 @@ static void fuzz_buf_u32be(FuzzBuf *b, uint32_t v) {
     uint8_t x[4] = {(uint8_t)(v >> 24), (uint8_t)(v >> 16), (uint8_t)(v >> 8), (uint8_t)v};
     fuzz_buf_put(b, x, 4);
 }
-static void fuzz_write_func(void *ctx, void *data, int size) { fuzz_buf_put(ctx, data, (size_t)size); }
-static void fuzz_add_buf(FuzzCtx *c, FuzzBuf *b) { fuzz_add_seed(c, b->p, b->n); free(b->p); memset(b, 0, sizeof *b); }
+static void fuzz_write_func(void *ctx, void *data, int size) {
+    fuzz_buf_put(ctx, data, (size_t)size);
+}
+static void fuzz_add_buf(FuzzCtx *c, FuzzBuf *b) {
+    fuzz_add_seed(c, b->p, b->n);
+    free(b->p);
+    memset(b, 0, sizeof *b);
+}
 
 static void fuzz_png_chunk(FuzzBuf *b, const char *type, const uint8_t *data, size_t n) {
     fuzz_buf_u32be(b, (uint32_t)n);
@@ -613,10 +756,11 @@ static void fuzz_png_chunk(FuzzBuf *b, const char *type, const uint8_t *data, si
 // reach the unfiltering and the pixels instead of stopping at the inflater.
 // Samples of 8 and 16 bits are 0..3 (class indices for the mask target);
 // `filters` cycles the rows through the five filter types (any bytes are valid).
-static void fuzz_png_seed(FuzzCtx *c, int w, int h, int depth, int ctype, int interlace, int filters) {
+static void fuzz_png_seed(FuzzCtx *c, int w, int h, int depth, int ctype, int interlace,
+                          int filters) {
     static const int CH[7] = {1, 0, 3, 1, 2, 0, 4};
-    static const int X0[7] = {0, 4, 0, 2, 0, 1, 0}, Y0[7] = {0, 0, 4, 0, 2, 0, 1}, DX[7] = {8, 8, 4, 4, 2, 2, 1},
-                     DY[7] = {8, 8, 8, 4, 4, 2, 2};
+    static const int X0[7] = {0, 4, 0, 2, 0, 1, 0}, Y0[7] = {0, 0, 4, 0, 2, 0, 1},
+                     DX[7] = {8, 8, 4, 4, 2, 2, 1}, DY[7] = {8, 8, 8, 4, 4, 2, 2};
     FuzzBuf raw = {0}, png = {0};
     for (int pass = 0; pass < (interlace ? 7 : 1); pass++) {
         const int pw = interlace ? (w - X0[pass] + DX[pass] - 1) / DX[pass] : w;
@@ -626,8 +770,9 @@ static void fuzz_png_seed(FuzzCtx *c, int w, int h, int depth, int ctype, int in
             uint8_t f = (uint8_t)(filters ? y % 5 : 0);
             fuzz_buf_put(&raw, &f, 1);
             for (size_t i = 0; i < row; i++) {
-                uint8_t v = depth == 16 ? (uint8_t)(i % 2 ? (i / 2 + y) % 4 : 0) : depth == 8 ? (uint8_t)((i + y) % (ctype == 3 ? 3 : 4))
-                          : (uint8_t)(0x5A ^ (i * 7 + y));
+                uint8_t v = depth == 16  ? (uint8_t)(i % 2 ? (i / 2 + y) % 4 : 0)
+                            : depth == 8 ? (uint8_t)((i + y) % (ctype == 3 ? 3 : 4))
+                                         : (uint8_t)(0x5A ^ (i * 7 + y));
                 fuzz_buf_put(&raw, &v, 1);
             }
         }
@@ -636,7 +781,8 @@ static void fuzz_png_seed(FuzzCtx *c, int w, int h, int depth, int ctype, int in
     fuzz_buf_put(&z, "\x78\x01", 2);
     for (size_t at = 0; at < raw.n || at == 0; at += 65535) {
         size_t k = fuzz_min(raw.n - at, 65535);
-        uint8_t hdr[5] = {(uint8_t)(at + k >= raw.n), (uint8_t)k, (uint8_t)(k >> 8), (uint8_t)~k, (uint8_t)(~k >> 8)};
+        uint8_t hdr[5] = {(uint8_t)(at + k >= raw.n), (uint8_t)k, (uint8_t)(k >> 8), (uint8_t)~k,
+                          (uint8_t)(~k >> 8)};
         fuzz_buf_put(&z, hdr, 5);
         if (k) fuzz_buf_put(&z, raw.p + at, k);
         if (raw.n == 0) break;
@@ -644,8 +790,19 @@ static void fuzz_png_seed(FuzzCtx *c, int w, int h, int depth, int ctype, int in
     uint32_t a = 1, s = 0;
     for (size_t i = 0; i < raw.n; i++) { a = (a + raw.p[i]) % 65521; s = (s + a) % 65521; }
     fuzz_buf_u32be(&z, s << 16 | a);
-    uint8_t ihdr[13] = {(uint8_t)(w >> 24), (uint8_t)(w >> 16), (uint8_t)(w >> 8), (uint8_t)w, (uint8_t)(h >> 24),
-                        (uint8_t)(h >> 16), (uint8_t)(h >> 8), (uint8_t)h, (uint8_t)depth, (uint8_t)ctype, 0, 0, (uint8_t)interlace};
+    uint8_t ihdr[13] = {(uint8_t)(w >> 24),
+                        (uint8_t)(w >> 16),
+                        (uint8_t)(w >> 8),
+                        (uint8_t)w,
+                        (uint8_t)(h >> 24),
+                        (uint8_t)(h >> 16),
+                        (uint8_t)(h >> 8),
+                        (uint8_t)h,
+                        (uint8_t)depth,
+                        (uint8_t)ctype,
+                        0,
+                        0,
+                        (uint8_t)interlace};
     fuzz_buf_put(&png, "\x89PNG\r\n\x1a\n", 8);
     fuzz_png_chunk(&png, "IHDR", ihdr, 13);
     if (ctype == 3) {
@@ -669,13 +826,17 @@ static void fuzz_png_seed(FuzzCtx *c, int w, int h, int depth, int ctype, int in
 static void fuzz_image_setup(FuzzCtx *c) {
     image_max_pixels = FUZZ_MAX_PIXELS;
     uint8_t px[16 * 16 * 4];
-    for (size_t i = 0; i < sizeof px; i++) px[i] = (uint8_t)((i * 37 + i / 5) % 4 + (i % 3 ? 0 : 96));
+    for (size_t i = 0; i < sizeof px; i++)
+        px[i] = (uint8_t)((i * 37 + i / 5) % 4 + (i % 3 ? 0 : 96));
     FuzzBuf b = {0};
     stbi_write_png_to_func(fuzz_write_func, &b, 6, 4, 1, px, 6); fuzz_add_buf(c, &b);
     stbi_write_png_to_func(fuzz_write_func, &b, 4, 4, 3, px, 12); fuzz_add_buf(c, &b);
     stbi_write_png_to_func(fuzz_write_func, &b, 3, 3, 4, px, 12); fuzz_add_buf(c, &b);
     uint8_t grey[5 * 3 * 4];  // classes 0..3 stored as RGB and RGBA (R = G = B): masks accept them
-    for (int p = 0; p < 15; p++) { grey[4 * p] = grey[4 * p + 1] = grey[4 * p + 2] = (uint8_t)(p % 4); grey[4 * p + 3] = (uint8_t)(17 * p); }
+    for (int p = 0; p < 15; p++) {
+        grey[4 * p] = grey[4 * p + 1] = grey[4 * p + 2] = (uint8_t)(p % 4);
+        grey[4 * p + 3] = (uint8_t)(17 * p);
+    }
     stbi_write_png_to_func(fuzz_write_func, &b, 5, 3, 4, grey, 20); fuzz_add_buf(c, &b);
     for (int p = 0; p < 15; p++) memmove(grey + 3 * p, grey + 4 * p, 3);
     stbi_write_png_to_func(fuzz_write_func, &b, 5, 3, 3, grey, 15); fuzz_add_buf(c, &b);
@@ -688,12 +849,14 @@ static void fuzz_image_setup(FuzzCtx *c) {
     fuzz_png_seed(c, 2, 2, 16, 6, 0, 0);  // 16-bit RGBA
     fuzz_png_seed(c, 3, 2, 8, 4, 0, 0);   // grey + alpha
     stbi_write_jpg_to_func(fuzz_write_func, &b, 8, 8, 1, px, 90); fuzz_add_buf(c, &b);
-    stbi_write_jpg_to_func(fuzz_write_func, &b, 17, 9, 3, px, 50); fuzz_add_buf(c, &b);   // 4:2:0, partial blocks
+    // 4:2:0, partial blocks
+    stbi_write_jpg_to_func(fuzz_write_func, &b, 17, 9, 3, px, 50); fuzz_add_buf(c, &b);
     stbi_write_jpg_to_func(fuzz_write_func, &b, 16, 16, 3, px, 95); fuzz_add_buf(c, &b);  // 4:4:4
     static const char PGM16[] = "P5\n3 1\n65535\n\x00\x01\x00\x02\x01\x00";
-    static const char BMP_TOP_DOWN[] = "BM\x4e\0\0\0\0\0\0\0\x36\0\0\0\x28\0\0\0\x03\0\0\0\xfe\xff\xff\xff\x01\0\x18\0"
-                                       "\0\0\0\0\x18\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\x01\x02\x03\x01\x02\x03"
-                                       "\x01\x02\x03\0\0\0\x01\x02\x03\x01\x02\x03\x01\x02\x03\0\0\0";
+    static const char BMP_TOP_DOWN[] =
+            "BM\x4e\0\0\0\0\0\0\0\x36\0\0\0\x28\0\0\0\x03\0\0\0\xfe\xff\xff\xff\x01\0\x18\0"
+            "\0\0\0\0\x18\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\x01\x02\x03\x01\x02\x03"
+            "\x01\x02\x03\0\0\0\x01\x02\x03\x01\x02\x03\x01\x02\x03\0\0\0";
     fuzz_add_seed(c, PGM16, sizeof PGM16 - 1);
     fuzz_add_seed(c, BMP_TOP_DOWN, sizeof BMP_TOP_DOWN - 1);
 }
@@ -706,7 +869,10 @@ static uint64_t fuzz_image_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     c->accepted = 1;
     if (h < 1 || w < 1) fuzz_invariant(c, "image_load_rgb accepted a %dx%d image", w, h);
     for (size_t i = 0; i < (size_t)h * w * 3; i++)
-        if (!(img[i] >= 0.0f && img[i] <= 255.0f)) { fuzz_invariant(c, "value %g outside 0..255", img[i]); break; }
+        if (!(img[i] >= 0.0f && img[i] <= 255.0f)) {
+            fuzz_invariant(c, "value %g outside 0..255", img[i]);
+            break;
+        }
     uint8_t rgb[8 * 8 * 3];
     image_to_bytes(rgb, 8, 8, img, h, w);  // what sample_load does next, for 8x8 samples
     free(img);
@@ -721,14 +887,20 @@ static uint64_t fuzz_mask_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     if (n >= 8 && !memcmp(in, "\x89PNG\r\n\x1a\n", 8))  // what mask_load hands to stb_image
         stbi_info_from_memory(in, (int)n, &w, &h, &comp);
     Rng *r = &c->rng;
-    if (w < 1 || h < 1 || !fuzz_draw(r, 8)) { w = 1 + (int)fuzz_draw(r, 9); h = 1 + (int)fuzz_draw(r, 9); }
+    if (w < 1 || h < 1 || !fuzz_draw(r, 8)) {
+        w = 1 + (int)fuzz_draw(r, 9);
+        h = 1 + (int)fuzz_draw(r, 9);
+    }
     const int K = fuzz_draw(r, 2) ? 4 : fuzz_draw(r, 2) ? 256 : 1 + (int)fuzz_draw(r, 8);
     fuzz_write_input(c, in, n);
     uint8_t *m = mask_load(c->path, h, w, 1, K, c->err);
     if (!m) { fuzz_check_err(c); return fuzz_err_sig(c->err); }
     c->accepted = 1;
     for (size_t p = 0; p < (size_t)h * w; p++)
-        if (m[p] >= K) { fuzz_invariant(c, "mask_load gave class %d with %d classes", m[p], K); break; }
+        if (m[p] >= K) {
+            fuzz_invariant(c, "mask_load gave class %d with %d classes", m[p], K);
+            break;
+        }
     uint8_t small[8 * 8];
     mask_resize(small, 8, 8, m, h, w);  // what sample_load does next
     free(m);
@@ -739,10 +911,28 @@ static uint64_t fuzz_mask_run(FuzzCtx *c, const uint8_t *in, size_t n) {
 // ---- EXIF orientation
 
 static const FuzzToken EXIF_DICT[] = {
-    TOK("\xff\xd8"), TOK("\xff\xe0"), TOK("\xff\xe1"), TOK("\xff\xda"), TOK("\xff\xd9"), TOK("\xff\xff"), TOK("Exif\0\0"),
-    TOK("MM\0*"), TOK("II*\0"), TOK("\x01\x12"), TOK("\x12\x01"), TOK("\x00\x03"), TOK("\x03\x00"),
-    TOK("\x00\x00\x00\x01"), TOK("\x01\x00\x00\x00"), TOK("\x00\x00\x00\x08"), TOK("\x08\x00\x00\x00"), TOK("\x00\x06"),
-    TOK("\x06\x00"), TOK("\x00\x09"), TOK("\xff\xff\xff\xff"), TOK("\x00\x00"),
+        TOK("\xff\xd8"),
+        TOK("\xff\xe0"),
+        TOK("\xff\xe1"),
+        TOK("\xff\xda"),
+        TOK("\xff\xd9"),
+        TOK("\xff\xff"),
+        TOK("Exif\0\0"),
+        TOK("MM\0*"),
+        TOK("II*\0"),
+        TOK("\x01\x12"),
+        TOK("\x12\x01"),
+        TOK("\x00\x03"),
+        TOK("\x03\x00"),
+        TOK("\x00\x00\x00\x01"),
+        TOK("\x01\x00\x00\x00"),
+        TOK("\x00\x00\x00\x08"),
+        TOK("\x08\x00\x00\x00"),
+        TOK("\x00\x06"),
+        TOK("\x06\x00"),
+        TOK("\x00\x09"),
+        TOK("\xff\xff\xff\xff"),
+        TOK("\x00\x00"),
 };
 
 // stbi_write_jpg's bytes with exif_app1(o, big) after the SOI marker
@@ -762,7 +952,8 @@ static void fuzz_exif_seed(FuzzCtx *c, int w, int h, int quality, int o, int big
 
 // JPEGs with every orientation in both byte orders, and a JPEG's head alone
 static void fuzz_exif_setup(FuzzCtx *c) {
-    for (int o = 1; o <= 8; o++) fuzz_exif_seed(c, o % 2 ? 17 : 8, 9, o < 5 ? 95 : 50, o, o > 2 && o < 7);
+    for (int o = 1; o <= 8; o++)
+        fuzz_exif_seed(c, o % 2 ? 17 : 8, 9, o < 5 ? 95 : 50, o, o > 2 && o < 7);
     uint8_t head[EXIF_HEAD_APP1_END + 4];
     fuzz_add_seed(c, head, exif_jpeg_head(head, 6, 1));
 }
@@ -799,11 +990,39 @@ static uint64_t fuzz_exif_run(FuzzCtx *c, const uint8_t *in, size_t n) {
 // ---- CSV lists
 
 static const FuzzToken CSV_DICT[] = {
-    TOK("\""), TOK("\"\""), TOK(","), TOK("\n"), TOK("\r"), TOK("\r\n"), TOK("\xef\xbb\xbf"), TOK("\x00"), TOK("path"),
-    TOK("label"), TOK("path,label\n"), TOK("-1"), TOK("0"), TOK("1"), TOK("2147483648"), TOK("9223372036854775808"),
-    TOK("99999999999999999999999"), TOK(" "), TOK("\t"), TOK("/"), TOK(".."), TOK("a.png"), TOK("b.jpg"),
-    TOK("\"sub dir/c,d.png\""), TOK("/dev/null"), TOK("cat"), TOK("dog"), TOK("bird"), TOK("+1"), TOK("0x10"), TOK("1 "),
-    TOK("\x1b[31m"), TOK("\xff"),
+        TOK("\""),
+        TOK("\"\""),
+        TOK(","),
+        TOK("\n"),
+        TOK("\r"),
+        TOK("\r\n"),
+        TOK("\xef\xbb\xbf"),
+        TOK("\x00"),
+        TOK("path"),
+        TOK("label"),
+        TOK("path,label\n"),
+        TOK("-1"),
+        TOK("0"),
+        TOK("1"),
+        TOK("2147483648"),
+        TOK("9223372036854775808"),
+        TOK("99999999999999999999999"),
+        TOK(" "),
+        TOK("\t"),
+        TOK("/"),
+        TOK(".."),
+        TOK("a.png"),
+        TOK("b.jpg"),
+        TOK("\"sub dir/c,d.png\""),
+        TOK("/dev/null"),
+        TOK("cat"),
+        TOK("dog"),
+        TOK("bird"),
+        TOK("+1"),
+        TOK("0x10"),
+        TOK("1 "),
+        TOK("\x1b[31m"),
+        TOK("\xff"),
 };
 
 static Dataset g_fnames;  // a training set's class names, for list_csv's validation path
@@ -830,7 +1049,8 @@ static void fuzz_csv_setup(FuzzCtx *c) {
         "path\na.png\nb.jpg\n",
         "\"path\",\"label\"\n\"a.png\",\"bird\"\n\"b.jpg\",\"cat\"\n",
     };
-    for (size_t i = 0; i < sizeof SEEDS / sizeof *SEEDS; i++) fuzz_add_seed(c, SEEDS[i], strlen(SEEDS[i]));
+    for (size_t i = 0; i < sizeof SEEDS / sizeof *SEEDS; i++)
+        fuzz_add_seed(c, SEEDS[i], strlen(SEEDS[i]));
     if (!g_fnames.names) {
         char *names[3] = {"bird", "cat", "dog"};
         set_names(&g_fnames, names_copy(names, 3), 3);
@@ -854,18 +1074,25 @@ static uint64_t fuzz_csv_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     } else {
         c->accepted = 1;
         struct stat sb;
-        if (d.n < 1 || !d.images || !d.labels) fuzz_invariant(c, "list_csv accepted %d samples", d.n);
+        if (d.n < 1 || !d.images || !d.labels)
+            fuzz_invariant(c, "list_csv accepted %d samples", d.n);
         if (d.names && (d.n_names < 1 || d.n_names > d.classes))
             fuzz_invariant(c, "%d class names for %d classes", d.n_names, d.classes);
         for (int k = 1; d.names && !named && k < d.n_names; k++)
-            if (strcmp(d.names[k - 1], d.names[k]) >= 0) { fuzz_invariant(c, "class names not sorted and distinct"); break; }
+            if (strcmp(d.names[k - 1], d.names[k]) >= 0) {
+                fuzz_invariant(c, "class names not sorted and distinct");
+                break;
+            }
         for (int i = 0; i < d.n; i++) {
             const int32_t y = d.labels[i];
             if (y < 0 || y >= d.classes || (d.names && y >= d.n_names)) {
                 fuzz_invariant(c, "sample %d has label %d", i, y);
                 break;
             }
-            if (stat(d.images[i], &sb)) { fuzz_invariant(c, "listed sample %d does not exist", i); break; }
+            if (stat(d.images[i], &sb)) {
+                fuzz_invariant(c, "listed sample %d does not exist", i);
+                break;
+            }
         }
         int facts[3] = {d.n < 4 ? d.n : 4, d.names != NULL, named};
         sig = fuzz_hash(fuzz_hash(FUZZ_HASH0, "csv", 3), facts, sizeof facts);
@@ -901,7 +1128,10 @@ static void fuzz_ckpt_setup(FuzzCtx *c) {
     g_fcfg.threads = 1;
     snCheck(trainer_open(&g_ftrainer, &g_fcfg, data, NULL, err) == 0, "fuzz: %s", err);
     snprintf(path, sizeof path, "%s/seed.safetensors", c->dir);
-    g_ftrainer.epoch = 2; g_ftrainer.step = 8; g_ftrainer.best = 1.0 / 3.0; g_ftrainer.best_epoch = 1;
+    g_ftrainer.epoch = 2;
+    g_ftrainer.step = 8;
+    g_ftrainer.best = 1.0 / 3.0;
+    g_ftrainer.best_epoch = 1;
     snCheck(save_checkpoint(&g_ftrainer, path, NULL, err) == 0, "fuzz: %s", err);
     fuzz_add_seed_file(c, path);
     double sums[2] = {1.5, 4.0};
@@ -926,12 +1156,43 @@ static uint64_t fuzz_ckpt_run(FuzzCtx *c, const uint8_t *in, size_t n) {
 // ---- a run's config.txt (--resume RUN, --run RUN)
 
 static const FuzzToken CFG_DICT[] = {
-    TOK(" = "), TOK("\n"), TOK("\r\n"), TOK("#"), TOK("="), TOK(","), TOK(":"), TOK("x"), TOK("model = "),
-    TOK("unet-effv2-s"), TOK("effv2-t"), TOK("classes = "), TOK("size = "), TOK("class-weights = "), TOK("augment = "),
-    TOK("brightness="), TOK("contrast="), TOK("flip"), TOK("monitor = "), TOK("val_mIoU"), TOK("val_accuracy"),
-    TOK("memory = "), TOK("12G"), TOK("max-pixels = "), TOK("sync-bn = "), TOK("on"), TOK("-1"), TOK("0"), TOK("1e40"),
-    TOK("nan"), TOK("inf"), TOK("2147483648"), TOK("18446744073709551616"), TOK("\x00"), TOK("\xff"), TOK("exif = "),
-    TOK("apply"),
+        TOK(" = "),
+        TOK("\n"),
+        TOK("\r\n"),
+        TOK("#"),
+        TOK("="),
+        TOK(","),
+        TOK(":"),
+        TOK("x"),
+        TOK("model = "),
+        TOK("unet-effv2-s"),
+        TOK("effv2-t"),
+        TOK("classes = "),
+        TOK("size = "),
+        TOK("class-weights = "),
+        TOK("augment = "),
+        TOK("brightness="),
+        TOK("contrast="),
+        TOK("flip"),
+        TOK("monitor = "),
+        TOK("val_mIoU"),
+        TOK("val_accuracy"),
+        TOK("memory = "),
+        TOK("12G"),
+        TOK("max-pixels = "),
+        TOK("sync-bn = "),
+        TOK("on"),
+        TOK("-1"),
+        TOK("0"),
+        TOK("1e40"),
+        TOK("nan"),
+        TOK("inf"),
+        TOK("2147483648"),
+        TOK("18446744073709551616"),
+        TOK("\x00"),
+        TOK("\xff"),
+        TOK("exif = "),
+        TOK("apply"),
 };
 
 // Seeds: config_text's for a segmentation run and a classifier, and a hand
@@ -944,12 +1205,16 @@ static void fuzz_config_setup(FuzzCtx *c) {
     free(b.p);
     cfg.model.model = "effv2-t";
     cfg.model.classes = 2;
-    cfg.augment.flip = 1; cfg.augment.brightness = 0.1f; cfg.augment.contrast_lo = 0.8f; cfg.augment.contrast_hi = 1.2f;
+    cfg.augment.flip = 1;
+    cfg.augment.brightness = 0.1f;
+    cfg.augment.contrast_lo = 0.8f;
+    cfg.augment.contrast_hi = 1.2f;
     memset(&b, 0, sizeof b);
     config_text(&cfg, &b);
     fuzz_add_seed(c, b.p, b.n);
     free(b.p);
-    static const char EDITED[] = "# edited\r\nmodel = unet\r\n\r\nclasses = 4\r\nsize = 64x64\r\nclass-weights = 0,1,1,1\r\n"
+    static const char EDITED[] = "# edited\r\nmodel = unet\r\n\r\nclasses = 4\r\nsize = "
+                                 "64x64\r\nclass-weights = 0,1,1,1\r\n"
                                  "monitor = val_mIoU\r\nsync-bn = on\r\nmemory = 2G\r\n";
     fuzz_add_seed(c, EDITED, sizeof EDITED - 1);
 }
@@ -1010,54 +1275,158 @@ static uint64_t fuzz_config_run(FuzzCtx *c, const uint8_t *in, size_t n) {
 #define FUZZ_CLI_LEAK     123         // the command's exit status after LeakSanitizer found a leak
 
 static const FuzzToken CLI_DICT[] = {
-    TOK("train\n"), TOK("predict\n"), TOK("eval\n"), TOK("export\n"), TOK("plan\n"), TOK("--data\n"), TOK("--val\n"),
-    TOK("--out\n"), TOK("--resume\n"), TOK("--run\n"), TOK("--weights\n"), TOK("--input\n"), TOK("--overwrite\n"),
-    TOK("--last\n"), TOK("--best\n"), TOK("--names\n"), TOK("--epochs\n"), TOK("--batch\n"), TOK("--size\n"),
-    TOK("--classes\n"), TOK("--class-weights\n"), TOK("--model\n"), TOK("--lr\n"), TOK("--seed\n"), TOK("--accum\n"),
-    TOK("--augment\n"), TOK("--monitor\n"), TOK("--early-stopping\n"), TOK("--freeze\n"), TOK("--unfreeze-last\n"),
-    TOK("--head-hidden\n"), TOK("--dropout\n"), TOK("--depth\n"), TOK("--width\n"), TOK("--exif\n"),
-    TOK("--max-pixels\n"), TOK("--replicas\n"), TOK("--sync-bn\n"), TOK("--log-every\n"), TOK("--precision\n"),
-    TOK("--checkpoint\n"), TOK("--loss-norm\n"), TOK("--clipnorm\n"), TOK("--allow-missing\n"), TOK("--train-eval\n"),
-    TOK("--workers\n"), TOK("--padding\n"), TOK("--memory\n"), TOK("--min-delta\n"), TOK("data/train\n"),
-    TOK("data/val\n"), TOK("data/cls.csv\n"), TOK("data/train/images\n"), TOK("data/val/images\n"), TOK("runs/r\n"),
-    TOK("runs/new\n"), TOK("runs/r/best.safetensors\n"), TOK("runs/r/last.safetensors\n"), TOK("runs/r/config.txt\n"),
-    TOK("preds\n"), TOK("preds/i00.png\n"), TOK("user\n"), TOK("user/notes.txt\n"), TOK("user/photo.png\n"),
-    TOK("exports/m.safetensors\n"), TOK("exports/new.safetensors\n"), TOK("link\n"), TOK("unet\n"),
-    TOK("unet-effv2-t\n"), TOK("effv2-t\n"), TOK("0\n"), TOK("1\n"), TOK("2\n"), TOK("3\n"), TOK("-1\n"), TOK("1e34\n"),
-    TOK("1e36\n"), TOK("nan\n"), TOK("inf\n"), TOK("8x8\n"), TOK("16x16\n"), TOK("0,1,1\n"), TOK("1,1,1\n"),
-    TOK("0,0,0\n"), TOK("flip\n"), TOK("none\n"), TOK("val_mIoU\n"), TOK("val_loss\n"), TOK("base\n"), TOK("fp16\n"),
-    TOK("bf16\n"), TOK("blocks\n"), TOK("keras\n"), TOK("apply\n"), TOK("torchvision\n"), TOK("timm\n"), TOK("segnet\n"),
-    TOK("!rm runs/r/last.safetensors\n"), TOK("!rm runs/r/best.safetensors\n"), TOK("!nan runs/r/best.safetensors\n"),
-    TOK("!nan runs/r/last.safetensors\n"), TOK("!truncate runs/r/last.safetensors\n"), TOK("!rm data/train/images/i03.png\n"),
-    TOK("!write runs/new/config.txt\n"), TOK("!write preds/user.png\n"), TOK("!symlink link runs/r\n"),
-    TOK("!symlink link data/val/images\n"), TOK("!corrupt data/val/masks/i00.png\n"), TOK("!mkdir runs/new\n"),
-    TOK("!rm "), TOK("!nan "), TOK("!truncate "), TOK("!corrupt "), TOK("!write "), TOK("!mkdir "), TOK("!symlink "),
+        TOK("train\n"),
+        TOK("predict\n"),
+        TOK("eval\n"),
+        TOK("export\n"),
+        TOK("plan\n"),
+        TOK("--data\n"),
+        TOK("--val\n"),
+        TOK("--out\n"),
+        TOK("--resume\n"),
+        TOK("--run\n"),
+        TOK("--weights\n"),
+        TOK("--input\n"),
+        TOK("--overwrite\n"),
+        TOK("--last\n"),
+        TOK("--best\n"),
+        TOK("--names\n"),
+        TOK("--epochs\n"),
+        TOK("--batch\n"),
+        TOK("--size\n"),
+        TOK("--classes\n"),
+        TOK("--class-weights\n"),
+        TOK("--model\n"),
+        TOK("--lr\n"),
+        TOK("--seed\n"),
+        TOK("--accum\n"),
+        TOK("--augment\n"),
+        TOK("--monitor\n"),
+        TOK("--early-stopping\n"),
+        TOK("--freeze\n"),
+        TOK("--unfreeze-last\n"),
+        TOK("--head-hidden\n"),
+        TOK("--dropout\n"),
+        TOK("--depth\n"),
+        TOK("--width\n"),
+        TOK("--exif\n"),
+        TOK("--max-pixels\n"),
+        TOK("--replicas\n"),
+        TOK("--sync-bn\n"),
+        TOK("--log-every\n"),
+        TOK("--precision\n"),
+        TOK("--checkpoint\n"),
+        TOK("--loss-norm\n"),
+        TOK("--clipnorm\n"),
+        TOK("--allow-missing\n"),
+        TOK("--train-eval\n"),
+        TOK("--workers\n"),
+        TOK("--padding\n"),
+        TOK("--memory\n"),
+        TOK("--min-delta\n"),
+        TOK("data/train\n"),
+        TOK("data/val\n"),
+        TOK("data/cls.csv\n"),
+        TOK("data/train/images\n"),
+        TOK("data/val/images\n"),
+        TOK("runs/r\n"),
+        TOK("runs/new\n"),
+        TOK("runs/r/best.safetensors\n"),
+        TOK("runs/r/last.safetensors\n"),
+        TOK("runs/r/config.txt\n"),
+        TOK("preds\n"),
+        TOK("preds/i00.png\n"),
+        TOK("user\n"),
+        TOK("user/notes.txt\n"),
+        TOK("user/photo.png\n"),
+        TOK("exports/m.safetensors\n"),
+        TOK("exports/new.safetensors\n"),
+        TOK("link\n"),
+        TOK("unet\n"),
+        TOK("unet-effv2-t\n"),
+        TOK("effv2-t\n"),
+        TOK("0\n"),
+        TOK("1\n"),
+        TOK("2\n"),
+        TOK("3\n"),
+        TOK("-1\n"),
+        TOK("1e34\n"),
+        TOK("1e36\n"),
+        TOK("nan\n"),
+        TOK("inf\n"),
+        TOK("8x8\n"),
+        TOK("16x16\n"),
+        TOK("0,1,1\n"),
+        TOK("1,1,1\n"),
+        TOK("0,0,0\n"),
+        TOK("flip\n"),
+        TOK("none\n"),
+        TOK("val_mIoU\n"),
+        TOK("val_loss\n"),
+        TOK("base\n"),
+        TOK("fp16\n"),
+        TOK("bf16\n"),
+        TOK("blocks\n"),
+        TOK("keras\n"),
+        TOK("apply\n"),
+        TOK("torchvision\n"),
+        TOK("timm\n"),
+        TOK("segnet\n"),
+        TOK("!rm runs/r/last.safetensors\n"),
+        TOK("!rm runs/r/best.safetensors\n"),
+        TOK("!nan runs/r/best.safetensors\n"),
+        TOK("!nan runs/r/last.safetensors\n"),
+        TOK("!truncate runs/r/last.safetensors\n"),
+        TOK("!rm data/train/images/i03.png\n"),
+        TOK("!write runs/new/config.txt\n"),
+        TOK("!write preds/user.png\n"),
+        TOK("!symlink link runs/r\n"),
+        TOK("!symlink link data/val/images\n"),
+        TOK("!corrupt data/val/masks/i00.png\n"),
+        TOK("!mkdir runs/new\n"),
+        TOK("!rm "),
+        TOK("!nan "),
+        TOK("!truncate "),
+        TOK("!corrupt "),
+        TOK("!write "),
+        TOK("!mkdir "),
+        TOK("!symlink "),
 };
 
 static const char *const CLI_SEEDS[] = {
-    "train\n--model\nunet\n--depth\n1\n--width\n2\n--size\n8x8\n--batch\n2\n--epochs\n1\n--classes\n3\n--class-weights\n0,1,1\n"
-    "--data\ndata/train\n--val\ndata/val\n--out\nruns/new\n--threads\n1\n",
-    "train\n--resume\nruns/r\n--epochs\n2\n--threads\n1\n",
-    "train\n--model\nunet\n--depth\n1\n--width\n2\n--size\n8x8\n--batch\n2\n--epochs\n1\n--classes\n3\n--data\ndata/train\n"
-    "--out\nruns/r\n--overwrite\n--threads\n1\n",
-    "predict\n--run\nruns/r\n--input\ndata/val/images\n--out\npreds\n--overwrite\n--threads\n1\n",
-    "predict\n--run\nruns/r\n--input\ndata/val/images\n--out\npreds2\n--threads\n1\n",
-    "export\n--run\nruns/r\n--out\nexports/m.safetensors\n--overwrite\n",
-    "export\n--run\nruns/r\n--out\nruns/r/last.safetensors\n",
-    "eval\n--run\nruns/r\n--threads\n1\n",
-    "train\n--model\neffv2-t\n--size\n16x16\n--batch\n2\n--epochs\n1\n--classes\n3\n--data\ndata/cls.csv\n--out\nruns/cls\n"
-    "--threads\n1\n",
-    "plan\n--model\nunet-effv2-t\n--size\n32x32\n",
-    "!nan runs/r/best.safetensors\npredict\n--run\nruns/r\n--input\ndata/val/images\n--out\npreds3\n",
-    // replicas whose shards of the last batch are empty (5 images, batches of 4): staged, accumulated
-    "train\n--model\nunet\n--depth\n1\n--width\n2\n--size\n8x8\n--batch\n4\n--replicas\n2\n--epochs\n1\n--classes\n3\n"
-    "--data\ndata/train\n--out\nruns/rep\n--threads\n1\n",
-    "train\n--model\nunet\n--depth\n1\n--width\n2\n--size\n8x8\n--batch\n2\n--replicas\n2\n--accum\n2\n--epochs\n1\n"
-    "--classes\n3\n--data\ndata/train\n--out\nruns/acc\n--threads\n1\n",
-    // empty folders
-    "!mkdir data/empty\npredict\n--run\nruns/r\n--input\ndata/empty\n--out\npreds4\n",
-    "!mkdir data/empty\n!mkdir data/empty/images\n!mkdir data/empty/masks\ntrain\n--model\nunet\n--depth\n1\n--classes\n3\n"
-    "--size\n8x8\n--data\ndata/empty\n--out\nruns/e\n",
+        "train\n--model\nunet\n--depth\n1\n--width\n2\n--size\n8x8\n--batch\n2\n--epochs\n1\n--"
+        "classes\n3\n--class-weights\n0,1,1\n"
+        "--data\ndata/train\n--val\ndata/val\n--out\nruns/new\n--threads\n1\n",
+        "train\n--resume\nruns/r\n--epochs\n2\n--threads\n1\n",
+        "train\n--model\nunet\n--depth\n1\n--width\n2\n--size\n8x8\n--batch\n2\n--epochs\n1\n--"
+        "classes\n3\n--data\ndata/train\n"
+        "--out\nruns/r\n--overwrite\n--threads\n1\n",
+        "predict\n--run\nruns/r\n--input\ndata/val/"
+        "images\n--out\npreds\n--overwrite\n--threads\n1\n",
+        "predict\n--run\nruns/r\n--input\ndata/val/images\n--out\npreds2\n--threads\n1\n",
+        "export\n--run\nruns/r\n--out\nexports/m.safetensors\n--overwrite\n",
+        "export\n--run\nruns/r\n--out\nruns/r/last.safetensors\n",
+        "eval\n--run\nruns/r\n--threads\n1\n",
+        "train\n--model\neffv2-t\n--size\n16x16\n--batch\n2\n--epochs\n1\n--classes\n3\n--"
+        "data\ndata/cls.csv\n--out\nruns/cls\n"
+        "--threads\n1\n",
+        "plan\n--model\nunet-effv2-t\n--size\n32x32\n",
+        "!nan "
+        "runs/r/best.safetensors\npredict\n--run\nruns/r\n--input\ndata/val/"
+        "images\n--out\npreds3\n",
+        // replicas whose shards of the last batch are empty (5 images, batches of 4): staged,
+        // accumulated
+        "train\n--model\nunet\n--depth\n1\n--width\n2\n--size\n8x8\n--batch\n4\n--replicas\n2\n--"
+        "epochs\n1\n--classes\n3\n"
+        "--data\ndata/train\n--out\nruns/rep\n--threads\n1\n",
+        "train\n--model\nunet\n--depth\n1\n--width\n2\n--size\n8x8\n--batch\n2\n--replicas\n2\n--"
+        "accum\n2\n--epochs\n1\n"
+        "--classes\n3\n--data\ndata/train\n--out\nruns/acc\n--threads\n1\n",
+        // empty folders
+        "!mkdir data/empty\npredict\n--run\nruns/r\n--input\ndata/empty\n--out\npreds4\n",
+        "!mkdir data/empty\n!mkdir data/empty/images\n!mkdir "
+        "data/empty/masks\ntrain\n--model\nunet\n--depth\n1\n--classes\n3\n"
+        "--size\n8x8\n--data\ndata/empty\n--out\nruns/e\n",
 };
 
 // The template, made once (in a process of its own: the harness's children
@@ -1074,30 +1443,44 @@ static void fuzz_cli_template(FuzzCtx *c) {
         rm_rf(box);
         snCheck(mkdir(box, 0755) == 0 && chdir(box) == 0, "fuzz cli: %s: %s", box, strerror(errno));
         mkdir("data", 0755); mkdir("runs", 0755); mkdir("user", 0755); mkdir("exports", 0755);
-        write_seg_set("data/train", 5, 8, 8, 3);  // 5: a last batch smaller than the replicas (seeds)
+        // 5: a last batch smaller than the replicas (seeds)
+        write_seg_set("data/train", 5, 8, 8, 3);
         write_seg_set("data/val", 2, 8, 8, 4);
-        write_file_bytes("data/cls.csv", "train/images/i00.png,0\ntrain/images/i01.png,1\ntrain/images/i02.png,2\n", 69);
+        write_file_bytes("data/cls.csv",
+                         "train/images/i00.png,0\ntrain/images/i01.png,1\ntrain/images/i02.png,2\n",
+                         69);
         write_file_bytes("user/notes.txt", "the user's\n", 11);
         snCheck(copy_file("data/val/images/i00.png", "user/photo.png"), "fuzz cli: copy");
         TrainCfg t = tiny_seg_cfg("data/train", "data/val");
         t.model.width_base = 2; t.model.batch = 2; t.epochs = 1; t.threads = 1; t.out = "runs/r";
         snCheck(train_run(&t, NULL, err) == 0, "fuzz cli: %s", err);
-        PredictCfg pc = {t.model, "runs/r/best.safetensors", "data/val/images", "preds", 0, DEVICE_CPU, NULL, 0, 0};
+        PredictCfg pc = {t.model,
+                         "runs/r/best.safetensors",
+                         "data/val/images",
+                         "preds",
+                         0,
+                         DEVICE_CPU,
+                         NULL,
+                         0,
+                         0};
         snCheck(predict_run(&pc, err) == 0, "fuzz cli: %s", err);
         char report[SN_ERR_MAX];
-        snCheck(export_run(&t.model, "runs/r", 0, EXPORT_TORCHVISION, "exports/m.safetensors", 0, report, err) == 0,
+        snCheck(export_run(&t.model, "runs/r", 0, EXPORT_TORCHVISION, "exports/m.safetensors", 0,
+                           report, err) == 0,
                 "fuzz cli: %s", err);
         snprintf(path, sizeof path, "mv '%s' '%s'", box, tpl);
         _exit(system(path) == 0 ? 0 : 1);
     }
     int st;
     waitpid(pid, &st, 0);
-    snCheck(WIFEXITED(st) && WEXITSTATUS(st) == 0 && stat(tpl, &sb) == 0, "fuzz cli: the template was not made");
+    snCheck(WIFEXITED(st) && WEXITSTATUS(st) == 0 && stat(tpl, &sb) == 0,
+            "fuzz cli: the template was not made");
 }
 
 static void fuzz_cli_setup(FuzzCtx *c) {
     fuzz_cli_template(c);
-    for (size_t i = 0; i < sizeof CLI_SEEDS / sizeof *CLI_SEEDS; i++) fuzz_add_seed(c, CLI_SEEDS[i], strlen(CLI_SEEDS[i]));
+    for (size_t i = 0; i < sizeof CLI_SEEDS / sizeof *CLI_SEEDS; i++)
+        fuzz_add_seed(c, CLI_SEEDS[i], strlen(CLI_SEEDS[i]));
 }
 
 // a path the sandbox keeps: relative, never climbing out
@@ -1106,21 +1489,25 @@ static int fuzz_cli_path_ok(const char *p) { return p[0] && p[0] != '/' && !strs
 // What a slow but correct command would be, tamed: big models, sizes (the
 // default ones too, where no run gives the size), epochs, batches. Returns argc.
 static int fuzz_cli_tame(char **argv, int argc) {
-    static const char *const LIMITS[][2] = {{"--epochs", "2"}, {"--batch", "4"}, {"--threads", "2"}, {"--workers", "2"},
-                                            {"--replicas", "2"}, {"--accum", "4"}, {"--classes", "8"},
-                                            {"--head-hidden", "16"}, {"--width", "8"}, {"--depth", "3"}};
+    static const char *const LIMITS[][2] = {
+            {"--epochs", "2"},   {"--batch", "4"}, {"--threads", "2"}, {"--workers", "2"},
+            {"--replicas", "2"}, {"--accum", "4"}, {"--classes", "8"}, {"--head-hidden", "16"},
+            {"--width", "8"},    {"--depth", "3"}};
     for (int i = 2; i + 1 < argc; i++) {
         for (size_t k = 0; k < sizeof LIMITS / sizeof *LIMITS; k++)
-            if (!strcmp(argv[i], LIMITS[k][0]) && atoi(argv[i + 1]) > atoi(LIMITS[k][1])) argv[i + 1] = (char *)LIMITS[k][1];
+            if (!strcmp(argv[i], LIMITS[k][0]) && atoi(argv[i + 1]) > atoi(LIMITS[k][1]))
+                argv[i + 1] = (char *)LIMITS[k][1];
         int h, w;
-        if (!strcmp(argv[i], "--size") && sscanf(argv[i + 1], "%dx%d", &h, &w) == 2 && (int64_t)h * w > 32 * 32)
+        if (!strcmp(argv[i], "--size") && sscanf(argv[i + 1], "%dx%d", &h, &w) == 2 &&
+            (int64_t)h * w > 32 * 32)
             argv[i + 1] = "16x16";
-        if (!strcmp(argv[i], "--model") && (strstr(argv[i + 1], "effv2-s") || strstr(argv[i + 1], "effv2-m") ||
-                                            strstr(argv[i + 1], "effv2-l")))
+        if (!strcmp(argv[i], "--model") &&
+            (strstr(argv[i + 1], "effv2-s") || strstr(argv[i + 1], "effv2-m") ||
+             strstr(argv[i + 1], "effv2-l")))
             argv[i + 1] = "effv2-t";
     }
-    if (argc + 2 <= FUZZ_CLI_ARGS + 1 && !has_flag(argc, argv, "--size") && !has_flag(argc, argv, "--run") &&
-        !has_flag(argc, argv, "--resume")) {
+    if (argc + 2 <= FUZZ_CLI_ARGS + 1 && !has_flag(argc, argv, "--size") &&
+        !has_flag(argc, argv, "--run") && !has_flag(argc, argv, "--resume")) {
         argv[argc++] = "--size";
         argv[argc++] = "16x16";
         argv[argc] = NULL;
@@ -1185,7 +1572,8 @@ static const char *fuzz_cli_value(char **argv, int argc, const char *flag) {
 }
 
 // Whether the command may change or remove `path` (which existed before it), by the rules above
-static int fuzz_cli_may_change(const char *box, const char *path, char **argv, int argc, const char *listed, size_t n_listed) {
+static int fuzz_cli_may_change(const char *box, const char *path, char **argv, int argc,
+                               const char *listed, size_t n_listed) {
     const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
     if (!strcmp(base, RUN_LOCK_FILE)) return 1;
     const char *cmd = argc > 1 ? argv[1] : "", *out = fuzz_cli_value(argv, argc, "--out");
@@ -1196,7 +1584,8 @@ static int fuzz_cli_may_change(const char *box, const char *path, char **argv, i
                                          (overwrite && out && fuzz_cli_same(box, out, "runs/r")));
     if (!strncmp(path, "preds/", 6)) {
         int in_manifest = 0;
-        for (size_t i = 0; i < n_listed; i += strlen(listed + i) + 1) in_manifest |= !strcmp(listed + i, base);
+        for (size_t i = 0; i < n_listed; i += strlen(listed + i) + 1)
+            in_manifest |= !strcmp(listed + i, base);
         return !strcmp(cmd, "predict") && overwrite && out && fuzz_cli_same(box, out, "preds") &&
                (in_manifest || !strcmp(base, PREDICT_MANIFEST));
     }
@@ -1228,7 +1617,8 @@ static int fuzz_cli_finite(const char *path, char *which, size_t cap) {
 // A sandbox change (`!OP PATH [TARGET]`) before the command
 static void fuzz_cli_op(const char *box, const char *line) {
     char op[16], p[300], target[300] = "", full[700];
-    if (sscanf(line, "!%15s %299s %299s", op, p, target) < 2 || !fuzz_cli_path_ok(p) || (target[0] && !fuzz_cli_path_ok(target)))
+    if (sscanf(line, "!%15s %299s %299s", op, p, target) < 2 || !fuzz_cli_path_ok(p) ||
+        (target[0] && !fuzz_cli_path_ok(target)))
         return;
     snprintf(full, sizeof full, "%s/%s", box, p);
     if (!strcmp(op, "rm")) unlink(full);
@@ -1236,7 +1626,8 @@ static void fuzz_cli_op(const char *box, const char *line) {
     else if (!strcmp(op, "write")) write_file_bytes(full, "the user's\n", 11);
     else if (!strcmp(op, "symlink") && target[0]) {
         char to[700];
-        snprintf(to, sizeof to, "%s/%s", box, target);  // absolute within the sandbox: the link's own folder may differ
+        // absolute within the sandbox: the link's own folder may differ
+        snprintf(to, sizeof to, "%s/%s", box, target);
         if (symlink(to, full)) {}
     } else if (!strcmp(op, "truncate") || !strcmp(op, "corrupt") || !strcmp(op, "nan")) {
         size_t n;
@@ -1278,9 +1669,11 @@ static uint64_t fuzz_cli_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     char *argv[FUZZ_CLI_ARGS + 2], *ops[FUZZ_CLI_OPS];
     int argc = 1, n_ops = 0;
     argv[0] = "segnet";
-    for (char *save = NULL, *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+    for (char *save = NULL, *line = strtok_r(text, "\n", &save); line;
+         line = strtok_r(NULL, "\n", &save)) {
         if (line[0] == '!') { if (n_ops < FUZZ_CLI_OPS) ops[n_ops++] = line; }
-        else if (argc <= FUZZ_CLI_ARGS && fuzz_cli_path_ok(line)) argv[argc++] = line;  // no way out of the sandbox
+        // no way out of the sandbox
+        else if (argc <= FUZZ_CLI_ARGS && fuzz_cli_path_ok(line)) argv[argc++] = line;
     }
     argv[argc] = NULL;
     if (argc > 1 && !strcmp(argv[1], "bench")) argv[1] = "plan";
@@ -1327,19 +1720,30 @@ static uint64_t fuzz_cli_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     }
     const int rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
     snprintf(c->err, SN_ERR_MAX, "%s", last);
-    if (report) fuzz_invariant(c, "`segnet %s` under the sanitizers: %.*s", argv[1], (int)strcspn(report, "\n"), report);
-    else if (WIFSIGNALED(st) && WTERMSIG(st) == SIGALRM) fuzz_invariant(c, "`segnet %s` still running after %d s", argv[1], FUZZ_CLI_HANG_S);
-    else if (WIFSIGNALED(st)) fuzz_invariant(c, "`segnet %s` killed by %s", argv[1], strsignal(WTERMSIG(st)));
-    else if (rc == FUZZ_CLI_LEAK) fuzz_invariant(c, "`segnet %s` leaks (LeakSanitizer after the command)", argv[1]);
-    else if (rc != 0 && rc != 1 && rc != 2) fuzz_invariant(c, "`segnet %s` exited %d: %s", argv[1], rc, last);
-    else if (rc != 0 && !last[0]) fuzz_invariant(c, "`segnet %s` exited %d without a message", argv[1], rc);
+    if (report)
+        fuzz_invariant(c, "`segnet %s` under the sanitizers: %.*s", argv[1],
+                       (int)strcspn(report, "\n"), report);
+    else if (WIFSIGNALED(st) && WTERMSIG(st) == SIGALRM)
+        fuzz_invariant(c, "`segnet %s` still running after %d s", argv[1], FUZZ_CLI_HANG_S);
+    else if (WIFSIGNALED(st))
+        fuzz_invariant(c, "`segnet %s` killed by %s", argv[1], strsignal(WTERMSIG(st)));
+    else if (rc == FUZZ_CLI_LEAK)
+        fuzz_invariant(c, "`segnet %s` leaks (LeakSanitizer after the command)", argv[1]);
+    else if (rc != 0 && rc != 1 && rc != 2)
+        fuzz_invariant(c, "`segnet %s` exited %d: %s", argv[1], rc, last);
+    else if (rc != 0 && !last[0])
+        fuzz_invariant(c, "`segnet %s` exited %d without a message", argv[1], rc);
     fuzz_cli_walk(&after, box, "");
     for (int i = 0; i < before.n; i++) {
         const CliEntry *b = &before.e[i], *a = fuzz_cli_find(&after, b->path);
         if ((!a || a->hash != b->hash || a->link != b->link) &&
-            !fuzz_cli_may_change(box, b->path, argv, argc, listed ? listed + strlen(PREDICT_MANIFEST_HEAD) : NULL,
-                                 listed && n_listed > strlen(PREDICT_MANIFEST_HEAD) ? n_listed - strlen(PREDICT_MANIFEST_HEAD) : 0))
-            fuzz_invariant(c, "`segnet %s` %s %s, a file it may not replace", argv[1], a ? "changed" : "removed", b->path);
+            !fuzz_cli_may_change(box, b->path, argv, argc,
+                                 listed ? listed + strlen(PREDICT_MANIFEST_HEAD) : NULL,
+                                 listed && n_listed > strlen(PREDICT_MANIFEST_HEAD)
+                                         ? n_listed - strlen(PREDICT_MANIFEST_HEAD)
+                                         : 0))
+            fuzz_invariant(c, "`segnet %s` %s %s, a file it may not replace", argv[1],
+                           a ? "changed" : "removed", b->path);
     }
     for (int i = 0; i < after.n; i++) {
         const CliEntry *a = &after.e[i], *b = fuzz_cli_find(&before, a->path);
@@ -1349,10 +1753,12 @@ static uint64_t fuzz_cli_run(FuzzCtx *c, const uint8_t *in, size_t n) {
             fuzz_invariant(c, "`segnet %s` left a temporary file: %s", argv[1], a->path);
         if ((!b || b->hash != a->hash) && !a->link && name_ends_with(a->path, ".safetensors") &&
             !fuzz_cli_finite(full, which, sizeof which))
-            fuzz_invariant(c, "`segnet %s` wrote %s holding NaN or inf (%s)", argv[1], a->path, which);
+            fuzz_invariant(c, "`segnet %s` wrote %s holding NaN or inf (%s)", argv[1], a->path,
+                           which);
     }
     c->accepted = rc == 0;
-    sig = fuzz_hash(fuzz_hash(FUZZ_HASH0, argv[1], strlen(argv[1])), &rc, sizeof rc) ^ (rc ? fuzz_err_sig(last) : 0);
+    sig = fuzz_hash(fuzz_hash(FUZZ_HASH0, argv[1], strlen(argv[1])), &rc, sizeof rc) ^
+          (rc ? fuzz_err_sig(last) : 0);
     free(before.e); free(after.e); free(listed); free(said); free(text);
     return sig | 1;
 }
@@ -1362,26 +1768,58 @@ static uint64_t fuzz_cli_run(FuzzCtx *c, const uint8_t *in, size_t n) {
 // parser into the runs): a value replaced, an option with a value or a switch
 // inserted, an option deleted, a sandbox change first, another command; else a
 // byte-level mutation or a dictionary token.
-static const struct { const char *flag, *values; } CLI_OPTIONS[] = {
-    {"--data", "data/train|data/val|data/cls.csv|data/empty|user|link"}, {"--val", "data/val|data/train|data/cls.csv"},
-    {"--out", "runs/new|runs/r|preds|preds2|user|user/notes.txt|user/photo.png|exports/m.safetensors|exports/new.safetensors|"
-              "data/val/images|data/val/images/p|link|runs/r/last.safetensors|runs/r/best.safetensors|runs/r/x.safetensors"},
-    {"--resume", "runs/r|runs/new|link|preds"}, {"--run", "runs/r|link|runs/new|data/train"},
-    {"--weights", "runs/r/best.safetensors|runs/r/last.safetensors|exports/m.safetensors|user/notes.txt"},
-    {"--input", "data/val/images|data/train/images|user|preds|data/cls.csv|link|runs/r"},
-    {"--epochs", "1|2"}, {"--batch", "1|2|3|4"}, {"--size", "8x8|16x16|7x9|32x32"}, {"--classes", "3|2|4|1"},
-    {"--class-weights", "0,1,1|1,1,1|0,0,0|1,0,0|0,1|nan,1,1"}, {"--model", "unet|unet-effv2-t|effv2-t"},
-    {"--lr", "0.001|1e34|1e36|0"}, {"--seed", "1|5"}, {"--accum", "1|2|3"},
-    {"--augment", "flip|none|brightness=0.5|contrast=0.5:1.5"}, {"--monitor", "val_loss|val_mIoU|val_accuracy"},
-    {"--early-stopping", "1|2"}, {"--freeze", "base|none"}, {"--unfreeze-last", "0|1|2"}, {"--head-hidden", "0|4"},
-    {"--dropout", "0.2|0"}, {"--depth", "1|2"}, {"--width", "2|4"}, {"--exif", "apply|ignore"},
-    {"--max-pixels", "1|64|100000000"}, {"--replicas", "1|2"}, {"--log-every", "1|0"}, {"--precision", "fp32|fp16|bf16"},
-    {"--checkpoint", "none|blocks"}, {"--loss-norm", "weighted|keras"}, {"--clipnorm", "0|1"},
-    {"--allow-missing", "head.|enc"}, {"--workers", "1|2"}, {"--padding", "same|symmetric"}, {"--memory", "1G|1K"},
-    {"--min-delta", "0|0.1"}, {"--names", "torchvision|timm|segnet"}, {"--threads", "1|2"}, {"--warmup", "0|3"},
-    {"--schedule", "cosine|constant"}, {"--weight-decay", "0|0.01"},
+static const struct { const char *flag, *values;
+} CLI_OPTIONS[] = {
+        {"--data", "data/train|data/val|data/cls.csv|data/empty|user|link"},
+        {"--val", "data/val|data/train|data/cls.csv"},
+        {"--out", "runs/new|runs/r|preds|preds2|user|user/notes.txt|user/photo.png|exports/"
+                  "m.safetensors|exports/new.safetensors|"
+                  "data/val/images|data/val/images/p|link|runs/r/last.safetensors|runs/r/"
+                  "best.safetensors|runs/r/x.safetensors"},
+        {"--resume", "runs/r|runs/new|link|preds"},
+        {"--run", "runs/r|link|runs/new|data/train"},
+        {"--weights",
+         "runs/r/best.safetensors|runs/r/last.safetensors|exports/m.safetensors|user/notes.txt"},
+        {"--input", "data/val/images|data/train/images|user|preds|data/cls.csv|link|runs/r"},
+        {"--epochs", "1|2"},
+        {"--batch", "1|2|3|4"},
+        {"--size", "8x8|16x16|7x9|32x32"},
+        {"--classes", "3|2|4|1"},
+        {"--class-weights", "0,1,1|1,1,1|0,0,0|1,0,0|0,1|nan,1,1"},
+        {"--model", "unet|unet-effv2-t|effv2-t"},
+        {"--lr", "0.001|1e34|1e36|0"},
+        {"--seed", "1|5"},
+        {"--accum", "1|2|3"},
+        {"--augment", "flip|none|brightness=0.5|contrast=0.5:1.5"},
+        {"--monitor", "val_loss|val_mIoU|val_accuracy"},
+        {"--early-stopping", "1|2"},
+        {"--freeze", "base|none"},
+        {"--unfreeze-last", "0|1|2"},
+        {"--head-hidden", "0|4"},
+        {"--dropout", "0.2|0"},
+        {"--depth", "1|2"},
+        {"--width", "2|4"},
+        {"--exif", "apply|ignore"},
+        {"--max-pixels", "1|64|100000000"},
+        {"--replicas", "1|2"},
+        {"--log-every", "1|0"},
+        {"--precision", "fp32|fp16|bf16"},
+        {"--checkpoint", "none|blocks"},
+        {"--loss-norm", "weighted|keras"},
+        {"--clipnorm", "0|1"},
+        {"--allow-missing", "head.|enc"},
+        {"--workers", "1|2"},
+        {"--padding", "same|symmetric"},
+        {"--memory", "1G|1K"},
+        {"--min-delta", "0|0.1"},
+        {"--names", "torchvision|timm|segnet"},
+        {"--threads", "1|2"},
+        {"--warmup", "0|3"},
+        {"--schedule", "cosine|constant"},
+        {"--weight-decay", "0|0.01"},
 };
-static const char *const CLI_SWITCHES[] = {"--overwrite", "--last", "--best", "--sync-bn", "--train-eval"};
+static const char *const CLI_SWITCHES[] = {"--overwrite", "--last", "--best", "--sync-bn",
+                                           "--train-eval"};
 static const char *const CLI_COMMANDS[] = {"train", "predict", "eval", "export", "plan"};
 
 // one of `values` ('|'-separated) into out, with its newline
@@ -1395,7 +1833,8 @@ static size_t fuzz_cli_pick(Rng *r, const char *values, char *out, size_t cap) {
 
 static size_t fuzz_cli_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
     size_t starts[FUZZ_CLI_ARGS * 2 + 1], k = 0;
-    for (size_t i = 0; i < n && k + 1 < sizeof starts / sizeof *starts; i++) if (i == 0 || b[i - 1] == '\n') starts[k++] = i;
+    for (size_t i = 0; i < n && k + 1 < sizeof starts / sizeof *starts; i++)
+        if (i == 0 || b[i - 1] == '\n') starts[k++] = i;
     starts[k] = n;
     size_t cmd = 0;  // the command word's line: the first that is no sandbox change
     while (cmd < k && b[starts[cmd]] == '!') cmd++;
@@ -1404,18 +1843,22 @@ static size_t fuzz_cli_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
     char add[256];
     size_t m;
     if (how < 7) {  // a value replaced by one its option takes
-        const size_t line = cmd + 1 + fuzz_draw(r, k - cmd), at = starts[line - 1], len = starts[line] - at;
+        const size_t line = cmd + 1 + fuzz_draw(r, k - cmd), at = starts[line - 1],
+                     len = starts[line] - at;
         for (size_t o = 0; line < k && o < sizeof CLI_OPTIONS / sizeof *CLI_OPTIONS; o++)
-            if (len == strlen(CLI_OPTIONS[o].flag) + 1 && !memcmp(b + at, CLI_OPTIONS[o].flag, len - 1)) {
+            if (len == strlen(CLI_OPTIONS[o].flag) + 1 &&
+                !memcmp(b + at, CLI_OPTIONS[o].flag, len - 1)) {
                 m = fuzz_cli_pick(r, CLI_OPTIONS[o].values, add, sizeof add);
                 memmove(b + starts[line], b + starts[line + 1], n - starts[line + 1]);
                 return fuzz_insert(b, n - (starts[line + 1] - starts[line]), starts[line], add, m);
             }
         return n;
     }
-    size_t bounds[FUZZ_CLI_ARGS * 2 + 1], n_bounds = 0;  // where an option may go: before one, or at the end
+    // where an option may go: before one, or at the end
+    size_t bounds[FUZZ_CLI_ARGS * 2 + 1], n_bounds = 0;
     for (size_t i = cmd + 1; i <= k; i++)
-        if (i == k || (b[starts[i]] == '-' && starts[i] + 1 < n && b[starts[i] + 1] == '-')) bounds[n_bounds++] = starts[i];
+        if (i == k || (b[starts[i]] == '-' && starts[i] + 1 < n && b[starts[i] + 1] == '-'))
+            bounds[n_bounds++] = starts[i];
     const size_t pos = bounds[fuzz_draw(r, n_bounds)];
     if (how < 12) {  // an option with a value
         const size_t o = fuzz_draw(r, sizeof CLI_OPTIONS / sizeof *CLI_OPTIONS);
@@ -1424,7 +1867,9 @@ static size_t fuzz_cli_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
         return fuzz_insert(b, n, pos, add, m);
     }
     if (how < 14) {  // a switch
-        m = (size_t)snprintf(add, sizeof add, "%s\n", CLI_SWITCHES[fuzz_draw(r, sizeof CLI_SWITCHES / sizeof *CLI_SWITCHES)]);
+        m = (size_t)snprintf(
+                add, sizeof add, "%s\n",
+                CLI_SWITCHES[fuzz_draw(r, sizeof CLI_SWITCHES / sizeof *CLI_SWITCHES)]);
         return fuzz_insert(b, n, pos, add, m);
     }
     if (how < 16) {  // a line deleted (an option's value then takes the next option as its own)
@@ -1435,11 +1880,13 @@ static size_t fuzz_cli_mutate(FuzzCtx *c, Rng *r, uint8_t *b, size_t n) {
     }
     if (how == 16) {  // a sandbox change first
         const FuzzToken *tk;
-        do tk = &CLI_DICT[fuzz_draw(r, sizeof CLI_DICT / sizeof *CLI_DICT)]; while (tk->s[0] != '!' || tk->s[tk->n - 1] != '\n');
+        do tk = &CLI_DICT[fuzz_draw(r, sizeof CLI_DICT / sizeof *CLI_DICT)];
+        while (tk->s[0] != '!' || tk->s[tk->n - 1] != '\n');
         return fuzz_insert(b, n, 0, tk->s, tk->n);
     }
     // another command
-    m = (size_t)snprintf(add, sizeof add, "%s\n", CLI_COMMANDS[fuzz_draw(r, sizeof CLI_COMMANDS / sizeof *CLI_COMMANDS)]);
+    m = (size_t)snprintf(add, sizeof add, "%s\n",
+                         CLI_COMMANDS[fuzz_draw(r, sizeof CLI_COMMANDS / sizeof *CLI_COMMANDS)]);
     memmove(b + starts[cmd], b + starts[cmd + 1], n - starts[cmd + 1]);
     return fuzz_insert(b, n - (starts[cmd + 1] - starts[cmd]), starts[cmd], add, m);
 }
@@ -1475,14 +1922,22 @@ static uint64_t fuzz_faulty_hang(FuzzCtx *c, const uint8_t *in, size_t n) {
 }
 
 static const FuzzTarget FUZZ_TARGETS[] = {
-    {"safetensors", "input.safetensors", SF_DICT, sizeof SF_DICT / sizeof *SF_DICT, fuzz_sf_setup, fuzz_sf_run, fuzz_sf_mutate},
-    {"image", "input.png", IMG_DICT, sizeof IMG_DICT / sizeof *IMG_DICT, fuzz_image_setup, fuzz_image_run, NULL},
-    {"mask", "input.png", IMG_DICT, sizeof IMG_DICT / sizeof *IMG_DICT, fuzz_image_setup, fuzz_mask_run, NULL},
-    {"exif", "input.jpg", EXIF_DICT, sizeof EXIF_DICT / sizeof *EXIF_DICT, fuzz_exif_setup, fuzz_exif_run, NULL},
-    {"csv", "list.csv", CSV_DICT, sizeof CSV_DICT / sizeof *CSV_DICT, fuzz_csv_setup, fuzz_csv_run, NULL},
-    {"checkpoint", "input.safetensors", SF_DICT, sizeof SF_DICT / sizeof *SF_DICT, fuzz_ckpt_setup, fuzz_ckpt_run, fuzz_sf_mutate},
-    {"config", "config.txt", CFG_DICT, sizeof CFG_DICT / sizeof *CFG_DICT, fuzz_config_setup, fuzz_config_run, NULL},
-    {"cli", "command.txt", CLI_DICT, sizeof CLI_DICT / sizeof *CLI_DICT, fuzz_cli_setup, fuzz_cli_run, fuzz_cli_mutate},
+        {"safetensors", "input.safetensors", SF_DICT, sizeof SF_DICT / sizeof *SF_DICT,
+         fuzz_sf_setup, fuzz_sf_run, fuzz_sf_mutate},
+        {"image", "input.png", IMG_DICT, sizeof IMG_DICT / sizeof *IMG_DICT, fuzz_image_setup,
+         fuzz_image_run, NULL},
+        {"mask", "input.png", IMG_DICT, sizeof IMG_DICT / sizeof *IMG_DICT, fuzz_image_setup,
+         fuzz_mask_run, NULL},
+        {"exif", "input.jpg", EXIF_DICT, sizeof EXIF_DICT / sizeof *EXIF_DICT, fuzz_exif_setup,
+         fuzz_exif_run, NULL},
+        {"csv", "list.csv", CSV_DICT, sizeof CSV_DICT / sizeof *CSV_DICT, fuzz_csv_setup,
+         fuzz_csv_run, NULL},
+        {"checkpoint", "input.safetensors", SF_DICT, sizeof SF_DICT / sizeof *SF_DICT,
+         fuzz_ckpt_setup, fuzz_ckpt_run, fuzz_sf_mutate},
+        {"config", "config.txt", CFG_DICT, sizeof CFG_DICT / sizeof *CFG_DICT, fuzz_config_setup,
+         fuzz_config_run, NULL},
+        {"cli", "command.txt", CLI_DICT, sizeof CLI_DICT / sizeof *CLI_DICT, fuzz_cli_setup,
+         fuzz_cli_run, fuzz_cli_mutate},
 };
 static const FuzzTarget SELFTEST_TARGETS[] = {
     {"selftest-overflow", "input", NULL, 0, fuzz_faulty_setup, fuzz_faulty_overflow, NULL},
@@ -1492,8 +1947,10 @@ static const FuzzTarget SELFTEST_TARGETS[] = {
 #define N_FUZZ_TARGETS ((int)(sizeof FUZZ_TARGETS / sizeof *FUZZ_TARGETS))
 
 static const FuzzTarget *fuzz_find_target(const char *name) {
-    for (int i = 0; i < N_FUZZ_TARGETS; i++) if (!strcmp(FUZZ_TARGETS[i].name, name)) return &FUZZ_TARGETS[i];
-    for (int i = 0; i < 3; i++) if (!strcmp(SELFTEST_TARGETS[i].name, name)) return &SELFTEST_TARGETS[i];
+    for (int i = 0; i < N_FUZZ_TARGETS; i++)
+        if (!strcmp(FUZZ_TARGETS[i].name, name)) return &FUZZ_TARGETS[i];
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(SELFTEST_TARGETS[i].name, name)) return &SELFTEST_TARGETS[i];
     return NULL;
 }
 
@@ -1504,7 +1961,8 @@ static void fuzz_ctx_open(FuzzCtx *c, const FuzzTarget *t, const char *base) {
     c->t = t;
     snprintf(c->dir, sizeof c->dir, "%s/%s", base, t->name);
     snprintf(c->path, sizeof c->path, "%s/%s", c->dir, t->file);
-    snCheck(mkdir(c->dir, 0755) == 0 || errno == EEXIST, "fuzz: mkdir %s: %s", c->dir, strerror(errno));
+    snCheck(mkdir(c->dir, 0755) == 0 || errno == EEXIST, "fuzz: mkdir %s: %s", c->dir,
+            strerror(errno));
     t->setup(c);
     g_fz->seeded = 1;
 }
@@ -1532,7 +1990,8 @@ static void fuzz_one(FuzzCtx *c, uint64_t k) {
     g_fz->running = 0;
     if (g_fopts->verbose && k < (uint64_t)g_fz->n_seeds) {
         char shown[4 * SN_ERR_MAX];
-        printf("fuzz %s: seed %" PRIu64 " (%zu bytes): %s%s\n", c->t->name, k, n, c->accepted ? "accepted" : "refused: ",
+        printf("fuzz %s: seed %" PRIu64 " (%zu bytes): %s%s\n", c->t->name, k, n,
+               c->accepted ? "accepted" : "refused: ",
                c->accepted ? "" : fuzz_printable(shown, sizeof shown, c->err));
         fflush(stdout);
     }
@@ -1572,7 +2031,8 @@ static void fuzz_child(const FuzzTarget *t, const char *base, double deadline) {
     const uint64_t end = g_fopts->runs ? g_fopts->runs : UINT64_MAX;
     const int max_findings = g_fopts->first_only ? 1 : FUZZ_MAX_FINDINGS;
     uint64_t k = g_fz->next;
-    for (g_fz->check_from = k; k < end && now_s() < deadline && g_fz->findings < max_findings; k++) {
+    for (g_fz->check_from = k; k < end && now_s() < deadline && g_fz->findings < max_findings;
+         k++) {
         size_t n = fuzz_input(g_fctx, g_fopts->seed, k, g_fz->ring[k % FUZZ_RING]);
         g_fz->len[k % FUZZ_RING] = n;
         g_fz->digest = fuzz_hash(g_fz->digest, g_fz->ring[k % FUZZ_RING], n);
@@ -1618,20 +2078,26 @@ static int fuzz_find_leak(const FuzzTarget *t, const char *base) {
 // From a report: its one-line summary, and the first stack frame that is
 // neither the sanitizer's, libc's nor the harness's signal handler, which
 // names the finding ("FUNC FILE:LINE" when symbolized, else "MODULE+OFFSET").
-static void fuzz_read_log(const char *log, int hang, char *summary, size_t n_summary, char *frame, size_t n_frame) {
-    static const char *const SKIP_FUNC[] = {"__interceptor_", "__sanitizer", "__asan", "__lsan", "__ubsan", "fuzz_on_",
-                                            "malloc", "calloc", "realloc", "free", "strdup", "__strdup", "__libc", "__GI_",
-                                            "raise", "abort", "_start", "__restore_rt"};
-    static const char *const SKIP_MODULE[] = {"libasan", "libubsan", "liblsan", "libc.so", "ld-linux", "libgcc"};
+static void fuzz_read_log(const char *log, int hang, char *summary, size_t n_summary, char *frame,
+                          size_t n_frame) {
+    static const char *const SKIP_FUNC[] = {
+            "__interceptor_", "__sanitizer", "__asan",  "__lsan", "__ubsan", "fuzz_on_",
+            "malloc",         "calloc",      "realloc", "free",   "strdup",  "__strdup",
+            "__libc",         "__GI_",       "raise",   "abort",  "_start",  "__restore_rt"};
+    static const char *const SKIP_MODULE[] = {"libasan", "libubsan", "liblsan",
+                                              "libc.so", "ld-linux", "libgcc"};
     size_t n;
     char *text = (char *)read_file_bytes(log, &n), *save = NULL, *last = NULL;
-    int handler = hang;  // unsymbolized, the alarm handler is the hang's first frame of this program
+    // unsymbolized, the alarm handler is the hang's first frame of this program
+    int handler = hang;
     summary[0] = frame[0] = 0;
-    for (char *line = text ? strtok_r(text, "\n", &save) : NULL; line; line = strtok_r(NULL, "\n", &save)) {
+    for (char *line = text ? strtok_r(text, "\n", &save) : NULL; line;
+         line = strtok_r(NULL, "\n", &save)) {
         char func[160], where[400];
         const char *sum = strstr(line, "SUMMARY: ");
         if (strstr(line, "runtime error:")) snprintf(summary, n_summary, "%s", line);
-        else if (sum && !strstr(summary, "runtime error:")) snprintf(summary, n_summary, "%s", sum + 9);
+        else if (sum && !strstr(summary, "runtime error:"))
+            snprintf(summary, n_summary, "%s", sum + 9);
         if (!frame[0] && sscanf(line, " #%*d 0x%*x in %159s %399s", func, where) == 2) {
             int skip = strstr(where, "libsanitizer") != NULL;
             for (size_t i = 0; i < sizeof SKIP_FUNC / sizeof *SKIP_FUNC; i++)
@@ -1648,13 +2114,15 @@ static void fuzz_read_log(const char *log, int hang, char *summary, size_t n_sum
         }
         if (line[strspn(line, " \t")]) last = line;
     }
-    if (!summary[0] && last) snprintf(summary, n_summary, "%s", last);  // e.g. segnet's internal error
+    // e.g. segnet's internal error
+    if (!summary[0] && last) snprintf(summary, n_summary, "%s", last);
     free(text);
 }
 
 // OUT/TARGET-KIND-K.txt: the input replayed by a fresh fuzz_segnet with
 // symbolized stacks, its stdout and stderr
-static void fuzz_write_report(const char *target, const char *input, const char *report, const char *base) {
+static void fuzz_write_report(const char *target, const char *input, const char *report,
+                              const char *base) {
     fflush(stdout);
     pid_t pid = fork();
     if (pid == 0) {
@@ -1666,15 +2134,16 @@ static void fuzz_write_report(const char *target, const char *input, const char 
         for (int i = 0; i < 2; i++) {
             char opts[4096];
             const char *was = getenv(ENV[i]);
-            snprintf(opts, sizeof opts, "%s%ssymbolize=1", was ? was : "", was && was[0] ? ":" : "");
+            snprintf(opts, sizeof opts, "%s%ssymbolize=1", was ? was : "",
+                     was && was[0] ? ":" : "");
             setenv(ENV[i], opts, 1);
         }
         char hang[16];
         snprintf(hang, sizeof hang, "%d", g_fopts->hang_s);
         char work[300];
         snprintf(work, sizeof work, "%s/replay", base);
-        execl("/proc/self/exe", "fuzz_segnet", "--replay", input, target, "--out", g_fopts->out, "--hang", hang, "--work",
-              work, (char *)NULL);
+        execl("/proc/self/exe", "fuzz_segnet", "--replay", input, target, "--out", g_fopts->out,
+              "--hang", hang, "--work", work, (char *)NULL);
         _exit(127);
     }
     int st;
@@ -1696,15 +2165,18 @@ static int fuzz_report_death(const FuzzTarget *t, const char *base, int st, char
     fuzz_read_log(g_flog, hang && !g_fz->leaked, summary, sizeof summary, frame, sizeof frame);
     if (g_fz->leaked) {
         snprintf(what, sizeof what, "%s%s", summary,
-                 k == g_fz->leak_at ? "" : " (no input of the last ones leaks alone: the last saved)");
+                 k == g_fz->leak_at ? ""
+                                    : " (no input of the last ones leaks alone: the last saved)");
     } else if (WIFEXITED(st) && WEXITSTATUS(st) == FUZZ_EXIT_SETUP) {
         snprintf(what, sizeof what, "the target's fixtures and seeds leak: %s", summary);
         go_on = 0;
     } else if (!g_fz->running) {
-        snprintf(what, sizeof what, "the child died outside an input (%s %d): %s", WIFSIGNALED(st) ? "signal" : "exit status",
+        snprintf(what, sizeof what, "the child died outside an input (%s %d): %s",
+                 WIFSIGNALED(st) ? "signal" : "exit status",
                  WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st), summary);
         go_on = 0;
-    } else if (g_fz->sanitizer || strstr(summary, "runtime error:") || strstr(summary, "Sanitizer: ")) {
+    } else if (g_fz->sanitizer || strstr(summary, "runtime error:") ||
+               strstr(summary, "Sanitizer: ")) {
         snprintf(what, sizeof what, "%s", summary);  // UBSan does not run the death callback
     } else if (hang) {
         kind = "hang";
@@ -1720,19 +2192,23 @@ static int fuzz_report_death(const FuzzTarget *t, const char *base, int st, char
     if (!go_on) g_fz->findings++;
     else if (!fuzz_finding_new(key)) { g_fz->repeats++; return 1; }
     else {
-        if (fuzz_save(t->name, kind, k, path)) snprintf(path, sizeof path, "(could not be written)");
+        if (fuzz_save(t->name, kind, k, path))
+            snprintf(path, sizeof path, "(could not be written)");
         snprintf(report, sizeof report, "%s/%s-%s-%" PRIu64 ".txt", g_fopts->out, t->name, kind, k);
         fuzz_write_report(t->name, path, report, base);
         char again[400], where[600];
         fuzz_read_log(report, 0, again, sizeof again, where, sizeof where);
-        if (again[0] && strcmp(kind, "hang") && strcmp(kind, "exit")) snprintf(what, sizeof what, "%s", again);
+        if (again[0] && strcmp(kind, "hang") && strcmp(kind, "exit"))
+            snprintf(what, sizeof what, "%s", again);
         if (where[0]) snprintf(frame, sizeof frame, "%s", where);
     }
     const char *func_end = strchr(frame, ' ');
-    const int named = frame[0] && func_end && memmem(what, strlen(what), frame, (size_t)(func_end - frame));
+    const int named =
+            frame[0] && func_end && memmem(what, strlen(what), frame, (size_t)(func_end - frame));
     if (!g_fopts->quiet)
-        printf("fuzz %s: %s at input %" PRIu64 ": %s%s%s%s%s%s%s%s\n", t->name, go_on ? kind : "failure", k, what,
-               frame[0] && !named ? " (at " : "", frame[0] && !named ? frame : "", frame[0] && !named ? ")" : "",
+        printf("fuzz %s: %s at input %" PRIu64 ": %s%s%s%s%s%s%s%s\n", t->name,
+               go_on ? kind : "failure", k, what, frame[0] && !named ? " (at " : "",
+               frame[0] && !named ? frame : "", frame[0] && !named ? ")" : "",
                go_on ? "; reproducer " : "", path, report[0] ? ", report " : "", report);
     fflush(stdout);
     if (first && !first[0]) snprintf(first, 512, "%s", path);
@@ -1759,7 +2235,9 @@ static int fuzz_target(const FuzzTarget *t, const char *base, FuzzTotals *tot, c
         waitpid(pid, &st, 0);
         if (WIFEXITED(st) && WEXITSTATUS(st) == 0 && g_fz->finished) break;
         if (!fuzz_report_death(t, base, st, first)) break;
-        if (now_s() >= deadline || g_fz->findings >= FUZZ_MAX_FINDINGS || (g_fopts->first_only && g_fz->findings)) break;
+        if (now_s() >= deadline || g_fz->findings >= FUZZ_MAX_FINDINGS ||
+            (g_fopts->first_only && g_fz->findings))
+            break;
         if (g_fopts->runs && g_fz->next >= g_fopts->runs) break;
     }
     const double dt = now_s() - t0;
@@ -1767,10 +2245,14 @@ static int fuzz_target(const FuzzTarget *t, const char *base, FuzzTotals *tot, c
     tot->executions += g_fz->executions;
     tot->findings += f;
     if (g_fopts->quiet) return f;
-    printf("fuzz %s: %" PRIu64 " executions in %.1f s (%.0f/s), %d finding%s; %.0f%% accepted, corpus %d (%d kept)", t->name,
-           g_fz->executions, dt, (double)g_fz->executions / (dt > 0 ? dt : 1), f, f == 1 ? "" : "s",
-           100.0 * (double)g_fz->accepted / (double)(g_fz->executions ? g_fz->executions : 1), g_fz->n_corpus, g_fz->kept);
-    if (g_fz->repeats) printf(", %d repeat%s of a finding", g_fz->repeats, g_fz->repeats == 1 ? "" : "s");
+    printf("fuzz %s: %" PRIu64
+           " executions in %.1f s (%.0f/s), %d finding%s; %.0f%% accepted, corpus %d (%d kept)",
+           t->name, g_fz->executions, dt, (double)g_fz->executions / (dt > 0 ? dt : 1), f,
+           f == 1 ? "" : "s",
+           100.0 * (double)g_fz->accepted / (double)(g_fz->executions ? g_fz->executions : 1),
+           g_fz->n_corpus, g_fz->kept);
+    if (g_fz->repeats)
+        printf(", %d repeat%s of a finding", g_fz->repeats, g_fz->repeats == 1 ? "" : "s");
     if (g_fopts->verbose) printf(", inputs digest %016" PRIx64, g_fz->digest);
     printf("\n");
     fflush(stdout);
@@ -1790,7 +2272,9 @@ static int fuzz_replay(const char *file, const FuzzTarget *t, const char *base) 
     fuzz_run(c, in, n);
     char shown[4 * SN_ERR_MAX];
     if (c->accepted) printf("replay %s %s: accepted\n", t->name, file);
-    else printf("replay %s %s: refused: %s\n", t->name, file, fuzz_printable(shown, sizeof shown, c->err));
+    else
+        printf("replay %s %s: refused: %s\n", t->name, file,
+               fuzz_printable(shown, sizeof shown, c->err));
     fflush(stdout);
     int leaked = __lsan_do_recoverable_leak_check(), broken = c->broken;
     free(c);
@@ -1802,14 +2286,21 @@ static int fuzz_replay(const char *file, const FuzzTarget *t, const char *base) 
 // saved as its kind, with a report naming the faulty function. One line when
 // all are caught; what went wrong with each otherwise.
 static int fuzz_selftest(FuzzOpts *o, const char *base) {
-    static const char *const KIND[3] = {"crash", "leak", "hang"}, *const FAULT[3] = {"overflow", "leak", "hang"},
-                      *const FUNC[3] = {"fuzz_faulty_overflow", "fuzz_faulty_leak", "fuzz_faulty_hang"};
+    static const char *const KIND[3] = {"crash", "leak", "hang"},
+                             *const FAULT[3] = {"overflow", "leak", "hang"},
+                             *const FUNC[3] = {"fuzz_faulty_overflow", "fuzz_faulty_leak",
+                                               "fuzz_faulty_hang"};
     char out[512], first[3][512], missed[200] = "";
     snprintf(out, sizeof out, "%s/selftest", o->out);
     rm_rf(out);
     snCheck(mkdir(out, 0755) == 0, "fuzz: mkdir %s: %s", out, strerror(errno));
     const char *real_out = o->out;
-    o->out = out; o->seconds = 20; o->hang_s = 1; o->first_only = 1; o->runs = 0; o->quiet = !o->verbose;
+    o->out = out;
+    o->seconds = 20;
+    o->hang_s = 1;
+    o->first_only = 1;
+    o->runs = 0;
+    o->quiet = !o->verbose;
     FuzzTotals tot = {0, 0};
     for (int i = 0; i < 3; i++) {
         fuzz_target(&SELFTEST_TARGETS[i], base, &tot, first[i]);
@@ -1819,9 +2310,11 @@ static int fuzz_selftest(FuzzOpts *o, const char *base) {
         size_t n;
         char *text = strstr(first[i], want) ? read_file(report, &n) : NULL;
         if (!(text && strstr(text, FUNC[i]))) {
-            snprintf(missed + strlen(missed), sizeof missed - strlen(missed), "%s%s", missed[0] ? ", " : "", FAULT[i]);
-            printf("fuzz self-test: the planted %s was not caught as a %s naming %s (first finding: '%s')\n", FAULT[i], KIND[i],
-                   FUNC[i], first[i]);
+            snprintf(missed + strlen(missed), sizeof missed - strlen(missed), "%s%s",
+                     missed[0] ? ", " : "", FAULT[i]);
+            printf("fuzz self-test: the planted %s was not caught as a %s naming %s (first "
+                   "finding: '%s')\n",
+                   FAULT[i], KIND[i], FUNC[i], first[i]);
         }
         free(text);
     }
@@ -1837,15 +2330,21 @@ static int fuzz_selftest(FuzzOpts *o, const char *base) {
 
 static int fuzz_usage(const char *argv0) {
     fprintf(stderr,
-            "usage: %s [--seconds S] [--seed N] [--runs N] [--hang S] [--out DIR] [-v] [TARGET...]\n"
+            "usage: %s [--seconds S] [--seed N] [--runs N] [--hang S] [--out DIR] [-v] "
+            "[TARGET...]\n"
             "       %s --replay FILE TARGET\n"
             "       %s --selftest [--out DIR]\n"
-            "Seeded mutation fuzzing of segnet's readers under AddressSanitizer and UBSan: S seconds per\n"
-            "target (default 60), at most N inputs with --runs; an input running over --hang seconds\n"
-            "(default %d) is a hang. A finding is saved as DIR/TARGET-KIND-K.bin with its report in\n"
+            "Seeded mutation fuzzing of segnet's readers under AddressSanitizer and UBSan: S "
+            "seconds per\n"
+            "target (default 60), at most N inputs with --runs; an input running over --hang "
+            "seconds\n"
+            "(default %d) is a hang. A finding is saved as DIR/TARGET-KIND-K.bin with its report "
+            "in\n"
             "DIR/TARGET-KIND-K.txt (default DIR: fuzz-out); the exit status is 1 if there is one.\n"
-            "Targets: safetensors image mask exif csv checkpoint config cli (default: all). -v: the seeds' outcomes.\n"
-            "--replay runs one saved input; --selftest checks that the harness catches planted faults.\n",
+            "Targets: safetensors image mask exif csv checkpoint config cli (default: all). -v: "
+            "the seeds' outcomes.\n"
+            "--replay runs one saved input; --selftest checks that the harness catches planted "
+            "faults.\n",
             argv0, argv0, argv0, FUZZ_HANG_S);
     return 2;
 }
@@ -1860,17 +2359,39 @@ int main(int argc, char **argv) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         char *end = NULL;
         int bad = 0;
-        if (!strcmp(a, "--seconds") && v) { o.seconds = strtod(v, &end); i++; bad = !(o.seconds >= 0); }
-        else if (!strcmp(a, "--seed") && v) { o.seed = strtoull(v, &end, 0); i++; }
-        else if (!strcmp(a, "--runs") && v) { o.runs = strtoull(v, &end, 0); i++; }
-        else if (!strcmp(a, "--hang") && v) { o.hang_s = (int)strtol(v, &end, 10); i++; bad = o.hang_s < 1; }
-        else if (!strcmp(a, "--out") && v) { o.out = v; i++; }
-        else if (!strcmp(a, "--replay") && v) { replay = v; i++; }
-        else if (!strcmp(a, "--work") && v) { work = v; i++; }  // the replay's folder (the reports' replays: the run's)
-        else if (!strcmp(a, "--selftest")) selftest = 1;
+        if (!strcmp(a, "--seconds") && v) {
+            o.seconds = strtod(v, &end);
+            i++;
+            bad = !(o.seconds >= 0);
+        } else if (!strcmp(a, "--seed") && v) {
+            o.seed = strtoull(v, &end, 0);
+            i++;
+        } else if (!strcmp(a, "--runs") && v) {
+            o.runs = strtoull(v, &end, 0);
+            i++;
+        } else if (!strcmp(a, "--hang") && v) {
+            o.hang_s = (int)strtol(v, &end, 10);
+            i++;
+            bad = o.hang_s < 1;
+        } else if (!strcmp(a, "--out") && v) {
+            o.out = v;
+            i++;
+        } else if (!strcmp(a, "--replay") && v) {
+            replay = v;
+            i++;
+        }
+        // the replay's folder (the reports' replays: the run's)
+        else if (!strcmp(a, "--work") && v) {
+            work = v;
+            i++;
+        } else if (!strcmp(a, "--selftest"))
+            selftest = 1;
         else if (!strcmp(a, "-v")) o.verbose = 1;
         else if (a[0] != '-' && n_chosen < N_FUZZ_TARGETS) names[n_chosen++] = a;
-        else { fprintf(stderr, "fuzz_segnet: unknown argument '%s'\n", a); return fuzz_usage(argv[0]); }
+        else {
+            fprintf(stderr, "fuzz_segnet: unknown argument '%s'\n", a);
+            return fuzz_usage(argv[0]);
+        }
         if (bad || (end && (end == v || *end))) {
             fprintf(stderr, "fuzz_segnet: %s '%s' is not a valid value\n", a, v);
             return fuzz_usage(argv[0]);
@@ -1884,7 +2405,10 @@ int main(int argc, char **argv) {
         }
     }
     if ((replay && n_chosen != 1) || (selftest && (replay || n_chosen))) return fuzz_usage(argv[0]);
-    if (mkdir(o.out, 0755) && errno != EEXIST) { fprintf(stderr, "fuzz_segnet: %s: %s\n", o.out, strerror(errno)); return 2; }
+    if (mkdir(o.out, 0755) && errno != EEXIST) {
+        fprintf(stderr, "fuzz_segnet: %s: %s\n", o.out, strerror(errno));
+        return 2;
+    }
     // inputs and fixtures in memory where there is a tmpfs
     char base[256];
     struct stat sb;
@@ -1892,20 +2416,23 @@ int main(int argc, char **argv) {
     else if (stat("/dev/shm", &sb) == 0 && S_ISDIR(sb.st_mode) && access("/dev/shm", W_OK) == 0)
         snprintf(base, sizeof base, "/dev/shm/segnet-fuzz-%ld", (long)getpid());
     else snprintf(base, sizeof base, "%s/work-%ld", o.out, (long)getpid());
-    snCheck(mkdir(base, 0755) == 0 || (work && errno == EEXIST), "fuzz: mkdir %s: %s", base, strerror(errno));
+    snCheck(mkdir(base, 0755) == 0 || (work && errno == EEXIST), "fuzz: mkdir %s: %s", base,
+            strerror(errno));
     g_fz = mmap(NULL, sizeof *g_fz, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     snCheck(g_fz != MAP_FAILED, "fuzz: mmap: %s", strerror(errno));
     int rc;
     if (replay) rc = fuzz_replay(replay, chosen[0], base);
     else if (selftest) rc = fuzz_selftest(&o, base);
     else {
-        if (!n_chosen) for (int i = 0; i < N_FUZZ_TARGETS; i++) chosen[n_chosen++] = &FUZZ_TARGETS[i];
+        if (!n_chosen)
+            for (int i = 0; i < N_FUZZ_TARGETS; i++) chosen[n_chosen++] = &FUZZ_TARGETS[i];
         FuzzTotals tot = {0, 0};
         double t0 = now_s();
         for (int i = 0; i < n_chosen; i++) fuzz_target(chosen[i], base, &tot, NULL);
-        printf("fuzz: %d target%s, %" PRIu64 " executions in %.1f s, %d finding%s%s%s\n", n_chosen, n_chosen == 1 ? "" : "s",
-               tot.executions, now_s() - t0, tot.findings, tot.findings == 1 ? "" : "s",
-               tot.findings ? ": reproducers and reports in " : "", tot.findings ? o.out : "");
+        printf("fuzz: %d target%s, %" PRIu64 " executions in %.1f s, %d finding%s%s%s\n", n_chosen,
+               n_chosen == 1 ? "" : "s", tot.executions, now_s() - t0, tot.findings,
+               tot.findings == 1 ? "" : "s", tot.findings ? ": reproducers and reports in " : "",
+               tot.findings ? o.out : "");
         rc = tot.findings ? 1 : 0;
     }
     munmap(g_fz, sizeof *g_fz);

@@ -29,10 +29,13 @@ static void path_list_add(PathList *l, const char *dir, const char *name) {
 
 static int has_image_ext(const char *name) {
     const char *dot = strrchr(name, '.');
-    return dot && (!strcasecmp(dot, ".png") || !strcasecmp(dot, ".jpg") || !strcasecmp(dot, ".jpeg"));
+    return dot &&
+           (!strcasecmp(dot, ".png") || !strcasecmp(dot, ".jpg") || !strcasecmp(dot, ".jpeg"));
 }
 
-static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+static int cmp_str(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
 
 // qsort for arrays that may be empty (and NULL, which qsort may not be given)
 static void sort_n(void *base, size_t n, size_t size, int (*cmp)(const void *, const void *)) {
@@ -56,7 +59,8 @@ static const char *csv_field(const char **s, char *out, size_t size, int *more) 
         p += strspn(p, CSV_BLANKS);
         if (*p && *p != ',' && *p != '\n' && *p != '\r') return "text after a closing quote";
     } else {
-        for (; *p && *p != ',' && *p != '\n' && *p != '\r'; p++, n++) if (k + 1 < size) out[k++] = *p;
+        for (; *p && *p != ',' && *p != '\n' && *p != '\r'; p++, n++)
+            if (k + 1 < size) out[k++] = *p;
         while (k > 0 && strchr(CSV_BLANKS, out[k - 1])) k--;
     }
     out[k] = 0;
@@ -75,12 +79,16 @@ static const char *csv_skip_bom(const char *line, int row) {
 int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]) {
     memset(out, 0, sizeof *out);
     struct stat sb;
-    if (stat(input, &sb) != 0) { snprintf(err, SN_ERR_MAX, "%s: %s", input, strerror(errno)); return -1; }
+    if (stat(input, &sb) != 0) {
+        snprintf(err, SN_ERR_MAX, "%s: %s", input, strerror(errno));
+        return -1;
+    }
     if (S_ISDIR(sb.st_mode)) {
         DIR *d = opendir(input);
         if (!d) { snprintf(err, SN_ERR_MAX, "%s: %s", input, strerror(errno)); return -1; }
         for (struct dirent *e; (e = readdir(d));)
-            if (e->d_name[0] != '.' && has_image_ext(e->d_name)) path_list_add(out, input, e->d_name);
+            if (e->d_name[0] != '.' && has_image_ext(e->d_name))
+                path_list_add(out, input, e->d_name);
         closedir(d);
         sort_n(out->paths, (size_t)out->n, sizeof(char *), cmp_str);
     } else {
@@ -93,7 +101,8 @@ int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]) {
         char line[8192], field[4096];
         for (int row = 1; fgets(line, sizeof line, f); row++) {
             if (!strchr(line, '\n') && !feof(f)) {
-                snprintf(err, SN_ERR_MAX, "%s: row %d: longer than %zu characters", input, row, sizeof line - 1);
+                snprintf(err, SN_ERR_MAX, "%s: row %d: longer than %zu characters", input, row,
+                         sizeof line - 1);
                 fclose(f); path_list_free(out); return -1;
             }
             const char *s = csv_skip_bom(line, row), *why;
@@ -111,7 +120,10 @@ int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]) {
         }
         fclose(f);
     }
-    if (out->n == 0) { snprintf(err, SN_ERR_MAX, "%s: no images (*.png, *.jpg, *.jpeg) listed", input); return -1; }
+    if (out->n == 0) {
+        snprintf(err, SN_ERR_MAX, "%s: no images (*.png, *.jpg, *.jpeg) listed", input);
+        return -1;
+    }
     return 0;
 }
 
@@ -123,7 +135,8 @@ static const char *decoder_reason(void) {
     const char *why = stbi_failure_reason();
     if (!why || !why[0]) return "no reason given";
     size_t k = 0;
-    for (; why[k] && k + 1 < sizeof shown; k++) shown[k] = (uint8_t)why[k] < 0x20 || (uint8_t)why[k] >= 0x7f ? '?' : why[k];
+    for (; why[k] && k + 1 < sizeof shown; k++)
+        shown[k] = (uint8_t)why[k] < 0x20 || (uint8_t)why[k] >= 0x7f ? '?' : why[k];
     shown[k] = 0;
     return shown;
 }
@@ -155,7 +168,8 @@ static uint8_t *file_read_regular(const char *path, size_t max, size_t *n, char 
     if (fd < 0) { snprintf(err, SN_ERR_MAX, "%s: %s", path, why); return NULL; }
     uint8_t *b = NULL;
     if ((uint64_t)sb.st_size > max) {
-        snprintf(err, SN_ERR_MAX, "%s: %" PRIu64 " bytes, more than the %zu an image may have", path, (uint64_t)sb.st_size, max);
+        snprintf(err, SN_ERR_MAX, "%s: %" PRIu64 " bytes, more than the %zu an image may have",
+                 path, (uint64_t)sb.st_size, max);
     } else {
         size_t got = 0, want = (size_t)sb.st_size;
         b = malloc(want ? want : 1);
@@ -163,8 +177,8 @@ static uint8_t *file_read_regular(const char *path, size_t max, size_t *n, char 
         for (ssize_t r; got < want; got += (size_t)r)
             if ((r = read(fd, b + got, want - got)) <= 0) {
                 if (r < 0 && errno == EINTR) { r = 0; continue; }
-                snprintf(err, SN_ERR_MAX, "%s: %s after %zu of %zu bytes", path, r ? strerror(errno) : "file shrank while reading",
-                         got, want);
+                snprintf(err, SN_ERR_MAX, "%s: %s after %zu of %zu bytes", path,
+                         r ? strerror(errno) : "file shrank while reading", got, want);
                 free(b);
                 b = NULL;
                 break;
@@ -177,19 +191,25 @@ static uint8_t *file_read_regular(const char *path, size_t max, size_t *n, char 
 
 // An image file's bytes, its format and header checked: (h,w) from the header,
 // within image_max_pixels. png_only: masks (a JPEG's artefacts change classes).
-static uint8_t *image_file_bytes(const char *path, int png_only, size_t *n, int *h, int *w, char err[SN_ERR_MAX]) {
+static uint8_t *image_file_bytes(const char *path, int png_only, size_t *n, int *h, int *w,
+                                 char err[SN_ERR_MAX]) {
     uint8_t *b = file_read_regular(path, IMAGE_FILE_MAX, n, err);
     if (!b) return NULL;
     const ImageFormat fmt = image_format(b, *n);
     int comp;
     if (fmt == IMAGE_UNKNOWN || (png_only && fmt != IMAGE_PNG)) {
-        snprintf(err, SN_ERR_MAX, "%s: %s", path, fmt == IMAGE_JPEG ? "holds JPEG data, but a mask must be a PNG (JPEG's "
-                 "compression changes pixel values, so classes)" : png_only ? "not a PNG file" : "not a PNG or JPEG file");
+        snprintf(err, SN_ERR_MAX, "%s: %s", path,
+                 fmt == IMAGE_JPEG ? "holds JPEG data, but a mask must be a PNG (JPEG's "
+                                     "compression changes pixel values, so classes)"
+                 : png_only        ? "not a PNG file"
+                                   : "not a PNG or JPEG file");
     } else if (!stbi_info_from_memory(b, (int)*n, w, h, &comp)) {
         snprintf(err, SN_ERR_MAX, "%s: cannot decode the image (%s)", path, decoder_reason());
     } else if ((int64_t)*w * *h > image_max_pixels) {
-        snprintf(err, SN_ERR_MAX, "%s: %dx%d is %" PRId64 " pixels, more than the limit of %" PRId64 " (--max-pixels)", path,
-                 *w, *h, (int64_t)*w * *h, image_max_pixels);
+        snprintf(err, SN_ERR_MAX,
+                 "%s: %dx%d is %" PRId64 " pixels, more than the limit of %" PRId64
+                 " (--max-pixels)",
+                 path, *w, *h, (int64_t)*w * *h, image_max_pixels);
     } else {
         return b;
     }
@@ -201,8 +221,10 @@ static uint8_t *image_file_bytes(const char *path, int png_only, size_t *n, int 
 // size every image is resized to may not be (decoding buffers are that large).
 static int input_size_checked(const ModelCfg *m, char err[SN_ERR_MAX]) {
     if ((int64_t)m->height * m->width <= image_max_pixels) return 0;
-    snprintf(err, SN_ERR_MAX, "--size %dx%d is %" PRId64 " pixels, more than the limit of %" PRId64 " (--max-pixels)", m->height,
-             m->width, (int64_t)m->height * m->width, image_max_pixels);
+    snprintf(err, SN_ERR_MAX,
+             "--size %dx%d is %" PRId64 " pixels, more than the limit of %" PRId64
+             " (--max-pixels)",
+             m->height, m->width, (int64_t)m->height * m->width, image_max_pixels);
     return -1;
 }
 
@@ -234,9 +256,12 @@ static const char *const EXIF_DISPLAYED[9] = {
     "mirrored left to right and rotated 90° anticlockwise", "rotated 90° clockwise",
     "mirrored left to right and rotated 90° clockwise", "rotated 90° anticlockwise"};
 
-static uint32_t tiff_u16(const uint8_t *p, int big) { return big ? (uint32_t)p[0] << 8 | p[1] : (uint32_t)p[1] << 8 | p[0]; }
+static uint32_t tiff_u16(const uint8_t *p, int big) {
+    return big ? (uint32_t)p[0] << 8 | p[1] : (uint32_t)p[1] << 8 | p[0];
+}
 static uint32_t tiff_u32(const uint8_t *p, int big) {
-    return big ? tiff_u16(p, 1) << 16 | tiff_u16(p + 2, 1) : tiff_u16(p + 2, 0) << 16 | tiff_u16(p, 0);
+    return big ? tiff_u16(p, 1) << 16 | tiff_u16(p + 2, 1)
+               : tiff_u16(p + 2, 0) << 16 | tiff_u16(p, 0);
 }
 
 // IFD0's Orientation in the TIFF structure t[0..n): 1..8, or 1 when it has
@@ -253,7 +278,8 @@ static int tiff_orientation(const uint8_t *t, size_t n) {
         const uint8_t *e = t + ifd + 2 + (size_t)TIFF_ENTRY_LEN * i;
         if (tiff_u16(e, big) != EXIF_ORIENTATION_TAG) continue;
         if (tiff_u16(e + 2, big) != TIFF_SHORT || tiff_u32(e + 4, big) != 1) return 1;
-        const uint32_t v = tiff_u16(e + 8, big);  // a single SHORT sits in the value field's first two bytes
+        // a single SHORT sits in the value field's first two bytes
+        const uint32_t v = tiff_u16(e + 8, big);
         return v >= 1 && v <= 8 ? (int)v : 1;
     }
     return 1;
@@ -272,7 +298,8 @@ static int exif_orientation(const uint8_t *b, size_t n) {
         const size_t len = (size_t)b[p + 2] << 8 | b[p + 3];  // counts its own two bytes
         if (len < 2 || len > n - p - 2) return 1;
         const uint8_t *seg = b + p + 4;
-        if (marker == JPEG_APP1 && len - 2 >= EXIF_HEADER_LEN && !memcmp(seg, EXIF_HEADER, EXIF_HEADER_LEN))
+        if (marker == JPEG_APP1 && len - 2 >= EXIF_HEADER_LEN &&
+            !memcmp(seg, EXIF_HEADER, EXIF_HEADER_LEN))
             return tiff_orientation(seg + EXIF_HEADER_LEN, len - 2 - EXIF_HEADER_LEN);
         p += 2 + len;
     }
@@ -286,14 +313,15 @@ static int exif_orientation(const uint8_t *b, size_t n) {
 // 6, "the 0th row is the visual right-hand side, the 0th column the visual
 // top", gives sy = h−1−x, sx = y).
 static void exif_orient(float *dst, const uint8_t *src, int h, int w, int o) {
-    static const int8_t M[9][6] = {
-        {0, 1, 0, 0, 0, 1},  {0, 1, 0, 0, 0, 1},  {0, 1, 0, 1, 0, -1}, {1, -1, 0, 1, 0, -1}, {1, -1, 0, 0, 0, 1},
-        {0, 0, 1, 0, 1, 0},  {1, 0, -1, 0, 1, 0}, {1, 0, -1, 1, -1, 0}, {0, 0, 1, 1, -1, 0}};
+    static const int8_t M[9][6] = {{0, 1, 0, 0, 0, 1},   {0, 1, 0, 0, 0, 1},   {0, 1, 0, 1, 0, -1},
+                                   {1, -1, 0, 1, 0, -1}, {1, -1, 0, 0, 0, 1},  {0, 0, 1, 0, 1, 0},
+                                   {1, 0, -1, 0, 1, 0},  {1, 0, -1, 1, -1, 0}, {0, 0, 1, 1, -1, 0}};
     const int8_t *m = M[o >= 1 && o <= 8 ? o : 1];
     const int H = o >= 5 ? w : h, W = o >= 5 ? h : w;
     for (int y = 0; y < H; y++)
         for (int x = 0; x < W; x++) {
-            const int sy = m[0] * (h - 1) + m[1] * y + m[2] * x, sx = m[3] * (w - 1) + m[4] * y + m[5] * x;
+            const int sy = m[0] * (h - 1) + m[1] * y + m[2] * x,
+                      sx = m[3] * (w - 1) + m[4] * y + m[5] * x;
             const uint8_t *s = src + 3 * ((size_t)sy * w + sx);
             float *d = dst + 3 * ((size_t)y * W + x);
             d[0] = s[0]; d[1] = s[1]; d[2] = s[2];
@@ -305,10 +333,14 @@ static void exif_orient(float *dst, const uint8_t *src, int h, int w, int o) {
 static const char *exif_size_note(char *s, size_t cap, int o) {
     if (o <= 1 || o > 8) s[0] = 0;
     else if (image_exif == EXIF_APPLY)
-        snprintf(s, cap, " (the image's EXIF orientation %d was applied: it is read %s; --exif ignore reads images as stored)",
+        snprintf(s, cap,
+                 " (the image's EXIF orientation %d was applied: it is read %s; --exif ignore "
+                 "reads images as stored)",
                  o, EXIF_DISPLAYED[o]);
     else
-        snprintf(s, cap, " (the image's EXIF orientation is %d, %s when displayed; --exif apply reads images as displayed)",
+        snprintf(s, cap,
+                 " (the image's EXIF orientation is %d, %s when displayed; --exif apply reads "
+                 "images as displayed)",
                  o, EXIF_DISPLAYED[o]);
     return s;
 }
@@ -316,7 +348,8 @@ static const char *exif_size_note(char *s, size_t cap, int o) {
 // (h,w,3) RGB values 0..255, malloc'd, as stored or as displayed (--exif);
 // *orientation: the file's EXIF orientation (1 without one). NULL with err
 // naming the file and the problem.
-static float *image_load_oriented(const char *path, int *h, int *w, int *orientation, char err[SN_ERR_MAX]) {
+static float *image_load_oriented(const char *path, int *h, int *w, int *orientation,
+                                  char err[SN_ERR_MAX]) {
     size_t n;
     int hh, ww, comp;
     uint8_t *b = image_file_bytes(path, 0, &n, &hh, &ww, err);
@@ -325,7 +358,8 @@ static float *image_load_oriented(const char *path, int *h, int *w, int *orienta
     unsigned char *px = stbi_load_from_memory(b, (int)n, w, h, &comp, 3);
     free(b);
     if (!px || *w != ww || *h != hh) {
-        snprintf(err, SN_ERR_MAX, "%s: cannot decode the image (%s)", path, px ? "its size changed while decoding" : decoder_reason());
+        snprintf(err, SN_ERR_MAX, "%s: cannot decode the image (%s)", path,
+                 px ? "its size changed while decoding" : decoder_reason());
         stbi_image_free(px);
         return NULL;
     }
@@ -342,7 +376,8 @@ static float *image_load_oriented(const char *path, int *h, int *w, int *orienta
     return img;
 }
 
-// (h,w,3) RGB values 0..255, malloc'd, as --exif says; NULL with err naming the file and the problem
+// (h,w,3) RGB values 0..255, malloc'd, as --exif says; NULL with err naming the file and the
+// problem
 float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]) {
     int orientation;
     return image_load_oriented(path, h, w, &orientation, err);
@@ -356,8 +391,10 @@ static void csv_write_field(FILE *f, const char *s) {
     fputc('"', f);
 }
 
-// a classifier's row: path,pred[,pred_name],p0,...,p{K-1} with p = softmax(z), pred = argmax (lowest on ties)
-static void csv_write_prediction(FILE *f, const char *path, const float *z, int K, char *const *names, int n_names) {
+// a classifier's row: path,pred[,pred_name],p0,...,p{K-1} with p = softmax(z), pred = argmax
+// (lowest on ties)
+static void csv_write_prediction(FILE *f, const char *path, const float *z, int K,
+                                 char *const *names, int n_names) {
     int best = 0;
     double sum = 0;
     for (int k = 1; k < K; k++) if (z[k] > z[best]) best = k;
@@ -383,9 +420,10 @@ static void csv_write_prediction(FILE *f, const char *path, const float *z, int 
 // words (predict --help, README).
 #define SEG_COLOURS 16
 static const uint8_t SEG_PALETTE[SEG_COLOURS][3] = {
-    {0, 0, 0},       {230, 25, 75},   {60, 180, 75},  {255, 225, 25}, {0, 130, 200},  {245, 130, 48},
-    {145, 30, 180},  {70, 240, 240},  {240, 50, 230}, {210, 245, 60}, {250, 190, 212}, {0, 128, 128},
-    {220, 190, 255}, {170, 110, 40},  {128, 0, 0},    {0, 0, 128},
+        {0, 0, 0},       {230, 25, 75},  {60, 180, 75},   {255, 225, 25},
+        {0, 130, 200},   {245, 130, 48}, {145, 30, 180},  {70, 240, 240},
+        {240, 50, 230},  {210, 245, 60}, {250, 190, 212}, {0, 128, 128},
+        {220, 190, 255}, {170, 110, 40}, {128, 0, 0},     {0, 0, 128},
 };
 #define SEG_PALETTE_HELP \
     "  0 black, 1 red, 2 green, 3 yellow, 4 blue, 5 orange, 6 purple, 7 cyan,\n" \
@@ -406,7 +444,8 @@ static const uint8_t DIGIT_3X5[10][5] = {
     {7, 4, 7, 1, 7}, {7, 4, 7, 5, 7}, {7, 1, 1, 1, 1}, {7, 5, 7, 5, 7}, {7, 5, 7, 1, 7},
 };
 static void seg_legend_path(const char *out, char path[OUT_PATH_MAX]) {
-    snprintf(path, OUT_PATH_MAX, "%.*s/%s", (int)(OUT_PATH_MAX - sizeof SEG_LEGEND_NAME - 1), out, SEG_LEGEND_NAME);
+    snprintf(path, OUT_PATH_MAX, "%.*s/%s", (int)(OUT_PATH_MAX - sizeof SEG_LEGEND_NAME - 1), out,
+             SEG_LEGEND_NAME);
 }
 static int seg_legend_write(const char *out, int K, char err[SN_ERR_MAX]) {
     const int digit_w = 4 * LEGEND_SCALE;  // 3 pixels and a space
@@ -417,7 +456,8 @@ static int seg_legend_write(const char *out, int K, char err[SN_ERR_MAX]) {
     for (int k = 0; k < K; k++) {
         const int y0 = k * LEGEND_ROW;
         for (int y = y0 + 3; y < y0 + LEGEND_ROW - 3; y++)
-            for (int x = 4; x < LEGEND_SWATCH; x++) memcpy(rgb + 3 * ((size_t)y * w + x), SEG_PALETTE[k % SEG_COLOURS], 3);
+            for (int x = 4; x < LEGEND_SWATCH; x++)
+                memcpy(rgb + 3 * ((size_t)y * w + x), SEG_PALETTE[k % SEG_COLOURS], 3);
         char num[12];  // K ≤ 256: 3 digits
         snprintf(num, sizeof num, "%d", k);
         const int top = y0 + (LEGEND_ROW - 5 * LEGEND_SCALE) / 2;
@@ -425,7 +465,9 @@ static int seg_legend_write(const char *out, int K, char err[SN_ERR_MAX]) {
             for (int gy = 0; gy < 5 * LEGEND_SCALE; gy++)
                 for (int gx = 0; gx < 3 * LEGEND_SCALE; gx++)
                     if (DIGIT_3X5[num[d] - '0'][gy / LEGEND_SCALE] >> (2 - gx / LEGEND_SCALE) & 1)
-                        memset(rgb + 3 * ((size_t)(top + gy) * w + LEGEND_TEXT_X + d * digit_w + gx), 0, 3);
+                        memset(rgb + 3 * ((size_t)(top + gy) * w + LEGEND_TEXT_X + d * digit_w +
+                                          gx),
+                               0, 3);
     }
     char path[OUT_PATH_MAX];
     seg_legend_path(out, path);
@@ -435,7 +477,8 @@ static int seg_legend_write(const char *out, int K, char err[SN_ERR_MAX]) {
 }
 
 // the mask and overlay paths of an image: "x/a.b.jpg" → OUT/a.b.png, OUT/a.b_overlay.png
-static void seg_out_paths(const char *out, const char *image, char mask[OUT_PATH_MAX], char overlay[OUT_PATH_MAX]) {
+static void seg_out_paths(const char *out, const char *image, char mask[OUT_PATH_MAX],
+                          char overlay[OUT_PATH_MAX]) {
     const char *base = strrchr(image, '/');
     base = base ? base + 1 : image;
     const char *dot = strrchr(base, '.');
@@ -445,7 +488,9 @@ static void seg_out_paths(const char *out, const char *image, char mask[OUT_PATH
 }
 
 typedef struct { char *name; int image; } SegName;
-static int cmp_seg_name(const void *a, const void *b) { return strcmp(((const SegName *)a)->name, ((const SegName *)b)->name); }
+static int cmp_seg_name(const void *a, const void *b) {
+    return strcmp(((const SegName *)a)->name, ((const SegName *)b)->name);
+}
 
 // ---- outputs never replace what the user owns
 //
@@ -460,7 +505,9 @@ static int cmp_seg_name(const void *a, const void *b) { return strcmp(((const Se
 #define PREDICT_MANIFEST_HEAD "segnet predict: the files it wrote in this folder, which --overwrite may replace\n"
 #define PREDICT_CSV_HEAD      "path,pred"  // what a classifier's CSV starts with (predict_run writes it)
 
-static int stat_same(const struct stat *a, const struct stat *b) { return a->st_dev == b->st_dev && a->st_ino == b->st_ino; }
+static int stat_same(const struct stat *a, const struct stat *b) {
+    return a->st_dev == b->st_dev && a->st_ino == b->st_ino;
+}
 
 // Whether path, or when it does not exist yet the folder it would be made in,
 // is the folder dir or lies inside it. Walks up through "..", so that links,
@@ -488,7 +535,8 @@ static int path_inside(const char *path, const struct stat *dir) {
         const int up = openat(fd, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         close(fd);
         fd = up;
-        if (fd < 0 || fstat(fd, &up_sb) || stat_same(&up_sb, &here)) break;  // "/" is its own parent
+        // "/" is its own parent
+        if (fd < 0 || fstat(fd, &up_sb) || stat_same(&up_sb, &here)) break;
     }
     if (fd < 0) return 0;
     struct stat last;
@@ -516,18 +564,20 @@ static FileId *input_ids(const PredictCfg *pc, const PathList *l, int *n) {
     return ids;
 }
 // the input that `path` is ("input image X", "input list X"), or NULL
-static const char *input_named(const PredictCfg *pc, const PathList *l, const FileId *ids, int n, const char *path,
-                               char what[OUT_PATH_MAX]) {
+static const char *input_named(const PredictCfg *pc, const PathList *l, const FileId *ids, int n,
+                               const char *path, char what[OUT_PATH_MAX]) {
     struct stat sb;
     if (stat(path, &sb) != 0) return NULL;
-    const FileId key = {sb.st_dev, sb.st_ino, 0}, *hit = bsearch(&key, ids, (size_t)n, sizeof(FileId), cmp_file_id);
+    const FileId key = {sb.st_dev, sb.st_ino, 0},
+                 *hit = bsearch(&key, ids, (size_t)n, sizeof(FileId), cmp_file_id);
     if (!hit) return NULL;
     snprintf(what, OUT_PATH_MAX, "%s %.400s", hit->input < 0 ? "the input list" : "the input image",
              hit->input < 0 ? pc->input : l->paths[hit->input]);
     return what;
 }
 
-// The names OUT's manifest lists, sorted (NULL, 0 when there is none); -1 with err if it is not one.
+// The names OUT's manifest lists, sorted (NULL, 0 when there is none); -1 with err if it is not
+// one.
 static int manifest_read(const char *out, char **buf, char ***names, int *n, char err[SN_ERR_MAX]) {
     char path[OUT_PATH_MAX];
     snprintf(path, sizeof path, "%s/" PREDICT_MANIFEST, out);
@@ -539,8 +589,10 @@ static int manifest_read(const char *out, char **buf, char ***names, int *n, cha
     char *b = (char *)file_read_regular(path, (size_t)1 << 30, &bytes, err);
     if (!b) return -1;
     if (bytes < head || memcmp(b, PREDICT_MANIFEST_HEAD, head) || (bytes > head && b[bytes - 1])) {
-        snprintf(err, SN_ERR_MAX, "%.300s: not segnet predict's list of the files it wrote (it names nothing for "
-                 "--overwrite; remove it or choose another --out)", path);
+        snprintf(err, SN_ERR_MAX,
+                 "%.300s: not segnet predict's list of the files it wrote (it names nothing for "
+                 "--overwrite; remove it or choose another --out)",
+                 path);
         free(b);
         return -1;
     }
@@ -555,7 +607,8 @@ static int manifest_read(const char *out, char **buf, char ***names, int *n, cha
 }
 
 // OUT's manifest: the names it listed and `add` (m of them), each once.
-static int manifest_write(const char *out, char **listed, int n, const SegName *add, int m, char err[SN_ERR_MAX]) {
+static int manifest_write(const char *out, char **listed, int n, const SegName *add, int m,
+                          char err[SN_ERR_MAX]) {
     const char **all = malloc(sizeof(char *) * ((size_t)n + m + 1));
     snCheck(all != NULL, "out of host memory");
     int k = 0;
@@ -592,12 +645,15 @@ static int is_prediction_csv(const char *path) {
 // input folder, or any of `outs` (m paths) that exists and is an input, a
 // folder, or not predict's own: in the manifest (seg: its names, sorted, in
 // listed), else a classifier's CSV recognised by its header.
-static int outputs_allowed(const PredictCfg *pc, const PathList *l, const SegName *outs, int m, int seg, char **listed,
-                           int n_listed, char err[SN_ERR_MAX]) {
+static int outputs_allowed(const PredictCfg *pc, const PathList *l, const SegName *outs, int m,
+                           int seg, char **listed, int n_listed, char err[SN_ERR_MAX]) {
     struct stat in_sb;
     if (stat(pc->input, &in_sb) == 0 && S_ISDIR(in_sb.st_mode) && path_inside(pc->out, &in_sb)) {
-        snprintf(err, SN_ERR_MAX, "--out %.180s is, or is inside, the input folder %.180s: predictions never go among "
-                 "the images they are made from", pc->out, pc->input);
+        snprintf(err, SN_ERR_MAX,
+                 "--out %.180s is, or is inside, the input folder %.180s: predictions never go "
+                 "among "
+                 "the images they are made from",
+                 pc->out, pc->input);
         return -1;
     }
     int n_ids, rc = 0;
@@ -610,15 +666,26 @@ static int outputs_allowed(const PredictCfg *pc, const PathList *l, const SegNam
         const char *base = path_base(p);
         rc = -1;
         if (S_ISDIR(sb.st_mode))
-            snprintf(err, SN_ERR_MAX, "%.400s: is a folder, where segnet predict would write a file", p);
+            snprintf(err, SN_ERR_MAX,
+                     "%.400s: is a folder, where segnet predict would write a file", p);
         else if ((input = input_named(pc, l, ids, n_ids, p, what)))
             snprintf(err, SN_ERR_MAX, "%.200s: segnet predict would replace %.250s", p, input);
         else if (!pc->overwrite)
-            snprintf(err, SN_ERR_MAX, "%.300s: exists; segnet predict replaces a file only with --overwrite, and only "
-                     "one it wrote itself (an earlier prediction)", p);
-        else if (seg ? !n_listed || !bsearch(&base, listed, (size_t)n_listed, sizeof(char *), cmp_str) : !is_prediction_csv(p))
-            snprintf(err, SN_ERR_MAX, "%.300s: exists and is not an output of segnet predict (%s): --overwrite does not "
-                     "replace it", p, seg ? "not listed in " PREDICT_MANIFEST : "its first line is not " PREDICT_CSV_HEAD "...");
+            snprintf(err, SN_ERR_MAX,
+                     "%.300s: exists; segnet predict replaces a file only with --overwrite, and "
+                     "only "
+                     "one it wrote itself (an earlier prediction)",
+                     p);
+        else if (seg ? !n_listed ||
+                                 !bsearch(&base, listed, (size_t)n_listed, sizeof(char *), cmp_str)
+                     : !is_prediction_csv(p))
+            snprintf(err, SN_ERR_MAX,
+                     "%.300s: exists and is not an output of segnet predict (%s): --overwrite does "
+                     "not "
+                     "replace it",
+                     p,
+                     seg ? "not listed in " PREDICT_MANIFEST
+                         : "its first line is not " PREDICT_CSV_HEAD "...");
         else
             rc = 0;
     }
@@ -654,11 +721,12 @@ static int seg_check_inputs(const PredictCfg *pc, const PathList *l, char err[SN
         if (!strcmp(names[i - 1].name, names[i].name)) {
             const SegName *a = &names[i - 1], *b = &names[i];
             if (a->image < 0 || b->image < 0)
-                snprintf(err, SN_ERR_MAX, "%.200s would overwrite the colour legend %.170s (rename it)",
+                snprintf(err, SN_ERR_MAX,
+                         "%.200s would overwrite the colour legend %.170s (rename it)",
                          l->paths[a->image < 0 ? b->image : a->image], names[i].name);
             else
-                snprintf(err, SN_ERR_MAX, "%.150s and %.150s would both write %.170s (rename one)", l->paths[a->image],
-                         l->paths[b->image], names[i].name);
+                snprintf(err, SN_ERR_MAX, "%.150s and %.150s would both write %.170s (rename one)",
+                         l->paths[a->image], l->paths[b->image], names[i].name);
             rc = -1;
         }
     for (int i = 0; i < n && !rc; i++) rc = out_path_check(names[i].name, err);
@@ -688,7 +756,8 @@ static int seg_check_inputs(const PredictCfg *pc, const PathList *l, char err[SN
 // overlay = (image + colour + 1) / 2 per channel (the 50/50 blend, rounded half up).
 static int seg_write(const char *out, const char *image, const float *img, int h, int w,
                      const float *z, int oh, int ow, int K, char err[SN_ERR_MAX]) {
-    uint8_t *cls = malloc((size_t)oh * ow), *mask = malloc((size_t)h * w), *rgb = malloc((size_t)h * w * 3);
+    uint8_t *cls = malloc((size_t)oh * ow), *mask = malloc((size_t)h * w),
+            *rgb = malloc((size_t)h * w * 3);
     snCheck(cls && mask && rgb, "out of host memory");
     for (size_t p = 0; p < (size_t)oh * ow; p++) {
         const float *zp = z + p * K;
@@ -702,12 +771,16 @@ static int seg_write(const char *out, const char *image, const float *img, int h
             int sx = (int)(((int64_t)2 * x + 1) * ow / (2 * (int64_t)w));
             size_t i = (size_t)y * w + x;
             mask[i] = cls[(size_t)sy * ow + sx];
-            for (int c = 0; c < 3; c++) rgb[3 * i + c] = (uint8_t)(((int)img[3 * i + c] + SEG_PALETTE[mask[i] % SEG_COLOURS][c] + 1) / 2);
+            for (int c = 0; c < 3; c++)
+                rgb[3 * i + c] = (uint8_t)(((int)img[3 * i + c] +
+                                            SEG_PALETTE[mask[i] % SEG_COLOURS][c] + 1) /
+                                           2);
         }
     }
     char m[OUT_PATH_MAX], o[OUT_PATH_MAX];
     seg_out_paths(out, image, m, o);
-    int rc = png_write_atomic(m, w, h, 1, mask, err) || png_write_atomic(o, w, h, 3, rgb, err) ? -1 : 0;
+    int rc = png_write_atomic(m, w, h, 1, mask, err) || png_write_atomic(o, w, h, 3, rgb, err) ? -1
+                                                                                               : 0;
     free(cls); free(mask); free(rgb);
     return rc;
 }
@@ -727,14 +800,18 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
     const Shape so = g.tensors[out].shape, si = g.tensors[g.input].shape;
     const int seg = so.h > 1 || so.w > 1, K = so.c, N = si.n;
     if (seg && K > 256) {
-        snprintf(err, SN_ERR_MAX, "model '%s': %d classes do not fit the 8-bit mask PNGs (at most 256)", pc->model.model, K);
+        snprintf(err, SN_ERR_MAX,
+                 "model '%s': %d classes do not fit the 8-bit mask PNGs (at most 256)",
+                 pc->model.model, K);
         graph_free(&g);
         return -1;
     }
     struct stat sb;
     if (seg && stat(pc->out, &sb) == 0 && !S_ISDIR(sb.st_mode)) {
-        snprintf(err, SN_ERR_MAX, "%.300s: exists and is not a folder (for segmentation model '%.60s', --out is the "
-                 "folder that receives the masks and overlays)", pc->out, pc->model.model);
+        snprintf(err, SN_ERR_MAX,
+                 "%.300s: exists and is not a folder (for segmentation model '%.60s', --out is the "
+                 "folder that receives the masks and overlays)",
+                 pc->out, pc->model.model);
         graph_free(&g);
         return -1;
     }
@@ -751,17 +828,20 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
     char tmp[OUT_PATH_MAX];
     FILE *f = NULL;
     if (seg) {
-        if (seg_check_inputs(pc, &list, err) != 0 || seg_legend_write(pc->out, K, err) != 0) goto done_list;
+        if (seg_check_inputs(pc, &list, err) != 0 || seg_legend_write(pc->out, K, err) != 0)
+            goto done_list;
     } else {
         const SegName csv = {(char *)pc->out, -1};
-        if (outputs_allowed(pc, &list, &csv, 1, 0, NULL, 0, err) || !(f = atomic_file_open(pc->out, tmp, err)))
+        if (outputs_allowed(pc, &list, &csv, 1, 0, NULL, 0, err) ||
+            !(f = atomic_file_open(pc->out, tmp, err)))
             goto done_list;
         fprintf(f, PREDICT_CSV_HEAD "%s", pc->n_class_names ? ",pred_name" : "");
         for (int k = 0; k < K; k++) fprintf(f, ",p%d", k);
         fputc('\n', f);
     }
     const size_t img_floats = (size_t)si.h * si.w * 3, out_floats = (size_t)so.h * so.w * K;
-    float *x = malloc(sizeof(float) * N * img_floats);           // (N,H,W,3) on the host, uploaded per batch
+    // (N,H,W,3) on the host, uploaded per batch
+    float *x = malloc(sizeof(float) * N * img_floats);
     float *logits = malloc(sizeof(float) * N * out_floats);      // (N,OH,OW,K)
     float **imgs = calloc((size_t)N, sizeof(float *));           // N × (h,w,3)
     int *hw = malloc(sizeof(int) * 2 * N);
@@ -778,7 +858,8 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
             hw[2 * j] = h; hw[2 * j + 1] = w;
             Tensor dst = tensor_f32(x + img_floats * j, shape4(1, si.h, si.w, 3));
             if (h == si.h && w == si.w) memcpy(dst.data, img, sizeof(float) * img_floats);
-            else ops_cpu.resize_bilinear_forward(&ops_cpu, dst, tensor_f32(img, shape4(1, h, w, 3)));
+            else
+                ops_cpu.resize_bilinear_forward(&ops_cpu, dst, tensor_f32(img, shape4(1, h, w, 3)));
         }
         if (ok) {
             o->upload(o, net.act[g.input], x, sizeof(float) * N * img_floats);
@@ -787,9 +868,12 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
         }
         for (int j = 0; ok && j < count; j++) {
             const char *path = list.paths[start + j];
-            if (!seg) csv_write_prediction(f, path, logits + (size_t)j * K, K, pc->class_names, pc->n_class_names);
-            else ok = seg_write(pc->out, path, imgs[j], hw[2 * j], hw[2 * j + 1], logits + out_floats * j,
-                                so.h, so.w, K, err) == 0;
+            if (!seg)
+                csv_write_prediction(f, path, logits + (size_t)j * K, K, pc->class_names,
+                                     pc->n_class_names);
+            else
+                ok = seg_write(pc->out, path, imgs[j], hw[2 * j], hw[2 * j + 1],
+                               logits + out_floats * j, so.h, so.w, K, err) == 0;
         }
         for (int j = 0; j < count; j++) { free(imgs[j]); imgs[j] = NULL; }
         // a terminal: one line rewritten; a log: a line per tenth of the images and the last

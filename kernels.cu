@@ -50,8 +50,8 @@ static bool capture_error(cudaError_t e) {
 }
 static void cuda_check(cudaError_t e, const char *what, const char *file, int line) {
     if (e == cudaSuccess) return;
-    fprintf(stderr, "segnet: CUDA error at %s:%d: %s: %s%s\n", file, line, what, cudaGetErrorString(e),
-            capture_error(e) ? CAPTURE_HINT : "");
+    fprintf(stderr, "segnet: CUDA error at %s:%d: %s: %s%s\n", file, line, what,
+            cudaGetErrorString(e), capture_error(e) ? CAPTURE_HINT : "");
     exit(1);
 }
 #define cudaCheck(call) cuda_check((call), #call, __FILE__, __LINE__)
@@ -96,7 +96,8 @@ struct CudaCtx {
     cublasHandle_t blas;
     double *reduce_partials;  // (REDUCE_BLOCKS_MAX, REDUCE_WIDTH), allocated once in ctx_open
     double *sums;  // (SUMS_SCRATCH) partial per-channel sums of channel_sums
-    unsigned *sums_done;  // (SUMS_COUNTERS) its finished chunks per (tile, group), 0 between launches
+    // (SUMS_COUNTERS) its finished chunks per (tile, group), 0 between launches
+    unsigned *sums_done;
     // the replicas' collectives (NCCL) run on a stream of their own, ordered
     // after the work on `stream` before them (compute_done) and before the
     // work after them (comm_done): see "NCCL communicators" below
@@ -247,7 +248,8 @@ template <class T> static __device__ __forceinline__ void store_vec(T *p, const 
 
 // whether the vector kernels apply: one storage type, n a multiple of the
 // width (elements of a 1-D op, C of a channel op), every pointer aligned
-static bool vec_ok(std::initializer_list<DType> dts, size_t n, std::initializer_list<const void *> ptrs) {
+static bool vec_ok(std::initializer_list<DType> dts, size_t n,
+                   std::initializer_list<const void *> ptrs) {
     if (!cuda_vector_kernels) return false;
     for (DType d : dts)
         if (d != *dts.begin()) return false;
@@ -302,7 +304,8 @@ struct RowGrid { dim3 grid, block; };
 static RowGrid row_grid(int lanes, size_t rows, unsigned z = 1) {
     const unsigned tx = lanes < 32 ? (unsigned)lanes : 32, ty = BLOCK / tx;
     size_t by = (rows + ty - 1) / ty;
-    const size_t max_by = 4096 / (z < 4096 ? z : 4096) + 1;  // grid-stride beyond: enough blocks for a GPU
+    // grid-stride beyond: enough blocks for a GPU
+    const size_t max_by = 4096 / (z < 4096 ? z : 4096) + 1;
     if (by > max_by) by = max_by;
     if (by < 1) by = 1;
     RowGrid g = {dim3((lanes + tx - 1) / tx, (unsigned)by, z), dim3(tx, ty)};
@@ -315,7 +318,8 @@ template <class L> static void for_row_launches(size_t rows, int C, L launch) {
     for (size_t r0 = 0; r0 < rows; r0 += per) launch(r0, rows - r0 < per ? rows - r0 : per);
 }
 // io[i..i+W) (=|+=) v: the old value plus v when accumulating (the CPU's st_acc)
-template <class IO> static __device__ void store_acc(const IO &io, uint32_t i, float *v, int accumulate) {
+template <class IO>
+static __device__ void store_acc(const IO &io, uint32_t i, float *v, int accumulate) {
     if (accumulate) {
         float old[IO::W];
         io.load(i, old);
@@ -332,7 +336,8 @@ template <class IO> static __device__ void store_acc(const IO &io, uint32_t i, f
 // The backend counts the bytes it hands out (live and peak, as the CPU backend
 // does): segnet bench reports the peak as peak_device_bytes.
 size_t cuda_bytes_live, cuda_bytes_peak;
-static std::unordered_map<void *, size_t> cuda_alloc_sizes;  // live allocations (every device): their sizes
+// live allocations (every device): their sizes
+static std::unordered_map<void *, size_t> cuda_alloc_sizes;
 static std::mutex cuda_alloc_mutex;  // local replicas allocate from their own threads
 
 static void *cuda_alloc(Ops *o, size_t bytes) {
@@ -354,7 +359,10 @@ static void cuda_free(Ops *o, void *p) {
     {
         std::lock_guard<std::mutex> lock(cuda_alloc_mutex);
         auto it = cuda_alloc_sizes.find(p);
-        if (it != cuda_alloc_sizes.end()) { cuda_bytes_live -= it->second; cuda_alloc_sizes.erase(it); }
+        if (it != cuda_alloc_sizes.end()) {
+            cuda_bytes_live -= it->second;
+            cuda_alloc_sizes.erase(it);
+        }
     }
     cudaCheck(cudaFree(p));
 }
@@ -432,11 +440,12 @@ static void cuda_record_free(Ops *o, void *record) {
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < (uint32_t)(m); i += blockDim.x * gridDim.x)
 
 template <class F>
-__global__ void map_kernel(void *y, DType dty, const void *x0, DType dt0, const void *x1, DType dt1, size_t n,
-                           int accumulate, F f) {
+__global__ void map_kernel(void *y, DType dty, const void *x0, DType dt0, const void *x1, DType dt1,
+                           size_t n, int accumulate, F f) {
     FOR_CHUNKS(n, base, m) {
         void *yc = elem_ptr(y, dty, base);
-        const void *a = x0 ? elem_ptr(x0, dt0, base) : NULL, *b = x1 ? elem_ptr(x1, dt1, base) : NULL;
+        const void *a = x0 ? elem_ptr(x0, dt0, base) : NULL,
+                   *b = x1 ? elem_ptr(x1, dt1, base) : NULL;
         FOR_GRID(i, m) {
             float v = f(a ? ld(a, dt0, i) : 0.0f, b ? ld(b, dt1, i) : 0.0f);
             st(yc, dty, i, accumulate ? ld(yc, dty, i) + v : v);
@@ -466,15 +475,16 @@ __global__ void map_vec_kernel(T *y, const T *x0, const T *x1, size_t n_vec, int
 template <class F> static void map_op(Ops *o, Tensor y, Tensor x0, Tensor x1, int accumulate, F f) {
     const size_t n = shape_numel(y.shape);
     if (!n || !y.data) return;
-    if (vec_ok({y.dtype, x0.data ? x0.dtype : y.dtype, x1.data ? x1.dtype : y.dtype}, n, {y.data, x0.data, x1.data})) {
+    if (vec_ok({y.dtype, x0.data ? x0.dtype : y.dtype, x1.data ? x1.dtype : y.dtype}, n,
+               {y.data, x0.data, x1.data})) {
         SWITCH_STORAGE(y.dtype, T, {
             const size_t n_vec = n / Vec<T>::N;
             CU_LAUNCH((map_vec_kernel<T, F>), grid_for(n_vec), BLOCK, 0, stream_of(o), (T *)y.data,
                       (const T *)x0.data, (const T *)x1.data, n_vec, accumulate, f);
         });
     } else {
-        CU_LAUNCH(map_kernel<F>, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, x0.data, x0.dtype, x1.data,
-                  x1.dtype, n, accumulate, f);
+        CU_LAUNCH(map_kernel<F>, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, x0.data,
+                  x0.dtype, x1.data, x1.dtype, n, accumulate, f);
     }
     launchCheck();
 }
@@ -485,13 +495,18 @@ struct Identity { __device__ float operator()(float a, float) const { return a; 
 struct Scale { float a; __device__ float operator()(float x, float) const { return a * x; } };
 struct Axpb { float a, b; __device__ float operator()(float x, float) const { return a * x + b; } };
 struct Sum2 { __device__ float operator()(float a, float b) const { return a + b; } };
-struct ActForward { Act act; __device__ float operator()(float x, float) const { return act_apply(act, x); } };
+struct ActForward {
+    Act act;
+    __device__ float operator()(float x, float) const { return act_apply(act, x); }
+};
 struct ActBackward {  // a = dy, b = x
     Act act;
     __device__ float operator()(float dy, float x) const { return dy * act_grad(act, x); }
 };
 
-static void fill_cuda(Ops *o, Tensor t, float value) { map_op(o, t, NO_TENSOR, NO_TENSOR, 0, Constant{value}); }
+static void fill_cuda(Ops *o, Tensor t, float value) {
+    map_op(o, t, NO_TENSOR, NO_TENSOR, 0, Constant{value});
+}
 // dst (=|+=) src, casting between storage types; += adds in fp32 and rounds once
 static void copy_cuda(Ops *o, Tensor dst, Tensor src, int accumulate) {
     map_op(o, dst, src, NO_TENSOR, accumulate, Identity{});
@@ -565,7 +580,8 @@ static __device__ void reduce_finish(const ReduceOut &r, double *sh) {
     }
     block_sum_tree(sh, r.width);
     if (threadIdx.x == 0)
-        for (int j = 0; j < r.width; j++) r.out[j] = r.accumulate ? r.out[j] + (float)sh[j] : (float)sh[j];
+        for (int j = 0; j < r.width; j++)
+            r.out[j] = r.accumulate ? r.out[j] + (float)sh[j] : (float)sh[j];
 }
 
 // *out = Σ t², accumulated in fp64 (as on the CPU), rounded once to fp32
@@ -605,11 +621,12 @@ static void sum_squares_cuda(Ops *o, Tensor t, float *out) {
     const ReduceOut r = reduce_out(o, out, 1, 0);
     if (vec_ok({t.dtype}, n, {t.data})) {
         SWITCH_STORAGE(t.dtype, T, {
-            CU_LAUNCH(sum_squares_vec_kernel<T>, reduce_grid(n / Vec<T>::N), BLOCK, 0, stream_of(o), (const T *)t.data,
-                      n / Vec<T>::N, r);
+            CU_LAUNCH(sum_squares_vec_kernel<T>, reduce_grid(n / Vec<T>::N), BLOCK, 0, stream_of(o),
+                      (const T *)t.data, n / Vec<T>::N, r);
         });
     } else {
-        CU_LAUNCH(sum_squares_kernel, reduce_grid(n), BLOCK, 0, stream_of(o), t.data, t.dtype, n, r);
+        CU_LAUNCH(sum_squares_kernel, reduce_grid(n), BLOCK, 0, stream_of(o), t.data, t.dtype, n,
+                  r);
     }
     launchCheck();
 }
@@ -638,8 +655,8 @@ static void nonfinite_cuda(Ops *o, Tensor t, int32_t *flag) {
     if (!n) return;
     if (vec_ok({t.dtype}, n, {t.data})) {
         SWITCH_STORAGE(t.dtype, T, {
-            CU_LAUNCH(nonfinite_vec_kernel<T>, grid_for(n / Vec<T>::N), BLOCK, 0, stream_of(o), (const T *)t.data,
-                      n / Vec<T>::N, flag);
+            CU_LAUNCH(nonfinite_vec_kernel<T>, grid_for(n / Vec<T>::N), BLOCK, 0, stream_of(o),
+                      (const T *)t.data, n / Vec<T>::N, flag);
         });
     } else {
         CU_LAUNCH(nonfinite_kernel, grid_for(n), BLOCK, 0, stream_of(o), t.data, t.dtype, n, flag);
@@ -654,13 +671,15 @@ static void nonfinite_cuda(Ops *o, Tensor t, int32_t *flag) {
 // One thread per row (K is small for segmentation); the per-row arithmetic is
 // fp32, the sums over rows fp64 through the deterministic reduction (reduce_finish).
 
-__global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t *labels, const float *class_weights,
-                                    XentClip clip, int K, size_t rows, const float *grad_scale, void *dlogits,
-                                    DType dt_grad, ReduceOut r) {
+__global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t *labels,
+                                    const float *class_weights, XentClip clip, int K, size_t rows,
+                                    const float *grad_scale, void *dlogits, DType dt_grad,
+                                    ReduceOut r) {
     __shared__ double sh[BLOCK * REDUCE_WIDTH];
     const float scale = dlogits ? *grad_scale : 0.0f;
     double loss = 0.0, wsum = 0.0, invalid = 0.0;
-    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows; r += (size_t)blockDim.x * gridDim.x) {
+    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows;
+         r += (size_t)blockDim.x * gridDim.x) {
         const int32_t y = labels[r];
         const int valid = y >= 0 && y < K;
         const float wy = valid ? class_weights[y] : 0.0f;
@@ -679,7 +698,8 @@ __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t 
         if (dlogits)
             for (int c = 0; c < K; c++) {
                 float p = expf(ld(logits, dt, base + c) - zmax) / sum;
-                st(dlogits, dt_grad, base + c, flat ? 0.0f : wy * (p - (c == y ? 1.0f : 0.0f)) * scale);
+                st(dlogits, dt_grad, base + c,
+                   flat ? 0.0f : wy * (p - (c == y ? 1.0f : 0.0f)) * scale);
             }
     }
     sh[threadIdx.x * REDUCE_WIDTH + 0] = loss;
@@ -689,13 +709,15 @@ __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t 
     reduce_finish(r, sh);
 }
 // logits (N,H,W,K), labels (N·H·W), class_weights (K); stats[0..2] += Σ w·nll, Σ w, invalid labels
-static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights, float prob_clip,
-                              const float *grad_scale, float *stats, Tensor dlogits) {
+static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels,
+                              const float *class_weights, float prob_clip, const float *grad_scale,
+                              float *stats, Tensor dlogits) {
     const int K = logits.shape.c;
     const size_t rows = shape_numel(logits.shape) / K;
     unsigned grid = reduce_grid(rows);
-    CU_LAUNCH(softmax_xent_kernel, grid, BLOCK, 0, stream_of(o), logits.data, logits.dtype, labels, class_weights,
-              xent_clip_bounds(prob_clip), K, rows, grad_scale, dlogits.data, dlogits.dtype, reduce_out(o, stats, 3, 1));
+    CU_LAUNCH(softmax_xent_kernel, grid, BLOCK, 0, stream_of(o), logits.data, logits.dtype, labels,
+              class_weights, xent_clip_bounds(prob_clip), K, rows, grad_scale, dlogits.data,
+              dlogits.dtype, reduce_out(o, stats, 3, 1));
     launchCheck();
 }
 
@@ -707,21 +729,28 @@ static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels, cons
 // otherwise all hit the same few counters.
 #define CONFUSION_SHARED_MAX_K 64  // K·K·8 bytes = 32 KiB of shared memory at most
 
-__global__ void confusion_kernel(const void *logits, DType dt, const int32_t *labels, int K, size_t rows,
-                                 unsigned long long *confusion, int in_shared) {
+__global__ void confusion_kernel(const void *logits, DType dt, const int32_t *labels, int K,
+                                 size_t rows, unsigned long long *confusion, int in_shared) {
     CU_DYN_SHARED(unsigned long long, block_counts);  // (K,K) when in_shared
     unsigned long long *counts = in_shared ? block_counts : confusion;
     if (in_shared) {
         for (int i = threadIdx.x; i < K * K; i += blockDim.x) block_counts[i] = 0;
         __syncthreads();
     }
-    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows; r += (size_t)blockDim.x * gridDim.x) {
+    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows;
+         r += (size_t)blockDim.x * gridDim.x) {
         const int32_t y = labels[r];
         if (y < 0 || y >= K) continue;
         const size_t base = r * (size_t)K;
         int best = 0;
         float zbest = ld(logits, dt, base);
-        for (int c = 1; c < K; c++) { float z = ld(logits, dt, base + c); if (z > zbest) { zbest = z; best = c; } }
+        for (int c = 1; c < K; c++) {
+            float z = ld(logits, dt, base + c);
+            if (z > zbest) {
+                zbest = z;
+                best = c;
+            }
+        }
         atomicAdd(&counts[y * K + best], 1ull);
     }
     if (in_shared) {
@@ -731,14 +760,15 @@ __global__ void confusion_kernel(const void *logits, DType dt, const int32_t *la
     }
 }
 // logits (N,H,W,K), labels (N·H·W), confusion (K,K) int64, true class by row
-static void confusion_accumulate_cuda(Ops *o, Tensor logits, const int32_t *labels, int64_t *confusion) {
+static void confusion_accumulate_cuda(Ops *o, Tensor logits, const int32_t *labels,
+                                      int64_t *confusion) {
     const int K = logits.shape.c;
     const size_t rows = shape_numel(logits.shape) / K;
     if (!rows) return;
     const int in_shared = K <= CONFUSION_SHARED_MAX_K;
     const size_t smem = in_shared ? (size_t)K * K * sizeof(unsigned long long) : 0;
-    CU_LAUNCH(confusion_kernel, grid_for(rows), BLOCK, smem, stream_of(o), logits.data, logits.dtype, labels, K,
-              rows, (unsigned long long *)confusion, in_shared);
+    CU_LAUNCH(confusion_kernel, grid_for(rows), BLOCK, smem, stream_of(o), logits.data,
+              logits.dtype, labels, K, rows, (unsigned long long *)confusion, in_shared);
     launchCheck();
 }
 
@@ -762,7 +792,8 @@ struct AdamElement {
 static __device__ AdamElement adam_element(const AdamStep &s) {
     return {s, __fmul_rn(s.lr, s.weight_decay), __fsub_rn(1.0f, s.beta1), __fsub_rn(1.0f, s.beta2)};
 }
-__global__ void adam_kernel(float *params, const float *grads, float *m, float *v, size_t n, const AdamStep *step) {
+__global__ void adam_kernel(float *params, const float *grads, float *m, float *v, size_t n,
+                            const AdamStep *step) {
     const AdamStep s = *step;
     if (s.skip) return;
     const AdamElement adam = adam_element(s);
@@ -784,26 +815,29 @@ __global__ void adam_vec_kernel(float *params, const float *grads, float *m, flo
     FOR_CHUNKS(n_vec, base, cnt) {
         FOR_GRID(i, cnt) {
             const size_t j = (base + i) * N;
-            Vec<float> p = load_vec(params + j), g = load_vec(grads + j), mv = load_vec(m + j), vv = load_vec(v + j);
+            Vec<float> p = load_vec(params + j), g = load_vec(grads + j), mv = load_vec(m + j),
+                       vv = load_vec(v + j);
             for (int k = 0; k < N; k++) adam(p.v[k], g.v[k], mv.v[k], vv.v[k]);
             store_vec(params + j, p); store_vec(m + j, mv); store_vec(v + j, vv);
         }
     }
 }
 // params, grads, m, v: (n) fp32; s: device memory
-static void adam_update_cuda(Ops *o, float *params, const float *grads, float *m, float *v, size_t n,
-                             const AdamStep *s) {
+static void adam_update_cuda(Ops *o, float *params, const float *grads, float *m, float *v,
+                             size_t n, const AdamStep *s) {
     if (!n) return;
     if (vec_ok({DT_F32}, n, {params, grads, m, v}))
-        CU_LAUNCH(adam_vec_kernel, grid_for(n / Vec<float>::N), BLOCK, 0, stream_of(o), params, grads, m, v,
-                  n / Vec<float>::N, s);
+        CU_LAUNCH(adam_vec_kernel, grid_for(n / Vec<float>::N), BLOCK, 0, stream_of(o), params,
+                  grads, m, v, n / Vec<float>::N, s);
     else
         CU_LAUNCH(adam_kernel, grid_for(n), BLOCK, 0, stream_of(o), params, grads, m, v, n, s);
     launchCheck();
 }
 
 // the step's decisions (step_control_apply in segnet.h), on one thread
-__global__ void step_control_kernel(const StepArgs *a, StepState *s, StepPhase phase) { step_control_apply(a, s, phase); }
+__global__ void step_control_kernel(const StepArgs *a, StepState *s, StepPhase phase) {
+    step_control_apply(a, s, phase);
+}
 static void step_control_cuda(Ops *o, const StepArgs *a, StepState *s, StepPhase phase) {
     CU_LAUNCH(step_control_kernel, 1, 1, 0, stream_of(o), a, s, phase);
     launchCheck();
@@ -851,7 +885,8 @@ static void step_control_cuda(Ops *o, const StepArgs *a, StepState *s, StepPhase
 // the depthwise weight gradient's partial sums. The ops run chunk after chunk on one
 // stream, so a chunk may reuse the previous chunk's space.
 
-size_t cuda_conv_chunk_bytes = (size_t)64 << 20;  // 64 MiB: a large conv still runs as a few big GEMMs
+// 64 MiB: a large conv still runs as a few big GEMMs
+size_t cuda_conv_chunk_bytes = (size_t)64 << 20;
 
 #define WS_ALIGN 256          // each part of the workspace starts on a 256-byte boundary
 #define REDUCE_ROWS 256       // pixels summed by one block of the depthwise weight gradient, at least...
@@ -865,14 +900,16 @@ typedef struct {
     int G, GK;             // groups; columns of an im2col row, G·K = kh·kw·Cin
     int pointwise, depthwise;
     int implicit;          // forward and backward by the implicit-GEMM kernels (no columns)
-    int wgrad_parts;       // implicit backward weight: pixel ranges summed apart (partials in `reduce`)...
+    // implicit backward weight: pixel ranges summed apart (partials in `reduce`)...
+    int wgrad_parts;
     uint32_t wgrad_part_pixels;  // ...of this many pixels each (a multiple of IG_BK)
     DType dt;
     int fwd_rows;          // output rows (n,oy) per forward / backward-weight chunk
     int bwd_rows;          // input rows (n,iy) per backward-data chunk
     int bwd_out_rows;      // the most output rows a backward-data chunk reads
     int parts;             // partial sums per column of a reduction over N·OH·OW
-    size_t wcast;          // bytes of the weights in the storage type (at ws + 0; what follows is aligned)
+    // bytes of the weights in the storage type (at ws + 0; what follows is aligned)
+    size_t wcast;
     size_t col_row;        // bytes of im2col columns per output row (storage type)
     size_t rows32_row;     // bytes of fp32 output rows per output row (forward with bias, 16-bit)
     size_t dcol_row;       // bytes of fp32 dcol per output row
@@ -883,7 +920,8 @@ typedef struct {
 static int rows_per_chunk(size_t row_bytes, int rows_per_image, int images, size_t cap) {
     if (row_bytes == 0) return rows_per_image * images;
     size_t image = row_bytes * rows_per_image;
-    if (image <= cap) return rows_per_image * (int)(cap / image < (size_t)images ? cap / image : (size_t)images);
+    if (image <= cap)
+        return rows_per_image * (int)(cap / image < (size_t)images ? cap / image : (size_t)images);
     size_t r = cap / row_bytes;
     return r < 1 ? 1 : (int)r;
 }
@@ -896,19 +934,24 @@ static int chunk_end(int t0, int step, int rows_per_image, int total) {
 // Output rows [*t0, *t1) (flattened n·OH + oy) that input rows [u0, u1)
 // (flattened n·H + iy, whole images or a band of one) read in backward data:
 // oy·s - pt + ky = iy for some ky in [0, kh).
-static void bwd_band_out_rows(const ConvCfg *cfg, const ConvGeom *q, int u0, int u1, int *t0, int *t1) {
-    const int s = cfg->stride, n0 = u0 / q->H, iy0 = u0 % q->H, n1 = (u1 - 1) / q->H, iy1 = (u1 - 1) % q->H;
+static void bwd_band_out_rows(const ConvCfg *cfg, const ConvGeom *q, int u0, int u1, int *t0,
+                              int *t1) {
+    const int s = cfg->stride, n0 = u0 / q->H, iy0 = u0 % q->H, n1 = (u1 - 1) / q->H,
+              iy1 = (u1 - 1) % q->H;
     int lo = iy0 + q->pt - (cfg->kh - 1);             // s·oy >= lo
     int oy_lo = lo <= 0 ? 0 : (lo + s - 1) / s;
     int oy_hi = (iy1 + q->pt) / s;                    // s·oy <= iy1 + pt
     if (oy_hi > q->OH - 1) oy_hi = q->OH - 1;
     *t0 = n0 * q->OH + oy_lo;
     *t1 = n1 * q->OH + oy_hi + 1;
-    if (*t1 < *t0) *t1 = *t0;                         // rows no output reads: din = 0 (or unchanged)
+    // rows no output reads: din = 0 (or unchanged)
+    if (*t1 < *t0) *t1 = *t0;
 }
 
 static void conv_fail(const char *what, const ConvCfg *cfg, Shape in) {
-    fprintf(stderr, "segnet: internal error in %s: input (%d,%d,%d,%d) for conv cin %d cout %d kernel %dx%d groups %d\n",
+    fprintf(stderr,
+            "segnet: internal error in %s: input (%d,%d,%d,%d) for conv cin %d cout %d kernel "
+            "%dx%d groups %d\n",
             what, in.n, in.h, in.w, in.c, cfg->cin, cfg->cout, cfg->kh, cfg->kw, cfg->groups);
     exit(1);
 }
@@ -984,19 +1027,25 @@ static size_t conv2d_workspace_cuda(Ops *o, const ConvCfg *cfg, Shape in, DType 
     return f > d ? (f > w ? f : w) : (d > w ? d : w);
 }
 
-static cudaDataType blas_type(DType dt) { return dt == DT_F32 ? CUDA_R_32F : dt == DT_F16 ? CUDA_R_16F : CUDA_R_16BF; }
+static cudaDataType blas_type(DType dt) {
+    return dt == DT_F32 ? CUDA_R_32F : dt == DT_F16 ? CUDA_R_16F : CUDA_R_16BF;
+}
 // C (m×n, column-major) = op(A)·op(B) + beta·C with fp32 accumulation; A and B of
 // type ab, C of type c: the combinations cuBLAS supports with CUBLAS_COMPUTE_32F
 // (A = B = fp32 with C fp32; A = B = fp16 or bf16 with C the same or fp32)
-static void gemm_ex(Ops *o, cublasOperation_t ta, cublasOperation_t tb, size_t m, size_t n, size_t k,
-                    const void *A, int lda, const void *B, int ldb, DType ab, float beta, void *C, int ldc, DType c) {
+static void gemm_ex(Ops *o, cublasOperation_t ta, cublasOperation_t tb, size_t m, size_t n,
+                    size_t k, const void *A, int lda, const void *B, int ldb, DType ab, float beta,
+                    void *C, int ldc, DType c) {
     if (m > INT_MAX || n > INT_MAX || k > INT_MAX) {
-        fprintf(stderr, "segnet: internal error: GEMM of %zux%zux%zu exceeds cuBLAS' int dimensions\n", m, n, k);
+        fprintf(stderr,
+                "segnet: internal error: GEMM of %zux%zux%zu exceeds cuBLAS' int dimensions\n", m,
+                n, k);
         exit(1);
     }
     const float alpha = 1.0f;
-    cublasCheck(cublasGemmEx(ctx_of(o)->blas, ta, tb, (int)m, (int)n, (int)k, &alpha, A, blas_type(ab), lda, B,
-                             blas_type(ab), ldb, &beta, C, blas_type(c), ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    cublasCheck(cublasGemmEx(ctx_of(o)->blas, ta, tb, (int)m, (int)n, (int)k, &alpha, A,
+                             blas_type(ab), lda, B, blas_type(ab), ldb, &beta, C, blas_type(c), ldc,
+                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     launchCheck();
 }
 
@@ -1006,17 +1055,23 @@ static void gemm_ex(Ops *o, cublasOperation_t ta, cublasOperation_t tb, size_t m
 // index is split by the FastDivs of the divisors named.
 struct Im2colDivs { FastDiv GK, K, Cg, kw, OW, OH; };
 static Im2colDivs im2col_divs(const ConvCfg *cfg, const ConvGeom *q) {
-    return {fastdiv_make(cfg->groups * q->K), fastdiv_make(q->K), fastdiv_make(q->Cg), fastdiv_make(cfg->kw),
-            fastdiv_make(q->OW), fastdiv_make(q->OH)};
+    return {fastdiv_make(cfg->groups * q->K),
+            fastdiv_make(q->K),
+            fastdiv_make(q->Cg),
+            fastdiv_make(cfg->kw),
+            fastdiv_make(q->OW),
+            fastdiv_make(q->OH)};
 }
-__global__ void im2col_kernel(void *col, const void *in, DType dt, ConvCfg cfg, ConvGeom q, int t0, uint32_t n,
-                              Im2colDivs d) {
+__global__ void im2col_kernel(void *col, const void *in, DType dt, ConvCfg cfg, ConvGeom q, int t0,
+                              uint32_t n, Im2colDivs d) {
     FOR_GRID(e, n) {
         const uint32_t p = fastdiv(d.GK, e), j = e - p * d.GK.d;                 // pixel, column
-        const uint32_t g = fastdiv(d.K, j), r = j - g * d.K.d;                   // group, within the group
+        // group, within the group
+        const uint32_t g = fastdiv(d.K, j), r = j - g * d.K.d;
         const uint32_t tap = fastdiv(d.Cg, r), ci = r - tap * d.Cg.d;
         const uint32_t ky = fastdiv(d.kw, tap), kx = tap - ky * d.kw.d;
-        const uint32_t ph = fastdiv(d.OW, p), ox = p - ph * d.OW.d, t = t0 + ph;  // output row t = n·OH + oy
+        // output row t = n·OH + oy
+        const uint32_t ph = fastdiv(d.OW, p), ox = p - ph * d.OW.d, t = t0 + ph;
         const uint32_t img = fastdiv(d.OH, t), oy = t - img * d.OH.d;
         const int iy = (int)(oy * cfg.stride + ky) - q.pt, ix = (int)(ox * cfg.stride + kx) - q.pl;
         float v = 0.0f;
@@ -1025,12 +1080,13 @@ __global__ void im2col_kernel(void *col, const void *in, DType dt, ConvCfg cfg, 
         st(col, dt, e, v);  // a stored value: exact in its own type
     }
 }
-static void im2col(Ops *o, void *col, Tensor in, const ConvCfg *cfg, const ConvGeom *q, int t0, int t1) {
+static void im2col(Ops *o, void *col, Tensor in, const ConvCfg *cfg, const ConvGeom *q, int t0,
+                   int t1) {
     size_t n = (size_t)(t1 - t0) * q->OW * cfg->groups * q->K;
     require_below(n, (size_t)1 << 31, "im2col elements in one chunk (cuda_conv_chunk_bytes)");
     require_below(shape_numel(in.shape), (size_t)1 << 31, "im2col input elements");
-    CU_LAUNCH(im2col_kernel, grid_for(n), BLOCK, 0, stream_of(o), col, in.data, in.dtype, *cfg, *q, t0, (uint32_t)n,
-              im2col_divs(cfg, q));
+    CU_LAUNCH(im2col_kernel, grid_for(n), BLOCK, 0, stream_of(o), col, in.data, in.dtype, *cfg, *q,
+              t0, (uint32_t)n, im2col_divs(cfg, q));
     launchCheck();
 }
 
@@ -1038,12 +1094,14 @@ static void im2col(Ops *o, void *col, Tensor in, const ConvCfg *cfg, const ConvG
 // integral and inside the output (likewise ox), summed in (ky, kx) order like the
 // CPU's col2im; input rows u0.. (flattened n·H + iy), dcol rows from output row t0
 struct Col2imDivs { FastDiv C, W, H, Cg; };
-__global__ void col2im_kernel(void *din, DType dt, const float *dcol, ConvCfg cfg, ConvGeom q, int u0, int t0,
-                              uint32_t n, int accumulate, Col2imDivs d) {
+__global__ void col2im_kernel(void *din, DType dt, const float *dcol, ConvCfg cfg, ConvGeom q,
+                              int u0, int t0, uint32_t n, int accumulate, Col2imDivs d) {
     const int s = cfg.stride, GK = cfg.groups * q.K;
     FOR_GRID(e, n) {
-        const uint32_t row = fastdiv(d.C, e), c = e - row * q.C;                 // input pixel, channel
-        const uint32_t ur = fastdiv(d.W, row), ix = row - ur * q.W, u = u0 + ur;  // input row u = n·H + iy
+        // input pixel, channel
+        const uint32_t row = fastdiv(d.C, e), c = e - row * q.C;
+        // input row u = n·H + iy
+        const uint32_t ur = fastdiv(d.W, row), ix = row - ur * q.W, u = u0 + ur;
         const uint32_t img = fastdiv(d.H, u), iy = u - img * q.H;
         const uint32_t g = fastdiv(d.Cg, c), ci = c - g * q.Cg;
         float acc = 0.0f;
@@ -1063,13 +1121,15 @@ __global__ void col2im_kernel(void *din, DType dt, const float *dcol, ConvCfg cf
 }
 
 // y[r][c] = rows[r][c] + b[c], rounded to y's type; rows (fp32) may alias y when it is fp32
-__global__ void bias_rows_kernel(void *y, DType dt, const float *rows, const float *b, int C, uint32_t n_rows) {
+__global__ void bias_rows_kernel(void *y, DType dt, const float *rows, const float *b, int C,
+                                 uint32_t n_rows) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const float bc = b[c];
     FOR_ROWS(r, n_rows) st(y, dt, r * C + c, rows[r * C + c] + bc);
 }
-static void bias_rows(Ops *o, void *y, DType dt, const float *rows32, const float *b, int C, size_t n_rows) {
+static void bias_rows(Ops *o, void *y, DType dt, const float *rows32, const float *b, int C,
+                      size_t n_rows) {
     for_row_launches(n_rows, C, [&](size_t r0, size_t count) {
         RowGrid g = row_grid(C, count);
         CU_LAUNCH(bias_rows_kernel, g.grid, g.block, 0, stream_of(o), elem_ptr(y, dt, r0 * C), dt,
@@ -1089,16 +1149,20 @@ template <class T> struct IsBF16 { static constexpr bool value = false; };
 template <> struct IsBF16<BF16> { static constexpr bool value = true; };
 
 // d (16×8 fp32) += a (16×16) · b (16×8), operands of 16-bit type T in registers
-template <class T> static __device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+template <class T>
+static __device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4],
+                                                 const uint32_t b[2]) {
 #if defined(__CUDACC__)
 #if __CUDA_ARCH__ >= 800
     if (IsBF16<T>::value)
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, "
                      "{%0,%1,%2,%3};\n"
                      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
     else
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, "
                      "{%0,%1,%2,%3};\n"
                      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
@@ -1111,7 +1175,8 @@ template <class T> static __device__ __forceinline__ void mma_16816(float d[4], 
 }
 // four 8×8 matrices of 16-bit elements from shared memory, matrix i's rows at
 // the addresses of lanes 8i..8i+7 (TRANS: each matrix transposed)
-template <bool TRANS> static __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void *row) {
+template <bool TRANS>
+static __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void *row) {
 #if defined(__CUDACC__)
 #if __CUDA_ARCH__ >= 800
     const unsigned a = (unsigned)__cvta_generic_to_shared(row);
@@ -1134,7 +1199,9 @@ static __device__ __forceinline__ void cp_async16(void *dst, const void *src, in
 #if defined(__CUDACC__)
 #if __CUDA_ARCH__ >= 800
     const unsigned a = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(src_bytes) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
 #else
     __trap();
 #endif
@@ -1227,7 +1294,8 @@ template <class T, int ROW> static __device__ __forceinline__ int ig_at(int row,
 }
 
 // The A operand of forward and backward data: src (H, W, C) NHWC, columns
-// k = (a·taps_x + b)·Ck + c, K of them, A[m][k] = src[n, y_m + dir·a, x_m + dir·b, c0 + c] (0 outside)
+// k = (a·taps_x + b)·Ck + c, K of them, A[m][k] = src[n, y_m + dir·a, x_m + dir·b, c0 + c] (0
+// outside)
 struct Gather { int H, W, C, taps_x, Ck, dir, K; };
 // a thread's place in k = (a·taps_x + b)·Ck + c
 struct TapWalk {
@@ -1246,31 +1314,35 @@ template <class T, int ROW, int ROWS> struct TileFill {
 };
 #define IG_ROW_NONE (INT_MIN / 2)  // a row past the GEMM's end: its taps are never inside
 
-// the A tile [IG_BM][IG_BK] of a Gather: rows y[i], x[i] (top-left tap), base[i] (src's offset of (n, 0, 0, c0))
+// the A tile [IG_BM][IG_BK] of a Gather: rows y[i], x[i] (top-left tap), base[i] (src's offset of
+// (n, 0, 0, c0))
 template <class T, bool VEC, int N>
-static __device__ __forceinline__ void load_a(T *As, const T *src, const Gather &gd, const int (&base)[N],
-                                              const int (&y)[N], const int (&x)[N], const TapWalk &walk) {
+static __device__ __forceinline__ void load_a(T *As, const T *src, const Gather &gd,
+                                              const int (&base)[N], const int (&y)[N],
+                                              const int (&x)[N], const TapWalk &walk) {
     typedef TileFill<T, IG_BK, IG_BM> F;
     const int chunk = F::chunk();
     if (VEC) {
         const bool k_in = walk.k < gd.K;
-#pragma unroll
+        #pragma unroll
         for (int i = 0; i < N; i++) {
             const int iy = y[i] + gd.dir * walk.a, ix = x[i] + gd.dir * walk.b;
             const bool in = k_in && (unsigned)iy < (unsigned)gd.H && (unsigned)ix < (unsigned)gd.W;
-            cp_async16(As + ig_swizzle<T, IG_BK>(F::row(i), chunk), in ? src + base[i] + (iy * gd.W + ix) * gd.C + walk.c : src,
-                       in ? 16 : 0);
+            cp_async16(As + ig_swizzle<T, IG_BK>(F::row(i), chunk),
+                       in ? src + base[i] + (iy * gd.W + ix) * gd.C + walk.c : src, in ? 16 : 0);
         }
     } else {
         TapWalk e = walk;
-#pragma unroll
+        #pragma unroll
         for (int q = 0; q < Chunk<T>::CE; q++, e.advance(1, gd.Ck, gd.taps_x)) {
             const bool k_in = e.k < gd.K;
-#pragma unroll
+            #pragma unroll
             for (int i = 0; i < N; i++) {
                 const int iy = y[i] + gd.dir * e.a, ix = x[i] + gd.dir * e.b;
-                const bool in = k_in && (unsigned)iy < (unsigned)gd.H && (unsigned)ix < (unsigned)gd.W;
-                As[ig_swizzle<T, IG_BK>(F::row(i), chunk) + q] = in ? src[base[i] + (iy * gd.W + ix) * gd.C + e.c] : T{0};
+                const bool in =
+                        k_in && (unsigned)iy < (unsigned)gd.H && (unsigned)ix < (unsigned)gd.W;
+                As[ig_swizzle<T, IG_BK>(F::row(i), chunk) + q] =
+                        in ? src[base[i] + (iy * gd.W + ix) * gd.C + e.c] : T{0};
             }
         }
     }
@@ -1286,12 +1358,13 @@ static __device__ __forceinline__ int ig_acc_col(int j, int r) {
     return (threadIdx.x >> 6) * 32 + 8 * j + 2 * (threadIdx.x & 3) + (r & 1);
 }
 // store(row, column, value) for each of the thread's accumulators, at its place in the block's tile
-template <class Store> static __device__ __forceinline__ void ig_each_acc(const float (&acc)[4][4][4], Store store) {
-#pragma unroll
+template <class Store>
+static __device__ __forceinline__ void ig_each_acc(const float (&acc)[4][4][4], Store store) {
+    #pragma unroll
     for (int i = 0; i < 4; i++)
-#pragma unroll
+        #pragma unroll
         for (int j = 0; j < 4; j++)
-#pragma unroll
+            #pragma unroll
             for (int r = 0; r < 4; r++) store(ig_acc_row(i, r), ig_acc_col(j, r), acc[i][j][r]);
 }
 
@@ -1303,16 +1376,19 @@ template <class Store> static __device__ __forceinline__ void ig_each_acc(const 
 // fp32: the same accumulators by a SIMT product (each thread its own 64
 // elements, k in order, exact fp32 arithmetic).
 template <class T, bool A_TRANS, bool B_TRANS, class LoadStage>
-static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *smem, int k_tiles, LoadStage load_stage) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = (warp & 1) * 64, wn = (warp >> 1) * 32;
-#pragma unroll
+static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *smem, int k_tiles,
+                                                   LoadStage load_stage) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = (warp & 1) * 64,
+              wn = (warp >> 1) * 32;
+    #pragma unroll
     for (int i = 0; i < 4; i++)
-#pragma unroll
+        #pragma unroll
         for (int j = 0; j < 4; j++)
-#pragma unroll
+            #pragma unroll
             for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;
-#pragma unroll
-    for (int s = 0; s < IG_STAGES - 1; s++) {  // one commit per stage, loaded or not: the group count stays fixed
+    #pragma unroll
+    // one commit per stage, loaded or not: the group count stays fixed
+    for (int s = 0; s < IG_STAGES - 1; s++) {
         if (s < k_tiles) load_stage(s);
         cp_async_commit();
     }
@@ -1323,56 +1399,70 @@ static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *sme
         cp_async_commit();
         const T *As = smem + (kt % IG_STAGES) * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
         if constexpr (sizeof(T) == 4) {
-#pragma unroll 4
+            #pragma unroll 4
             for (int k = 0; k < IG_BK; k++) {
                 float a[4][2], b[4][2];
-#pragma unroll
+                #pragma unroll
                 for (int i = 0; i < 4; i++)
-#pragma unroll
+                    #pragma unroll
                     for (int h = 0; h < 2; h++) {
                         const int m = ig_acc_row(i, 2 * h);
-                        a[i][h] = to_f32(A_TRANS ? As[ig_at<T, IG_BM>(k, m)] : As[ig_at<T, IG_BK>(m, k)]);
+                        a[i][h] = to_f32(A_TRANS ? As[ig_at<T, IG_BM>(k, m)]
+                                                 : As[ig_at<T, IG_BK>(m, k)]);
                     }
-#pragma unroll
+                #pragma unroll
                 for (int j = 0; j < 4; j++)
-#pragma unroll
+                    #pragma unroll
                     for (int e = 0; e < 2; e++) {
                         const int n = ig_acc_col(j, e);
-                        b[j][e] = to_f32(B_TRANS ? Bs[ig_at<T, IG_BN>(k, n)] : Bs[ig_at<T, IG_BK>(n, k)]);
+                        b[j][e] = to_f32(B_TRANS ? Bs[ig_at<T, IG_BN>(k, n)]
+                                                 : Bs[ig_at<T, IG_BK>(n, k)]);
                     }
-#pragma unroll
+                #pragma unroll
                 for (int i = 0; i < 4; i++)
-#pragma unroll
+                    #pragma unroll
                     for (int j = 0; j < 4; j++)
-#pragma unroll
+                        #pragma unroll
                         for (int r = 0; r < 4; r++) acc[i][j][r] += a[i][r >> 1] * b[j][r & 1];
             }
         } else {
-#pragma unroll
+            #pragma unroll
             for (int ks = 0; ks < IG_BK / 16; ks++) {
                 uint32_t af[4][4], bf[4][2];
-#pragma unroll
+                #pragma unroll
                 for (int i = 0; i < 4; i++)  // matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15): a0..a3
                     if (A_TRANS)
-                        ldmatrix_x4<true>(af[i], As + ig_swizzle<T, IG_BM>(16 * ks + (lane & 7) + (lane >> 4) * 8,
-                                                                           (wm + 16 * i) / 8 + ((lane >> 3) & 1)));
+                        ldmatrix_x4<true>(
+                                af[i],
+                                As + ig_swizzle<T, IG_BM>(16 * ks + (lane & 7) + (lane >> 4) * 8,
+                                                          (wm + 16 * i) / 8 + ((lane >> 3) & 1)));
                     else
-                        ldmatrix_x4<false>(af[i], As + ig_swizzle<T, IG_BK>(wm + 16 * i + (lane & 7) + ((lane >> 3) & 1) * 8,
+                        ldmatrix_x4<false>(af[i],
+                                           As + ig_swizzle<T, IG_BK>(wm + 16 * i + (lane & 7) +
+                                                                             ((lane >> 3) & 1) * 8,
                                                                      2 * ks + (lane >> 4)));
-#pragma unroll
-                for (int j = 0; j < 2; j++) {  // matrices (channels 0-7 | 8-15) × (k 0-7 | 8-15): b0, b1 of two tiles
+                #pragma unroll
+                // matrices (channels 0-7 | 8-15) × (k 0-7 | 8-15): b0, b1 of two tiles
+                for (int j = 0; j < 2; j++) {
                     uint32_t r[4];
                     if (B_TRANS)  // rows k: (k 0-7 | 8-15) × (channels 0-7 | 8-15)
-                        ldmatrix_x4<true>(r, Bs + ig_swizzle<T, IG_BN>(16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                                       (wn + 16 * j) / 8 + (lane >> 4)));
+                        ldmatrix_x4<true>(r,
+                                          Bs + ig_swizzle<T, IG_BN>(
+                                                       16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                       (wn + 16 * j) / 8 + (lane >> 4)));
                     else
-                        ldmatrix_x4<false>(r, Bs + ig_swizzle<T, IG_BK>(wn + 16 * j + (lane & 7) + (lane >> 4) * 8,
-                                                                 2 * ks + ((lane >> 3) & 1)));
-                    bf[2 * j][0] = r[0]; bf[2 * j][1] = r[1]; bf[2 * j + 1][0] = r[2]; bf[2 * j + 1][1] = r[3];
+                        ldmatrix_x4<false>(r,
+                                           Bs + ig_swizzle<T, IG_BK>(wn + 16 * j + (lane & 7) +
+                                                                             (lane >> 4) * 8,
+                                                                     2 * ks + ((lane >> 3) & 1)));
+                    bf[2 * j][0] = r[0];
+                    bf[2 * j][1] = r[1];
+                    bf[2 * j + 1][0] = r[2];
+                    bf[2 * j + 1][1] = r[3];
                 }
-#pragma unroll
+                #pragma unroll
                 for (int i = 0; i < 4; i++)
-#pragma unroll
+                    #pragma unroll
                     for (int j = 0; j < 4; j++) mma_16816<T>(acc[i][j], af[i], bf[j]);
             }
         }
@@ -1388,18 +1478,19 @@ struct ConvFwdArgs {
 };
 
 template <class T, bool VEC>
-__global__ void __launch_bounds__(IG_THREADS) conv_fwd_kernel(T *y, const T *x, const T *w, const float *bias,
-                                                              ConvFwdArgs a) {
+__global__ void __launch_bounds__(IG_THREADS)
+        conv_fwd_kernel(T *y, const T *x, const T *w, const float *bias, ConvFwdArgs a) {
     CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BM rows, B: IG_BN rows) of IG_BK elements
     typedef TileFill<T, IG_BK, IG_BM> FA;
     typedef TileFill<T, IG_BK, IG_BN> FB;
     constexpr int CE = Chunk<T>::CE;
     const int g = blockIdx.z, m0 = blockIdx.x * IG_BM, n0 = blockIdx.y * IG_BN, K = a.gd.K;
     int base[FA::N], py[FA::N], px[FA::N];
-#pragma unroll
+    #pragma unroll
     for (int i = 0; i < FA::N; i++) {
         const uint32_t m = (uint32_t)(m0 + FA::row(i));
-        const uint32_t t = fastdiv(a.OW, m), ox = m - t * a.OW.d, n = fastdiv(a.OH, t), oy = t - n * a.OH.d;
+        const uint32_t t = fastdiv(a.OW, m), ox = m - t * a.OW.d, n = fastdiv(a.OH, t),
+                       oy = t - n * a.OH.d;
         base[i] = (int)n * a.gd.H * a.gd.W * a.gd.C + g * a.Cg;
         py[i] = m < a.M ? (int)oy * a.stride - a.pt : IG_ROW_NONE;
         px[i] = (int)ox * a.stride - a.pl;
@@ -1410,7 +1501,7 @@ __global__ void __launch_bounds__(IG_THREADS) conv_fwd_kernel(T *y, const T *x, 
     auto load_stage = [&](int buf) {
         T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
         load_a<T, VEC>(As, x, a.gd, base, py, px, walk);
-#pragma unroll
+        #pragma unroll
         for (int j = 0; j < FB::N; j++) {  // W's rows co, k-contiguous, like A's
             const int co = n0 + FB::row(j);
             T *dst = Bs + ig_swizzle<T, IG_BK>(FB::row(j), FB::chunk());
@@ -1418,8 +1509,9 @@ __global__ void __launch_bounds__(IG_THREADS) conv_fwd_kernel(T *y, const T *x, 
                 const bool in = walk.k < K && co < a.Coutg;
                 cp_async16(dst, in ? wg + co * K + walk.k : w, in ? 16 : 0);
             } else {
-#pragma unroll
-                for (int q = 0; q < CE; q++) dst[q] = walk.k + q < K && co < a.Coutg ? wg[co * K + walk.k + q] : T{0};
+                #pragma unroll
+                for (int q = 0; q < CE; q++)
+                    dst[q] = walk.k + q < K && co < a.Coutg ? wg[co * K + walk.k + q] : T{0};
             }
         }
         walk.advance(IG_BK, a.gd.Ck, a.gd.taps_x);
@@ -1429,12 +1521,14 @@ __global__ void __launch_bounds__(IG_THREADS) conv_fwd_kernel(T *y, const T *x, 
     ig_each_acc(acc, [&](int row, int col, float v) {
         const uint32_t m = (uint32_t)(m0 + row);
         const int co = n0 + col, c = g * a.Coutg + co;
-        if (m < a.M && co < a.Coutg) y[m * (uint32_t)a.Cout + c] = from_f32<T>(bias ? v + bias[c] : v);
+        if (m < a.M && co < a.Coutg)
+            y[m * (uint32_t)a.Cout + c] = from_f32<T>(bias ? v + bias[c] : v);
     });
 }
 
 struct ConvDgradArgs {
-    Gather gd;                  // over dout: (OH, OW, Cout), Ck = Coutg, dir = -1; taps_x and K per phase (below)
+    // over dout: (OH, OW, Cout), Ck = Coutg, dir = -1; taps_x and K per phase (below)
+    Gather gd;
     int H, W, C, Cg, Coutg, Kw; // din (N,H,W,C); Kw = kh·kw·Cg, a row of W
     int kw, stride, phases, accumulate;
     // per phase (py, px) = (phase / stride, phase % stride): its rows N·Hu·Wv
@@ -1447,7 +1541,8 @@ struct ConvDgradArgs {
 };
 
 template <class T, bool VEC>
-__global__ void __launch_bounds__(IG_THREADS) conv_dgrad_kernel(T *din, const T *dout, const T *w, ConvDgradArgs a) {
+__global__ void __launch_bounds__(IG_THREADS)
+        conv_dgrad_kernel(T *din, const T *dout, const T *w, ConvDgradArgs a) {
     CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BM rows of IG_BK, B: IG_BK rows of IG_BN)
     typedef TileFill<T, IG_BK, IG_BM> FA;
     typedef TileFill<T, IG_BN, IG_BK> FB;
@@ -1461,10 +1556,11 @@ __global__ void __launch_bounds__(IG_THREADS) conv_dgrad_kernel(T *din, const T 
     gd.K = a.nky[ph] * a.nkx[ph] * a.Coutg;
     const int s = a.stride;
     int base[FA::N], py[FA::N], px[FA::N];
-#pragma unroll
+    #pragma unroll
     for (int i = 0; i < FA::N; i++) {
         const uint32_t m = (uint32_t)(m0 + FA::row(i));
-        const uint32_t t = fastdiv(a.Wv[ph], m), v = m - t * a.Wv[ph].d, n = fastdiv(a.Hu[ph], t), u = t - n * a.Hu[ph].d;
+        const uint32_t t = fastdiv(a.Wv[ph], m), v = m - t * a.Wv[ph].d, n = fastdiv(a.Hu[ph], t),
+                       u = t - n * a.Hu[ph].d;
         base[i] = (int)n * gd.H * gd.W * gd.C + g * a.Coutg;
         py[i] = m < M ? (int)u + a.dy0[ph] : IG_ROW_NONE;
         px[i] = (int)v + a.dx0[ph];
@@ -1474,14 +1570,17 @@ __global__ void __launch_bounds__(IG_THREADS) conv_dgrad_kernel(T *din, const T 
     // B: rows k = (a, b, co) of W's [co][ky][kx][ci], IG_BN consecutive ci from n0
     const int ci = n0 + FB::chunk() * CE;
     TapWalk bwalk[FB::N];
-#pragma unroll
-    for (int j = 0; j < FB::N; j++) { bwalk[j] = TapWalk{0, 0, 0, 0}; bwalk[j].advance(FB::row(j), gd.Ck, gd.taps_x); }
+    #pragma unroll
+    for (int j = 0; j < FB::N; j++) {
+        bwalk[j] = TapWalk{0, 0, 0, 0};
+        bwalk[j].advance(FB::row(j), gd.Ck, gd.taps_x);
+    }
     const T *wg = w + (size_t)g * a.Coutg * a.Kw;
     auto load_stage = [&](int buf) {
         T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
         load_a<T, VEC>(As, dout, gd, base, py, px, walk);
         walk.advance(IG_BK, gd.Ck, gd.taps_x);
-#pragma unroll
+        #pragma unroll
         for (int j = 0; j < FB::N; j++) {
             const TapWalk &b = bwalk[j];
             const int tap = (a.ky0[ph] + s * b.a) * a.kw + a.kx0[ph] + s * b.b;
@@ -1491,7 +1590,7 @@ __global__ void __launch_bounds__(IG_THREADS) conv_dgrad_kernel(T *din, const T 
                 const bool in = b.k < gd.K && ci < a.Cg;
                 cp_async16(dst, in ? src : w, in ? 16 : 0);
             } else {
-#pragma unroll
+                #pragma unroll
                 for (int q = 0; q < CE; q++) dst[q] = b.k < gd.K && ci + q < a.Cg ? src[q] : T{0};
             }
             bwalk[j].advance(IG_BK, gd.Ck, gd.taps_x);
@@ -1499,17 +1598,18 @@ __global__ void __launch_bounds__(IG_THREADS) conv_dgrad_kernel(T *din, const T 
     };
     float acc[4][4][4];
     ig_mainloop<T, false, true>(acc, smem, (gd.K + IG_BK - 1) / IG_BK, load_stage);
-#pragma unroll
+    #pragma unroll
     for (int i = 0; i < 4; i++)
-#pragma unroll
+        #pragma unroll
         for (int r = 0; r < 4; r += 2) {
             const uint32_t m = (uint32_t)(m0 + ig_acc_row(i, r));
             if (m >= M) continue;
-            const uint32_t t = fastdiv(a.Wv[ph], m), v = m - t * a.Wv[ph].d, n = fastdiv(a.Hu[ph], t), u = t - n * a.Hu[ph].d;
+            const uint32_t t = fastdiv(a.Wv[ph], m), v = m - t * a.Wv[ph].d,
+                           n = fastdiv(a.Hu[ph], t), u = t - n * a.Hu[ph].d;
             const uint32_t pixel = (n * a.H + a.py[ph] + s * u) * a.W + a.px[ph] + s * v;
-#pragma unroll
+            #pragma unroll
             for (int j = 0; j < 4; j++)
-#pragma unroll
+                #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const int c = n0 + ig_acc_col(j, r + e);
                     if (c >= a.Cg) continue;
@@ -1547,8 +1647,9 @@ struct PixelWalk {
 };
 
 template <class T, bool VEC>
-__global__ void __launch_bounds__(IG_THREADS) conv_wgrad_kernel(float *dw, float *partial, unsigned *done,
-                                                                const T *dout, const T *x, ConvWgradArgs a) {
+__global__ void __launch_bounds__(IG_THREADS)
+        conv_wgrad_kernel(float *dw, float *partial, unsigned *done, const T *dout, const T *x,
+                          ConvWgradArgs a) {
     CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BK rows of IG_BM, B: IG_BK rows of IG_BN)
     typedef TileFill<T, IG_BM, IG_BK> FA;
     typedef TileFill<T, IG_BN, IG_BK> FB;
@@ -1561,7 +1662,7 @@ __global__ void __launch_bounds__(IG_THREADS) conv_wgrad_kernel(float *dw, float
     TapWalk tap = {0, 0, 0, 0};
     tap.advance(k0 + CE * FA::chunk(), a.Cg, a.kw);
     PixelWalk pix[FA::N];
-#pragma unroll
+    #pragma unroll
     for (int i = 0; i < FA::N; i++) {
         const uint32_t p = p_begin + FA::row(i), t = fastdiv(a.OW_div, p), n = fastdiv(a.OH_div, t);
         pix[i] = PixelWalk{(int)n, (int)(t - n * a.OH_div.d), (int)(p - t * a.OW_div.d)};
@@ -1570,27 +1671,30 @@ __global__ void __launch_bounds__(IG_THREADS) conv_wgrad_kernel(float *dw, float
     uint32_t p_tile = p_begin;
     auto load_stage = [&](int buf) {
         T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BK * IG_BM;
-#pragma unroll
+        #pragma unroll
         for (int i = 0; i < FA::N; i++) {
             const PixelWalk &w = pix[i];
             const bool p_in = p_tile + FA::row(i) < p_end;
             T *dst = As + ig_swizzle<T, IG_BM>(FA::row(i), FA::chunk());
             if (VEC) {
                 const int iy = w.oy * a.stride - a.pt + tap.a, ix = w.ox * a.stride - a.pl + tap.b;
-                const bool in = p_in && tap.k < a.K && (unsigned)iy < (unsigned)a.H && (unsigned)ix < (unsigned)a.W;
-                cp_async16(dst, in ? x + ((w.n * a.H + iy) * a.W + ix) * a.C + g * a.Cg + tap.c : x, in ? 16 : 0);
+                const bool in = p_in && tap.k < a.K && (unsigned)iy < (unsigned)a.H &&
+                                (unsigned)ix < (unsigned)a.W;
+                cp_async16(dst, in ? x + ((w.n * a.H + iy) * a.W + ix) * a.C + g * a.Cg + tap.c : x,
+                           in ? 16 : 0);
             } else {
                 TapWalk e = tap;
-#pragma unroll
+                #pragma unroll
                 for (int q = 0; q < CE; q++, e.advance(1, a.Cg, a.kw)) {
                     const int iy = w.oy * a.stride - a.pt + e.a, ix = w.ox * a.stride - a.pl + e.b;
-                    const bool in = p_in && e.k < a.K && (unsigned)iy < (unsigned)a.H && (unsigned)ix < (unsigned)a.W;
+                    const bool in = p_in && e.k < a.K && (unsigned)iy < (unsigned)a.H &&
+                                    (unsigned)ix < (unsigned)a.W;
                     dst[q] = in ? x[((w.n * a.H + iy) * a.W + ix) * a.C + g * a.Cg + e.c] : T{0};
                 }
             }
             pix[i].advance(IG_BK, a.OH, a.OW);
         }
-#pragma unroll
+        #pragma unroll
         for (int j = 0; j < FB::N; j++) {
             const uint32_t p = p_tile + FB::row(j);
             const T *src = dout + p * a.Cout + g * a.Coutg + co;
@@ -1599,7 +1703,7 @@ __global__ void __launch_bounds__(IG_THREADS) conv_wgrad_kernel(float *dw, float
                 const bool in = p < p_end && co < a.Coutg;
                 cp_async16(dst, in ? src : dout, in ? 16 : 0);
             } else {
-#pragma unroll
+                #pragma unroll
                 for (int q = 0; q < CE; q++) dst[q] = p < p_end && co + q < a.Coutg ? src[q] : T{0};
             }
         }
@@ -1617,7 +1721,9 @@ __global__ void __launch_bounds__(IG_THREADS) conv_wgrad_kernel(float *dw, float
         else out[idx] += v;
     });
     if (a.parts == 1) return;
-    if (!last_block(done + (blockIdx.z / a.parts * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x, a.parts)) return;
+    if (!last_block(done + (blockIdx.z / a.parts * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x,
+                    a.parts))
+        return;
     for (int e = tid; e < IG_BM * IG_BN; e += IG_THREADS) {  // the tile, k fastest
         const int k = k0 + e % IG_BM, c = co0 + e / IG_BM;
         if (k >= a.K || c >= a.Coutg) continue;
@@ -1628,23 +1734,27 @@ __global__ void __launch_bounds__(IG_THREADS) conv_wgrad_kernel(float *dw, float
     }
 }
 
-static void conv_check_out(const char *what, const ConvGeom *q, Shape out, const ConvCfg *cfg, Shape in) {
-    if (out.n != q->N || out.h != q->OH || out.w != q->OW || out.c != q->Cout) conv_fail(what, cfg, in);
+static void conv_check_out(const char *what, const ConvGeom *q, Shape out, const ConvCfg *cfg,
+                           Shape in) {
+    if (out.n != q->N || out.h != q->OH || out.w != q->OW || out.c != q->Cout)
+        conv_fail(what, cfg, in);
 }
 
 static void bias_grad(Ops *o, float *db, Tensor dout);  // with the per-channel sums, below
 
-// depthwise convs have kernels of their own (below, after the pooling kernels whose layout they share)
-static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
-                              const float *b);
-static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
-                                    const float *w, int accumulate);
-static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
-                                      int parts, float *partial);
+// depthwise convs have kernels of their own (below, after the pooling kernels whose layout they
+// share)
+static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
+                              const float *w, const float *b);
+static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din,
+                                    Tensor dout, const float *w, int accumulate);
+static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom *q, float *dw,
+                                      Tensor dout, Tensor in, int parts, float *partial);
 
 int cuda_conv_implicit = 1;  // declared in segnet.h
 
-// whether a conv takes the implicit-GEMM kernels: k×k (not depthwise), stride ≤ 2, on sm_80+ (cp.async)
+// whether a conv takes the implicit-GEMM kernels: k×k (not depthwise), stride ≤ 2, on sm_80+
+// (cp.async)
 static bool conv_takes_implicit(Ops *o, const ConvCfg *cfg) {
     return cuda_conv_implicit && !conv_is_pointwise(cfg) && !conv_is_depthwise(cfg) &&
            cfg->stride * cfg->stride <= IG_MAX_PHASES && ctx_of(o)->sm_major >= 8;
@@ -1656,12 +1766,18 @@ static int chunk_elems(DType dt) { return VEC_BYTES / (int)dtype_size(dt); }
 static size_t ig_smem_bytes(size_t elem) { return (size_t)IG_STAGES * IG_STAGE_ELEMS * elem; }
 static void ig_raise_smem_limits() {
     const int f32 = (int)ig_smem_bytes(sizeof(float));
-    cudaCheck(cudaFuncSetAttribute(conv_fwd_kernel<float, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
-    cudaCheck(cudaFuncSetAttribute(conv_fwd_kernel<float, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
-    cudaCheck(cudaFuncSetAttribute(conv_dgrad_kernel<float, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
-    cudaCheck(cudaFuncSetAttribute(conv_dgrad_kernel<float, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
-    cudaCheck(cudaFuncSetAttribute(conv_wgrad_kernel<float, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
-    cudaCheck(cudaFuncSetAttribute(conv_wgrad_kernel<float, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+    cudaCheck(cudaFuncSetAttribute(conv_fwd_kernel<float, true>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+    cudaCheck(cudaFuncSetAttribute(conv_fwd_kernel<float, false>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+    cudaCheck(cudaFuncSetAttribute(conv_dgrad_kernel<float, true>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+    cudaCheck(cudaFuncSetAttribute(conv_dgrad_kernel<float, false>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+    cudaCheck(cudaFuncSetAttribute(conv_wgrad_kernel<float, true>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+    cudaCheck(cudaFuncSetAttribute(conv_wgrad_kernel<float, false>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
 }
 
 // The weight gradient's pixel split: about WGRAD_BLOCKS blocks in all (4 per SM
@@ -1671,8 +1787,10 @@ static void ig_raise_smem_limits() {
 #define WGRAD_MIN_TILES 8
 #define WGRAD_PARTS_MAX 64
 static void wgrad_split(const ConvCfg *cfg, const ConvGeom *q, int *parts, uint32_t *part_pixels) {
-    const size_t tiles = (size_t)((q->K + IG_BM - 1) / IG_BM) * ((q->Coutg + IG_BN - 1) / IG_BN) * cfg->groups;
-    const size_t M = (size_t)q->N * q->P, most = (M + IG_BK * WGRAD_MIN_TILES - 1) / (IG_BK * WGRAD_MIN_TILES);
+    const size_t tiles =
+            (size_t)((q->K + IG_BM - 1) / IG_BM) * ((q->Coutg + IG_BN - 1) / IG_BN) * cfg->groups;
+    const size_t M = (size_t)q->N * q->P,
+                 most = (M + IG_BK * WGRAD_MIN_TILES - 1) / (IG_BK * WGRAD_MIN_TILES);
     size_t n = (WGRAD_BLOCKS + tiles - 1) / tiles;
     if (n > most) n = most;
     if (n > WGRAD_PARTS_MAX) n = WGRAD_PARTS_MAX;
@@ -1685,27 +1803,35 @@ static void wgrad_split(const ConvCfg *cfg, const ConvGeom *q, int *parts, uint3
     *part_pixels = (uint32_t)per;
 }
 
-static void conv_implicit_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const void *wt,
-                                  const float *b) {
+static void conv_implicit_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out,
+                                  Tensor in, const void *wt, const float *b) {
     require_below(shape_numel(in.shape), (size_t)1 << 31, "implicit-GEMM conv input elements");
     require_below(shape_numel(out.shape), (size_t)1 << 31, "implicit-GEMM conv output elements");
     ConvFwdArgs a;
     a.gd = Gather{q->H, q->W, q->C, cfg->kw, q->Cg, +1, q->K};
-    a.Cout = q->Cout; a.Cg = q->Cg; a.Coutg = q->Coutg; a.stride = cfg->stride; a.pt = q->pt; a.pl = q->pl;
+    a.Cout = q->Cout;
+    a.Cg = q->Cg;
+    a.Coutg = q->Coutg;
+    a.stride = cfg->stride;
+    a.pt = q->pt;
+    a.pl = q->pl;
     a.M = (uint32_t)(q->N * q->P); a.OW = fastdiv_make(q->OW); a.OH = fastdiv_make(q->OH);
     const dim3 grid((a.M + IG_BM - 1) / IG_BM, (q->Coutg + IG_BN - 1) / IG_BN, cfg->groups);
-    const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(in.dtype) == 0 && aligned16(in.data) && aligned16(wt);
+    const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(in.dtype) == 0 &&
+                     aligned16(in.data) && aligned16(wt);
     SWITCH_STORAGE(in.dtype, T, {
-        if (vec) CU_LAUNCH((conv_fwd_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)), stream_of(o), (T *)out.data,
-                           (const T *)in.data, (const T *)wt, b, a);
-        else CU_LAUNCH((conv_fwd_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)), stream_of(o), (T *)out.data,
-                       (const T *)in.data, (const T *)wt, b, a);
+        if (vec)
+            CU_LAUNCH((conv_fwd_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
+                      stream_of(o), (T *)out.data, (const T *)in.data, (const T *)wt, b, a);
+        else
+            CU_LAUNCH((conv_fwd_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
+                      stream_of(o), (T *)out.data, (const T *)in.data, (const T *)wt, b, a);
     });
     launchCheck();
 }
 
-static void conv_implicit_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
-                                        const void *wt, int accumulate) {
+static void conv_implicit_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din,
+                                        Tensor dout, const void *wt, int accumulate) {
     require_below(shape_numel(din.shape), (size_t)1 << 31, "implicit-GEMM conv input elements");
     require_below(shape_numel(dout.shape), (size_t)1 << 31, "implicit-GEMM conv output elements");
     const int s = cfg->stride;
@@ -1716,7 +1842,8 @@ static void conv_implicit_backward_data(Ops *o, const ConvCfg *cfg, const ConvGe
     a.kw = cfg->kw; a.stride = s; a.phases = s * s; a.accumulate = accumulate;
     uint32_t rows = 0;
     for (int ph = 0; ph < a.phases; ph++) {
-        const int py = ph / s, px = ph % s, hu = (q->H - py + s - 1) / s, wv = (q->W - px + s - 1) / s;
+        const int py = ph / s, px = ph % s, hu = (q->H - py + s - 1) / s,
+                  wv = (q->W - px + s - 1) / s;
         a.py[ph] = py; a.px[ph] = px;
         a.ky0[ph] = (py + q->pt) % s; a.kx0[ph] = (px + q->pl) % s;
         a.nky[ph] = a.ky0[ph] < cfg->kh ? (cfg->kh - a.ky0[ph] + s - 1) / s : 0;
@@ -1726,38 +1853,55 @@ static void conv_implicit_backward_data(Ops *o, const ConvCfg *cfg, const ConvGe
         a.Hu[ph] = fastdiv_make(hu > 0 ? hu : 1); a.Wv[ph] = fastdiv_make(wv > 0 ? wv : 1);
         if (a.M[ph] > rows) rows = a.M[ph];
     }
-    const dim3 grid((rows + IG_BM - 1) / IG_BM, (q->Cg + IG_BN - 1) / IG_BN, cfg->groups * a.phases);
-    const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(din.dtype) == 0 && q->Coutg % chunk_elems(din.dtype) == 0 &&
-                     aligned16(dout.data) && aligned16(wt);
+    const dim3 grid((rows + IG_BM - 1) / IG_BM, (q->Cg + IG_BN - 1) / IG_BN,
+                    cfg->groups * a.phases);
+    const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(din.dtype) == 0 &&
+                     q->Coutg % chunk_elems(din.dtype) == 0 && aligned16(dout.data) &&
+                     aligned16(wt);
     SWITCH_STORAGE(din.dtype, T, {
-        if (vec) CU_LAUNCH((conv_dgrad_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)), stream_of(o), (T *)din.data,
-                           (const T *)dout.data, (const T *)wt, a);
-        else CU_LAUNCH((conv_dgrad_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)), stream_of(o), (T *)din.data,
-                       (const T *)dout.data, (const T *)wt, a);
+        if (vec)
+            CU_LAUNCH((conv_dgrad_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
+                      stream_of(o), (T *)din.data, (const T *)dout.data, (const T *)wt, a);
+        else
+            CU_LAUNCH((conv_dgrad_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
+                      stream_of(o), (T *)din.data, (const T *)dout.data, (const T *)wt, a);
     });
     launchCheck();
 }
 
-static void conv_implicit_backward_weight(Ops *o, const ConvCfg *cfg, const ConvPlan *p, float *dw, Tensor dout,
-                                          Tensor in, void *ws) {
+static void conv_implicit_backward_weight(Ops *o, const ConvCfg *cfg, const ConvPlan *p, float *dw,
+                                          Tensor dout, Tensor in, void *ws) {
     const ConvGeom *q = &p->q;
     require_below(shape_numel(in.shape), (size_t)1 << 31, "implicit-GEMM conv input elements");
     require_below(shape_numel(dout.shape), (size_t)1 << 31, "implicit-GEMM conv output elements");
     ConvWgradArgs a;
-    a.H = q->H; a.W = q->W; a.C = q->C; a.Cg = q->Cg; a.Cout = q->Cout; a.Coutg = q->Coutg; a.K = q->K;
+    a.H = q->H;
+    a.W = q->W;
+    a.C = q->C;
+    a.Cg = q->Cg;
+    a.Cout = q->Cout;
+    a.Coutg = q->Coutg;
+    a.K = q->K;
     a.kw = cfg->kw; a.stride = cfg->stride; a.pt = q->pt; a.pl = q->pl; a.OH = q->OH; a.OW = q->OW;
     a.M = (uint32_t)(q->N * q->P); a.part_pixels = p->wgrad_part_pixels; a.parts = p->wgrad_parts;
     a.OW_div = fastdiv_make(q->OW); a.OH_div = fastdiv_make(q->OH);
-    const dim3 grid((q->K + IG_BM - 1) / IG_BM, (q->Coutg + IG_BN - 1) / IG_BN, cfg->groups * a.parts);
-    require_below((size_t)grid.x * grid.y * cfg->groups, SUMS_COUNTERS + 1, "implicit-GEMM weight gradient tiles");
-    const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(in.dtype) == 0 && q->Coutg % chunk_elems(in.dtype) == 0 &&
-                     aligned16(dout.data) && aligned16(in.data);
+    const dim3 grid((q->K + IG_BM - 1) / IG_BM, (q->Coutg + IG_BN - 1) / IG_BN,
+                    cfg->groups * a.parts);
+    require_below((size_t)grid.x * grid.y * cfg->groups, SUMS_COUNTERS + 1,
+                  "implicit-GEMM weight gradient tiles");
+    const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(in.dtype) == 0 &&
+                     q->Coutg % chunk_elems(in.dtype) == 0 && aligned16(dout.data) &&
+                     aligned16(in.data);
     unsigned *done = ctx_of(o)->sums_done;
     SWITCH_STORAGE(in.dtype, T, {
-        if (vec) CU_LAUNCH((conv_wgrad_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)), stream_of(o), dw, (float *)ws,
-                           done, (const T *)dout.data, (const T *)in.data, a);
-        else CU_LAUNCH((conv_wgrad_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)), stream_of(o), dw, (float *)ws,
-                       done, (const T *)dout.data, (const T *)in.data, a);
+        if (vec)
+            CU_LAUNCH((conv_wgrad_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
+                      stream_of(o), dw, (float *)ws, done, (const T *)dout.data, (const T *)in.data,
+                      a);
+        else
+            CU_LAUNCH((conv_wgrad_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
+                      stream_of(o), dw, (float *)ws, done, (const T *)dout.data, (const T *)in.data,
+                      a);
     });
     launchCheck();
 }
@@ -1771,12 +1915,15 @@ static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor i
         depthwise_forward(o, cfg, q, out, in, w, b);
         return;
     }
-    if (out.dtype != in.dtype) conv_fail("conv2d_forward (in and out storage types differ)", cfg, in.shape);
-    if (b && !cfg->has_bias) conv_fail("conv2d_forward (a bias for a conv without one)", cfg, in.shape);
+    if (out.dtype != in.dtype)
+        conv_fail("conv2d_forward (in and out storage types differ)", cfg, in.shape);
+    if (b && !cfg->has_bias)
+        conv_fail("conv2d_forward (a bias for a conv without one)", cfg, in.shape);
     const DType dt = in.dtype;
     const void *wt = dt == DT_F32 ? (const void *)w : w_cast;  // [Cout][K] in the storage type
     if (!wt) {
-        const Shape ws_shape = shape4(1, 1, q->Cout, q->K);  // the weights, rounded to the storage type
+        // the weights, rounded to the storage type
+        const Shape ws_shape = shape4(1, 1, q->Cout, q->K);
         copy_cuda(o, tensor(ws, ws_shape, dt), tensor_f32((float *)w, ws_shape), 0);
         wt = ws;
     }
@@ -1796,21 +1943,26 @@ static void conv2d_forward_cuda(Ops *o, const ConvCfg *cfg, Tensor out, Tensor i
         else B = elem_ptr(in.data, dt, first * q->C);
         const int via32 = b && dt != DT_F32;
         void *y = via32 ? (void *)rows32 : elem_ptr(out.data, dt, first * q->Cout);
-        // out_g[pix][Coutg] = col_g[pix][K]·W_g[Coutg][K]ᵀ; column-major: out_gᵀ (Coutg×pix) = W_gᵀ-as-stored (op T)·col_gᵀ
+        // out_g[pix][Coutg] = col_g[pix][K]·W_g[Coutg][K]ᵀ; column-major: out_gᵀ (Coutg×pix) =
+        // W_gᵀ-as-stored (op T)·col_gᵀ
         for (int g = 0; g < p.G; g++)
-            gemm_ex(o, CUBLAS_OP_T, CUBLAS_OP_N, q->Coutg, pix, q->K, elem_ptr(wt, dt, (size_t)g * q->Coutg * q->K), q->K,
-                    elem_ptr(B, dt, (size_t)g * q->K), ldb, dt, 0.0f, elem_ptr(y, via32 ? DT_F32 : dt, (size_t)g * q->Coutg),
-                    q->Cout, via32 ? DT_F32 : dt);
+            gemm_ex(o, CUBLAS_OP_T, CUBLAS_OP_N, q->Coutg, pix, q->K,
+                    elem_ptr(wt, dt, (size_t)g * q->Coutg * q->K), q->K,
+                    elem_ptr(B, dt, (size_t)g * q->K), ldb, dt, 0.0f,
+                    elem_ptr(y, via32 ? DT_F32 : dt, (size_t)g * q->Coutg), q->Cout,
+                    via32 ? DT_F32 : dt);
         if (b) {
             void *dst = elem_ptr(out.data, dt, first * q->Cout);
-            bias_rows(o, dst, dt, via32 ? (const float *)rows32 : (const float *)dst, b, q->Cout, pix);
+            bias_rows(o, dst, dt, via32 ? (const float *)rows32 : (const float *)dst, b, q->Cout,
+                      pix);
         }
         t0 = t1;
     }
 }
 
-static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout, const float *w,
-                                      const void *w_cast, int accumulate, void *ws) {
+static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout,
+                                      const float *w, const void *w_cast, int accumulate,
+                                      void *ws) {
     if (!din.data) return;
     ConvPlan p = conv_plan(o, cfg, din.shape, din.dtype);
     const ConvGeom *q = &p.q;
@@ -1819,11 +1971,13 @@ static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Te
         depthwise_backward_data(o, cfg, q, din, dout, w, accumulate);
         return;
     }
-    if (dout.dtype != din.dtype) conv_fail("conv2d_backward_data (din and dout storage types differ)", cfg, din.shape);
+    if (dout.dtype != din.dtype)
+        conv_fail("conv2d_backward_data (din and dout storage types differ)", cfg, din.shape);
     const DType dt = din.dtype;
     const void *wt = dt == DT_F32 ? (const void *)w : w_cast;
     if (!wt) {
-        const Shape ws_shape = shape4(1, 1, q->Cout, q->K);  // the weights, rounded to the storage type
+        // the weights, rounded to the storage type
+        const Shape ws_shape = shape4(1, 1, q->Cout, q->K);
         copy_cuda(o, tensor(ws, ws_shape, dt), tensor_f32((float *)w, ws_shape), 0);
         wt = ws;
     }
@@ -1832,9 +1986,10 @@ static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Te
         return;
     }
     if (p.pointwise) {
-        // din[M][Cin] (=|+=) dout[M][Cout]·W[Cout][Cin]; column-major: dinᵀ (Cin×M) = W-as-stored (Cin×Cout)·doutᵀ
-        gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_N, q->C, (size_t)q->N * q->H * q->W, q->Cout, wt, q->C, dout.data, q->Cout,
-                dt, accumulate ? 1.0f : 0.0f, din.data, q->C, dt);
+        // din[M][Cin] (=|+=) dout[M][Cout]·W[Cout][Cin]; column-major: dinᵀ (Cin×M) = W-as-stored
+        // (Cin×Cout)·doutᵀ
+        gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_N, q->C, (size_t)q->N * q->H * q->W, q->Cout, wt, q->C,
+                dout.data, q->Cout, dt, accumulate ? 1.0f : 0.0f, din.data, q->C, dt);
         return;
     }
     float *dcol = (float *)((char *)ws + align_up(p.wcast));  // (rows·OW, G·K) fp32
@@ -1844,45 +1999,51 @@ static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Te
         int t0, t1;
         bwd_band_out_rows(cfg, q, u0, u1, &t0, &t1);
         const size_t pix = (size_t)(t1 - t0) * q->OW;
-        // dcol_g[pix][K] = dout_g[pix][Coutg]·W_g[Coutg][K]; column-major: dcol_gᵀ (K×pix) = W_g-as-stored (K×Coutg)·dout_gᵀ
+        // dcol_g[pix][K] = dout_g[pix][Coutg]·W_g[Coutg][K]; column-major: dcol_gᵀ (K×pix) =
+        // W_g-as-stored (K×Coutg)·dout_gᵀ
         for (int g = 0; g < p.G && pix; g++)
-            gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_N, q->K, pix, q->Coutg, elem_ptr(wt, dt, (size_t)g * q->Coutg * q->K), q->K,
-                    elem_ptr(dout.data, dt, (size_t)t0 * q->OW * q->Cout + (size_t)g * q->Coutg), q->Cout, dt, 0.0f,
-                    dcol + (size_t)g * q->K, p.GK, DT_F32);
+            gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_N, q->K, pix, q->Coutg,
+                    elem_ptr(wt, dt, (size_t)g * q->Coutg * q->K), q->K,
+                    elem_ptr(dout.data, dt, (size_t)t0 * q->OW * q->Cout + (size_t)g * q->Coutg),
+                    q->Cout, dt, 0.0f, dcol + (size_t)g * q->K, p.GK, DT_F32);
         const size_t n = (size_t)(u1 - u0) * q->W * q->C;
         require_below(n, (size_t)1 << 31, "col2im elements in one chunk (cuda_conv_chunk_bytes)");
         require_below(shape_numel(din.shape), (size_t)1 << 31, "col2im output elements");
-        const Col2imDivs d = {fastdiv_make(q->C), fastdiv_make(q->W), fastdiv_make(q->H), fastdiv_make(q->Cg)};
-        CU_LAUNCH(col2im_kernel, grid_for(n), BLOCK, 0, stream_of(o), din.data, dt, dcol, *cfg, *q, u0, t0,
-                  (uint32_t)n, accumulate, d);
+        const Col2imDivs d = {fastdiv_make(q->C), fastdiv_make(q->W), fastdiv_make(q->H),
+                              fastdiv_make(q->Cg)};
+        CU_LAUNCH(col2im_kernel, grid_for(n), BLOCK, 0, stream_of(o), din.data, dt, dcol, *cfg, *q,
+                  u0, t0, (uint32_t)n, accumulate, d);
         launchCheck();
         u0 = u1;
     }
 }
 
-static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, float *db, Tensor dout, Tensor in,
-                                        void *ws) {
+static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, float *db,
+                                        Tensor dout, Tensor in, void *ws) {
     ConvPlan p = conv_plan(o, cfg, in.shape, in.dtype);
     const ConvGeom *q = &p.q;
     conv_check_out("conv2d_backward_weight (dout shape)", q, dout.shape, cfg, in.shape);
     if (db && !cfg->has_bias && !p.depthwise)
-        conv_fail("conv2d_backward_weight (a bias gradient for a conv without bias)", cfg, in.shape);
+        conv_fail("conv2d_backward_weight (a bias gradient for a conv without bias)", cfg,
+                  in.shape);
     if (db) bias_grad(o, db, dout);
     if (!dw) return;
     if (p.depthwise) {
         depthwise_backward_weight(o, cfg, q, dw, dout, in, p.parts, (float *)ws);
         return;
     }
-    if (dout.dtype != in.dtype) conv_fail("conv2d_backward_weight (in and dout storage types differ)", cfg, in.shape);
+    if (dout.dtype != in.dtype)
+        conv_fail("conv2d_backward_weight (in and dout storage types differ)", cfg, in.shape);
     const DType dt = in.dtype;
     if (p.implicit) {
         conv_implicit_backward_weight(o, cfg, &p, dw, dout, in, ws);
         return;
     }
     if (p.pointwise) {
-        // dW[Cout][Cin] += dout[M][Cout]ᵀ·in[M][Cin]; column-major: dWᵀ (Cin×Cout) += inᵀ (Cin×M)·dout (op T)
-        gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_T, q->C, q->Cout, (size_t)q->N * q->H * q->W, in.data, q->C, dout.data,
-                q->Cout, dt, 1.0f, dw, q->C, DT_F32);
+        // dW[Cout][Cin] += dout[M][Cout]ᵀ·in[M][Cin]; column-major: dWᵀ (Cin×Cout) += inᵀ
+        // (Cin×M)·dout (op T)
+        gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_T, q->C, q->Cout, (size_t)q->N * q->H * q->W, in.data,
+                q->C, dout.data, q->Cout, dt, 1.0f, dw, q->C, DT_F32);
         return;
     }
     void *col = ws;  // (rows·OW, G·K), after the bias gradient is done with ws
@@ -1891,11 +2052,13 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
         const int t1 = chunk_end(t0, p.fwd_rows, q->OH, total);
         const size_t pix = (size_t)(t1 - t0) * q->OW;
         im2col(o, col, in, cfg, q, t0, t1);
-        // dW_g[Coutg][K] += dout_g[pix][Coutg]ᵀ·col_g[pix][K]; column-major: dW_gᵀ (K×Coutg) += col_gᵀ·dout_g (op T)
+        // dW_g[Coutg][K] += dout_g[pix][Coutg]ᵀ·col_g[pix][K]; column-major: dW_gᵀ (K×Coutg) +=
+        // col_gᵀ·dout_g (op T)
         for (int g = 0; g < p.G; g++)
-            gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_T, q->K, q->Coutg, pix, elem_ptr(col, dt, (size_t)g * q->K), p.GK,
-                    elem_ptr(dout.data, dt, (size_t)t0 * q->OW * q->Cout + (size_t)g * q->Coutg), q->Cout, dt, 1.0f,
-                    dw + (size_t)g * q->Coutg * q->K, q->K, DT_F32);
+            gemm_ex(o, CUBLAS_OP_N, CUBLAS_OP_T, q->K, q->Coutg, pix,
+                    elem_ptr(col, dt, (size_t)g * q->K), p.GK,
+                    elem_ptr(dout.data, dt, (size_t)t0 * q->OW * q->Cout + (size_t)g * q->Coutg),
+                    q->Cout, dt, 1.0f, dw + (size_t)g * q->Coutg * q->K, q->K, DT_F32);
         t0 = t1;
     }
 }
@@ -1938,10 +2101,12 @@ static __device__ __forceinline__ RowChunk row_chunk(uint32_t rows, uint32_t row
 }
 // lane sums (TY, TX·W, NQ) in shared memory → lane 0's totals, added in lane order
 template <int NQ, int W>
-static __device__ __forceinline__ void sum_lanes(double *sh, const double (&acc)[W][NQ], double (&s)[W][NQ]) {
+static __device__ __forceinline__ void sum_lanes(double *sh, const double (&acc)[W][NQ],
+                                                 double (&s)[W][NQ]) {
     const int TX = blockDim.x, TY = blockDim.y;
     for (int k = 0; k < W; k++)
-        for (int q = 0; q < NQ; q++) sh[((threadIdx.y * TX + threadIdx.x) * W + k) * NQ + q] = acc[k][q];
+        for (int q = 0; q < NQ; q++)
+            sh[((threadIdx.y * TX + threadIdx.x) * W + k) * NQ + q] = acc[k][q];
     __syncthreads();
     if (threadIdx.y != 0) return;
     for (int k = 0; k < W; k++)
@@ -1971,7 +2136,8 @@ __global__ void channel_sums_kernel(F f, E e, double *partial, unsigned *done, u
     if (chunks > 1) {
         if (owner)
             for (int k = 0; k < W; k++)
-                for (int q = 0; q < NQ; q++) partial[(((size_t)g * chunks + blockIdx.y) * NQ + q) * C + c0 + k] = s[k][q];
+                for (int q = 0; q < NQ; q++)
+                    partial[(((size_t)g * chunks + blockIdx.y) * NQ + q) * C + c0 + k] = s[k][q];
         if (!last_block(done + (size_t)g * gridDim.x + blockIdx.x, chunks)) return;
         const volatile double *in = partial;
         for (int k = 0; k < W; k++)
@@ -1979,7 +2145,8 @@ __global__ void channel_sums_kernel(F f, E e, double *partial, unsigned *done, u
         if (c0 < C)
             for (uint32_t j = threadIdx.y; j < chunks; j += blockDim.y)
                 for (int k = 0; k < W; k++)
-                    for (int q = 0; q < NQ; q++) acc[k][q] += in[(((size_t)g * chunks + j) * NQ + q) * C + c0 + k];
+                    for (int q = 0; q < NQ; q++)
+                        acc[k][q] += in[(((size_t)g * chunks + j) * NQ + q) * C + c0 + k];
         __syncthreads();  // sh is read by sum_lanes above until here
         sum_lanes<NQ, W>(sh, acc, s);
     }
@@ -1989,7 +2156,8 @@ __global__ void channel_sums_kernel(F f, E e, double *partial, unsigned *done, u
 // W: channels per thread
 template <int NQ, int W, class F, class E>
 static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C) {
-    require_below(rows, (size_t)1 << 32, "rows of per-channel sums");  // 32-bit row indices, 64-bit offsets
+    // 32-bit row indices, 64-bit offsets
+    require_below(rows, (size_t)1 << 32, "rows of per-channel sums");
     const int lanes = (C + W - 1) / W;  // channel lanes
     const unsigned tx = lanes < 32 ? (unsigned)lanes : 32, ty = BLOCK / tx;
     size_t chunks = (rows + SUMS_MIN_ROWS - 1) / SUMS_MIN_ROWS;
@@ -2001,8 +2169,8 @@ static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C) {
     const size_t rows_per_chunk = rows ? (rows + chunks - 1) / chunks : 1;
     chunks = rows ? (rows + rows_per_chunk - 1) / rows_per_chunk : 1;  // no empty chunk
     dim3 grid(tiles, (unsigned)chunks, G), block(tx, ty);
-    CU_LAUNCH((channel_sums_kernel<NQ, W, F, E>), grid, block, 0, stream_of(o), f, e, ctx_of(o)->sums,
-              ctx_of(o)->sums_done, (uint32_t)rows, C, (uint32_t)rows_per_chunk);
+    CU_LAUNCH((channel_sums_kernel<NQ, W, F, E>), grid, block, 0, stream_of(o), f, e,
+              ctx_of(o)->sums, ctx_of(o)->sums_done, (uint32_t)rows, C, (uint32_t)rows_per_chunk);
     launchCheck();
 }
 
@@ -2032,7 +2200,8 @@ template <class T> struct SumOfProductVec {
             Vec<T> va = load_vec(a + (size_t)r * C), vb;
             if (b) vb = load_vec(b + (size_t)r * C);
             for (int k = 0; k < N; k++)
-                acc[k][0] += b ? (double)to_f32(va.v[k]) * to_f32(vb.v[k]) : (double)to_f32(va.v[k]);
+                acc[k][0] +=
+                        b ? (double)to_f32(va.v[k]) * to_f32(vb.v[k]) : (double)to_f32(va.v[k]);
         }
     };
     __device__ Lane lane(int g, int c0) const {
@@ -2080,11 +2249,13 @@ static void bias_grad(Ops *o, float *db, Tensor dout) {
     if (!M) return;
     if (vec_ok({dout.dtype}, C, {dout.data})) {
         SWITCH_STORAGE(dout.dtype, T, {
-            channel_sums<1, Vec<T>::N>(o, SumOfProductVec<T>{(const T *)dout.data, NULL, C, (uint32_t)M}, AddSum{db}, 1,
-                                      M, C);
+            channel_sums<1, Vec<T>::N>(
+                    o, SumOfProductVec<T>{(const T *)dout.data, NULL, C, (uint32_t)M}, AddSum{db},
+                    1, M, C);
         });
     } else {
-        channel_sums<1, 1>(o, SumOfProduct{dout.data, dout.dtype, NULL, dout.dtype, C, (uint32_t)M}, AddSum{db}, 1, M, C);
+        channel_sums<1, 1>(o, SumOfProduct{dout.data, dout.dtype, NULL, dout.dtype, C, (uint32_t)M},
+                           AddSum{db}, 1, M, C);
     }
 }
 
@@ -2103,11 +2274,13 @@ template <class E>
 static void sums_of_product(Ops *o, E e, Tensor a, const Tensor *b, int G, size_t rows, int C) {
     if (vec_ok({a.dtype, b ? b->dtype : a.dtype}, C, {a.data, b ? b->data : NULL})) {
         SWITCH_STORAGE(a.dtype, T, {
-            SumOfProductVec<T> f = {(const T *)a.data, b ? (const T *)b->data : NULL, C, (uint32_t)rows};
+            SumOfProductVec<T> f = {(const T *)a.data, b ? (const T *)b->data : NULL, C,
+                                    (uint32_t)rows};
             channel_sums<1, Vec<T>::N>(o, f, e, G, rows, C);
         });
     } else {
-        SumOfProduct f = {a.data, a.dtype, b ? b->data : NULL, b ? b->dtype : DT_F32, C, (uint32_t)rows};
+        SumOfProduct f = {a.data, a.dtype,       b ? b->data : NULL, b ? b->dtype : DT_F32,
+                          C,      (uint32_t)rows};
         channel_sums<1, 1>(o, f, e, G, rows, C);
     }
 }
@@ -2120,8 +2293,8 @@ static void sums_of_product(Ops *o, E e, Tensor a, const Tensor *b, int G, size_
 
 // Σx and Σx² in one pass (fp64), then bn_moments_stats (segnet.h)
 // running = (1-m)·running + m·batch, the variance made unbiased (bn_update_running)
-static __device__ void running_update(float *run_mean, float *run_var, float mean, float var, int c, double unbias,
-                                      float momentum) {
+static __device__ void running_update(float *run_mean, float *run_var, float mean, float var, int c,
+                                      double unbias, float momentum) {
     run_mean[c] = (1.0f - momentum) * run_mean[c] + momentum * mean;
     run_var[c] = (1.0f - momentum) * run_var[c] + momentum * (float)(var * unbias);
 }
@@ -2131,34 +2304,40 @@ struct StoreMoments {
     float *mean, *var; double M; float *run_mean, *run_var; float momentum; double *sums; int C;
     __device__ void operator()(int, int c, const double *s) const {
         bn_moments_stats(s[0], s[1], M, &mean[c], &var[c]);
-        if (run_mean) running_update(run_mean, run_var, mean[c], var[c], c, bn_running_unbias(M), momentum);
+        if (run_mean)
+            running_update(run_mean, run_var, mean[c], var[c], c, bn_running_unbias(M), momentum);
         if (sums) { sums[c] = s[0]; sums[C + c] = s[1]; }
     }
 };
-static void bn_stats_cuda(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum,
-                          double *sums) {
+static void bn_stats_cuda(Ops *o, Tensor x, float *mean, float *var, float *run_mean,
+                          float *run_var, float momentum, double *sums) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     const StoreMoments e = {mean, var, (double)M, run_mean, run_var, momentum, sums, C};
     if (vec_ok({x.dtype}, C, {x.data})) {
-        SWITCH_STORAGE(x.dtype, T, { channel_sums<2, Vec<T>::N>(o, MomentsVec<T>{(const T *)x.data, C}, e, 1, M, C); });
+        SWITCH_STORAGE(x.dtype, T, {
+            channel_sums<2, Vec<T>::N>(o, MomentsVec<T>{(const T *)x.data, C}, e, 1, M, C);
+        });
     } else {
         channel_sums<2, 1>(o, Moments{x.data, x.dtype, C}, e, 1, M, C);
     }
 }
 // --sync-bn: the statistics from the replicas' summed sums, one thread per channel
-__global__ void bn_stats_finish_kernel(const double *sums, int C, double count, float *mean, float *var,
-                                       float *run_mean, float *run_var, float momentum) {
+__global__ void bn_stats_finish_kernel(const double *sums, int C, double count, float *mean,
+                                       float *var, float *run_mean, float *run_var,
+                                       float momentum) {
     FOR_GRID(c, C) {
         bn_moments_stats(sums[c], sums[C + c], count, &mean[c], &var[c]);
-        if (run_mean) running_update(run_mean, run_var, mean[c], var[c], c, bn_running_unbias(count), momentum);
+        if (run_mean)
+            running_update(run_mean, run_var, mean[c], var[c], c, bn_running_unbias(count),
+                           momentum);
     }
 }
-static void bn_stats_finish_cuda(Ops *o, const double *sums, int C, size_t count, float *mean, float *var,
-                                 float *run_mean, float *run_var, float momentum) {
+static void bn_stats_finish_cuda(Ops *o, const double *sums, int C, size_t count, float *mean,
+                                 float *var, float *run_mean, float *run_var, float momentum) {
     if (C <= 0) return;
-    CU_LAUNCH(bn_stats_finish_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), sums, C, (double)count, mean, var,
-              run_mean, run_var, momentum);
+    CU_LAUNCH(bn_stats_finish_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), sums, C,
+              (double)count, mean, var, run_mean, run_var, momentum);
     launchCheck();
 }
 
@@ -2166,14 +2345,16 @@ static void bn_stats_finish_cuda(Ops *o, const double *sums, int C, size_t count
 struct BnChannel {
     float mean, invstd, gamma, beta;
     __device__ BnChannel() {}
-    __device__ BnChannel(const float *m, const float *var, const float *g, const float *b, float eps, int c)
+    __device__ BnChannel(const float *m, const float *var, const float *g, const float *b,
+                         float eps, int c)
         : mean(m[c]), invstd(bn_invstd(var, c, eps)), gamma(g[c]), beta(b[c]) {}
     __device__ float xhat(float x) const { return (x - mean) * invstd; }
     __device__ float z(float xh) const { return gamma * xh + beta; }
 };
 
-__global__ void bn_forward_kernel(void *y, DType dty, const void *x, DType dtx, uint32_t rows, int C, const float *mean,
-                                  const float *var, const float *gamma, const float *beta, float eps, Act act) {
+__global__ void bn_forward_kernel(void *y, DType dty, const void *x, DType dtx, uint32_t rows,
+                                  int C, const float *mean, const float *var, const float *gamma,
+                                  const float *beta, float eps, Act act) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const BnChannel bn(mean, var, gamma, beta, eps, c);
@@ -2186,8 +2367,9 @@ template <class T> struct StoreVec {
     __device__ void operator()(uint32_t i, uint32_t, const Vec<T> &v) { store_vec(y + i, v); }
 };
 template <class T, class Out>
-__global__ void bn_forward_vec_kernel(Out out, const T *x, uint32_t rows, int C, const float *mean, const float *var,
-                                      const float *gamma, const float *beta, float eps, Act act) {
+__global__ void bn_forward_vec_kernel(Out out, const T *x, uint32_t rows, int C, const float *mean,
+                                      const float *var, const float *gamma, const float *beta,
+                                      float eps, Act act) {
     constexpr int N = Vec<T>::N;
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
     if (c0 >= C) return;
@@ -2195,12 +2377,13 @@ __global__ void bn_forward_vec_kernel(Out out, const T *x, uint32_t rows, int C,
     for (int k = 0; k < N; k++) bn[k] = BnChannel(mean, var, gamma, beta, eps, c0 + k);
     FOR_ROWS(r, rows) {
         Vec<T> v = load_vec(x + r * C + c0);
-        for (int k = 0; k < N; k++) v.v[k] = from_f32<T>(act_apply(act, bn[k].z(bn[k].xhat(to_f32(v.v[k])))));
+        for (int k = 0; k < N; k++)
+            v.v[k] = from_f32<T>(act_apply(act, bn[k].z(bn[k].xhat(to_f32(v.v[k])))));
         out(r * C + c0, r, v);
     }
 }
-static void bn_forward_plain(Ops *o, Tensor y, Tensor x, const float *mean, const float *var, const float *gamma,
-                             const float *beta, float eps, Act act) {
+static void bn_forward_plain(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
+                             const float *gamma, const float *beta, float eps, Act act) {
     const int C = x.shape.c;
     const size_t rows = shape_numel(x.shape) / (C ? C : 1);
     if (!rows || !C) return;
@@ -2211,28 +2394,29 @@ static void bn_forward_plain(Ops *o, Tensor y, Tensor x, const float *mean, cons
         if (vec) {
             SWITCH_STORAGE(x.dtype, T, {
                 RowGrid g = row_grid(C / Vec<T>::N, count);
-                CU_LAUNCH((bn_forward_vec_kernel<T, StoreVec<T>>), g.grid, g.block, 0, stream_of(o), StoreVec<T>{(T *)yc},
-                          (const T *)xc, (uint32_t)count, C, mean, var, gamma, beta, eps, act);
+                CU_LAUNCH((bn_forward_vec_kernel<T, StoreVec<T>>), g.grid, g.block, 0, stream_of(o),
+                          StoreVec<T>{(T *)yc}, (const T *)xc, (uint32_t)count, C, mean, var, gamma,
+                          beta, eps, act);
             });
         } else {
             RowGrid g = row_grid(C, count);
-            CU_LAUNCH(bn_forward_kernel, g.grid, g.block, 0, stream_of(o), yc, y.dtype, xc, x.dtype, (uint32_t)count, C,
-                      mean, var, gamma, beta, eps, act);
+            CU_LAUNCH(bn_forward_kernel, g.grid, g.block, 0, stream_of(o), yc, y.dtype, xc, x.dtype,
+                      (uint32_t)count, C, mean, var, gamma, beta, eps, act);
         }
         launchCheck();
     });
 }
 
 // the C running statistics, one thread each; the unbiasing factor in fp64 as on the CPU
-__global__ void bn_update_running_kernel(float *run_mean, float *run_var, const float *mean, const float *var, int C,
-                                         double unbias, float momentum) {
+__global__ void bn_update_running_kernel(float *run_mean, float *run_var, const float *mean,
+                                         const float *var, int C, double unbias, float momentum) {
     FOR_GRID(c, C) running_update(run_mean, run_var, mean[c], var[c], c, unbias, momentum);
 }
-static void bn_update_running_cuda(Ops *o, float *run_mean, float *run_var, const float *mean, const float *var,
-                                   int C, size_t count, float momentum) {
+static void bn_update_running_cuda(Ops *o, float *run_mean, float *run_var, const float *mean,
+                                   const float *var, int C, size_t count, float momentum) {
     if (C <= 0) return;
-    CU_LAUNCH(bn_update_running_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), run_mean, run_var, mean, var, C,
-              bn_running_unbias((double)count), momentum);
+    CU_LAUNCH(bn_update_running_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), run_mean,
+              run_var, mean, var, C, bn_running_unbias((double)count), momentum);
     launchCheck();
 }
 
@@ -2289,38 +2473,42 @@ template <class T, class Dy = DyVec<T>> struct BnGradTermsVec {
         return l;
     }
 };
-struct BnGradSums {  // sum_g, sum_gx overwritten; dbeta, dgamma added into; sums (not NULL) the fp64 sums
+// sum_g, sum_gx overwritten; dbeta, dgamma added into; sums (not NULL) the fp64 sums
+struct BnGradSums {
     float *sum_g, *sum_gx, *dgamma, *dbeta; double *sums; int C;
     __device__ void operator()(int, int c, const double *s) const {
         bn_grad_sums_store(c, s[0], s[1], sum_g, sum_gx, dgamma, dbeta);
         if (sums) { sums[c] = s[0]; sums[C + c] = s[1]; }
     }
 };
-static void bn_backward_reduce_plain(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
-                                     const float *gamma, const float *beta, float eps, Act act, float *sum_g,
-                                     float *sum_gx, float *dgamma, float *dbeta, double *sums) {
+static void bn_backward_reduce_plain(Ops *o, Tensor dy, Tensor x, const float *mean,
+                                     const float *var, const float *gamma, const float *beta,
+                                     float eps, Act act, float *sum_g, float *sum_gx, float *dgamma,
+                                     float *dbeta, double *sums) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     const BnParams p = {mean, var, gamma, beta, eps, act};
     const BnGradSums e = {sum_g, sum_gx, dgamma, dbeta, sums, C};
     if (vec_ok({dy.dtype, x.dtype}, C, {dy.data, x.data})) {
         SWITCH_STORAGE(x.dtype, T, {
-            channel_sums<2, Vec<T>::N>(o, BnGradTermsVec<T>{{(const T *)dy.data}, (const T *)x.data, C, p}, e, 1, M, C);
+            channel_sums<2, Vec<T>::N>(
+                    o, BnGradTermsVec<T>{{(const T *)dy.data}, (const T *)x.data, C, p}, e, 1, M,
+                    C);
         });
     } else {
         channel_sums<2, 1>(o, BnGradTerms{dy.data, dy.dtype, x.data, x.dtype, C, p}, e, 1, M, C);
     }
 }
 // --sync-bn: the gradient sums from the replicas' summed sums, one thread per channel
-__global__ void bn_backward_finish_kernel(const double *sums, int C, float *sum_g, float *sum_gx, float *dgamma,
-                                          float *dbeta) {
+__global__ void bn_backward_finish_kernel(const double *sums, int C, float *sum_g, float *sum_gx,
+                                          float *dgamma, float *dbeta) {
     FOR_GRID(c, C) bn_grad_sums_store(c, sums[c], sums[C + c], sum_g, sum_gx, dgamma, dbeta);
 }
-static void bn_backward_finish_cuda(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx, float *dgamma,
-                                    float *dbeta) {
+static void bn_backward_finish_cuda(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx,
+                                    float *dgamma, float *dbeta) {
     if (C <= 0) return;
-    CU_LAUNCH(bn_backward_finish_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), sums, C, sum_g, sum_gx, dgamma,
-              dbeta);
+    CU_LAUNCH(bn_backward_finish_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), sums, C,
+              sum_g, sum_gx, dgamma, dbeta);
     launchCheck();
 }
 
@@ -2329,15 +2517,17 @@ struct BnDataGrad {
     float scale, sum_g, sum_gx, count;  // gamma·invstd; count 0: no batch-statistics terms
     __device__ BnDataGrad() {}
     __device__ BnDataGrad(const BnChannel &bn, const float *sg, const float *sgx, uint32_t n, int c)
-        : scale(bn.gamma * bn.invstd), sum_g(n ? sg[c] : 0.0f), sum_gx(n ? sgx[c] : 0.0f), count((float)n) {}
+        : scale(bn.gamma * bn.invstd), sum_g(n ? sg[c] : 0.0f), sum_gx(n ? sgx[c] : 0.0f),
+          count((float)n) {}
     __device__ float operator()(float g, float xhat) const {
         if (count != 0.0f) g -= (sum_g + xhat * sum_gx) / count;
         return scale * g;
     }
 };
-__global__ void bn_backward_data_kernel(void *dx, DType dt_dx, const void *dy, DType dt_dy, const void *x, DType dt_x,
-                                        uint32_t rows, int C, BnParams p, const float *sum_g, const float *sum_gx,
-                                        uint32_t count, int accumulate) {
+__global__ void bn_backward_data_kernel(void *dx, DType dt_dx, const void *dy, DType dt_dy,
+                                        const void *x, DType dt_x, uint32_t rows, int C, BnParams p,
+                                        const float *sum_g, const float *sum_gx, uint32_t count,
+                                        int accumulate) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const BnChannel bn = p.channel(c);
@@ -2351,8 +2541,9 @@ __global__ void bn_backward_data_kernel(void *dx, DType dt_dx, const void *dy, D
     }
 }
 template <class T, class Dy>
-__global__ void bn_backward_data_vec_kernel(T *dx, Dy dy, const T *x, uint32_t rows, int C, BnParams p,
-                                            const float *sum_g, const float *sum_gx, uint32_t count, int accumulate) {
+__global__ void bn_backward_data_vec_kernel(T *dx, Dy dy, const T *x, uint32_t rows, int C,
+                                            BnParams p, const float *sum_g, const float *sum_gx,
+                                            uint32_t count, int accumulate) {
     constexpr int N = Vec<T>::N;
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
     if (c0 >= C) return;
@@ -2375,9 +2566,10 @@ __global__ void bn_backward_data_vec_kernel(T *dx, Dy dy, const T *x, uint32_t r
         store_vec(dx + i, vdx);
     }
 }
-static void bn_backward_data_plain(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean, const float *var,
-                                   const float *gamma, const float *beta, float eps, Act act, const float *sum_g,
-                                   const float *sum_gx, size_t count, int accumulate) {
+static void bn_backward_data_plain(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
+                                   const float *var, const float *gamma, const float *beta,
+                                   float eps, Act act, const float *sum_g, const float *sum_gx,
+                                   size_t count, int accumulate) {
     const int C = x.shape.c;
     const size_t rows = shape_numel(x.shape) / (C ? C : 1);
     if (!rows || !C || !dx.data) return;
@@ -2386,18 +2578,20 @@ static void bn_backward_data_plain(Ops *o, Tensor dx, Tensor dy, Tensor x, const
     const bool vec = vec_ok({dx.dtype, dy.dtype, x.dtype}, C, {dx.data, dy.data, x.data});
     for_row_launches(rows, C, [&](size_t r0, size_t n_rows) {
         void *dxc = elem_ptr(dx.data, dx.dtype, r0 * C);
-        const void *dyc = elem_ptr(dy.data, dy.dtype, r0 * C), *xc = elem_ptr(x.data, x.dtype, r0 * C);
+        const void *dyc = elem_ptr(dy.data, dy.dtype, r0 * C),
+                   *xc = elem_ptr(x.data, x.dtype, r0 * C);
         if (vec) {
             SWITCH_STORAGE(x.dtype, T, {
                 RowGrid g = row_grid(C / Vec<T>::N, n_rows);
-                CU_LAUNCH((bn_backward_data_vec_kernel<T, DyVec<T>>), g.grid, g.block, 0, stream_of(o), (T *)dxc,
-                          DyVec<T>{(const T *)dyc}, (const T *)xc, (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count,
-                          accumulate);
+                CU_LAUNCH((bn_backward_data_vec_kernel<T, DyVec<T>>), g.grid, g.block, 0,
+                          stream_of(o), (T *)dxc, DyVec<T>{(const T *)dyc}, (const T *)xc,
+                          (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count, accumulate);
             });
         } else {
             RowGrid g = row_grid(C, n_rows);
-            CU_LAUNCH(bn_backward_data_kernel, g.grid, g.block, 0, stream_of(o), dxc, dx.dtype, dyc, dy.dtype, xc,
-                      x.dtype, (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count, accumulate);
+            CU_LAUNCH(bn_backward_data_kernel, g.grid, g.block, 0, stream_of(o), dxc, dx.dtype, dyc,
+                      dy.dtype, xc, x.dtype, (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count,
+                      accumulate);
         }
         launchCheck();
     });
@@ -2428,8 +2622,9 @@ static void global_avg_pool_forward_cuda(Ops *o, Tensor y, Tensor x) {
 // dst[n,h,w,c] (=|+=) b[n,h,w,c]·src[n,c], or src[n,c]·a where b is NULL; dst, b
 // (N,H,W,C), src (N,1,1,C). Grid (channel tiles, row blocks, images): the image
 // is blockIdx.z, the rows are its H·W pixels, src[n,c] is loaded once per thread.
-__global__ void per_image_channel_kernel(void *dst, DType dt_dst, const void *src, DType dt_src, const void *b,
-                                         DType dt_b, float a, uint32_t HW, int C, int accumulate) {
+__global__ void per_image_channel_kernel(void *dst, DType dt_dst, const void *src, DType dt_src,
+                                         const void *b, DType dt_b, float a, uint32_t HW, int C,
+                                         int accumulate) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const uint32_t n = blockIdx.z;
@@ -2443,8 +2638,8 @@ __global__ void per_image_channel_kernel(void *dst, DType dt_dst, const void *sr
     }
 }
 template <class T>
-__global__ void per_image_channel_vec_kernel(T *dst, const T *src, const T *b, float a, uint32_t HW, int C,
-                                             int accumulate) {
+__global__ void per_image_channel_vec_kernel(T *dst, const T *src, const T *b, float a, uint32_t HW,
+                                             int C, int accumulate) {
     constexpr int N = Vec<T>::N;
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
     if (c0 >= C) return;
@@ -2463,27 +2658,30 @@ __global__ void per_image_channel_vec_kernel(T *dst, const T *src, const T *b, f
         store_vec(y + r * C, vy);
     }
 }
-static void per_image_channel(Ops *o, Tensor dst, Tensor src, const void *b, DType dt_b, float a, int accumulate) {
+static void per_image_channel(Ops *o, Tensor dst, Tensor src, const void *b, DType dt_b, float a,
+                              int accumulate) {
     const int N = dst.shape.n, C = dst.shape.c;
     const size_t HW = (size_t)dst.shape.h * dst.shape.w;
     if (!N || !C || !HW) return;
     require_below(HW * C, LAUNCH_MAX_ELEMENTS, "elements per image of a per-image channel op");
-    const bool vec = vec_ok({dst.dtype, src.dtype, b ? dt_b : dst.dtype}, C, {dst.data, src.data, b});
+    const bool vec =
+            vec_ok({dst.dtype, src.dtype, b ? dt_b : dst.dtype}, C, {dst.data, src.data, b});
     for (int n0 = 0; n0 < N; n0 += 65535) {  // gridDim.z ≤ 65535
         const unsigned images = N - n0 < 65535 ? N - n0 : 65535;
         const size_t at = (size_t)n0 * HW * C;
         void *y = elem_ptr(dst.data, dst.dtype, at);
-        const void *s = elem_ptr(src.data, src.dtype, (size_t)n0 * C), *bb = b ? elem_ptr(b, dt_b, at) : NULL;
+        const void *s = elem_ptr(src.data, src.dtype, (size_t)n0 * C),
+                   *bb = b ? elem_ptr(b, dt_b, at) : NULL;
         if (vec) {
             SWITCH_STORAGE(dst.dtype, T, {
                 RowGrid g = row_grid(C / Vec<T>::N, HW, images);
-                CU_LAUNCH(per_image_channel_vec_kernel<T>, g.grid, g.block, 0, stream_of(o), (T *)y, (const T *)s,
-                          (const T *)bb, a, (uint32_t)HW, C, accumulate);
+                CU_LAUNCH(per_image_channel_vec_kernel<T>, g.grid, g.block, 0, stream_of(o), (T *)y,
+                          (const T *)s, (const T *)bb, a, (uint32_t)HW, C, accumulate);
             });
         } else {
             RowGrid g = row_grid(C, HW, images);
-            CU_LAUNCH(per_image_channel_kernel, g.grid, g.block, 0, stream_of(o), y, dst.dtype, s, src.dtype, bb, dt_b, a,
-                      (uint32_t)HW, C, accumulate);
+            CU_LAUNCH(per_image_channel_kernel, g.grid, g.block, 0, stream_of(o), y, dst.dtype, s,
+                      src.dtype, bb, dt_b, a, (uint32_t)HW, C, accumulate);
         }
         launchCheck();
     }
@@ -2491,7 +2689,8 @@ static void per_image_channel(Ops *o, Tensor dst, Tensor src, const void *b, DTy
 
 static void global_avg_pool_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
     if (!dx.data) return;
-    per_image_channel(o, dx, dy, NULL, DT_F32, 1.0f / (float)((size_t)dx.shape.h * dx.shape.w), accumulate);
+    per_image_channel(o, dx, dy, NULL, DT_F32, 1.0f / (float)((size_t)dx.shape.h * dx.shape.w),
+                      accumulate);
 }
 
 static void channel_scale_forward_cuda(Ops *o, Tensor y, Tensor x, Tensor s) {
@@ -2557,12 +2756,14 @@ static void channel_scale_backward_cuda(Ops *o, Tensor dx, Tensor ds, Tensor dy,
     } else if (dx.dtype == dy.dtype && s.dtype == dy.dtype && x.dtype == dy.dtype &&
                vec_ok({dy.dtype}, C, {dy.data, x.data, dx.data, s.data})) {
         SWITCH_STORAGE(dy.dtype, T, {
-            ScaleGradVec<T> f = {(const T *)dy.data, (const T *)x.data, (const T *)s.data, (T *)dx.data, C,
-                                 (uint32_t)rows, accumulate_dx};
+            ScaleGradVec<T> f = {
+                    (const T *)dy.data, (const T *)x.data, (const T *)s.data, (T *)dx.data, C,
+                    (uint32_t)rows,     accumulate_dx};
             channel_sums<1, Vec<T>::N>(o, f, e, N, rows, C);
         });
     } else {
-        ScaleGrad f = {dy.data, x.data, s.data, dx.data, dy.dtype, s.dtype, dx.dtype, C, (uint32_t)rows, accumulate_dx};
+        ScaleGrad f = {dy.data, x.data,   s.data, dx.data,        dy.dtype,
+                       s.dtype, dx.dtype, C,      (uint32_t)rows, accumulate_dx};
         channel_sums<1, 1>(o, f, e, N, rows, C);
     }
 }
@@ -2588,8 +2789,9 @@ static __device__ double warp_dot(const float *a, const float *b, int n) {
     return t;
 }
 // one image's z1, y1 (S) and z2 (C) in shared memory, rounded to dt, from p (C) there
-static __device__ void se_gate_image_dev(DType dt, const float *p, const float *w1, const float *b1, const float *w2,
-                                         const float *b2, int C, int S, Act act1, float *z1, float *y1, float *z2) {
+static __device__ void se_gate_image_dev(DType dt, const float *p, const float *w1, const float *b1,
+                                         const float *w2, const float *b2, int C, int S, Act act1,
+                                         float *z1, float *y1, float *z2) {
     const int warp = threadIdx.x / 32;
     for (int j = warp; j < S; j += SE_WARPS) {
         const float z = dtype_round(dt, (float)(b1[j] + warp_dot(w1 + (size_t)j * C, p, C)));
@@ -2603,8 +2805,9 @@ static __device__ void se_gate_image_dev(DType dt, const float *p, const float *
     __syncthreads();
 }
 // shared memory: p, z2 (C each), z1, y1 (S each)
-__global__ void se_gate_forward_kernel(void *s, const void *p, DType dt, const float *w1, const float *b1, const float *w2,
-                                       const float *b2, int C, int S, Act act1, Act act2) {
+__global__ void se_gate_forward_kernel(void *s, const void *p, DType dt, const float *w1,
+                                       const float *b1, const float *w2, const float *b2, int C,
+                                       int S, Act act1, Act act2) {
     CU_DYN_SHARED(float, sh);
     float *pv = sh, *z2 = sh + C, *z1 = sh + 2 * C, *y1 = z1 + S;
     const size_t at = (size_t)blockIdx.x * C;
@@ -2615,9 +2818,10 @@ __global__ void se_gate_forward_kernel(void *s, const void *p, DType dt, const f
 }
 // per image: dz2 = ds·act2'(z2), dz1 = (W2ᵀ·dz2)·act1'(z1), dp (=|+=) W1ᵀ·dz1; dz2, y1, dz1
 // into `keep` (N·C, N·S, N·S floats) for the weight gradients
-__global__ void se_gate_backward_kernel(void *dp, DType dt_dp, const void *ds, const void *p, DType dt,
-                                        const float *w1, const float *b1, const float *w2, const float *b2, int C,
-                                        int S, Act act1, Act act2, float *keep, int N, int accumulate) {
+__global__ void se_gate_backward_kernel(void *dp, DType dt_dp, const void *ds, const void *p,
+                                        DType dt, const float *w1, const float *b1, const float *w2,
+                                        const float *b2, int C, int S, Act act1, Act act2,
+                                        float *keep, int N, int accumulate) {
     CU_DYN_SHARED(float, sh);
     float *pv = sh, *z2 = sh + C, *z1 = sh + 2 * C, *y1 = z1 + S, *g1 = y1 + S;
     const int n = blockIdx.x;
@@ -2626,7 +2830,8 @@ __global__ void se_gate_backward_kernel(void *dp, DType dt_dp, const void *ds, c
     __syncthreads();
     se_gate_image_dev(dt, pv, w1, b1, w2, b2, C, S, act1, z1, y1, z2);
     float *g2 = z2;  // dz2 replaces z2
-    for (int c = threadIdx.x; c < C; c += blockDim.x) g2[c] = dtype_round(dt, ld(ds, dt, at + c) * act_grad(act2, z2[c]));
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        g2[c] = dtype_round(dt, ld(ds, dt, at + c) * act_grad(act2, z2[c]));
     __syncthreads();
     for (int j = threadIdx.x; j < S; j += blockDim.x) {
         double a = 0.0;
@@ -2643,24 +2848,30 @@ __global__ void se_gate_backward_kernel(void *dp, DType dt_dp, const void *ds, c
     if (keep) {
         float *kz2 = keep, *ky1 = keep + (size_t)N * C, *kz1 = ky1 + (size_t)N * S;
         for (int c = threadIdx.x; c < C; c += blockDim.x) kz2[at + c] = g2[c];
-        for (int j = threadIdx.x; j < S; j += blockDim.x) { ky1[(size_t)n * S + j] = y1[j]; kz1[(size_t)n * S + j] = g1[j]; }
+        for (int j = threadIdx.x; j < S; j += blockDim.x) {
+            ky1[(size_t)n * S + j] = y1[j];
+            kz1[(size_t)n * S + j] = g1[j];
+        }
     }
 }
 // dW2[c][j] += Σ_n dz2[n][c]·y1[n][j], dW1[j][c] += Σ_n dz1[n][j]·p[n][c], db2[c] += Σ_n dz2[n][c],
 // db1[j] += Σ_n dz1[n][j]: item i < C·S is dW2's element i, then dW1's, db2's, db1's
-__global__ void se_gate_weights_kernel(const float *keep, const void *p, DType dt, int N, int C, int S, float *dw1,
-                                       float *db1, float *dw2, float *db2, FastDiv by_s, FastDiv by_c) {
+__global__ void se_gate_weights_kernel(const float *keep, const void *p, DType dt, int N, int C,
+                                       int S, float *dw1, float *db1, float *dw2, float *db2,
+                                       FastDiv by_s, FastDiv by_c) {
     const uint32_t CS = (uint32_t)C * S, items = 2 * CS + C + S;
     const float *kz2 = keep, *ky1 = keep + (size_t)N * C, *kz1 = ky1 + (size_t)N * S;
     FOR_GRID(i, items) {
         double a = 0.0;
         if (i < CS) {
             const uint32_t c = fastdiv(by_s, i), j = i - c * S;
-            for (int n = 0; n < N; n++) a += (double)kz2[(size_t)n * C + c] * ky1[(size_t)n * S + j];
+            for (int n = 0; n < N; n++)
+                a += (double)kz2[(size_t)n * C + c] * ky1[(size_t)n * S + j];
             dw2[i] += (float)a;
         } else if (i < 2 * CS) {
             const uint32_t k = i - CS, j = fastdiv(by_c, k), c = k - j * C;
-            for (int n = 0; n < N; n++) a += (double)kz1[(size_t)n * S + j] * ld(p, dt, (size_t)n * C + c);
+            for (int n = 0; n < N; n++)
+                a += (double)kz1[(size_t)n * S + j] * ld(p, dt, (size_t)n * C + c);
             dw1[k] += (float)a;
         } else if (i < 2 * CS + C) {
             const uint32_t c = i - 2 * CS;
@@ -2674,41 +2885,50 @@ __global__ void se_gate_weights_kernel(const float *keep, const void *p, DType d
     }
 }
 static size_t se_gate_smem(int C, int S) { return sizeof(float) * (2 * (size_t)C + 3 * (size_t)S); }
-static void se_gate_forward_cuda(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1, const float *w2,
-                                 const float *b2, int S, Act act1, Act act2) {
+static void se_gate_forward_cuda(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1,
+                                 const float *w2, const float *b2, int S, Act act1, Act act2) {
     const int N = p.shape.n, C = p.shape.c;
     if (!N) return;
-    require_below(se_gate_smem(C, S), (size_t)48 << 10, "shared memory of a squeeze-excitation gate (bytes)");
-    CU_LAUNCH(se_gate_forward_kernel, N, BLOCK, se_gate_smem(C, S), stream_of(o), s.data, p.data, p.dtype, w1, b1, w2,
-              b2, C, S, act1, act2);
+    require_below(se_gate_smem(C, S), (size_t)48 << 10,
+                  "shared memory of a squeeze-excitation gate (bytes)");
+    CU_LAUNCH(se_gate_forward_kernel, N, BLOCK, se_gate_smem(C, S), stream_of(o), s.data, p.data,
+              p.dtype, w1, b1, w2, b2, C, S, act1, act2);
     launchCheck();
 }
-static void se_gate_backward_cuda(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1, const float *b1,
-                                  const float *w2, const float *b2, int S, Act act1, Act act2, float *dw1, float *db1,
-                                  float *dw2, float *db2, int accumulate) {
+static void se_gate_backward_cuda(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1,
+                                  const float *b1, const float *w2, const float *b2, int S,
+                                  Act act1, Act act2, float *dw1, float *db1, float *dw2,
+                                  float *db2, int accumulate) {
     const int N = p.shape.n, C = p.shape.c;
     if (!N || (!dp.data && !dw1)) return;
-    require_below(se_gate_smem(C, S), (size_t)48 << 10, "shared memory of a squeeze-excitation gate (bytes)");
+    require_below(se_gate_smem(C, S), (size_t)48 << 10,
+                  "shared memory of a squeeze-excitation gate (bytes)");
     float *keep = dw1 ? (float *)ctx_of(o)->sums : NULL;  // dz2, y1, dz1 of every image
-    if (dw1) require_below((size_t)N * (C + 2 * (size_t)S), 2 * SUMS_SCRATCH + 1, "squeeze-excitation gate values kept");
-    CU_LAUNCH(se_gate_backward_kernel, N, BLOCK, se_gate_smem(C, S), stream_of(o), dp.data, dp.dtype, ds.data, p.data,
-              p.dtype, w1, b1, w2, b2, C, S, act1, act2, keep, N, accumulate);
+    if (dw1)
+        require_below((size_t)N * (C + 2 * (size_t)S), 2 * SUMS_SCRATCH + 1,
+                      "squeeze-excitation gate values kept");
+    CU_LAUNCH(se_gate_backward_kernel, N, BLOCK, se_gate_smem(C, S), stream_of(o), dp.data,
+              dp.dtype, ds.data, p.data, p.dtype, w1, b1, w2, b2, C, S, act1, act2, keep, N,
+              accumulate);
     launchCheck();
     if (!dw1) return;
     const uint32_t items = 2 * (uint32_t)C * S + C + S;
-    CU_LAUNCH(se_gate_weights_kernel, grid_for(items), BLOCK, 0, stream_of(o), keep, p.data, p.dtype, N, C, S, dw1,
-              db1, dw2, db2, fastdiv_make((uint32_t)S), fastdiv_make((uint32_t)C));
+    CU_LAUNCH(se_gate_weights_kernel, grid_for(items), BLOCK, 0, stream_of(o), keep, p.data,
+              p.dtype, N, C, S, dw1, db1, dw2, db2, fastdiv_make((uint32_t)S),
+              fastdiv_make((uint32_t)C));
     launchCheck();
 }
 
 // ----------------------------------------------------------------------------
 // residual add
 
-static void add_forward_cuda(Ops *o, Tensor y, Tensor a, Tensor b) { map_op(o, y, a, b, 0, Sum2{}); }
+static void add_forward_cuda(Ops *o, Tensor y, Tensor a, Tensor b) {
+    map_op(o, y, a, b, 0, Sum2{});
+}
 
 // add's backward, the CPU's two copies in one pass over dy: da (=|+=) dy, db (=|+=) dy
-__global__ void add_backward_kernel(void *da, DType dta, int acc_a, void *db, DType dtb, int acc_b, const void *dy,
-                                    DType dt, size_t n) {
+__global__ void add_backward_kernel(void *da, DType dta, int acc_a, void *db, DType dtb, int acc_b,
+                                    const void *dy, DType dt, size_t n) {
     FOR_CHUNKS(n, base, m) {
         void *a = da ? elem_ptr(da, dta, base) : NULL, *b = db ? elem_ptr(db, dtb, base) : NULL;
         const void *g = elem_ptr(dy, dt, base);
@@ -2720,7 +2940,8 @@ __global__ void add_backward_kernel(void *da, DType dta, int acc_a, void *db, DT
     }
 }
 template <class T>
-__global__ void add_backward_vec_kernel(T *da, int acc_a, T *db, int acc_b, const T *dy, size_t n_vec) {
+__global__ void add_backward_vec_kernel(T *da, int acc_a, T *db, int acc_b, const T *dy,
+                                        size_t n_vec) {
     constexpr int N = Vec<T>::N;
     FOR_CHUNKS(n_vec, base, m) {
         T *a = da ? da + base * N : NULL, *b = db ? db + base * N : NULL;
@@ -2733,7 +2954,8 @@ __global__ void add_backward_vec_kernel(T *da, int acc_a, T *db, int acc_b, cons
                 Vec<T> out = v;
                 if (which ? acc_b : acc_a) {
                     const Vec<T> old = load_vec(y + i * N);
-                    for (int k = 0; k < N; k++) out.v[k] = from_f32<T>(to_f32(old.v[k]) + to_f32(v.v[k]));
+                    for (int k = 0; k < N; k++)
+                        out.v[k] = from_f32<T>(to_f32(old.v[k]) + to_f32(v.v[k]));
                 }
                 store_vec(y + i * N, out);
             }
@@ -2746,12 +2968,12 @@ static void add_backward_cuda(Ops *o, Tensor da, Tensor db, Tensor dy, int acc_a
     const DType dta = da.data ? da.dtype : dy.dtype, dtb = db.data ? db.dtype : dy.dtype;
     if (dta == dy.dtype && dtb == dy.dtype && vec_ok({dy.dtype}, n, {dy.data, da.data, db.data})) {
         SWITCH_STORAGE(dy.dtype, T, {
-            CU_LAUNCH(add_backward_vec_kernel<T>, grid_for(n / Vec<T>::N), BLOCK, 0, stream_of(o), (T *)da.data, acc_a,
-                      (T *)db.data, acc_b, (const T *)dy.data, n / Vec<T>::N);
+            CU_LAUNCH(add_backward_vec_kernel<T>, grid_for(n / Vec<T>::N), BLOCK, 0, stream_of(o),
+                      (T *)da.data, acc_a, (T *)db.data, acc_b, (const T *)dy.data, n / Vec<T>::N);
         });
     } else {
-        CU_LAUNCH(add_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), da.data, dta, acc_a, db.data, dtb, acc_b,
-                  dy.data, dy.dtype, n);
+        CU_LAUNCH(add_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), da.data, dta, acc_a,
+                  db.data, dtb, acc_b, dy.data, dy.dtype, n);
     }
     launchCheck();
 }
@@ -2774,7 +2996,8 @@ __global__ void concat_forward_kernel(IO y, IO a, int Ca, IO b, int Cb, uint32_t
     }
 }
 template <class IO>
-__global__ void concat_backward_kernel(IO da, int Ca, int acc_a, IO db, int Cb, int acc_b, IO dy, uint32_t rows) {
+__global__ void concat_backward_kernel(IO da, int Ca, int acc_a, IO db, int Cb, int acc_b, IO dy,
+                                       uint32_t rows) {
     constexpr int W = IO::W;
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, C = Ca + Cb;
     if (c0 >= C || (c0 < Ca ? !da.p : !db.p)) return;
@@ -2803,7 +3026,8 @@ template <class K> static void concat_launch(Tensor y, Tensor a, Tensor b, K ker
         if (vec) {
             SWITCH_STORAGE(y.dtype, T, {
                 RowGrid g = row_grid(C / Vec<T>::N, count);
-                kernel_for(g, VecIO<T>::of(yc), VecIO<T>::of(ac), VecIO<T>::of(bc), (uint32_t)count);
+                kernel_for(g, VecIO<T>::of(yc), VecIO<T>::of(ac), VecIO<T>::of(bc),
+                           (uint32_t)count);
             });
         } else {
             RowGrid g = row_grid(C, count);
@@ -2816,15 +3040,17 @@ static void concat_forward_cuda(Ops *o, Tensor y, Tensor a, Tensor b) {
     if (!shape_numel(y.shape)) return;
     const int Ca = a.shape.c, Cb = b.shape.c;
     concat_launch(y, a, b, [&](RowGrid g, auto yio, auto aio, auto bio, uint32_t rows) {
-        CU_LAUNCH(concat_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, aio, Ca, bio, Cb, rows);
+        CU_LAUNCH(concat_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, aio,
+                  Ca, bio, Cb, rows);
     });
 }
-static void concat_backward_cuda(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
+static void concat_backward_cuda(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a,
+                                 int accumulate_b) {
     if (!shape_numel(dy.shape) || (!da.data && !db.data)) return;
     const int Ca = da.shape.c, Cb = db.shape.c;
     concat_launch(dy, da, db, [&](RowGrid g, auto dyio, auto daio, auto dbio, uint32_t rows) {
-        CU_LAUNCH(concat_backward_kernel<decltype(dyio)>, g.grid, g.block, 0, stream_of(o), daio, Ca, accumulate_a,
-                  dbio, Cb, accumulate_b, dyio, rows);
+        CU_LAUNCH(concat_backward_kernel<decltype(dyio)>, g.grid, g.block, 0, stream_of(o), daio,
+                  Ca, accumulate_a, dbio, Cb, accumulate_b, dyio, rows);
     });
 }
 
@@ -2838,9 +3064,10 @@ static void concat_backward_cuda(Ops *o, Tensor da, Tensor db, Tensor dy, int ac
 // launch, whose first sample is the step's `first_sample`. Forward: out = in·keep
 // (+ res, a residual block's end); backward: out (=|+=) in·keep, res (=|+=) in
 // (out or res may be absent there).
-__global__ void dropout_kernel(void *out, DType dt_out, const void *in, DType dt_in, void *res, DType dt_res,
-                               int backward, uint32_t E, int per_sample, float rate, const uint64_t *seed_at,
-                               uint64_t first_sample, int accumulate, int accumulate_res) {
+__global__ void dropout_kernel(void *out, DType dt_out, const void *in, DType dt_in, void *res,
+                               DType dt_res, int backward, uint32_t E, int per_sample, float rate,
+                               const uint64_t *seed_at, uint64_t first_sample, int accumulate,
+                               int accumulate_res) {
     const uint64_t sample = first_sample + blockIdx.y, seed = *seed_at;
     void *y = out ? elem_ptr(out, dt_out, (size_t)blockIdx.y * E) : NULL;
     void *r = res ? elem_ptr(res, dt_res, (size_t)blockIdx.y * E) : NULL;
@@ -2854,11 +3081,13 @@ __global__ void dropout_kernel(void *out, DType dt_out, const void *in, DType dt
     }
 }
 template <class T>
-__global__ void dropout_vec_kernel(T *out, const T *in, T *res, int backward, uint32_t E, int per_sample, float rate,
-                                   const uint64_t *seed_at, uint64_t first_sample, int accumulate, int accumulate_res) {
+__global__ void dropout_vec_kernel(T *out, const T *in, T *res, int backward, uint32_t E,
+                                   int per_sample, float rate, const uint64_t *seed_at,
+                                   uint64_t first_sample, int accumulate, int accumulate_res) {
     constexpr int N = Vec<T>::N;
     const uint64_t sample = first_sample + blockIdx.y, seed = *seed_at;
-    T *y = out ? out + (size_t)blockIdx.y * E : NULL, *r = res ? res + (size_t)blockIdx.y * E : NULL;
+    T *y = out ? out + (size_t)blockIdx.y * E : NULL,
+      *r = res ? res + (size_t)blockIdx.y * E : NULL;
     const T *x = in + (size_t)blockIdx.y * E;
     const float keep_sample = per_sample ? dropout_keep(rate, seed, sample) : 0.0f;
     FOR_GRID(j, E / N) {
@@ -2880,15 +3109,17 @@ __global__ void dropout_vec_kernel(T *out, const T *in, T *res, int backward, ui
 // element i of sample n of the tensor is element (first_sample + n)·E + i of the
 // step (E = H·W·C), whose draw is that index (dropout) or first_sample + n (drop-path);
 // seed: device memory
-static void dropout(Ops *o, Tensor out, Tensor in, Tensor res, int backward, float rate, const uint64_t *seed,
-                    int per_sample, uint64_t first_sample, int accumulate, int accumulate_res) {
+static void dropout(Ops *o, Tensor out, Tensor in, Tensor res, int backward, float rate,
+                    const uint64_t *seed, int per_sample, uint64_t first_sample, int accumulate,
+                    int accumulate_res) {
     const size_t n = shape_numel(in.shape);
     if (!n || (!out.data && !res.data)) return;
     const size_t E = n / in.shape.n;
     require_below(E, LAUNCH_MAX_ELEMENTS, "dropout elements per sample");
     const unsigned blocks = grid_for(E) / 8 + 1;  // × samples: enough blocks for a GPU
     const DType dt_out = out.data ? out.dtype : in.dtype, dt_res = res.data ? res.dtype : in.dtype;
-    const bool vec = dt_out == in.dtype && dt_res == in.dtype && vec_ok({in.dtype}, E, {out.data, in.data, res.data});
+    const bool vec = dt_out == in.dtype && dt_res == in.dtype &&
+                     vec_ok({in.dtype}, E, {out.data, in.data, res.data});
     for (int n0 = 0; n0 < in.shape.n; n0 += 65535) {  // gridDim.y ≤ 65535
         const int count = in.shape.n - n0 < 65535 ? in.shape.n - n0 : 65535;
         const dim3 grid(blocks, count);
@@ -2897,23 +3128,27 @@ static void dropout(Ops *o, Tensor out, Tensor in, Tensor res, int backward, flo
         const void *x = elem_ptr(in.data, in.dtype, (size_t)n0 * E);
         if (vec) {
             SWITCH_STORAGE(in.dtype, T, {
-                CU_LAUNCH(dropout_vec_kernel<T>, grid, BLOCK, 0, stream_of(o), (T *)y, (const T *)x, (T *)r, backward,
-                          (uint32_t)E, per_sample, rate, seed, first_sample + n0, accumulate, accumulate_res);
+                CU_LAUNCH(dropout_vec_kernel<T>, grid, BLOCK, 0, stream_of(o), (T *)y, (const T *)x,
+                          (T *)r, backward, (uint32_t)E, per_sample, rate, seed, first_sample + n0,
+                          accumulate, accumulate_res);
             });
         } else {
-            CU_LAUNCH(dropout_kernel, grid, BLOCK, 0, stream_of(o), y, dt_out, x, in.dtype, r, dt_res, backward,
-                      (uint32_t)E, per_sample, rate, seed, first_sample + n0, accumulate, accumulate_res);
+            CU_LAUNCH(dropout_kernel, grid, BLOCK, 0, stream_of(o), y, dt_out, x, in.dtype, r,
+                      dt_res, backward, (uint32_t)E, per_sample, rate, seed, first_sample + n0,
+                      accumulate, accumulate_res);
         }
         launchCheck();
     }
 }
-static void dropout_forward_cuda(Ops *o, Tensor y, Tensor x, Tensor residual, float rate, const uint64_t *seed,
-                                 int per_sample, uint64_t first_sample) {
+static void dropout_forward_cuda(Ops *o, Tensor y, Tensor x, Tensor residual, float rate,
+                                 const uint64_t *seed, int per_sample, uint64_t first_sample) {
     dropout(o, y, x, residual, 0, rate, seed, per_sample, first_sample, 0, 0);
 }
-static void dropout_backward_cuda(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate, const uint64_t *seed,
-                                  int per_sample, uint64_t first_sample, int accumulate, int accumulate_residual) {
-    dropout(o, dx, dy, dresidual, 1, rate, seed, per_sample, first_sample, accumulate, accumulate_residual);
+static void dropout_backward_cuda(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate,
+                                  const uint64_t *seed, int per_sample, uint64_t first_sample,
+                                  int accumulate, int accumulate_residual) {
+    dropout(o, dx, dy, dresidual, 1, rate, seed, per_sample, first_sample, accumulate,
+            accumulate_residual);
 }
 
 // ----------------------------------------------------------------------------
@@ -2945,8 +3180,13 @@ struct SampleKeep {
     }
 };
 static SampleKeep sample_keep(const BnNext *next, size_t rows_per_image, size_t r0) {
-    return {next->rate, next->seed, next->first_sample, fastdiv_make((uint32_t)rows_per_image), (uint32_t)r0,
-            UINT32_MAX, 1.0f};
+    return {next->rate,
+            next->seed,
+            next->first_sample,
+            fastdiv_make((uint32_t)rows_per_image),
+            (uint32_t)r0,
+            UINT32_MAX,
+            1.0f};
 }
 
 // out = y·keep + residual, as dropout_vec_kernel's forward
@@ -2974,12 +3214,16 @@ template <class T> struct DyResidual {
         if (res && accumulate_res) vr = load_vec(res + i);
         for (int k = 0; k < Vec<T>::N; k++) {
             g.v[k] = from_f32<T>(to_f32(d.v[k]) * f);
-            if (res) vr.v[k] = from_f32<T>(accumulate_res ? to_f32(vr.v[k]) + to_f32(d.v[k]) : to_f32(d.v[k]));
+            if (res)
+                vr.v[k] = from_f32<T>(accumulate_res ? to_f32(vr.v[k]) + to_f32(d.v[k])
+                                                     : to_f32(d.v[k]));
         }
         if (res) store_vec(res + i, vr);
         return g;
     }
-    __device__ DyResidual at(int c0) const { return {dout + c0, res ? res + c0 : NULL, accumulate_res, keep}; }
+    __device__ DyResidual at(int c0) const {
+        return {dout + c0, res ? res + c0 : NULL, accumulate_res, keep};
+    }
 };
 // the batch norm applied to rows of image g, y stored, Σ y per channel (FUSED_POOL)
 template <class T> struct BnPoolVec {
@@ -3012,14 +3256,18 @@ static bool bn_next_vec(const BnNext *next, Tensor x, std::initializer_list<cons
     for (const Tensor *t : {&next->pooled, &next->out, &next->residual, &next->dresidual})
         if (t->data && t->dtype != x.dtype) return false;
     if (next->kind == FUSED_POOL)
-        return x.shape.n < 65536 && vec_ok({x.dtype}, C, {x.data, next->pooled.data}) && vec_ok({x.dtype}, C, more);
-    if (shape_numel(x.shape) / (C ? C : 1) >= ((size_t)1 << 31) || !HW) return false;  // SampleKeep's row numbers
-    return vec_ok({x.dtype}, C, {x.data, next->out.data, next->residual.data, next->dresidual.data}) &&
+        return x.shape.n < 65536 && vec_ok({x.dtype}, C, {x.data, next->pooled.data}) &&
+               vec_ok({x.dtype}, C, more);
+    // SampleKeep's row numbers
+    if (shape_numel(x.shape) / (C ? C : 1) >= ((size_t)1 << 31) || !HW) return false;
+    return vec_ok({x.dtype}, C,
+                  {x.data, next->out.data, next->residual.data, next->dresidual.data}) &&
            vec_ok({x.dtype}, C, more);
 }
 
-static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const float *mean, const float *var, const float *gamma,
-                            const float *beta, float eps, Act act, const BnNext *next) {
+static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
+                            const float *gamma, const float *beta, float eps, Act act,
+                            const BnNext *next) {
     const int C = x.shape.c;
     const size_t rows = shape_numel(x.shape) / (C ? C : 1), HW = (size_t)x.shape.h * x.shape.w;
     if (next && next->kind == FUSED_RESIDUAL) y = next->out;  // y has no memory: out's, in place
@@ -3031,8 +3279,10 @@ static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const float *mean, const
     const BnParams p = {mean, var, gamma, beta, eps, act};
     if (next->kind == FUSED_POOL) {
         SWITCH_STORAGE(x.dtype, T, {
-            channel_sums<1, Vec<T>::N>(o, BnPoolVec<T>{(const T *)x.data, (T *)y.data, C, (uint32_t)HW, p},
-                                      StoreSum{next->pooled.data, next->pooled.dtype, C, (double)HW, 0}, x.shape.n, HW, C);
+            channel_sums<1, Vec<T>::N>(
+                    o, BnPoolVec<T>{(const T *)x.data, (T *)y.data, C, (uint32_t)HW, p},
+                    StoreSum{next->pooled.data, next->pooled.dtype, C, (double)HW, 0}, x.shape.n,
+                    HW, C);
         });
         return;
     }
@@ -3040,9 +3290,11 @@ static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const float *mean, const
         SWITCH_STORAGE(x.dtype, T, {
             const size_t at = r0 * C;
             RowGrid g = row_grid(C / Vec<T>::N, count);
-            ResidualEnd<T> out = {(T *)next->out.data + at, (const T *)next->residual.data + at, sample_keep(next, HW, r0)};
-            CU_LAUNCH((bn_forward_vec_kernel<T, ResidualEnd<T>>), g.grid, g.block, 0, stream_of(o), out,
-                      (const T *)x.data + at, (uint32_t)count, C, mean, var, gamma, beta, eps, act);
+            ResidualEnd<T> out = {(T *)next->out.data + at, (const T *)next->residual.data + at,
+                                  sample_keep(next, HW, r0)};
+            CU_LAUNCH((bn_forward_vec_kernel<T, ResidualEnd<T>>), g.grid, g.block, 0, stream_of(o),
+                      out, (const T *)x.data + at, (uint32_t)count, C, mean, var, gamma, beta, eps,
+                      act);
         });
         launchCheck();
     });
@@ -3053,19 +3305,23 @@ static bool bn_residual_fused(const BnNext *next, Tensor dy, Tensor x) {
     return dy.dtype == x.dtype && shape_numel(x.shape) && bn_next_vec(next, x, {dy.data});
 }
 
-static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
-                                    const float *gamma, const float *beta, float eps, Act act, float *sum_g,
-                                    float *sum_gx, float *dgamma, float *dbeta, double *sums, const BnNext *next) {
+static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const float *mean,
+                                    const float *var, const float *gamma, const float *beta,
+                                    float eps, Act act, float *sum_g, float *sum_gx, float *dgamma,
+                                    float *dbeta, double *sums, const BnNext *next) {
     if (next && next->kind == FUSED_RESIDUAL && !bn_residual_fused(next, dy, x)) {
         bn_next_backward_unfused(o, dy, next);
         next = NULL;  // dy is y's gradient now
     }
     if (!next || next->kind != FUSED_RESIDUAL) {
-        if (sum_g) bn_backward_reduce_plain(o, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta, sums);
+        if (sum_g)
+            bn_backward_reduce_plain(o, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx,
+                                     dgamma, dbeta, sums);
         return;
     }
     if (!sum_g) {  // dresidual alone
-        if (next->dresidual.data) add_backward_cuda(o, NO_TENSOR, next->dresidual, dy, 0, next->accumulate_residual);
+        if (next->dresidual.data)
+            add_backward_cuda(o, NO_TENSOR, next->dresidual, dy, 0, next->accumulate_residual);
         return;
     }
     const int C = x.shape.c;
@@ -3073,27 +3329,33 @@ static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const float *me
     const BnParams p = {mean, var, gamma, beta, eps, act};
     const BnGradSums e = {sum_g, sum_gx, dgamma, dbeta, sums, C};
     SWITCH_STORAGE(x.dtype, T, {
-        const DyResidual<T> d = {(const T *)dy.data, (T *)next->dresidual.data, next->accumulate_residual,
-                                 sample_keep(next, HW, 0)};
-        channel_sums<2, Vec<T>::N>(o, BnGradTermsVec<T, DyResidual<T>>{d, (const T *)x.data, C, p}, e, 1, M, C);
+        const DyResidual<T> d = {(const T *)dy.data, (T *)next->dresidual.data,
+                                 next->accumulate_residual, sample_keep(next, HW, 0)};
+        channel_sums<2, Vec<T>::N>(o, BnGradTermsVec<T, DyResidual<T>>{d, (const T *)x.data, C, p},
+                                   e, 1, M, C);
     });
 }
 
-static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean, const float *var,
-                                  const float *gamma, const float *beta, float eps, Act act, const float *sum_g,
-                                  const float *sum_gx, size_t count, int accumulate, const BnNext *next) {
-    if (!next || next->kind != FUSED_RESIDUAL || !bn_residual_fused(next, dy, x)) {  // dy: y's gradient
-        bn_backward_data_plain(o, dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
+static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
+                                  const float *var, const float *gamma, const float *beta,
+                                  float eps, Act act, const float *sum_g, const float *sum_gx,
+                                  size_t count, int accumulate, const BnNext *next) {
+    // dy: y's gradient
+    if (!next || next->kind != FUSED_RESIDUAL || !bn_residual_fused(next, dy, x)) {
+        bn_backward_data_plain(o, dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count,
+                               accumulate);
         return;
     }
     const int C = x.shape.c;
     const size_t rows = shape_numel(x.shape) / C, HW = (size_t)x.shape.h * x.shape.w;
     if (!dx.data) return;
     if (dx.dtype != x.dtype || !vec_ok({x.dtype}, C, {dx.data})) {
-        BnNext y_grad_only = *next;  // dy becomes y's gradient (dresidual was written by the reduce)
+        // dy becomes y's gradient (dresidual was written by the reduce)
+        BnNext y_grad_only = *next;
         y_grad_only.dresidual = NO_TENSOR;
         bn_next_backward_unfused(o, dy, &y_grad_only);
-        bn_backward_data_plain(o, dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
+        bn_backward_data_plain(o, dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count,
+                               accumulate);
         return;
     }
     require_below(count, (size_t)1 << 31, "batch norm values per channel");
@@ -3103,9 +3365,9 @@ static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const 
             const size_t at = r0 * C;
             RowGrid g = row_grid(C / Vec<T>::N, n_rows);
             const DyResidual<T> d = {(const T *)dy.data + at, NULL, 0, sample_keep(next, HW, r0)};
-            CU_LAUNCH((bn_backward_data_vec_kernel<T, DyResidual<T>>), g.grid, g.block, 0, stream_of(o),
-                      (T *)dx.data + at, d, (const T *)x.data + at, (uint32_t)n_rows, C, p, sum_g, sum_gx,
-                      (uint32_t)count, accumulate);
+            CU_LAUNCH((bn_backward_data_vec_kernel<T, DyResidual<T>>), g.grid, g.block, 0,
+                      stream_of(o), (T *)dx.data + at, d, (const T *)x.data + at, (uint32_t)n_rows,
+                      C, p, sum_g, sum_gx, (uint32_t)count, accumulate);
         });
         launchCheck();
     });
@@ -3133,28 +3395,36 @@ static __device__ __forceinline__ uint32_t nhwc_at(Shape s, uint32_t n, int y, i
 // (data NULL: none) is shaped like out. The vector accessors when every
 // tensor has one storage type and C is a multiple of the width, else the
 // generic ones.
-template <class K> static void image_rows_launch(Tensor out, Tensor in, Tensor extra, K kernel_for) {
+template <class K>
+static void image_rows_launch(Tensor out, Tensor in, Tensor extra, K kernel_for) {
     const int N = out.shape.n, C = out.shape.c, H = out.shape.h;
-    const size_t out_image = N ? shape_numel(out.shape) / N : 0, in_image = N ? shape_numel(in.shape) / N : 0;
+    const size_t out_image = N ? shape_numel(out.shape) / N : 0,
+                 in_image = N ? shape_numel(in.shape) / N : 0;
     const size_t per_image = out_image > in_image ? out_image : in_image;
     if (!N || !per_image) return;
-    require_below(per_image, LAUNCH_MAX_ELEMENTS, "elements per image of a pooling or resampling op");
-    require_below((size_t)H, 65536, "rows per image of a pooling or resampling op");  // gridDim.z ≤ 65535
+    require_below(per_image, LAUNCH_MAX_ELEMENTS,
+                  "elements per image of a pooling or resampling op");
+    // gridDim.z ≤ 65535
+    require_below((size_t)H, 65536, "rows per image of a pooling or resampling op");
     size_t images = 65535 / (H ? H : 1);  // at least 1 now
-    if ((LAUNCH_MAX_ELEMENTS - 1) / per_image < images) images = (LAUNCH_MAX_ELEMENTS - 1) / per_image;
+    if ((LAUNCH_MAX_ELEMENTS - 1) / per_image < images)
+        images = (LAUNCH_MAX_ELEMENTS - 1) / per_image;
     const bool vec = vec_ok({out.dtype, in.dtype, extra.data ? extra.dtype : out.dtype}, C,
                             {out.data, in.data, extra.data});
     for (int n0 = 0; n0 < N; n0 += (int)images) {
         const int count = N - n0 < (int)images ? N - n0 : (int)images;
-        Tensor oc = tensor(elem_ptr(out.data, out.dtype, (size_t)n0 * out_image), out.shape, out.dtype);
+        Tensor oc =
+                tensor(elem_ptr(out.data, out.dtype, (size_t)n0 * out_image), out.shape, out.dtype);
         Tensor ic = tensor(elem_ptr(in.data, in.dtype, (size_t)n0 * in_image), in.shape, in.dtype);
-        Tensor ec = tensor(extra.data ? elem_ptr(extra.data, extra.dtype, (size_t)n0 * out_image) : NULL, out.shape,
-                           extra.dtype);
+        Tensor ec = tensor(extra.data ? elem_ptr(extra.data, extra.dtype, (size_t)n0 * out_image)
+                                      : NULL,
+                           out.shape, extra.dtype);
         oc.shape.n = ic.shape.n = count;
         if (vec) {
             SWITCH_STORAGE(out.dtype, T, {
                 RowGrid g = row_grid(C / Vec<T>::N, out.shape.w, (unsigned)(count * H));
-                kernel_for(g, VecIO<T>::of(oc), VecIO<T>::of(ic), VecIO<T>::of(ec), oc.shape, ic.shape);
+                kernel_for(g, VecIO<T>::of(oc), VecIO<T>::of(ic), VecIO<T>::of(ec), oc.shape,
+                           ic.shape);
             });
         } else {
             RowGrid g = row_grid(C, out.shape.w, (unsigned)(count * H));
@@ -3186,7 +3456,8 @@ __global__ void maxpool2_forward_kernel(IO y, Shape t, IO x, Shape s) {
 static void maxpool2_forward_cuda(Ops *o, Tensor y, Tensor x) {
     if (!shape_numel(y.shape)) return;
     image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
-        CU_LAUNCH(maxpool2_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t, xio, s);
+        CU_LAUNCH(maxpool2_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t,
+                  xio, s);
     });
 }
 
@@ -3222,8 +3493,8 @@ __global__ void maxpool2_backward_kernel(IO dx, Shape s, IO dy, Shape t, IO x, i
 static void maxpool2_backward_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, int accumulate) {
     if (!shape_numel(x.shape) || !dx.data) return;
     image_rows_launch(dx, dy, x, [&](RowGrid g, auto dxio, auto dyio, auto xio, Shape s, Shape t) {
-        CU_LAUNCH(maxpool2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t, xio,
-                  accumulate);
+        CU_LAUNCH(maxpool2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0, stream_of(o), dxio,
+                  s, dyio, t, xio, accumulate);
     });
 }
 
@@ -3243,7 +3514,8 @@ __global__ void upsample2_forward_kernel(IO y, Shape t, IO x, Shape s) {
 static void upsample2_forward_cuda(Ops *o, Tensor y, Tensor x) {
     if (!shape_numel(y.shape)) return;
     image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
-        CU_LAUNCH(upsample2_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t, xio, s);
+        CU_LAUNCH(upsample2_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t,
+                  xio, s);
     });
 }
 
@@ -3266,10 +3538,11 @@ __global__ void upsample2_backward_kernel(IO dx, Shape s, IO dy, Shape t, int ac
 }
 static void upsample2_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
     if (!shape_numel(dx.shape) || !dx.data) return;
-    image_rows_launch(dx, dy, NO_TENSOR, [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
-        CU_LAUNCH(upsample2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t,
-                  accumulate);
-    });
+    image_rows_launch(dx, dy, NO_TENSOR,
+                      [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
+                          CU_LAUNCH(upsample2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0,
+                                    stream_of(o), dxio, s, dyio, t, accumulate);
+                      });
 }
 
 // bilinear with half-pixel centres (the taps of segnet.h):
@@ -3299,7 +3572,8 @@ __global__ void resize_bilinear_forward_kernel(IO y, Shape t, IO x, Shape s) {
 static void resize_bilinear_forward_cuda(Ops *o, Tensor y, Tensor x) {
     if (!shape_numel(y.shape)) return;
     image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
-        CU_LAUNCH(resize_bilinear_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t, xio, s);
+        CU_LAUNCH(resize_bilinear_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o),
+                  yio, t, xio, s);
     });
 }
 
@@ -3334,14 +3608,16 @@ __global__ void resize_bilinear_backward_kernel(IO dx, Shape s, IO dy, Shape t, 
 }
 static void resize_bilinear_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
     if (!shape_numel(dx.shape) || !dx.data) return;
-    image_rows_launch(dx, dy, NO_TENSOR, [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
-        CU_LAUNCH(resize_bilinear_backward_kernel<decltype(dxio)>, g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t,
-                  accumulate);
-    });
+    image_rows_launch(dx, dy, NO_TENSOR,
+                      [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
+                          CU_LAUNCH(resize_bilinear_backward_kernel<decltype(dxio)>, g.grid,
+                                    g.block, 0, stream_of(o), dxio, s, dyio, t, accumulate);
+                      });
 }
 
 // ----------------------------------------------------------------------------
-// depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx, c]·w[c][ky][kx],
+// depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx,
+// c]·w[c][ky][kx],
 // taps in (ky, kx) order after the bias, like the CPU. Threads over (channel
 // lane, output pixel) as the pooling kernels: grid (channel tiles, column
 // blocks, output image rows); W channels per lane (1 generic, Vec<T>::N vector).
@@ -3360,8 +3636,8 @@ template <int KS, int W> struct DepthwiseTaps {
     }
 };
 template <class IO, int KS>
-__global__ void depthwise_forward_kernel(IO y, Shape t, IO x, Shape s, const float *w, const float *b, ConvCfg cfg,
-                                         int pt, int pl) {
+__global__ void depthwise_forward_kernel(IO y, Shape t, IO x, Shape s, const float *w,
+                                         const float *b, ConvCfg cfg, int pt, int pl) {
     constexpr int W = IO::W;
     const int kh = KS ? KS : cfg.kh, kw = KS ? KS : cfg.kw, taps = kh * kw;
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
@@ -3371,11 +3647,11 @@ __global__ void depthwise_forward_kernel(IO y, Shape t, IO x, Shape s, const flo
     FOR_COLUMNS(ox, t.w) {
         float acc[W], v[W];
         for (int k = 0; k < W; k++) acc[k] = b ? b[c0 + k] : 0.0f;
-#pragma unroll
+        #pragma unroll
         for (int ky = 0; ky < kh; ky++) {
             const int iy = (int)row.y * cfg.stride - pt + ky;
             if (iy < 0 || iy >= s.h) continue;
-#pragma unroll
+            #pragma unroll
             for (int kx = 0; kx < kw; kx++) {
                 const int ix = ox * cfg.stride - pl + kx;
                 if (ix < 0 || ix >= s.w) continue;
@@ -3390,10 +3666,11 @@ __global__ void depthwise_forward_kernel(IO y, Shape t, IO x, Shape s, const flo
 // KS as in the forward; ST: the stride when known at compile time (1 or 2: the
 // divisions by it are shifts), 0: cfg's
 template <class IO, int KS, int ST>
-__global__ void depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t, const float *w, ConvCfg cfg, int pt,
-                                               int pl, int accumulate) {
+__global__ void depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t, const float *w,
+                                               ConvCfg cfg, int pt, int pl, int accumulate) {
     constexpr int W = IO::W;
-    const int kh = KS ? KS : cfg.kh, kw = KS ? KS : cfg.kw, taps = kh * kw, st = ST ? ST : cfg.stride;
+    const int kh = KS ? KS : cfg.kh, kw = KS ? KS : cfg.kw, taps = kh * kw,
+              st = ST ? ST : cfg.stride;
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
     if (c0 >= s.c) return;
     const DepthwiseTaps<KS, W> tap(w, c0, taps);
@@ -3401,11 +3678,11 @@ __global__ void depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t
     FOR_COLUMNS(ix, s.w) {
         float acc[W], v[W];
         for (int k = 0; k < W; k++) acc[k] = 0.0f;
-#pragma unroll
+        #pragma unroll
         for (int ky = 0; ky < kh; ky++) {
             const int ty = (int)row.y + pt - ky;
             if (ty < 0 || ty % st || ty / st >= t.h) continue;
-#pragma unroll
+            #pragma unroll
             for (int kx = 0; kx < kw; kx++) {
                 const int tx = ix + pl - kx;
                 if (tx < 0 || tx % st || tx / st >= t.w) continue;
@@ -3424,8 +3701,9 @@ __global__ void depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t
 // (last_block) adds the parts in part order into dw.
 #define DW_MAX_TAPS 9  // taps kept in registers (3×3); larger kernels run tap by tap
 template <class IO, int TAPS>
-__global__ void depthwise_weight_kernel(float *dw, float *partial, unsigned *done, IO dout, Shape t, IO x, Shape s,
-                                        ConvCfg cfg, int pt, int pl, uint32_t pixels_per_part, int tap0, FastDiv by_ow,
+__global__ void depthwise_weight_kernel(float *dw, float *partial, unsigned *done, IO dout, Shape t,
+                                        IO x, Shape s, ConvCfg cfg, int pt, int pl,
+                                        uint32_t pixels_per_part, int tap0, FastDiv by_ow,
                                         FastDiv by_oh) {
     constexpr int W = IO::W;
     __shared__ float lanes[BLOCK * W];
@@ -3459,7 +3737,8 @@ __global__ void depthwise_weight_kernel(float *dw, float *partial, unsigned *don
         if (threadIdx.y == 0 && c0 < C)
             for (int k = 0; k < W; k++) {
                 float sum = 0.0f;
-                for (int l = 0; l < (int)blockDim.y; l++) sum += lanes[(l * blockDim.x + threadIdx.x) * W + k];
+                for (int l = 0; l < (int)blockDim.y; l++)
+                    sum += lanes[(l * blockDim.x + threadIdx.x) * W + k];
                 partial[((size_t)part * C + c0 + k) * ntaps + tap0 + q] = sum;
             }
         __syncthreads();
@@ -3467,52 +3746,58 @@ __global__ void depthwise_weight_kernel(float *dw, float *partial, unsigned *don
     if (!last_block(done + blockIdx.x, gridDim.y)) return;
     // dw[c][tap] += Σ_part partial[part][c][tap] in part order, for this tile's channels and taps
     const volatile float *in = partial;
-    const int c_first = blockIdx.x * blockDim.x * W, n_c = C - c_first < (int)blockDim.x * W ? C - c_first : blockDim.x * W;
+    const int c_first = blockIdx.x * blockDim.x * W,
+              n_c = C - c_first < (int)blockDim.x * W ? C - c_first : blockDim.x * W;
     const int n_taps = ntaps - tap0 < TAPS ? ntaps - tap0 : TAPS;
     for (int item = lane; item < n_c * n_taps; item += blockDim.x * blockDim.y) {
         const size_t at = (size_t)(c_first + item / n_taps) * ntaps + tap0 + item % n_taps;
         float sum = 0.0f;
-        for (uint32_t part_k = 0; part_k < gridDim.y; part_k++) sum += in[part_k * (size_t)C * ntaps + at];
+        for (uint32_t part_k = 0; part_k < gridDim.y; part_k++)
+            sum += in[part_k * (size_t)C * ntaps + at];
         dw[at] += sum;
     }
 }
 
-static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
-                              const float *b) {
+static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
+                              const float *w, const float *b) {
     if (!shape_numel(out.shape)) return;
-    image_rows_launch(out, in, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
-        typedef decltype(yio) IO;
-        if (cfg->kh == 3 && cfg->kw == 3)
-            CU_LAUNCH((depthwise_forward_kernel<IO, 3>), g.grid, g.block, 0, stream_of(o), yio, t, xio, s, w, b, *cfg,
-                      q->pt, q->pl);
-        else
-            CU_LAUNCH((depthwise_forward_kernel<IO, 0>), g.grid, g.block, 0, stream_of(o), yio, t, xio, s, w, b, *cfg,
-                      q->pt, q->pl);
-    });
+    image_rows_launch(out, in, NO_TENSOR,
+                      [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
+                          typedef decltype(yio) IO;
+                          if (cfg->kh == 3 && cfg->kw == 3)
+                              CU_LAUNCH((depthwise_forward_kernel<IO, 3>), g.grid, g.block, 0,
+                                        stream_of(o), yio, t, xio, s, w, b, *cfg, q->pt, q->pl);
+                          else
+                              CU_LAUNCH((depthwise_forward_kernel<IO, 0>), g.grid, g.block, 0,
+                                        stream_of(o), yio, t, xio, s, w, b, *cfg, q->pt, q->pl);
+                      });
 }
-static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
-                                    const float *w, int accumulate) {
+static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din,
+                                    Tensor dout, const float *w, int accumulate) {
     if (!shape_numel(din.shape)) return;
-    image_rows_launch(din, dout, NO_TENSOR, [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
-        typedef decltype(dxio) IO;
-        const bool k3 = cfg->kh == 3 && cfg->kw == 3;
-        if (k3 && cfg->stride == 1)
-            CU_LAUNCH((depthwise_backward_data_kernel<IO, 3, 1>), g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t, w,
-                      *cfg, q->pt, q->pl, accumulate);
-        else if (k3 && cfg->stride == 2)
-            CU_LAUNCH((depthwise_backward_data_kernel<IO, 3, 2>), g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t, w,
-                      *cfg, q->pt, q->pl, accumulate);
-        else
-            CU_LAUNCH((depthwise_backward_data_kernel<IO, 0, 0>), g.grid, g.block, 0, stream_of(o), dxio, s, dyio, t, w,
-                      *cfg, q->pt, q->pl, accumulate);
-    });
+    image_rows_launch(
+            din, dout, NO_TENSOR, [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
+                typedef decltype(dxio) IO;
+                const bool k3 = cfg->kh == 3 && cfg->kw == 3;
+                if (k3 && cfg->stride == 1)
+                    CU_LAUNCH((depthwise_backward_data_kernel<IO, 3, 1>), g.grid, g.block, 0,
+                              stream_of(o), dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
+                else if (k3 && cfg->stride == 2)
+                    CU_LAUNCH((depthwise_backward_data_kernel<IO, 3, 2>), g.grid, g.block, 0,
+                              stream_of(o), dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
+                else
+                    CU_LAUNCH((depthwise_backward_data_kernel<IO, 0, 0>), g.grid, g.block, 0,
+                              stream_of(o), dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
+            });
 }
-// partial (parts, C, taps) in the workspace, then dw += Σ_parts in part order, in one launch per 9 taps
-static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
-                                      int parts, float *partial) {
+// partial (parts, C, taps) in the workspace, then dw += Σ_parts in part order, in one launch per 9
+// taps
+static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom *q, float *dw,
+                                      Tensor dout, Tensor in, int parts, float *partial) {
     const size_t M = (size_t)q->N * q->P, taps = (size_t)cfg->kh * cfg->kw;
     if (!M) return;
-    require_below(shape_numel(in.shape) > shape_numel(dout.shape) ? shape_numel(in.shape) : shape_numel(dout.shape),
+    require_below(shape_numel(in.shape) > shape_numel(dout.shape) ? shape_numel(in.shape)
+                                                                  : shape_numel(dout.shape),
                   (size_t)1 << 31, "elements of a depthwise weight gradient's tensors");
     const uint32_t per_part = (uint32_t)rows_per_part(M, parts);
     const Shape t = dout.shape, s = in.shape;
@@ -3522,14 +3807,15 @@ static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom
         const dim3 grid((lanes + tx - 1) / tx, parts), block(tx, BLOCK / tx);
         require_below(grid.x, SUMS_COUNTERS + 1, "channel tiles of a depthwise weight gradient");
         for (int tap0 = 0; tap0 < (int)taps; tap0 += DW_MAX_TAPS) {
-            CU_LAUNCH((depthwise_weight_kernel<IO, DW_MAX_TAPS>), grid, block, 0, stream_of(o), dw, partial,
-                      ctx_of(o)->sums_done, dyio, t, xio, s, *cfg, q->pt, q->pl, per_part, tap0, fastdiv_make(t.w),
-                      fastdiv_make(t.h));
+            CU_LAUNCH((depthwise_weight_kernel<IO, DW_MAX_TAPS>), grid, block, 0, stream_of(o), dw,
+                      partial, ctx_of(o)->sums_done, dyio, t, xio, s, *cfg, q->pt, q->pl, per_part,
+                      tap0, fastdiv_make(t.w), fastdiv_make(t.h));
             launchCheck();
         }
     };
     if (vec_ok({dout.dtype, in.dtype}, q->C, {dout.data, in.data})) {
-        SWITCH_STORAGE(in.dtype, T, { run(VecIO<T>::of(dout), VecIO<T>::of(in), q->C / Vec<T>::N); });
+        SWITCH_STORAGE(in.dtype, T,
+                       { run(VecIO<T>::of(dout), VecIO<T>::of(in), q->C / Vec<T>::N); });
     } else {
         run(AnyIO::of(dout), AnyIO::of(in), q->C);
     }
@@ -3658,13 +3944,15 @@ static int ctx_open(CudaCtx *ctx, int device, char *err) {
     if (ctx->sm_major >= 8) ig_raise_smem_limits();
     const char *conv = getenv("SEGNET_CONV");
     if (conv && !strcmp(conv, "gemm")) cuda_conv_implicit = 0;
-    cudaCheck(cudaMalloc((void **)&ctx->reduce_partials, sizeof(double) * REDUCE_BLOCKS_MAX * REDUCE_WIDTH));
+    cudaCheck(cudaMalloc((void **)&ctx->reduce_partials,
+                         sizeof(double) * REDUCE_BLOCKS_MAX * REDUCE_WIDTH));
     if ((e = cudaMalloc(&ctx->sums, SUMS_SCRATCH * sizeof(double))) != cudaSuccess ||
         (e = cudaMalloc(&ctx->sums_done, SUMS_COUNTERS * sizeof(unsigned))) != cudaSuccess ||
-        (e = cudaMemsetAsync(ctx->sums_done, 0, SUMS_COUNTERS * sizeof(unsigned), ctx->stream)) != cudaSuccess ||
+        (e = cudaMemsetAsync(ctx->sums_done, 0, SUMS_COUNTERS * sizeof(unsigned), ctx->stream)) !=
+                cudaSuccess ||
         (e = cudaMalloc(&ctx->blas_workspace, CUBLAS_WORKSPACE_BYTES)) != cudaSuccess) {
-        snprintf(err, SN_ERR_MAX, "CUDA device %d: cannot allocate %zu bytes of scratch (%s)", device,
-                 CUDA_CONTEXT_BYTES, cudaGetErrorString(e));
+        snprintf(err, SN_ERR_MAX, "CUDA device %d: cannot allocate %zu bytes of scratch (%s)",
+                 device, CUDA_CONTEXT_BYTES, cudaGetErrorString(e));
         cudaGetLastError();
         return -1;
     }
@@ -3682,7 +3970,8 @@ static int ctx_open(CudaCtx *ctx, int device, char *err) {
 Ops *cuda_ops_for_device(int device, char *err) {
     std::lock_guard<std::mutex> lock(cuda_open_mutex);
     if (device < 0 || device >= CUDA_MAX_DEVICES) {
-        snprintf(err, SN_ERR_MAX, "no CUDA device %d (at most %d are used)", device, CUDA_MAX_DEVICES);
+        snprintf(err, SN_ERR_MAX, "no CUDA device %d (at most %d are used)", device,
+                 CUDA_MAX_DEVICES);
         return NULL;
     }
     Ops *o = device == 0 ? &ops_cuda : &cuda_tables[device];
@@ -3747,7 +4036,8 @@ int cuda_memory_info(int device, size_t *free_bytes, size_t *total_bytes, char *
 
 static void nccl_check(ncclResult_t r, const char *what, const char *file, int line) {
     if (r == ncclSuccess) return;
-    fprintf(stderr, "segnet: NCCL error at %s:%d: %s: %s\n", file, line, what, ncclGetErrorString(r));
+    fprintf(stderr, "segnet: NCCL error at %s:%d: %s: %s\n", file, line, what,
+            ncclGetErrorString(r));
     exit(1);
 }
 #define ncclCheck(call) nccl_check((call), #call, __FILE__, __LINE__)
@@ -3775,7 +4065,8 @@ struct NcclGroup {      // the ranks this process drives: all of them (local), o
 
 // collective `kind` over bufs[i] (count elements) of ranks[0..n): enqueued on
 // every rank's comm_stream, ordered against its compute stream by events
-static void nccl_enqueue(NcclRank *ranks, void *const *bufs, int n, size_t count, NcclKind kind, int root) {
+static void nccl_enqueue(NcclRank *ranks, void *const *bufs, int n, size_t count, NcclKind kind,
+                         int root) {
     for (int i = 0; i < n; i++) {  // the collective waits for the compute work before it
         CudaCtx *x = ctx_of(ranks[i].o);
         cudaCheck(cudaEventRecord(x->compute_done, x->stream));
@@ -3785,10 +4076,14 @@ static void nccl_enqueue(NcclRank *ranks, void *const *bufs, int n, size_t count
     for (int i = 0; i < n; i++) {
         CudaCtx *x = ctx_of(ranks[i].o);
         if (kind == NCCL_BROADCAST) {
-            ncclCheck(ncclBroadcast(bufs[i], bufs[i], count, ncclInt8, root, ranks[i].nccl, x->comm_stream));
+            ncclCheck(ncclBroadcast(bufs[i], bufs[i], count, ncclInt8, root, ranks[i].nccl,
+                                    x->comm_stream));
         } else {
-            ncclDataType_t type = kind == NCCL_SUM_F32 ? ncclFloat32 : kind == NCCL_SUM_F64 ? ncclFloat64 : ncclInt64;
-            ncclCheck(ncclAllReduce(bufs[i], bufs[i], count, type, ncclSum, ranks[i].nccl, x->comm_stream));
+            ncclDataType_t type = kind == NCCL_SUM_F32   ? ncclFloat32
+                                  : kind == NCCL_SUM_F64 ? ncclFloat64
+                                                         : ncclInt64;
+            ncclCheck(ncclAllReduce(bufs[i], bufs[i], count, type, ncclSum, ranks[i].nccl,
+                                    x->comm_stream));
         }
     }
     ncclCheck(ncclGroupEnd());
@@ -3817,18 +4112,42 @@ static int nccl_collective(Comm *c, void *buf, size_t count, NcclKind kind, int 
     nccl_enqueue(k, &buf, 1, count, kind, root);
     return 0;
 }
-static int nccl_allreduce_f32(Comm *c, float *buf, size_t n) { return nccl_collective(c, buf, n, NCCL_SUM_F32, 0); }
-static int nccl_allreduce_f64(Comm *c, double *buf, size_t n) { return nccl_collective(c, buf, n, NCCL_SUM_F64, 0); }
-static int nccl_allreduce_i64(Comm *c, int64_t *buf, size_t n) { return nccl_collective(c, buf, n, NCCL_SUM_I64, 0); }
-static int nccl_broadcast(Comm *c, void *buf, size_t bytes, int root) { return nccl_collective(c, buf, bytes, NCCL_BROADCAST, root); }
+static int nccl_allreduce_f32(Comm *c, float *buf, size_t n) {
+    return nccl_collective(c, buf, n, NCCL_SUM_F32, 0);
+}
+static int nccl_allreduce_f64(Comm *c, double *buf, size_t n) {
+    return nccl_collective(c, buf, n, NCCL_SUM_F64, 0);
+}
+static int nccl_allreduce_i64(Comm *c, int64_t *buf, size_t n) {
+    return nccl_collective(c, buf, n, NCCL_SUM_I64, 0);
+}
+static int nccl_broadcast(Comm *c, void *buf, size_t bytes, int root) {
+    return nccl_collective(c, buf, bytes, NCCL_BROADCAST, root);
+}
 // a rank that cannot go on stops the others through the host communicator
-static void nccl_abort(Comm *c, const char *why) { NcclRank *k = (NcclRank *)c->ctx; k->host->abort(k->host, why); }
-static int nccl_failed_rank(Comm *c) { NcclRank *k = (NcclRank *)c->ctx; return k->host->failed_rank(k->host); }
+static void nccl_abort(Comm *c, const char *why) {
+    NcclRank *k = (NcclRank *)c->ctx;
+    k->host->abort(k->host, why);
+}
+static int nccl_failed_rank(Comm *c) {
+    NcclRank *k = (NcclRank *)c->ctx;
+    return k->host->failed_rank(k->host);
+}
 
 // dcomms[r] over the host communicator hosts[r], whose `device` it becomes
 static void nccl_comm_bind(Comm *dcomm, Comm *host, NcclGroup *g, int i) {
-    *dcomm = (Comm){"nccl", host->rank, host->size, &g->ranks[i], nccl_allreduce_f32, nccl_allreduce_f64,
-                    nccl_allreduce_i64, nccl_broadcast, nccl_abort, nccl_failed_rank, host->local_rank, NULL};
+    *dcomm = (Comm){"nccl",
+                    host->rank,
+                    host->size,
+                    &g->ranks[i],
+                    nccl_allreduce_f32,
+                    nccl_allreduce_f64,
+                    nccl_allreduce_i64,
+                    nccl_broadcast,
+                    nccl_abort,
+                    nccl_failed_rank,
+                    host->local_rank,
+                    NULL};
     g->ranks[i].host = host;
     g->ranks[i].group = g;
     host->device = dcomm;
@@ -3864,7 +4183,9 @@ int cuda_comm_local_create(Comm *dcomms, Comm *hosts, int n, char err[SN_ERR_MAX
 int cuda_comm_mpi_create(Comm *dcomm, Comm *host, char err[SN_ERR_MAX]) {
     char why[SN_ERR_MAX] = "";
     Ops *o = cuda_ops_for_device(host->local_rank, why);
-    if (!o) snprintf(why + strlen(why), SN_ERR_MAX - strlen(why), " (its rank on its machine: %d)", host->local_rank);
+    if (!o)
+        snprintf(why + strlen(why), SN_ERR_MAX - strlen(why), " (its rank on its machine: %d)",
+                 host->local_rank);
     if (comm_agree(host, o ? 0 : -1, why)) {  // every rank has its device, or none goes on
         snprintf(err, SN_ERR_MAX, "%.480s", why);
         return -1;
@@ -3899,12 +4220,15 @@ void cuda_comm_destroy(Comm *dcomms, int n) {
 #else
 int cuda_comm_local_create(Comm *dcomms, Comm *hosts, int n, char err[SN_ERR_MAX]) {
     (void)dcomms; (void)hosts;
-    snprintf(err, SN_ERR_MAX, "%d replicas on CUDA devices need NCCL: this segnet was built without it (NO_NCCL=1)", n);
+    snprintf(err, SN_ERR_MAX,
+             "%d replicas on CUDA devices need NCCL: this segnet was built without it (NO_NCCL=1)",
+             n);
     return -1;
 }
 int cuda_comm_mpi_create(Comm *dcomm, Comm *host, char err[SN_ERR_MAX]) {
     (void)dcomm;
-    snprintf(err, SN_ERR_MAX, "%d replicas on CUDA devices need NCCL: this segnet was built without it (NO_NCCL=1)",
+    snprintf(err, SN_ERR_MAX,
+             "%d replicas on CUDA devices need NCCL: this segnet was built without it (NO_NCCL=1)",
              host->size);
     return -1;
 }

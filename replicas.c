@@ -40,7 +40,8 @@ int comm_agree(Comm *c, int rc, char err[SN_ERR_MAX]) {
     char msg[SN_ERR_MAX];
     snprintf(msg, sizeof msg, "%s", c->rank == first ? err : "");
     if (c->broadcast(c, msg, sizeof msg, first)) return comm_failure(c, err);
-    if (first == 0) snprintf(err, SN_ERR_MAX, "%s", msg);  // the rank that reads the data and writes the run: no prefix
+    // the rank that reads the data and writes the run: no prefix
+    if (first == 0) snprintf(err, SN_ERR_MAX, "%s", msg);
     else snprintf(err, SN_ERR_MAX, "rank %d: %.480s", first, msg);
     return -1;
 }
@@ -75,7 +76,8 @@ int comm_local_gather(Comm *c, void *buf, size_t n, CommCombine combine, void *a
     int ok = 1;
     if (++g->arrived == g->size) {
         for (int r = 0; r < g->size; r++)
-            snCheck(g->n[r] == n, "a collective of %zu elements on rank %d but %zu on rank %d", n, c->rank, g->n[r], r);
+            snCheck(g->n[r] == n, "a collective of %zu elements on rank %d but %zu on rank %d", n,
+                    c->rank, g->n[r], r);
         combine(g->buf, g->size, n, arg);
         g->arrived = 0;
         g->generation++;
@@ -86,7 +88,9 @@ int comm_local_gather(Comm *c, void *buf, size_t n, CommCombine combine, void *a
         pthread_cond_broadcast(&g->cv);
         while (g->generation == gen && g->failed_rank < 0) {
             // a rank that returned will never arrive: a mismatch of collectives, not a user error
-            snCheck(g->returned == 0, "rank %d waits in a collective that a rank which has returned will never join", c->rank);
+            snCheck(g->returned == 0,
+                    "rank %d waits in a collective that a rank which has returned will never join",
+                    c->rank);
             pthread_cond_wait(&g->cv, &g->mu);
         }
         ok = g->generation != gen;
@@ -118,10 +122,18 @@ static int local_collective(Comm *c, void *buf, size_t n, LocalKind kind, int ro
     return comm_local_gather(c, buf, n, local_combine, &op);
 }
 
-static int local_allreduce_f32(Comm *c, float *b, size_t n) { return local_collective(c, b, n, LOCAL_F32, 0); }
-static int local_allreduce_f64(Comm *c, double *b, size_t n) { return local_collective(c, b, n, LOCAL_F64, 0); }
-static int local_allreduce_i64(Comm *c, int64_t *b, size_t n) { return local_collective(c, b, n, LOCAL_I64, 0); }
-static int local_broadcast(Comm *c, void *b, size_t bytes, int root) { return local_collective(c, b, bytes, LOCAL_BCAST, root); }
+static int local_allreduce_f32(Comm *c, float *b, size_t n) {
+    return local_collective(c, b, n, LOCAL_F32, 0);
+}
+static int local_allreduce_f64(Comm *c, double *b, size_t n) {
+    return local_collective(c, b, n, LOCAL_F64, 0);
+}
+static int local_allreduce_i64(Comm *c, int64_t *b, size_t n) {
+    return local_collective(c, b, n, LOCAL_I64, 0);
+}
+static int local_broadcast(Comm *c, void *b, size_t bytes, int root) {
+    return local_collective(c, b, bytes, LOCAL_BCAST, root);
+}
 
 static void local_abort(Comm *c, const char *why) {
     (void)why;  // the rank's own error is returned by its thread
@@ -149,8 +161,17 @@ int comm_local_create(Comm *comms, int n) {
     pthread_mutex_init(&g->mu, NULL);
     pthread_cond_init(&g->cv, NULL);
     for (int r = 0; r < n; r++)
-        comms[r] = (Comm){"local", r, n, g, local_allreduce_f32, local_allreduce_f64, local_allreduce_i64,
-                          local_broadcast, local_abort, local_failed_rank, .local_rank = r};
+        comms[r] = (Comm){"local",
+                          r,
+                          n,
+                          g,
+                          local_allreduce_f32,
+                          local_allreduce_f64,
+                          local_allreduce_i64,
+                          local_broadcast,
+                          local_abort,
+                          local_failed_rank,
+                          .local_rank = r};
     return 0;
 }
 
@@ -186,7 +207,9 @@ void comm_local_run(Comm *comms, int n, int (*fn)(Comm *c, void *arg), void **ar
     pthread_t th[SN_MAX_REPLICAS];
     for (int r = 0; r < n; r++) lr[r] = (LocalRank){&comms[r], fn, args[r], 0};
     if (n == 1) { rc[0] = fn(&comms[0], args[0]); return; }
-    for (int r = 0; r < n; r++) snCheck(pthread_create(&th[r], NULL, local_rank_main, &lr[r]) == 0, "cannot start a replica thread");
+    for (int r = 0; r < n; r++)
+        snCheck(pthread_create(&th[r], NULL, local_rank_main, &lr[r]) == 0,
+                "cannot start a replica thread");
     for (int r = 0; r < n; r++) { pthread_join(th[r], NULL); rc[r] = lr[r].rc; }
 }
 
@@ -226,9 +249,15 @@ static int mpi_sum(Comm *c, void *buf, size_t n, size_t elem, MPI_Datatype type)
     free(all);
     return 0;
 }
-static int mpi_allreduce_f32(Comm *c, float *b, size_t n) { return mpi_sum(c, b, n, sizeof(float), MPI_FLOAT); }
-static int mpi_allreduce_f64(Comm *c, double *b, size_t n) { return mpi_sum(c, b, n, sizeof(double), MPI_DOUBLE); }
-static int mpi_allreduce_i64(Comm *c, int64_t *b, size_t n) { return mpi_sum(c, b, n, sizeof(int64_t), MPI_INT64_T); }
+static int mpi_allreduce_f32(Comm *c, float *b, size_t n) {
+    return mpi_sum(c, b, n, sizeof(float), MPI_FLOAT);
+}
+static int mpi_allreduce_f64(Comm *c, double *b, size_t n) {
+    return mpi_sum(c, b, n, sizeof(double), MPI_DOUBLE);
+}
+static int mpi_allreduce_i64(Comm *c, int64_t *b, size_t n) {
+    return mpi_sum(c, b, n, sizeof(int64_t), MPI_INT64_T);
+}
 
 static int mpi_broadcast(Comm *c, void *buf, size_t bytes, int root) {
     for (size_t off = 0; off < bytes; off += MPI_CHUNK_BYTES) {
@@ -257,27 +286,44 @@ int comm_mpi_open(Comm *c, char err[SN_ERR_MAX]) {
     int started = 0, rank = 0, size = 1;
     MPI_Initialized(&started);
     if (!started) {
-        if (MPI_Init(NULL, NULL) != MPI_SUCCESS) { snprintf(err, SN_ERR_MAX, "MPI_Init failed"); return -1; }
+        if (MPI_Init(NULL, NULL) != MPI_SUCCESS) {
+            snprintf(err, SN_ERR_MAX, "MPI_Init failed");
+            return -1;
+        }
         atexit(mpi_finalize_at_exit);
     }
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (size > SN_MAX_REPLICAS) { snprintf(err, SN_ERR_MAX, "%d MPI processes: at most %d replicas", size, SN_MAX_REPLICAS); return -1; }
+    if (size > SN_MAX_REPLICAS) {
+        snprintf(err, SN_ERR_MAX, "%d MPI processes: at most %d replicas", size, SN_MAX_REPLICAS);
+        return -1;
+    }
     // the ranks sharing this machine's memory, numbered from 0: a rank's GPU
     MPI_Comm node;
     int local_rank = 0;
     MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
     MPI_Comm_rank(node, &local_rank);
     MPI_Comm_free(&node);
-    *c = (Comm){"mpi", rank, size, NULL, mpi_allreduce_f32, mpi_allreduce_f64, mpi_allreduce_i64, mpi_broadcast,
-                mpi_abort, mpi_failed_rank, .local_rank = local_rank};
+    *c = (Comm){"mpi",
+                rank,
+                size,
+                NULL,
+                mpi_allreduce_f32,
+                mpi_allreduce_f64,
+                mpi_allreduce_i64,
+                mpi_broadcast,
+                mpi_abort,
+                mpi_failed_rank,
+                .local_rank = local_rank};
     return 0;
 }
 #else
 int comm_mpi_open(Comm *c, char err[SN_ERR_MAX]) {
     (void)c;
-    snprintf(err, SN_ERR_MAX, "started by mpirun with %d processes, but this segnet was built without MPI "
-             "(install libopenmpi-dev and rebuild)", comm_mpi_launched());
+    snprintf(err, SN_ERR_MAX,
+             "started by mpirun with %d processes, but this segnet was built without MPI "
+             "(install libopenmpi-dev and rebuild)",
+             comm_mpi_launched());
     return -1;
 }
 #endif

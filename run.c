@@ -24,7 +24,8 @@ void train_cfg_default(TrainCfg *c) {
 }
 
 static int model_is_classifier(const char *model) { return !strncmp(model, "effv2-", 6); }
-static const char *const DTYPE_NAMES[] = {"fp32", "fp16", "bf16"};  // indexed by DType, as --precision spells them
+// indexed by DType, as --precision spells them
+static const char *const DTYPE_NAMES[] = {"fp32", "fp16", "bf16"};
 
 // ",value" in `format` (a printf conversion of one double); "," for NaN
 static void csv_value(SfBuf *b, double v, const char *format) {
@@ -58,7 +59,8 @@ static void augment_text(const Augment *a, SfBuf *b) {
         sb_str(b, s);
     }
     if (a->contrast_lo > 0 || a->contrast_hi > 0) {
-        snprintf(s, sizeof s, "%scontrast=%s:%s", n++ ? "," : "", float_str(f[0], a->contrast_lo), float_str(f[1], a->contrast_hi));
+        snprintf(s, sizeof s, "%scontrast=%s:%s", n++ ? "," : "", float_str(f[0], a->contrast_lo),
+                 float_str(f[1], a->contrast_hi));
         sb_str(b, s);
     }
     if (!n) sb_str(b, "none");
@@ -77,13 +79,17 @@ static void class_weights_text(const TrainCfg *c, SfBuf *b) {
 // validation mIoU (segmentation) / accuracy (classification); the training
 // run's own values when there is no validation set
 static const char *monitor_name(const TrainCfg *c) {
-    return !c->monitor_metric ? "val_loss" : model_is_classifier(c->model.model) ? "val_accuracy" : "val_mIoU";
+    return !c->monitor_metric                    ? "val_loss"
+           : model_is_classifier(c->model.model) ? "val_accuracy"
+                                                 : "val_mIoU";
 }
 
-// the columns' values: norm mean and max, clip fraction, loss scale, skipped steps, update ratio, ms per step
+// the columns' values: norm mean and max, clip fraction, loss scale, skipped steps, update ratio,
+// ms per step
 #define STEP_STATS_N_COLUMNS 7
-static const char *const STEP_STATS_COLUMNS = "grad_norm_mean,grad_norm_max,clip_fraction,loss_scale,skipped_steps,"
-                                              "update_ratio,step_ms";
+static const char *const STEP_STATS_COLUMNS =
+        "grad_norm_mean,grad_norm_max,clip_fraction,loss_scale,skipped_steps,"
+        "update_ratio,step_ms";
 static void step_stats_columns(const StepStats *st, double v[STEP_STATS_N_COLUMNS]) {
     const int64_t applied = st->steps - st->skipped;
     v[0] = applied ? st->norm_sum / (double)applied : NAN;
@@ -96,12 +102,14 @@ static void step_stats_columns(const StepStats *st, double v[STEP_STATS_N_COLUMN
 }
 
 static void step_stats_text(const StepStats *st, char *out, size_t size) {
-    snprintf(out, size, "%" PRId64 " %" PRId64 " %" PRId64 " %" PRId64 " %" PRId64 " %a %a %a %a %a %a", st->steps,
-             st->clipped, st->skipped, st->skip_run, st->skip_run_max, st->norm_sum, st->norm_max, st->loss_sum,
-             st->label_sum, st->loss_scale, st->update_ratio);
+    snprintf(out, size,
+             "%" PRId64 " %" PRId64 " %" PRId64 " %" PRId64 " %" PRId64 " %a %a %a %a %a %a",
+             st->steps, st->clipped, st->skipped, st->skip_run, st->skip_run_max, st->norm_sum,
+             st->norm_max, st->loss_sum, st->label_sum, st->loss_scale, st->update_ratio);
 }
 // the text of step_stats_text back, every field checked; -1 with err naming the file and key
-static int step_stats_parse(const char *path, const char *key, const char *text, StepStats *st, char err[SN_ERR_MAX]) {
+static int step_stats_parse(const char *path, const char *key, const char *text, StepStats *st,
+                            char err[SN_ERR_MAX]) {
     int64_t n[5];
     double x[6];
     const char *p = text;
@@ -112,15 +120,20 @@ static int step_stats_parse(const char *path, const char *key, const char *text,
         else x[k - 5] = strtod(p, &end);
         const char sep = k + 1 < STEP_STATS_FIELDS ? ' ' : 0;
         if (end == p || *p == ' ' || errno == ERANGE || *end != sep || (k < 5 && n[k] < 0)) {
-            snprintf(err, SN_ERR_MAX, "%.300s: metadata '%s': item %d is not a number (a damaged checkpoint)", path, key, k + 1);
+            snprintf(err, SN_ERR_MAX,
+                     "%.300s: metadata '%s': item %d is not a number (a damaged checkpoint)", path,
+                     key, k + 1);
             return -1;
         }
         p = end + (sep != 0);
     }
     *st = (StepStats){n[0], n[1], n[2], n[3], n[4], x[0], x[1], x[2], x[3], x[4], x[5], 0.0, 0};
-    if (st->clipped + st->skipped > st->steps || st->skip_run > st->skip_run_max || st->skip_run_max > st->skipped ||
-        !(st->label_sum >= 0) || !(st->loss_scale > 0) || !isfinite(st->loss_scale) || st->update_ratio < 0) {
-        snprintf(err, SN_ERR_MAX, "%.250s: metadata '%s' is '%.120s', counts or figures out of range (a damaged checkpoint)",
+    if (st->clipped + st->skipped > st->steps || st->skip_run > st->skip_run_max ||
+        st->skip_run_max > st->skipped || !(st->label_sum >= 0) || !(st->loss_scale > 0) ||
+        !isfinite(st->loss_scale) || st->update_ratio < 0) {
+        snprintf(err, SN_ERR_MAX,
+                 "%.250s: metadata '%s' is '%.120s', counts or figures out of range (a damaged "
+                 "checkpoint)",
                  path, key, text);
         return -1;
     }
@@ -128,10 +141,22 @@ static int step_stats_parse(const char *path, const char *key, const char *text,
 }
 
 // the communicator of a trainer without replicas
-static LocalGroup comm_one_group = {.size = 1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER,
+static LocalGroup comm_one_group = {.size = 1,
+                                    .mu = PTHREAD_MUTEX_INITIALIZER,
+                                    .cv = PTHREAD_COND_INITIALIZER,
                                     .failed_rank = -1};
-static Comm comm_one = {"local", 0, 1, &comm_one_group, local_allreduce_f32, local_allreduce_f64, local_allreduce_i64,
-                        local_broadcast, local_abort, local_failed_rank, 0, NULL};
+static Comm comm_one = {"local",
+                        0,
+                        1,
+                        &comm_one_group,
+                        local_allreduce_f32,
+                        local_allreduce_f64,
+                        local_allreduce_i64,
+                        local_broadcast,
+                        local_abort,
+                        local_failed_rank,
+                        0,
+                        NULL};
 
 static void trainer_close(Trainer *t) {
     Ops *o = t->o;
@@ -141,11 +166,17 @@ static void trainer_close(Trainer *t) {
         o->free(o, t->stage); o->free(o, t->nonfinite);
         if (t->record) o->record_free(o, t->record);
         if (o->host_free) {
-            o->host_free(o, t->host_args); o->host_free(o, t->host_state); o->host_free(o, t->host_seeds);
+            o->host_free(o, t->host_args);
+            o->host_free(o, t->host_state);
+            o->host_free(o, t->host_seeds);
             o->host_free(o, t->host_images); o->host_free(o, t->host_labels);
         }
     }
-    free(t->ranges); free(t->accum_images); free(t->accum_labels); free(t->bn_host); free(t->resume_cm);
+    free(t->ranges);
+    free(t->accum_images);
+    free(t->accum_labels);
+    free(t->bn_host);
+    free(t->resume_cm);
     free(t->update_host); free(t->steps_csv);
     net_free(&t->net);
     graph_free(&t->g);
@@ -185,7 +216,8 @@ static uint64_t fingerprint_file(uint64_t h, const char *path, const char *root)
     const int64_t size = stat(path, &sb) == 0 ? (int64_t)sb.st_size : -1;
     return fnv1a(fnv1a(h, name, strlen(name) + 1), &size, sizeof size);
 }
-// "<samples> <hash>" of data set d, opened from path (a folder, or a CSV whose folder its paths start from)
+// "<samples> <hash>" of data set d, opened from path (a folder, or a CSV whose folder its paths
+// start from)
 static void data_fingerprint(const Dataset *d, const char *path, char out[64]) {
     char root[OUT_PATH_MAX];
     struct stat sb;
@@ -202,7 +234,8 @@ static void data_fingerprint(const Dataset *d, const char *path, char out[64]) {
 
 // A data set holds something the loss weighs: a pixel (sample) of a class
 // whose weight is above 0. Without one its loss would be 0/0.
-static int dataset_weighted(const Dataset *d, const char *path, const TrainCfg *c, char err[SN_ERR_MAX]) {
+static int dataset_weighted(const Dataset *d, const char *path, const TrainCfg *c,
+                            char err[SN_ERR_MAX]) {
     char held[256] = "";
     int n_held = 0;
     for (int k = 0; k < d->classes; k++) {
@@ -211,8 +244,11 @@ static int dataset_weighted(const Dataset *d, const char *path, const TrainCfg *
         snprintf(item, sizeof item, "%d (weight %g)", k, c->class_weights[k]);
         if (d->class_counts[k]) list_add(held, sizeof held, &n_held, item);
     }
-    snprintf(err, SN_ERR_MAX, "%.200s: not one %s of a class whose weight is above 0: its %s only class%s %s, so its loss "
-             "would be 0/0 (see --class-weights)", path, d->segmentation ? "pixel" : "image",
+    snprintf(err, SN_ERR_MAX,
+             "%.200s: not one %s of a class whose weight is above 0: its %s only class%s %s, so "
+             "its loss "
+             "would be 0/0 (see --class-weights)",
+             path, d->segmentation ? "pixel" : "image",
              d->segmentation ? "masks hold" : "labels are", n_held == 1 ? "" : "es", held);
     return -1;
 }
@@ -222,21 +258,23 @@ static int dataset_weighted(const Dataset *d, const char *path, const TrainCfg *
 static int freeze_apply(Graph *g, const TrainCfg *c, char err[SN_ERR_MAX]) {
     if (!c->freeze_base) {
         if (c->unfreeze_last <= 0) return 0;
-        snprintf(err, SN_ERR_MAX, "--unfreeze-last %d does nothing without --freeze base (every layer trains)", c->unfreeze_last);
+        snprintf(err, SN_ERR_MAX,
+                 "--unfreeze-last %d does nothing without --freeze base (every layer trains)",
+                 c->unfreeze_last);
         return -1;
     }
     const int blocks = graph_freeze_base(g, c->unfreeze_last);
     if (c->unfreeze_last <= blocks) return 0;
-    snprintf(err, SN_ERR_MAX, "--unfreeze-last %d: model '%s' has %d blocks in its backbone", c->unfreeze_last, c->model.model,
-             blocks);
+    snprintf(err, SN_ERR_MAX, "--unfreeze-last %d: model '%s' has %d blocks in its backbone",
+             c->unfreeze_last, c->model.model, blocks);
     return -1;
 }
 
 // Builds the model and opens the data (train may be NULL: evaluation only).
 // comm: the replicas (NULL: none); each builds the model for its shard,
 // model.batch / replicas images.
-static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, const char *val, Comm *comm,
-                           char err[SN_ERR_MAX]) {
+static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, const char *val,
+                           Comm *comm, char err[SN_ERR_MAX]) {
     memset(t, 0, sizeof *t);
     t->c = c;
     t->comm = comm ? comm : &comm_one;
@@ -244,7 +282,9 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     if (input_size_checked(&c->model, err)) return -1;
     const int R = t->comm->size;
     if (c->model.batch % R) {
-        snprintf(err, SN_ERR_MAX, "--batch %d is the global batch: it must be a multiple of the %d replicas", c->model.batch, R);
+        snprintf(err, SN_ERR_MAX,
+                 "--batch %d is the global batch: it must be a multiple of the %d replicas",
+                 c->model.batch, R);
         return -1;
     }
     ModelCfg shard = c->model;
@@ -255,36 +295,49 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     t->K = out.c;
     t->segmentation = !model_is_classifier(c->model.model);
     if (t->segmentation && (out.h != in.h || out.w != in.w)) {
-        snprintf(err, SN_ERR_MAX, "model '%s' gives (%d,%d) logits for (%d,%d) images", c->model.model,
-                 out.h, out.w, in.h, in.w);
+        snprintf(err, SN_ERR_MAX, "model '%s' gives (%d,%d) logits for (%d,%d) images",
+                 c->model.model, out.h, out.w, in.h, in.w);
         return -1;
     }
     int any_weight = 0;
     for (int k = 0; k < t->K; k++) {
         if (!(c->class_weights[k] >= 0.0f) || isinf(c->class_weights[k])) {
-            snprintf(err, SN_ERR_MAX, "class weight %d is %g: weights must be finite and ≥ 0", k, c->class_weights[k]);
+            snprintf(err, SN_ERR_MAX, "class weight %d is %g: weights must be finite and ≥ 0", k,
+                     c->class_weights[k]);
             return -1;
         }
         any_weight |= c->class_weights[k] > 0.0f;
     }
-    if (!any_weight) { snprintf(err, SN_ERR_MAX, "every class weight is 0: nothing to learn"); return -1; }
+    if (!any_weight) {
+        snprintf(err, SN_ERR_MAX, "every class weight is 0: nothing to learn");
+        return -1;
+    }
     if (train) {
-        if (dataset_open(&t->train, train, t->segmentation, t->K, in.h, in.w, c->cache_bytes, c->threads > 0 ? c->threads : 2, err)) return -1;
+        if (dataset_open(&t->train, train, t->segmentation, t->K, in.h, in.w, c->cache_bytes,
+                         c->threads > 0 ? c->threads : 2, err))
+            return -1;
         t->has_train = 1;
         data_fingerprint(&t->train, train, t->data_print);
     }
     if (val) {
-        if (dataset_open_named(&t->val, val, t->segmentation, t->K, in.h, in.w, c->cache_bytes, c->threads > 0 ? c->threads : 2,
-                               train ? &t->train : NULL, err)) return -1;
+        if (dataset_open_named(&t->val, val, t->segmentation, t->K, in.h, in.w, c->cache_bytes,
+                               c->threads > 0 ? c->threads : 2, train ? &t->train : NULL, err))
+            return -1;
         t->has_val = 1;
     }
-    if ((train && dataset_weighted(&t->train, train, c, err)) || (val && dataset_weighted(&t->val, val, c, err))) return -1;
+    if ((train && dataset_weighted(&t->train, train, c, err)) ||
+        (val && dataset_weighted(&t->val, val, c, err)))
+        return -1;
     if (freeze_apply(&t->g, c, err)) return -1;
-    if (c->accum < 1 || c->accum > SN_MAX_ACCUM) { snprintf(err, SN_ERR_MAX, "--accum %d must be 1..%d", c->accum, SN_MAX_ACCUM); return -1; }
+    if (c->accum < 1 || c->accum > SN_MAX_ACCUM) {
+        snprintf(err, SN_ERR_MAX, "--accum %d must be 1..%d", c->accum, SN_MAX_ACCUM);
+        return -1;
+    }
     // the device after every input check: a bad input is one line, without the CPU notice before it
     if (!(t->o = ops_for_device(replica_device(c, t->comm), t->comm->local_rank, err))) return -1;
     Ops *o = t->o;
-    if (net_create_planned(&t->net, &t->g, o, c->precision, 0, t->logits, c->checkpoint, err)) return -1;
+    if (net_create_planned(&t->net, &t->g, o, c->precision, 0, t->logits, c->checkpoint, err))
+        return -1;
     // trainable parameters as runs of the parameter buffer: their gradients
     // and Adam moments are packed in the same order; frozen ones have neither
     const Graph *g = &t->g;
@@ -292,13 +345,16 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     snCheck(t->ranges != NULL, "out of host memory");
     for (int p = 0; p < g->n_params; p++) {  // parameters are laid out in id order
         if (t->net.grad_offset[p] == SIZE_MAX) continue;
-        if (t->n_ranges && t->ranges[t->n_ranges - 1].offset + t->ranges[t->n_ranges - 1].count == g->params[p].offset)
+        if (t->n_ranges && t->ranges[t->n_ranges - 1].offset + t->ranges[t->n_ranges - 1].count ==
+                                   g->params[p].offset)
             t->ranges[t->n_ranges - 1].count += g->params[p].count;
         else
-            t->ranges[t->n_ranges++] = (typeof(*t->ranges)){g->params[p].offset, g->params[p].count};
+            t->ranges[t->n_ranges++] =
+                    (typeof(*t->ranges)){g->params[p].offset, g->params[p].count};
         t->n_trainable += g->params[p].count;
     }
-    snCheck(t->n_trainable == t->net.n_grad_floats, "trainable ranges and gradient layout disagree");
+    snCheck(t->n_trainable == t->net.n_grad_floats,
+            "trainable ranges and gradient layout disagree");
     size_t T = t->n_trainable, labels = (size_t)in.n * (t->segmentation ? (size_t)in.h * in.w : 1);
     t->per_image = t->segmentation ? (size_t)in.h * in.w : 1;
     t->adam_m = o->alloc(o, sizeof(float) * (T ? T : 1));
@@ -311,8 +367,8 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     t->nonfinite = o->alloc(o, sizeof(int32_t));
     const DType dtype = t->net.dtype;  // the storage type, from here on the net's
     t->stage = dtype == DT_F32 ? NULL : o->alloc(o, sizeof(float) * (size_t)in.n * in.h * in.w * 3);
-    if (!t->adam_m || !t->adam_v || !t->class_weights || !t->labels || !t->confusion || !t->args || !t->state ||
-        !t->nonfinite || (dtype != DT_F32 && !t->stage)) {
+    if (!t->adam_m || !t->adam_v || !t->class_weights || !t->labels || !t->confusion || !t->args ||
+        !t->state || !t->nonfinite || (dtype != DT_F32 && !t->stage)) {
         snprintf(err, SN_ERR_MAX, "out of %s memory for the optimiser state", o->name);
         return -1;
     }
@@ -330,7 +386,10 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     if (c->accum > 1) {
         t->accum_images = malloc(sizeof(float) * (size_t)c->accum * in.n * in.h * in.w * 3);
         t->accum_labels = malloc(sizeof(int32_t) * (size_t)c->accum * labels);
-        if (!t->accum_images || !t->accum_labels) { snprintf(err, SN_ERR_MAX, "out of host memory for %d micro-batches", c->accum); return -1; }
+        if (!t->accum_images || !t->accum_labels) {
+            snprintf(err, SN_ERR_MAX, "out of host memory for %d micro-batches", c->accum);
+            return -1;
+        }
     }
     o->fill(o, tensor_f32(t->adam_m, shape4((int)T, 1, 1, 1)), 0.0f);
     o->fill(o, tensor_f32(t->adam_v, shape4((int)T, 1, 1, 1)), 0.0f);
@@ -350,7 +409,8 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     return 0;
 }
 
-static int trainer_open(Trainer *t, const TrainCfg *c, const char *train, const char *val, char err[SN_ERR_MAX]) {
+static int trainer_open(Trainer *t, const TrainCfg *c, const char *train, const char *val,
+                        char err[SN_ERR_MAX]) {
     return trainer_open_on(t, c, train, val, NULL, err);
 }
 
@@ -385,7 +445,8 @@ static int trainer_broadcast(Trainer *t) {
         double best;
         float loss_scale;
         int epoch, best_epoch, bad_epochs, finished;
-    } k = {t->step, t->good_steps, t->best, t->loss_scale, t->epoch, t->best_epoch, t->bad_epochs, t->finished};
+    } k = {t->step,  t->good_steps, t->best,       t->loss_scale,
+           t->epoch, t->best_epoch, t->bad_epochs, t->finished};
     if (comm_broadcast_backend(t, t->net.params, sizeof(float) * g->n_param_floats) ||
         comm_broadcast_backend(t, t->net.buffers, sizeof(float) * g->n_buffer_floats) ||
         comm_broadcast_backend(t, t->adam_m, sizeof(float) * t->n_trainable) ||
@@ -393,7 +454,10 @@ static int trainer_broadcast(Trainer *t) {
         (t->comm->size > 1 && t->comm->broadcast(t->comm, &k, sizeof k, 0)))
         return -1;
     t->step = k.step; t->good_steps = k.good_steps; t->best = k.best; t->loss_scale = k.loss_scale;
-    t->epoch = k.epoch; t->best_epoch = k.best_epoch; t->bad_epochs = k.bad_epochs; t->finished = k.finished;
+    t->epoch = k.epoch;
+    t->best_epoch = k.best_epoch;
+    t->bad_epochs = k.bad_epochs;
+    t->finished = k.finished;
     return 0;
 }
 
@@ -406,8 +470,12 @@ static LoadRules finetune_rules(const TrainCfg *c, char *init, size_t size) {
     const char *model = c->model.model, *own = "";
     LoadRules r = {init, NULL, 0};
     if (eff_spec(model)) own = "classifier.";
-    else if (!strncmp(model, "unet-", 5)) { own = "decoder.,segmentation_head."; r.ignore = "classifier."; }
-    snprintf(init, size, "%s%s%s", own, own[0] && c->allow_missing ? "," : "", c->allow_missing ? c->allow_missing : "");
+    else if (!strncmp(model, "unet-", 5)) {
+        own = "decoder.,segmentation_head.";
+        r.ignore = "classifier.";
+    }
+    snprintf(init, size, "%s%s%s", own, own[0] && c->allow_missing ? "," : "",
+             c->allow_missing ? c->allow_missing : "");
     return r;
 }
 
@@ -419,11 +487,13 @@ static LoadRules finetune_rules(const TrainCfg *c, char *init, size_t size) {
 // Loads the initial weights of a training run (rules above; the report line
 // in `report`, and in *random whether the file says its weights are random),
 // or, with report NULL, weights to evaluate: every tensor.
-static int trainer_load_weights(Trainer *t, const char *path, char *report, int *random, char err[SN_ERR_MAX]) {
+static int trainer_load_weights(Trainer *t, const char *path, char *report, int *random,
+                                char err[SN_ERR_MAX]) {
     SafetensorsFile f;
     if (safetensors_read(path, &f, err)) return -1;
     char init[SN_ERR_MAX];
-    const LoadRules strict = {NULL, NULL, 0}, rules = report ? finetune_rules(t->c, init, sizeof init) : strict;
+    const LoadRules strict = {NULL, NULL, 0},
+                    rules = report ? finetune_rules(t->c, init, sizeof init) : strict;
     int rc = net_load_weights_rules(&t->net, &f, path, &rules, report, err);
     const char *kind = safetensors_meta(&f, WEIGHTS_KIND_KEY);
     if (random) *random = kind && !strcmp(kind, WEIGHTS_RANDOM);
@@ -431,21 +501,23 @@ static int trainer_load_weights(Trainer *t, const char *path, char *report, int 
     return rc;
 }
 
-static void progress_line(const Trainer *t, int training, int batch_no, int n_batches, double t0, int64_t images,
-                          const PassTotals *pt, int tty) {
+static void progress_line(const Trainer *t, int training, int batch_no, int n_batches, double t0,
+                          int64_t images, const PassTotals *pt, int tty) {
     double el = now_seconds() - t0, eta = batch_no ? el / batch_no * (n_batches - batch_no) : 0.0;
     Metrics m;
     double iou[SN_MAX_CLASSES];
     m.iou = iou;
     metrics_compute(pt->cm, t->K, t->c->class_weights, &m);
     fprintf(stderr, "%sepoch %d/%d %s %d/%d  %d:%02d left  %.1f img/s  loss %.4f  %s %.4f%s",
-            tty ? "\r" : "", t->epoch + 1, t->c->epochs, training ? "train" : "val", batch_no, n_batches,
-            (int)eta / 60, (int)eta % 60, el > 0 ? images / el : 0.0, pt->loss_sum / pt->norm_sum,
-            t->segmentation ? "mIoU" : "accuracy", t->segmentation ? m.mean_iou : m.accuracy, tty ? "\033[K" : "\n");
+            tty ? "\r" : "", t->epoch + 1, t->c->epochs, training ? "train" : "val", batch_no,
+            n_batches, (int)eta / 60, (int)eta % 60, el > 0 ? images / el : 0.0,
+            pt->loss_sum / pt->norm_sum, t->segmentation ? "mIoU" : "accuracy",
+            t->segmentation ? m.mean_iou : m.accuracy, tty ? "\033[K" : "\n");
     fflush(stderr);
 }
 
-// steps.csv's row for the steps since the last one (every replica calls it: the loss is summed over them)
+// steps.csv's row for the steps since the last one (every replica calls it: the loss is summed over
+// them)
 static int steps_log_row(Trainer *t, double lr) {
     StepStats *st = &t->log_stats;
     double sums[2] = {st->loss_sum, st->label_sum}, v[STEP_STATS_N_COLUMNS];
@@ -453,7 +525,8 @@ static int steps_log_row(Trainer *t, double lr) {
     if (t->steps_csv) {
         SfBuf row = {0};
         char s[96], lr_text[32];
-        snprintf(s, sizeof s, "%" PRId64 ",%d,%s", t->step, t->epoch + 1, float_str(lr_text, (float)lr));
+        snprintf(s, sizeof s, "%" PRId64 ",%d,%s", t->step, t->epoch + 1,
+                 float_str(lr_text, (float)lr));
         sb_str(&row, s);
         csv_num(&row, sums[1] > 0 ? sums[0] / sums[1] : NAN);
         step_stats_columns(st, v);
@@ -462,7 +535,9 @@ static int steps_log_row(Trainer *t, double lr) {
         sb_put(&row, "", 1);
         FILE *f = row.oom ? NULL : fopen(t->steps_csv, "a");
         if (!f || fputs(row.p, f) < 0 || fclose(f)) {
-            fprintf(stderr, "segnet train: warning: %s: cannot append (%s); steps.csv is not written from here on\n",
+            fprintf(stderr,
+                    "segnet train: warning: %s: cannot append (%s); steps.csv is not written from "
+                    "here on\n",
                     t->steps_csv, strerror(errno));
             free(t->steps_csv);
             t->steps_csv = NULL;
@@ -486,7 +561,9 @@ static int reduce_totals(Trainer *t, PassTotals *pt) {
     Comm *comm = t->comm;
     if (comm->size == 1) return 0;
     double sums[2] = {pt->loss_sum, pt->norm_sum};
-    if (comm->allreduce_f64(comm, sums, 2) || comm->allreduce_i64(comm, pt->cm, (size_t)t->K * t->K)) return -1;
+    if (comm->allreduce_f64(comm, sums, 2) ||
+        comm->allreduce_i64(comm, pt->cm, (size_t)t->K * t->K))
+        return -1;
     pt->loss_sum = sums[0];
     pt->norm_sum = sums[1];
     return 0;
@@ -514,17 +591,20 @@ static int interrupt_poll(Trainer *t) {
 // another replica; the signal when interrupted after a step (training: t->resume_batch
 // says where the pass goes on; pt holds this replica's totals so far, not
 // summed over the replicas).
-static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, char err[SN_ERR_MAX]) {
+static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
+                    char err[SN_ERR_MAX]) {
     const TrainCfg *c = t->c;
     Ops *o = t->o;
     Net *net = &t->net;
     Comm *comm = t->comm;
     const int B = c->model.batch, N = t->shard, K = t->K, R = comm->size;
     const Shape in = t->g.tensors[t->g.input].shape;
-    int *order = malloc(sizeof(int) * (size_t)(d->n ? d->n : 1)), *mine = malloc(sizeof(int) * (size_t)(d->n ? d->n : 1));
+    int *order = malloc(sizeof(int) * (size_t)(d->n ? d->n : 1)),
+        *mine = malloc(sizeof(int) * (size_t)(d->n ? d->n : 1));
     snCheck(order && mine, "out of host memory");
     for (int i = 0; i < d->n; i++) order[i] = i;
-    uint64_t epoch_seed = rng_mix64(c->seed ^ rng_mix64(0x7261696e00000000ull + (uint64_t)t->epoch));
+    uint64_t epoch_seed =
+            rng_mix64(c->seed ^ rng_mix64(0x7261696e00000000ull + (uint64_t)t->epoch));
     if (training) {  // Fisher-Yates with the epoch's own stream
         Rng r;
         rng_seed(&r, epoch_seed);
@@ -541,11 +621,14 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
         for (int i = lo; i < hi; i++) mine[n_mine++] = order[j * B + i];
         if (j + 1 == start) skip = n_mine;  // an interrupted epoch goes on after its last step
     }
-    Loader *L = n_mine > skip ? loader_start(d, mine + skip, n_mine - skip, N, training ? &c->augment : NULL,
-                                             rng_mix64(epoch_seed + 1), c->workers, 4) : NULL;
+    Loader *L = n_mine > skip ? loader_start(d, mine + skip, n_mine - skip, N,
+                                             training ? &c->augment : NULL,
+                                             rng_mix64(epoch_seed + 1), c->workers, 4)
+                              : NULL;
     o->fill(o, tensor_f32((float *)t->confusion, shape4(2 * K * K, 1, 1, 1)), 0.0f);  // int64 zeros
     pt->loss_sum = pt->norm_sum = 0.0;
-    if (training && !start) step_stats_reset(&t->epoch_stats);  // else load_checkpoint restored them
+    // else load_checkpoint restored them
+    if (training && !start) step_stats_reset(&t->epoch_stats);
     if (start) {  // the totals of the batches before it, as this replica had them
         o->upload(o, t->confusion, t->resume_cm, sizeof(int64_t) * K * K);
         pt->loss_sum = t->resume_loss_sum;
@@ -561,7 +644,8 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
     const size_t image_floats = (size_t)N * in.h * in.w * 3, label_count = (size_t)N * t->per_image;
     double t0 = now_seconds();
     int64_t images = 0;
-    int pending = 0, rc = 0, stopped = 0, stop_signal = 0;  // pending: micro-batches gathered for the next optimiser step
+    // pending: micro-batches gathered for the next optimiser step
+    int pending = 0, rc = 0, stopped = 0, stop_signal = 0;
     MicroBatch mb[SN_MAX_ACCUM];
     for (int j = start; j < n_batches && rc == 0 && !stopped; j++) {
         const int nj = d->n - j * B < B ? d->n - j * B : B;
@@ -578,30 +662,40 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
             shard = (MicroBatch){b->n, b->images, b->labels, pending * B + lo};
         }
         int step_rc = 0;
-        t->measure_update = training && j + 1 == n_batches;  // the epoch's last step (train_step clears it)
+        // the epoch's last step (train_step clears it)
+        t->measure_update = training && j + 1 == n_batches;
         if (training && c->accum == 1) {
             step_rc = train_step(t, &shard, 1, pt);
         } else if (training) {  // the loader reuses its buffers: keep copies until the step
             if (shard.n) {
-                memcpy(t->accum_images + pending * image_floats, shard.images, sizeof(float) * (size_t)shard.n * in.h * in.w * 3);
-                memcpy(t->accum_labels + pending * label_count, shard.labels, sizeof(int32_t) * (size_t)shard.n * t->per_image);
+                memcpy(t->accum_images + pending * image_floats, shard.images,
+                       sizeof(float) * (size_t)shard.n * in.h * in.w * 3);
+                memcpy(t->accum_labels + pending * label_count, shard.labels,
+                       sizeof(int32_t) * (size_t)shard.n * t->per_image);
             }
-            mb[pending] = (MicroBatch){shard.n, t->accum_images + pending * image_floats, t->accum_labels + pending * label_count,
-                                       shard.first};
-            if (++pending == c->accum || j + 1 == n_batches) { step_rc = train_step(t, mb, pending, pt); pending = 0; }
+            mb[pending] = (MicroBatch){shard.n, t->accum_images + pending * image_floats,
+                                       t->accum_labels + pending * label_count, shard.first};
+            if (++pending == c->accum || j + 1 == n_batches) {
+                step_rc = train_step(t, mb, pending, pt);
+                pending = 0;
+            }
         } else if (shard.n) {
             pt->loss_sum += eval_batch(t, &shard);
             size_t n_labels = (size_t)shard.n * t->per_image;
-            pt->norm_sum += c->loss_norm_keras ? (double)n_labels : label_weight_sum(shard.labels, n_labels, c->class_weights, K);
+            pt->norm_sum += c->loss_norm_keras
+                                    ? (double)n_labels
+                                    : label_weight_sum(shard.labels, n_labels, c->class_weights, K);
         }
         if (step_rc < 0) { rc = -1; break; }
-        if (!training || pending == 0) {  // a step (or a validation batch) is complete: stop here if asked
+        // a step (or a validation batch) is complete: stop here if asked
+        if (!training || pending == 0) {
             const int sig = interrupt_poll(t);
             if (sig < 0) { rc = -1; break; }
             if (sig) { stopped = j + 1; stop_signal = sig; }
         }
         images += nj;
-        if (c->progress && (training || (tty && R == 1)) && ((j + 1) % every == 0 || j + 1 == n_batches)) {
+        if (c->progress && (training || (tty && R == 1)) &&
+            ((j + 1) % every == 0 || j + 1 == n_batches)) {
             o->download(o, pt->cm, t->confusion, sizeof(int64_t) * K * K);
             PassTotals now = *pt;
             if (R > 1) {
@@ -610,7 +704,8 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
                 memcpy(now.cm, pt->cm, sizeof(int64_t) * K * K);
                 rc = reduce_totals(t, &now);
             }
-            if (rc == 0 && comm->rank == 0) progress_line(t, training, j + 1, n_batches, t0, images, &now, tty);
+            if (rc == 0 && comm->rank == 0)
+                progress_line(t, training, j + 1, n_batches, t0, images, &now, tty);
             if (R > 1) free(now.cm);
         }
     }
@@ -623,7 +718,8 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt, 
         if (c->progress && tty) fputs("\r\033[K", stderr);
         return stop_signal;
     }
-    if (rc == -2) {  // this replica failed: the others stop at their next collective (mpi: the job ends)
+    // this replica failed: the others stop at their next collective (mpi: the job ends)
+    if (rc == -2) {
         if (R > 1) {
             char why[SN_ERR_MAX];
             snprintf(why, sizeof why, "rank %d: %.480s", comm->rank, err);
@@ -647,14 +743,18 @@ static int write_text_atomic(const char *path, const char *text, char err[SN_ERR
     return file_write_atomic(path, parts, sizes, 1, err);
 }
 
-static void run_path(char *buf, size_t size, const char *run, const char *file) { snprintf(buf, size, "%s/%s", run, file); }
+static void run_path(char *buf, size_t size, const char *run, const char *file) {
+    snprintf(buf, size, "%s/%s", run, file);
+}
 
 // Checkpoint = weights and BN statistics (PyTorch layout, loadable as weights)
 // + train_state.adam_m / adam_v (the trainable parameters in segnet's order)
 // + the counters as metadata.
 #define CHECKPOINT_KEYS 9
 static const char *const CHECKPOINT_META[CHECKPOINT_KEYS] = {
-    "epoch", "step", "seed", "best_loss", "best_epoch", "bad_epochs", "finished", "loss_scale", "loss_scale_good_steps"};
+        "epoch",     "step",       "seed",
+        "best_loss", "best_epoch", "bad_epochs",
+        "finished",  "loss_scale", "loss_scale_good_steps"};
 // An epoch interrupted part-way: the global batch its training pass goes on
 // at, and each replica's totals so far (metadata "batch" and "pass_totals":
 // per replica `loss_sum norm_sum cm[0] ... cm[K·K-1]` with exact hex floats,
@@ -665,7 +765,11 @@ typedef struct {
     int64_t *cms;   // (replicas, K, K) confusion counts
 } PassSaved;
 
-static void pass_saved_free(PassSaved *ps) { free(ps->sums); free(ps->cms); memset(ps, 0, sizeof *ps); }
+static void pass_saved_free(PassSaved *ps) {
+    free(ps->sums);
+    free(ps->cms);
+    memset(ps, 0, sizeof *ps);
+}
 
 static char *pass_totals_text(const PassSaved *ps) {
     SfBuf b = {0};
@@ -683,12 +787,15 @@ static char *pass_totals_text(const PassSaved *ps) {
     return b.p;
 }
 
-static int pass_totals_parse(const char *path, const char *text, int K, PassSaved *ps, char err[SN_ERR_MAX]) {
+static int pass_totals_parse(const char *path, const char *text, int K, PassSaved *ps,
+                             char err[SN_ERR_MAX]) {
     int R = 1;
     for (const char *p = text; *p; p++) R += *p == ';';
     if (R > SN_MAX_REPLICAS) {
-        snprintf(err, SN_ERR_MAX, "%.300s: metadata 'pass_totals' holds %d replicas, more than %d (a damaged checkpoint)", path, R,
-                 SN_MAX_REPLICAS);
+        snprintf(err, SN_ERR_MAX,
+                 "%.300s: metadata 'pass_totals' holds %d replicas, more than %d (a damaged "
+                 "checkpoint)",
+                 path, R, SN_MAX_REPLICAS);
         return -1;
     }
     const size_t KK = (size_t)K * K;
@@ -707,8 +814,11 @@ static int pass_totals_parse(const char *path, const char *text, int K, PassSave
             const int count_ok = k < 2 || (errno != ERANGE && ps->cms[(size_t)r * KK + k - 2] >= 0);
             const char sep = k + 1 < 2 + KK ? ' ' : r + 1 < R ? ';' : 0;
             if (end == p || *p == ' ' || !count_ok || *end != sep) {
-                snprintf(err, SN_ERR_MAX, "%.300s: metadata 'pass_totals': replica %d, item %zu is not what %d classes need "
-                         "(a damaged checkpoint)", path, r, k + 1, K);
+                snprintf(err, SN_ERR_MAX,
+                         "%.300s: metadata 'pass_totals': replica %d, item %zu is not what %d "
+                         "classes need "
+                         "(a damaged checkpoint)",
+                         path, r, k + 1, K);
                 return -1;
             }
             p = end + (sep != 0);
@@ -725,15 +835,21 @@ static int model_finite(Trainer *t, char which[SN_ERR_MAX]) {
     Ops *o = t->o;
     const Graph *g = &t->g;
     const size_t T = t->n_trainable;
-    const struct { const float *data; size_t n; } parts[4] = {
-        {t->net.params, g->n_param_floats}, {t->net.buffers, g->n_buffer_floats}, {t->adam_m, T}, {t->adam_v, T}};
+    const struct { const float *data; size_t n;
+    } parts[4] = {{t->net.params, g->n_param_floats},
+                  {t->net.buffers, g->n_buffer_floats},
+                  {t->adam_m, T},
+                  {t->adam_v, T}};
     int32_t flag = 0;
     o->upload(o, t->nonfinite, &flag, sizeof flag);
     for (int k = 0; k < 4; k++)
-        if (parts[k].n) o->nonfinite(o, tensor_f32((float *)parts[k].data, shape4((int)parts[k].n, 1, 1, 1)), t->nonfinite);
+        if (parts[k].n)
+            o->nonfinite(o, tensor_f32((float *)parts[k].data, shape4((int)parts[k].n, 1, 1, 1)),
+                         t->nonfinite);
     o->download(o, &flag, t->nonfinite, sizeof flag);
     if (!flag) return 0;
-    snprintf(which, SN_ERR_MAX, "a tensor holds NaN or inf");  // unless one is found below (the flag is all the backend says)
+    // unless one is found below (the flag is all the backend says)
+    snprintf(which, SN_ERR_MAX, "a tensor holds NaN or inf");
     for (int k = 0; k < 4; k++) {
         float *host = malloc(sizeof(float) * (parts[k].n ? parts[k].n : 1));
         snCheck(host != NULL, "out of host memory");
@@ -747,7 +863,10 @@ static int model_finite(Trainer *t, char which[SN_ERR_MAX]) {
             for (size_t j = 0; j < p->count; j++) bad += !isfinite(host[at + j]);
             if (!bad) continue;
             snprintf(which, SN_ERR_MAX, "%s%.200s holds NaN or inf (%zu of its %zu values)",
-                     k == 2 ? "Adam's first moment of " : k == 3 ? "Adam's second moment of " : "", p->name, bad, p->count);
+                     k == 2   ? "Adam's first moment of "
+                     : k == 3 ? "Adam's second moment of "
+                              : "",
+                     p->name, bad, p->count);
             free(host);
             return -1;
         }
@@ -772,12 +891,15 @@ static int model_finite(Trainer *t, char which[SN_ERR_MAX]) {
 #define RESUME_SETTINGS_KEY "settings"
 static const char *const RESUME_FIXED[] = {"size", "class-weights", "loss-norm", "monitor"};
 
-// the settings that shape a step, `--flag=value` items separated by spaces (NUL-terminated, malloc'd)
+// the settings that shape a step, `--flag=value` items separated by spaces (NUL-terminated,
+// malloc'd)
 static char *step_settings_text(const TrainCfg *c) {
     SfBuf b = {0};
     char s[160];
-    snprintf(s, sizeof s, "size=%dx%d loss-norm=%s monitor=%s batch=%d accum=%d class-weights=", c->model.height,
-             c->model.width, c->loss_norm_keras ? "keras" : "weighted", monitor_name(c), c->model.batch, c->accum);
+    snprintf(s, sizeof s,
+             "size=%dx%d loss-norm=%s monitor=%s batch=%d accum=%d class-weights=", c->model.height,
+             c->model.width, c->loss_norm_keras ? "keras" : "weighted", monitor_name(c),
+             c->model.batch, c->accum);
     sb_str(&b, s);
     class_weights_text(c, &b);
     sb_str(&b, " augment=");
@@ -802,8 +924,10 @@ static const char *setting_in(const char *text, const char *key, int *len) {
 // for a change that may not happen now (mid: the checkpoint is inside an
 // epoch), else 0, the changes said on stderr. A checkpoint from before they
 // were recorded is taken as it is.
-static int resume_compare(const Trainer *t, const char *path, const SafetensorsFile *f, int mid, char err[SN_ERR_MAX]) {
-    const char *saved = safetensors_meta(f, RESUME_SETTINGS_KEY), *data = safetensors_meta(f, RESUME_DATA_KEY);
+static int resume_compare(const Trainer *t, const char *path, const SafetensorsFile *f, int mid,
+                          char err[SN_ERR_MAX]) {
+    const char *saved = safetensors_meta(f, RESUME_SETTINGS_KEY),
+               *data = safetensors_meta(f, RESUME_DATA_KEY);
     const int epoch = t->epoch + 1;  // the epoch that goes on (mid) or starts
     int rc = 0;
     if (saved) {
@@ -818,21 +942,29 @@ static int resume_compare(const Trainer *t, const char *path, const SafetensorsF
             const char *was = setting_in(saved, key, &was_len);
             if (!was || (was_len == vlen && !memcmp(was, value, (size_t)vlen))) continue;
             int fixed = 0;
-            for (size_t k = 0; k < sizeof RESUME_FIXED / sizeof *RESUME_FIXED; k++) fixed |= !strcmp(key, RESUME_FIXED[k]);
+            for (size_t k = 0; k < sizeof RESUME_FIXED / sizeof *RESUME_FIXED; k++)
+                fixed |= !strcmp(key, RESUME_FIXED[k]);
             if (fixed) {
-                snprintf(err, SN_ERR_MAX, "%.150s: --%s %.*s, but the run was trained with %.*s: it defines the loss that "
-                         "best.safetensors is judged by, so it stays for the whole run (a new run can start from the "
-                         "weights: --weights RUN/best.safetensors)", path, key, vlen > 40 ? 40 : vlen, value,
-                         was_len > 40 ? 40 : was_len, was);
+                snprintf(err, SN_ERR_MAX,
+                         "%.150s: --%s %.*s, but the run was trained with %.*s: it defines the "
+                         "loss that "
+                         "best.safetensors is judged by, so it stays for the whole run (a new run "
+                         "can start from the "
+                         "weights: --weights RUN/best.safetensors)",
+                         path, key, vlen > 40 ? 40 : vlen, value, was_len > 40 ? 40 : was_len, was);
                 rc = -1;
             } else if (mid) {
-                snprintf(err, SN_ERR_MAX, "%.150s: --%s %.*s, but the run was interrupted inside epoch %d with %.*s: that "
-                         "epoch goes on only as it began (resume without the change; it may change between epochs)", path,
-                         key, vlen > 40 ? 40 : vlen, value, epoch, was_len > 40 ? 40 : was_len, was);
+                snprintf(err, SN_ERR_MAX,
+                         "%.150s: --%s %.*s, but the run was interrupted inside epoch %d with "
+                         "%.*s: that "
+                         "epoch goes on only as it began (resume without the change; it may change "
+                         "between epochs)",
+                         path, key, vlen > 40 ? 40 : vlen, value, epoch,
+                         was_len > 40 ? 40 : was_len, was);
                 rc = -1;
             } else if (t->c->progress) {
-                fprintf(stderr, "segnet train: --%s %.*s from epoch %d on (until now %.*s)\n", key, vlen, value, epoch,
-                        was_len, was);
+                fprintf(stderr, "segnet train: --%s %.*s from epoch %d on (until now %.*s)\n", key,
+                        vlen, value, epoch, was_len, was);
             }
         }
         free(now);
@@ -844,23 +976,34 @@ static int resume_compare(const Trainer *t, const char *path, const SafetensorsF
         sscanf(data, "%d", &was_n);
         if (strcmp(data, now)) {
             char what[160];
-            if (was_n != now_n) snprintf(what, sizeof what, "%d samples, the run's had %d", now_n, was_n);
-            else snprintf(what, sizeof what, "%d samples as before, but not the same files (names, sizes or labels)", now_n);
+            if (was_n != now_n)
+                snprintf(what, sizeof what, "%d samples, the run's had %d", now_n, was_n);
+            else
+                snprintf(what, sizeof what,
+                         "%d samples as before, but not the same files (names, sizes or labels)",
+                         now_n);
             if (mid) {
-                snprintf(err, SN_ERR_MAX, "%.120s: the training set %.100s has %.100s: the run was interrupted inside epoch %d, "
-                         "whose order and place are those of its data (restore it to finish the epoch)", path, t->c->data,
-                         what, epoch);
+                snprintf(err, SN_ERR_MAX,
+                         "%.120s: the training set %.100s has %.100s: the run was interrupted "
+                         "inside epoch %d, "
+                         "whose order and place are those of its data (restore it to finish the "
+                         "epoch)",
+                         path, t->c->data, what, epoch);
                 rc = -1;
             } else if (t->c->progress) {
-                fprintf(stderr, "segnet train: the training set %s has changed since the last checkpoint: %s; it is used "
-                        "from epoch %d on\n", t->c->data, what, epoch);
+                fprintf(stderr,
+                        "segnet train: the training set %s has changed since the last checkpoint: "
+                        "%s; it is used "
+                        "from epoch %d on\n",
+                        t->c->data, what, epoch);
             }
         }
     }
     return rc;
 }
 
-static int save_checkpoint(const Trainer *t, const char *path, const PassSaved *ps, char err[SN_ERR_MAX]) {
+static int save_checkpoint(const Trainer *t, const char *path, const PassSaved *ps,
+                           char err[SN_ERR_MAX]) {
     Ops *o = t->o;
     size_t P = t->n_trainable;
     float *m = malloc(sizeof(float) * (P ? P : 1)), *v = malloc(sizeof(float) * (P ? P : 1));
@@ -870,7 +1013,8 @@ static int save_checkpoint(const Trainer *t, const char *path, const PassSaved *
     SafetensorsTensor extra[2];
     memset(extra, 0, sizeof extra);
     for (int k = 0; k < 2; k++) {
-        snprintf(extra[k].name, sizeof extra[k].name, TRAIN_STATE_PREFIX "%s", k ? "adam_v" : "adam_m");
+        snprintf(extra[k].name, sizeof extra[k].name, TRAIN_STATE_PREFIX "%s",
+                 k ? "adam_v" : "adam_m");
         extra[k].dtype = DT_F32;
         extra[k].ndim = 1;
         extra[k].dims[0] = (int64_t)P;
@@ -917,24 +1061,30 @@ static int save_checkpoint(const Trainer *t, const char *path, const PassSaved *
 
 // A checkpoint's metadata is input like any file: each counter an integer in
 // its range, each figure a number, or the checkpoint is refused naming both.
-static int meta_int(const char *path, const char *key, const char *text, int64_t lo, int64_t hi, int64_t *v,
-                    char err[SN_ERR_MAX]) {
+static int meta_int(const char *path, const char *key, const char *text, int64_t lo, int64_t hi,
+                    int64_t *v, char err[SN_ERR_MAX]) {
     char *end;
     errno = 0;
     long long x = strtoll(text, &end, 10);
-    if (!text[0] || *end || errno == ERANGE || x < lo || x > hi || isspace((unsigned char)text[0])) {
-        snprintf(err, SN_ERR_MAX, "%.400s: metadata '%s' is '%.40s', not an integer in %" PRId64 "..%" PRId64 " (a damaged checkpoint)",
+    if (!text[0] || *end || errno == ERANGE || x < lo || x > hi ||
+        isspace((unsigned char)text[0])) {
+        snprintf(err, SN_ERR_MAX,
+                 "%.400s: metadata '%s' is '%.40s', not an integer in %" PRId64 "..%" PRId64
+                 " (a damaged checkpoint)",
                  path, key, text, lo, hi);
         return -1;
     }
     *v = x;
     return 0;
 }
-static int meta_num(const char *path, const char *key, const char *text, double *v, char err[SN_ERR_MAX]) {
+static int meta_num(const char *path, const char *key, const char *text, double *v,
+                    char err[SN_ERR_MAX]) {
     char *end;
     *v = strtod(text, &end);
     if (!text[0] || *end || isnan(*v) || isspace((unsigned char)text[0])) {
-        snprintf(err, SN_ERR_MAX, "%.400s: metadata '%s' is '%.40s', not a number (a damaged checkpoint)", path, key, text);
+        snprintf(err, SN_ERR_MAX,
+                 "%.400s: metadata '%s' is '%.40s', not a number (a damaged checkpoint)", path, key,
+                 text);
         return -1;
     }
     return 0;
@@ -946,8 +1096,8 @@ typedef struct {
     double best, loss_scale;
 } CheckpointCounters;
 
-static int checkpoint_counters(const char *path, const char *const val[CHECKPOINT_KEYS], CheckpointCounters *k,
-                               char err[SN_ERR_MAX]) {
+static int checkpoint_counters(const char *path, const char *const val[CHECKPOINT_KEYS],
+                               CheckpointCounters *k, char err[SN_ERR_MAX]) {
     const int64_t most = (int64_t)1 << 53;  // exact in a double: steps and epochs of any real run
     if (meta_int(path, "epoch", val[0], 0, INT32_MAX - 1, &k->epoch, err) ||
         meta_int(path, "step", val[1], 0, most, &k->step, err) ||
@@ -959,11 +1109,17 @@ static int checkpoint_counters(const char *path, const char *const val[CHECKPOIN
         meta_int(path, "loss_scale_good_steps", val[8], 0, k->step, &k->good_steps, err))
         return -1;
     if (!(k->loss_scale > 0.0 && k->loss_scale <= FLT_MAX)) {
-        snprintf(err, SN_ERR_MAX, "%.300s: metadata 'loss_scale' is '%.40s', not a positive float (a damaged checkpoint)", path, val[7]);
+        snprintf(err, SN_ERR_MAX,
+                 "%.300s: metadata 'loss_scale' is '%.40s', not a positive float (a damaged "
+                 "checkpoint)",
+                 path, val[7]);
         return -1;
     }
-    if ((k->best_epoch == 0) != (k->best == INFINITY)) {  // no best epoch yet exactly when nothing was finite
-        snprintf(err, SN_ERR_MAX, "%.300s: metadata 'best_loss' '%.40s' does not fit 'best_epoch' %" PRId64 " (a damaged checkpoint)",
+    // no best epoch yet exactly when nothing was finite
+    if ((k->best_epoch == 0) != (k->best == INFINITY)) {
+        snprintf(err, SN_ERR_MAX,
+                 "%.300s: metadata 'best_loss' '%.40s' does not fit 'best_epoch' %" PRId64
+                 " (a damaged checkpoint)",
                  path, val[3], k->best_epoch);
         return -1;
     }
@@ -976,35 +1132,45 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
     SafetensorsFile f;
     if (safetensors_read(path, &f, err)) return -1;
     size_t P = t->n_trainable;
-    const SafetensorsTensor *m = safetensors_find(&f, TRAIN_STATE_PREFIX "adam_m"), *v = safetensors_find(&f, TRAIN_STATE_PREFIX "adam_v");
+    const SafetensorsTensor *m = safetensors_find(&f, TRAIN_STATE_PREFIX "adam_m"),
+                            *v = safetensors_find(&f, TRAIN_STATE_PREFIX "adam_v");
     const char *val[CHECKPOINT_KEYS];
     CheckpointCounters k;
     int rc = -1;
     for (int i = 0; i < CHECKPOINT_KEYS; i++)
         if (!(val[i] = safetensors_meta(&f, CHECKPOINT_META[i]))) {
-            snprintf(err, SN_ERR_MAX, "%.400s: not a segnet checkpoint (no '%s' in its metadata)", path, CHECKPOINT_META[i]);
+            snprintf(err, SN_ERR_MAX, "%.400s: not a segnet checkpoint (no '%s' in its metadata)",
+                     path, CHECKPOINT_META[i]);
             goto done;
         }
-    const LoadRules check = {NULL, NULL, 1};  // the model's tensors first: an edited config.txt shows here
+    // the model's tensors first: an edited config.txt shows here
+    const LoadRules check = {NULL, NULL, 1};
     if (net_load_weights_rules(&t->net, &f, path, &check, NULL, err)) {
         const size_t len = strlen(err);
-        snprintf(err + len, SN_ERR_MAX - len, " (the model of config.txt and the options is not the run's?)");
+        snprintf(err + len, SN_ERR_MAX - len,
+                 " (the model of config.txt and the options is not the run's?)");
         goto done;
     }
     if (!m || !v || m->numel != P || v->numel != P || m->dtype != DT_F32 || v->dtype != DT_F32) {
-        snprintf(err, SN_ERR_MAX, "%.400s: the optimiser state (" TRAIN_STATE_PREFIX "adam_m/adam_v, %zu floats each) is missing or of another size",
+        snprintf(err, SN_ERR_MAX,
+                 "%.400s: the optimiser state (" TRAIN_STATE_PREFIX
+                 "adam_m/adam_v, %zu floats each) is missing or of another size",
                  path, P);
         goto done;
     }
     char seed_text[32];
     snprintf(seed_text, sizeof seed_text, "%" PRIu64, t->c->seed);
     if (strcmp(val[2], seed_text)) {
-        snprintf(err, SN_ERR_MAX, "--seed %s, but the run was trained with seed %.40s (%.200s): a resumed run keeps its "
-                 "seed, which its data order, augmentation and dropout follow", seed_text, val[2], path);
+        snprintf(err, SN_ERR_MAX,
+                 "--seed %s, but the run was trained with seed %.40s (%.200s): a resumed run keeps "
+                 "its "
+                 "seed, which its data order, augmentation and dropout follow",
+                 seed_text, val[2], path);
         goto done;
     }
     if (checkpoint_counters(path, val, &k, err)) goto done;
-    const char *batch = safetensors_meta(&f, "batch"), *totals = safetensors_meta(&f, "pass_totals");
+    const char *batch = safetensors_meta(&f, "batch"),
+               *totals = safetensors_meta(&f, "pass_totals");
     t->epoch = (int)k.epoch;  // for resume_compare's messages (restored with the rest below)
     if (resume_compare(t, path, &f, batch || totals, err)) goto done;
     memset(ps, 0, sizeof *ps);
@@ -1012,14 +1178,18 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
         const int n_batches = (t->train.n + t->c->model.batch - 1) / t->c->model.batch;
         int64_t b;
         if (!batch || !totals) {
-            snprintf(err, SN_ERR_MAX, "%.300s: metadata has '%s' without '%s' (a damaged checkpoint)", path,
+            snprintf(err, SN_ERR_MAX,
+                     "%.300s: metadata has '%s' without '%s' (a damaged checkpoint)", path,
                      batch ? "batch" : "pass_totals", batch ? "pass_totals" : "batch");
             goto done;
         }
         if (meta_int(path, "batch", batch, 1, INT32_MAX, &b, err)) goto done;
         if (b > n_batches || (b < n_batches && b % t->c->accum)) {
-            snprintf(err, SN_ERR_MAX, "%.300s: interrupted at batch %" PRId64 " of an epoch, but the training set has %d batches of %d%s "
-                     "(its images changed, or --accum?)", path, b, n_batches, t->c->model.batch,
+            snprintf(err, SN_ERR_MAX,
+                     "%.300s: interrupted at batch %" PRId64
+                     " of an epoch, but the training set has %d batches of %d%s "
+                     "(its images changed, or --accum?)",
+                     path, b, n_batches, t->c->model.batch,
                      t->c->accum > 1 ? " in steps of --accum" : "");
             goto done;
         }
@@ -1027,7 +1197,8 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
         if (pass_totals_parse(path, totals, t->K, ps, err)) { pass_saved_free(ps); goto done; }
     }
     // the diagnostics so far (a checkpoint without them: from here on)
-    const char *epoch_stats = safetensors_meta(&f, "epoch_stats"), *log_stats = safetensors_meta(&f, "log_stats");
+    const char *epoch_stats = safetensors_meta(&f, "epoch_stats"),
+               *log_stats = safetensors_meta(&f, "log_stats");
     StepStats es, ls;
     step_stats_reset(&es);
     step_stats_reset(&ls);
@@ -1036,15 +1207,20 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
         pass_saved_free(ps);
         goto done;
     }
-    float *host_m = malloc(sizeof(float) * (P ? P : 1)), *host_v = malloc(sizeof(float) * (P ? P : 1));
+    float *host_m = malloc(sizeof(float) * (P ? P : 1)),
+          *host_v = malloc(sizeof(float) * (P ? P : 1));
     snCheck(host_m && host_v, "out of host memory");
     safetensors_tensor_f32(m, host_m);
     safetensors_tensor_f32(v, host_v);
     size_t bad = P;  // Adam's second moment is a mean of squares: never negative
-    for (size_t i = 0; i < P && bad == P; i++) if (!isfinite(host_m[i]) || !isfinite(host_v[i]) || host_v[i] < 0.0f) bad = i;
+    for (size_t i = 0; i < P && bad == P; i++)
+        if (!isfinite(host_m[i]) || !isfinite(host_v[i]) || host_v[i] < 0.0f) bad = i;
     if (bad < P)
-        snprintf(err, SN_ERR_MAX, "%.300s: the optimiser state holds m = %g, v = %g at element %zu: not finite, or a negative "
-                 "second moment (a damaged checkpoint)", path, host_m[bad], host_v[bad], bad);
+        snprintf(err, SN_ERR_MAX,
+                 "%.300s: the optimiser state holds m = %g, v = %g at element %zu: not finite, or "
+                 "a negative "
+                 "second moment (a damaged checkpoint)",
+                 path, host_m[bad], host_v[bad], bad);
     if (bad < P || net_load_weights(&t->net, &f, path, NULL, 0, err)) {
         free(host_m); free(host_v);
         pass_saved_free(ps);
@@ -1086,10 +1262,17 @@ static void csv_header(const Trainer *t, SfBuf *b, int diagnostics) {
     char name[64];
     for (int pass = 0; pass < 2; pass++) {
         const char *p = pass ? "val_" : "";
-        if (!t->segmentation) { snprintf(name, sizeof name, ",%saccuracy", p); sb_str(b, name); continue; }
+        if (!t->segmentation) {
+            snprintf(name, sizeof name, ",%saccuracy", p);
+            sb_str(b, name);
+            continue;
+        }
         snprintf(name, sizeof name, ",%smIoU,%spixel_accuracy", p, p);
         sb_str(b, name);
-        for (int k = 0; k < t->K; k++) { snprintf(name, sizeof name, ",%sIoU_%d", p, k); sb_str(b, name); }
+        for (int k = 0; k < t->K; k++) {
+            snprintf(name, sizeof name, ",%sIoU_%d", p, k);
+            sb_str(b, name);
+        }
     }
     if (diagnostics) { sb_str(b, ","); sb_str(b, STEP_STATS_COLUMNS); }
 }
@@ -1127,14 +1310,16 @@ static int history_load(const Trainer *t, const char *path, History *h, char err
     char *line = malloc(cap);
     snCheck(line != NULL, "out of host memory");
     int rc = 0, row = 0, pad = 0;
-    const int per_pass = t->segmentation ? 2 + t->K : 1, val_col = 4 + per_pass, diag_col = 4 + 2 * per_pass;
+    const int per_pass = t->segmentation ? 2 + t->K : 1, val_col = 4 + per_pass,
+              diag_col = 4 + 2 * per_pass;
     while (rc == 0 && fgets(line, (int)cap, f)) {
         row++;
         line[strcspn(line, "\r\n")] = 0;
         if (row == 1) {
             pad = !strcmp(line, older.p);
             if (!pad && strcmp(line, want.p)) {
-                snprintf(err, SN_ERR_MAX, "%.400s: the header does not match this run's model and classes", path);
+                snprintf(err, SN_ERR_MAX,
+                         "%.400s: the header does not match this run's model and classes", path);
                 rc = -1;
             }
             continue;
@@ -1142,15 +1327,21 @@ static int history_load(const Trainer *t, const char *path, History *h, char err
         double v[5 + STEP_STATS_N_COLUMNS];
         int cols[5 + STEP_STATS_N_COLUMNS] = {1, 2, 3, 4, val_col}, epoch = atoi(line);
         for (int k = 0; k < STEP_STATS_N_COLUMNS; k++) cols[5 + k] = diag_col + k;
-        if (epoch != row - 1) { snprintf(err, SN_ERR_MAX, "%.400s: row %d: expected epoch %d", path, row, row - 1); rc = -1; break; }
+        if (epoch != row - 1) {
+            snprintf(err, SN_ERR_MAX, "%.400s: row %d: expected epoch %d", path, row, row - 1);
+            rc = -1;
+            break;
+        }
         if (epoch > t->epoch) break;  // written after the checkpoint: that epoch runs again
         for (int k = 0; k < 5 + STEP_STATS_N_COLUMNS; k++) {
             const char *s = line;
             for (int col = 0; col < cols[k] && s; col++) { s = strchr(s, ','); if (s) s++; }
             v[k] = s && *s && *s != ',' ? strtod(s, NULL) : NAN;
         }
-        EpochRecord r = {epoch, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11]};
-        const size_t len = strlen(line), empty = pad ? STEP_STATS_N_COLUMNS : 0;  // the diagnostics, empty
+        EpochRecord r = {epoch, v[0], v[1], v[2], v[3],  v[4], v[5],
+                         v[6],  v[7], v[8], v[9], v[10], v[11]};
+        // the diagnostics, empty
+        const size_t len = strlen(line), empty = pad ? STEP_STATS_N_COLUMNS : 0;
         char *kept = malloc(len + empty + 1);
         snCheck(kept != NULL, "out of host memory");
         memcpy(kept, line, len);
@@ -1158,7 +1349,11 @@ static int history_load(const Trainer *t, const char *path, History *h, char err
         kept[len + empty] = 0;
         history_add(h, kept, r);
     }
-    if (rc == 0 && h->n != t->epoch) { snprintf(err, SN_ERR_MAX, "%.400s: holds %d epochs, the checkpoint %d", path, h->n, t->epoch); rc = -1; }
+    if (rc == 0 && h->n != t->epoch) {
+        snprintf(err, SN_ERR_MAX, "%.400s: holds %d epochs, the checkpoint %d", path, h->n,
+                 t->epoch);
+        rc = -1;
+    }
     fclose(f);
     free(line);
     free(want.p);
@@ -1172,16 +1367,21 @@ static double monitored(const TrainCfg *c, const EpochRecord *r, int has_val) {
     const double metric = has_val ? r->val_metric : r->metric;
     return c->monitor_metric ? -metric : has_val ? r->val_loss : r->loss;
 }
-static int history_check_best(const Trainer *t, const History *h, const char *run, char err[SN_ERR_MAX]) {
+static int history_check_best(const Trainer *t, const History *h, const char *run,
+                              char err[SN_ERR_MAX]) {
     if (t->best_epoch == 0) return 0;
     const double want = monitored(t->c, &h->rec[t->best_epoch - 1], t->has_val);
     if (fabs(want - t->best) <= 1e-6 + 1e-9 * fabs(want)) return 0;
-    snprintf(err, SN_ERR_MAX, "%.300s/last.safetensors: metadata 'best_loss' is %.6g, but metrics.csv's epoch %d (its best_epoch) "
-             "has %.6g (a damaged checkpoint)", run, t->best, t->best_epoch, want);
+    snprintf(err, SN_ERR_MAX,
+             "%.300s/last.safetensors: metadata 'best_loss' is %.6g, but metrics.csv's epoch %d "
+             "(its best_epoch) "
+             "has %.6g (a damaged checkpoint)",
+             run, t->best, t->best_epoch, want);
     return -1;
 }
 
-static int history_write(const Trainer *t, const History *h, const char *run, char err[SN_ERR_MAX]) {
+static int history_write(const Trainer *t, const History *h, const char *run,
+                         char err[SN_ERR_MAX]) {
     SfBuf b = {0};
     csv_header(t, &b, 1);
     sb_str(&b, "\n");
@@ -1236,41 +1436,59 @@ static int steps_csv_start(Trainer *t, const char *run, char err[SN_ERR_MAX]) {
 }
 
 // What a user can act on, printed once per run at the first epoch where it holds (warned[k]).
-static void training_warnings(const Trainer *t, const EpochRecord *r, const EpochRecord *prev, int warned[3]) {
+static void training_warnings(const Trainer *t, const EpochRecord *r, const EpochRecord *prev,
+                              int warned[3]) {
     const TrainCfg *c = t->c;
     const StepStats *st = &t->epoch_stats;
-    if (!warned[0] && c->clipnorm > 0.0f && st->steps && st->clipped > WARN_CLIP_FRACTION * (double)st->steps) {
+    if (!warned[0] && c->clipnorm > 0.0f && st->steps &&
+        st->clipped > WARN_CLIP_FRACTION * (double)st->steps) {
         warned[0] = 1;
-        fprintf(stderr, "segnet train: warning: epoch %d: --clipnorm %g scaled down the gradients of %.0f%% of the steps "
-                "(gradient norm: mean %.3g, max %.3g). Clipping that acts on most steps no longer catches spikes: it "
-                "rescales every update, which under Adam weighs the steps with large gradients down against the others; "
-                "a threshold above the typical norm, e.g. --clipnorm %.2g (twice the mean), clips only the spikes.\n",
-                r->epoch, c->clipnorm, 100.0 * r->clip_fraction, r->grad_norm_mean, r->grad_norm_max, 2 * r->grad_norm_mean);
+        fprintf(stderr,
+                "segnet train: warning: epoch %d: --clipnorm %g scaled down the gradients of "
+                "%.0f%% of the steps "
+                "(gradient norm: mean %.3g, max %.3g). Clipping that acts on most steps no longer "
+                "catches spikes: it "
+                "rescales every update, which under Adam weighs the steps with large gradients "
+                "down against the others; "
+                "a threshold above the typical norm, e.g. --clipnorm %.2g (twice the mean), clips "
+                "only the spikes.\n",
+                r->epoch, c->clipnorm, 100.0 * r->clip_fraction, r->grad_norm_mean,
+                r->grad_norm_max, 2 * r->grad_norm_mean);
     }
-    if (!warned[1] && st->steps && (st->skipped > WARN_SKIP_FRACTION * (double)st->steps || st->skip_run_max > WARN_SKIP_RUN)) {
+    if (!warned[1] && st->steps &&
+        (st->skipped > WARN_SKIP_FRACTION * (double)st->steps ||
+         st->skip_run_max > WARN_SKIP_RUN)) {
         warned[1] = 1;
-        fprintf(stderr, "segnet train: warning: epoch %d: fp16 overflow skipped %" PRId64 " of %" PRId64 " steps (%" PRId64
-                " in a row at most, the loss scale halved each time; %g now). Every skipped step is an update lost; "
+        fprintf(stderr,
+                "segnet train: warning: epoch %d: fp16 overflow skipped %" PRId64 " of %" PRId64
+                " steps (%" PRId64 " in a row at most, the loss scale halved each time; %g now). "
+                                   "Every skipped step is an update lost; "
                 "if it goes on, --precision bf16 has fp32's range and needs no loss scaling.\n",
                 r->epoch, st->skipped, st->steps, st->skip_run_max, r->loss_scale);
     }
     // from the second epoch on: the first one's average lags its end (the weights move most then)
     const double gap = WARN_TRAIN_MODE_GAP;
     const int below = r->epoch > 1 && r->metric < r->val_metric - gap;
-    const int falling = prev && r->metric < prev->metric - gap && !(r->val_metric < prev->val_metric - gap);
+    const int falling =
+            prev && r->metric < prev->metric - gap && !(r->val_metric < prev->val_metric - gap);
     if (!warned[2] && !c->train_eval && t->has_val && (below || falling)) {
         warned[2] = 1;
         const char *name = t->segmentation ? "mIoU" : "accuracy";
         if (below)
-            fprintf(stderr, "segnet train: note: epoch %d: train %s %.3f is below val_%s %.3f.", r->epoch, name, r->metric,
-                    name, r->val_metric);
+            fprintf(stderr, "segnet train: note: epoch %d: train %s %.3f is below val_%s %.3f.",
+                    r->epoch, name, r->metric, name, r->val_metric);
         else
-            fprintf(stderr, "segnet train: note: epoch %d: train %s fell from %.3f to %.3f while val_%s held (%.3f).",
+            fprintf(stderr,
+                    "segnet train: note: epoch %d: train %s fell from %.3f to %.3f while val_%s "
+                    "held (%.3f).",
                     r->epoch, name, prev->metric, r->metric, name, r->val_metric);
-        fprintf(stderr, " Train figures are measured while training (dropout on, batch norm with each batch's "
-                "statistics, the weights changing through the epoch); validation in inference mode with the epoch's "
-                "final weights. --train-eval measures the training set in inference mode at each epoch's end, so the "
-                "two curves compare like with like.\n");
+        fprintf(stderr, " Train figures are measured while training (dropout on, batch norm with "
+                        "each batch's "
+                        "statistics, the weights changing through the epoch); validation in "
+                        "inference mode with the epoch's "
+                        "final weights. --train-eval measures the training set in inference mode "
+                        "at each epoch's end, so the "
+                        "two curves compare like with like.\n");
     }
 }
 
@@ -1326,7 +1544,8 @@ static void config_text(const TrainCfg *c, SfBuf *b) {
     const ModelCfg *m = &c->model;
 #define CFG(...) do { snprintf(s, sizeof s, __VA_ARGS__); sb_str(b, s); } while (0)
     CFG("# segnet train settings: `segnet train --resume RUN` continues with these\n");
-    CFG("model = %s\nclasses = %d\nsize = %dx%d\nbatch = %d\n", m->model, m->classes, m->height, m->width, m->batch);
+    CFG("model = %s\nclasses = %d\nsize = %dx%d\nbatch = %d\n", m->model, m->classes, m->height,
+        m->width, m->batch);
     CFG("padding = %s\n", PAD_NAME[m->pad]);
     if (model_is_classifier(m->model)) CFG("head-hidden = %d\n", m->head_hidden);
     if (!strcmp(m->model, "unet")) CFG("depth = %d\nwidth = %d\n", m->depth, m->width_base);
@@ -1346,21 +1565,26 @@ static void config_text(const TrainCfg *c, SfBuf *b) {
     char f[4][32];
     sb_str(b, "class-weights = ");
     class_weights_text(c, b);
-    CFG("\nepochs = %d\nlr = %s\nadam-eps = %s\nweight-decay = %s\nclipnorm = %s\n", c->epochs, float_str(f[0], c->lr),
-        float_str(f[1], c->adam_eps), float_str(f[2], c->weight_decay), float_str(f[3], c->clipnorm));
-    CFG("schedule = %s\nwarmup = %d\nearly-stopping = %d\n", c->schedule == SCHEDULE_COSINE ? "cosine" : "constant",
-        c->warmup, c->patience);
+    CFG("\nepochs = %d\nlr = %s\nadam-eps = %s\nweight-decay = %s\nclipnorm = %s\n", c->epochs,
+        float_str(f[0], c->lr), float_str(f[1], c->adam_eps), float_str(f[2], c->weight_decay),
+        float_str(f[3], c->clipnorm));
+    CFG("schedule = %s\nwarmup = %d\nearly-stopping = %d\n",
+        c->schedule == SCHEDULE_COSINE ? "cosine" : "constant", c->warmup, c->patience);
     CFG("monitor = %s\nmin-delta = %s\n", monitor_name(c), float_str(f[0], c->min_delta));
     sb_str(b, "augment = ");
     augment_text(&c->augment, b);
-    CFG("\nloss-norm = %s\nseed = %" PRIu64 "\n", c->loss_norm_keras ? "keras" : "weighted", c->seed);
-    CFG("precision = %s\naccum = %d\nfreeze = %s\nunfreeze-last = %d\ncheckpoint = %s\n", DTYPE_NAMES[c->precision],
-        c->accum, c->freeze_base ? "base" : "none", c->unfreeze_last, c->checkpoint ? "blocks" : "none");
-    CFG("device = %s\n", DEVICE_NAMES[c->device]);  // as asked (auto stays auto: a resumed run may move)
+    CFG("\nloss-norm = %s\nseed = %" PRIu64 "\n", c->loss_norm_keras ? "keras" : "weighted",
+        c->seed);
+    CFG("precision = %s\naccum = %d\nfreeze = %s\nunfreeze-last = %d\ncheckpoint = %s\n",
+        DTYPE_NAMES[c->precision], c->accum, c->freeze_base ? "base" : "none", c->unfreeze_last,
+        c->checkpoint ? "blocks" : "none");
+    // as asked (auto stays auto: a resumed run may move)
+    CFG("device = %s\n", DEVICE_NAMES[c->device]);
     // the replica count is not a setting of the run: any count (or mpirun) continues it
     CFG("sync-bn = %s\n", c->sync_bn ? "on" : "off");
     CFG("log-every = %d\ntrain-eval = %s\n", c->log_every, c->train_eval ? "on" : "off");
-    CFG("exif = %s\n", EXIF_MODE_NAMES[image_exif]);  // process-wide, as --max-pixels, but it changes what the run sees
+    // process-wide, as --max-pixels, but it changes what the run sees
+    CFG("exif = %s\n", EXIF_MODE_NAMES[image_exif]);
 #undef CFG
 }
 
@@ -1382,13 +1606,19 @@ static int mkdir_p(const char *path, char err[SN_ERR_MAX]) {
         int end = *p == 0;
         if (*p == '/' || end) {
             *p = 0;
-            if (mkdir(buf, 0755) && errno != EEXIST) { snprintf(err, SN_ERR_MAX, "%.400s: cannot create: %s", buf, strerror(errno)); return -1; }
+            if (mkdir(buf, 0755) && errno != EEXIST) {
+                snprintf(err, SN_ERR_MAX, "%.400s: cannot create: %s", buf, strerror(errno));
+                return -1;
+            }
             if (end) break;
             *p = '/';
         }
     }
     struct stat sb;
-    if (stat(path, &sb) || !S_ISDIR(sb.st_mode)) { snprintf(err, SN_ERR_MAX, "%.400s: exists and is not a folder", path); return -1; }
+    if (stat(path, &sb) || !S_ISDIR(sb.st_mode)) {
+        snprintf(err, SN_ERR_MAX, "%.400s: exists and is not a folder", path);
+        return -1;
+    }
     return 0;
 }
 
@@ -1413,13 +1643,18 @@ static int run_lock(const char *run, const char *who, char err[SN_ERR_MAX]) {
         fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);  // flock needs no write access
         if (fd < 0 && errno == ENOENT) return RUN_NOT_LOCKED;
     }
-    if (fd < 0) { snprintf(err, SN_ERR_MAX, "%.400s: cannot create the run's lock: %s", path, strerror(errno)); return -1; }
+    if (fd < 0) {
+        snprintf(err, SN_ERR_MAX, "%.400s: cannot create the run's lock: %s", path,
+                 strerror(errno));
+        return -1;
+    }
     if (flock(fd, LOCK_EX | LOCK_NB)) {
         char holder[64] = "";
         ssize_t n = pread(fd, holder, sizeof holder - 1, 0);
         holder[n > 0 ? n : 0] = 0;
         holder[strcspn(holder, "\r\n")] = 0;
-        snprintf(err, SN_ERR_MAX, "%.300s: in use by another process (%s); %s", run, holder[0] ? holder : "process id unknown",
+        snprintf(err, SN_ERR_MAX, "%.300s: in use by another process (%s); %s", run,
+                 holder[0] ? holder : "process id unknown",
                  reader ? "a run is read when nothing writes it: wait for it to end"
                         : "wait for it to end or choose another --out");
         close(fd);
@@ -1427,11 +1662,14 @@ static int run_lock(const char *run, const char *who, char err[SN_ERR_MAX]) {
     }
     char me[64];
     int len = snprintf(me, sizeof me, "pid %ld, %s\n", (long)getpid(), who);
-    if (ftruncate(fd, 0) || pwrite(fd, me, (size_t)len, 0) != len) { /* the lock holds without the note */ }
+    if (ftruncate(fd, 0) ||
+        pwrite(fd, me, (size_t)len, 0) != len) { /* the lock holds without the note */
+    }
     return fd;
 }
 
-// Lets go of run_lock's lock, its file with it (the descriptor may be RUN_NOT_LOCKED or -1: nothing)
+// Lets go of run_lock's lock, its file with it (the descriptor may be RUN_NOT_LOCKED or -1:
+// nothing)
 static void run_unlock(const char *run, int lock) {
     if (lock < 0) return;
     char path[4200];
@@ -1454,20 +1692,23 @@ static void run_remove_stale(const char *run, int progress) {
         const char *digits = tmp + strlen(TMP_MARK);
         long pid = strtol(digits, &end, 10);
         if (end == digits || *end || pid <= 0) continue;
-        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;  // its writer lives (or is not ours to judge)
+        // its writer lives (or is not ours to judge)
+        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
         char path[4096 + sizeof e->d_name + 2];
         run_path(path, sizeof path, run, e->d_name);
         removed += unlink(path) == 0;
     }
     closedir(d);
-    if (removed && progress) fprintf(stderr, "segnet train: removed %d temporary file%s left in %s by a stopped run\n", removed,
-                                     removed == 1 ? "" : "s", run);
+    if (removed && progress)
+        fprintf(stderr, "segnet train: removed %d temporary file%s left in %s by a stopped run\n",
+                removed, removed == 1 ? "" : "s", run);
 }
 
 // The files a run writes into its folder (besides its lock). A new run never
 // replaces one of them unless --overwrite; export never writes one.
-static const char *const RUN_FILES[] = {"last.safetensors", "best.safetensors", "config.txt", "metrics.csv",
-                                        "curves.svg", "steps.csv", CLASSES_FILE};
+static const char *const RUN_FILES[] = {"last.safetensors", "best.safetensors", "config.txt",
+                                        "metrics.csv",      "curves.svg",       "steps.csv",
+                                        CLASSES_FILE};
 #define RUN_N_FILES ((int)(sizeof RUN_FILES / sizeof *RUN_FILES))
 
 static int is_run_file(const char *name) {
@@ -1507,11 +1748,12 @@ static int metrics_rows(const char *run) {
 // needs last.safetensors; a run that stopped before its first checkpoint
 // (its settings, perhaps epoch 1's metrics row) starts again (*fresh); a run
 // whose checkpoint is gone but that has trained longer is refused.
-static int run_claim(const char *run, const char *resume, int overwrite, int *lock, int *made, int *fresh, int *replace,
-                     int progress, char err[SN_ERR_MAX]) {
+static int run_claim(const char *run, const char *resume, int overwrite, int *lock, int *made,
+                     int *fresh, int *replace, int progress, char err[SN_ERR_MAX]) {
     struct stat sb;
     if (resume && (stat(run, &sb) != 0 || !S_ISDIR(sb.st_mode))) {
-        snprintf(err, SN_ERR_MAX, "--resume %.300s: %s", run, stat(run, &sb) != 0 ? strerror(errno) : "not a folder");
+        snprintf(err, SN_ERR_MAX, "--resume %.300s: %s", run,
+                 stat(run, &sb) != 0 ? strerror(errno) : "not a folder");
         return -1;
     }
     char ckpt[4200], best[4200], tmp[OUT_PATH_MAX];
@@ -1527,31 +1769,46 @@ static int run_claim(const char *run, const char *resume, int overwrite, int *lo
     run_remove_stale(run, progress);
     char held[256];
     const int n_held = run_files_held(run, held, sizeof held);
-    const int has_ckpt = access(ckpt, F_OK) == 0, has_best = access(best, F_OK) == 0, epochs = metrics_rows(run);
+    const int has_ckpt = access(ckpt, F_OK) == 0, has_best = access(best, F_OK) == 0,
+              epochs = metrics_rows(run);
     if (!resume) {
         if (n_held && !overwrite) {
             if (has_ckpt)
-                snprintf(err, SN_ERR_MAX, "%.150s: already holds a run (last.safetensors); continue it with --resume %.150s, "
-                         "start it again with --overwrite, or choose another --out", run, run);
+                snprintf(err, SN_ERR_MAX,
+                         "%.150s: already holds a run (last.safetensors); continue it with "
+                         "--resume %.150s, "
+                         "start it again with --overwrite, or choose another --out",
+                         run, run);
             else
-                snprintf(err, SN_ERR_MAX, "%.200s: holds an earlier run's files (%s) but no checkpoint; --overwrite replaces "
-                         "them, or choose another --out", run, held);
+                snprintf(err, SN_ERR_MAX,
+                         "%.200s: holds an earlier run's files (%s) but no checkpoint; --overwrite "
+                         "replaces "
+                         "them, or choose another --out",
+                         run, held);
             return -1;
         }
         *replace = n_held > 0;
         return 0;
     }
     if (!has_ckpt && (has_best || epochs > 1)) {
-        snprintf(err, SN_ERR_MAX, "%.200s: has no last.safetensors, but %s%s%d epoch%s in metrics.csv: its checkpoint is gone, "
-                 "so the run cannot go on (--weights %.100s/best.safetensors starts a new one from its best weights)", run,
-                 has_best ? "best.safetensors" : "", has_best ? " and " : "", epochs, epochs == 1 ? "" : "s", run);
+        snprintf(err, SN_ERR_MAX,
+                 "%.200s: has no last.safetensors, but %s%s%d epoch%s in metrics.csv: its "
+                 "checkpoint is gone, "
+                 "so the run cannot go on (--weights %.100s/best.safetensors starts a new one from "
+                 "its best weights)",
+                 run, has_best ? "best.safetensors" : "", has_best ? " and " : "", epochs,
+                 epochs == 1 ? "" : "s", run);
         return -1;
     }
     // metrics.csv is written before last.safetensors: without the checkpoint its row is re-run
     if (!has_ckpt) {
         *fresh = 1;
-        if (progress) fprintf(stderr, "segnet train: %s has no checkpoint yet (stopped before its first one was written%s): "
-                              "starting it again from the beginning\n", run, epochs ? "; metrics.csv is rewritten" : "");
+        if (progress)
+            fprintf(stderr,
+                    "segnet train: %s has no checkpoint yet (stopped before its first one was "
+                    "written%s): "
+                    "starting it again from the beginning\n",
+                    run, epochs ? "; metrics.csv is rewritten" : "");
     }
     return 0;
 }
@@ -1562,7 +1819,8 @@ static int run_files_remove(const char *run, char err[SN_ERR_MAX]) {
         char path[4200];
         run_path(path, sizeof path, run, RUN_FILES[k]);
         if (unlink(path) != 0 && errno != ENOENT) {
-            snprintf(err, SN_ERR_MAX, "%.400s: cannot remove it (--overwrite): %s", path, strerror(errno));
+            snprintf(err, SN_ERR_MAX, "%.400s: cannot remove it (--overwrite): %s", path,
+                     strerror(errno));
             return -1;
         }
     }
@@ -1626,11 +1884,13 @@ static int pass_resume_share(Trainer *t, PassSaved *ps) {
 // (t->resume_batch) and every replica's totals, gathered to rank 0 (each in
 // its own slot of zeros, so the sums are exact). reduced: the training pass
 // had ended and its totals are the replicas' sums already (rank 0 keeps them).
-static int save_interrupted(Trainer *t, const PassTotals *tr, int reduced, const char *run, char err[SN_ERR_MAX]) {
+static int save_interrupted(Trainer *t, const PassTotals *tr, int reduced, const char *run,
+                            char err[SN_ERR_MAX]) {
     Comm *comm = t->comm;
     const int R = comm->size;
     const size_t KK = (size_t)t->K * t->K;
-    PassSaved ps = {t->resume_batch, R, t->K, calloc(2 * (size_t)R, sizeof(double)), calloc(KK * (size_t)R, sizeof(int64_t))};
+    PassSaved ps = {t->resume_batch, R, t->K, calloc(2 * (size_t)R, sizeof(double)),
+                    calloc(KK * (size_t)R, sizeof(int64_t))};
     snCheck(ps.sums && ps.cms, "out of host memory");
     const int slot = reduced ? 0 : comm->rank;
     if (!reduced || comm->rank == 0) {
@@ -1639,7 +1899,8 @@ static int save_interrupted(Trainer *t, const PassTotals *tr, int reduced, const
         memcpy(ps.cms + (size_t)slot * KK, tr->cm, sizeof(int64_t) * KK);
     }
     int rc = 0;
-    if (R > 1 && (comm->allreduce_f64(comm, ps.sums, 2 * (size_t)R) || comm->allreduce_i64(comm, ps.cms, KK * (size_t)R)))
+    if (R > 1 && (comm->allreduce_f64(comm, ps.sums, 2 * (size_t)R) ||
+                  comm->allreduce_i64(comm, ps.cms, KK * (size_t)R)))
         rc = comm_failure(comm, err);
     if (rc == 0 && comm->rank == 0) {
         char path[4200];
@@ -1668,7 +1929,8 @@ static int epoch_judged(Trainer *t, const EpochRecord *rec) {
     const TrainCfg *c = t->c;
     const double score = monitored(c, rec, t->has_val);
     // an epoch whose loss is not finite is never the best, whatever the monitored metric says
-    const int improved = score < t->best - c->min_delta && isfinite(t->has_val ? rec->val_loss : rec->loss);
+    const int improved =
+            score < t->best - c->min_delta && isfinite(t->has_val ? rec->val_loss : rec->loss);
     if (improved) { t->best = score; t->best_epoch = t->epoch; t->bad_epochs = 0; }
     else t->bad_epochs++;
     if (c->patience > 0 && t->bad_epochs >= c->patience) t->finished = 1;
@@ -1678,8 +1940,9 @@ static int epoch_judged(Trainer *t, const EpochRecord *rec) {
 // The epoch's row of metrics.csv (rank 0), then best.safetensors when it
 // improved and last.safetensors: metrics.csv first, so that a crash in
 // between runs the epoch again. vm NULL: no validation set.
-static int epoch_written(Trainer *t, History *h, const EpochRecord *rec, const Metrics *m, const Metrics *vm,
-                         const double *diag, int improved, const char *run, char err[SN_ERR_MAX]) {
+static int epoch_written(Trainer *t, History *h, const EpochRecord *rec, const Metrics *m,
+                         const Metrics *vm, const double *diag, int improved, const char *run,
+                         char err[SN_ERR_MAX]) {
     SfBuf row = {0};
     char s[64], lr_text[32], path[4200];
     snprintf(s, sizeof s, "%d,%s", rec->epoch, float_str(lr_text, (float)rec->lr));
@@ -1693,7 +1956,10 @@ static int epoch_written(Trainer *t, History *h, const EpochRecord *rec, const M
     snCheck(!row.oom, "out of host memory");
     history_add(h, row.p, *rec);
     int rc = history_write(t, h, run, err);
-    if (rc == 0 && improved) { run_path(path, sizeof path, run, "best.safetensors"); rc = save_checkpoint(t, path, NULL, err); }
+    if (rc == 0 && improved) {
+        run_path(path, sizeof path, run, "best.safetensors");
+        rc = save_checkpoint(t, path, NULL, err);
+    }
     run_path(path, sizeof path, run, "last.safetensors");
     if (rc == 0) rc = save_checkpoint(t, path, NULL, err);
     return rc;
@@ -1707,9 +1973,13 @@ static int epoch_model_finite(Trainer *t, int epoch, char err[SN_ERR_MAX]) {
     int rc = 0;
     if (model_finite(t, which)) {
         char kept[64] = "";
-        if (t->best_epoch) snprintf(kept, sizeof kept, "; best.safetensors keeps epoch %d", t->best_epoch);
-        snprintf(err, SN_ERR_MAX, "epoch %d: the model is no longer finite: %.250s. Training diverged (a lower --lr, or "
-                 "--clipnorm, may help); nothing of this epoch was saved%s", epoch, which, kept);
+        if (t->best_epoch)
+            snprintf(kept, sizeof kept, "; best.safetensors keeps epoch %d", t->best_epoch);
+        snprintf(err, SN_ERR_MAX,
+                 "epoch %d: the model is no longer finite: %.250s. Training diverged (a lower "
+                 "--lr, or "
+                 "--clipnorm, may help); nothing of this epoch was saved%s",
+                 epoch, which, kept);
         rc = -1;
     }
     return comm_agree(t->comm, rc, err);
@@ -1718,8 +1988,10 @@ static int epoch_model_finite(Trainer *t, int epoch, char err[SN_ERR_MAX]) {
 // the epoch's progress line
 static void epoch_print(const Trainer *t, const EpochRecord *rec, double seconds, int improved) {
     const char *metric = t->segmentation ? "mIoU" : "accuracy";
-    fprintf(stderr, "epoch %d/%d  loss %.4f  %s %.4f", rec->epoch, t->c->epochs, rec->loss, metric, rec->metric);
-    if (t->has_val) fprintf(stderr, "  val_loss %.4f  val_%s %.4f", rec->val_loss, metric, rec->val_metric);
+    fprintf(stderr, "epoch %d/%d  loss %.4f  %s %.4f", rec->epoch, t->c->epochs, rec->loss, metric,
+            rec->metric);
+    if (t->has_val)
+        fprintf(stderr, "  val_loss %.4f  val_%s %.4f", rec->val_loss, metric, rec->val_metric);
     fprintf(stderr, "  (%.1f s)%s\n", seconds, improved ? "  best" : "");
 }
 
@@ -1730,13 +2002,14 @@ static void epoch_print(const Trainer *t, const EpochRecord *rec, double seconds
 // replica. claimed: rank 0's run_claim result. Returns 0, -1 with err, or the
 // signal that interrupted the data's reading (without replicas; nothing was
 // written).
-static int replica_open(Comm *comm, RunShared *sh, int claimed, int fresh, const char *run, Trainer *t, History *h,
-                        PassSaved *saved, char err[SN_ERR_MAX]) {
+static int replica_open(Comm *comm, RunShared *sh, int claimed, int fresh, const char *run,
+                        Trainer *t, History *h, PassSaved *saved, char err[SN_ERR_MAX]) {
     const TrainCfg *c = sh->c;
     const int root = comm->rank == 0;
     char path[4200];
     int rc = claimed;
-    if (rc == 0 && (root || !sh->share_data)) rc = trainer_open_on(t, c, c->data, c->val, comm, err);
+    if (rc == 0 && (root || !sh->share_data))
+        rc = trainer_open_on(t, c, c->data, c->val, comm, err);
     if (rc && interrupt_signal && comm->size == 1) return interrupt_signal;
     if (sh->share_data) {
         if (root && rc == 0) {  // the data sets now belong to the run
@@ -1747,7 +2020,9 @@ static int replica_open(Comm *comm, RunShared *sh, int claimed, int fresh, const
         if (comm_agree(comm, rc, err)) return -1;
         if (!root) {
             rc = trainer_open_on(t, c, NULL, NULL, comm, err);
-            if (rc == 0) trainer_borrow_data(t, sh->has_train ? &sh->train : NULL, sh->has_val ? &sh->val : NULL);
+            if (rc == 0)
+                trainer_borrow_data(t, sh->has_train ? &sh->train : NULL,
+                                    sh->has_val ? &sh->val : NULL);
         }
     }
     if (rc == 0 && root && fresh && c->weights) {
@@ -1757,8 +2032,10 @@ static int replica_open(Comm *comm, RunShared *sh, int claimed, int fresh, const
         if (rc == 0) printf("%s%s%s\n", report, c->weights_note && c->weights_note[0] ? "; " : "",
                             c->weights_note ? c->weights_note : "");
         if (rc == 0 && random)
-            printf("weights: %s holds random weights (ref/export_pretrained.py --random), not ImageNet's: a trial run, "
-                   "whose validation figures will be poor\n", c->weights);
+            printf("weights: %s holds random weights (ref/export_pretrained.py --random), not "
+                   "ImageNet's: a trial run, "
+                   "whose validation figures will be poor\n",
+                   c->weights);
     }
     if (rc == 0 && root && !fresh) {
         run_path(path, sizeof path, run, "last.safetensors");
@@ -1784,10 +2061,14 @@ static int train_replica(Comm *comm, void *arg) {
     char *err = a->err;
     const int root = comm->rank == 0;
     set_threads(c->threads);
-    if (c->patience > 0 && !c->val) { snprintf(err, SN_ERR_MAX, "--early-stopping needs a validation set (--val)"); return -1; }
+    if (c->patience > 0 && !c->val) {
+        snprintf(err, SN_ERR_MAX, "--early-stopping needs a validation set (--val)");
+        return -1;
+    }
     char run[4096];
     run_folder_name(c, resume, run, sizeof run);
-    if (comm->size > 1 && comm->broadcast(comm, run, sizeof run, 0)) return comm_failure(comm, err);  // rank 0's clock
+    // rank 0's clock
+    if (comm->size > 1 && comm->broadcast(comm, run, sizeof run, 0)) return comm_failure(comm, err);
     Trainer t;
     memset(&t, 0, sizeof t);
     History h = {0};
@@ -1799,10 +2080,13 @@ static int train_replica(Comm *comm, void *arg) {
     snCheck(cm && cm_val, "out of host memory");
     PassSaved saved = {0};  // an interrupted epoch's position (rank 0 reads it)
     int lock = -1, made = 0, fresh = !resume, replace = 0, written = 0;
-    if (root) rc = run_claim(run, resume, c->overwrite, &lock, &made, &fresh, &replace, c->progress, err);
+    if (root)
+        rc = run_claim(run, resume, c->overwrite, &lock, &made, &fresh, &replace, c->progress, err);
     rc = replica_open(comm, sh, rc, fresh, run, &t, &h, &saved, err);
     if (rc > 0) {  // stopped while reading the data: nothing was written
-        if (c->progress) fprintf(stderr, "segnet train: interrupted before training started; nothing was written\n");
+        if (c->progress)
+            fprintf(stderr,
+                    "segnet train: interrupted before training started; nothing was written\n");
         a->interrupted = rc;
         rc = 0;
         goto done;
@@ -1811,35 +2095,55 @@ static int train_replica(Comm *comm, void *arg) {
     rc = -1;
     if (resume && (t.finished || t.epoch >= c->epochs)) {
         if (c->progress && root && !t.finished && t.resume_batch)
-            fprintf(stderr, "segnet train: %s has completed %d epoch%s and was interrupted inside epoch %d; --epochs %d asks for "
-                    "no more: nothing to do (--epochs %d completes epoch %d)\n", run, t.epoch, t.epoch == 1 ? "" : "s",
-                    t.epoch + 1, c->epochs, t.epoch + 1, t.epoch + 1);
+            fprintf(stderr,
+                    "segnet train: %s has completed %d epoch%s and was interrupted inside epoch "
+                    "%d; --epochs %d asks for "
+                    "no more: nothing to do (--epochs %d completes epoch %d)\n",
+                    run, t.epoch, t.epoch == 1 ? "" : "s", t.epoch + 1, c->epochs, t.epoch + 1,
+                    t.epoch + 1);
         else if (c->progress && root)
-            fprintf(stderr, "segnet train: %s has finished (%d epoch%s%s); nothing to do (--epochs N trains longer)\n", run,
-                    t.epoch, t.epoch == 1 ? "" : "s", t.finished ? ", stopped early" : "");
+            fprintf(stderr,
+                    "segnet train: %s has finished (%d epoch%s%s); nothing to do (--epochs N "
+                    "trains longer)\n",
+                    run, t.epoch, t.epoch == 1 ? "" : "s", t.finished ? ", stopped early" : "");
         rc = 0;
         goto done;
     }
     // every input has been checked: from here on the run folder is written
     written = 1;
-    if (comm_agree(comm, root ? (replace && run_files_remove(run, err)) || mkdir_p(run, err) || write_config(c, run, err) ||
-                               write_class_names(&t.train, run, err) : 0, err)) goto done;
+    if (comm_agree(comm,
+                   root ? (replace && run_files_remove(run, err)) || mkdir_p(run, err) ||
+                                   write_config(c, run, err) ||
+                                   write_class_names(&t.train, run, err)
+                        : 0,
+                   err))
+        goto done;
     if (c->progress && root)
-        fprintf(stderr, "segnet train: %s on %s, %d training images%s, %" PRIu64 " parameters%s; run folder %s\n",
-                c->model.model, t.o->name, t.train.n, t.has_val ? "" : " (no validation set)", (uint64_t)t.g.n_param_floats,
-                comm->size > 1 ? (c->sync_bn ? ", replicas with batch norm synchronised" : ", replicas with batch norm per replica") : "",
+        fprintf(stderr,
+                "segnet train: %s on %s, %d training images%s, %" PRIu64
+                " parameters%s; run folder %s\n",
+                c->model.model, t.o->name, t.train.n, t.has_val ? "" : " (no validation set)",
+                (uint64_t)t.g.n_param_floats,
+                comm->size > 1 ? (c->sync_bn ? ", replicas with batch norm synchronised"
+                                             : ", replicas with batch norm per replica")
+                               : "",
                 run);
     Metrics m = {0, 0, iou}, vm = {0, 0, iou + c->model.classes};
     const int train_batches = (t.train.n + c->model.batch - 1) / c->model.batch;
     int warned[3] = {0, 0, 0};  // each warning once per run
-    if (comm_agree(comm, root && c->log_every > 0 ? steps_csv_start(&t, run, err) : 0, err)) goto done;
+    if (comm_agree(comm, root && c->log_every > 0 ? steps_csv_start(&t, run, err) : 0, err))
+        goto done;
     while (t.epoch < c->epochs && !t.finished) {
         double t0 = now_seconds();
         PassTotals tr = {0, 0, cm}, va = {0, 0, cm_val};
-        int stop = t.resume_batch ? 0 : interrupt_poll(&t);  // asked before the epoch: last.safetensors is its start
+        // asked before the epoch: last.safetensors is its start
+        int stop = t.resume_batch ? 0 : interrupt_poll(&t);
         if (stop > 0) {
-            if (c->progress && root) fprintf(stderr, "segnet train: interrupted before epoch %d; continue with: segnet train --resume %s\n",
-                                             t.epoch + 1, run);
+            if (c->progress && root)
+                fprintf(stderr,
+                        "segnet train: interrupted before epoch %d; continue with: segnet train "
+                        "--resume %s\n",
+                        t.epoch + 1, run);
             a->interrupted = stop;
             rc = 0;
             goto done;
@@ -1850,7 +2154,8 @@ static int train_replica(Comm *comm, void *arg) {
         double loss = tr.loss_sum / tr.norm_sum, val_loss = NAN;
         if (stop == 0) {
             metrics_compute(cm, t.K, c->class_weights, &m);
-            if (c->train_eval) {  // the train figures again, in inference mode (cm_val is free until the validation)
+            // the train figures again, in inference mode (cm_val is free until the validation)
+            if (c->train_eval) {
                 PassTotals te = {0, 0, cm_val};
                 if ((stop = run_pass(&t, &t.train, 0, &te, err)) < 0) goto done;
                 if (!stop) {
@@ -1859,18 +2164,23 @@ static int train_replica(Comm *comm, void *arg) {
                 }
             }
             if (!stop && t.has_val && (stop = run_pass(&t, &t.val, 0, &va, err)) < 0) goto done;
-            if (stop) { t.resume_batch = train_batches; reduced = 1; }  // the validation (and --train-eval) runs again
+            // the validation (and --train-eval) runs again
+            if (stop) { t.resume_batch = train_batches; reduced = 1; }
             if (t.has_val && !stop) {
                 metrics_compute(cm_val, t.K, c->class_weights, &vm);
                 val_loss = va.loss_sum / va.norm_sum;
             }
         }
         if (stop) {
-            if (epoch_model_finite(&t, t.epoch + 1, err) || save_interrupted(&t, &tr, reduced, run, err) ||
-                comm_agree(comm, 0, err)) goto done;
+            if (epoch_model_finite(&t, t.epoch + 1, err) ||
+                save_interrupted(&t, &tr, reduced, run, err) || comm_agree(comm, 0, err))
+                goto done;
             if (c->progress && root)
-                fprintf(stderr, "segnet train: interrupted at epoch %d, step %d of %d (saved in last.safetensors); "
-                        "continue with: segnet train --resume %s\n", t.epoch + 1, (t.resume_batch + c->accum - 1) / c->accum,
+                fprintf(stderr,
+                        "segnet train: interrupted at epoch %d, step %d of %d (saved in "
+                        "last.safetensors); "
+                        "continue with: segnet train --resume %s\n",
+                        t.epoch + 1, (t.resume_batch + c->accum - 1) / c->accum,
                         (train_batches + c->accum - 1) / c->accum, run);
             a->interrupted = stop;
             rc = 0;
@@ -1885,27 +2195,42 @@ static int train_replica(Comm *comm, void *arg) {
                            t.has_val ? (t.segmentation ? vm.mean_iou : vm.accuracy) : NAN,
                            diag[0], diag[1], diag[2], diag[3], diag[4], diag[5], diag[6]};
         const int improved = epoch_judged(&t, &rec);
-        if (comm_agree(comm, root ? epoch_written(&t, &h, &rec, &m, t.has_val ? &vm : NULL, diag, improved, run, err) : 0,
+        if (comm_agree(comm,
+                       root ? epoch_written(&t, &h, &rec, &m, t.has_val ? &vm : NULL, diag,
+                                            improved, run, err)
+                            : 0,
                        err))
             goto done;
         if (c->progress && root) {
             epoch_print(&t, &rec, now_seconds() - t0, improved);
             training_warnings(&t, &rec, h.n > 1 ? &h.rec[h.n - 2] : NULL, warned);
         }
-        if (c->stop_after_epochs && t.epoch >= c->stop_after_epochs && !t.finished) { rc = 0; goto done; }
+        if (c->stop_after_epochs && t.epoch >= c->stop_after_epochs && !t.finished) {
+            rc = 0;
+            goto done;
+        }
     }
     if (c->progress && root && c->patience > 0 && t.epoch < c->epochs)
-        fprintf(stderr, "early stopping: %s has not improved for %d epochs\n", monitor_name(c), c->patience);
+        fprintf(stderr, "early stopping: %s has not improved for %d epochs\n", monitor_name(c),
+                c->patience);
     if (t.best_epoch == 0) {
-        snprintf(err, SN_ERR_MAX, "no epoch had a finite %s: training diverged (a lower --lr, or --clipnorm, may help); "
-                 "no best.safetensors was written", t.has_val ? "val_loss" : "loss");
+        snprintf(err, SN_ERR_MAX,
+                 "no epoch had a finite %s: training diverged (a lower --lr, or --clipnorm, may "
+                 "help); "
+                 "no best.safetensors was written",
+                 t.has_val ? "val_loss" : "loss");
         goto done;
     }
-    if (c->progress && root) fprintf(stderr, "segnet train: best epoch %d; weights in %s/best.safetensors\n", t.best_epoch, run);
+    if (c->progress && root)
+        fprintf(stderr, "segnet train: best epoch %d; weights in %s/best.safetensors\n",
+                t.best_epoch, run);
     if (root) {  // the best epoch's figures, for the weights that are kept
         const EpochRecord *best = &h.rec[t.best_epoch - 1];
-        if (c->progress) printf("run: %s\nbest_epoch: %d\nloss: %.6f\n", run, t.best_epoch, best->loss);
-        if (c->progress && t.has_val) printf("val_loss: %.6f\nval_%s: %.6f\n", best->val_loss, t.segmentation ? "mIoU" : "accuracy", best->val_metric);
+        if (c->progress)
+            printf("run: %s\nbest_epoch: %d\nloss: %.6f\n", run, t.best_epoch, best->loss);
+        if (c->progress && t.has_val)
+            printf("val_loss: %.6f\nval_%s: %.6f\n", best->val_loss,
+                   t.segmentation ? "mIoU" : "accuracy", best->val_metric);
     }
     rc = 0;
 done:
@@ -1914,7 +2239,8 @@ done:
     pass_saved_free(&saved);
     free(iou); free(cm); free(cm_val);
     run_unlock(run, lock);
-    if (made && !written) rmdir(run);  // refused before writing: the folder this run created goes again
+    // refused before writing: the folder this run created goes again
+    if (made && !written) rmdir(run);
     return rc;
 }
 
@@ -1930,16 +2256,22 @@ int train_run_comm(const TrainCfg *c, const char *resume, Comm *comm, char err[S
 // communicators over the host ones, hosts[0..n) (local), or this process's
 // (mpi), which become their `device`. Returns 0 (on GPUs, or on the CPU: cpu,
 // or auto without the GPUs, after the notice), or -1 with err.
-static int replicas_on_gpus(const TrainCfg *c, Comm *dcomms, Comm *hosts, int n, int mpi, char err[SN_ERR_MAX]) {
+static int replicas_on_gpus(const TrainCfg *c, Comm *dcomms, Comm *hosts, int n, int mpi,
+                            char err[SN_ERR_MAX]) {
     if (c->device == DEVICE_CPU) return 0;
     char why[SN_ERR_MAX];
 #ifdef SEGNET_CUDA
-    if ((mpi ? cuda_comm_mpi_create(dcomms, hosts, why) : cuda_comm_local_create(dcomms, hosts, n, why)) == 0) return 0;
+    if ((mpi ? cuda_comm_mpi_create(dcomms, hosts, why)
+             : cuda_comm_local_create(dcomms, hosts, n, why)) == 0)
+        return 0;
 #else
     (void)dcomms; (void)n;
     snprintf(why, sizeof why, "%s", NO_CUDA_BUILD);
 #endif
-    if (c->device == DEVICE_CUDA) { snprintf(err, SN_ERR_MAX, "--device cuda: %.480s", why); return -1; }
+    if (c->device == DEVICE_CUDA) {
+        snprintf(err, SN_ERR_MAX, "--device cuda: %.480s", why);
+        return -1;
+    }
     if (!mpi || hosts->rank == 0) cpu_fallback_notice(why);
     return 0;
 }
@@ -1956,14 +2288,21 @@ static void replicas_gpus_close(Comm *dcomms, int n) {
 int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
     const int procs = comm_mpi_launched(), R = c->replicas > 1 ? c->replicas : 1;
     if (procs > 1) {
-        if (R > 1) { snprintf(err, SN_ERR_MAX, "--replicas %d under mpirun: one replica per process (mpirun -np N)", R); return -1; }
+        if (R > 1) {
+            snprintf(err, SN_ERR_MAX,
+                     "--replicas %d under mpirun: one replica per process (mpirun -np N)", R);
+            return -1;
+        }
         Comm comm, dcomm;
         if (comm_mpi_open(&comm, err) || replicas_on_gpus(c, &dcomm, &comm, 1, 1, err)) return -1;
         int rc = train_run_comm(c, resume, &comm, err);
         if (comm.device) replicas_gpus_close(&dcomm, 1);
         return rc;
     }
-    if (R > SN_MAX_REPLICAS) { snprintf(err, SN_ERR_MAX, "--replicas %d: at most %d", R, SN_MAX_REPLICAS); return -1; }
+    if (R > SN_MAX_REPLICAS) {
+        snprintf(err, SN_ERR_MAX, "--replicas %d: at most %d", R, SN_MAX_REPLICAS);
+        return -1;
+    }
     if (R == 1) return train_run_comm(c, resume, &comm_one, err);
     Comm comms[SN_MAX_REPLICAS];
     RunShared sh = {.c = c, .resume = resume, .share_data = 1};
@@ -1977,7 +2316,8 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
     const int on_gpus = comms[0].device != NULL;
     comm_local_run(comms, R, train_replica, argp, rc);
     if (on_gpus) replicas_gpus_close(dcomms, R);
-    // the first rank that failed on its own, else one that stopped with the others (an agreed error)
+    // the first rank that failed on its own, else one that stopped with the others (an agreed
+    // error)
     int failed = comms[0].failed_rank(&comms[0]), any = 0;
     if (failed < 0) for (int r = R - 1; r >= 0; r--) if (rc[r]) failed = r;
     if (failed >= 0) { snprintf(err, SN_ERR_MAX, "%s", args[failed].err); any = 1; }
@@ -1987,13 +2327,15 @@ int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
     return any ? -1 : args[0].interrupted ? 128 + args[0].interrupted : 0;
 }
 
-int eval_run(const TrainCfg *c, const char *weights, const char *data, EvalResult *r, char err[SN_ERR_MAX]) {
+int eval_run(const TrainCfg *c, const char *weights, const char *data, EvalResult *r,
+             char err[SN_ERR_MAX]) {
     set_threads(c->threads);
     Trainer t;
     int rc = -1;
     int64_t *cm = malloc(sizeof(int64_t) * c->model.classes * c->model.classes);
     snCheck(cm != NULL, "out of host memory");
-    if (trainer_open(&t, c, NULL, data, err) || trainer_load_weights(&t, weights, NULL, NULL, err)) goto done;
+    if (trainer_open(&t, c, NULL, data, err) || trainer_load_weights(&t, weights, NULL, NULL, err))
+        goto done;
     PassTotals pt = {0, 0, cm};
     if (run_pass(&t, &t.val, 0, &pt, err)) goto done;
     r->loss = pt.loss_sum / pt.norm_sum;
@@ -2011,7 +2353,8 @@ done:
 // num_batches_tracked, so that load_state_dict(strict=True) takes them), timm's
 // tf_efficientnetv2_* (also with num_batches_tracked), or segnet's as they are.
 typedef enum { EXPORT_TORCHVISION, EXPORT_TIMM, EXPORT_SEGNET } ExportNames;
-static const char *const EXPORT_NAMES[] = {"torchvision", "timm", "segnet"};  // indexed by ExportNames
+// indexed by ExportNames
+static const char *const EXPORT_NAMES[] = {"torchvision", "timm", "segnet"};
 
 
 // An export's metadata names its writer, so that --overwrite recognises an
@@ -2031,7 +2374,9 @@ static int is_export(const char *path) {
     char *head = NULL;
     if (read(fd, len8, 8) == 8) {
         for (int i = 7; i >= 0; i--) hlen = hlen << 8 | len8[i];
-        if (hlen <= SF_HEADER_MAX && (head = malloc(hlen + 1)) && read(fd, head, hlen) == (ssize_t)hlen) head[hlen] = 0;
+        if (hlen <= SF_HEADER_MAX && (head = malloc(hlen + 1)) &&
+            read(fd, head, hlen) == (ssize_t)hlen)
+            head[hlen] = 0;
         else { free(head); head = NULL; }
     }
     close(fd);
@@ -2056,16 +2401,25 @@ static int export_out_allowed(const char *out, int overwrite, char err[SN_ERR_MA
     }
     struct stat sb;
     if (run_folder && is_run_file(base))
-        snprintf(err, SN_ERR_MAX, "%.300s: a file of the run in %.100s (export writes only a new file of its own there)", out, dir);
+        snprintf(err, SN_ERR_MAX,
+                 "%.300s: a file of the run in %.100s (export writes only a new file of its own "
+                 "there)",
+                 out, dir);
     else if (lstat(out, &sb) != 0)
         return 0;
     else if (S_ISDIR(sb.st_mode))
         snprintf(err, SN_ERR_MAX, "%.400s: is a folder (--out names the file to write)", out);
     else if (!overwrite)
-        snprintf(err, SN_ERR_MAX, "%.300s: exists; export replaces a file only with --overwrite, and only an earlier export", out);
+        snprintf(err, SN_ERR_MAX,
+                 "%.300s: exists; export replaces a file only with --overwrite, and only an "
+                 "earlier export",
+                 out);
     else if (!is_export(out))
-        snprintf(err, SN_ERR_MAX, "%.300s: exists and is not an earlier export (no %s in its metadata): --overwrite does not "
-                 "replace it", out, EXPORT_WRITER_PAIR);
+        snprintf(err, SN_ERR_MAX,
+                 "%.300s: exists and is not an earlier export (no %s in its metadata): --overwrite "
+                 "does not "
+                 "replace it",
+                 out, EXPORT_WRITER_PAIR);
     else
         return 0;
     return -1;
@@ -2074,8 +2428,8 @@ static int export_out_allowed(const char *out, int overwrite, char err[SN_ERR_MA
 // The weights and BN statistics of checkpoint `path` (a run's best or last),
 // without the optimiser state, written atomically to out under `names`;
 // num_batches_tracked is the checkpoint's step. report: one line.
-int export_weights(const ModelCfg *m, const char *path, ExportNames names, const char *out, char report[SN_ERR_MAX],
-                   char err[SN_ERR_MAX]) {
+int export_weights(const ModelCfg *m, const char *path, ExportNames names, const char *out,
+                   char report[SN_ERR_MAX], char err[SN_ERR_MAX]) {
     SafetensorsFile f;
     if (safetensors_read(path, &f, err)) return -1;
     Graph g;
@@ -2089,10 +2443,14 @@ int export_weights(const ModelCfg *m, const char *path, ExportNames names, const
     if (step_text && meta_int(path, "step", step_text, 0, INT64_MAX, &step, err)) goto done;
     for (int i = 0; i < f.n_tensors; i++) {
         const SafetensorsTensor *t = &f.tensors[i];
-        if (!strncmp(t->name, TRAIN_STATE_PREFIX, strlen(TRAIN_STATE_PREFIX)) || strstr(t->name, BN_COUNT_SUFFIX)) continue;
+        if (!strncmp(t->name, TRAIN_STATE_PREFIX, strlen(TRAIN_STATE_PREFIX)) ||
+            strstr(t->name, BN_COUNT_SUFFIX))
+            continue;
         if (graph_find_param(&g, t->name) < 0 && graph_find_buffer(&g, t->name) < 0) {
-            snprintf(err, SN_ERR_MAX, "%.300s: tensor '%.100s' is not one of model '%s''s (another model's checkpoint?)", path,
-                     t->name, m->model);
+            snprintf(err, SN_ERR_MAX,
+                     "%.300s: tensor '%.100s' is not one of model '%s''s (another model's "
+                     "checkpoint?)",
+                     path, t->name, m->model);
             goto done;
         }
         float *v = malloc(sizeof(float) * (t->numel ? t->numel : 1));
@@ -2103,18 +2461,23 @@ int export_weights(const ModelCfg *m, const char *path, ExportNames names, const
         if (!allowed) goto done;
         ts[n] = *t;
         if (names == EXPORT_TIMM && !effnet_timm_name(&g, t->name, ts[n].name)) {
-            snprintf(err, SN_ERR_MAX, "model '%s': '%.100s' has no timm name (timm's tf_efficientnetv2_* are EfficientNetV2 "
-                     "classifiers without --head-hidden)", m->model, t->name);
+            snprintf(err, SN_ERR_MAX,
+                     "model '%s': '%.100s' has no timm name (timm's tf_efficientnetv2_* are "
+                     "EfficientNetV2 "
+                     "classifiers without --head-hidden)",
+                     m->model, t->name);
             goto done;
         }
         n++;
         const size_t len = strlen(ts[n - 1].name), suffix = strlen(BN_STAT_SUFFIX);
-        if (names != EXPORT_SEGNET && len > suffix && !strcmp(ts[n - 1].name + len - suffix, BN_STAT_SUFFIX)) {
+        if (names != EXPORT_SEGNET && len > suffix &&
+            !strcmp(ts[n - 1].name + len - suffix, BN_STAT_SUFFIX)) {
             const SafetensorsTensor *var = &ts[n - 1];
             SafetensorsTensor *c = &ts[n++];
             memset(c, 0, sizeof *c);
             if (len - suffix + strlen(BN_COUNT_SUFFIX) >= sizeof c->name) {
-                snprintf(err, SN_ERR_MAX, "'%.100s': its num_batches_tracked name is too long", var->name);
+                snprintf(err, SN_ERR_MAX, "'%.100s': its num_batches_tracked name is too long",
+                         var->name);
                 goto done;
             }
             memcpy(c->name, var->name, len - suffix);
@@ -2125,10 +2488,11 @@ int export_weights(const ModelCfg *m, const char *path, ExportNames names, const
             c->data = &step;
         }
     }
-    const char *keys[3] = {"format", "padding", "writer"}, *values[3] = {"pt", PAD_NAME[m->pad], EXPORT_WRITER};
+    const char *keys[3] = {"format", "padding", "writer"},
+               *values[3] = {"pt", PAD_NAME[m->pad], EXPORT_WRITER};
     if (safetensors_write(out, ts, n, keys, values, 3, err)) goto done;
-    snprintf(report, SN_ERR_MAX, "wrote %.200s: %d tensors in %s names from %.200s (padding %s)", out, n, EXPORT_NAMES[names],
-             path, PAD_NAME[m->pad]);
+    snprintf(report, SN_ERR_MAX, "wrote %.200s: %d tensors in %s names from %.200s (padding %s)",
+             out, n, EXPORT_NAMES[names], path, PAD_NAME[m->pad]);
     rc = 0;
 done:
     free(ts);
@@ -2138,8 +2502,8 @@ done:
 }
 
 // export of a run's best (or last) checkpoint: its lock held while it is read
-int export_run(const ModelCfg *m, const char *run, int last, ExportNames names, const char *out, int overwrite,
-               char report[SN_ERR_MAX], char err[SN_ERR_MAX]) {
+int export_run(const ModelCfg *m, const char *run, int last, ExportNames names, const char *out,
+               int overwrite, char report[SN_ERR_MAX], char err[SN_ERR_MAX]) {
     char path[4200];
     run_path(path, sizeof path, run, last ? "last.safetensors" : "best.safetensors");
     if (export_out_allowed(out, overwrite, err)) return -1;
@@ -2157,19 +2521,22 @@ typedef struct {
     size_t n_trainable;
 } MemoryReport;
 
-static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int logits, const Ops *o,
-                          MemoryReport *m) {
+static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int logits,
+                          const Ops *o, MemoryReport *m) {
     memset(m, 0, sizeof *m);
     size_t *grad_offset = malloc(sizeof(size_t) * ((size_t)g->n_params + 1));
     snCheck(grad_offset != NULL, "out of host memory");
-    m->n_trainable = grad_layout(g, grad_offset);  // what net_create gives gradients (and Adam moments)
+    // what net_create gives gradients (and Adam moments)
+    m->n_trainable = grad_layout(g, grad_offset);
     free(grad_offset);
     const Shape in = g->tensors[g->input].shape, out = g->tensors[logits].shape;
     const size_t K = (size_t)out.c, labels = (size_t)out.n * out.h * out.w;
     int cmax = 1;
     m->params = sizeof(float) * g->n_param_floats;
-    if (o->weights_in_storage_type && c->precision != DT_F32) m->params += dtype_size(c->precision) * g->n_param_floats;
-    m->grads = sizeof(float) * (m->n_trainable ? m->n_trainable : 1);  // as net_create allocates them
+    if (o->weights_in_storage_type && c->precision != DT_F32)
+        m->params += dtype_size(c->precision) * g->n_param_floats;
+    // as net_create allocates them
+    m->grads = sizeof(float) * (m->n_trainable ? m->n_trainable : 1);
     m->optimizer = 2 * sizeof(float) * m->n_trainable;
     m->statistics = sizeof(float) * g->n_buffer_floats;
     for (int i = 0; i < g->n_layers; i++)
@@ -2178,16 +2545,19 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
             m->statistics += 2 * sizeof(float) * (size_t)C;
             if (C > cmax) cmax = C;
         }
-    m->statistics += 2 * (sizeof(float) + sizeof(double)) * (size_t)cmax;  // net->bn_scratch, net->bn_sums
+    // net->bn_scratch, net->bn_sums
+    m->statistics += 2 * (sizeof(float) + sizeof(double)) * (size_t)cmax;
     m->workspace = p->workspace;
     m->activations = p->peak - p->workspace;
-    m->io = sizeof(float) * K + sizeof(int32_t) * labels + sizeof(int64_t) * K * K + sizeof(StepArgs) + sizeof(StepState) +
-            sizeof(uint64_t) * (size_t)g->n_layers + sizeof(int32_t);  // the last: Trainer.nonfinite
+    m->io = sizeof(float) * K + sizeof(int32_t) * labels + sizeof(int64_t) * K * K +
+            sizeof(StepArgs) + sizeof(StepState) +
+            // the last: Trainer.nonfinite
+            sizeof(uint64_t) * (size_t)g->n_layers + sizeof(int32_t);
     if (c->precision != DT_F32) m->io += sizeof(float) * shape_numel(in);
     m->backend = o->context_bytes;
     m->driver = o->driver_bytes;
-    m->total = m->params + m->grads + m->optimizer + m->statistics + m->activations + m->workspace + m->io +
-               m->backend + m->driver;
+    m->total = m->params + m->grads + m->optimizer + m->statistics + m->activations + m->workspace +
+               m->io + m->backend + m->driver;
 }
 
 // Builds the graph of c (frozen layers marked) and its plan. Returns the logits, or -1 with err.
@@ -2201,7 +2571,8 @@ static int plan_for(const TrainCfg *c, Graph *g, Plan *p, Ops **op, char err[SN_
     int *needs_grad = malloc(sizeof(int) * (size_t)g->n_tensors);
     snCheck(needs_grad != NULL, "out of host memory");
     graph_needs_grad(g, 0, needs_grad);
-    plan_build(p, g, needs_grad, c->precision, logits, c->checkpoint, net_workspace_bytes(g, o, c->precision));
+    plan_build(p, g, needs_grad, c->precision, logits, c->checkpoint,
+               net_workspace_bytes(g, o, c->precision));
     free(needs_grad);
     return logits;
 }
@@ -2211,7 +2582,8 @@ static int plan_for(const TrainCfg *c, Graph *g, Plan *p, Ops **op, char err[SN_
 // before checkpointing, fp32 before fp16 storage; the micro-batches make up
 // the global batch by accumulation. On success c holds the setting and why
 // says what was tried; else -1 with err saying what the smallest setting needs.
-static int choose_setting(TrainCfg *c, size_t budget, char *why, size_t why_size, char err[SN_ERR_MAX]) {
+static int choose_setting(TrainCfg *c, size_t budget, char *why, size_t why_size,
+                          char err[SN_ERR_MAX]) {
     const int global = c->model.batch * c->accum;
     size_t smallest = SIZE_MAX;
     int tried = 0;
@@ -2235,14 +2607,17 @@ static int choose_setting(TrainCfg *c, size_t budget, char *why, size_t why_size
             tried++;
             if (m.total < smallest) smallest = m.total;
             size_t k = strlen(why);
-            snprintf(why + k, why_size - k, "  micro-batch %d × %d, %s, checkpoint %s: %.2f GiB%s\n", micro, t.accum,
-                     DTYPE_NAMES[t.precision], t.checkpoint ? "blocks" : "none", m.total / 1073741824.0,
-                     m.total <= budget ? "  fits" : "");
+            snprintf(why + k, why_size - k,
+                     "  micro-batch %d × %d, %s, checkpoint %s: %.2f GiB%s\n", micro, t.accum,
+                     DTYPE_NAMES[t.precision], t.checkpoint ? "blocks" : "none",
+                     m.total / 1073741824.0, m.total <= budget ? "  fits" : "");
             if (m.total <= budget) { *c = t; return 0; }
         }
         if (micro == 1) break;
     }
-    snprintf(err, SN_ERR_MAX, "nothing fits in %.2f GiB: the smallest setting tried (of %d) needs %zu bytes (%.2f GiB)",
+    snprintf(err, SN_ERR_MAX,
+             "nothing fits in %.2f GiB: the smallest setting tried (of %d) needs %zu bytes (%.2f "
+             "GiB)",
              budget / 1073741824.0, tried, smallest, smallest / 1073741824.0);
     return -1;
 }

@@ -1,4 +1,5 @@
-// safetensors.c -- safetensors files: the reader (a strict parser of the one header shape) and the writer.
+// safetensors.c -- safetensors files: the reader (a strict parser of the one header shape) and the
+// writer.
 // Plumbing of the segnet program: segnet.c (the math, the models, the step)
 // includes this file at its end, so that the program is one translation unit.
 
@@ -74,7 +75,11 @@ static int utf8_valid(const char *s) {
 // Encodes code point cp (< 0x110000, not a surrogate) as UTF-8; returns its length.
 static size_t utf8_put(uint32_t cp, uint8_t out[4]) {
     if (cp < 0x80) { out[0] = (uint8_t)cp; return 1; }
-    if (cp < 0x800) { out[0] = (uint8_t)(0xC0 | cp >> 6); out[1] = (uint8_t)(0x80 | (cp & 0x3F)); return 2; }
+    if (cp < 0x800) {
+        out[0] = (uint8_t)(0xC0 | cp >> 6);
+        out[1] = (uint8_t)(0x80 | (cp & 0x3F));
+        return 2;
+    }
     if (cp < 0x10000) {
         out[0] = (uint8_t)(0xE0 | cp >> 12); out[1] = (uint8_t)(0x80 | (cp >> 6 & 0x3F));
         out[2] = (uint8_t)(0x80 | (cp & 0x3F));
@@ -129,11 +134,13 @@ static int jfail(Json *j, const char *fmt, ...) {
     return -1;
 }
 static int jsyntax(Json *j, const char *what) {
-    return jfail(j, "header is not valid JSON: %s at byte %zu of the header", what, (size_t)(j->p - j->s));
+    return jfail(j, "header is not valid JSON: %s at byte %zu of the header", what,
+                 (size_t)(j->p - j->s));
 }
 
 static void jws(Json *j) {
-    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
+    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r'))
+        j->p++;
 }
 static int jpeek(Json *j) { jws(j); return j->p < j->end ? *j->p : -1; }
 // consumes c, after whitespace, if it comes next
@@ -182,13 +189,16 @@ static int jstring(Json *j, char *out, size_t cap, size_t *len) {
             case 'u': {
                 uint32_t cp, lo;
                 if (jhex4(j, &cp)) return -1;
-                if (cp >= 0xDC00 && cp <= 0xDFFF) return jsyntax(j, "unpaired low surrogate in \\u escape");
-                if (cp >= 0xD800 && cp <= 0xDBFF) {  // UTF-16 pair: 0x10000 + (hi - 0xD800)·2^10 + (lo - 0xDC00)
+                if (cp >= 0xDC00 && cp <= 0xDFFF)
+                    return jsyntax(j, "unpaired low surrogate in \\u escape");
+                // UTF-16 pair: 0x10000 + (hi - 0xD800)·2^10 + (lo - 0xDC00)
+                if (cp >= 0xD800 && cp <= 0xDBFF) {
                     if (j->end - j->p < 2 || j->p[0] != '\\' || j->p[1] != 'u')
                         return jsyntax(j, "unpaired high surrogate in \\u escape");
                     j->p += 2;
                     if (jhex4(j, &lo)) return -1;
-                    if (lo < 0xDC00 || lo > 0xDFFF) return jsyntax(j, "unpaired high surrogate in \\u escape");
+                    if (lo < 0xDC00 || lo > 0xDFFF)
+                        return jsyntax(j, "unpaired high surrogate in \\u escape");
                     cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
                 }
                 if (cp == 0) return jsyntax(j, "\\u0000 inside a string");
@@ -199,7 +209,8 @@ static int jstring(Json *j, char *out, size_t cap, size_t *len) {
             }
         } else {
             if (!(k = utf8_len(j->p, (size_t)(j->end - j->p))))
-                return jfail(j, "header is not valid UTF-8 at byte %zu of the header", (size_t)(j->p - j->s));
+                return jfail(j, "header is not valid UTF-8 at byte %zu of the header",
+                             (size_t)(j->p - j->s));
             memcpy(buf, j->p, k);
             j->p += k;
         }
@@ -229,7 +240,8 @@ static int jint(Json *j, int64_t *v, const char *what) {
     int neg = p < j->end && *p == '-';
     if (neg) p++;
     if (p >= j->end || *p < '0' || *p > '9') return jfail(j, "%s must be an integer", what);
-    if (*p == '0' && p + 1 < j->end && p[1] >= '0' && p[1] <= '9') return jsyntax(j, "number with a leading zero");
+    if (*p == '0' && p + 1 < j->end && p[1] >= '0' && p[1] <= '9')
+        return jsyntax(j, "number with a leading zero");
     uint64_t u = 0;
     int big = 0;
     for (; p < j->end && *p >= '0' && *p <= '9'; p++) {
@@ -254,7 +266,8 @@ static int sf_parse_tensor(Json *j, SafetensorsTensor *t, const uint8_t *data, s
     size_t len;
     int have_dtype = 0, have_shape = 0, n_off = -1;
     int64_t off[2];
-    if (!jeat(j, '{')) return jfail(j, "entry must be an object with \"dtype\", \"shape\" and \"data_offsets\"");
+    if (!jeat(j, '{'))
+        return jfail(j, "entry must be an object with \"dtype\", \"shape\" and \"data_offsets\"");
     if (!jeat(j, '}')) for (;;) {
         if (jstring(j, field, sizeof field, &len)) return -1;
         if (!jeat(j, ':')) return jsyntax(j, "expected ':'");
@@ -267,27 +280,32 @@ static int sf_parse_tensor(Json *j, SafetensorsTensor *t, const uint8_t *data, s
             if (!jeat(j, '[')) return jfail(j, "\"shape\" must be an array of integers");
             t->ndim = 0;
             if (!jeat(j, ']')) for (;;) {
-                if (t->ndim == SF_MAX_DIMS) return jfail(j, "shape has more than %d dimensions", SF_MAX_DIMS);
-                int64_t d;
-                if (jint(j, &d, "shape entry")) return -1;
-                if (d < 0) return jfail(j, "shape entry %" PRId64 " is negative", d);
-                t->dims[t->ndim++] = d;
-                if (jeat(j, ']')) break;
-                if (!jeat(j, ',')) return jsyntax(j, "expected ',' or ']' in \"shape\"");
+                    if (t->ndim == SF_MAX_DIMS)
+                        return jfail(j, "shape has more than %d dimensions", SF_MAX_DIMS);
+                    int64_t d;
+                    if (jint(j, &d, "shape entry")) return -1;
+                    if (d < 0) return jfail(j, "shape entry %" PRId64 " is negative", d);
+                    t->dims[t->ndim++] = d;
+                    if (jeat(j, ']')) break;
+                    if (!jeat(j, ',')) return jsyntax(j, "expected ',' or ']' in \"shape\"");
             }
         } else if (!strcmp(field, "data_offsets")) {
             if (n_off >= 0) return jfail(j, "\"data_offsets\" appears twice");
             if (!jeat(j, '[')) return jfail(j, "\"data_offsets\" must be an array [begin, end]");
             n_off = 0;
             if (!jeat(j, ']')) for (;;) {
-                if (n_off == 2) return jfail(j, "\"data_offsets\" must be [begin, end]: more than 2 entries");
-                if (jint(j, &off[n_off], "data_offsets entry")) return -1;
-                if (off[n_off] < 0) return jfail(j, "data_offsets entry %" PRId64 " is negative", off[n_off]);
-                n_off++;
-                if (jeat(j, ']')) break;
-                if (!jeat(j, ',')) return jsyntax(j, "expected ',' or ']' in \"data_offsets\"");
+                    if (n_off == 2)
+                        return jfail(j,
+                                     "\"data_offsets\" must be [begin, end]: more than 2 entries");
+                    if (jint(j, &off[n_off], "data_offsets entry")) return -1;
+                    if (off[n_off] < 0)
+                        return jfail(j, "data_offsets entry %" PRId64 " is negative", off[n_off]);
+                    n_off++;
+                    if (jeat(j, ']')) break;
+                    if (!jeat(j, ',')) return jsyntax(j, "expected ',' or ']' in \"data_offsets\"");
             }
-            if (n_off != 2) return jfail(j, "\"data_offsets\" must be [begin, end]: %d entries", n_off);
+            if (n_off != 2)
+                return jfail(j, "\"data_offsets\" must be [begin, end]: %d entries", n_off);
         } else {
             return jfail(j, "unknown field \"%s\"", sf_quote(q, field));
         }
@@ -301,7 +319,9 @@ static int sf_parse_tensor(Json *j, SafetensorsTensor *t, const uint8_t *data, s
     int dt = -1;
     for (int k = 0; k < SF_DTYPES; k++)
         if (!strcmp(dtype, SF_DTYPE_NAMES[k])) dt = k;
-    if (dt < 0) return jfail(j, "dtype \"%s\" is not supported (segnet reads F32, F16, BF16, I64)", sf_quote(q, dtype));
+    if (dt < 0)
+        return jfail(j, "dtype \"%s\" is not supported (segnet reads F32, F16, BF16, I64)",
+                     sf_quote(q, dtype));
     t->dtype = (DType)dt;
     size_t elem = dtype_size(t->dtype);
     sf_shape_str(shape, sizeof shape, t->dims, t->ndim);
@@ -310,10 +330,14 @@ static int sf_parse_tensor(Json *j, SafetensorsTensor *t, const uint8_t *data, s
     if (off[0] > off[1])
         return jfail(j, "data_offsets [%" PRId64 ", %" PRId64 "]: begin > end", off[0], off[1]);
     if ((uint64_t)off[1] > data_len)
-        return jfail(j, "data_offsets [%" PRId64 ", %" PRId64 "] run past the end of the data section "
-                     "(%zu bytes): the file is truncated or the offsets are wrong", off[0], off[1], data_len);
+        return jfail(j,
+                     "data_offsets [%" PRId64 ", %" PRId64 "] run past the end of the data section "
+                     "(%zu bytes): the file is truncated or the offsets are wrong",
+                     off[0], off[1], data_len);
     if ((uint64_t)(off[1] - off[0]) != t->numel * elem)
-        return jfail(j, "data_offsets [%" PRId64 ", %" PRId64 "] hold %" PRId64 " bytes, but shape %s of %s needs %zu",
+        return jfail(j,
+                     "data_offsets [%" PRId64 ", %" PRId64 "] hold %" PRId64
+                     " bytes, but shape %s of %s needs %zu",
                      off[0], off[1], off[1] - off[0], shape, dtype, t->numel * elem);
     t->data = data + off[0];
     return 0;
@@ -340,7 +364,8 @@ static int sf_parse_meta(Json *j, SafetensorsFile *f, size_t *cap) {
         f->n_meta++;  // owned from here: safetensors_free frees what is set
         if (jstring_alloc(j, key)) return -1;
         if (!jeat(j, ':')) return jsyntax(j, "expected ':'");
-        if (jpeek(j) != '"') return jfail(j, "\"__metadata__\" '%s': value must be a string", sf_quote(q, *key));
+        if (jpeek(j) != '"')
+            return jfail(j, "\"__metadata__\" '%s': value must be a string", sf_quote(q, *key));
         if (jstring_alloc(j, val)) return -1;
         if (jeat(j, '}')) break;
         if (!jeat(j, ',')) return jsyntax(j, "expected ',' or '}' in \"__metadata__\"");
@@ -353,7 +378,8 @@ static int sf_parse_header(Json *j, SafetensorsFile *f, const uint8_t *data, siz
     size_t len, cap_t = 0, cap_m = 0;
     int have_meta = 0;
     if (!jeat(j, '{'))
-        return jfail(j, "header is not a JSON object (no '{' at byte %zu of the header)", (size_t)(j->p - j->s));
+        return jfail(j, "header is not a JSON object (no '{' at byte %zu of the header)",
+                     (size_t)(j->p - j->s));
     if (!jeat(j, '}')) for (;;) {
         if (jstring(j, name, sizeof name, &len)) return -1;
         if (!jeat(j, ':')) return jsyntax(j, "expected ':'");
@@ -390,7 +416,9 @@ static int sf_parse_header(Json *j, SafetensorsFile *f, const uint8_t *data, siz
 
 // ---- reading: whole-file checks
 
-static int cmp_name(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
+static int cmp_name(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
 
 // The first name (in sorted order) that occurs twice, or NULL. Sorts names.
 static const char *sf_duplicate(const char **names, size_t n) {
@@ -401,21 +429,29 @@ static const char *sf_duplicate(const char **names, size_t n) {
 }
 
 static int cmp_tensor_begin(const void *a, const void *b) {
-    const uint8_t *x = (*(const SafetensorsTensor *const *)a)->data, *y = (*(const SafetensorsTensor *const *)b)->data;
+    const uint8_t *x = (*(const SafetensorsTensor *const *)a)->data,
+                  *y = (*(const SafetensorsTensor *const *)b)->data;
     return x < y ? -1 : x > y;
 }
 
 // Names are unique; non-empty tensors do not overlap (empty ones cover no byte).
-static int sf_check_layout(const SafetensorsFile *f, const uint8_t *data, const char *path, char *err) {
+static int sf_check_layout(const SafetensorsFile *f, const uint8_t *data, const char *path,
+                           char *err) {
     size_t n = (size_t)f->n_tensors;
     char q1[SF_QUOTE_MAX + 4], q2[SF_QUOTE_MAX + 4];
     const char **names = malloc(sizeof *names * (n ? n : 1));
     const SafetensorsTensor **by_begin = malloc(sizeof *by_begin * (n ? n : 1));
     int rc = -1;
-    if (!names || !by_begin) { sf_errf(err, "%s: out of memory checking the tensor table", path); goto done; }
+    if (!names || !by_begin) {
+        sf_errf(err, "%s: out of memory checking the tensor table", path);
+        goto done;
+    }
     for (size_t i = 0; i < n; i++) names[i] = f->tensors[i].name;
     const char *dup = sf_duplicate(names, n);
-    if (dup) { sf_errf(err, "%s: tensor '%s' appears twice (duplicate name)", path, sf_quote(q1, dup)); goto done; }
+    if (dup) {
+        sf_errf(err, "%s: tensor '%s' appears twice (duplicate name)", path, sf_quote(q1, dup));
+        goto done;
+    }
     size_t m = 0;
     for (size_t i = 0; i < n; i++)
         if (f->tensors[i].numel) by_begin[m++] = &f->tensors[i];
@@ -427,9 +463,12 @@ static int sf_check_layout(const SafetensorsFile *f, const uint8_t *data, const 
         const SafetensorsTensor *t = by_begin[i];
         const uint8_t *b = t->data, *e = b + t->numel * dtype_size(t->dtype);
         if (reach && b < reach_end) {
-            sf_errf(err, "%s: tensors '%s' and '%s' overlap in the data section: bytes [%zu, %zu) and [%zu, %zu)",
-                    path, sf_quote(q1, reach->name), sf_quote(q2, t->name), (size_t)((const uint8_t *)reach->data - data),
-                    (size_t)(reach_end - data), (size_t)(b - data), (size_t)(e - data));
+            sf_errf(err,
+                    "%s: tensors '%s' and '%s' overlap in the data section: bytes [%zu, %zu) and "
+                    "[%zu, %zu)",
+                    path, sf_quote(q1, reach->name), sf_quote(q2, t->name),
+                    (size_t)((const uint8_t *)reach->data - data), (size_t)(reach_end - data),
+                    (size_t)(b - data), (size_t)(e - data));
             goto done;
         }
         if (!reach || e > reach_end) { reach = t; reach_end = e; }
@@ -467,7 +506,8 @@ static int open_regular(const char *path, struct stat *sb, const char **why) {
 }
 
 // open_regular as a FILE (NULL with *why)
-static FILE *fopen_regular_stat(const char *path, const char *mode, struct stat *sb, const char **why) {
+static FILE *fopen_regular_stat(const char *path, const char *mode, struct stat *sb,
+                                const char **why) {
     int fd = open_regular(path, sb, why);
     FILE *f = fd < 0 ? NULL : fdopen(fd, mode);
     if (fd >= 0 && !f) { *why = strerror(errno); close(fd); }
@@ -489,34 +529,49 @@ int safetensors_read(const char *path, SafetensorsFile *f, char err[SN_ERR_MAX])
     const char *why;
     FILE *fp = fopen_regular_stat(path, "rb", &sb, &why);
     if (!fp) { sf_errf(err, "%s: cannot open: %s", path, why); return -1; }
-    if ((uint64_t)sb.st_size > SIZE_MAX) { sf_errf(err, "%s: too large to load", path); fclose(fp); return -1; }
+    if ((uint64_t)sb.st_size > SIZE_MAX) {
+        sf_errf(err, "%s: too large to load", path);
+        fclose(fp);
+        return -1;
+    }
     size_t n = (size_t)sb.st_size;
     f->bytes = malloc(n ? n : 1);
-    if (!f->bytes) { sf_errf(err, "%s: out of memory loading %zu bytes", path, n); fclose(fp); return -1; }
+    if (!f->bytes) {
+        sf_errf(err, "%s: out of memory loading %zu bytes", path, n);
+        fclose(fp);
+        return -1;
+    }
     size_t got = fread(f->bytes, 1, n, fp);
     int read_err = ferror(fp);
     fclose(fp);
     if (got != n) {
-        sf_errf(err, "%s: %s after %zu of %zu bytes", path, read_err ? "read error" : "file shrank while reading", got, n);
+        sf_errf(err, "%s: %s after %zu of %zu bytes", path,
+                read_err ? "read error" : "file shrank while reading", got, n);
         safetensors_free(f);
         return -1;
     }
     f->n_bytes = n;
     if (n < 8) {
-        sf_errf(err, "%s: file is %zu bytes, too short for safetensors (an 8-byte header length comes first)", path, n);
+        sf_errf(err,
+                "%s: file is %zu bytes, too short for safetensors (an 8-byte header length comes "
+                "first)",
+                path, n);
         safetensors_free(f);
         return -1;
     }
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--) hlen = hlen << 8 | f->bytes[i];
     if (hlen > n - 8) {
-        sf_errf(err, "%s: header length %" PRIu64 " runs past the end of the file (%zu bytes): truncated or not safetensors",
+        sf_errf(err,
+                "%s: header length %" PRIu64
+                " runs past the end of the file (%zu bytes): truncated or not safetensors",
                 path, hlen, n);
         safetensors_free(f);
         return -1;
     }
     if (hlen > SF_HEADER_MAX) {
-        sf_errf(err, "%s: header length %" PRIu64 " is absurd (over %" PRIu64 " MB)", path, hlen, SF_HEADER_MAX >> 20);
+        sf_errf(err, "%s: header length %" PRIu64 " is absurd (over %" PRIu64 " MB)", path, hlen,
+                SF_HEADER_MAX >> 20);
         safetensors_free(f);
         return -1;
     }
@@ -559,16 +614,20 @@ static void sb_json(SfBuf *b, const char *s) {
     sb_put(b, "\"", 1);
     for (; *s; s++) {
         char e[8];
-        if (*s == '"' || *s == '\\') { e[0] = '\\'; e[1] = *s; sb_put(b, e, 2); }
-        else if ((uint8_t)*s < 0x20) { snprintf(e, sizeof e, "\\u%04x", (unsigned)(uint8_t)*s); sb_put(b, e, 6); }
-        else sb_put(b, s, 1);
+        if (*s == '"' || *s == '\\') { e[0] = '\\'; e[1] = *s; sb_put(b, e, 2);
+        } else if ((uint8_t)*s < 0x20) {
+            snprintf(e, sizeof e, "\\u%04x", (unsigned)(uint8_t)*s);
+            sb_put(b, e, 6);
+        } else
+            sb_put(b, s, 1);
     }
     sb_put(b, "\"", 1);
 }
 
 // Refuses what safetensors_read would refuse, so every file written reads back.
-static int sf_check_write_args(const char *path, const SafetensorsTensor *ts, int n, const char *const *mk,
-                               const char *const *mv, int n_meta, char *err) {
+static int sf_check_write_args(const char *path, const SafetensorsTensor *ts, int n,
+                               const char *const *mk, const char *const *mv, int n_meta,
+                               char *err) {
     char q[SF_QUOTE_MAX + 4];
     if (n < 0 || n_meta < 0 || (n && !ts) || (n_meta && (!mk || !mv))) {
         sf_errf(err, "%s: bad arguments (%d tensors, %d metadata entries)", path, n, n_meta);
@@ -577,27 +636,39 @@ static int sf_check_write_args(const char *path, const SafetensorsTensor *ts, in
     for (int i = 0; i < n; i++) {
         const SafetensorsTensor *t = &ts[i];
         if (strnlen(t->name, SN_NAME_MAX) == SN_NAME_MAX) {
-            sf_errf(err, "%s: tensor %d: name is not NUL-terminated within %d bytes", path, i, SN_NAME_MAX);
+            sf_errf(err, "%s: tensor %d: name is not NUL-terminated within %d bytes", path, i,
+                    SN_NAME_MAX);
             return -1;
         }
         const char *nm = sf_quote(q, t->name);
         size_t numel;
         if (!utf8_valid(t->name) || !strcmp(t->name, "__metadata__")) {
-            sf_errf(err, "%s: tensor '%s': invalid name (not UTF-8, or \"__metadata__\")", path, nm);
+            sf_errf(err, "%s: tensor '%s': invalid name (not UTF-8, or \"__metadata__\")", path,
+                    nm);
             return -1;
         }
-        if ((unsigned)t->dtype >= (unsigned)SF_DTYPES) { sf_errf(err, "%s: tensor '%s': unknown dtype %d", path, nm, (int)t->dtype); return -1; }
+        if ((unsigned)t->dtype >= (unsigned)SF_DTYPES) {
+            sf_errf(err, "%s: tensor '%s': unknown dtype %d", path, nm, (int)t->dtype);
+            return -1;
+        }
         if (t->ndim < 0 || t->ndim > SF_MAX_DIMS) {
-            sf_errf(err, "%s: tensor '%s': ndim %d is outside 0..%d", path, nm, t->ndim, SF_MAX_DIMS);
+            sf_errf(err, "%s: tensor '%s': ndim %d is outside 0..%d", path, nm, t->ndim,
+                    SF_MAX_DIMS);
             return -1;
         }
         for (int d = 0; d < t->ndim; d++)
-            if (t->dims[d] < 0) { sf_errf(err, "%s: tensor '%s': negative dimension %" PRId64, path, nm, t->dims[d]); return -1; }
+            if (t->dims[d] < 0) {
+                sf_errf(err, "%s: tensor '%s': negative dimension %" PRId64, path, nm, t->dims[d]);
+                return -1;
+            }
         if (sf_numel(t->dims, t->ndim, dtype_size(t->dtype), &numel) || numel != t->numel) {
             sf_errf(err, "%s: tensor '%s': numel %zu does not match its shape", path, nm, t->numel);
             return -1;
         }
-        if (numel && !t->data) { sf_errf(err, "%s: tensor '%s': data is NULL", path, nm); return -1; }
+        if (numel && !t->data) {
+            sf_errf(err, "%s: tensor '%s': data is NULL", path, nm);
+            return -1;
+        }
     }
     for (int i = 0; i < n_meta; i++) {
         if (!mk[i] || !mv[i] || !utf8_valid(mk[i]) || !utf8_valid(mv[i])) {
@@ -647,10 +718,12 @@ static void path_folder(const char *path, char dir[OUT_PATH_MAX]) {
 static int out_path_check(const char *path, char err[SN_ERR_MAX]) {
     const size_t base = strlen(path_base(path)), whole = strlen(path);
     if (base > NAME_MAX)
-        snprintf(err, SN_ERR_MAX, "%.300s...: the file name is %zu bytes, more than the %d a file system takes", path, base,
-                 NAME_MAX);
+        snprintf(err, SN_ERR_MAX,
+                 "%.300s...: the file name is %zu bytes, more than the %d a file system takes",
+                 path, base, NAME_MAX);
     else if (whole >= PATH_MAX)
-        snprintf(err, SN_ERR_MAX, "%.300s...: the path is %zu bytes, more than the %d a path may have", path, whole,
+        snprintf(err, SN_ERR_MAX,
+                 "%.300s...: the path is %zu bytes, more than the %d a path may have", path, whole,
                  PATH_MAX - 1);
     else
         return 0;
@@ -677,8 +750,10 @@ static FILE *atomic_file_open(const char *path, char tmp[OUT_PATH_MAX], char err
     if (f) return f;
     if (fd >= 0) close(fd);
     if (errno == EEXIST)
-        snprintf(err, SN_ERR_MAX, "%.200s: cannot write: its temporary file %.200s is already there (not this "
-                 "process's; remove it)", path, path_base(tmp));
+        snprintf(err, SN_ERR_MAX,
+                 "%.200s: cannot write: its temporary file %.200s is already there (not this "
+                 "process's; remove it)",
+                 path, path_base(tmp));
     else
         snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno));
     return NULL;
@@ -686,14 +761,19 @@ static FILE *atomic_file_open(const char *path, char tmp[OUT_PATH_MAX], char err
 
 // Closes f and renames tmp over path if ok (else, or on a failure, removes tmp).
 // ok = 0 means the writer failed and has already set err.
-static int atomic_file_commit(FILE *f, const char *tmp, const char *path, int ok, char err[SN_ERR_MAX]) {
+static int atomic_file_commit(FILE *f, const char *tmp, const char *path, int ok,
+                              char err[SN_ERR_MAX]) {
     if (ok && (fflush(f) != 0 || ferror(f) || fsync(fileno(f)) != 0)) {
         snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno));
         ok = 0;
     }
-    if (fclose(f) != 0 && ok) { snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno)); ok = 0; }
+    if (fclose(f) != 0 && ok) {
+        snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno));
+        ok = 0;
+    }
     if (ok && rename(tmp, path) != 0) {
-        snprintf(err, SN_ERR_MAX, "%.400s: renaming the new file over it failed: %s", path, strerror(errno));
+        snprintf(err, SN_ERR_MAX, "%.400s: renaming the new file over it failed: %s", path,
+                 strerror(errno));
         ok = 0;
     }
     if (!ok) { unlink(tmp); return -1; }
@@ -702,7 +782,8 @@ static int atomic_file_commit(FILE *f, const char *tmp, const char *path, int ok
     path_folder(path, dir);
     int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0 || fsync(dfd)) {
-        snprintf(err, SN_ERR_MAX, "%.400s: written, but syncing its folder failed: %s", path, strerror(errno));
+        snprintf(err, SN_ERR_MAX, "%.400s: written, but syncing its folder failed: %s", path,
+                 strerror(errno));
         if (dfd >= 0) close(dfd);
         return -1;
     }
@@ -716,13 +797,16 @@ int file_write_atomic(const char *path, const void *const *parts, const size_t *
     FILE *f = atomic_file_open(path, tmp, err);
     if (!f) return -1;
     int ok = 1;
-    for (int i = 0; ok && i < n_parts; i++) ok = !sizes[i] || fwrite(parts[i], 1, sizes[i], f) == sizes[i];  // an empty part may be NULL
+    // an empty part may be NULL
+    for (int i = 0; ok && i < n_parts; i++)
+        ok = !sizes[i] || fwrite(parts[i], 1, sizes[i], f) == sizes[i];
     if (!ok) snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", path, strerror(errno));
     return atomic_file_commit(f, tmp, path, ok, err);
 }
 
-int safetensors_write(const char *path, const SafetensorsTensor *tensors, int n, const char *const *meta_keys,
-             const char *const *meta_values, int n_meta, char err[SN_ERR_MAX]) {
+int safetensors_write(const char *path, const SafetensorsTensor *tensors, int n,
+                      const char *const *meta_keys, const char *const *meta_values, int n_meta,
+                      char err[SN_ERR_MAX]) {
     if (sf_check_write_args(path, tensors, n, meta_keys, meta_values, n_meta, err)) return -1;
 
     // the header: compact JSON, "__metadata__" first, tensors contiguous in order
@@ -743,7 +827,11 @@ int safetensors_write(const char *path, const SafetensorsTensor *tensors, int n,
     for (int i = 0; i < n; i++) {
         const SafetensorsTensor *t = &tensors[i];
         size_t bytes = t->numel * dtype_size(t->dtype);
-        if (off > SIZE_MAX - bytes) { free(h.p); sf_errf(err, "%s: total size overflows", path); return -1; }
+        if (off > SIZE_MAX - bytes) {
+            free(h.p);
+            sf_errf(err, "%s: total size overflows", path);
+            return -1;
+        }
         sb_str(&h, n_meta || i ? "," : "");
         sb_json(&h, t->name);
         sb_str(&h, ":{\"dtype\":\"");
@@ -759,7 +847,11 @@ int safetensors_write(const char *path, const SafetensorsTensor *tensors, int n,
     }
     sb_str(&h, "}");
     while ((8 + h.n) % 8) sb_str(&h, " ");  // the data section starts 8-byte aligned
-    if (h.oom) { free(h.p); sf_errf(err, "%s: out of memory building the header", path); return -1; }
+    if (h.oom) {
+        free(h.p);
+        sf_errf(err, "%s: out of memory building the header", path);
+        return -1;
+    }
     uint8_t len8[8];
     for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)h.n >> (8 * i));
 
@@ -770,7 +862,10 @@ int safetensors_write(const char *path, const SafetensorsTensor *tensors, int n,
     if (parts && sizes) {
         parts[0] = len8; sizes[0] = 8;
         parts[1] = h.p; sizes[1] = h.n;
-        for (int i = 0; i < n; i++) { parts[2 + i] = tensors[i].data; sizes[2 + i] = tensors[i].numel * dtype_size(tensors[i].dtype); }
+        for (int i = 0; i < n; i++) {
+            parts[2 + i] = tensors[i].data;
+            sizes[2 + i] = tensors[i].numel * dtype_size(tensors[i].dtype);
+        }
         rc = file_write_atomic(path, parts, sizes, n_parts, err);
     } else {
         sf_errf(err, "%s: out of memory", path);

@@ -104,7 +104,9 @@ static void fail_internal(const char *file, int line, const char *fmt, ...) {
 #define SHAPE_FMT "(%d,%d,%d,%d)"
 #define SHAPE_ARGS(s) (s).n, (s).h, (s).w, (s).c
 
-static int shape_eq(Shape a, Shape b) { return a.n == b.n && a.h == b.h && a.w == b.w && a.c == b.c; }
+static int shape_eq(Shape a, Shape b) {
+    return a.n == b.n && a.h == b.h && a.w == b.w && a.c == b.c;
+}
 
 // Loops with less work than this run on one thread: opening a parallel region
 // costs microseconds, and a scheduler time slice per region when the cores are
@@ -163,7 +165,8 @@ static void st_run(Tensor t, size_t i, const float *src, size_t n, int accumulat
         }
     } else {
         _Float16 *d = (_Float16 *)t.data + i;
-        for (size_t k = 0; k < n; k++) d[k] = (_Float16)(accumulate ? (float)d[k] + src[k] : src[k]);
+        for (size_t k = 0; k < n; k++)
+            d[k] = (_Float16)(accumulate ? (float)d[k] + src[k] : src[k]);
     }
 }
 
@@ -200,7 +203,10 @@ static void cpu_free(Ops *o, void *p) {
     cpu_bytes_live -= bytes;
     free(base);
 }
-static void cpu_memcpy(Ops *o, void *dst, const void *src, size_t bytes) { (void)o; memcpy(dst, src, bytes); }
+static void cpu_memcpy(Ops *o, void *dst, const void *src, size_t bytes) {
+    (void)o;
+    memcpy(dst, src, bytes);
+}
 static void cpu_synchronize(Ops *o) { (void)o; }
 static void *cpu_host_alloc(Ops *o, size_t bytes) { (void)o; return malloc(bytes ? bytes : 1); }
 static void cpu_host_free(Ops *o, void *p) { (void)o; free(p); }
@@ -233,7 +239,8 @@ static void axpby_ref(Ops *o, Tensor y, Tensor x, float a, float b, int accumula
 static void copy_ref(Ops *o, Tensor dst, Tensor src, int accumulate) {
     (void)o;
     size_t n = shape_numel(src.shape);
-    snCheck(shape_numel(dst.shape) == n, "copy: dst " SHAPE_FMT " src " SHAPE_FMT, SHAPE_ARGS(dst.shape), SHAPE_ARGS(src.shape));
+    snCheck(shape_numel(dst.shape) == n, "copy: dst " SHAPE_FMT " src " SHAPE_FMT,
+            SHAPE_ARGS(dst.shape), SHAPE_ARGS(src.shape));
     #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) st_acc(dst, i, ld(src, i), accumulate);
 }
@@ -301,7 +308,8 @@ static void conv2d_forward_ref(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in
                                const void *w_cast, const float *b, void *ws) {
     (void)o; (void)w_cast; (void)ws;
     ConvGeom q;
-    snCheck(conv_geom_of(cfg, in.shape, &q), "conv2d_forward_ref: input " SHAPE_FMT " does not fit", SHAPE_ARGS(in.shape));
+    snCheck(conv_geom_of(cfg, in.shape, &q), "conv2d_forward_ref: input " SHAPE_FMT " does not fit",
+            SHAPE_ARGS(in.shape));
     const int K = cfg->kh, L = cfg->kw;
     #pragma omp parallel for schedule(static) if(PAR(shape_numel(out.shape) * q.K))
     for (int row = 0; row < q.N * q.OH; row++) {
@@ -324,12 +332,12 @@ static void conv2d_forward_ref(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in
     }
 }
 // din[n,iy,ix,ci] (=|+=) Σ over the outputs that read it
-static void conv2d_backward_data_ref(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout, const float *w,
-                                     const void *w_cast, int accumulate, void *ws) {
+static void conv2d_backward_data_ref(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout,
+                                     const float *w, const void *w_cast, int accumulate, void *ws) {
     (void)o; (void)w_cast; (void)ws;
     ConvGeom q;
-    snCheck(conv_geom_of(cfg, din.shape, &q), "conv2d_backward_data_ref: input " SHAPE_FMT " does not fit",
-            SHAPE_ARGS(din.shape));
+    snCheck(conv_geom_of(cfg, din.shape, &q),
+            "conv2d_backward_data_ref: input " SHAPE_FMT " does not fit", SHAPE_ARGS(din.shape));
     const int K = cfg->kh, L = cfg->kw, s = cfg->stride;
     #pragma omp parallel for schedule(static) if(PAR(shape_numel(din.shape) * q.K))
     for (int row = 0; row < q.N * q.H; row++) {
@@ -347,7 +355,8 @@ static void conv2d_backward_data_ref(Ops *o, const ConvCfg *cfg, Tensor din, Ten
                         for (int j = 0; j < q.Coutg; j++) {
                             const int co = grp * q.Coutg + j;
                             acc += (double)w[((size_t)(co * K + ky) * L + kx) * q.Cg + ci] *
-                                   ld(dout, (((size_t)n * q.OH + ty / s) * q.OW + tx / s) * q.Cout + co);
+                                   ld(dout,
+                                      (((size_t)n * q.OH + ty / s) * q.OW + tx / s) * q.Cout + co);
                         }
                     }
                 }
@@ -356,12 +365,12 @@ static void conv2d_backward_data_ref(Ops *o, const ConvCfg *cfg, Tensor din, Ten
     }
 }
 // dw[co,ky,kx,ci] += Σ_{n,oy,ox} dout·in, db[co] += Σ dout
-static void conv2d_backward_weight_ref(Ops *o, const ConvCfg *cfg, float *dw, float *db, Tensor dout, Tensor in,
-                                       void *ws) {
+static void conv2d_backward_weight_ref(Ops *o, const ConvCfg *cfg, float *dw, float *db,
+                                       Tensor dout, Tensor in, void *ws) {
     (void)o; (void)ws;
     ConvGeom q;
-    snCheck(conv_geom_of(cfg, in.shape, &q), "conv2d_backward_weight_ref: input " SHAPE_FMT " does not fit",
-            SHAPE_ARGS(in.shape));
+    snCheck(conv_geom_of(cfg, in.shape, &q),
+            "conv2d_backward_weight_ref: input " SHAPE_FMT " does not fit", SHAPE_ARGS(in.shape));
     const int K = cfg->kh, L = cfg->kw;
     #pragma omp parallel for schedule(static) if(PAR(shape_numel(dout.shape) * q.K))
     for (int co = 0; co < q.Cout; co++) {
@@ -376,8 +385,11 @@ static void conv2d_backward_weight_ref(Ops *o, const ConvCfg *cfg, float *dw, fl
                             for (int ox = 0; iy >= 0 && ox < q.OW; ox++) {
                                 const int ix = conv_tap(ox, cfg->stride, kx, q.pl, q.W);
                                 if (ix >= 0)
-                                    acc += (double)ld(dout, (((size_t)n * q.OH + oy) * q.OW + ox) * q.Cout + co) *
-                                           ld(in, (((size_t)n * q.H + iy) * q.W + ix) * q.C + c0 + ci);
+                                    acc += (double)ld(dout, (((size_t)n * q.OH + oy) * q.OW + ox) *
+                                                                            q.Cout +
+                                                                    co) *
+                                           ld(in,
+                                              (((size_t)n * q.H + iy) * q.W + ix) * q.C + c0 + ci);
                             }
                         }
                     dw[((size_t)(co * K + ky) * L + kx) * q.Cg + ci] += (float)acc;
@@ -419,7 +431,8 @@ static void act_backward_ref(Ops *o, Act act, Tensor dx, Tensor dy, Tensor x, in
 
 // z[n][a] = b[a] + Σ_k w[a][k]·x[n][k] for N images, rounded to dt: threads share
 // the outputs, each a sum in fp64 in k order
-static void affine_rows(DType dt, float *z, const float *w, const float *b, const float *x, int A, int K, int N) {
+static void affine_rows(DType dt, float *z, const float *w, const float *b, const float *x, int A,
+                        int K, int N) {
     #pragma omp parallel for schedule(static) if(PAR((size_t)N * A * K))
     for (int a = 0; a < A; a++)
         for (int n = 0; n < N; n++) {
@@ -429,8 +442,9 @@ static void affine_rows(DType dt, float *z, const float *w, const float *b, cons
         }
 }
 // every image's z1, y1 (N,S) and z2 (N,C) from pv (N,C), rounded to dt as stored tensors would be
-static void se_gate_images(DType dt, int N, const float *pv, const float *w1, const float *b1, const float *w2,
-                           const float *b2, int C, int S, Act act1, float *z1, float *y1, float *z2) {
+static void se_gate_images(DType dt, int N, const float *pv, const float *w1, const float *b1,
+                           const float *w2, const float *b2, int C, int S, Act act1, float *z1,
+                           float *y1, float *z2) {
     affine_rows(dt, z1, w1, b1, pv, S, C, N);
     for (size_t i = 0; i < (size_t)N * S; i++) y1[i] = dtype_round(dt, act_apply(act1, z1[i]));
     affine_rows(dt, z2, w2, b2, y1, C, S, N);
@@ -455,12 +469,13 @@ static SeGateBuf se_gate_buf(Tensor p, int S) {
     const size_t NC = shape_numel(p.shape), NS = (size_t)p.shape.n * S;
     float *m = malloc(sizeof(float) * (3 * NC + 3 * NS + 1));
     snCheck(m != NULL, "out of host memory");
-    SeGateBuf b = {m, m + NC, m + NC + NS, m + NC + 2 * NS, m + 2 * NC + 2 * NS, m + 3 * NC + 2 * NS};
+    SeGateBuf b = {
+            m, m + NC, m + NC + NS, m + NC + 2 * NS, m + 2 * NC + 2 * NS, m + 3 * NC + 2 * NS};
     for (size_t i = 0; i < NC; i++) b.pv[i] = ld(p, i);
     return b;
 }
-static void se_gate_forward_ref(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1, const float *w2,
-                                const float *b2, int S, Act act1, Act act2) {
+static void se_gate_forward_ref(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1,
+                                const float *w2, const float *b2, int S, Act act1, Act act2) {
     (void)o;
     const int N = p.shape.n, C = p.shape.c;
     SeGateBuf b = se_gate_buf(p, S);
@@ -468,20 +483,23 @@ static void se_gate_forward_ref(Ops *o, Tensor s, Tensor p, const float *w1, con
     for (size_t i = 0; i < (size_t)N * C; i++) st(s, i, act_apply(act2, b.z2[i]));
     free(b.pv);
 }
-static void se_gate_backward_ref(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1, const float *b1,
-                                 const float *w2, const float *b2, int S, Act act1, Act act2, float *dw1, float *db1,
-                                 float *dw2, float *db2, int accumulate) {
+static void se_gate_backward_ref(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1,
+                                 const float *b1, const float *w2, const float *b2, int S, Act act1,
+                                 Act act2, float *dw1, float *db1, float *dw2, float *db2,
+                                 int accumulate) {
     (void)o;
     const int N = p.shape.n, C = p.shape.c;
     const DType dt = ds.dtype;
     SeGateBuf b = se_gate_buf(p, S);
     se_gate_images(dt, N, b.pv, w1, b1, w2, b2, C, S, act1, b.z1, b.y1, b.z2);
-    for (size_t i = 0; i < (size_t)N * C; i++) b.dz2[i] = dtype_round(dt, ld(ds, i) * act_grad(act2, b.z2[i]));
+    for (size_t i = 0; i < (size_t)N * C; i++)
+        b.dz2[i] = dtype_round(dt, ld(ds, i) * act_grad(act2, b.z2[i]));
     #pragma omp parallel for schedule(static) if(PAR((size_t)N * C * S))
     for (int j = 0; j < S; j++)
         for (int n = 0; n < N; n++) {
             double a = 0.0;
-            for (int c = 0; c < C; c++) a += (double)w2[(size_t)c * S + j] * b.dz2[(size_t)n * C + c];
+            for (int c = 0; c < C; c++)
+                a += (double)w2[(size_t)c * S + j] * b.dz2[(size_t)n * C + c];
             const size_t i = (size_t)n * S + j;
             b.dz1[i] = dtype_round(dt, dtype_round(dt, (float)a) * act_grad(act1, b.z1[i]));
         }
@@ -490,7 +508,8 @@ static void se_gate_backward_ref(Ops *o, Tensor dp, Tensor ds, Tensor p, const f
         for (int c = 0; c < C; c++)
             for (int n = 0; n < N; n++) {
                 double a = 0.0;
-                for (int j = 0; j < S; j++) a += (double)w1[(size_t)j * C + c] * b.dz1[(size_t)n * S + j];
+                for (int j = 0; j < S; j++)
+                    a += (double)w1[(size_t)j * C + c] * b.dz1[(size_t)n * S + j];
                 st_acc(dp, (size_t)n * C + c, (float)a, accumulate);
             }
     }
@@ -574,7 +593,8 @@ static void add_forward_ref(Ops *o, Tensor y, Tensor a, Tensor b) {
     for (size_t i = 0; i < shape_numel(y.shape); i++) st(y, i, ld(a, i) + ld(b, i));
 }
 
-static void add_backward_ref(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
+static void add_backward_ref(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a,
+                             int accumulate_b) {
     if (da.data) copy_ref(o, da, dy, accumulate_a);
     if (db.data) copy_ref(o, db, dy, accumulate_b);
 }
@@ -591,14 +611,18 @@ static void concat_forward_ref(Ops *o, Tensor y, Tensor a, Tensor b) {
     }
 }
 
-static void concat_backward_ref(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
+static void concat_backward_ref(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a,
+                                int accumulate_b) {
     (void)o;
     const int Ca = da.shape.c, Cb = db.shape.c, C = Ca + Cb;
     const size_t M = shape_numel(dy.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (size_t r = 0; r < M; r++) {
-        if (da.data) for (int c = 0; c < Ca; c++) st_acc(da, r * Ca + c, ld(dy, r * C + c), accumulate_a);
-        if (db.data) for (int c = 0; c < Cb; c++) st_acc(db, r * Cb + c, ld(dy, r * C + Ca + c), accumulate_b);
+        if (da.data)
+            for (int c = 0; c < Ca; c++) st_acc(da, r * Ca + c, ld(dy, r * C + c), accumulate_a);
+        if (db.data)
+            for (int c = 0; c < Cb; c++)
+                st_acc(db, r * Cb + c, ld(dy, r * C + Ca + c), accumulate_b);
     }
 }
 
@@ -607,8 +631,8 @@ static void concat_backward_ref(Ops *o, Tensor da, Tensor db, Tensor dy, int acc
 //   keep_i = rng_uniform(seed, i) >= rate, i the element (dropout) or the sample (drop-path)
 //   y = x·keep/(1 - rate),  dx = dy·keep/(1 - rate)
 
-static void dropout_forward_ref(Ops *o, Tensor y, Tensor x, Tensor residual, float rate, const uint64_t *seed_at,
-                                int per_sample, uint64_t first_sample) {
+static void dropout_forward_ref(Ops *o, Tensor y, Tensor x, Tensor residual, float rate,
+                                const uint64_t *seed_at, int per_sample, uint64_t first_sample) {
     (void)o;
     const uint64_t seed = *seed_at;
     const size_t n = shape_numel(x.shape), E = n / x.shape.n, per_draw = per_sample ? E : 1;
@@ -619,15 +643,18 @@ static void dropout_forward_ref(Ops *o, Tensor y, Tensor x, Tensor residual, flo
     }
 }
 
-static void dropout_backward_ref(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate, const uint64_t *seed_at,
-                                 int per_sample, uint64_t first_sample, int accumulate, int accumulate_residual) {
+static void dropout_backward_ref(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate,
+                                 const uint64_t *seed_at, int per_sample, uint64_t first_sample,
+                                 int accumulate, int accumulate_residual) {
     (void)o;
     const uint64_t seed = *seed_at;
     const size_t n = shape_numel(dy.shape), E = n / dy.shape.n, per_draw = per_sample ? E : 1;
     #pragma omp parallel for schedule(static) if(PAR(n))
     for (size_t i = 0; i < n; i++) {  // dx may be dy (in place)
         const float g = ld(dy, i);
-        if (dx.data) st_acc(dx, i, g * dropout_factor(rate, seed, first_sample * E + i, per_draw), accumulate);
+        if (dx.data)
+            st_acc(dx, i, g * dropout_factor(rate, seed, first_sample * E + i, per_draw),
+                   accumulate);
         if (dresidual.data) st_acc(dresidual, i, g, accumulate_residual);
     }
 }
@@ -646,7 +673,9 @@ static void maxpool2_forward_ref(Ops *o, Tensor y, Tensor x) {
             for (int c = 0; c < t.c; c++) {
                 float m = -INFINITY;
                 for (int k = 0; k < 4; k++) {
-                    float v = ld(x, (((size_t)n * s.h + 2 * oy + k / 2) * s.w + 2 * ox + k % 2) * s.c + c);
+                    float v = ld(x,
+                                 (((size_t)n * s.h + 2 * oy + k / 2) * s.w + 2 * ox + k % 2) * s.c +
+                                         c);
                     if (v > m) m = v;
                 }
                 st(y, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c, m);
@@ -669,7 +698,9 @@ static void maxpool2_backward_ref(Ops *o, Tensor dx, Tensor dy, Tensor x, int ac
                     int first = 0;
                     float m = -INFINITY;
                     for (int k = 0; k < 4; k++) {
-                        float v = ld(x, (((size_t)n * s.h + 2 * oy + k / 2) * s.w + 2 * ox + k % 2) * s.c + c);
+                        float v = ld(x, (((size_t)n * s.h + 2 * oy + k / 2) * s.w + 2 * ox +
+                                         k % 2) * s.c +
+                                                c);
                         if (v > m) { m = v; first = k; }
                     }
                     if (first == (iy - 2 * oy) * 2 + (ix - 2 * ox))
@@ -705,7 +736,8 @@ static void upsample2_backward_ref(Ops *o, Tensor dx, Tensor dy, int accumulate)
             for (int c = 0; c < s.c; c++) {
                 float g = 0.0f;
                 for (int k = 0; k < 4; k++)
-                    g += ld(dy, (((size_t)n * t.h + 2 * iy + k / 2) * t.w + 2 * ix + k % 2) * t.c + c);
+                    g += ld(dy,
+                            (((size_t)n * t.h + 2 * iy + k / 2) * t.w + 2 * ix + k % 2) * t.c + c);
                 st_acc(dx, (((size_t)n * s.h + iy) * s.w + ix) * s.c + c, g, accumulate);
             }
     }
@@ -722,12 +754,15 @@ static void resize_bilinear_forward_ref(Ops *o, Tensor y, Tensor x) {
         BilinearTap ty = bilinear_tap(oy, s.h, t.h);
         for (int ox = 0; ox < t.w; ox++) {
             BilinearTap tx = bilinear_tap(ox, s.w, t.w);
-            size_t r00 = (((size_t)n * s.h + ty.i0) * s.w + tx.i0) * s.c, r01 = (((size_t)n * s.h + ty.i0) * s.w + tx.i1) * s.c;
-            size_t r10 = (((size_t)n * s.h + ty.i1) * s.w + tx.i0) * s.c, r11 = (((size_t)n * s.h + ty.i1) * s.w + tx.i1) * s.c;
+            size_t r00 = (((size_t)n * s.h + ty.i0) * s.w + tx.i0) * s.c,
+                   r01 = (((size_t)n * s.h + ty.i0) * s.w + tx.i1) * s.c;
+            size_t r10 = (((size_t)n * s.h + ty.i1) * s.w + tx.i0) * s.c,
+                   r11 = (((size_t)n * s.h + ty.i1) * s.w + tx.i1) * s.c;
             for (int c = 0; c < t.c; c++) {
                 float top = (1.0f - tx.l) * ld(x, r00 + c) + tx.l * ld(x, r01 + c);
                 float bot = (1.0f - tx.l) * ld(x, r10 + c) + tx.l * ld(x, r11 + c);
-                st(y, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c, (1.0f - ty.l) * top + ty.l * bot);
+                st(y, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c,
+                   (1.0f - ty.l) * top + ty.l * bot);
             }
         }
     }
@@ -752,7 +787,8 @@ static void resize_bilinear_backward_ref(Ops *o, Tensor dx, Tensor dy, int accum
                     if (wy == 0.0f) continue;
                     for (int ox = ox0; ox <= ox1; ox++) {
                         float wx = tap_weight(bilinear_tap(ox, s.w, t.w), ix);
-                        if (wx != 0.0f) g += wy * wx * ld(dy, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c);
+                        if (wx != 0.0f)
+                            g += wy * wx * ld(dy, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c);
                     }
                 }
                 st_acc(dx, (((size_t)n * s.h + iy) * s.w + ix) * s.c + c, g, accumulate);
@@ -799,7 +835,8 @@ void bn_next_forward_unfused(Ops *o, Tensor y, const BnNext *next) {
 void bn_next_backward_unfused(Ops *o, Tensor dy, const BnNext *next) {
     const int acc = next->accumulate_residual;
     if (next->rate > 0.0f)
-        o->dropout_backward(o, dy, next->dresidual, dy, next->rate, next->seed, 1, next->first_sample, 0, acc);
+        o->dropout_backward(o, dy, next->dresidual, dy, next->rate, next->seed, 1,
+                            next->first_sample, 0, acc);
     else if (next->dresidual.data)
         o->copy(o, next->dresidual, dy, acc);  // keep = 1: dy is y's gradient as it is
 }
@@ -817,36 +854,46 @@ static void bn_update_running_ref(Ops *o, float *run_mean, float *run_var, const
 // mean and var per channel in two passes (Σx, then Σ(x − mean)²); the running
 // statistics when asked, and the plain fp64 sums Σx, Σx² into sums when asked
 // (--sync-bn adds them over replicas and finishes with bn_stats_finish)
-static void bn_stats_ref(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum,
-                         double *sums) {
+static void bn_stats_ref(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var,
+                         float momentum, double *sums) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
         int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
-        double s[BN_CBLOCK] = {0}, s2[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0};  // Σx, Σx², Σ(x − mean)²
+        // Σx, Σx², Σ(x − mean)²
+        double s[BN_CBLOCK] = {0}, s2[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0};
         for (size_t r = 0; r < M; r++)
-            for (int j = 0; j < nc; j++) { const double v = ld(x, r * C + c0 + j); s[j] += v; s2[j] += v * v; }
+            for (int j = 0; j < nc; j++) {
+                const double v = ld(x, r * C + c0 + j);
+                s[j] += v;
+                s2[j] += v * v;
+            }
         for (int j = 0; j < nc; j++) {
             if (sums) { sums[c0 + j] = s[j]; sums[C + c0 + j] = s2[j]; }
             s[j] /= (double)M;
         }
         for (size_t r = 0; r < M; r++)
             for (int j = 0; j < nc; j++) { double d = ld(x, r * C + c0 + j) - s[j]; q[j] += d * d; }
-        for (int j = 0; j < nc; j++) { mean[c0 + j] = (float)s[j]; var[c0 + j] = (float)(q[j] / (double)M); }
+        for (int j = 0; j < nc; j++) {
+            mean[c0 + j] = (float)s[j];
+            var[c0 + j] = (float)(q[j] / (double)M);
+        }
     }
     if (run_mean) bn_update_running_ref(o, run_mean, run_var, mean, var, C, M, momentum);
 }
 
-static void bn_stats_finish_ref(Ops *o, const double *sums, int C, size_t count, float *mean, float *var,
-                                float *run_mean, float *run_var, float momentum) {
-    for (int c = 0; c < C; c++) bn_moments_stats(sums[c], sums[C + c], (double)count, &mean[c], &var[c]);
+static void bn_stats_finish_ref(Ops *o, const double *sums, int C, size_t count, float *mean,
+                                float *var, float *run_mean, float *run_var, float momentum) {
+    for (int c = 0; c < C; c++)
+        bn_moments_stats(sums[c], sums[C + c], (double)count, &mean[c], &var[c]);
     if (run_mean) bn_update_running_ref(o, run_mean, run_var, mean, var, C, count, momentum);
 }
 
 // y = act(gamma·((x − mean)·invstd) + beta), then the layer after it (next)
 static void bn_forward_ref(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
-                           const float *gamma, const float *beta, float eps, Act act, const BnNext *next) {
+                           const float *gamma, const float *beta, float eps, Act act,
+                           const BnNext *next) {
     if (next && next->kind == FUSED_RESIDUAL) y = next->out;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
@@ -863,8 +910,8 @@ static void bn_forward_ref(Ops *o, Tensor y, Tensor x, const float *mean, const 
 // first, with a residual block's end, dy becomes y's gradient (bn_next_backward_unfused)
 static void bn_backward_reduce_ref(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
                                    const float *gamma, const float *beta, float eps, Act act,
-                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums,
-                                   const BnNext *next) {
+                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta,
+                                   double *sums, const BnNext *next) {
     if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_unfused(o, dy, next);
     if (!sum_g) return;
     const int C = x.shape.c;
@@ -888,10 +935,11 @@ static void bn_backward_reduce_ref(Ops *o, Tensor dy, Tensor x, const float *mea
     }
 }
 
-static void bn_backward_finish_ref(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx, float *dgamma,
-                                   float *dbeta) {
+static void bn_backward_finish_ref(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx,
+                                   float *dgamma, float *dbeta) {
     (void)o;
-    for (int c = 0; c < C; c++) bn_grad_sums_store(c, sums[c], sums[C + c], sum_g, sum_gx, dgamma, dbeta);
+    for (int c = 0; c < C; c++)
+        bn_grad_sums_store(c, sums[c], sums[C + c], sum_g, sum_gx, dgamma, dbeta);
 }
 
 // dx (=|+=) gamma·invstd·(g − (Σg + xhat·Σg·xhat)/count), count 0: running statistics;
@@ -926,8 +974,9 @@ static void bn_backward_data_ref(Ops *o, Tensor dx, Tensor dy, Tensor x, const f
 
 #define XENT_CHUNK 4096
 
-static void softmax_xent_ref(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights, float prob_clip,
-                             const float *grad_scale, float *stats, Tensor dlogits) {
+static void softmax_xent_ref(Ops *o, Tensor logits, const int32_t *labels,
+                             const float *class_weights, float prob_clip, const float *grad_scale,
+                             float *stats, Tensor dlogits) {
     (void)o;
     const float gscale = dlogits.data ? *grad_scale : 0.0f;
     const int K = logits.shape.c;
@@ -948,7 +997,10 @@ static void softmax_xent_ref(Ops *o, Tensor logits, const int32_t *labels, const
                 const float wy = valid ? class_weights[y] : 0.0f;
                 if (!valid) bad += 1.0;
                 float zmax = -INFINITY;
-                for (int c = 0; c < K; c++) { float z = ld(logits, r * K + c); if (z > zmax) zmax = z; }
+                for (int c = 0; c < K; c++) {
+                    float z = ld(logits, r * K + c);
+                    if (z > zmax) zmax = z;
+                }
                 double sum = 0.0;
                 for (int c = 0; c < K; c++) sum += exp((double)ld(logits, r * K + c) - zmax);
                 int flat = 0;
@@ -965,14 +1017,19 @@ static void softmax_xent_ref(Ops *o, Tensor logits, const int32_t *labels, const
             }
             pl[k - g0] = l; pw[k - g0] = w; pi[k - g0] = bad;
         }
-        for (size_t k = g0; k < g1; k++) { loss += pl[k - g0]; wsum += pw[k - g0]; invalid += pi[k - g0]; }
+        for (size_t k = g0; k < g1; k++) {
+            loss += pl[k - g0];
+            wsum += pw[k - g0];
+            invalid += pi[k - g0];
+        }
     }
     stats[0] += (float)loss;
     stats[1] += (float)wsum;
     stats[2] += (float)invalid;
 }
 
-static void confusion_accumulate_ref(Ops *o, Tensor logits, const int32_t *labels, int64_t *confusion) {
+static void confusion_accumulate_ref(Ops *o, Tensor logits, const int32_t *labels,
+                                     int64_t *confusion) {
     (void)o;
     const int K = logits.shape.c;
     const size_t M = shape_numel(logits.shape) / K;
@@ -981,7 +1038,13 @@ static void confusion_accumulate_ref(Ops *o, Tensor logits, const int32_t *label
         if (y < 0 || y >= K) continue;
         int best = 0;
         float zbest = ld(logits, r * K);
-        for (int c = 1; c < K; c++) { float z = ld(logits, r * K + c); if (z > zbest) { zbest = z; best = c; } }
+        for (int c = 1; c < K; c++) {
+            float z = ld(logits, r * K + c);
+            if (z > zbest) {
+                zbest = z;
+                best = c;
+            }
+        }
         confusion[(size_t)y * K + best]++;
     }
 }
@@ -996,10 +1059,11 @@ double label_weight_sum(const int32_t *labels, size_t n, const float *class_weig
 // ----------------------------------------------------------------------------
 // Adam (the formula is at AdamStep in segnet.h)
 
-AdamStep adam_step_init(float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
-                        int64_t t) {
+AdamStep adam_step_init(float lr, float beta1, float beta2, float eps, float weight_decay,
+                        float grad_scale, int64_t t) {
     AdamStep s = {lr, beta1, beta2, eps, weight_decay, grad_scale, 0.0f, 0};
-    s.alpha = (float)((double)lr * sqrt(1.0 - pow(beta2, (double)t)) / (1.0 - pow(beta1, (double)t)));
+    s.alpha =
+            (float)((double)lr * sqrt(1.0 - pow(beta2, (double)t)) / (1.0 - pow(beta1, (double)t)));
     return s;
 }
 
@@ -1134,10 +1198,13 @@ Ops ops_ref = {
 // the graph: builders validate shapes and name the layer in every error
 
 static const char *LAYER_KIND_NAMES[LAYER_KIND_COUNT] = {
-    "conv", "dense", "batchnorm", "activation", "global_avg_pool", "channel_scale", "add",
-    "concat", "maxpool2", "upsample2", "resize_bilinear", "dropout", "drop_path", "rescale", "se_gate",
+        "conv",      "dense",   "batchnorm", "activation", "global_avg_pool", "channel_scale",
+        "add",       "concat",  "maxpool2",  "upsample2",  "resize_bilinear", "dropout",
+        "drop_path", "rescale", "se_gate",
 };
-const char *layer_kind_name(LayerKind k) { return k >= 0 && k < LAYER_KIND_COUNT ? LAYER_KIND_NAMES[k] : "?"; }
+const char *layer_kind_name(LayerKind k) {
+    return k >= 0 && k < LAYER_KIND_COUNT ? LAYER_KIND_NAMES[k] : "?";
+}
 // a layer's parameter ids into ids (weight, bias, weight2, bias2, those it has); returns how many
 static int layer_params(const Layer *l, int ids[4]) {
     const int all[4] = {l->weight, l->bias, l->weight2, l->bias2};
@@ -1181,13 +1248,14 @@ static uint64_t checked_product(const int64_t *v, int n) {
     return p;
 }
 
-static int add_param(Graph *g, ParamInfo **table, int *n, int *cap, size_t *total, const char *layer,
-                     const char *suffix, int ndim, const int *dims) {
+static int add_param(Graph *g, ParamInfo **table, int *n, int *cap, size_t *total,
+                     const char *layer, const char *suffix, int ndim, const int *dims) {
     GROW(*table, *n, *cap);
     ParamInfo *p = &(*table)[*n];
     memset(p, 0, sizeof *p);
     if (snprintf(p->name, sizeof p->name, "%s.%s", layer, suffix) >= (int)sizeof p->name) {
-        graph_fail(g, "layer '%s': parameter name too long (limit %d characters)", layer, SN_NAME_MAX - 1);
+        graph_fail(g, "layer '%s': parameter name too long (limit %d characters)", layer,
+                   SN_NAME_MAX - 1);
         return -1;
     }
     p->ndim = ndim;
@@ -1195,7 +1263,9 @@ static int add_param(Graph *g, ParamInfo **table, int *n, int *cap, size_t *tota
     for (int i = 0; i < ndim; i++) { p->dims[i] = dims[i]; d64[i] = dims[i]; }
     const uint64_t count = checked_product(d64, ndim);
     if (count > GRAPH_MAX_ELEMENTS || *total + count > GRAPH_MAX_ELEMENTS) {
-        graph_fail(g, "parameter '%s': the model's parameters would exceed the %.4g elements a plan can hold (a smaller --width)",
+        graph_fail(g,
+                   "parameter '%s': the model's parameters would exceed the %.4g elements a plan "
+                   "can hold (a smaller --width)",
                    p->name, (double)GRAPH_MAX_ELEMENTS);
         return -1;
     }
@@ -1205,10 +1275,12 @@ static int add_param(Graph *g, ParamInfo **table, int *n, int *cap, size_t *tota
     return (*n)++;
 }
 static int add_weight(Graph *g, const char *layer, const char *suffix, int ndim, const int *dims) {
-    return add_param(g, &g->params, &g->n_params, &g->cap_params, &g->n_param_floats, layer, suffix, ndim, dims);
+    return add_param(g, &g->params, &g->n_params, &g->cap_params, &g->n_param_floats, layer, suffix,
+                     ndim, dims);
 }
 static int add_buffer(Graph *g, const char *layer, const char *suffix, int n) {
-    return add_param(g, &g->buffers, &g->n_buffers, &g->cap_buffers, &g->n_buffer_floats, layer, suffix, 1, &n);
+    return add_param(g, &g->buffers, &g->n_buffers, &g->cap_buffers, &g->n_buffer_floats, layer,
+                     suffix, 1, &n);
 }
 
 int graph_find_param(const Graph *g, const char *name) {
@@ -1226,8 +1298,12 @@ static int new_tensor(Graph *g, const char *name, Shape s, int producer) {
     const int64_t dims[4] = {s.n, s.h, s.w, s.c};
     const uint64_t numel = checked_product(dims, 4);
     if (numel > GRAPH_MAX_ELEMENTS)
-        graph_fail(g, "tensor '%s' would be (%d,%d,%d,%d), %.4g elements: more than the %.4g a plan can hold (a smaller "
-                   "--size, --batch or --width)", name, s.n, s.h, s.w, s.c, (double)s.n * s.h * s.w * s.c, (double)GRAPH_MAX_ELEMENTS);
+        graph_fail(g,
+                   "tensor '%s' would be (%d,%d,%d,%d), %.4g elements: more than the %.4g a plan "
+                   "can hold (a smaller "
+                   "--size, --batch or --width)",
+                   name, s.n, s.h, s.w, s.c, (double)s.n * s.h * s.w * s.c,
+                   (double)GRAPH_MAX_ELEMENTS);
     GROW(g->tensors, g->n_tensors, g->cap_tensors);
     TensorInfo *t = &g->tensors[g->n_tensors];
     snprintf(t->name, sizeof t->name, "%s", name);
@@ -1289,24 +1365,29 @@ static Shape tshape(const Graph *g, int t) { return g->tensors[t].shape; }
 
 static const char *pad_name(PadMode p) { return p == PAD_SAME ? "same" : "symmetric"; }
 
-static int conv_layer(Graph *g, LayerKind kind, const char *name, int x, int cout, int k, int stride,
-                      int groups, PadMode pad, int bias) {
+static int conv_layer(Graph *g, LayerKind kind, const char *name, int x, int cout, int k,
+                      int stride, int groups, PadMode pad, int bias) {
     if (g->err[0] || !valid_tensor(g, name, x)) return -1;
     Shape in = tshape(g, x);
     if (cout < 1 || k < 1 || stride < 1 || groups < 1) {
-        graph_fail(g, "layer '%s': cout %d, kernel %d, stride %d and groups %d must all be positive",
+        graph_fail(g,
+                   "layer '%s': cout %d, kernel %d, stride %d and groups %d must all be positive",
                    name, cout, k, stride, groups);
         return -1;
     }
     if (in.c % groups || cout % groups) {
-        graph_fail(g, "layer '%s': groups %d must divide input channels %d (input " SHAPE_FMT ") and output channels %d",
+        graph_fail(g,
+                   "layer '%s': groups %d must divide input channels %d (input " SHAPE_FMT
+                   ") and output channels %d",
                    name, groups, in.c, SHAPE_ARGS(in), cout);
         return -1;
     }
     int oh, ow, pt, pl;
     if (!conv_axis(in.h, k, stride, pad, &oh, &pt) || !conv_axis(in.w, k, stride, pad, &ow, &pl)) {
-        graph_fail(g, "layer '%s': kernel %dx%d (weight (%d,%d,%d,%d)) is larger than the padded input " SHAPE_FMT
-                   " with %s padding", name, k, k, cout, k, k, in.c / groups, SHAPE_ARGS(in), pad_name(pad));
+        graph_fail(g,
+                   "layer '%s': kernel %dx%d (weight (%d,%d,%d,%d)) is larger than the padded "
+                   "input " SHAPE_FMT " with %s padding",
+                   name, k, k, cout, k, k, in.c / groups, SHAPE_ARGS(in), pad_name(pad));
         return -1;
     }
     Layer *l = add_layer(g, kind, name, x, -1, shape4(in.n, oh, ow, cout));
@@ -1324,7 +1405,8 @@ static int conv_layer(Graph *g, LayerKind kind, const char *name, int x, int cou
     return g->err[0] ? -1 : l->out;
 }
 
-int graph_conv(Graph *g, const char *name, int x, int cout, int k, int stride, int groups, PadMode pad, int bias) {
+int graph_conv(Graph *g, const char *name, int x, int cout, int k, int stride, int groups,
+               PadMode pad, int bias) {
     return conv_layer(g, LAYER_CONV, name, x, cout, k, stride, groups, pad, bias);
 }
 
@@ -1341,7 +1423,10 @@ int graph_dense(Graph *g, const char *name, int x, int out, int bias) {
 
 int graph_bn(Graph *g, const char *name, int x, float eps, Act act) {
     if (g->err[0] || !valid_tensor(g, name, x)) return -1;
-    if (!(eps > 0.0f)) { graph_fail(g, "layer '%s': batch norm eps must be positive, got %g", name, eps); return -1; }
+    if (!(eps > 0.0f)) {
+        graph_fail(g, "layer '%s': batch norm eps must be positive, got %g", name, eps);
+        return -1;
+    }
     Shape in = tshape(g, x);
     Layer *l = add_layer(g, LAYER_BN, name, x, -1, in);
     if (!l) return -1;
@@ -1385,7 +1470,8 @@ int graph_add(Graph *g, const char *name, int a, int b) {
     if (g->err[0] || !valid_tensor(g, name, a) || !valid_tensor(g, name, b)) return -1;
     Shape sa = tshape(g, a), sb = tshape(g, b);
     if (!shape_eq(sa, sb)) {
-        graph_fail(g, "layer '%s': cannot add " SHAPE_FMT " and " SHAPE_FMT, name, SHAPE_ARGS(sa), SHAPE_ARGS(sb));
+        graph_fail(g, "layer '%s': cannot add " SHAPE_FMT " and " SHAPE_FMT, name, SHAPE_ARGS(sa),
+                   SHAPE_ARGS(sb));
         return -1;
     }
     Layer *l = add_layer(g, LAYER_ADD, name, a, b, sa);
@@ -1396,7 +1482,8 @@ int graph_concat(Graph *g, const char *name, int a, int b) {
     if (g->err[0] || !valid_tensor(g, name, a) || !valid_tensor(g, name, b)) return -1;
     Shape sa = tshape(g, a), sb = tshape(g, b);
     if (sa.n != sb.n || sa.h != sb.h || sa.w != sb.w) {
-        graph_fail(g, "layer '%s': cannot concat " SHAPE_FMT " and " SHAPE_FMT " (N, H, W must match)",
+        graph_fail(g,
+                   "layer '%s': cannot concat " SHAPE_FMT " and " SHAPE_FMT " (N, H, W must match)",
                    name, SHAPE_ARGS(sa), SHAPE_ARGS(sb));
         return -1;
     }
@@ -1408,7 +1495,8 @@ int graph_maxpool(Graph *g, const char *name, int x) {
     if (g->err[0] || !valid_tensor(g, name, x)) return -1;
     Shape in = tshape(g, x);
     if (in.h < 2 || in.w < 2) {
-        graph_fail(g, "layer '%s': 2x2 max-pool needs at least 2x2 pixels, input is " SHAPE_FMT, name, SHAPE_ARGS(in));
+        graph_fail(g, "layer '%s': 2x2 max-pool needs at least 2x2 pixels, input is " SHAPE_FMT,
+                   name, SHAPE_ARGS(in));
         return -1;
     }
     Layer *l = add_layer(g, LAYER_MAXPOOL, name, x, -1, shape4(in.n, in.h / 2, in.w / 2, in.c));
@@ -1426,7 +1514,8 @@ int graph_resize(Graph *g, const char *name, int x, int oh, int ow) {
     if (g->err[0] || !valid_tensor(g, name, x)) return -1;
     Shape in = tshape(g, x);
     if (oh < 1 || ow < 1) {
-        graph_fail(g, "layer '%s': cannot resize " SHAPE_FMT " to %dx%d", name, SHAPE_ARGS(in), oh, ow);
+        graph_fail(g, "layer '%s': cannot resize " SHAPE_FMT " to %dx%d", name, SHAPE_ARGS(in), oh,
+                   ow);
         return -1;
     }
     Layer *l = add_layer(g, LAYER_RESIZE, name, x, -1, shape4(in.n, oh, ow, in.c));
@@ -1460,13 +1549,17 @@ void graph_begin_stage(Graph *g, const char *name) {
     snprintf(g->stage_names[g->n_stages++], SN_NAME_MAX, "%s", name);
 }
 
-int graph_dropout(Graph *g, const char *name, int x, float rate) { return dropout_layer(g, LAYER_DROPOUT, name, x, rate); }
-int graph_drop_path(Graph *g, const char *name, int x, float rate) { return dropout_layer(g, LAYER_DROP_PATH, name, x, rate); }
+int graph_dropout(Graph *g, const char *name, int x, float rate) {
+    return dropout_layer(g, LAYER_DROPOUT, name, x, rate);
+}
+int graph_drop_path(Graph *g, const char *name, int x, float rate) {
+    return dropout_layer(g, LAYER_DROP_PATH, name, x, rate);
+}
 int graph_drop_path_add(Graph *g, const char *name, int x, int residual, float rate) {
     if (g->err[0] || !valid_tensor(g, name, residual)) return -1;
     if (!shape_eq(tshape(g, x), tshape(g, residual))) {
-        graph_fail(g, "layer '%s': cannot add " SHAPE_FMT " and " SHAPE_FMT, name, SHAPE_ARGS(tshape(g, x)),
-                   SHAPE_ARGS(tshape(g, residual)));
+        graph_fail(g, "layer '%s': cannot add " SHAPE_FMT " and " SHAPE_FMT, name,
+                   SHAPE_ARGS(tshape(g, x)), SHAPE_ARGS(tshape(g, residual)));
         return -1;
     }
     int y = dropout_layer(g, LAYER_DROP_PATH, name, x, rate);
@@ -1476,15 +1569,18 @@ int graph_drop_path_add(Graph *g, const char *name, int x, int residual, float r
 
 // layer name "prefix.suffix" (names are checked for length by add_layer)
 static const char *lname(char buf[2 * SN_NAME_MAX], const char *prefix, const char *suffix) {
-    if (snprintf(buf, 2 * SN_NAME_MAX, "%s.%s", prefix, suffix) >= 2 * SN_NAME_MAX) buf[2 * SN_NAME_MAX - 1] = 0;
+    if (snprintf(buf, 2 * SN_NAME_MAX, "%s.%s", prefix, suffix) >= 2 * SN_NAME_MAX)
+        buf[2 * SN_NAME_MAX - 1] = 0;
     return buf;
 }
 int graph_se_gate(Graph *g, const char *name, int p, int squeeze, Act act1, Act act2) {
     if (g->err[0] || !valid_tensor(g, name, p)) return -1;
     const Shape in = tshape(g, p);
     if (in.h != 1 || in.w != 1 || squeeze < 1) {
-        graph_fail(g, "layer '%s': a squeeze-excitation gate takes pooled (N,1,1,C) and squeezes to ≥ 1 channel, not "
-                   SHAPE_FMT " to %d", name, SHAPE_ARGS(in), squeeze);
+        graph_fail(g,
+                   "layer '%s': a squeeze-excitation gate takes pooled (N,1,1,C) and squeezes to ≥ "
+                   "1 channel, not " SHAPE_FMT " to %d",
+                   name, SHAPE_ARGS(in), squeeze);
         return -1;
     }
     Layer *l = add_layer(g, LAYER_SE_GATE, name, p, -1, in);
@@ -1564,8 +1660,8 @@ static const EffSpec *eff_spec(const char *name) {
 }
 
 // conv (no bias) → BN (eps) → act, named P.0 and P.1 as torchvision's Conv2dNormActivation
-static int conv_bn_act(Graph *g, const char *p, int x, int cout, int k, int stride, int groups, PadMode pad,
-                       float eps, Act act) {
+static int conv_bn_act(Graph *g, const char *p, int x, int cout, int k, int stride, int groups,
+                       PadMode pad, float eps, Act act) {
     char b[2 * SN_NAME_MAX];
     int c = graph_conv(g, lname(b, p, "0"), x, cout, k, stride, groups, pad, 0);
     return graph_bn(g, lname(b, p, "1"), c, eps, act);
@@ -1601,15 +1697,21 @@ static int effnetv2_features(Graph *g, const EffSpec *sp, int x, PadMode pad, in
             snprintf(p, sizeof p, "features.%d.%d", s + 1, j);
             int y;
             if (st->fused && st->expand == 1) {
-                y = conv_bn_act(g, lname(b, p, "block.0"), x, st->cout, st->kernel, stride, 1, pad, BN_EPS_EFFNET, ACT_SILU);
+                y = conv_bn_act(g, lname(b, p, "block.0"), x, st->cout, st->kernel, stride, 1, pad,
+                                BN_EPS_EFFNET, ACT_SILU);
             } else if (st->fused) {
-                y = conv_bn_act(g, lname(b, p, "block.0"), x, exp, st->kernel, stride, 1, pad, BN_EPS_EFFNET, ACT_SILU);
-                y = conv_bn_act(g, lname(b, p, "block.1"), y, st->cout, 1, 1, 1, pad, BN_EPS_EFFNET, ACT_NONE);
+                y = conv_bn_act(g, lname(b, p, "block.0"), x, exp, st->kernel, stride, 1, pad,
+                                BN_EPS_EFFNET, ACT_SILU);
+                y = conv_bn_act(g, lname(b, p, "block.1"), y, st->cout, 1, 1, 1, pad, BN_EPS_EFFNET,
+                                ACT_NONE);
             } else {
-                y = conv_bn_act(g, lname(b, p, "block.0"), x, exp, 1, 1, 1, pad, BN_EPS_EFFNET, ACT_SILU);
-                y = conv_bn_act(g, lname(b, p, "block.1"), y, exp, st->kernel, stride, exp, pad, BN_EPS_EFFNET, ACT_SILU);
+                y = conv_bn_act(g, lname(b, p, "block.0"), x, exp, 1, 1, 1, pad, BN_EPS_EFFNET,
+                                ACT_SILU);
+                y = conv_bn_act(g, lname(b, p, "block.1"), y, exp, st->kernel, stride, exp, pad,
+                                BN_EPS_EFFNET, ACT_SILU);
                 y = squeeze_excitation(g, lname(b, p, "block.2"), y, cin / 4 > 1 ? cin / 4 : 1);
-                y = conv_bn_act(g, lname(b, p, "block.3"), y, st->cout, 1, 1, 1, pad, BN_EPS_EFFNET, ACT_NONE);
+                y = conv_bn_act(g, lname(b, p, "block.3"), y, st->cout, 1, 1, 1, pad, BN_EPS_EFFNET,
+                                ACT_NONE);
             }
             if (stride == 1 && cin == st->cout) {
                 y = graph_drop_path_add(g, lname(b, p, "stochastic_depth_add"), y, x,
@@ -1639,7 +1741,8 @@ static int classifier_head(Graph *g, int x, const EffSpec *sp, const ModelCfg *c
     const float rate = c->dropout >= 0.0f ? c->dropout : sp->dropout;
     x = graph_dropout(g, "classifier.0", graph_gap(g, "avgpool", x), rate);
     if (c->head_hidden > 0) {
-        x = graph_act(g, "classifier.2", graph_dense(g, "classifier.1", x, c->head_hidden, 1), ACT_RELU);
+        x = graph_act(g, "classifier.2", graph_dense(g, "classifier.1", x, c->head_hidden, 1),
+                      ACT_RELU);
         x = graph_dropout(g, "classifier.3", x, rate);
         return graph_dense(g, "classifier.4", x, c->classes, 1);
     }
@@ -1659,18 +1762,23 @@ static int double_conv(Graph *g, const char *p, int x, int ch, float eps) {
 static int unet_build(Graph *g, const ModelCfg *c) {
     int div = 1 << c->depth;
     if (c->depth < 1 || c->depth > 8 || c->width_base < 1) {
-        graph_fail(g, "model 'unet': depth %d must be 1..8 and width %d positive", c->depth, c->width_base);
+        graph_fail(g, "model 'unet': depth %d must be 1..8 and width %d positive", c->depth,
+                   c->width_base);
         return -1;
     }
     if (c->height % div || c->width % div) {
-        graph_fail(g, "model 'unet' (depth %d): input %dx%d must be a multiple of %d on each side (e.g. %dx%d)",
-                   c->depth, c->height, c->width, div, (c->height + div - 1) / div * div, (c->width + div - 1) / div * div);
+        graph_fail(g,
+                   "model 'unet' (depth %d): input %dx%d must be a multiple of %d on each side "
+                   "(e.g. %dx%d)",
+                   c->depth, c->height, c->width, div, (c->height + div - 1) / div * div,
+                   (c->width + div - 1) / div * div);
         return -1;
     }
     char p[SN_NAME_MAX], b[2 * SN_NAME_MAX];
     int skip[9];
     int x = graph_input(g, shape4(c->batch, c->height, c->width, 3));
-    x = graph_rescale(g, "rescale", x, 1.0f / 128.0f, -1.0f);  // 0..255 input, as for the EfficientNets
+    // 0..255 input, as for the EfficientNets
+    x = graph_rescale(g, "rescale", x, 1.0f / 128.0f, -1.0f);
     for (int i = 0; i <= c->depth; i++) {
         snprintf(p, sizeof p, "enc%d", i);
         graph_begin_stage(g, p);
@@ -1699,7 +1807,8 @@ static const int UNET_DECODER_CHANNELS[5] = {256, 128, 64, 32, 16};
 static int unet_effnetv2_build(Graph *g, const ModelCfg *c, const EffSpec *sp) {
     if (c->height % 32 || c->width % 32) {
         graph_fail(g, "model '%s': input %dx%d must be a multiple of 32 on each side (e.g. %dx%d)",
-                   c->model, c->height, c->width, (c->height + 31) / 32 * 32, (c->width + 31) / 32 * 32);
+                   c->model, c->height, c->width, (c->height + 31) / 32 * 32,
+                   (c->width + 31) / 32 * 32);
         return -1;
     }
     int stage_out[16];
@@ -1720,7 +1829,11 @@ static int unet_effnetv2_build(Graph *g, const ModelCfg *c, const EffSpec *sp) {
         x = graph_upsample(g, lname(b, p, "up"), x);
         int sk = skip[4 - i];
         if (i < 4) {
-            if (sk < 0) { graph_fail(g, "model '%s': the encoder has no stage at stride %d", c->model, 1 << (4 - i)); return -1; }
+            if (sk < 0) {
+                graph_fail(g, "model '%s': the encoder has no stage at stride %d", c->model,
+                           1 << (4 - i));
+                return -1;
+            }
             x = graph_concat(g, lname(b, p, "cat"), x, sk);
         }
         x = double_conv(g, p, x, UNET_DECODER_CHANNELS[i], BN_EPS_UNET);
@@ -1736,9 +1849,11 @@ static int model_build_unchecked(Graph *g, const ModelCfg *c) {
                    c->model, c->classes, c->batch, c->height, c->width);
         return -1;
     }
-    g->init = strcmp(c->model, "unet") ? INIT_EFFNET : INIT_TORCH_DEFAULT;  // unet-effv2: the encoder's
+    // unet-effv2: the encoder's
+    g->init = strcmp(c->model, "unet") ? INIT_EFFNET : INIT_TORCH_DEFAULT;
     if (!strcmp(c->model, "unet")) return unet_build(g, c);
-    if (!strncmp(c->model, "unet-", 5) && eff_spec(c->model + 5)) return unet_effnetv2_build(g, c, eff_spec(c->model + 5));
+    if (!strncmp(c->model, "unet-", 5) && eff_spec(c->model + 5))
+        return unet_effnetv2_build(g, c, eff_spec(c->model + 5));
     const EffSpec *sp = eff_spec(c->model);
     if (!sp) {
         graph_fail(g, "unknown model '%s' (models: unet, effv2-s, effv2-m, effv2-l, effv2-t, "
@@ -1758,12 +1873,17 @@ int model_build(Graph *g, const ModelCfg *c) {
     return g->err[0] ? -1 : logits;
 }
 
-static int is_backbone_layer(const Layer *l) { return !strncmp(l->name, "features.", 9) || !strncmp(l->name, "enc", 3); }
+static int is_backbone_layer(const Layer *l) {
+    return !strncmp(l->name, "features.", 9) || !strncmp(l->name, "enc", 3);
+}
 
 int graph_freeze_base(Graph *g, int unfreeze_last) {
     int n_blocks = 0, seen = 0, last = -1;
     for (int i = 0; i < g->n_layers; i++)
-        if (is_backbone_layer(&g->layers[i]) && g->layers[i].block != last) { n_blocks++; last = g->layers[i].block; }
+        if (is_backbone_layer(&g->layers[i]) && g->layers[i].block != last) {
+            n_blocks++;
+            last = g->layers[i].block;
+        }
     last = -1;
     for (int i = 0; i < g->n_layers; i++) {
         Layer *l = &g->layers[i];
@@ -1785,8 +1905,8 @@ float rng_normal(Rng *r) {
 }
 
 // one layer's weight (and bias) in host: its own random stream, by parameter id
-static void init_weights(const Graph *g, LayerKind kind, const ConvCfg *conv, int weight, int bias, uint64_t seed,
-                         float *host) {
+static void init_weights(const Graph *g, LayerKind kind, const ConvCfg *conv, int weight, int bias,
+                         uint64_t seed, float *host) {
     const ParamInfo *p = &g->params[weight];
     float *w = host + p->offset;
     Rng r;  // one stream per tensor: adding a layer does not reshuffle the others
@@ -1796,7 +1916,8 @@ static void init_weights(const Graph *g, LayerKind kind, const ConvCfg *conv, in
         for (size_t k = 0; k < p->count; k++) w[k] = bound * (2.0f * rng_float(&r) - 1.0f);
         if (bias >= 0) {
             const ParamInfo *pb = &g->params[bias];
-            for (size_t k = 0; k < pb->count; k++) host[pb->offset + k] = bound * (2.0f * rng_float(&r) - 1.0f);
+            for (size_t k = 0; k < pb->count; k++)
+                host[pb->offset + k] = bound * (2.0f * rng_float(&r) - 1.0f);
         }
     } else if (kind == LAYER_CONV) {
         double std = sqrt(2.0 / ((double)conv->cout * conv->kh * conv->kw));
@@ -1858,7 +1979,9 @@ void net_init_params(Net *net, uint64_t seed) {
 // Does layer l's backward read its input k (given whether it computes weight gradients)?
 static int layer_backward_reads(const Layer *l, int k) {
     switch (l->kind) {
-    case LAYER_CONV: case LAYER_DENSE: return k == 0 && !l->frozen && (l->weight >= 0 || l->bias >= 0);
+    case LAYER_CONV:
+    case LAYER_DENSE:
+        return k == 0 && !l->frozen && (l->weight >= 0 || l->bias >= 0);
     case LAYER_BN: case LAYER_ACT: case LAYER_MAXPOOL: case LAYER_SE_GATE: return k == 0;
     case LAYER_SCALE: return 1;
     default: return 0;
@@ -1888,10 +2011,12 @@ Fusion layer_fusion(const Graph *g, int j) {
     const Layer *bn = &g->layers[j - 1], *l = &g->layers[j];
     if (bn->kind != LAYER_BN || l->in[0] != bn->out || l->block != bn->block) return FUSED_NONE;
     if (l->kind == LAYER_GAP) return FUSED_POOL;
-    if (l->kind != LAYER_DROP_PATH || l->in[1] < 0 || l->in[1] == bn->out || bn->out == g->layers[g->n_layers - 1].out)
+    if (l->kind != LAYER_DROP_PATH || l->in[1] < 0 || l->in[1] == bn->out ||
+        bn->out == g->layers[g->n_layers - 1].out)
         return FUSED_NONE;
     for (int i = 0; i < g->n_layers; i++)
-        if (i != j && (g->layers[i].in[0] == bn->out || g->layers[i].in[1] == bn->out)) return FUSED_NONE;
+        if (i != j && (g->layers[i].in[0] == bn->out || g->layers[i].in[1] == bn->out))
+            return FUSED_NONE;
     return FUSED_RESIDUAL;
 }
 
@@ -1915,7 +2040,8 @@ void plan_free(Plan *p) {
 
 // Every buffer takes a multiple of SN_TENSOR_ALIGN bytes, so that every tensor
 // of the arena starts aligned for the GPU's 16-byte vector accesses.
-static int plan_add(Plan *p, int tensor, int is_grad, int recompute, int first, int last, size_t bytes) {
+static int plan_add(Plan *p, int tensor, int is_grad, int recompute, int first, int last,
+                    size_t bytes) {
     PlanBuffer *b = &p->bufs[p->n_bufs];
     b->tensor = tensor; b->is_grad = is_grad; b->recompute = recompute;
     b->first = first; b->last = last; b->offset = 0;
@@ -1934,7 +2060,8 @@ static int cmp_buffer_size(const void *a, const void *b, void *bufs_) {
 // into a gap among the placed buffers alive at the same time: the lowest that
 // fits (first fit) or the smallest (best fit). Returns the arena's bytes.
 // `placed` is kept in offset order, so the live buffers come out in it.
-static size_t plan_pack(Plan *p, const int *order, int best_fit, size_t workspace, int *placed, int *live) {
+static size_t plan_pack(Plan *p, const int *order, int best_fit, size_t workspace, int *placed,
+                        int *live) {
     size_t peak = workspace;
     int n_placed = 0;
     for (int k = 0; k < p->n_bufs; k++) {
@@ -1944,9 +2071,11 @@ static size_t plan_pack(Plan *p, const int *order, int best_fit, size_t workspac
             const PlanBuffer *q = &p->bufs[placed[j]];
             if (q->first <= b->last && b->first <= q->last) live[n_live++] = placed[j];
         }
-        size_t at = workspace, gap_best = SIZE_MAX, from = workspace;  // from: where the next gap starts
+        // from: where the next gap starts
+        size_t at = workspace, gap_best = SIZE_MAX, from = workspace;
         for (int j = 0; j <= n_live; j++) {
-            const size_t to = j < n_live ? p->bufs[live[j]].offset : SIZE_MAX;  // the gap [from, to)
+            // the gap [from, to)
+            const size_t to = j < n_live ? p->bufs[live[j]].offset : SIZE_MAX;
             if (to >= from && to - from >= b->bytes && to - from < gap_best) {
                 at = from;
                 gap_best = to - from;
@@ -1964,20 +2093,30 @@ static size_t plan_pack(Plan *p, const int *order, int best_fit, size_t workspac
     return peak;
 }
 
-void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int output, int checkpoint, size_t workspace) {
+void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int output,
+                int checkpoint, size_t workspace) {
     memset(p, 0, sizeof *p);
     const int L = g->n_layers, T = g->n_tensors;
     p->checkpoint = checkpoint;
-    workspace = (workspace + SN_TENSOR_ALIGN - 1) / SN_TENSOR_ALIGN * SN_TENSOR_ALIGN;  // the tensors after it stay aligned
+    // the tensors after it stay aligned
+    workspace = (workspace + SN_TENSOR_ALIGN - 1) / SN_TENSOR_ALIGN * SN_TENSOR_ALIGN;
     p->workspace = workspace;
-    p->fwd_slot = malloc(sizeof(int) * L); p->rec_slot = malloc(sizeof(int) * L); p->bwd_slot = malloc(sizeof(int) * L);
+    p->fwd_slot = malloc(sizeof(int) * L);
+    p->rec_slot = malloc(sizeof(int) * L);
+    p->bwd_slot = malloc(sizeof(int) * L);
     p->recompute = calloc((size_t)L, sizeof(int));
-    p->slot_kind = malloc(sizeof(int) * (3 * L + 1)); p->slot_layer = malloc(sizeof(int) * (3 * L + 1));
+    p->slot_kind = malloc(sizeof(int) * (3 * L + 1));
+    p->slot_layer = malloc(sizeof(int) * (3 * L + 1));
     p->bufs = calloc((size_t)3 * T + 1, sizeof(PlanBuffer));
-    snCheck(p->fwd_slot && p->rec_slot && p->bwd_slot && p->slot_kind && p->slot_layer && p->bufs, "out of host memory");
+    snCheck(p->fwd_slot && p->rec_slot && p->bwd_slot && p->slot_kind && p->slot_layer && p->bufs,
+            "out of host memory");
     // the schedule; a block is recomputed only if some layer of it runs a backward
     int n = 0;
-    for (int i = 0; i < L; i++) { p->fwd_slot[i] = n; p->slot_kind[n] = SLOT_FORWARD; p->slot_layer[n++] = i; }
+    for (int i = 0; i < L; i++) {
+        p->fwd_slot[i] = n;
+        p->slot_kind[n] = SLOT_FORWARD;
+        p->slot_layer[n++] = i;
+    }
     p->loss_slot = n; p->slot_kind[n] = SLOT_LOSS; p->slot_layer[n++] = -1;
     for (int i = 0; i < L; i++) p->rec_slot[i] = -1;
     for (int i = L - 1; i >= 0; i--) {
@@ -1985,7 +2124,11 @@ void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int
             int first = i, backward = 0;
             while (first > 0 && g->layers[first - 1].block == g->layers[i].block) first--;
             for (int j = first; j <= i; j++) backward |= needs_grad[g->layers[j].out];
-            for (int j = first; backward && j <= i; j++) { p->rec_slot[j] = n; p->slot_kind[n] = SLOT_RECOMPUTE; p->slot_layer[n++] = j; }
+            for (int j = first; backward && j <= i; j++) {
+                p->rec_slot[j] = n;
+                p->slot_kind[n] = SLOT_RECOMPUTE;
+                p->slot_layer[n++] = j;
+            }
         }
         p->bwd_slot[i] = n; p->slot_kind[n] = SLOT_BACKWARD; p->slot_layer[n++] = i;
     }
@@ -1994,7 +2137,8 @@ void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int
     snCheck(fusion != NULL, "out of host memory");
     for (int j = 0; j < L; j++) fusion[j] = layer_fusion(g, j);
     fusion[L] = FUSED_NONE;
-    for (int j = 1; j < L; j++) {  // a fused layer runs in its batch norm's slots (their own stay empty)
+    // a fused layer runs in its batch norm's slots (their own stay empty)
+    for (int j = 1; j < L; j++) {
         const Fusion f = fusion[j];
         if (f == FUSED_NONE) continue;
         p->fwd_slot[j] = p->fwd_slot[j - 1];
@@ -2005,7 +2149,8 @@ void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int
     for (int t = 0; t < T; t++) {
         const size_t bytes = shape_numel(g->tensors[t].shape) * dtype_size(dtype);
         const int prod = g->tensors[t].producer;
-        if (prod >= 0 && fusion[prod + 1] == FUSED_RESIDUAL) continue;  // y of a fused residual end: no memory
+        // y of a fused residual end: no memory
+        if (prod >= 0 && fusion[prod + 1] == FUSED_RESIDUAL) continue;
         const int block = prod >= 0 ? g->layers[prod].block : -1;
         int internal = checkpoint && prod >= 0 && t != output && p->rec_slot[prod] >= 0;
         int fwd_last = prod >= 0 ? p->fwd_slot[prod] : 0, keep_last = fwd_last, rec_last = -1;
@@ -2016,12 +2161,15 @@ void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int
                 if (c->in[k] != t) continue;
                 if (c->block != block) internal = 0;
                 const int reads = needs_grad[c->out] && layer_backward_reads(c, k);
-                const int use = reads ? p->bwd_slot[i] : p->rec_slot[i] >= 0 ? p->rec_slot[i] : p->fwd_slot[i];
+                const int use = reads                 ? p->bwd_slot[i]
+                                : p->rec_slot[i] >= 0 ? p->rec_slot[i]
+                                                      : p->fwd_slot[i];
                 if (p->fwd_slot[i] > fwd_last) fwd_last = p->fwd_slot[i];
                 if (use > keep_last) keep_last = use;
                 if (p->rec_slot[i] >= 0 && p->rec_slot[i] > keep_last) keep_last = p->rec_slot[i];
                 if (use > rec_last) rec_last = use;
-                if (needs_grad[c->out] && needs_grad[t] && (grad_first < 0 || p->bwd_slot[i] < grad_first))
+                if (needs_grad[c->out] && needs_grad[t] &&
+                    (grad_first < 0 || p->bwd_slot[i] < grad_first))
                     grad_first = p->bwd_slot[i];
             }
         }
@@ -2030,18 +2178,21 @@ void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int
         if (internal) {
             p->recompute[prod] = 1;
             plan_add(p, t, 0, 0, first, fwd_last, bytes);
-            plan_add(p, t, 0, 1, p->rec_slot[prod], rec_last > p->rec_slot[prod] ? rec_last : p->rec_slot[prod], bytes);
+            plan_add(p, t, 0, 1, p->rec_slot[prod],
+                     rec_last > p->rec_slot[prod] ? rec_last : p->rec_slot[prod], bytes);
         } else {
             plan_add(p, t, 0, 0, first, keep_last, bytes);
         }
         if (needs_grad[t]) {
             int last = prod >= 0 ? p->bwd_slot[prod] : p->n_slots - 1;
-            if (grad_first < 0) grad_first = last;  // no path to the loss: zero-filled by its producer's backward
+            // no path to the loss: zero-filled by its producer's backward
+            if (grad_first < 0) grad_first = last;
             plan_add(p, t, 1, 0, grad_first, last, bytes);
         }
     }
     // offsets: the workspace first, at 0, for the whole step; the lower of the two packings
-    int *order = malloc(sizeof(int) * (size_t)(p->n_bufs + 1)), *placed = malloc(sizeof(int) * (size_t)(p->n_bufs + 1));
+    int *order = malloc(sizeof(int) * (size_t)(p->n_bufs + 1)),
+        *placed = malloc(sizeof(int) * (size_t)(p->n_bufs + 1));
     int *live = malloc(sizeof(int) * (size_t)(p->n_bufs + 1));
     size_t *lowest = malloc(sizeof(size_t) * (size_t)(p->n_bufs + 1));
     snCheck(order && placed && live && lowest, "out of host memory");
@@ -2056,8 +2207,10 @@ void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int
     free(order); free(placed);
     p->peak = peak;
     // which buffers start and end at each slot
-    p->start_head = malloc(sizeof(int) * (size_t)p->n_slots); p->end_head = malloc(sizeof(int) * (size_t)p->n_slots);
-    p->start_next = malloc(sizeof(int) * (size_t)p->n_bufs + 1); p->end_next = malloc(sizeof(int) * (size_t)p->n_bufs + 1);
+    p->start_head = malloc(sizeof(int) * (size_t)p->n_slots);
+    p->end_head = malloc(sizeof(int) * (size_t)p->n_slots);
+    p->start_next = malloc(sizeof(int) * (size_t)p->n_bufs + 1);
+    p->end_next = malloc(sizeof(int) * (size_t)p->n_bufs + 1);
     snCheck(p->start_head && p->end_head && p->start_next && p->end_next, "out of host memory");
     for (int s = 0; s < p->n_slots; s++) p->start_head[s] = p->end_head[s] = -1;
     for (int b = p->n_bufs - 1; b >= 0; b--) {
@@ -2076,13 +2229,21 @@ static Shape net_shape(const Net *net, int t) {
     s.n = net->batch;
     return s;
 }
-Tensor net_tensor(const Net *net, int t) { return tensor(net->act[t], net_shape(net, t), net->dtype); }
-Tensor net_grad(const Net *net, int t) { return tensor(net->grad[t], net_shape(net, t), net->dtype); }
+Tensor net_tensor(const Net *net, int t) {
+    return tensor(net->act[t], net_shape(net, t), net->dtype);
+}
+Tensor net_grad(const Net *net, int t) {
+    return tensor(net->grad[t], net_shape(net, t), net->dtype);
+}
 
-static float *param_ptr(float *base, const Graph *g, int id) { return id < 0 ? NULL : base + g->params[id].offset; }
+static float *param_ptr(float *base, const Graph *g, int id) {
+    return id < 0 ? NULL : base + g->params[id].offset;
+}
 // a parameter in the storage type (weights_in_storage_type), or NULL
 static const void *param_cast(const Net *net, int id) {
-    return id < 0 || !net->params_cast ? NULL : (const char *)net->params_cast + net->g->params[id].offset * dtype_size(net->dtype);
+    return id < 0 || !net->params_cast ? NULL
+                                       : (const char *)net->params_cast +
+                                                 net->g->params[id].offset * dtype_size(net->dtype);
 }
 // a parameter's gradient, NULL when it has none (no parameter, or frozen)
 static float *grad_ptr(const Net *net, int id) {
@@ -2104,7 +2265,9 @@ static size_t grad_layout(const Graph *g, size_t *grad_offset) {
         if (grad_offset[p] != SIZE_MAX) { grad_offset[p] = n; n += g->params[p].count; }
     return n;
 }
-static float *buffer_ptr(const Net *net, int id) { return net->buffers + net->g->buffers[id].offset; }
+static float *buffer_ptr(const Net *net, int id) {
+    return net->buffers + net->g->buffers[id].offset;
+}
 
 uint64_t net_layer_seed(const Net *net, int layer) {
     return rng_mix64(rng_mix64(net->seed ^ rng_mix64(net->step)) + (uint64_t)layer);
@@ -2130,13 +2293,32 @@ void net_free(Net *net) {
     Ops *o = net->o;
     if (!o) return;
     const Graph *g = net->g;
-    if (net->plan) { plan_free(net->plan); free(net->plan); o->free(o, net->arena); net->ws = NULL; }
-    else for (int t = 0; net->act && t < g->n_tensors; t++) { o->free(o, net->act[t]); if (net->grad) o->free(o, net->grad[t]); }
-    for (int l = 0; net->bn_mean && l < g->n_layers; l++) { o->free(o, net->bn_mean[l]); o->free(o, net->bn_var[l]); }
+    if (net->plan) {
+        plan_free(net->plan);
+        free(net->plan);
+        o->free(o, net->arena);
+        net->ws = NULL;
+    } else
+        for (int t = 0; net->act && t < g->n_tensors; t++) {
+            o->free(o, net->act[t]);
+            if (net->grad) o->free(o, net->grad[t]);
+        }
+    for (int l = 0; net->bn_mean && l < g->n_layers; l++) {
+        o->free(o, net->bn_mean[l]);
+        o->free(o, net->bn_var[l]);
+    }
     o->free(o, net->params); o->free(o, net->grads); o->free(o, net->buffers);
-    o->free(o, net->bn_scratch); o->free(o, net->bn_sums); o->free(o, net->ws); o->free(o, net->layer_seeds);
+    o->free(o, net->bn_scratch);
+    o->free(o, net->bn_sums);
+    o->free(o, net->ws);
+    o->free(o, net->layer_seeds);
     o->free(o, net->params_cast);
-    free(net->act); free(net->grad); free(net->needs_grad); free(net->grad_written); free(net->bn_mean); free(net->bn_var);
+    free(net->act);
+    free(net->grad);
+    free(net->needs_grad);
+    free(net->grad_written);
+    free(net->bn_mean);
+    free(net->bn_var);
     free(net->fusion);
     free(net->grad_offset);
     memset(net, 0, sizeof *net);
@@ -2172,14 +2354,17 @@ static void plan_leave(Net *net, int slot) {
     for (int b = p->end_head[slot]; b >= 0; b = p->end_next[b]) {
         const PlanBuffer *q = &p->bufs[b];
         if (net->poison)
-            net->o->fill(net->o, tensor(net->arena + q->offset, shape4((int)(q->bytes / dtype_size(net->dtype)), 1, 1, 1),
-                                        net->dtype), NAN);
+            net->o->fill(net->o,
+                         tensor(net->arena + q->offset,
+                                shape4((int)(q->bytes / dtype_size(net->dtype)), 1, 1, 1),
+                                net->dtype),
+                         NAN);
     }
 }
 
 // plan: NULL for one allocation per tensor, else the arena's layout (taken over)
-static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad, Plan *plan,
-                           char err[SN_ERR_MAX]) {
+static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad,
+                           Plan *plan, char err[SN_ERR_MAX]) {
     memset(net, 0, sizeof *net);
     net->g = g; net->o = o; net->dtype = dtype; net->input_needs_grad = input_needs_grad;
     if (g->err[0] || g->input < 0 || g->n_layers == 0) {
@@ -2195,7 +2380,8 @@ static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int in
     net->bn_mean = calloc((size_t)L, sizeof(float *));
     net->bn_var = calloc((size_t)L, sizeof(float *));
     net->fusion = calloc((size_t)L, sizeof(Fusion));
-    snCheck(net->act && net->grad && net->needs_grad && net->grad_written && net->bn_mean && net->bn_var && net->fusion,
+    snCheck(net->act && net->grad && net->needs_grad && net->grad_written && net->bn_mean &&
+                    net->bn_var && net->fusion,
             "out of host memory");
     for (int j = 0; j < L; j++) net->fusion[j] = layer_fusion(g, j);
 
@@ -2242,12 +2428,15 @@ static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int in
             net->ws_bytes = ws;
             net->ws = ws ? o->alloc(o, ws) : NULL;
         }
-        ok = net->params && net->grads && net->buffers && net->bn_scratch && net->bn_sums && net->layer_seeds &&
-             (!ws || net->ws) && (!cast || net->params_cast);
+        ok = net->params && net->grads && net->buffers && net->bn_scratch && net->bn_sums &&
+             net->layer_seeds && (!ws || net->ws) && (!cast || net->params_cast);
     }
     if (!ok) {
-        snprintf(err, SN_ERR_MAX, "out of %s memory allocating the network's tensors (%.2f GiB for the step's arena: "
-                 "segnet plan --memory SIZE finds a setting that fits)", o->name, plan ? plan->peak / 1073741824.0 : 0.0);
+        snprintf(
+                err, SN_ERR_MAX,
+                "out of %s memory allocating the network's tensors (%.2f GiB for the step's arena: "
+                "segnet plan --memory SIZE finds a setting that fits)",
+                o->name, plan ? plan->peak / 1073741824.0 : 0.0);
         if (plan && !net->plan) { plan_free(plan); free(plan); }
         net_free(net);
         return -1;
@@ -2258,19 +2447,23 @@ static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int in
     // running statistics start at mean 0, variance 1
     for (int b = 0; b < g->n_buffers; b++) {
         int is_var = strstr(g->buffers[b].name, ".running_var") != NULL;
-        o->fill(o, tensor_f32(net->buffers + g->buffers[b].offset, shape4((int)g->buffers[b].count, 1, 1, 1)),
+        o->fill(o,
+                tensor_f32(net->buffers + g->buffers[b].offset,
+                           shape4((int)g->buffers[b].count, 1, 1, 1)),
                 is_var ? 1.0f : 0.0f);
     }
     return 0;
 }
 
-int net_create(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad, char err[SN_ERR_MAX]) {
+int net_create(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad,
+               char err[SN_ERR_MAX]) {
     return net_create_with(net, g, o, dtype, input_needs_grad, NULL, err);
 }
 
-int net_create_planned(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad, int output,
-                       int checkpoint, char err[SN_ERR_MAX]) {
-    if (g->err[0] || g->input < 0 || g->n_layers == 0) return net_create_with(net, g, o, dtype, input_needs_grad, NULL, err);
+int net_create_planned(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad,
+                       int output, int checkpoint, char err[SN_ERR_MAX]) {
+    if (g->err[0] || g->input < 0 || g->n_layers == 0)
+        return net_create_with(net, g, o, dtype, input_needs_grad, NULL, err);
     int *needs_grad = malloc(sizeof(int) * (size_t)g->n_tensors);
     Plan *plan = malloc(sizeof *plan);
     snCheck(needs_grad && plan, "out of host memory");
@@ -2283,7 +2476,9 @@ int net_create_planned(Net *net, const Graph *g, Ops *o, DType dtype, int input_
 // BN in a layer uses batch statistics when training and not frozen (a frozen
 // BN runs in inference mode, Keras' trainable=False); dropout and drop-path
 // are active under the same condition.
-static int layer_in_train_mode(const Net *net, const Layer *l) { return net->training && !l->frozen; }
+static int layer_in_train_mode(const Net *net, const Layer *l) {
+    return net->training && !l->frozen;
+}
 
 // ---- batch norm across replicas (--sync-bn)
 //
@@ -2316,11 +2511,13 @@ static size_t bn_sync_sums(Net *net, int C, size_t count) {
     Comm *comm = net->sync_bn;
     Ops *o = net->o;
     const size_t n = 2 * (size_t)C;
-    if (!count) o->fill(o, tensor_f32((float *)net->bn_sums, shape4((int)(2 * n), 1, 1, 1)), 0.0f);  // fp64 zeros
+    // fp64 zeros
+    if (!count) o->fill(o, tensor_f32((float *)net->bn_sums, shape4((int)(2 * n), 1, 1, 1)), 0.0f);
 #ifdef SEGNET_CUDA
     if (comm->device && o != &ops_cpu) {
         int64_t total = (int64_t)count;
-        if (comm->allreduce_i64(comm, &total, 1) || comm->device->allreduce_f64(comm->device, net->bn_sums, n)) {
+        if (comm->allreduce_i64(comm, &total, 1) ||
+            comm->device->allreduce_f64(comm->device, net->bn_sums, n)) {
             net->failed = 1;
             return 0;
         }
@@ -2379,7 +2576,8 @@ static void layer_forward(Net *net, int i, int recompute, int with_next) {
     Ops *o = net->o;
     {
         const Layer *l = &g->layers[i];
-        // a replica with an empty shard (the last, small global batch) only takes part in the collectives
+        // a replica with an empty shard (the last, small global batch) only takes part in the
+        // collectives
         if (net->failed || (net->batch == 0 && !(bn_synced(net, l) && !recompute))) return;
         Tensor x = net_tensor(net, l->in[0]), y = net_tensor(net, l->out);
         Tensor x2 = l->in[1] >= 0 ? net_tensor(net, l->in[1]) : tensor(NULL, x.shape, net->dtype);
@@ -2403,10 +2601,14 @@ static void layer_forward(Net *net, int i, int recompute, int with_next) {
                     } else {
                         if (count) o->bn_stats(o, x, mean, var, NULL, NULL, 0.0f, net->bn_sums);
                         count = bn_sync_sums(net, C, count);
-                        if (count) o->bn_stats_finish(o, net->bn_sums, C, count, mean, var, rm, rv, BN_MOMENTUM);
+                        if (count)
+                            o->bn_stats_finish(o, net->bn_sums, C, count, mean, var, rm, rv,
+                                               BN_MOMENTUM);
                     }
                 }
-                if (net->batch) o->bn_forward(o, y, x, net->bn_mean[i], net->bn_var[i], w, b, l->eps, l->act, next);
+                if (net->batch)
+                    o->bn_forward(o, y, x, net->bn_mean[i], net->bn_var[i], w, b, l->eps, l->act,
+                                  next);
             } else {
                 o->bn_forward(o, y, x, rm, rv, w, b, l->eps, l->act, next);
             }
@@ -2414,8 +2616,8 @@ static void layer_forward(Net *net, int i, int recompute, int with_next) {
         }
         case LAYER_ACT: o->act_forward(o, l->act, y, x); break;
         case LAYER_SE_GATE:
-            o->se_gate_forward(o, y, x, w, b, param_ptr(net->params, g, l->weight2), param_ptr(net->params, g, l->bias2),
-                               l->conv.cout, l->act, l->act2);
+            o->se_gate_forward(o, y, x, w, b, param_ptr(net->params, g, l->weight2),
+                               param_ptr(net->params, g, l->bias2), l->conv.cout, l->act, l->act2);
             break;
         case LAYER_GAP: o->global_avg_pool_forward(o, y, x); break;
         case LAYER_SCALE: o->channel_scale_forward(o, y, x, x2); break;
@@ -2427,8 +2629,8 @@ static void layer_forward(Net *net, int i, int recompute, int with_next) {
         case LAYER_RESCALE: o->axpby(o, y, x, l->scale, l->offset, 0); break;
         case LAYER_DROPOUT: case LAYER_DROP_PATH:
             if (layer_in_train_mode(net, l) && l->rate > 0.0f)
-                o->dropout_forward(o, y, x, x2, l->rate, net->layer_seeds + i, l->kind == LAYER_DROP_PATH,
-                                   net->first_sample);
+                o->dropout_forward(o, y, x, x2, l->rate, net->layer_seeds + i,
+                                   l->kind == LAYER_DROP_PATH, net->first_sample);
             else if (x2.data)
                 o->add_forward(o, y, x, x2);
             else
@@ -2443,9 +2645,12 @@ static void layer_forward(Net *net, int i, int recompute, int with_next) {
 void net_forward(Net *net, int training) {
     net->training = training;
     if (training) net_seeds_current(net);
-    if (net->params_cast)  // once per forward: whatever changed the fp32 weights since, the copy follows
-        net->o->copy(net->o, tensor(net->params_cast, shape4((int)net->g->n_param_floats, 1, 1, 1), net->dtype),
-                     tensor_f32(net->params, shape4((int)net->g->n_param_floats, 1, 1, 1)), 0);
+    // once per forward: whatever changed the fp32 weights since, the copy follows
+    if (net->params_cast)
+        net->o->copy(
+                net->o,
+                tensor(net->params_cast, shape4((int)net->g->n_param_floats, 1, 1, 1), net->dtype),
+                tensor_f32(net->params, shape4((int)net->g->n_param_floats, 1, 1, 1)), 0);
     const int L = net->g->n_layers;
     for (int i = 0; i < L; i++) {
         if (net->fusion[i]) continue;  // runs with its batch norm, i - 1
@@ -2477,7 +2682,8 @@ static void layer_backward(Net *net, int i, int with_next) {
         Tensor x2 = b >= 0 ? net_tensor(net, b) : tensor(NULL, x.shape, net->dtype);
         // input gradients: data NULL where none is needed; acc_* follow `written`
         Tensor dx = net->needs_grad[a] ? net_grad(net, a) : tensor(NULL, x.shape, net->dtype);
-        Tensor dx2 = b >= 0 && net->needs_grad[b] ? net_grad(net, b) : tensor(NULL, x2.shape, net->dtype);
+        Tensor dx2 = b >= 0 && net->needs_grad[b] ? net_grad(net, b)
+                                                  : tensor(NULL, x2.shape, net->dtype);
         int acc_a = written[a];
         if (dx.data) written[a] = 1;
         int acc_b = b >= 0 ? written[b] : 0;
@@ -2490,7 +2696,9 @@ static void layer_backward(Net *net, int i, int with_next) {
         switch (l->kind) {
         case LAYER_CONV: case LAYER_DENSE:
             if (dw || dbias) o->conv2d_backward_weight(o, &l->conv, dw, dbias, dy, x, net->ws);
-            if (dx.data) o->conv2d_backward_data(o, &l->conv, dx, dy, w, param_cast(net, l->weight), acc_a, net->ws);
+            if (dx.data)
+                o->conv2d_backward_data(o, &l->conv, dx, dy, w, param_cast(net, l->weight), acc_a,
+                                        net->ws);
             break;
         case LAYER_BN: {
             const int C = x.shape.c;
@@ -2498,27 +2706,31 @@ static void layer_backward(Net *net, int i, int with_next) {
             int batch = layer_in_train_mode(net, l);
             const float *mean = batch ? net->bn_mean[i] : buffer_ptr(net, l->run_mean);
             const float *var = batch ? net->bn_var[i] : buffer_ptr(net, l->run_var);
-            size_t count = batch ? shape_numel(x.shape) / C : 0;  // 0: the statistics were constants
+            // 0: the statistics were constants
+            size_t count = batch ? shape_numel(x.shape) / C : 0;
             const int synced = batch && net->sync_bn && (net->needs_grad[a] || dw);
             if ((batch || dw || next) && net->batch)  // with next, always (BnNext)
-                o->bn_backward_reduce(o, dy, x, mean, var, w, bias, l->eps, l->act, batch || dw ? sum_g : NULL, sum_gx,
-                                      synced ? NULL : dw, synced ? NULL : dbias, synced ? net->bn_sums : NULL, next);
+                o->bn_backward_reduce(o, dy, x, mean, var, w, bias, l->eps, l->act,
+                                      batch || dw ? sum_g : NULL, sum_gx, synced ? NULL : dw,
+                                      synced ? NULL : dbias, synced ? net->bn_sums : NULL, next);
             if (synced) {
                 count = bn_sync_sums(net, C, count);
                 const int adds = net->sync_bn->rank == 0;  // see "batch norm across replicas"
                 if (count)
-                    o->bn_backward_finish(o, net->bn_sums, C, sum_g, sum_gx, adds ? dw : NULL, adds ? dbias : NULL);
+                    o->bn_backward_finish(o, net->bn_sums, C, sum_g, sum_gx, adds ? dw : NULL,
+                                          adds ? dbias : NULL);
             }
             if (dx.data && net->batch && !net->failed)
-                o->bn_backward_data(o, dx, dy, x, mean, var, w, bias, l->eps, l->act, sum_g, sum_gx, count, acc_a, next);
+                o->bn_backward_data(o, dx, dy, x, mean, var, w, bias, l->eps, l->act, sum_g, sum_gx,
+                                    count, acc_a, next);
             break;
         }
         case LAYER_ACT: if (dx.data) o->act_backward(o, l->act, dx, dy, x, acc_a); break;
         case LAYER_SE_GATE:
             o->se_gate_backward(o, dx, dy, x, w, bias, param_ptr(net->params, g, l->weight2),
-                                param_ptr(net->params, g, l->bias2), l->conv.cout, l->act, l->act2, dw, dbias,
-                                trainable ? grad_ptr(net, l->weight2) : NULL, trainable ? grad_ptr(net, l->bias2) : NULL,
-                                acc_a);
+                                param_ptr(net->params, g, l->bias2), l->conv.cout, l->act, l->act2,
+                                dw, dbias, trainable ? grad_ptr(net, l->weight2) : NULL,
+                                trainable ? grad_ptr(net, l->bias2) : NULL, acc_a);
             break;
         case LAYER_GAP: if (dx.data) o->global_avg_pool_backward(o, dx, dy, acc_a); break;
         case LAYER_SCALE: o->channel_scale_backward(o, dx, dx2, dy, x, x2, acc_a, acc_b); break;
@@ -2530,14 +2742,18 @@ static void layer_backward(Net *net, int i, int with_next) {
         case LAYER_RESCALE: if (dx.data) o->axpby(o, dx, dy, l->scale, 0.0f, acc_a); break;
         case LAYER_DROPOUT: case LAYER_DROP_PATH:
             if (layer_in_train_mode(net, l) && l->rate > 0.0f)
-                o->dropout_backward(o, dx, dx2, dy, l->rate, net->layer_seeds + i, l->kind == LAYER_DROP_PATH,
-                                    net->first_sample, acc_a, acc_b);
+                o->dropout_backward(o, dx, dx2, dy, l->rate, net->layer_seeds + i,
+                                    l->kind == LAYER_DROP_PATH, net->first_sample, acc_a, acc_b);
             else
-                o->add_backward(o, dx, dx2, dy, acc_a, acc_b);  // without a residual: a copy into dx
+                // without a residual: a copy into dx
+                o->add_backward(o, dx, dx2, dy, acc_a, acc_b);
             break;
         default: snCheck(0, "backward: layer '%s' has unknown kind %d", l->name, (int)l->kind);
         }
-        if (net->layer_seconds) { o->synchronize(o); net->layer_seconds[g->n_layers + i] += layer_clock() - t0; }
+        if (net->layer_seconds) {
+            o->synchronize(o);
+            net->layer_seconds[g->n_layers + i] += layer_clock() - t0;
+        }
     }
 }
 
@@ -2552,7 +2768,8 @@ void net_backward(Net *net, int output) {
                                           g->layers[i + 1].block != g->layers[i].block)) {
             int first = i;  // the block's forward again, from its saved inputs
             while (first > 0 && g->layers[first - 1].block == g->layers[i].block) first--;
-            for (int j = first; j <= i; j++) {  // a kept output is still there (and may be dead by now)
+            // a kept output is still there (and may be dead by now)
+            for (int j = first; j <= i; j++) {
                 if (net->fusion[j]) continue;    // in its batch norm's slot
                 const int next = j < i && net->fusion[j + 1] && p->recompute[j + 1];
                 plan_enter(net, p->rec_slot[j]);
@@ -2564,7 +2781,8 @@ void net_backward(Net *net, int output) {
         if (net->fusion[i] == FUSED_RESIDUAL) continue;  // with its batch norm, i - 1
         const int next = i + 1 < g->n_layers && net->fusion[i + 1] == FUSED_RESIDUAL;
         if (p) plan_enter(net, p->bwd_slot[i]);
-        if (next && !net->needs_grad[g->layers[i].out]) layer_backward(net, i + 1, 0);  // nothing to fuse
+        // nothing to fuse
+        if (next && !net->needs_grad[g->layers[i].out]) layer_backward(net, i + 1, 0);
         layer_backward(net, i, next && net->needs_grad[g->layers[i].out]);
         if (p) plan_leave(net, p->bwd_slot[i]);
     }
@@ -2585,13 +2803,16 @@ void net_backward(Net *net, int output) {
 // weights are read before and after it, one wait per span.
 typedef struct {
     int64_t steps, clipped, skipped;  // skipped: fp16 overflow, no update (the loss scale halved)
-    int64_t skip_run, skip_run_max;   // skipped steps in a row: the current run, the longest in the span
+    // skipped steps in a row: the current run, the longest in the span
+    int64_t skip_run, skip_run_max;
     double norm_sum, norm_max;        // of the applied steps
     double loss_sum, label_sum;       // this replica's Σw·nll and Σw (or labels) of the steps
     double loss_scale;                // after the span's last step (1 without loss scaling)
     double update_ratio;              // of the span's last step; NAN: not measured
-    double seconds;                   // in train_step, over `timed` steps: this process's (a checkpoint
-    int64_t timed;                    // keeps no wall time, so that resumed runs save the same bits)
+    // in train_step, over `timed` steps: this process's (a checkpoint
+    double seconds;
+    // keeps no wall time, so that resumed runs save the same bits)
+    int64_t timed;
 } StepStats;
 #define STEP_STATS_FIELDS 11          // as text (checkpoint metadata): the fields up to update_ratio, space-separated
 #define WARN_CLIP_FRACTION 0.5        // clipping acted on more than this fraction of an epoch's steps
@@ -2599,7 +2820,11 @@ typedef struct {
 #define WARN_SKIP_RUN 3               // or more than this many steps in a row (the loss scale fell each time)
 #define WARN_TRAIN_MODE_GAP 0.05      // the train metric below the validation one by more than this
 
-static void step_stats_reset(StepStats *st) { *st = (StepStats){0}; st->loss_scale = 1.0; st->update_ratio = NAN; }
+static void step_stats_reset(StepStats *st) {
+    *st = (StepStats){0};
+    st->loss_scale = 1.0;
+    st->update_ratio = NAN;
+}
 
 static void step_stats_add(StepStats *st, const StepState *s, double seconds, double local_norm) {
     st->steps++;
@@ -2640,8 +2865,10 @@ typedef struct {
     uint64_t *host_seeds;       // host_alloc: (n_layers) the step's dropout seeds
     float *host_images;         // host_alloc: (N,H,W,3) the micro-batch being uploaded
     int32_t *host_labels;       // host_alloc: its labels
-    void *record;               // the recorded step (Ops.capture_*), replayed by later steps; NULL: none
-    int records;                // 1: record steps where the backend can (SEGNET_CUDA_GRAPHS=0: never)
+    // the recorded step (Ops.capture_*), replayed by later steps; NULL: none
+    void *record;
+    // 1: record steps where the backend can (SEGNET_CUDA_GRAPHS=0: never)
+    int records;
     size_t per_image;           // labels per image: H·W (segmentation) or 1
     struct { size_t offset, count; } *ranges;  // trainable parameters: runs of the parameter buffer
     int n_ranges;
@@ -2664,16 +2891,22 @@ typedef struct {
     double resume_loss_sum, resume_norm_sum;
     int64_t *resume_cm;         // (K,K), NULL when resume_batch is 0
     Comm *comm;                 // the replicas (size 1: this trainer alone)
-    int shard;                  // images of a full global batch on this replica: model.batch / replicas
-    int borrowed_data;          // train and val belong to another replica (local replicas share them)
-    double *bn_host;            // (n_buffer_floats + 1) fp64 staging to average BN statistics over replicas
+    // images of a full global batch on this replica: model.batch / replicas
+    int shard;
+    // train and val belong to another replica (local replicas share them)
+    int borrowed_data;
+    // (n_buffer_floats + 1) fp64 staging to average BN statistics over replicas
+    double *bn_host;
     StepStats epoch_stats;      // the optimisation diagnostics of this epoch's steps so far
     StepStats log_stats;        // and of the steps since the last row of steps.csv (--log-every)
     int measure_update;         // 1: the next step measures its update ratio (the epoch's last)
-    float *update_host;         // (2·n_trainable) host: the trainable weights before and after that step
+    // (2·n_trainable) host: the trainable weights before and after that step
+    float *update_host;
     char *steps_csv;            // steps.csv's path (root, --log-every), else NULL
-    int32_t *nonfinite;         // backend memory: set when a tensor of the model holds NaN or inf (model_finite)
-    char data_print[64];        // the training set's fingerprint (data_fingerprint), saved with each checkpoint
+    // backend memory: set when a tensor of the model holds NaN or inf (model_finite)
+    int32_t *nonfinite;
+    // the training set's fingerprint (data_fingerprint), saved with each checkpoint
+    char data_print[64];
 } Trainer;
 
 // One pass over a data set. Training: shuffled order, augmentation, one Adam
@@ -2711,7 +2944,8 @@ static int replicas_average_bn(Trainer *t, int n) {
     const Graph *g = &t->g;
     const size_t B = g->n_buffer_floats;
     int any = 0;
-    for (int i = 0; i < g->n_layers; i++) any |= g->layers[i].kind == LAYER_BN && !g->layers[i].frozen;
+    for (int i = 0; i < g->n_layers; i++)
+        any |= g->layers[i].kind == LAYER_BN && !g->layers[i].frozen;
     if (!any || t->comm->size == 1 || t->c->sync_bn) return 0;
     float *f = malloc(sizeof(float) * (B ? B : 1));
     snCheck(f != NULL, "out of host memory");
@@ -2733,7 +2967,8 @@ typedef struct { int n; const float *images; const int32_t *labels; int first; }
 // A micro-batch into the host staging buffers (written while the device is
 // idle: after the last step's download, or a synchronize).
 static void stage_batch(Trainer *t, const MicroBatch *mb) {
-    if (mb->n == 0) return;  // an empty shard (a last batch smaller than the replicas): its arrays are NULL
+    // an empty shard (a last batch smaller than the replicas): its arrays are NULL
+    if (mb->n == 0) return;
     const Shape in = t->g.tensors[t->g.input].shape;
     memcpy(t->host_images, mb->images, sizeof(float) * (size_t)mb->n * in.h * in.w * 3);
     memcpy(t->host_labels, mb->labels, sizeof(int32_t) * (size_t)mb->n * t->per_image);
@@ -2783,7 +3018,9 @@ static float eval_batch(Trainer *t, const MicroBatch *mb) {
 }
 
 // the whole gradient buffer (the trainable parameters') as one tensor
-static Tensor grads_tensor(Trainer *t) { return tensor_f32(t->net.grads, shape4((int)t->n_trainable, 1, 1, 1)); }
+static Tensor grads_tensor(Trainer *t) {
+    return tensor_f32(t->net.grads, shape4((int)t->n_trainable, 1, 1, 1));
+}
 
 // The optimiser step's work on the device (steps 2–8 of train_step), from
 // the uploads to Adam, all queued: no host synchronisation unless replicas exchange values (then
@@ -2814,7 +3051,8 @@ static int step_work(Trainer *t, const MicroBatch *mb, int k) {
     if (comm_allreduce_backend(t, net->grads, t->n_trainable)) return -1;
     if (c->overflow_at_step == t->step)  // tests: as if this step's fp16 gradients had overflowed
         o->fill(o, tensor_f32(net->grads, shape4(1, 1, 1, 1)), INFINITY);
-    // 6. finiteness: with fp16 storage, an inf/NaN gradient skips the update (the loss scale halves)
+    // 6. finiteness: with fp16 storage, an inf/NaN gradient skips the update (the loss scale
+    // halves)
     if (net->dtype == DT_F16) {
         o->nonfinite(o, grads_tensor(t), &t->state->nonfinite);
         if (comm->size > 1) {
@@ -2828,21 +3066,23 @@ static int step_work(Trainer *t, const MicroBatch *mb, int k) {
             o->upload(o, &t->state->nonfinite, &flag, sizeof flag);
         }
     }
-    // 7. clip: the global norm, the clip factor and the loss scale's next value (step_control_apply)
+    // 7. clip: the global norm, the clip factor and the loss scale's next value
+    // (step_control_apply)
     o->sum_squares(o, grads_tensor(t), &t->state->grad_sum_squares);
     o->step_control(o, t->args, t->state, STEP_DECIDE);
     // 8. Adam over the trainable ranges (a skipped step leaves them as they are)
     size_t packed = 0;  // offset of the range in the gradients and moments
     for (int r = 0; r < t->n_ranges; r++) {
         size_t off = t->ranges[r].offset, n = t->ranges[r].count;
-        o->adam_update(o, net->params + off, net->grads + packed, t->adam_m + packed, t->adam_v + packed, n,
-                       &t->state->adam);
+        o->adam_update(o, net->params + off, net->grads + packed, t->adam_m + packed,
+                       t->adam_v + packed, n, &t->state->adam);
         packed += n;
     }
     return 0;
 }
 
-// the trainable weights (t->ranges, packed) into t->update_host: its first half (before a step) or second (after)
+// the trainable weights (t->ranges, packed) into t->update_host: its first half (before a step) or
+// second (after)
 static void trainable_download(Trainer *t, int after) {
     if (!t->update_host) {
         t->update_host = malloc(sizeof(float) * 2 * (t->n_trainable ? t->n_trainable : 1));
@@ -2851,7 +3091,8 @@ static void trainable_download(Trainer *t, int after) {
     float *host = t->update_host + (after ? t->n_trainable : 0);
     size_t packed = 0;
     for (int r = 0; r < t->n_ranges; r++) {
-        t->o->download(t->o, host + packed, t->net.params + t->ranges[r].offset, sizeof(float) * t->ranges[r].count);
+        t->o->download(t->o, host + packed, t->net.params + t->ranges[r].offset,
+                       sizeof(float) * t->ranges[r].count);
         packed += t->ranges[r].count;
     }
 }
@@ -2895,7 +3136,9 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     double local_norm = 0.0;
     for (int i = 0; i < k; i++) {
         size_t n_labels = (size_t)mb[i].n * t->per_image;
-        local_norm += c->loss_norm_keras ? (double)n_labels : label_weight_sum(mb[i].labels, n_labels, c->class_weights, t->K);
+        local_norm += c->loss_norm_keras
+                              ? (double)n_labels
+                              : label_weight_sum(mb[i].labels, n_labels, c->class_weights, t->K);
     }
     double norm = local_norm;
     if (comm->size > 1 && comm->allreduce_f64(comm, &norm, 1)) return -1;
@@ -2908,7 +3151,8 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     t->step++;
     StepArgs *a = t->host_args;
     const double lr = lr_at_step(c->lr, c->schedule, c->warmup, t->total_steps, step);
-    a->adam = adam_step_init((float)lr, ADAM_BETA1, ADAM_BETA2, c->adam_eps, c->weight_decay, 1.0f, step + 1);
+    a->adam = adam_step_init((float)lr, ADAM_BETA1, ADAM_BETA2, c->adam_eps, c->weight_decay, 1.0f,
+                             step + 1);
     a->inv_norm = norm > 0 ? (float)(1.0 / norm) : 0.0f;
     a->clipnorm = c->clipnorm;
     a->loss_scaling = net->dtype == DT_F16;
@@ -2917,20 +3161,24 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     a->good_steps = t->good_steps;
     net->step = (uint64_t)step;  // one seed per step; masks by image within it (first_sample)
     net_layer_seeds(net, t->host_seeds);
-    net->seeds_of[0] = net->seed; net->seeds_of[1] = net->step; net->seeds_set = 1;  // step_work uploads them
+    // step_work uploads them
+    net->seeds_of[0] = net->seed; net->seeds_of[1] = net->step; net->seeds_set = 1;
     stage_batch(t, &mb[0]);
     // A record replays the same shapes: one full micro-batch (a smaller last
     // one runs op by op), no replicas (their collectives run on the host),
     // nothing timed per layer.
-    const int recordable = t->records && o->capture_begin && k == 1 && mb[0].n == t->shard && comm->size == 1 &&
-                           !net->layer_seconds && !c->overflow_at_step;
+    const int recordable = t->records && o->capture_begin && k == 1 && mb[0].n == t->shard &&
+                           comm->size == 1 && !net->layer_seconds && !c->overflow_at_step;
     if (recordable && !t->record && o->capture_begin(o) == 0) {
         int rc = step_work(t, mb, k);
         char err[SN_ERR_MAX];
         t->record = o->capture_end(o, err);
         snCheck(rc == 0, "a step without replicas failed a collective");
         if (!t->record) {  // nothing ran: run it eagerly, and the rest of the run too
-            fprintf(stderr, "segnet: recording the training step failed (%s); running steps one op at a time\n", err);
+            fprintf(stderr,
+                    "segnet: recording the training step failed (%s); running steps one op at a "
+                    "time\n",
+                    err);
             t->records = 0;
         }
     }
@@ -2993,14 +3241,17 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
 
 static ConvGeom conv_geom(const ConvCfg *cfg, Shape in) {
     ConvGeom q;
-    snCheck(conv_geom_of(cfg, in, &q), "conv2d: input " SHAPE_FMT " does not fit the conv (cin %d, kernel %dx%d)",
+    snCheck(conv_geom_of(cfg, in, &q),
+            "conv2d: input " SHAPE_FMT " does not fit the conv (cin %d, kernel %dx%d)",
             SHAPE_ARGS(in), cfg->cin, cfg->kh, cfg->kw);
     return q;
 }
 
 // the GEMM paths' floats: col (P,K) and fp32 output rows (P,Cout); the weight
 // gradient's fp64 sum (2 floats per weight) and one image's product (Coutg,K) before col
-static size_t im2col_floats(const ConvGeom *q, DType dt) { return q->P * q->K + (dt != DT_F32 ? q->P * q->Cout : 0); }
+static size_t im2col_floats(const ConvGeom *q, DType dt) {
+    return q->P * q->K + (dt != DT_F32 ? q->P * q->Cout : 0);
+}
 static size_t gemm_weight_grad_floats(const ConvGeom *q, DType dt) {
     return 2 * (size_t)q->Cout * q->K + (size_t)q->Coutg * q->K + im2col_floats(q, dt);
 }
@@ -3044,8 +3295,8 @@ static void im2col(const ConvCfg *cfg, const ConvGeom *q, Tensor in, int n, int 
 // summed in (ky,kx) order. Channels are innermost (contiguous in dcol and
 // din), COL2IM_CHUNK at a time.
 #define COL2IM_CHUNK 256
-static void col2im(const ConvCfg *cfg, const ConvGeom *q, const float *dcol, Tensor din, int n, int g,
-                   int accumulate) {
+static void col2im(const ConvCfg *cfg, const ConvGeom *q, const float *dcol, Tensor din, int n,
+                   int g, int accumulate) {
     const int s = cfg->stride;
     #pragma omp parallel for schedule(static) if(PAR((size_t)q->H * q->W * q->K))
     for (int iy = 0; iy < q->H; iy++) {
@@ -3061,7 +3312,8 @@ static void col2im(const ConvCfg *cfg, const ConvGeom *q, const float *dcol, Ten
                     for (int kx = 0; kx < cfg->kw; kx++) {
                         int tx = ix + q->pl - kx;
                         if (tx < 0 || tx % s || tx / s >= q->OW) continue;
-                        const float *src = dcol + ((size_t)(ty / s) * q->OW + tx / s) * q->K + (ky * cfg->kw + kx) * q->Cg + c0;
+                        const float *src = dcol + ((size_t)(ty / s) * q->OW + tx / s) * q->K +
+                                           (ky * cfg->kw + kx) * q->Cg + c0;
                         for (int ci = 0; ci < nc; ci++) acc[ci] += src[ci];
                     }
                 }
@@ -3084,7 +3336,8 @@ static float *image_rows_f32(Tensor t, int n, size_t P, int Cout, float *scratch
     return images_rows_f32(t, n, 1, P, Cout, scratch);
 }
 
-// depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx, c] · w[c][ky][kx]
+// depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx, c] ·
+// w[c][ky][kx]
 static void depthwise_forward_ref(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
                               const float *w, const float *b) {
     const int KK = cfg->kh * cfg->kw;
@@ -3101,7 +3354,8 @@ static void depthwise_forward_ref(const ConvCfg *cfg, const ConvGeom *q, Tensor 
                     for (int kx = 0; kx < cfg->kw; kx++) {
                         int ix = ox * cfg->stride - q->pl + kx;
                         if (ix < 0 || ix >= q->W) continue;
-                        acc += ld(in, (((size_t)n * q->H + iy) * q->W + ix) * q->C + c) * w[c * KK + ky * cfg->kw + kx];
+                        acc += ld(in, (((size_t)n * q->H + iy) * q->W + ix) * q->C + c) *
+                               w[c * KK + ky * cfg->kw + kx];
                     }
                 }
                 st(out, o_base + c, acc);
@@ -3111,8 +3365,8 @@ static void depthwise_forward_ref(const ConvCfg *cfg, const ConvGeom *q, Tensor 
 }
 
 // din[n,iy,ix,c] (=|+=) Σ_{ky,kx} dout[n,oy,ox,c]·w[c][ky][kx], oy = (iy + pt - ky)/s integral
-static void depthwise_backward_data_ref(const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
-                                    const float *w, int accumulate) {
+static void depthwise_backward_data_ref(const ConvCfg *cfg, const ConvGeom *q, Tensor din,
+                                        Tensor dout, const float *w, int accumulate) {
     const int KK = cfg->kh * cfg->kw, s = cfg->stride;
     #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->H * q->W * q->C * KK))
     for (int niy = 0; niy < q->N * q->H; niy++) {
@@ -3127,7 +3381,9 @@ static void depthwise_backward_data_ref(const ConvCfg *cfg, const ConvGeom *q, T
                     for (int kx = 0; kx < cfg->kw; kx++) {
                         int tx = ix + q->pl - kx;
                         if (tx < 0 || tx % s || tx / s >= q->OW) continue;
-                        acc += ld(dout, (((size_t)n * q->OH + ty / s) * q->OW + tx / s) * q->C + c) * w[c * KK + ky * cfg->kw + kx];
+                        acc += ld(dout,
+                                  (((size_t)n * q->OH + ty / s) * q->OW + tx / s) * q->C + c) *
+                               w[c * KK + ky * cfg->kw + kx];
                     }
                 }
                 st_acc(din, i_base + c, acc, accumulate);
@@ -3137,8 +3393,8 @@ static void depthwise_backward_data_ref(const ConvCfg *cfg, const ConvGeom *q, T
 }
 
 // dw[c][ky][kx] += Σ_{n,oy,ox} dout[n,oy,ox,c] · x[n, oy·s - pt + ky, ox·s - pl + kx, c]
-static void depthwise_backward_weight_ref(const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout,
-                                      Tensor in) {
+static void depthwise_backward_weight_ref(const ConvCfg *cfg, const ConvGeom *q, float *dw,
+                                          Tensor dout, Tensor in) {
     const int KK = cfg->kh * cfg->kw;
     #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * q->C * KK))
     for (int ck = 0; ck < q->C * KK; ck++) {
@@ -3169,8 +3425,8 @@ static void depthwise_weights_t(const ConvCfg *cfg, int C, const float *w, float
         for (int k = 0; k < KK; k++) wt[(size_t)k * C + c] = w[(size_t)c * KK + k];
 }
 
-static void depthwise_forward_f32(const ConvCfg *cfg, const ConvGeom *q, float *out, const float *in,
-                                  const float *w, const float *b, float *wt) {
+static void depthwise_forward_f32(const ConvCfg *cfg, const ConvGeom *q, float *out,
+                                  const float *in, const float *w, const float *b, float *wt) {
     const int C = q->C, s = cfg->stride;
     depthwise_weights_t(cfg, C, w, wt);
     #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * C * cfg->kh * cfg->kw))
@@ -3185,7 +3441,8 @@ static void depthwise_forward_f32(const ConvCfg *cfg, const ConvGeom *q, float *
                 for (int kx = 0; kx < cfg->kw; kx++) {
                     const int ix = ox * s - q->pl + kx;
                     if (ix < 0 || ix >= q->W) continue;
-                    const float *xr = in + (((size_t)n * q->H + iy) * q->W + ix) * C, *wr = wt + (size_t)(ky * cfg->kw + kx) * C;
+                    const float *xr = in + (((size_t)n * q->H + iy) * q->W + ix) * C,
+                                *wr = wt + (size_t)(ky * cfg->kw + kx) * C;
                     #pragma omp simd
                     for (int c = 0; c < C; c++) o[c] += xr[c] * wr[c];
                 }
@@ -3194,8 +3451,9 @@ static void depthwise_forward_f32(const ConvCfg *cfg, const ConvGeom *q, float *
     }
 }
 
-static void depthwise_backward_data_f32(const ConvCfg *cfg, const ConvGeom *q, float *din, const float *dout,
-                                        const float *w, int accumulate, float *wt) {
+static void depthwise_backward_data_f32(const ConvCfg *cfg, const ConvGeom *q, float *din,
+                                        const float *dout, const float *w, int accumulate,
+                                        float *wt) {
     const int C = q->C, s = cfg->stride;
     depthwise_weights_t(cfg, C, w, wt);
     #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->H * q->W * C * cfg->kh * cfg->kw))
@@ -3226,8 +3484,8 @@ static void depthwise_backward_data_f32(const ConvCfg *cfg, const ConvGeom *q, f
 // dw[c][ky][kx] += Σ_{n,oy,ox} dout·x in fp64, a block of channels per thread,
 // pixels in order: the same bits for any thread count.
 #define DW_CBLOCK 16
-static void depthwise_backward_weight_f32(const ConvCfg *cfg, const ConvGeom *q, float *dw, const float *dout,
-                                          const float *in) {
+static void depthwise_backward_weight_f32(const ConvCfg *cfg, const ConvGeom *q, float *dw,
+                                          const float *dout, const float *in) {
     const int C = q->C, s = cfg->stride, KK = cfg->kh * cfg->kw;
     #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * C * KK))
     for (int c0 = 0; c0 < C; c0 += DW_CBLOCK) {
@@ -3288,12 +3546,14 @@ static void depthwise_backward_weight_f32(const ConvCfg *cfg, const ConvGeom *q,
 typedef float vfloat __attribute__((vector_size(CONV_VL * sizeof(float))));
 static inline vfloat vload(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
-static inline vfloat vsplat(float x) {  // x in every lane (one broadcast; (vfloat){0} + x would add 0 first)
+// x in every lane (one broadcast; (vfloat){0} + x would add 0 first)
+static inline vfloat vsplat(float x) {
     vfloat v;
     for (int i = 0; i < CONV_VL; i++) v[i] = x;
     return v;
 }
-// pixels per tile for V channel vectors: R·V accumulators + V weights + 1 broadcast fit the registers
+// pixels per tile for V channel vectors: R·V accumulators + V weights + 1 broadcast fit the
+// registers
 static inline int conv_tile_pixels(int V) {
     int r = (CONV_REGS - 2 - V) / V;
     return r > CONV_RMAX ? CONV_RMAX : r;
@@ -3331,12 +3591,14 @@ typedef struct {
     Tensor out;           // (N,OH,OW,Cout)
     size_t out_image;     // element offset of this image in out
     int OW, Cout, accumulate;
-    size_t xp_image, out_stride;  // floats per padded image, elements per output image (the chunk's next image)
+    // floats per padded image, elements per output image (the chunk's next image)
+    size_t xp_image, out_stride;
 } DirectConv;
 
-static inline __attribute__((always_inline)) void direct_conv_tile(const DirectConv *d, int R, int V, int oy, int ox0,
-                                                                   int co0) {
-    vfloat acc[CONV_RMAX][CONV_VMAX];  // fixed sizes: indexed by constants once unrolled, so kept in registers
+static inline __attribute__((always_inline)) void
+direct_conv_tile(const DirectConv *d, int R, int V, int oy, int ox0, int co0) {
+    // fixed sizes: indexed by constants once unrolled, so kept in registers
+    vfloat acc[CONV_RMAX][CONV_VMAX];
     #pragma GCC unroll 12
     for (int r = 0; r < R; r++)
         #pragma GCC unroll 4
@@ -3344,7 +3606,8 @@ static inline __attribute__((always_inline)) void direct_conv_tile(const DirectC
     const size_t row = (size_t)d->Wp * d->C;
     for (int ky = 0; ky < d->kh; ky++)
         for (int kx = 0; kx < d->kw; kx++) {
-            const float *xr = d->xp + (size_t)(oy * d->s + ky) * row + ((size_t)ox0 * d->s + kx) * d->C;
+            const float *xr =
+                    d->xp + (size_t)(oy * d->s + ky) * row + ((size_t)ox0 * d->s + kx) * d->C;
             const float *wr = d->wt + (size_t)(ky * d->kw + kx) * d->C * d->Cop + co0;
             const size_t xstep = (size_t)d->s * d->C;
             for (int ci = 0; ci < d->C; ci++) {
@@ -3360,13 +3623,15 @@ static inline __attribute__((always_inline)) void direct_conv_tile(const DirectC
             }
         }
     const int nc = d->Cout - co0 < V * CONV_VL ? d->Cout - co0 : V * CONV_VL;
-    float tile[CONV_VMAX * CONV_VL];  // one pixel's channels co0.., then stored (rounded, accumulated) as a run
+    // one pixel's channels co0.., then stored (rounded, accumulated) as a run
+    float tile[CONV_VMAX * CONV_VL];
     #pragma GCC unroll 12
     for (int r = 0; r < R; r++) {
         #pragma GCC unroll 4
         for (int v = 0; v < V; v++) vstore(tile + v * CONV_VL, acc[r][v]);
         if (d->bias) for (int j = 0; j < nc; j++) tile[j] += d->bias[co0 + j];
-        st_run(d->out, d->out_image + ((size_t)oy * d->OW + ox0 + r) * d->Cout + co0, tile, (size_t)nc, d->accumulate);
+        st_run(d->out, d->out_image + ((size_t)oy * d->OW + ox0 + r) * d->Cout + co0, tile,
+               (size_t)nc, d->accumulate);
     }
 }
 
@@ -3379,8 +3644,9 @@ typedef void (*DirectConvTile)(const DirectConv *d, int oy, int ox0, int co0);
     DIRECT_CONV_TILE(direct_conv_tile_full##V, conv_tile_pixels(V), V)                      \
     DIRECT_CONV_TILE(direct_conv_tile_8x##V, 8, V) DIRECT_CONV_TILE(direct_conv_tile_4x##V, 4, V) \
     DIRECT_CONV_TILE(direct_conv_tile_2x##V, 2, V) DIRECT_CONV_TILE(direct_conv_tile_1x##V, 1, V)
-DIRECT_CONV_TILES(1) DIRECT_CONV_TILES(2) DIRECT_CONV_TILES(3) DIRECT_CONV_TILES(4)
-static const DirectConvTile direct_conv_tiles[CONV_VMAX + 1][CONV_TILE_KINDS] = CONV_TILE_TABLE(direct_conv_tile);
+DIRECT_CONV_TILES(1)
+DIRECT_CONV_TILES(2) DIRECT_CONV_TILES(3) DIRECT_CONV_TILES(4) static const DirectConvTile
+        direct_conv_tiles[CONV_VMAX + 1][CONV_TILE_KINDS] = CONV_TILE_TABLE(direct_conv_tile);
 
 // row oy of the chunk's image n, output channels co0 .. co0 + CONV_VMAX·CONV_VL - 1
 static void direct_conv_row(const DirectConv *chunk, int n, int oy, int co0) {
@@ -3404,7 +3670,9 @@ static int conv_is_direct(const ConvCfg *cfg) { return cfg->groups == 1 && cfg->
 static int conv_direct_grad_data(const ConvCfg *cfg) {
     return conv_is_direct(cfg) && cfg->cin >= CONV_VL && cfg->stride == 1;
 }
-static int conv_direct_grad_weight(const ConvCfg *cfg) { return cfg->groups == 1 && cfg->cin >= CONV_VL; }
+static int conv_direct_grad_weight(const ConvCfg *cfg) {
+    return cfg->groups == 1 && cfg->cin >= CONV_VL;
+}
 // The direct paths pad a chunk of images at a time: as many as fit in
 // conv_chunk_floats, at least one. Small images (a U-Net's deep levels) then
 // give each parallel loop rows of several images and each weight-gradient
@@ -3420,7 +3688,8 @@ static int conv_chunk_images(size_t image_floats, int N) {
 // dout, whose "image" has Cout channels.
 static size_t direct_conv_image_floats(const ConvCfg *cfg, const ConvGeom *q, int backward) {
     if (backward == 1) return (size_t)(q->H + cfg->kh - 1) * (q->W + cfg->kw - 1) * q->Cout;
-    size_t pad = (size_t)((q->OH - 1) * cfg->stride + cfg->kh) * ((q->OW - 1) * cfg->stride + cfg->kw) * q->C;
+    size_t pad = (size_t)((q->OH - 1) * cfg->stride + cfg->kh) *
+                 ((q->OW - 1) * cfg->stride + cfg->kw) * q->C;
     return pad + (backward == 2 ? q->P * q->Cout : 0);
 }
 // Floats of workspace for the direct paths: a chunk of padded images and the
@@ -3436,7 +3705,8 @@ static size_t direct_conv_floats(const ConvCfg *cfg, const ConvGeom *q, int back
 
 // xp[k][y][x][c] = src[n0 + k, y - top, x - left, c] inside the source, else 0:
 // (nb,Hp,Wp,C) fp32, the nb images from n0 (image k at xp + k·image floats)
-static void pad_images(Tensor src, int n0, int nb, int top, int left, int Hp, int Wp, size_t image, float *xp) {
+static void pad_images(Tensor src, int n0, int nb, int top, int left, int Hp, int Wp, size_t image,
+                       float *xp) {
     const int H = src.shape.h, W = src.shape.w, C = src.shape.c;
     #pragma omp parallel for schedule(static) if(PAR((size_t)nb * Hp * Wp * C))
     for (int ky = 0; ky < nb * Hp; ky++) {
@@ -3444,9 +3714,11 @@ static void pad_images(Tensor src, int n0, int nb, int top, int left, int Hp, in
         float *dst = xp + k * image + (size_t)y * Wp * C;
         int sy = y - top;
         if (sy < 0 || sy >= H) { memset(dst, 0, sizeof(float) * Wp * C); continue; }
-        int x0 = left > 0 ? left : 0, x1 = left + W < Wp ? left + W : Wp;  // destination columns with data
+        // destination columns with data
+        int x0 = left > 0 ? left : 0, x1 = left + W < Wp ? left + W : Wp;
         memset(dst, 0, sizeof(float) * x0 * C);
-        ld_run(src, (((size_t)n * H + sy) * W + (x0 - left)) * C, dst + (size_t)x0 * C, (size_t)(x1 - x0) * C);
+        ld_run(src, (((size_t)n * H + sy) * W + (x0 - left)) * C, dst + (size_t)x0 * C,
+               (size_t)(x1 - x0) * C);
         memset(dst + (size_t)x1 * C, 0, sizeof(float) * (Wp - x1) * C);
     }
 }
@@ -3457,7 +3729,8 @@ static void pad_images(Tensor src, int n0, int nb, int top, int left, int Hp, in
 // (kh·kw·C·CONV_VMAX·CONV_VL floats, a few hundred KiB) from their caches
 // over all the chunk's rows before the next, where all the weights for each
 // row would not stay in cache when they exceed it (deep levels of small images).
-static void direct_conv_images(DirectConv *d, Tensor src, int N, int top, int left, int Hp, int Wp, int OH) {
+static void direct_conv_images(DirectConv *d, Tensor src, int N, int top, int left, int Hp, int Wp,
+                               int OH) {
     const int chunk = conv_chunk_images(d->xp_image, N), block = CONV_VMAX * CONV_VL;
     const int blocks = (d->Cout + block - 1) / block;
     for (int n0 = 0; n0 < N; n0 += chunk) {
@@ -3472,8 +3745,8 @@ static void direct_conv_images(DirectConv *d, Tensor src, int N, int top, int le
     }
 }
 
-static void conv2d_forward_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in, const float *w,
-                                  const float *b, float *ws) {
+static void conv2d_forward_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
+                                  const float *w, const float *b, float *ws) {
     const int s = cfg->stride, Hp = (q->OH - 1) * s + cfg->kh, Wp = (q->OW - 1) * s + cfg->kw;
     const int Cop = conv_pad_to_vl(q->Cout), KK = cfg->kh * cfg->kw;
     float *wt = ws, *xp = ws + (size_t)KK * q->C * Cop;  // [kh][kw][C][Cop], chunk of (Hp,Wp,C)
@@ -3488,20 +3761,36 @@ static void conv2d_forward_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor 
     direct_conv_images(&d, in, q->N, q->pt, q->pl, Hp, Wp, q->OH);
 }
 
-static void conv2d_backward_data_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor din, Tensor dout,
-                                        const float *w, int accumulate, float *ws) {
+static void conv2d_backward_data_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor din,
+                                        Tensor dout, const float *w, int accumulate, float *ws) {
     const int Hp = q->H + cfg->kh - 1, Wp = q->W + cfg->kw - 1, KK = cfg->kh * cfg->kw;
     const int Cip = conv_pad_to_vl(q->C);
-    float *wt = ws, *dp = ws + (size_t)KK * q->Cout * Cip;  // [kh][kw][Cout][Cip], chunk of (Hp,Wp,Cout)
+    // [kh][kw][Cout][Cip], chunk of (Hp,Wp,Cout)
+    float *wt = ws, *dp = ws + (size_t)KK * q->Cout * Cip;
     #pragma omp parallel for schedule(static) if(PAR((size_t)KK * q->Cout * Cip))
     for (int kc = 0; kc < KK * q->Cout; kc++) {
         const int k = kc / q->Cout, co = kc % q->Cout, ky = k / cfg->kw, kx = k % cfg->kw;
         const int flipped = (cfg->kh - 1 - ky) * cfg->kw + (cfg->kw - 1 - kx);
         for (int ci = 0; ci < Cip; ci++)
-            wt[(size_t)kc * Cip + ci] = ci < q->C ? w[((size_t)co * KK + flipped) * q->C + ci] : 0.0f;
+            wt[(size_t)kc * Cip + ci] =
+                    ci < q->C ? w[((size_t)co * KK + flipped) * q->C + ci] : 0.0f;
     }
-    DirectConv d = {dp, Wp, q->Cout, 1, cfg->kh, cfg->kw, wt, Cip, NULL, din, 0, q->W, q->C, accumulate,
-                    direct_conv_image_floats(cfg, q, 1), (size_t)q->H * q->W * q->C};
+    DirectConv d = {dp,
+                    Wp,
+                    q->Cout,
+                    1,
+                    cfg->kh,
+                    cfg->kw,
+                    wt,
+                    Cip,
+                    NULL,
+                    din,
+                    0,
+                    q->W,
+                    q->C,
+                    accumulate,
+                    direct_conv_image_floats(cfg, q, 1),
+                    (size_t)q->H * q->W * q->C};
     direct_conv_images(&d, dout, q->N, cfg->kh - 1 - q->pt, cfg->kw - 1 - q->pl, Hp, Wp, q->H);
 }
 
@@ -3514,7 +3803,8 @@ static void conv2d_backward_data_direct(const ConvCfg *cfg, const ConvGeom *q, T
 // the thread count.
 #define DW_FLUSH_PIXELS 512
 typedef struct {
-    const float *xp;      // nb × (Hp,Wp,C) padded input of the chunk's images (with CONV_VMAX·CONV_VL floats of slack)
+    // nb × (Hp,Wp,C) padded input of the chunk's images (with CONV_VMAX·CONV_VL floats of slack)
+    const float *xp;
     size_t xp_image;      // floats per padded image
     int Wp, C, s, kw, KK;
     const float *dy;      // (nb,OH,OW,Cout) fp32 output gradient of the same images
@@ -3522,12 +3812,14 @@ typedef struct {
     double *sum;          // [Cout][kh][kw][C], the weight gradient's layout
 } DirectDW;
 
-static inline __attribute__((always_inline)) void direct_dw_tile(const DirectDW *d, int R, int V, int tap, int co0,
-                                                                 int ci0) {
+static inline __attribute__((always_inline)) void direct_dw_tile(const DirectDW *d, int R, int V,
+                                                                 int tap, int co0, int ci0) {
     const int ky = tap / d->kw, kx = tap % d->kw;
     const size_t xstep = (size_t)d->s * d->C;
-    const int rows = d->OW >= DW_FLUSH_PIXELS ? 1 : DW_FLUSH_PIXELS / d->OW;  // rows per fp32 partial sum
-    const int total = d->nb * d->OH;                                          // the chunk's rows, image by image
+    // rows per fp32 partial sum
+    const int rows = d->OW >= DW_FLUSH_PIXELS ? 1 : DW_FLUSH_PIXELS / d->OW;
+    // the chunk's rows, image by image
+    const int total = d->nb * d->OH;
     for (int row0 = 0; row0 < total; row0 += rows) {
         vfloat acc[CONV_RMAX][CONV_VMAX];
         #pragma GCC unroll 12
@@ -3536,7 +3828,8 @@ static inline __attribute__((always_inline)) void direct_dw_tile(const DirectDW 
             for (int v = 0; v < V; v++) acc[r][v] = (vfloat){0};
         for (int row = row0; row < row0 + rows && row < total; row++) {
         const int n = row / d->OH, oy = row % d->OH;
-        const float *xr = d->xp + n * d->xp_image + ((size_t)(oy * d->s + ky) * d->Wp + kx) * d->C + ci0;
+        const float *xr =
+                d->xp + n * d->xp_image + ((size_t)(oy * d->s + ky) * d->Wp + kx) * d->C + ci0;
         const float *dr = d->dy + (size_t)row * d->OW * d->Cout + co0;
         for (int ox = 0; ox < d->OW; ox++) {
             vfloat xv[CONV_VMAX];
@@ -3570,8 +3863,9 @@ typedef void (*DirectDWTile)(const DirectDW *d, int tap, int co0, int ci0);
     DIRECT_DW_TILE(direct_dw_tile_full##V, conv_tile_pixels(V), V)                        \
     DIRECT_DW_TILE(direct_dw_tile_8x##V, 8, V) DIRECT_DW_TILE(direct_dw_tile_4x##V, 4, V) \
     DIRECT_DW_TILE(direct_dw_tile_2x##V, 2, V) DIRECT_DW_TILE(direct_dw_tile_1x##V, 1, V)
-DIRECT_DW_TILES(1) DIRECT_DW_TILES(2) DIRECT_DW_TILES(3) DIRECT_DW_TILES(4)
-static const DirectDWTile direct_dw_tiles[CONV_VMAX + 1][CONV_TILE_KINDS] = CONV_TILE_TABLE(direct_dw_tile);
+DIRECT_DW_TILES(1)
+DIRECT_DW_TILES(2) DIRECT_DW_TILES(3) DIRECT_DW_TILES(4) static const DirectDWTile
+        direct_dw_tiles[CONV_VMAX + 1][CONV_TILE_KINDS] = CONV_TILE_TABLE(direct_dw_tile);
 
 // Work items: (tap, block of input channels, part of the output channels).
 // Each weight belongs to one item, which sums its rows in order, so neither
@@ -3591,7 +3885,8 @@ static void direct_dw_chunk(const DirectDW *d) {
     const int n_co = (d->Cout + part - 1) / part;
     #pragma omp parallel for schedule(dynamic, 1) if(PAR((size_t)d->nb * d->OH * d->OW * d->Cout * d->C * d->KK))
     for (int item = 0; item < d->KK * n_ci * n_co; item++) {
-        const int co_lo = item % n_co * part, co_hi = co_lo + part < d->Cout ? co_lo + part : d->Cout;
+        const int co_lo = item % n_co * part,
+                  co_hi = co_lo + part < d->Cout ? co_lo + part : d->Cout;
         const int tap = item / n_co / n_ci, ci0 = item / n_co % n_ci * CONV_VMAX * CONV_VL;
         int V = (d->C - ci0 + CONV_VL - 1) / CONV_VL;
         if (V > CONV_VMAX) V = CONV_VMAX;
@@ -3601,16 +3896,18 @@ static void direct_dw_chunk(const DirectDW *d) {
     }
 }
 
-static void conv2d_backward_weight_direct(const ConvCfg *cfg, const ConvGeom *q, float *dw, Tensor dout, Tensor in,
-                                          float *ws) {
+static void conv2d_backward_weight_direct(const ConvCfg *cfg, const ConvGeom *q, float *dw,
+                                          Tensor dout, Tensor in, float *ws) {
     const int s = cfg->stride, Hp = (q->OH - 1) * s + cfg->kh, Wp = (q->OW - 1) * s + cfg->kw;
     const size_t n_w = (size_t)q->Cout * cfg->kh * cfg->kw * q->C, image = (size_t)Hp * Wp * q->C;
     const int chunk = conv_chunk_images(direct_conv_image_floats(cfg, q, 2), q->N);
     double *sum = (double *)ws;                                     // (n_w) fp64
     float *xp = ws + 2 * n_w;                                       // chunk × (Hp,Wp,C) + slack
-    float *rows = xp + chunk * image + CONV_VMAX * CONV_VL;         // (chunk,OH,OW,Cout) when dout is 16-bit
+    // (chunk,OH,OW,Cout) when dout is 16-bit
+    float *rows = xp + chunk * image + CONV_VMAX * CONV_VL;
     memset(sum, 0, sizeof(double) * n_w);
-    DirectDW d = {xp, image, Wp, q->C, s, cfg->kw, cfg->kh * cfg->kw, NULL, 0, q->OH, q->OW, q->Cout, sum};
+    DirectDW d = {xp,   image, Wp,    q->C,  s,       cfg->kw, cfg->kh * cfg->kw,
+                  NULL, 0,     q->OH, q->OW, q->Cout, sum};
     for (int n0 = 0; n0 < q->N; n0 += chunk) {
         d.nb = q->N - n0 < chunk ? q->N - n0 : chunk;
         pad_images(in, n0, d.nb, q->pt, q->pl, Hp, Wp, image, xp);
@@ -3628,17 +3925,19 @@ static void add_bias_rows(float *y, size_t rows, int C, const float *b) {
 }
 
 // im2col + GEMM per image and group: grouped convs, and the reference for the direct paths
-static void conv2d_forward_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor out, Tensor in, const float *w,
-                                const float *b, float *ws) {
+static void conv2d_forward_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor out, Tensor in,
+                                const float *w, const float *b, float *ws) {
     const ConvGeom q = *qp;
     float *col = ws;                           // (P, K)
     float *rows = col + q.P * q.K;             // (P, Cout) when out is not fp32
     for (int n = 0; n < q.N; n++) {
-        float *y = out.dtype == DT_F32 ? (float *)out.data + (size_t)n * q.P * q.Cout : rows;  // (P, Cout)
+        // (P, Cout)
+        float *y = out.dtype == DT_F32 ? (float *)out.data + (size_t)n * q.P * q.Cout : rows;
         for (int g = 0; g < cfg->groups; g++) {
             im2col(cfg, &q, in, n, g, col);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)q.P, q.Coutg, q.K, 1.0f,
-                        col, q.K, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f, y + (size_t)g * q.Coutg, q.Cout);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)q.P, q.Coutg, q.K, 1.0f, col,
+                        q.K, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f, y + (size_t)g * q.Coutg,
+                        q.Cout);
         }
         if (b) add_bias_rows(y, q.P, q.Cout, b);
         if (out.dtype != DT_F32) {
@@ -3649,8 +3948,8 @@ static void conv2d_forward_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor o
     }
 }
 
-static void conv2d_backward_data_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor din, Tensor dout,
-                                      const float *w, int accumulate, float *ws) {
+static void conv2d_backward_data_gemm(const ConvCfg *cfg, const ConvGeom *qp, Tensor din,
+                                      Tensor dout, const float *w, int accumulate, float *ws) {
     const ConvGeom q = *qp;
     float *dcol = ws;                             // (P, K)
     float *rows = dcol + q.P * q.K;               // (P, Cout) when dout is not fp32
@@ -3658,14 +3957,15 @@ static void conv2d_backward_data_gemm(const ConvCfg *cfg, const ConvGeom *qp, Te
         const float *dy = image_rows_f32(dout, n, q.P, q.Cout, rows);
         for (int g = 0; g < cfg->groups; g++) {
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)q.P, q.K, q.Coutg, 1.0f,
-                        dy + (size_t)g * q.Coutg, q.Cout, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f, dcol, q.K);
+                        dy + (size_t)g * q.Coutg, q.Cout, w + (size_t)g * q.Coutg * q.K, q.K, 0.0f,
+                        dcol, q.K);
             col2im(cfg, &q, dcol, din, n, g, accumulate);
         }
     }
 }
 
-static void conv2d_backward_weight_gemm(const ConvCfg *cfg, const ConvGeom *qp, float *dw, Tensor dout, Tensor in,
-                                        float *ws) {
+static void conv2d_backward_weight_gemm(const ConvCfg *cfg, const ConvGeom *qp, float *dw,
+                                        Tensor dout, Tensor in, float *ws) {
     const ConvGeom q = *qp;
     const size_t n_w = (size_t)q.Cout * q.K, n_wg = (size_t)q.Coutg * q.K;
     double *sum = (double *)ws;                   // (n_w) fp64
@@ -3691,11 +3991,16 @@ static void conv2d_backward_weight_gemm(const ConvCfg *cfg, const ConvGeom *qp, 
 // depthwise: its weights transposed to [kh][kw][C]; the direct convolutions' own.
 size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
     (void)o;
-    if (conv_is_depthwise(cfg)) return sizeof(float) * (size_t)cfg->kh * cfg->kw * cfg->cin;  // weights [kh][kw][C]
+    // weights [kh][kw][C]
+    if (conv_is_depthwise(cfg)) return sizeof(float) * (size_t)cfg->kh * cfg->kw * cfg->cin;
     ConvGeom q = conv_geom(cfg, in);
-    if (conv_is_pointwise(cfg) && dt == DT_F32)  // the weight gradient's: direct, or an fp64 sum and one image's
-        return (conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2) : 3 * (size_t)q.Cout * q.K) * sizeof(float);
-    size_t im2col = im2col_floats(&q, dt), dw_gemm = gemm_weight_grad_floats(&q, dt);  // dw_gemm > im2col
+    // the weight gradient's: direct, or an fp64 sum and one image's
+    if (conv_is_pointwise(cfg) && dt == DT_F32)
+        return (conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2)
+                                             : 3 * (size_t)q.Cout * q.K) *
+               sizeof(float);
+    // dw_gemm > im2col
+    size_t im2col = im2col_floats(&q, dt), dw_gemm = gemm_weight_grad_floats(&q, dt);
     size_t dw = conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2) : dw_gemm;
     if (!conv_is_direct(cfg)) return (dw > im2col ? dw : im2col) * sizeof(float);
     size_t floats = direct_conv_floats(cfg, &q, 0);
@@ -3709,11 +4014,14 @@ static void conv2d_forward_cpu(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in
                                const void *w_cast, const float *b, void *ws) {
     (void)o; (void)w_cast;  // the CPU multiplies in fp32
     ConvGeom q = conv_geom(cfg, in.shape);
-    snCheck(out.shape.n == q.N && out.shape.h == q.OH && out.shape.w == q.OW && out.shape.c == q.Cout,
-            "conv2d_forward: out " SHAPE_FMT " for in " SHAPE_FMT, SHAPE_ARGS(out.shape), SHAPE_ARGS(in.shape));
+    snCheck(out.shape.n == q.N && out.shape.h == q.OH && out.shape.w == q.OW &&
+                    out.shape.c == q.Cout,
+            "conv2d_forward: out " SHAPE_FMT " for in " SHAPE_FMT, SHAPE_ARGS(out.shape),
+            SHAPE_ARGS(in.shape));
     if (conv_is_depthwise(cfg)) {
         if (in.dtype == DT_F32 && out.dtype == DT_F32)
-            depthwise_forward_f32(cfg, &q, (float *)out.data, (const float *)in.data, w, b, (float *)ws);
+            depthwise_forward_f32(cfg, &q, (float *)out.data, (const float *)in.data, w, b,
+                                  (float *)ws);
         else
             depthwise_forward_ref(cfg, &q, out, in, w, b);
         return;
@@ -3730,13 +4038,14 @@ static void conv2d_forward_cpu(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in
     else conv2d_forward_gemm(cfg, &q, out, in, w, b, (float *)ws);
 }
 
-static void conv2d_backward_data_cpu(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout, const float *w,
-                                     const void *w_cast, int accumulate, void *ws) {
+static void conv2d_backward_data_cpu(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout,
+                                     const float *w, const void *w_cast, int accumulate, void *ws) {
     (void)o; (void)w_cast;
     ConvGeom q = conv_geom(cfg, din.shape);
     if (conv_is_depthwise(cfg)) {
         if (din.dtype == DT_F32 && dout.dtype == DT_F32)
-            depthwise_backward_data_f32(cfg, &q, (float *)din.data, (const float *)dout.data, w, accumulate, (float *)ws);
+            depthwise_backward_data_f32(cfg, &q, (float *)din.data, (const float *)dout.data, w,
+                                        accumulate, (float *)ws);
         else
             depthwise_backward_data_ref(cfg, &q, din, dout, w, accumulate);
         return;
@@ -3745,15 +4054,17 @@ static void conv2d_backward_data_cpu(Ops *o, const ConvCfg *cfg, Tensor din, Ten
         // din[N·H·W][Cin] (=|+=) dout[N·H·W][Cout] · W[Cout][Cin]
         int M = q.N * q.H * q.W;
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, q.C, q.Cout, 1.0f,
-                    (const float *)dout.data, q.Cout, w, q.C, accumulate ? 1.0f : 0.0f, (float *)din.data, q.C);
+                    (const float *)dout.data, q.Cout, w, q.C, accumulate ? 1.0f : 0.0f,
+                    (float *)din.data, q.C);
         return;
     }
-    if (conv_direct_grad_data(cfg)) conv2d_backward_data_direct(cfg, &q, din, dout, w, accumulate, (float *)ws);
+    if (conv_direct_grad_data(cfg))
+        conv2d_backward_data_direct(cfg, &q, din, dout, w, accumulate, (float *)ws);
     else conv2d_backward_data_gemm(cfg, &q, din, dout, w, accumulate, (float *)ws);
 }
 
-static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, float *db, Tensor dout,
-                                       Tensor in, void *ws) {
+static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, float *db,
+                                       Tensor dout, Tensor in, void *ws) {
     (void)o;
     ConvGeom q = conv_geom(cfg, in.shape);
     if (db) {
@@ -3769,7 +4080,8 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
     if (!dw) return;
     if (conv_is_depthwise(cfg)) {
         if (in.dtype == DT_F32 && dout.dtype == DT_F32)
-            depthwise_backward_weight_f32(cfg, &q, dw, (const float *)dout.data, (const float *)in.data);
+            depthwise_backward_weight_f32(cfg, &q, dw, (const float *)dout.data,
+                                          (const float *)in.data);
         else
             depthwise_backward_weight_ref(cfg, &q, dw, dout, in);
         return;
@@ -3881,18 +4193,20 @@ static void bn_stats_fast(Tensor x, float *mean, float *var, double *sums) {
 }
 
 // y = act(g·((x - m)·k) + b) over `rows` rows from x, y; `act` is a constant where this is inlined
-static inline __attribute__((always_inline)) void bn_act_rows(float *y, const float *x, size_t rows, int C,
-                                                              const float *m, const float *k, const float *g,
-                                                              const float *b, Act act) {
+static inline __attribute__((always_inline)) void bn_act_rows(float *y, const float *x, size_t rows,
+                                                              int C, const float *m, const float *k,
+                                                              const float *g, const float *b,
+                                                              Act act) {
     for (size_t r = 0; r < rows; r++) {
         const float *xr = x + r * C;
         float *yr = y + r * C;
         #pragma omp simd
-        for (int c = 0; c < C; c++) yr[c] = act_apply_vec(act, g[c] * ((xr[c] - m[c]) * k[c]) + b[c]);
+        for (int c = 0; c < C; c++)
+            yr[c] = act_apply_vec(act, g[c] * ((xr[c] - m[c]) * k[c]) + b[c]);
     }
 }
-static void bn_act_rows_any(float *y, const float *x, size_t rows, int C, const float *m, const float *k,
-                            const float *g, const float *b, Act act) {
+static void bn_act_rows_any(float *y, const float *x, size_t rows, int C, const float *m,
+                            const float *k, const float *g, const float *b, Act act) {
     switch (act) {
     case ACT_RELU: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_RELU); break;
     case ACT_SILU: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_SILU); break;
@@ -3915,8 +4229,8 @@ static void bn_forward_fast(Tensor y, Tensor x, const float *mean, const float *
     for (size_t it = 0; it < n_items; it++) {
         size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
         if (f32) {
-            bn_act_rows_any((float *)y.data + r0 * C, (const float *)x.data + r0 * C, r1 - r0, C, mean, k, gamma,
-                            beta, act);
+            bn_act_rows_any((float *)y.data + r0 * C, (const float *)x.data + r0 * C, r1 - r0, C,
+                            mean, k, gamma, beta, act);
             continue;
         }
         float xbuf[C], ybuf[C];  // (C) one row in fp32
@@ -3927,37 +4241,44 @@ static void bn_forward_fast(Tensor y, Tensor x, const float *mean, const float *
     }
 }
 
-// Σg and Σg·xhat per channel over rows, g = dy·act'(gamma·xhat + b), xhat = (x - mean)·invstd, for nb
-// whole channel blocks from c0 (sums [nb][BN_CBLOCK]); act constant where inlined. Rows outermost: a
+// Σg and Σg·xhat per channel over rows, g = dy·act'(gamma·xhat + b), xhat = (x - mean)·invstd, for
+// nb
+// whole channel blocks from c0 (sums [nb][BN_CBLOCK]); act constant where inlined. Rows outermost:
+// a
 // row's nb·BN_CBLOCK channels are read as one run (a thread per block, walking down the rows with
 // the tensor's stride, ran at a tenth of the memory's speed); each channel's sums still take the
 // rows in order.
 #define BN_GROUP_MAX 8  // channel blocks per work item of the backward reduction
-static inline __attribute__((always_inline)) void bn_grad_sums(Tensor dy, Tensor x, size_t M, int C, int c0, int nb,
-                                                               const float *gam, const float *inv, const float *b,
-                                                               const float *mean, Act act,
-                                                               double (*sg)[BN_CBLOCK], double (*sgx)[BN_CBLOCK]) {
-    float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];  // one block of a row in fp32 when the tensors are 16-bit
+static inline __attribute__((always_inline)) void
+bn_grad_sums(Tensor dy, Tensor x, size_t M, int C, int c0, int nb, const float *gam,
+             const float *inv, const float *b, const float *mean, Act act, double (*sg)[BN_CBLOCK],
+             double (*sgx)[BN_CBLOCK]) {
+    // one block of a row in fp32 when the tensors are 16-bit
+    float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];
     for (size_t r = 0; r < M; r++)
         for (int k = 0; k < nb; k++) {
             const int c = c0 + k * BN_CBLOCK;
-            const float *xr = ld_view(x, r * C + c, xbuf, BN_CBLOCK), *dr = ld_view(dy, r * C + c, dbuf, BN_CBLOCK);
+            const float *xr = ld_view(x, r * C + c, xbuf, BN_CBLOCK),
+                        *dr = ld_view(dy, r * C + c, dbuf, BN_CBLOCK);
             double *s = sg[k], *q = sgx[k];
             #pragma omp simd
             for (int j = 0; j < BN_CBLOCK; j++) {
-                float xhat = (xr[j] - mean[c + j]) * inv[c + j], g = dr[j] * act_grad_vec(act, gam[c + j] * xhat + b[c + j]);
+                float xhat = (xr[j] - mean[c + j]) * inv[c + j],
+                      g = dr[j] * act_grad_vec(act, gam[c + j] * xhat + b[c + j]);
                 s[j] += g;
                 q[j] += (double)g * xhat;
             }
         }
 }
 
-static void bn_backward_reduce_fast(Tensor dy, Tensor x, const float *mean, const float *var, const float *gamma,
-                                    const float *beta, float eps, Act act, float *sum_g, float *sum_gx,
-                                    float *dgamma, float *dbeta, double *sums) {
+static void bn_backward_reduce_fast(Tensor dy, Tensor x, const float *mean, const float *var,
+                                    const float *gamma, const float *beta, float eps, Act act,
+                                    float *sum_g, float *sum_gx, float *dgamma, float *dbeta,
+                                    double *sums) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
-    // gamma, invstd, beta, mean padded to whole channel blocks (the padding lanes are computed and dropped)
+    // gamma, invstd, beta, mean padded to whole channel blocks (the padding lanes are computed and
+    // dropped)
     const int Cp = (C + BN_CBLOCK - 1) / BN_CBLOCK * BN_CBLOCK;
     float gam[Cp], b[Cp], m[Cp], invstd[Cp];  // (Cp)
     for (int c = 0; c < Cp; c++) {
@@ -3985,9 +4306,15 @@ static void bn_backward_reduce_fast(Tensor dy, Tensor x, const float *mean, cons
             c0 = it * per * BN_CBLOCK;
             nc = nb * BN_CBLOCK;
             switch (act) {
-            case ACT_RELU: bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_RELU, sg, sgx); break;
-            case ACT_SILU: bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_SILU, sg, sgx); break;
-            case ACT_SIGMOID: bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_SIGMOID, sg, sgx); break;
+            case ACT_RELU:
+                bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_RELU, sg, sgx);
+                break;
+            case ACT_SILU:
+                bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_SILU, sg, sgx);
+                break;
+            case ACT_SIGMOID:
+                bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_SIGMOID, sg, sgx);
+                break;
             default: bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_NONE, sg, sgx);
             }
         } else {  // the last, partial block
@@ -3995,7 +4322,8 @@ static void bn_backward_reduce_fast(Tensor dy, Tensor x, const float *mean, cons
             nc = C - c0;
             float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];
             for (size_t r = 0; r < M; r++) {
-                const float *xr = ld_view(x, r * C + c0, xbuf, nc), *dr = ld_view(dy, r * C + c0, dbuf, nc);
+                const float *xr = ld_view(x, r * C + c0, xbuf, nc),
+                            *dr = ld_view(dy, r * C + c0, dbuf, nc);
                 for (int j = 0; j < nc; j++) {
                     float xhat = (xr[j] - m[c0 + j]) * invstd[c0 + j];
                     float g = dr[j] * act_grad_vec(act, gam[c0 + j] * xhat + b[c0 + j]);
@@ -4005,7 +4333,8 @@ static void bn_backward_reduce_fast(Tensor dy, Tensor x, const float *mean, cons
             }
         }
         for (int j = 0; j < nc; j++) {
-            const double s = sg[j / BN_CBLOCK][j % BN_CBLOCK], q = sgx[j / BN_CBLOCK][j % BN_CBLOCK];
+            const double s = sg[j / BN_CBLOCK][j % BN_CBLOCK],
+                         q = sgx[j / BN_CBLOCK][j % BN_CBLOCK];
             bn_grad_sums_store(c0 + j, s, q, sum_g, sum_gx, dgamma, dbeta);
             if (sums) { sums[c0 + j] = s; sums[C + c0 + j] = q; }
         }
@@ -4014,36 +4343,44 @@ static void bn_backward_reduce_fast(Tensor dy, Tensor x, const float *mean, cons
 
 // dx (=|+=) a·(g - u - (x - mean)·v), a = gamma·invstd, u = Σg/count, v = invstd·Σg·xhat/count,
 // over `rows` rows from dx, dy, x
-static inline __attribute__((always_inline)) void bn_dx_rows(float *dx, const float *dy, const float *x, size_t rows,
-                                                             int C, const float *a, const float *gam,
-                                                             const float *inv, const float *b,
-                                                             const float *mean, const float *u, const float *v,
-                                                             Act act, int accumulate) {
+static inline __attribute__((always_inline)) void
+bn_dx_rows(float *dx, const float *dy, const float *x, size_t rows, int C, const float *a,
+           const float *gam, const float *inv, const float *b, const float *mean, const float *u,
+           const float *v, Act act, int accumulate) {
     for (size_t r = 0; r < rows; r++) {
         const float *xr = x + r * C, *dr = dy + r * C;
         float *o = dx + r * C;
         #pragma omp simd
         for (int c = 0; c < C; c++) {
-            float xm = xr[c] - mean[c], g = dr[c] * act_grad_vec(act, gam[c] * (xm * inv[c]) + b[c]);
+            float xm = xr[c] - mean[c],
+                  g = dr[c] * act_grad_vec(act, gam[c] * (xm * inv[c]) + b[c]);
             float d = a[c] * (g - u[c] - xm * v[c]);
             o[c] = accumulate ? o[c] + d : d;
         }
     }
 }
-static void bn_dx_rows_any(float *dx, const float *dy, const float *x, size_t rows, int C, const float *a,
-                           const float *gam, const float *inv, const float *b, const float *mean, const float *u,
-                           const float *v, Act act, int accumulate) {
+static void bn_dx_rows_any(float *dx, const float *dy, const float *x, size_t rows, int C,
+                           const float *a, const float *gam, const float *inv, const float *b,
+                           const float *mean, const float *u, const float *v, Act act,
+                           int accumulate) {
     switch (act) {
-    case ACT_RELU: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_RELU, accumulate); break;
-    case ACT_SILU: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_SILU, accumulate); break;
-    case ACT_SIGMOID: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_SIGMOID, accumulate); break;
+    case ACT_RELU:
+        bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_RELU, accumulate);
+        break;
+    case ACT_SILU:
+        bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_SILU, accumulate);
+        break;
+    case ACT_SIGMOID:
+        bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_SIGMOID, accumulate);
+        break;
     default: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_NONE, accumulate);
     }
 }
 
-static void bn_backward_data_fast(Tensor dx, Tensor dy, Tensor x, const float *mean, const float *var,
-                                  const float *gamma, const float *beta, float eps, Act act, const float *sum_g,
-                                  const float *sum_gx, size_t count, int accumulate) {
+static void bn_backward_data_fast(Tensor dx, Tensor dy, Tensor x, const float *mean,
+                                  const float *var, const float *gamma, const float *beta,
+                                  float eps, Act act, const float *sum_g, const float *sum_gx,
+                                  size_t count, int accumulate) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     float a[C], inv[C], u[C], v[C];  // (C)
@@ -4059,29 +4396,33 @@ static void bn_backward_data_fast(Tensor dx, Tensor dy, Tensor x, const float *m
     for (size_t it = 0; it < n_items; it++) {
         size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
         if (f32) {
-            bn_dx_rows_any((float *)dx.data + r0 * C, (const float *)dy.data + r0 * C, (const float *)x.data + r0 * C,
-                           r1 - r0, C, a, gamma, inv, beta, mean, u, v, act, accumulate);
+            bn_dx_rows_any((float *)dx.data + r0 * C, (const float *)dy.data + r0 * C,
+                           (const float *)x.data + r0 * C, r1 - r0, C, a, gamma, inv, beta, mean, u,
+                           v, act, accumulate);
             continue;
         }
         float xbuf[C], dybuf[C], dxbuf[C];  // (C) one row in fp32
         for (size_t r = r0; r < r1; r++) {
             if (accumulate) ld_run(dx, r * C, dxbuf, C);
-            bn_dx_rows_any(dxbuf, ld_view(dy, r * C, dybuf, C), ld_view(x, r * C, xbuf, C), 1, C, a, gamma, inv, beta,
-                           mean, u, v, act, accumulate);
+            bn_dx_rows_any(dxbuf, ld_view(dy, r * C, dybuf, C), ld_view(x, r * C, xbuf, C), 1, C, a,
+                           gamma, inv, beta, mean, u, v, act, accumulate);
             st_run(dx, r * C, dxbuf, C, 0);
         }
     }
 }
 
-static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum,
-                         double *sums) {
+static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var,
+                         float momentum, double *sums) {
     bn_stats_fast(x, mean, var, sums);
     const int C = x.shape.c;
-    if (run_mean) bn_update_running_ref(o, run_mean, run_var, mean, var, C, shape_numel(x.shape) / C, momentum);
+    if (run_mean)
+        bn_update_running_ref(o, run_mean, run_var, mean, var, C, shape_numel(x.shape) / C,
+                              momentum);
 }
 
 static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
-                           const float *gamma, const float *beta, float eps, Act act, const BnNext *next) {
+                           const float *gamma, const float *beta, float eps, Act act,
+                           const BnNext *next) {
     if (next && next->kind == FUSED_RESIDUAL) y = next->out;
     bn_forward_fast(y, x, mean, var, gamma, beta, eps, act);
     if (next) bn_next_forward_unfused(o, y, next);
@@ -4089,10 +4430,12 @@ static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const 
 
 static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
                                    const float *gamma, const float *beta, float eps, Act act,
-                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums,
-                                   const BnNext *next) {
+                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta,
+                                   double *sums, const BnNext *next) {
     if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_unfused(o, dy, next);
-    if (sum_g) bn_backward_reduce_fast(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma, dbeta, sums);
+    if (sum_g)
+        bn_backward_reduce_fast(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma,
+                                dbeta, sums);
 }
 
 // dy: y's gradient, also with a residual block's end (bn_backward_reduce made it so)
@@ -4101,7 +4444,8 @@ static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const f
                                  Act act, const float *sum_g, const float *sum_gx, size_t count,
                                  int accumulate, const BnNext *next) {
     (void)o; (void)next;
-    bn_backward_data_fast(dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count, accumulate);
+    bn_backward_data_fast(dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count,
+                          accumulate);
 }
 
 // ----------------------------------------------------------------------------
@@ -4117,9 +4461,11 @@ static void channel_sums_f32(const float *a, const float *b, int N, size_t HW, i
     const int nblk = (C + SE_CBLOCK - 1) / SE_CBLOCK;
     #pragma omp parallel for schedule(static) if(PAR((size_t)N * HW * C))
     for (int nb = 0; nb < N * nblk; nb++) {
-        const int n = nb / nblk, c0 = nb % nblk * SE_CBLOCK, nc = C - c0 < SE_CBLOCK ? C - c0 : SE_CBLOCK;
+        const int n = nb / nblk, c0 = nb % nblk * SE_CBLOCK,
+                  nc = C - c0 < SE_CBLOCK ? C - c0 : SE_CBLOCK;
         double acc[SE_CBLOCK] = {0};
-        for (size_t p = 0; p < HW; p++) {  // each acc[j] is a sum of its own: vectorised across j, same bits
+        // each acc[j] is a sum of its own: vectorised across j, same bits
+        for (size_t p = 0; p < HW; p++) {
             const size_t i = ((size_t)n * HW + p) * C + c0;
             if (b) {
                 #pragma omp simd
@@ -4157,7 +4503,8 @@ static void global_avg_pool_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accum
         for (size_t r = 0; r < M; r++) {
             const float *g = dyp + r / HW * C;
             #pragma omp simd
-            for (int c = 0; c < C; c++) dxp[r * C + c] = accumulate ? dxp[r * C + c] + g[c] * inv : g[c] * inv;
+            for (int c = 0; c < C; c++)
+                dxp[r * C + c] = accumulate ? dxp[r * C + c] + g[c] * inv : g[c] * inv;
         }
         return;
     }
@@ -4183,7 +4530,8 @@ static void channel_scale_forward_cpu(Ops *o, Tensor y, Tensor x, Tensor s) {
 
 static void channel_scale_backward_cpu(Ops *o, Tensor dx, Tensor ds, Tensor dy, Tensor x, Tensor s,
                                        int accumulate_dx, int accumulate_ds) {
-    const int f32 = x.dtype == DT_F32 && dy.dtype == DT_F32 && s.dtype == DT_F32 && (!dx.data || dx.dtype == DT_F32);
+    const int f32 = x.dtype == DT_F32 && dy.dtype == DT_F32 && s.dtype == DT_F32 &&
+                    (!dx.data || dx.dtype == DT_F32);
     if (!f32) {
         channel_scale_backward_ref(o, dx, ds, dy, x, s, accumulate_dx, accumulate_ds);
         return;
@@ -4199,7 +4547,8 @@ static void channel_scale_backward_cpu(Ops *o, Tensor dx, Tensor ds, Tensor dy, 
             const float *sr = sp + r / HW * C;
             #pragma omp simd
             for (int c = 0; c < C; c++)
-                dxp[r * C + c] = accumulate_dx ? dxp[r * C + c] + dyp[r * C + c] * sr[c] : dyp[r * C + c] * sr[c];
+                dxp[r * C + c] = accumulate_dx ? dxp[r * C + c] + dyp[r * C + c] * sr[c]
+                                               : dyp[r * C + c] * sr[c];
         }
     }
     if (ds.data) {
@@ -4224,7 +4573,8 @@ static void channel_scale_backward_cpu(Ops *o, Tensor dx, Tensor ds, Tensor dy, 
 static int all_f32(Tensor a, Tensor b) { return a.dtype == DT_F32 && b.dtype == DT_F32; }
 
 // z[n][a] = b[a] + Σ_k wt[k][a]·x[n][k], k in order; wt = wᵀ (K,A); t: (A) fp64
-static void affine_rows_t(float *z, const float *wt, const float *b, const float *x, int A, int K, int n, double *t) {
+static void affine_rows_t(float *z, const float *wt, const float *b, const float *x, int A, int K,
+                          int n, double *t) {
     for (int a = 0; a < A; a++) t[a] = b[a];
     for (int k = 0; k < K; k++) {
         const double xk = x[(size_t)n * K + k];
@@ -4245,9 +4595,9 @@ static SeGateWork se_gate_work(int N, int C, int S) {
 }
 
 // the gate's forward for every image: z1, y1 (N,S), z2 (N,C) from pv (N,C) as se_gate_images
-static void se_gate_images_f32(int N, const float *pv, const float *w1, const float *b1, const float *w2,
-                               const float *b2, int C, int S, Act act1, float *z1, float *y1, float *z2,
-                               const SeGateWork *work) {
+static void se_gate_images_f32(int N, const float *pv, const float *w1, const float *b1,
+                               const float *w2, const float *b2, int C, int S, Act act1, float *z1,
+                               float *y1, float *z2, const SeGateWork *work) {
     float *w1t = work->w1t, *w2t = work->w2t;
     double *t = work->t;
     for (int j = 0; j < S; j++)
@@ -4264,8 +4614,8 @@ static void se_gate_images_f32(int N, const float *pv, const float *w1, const fl
     }
 }
 
-static void se_gate_forward_cpu(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1, const float *w2,
-                                const float *b2, int S, Act act1, Act act2) {
+static void se_gate_forward_cpu(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1,
+                                const float *w2, const float *b2, int S, Act act1, Act act2) {
     if (!all_f32(s, p)) { se_gate_forward_ref(o, s, p, w1, b1, w2, b2, S, act1, act2); return; }
     const int N = p.shape.n, C = p.shape.c;
     SeGateBuf b = se_gate_buf(p, S);
@@ -4278,7 +4628,8 @@ static void se_gate_forward_cpu(Ops *o, Tensor s, Tensor p, const float *w1, con
 }
 
 // dw[a][b] += Σ_n dz[n][a]·v[n][b], db[a] += Σ_n dz[n][a], n in order (outer_sums)
-static void outer_sums_f32(float *dw, float *db, const float *dz, int A, const float *v, int B, int N) {
+static void outer_sums_f32(float *dw, float *db, const float *dz, int A, const float *v, int B,
+                           int N) {
     #pragma omp parallel for schedule(static) if(PAR((size_t)N * A * B))
     for (int a = 0; a < A; a++) {
         double t[B];  // (B)
@@ -4295,11 +4646,13 @@ static void outer_sums_f32(float *dw, float *db, const float *dz, int A, const f
     }
 }
 
-static void se_gate_backward_cpu(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1, const float *b1,
-                                 const float *w2, const float *b2, int S, Act act1, Act act2, float *dw1, float *db1,
-                                 float *dw2, float *db2, int accumulate) {
+static void se_gate_backward_cpu(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1,
+                                 const float *b1, const float *w2, const float *b2, int S, Act act1,
+                                 Act act2, float *dw1, float *db1, float *dw2, float *db2,
+                                 int accumulate) {
     if (!all_f32(ds, p) || (dp.data && dp.dtype != DT_F32)) {
-        se_gate_backward_ref(o, dp, ds, p, w1, b1, w2, b2, S, act1, act2, dw1, db1, dw2, db2, accumulate);
+        se_gate_backward_ref(o, dp, ds, p, w1, b1, w2, b2, S, act1, act2, dw1, db1, dw2, db2,
+                             accumulate);
         return;
     }
     const int N = p.shape.n, C = p.shape.c;
@@ -4364,7 +4717,8 @@ static void maxpool2_forward_cpu(Ops *o, Tensor y, Tensor x) {
     #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
     for (int noy = 0; noy < t.n * t.h; noy++) {
         const int n = noy / t.h, oy = noy % t.h;
-        const float *x0 = (const float *)x.data + ((size_t)n * s.h + 2 * oy) * s.w * C, *x1 = x0 + (size_t)s.w * C;
+        const float *x0 = (const float *)x.data + ((size_t)n * s.h + 2 * oy) * s.w * C,
+                    *x1 = x0 + (size_t)s.w * C;
         float *yr = (float *)y.data + (size_t)noy * t.w * C;
         for (int ox = 0; ox < t.w; ox++) {
             const float *a = x0 + (size_t)2 * ox * C, *b = x1 + (size_t)2 * ox * C;
@@ -4383,7 +4737,10 @@ static void maxpool2_forward_cpu(Ops *o, Tensor y, Tensor x) {
 
 // dx (=|+=) dy at each window's first maximum, 0 elsewhere and past the floor
 static void maxpool2_backward_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, int accumulate) {
-    if (!all_f32(dx, dy) || x.dtype != DT_F32) { maxpool2_backward_ref(o, dx, dy, x, accumulate); return; }
+    if (!all_f32(dx, dy) || x.dtype != DT_F32) {
+        maxpool2_backward_ref(o, dx, dy, x, accumulate);
+        return;
+    }
     const Shape s = x.shape, t = dy.shape;
     const int C = s.c;
     #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
@@ -4392,10 +4749,12 @@ static void maxpool2_backward_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, int ac
         float *d = (float *)dx.data + (size_t)niy * s.w * C;
         int ix = 0;
         if (oy < t.h) {
-            const float *x0 = (const float *)x.data + ((size_t)n * s.h + 2 * oy) * s.w * C, *x1 = x0 + (size_t)s.w * C;
+            const float *x0 = (const float *)x.data + ((size_t)n * s.h + 2 * oy) * s.w * C,
+                        *x1 = x0 + (size_t)s.w * C;
             const float *g = (const float *)dy.data + ((size_t)n * t.h + oy) * t.w * C;
             for (int ox = 0; ox < t.w; ox++, ix += 2) {
-                const float *a = x0 + (size_t)ix * C, *b = x1 + (size_t)ix * C, *gc = g + (size_t)ox * C;
+                const float *a = x0 + (size_t)ix * C, *b = x1 + (size_t)ix * C,
+                            *gc = g + (size_t)ox * C;
                 float *d0 = d + (size_t)ix * C, *d1 = d0 + C;
                 #pragma omp simd
                 for (int c = 0; c < C; c++) {
@@ -4405,13 +4764,16 @@ static void maxpool2_backward_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, int ac
                     if (a[C + c] > m) { m = a[C + c]; first = 1; }
                     if (b[c] > m) { m = b[c]; first = 2; }
                     if (b[C + c] > m) first = 3;
-                    const float g0 = first == row_k ? gc[c] : 0.0f, g1 = first == row_k + 1 ? gc[c] : 0.0f;
+                    const float g0 = first == row_k ? gc[c] : 0.0f,
+                                g1 = first == row_k + 1 ? gc[c] : 0.0f;
                     d0[c] = accumulate ? d0[c] + g0 : g0;
                     d1[c] = accumulate ? d1[c] + g1 : g1;
                 }
             }
         }
-        for (size_t i = (size_t)ix * C; i < (size_t)s.w * C; i++) d[i] = accumulate ? d[i] + 0.0f : 0.0f;  // past the floor
+        // past the floor
+        for (size_t i = (size_t)ix * C; i < (size_t)s.w * C; i++)
+            d[i] = accumulate ? d[i] + 0.0f : 0.0f;
     }
 }
 
@@ -4425,7 +4787,8 @@ static void upsample2_forward_cpu(Ops *o, Tensor y, Tensor x) {
         const int n = noy / t.h, oy = noy % t.h;
         const float *xr = (const float *)x.data + ((size_t)n * s.h + oy / 2) * s.w * C;
         float *yr = (float *)y.data + (size_t)noy * t.w * C;
-        for (int ox = 0; ox < t.w; ox++) memcpy(yr + (size_t)ox * C, xr + (size_t)(ox / 2) * C, sizeof(float) * C);
+        for (int ox = 0; ox < t.w; ox++)
+            memcpy(yr + (size_t)ox * C, xr + (size_t)(ox / 2) * C, sizeof(float) * C);
     }
 }
 
@@ -4437,7 +4800,8 @@ static void upsample2_backward_cpu(Ops *o, Tensor dx, Tensor dy, int accumulate)
     #pragma omp parallel for schedule(static) if(PAR(shape_numel(dy.shape)))
     for (int niy = 0; niy < s.n * s.h; niy++) {
         const int n = niy / s.h, iy = niy % s.h;
-        const float *g0 = (const float *)dy.data + ((size_t)n * t.h + 2 * iy) * t.w * C, *g1 = g0 + (size_t)t.w * C;
+        const float *g0 = (const float *)dy.data + ((size_t)n * t.h + 2 * iy) * t.w * C,
+                    *g1 = g0 + (size_t)t.w * C;
         float *d = (float *)dx.data + (size_t)niy * s.w * C;
         for (int ix = 0; ix < s.w; ix++) {
             const float *a = g0 + (size_t)2 * ix * C, *b = g1 + (size_t)2 * ix * C;
@@ -4470,7 +4834,8 @@ static void copy_or_add_f32(float *dst, const float *src, int n, int accumulate)
     #pragma omp simd
     for (int i = 0; i < n; i++) dst[i] += src[i];
 }
-static void concat_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
+static void concat_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a,
+                                int accumulate_b) {
     if (dy.dtype != DT_F32 || (da.data && da.dtype != DT_F32) || (db.data && db.dtype != DT_F32)) {
         concat_backward_ref(o, da, db, dy, accumulate_a, accumulate_b);
         return;
@@ -4504,7 +4869,10 @@ static void fill_cpu(Ops *o, Tensor t, float value) {
 
 static void copy_cpu(Ops *o, Tensor dst, Tensor src, int accumulate) {
     const size_t n = shape_numel(src.shape);
-    if (!all_f32(dst, src) || shape_numel(dst.shape) != n) { copy_ref(o, dst, src, accumulate); return; }
+    if (!all_f32(dst, src) || shape_numel(dst.shape) != n) {
+        copy_ref(o, dst, src, accumulate);
+        return;
+    }
     float *d = (float *)dst.data;
     const float *s = (const float *)src.data;
     if (!accumulate) {
@@ -4536,20 +4904,22 @@ static void add_forward_cpu(Ops *o, Tensor y, Tensor a, Tensor b) {
     for (size_t i = 0; i < n; i++) yp[i] = ap[i] + bp[i];
 }
 
-static void add_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b) {
+static void add_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a,
+                             int accumulate_b) {
     if (da.data) copy_cpu(o, da, dy, accumulate_a);
     if (db.data) copy_cpu(o, db, dy, accumulate_b);
 }
 
 // y = x·keep/(1 - rate) (+ residual); the factor per element, or per sample (E elements)
-static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, Tensor residual, float rate, const uint64_t *seed_at,
-                                int per_sample, uint64_t first_sample) {
+static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, Tensor residual, float rate,
+                                const uint64_t *seed_at, int per_sample, uint64_t first_sample) {
     if (!all_f32(y, x) || (residual.data && residual.dtype != DT_F32)) {
         dropout_forward_ref(o, y, x, residual, rate, seed_at, per_sample, first_sample);
         return;
     }
     const uint64_t seed = *seed_at;
-    const size_t n = shape_numel(x.shape), E = n / x.shape.n, rows = per_sample ? (size_t)x.shape.n : 1;
+    const size_t n = shape_numel(x.shape), E = n / x.shape.n,
+                 rows = per_sample ? (size_t)x.shape.n : 1;
     const size_t row = per_sample ? E : n;  // elements with one draw each, or all of them
     float *yp = (float *)y.data;
     const float *xp = (const float *)x.data, *rp = (const float *)residual.data;
@@ -4558,21 +4928,25 @@ static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, Tensor residual, flo
         const float f = per_sample ? dropout_keep(rate, seed, first_sample + s) : 0.0f;
         #pragma omp parallel for simd schedule(static) if(PAR(row))
         for (size_t i = i0; i < i0 + row; i++) {
-            const float v = xp[i] * (per_sample ? f : dropout_keep(rate, seed, first_sample * E + i));
+            const float v =
+                    xp[i] * (per_sample ? f : dropout_keep(rate, seed, first_sample * E + i));
             yp[i] = rp ? v + rp[i] : v;
         }
     }
 }
 
-static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate, const uint64_t *seed_at,
-                                 int per_sample, uint64_t first_sample, int accumulate, int accumulate_residual) {
-    if (dy.dtype != DT_F32 || (dx.data && dx.dtype != DT_F32) || (dresidual.data && dresidual.dtype != DT_F32)) {
-        dropout_backward_ref(o, dx, dresidual, dy, rate, seed_at, per_sample, first_sample, accumulate,
-                             accumulate_residual);
+static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate,
+                                 const uint64_t *seed_at, int per_sample, uint64_t first_sample,
+                                 int accumulate, int accumulate_residual) {
+    if (dy.dtype != DT_F32 || (dx.data && dx.dtype != DT_F32) ||
+        (dresidual.data && dresidual.dtype != DT_F32)) {
+        dropout_backward_ref(o, dx, dresidual, dy, rate, seed_at, per_sample, first_sample,
+                             accumulate, accumulate_residual);
         return;
     }
     const uint64_t seed = *seed_at;
-    const size_t n = shape_numel(dy.shape), E = n / dy.shape.n, rows = per_sample ? (size_t)dy.shape.n : 1;
+    const size_t n = shape_numel(dy.shape), E = n / dy.shape.n,
+                 rows = per_sample ? (size_t)dy.shape.n : 1;
     const size_t row = per_sample ? E : n;
     float *dxp = (float *)dx.data, *drp = (float *)dresidual.data;
     const float *g = (const float *)dy.data;
@@ -4583,7 +4957,8 @@ static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dresidual, Tensor dy,
         for (size_t i = i0; i < i0 + row; i++) {  // dx may be dy (in place)
             const float gi = g[i];
             if (dxp) {
-                const float v = gi * (per_sample ? f : dropout_keep(rate, seed, first_sample * E + i));
+                const float v =
+                        gi * (per_sample ? f : dropout_keep(rate, seed, first_sample * E + i));
                 dxp[i] = accumulate ? dxp[i] + v : v;
             }
             if (drp) drp[i] = accumulate_residual ? drp[i] + gi : gi;
@@ -4634,12 +5009,21 @@ __attribute__((constructor)) static void ops_cpu_make(void) {
 // that none is left out); optional ones may be NULL (recording steps).
 #define OPS_ENTRY(name) {#name, offsetof(Ops, name), 0}
 #define OPS_OPTIONAL(name) {#name, offsetof(Ops, name), 1}
-static const struct { const char *name; size_t offset; int optional; } OPS_ENTRIES[] = {
-    OPS_ENTRY(alloc), OPS_ENTRY(free), OPS_ENTRY(upload), OPS_ENTRY(download), OPS_ENTRY(synchronize),
-    OPS_ENTRY(host_alloc), OPS_ENTRY(host_free), OPS_ENTRY(upload_async), OPS_OPTIONAL(capture_begin),
-    OPS_OPTIONAL(capture_end), OPS_OPTIONAL(replay), OPS_OPTIONAL(record_free),
+static const struct { const char *name; size_t offset; int optional;
+} OPS_ENTRIES[] = {OPS_ENTRY(alloc),
+                   OPS_ENTRY(free),
+                   OPS_ENTRY(upload),
+                   OPS_ENTRY(download),
+                   OPS_ENTRY(synchronize),
+                   OPS_ENTRY(host_alloc),
+                   OPS_ENTRY(host_free),
+                   OPS_ENTRY(upload_async),
+                   OPS_OPTIONAL(capture_begin),
+                   OPS_OPTIONAL(capture_end),
+                   OPS_OPTIONAL(replay),
+                   OPS_OPTIONAL(record_free),
 #define OPS_COMPUTE_ENTRY(name) OPS_ENTRY(name),
-    SN_COMPUTE_OPS(OPS_COMPUTE_ENTRY)
+                   SN_COMPUTE_OPS(OPS_COMPUTE_ENTRY)
 #undef OPS_COMPUTE_ENTRY
 };
 #define N_OPS_ENTRIES (sizeof OPS_ENTRIES / sizeof *OPS_ENTRIES)

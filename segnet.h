@@ -87,7 +87,8 @@ static inline SN_HD uint16_t f32_to_f16(float f) {
     }
     uint32_t h = sign | ((uint32_t)e << 10) | (man >> 13);
     uint32_t rem = man & 0x1FFFu;
-    if (rem > 0x1000u || (rem == 0x1000u && (h & 1))) h++;  // a carry rolls into the exponent (up to inf)
+    // a carry rolls into the exponent (up to inf)
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1))) h++;
     return (uint16_t)h;
 }
 
@@ -98,7 +99,8 @@ static inline SN_HD float f16_to_f32(uint16_t h) {
         float v = (float)man * 5.9604644775390625e-8f;
         return sign ? -v : v;
     }
-    if (e == 31) return bits_f32(sign | 0x7F800000u | (man << 13) | (man ? 0x400000u : 0u));  // NaNs come out quiet, as in hardware
+    // NaNs come out quiet, as in hardware
+    if (e == 31) return bits_f32(sign | 0x7F800000u | (man << 13) | (man ? 0x400000u : 0u));
     return bits_f32(sign | ((e - 15 + 127) << 23) | (man << 13));
 }
 
@@ -164,24 +166,29 @@ static inline SN_HD float act_grad(Act a, float z) {
 }
 
 // batch norm's 1/sqrt(var + eps), per channel
-static inline SN_HD float bn_invstd(const float *var, int c, float eps) { return 1.0f / sqrtf(var[c] + eps); }
+static inline SN_HD float bn_invstd(const float *var, int c, float eps) {
+    return 1.0f / sqrtf(var[c] + eps);
+}
 
 // batch norm's statistics of a channel from its fp64 sums over `count` values
 // (bn_stats, and --sync-bn's sums added over the replicas: the same formula):
 //   mean = Σx/count, var = Σx²/count - mean² (biased, ≥ 0)
 // x² of an fp32 x is exact in fp64, so the subtraction loses (mean²/var)·2^-52
 // of var: below its fp32 rounding unless |mean| > 2^14·σ.
-static inline SN_HD void bn_moments_stats(double sum, double sum_sq, double count, float *mean, float *var) {
+static inline SN_HD void bn_moments_stats(double sum, double sum_sq, double count, float *mean,
+                                          float *var) {
     const double m = sum / count, v = sum_sq / count - m * m;
     *mean = (float)m;
     *var = (float)(v > 0.0 ? v : 0.0);
 }
 // the running variance's unbiasing factor count/(count - 1) (bn_update_running)
-static inline SN_HD double bn_running_unbias(double count) { return count > 1.0 ? count / (count - 1.0) : 1.0; }
+static inline SN_HD double bn_running_unbias(double count) {
+    return count > 1.0 ? count / (count - 1.0) : 1.0;
+}
 // bn_backward_reduce's results for channel c from its fp64 Σg, Σg·xhat: each
 // rounded once to fp32, and added into dgamma, dbeta where they are not NULL
-static inline SN_HD void bn_grad_sums_store(int c, double sg, double sgx, float *sum_g, float *sum_gx, float *dgamma,
-                                            float *dbeta) {
+static inline SN_HD void bn_grad_sums_store(int c, double sg, double sgx, float *sum_g,
+                                            float *sum_gx, float *dgamma, float *dbeta) {
     sum_g[c] = (float)sg;
     sum_gx[c] = (float)sgx;
     if (dbeta) dbeta[c] += (float)sg;
@@ -236,7 +243,8 @@ static inline SN_HD uint32_t fastdiv(FastDiv f, uint32_t n) {  // n / f.d for n 
 // convolution geometry
 
 typedef enum {
-    PAD_SAME = 0,   // TensorFlow SAME: out = ceil(in/s), total pad max((out-1)·s + k - in, 0), extra pixel after
+    // TensorFlow SAME: out = ceil(in/s), total pad max((out-1)·s + k - in, 0), extra pixel after
+    PAD_SAME = 0,
     PAD_SYMMETRIC,  // PyTorch: (k-1)/2 each side, out = floor((in + 2p - k)/s) + 1
 } PadMode;
 
@@ -360,8 +368,8 @@ typedef struct {
 #define ADAM_BETA1 0.9f
 #define ADAM_BETA2 0.999f
 #define ADAM_EPS   1e-7f   // Keras' default ε̂ (PyTorch's 1e-8 is ε', see above)
-AdamStep adam_step_init(float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
-                        int64_t t);
+AdamStep adam_step_init(float lr, float beta1, float beta2, float eps, float weight_decay,
+                        float grad_scale, int64_t t);
 
 // tf.clip_by_global_norm's factor: clipnorm / max(norm, clipnorm) (1 if clipnorm ≤ 0)
 static inline SN_HD float clip_factor(double global_norm, float clipnorm) {
@@ -393,7 +401,8 @@ typedef struct {
     float xent_scale;       // softmax_xent's grad_scale: inv_norm·loss_scale
     float loss[3];          // softmax_xent's sums: Σw·nll, Σw, labels out of range
     float grad_sum_squares; // Σg² of the (still scaled) gradients
-    float grad_norm;        // the global gradient norm before clipping, unscaled (inf/NaN when skipped)
+    // the global gradient norm before clipping, unscaled (inf/NaN when skipped)
+    float grad_norm;
     int32_t clipped;        // 1: clipping scaled this step's gradients down
     int32_t nonfinite;      // 1: some gradient is inf or NaN (fp16)
     int32_t applied;        // 1: the update was applied (0: skipped, the scale halved)
@@ -457,17 +466,21 @@ typedef struct {
     Tensor out, residual;         // FUSED_RESIDUAL, forward
     Tensor dresidual;             // FUSED_RESIDUAL, backward
     int accumulate_residual;
-    float rate; const uint64_t *seed; uint64_t first_sample;  // drop_path's (seed in backend memory)
+    // drop_path's (seed in backend memory)
+    float rate; const uint64_t *seed; uint64_t first_sample;
 } BnNext;
 
 typedef struct Ops Ops;
 struct Ops {
     const char *name;  // "cpu", "cuda"
     void *ctx;         // backend state (streams, handles)
-    size_t context_bytes;  // memory the backend allocates outside any plan (scratch, cuBLAS's workspace), per device
-    size_t driver_bytes;   // memory the device's driver holds for the process (CUDA context, loaded kernels):
+    // memory the backend allocates outside any plan (scratch, cuBLAS's workspace), per device
+    size_t context_bytes;
+    // memory the device's driver holds for the process (CUDA context, loaded kernels):
+    size_t driver_bytes;
                            // an estimate, counted by the plan; 0 on the CPU
-    int weights_in_storage_type;  // the convs multiply in the activations' storage type: a net keeps a
+    // the convs multiply in the activations' storage type: a net keeps a
+    int weights_in_storage_type;
                                   // copy of its weights in it (params_cast), made once per forward
 
     // memory in the backend's address space
@@ -496,19 +509,25 @@ struct Ops {
     // utilities over whole buffers
     void (*fill)(Ops *o, Tensor t, float value);
     void (*scale)(Ops *o, Tensor t, float a);                      // t *= a
-    void (*axpby)(Ops *o, Tensor y, Tensor x, float a, float b, int accumulate);  // y (=|+=) a·x + b
-    void (*copy)(Ops *o, Tensor dst, Tensor src, int accumulate);  // dst (=|+=) src, casting between storage types
+    // y (=|+=) a·x + b
+    void (*axpby)(Ops *o, Tensor y, Tensor x, float a, float b, int accumulate);
+    // dst (=|+=) src, casting between storage types
+    void (*copy)(Ops *o, Tensor dst, Tensor src, int accumulate);
     void (*sum_squares)(Ops *o, Tensor t, float *out);             // *out = Σ t² (one float)
-    void (*nonfinite)(Ops *o, Tensor t, int32_t *flag);            // *flag = 1 if any inf/NaN, else unchanged
-    void (*step_control)(Ops *o, const StepArgs *a, StepState *s, StepPhase phase);  // step_control_apply, there
+    // *flag = 1 if any inf/NaN, else unchanged
+    void (*nonfinite)(Ops *o, Tensor t, int32_t *flag);
+    // step_control_apply, there
+    void (*step_control)(Ops *o, const StepArgs *a, StepState *s, StepPhase phase);
 
-    // convolution: in (N,H,W,Cin), out (N,OH,OW,Cout), weight [Cout][kh][kw][Cin/groups], bias [Cout];
+    // convolution: in (N,H,W,Cin), out (N,OH,OW,Cout), weight [Cout][kh][kw][Cin/groups], bias
+    // [Cout];
     // weight_cast: NULL, or the weight in the storage type of `in` (weights_in_storage_type)
     size_t (*conv2d_workspace)(Ops *o, const ConvCfg *cfg, Shape in, DType dt);
-    void (*conv2d_forward)(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in,
-                           const float *weight, const void *weight_cast, const float *bias, void *ws);
+    void (*conv2d_forward)(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in, const float *weight,
+                           const void *weight_cast, const float *bias, void *ws);
     void (*conv2d_backward_data)(Ops *o, const ConvCfg *cfg, Tensor din, Tensor dout,
-                                 const float *weight, const void *weight_cast, int accumulate, void *ws);
+                                 const float *weight, const void *weight_cast, int accumulate,
+                                 void *ws);
     void (*conv2d_backward_weight)(Ops *o, const ConvCfg *cfg, float *dweight, float *dbias,
                                    Tensor dout, Tensor in, void *ws);
 
@@ -518,16 +537,18 @@ struct Ops {
     // the fp64 Σx, Σx²); with run_mean (not NULL) also bn_update_running with count
     // N·H·W, in the same pass; sums: NULL, or (2C) where Σx, then Σx², are also
     // written in fp64 (--sync-bn adds them over the replicas, then bn_stats_finish)
-    void (*bn_stats)(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var, float momentum,
-                     double *sums);
+    void (*bn_stats)(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var,
+                     float momentum, double *sums);
     // mean, var from sums (2C: Σx, Σx² over `count` values) as bn_stats computes them;
     // with run_mean (not NULL) also bn_update_running with `count`
-    void (*bn_stats_finish)(Ops *o, const double *sums, int C, size_t count, float *mean, float *var,
-                            float *run_mean, float *run_var, float momentum);
-    // y = act(gamma·(x - mean)/sqrt(var + eps) + beta): training (batch stats) and inference (running
+    void (*bn_stats_finish)(Ops *o, const double *sums, int C, size_t count, float *mean,
+                            float *var, float *run_mean, float *run_var, float momentum);
+    // y = act(gamma·(x - mean)/sqrt(var + eps) + beta): training (batch stats) and inference
+    // (running
     // stats); next: NULL, or the layer after it, fused (BnNext)
     void (*bn_forward)(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
-                       const float *gamma, const float *beta, float eps, Act act, const BnNext *next);
+                       const float *gamma, const float *beta, float eps, Act act,
+                       const BnNext *next);
     // running = (1-m)·running + m·batch, the variance made unbiased with count/(count-1)
     void (*bn_update_running)(Ops *o, float *run_mean, float *run_var, const float *mean,
                               const float *var, int C, size_t count, float momentum);
@@ -538,11 +559,11 @@ struct Ops {
     // the layer after it, fused (BnNext: then sum_g NULL asks for none of the sums)
     void (*bn_backward_reduce)(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
                                const float *gamma, const float *beta, float eps, Act act,
-                               float *sum_g, float *sum_gx, float *dgamma, float *dbeta, double *sums,
-                               const BnNext *next);
+                               float *sum_g, float *sum_gx, float *dgamma, float *dbeta,
+                               double *sums, const BnNext *next);
     // sum_g, sum_gx from sums (2C) as bn_backward_reduce rounds them, also added into dgamma/dbeta
-    void (*bn_backward_finish)(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx, float *dgamma,
-                               float *dbeta);
+    void (*bn_backward_finish)(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx,
+                               float *dgamma, float *dbeta);
     // dx = gamma·invstd·(g - sum_g/count - xhat·sum_gx/count); count = 0 means the
     // statistics were constants (inference mode): dx = gamma·invstd·g; next as bn_backward_reduce's
     void (*bn_backward_data)(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
@@ -568,18 +589,21 @@ struct Ops {
     //   dz2 = ds·act2'(z2), dz1 = (W2ᵀ·dz2)·act1'(z1) (each rounded likewise),
     //   dp (=|+=) W1ᵀ·dz1 (dp without data: not wanted), and when dw1 is not NULL
     //   dW2 += Σ_n dz2 y1ᵀ, db2 += Σ_n dz2, dW1 += Σ_n dz1 pᵀ, db1 += Σ_n dz1.
-    void (*se_gate_forward)(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1, const float *w2,
-                            const float *b2, int S, Act act1, Act act2);
-    void (*se_gate_backward)(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1, const float *b1,
-                             const float *w2, const float *b2, int S, Act act1, Act act2, float *dw1, float *db1,
-                             float *dw2, float *db2, int accumulate);
+    void (*se_gate_forward)(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1,
+                            const float *w2, const float *b2, int S, Act act1, Act act2);
+    void (*se_gate_backward)(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1,
+                             const float *b1, const float *w2, const float *b2, int S, Act act1,
+                             Act act2, float *dw1, float *db1, float *dw2, float *db2,
+                             int accumulate);
 
     // residual add y = a + b; its backward da (=|+=) dy, db (=|+=) dy (either may have no data)
     void (*add_forward)(Ops *o, Tensor y, Tensor a, Tensor b);
-    void (*add_backward)(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b);
+    void (*add_backward)(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a,
+                         int accumulate_b);
     // concat along C: y (N,H,W,Ca+Cb); backward splits dy into da, db
     void (*concat_forward)(Ops *o, Tensor y, Tensor a, Tensor b);
-    void (*concat_backward)(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a, int accumulate_b);
+    void (*concat_backward)(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a,
+                            int accumulate_b);
 
     // dropout (per element) and drop-path (per sample, stochastic depth):
     // keep with probability 1 - rate, kept values scaled by 1/(1 - rate);
@@ -591,10 +615,11 @@ struct Ops {
     // seed: in backend memory (it changes every step; a replayed record reads it there).
     // With a residual (data not NULL) the op is a residual block's end, y = dropout(x) + residual,
     // and its backward also gives dresidual (=|+=) dy.
-    void (*dropout_forward)(Ops *o, Tensor y, Tensor x, Tensor residual, float rate, const uint64_t *seed,
-                            int per_sample, uint64_t first_sample);
-    void (*dropout_backward)(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate, const uint64_t *seed,
-                             int per_sample, uint64_t first_sample, int accumulate, int accumulate_residual);
+    void (*dropout_forward)(Ops *o, Tensor y, Tensor x, Tensor residual, float rate,
+                            const uint64_t *seed, int per_sample, uint64_t first_sample);
+    void (*dropout_backward)(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate,
+                             const uint64_t *seed, int per_sample, uint64_t first_sample,
+                             int accumulate, int accumulate_residual);
 
     // 2×2 max-pool, stride 2, floor: y (N,H/2,W/2,C). Backward routes to the
     // first maximum of each window in row-major order, recomputed from x.
@@ -615,8 +640,8 @@ struct Ops {
     // memory; NULL without dlogits) = 1/(global normaliser), times a loss scale.
     // prob_clip ε > 0 (Keras): p[y] clipped to [ε, 1-ε] before the log, and no
     // gradient from a pixel whose p[y] the clip moved.
-    void (*softmax_xent)(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights, float prob_clip,
-                         const float *grad_scale, float *stats, Tensor dlogits);
+    void (*softmax_xent)(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
+                         float prob_clip, const float *grad_scale, float *stats, Tensor dlogits);
     // confusion[y·K + argmax_k z_k] += 1 for every pixel with a label in 0..K-1
     // (ties go to the lowest class); confusion is (K,K) int64, true class by row
     void (*confusion_accumulate)(Ops *o, Tensor logits, const int32_t *labels, int64_t *confusion);
@@ -681,7 +706,8 @@ extern int cuda_vector_kernels;
 // and later; 0 (SEGNET_CONV=gemm in the environment when the backend opens):
 // im2col and cuBLAS, the reference path (the tests run both)
 extern int cuda_conv_implicit;
-extern size_t cuda_bytes_live, cuda_bytes_peak;  // what ops_cuda.alloc has handed out (now, at most)
+// what ops_cuda.alloc has handed out (now, at most)
+extern size_t cuda_bytes_live, cuda_bytes_peak;
 extern size_t cpu_bytes_live, cpu_bytes_peak;  // what ops_cpu.alloc has handed out (now, at most)
 
 // Where a command runs (--device): DEVICE_AUTO is GPU `gpu` (0, or a replica's
@@ -717,7 +743,8 @@ typedef enum {
     LAYER_DROPOUT,    // per element
     LAYER_DROP_PATH,  // per sample
     LAYER_RESCALE,    // y = scale·x + offset (input preprocessing inside the model)
-    LAYER_SE_GATE,    // squeeze-excitation's gate on pooled (N,1,1,C): act2(fc2(act(fc1(p)))) -> (N,1,1,C)
+    // squeeze-excitation's gate on pooled (N,1,1,C): act2(fc2(act(fc1(p)))) -> (N,1,1,C)
+    LAYER_SE_GATE,
     LAYER_KIND_COUNT
 } LayerKind;
 
@@ -770,7 +797,8 @@ typedef struct {
     int input;            // tensor id of the graph's input (-1 before graph_input)
     InitScheme init;      // how net_init_params draws the weights
     int block;            // block id given to layers added from now on
-    char (*stage_names)[SN_NAME_MAX]; int n_stages, cap_stages;  // layers added now go to the last stage
+    // layers added now go to the last stage
+    char (*stage_names)[SN_NAME_MAX]; int n_stages, cap_stages;
     char err[SN_ERR_MAX]; // first error, "" if none; builders return -1 once set
 } Graph;
 
@@ -818,14 +846,17 @@ typedef struct {
     const char *model;      // effv2-s|m|l|t, unet, unet-effv2-s|m|l|t
     int classes;
     int batch, height, width;
-    PadMode pad;            // EfficientNetV2 convs: same (TensorFlow/Keras) or symmetric (torchvision)
+    // EfficientNetV2 convs: same (TensorFlow/Keras) or symmetric (torchvision)
+    PadMode pad;
     int head_hidden;        // classifier: 0, or the width of a hidden ReLU layer
     int depth, width_base;  // unet: levels below the top, channels of level 0
-    int pad_given;          // PAD_DEFAULT, PAD_OPTION (--padding) or PAD_RUN (a run's config.txt); else the weights decide
+    // PAD_DEFAULT, PAD_OPTION (--padding) or PAD_RUN (a run's config.txt); else the weights decide
+    int pad_given;
 #define PAD_DEFAULT 0
 #define PAD_OPTION  1
 #define PAD_RUN     2
-    float dropout;          // classifier head's dropout rate(s); < 0: the model's (EffSpec: s 0.2, m 0.3, l 0.4)
+    // classifier head's dropout rate(s); < 0: the model's (EffSpec: s 0.2, m 0.3, l 0.4)
+    float dropout;
 } ModelCfg;
 
 ModelCfg model_cfg_default(void);
@@ -844,7 +875,8 @@ int model_build(Graph *g, const ModelCfg *cfg);
 typedef enum { SLOT_FORWARD, SLOT_LOSS, SLOT_RECOMPUTE, SLOT_BACKWARD } SlotKind;
 
 typedef struct {
-    int tensor, is_grad, recompute;  // the activation (its forward or recompute life) or the gradient of tensor
+    // the activation (its forward or recompute life) or the gradient of tensor
+    int tensor, is_grad, recompute;
     int first, last;                 // slots, inclusive
     size_t bytes, offset;            // in the arena
 } PlanBuffer;
@@ -852,8 +884,10 @@ typedef struct {
 typedef struct {
     int checkpoint;
     int n_slots, *slot_kind, *slot_layer;  // SlotKind and layer (-1 for the loss) of each slot
-    int *fwd_slot, *rec_slot, *bwd_slot;   // per layer (rec_slot -1: its block is not recomputed); a fused
-                                           // layer has its batch norm's slots (bwd: FUSED_RESIDUAL only)
+    // per layer (rec_slot -1: its block is not recomputed); a fused
+    int *fwd_slot, *rec_slot, *bwd_slot;
+                                           // layer has its batch norm's slots (bwd: FUSED_RESIDUAL
+                                           // only)
     int *recompute;                        // per layer: runs again in its recompute slot
     int loss_slot;
     PlanBuffer *bufs; int n_bufs;
@@ -870,7 +904,8 @@ Fusion layer_fusion(const Graph *g, int j);
 
 // needs_grad[t] (per tensor): a trainable parameter (or the input) lies upstream
 void graph_needs_grad(const Graph *g, int input_needs_grad, int *needs_grad);
-void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int output, int checkpoint, size_t workspace);
+void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int output,
+                int checkpoint, size_t workspace);
 void plan_free(Plan *p);
 
 typedef struct {
@@ -878,10 +913,14 @@ typedef struct {
     Ops *o;
     DType dtype;          // activation storage type
     float *params;        // (n_param_floats) fp32 master weights
-    void *params_cast;    // (n_param_floats) in dtype, for backends with weights_in_storage_type; else NULL
-    float *grads;         // (n_grad_floats) the trainable parameters' gradients, packed in parameter order
-    size_t *grad_offset;  // per parameter: its gradient's offset in grads, or SIZE_MAX (frozen: none)
-    size_t n_grad_floats; // Σ counts of the trainable parameters (= n_param_floats when nothing is frozen)
+    // (n_param_floats) in dtype, for backends with weights_in_storage_type; else NULL
+    void *params_cast;
+    // (n_grad_floats) the trainable parameters' gradients, packed in parameter order
+    float *grads;
+    // per parameter: its gradient's offset in grads, or SIZE_MAX (frozen: none)
+    size_t *grad_offset;
+    // Σ counts of the trainable parameters (= n_param_floats when nothing is frozen)
+    size_t n_grad_floats;
     float *buffers;       // (n_buffer_floats) BN running statistics
     void **act;           // per tensor: activation storage
     void **grad;          // per tensor: gradient storage (NULL where none is needed)
@@ -891,23 +930,29 @@ typedef struct {
     int input_needs_grad; // also compute the gradient of the graph input
     float **bn_mean, **bn_var;  // per layer (BN only): statistics used in the forward, (C)
     float *bn_scratch;    // (2·Cmax) per-channel sums in BN backward
-    double *bn_sums;      // (2·Cmax) --sync-bn: a BN layer's fp64 sums, all-reduced over the replicas
+    // (2·Cmax) --sync-bn: a BN layer's fp64 sums, all-reduced over the replicas
+    double *bn_sums;
     void *ws; size_t ws_bytes;
     int training;
     uint64_t seed, step;  // dropout masks are rng(seed ⊕ step ⊕ layer)
     uint64_t *layer_seeds; // (n_layers) backend memory: net_layer_seed of each layer for seeds_of
     uint64_t seeds_of[2];  // the (seed, step) layer_seeds hold; seeds_set 0: none yet
     int seeds_set;
-    uint64_t first_sample; // the batch's first image in the optimiser step's images (replica shard, micro-batch)
+    // the batch's first image in the optimiser step's images (replica shard, micro-batch)
+    uint64_t first_sample;
     int batch;            // images in the current batch, ≤ the graph's N (a last, smaller batch)
     Plan *plan;           // net_create_planned: the arena's layout, else NULL
     uint8_t *arena;
-    size_t arena_high;    // the highest arena byte a live buffer has reached (measured while running)
-    int poison;           // fill every buffer with NaN when its life ends (tests: nothing reads a dead buffer)
+    // the highest arena byte a live buffer has reached (measured while running)
+    size_t arena_high;
+    // fill every buffer with NaN when its life ends (tests: nothing reads a dead buffer)
+    int poison;
     double *layer_seconds; // (2·n_layers) or NULL: seconds per layer are added in, forward at [i],
                            // backward at [n_layers + i] (segnet bench --profile)
-    struct Comm *sync_bn; // NULL, or the replicas whose batch norm statistics and gradient sums are all-reduced
-    int failed;           // a collective failed (another rank stopped): the rest of the pass is skipped
+    // NULL, or the replicas whose batch norm statistics and gradient sums are all-reduced
+    struct Comm *sync_bn;
+    // a collective failed (another rank stopped): the rest of the pass is skipped
+    int failed;
 } Net;
 
 // Returns 0, or -1 with the reason in err (out of memory). One allocation per
@@ -918,8 +963,8 @@ int net_create(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_gr
 // out by plan_build for the training step whose loss reads `output`; with
 // checkpoint, blocks are recomputed in backward. Activations are then valid
 // only during their lifetimes (net_tensor of the output: until net_backward).
-int net_create_planned(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad, int output,
-                       int checkpoint, char err[SN_ERR_MAX]);
+int net_create_planned(Net *net, const Graph *g, Ops *o, DType dtype, int input_needs_grad,
+                       int output, int checkpoint, char err[SN_ERR_MAX]);
 void net_free(Net *net);
 Tensor net_tensor(const Net *net, int t);       // activation view
 Tensor net_grad(const Net *net, int t);         // gradient view (data NULL if none)
@@ -970,14 +1015,16 @@ typedef struct {
 // Never reads outside the file. Accepts holes (unused bytes) in the data section.
 int safetensors_read(const char *path, SafetensorsFile *f, char err[SN_ERR_MAX]);
 void safetensors_free(SafetensorsFile *f);
-const SafetensorsTensor *safetensors_find(const SafetensorsFile *f, const char *name);  // NULL if absent
+// NULL if absent
+const SafetensorsTensor *safetensors_find(const SafetensorsFile *f, const char *name);
 
 // Writes tensors (laid out in order, contiguous) and optional string metadata.
 // Atomic: writes "<path>.tmp.<pid>", fsyncs it, renames it over path, fsyncs
 // the directory. Returns 0, or -1 with err set; on failure before the rename
 // the temporary is removed and a file already at path is untouched.
-int safetensors_write(const char *path, const SafetensorsTensor *tensors, int n, const char *const *meta_keys,
-             const char *const *meta_values, int n_meta, char err[SN_ERR_MAX]);
+int safetensors_write(const char *path, const SafetensorsTensor *tensors, int n,
+                      const char *const *meta_keys, const char *const *meta_values, int n_meta,
+                      char err[SN_ERR_MAX]);
 
 // Writes the n_parts buffers one after another to path, atomically: to
 // "<path>.tmp.<pid>", fsynced, renamed over path, directory fsynced. On
@@ -992,8 +1039,8 @@ int file_write_atomic(const char *path, const void *const *parts, const size_t *
 // load with their names in err. Names starting with allow_missing (e.g.
 // "classifier.") may be absent or of another shape (a new head): they keep
 // their current values.
-int net_load_weights(Net *net, const SafetensorsFile *f, const char *path, const char *allow_missing, int allow_unexpected,
-                     char err[SN_ERR_MAX]);
+int net_load_weights(Net *net, const SafetensorsFile *f, const char *path,
+                     const char *allow_missing, int allow_unexpected, char err[SN_ERR_MAX]);
 // The same with a report: `init` and `ignore` are comma-separated name
 // prefixes; model tensors under `init` may be absent or of another shape
 // (they keep their initial values), file tensors under `ignore` ("*": any)
@@ -1013,20 +1060,22 @@ int weights_padding(const SafetensorsFile *f, PadMode *pad, const char **why);
 // contradicts them gets a warning on stderr (`cmd` names the command). `note`
 // (SN_ERR_MAX bytes) receives "padding P (why)" for the report. -1 on an
 // unreadable file.
-int padding_follow_weights(ModelCfg *m, const char *weights, const char *cmd, char *note, char err[SN_ERR_MAX]);
-int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path, const LoadRules *rules, char *report,
+int padding_follow_weights(ModelCfg *m, const char *weights, const char *cmd, char *note,
                            char err[SN_ERR_MAX]);
+int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
+                           const LoadRules *rules, char *report, char err[SN_ERR_MAX]);
 int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]);
 // Training checkpoints: the weights as above plus `extra` tensors (named
 // TRAIN_STATE_PREFIX..., which loading weights ignores) and string metadata.
 #define TRAIN_STATE_PREFIX "train_state."
-int net_save_checkpoint(const Net *net, const char *path, const SafetensorsTensor *extra, int n_extra,
-                        const char *const *meta_keys, const char *const *meta_values, int n_meta,
-                        char err[SN_ERR_MAX]);
+int net_save_checkpoint(const Net *net, const char *path, const SafetensorsTensor *extra,
+                        int n_extra, const char *const *meta_keys, const char *const *meta_values,
+                        int n_meta, char err[SN_ERR_MAX]);
 // timm's name (tf_efficientnetv2_*) for an EfficientNetV2 tensor of g; 0 if none.
 // Loading finds a tensor by its segnet/torchvision name, else by this one.
 int effnet_timm_name(const Graph *g, const char *name, char out[SN_NAME_MAX]);
-void safetensors_tensor_f32(const SafetensorsTensor *t, float *dst);  // values as fp32, whatever the dtype
+// values as fp32, whatever the dtype
+void safetensors_tensor_f32(const SafetensorsTensor *t, float *dst);
 
 // ----------------------------------------------------------------------------
 // images and classifier prediction
@@ -1053,9 +1102,11 @@ typedef struct {
     const char *out;
     int progress;          // report progress on stderr
     Device device;         // where the forward passes run
-    char **class_names;    // classifier: a `pred_name` column with class k's name (n_class_names, 0: none)
+    // classifier: a `pred_name` column with class k's name (n_class_names, 0: none)
+    char **class_names;
     int n_class_names;
-    int overwrite;         // replace existing outputs that an earlier predict wrote (never anything else)
+    // replace existing outputs that an earlier predict wrote (never anything else)
+    int overwrite;
 } PredictCfg;
 int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);
 
@@ -1083,8 +1134,10 @@ int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);
 
 typedef struct {
     int flip;                        // random horizontal flip of image and mask together, p = 1/2
-    float brightness;                // tf.image.random_brightness: + δ ~ U[-D, D] on 0..1 values (0: off)
-    float contrast_lo, contrast_hi;  // tf.image.random_contrast: (x - mean_c)·f + mean_c, f ~ U[lo, hi] (0,0: off)
+    // tf.image.random_brightness: + δ ~ U[-D, D] on 0..1 values (0: off)
+    float brightness;
+    // tf.image.random_contrast: (x - mean_c)·f + mean_c, f ~ U[lo, hi] (0,0: off)
+    float contrast_lo, contrast_hi;
 } Augment;
 
 typedef struct {
@@ -1097,7 +1150,8 @@ typedef struct {
     int32_t *labels;        // (n) class per sample (classification), else NULL
     uint8_t *image_cache;   // (n,H,W,3) resized RGB, or NULL when not cached
     uint8_t *mask_cache;    // (n,H,W) resized class indices (segmentation), or NULL
-    char **names;           // (n_names) class k's name: class folders, or a CSV's text labels; else NULL
+    // (n_names) class k's name: class folders, or a CSV's text labels; else NULL
+    char **names;
     int n_names;
     int64_t *class_counts;  // (classes) the pixels (of the resized masks) or samples of each class
 } Dataset;
@@ -1110,8 +1164,9 @@ int dataset_open(Dataset *d, const char *path, int segmentation, int classes, in
 // validation set shifts nothing; one the training set lacks is an error).
 // Named classes: the sorted folder names, or the sorted distinct text labels
 // of a CSV (a CSV's labels are all integers 0..K-1 or all names).
-int dataset_open_named(Dataset *d, const char *path, int segmentation, int classes, int height, int width,
-                       size_t cache_bytes, int threads, const Dataset *names_from, char err[SN_ERR_MAX]);
+int dataset_open_named(Dataset *d, const char *path, int segmentation, int classes, int height,
+                       int width, size_t cache_bytes, int threads, const Dataset *names_from,
+                       char err[SN_ERR_MAX]);
 void dataset_free(Dataset *d);
 
 // Assembles one batch of samples idx[0..n-1]: images (n,H,W,3) fp32 0..255 after
@@ -1149,7 +1204,8 @@ void loader_stop(Loader *l);                // at any time: joins the workers, f
 // PNG output, atomic (<path>.tmp.<pid> in the same folder, fsync, rename): comp
 // 1 (grey) or 3 (RGB). On failure the temporary is removed and a file already
 // at path is untouched.
-int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pixels, char err[SN_ERR_MAX]);
+int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pixels,
+                     char err[SN_ERR_MAX]);
 
 // ----------------------------------------------------------------------------
 // training curves: one record per epoch; NaN where a value does not exist
@@ -1160,8 +1216,10 @@ typedef struct {
     double lr;                // learning rate at the end of the epoch
     double loss, val_loss;
     double metric, val_metric;  // mean IoU (segmentation) or accuracy (classification)
-    // the optimisation diagnostics (metrics.csv's last columns; see "optimisation diagnostics" in segnet.c)
-    double grad_norm_mean, grad_norm_max, clip_fraction, loss_scale, skipped_steps, update_ratio, step_ms;
+    // the optimisation diagnostics (metrics.csv's last columns; see "optimisation diagnostics" in
+    // segnet.c)
+    double grad_norm_mean, grad_norm_max, clip_fraction, loss_scale, skipped_steps, update_ratio,
+            step_ms;
 } EpochRecord;
 
 // What curves.svg marks besides the records: the best epoch (0: none) and the
@@ -1173,8 +1231,8 @@ typedef struct { int best_epoch; double clipnorm; } CurveMarks;
 // epoch's steps, the clipping threshold as a line, epochs with skipped steps
 // marked, the loss scale on a second axis), and the learning rate with the
 // update ratio on a second axis; the best epoch marked in each. Written atomically.
-int write_curves_svg(const char *path, const EpochRecord *rows, int n, const char *metric_name, const CurveMarks *marks,
-                     char err[SN_ERR_MAX]);
+int write_curves_svg(const char *path, const EpochRecord *rows, int n, const char *metric_name,
+                     const CurveMarks *marks, char err[SN_ERR_MAX]);
 
 // ----------------------------------------------------------------------------
 // replicas: the communicator of a data-parallel run (see README.md, "Replicas")
@@ -1294,8 +1352,10 @@ typedef struct {
     const char *data, *val;         // training and (optional) validation data
     const char *out;                // run folder (NULL: runs/<timestamp>)
     const char *weights;            // initial weights (safetensors), or NULL
-    const char *allow_missing;      // more prefixes (comma-separated) of tensors the weights may lack, or NULL
-    const char *weights_note;       // appended to the `weights:` line (the padding decided), or NULL
+    // more prefixes (comma-separated) of tensors the weights may lack, or NULL
+    const char *allow_missing;
+    // appended to the `weights:` line (the padding decided), or NULL
+    const char *weights_note;
     int class_weights_given;
     float class_weights[SN_MAX_CLASSES];  // default all 1
     int epochs;
@@ -1303,7 +1363,8 @@ typedef struct {
     Schedule schedule;
     int warmup;                     // steps
     int patience;                   // early stopping on the monitored value; 0: off
-    int monitor_metric;             // 0: monitor val_loss (lower is better); 1: val_mIoU / val_accuracy (higher)
+    // 0: monitor val_loss (lower is better); 1: val_mIoU / val_accuracy (higher)
+    int monitor_metric;
     float min_delta;                // an epoch improves by more than this (Keras' min_delta)
     Augment augment;
     uint64_t seed;
@@ -1313,27 +1374,37 @@ typedef struct {
     size_t cache_bytes;             // decoded data kept in memory up to this
     int progress;                   // 0 quiet, 1 progress on stderr
     int stop_after_epochs;          // leave after this many epochs, as if interrupted (0: never)
-    int64_t interrupt_at_step;      // tests: act as if SIGINT came during this optimiser step (0: never)
+    // tests: act as if SIGINT came during this optimiser step (0: never)
+    int64_t interrupt_at_step;
     DType precision;                // activation storage: fp32, fp16 (with loss scaling) or bf16
     int accum;                      // micro-batches per optimiser step (gradient accumulation)
     int freeze_base;                // freeze the backbone (graph_freeze_base) ...
     int unfreeze_last;              // ... except its last N blocks
     int loss_scale_interval;        // fp16: finite steps before the loss scale doubles
-    int checkpoint;                 // recompute each block's activations in backward (--checkpoint blocks)
-    Device device;                  // train_cfg_default: DEVICE_CPU; the command line's default is DEVICE_AUTO
-    int replicas;                   // local replicas in this process (--replicas N); model.batch is the global batch
-    int sync_bn;                    // batch norm over the global batch (--sync-bn), else over each replica's shard
-    int log_every;                  // steps.csv: the step diagnostics every this many optimiser steps (0: none)
-    int train_eval;                 // train metrics from an inference-mode pass over the training set at each epoch's end
-    int64_t overflow_at_step;       // tests: this optimiser step's gradients get an inf (fp16 overflow) (0: never)
-    int overwrite;                  // a new run may replace the files of an earlier one in its folder (--overwrite)
+    // recompute each block's activations in backward (--checkpoint blocks)
+    int checkpoint;
+    // train_cfg_default: DEVICE_CPU; the command line's default is DEVICE_AUTO
+    Device device;
+    // local replicas in this process (--replicas N); model.batch is the global batch
+    int replicas;
+    // batch norm over the global batch (--sync-bn), else over each replica's shard
+    int sync_bn;
+    // steps.csv: the step diagnostics every this many optimiser steps (0: none)
+    int log_every;
+    // train metrics from an inference-mode pass over the training set at each epoch's end
+    int train_eval;
+    // tests: this optimiser step's gradients get an inf (fp16 overflow) (0: never)
+    int64_t overflow_at_step;
+    // a new run may replace the files of an earlier one in its folder (--overwrite)
+    int overwrite;
 } TrainCfg;
 
 void train_cfg_default(TrainCfg *c);
 // Trains and writes the run folder. resume: a run folder to continue, whose
 // config.txt the caller has already parsed into c. Returns 0, -1 with one
 // line in err, or 128 + the signal when SIGINT/SIGTERM (interrupt_handlers)
-// stopped it after a step, saved for --resume; nothing in an existing run folder is changed before every
+// stopped it after a step, saved for --resume; nothing in an existing run folder is changed before
+// every
 // input has been checked. With c->replicas > 1, or when started by mpirun
 // with several processes, the global batch model.batch is split over the
 // replicas (train_run_comm for a communicator of one's own); only rank 0
@@ -1344,14 +1415,18 @@ int train_run_comm(const TrainCfg *c, const char *resume, Comm *comm, char err[S
 // Evaluates weights on a data set: loss (the weighted mean, or Keras' pixel
 // mean) and the metrics. iou: (K) caller's memory.
 typedef struct { double loss; Metrics m; } EvalResult;
-int eval_run(const TrainCfg *c, const char *weights, const char *data, EvalResult *r, char err[SN_ERR_MAX]);
+int eval_run(const TrainCfg *c, const char *weights, const char *data, EvalResult *r,
+             char err[SN_ERR_MAX]);
 
 // ----------------------------------------------------------------------------
 // deterministic host RNG (initialisation, tests, data order)
 
 typedef struct { uint64_t state; } Rng;
 static inline void rng_seed(Rng *r, uint64_t seed) { r->state = seed; }
-static inline uint64_t rng_next(Rng *r) { r->state += 0x9E3779B97F4A7C15ull; return rng_mix64(r->state); }
+static inline uint64_t rng_next(Rng *r) {
+    r->state += 0x9E3779B97F4A7C15ull;
+    return rng_mix64(r->state);
+}
 static inline float rng_float(Rng *r) { return (float)(rng_next(r) >> 40) * (1.0f / 16777216.0f); }
 float rng_normal(Rng *r);
 

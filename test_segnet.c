@@ -1,4 +1,5 @@
-// test_segnet.c -- every test of segnet. Build: make test_segnet; run: ./test_segnet [--filter SUBSTR]
+// test_segnet.c -- every test of segnet. Build: make test_segnet; run: ./test_segnet [--filter
+// SUBSTR]
 // The last line is "N passed, M failed, K skipped"; the exit status is non-zero if anything failed.
 // Built with -DSEGNET_FUZZ it is fuzz_segnet instead: fuzz.c in place of the runner.
 #ifndef SEGNET_FUZZ
@@ -23,8 +24,10 @@
 // the CUDA backend under the emulator (cuda_emu.cpp), not on a GPU (test_segnet_gpu)
 #if defined(SEGNET_CUDA) && !defined(SEGNET_TEST_GPU)
 #define EMULATED_CUDA 1
-void cuemu_set_reverse(int reverse);      // threads and blocks of the following launches in reverse order
-long long cuemu_count(const char *name);  // launches, cuBLAS calls, host waits, bytes copied since the start
+// threads and blocks of the following launches in reverse order
+void cuemu_set_reverse(int reverse);
+// launches, cuBLAS calls, host waits, bytes copied since the start
+long long cuemu_count(const char *name);
 #else
 #define EMULATED_CUDA 0
 #endif
@@ -130,7 +133,8 @@ typedef struct {
     float input_scale;  // input ~ N(0, input_scale²) unless `input` is given
     const float *input; // optional fixed input values
     int skip_input;     // do not check (or require) the input gradient
-    float grad_floor;   // the error's denominator is at least this fraction of the largest numerical
+    // the error's denominator is at least this fraction of the largest numerical
+    float grad_floor;
                         // gradient of the whole check (for tensors whose exact gradient is ~0)
 } GradOpts;
 
@@ -155,7 +159,9 @@ static void random_params(Net *net, Rng *rng) {
         const ParamInfo *p = &g->params[i];
         int is_bn = 0;
         for (int l = 0; l < g->n_layers; l++)
-            if (g->layers[l].kind == LAYER_BN && (g->layers[l].weight == i || g->layers[l].bias == i)) is_bn = 1;
+            if (g->layers[l].kind == LAYER_BN &&
+                (g->layers[l].weight == i || g->layers[l].bias == i))
+                is_bn = 1;
         size_t fan_in = p->ndim > 1 ? p->count / (size_t)p->dims[0] : 1;
         for (size_t k = 0; k < p->count; k++) {
             float v = rng_normal(rng);
@@ -168,14 +174,15 @@ static void random_params(Net *net, Rng *rng) {
     for (int b = 0; b < g->n_buffers; b++) {
         const ParamInfo *p = &g->buffers[b];
         for (size_t k = 0; k < p->count; k++)
-            net->buffers[p->offset + k] = contains(p->name, "running_var") ? 0.5f + rng_float(rng) : 0.3f * rng_normal(rng);
+            net->buffers[p->offset + k] = contains(p->name, "running_var") ? 0.5f + rng_float(rng)
+                                                                           : 0.3f * rng_normal(rng);
     }
 }
 
 typedef struct { double err; int checked; } GradResult;
 
-static void compare_grad(const char *what, const float *analytic, const float *fd, const size_t *idx, int n,
-                         double *worst, double tol, double floor) {
+static void compare_grad(const char *what, const float *analytic, const float *fd,
+                         const size_t *idx, int n, double *worst, double tol, double floor) {
     double maxfd = 0.0, maxdiff = 0.0;
     int arg = 0;
     for (int k = 0; k < n; k++) {
@@ -185,9 +192,11 @@ static void compare_grad(const char *what, const float *analytic, const float *f
     }
     double err = maxdiff / fmax(fmax(maxfd, floor), 1e-12);
     if (isnan(maxdiff)) err = INFINITY;
-    if (g_verbose) printf("      %-28s err %.2e (max |g| %.3g, %d elements)\n", what, err, maxfd, n);
-    CHECK(err <= tol, "%s: gradient error %.3e > %.1e at element %zu (analytic %.6g, numerical %.6g)",
-          what, err, tol, idx[arg], analytic[arg], fd[arg]);
+    if (g_verbose)
+        printf("      %-28s err %.2e (max |g| %.3g, %d elements)\n", what, err, maxfd, n);
+    CHECK(err <= tol,
+          "%s: gradient error %.3e > %.1e at element %zu (analytic %.6g, numerical %.6g)", what,
+          err, tol, idx[arg], analytic[arg], fd[arg]);
     if (err > *worst) *worst = err;
 }
 
@@ -197,7 +206,10 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
     Net net;
     char err[SN_ERR_MAX];
     CHECK(g->err[0] == 0, "graph: %s", g->err);
-    if (net_create(&net, g, ops, DT_F32, !opt.skip_input, err) != 0) { CHECK(0, "net_create: %s", err); return INFINITY; }
+    if (net_create(&net, g, ops, DT_F32, !opt.skip_input, err) != 0) {
+        CHECK(0, "net_create: %s", err);
+        return INFINITY;
+    }
     Rng rng;
     rng_seed(&rng, opt.seed);
     random_params(&net, &rng);
@@ -206,13 +218,16 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
     const int in = g->input;
     size_t nx = shape_numel(g->tensors[in].shape), ny = shape_numel(g->tensors[out].shape);
     float *x = net.act[in];
-    for (size_t i = 0; i < nx; i++) x[i] = opt.input ? opt.input[i] : opt.input_scale * rng_normal(&rng);
+    for (size_t i = 0; i < nx; i++)
+        x[i] = opt.input ? opt.input[i] : opt.input_scale * rng_normal(&rng);
     float *r = randn(&rng, ny, 1.0f);
 
     // analytic
     net_forward(&net, opt.training);
     for (int t = 0; t < g->n_tensors; t++)
-        if (net.grad[t]) for (size_t i = 0; i < shape_numel(g->tensors[t].shape); i++) ((float *)net.grad[t])[i] = NAN;
+        if (net.grad[t])
+            for (size_t i = 0; i < shape_numel(g->tensors[t].shape); i++)
+                ((float *)net.grad[t])[i] = NAN;
     memcpy(net.grad[out], r, sizeof(float) * ny);
     float *prefill = randn(&rng, net.n_grad_floats, 1.0f);
     memcpy(net.grads, prefill, sizeof(float) * net.n_grad_floats);
@@ -222,7 +237,8 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
     // (the gradient floor is relative to the largest numerical gradient of all)
     int ns = opt.max_samples, n_checked = 0, max_checked = g->n_params + 1;
     size_t *idx_all = malloc(sizeof(size_t) * ns * max_checked);
-    float *an_all = malloc(sizeof(float) * ns * max_checked), *fd_all = malloc(sizeof(float) * ns * max_checked);
+    float *an_all = malloc(sizeof(float) * ns * max_checked),
+          *fd_all = malloc(sizeof(float) * ns * max_checked);
     int *n_all = malloc(sizeof(int) * max_checked);
     const char **names = malloc(sizeof(char *) * max_checked);
     size_t *idx; float *an, *fd;
@@ -262,10 +278,12 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
             const ParamInfo *p = &g->params[ids[j]];
             float *v = net.params + p->offset;
             if (L->frozen) {  // a frozen layer holds no gradient
-                CHECK(net.grad_offset[ids[j]] == SIZE_MAX, "%s: frozen parameter has gradient storage", p->name);
+                CHECK(net.grad_offset[ids[j]] == SIZE_MAX,
+                      "%s: frozen parameter has gradient storage", p->name);
                 continue;
             }
-            const float *gr = net.grads + net.grad_offset[ids[j]], *pre = prefill + net.grad_offset[ids[j]];
+            const float *gr = net.grads + net.grad_offset[ids[j]],
+                        *pre = prefill + net.grad_offset[ids[j]];
             NEXT(p->name);
             SAMPLE(p->count);
             for (int k = 0; k < n; k++) an[k] = gr[idx[k]] - pre[idx[k]];
@@ -277,8 +295,8 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
     for (size_t k = 0; k < (size_t)ns * n_checked; k++)
         if (k % ns < (size_t)n_all[k / ns]) scale = fmax(scale, fabs(fd_all[k]));
     for (int t = 0; t < n_checked; t++)
-        compare_grad(names[t], an_all + (size_t)t * ns, fd_all + (size_t)t * ns, idx_all + (size_t)t * ns, n_all[t],
-                     &worst, opt.tol, opt.grad_floor * scale);
+        compare_grad(names[t], an_all + (size_t)t * ns, fd_all + (size_t)t * ns,
+                     idx_all + (size_t)t * ns, n_all[t], &worst, opt.tol, opt.grad_floor * scale);
     free(idx_all); free(an_all); free(fd_all); free(n_all); free(names);
     #undef NEXT
     #undef DONE
@@ -300,8 +318,8 @@ static double g_worst_xent;               // and of the loss
 
 static void note_worst(LayerKind k, double e) { if (e > g_worst[k]) g_worst[k] = e; }
 
-static void conv_case(const char *label, Shape in, int cout, int k, int stride, int groups, PadMode pad,
-                      int bias, int fanout) {
+static void conv_case(const char *label, Shape in, int cout, int k, int stride, int groups,
+                      PadMode pad, int bias, int fanout) {
     Graph g; graph_init(&g);
     int x = graph_input(&g, in);
     int y = graph_conv(&g, "a", x, cout, k, stride, groups, pad, bias);
@@ -320,8 +338,8 @@ TEST(conv_grad_dense) {
     conv_case("3x3 s1 same, odd 5x7",            shape4(2, 5, 7, 3), 4, 3, 1, 1, PAD_SAME, 1, 1);
     conv_case("3x3 s2 same, even 6x8",           shape4(2, 6, 8, 3), 4, 3, 2, 1, PAD_SAME, 1, 1);
     conv_case("3x3 s2 same, odd 7x5",            shape4(1, 7, 5, 2), 3, 3, 2, 1, PAD_SAME, 0, 1);
-    conv_case("3x3 s2 symmetric, odd 7x5",       shape4(1, 7, 5, 2), 3, 3, 2, 1, PAD_SYMMETRIC, 1, 1);
-    conv_case("5x5 s2 symmetric, 9x6",           shape4(1, 9, 6, 2), 3, 5, 2, 1, PAD_SYMMETRIC, 1, 0);
+    conv_case("3x3 s2 symmetric, odd 7x5", shape4(1, 7, 5, 2), 3, 3, 2, 1, PAD_SYMMETRIC, 1, 1);
+    conv_case("5x5 s2 symmetric, 9x6", shape4(1, 9, 6, 2), 3, 5, 2, 1, PAD_SYMMETRIC, 1, 0);
     conv_case("2x2 s1 same (extra pad after)",   shape4(1, 5, 4, 2), 3, 2, 1, 1, PAD_SAME, 1, 0);
     conv_case("4x4 s3 same, 7x8",                shape4(1, 7, 8, 2), 2, 4, 3, 1, PAD_SAME, 1, 0);
     conv_case("kernel larger than input (same)", shape4(1, 2, 3, 2), 2, 5, 1, 1, PAD_SAME, 1, 0);
@@ -334,7 +352,7 @@ TEST(conv_grad_pointwise) {
 
 TEST(conv_grad_grouped) {
     conv_case("3x3 groups 2",                    shape4(2, 5, 6, 4), 6, 3, 1, 2, PAD_SAME, 1, 1);
-    conv_case("3x3 s2 groups 3, odd",            shape4(1, 7, 5, 6), 3, 3, 2, 3, PAD_SYMMETRIC, 1, 1);
+    conv_case("3x3 s2 groups 3, odd", shape4(1, 7, 5, 6), 3, 3, 2, 3, PAD_SYMMETRIC, 1, 1);
     conv_case("1x1 groups 2",                    shape4(1, 3, 3, 4), 4, 1, 1, 2, PAD_SAME, 0, 1);
     conv_case("depthwise multiplier 2 (GEMM)",   shape4(1, 5, 5, 3), 6, 3, 1, 3, PAD_SAME, 1, 0);
 }
@@ -343,7 +361,8 @@ TEST(conv_grad_depthwise) {
     conv_case("depthwise 3x3 s1 same",           shape4(2, 5, 6, 4), 4, 3, 1, 4, PAD_SAME, 1, 1);
     conv_case("depthwise 3x3 s2 same, even",     shape4(2, 6, 8, 3), 3, 3, 2, 3, PAD_SAME, 1, 1);
     conv_case("depthwise 5x5 s2 same, odd",      shape4(1, 7, 9, 3), 3, 5, 2, 3, PAD_SAME, 0, 1);
-    conv_case("depthwise 3x3 s2 symmetric, odd", shape4(1, 7, 5, 5), 5, 3, 2, 5, PAD_SYMMETRIC, 1, 1);
+    conv_case("depthwise 3x3 s2 symmetric, odd", shape4(1, 7, 5, 5), 5, 3, 2, 5, PAD_SYMMETRIC, 1,
+              1);
 }
 
 TEST(dense_grad) {
@@ -381,9 +400,12 @@ static void bn_case(Act act, int training, int fanout) {
             for (int l = 0; l < g.n_layers; l++) {
                 const Layer *L = &g.layers[l];
                 if (L->kind != LAYER_BN) continue;
-                const float *m = training ? net.bn_mean[l] : net.buffers + g.buffers[L->run_mean].offset;
-                const float *v = training ? net.bn_var[l] : net.buffers + g.buffers[L->run_var].offset;
-                const float *gam = net.params + g.params[L->weight].offset, *bet = net.params + g.params[L->bias].offset;
+                const float *m =
+                        training ? net.bn_mean[l] : net.buffers + g.buffers[L->run_mean].offset;
+                const float *v =
+                        training ? net.bn_var[l] : net.buffers + g.buffers[L->run_var].offset;
+                const float *gam = net.params + g.params[L->weight].offset,
+                            *bet = net.params + g.params[L->bias].offset;
                 for (int i = 0; i < 72; i++) {
                     int c = i % 4;
                     double z = gam[c] * (xv[i] - m[c]) / sqrt(v[c] + L->eps) + bet[c];
@@ -417,7 +439,10 @@ TEST(bn_grad_inference) {
 static float *kink_free_input(size_t n, uint64_t seed) {
     Rng r; rng_seed(&r, seed);
     float *x = malloc(sizeof(float) * n);
-    for (size_t i = 0; i < n; i++) { float v = rng_normal(&r); x[i] = (v < 0 ? -1.0f : 1.0f) * (0.1f + fabsf(v)); }
+    for (size_t i = 0; i < n; i++) {
+        float v = rng_normal(&r);
+        x[i] = (v < 0 ? -1.0f : 1.0f) * (0.1f + fabsf(v));
+    }
     return x;
 }
 
@@ -427,7 +452,8 @@ TEST(act_grad) {
     for (int i = 0; i < 3; i++) {
         Graph g; graph_init(&g);
         int x = graph_input(&g, shape4(2, 3, 5, 3));
-        int y = graph_concat(&g, "cat", graph_act(&g, "act_a", x, acts[i]), graph_act(&g, "act_b", x, acts[i]));
+        int y = graph_concat(&g, "cat", graph_act(&g, "act_a", x, acts[i]),
+                             graph_act(&g, "act_b", x, acts[i]));
         GradOpts o = grad_opts();
         o.input = xin;
         note_worst(LAYER_ACT, graph_gradcheck(&g, y, o, &ops_cpu));
@@ -442,8 +468,10 @@ TEST(se_grad) {
     Graph g; graph_init(&g);
     int x = graph_input(&g, shape4(2, 4, 3, 6));
     int p = graph_gap(&g, "se.pool", x);
-    int h = graph_act(&g, "se.act", graph_conv(&g, "se.reduce", p, 2, 1, 1, 1, PAD_SAME, 1), ACT_SILU);
-    int s = graph_act(&g, "se.gate", graph_conv(&g, "se.expand", h, 6, 1, 1, 1, PAD_SAME, 1), ACT_SIGMOID);
+    int h = graph_act(&g, "se.act", graph_conv(&g, "se.reduce", p, 2, 1, 1, 1, PAD_SAME, 1),
+                      ACT_SILU);
+    int s = graph_act(&g, "se.gate", graph_conv(&g, "se.expand", h, 6, 1, 1, 1, PAD_SAME, 1),
+                      ACT_SIGMOID);
     int y = graph_scale(&g, "se.scale", x, s);
     double e = graph_gradcheck(&g, y, grad_opts(), &ops_cpu);
     note_worst(LAYER_GAP, e);
@@ -478,7 +506,8 @@ TEST(mixed_accumulate_grad) {
         int s = graph_act(&g, "gate", graph_gap(&g, "pool", x), ACT_SIGMOID);
         int sc = graph_gap(&g, "pool2", graph_scale(&g, "scale", x, s));
         // x (acc_dx = 1, acc_ds = 0) or s (acc_dx = 0, acc_ds = 1) consumed again after the scale
-        y = later_s ? graph_concat(&g, "out", sc, s) : graph_concat(&g, "out", sc, graph_gap(&g, "pool3", x));
+        y = later_s ? graph_concat(&g, "out", sc, s)
+                    : graph_concat(&g, "out", sc, graph_gap(&g, "pool3", x));
         note_worst(LAYER_SCALE, graph_gradcheck(&g, y, grad_opts(), &ops_cpu));
         graph_free(&g);
     }
@@ -503,16 +532,23 @@ static float *spaced_input(size_t n, uint64_t seed) {
     Rng r; rng_seed(&r, seed);
     float *x = malloc(sizeof(float) * n);
     for (size_t i = 0; i < n; i++) x[i] = 0.05f * (float)i - 0.025f * (float)n;
-    for (size_t i = n - 1; i > 0; i--) { size_t j = rng_next(&r) % (i + 1); float t = x[i]; x[i] = x[j]; x[j] = t; }
+    for (size_t i = n - 1; i > 0; i--) {
+        size_t j = rng_next(&r) % (i + 1);
+        float t = x[i];
+        x[i] = x[j];
+        x[j] = t;
+    }
     return x;
 }
 
 TEST(pool_upsample_grad) {
-    Shape shapes[2] = {shape4(2, 4, 6, 3), shape4(1, 5, 7, 2)};  // even, and odd (floor drops a row and a column)
+    // even, and odd (floor drops a row and a column)
+    Shape shapes[2] = {shape4(2, 4, 6, 3), shape4(1, 5, 7, 2)};
     for (int i = 0; i < 2; i++) {
         Graph g; graph_init(&g);
         int x = graph_input(&g, shapes[i]);
-        int y = graph_concat(&g, "cat", graph_maxpool(&g, "pool_a", x), graph_maxpool(&g, "pool_b", x));
+        int y = graph_concat(&g, "cat", graph_maxpool(&g, "pool_a", x),
+                             graph_maxpool(&g, "pool_b", x));
         GradOpts o = grad_opts();
         float *xin = spaced_input(shape_numel(shapes[i]), 11 + i);
         o.input = xin;
@@ -528,7 +564,8 @@ TEST(pool_upsample_grad) {
 }
 
 TEST(resize_grad) {
-    int sizes[][4] = {{4, 5, 9, 7}, {7, 6, 3, 4}, {3, 3, 7, 2}, {5, 4, 5, 4}};  // up, down, mixed, identity
+    // up, down, mixed, identity
+    int sizes[][4] = {{4, 5, 9, 7}, {7, 6, 3, 4}, {3, 3, 7, 2}, {5, 4, 5, 4}};
     for (int i = 0; i < 4; i++) {
         Graph g; graph_init(&g);
         int x = graph_input(&g, shape4(2, sizes[i][0], sizes[i][1], 2));
@@ -543,8 +580,10 @@ TEST(dropout_grad) {
     for (int per_sample = 0; per_sample < 2; per_sample++) {
         Graph g; graph_init(&g);
         int x = graph_input(&g, shape4(6, 3, 3, 4));
-        int a = per_sample ? graph_drop_path(&g, "dp_a", x, 0.4f) : graph_dropout(&g, "do_a", x, 0.3f);
-        int b = per_sample ? graph_drop_path(&g, "dp_b", x, 0.5f) : graph_dropout(&g, "do_b", x, 0.5f);
+        int a = per_sample ? graph_drop_path(&g, "dp_a", x, 0.4f)
+                           : graph_dropout(&g, "do_a", x, 0.3f);
+        int b = per_sample ? graph_drop_path(&g, "dp_b", x, 0.5f)
+                           : graph_dropout(&g, "do_b", x, 0.5f);
         int y = graph_concat(&g, "cat", a, b);
         double e = graph_gradcheck(&g, y, grad_opts(), &ops_cpu);
         note_worst(per_sample ? LAYER_DROP_PATH : LAYER_DROPOUT, e);
@@ -559,16 +598,22 @@ TEST(dropout_grad) {
 static int build_every_kind(Graph *g, Shape in, int freeze_stem) {
     int x = graph_input(g, in);
     g->block = 1;
-    int s = graph_bn(g, "stem.bn", graph_conv(g, "stem.conv", x, 8, 3, 1, 1, PAD_SAME, 0), BN_EPS_EFFNET, ACT_SILU);
+    int s = graph_bn(g, "stem.bn", graph_conv(g, "stem.conv", x, 8, 3, 1, 1, PAD_SAME, 0),
+                     BN_EPS_EFFNET, ACT_SILU);
     if (freeze_stem) for (int l = 0; l < g->n_layers; l++) g->layers[l].frozen = 1;
     g->block = 2;
-    int e = graph_bn(g, "b1.expand_bn", graph_conv(g, "b1.expand", s, 16, 1, 1, 1, PAD_SAME, 0), BN_EPS_EFFNET, ACT_SILU);
-    int d = graph_bn(g, "b1.dw_bn", graph_conv(g, "b1.dw", e, 16, 3, 2, 16, PAD_SAME, 0), BN_EPS_EFFNET, ACT_SILU);
+    int e = graph_bn(g, "b1.expand_bn", graph_conv(g, "b1.expand", s, 16, 1, 1, 1, PAD_SAME, 0),
+                     BN_EPS_EFFNET, ACT_SILU);
+    int d = graph_bn(g, "b1.dw_bn", graph_conv(g, "b1.dw", e, 16, 3, 2, 16, PAD_SAME, 0),
+                     BN_EPS_EFFNET, ACT_SILU);
     int p = graph_gap(g, "b1.se.pool", d);
-    int r = graph_act(g, "b1.se.act", graph_conv(g, "b1.se.reduce", p, 4, 1, 1, 1, PAD_SAME, 1), ACT_SILU);
-    int gt = graph_act(g, "b1.se.gate", graph_conv(g, "b1.se.expand", r, 16, 1, 1, 1, PAD_SAME, 1), ACT_SIGMOID);
+    int r = graph_act(g, "b1.se.act", graph_conv(g, "b1.se.reduce", p, 4, 1, 1, 1, PAD_SAME, 1),
+                      ACT_SILU);
+    int gt = graph_act(g, "b1.se.gate", graph_conv(g, "b1.se.expand", r, 16, 1, 1, 1, PAD_SAME, 1),
+                       ACT_SIGMOID);
     int sc = graph_scale(g, "b1.se.scale", d, gt);
-    int pr = graph_bn(g, "b1.project_bn", graph_conv(g, "b1.project", sc, 8, 1, 1, 1, PAD_SAME, 0), BN_EPS_EFFNET, ACT_NONE);
+    int pr = graph_bn(g, "b1.project_bn", graph_conv(g, "b1.project", sc, 8, 1, 1, 1, PAD_SAME, 0),
+                      BN_EPS_EFFNET, ACT_NONE);
     int dp = graph_drop_path(g, "b1.drop_path", pr, 0.25f);
     int down = graph_conv(g, "b1.shortcut", s, 8, 1, 2, 1, PAD_SAME, 0);
     int res = graph_add(g, "b1.add", down, dp);
@@ -576,9 +621,12 @@ static int build_every_kind(Graph *g, Shape in, int freeze_stem) {
     int up = graph_upsample(g, "dec.up", res);
     int pooled = graph_upsample(g, "dec.pool_up", graph_maxpool(g, "dec.pool", x));
     int cat = graph_concat(g, "dec.cat", graph_concat(g, "dec.cat_skip", up, s), pooled);
-    int dec = graph_bn(g, "dec.bn", graph_conv(g, "dec.conv", cat, 6, 3, 1, 1, PAD_SYMMETRIC, 0), BN_EPS_UNET, ACT_SILU);
+    int dec = graph_bn(g, "dec.bn", graph_conv(g, "dec.conv", cat, 6, 3, 1, 1, PAD_SYMMETRIC, 0),
+                       BN_EPS_UNET, ACT_SILU);
     int rs = graph_resize(g, "dec.resize", dec, in.h + 1, in.w - 1);
-    int head = graph_dense(g, "head.fc", graph_dropout(g, "head.dropout", graph_gap(g, "head.pool", rs), 0.2f), 3, 1);
+    int head = graph_dense(g, "head.fc",
+                           graph_dropout(g, "head.dropout", graph_gap(g, "head.pool", rs), 0.2f), 3,
+                           1);
     return graph_concat(g, "out", head, graph_gap(g, "head.pool2", res));
 }
 
@@ -611,8 +659,10 @@ TEST(graph_frozen) {
     }
     CHECK(stem_conv >= 0 && stem_bn >= 0, "stem layers exist");
     CHECK(net.grad[g.input] == NULL, "the input has no gradient storage");
-    CHECK(net.grad[g.layers[stem_conv].out] == NULL, "the frozen conv's output has no gradient storage");
-    CHECK(net.grad[g.layers[stem_bn].out] == NULL, "nothing upstream of the stem output is trainable: no gradient storage");
+    CHECK(net.grad[g.layers[stem_conv].out] == NULL,
+          "the frozen conv's output has no gradient storage");
+    CHECK(net.grad[g.layers[stem_bn].out] == NULL,
+          "nothing upstream of the stem output is trainable: no gradient storage");
     int expand = g.layers[stem_bn + 1].out;
     CHECK(net.grad[expand] != NULL, "the first trainable layer's output has gradient storage");
     net_free(&net);
@@ -627,7 +677,8 @@ TEST(graph_frozen) {
     memcpy(net.act[g.input], xin, sizeof(float) * 2 * 6 * 6 * 3);
     float before = net.buffers[g.buffers[g.layers[stem_bn].run_var].offset];
     net_forward(&net, 1);
-    CHECK(net.buffers[g.buffers[g.layers[stem_bn].run_var].offset] == before, "frozen BN updated its running variance");
+    CHECK(net.buffers[g.buffers[g.layers[stem_bn].run_var].offset] == before,
+          "frozen BN updated its running variance");
     net_free(&net);
     free(xin);
     graph_free(&g);
@@ -644,7 +695,8 @@ static void act_backward_wrong(Ops *o, Act act, Tensor dx, Tensor dy, Tensor x, 
         st_acc(dx, i, ld(dy, i) * (act == ACT_SILU ? s : act_grad(act, z)), accumulate);
     }
 }
-static void concat_backward_always_adds(Ops *o, Tensor da, Tensor db, Tensor dy, int acc_a, int acc_b) {
+static void concat_backward_always_adds(Ops *o, Tensor da, Tensor db, Tensor dy, int acc_a,
+                                        int acc_b) {
     (void)acc_a; (void)acc_b;
     concat_backward_ref(o, da, db, dy, 1, 1);
 }
@@ -664,13 +716,15 @@ TEST(gradcheck_catches_errors) {
     g_broken.concat_backward = concat_backward_always_adds;
     graph_init(&g);
     x = graph_input(&g, shape4(1, 3, 3, 2));
-    y = graph_concat(&g, "cat", graph_conv(&g, "a", x, 2, 3, 1, 1, PAD_SAME, 1), graph_conv(&g, "b", x, 2, 1, 1, 1, PAD_SAME, 1));
+    y = graph_concat(&g, "cat", graph_conv(&g, "a", x, 2, 3, 1, 1, PAD_SAME, 1),
+                     graph_conv(&g, "b", x, 2, 1, 1, 1, PAD_SAME, 1));
     double e2 = graph_gradcheck(&g, y, grad_opts(), &g_broken);
     graph_free(&g);
     int caught = g_failures - before;
     g_failures = before;  // the failures above were the point
     g_quiet = 0;
-    CHECK(e1 > 0.05 && caught >= 1, "a SiLU backward without its second term passed (error %.3g)", e1);
+    CHECK(e1 > 0.05 && caught >= 1, "a SiLU backward without its second term passed (error %.3g)",
+          e1);
     CHECK(!(e2 <= 0.05), "a concat backward that adds into garbage passed (error %.3g)", e2);
 }
 
@@ -678,8 +732,8 @@ TEST(gradcheck_catches_errors) {
 // forward against an independent naive convolution (TF SAME / PyTorch
 // padding computed here from their definitions, fp64 sums)
 
-static void conv_naive(const float *x, Shape in, const float *w, const float *b, int cout, int k, int s,
-                       int groups, PadMode pad, double *y, int *oh_, int *ow_) {
+static void conv_naive(const float *x, Shape in, const float *w, const float *b, int cout, int k,
+                       int s, int groups, PadMode pad, double *y, int *oh_, int *ow_) {
     int oh, ow, pt, pl;
     if (pad == PAD_SAME) {
         oh = (in.h + s - 1) / s; ow = (in.w + s - 1) / s;
@@ -701,7 +755,8 @@ static void conv_naive(const float *x, Shape in, const float *w, const float *b,
                             for (int ci = 0; ci < cg; ci++) {
                                 int r = i * s + u - pt, c = j * s + v - pl;
                                 if (r < 0 || r >= in.h || c < 0 || c >= in.w) continue;
-                                acc += (double)x[((n * in.h + r) * in.w + c) * in.c + grp * cg + ci] *
+                                acc += (double)x[((n * in.h + r) * in.w + c) * in.c + grp * cg +
+                                                 ci] *
                                        w[((co * k + u) * k + v) * cg + ci];
                             }
                     y[((n * oh + i) * ow + j) * cout + co] = acc;
@@ -722,19 +777,23 @@ TEST(conv_forward_vs_naive) {
     double worst = 0.0;
     for (size_t t = 0; t < sizeof cases / sizeof cases[0]; t++) {
         Shape in = cases[t].in;
-        ConvCfg cfg = {in.c, cases[t].cout, cases[t].k, cases[t].k, cases[t].s, cases[t].groups, cases[t].pad, cases[t].bias};
+        ConvCfg cfg = {in.c,       cases[t].cout,   cases[t].k,   cases[t].k,
+                       cases[t].s, cases[t].groups, cases[t].pad, cases[t].bias};
         float *x = randn(&rng, shape_numel(in), 1.0f);
         float *w = randn(&rng, (size_t)cfg.cout * cfg.kh * cfg.kw * (in.c / cfg.groups), 0.5f);
         float *b = randn(&rng, cfg.cout, 1.0f);
         double *ref = malloc(sizeof(double) * in.n * in.h * in.w * cfg.cout);
         int oh, ow;
-        conv_naive(x, in, w, cfg.has_bias ? b : NULL, cfg.cout, cfg.kh, cfg.stride, cfg.groups, cfg.pad, ref, &oh, &ow);
+        conv_naive(x, in, w, cfg.has_bias ? b : NULL, cfg.cout, cfg.kh, cfg.stride, cfg.groups,
+                   cfg.pad, ref, &oh, &ow);
         Shape os = shape4(in.n, oh, ow, cfg.cout);
         float *y = malloc(sizeof(float) * shape_numel(os));
         void *ws = malloc(conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32) + 1);
-        ops_cpu.conv2d_forward(&ops_cpu, &cfg, tensor_f32(y, os), tensor_f32(x, in), w, NULL, cfg.has_bias ? b : NULL, ws);
+        ops_cpu.conv2d_forward(&ops_cpu, &cfg, tensor_f32(y, os), tensor_f32(x, in), w, NULL,
+                               cfg.has_bias ? b : NULL, ws);
         double e = 0.0;
-        for (size_t i = 0; i < shape_numel(os); i++) if (fabs(y[i] - ref[i]) > e) e = fabs(y[i] - ref[i]);
+        for (size_t i = 0; i < shape_numel(os); i++)
+            if (fabs(y[i] - ref[i]) > e) e = fabs(y[i] - ref[i]);
         CHECK(e < 1e-4, "case %zu: conv forward differs from the naive formula by %.3g", t, e);
         if (e > worst) worst = e;
         free(x); free(w); free(b); free(ref); free(y); free(ws);
@@ -760,7 +819,8 @@ TEST(conv_direct_vs_gemm) {
         {{1, 5, 31, CONV_VL}, 4 * CONV_VL + 6, 3, 1, PAD_SAME, 0},
         {{1, 4, 27, 5 * CONV_VL}, 7, 3, 1, PAD_SYMMETRIC, 1},
         {{3, 4, 5, 2 * CONV_VL}, 3 * CONV_VL, 3, 1, PAD_SAME, 0},
-        {{2, 5, 6, CONV_VL}, 100, 1, 1, PAD_SAME, 1},           // 1×1: the weight gradient's items split along Cout
+        // 1×1: the weight gradient's items split along Cout
+        {{2, 5, 6, CONV_VL}, 100, 1, 1, PAD_SAME, 1},
         {{1, 7, 3, 5 * CONV_VL + 3}, CONV_VL + 1, 1, 1, PAD_SAME, 0},
     };
     Rng rng; rng_seed(&rng, 123);
@@ -771,28 +831,41 @@ TEST(conv_direct_vs_gemm) {
         for (int chunking = 0; chunking < 3; chunking++) {
             Shape in = cases[t].in;
             {
-                ConvCfg c = {in.c, cases[t].cout, cases[t].k, cases[t].k, cases[t].s, 1, cases[t].pad, 0};
+                ConvCfg c = {in.c, cases[t].cout, cases[t].k, cases[t].k, cases[t].s,
+                             1,    cases[t].pad,  0};
                 ConvGeom g = conv_geom(&c, in);
                 const size_t image = direct_conv_image_floats(&c, &g, 0);
                 conv_chunk_floats = chunking == 0 ? chunk_floats : chunking == 1 ? 1 : 2 * image;
-                CHECK(conv_chunk_images(image, in.n) == (chunking == 0 ? in.n : chunking == 1 ? 1 : in.n < 2 ? in.n : 2),
+                CHECK(conv_chunk_images(image, in.n) == (chunking == 0   ? in.n
+                                                         : chunking == 1 ? 1
+                                                         : in.n < 2      ? in.n
+                                                                         : 2),
                       "case %zu chunking %d: images per chunk", t, chunking);
             }
-            ConvCfg cfg = {in.c, cases[t].cout, cases[t].k, cases[t].k, cases[t].s, 1, cases[t].pad, cases[t].bias};
-            CHECK((conv_is_direct(&cfg) || conv_is_pointwise(&cfg)) && conv_direct_grad_weight(&cfg),
+            ConvCfg cfg = {in.c, cases[t].cout, cases[t].k,   cases[t].k, cases[t].s,
+                           1,    cases[t].pad,  cases[t].bias};
+            CHECK((conv_is_direct(&cfg) || conv_is_pointwise(&cfg)) &&
+                          conv_direct_grad_weight(&cfg),
                   "case %zu takes the direct paths", t);
             ConvGeom q = conv_geom(&cfg, in);
             Shape os = shape4(in.n, q.OH, q.OW, cfg.cout);
-            size_t nx = shape_numel(in), ny = shape_numel(os), nw = (size_t)cfg.cout * cfg.kh * cfg.kw * in.c;
-            float *xv = randn(&rng, nx, 1.0f), *dyv = randn(&rng, ny, 1.0f), *w = randn(&rng, nw, 0.3f);
+            size_t nx = shape_numel(in), ny = shape_numel(os),
+                   nw = (size_t)cfg.cout * cfg.kh * cfg.kw * in.c;
+            float *xv = randn(&rng, nx, 1.0f), *dyv = randn(&rng, ny, 1.0f),
+                  *w = randn(&rng, nw, 0.3f);
             float *b = randn(&rng, cfg.cout, 1.0f), *d0 = randn(&rng, nx, 1.0f);
-            size_t wsb = conv2d_workspace_cpu(&ops_cpu, &cfg, in, (DType)dt), gemm = 4 * gemm_weight_grad_floats(&q, (DType)dt);
+            size_t wsb = conv2d_workspace_cpu(&ops_cpu, &cfg, in, (DType)dt),
+                   gemm = 4 * gemm_weight_grad_floats(&q, (DType)dt);
             for (int pass = 0; pass < 3; pass++)  // a 1×1 conv's own paths are not all direct
-                if (4 * direct_conv_floats(&cfg, &q, pass) > wsb) wsb = 4 * direct_conv_floats(&cfg, &q, pass);
+                if (4 * direct_conv_floats(&cfg, &q, pass) > wsb)
+                    wsb = 4 * direct_conv_floats(&cfg, &q, pass);
             float *ws = malloc((wsb > gemm ? wsb : gemm) + 64);  // the direct paths, or im2col's
-            Tensor x = tensor(malloc(nx * 4), in, (DType)dt), dy = tensor(malloc(ny * 4), os, (DType)dt);
-            Tensor y1 = tensor(malloc(ny * 4), os, (DType)dt), y2 = tensor(malloc(ny * 4), os, (DType)dt);
-            Tensor dx1 = tensor(malloc(nx * 4), in, (DType)dt), dx2 = tensor(malloc(nx * 4), in, (DType)dt);
+            Tensor x = tensor(malloc(nx * 4), in, (DType)dt),
+                   dy = tensor(malloc(ny * 4), os, (DType)dt);
+            Tensor y1 = tensor(malloc(ny * 4), os, (DType)dt),
+                   y2 = tensor(malloc(ny * 4), os, (DType)dt);
+            Tensor dx1 = tensor(malloc(nx * 4), in, (DType)dt),
+                   dx2 = tensor(malloc(nx * 4), in, (DType)dt);
             for (size_t i = 0; i < nx; i++) st(x, i, xv[i]);
             for (size_t i = 0; i < ny; i++) st(dy, i, dyv[i]);
             const double ulp = dt == DT_F32 ? 0.0 : dt == DT_BF16 ? 1.0 / 256 : 1.0 / 2048;
@@ -812,7 +885,8 @@ TEST(conv_direct_vs_gemm) {
                     for (size_t i = 0; i < nx; i++) { f1[i] = ld(dx1, i); f2[i] = ld(dx2, i); }
                     e = rel_diff(f1, f2, nx, 1e-3);
                     worst[1] = fmax(worst[1], e);
-                    CHECK(e <= 1e-5 + ulp, "case %zu %s accumulate %d: data gradient direct vs gemm %.2e", t,
+                    CHECK(e <= 1e-5 + ulp,
+                          "case %zu %s accumulate %d: data gradient direct vs gemm %.2e", t,
                           DT_NAME[dt], acc, e);
                 }
             float *dw1 = malloc(4 * nw), *dw2 = malloc(4 * nw);
@@ -822,11 +896,27 @@ TEST(conv_direct_vs_gemm) {
             e = rel_diff(dw1, dw2, nw, 1e-3);
             worst[2] = fmax(worst[2], e);
             CHECK(e <= 1e-5, "case %zu %s: weight gradient direct vs gemm %.2e", t, DT_NAME[dt], e);
-            free(xv); free(dyv); free(w); free(b); free(d0); free(ws); free(f1); free(f2); free(dw1); free(dw2);
-            free(x.data); free(dy.data); free(y1.data); free(y2.data); free(dx1.data); free(dx2.data);
+            free(xv);
+            free(dyv);
+            free(w);
+            free(b);
+            free(d0);
+            free(ws);
+            free(f1);
+            free(f2);
+            free(dw1);
+            free(dw2);
+            free(x.data);
+            free(dy.data);
+            free(y1.data);
+            free(y2.data);
+            free(dx1.data);
+            free(dx2.data);
         }
     conv_chunk_floats = chunk_floats;
-    if (g_verbose) printf("    worst direct vs gemm: forward %.2e, data %.2e, weight %.2e\n", worst[0], worst[1], worst[2]);
+    if (g_verbose)
+        printf("    worst direct vs gemm: forward %.2e, data %.2e, weight %.2e\n", worst[0],
+               worst[1], worst[2]);
 }
 
 // SAME vs symmetric padding by hand: one row [1 2 3 4], kernel row [1 10 100]
@@ -837,9 +927,11 @@ TEST(conv_padding_by_hand) {
     float x[4] = {1, 2, 3, 4}, w[9] = {0, 0, 0, 1, 10, 100, 0, 0, 0}, y[2];
     Shape in = shape4(1, 1, 4, 1), os = shape4(1, 1, 2, 1);
     ConvCfg same = {1, 1, 3, 3, 2, 1, PAD_SAME, 0}, sym = {1, 1, 3, 3, 2, 1, PAD_SYMMETRIC, 0};
-    size_t wsb = conv2d_workspace_cpu(&ops_cpu, &same, in, DT_F32), wsb2 = conv2d_workspace_cpu(&ops_cpu, &sym, in, DT_F32);
+    size_t wsb = conv2d_workspace_cpu(&ops_cpu, &same, in, DT_F32),
+           wsb2 = conv2d_workspace_cpu(&ops_cpu, &sym, in, DT_F32);
     float *ws = malloc(wsb > wsb2 ? wsb : wsb2);
-    ops_cpu.conv2d_forward(&ops_cpu, &same, tensor_f32(y, os), tensor_f32(x, in), w, NULL, NULL, ws);
+    ops_cpu.conv2d_forward(&ops_cpu, &same, tensor_f32(y, os), tensor_f32(x, in), w, NULL, NULL,
+                           ws);
     CHECK(y[0] == 321 && y[1] == 43, "SAME: got [%g %g], expected [321 43]", y[0], y[1]);
     ops_cpu.conv2d_forward(&ops_cpu, &sym, tensor_f32(y, os), tensor_f32(x, in), w, NULL, NULL, ws);
     CHECK(y[0] == 210 && y[1] == 432, "symmetric: got [%g %g], expected [210 432]", y[0], y[1]);
@@ -867,7 +959,8 @@ TEST(bn_by_hand) {
     CHECK_NEAR(rm, 0.25, 1e-7, "running mean 0.9·0 + 0.1·2.5");
     CHECK_NEAR(rv, 0.9 + 0.1 * 5.0 / 3.0, 1e-6, "running var 0.9·1 + 0.1·(5/3) (unbiased)");
     ops_cpu.bn_forward(&ops_cpu, ty, tx, &mean, &var, &gamma, &beta, 1e-5f, ACT_NONE, NULL);
-    for (int i = 0; i < 4; i++) CHECK_NEAR(y[i], 2.0 * (x[i] - 2.5) / sqrt(1.25 + 1e-5) + 0.5, 1e-5, "bn output");
+    for (int i = 0; i < 4; i++)
+        CHECK_NEAR(y[i], 2.0 * (x[i] - 2.5) / sqrt(1.25 + 1e-5) + 0.5, 1e-5, "bn output");
     ops_cpu.bn_forward(&ops_cpu, ty, tx, &mean, &var, &gamma, &beta, 1e-5f, ACT_RELU, NULL);
     CHECK(y[0] == 0.0f && y[3] > 0.0f, "fused relu");
     // inference with running statistics mean 1, var 3: (x - 1)/2
@@ -892,48 +985,60 @@ TEST(act_by_hand) {
 TEST(resize_by_hand) {
     // [1 3] -> 4 wide: sources -0.25(→0), 0.25, 0.75, 1.25(→ clamps to 1) = [1, 1.5, 2.5, 3]
     float x[2] = {1, 3}, y[4], d[4] = {1, 2, 4, 8}, dx[2];
-    ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(y, shape4(1, 1, 4, 1)), tensor_f32(x, shape4(1, 1, 2, 1)));
-    CHECK(y[0] == 1 && y[1] == 1.5f && y[2] == 2.5f && y[3] == 3, "upsize: [%g %g %g %g]", y[0], y[1], y[2], y[3]);
+    ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(y, shape4(1, 1, 4, 1)),
+                                    tensor_f32(x, shape4(1, 1, 2, 1)));
+    CHECK(y[0] == 1 && y[1] == 1.5f && y[2] == 2.5f && y[3] == 3, "upsize: [%g %g %g %g]", y[0],
+          y[1], y[2], y[3]);
     // adjoint: dx0 = 1 + .75·2 + .25·4 = 3.5, dx1 = .25·2 + .75·4 + 8 = 11.5
-    ops_cpu.resize_bilinear_backward(&ops_cpu, tensor_f32(dx, shape4(1, 1, 2, 1)), tensor_f32(d, shape4(1, 1, 4, 1)), 0);
+    ops_cpu.resize_bilinear_backward(&ops_cpu, tensor_f32(dx, shape4(1, 1, 2, 1)),
+                                     tensor_f32(d, shape4(1, 1, 4, 1)), 0);
     CHECK(dx[0] == 3.5f && dx[1] == 11.5f, "upsize adjoint: [%g %g]", dx[0], dx[1]);
     // [1 2 3 4] -> 2 wide: sources 0.5, 2.5 = [1.5, 3.5]
     float x4[4] = {1, 2, 3, 4}, y2[2];
-    ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(y2, shape4(1, 1, 2, 1)), tensor_f32(x4, shape4(1, 1, 4, 1)));
+    ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(y2, shape4(1, 1, 2, 1)),
+                                    tensor_f32(x4, shape4(1, 1, 4, 1)));
     CHECK(y2[0] == 1.5f && y2[1] == 3.5f, "downsize: [%g %g]", y2[0], y2[1]);
 }
 
 TEST(pool_upsample_by_hand) {
     // 3×3 input, one channel: the pool reads the top-left 2×2 only (floor)
     float x[9] = {1, 5, 9, 5, 2, 9, 9, 9, 9}, y[1], dy[1] = {7}, dx[9];
-    ops_cpu.maxpool2_forward(&ops_cpu, tensor_f32(y, shape4(1, 1, 1, 1)), tensor_f32(x, shape4(1, 3, 3, 1)));
+    ops_cpu.maxpool2_forward(&ops_cpu, tensor_f32(y, shape4(1, 1, 1, 1)),
+                             tensor_f32(x, shape4(1, 3, 3, 1)));
     CHECK(y[0] == 5, "maxpool of [1 5; 5 2] = %g", y[0]);
-    ops_cpu.maxpool2_backward(&ops_cpu, tensor_f32(dx, shape4(1, 3, 3, 1)), tensor_f32(dy, shape4(1, 1, 1, 1)),
-                              tensor_f32(x, shape4(1, 3, 3, 1)), 0);
+    ops_cpu.maxpool2_backward(&ops_cpu, tensor_f32(dx, shape4(1, 3, 3, 1)),
+                              tensor_f32(dy, shape4(1, 1, 1, 1)), tensor_f32(x, shape4(1, 3, 3, 1)),
+                              0);
     float want[9] = {0, 7, 0, 0, 0, 0, 0, 0, 0};  // tie 5/5: the first in row-major order
     CHECK(!memcmp(dx, want, sizeof want), "maxpool backward routes to the first maximum only");
     float u[2] = {1, 2}, uy[8], ud[8] = {1, 2, 3, 4, 5, 6, 7, 8}, udx[2];
-    ops_cpu.upsample2_forward(&ops_cpu, tensor_f32(uy, shape4(1, 2, 4, 1)), tensor_f32(u, shape4(1, 1, 2, 1)));
+    ops_cpu.upsample2_forward(&ops_cpu, tensor_f32(uy, shape4(1, 2, 4, 1)),
+                              tensor_f32(u, shape4(1, 1, 2, 1)));
     float uw[8] = {1, 1, 2, 2, 1, 1, 2, 2};
     CHECK(!memcmp(uy, uw, sizeof uw), "nearest upsample");
-    ops_cpu.upsample2_backward(&ops_cpu, tensor_f32(udx, shape4(1, 1, 2, 1)), tensor_f32(ud, shape4(1, 2, 4, 1)), 0);
-    CHECK(udx[0] == 1 + 2 + 5 + 6 && udx[1] == 3 + 4 + 7 + 8, "upsample adjoint sums its 2x2: [%g %g]", udx[0], udx[1]);
+    ops_cpu.upsample2_backward(&ops_cpu, tensor_f32(udx, shape4(1, 1, 2, 1)),
+                               tensor_f32(ud, shape4(1, 2, 4, 1)), 0);
+    CHECK(udx[0] == 1 + 2 + 5 + 6 && udx[1] == 3 + 4 + 7 + 8,
+          "upsample adjoint sums its 2x2: [%g %g]", udx[0], udx[1]);
     // global average pool and channel scale
     float g[8] = {1, 10, 2, 20, 3, 30, 4, 40}, gp[2];  // (1,2,2,2)
-    ops_cpu.global_avg_pool_forward(&ops_cpu, tensor_f32(gp, shape4(1, 1, 1, 2)), tensor_f32(g, shape4(1, 2, 2, 2)));
+    ops_cpu.global_avg_pool_forward(&ops_cpu, tensor_f32(gp, shape4(1, 1, 1, 2)),
+                                    tensor_f32(g, shape4(1, 2, 2, 2)));
     CHECK(gp[0] == 2.5f && gp[1] == 25.0f, "global average pool: [%g %g]", gp[0], gp[1]);
     float s[2] = {2, -1}, gs[8];
-    ops_cpu.channel_scale_forward(&ops_cpu, tensor_f32(gs, shape4(1, 2, 2, 2)), tensor_f32(g, shape4(1, 2, 2, 2)),
+    ops_cpu.channel_scale_forward(&ops_cpu, tensor_f32(gs, shape4(1, 2, 2, 2)),
+                                  tensor_f32(g, shape4(1, 2, 2, 2)),
                                   tensor_f32(s, shape4(1, 1, 1, 2)));
     CHECK(gs[0] == 2 && gs[1] == -10 && gs[7] == -40, "channel scale");
     // concat and its split
     float a[2] = {1, 2}, b[4] = {3, 4, 5, 6}, c[6], da[2], db[4];
-    ops_cpu.concat_forward(&ops_cpu, tensor_f32(c, shape4(1, 1, 2, 3)), tensor_f32(a, shape4(1, 1, 2, 1)),
-                           tensor_f32(b, shape4(1, 1, 2, 2)));
+    ops_cpu.concat_forward(&ops_cpu, tensor_f32(c, shape4(1, 1, 2, 3)),
+                           tensor_f32(a, shape4(1, 1, 2, 1)), tensor_f32(b, shape4(1, 1, 2, 2)));
     float cw[6] = {1, 3, 4, 2, 5, 6};
     CHECK(!memcmp(c, cw, sizeof cw), "concat along channels");
-    ops_cpu.concat_backward(&ops_cpu, tensor_f32(da, shape4(1, 1, 2, 1)), tensor_f32(db, shape4(1, 1, 2, 2)),
-                            tensor_f32(c, shape4(1, 1, 2, 3)), 0, 0);
+    ops_cpu.concat_backward(&ops_cpu, tensor_f32(da, shape4(1, 1, 2, 1)),
+                            tensor_f32(db, shape4(1, 1, 2, 2)), tensor_f32(c, shape4(1, 1, 2, 3)),
+                            0, 0);
     CHECK(!memcmp(da, a, sizeof a) && !memcmp(db, b, sizeof b), "concat backward splits");
 }
 
@@ -946,21 +1051,25 @@ TEST(softmax_xent_by_hand) {
     int32_t y[3] = {1, 0, 5};
     float stats[3] = {0, 0, 0}, dz[6];
     Tensor tz = tensor_f32(z, shape4(1, 1, 3, 2));
-    ops_cpu.softmax_xent(&ops_cpu, tz, y, w, 0.0f, &(float){0.5f}, stats, tensor_f32(dz, shape4(1, 1, 3, 2)));
+    ops_cpu.softmax_xent(&ops_cpu, tz, y, w, 0.0f, &(float){0.5f}, stats,
+                         tensor_f32(dz, shape4(1, 1, 3, 2)));
     CHECK_NEAR(stats[0], 2.0 * log(4.0 / 3.0), 1e-6, "weighted nll sum");
     CHECK_NEAR(stats[1], 2.0, 0, "weight sum");
     CHECK_NEAR(stats[2], 1.0, 0, "invalid labels");
     CHECK_NEAR(dz[0], 2.0 * 0.25 * 0.5, 1e-7, "dz A class 0 = w·p·inv_norm");
     CHECK_NEAR(dz[1], 2.0 * (0.75 - 1.0) * 0.5, 1e-7, "dz A class 1 = w·(p-1)·inv_norm");
-    CHECK(dz[2] == 0 && dz[3] == 0 && dz[4] == 0 && dz[5] == 0, "weight-0 and invalid pixels have zero gradient");
+    CHECK(dz[2] == 0 && dz[3] == 0 && dz[4] == 0 && dz[5] == 0,
+          "weight-0 and invalid pixels have zero gradient");
     CHECK_NEAR(label_weight_sum(y, 3, w, 2), 2.0, 0, "label_weight_sum");
     // stats add up over calls (micro-batches)
-    ops_cpu.softmax_xent(&ops_cpu, tz, y, w, 0.0f, &(float){0.5f}, stats, tensor_f32(NULL, tz.shape));
+    ops_cpu.softmax_xent(&ops_cpu, tz, y, w, 0.0f, &(float){0.5f}, stats,
+                         tensor_f32(NULL, tz.shape));
     CHECK_NEAR(stats[1], 4.0, 0, "stats accumulate");
     // extreme logits stay finite
     float big[2] = {1000.0f, -1000.0f}, s2[3] = {0, 0, 0}, w1[2] = {1, 1};
     int32_t y1 = 1;
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(big, shape4(1, 1, 1, 2)), &y1, w1, 0.0f, &(float){1.0f}, s2, tensor_f32(NULL, shape4(1, 1, 1, 2)));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(big, shape4(1, 1, 1, 2)), &y1, w1, 0.0f,
+                         &(float){1.0f}, s2, tensor_f32(NULL, shape4(1, 1, 1, 2)));
     CHECK_NEAR(s2[0], 2000.0, 1e-3, "nll of a logit 2000 below the max");
 }
 
@@ -975,13 +1084,18 @@ TEST(softmax_xent_grad) {
     Shape s = shape4(2, 3, 4, K);
     float inv = (float)(1.0 / label_weight_sum(y, M, w, K));
     float st0[3] = {0, 0, 0};
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, 0.0f, &(float){inv}, st0, tensor_f32(dz, s));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, 0.0f, &(float){inv}, st0,
+                         tensor_f32(dz, s));
     double maxfd = 0, maxdiff = 0;
     const float h = 1e-2f;
     for (int i = 0; i < M * K; i++) {
         float keep = z[i], sp[3] = {0, 0, 0}, sm[3] = {0, 0, 0};
-        z[i] = keep + h; ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, 0.0f, &(float){inv}, sp, tensor_f32(NULL, s));
-        z[i] = keep - h; ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, 0.0f, &(float){inv}, sm, tensor_f32(NULL, s));
+        z[i] = keep + h;
+        ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, 0.0f, &(float){inv}, sp,
+                             tensor_f32(NULL, s));
+        z[i] = keep - h;
+        ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, w, 0.0f, &(float){inv}, sm,
+                             tensor_f32(NULL, s));
         z[i] = keep;
         double fd = ((double)sp[0] - sm[0]) / (2.0 * h) * inv;  // d(Σ w·nll / Σ w)/dz
         if (fabs(fd) > maxfd) maxfd = fabs(fd);
@@ -1002,65 +1116,88 @@ TEST(softmax_xent_grad) {
 TEST(se_gate_matches_layers) {
     enum { N = 3, C = 24, S = 6 };
     Rng r; rng_seed(&r, 31);
-    float *p = randn(&r, (size_t)N * C, 1.0f), *w1 = randn(&r, (size_t)S * C, 0.3f), *b1 = randn(&r, S, 0.3f);
-    float *w2 = randn(&r, (size_t)C * S, 0.3f), *b2 = randn(&r, C, 0.3f), *ds = randn(&r, (size_t)N * C, 1.0f);
+    float *p = randn(&r, (size_t)N * C, 1.0f), *w1 = randn(&r, (size_t)S * C, 0.3f),
+          *b1 = randn(&r, S, 0.3f);
+    float *w2 = randn(&r, (size_t)C * S, 0.3f), *b2 = randn(&r, C, 0.3f),
+          *ds = randn(&r, (size_t)N * C, 1.0f);
     const Shape sp = shape4(N, 1, 1, C), sz = shape4(N, 1, 1, S);
     const ConvCfg fc1 = {C, S, 1, 1, 1, 1, PAD_SAME, 1}, fc2 = {S, C, 1, 1, 1, 1, PAD_SAME, 1};
     float s_fused[N * C], z1[N * S], y1[N * S], z2[N * C], s_layers[N * C];
     float ws[4096];
-    ops_cpu.se_gate_forward(&ops_cpu, tensor_f32(s_fused, sp), tensor_f32(p, sp), w1, b1, w2, b2, S, ACT_SILU, ACT_SIGMOID);
+    ops_cpu.se_gate_forward(&ops_cpu, tensor_f32(s_fused, sp), tensor_f32(p, sp), w1, b1, w2, b2, S,
+                            ACT_SILU, ACT_SIGMOID);
     ops_cpu.conv2d_forward(&ops_cpu, &fc1, tensor_f32(z1, sz), tensor_f32(p, sp), w1, NULL, b1, ws);
     ops_cpu.act_forward(&ops_cpu, ACT_SILU, tensor_f32(y1, sz), tensor_f32(z1, sz));
-    ops_cpu.conv2d_forward(&ops_cpu, &fc2, tensor_f32(z2, sp), tensor_f32(y1, sz), w2, NULL, b2, ws);
+    ops_cpu.conv2d_forward(&ops_cpu, &fc2, tensor_f32(z2, sp), tensor_f32(y1, sz), w2, NULL, b2,
+                           ws);
     ops_cpu.act_forward(&ops_cpu, ACT_SIGMOID, tensor_f32(s_layers, sp), tensor_f32(z2, sp));
-    CHECK(rel_diff(s_fused, s_layers, (size_t)N * C, 1e-30) < 1e-5, "se gate forward: %.3g from the layers",
+    CHECK(rel_diff(s_fused, s_layers, (size_t)N * C, 1e-30) < 1e-5,
+          "se gate forward: %.3g from the layers",
           rel_diff(s_fused, s_layers, (size_t)N * C, 1e-30));
     // backward, into dp = 0.5 (accumulate) and zeroed parameter gradients
     float dp_f[N * C], dw1_f[S * C] = {0}, db1_f[S] = {0}, dw2_f[C * S] = {0}, db2_f[C] = {0};
     float dp_l[N * C], dw1_l[S * C] = {0}, db1_l[S] = {0}, dw2_l[C * S] = {0}, db2_l[C] = {0};
     float dz2[N * C], dy1[N * S], dz1[N * S];
     for (int i = 0; i < N * C; i++) dp_f[i] = dp_l[i] = 0.5f;
-    ops_cpu.se_gate_backward(&ops_cpu, tensor_f32(dp_f, sp), tensor_f32(ds, sp), tensor_f32(p, sp), w1, b1, w2, b2, S,
-                             ACT_SILU, ACT_SIGMOID, dw1_f, db1_f, dw2_f, db2_f, 1);
-    ops_cpu.act_backward(&ops_cpu, ACT_SIGMOID, tensor_f32(dz2, sp), tensor_f32(ds, sp), tensor_f32(z2, sp), 0);
-    ops_cpu.conv2d_backward_weight(&ops_cpu, &fc2, dw2_l, db2_l, tensor_f32(dz2, sp), tensor_f32(y1, sz), ws);
-    ops_cpu.conv2d_backward_data(&ops_cpu, &fc2, tensor_f32(dy1, sz), tensor_f32(dz2, sp), w2, NULL, 0, ws);
-    ops_cpu.act_backward(&ops_cpu, ACT_SILU, tensor_f32(dz1, sz), tensor_f32(dy1, sz), tensor_f32(z1, sz), 0);
-    ops_cpu.conv2d_backward_weight(&ops_cpu, &fc1, dw1_l, db1_l, tensor_f32(dz1, sz), tensor_f32(p, sp), ws);
-    ops_cpu.conv2d_backward_data(&ops_cpu, &fc1, tensor_f32(dp_l, sp), tensor_f32(dz1, sz), w1, NULL, 1, ws);
-    const struct { const char *name; const float *a, *b; size_t n; } pairs[5] = {
-        {"dp", dp_f, dp_l, (size_t)N * C}, {"dW1", dw1_f, dw1_l, (size_t)S * C}, {"db1", db1_f, db1_l, S},
-        {"dW2", dw2_f, dw2_l, (size_t)C * S}, {"db2", db2_f, db2_l, C}};
+    ops_cpu.se_gate_backward(&ops_cpu, tensor_f32(dp_f, sp), tensor_f32(ds, sp), tensor_f32(p, sp),
+                             w1, b1, w2, b2, S, ACT_SILU, ACT_SIGMOID, dw1_f, db1_f, dw2_f, db2_f,
+                             1);
+    ops_cpu.act_backward(&ops_cpu, ACT_SIGMOID, tensor_f32(dz2, sp), tensor_f32(ds, sp),
+                         tensor_f32(z2, sp), 0);
+    ops_cpu.conv2d_backward_weight(&ops_cpu, &fc2, dw2_l, db2_l, tensor_f32(dz2, sp),
+                                   tensor_f32(y1, sz), ws);
+    ops_cpu.conv2d_backward_data(&ops_cpu, &fc2, tensor_f32(dy1, sz), tensor_f32(dz2, sp), w2, NULL,
+                                 0, ws);
+    ops_cpu.act_backward(&ops_cpu, ACT_SILU, tensor_f32(dz1, sz), tensor_f32(dy1, sz),
+                         tensor_f32(z1, sz), 0);
+    ops_cpu.conv2d_backward_weight(&ops_cpu, &fc1, dw1_l, db1_l, tensor_f32(dz1, sz),
+                                   tensor_f32(p, sp), ws);
+    ops_cpu.conv2d_backward_data(&ops_cpu, &fc1, tensor_f32(dp_l, sp), tensor_f32(dz1, sz), w1,
+                                 NULL, 1, ws);
+    const struct { const char *name; const float *a, *b; size_t n;
+    } pairs[5] = {{"dp", dp_f, dp_l, (size_t)N * C},
+                  {"dW1", dw1_f, dw1_l, (size_t)S * C},
+                  {"db1", db1_f, db1_l, S},
+                  {"dW2", dw2_f, dw2_l, (size_t)C * S},
+                  {"db2", db2_f, db2_l, C}};
     for (int k = 0; k < 5; k++)
-        CHECK(rel_diff(pairs[k].a, pairs[k].b, pairs[k].n, 1e-30) < 1e-5, "se gate backward %s: %.3g from the layers",
-              pairs[k].name, rel_diff(pairs[k].a, pairs[k].b, pairs[k].n, 1e-30));
+        CHECK(rel_diff(pairs[k].a, pairs[k].b, pairs[k].n, 1e-30) < 1e-5,
+              "se gate backward %s: %.3g from the layers", pairs[k].name,
+              rel_diff(pairs[k].a, pairs[k].b, pairs[k].n, 1e-30));
     free(p); free(w1); free(b1); free(w2); free(b2); free(ds);
 }
 
 TEST(dropout_masks) {
     const size_t n = 100000;
-    float *x = malloc(sizeof(float) * n), *y = malloc(sizeof(float) * n), *y2 = malloc(sizeof(float) * n);
+    float *x = malloc(sizeof(float) * n), *y = malloc(sizeof(float) * n),
+          *y2 = malloc(sizeof(float) * n);
     float *dx = malloc(sizeof(float) * n);
     for (size_t i = 0; i < n; i++) x[i] = 1.0f;
     Shape s = shape4(10, 10, 100, 10);
     const float rate = 0.3f;
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), NO_RESIDUAL, rate, &(uint64_t){42}, 0, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), NO_RESIDUAL, rate,
+                            &(uint64_t){42}, 0, 0);
     size_t kept = 0;
     int scaled = 1;
     for (size_t i = 0; i < n; i++) {
         if (y[i] != 0.0f) { kept++; scaled &= y[i] == 1.0f / (1.0f - rate); }
     }
     double frac = (double)kept / n, sigma = sqrt(rate * (1 - rate) / n);
-    CHECK(fabs(frac - (1 - rate)) < 5 * sigma, "kept fraction %.4f, expected %.2f ± %.4f", frac, 1 - rate, 5 * sigma);
+    CHECK(fabs(frac - (1 - rate)) < 5 * sigma, "kept fraction %.4f, expected %.2f ± %.4f", frac,
+          1 - rate, 5 * sigma);
     CHECK(scaled, "kept values are scaled by 1/(1 - rate)");
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), NO_RESIDUAL, rate, &(uint64_t){42}, 0, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), NO_RESIDUAL, rate,
+                            &(uint64_t){42}, 0, 0);
     CHECK(!memcmp(y, y2, sizeof(float) * n), "same seed, same mask");
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), NO_RESIDUAL, rate, &(uint64_t){43}, 0, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), NO_RESIDUAL, rate,
+                            &(uint64_t){43}, 0, 0);
     CHECK(memcmp(y, y2, sizeof(float) * n) != 0, "another seed, another mask");
-    ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, s), NO_RESIDUAL, tensor_f32(x, s), rate, &(uint64_t){42}, 0, 0, 0, 0);
+    ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, s), NO_RESIDUAL, tensor_f32(x, s), rate,
+                             &(uint64_t){42}, 0, 0, 0, 0);
     CHECK(!memcmp(y, dx, sizeof(float) * n), "backward recomputes the forward mask");
     // drop-path: all or nothing per sample
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), NO_RESIDUAL, 0.5f, &(uint64_t){7}, 1, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), NO_RESIDUAL, 0.5f,
+                            &(uint64_t){7}, 1, 0);
     int whole = 1, dropped = 0;
     size_t per = n / 10;
     for (int k = 0; k < 10; k++) {
@@ -1073,28 +1210,36 @@ TEST(dropout_masks) {
     // a batch split in parts (replica shards, micro-batches) draws the masks of the
     // whole batch: samples 0..3 and 4..9 given first_sample 0 and 4
     for (int per_sample = 0; per_sample < 2; per_sample++) {
-        ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), NO_RESIDUAL, 0.5f, &(uint64_t){9}, per_sample, 0);
-        ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, shape4(4, 10, 100, 10)), tensor_f32(x, shape4(4, 10, 100, 10)), NO_RESIDUAL,
-                                0.5f, &(uint64_t){9}, per_sample, 0);
+        ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), NO_RESIDUAL, 0.5f,
+                                &(uint64_t){9}, per_sample, 0);
+        ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, shape4(4, 10, 100, 10)),
+                                tensor_f32(x, shape4(4, 10, 100, 10)), NO_RESIDUAL, 0.5f,
+                                &(uint64_t){9}, per_sample, 0);
         ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2 + 4 * per, shape4(6, 10, 100, 10)),
-                                tensor_f32(x, shape4(6, 10, 100, 10)), NO_RESIDUAL, 0.5f, &(uint64_t){9}, per_sample, 4);
-        CHECK(!memcmp(y, y2, sizeof(float) * n), "%s masks of a batch in two parts differ from the whole batch's",
+                                tensor_f32(x, shape4(6, 10, 100, 10)), NO_RESIDUAL, 0.5f,
+                                &(uint64_t){9}, per_sample, 4);
+        CHECK(!memcmp(y, y2, sizeof(float) * n),
+              "%s masks of a batch in two parts differ from the whole batch's",
               per_sample ? "drop-path" : "dropout");
-        ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, shape4(6, 10, 100, 10)), NO_RESIDUAL, tensor_f32(x, shape4(6, 10, 100, 10)),
-                                 0.5f, &(uint64_t){9}, per_sample, 4, 0, 0);
-        CHECK(!memcmp(y + 4 * per, dx, sizeof(float) * 6 * per), "backward of the second part: its masks");
+        ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, shape4(6, 10, 100, 10)), NO_RESIDUAL,
+                                 tensor_f32(x, shape4(6, 10, 100, 10)), 0.5f, &(uint64_t){9},
+                                 per_sample, 4, 0, 0);
+        CHECK(!memcmp(y + 4 * per, dx, sizeof(float) * 6 * per),
+              "backward of the second part: its masks");
     }
     // a residual block's end (drop-path + residual): y = x·keep + res, dres = dy, dx = dy·keep
     // (x = 1, res = 3, keep 0 or 2: every value exact); then added into dres = 1
     float *res = malloc(sizeof(float) * n), *dres = malloc(sizeof(float) * n);
     for (size_t i = 0; i < n; i++) { res[i] = 3.0f; dres[i] = 1.0f; }
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), NO_RESIDUAL, 0.5f, &(uint64_t){7}, 1, 0);
-    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), tensor_f32(res, s), 0.5f, &(uint64_t){7}, 1, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), NO_RESIDUAL, 0.5f,
+                            &(uint64_t){7}, 1, 0);
+    ops_cpu.dropout_forward(&ops_cpu, tensor_f32(y2, s), tensor_f32(x, s), tensor_f32(res, s), 0.5f,
+                            &(uint64_t){7}, 1, 0);
     int sums = 1;
     for (size_t i = 0; i < n; i++) sums &= y2[i] == y[i] + 3.0f;
     CHECK(sums, "drop-path + residual: y is not the drop-path's output + 3");
-    ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, s), tensor_f32(dres, s), tensor_f32(x, s), 0.5f, &(uint64_t){7}, 1, 0,
-                             0, 1);
+    ops_cpu.dropout_backward(&ops_cpu, tensor_f32(dx, s), tensor_f32(dres, s), tensor_f32(x, s),
+                             0.5f, &(uint64_t){7}, 1, 0, 0, 1);
     int grads = 1;
     for (size_t i = 0; i < n; i++) grads &= dx[i] == y[i] && dres[i] == 2.0f;
     CHECK(grads, "drop-path + residual backward: dx is not dy·keep or dres is not 1 + dy");
@@ -1111,13 +1256,15 @@ TEST(fp16_by_hand) {
     CHECK(f16_bits_of(1.0f) == 0x3C00, "1.0");
     CHECK(f16_bits_of(-2.0f) == 0xC000, "-2.0");
     CHECK(f16_bits_of(65504.0f) == 0x7BFF, "largest half");
-    CHECK(f16_bits_of(65520.0f) == 0x7C00, "65520 is a tie: rounds to even, which overflows to inf");
+    CHECK(f16_bits_of(65520.0f) == 0x7C00,
+          "65520 is a tie: rounds to even, which overflows to inf");
     CHECK(f16_bits_of(1.0f + ldexpf(1, -11)) == 0x3C00, "tie 1 + 2^-11 rounds to even (down)");
     CHECK(f16_bits_of(1.0f + 3 * ldexpf(1, -11)) == 0x3C02, "tie 1 + 3·2^-11 rounds to even (up)");
     CHECK(f16_bits_of(ldexpf(1, -24)) == 0x0001, "smallest subnormal");
     CHECK(f16_bits_of(ldexpf(1, -25)) == 0x0000, "half the smallest subnormal: tie to even (zero)");
     CHECK(f16_bits_of(3 * ldexpf(1, -26)) == 0x0001, "0.75 of the smallest subnormal rounds up");
-    CHECK(f16_bits_of(ldexpf(1, -14) - ldexpf(1, -25)) == 0x0400, "rounds up into the smallest normal");
+    CHECK(f16_bits_of(ldexpf(1, -14) - ldexpf(1, -25)) == 0x0400,
+          "rounds up into the smallest normal");
     CHECK(f16_bits_of(INFINITY) == 0x7C00 && f16_bits_of(-INFINITY) == 0xFC00, "inf");
     uint16_t nan = f16_bits_of(NAN);
     CHECK((nan & 0x7C00) == 0x7C00 && (nan & 0x3FF), "NaN stays NaN");
@@ -1136,12 +1283,16 @@ TEST(fp16_vs_compiler) {
     int bad = 0;
     for (int i = 0; i < 200000; i++) {
         // random bit patterns over the whole float range, plus values near the half range
-        float f = i % 2 ? bits_f32((uint32_t)rng_next(&r)) : ldexpf(rng_normal(&r), (int)(rng_next(&r) % 40) - 28);
+        float f = i % 2 ? bits_f32((uint32_t)rng_next(&r))
+                        : ldexpf(rng_normal(&r), (int)(rng_next(&r) % 40) - 28);
         if (isnan(f)) continue;
         _Float16 h = (_Float16)f;
         uint16_t want;
         memcpy(&want, &h, 2);
-        if (f32_to_f16(f) != want) { if (bad < 3) printf("    %a: got %04x, compiler %04x\n", f, f32_to_f16(f), want); bad++; }
+        if (f32_to_f16(f) != want) {
+            if (bad < 3) printf("    %a: got %04x, compiler %04x\n", f, f32_to_f16(f), want);
+            bad++;
+        }
         if ((float)h != f16_to_f32(want)) bad++;
     }
     CHECK(bad == 0, "%d conversions differ from the compiler's _Float16", bad);
@@ -1156,7 +1307,8 @@ TEST(bf16_by_hand) {
     CHECK(f32_to_bf16(1.0f + 3 * ldexpf(1, -8)) == 0x3F82, "tie rounds to even (up)");
     CHECK(f32_to_bf16(1.0f + ldexpf(1, -8) + ldexpf(1, -20)) == 0x3F81, "above the tie rounds up");
     CHECK(f32_to_bf16(bits_f32(0x7F7F0000u)) == 0x7F7F, "the largest bf16 is exact");
-    CHECK(f32_to_bf16(bits_f32(0x7F7FFFFFu)) == 0x7F80, "the largest float is past the last tie: inf");
+    CHECK(f32_to_bf16(bits_f32(0x7F7FFFFFu)) == 0x7F80,
+          "the largest float is past the last tie: inf");
     uint16_t nan = f32_to_bf16(NAN);
     CHECK((nan & 0x7F80) == 0x7F80 && (nan & 0x7F), "NaN stays NaN");
     CHECK(bf16_to_f32(0xC0A0) == -5.0f, "0xC0A0 = -5");
@@ -1178,9 +1330,18 @@ TEST(fastdiv) {
     long bad = 0, checked = 0;
     for (uint32_t d = 1; d <= 4096; d++) {
         const FastDiv f = fastdiv_make(d);
-        const uint32_t ns[] = {0, 1, d - 1, d, d + 1, 7 * d - 1, 7 * d, (1u << 31) - 1, (1u << 31) - 2,
+        const uint32_t ns[] = {0,
+                               1,
+                               d - 1,
+                               d,
+                               d + 1,
+                               7 * d - 1,
+                               7 * d,
+                               (1u << 31) - 1,
+                               (1u << 31) - 2,
                                (1u << 31) - 1 - ((1u << 31) - 1) % d};
-        for (int k = 0; k < (int)(sizeof ns / sizeof ns[0]); k++, checked++) bad += fastdiv(f, ns[k]) != ns[k] / d;
+        for (int k = 0; k < (int)(sizeof ns / sizeof ns[0]); k++, checked++)
+            bad += fastdiv(f, ns[k]) != ns[k] / d;
         for (int k = 0; k < 64; k++, checked++) {
             const uint32_t n = (uint32_t)(rng_next(&r) >> 33);
             bad += fastdiv(f, n) != n / d;
@@ -1221,7 +1382,8 @@ TEST(utilities) {
     CHECK(h[0] == 0x3C00 && h[3] == 0xC400, "cast fp32 -> fp16");
     ops_cpu.scale(&ops_cpu, th, 2.0f);
     ops_cpu.copy(&ops_cpu, tensor_f32(a, s5), th, 1);
-    CHECK(a[0] == 3 && a[1] == 6 && a[3] == -12, "fp16 -> fp32 accumulate after scale: [%g %g %g]", a[0], a[1], a[3]);
+    CHECK(a[0] == 3 && a[1] == 6 && a[3] == -12, "fp16 -> fp32 accumulate after scale: [%g %g %g]",
+          a[0], a[1], a[3]);
     uint16_t bf[5];
     Tensor tb = tensor(bf, s5, DT_BF16);
     ops_cpu.copy(&ops_cpu, tb, th, 0);
@@ -1237,7 +1399,9 @@ static double max_ulp_diff(Tensor t, const float *ref) {
     double worst = 0;
     for (size_t i = 0; i < shape_numel(t.shape); i++) {
         float got = ld(t, i), want = dtype_round(t.dtype, ref[i]);
-        float ulp = dtype_round(t.dtype, fabsf(want) * (t.dtype == DT_F16 ? 1.0009765625f : 1.0078125f)) - fabsf(want);
+        float ulp = dtype_round(t.dtype,
+                                fabsf(want) * (t.dtype == DT_F16 ? 1.0009765625f : 1.0078125f)) -
+                    fabsf(want);
         if (ulp <= 0) ulp = 1e-7f;
         double d = fabs(got - want) / ulp;
         if (d > worst) worst = d;
@@ -1258,7 +1422,9 @@ TEST(storage_types) {
         uint16_t *xs = malloc(2 * nx);
         Tensor tx = tensor(xs, in, dt);
         ops_cpu.copy(&ops_cpu, tx, tensor_f32(x, in), 0);
-        ConvCfg cfgs[3] = {{4, 6, 3, 3, 2, 1, PAD_SAME, 1}, {4, 5, 1, 1, 1, 1, PAD_SAME, 1}, {4, 4, 3, 3, 1, 4, PAD_SAME, 1}};
+        ConvCfg cfgs[3] = {{4, 6, 3, 3, 2, 1, PAD_SAME, 1},
+                           {4, 5, 1, 1, 1, 1, PAD_SAME, 1},
+                           {4, 4, 3, 3, 1, 4, PAD_SAME, 1}};
         const char *names[3] = {"3x3 conv", "1x1 conv", "depthwise conv"};
         for (int c = 0; c < 3; c++) {
             ConvCfg *cfg = &cfgs[c];
@@ -1266,44 +1432,66 @@ TEST(storage_types) {
             conv_axis(in.h, cfg->kh, cfg->stride, cfg->pad, &oh, &p);
             conv_axis(in.w, cfg->kw, cfg->stride, cfg->pad, &ow, &p);
             Shape os = shape4(in.n, oh, ow, cfg->cout);
-            float *w = randn(&r, (size_t)cfg->cout * cfg->kh * cfg->kw * (cfg->cin / cfg->groups), 0.4f), *b = randn(&r, cfg->cout, 1.0f);
+            float *w = randn(&r, (size_t)cfg->cout * cfg->kh * cfg->kw * (cfg->cin / cfg->groups),
+                             0.4f),
+                  *b = randn(&r, cfg->cout, 1.0f);
             float *y32 = malloc(sizeof(float) * shape_numel(os));
             uint16_t *ys = malloc(2 * shape_numel(os));
-            size_t wsb = conv2d_workspace_cpu(&ops_cpu, cfg, in, dt), wsf = conv2d_workspace_cpu(&ops_cpu, cfg, in, DT_F32);
+            size_t wsb = conv2d_workspace_cpu(&ops_cpu, cfg, in, dt),
+                   wsf = conv2d_workspace_cpu(&ops_cpu, cfg, in, DT_F32);
             void *ws = malloc((wsb > wsf ? wsb : wsf) + 1);
-            ops_cpu.conv2d_forward(&ops_cpu, cfg, tensor_f32(y32, os), tensor_f32(x, in), w, NULL, b, ws);
+            ops_cpu.conv2d_forward(&ops_cpu, cfg, tensor_f32(y32, os), tensor_f32(x, in), w, NULL,
+                                   b, ws);
             ops_cpu.conv2d_forward(&ops_cpu, cfg, tensor(ys, os, dt), tx, w, NULL, b, ws);
             double u = max_ulp_diff(tensor(ys, os, dt), y32);
-            CHECK(u <= 1.0, "%s %s forward: %.2f units in the last place from fp32", dn, names[c], u);
+            CHECK(u <= 1.0, "%s %s forward: %.2f units in the last place from fp32", dn, names[c],
+                  u);
             // backward data and weight with the output gradient stored in dt
             float *dy = randn(&r, shape_numel(os), 1.0f);
             for (size_t i = 0; i < shape_numel(os); i++) dy[i] = dtype_round(dt, dy[i]);
             ops_cpu.copy(&ops_cpu, tensor(ys, os, dt), tensor_f32(dy, os), 0);
             float *dx32 = malloc(sizeof(float) * nx);
             uint16_t *dxs = malloc(2 * nx);
-            ops_cpu.conv2d_backward_data(&ops_cpu, cfg, tensor_f32(dx32, in), tensor_f32(dy, os), w, NULL, 0, ws);
-            ops_cpu.conv2d_backward_data(&ops_cpu, cfg, tensor(dxs, in, dt), tensor(ys, os, dt), w, NULL, 0, ws);
+            ops_cpu.conv2d_backward_data(&ops_cpu, cfg, tensor_f32(dx32, in), tensor_f32(dy, os), w,
+                                         NULL, 0, ws);
+            ops_cpu.conv2d_backward_data(&ops_cpu, cfg, tensor(dxs, in, dt), tensor(ys, os, dt), w,
+                                         NULL, 0, ws);
             u = max_ulp_diff(tensor(dxs, in, dt), dx32);
             CHECK(u <= 1.0, "%s %s backward data: %.2f ulp", dn, names[c], u);
             size_t nw = (size_t)cfg->cout * cfg->kh * cfg->kw * (cfg->cin / cfg->groups);
             float *dw32 = calloc(nw, sizeof(float)), *dws = calloc(nw, sizeof(float));
-            ops_cpu.conv2d_backward_weight(&ops_cpu, cfg, dw32, NULL, tensor_f32(dy, os), tensor_f32(x, in), ws);
+            ops_cpu.conv2d_backward_weight(&ops_cpu, cfg, dw32, NULL, tensor_f32(dy, os),
+                                           tensor_f32(x, in), ws);
             ops_cpu.conv2d_backward_weight(&ops_cpu, cfg, dws, NULL, tensor(ys, os, dt), tx, ws);
             double dmax = 0;
-            for (size_t i = 0; i < nw; i++) dmax = fmax(dmax, fabs(dw32[i] - dws[i]) / (1e-3 + fabs(dw32[i])));
-            CHECK(dmax < 1e-5, "%s %s backward weight (fp32 result) differs by %.3g", dn, names[c], dmax);
-            free(w); free(b); free(y32); free(ys); free(ws); free(dy); free(dx32); free(dxs); free(dw32); free(dws);
+            for (size_t i = 0; i < nw; i++)
+                dmax = fmax(dmax, fabs(dw32[i] - dws[i]) / (1e-3 + fabs(dw32[i])));
+            CHECK(dmax < 1e-5, "%s %s backward weight (fp32 result) differs by %.3g", dn, names[c],
+                  dmax);
+            free(w);
+            free(b);
+            free(y32);
+            free(ys);
+            free(ws);
+            free(dy);
+            free(dx32);
+            free(dxs);
+            free(dw32);
+            free(dws);
         }
         // batch norm + SiLU forward with the stats of the rounded input
         float mean[4], var[4], gam[4] = {1, 0.5f, 2, -1}, bet[4] = {0, 0.1f, -0.2f, 0.3f};
         ops_cpu.bn_stats(&ops_cpu, tx, mean, var, NULL, NULL, 0.0f, NULL);
         float m32[4], v32[4];
         ops_cpu.bn_stats(&ops_cpu, tensor_f32(x, in), m32, v32, NULL, NULL, 0.0f, NULL);
-        CHECK(!memcmp(mean, m32, sizeof mean) && !memcmp(var, v32, sizeof var), "%s bn statistics equal fp32's", dn);
+        CHECK(!memcmp(mean, m32, sizeof mean) && !memcmp(var, v32, sizeof var),
+              "%s bn statistics equal fp32's", dn);
         float *y32 = malloc(sizeof(float) * nx);
         uint16_t *ys = malloc(2 * nx);
-        ops_cpu.bn_forward(&ops_cpu, tensor_f32(y32, in), tensor_f32(x, in), mean, var, gam, bet, 1e-3f, ACT_SILU, NULL);
-        ops_cpu.bn_forward(&ops_cpu, tensor(ys, in, dt), tx, mean, var, gam, bet, 1e-3f, ACT_SILU, NULL);
+        ops_cpu.bn_forward(&ops_cpu, tensor_f32(y32, in), tensor_f32(x, in), mean, var, gam, bet,
+                           1e-3f, ACT_SILU, NULL);
+        ops_cpu.bn_forward(&ops_cpu, tensor(ys, in, dt), tx, mean, var, gam, bet, 1e-3f, ACT_SILU,
+                           NULL);
         double u = max_ulp_diff(tensor(ys, in, dt), y32);
         CHECK(u <= 1.0, "%s bn+silu forward: %.2f ulp", dn, u);
         free(x); free(xs); free(y32); free(ys);
@@ -1329,11 +1517,12 @@ TEST(determinism_across_threads) {
         float *o = res[t], gam[37], bet[37], dg[37] = {0}, db[37] = {0};
         for (int c = 0; c < 37; c++) { gam[c] = 1; bet[c] = 0; }
         ops_cpu.bn_stats(&ops_cpu, tensor_f32(x, s), o, o + 37, NULL, NULL, 0.0f, NULL);
-        ops_cpu.bn_backward_reduce(&ops_cpu, tensor_f32(dy, s), tensor_f32(x, s), o, o + 37, gam, bet, 1e-3f,
-                                   ACT_SILU, o + 74, o + 111, dg, db, NULL, NULL);
+        ops_cpu.bn_backward_reduce(&ops_cpu, tensor_f32(dy, s), tensor_f32(x, s), o, o + 37, gam,
+                                   bet, 1e-3f, ACT_SILU, o + 74, o + 111, dg, db, NULL, NULL);
         ops_cpu.sum_squares(&ops_cpu, tensor_f32(x, s), o + 148);
         o[149] = o[150] = o[151] = 0;
-        ops_cpu.softmax_xent(&ops_cpu, tensor_f32(x, s), lab, cw, 0.0f, &(float){1.0f}, o + 149, tensor_f32(NULL, s));
+        ops_cpu.softmax_xent(&ops_cpu, tensor_f32(x, s), lab, cw, 0.0f, &(float){1.0f}, o + 149,
+                             tensor_f32(NULL, s));
     }
     omp_set_num_threads(saved);
     CHECK(!memcmp(res[0], res[1], sizeof res[0]), "results differ between 1 and 3 threads");
@@ -1358,12 +1547,15 @@ TEST(parallel_paths_match_serial) {
     Graph g; graph_init(&g);
     int y = build_every_kind(&g, shape4(2, 16, 12, 3), 0);
     Net a, b; char err[SN_ERR_MAX];
-    CHECK(net_create(&a, &g, &ops_cpu, DT_F32, 1, err) == 0 && net_create(&b, &g, &ops_cpu, DT_F32, 1, err) == 0, "%s", err);
+    CHECK(net_create(&a, &g, &ops_cpu, DT_F32, 1, err) == 0 &&
+                  net_create(&b, &g, &ops_cpu, DT_F32, 1, err) == 0,
+          "%s", err);
     Rng rng; rng_seed(&rng, 17);
     random_params(&a, &rng);
     memcpy(b.params, a.params, sizeof(float) * g.n_param_floats);
     memcpy(b.buffers, a.buffers, sizeof(float) * g.n_buffer_floats);
-    float *xin = randn(&rng, 2 * 16 * 12 * 3, 1.0f), *r = randn(&rng, shape_numel(g.tensors[y].shape), 1.0f);
+    float *xin = randn(&rng, 2 * 16 * 12 * 3, 1.0f),
+          *r = randn(&rng, shape_numel(g.tensors[y].shape), 1.0f);
     size_t saved = omp_min_work;
     omp_min_work = (size_t)-1;
     run_every_kind(&a, y, xin, r);
@@ -1374,7 +1566,8 @@ TEST(parallel_paths_match_serial) {
                !memcmp(a.buffers, b.buffers, sizeof(float) * g.n_buffer_floats);
     for (int t = 0; t < g.n_tensors; t++) {
         size_t bytes = sizeof(float) * shape_numel(g.tensors[t].shape);
-        int ok = !memcmp(a.act[t], b.act[t], bytes) && (!a.grad[t] || !memcmp(a.grad[t], b.grad[t], bytes));
+        int ok = !memcmp(a.act[t], b.act[t], bytes) &&
+                 (!a.grad[t] || !memcmp(a.grad[t], b.grad[t], bytes));
         if (!ok) printf("    tensor '%s' differs\n", g.tensors[t].name);
         same &= ok;
     }
@@ -1395,31 +1588,66 @@ TEST(graph_errors) {
     CHECK(c >= 0, "a valid conv: %s", g.err);
     int bad = graph_add(&g, "enc1.add", x, c);
     CHECK(bad == -1, "adding (2,8,8,16) and (2,8,8,32) must fail");
-    CHECK(contains(g.err, "enc1.add") && contains(g.err, "(2,8,8,16)") && contains(g.err, "(2,8,8,32)"),
+    CHECK(contains(g.err, "enc1.add") && contains(g.err, "(2,8,8,16)") &&
+                  contains(g.err, "(2,8,8,32)"),
           "message names the layer and both shapes: %s", g.err);
     int nl = g.n_layers;
-    CHECK(graph_conv(&g, "later", x, 4, 3, 1, 1, PAD_SAME, 0) == -1 && g.n_layers == nl, "errors are sticky");
+    CHECK(graph_conv(&g, "later", x, 4, 3, 1, 1, PAD_SAME, 0) == -1 && g.n_layers == nl,
+          "errors are sticky");
     graph_free(&g);
 
-    struct { const char *what, *want1, *want2; } cases[] = {
-        {"groups", "dw", "groups 3"}, {"kernel", "big", "(1,1,1,4)"}, {"concat", "cat", "(1,4,4,2)"},
-        {"dense", "fc", "(1,4,4,4)"}, {"scale", "sc", "(1,1,1,3)"}, {"dup", "same", "already exists"},
-        {"pool", "pool", "(1,1,5,4)"}, {"rate", "drop", "1.5"}, {"tensor", "ghost", "does not exist"},
+    struct { const char *what, *want1, *want2;
+    } cases[] = {
+            {"groups", "dw", "groups 3"},          {"kernel", "big", "(1,1,1,4)"},
+            {"concat", "cat", "(1,4,4,2)"},        {"dense", "fc", "(1,4,4,4)"},
+            {"scale", "sc", "(1,1,1,3)"},          {"dup", "same", "already exists"},
+            {"pool", "pool", "(1,1,5,4)"},         {"rate", "drop", "1.5"},
+            {"tensor", "ghost", "does not exist"},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         graph_init(&g);
         const char *w = cases[k].what;
-        if (!strcmp(w, "groups")) { x = graph_input(&g, shape4(1, 4, 4, 16)); graph_conv(&g, "dw", x, 16, 3, 1, 3, PAD_SAME, 0); }
-        if (!strcmp(w, "kernel")) { x = graph_input(&g, shape4(1, 1, 1, 4)); graph_conv(&g, "big", x, 4, 4, 1, 1, PAD_SYMMETRIC, 0); }
-        if (!strcmp(w, "concat")) { x = graph_input(&g, shape4(1, 4, 4, 2)); graph_concat(&g, "cat", x, graph_maxpool(&g, "p", x)); }
-        if (!strcmp(w, "dense")) { x = graph_input(&g, shape4(1, 4, 4, 4)); graph_dense(&g, "fc", x, 10, 1); }
-        if (!strcmp(w, "scale")) { x = graph_input(&g, shape4(1, 4, 4, 4)); graph_scale(&g, "sc", x, graph_gap(&g, "p", graph_conv(&g, "c", x, 3, 1, 1, 1, PAD_SAME, 0))); }
-        if (!strcmp(w, "dup")) { x = graph_input(&g, shape4(1, 4, 4, 4)); graph_act(&g, "same", x, ACT_RELU); graph_act(&g, "same", x, ACT_RELU); }
-        if (!strcmp(w, "pool")) { x = graph_input(&g, shape4(1, 1, 5, 4)); graph_maxpool(&g, "pool", x); }
-        if (!strcmp(w, "rate")) { x = graph_input(&g, shape4(1, 2, 2, 4)); graph_dropout(&g, "drop", x, 1.5f); }
-        if (!strcmp(w, "tensor")) { x = graph_input(&g, shape4(1, 2, 2, 4)); graph_add(&g, "ghost", x, 17); }
+        if (!strcmp(w, "groups")) {
+            x = graph_input(&g, shape4(1, 4, 4, 16));
+            graph_conv(&g, "dw", x, 16, 3, 1, 3, PAD_SAME, 0);
+        }
+        if (!strcmp(w, "kernel")) {
+            x = graph_input(&g, shape4(1, 1, 1, 4));
+            graph_conv(&g, "big", x, 4, 4, 1, 1, PAD_SYMMETRIC, 0);
+        }
+        if (!strcmp(w, "concat")) {
+            x = graph_input(&g, shape4(1, 4, 4, 2));
+            graph_concat(&g, "cat", x, graph_maxpool(&g, "p", x));
+        }
+        if (!strcmp(w, "dense")) {
+            x = graph_input(&g, shape4(1, 4, 4, 4));
+            graph_dense(&g, "fc", x, 10, 1);
+        }
+        if (!strcmp(w, "scale")) {
+            x = graph_input(&g, shape4(1, 4, 4, 4));
+            graph_scale(&g, "sc", x,
+                        graph_gap(&g, "p", graph_conv(&g, "c", x, 3, 1, 1, 1, PAD_SAME, 0)));
+        }
+        if (!strcmp(w, "dup")) {
+            x = graph_input(&g, shape4(1, 4, 4, 4));
+            graph_act(&g, "same", x, ACT_RELU);
+            graph_act(&g, "same", x, ACT_RELU);
+        }
+        if (!strcmp(w, "pool")) {
+            x = graph_input(&g, shape4(1, 1, 5, 4));
+            graph_maxpool(&g, "pool", x);
+        }
+        if (!strcmp(w, "rate")) {
+            x = graph_input(&g, shape4(1, 2, 2, 4));
+            graph_dropout(&g, "drop", x, 1.5f);
+        }
+        if (!strcmp(w, "tensor")) {
+            x = graph_input(&g, shape4(1, 2, 2, 4));
+            graph_add(&g, "ghost", x, 17);
+        }
         CHECK(g.err[0] && contains(g.err, cases[k].want1) && contains(g.err, cases[k].want2),
-              "%s: message '%s' should name '%s' and '%s'", w, g.err, cases[k].want1, cases[k].want2);
+              "%s: message '%s' should name '%s' and '%s'", w, g.err, cases[k].want1,
+              cases[k].want2);
         Net net; char err[SN_ERR_MAX];
         CHECK(net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == -1 && !strcmp(err, g.err),
               "%s: a graph with an error is refused by net_create", w);
@@ -1428,7 +1656,8 @@ TEST(graph_errors) {
     // a symmetric-padded kernel that fits exactly, and SAME that always fits
     graph_init(&g);
     x = graph_input(&g, shape4(1, 1, 1, 2));
-    CHECK(graph_conv(&g, "fits", x, 2, 3, 1, 1, PAD_SYMMETRIC, 0) >= 0, "3x3 symmetric on 1x1: %s", g.err);
+    CHECK(graph_conv(&g, "fits", x, 2, 3, 1, 1, PAD_SYMMETRIC, 0) >= 0, "3x3 symmetric on 1x1: %s",
+          g.err);
     CHECK(graph_conv(&g, "same7", x, 2, 7, 2, 1, PAD_SAME, 0) >= 0, "7x7 SAME on 1x1: %s", g.err);
     graph_free(&g);
 }
@@ -1444,15 +1673,23 @@ TEST(graph_params) {
     CHECK(g.n_param_floats == 24 * 3 * 3 * 3 + 24 + 24 + 24 * 5 * 5 + 24 + 10 * 24 + 10,
           "parameter count %zu", g.n_param_floats);
     int w = graph_find_param(&g, "stem.conv.weight");
-    CHECK(w >= 0 && g.params[w].ndim == 4 && g.params[w].dims[0] == 24 && g.params[w].dims[3] == 3, "OHWI weight shape");
+    CHECK(w >= 0 && g.params[w].ndim == 4 && g.params[w].dims[0] == 24 && g.params[w].dims[3] == 3,
+          "OHWI weight shape");
     int fw = graph_find_param(&g, "fc.weight");
-    CHECK(fw >= 0 && g.params[fw].ndim == 2 && g.params[fw].dims[0] == 10 && g.params[fw].dims[1] == 24, "dense [out][in]");
-    CHECK(graph_find_param(&g, "stem.bn.weight") >= 0 && graph_find_param(&g, "stem.bn.bias") >= 0, "BN gamma/beta names");
-    CHECK(g.n_buffers == 2 && g.n_buffer_floats == 48, "running statistics are buffers, not parameters");
+    CHECK(fw >= 0 && g.params[fw].ndim == 2 && g.params[fw].dims[0] == 10 &&
+                  g.params[fw].dims[1] == 24,
+          "dense [out][in]");
+    CHECK(graph_find_param(&g, "stem.bn.weight") >= 0 && graph_find_param(&g, "stem.bn.bias") >= 0,
+          "BN gamma/beta names");
+    CHECK(g.n_buffers == 2 && g.n_buffer_floats == 48,
+          "running statistics are buffers, not parameters");
     CHECK(g.tensors[c].shape.h == 4 && g.tensors[c].shape.c == 24, "stride-2 SAME output");
     size_t off = 0;
     int contiguous = 1;
-    for (int i = 0; i < g.n_params; i++) { contiguous &= g.params[i].offset == off; off += g.params[i].count; }
+    for (int i = 0; i < g.n_params; i++) {
+        contiguous &= g.params[i].offset == off;
+        off += g.params[i].count;
+    }
     CHECK(contiguous && off == g.n_param_floats, "parameters tile one buffer");
     graph_free(&g);
 }
@@ -1473,7 +1710,8 @@ TEST(net_modes) {
     CHECK(rm == 0.0f, "inference does not touch running statistics");
     const float *yv = net.act[y];
     int copied = 1;  // eval: running mean 0, var 1: y = x/sqrt(1+eps), no dropout
-    for (int i = 0; i < 96; i++) copied &= fabsf(yv[i] - ((float *)net.act[x])[i] / sqrtf(1.0f + BN_EPS_UNET)) < 1e-6f;
+    for (int i = 0; i < 96; i++)
+        copied &= fabsf(yv[i] - ((float *)net.act[x])[i] / sqrtf(1.0f + BN_EPS_UNET)) < 1e-6f;
     CHECK(copied, "inference: BN with running stats and no dropout");
     net_forward(&net, 1);
     CHECK(net.buffers[0] != 0.0f, "training updates the running mean");
@@ -1515,7 +1753,8 @@ static uint8_t *read_file_bytes(const char *path, size_t *n) {
 }
 
 // 8-byte little-endian header_len, the header text, data_len bytes of data
-static int write_st_raw(const char *path, uint64_t header_len, const char *header, const void *data, size_t data_len) {
+static int write_st_raw(const char *path, uint64_t header_len, const char *header, const void *data,
+                        size_t data_len) {
     size_t h = strlen(header), n = 8 + h + data_len;
     uint8_t *p = calloc(n, 1);
     for (int i = 0; i < 8; i++) p[i] = (uint8_t)(header_len >> (8 * i));
@@ -1526,7 +1765,8 @@ static int write_st_raw(const char *path, uint64_t header_len, const char *heade
     return rc;
 }
 
-static SafetensorsTensor sf_tensor(const char *name, DType dt, int ndim, const int64_t *dims, const void *data) {
+static SafetensorsTensor sf_tensor(const char *name, DType dt, int ndim, const int64_t *dims,
+                                   const void *data) {
     SafetensorsTensor t;
     memset(&t, 0, sizeof t);
     snprintf(t.name, sizeof t.name, "%s", name);
@@ -1539,12 +1779,19 @@ static SafetensorsTensor sf_tensor(const char *name, DType dt, int ndim, const i
 }
 
 static void put_u16le(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
-static void put_f32le(uint8_t *p, float v) { uint32_t u = f32_bits(v); for (int i = 0; i < 4; i++) p[i] = (uint8_t)(u >> (8 * i)); }
+static void put_f32le(uint8_t *p, float v) {
+    uint32_t u = f32_bits(v);
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(u >> (8 * i));
+}
 static float get_f32le(const void *q) {
     const uint8_t *p = q;
-    return bits_f32((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
+    return bits_f32((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+                    (uint32_t)p[3] << 24);
 }
-static uint16_t get_u16le(const void *q) { const uint8_t *p = q; return (uint16_t)(p[0] | p[1] << 8); }
+static uint16_t get_u16le(const void *q) {
+    const uint8_t *p = q;
+    return (uint16_t)(p[0] | p[1] << 8);
+}
 
 TEST(safetensors_round_trip) {
     char path[256], err[SN_ERR_MAX] = "";
@@ -1570,11 +1817,16 @@ TEST(safetensors_round_trip) {
     static char long_key[300], long_value[100001];
     memset(long_key, 'k', sizeof long_key - 1);
     for (size_t i = 0; i + 1 < sizeof long_value; i++) long_value[i] = (char)('a' + i % 26);
-    const char *mk[] = {"format", "note\ttab", long_key}, *mv[] = {"pt", "line\nbreak, \"quote\", back\\slash, caf\xc3\xa9", long_value};
+    const char *mk[] = {"format", "note\ttab", long_key},
+               *mv[] = {"pt", "line\nbreak, \"quote\", back\\slash, caf\xc3\xa9", long_value};
     const int n_mk = (int)(sizeof mk / sizeof mk[0]);
     CHECK(safetensors_write(path, ts, n, mk, mv, n_mk, err) == 0, "safetensors_write: %s", err);
     SafetensorsFile f;
-    if (safetensors_read(path, &f, err)) { CHECK(0, "safetensors_read: %s", err); unlink(path); return; }
+    if (safetensors_read(path, &f, err)) {
+        CHECK(0, "safetensors_read: %s", err);
+        unlink(path);
+        return;
+    }
     CHECK(f.n_tensors == n, "%d tensors read back, wrote %d", f.n_tensors, n);
     for (int i = 0; i < n && i < f.n_tensors; i++) {
         const SafetensorsTensor *a = &ts[i], *g = &f.tensors[i];
@@ -1582,32 +1834,40 @@ TEST(safetensors_round_trip) {
         for (int d = 0; same_dims && d < a->ndim; d++) same_dims = g->dims[d] == a->dims[d];
         size_t bytes = a->numel * dtype_size(a->dtype);
         CHECK(!strcmp(g->name, a->name), "tensor %d: name '%s', wrote '%s'", i, g->name, a->name);
-        CHECK(g->dtype == a->dtype && same_dims && g->numel == a->numel, "tensor '%s': dtype/shape/numel differ", a->name);
-        CHECK(g->numel == a->numel && (!bytes || !memcmp(g->data, a->data, bytes)), "tensor '%s': bytes differ", a->name);
+        CHECK(g->dtype == a->dtype && same_dims && g->numel == a->numel,
+              "tensor '%s': dtype/shape/numel differ", a->name);
+        CHECK(g->numel == a->numel && (!bytes || !memcmp(g->data, a->data, bytes)),
+              "tensor '%s': bytes differ", a->name);
         CHECK(safetensors_find(&f, a->name) == g, "safetensors_find('%s')", a->name);
     }
     CHECK(safetensors_find(&f, "absent") == NULL, "safetensors_find of an absent name is NULL");
     CHECK(f.n_meta == n_mk, "%d metadata entries", f.n_meta);
     for (int i = 0; i < n_mk && i < f.n_meta; i++)
-        CHECK(!strcmp(f.meta_keys[i], mk[i]) && !strcmp(f.meta_values[i], mv[i]), "metadata %d: '%.40s' = '%.40s' (%zu, %zu bytes)",
-              i, f.meta_keys[i], f.meta_values[i], strlen(f.meta_keys[i]), strlen(f.meta_values[i]));
+        CHECK(!strcmp(f.meta_keys[i], mk[i]) && !strcmp(f.meta_values[i], mv[i]),
+              "metadata %d: '%.40s' = '%.40s' (%zu, %zu bytes)", i, f.meta_keys[i],
+              f.meta_values[i], strlen(f.meta_keys[i]), strlen(f.meta_values[i]));
     // layout: header padded so the data starts 8-aligned, "__metadata__" first,
     // tensors contiguous in the order given
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--) hlen = hlen << 8 | f.bytes[i];
-    CHECK((8 + hlen) % 8 == 0, "8 + header length %llu is a multiple of 8", (unsigned long long)hlen);
+    CHECK((8 + hlen) % 8 == 0, "8 + header length %llu is a multiple of 8",
+          (unsigned long long)hlen);
     CHECK(!memcmp(f.bytes + 8, "{\"__metadata__\":", 16), "\"__metadata__\" comes first");
     size_t off = 8 + hlen;
     for (int i = 0; i < f.n_tensors; i++) {
-        CHECK((const uint8_t *)f.tensors[i].data == f.bytes + off, "tensor %d starts at byte %zu", i, off);
+        CHECK((const uint8_t *)f.tensors[i].data == f.bytes + off, "tensor %d starts at byte %zu",
+              i, off);
         off += f.tensors[i].numel * dtype_size(f.tensors[i].dtype);
     }
     CHECK(off == f.n_bytes, "no bytes after the last tensor (%zu of %zu)", off, f.n_bytes);
     safetensors_free(&f);
-    CHECK(f.tensors == NULL && f.bytes == NULL && f.n_tensors == 0, "safetensors_free empties the SafetensorsFile");
+    CHECK(f.tensors == NULL && f.bytes == NULL && f.n_tensors == 0,
+          "safetensors_free empties the SafetensorsFile");
     // no tensors, no metadata
     CHECK(safetensors_write(path, NULL, 0, NULL, NULL, 0, err) == 0, "empty file: %s", err);
-    CHECK(safetensors_read(path, &f, err) == 0 && f.n_tensors == 0 && f.n_meta == 0 && f.n_bytes == 16, "empty file reads back: %s", err);
+    CHECK(safetensors_read(path, &f, err) == 0 && f.n_tensors == 0 && f.n_meta == 0 &&
+                  f.n_bytes == 16,
+          "empty file reads back: %s", err);
     safetensors_free(&f);
     unlink(path);
 }
@@ -1619,10 +1879,11 @@ TEST(safetensors_hand_built) {
     char path[256], err[SN_ERR_MAX] = "";
     sf_test_path(path, sizeof path, "hand_built");
     const char *header =
-        "{\"__metadata__\": {\"format\": \"pt\", \"note\": \"caf\\u00e9 \\ud83d\\ude00 \\\"q\\\" \\\\ \\/ \\n\"}, "
-        "\"x.weight\": {\"dtype\": \"F16\", \"shape\": [2, 1], \"data_offsets\": [0, 4]},\n"
-        "\t\"y\": {\"data_offsets\": [8, 16], \"shape\": [2], \"dtype\": \"F32\"},\r\n"
-        "\"\\u0073\": {\"dtype\":\"BF16\",\"shape\":[],\"data_offsets\":[16,18]}}    ";
+            "{\"__metadata__\": {\"format\": \"pt\", \"note\": \"caf\\u00e9 \\ud83d\\ude00 "
+            "\\\"q\\\" \\\\ \\/ \\n\"}, "
+            "\"x.weight\": {\"dtype\": \"F16\", \"shape\": [2, 1], \"data_offsets\": [0, 4]},\n"
+            "\t\"y\": {\"data_offsets\": [8, 16], \"shape\": [2], \"dtype\": \"F32\"},\r\n"
+            "\"\\u0073\": {\"dtype\":\"BF16\",\"shape\":[],\"data_offsets\":[16,18]}}    ";
     uint8_t data[20] = {0};
     put_u16le(data + 0, 0x3C00);   // F16 1.0
     put_u16le(data + 2, 0xC000);   // F16 -2.0
@@ -1633,16 +1894,24 @@ TEST(safetensors_hand_built) {
     CHECK(write_st_raw(path, strlen(header), header, data, sizeof data) == 0, "writing %s", path);
     SafetensorsFile f;
     CHECK(safetensors_read(path, &f, err) == 0, "safetensors_read: %s", err);
-    CHECK(f.n_tensors == 3 && f.n_meta == 2, "%d tensors, %d metadata entries", f.n_tensors, f.n_meta);
-    const SafetensorsTensor *x = safetensors_find(&f, "x.weight"), *y = safetensors_find(&f, "y"), *s = safetensors_find(&f, "s");
-    CHECK(x && x->dtype == DT_F16 && x->ndim == 2 && x->dims[0] == 2 && x->dims[1] == 1 && x->numel == 2, "x.weight header");
-    CHECK(x && f16_to_f32(get_u16le(x->data)) == 1.0f && f16_to_f32(get_u16le((const uint8_t *)x->data + 2)) == -2.0f,
+    CHECK(f.n_tensors == 3 && f.n_meta == 2, "%d tensors, %d metadata entries", f.n_tensors,
+          f.n_meta);
+    const SafetensorsTensor *x = safetensors_find(&f, "x.weight"), *y = safetensors_find(&f, "y"),
+                            *s = safetensors_find(&f, "s");
+    CHECK(x && x->dtype == DT_F16 && x->ndim == 2 && x->dims[0] == 2 && x->dims[1] == 1 &&
+                  x->numel == 2,
+          "x.weight header");
+    CHECK(x && f16_to_f32(get_u16le(x->data)) == 1.0f &&
+                  f16_to_f32(get_u16le((const uint8_t *)x->data + 2)) == -2.0f,
           "x.weight values");
     CHECK(y && y->dtype == DT_F32 && y->ndim == 1 && y->dims[0] == 2 && y->numel == 2, "y header");
-    CHECK(y && get_f32le(y->data) == 0.5f && get_f32le((const uint8_t *)y->data + 4) == 3.0f, "y values");
-    CHECK(s && s->dtype == DT_BF16 && s->ndim == 0 && s->numel == 1, "s: a 0-d BF16 scalar named by a \\u escape");
+    CHECK(y && get_f32le(y->data) == 0.5f && get_f32le((const uint8_t *)y->data + 4) == 3.0f,
+          "y values");
+    CHECK(s && s->dtype == DT_BF16 && s->ndim == 0 && s->numel == 1,
+          "s: a 0-d BF16 scalar named by a \\u escape");
     CHECK(s && bf16_to_f32(get_u16le(s->data)) == -1.5f, "s value");
-    CHECK(f.n_meta == 2 && !strcmp(f.meta_keys[0], "format") && !strcmp(f.meta_values[0], "pt"), "metadata format");
+    CHECK(f.n_meta == 2 && !strcmp(f.meta_keys[0], "format") && !strcmp(f.meta_values[0], "pt"),
+          "metadata format");
     CHECK(f.n_meta == 2 && !strcmp(f.meta_values[1], "caf\xc3\xa9 \xf0\x9f\x98\x80 \"q\" \\ / \n"),
           "escapes decoded to UTF-8: '%s'", f.n_meta == 2 ? f.meta_values[1] : "");
     safetensors_free(&f);
@@ -1669,10 +1938,15 @@ TEST(safetensors_writer_bytes) {
     memcpy(want + 8, hdr, hl);
     memset(want + 8 + hl, ' ', pad);
     uint8_t *d = want + 8 + hl + pad;
-    put_f32le(d, 1.0f); put_f32le(d + 4, -2.0f); put_u16le(d + 8, 0x3F00); put_u16le(d + 10, 0xBFC0);
+    put_f32le(d, 1.0f);
+    put_f32le(d + 4, -2.0f);
+    put_u16le(d + 8, 0x3F00);
+    put_u16le(d + 10, 0xBFC0);
     uint8_t *got = read_file_bytes(path, &got_n);
-    CHECK(got && got_n == n && !memcmp(got, want, n), "file bytes differ from the spelled-out file (%zu vs %zu bytes)%s%.*s",
-          got_n, n, got ? ": header " : "", got && got_n > 8 ? (int)(got_n - 8) : 0, got ? (const char *)got + 8 : "");
+    CHECK(got && got_n == n && !memcmp(got, want, n),
+          "file bytes differ from the spelled-out file (%zu vs %zu bytes)%s%.*s", got_n, n,
+          got ? ": header " : "", got && got_n > 8 ? (int)(got_n - 8) : 0,
+          got ? (const char *)got + 8 : "");
     free(got);
     free(want);
     unlink(path);
@@ -1682,7 +1956,8 @@ TEST(safetensors_malformed) {
     char path[256], err[SN_ERR_MAX];
     sf_test_path(path, sizeof path, "malformed");
     static char long_name[256], deep[20100], deep_top[10100];
-    snprintf(long_name, sizeof long_name, "{\"%0120d\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 0);
+    snprintf(long_name, sizeof long_name,
+             "{\"%0120d\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 0);
     int k = snprintf(deep, sizeof deep, "{\"w\":{\"dtype\":");
     for (int i = 0; i < 10000; i++) deep[k++] = '[';
     deep[k] = 0;
@@ -1690,51 +1965,73 @@ TEST(safetensors_malformed) {
     for (int i = 0; i < 10000; i++) deep_top[k++] = '{';
     deep_top[k] = 0;
 #define TW(fields) "{\"w\":{" fields "}}"
-    struct { const char *header; size_t data_len; const char *want1, *want2; } cases[] = {
-        {"not json at all", 0, "not a JSON object", "byte 0"},
-        {"[1, 2]", 0, "not a JSON object", "byte 0"},
-        {"", 0, "not a JSON object", "byte 0"},
-        {"{} {}", 0, "not valid JSON", "after the header"},
-        {"{\"w\": {\"dtype\": \"F3", 0, "not valid JSON", "unterminated"},
-        {"{\"w\": {\"dtype\" \"F32\"}}", 0, "not valid JSON", "expected ':'"},
-        {"{\"w\\q\": {}}", 0, "not valid JSON", "escape"},
-        {"{\"w\\ud800\": {}}", 0, "not valid JSON", "surrogate"},
-        {"{\"w\\u0000\": {}}", 0, "not valid JSON", "\\u0000"},
-        {"{\"w\xff\": {}}", 0, "not valid UTF-8", "byte 3"},
-        {"{\"w\": 5}", 0, "'w'", "must be an object"},
-        {TW("\"dtype\":\"F32\",\"shape\":[1]"), 4, "'w'", "missing \"data_offsets\""},
-        {TW("\"shape\":[1],\"data_offsets\":[0,4]"), 4, "'w'", "missing \"dtype\""},
-        {TW("\"dtype\":\"F32\",\"shape\":\"1\",\"data_offsets\":[0,4]"), 4, "'w'", "\"shape\" must be an array"},
-        {TW("\"dtype\":32,\"shape\":[1],\"data_offsets\":[0,4]"), 4, "'w'", "\"dtype\" must be a string"},
-        {TW("\"dtype\":\"F32\",\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]"), 4, "'w'", "\"dtype\" appears twice"},
-        {TW("\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],\"foo\":1"), 4, "'w'", "unknown field \"foo\""},
-        {TW("\"dtype\":\"F64\",\"shape\":[1],\"data_offsets\":[0,8]"), 8, "'w'", "dtype \"F64\" is not supported"},
-        {TW("\"dtype\":\"I32\",\"shape\":[1],\"data_offsets\":[0,8]"), 8, "'w'", "dtype \"I32\" is not supported"},
-        {TW("\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]"), 8, "'w'", "shape entry -2 is negative"},
-        {TW("\"dtype\":\"F32\",\"shape\":[2.5],\"data_offsets\":[0,8]"), 8, "'w'", "shape entry 2.5 is not an integer"},
-        {TW("\"dtype\":\"F32\",\"shape\":[1e3],\"data_offsets\":[0,8]"), 8, "'w'", "1e3 is not an integer"},
-        {TW("\"dtype\":\"F32\",\"shape\":[01],\"data_offsets\":[0,4]"), 4, "not valid JSON", "leading zero"},
-        {TW("\"dtype\":\"F32\",\"shape\":[99999999999999999999],\"data_offsets\":[0,4]"), 4, "'w'", "too large"},
-        {TW("\"dtype\":\"F32\",\"shape\":[[1]],\"data_offsets\":[0,4]"), 4, "'w'", "shape entry must be an integer"},
-        {TW("\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,4]"), 4, "'w'", "more than 8 dimensions"},
-        {TW("\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,16],\"data_offsets\":[0,4]"), 4, "'w'", "overflows"},
-        {TW("\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[-4,0]"), 4, "'w'", "data_offsets entry -4 is negative"},
-        {TW("\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4,8]"), 8, "'w'", "more than 2 entries"},
-        {TW("\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,4]"), 8, "'w'", "begin > end"},
-        {TW("\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]"), 8, "'w'", "past the end of the data section (8 bytes)"},
-        {TW("\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]"), 8, "'w'", "hold 8 bytes, but shape [3] of F32 needs 12"},
-        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
-         "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}", 12, "tensors 'a' and 'b' overlap", "[0, 8) and [4, 12)"},
-        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,12]},"
-         "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 12, "tensors 'a' and 'b' overlap", "[0, 12) and [4, 8)"},
-        {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
-         "\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 8, "tensor 'w' appears twice", "duplicate"},
-        {long_name, 4, "tensor name '00000000", "longer than the 95 allowed"},
-        {"{\"__metadata__\":{\"k\":1}}", 0, "\"__metadata__\" 'k'", "must be a string"},
-        {"{\"__metadata__\":[]}", 0, "\"__metadata__\"", "must be an object"},
-        {"{\"__metadata__\":{},\"__metadata__\":{}}", 0, "\"__metadata__\"", "appears twice"},
-        {deep, 0, "'w'", "\"dtype\" must be a string"},
-        {deep_top, 0, "'w'", "not valid JSON"},
+    struct { const char *header; size_t data_len; const char *want1, *want2;
+    } cases[] = {
+            {"not json at all", 0, "not a JSON object", "byte 0"},
+            {"[1, 2]", 0, "not a JSON object", "byte 0"},
+            {"", 0, "not a JSON object", "byte 0"},
+            {"{} {}", 0, "not valid JSON", "after the header"},
+            {"{\"w\": {\"dtype\": \"F3", 0, "not valid JSON", "unterminated"},
+            {"{\"w\": {\"dtype\" \"F32\"}}", 0, "not valid JSON", "expected ':'"},
+            {"{\"w\\q\": {}}", 0, "not valid JSON", "escape"},
+            {"{\"w\\ud800\": {}}", 0, "not valid JSON", "surrogate"},
+            {"{\"w\\u0000\": {}}", 0, "not valid JSON", "\\u0000"},
+            {"{\"w\xff\": {}}", 0, "not valid UTF-8", "byte 3"},
+            {"{\"w\": 5}", 0, "'w'", "must be an object"},
+            {TW("\"dtype\":\"F32\",\"shape\":[1]"), 4, "'w'", "missing \"data_offsets\""},
+            {TW("\"shape\":[1],\"data_offsets\":[0,4]"), 4, "'w'", "missing \"dtype\""},
+            {TW("\"dtype\":\"F32\",\"shape\":\"1\",\"data_offsets\":[0,4]"), 4, "'w'",
+             "\"shape\" must be an array"},
+            {TW("\"dtype\":32,\"shape\":[1],\"data_offsets\":[0,4]"), 4, "'w'",
+             "\"dtype\" must be a string"},
+            {TW("\"dtype\":\"F32\",\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]"), 4,
+             "'w'", "\"dtype\" appears twice"},
+            {TW("\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],\"foo\":1"), 4, "'w'",
+             "unknown field \"foo\""},
+            {TW("\"dtype\":\"F64\",\"shape\":[1],\"data_offsets\":[0,8]"), 8, "'w'",
+             "dtype \"F64\" is not supported"},
+            {TW("\"dtype\":\"I32\",\"shape\":[1],\"data_offsets\":[0,8]"), 8, "'w'",
+             "dtype \"I32\" is not supported"},
+            {TW("\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]"), 8, "'w'",
+             "shape entry -2 is negative"},
+            {TW("\"dtype\":\"F32\",\"shape\":[2.5],\"data_offsets\":[0,8]"), 8, "'w'",
+             "shape entry 2.5 is not an integer"},
+            {TW("\"dtype\":\"F32\",\"shape\":[1e3],\"data_offsets\":[0,8]"), 8, "'w'",
+             "1e3 is not an integer"},
+            {TW("\"dtype\":\"F32\",\"shape\":[01],\"data_offsets\":[0,4]"), 4, "not valid JSON",
+             "leading zero"},
+            {TW("\"dtype\":\"F32\",\"shape\":[99999999999999999999],\"data_offsets\":[0,4]"), 4,
+             "'w'", "too large"},
+            {TW("\"dtype\":\"F32\",\"shape\":[[1]],\"data_offsets\":[0,4]"), 4, "'w'",
+             "shape entry must be an integer"},
+            {TW("\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,4]"), 4, "'w'",
+             "more than 8 dimensions"},
+            {TW("\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,16],\"data_offsets\":[0,4]"), 4,
+             "'w'", "overflows"},
+            {TW("\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[-4,0]"), 4, "'w'",
+             "data_offsets entry -4 is negative"},
+            {TW("\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4,8]"), 8, "'w'",
+             "more than 2 entries"},
+            {TW("\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,4]"), 8, "'w'", "begin > end"},
+            {TW("\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]"), 8, "'w'",
+             "past the end of the data section (8 bytes)"},
+            {TW("\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]"), 8, "'w'",
+             "hold 8 bytes, but shape [3] of F32 needs 12"},
+            {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+             "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}",
+             12, "tensors 'a' and 'b' overlap", "[0, 8) and [4, 12)"},
+            {"{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,12]},"
+             "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
+             12, "tensors 'a' and 'b' overlap", "[0, 12) and [4, 8)"},
+            {"{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+             "\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
+             8, "tensor 'w' appears twice", "duplicate"},
+            {long_name, 4, "tensor name '00000000", "longer than the 95 allowed"},
+            {"{\"__metadata__\":{\"k\":1}}", 0, "\"__metadata__\" 'k'", "must be a string"},
+            {"{\"__metadata__\":[]}", 0, "\"__metadata__\"", "must be an object"},
+            {"{\"__metadata__\":{},\"__metadata__\":{}}", 0, "\"__metadata__\"", "appears twice"},
+            {deep, 0, "'w'", "\"dtype\" must be a string"},
+            {deep_top, 0, "'w'", "not valid JSON"},
     };
 #undef TW
     uint8_t zeros[64] = {0};
@@ -1743,10 +2040,11 @@ TEST(safetensors_malformed) {
         write_st_raw(path, strlen(cases[c].header), cases[c].header, zeros, cases[c].data_len);
         int rc = safetensors_read(path, &f, err);
         if (g_verbose) printf("      %s\n", err);
-        CHECK(rc == -1 && contains(err, path) && contains(err, cases[c].want1) && contains(err, cases[c].want2) &&
-              !strchr(err, '\n') && f.bytes == NULL && f.tensors == NULL,
-              "case %zu (%.40s): rc %d, message '%s' should name the file, '%s' and '%s'", c, cases[c].header, rc,
-              rc ? err : "", cases[c].want1, cases[c].want2);
+        CHECK(rc == -1 && contains(err, path) && contains(err, cases[c].want1) &&
+                      contains(err, cases[c].want2) && !strchr(err, '\n') && f.bytes == NULL &&
+                      f.tensors == NULL,
+              "case %zu (%.40s): rc %d, message '%s' should name the file, '%s' and '%s'", c,
+              cases[c].header, rc, rc ? err : "", cases[c].want1, cases[c].want2);
         if (rc == 0) safetensors_free(&f);
     }
     // file-level damage: too short, header length past the end, data cut short
@@ -1768,7 +2066,8 @@ TEST(safetensors_malformed) {
             const int64_t d[] = {64};
             SafetensorsTensor t = sf_tensor("t", DT_F32, 1, d, v);
             size_t n = 0;
-            CHECK(safetensors_write(path, &t, 1, NULL, NULL, 0, err2) == 0, "safetensors_write: %s", err2);
+            CHECK(safetensors_write(path, &t, 1, NULL, NULL, 0, err2) == 0, "safetensors_write: %s",
+                  err2);
             uint8_t *all = read_file_bytes(path, &n);
             CHECK(all && n > 128, "read back %zu bytes", n);
             if (all) write_file_bytes(path, all, n - 128);  // half the data section is gone
@@ -1778,10 +2077,10 @@ TEST(safetensors_malformed) {
         SafetensorsFile f;
         int rc = safetensors_read(path, &f, err);
         if (g_verbose) printf("      %s\n", err);
-        CHECK(rc == -1 && contains(err, path) && contains(err, files[c].want1) && contains(err, files[c].want2) &&
-              f.bytes == NULL,
-              "%s: rc %d, message '%s' should name the file, '%s' and '%s'", w, rc, rc ? err : "", files[c].want1,
-              files[c].want2);
+        CHECK(rc == -1 && contains(err, path) && contains(err, files[c].want1) &&
+                      contains(err, files[c].want2) && f.bytes == NULL,
+              "%s: rc %d, message '%s' should name the file, '%s' and '%s'", w, rc, rc ? err : "",
+              files[c].want1, files[c].want2);
         if (rc == 0) safetensors_free(&f);
     }
     unlink(path);
@@ -1796,14 +2095,16 @@ TEST(safetensors_write_atomic) {
     float big[100], small = 7.0f;
     for (int i = 0; i < 100; i++) big[i] = (float)i;
     const int64_t d100[] = {10, 10};
-    SafetensorsTensor tb[] = {sf_tensor("big", DT_F32, 2, d100, big), sf_tensor("big2", DT_F32, 2, d100, big)};
+    SafetensorsTensor tb[] = {sf_tensor("big", DT_F32, 2, d100, big),
+                              sf_tensor("big2", DT_F32, 2, d100, big)};
     SafetensorsTensor ts = sf_tensor("small", DT_F32, 0, NULL, &small);
 
     // a directory that does not exist: refused, nothing created
     char nodir[256], nofile[300];
     snprintf(nodir, sizeof nodir, "/tmp/segnet_test_%ld_nodir", (long)getpid());
     snprintf(nofile, sizeof nofile, "%s/x.safetensors", nodir);
-    CHECK(safetensors_write(nofile, &ts, 1, NULL, NULL, 0, err) == -1 && contains(err, nofile) && contains(err, "No such file"),
+    CHECK(safetensors_write(nofile, &ts, 1, NULL, NULL, 0, err) == -1 && contains(err, nofile) &&
+                  contains(err, "No such file"),
           "writing into a missing directory: '%s'", err);
     CHECK(!file_exists(nodir), "nothing created");
 
@@ -1814,8 +2115,9 @@ TEST(safetensors_write_atomic) {
     CHECK(safetensors_read(path, &f, err) == 0, "read after overwrite: %s", err);
     size_t hl = strlen("{\"small\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[0,4]}}");
     size_t want_n = 8 + hl + (8 - (8 + hl) % 8) % 8 + 4;
-    CHECK(f.n_tensors == 1 && !strcmp(f.tensors[0].name, "small") && get_f32le(f.tensors[0].data) == 7.0f &&
-          f.n_bytes == want_n, "the new file alone (%d tensors, %zu bytes, want %zu)", f.n_tensors, f.n_bytes, want_n);
+    CHECK(f.n_tensors == 1 && !strcmp(f.tensors[0].name, "small") &&
+                  get_f32le(f.tensors[0].data) == 7.0f && f.n_bytes == want_n,
+          "the new file alone (%d tensors, %zu bytes, want %zu)", f.n_tensors, f.n_bytes, want_n);
     safetensors_free(&f);
     CHECK(!file_exists(tmp), "no temporary left after success");
     size_t n0 = 0, n1 = 0;
@@ -1823,18 +2125,24 @@ TEST(safetensors_write_atomic) {
 
     // refused arguments leave the existing file alone
     SafetensorsTensor bad[2] = {ts, ts};
-    CHECK(safetensors_write(path, bad, 2, NULL, NULL, 0, err) == -1 && contains(err, "'small'") && contains(err, "twice"),
+    CHECK(safetensors_write(path, bad, 2, NULL, NULL, 0, err) == -1 && contains(err, "'small'") &&
+                  contains(err, "twice"),
           "duplicate names refused: '%s'", err);
     SafetensorsTensor wrong = ts;
     wrong.numel = 3;
-    CHECK(safetensors_write(path, &wrong, 1, NULL, NULL, 0, err) == -1 && contains(err, "numel 3"), "numel mismatch: '%s'", err);
+    CHECK(safetensors_write(path, &wrong, 1, NULL, NULL, 0, err) == -1 && contains(err, "numel 3"),
+          "numel mismatch: '%s'", err);
     wrong = ts;
     wrong.dtype = (DType)7;
-    CHECK(safetensors_write(path, &wrong, 1, NULL, NULL, 0, err) == -1 && contains(err, "dtype 7"), "bad dtype: '%s'", err);
+    CHECK(safetensors_write(path, &wrong, 1, NULL, NULL, 0, err) == -1 && contains(err, "dtype 7"),
+          "bad dtype: '%s'", err);
     const char *mk[] = {"k", "k"}, *mv[] = {"1", "2"};
-    CHECK(safetensors_write(path, &ts, 1, mk, mv, 2, err) == -1 && contains(err, "'k' appears twice"), "duplicate key: '%s'", err);
+    CHECK(safetensors_write(path, &ts, 1, mk, mv, 2, err) == -1 &&
+                  contains(err, "'k' appears twice"),
+          "duplicate key: '%s'", err);
     uint8_t *after = read_file_bytes(path, &n1);
-    CHECK(before && after && n0 == n1 && !memcmp(before, after, n0), "the existing file is untouched");
+    CHECK(before && after && n0 == n1 && !memcmp(before, after, n0),
+          "the existing file is untouched");
     free(before);
     free(after);
 
@@ -1845,7 +2153,8 @@ TEST(safetensors_write_atomic) {
     snprintf(dtmp, sizeof dtmp, "%s.tmp.%ld", dir, (long)getpid());
     mkdir(dir, 0755);
     struct stat sb;
-    CHECK(safetensors_write(dir, &ts, 1, NULL, NULL, 0, err) == -1 && contains(err, "renaming"), "rename over a directory: '%s'", err);
+    CHECK(safetensors_write(dir, &ts, 1, NULL, NULL, 0, err) == -1 && contains(err, "renaming"),
+          "rename over a directory: '%s'", err);
     CHECK(!file_exists(dtmp), "temporary removed after a failed rename");
     CHECK(stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode), "the directory is still there");
     rmdir(dir);
@@ -1859,7 +2168,8 @@ TEST(safetensors_write_atomic) {
 static size_t count_params(const Graph *g, const char *skip_prefix) {
     size_t n = 0;
     for (int i = 0; i < g->n_params; i++)
-        if (!skip_prefix || strncmp(g->params[i].name, skip_prefix, strlen(skip_prefix))) n += g->params[i].count;
+        if (!skip_prefix || strncmp(g->params[i].name, skip_prefix, strlen(skip_prefix)))
+            n += g->params[i].count;
     return n;
 }
 
@@ -1883,10 +2193,13 @@ TEST(effv2_param_counts) {
     for (int i = 0; i < 3; i++) {
         Graph g;
         build_model(&g, want[i].name, 1000, 64, 64, PAD_SYMMETRIC);
-        CHECK(g.n_param_floats == want[i].all, "%s: %zu parameters, torchvision has %zu", want[i].name, g.n_param_floats, want[i].all);
+        CHECK(g.n_param_floats == want[i].all, "%s: %zu parameters, torchvision has %zu",
+              want[i].name, g.n_param_floats, want[i].all);
         size_t f = count_params(&g, "classifier.");
-        CHECK(f == want[i].features, "%s: %zu without the classifier, torchvision %zu", want[i].name, f, want[i].features);
-        CHECK(g.n_buffer_floats == want[i].bn, "%s: %zu BN buffer values, torchvision %zu", want[i].name, g.n_buffer_floats, want[i].bn);
+        CHECK(f == want[i].features, "%s: %zu without the classifier, torchvision %zu",
+              want[i].name, f, want[i].features);
+        CHECK(g.n_buffer_floats == want[i].bn, "%s: %zu BN buffer values, torchvision %zu",
+              want[i].name, g.n_buffer_floats, want[i].bn);
         graph_free(&g);
     }
 }
@@ -1921,21 +2234,28 @@ static void check_name_fixture(const char *model, const char *source, NameMap ma
     while (fgets(line, sizeof line, f)) {
         if (line[0] == '#' || sscanf(line, "%255s %63s", name, dims) != 2) continue;
         lines++;
-        int d[4] = {0, 0, 0, 0}, nd = sscanf(dims, "%d,%d,%d,%d", &d[0], &d[1], &d[2], &d[3]), found = -1;
+        int d[4] = {0, 0, 0, 0}, nd = sscanf(dims, "%d,%d,%d,%d", &d[0], &d[1], &d[2], &d[3]),
+            found = -1;
         for (int e = 0; e < n_entries; e++) if (!strcmp(mapped[e], name)) { found = e; hit[e]++; }
-        if (found < 0) { if (bad++ < 3) printf("    %s: no segnet tensor is %s's %s\n", model, source, name); continue; }
+        if (found < 0) {
+            if (bad++ < 3) printf("    %s: no segnet tensor is %s's %s\n", model, source, name);
+            continue;
+        }
         const ParamInfo *p = found < g.n_params ? &g.params[found] : &g.buffers[found - g.n_params];
         int64_t want[4];
         torch_dims(p, want);
         int same = p->ndim == nd;
         for (int k = 0; same && k < nd; k++) same = want[k] == d[k];
-        if (!same && bad++ < 3) printf("    %s: %s (%s's %s) has another shape\n", model, p->name, source, name);
+        if (!same && bad++ < 3)
+            printf("    %s: %s (%s's %s) has another shape\n", model, p->name, source, name);
     }
     fclose(f);
     int once = 1;
     for (int e = 0; e < n_entries; e++) once &= hit[e] == 1;
-    CHECK(bad == 0 && once && lines == n_entries, "%s: %d of %d %s names unmatched or of another shape, "
-          "or a segnet tensor not named exactly once", model, bad, lines, source);
+    CHECK(bad == 0 && once && lines == n_entries,
+          "%s: %d of %d %s names unmatched or of another shape, "
+          "or a segnet tensor not named exactly once",
+          model, bad, lines, source);
     free(mapped); free(hit);
     graph_free(&g);
 }
@@ -1948,7 +2268,9 @@ TEST(effv2_names_match_torchvision) {
 
 // U-Net parameters by the formula: a double conv cin→ch has 9·cin·ch + 9·ch² weights and
 // 4·ch BN parameters; level i has W·2^i channels; the 1×1 head has W·K + K.
-static size_t double_conv_params(size_t cin, size_t ch) { return 9 * cin * ch + 9 * ch * ch + 4 * ch; }
+static size_t double_conv_params(size_t cin, size_t ch) {
+    return 9 * cin * ch + 9 * ch * ch + 4 * ch;
+}
 
 TEST(unet_params) {
     Graph g;
@@ -1957,17 +2279,23 @@ TEST(unet_params) {
     for (int i = 1; i <= 4; i++) want += double_conv_params(W << (i - 1), W << i);
     for (int i = 3; i >= 0; i--) want += double_conv_params((W << (i + 1)) + (W << i), W << i);
     want += W * 4 + 4;
-    CHECK(g.n_param_floats == want, "unet depth 4 width 32: %zu parameters, formula %zu", g.n_param_floats, want);
+    CHECK(g.n_param_floats == want, "unet depth 4 width 32: %zu parameters, formula %zu",
+          g.n_param_floats, want);
     int out = g.layers[g.n_layers - 1].out;
-    CHECK(shape_eq(g.tensors[out].shape, shape4(1, 64, 96, 4)), "unet logits " SHAPE_FMT, SHAPE_ARGS(g.tensors[out].shape));
+    CHECK(shape_eq(g.tensors[out].shape, shape4(1, 64, 96, 4)), "unet logits " SHAPE_FMT,
+          SHAPE_ARGS(g.tensors[out].shape));
     graph_free(&g);
-    // unet-effv2-l: the torchvision encoder (no classifier) plus the decoder, skips of 224, 96, 64, 32 channels
+    // unet-effv2-l: the torchvision encoder (no classifier) plus the decoder, skips of 224, 96, 64,
+    // 32 channels
     build_model(&g, "unet-effv2-l", 5, 64, 96, PAD_SAME);
     want = 117234272 + double_conv_params(1280 + 224, 256) + double_conv_params(256 + 96, 128) +
-           double_conv_params(128 + 64, 64) + double_conv_params(64 + 32, 32) + double_conv_params(32, 16) + 9 * 16 * 5 + 5;
-    CHECK(g.n_param_floats == want, "unet-effv2-l: %zu parameters, expected %zu", g.n_param_floats, want);
+           double_conv_params(128 + 64, 64) + double_conv_params(64 + 32, 32) +
+           double_conv_params(32, 16) + 9 * 16 * 5 + 5;
+    CHECK(g.n_param_floats == want, "unet-effv2-l: %zu parameters, expected %zu", g.n_param_floats,
+          want);
     out = g.layers[g.n_layers - 1].out;
-    CHECK(shape_eq(g.tensors[out].shape, shape4(1, 64, 96, 5)), "unet-effv2-l logits " SHAPE_FMT, SHAPE_ARGS(g.tensors[out].shape));
+    CHECK(shape_eq(g.tensors[out].shape, shape4(1, 64, 96, 5)), "unet-effv2-l logits " SHAPE_FMT,
+          SHAPE_ARGS(g.tensors[out].shape));
     int skips_ok = graph_find_param(&g, "decoder.blocks.0.conv1.0.weight") >= 0;
     int id = graph_find_param(&g, "decoder.blocks.0.conv1.0.weight");
     skips_ok &= id >= 0 && g.params[id].dims[3] == 1280 + 224;
@@ -1979,14 +2307,19 @@ TEST(model_refusals) {
     Graph g; graph_init(&g);
     ModelCfg c = model_cfg_default();
     c.model = "unet-effv2-s"; c.height = 300; c.width = 500;
-    CHECK(model_build(&g, &c) == -1 && contains(g.err, "unet-effv2-s") && contains(g.err, "300x500") &&
-          contains(g.err, "multiple of 32") && contains(g.err, "320x512"), "unet-effv2 300x500: '%s'", g.err);
+    CHECK(model_build(&g, &c) == -1 && contains(g.err, "unet-effv2-s") &&
+                  contains(g.err, "300x500") && contains(g.err, "multiple of 32") &&
+                  contains(g.err, "320x512"),
+          "unet-effv2 300x500: '%s'", g.err);
     graph_free(&g); graph_init(&g);
     c.model = "unet"; c.height = 250; c.width = 256;
-    CHECK(model_build(&g, &c) == -1 && contains(g.err, "multiple of 16") && contains(g.err, "256x256"), "unet 250: '%s'", g.err);
+    CHECK(model_build(&g, &c) == -1 && contains(g.err, "multiple of 16") &&
+                  contains(g.err, "256x256"),
+          "unet 250: '%s'", g.err);
     graph_free(&g); graph_init(&g);
     c.model = "resnet50";
-    CHECK(model_build(&g, &c) == -1 && contains(g.err, "unknown model 'resnet50'"), "unknown model: '%s'", g.err);
+    CHECK(model_build(&g, &c) == -1 && contains(g.err, "unknown model 'resnet50'"),
+          "unknown model: '%s'", g.err);
     graph_free(&g);
 }
 
@@ -2006,15 +2339,22 @@ TEST(effv2_tiny_grad) {
     for (int m = 0; m < 2; m++) {
         Graph g;
         ModelCfg c = model_cfg_default();
-        c.model = models[m]; c.classes = 3; c.batch = 4; c.height = 64; c.width = 64; c.pad = m ? PAD_SYMMETRIC : PAD_SAME;
+        c.model = models[m];
+        c.classes = 3;
+        c.batch = 4;
+        c.height = 64;
+        c.width = 64;
+        c.pad = m ? PAD_SYMMETRIC : PAD_SAME;
         c.head_hidden = m ? 0 : 5;
         graph_init(&g);
         int y = model_build(&g, &c);
         CHECK(y >= 0, "%s", g.err);
         if (y < 0) { graph_free(&g); continue; }
-        for (int l = 0; l < g.n_layers; l++) {  // ReLU in the decoder and hidden head: SiLU keeps the check smooth
+        // ReLU in the decoder and hidden head: SiLU keeps the check smooth
+        for (int l = 0; l < g.n_layers; l++) {
             if (g.layers[l].act == ACT_RELU) g.layers[l].act = ACT_SILU;
-            if (m == 1 && (!strncmp(g.layers[l].name, "features.", 9) || !strcmp(g.layers[l].name, "rescale")))
+            if (m == 1 && (!strncmp(g.layers[l].name, "features.", 9) ||
+                           !strcmp(g.layers[l].name, "rescale")))
                 g.layers[l].frozen = 1;
         }
         GradOpts o = grad_opts();
@@ -2042,7 +2382,8 @@ static int tiny_net(Graph *g, Net *net, int classes, uint64_t seed) {
     graph_init(g);
     int y = model_build(g, &c);
     char err[SN_ERR_MAX];
-    CHECK(y >= 0 && net_create(net, g, &ops_cpu, DT_F32, 0, err) == 0, "tiny net: %s %s", g->err, err);
+    CHECK(y >= 0 && net_create(net, g, &ops_cpu, DT_F32, 0, err) == 0, "tiny net: %s %s", g->err,
+          err);
     Rng r; rng_seed(&r, seed);
     random_params(net, &r);
     return y;
@@ -2056,22 +2397,31 @@ TEST(weights_round_trip) {
     CHECK(net_save_weights(&a, path, err) == 0, "save: %s", err);
     SafetensorsFile f;
     CHECK(safetensors_read(path, &f, err) == 0, "read back: %s", err);
-    CHECK(f.n_tensors == g1.n_params + g1.n_buffers, "%d tensors for %d parameters and %d buffers", f.n_tensors, g1.n_params, g1.n_buffers);
+    CHECK(f.n_tensors == g1.n_params + g1.n_buffers, "%d tensors for %d parameters and %d buffers",
+          f.n_tensors, g1.n_params, g1.n_buffers);
     // the stem conv is OIHW in the file: element [o][i][y][x] is segnet's [o][y][x][i]
     const SafetensorsTensor *t = safetensors_find(&f, "features.0.0.weight");
     const ParamInfo *p = &g1.params[graph_find_param(&g1, "features.0.0.weight")];
-    CHECK(t && t->ndim == 4 && t->dims[0] == 8 && t->dims[1] == 3 && t->dims[2] == 3 && t->dims[3] == 3, "stem OIHW (8,3,3,3)");
+    CHECK(t && t->ndim == 4 && t->dims[0] == 8 && t->dims[1] == 3 && t->dims[2] == 3 &&
+                  t->dims[3] == 3,
+          "stem OIHW (8,3,3,3)");
     if (t) {
         float v[216];
         safetensors_tensor_f32(t, v);
         int same = 1;
-        for (int o = 0; o < 8; o++) for (int i = 0; i < 3; i++) for (int y = 0; y < 3; y++) for (int x = 0; x < 3; x++)
-            same &= v[((o * 3 + i) * 3 + y) * 3 + x] == a.params[p->offset + ((o * 3 + y) * 3 + x) * 3 + i];
+        for (int o = 0; o < 8; o++)
+            for (int i = 0; i < 3; i++)
+                for (int y = 0; y < 3; y++)
+                    for (int x = 0; x < 3; x++)
+                        same &= v[((o * 3 + i) * 3 + y) * 3 + x] ==
+                                a.params[p->offset + ((o * 3 + y) * 3 + x) * 3 + i];
         CHECK(same, "OIHW in the file is the transpose of segnet's OHWI");
     }
     CHECK(net_load_weights(&b, &f, path, NULL, 0, err) == 0, "load: %s", err);
-    CHECK(!memcmp(a.params, b.params, sizeof(float) * g1.n_param_floats), "parameters survive save and load");
-    CHECK(!memcmp(a.buffers, b.buffers, sizeof(float) * g1.n_buffer_floats), "BN running statistics survive");
+    CHECK(!memcmp(a.params, b.params, sizeof(float) * g1.n_param_floats),
+          "parameters survive save and load");
+    CHECK(!memcmp(a.buffers, b.buffers, sizeof(float) * g1.n_buffer_floats),
+          "BN running statistics survive");
     safetensors_free(&f);
     net_free(&a); net_free(&b); graph_free(&g1); graph_free(&g2);
     unlink(path);
@@ -2090,24 +2440,30 @@ TEST(weights_refused) {
     float *before = malloc(sizeof(float) * g2.n_param_floats);
     memcpy(before, b.params, sizeof(float) * g2.n_param_floats);
     CHECK(net_load_weights(&b, &f, path, NULL, 0, err) == -1 && contains(err, path) &&
-          contains(err, "classifier.1.weight is (3,64), the model needs (7,64)"), "wrong shape: '%s'", err);
-    CHECK(!memcmp(before, b.params, sizeof(float) * g2.n_param_floats), "a refused load changes nothing");
+                  contains(err, "classifier.1.weight is (3,64), the model needs (7,64)"),
+          "wrong shape: '%s'", err);
+    CHECK(!memcmp(before, b.params, sizeof(float) * g2.n_param_floats),
+          "a refused load changes nothing");
     // allowed as a new head: everything else loads, the head keeps its values
     CHECK(net_load_weights(&b, &f, path, "classifier.", 0, err) == 0, "new head: %s", err);
     const ParamInfo *stem = &g2.params[graph_find_param(&g2, "features.0.1.weight")];
     const ParamInfo *head = &g2.params[graph_find_param(&g2, "classifier.1.weight")];
-    CHECK(!memcmp(b.params + stem->offset, a.params + stem->offset, sizeof(float) * stem->count), "the backbone loaded");
-    CHECK(!memcmp(b.params + head->offset, before + head->offset, sizeof(float) * head->count), "the new head kept its values");
+    CHECK(!memcmp(b.params + stem->offset, a.params + stem->offset, sizeof(float) * stem->count),
+          "the backbone loaded");
+    CHECK(!memcmp(b.params + head->offset, before + head->offset, sizeof(float) * head->count),
+          "the new head kept its values");
     net_free(&b); graph_free(&g2);
     // a file without one tensor, and one with an extra tensor
     SafetensorsTensor *ts = malloc(sizeof(SafetensorsTensor) * (f.n_tensors + 1));
     int n = 0;
-    for (int i = 0; i < f.n_tensors; i++) if (strcmp(f.tensors[i].name, "features.4.0.block.2.fc1.bias")) ts[n++] = f.tensors[i];
+    for (int i = 0; i < f.n_tensors; i++)
+        if (strcmp(f.tensors[i].name, "features.4.0.block.2.fc1.bias")) ts[n++] = f.tensors[i];
     CHECK(safetensors_write(path2, ts, n, NULL, NULL, 0, err) == 0, "%s", err);
     SafetensorsFile f2;
     CHECK(safetensors_read(path2, &f2, err) == 0, "%s", err);
     tiny_net(&g2, &b, 3, 2);
-    CHECK(net_load_weights(&b, &f2, path2, NULL, 0, err) == -1 && contains(err, "1 missing (features.4.0.block.2.fc1.bias)"),
+    CHECK(net_load_weights(&b, &f2, path2, NULL, 0, err) == -1 &&
+                  contains(err, "1 missing (features.4.0.block.2.fc1.bias)"),
           "missing: '%s'", err);
     safetensors_free(&f2);
     memcpy(ts, f.tensors, sizeof(SafetensorsTensor) * f.n_tensors);
@@ -2115,7 +2471,9 @@ TEST(weights_refused) {
     snprintf(ts[f.n_tensors].name, SN_NAME_MAX, "extra.weight");
     CHECK(safetensors_write(path2, ts, f.n_tensors + 1, NULL, NULL, 0, err) == 0, "%s", err);
     CHECK(safetensors_read(path2, &f2, err) == 0, "%s", err);
-    CHECK(net_load_weights(&b, &f2, path2, NULL, 0, err) == -1 && contains(err, "1 unexpected (extra.weight)"), "unexpected: '%s'", err);
+    CHECK(net_load_weights(&b, &f2, path2, NULL, 0, err) == -1 &&
+                  contains(err, "1 unexpected (extra.weight)"),
+          "unexpected: '%s'", err);
     CHECK(net_load_weights(&b, &f2, path2, NULL, 1, err) == 0, "unexpected allowed: %s", err);
     safetensors_free(&f2);
     // a truncated file is refused by the reader, naming the file
@@ -2137,7 +2495,9 @@ TEST(weights_refused) {
 // the classifier's head is ignored, and the report line says so; the same
 // file in timm's names reports timm; evaluation (no rules) refuses the file.
 TEST(weights_unet_encoder_from_classifier) {
-    Graph gc, gu; Net cls, unet; char err[SN_ERR_MAX], report[SN_ERR_MAX], path[128], path2[128], init[SN_ERR_MAX];
+    Graph gc, gu;
+    Net cls, unet;
+    char err[SN_ERR_MAX], report[SN_ERR_MAX], path[128], path2[128], init[SN_ERR_MAX];
     snprintf(path, sizeof path, "/tmp/segnet_test_%ld_cls.safetensors", (long)getpid());
     snprintf(path2, sizeof path2, "/tmp/segnet_test_%ld_cls_timm.safetensors", (long)getpid());
     tiny_net(&gc, &cls, 1000, 1);
@@ -2147,7 +2507,8 @@ TEST(weights_unet_encoder_from_classifier) {
     c.model = model_cfg_default();
     c.model.model = "unet-effv2-t"; c.model.classes = 4; c.model.height = c.model.width = 32;
     graph_init(&gu);
-    CHECK(model_build(&gu, &c.model) >= 0 && net_create(&unet, &gu, &ops_cpu, DT_F32, 0, err) == 0, "unet: %s %s", gu.err, err);
+    CHECK(model_build(&gu, &c.model) >= 0 && net_create(&unet, &gu, &ops_cpu, DT_F32, 0, err) == 0,
+          "unet: %s %s", gu.err, err);
     Rng r; rng_seed(&r, 5);
     random_params(&unet, &r);
     float *before = malloc(sizeof(float) * gu.n_param_floats);
@@ -2155,43 +2516,58 @@ TEST(weights_unet_encoder_from_classifier) {
     SafetensorsFile f;
     CHECK(safetensors_read(path, &f, err) == 0, "%s", err);
     const LoadRules strict = {NULL, NULL, 0};
-    CHECK(net_load_weights_rules(&unet, &f, path, &strict, NULL, err) == -1 && contains(err, "missing (decoder.") &&
-          contains(err, "unexpected (classifier.1.weight") && contains(err, "--allow-missing PREFIX"),
+    CHECK(net_load_weights_rules(&unet, &f, path, &strict, NULL, err) == -1 &&
+                  contains(err, "missing (decoder.") &&
+                  contains(err, "unexpected (classifier.1.weight") &&
+                  contains(err, "--allow-missing PREFIX"),
           "strict load of classifier weights into a U-Net: '%s'", err);
-    CHECK(!memcmp(before, unet.params, sizeof(float) * gu.n_param_floats), "a refused load changes nothing");
+    CHECK(!memcmp(before, unet.params, sizeof(float) * gu.n_param_floats),
+          "a refused load changes nothing");
     const LoadRules rules = finetune_rules(&c, init, sizeof init);
-    CHECK(net_load_weights_rules(&unet, &f, path, &rules, report, err) == 0, "fine-tune load: %s", err);
+    CHECK(net_load_weights_rules(&unet, &f, path, &rules, report, err) == 0, "fine-tune load: %s",
+          err);
     int n_enc = 0, n_dec = 0, enc_same = 1, dec_kept = 1;
     for (int i = 0; i < gu.n_params; i++) {
         const ParamInfo *p = &gu.params[i];
         if (!strncmp(p->name, "features.", 9)) {
             const ParamInfo *q = &gc.params[graph_find_param(&gc, p->name)];
-            enc_same &= q->count == p->count && !memcmp(unet.params + p->offset, cls.params + q->offset, sizeof(float) * p->count);
+            enc_same &=
+                    q->count == p->count && !memcmp(unet.params + p->offset, cls.params + q->offset,
+                                                    sizeof(float) * p->count);
             n_enc++;
         } else {
-            dec_kept &= !memcmp(unet.params + p->offset, before + p->offset, sizeof(float) * p->count);
+            dec_kept &=
+                    !memcmp(unet.params + p->offset, before + p->offset, sizeof(float) * p->count);
             n_dec++;
         }
     }
-    CHECK(n_enc > 0 && n_dec > 0 && enc_same && dec_kept, "%d encoder tensors loaded (%s), %d decoder/head tensors kept (%s)",
-          n_enc, enc_same ? "yes" : "NO", n_dec, dec_kept ? "yes" : "NO");
+    CHECK(n_enc > 0 && n_dec > 0 && enc_same && dec_kept,
+          "%d encoder tensors loaded (%s), %d decoder/head tensors kept (%s)", n_enc,
+          enc_same ? "yes" : "NO", n_dec, dec_kept ? "yes" : "NO");
     char want[256];
     snprintf(want, sizeof want, "tensors loaded from %s (torchvision names)", path);
-    CHECK(!strncmp(report, "weights: ", 9) && contains(report, want) && contains(report, "initialised (decoder.") &&
-          contains(report, "2 ignored (classifier.1.weight, classifier.1.bias)"), "report: '%s'", report);
+    CHECK(!strncmp(report, "weights: ", 9) && contains(report, want) &&
+                  contains(report, "initialised (decoder.") &&
+                  contains(report, "2 ignored (classifier.1.weight, classifier.1.bias)"),
+          "report: '%s'", report);
     // the user's --allow-missing adds prefixes: here one that matches nothing more
     c.allow_missing = "extra.";
     const LoadRules more = finetune_rules(&c, init, sizeof init);
-    CHECK(!strcmp(init, "decoder.,segmentation_head.,extra.") && net_load_weights_rules(&unet, &f, path, &more, report, err) == 0,
+    CHECK(!strcmp(init, "decoder.,segmentation_head.,extra.") &&
+                  net_load_weights_rules(&unet, &f, path, &more, report, err) == 0,
           "with --allow-missing: init '%s', %s", init, err);
     // the same weights in timm's names
     for (int i = 0; i < f.n_tensors; i++) {
         char t[SN_NAME_MAX];
-        if (effnet_timm_name(&gc, f.tensors[i].name, t)) snprintf(f.tensors[i].name, SN_NAME_MAX, "%s", t);
+        if (effnet_timm_name(&gc, f.tensors[i].name, t))
+            snprintf(f.tensors[i].name, SN_NAME_MAX, "%s", t);
     }
     SafetensorsFile f2;
-    CHECK(safetensors_write(path2, f.tensors, f.n_tensors, NULL, NULL, 0, err) == 0 && safetensors_read(path2, &f2, err) == 0, "%s", err);
-    CHECK(net_load_weights_rules(&unet, &f2, path2, &rules, report, err) == 0 && contains(report, "(timm names)"),
+    CHECK(safetensors_write(path2, f.tensors, f.n_tensors, NULL, NULL, 0, err) == 0 &&
+                  safetensors_read(path2, &f2, err) == 0,
+          "%s", err);
+    CHECK(net_load_weights_rules(&unet, &f2, path2, &rules, report, err) == 0 &&
+                  contains(report, "(timm names)"),
           "timm-named: %s / '%s'", err, report);
     safetensors_free(&f2); safetensors_free(&f); free(before);
     net_free(&cls); net_free(&unet); graph_free(&gc); graph_free(&gu);
@@ -2209,38 +2585,49 @@ TEST(weights_padding_follows) {
     snprintf(p_meta, sizeof p_meta, "/tmp/segnet_test_%ld_pad_meta.safetensors", (long)getpid());
     tiny_net(&g, &net, 3, 1);
     SafetensorsFile f;
-    CHECK(net_save_weights(&net, p_tv, err) == 0 && safetensors_read(p_tv, &f, err) == 0, "%s", err);
+    CHECK(net_save_weights(&net, p_tv, err) == 0 && safetensors_read(p_tv, &f, err) == 0, "%s",
+          err);
     SafetensorsTensor *renamed = malloc(sizeof(SafetensorsTensor) * f.n_tensors);
     memcpy(renamed, f.tensors, sizeof(SafetensorsTensor) * f.n_tensors);
     for (int i = 0; i < f.n_tensors; i++) {
         char t[SN_NAME_MAX];
-        if (effnet_timm_name(&g, renamed[i].name, t)) snprintf(renamed[i].name, SN_NAME_MAX, "%s", t);
+        if (effnet_timm_name(&g, renamed[i].name, t))
+            snprintf(renamed[i].name, SN_NAME_MAX, "%s", t);
     }
     const char *key = "padding", *same = "same", *epoch_key = "epoch", *one = "1";
     CHECK(safetensors_write(p_timm, renamed, f.n_tensors, NULL, NULL, 0, err) == 0, "%s", err);
     CHECK(safetensors_write(p_meta, f.tensors, f.n_tensors, &key, &same, 1, err) == 0, "%s", err);
-    const struct { const char *path; int pad_given; PadMode given, want; const char *says; } cases[] = {
-        {p_tv, 0, PAD_SAME, PAD_SYMMETRIC, "padding symmetric (torchvision names)"},
-        {p_timm, 0, PAD_SYMMETRIC, PAD_SAME, "padding same (timm's tf_efficientnetv2 names"},
-        {p_meta, 0, PAD_SYMMETRIC, PAD_SAME, "padding same (from the file's metadata)"},
-        {p_tv, 1, PAD_SAME, PAD_SAME, "padding same (--padding, against the weights)"},
-        {p_tv, 1, PAD_SYMMETRIC, PAD_SYMMETRIC, "padding symmetric (--padding)"},
+    const struct {
+        const char *path;
+        int pad_given;
+        PadMode given, want;
+        const char *says;
+    } cases[] = {
+            {p_tv, 0, PAD_SAME, PAD_SYMMETRIC, "padding symmetric (torchvision names)"},
+            {p_timm, 0, PAD_SYMMETRIC, PAD_SAME, "padding same (timm's tf_efficientnetv2 names"},
+            {p_meta, 0, PAD_SYMMETRIC, PAD_SAME, "padding same (from the file's metadata)"},
+            {p_tv, 1, PAD_SAME, PAD_SAME, "padding same (--padding, against the weights)"},
+            {p_tv, 1, PAD_SYMMETRIC, PAD_SYMMETRIC, "padding symmetric (--padding)"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         ModelCfg m = model_cfg_default();
         m.model = i % 2 ? "unet-effv2-t" : "effv2-t";
         m.pad = cases[i].given; m.pad_given = cases[i].pad_given;
-        CHECK(padding_follow_weights(&m, cases[i].path, "test", note, err) == 0 && m.pad == cases[i].want &&
-              contains(note, cases[i].says), "case %zu: padding %d, note '%s' (%s)", i, (int)m.pad, note, err);
+        CHECK(padding_follow_weights(&m, cases[i].path, "test", note, err) == 0 &&
+                      m.pad == cases[i].want && contains(note, cases[i].says),
+              "case %zu: padding %d, note '%s' (%s)", i, (int)m.pad, note, err);
     }
     // a segnet checkpoint without the entry does not say; a plain U-Net has no padding to decide
-    CHECK(safetensors_write(p_meta, f.tensors, f.n_tensors, &epoch_key, &one, 1, err) == 0, "%s", err);
+    CHECK(safetensors_write(p_meta, f.tensors, f.n_tensors, &epoch_key, &one, 1, err) == 0, "%s",
+          err);
     ModelCfg m = model_cfg_default();
     m.model = "effv2-t";
-    CHECK(padding_follow_weights(&m, p_meta, "test", note, err) == 0 && m.pad == PAD_SAME && contains(note, "do not say"),
+    CHECK(padding_follow_weights(&m, p_meta, "test", note, err) == 0 && m.pad == PAD_SAME &&
+                  contains(note, "do not say"),
           "an old checkpoint: '%s'", note);
     m.model = "unet";
-    CHECK(padding_follow_weights(&m, p_tv, "test", note, err) == 0 && note[0] == 0, "unet: '%s'", note);
+    CHECK(padding_follow_weights(&m, p_tv, "test", note, err) == 0 && note[0] == 0, "unet: '%s'",
+          note);
     m.model = "effv2-t";
     CHECK(padding_follow_weights(&m, "/nonexistent/w.safetensors", "test", note, err) == -1 &&
           contains(err, "/nonexistent/w.safetensors"), "a missing file: '%s'", err);
@@ -2267,13 +2654,17 @@ TEST(effv2_timm_names) {
     CHECK(net_save_weights(&a, p1, err) == 0 && safetensors_read(p1, &f1, err) == 0, "%s", err);
     for (int i = 0; i < f1.n_tensors; i++) {
         char t[SN_NAME_MAX];
-        CHECK(effnet_timm_name(&g1, f1.tensors[i].name, t), "%s has a timm name", f1.tensors[i].name);
+        CHECK(effnet_timm_name(&g1, f1.tensors[i].name, t), "%s has a timm name",
+              f1.tensors[i].name);
         snprintf(f1.tensors[i].name, SN_NAME_MAX, "%s", t);
     }
-    CHECK(safetensors_write(p2, f1.tensors, f1.n_tensors, NULL, NULL, 0, err) == 0 && safetensors_read(p2, &f2, err) == 0, "%s", err);
+    CHECK(safetensors_write(p2, f1.tensors, f1.n_tensors, NULL, NULL, 0, err) == 0 &&
+                  safetensors_read(p2, &f2, err) == 0,
+          "%s", err);
     CHECK(net_load_weights(&b, &f2, p2, NULL, 0, err) == 0, "timm-named file: %s", err);
     CHECK(!memcmp(a.params, b.params, sizeof(float) * g1.n_param_floats) &&
-          !memcmp(a.buffers, b.buffers, sizeof(float) * g1.n_buffer_floats), "timm-named weights load identically");
+                  !memcmp(a.buffers, b.buffers, sizeof(float) * g1.n_buffer_floats),
+          "timm-named weights load identically");
     safetensors_free(&f1); safetensors_free(&f2);
     net_free(&a); net_free(&b); graph_free(&g1); graph_free(&g2);
     unlink(p1); unlink(p2);
@@ -2291,7 +2682,10 @@ TEST(effv2_timm_names) {
 
 static double rel_err(const float *a, const float *b, size_t n, double floor_norm) {
     double d = 0, nb = 0;
-    for (size_t i = 0; i < n; i++) { d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]); nb += (double)b[i] * b[i]; }
+    for (size_t i = 0; i < n; i++) {
+        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        nb += (double)b[i] * b[i];
+    }
     return sqrt(d) / fmax(sqrt(nb), floor_norm);
 }
 
@@ -2310,9 +2704,11 @@ static float *ref_tensor(const SafetensorsFile *f, const char *prefix, const Par
 // One training step on net (input already set) against a reference file
 // holding logits, loss, running.<buffer> and grad.<parameter>: prints the
 // errors and checks them against the bounds above.
-static void parity_check(Net *net, int out, const int32_t *labels, const SafetensorsFile *f, const char *label, int check_grads) {
+static void parity_check(Net *net, int out, const int32_t *labels, const SafetensorsFile *f,
+                         const char *label, int check_grads) {
     const Graph *g = net->g;
-    const SafetensorsTensor *tlog = safetensors_find(f, "logits"), *tloss = safetensors_find(f, "loss");
+    const SafetensorsTensor *tlog = safetensors_find(f, "logits"),
+                            *tloss = safetensors_find(f, "loss");
     size_t n_logits = shape_numel(g->tensors[out].shape), M = n_logits / g->tensors[out].shape.c;
     CHECK(tlog && tloss && tlog->numel == n_logits, "%s: reference logits and loss", label);
     if (!tlog || !tloss) return;
@@ -2326,14 +2722,16 @@ static void parity_check(Net *net, int out, const int32_t *labels, const Safeten
     float *ones = malloc(sizeof(float) * K), stats[3] = {0, 0, 0};
     for (int k = 0; k < K; k++) ones[k] = 1.0f;
     float inv_norm = (float)(1.0 / label_weight_sum(labels, M, ones, K));
-    ops_cpu.softmax_xent(&ops_cpu, net_tensor(net, out), labels, ones, 0.0f, &(float){inv_norm}, stats, net_grad(net, out));
+    ops_cpu.softmax_xent(&ops_cpu, net_tensor(net, out), labels, ones, 0.0f, &(float){inv_norm},
+                         stats, net_grad(net, out));
     double loss = stats[0] * inv_norm, e_loss = fabs(loss - loss_ref) / fabs(loss_ref);
     net_backward(net, out);
     double e_run = 0;
     for (int b = 0; b < g->n_buffers; b++) {
         float *v = ref_tensor(f, "running.", &g->buffers[b]);
         if (!v) continue;
-        e_run = fmax(e_run, rel_err(net->buffers + g->buffers[b].offset, v, g->buffers[b].count, 0));
+        e_run = fmax(e_run,
+                     rel_err(net->buffers + g->buffers[b].offset, v, g->buffers[b].count, 0));
         free(v);
     }
     // every parameter gradient, segnet's OHWI transposed to the file's OIHW
@@ -2364,13 +2762,15 @@ static void parity_check(Net *net, int out, const int32_t *labels, const Safeten
     CHECK(e_loss <= 1e-4, "%s: loss %.7f, PyTorch %.7f", label, loss, loss_ref);
     CHECK(e_run <= 1e-4, "%s: running statistics differ by %.3g", label, e_run);
     if (check_grads)
-        CHECK(e_grad <= 1e-3, "%s: gradient of %s differs by %.3g (relative over its norm)", label, worst, e_grad);
+        CHECK(e_grad <= 1e-3, "%s: gradient of %s differs by %.3g (relative over its norm)", label,
+              worst, e_grad);
 }
 
 // the reference step runs without dropout and stochastic depth
 static void no_dropout(Graph *g) {
     for (int l = 0; l < g->n_layers; l++)
-        if (g->layers[l].kind == LAYER_DROPOUT || g->layers[l].kind == LAYER_DROP_PATH) g->layers[l].rate = 0.0f;
+        if (g->layers[l].kind == LAYER_DROPOUT || g->layers[l].kind == LAYER_DROP_PATH)
+            g->layers[l].rate = 0.0f;
 }
 
 static void parity_case(const char *fixture, PadMode pad) {
@@ -2386,15 +2786,18 @@ static void parity_case(const char *fixture, PadMode pad) {
     Net net;
     CHECK(out >= 0 && net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s %s", g.err, err);
     CHECK(net_load_weights(&net, &f, fixture, NULL, 1, err) == 0, "%s", err);
-    const SafetensorsTensor *tin = safetensors_find(&f, "input"), *tlab = safetensors_find(&f, "labels");
-    CHECK(tin && tlab && tin->numel == 4 * 64 * 64 * 3 && tlab->numel == 4, "fixture input and labels");
+    const SafetensorsTensor *tin = safetensors_find(&f, "input"),
+                            *tlab = safetensors_find(&f, "labels");
+    CHECK(tin && tlab && tin->numel == 4 * 64 * 64 * 3 && tlab->numel == 4,
+          "fixture input and labels");
     if (tin && tlab) {
         safetensors_tensor_f32(tin, net.act[g.input]);
         float labf[4];
         int32_t labels[4];
         safetensors_tensor_f32(tlab, labf);
         for (int i = 0; i < 4; i++) labels[i] = (int32_t)labf[i];
-        parity_check(&net, out, labels, &f, pad == PAD_SAME ? "effv2-t same" : "effv2-t symmetric", 1);
+        parity_check(&net, out, labels, &f, pad == PAD_SAME ? "effv2-t same" : "effv2-t symmetric",
+                     1);
     }
     net_free(&net); graph_free(&g); safetensors_free(&f);
 }
@@ -2412,18 +2815,20 @@ TEST(parity_torch_effv2_tiny) {
 static int torch_found(void) {
     static int found = -1;
     if (found < 0)
-        found = !getenv("SEGNET_NO_TORCH") && system("/usr/bin/python3 -c 'import torch, torchvision' >/dev/null 2>&1") == 0;
+        found = !getenv("SEGNET_NO_TORCH") &&
+                system("/usr/bin/python3 -c 'import torch, torchvision' >/dev/null 2>&1") == 0;
     return found;
 }
 
-static void live_parity(const char *model, int classes, int batch, int h, int w, PadMode pad, int relu_as_silu,
-                        int check_grads) {
+static void live_parity(const char *model, int classes, int batch, int h, int w, PadMode pad,
+                        int relu_as_silu, int check_grads) {
     char err[SN_ERR_MAX], wpath[128], bpath[128], opath[128], label[64], cmd[1024];
     long pid = (long)getpid();
     snprintf(wpath, sizeof wpath, "/tmp/segnet_live_%ld_w.safetensors", pid);
     snprintf(bpath, sizeof bpath, "/tmp/segnet_live_%ld_b.safetensors", pid);
     snprintf(opath, sizeof opath, "/tmp/segnet_live_%ld_o.safetensors", pid);
-    snprintf(label, sizeof label, "%s %s%s", model, pad == PAD_SAME ? "same" : "symmetric", relu_as_silu ? " silu" : "");
+    snprintf(label, sizeof label, "%s %s%s", model, pad == PAD_SAME ? "same" : "symmetric",
+             relu_as_silu ? " silu" : "");
     ModelCfg c = model_cfg_default();
     c.model = model; c.classes = classes; c.batch = batch; c.height = h; c.width = w; c.pad = pad;
     Graph g; graph_init(&g);
@@ -2432,20 +2837,35 @@ static void live_parity(const char *model, int classes, int batch, int h, int w,
     for (int l = 0; relu_as_silu && l < g.n_layers; l++)
         if (g.layers[l].act == ACT_RELU) g.layers[l].act = ACT_SILU;
     Net net;
-    CHECK(out >= 0 && net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s: %s %s", label, g.err, err);
+    CHECK(out >= 0 && net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s: %s %s", label,
+          g.err, err);
     if (out < 0) { graph_free(&g); return; }
     Rng r; rng_seed(&r, 2024);
     random_params(&net, &r);
-    size_t nx = shape_numel(g.tensors[g.input].shape), M = shape_numel(g.tensors[out].shape) / classes;
+    size_t nx = shape_numel(g.tensors[g.input].shape),
+           M = shape_numel(g.tensors[out].shape) / classes;
     float *x = net.act[g.input], *labf = malloc(sizeof(float) * M);
     int32_t *labels = malloc(sizeof(int32_t) * M);
     for (size_t i = 0; i < nx; i++) x[i] = 255.0f * rng_float(&r);
-    for (size_t i = 0; i < M; i++) { labels[i] = (int32_t)(rng_next(&r) % classes); labf[i] = (float)labels[i]; }
-    SafetensorsTensor bt[2] = {{"input", DT_F32, 4, {batch, h, w, 3}, nx, x}, {"labels", DT_F32, 1, {(int64_t)M}, M, labf}};
-    if (M != (size_t)batch) { bt[1].ndim = 3; bt[1].dims[0] = batch; bt[1].dims[1] = h; bt[1].dims[2] = w; }
-    CHECK(net_save_weights(&net, wpath, err) == 0 && safetensors_write(bpath, bt, 2, NULL, NULL, 0, err) == 0, "%s", err);
-    snprintf(cmd, sizeof cmd, "/usr/bin/python3 ref/parity_live.py --model %s --classes %d --padding %s "
-             "--weights %s --batch %s --out %s%s", model, classes, pad == PAD_SAME ? "same" : "symmetric", wpath, bpath, opath,
+    for (size_t i = 0; i < M; i++) {
+        labels[i] = (int32_t)(rng_next(&r) % classes);
+        labf[i] = (float)labels[i];
+    }
+    SafetensorsTensor bt[2] = {{"input", DT_F32, 4, {batch, h, w, 3}, nx, x},
+                               {"labels", DT_F32, 1, {(int64_t)M}, M, labf}};
+    if (M != (size_t)batch) {
+        bt[1].ndim = 3;
+        bt[1].dims[0] = batch;
+        bt[1].dims[1] = h;
+        bt[1].dims[2] = w;
+    }
+    CHECK(net_save_weights(&net, wpath, err) == 0 &&
+                  safetensors_write(bpath, bt, 2, NULL, NULL, 0, err) == 0,
+          "%s", err);
+    snprintf(cmd, sizeof cmd,
+             "/usr/bin/python3 ref/parity_live.py --model %s --classes %d --padding %s "
+             "--weights %s --batch %s --out %s%s",
+             model, classes, pad == PAD_SAME ? "same" : "symmetric", wpath, bpath, opath,
              relu_as_silu ? " --relu-as-silu" : "");
     int rc = system(cmd);
     CHECK(rc == 0, "%s: ref/parity_live.py failed (status %d)", label, rc);
@@ -2456,7 +2876,8 @@ static void live_parity(const char *model, int classes, int batch, int h, int w,
     } else if (rc == 0) {
         CHECK(0, "%s: %s", label, err);
     }
-    if (!getenv("SEGNET_KEEP_LIVE")) { unlink(wpath); unlink(bpath); unlink(opath); }  // kept for debugging
+    // kept for debugging
+    if (!getenv("SEGNET_KEEP_LIVE")) { unlink(wpath); unlink(bpath); unlink(opath); }
     free(labf); free(labels);
     net_free(&net); graph_free(&g);
 }
@@ -2530,7 +2951,8 @@ TEST(predict_classifier) {
     CHECK(net_save_weights(&net, wpath, err) == 0, "%s", err);
     write_png(dir, "a.png", 32, 32, &r);
     write_png(dir, "b.png", 32, 32, &r);
-    write_png(dir, "c,odd.png", 24, 40, &r);  // another size (resized), a comma in the name (quoted)
+    // another size (resized), a comma in the name (quoted)
+    write_png(dir, "c,odd.png", 24, 40, &r);
     FILE *f = fopen(csv, "w");
     fprintf(f, "path,label\na.png,0\nb.png,2\n\"c,odd.png\",1\n");
     fclose(f);
@@ -2595,7 +3017,8 @@ TEST(predict_bad_input) {
     CHECK(net_save_weights(&net, wpath, err) == 0, "%s", err);
     Rng r; rng_seed(&r, 9);
     write_png(dir, "good.png", 32, 32, &r);
-    const char *earlier = "path,pred,p0,p1,p2\nkeep\n";  // an earlier prediction, which --overwrite may replace
+    // an earlier prediction, which --overwrite may replace
+    const char *earlier = "path,pred,p0,p1,p2\nkeep\n";
     FILE *f = fopen(out, "w"); fputs(earlier, f); fclose(f);
     char corrupt[300];
     snprintf(corrupt, sizeof corrupt, "%s/corrupt.png", dir);
@@ -2611,7 +3034,8 @@ TEST(predict_bad_input) {
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         f = fopen(csv, "w"); fputs(cases[k].rows, f); fclose(f);
-        CHECK(predict_run(&pc, err) == -1 && contains(err, cases[k].want1) && contains(err, cases[k].want2),
+        CHECK(predict_run(&pc, err) == -1 && contains(err, cases[k].want1) &&
+                      contains(err, cases[k].want2),
               "case %zu: '%s'", k, err);
         char *t = read_text(out);
         CHECK(t && !strcmp(t, earlier), "case %zu: the existing output is untouched", k);
@@ -2619,10 +3043,12 @@ TEST(predict_bad_input) {
     }
     pc.input = dir;
     pc.weights = csv;  // not a safetensors file
-    CHECK(predict_run(&pc, err) == -1 && contains(err, "list.csv"), "weights not safetensors: '%s'", err);
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "list.csv"), "weights not safetensors: '%s'",
+          err);
     pc.weights = wpath;
     pc.model.classes = 5;  // weights of another head
-    CHECK(predict_run(&pc, err) == -1 && contains(err, "classifier.1.weight"), "wrong head: '%s'", err);
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "classifier.1.weight"), "wrong head: '%s'",
+          err);
     pc.model.model = "unet";
     CHECK(predict_run(&pc, err) == -1 && contains(err, "segmentation model"), "unet: '%s'", err);
     DIR *d = opendir(dir);
@@ -2647,7 +3073,8 @@ TEST(metrics_by_hand) {
     const int32_t y[M] =       {0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 1, 2};
     const int pred[M] =        {1, 2, 1, 1, 2, 2, 2, 1, 3, 3, 3, 2};
     float z[M * K];
-    for (int i = 0; i < M; i++) for (int k = 0; k < K; k++) z[i * K + k] = k == pred[i] ? 2.0f : -1.0f;
+    for (int i = 0; i < M; i++)
+        for (int k = 0; k < K; k++) z[i * K + k] = k == pred[i] ? 2.0f : -1.0f;
     int64_t cm[K * K] = {0};
     ops_cpu.confusion_accumulate(&ops_cpu, tensor_f32(z, shape4(1, 3, 4, K)), y, cm);
     double iou[K];
@@ -2663,14 +3090,18 @@ TEST(metrics_by_hand) {
             fn += y[i] == c && pred[i] != c;
             fp += y[i] != c && pred[i] == c;
         }
-        if (w[c] == 0) { CHECK(isnan(iou[c]), "class %d has weight 0: IoU must be NaN, got %g", c, iou[c]); continue; }
+        if (w[c] == 0) {
+            CHECK(isnan(iou[c]), "class %d has weight 0: IoU must be NaN, got %g", c, iou[c]);
+            continue;
+        }
         CHECK_NEAR(iou[c], (double)tp / (tp + fp + fn), 1e-12, "IoU");
         sum += (double)tp / (tp + fp + fn); n++;
     }
     for (int i = 0; i < M; i++) if (w[y[i]] > 0) { counted++; correct += y[i] == pred[i]; }
     CHECK_NEAR(m.mean_iou, sum / n, 1e-12, "mean IoU");
     CHECK_NEAR(m.accuracy, (double)correct / counted, 1e-12, "pixel accuracy");
-    // by hand: class 1 has TP 2 (pixels 2,3), FN 2 (4 → 2, 10 → 3), FP 1 (pixel 7; pixel 0 is unannotated)
+    // by hand: class 1 has TP 2 (pixels 2,3), FN 2 (4 → 2, 10 → 3), FP 1 (pixel 7; pixel 0 is
+    // unannotated)
     CHECK_NEAR(iou[1], 2.0 / 5.0, 1e-12, "IoU_1 by hand");
     CHECK_NEAR(m.accuracy, 7.0 / 10.0, 1e-12, "accuracy by hand");
     // a class that never occurs (in labels or predictions) is left out of the mean
@@ -2695,8 +3126,8 @@ TEST(weighted_loss_by_hand) {
     const int32_t y[3] = {0, 1, 2};
     const float w[3] = {0.5f, 2.0f, 0.0f};
     float stats[3] = {0, 0, 0};
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32((float *)z, shape4(1, 1, 3, 3)), y, w, 0.0f, &(float){0.0f}, stats,
-                         tensor(NULL, shape4(1, 1, 3, 3), DT_F32));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32((float *)z, shape4(1, 1, 3, 3)), y, w, 0.0f,
+                         &(float){0.0f}, stats, tensor(NULL, shape4(1, 1, 3, 3), DT_F32));
     double nll0 = log(exp(2.0) + exp(0.5) + exp(-1.0)) - 2.0;
     double nll1 = log(exp(0.1) + exp(0.2) + exp(0.3)) - 0.2;
     double weighted = (0.5 * nll0 + 2.0 * nll1) / 2.5, keras = (0.5 * nll0 + 2.0 * nll1) / 3.0;
@@ -2728,18 +3159,22 @@ TEST(weight0_pixels_ignored) {
             for (int k = 0; k < K; k++) zb[i * K + k] = 5.0f * rng_normal(&r);
         }
     }
-    CHECK(n_ignored > 4 && n_ignored < (int)M - 4, "the example mixes ignored and counted pixels (%d)", n_ignored);
+    CHECK(n_ignored > 4 && n_ignored < (int)M - 4,
+          "the example mixes ignored and counted pixels (%d)", n_ignored);
     float *ga = malloc(sizeof(float) * M * K), *gb = malloc(sizeof(float) * M * K);
     float sa[3] = {0}, sb[3] = {0};
     double na = label_weight_sum(ya, M, w, K), nb = label_weight_sum(yb, M, w, K);
     CHECK(na == nb, "weight sums %g vs %g", na, nb);
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(za, s), ya, w, 0.0f, &(float){(float)(1 / na)}, sa, tensor_f32(ga, s));
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(zb, s), yb, w, 0.0f, &(float){(float)(1 / nb)}, sb, tensor_f32(gb, s));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(za, s), ya, w, 0.0f, &(float){(float)(1 / na)}, sa,
+                         tensor_f32(ga, s));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(zb, s), yb, w, 0.0f, &(float){(float)(1 / nb)}, sb,
+                         tensor_f32(gb, s));
     CHECK(sa[0] == sb[0] && sa[1] == sb[1], "loss sums %g/%g vs %g/%g", sa[0], sa[1], sb[0], sb[1]);
     int bad = 0;
     for (size_t i = 0; i < M; i++)
         for (int k = 0; k < K; k++)
-            bad += w[ya[i]] == 0 ? (ga[i * K + k] != 0 || gb[i * K + k] != 0) : ga[i * K + k] != gb[i * K + k];
+            bad += w[ya[i]] == 0 ? (ga[i * K + k] != 0 || gb[i * K + k] != 0)
+                                 : ga[i * K + k] != gb[i * K + k];
     CHECK(bad == 0, "%d gradient entries differ or are non-zero at ignored pixels", bad);
     int64_t ca[K * K] = {0}, cb[K * K] = {0};
     ops_cpu.confusion_accumulate(&ops_cpu, tensor_f32(za, s), ya, ca);
@@ -2748,15 +3183,15 @@ TEST(weight0_pixels_ignored) {
     Metrics ma = {0, 0, ia}, mb = {0, 0, ib};
     metrics_compute(ca, K, w, &ma);
     metrics_compute(cb, K, w, &mb);
-    CHECK(ma.mean_iou == mb.mean_iou && ma.accuracy == mb.accuracy, "metrics %g/%g vs %g/%g", ma.mean_iou, ma.accuracy,
-          mb.mean_iou, mb.accuracy);
+    CHECK(ma.mean_iou == mb.mean_iou && ma.accuracy == mb.accuracy, "metrics %g/%g vs %g/%g",
+          ma.mean_iou, ma.accuracy, mb.mean_iou, mb.accuracy);
     for (int k = 2; k < K; k++) CHECK(ia[k] == ib[k], "IoU_%d %g vs %g", k, ia[k], ib[k]);
     free(za); free(zb); free(ya); free(yb); free(ga); free(gb);
 }
 
 // Keras' Adam, step by step in double (tf.keras.optimizers.Adam.update_step)
-static void keras_adam_reference(double *p, double *m, double *v, const float *g, int n, double lr, double b1,
-                                 double b2, double eps, double wd, double scale, int t) {
+static void keras_adam_reference(double *p, double *m, double *v, const float *g, int n, double lr,
+                                 double b1, double b2, double eps, double wd, double scale, int t) {
     double alpha = lr * sqrt(1 - pow(b2, t)) / (1 - pow(b1, t));
     for (int i = 0; i < n; i++) {
         double gi = g[i] * scale;
@@ -2769,7 +3204,9 @@ static void keras_adam_reference(double *p, double *m, double *v, const float *g
 
 TEST(adam_keras_formula) {
     enum { N = 64, STEPS = 6 };
-    const struct { float lr, eps, wd, scale; } cases[3] = {{1e-3f, 1e-7f, 0, 1}, {0.05f, 1e-3f, 0.01f, 1}, {1e-2f, 1e-7f, 0.1f, 0.25f}};
+    const struct {
+        float lr, eps, wd, scale;
+    } cases[3] = {{1e-3f, 1e-7f, 0, 1}, {0.05f, 1e-3f, 0.01f, 1}, {1e-2f, 1e-7f, 0.1f, 0.25f}};
     for (int c = 0; c < 3; c++) {
         Rng r;
         rng_seed(&r, 11 + c);
@@ -2779,20 +3216,27 @@ TEST(adam_keras_formula) {
         double worst = 0;
         for (int t = 1; t <= STEPS; t++) {
             float g[N];
-            for (int i = 0; i < N; i++) g[i] = (i % 7 == 0 ? 1e-4f : 1.0f) * rng_normal(&r);  // some tiny gradients: ε matters
-            AdamStep s = adam_step_init(cases[c].lr, ADAM_BETA1, ADAM_BETA2, cases[c].eps, cases[c].wd, cases[c].scale, t);
+            // some tiny gradients: ε matters
+            for (int i = 0; i < N; i++) g[i] = (i % 7 == 0 ? 1e-4f : 1.0f) * rng_normal(&r);
+            AdamStep s = adam_step_init(cases[c].lr, ADAM_BETA1, ADAM_BETA2, cases[c].eps,
+                                        cases[c].wd, cases[c].scale, t);
             ops_cpu.adam_update(&ops_cpu, p, g, m, v, N, &s);
-            keras_adam_reference(pr, mr, vr, g, N, cases[c].lr, ADAM_BETA1, ADAM_BETA2, cases[c].eps, cases[c].wd,
-                                 cases[c].scale, t);
+            keras_adam_reference(pr, mr, vr, g, N, cases[c].lr, ADAM_BETA1, ADAM_BETA2,
+                                 cases[c].eps, cases[c].wd, cases[c].scale, t);
             // norm-wise: fp32 rounding of parameters of size ~1 is ~6e-8 per step
             double scale = 0, e = 0;
-            for (int i = 0; i < N; i++) { scale = fmax(scale, fabs(pr[i])); e = fmax(e, fabs(p[i] - pr[i])); }
+            for (int i = 0; i < N; i++) {
+                scale = fmax(scale, fabs(pr[i]));
+                e = fmax(e, fabs(p[i] - pr[i]));
+            }
             worst = fmax(worst, e / scale);
         }
-        CHECK(worst < 1e-6, "case %d: Adam differs from Keras' formula by %.3g (relative to max |p|)", c, worst);
+        CHECK(worst < 1e-6,
+              "case %d: Adam differs from Keras' formula by %.3g (relative to max |p|)", c, worst);
         if (g_verbose) printf("    case %d: worst %.3g\n", c, worst);
     }
-    // step 1 by hand: m = 0.1·g, v = 0.001·g², α = lr·√0.001/0.1, update = α·m/(√v+ε) = lr·g/(|g| + ε/√0.001)
+    // step 1 by hand: m = 0.1·g, v = 0.001·g², α = lr·√0.001/0.1, update = α·m/(√v+ε) = lr·g/(|g| +
+    // ε/√0.001)
     float p = 1.0f, g = 0.5f, m = 0, v = 0;
     AdamStep s = adam_step_init(0.1f, 0.9f, 0.999f, 1e-7f, 0, 1, 1);
     ops_cpu.adam_update(&ops_cpu, &p, &g, &m, &v, 1, &s);
@@ -2819,10 +3263,12 @@ TEST(clip_global_norm) {
     // Adam with grad_scale f equals Adam on the scaled gradient, bit for bit
     float p1[N], p2[N], m1[N] = {0}, v1[N] = {0}, m2[N] = {0}, v2[N] = {0}, gs[N];
     for (int i = 0; i < N; i++) { p1[i] = p2[i] = 0.5f; gs[i] = g[i] * f; }
-    AdamStep s1 = adam_step_init(1e-2f, 0.9f, 0.999f, 1e-7f, 0, f, 1), s2 = adam_step_init(1e-2f, 0.9f, 0.999f, 1e-7f, 0, 1, 1);
+    AdamStep s1 = adam_step_init(1e-2f, 0.9f, 0.999f, 1e-7f, 0, f, 1),
+             s2 = adam_step_init(1e-2f, 0.9f, 0.999f, 1e-7f, 0, 1, 1);
     ops_cpu.adam_update(&ops_cpu, p1, g, m1, v1, N, &s1);
     ops_cpu.adam_update(&ops_cpu, p2, gs, m2, v2, N, &s2);
-    CHECK(!memcmp(p1, p2, sizeof p1) && !memcmp(m1, m2, sizeof m1), "scaling inside Adam = scaling the gradient");
+    CHECK(!memcmp(p1, p2, sizeof p1) && !memcmp(m1, m2, sizeof m1),
+          "scaling inside Adam = scaling the gradient");
     free(g);
 }
 
@@ -2833,8 +3279,10 @@ TEST(lr_schedule) {
     CHECK_NEAR(lr_at_step(lr, SCHEDULE_CONSTANT, 4, 100, 3), lr, 1e-15, "warm-up last step");
     CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 10, 110, 10), lr, 1e-15, "cosine starts at lr");
     CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 10, 110, 60), lr / 2, 1e-12, "cosine half-way");
-    CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 10, 110, 35), lr * (1 + cos(M_PI / 4)) / 2, 1e-12, "cosine quarter");
-    CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 0, 100, 99), lr * (1 + cos(M_PI * 0.99)) / 2, 1e-12, "cosine last step");
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 10, 110, 35), lr * (1 + cos(M_PI / 4)) / 2, 1e-12,
+               "cosine quarter");
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 0, 100, 99), lr * (1 + cos(M_PI * 0.99)) / 2, 1e-12,
+               "cosine last step");
     CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 0, 100, 150), 0.0, 1e-15, "past the end");
 }
 
@@ -2848,39 +3296,58 @@ TEST(init_params) {
     g.init = INIT_EFFNET;
     Net a, b;
     char err[SN_ERR_MAX];
-    CHECK(net_create(&a, &g, &ops_cpu, DT_F32, 0, err) == 0 && net_create(&b, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s", err);
+    CHECK(net_create(&a, &g, &ops_cpu, DT_F32, 0, err) == 0 &&
+                  net_create(&b, &g, &ops_cpu, DT_F32, 0, err) == 0,
+          "%s", err);
     net_init_params(&a, 5);
     net_init_params(&b, 5);
     CHECK(!memcmp(a.params, b.params, sizeof(float) * g.n_param_floats), "same seed, same weights");
     const ParamInfo *cw = &g.params[graph_find_param(&g, "conv.weight")];
     double s2 = 0, mean = 0;
-    for (size_t i = 0; i < cw->count; i++) { mean += a.params[cw->offset + i]; s2 += (double)a.params[cw->offset + i] * a.params[cw->offset + i]; }
+    for (size_t i = 0; i < cw->count; i++) {
+        mean += a.params[cw->offset + i];
+        s2 += (double)a.params[cw->offset + i] * a.params[cw->offset + i];
+    }
     mean /= cw->count;
     double std = sqrt(s2 / cw->count - mean * mean), want = sqrt(2.0 / (128 * 9));
-    CHECK(fabs(std / want - 1) < 0.03 && fabs(mean) < 0.1 * want, "conv std %g, mean %g (He fan_out: %g)", std, mean, want);
+    CHECK(fabs(std / want - 1) < 0.03 && fabs(mean) < 0.1 * want,
+          "conv std %g, mean %g (He fan_out: %g)", std, mean, want);
     const ParamInfo *fw = &g.params[graph_find_param(&g, "fc.weight")];
     float lo = 1, hi = -1;
-    for (size_t i = 0; i < fw->count; i++) { float v = a.params[fw->offset + i]; lo = v < lo ? v : lo; hi = v > hi ? v : hi; }
-    CHECK(lo >= -1 / sqrtf(10) && hi <= 1 / sqrtf(10) && hi - lo > 1.5f / sqrtf(10), "dense range [%g, %g]", lo, hi);
+    for (size_t i = 0; i < fw->count; i++) {
+        float v = a.params[fw->offset + i];
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    CHECK(lo >= -1 / sqrtf(10) && hi <= 1 / sqrtf(10) && hi - lo > 1.5f / sqrtf(10),
+          "dense range [%g, %g]", lo, hi);
     const char *ones[] = {"bn.weight"}, *zeros[] = {"conv.bias", "bn.bias", "fc.bias"};
     const ParamInfo *p = &g.params[graph_find_param(&g, ones[0])];
     for (size_t i = 0; i < p->count; i++) CHECK(a.params[p->offset + i] == 1.0f, "BN gamma 1");
     for (int k = 0; k < 3; k++) {
         p = &g.params[graph_find_param(&g, zeros[k])];
-        for (size_t i = 0; i < p->count; i++) CHECK(a.params[p->offset + i] == 0.0f, "%s is 0", zeros[k]);
+        for (size_t i = 0; i < p->count; i++)
+            CHECK(a.params[p->offset + i] == 0.0f, "%s is 0", zeros[k]);
     }
     net_init_params(&b, 6);
-    CHECK(memcmp(a.params, b.params, sizeof(float) * g.n_param_floats), "another seed, other weights");
+    CHECK(memcmp(a.params, b.params, sizeof(float) * g.n_param_floats),
+          "another seed, other weights");
     // PyTorch's layer defaults: weights and biases U(±1/√fan_in)
     g.init = INIT_TORCH_DEFAULT;
     net_init_params(&a, 5);
     const char *names[4] = {"conv.weight", "conv.bias", "fc.weight", "fc.bias"};
-    const double bounds[4] = {1 / sqrt(64 * 9.0), 1 / sqrt(64 * 9.0), 1 / sqrt(128.0), 1 / sqrt(128.0)};
+    const double bounds[4] = {1 / sqrt(64 * 9.0), 1 / sqrt(64 * 9.0), 1 / sqrt(128.0),
+                              1 / sqrt(128.0)};
     for (int k = 0; k < 4; k++) {
         p = &g.params[graph_find_param(&g, names[k])];
         lo = 1; hi = -1;
-        for (size_t i = 0; i < p->count; i++) { float v = a.params[p->offset + i]; lo = v < lo ? v : lo; hi = v > hi ? v : hi; }
-        CHECK(lo >= -bounds[k] && hi <= bounds[k] && hi - lo > (p->count > 100 ? 1.9 : 1.0) * bounds[k],
+        for (size_t i = 0; i < p->count; i++) {
+            float v = a.params[p->offset + i];
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
+        CHECK(lo >= -bounds[k] && hi <= bounds[k] &&
+                      hi - lo > (p->count > 100 ? 1.9 : 1.0) * bounds[k],
               "%s in [%g, %g], bound %g", names[k], lo, hi, bounds[k]);
     }
     p = &g.params[graph_find_param(&g, "bn.weight")];
@@ -2897,14 +3364,18 @@ TEST(parity_live_adam) {
         rng_seed(&r, 21 + c);
         float p[N], m[N] = {0}, v[N] = {0}, g[STEPS][N];
         for (int i = 0; i < N; i++) p[i] = rng_normal(&r);
-        for (int t = 0; t < STEPS; t++) for (int i = 0; i < N; i++) g[t][i] = (i % 5 == 0 ? 1e-5f : 1.0f) * rng_normal(&r);
+        for (int t = 0; t < STEPS; t++)
+            for (int i = 0; i < N; i++) g[t][i] = (i % 5 == 0 ? 1e-5f : 1.0f) * rng_normal(&r);
         char in[64], out[64], cmd[256];
         snprintf(in, sizeof in, "/tmp/segnet_adam_in.%d", (int)getpid());
         snprintf(out, sizeof out, "/tmp/segnet_adam_out.%d", (int)getpid());
         FILE *f = fopen(in, "wb");
         int32_t hdr[2] = {N, STEPS};
         double hyper[5] = {cases[c].lr, ADAM_BETA1, ADAM_BETA2, cases[c].eps, cases[c].wd};
-        fwrite(hdr, sizeof hdr, 1, f); fwrite(hyper, sizeof hyper, 1, f); fwrite(p, sizeof p, 1, f); fwrite(g, sizeof g, 1, f);
+        fwrite(hdr, sizeof hdr, 1, f);
+        fwrite(hyper, sizeof hyper, 1, f);
+        fwrite(p, sizeof p, 1, f);
+        fwrite(g, sizeof g, 1, f);
         fclose(f);
         snprintf(cmd, sizeof cmd, "/usr/bin/python3 ref/adam_torch.py %s %s", in, out);
         CHECK(system(cmd) == 0, "%s failed", cmd);
@@ -2914,12 +3385,17 @@ TEST(parity_live_adam) {
         if (f) fclose(f);
         unlink(in); unlink(out);
         for (int t = 1; t <= STEPS; t++) {
-            AdamStep s = adam_step_init((float)cases[c].lr, ADAM_BETA1, ADAM_BETA2, (float)cases[c].eps, (float)cases[c].wd, 1, t);
+            AdamStep s = adam_step_init((float)cases[c].lr, ADAM_BETA1, ADAM_BETA2,
+                                        (float)cases[c].eps, (float)cases[c].wd, 1, t);
             ops_cpu.adam_update(&ops_cpu, p, g[t - 1], m, v, N, &s);
         }
         double scale = 0, e = 0;
-        for (int i = 0; i < N; i++) { scale = fmax(scale, fabs(ref[i])); e = fmax(e, fabs(p[i] - ref[i])); }
-        CHECK(e / scale < 1e-6, "case %d: segnet vs PyTorch Adam: %.3g (relative to max |p|)", c, e / scale);
+        for (int i = 0; i < N; i++) {
+            scale = fmax(scale, fabs(ref[i]));
+            e = fmax(e, fabs(p[i] - ref[i]));
+        }
+        CHECK(e / scale < 1e-6, "case %d: segnet vs PyTorch Adam: %.3g (relative to max |p|)", c,
+              e / scale);
         if (g_verbose) printf("    case %d: %.3g\n", c, e / scale);
     }
 }
@@ -2947,17 +3423,20 @@ static int seg_hand_net(Graph *g, Net *net, ModelCfg *c, int batch) {
     CHECK(out >= 0 && net_create(net, g, &ops_cpu, DT_F32, 0, err) == 0, "%s", err);
     memset(net->params, 0, sizeof(float) * g->n_param_floats);
     for (int l = 0; l < g->n_layers; l++)
-        if (g->layers[l].kind == LAYER_BN) for (size_t k = 0; k < g->params[g->layers[l].weight].count; k++)
-            net->params[g->params[g->layers[l].weight].offset + k] = 1;
+        if (g->layers[l].kind == LAYER_BN)
+            for (size_t k = 0; k < g->params[g->layers[l].weight].count; k++)
+                net->params[g->params[g->layers[l].weight].offset + k] = 1;
     for (int b = 0; b < g->n_buffers; b++)
         for (size_t k = 0; k < g->buffers[b].count; k++)
-            net->buffers[g->buffers[b].offset + k] = contains(g->buffers[b].name, "running_var") ? 1 : 0;
+            net->buffers[g->buffers[b].offset + k] =
+                    contains(g->buffers[b].name, "running_var") ? 1 : 0;
     // conv weights (Cout,3,3,Cin): the centre tap of (co, ci) is element (co·9 + 4)·Cin + ci
     set_param(net, "enc0.conv1.0.weight", (0 * 9 + 4) * 3 + 0, 1);   // a ← R
     set_param(net, "enc0.conv1.0.weight", (1 * 9 + 4) * 3 + 0, -1);  // b ← -R
     set_param(net, "enc0.conv2.0.weight", (0 * 9 + 4) * 2 + 0, 1);
     set_param(net, "enc0.conv2.0.weight", (1 * 9 + 4) * 2 + 1, 1);
-    set_param(net, "dec0.conv1.0.weight", (0 * 9 + 4) * 6 + 4, 1);   // the skip follows 4 upsampled channels
+    // the skip follows 4 upsampled channels
+    set_param(net, "dec0.conv1.0.weight", (0 * 9 + 4) * 6 + 4, 1);
     set_param(net, "dec0.conv1.0.weight", (1 * 9 + 4) * 6 + 5, 1);
     set_param(net, "dec0.conv2.0.weight", (0 * 9 + 4) * 2 + 0, 1);
     set_param(net, "dec0.conv2.0.weight", (1 * 9 + 4) * 2 + 1, 1);
@@ -2980,7 +3459,8 @@ static void write_png_red(const char *path, int w, int h, int (*red)(int x, int 
     CHECK(stbi_write_png(path, w, h, 3, px, w * 3) != 0, "writing %s", path);
     free(px);
 }
-static int red_columns(int x, int y) { (void)y; return x < 3 ? 250 : x < 6 ? 128 : 10; }   // classes 2 2 2 0 0 0 1 1
+// classes 2 2 2 0 0 0 1 1
+static int red_columns(int x, int y) { (void)y; return x < 3 ? 250 : x < 6 ? 128 : 10; }
 
 static int count_substr(const char *s, const char *sub) {
     int n = 0;
@@ -2994,7 +3474,8 @@ static void rm_rf(const char *dir) {
     CHECK(system(cmd) == 0, "cleanup of %s", dir);
 }
 
-static const char *SEG_NAMES[3] = {"a.png", "b.v2.png", "c.png"}, *SEG_STEMS[3] = {"a", "b.v2", "c"};
+static const char *SEG_NAMES[3] = {"a.png", "b.v2.png", "c.png"},
+                  *SEG_STEMS[3] = {"a", "b.v2", "c"};
 static const int SEG_W[3] = {8, 12, 8}, SEG_H[3] = {8, 10, 8};
 
 // Checks predict's outputs in outdir for the images SEG_NAMES in `in`: every
@@ -3016,14 +3497,17 @@ static void check_seg_outputs(Net *net, int out, const char *in, const char *out
         snprintf(path, sizeof path, "%s/%s_overlay.png", outdir, SEG_STEMS[i]);
         unsigned char *ov = stbi_load(path, &ow, &oh, &oc, 0);
         CHECK(img && imgf && mask && ov, "%s: an output is missing", SEG_NAMES[i]);
-        int sizes_ok = img && imgf && mask && ov && mw == w && mh == h && mc == 1 && ow == w && oh == h && oc == 3;
+        int sizes_ok = img && imgf && mask && ov && mw == w && mh == h && mc == 1 && ow == w &&
+                       oh == h && oc == 3;
         CHECK(sizes_ok, "%s: mask %dx%d (%d channels), overlay %dx%d (%d channels), image %dx%d",
               SEG_NAMES[i], mw, mh, mc, ow, oh, oc, SEG_W[i], SEG_H[i]);
         if (!sizes_ok) { free(img); free(imgf); free(mask); free(ov); continue; }
         Tensor x = net_tensor(net, net->g->input);
         memset(x.data, 0, tensor_bytes(x));
         if (w == 8 && h == 8) memcpy(x.data, imgf, sizeof(float) * 8 * 8 * 3);
-        else ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(x.data, shape4(1, 8, 8, 3)), tensor_f32(imgf, shape4(1, h, w, 3)));
+        else
+            ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(x.data, shape4(1, 8, 8, 3)),
+                                            tensor_f32(imgf, shape4(1, h, w, 3)));
         net_forward(net, 0);
         const float *z = net->act[out];  // (B,8,8,3), the image in slot 0
         int bad_mask = 0, bad_overlay = 0, bad_hand = 0, seen[3] = {0, 0, 0};
@@ -3036,15 +3520,22 @@ static void check_seg_outputs(Net *net, int out, const char *in, const char *out
                 int m = mask[y * w + xx];
                 bad_mask += m != best;
                 if (m < 3) seen[m] = 1;
-                if (i == 0) bad_hand += m != (red_columns(xx, y) > 192 ? 2 : red_columns(xx, y) < 64 ? 1 : 0);
+                if (i == 0)
+                    bad_hand += m != (red_columns(xx, y) > 192  ? 2
+                                      : red_columns(xx, y) < 64 ? 1
+                                                                : 0);
                 for (int ch = 0; ch < 3; ch++) {
                     int p = 3 * (y * w + xx);
-                    bad_overlay += ov[p + ch] != (img[p + ch] + SEG_PALETTE[m % SEG_COLOURS][ch] + 1) / 2;
+                    bad_overlay +=
+                            ov[p + ch] != (img[p + ch] + SEG_PALETTE[m % SEG_COLOURS][ch] + 1) / 2;
                 }
             }
-        CHECK(bad_mask == 0, "%s: %d mask pixels differ from the direct forward", SEG_NAMES[i], bad_mask);
-        CHECK(bad_overlay == 0, "%s: %d overlay values differ from the 50/50 blend", SEG_NAMES[i], bad_overlay);
-        CHECK(bad_hand == 0, "%s: %d mask pixels differ from the classes by hand", SEG_NAMES[i], bad_hand);
+        CHECK(bad_mask == 0, "%s: %d mask pixels differ from the direct forward", SEG_NAMES[i],
+              bad_mask);
+        CHECK(bad_overlay == 0, "%s: %d overlay values differ from the 50/50 blend", SEG_NAMES[i],
+              bad_overlay);
+        CHECK(bad_hand == 0, "%s: %d mask pixels differ from the classes by hand", SEG_NAMES[i],
+              bad_hand);
         CHECK(seen[0] && seen[1] && seen[2], "%s: not every class appears", SEG_NAMES[i]);
         free(img); free(imgf); free(mask); free(ov);
     }
@@ -3055,7 +3546,8 @@ static void check_seg_outputs(Net *net, int out, const char *in, const char *out
         leftovers += strstr(e->d_name, ".tmp.") != NULL;
     }
     if (d) closedir(d);
-    CHECK(files == 7 && leftovers == 0, "the folder holds the 6 PNGs and the legend, nothing else (%d files, %d temporary)",
+    CHECK(files == 7 && leftovers == 0,
+          "the folder holds the 6 PNGs and the legend, nothing else (%d files, %d temporary)",
           files, leftovers);
 }
 
@@ -3063,7 +3555,8 @@ static void check_seg_outputs(Net *net, int out, const char *in, const char *out
 // dir/images (in), and the hand-made U-Net (batch images) saved as dir/w.safetensors.
 // Returns seg_hand_net's output tensor.
 typedef struct { char dir[256], in[300], wpath[300]; } PredictDirs;
-static int predict_fixture(const char *tag, int batch, PredictDirs *d, Graph *g, Net *net, ModelCfg *c) {
+static int predict_fixture(const char *tag, int batch, PredictDirs *d, Graph *g, Net *net,
+                           ModelCfg *c) {
     char err[SN_ERR_MAX];
     snprintf(d->dir, sizeof d->dir, "/tmp/segnet_test_%ld_%s", (long)getpid(), tag);
     snprintf(d->in, sizeof d->in, "%s/images", d->dir);
@@ -3087,7 +3580,8 @@ TEST(predict_segmentation) {
         snprintf(path, sizeof path, "%s/%s", in, SEG_NAMES[i]);
         write_png_red(path, SEG_W[i], SEG_H[i], reds[i], &r);
     }
-    PredictCfg pc = {c, wpath, in, outdir, 0, DEVICE_CPU, NULL, 0, 0};  // batch 2, 3 images: the last batch is partly empty
+    // batch 2, 3 images: the last batch is partly empty
+    PredictCfg pc = {c, wpath, in, outdir, 0, DEVICE_CPU, NULL, 0, 0};
     CHECK(predict_run(&pc, err) == 0, "predict: %s", err);
     check_seg_outputs(&net, out, in, outdir);
     CHECK(predict_run(&pc, err) == -1 && contains(err, "exists") && contains(err, "--overwrite"),
@@ -3105,7 +3599,8 @@ TEST(predict_segmentation_refused) {
     PredictDirs d;
     Graph g; Net net; ModelCfg c;
     predict_fixture("predict_seg_bad", 1, &d, &g, &net, &c);
-    char *dir = d.dir, *in = d.in, *wpath = d.wpath, file[300], outdir[300], path[400], err[SN_ERR_MAX];
+    char *dir = d.dir, *in = d.in, *wpath = d.wpath, file[300], outdir[300], path[400],
+         err[SN_ERR_MAX];
     snprintf(file, sizeof file, "%s/preds.csv", dir);
     snprintf(outdir, sizeof outdir, "%s/masks", dir);
     Rng r; rng_seed(&r, 6);
@@ -3115,7 +3610,8 @@ TEST(predict_segmentation_refused) {
     struct stat sb;
 
     PredictCfg pc = {c, wpath, in, file, 0, DEVICE_CPU, NULL, 0, 0};
-    CHECK(predict_run(&pc, err) == -1 && contains(err, file) && contains(err, "not a folder"), "--out a file: '%s'", err);
+    CHECK(predict_run(&pc, err) == -1 && contains(err, file) && contains(err, "not a folder"),
+          "--out a file: '%s'", err);
     char *t = read_text(file);
     CHECK(t && !strcmp(t, "keep\n"), "the file is untouched");
     free(t);
@@ -3125,46 +3621,59 @@ TEST(predict_segmentation_refused) {
     write_png_red(path, 8, 8, NULL, &r);
     snprintf(path, sizeof path, "%s/a.png", in);
     write_png_red(path, 8, 8, NULL, &r);
-    CHECK(predict_run(&pc, err) == -1 && contains(err, "a.jpg") && contains(err, "a.png") && contains(err, "both write"),
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "a.jpg") && contains(err, "a.png") &&
+                  contains(err, "both write"),
           "same stem: '%s'", err);
     CHECK(stat(outdir, &sb) != 0, "nothing created for the same stem");
     unlink(path);
 
-    snprintf(path, sizeof path, "%s/z_corrupt.png", in);  // sorted last: found before any image is predicted
+    // sorted last: found before any image is predicted
+    snprintf(path, sizeof path, "%s/z_corrupt.png", in);
     f = fopen(path, "wb"); fputs("\x89PNG\r\n\x1a\nnot really a png", f); fclose(f);
-    CHECK(predict_run(&pc, err) == -1 && contains(err, "z_corrupt.png") && contains(err, "cannot decode"), "corrupt: '%s'", err);
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "z_corrupt.png") &&
+                  contains(err, "cannot decode"),
+          "corrupt: '%s'", err);
     CHECK(stat(outdir, &sb) != 0, "nothing created for a corrupt image");
     unlink(path);
 
     snprintf(path, sizeof path, "%s/missing/masks", dir);
     pc.out = path;
-    CHECK(predict_run(&pc, err) == -1 && contains(err, path) && contains(err, "No such file"), "no parent: '%s'", err);
+    CHECK(predict_run(&pc, err) == -1 && contains(err, path) && contains(err, "No such file"),
+          "no parent: '%s'", err);
     net_free(&net); graph_free(&g);
     rm_rf(dir);
 }
 
 // checks of one curves.svg: one element, no non-finite numbers, every marker
 // inside the plot areas, `polylines` series, the labels
-static void check_svg(const char *path, int polylines, int circles, const char *metric, const char *what) {
+static void check_svg(const char *path, int polylines, int circles, const char *metric,
+                      const char *what) {
     char *s = read_text(path);
     CHECK(s != NULL, "%s: %s not written", what, path);
     if (!s) return;
     size_t n = strlen(s);
     while (n && isspace((unsigned char)s[n - 1])) s[--n] = 0;
-    CHECK(!strncmp(s, "<svg ", 5) && n > 6 && !strcmp(s + n - 6, "</svg>"), "%s: starts with <svg, ends with </svg>", what);
-    CHECK(count_substr(s, "<svg") == 1 && count_substr(s, "<g>") == 4 && count_substr(s, "</g>") == 4, "%s: element nesting", what);
+    CHECK(!strncmp(s, "<svg ", 5) && n > 6 && !strcmp(s + n - 6, "</svg>"),
+          "%s: starts with <svg, ends with </svg>", what);
+    CHECK(count_substr(s, "<svg") == 1 && count_substr(s, "<g>") == 4 &&
+                  count_substr(s, "</g>") == 4,
+          "%s: element nesting", what);
     CHECK(count_substr(s, "<") == count_substr(s, ">"), "%s: every < has its >", what);
-    CHECK(count_substr(s, "<polyline") == polylines, "%s: %d polylines, expected %d", what, count_substr(s, "<polyline"), polylines);
-    CHECK(count_substr(s, "<circle") == circles, "%s: %d markers, expected %d", what, count_substr(s, "<circle"), circles);
-    CHECK(count_substr(s, ">epoch<") == 4 && count_substr(s, ">loss<") == 2 && count_substr(s, metric) == 2 &&
-          count_substr(s, ">gradient norm<") == 2 && count_substr(s, ">learning rate<") == 2, "%s: axis labels and titles", what);
+    CHECK(count_substr(s, "<polyline") == polylines, "%s: %d polylines, expected %d", what,
+          count_substr(s, "<polyline"), polylines);
+    CHECK(count_substr(s, "<circle") == circles, "%s: %d markers, expected %d", what,
+          count_substr(s, "<circle"), circles);
+    CHECK(count_substr(s, ">epoch<") == 4 && count_substr(s, ">loss<") == 2 &&
+                  count_substr(s, metric) == 2 && count_substr(s, ">gradient norm<") == 2 &&
+                  count_substr(s, ">learning rate<") == 2,
+          "%s: axis labels and titles", what);
     for (const char *p = s; (p = strstr(p, "<circle cx=\"")); p++) {
         double cx = strtod(p + 12, NULL), cy = strtod(strstr(p, "cy=\"") + 4, NULL);
         int in_panel = 0;
         for (int k = 0; k < 4; k++) {
             const double x0 = (k % 2) * SVG_PANEL_W, y0 = (k / 2) * SVG_PANEL_H;
-            in_panel |= cx >= x0 + SVG_LEFT && cx <= x0 + SVG_PANEL_W - SVG_RIGHT && cy >= y0 + SVG_TOP &&
-                        cy <= y0 + SVG_PANEL_H - SVG_BOTTOM;
+            in_panel |= cx >= x0 + SVG_LEFT && cx <= x0 + SVG_PANEL_W - SVG_RIGHT &&
+                        cy >= y0 + SVG_TOP && cy <= y0 + SVG_PANEL_H - SVG_BOTTOM;
         }
         CHECK(in_panel, "%s: marker (%g, %g) outside the plots", what, cx, cy);
     }
@@ -3177,9 +3686,12 @@ static void check_svg(const char *path, int polylines, int circles, const char *
 #define EPOCH(e, lr_, loss_, val_loss_, metric_, val_metric_) \
     {.epoch = e, .lr = lr_, .loss = loss_, .val_loss = val_loss_, .metric = metric_, .val_metric = val_metric_}
 // an epoch's diagnostics (EpochRecord's last fields)
-static void set_diagnostics(EpochRecord *r, double mean, double max, double clip, double scale, double skipped,
-                            double ratio) {
-    r->grad_norm_mean = mean; r->grad_norm_max = max; r->clip_fraction = clip; r->loss_scale = scale;
+static void set_diagnostics(EpochRecord *r, double mean, double max, double clip, double scale,
+                            double skipped, double ratio) {
+    r->grad_norm_mean = mean;
+    r->grad_norm_max = max;
+    r->clip_fraction = clip;
+    r->loss_scale = scale;
     r->skipped_steps = skipped; r->update_ratio = ratio; r->step_ms = 10;
 }
 
@@ -3188,8 +3700,8 @@ static void set_diagnostics(EpochRecord *r, double mean, double max, double clip
 TEST(curves_svg) {
     char path[256], err[SN_ERR_MAX];
     snprintf(path, sizeof path, "/tmp/segnet_test_%ld_curves.svg", (long)getpid());
-    EpochRecord rows[3] = {EPOCH(1, 1e-3, 1.25, 1.5, 0.3, 0.25), EPOCH(2, 1e-3, 0.75, NAN, 0.5, NAN),
-                           EPOCH(3, 5e-4, 0.5, 0.9, 0.7, 0.6)};
+    EpochRecord rows[3] = {EPOCH(1, 1e-3, 1.25, 1.5, 0.3, 0.25),
+                           EPOCH(2, 1e-3, 0.75, NAN, 0.5, NAN), EPOCH(3, 5e-4, 0.5, 0.9, 0.7, 0.6)};
     set_diagnostics(&rows[0], 2, 5, 0.5, 32768, 0, 1e-3);
     set_diagnostics(&rows[1], 3, 9, 1, 16384, 2, 8e-4);
     set_diagnostics(&rows[2], 2.5, 4, 0.25, 16384, 0, 5e-4);
@@ -3198,8 +3710,10 @@ TEST(curves_svg) {
     check_svg(path, 9, 25, ">mIoU<", "3 epochs, a missing val, fp16 and clipping");
     char *text = read_text(path);
     CHECK(text && count_substr(text, ">best<") == 4 && count_substr(text, ">clipnorm<") == 1 &&
-          count_substr(text, "<path") == 2 && count_substr(text, ">skipped steps<") == 1 && count_substr(text, ">loss scale<") == 1,
-          "the best epoch in 4 panels, the clip line, one epoch with skipped steps and its legend, the loss scale");
+                  count_substr(text, "<path") == 2 && count_substr(text, ">skipped steps<") == 1 &&
+                  count_substr(text, ">loss scale<") == 1,
+          "the best epoch in 4 panels, the clip line, one epoch with skipped steps and its legend, "
+          "the loss scale");
     free(text);
     for (int i = 0; i < 3; i++) {  // a run from before the diagnostics, without validation
         rows[i].val_loss = rows[i].val_metric = NAN;
@@ -3213,8 +3727,8 @@ TEST(curves_svg) {
     for (int i = 0; i < 2; i++) set_diagnostics(&flat[i], 0, 0, 0, 1, 0, 0);
     CHECK(write_curves_svg(path, flat, 2, "mIoU", NULL, err) == 0, "%s", err);
     check_svg(path, 8, 16, ">mIoU<", "all values 0");
-    EpochRecord huge[3] = {EPOCH(1, 1e-3, DBL_MAX, -DBL_MAX, 0.1, INFINITY), EPOCH(2, 1e-3, 1e300, 3, 0.2, 2),
-                           EPOCH(3, 1e-3, INFINITY, 1, NAN, 0.5)};
+    EpochRecord huge[3] = {EPOCH(1, 1e-3, DBL_MAX, -DBL_MAX, 0.1, INFINITY),
+                           EPOCH(2, 1e-3, 1e300, 3, 0.2, 2), EPOCH(3, 1e-3, INFINITY, 1, NAN, 0.5)};
     set_diagnostics(&huge[0], DBL_MAX, INFINITY, 1, 65536, 0, NAN);
     set_diagnostics(&huge[1], NAN, 1e300, 0, 1, 1, INFINITY);
     set_diagnostics(&huge[2], INFINITY, NAN, 0, 2, 0, NAN);
@@ -3232,7 +3746,8 @@ TEST(curves_svg) {
 // whatever its workers; every bad input refused naming the file; atomic PNGs
 
 // /tmp/segnet_test_<pid>_<tag>, created empty, with the given sub-folders
-static void ds_fixture(char *dir, size_t cap, const char *tag, const char *const *subs, int n_subs) {
+static void ds_fixture(char *dir, size_t cap, const char *tag, const char *const *subs,
+                       int n_subs) {
     char cmd[600], sub[600];
     snprintf(dir, cap, "/tmp/segnet_test_%ld_%s", (long)getpid(), tag);
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
@@ -3273,8 +3788,10 @@ TEST(dataset_seg_round_trip) {
     Rng r; rng_seed(&r, 5);
     uint8_t *img[2] = {ds_random(&r, 3 * P, 256), ds_random(&r, 3 * P, 256)};
     uint8_t *cls[2] = {ds_random(&r, P, K), ds_random(&r, P, K)};
-    uint8_t rgb_mask[3 * 20];  // b's mask as RGB with R = G = B: grey stored as colour (mask_colour: the rest)
-    for (int p = 0; p < P; p++) rgb_mask[3 * p] = rgb_mask[3 * p + 1] = rgb_mask[3 * p + 2] = cls[1][p];
+    // b's mask as RGB with R = G = B: grey stored as colour (mask_colour: the rest)
+    uint8_t rgb_mask[3 * 20];
+    for (int p = 0; p < P; p++)
+        rgb_mask[3 * p] = rgb_mask[3 * p + 1] = rgb_mask[3 * p + 2] = cls[1][p];
     ds_png(dir, "images/a.png", W, H, 3, img[0]);
     ds_png(dir, "masks/a.png", W, H, 1, cls[0]);
     ds_png(dir, "images/b.png", W, H, 3, img[1]);
@@ -3287,10 +3804,13 @@ TEST(dataset_seg_round_trip) {
         int rc = dataset_open(&d, dir, 1, K, H, W, cached ? (size_t)1 << 20 : 0, 2, err);
         CHECK(rc == 0, "%s", err);
         if (rc) break;
-        CHECK(d.n == 2 && contains(d.images[0], "images/a.png") && contains(d.masks[1], "masks/b.png") && !d.labels,
+        CHECK(d.n == 2 && contains(d.images[0], "images/a.png") &&
+                      contains(d.masks[1], "masks/b.png") && !d.labels,
               "listing: %d samples", d.n);
-        CHECK((d.image_cache != NULL) == cached && (d.mask_cache != NULL) == cached, "cache %d", cached);
-        CHECK(dataset_batch(&d, idx, 2, NULL, 0, cached ? x : x2, cached ? y : y2, err) == 0, "%s", err);
+        CHECK((d.image_cache != NULL) == cached && (d.mask_cache != NULL) == cached, "cache %d",
+              cached);
+        CHECK(dataset_batch(&d, idx, 2, NULL, 0, cached ? x : x2, cached ? y : y2, err) == 0, "%s",
+              err);
         dataset_free(&d);
     }
     int bad = 0;
@@ -3310,7 +3830,8 @@ TEST(dataset_resize) {
     ds_fixture(dir, sizeof dir, "ds_resize", SEG_SUBS, 2);
     uint8_t big[4 * 4 * 3], big_mask[16], small[2 * 2 * 3], small_mask[4] = {0, 1, 2, 3};
     Rng r; rng_seed(&r, 8);
-    for (int i = 0; i < 48; i++) big[i] = (uint8_t)(4 * (rng_next(&r) % 64));  // 2x2 block means are integers
+    // 2x2 block means are integers
+    for (int i = 0; i < 48; i++) big[i] = (uint8_t)(4 * (rng_next(&r) % 64));
     for (int i = 0; i < 12; i++) small[i] = (uint8_t)(rng_next(&r) % 256);
     for (int i = 0; i < 16; i++) big_mask[i] = (uint8_t)i;                    // class = y·4 + x
     ds_png(dir, "images/big.png", 4, 4, 3, big);
@@ -3332,8 +3853,10 @@ TEST(dataset_resize) {
         const int P = size * size;
         const int32_t *want_big = size == 2 ? down : NULL, *want_small = size == 2 ? NULL : up;
         for (int p = 0; p < P; p++) {
-            int32_t wb = want_big ? want_big[p] : big_mask[p], ws = want_small ? want_small[p] : small_mask[p];
-            CHECK(y[p] == wb && y[P + p] == ws, "size %d pixel %d: masks %d %d, expected %d %d", size, p, y[p], y[P + p], wb, ws);
+            int32_t wb = want_big ? want_big[p] : big_mask[p],
+                    ws = want_small ? want_small[p] : small_mask[p];
+            CHECK(y[p] == wb && y[P + p] == ws, "size %d pixel %d: masks %d %d, expected %d %d",
+                  size, p, y[p], y[P + p], wb, ws);
         }
         // images: the model's bilinear resize op, rounded; 4 -> 2 is the mean of each 2x2 block
         const uint8_t *src[2] = {big, small};
@@ -3345,16 +3868,18 @@ TEST(dataset_resize) {
                                             tensor_f32(in, shape4(1, src_size[j], src_size[j], 3)));
             int bad = 0;
             for (int i = 0; i < P * 3; i++) bad += x[j * P * 3 + i] != (float)lrintf(out[i]);
-            CHECK(bad == 0, "size %d sample %d: %d values differ from resize_bilinear_forward", size, j, bad);
+            CHECK(bad == 0, "size %d sample %d: %d values differ from resize_bilinear_forward",
+                  size, j, bad);
         }
         if (size == 2)
             for (int oy = 0; oy < 2; oy++)
                 for (int ox = 0; ox < 2; ox++)
                     for (int c = 0; c < 3; c++) {
                         int s = 0;
-                        for (int k = 0; k < 4; k++) s += big[((2 * oy + k / 2) * 4 + 2 * ox + k % 2) * 3 + c];
-                        CHECK(x[(oy * 2 + ox) * 3 + c] == s / 4, "block (%d,%d,%d): %g, mean %d", ox, oy, c,
-                              x[(oy * 2 + ox) * 3 + c], s / 4);
+                        for (int k = 0; k < 4; k++)
+                            s += big[((2 * oy + k / 2) * 4 + 2 * ox + k % 2) * 3 + c];
+                        CHECK(x[(oy * 2 + ox) * 3 + c] == s / 4, "block (%d,%d,%d): %g, mean %d",
+                              ox, oy, c, x[(oy * 2 + ox) * 3 + c], s / 4);
                     }
         dataset_free(&d);
     }
@@ -3368,7 +3893,8 @@ static int ds_one_sample(Dataset *d, char *dir, size_t cap, const char *tag) {
     for (int y = 0; y < 4; y++)
         for (int x = 0; x < 6; x++) {
             m[y * 6 + x] = (uint8_t)x;
-            for (int c = 0; c < 3; c++) px[(y * 6 + x) * 3 + c] = (uint8_t)(40 * x + 20 * c + 3 * y);
+            for (int c = 0; c < 3; c++)
+                px[(y * 6 + x) * 3 + c] = (uint8_t)(40 * x + 20 * c + 3 * y);
         }
     ds_fixture(dir, cap, tag, SEG_SUBS, 2);
     ds_png(dir, "images/s.png", 6, 4, 3, px);
@@ -3400,14 +3926,15 @@ TEST(dataset_augment_flip) {
                     mirror &= x[(r * W + c) * 3 + k] == x0[(r * W + W - 1 - c) * 3 + k];
                 }
             }
-        CHECK((same && mask_same) != (mirror && mask_mirror), "seed %d: image and mask are either both flipped or both not",
-              (int)seed);
+        CHECK((same && mask_same) != (mirror && mask_mirror),
+              "seed %d: image and mask are either both flipped or both not", (int)seed);
         flipped += mirror && mask_mirror;
         kept += same && mask_same;
         float x2[72];
         int32_t y2[24];
         dataset_batch(&d, &idx, 1, &aug, seed, x2, y2, err);
-        CHECK(!memcmp(x, x2, sizeof x) && !memcmp(y, y2, sizeof y), "seed %d: the same draw twice", (int)seed);
+        CHECK(!memcmp(x, x2, sizeof x) && !memcmp(y, y2, sizeof y), "seed %d: the same draw twice",
+              (int)seed);
     }
     CHECK(flipped > 0 && kept > 0, "16 seeds: %d flipped, %d not", flipped, kept);
     dataset_free(&d);
@@ -3447,18 +3974,24 @@ TEST(dataset_augment_brightness_contrast) {
             int bad = 0;
             for (int p = 0; p < P; p++)
                 for (int c = 0; c < 3; c++)
-                    bad += fabs((x[3 * p + c] - m[c]) - f * (x0[3 * p + c] - m0[c])) > 2e-3 || fabs(m[c] - m0[c] - shift) > 2e-3;
-            CHECK(bad == 0, "aug %d seed %d: %d values off (x - mean) = f·(x0 - mean0), mean = mean0 + 255·δ", a, (int)seed, bad);
+                    bad += fabs((x[3 * p + c] - m[c]) - f * (x0[3 * p + c] - m0[c])) > 2e-3 ||
+                           fabs(m[c] - m0[c] - shift) > 2e-3;
+            CHECK(bad == 0,
+                  "aug %d seed %d: %d values off (x - mean) = f·(x0 - mean0), mean = mean0 + 255·δ",
+                  a, (int)seed, bad);
             double delta = shift / 255.0;
-            if (augs[a].brightness > 0) CHECK(fabs(delta) <= 0.2 + 1e-6, "aug %d: δ = %g", a, delta);
+            if (augs[a].brightness > 0)
+                CHECK(fabs(delta) <= 0.2 + 1e-6, "aug %d: δ = %g", a, delta);
             else CHECK(fabs(delta) < 1e-5, "aug %d: the means stay (δ = %g)", a, delta);
-            if (augs[a].contrast_hi > 0) CHECK(f >= 0.5 - 1e-5 && f <= 1.5 + 1e-5, "aug %d: f = %g", a, f);
+            if (augs[a].contrast_hi > 0)
+                CHECK(f >= 0.5 - 1e-5 && f <= 1.5 + 1e-5, "aug %d: f = %g", a, f);
             else CHECK(fabs(f - 1.0) < 1e-5, "aug %d: deviations stay (f = %g)", a, f);
             double v = augs[a].contrast_hi > 0 ? f : delta;
             lo_seen = fmin(lo_seen, v);
             hi_seen = fmax(hi_seen, v);
         }
-        CHECK(hi_seen - lo_seen > 0.05, "aug %d: the factor varies with the seed (%g..%g)", a, lo_seen, hi_seen);
+        CHECK(hi_seen - lo_seen > 0.05, "aug %d: the factor varies with the seed (%g..%g)", a,
+              lo_seen, hi_seen);
     }
     dataset_free(&d);
     ds_remove(dir);
@@ -3494,11 +4027,15 @@ TEST(loader_determinism) {
         Loader *l = loader_start(&d, order, 10, 4, &aug, 42, setups[s][0], setups[s][1]);
         int b = 0, first = 0;
         for (const LoaderBatch *lb; (lb = loader_next(l)); b++) {
-            CHECK(lb->index == b && lb->n == (b < 2 ? 4 : 2), "%d workers: batch %d has index %d, %d images", setups[s][0], b,
-                  lb->index, lb->n);
-            CHECK(!memcmp(lb->images, want_x + (size_t)first * 3 * P, sizeof(float) * 3 * P * lb->n) &&
-                  !memcmp(lb->labels, want_y + (size_t)first * P, sizeof(int32_t) * P * lb->n),
-                  "%d workers, depth %d: batch %d differs from dataset_batch", setups[s][0], setups[s][1], b);
+            CHECK(lb->index == b && lb->n == (b < 2 ? 4 : 2),
+                  "%d workers: batch %d has index %d, %d images", setups[s][0], b, lb->index,
+                  lb->n);
+            CHECK(!memcmp(lb->images, want_x + (size_t)first * 3 * P,
+                          sizeof(float) * 3 * P * lb->n) &&
+                          !memcmp(lb->labels, want_y + (size_t)first * P,
+                                  sizeof(int32_t) * P * lb->n),
+                  "%d workers, depth %d: batch %d differs from dataset_batch", setups[s][0],
+                  setups[s][1], b);
             first += lb->n;
         }
         CHECK(b == 3 && !loader_error(l)[0] && !loader_next(l), "3 batches, no error, then none");
@@ -3516,7 +4053,8 @@ TEST(loader_determinism) {
 TEST(loader_file_changed) {
     char dir[300], err[SN_ERR_MAX] = "", path[400];
     Dataset d;
-    if (ds_five(&d, dir, sizeof dir, "ds_changed", 0)) { ds_remove(dir); return; }  // not cached: batches decode again
+    // not cached: batches decode again
+    if (ds_five(&d, dir, sizeof dir, "ds_changed", 0)) { ds_remove(dir); return; }
     CHECK(!d.image_cache, "not cached");
     snprintf(path, sizeof path, "%s/images/s3.png", dir);
     FILE *f = fopen(path, "wb");
@@ -3525,13 +4063,15 @@ TEST(loader_file_changed) {
     Loader *l = loader_start(&d, order, 5, 1, NULL, 0, 2, 3);
     int got = 0;
     while (loader_next(l)) got++;
-    CHECK(got == 3 && contains(loader_error(l), "s3.png") && contains(loader_error(l), "cannot decode"),
+    CHECK(got == 3 && contains(loader_error(l), "s3.png") &&
+                  contains(loader_error(l), "cannot decode"),
           "3 batches, then '%s'", loader_error(l));
     CHECK(!loader_next(l), "nothing after an error");
     loader_stop(l);
     float x[72];
     int32_t y[24];
-    CHECK(dataset_batch(&d, order + 3, 1, NULL, 0, x, y, err) == -1 && contains(err, "s3.png"), "dataset_batch: '%s'", err);
+    CHECK(dataset_batch(&d, order + 3, 1, NULL, 0, x, y, err) == -1 && contains(err, "s3.png"),
+          "dataset_batch: '%s'", err);
     dataset_free(&d);
     ds_remove(dir);
 }
@@ -3542,20 +4082,24 @@ TEST(dataset_classification) {
     ds_fixture(dir, sizeof dir, "ds_cls", subs, 6);
     Rng r; rng_seed(&r, 3);
     uint8_t *px = ds_random(&r, 8 * 6 * 3, 256);
-    const char *files[] = {"imgs/x.png", "imgs/y,z.png", "cls/dog/1.png", "cls/dog/0.png", "cls/cat/a.png", "cls/emu/b.png"};
-    for (int k = 0; k < 6; k++) ds_png(dir, files[k], k % 2 ? 8 : 6, k % 2 ? 6 : 4, 3, px);  // two sizes: resized
+    const char *files[] = {"imgs/x.png",    "imgs/y,z.png",  "cls/dog/1.png",
+                           "cls/dog/0.png", "cls/cat/a.png", "cls/emu/b.png"};
+    // two sizes: resized
+    for (int k = 0; k < 6; k++) ds_png(dir, files[k], k % 2 ? 8 : 6, k % 2 ? 6 : 4, 3, px);
     ds_text(dir, "list.csv", "path,label\nimgs/x.png,2\n\n\"imgs/y,z.png\",0\n");
     Dataset d;
     snprintf(path, sizeof path, "%s/list.csv", dir);
     int rc = dataset_open(&d, path, 0, 3, 4, 6, 1 << 20, 2, err);
     CHECK(rc == 0, "%s", err);
     if (rc) { free(px); ds_remove(dir); return; }
-    CHECK(d.n == 2 && d.labels[0] == 2 && d.labels[1] == 0 && !d.masks && contains(d.images[1], "/imgs/y,z.png"),
+    CHECK(d.n == 2 && d.labels[0] == 2 && d.labels[1] == 0 && !d.masks &&
+                  contains(d.images[1], "/imgs/y,z.png"),
           "CSV: %d samples", d.n);
     const int idx[2] = {1, 0};
     float x[2 * 72];
     int32_t y[2];
-    CHECK(dataset_batch(&d, idx, 2, NULL, 0, x, y, err) == 0 && y[0] == 0 && y[1] == 2, "labels %d %d", y[0], y[1]);
+    CHECK(dataset_batch(&d, idx, 2, NULL, 0, x, y, err) == 0 && y[0] == 0 && y[1] == 2,
+          "labels %d %d", y[0], y[1]);
     int bad = 0;
     for (int i = 0; i < 72; i++) bad += x[72 + i] != px[i];
     CHECK(bad == 0, "the 6x4 image is unchanged: %d values differ", bad);
@@ -3567,10 +4111,11 @@ TEST(dataset_classification) {
     const int want_label[4] = {0, 1, 1, 2};
     CHECK(d.n == 4, "folders: %d samples", d.n);
     for (int i = 0; d.n == 4 && i < 4; i++)
-        CHECK(contains(d.images[i], want[i]) && d.labels[i] == want_label[i], "sample %d: %s label %d", i, d.images[i],
-              d.labels[i]);
+        CHECK(contains(d.images[i], want[i]) && d.labels[i] == want_label[i],
+              "sample %d: %s label %d", i, d.images[i], d.labels[i]);
     dataset_free(&d);
-    CHECK(dataset_open(&d, path, 0, 2, 4, 6, 0, 1, err) == -1 && contains(err, "3 class folders, but there are 2 classes"),
+    CHECK(dataset_open(&d, path, 0, 2, 4, 6, 0, 1, err) == -1 &&
+                  contains(err, "3 class folders, but there are 2 classes"),
           "more folders than classes: '%s'", err);
     free(px);
     ds_remove(dir);
@@ -3578,8 +4123,9 @@ TEST(dataset_classification) {
 
 TEST(dataset_bad_input) {
     char dir[300], path[400], err[SN_ERR_MAX];
-    const char *const subs[] = {"seg", "seg/images", "seg/masks", "empty", "empty/images", "empty/masks", "nomasks",
-                                "nomasks/images", "noimages", "noimages/masks", "cls", "cls/a"};
+    const char *const subs[] = {"seg",          "seg/images",     "seg/masks", "empty",
+                                "empty/images", "empty/masks",    "nomasks",   "nomasks/images",
+                                "noimages",     "noimages/masks", "cls",       "cls/a"};
     ds_fixture(dir, sizeof dir, "ds_bad", subs, 12);
     Rng r; rng_seed(&r, 4);
     uint8_t *px = ds_random(&r, 5 * 4 * 3, 256), m[20] = {0}, bad_mask[20] = {0};
@@ -3595,26 +4141,31 @@ TEST(dataset_bad_input) {
     CHECK(png && write_file_bytes(path, png, len / 2) == 0, "writing %s", path);
     free(png);
     typedef struct { const char *setup, *open, *want1, *want2, *want3; } Case;
-    // setup: a CSV's text, or files in seg/ named by a one-letter stem: "i:a" image a (5x4), "m:a" its
-    // mask, "j:a" a junk image, "t:a" a truncated one, "s:a" a 5x3 mask, "v:a" a mask with class 7 at (2,1)
+    // setup: a CSV's text, or files in seg/ named by a one-letter stem: "i:a" image a (5x4), "m:a"
+    // its
+    // mask, "j:a" a junk image, "t:a" a truncated one, "s:a" a 5x3 mask, "v:a" a mask with class 7
+    // at (2,1)
     const Case cases[] = {
-        {"i:a j:b i:c m:a m:b m:c", "seg", "images/b.png", "cannot decode the image", ""},
-        {"i:a t:b m:a m:b", "seg", "images/b.png", "cannot decode the image", ""},
-        {"i:a i:b m:a", "seg", "images/b.png", "no mask", "masks/b.png"},
-        {"i:a m:a m:c", "seg", "masks/c.png", "no image", "images/c.png"},
-        {"i:a s:a", "seg", "masks/a.png", "mask is 5x3 but its image is 5x4", ""},
-        {"i:a v:a", "seg", "masks/a.png", "pixel (2,1) has class 7", "there are 4 classes (0..3)"},
-        {"", "empty", "empty/images", "no images", ""},
-        {"", "nomasks", "nomasks/masks", "no such folder", ""},
-        {"", "noimages", "noimages/images", "no such folder", ""},
-        {"", "missing", "missing", "No such file", ""},
-        {"path,label\ncls/a/ok.png,1\nmissing.png,0\n", "list.csv", "row 3", "missing.png", "No such file"},
-        {"cls/a/ok.png,1\ncls/a/ok.png,cat\n", "list.csv", "row 2", "'cat' is a name, but row 1's is an integer",
-         "all integers 0..K-1 or all class names"},
-        {"path,label\ncls/a/ok.png,4\n", "list.csv", "row 2", "'4'", "out of range"},
-        {"path,label\n", "list.csv", "list.csv", "no images", ""},
-        {"cls/a/ok.png,1\njunk.png,0\n", "list.csv", "junk.png", "cannot decode the image", ""},
-        {"half.png,1\n", "list.csv", "half.png", "cannot decode the image", ""},
+            {"i:a j:b i:c m:a m:b m:c", "seg", "images/b.png", "cannot decode the image", ""},
+            {"i:a t:b m:a m:b", "seg", "images/b.png", "cannot decode the image", ""},
+            {"i:a i:b m:a", "seg", "images/b.png", "no mask", "masks/b.png"},
+            {"i:a m:a m:c", "seg", "masks/c.png", "no image", "images/c.png"},
+            {"i:a s:a", "seg", "masks/a.png", "mask is 5x3 but its image is 5x4", ""},
+            {"i:a v:a", "seg", "masks/a.png", "pixel (2,1) has class 7",
+             "there are 4 classes (0..3)"},
+            {"", "empty", "empty/images", "no images", ""},
+            {"", "nomasks", "nomasks/masks", "no such folder", ""},
+            {"", "noimages", "noimages/images", "no such folder", ""},
+            {"", "missing", "missing", "No such file", ""},
+            {"path,label\ncls/a/ok.png,1\nmissing.png,0\n", "list.csv", "row 3", "missing.png",
+             "No such file"},
+            {"cls/a/ok.png,1\ncls/a/ok.png,cat\n", "list.csv", "row 2",
+             "'cat' is a name, but row 1's is an integer",
+             "all integers 0..K-1 or all class names"},
+            {"path,label\ncls/a/ok.png,4\n", "list.csv", "row 2", "'4'", "out of range"},
+            {"path,label\n", "list.csv", "list.csv", "no images", ""},
+            {"cls/a/ok.png,1\njunk.png,0\n", "list.csv", "junk.png", "cannot decode the image", ""},
+            {"half.png,1\n", "list.csv", "half.png", "cannot decode the image", ""},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         const Case *c = &cases[k];
@@ -3624,15 +4175,18 @@ TEST(dataset_bad_input) {
         CHECK(system(cmd) == 0, "clearing seg/");
         if (!strcmp(c->open, "list.csv")) ds_text(dir, "list.csv", c->setup);
         else
-            for (const char *s = c->setup; sscanf(s, " %c:%c%n", &kind, &stem, &used) == 2; s += used) {
+            for (const char *s = c->setup; sscanf(s, " %c:%c%n", &kind, &stem, &used) == 2;
+                 s += used) {
                 char name[64];
-                snprintf(name, sizeof name, "seg/%s/%c.png", strchr("msv", kind) ? "masks" : "images", stem);
+                snprintf(name, sizeof name, "seg/%s/%c.png",
+                         strchr("msv", kind) ? "masks" : "images", stem);
                 if (kind == 'i') ds_png(dir, name, 5, 4, 3, px);
                 else if (kind == 'm') ds_png(dir, name, 5, 4, 1, m);
                 else if (kind == 's') ds_png(dir, name, 5, 3, 1, m);
                 else if (kind == 'v') ds_png(dir, name, 5, 4, 1, bad_mask);
                 else {  // a copy of junk.png or half.png
-                    snprintf(path, sizeof path, "%s/%s", dir, kind == 'j' ? "junk.png" : "half.png");
+                    snprintf(path, sizeof path, "%s/%s", dir,
+                             kind == 'j' ? "junk.png" : "half.png");
                     size_t n;
                     uint8_t *b = read_file_bytes(path, &n);
                     snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -3644,9 +4198,10 @@ TEST(dataset_bad_input) {
         for (int threads = 1; threads <= 3; threads += 2) {
             Dataset d;
             memset(err, 0, sizeof err);
-            int rc = dataset_open(&d, path, strcmp(c->open, "list.csv") != 0, 4, 4, 5, 1 << 20, threads, err);
-            CHECK(rc == -1 && contains(err, c->want1) && contains(err, c->want2) && contains(err, c->want3) &&
-                  !strchr(err, '\n') && d.n == 0 && !d.images,
+            int rc = dataset_open(&d, path, strcmp(c->open, "list.csv") != 0, 4, 4, 5, 1 << 20,
+                                  threads, err);
+            CHECK(rc == -1 && contains(err, c->want1) && contains(err, c->want2) &&
+                          contains(err, c->want3) && !strchr(err, '\n') && d.n == 0 && !d.images,
                   "case %zu (%d threads): rc %d, '%s'", k, threads, rc, err);
         }
     }
@@ -3663,7 +4218,8 @@ TEST(dataset_bad_input) {
     snprintf(path, sizeof path, "%s/list.csv", dir);
     for (int rep = 0; rep < 4; rep++) {
         Dataset d;
-        CHECK(dataset_open(&d, path, 0, 4, 4, 5, 0, 3, err) == -1 && contains(err, "junk.png"), "first bad: '%s'", err);
+        CHECK(dataset_open(&d, path, 0, 4, 4, 5, 0, 3, err) == -1 && contains(err, "junk.png"),
+              "first bad: '%s'", err);
     }
     free(px);
     ds_remove(dir);
@@ -3672,7 +4228,8 @@ TEST(dataset_bad_input) {
 // PNGs that stb_image_write cannot write (1-, 2-, 4-, 16-bit, palette, tRNS),
 // by hand: IHDR, an optional PLTE or tRNS, one IDAT of rows with filter byte 0,
 // IEND; chunk CRCs as PNG's
-unsigned char *stbi_zlib_compress(unsigned char *data, int data_len, int *out_len, int quality);  // libstb.so
+// libstb.so
+unsigned char *stbi_zlib_compress(unsigned char *data, int data_len, int *out_len, int quality);
 
 static uint32_t png_crc(const uint8_t *p, size_t n, uint32_t c) {
     c = ~c;
@@ -3695,13 +4252,15 @@ static void png_chunk(FILE *f, const char *type, const uint8_t *data, uint32_t n
 // Samples of 1, 2 or 4 bits are packed into bytes from the most significant
 // bit, each row padded to a whole byte; 8 bits; or 16 bits big-endian.
 // trns_grey >= 0 (grey only): a tRNS chunk making that grey value transparent.
-static void png_by_hand_trns(const char *path, int w, int h, int depth, const uint16_t *samples, const uint8_t *plte,
-                             int n_plte, int trns_grey) {
+static void png_by_hand_trns(const char *path, int w, int h, int depth, const uint16_t *samples,
+                             const uint8_t *plte, int n_plte, int trns_grey) {
     FILE *f = fopen(path, "wb");
     CHECK(f != NULL, "creating %s", path);
     if (!f) return;
     const int row = 1 + (w * depth + 7) / 8;
-    uint8_t ihdr[13] = {0, 0, 0, (uint8_t)w, 0, 0, 0, (uint8_t)h, (uint8_t)depth, (uint8_t)(plte ? 3 : 0), 0, 0, 0};
+    uint8_t ihdr[13] = {0, 0, 0,          (uint8_t)w,     0,
+                        0, 0, (uint8_t)h, (uint8_t)depth, (uint8_t)(plte ? 3 : 0),
+                        0, 0, 0};
     uint8_t *raw = calloc((size_t)row * h, 1);
     for (int y = 0; y < h; y++)
         for (int x = 0; x < w; x++) {
@@ -3716,14 +4275,16 @@ static void png_by_hand_trns(const char *path, int w, int h, int depth, const ui
     fwrite("\x89PNG\r\n\x1a\n", 1, 8, f);
     png_chunk(f, "IHDR", ihdr, 13);
     if (plte) png_chunk(f, "PLTE", plte, (uint32_t)(3 * n_plte));
-    if (trns_grey >= 0) png_chunk(f, "tRNS", (const uint8_t[]){(uint8_t)(trns_grey >> 8), (uint8_t)trns_grey}, 2);
+    if (trns_grey >= 0)
+        png_chunk(f, "tRNS", (const uint8_t[]){(uint8_t)(trns_grey >> 8), (uint8_t)trns_grey}, 2);
     png_chunk(f, "IDAT", z, (uint32_t)zn);
     png_chunk(f, "IEND", NULL, 0);
     fclose(f);
     free(z);
     free(raw);
 }
-static void png_by_hand(const char *path, int w, int h, int depth, const uint16_t *samples, const uint8_t *plte, int n_plte) {
+static void png_by_hand(const char *path, int w, int h, int depth, const uint16_t *samples,
+                        const uint8_t *plte, int n_plte) {
     png_by_hand_trns(path, w, h, depth, samples, plte, n_plte, -1);
 }
 
@@ -3735,23 +4296,28 @@ TEST(dataset_mask_formats) {
     const uint8_t plte[12] = {0, 0, 0, 255, 0, 0, 0, 255, 0, 0, 0, 255};
     ds_png(dir, "images/a.png", 4, 3, 3, px);
     snprintf(path, sizeof path, "%s/masks/a.png", dir);
-    png_by_hand(path, 4, 3, 16, cls, NULL, 0);  // 16-bit: the values are the classes (not scaled to 8 bits)
+    // 16-bit: the values are the classes (not scaled to 8 bits)
+    png_by_hand(path, 4, 3, 16, cls, NULL, 0);
     Dataset d;
     float x[36];
     int32_t y[12];
     const int idx = 0;
     int rc = dataset_open(&d, dir, 1, 4, 3, 4, 1 << 20, 1, err);
     CHECK(rc == 0 && dataset_batch(&d, &idx, 1, NULL, 0, x, y, err) == 0, "16-bit mask: %s", err);
-    for (int p = 0; rc == 0 && p < 12; p++) CHECK(y[p] == cls[p], "pixel %d: class %d, expected %d", p, y[p], cls[p]);
+    for (int p = 0; rc == 0 && p < 12; p++)
+        CHECK(y[p] == cls[p], "pixel %d: class %d, expected %d", p, y[p], cls[p]);
     if (rc == 0) dataset_free(&d);
     cls[6] = 300;
     png_by_hand(path, 4, 3, 16, cls, NULL, 0);
-    CHECK(dataset_open(&d, dir, 1, 4, 3, 4, 1 << 20, 1, err) == -1 && contains(err, "pixel (2,1) has class 300"),
+    CHECK(dataset_open(&d, dir, 1, 4, 3, 4, 1 << 20, 1, err) == -1 &&
+                  contains(err, "pixel (2,1) has class 300"),
           "16-bit class out of range: '%s'", err);
     cls[6] = 1;
-    png_by_hand(path, 4, 3, 8, cls, plte, 4);  // indices 0..3 that stb_image would turn into colours
-    CHECK(dataset_open(&d, dir, 1, 4, 3, 4, 1 << 20, 1, err) == -1 && contains(err, "masks/a.png") &&
-          contains(err, "palette"), "palette mask: '%s'", err);
+    // indices 0..3 that stb_image would turn into colours
+    png_by_hand(path, 4, 3, 8, cls, plte, 4);
+    CHECK(dataset_open(&d, dir, 1, 4, 3, 4, 1 << 20, 1, err) == -1 &&
+                  contains(err, "masks/a.png") && contains(err, "palette"),
+          "palette mask: '%s'", err);
     int w, h, n;
     uint8_t *rgb = stbi_load(path, &w, &h, &n, 0);
     CHECK(rgb && n == 3 && rgb[3] == 255, "the hand-made palette PNG decodes (to colours)");
@@ -3772,33 +4338,40 @@ TEST(mask_low_depth) {
     for (int depth = 1; depth <= 4; depth *= 2) {
         const int levels = 1 << depth;
         uint16_t v[P];
-        for (int p = 0; p < P; p++) v[p] = (uint16_t)((p * 7 + depth) % levels);  // depth 4: 15 distinct values
+        // depth 4: 15 distinct values
+        for (int p = 0; p < P; p++) v[p] = (uint16_t)((p * 7 + depth) % levels);
         png_by_hand(path, W, H, depth, v, NULL, 0);
         int w, h, n;
         uint8_t *stb = stbi_load(path, &w, &h, &n, 0);
         int scaled = stb && w == W && h == H && n == 1;
         for (int p = 0; scaled && p < P; p++) scaled = stb[p] == v[p] * SCALE[depth];
-        CHECK(scaled, "depth %d: stb_image no longer gives v*%d (the fix divides by it)", depth, SCALE[depth]);
+        CHECK(scaled, "depth %d: stb_image no longer gives v*%d (the fix divides by it)", depth,
+              SCALE[depth]);
         stbi_image_free(stb);
         uint8_t *m = mask_load(path, H, W, 1, levels, err);
         CHECK(m != NULL, "depth %d: %s", depth, err);
-        for (int p = 0; m && p < P; p++) CHECK(m[p] == v[p], "depth %d, pixel %d: class %d, stored %d", depth, p, m[p], v[p]);
+        for (int p = 0; m && p < P; p++)
+            CHECK(m[p] == v[p], "depth %d, pixel %d: class %d, stored %d", depth, p, m[p], v[p]);
         free(m);
         // the same through a transparent grey (tRNS: stb_image adds an alpha channel)
         png_by_hand_trns(path, W, H, depth, v, NULL, 0, 0);
         m = mask_load(path, H, W, 1, levels, err);
         CHECK(m != NULL, "depth %d with tRNS: %s", depth, err);
-        for (int p = 0; m && p < P; p++) CHECK(m[p] == v[p], "depth %d with tRNS, pixel %d: class %d, stored %d", depth, p, m[p], v[p]);
+        for (int p = 0; m && p < P; p++)
+            CHECK(m[p] == v[p], "depth %d with tRNS, pixel %d: class %d, stored %d", depth, p, m[p],
+                  v[p]);
         free(m);
         // the largest stored value, levels - 1, with levels - 1 classes: named as stored
         png_by_hand(path, W, H, depth, v, NULL, 0);
         int first = 0;
         while (v[first] != levels - 1) first++;
         char want[128];
-        snprintf(want, sizeof want, "masks/a.png: pixel (%d,%d) has class %d, but there are %d classes", first % W, first / W,
-                 levels - 1, levels - 1);
+        snprintf(want, sizeof want,
+                 "masks/a.png: pixel (%d,%d) has class %d, but there are %d classes", first % W,
+                 first / W, levels - 1, levels - 1);
         m = mask_load(path, H, W, 1, levels - 1, err);
-        CHECK(!m && contains(err, want), "depth %d out of range: '%s', want '%s'", depth, err, want);
+        CHECK(!m && contains(err, want), "depth %d out of range: '%s', want '%s'", depth, err,
+              want);
         free(m);
     }
     // the finding's case: a 4-bit mask of {0, 1} with 18 classes, through the data set
@@ -3812,8 +4385,10 @@ TEST(mask_low_depth) {
     int32_t y[P];
     const int idx = 0;
     int rc = dataset_open(&d, dir, 1, 18, H, W, 1 << 20, 1, err);
-    CHECK(rc == 0 && dataset_batch(&d, &idx, 1, NULL, 0, x, y, err) == 0, "4-bit mask, 18 classes: %s", err);
-    for (int p = 0; rc == 0 && p < P; p++) CHECK(y[p] == v[p], "pixel %d: class %d, stored %d", p, y[p], v[p]);
+    CHECK(rc == 0 && dataset_batch(&d, &idx, 1, NULL, 0, x, y, err) == 0,
+          "4-bit mask, 18 classes: %s", err);
+    for (int p = 0; rc == 0 && p < P; p++)
+        CHECK(y[p] == v[p], "pixel %d: class %d, stored %d", p, y[p], v[p]);
     if (rc == 0) dataset_free(&d);
     ds_remove(dir);
 }
@@ -3831,11 +4406,15 @@ TEST(mask_colour) {
     for (int comp = 2; comp <= 4; comp++) {  // grey + alpha, RGB, RGBA
         for (int p = 0; p < P; p++)
             for (int c = 0; c < comp; c++)
-                px[p * comp + c] = (comp % 2 == 0 && c == comp - 1) ? (uint8_t)(255 - 20 * p) : CLS[p];  // alpha varies
+                // alpha varies
+                px[p * comp + c] =
+                        (comp % 2 == 0 && c == comp - 1) ? (uint8_t)(255 - 20 * p) : CLS[p];
         CHECK(stbi_write_png(path, W, H, comp, px, W * comp) != 0, "writing %s", path);
         uint8_t *m = mask_load(path, H, W, 1, 4, err);
         CHECK(m != NULL, "%d channels: %s", comp, err);
-        for (int p = 0; m && p < P; p++) CHECK(m[p] == CLS[p], "%d channels, pixel %d: class %d, want %d", comp, p, m[p], CLS[p]);
+        for (int p = 0; m && p < P; p++)
+            CHECK(m[p] == CLS[p], "%d channels, pixel %d: class %d, want %d", comp, p, m[p],
+                  CLS[p]);
         free(m);
     }
     // classes as colours: black 0, green, blue; the first coloured pixel is (2,1)
@@ -3844,15 +4423,23 @@ TEST(mask_colour) {
     px[3 * 9 + 2] = 255;   // pixel 9 = (1,2): (0,0,255)
     ds_png(dir, "masks/a.png", W, H, 3, px);
     uint8_t *m = mask_load(path, H, W, 1, 4, err);
-    CHECK(!m && contains(err, "masks/a.png: pixel (2,1) has the colour (0,255,0), not a class index") &&
-          contains(err, "8-bit grey, pixel value = class index") && !strchr(err, '\n'), "RGB classes: '%s'", err);
+    CHECK(!m &&
+                  contains(
+                          err,
+                          "masks/a.png: pixel (2,1) has the colour (0,255,0), not a class index") &&
+                  contains(err, "8-bit grey, pixel value = class index") && !strchr(err, '\n'),
+          "RGB classes: '%s'", err);
     free(m);
     // RGBA: one channel off by one is colour too (no channel is preferred)
-    for (int p = 0; p < P; p++) { px[4 * p] = px[4 * p + 1] = px[4 * p + 2] = 1; px[4 * p + 3] = 255; }
+    for (int p = 0; p < P; p++) {
+        px[4 * p] = px[4 * p + 1] = px[4 * p + 2] = 1;
+        px[4 * p + 3] = 255;
+    }
     px[4 * 11 + 2] = 2;    // pixel 11 = (3,2): (1,1,2)
     CHECK(stbi_write_png(path, W, H, 4, px, W * 4) != 0, "writing %s", path);
     m = mask_load(path, H, W, 1, 4, err);
-    CHECK(!m && contains(err, "masks/a.png: pixel (3,2) has the colour (1,1,2)"), "RGBA: '%s'", err);
+    CHECK(!m && contains(err, "masks/a.png: pixel (3,2) has the colour (1,1,2)"), "RGBA: '%s'",
+          err);
     free(m);
     ds_remove(dir);
 }
@@ -3864,22 +4451,26 @@ TEST(png_write_atomic) {
     for (int comp = 1; comp <= 3; comp += 2) {
         uint8_t *px = ds_random(&r, (size_t)7 * 3 * comp, 256);
         snprintf(path, sizeof path, "%s/out.png", dir);
-        CHECK(png_write_atomic(path, 7, 3, comp, px, err) == 0, "%s", err);  // the second round replaces the first
+        // the second round replaces the first
+        CHECK(png_write_atomic(path, 7, 3, comp, px, err) == 0, "%s", err);
         int w = 0, h = 0, n = 0;
         uint8_t *back = stbi_load(path, &w, &h, &n, 0);
-        CHECK(back && w == 7 && h == 3 && n == comp && !memcmp(back, px, (size_t)21 * comp), "comp %d read back", comp);
+        CHECK(back && w == 7 && h == 3 && n == comp && !memcmp(back, px, (size_t)21 * comp),
+              "comp %d read back", comp);
         stbi_image_free(back);
         free(px);
     }
     uint8_t px[4] = {1, 2, 3, 4};
     snprintf(path, sizeof path, "%s/sub", dir);
     CHECK(mkdir(path, 0755) == 0, "mkdir");
-    CHECK(png_write_atomic(path, 2, 2, 1, px, err) == -1 && contains(err, "sub") && contains(err, "renaming"),
+    CHECK(png_write_atomic(path, 2, 2, 1, px, err) == -1 && contains(err, "sub") &&
+                  contains(err, "renaming"),
           "over a folder: '%s'", err);
     struct stat sb;
     CHECK(stat(path, &sb) == 0 && S_ISDIR(sb.st_mode), "the folder is untouched");
     snprintf(path, sizeof path, "%s/nodir/x.png", dir);
-    CHECK(png_write_atomic(path, 2, 2, 1, px, err) == -1 && contains(err, "nodir/x.png") && contains(err, "No such file"),
+    CHECK(png_write_atomic(path, 2, 2, 1, px, err) == -1 && contains(err, "nodir/x.png") &&
+                  contains(err, "No such file"),
           "into a missing folder: '%s'", err);
     DIR *d = opendir(dir);
     int leftovers = 0;
@@ -3962,7 +4553,11 @@ static int csv_column(const char *path, const char *name, double *out, int max) 
         if (col < 0) {
             int k = 0;
             for (char *p = line; p; p = strchr(p, ','), p = p ? p + 1 : p, k++)
-                if (!strncmp(p, name, strlen(name)) && (p[strlen(name)] == ',' || !p[strlen(name)])) { col = k; break; }
+                if (!strncmp(p, name, strlen(name)) &&
+                    (p[strlen(name)] == ',' || !p[strlen(name)])) {
+                    col = k;
+                    break;
+                }
             if (col < 0) break;
             continue;
         }
@@ -4026,8 +4621,8 @@ TEST(train_loss_by_hand) {
             if (p == lab[i]) tp[p]++; else { fp[p]++; fn[lab[i]]++; }
         }
         double loss = pt.loss_sum / pt.norm_sum;
-        CHECK(fabs(loss - num / den) <= 1e-5 * fabs(num / den), "%s loss %.9g, by hand %.9g", keras ? "keras" : "weighted", loss,
-              num / den);
+        CHECK(fabs(loss - num / den) <= 1e-5 * fabs(num / den), "%s loss %.9g, by hand %.9g",
+              keras ? "keras" : "weighted", loss, num / den);
         double iou[3];
         Metrics m = {0, 0, iou};
         metrics_compute(cm, 3, c.class_weights, &m);
@@ -4042,7 +4637,8 @@ TEST(train_loss_by_hand) {
 // A run stopped after epoch 1 and resumed ends bit for bit where an
 // uninterrupted run ends (weights, BN statistics, Adam moments, metrics.csv).
 TEST(resume_bitwise) {
-    const char *data = "/tmp/segnet_test_resume_data", *a = "/tmp/segnet_test_resume_a", *b = "/tmp/segnet_test_resume_b";
+    const char *data = "/tmp/segnet_test_resume_data", *a = "/tmp/segnet_test_resume_a",
+               *b = "/tmp/segnet_test_resume_b";
     rm_rf(data); rm_rf(a); rm_rf(b);
     write_seg_set(data, 6, 8, 8, 2);
     write_seg_set("/tmp/segnet_test_resume_data/val", 3, 8, 8, 3);
@@ -4071,7 +4667,8 @@ TEST(resume_bitwise) {
     for (int k = 0; k < 4; k++) {
         snprintf(pa, sizeof pa, "%s/%s", a, files[k]);
         snprintf(pb, sizeof pb, "%s/%s", b, files[k]);
-        CHECK(files_equal(pa, pb), "%s differs between the resumed and the uninterrupted run", files[k]);
+        CHECK(files_equal(pa, pb), "%s differs between the resumed and the uninterrupted run",
+              files[k]);
     }
     // resuming a finished run changes nothing; more --epochs extend it
     CHECK(train_run(&c, b, err) == 0, "%s", err);
@@ -4092,19 +4689,25 @@ TEST(resume_bitwise) {
 // epoch (its validation runs again on resume). Resumed with another replica
 // count it ends with the same totals up to their rounding.
 TEST(interrupt_resume_bitwise) {
-    const char *data = "/tmp/segnet_test_intr_data", *a = "/tmp/segnet_test_intr_a", *b = "/tmp/segnet_test_intr_b";
+    const char *data = "/tmp/segnet_test_intr_data", *a = "/tmp/segnet_test_intr_a",
+               *b = "/tmp/segnet_test_intr_b";
     rm_rf(data);
     write_seg_set(data, 10, 8, 8, 21);
     write_seg_set("/tmp/segnet_test_intr_data/val", 3, 8, 8, 22);
     char val[256], pa[300], pb[300], err[SN_ERR_MAX];
     snprintf(val, sizeof val, "%s/val", data);
-    struct { const char *what; int batch, accum, replicas, resume_replicas; int64_t at_step; int steps_per_epoch; } cases[] = {
-        {"mid-epoch 1", 2, 1, 1, 1, 2, 5},
-        {"mid-epoch 2", 2, 1, 1, 1, 7, 5},
-        {"--accum 2", 2, 2, 1, 1, 4, 3},
-        {"2 replicas", 4, 1, 2, 2, 4, 3},
-        {"end of an epoch's steps", 2, 1, 1, 1, 5, 5},
-        {"2 replicas resumed by 1", 4, 1, 2, 1, 3, 3},
+    struct {
+        const char *what;
+        int batch, accum, replicas, resume_replicas;
+        int64_t at_step;
+        int steps_per_epoch;
+    } cases[] = {
+            {"mid-epoch 1", 2, 1, 1, 1, 2, 5},
+            {"mid-epoch 2", 2, 1, 1, 1, 7, 5},
+            {"--accum 2", 2, 2, 1, 1, 4, 3},
+            {"2 replicas", 4, 1, 2, 2, 4, 3},
+            {"end of an epoch's steps", 2, 1, 1, 1, 5, 5},
+            {"2 replicas resumed by 1", 4, 1, 2, 1, 3, 3},
     };
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         rm_rf(a); rm_rf(b);
@@ -4121,18 +4724,21 @@ TEST(interrupt_resume_bitwise) {
         c.out = b;
         c.interrupt_at_step = cases[k].at_step;
         int rc = train_run(&c, NULL, err);
-        CHECK(rc == 128 + SIGINT, "%s: interrupted run returned %d (%s)", cases[k].what, rc, rc < 0 ? err : "");
+        CHECK(rc == 128 + SIGINT, "%s: interrupted run returned %d (%s)", cases[k].what, rc,
+              rc < 0 ? err : "");
         SafetensorsFile f;
         snprintf(pb, sizeof pb, "%s/last.safetensors", b);
         if (safetensors_read(pb, &f, err) == 0) {
             const char *batch = safetensors_meta(&f, "batch"), *step = safetensors_meta(&f, "step");
-            // the global batch after the interrupted step: steps × accum micro-batches, at most the epoch's 10 images
-            const int in_epoch = (int)(cases[k].at_step % cases[k].steps_per_epoch), n_batches = (10 + cases[k].batch - 1) / cases[k].batch;
+            // the global batch after the interrupted step: steps × accum micro-batches, at most the
+            // epoch's 10 images
+            const int in_epoch = (int)(cases[k].at_step % cases[k].steps_per_epoch),
+                      n_batches = (10 + cases[k].batch - 1) / cases[k].batch;
             const int after = (in_epoch ? in_epoch : cases[k].steps_per_epoch) * cases[k].accum;
-            CHECK(batch && atoi(batch) == (after < n_batches ? after : n_batches), "%s: saved at batch %s", cases[k].what,
-                  batch ? batch : "(none)");
-            CHECK(step && atoll(step) == cases[k].at_step, "%s: saved after step %s, expected %lld", cases[k].what,
-                  step ? step : "(none)", (long long)cases[k].at_step);
+            CHECK(batch && atoi(batch) == (after < n_batches ? after : n_batches),
+                  "%s: saved at batch %s", cases[k].what, batch ? batch : "(none)");
+            CHECK(step && atoll(step) == cases[k].at_step, "%s: saved after step %s, expected %lld",
+                  cases[k].what, step ? step : "(none)", (long long)cases[k].at_step);
             safetensors_free(&f);
         } else {
             CHECK(0, "%s: %s", cases[k].what, err);
@@ -4145,16 +4751,20 @@ TEST(interrupt_resume_bitwise) {
         for (int i = 0; i < (exact ? 4 : 0); i++) {
             snprintf(pa, sizeof pa, "%s/%s", a, files[i]);
             snprintf(pb, sizeof pb, "%s/%s", b, files[i]);
-            CHECK(files_equal(pa, pb), "%s: %s differs between the resumed and the uninterrupted run", cases[k].what, files[i]);
+            CHECK(files_equal(pa, pb),
+                  "%s: %s differs between the resumed and the uninterrupted run", cases[k].what,
+                  files[i]);
         }
-        if (!exact) {  // epoch 1, stopped after its steps: the replicas' totals summed by one (the same
+        // epoch 1, stopped after its steps: the replicas' totals summed by one (the same
+        if (!exact) {
                        // two terms; metrics.csv's 6 decimals), its validation by one replica
             const char *cols[] = {"loss", "mIoU", "val_loss", "val_mIoU"};
             snprintf(pa, sizeof pa, "%s/metrics.csv", a);
             snprintf(pb, sizeof pb, "%s/metrics.csv", b);
             for (int i = 0; i < 4; i++) {
                 double la[4], lb[4];
-                CHECK(csv_column(pa, cols[i], la, 4) == 3 && csv_column(pb, cols[i], lb, 4) == 3, "%s: 3 epochs each", cases[k].what);
+                CHECK(csv_column(pa, cols[i], la, 4) == 3 && csv_column(pb, cols[i], lb, 4) == 3,
+                      "%s: 3 epochs each", cases[k].what);
                 CHECK_NEAR(lb[0], la[0], 1.5e-6, cols[i]);
             }
         }
@@ -4165,7 +4775,8 @@ TEST(interrupt_resume_bitwise) {
 // patience 1: training stops at the first epoch whose val_loss is not below
 // every earlier one, and best.safetensors holds the best epoch's weights
 TEST(early_stopping) {
-    const char *data = "/tmp/segnet_test_es_data", *a = "/tmp/segnet_test_es_a", *b = "/tmp/segnet_test_es_b";
+    const char *data = "/tmp/segnet_test_es_data", *a = "/tmp/segnet_test_es_a",
+               *b = "/tmp/segnet_test_es_b";
     rm_rf(data); rm_rf(a); rm_rf(b);
     write_seg_set(data, 8, 8, 8, 4);
     write_seg_set("/tmp/segnet_test_es_data/val", 4, 8, 8, 5);
@@ -4197,7 +4808,8 @@ TEST(early_stopping) {
     int differ = fa.n_tensors != fb.n_tensors;
     for (int i = 0; !differ && i < fa.n_tensors; i++) {
         const SafetensorsTensor *ta = &fa.tensors[i], *tb = safetensors_find(&fb, ta->name);
-        differ = !tb || tb->numel != ta->numel || memcmp(ta->data, tb->data, ta->numel * dtype_size(ta->dtype));
+        differ = !tb || tb->numel != ta->numel ||
+                 memcmp(ta->data, tb->data, ta->numel * dtype_size(ta->dtype));
     }
     CHECK(!differ, "best.safetensors is not the state after the best epoch (%d)", best);
     safetensors_free(&fa); safetensors_free(&fb);
@@ -4211,7 +4823,8 @@ static int run_segnet(const char *args, char *msg, size_t size) {
         snprintf(msg, size, "./segnet is missing: build it with make");
         return -1;
     }
-    snprintf(cmd, sizeof cmd, "./segnet %s >/tmp/segnet_test_out.txt 2>/tmp/segnet_test_err.txt", args);
+    snprintf(cmd, sizeof cmd, "./segnet %s >/tmp/segnet_test_out.txt 2>/tmp/segnet_test_err.txt",
+             args);
     int rc = system(cmd);
     size_t n;
     char *e = read_file("/tmp/segnet_test_err.txt", &n);
@@ -4232,8 +4845,10 @@ TEST(head_dropout) {
         CHECK(model_build(&g, &c) >= 0, "%s", g.err);
         int n = 0;
         for (int i = 0; i < g.n_layers; i++)
-            if (g.layers[i].kind == LAYER_DROPOUT && !strncmp(g.layers[i].name, "classifier.", 11)) {
-                CHECK(g.layers[i].rate == (given ? 0.2f : 0.4f), "%s: rate %g", g.layers[i].name, g.layers[i].rate);
+            if (g.layers[i].kind == LAYER_DROPOUT &&
+                !strncmp(g.layers[i].name, "classifier.", 11)) {
+                CHECK(g.layers[i].rate == (given ? 0.2f : 0.4f), "%s: rate %g", g.layers[i].name,
+                      g.layers[i].rate);
                 n++;
             }
         CHECK(n == 2, "%d head dropouts, want 2", n);
@@ -4256,25 +4871,32 @@ TEST(monitor_min_delta) {
         {"--min-delta 0", 5}, {"--min-delta 100", 2}, {"--monitor val_mIoU --min-delta 1", 2}};
     for (int i = 0; i < 3; i++) {
         rm_rf(run);
-        snprintf(args, sizeof args, "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --epochs 5 --classes 3 "
-                 "--data %s --val %s --out %s --device cpu --threads 1 --lr 0.01 --early-stopping 1 %s",
+        snprintf(args, sizeof args,
+                 "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --epochs 5 --classes "
+                 "3 "
+                 "--data %s --val %s --out %s --device cpu --threads 1 --lr 0.01 --early-stopping "
+                 "1 %s",
                  data, data, run, cases[i].opts);
         CHECK(run_segnet(args, msg, sizeof msg) == 0, "train: %s", msg);
         double col[8];
         snprintf(path, sizeof path, "%s/metrics.csv", run);
         int rows = csv_column(path, "val_loss", col, 8);
-        CHECK(rows == cases[i].want, "%s: %d epochs ran, want %d (val_loss %g %g %g %g %g)", cases[i].opts, rows,
-              cases[i].want, col[0], col[1], col[2], col[3], col[4]);
+        CHECK(rows == cases[i].want, "%s: %d epochs ran, want %d (val_loss %g %g %g %g %g)",
+              cases[i].opts, rows, cases[i].want, col[0], col[1], col[2], col[3], col[4]);
     }
     snprintf(path, sizeof path, "%s/config.txt", run);
     size_t n;
     char *cfg = read_file(path, &n);
-    CHECK(cfg && contains(cfg, "monitor = val_mIoU") && contains(cfg, "min-delta = 1"), "config.txt: %s", cfg ? cfg : "(none)");
+    CHECK(cfg && contains(cfg, "monitor = val_mIoU") && contains(cfg, "min-delta = 1"),
+          "config.txt: %s", cfg ? cfg : "(none)");
     free(cfg);
     rm_rf(run);
-    snprintf(args, sizeof args, "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --epochs 1 --classes 3 "
-             "--data %s --out %s --device cpu --monitor val_accuracy", data, run);
-    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "--monitor val_accuracy") && contains(msg, "val_mIoU"),
+    snprintf(args, sizeof args,
+             "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --epochs 1 --classes 3 "
+             "--data %s --out %s --device cpu --monitor val_accuracy",
+             data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "--monitor val_accuracy") &&
+                  contains(msg, "val_mIoU"),
           "a classifier's metric for a U-Net: '%s'", msg);
     rm_rf(data); rm_rf(run);
 }
@@ -4285,12 +4907,16 @@ TEST(monitor_min_delta) {
 // are skipped). Phase 2 loads every tensor (the report says so; with lr 0
 // its weights stay phase 1's exactly) and trains the formerly frozen encoder.
 TEST(two_phase_finetune) {
-    const char *data = "/tmp/segnet_test_phases_data", *r1 = "/tmp/segnet_test_phase1", *r2 = "/tmp/segnet_test_phase2";
+    const char *data = "/tmp/segnet_test_phases_data", *r1 = "/tmp/segnet_test_phase1",
+               *r2 = "/tmp/segnet_test_phase2";
     rm_rf(data); rm_rf(r1); rm_rf(r2);
     write_seg_set(data, 4, 8, 8, 13);
     char args[2048], msg[4096], path[600];
-    const char *base = "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 --device cpu --threads 1";
-    snprintf(args, sizeof args, "%s --epochs 2 --data %s --val %s --out %s --freeze base --unfreeze-last 1", base, data, data, r1);
+    const char *base = "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 "
+                       "--device cpu --threads 1";
+    snprintf(args, sizeof args,
+             "%s --epochs 2 --data %s --val %s --out %s --freeze base --unfreeze-last 1", base,
+             data, data, r1);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "phase 1: %s", msg);
     SafetensorsFile best, last;
     char err[SN_ERR_MAX];
@@ -4298,26 +4924,36 @@ TEST(two_phase_finetune) {
     CHECK(safetensors_read(path, &best, err) == 0, "%s", err);
     for (int lr0 = 1; lr0 >= 0; lr0--) {
         rm_rf(r2);
-        snprintf(args, sizeof args, "%s --epochs 1 --data %s --out %s --weights %s/best.safetensors%s", base, data, r2, r1,
-                 lr0 ? " --lr 0" : "");
+        snprintf(args, sizeof args,
+                 "%s --epochs 1 --data %s --out %s --weights %s/best.safetensors%s", base, data, r2,
+                 r1, lr0 ? " --lr 0" : "");
         CHECK(run_segnet(args, msg, sizeof msg) == 0, "phase 2: %s", msg);
         size_t n;
         char *out = read_file("/tmp/segnet_test_out.txt", &n), want[700];
-        snprintf(want, sizeof want, "tensors loaded from %s/best.safetensors (torchvision names), 0 initialised, 0 ignored", r1);
-        CHECK(out && !strncmp(out, "weights: ", 9) && contains(out, want), "phase 2's report: '%s'", out ? out : "");
+        snprintf(want, sizeof want,
+                 "tensors loaded from %s/best.safetensors (torchvision names), 0 initialised, 0 "
+                 "ignored",
+                 r1);
+        CHECK(out && !strncmp(out, "weights: ", 9) && contains(out, want), "phase 2's report: '%s'",
+              out ? out : "");
         free(out);
         snprintf(path, sizeof path, "%s/last.safetensors", r2);
         CHECK(safetensors_read(path, &last, err) == 0, "%s", err);
         int enc_same = 1, all_same = 1, n_enc = 0;
         for (int i = 0; i < best.n_tensors; i++) {
             const SafetensorsTensor *a = &best.tensors[i], *b = safetensors_find(&last, a->name);
-            if (!strncmp(a->name, TRAIN_STATE_PREFIX, strlen(TRAIN_STATE_PREFIX)) || strstr(a->name, "running_")) continue;
-            int same = b && a->numel == b->numel && a->dtype == b->dtype && !memcmp(a->data, b->data, a->numel * dtype_size(a->dtype));
+            if (!strncmp(a->name, TRAIN_STATE_PREFIX, strlen(TRAIN_STATE_PREFIX)) ||
+                strstr(a->name, "running_"))
+                continue;
+            int same = b && a->numel == b->numel && a->dtype == b->dtype &&
+                       !memcmp(a->data, b->data, a->numel * dtype_size(a->dtype));
             all_same &= same;
             if (!strncmp(a->name, "enc0.", 5)) { enc_same &= same; n_enc++; }
         }
         if (lr0) CHECK(all_same, "phase 2 with lr 0: its weights are not phase 1's best");
-        else CHECK(n_enc > 0 && !enc_same, "phase 2 did not train the encoder frozen in phase 1 (%d tensors)", n_enc);
+        else
+            CHECK(n_enc > 0 && !enc_same,
+                  "phase 2 did not train the encoder frozen in phase 1 (%d tensors)", n_enc);
         safetensors_free(&last);
     }
     safetensors_free(&best);
@@ -4332,52 +4968,66 @@ TEST(class_names) {
     const char *dir = "/tmp/segnet_test_class_names", *run = "/tmp/segnet_test_class_names_run";
     char cmd[1400], err[SN_ERR_MAX], path[700], msg[4096];
     rm_rf(dir); rm_rf(run);
-    snprintf(cmd, sizeof cmd, "mkdir -p %s/train/cat %s/train/dog %s/train/emu %s/val/cat %s/val/emu %s/bad/fox", dir, dir,
-             dir, dir, dir, dir);
+    snprintf(cmd, sizeof cmd,
+             "mkdir -p %s/train/cat %s/train/dog %s/train/emu %s/val/cat %s/val/emu %s/bad/fox",
+             dir, dir, dir, dir, dir, dir);
     CHECK(system(cmd) == 0, "mkdir");
     uint8_t px[8 * 8 * 3];
     for (int i = 0; i < 8 * 8 * 3; i++) px[i] = (uint8_t)(i * 37);
-    const char *files[] = {"train/cat/a.png", "train/cat/b.png", "train/dog/c.png", "train/emu/d.png", "val/cat/e.png",
-                           "val/emu/f.png", "bad/fox/g.png", "h.png", "i.png", "j.png"};
+    const char *files[] = {"train/cat/a.png", "train/cat/b.png",
+                           "train/dog/c.png", "train/emu/d.png",
+                           "val/cat/e.png",   "val/emu/f.png",
+                           "bad/fox/g.png",   "h.png",
+                           "i.png",           "j.png"};
     for (int i = 0; i < 10; i++) ds_png(dir, files[i], 8, 8, 3, px);
     Dataset tr, va;
     snprintf(path, sizeof path, "%s/train", dir);
     CHECK(dataset_open(&tr, path, 0, 3, 8, 8, 1 << 20, 1, err) == 0, "%s", err);
-    CHECK(tr.n_names == 3 && !strcmp(tr.names[0], "cat") && !strcmp(tr.names[1], "dog") && !strcmp(tr.names[2], "emu") &&
-          tr.n == 4 && tr.labels[0] == 0 && tr.labels[1] == 0 && tr.labels[2] == 1 && tr.labels[3] == 2,
-          "training folders: %d names, labels %d %d %d %d", tr.n_names, tr.labels[0], tr.labels[1], tr.labels[2], tr.labels[3]);
+    CHECK(tr.n_names == 3 && !strcmp(tr.names[0], "cat") && !strcmp(tr.names[1], "dog") &&
+                  !strcmp(tr.names[2], "emu") && tr.n == 4 && tr.labels[0] == 0 &&
+                  tr.labels[1] == 0 && tr.labels[2] == 1 && tr.labels[3] == 2,
+          "training folders: %d names, labels %d %d %d %d", tr.n_names, tr.labels[0], tr.labels[1],
+          tr.labels[2], tr.labels[3]);
     snprintf(path, sizeof path, "%s/val", dir);
     CHECK(dataset_open_named(&va, path, 0, 3, 8, 8, 1 << 20, 1, &tr, err) == 0, "%s", err);
-    CHECK(va.n == 2 && va.labels[0] == 0 && va.labels[1] == 2 && va.n_names == 3, "validation: emu is class %d, want 2",
-          va.n == 2 ? va.labels[1] : -1);
+    CHECK(va.n == 2 && va.labels[0] == 0 && va.labels[1] == 2 && va.n_names == 3,
+          "validation: emu is class %d, want 2", va.n == 2 ? va.labels[1] : -1);
     dataset_free(&va);
     snprintf(path, sizeof path, "%s/bad", dir);
-    CHECK(dataset_open_named(&va, path, 0, 3, 8, 8, 1 << 20, 1, &tr, err) == -1 && contains(err, "'fox'") &&
-          contains(err, "cat, dog, emu") && contains(err, "bad/fox"), "an unknown class folder: '%s'", err);
+    CHECK(dataset_open_named(&va, path, 0, 3, 8, 8, 1 << 20, 1, &tr, err) == -1 &&
+                  contains(err, "'fox'") && contains(err, "cat, dog, emu") &&
+                  contains(err, "bad/fox"),
+          "an unknown class folder: '%s'", err);
     // a CSV of names, and one with more names than classes
     ds_text(dir, "names.csv", "path,label\nh.png,zebra\ni.png,ant\nj.png,zebra\n");
     snprintf(path, sizeof path, "%s/names.csv", dir);
     Dataset cs;
     CHECK(dataset_open(&cs, path, 0, 3, 8, 8, 1 << 20, 1, err) == 0, "%s", err);
-    CHECK(cs.n_names == 2 && !strcmp(cs.names[0], "ant") && !strcmp(cs.names[1], "zebra") && cs.labels[0] == 1 &&
-          cs.labels[1] == 0 && cs.labels[2] == 1, "CSV names: %d, labels %d %d %d", cs.n_names, cs.labels[0], cs.labels[1],
-          cs.labels[2]);
+    CHECK(cs.n_names == 2 && !strcmp(cs.names[0], "ant") && !strcmp(cs.names[1], "zebra") &&
+                  cs.labels[0] == 1 && cs.labels[1] == 0 && cs.labels[2] == 1,
+          "CSV names: %d, labels %d %d %d", cs.n_names, cs.labels[0], cs.labels[1], cs.labels[2]);
     dataset_free(&cs);
     ds_text(dir, "many.csv", "h.png,a\ni.png,b\nj.png,c\nh.png,d\n");
     snprintf(path, sizeof path, "%s/many.csv", dir);
-    CHECK(dataset_open(&cs, path, 0, 3, 8, 8, 1 << 20, 1, err) == -1 && contains(err, "4 class names") &&
-          contains(err, "there are 3 classes"), "too many names: '%s'", err);
+    CHECK(dataset_open(&cs, path, 0, 3, 8, 8, 1 << 20, 1, err) == -1 &&
+                  contains(err, "4 class names") && contains(err, "there are 3 classes"),
+          "too many names: '%s'", err);
     dataset_free(&tr);
     // a run keeps them; predict --run names each image's class
-    snprintf(cmd, sizeof cmd, "train --model effv2-t --classes 3 --size 32x32 --batch 2 --epochs 1 --data %s/train "
-             "--val %s/val --out %s --device cpu --threads 1", dir, dir, run);
+    snprintf(cmd, sizeof cmd,
+             "train --model effv2-t --classes 3 --size 32x32 --batch 2 --epochs 1 --data %s/train "
+             "--val %s/val --out %s --device cpu --threads 1",
+             dir, dir, run);
     CHECK(run_segnet(cmd, msg, sizeof msg) == 0, "train: %s", msg);
     char **names;
     int n = read_class_names(run, &names);
-    CHECK(n == 3 && !strcmp(names[0], "cat") && !strcmp(names[2], "emu"), "classes.txt: %d names", n);
+    CHECK(n == 3 && !strcmp(names[0], "cat") && !strcmp(names[2], "emu"), "classes.txt: %d names",
+          n);
     for (int k = 0; k < n; k++) free(names[k]);
     free(names);
-    snprintf(cmd, sizeof cmd, "predict --run %s --input %s/val/emu --out %s/p.csv --device cpu --threads 1", run, dir, dir);
+    snprintf(cmd, sizeof cmd,
+             "predict --run %s --input %s/val/emu --out %s/p.csv --device cpu --threads 1", run,
+             dir, dir);
     CHECK(run_segnet(cmd, msg, sizeof msg) == 0, "predict: %s", msg);
     snprintf(path, sizeof path, "%s/p.csv", dir);
     size_t len;
@@ -4385,8 +5035,12 @@ TEST(class_names) {
     int pred = -1, off = 0;
     char name[16] = "";
     CHECK(csv && !strncmp(csv, "path,pred,pred_name,p0,p1,p2\n", 29) &&
-          sscanf(csv + 29, "%*[^,],%d,%15[^,],%n", &pred, name, &off) == 2 && off > 0 && pred >= 0 && pred < 3 &&
-          !strcmp(name, pred == 0 ? "cat" : pred == 1 ? "dog" : "emu"), "predictions: '%s'", csv ? csv : "");
+                  sscanf(csv + 29, "%*[^,],%d,%15[^,],%n", &pred, name, &off) == 2 && off > 0 &&
+                  pred >= 0 && pred < 3 &&
+                  !strcmp(name, pred == 0   ? "cat"
+                                : pred == 1 ? "dog"
+                                            : "emu"),
+          "predictions: '%s'", csv ? csv : "");
     free(csv);
     rm_rf(dir); rm_rf(run);
 }
@@ -4401,16 +5055,23 @@ TEST(predict_from_run) {
     rm_rf(data); rm_rf(run); rm_rf(o1); rm_rf(o2);
     write_seg_set(data, 4, 8, 8, 9);
     char args[2048], msg[4096], a[600], b[600];
-    snprintf(args, sizeof args, "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --epochs 2 --classes 3 "
-             "--data %s --out %s --device cpu --threads 1", data, run);
+    snprintf(args, sizeof args,
+             "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --epochs 2 --classes 3 "
+             "--data %s --out %s --device cpu --threads 1",
+             data, run);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "train: %s", msg);
     for (int last = 0; last < 2; last++) {
         rm_rf(o1); rm_rf(o2);
-        snprintf(args, sizeof args, "predict --run %s%s --input %s/images --out %s --device cpu --threads 1", run,
+        snprintf(args, sizeof args,
+                 "predict --run %s%s --input %s/images --out %s --device cpu --threads 1", run,
                  last ? " --last" : "", data, o1);
-        CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict --run%s: %s", last ? " --last" : "", msg);
-        snprintf(args, sizeof args, "predict --model unet --depth 1 --width 2 --size 8x8 --classes 3 --weights %s/%s.safetensors "
-                 "--input %s/images --out %s --device cpu --threads 1", run, last ? "last" : "best", data, o2);
+        CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict --run%s: %s", last ? " --last" : "",
+              msg);
+        snprintf(args, sizeof args,
+                 "predict --model unet --depth 1 --width 2 --size 8x8 --classes 3 --weights "
+                 "%s/%s.safetensors "
+                 "--input %s/images --out %s --device cpu --threads 1",
+                 run, last ? "last" : "best", data, o2);
         CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict by hand: %s", msg);
         for (int i = 0; i < 4; i++) {
             snprintf(a, sizeof a, "%s/i%02d.png", o1, i);
@@ -4419,7 +5080,8 @@ TEST(predict_from_run) {
         }
     }
     snprintf(args, sizeof args, "predict --run %s --input %s/images --out %s", data, data, o1);
-    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "config.txt"), "not a run: '%s'", msg);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "config.txt"), "not a run: '%s'",
+          msg);
     rm_rf(data); rm_rf(run); rm_rf(o1); rm_rf(o2);
 }
 
@@ -4443,27 +5105,41 @@ TEST(train_bad_input) {
         {"--classes 2", "pixel", 1},  // masks hold class 2: out of range for 2 classes
     };
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
-        snprintf(args, sizeof args, "%s --data %s --out %s/r%zu %s", base, data, run, k, cases[k].extra);
+        snprintf(args, sizeof args, "%s --data %s --out %s/r%zu %s", base, data, run, k,
+                 cases[k].extra);
         int rc = run_segnet(args, msg, sizeof msg);
-        CHECK(rc == cases[k].rc && contains(msg, cases[k].want), "`segnet %s`: exit %d, message: %s", args, rc, msg);
+        CHECK(rc == cases[k].rc && contains(msg, cases[k].want),
+              "`segnet %s`: exit %d, message: %s", args, rc, msg);
         CHECK(strchr(msg, '\n') == msg + strlen(msg) - 1, "one line: %s", msg);
     }
     snprintf(args, sizeof args, "train --model unet9 --data %s --classes 3 --out %s/m", data, run);
-    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "unknown model 'unet9'"), "%s", msg);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "unknown model 'unet9'"), "%s",
+          msg);
     // a finished run: neither a new run over it nor a bad resume changes a byte
     snprintf(args, sizeof args, "%s --data %s --classes 3 --out %s/ok", base, data, run);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
-    const char *files[] = {"config.txt", "metrics.csv", "curves.svg", "last.safetensors", "best.safetensors"};
+    const char *files[] = {"config.txt", "metrics.csv", "curves.svg", "last.safetensors",
+                           "best.safetensors"};
     size_t sizes[5];
     char *before[5], path[600];
-    for (int f = 0; f < 5; f++) { snprintf(path, sizeof path, "%s/ok/%s", run, files[f]); before[f] = read_file(path, &sizes[f]); }
-    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "already holds a run"), "%s", msg);
+    for (int f = 0; f < 5; f++) {
+        snprintf(path, sizeof path, "%s/ok/%s", run, files[f]);
+        before[f] = read_file(path, &sizes[f]);
+    }
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "already holds a run"), "%s",
+          msg);
     snprintf(args, sizeof args, "train --resume %s/nothing", run);
     CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "nothing/config.txt"), "%s", msg);
     // a truncated checkpoint
     snprintf(path, sizeof path, "%s/ok/last.safetensors", run);
     char *ck = before[3];
-    if (!ck) { CHECK(0, "no checkpoint was written"); for (int f = 0; f < 5; f++) free(before[f]); rm_rf(data); rm_rf(run); return; }
+    if (!ck) {
+        CHECK(0, "no checkpoint was written");
+        for (int f = 0; f < 5; f++) free(before[f]);
+        rm_rf(data);
+        rm_rf(run);
+        return;
+    }
     FILE *f = fopen(path, "wb");
     fwrite(ck, 1, sizes[3] / 2, f);
     fclose(f);
@@ -4471,7 +5147,8 @@ TEST(train_bad_input) {
     CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "last.safetensors"), "%s", msg);
     size_t n_trunc;
     char *trunc = read_file(path, &n_trunc);
-    CHECK(trunc && n_trunc == sizes[3] / 2 && !memcmp(trunc, ck, n_trunc), "the truncated checkpoint was left as it was");
+    CHECK(trunc && n_trunc == sizes[3] / 2 && !memcmp(trunc, ck, n_trunc),
+          "the truncated checkpoint was left as it was");
     free(trunc);
     f = fopen(path, "wb");
     fwrite(ck, 1, sizes[3], f);
@@ -4480,7 +5157,8 @@ TEST(train_bad_input) {
         size_t n;
         snprintf(path, sizeof path, "%s/ok/%s", run, files[k]);
         char *after = read_file(path, &n);
-        CHECK(before[k] && after && n == sizes[k] && !memcmp(before[k], after, n), "%s changed", files[k]);
+        CHECK(before[k] && after && n == sizes[k] && !memcmp(before[k], after, n), "%s changed",
+              files[k]);
         free(after); free(before[k]);
     }
     rm_rf(data); rm_rf(run);
@@ -4522,16 +5200,19 @@ TEST(predict_legend_progress) {
         snprintf(path, sizeof path, "%s/%s", in, SEG_NAMES[i]);
         write_png_red(path, SEG_W[i], SEG_H[i], NULL, &r);
     }
-    PredictCfg pc = {c, wpath, in, outdir, 1, DEVICE_CPU, NULL, 0, 0};  // batch 2: progress after 2 and 3 images
+    // batch 2: progress after 2 and 3 images
+    PredictCfg pc = {c, wpath, in, outdir, 1, DEVICE_CPU, NULL, 0, 0};
     PredictJob job = {&pc, ""};
     int rc;
     char *text = with_stderr_captured(predict_job, &job, &rc);
     CHECK(rc == 0, "predict: %s", job.err);
-    CHECK(!strcmp(text, "predict: 2/3 images\npredict: 3/3 images\n"), "progress into a file: '%s'", text);
+    CHECK(!strcmp(text, "predict: 2/3 images\npredict: 3/3 images\n"), "progress into a file: '%s'",
+          text);
     free(text);
 
     const uint8_t colours[3][3] = {{0, 0, 0}, {230, 25, 75}, {60, 180, 75}};  // black, red, green
-    const char *glyphs[3][5] = {{"###", "#.#", "#.#", "#.#", "###"}, {".#.", "##.", ".#.", ".#.", "###"},
+    const char *glyphs[3][5] = {{"###", "#.#", "#.#", "#.#", "###"},
+                                {".#.", "##.", ".#.", ".#.", "###"},
                                 {"###", "..#", "###", "#..", "###"}};
     snprintf(path, sizeof path, "%s/legend.png", outdir);
     int w, h, comp;
@@ -4539,13 +5220,17 @@ TEST(predict_legend_progress) {
     CHECK(img && h == 3 * 24 && w >= 44 + 3 * 3, "%s: %d×%d", path, w, h);
     for (int k = 0; img && k < 3; k++) {
         const unsigned char *swatch = img + 3 * ((size_t)(k * 24 + 12) * w + 16);
-        CHECK(!memcmp(swatch, colours[k], 3), "legend row %d: swatch %d,%d,%d", k, swatch[0], swatch[1], swatch[2]);
+        CHECK(!memcmp(swatch, colours[k], 3), "legend row %d: swatch %d,%d,%d", k, swatch[0],
+              swatch[1], swatch[2]);
         for (int gy = 0; gy < 5; gy++)
             for (int gx = 0; gx < 3; gx++) {
-                const unsigned char *px = img + 3 * ((size_t)(k * 24 + 4 + 3 * gy + 1) * w + 44 + 3 * gx + 1);
+                const unsigned char *px =
+                        img + 3 * ((size_t)(k * 24 + 4 + 3 * gy + 1) * w + 44 + 3 * gx + 1);
                 const int ink = glyphs[k][gy][gx] == '#';
-                CHECK(ink ? px[0] == 0 && px[1] == 0 && px[2] == 0 : px[0] == 255 && px[1] == 255 && px[2] == 255,
-                      "legend row %d: the digit's cell (%d,%d) is %d,%d,%d", k, gx, gy, px[0], px[1], px[2]);
+                CHECK(ink ? px[0] == 0 && px[1] == 0 && px[2] == 0
+                          : px[0] == 255 && px[1] == 255 && px[2] == 255,
+                      "legend row %d: the digit's cell (%d,%d) is %d,%d,%d", k, gx, gy, px[0],
+                      px[1], px[2]);
             }
     }
     stbi_image_free(img);
@@ -4555,7 +5240,8 @@ TEST(predict_legend_progress) {
     write_png_red(path, 8, 8, NULL, &r);
     pc.progress = 0;
     struct stat sb;
-    CHECK(predict_run(&pc, err) == -1 && contains(err, "legend.jpg") && contains(err, "colour legend"),
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "legend.jpg") &&
+                  contains(err, "colour legend"),
           "an image named legend: '%s'", err);
     CHECK(stat(outdir, &sb) != 0, "nothing created for an image named legend");
     net_free(&net); graph_free(&g);
@@ -4565,13 +5251,16 @@ TEST(predict_legend_progress) {
 typedef struct { TrainCfg *c; char err[SN_ERR_MAX]; } TrainJob;
 static int train_job(void *arg) { TrainJob *j = arg; return train_run(j->c, NULL, j->err); }
 
-// metrics.csv's (or steps.csv's) field `name` of row `row` (1-based) as text, "" if absent (malloc'd)
+// metrics.csv's (or steps.csv's) field `name` of row `row` (1-based) as text, "" if absent
+// (malloc'd)
 static char *csv_field_text(const char *path, const char *name, int row) {
     char *text = read_text(path), *out = NULL;
     if (!text) return strdup("");
     char *lines[64];
     int n = 0;
-    for (char *save = NULL, *l = strtok_r(text, "\n", &save); l && n < 64; l = strtok_r(NULL, "\n", &save)) lines[n++] = l;
+    for (char *save = NULL, *l = strtok_r(text, "\n", &save); l && n < 64;
+         l = strtok_r(NULL, "\n", &save))
+        lines[n++] = l;
     int col = -1, k = 0;
     for (char *p = lines[0]; n > 0 && p; p = strchr(p, ','), p = p ? p + 1 : NULL, k++) {
         size_t len = strcspn(p, ",");
@@ -4618,8 +5307,10 @@ TEST(train_diagnostics) {
     CHECK(trainer_open(&t, &c, data, NULL, err) == 0, "%s", err);
     const size_t P = t.n_trainable;
     float *w0 = malloc(sizeof(float) * P), *g = malloc(sizeof(float) * P);
-    t.o->download(t.o, w0, t.net.params, sizeof(float) * P);  // every parameter is trainable: one range
-    CHECK(t.n_ranges == 1 && t.ranges[0].offset == 0 && t.ranges[0].count == P, "one range of trainable weights");
+    // every parameter is trainable: one range
+    t.o->download(t.o, w0, t.net.params, sizeof(float) * P);
+    CHECK(t.n_ranges == 1 && t.ranges[0].offset == 0 && t.ranges[0].count == P,
+          "one range of trainable weights");
     int64_t cm[9];
     PassTotals pt = {0, 0, cm};
     CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
@@ -4642,21 +5333,38 @@ TEST(train_diagnostics) {
     char *out = with_stderr_captured(train_job, &job, &rc);
     CHECK(rc == 0, "%s", job.err);
     for (int e = 1; e <= 2; e++) {
-        char *norm = csv_field_text(metrics, "grad_norm_mean", e), *max = csv_field_text(metrics, "grad_norm_max", e);
-        char *clip = csv_field_text(metrics, "clip_fraction", e), *ratio = csv_field_text(metrics, "update_ratio", e);
-        char *scale = csv_field_text(metrics, "loss_scale", e), *skipped = csv_field_text(metrics, "skipped_steps", e);
-        char *ms = csv_field_text(metrics, "step_ms", e), *snorm = csv_field_text(steps, "grad_norm_mean", e);
+        char *norm = csv_field_text(metrics, "grad_norm_mean", e),
+             *max = csv_field_text(metrics, "grad_norm_max", e);
+        char *clip = csv_field_text(metrics, "clip_fraction", e),
+             *ratio = csv_field_text(metrics, "update_ratio", e);
+        char *scale = csv_field_text(metrics, "loss_scale", e),
+             *skipped = csv_field_text(metrics, "skipped_steps", e);
+        char *ms = csv_field_text(metrics, "step_ms", e),
+             *snorm = csv_field_text(steps, "grad_norm_mean", e);
         char *sstep = csv_field_text(steps, "step", e);
-        CHECK(fabs(atof(norm) / sqrt(gg) - 1) < 1e-5 && !strcmp(norm, max), "epoch %d: gradient norm %s (max %s), by hand %.6g",
-              e, norm, max, sqrt(gg));
-        CHECK(!strcmp(clip, "1") && !strcmp(ratio, "0") && !strcmp(scale, "1") && !strcmp(skipped, "0"),
-              "epoch %d: clip fraction %s, update ratio %s, loss scale %s, skipped %s", e, clip, ratio, scale, skipped);
+        CHECK(fabs(atof(norm) / sqrt(gg) - 1) < 1e-5 && !strcmp(norm, max),
+              "epoch %d: gradient norm %s (max %s), by hand %.6g", e, norm, max, sqrt(gg));
+        CHECK(!strcmp(clip, "1") && !strcmp(ratio, "0") && !strcmp(scale, "1") &&
+                      !strcmp(skipped, "0"),
+              "epoch %d: clip fraction %s, update ratio %s, loss scale %s, skipped %s", e, clip,
+              ratio, scale, skipped);
         CHECK(atof(ms) > 0 && isfinite(atof(ms)), "epoch %d: step_ms '%s'", e, ms);
-        CHECK(atoi(sstep) == e && !strcmp(snorm, norm), "steps.csv row %d: step %s, norm %s (metrics.csv %s)", e, sstep, snorm, norm);
-        free(norm); free(max); free(clip); free(ratio); free(scale); free(skipped); free(ms); free(snorm); free(sstep);
+        CHECK(atoi(sstep) == e && !strcmp(snorm, norm),
+              "steps.csv row %d: step %s, norm %s (metrics.csv %s)", e, sstep, snorm, norm);
+        free(norm);
+        free(max);
+        free(clip);
+        free(ratio);
+        free(scale);
+        free(skipped);
+        free(ms);
+        free(snorm);
+        free(sstep);
     }
-    CHECK(contains(out, "warning: epoch 1: --clipnorm 1e-06 scaled down the gradients of 100% of the steps") &&
-          count_substr(out, "warning") == 1 && !contains(out, "note:"), "the clipping warning, once: %s", out);
+    CHECK(contains(out, "warning: epoch 1: --clipnorm 1e-06 scaled down the gradients of 100% of "
+                        "the steps") &&
+                  count_substr(out, "warning") == 1 && !contains(out, "note:"),
+          "the clipping warning, once: %s", out);
     free(out);
 
     rm_rf(run);
@@ -4665,11 +5373,13 @@ TEST(train_diagnostics) {
     c.log_every = 0;
     out = with_stderr_captured(train_job, &job, &rc);
     CHECK(rc == 0, "%s", job.err);
-    char *ratio = csv_field_text(metrics, "update_ratio", 1), *clip = csv_field_text(metrics, "clip_fraction", 1);
+    char *ratio = csv_field_text(metrics, "update_ratio", 1),
+         *clip = csv_field_text(metrics, "clip_fraction", 1);
     const double want = c.lr * sqrt(uu / ww);
-    CHECK(fabs(atof(ratio) / want - 1) < 1e-4 && !strcmp(clip, "0"), "update ratio %s, by hand %.6g; clip fraction %s", ratio,
-          want, clip);
-    CHECK(!contains(out, "warning") && access(steps, F_OK) != 0, "no warning, no steps.csv: %s", out);
+    CHECK(fabs(atof(ratio) / want - 1) < 1e-4 && !strcmp(clip, "0"),
+          "update ratio %s, by hand %.6g; clip fraction %s", ratio, want, clip);
+    CHECK(!contains(out, "warning") && access(steps, F_OK) != 0, "no warning, no steps.csv: %s",
+          out);
     free(ratio); free(clip); free(out);
 
     rm_rf(run);
@@ -4681,14 +5391,20 @@ TEST(train_diagnostics) {
     const char *names[4] = {"skipped_steps", "loss_scale", "update_ratio", "grad_norm_mean"};
     for (int e = 0; e < 2; e++)
         for (int k = 0; k < 4; k++) f[e][k] = csv_field_text(metrics, names[k], e + 1);
-    CHECK(!strcmp(f[0][0], "1") && !strcmp(f[0][1], "16384") && !strcmp(f[0][2], "0") && !strcmp(f[0][3], ""),
+    CHECK(!strcmp(f[0][0], "1") && !strcmp(f[0][1], "16384") && !strcmp(f[0][2], "0") &&
+                  !strcmp(f[0][3], ""),
           "epoch 1: skipped %s, scale %s, ratio %s, norm '%s'", f[0][0], f[0][1], f[0][2], f[0][3]);
-    // epoch 2's step is the first one applied, at w0 on the same batch: the fp32 run's ‖g‖ unscaled, to
-    // 10 fp16 roundings (2^-11 each) of the activations (measured 3e-4); a scale left in: 16384 times it
-    CHECK(!strcmp(f[1][0], "0") && !strcmp(f[1][1], "16384") && atof(f[1][2]) > 0 && fabs(atof(f[1][3]) / sqrt(gg) - 1) < 5e-3,
-          "epoch 2: skipped %s, scale %s, ratio %s, norm %s (fp32 %.6g)", f[1][0], f[1][1], f[1][2], f[1][3], sqrt(gg));
+    // epoch 2's step is the first one applied, at w0 on the same batch: the fp32 run's ‖g‖
+    // unscaled, to
+    // 10 fp16 roundings (2^-11 each) of the activations (measured 3e-4); a scale left in: 16384
+    // times it
+    CHECK(!strcmp(f[1][0], "0") && !strcmp(f[1][1], "16384") && atof(f[1][2]) > 0 &&
+                  fabs(atof(f[1][3]) / sqrt(gg) - 1) < 5e-3,
+          "epoch 2: skipped %s, scale %s, ratio %s, norm %s (fp32 %.6g)", f[1][0], f[1][1], f[1][2],
+          f[1][3], sqrt(gg));
     if (g_verbose) printf("    fp16 gradient norm %s, fp32 %.6g\n", f[1][3], sqrt(gg));
-    CHECK(contains(out, "warning: epoch 1: fp16 overflow skipped 1 of 1 steps") && contains(out, "16384 now"),
+    CHECK(contains(out, "warning: epoch 1: fp16 overflow skipped 1 of 1 steps") &&
+                  contains(out, "16384 now"),
           "the overflow warning: %s", out);
     for (int e = 0; e < 2; e++)
         for (int k = 0; k < 4; k++) free(f[e][k]);
@@ -4715,36 +5431,50 @@ TEST(training_warnings) {
     t.c = &c;
     t.has_val = 1;
     t.segmentation = 1;
-    struct { EpochRecord r; StepStats st; const char *want; } cases[] = {
-        {EPOCH(2, 1e-3, 0.52, 0.43, 0.4355, 0.4430), {.steps = 60, .clipped = 30}, NULL},
-        {EPOCH(7, 1e-3, 0.08, 0.15, 0.9344, 0.7611), {.steps = 60, .skipped = 3, .skip_run_max = 3}, NULL},
-        {EPOCH(3, 1e-3, 0.5, 0.5, 0.5, 0.5), {.steps = 60, .clipped = 31}, "--clipnorm 1 scaled down the gradients of 52%"},
-        {EPOCH(4, 1e-3, 0.5, 0.5, 0.5, 0.5), {.steps = 60, .clipped = 60}, NULL},  // once
-        {EPOCH(5, 1e-3, 0.5, 0.5, 0.5, 0.5), {.steps = 60, .skipped = 4, .skip_run_max = 1}, "skipped 4 of 60 steps"},
-        {EPOCH(6, 1e-3, 0.5, 0.5, 0.6, 0.7), {.steps = 60}, "train mIoU 0.600 is below val_mIoU 0.700"},
-        {EPOCH(7, 1e-3, 0.5, 0.5, 0.5, 0.7), {.steps = 60}, NULL},  // once
+    struct { EpochRecord r; StepStats st; const char *want;
+    } cases[] = {
+            {EPOCH(2, 1e-3, 0.52, 0.43, 0.4355, 0.4430), {.steps = 60, .clipped = 30}, NULL},
+            {EPOCH(7, 1e-3, 0.08, 0.15, 0.9344, 0.7611),
+             {.steps = 60, .skipped = 3, .skip_run_max = 3},
+             NULL},
+            {EPOCH(3, 1e-3, 0.5, 0.5, 0.5, 0.5),
+             {.steps = 60, .clipped = 31},
+             "--clipnorm 1 scaled down the gradients of 52%"},
+            {EPOCH(4, 1e-3, 0.5, 0.5, 0.5, 0.5), {.steps = 60, .clipped = 60}, NULL},  // once
+            {EPOCH(5, 1e-3, 0.5, 0.5, 0.5, 0.5),
+             {.steps = 60, .skipped = 4, .skip_run_max = 1},
+             "skipped 4 of 60 steps"},
+            {EPOCH(6, 1e-3, 0.5, 0.5, 0.6, 0.7),
+             {.steps = 60},
+             "train mIoU 0.600 is below val_mIoU 0.700"},
+            {EPOCH(7, 1e-3, 0.5, 0.5, 0.5, 0.7), {.steps = 60}, NULL},  // once
     };
     int warned[3] = {0, 0, 0};
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
-        cases[k].r.clip_fraction = cases[k].st.steps ? (double)cases[k].st.clipped / cases[k].st.steps : 0;
+        cases[k].r.clip_fraction =
+                cases[k].st.steps ? (double)cases[k].st.clipped / cases[k].st.steps : 0;
         cases[k].r.loss_scale = 1;
         t.epoch_stats = cases[k].st;
         int rc;
         WarnCall a = {&t, &cases[k].r, NULL, warned};
         char *out = with_stderr_captured(warn_call, &a, &rc);
-        if (cases[k].want) CHECK(contains(out, cases[k].want) && count_substr(out, "\n") == 1,
-                                 "epoch %d: '%s' should say '%s' on one line", cases[k].r.epoch, out, cases[k].want);
+        if (cases[k].want)
+            CHECK(contains(out, cases[k].want) && count_substr(out, "\n") == 1,
+                  "epoch %d: '%s' should say '%s' on one line", cases[k].r.epoch, out,
+                  cases[k].want);
         else CHECK(!out[0], "epoch %d: nothing to say, but: %s", cases[k].r.epoch, out);
         free(out);
     }
     // a train metric falling while the validation one holds
     int fresh[3] = {0, 0, 0};
-    EpochRecord prev = EPOCH(8, 1e-3, 0.3, 0.3, 0.90, 0.75), now = EPOCH(9, 1e-3, 0.4, 0.3, 0.82, 0.76);
+    EpochRecord prev = EPOCH(8, 1e-3, 0.3, 0.3, 0.90, 0.75),
+                now = EPOCH(9, 1e-3, 0.4, 0.3, 0.82, 0.76);
     t.epoch_stats = (StepStats){.steps = 60};
     WarnCall b = {&t, &now, &prev, fresh};
     int rc;
     char *out = with_stderr_captured(warn_call, &b, &rc);
-    CHECK(contains(out, "train mIoU fell from 0.900 to 0.820 while val_mIoU held (0.760)") && contains(out, "--train-eval"),
+    CHECK(contains(out, "train mIoU fell from 0.900 to 0.820 while val_mIoU held (0.760)") &&
+                  contains(out, "--train-eval"),
           "falling train metric: %s", out);
     free(out);
     c.train_eval = 1;  // with --train-eval the two compare like with like already
@@ -4770,16 +5500,20 @@ TEST(train_eval) {
     const char *pairs[3][2] = {{"loss", "val_loss"}, {"mIoU", "val_mIoU"}, {"IoU_1", "val_IoU_1"}};
     for (int e = 1; e <= 2; e++)
         for (int k = 0; k < 3; k++) {
-            char *a = csv_field_text(metrics, pairs[k][0], e), *b = csv_field_text(metrics, pairs[k][1], e);
-            CHECK(a[0] && !strcmp(a, b), "epoch %d: %s %s vs %s %s", e, pairs[k][0], a, pairs[k][1], b);
+            char *a = csv_field_text(metrics, pairs[k][0], e),
+                 *b = csv_field_text(metrics, pairs[k][1], e);
+            CHECK(a[0] && !strcmp(a, b), "epoch %d: %s %s vs %s %s", e, pairs[k][0], a, pairs[k][1],
+                  b);
             free(a); free(b);
         }
     char config[300];
     snprintf(config, sizeof config, "%s/config.txt", run);
     char *text = read_text(config);
-    CHECK(text && contains(text, "train-eval = on\n") && contains(text, "log-every = 0\n"), "config.txt keeps the settings");
+    CHECK(text && contains(text, "train-eval = on\n") && contains(text, "log-every = 0\n"),
+          "config.txt keeps the settings");
     free(text);
-    // the inference-mode pass changes nothing else: the same weights and validation figures without it
+    // the inference-mode pass changes nothing else: the same weights and validation figures without
+    // it
     const char *plain = "/tmp/segnet_test_teval_plain";
     rm_rf(plain);
     c.train_eval = 0;
@@ -4814,21 +5548,27 @@ TEST(classifier_csv_trains) {
     uint8_t img[32 * 32 * 3];
     for (int i = 0; i < 32; i++) {
         int label = i % 2;
-        for (int p = 0; p < 32 * 32 * 3; p++) img[p] = (uint8_t)((label ? 150 : 0) + rng_next(&r) % 100);
+        for (int p = 0; p < 32 * 32 * 3; p++)
+            img[p] = (uint8_t)((label ? 150 : 0) + rng_next(&r) % 100);
         snprintf(path, sizeof path, "%s/img/%02d.png", dir, i);
         CHECK(stbi_write_png(path, 32, 32, 3, img, 32 * 3), "write");
         fprintf(csv, "img/%02d.png,%d\n", i, label);
     }
     fclose(csv);
     char args[1024], msg[4096];
-    snprintf(args, sizeof args, "train --model effv2-t --head-hidden 16 --classes 2 --size 32x32 --batch 8 --epochs 20 "
-             "--lr 0.01 --data %s/labels.csv --val %s/labels.csv --out %s", dir, dir, run);
+    snprintf(
+            args, sizeof args,
+            "train --model effv2-t --head-hidden 16 --classes 2 --size 32x32 --batch 8 --epochs 20 "
+            "--lr 0.01 --data %s/labels.csv --val %s/labels.csv --out %s",
+            dir, dir, run);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
     double acc[32], vacc[32];
     snprintf(path, sizeof path, "%s/metrics.csv", run);
     int n = csv_column(path, "accuracy", acc, 32);
-    CHECK(n == 20 && csv_column(path, "val_accuracy", vacc, 32) == 20, "20 rows with accuracy and val_accuracy");
-    for (int e = 0; e < n; e++) CHECK(acc[e] >= 0 && acc[e] <= 1 && vacc[e] >= 0 && vacc[e] <= 1, "accuracy in [0,1]");
+    CHECK(n == 20 && csv_column(path, "val_accuracy", vacc, 32) == 20,
+          "20 rows with accuracy and val_accuracy");
+    for (int e = 0; e < n; e++)
+        CHECK(acc[e] >= 0 && acc[e] <= 1 && vacc[e] >= 0 && vacc[e] <= 1, "accuracy in [0,1]");
     double vl[32];
     CHECK(csv_column(path, "val_loss", vl, 32) == 20, "val_loss column");
     // the best epoch's validation (a minimum over the run) and the highest train
@@ -4839,14 +5579,16 @@ TEST(classifier_csv_trains) {
         if (vl[e] < vl[best]) best = e;
         if (acc[e] > acc[top]) top = e;
     }
-    CHECK(vacc[best] == 1.0 && acc[top] > 0.9, "dark vs bright learnt: val accuracy %g at the best epoch %d, train at most %g",
+    CHECK(vacc[best] == 1.0 && acc[top] > 0.9,
+          "dark vs bright learnt: val accuracy %g at the best epoch %d, train at most %g",
           vacc[best], best + 1, acc[top]);
     // eval of the run prints the best epoch's validation figures
     snprintf(args, sizeof args, "eval --run %s", run);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
     size_t len;
     char *out = read_file("/tmp/segnet_test_out.txt", &len);
-    CHECK(out && contains(out, "val_loss: ") && contains(out, "val_accuracy: "), "eval output: %s", out ? out : "");
+    CHECK(out && contains(out, "val_loss: ") && contains(out, "val_accuracy: "), "eval output: %s",
+          out ? out : "");
     free(out);
     if (!getenv("SEGNET_KEEP")) { rm_rf(dir); rm_rf(run); }
 }
@@ -4857,12 +5599,15 @@ TEST(eval_matches_run) {
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 4, 8, 8, 7);
     char args[1024], msg[4096], path[600];
-    snprintf(args, sizeof args, "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --epochs 2 --classes 3 "
-             "--class-weights 0,1,1 --data %s --val %s --out %s", data, data, run);
+    snprintf(args, sizeof args,
+             "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --epochs 2 --classes 3 "
+             "--class-weights 0,1,1 --data %s --val %s --out %s",
+             data, data, run);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
     double vl[4], vm[4];
     snprintf(path, sizeof path, "%s/metrics.csv", run);
-    CHECK(csv_column(path, "val_loss", vl, 4) == 2 && csv_column(path, "val_mIoU", vm, 4) == 2, "two rows");
+    CHECK(csv_column(path, "val_loss", vl, 4) == 2 && csv_column(path, "val_mIoU", vm, 4) == 2,
+          "two rows");
     int best = vl[1] < vl[0] ? 1 : 0;
     snprintf(path, sizeof path, "%s/last.safetensors", run);
     CHECK(unlink(path) == 0, "remove %s: eval --run reads best.safetensors only", path);
@@ -4876,7 +5621,8 @@ TEST(eval_matches_run) {
     if (out && (p = strstr(out, "val_mIoU: "))) miou = strtod(p + 10, NULL);
     CHECK_NEAR(loss, vl[best], 2e-6, "eval val_loss vs metrics.csv");
     CHECK_NEAR(miou, vm[best], 2e-6, "eval val_mIoU vs metrics.csv");
-    CHECK(out && contains(out, "val_pixel_accuracy: ") && contains(out, "val_IoU_1: ") && !contains(out, "val_IoU_0"),
+    CHECK(out && contains(out, "val_pixel_accuracy: ") && contains(out, "val_IoU_1: ") &&
+                  !contains(out, "val_IoU_0"),
           "per-class lines for the weighted classes: %s", out ? out : "");
     free(out);
     rm_rf(data); rm_rf(run);
@@ -4916,8 +5662,10 @@ TEST(fp16_loss_scaling) {
         MicroBatch mb = {4, images, labels, 0};
         int applied = train_step(&t, &mb, 1, &pt);
         int changed = memcmp(before, t.net.params, sizeof(float) * P) != 0;
-        CHECK(applied == (s != 1) && changed == applied, "step %d: applied %d, weights changed %d", s, applied, changed);
-        CHECK(t.loss_scale == expect_scale[s], "step %d: scale %g, expected %g", s, t.loss_scale, expect_scale[s]);
+        CHECK(applied == (s != 1) && changed == applied, "step %d: applied %d, weights changed %d",
+              s, applied, changed);
+        CHECK(t.loss_scale == expect_scale[s], "step %d: scale %g, expected %g", s, t.loss_scale,
+              expect_scale[s]);
         CHECK(t.step == s + 1, "the skipped step counts (Keras): step %" PRId64, t.step);
     }
     CHECK(t.good_steps == 2, "2 finite steps since the last doubling: %" PRId64, t.good_steps);
@@ -4926,15 +5674,19 @@ TEST(fp16_loss_scaling) {
     // holding NaN is refused on load (weights_values_refused): fresh ones here.
     for (int b = 0; b < t.g.n_buffers; b++)
         for (size_t k = 0; k < t.g.buffers[b].count; k++)
-            t.net.buffers[t.g.buffers[b].offset + k] = contains(t.g.buffers[b].name, "running_var") ? 1.0f : 0.0f;
+            t.net.buffers[t.g.buffers[b].offset + k] =
+                    contains(t.g.buffers[b].name, "running_var") ? 1.0f : 0.0f;
     const char *path = "/tmp/segnet_test_fp16.safetensors";
     t.loss_scale = 4096; t.good_steps = 1;  // as after some halvings
     CHECK(save_checkpoint(&t, path, NULL, err) == 0, "%s", err);
     Trainer u;
     PassSaved ps;
-    CHECK(trainer_open(&u, &c, NULL, NULL, err) == 0 && load_checkpoint(&u, path, &ps, err) == 0 && ps.batch == 0, "%s", err);
-    CHECK(u.loss_scale == 4096 && u.good_steps == 1 && u.step == 7, "restored scale %g, counter %" PRId64 ", step %" PRId64,
-          u.loss_scale, u.good_steps, u.step);
+    CHECK(trainer_open(&u, &c, NULL, NULL, err) == 0 && load_checkpoint(&u, path, &ps, err) == 0 &&
+                  ps.batch == 0,
+          "%s", err);
+    CHECK(u.loss_scale == 4096 && u.good_steps == 1 && u.step == 7,
+          "restored scale %g, counter %" PRId64 ", step %" PRId64, u.loss_scale, u.good_steps,
+          u.step);
     unlink(path);
     free(before);
     trainer_close(&t); trainer_close(&u);
@@ -4950,11 +5702,14 @@ TEST(accum_equals_big_batch) {
     small.accum = K;
     Trainer a, b;
     char err[SN_ERR_MAX];
-    CHECK(trainer_open(&a, &big, NULL, NULL, err) == 0 && trainer_open(&b, &small, NULL, NULL, err) == 0, "%s", err);
+    CHECK(trainer_open(&a, &big, NULL, NULL, err) == 0 &&
+                  trainer_open(&b, &small, NULL, NULL, err) == 0,
+          "%s", err);
     for (Trainer *t = &a; t; t = t == &a ? &b : NULL)
         for (int i = 0; i < t->g.n_layers; i++)
             if (t->g.layers[i].kind == LAYER_BN) t->g.layers[i].frozen = 1;
-    CHECK(!memcmp(a.net.params, b.net.params, sizeof(float) * a.g.n_param_floats), "same initial weights");
+    CHECK(!memcmp(a.net.params, b.net.params, sizeof(float) * a.g.n_param_floats),
+          "same initial weights");
     Rng r;
     rng_seed(&r, 5);
     float images[B * K * 64 * 3];
@@ -4963,17 +5718,22 @@ TEST(accum_equals_big_batch) {
     PassTotals pa = {0, 0, cma}, pb = {0, 0, cmb};
     for (int s = 0; s < STEPS; s++) {
         random_batch(&r, B * K, 8, 3, images, labels);
-        for (int i = 0; i < B * 64; i++) labels[i] = i % 5 ? 0 : labels[i];  // micro-batch 0: mostly weight-0 pixels
+        // micro-batch 0: mostly weight-0 pixels
+        for (int i = 0; i < B * 64; i++) labels[i] = i % 5 ? 0 : labels[i];
         MicroBatch one = {B * K, images, labels, 0}, parts[K];
-        for (int k = 0; k < K; k++) parts[k] = (MicroBatch){B, images + k * B * 64 * 3, labels + k * B * 64, k * B};
+        for (int k = 0; k < K; k++)
+            parts[k] = (MicroBatch){B, images + k * B * 64 * 3, labels + k * B * 64, k * B};
         train_step(&a, &one, 1, &pa);
         train_step(&b, parts, K, &pb);
     }
-    CHECK(fabs(pa.loss_sum / pa.norm_sum - pb.loss_sum / pb.norm_sum) < 1e-6 * pa.loss_sum / pa.norm_sum, "loss %.9g vs %.9g",
-          pa.loss_sum / pa.norm_sum, pb.loss_sum / pb.norm_sum);
+    CHECK(fabs(pa.loss_sum / pa.norm_sum - pb.loss_sum / pb.norm_sum) <
+                  1e-6 * pa.loss_sum / pa.norm_sum,
+          "loss %.9g vs %.9g", pa.loss_sum / pa.norm_sum, pb.loss_sum / pb.norm_sum);
     double worst = 0;
-    for (size_t i = 0; i < a.g.n_param_floats; i++) worst = fmax(worst, fabs(a.net.params[i] - b.net.params[i]));
-    CHECK(worst < 1e-4 * big.lr, "weights after %d steps differ by %.3g (lr %g)", STEPS, worst, big.lr);
+    for (size_t i = 0; i < a.g.n_param_floats; i++)
+        worst = fmax(worst, fabs(a.net.params[i] - b.net.params[i]));
+    CHECK(worst < 1e-4 * big.lr, "weights after %d steps differ by %.3g (lr %g)", STEPS, worst,
+          big.lr);
     if (g_verbose) printf("    worst weight difference %.3g\n", worst);
     trainer_close(&a); trainer_close(&b);
 }
@@ -4995,13 +5755,16 @@ TEST(accum_dropout_equals_big_batch) {
     small.accum = K;
     Trainer a, b;
     char err[SN_ERR_MAX];
-    CHECK(trainer_open(&a, &big, NULL, NULL, err) == 0 && trainer_open(&b, &small, NULL, NULL, err) == 0, "%s", err);
+    CHECK(trainer_open(&a, &big, NULL, NULL, err) == 0 &&
+                  trainer_open(&b, &small, NULL, NULL, err) == 0,
+          "%s", err);
     int n_drop = 0;
     for (Trainer *t = &a; t; t = t == &a ? &b : NULL)
         for (int i = 0; i < t->g.n_layers; i++) {
             Layer *l = &t->g.layers[i];
             if (l->kind == LAYER_BN) l->frozen = 1;
-            if (t == &a && (l->kind == LAYER_DROPOUT || l->kind == LAYER_DROP_PATH) && l->rate > 0) n_drop++;
+            if (t == &a && (l->kind == LAYER_DROPOUT || l->kind == LAYER_DROP_PATH) && l->rate > 0)
+                n_drop++;
         }
     CHECK(n_drop >= 2, "effv2-t has dropout and drop-path layers (%d)", n_drop);
     Rng r; rng_seed(&r, 31);
@@ -5013,13 +5776,16 @@ TEST(accum_dropout_equals_big_batch) {
         for (int i = 0; i < B * K * HW * HW * 3; i++) images[i] = (float)(rng_next(&r) % 256);
         for (int i = 0; i < B * K; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
         MicroBatch one = {B * K, images, labels, 0}, parts[K];
-        for (int k = 0; k < K; k++) parts[k] = (MicroBatch){B, images + k * B * HW * HW * 3, labels + k * B, k * B};
+        for (int k = 0; k < K; k++)
+            parts[k] = (MicroBatch){B, images + k * B * HW * HW * 3, labels + k * B, k * B};
         train_step(&a, &one, 1, &pa);
         train_step(&b, parts, K, &pb);
     }
     double worst = 0;
-    for (size_t i = 0; i < a.g.n_param_floats; i++) worst = fmax(worst, fabs(a.net.params[i] - b.net.params[i]));
-    CHECK(worst < 1e-4 * big.lr, "weights after %d steps differ by %.3g (lr %g)", STEPS, worst, big.lr);
+    for (size_t i = 0; i < a.g.n_param_floats; i++)
+        worst = fmax(worst, fabs(a.net.params[i] - b.net.params[i]));
+    CHECK(worst < 1e-4 * big.lr, "weights after %d steps differ by %.3g (lr %g)", STEPS, worst,
+          big.lr);
     if (g_verbose) printf("    worst weight difference %.3g\n", worst);
     trainer_close(&a); trainer_close(&b);
 }
@@ -5036,17 +5802,22 @@ TEST(freeze_base) {
     CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s", err);
     const Graph *g = &t.g;
     size_t trainable = 0;
-    for (int p = 0; p < g->n_params; p++) if (strncmp(g->params[p].name, "enc0.", 5)) trainable += g->params[p].count;
-    CHECK(t.n_trainable == trainable && trainable < g->n_param_floats, "Adam state for %zu floats, expected %zu (of %zu)",
-          t.n_trainable, trainable, g->n_param_floats);
-    CHECK(t.net.n_grad_floats == trainable, "gradients for %zu floats, expected the %zu trainable ones",
-          t.net.n_grad_floats, trainable);
+    for (int p = 0; p < g->n_params; p++)
+        if (strncmp(g->params[p].name, "enc0.", 5)) trainable += g->params[p].count;
+    CHECK(t.n_trainable == trainable && trainable < g->n_param_floats,
+          "Adam state for %zu floats, expected %zu (of %zu)", t.n_trainable, trainable,
+          g->n_param_floats);
+    CHECK(t.net.n_grad_floats == trainable,
+          "gradients for %zu floats, expected the %zu trainable ones", t.net.n_grad_floats,
+          trainable);
     for (int i = 0; i < g->n_layers; i++) {
         const Layer *l = &g->layers[i];
         CHECK(l->frozen == !strncmp(l->name, "enc0.", 5), "layer %s frozen %d", l->name, l->frozen);
-        if (!strncmp(l->name, "enc0.", 5)) CHECK(t.net.grad[l->out] == NULL, "no gradient stored for %s", l->name);
+        if (!strncmp(l->name, "enc0.", 5))
+            CHECK(t.net.grad[l->out] == NULL, "no gradient stored for %s", l->name);
     }
-    float *p0 = malloc(sizeof(float) * g->n_param_floats), *b0 = malloc(sizeof(float) * g->n_buffer_floats);
+    float *p0 = malloc(sizeof(float) * g->n_param_floats),
+          *b0 = malloc(sizeof(float) * g->n_buffer_floats);
     memcpy(p0, t.net.params, sizeof(float) * g->n_param_floats);
     memcpy(b0, t.net.buffers, sizeof(float) * g->n_buffer_floats);
     Rng r;
@@ -5066,12 +5837,14 @@ TEST(freeze_base) {
     for (int k = 0; k < g->n_buffers; k++) {
         const ParamInfo *q = &g->buffers[k];
         int same = !memcmp(b0 + q->offset, t.net.buffers + q->offset, sizeof(float) * q->count);
-        CHECK(same == !strncmp(q->name, "enc0.", 5), "BN statistics %s changed: %d", q->name, !same);
+        CHECK(same == !strncmp(q->name, "enc0.", 5), "BN statistics %s changed: %d", q->name,
+              !same);
     }
     free(p0); free(b0);
     trainer_close(&t);
     c.unfreeze_last = 3;
-    CHECK(trainer_open(&t, &c, NULL, NULL, err) == -1 && contains(err, "has 2 blocks"), "too many blocks: %s", err);
+    CHECK(trainer_open(&t, &c, NULL, NULL, err) == -1 && contains(err, "has 2 blocks"),
+          "too many blocks: %s", err);
     trainer_close(&t);
 }
 
@@ -5083,12 +5856,20 @@ TEST(freeze_base) {
 // (NaN): bit for bit the same, with and without checkpointing; the arena's
 // measured high-water mark is the planned peak.
 TEST(plan_matches_per_tensor) {
-    struct { const char *model; int size, freeze; } cases[] = {
-        {"unet", 16, 0}, {"effv2-t", 32, 0}, {"unet-effv2-t", 32, 0}, {"unet", 16, 1}, {"effv2-t", 32, 1}};
+    struct { const char *model; int size, freeze;
+    } cases[] = {{"unet", 16, 0},
+                 {"effv2-t", 32, 0},
+                 {"unet-effv2-t", 32, 0},
+                 {"unet", 16, 1},
+                 {"effv2-t", 32, 1}};
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         ModelCfg mc = model_cfg_default();
-        mc.model = cases[k].model; mc.classes = 3; mc.batch = 2; mc.height = mc.width = cases[k].size;
-        if (!strcmp(mc.model, "unet")) { mc.depth = 2; mc.width_base = 4; }  // the plain unet's options only
+        mc.model = cases[k].model;
+        mc.classes = 3;
+        mc.batch = 2;
+        mc.height = mc.width = cases[k].size;
+        // the plain unet's options only
+        if (!strcmp(mc.model, "unet")) { mc.depth = 2; mc.width_base = 4; }
         Graph g;
         graph_init(&g);
         int out = model_build(&g, &mc);
@@ -5109,34 +5890,41 @@ TEST(plan_matches_per_tensor) {
         Net *nets[3] = {&ref, &pl[0], &pl[1]};
         for (int v = 0; v < 3; v++) {
             if (v) {
-                CHECK(net_create_planned(nets[v], &g, &ops_cpu, DT_F32, 0, out, v == 2, err) == 0, "%s", err);
+                CHECK(net_create_planned(nets[v], &g, &ops_cpu, DT_F32, 0, out, v == 2, err) == 0,
+                      "%s", err);
                 nets[v]->poison = 1;
             }
             net_init_params(nets[v], 3);
-            nets[v]->seed = 9; nets[v]->step = 2;  // dropout and drop-path masks, the same in all three
+            // dropout and drop-path masks, the same in all three
+            nets[v]->seed = 9; nets[v]->step = 2;
             memcpy(nets[v]->act[g.input], x, sizeof(float) * n_in);
             net_forward(nets[v], 1);
             memset(loss[v], 0, sizeof loss[v]);
-            ops_cpu.softmax_xent(&ops_cpu, net_tensor(nets[v], out), lab, w, 0.0f, &(float){1.0f / n_lab}, loss[v], net_grad(nets[v], out));
+            ops_cpu.softmax_xent(&ops_cpu, net_tensor(nets[v], out), lab, w, 0.0f,
+                                 &(float){1.0f / n_lab}, loss[v], net_grad(nets[v], out));
             net_backward(nets[v], out);
         }
         for (int v = 1; v < 3; v++) {
             const char *what = v == 1 ? "planned" : "checkpointed";
-            CHECK(loss[v][0] == loss[0][0], "%s %s: loss %.9g vs %.9g", cases[k].model, what, loss[v][0], loss[0][0]);
-            CHECK(!memcmp(nets[v]->grads, ref.grads, sizeof(float) * ref.n_grad_floats), "%s %s: parameter gradients differ",
-                  cases[k].model, what);
-            CHECK(!memcmp(nets[v]->buffers, ref.buffers, sizeof(float) * g.n_buffer_floats), "%s %s: BN statistics differ",
-                  cases[k].model, what);
-            CHECK(nets[v]->arena_high == nets[v]->plan->peak, "%s %s: high-water %zu, planned %zu", cases[k].model, what,
-                  nets[v]->arena_high, nets[v]->plan->peak);
+            CHECK(loss[v][0] == loss[0][0], "%s %s: loss %.9g vs %.9g", cases[k].model, what,
+                  loss[v][0], loss[0][0]);
+            CHECK(!memcmp(nets[v]->grads, ref.grads, sizeof(float) * ref.n_grad_floats),
+                  "%s %s: parameter gradients differ", cases[k].model, what);
+            CHECK(!memcmp(nets[v]->buffers, ref.buffers, sizeof(float) * g.n_buffer_floats),
+                  "%s %s: BN statistics differ", cases[k].model, what);
+            CHECK(nets[v]->arena_high == nets[v]->plan->peak, "%s %s: high-water %zu, planned %zu",
+                  cases[k].model, what, nets[v]->arena_high, nets[v]->plan->peak);
         }
         size_t all = 0;
-        for (int t = 0; t < g.n_tensors; t++) all += shape_numel(g.tensors[t].shape) * 4 * (1 + ref.needs_grad[t]);
-        CHECK(pl[0].plan->peak < all + pl[0].plan->workspace, "%s: the plan (%zu) is smaller than every tensor (%zu)",
-              cases[k].model, pl[0].plan->peak, all);
+        for (int t = 0; t < g.n_tensors; t++)
+            all += shape_numel(g.tensors[t].shape) * 4 * (1 + ref.needs_grad[t]);
+        CHECK(pl[0].plan->peak < all + pl[0].plan->workspace,
+              "%s: the plan (%zu) is smaller than every tensor (%zu)", cases[k].model,
+              pl[0].plan->peak, all);
         if (g_verbose)
-            printf("    %-13s freeze %d: all tensors %zu, planned %zu, checkpointed %zu bytes\n", cases[k].model, cases[k].freeze,
-                   all + pl[0].plan->workspace, pl[0].plan->peak, pl[1].plan->peak);
+            printf("    %-13s freeze %d: all tensors %zu, planned %zu, checkpointed %zu bytes\n",
+                   cases[k].model, cases[k].freeze, all + pl[0].plan->workspace, pl[0].plan->peak,
+                   pl[1].plan->peak);
         for (int v = 0; v < 3; v++) net_free(nets[v]);
         free(x); free(lab);
         graph_free(&g);
@@ -5149,7 +5937,10 @@ TEST(plan_matches_per_tensor) {
 TEST(checkpoint_training_bitwise) {
     TrainCfg c;
     train_cfg_default(&c);
-    c.model.model = "effv2-t"; c.model.classes = 3; c.model.height = c.model.width = 32; c.model.batch = 4;
+    c.model.model = "effv2-t";
+    c.model.classes = 3;
+    c.model.height = c.model.width = 32;
+    c.model.batch = 4;
     c.model.head_hidden = 8;
     c.progress = 0;
     Trainer a, b;
@@ -5158,7 +5949,8 @@ TEST(checkpoint_training_bitwise) {
     c.checkpoint = 1;
     TrainCfg cb = c;
     CHECK(trainer_open(&b, &cb, NULL, NULL, err) == 0, "%s", err);
-    CHECK(b.net.plan->peak < a.net.plan->peak, "checkpointing plans less memory: %zu vs %zu", b.net.plan->peak, a.net.plan->peak);
+    CHECK(b.net.plan->peak < a.net.plan->peak, "checkpointing plans less memory: %zu vs %zu",
+          b.net.plan->peak, a.net.plan->peak);
     Rng r;
     rng_seed(&r, 6);
     float images[4 * 32 * 32 * 3];
@@ -5173,9 +5965,12 @@ TEST(checkpoint_training_bitwise) {
         train_step(&b, &mb, 1, &pb);
     }
     CHECK(pa.loss_sum == pb.loss_sum, "loss %.9g vs %.9g", pa.loss_sum, pb.loss_sum);
-    CHECK(!memcmp(a.net.params, b.net.params, sizeof(float) * a.g.n_param_floats), "weights differ");
-    CHECK(!memcmp(a.net.buffers, b.net.buffers, sizeof(float) * a.g.n_buffer_floats), "BN statistics differ");
-    CHECK(!memcmp(a.net.grads, b.net.grads, sizeof(float) * a.net.n_grad_floats), "last gradients differ");
+    CHECK(!memcmp(a.net.params, b.net.params, sizeof(float) * a.g.n_param_floats),
+          "weights differ");
+    CHECK(!memcmp(a.net.buffers, b.net.buffers, sizeof(float) * a.g.n_buffer_floats),
+          "BN statistics differ");
+    CHECK(!memcmp(a.net.grads, b.net.grads, sizeof(float) * a.net.n_grad_floats),
+          "last gradients differ");
     trainer_close(&a); trainer_close(&b);
 }
 
@@ -5195,8 +5990,10 @@ static void fused_run(const TrainCfg *c, int fuse, int steps, float **params, do
     fuse_layers = saved;
     int kinds[3] = {0, 0, 0};
     for (int j = 0; j < t.g.n_layers; j++) kinds[t.net.fusion[j]]++;
-    CHECK(fuse ? kinds[FUSED_POOL] >= 2 && kinds[FUSED_RESIDUAL] >= 3 : kinds[FUSED_NONE] == t.g.n_layers,
-          "fuse %d: %d pools and %d residual ends fused", fuse, kinds[FUSED_POOL], kinds[FUSED_RESIDUAL]);
+    CHECK(fuse ? kinds[FUSED_POOL] >= 2 && kinds[FUSED_RESIDUAL] >= 3
+               : kinds[FUSED_NONE] == t.g.n_layers,
+          "fuse %d: %d pools and %d residual ends fused", fuse, kinds[FUSED_POOL],
+          kinds[FUSED_RESIDUAL]);
     t.net.poison = 1;
     const int N = c->model.batch, hw = c->model.height;
     Rng r;
@@ -5220,7 +6017,10 @@ static void fused_run(const TrainCfg *c, int fuse, int steps, float **params, do
 static void fused_layers_case(Device device, DType dt, int freeze) {
     TrainCfg c;
     train_cfg_default(&c);
-    c.model.model = "effv2-t"; c.model.classes = 3; c.model.height = c.model.width = 32; c.model.batch = 4;
+    c.model.model = "effv2-t";
+    c.model.classes = 3;
+    c.model.height = c.model.width = 32;
+    c.model.batch = 4;
     c.progress = 0; c.checkpoint = 1; c.device = device; c.precision = dt;
     c.freeze_base = freeze; c.unfreeze_last = freeze ? 2 : 0;
     float *p[2];
@@ -5230,8 +6030,8 @@ static void fused_layers_case(Device device, DType dt, int freeze) {
     graph_init(&g);
     model_build(&g, &c.model);
     CHECK(loss[0] == loss[1] && !memcmp(p[0], p[1], sizeof(float) * g.n_param_floats),
-          "%s %s freeze %d: fused and unfused steps differ (loss %.9g vs %.9g)", DEVICE_NAMES[device], DT_NAME[dt], freeze,
-          loss[1], loss[0]);
+          "%s %s freeze %d: fused and unfused steps differ (loss %.9g vs %.9g)",
+          DEVICE_NAMES[device], DT_NAME[dt], freeze, loss[1], loss[0]);
     graph_free(&g);
     free(p[0]); free(p[1]);
 }
@@ -5271,18 +6071,21 @@ static void bn_fused_case(Ops *o, Shape s, DType dt, Act act, float rate, Rng *r
     if (rate > 0.0f) {  // some image dropped, some kept
         for (;; seed++) {
             int dropped = 0;
-            for (int i = 0; i < N; i++) dropped += dropout_keep(rate, seed, first_sample + (uint64_t)i) == 0.0f;
+            for (int i = 0; i < N; i++)
+                dropped += dropout_keep(rate, seed, first_sample + (uint64_t)i) == 0.0f;
             if (dropped > 0 && dropped < N) break;
         }
     }
-    float *xv = randn(r, n, 2.0f), *resv = randn(r, n, 1.0f), *dyv = randn(r, n, 1.0f), *accv = randn(r, n, 1.0f);
+    float *xv = randn(r, n, 2.0f), *resv = randn(r, n, 1.0f), *dyv = randn(r, n, 1.0f),
+          *accv = randn(r, n, 1.0f);
     float mean[64], var[64], gamma[64], beta[64], host[2][64];
     for (int c = 0; c < C; c++) {
         mean[c] = 0.3f * rng_normal(r); var[c] = 3.0f + rng_float(r);
         gamma[c] = 1.0f + 0.3f * rng_normal(r); beta[c] = 0.3f * rng_normal(r);
     }
-    void *dmean = o->alloc(o, sizeof mean), *dvar = o->alloc(o, sizeof var), *dgam = o->alloc(o, sizeof gamma),
-         *dbet = o->alloc(o, sizeof beta), *dseed = o->alloc(o, sizeof seed);
+    void *dmean = o->alloc(o, sizeof mean), *dvar = o->alloc(o, sizeof var),
+         *dgam = o->alloc(o, sizeof gamma), *dbet = o->alloc(o, sizeof beta),
+         *dseed = o->alloc(o, sizeof seed);
     float *f32[8];  // sum_g, sum_gx, dgamma, dbeta of the fused [0..3] and the unfused [4..7] runs
     for (int k = 0; k < 8; k++) f32[k] = o->alloc(o, sizeof(float) * C);
     o->upload(o, dmean, mean, sizeof mean); o->upload(o, dvar, var, sizeof var);
@@ -5291,8 +6094,8 @@ static void bn_fused_case(Ops *o, Shape s, DType dt, Act act, float rate, Rng *r
     const float eps = 1e-3f;
     const char *where = o->name;
     char what[160];
-    snprintf(what, sizeof what, "%s bn fused %s act %d rate %g shape " SHAPE_FMT, where, DT_NAME[dt], (int)act,
-             (double)rate, SHAPE_ARGS(s));
+    snprintf(what, sizeof what, "%s bn fused %s act %d rate %g shape " SHAPE_FMT, where,
+             DT_NAME[dt], (int)act, (double)rate, SHAPE_ARGS(s));
     Tensor x = backend_tensor(o, xv, s, dt), res = backend_tensor(o, resv, s, dt);
     Tensor y = backend_tensor(o, accv, s, dt), y2 = backend_tensor(o, accv, s, dt);
     const Shape ps = shape4(N, 1, 1, C);
@@ -5304,7 +6107,8 @@ static void bn_fused_case(Ops *o, Shape s, DType dt, Act act, float rate, Rng *r
     o->bn_forward(o, y, x, dmean, dvar, dgam, dbet, eps, act, &pool);
     o->bn_forward(o, y2, x, dmean, dvar, dgam, dbet, eps, act, NULL);
     o->global_avg_pool_forward(o, p2, y2);
-    CHECK(bytes_equal(o, y, y2) && bytes_equal(o, p1, p2), "%s: pool forward differs from bn_forward, global_avg_pool", what);
+    CHECK(bytes_equal(o, y, y2) && bytes_equal(o, p1, p2),
+          "%s: pool forward differs from bn_forward, global_avg_pool", what);
 
     // forward, FUSED_RESIDUAL: out alone (y has no memory)
     Tensor out1 = backend_tensor(o, accv, s, dt), out2 = backend_tensor(o, accv, s, dt);
@@ -5314,7 +6118,8 @@ static void bn_fused_case(Ops *o, Shape s, DType dt, Act act, float rate, Rng *r
     o->bn_forward(o, y2, x, dmean, dvar, dgam, dbet, eps, act, NULL);
     if (rate > 0.0f) o->dropout_forward(o, out2, y2, res, rate, dseed, 1, first_sample);
     else o->add_forward(o, out2, y2, res);
-    CHECK(bytes_equal(o, out1, out2), "%s: residual forward differs from bn_forward, dropout_forward", what);
+    CHECK(bytes_equal(o, out1, out2),
+          "%s: residual forward differs from bn_forward, dropout_forward", what);
 
     // backward, FUSED_RESIDUAL, with the sums (training statistics) and without (dresidual alone)
     for (int acc = 0; acc < 2; acc++)
@@ -5323,26 +6128,36 @@ static void bn_fused_case(Ops *o, Shape s, DType dt, Act act, float rate, Rng *r
             Tensor dres1 = backend_tensor(o, accv, s, dt), dres2 = backend_tensor(o, accv, s, dt);
             Tensor dx1 = backend_tensor(o, accv, s, dt), dx2 = backend_tensor(o, accv, s, dt);
             Tensor dyb = backend_tensor(o, zeros, s, dt);
-            for (int k = 0; k < 8; k++) o->upload(o, f32[k], k % 4 >= 2 ? gamma : zeros, sizeof(float) * C);
-            BnNext back = {.kind = FUSED_RESIDUAL, .dresidual = dres1, .accumulate_residual = acc, .rate = rate,
-                           .seed = dseed, .first_sample = first_sample};
-            o->bn_backward_reduce(o, dy1, x, dmean, dvar, dgam, dbet, eps, act, sums ? f32[0] : NULL, f32[1], f32[2],
-                                  f32[3], NULL, &back);
-            o->bn_backward_data(o, dx1, dy1, x, dmean, dvar, dgam, dbet, eps, act, sums ? f32[0] : NULL,
-                                sums ? f32[1] : NULL, sums ? M : 0, acc, &back);
-            if (rate > 0.0f) o->dropout_backward(o, dyb, dres2, dy2, rate, dseed, 1, first_sample, 0, acc);
+            for (int k = 0; k < 8; k++)
+                o->upload(o, f32[k], k % 4 >= 2 ? gamma : zeros, sizeof(float) * C);
+            BnNext back = {.kind = FUSED_RESIDUAL,
+                           .dresidual = dres1,
+                           .accumulate_residual = acc,
+                           .rate = rate,
+                           .seed = dseed,
+                           .first_sample = first_sample};
+            o->bn_backward_reduce(o, dy1, x, dmean, dvar, dgam, dbet, eps, act,
+                                  sums ? f32[0] : NULL, f32[1], f32[2], f32[3], NULL, &back);
+            o->bn_backward_data(o, dx1, dy1, x, dmean, dvar, dgam, dbet, eps, act,
+                                sums ? f32[0] : NULL, sums ? f32[1] : NULL, sums ? M : 0, acc,
+                                &back);
+            if (rate > 0.0f)
+                o->dropout_backward(o, dyb, dres2, dy2, rate, dseed, 1, first_sample, 0, acc);
             else o->add_backward(o, dyb, dres2, dy2, 0, acc);
-            if (sums) o->bn_backward_reduce(o, dyb, x, dmean, dvar, dgam, dbet, eps, act, f32[4], f32[5], f32[6], f32[7],
-                                            NULL, NULL);
-            o->bn_backward_data(o, dx2, dyb, x, dmean, dvar, dgam, dbet, eps, act, sums ? f32[4] : NULL,
-                                sums ? f32[5] : NULL, sums ? M : 0, acc, NULL);
+            if (sums)
+                o->bn_backward_reduce(o, dyb, x, dmean, dvar, dgam, dbet, eps, act, f32[4], f32[5],
+                                      f32[6], f32[7], NULL, NULL);
+            o->bn_backward_data(o, dx2, dyb, x, dmean, dvar, dgam, dbet, eps, act,
+                                sums ? f32[4] : NULL, sums ? f32[5] : NULL, sums ? M : 0, acc,
+                                NULL);
             for (int k = 0; k < 4; k++) {
                 o->download(o, host[0], f32[k], sizeof(float) * C);
                 o->download(o, host[1], f32[k + 4], sizeof(float) * C);
-                CHECK(!memcmp(host[0], host[1], sizeof(float) * C), "%s acc %d sums %d: per-channel result %d differs",
-                      what, acc, sums, k);
+                CHECK(!memcmp(host[0], host[1], sizeof(float) * C),
+                      "%s acc %d sums %d: per-channel result %d differs", what, acc, sums, k);
             }
-            CHECK(bytes_equal(o, dres1, dres2), "%s acc %d sums %d: dresidual differs", what, acc, sums);
+            CHECK(bytes_equal(o, dres1, dres2), "%s acc %d sums %d: dresidual differs", what, acc,
+                  sums);
             CHECK(bytes_equal(o, dx1, dx2), "%s acc %d sums %d: dx differs", what, acc, sums);
             Tensor ts[7] = {dy1, dy2, dres1, dres2, dx1, dx2, dyb};
             for (int k = 0; k < 7; k++) o->free(o, ts[k].data);
@@ -5359,21 +6174,31 @@ static void bn_fused_cases(Ops *o, uint64_t rng_seed_value) {
     for (int si = 0; si < 3; si++)
         for (int dt = 0; dt < 3; dt++)
             for (int a = 0; a < 2; a++)
-                for (int k = 0; k < 2; k++) bn_fused_case(o, shapes[si], (DType)dt, a ? ACT_SILU : ACT_NONE, k ? 0.4f : 0.0f, &r);
+                for (int k = 0; k < 2; k++)
+                    bn_fused_case(o, shapes[si], (DType)dt, a ? ACT_SILU : ACT_NONE,
+                                  k ? 0.4f : 0.0f, &r);
 }
 TEST(bn_fused_next) { bn_fused_cases(&ops_cpu, 91); }
 // The plan's total is exactly what the trainer allocates on the CPU backend,
 // a step allocates nothing more, and the arena's measured high-water mark is
 // the planned peak; --memory picks the first setting that fits
 TEST(plan_equals_allocation) {
-    struct { const char *model; int size, batch; DType dt; int ckpt, freeze, accum; } cases[] = {
-        {"unet", 16, 4, DT_F32, 0, 0, 1}, {"unet", 16, 2, DT_F16, 1, 0, 2}, {"effv2-t", 32, 4, DT_BF16, 1, 1, 1},
-        {"effv2-t", 32, 3, DT_F32, 0, 0, 1}, {"unet-effv2-t", 32, 2, DT_F32, 1, 0, 1}};
+    struct { const char *model; int size, batch; DType dt; int ckpt, freeze, accum;
+    } cases[] = {{"unet", 16, 4, DT_F32, 0, 0, 1},
+                 {"unet", 16, 2, DT_F16, 1, 0, 2},
+                 {"effv2-t", 32, 4, DT_BF16, 1, 1, 1},
+                 {"effv2-t", 32, 3, DT_F32, 0, 0, 1},
+                 {"unet-effv2-t", 32, 2, DT_F32, 1, 0, 1}};
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         TrainCfg c = tiny_seg_cfg(NULL, NULL);
-        c.model.model = cases[k].model; c.model.height = c.model.width = cases[k].size; c.model.batch = cases[k].batch;
+        c.model.model = cases[k].model;
+        c.model.height = c.model.width = cases[k].size;
+        c.model.batch = cases[k].batch;
         c.model.depth = 2;
-        c.precision = cases[k].dt; c.checkpoint = cases[k].ckpt; c.freeze_base = cases[k].freeze; c.accum = cases[k].accum;
+        c.precision = cases[k].dt;
+        c.checkpoint = cases[k].ckpt;
+        c.freeze_base = cases[k].freeze;
+        c.accum = cases[k].accum;
         Graph g;
         Plan p;
         char err[SN_ERR_MAX];
@@ -5386,7 +6211,8 @@ TEST(plan_equals_allocation) {
         Trainer t;
         CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s", err);
         size_t used = cpu_bytes_live - before;
-        CHECK(used == m.total, "%s case %zu: planned %zu bytes, allocated %zu", cases[k].model, k, m.total, used);
+        CHECK(used == m.total, "%s case %zu: planned %zu bytes, allocated %zu", cases[k].model, k,
+              m.total, used);
         Rng r;
         rng_seed(&r, k);
         const int n = cases[k].batch, hw = cases[k].size, seg = t.segmentation;
@@ -5399,11 +6225,14 @@ TEST(plan_equals_allocation) {
         MicroBatch mb[2] = {{n, images, labels, 0}, {n, images, labels, n}};
         cpu_bytes_peak = cpu_bytes_live;
         train_step(&t, mb, cases[k].accum, &pt);
-        CHECK(cpu_bytes_peak == cpu_bytes_live, "%s case %zu: a step allocated %zu bytes more", cases[k].model, k,
-              cpu_bytes_peak - cpu_bytes_live);
-        CHECK(t.net.arena_high == p.peak && p.peak == t.net.plan->peak, "%s case %zu: high-water %zu, planned %zu",
-              cases[k].model, k, t.net.arena_high, p.peak);
-        if (g_verbose) printf("    %-13s case %zu: %zu bytes planned = allocated\n", cases[k].model, k, m.total);
+        CHECK(cpu_bytes_peak == cpu_bytes_live, "%s case %zu: a step allocated %zu bytes more",
+              cases[k].model, k, cpu_bytes_peak - cpu_bytes_live);
+        CHECK(t.net.arena_high == p.peak && p.peak == t.net.plan->peak,
+              "%s case %zu: high-water %zu, planned %zu", cases[k].model, k, t.net.arena_high,
+              p.peak);
+        if (g_verbose)
+            printf("    %-13s case %zu: %zu bytes planned = allocated\n", cases[k].model, k,
+                   m.total);
         free(images); free(labels);
         trainer_close(&t);
         plan_free(&p);
@@ -5412,7 +6241,10 @@ TEST(plan_equals_allocation) {
     // --memory: the budget of (micro-batch 4, checkpointing, fp32) picks exactly that
     TrainCfg c;
     train_cfg_default(&c);
-    c.model.model = "effv2-t"; c.model.classes = 3; c.model.height = c.model.width = 64; c.model.batch = 4;
+    c.model.model = "effv2-t";
+    c.model.classes = 3;
+    c.model.height = c.model.width = 64;
+    c.model.batch = 4;
     size_t totals[2];
     for (int v = 0; v < 2; v++) {
         TrainCfg t = c;
@@ -5430,13 +6262,17 @@ TEST(plan_equals_allocation) {
     CHECK(totals[1] < totals[0], "checkpointing plans less: %zu vs %zu", totals[1], totals[0]);
     char why[4096], err[SN_ERR_MAX];
     TrainCfg pick = c;
-    CHECK(choose_setting(&pick, totals[1], why, sizeof why, err) == 0 && pick.model.batch == 4 && pick.accum == 1 &&
-          pick.checkpoint == 1 && pick.precision == DT_F32, "picked batch %d accum %d checkpoint %d %s\n%s", pick.model.batch,
-          pick.accum, pick.checkpoint, DTYPE_NAMES[pick.precision], why);
+    CHECK(choose_setting(&pick, totals[1], why, sizeof why, err) == 0 && pick.model.batch == 4 &&
+                  pick.accum == 1 && pick.checkpoint == 1 && pick.precision == DT_F32,
+          "picked batch %d accum %d checkpoint %d %s\n%s", pick.model.batch, pick.accum,
+          pick.checkpoint, DTYPE_NAMES[pick.precision], why);
     pick = c;
-    CHECK(choose_setting(&pick, totals[0], why, sizeof why, err) == 0 && pick.checkpoint == 0, "the whole budget: no checkpointing");
+    CHECK(choose_setting(&pick, totals[0], why, sizeof why, err) == 0 && pick.checkpoint == 0,
+          "the whole budget: no checkpointing");
     pick = c;
-    CHECK(choose_setting(&pick, 1 << 20, why, sizeof why, err) == -1 && contains(err, "nothing fits"), "%s", err);
+    CHECK(choose_setting(&pick, 1 << 20, why, sizeof why, err) == -1 &&
+                  contains(err, "nothing fits"),
+          "%s", err);
 }
 
 // ----------------------------------------------------------------------------
@@ -5473,28 +6309,32 @@ TEST(train_steps_by_hand) {
     TrainCfg c = tiny_seg_cfg(dir, NULL);
     c.epochs = 4; c.lr = 0.05f; c.schedule = SCHEDULE_COSINE; c.warmup = 2;
     c.clipnorm = 0.05f; c.weight_decay = 0.5f; c.adam_eps = 1e-3f;
-    const double lrs[4] = {0.05 / 2, 0.05, 0.05, 0.05 * 0.5 * (1 + cos(M_PI * 0.5))};  // warm-up 1/2, 2/2; cosine progress 0, 1/2
+    // warm-up 1/2, 2/2; cosine progress 0, 1/2
+    const double lrs[4] = {0.05 / 2, 0.05, 0.05, 0.05 * 0.5 * (1 + cos(M_PI * 0.5))};
     Trainer t;
     char err[SN_ERR_MAX];
     CHECK(trainer_open(&t, &c, dir, NULL, err) == 0, "%s", err);
     if (!t.has_train) { trainer_close(&t); rm_rf(dir); return; }
     const size_t P = t.g.n_param_floats, B = t.g.n_buffer_floats, HW = 64;
-    double *m = calloc(P, sizeof(double)), *v = calloc(P, sizeof(double)), *pe = malloc(sizeof(double) * P);
-    float *p0 = malloc(sizeof(float) * P), *g = malloc(sizeof(float) * P), *buf = malloc(sizeof(float) * (B + 1));
+    double *m = calloc(P, sizeof(double)), *v = calloc(P, sizeof(double)),
+           *pe = malloc(sizeof(double) * P);
+    float *p0 = malloc(sizeof(float) * P), *g = malloc(sizeof(float) * P),
+          *buf = malloc(sizeof(float) * (B + 1));
     int32_t lab[4 * 64];
     int idx[4] = {0, 1, 2, 3}, clipped = 0;
     for (int k = 0; k < 4; k++) {
         // the gradient at the current weights, over the same 4 images (BN in training mode)
         memcpy(p0, t.net.params, sizeof(float) * P);
         memcpy(buf, t.net.buffers, sizeof(float) * B);
-        CHECK(dataset_batch(&t.train, idx, 4, NULL, 0, t.net.act[t.g.input], lab, err) == 0, "%s", err);
+        CHECK(dataset_batch(&t.train, idx, 4, NULL, 0, t.net.act[t.g.input], lab, err) == 0, "%s",
+              err);
         double wsum = 0;
         for (size_t i = 0; i < 4 * HW; i++) wsum += c.class_weights[lab[i]];
         memset(t.net.grads, 0, sizeof(float) * P);
         float stats[3] = {0, 0, 0};
         net_forward(&t.net, 1);
-        ops_cpu.softmax_xent(&ops_cpu, net_tensor(&t.net, t.logits), lab, c.class_weights, 0.0f, &(float){(float)(1 / wsum)}, stats,
-                             net_grad(&t.net, t.logits));
+        ops_cpu.softmax_xent(&ops_cpu, net_tensor(&t.net, t.logits), lab, c.class_weights, 0.0f,
+                             &(float){(float)(1 / wsum)}, stats, net_grad(&t.net, t.logits));
         net_backward(&t.net, t.logits);
         memcpy(g, t.net.grads, sizeof(float) * P);
         memcpy(t.net.buffers, buf, sizeof(float) * B);  // as before this forward
@@ -5521,9 +6361,12 @@ TEST(train_steps_by_hand) {
             step_size = fmax(step_size, fabs(pe[i] - p0[i]));
             worst = fmax(worst, fabs(t.net.params[i] - pe[i]));
         }
-        CHECK(worst < 1e-3 * step_size, "step %d: the weights differ from Keras' Adam by %.3g (largest step %.3g)", k, worst,
+        CHECK(worst < 1e-3 * step_size,
+              "step %d: the weights differ from Keras' Adam by %.3g (largest step %.3g)", k, worst,
               step_size);
-        if (g_verbose) printf("    step %d: lr %g, clip factor %.3g, worst %.3g of %.3g\n", k, lr, s, worst, step_size);
+        if (g_verbose)
+            printf("    step %d: lr %g, clip factor %.3g, worst %.3g of %.3g\n", k, lr, s, worst,
+                   step_size);
     }
     CHECK(clipped >= 2, "the example clips (%d of 4 steps)", clipped);
     free(m); free(v); free(pe); free(p0); free(g); free(buf);
@@ -5568,16 +6411,18 @@ TEST(train_epochs_reshuffle) {
         sets[e] = 0;
         for (int j = 0; j < 4; j++) {
             int id = (int)lrintf(x[(size_t)j * 64 * 3] / 30.0f);  // red at pixel (0,0)
-            CHECK(id >= 0 && id < 8 && x[(size_t)j * 64 * 3] == 30.0f * id, "image %d of the last batch: red %g", j,
-                  x[(size_t)j * 64 * 3]);
+            CHECK(id >= 0 && id < 8 && x[(size_t)j * 64 * 3] == 30.0f * id,
+                  "image %d of the last batch: red %g", j, x[(size_t)j * 64 * 3]);
             if (id >= 0 && id < 8) sets[e] |= 1 << id;
         }
-        CHECK(__builtin_popcount((unsigned)sets[e]) == 4, "epoch %d: the last batch holds 4 different images (%#x)", e, sets[e]);
+        CHECK(__builtin_popcount((unsigned)sets[e]) == 4,
+              "epoch %d: the last batch holds 4 different images (%#x)", e, sets[e]);
         int seen = 0;
         for (int f = 0; f < e; f++) seen |= sets[f] == sets[e];
         distinct += !seen;
     }
-    CHECK(distinct >= 2, "the last batch is the same 4 images in all 6 epochs: the order is not drawn per epoch");
+    CHECK(distinct >= 2,
+          "the last batch is the same 4 images in all 6 epochs: the order is not drawn per epoch");
     trainer_close(&t);
     // one image, flip + brightness: 6 epochs, at least 3 different inputs
     c = tiny_seg_cfg(one, one);
@@ -5604,8 +6449,10 @@ TEST(train_epochs_reshuffle) {
     CHECK(run_pass(&t, &t.val, 0, &pt, err) == 0, "%s", err);
     const float *x = t.net.act[t.g.input];
     int bad = 0;
-    for (int p = 0; p < 64; p++) bad += x[3 * p] != (float)(p % 8) || x[3 * p + 1] != 0 || x[3 * p + 2] != 0;
-    CHECK(bad == 0, "the validation pass changed %d pixels of the image (%g %g %g %g)", bad, x[0], x[1], x[3], x[4]);
+    for (int p = 0; p < 64; p++)
+        bad += x[3 * p] != (float)(p % 8) || x[3 * p + 1] != 0 || x[3 * p + 2] != 0;
+    CHECK(bad == 0, "the validation pass changed %d pixels of the image (%g %g %g %g)", bad, x[0],
+          x[1], x[3], x[4]);
     trainer_close(&t);
     rm_rf(dir); rm_rf(one);
 }
@@ -5635,8 +6482,10 @@ TEST(train_epoch_totals) {
     CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
     int64_t total = 0;
     for (int k = 0; k < 9; k++) total += cm[k];
-    CHECK(pt.norm_sum == wsum, "training normaliser %g, Σ w[y] over the 6 masks %g", pt.norm_sum, wsum);
-    CHECK(total == 6 * 64, "the training confusion matrix counts %" PRId64 " pixels of %d", total, 6 * 64);
+    CHECK(pt.norm_sum == wsum, "training normaliser %g, Σ w[y] over the 6 masks %g", pt.norm_sum,
+          wsum);
+    CHECK(total == 6 * 64, "the training confusion matrix counts %" PRId64 " pixels of %d", total,
+          6 * 64);
     // the validation pass, by hand: BN in inference mode, so images are independent
     CHECK(run_pass(&t, &t.val, 0, &pt, err) == 0, "%s", err);
     double num = 0, den = 0, batch_means = 0;
@@ -5664,12 +6513,15 @@ TEST(train_epoch_totals) {
     }
     t.net.batch = 4;
     const double loss = pt.loss_sum / pt.norm_sum;
-    CHECK(fabs(num / den - batch_means) > 1e-4 * fabs(num / den), "the example tells the global mean from the mean of batch means");
-    CHECK(fabs(loss - num / den) <= 1e-5 * fabs(num / den), "val loss %.9g, by hand %.9g", loss, num / den);
+    CHECK(fabs(num / den - batch_means) > 1e-4 * fabs(num / den),
+          "the example tells the global mean from the mean of batch means");
+    CHECK(fabs(loss - num / den) <= 1e-5 * fabs(num / den), "val loss %.9g, by hand %.9g", loss,
+          num / den);
     double iou[3];
     Metrics m = {0, 0, iou};
     metrics_compute(cm, 3, c.class_weights, &m);
-    for (int k = 1; k < 3; k++) CHECK_NEAR(iou[k], (double)tp[k] / (tp[k] + fp[k] + fn[k]), 1e-12, "val IoU");
+    for (int k = 1; k < 3; k++)
+        CHECK_NEAR(iou[k], (double)tp[k] / (tp[k] + fp[k] + fn[k]), 1e-12, "val IoU");
     free(img);
     trainer_close(&t);
     rm_rf(dir);
@@ -5685,8 +6537,8 @@ static const char *meta_of(const SafetensorsFile *f, const char *key) {
 // patience 2, epoch 1 is the best and training stops after epoch 3, also when
 // the run is interrupted after epoch 2 and resumed.
 TEST(early_stopping_ties) {
-    const char *data = "/tmp/segnet_test_ties_data", *run = "/tmp/segnet_test_ties_run", *run2 = "/tmp/segnet_test_ties_run2",
-               *w = "/tmp/segnet_test_ties.safetensors";
+    const char *data = "/tmp/segnet_test_ties_data", *run = "/tmp/segnet_test_ties_run",
+               *run2 = "/tmp/segnet_test_ties_run2", *w = "/tmp/segnet_test_ties.safetensors";
     rm_rf(data); rm_rf(run); rm_rf(run2); unlink(w);
     write_seg_set(data, 4, 8, 8, 13);
     TrainCfg c = tiny_seg_cfg(data, data);
@@ -5708,12 +6560,16 @@ TEST(early_stopping_ties) {
     snprintf(path, sizeof path, "%s/metrics.csv", run);
     int n = csv_column(path, "val_loss", vl, 8);
     CHECK(n >= 2 && vl[1] == vl[0], "the example's val_loss is constant (%g, %g)", vl[0], vl[1]);
-    CHECK(n == 3, "stopped after %d epochs; patience 2 with no improvement after epoch 1 stops after epoch 3", n);
+    CHECK(n == 3,
+          "stopped after %d epochs; patience 2 with no improvement after epoch 1 stops after epoch "
+          "3",
+          n);
     SafetensorsFile f;
     snprintf(path, sizeof path, "%s/best.safetensors", run);
     CHECK(safetensors_read(path, &f, err) == 0, "%s", err);
     CHECK(!strcmp(meta_of(&f, "epoch"), "1") && !strcmp(meta_of(&f, "best_epoch"), "1"),
-          "best.safetensors is from epoch %s (best %s), not 1", meta_of(&f, "epoch"), meta_of(&f, "best_epoch"));
+          "best.safetensors is from epoch %s (best %s), not 1", meta_of(&f, "epoch"),
+          meta_of(&f, "best_epoch"));
     safetensors_free(&f);
     // the same run stopped after epoch 2 (one epoch without improvement) and
     // resumed: the best loss, best epoch and patience count come back, so it
@@ -5728,7 +6584,8 @@ TEST(early_stopping_ties) {
         char pa[300], pb[300];
         snprintf(pa, sizeof pa, "%s/%s", run, files[k]);
         snprintf(pb, sizeof pb, "%s/%s", run2, files[k]);
-        CHECK(files_equal(pa, pb), "%s differs between the resumed and the uninterrupted run", files[k]);
+        CHECK(files_equal(pa, pb), "%s differs between the resumed and the uninterrupted run",
+              files[k]);
     }
     rm_rf(data); rm_rf(run); rm_rf(run2); unlink(w);
 }
@@ -5743,22 +6600,35 @@ TEST(checkpoint_round_trip) {
     TrainCfg c = tiny_seg_cfg(dir, NULL);
     Trainer a, b;
     char err[SN_ERR_MAX];
-    CHECK(trainer_open(&a, &c, NULL, NULL, err) == 0 && trainer_open(&b, &c, NULL, NULL, err) == 0, "%s", err);
+    CHECK(trainer_open(&a, &c, NULL, NULL, err) == 0 && trainer_open(&b, &c, NULL, NULL, err) == 0,
+          "%s", err);
     const size_t P = a.g.n_param_floats, B = a.g.n_buffer_floats;
     Rng r;
     rng_seed(&r, 17);
-    for (size_t i = 0; i < P; i++) { a.net.params[i] = rng_normal(&r); a.adam_m[i] = rng_normal(&r); a.adam_v[i] = rng_float(&r); }
+    for (size_t i = 0; i < P; i++) {
+        a.net.params[i] = rng_normal(&r);
+        a.adam_m[i] = rng_normal(&r);
+        a.adam_v[i] = rng_float(&r);
+    }
     for (size_t i = 0; i < B; i++) a.net.buffers[i] = rng_float(&r) + 0.5f;
-    a.epoch = 7; a.step = 123456789012LL; a.best = 1.0 / 3.0; a.best_epoch = 5; a.bad_epochs = 2; a.finished = 1;
+    a.epoch = 7;
+    a.step = 123456789012LL;
+    a.best = 1.0 / 3.0;
+    a.best_epoch = 5;
+    a.bad_epochs = 2;
+    a.finished = 1;
     PassSaved ps;
     CHECK(save_checkpoint(&a, path, NULL, err) == 0, "%s", err);
     CHECK(load_checkpoint(&b, path, &ps, err) == 0 && ps.batch == 0, "%s", err);
-    CHECK(b.epoch == 7 && b.step == 123456789012LL && b.best_epoch == 5 && b.bad_epochs == 2 && b.finished == 1,
-          "counters: epoch %d, step %" PRId64 ", best epoch %d, bad epochs %d, finished %d", b.epoch, b.step, b.best_epoch,
-          b.bad_epochs, b.finished);
+    CHECK(b.epoch == 7 && b.step == 123456789012LL && b.best_epoch == 5 && b.bad_epochs == 2 &&
+                  b.finished == 1,
+          "counters: epoch %d, step %" PRId64 ", best epoch %d, bad epochs %d, finished %d",
+          b.epoch, b.step, b.best_epoch, b.bad_epochs, b.finished);
     CHECK(b.best == 1.0 / 3.0, "best loss %.17g, want 1/3 exactly", b.best);
-    CHECK(!memcmp(a.net.params, b.net.params, sizeof(float) * P) && !memcmp(a.adam_m, b.adam_m, sizeof(float) * P) &&
-          !memcmp(a.adam_v, b.adam_v, sizeof(float) * P) && !memcmp(a.net.buffers, b.net.buffers, sizeof(float) * B),
+    CHECK(!memcmp(a.net.params, b.net.params, sizeof(float) * P) &&
+                  !memcmp(a.adam_m, b.adam_m, sizeof(float) * P) &&
+                  !memcmp(a.adam_v, b.adam_v, sizeof(float) * P) &&
+                  !memcmp(a.net.buffers, b.net.buffers, sizeof(float) * B),
           "weights, Adam moments or BN statistics differ after the round trip");
     trainer_close(&a); trainer_close(&b);
     rm_rf(dir);
@@ -5779,7 +6649,8 @@ static int copy_file(const char *from, const char *to) {
 // past it (a crash between the two writes): the result equals, byte for byte,
 // an uninterrupted run with those settings (every one off its default).
 TEST(resume_cli_after_crash) {
-    const char *data = "/tmp/segnet_test_rcli_data", *a = "/tmp/segnet_test_rcli_a", *b = "/tmp/segnet_test_rcli_b";
+    const char *data = "/tmp/segnet_test_rcli_data", *a = "/tmp/segnet_test_rcli_a",
+               *b = "/tmp/segnet_test_rcli_b";
     rm_rf(data); rm_rf(a); rm_rf(b);
     write_seg_set(data, 6, 8, 8, 14);
     write_seg_set("/tmp/segnet_test_rcli_data/val", 3, 8, 8, 15);
@@ -5796,7 +6667,9 @@ TEST(resume_cli_after_crash) {
     double lr[4], want[3] = {c.lr * 2.0 / 3.0, c.lr, c.lr * 0.5 * (1 + cos(M_PI * 2.0 / 3.0))};
     snprintf(pa, sizeof pa, "%s/metrics.csv", a);
     CHECK(csv_column(pa, "lr", lr, 4) == 3, "3 rows");
-    for (int e = 0; e < 3; e++) CHECK(fabs(lr[e] - want[e]) <= 1e-8 * want[e], "epoch %d: lr %.9g, want %.9g", e + 1, lr[e], want[e]);
+    for (int e = 0; e < 3; e++)
+        CHECK(fabs(lr[e] - want[e]) <= 1e-8 * want[e], "epoch %d: lr %.9g, want %.9g", e + 1, lr[e],
+              want[e]);
     c.out = b;
     c.stop_after_epochs = 1;
     CHECK(train_run(&c, NULL, err) == 0, "%s", err);
@@ -5805,14 +6678,16 @@ TEST(resume_cli_after_crash) {
     CHECK(copy_file(pb, ck), "copy %s", pb);
     c.stop_after_epochs = 2;
     CHECK(train_run(&c, b, err) == 0, "%s", err);
-    CHECK(copy_file(ck, pb) && unlink(ck) == 0, "put back the epoch-1 checkpoint");  // metrics.csv: 2 rows
+    // metrics.csv: 2 rows
+    CHECK(copy_file(ck, pb) && unlink(ck) == 0, "put back the epoch-1 checkpoint");
     snprintf(args, sizeof args, "train --resume %s", b);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
     const char *files[] = {"last.safetensors", "best.safetensors", "metrics.csv", "config.txt"};
     for (int k = 0; k < 4; k++) {
         snprintf(pa, sizeof pa, "%s/%s", a, files[k]);
         snprintf(pb, sizeof pb, "%s/%s", b, files[k]);
-        CHECK(files_equal(pa, pb), "%s differs between the CLI-resumed and the uninterrupted run", files[k]);
+        CHECK(files_equal(pa, pb), "%s differs between the CLI-resumed and the uninterrupted run",
+              files[k]);
     }
     rm_rf(data); rm_rf(a); rm_rf(b);
 }
@@ -5842,33 +6717,47 @@ TEST(fast_bn_vs_ref) {
                 float *x = randn(&r, n, 1.5f), *dy = randn(&r, n, 1.0f), *d0 = randn(&r, n, 1.0f);
                 for (size_t i = 0; i < n; i++) x[i] += 3.0f;  // a mean far from 0
                 float gam[37], bet[37], m1[37], v1[37], m2[37], v2[37];
-                for (int c = 0; c < C; c++) { gam[c] = 1.0f + 0.3f * rng_normal(&r); bet[c] = 0.5f * rng_normal(&r); }
+                for (int c = 0; c < C; c++) {
+                    gam[c] = 1.0f + 0.3f * rng_normal(&r);
+                    bet[c] = 0.5f * rng_normal(&r);
+                }
                 bn_stats_fast(tensor_f32(x, s), m1, v1, NULL);
                 bn_stats_ref(&ops_ref, tensor_f32(x, s), m2, v2, NULL, NULL, 0.0f, NULL);
                 CHECK(rel_diff(m1, m2, C, 1e-3) < 1e-6 && rel_diff(v1, v2, C, 1e-3) < 1e-6,
                       "bn_stats fast vs reference, shape " SHAPE_FMT, SHAPE_ARGS(s));
                 float *y1 = malloc(sizeof(float) * n), *y2 = malloc(sizeof(float) * n);
-                bn_forward_cpu(&ops_cpu, tensor_f32(y1, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act, NULL);
-                bn_forward_ref(&ops_ref, tensor_f32(y2, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act, NULL);
+                bn_forward_cpu(&ops_cpu, tensor_f32(y1, s), tensor_f32(x, s), m2, v2, gam, bet,
+                               1e-3f, (Act)act, NULL);
+                bn_forward_ref(&ops_ref, tensor_f32(y2, s), tensor_f32(x, s), m2, v2, gam, bet,
+                               1e-3f, (Act)act, NULL);
                 double e = rel_diff(y1, y2, n, 1.0);
-                CHECK(e < 2e-6, "bn_forward fast vs reference: %.2e (act %d, shape " SHAPE_FMT ")", e, act, SHAPE_ARGS(s));
-                float sg1[37], sgx1[37], sg2[37], sgx2[37], dgam1[37] = {0}, dbet1[37] = {0}, dgam2[37] = {0}, dbet2[37] = {0};
-                bn_backward_reduce_cpu(&ops_cpu, tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act,
-                                       sg1, sgx1, dgam1, dbet1, NULL, NULL);
-                bn_backward_reduce_ref(&ops_ref, tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act,
-                                       sg2, sgx2, dgam2, dbet2, NULL, NULL);
+                CHECK(e < 2e-6, "bn_forward fast vs reference: %.2e (act %d, shape " SHAPE_FMT ")",
+                      e, act, SHAPE_ARGS(s));
+                float sg1[37], sgx1[37], sg2[37], sgx2[37], dgam1[37] = {0}, dbet1[37] = {0},
+                                                            dgam2[37] = {0}, dbet2[37] = {0};
+                bn_backward_reduce_cpu(&ops_cpu, tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam,
+                                       bet, 1e-3f, (Act)act, sg1, sgx1, dgam1, dbet1, NULL, NULL);
+                bn_backward_reduce_ref(&ops_ref, tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam,
+                                       bet, 1e-3f, (Act)act, sg2, sgx2, dgam2, dbet2, NULL, NULL);
                 CHECK(rel_diff(sg1, sg2, C, 1.0) < 2e-6 && rel_diff(sgx1, sgx2, C, 1.0) < 2e-6 &&
-                      rel_diff(dgam1, dgam2, C, 1.0) < 2e-6 && rel_diff(dbet1, dbet2, C, 1.0) < 2e-6,
-                      "bn_backward_reduce fast vs reference (act %d, shape " SHAPE_FMT ")", act, SHAPE_ARGS(s));
-                for (int batch = 0; batch < 2; batch++) {  // batch statistics, and inference mode (count 0)
+                              rel_diff(dgam1, dgam2, C, 1.0) < 2e-6 &&
+                              rel_diff(dbet1, dbet2, C, 1.0) < 2e-6,
+                      "bn_backward_reduce fast vs reference (act %d, shape " SHAPE_FMT ")", act,
+                      SHAPE_ARGS(s));
+                // batch statistics, and inference mode (count 0)
+                for (int batch = 0; batch < 2; batch++) {
                     memcpy(y1, d0, sizeof(float) * n);
                     memcpy(y2, d0, sizeof(float) * n);
-                    bn_backward_data_cpu(&ops_cpu, tensor_f32(y1, s), tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet,
-                                         1e-3f, (Act)act, sg2, sgx2, batch ? M : 0, acc, NULL);
-                    bn_backward_data_ref(&ops_ref, tensor_f32(y2, s), tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam, bet, 1e-3f,
-                                         (Act)act, sg2, sgx2, batch ? M : 0, acc, NULL);
+                    bn_backward_data_cpu(&ops_cpu, tensor_f32(y1, s), tensor_f32(dy, s),
+                                         tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act, sg2,
+                                         sgx2, batch ? M : 0, acc, NULL);
+                    bn_backward_data_ref(&ops_ref, tensor_f32(y2, s), tensor_f32(dy, s),
+                                         tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act, sg2,
+                                         sgx2, batch ? M : 0, acc, NULL);
                     e = rel_diff(y1, y2, n, 1.0);
-                    CHECK(e < 2e-6, "bn_backward_data fast vs reference: %.2e (act %d, acc %d, count %d, shape " SHAPE_FMT ")",
+                    CHECK(e < 2e-6,
+                          "bn_backward_data fast vs reference: %.2e (act %d, acc %d, count %d, "
+                          "shape " SHAPE_FMT ")",
                           e, act, acc, batch, SHAPE_ARGS(s));
                 }
                 free(x); free(dy); free(d0); free(y1); free(y2);
@@ -5895,29 +6784,38 @@ TEST(fast_bn_16bit) {
                 Tensor y1 = tensor(y1b, s, (DType)dt), y2 = tensor(y2b, s, (DType)dt);
                 for (size_t i = 0; i < n; i++) { st(x, i, xv[i] + 2.0f); st(dy, i, dyv[i]); }
                 float gam[21], bet[21], m1[21], v1[21], m2[21], v2[21], f1[n], f2[n];
-                for (int c = 0; c < C; c++) { gam[c] = 1.0f + 0.3f * rng_normal(&r); bet[c] = 0.5f * rng_normal(&r); }
+                for (int c = 0; c < C; c++) {
+                    gam[c] = 1.0f + 0.3f * rng_normal(&r);
+                    bet[c] = 0.5f * rng_normal(&r);
+                }
                 bn_stats_cpu(&ops_cpu, x, m1, v1, NULL, NULL, 0.0f, NULL);
                 bn_stats_ref(&ops_ref, x, m2, v2, NULL, NULL, 0.0f, NULL);
-                CHECK(rel_diff(m1, m2, C, 1e-3) < 2e-6 && rel_diff(v1, v2, C, 1e-3) < 2e-6, "bn_stats %s", DT_NAME[dt]);
+                CHECK(rel_diff(m1, m2, C, 1e-3) < 2e-6 && rel_diff(v1, v2, C, 1e-3) < 2e-6,
+                      "bn_stats %s", DT_NAME[dt]);
                 bn_forward_cpu(&ops_cpu, y1, x, m2, v2, gam, bet, 1e-3f, (Act)act, NULL);
                 bn_forward_ref(&ops_ref, y2, x, m2, v2, gam, bet, 1e-3f, (Act)act, NULL);
                 for (size_t i = 0; i < n; i++) { f1[i] = ld(y1, i); f2[i] = ld(y2, i); }
                 double e = rel_diff(f1, f2, n, 1.0);
                 CHECK(e <= ulp, "bn_forward %s act %d: %.2e", DT_NAME[dt], act, e);
-                float sg1[21], sgx1[21], sg2[21], sgx2[21], dg1[21] = {0}, db1[21] = {0}, dg2[21] = {0}, db2[21] = {0};
-                bn_backward_reduce_cpu(&ops_cpu, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg1, sgx1, dg1, db1, NULL, NULL);
-                bn_backward_reduce_ref(&ops_ref, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2, dg2, db2, NULL, NULL);
+                float sg1[21], sgx1[21], sg2[21], sgx2[21], dg1[21] = {0}, db1[21] = {0},
+                                                            dg2[21] = {0}, db2[21] = {0};
+                bn_backward_reduce_cpu(&ops_cpu, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg1,
+                                       sgx1, dg1, db1, NULL, NULL);
+                bn_backward_reduce_ref(&ops_ref, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2,
+                                       sgx2, dg2, db2, NULL, NULL);
                 CHECK(rel_diff(sg1, sg2, C, 1.0) < 2e-6 && rel_diff(sgx1, sgx2, C, 1.0) < 2e-6 &&
                       rel_diff(dg1, dg2, C, 1.0) < 2e-6 && rel_diff(db1, db2, C, 1.0) < 2e-6,
                       "bn_backward_reduce %s act %d", DT_NAME[dt], act);
                 for (int batch = 0; batch < 2; batch++) {
                     for (size_t i = 0; i < n; i++) { st(y1, i, d0[i]); st(y2, i, d0[i]); }
-                    bn_backward_data_cpu(&ops_cpu, y1, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2,
-                                         batch ? M : 0, acc, NULL);
-                    bn_backward_data_ref(&ops_ref, y2, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2, sgx2, batch ? M : 0, acc, NULL);
+                    bn_backward_data_cpu(&ops_cpu, y1, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act,
+                                         sg2, sgx2, batch ? M : 0, acc, NULL);
+                    bn_backward_data_ref(&ops_ref, y2, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act,
+                                         sg2, sgx2, batch ? M : 0, acc, NULL);
                     for (size_t i = 0; i < n; i++) { f1[i] = ld(y1, i); f2[i] = ld(y2, i); }
                     e = rel_diff(f1, f2, n, 1.0);
-                    CHECK(e <= ulp, "bn_backward_data %s act %d acc %d count %d: %.2e", DT_NAME[dt], act, acc, batch, e);
+                    CHECK(e <= ulp, "bn_backward_data %s act %d acc %d count %d: %.2e", DT_NAME[dt],
+                          act, acc, batch, e);
                 }
                 free(xv); free(dyv); free(d0);
             }
@@ -5941,13 +6839,14 @@ TEST(fp16_runs) {
             for (int i = 0; i < N; i++) f2[i] = bits_f32((uint32_t)(base + (uint64_t)i * 37));
             for (int acc = 0; acc < 2; acc++) {
                 for (int i = 0; i < N; i++) a[i] = b[i] = (uint16_t)(i * 7);
-                Tensor ta = tensor(a, shape4(1, 1, 1, N), (DType)dt), tb = tensor(b, shape4(1, 1, 1, N), (DType)dt);
+                Tensor ta = tensor(a, shape4(1, 1, 1, N), (DType)dt),
+                       tb = tensor(b, shape4(1, 1, 1, N), (DType)dt);
                 st_run(ta, 0, f2, N, acc);
                 for (int i = 0; i < N; i++) st_acc(tb, i, f2[i], acc);
                 bad = 0;
                 for (int i = 0; i < N; i++) bad += a[i] != b[i];
-                CHECK(bad == 0, "st_run %s accumulate %d from 0x%08llx: %d values differ from st", DT_NAME[dt], acc,
-                      (unsigned long long)base, bad);
+                CHECK(bad == 0, "st_run %s accumulate %d from 0x%08llx: %d values differ from st",
+                      DT_NAME[dt], acc, (unsigned long long)base, bad);
             }
         }
     }
@@ -5961,7 +6860,8 @@ TEST(exp_vec) {
         if (e > worst) worst = e;
     }
     CHECK(worst < 4e-7, "exp_vec relative error %.2e (want a few ulp, < 4e-7)", worst);
-    CHECK(exp_vec(-1000.0f) > 0.0f && exp_vec(-1000.0f) < 1e-37f && isfinite(exp_vec(1000.0f)), "exp_vec clamps");
+    CHECK(exp_vec(-1000.0f) > 0.0f && exp_vec(-1000.0f) < 1e-37f && isfinite(exp_vec(1000.0f)),
+          "exp_vec clamps");
     CHECK(isnan(exp_vec(NAN)), "exp_vec(NaN) is NaN");
 }
 
@@ -5984,31 +6884,55 @@ TEST(fast_depthwise_vs_ref) {
                     ConvGeom q = conv_geom(&cfg, in);
                     Shape out = shape4(2, q.OH, q.OW, C);
                     size_t ni = shape_numel(in), no = shape_numel(out);
-                    float *x = randn(&r, ni, 1.0f), *w = randn(&r, (size_t)C * k * k, 0.3f), *b = randn(&r, C, 0.1f);
-                    float *dy = randn(&r, no, 1.0f), *ws = malloc(conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32));
+                    float *x = randn(&r, ni, 1.0f), *w = randn(&r, (size_t)C * k * k, 0.3f),
+                          *b = randn(&r, C, 0.1f);
+                    float *dy = randn(&r, no, 1.0f),
+                          *ws = malloc(conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32));
                     float *y1 = malloc(sizeof(float) * no), *y2 = malloc(sizeof(float) * no);
-                    conv2d_forward_cpu(&ops_cpu, &cfg, tensor_f32(y1, out), tensor_f32(x, in), w, NULL, b, ws);
+                    conv2d_forward_cpu(&ops_cpu, &cfg, tensor_f32(y1, out), tensor_f32(x, in), w,
+                                       NULL, b, ws);
                     depthwise_forward_ref(&cfg, &q, tensor_f32(y2, out), tensor_f32(x, in), w, b);
                     double e = rel_diff(y1, y2, no, 1.0);
-                    CHECK(e < 1e-6, "depthwise forward fast vs reference %.2e (C %d, k %d, stride %d, %s)", e, C, k, stride,
-                          pad ? "same" : "symmetric");
-                    float *d0 = randn(&r, ni, 1.0f), *g1 = malloc(sizeof(float) * ni), *g2 = malloc(sizeof(float) * ni);
+                    CHECK(e < 1e-6,
+                          "depthwise forward fast vs reference %.2e (C %d, k %d, stride %d, %s)", e,
+                          C, k, stride, pad ? "same" : "symmetric");
+                    float *d0 = randn(&r, ni, 1.0f), *g1 = malloc(sizeof(float) * ni),
+                          *g2 = malloc(sizeof(float) * ni);
                     for (int acc = 0; acc < 2; acc++) {
                         memcpy(g1, d0, sizeof(float) * ni);
                         memcpy(g2, d0, sizeof(float) * ni);
-                        conv2d_backward_data_cpu(&ops_cpu, &cfg, tensor_f32(g1, in), tensor_f32(dy, out), w, NULL, acc, ws);
-                        depthwise_backward_data_ref(&cfg, &q, tensor_f32(g2, in), tensor_f32(dy, out), w, acc);
+                        conv2d_backward_data_cpu(&ops_cpu, &cfg, tensor_f32(g1, in),
+                                                 tensor_f32(dy, out), w, NULL, acc, ws);
+                        depthwise_backward_data_ref(&cfg, &q, tensor_f32(g2, in),
+                                                    tensor_f32(dy, out), w, acc);
                         e = rel_diff(g1, g2, ni, 1.0);
-                        CHECK(e < 1e-6, "depthwise data gradient fast vs reference %.2e (C %d, k %d, stride %d, acc %d)", e, C,
-                              k, stride, acc);
+                        CHECK(e < 1e-6,
+                              "depthwise data gradient fast vs reference %.2e (C %d, k %d, stride "
+                              "%d, acc %d)",
+                              e, C, k, stride, acc);
                     }
-                    float *dw1 = randn(&r, (size_t)C * k * k, 1.0f), *dw2 = malloc(sizeof(float) * C * k * k);
+                    float *dw1 = randn(&r, (size_t)C * k * k, 1.0f),
+                          *dw2 = malloc(sizeof(float) * C * k * k);
                     memcpy(dw2, dw1, sizeof(float) * C * k * k);
-                    conv2d_backward_weight_cpu(&ops_cpu, &cfg, dw1, NULL, tensor_f32(dy, out), tensor_f32(x, in), ws);
-                    depthwise_backward_weight_ref(&cfg, &q, dw2, tensor_f32(dy, out), tensor_f32(x, in));
+                    conv2d_backward_weight_cpu(&ops_cpu, &cfg, dw1, NULL, tensor_f32(dy, out),
+                                               tensor_f32(x, in), ws);
+                    depthwise_backward_weight_ref(&cfg, &q, dw2, tensor_f32(dy, out),
+                                                  tensor_f32(x, in));
                     e = rel_diff(dw1, dw2, (size_t)C * k * k, 1.0);
-                    CHECK(e < 2e-7, "depthwise weight gradient fast vs reference %.2e (C %d, k %d, stride %d)", e, C, k, stride);
-                    free(x); free(w); free(b); free(dy); free(ws); free(y1); free(y2); free(d0); free(g1); free(g2);
+                    CHECK(e < 2e-7,
+                          "depthwise weight gradient fast vs reference %.2e (C %d, k %d, stride "
+                          "%d)",
+                          e, C, k, stride);
+                    free(x);
+                    free(w);
+                    free(b);
+                    free(dy);
+                    free(ws);
+                    free(y1);
+                    free(y2);
+                    free(d0);
+                    free(g1);
+                    free(g2);
                     free(dw1); free(dw2);
                 }
 }
@@ -6019,39 +6943,53 @@ TEST(fast_se_vs_formula) {
     Rng r; rng_seed(&r, 83);
     Shape s = shape4(3, 5, 7, 37), p = shape4(3, 1, 1, 37);
     size_t n = shape_numel(s);
-    float *x = randn(&r, n, 1.0f), *dy = randn(&r, n, 1.0f), *sc = randn(&r, 3 * 37, 1.0f), *dp = randn(&r, 3 * 37, 1.0f);
-    float *y = malloc(sizeof(float) * n), *pool = malloc(sizeof(float) * 3 * 37), *ds = malloc(sizeof(float) * 3 * 37);
+    float *x = randn(&r, n, 1.0f), *dy = randn(&r, n, 1.0f), *sc = randn(&r, 3 * 37, 1.0f),
+          *dp = randn(&r, 3 * 37, 1.0f);
+    float *y = malloc(sizeof(float) * n), *pool = malloc(sizeof(float) * 3 * 37),
+          *ds = malloc(sizeof(float) * 3 * 37);
     double e_pool = 0, e_scale = 0, e_dx = 0, e_ds = 0, e_gapb = 0;
     ops_cpu.global_avg_pool_forward(&ops_cpu, tensor_f32(pool, p), tensor_f32(x, s));
     ops_cpu.channel_scale_forward(&ops_cpu, tensor_f32(y, s), tensor_f32(x, s), tensor_f32(sc, p));
     for (int k = 0; k < 3 * 37; k++) {
         int nn = k / 37, c = k % 37;
         double sx = 0, sdx = 0;
-        for (int q = 0; q < 35; q++) { size_t i = ((size_t)nn * 35 + q) * 37 + c; sx += x[i]; sdx += (double)dy[i] * x[i]; }
+        for (int q = 0; q < 35; q++) {
+            size_t i = ((size_t)nn * 35 + q) * 37 + c;
+            sx += x[i];
+            sdx += (double)dy[i] * x[i];
+        }
         e_pool = fmax(e_pool, fabs(pool[k] - sx / 35));
         ds[k] = 0.5f;
         (void)sdx;
     }
-    for (size_t i = 0; i < n; i++) e_scale = fmax(e_scale, fabs(y[i] - (double)x[i] * sc[i / (35 * 37) * 37 + i % 37]));
+    for (size_t i = 0; i < n; i++)
+        e_scale = fmax(e_scale, fabs(y[i] - (double)x[i] * sc[i / (35 * 37) * 37 + i % 37]));
     for (int acc = 0; acc < 2; acc++) {
         for (size_t i = 0; i < n; i++) y[i] = 0.25f;
         for (int k = 0; k < 3 * 37; k++) ds[k] = 0.5f;
-        ops_cpu.channel_scale_backward(&ops_cpu, tensor_f32(y, s), tensor_f32(ds, p), tensor_f32(dy, s), tensor_f32(x, s),
-                                       tensor_f32(sc, p), acc, acc);
+        ops_cpu.channel_scale_backward(&ops_cpu, tensor_f32(y, s), tensor_f32(ds, p),
+                                       tensor_f32(dy, s), tensor_f32(x, s), tensor_f32(sc, p), acc,
+                                       acc);
         for (size_t i = 0; i < n; i++)
-            e_dx = fmax(e_dx, fabs(y[i] - (acc ? 0.25 : 0.0) - (double)dy[i] * sc[i / (35 * 37) * 37 + i % 37]));
+            e_dx = fmax(e_dx, fabs(y[i] - (acc ? 0.25 : 0.0) -
+                                   (double)dy[i] * sc[i / (35 * 37) * 37 + i % 37]));
         for (int k = 0; k < 3 * 37; k++) {
             double sdx = 0;
-            for (int q = 0; q < 35; q++) { size_t i = ((size_t)(k / 37) * 35 + q) * 37 + k % 37; sdx += (double)dy[i] * x[i]; }
+            for (int q = 0; q < 35; q++) {
+                size_t i = ((size_t)(k / 37) * 35 + q) * 37 + k % 37;
+                sdx += (double)dy[i] * x[i];
+            }
             e_ds = fmax(e_ds, fabs(ds[k] - (acc ? 0.5 : 0.0) - sdx) / fmax(1.0, fabs(sdx)));
         }
         for (size_t i = 0; i < n; i++) y[i] = 0.25f;
         ops_cpu.global_avg_pool_backward(&ops_cpu, tensor_f32(y, s), tensor_f32(dp, p), acc);
         for (size_t i = 0; i < n; i++)
-            e_gapb = fmax(e_gapb, fabs(y[i] - (acc ? 0.25 : 0.0) - dp[i / (35 * 37) * 37 + i % 37] / 35.0));
+            e_gapb = fmax(e_gapb,
+                          fabs(y[i] - (acc ? 0.25 : 0.0) - dp[i / (35 * 37) * 37 + i % 37] / 35.0));
     }
     CHECK(e_pool < 1e-6 && e_scale < 1e-6 && e_dx < 1e-6 && e_ds < 1e-6 && e_gapb < 1e-6,
-          "SE fp32 paths vs formulas: pool %.1e scale %.1e dx %.1e ds %.1e pool backward %.1e", e_pool, e_scale, e_dx, e_ds, e_gapb);
+          "SE fp32 paths vs formulas: pool %.1e scale %.1e dx %.1e ds %.1e pool backward %.1e",
+          e_pool, e_scale, e_dx, e_ds, e_gapb);
     free(x); free(dy); free(sc); free(dp); free(y); free(pool); free(ds);
 }
 
@@ -6064,10 +7002,12 @@ TEST(fast_se_vs_formula) {
 // 2^-23·(|b·c| + |result|) bounds.
 TEST(fast_se_vs_ref) {
     Rng r; rng_seed(&r, 85);
-    const Shape s = shape4(2, 6, 5, 21), p = shape4(2, 1, 1, 21);  // a full channel block and a partial one
+    // a full channel block and a partial one
+    const Shape s = shape4(2, 6, 5, 21), p = shape4(2, 1, 1, 21);
     const int C = s.c;
     const size_t n = shape_numel(s), np = shape_numel(p), HW = n / np;
-    float *x = randn(&r, n, 1.0f), *dy = randn(&r, n, 1.0f), *sc = randn(&r, np, 1.0f), *dp = randn(&r, np, 1.0f);
+    float *x = randn(&r, n, 1.0f), *dy = randn(&r, n, 1.0f), *sc = randn(&r, np, 1.0f),
+          *dp = randn(&r, np, 1.0f);
     Ops *tables[2] = {&ops_cpu, &ops_ref};
     float *pool[2], *y[2], *dx[2][2], *ds[2][2], *dgap[2][2];  // [table] or [table][accumulate]
     for (int t = 0; t < 2; t++) {
@@ -6082,31 +7022,40 @@ TEST(fast_se_vs_ref) {
             dgap[t][acc] = malloc(sizeof(float) * n);
             for (size_t i = 0; i < n; i++) dx[t][acc][i] = dgap[t][acc][i] = 0.25f;
             for (size_t i = 0; i < np; i++) ds[t][acc][i] = 0.5f;
-            o->channel_scale_backward(o, tensor_f32(dx[t][acc], s), tensor_f32(ds[t][acc], p), tensor_f32(dy, s),
-                                      tensor_f32(x, s), tensor_f32(sc, p), acc, acc);
+            o->channel_scale_backward(o, tensor_f32(dx[t][acc], s), tensor_f32(ds[t][acc], p),
+                                      tensor_f32(dy, s), tensor_f32(x, s), tensor_f32(sc, p), acc,
+                                      acc);
             o->global_avg_pool_backward(o, tensor_f32(dgap[t][acc], s), tensor_f32(dp, p), acc);
         }
     }
-    size_t differ = 0, beyond = 0;  // bits that differ where they must not; accumulated values beyond the bound
+    // bits that differ where they must not; accumulated values beyond the bound
+    size_t differ = 0, beyond = 0;
     for (size_t i = 0; i < np; i++)
         differ += memcmp(&pool[0][i], &pool[1][i], sizeof(float)) != 0 ||
                   memcmp(&ds[0][0][i], &ds[1][0][i], sizeof(float)) != 0 ||
                   memcmp(&ds[0][1][i], &ds[1][1][i], sizeof(float)) != 0;
     for (size_t i = 0; i < n; i++) {
         const size_t k = i / HW / C * C + i % C;  // (n, c) of element i
-        differ += memcmp(&y[0][i], &y[1][i], sizeof(float)) != 0 || memcmp(&dx[0][0][i], &dx[1][0][i], sizeof(float)) != 0 ||
+        differ += memcmp(&y[0][i], &y[1][i], sizeof(float)) != 0 ||
+                  memcmp(&dx[0][0][i], &dx[1][0][i], sizeof(float)) != 0 ||
                   memcmp(&dgap[0][0][i], &dgap[1][0][i], sizeof(float)) != 0;
         const double pdx = fabs((double)dy[i] * sc[k]), pgap = fabs((double)dp[k] / (double)HW);
         beyond += fabs((double)dx[0][1][i] - dx[1][1][i]) > ldexp(pdx + fabs(dx[1][1][i]), -23) ||
-                  fabs((double)dgap[0][1][i] - dgap[1][1][i]) > ldexp(pgap + fabs(dgap[1][1][i]), -23);
+                  fabs((double)dgap[0][1][i] - dgap[1][1][i]) >
+                          ldexp(pgap + fabs(dgap[1][1][i]), -23);
     }
     CHECK(differ == 0 && beyond == 0,
-          "squeeze-excitation pieces, ops_cpu against ops_ref: %zu values with other bits, %zu accumulated ones beyond the bound",
+          "squeeze-excitation pieces, ops_cpu against ops_ref: %zu values with other bits, %zu "
+          "accumulated ones beyond the bound",
           differ, beyond);
     free(x); free(dy); free(sc); free(dp);
     for (int t = 0; t < 2; t++) {
         free(pool[t]); free(y[t]);
-        for (int acc = 0; acc < 2; acc++) { free(dx[t][acc]); free(ds[t][acc]); free(dgap[t][acc]); }
+        for (int acc = 0; acc < 2; acc++) {
+            free(dx[t][acc]);
+            free(ds[t][acc]);
+            free(dgap[t][acc]);
+        }
     }
 }
 
@@ -6125,25 +7074,28 @@ TEST(fast_se_gate_vs_ref) {
         float *w2 = randn(&r, (size_t)C * S, 0.3f), *b2 = randn(&r, C, 0.3f);
         Ops *tables[2] = {&ops_cpu, &ops_ref};
         float *out[2][7];  // s, dp written, dp accumulated, dw1, db1, dw2, db2
-        const size_t count[7] = {(size_t)N * C, (size_t)N * C, (size_t)N * C, (size_t)S * C, (size_t)S,
-                                 (size_t)C * S, (size_t)C};
+        const size_t count[7] = {(size_t)N * C, (size_t)N * C, (size_t)N * C, (size_t)S * C,
+                                 (size_t)S,     (size_t)C * S, (size_t)C};
         for (int t = 0; t < 2; t++) {
             Ops *o = tables[t];
             for (int j = 0; j < 7; j++) {
                 out[t][j] = malloc(sizeof(float) * count[j]);
                 for (size_t i = 0; i < count[j]; i++) out[t][j][i] = 0.125f * (float)(i % 7);
             }
-            o->se_gate_forward(o, tensor_f32(out[t][0], ps), tensor_f32(p, ps), w1, b1, w2, b2, S, ACT_SILU, ACT_SIGMOID);
+            o->se_gate_forward(o, tensor_f32(out[t][0], ps), tensor_f32(p, ps), w1, b1, w2, b2, S,
+                               ACT_SILU, ACT_SIGMOID);
             for (int acc = 0; acc < 2; acc++)
-                o->se_gate_backward(o, tensor_f32(out[t][1 + acc], ps), tensor_f32(ds, ps), tensor_f32(p, ps), w1, b1, w2,
-                                    b2, S, ACT_SILU, ACT_SIGMOID, out[t][3], out[t][4], out[t][5], out[t][6], acc);
+                o->se_gate_backward(o, tensor_f32(out[t][1 + acc], ps), tensor_f32(ds, ps),
+                                    tensor_f32(p, ps), w1, b1, w2, b2, S, ACT_SILU, ACT_SIGMOID,
+                                    out[t][3], out[t][4], out[t][5], out[t][6], acc);
         }
         const char *what[7] = {"s", "dp", "dp accumulated", "dW1", "db1", "dW2", "db2"};
         for (int j = 0; j < 7; j++) {
             size_t differ = 0;
-            for (size_t i = 0; i < count[j]; i++) differ += memcmp(&out[0][j][i], &out[1][j][i], sizeof(float)) != 0;
-            CHECK(differ == 0, "C %d, S %d: %s: ops_cpu and ops_ref differ in %zu of %zu values", C, S, what[j], differ,
-                  count[j]);
+            for (size_t i = 0; i < count[j]; i++)
+                differ += memcmp(&out[0][j][i], &out[1][j][i], sizeof(float)) != 0;
+            CHECK(differ == 0, "C %d, S %d: %s: ops_cpu and ops_ref differ in %zu of %zu values", C,
+                  S, what[j], differ, count[j]);
         }
         for (int t = 0; t < 2; t++)
             for (int j = 0; j < 7; j++) free(out[t][j]);
@@ -6158,17 +7110,23 @@ TEST(fast_se_gate_vs_ref) {
 // first maximum in window order takes the gradient; NaN never wins).
 TEST(fast_pool_concat_vs_ref) {
     Rng r; rng_seed(&r, 86);
-    const Shape s = shape4(2, 7, 9, 21), p = shape4(2, 3, 4, 21), u = shape4(2, 6, 8, 21), b = shape4(2, 7, 9, 5);
+    const Shape s = shape4(2, 7, 9, 21), p = shape4(2, 3, 4, 21), u = shape4(2, 6, 8, 21),
+                b = shape4(2, 7, 9, 5);
     const Shape cat = shape4(2, 7, 9, 26);
-    const size_t n = shape_numel(s), np = shape_numel(p), nu = shape_numel(u), nb = shape_numel(b), nc = shape_numel(cat);
-    float *x = randn(&r, n, 1.0f), *dp = randn(&r, np, 1.0f), *du = randn(&r, nu, 1.0f), *xb = randn(&r, nb, 1.0f);
+    const size_t n = shape_numel(s), np = shape_numel(p), nu = shape_numel(u), nb = shape_numel(b),
+                 nc = shape_numel(cat);
+    float *x = randn(&r, n, 1.0f), *dp = randn(&r, np, 1.0f), *du = randn(&r, nu, 1.0f),
+          *xb = randn(&r, nb, 1.0f);
     float *dcat = randn(&r, nc, 1.0f);
     const float special[] = {NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1.0f};
-    for (size_t i = 0; i < n; i += 3) x[i] = special[(i / 3) % 6];     // in about a third of the windows' places
-    for (size_t i = 0; i < n; i++)                                      // ties: in a row, and across the window's rows
+    // in about a third of the windows' places
+    for (size_t i = 0; i < n; i += 3) x[i] = special[(i / 3) % 6];
+    // ties: in a row, and across the window's rows
+    for (size_t i = 0; i < n; i++)
         if ((i / 21) % 9 % 2 == 1 && i % 4 == 0) x[i] = x[i - 21];
         else if ((i / 21 / 9) % 7 % 2 == 1 && i % 5 == 0) x[i] = x[i - 9 * 21];
-    for (size_t i = 0; i < nu; i++)  // whole windows of -0 (upsample's sum starts from +0, as the reference's)
+    // whole windows of -0 (upsample's sum starts from +0, as the reference's)
+    for (size_t i = 0; i < nu; i++)
         if ((i / 21) % 8 < 2 && (i / 21 / 8) % 6 < 2 && i % 21 < 3) du[i] = -0.0f;
     Ops *tables[2] = {&ops_cpu, &ops_ref};
     float *out[2][9];  // [table]: pool, dx pool (written, accumulated), up, dx up (2), cat, da, db
@@ -6180,7 +7138,8 @@ TEST(fast_pool_concat_vs_ref) {
         for (int acc = 0; acc < 2; acc++) {
             q[1 + acc] = malloc(sizeof(float) * n);
             for (size_t i = 0; i < n; i++) q[1 + acc][i] = i % 5 ? 0.25f : -0.0f;
-            o->maxpool2_backward(o, tensor_f32(q[1 + acc], s), tensor_f32(dp, p), tensor_f32(x, s), acc);
+            o->maxpool2_backward(o, tensor_f32(q[1 + acc], s), tensor_f32(dp, p), tensor_f32(x, s),
+                                 acc);
         }
         q[3] = malloc(sizeof(float) * nu);
         o->upsample2_forward(o, tensor_f32(q[3], u), tensor_f32(dp, shape4(2, 3, 4, 21)));
@@ -6195,16 +7154,25 @@ TEST(fast_pool_concat_vs_ref) {
         q[8] = malloc(sizeof(float) * nb);
         for (size_t i = 0; i < n; i++) q[7][i] = 0.125f;
         for (size_t i = 0; i < nb; i++) q[8][i] = 0.125f;
-        o->concat_backward(o, tensor_f32(q[7], s), tensor_f32(q[8], b), tensor_f32(dcat, cat), 1, 0);
+        o->concat_backward(o, tensor_f32(q[7], s), tensor_f32(q[8], b), tensor_f32(dcat, cat), 1,
+                           0);
     }
     const size_t count[9] = {np, n, n, nu, np, np, nc, n, nb};
-    const char *what[9] = {"max-pool forward", "max-pool backward", "max-pool backward, accumulated", "upsample forward",
-                           "upsample backward", "upsample backward, accumulated", "concat forward",
-                           "concat backward, accumulated", "concat backward"};
+    const char *what[9] = {"max-pool forward",
+                           "max-pool backward",
+                           "max-pool backward, accumulated",
+                           "upsample forward",
+                           "upsample backward",
+                           "upsample backward, accumulated",
+                           "concat forward",
+                           "concat backward, accumulated",
+                           "concat backward"};
     for (int k = 0; k < 9; k++) {
         size_t differ = 0;
-        for (size_t i = 0; i < count[k]; i++) differ += memcmp(&out[0][k][i], &out[1][k][i], sizeof(float)) != 0;
-        CHECK(differ == 0, "%s: ops_cpu and ops_ref differ in %zu of %zu values", what[k], differ, count[k]);
+        for (size_t i = 0; i < count[k]; i++)
+            differ += memcmp(&out[0][k][i], &out[1][k][i], sizeof(float)) != 0;
+        CHECK(differ == 0, "%s: ops_cpu and ops_ref differ in %zu of %zu values", what[k], differ,
+              count[k]);
     }
     size_t floor_grad = 0;  // the written max-pool gradient past the floor (row 6, column 8) is 0
     for (int nn = 0; nn < 2; nn++)
@@ -6235,32 +7203,41 @@ TEST(fast_elementwise_vs_ref) {
     for (int t = 0; t < 2; t++) {
         Ops *o = tables[t];
         int k = 0;
-        for (int j = 0; j < OUTS; j++) { out[t][j] = malloc(sizeof(float) * n); memcpy(out[t][j], init, sizeof(float) * n); }
+        for (int j = 0; j < OUTS; j++) {
+            out[t][j] = malloc(sizeof(float) * n);
+            memcpy(out[t][j], init, sizeof(float) * n);
+        }
         o->fill(o, tensor_f32(out[t][k++], s), -0.75f);
-        for (int acc = 0; acc < 2; acc++) o->copy(o, tensor_f32(out[t][k++], s), tensor_f32(x, s), acc);
-        for (int acc = 0; acc < 2; acc++) o->axpby(o, tensor_f32(out[t][k++], s), tensor_f32(x, s), 1.0f / 3.0f, -0.2f, acc);
+        for (int acc = 0; acc < 2; acc++)
+            o->copy(o, tensor_f32(out[t][k++], s), tensor_f32(x, s), acc);
+        for (int acc = 0; acc < 2; acc++)
+            o->axpby(o, tensor_f32(out[t][k++], s), tensor_f32(x, s), 1.0f / 3.0f, -0.2f, acc);
         o->add_forward(o, tensor_f32(out[t][k++], s), tensor_f32(x, s), tensor_f32(b, s));
-        o->add_backward(o, tensor_f32(out[t][k], s), tensor_f32(out[t][k + 1], s), tensor_f32(x, s), 1, 0);
+        o->add_backward(o, tensor_f32(out[t][k], s), tensor_f32(out[t][k + 1], s), tensor_f32(x, s),
+                        1, 0);
         k += 2;
         for (int per_sample = 0; per_sample < 2; per_sample++) {
-            o->dropout_forward(o, tensor_f32(out[t][k++], s), tensor_f32(x, s), tensor(NULL, s, DT_F32), 0.3f, &seed,
-                               per_sample, 5);
-            o->dropout_forward(o, tensor_f32(out[t][k++], s), tensor_f32(x, s), tensor_f32(b, s), 0.3f, &seed,
-                               per_sample, 5);
-            o->dropout_backward(o, tensor_f32(out[t][k], s), tensor_f32(out[t][k + 1], s), tensor_f32(x, s), 0.3f,
-                                &seed, per_sample, 5, per_sample, !per_sample);
+            o->dropout_forward(o, tensor_f32(out[t][k++], s), tensor_f32(x, s),
+                               tensor(NULL, s, DT_F32), 0.3f, &seed, per_sample, 5);
+            o->dropout_forward(o, tensor_f32(out[t][k++], s), tensor_f32(x, s), tensor_f32(b, s),
+                               0.3f, &seed, per_sample, 5);
+            o->dropout_backward(o, tensor_f32(out[t][k], s), tensor_f32(out[t][k + 1], s),
+                                tensor_f32(x, s), 0.3f, &seed, per_sample, 5, per_sample,
+                                !per_sample);
             k += 2;
         }
         memcpy(out[t][k], x, sizeof(float) * n);  // in place: dx is dy
-        o->dropout_backward(o, tensor_f32(out[t][k], s), tensor(NULL, s, DT_F32), tensor_f32(out[t][k], s), 0.5f,
-                            &seed, 1, 2, 0, 0);
+        o->dropout_backward(o, tensor_f32(out[t][k], s), tensor(NULL, s, DT_F32),
+                            tensor_f32(out[t][k], s), 0.5f, &seed, 1, 2, 0, 0);
         k++;
         CHECK(k == OUTS - 1, "%d outputs", k);
     }
     for (int k = 0; k < OUTS - 1; k++) {
         size_t differ = 0;
-        for (size_t i = 0; i < n; i++) differ += memcmp(&out[0][k][i], &out[1][k][i], sizeof(float)) != 0;
-        CHECK(differ == 0, "output %d: ops_cpu and ops_ref differ in %zu of %zu values", k, differ, n);
+        for (size_t i = 0; i < n; i++)
+            differ += memcmp(&out[0][k][i], &out[1][k][i], sizeof(float)) != 0;
+        CHECK(differ == 0, "output %d: ops_cpu and ops_ref differ in %zu of %zu values", k, differ,
+              n);
     }
     size_t dropped = 0;  // per sample (output 12): whole samples dropped or kept
     for (int m = 0; m < s.n; m++) {
@@ -6268,9 +7245,11 @@ TEST(fast_elementwise_vs_ref) {
         size_t zeros = 0;
         for (size_t i = 0; i < E; i++) zeros += out[0][12][m * E + i] == 0.0f;
         dropped += zeros == E;
-        CHECK(zeros == 0 || zeros == E, "drop-path: sample %d has %zu of %zu elements dropped", m, zeros, E);
+        CHECK(zeros == 0 || zeros == E, "drop-path: sample %d has %zu of %zu elements dropped", m,
+              zeros, E);
     }
-    CHECK(dropped > 0 && dropped < (size_t)s.n, "drop-path dropped %zu of %d samples (the comparison wants both)", dropped, s.n);
+    CHECK(dropped > 0 && dropped < (size_t)s.n,
+          "drop-path dropped %zu of %d samples (the comparison wants both)", dropped, s.n);
     free(x); free(b); free(init);
     for (int t = 0; t < 2; t++)
         for (int j = 0; j < OUTS; j++) free(out[t][j]);
@@ -6278,36 +7257,43 @@ TEST(fast_elementwise_vs_ref) {
 
 // The fast paths give the same bits on 1 and 3 threads, and serial vs forced-parallel
 #ifdef _OPENMP
-static void fast_paths_run(float *out, const float *x, const float *dy, Shape s, Shape sd, const ConvCfg *dw,
-                           Shape dwo, float *ws) {
+static void fast_paths_run(float *out, const float *x, const float *dy, Shape s, Shape sd,
+                           const ConvCfg *dw, Shape dwo, float *ws) {
     const int C = s.c;
     float gam[37], bet[37];
     for (int c = 0; c < C; c++) { gam[c] = 1.0f + 0.01f * c; bet[c] = 0.02f * c; }
     size_t n = shape_numel(s), k = 0;
-    float *m = out, *v = out + C, *sg = out + 2 * C, *sgx = out + 3 * C, *dg = out + 4 * C, *db = out + 5 * C;
+    float *m = out, *v = out + C, *sg = out + 2 * C, *sgx = out + 3 * C, *dg = out + 4 * C,
+          *db = out + 5 * C;
     memset(out, 0, sizeof(float) * 6 * C);
     k = 6 * C;
     ops_cpu.bn_stats(&ops_cpu, tensor_f32((float *)x, s), m, v, NULL, NULL, 0.0f, NULL);
-    ops_cpu.bn_forward(&ops_cpu, tensor_f32(out + k, s), tensor_f32((float *)x, s), m, v, gam, bet, 1e-3f, ACT_SILU, NULL);
+    ops_cpu.bn_forward(&ops_cpu, tensor_f32(out + k, s), tensor_f32((float *)x, s), m, v, gam, bet,
+                       1e-3f, ACT_SILU, NULL);
     k += n;
-    ops_cpu.bn_backward_reduce(&ops_cpu, tensor_f32((float *)dy, s), tensor_f32((float *)x, s), m, v, gam, bet, 1e-3f,
-                               ACT_SILU, sg, sgx, dg, db, NULL, NULL);
-    ops_cpu.bn_backward_data(&ops_cpu, tensor_f32(out + k, s), tensor_f32((float *)dy, s), tensor_f32((float *)x, s), m, v,
-                             gam, bet, 1e-3f, ACT_SILU, sg, sgx, shape_numel(s) / C, 0, NULL);
+    ops_cpu.bn_backward_reduce(&ops_cpu, tensor_f32((float *)dy, s), tensor_f32((float *)x, s), m,
+                               v, gam, bet, 1e-3f, ACT_SILU, sg, sgx, dg, db, NULL, NULL);
+    ops_cpu.bn_backward_data(&ops_cpu, tensor_f32(out + k, s), tensor_f32((float *)dy, s),
+                             tensor_f32((float *)x, s), m, v, gam, bet, 1e-3f, ACT_SILU, sg, sgx,
+                             shape_numel(s) / C, 0, NULL);
     k += n;
     float w[37 * 9];
     for (int i = 0; i < C * 9; i++) w[i] = 0.1f * (float)((i * 7) % 11) - 0.5f;
-    ops_cpu.conv2d_forward(&ops_cpu, dw, tensor_f32(out + k, dwo), tensor_f32((float *)x, s), w, NULL, NULL, ws);
+    ops_cpu.conv2d_forward(&ops_cpu, dw, tensor_f32(out + k, dwo), tensor_f32((float *)x, s), w,
+                           NULL, NULL, ws);
     k += shape_numel(dwo);
-    ops_cpu.conv2d_backward_data(&ops_cpu, dw, tensor_f32(out + k, s), tensor_f32((float *)dy, dwo), w, NULL, 0, ws);
+    ops_cpu.conv2d_backward_data(&ops_cpu, dw, tensor_f32(out + k, s), tensor_f32((float *)dy, dwo),
+                                 w, NULL, 0, ws);
     k += n;
     memset(out + k, 0, sizeof(float) * C * 9);
-    ops_cpu.conv2d_backward_weight(&ops_cpu, dw, out + k, NULL, tensor_f32((float *)dy, dwo), tensor_f32((float *)x, s), ws);
+    ops_cpu.conv2d_backward_weight(&ops_cpu, dw, out + k, NULL, tensor_f32((float *)dy, dwo),
+                                   tensor_f32((float *)x, s), ws);
     k += C * 9;
     ops_cpu.global_avg_pool_forward(&ops_cpu, tensor_f32(out + k, sd), tensor_f32((float *)x, s));
     k += shape_numel(sd);
-    ops_cpu.channel_scale_backward(&ops_cpu, tensor_f32(NULL, s), tensor_f32(out + k, sd), tensor_f32((float *)dy, s),
-                                   tensor_f32((float *)x, s), tensor_f32(out, sd), 0, 0);
+    ops_cpu.channel_scale_backward(&ops_cpu, tensor_f32(NULL, s), tensor_f32(out + k, sd),
+                                   tensor_f32((float *)dy, s), tensor_f32((float *)x, s),
+                                   tensor_f32(out, sd), 0, 0);
 }
 
 TEST(fast_paths_deterministic) {
@@ -6317,8 +7303,10 @@ TEST(fast_paths_deterministic) {
     dw.cin = dw.cout = dw.groups = 37; dw.kh = dw.kw = 3; dw.stride = 2; dw.pad = PAD_SAME;
     ConvGeom q = conv_geom(&dw, s);
     Shape dwo = shape4(3, q.OH, q.OW, 37);
-    size_t n = shape_numel(s), total = 6 * 37 + 3 * n + shape_numel(dwo) + 37 * 9 + 2 * shape_numel(sd);
-    float *x = randn(&r, n, 1.0f), *dy = randn(&r, n, 1.0f), *ws = malloc(conv2d_workspace_cpu(&ops_cpu, &dw, s, DT_F32));
+    size_t n = shape_numel(s),
+           total = 6 * 37 + 3 * n + shape_numel(dwo) + 37 * 9 + 2 * shape_numel(sd);
+    float *x = randn(&r, n, 1.0f), *dy = randn(&r, n, 1.0f),
+          *ws = malloc(conv2d_workspace_cpu(&ops_cpu, &dw, s, DT_F32));
     float *res[4];
     int saved = omp_get_max_threads();
     size_t saved_min = omp_min_work;
@@ -6331,7 +7319,8 @@ TEST(fast_paths_deterministic) {
     omp_set_num_threads(saved);
     omp_min_work = saved_min;
     for (int t = 1; t < 4; t++)
-        CHECK(!memcmp(res[0], res[t], sizeof(float) * total), "fast paths: run %d differs from 1 thread serial", t);
+        CHECK(!memcmp(res[0], res[t], sizeof(float) * total),
+              "fast paths: run %d differs from 1 thread serial", t);
     for (int t = 0; t < 4; t++) free(res[t]);
     free(x); free(dy); free(ws);
 }
@@ -6344,15 +7333,17 @@ TEST(fast_paths_deterministic) {
 // function pointers), and the CPU table fills them all.
 TEST(ops_entries_listed) {
     size_t entries = (sizeof(Ops) - offsetof(Ops, alloc)) / sizeof(void (*)(void));
-    CHECK(N_OPS_ENTRIES == entries, "OPS_ENTRIES lists %zu entries, struct Ops has %zu", (size_t)N_OPS_ENTRIES, entries);
+    CHECK(N_OPS_ENTRIES == entries, "OPS_ENTRIES lists %zu entries, struct Ops has %zu",
+          (size_t)N_OPS_ENTRIES, entries);
     for (size_t i = 1; i < N_OPS_ENTRIES; i++)
-        CHECK(OPS_ENTRIES[i].offset == OPS_ENTRIES[i - 1].offset + sizeof(void (*)(void)), "OPS_ENTRIES[%zu] '%s' out of order",
-              i, OPS_ENTRIES[i].name);
+        CHECK(OPS_ENTRIES[i].offset == OPS_ENTRIES[i - 1].offset + sizeof(void (*)(void)),
+              "OPS_ENTRIES[%zu] '%s' out of order", i, OPS_ENTRIES[i].name);
     char missing[4096];
     CHECK(ops_missing(&ops_cpu, missing, sizeof missing) == 0, "ops_cpu lacks %s", missing);
     Ops partial = ops_cpu;
     partial.bn_stats = NULL; partial.adam_update = NULL;
-    CHECK(ops_missing(&partial, missing, sizeof missing) == 2 && !strcmp(missing, "bn_stats, adam_update"),
+    CHECK(ops_missing(&partial, missing, sizeof missing) == 2 &&
+                  !strcmp(missing, "bn_stats, adam_update"),
           "two NULL entries: '%s'", missing);
     char err[SN_ERR_MAX];
     CHECK(ops_for_device(DEVICE_CPU, 0, err) == &ops_cpu, "--device cpu");
@@ -6367,22 +7358,28 @@ TEST(device_choice) {
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 2, 8, 8, 3);
     char args[1024], msg[4096], path[512];
-    const char *base = "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --epochs 1 --classes 3";
+    const char *base =
+            "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --epochs 1 --classes 3";
     snprintf(args, sizeof args, "%s --data %s --out %s/cpu --device cpu", base, data, run);
-    CHECK(run_segnet(args, msg, sizeof msg) == 0 && !contains(msg, "running on the CPU"), "--device cpu: %s", msg);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0 && !contains(msg, "running on the CPU"),
+          "--device cpu: %s", msg);
     snprintf(path, sizeof path, "%s/cpu/config.txt", run);
     size_t n;
     char *cfg = read_file(path, &n);
-    CHECK(cfg && contains(cfg, "\ndevice = cpu\n"), "config.txt records the device: %s", cfg ? cfg : "(missing)");
+    CHECK(cfg && contains(cfg, "\ndevice = cpu\n"), "config.txt records the device: %s",
+          cfg ? cfg : "(missing)");
     free(cfg);
-    snprintf(args, sizeof args, "train --resume %s/cpu --epochs 2", run);  // config.txt's device read back
-    CHECK(run_segnet(args, msg, sizeof msg) == 0 && !contains(msg, "running on the CPU"), "resume with device = cpu: %s", msg);
+    // config.txt's device read back
+    snprintf(args, sizeof args, "train --resume %s/cpu --epochs 2", run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0 && !contains(msg, "running on the CPU"),
+          "resume with device = cpu: %s", msg);
 
     snprintf(args, sizeof args, "%s --data %s --out %s/cuda --device cuda", base, data, run);
     int rc = run_segnet(args, msg, sizeof msg);
     snprintf(path, sizeof path, "%s/cuda", run);
     if (rc != 0) {
-        CHECK(rc == 1 && contains(msg, "--device cuda: ") && strchr(msg, '\n') == msg + strlen(msg) - 1,
+        CHECK(rc == 1 && contains(msg, "--device cuda: ") &&
+                      strchr(msg, '\n') == msg + strlen(msg) - 1,
               "--device cuda without a GPU: exit %d, %s", rc, msg);
         CHECK(access(path, F_OK) != 0, "--device cuda failed but created %s", path);
         snprintf(args, sizeof args, "%s --data %s --out %s/auto", base, data, run);
@@ -6392,7 +7389,9 @@ TEST(device_choice) {
               "--device auto without a GPU: exit %d, %s", rc, msg);
     }
     snprintf(args, sizeof args, "%s --data %s --out %s/bad --device tpu", base, data, run);
-    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "--device 'tpu' must be cpu, cuda or auto"), "%s", msg);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 &&
+                  contains(msg, "--device 'tpu' must be cpu, cuda or auto"),
+          "%s", msg);
     rm_rf(data); rm_rf(run);
 }
 
@@ -6415,9 +7414,12 @@ typedef struct {
     int steps, B, freeze_bn;
     const float *images;     // steps·accum × (B,H,W,3)
     const int32_t *labels;   // steps·accum × (B·H·W)
-    int reverse;             // each global batch's images in reverse order (the same batch summed in another order)
-    int last;                // images in the last global batch (0: B), the others' shards may be empty
-    int inf_rank;            // ≥ 0: this replica's first shard of step 1 gets an inf pixel (fp16 overflow on one rank)
+    // each global batch's images in reverse order (the same batch summed in another order)
+    int reverse;
+    // images in the last global batch (0: B), the others' shards may be empty
+    int last;
+    // ≥ 0: this replica's first shard of step 1 gets an inf pixel (fp16 overflow on one rank)
+    int inf_rank;
     float *params, *buffers; // out: after the last step
     float *moment;           // out: Adam's first moment after the last step (n_moment floats)
     size_t n_moment;
@@ -6434,7 +7436,8 @@ static int replica_job(Comm *comm, void *arg) {
     Trainer t;
     if (trainer_open_on(&t, c, NULL, NULL, comm, j->err)) return -1;
     if (j->freeze_bn)
-        for (int i = 0; i < t.g.n_layers; i++) if (t.g.layers[i].kind == LAYER_BN) t.g.layers[i].frozen = 1;
+        for (int i = 0; i < t.g.n_layers; i++)
+            if (t.g.layers[i].kind == LAYER_BN) t.g.layers[i].frozen = 1;
     const size_t hw = (size_t)c->model.height * c->model.width;
     const int n_img = j->steps * c->accum * j->B;
     float *img = malloc(sizeof(float) * n_img * hw * 3);
@@ -6453,10 +7456,13 @@ static int replica_job(Comm *comm, void *arg) {
     for (int s = 0; s < j->steps && rc == 0; s++) {
         MicroBatch mb[SN_MAX_ACCUM];
         for (int k = 0; k < c->accum; k++) {
-            int lo, hi, first = (s * c->accum + k) * j->B, last = s == j->steps - 1 && k == c->accum - 1;
+            int lo, hi, first = (s * c->accum + k) * j->B,
+                        last = s == j->steps - 1 && k == c->accum - 1;
             shard_range(last && j->last ? j->last : j->B, comm->size, comm->rank, &lo, &hi);
-            mb[k] = (MicroBatch){hi - lo, img + (first + lo) * hw * 3, lab + (first + lo) * hw, k * j->B + lo};
-            if (s == 1 && k == 0 && comm->rank == j->inf_rank) img[(first + lo) * hw * 3 + 5] = INFINITY;
+            mb[k] = (MicroBatch){hi - lo, img + (first + lo) * hw * 3, lab + (first + lo) * hw,
+                                 k * j->B + lo};
+            if (s == 1 && k == 0 && comm->rank == j->inf_rank)
+                img[(first + lo) * hw * 3 + 5] = INFINITY;
         }
         j->applied[s] = train_step(&t, mb, c->accum, &pt);
         j->scale[s] = t.loss_scale;
@@ -6515,7 +7521,10 @@ static void replica_job_free(ReplicaJob *j) {
 // ‖a - b‖₂ / ‖b‖₂ and max_i |a_i - b_i| / max_i |b_i|
 static double rel_l2(const float *a, const float *b, size_t n) {
     double d = 0, s = 0;
-    for (size_t i = 0; i < n; i++) { d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]); s += (double)b[i] * b[i]; }
+    for (size_t i = 0; i < n; i++) {
+        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        s += (double)b[i] * b[i];
+    }
     return s > 0 ? sqrt(d / s) : sqrt(d);
 }
 
@@ -6530,8 +7539,8 @@ static double rel_l2(const float *a, const float *b, size_t n) {
 // each op's result is within about √K·2^-24 ≈ 1e-6 relative (K ≤ 9·48) of the
 // reference's, and over the ~60 layers a forward and a backward pass through
 // the loss agrees to 1e-5, the gradients and BN statistics (L2) to 1e-4.
-static void ref_table_step(Ops *o, const char *model, float **grads, size_t *n_grads, float **stats, size_t *n_stats,
-                           double *loss) {
+static void ref_table_step(Ops *o, const char *model, float **grads, size_t *n_grads, float **stats,
+                           size_t *n_stats, double *loss) {
     Graph g;
     graph_init(&g);
     ModelCfg c = model_cfg_default();
@@ -6540,7 +7549,8 @@ static void ref_table_step(Ops *o, const char *model, float **grads, size_t *n_g
     const int y = model_build(&g, &c);
     Net net;
     char err[SN_ERR_MAX];
-    CHECK(y >= 0 && net_create(&net, &g, o, DT_F32, 0, err) == 0, "%s: %s", model, y < 0 ? g.err : err);
+    CHECK(y >= 0 && net_create(&net, &g, o, DT_F32, 0, err) == 0, "%s: %s", model,
+          y < 0 ? g.err : err);
     net_init_params(&net, 5);
     Rng r;
     rng_seed(&r, 11);
@@ -6571,19 +7581,22 @@ static void ref_table_step(Ops *o, const char *model, float **grads, size_t *n_g
 TEST(ref_table_vs_cpu) {
     const char *models[2] = {"effv2-t", "unet"};
     // ops_cpu is ops_ref with part IV's versions of exactly these entries
-    const char *fast = "fill axpby copy conv2d_workspace conv2d_forward conv2d_backward_data conv2d_backward_weight "
-                       "bn_stats bn_forward bn_backward_reduce bn_backward_data global_avg_pool_forward "
-                       "global_avg_pool_backward channel_scale_forward channel_scale_backward se_gate_forward "
-                       "se_gate_backward add_forward add_backward "
-                       "concat_forward concat_backward dropout_forward dropout_backward maxpool2_forward "
-                       "maxpool2_backward upsample2_forward upsample2_backward";
+    const char *fast =
+            "fill axpby copy conv2d_workspace conv2d_forward conv2d_backward_data "
+            "conv2d_backward_weight "
+            "bn_stats bn_forward bn_backward_reduce bn_backward_data global_avg_pool_forward "
+            "global_avg_pool_backward channel_scale_forward channel_scale_backward se_gate_forward "
+            "se_gate_backward add_forward add_backward "
+            "concat_forward concat_backward dropout_forward dropout_backward maxpool2_forward "
+            "maxpool2_backward upsample2_forward upsample2_backward";
     char differ[1024] = "";
     for (size_t i = 0; i < N_OPS_ENTRIES; i++) {
         void (*a)(void), (*b)(void);
         memcpy(&a, (const char *)&ops_cpu + OPS_ENTRIES[i].offset, sizeof a);
         memcpy(&b, (const char *)&ops_ref + OPS_ENTRIES[i].offset, sizeof b);
-        if (a != b) snprintf(differ + strlen(differ), sizeof differ - strlen(differ), "%s%s", differ[0] ? " " : "",
-                             OPS_ENTRIES[i].name);
+        if (a != b)
+            snprintf(differ + strlen(differ), sizeof differ - strlen(differ), "%s%s",
+                     differ[0] ? " " : "", OPS_ENTRIES[i].name);
     }
     CHECK(!strcmp(ops_ref.name, "ref") && !strcmp(ops_cpu.name, "cpu") && !strcmp(differ, fast),
           "ops_cpu differs from ops_ref in: %s (expected: %s)", differ, fast);
@@ -6597,23 +7610,29 @@ TEST(ref_table_vs_cpu) {
         const double eg = ng[0] == ng[1] ? rel_l2(g[0], g[1], ng[0]) : INFINITY;
         const double es = ns[0] == ns[1] ? rel_l2(st[0], st[1], ns[0]) : INFINITY;
         CHECK(el <= 1e-5 && eg <= 1e-4 && es <= 1e-4,
-              "%s: ops_cpu against ops_ref: loss %.3g, gradients %.3g, BN statistics %.3g apart", models[m], el, eg, es);
+              "%s: ops_cpu against ops_ref: loss %.3g, gradients %.3g, BN statistics %.3g apart",
+              models[m], el, eg, es);
         if (g_verbose)
-            printf("      %s: loss %.3g, gradients %.3g, BN statistics %.3g apart (relative, L2)\n", models[m], el, eg, es);
+            printf("      %s: loss %.3g, gradients %.3g, BN statistics %.3g apart (relative, L2)\n",
+                   models[m], el, eg, es);
         free(g[0]); free(g[1]); free(st[0]); free(st[1]);
     }
 }
 
 static double rel_max(const float *a, const float *b, size_t n) {
     double d = 0, s = 0;
-    for (size_t i = 0; i < n; i++) { d = fmax(d, fabs((double)a[i] - b[i])); s = fmax(s, fabs((double)b[i])); }
+    for (size_t i = 0; i < n; i++) {
+        d = fmax(d, fabs((double)a[i] - b[i]));
+        s = fmax(s, fabs((double)b[i]));
+    }
     return s > 0 ? d / s : d;
 }
 
 // Global batches whose shards have very different weight sums: in the first
 // half of every batch most pixels are class 0 (weight 0), so a loss normalised
 // per replica would weigh the halves differently from the global mean.
-static void replica_batches(int n_batches, int B, int hw, uint64_t seed, float **images, int32_t **labels) {
+static void replica_batches(int n_batches, int B, int hw, uint64_t seed, float **images,
+                            int32_t **labels) {
     Rng r;
     rng_seed(&r, seed);
     *images = malloc(sizeof(float) * n_batches * B * hw * hw * 3);
@@ -6639,27 +7658,37 @@ static void replica_batches(int n_batches, int B, int hw, uint64_t seed, float *
 // FLT_EPSILON. A wrong normalisation (per replica instead of global) or BN
 // over shards moves them by orders of magnitude more.
 #define REPLICA_NOISE_FACTOR 4.0
-static void compare_to_one(const char *what, ReplicaJob *rep, ReplicaJob *one, ReplicaJob *rev, size_t P, size_t NB) {
+static void compare_to_one(const char *what, ReplicaJob *rep, ReplicaJob *one, ReplicaJob *rev,
+                           size_t P, size_t NB) {
     double dw = rel_l2(rep->params, one->params, P), nw = rel_l2(rev->params, one->params, P);
     double db = rel_l2(rep->buffers, one->buffers, NB), nb = rel_l2(rev->buffers, one->buffers, NB);
-    double loss = rep->loss / rep->norm, loss1 = one->loss / one->norm, lossr = rev->loss / rev->norm;
+    double loss = rep->loss / rep->norm, loss1 = one->loss / one->norm,
+           lossr = rev->loss / rev->norm;
     double dl = fabs(loss - loss1) / loss1, nl = fabs(lossr - loss1) / loss1;
     if (g_verbose)
-        printf("    %s: weights %.3g (order %.3g, max %.3g), BN stats %.3g (order %.3g, max %.3g), loss %.3g (order %.3g)\n",
-               what, dw, nw, rel_max(rep->params, one->params, P), db, nb, rel_max(rep->buffers, one->buffers, NB), dl, nl);
-    CHECK(dw <= REPLICA_NOISE_FACTOR * fmax(nw, FLT_EPSILON), "%s: weights differ from 1 replica by %.3g, reordering the batch by %.3g",
-          what, dw, nw);
-    CHECK(db <= REPLICA_NOISE_FACTOR * fmax(nb, FLT_EPSILON), "%s: BN statistics differ from 1 replica by %.3g, reordering the batch by %.3g",
-          what, db, nb);
-    CHECK(dl <= REPLICA_NOISE_FACTOR * fmax(nl, FLT_EPSILON), "%s: loss %.9g vs %.9g for 1 replica (reordered %.9g)", what, loss, loss1, lossr);
-    CHECK(rep->norm == one->norm, "%s: the normaliser is the global Σw: %.17g vs %.17g", what, rep->norm, one->norm);
+        printf("    %s: weights %.3g (order %.3g, max %.3g), BN stats %.3g (order %.3g, max %.3g), "
+               "loss %.3g (order %.3g)\n",
+               what, dw, nw, rel_max(rep->params, one->params, P), db, nb,
+               rel_max(rep->buffers, one->buffers, NB), dl, nl);
+    CHECK(dw <= REPLICA_NOISE_FACTOR * fmax(nw, FLT_EPSILON),
+          "%s: weights differ from 1 replica by %.3g, reordering the batch by %.3g", what, dw, nw);
+    CHECK(db <= REPLICA_NOISE_FACTOR * fmax(nb, FLT_EPSILON),
+          "%s: BN statistics differ from 1 replica by %.3g, reordering the batch by %.3g", what, db,
+          nb);
+    CHECK(dl <= REPLICA_NOISE_FACTOR * fmax(nl, FLT_EPSILON),
+          "%s: loss %.9g vs %.9g for 1 replica (reordered %.9g)", what, loss, loss1, lossr);
+    CHECK(rep->norm == one->norm, "%s: the normaliser is the global Σw: %.17g vs %.17g", what,
+          rep->norm, one->norm);
 }
 
 static void check_mirrored(const char *what, ReplicaJob *jobs, int R, size_t P, size_t NB) {
     for (int r = 1; r < R; r++) {
-        CHECK(!memcmp(jobs[r].params, jobs[0].params, sizeof(float) * P), "%s: replica %d's weights differ from replica 0's", what, r);
-        CHECK(!memcmp(jobs[r].buffers, jobs[0].buffers, sizeof(float) * NB), "%s: replica %d's BN statistics differ from replica 0's", what, r);
-        CHECK(jobs[r].loss == jobs[0].loss && !memcmp(jobs[r].cm, jobs[0].cm, sizeof jobs[0].cm), "%s: replica %d's totals differ", what, r);
+        CHECK(!memcmp(jobs[r].params, jobs[0].params, sizeof(float) * P),
+              "%s: replica %d's weights differ from replica 0's", what, r);
+        CHECK(!memcmp(jobs[r].buffers, jobs[0].buffers, sizeof(float) * NB),
+              "%s: replica %d's BN statistics differ from replica 0's", what, r);
+        CHECK(jobs[r].loss == jobs[0].loss && !memcmp(jobs[r].cm, jobs[0].cm, sizeof jobs[0].cm),
+              "%s: replica %d's totals differ", what, r);
     }
 }
 
@@ -6691,14 +7720,22 @@ TEST(replicas_sync_bn) {
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         c.accum = cases[k].accum;
         const int R = cases[k].R, steps = STEPS / c.accum;
-        ReplicaJob one = {.c = &c, .steps = steps, .B = B, .images = images, .labels = labels, .last = cases[k].last,
-                          .inf_rank = -1}, rev = one;
+        ReplicaJob one = {.c = &c,
+                          .steps = steps,
+                          .B = B,
+                          .images = images,
+                          .labels = labels,
+                          .last = cases[k].last,
+                          .inf_rank = -1},
+                   rev = one;
         rev.reverse = 1;
         ReplicaJob jobs[SN_MAX_REPLICAS];
         for (int r = 0; r < R; r++) jobs[r] = one;
-        if (run_replicas(&one, 1) == 0 && run_replicas(&rev, 1) == 0 && run_replicas(jobs, R) == 0) {
+        if (run_replicas(&one, 1) == 0 && run_replicas(&rev, 1) == 0 &&
+            run_replicas(jobs, R) == 0) {
             char what[64];
-            snprintf(what, sizeof what, "%d replicas, sync-bn, accum %d, last batch %d", R, c.accum, cases[k].last ? cases[k].last : B);
+            snprintf(what, sizeof what, "%d replicas, sync-bn, accum %d, last batch %d", R, c.accum,
+                     cases[k].last ? cases[k].last : B);
             check_mirrored(what, jobs, R, P, NB);
             compare_to_one(what, &jobs[0], &one, &rev, P, NB);
         }
@@ -6732,31 +7769,47 @@ TEST(replicas_sync_bn_deep) {
     Graph g;
     graph_init(&g);
     model_build(&g, &c.model);
-    ReplicaJob one = {.c = &c, .steps = 1, .B = B, .images = images, .labels = labels, .inf_rank = -1}, rev = one;
+    ReplicaJob one = {.c = &c,
+                      .steps = 1,
+                      .B = B,
+                      .images = images,
+                      .labels = labels,
+                      .inf_rank = -1},
+               rev = one;
     rev.reverse = 1;
     if (run_replicas(&one, 1) == 0 && run_replicas(&rev, 1) == 0) {
         CHECK(one.n_moment == g.n_param_floats, "every parameter is trained");
-        if (g_verbose) printf("    reversed batch: gradient %.3g\n", rel_l2(rev.moment, one.moment, one.n_moment));
+        if (g_verbose)
+            printf("    reversed batch: gradient %.3g\n",
+                   rel_l2(rev.moment, one.moment, one.n_moment));
         int Rs[] = {2, 4};
         for (int k = 0; k < 2; k++) {
             const int R = Rs[k];
             ReplicaJob jobs[SN_MAX_REPLICAS];
-            for (int r = 0; r < R; r++) jobs[r] = one, jobs[r].params = jobs[r].buffers = jobs[r].moment = NULL;
+            for (int r = 0; r < R; r++)
+                jobs[r] = one, jobs[r].params = jobs[r].buffers = jobs[r].moment = NULL;
             if (run_replicas(jobs, R) == 0) {
                 double d = rel_l2(jobs[0].moment, one.moment, one.n_moment), worst = 0;
                 double db = rel_l2(jobs[0].buffers, one.buffers, g.n_buffer_floats);
-                double dl = fabs(jobs[0].loss / jobs[0].norm - one.loss / one.norm) / (one.loss / one.norm);
+                double dl = fabs(jobs[0].loss / jobs[0].norm - one.loss / one.norm) /
+                            (one.loss / one.norm);
                 int wp = 0;
                 for (int p = 0; p < g.n_params; p++) {
-                    double e = rel_l2(jobs[0].moment + g.params[p].offset, one.moment + g.params[p].offset, g.params[p].count);
+                    double e = rel_l2(jobs[0].moment + g.params[p].offset,
+                                      one.moment + g.params[p].offset, g.params[p].count);
                     if (e > worst) worst = e, wp = p;
                 }
                 if (g_verbose)
-                    printf("    %d replicas: gradient %.3g (worst tensor %s %.3g), BN statistics %.3g%s, loss %.3g\n", R, d,
-                           g.params[wp].name, worst, db, db == 0 ? " (the same bits)" : "", dl);
-                CHECK(d <= 1e-6, "%d replicas: first-step gradient differs from one replica's by %.3g (worst %s, %.3g)", R, d,
-                      g.params[wp].name, worst);
-                CHECK(db <= 1e-6 && dl <= 1e-6, "%d replicas: BN statistics %.3g, loss %.3g from one replica's", R, db, dl);
+                    printf("    %d replicas: gradient %.3g (worst tensor %s %.3g), BN statistics "
+                           "%.3g%s, loss %.3g\n",
+                           R, d, g.params[wp].name, worst, db, db == 0 ? " (the same bits)" : "",
+                           dl);
+                CHECK(d <= 1e-6,
+                      "%d replicas: first-step gradient differs from one replica's by %.3g (worst "
+                      "%s, %.3g)",
+                      R, d, g.params[wp].name, worst);
+                CHECK(db <= 1e-6 && dl <= 1e-6,
+                      "%d replicas: BN statistics %.3g, loss %.3g from one replica's", R, db, dl);
             }
             for (int r = 0; r < R; r++) replica_job_free(&jobs[r]);
         }
@@ -6785,26 +7838,37 @@ TEST(replicas_global_denominator) {
     model_sizes(&c, &P, &NB);
     for (int frozen_lr0 = 0; frozen_lr0 < 2; frozen_lr0++) {
         c.lr = frozen_lr0 ? 0.0f : 1e-3f;
-        ReplicaJob one = {.c = &c, .steps = STEPS, .B = B, .freeze_bn = 1, .images = images, .labels = labels, .inf_rank = -1};
+        ReplicaJob one = {.c = &c,
+                          .steps = STEPS,
+                          .B = B,
+                          .freeze_bn = 1,
+                          .images = images,
+                          .labels = labels,
+                          .inf_rank = -1};
         ReplicaJob rev = one, jobs[R] = {one, one};
         rev.reverse = 1;
-        if (run_replicas(&one, 1) == 0 && run_replicas(&rev, 1) == 0 && run_replicas(jobs, R) == 0) {
+        if (run_replicas(&one, 1) == 0 && run_replicas(&rev, 1) == 0 &&
+            run_replicas(jobs, R) == 0) {
             check_mirrored("BN frozen", jobs, R, P, NB);
-            compare_to_one(frozen_lr0 ? "2 replicas, BN frozen, lr 0" : "2 replicas, BN frozen", &jobs[0], &one, &rev, P, NB);
+            compare_to_one(frozen_lr0 ? "2 replicas, BN frozen, lr 0" : "2 replicas, BN frozen",
+                           &jobs[0], &one, &rev, P, NB);
             if (frozen_lr0) {
-                CHECK(!memcmp(jobs[0].cm, one.cm, sizeof one.cm), "the confusion matrix differs from one replica's");
+                CHECK(!memcmp(jobs[0].cm, one.cm, sizeof one.cm),
+                      "the confusion matrix differs from one replica's");
                 double iou[3], iou1[3];
                 Metrics m = {0, 0, iou}, m1 = {0, 0, iou1};
                 metrics_compute(jobs[0].cm, 3, c.class_weights, &m);
                 metrics_compute(one.cm, 3, c.class_weights, &m1);
-                CHECK(m.mean_iou == m1.mean_iou && m.accuracy == m1.accuracy, "mIoU %.17g vs %.17g", m.mean_iou, m1.mean_iou);
+                CHECK(m.mean_iou == m1.mean_iou && m.accuracy == m1.accuracy, "mIoU %.17g vs %.17g",
+                      m.mean_iou, m1.mean_iou);
             }
         }
         for (int r = 0; r < R; r++) replica_job_free(&jobs[r]);
         replica_job_free(&one); replica_job_free(&rev);
     }
     // BN over each shard: not the single replica's result (by design), but mirrored
-    ReplicaJob jobs[R] = {{.c = &c, .steps = STEPS, .B = B, .images = images, .labels = labels, .inf_rank = -1}};
+    ReplicaJob jobs[R] = {
+            {.c = &c, .steps = STEPS, .B = B, .images = images, .labels = labels, .inf_rank = -1}};
     jobs[1] = jobs[0];
     c.lr = 1e-3f;
     if (run_replicas(jobs, R) == 0) check_mirrored("BN per shard", jobs, R, P, NB);
@@ -6829,7 +7893,8 @@ TEST(replicas_fp16_skip) {
     size_t P, NB;
     model_sizes(&c, &P, &NB);
     // the inf goes into image 0 of step 1 for one replica, into replica 1's first image for two
-    ReplicaJob one = {.c = &c, .steps = STEPS, .B = B, .images = images, .labels = labels, .inf_rank = 0};
+    ReplicaJob one = {
+            .c = &c, .steps = STEPS, .B = B, .images = images, .labels = labels, .inf_rank = 0};
     ReplicaJob jobs[R] = {one, one};
     jobs[0].inf_rank = jobs[1].inf_rank = 1;
     if (run_replicas(&one, 1) == 0 && run_replicas(jobs, R) == 0) {
@@ -6837,9 +7902,10 @@ TEST(replicas_fp16_skip) {
         for (int s = 0; s < STEPS; s++)
             for (int r = 0; r < R; r++)
                 CHECK(jobs[r].applied[s] == one.applied[s] && jobs[r].scale[s] == one.scale[s],
-                      "step %d replica %d: applied %d scale %g; one replica: applied %d scale %g", s, r, jobs[r].applied[s],
-                      jobs[r].scale[s], one.applied[s], one.scale[s]);
-        CHECK(one.applied[1] == 0 && one.scale[1] == LOSS_SCALE_INIT / 2 && one.applied[3] == 1 && one.scale[3] == LOSS_SCALE_INIT,
+                      "step %d replica %d: applied %d scale %g; one replica: applied %d scale %g",
+                      s, r, jobs[r].applied[s], jobs[r].scale[s], one.applied[s], one.scale[s]);
+        CHECK(one.applied[1] == 0 && one.scale[1] == LOSS_SCALE_INIT / 2 && one.applied[3] == 1 &&
+                      one.scale[3] == LOSS_SCALE_INIT,
               "one replica: step 1 skipped, the scale halved then doubled after 2 finite steps");
     }
     for (int r = 0; r < R; r++) replica_job_free(&jobs[r]);
@@ -6850,14 +7916,22 @@ TEST(replicas_fp16_skip) {
 // The local communicator: sums in rank order on every rank ((a + b) + c,
 // not a + (b + c): values where fp32 tells them apart), broadcasts, and a
 // rank that fails stops the others' collectives instead of leaving them waiting.
-typedef struct { int fail_at; float v[3]; double d; int64_t k; char b[8]; int collectives; } CommProbe;
+typedef struct {
+    int fail_at;
+    float v[3];
+    double d;
+    int64_t k;
+    char b[8];
+    int collectives;
+} CommProbe;
 static int comm_probe(Comm *c, void *arg) {
     CommProbe *p = arg;
     for (int i = 0; i < 5; i++) {
         if (i == p->fail_at) { c->abort(c, "probe"); return -1; }
-        if (i == 4) p->v[0] = c->rank == 0 ? 1e8f : c->rank == 1 ? -1e8f : 1.0f;  // the last round checks the order
-        if (c->allreduce_f32(c, p->v, 3) || c->allreduce_f64(c, &p->d, 1) || c->allreduce_i64(c, &p->k, 1) ||
-            c->broadcast(c, p->b, sizeof p->b, 1))
+        // the last round checks the order
+        if (i == 4) p->v[0] = c->rank == 0 ? 1e8f : c->rank == 1 ? -1e8f : 1.0f;
+        if (c->allreduce_f32(c, p->v, 3) || c->allreduce_f64(c, &p->d, 1) ||
+            c->allreduce_i64(c, &p->k, 1) || c->broadcast(c, p->b, sizeof p->b, 1))
             return -1;
         p->collectives++;
     }
@@ -6876,9 +7950,11 @@ TEST(comm_local) {
     }
     comm_local_run(comms, 3, comm_probe, args, rc);
     for (int r = 0; r < 3; r++) {
-        CHECK(rc[r] == 0 && p[r].collectives == 5, "rank %d: rc %d after %d collectives", r, rc[r], p[r].collectives);
+        CHECK(rc[r] == 0 && p[r].collectives == 5, "rank %d: rc %d after %d collectives", r, rc[r],
+              p[r].collectives);
         // last round: (1e8 + -1e8) + 1 = 1 in rank order; 1e8 + (-1e8 + 1) would be 0
-        CHECK(p[r].v[0] == 1.0f && p[r].d == 0.75 * 81 && p[r].k == 6 * 81 && !strcmp(p[r].b, "rank1"),
+        CHECK(p[r].v[0] == 1.0f && p[r].d == 0.75 * 81 && p[r].k == 6 * 81 &&
+                      !strcmp(p[r].b, "rank1"),
               "rank %d: %g %g %" PRId64 " '%s'", r, p[r].v[0], p[r].d, p[r].k, p[r].b);
     }
     comm_local_destroy(comms, 3);
@@ -6889,7 +7965,9 @@ TEST(comm_local) {
     comm_local_run(comms, 3, comm_probe, args, rc);
     CHECK(now_s() - t0 < 5.0, "the others stopped (%.1f s)", now_s() - t0);
     CHECK(comms[0].failed_rank(&comms[0]) == 2, "failed rank %d", comms[0].failed_rank(&comms[0]));
-    for (int r = 0; r < 3; r++) CHECK(rc[r] == -1 && p[r].collectives == 2, "rank %d: rc %d, %d collectives", r, rc[r], p[r].collectives);
+    for (int r = 0; r < 3; r++)
+        CHECK(rc[r] == -1 && p[r].collectives == 2, "rank %d: rc %d, %d collectives", r, rc[r],
+              p[r].collectives);
     char err[SN_ERR_MAX] = "";
     CHECK(comm_failure(&comms[0], err) == -1 && contains(err, "rank 2 failed"), "'%s'", err);
     comm_local_destroy(comms, 3);
@@ -6902,7 +7980,8 @@ TEST(comm_local) {
 // runs a shell command; stderr in *msg
 static int run_shell(const char *cmd, char *msg, size_t size) {
     char full[4096];
-    snprintf(full, sizeof full, "{ %s; } >/tmp/segnet_test_out.txt 2>/tmp/segnet_test_err.txt", cmd);
+    snprintf(full, sizeof full, "{ %s; } >/tmp/segnet_test_out.txt 2>/tmp/segnet_test_err.txt",
+             cmd);
     int rc = system(full);
     size_t n;
     char *e = read_file("/tmp/segnet_test_err.txt", &n);
@@ -6913,7 +7992,9 @@ static int run_shell(const char *cmd, char *msg, size_t size) {
 
 static int mpi_available(void) {  // SEGNET_NO_MPI: as if there were none (test_runner_counts_skips)
     char msg[256];
-    return !getenv("SEGNET_NO_MPI") && access("./segnet", X_OK) == 0 && run_shell("./segnet info | grep -q '^mpi: yes' && command -v mpirun", msg, sizeof msg) == 0;
+    return !getenv("SEGNET_NO_MPI") && access("./segnet", X_OK) == 0 &&
+           run_shell("./segnet info | grep -q '^mpi: yes' && command -v mpirun", msg, sizeof msg) ==
+                   0;
 }
 
 static void compare_runs(const char *a, const char *b, const char *what) {
@@ -6932,20 +8013,26 @@ static void compare_runs(const char *a, const char *b, const char *what) {
 // BN per shard (no --sync-bn) likewise.
 TEST(replicas_cli) {
     if (!mpi_available()) SKIP(SKIP_NO_MPI);
-    const char *data = "/tmp/segnet_test_rep_data", *a = "/tmp/segnet_test_rep_a", *b = "/tmp/segnet_test_rep_b";
+    const char *data = "/tmp/segnet_test_rep_data", *a = "/tmp/segnet_test_rep_a",
+               *b = "/tmp/segnet_test_rep_b";
     rm_rf(data); rm_rf(a); rm_rf(b);
     write_seg_set(data, 5, 8, 8, 21);
     char common[1024], cmd[2048], msg[4096];
     for (int sync = 1; sync >= 0; sync--) {
-        snprintf(common, sizeof common, "train --model unet --depth 1 --width 4 --size 8x8 --classes 3 --class-weights 0,1,1 "
-                 "--batch 4 --data %s --val %s --threads 1 --augment flip --seed 3%s", data, data, sync ? " --sync-bn" : "");
+        snprintf(common, sizeof common,
+                 "train --model unet --depth 1 --width 4 --size 8x8 --classes 3 --class-weights "
+                 "0,1,1 "
+                 "--batch 4 --data %s --val %s --threads 1 --augment flip --seed 3%s",
+                 data, data, sync ? " --sync-bn" : "");
         snprintf(cmd, sizeof cmd, "./segnet %s --epochs 2 --replicas 2 --out %s", common, a);
         CHECK(run_shell(cmd, msg, sizeof msg) == 0, "%s: %s", cmd, msg);
         snprintf(cmd, sizeof cmd, MPIRUN " -np 2 ./segnet %s --epochs 2 --out %s", common, b);
         CHECK(run_shell(cmd, msg, sizeof msg) == 0, "%s: %s", cmd, msg);
         compare_runs(a, b, sync ? "mpirun vs --replicas, sync-bn" : "mpirun vs --replicas");
         rm_rf(b);
-        snprintf(cmd, sizeof cmd, "./segnet %s --epochs 1 --replicas 2 --out %s && " MPIRUN " -np 2 ./segnet train --resume %s --epochs 2",
+        snprintf(cmd, sizeof cmd,
+                 "./segnet %s --epochs 1 --replicas 2 --out %s && " MPIRUN
+                 " -np 2 ./segnet train --resume %s --epochs 2",
                  common, b, b);
         CHECK(run_shell(cmd, msg, sizeof msg) == 0, "%s: %s", cmd, msg);
         compare_runs(a, b, "resumed under mpirun");
@@ -6954,7 +8041,8 @@ TEST(replicas_cli) {
     rm_rf(data);
 }
 
-// RUN/last.safetensors' Adam first moment (malloc'd, *n floats), NULL (and a failed check) if unreadable
+// RUN/last.safetensors' Adam first moment (malloc'd, *n floats), NULL (and a failed check) if
+// unreadable
 static float *run_adam_moment(const char *run, size_t *n) {
     char path[600], err[SN_ERR_MAX];
     snprintf(path, sizeof path, "%s/last.safetensors", run);
@@ -6963,7 +8051,10 @@ static float *run_adam_moment(const char *run, size_t *n) {
     *n = 0;
     if (safetensors_read(path, &f, err) == 0) {
         const SafetensorsTensor *t = safetensors_find(&f, "train_state.adam_m");
-        if (t && (m = malloc(sizeof(float) * (t->numel + 1)))) { safetensors_tensor_f32(t, m); *n = t->numel; }
+        if (t && (m = malloc(sizeof(float) * (t->numel + 1)))) {
+            safetensors_tensor_f32(t, m);
+            *n = t->numel;
+        }
     }
     CHECK(m != NULL, "%s: no train_state.adam_m (%s)", path, err);
     safetensors_free(&f);
@@ -6975,7 +8066,8 @@ static float *run_adam_moment(const char *run, size_t *n) {
 // checkpoint) within 1e-6 of one replica's, as test_replicas_sync_bn_deep
 // checks in-process. `launch` and `extra` run the replicas.
 static void sync_bn_deep_cli(const char *launch, const char *extra) {
-    const char *data = "/tmp/segnet_test_syncdeep", *runs[2] = {"/tmp/segnet_test_syncdeep_1", "/tmp/segnet_test_syncdeep_2"};
+    const char *data = "/tmp/segnet_test_syncdeep",
+               *runs[2] = {"/tmp/segnet_test_syncdeep_1", "/tmp/segnet_test_syncdeep_2"};
     rm_rf(data);
     write_seg_set(data, 16, 64, 64, 31);
     const char *launches[2] = {"./segnet", launch}, *extras[2] = {"", extra};
@@ -6984,16 +8076,19 @@ static void sync_bn_deep_cli(const char *launch, const char *extra) {
     for (int k = 0; k < 2; k++) {
         char cmd[2048], msg[4096];
         rm_rf(runs[k]);
-        snprintf(cmd, sizeof cmd, "%s train --model unet --depth 2 --width 8 --size 64x64 --classes 3 --class-weights 0,1,1 "
-                 "--batch 16 --epochs 1 --lr 0 --sync-bn --threads 1 --seed 5 --data %s --out %s%s", launches[k], data, runs[k],
-                 extras[k]);
+        snprintf(cmd, sizeof cmd,
+                 "%s train --model unet --depth 2 --width 8 --size 64x64 --classes 3 "
+                 "--class-weights 0,1,1 "
+                 "--batch 16 --epochs 1 --lr 0 --sync-bn --threads 1 --seed 5 --data %s --out %s%s",
+                 launches[k], data, runs[k], extras[k]);
         CHECK(run_shell(cmd, msg, sizeof msg) == 0, "%s: %s", cmd, msg);
         m[k] = run_adam_moment(runs[k], &n[k]);
     }
     if (m[0] && m[1] && n[1] == n[0]) {
         double d = rel_l2(m[1], m[0], n[0]);
         if (g_verbose) printf("    %s%s: gradient %.3g from one replica's\n", launch, extra, d);
-        CHECK(d <= 1e-6, "%s%s: first-step gradient differs from one replica's by %.3g", launch, extra, d);
+        CHECK(d <= 1e-6, "%s%s: first-step gradient differs from one replica's by %.3g", launch,
+              extra, d);
     }
     for (int k = 0; k < 2; k++) { free(m[k]); rm_rf(runs[k]); }
     rm_rf(data);
@@ -7024,7 +8119,8 @@ static pid_t mpi_rank_pid(pid_t parent, int rank) {
         size_t n = 0;
         if ((f = fopen(path, "r"))) { n = fread(env, 1, sizeof env - 1, f); fclose(f); }
         env[n] = 0;
-        for (size_t k = 0; k < n; k += strlen(env + k) + 1) if (!strcmp(env + k, want)) found = atoi(e->d_name);
+        for (size_t k = 0; k < n; k += strlen(env + k) + 1)
+            if (!strcmp(env + k, want)) found = atoi(e->d_name);
     }
     if (d) closedir(d);
     return found;
@@ -7038,7 +8134,8 @@ static pid_t mpi_rank_pid(pid_t parent, int rank) {
 #define REPLICA_STOP_BOUND_S 30.0
 TEST(replicas_mpi_faults) {
     if (!mpi_available()) SKIP(SKIP_NO_MPI);
-    const char *ok = "/tmp/segnet_test_fault_ok", *bad = "/tmp/segnet_test_fault_bad", *run = "/tmp/segnet_test_fault_run";
+    const char *ok = "/tmp/segnet_test_fault_ok", *bad = "/tmp/segnet_test_fault_bad",
+               *run = "/tmp/segnet_test_fault_run";
     rm_rf(ok); rm_rf(bad); rm_rf(run);
     write_seg_set(ok, 4, 8, 8, 31);
     write_seg_set(bad, 4, 8, 8, 31);
@@ -7046,16 +8143,23 @@ TEST(replicas_mpi_faults) {
     snprintf(path, sizeof path, "%s/images/i02.png", bad);
     FILE *f = fopen(path, "w");
     if (f) { fputs("not a png", f); fclose(f); }
-    snprintf(common, sizeof common, "train --model unet --depth 1 --width 4 --size 8x8 --classes 3 --batch 4 --threads 1 --out %s", run);
-    snprintf(cmd, sizeof cmd, MPIRUN " -np 1 ./segnet %s --data %s : -np 1 ./segnet %s --data %s", common, ok, common, bad);
+    snprintf(common, sizeof common,
+             "train --model unet --depth 1 --width 4 --size 8x8 --classes 3 --batch 4 --threads 1 "
+             "--out %s",
+             run);
+    snprintf(cmd, sizeof cmd, MPIRUN " -np 1 ./segnet %s --data %s : -np 1 ./segnet %s --data %s",
+             common, ok, common, bad);
     int rc = run_shell(cmd, msg, sizeof msg);
-    CHECK(rc != 0 && contains(msg, "rank 1: ") && contains(msg, "i02.png") && contains(msg, "not a PNG or JPEG file"),
+    CHECK(rc != 0 && contains(msg, "rank 1: ") && contains(msg, "i02.png") &&
+                  contains(msg, "not a PNG or JPEG file"),
           "a bad file on rank 1: exit %d, '%s'", rc, msg);
     CHECK(access(run, F_OK) != 0, "nothing written");
     // a long run; rank 1 killed once the first checkpoint is there
     pid_t pid = fork();
     if (pid == 0) {
-        snprintf(cmd, sizeof cmd, "exec " MPIRUN " -np 2 ./segnet %s --data %s --epochs 100000 >/dev/null 2>/tmp/segnet_test_kill_err.txt",
+        snprintf(cmd, sizeof cmd,
+                 "exec " MPIRUN " -np 2 ./segnet %s --data %s --epochs 100000 >/dev/null "
+                                "2>/tmp/segnet_test_kill_err.txt",
                  common, ok);
         execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
         _exit(127);
@@ -7075,7 +8179,8 @@ TEST(replicas_mpi_faults) {
         if (!done) usleep(20000);
     }
     if (!done) { kill(pid, SIGTERM); waitpid(pid, &status, 0); }
-    CHECK(done && !(WIFEXITED(status) && WEXITSTATUS(status) == 0), "mpirun still running %.1f s after rank 1 was killed", waited);
+    CHECK(done && !(WIFEXITED(status) && WEXITSTATUS(status) == 0),
+          "mpirun still running %.1f s after rank 1 was killed", waited);
     size_t n;
     char *e = read_file("/tmp/segnet_test_kill_err.txt", &n);
     CHECK(e && contains(e, "rank 1"), "mpirun names the rank that died: '%s'", e ? e : "");
@@ -7099,13 +8204,22 @@ TEST(replicas_mpi_faults) {
 //   grad_scale 0.5/1024; below the norm (Σg² = 1024², norm 1): factor 1
 // and BEGIN: xent_scale = inv_norm·scale, the sums and the flag zeroed.
 static void step_control_case(Ops *o, const char *who) {
-    struct { float scale; int64_t good; int nonfinite; float clip, ss; float want_scale; int64_t want_good; int applied; float want_gs; } cases[] = {
-        {1024, 1, 0, 0, 0, 1024, 2, 1, 1.0f / 1024},
-        {1024, 2, 0, 0, 0, 2048, 0, 1, 1.0f / 1024},
-        {1024, 2, 1, 0, 0, 512, 0, 0, 1.0f / 1024},
-        {1, 5, 1, 0, 0, 1, 0, 0, 1.0f},
-        {1024, 0, 0, 2.0f, 4096.0f * 4096.0f, 1024, 1, 1, 0.5f / 1024},
-        {1024, 0, 0, 2.0f, 1024.0f * 1024.0f, 1024, 1, 1, 1.0f / 1024},
+    struct {
+        float scale;
+        int64_t good;
+        int nonfinite;
+        float clip, ss;
+        float want_scale;
+        int64_t want_good;
+        int applied;
+        float want_gs;
+    } cases[] = {
+            {1024, 1, 0, 0, 0, 1024, 2, 1, 1.0f / 1024},
+            {1024, 2, 0, 0, 0, 2048, 0, 1, 1.0f / 1024},
+            {1024, 2, 1, 0, 0, 512, 0, 0, 1.0f / 1024},
+            {1, 5, 1, 0, 0, 1, 0, 0, 1.0f},
+            {1024, 0, 0, 2.0f, 4096.0f * 4096.0f, 1024, 1, 1, 0.5f / 1024},
+            {1024, 0, 0, 2.0f, 1024.0f * 1024.0f, 1024, 1, 1, 1.0f / 1024},
     };
     StepArgs *a_dev = o->alloc(o, sizeof(StepArgs));
     StepState *s_dev = o->alloc(o, sizeof(StepState));
@@ -7121,20 +8235,25 @@ static void step_control_case(Ops *o, const char *who) {
         o->upload(o, s_dev, &st, sizeof st);
         o->step_control(o, a_dev, s_dev, STEP_BEGIN);
         o->download(o, &st, s_dev, sizeof st);
-        CHECK(st.xent_scale == 0.25f * cases[k].scale && st.loss[0] == 0 && st.loss[1] == 0 && st.loss[2] == 0 &&
-              st.nonfinite == 0 && st.grad_sum_squares == 0 && st.loss_scale == cases[k].scale,
-              "%s case %d BEGIN: xent_scale %g, flag %d, scale %g", who, k, st.xent_scale, st.nonfinite, st.loss_scale);
+        CHECK(st.xent_scale == 0.25f * cases[k].scale && st.loss[0] == 0 && st.loss[1] == 0 &&
+                      st.loss[2] == 0 && st.nonfinite == 0 && st.grad_sum_squares == 0 &&
+                      st.loss_scale == cases[k].scale,
+              "%s case %d BEGIN: xent_scale %g, flag %d, scale %g", who, k, st.xent_scale,
+              st.nonfinite, st.loss_scale);
         st.nonfinite = cases[k].nonfinite;
         st.grad_sum_squares = cases[k].ss;
         o->upload(o, s_dev, &st, sizeof st);
         o->step_control(o, a_dev, s_dev, STEP_DECIDE);
         o->download(o, &st, s_dev, sizeof st);
         CHECK(st.loss_scale == cases[k].want_scale && st.good_steps == cases[k].want_good &&
-              st.applied == cases[k].applied && st.adam.skip == !cases[k].applied && st.adam.grad_scale == cases[k].want_gs &&
-              st.adam.alpha == a.adam.alpha && st.adam.lr == a.adam.lr,
-              "%s case %d: scale %g good %lld applied %d skip %d grad_scale %.9g; expected %g %lld %d %.9g", who, k,
-              st.loss_scale, (long long)st.good_steps, st.applied, st.adam.skip, st.adam.grad_scale, cases[k].want_scale,
-              (long long)cases[k].want_good, cases[k].applied, cases[k].want_gs);
+                      st.applied == cases[k].applied && st.adam.skip == !cases[k].applied &&
+                      st.adam.grad_scale == cases[k].want_gs && st.adam.alpha == a.adam.alpha &&
+                      st.adam.lr == a.adam.lr,
+              "%s case %d: scale %g good %lld applied %d skip %d grad_scale %.9g; expected %g %lld "
+              "%d %.9g",
+              who, k, st.loss_scale, (long long)st.good_steps, st.applied, st.adam.skip,
+              st.adam.grad_scale, cases[k].want_scale, (long long)cases[k].want_good,
+              cases[k].applied, cases[k].want_gs);
     }
     o->free(o, a_dev); o->free(o, s_dev);
 }
@@ -7145,46 +8264,84 @@ TEST(step_control) { step_control_case(&ops_cpu, "cpu"); }
 // p[y] the clip moved has no gradient. Computed here from the probabilities.
 TEST(keras_clipped_xent) {
     // pixels: confidently wrong (clipped low), confidently right (clipped high), ordinary, ordinary
-    const float z[4 * 3] = {30.0f, 0.0f, 0.0f, 0.0f, 40.0f, 0.0f, 0.3f, -0.2f, 0.5f, 1.0f, 2.0f, -1.0f};
+    const float z[4 * 3] = {30.0f, 0.0f,  0.0f, 0.0f, 40.0f, 0.0f,
+                            0.3f,  -0.2f, 0.5f, 1.0f, 2.0f,  -1.0f};
     const int32_t y[4] = {1, 1, 2, 0};
     const float w[3] = {0.5f, 1.0f, 2.0f};
     float stats[3] = {0}, dz[12];
     const Shape s = shape4(1, 1, 4, 3);
-    ops_cpu.softmax_xent(&ops_cpu, tensor_f32((float *)z, s), y, w, KERAS_EPSILON, &(float){1.0f}, stats, tensor_f32(dz, s));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32((float *)z, s), y, w, KERAS_EPSILON, &(float){1.0f},
+                         stats, tensor_f32(dz, s));
     double want = 0.0, wsum = 0.0;
     for (int i = 0; i < 4; i++) {
         double e[3], sum = 0.0;
         for (int c = 0; c < 3; c++) sum += e[c] = exp((double)z[3 * i + c]);
-        const double p = e[y[i]] / sum, eps = KERAS_EPSILON, clipped = p < eps ? eps : p > 1.0 - eps ? 1.0 - eps : p;
+        const double p = e[y[i]] / sum, eps = KERAS_EPSILON,
+                     clipped = p < eps         ? eps
+                               : p > 1.0 - eps ? 1.0 - eps
+                                               : p;
         want += w[y[i]] * -log(clipped);
         wsum += w[y[i]];
         for (int c = 0; c < 3; c++) {
             const double g = clipped != p ? 0.0 : w[y[i]] * (e[c] / sum - (c == y[i]));
-            CHECK(fabs(dz[3 * i + c] - g) <= 1e-7, "pixel %d class %d: gradient %.9g, Keras %.9g", i, c, dz[3 * i + c], g);
+            CHECK(fabs(dz[3 * i + c] - g) <= 1e-7, "pixel %d class %d: gradient %.9g, Keras %.9g",
+                  i, c, dz[3 * i + c], g);
         }
     }
     CHECK_NEAR(stats[0], want, 1e-6 * want, "Σ w·(-log clip(p[y]))");
     CHECK_NEAR(stats[1], wsum, 0, "Σ w");
-    CHECK_NEAR(stats[0] / 1.0, 1.0 * -log(1e-7) + 1.0 * -log(1.0 - 1e-7) + 2.0 * -log(exp(0.5) / (exp(0.3) + exp(-0.2) + exp(0.5))) +
-               0.5 * -log(exp(1.0) / (exp(1.0) + exp(2.0) + exp(-1.0))), 2e-5, "the four pixels' terms written out");
+    CHECK_NEAR(stats[0] / 1.0,
+               1.0 * -log(1e-7) + 1.0 * -log(1.0 - 1e-7) +
+                       2.0 * -log(exp(0.5) / (exp(0.3) + exp(-0.2) + exp(0.5))) +
+                       0.5 * -log(exp(1.0) / (exp(1.0) + exp(2.0) + exp(-1.0))),
+               2e-5, "the four pixels' terms written out");
 }
 
 // ----------------------------------------------------------------------------
 // the CUDA backend's tests (below, built where nvcc is): a build without nvcc
 // lists them as not run. test_cuda_tests_listed checks this list against the
 // tests a CUDA build registers.
-typedef struct { const char *name; int nccl; } CudaTestName;  // nccl: 1 only with NCCL, -1 only without
-static const CudaTestName CUDA_TESTS[] __attribute__((unused)) = {  // (unused in fuzz_segnet)
-    {"cuda_fill_copy", 0}, {"cuda_gemm_ex_types", 0}, {"cuda_conv_pointwise", 0}, {"cuda_conv_dense", 0},
-    {"cuda_conv_grouped", 0}, {"cuda_conv_depthwise", 0}, {"cuda_conv_model_shapes", 0}, {"cuda_scale_axpby", 0},
-    {"cuda_sum_squares_nonfinite", 0}, {"cuda_softmax_xent", 0}, {"cuda_confusion", 0}, {"cuda_adam", 0},
-    {"cuda_alloc_counts", 0}, {"cuda_ops_complete", 0}, {"cuda_graph_step", 0}, {"cuda_step_control", 0},
-    {"cuda_sync_each", 0}, {"cuda_emu_semantics", 0}, {"cuda_emu_count_file", 0}, {"cuda_train_steps", 0},
-    {"cuda_fused_layers_bitwise", 0}, {"cuda_plan_equals_allocation", 0}, {"cuda_nccl_comm", 1},
-    {"cuda_replicas_sync_bn", 1}, {"cuda_replicas_train_run", 1}, {"cuda_replicas_no_nccl", -1}, {"cuda_bn_stats", 0},
-    {"cuda_bn_forward_backward", 0}, {"cuda_bn_fused_next", 0}, {"cuda_act", 0}, {"cuda_squeeze_excitation", 0},
-    {"cuda_se_gate", 0}, {"cuda_add_concat", 0}, {"cuda_dropout", 0}, {"cuda_pool_upsample", 0},
-    {"cuda_resize_bilinear", 0}, {"cuda_tests_listed", 0},
+// nccl: 1 only with NCCL, -1 only without
+typedef struct { const char *name; int nccl; } CudaTestName;
+static const CudaTestName CUDA_TESTS[] __attribute__((unused)) = {
+        // (unused in fuzz_segnet)
+        {"cuda_fill_copy", 0},
+        {"cuda_gemm_ex_types", 0},
+        {"cuda_conv_pointwise", 0},
+        {"cuda_conv_dense", 0},
+        {"cuda_conv_grouped", 0},
+        {"cuda_conv_depthwise", 0},
+        {"cuda_conv_model_shapes", 0},
+        {"cuda_scale_axpby", 0},
+        {"cuda_sum_squares_nonfinite", 0},
+        {"cuda_softmax_xent", 0},
+        {"cuda_confusion", 0},
+        {"cuda_adam", 0},
+        {"cuda_alloc_counts", 0},
+        {"cuda_ops_complete", 0},
+        {"cuda_graph_step", 0},
+        {"cuda_step_control", 0},
+        {"cuda_sync_each", 0},
+        {"cuda_emu_semantics", 0},
+        {"cuda_emu_count_file", 0},
+        {"cuda_train_steps", 0},
+        {"cuda_fused_layers_bitwise", 0},
+        {"cuda_plan_equals_allocation", 0},
+        {"cuda_nccl_comm", 1},
+        {"cuda_replicas_sync_bn", 1},
+        {"cuda_replicas_train_run", 1},
+        {"cuda_replicas_no_nccl", -1},
+        {"cuda_bn_stats", 0},
+        {"cuda_bn_forward_backward", 0},
+        {"cuda_bn_fused_next", 0},
+        {"cuda_act", 0},
+        {"cuda_squeeze_excitation", 0},
+        {"cuda_se_gate", 0},
+        {"cuda_add_concat", 0},
+        {"cuda_dropout", 0},
+        {"cuda_pool_upsample", 0},
+        {"cuda_resize_bilinear", 0},
+        {"cuda_tests_listed", 0},
 };
 
 #ifdef SEGNET_CUDA
@@ -7214,12 +8371,16 @@ TEST(cuda_tests_listed) {
         const Test *t = NULL;
         for (int k = 0; k < g_n_tests && !t; k++)
             if (!strcmp(g_tests[k].name, c->name)) t = &g_tests[k];
-        if (c->nccl && c->nccl != nccl) { CHECK(!t, "%s: listed for the other NCCL case, registered in this one", c->name); continue; }
+        if (c->nccl && c->nccl != nccl) {
+            CHECK(!t, "%s: listed for the other NCCL case, registered in this one", c->name);
+            continue;
+        }
         CHECK(t != NULL, "%s: listed in CUDA_TESTS, not registered", c->name);
         listed++;
     }
     for (int k = 0; k < g_n_tests; k++) registered += !strncmp(g_tests[k].name, "cuda_", 5);
-    CHECK(registered == listed, "%d cuda_ tests registered, %d listed in CUDA_TESTS", registered, listed);
+    CHECK(registered == listed, "%d cuda_ tests registered, %d listed in CUDA_TESTS", registered,
+          listed);
 }
 
 // One tensor on both backends: `cpu` in host memory for ops_cpu, `gpu` the
@@ -7278,7 +8439,8 @@ static double cu_pair_err(CuPair p) {
 TEST(cuda_fill_copy) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 71);
-    const Shape shapes[2] = {shape4(2, 3, 5, 7), shape4(2, 3, 5, 16)};  // odd; whole 16-byte vectors
+    // odd; whole 16-byte vectors
+    const Shape shapes[2] = {shape4(2, 3, 5, 7), shape4(2, 3, 5, 16)};
     for (int si = 0; si < 2; si++) {
     const Shape s = shapes[si];
     float *v = randn(&r, shape_numel(s), 3.0f);
@@ -7290,8 +8452,8 @@ TEST(cuda_fill_copy) {
                 o->fill(o, dst.gpu, 0.3f);
                 ops_cpu.copy(&ops_cpu, dst.cpu, src.cpu, acc);
                 o->copy(o, dst.gpu, src.gpu, acc);
-                CHECK(cu_pair_err(dst) == 0.0, "copy %s -> %s accumulate %d: error %.3g", DT_NAME[a], DT_NAME[b], acc,
-                      cu_pair_err(dst));
+                CHECK(cu_pair_err(dst) == 0.0, "copy %s -> %s accumulate %d: error %.3g",
+                      DT_NAME[a], DT_NAME[b], acc, cu_pair_err(dst));
                 cu_pair_free(&src); cu_pair_free(&dst);
             }
     free(v);
@@ -7303,16 +8465,17 @@ TEST(cuda_fill_copy) {
 // CUBLAS_COMPUTE_32F, beta = 0 not reading C (it starts as NaN), beta = 1 adding
 // into C, fp32 accumulation with one rounding of a 16-bit C, and refusal of
 // combinations cuBLAS does not support.
-static cublasStatus_t cu_gemm_2x2x3(cublasHandle_t h, DType ab, DType ct, const float *a, const float *b,
-                                    const float *c0, float beta, float *c_out) {
+static cublasStatus_t cu_gemm_2x2x3(cublasHandle_t h, DType ab, DType ct, const float *a,
+                                    const float *b, const float *c0, float beta, float *c_out) {
     static const cudaDataType T[3] = {CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF};
     Ops *o = cu_ops();
     CuPair A = cu_pair(a, shape4(1, 1, 1, 6), ab), B = cu_pair(b, shape4(1, 1, 1, 6), ab);
     CuPair C = cu_pair(c0, shape4(1, 1, 1, 4), ct);
     const float alpha = 1.0f;
     // C (2×2) = op(A)·B, A stored 3×2 (lda 3) and transposed, B 3×2 (ldb 3)
-    cublasStatus_t s = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, 2, 2, 3, &alpha, A.gpu.data, T[ab], 3, B.gpu.data,
-                                    T[ab], 3, &beta, C.gpu.data, T[ct], 2, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cublasStatus_t s = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, 2, 2, 3, &alpha, A.gpu.data, T[ab],
+                                    3, B.gpu.data, T[ab], 3, &beta, C.gpu.data, T[ct], 2,
+                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     o->synchronize(o);
     float *r = cu_to_host(C.gpu.data, 4, ct);
     memcpy(c_out, r, sizeof(float) * 4);
@@ -7327,15 +8490,21 @@ TEST(cuda_gemm_ex_types) {
     // op(A) = [[1,2,3],[4,5,6]], B columns (1,0,-1), (2,1,0): C = [[-2,4],[-2,13]], column-major
     const float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {1, 0, -1, 2, 1, 0}, c0[4] = {0.5f, 0.25f, 1, 2};
     const float want0[4] = {-2, -2, 4, 13}, want1[4] = {-1.5f, -1.75f, 5, 15};
-    const DType combos[5][2] = {{DT_F32, DT_F32}, {DT_F16, DT_F16}, {DT_F16, DT_F32}, {DT_BF16, DT_BF16}, {DT_BF16, DT_F32}};
+    const DType combos[5][2] = {{DT_F32, DT_F32},
+                                {DT_F16, DT_F16},
+                                {DT_F16, DT_F32},
+                                {DT_BF16, DT_BF16},
+                                {DT_BF16, DT_F32}};
     float c[4];
     for (int i = 0; i < 5; i++) {
         DType ab = combos[i][0], ct = combos[i][1];
-        CHECK(cu_gemm_2x2x3(h, ab, ct, a, b, NULL, 0.0f, c) == CUBLAS_STATUS_SUCCESS, "%s x %s -> %s accepted",
-              DT_NAME[ab], DT_NAME[ab], DT_NAME[ct]);
-        CHECK(!memcmp(c, want0, sizeof c), "%s -> %s, beta 0: %g %g %g %g", DT_NAME[ab], DT_NAME[ct], c[0], c[1], c[2], c[3]);
+        CHECK(cu_gemm_2x2x3(h, ab, ct, a, b, NULL, 0.0f, c) == CUBLAS_STATUS_SUCCESS,
+              "%s x %s -> %s accepted", DT_NAME[ab], DT_NAME[ab], DT_NAME[ct]);
+        CHECK(!memcmp(c, want0, sizeof c), "%s -> %s, beta 0: %g %g %g %g", DT_NAME[ab],
+              DT_NAME[ct], c[0], c[1], c[2], c[3]);
         cu_gemm_2x2x3(h, ab, ct, a, b, c0, 1.0f, c);
-        CHECK(!memcmp(c, want1, sizeof c), "%s -> %s, beta 1: %g %g %g %g", DT_NAME[ab], DT_NAME[ct], c[0], c[1], c[2], c[3]);
+        CHECK(!memcmp(c, want1, sizeof c), "%s -> %s, beta 1: %g %g %g %g", DT_NAME[ab],
+              DT_NAME[ct], c[0], c[1], c[2], c[3]);
     }
     // 1 + 2^-8 + 2^-9 summed in fp32 and rounded once to bf16 is 1 + 2^-7; summed
     // in bf16 it would stay 1 (1 + 2^-8 ties to even)
@@ -7346,11 +8515,13 @@ TEST(cuda_gemm_ex_types) {
     Ops *o = cu_ops();
     void *m = o->alloc(o, 64);
     const float alpha = 1.0f, beta = 0.0f;
-    const cudaDataType bad[3][3] = {{CUDA_R_16F, CUDA_R_16BF, CUDA_R_32F}, {CUDA_R_32F, CUDA_R_32F, CUDA_R_16F},
+    const cudaDataType bad[3][3] = {{CUDA_R_16F, CUDA_R_16BF, CUDA_R_32F},
+                                    {CUDA_R_32F, CUDA_R_32F, CUDA_R_16F},
                                     {CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16F}};
     for (int i = 0; i < 3; i++)
-        CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 2, &alpha, m, bad[i][0], 2, m, bad[i][1], 2, &beta, m,
-                           bad[i][2], 2, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_NOT_SUPPORTED,
+        CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 2, &alpha, m, bad[i][0], 2, m,
+                           bad[i][1], 2, &beta, m, bad[i][2], 2, CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_NOT_SUPPORTED,
               "type combination %d refused", i);
     o->free(o, m);
     cublasDestroy(h);
@@ -7379,14 +8550,21 @@ TEST(cuda_gemm_ex_types) {
 // The measured worst relative error max|gpu - cpu| / max|cpu| per op and
 // precision is printed with -v.
 
-typedef struct { const char *label; Shape in; int cout, k, stride, groups; PadMode pad; } CuConvCase;
+typedef struct {
+    const char *label;
+    Shape in;
+    int cout, k, stride, groups;
+    PadMode pad;
+} CuConvCase;
 
 static double g_conv_worst[4][3];  // [forward, backward data, backward weight, bias][dtype]
 
 static float dtype_unit_roundoff(DType dt) {
     return dt == DT_F16 ? 0x1p-11f : dt == DT_BF16 ? 0x1p-8f : 0.0f;
 }
-static double dtype_subnormal_error(DType dt) { return dt == DT_F16 ? 0x1p-25 : dt == DT_BF16 ? 0x1p-134 : 0.0; }
+static double dtype_subnormal_error(DType dt) {
+    return dt == DT_F16 ? 0x1p-25 : dt == DT_BF16 ? 0x1p-134 : 0.0;
+}
 static float *abs_copy(const float *v, size_t n) {
     float *a = malloc(sizeof(float) * (n ? n : 1));
     for (size_t i = 0; i < n; i++) a[i] = fabsf(v[i]);
@@ -7399,17 +8577,21 @@ static float *cu_host_values(Tensor t) {
     for (size_t i = 0; i < n; i++) f[i] = ld(t, i);
     return f;
 }
-// checks gpu against cpu with the bound above; S = sum of absolute terms; returns the relative error
-static double cu_conv_compare(const char *what, const char *label, int op, DType dt, const float *gpu,
-                              const float *cpu, const float *S, size_t n, size_t terms, float u_w, DType out) {
-    const double rel = 2.0 * terms * 0x1p-24 + u_w, u_out = dtype_unit_roundoff(out), eta = dtype_subnormal_error(out);
+// checks gpu against cpu with the bound above; S = sum of absolute terms; returns the relative
+// error
+static double cu_conv_compare(const char *what, const char *label, int op, DType dt,
+                              const float *gpu, const float *cpu, const float *S, size_t n,
+                              size_t terms, float u_w, DType out) {
+    const double rel = 2.0 * terms * 0x1p-24 + u_w, u_out = dtype_unit_roundoff(out),
+                 eta = dtype_subnormal_error(out);
     size_t bad = 0, first = 0;
     for (size_t i = 0; i < n; i++) {
         double bound = rel * S[i] + 2.0 * u_out * fabs(cpu[i]) + 2.0 * eta;
         if (!(fabs((double)gpu[i] - cpu[i]) <= bound)) { if (!bad++) first = i; }
     }
-    CHECK(!bad, "%s %s %s: %zu of %zu elements outside the bound, e.g. [%zu] gpu %.9g cpu %.9g S %.3g", label, what,
-          DT_NAME[dt], bad, n, first, gpu[first], cpu[first], S[first]);
+    CHECK(!bad,
+          "%s %s %s: %zu of %zu elements outside the bound, e.g. [%zu] gpu %.9g cpu %.9g S %.3g",
+          label, what, DT_NAME[dt], bad, n, first, gpu[first], cpu[first], S[first]);
     double e = cu_rel_err(gpu, cpu, n, 1e-30);
     if (e > g_conv_worst[op][dt]) g_conv_worst[op][dt] = e;
     return e;
@@ -7423,36 +8605,46 @@ static void cuda_conv_case(const CuConvCase *tc, DType dt, int bias, Rng *r) {
     ConvGeom q;
     snCheck(conv_geom_of(&cfg, tc->in, &q), "test case %s does not fit", tc->label);
     const Shape in = tc->in, os = shape4(q.N, q.OH, q.OW, q.Cout);
-    const size_t nin = shape_numel(in), nout = shape_numel(os), nw = (size_t)q.Cout * q.K, M = (size_t)q.N * q.P;
+    const size_t nin = shape_numel(in), nout = shape_numel(os), nw = (size_t)q.Cout * q.K,
+                 M = (size_t)q.N * q.P;
     const int depthwise = conv_is_depthwise(&cfg);
     const float u_w = depthwise ? 0.0f : dtype_unit_roundoff(dt);
-    float *x = randn(r, nin, 1.0f), *w = randn(r, nw, 1.0f / sqrtf((float)q.K)), *b = randn(r, q.Cout, 0.5f);
-    float *dy = randn(r, nout, 1.0f), *din0 = randn(r, nin, 1.0f), *dw0 = randn(r, nw, 1.0f), *db0 = randn(r, q.Cout, 1.0f);
+    float *x = randn(r, nin, 1.0f), *w = randn(r, nw, 1.0f / sqrtf((float)q.K)),
+          *b = randn(r, q.Cout, 0.5f);
+    float *dy = randn(r, nout, 1.0f), *din0 = randn(r, nin, 1.0f), *dw0 = randn(r, nw, 1.0f),
+          *db0 = randn(r, q.Cout, 1.0f);
     CuPair X = cu_pair(x, in, dt), Y = cu_pair(NULL, os, dt), DY = cu_pair(dy, os, dt);
     // the inputs as the ops see them (rounded to dt), and their absolute values for S
     float *xr = cu_host_values(X.cpu), *dyr = cu_host_values(DY.cpu);
-    float *ax = abs_copy(xr, nin), *aw = abs_copy(w, nw), *ab = abs_copy(b, q.Cout), *ady = abs_copy(dyr, nout);
+    float *ax = abs_copy(xr, nin), *aw = abs_copy(w, nw), *ab = abs_copy(b, q.Cout),
+          *ady = abs_copy(dyr, nout);
     float *w_d = cu_floats(w, nw), *b_d = cu_floats(b, q.Cout);
-    const size_t cws_f32 = conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32), cws_dt = conv2d_workspace_cpu(&ops_cpu, &cfg, in, dt);
-    void *cws = malloc((cws_f32 > cws_dt ? cws_f32 : cws_dt) + 1);  // the ops in dt, the bounds S in fp32
+    const size_t cws_f32 = conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32),
+                 cws_dt = conv2d_workspace_cpu(&ops_cpu, &cfg, in, dt);
+    // the ops in dt, the bounds S in fp32
+    void *cws = malloc((cws_f32 > cws_dt ? cws_f32 : cws_dt) + 1);
     // the GPU workspace: exactly conv2d_workspace bytes, then a guard, both filled
     // with 0xff bytes (NaN), so reading unwritten workspace shows, and writes past the end too
     const size_t ws_bytes = o->conv2d_workspace(o, &cfg, in, dt), guard = 256;
     unsigned char *gws = o->alloc(o, ws_bytes + guard), *h = malloc(ws_bytes + guard);
     memset(h, 0xff, ws_bytes + guard);
     o->upload(o, gws, h, ws_bytes + guard);
-    float *S = malloc(sizeof(float) * (nin > nout ? (nin > nw ? nin : nw) : (nout > nw ? nout : nw)));
+    float *S =
+            malloc(sizeof(float) * (nin > nout ? (nin > nw ? nin : nw) : (nout > nw ? nout : nw)));
 
     // forward
     ops_cpu.conv2d_forward(&ops_cpu, &cfg, Y.cpu, X.cpu, w, NULL, bias ? b : NULL, cws);
     o->conv2d_forward(o, &cfg, Y.gpu, X.gpu, w_d, NULL, bias ? b_d : NULL, gws);
-    ops_cpu.conv2d_forward(&ops_cpu, &cfg, tensor_f32(S, os), tensor_f32(ax, in), aw, NULL, bias ? ab : NULL, cws);
+    ops_cpu.conv2d_forward(&ops_cpu, &cfg, tensor_f32(S, os), tensor_f32(ax, in), aw, NULL,
+                           bias ? ab : NULL, cws);
     float *yc = cu_host_values(Y.cpu), *yg = cu_to_host(Y.gpu.data, nout, dt);
     cu_conv_compare("forward", tc->label, 0, dt, yg, yc, S, nout, (size_t)q.K + 1, u_w, dt);
     free(yc); free(yg);
-    if (dt != DT_F32) {  // the weights cast by the caller (a net's params_cast): the same bits as cast here
+    // the weights cast by the caller (a net's params_cast): the same bits as cast here
+    if (dt != DT_F32) {
         void *w_cast = o->alloc(o, nw * dtype_size(dt));
-        o->copy(o, tensor(w_cast, shape4(1, 1, 1, (int)nw), dt), tensor_f32(w_d, shape4(1, 1, 1, (int)nw)), 0);
+        o->copy(o, tensor(w_cast, shape4(1, 1, 1, (int)nw), dt),
+                tensor_f32(w_d, shape4(1, 1, 1, (int)nw)), 0);
         CuPair Y2 = cu_pair(NULL, os, dt), DX1 = cu_pair(NULL, in, dt), DX2 = cu_pair(NULL, in, dt);
         o->conv2d_forward(o, &cfg, Y2.gpu, X.gpu, w_d, w_cast, bias ? b_d : NULL, gws);
         o->conv2d_backward_data(o, &cfg, DX1.gpu, DY.gpu, w_d, NULL, 0, gws);
@@ -7460,7 +8652,8 @@ static void cuda_conv_case(const CuConvCase *tc, DType dt, int bias, Rng *r) {
         float *a = cu_to_host(Y.gpu.data, nout, dt), *b2 = cu_to_host(Y2.gpu.data, nout, dt);
         float *c = cu_to_host(DX1.gpu.data, nin, dt), *d = cu_to_host(DX2.gpu.data, nin, dt);
         CHECK(!memcmp(a, b2, sizeof(float) * nout) && !memcmp(c, d, sizeof(float) * nin),
-              "conv %s %s: with the caller's cast weights the outputs differ", tc->label, DT_NAME[dt]);
+              "conv %s %s: with the caller's cast weights the outputs differ", tc->label,
+              DT_NAME[dt]);
         free(a); free(b2); free(c); free(d);
         cu_pair_free(&Y2); cu_pair_free(&DX1); cu_pair_free(&DX2);
         o->free(o, w_cast);
@@ -7473,11 +8666,12 @@ static void cuda_conv_case(const CuConvCase *tc, DType dt, int bias, Rng *r) {
         o->conv2d_backward_data(o, &cfg, DX.gpu, DY.gpu, w_d, NULL, acc, gws);
         float *dx_old = abs_copy(din0, nin);  // |din| as stored: round through dt
         for (size_t i = 0; i < nin; i++) dx_old[i] = fabsf(dtype_round(dt, dx_old[i]));
-        ops_cpu.conv2d_backward_data(&ops_cpu, &cfg, tensor_f32(S, in), tensor_f32(ady, os), aw, NULL, 0, cws);
+        ops_cpu.conv2d_backward_data(&ops_cpu, &cfg, tensor_f32(S, in), tensor_f32(ady, os), aw,
+                                     NULL, 0, cws);
         if (acc) for (size_t i = 0; i < nin; i++) S[i] += dx_old[i];
         float *c = cu_host_values(DX.cpu), *g = cu_to_host(DX.gpu.data, nin, dt);
-        cu_conv_compare(acc ? "backward data (accumulate)" : "backward data", tc->label, 1, dt, g, c, S, nin,
-                        (size_t)tc->k * tc->k * (q.Cout / cfg.groups) + 1, u_w, dt);
+        cu_conv_compare(acc ? "backward data (accumulate)" : "backward data", tc->label, 1, dt, g,
+                        c, S, nin, (size_t)tc->k * tc->k * (q.Cout / cfg.groups) + 1, u_w, dt);
         free(c); free(g); free(dx_old);
         cu_pair_free(&DX);
     }
@@ -7489,13 +8683,15 @@ static void cuda_conv_case(const CuConvCase *tc, DType dt, int bias, Rng *r) {
     ops_cpu.conv2d_backward_weight(&ops_cpu, &cfg, dw_c, bias ? db_c : NULL, DY.cpu, X.cpu, cws);
     o->conv2d_backward_weight(o, &cfg, dw_d, bias ? db_d : NULL, DY.gpu, X.gpu, gws);
     for (size_t i = 0; i < nw; i++) S[i] = fabsf(dw0[i]);
-    ops_cpu.conv2d_backward_weight(&ops_cpu, &cfg, S, NULL, tensor_f32(ady, os), tensor_f32(ax, in), cws);
+    ops_cpu.conv2d_backward_weight(&ops_cpu, &cfg, S, NULL, tensor_f32(ady, os), tensor_f32(ax, in),
+                                   cws);
     float *g = cu_to_host(dw_d, nw, DT_F32);
     cu_conv_compare("backward weight", tc->label, 2, dt, g, dw_c, S, nw, M + 1, 0.0f, DT_F32);
     free(g);
     if (bias) {
         for (int c = 0; c < q.Cout; c++) S[c] = fabsf(db0[c]);
-        ops_cpu.conv2d_backward_weight(&ops_cpu, &cfg, NULL, S, tensor_f32(ady, os), tensor_f32(ax, in), cws);
+        ops_cpu.conv2d_backward_weight(&ops_cpu, &cfg, NULL, S, tensor_f32(ady, os),
+                                       tensor_f32(ax, in), cws);
         g = cu_to_host(db_d, q.Cout, DT_F32);
         cu_conv_compare("bias gradient", tc->label, 3, dt, g, db_c, S, q.Cout, M + 1, 0.0f, DT_F32);
         free(g);
@@ -7503,7 +8699,8 @@ static void cuda_conv_case(const CuConvCase *tc, DType dt, int bias, Rng *r) {
         o->conv2d_backward_weight(o, &cfg, NULL, db_d, DY.gpu, X.gpu, gws);
         for (int c = 0; c < q.Cout; c++) S[c] = S[c] * 2.0f;  // two sums added into db0
         g = cu_to_host(db_d, q.Cout, DT_F32);
-        cu_conv_compare("bias gradient, no dweight", tc->label, 3, dt, g, db_c, S, q.Cout, 2 * M + 1, 0.0f, DT_F32);
+        cu_conv_compare("bias gradient, no dweight", tc->label, 3, dt, g, db_c, S, q.Cout,
+                        2 * M + 1, 0.0f, DT_F32);
         free(g);
     }
 
@@ -7512,11 +8709,13 @@ static void cuda_conv_case(const CuConvCase *tc, DType dt, int bias, Rng *r) {
     o->download(o, h, gws, ws_bytes + guard);
     size_t past = 0;
     for (size_t i = ws_bytes; i < ws_bytes + guard; i++) past += h[i] != 0xff;
-    CHECK(past == 0, "%s %s: %zu bytes written past the %zu-byte workspace", tc->label, DT_NAME[dt], past, ws_bytes);
+    CHECK(past == 0, "%s %s: %zu bytes written past the %zu-byte workspace", tc->label, DT_NAME[dt],
+          past, ws_bytes);
     if (ws_bytes) {
         int used = 0;
         for (size_t i = ws_bytes - 4; i < ws_bytes; i++) used |= h[i] != 0xff;
-        CHECK(used, "%s %s: no op wrote the last bytes of its %zu-byte workspace", tc->label, DT_NAME[dt], ws_bytes);
+        CHECK(used, "%s %s: no op wrote the last bytes of its %zu-byte workspace", tc->label,
+              DT_NAME[dt], ws_bytes);
     }
     free(h);
 
@@ -7545,10 +8744,11 @@ static void cuda_conv_cases(const CuConvCase *cases, size_t n, int chunked) {
     cuda_conv_chunk_bytes = saved;
     cuda_conv_implicit = 1;
     if (g_verbose) {
-        static const char *const OP[4] = {"forward", "backward data", "backward weight", "bias gradient"};
+        static const char *const OP[4] = {"forward", "backward data", "backward weight",
+                                          "bias gradient"};
         for (int op = 0; op < 4; op++)
-            printf("    worst relative error %-16s fp32 %.2e  fp16 %.2e  bf16 %.2e\n", OP[op], g_conv_worst[op][0],
-                   g_conv_worst[op][1], g_conv_worst[op][2]);
+            printf("    worst relative error %-16s fp32 %.2e  fp16 %.2e  bf16 %.2e\n", OP[op],
+                   g_conv_worst[op][0], g_conv_worst[op][1], g_conv_worst[op][2]);
     }
 }
 
@@ -7613,19 +8813,25 @@ TEST(cuda_conv_depthwise) {
 // deduplicated by configuration: the convs the implicit-GEMM kernels run in
 // training. Returns how many were written (at most cap).
 static int model_conv_cfgs(ConvCfg *out, int cap) {
-    static const char *const models[] = {"effv2-s", "effv2-m", "effv2-l", "effv2-t", "unet",
-                                         "unet-effv2-s", "unet-effv2-m", "unet-effv2-l", "unet-effv2-t"};
+    static const char *const models[] = {"effv2-s",      "effv2-m",      "effv2-l",
+                                         "effv2-t",      "unet",         "unet-effv2-s",
+                                         "unet-effv2-m", "unet-effv2-l", "unet-effv2-t"};
     int n = 0;
     for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++)
         for (int pad = PAD_SAME; pad <= PAD_SYMMETRIC; pad++) {
             ModelCfg c = model_cfg_default();
-            c.model = models[mi]; c.classes = 4; c.batch = 1; c.height = c.width = 64; c.pad = (PadMode)pad;
+            c.model = models[mi];
+            c.classes = 4;
+            c.batch = 1;
+            c.height = c.width = 64;
+            c.pad = (PadMode)pad;
             Graph g;
             graph_init(&g);
             snCheck(model_build(&g, &c) >= 0, "model %s: %s", models[mi], g.err);
             for (int i = 0; i < g.n_layers; i++) {
                 const ConvCfg *k = &g.layers[i].conv;
-                if (g.layers[i].kind != LAYER_CONV || conv_is_pointwise(k) || conv_is_depthwise(k)) continue;
+                if (g.layers[i].kind != LAYER_CONV || conv_is_pointwise(k) || conv_is_depthwise(k))
+                    continue;
                 int seen = 0;
                 for (int j = 0; j < n && !seen; j++) seen = !memcmp(&out[j], k, sizeof *k);
                 if (!seen && n < cap) out[n++] = *k;
@@ -7637,7 +8843,8 @@ static int model_conv_cfgs(ConvCfg *out, int cap) {
 
 // The forward and backward (data, weight) of every conv of model_conv_cfgs,
 // in fp32, fp16 and bf16 by turns (the implicit-GEMM kernels: tensor cores in
-// 16 bits, the SIMT product in fp32), on a 2×5×7 input (one partial pixel tile; both paddings' edges; stride 2's four
+// 16 bits, the SIMT product in fp32), on a 2×5×7 input (one partial pixel tile; both paddings'
+// edges; stride 2's four
 // phases of unequal sizes), with and without bias, overwriting and
 // accumulating, against the CPU op on the same rounded inputs with
 // cu_conv_compare's bound (fp32 sums of K + 1 terms, weights rounded once to
@@ -7645,7 +8852,8 @@ static int model_conv_cfgs(ConvCfg *out, int cap) {
 SLOW_TEST(cuda_conv_model_shapes) {
     ConvCfg cfgs[128];
     const int n = model_conv_cfgs(cfgs, 128);
-    CHECK(n >= 40 && n < 128, "model_conv_cfgs found %d convs, expected the 62 of the models (at least 40)", n);
+    CHECK(n >= 40 && n < 128,
+          "model_conv_cfgs found %d convs, expected the 62 of the models (at least 40)", n);
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 17);
     memset(g_conv_worst, 0, sizeof g_conv_worst);
@@ -7658,46 +8866,58 @@ SLOW_TEST(cuda_conv_model_shapes) {
         snCheck(conv_geom_of(&cfg, in, &q), "model conv %d does not fit a 5x7 input", i);
         const Shape os = shape4(q.N, q.OH, q.OW, q.Cout);
         const size_t nin = shape_numel(in), nout = shape_numel(os), nw = (size_t)q.Cout * q.K;
-        float *x = randn(&r, nin, 1.0f), *w = randn(&r, nw, 1.0f / sqrtf((float)q.K)), *b = randn(&r, q.Cout, 0.5f);
+        float *x = randn(&r, nin, 1.0f), *w = randn(&r, nw, 1.0f / sqrtf((float)q.K)),
+              *b = randn(&r, q.Cout, 0.5f);
         CuPair X = cu_pair(x, in, dt), Y = cu_pair(NULL, os, dt);
-        float *xr = cu_host_values(X.cpu), *ax = abs_copy(xr, nin), *aw = abs_copy(w, nw), *ab = abs_copy(b, q.Cout);
-        float *w_d = cu_floats(w, nw), *b_d = cu_floats(b, q.Cout), *S = malloc(sizeof(float) * nout);
-        const size_t cws_f32 = conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32), cws_dt = conv2d_workspace_cpu(&ops_cpu, &cfg, in, dt);
+        float *xr = cu_host_values(X.cpu), *ax = abs_copy(xr, nin), *aw = abs_copy(w, nw),
+              *ab = abs_copy(b, q.Cout);
+        float *w_d = cu_floats(w, nw), *b_d = cu_floats(b, q.Cout),
+              *S = malloc(sizeof(float) * nout);
+        const size_t cws_f32 = conv2d_workspace_cpu(&ops_cpu, &cfg, in, DT_F32),
+                     cws_dt = conv2d_workspace_cpu(&ops_cpu, &cfg, in, dt);
         const size_t gws = o->conv2d_workspace(o, &cfg, in, dt);
-        void *cw = malloc((cws_f32 > cws_dt ? cws_f32 : cws_dt) + 1), *gw = o->alloc(o, gws + 1);  // the ops in dt, the bounds in fp32
+        // the ops in dt, the bounds in fp32
+        void *cw = malloc((cws_f32 > cws_dt ? cws_f32 : cws_dt) + 1), *gw = o->alloc(o, gws + 1);
         ops_cpu.conv2d_forward(&ops_cpu, &cfg, Y.cpu, X.cpu, w, NULL, cfg.has_bias ? b : NULL, cw);
         o->conv2d_forward(o, &cfg, Y.gpu, X.gpu, w_d, NULL, cfg.has_bias ? b_d : NULL, gw);
-        ops_cpu.conv2d_forward(&ops_cpu, &cfg, tensor_f32(S, os), tensor_f32(ax, in), aw, NULL, cfg.has_bias ? ab : NULL, cw);
+        ops_cpu.conv2d_forward(&ops_cpu, &cfg, tensor_f32(S, os), tensor_f32(ax, in), aw, NULL,
+                               cfg.has_bias ? ab : NULL, cw);
         float *yc = cu_host_values(Y.cpu), *yg = cu_to_host(Y.gpu.data, nout, dt);
         char label[96];
-        snprintf(label, sizeof label, "model conv %d (cin %d cout %d %dx%d s%d pad %d)", i, cfg.cin, cfg.cout, cfg.kh,
-                 cfg.kw, cfg.stride, (int)cfg.pad);
-        cu_conv_compare("forward", label, 0, dt, yg, yc, S, nout, (size_t)q.K + 1, dtype_unit_roundoff(dt), dt);
+        snprintf(label, sizeof label, "model conv %d (cin %d cout %d %dx%d s%d pad %d)", i, cfg.cin,
+                 cfg.cout, cfg.kh, cfg.kw, cfg.stride, (int)cfg.pad);
+        cu_conv_compare("forward", label, 0, dt, yg, yc, S, nout, (size_t)q.K + 1,
+                        dtype_unit_roundoff(dt), dt);
         free(yc); free(yg);
 
         // backward data, into NaN (every third conv: added into random values)
         const int acc = i % 3 == 0;
         float *dy = randn(&r, nout, 1.0f), *din0 = randn(&r, nin, 1.0f);
         CuPair DY = cu_pair(dy, os, dt), DX = cu_pair(acc ? din0 : NULL, in, dt);
-        float *dyr = cu_host_values(DY.cpu), *ady = abs_copy(dyr, nout), *Sx = malloc(sizeof(float) * nin);
+        float *dyr = cu_host_values(DY.cpu), *ady = abs_copy(dyr, nout),
+              *Sx = malloc(sizeof(float) * nin);
         ops_cpu.conv2d_backward_data(&ops_cpu, &cfg, DX.cpu, DY.cpu, w, NULL, acc, cw);
         o->conv2d_backward_data(o, &cfg, DX.gpu, DY.gpu, w_d, NULL, acc, gw);
-        ops_cpu.conv2d_backward_data(&ops_cpu, &cfg, tensor_f32(Sx, in), tensor_f32(ady, os), aw, NULL, 0, cw);
+        ops_cpu.conv2d_backward_data(&ops_cpu, &cfg, tensor_f32(Sx, in), tensor_f32(ady, os), aw,
+                                     NULL, 0, cw);
         for (size_t e = 0; acc && e < nin; e++) Sx[e] += fabsf(dtype_round(dt, din0[e]));
         float *xc = cu_host_values(DX.cpu), *xg = cu_to_host(DX.gpu.data, nin, dt);
-        cu_conv_compare(acc ? "backward data (accumulate)" : "backward data", label, 1, dt, xg, xc, Sx, nin,
-                        (size_t)cfg.kh * cfg.kw * q.Coutg + 1, dtype_unit_roundoff(dt), dt);
+        cu_conv_compare(acc ? "backward data (accumulate)" : "backward data", label, 1, dt, xg, xc,
+                        Sx, nin, (size_t)cfg.kh * cfg.kw * q.Coutg + 1, dtype_unit_roundoff(dt),
+                        dt);
         free(xc); free(xg); free(din0); free(Sx);
 
         // backward weight, added into random values
         const size_t M = (size_t)q.N * q.P;
-        float *dw0 = randn(&r, nw, 1.0f), *dw_c = malloc(sizeof(float) * nw), *Sw = malloc(sizeof(float) * nw);
+        float *dw0 = randn(&r, nw, 1.0f), *dw_c = malloc(sizeof(float) * nw),
+              *Sw = malloc(sizeof(float) * nw);
         memcpy(dw_c, dw0, sizeof(float) * nw);
         float *dw_d = cu_floats(dw0, nw);
         ops_cpu.conv2d_backward_weight(&ops_cpu, &cfg, dw_c, NULL, DY.cpu, X.cpu, cw);
         o->conv2d_backward_weight(o, &cfg, dw_d, NULL, DY.gpu, X.gpu, gw);
         for (size_t e = 0; e < nw; e++) Sw[e] = fabsf(dw0[e]);
-        ops_cpu.conv2d_backward_weight(&ops_cpu, &cfg, Sw, NULL, tensor_f32(ady, os), tensor_f32(ax, in), cw);
+        ops_cpu.conv2d_backward_weight(&ops_cpu, &cfg, Sw, NULL, tensor_f32(ady, os),
+                                       tensor_f32(ax, in), cw);
         float *wg = cu_to_host(dw_d, nw, DT_F32);
         cu_conv_compare("backward weight", label, 2, dt, wg, dw_c, Sw, nw, M + 1, 0.0f, DT_F32);
         free(wg); free(dw0); free(dw_c); free(Sw); free(dy); free(dyr); free(ady);
@@ -7711,8 +8931,10 @@ SLOW_TEST(cuda_conv_model_shapes) {
     if (g_verbose)
         for (int op = 0; op < 3; op++)
             printf("    %d convs; worst relative error %-15s fp32 %.2e  fp16 %.2e  bf16 %.2e\n", n,
-                   op == 0 ? "forward" : op == 1 ? "backward data" : "backward weight", g_conv_worst[op][DT_F32],
-                   g_conv_worst[op][DT_F16], g_conv_worst[op][DT_BF16]);
+                   op == 0   ? "forward"
+                   : op == 1 ? "backward data"
+                             : "backward weight",
+                   g_conv_worst[op][DT_F32], g_conv_worst[op][DT_F16], g_conv_worst[op][DT_BF16]);
 }
 
 // One unit in the last place of each storage type, relative to the value (2^-23,
@@ -7721,7 +8943,8 @@ SLOW_TEST(cuda_conv_model_shapes) {
 static const double CU_ULP[] = {0x1p-23, 0x1p-10, 0x1p-7};
 
 static void cu_check_err(const char *op, DType dt, double err, double tol) {
-    if (g_verbose) printf("      %-28s %s error %.3g (tolerance %.3g)\n", op, DT_NAME[dt], err, tol);
+    if (g_verbose)
+        printf("      %-28s %s error %.3g (tolerance %.3g)\n", op, DT_NAME[dt], err, tol);
     CHECK(err <= tol, "%s %s: error %.3g > %.3g", op, DT_NAME[dt], err, tol);
 }
 // an fp32 device buffer of n floats equal to the host's, bit for bit
@@ -7738,7 +8961,8 @@ static int cu_floats_equal(const float *dev, const float *host, size_t n) {
 TEST(cuda_scale_axpby) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 72);
-    Shape shapes[3] = {shape4(2, 3, 5, 7), shape4(1, 1, 1, 1031), shape4(2, 3, 5, 16)};  // odd sizes; several blocks; vectors
+    // odd sizes; several blocks; vectors
+    Shape shapes[3] = {shape4(2, 3, 5, 7), shape4(1, 1, 1, 1031), shape4(2, 3, 5, 16)};
     for (int si = 0; si < 3; si++) {
         Shape s = shapes[si];
         float *v = randn(&r, shape_numel(s), 3.0f), *u = randn(&r, shape_numel(s), 2.0f);
@@ -7753,8 +8977,8 @@ TEST(cuda_scale_axpby) {
                     CuPair x = cu_pair(v, s, (DType)a), y = cu_pair(u, s, (DType)b);
                     ops_cpu.axpby(&ops_cpu, y.cpu, x.cpu, 0.37f, -1.25f, acc);
                     o->axpby(o, y.gpu, x.gpu, 0.37f, -1.25f, acc);
-                    cu_check_err(acc ? "axpby (x -> y, accumulate)" : "axpby (x -> y)", (DType)b, cu_pair_err(y),
-                                 2 * CU_ULP[b]);
+                    cu_check_err(acc ? "axpby (x -> y, accumulate)" : "axpby (x -> y)", (DType)b,
+                                 cu_pair_err(y), 2 * CU_ULP[b]);
                     cu_pair_free(&x); cu_pair_free(&y);
                 }
         }
@@ -7786,7 +9010,8 @@ TEST(cuda_sum_squares_nonfinite) {
             o->sum_squares(o, t.gpu, out);
             o->download(o, &again, out, sizeof again);
             cu_check_err("sum_squares", (DType)a, fabs((double)gpu - cpu) / cpu, CU_ULP[DT_F32]);
-            CHECK(f32_bits(gpu) == f32_bits(again), "sum_squares n=%zu %s: two runs differ", n, DT_NAME[a]);
+            CHECK(f32_bits(gpu) == f32_bits(again), "sum_squares n=%zu %s: two runs differ", n,
+                  DT_NAME[a]);
             cu_pair_free(&t);
         }
         if (n < 37) { free(v); continue; }
@@ -7803,9 +9028,10 @@ TEST(cuda_sum_squares_nonfinite) {
                     ops_cpu.nonfinite(&ops_cpu, t.cpu, &cpu);
                     o->nonfinite(o, t.gpu, flag);
                     o->download(o, &gpu, flag, sizeof gpu);
-                    CHECK(gpu == cpu, "nonfinite n=%zu %s value %g at %zu: flag %d, CPU %d", n, DT_NAME[a],
-                          bi >= 0 ? bad_values[bi] : 0.0, where[wi], gpu, cpu);
-                    CHECK(bi >= 0 || gpu == 5, "nonfinite %s: finite values changed the flag", DT_NAME[a]);
+                    CHECK(gpu == cpu, "nonfinite n=%zu %s value %g at %zu: flag %d, CPU %d", n,
+                          DT_NAME[a], bi >= 0 ? bad_values[bi] : 0.0, where[wi], gpu, cpu);
+                    CHECK(bi >= 0 || gpu == 5, "nonfinite %s: finite values changed the flag",
+                          DT_NAME[a]);
                     if (bi >= 0) v[where[wi]] = keep;
                     cu_pair_free(&t);
                     if (bi < 0) break;
@@ -7855,24 +9081,33 @@ TEST(cuda_softmax_xent) {
                     o->upload(o, stats_gpu, stats, sizeof stats);
                     Tensor dz_cpu = dz.cpu, dz_gpu = dz.gpu;
                     if (!with_grad) dz_cpu.data = dz_gpu.data = NULL;
-                    ops_cpu.softmax_xent(&ops_cpu, t.cpu, y, w, clip, &(float){inv_norm}, stats, dz_cpu);
+                    ops_cpu.softmax_xent(&ops_cpu, t.cpu, y, w, clip, &(float){inv_norm}, stats,
+                                         dz_cpu);
                     float *scale_gpu = cu_floats(&inv_norm, 1);
                     o->softmax_xent(o, t.gpu, y_gpu, w_gpu, clip, scale_gpu, stats_gpu, dz_gpu);
                     o->free(o, scale_gpu);
                     o->download(o, gs, stats_gpu, sizeof gs);
-                    cu_check_err("softmax_xent loss", (DType)a, fabs((double)gs[0] - stats[0]) / fabs(stats[0]), 1e-6);
-                    CHECK(gs[1] == stats[1] && gs[2] == stats[2], "softmax_xent K=%d %s: Σw %.9g invalid %g, CPU %.9g %g",
-                          K, DT_NAME[a], gs[1], gs[2], stats[1], stats[2]);
-                    if (with_grad) cu_check_err("softmax_xent dlogits", (DType)a, cu_pair_err(dz), 1e-6 + CU_ULP[a]);
-                    // the clip acted: rows of a weighted class without gradient (fp32: dz.cpu holds floats)
+                    cu_check_err("softmax_xent loss", (DType)a,
+                                 fabs((double)gs[0] - stats[0]) / fabs(stats[0]), 1e-6);
+                    CHECK(gs[1] == stats[1] && gs[2] == stats[2],
+                          "softmax_xent K=%d %s: Σw %.9g invalid %g, CPU %.9g %g", K, DT_NAME[a],
+                          gs[1], gs[2], stats[1], stats[2]);
+                    if (with_grad)
+                        cu_check_err("softmax_xent dlogits", (DType)a, cu_pair_err(dz),
+                                     1e-6 + CU_ULP[a]);
+                    // the clip acted: rows of a weighted class without gradient (fp32: dz.cpu holds
+                    // floats)
                     if (with_grad && clip > 0.0f && K > 1 && dz.cpu.dtype == DT_F32) {
                         size_t flat = 0;
                         for (size_t i = 0; i < rows; i++) {
-                            int zero = y[i] >= 0 && y[i] < K && w[y[i]] != 0.0f;  // cu_labels draws some out of range
-                            for (int c = 0; c < K && zero; c++) zero = ((float *)dz.cpu.data)[i * K + c] == 0.0f;
+                            // cu_labels draws some out of range
+                            int zero = y[i] >= 0 && y[i] < K && w[y[i]] != 0.0f;
+                            for (int c = 0; c < K && zero; c++)
+                                zero = ((float *)dz.cpu.data)[i * K + c] == 0.0f;
                             flat += zero;
                         }
-                        CHECK(flat > rows / 20, "K=%d: the clip left %zu of %zu rows flat", K, flat, rows);
+                        CHECK(flat > rows / 20, "K=%d: the clip left %zu of %zu rows flat", K, flat,
+                              rows);
                     }
                     cu_pair_free(&t); cu_pair_free(&dz);
                 }
@@ -7910,8 +9145,8 @@ TEST(cuda_confusion) {
                 ops_cpu.confusion_accumulate(&ops_cpu, t.cpu, y, cm);
                 o->confusion_accumulate(o, t.gpu, y_gpu, cm_gpu);
                 o->download(o, gm, cm_gpu, sizeof(int64_t) * kk);
-                CHECK(!memcmp(gm, cm, sizeof(int64_t) * kk), "confusion K=%d rows %zu %s: counts differ", K, rows,
-                      DT_NAME[a]);
+                CHECK(!memcmp(gm, cm, sizeof(int64_t) * kk),
+                      "confusion K=%d rows %zu %s: counts differ", K, rows, DT_NAME[a]);
                 cu_pair_free(&t);
             }
             o->free(o, y_gpu); o->free(o, cm_gpu);
@@ -7938,9 +9173,12 @@ TEST(cuda_adam) {
         AdamStep *st_gpu = cu_copy_of(&st, sizeof st);
         ops_cpu.adam_update(&ops_cpu, p, g, m, v, n, &st);
         o->adam_update(o, p_gpu, g_gpu, m_gpu, v_gpu, n, st_gpu);
-        CHECK(cu_floats_equal(p_gpu, p, n) && cu_floats_equal(m_gpu, m, n) && cu_floats_equal(v_gpu, v, n),
+        CHECK(cu_floats_equal(p_gpu, p, n) && cu_floats_equal(m_gpu, m, n) &&
+                      cu_floats_equal(v_gpu, v, n),
               "adam step %d: params, m or v differ from the CPU", t);
-        if (p_before) CHECK(!memcmp(p_before, p, n * sizeof(float)), "adam: a skipped step changed the parameters");
+        if (p_before)
+            CHECK(!memcmp(p_before, p, n * sizeof(float)),
+                  "adam: a skipped step changed the parameters");
         o->free(o, g_gpu); o->free(o, st_gpu); free(g); free(p_before);
     }
     o->free(o, p_gpu); o->free(o, m_gpu); o->free(o, v_gpu);
@@ -7952,10 +9190,11 @@ TEST(cuda_alloc_counts) {
     Ops *o = cu_ops();
     size_t live = cuda_bytes_live;
     void *a = o->alloc(o, 1000), *b = o->alloc(o, 24);
-    CHECK(cuda_bytes_live == live + 1024 && cuda_bytes_peak >= live + 1024, "live %zu (was %zu), peak %zu",
-          cuda_bytes_live, live, cuda_bytes_peak);
+    CHECK(cuda_bytes_live == live + 1024 && cuda_bytes_peak >= live + 1024,
+          "live %zu (was %zu), peak %zu", cuda_bytes_live, live, cuda_bytes_peak);
     o->free(o, a);
-    CHECK(cuda_bytes_live == live + 24, "after one free: live %zu (was %zu)", cuda_bytes_live, live);
+    CHECK(cuda_bytes_live == live + 24, "after one free: live %zu (was %zu)", cuda_bytes_live,
+          live);
     o->free(o, b);
     CHECK(cuda_bytes_live == live, "after both: live %zu (was %zu)", cuda_bytes_live, live);
 }
@@ -7975,8 +9214,8 @@ TEST(cuda_ops_complete) { cu_ops_complete("cuda_ops_complete"); }
 // `steps` training steps of `model` (batch 2, 3 classes, a class weight 0,
 // clipping) on hw×hw random images from a fixed seed: the loss of each step,
 // and with grad1 != NULL the raw gradient sum of step 1 (malloc'd, *n_grad floats)
-static void cu_train_losses(const char *model, int hw, DType dt, Device device, int steps, double *losses,
-                            float **grad1, size_t *n_grad) {
+static void cu_train_losses(const char *model, int hw, DType dt, Device device, int steps,
+                            double *losses, float **grad1, size_t *n_grad) {
     TrainCfg c;
     train_cfg_default(&c);
     c.model.model = model;
@@ -7989,7 +9228,8 @@ static void cu_train_losses(const char *model, int hw, DType dt, Device device, 
     c.progress = 0;
     Trainer t;
     char err[SN_ERR_MAX];
-    CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s on %s: %s", model, DEVICE_NAMES[device], err);
+    CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s on %s: %s", model, DEVICE_NAMES[device],
+          err);
     Rng r;
     rng_seed(&r, 77);
     float *images = malloc(sizeof(float) * 2 * hw * hw * 3);
@@ -8010,7 +9250,6 @@ static void cu_train_losses(const char *model, int hw, DType dt, Device device, 
     free(images); free(labels);
     trainer_close(&t);
 }
-
 
 // A recorded step (a CUDA graph) replayed does what the step run op by op
 // does, to the bit: three steps of unet-effv2-t (drop-path, whose seeds
@@ -8037,7 +9276,8 @@ static void cu_graph_run(int records, double *losses, float **params, float **mo
     t.records = records;
     t.total_steps = 20;
     int drop_paths = 0;
-    for (int i = 0; i < t.g.n_layers; i++) drop_paths += t.g.layers[i].kind == LAYER_DROP_PATH && t.g.layers[i].rate > 0;
+    for (int i = 0; i < t.g.n_layers; i++)
+        drop_paths += t.g.layers[i].kind == LAYER_DROP_PATH && t.g.layers[i].rate > 0;
     CHECK(drop_paths > 0, "unet-effv2-t has no drop-path layer to test the per-step seeds with");
     Rng r;
     rng_seed(&r, 78);
@@ -8081,27 +9321,35 @@ SLOW_TEST(cuda_graph_step) {
     Graph g;
     graph_init(&g);
     train_cfg_default(&c);
-    c.model.model = "unet-effv2-t"; c.model.classes = 3; c.model.height = c.model.width = 32; c.model.batch = 2;
+    c.model.model = "unet-effv2-t";
+    c.model.classes = 3;
+    c.model.height = c.model.width = 32;
+    c.model.batch = 2;
     model_build(&g, &c.model);
     const size_t np = g.n_param_floats;
     size_t nt = 0;
     for (int i = 0; i < g.n_params; i++) nt += g.params[i].count;
     graph_free(&g);
     for (int s = 0; s < 5; s++)
-        CHECK(eager[s] == graph[s], "step %d: loss %.9g replayed, %.9g op by op", s + 1, graph[s], eager[s]);
-    CHECK(!memcmp(p_eager, p_graph, sizeof(float) * np), "the parameters after 5 steps differ (replayed vs op by op)");
+        CHECK(eager[s] == graph[s], "step %d: loss %.9g replayed, %.9g op by op", s + 1, graph[s],
+              eager[s]);
+    CHECK(!memcmp(p_eager, p_graph, sizeof(float) * np),
+          "the parameters after 5 steps differ (replayed vs op by op)");
     CHECK(!memcmp(m_eager, m_graph, sizeof(float) * 2 * nt), "Adam's moments after 5 steps differ");
-    CHECK(scale_eager == scale_graph, "loss scale %g replayed, %g op by op", scale_graph, scale_eager);
+    CHECK(scale_eager == scale_graph, "loss scale %g replayed, %g op by op", scale_graph,
+          scale_eager);
 #if EMULATED_CUDA
     // steps 1-3 and 5 replayed (1 right after its recording), step 4 not
-    CHECK(replays_eager == 0 && replays_graph == 4, "graph launches: %lld op by op, %lld recorded (expected 0 and 4)",
-          replays_eager, replays_graph);
-    CHECK(syncs_eager == 5 && syncs_graph == 5, "host waits in 5 steps: %lld op by op, %lld recorded (expected 5: one per step)",
+    CHECK(replays_eager == 0 && replays_graph == 4,
+          "graph launches: %lld op by op, %lld recorded (expected 0 and 4)", replays_eager,
+          replays_graph);
+    CHECK(syncs_eager == 5 && syncs_graph == 5,
+          "host waits in 5 steps: %lld op by op, %lld recorded (expected 5: one per step)",
           syncs_eager, syncs_graph);
 #endif
     if (g_verbose)
-        printf("      5 steps: losses %.6f .. %.6f, loss scale %g, %lld replays, %lld host waits\n", graph[0], graph[4],
-               scale_graph, replays_graph, syncs_graph);
+        printf("      5 steps: losses %.6f .. %.6f, loss scale %g, %lld replays, %lld host waits\n",
+               graph[0], graph[4], scale_graph, replays_graph, syncs_graph);
     free(p_eager); free(p_graph); free(m_eager); free(m_graph);
 }
 TEST(cuda_step_control) { step_control_case(cu_ops(), "cuda"); }
@@ -8129,20 +9377,25 @@ TEST(cuda_sync_each) {
         Ops *o = ops[k];
         const Shape s = shape4(2, 3, 4, 5);
         const ConvCfg cfg = {5, 6, 1, 1, 1, 1, PAD_SAME, 1};  // 1×1: one cuBLAS GEMM
-        float *x = o->alloc(o, sizeof(float) * shape_numel(s)), *y = o->alloc(o, sizeof(float) * 2 * 3 * 4 * 6);
+        float *x = o->alloc(o, sizeof(float) * shape_numel(s)),
+              *y = o->alloc(o, sizeof(float) * 2 * 3 * 4 * 6);
         float *w = o->alloc(o, sizeof(float) * 30), *b = o->alloc(o, sizeof(float) * 6);
         size_t ws_bytes = o->conv2d_workspace(o, &cfg, s, DT_F32);
         void *ws = ws_bytes ? o->alloc(o, ws_bytes) : NULL;
-        long long l0 = cuemu_count("launches"), g0 = cuemu_count("blas_calls"), s0 = cuemu_count("syncs");
+        long long l0 = cuemu_count("launches"), g0 = cuemu_count("blas_calls"),
+                  s0 = cuemu_count("syncs");
         o->fill(o, tensor_f32(x, s), 0.5f);
         o->fill(o, tensor_f32(w, shape4(30, 1, 1, 1)), 0.25f);
         o->fill(o, tensor_f32(b, shape4(6, 1, 1, 1)), 1.0f);
         o->scale(o, tensor_f32(x, s), 2.0f);
-        o->conv2d_forward(o, &cfg, tensor_f32(y, shape4(2, 3, 4, 6)), tensor_f32(x, s), w, NULL, b, ws);
+        o->conv2d_forward(o, &cfg, tensor_f32(y, shape4(2, 3, 4, 6)), tensor_f32(x, s), w, NULL, b,
+                          ws);
         long long launches = cuemu_count("launches") - l0, blas = cuemu_count("blas_calls") - g0,
                   syncs = cuemu_count("syncs") - s0;
-        CHECK(launches >= 4 && blas >= 1, "%lld launches and %lld cuBLAS calls counted", launches, blas);
-        CHECK(syncs == (k ? launches + blas : 0), "%s: %lld waits for %lld launches and %lld cuBLAS calls",
+        CHECK(launches >= 4 && blas >= 1, "%lld launches and %lld cuBLAS calls counted", launches,
+              blas);
+        CHECK(syncs == (k ? launches + blas : 0),
+              "%s: %lld waits for %lld launches and %lld cuBLAS calls",
               k ? "SEGNET_CUDA_SYNC=1" : "without SEGNET_CUDA_SYNC", syncs, launches, blas);
         float out = 0.0f;
         o->download(o, &out, y, sizeof out);
@@ -8173,16 +9426,19 @@ TEST(cuda_emu_count_file) {
     const char *path = "/tmp/segnet_test_emu_count.txt";
     char cmd[1024], msg[4096];
     unlink(path);
-    snprintf(cmd, sizeof cmd, "CUEMU_COUNT=%s ./segnet_emu bench --device cuda --model unet --depth 2 --width 8 "
-             "--size 32x32 --batch 2 --classes 3 --steps 1 --warmup 0 --threads 1", path);
+    snprintf(cmd, sizeof cmd,
+             "CUEMU_COUNT=%s ./segnet_emu bench --device cuda --model unet --depth 2 --width 8 "
+             "--size 32x32 --batch 2 --classes 3 --steps 1 --warmup 0 --threads 1",
+             path);
     int rc = run_shell(cmd, msg, sizeof msg);
     CHECK(rc == 0, "%s: exit %d: %s (make segnet_emu builds it)", cmd, rc, msg);
     size_t n;
     char *text = read_file(path, &n);
     CHECK(text != NULL, "%s was not written", path);
     if (!text) return;
-    const char *names[] = {"launches", "api_launches", "blas_calls", "syncs", "h2d_bytes", "d2h_bytes",
-                           "d2d_bytes", "allocs", "alloc_bytes_peak"};
+    const char *names[] = {"launches",  "api_launches", "blas_calls",
+                           "syncs",     "h2d_bytes",    "d2h_bytes",
+                           "d2d_bytes", "allocs",       "alloc_bytes_peak"};
     long long v[9];
     for (int i = 0; i < 9; i++) {
         char key[64];
@@ -8224,7 +9480,10 @@ TEST(cuda_emu_count_file) {
 //   least 1e-2 (measured: 2.4e-3 at unet's step 4, 2.1e-3 at unet-effv2-t's step 1).
 SLOW_TEST(cuda_train_steps) {
     if (!cu_ops_complete("cuda_train_steps")) return;
-    const struct { const char *model; int hw, steps; } runs[2] = {{"unet", 32, 4}, {"unet-effv2-t", 64, 1}};
+    const struct {
+        const char *model;
+        int hw, steps;
+    } runs[2] = {{"unet", 32, 4}, {"unet-effv2-t", 64, 1}};
     const DType dts[2] = {DT_F32, DT_BF16};
     const double tol_f32 = 2e-5, tol_bf16 = 1e-2, tol_grad_f32 = 1e-5;
     for (int m = 0; m < 2; m++) {
@@ -8234,25 +9493,37 @@ SLOW_TEST(cuda_train_steps) {
             const int steps = runs[m].steps, grads = k == 0 && m == 0;
             float *g_cpu = NULL, *g_gpu = NULL;
             size_t n_cpu = 0, n_gpu = 0;
-            cu_train_losses(runs[m].model, runs[m].hw, dts[k], DEVICE_CPU, steps, cpu, grads ? &g_cpu : NULL, &n_cpu);
-            cu_train_losses(runs[m].model, runs[m].hw, dts[k], DEVICE_CUDA, steps, gpu, grads ? &g_gpu : NULL, &n_gpu);
+            cu_train_losses(runs[m].model, runs[m].hw, dts[k], DEVICE_CPU, steps, cpu,
+                            grads ? &g_cpu : NULL, &n_cpu);
+            cu_train_losses(runs[m].model, runs[m].hw, dts[k], DEVICE_CUDA, steps, gpu,
+                            grads ? &g_gpu : NULL, &n_gpu);
             if (k == 0) memcpy(cpu_f32, cpu, sizeof cpu);
             for (int s = 0; s < steps; s++) {
                 double e = fabs(gpu[s] - cpu[s]) / fabs(cpu[s]);
-                double tol = k == 0 ? tol_f32 : fmax(tol_bf16, 3.0 * fabs(cpu[s] - cpu_f32[s]) / fabs(cpu[s]));
+                double tol =
+                        k == 0 ? tol_f32
+                               : fmax(tol_bf16, 3.0 * fabs(cpu[s] - cpu_f32[s]) / fabs(cpu[s]));
                 if (!(e <= worst)) worst = e;  // NaN too
                 tol_used = fmax(tol_used, tol);
-                CHECK(e <= tol, "%s %s step %d: loss %.9g on cuda, %.9g on the CPU (relative error %.3g > %.2g)",
+                CHECK(e <= tol,
+                      "%s %s step %d: loss %.9g on cuda, %.9g on the CPU (relative error %.3g > "
+                      "%.2g)",
                       runs[m].model, DT_NAME[dts[k]], s + 1, gpu[s], cpu[s], e, tol);
             }
             if (g_verbose)
-                printf("      %-13s %s %d×%d: %d steps, loss %.6f .. %.6f, worst relative difference %.3g (tolerance %.2g)\n",
-                       runs[m].model, DT_NAME[dts[k]], runs[m].hw, runs[m].hw, steps, cpu[0], cpu[steps - 1], worst, tol_used);
+                printf("      %-13s %s %d×%d: %d steps, loss %.6f .. %.6f, worst relative "
+                       "difference %.3g (tolerance %.2g)\n",
+                       runs[m].model, DT_NAME[dts[k]], runs[m].hw, runs[m].hw, steps, cpu[0],
+                       cpu[steps - 1], worst, tol_used);
             if (grads) {
                 double e = n_cpu == n_gpu ? rel_l2(g_gpu, g_cpu, n_cpu) : INFINITY;
-                CHECK(e <= tol_grad_f32, "%s fp32 step 1: gradient (%zu floats on cuda, %zu on the CPU) %.3g apart (L2) > %.1g",
+                CHECK(e <= tol_grad_f32,
+                      "%s fp32 step 1: gradient (%zu floats on cuda, %zu on the CPU) %.3g apart "
+                      "(L2) > %.1g",
                       runs[m].model, n_gpu, n_cpu, e, tol_grad_f32);
-                if (g_verbose) printf("      %-13s fp32 step 1 gradient: %.3g apart (L2, tolerance %.1g)\n", runs[m].model, e, tol_grad_f32);
+                if (g_verbose)
+                    printf("      %-13s fp32 step 1 gradient: %.3g apart (L2, tolerance %.1g)\n",
+                           runs[m].model, e, tol_grad_f32);
             }
             free(g_cpu); free(g_gpu);
         }
@@ -8273,7 +9544,10 @@ TEST(cuda_plan_equals_allocation) {
     const char *models[2] = {"unet", "unet-effv2-t"};
     for (int k = 0; k < 2; k++) {
         TrainCfg c = tiny_seg_cfg(NULL, NULL);
-        c.model.model = models[k]; c.model.height = c.model.width = 32; c.model.batch = 2; c.model.depth = 2;
+        c.model.model = models[k];
+        c.model.height = c.model.width = 32;
+        c.model.batch = 2;
+        c.model.depth = 2;
         c.checkpoint = k; c.precision = k ? DT_BF16 : DT_F32;
         c.device = DEVICE_CUDA;
         Graph g;
@@ -8283,21 +9557,25 @@ TEST(cuda_plan_equals_allocation) {
         int logits = plan_for(&c, &g, &p, &o, err);
         CHECK(logits >= 0 && o == &ops_cuda, "%s", err);
         if (logits < 0) { graph_free(&g); continue; }
-        int misaligned = 0;  // the vector kernels need every tensor on a 16-byte boundary of the arena
+        // the vector kernels need every tensor on a 16-byte boundary of the arena
+        int misaligned = 0;
         for (int b = 0; b < p.n_bufs; b++) misaligned += p.bufs[b].offset % SN_TENSOR_ALIGN != 0;
-        CHECK(misaligned == 0, "%s: %d of %d planned buffers not %d-byte aligned", models[k], misaligned, p.n_bufs,
-              SN_TENSOR_ALIGN);
+        CHECK(misaligned == 0, "%s: %d of %d planned buffers not %d-byte aligned", models[k],
+              misaligned, p.n_bufs, SN_TENSOR_ALIGN);
         MemoryReport m;
         memory_report(&g, &p, &c, logits, o, &m);
         CHECK(m.backend == o->context_bytes && m.backend > 0 && cuda_bytes_peak >= m.backend,
-              "context %zu bytes, counted %zu, peak %zu", o->context_bytes, m.backend, cuda_bytes_peak);
+              "context %zu bytes, counted %zu, peak %zu", o->context_bytes, m.backend,
+              cuda_bytes_peak);
         size_t before = cuda_bytes_live;
         Trainer t;
         CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s", err);
         size_t used = cuda_bytes_live - before;
-        CHECK(m.driver == o->driver_bytes && m.driver > 0, "the driver's context: %zu bytes counted", m.driver);
+        CHECK(m.driver == o->driver_bytes && m.driver > 0,
+              "the driver's context: %zu bytes counted", m.driver);
         CHECK(used + m.backend + m.driver == m.total,
-              "%s: planned %zu bytes (%zu of them the context's scratch, %zu the driver's), allocated %zu",
+              "%s: planned %zu bytes (%zu of them the context's scratch, %zu the driver's), "
+              "allocated %zu",
               models[k], m.total, m.backend, m.driver, used);
         trainer_close(&t);
         plan_free(&p); graph_free(&g);
@@ -8351,8 +9629,8 @@ static int nccl_probe(Comm *c, void *arg) {
     for (int k = 0; k < (int)sizeof p->bytes; k++) p->bytes[k] = (uint8_t)(c->rank * 100 + k);
     o->upload(o, b, p->bytes, sizeof p->bytes);
     Comm *dc = c->device;
-    int rc = dc->allreduce_f32(dc, f, 3) || dc->allreduce_f64(dc, d, 3) || dc->allreduce_i64(dc, i, 3) ||
-             dc->broadcast(dc, b, sizeof p->bytes, 1);
+    int rc = dc->allreduce_f32(dc, f, 3) || dc->allreduce_f64(dc, d, 3) ||
+             dc->allreduce_i64(dc, i, 3) || dc->broadcast(dc, b, sizeof p->bytes, 1);
     o->download(o, p->f_out, f, sizeof p->f_out);
     o->download(o, p->d_out, d, sizeof p->d_out);
     o->download(o, p->i_out, i, sizeof p->i_out);
@@ -8388,9 +9666,11 @@ TEST(cuda_nccl_comm) {
     for (int r = 0; r < CU_DEVICES; r++) {
         p[r] = (NcclProbe){.f = f[r], .d = d[r], .i = i[r]};
         args[r] = &p[r];
-        CHECK(hosts[r].device == &dcomms[r] && !strcmp(dcomms[r].name, "nccl"), "rank %d's device communicator", r);
+        CHECK(hosts[r].device == &dcomms[r] && !strcmp(dcomms[r].name, "nccl"),
+              "rank %d's device communicator", r);
     }
-    CHECK(cuda_ops_for_device(1, err) != &ops_cuda && cuda_ops_for_device(1, err)->ctx != ops_cuda.ctx,
+    CHECK(cuda_ops_for_device(1, err) != &ops_cuda &&
+                  cuda_ops_for_device(1, err)->ctx != ops_cuda.ctx,
           "device 1 has a table and a context of its own");
     comm_local_run(hosts, CU_DEVICES, nccl_probe, args, rc);
     cuda_comm_destroy(dcomms, CU_DEVICES);
@@ -8402,27 +9682,37 @@ TEST(cuda_nccl_comm) {
             double ds = (d[0][k] + d[1][k]) + d[2][k];
             int64_t is = i[0][k] + i[1][k] + i[2][k];
 #ifdef SEGNET_TEST_GPU
-            CHECK(!memcmp(&p[r].f_out[k], &p[0].f_out[k], sizeof fs) && !memcmp(&p[r].d_out[k], &p[0].d_out[k], sizeof ds),
+            CHECK(!memcmp(&p[r].f_out[k], &p[0].f_out[k], sizeof fs) &&
+                          !memcmp(&p[r].d_out[k], &p[0].d_out[k], sizeof ds),
                   "rank %d's sum %d differs from rank 0's", r, k);
-            CHECK(fabs(p[r].f_out[k] - fs) <= 0x1p-23 * fabs(fs) && fabs(p[r].d_out[k] - ds) <= 0x1p-52 * fabs(ds),
-                  "rank %d sum %d: %.9g, %.17g; rank order %.9g, %.17g", r, k, p[r].f_out[k], p[r].d_out[k], fs, ds);
+            CHECK(fabs(p[r].f_out[k] - fs) <= 0x1p-23 * fabs(fs) &&
+                          fabs(p[r].d_out[k] - ds) <= 0x1p-52 * fabs(ds),
+                  "rank %d sum %d: %.9g, %.17g; rank order %.9g, %.17g", r, k, p[r].f_out[k],
+                  p[r].d_out[k], fs, ds);
 #else
-            CHECK(!memcmp(&p[r].f_out[k], &fs, sizeof fs), "rank %d float %d: %.9g, rank order %.9g", r, k, p[r].f_out[k], fs);
-            CHECK(!memcmp(&p[r].d_out[k], &ds, sizeof ds), "rank %d double %d: %.17g, rank order %.17g", r, k, p[r].d_out[k], ds);
+            CHECK(!memcmp(&p[r].f_out[k], &fs, sizeof fs),
+                  "rank %d float %d: %.9g, rank order %.9g", r, k, p[r].f_out[k], fs);
+            CHECK(!memcmp(&p[r].d_out[k], &ds, sizeof ds),
+                  "rank %d double %d: %.17g, rank order %.17g", r, k, p[r].d_out[k], ds);
 #endif
-            CHECK(p[r].i_out[k] == is, "rank %d int64 %d: %lld, expected %lld", r, k, (long long)p[r].i_out[k], (long long)is);
+            CHECK(p[r].i_out[k] == is, "rank %d int64 %d: %lld, expected %lld", r, k,
+                  (long long)p[r].i_out[k], (long long)is);
         }
-        for (int k = 0; k < 13; k++) CHECK(p[r].bytes[k] == 100 + k, "rank %d byte %d after the broadcast: %d", r, k, p[r].bytes[k]);
+        for (int k = 0; k < 13; k++)
+            CHECK(p[r].bytes[k] == 100 + k, "rank %d byte %d after the broadcast: %d", r, k,
+                  p[r].bytes[k]);
     }
 #ifndef SEGNET_TEST_GPU
-    CHECK(p[0].f_out[0] == 1.0f && p[0].d_out[0] == 1.0, "1 + 2^-24 + 2^-24 in rank order is 1: %.9g, %.17g",
-          p[0].f_out[0], p[0].d_out[0]);
+    CHECK(p[0].f_out[0] == 1.0f && p[0].d_out[0] == 1.0,
+          "1 + 2^-24 + 2^-24 in rank order is 1: %.9g, %.17g", p[0].f_out[0], p[0].d_out[0]);
 #endif
     if (cuda_ops_for_device(CU_DEVICES, err)) return;  // a machine with more GPUs
     Comm more[CU_DEVICES + 1], dmore[CU_DEVICES + 1];
     CHECK(comm_local_create(more, CU_DEVICES + 1) == 0, "comm_local_create");
-    CHECK(cuda_comm_local_create(dmore, more, CU_DEVICES + 1, err) == -1 && contains(err, "4 replicas need one CUDA device each") &&
-          contains(err, "no CUDA device 3"), "4 replicas on 3 devices: %s", err);
+    CHECK(cuda_comm_local_create(dmore, more, CU_DEVICES + 1, err) == -1 &&
+                  contains(err, "4 replicas need one CUDA device each") &&
+                  contains(err, "no CUDA device 3"),
+          "4 replicas on 3 devices: %s", err);
     comm_local_destroy(more, CU_DEVICES + 1);
 }
 
@@ -8439,7 +9729,8 @@ TEST(cuda_nccl_comm) {
 // Adam's first steps move a weight by ±lr whatever its gradient's size, so a
 // gradient near 0 whose last bits differ moves its weight the other way.
 TEST(cuda_replicas_sync_bn) {
-    if (!cu_ops_complete("cuda_replicas_sync_bn") || !cu_devices(2, "cuda_replicas_sync_bn")) return;
+    if (!cu_ops_complete("cuda_replicas_sync_bn") || !cu_devices(2, "cuda_replicas_sync_bn"))
+        return;
     enum { B = 4, STEPS = 3, HW = 16, R = 2 };
     float *images;
     int32_t *labels;
@@ -8453,31 +9744,44 @@ TEST(cuda_replicas_sync_bn) {
     cpu.device = DEVICE_CPU;
     size_t P, NB;
     model_sizes(&gpu, &P, &NB);
-    ReplicaJob one = {.c = &gpu, .steps = STEPS, .B = B, .images = images, .labels = labels, .inf_rank = -1}, rev = one,
-               one_cpu = one;
+    ReplicaJob one = {.c = &gpu,
+                      .steps = STEPS,
+                      .B = B,
+                      .images = images,
+                      .labels = labels,
+                      .inf_rank = -1},
+               rev = one, one_cpu = one;
     rev.reverse = 1;
     one_cpu.c = &cpu;
     ReplicaJob jobs[R], cpus[R];
     for (int r = 0; r < R; r++) { jobs[r] = one; cpus[r] = one_cpu; }
-    if (run_replicas(&one, 1) == 0 && run_replicas(&rev, 1) == 0 && run_replicas(&one_cpu, 1) == 0 &&
-        run_replicas(jobs, R) == 0 && run_replicas(cpus, R) == 0) {
+    if (run_replicas(&one, 1) == 0 && run_replicas(&rev, 1) == 0 &&
+        run_replicas(&one_cpu, 1) == 0 && run_replicas(jobs, R) == 0 &&
+        run_replicas(cpus, R) == 0) {
         check_mirrored("cuda, 2 replicas, sync-bn", jobs, R, P, NB);
         compare_to_one("cuda, 2 replicas, sync-bn", &jobs[0], &one, &rev, P, NB);
         double loss = jobs[0].loss / jobs[0].norm, loss_cpu = cpus[0].loss / cpus[0].norm;
-        double dl = fabs(loss - loss_cpu) / loss_cpu, dw = rel_l2(jobs[0].params, cpus[0].params, P),
+        double dl = fabs(loss - loss_cpu) / loss_cpu,
+               dw = rel_l2(jobs[0].params, cpus[0].params, P),
                db = rel_l2(jobs[0].buffers, cpus[0].buffers, NB);
         // the backends' distance on one replica: the noise floor of the comparison
-        double nl = fabs(one.loss / one.norm - one_cpu.loss / one_cpu.norm) / (one_cpu.loss / one_cpu.norm),
-               nw = rel_l2(one.params, one_cpu.params, P), nb = rel_l2(one.buffers, one_cpu.buffers, NB);
+        double nl = fabs(one.loss / one.norm - one_cpu.loss / one_cpu.norm) /
+                    (one_cpu.loss / one_cpu.norm),
+               nw = rel_l2(one.params, one_cpu.params, P),
+               nb = rel_l2(one.buffers, one_cpu.buffers, NB);
         if (g_verbose)
-            printf("    cuda vs cpu, 2 replicas: loss %.3g, weights %.3g, BN stats %.3g (1 replica: %.3g, %.3g, %.3g)\n", dl, dw,
-                   db, nl, nw, nb);
+            printf("    cuda vs cpu, 2 replicas: loss %.3g, weights %.3g, BN stats %.3g (1 "
+                   "replica: %.3g, %.3g, %.3g)\n",
+                   dl, dw, db, nl, nw, nb);
         CHECK(dl <= 2e-5 && dl <= REPLICA_NOISE_FACTOR * fmax(nl, FLT_EPSILON),
-              "2 replicas: loss %.9g on cuda, %.9g on the CPU (1 replica: %.3g apart)", loss, loss_cpu, nl);
-        CHECK(dw <= REPLICA_NOISE_FACTOR * fmax(nw, FLT_EPSILON), "2 replicas, cuda vs CPU: weights %.3g apart, 1 replica %.3g", dw, nw);
-        CHECK(db <= REPLICA_NOISE_FACTOR * fmax(nb, FLT_EPSILON), "2 replicas, cuda vs CPU: BN statistics %.3g apart, 1 replica %.3g",
-              db, nb);
-        CHECK(!memcmp(jobs[0].cm, cpus[0].cm, sizeof jobs[0].cm), "2 replicas: the confusion matrices differ between backends");
+              "2 replicas: loss %.9g on cuda, %.9g on the CPU (1 replica: %.3g apart)", loss,
+              loss_cpu, nl);
+        CHECK(dw <= REPLICA_NOISE_FACTOR * fmax(nw, FLT_EPSILON),
+              "2 replicas, cuda vs CPU: weights %.3g apart, 1 replica %.3g", dw, nw);
+        CHECK(db <= REPLICA_NOISE_FACTOR * fmax(nb, FLT_EPSILON),
+              "2 replicas, cuda vs CPU: BN statistics %.3g apart, 1 replica %.3g", db, nb);
+        CHECK(!memcmp(jobs[0].cm, cpus[0].cm, sizeof jobs[0].cm),
+              "2 replicas: the confusion matrices differ between backends");
     }
     for (int r = 0; r < R; r++) { replica_job_free(&jobs[r]); replica_job_free(&cpus[r]); }
     replica_job_free(&one); replica_job_free(&rev); replica_job_free(&one_cpu);
@@ -8491,7 +9795,8 @@ static float *safetensors_floats(const char *path, size_t *n) {
     *n = 0;
     if (safetensors_read(path, &f, err)) return NULL;
     size_t total = 0;
-    for (int i = 0; i < f.n_tensors; i++) if (f.tensors[i].dtype == DT_F32) total += f.tensors[i].numel;
+    for (int i = 0; i < f.n_tensors; i++)
+        if (f.tensors[i].dtype == DT_F32) total += f.tensors[i].numel;
     float *v = malloc(sizeof(float) * (total ? total : 1));
     for (int i = 0; i < f.n_tensors; i++)
         if (f.tensors[i].dtype == DT_F32) {
@@ -8514,7 +9819,8 @@ static float *safetensors_floats(const char *path, size_t *n) {
 // mirrors them changes nothing here; cuda_nccl_comm tests it.) More replicas
 // than devices: one line, no run folder.
 TEST(cuda_replicas_train_run) {
-    if (!cu_ops_complete("cuda_replicas_train_run") || !cu_devices(2, "cuda_replicas_train_run")) return;
+    if (!cu_ops_complete("cuda_replicas_train_run") || !cu_devices(2, "cuda_replicas_train_run"))
+        return;
     const char *data = "/tmp/segnet_test_cuda_rep_data", *run = "/tmp/segnet_test_cuda_rep_run";
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 5, 8, 8, 31);
@@ -8529,9 +9835,12 @@ TEST(cuda_replicas_train_run) {
         c.device = k ? DEVICE_CUDA : DEVICE_CPU;
         snprintf(out[k], sizeof out[k], "%s/%s", run, DEVICE_NAMES[c.device]);
         c.out = out[k];
-        CHECK(train_run(&c, NULL, err) == 0, "--replicas 2 --device %s: %s", DEVICE_NAMES[c.device], err);
+        CHECK(train_run(&c, NULL, err) == 0, "--replicas 2 --device %s: %s", DEVICE_NAMES[c.device],
+              err);
         snprintf(path, sizeof path, "%s/metrics.csv", out[k]);
-        CHECK(csv_column(path, "loss", loss[k], 2) == 2 && csv_column(path, "val_loss", val[k], 2) == 2, "%s: 2 epochs", path);
+        CHECK(csv_column(path, "loss", loss[k], 2) == 2 &&
+                      csv_column(path, "val_loss", val[k], 2) == 2,
+              "%s: 2 epochs", path);
     }
     size_t n[2];
     float *w[2];
@@ -8541,24 +9850,31 @@ TEST(cuda_replicas_train_run) {
     }
     if (w[0] && w[1] && n[0] == n[1] && n[0] > 0) {
         double dw = rel_l2(w[1], w[0], n[0]);
-        if (g_verbose) printf("    last.safetensors: %.3g apart (cuda vs cpu, %zu floats)\n", dw, n[0]);
+        if (g_verbose)
+            printf("    last.safetensors: %.3g apart (cuda vs cpu, %zu floats)\n", dw, n[0]);
         CHECK(dw <= 1e-5, "last.safetensors: cuda and cpu %.3g apart", dw);
     } else {
         CHECK(0, "last.safetensors: %zu and %zu floats", n[0], n[1]);
     }
     free(w[0]); free(w[1]);
     for (int e = 0; e < 2; e++) {
-        double dl = fabs(loss[1][e] - loss[0][e]) / loss[0][e], dv = fabs(val[1][e] - val[0][e]) / val[0][e];
-        if (g_verbose) printf("    epoch %d: loss %.3g, val_loss %.3g apart (cuda vs cpu)\n", e + 1, dl, dv);
-        CHECK(dl <= 2e-5 && dv <= 2e-5, "epoch %d: loss %.9g / %.9g, val_loss %.9g / %.9g (cuda / cpu)", e + 1, loss[1][e],
+        double dl = fabs(loss[1][e] - loss[0][e]) / loss[0][e],
+               dv = fabs(val[1][e] - val[0][e]) / val[0][e];
+        if (g_verbose)
+            printf("    epoch %d: loss %.3g, val_loss %.3g apart (cuda vs cpu)\n", e + 1, dl, dv);
+        CHECK(dl <= 2e-5 && dv <= 2e-5,
+              "epoch %d: loss %.9g / %.9g, val_loss %.9g / %.9g (cuda / cpu)", e + 1, loss[1][e],
               loss[0][e], val[1][e], val[0][e]);
     }
     c.replicas = CU_DEVICES + 1;
-    if (cuda_ops_for_device(CU_DEVICES, err)) { rm_rf(data); rm_rf(run); return; }  // a machine with more GPUs
+    // a machine with more GPUs
+    if (cuda_ops_for_device(CU_DEVICES, err)) { rm_rf(data); rm_rf(run); return; }
     snprintf(out[0], sizeof out[0], "%s/more", run);
     c.out = out[0];
-    CHECK(train_run(&c, NULL, err) == -1 && contains(err, "--device cuda: 4 replicas need one CUDA device each") &&
-          !strchr(err, '\n') && access(out[0], F_OK) != 0, "4 replicas on 3 devices: %s", err);
+    CHECK(train_run(&c, NULL, err) == -1 &&
+                  contains(err, "--device cuda: 4 replicas need one CUDA device each") &&
+                  !strchr(err, '\n') && access(out[0], F_OK) != 0,
+          "4 replicas on 3 devices: %s", err);
     rm_rf(data); rm_rf(run);
 }
 
@@ -8569,7 +9885,9 @@ TEST(cuda_replicas_no_nccl) {
     c.replicas = 2;
     c.device = DEVICE_CUDA;
     char err[SN_ERR_MAX];
-    CHECK(train_run(&c, NULL, err) == -1 && contains(err, "need NCCL: this segnet was built without it"), "%s", err);
+    CHECK(train_run(&c, NULL, err) == -1 &&
+                  contains(err, "need NCCL: this segnet was built without it"),
+          "%s", err);
 }
 #endif
 
@@ -8623,8 +9941,9 @@ static const char *const ACT_NAME[] = {"none", "relu", "silu", "sigmoid"};
 // from 15 (one chunk) to 2046 (64 chunks, the last partial; 1023 per image in squeeze-excitation)
 // odd channel counts (the generic kernels), then multiples of the 16-byte
 // vectors' 4 fp32 or 8 fp16/bf16 values (the vector kernels; 12: fp32 only)
-static const Shape CU_SHAPES[] = {{1, 5, 3, 5}, {2, 5, 7, 3}, {2, 9, 7, 13}, {2, 5, 5, 37}, {2, 33, 31, 3},
-                                  {2, 5, 7, 16}, {1, 9, 5, 40}, {2, 5, 3, 12}, {2, 17, 19, 8}};
+static const Shape CU_SHAPES[] = {{1, 5, 3, 5},  {2, 5, 7, 3},   {2, 9, 7, 13},
+                                  {2, 5, 5, 37}, {2, 33, 31, 3}, {2, 5, 7, 16},
+                                  {1, 9, 5, 40}, {2, 5, 3, 12},  {2, 17, 19, 8}};
 #define CU_NSHAPES (int)(sizeof CU_SHAPES / sizeof CU_SHAPES[0])
 
 // statistics and running update; per (shape, storage type)
@@ -8637,7 +9956,8 @@ TEST(cuda_bn_stats) {
             const int C = s.c;
             const size_t n = shape_numel(s), M = n / C;
             float *xv = randn(&r, n, 2.0f);
-            for (size_t i = 0; i < n; i++) xv[i] += 1.5f + (float)(i % C);  // channel means far from 0
+            // channel means far from 0
+            for (size_t i = 0; i < n; i++) xv[i] += 1.5f + (float)(i % C);
             CuPair x = cu_pair(xv, s, (DType)dt);
             float mean[C], var[C], *nan = cu_nans(C);
             float *dmean = cu_floats(nan, C), *dvar = cu_floats(nan, C);
@@ -8649,10 +9969,13 @@ TEST(cuda_bn_stats) {
 
             float *rm = randn(&r, C, 1.0f), *rv = randn(&r, C, 1.0f);
             for (int c = 0; c < C; c++) rv[c] = fabsf(rv[c]) + 0.1f;
-            float *drm = cu_floats(rm, C), *drv = cu_floats(rv, C), *drm2 = cu_floats(rm, C), *drv2 = cu_floats(rv, C);
+            float *drm = cu_floats(rm, C), *drv = cu_floats(rv, C), *drm2 = cu_floats(rm, C),
+                  *drv2 = cu_floats(rv, C);
             ops_cpu.bn_update_running(&ops_cpu, rm, rv, mean, var, C, M, BN_MOMENTUM);
-            o->bn_update_running(o, drm, drv, dmean, dvar, C, M, BN_MOMENTUM);  // dmean, dvar: within 4 ulp of mean, var
-            o->bn_stats(o, x.gpu, dmean, dvar, drm2, drv2, BN_MOMENTUM, NULL);        // the same update, in the stats' pass
+            // dmean, dvar: within 4 ulp of mean, var
+            o->bn_update_running(o, drm, drv, dmean, dvar, C, M, BN_MOMENTUM);
+            // the same update, in the stats' pass
+            o->bn_stats(o, x.gpu, dmean, dvar, drm2, drv2, BN_MOMENTUM, NULL);
             // (1-m)·r + m·b: the batch statistics' 4 ulp, two products and a sum (FMA or not)
             cu_expect(cu_floats_err(drm, rm, C), 8 * 0x1p-24, "bn_update_running mean", (DType)dt);
             cu_expect(cu_floats_err(drv, rv, C), 8 * 0x1p-24, "bn_update_running var", (DType)dt);
@@ -8661,7 +9984,8 @@ TEST(cuda_bn_stats) {
             o->free(o, drm2); o->free(o, drv2);
 
             // --sync-bn's pieces: the fp64 sums themselves (another order: 2^-53 per addition, far
-            // below 2^-40), and bn_stats_finish of the CPU's sums: the same fp64 formula on the same
+            // below 2^-40), and bn_stats_finish of the CPU's sums: the same fp64 formula on the
+            // same
             // input (1 ulp where the device contracts Σx²/n - mean² into an FMA), the running
             // update in the same launch (8 ulp as above)
             double sums[2 * C], dsums_host[2 * C], *dsums = o->alloc(o, sizeof(double) * 2 * C);
@@ -8670,17 +9994,20 @@ TEST(cuda_bn_stats) {
             o->bn_stats(o, x.gpu, dmean, dvar, NULL, NULL, 0.0f, dsums);
             o->download(o, dsums_host, dsums, sizeof dsums_host);
             double es = 0;
-            for (int k = 0; k < 2 * C; k++) es = fmax(es, fabs(dsums_host[k] - sums[k]) / fmax(fabs(sums[k]), 1e-300));
+            for (int k = 0; k < 2 * C; k++)
+                es = fmax(es, fabs(dsums_host[k] - sums[k]) / fmax(fabs(sums[k]), 1e-300));
             cu_expect(es, 0x1p-40, "bn_stats fp64 sums", (DType)dt);
-            CHECK(!memcmp(mean2, mean, sizeof mean) && !memcmp(var2, var, sizeof var), "bn_stats with sums: the same statistics");
+            CHECK(!memcmp(mean2, mean, sizeof mean) && !memcmp(var2, var, sizeof var),
+                  "bn_stats with sums: the same statistics");
             o->upload(o, dsums, sums, sizeof sums);
             ops_cpu.bn_stats_finish(&ops_cpu, sums, C, M, mean2, var2, rm, rv, BN_MOMENTUM);
             o->bn_stats_finish(o, dsums, C, M, dmean, dvar, drm, drv, BN_MOMENTUM);
             CHECK(!memcmp(mean2, mean, sizeof mean) && !memcmp(var2, var, sizeof var),
                   "bn_stats_finish of bn_stats' sums: bn_stats' statistics");
-            cu_expect(fmax(cu_floats_err(dmean, mean, C), cu_floats_err(dvar, var, C)), 0x1p-24, "bn_stats_finish", (DType)dt);
-            cu_expect(fmax(cu_floats_err(drm, rm, C), cu_floats_err(drv, rv, C)), 8 * 0x1p-24, "bn_stats_finish running",
-                      (DType)dt);
+            cu_expect(fmax(cu_floats_err(dmean, mean, C), cu_floats_err(dvar, var, C)), 0x1p-24,
+                      "bn_stats_finish", (DType)dt);
+            cu_expect(fmax(cu_floats_err(drm, rm, C), cu_floats_err(drv, rv, C)), 8 * 0x1p-24,
+                      "bn_stats_finish running", (DType)dt);
             o->free(o, dsums);
             o->free(o, dmean); o->free(o, dvar); o->free(o, drm); o->free(o, drv);
             free(rm); free(rv); free(nan); free(xv);
@@ -8708,7 +10035,11 @@ TEST(cuda_bn_forward_backward) {
                 float mean[C], var[C], *gamma = randn(&r, C, 0.5f), *beta = randn(&r, C, 0.5f);
                 for (int c = 0; c < C; c++) gamma[c] += 1.0f;
                 if (training) ops_cpu.bn_stats(&ops_cpu, x.cpu, mean, var, NULL, NULL, 0.0f, NULL);
-                else for (int c = 0; c < C; c++) { mean[c] = 1.5f + 0.3f * rng_normal(&r); var[c] = 2.0f + rng_float(&r); }
+                else
+                    for (int c = 0; c < C; c++) {
+                        mean[c] = 1.5f + 0.3f * rng_normal(&r);
+                        var[c] = 2.0f + rng_float(&r);
+                    }
                 float *dmean = cu_floats(mean, C), *dvar = cu_floats(var, C);
                 float *dgamma_v = cu_floats(gamma, C), *dbeta_v = cu_floats(beta, C);
                 for (int a = 0; a < 4; a++) {
@@ -8716,65 +10047,90 @@ TEST(cuda_bn_forward_backward) {
                     // forward: z to the same bits but for FMA contraction (1 ulp of z), the
                     // activation's exp (2 ulp on a GPU): 8 fp32 roundings of the largest |y|
                     CuPair y = cu_pair(NULL, s, (DType)dt);
-                    ops_cpu.bn_forward(&ops_cpu, y.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a, NULL);
-                    o->bn_forward(o, y.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a, NULL);
-                    snprintf(what, sizeof what, "bn_forward %s %s", training ? "train" : "infer", ACT_NAME[a]);
+                    ops_cpu.bn_forward(&ops_cpu, y.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a,
+                                       NULL);
+                    o->bn_forward(o, y.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a,
+                                  NULL);
+                    snprintf(what, sizeof what, "bn_forward %s %s", training ? "train" : "infer",
+                             ACT_NAME[a]);
                     cu_expect(cu_pair_err(y), cu_tol((DType)dt, 8 * 0x1p-24), what, (DType)dt);
                     cu_pair_free(&y);
 
-                    // reduce: sums overwritten (NaN before), dgamma/dbeta added into (random before).
+                    // reduce: sums overwritten (NaN before), dgamma/dbeta added into (random
+                    // before).
                     // fp64 sums of the same g, g·xhat but for their last bits: 16 fp32 roundings
-                    float sg[C], sgx[C], *dg = randn(&r, C, 1.0f), *db = randn(&r, C, 1.0f), *nan = cu_nans(C);
-                    float *dsg = cu_floats(nan, C), *dsgx = cu_floats(nan, C), *ddg = cu_floats(dg, C), *ddb = cu_floats(db, C);
-                    ops_cpu.bn_backward_reduce(&ops_cpu, dy.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a, sg, sgx, dg, db, NULL, NULL);
-                    o->bn_backward_reduce(o, dy.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a, dsg, dsgx, ddg, ddb, NULL, NULL);
-                    snprintf(what, sizeof what, "bn_backward_reduce %s %s", training ? "train" : "infer", ACT_NAME[a]);
+                    float sg[C], sgx[C], *dg = randn(&r, C, 1.0f), *db = randn(&r, C, 1.0f),
+                                         *nan = cu_nans(C);
+                    float *dsg = cu_floats(nan, C), *dsgx = cu_floats(nan, C),
+                          *ddg = cu_floats(dg, C), *ddb = cu_floats(db, C);
+                    ops_cpu.bn_backward_reduce(&ops_cpu, dy.cpu, x.cpu, mean, var, gamma, beta, eps,
+                                               (Act)a, sg, sgx, dg, db, NULL, NULL);
+                    o->bn_backward_reduce(o, dy.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps,
+                                          (Act)a, dsg, dsgx, ddg, ddb, NULL, NULL);
+                    snprintf(what, sizeof what, "bn_backward_reduce %s %s",
+                             training ? "train" : "infer", ACT_NAME[a]);
                     double e = fmax(fmax(cu_floats_err(dsg, sg, C), cu_floats_err(dsgx, sgx, C)),
                                     fmax(cu_floats_err(ddg, dg, C), cu_floats_err(ddb, db, C)));
                     cu_expect(e, 16 * 0x1p-24, what, (DType)dt);
-                    // --sync-bn's pieces: the fp64 sums (the same bound, relative to the largest), and
+                    // --sync-bn's pieces: the fp64 sums (the same bound, relative to the largest),
+                    // and
                     // bn_backward_finish of the CPU's sums: casts and adds, the CPU's bits
-                    double sums[2 * C], dsums_host[2 * C], *dsums = o->alloc(o, sizeof(double) * 2 * C), scale = 1e-300;
+                    double sums[2 * C], dsums_host[2 * C],
+                            *dsums = o->alloc(o, sizeof(double) * 2 * C), scale = 1e-300;
                     float sg2[C], sgx2[C], dg2[C], db2[C];
                     memcpy(dg2, dg, sizeof dg2);
                     memcpy(db2, db, sizeof db2);
-                    ops_cpu.bn_backward_reduce(&ops_cpu, dy.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a, sg2, sgx2, NULL,
-                                               NULL, sums, NULL);
-                    o->bn_backward_reduce(o, dy.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a, dsg, dsgx, NULL,
-                                          NULL, dsums, NULL);
+                    ops_cpu.bn_backward_reduce(&ops_cpu, dy.cpu, x.cpu, mean, var, gamma, beta, eps,
+                                               (Act)a, sg2, sgx2, NULL, NULL, sums, NULL);
+                    o->bn_backward_reduce(o, dy.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps,
+                                          (Act)a, dsg, dsgx, NULL, NULL, dsums, NULL);
                     o->download(o, dsums_host, dsums, sizeof dsums_host);
                     e = 0;
                     for (int k = 0; k < 2 * C; k++) scale = fmax(scale, fabs(sums[k]));
-                    for (int k = 0; k < 2 * C; k++) e = fmax(e, fabs(dsums_host[k] - sums[k]) / scale);
-                    snprintf(what, sizeof what, "bn_backward_reduce fp64 sums %s %s", training ? "train" : "infer",
-                             ACT_NAME[a]);
+                    for (int k = 0; k < 2 * C; k++)
+                        e = fmax(e, fabs(dsums_host[k] - sums[k]) / scale);
+                    snprintf(what, sizeof what, "bn_backward_reduce fp64 sums %s %s",
+                             training ? "train" : "infer", ACT_NAME[a]);
                     cu_expect(e, 16 * 0x1p-24, what, (DType)dt);
-                    CHECK(!memcmp(sg2, sg, sizeof sg2) && !memcmp(sgx2, sgx, sizeof sgx2), "%s: the same sums", what);
+                    CHECK(!memcmp(sg2, sg, sizeof sg2) && !memcmp(sgx2, sgx, sizeof sgx2),
+                          "%s: the same sums", what);
                     o->upload(o, dsums, sums, sizeof sums);
                     ops_cpu.bn_backward_finish(&ops_cpu, sums, C, sg2, sgx2, dg2, db2);
-                    float *dsg2 = cu_floats(nan, C), *dsgx2 = cu_floats(nan, C), *ddg2 = cu_floats(dg, C), *ddb2 = cu_floats(db, C);
+                    float *dsg2 = cu_floats(nan, C), *dsgx2 = cu_floats(nan, C),
+                          *ddg2 = cu_floats(dg, C), *ddb2 = cu_floats(db, C);
                     o->bn_backward_finish(o, dsums, C, dsg2, dsgx2, ddg2, ddb2);
-                    float *h[4] = {cu_to_host(dsg2, C, DT_F32), cu_to_host(dsgx2, C, DT_F32), cu_to_host(ddg2, C, DT_F32),
-                                   cu_to_host(ddb2, C, DT_F32)};
-                    CHECK(!memcmp(h[0], sg2, sizeof sg2) && !memcmp(h[1], sgx2, sizeof sgx2) && !memcmp(h[2], dg2, sizeof dg2) &&
-                          !memcmp(h[3], db2, sizeof db2), "bn_backward_finish %s: the CPU's bits", what);
+                    float *h[4] = {cu_to_host(dsg2, C, DT_F32), cu_to_host(dsgx2, C, DT_F32),
+                                   cu_to_host(ddg2, C, DT_F32), cu_to_host(ddb2, C, DT_F32)};
+                    CHECK(!memcmp(h[0], sg2, sizeof sg2) && !memcmp(h[1], sgx2, sizeof sgx2) &&
+                                  !memcmp(h[2], dg2, sizeof dg2) && !memcmp(h[3], db2, sizeof db2),
+                          "bn_backward_finish %s: the CPU's bits", what);
                     CHECK(!memcmp(sg2, sg, sizeof sg2) && !memcmp(sgx2, sgx, sizeof sgx2),
                           "bn_backward_finish of bn_backward_reduce's sums: its sums");
                     for (int k = 0; k < 4; k++) free(h[k]);
-                    o->free(o, dsums); o->free(o, dsg2); o->free(o, dsgx2); o->free(o, ddg2); o->free(o, ddb2);
+                    o->free(o, dsums);
+                    o->free(o, dsg2);
+                    o->free(o, dsgx2);
+                    o->free(o, ddg2);
+                    o->free(o, ddb2);
 
-                    // data: g - (sum_g + xhat·sum_gx)/count cancels: 32 fp32 roundings of the largest |dx|;
+                    // data: g - (sum_g + xhat·sum_gx)/count cancels: 32 fp32 roundings of the
+                    // largest |dx|;
                     // inference passes NULL sums (count 0 must not read them)
                     float *dsg_cpu = cu_floats(sg, C), *dsgx_cpu = cu_floats(sgx, C);
                     for (int acc = 0; acc < 2; acc++) {
                         CuPair dx = cu_dest(&r, s, (DType)dt, acc);
-                        ops_cpu.bn_backward_data(&ops_cpu, dx.cpu, dy.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a,
-                                                 training ? sg : NULL, training ? sgx : NULL, training ? M : 0, acc, NULL);
-                        o->bn_backward_data(o, dx.gpu, dy.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a,
-                                            training ? dsg_cpu : NULL, training ? dsgx_cpu : NULL, training ? M : 0, acc, NULL);
-                        snprintf(what, sizeof what, "bn_backward_data %s %s acc %d", training ? "train" : "infer",
-                                 ACT_NAME[a], acc);
-                        cu_expect(cu_pair_err(dx), cu_tol((DType)dt, 32 * 0x1p-24), what, (DType)dt);
+                        ops_cpu.bn_backward_data(&ops_cpu, dx.cpu, dy.cpu, x.cpu, mean, var, gamma,
+                                                 beta, eps, (Act)a, training ? sg : NULL,
+                                                 training ? sgx : NULL, training ? M : 0, acc,
+                                                 NULL);
+                        o->bn_backward_data(o, dx.gpu, dy.gpu, x.gpu, dmean, dvar, dgamma_v,
+                                            dbeta_v, eps, (Act)a, training ? dsg_cpu : NULL,
+                                            training ? dsgx_cpu : NULL, training ? M : 0, acc,
+                                            NULL);
+                        snprintf(what, sizeof what, "bn_backward_data %s %s acc %d",
+                                 training ? "train" : "infer", ACT_NAME[a], acc);
+                        cu_expect(cu_pair_err(dx), cu_tol((DType)dt, 32 * 0x1p-24), what,
+                                  (DType)dt);
                         cu_pair_free(&dx);
                     }
                     o->free(o, dsg); o->free(o, dsgx); o->free(o, ddg); o->free(o, ddb);
@@ -8794,7 +10150,8 @@ TEST(cuda_bn_fused_next) { bn_fused_cases(cu_ops(), 92); }
 TEST(cuda_act) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 83);
-    const Shape shapes[2] = {shape4(2, 7, 5, 13), shape4(2, 7, 5, 16)};  // odd; whole 16-byte vectors
+    // odd; whole 16-byte vectors
+    const Shape shapes[2] = {shape4(2, 7, 5, 13), shape4(2, 7, 5, 16)};
     for (int si = 0; si < 2; si++)
     for (int dt = 0; dt < 3; dt++)
         for (int a = 0; a < 4; a++) {
@@ -8802,7 +10159,8 @@ TEST(cuda_act) {
             const Shape s = shapes[si];
             const size_t n = shape_numel(s);
             float *xv = randn(&r, n, 3.0f), *dyv = randn(&r, n, 1.0f);
-            CuPair x = cu_pair(xv, s, (DType)dt), dy = cu_pair(dyv, s, (DType)dt), y = cu_pair(NULL, s, (DType)dt);
+            CuPair x = cu_pair(xv, s, (DType)dt), dy = cu_pair(dyv, s, (DType)dt),
+                   y = cu_pair(NULL, s, (DType)dt);
             ops_cpu.act_forward(&ops_cpu, (Act)a, y.cpu, x.cpu);
             o->act_forward(o, (Act)a, y.gpu, x.gpu);
             snprintf(what, sizeof what, "act_forward %s", ACT_NAME[a]);
@@ -8830,14 +10188,16 @@ TEST(cuda_squeeze_excitation) {
         for (int dt = 0; dt < 3; dt++) {
             const Shape s = CU_SHAPES[si], sp = shape4(s.n, 1, 1, s.c);
             const size_t n = shape_numel(s), np = shape_numel(sp);
-            float *xv = randn(&r, n, 1.0f), *dyv = randn(&r, n, 1.0f), *sv = randn(&r, np, 1.0f), *dpv = randn(&r, np, 1.0f);
+            float *xv = randn(&r, n, 1.0f), *dyv = randn(&r, n, 1.0f), *sv = randn(&r, np, 1.0f),
+                  *dpv = randn(&r, np, 1.0f);
             for (size_t i = 0; i < n; i++) xv[i] += 1.0f;
             CuPair x = cu_pair(xv, s, (DType)dt), dy = cu_pair(dyv, s, (DType)dt);
             CuPair sc = cu_pair(sv, sp, (DType)dt), dpool = cu_pair(dpv, sp, (DType)dt);
             CuPair pooled = cu_pair(NULL, sp, (DType)dt), y = cu_pair(NULL, s, (DType)dt);
             ops_cpu.global_avg_pool_forward(&ops_cpu, pooled.cpu, x.cpu);
             o->global_avg_pool_forward(o, pooled.gpu, x.gpu);
-            cu_expect(cu_pair_err(pooled), cu_tol((DType)dt, 4 * 0x1p-24), "global_avg_pool_forward", (DType)dt);
+            cu_expect(cu_pair_err(pooled), cu_tol((DType)dt, 4 * 0x1p-24),
+                      "global_avg_pool_forward", (DType)dt);
             ops_cpu.channel_scale_forward(&ops_cpu, y.cpu, x.cpu, sc.cpu);
             o->channel_scale_forward(o, y.gpu, x.gpu, sc.gpu);
             cu_expect(cu_pair_err(y), 0.0, "channel_scale_forward", (DType)dt);
@@ -8851,15 +10211,18 @@ TEST(cuda_squeeze_excitation) {
                 cu_pair_free(&dx);
                 // (dx, ds) wanted: both; dx only; ds only
                 for (int want = 0; want < 3; want++) {
-                    CuPair dxs = cu_dest(&r, s, (DType)dt, acc), ds = cu_dest(&r, sp, (DType)dt, !acc);
+                    CuPair dxs = cu_dest(&r, s, (DType)dt, acc),
+                           ds = cu_dest(&r, sp, (DType)dt, !acc);
                     Tensor dx_c = dxs.cpu, dx_g = dxs.gpu, ds_c = ds.cpu, ds_g = ds.gpu;
                     if (want == 2) dx_c.data = dx_g.data = NULL;
                     if (want == 1) ds_c.data = ds_g.data = NULL;
-                    ops_cpu.channel_scale_backward(&ops_cpu, dx_c, ds_c, dy.cpu, x.cpu, sc.cpu, acc, !acc);
+                    ops_cpu.channel_scale_backward(&ops_cpu, dx_c, ds_c, dy.cpu, x.cpu, sc.cpu, acc,
+                                                   !acc);
                     o->channel_scale_backward(o, dx_g, ds_g, dy.gpu, x.gpu, sc.gpu, acc, !acc);
                     if (want != 2) {
                         snprintf(what, sizeof what, "channel_scale_backward dx acc %d", acc);
-                        cu_expect(cu_pair_err(dxs), acc ? cu_tol((DType)dt, CU_FMA) : 0.0, what, (DType)dt);
+                        cu_expect(cu_pair_err(dxs), acc ? cu_tol((DType)dt, CU_FMA) : 0.0, what,
+                                  (DType)dt);
                     }
                     if (want != 1) {
                         snprintf(what, sizeof what, "channel_scale_backward ds acc %d", !acc);
@@ -8884,39 +10247,46 @@ TEST(cuda_se_gate) {
     Rng r; rng_seed(&r, 88);
     const int N = 3, C = 40, S = 10;
     float *pv = randn(&r, (size_t)N * C, 1.0f), *dsv = randn(&r, (size_t)N * C, 1.0f);
-    float *w1 = randn(&r, (size_t)S * C, 0.3f), *b1 = randn(&r, S, 0.3f), *w2 = randn(&r, (size_t)C * S, 0.3f);
+    float *w1 = randn(&r, (size_t)S * C, 0.3f), *b1 = randn(&r, S, 0.3f),
+          *w2 = randn(&r, (size_t)C * S, 0.3f);
     float *b2 = randn(&r, C, 0.3f);
-    float *w1_d = cu_floats(w1, (size_t)S * C), *b1_d = cu_floats(b1, S), *w2_d = cu_floats(w2, (size_t)C * S);
+    float *w1_d = cu_floats(w1, (size_t)S * C), *b1_d = cu_floats(b1, S),
+          *w2_d = cu_floats(w2, (size_t)C * S);
     float *b2_d = cu_floats(b2, C);
     const Shape sp = shape4(N, 1, 1, C);
     for (int dt = 0; dt < 3; dt++) {
         const double tol = 1e-5 + 2 * cu_ulp16((DType)dt);
-        CuPair p = cu_pair(pv, sp, (DType)dt), sg = cu_pair(NULL, sp, (DType)dt), ds = cu_pair(dsv, sp, (DType)dt);
+        CuPair p = cu_pair(pv, sp, (DType)dt), sg = cu_pair(NULL, sp, (DType)dt),
+               ds = cu_pair(dsv, sp, (DType)dt);
         ops_cpu.se_gate_forward(&ops_cpu, sg.cpu, p.cpu, w1, b1, w2, b2, S, ACT_SILU, ACT_SIGMOID);
         o->se_gate_forward(o, sg.gpu, p.gpu, w1_d, b1_d, w2_d, b2_d, S, ACT_SILU, ACT_SIGMOID);
         cu_expect(cu_pair_err(sg), tol, "se_gate_forward", (DType)dt);
-        for (int mode = 0; mode < 4; mode++) {  // dp overwritten, added into, not wanted; frozen weights
+        // dp overwritten, added into, not wanted; frozen weights
+        for (int mode = 0; mode < 4; mode++) {
             const int acc = mode == 1, frozen = mode == 3;
             CuPair dp = cu_dest(&r, sp, (DType)dt, acc);
             Tensor dp_c = dp.cpu, dp_g = dp.gpu;
             if (mode == 2) dp_c.data = dp_g.data = NULL;
-            float *g0 = randn(&r, (size_t)2 * S * C + C + S, 1.0f);  // the gradients are added into these
+            // the gradients are added into these
+            float *g0 = randn(&r, (size_t)2 * S * C + C + S, 1.0f);
             float *gc = malloc(sizeof(float) * ((size_t)2 * S * C + C + S));
             memcpy(gc, g0, sizeof(float) * ((size_t)2 * S * C + C + S));
             float *gg = cu_floats(g0, (size_t)2 * S * C + C + S);
             const size_t o_b1 = (size_t)S * C, o_w2 = o_b1 + S, o_b2 = o_w2 + (size_t)C * S;
-            ops_cpu.se_gate_backward(&ops_cpu, dp_c, ds.cpu, p.cpu, w1, b1, w2, b2, S, ACT_SILU, ACT_SIGMOID,
-                                     frozen ? NULL : gc, frozen ? NULL : gc + o_b1, frozen ? NULL : gc + o_w2,
-                                     frozen ? NULL : gc + o_b2, acc);
-            o->se_gate_backward(o, dp_g, ds.gpu, p.gpu, w1_d, b1_d, w2_d, b2_d, S, ACT_SILU, ACT_SIGMOID,
-                                frozen ? NULL : gg, frozen ? NULL : gg + o_b1, frozen ? NULL : gg + o_w2,
-                                frozen ? NULL : gg + o_b2, acc);
+            ops_cpu.se_gate_backward(&ops_cpu, dp_c, ds.cpu, p.cpu, w1, b1, w2, b2, S, ACT_SILU,
+                                     ACT_SIGMOID, frozen ? NULL : gc, frozen ? NULL : gc + o_b1,
+                                     frozen ? NULL : gc + o_w2, frozen ? NULL : gc + o_b2, acc);
+            o->se_gate_backward(o, dp_g, ds.gpu, p.gpu, w1_d, b1_d, w2_d, b2_d, S, ACT_SILU,
+                                ACT_SIGMOID, frozen ? NULL : gg, frozen ? NULL : gg + o_b1,
+                                frozen ? NULL : gg + o_w2, frozen ? NULL : gg + o_b2, acc);
             char what[64];
             snprintf(what, sizeof what, "se_gate_backward mode %d dp", mode);
             if (mode != 2) cu_expect(cu_pair_err(dp), tol, what, (DType)dt);
             snprintf(what, sizeof what, "se_gate_backward mode %d weights", mode);
             cu_expect(cu_floats_err(gg, gc, (size_t)2 * S * C + C + S), tol, what, (DType)dt);
-            if (frozen) CHECK(!memcmp(gc, g0, sizeof(float) * ((size_t)2 * S * C + C + S)), "se gate: frozen weights got gradients");
+            if (frozen)
+                CHECK(!memcmp(gc, g0, sizeof(float) * ((size_t)2 * S * C + C + S)),
+                      "se gate: frozen weights got gradients");
             o->free(o, gg); free(gc); free(g0);
             cu_pair_free(&dp);
         }
@@ -8926,7 +10296,8 @@ TEST(cuda_se_gate) {
     free(pv); free(dsv); free(w1); free(b1); free(w2); free(b2);
 }
 
-// a + b (one sum), its backward, concat and its split (copies; one sum with accumulate): the same bits
+// a + b (one sum), its backward, concat and its split (copies; one sum with accumulate): the same
+// bits
 TEST(cuda_add_concat) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 85);
@@ -8935,11 +10306,14 @@ TEST(cuda_add_concat) {
     for (int ci = 0; ci < 2; ci++)
     for (int dt = 0; dt < 3; dt++) {
         const int Ca = chans[ci][0], Cb = chans[ci][1];
-        const Shape sa = shape4(2, 5, 7, Ca), sb = shape4(2, 5, 7, Cb), sy = shape4(2, 5, 7, Ca + Cb);
+        const Shape sa = shape4(2, 5, 7, Ca), sb = shape4(2, 5, 7, Cb),
+                    sy = shape4(2, 5, 7, Ca + Cb);
         float *av = randn(&r, shape_numel(sa), 1.0f), *bv = randn(&r, shape_numel(sa), 1.0f);
         float *cv = randn(&r, shape_numel(sb), 1.0f), *dyv = randn(&r, shape_numel(sy), 1.0f);
-        CuPair a = cu_pair(av, sa, (DType)dt), b = cu_pair(bv, sa, (DType)dt), cb = cu_pair(cv, sb, (DType)dt);
-        CuPair sum = cu_pair(NULL, sa, (DType)dt), cat = cu_pair(NULL, sy, (DType)dt), dy = cu_pair(dyv, sy, (DType)dt);
+        CuPair a = cu_pair(av, sa, (DType)dt), b = cu_pair(bv, sa, (DType)dt),
+               cb = cu_pair(cv, sb, (DType)dt);
+        CuPair sum = cu_pair(NULL, sa, (DType)dt), cat = cu_pair(NULL, sy, (DType)dt),
+               dy = cu_pair(dyv, sy, (DType)dt);
         ops_cpu.add_forward(&ops_cpu, sum.cpu, a.cpu, b.cpu);
         o->add_forward(o, sum.gpu, a.gpu, b.gpu);
         cu_expect(cu_pair_err(sum), 0.0, "add_forward", (DType)dt);
@@ -8972,7 +10346,11 @@ TEST(cuda_add_concat) {
             if (mode != 5) cu_expect(cu_pair_err(gb), 0.0, what, (DType)dt);
             cu_pair_free(&ga); cu_pair_free(&gb);
         }
-        cu_pair_free(&a); cu_pair_free(&b); cu_pair_free(&cb); cu_pair_free(&sum); cu_pair_free(&cat);
+        cu_pair_free(&a);
+        cu_pair_free(&b);
+        cu_pair_free(&cb);
+        cu_pair_free(&sum);
+        cu_pair_free(&cat);
         cu_pair_free(&dy);
         free(av); free(bv); free(cv); free(dyv);
     }
@@ -8989,18 +10367,22 @@ TEST(cuda_dropout) {
         for (int per_sample = 0; per_sample < 2; per_sample++)
             for (int ri = 0; ri < 2; ri++) {
                 const float rate = ri ? 0.5f : 0.2f;
-                const uint64_t seed = 1000 + 2 * per_sample + ri;  // per sample: drops 3 of 8 samples at either rate
+                // per sample: drops 3 of 8 samples at either rate
+                const uint64_t seed = 1000 + 2 * per_sample + ri;
                 const Shape s = shapes[si];
                 const size_t n = shape_numel(s);
                 float *xv = randn(&r, n, 1.0f);
-                for (size_t i = 0; i < n; i++) xv[i] += xv[i] >= 0 ? 0.5f : -0.5f;  // no zeros: a 0 out is a drop
+                // no zeros: a 0 out is a drop
+                for (size_t i = 0; i < n; i++) xv[i] += xv[i] >= 0 ? 0.5f : -0.5f;
                 CuPair x = cu_pair(xv, s, (DType)dt), y = cu_pair(NULL, s, (DType)dt);
                 const uint64_t first = 3;  // the tensor is images 3.. of the step
-                ops_cpu.dropout_forward(&ops_cpu, y.cpu, x.cpu, NO_RESIDUAL, rate, &(uint64_t){seed}, per_sample, first);
+                ops_cpu.dropout_forward(&ops_cpu, y.cpu, x.cpu, NO_RESIDUAL, rate,
+                                        &(uint64_t){seed}, per_sample, first);
                 uint64_t *seed_gpu = cu_copy_of(&seed, sizeof seed);
                 o->dropout_forward(o, y.gpu, x.gpu, NO_RESIDUAL, rate, seed_gpu, per_sample, first);
                 char what[64];
-                snprintf(what, sizeof what, "dropout_forward %s rate %.1f", per_sample ? "sample" : "element", rate);
+                snprintf(what, sizeof what, "dropout_forward %s rate %.1f",
+                         per_sample ? "sample" : "element", rate);
                 cu_expect(cu_pair_err(y), 0.0, what, (DType)dt);
                 float *yg = cu_to_host(y.gpu.data, n, (DType)dt);
                 size_t dropped = 0;
@@ -9009,30 +10391,40 @@ TEST(cuda_dropout) {
                 free(yg);
                 for (int acc = 0; acc < 2; acc++) {
                     CuPair dx = cu_dest(&r, s, (DType)dt, acc);
-                    ops_cpu.dropout_backward(&ops_cpu, dx.cpu, NO_RESIDUAL, x.cpu, rate, &(uint64_t){seed}, per_sample, first, acc, 0);
-                    o->dropout_backward(o, dx.gpu, NO_RESIDUAL, x.gpu, rate, seed_gpu, per_sample, first, acc, 0);
-                    snprintf(what, sizeof what, "dropout_backward %s rate %.1f acc %d", per_sample ? "sample" : "element",
-                             rate, acc);
-                    cu_expect(cu_pair_err(dx), acc ? cu_tol((DType)dt, CU_FMA) : 0.0, what, (DType)dt);
+                    ops_cpu.dropout_backward(&ops_cpu, dx.cpu, NO_RESIDUAL, x.cpu, rate,
+                                             &(uint64_t){seed}, per_sample, first, acc, 0);
+                    o->dropout_backward(o, dx.gpu, NO_RESIDUAL, x.gpu, rate, seed_gpu, per_sample,
+                                        first, acc, 0);
+                    snprintf(what, sizeof what, "dropout_backward %s rate %.1f acc %d",
+                             per_sample ? "sample" : "element", rate, acc);
+                    cu_expect(cu_pair_err(dx), acc ? cu_tol((DType)dt, CU_FMA) : 0.0, what,
+                              (DType)dt);
                     cu_pair_free(&dx);
                 }
-                // a residual block's end: y = dropout(x) + res, and dx, dres (either absent) in every accumulate mode
+                // a residual block's end: y = dropout(x) + res, and dx, dres (either absent) in
+                // every accumulate mode
                 CuPair res = cu_pair(xv, s, (DType)dt), yr = cu_pair(NULL, s, (DType)dt);
-                ops_cpu.dropout_forward(&ops_cpu, yr.cpu, x.cpu, res.cpu, rate, &(uint64_t){seed}, per_sample, first);
+                ops_cpu.dropout_forward(&ops_cpu, yr.cpu, x.cpu, res.cpu, rate, &(uint64_t){seed},
+                                        per_sample, first);
                 o->dropout_forward(o, yr.gpu, x.gpu, res.gpu, rate, seed_gpu, per_sample, first);
-                snprintf(what, sizeof what, "dropout_forward + residual %s", per_sample ? "sample" : "element");
+                snprintf(what, sizeof what, "dropout_forward + residual %s",
+                         per_sample ? "sample" : "element");
                 cu_expect(cu_pair_err(yr), cu_tol((DType)dt, CU_FMA), what, (DType)dt);
                 for (int mode = 0; mode < 6; mode++) {
                     const int acc = mode & 1, acc_res = (mode >> 1) & 1;
-                    CuPair dx = cu_dest(&r, s, (DType)dt, acc), dres = cu_dest(&r, s, (DType)dt, acc_res);
+                    CuPair dx = cu_dest(&r, s, (DType)dt, acc),
+                           dres = cu_dest(&r, s, (DType)dt, acc_res);
                     Tensor dx_c = dx.cpu, dx_g = dx.gpu, dr_c = dres.cpu, dr_g = dres.gpu;
                     if (mode == 4) dx_c.data = dx_g.data = NULL;
                     if (mode == 5) dr_c.data = dr_g.data = NULL;
-                    ops_cpu.dropout_backward(&ops_cpu, dx_c, dr_c, x.cpu, rate, &(uint64_t){seed}, per_sample, first, acc,
-                                             acc_res);
-                    o->dropout_backward(o, dx_g, dr_g, x.gpu, rate, seed_gpu, per_sample, first, acc, acc_res);
+                    ops_cpu.dropout_backward(&ops_cpu, dx_c, dr_c, x.cpu, rate, &(uint64_t){seed},
+                                             per_sample, first, acc, acc_res);
+                    o->dropout_backward(o, dx_g, dr_g, x.gpu, rate, seed_gpu, per_sample, first,
+                                        acc, acc_res);
                     snprintf(what, sizeof what, "dropout_backward + residual mode %d", mode);
-                    if (mode != 4) cu_expect(cu_pair_err(dx), acc ? cu_tol((DType)dt, CU_FMA) : 0.0, what, (DType)dt);
+                    if (mode != 4)
+                        cu_expect(cu_pair_err(dx), acc ? cu_tol((DType)dt, CU_FMA) : 0.0, what,
+                                  (DType)dt);
                     if (mode != 5) cu_expect(cu_pair_err(dres), 0.0, what, (DType)dt);
                     cu_pair_free(&dx); cu_pair_free(&dres);
                 }
@@ -9049,14 +10441,18 @@ TEST(cuda_dropout) {
 TEST(cuda_pool_upsample) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 87);
-    const Shape shapes[] = {{2, 5, 7, 3}, {2, 9, 9, 5}, {1, 4, 6, 13}, {2, 5, 7, 16}};  // the last: 16-byte vectors
+    // the last: 16-byte vectors
+    const Shape shapes[] = {{2, 5, 7, 3}, {2, 9, 9, 5}, {1, 4, 6, 13}, {2, 5, 7, 16}};
     for (int si = 0; si < 4; si++)
         for (int dt = 0; dt < 3; dt++) {
-            const Shape s = shapes[si], sp = shape4(s.n, s.h / 2, s.w / 2, s.c), su = shape4(s.n, 2 * s.h, 2 * s.w, s.c);
-            float *xv = malloc(shape_numel(s) * sizeof(float)), *dpv = randn(&r, shape_numel(sp), 1.0f);
+            const Shape s = shapes[si], sp = shape4(s.n, s.h / 2, s.w / 2, s.c),
+                        su = shape4(s.n, 2 * s.h, 2 * s.w, s.c);
+            float *xv = malloc(shape_numel(s) * sizeof(float)),
+                  *dpv = randn(&r, shape_numel(sp), 1.0f);
             float *duv = randn(&r, shape_numel(su), 1.0f);
             for (size_t i = 0; i < shape_numel(s); i++) xv[i] = (float)(rng_next(&r) % 3);
-            CuPair x = cu_pair(xv, s, (DType)dt), dp = cu_pair(dpv, sp, (DType)dt), du = cu_pair(duv, su, (DType)dt);
+            CuPair x = cu_pair(xv, s, (DType)dt), dp = cu_pair(dpv, sp, (DType)dt),
+                   du = cu_pair(duv, su, (DType)dt);
             CuPair yp = cu_pair(NULL, sp, (DType)dt), yu = cu_pair(NULL, su, (DType)dt);
             ops_cpu.maxpool2_forward(&ops_cpu, yp.cpu, x.cpu);
             o->maxpool2_forward(o, yp.gpu, x.gpu);
@@ -9079,7 +10475,11 @@ TEST(cuda_pool_upsample) {
                 cu_expect(cu_pair_err(dx), 0.0, what, (DType)dt);
                 cu_pair_free(&dx);
             }
-            cu_pair_free(&x); cu_pair_free(&dp); cu_pair_free(&du); cu_pair_free(&yp); cu_pair_free(&yu);
+            cu_pair_free(&x);
+            cu_pair_free(&dp);
+            cu_pair_free(&du);
+            cu_pair_free(&yp);
+            cu_pair_free(&yu);
             free(xv); free(dpv); free(duv);
         }
 }
@@ -9092,13 +10492,15 @@ TEST(cuda_pool_upsample) {
 TEST(cuda_resize_bilinear) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 88);
-    const Shape from[] = {{2, 5, 7, 3}, {2, 9, 9, 5}, {1, 7, 5, 13}, {2, 2, 3, 3}, {2, 5, 7, 8}};  // the last: vectors
+    // the last: vectors
+    const Shape from[] = {{2, 5, 7, 3}, {2, 9, 9, 5}, {1, 7, 5, 13}, {2, 2, 3, 3}, {2, 5, 7, 8}};
     const int to[][2] = {{9, 13}, {5, 7}, {7, 5}, {7, 4}, {9, 13}};
     for (int k = 0; k < 5; k++)
         for (int dt = 0; dt < 3; dt++) {
             const Shape s = from[k], t = shape4(s.n, to[k][0], to[k][1], s.c);
             float *xv = randn(&r, shape_numel(s), 1.0f), *dyv = randn(&r, shape_numel(t), 1.0f);
-            CuPair x = cu_pair(xv, s, (DType)dt), dy = cu_pair(dyv, t, (DType)dt), y = cu_pair(NULL, t, (DType)dt);
+            CuPair x = cu_pair(xv, s, (DType)dt), dy = cu_pair(dyv, t, (DType)dt),
+                   y = cu_pair(NULL, t, (DType)dt);
             char what[64];
             ops_cpu.resize_bilinear_forward(&ops_cpu, y.cpu, x.cpu);
             o->resize_bilinear_forward(o, y.gpu, x.gpu);
@@ -9108,7 +10510,8 @@ TEST(cuda_resize_bilinear) {
                 CuPair dx = cu_dest(&r, s, (DType)dt, acc);
                 ops_cpu.resize_bilinear_backward(&ops_cpu, dx.cpu, dy.cpu, acc);
                 o->resize_bilinear_backward(o, dx.gpu, dy.gpu, acc);
-                snprintf(what, sizeof what, "resize_bilinear_backward %dx%d->%dx%d acc %d", s.h, s.w, t.h, t.w, acc);
+                snprintf(what, sizeof what, "resize_bilinear_backward %dx%d->%dx%d acc %d", s.h,
+                         s.w, t.h, t.w, acc);
                 cu_expect(cu_pair_err(dx), cu_tol((DType)dt, 8 * 0x1p-20), what, (DType)dt);
                 cu_pair_free(&dx);
             }
@@ -9128,13 +10531,16 @@ TEST(cuda_resize_bilinear) {
 static double quickstart_miou(const char *precision) {
     char out[256], cmd[2048];
     snprintf(out, sizeof out, "/tmp/segnet_test_%ld_precision_%s", (long)getpid(), precision);
-    snprintf(cmd, sizeof cmd, "rm -rf %s && ./segnet train %s --precision %s --device cpu --out %s 2>%s.log "
-             "| sed -n 's/^val_mIoU: //p'", out, QUICKSTART_ARGS, precision, out, out);
+    snprintf(cmd, sizeof cmd,
+             "rm -rf %s && ./segnet train %s --precision %s --device cpu --out %s 2>%s.log "
+             "| sed -n 's/^val_mIoU: //p'",
+             out, QUICKSTART_ARGS, precision, out, out);
     FILE *f = popen(cmd, "r");
     double miou = NAN;
     if (!f || fscanf(f, "%lf", &miou) != 1) miou = NAN;
     if (f) pclose(f);
-    CHECK(!isnan(miou), "segnet train --precision %s printed no val_mIoU: see %s.log", precision, out);
+    CHECK(!isnan(miou), "segnet train --precision %s printed no val_mIoU: see %s.log", precision,
+          out);
     if (isnan(miou)) snprintf(cmd, sizeof cmd, "rm -rf %s", out);
     else snprintf(cmd, sizeof cmd, "rm -rf %s %s.log", out, out);
     CHECK(system(cmd) == 0, "cleanup");
@@ -9142,10 +10548,13 @@ static double quickstart_miou(const char *precision) {
     return miou;
 }
 TEST(heavy_precision_miou) {
-    double m32 = quickstart_miou("fp32"), m16 = quickstart_miou("fp16"), mb16 = quickstart_miou("bf16");
+    double m32 = quickstart_miou("fp32"), m16 = quickstart_miou("fp16"),
+           mb16 = quickstart_miou("bf16");
     CHECK(m32 > 0.85, "fp32 quickstart reached val mIoU %.4f (want > 0.85)", m32);
-    CHECK(fabs(m16 - m32) <= 0.02, "fp16 val mIoU %.4f vs fp32 %.4f: more than 0.02 apart", m16, m32);
-    CHECK(fabs(mb16 - m32) <= 0.02, "bf16 val mIoU %.4f vs fp32 %.4f: more than 0.02 apart", mb16, m32);
+    CHECK(fabs(m16 - m32) <= 0.02, "fp16 val mIoU %.4f vs fp32 %.4f: more than 0.02 apart", m16,
+          m32);
+    CHECK(fabs(mb16 - m32) <= 0.02, "bf16 val mIoU %.4f vs fp32 %.4f: more than 0.02 apart", mb16,
+          m32);
 }
 
 // ----------------------------------------------------------------------------
@@ -9184,23 +10593,32 @@ TEST(checkpoint_metadata_checked) {
     uint8_t *good = read_file_bytes(path, &n);
     CHECK(good != NULL, "no checkpoint");
     if (!good) { rm_rf(data); rm_rf(run); return; }
-    struct { const char *key, *value, *key2, *value2, *want; } cases[] = {
-        {"best_epoch", "100000000", NULL, NULL, "metadata 'best_epoch' is '100000000', not an integer in 0..2"},
-        {"best_epoch", "-5", NULL, NULL, "metadata 'best_epoch' is '-5'"},
-        {"best_epoch", "1", "best_loss", "-0x1p+10", "metadata 'best_loss' is -1024, but metrics.csv's epoch 1"},
-        {"best_loss", "inf", NULL, NULL, "metadata 'best_loss' 'inf' does not fit 'best_epoch'"},
-        {"step", "-9223372036854775807", NULL, NULL, "metadata 'step' is '-9223372036854775807'"},
-        {"epoch", "2x", NULL, NULL, "metadata 'epoch' is '2x'"},
-        {"loss_scale", "nan", NULL, NULL, "metadata 'loss_scale' is 'nan', not a number"},
-        {"loss_scale", "-1", NULL, NULL, "metadata 'loss_scale' is '-1', not a positive float"},
-        {"finished", "2", NULL, NULL, "metadata 'finished' is '2'"},
-        {"batch", "999", "pass_totals", "0x0p+0 0x0p+0 0 0 0 0 0 0 0 0 0", "interrupted at batch 999 of an epoch"},
-        {"batch", "1", "pass_totals", "0x0p+0 0x0p+0 1 2", "metadata 'pass_totals': replica 0, item 4"},
-        {"batch", "1", NULL, NULL, "metadata has 'batch' without 'pass_totals'"},
-        {"log_stats", "1 0 0 0 0 0x1p+0 0x1p+0 0x1p+0 0x1p+0 0x1p+0", NULL, NULL,
-         "metadata 'log_stats': item 10 is not a number"},
-        {"epoch_stats", "1 2 0 0 0 0x1p+0 0x1p+0 0x1p+0 0x1p+0 0x1p+0 nan", NULL, NULL, "metadata 'epoch_stats' is '1 2 0"},
-        {"epoch_stats", "1 0 0 0 0 0x1p+0 0x1p+0 0x1p+0 -0x1p+0 0x1p+0 nan", NULL, NULL, "out of range"},
+    struct { const char *key, *value, *key2, *value2, *want;
+    } cases[] = {
+            {"best_epoch", "100000000", NULL, NULL,
+             "metadata 'best_epoch' is '100000000', not an integer in 0..2"},
+            {"best_epoch", "-5", NULL, NULL, "metadata 'best_epoch' is '-5'"},
+            {"best_epoch", "1", "best_loss", "-0x1p+10",
+             "metadata 'best_loss' is -1024, but metrics.csv's epoch 1"},
+            {"best_loss", "inf", NULL, NULL,
+             "metadata 'best_loss' 'inf' does not fit 'best_epoch'"},
+            {"step", "-9223372036854775807", NULL, NULL,
+             "metadata 'step' is '-9223372036854775807'"},
+            {"epoch", "2x", NULL, NULL, "metadata 'epoch' is '2x'"},
+            {"loss_scale", "nan", NULL, NULL, "metadata 'loss_scale' is 'nan', not a number"},
+            {"loss_scale", "-1", NULL, NULL, "metadata 'loss_scale' is '-1', not a positive float"},
+            {"finished", "2", NULL, NULL, "metadata 'finished' is '2'"},
+            {"batch", "999", "pass_totals", "0x0p+0 0x0p+0 0 0 0 0 0 0 0 0 0",
+             "interrupted at batch 999 of an epoch"},
+            {"batch", "1", "pass_totals", "0x0p+0 0x0p+0 1 2",
+             "metadata 'pass_totals': replica 0, item 4"},
+            {"batch", "1", NULL, NULL, "metadata has 'batch' without 'pass_totals'"},
+            {"log_stats", "1 0 0 0 0 0x1p+0 0x1p+0 0x1p+0 0x1p+0 0x1p+0", NULL, NULL,
+             "metadata 'log_stats': item 10 is not a number"},
+            {"epoch_stats", "1 2 0 0 0 0x1p+0 0x1p+0 0x1p+0 0x1p+0 0x1p+0 nan", NULL, NULL,
+             "metadata 'epoch_stats' is '1 2 0"},
+            {"epoch_stats", "1 0 0 0 0 0x1p+0 0x1p+0 0x1p+0 -0x1p+0 0x1p+0 nan", NULL, NULL,
+             "out of range"},
     };
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         write_file_bytes(path, good, n);
@@ -9209,11 +10627,14 @@ TEST(checkpoint_metadata_checked) {
         size_t n_before;
         uint8_t *before = read_file_bytes(path, &n_before);
         int rc = train_run(&c, run, err);
-        CHECK(rc == -1 && contains(err, "last.safetensors") && contains(err, cases[k].want) && !strchr(err, '\n'),
-              "%s = %s: rc %d, '%s' should say '%s'", cases[k].key, cases[k].value, rc, rc ? err : "", cases[k].want);
+        CHECK(rc == -1 && contains(err, "last.safetensors") && contains(err, cases[k].want) &&
+                      !strchr(err, '\n'),
+              "%s = %s: rc %d, '%s' should say '%s'", cases[k].key, cases[k].value, rc,
+              rc ? err : "", cases[k].want);
         size_t n_after;
         uint8_t *after = read_file_bytes(path, &n_after);
-        CHECK(before && after && n_before == n_after && !memcmp(before, after, n_after), "%s: the checkpoint was changed", cases[k].key);
+        CHECK(before && after && n_before == n_after && !memcmp(before, after, n_after),
+              "%s: the checkpoint was changed", cases[k].key);
         free(before); free(after);
     }
     write_file_bytes(path, good, n);
@@ -9237,11 +10658,14 @@ TEST(interrupt_before_training) {
     interrupt_signal = SIGTERM;
     int rc = train_run(&c, NULL, err);
     interrupt_signal = 0;
-    CHECK(rc == 128 + SIGTERM, "interrupted while reading the data: %d (%s)", rc, rc < 0 ? err : "");
+    CHECK(rc == 128 + SIGTERM, "interrupted while reading the data: %d (%s)", rc,
+          rc < 0 ? err : "");
     CHECK(access(run, F_OK) != 0, "%s was left behind", run);
     c.model.height = c.model.width = 32768;
     rc = train_run(&c, NULL, err);
-    CHECK(rc == -1 && contains(err, "--size 32768x32768 is 1073741824 pixels, more than the limit of 100000000"), "'%s'", err);
+    CHECK(rc == -1 && contains(err, "--size 32768x32768 is 1073741824 pixels, more than the limit "
+                                    "of 100000000"),
+          "'%s'", err);
     CHECK(access(run, F_OK) != 0, "%s was left behind", run);
     rm_rf(data);
 }
@@ -9261,14 +10685,21 @@ static pid_t spawn_segnet(const char *args, const char *errpath) {
 // signal exits at once. Either way --resume ends bit for bit where the
 // uninterrupted run ends.
 TEST(interrupt_signals_cli) {
-    if (access("./segnet", X_OK) != 0) { CHECK(0, "./segnet is missing: build it with make"); return; }
-    const char *data = "/tmp/segnet_test_sig_data", *ref = "/tmp/segnet_test_sig_ref", *run = "/tmp/segnet_test_sig_run";
+    if (access("./segnet", X_OK) != 0) {
+        CHECK(0, "./segnet is missing: build it with make");
+        return;
+    }
+    const char *data = "/tmp/segnet_test_sig_data", *ref = "/tmp/segnet_test_sig_ref",
+               *run = "/tmp/segnet_test_sig_run";
     const char *errpath = "/tmp/segnet_test_sig_err.txt";
     rm_rf(data); rm_rf(ref);
     write_seg_set(data, 24, 16, 16, 61);
     char base[512], args[1024], msg[4096], path[300], other[300];
-    snprintf(base, sizeof base, "train --model unet --depth 1 --width 4 --size 16x16 --batch 2 --classes 3 --class-weights 0,1,1 "
-             "--data %s --epochs 10 --augment flip --threads 1", data);
+    snprintf(base, sizeof base,
+             "train --model unet --depth 1 --width 4 --size 16x16 --batch 2 --classes 3 "
+             "--class-weights 0,1,1 "
+             "--data %s --epochs 10 --augment flip --threads 1",
+             data);
     snprintf(args, sizeof args, "%s --out %s", base, ref);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
     struct { int sig, twice; } cases[] = {{SIGINT, 0}, {SIGTERM, 0}, {SIGHUP, 0}, {SIGINT, 1}};
@@ -9277,8 +10708,10 @@ TEST(interrupt_signals_cli) {
         snprintf(args, sizeof args, "%s --out %s", base, run);
         pid_t pid = spawn_segnet(args, errpath);
         snprintf(path, sizeof path, "%s/metrics.csv", run);
-        for (int waited = 0; waited < 2000 && access(path, F_OK) != 0; waited++) usleep(5000);  // after epoch 1,
-        usleep(20000 * (useconds_t)(k % 3));                                                     // or inside epoch 2
+        // after epoch 1,
+        for (int waited = 0; waited < 2000 && access(path, F_OK) != 0; waited++) usleep(5000);
+        // or inside epoch 2
+        usleep(20000 * (useconds_t)(k % 3));
         kill(pid, cases[k].sig);
         if (cases[k].twice) kill(pid, cases[k].sig);
         int status = 0;
@@ -9286,21 +10719,26 @@ TEST(interrupt_signals_cli) {
         size_t n;
         char *said = read_file(errpath, &n);
         const int want = 128 + cases[k].sig;
-        CHECK(WIFEXITED(status) && WEXITSTATUS(status) == want, "signal %d%s: exit %d, expected %d; stderr: %s", cases[k].sig,
-              cases[k].twice ? " twice" : "", WIFEXITED(status) ? WEXITSTATUS(status) : -1, want, said ? said : "");
+        CHECK(WIFEXITED(status) && WEXITSTATUS(status) == want,
+              "signal %d%s: exit %d, expected %d; stderr: %s", cases[k].sig,
+              cases[k].twice ? " twice" : "", WIFEXITED(status) ? WEXITSTATUS(status) : -1, want,
+              said ? said : "");
         if (!cases[k].twice)
-            CHECK(said && (contains(said, "interrupted at epoch") || contains(said, "interrupted before epoch")) &&
-                  contains(said, "continue with: segnet train --resume"),
+            CHECK(said &&
+                          (contains(said, "interrupted at epoch") ||
+                           contains(said, "interrupted before epoch")) &&
+                          contains(said, "continue with: segnet train --resume"),
                   "what it said: %s", said ? said : "");
         free(said);
         snprintf(args, sizeof args, "train --resume %s", run);
-        CHECK(run_segnet(args, msg, sizeof msg) == 0, "resume after signal %d: %s", cases[k].sig, msg);
+        CHECK(run_segnet(args, msg, sizeof msg) == 0, "resume after signal %d: %s", cases[k].sig,
+              msg);
         const char *files[] = {"last.safetensors", "best.safetensors", "metrics.csv"};
         for (int i = 0; i < 3; i++) {
             snprintf(path, sizeof path, "%s/%s", run, files[i]);
             snprintf(other, sizeof other, "%s/%s", ref, files[i]);
-            CHECK(files_equal(path, other), "signal %d%s: %s differs from the uninterrupted run's", cases[k].sig,
-                  cases[k].twice ? " twice" : "", files[i]);
+            CHECK(files_equal(path, other), "signal %d%s: %s differs from the uninterrupted run's",
+                  cases[k].sig, cases[k].twice ? " twice" : "", files[i]);
         }
     }
     // SIGPIPE: the reader of its output gone (`| head -n 4`, inside epoch 1): saved as for the
@@ -9308,12 +10746,15 @@ TEST(interrupt_signals_cli) {
     const char *status_path = "/tmp/segnet_test_sig_status.txt";
     rm_rf(run);
     char cmd[1600];
-    snprintf(cmd, sizeof cmd, "(./segnet %s --out %s 2>&1; echo $? > %s) | head -n 4 >/dev/null", base, run, status_path);
+    snprintf(cmd, sizeof cmd, "(./segnet %s --out %s 2>&1; echo $? > %s) | head -n 4 >/dev/null",
+             base, run, status_path);
     CHECK(system(cmd) == 0, "%s", cmd);
-    for (int waited = 0; waited < 2000 && !file_exists(status_path); waited++) usleep(5000);  // the subshell outlives head
+    // the subshell outlives head
+    for (int waited = 0; waited < 2000 && !file_exists(status_path); waited++) usleep(5000);
     usleep(50000);
     char *status = read_text(status_path);
-    CHECK(status && atoi(status) == 128 + SIGPIPE, "a broken pipe: exit %s, expected %d", status ? status : "(none)", 128 + SIGPIPE);
+    CHECK(status && atoi(status) == 128 + SIGPIPE, "a broken pipe: exit %s, expected %d",
+          status ? status : "(none)", 128 + SIGPIPE);
     free(status);
     unlink(status_path);
     snprintf(path, sizeof path, "%s/last.safetensors", run);
@@ -9324,7 +10765,8 @@ TEST(interrupt_signals_cli) {
         const char *files[] = {"last.safetensors", "best.safetensors", "metrics.csv"};
         snprintf(path, sizeof path, "%s/%s", run, files[i]);
         snprintf(other, sizeof other, "%s/%s", ref, files[i]);
-        CHECK(files_equal(path, other), "a broken pipe: %s differs from the uninterrupted run's", files[i]);
+        CHECK(files_equal(path, other), "a broken pipe: %s differs from the uninterrupted run's",
+              files[i]);
     }
     unlink(errpath);
     rm_rf(data); rm_rf(ref); rm_rf(run);
@@ -9335,7 +10777,8 @@ TEST(interrupt_signals_cli) {
 // checkpoint starts again, by --resume or by a new run; temporary files of
 // dead writers are removed (a live process's are not).
 TEST(run_folder_claim) {
-    const char *data = "/tmp/segnet_test_claim_data", *ref = "/tmp/segnet_test_claim_ref", *run = "/tmp/segnet_test_claim_run";
+    const char *data = "/tmp/segnet_test_claim_data", *ref = "/tmp/segnet_test_claim_ref",
+               *run = "/tmp/segnet_test_claim_run";
     rm_rf(data); rm_rf(ref); rm_rf(run);
     write_seg_set(data, 4, 8, 8, 41);
     TrainCfg c = tiny_seg_cfg(data, NULL);
@@ -9349,29 +10792,39 @@ TEST(run_folder_claim) {
     CHECK(held >= 0, "%s", err);
     c.out = run;
     char want[64];
-    snprintf(want, sizeof want, "in use by another process (pid %ld, segnet train)", (long)getpid());
-    CHECK(train_run(&c, NULL, err) == -1 && contains(err, run) && contains(err, want), "a second run: '%s'", err);
+    snprintf(want, sizeof want, "in use by another process (pid %ld, segnet train)",
+             (long)getpid());
+    CHECK(train_run(&c, NULL, err) == -1 && contains(err, run) && contains(err, want),
+          "a second run: '%s'", err);
     snprintf(path, sizeof path, "%s/config.txt", run);
     CHECK(access(path, F_OK) != 0, "the refused run wrote config.txt");
     if (held >= 0) close(held);
-    // a run that left only its settings (killed before its first checkpoint), and a dead writer's file
+    // a run that left only its settings (killed before its first checkpoint), and a dead writer's
+    // file
     CHECK(train_run(&c, NULL, err) == 0, "%s", err);
     // killed between metrics.csv and the first checkpoint: metrics.csv holds epoch 1, no checkpoint
     const char *results[] = {"last.safetensors", "best.safetensors", "metrics.csv", "curves.svg"};
-    for (int k = 0; k < 4; k++) { snprintf(path, sizeof path, "%s/%s", run, results[k]); if (k != 2) unlink(path); }
+    for (int k = 0; k < 4; k++) {
+        snprintf(path, sizeof path, "%s/%s", run, results[k]);
+        if (k != 2) unlink(path);
+    }
     snprintf(path, sizeof path, "%s/metrics.csv", run);
     char *rows = read_text(path), *second = rows ? strchr(strchr(rows, '\n') + 1, '\n') : NULL;
     CHECK(second != NULL, "metrics.csv has two epochs");
-    // a checkpoint lost after two epochs (deleted, say): --resume cannot go on and says what is there
-    CHECK(train_run(&c, run, err) == -1 && contains(err, "no last.safetensors") && contains(err, "2 epochs in metrics.csv"),
+    // a checkpoint lost after two epochs (deleted, say): --resume cannot go on and says what is
+    // there
+    CHECK(train_run(&c, run, err) == -1 && contains(err, "no last.safetensors") &&
+                  contains(err, "2 epochs in metrics.csv"),
           "--resume without the checkpoint of 2 epochs: '%s'", err);
     snprintf(other, sizeof other, "%s/best.safetensors", ref);
     snprintf(path, sizeof path, "%s/best.safetensors", run);
     copy_file(other, path);
-    CHECK(train_run(&c, run, err) == -1 && contains(err, "best.safetensors and 2 epochs"), "with best.safetensors: '%s'", err);
+    CHECK(train_run(&c, run, err) == -1 && contains(err, "best.safetensors and 2 epochs"),
+          "with best.safetensors: '%s'", err);
     unlink(path);
     snprintf(path, sizeof path, "%s/metrics.csv", run);
-    if (second) write_file_bytes(path, rows, (size_t)(second + 1 - rows));  // epoch 1's row, as a kill leaves it
+    // epoch 1's row, as a kill leaves it
+    if (second) write_file_bytes(path, rows, (size_t)(second + 1 - rows));
     free(rows);
     pid_t dead = fork();
     if (dead == 0) _exit(0);
@@ -9391,24 +10844,32 @@ TEST(run_folder_claim) {
     snprintf(path, sizeof path, "%s/metrics.csv", run);
     snprintf(other, sizeof other, "%s/metrics.csv", ref);
     CHECK(files_equal(path, other), "metrics.csv is the fresh run's");
-    for (int k = 0; k < 4; k++) { snprintf(path, sizeof path, "%s/%s", run, results[k]); unlink(path); }
+    for (int k = 0; k < 4; k++) {
+        snprintf(path, sizeof path, "%s/%s", run, results[k]);
+        unlink(path);
+    }
     // a new run into a folder with an earlier run's files: refused naming them, unless --overwrite
     snprintf(path, sizeof path, "%s/config.txt", run);
     char *config = read_text(path);
-    CHECK(train_run(&c, NULL, err) == -1 && contains(err, "holds an earlier run's files (config.txt)") &&
-          contains(err, "--overwrite"), "a new run into a folder without a checkpoint: '%s'", err);
+    CHECK(train_run(&c, NULL, err) == -1 &&
+                  contains(err, "holds an earlier run's files (config.txt)") &&
+                  contains(err, "--overwrite"),
+          "a new run into a folder without a checkpoint: '%s'", err);
     char *after = read_text(path);
     CHECK(config && after && !strcmp(config, after), "the refused run left config.txt as it was");
     free(config); free(after);
     c.overwrite = 1;
     CHECK(train_run(&c, NULL, err) == 0, "--overwrite: %s", err);
     c.overwrite = 0;
-    CHECK(train_run(&c, NULL, err) == -1 && contains(err, "already holds a run (last.safetensors)"), "'%s'", err);
-    c.overwrite = 1;  // an earlier run that trained longer is replaced whole: its best epoch goes too
+    CHECK(train_run(&c, NULL, err) == -1 && contains(err, "already holds a run (last.safetensors)"),
+          "'%s'", err);
+    // an earlier run that trained longer is replaced whole: its best epoch goes too
+    c.overwrite = 1;
     c.epochs = 1;
     CHECK(train_run(&c, NULL, err) == 0, "--overwrite of a whole run: %s", err);
     snprintf(path, sizeof path, "%s/metrics.csv", run);
-    CHECK(metrics_rows(run) == 1, "metrics.csv holds the new run's one epoch, not %d", metrics_rows(run));
+    CHECK(metrics_rows(run) == 1, "metrics.csv holds the new run's one epoch, not %d",
+          metrics_rows(run));
     c.overwrite = 0;
     c.epochs = 2;
     // a refused new run leaves no folder behind
@@ -9424,7 +10885,10 @@ TEST(run_folder_claim) {
 // size check may read (stb_image does not check chunk CRCs).
 static void write_png_header_only(const char *path, uint32_t w, uint32_t h) {
     uint8_t b[33] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n', 0, 0, 0, 13, 'I', 'H', 'D', 'R'};
-    for (int i = 0; i < 4; i++) { b[16 + i] = (uint8_t)(w >> (24 - 8 * i)); b[20 + i] = (uint8_t)(h >> (24 - 8 * i)); }
+    for (int i = 0; i < 4; i++) {
+        b[16 + i] = (uint8_t)(w >> (24 - 8 * i));
+        b[20 + i] = (uint8_t)(h >> (24 - 8 * i));
+    }
     b[24] = 8; b[25] = 2;  // 8-bit RGB
     write_file_bytes(path, b, sizeof b);
 }
@@ -9474,7 +10938,8 @@ TEST(image_files_checked) {
     snprintf(path, sizeof path, "%s/bomb.png", dir);
     write_png_header_only(path, 16000, 16000);
     float *img = image_load_rgb(path, &h, &w, err);
-    CHECK(!img && contains(err, "bomb.png: 16000x16000 is 256000000 pixels, more than the limit of 100000000 (--max-pixels)"),
+    CHECK(!img && contains(err, "bomb.png: 16000x16000 is 256000000 pixels, more than the limit of "
+                                "100000000 (--max-pixels)"),
           "'%s'", err);
     free(img);
     Rng r; rng_seed(&r, 5);
@@ -9511,7 +10976,9 @@ TEST(image_files_checked) {
     print_message(f, "segnet eval", "a\nb\rc\x01" "d\x7f" "e caf\xc3\xa9");
     rewind(f);
     char line[200] = "";
-    CHECK(fgets(line, sizeof line, f) && !strcmp(line, "segnet eval: a\\x0ab\\x0dc\\x01d\\x7fe caf\xc3\xa9\n"), "'%s'", line);
+    CHECK(fgets(line, sizeof line, f) &&
+                  !strcmp(line, "segnet eval: a\\x0ab\\x0dc\\x01d\\x7fe caf\xc3\xa9\n"),
+          "'%s'", line);
     fclose(f);
     CHECK(decoder_reason() != NULL, "a decoder failure always has a reason");
     free(px);
@@ -9533,7 +11000,8 @@ TEST(csv_strict) {
     snprintf(path, sizeof path, "%s/ok.csv", dir);
     Dataset d;
     int rc = dataset_open(&d, path, 0, 3, 4, 4, 0, 1, err);
-    CHECK(rc == 0 && d.n == 2 && d.labels[0] == 1 && d.labels[1] == 2, "BOM, blanks around fields: %s", rc ? err : "");
+    CHECK(rc == 0 && d.n == 2 && d.labels[0] == 1 && d.labels[1] == 2,
+          "BOM, blanks around fields: %s", rc ? err : "");
     if (rc == 0) dataset_free(&d);
     char long_label[200];
     snprintf(long_label, sizeof long_label, "path,label\nimgs/a.png,1%070dx\n", 0);
@@ -9549,8 +11017,8 @@ TEST(csv_strict) {
         ds_text(dir, "bad.csv", cases[k].text);
         snprintf(path, sizeof path, "%s/bad.csv", dir);
         rc = dataset_open(&d, path, 0, 3, 4, 4, 0, 1, err);
-        CHECK(rc == -1 && contains(err, "bad.csv: ") && contains(err, cases[k].want), "case %zu: '%s' should say '%s'", k,
-              rc ? err : "accepted", cases[k].want);
+        CHECK(rc == -1 && contains(err, "bad.csv: ") && contains(err, cases[k].want),
+              "case %zu: '%s' should say '%s'", k, rc ? err : "accepted", cases[k].want);
         if (rc == 0) dataset_free(&d);
     }
     free(px);
@@ -9563,7 +11031,10 @@ TEST(csv_strict) {
 // its features, unchanged; timm's names are tf_efficientnetv2_s's; and segnet
 // reads every export back to the same validation loss as the run's own file.
 SLOW_TEST(parity_live_export) {
-    if (access("./segnet", X_OK) != 0) { CHECK(0, "./segnet is missing: build it with make"); return; }
+    if (access("./segnet", X_OK) != 0) {
+        CHECK(0, "./segnet is missing: build it with make");
+        return;
+    }
     const char *dir = "/tmp/segnet_test_export";
     rm_rf(dir);
     char path[600], args[2048], msg[4096], specs[4096] = "";
@@ -9578,17 +11049,25 @@ SLOW_TEST(parity_live_export) {
     }
     snprintf(path, sizeof path, "%s/seg", dir);
     write_seg_set(path, 2, 32, 32, 72);
-    struct { const char *name, *model, *data, *extra, *names; int hidden; } runs[] = {
-        {"plain", "effv2-s", "cls", "--padding symmetric", "torchvision,timm", 0},
-        {"hidden", "effv2-s", "cls", "--head-hidden 16", "torchvision", 16},
-        {"unet", "unet-effv2-s", "seg", "--padding symmetric --class-weights 0,1,1", "torchvision", 0},
+    struct { const char *name, *model, *data, *extra, *names; int hidden;
+    } runs[] = {
+            {"plain", "effv2-s", "cls", "--padding symmetric", "torchvision,timm", 0},
+            {"hidden", "effv2-s", "cls", "--head-hidden 16", "torchvision", 16},
+            {"unet", "unet-effv2-s", "seg", "--padding symmetric --class-weights 0,1,1",
+             "torchvision", 0},
     };
     for (size_t k = 0; k < sizeof runs / sizeof *runs; k++) {
         const int K = strcmp(runs[k].data, "seg") ? 2 : 3;
-        snprintf(args, sizeof args, "train --model %s --classes %d --size 32x32 --batch 2 --epochs 1 --freeze base --lr 0.01 "
-                 "%s --data %s/%s --val %s/%s --out %s/run_%s --threads 2", runs[k].model, K, runs[k].extra, dir, runs[k].data,
-                 dir, runs[k].data, dir, runs[k].name);
-        if (run_segnet(args, msg, sizeof msg) != 0) { CHECK(0, "%s: %s", runs[k].name, msg); continue; }
+        snprintf(args, sizeof args,
+                 "train --model %s --classes %d --size 32x32 --batch 2 --epochs 1 --freeze base "
+                 "--lr 0.01 "
+                 "%s --data %s/%s --val %s/%s --out %s/run_%s --threads 2",
+                 runs[k].model, K, runs[k].extra, dir, runs[k].data, dir, runs[k].data, dir,
+                 runs[k].name);
+        if (run_segnet(args, msg, sizeof msg) != 0) {
+            CHECK(0, "%s: %s", runs[k].name, msg);
+            continue;
+        }
         snprintf(args, sizeof args, "eval --run %s/run_%s", dir, runs[k].name);
         CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
         size_t n;
@@ -9596,26 +11075,32 @@ SLOW_TEST(parity_live_export) {
         const char *names[] = {"torchvision", "timm", "segnet"};
         for (int i = 0; i < 3; i++) {
             if (i < 2 && !strstr(runs[k].names, names[i])) continue;
-            snprintf(args, sizeof args, "export --run %s/run_%s --names %s --out %s/%s_%s.safetensors", dir, runs[k].name,
-                     names[i], dir, runs[k].name, names[i]);
+            snprintf(args, sizeof args,
+                     "export --run %s/run_%s --names %s --out %s/%s_%s.safetensors", dir,
+                     runs[k].name, names[i], dir, runs[k].name, names[i]);
             CHECK(run_segnet(args, msg, sizeof msg) == 0 && contains(msg, "wrote"), "%s", msg);
             if (i < 2) {
                 size_t len = strlen(specs);
-                snprintf(specs + len, sizeof specs - len, " %s/%s_%s.safetensors:%s:%d:%s:%d", dir, runs[k].name, names[i],
-                         runs[k].model, K, names[i], runs[k].hidden);
+                snprintf(specs + len, sizeof specs - len, " %s/%s_%s.safetensors:%s:%d:%s:%d", dir,
+                         runs[k].name, names[i], runs[k].model, K, names[i], runs[k].hidden);
             }
             // read back by segnet: the validation of the run's own weights, to the digit
-            snprintf(args, sizeof args, "eval --weights %s/%s_%s.safetensors --model %s --classes %d --size 32x32 %s --data %s/%s",
-                     dir, runs[k].name, names[i], runs[k].model, K, runs[k].extra, dir, runs[k].data);
+            snprintf(args, sizeof args,
+                     "eval --weights %s/%s_%s.safetensors --model %s --classes %d --size 32x32 %s "
+                     "--data %s/%s",
+                     dir, runs[k].name, names[i], runs[k].model, K, runs[k].extra, dir,
+                     runs[k].data);
             CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
             char *got = read_file("/tmp/segnet_test_out.txt", &n);
-            CHECK(want && got && !strcmp(want, got), "%s, %s names: eval gives\n%s, the run's own weights\n%s", runs[k].name,
-                  names[i], got ? got : "", want ? want : "");
+            CHECK(want && got && !strcmp(want, got),
+                  "%s, %s names: eval gives\n%s, the run's own weights\n%s", runs[k].name, names[i],
+                  got ? got : "", want ? want : "");
             free(got);
         }
         free(want);
     }
-    snprintf(args, sizeof args, "export --run %s/run_hidden --names timm --out %s/x.safetensors", dir, dir);
+    snprintf(args, sizeof args, "export --run %s/run_hidden --names timm --out %s/x.safetensors",
+             dir, dir);
     CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "has no timm name"), "%s", msg);
     char cmd[4200];
     snprintf(cmd, sizeof cmd, "/usr/bin/python3 ref/check_export.py%s", specs);
@@ -9648,7 +11133,8 @@ static double pretrained_parity(const char *python, const char *source, char *ms
     static uint8_t px[H * W * 3];
     Rng r; rng_seed(&r, 81);
     for (int i = 0; i < N; i++) {
-        for (int k = 0; k < H * W * 3; k++) batch[(size_t)i * H * W * 3 + k] = px[k] = (uint8_t)(rng_next(&r) & 255);
+        for (int k = 0; k < H * W * 3; k++)
+            batch[(size_t)i * H * W * 3 + k] = px[k] = (uint8_t)(rng_next(&r) & 255);
         snprintf(path, sizeof path, "%s/images/i%d.png", dir, i);
         CHECK(stbi_write_png(path, W, H, 3, px, W * 3) != 0, "write %s", path);
     }
@@ -9656,21 +11142,29 @@ static double pretrained_parity(const char *python, const char *source, char *ms
     SafetensorsTensor t = sf_tensor("images", DT_F32, 4, dims, batch);
     snprintf(path, sizeof path, "%s/batch.safetensors", dir);
     CHECK(safetensors_write(path, &t, 1, NULL, NULL, 0, err) == 0, "%s", err);
-    snprintf(cmd, sizeof cmd, "%s ref/export_pretrained.py --source %s --model effv2-s --random --classes %d --out %s/w.safetensors "
-             "--predict %s/batch.safetensors --predictions %s/theirs.csv", python, source, K, dir, dir, dir);
+    snprintf(cmd, sizeof cmd,
+             "%s ref/export_pretrained.py --source %s --model effv2-s --random --classes %d --out "
+             "%s/w.safetensors "
+             "--predict %s/batch.safetensors --predictions %s/theirs.csv",
+             python, source, K, dir, dir, dir);
     if (run_shell(cmd, msg, size) != 0) return -1;
     snprintf(path, sizeof path, "%s/w.safetensors", dir);
     SafetensorsFile wf;
     CHECK(safetensors_read(path, &wf, err) == 0, "%s", err);
     const char *kind = safetensors_meta(&wf, "weights");
-    CHECK(kind && !strcmp(kind, "random"), "%s: metadata 'weights' is '%s', want 'random'", path, kind ? kind : "(none)");
+    CHECK(kind && !strcmp(kind, "random"), "%s: metadata 'weights' is '%s', want 'random'", path,
+          kind ? kind : "(none)");
     safetensors_free(&wf);
-    snprintf(cmd, sizeof cmd, "predict --weights %s/w.safetensors --model effv2-s --classes %d --size %dx%d --input %s/images "
-             "--out %s/ours.csv", dir, K, H, W, dir, dir);
+    snprintf(cmd, sizeof cmd,
+             "predict --weights %s/w.safetensors --model effv2-s --classes %d --size %dx%d --input "
+             "%s/images "
+             "--out %s/ours.csv",
+             dir, K, H, W, dir, dir);
     if (run_segnet(cmd, msg, size) != 0) return -1;
     double ours[N][K], theirs[N][K], worst = 0.0;
     int rows[2] = {0, 0};
-    for (int which = 0; which < 2; which++) {  // ours: path,pred,p0..: i0, i1, i2 in order; theirs: index,p0..
+    // ours: path,pred,p0..: i0, i1, i2 in order; theirs: index,p0..
+    for (int which = 0; which < 2; which++) {
         snprintf(path, sizeof path, "%s/%s.csv", dir, which ? "theirs" : "ours");
         FILE *f = fopen(path, "r");
         char line[4096];
@@ -9684,7 +11178,8 @@ static double pretrained_parity(const char *python, const char *source, char *ms
         }
         if (f) fclose(f);
     }
-    CHECK(rows[0] == N && rows[1] == N, "%d rows from segnet, %d from %s", rows[0], rows[1], source);
+    CHECK(rows[0] == N && rows[1] == N, "%d rows from segnet, %d from %s", rows[0], rows[1],
+          source);
     for (int i = 0; i < N; i++)
         for (int k = 0; k < K; k++) worst = fmax(worst, fabs(ours[i][k] - theirs[i][k]));
     msg[0] = 0;
@@ -9695,7 +11190,8 @@ static double pretrained_parity(const char *python, const char *source, char *ms
 TEST(parity_live_pretrained) {
     char msg[4096];
     double d = pretrained_parity("/usr/bin/python3", "torchvision", msg, sizeof msg);
-    CHECK(d >= 0 && d <= PRETRAINED_TOLERANCE, "torchvision's own softmax and segnet predict differ by %.3g (max |dp|) %s", d, msg);
+    CHECK(d >= 0 && d <= PRETRAINED_TOLERANCE,
+          "torchvision's own softmax and segnet predict differ by %.3g (max |dp|) %s", d, msg);
     if (g_verbose) printf("    torchvision: max |dp| %.3g\n", d);
 }
 
@@ -9703,17 +11199,25 @@ TEST(parity_live_pretrained) {
 // empty cache): one line that says what failed and suggests --random; no
 // traceback, no file written
 TEST(parity_live_exporter_offline) {
-    const char *out = "/tmp/segnet_test_offline.safetensors", *cache = "/tmp/segnet_test_offline_cache";
+    const char *out = "/tmp/segnet_test_offline.safetensors",
+               *cache = "/tmp/segnet_test_offline_cache";
     char cmd[1024], msg[4096], tmp[300];
     rm_rf(cache);
     unlink(out);
-    snprintf(cmd, sizeof cmd, "http_proxy=http://127.0.0.1:9 https_proxy=http://127.0.0.1:9 HTTP_PROXY=http://127.0.0.1:9 "
-             "HTTPS_PROXY=http://127.0.0.1:9 no_proxy= NO_PROXY= TORCH_HOME=%s /usr/bin/python3 ref/export_pretrained.py "
-             "--source torchvision --model effv2-s --out %s", cache, out);
+    snprintf(cmd, sizeof cmd,
+             "http_proxy=http://127.0.0.1:9 https_proxy=http://127.0.0.1:9 "
+             "HTTP_PROXY=http://127.0.0.1:9 "
+             "HTTPS_PROXY=http://127.0.0.1:9 no_proxy= NO_PROXY= TORCH_HOME=%s /usr/bin/python3 "
+             "ref/export_pretrained.py "
+             "--source torchvision --model effv2-s --out %s",
+             cache, out);
     int rc = run_shell(cmd, msg, sizeof msg);
-    const char *ours = strstr(msg, "export_pretrained.py: cannot download torchvision's ImageNet weights for effv2-s (");
+    const char *ours = strstr(
+            msg,
+            "export_pretrained.py: cannot download torchvision's ImageNet weights for effv2-s (");
     CHECK(rc == 1 && ours && contains(ours, "needs the internet") && contains(ours, "--random") &&
-          strchr(ours, '\n') == ours + strlen(ours) - 1 && !contains(msg, "Traceback"), "exit %d: '%s'", rc, msg);
+                  strchr(ours, '\n') == ours + strlen(ours) - 1 && !contains(msg, "Traceback"),
+          "exit %d: '%s'", rc, msg);
     snprintf(tmp, sizeof tmp, "%s.tmp", out);
     CHECK(!file_exists(out) && !file_exists(tmp), "%s written", out);
     rm_rf(cache);
@@ -9726,25 +11230,33 @@ TEST(parity_live_exporter_offline) {
 // default /tmp/segnet_tf_venv and /tmp/segnet_timm_venv, made once: TF brings
 // its own NumPy 2, which Debian's torch cannot load, hence two).
 TEST(heavy_pretrained_keras_timm) {
-    const struct { const char *source, *env, *dflt, *module, *install; } fw[] = {
-        {"keras", "SEGNET_TF_VENV", "/tmp/segnet_tf_venv", "tensorflow", "tensorflow-cpu"},
-        {"timm", "SEGNET_TIMM_VENV", "/tmp/segnet_timm_venv", "timm", "--no-deps timm==0.9.16 huggingface_hub pyyaml"},
+    const struct { const char *source, *env, *dflt, *module, *install;
+    } fw[] = {
+            {"keras", "SEGNET_TF_VENV", "/tmp/segnet_tf_venv", "tensorflow", "tensorflow-cpu"},
+            {"timm", "SEGNET_TIMM_VENV", "/tmp/segnet_timm_venv", "timm",
+             "--no-deps timm==0.9.16 huggingface_hub pyyaml"},
     };
     for (int k = 0; k < 2; k++) {
         const char *venv = getenv(fw[k].env) ? getenv(fw[k].env) : fw[k].dflt;
         char python[600], cmd[2048], msg[4096];
         snprintf(python, sizeof python, "%s/bin/python", venv);
-        snprintf(cmd, sizeof cmd, "%s -c 'import %s' 2>/dev/null || { /usr/bin/python3 -m venv --system-site-packages %s && "
-                 "%s/bin/pip install -q %s; }", python, fw[k].module, venv, venv, fw[k].install);
+        snprintf(cmd, sizeof cmd,
+                 "%s -c 'import %s' 2>/dev/null || { /usr/bin/python3 -m venv "
+                 "--system-site-packages %s && "
+                 "%s/bin/pip install -q %s; }",
+                 python, fw[k].module, venv, venv, fw[k].install);
         if (run_shell(cmd, msg, sizeof msg) != 0) {
-            printf("    %s parity not run: cannot install %s into %s: %.300s\n", fw[k].source, fw[k].install, venv, msg);
+            printf("    %s parity not run: cannot install %s into %s: %.300s\n", fw[k].source,
+                   fw[k].install, venv, msg);
             g_skip = "a package from PyPI could not be installed (see above)";
             continue;
         }
         double d = pretrained_parity(python, fw[k].source, msg, sizeof msg);
-        CHECK(d >= 0 && d <= PRETRAINED_TOLERANCE, "%s's own softmax and segnet predict differ by %.3g (max |dp|) %s", fw[k].source,
-              d, msg);
-        printf("    %s EfficientNetV2-S (random weights and BN statistics), 3 images 64x64, 5 classes: max |dp| %.3g\n",
+        CHECK(d >= 0 && d <= PRETRAINED_TOLERANCE,
+              "%s's own softmax and segnet predict differ by %.3g (max |dp|) %s", fw[k].source, d,
+              msg);
+        printf("    %s EfficientNetV2-S (random weights and BN statistics), 3 images 64x64, 5 "
+               "classes: max |dp| %.3g\n",
                fw[k].source, d);
     }
 }
@@ -9759,7 +11271,8 @@ static char *readme_block(const char *text, const char *section, const char *lan
     const char *at = strstr(text, section);
     char fence[32];
     snprintf(fence, sizeof fence, "\n```%s\n", lang);
-    const char *start = at ? strstr(at, fence) : NULL, *end = start ? strstr(start + strlen(fence), "\n```\n") : NULL;
+    const char *start = at ? strstr(at, fence) : NULL,
+               *end = start ? strstr(start + strlen(fence), "\n```\n") : NULL;
     return end ? strndup(start + strlen(fence), (size_t)(end - start - strlen(fence)) + 1) : NULL;
 }
 
@@ -9767,7 +11280,8 @@ TEST(heavy_readme_pytorch_story) {
     const char *dir = "/tmp/segnet_test_readme", *section = "\n### Back to PyTorch\n";
     char path[700], cmd[4096], msg[4096], cwd[512];
     size_t n;
-    char *readme = read_file("README.md", &n), *sh = readme ? readme_block(readme, section, "sh") : NULL,
+    char *readme = read_file("README.md", &n),
+         *sh = readme ? readme_block(readme, section, "sh") : NULL,
          *py = readme ? readme_block(readme, section, "python") : NULL;
     CHECK(sh && py, "README.md: no sh and python blocks under \"### Back to PyTorch\"");
     CHECK(getcwd(cwd, sizeof cwd) != NULL, "getcwd");
@@ -9776,7 +11290,8 @@ TEST(heavy_readme_pytorch_story) {
     CHECK(mkdir(dir, 0755) == 0 && mkdir(path, 0755) == 0, "mkdir %s", path);
     snprintf(path, sizeof path, "%s/setup.sh", dir);
     if (sh) write_file_bytes(path, sh, strlen(sh));
-    snprintf(cmd, sizeof cmd, "cd %s && HOME=%s/home PATH=/usr/bin:/bin sh -e setup.sh", dir, dir);  // Debian's python3
+    // Debian's python3
+    snprintf(cmd, sizeof cmd, "cd %s && HOME=%s/home PATH=/usr/bin:/bin sh -e setup.sh", dir, dir);
     if (sh && py && run_shell(cmd, msg, sizeof msg) != 0) {
         printf("    not run: README's venv set-up failed here: %.300s\n", msg);
         g_skip = "a package from PyPI could not be installed (see above)";
@@ -9790,32 +11305,40 @@ TEST(heavy_readme_pytorch_story) {
     snprintf(csv, sizeof csv, "%s/list.csv", data);
     const char *rows = "images/i00.png,0\nimages/i01.png,5\nimages/i02.png,3\n";
     write_file_bytes(csv, rows, strlen(rows));
-    const char *train[2] = {"--model effv2-l --classes 6 --head-hidden 128 --dropout 0.2 --padding symmetric",
-                            "--model unet-effv2-s --classes 4 --padding symmetric"};
+    const char *train[2] = {
+            "--model effv2-l --classes 6 --head-hidden 128 --dropout 0.2 --padding symmetric",
+            "--model unet-effv2-s --classes 4 --padding symmetric"};
     const char *export[2] = {"model.safetensors", "unet.safetensors"};
     for (int k = 0; k < 2 && !g_skip; k++) {
         snprintf(runs[k], sizeof runs[k], "%s/run%d", dir, k);
-        snprintf(cmd, sizeof cmd, "train %s --size 32x32 --batch 2 --epochs 1 --data %s --out %s --device cpu --threads 2",
+        snprintf(cmd, sizeof cmd,
+                 "train %s --size 32x32 --batch 2 --epochs 1 --data %s --out %s --device cpu "
+                 "--threads 2",
                  train[k], k ? data : csv, runs[k]);
         CHECK(run_segnet(cmd, msg, sizeof msg) == 0, "%s: %s", cmd, msg);
         snprintf(cmd, sizeof cmd, "export --run %s --out %s/%s", runs[k], dir, export[k]);
         CHECK(run_segnet(cmd, msg, sizeof msg) == 0, "%s: %s", cmd, msg);
     }
-    snprintf(cmd, sizeof cmd, "cp %s/images/i03.png %s/image.png && ln -s %s/ref %s/ref && mkdir %s/in && cp %s/image.png %s/in/",
+    snprintf(cmd, sizeof cmd,
+             "cp %s/images/i03.png %s/image.png && ln -s %s/ref %s/ref && mkdir %s/in && cp "
+             "%s/image.png %s/in/",
              data, dir, cwd, dir, dir, dir, dir);
     CHECK(system(cmd) == 0, "%s", cmd);
     if (!g_skip && !g_failures) {
-        snprintf(cmd, sizeof cmd, "cd %s && %s/home/segnet-venv/bin/python story.py >story.txt", dir, dir);
+        snprintf(cmd, sizeof cmd, "cd %s && %s/home/segnet-venv/bin/python story.py >story.txt",
+                 dir, dir);
         CHECK(run_shell(cmd, msg, sizeof msg) == 0, "README's python block: %s", msg);
-        snprintf(cmd, sizeof cmd, "predict --run %s --input %s/in --out %s/ours.csv --device cpu", runs[0], dir, dir);
+        snprintf(cmd, sizeof cmd, "predict --run %s --input %s/in --out %s/ours.csv --device cpu",
+                 runs[0], dir, dir);
         CHECK(run_segnet(cmd, msg, sizeof msg) == 0, "%s: %s", cmd, msg);
         snprintf(path, sizeof path, "%s/story.txt", dir);
         char *story = read_file(path, &n), *ours = NULL;
         snprintf(path, sizeof path, "%s/ours.csv", dir);
         ours = read_file(path, &n);
-        const char *theirs = story ? strstr(story, "probabilities: [") : NULL, *row = ours ? strstr(ours, "image.png,") : NULL;
-        CHECK(theirs && row && story && contains(story, "mask: (1, 32, 32)"), "story: '%s', segnet: '%s'", story ? story : "",
-              ours ? ours : "");
+        const char *theirs = story ? strstr(story, "probabilities: [") : NULL,
+                   *row = ours ? strstr(ours, "image.png,") : NULL;
+        CHECK(theirs && row && story && contains(story, "mask: (1, 32, 32)"),
+              "story: '%s', segnet: '%s'", story ? story : "", ours ? ours : "");
         double worst = 0;
         if (theirs && row) {
             const char *p = strchr(row, ',') + 1, *q = theirs + strlen("probabilities: [");
@@ -9828,7 +11351,8 @@ TEST(heavy_readme_pytorch_story) {
                 q = *e == ',' ? e + 1 : NULL;
                 CHECK(k == 5 || (p && q), "probability %d: a row or the list ends early", k);
             }
-            CHECK(worst <= 1e-4, "README's classifier and segnet predict differ by %.3g (max |dp|)", worst);
+            CHECK(worst <= 1e-4, "README's classifier and segnet predict differ by %.3g (max |dp|)",
+                  worst);
             printf("    README's PyTorch story: max |dp| %.3g against segnet predict\n", worst);
         }
         free(story); free(ours);
@@ -9841,18 +11365,28 @@ TEST(heavy_readme_pytorch_story) {
 // before any total could wrap around 2^64.
 TEST(plan_refuses_huge) {
     ModelCfg m = model_cfg_default();
-    m.model = "unet"; m.classes = 3; m.depth = 8; m.width_base = 65536; m.height = 32768; m.width = 32768; m.batch = 65536;
+    m.model = "unet";
+    m.classes = 3;
+    m.depth = 8;
+    m.width_base = 65536;
+    m.height = 32768;
+    m.width = 32768;
+    m.batch = 65536;
     Graph g;
     graph_init(&g);
-    CHECK(model_build(&g, &m) == -1 && contains(g.err, "(65536,32768,32768,3)") && contains(g.err, "a plan can hold"), "'%s'", g.err);
+    CHECK(model_build(&g, &m) == -1 && contains(g.err, "(65536,32768,32768,3)") &&
+                  contains(g.err, "a plan can hold"),
+          "'%s'", g.err);
     graph_free(&g);
     m.batch = 1; m.depth = 2; m.width_base = 8;
     graph_init(&g);
     CHECK(model_build(&g, &m) >= 0, "a 32768x32768 U-Net of batch 1 can be planned: %s", g.err);
     graph_free(&g);
     char msg[4096];
-    CHECK(run_segnet("plan --model unet --depth 8 --width 65536 --size 32768x32768 --batch 65536", msg, sizeof msg) == 1 &&
-          contains(msg, "a plan can hold"), "segnet plan: %s", msg);
+    CHECK(run_segnet("plan --model unet --depth 8 --width 65536 --size 32768x32768 --batch 65536",
+                     msg, sizeof msg) == 1 &&
+                  contains(msg, "a plan can hold"),
+          "segnet plan: %s", msg);
 }
 
 // ---- EXIF orientation (issue 31, finding 14): the tag read strictly, the
@@ -9885,8 +11419,14 @@ static void exif_app1(uint8_t s[EXIF_APP1_LEN], int o, int big) {
     tiff_put16(t + 2, 42, big);
     tiff_put32(t + 4, 8, big);
     tiff_put16(t + 8, 2, big);
-    tiff_put16(t + 10, 0x010f, big); tiff_put16(t + 12, 2, big); tiff_put32(t + 14, 3, big); memcpy(t + 18, "ab", 3);
-    tiff_put16(t + 22, 0x0112, big); tiff_put16(t + 24, 3, big); tiff_put32(t + 26, 1, big); tiff_put16(t + 30, (uint32_t)o, big);
+    tiff_put16(t + 10, 0x010f, big);
+    tiff_put16(t + 12, 2, big);
+    tiff_put32(t + 14, 3, big);
+    memcpy(t + 18, "ab", 3);
+    tiff_put16(t + 22, 0x0112, big);
+    tiff_put16(t + 24, 3, big);
+    tiff_put32(t + 26, 1, big);
+    tiff_put16(t + 30, (uint32_t)o, big);
 }
 
 // The head of a JPEG as a phone writes it: SOI, APP0 (JFIF), the APP1 above,
@@ -9894,7 +11434,8 @@ static void exif_app1(uint8_t s[EXIF_APP1_LEN], int o, int big) {
 #define EXIF_HEAD_APP1_AT  20
 #define EXIF_HEAD_APP1_END (EXIF_HEAD_APP1_AT + EXIF_APP1_LEN)
 static size_t exif_jpeg_head(uint8_t *b, int o, int big) {
-    static const uint8_t SOI_APP0[EXIF_HEAD_APP1_AT] = {0xff, 0xd8, 0xff, 0xe0, 0, 16, 'J', 'F', 'I', 'F', 0, 1, 1, 0, 0, 1, 0, 1, 0, 0};
+    static const uint8_t SOI_APP0[EXIF_HEAD_APP1_AT] = {
+            0xff, 0xd8, 0xff, 0xe0, 0, 16, 'J', 'F', 'I', 'F', 0, 1, 1, 0, 0, 1, 0, 1, 0, 0};
     memcpy(b, SOI_APP0, sizeof SOI_APP0);
     exif_app1(b + EXIF_HEAD_APP1_AT, o, big);
     memcpy(b + EXIF_HEAD_APP1_END, "\xff\xda\x00\x02", 4);
@@ -9941,15 +11482,18 @@ TEST(exif_orientation_reader) {
         for (int o = 1; o <= 8; o++) {
             const size_t n = exif_jpeg_head(b, o, big);
             for (size_t k = 0; k <= n; k++) {
-                const int want = k >= EXIF_HEAD_APP1_END ? o : 1, got = exif_orientation_guarded(b, k);
-                CHECK(got == want, "%s, orientation %d, first %zu of %zu bytes: %d, want %d", big ? "MM" : "II", o, k, n, got, want);
+                const int want = k >= EXIF_HEAD_APP1_END ? o : 1,
+                          got = exif_orientation_guarded(b, k);
+                CHECK(got == want, "%s, orientation %d, first %zu of %zu bytes: %d, want %d",
+                      big ? "MM" : "II", o, k, n, got, want);
             }
         }
     // malformed: each gives 1, read whole and cut at the APP1 segment's end
     // (a guarded page after each: a read past the end faults)
     const size_t n = exif_jpeg_head(b, 6, 1);
     const uint8_t *t = b + EXIF_HEAD_APP1_AT + EXIF_AT_TIFF;
-    const size_t T = t - b, C = T + (EXIF_AT_COUNT - EXIF_AT_TIFF), O = T + (EXIF_AT_ORIENT - EXIF_AT_TIFF);
+    const size_t T = t - b, C = T + (EXIF_AT_COUNT - EXIF_AT_TIFF),
+                 O = T + (EXIF_AT_ORIENT - EXIF_AT_TIFF);
     struct { const char *what; size_t at; const char *bytes; size_t len; } bad[] = {
         {"byte order IM", T, "IM", 2},
         {"II with a big-endian 42", T, "II\x00\x2a", 4},
@@ -9975,22 +11519,28 @@ TEST(exif_orientation_reader) {
     for (size_t k = 0; k < sizeof bad / sizeof *bad; k++) {
         memcpy(v, b, n);
         memcpy(v + bad[k].at, bad[k].bytes, bad[k].len);
-        CHECK(exif_orientation_guarded(v, n) == 1, "%s: orientation %d", bad[k].what, exif_orientation_guarded(v, n));
-        CHECK(exif_orientation_guarded(v, EXIF_HEAD_APP1_END) == 1, "%s, cut after the APP1: not 1", bad[k].what);
+        CHECK(exif_orientation_guarded(v, n) == 1, "%s: orientation %d", bad[k].what,
+              exif_orientation_guarded(v, n));
+        CHECK(exif_orientation_guarded(v, EXIF_HEAD_APP1_END) == 1, "%s, cut after the APP1: not 1",
+              bad[k].what);
     }
     // a TIFF shorter than its IFD: the segment's length says 30 of its 38 bytes
     memcpy(v, b, n);
     v[EXIF_HEAD_APP1_AT + 3] -= 8;
-    CHECK(exif_orientation_guarded(v, EXIF_HEAD_APP1_END - 8) == 1, "an IFD past the segment's end");
-    CHECK(exif_orientation_guarded(b, 0) == 1 && exif_orientation_guarded(b, 1) == 1, "0 or 1 bytes");
+    CHECK(exif_orientation_guarded(v, EXIF_HEAD_APP1_END - 8) == 1,
+          "an IFD past the segment's end");
+    CHECK(exif_orientation_guarded(b, 0) == 1 && exif_orientation_guarded(b, 1) == 1,
+          "0 or 1 bytes");
     // found past another APP1 (XMP) and fill bytes
-    static const uint8_t XMP[] = {0xff, 0xe1, 0, 12, 'h', 't', 't', 'p', ':', '/', '/', 'n', 's', '.'};
+    static const uint8_t XMP[] = {0xff, 0xe1, 0,   12,  'h', 't', 't',
+                                  'p',  ':',  '/', '/', 'n', 's', '.'};
     size_t m = 0;
     memcpy(v, b, EXIF_HEAD_APP1_AT); m = EXIF_HEAD_APP1_AT;
     memcpy(v + m, XMP, sizeof XMP); m += sizeof XMP;
     v[m++] = 0xff; v[m++] = 0xff;  // fill bytes before the next marker
     memcpy(v + m, b + EXIF_HEAD_APP1_AT, EXIF_APP1_LEN); m += EXIF_APP1_LEN;
-    CHECK(exif_orientation_guarded(v, m) == 6, "after an XMP APP1 and fill bytes: %d", exif_orientation_guarded(v, m));
+    CHECK(exif_orientation_guarded(v, m) == 6, "after an XMP APP1 and fill bytes: %d",
+          exif_orientation_guarded(v, m));
 }
 
 // A JPEG of stored size w×h written by stb_image_write (quality 100: every
@@ -10009,7 +11559,8 @@ static void test_bytes_put(void *ctx, void *data, int size) {
 }
 static void jpeg_with_exif(const char *path, int w, int h, const uint8_t *rgb, int o, int big) {
     TestBytes jpg = {0};
-    CHECK(stbi_write_jpg_to_func(test_bytes_put, &jpg, w, h, 3, rgb, 100) != 0, "encoding %s", path);
+    CHECK(stbi_write_jpg_to_func(test_bytes_put, &jpg, w, h, 3, rgb, 100) != 0, "encoding %s",
+          path);
     uint8_t app1[EXIF_APP1_LEN];
     exif_app1(app1, o, big);
     TestBytes out = {0};
@@ -10047,11 +11598,17 @@ static void exif_displayed_at(int o, int h, int w, int sy, int sx, int *dy, int 
 // leaves a margin for the decoder's fixed point. Blocks differ by 25 or more.
 #define EXIF_BLOCK 8
 #define EXIF_TOL 3
-static void exif_block_colour(int k, uint8_t c[3]) { c[0] = (uint8_t)(20 + 40 * k); c[1] = (uint8_t)(230 - 40 * k); c[2] = (uint8_t)(90 + 25 * k); }
+static void exif_block_colour(int k, uint8_t c[3]) {
+    c[0] = (uint8_t)(20 + 40 * k);
+    c[1] = (uint8_t)(230 - 40 * k);
+    c[2] = (uint8_t)(90 + 25 * k);
+}
 static uint8_t *exif_blocks(int h, int w) {
     uint8_t *px = malloc((size_t)h * w * 3);
     for (int y = 0; y < h; y++)
-        for (int x = 0; x < w; x++) exif_block_colour(y / EXIF_BLOCK * (w / EXIF_BLOCK) + x / EXIF_BLOCK, px + 3 * ((size_t)y * w + x));
+        for (int x = 0; x < w; x++)
+            exif_block_colour(y / EXIF_BLOCK * (w / EXIF_BLOCK) + x / EXIF_BLOCK,
+                              px + 3 * ((size_t)y * w + x));
     return px;
 }
 
@@ -10072,7 +11629,8 @@ TEST(exif_apply_pixels) {
             image_exif = EXIF_IGNORE;
             const int turned = apply && o >= 5;
             CHECK(img && orientation == o && H == (turned ? w : h) && W == (turned ? h : w),
-                  "orientation %d, %s: %dx%d, orientation %d (%s)", o, apply ? "apply" : "ignore", W, H, orientation, img ? "" : err);
+                  "orientation %d, %s: %dx%d, orientation %d (%s)", o, apply ? "apply" : "ignore",
+                  W, H, orientation, img ? "" : err);
             if (!img || H != (turned ? w : h)) { free(img); continue; }
             double worst = 0;
             int wrong = 0;
@@ -10081,13 +11639,14 @@ TEST(exif_apply_pixels) {
                     int dy = sy, dx = sx;
                     if (apply) exif_displayed_at(o, h, w, sy, sx, &dy, &dx);
                     for (int c = 0; c < 3; c++) {
-                        const double e = fabs(img[3 * ((size_t)dy * W + dx) + c] - px[3 * ((size_t)sy * w + sx) + c]);
+                        const double e = fabs(img[3 * ((size_t)dy * W + dx) + c] -
+                                              px[3 * ((size_t)sy * w + sx) + c]);
                         worst = e > worst ? e : worst;
                         wrong += e > EXIF_TOL;
                     }
                 }
-            CHECK(!wrong, "orientation %d, %s: %d values off by more than %d (worst %g)", o, apply ? "apply" : "ignore", wrong,
-                  EXIF_TOL, worst);
+            CHECK(!wrong, "orientation %d, %s: %d values off by more than %d (worst %g)", o,
+                  apply ? "apply" : "ignore", wrong, EXIF_TOL, worst);
             free(img);
         }
     free(px);
@@ -10113,8 +11672,11 @@ TEST(exif_mask_mismatch) {
     ds_png(dir, "masks/a.png", h, w, 1, mask);
     Dataset d;
     CHECK(dataset_open(&d, dir, 1, K, w, h, 1 << 20, 1, err) == -1 &&
-          contains(err, "masks/a.png: mask is 16x24 but its image is 24x16 (the image's EXIF orientation is 6, rotated 90° "
-                        "clockwise when displayed; --exif apply reads images as displayed)") && !strchr(err, '\n'),
+                  contains(err,
+                           "masks/a.png: mask is 16x24 but its image is 24x16 (the image's EXIF "
+                           "orientation is 6, rotated 90° "
+                           "clockwise when displayed; --exif apply reads images as displayed)") &&
+                  !strchr(err, '\n'),
           "ignore: '%s'", err);
     image_exif = EXIF_APPLY;
     float x[h * w * 3];
@@ -10126,7 +11688,8 @@ TEST(exif_mask_mismatch) {
     for (int p = 0; rc == 0 && p < h * w; p++) {
         uint8_t c[3];
         exif_block_colour(y[p], c);
-        misaligned += y[p] != mask[p] || fabsf(x[3 * p] - c[0]) > EXIF_TOL || fabsf(x[3 * p + 1] - c[1]) > EXIF_TOL ||
+        misaligned += y[p] != mask[p] || fabsf(x[3 * p] - c[0]) > EXIF_TOL ||
+                      fabsf(x[3 * p + 1] - c[1]) > EXIF_TOL ||
                       fabsf(x[3 * p + 2] - c[2]) > EXIF_TOL;
     }
     CHECK(!misaligned, "apply: %d pixels whose colour is not their class's block", misaligned);
@@ -10134,16 +11697,21 @@ TEST(exif_mask_mismatch) {
     uint8_t stored_view[h * w] = {0};
     ds_png(dir, "masks/a.png", w, h, 1, stored_view);
     CHECK(dataset_open(&d, dir, 1, K, w, h, 1 << 20, 1, err) == -1 &&
-          contains(err, "masks/a.png: mask is 24x16 but its image is 16x24 (the image's EXIF orientation 6 was applied: it "
-                        "is read rotated 90° clockwise; --exif ignore reads images as stored)"), "apply, stored-view mask: '%s'", err);
+                  contains(err,
+                           "masks/a.png: mask is 24x16 but its image is 16x24 (the image's EXIF "
+                           "orientation 6 was applied: it "
+                           "is read rotated 90° clockwise; --exif ignore reads images as stored)"),
+          "apply, stored-view mask: '%s'", err);
     image_exif = EXIF_IGNORE;
     jpeg_with_exif(path, w, h, px, 0, 0);  // no EXIF: the message says nothing of it
     ds_png(dir, "masks/a.png", h, w, 1, mask);
-    CHECK(dataset_open(&d, dir, 1, K, w, h, 1 << 20, 1, err) == -1 && contains(err, "its image is 24x16") &&
-          !contains(err, "EXIF"), "no orientation: '%s'", err);
+    CHECK(dataset_open(&d, dir, 1, K, w, h, 1 << 20, 1, err) == -1 &&
+                  contains(err, "its image is 24x16") && !contains(err, "EXIF"),
+          "no orientation: '%s'", err);
     jpeg_with_exif(path, w, h, px, 1, 0);  // orientation 1: neither
-    CHECK(dataset_open(&d, dir, 1, K, w, h, 1 << 20, 1, err) == -1 && contains(err, "its image is 24x16") &&
-          !contains(err, "EXIF"), "orientation 1: '%s'", err);
+    CHECK(dataset_open(&d, dir, 1, K, w, h, 1 << 20, 1, err) == -1 &&
+                  contains(err, "its image is 24x16") && !contains(err, "EXIF"),
+          "orientation 1: '%s'", err);
     free(px);
     ds_remove(dir);
 }
@@ -10158,23 +11726,33 @@ TEST(exif_cli) {
     const char *const subs[] = {"images", "masks"};
     char path[600], args[2048], msg[4096];
     CHECK(mkdir(data, 0755) == 0, "mkdir %s", data);
-    for (int k = 0; k < 2; k++) { snprintf(path, sizeof path, "%s/%s", data, subs[k]); CHECK(mkdir(path, 0755) == 0, "mkdir %s", path); }
+    for (int k = 0; k < 2; k++) {
+        snprintf(path, sizeof path, "%s/%s", data, subs[k]);
+        CHECK(mkdir(path, 0755) == 0, "mkdir %s", path);
+    }
     enum { h = 8, w = 16 };  // stored 16 wide, 8 high; orientation 6 displays it 8 wide, 16 high
     uint8_t *px = exif_blocks(h, w), mask[h * w];
-    for (int p = 0; p < h * w; p++) mask[p] = (uint8_t)(p >= h * w / 2);  // displayed: block 0 on top, 1 below
+    // displayed: block 0 on top, 1 below
+    for (int p = 0; p < h * w; p++) mask[p] = (uint8_t)(p >= h * w / 2);
     for (int i = 0; i < 4; i++) {
         snprintf(path, sizeof path, "%s/images/i%02d.jpg", data, i);
         jpeg_with_exif(path, w, h, px, 6, i % 2);
         snprintf(path, sizeof path, "masks/i%02d.png", i);
         ds_png(data, path, h, w, 1, mask);
     }
-    const char *base = "--model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 2 --device cpu --threads 1";
+    const char *base = "--model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 2 --device "
+                       "cpu --threads 1";
     snprintf(args, sizeof args, "train %s --epochs 1 --data %s --out %s/default", base, data, run);
-    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "EXIF orientation is 6") && contains(msg, "--exif apply"),
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "EXIF orientation is 6") &&
+                  contains(msg, "--exif apply"),
           "train without --exif: %s", msg);
-    snprintf(args, sizeof args, "train %s --epochs 1 --data %s --out %s/bad --exif sideways", base, data, run);
-    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "--exif 'sideways' must be ignore or apply"), "%s", msg);
-    snprintf(args, sizeof args, "train %s --epochs 1 --data %s --out %s --exif apply", base, data, run);
+    snprintf(args, sizeof args, "train %s --epochs 1 --data %s --out %s/bad --exif sideways", base,
+             data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 &&
+                  contains(msg, "--exif 'sideways' must be ignore or apply"),
+          "%s", msg);
+    snprintf(args, sizeof args, "train %s --epochs 1 --data %s --out %s --exif apply", base, data,
+             run);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "train --exif apply: %s", msg);
     snprintf(path, sizeof path, "%s/config.txt", run);
     char *cfg = read_text(path);
@@ -10184,16 +11762,21 @@ TEST(exif_cli) {
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "--resume: %s", msg);
     snprintf(args, sizeof args, "eval --run %s --data %s --device cpu --threads 1", run, data);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "eval --run: %s", msg);
-    snprintf(args, sizeof args, "eval --run %s --data %s --device cpu --threads 1 --exif ignore", run, data);
-    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "EXIF orientation is 6"), "eval --run --exif ignore: %s", msg);
+    snprintf(args, sizeof args, "eval --run %s --data %s --device cpu --threads 1 --exif ignore",
+             run, data);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "EXIF orientation is 6"),
+          "eval --run --exif ignore: %s", msg);
     for (int ignore = 0; ignore < 2; ignore++) {
-        snprintf(args, sizeof args, "predict --run %s --input %s/images --out %s --device cpu --threads 1%s", run, data,
-                 ignore ? o2 : o1, ignore ? " --exif ignore" : "");
-        CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict --run%s: %s", ignore ? " --exif ignore" : "", msg);
+        snprintf(args, sizeof args,
+                 "predict --run %s --input %s/images --out %s --device cpu --threads 1%s", run,
+                 data, ignore ? o2 : o1, ignore ? " --exif ignore" : "");
+        CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict --run%s: %s",
+              ignore ? " --exif ignore" : "", msg);
         for (int f = 0; f < 2; f++) {
             int pw = 0, ph = 0, pc;
             snprintf(path, sizeof path, "%s/i00%s.png", ignore ? o2 : o1, f ? "_overlay" : "");
-            CHECK(stbi_info(path, &pw, &ph, &pc) && pw == (ignore ? w : h) && ph == (ignore ? h : w),
+            CHECK(stbi_info(path, &pw, &ph, &pc) && pw == (ignore ? w : h) &&
+                          ph == (ignore ? h : w),
                   "%s: %dx%d, want %dx%d", path, pw, ph, ignore ? w : h, ignore ? h : w);
         }
     }
@@ -10230,13 +11813,17 @@ TEST(run_config_freed) {
         if (round == 1) before = mallinfo2().uordblks;
         TrainArgs a = {0};
         char *argv[] = {"segnet", "eval", "--run", (char *)run};
-        if (parse_train_args(&a, 4, argv, "eval", "") != 0 || a.c.model.depth != 1) { CHECK(0, "eval --run RUN: config.txt not read"); break; }
+        if (parse_train_args(&a, 4, argv, "eval", "") != 0 || a.c.model.depth != 1) {
+            CHECK(0, "eval --run RUN: config.txt not read");
+            break;
+        }
         words = a.n_kept;
         train_args_free(&a);
     }
     const size_t after = mallinfo2().uordblks, leak_floor = (size_t)rounds * words * 16;
-    CHECK(words > 20 && after < before + leak_floor / 2, "%zu bytes more in use after %d rounds (a leak of %d words: >= %zu)",
-          after - before, rounds, words, leak_floor);
+    CHECK(words > 20 && after < before + leak_floor / 2,
+          "%zu bytes more in use after %d rounds (a leak of %d words: >= %zu)", after - before,
+          rounds, words, leak_floor);
     rm_rf(data); rm_rf(run);
 }
 
@@ -10290,7 +11877,8 @@ TEST(predict_outputs_protected) {
     const char *inside[4] = {in, out, to_in, via_link};
     for (int k = 0; k < 4; k++) {
         pc.out = inside[k];
-        CHECK(predict_run(&pc, err) == -1 && contains(err, "is, or is inside, the input folder"), "--out %s: '%s'", inside[k], err);
+        CHECK(predict_run(&pc, err) == -1 && contains(err, "is, or is inside, the input folder"),
+              "--out %s: '%s'", inside[k], err);
     }
     struct stat sb;
     CHECK(stat(out, &sb) != 0, "%s was created", out);
@@ -10304,7 +11892,8 @@ TEST(predict_outputs_protected) {
     write_file_bytes(csv, "images/a.png\nimages/b.png\n", 26);
     pc.input = csv;
     pc.out = in;
-    CHECK(predict_run(&pc, err) == -1 && contains(err, "would replace the input image") && contains(err, "a.png"),
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "would replace the input image") &&
+                  contains(err, "a.png"),
           "masks over their images: '%s'", err);
     // an existing file that predict did not write: refused, with --overwrite too
     snprintf(out, sizeof out, "%s/out", dir);
@@ -10314,9 +11903,12 @@ TEST(predict_outputs_protected) {
     pc.input = in;
     pc.out = out;
     pc.overwrite = 0;
-    CHECK(predict_run(&pc, err) == -1 && contains(err, "b.png: exists") && contains(err, "--overwrite"), "'%s'", err);
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "b.png: exists") &&
+                  contains(err, "--overwrite"),
+          "'%s'", err);
     pc.overwrite = 1;
-    CHECK(predict_run(&pc, err) == -1 && contains(err, "not an output of segnet predict"), "--overwrite: '%s'", err);
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "not an output of segnet predict"),
+          "--overwrite: '%s'", err);
     char *t = read_text(path);
     CHECK(t && !strcmp(t, "mine"), "the user's file is untouched");
     free(t);
@@ -10330,7 +11922,8 @@ TEST(predict_outputs_protected) {
     char image_b[600];
     snprintf(image_b, sizeof image_b, "%s/b.png", in);
     CHECK(link(image_b, path) == 0, "link: %s", strerror(errno));
-    CHECK(predict_run(&pc, err) == -1 && contains(err, "would replace the input image") && contains(err, image_b),
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "would replace the input image") &&
+                  contains(err, image_b),
           "hard link: '%s'", err);
     CHECK(unchanged(image_b), "%s changed", image_b);
     unlink(path);
@@ -10351,14 +11944,17 @@ TEST(predict_outputs_protected) {
     ModelCfg cc = model_cfg_default();
     cc.model = "effv2-t"; cc.classes = 3; cc.height = 32; cc.width = 32;
     PredictCfg pcc = {cc, cw, clist, clist, 0, DEVICE_CPU, NULL, 0, 1};
-    CHECK(predict_run(&pcc, err) == -1 && contains(err, "would replace the input list"), "--out the list: '%s'", err);
+    CHECK(predict_run(&pcc, err) == -1 && contains(err, "would replace the input list"),
+          "--out the list: '%s'", err);
     pcc.out = cimage;
-    CHECK(predict_run(&pcc, err) == -1 && contains(err, "would replace the input image"), "--out an image: '%s'", err);
+    CHECK(predict_run(&pcc, err) == -1 && contains(err, "would replace the input image"),
+          "--out an image: '%s'", err);
     CHECK(unchanged(clist) && unchanged(cimage), "the list and the image are untouched");
     pcc.input = cdir;
     snprintf(out, sizeof out, "%s/p.csv", cdir);
     pcc.out = out;
-    CHECK(predict_run(&pcc, err) == -1 && contains(err, "is, or is inside, the input folder"), "inside: '%s'", err);
+    CHECK(predict_run(&pcc, err) == -1 && contains(err, "is, or is inside, the input folder"),
+          "inside: '%s'", err);
     snprintf(out, sizeof out, "%s/p.csv", dir);
     pcc.overwrite = 0;
     CHECK(predict_run(&pcc, err) == 0, "%s", err);
@@ -10367,7 +11963,8 @@ TEST(predict_outputs_protected) {
     CHECK(predict_run(&pcc, err) == 0, "a second time, --overwrite: %s", err);
     snprintf(out, sizeof out, "%s/notes.csv", dir);  // a CSV of the user's
     write_file_bytes(out, "notes\n", 6);
-    CHECK(predict_run(&pcc, err) == -1 && contains(err, "not an output of segnet predict"), "--overwrite notes.csv: '%s'", err);
+    CHECK(predict_run(&pcc, err) == -1 && contains(err, "not an output of segnet predict"),
+          "--overwrite notes.csv: '%s'", err);
     t = read_text(out);
     CHECK(t && !strcmp(t, "notes\n"), "notes.csv is untouched");
     free(t);
@@ -10399,7 +11996,8 @@ TEST(predict_long_names) {
     snprintf(name + 246, sizeof name - 246, ".png");  // 250 bytes: the overlay's would have 258
     snprintf(path, sizeof path, "%s/%s", d.in, name);
     write_png_red(path, 8, 8, NULL, &r);
-    CHECK(predict_run(&pc, err) == -1 && contains(err, "the file name is 258 bytes"), "a 250-byte name: '%s'", err);
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "the file name is 258 bytes"),
+          "a 250-byte name: '%s'", err);
     CHECK(!file_exists(out), "nothing was written for the 250-byte name");
     net_free(&net); graph_free(&g);
     rm_rf(d.dir);
@@ -10416,7 +12014,8 @@ TEST(atomic_write_no_links) {
     snprintf(path, sizeof path, "%s/out.txt", dir);
     atomic_tmp_name(path, tmp);
     CHECK(symlink(victim, tmp) == 0, "symlink: %s", strerror(errno));
-    CHECK(write_text_atomic(path, "new", err) == -1 && contains(err, "temporary file") && contains(err, "already there"),
+    CHECK(write_text_atomic(path, "new", err) == -1 && contains(err, "temporary file") &&
+                  contains(err, "already there"),
           "a link at the temporary name: '%s'", err);
     char *t = read_text(victim);
     CHECK(t && !strcmp(t, "victim"), "the link's target is untouched");
@@ -10433,10 +12032,11 @@ TEST(atomic_write_no_links) {
     CHECK(t && !strcmp(t, "long"), "the %d-byte name holds its text", NAME_MAX);
     free(t);
     atomic_tmp_name(path, tmp);
-    CHECK(strlen(path_base(tmp)) == NAME_MAX && contains(tmp, TMP_MARK), "temporary name '%s' (%zu bytes)", path_base(tmp),
-          strlen(path_base(tmp)));
+    CHECK(strlen(path_base(tmp)) == NAME_MAX && contains(tmp, TMP_MARK),
+          "temporary name '%s' (%zu bytes)", path_base(tmp), strlen(path_base(tmp)));
     snprintf(path, sizeof path, "%s/%sx", dir, name);
-    CHECK(write_text_atomic(path, "longer", err) == -1 && contains(err, "more than the 255"), "a 256-byte name: '%s'", err);
+    CHECK(write_text_atomic(path, "longer", err) == -1 && contains(err, "more than the 255"),
+          "a 256-byte name: '%s'", err);
     DIR *dd = opendir(dir);
     int files = 0;
     for (struct dirent *e; dd && (e = readdir(dd));) files += e->d_name[0] != '.';
@@ -10463,30 +12063,38 @@ TEST(export_outputs_protected) {
         keep_copy(path);
         for (int ow = 0; ow < 2; ow++)
             CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, path, ow, report, err) == -1 &&
-                  contains(err, "a file of the run"), "--out %s%s: '%s'", own[k], ow ? " --overwrite" : "", err);
+                          contains(err, "a file of the run"),
+                  "--out %s%s: '%s'", own[k], ow ? " --overwrite" : "", err);
         CHECK(unchanged(path), "%s changed", path);
     }
     snprintf(out, sizeof out, "%s/metrics.csv", run);  // any file a run writes, present or not
-    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 1, report, err) == -1, "--out metrics.csv");
+    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 1, report, err) == -1,
+          "--out metrics.csv");
     snprintf(out, sizeof out, "%s/steps.csv", run);
-    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 1, report, err) == -1, "--out steps.csv (absent)");
+    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 1, report, err) == -1,
+          "--out steps.csv (absent)");
     snprintf(out, sizeof out, "%s/model.safetensors", run);  // a new file of its own
     CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 0, report, err) == 0, "%s", err);
-    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 0, report, err) == -1 && contains(err, "exists"),
+    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 0, report, err) == -1 &&
+                  contains(err, "exists"),
           "again: '%s'", err);
-    CHECK(export_run(&c.model, run, 1, EXPORT_TORCHVISION, out, 1, report, err) == 0, "again, --overwrite: %s", err);
-    snprintf(path, sizeof path, "%s/best.safetensors.orig", run);  // a copy of a checkpoint: not an export
+    CHECK(export_run(&c.model, run, 1, EXPORT_TORCHVISION, out, 1, report, err) == 0,
+          "again, --overwrite: %s", err);
+    // a copy of a checkpoint: not an export
+    snprintf(path, sizeof path, "%s/best.safetensors.orig", run);
     CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, path, 1, report, err) == -1 &&
           contains(err, "not an earlier export"), "--overwrite a checkpoint's copy: '%s'", err);
     const int held = run_lock(run, "segnet train", err);
     CHECK(held >= 0, "%s", err);
-    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 1, report, err) == -1 && contains(err, "in use") &&
-          contains(err, "segnet train"), "while a train holds the run: '%s'", err);
+    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 1, report, err) == -1 &&
+                  contains(err, "in use") && contains(err, "segnet train"),
+          "while a train holds the run: '%s'", err);
     if (held >= 0) close(held);
     // the command line: refused, exit 1, and the run goes on from its checkpoint
     char args[1024], msg[4096];
     snprintf(args, sizeof args, "export --run %s --out %s/last.safetensors --overwrite", run, run);
-    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "a file of the run"), "segnet export: '%s'", msg);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "a file of the run"),
+          "segnet export: '%s'", msg);
     c.epochs = 2;
     CHECK(train_run(&c, run, err) == 0, "--resume after the refused exports: %s", err);
     rm_rf(data); rm_rf(run);
@@ -10501,10 +12109,12 @@ static void poison_tensor(const char *path, const char *name, size_t i, float v)
     char err[SN_ERR_MAX];
     CHECK(safetensors_read(path, &f, err) == 0, "%s", err);
     const SafetensorsTensor *t = safetensors_find(&f, name);
-    CHECK(t && t->dtype == DT_F32 && i < t->numel, "%s has no F32 element %zu of '%s'", path, i, name);
+    CHECK(t && t->dtype == DT_F32 && i < t->numel, "%s has no F32 element %zu of '%s'", path, i,
+          name);
     if (t && t->dtype == DT_F32 && i < t->numel) memcpy((uint8_t *)t->data + 4 * i, &v, 4);
-    CHECK(safetensors_write(path, f.tensors, f.n_tensors, (const char *const *)f.meta_keys, (const char *const *)f.meta_values,
-                            f.n_meta, err) == 0, "%s", err);
+    CHECK(safetensors_write(path, f.tensors, f.n_tensors, (const char *const *)f.meta_keys,
+                            (const char *const *)f.meta_values, f.n_meta, err) == 0,
+          "%s", err);
     safetensors_free(&f);
 }
 
@@ -10524,11 +12134,16 @@ TEST(diverged_run_never_saved) {
         c.monitor_metric = metric;
         rm_rf(run);
         CHECK(train_run(&c, NULL, err) == 0, "%s", err);
-        for (int k = 0; k < 3; k++) { snprintf(path, sizeof path, "%s/%s", run, kept[k]); keep_copy(path); }
+        for (int k = 0; k < 3; k++) {
+            snprintf(path, sizeof path, "%s/%s", run, kept[k]);
+            keep_copy(path);
+        }
         c.epochs = 2;
         c.lr = metric ? 1e36f : 1e34f;  // the seed's flat val IoU, taken to the end
-        CHECK(train_run(&c, run, err) == -1 && contains(err, "epoch 2: the model is no longer finite") &&
-              contains(err, "holds NaN or inf") && contains(err, "best.safetensors keeps epoch 1"),
+        CHECK(train_run(&c, run, err) == -1 &&
+                      contains(err, "epoch 2: the model is no longer finite") &&
+                      contains(err, "holds NaN or inf") &&
+                      contains(err, "best.safetensors keeps epoch 1"),
               "lr %g%s: '%s'", c.lr, metric ? ", --monitor val_mIoU" : "", err);
         for (int k = 0; k < 3; k++) {
             snprintf(path, sizeof path, "%s/%s", run, kept[k]);
@@ -10537,10 +12152,15 @@ TEST(diverged_run_never_saved) {
     }
     // from the first epoch, on the command line: exit 1, and no best.safetensors is named
     char args[1024], msg[4096];
-    snprintf(args, sizeof args, "train --model unet --depth 1 --width 4 --size 8x8 --batch 4 --classes 3 --class-weights 0,1,1 "
-             "--data %s --val %s --out %s/first --lr 1e34 --epochs 2 --device cpu --threads 1", data, data, run);
-    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "epoch 1: the model is no longer finite") &&
-          !contains(msg, "best epoch 0") && !contains(msg, "keeps epoch"), "first epoch: '%s'", msg);
+    snprintf(args, sizeof args,
+             "train --model unet --depth 1 --width 4 --size 8x8 --batch 4 --classes 3 "
+             "--class-weights 0,1,1 "
+             "--data %s --val %s --out %s/first --lr 1e34 --epochs 2 --device cpu --threads 1",
+             data, data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 &&
+                  contains(msg, "epoch 1: the model is no longer finite") &&
+                  !contains(msg, "best epoch 0") && !contains(msg, "keeps epoch"),
+          "first epoch: '%s'", msg);
     snprintf(path, sizeof path, "%s/first/best.safetensors", run);
     CHECK(!file_exists(path), "a best.safetensors was written");
     snprintf(path, sizeof path, "%s/first/last.safetensors", run);
@@ -10557,16 +12177,19 @@ TEST(model_finite_names_tensor) {
     CHECK(model_finite(&t, which) == 0, "a fresh model is finite: '%s'", which);
     const ParamInfo *w = &t.g.params[graph_find_param(&t.g, "dec0.conv2.0.weight")];
     const ParamInfo *rv = &t.g.buffers[graph_find_buffer(&t.g, "enc0.conv1.1.running_var")];
-    struct { float *at; const char *want; } cases[] = {
-        {t.net.params + w->offset + 5, "dec0.conv2.0.weight holds NaN or inf (1 of its"},
-        {t.net.buffers + rv->offset, "enc0.conv1.1.running_var holds NaN or inf"},
-        {t.adam_m + t.net.grad_offset[w - t.g.params] + 1, "Adam's first moment of dec0.conv2.0.weight"},
-        {t.adam_v + t.n_trainable - 1, "Adam's second moment of head.bias"},
+    struct { float *at; const char *want;
+    } cases[] = {
+            {t.net.params + w->offset + 5, "dec0.conv2.0.weight holds NaN or inf (1 of its"},
+            {t.net.buffers + rv->offset, "enc0.conv1.1.running_var holds NaN or inf"},
+            {t.adam_m + t.net.grad_offset[w - t.g.params] + 1,
+             "Adam's first moment of dec0.conv2.0.weight"},
+            {t.adam_v + t.n_trainable - 1, "Adam's second moment of head.bias"},
     };
     for (int k = 0; k < 4; k++) {
         const float keep = *cases[k].at;
         *cases[k].at = k % 2 ? INFINITY : NAN;
-        CHECK(model_finite(&t, which) == -1 && contains(which, cases[k].want), "case %d: '%s'", k, which);
+        CHECK(model_finite(&t, which) == -1 && contains(which, cases[k].want), "case %d: '%s'", k,
+              which);
         *cases[k].at = keep;
     }
     CHECK(model_finite(&t, which) == 0, "finite again");
@@ -10598,10 +12221,12 @@ TEST(weights_values_refused) {
         poison_tensor(bad, cases[k].name, cases[k].i, cases[k].v);
         SafetensorsFile f;
         CHECK(safetensors_read(bad, &f, err) == 0, "%s", err);
-        CHECK(net_load_weights(&net, &f, bad, NULL, 0, err) == -1 && contains(err, bad) && contains(err, cases[k].name) &&
-              contains(err, cases[k].want), "case %d: '%s'", k, err);
+        CHECK(net_load_weights(&net, &f, bad, NULL, 0, err) == -1 && contains(err, bad) &&
+                      contains(err, cases[k].name) && contains(err, cases[k].want),
+              "case %d: '%s'", k, err);
         safetensors_free(&f);
-        CHECK(!memcmp(before, net.params, sizeof(float) * g.n_param_floats), "case %d: the refused file changed the model", k);
+        CHECK(!memcmp(before, net.params, sizeof(float) * g.n_param_floats),
+              "case %d: the refused file changed the model", k);
     }
     // an I64 tensor of the right shape: named as a type, not as a shape
     SafetensorsFile f;
@@ -10615,27 +12240,40 @@ TEST(weights_values_refused) {
     free(ts);
     safetensors_free(&f);
     CHECK(safetensors_read(bad, &f, err) == 0, "%s", err);
-    CHECK(net_load_weights(&net, &f, bad, NULL, 0, err) == -1 && contains(err, "classifier.1.bias is I64, a weight is floating point") &&
-          !contains(err, "the model needs (3)"), "I64: '%s'", err);
+    CHECK(net_load_weights(&net, &f, bad, NULL, 0, err) == -1 &&
+                  contains(err, "classifier.1.bias is I64, a weight is floating point") &&
+                  !contains(err, "the model needs (3)"),
+          "I64: '%s'", err);
     safetensors_free(&f);
     // where users give weights: predict and eval (a classifier's), train (--weights)
     copy_file(w, bad);
     poison_tensor(bad, "features.0.0.weight", 3, NAN);
     char args[1600], msg[4096];
-    snprintf(args, sizeof args, "predict --model effv2-t --classes 3 --size 32x32 --weights %s --input %s --out %s/p.csv "
-             "--device cpu", bad, dir, dir);
+    snprintf(args, sizeof args,
+             "predict --model effv2-t --classes 3 --size 32x32 --weights %s --input %s --out "
+             "%s/p.csv "
+             "--device cpu",
+             bad, dir, dir);
     write_png(dir, "x.png", 32, 32, &(Rng){5});
-    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "features.0.0.weight") && contains(msg, "not a finite number"),
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "features.0.0.weight") &&
+                  contains(msg, "not a finite number"),
           "predict --weights: '%s'", msg);
     char csv[320];
     snprintf(csv, sizeof csv, "%s/list.csv", dir);
     write_file_bytes(csv, "x.png,1\n", 8);
-    snprintf(args, sizeof args, "eval --model effv2-t --classes 3 --size 32x32 --weights %s --data %s --device cpu", bad, csv);
-    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "features.0.0.weight") && contains(msg, "not a finite number"),
+    snprintf(args, sizeof args,
+             "eval --model effv2-t --classes 3 --size 32x32 --weights %s --data %s --device cpu",
+             bad, csv);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "features.0.0.weight") &&
+                  contains(msg, "not a finite number"),
           "eval --weights: '%s'", msg);
-    snprintf(args, sizeof args, "train --model effv2-t --classes 3 --size 32x32 --batch 1 --epochs 1 --weights %s --data %s "
-             "--out %s/run --device cpu", bad, csv, dir);
-    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "features.0.0.weight") && !contains(msg, "training diverged"),
+    snprintf(args, sizeof args,
+             "train --model effv2-t --classes 3 --size 32x32 --batch 1 --epochs 1 --weights %s "
+             "--data %s "
+             "--out %s/run --device cpu",
+             bad, csv, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "features.0.0.weight") &&
+                  !contains(msg, "training diverged"),
           "train --weights: '%s'", msg);
     snprintf(args, sizeof args, "%s/run", dir);
     CHECK(!file_exists(args), "the refused run left its folder");
@@ -10654,13 +12292,15 @@ TEST(weights_values_refused) {
     snprintf(ck, sizeof ck, "%s/best.safetensors", run);
     poison_tensor(ck, "head.bias", 0, NAN);
     snprintf(out, sizeof out, "%s/export.safetensors", dir);
-    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 0, report, err) == -1 && contains(err, "head.bias"),
+    CHECK(export_run(&c.model, run, 0, EXPORT_TORCHVISION, out, 0, report, err) == -1 &&
+                  contains(err, "head.bias"),
           "export: '%s'", err);
     CHECK(!file_exists(out), "export wrote %s", out);
     snprintf(ck, sizeof ck, "%s/last.safetensors", run);
     poison_tensor(ck, TRAIN_STATE_PREFIX "adam_v", 2, -1.0f);
     c.epochs = 2;
-    CHECK(train_run(&c, run, err) == -1 && contains(err, "last.safetensors") && contains(err, "negative second moment"),
+    CHECK(train_run(&c, run, err) == -1 && contains(err, "last.safetensors") &&
+                  contains(err, "negative second moment"),
           "--resume with a negative Adam v: '%s'", err);
     rm_rf(data); rm_rf(run);
     ds_remove(dir);
@@ -10675,18 +12315,23 @@ TEST(dataset_without_weighted_label) {
     write_seg_set(data, 4, 8, 8, 31);
     char val[300], path[1400], err[SN_ERR_MAX];
     snprintf(val, sizeof val, "%s/val", data);
-    snprintf(path, sizeof path, "mkdir -p '%s/images' '%s/masks' && cp %s/images/i00.png %s/images/", val, val, data, val);
+    snprintf(path, sizeof path,
+             "mkdir -p '%s/images' '%s/masks' && cp %s/images/i00.png %s/images/", val, val, data,
+             val);
     CHECK(system(path) == 0, "%s", path);
     uint8_t zeros[64] = {0};
     snprintf(path, sizeof path, "%s/masks/i00.png", val);
     CHECK(stbi_write_png(path, 8, 8, 1, zeros, 8) != 0, "write %s", path);
     TrainCfg c = tiny_seg_cfg(data, val);  // class weights 0,1,1
     c.out = run;
-    CHECK(train_run(&c, NULL, err) == -1 && contains(err, val) && contains(err, "not one pixel of a class whose weight is above 0") &&
-          contains(err, "only class 0 (weight 0)"), "an unlabelled validation set: '%s'", err);
+    CHECK(train_run(&c, NULL, err) == -1 && contains(err, val) &&
+                  contains(err, "not one pixel of a class whose weight is above 0") &&
+                  contains(err, "only class 0 (weight 0)"),
+          "an unlabelled validation set: '%s'", err);
     CHECK(!file_exists(run), "the refused run left %s", run);
     c.data = val; c.val = NULL;
-    CHECK(train_run(&c, NULL, err) == -1 && contains(err, "not one pixel"), "an unlabelled training set: '%s'", err);
+    CHECK(train_run(&c, NULL, err) == -1 && contains(err, "not one pixel"),
+          "an unlabelled training set: '%s'", err);
     c.class_weights[0] = 1.0f;  // with class 0 weighed, the same set trains
     c.epochs = 1;
     CHECK(train_run(&c, NULL, err) == 0, "class 0 weighed: %s", err);
@@ -10696,11 +12341,15 @@ TEST(dataset_without_weighted_label) {
     write_file_bytes(csv, "images/i00.png,2\nimages/i01.png,2\n", 34);
     TrainCfg k = c;
     k.model = model_cfg_default();
-    k.model.model = "effv2-t"; k.model.classes = 3; k.model.height = k.model.width = 32; k.model.batch = 2;
+    k.model.model = "effv2-t";
+    k.model.classes = 3;
+    k.model.height = k.model.width = 32;
+    k.model.batch = 2;
     k.class_weights[0] = 1; k.class_weights[1] = 1; k.class_weights[2] = 0;
     k.data = csv; k.val = NULL;
     k.out = "/tmp/segnet_test_unlabelled_cls";
-    CHECK(train_run(&k, NULL, err) == -1 && contains(err, "not one image") && contains(err, "only class 2 (weight 0)"),
+    CHECK(train_run(&k, NULL, err) == -1 && contains(err, "not one image") &&
+                  contains(err, "only class 2 (weight 0)"),
           "a classifier: '%s'", err);
     rm_rf(data); rm_rf(run); rm_rf(k.out);
 }
@@ -10726,7 +12375,8 @@ static void remove_sample(const char *dir, const char *name) {
 // What defines the monitored loss (size, class weights, loss normalisation,
 // the monitor) never changes within a run.
 TEST(resume_checks_data_and_settings) {
-    const char *data = "/tmp/segnet_test_fp_data", *run = "/tmp/segnet_test_fp_run", *ref = "/tmp/segnet_test_fp_ref";
+    const char *data = "/tmp/segnet_test_fp_data", *run = "/tmp/segnet_test_fp_run",
+               *ref = "/tmp/segnet_test_fp_ref";
     rm_rf(data); rm_rf(run); rm_rf(ref);
     write_seg_set(data, 8, 8, 8, 43);
     TrainCfg c = tiny_seg_cfg(data, NULL);
@@ -10739,14 +12389,25 @@ TEST(resume_checks_data_and_settings) {
     c.interrupt_at_step = 2;  // inside epoch 1
     CHECK(train_run(&c, NULL, err) == 128 + SIGINT, "interrupted: %s", err);
     c.interrupt_at_step = 0;
-    struct { const char *what, *want; int batch, accum, size, weight0, keras, monitor, flip; } cases[] = {
-        {"--batch 4", "--batch 4, but the run was interrupted inside epoch 1 with 2", 4, 1, 8, 0, 0, 0, 0},
-        {"--accum 2", "--accum 2, but the run was interrupted inside epoch 1 with 1", 2, 2, 8, 0, 0, 0, 0},
-        {"--augment flip", "--augment flip, but the run was interrupted inside epoch 1 with none", 2, 1, 8, 0, 0, 0, 1},
-        {"--size 16x16", "--size 16x16, but the run was trained with 8x8", 2, 1, 16, 0, 0, 0, 0},
-        {"--class-weights 1,1,1", "--class-weights 1,1,1, but the run was trained with 0,1,1", 2, 1, 8, 1, 0, 0, 0},
-        {"--loss-norm keras", "--loss-norm keras, but the run was trained with weighted", 2, 1, 8, 0, 1, 0, 0},
-        {"--monitor val_mIoU", "--monitor val_mIoU, but the run was trained with val_loss", 2, 1, 8, 0, 0, 1, 0},
+    struct {
+        const char *what, *want;
+        int batch, accum, size, weight0, keras, monitor, flip;
+    } cases[] = {
+            {"--batch 4", "--batch 4, but the run was interrupted inside epoch 1 with 2", 4, 1, 8,
+             0, 0, 0, 0},
+            {"--accum 2", "--accum 2, but the run was interrupted inside epoch 1 with 1", 2, 2, 8,
+             0, 0, 0, 0},
+            {"--augment flip",
+             "--augment flip, but the run was interrupted inside epoch 1 with none", 2, 1, 8, 0, 0,
+             0, 1},
+            {"--size 16x16", "--size 16x16, but the run was trained with 8x8", 2, 1, 16, 0, 0, 0,
+             0},
+            {"--class-weights 1,1,1", "--class-weights 1,1,1, but the run was trained with 0,1,1",
+             2, 1, 8, 1, 0, 0, 0},
+            {"--loss-norm keras", "--loss-norm keras, but the run was trained with weighted", 2, 1,
+             8, 0, 1, 0, 0},
+            {"--monitor val_mIoU", "--monitor val_mIoU, but the run was trained with val_loss", 2,
+             1, 8, 0, 0, 1, 0},
     };
     char path[400], before[400];
     snprintf(path, sizeof path, "%s/last.safetensors", run);
@@ -10757,19 +12418,25 @@ TEST(resume_checks_data_and_settings) {
         d.model.batch = cases[k].batch; d.accum = cases[k].accum;
         d.model.height = d.model.width = cases[k].size;
         d.class_weights[0] = (float)cases[k].weight0;
-        d.loss_norm_keras = cases[k].keras; d.monitor_metric = cases[k].monitor; d.augment.flip = cases[k].flip;
-        CHECK(train_run(&d, run, err) == -1 && contains(err, cases[k].want), "%s: '%s'", cases[k].what, err);
+        d.loss_norm_keras = cases[k].keras;
+        d.monitor_metric = cases[k].monitor;
+        d.augment.flip = cases[k].flip;
+        CHECK(train_run(&d, run, err) == -1 && contains(err, cases[k].want), "%s: '%s'",
+              cases[k].what, err);
         CHECK(unchanged(path), "%s: the checkpoint changed", cases[k].what);
     }
     // the training set changed: fewer images, or as many but not the same files (names and sizes)
     remove_sample(data, "i07");
-    CHECK(train_run(&c, run, err) == -1 && contains(err, data) && contains(err, "7 samples, the run's had 8") &&
-          contains(err, "interrupted inside epoch 1"), "an image fewer: '%s'", err);
+    CHECK(train_run(&c, run, err) == -1 && contains(err, data) &&
+                  contains(err, "7 samples, the run's had 8") &&
+                  contains(err, "interrupted inside epoch 1"),
+          "an image fewer: '%s'", err);
     write_seg_set(data, 8, 8, 8, 43);  // the same files again
     uint8_t flat[8 * 8 * 3] = {0};      // compresses to another size
     snprintf(path, sizeof path, "%s/images/i07.png", data);
     CHECK(stbi_write_png(path, 8, 8, 3, flat, 8 * 3) != 0, "write %s", path);
-    CHECK(train_run(&c, run, err) == -1 && contains(err, "8 samples as before, but not the same files"),
+    CHECK(train_run(&c, run, err) == -1 &&
+                  contains(err, "8 samples as before, but not the same files"),
           "another image in its place: '%s'", err);
     write_seg_set(data, 8, 8, 8, 43);
     CHECK(train_run(&c, run, err) == 0, "the run's own data and settings: %s", err);
@@ -10785,8 +12452,10 @@ TEST(resume_checks_data_and_settings) {
     int rc;
     char *said = with_stderr_captured(resume_job, &job, &rc);
     CHECK(rc == 0, "between epochs: %s", job.err);
-    CHECK(contains(said, "--batch 4 from epoch 3 on (until now 2)"), "the batch's change is said: %s", said);
-    CHECK(contains(said, "has changed since the last checkpoint: 7 samples, the run's had 8"), "the data's change is said: %s", said);
+    CHECK(contains(said, "--batch 4 from epoch 3 on (until now 2)"),
+          "the batch's change is said: %s", said);
+    CHECK(contains(said, "has changed since the last checkpoint: 7 samples, the run's had 8"),
+          "the data's change is said: %s", said);
     free(said);
     rm_rf(data); rm_rf(run); rm_rf(ref);
 }
@@ -10797,7 +12466,8 @@ TEST(resume_and_options_messages) {
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 4, 8, 8, 47);
     char args[1400], msg[4096], path[400], err[SN_ERR_MAX];
-    const char *base = "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 --device cpu --threads 1";
+    const char *base = "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 "
+                       "--device cpu --threads 1";
     snprintf(args, sizeof args, "%s --epochs 1 --data %s --out %s", base, data, run);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
     struct { const char *extra, *want; int rc; } cases[] = {
@@ -10811,11 +12481,17 @@ TEST(resume_and_options_messages) {
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         snprintf(args, sizeof args, "train --resume %s --epochs 2 %s", run, cases[k].extra);
         const int rc = run_segnet(args, msg, sizeof msg);
-        CHECK(rc == cases[k].rc && contains(msg, cases[k].want), "`%s`: exit %d, '%s'", cases[k].extra, rc, msg);
-        CHECK(!contains(msg, "config.txt says") && !contains(msg, "rank 0:"), "`%s`: '%s'", cases[k].extra, msg);
+        CHECK(rc == cases[k].rc && contains(msg, cases[k].want), "`%s`: exit %d, '%s'",
+              cases[k].extra, rc, msg);
+        CHECK(!contains(msg, "config.txt says") && !contains(msg, "rank 0:"), "`%s`: '%s'",
+              cases[k].extra, msg);
     }
-    snprintf(args, sizeof args, "train --model effv2-t --depth 2 --size 32x32 --classes 3 --data %s --out %s_x", data, run);
-    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "--depth: model 'effv2-t' does not use it"), "'%s'", msg);
+    snprintf(args, sizeof args,
+             "train --model effv2-t --depth 2 --size 32x32 --classes 3 --data %s --out %s_x", data,
+             run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 &&
+                  contains(msg, "--depth: model 'effv2-t' does not use it"),
+          "'%s'", msg);
     // a model changed in config.txt: named as that, not as a damaged optimiser state
     snprintf(path, sizeof path, "%s/config.txt", run);
     keep_copy(path);
@@ -10823,11 +12499,13 @@ TEST(resume_and_options_messages) {
     char *at = strstr(config, "width = 2");
     CHECK(at != NULL, "config.txt holds width = 2: %s", config);
     if (at) {
-        snprintf(edited, strlen(config) + 16, "%.*swidth = 4%s", (int)(at - config), config, at + 9);
+        snprintf(edited, strlen(config) + 16, "%.*swidth = 4%s", (int)(at - config), config,
+                 at + 9);
         write_file_bytes(path, edited, strlen(edited));
         snprintf(args, sizeof args, "train --resume %s --epochs 2", run);
         CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "of the wrong shape") &&
-              contains(msg, "the model of config.txt and the options is not the run's?") && !contains(msg, "optimiser state"),
+                      contains(msg, "the model of config.txt and the options is not the run's?") &&
+                      !contains(msg, "optimiser state"),
               "an edited config.txt: '%s'", msg);
     }
     free(config); free(edited);
@@ -10835,14 +12513,22 @@ TEST(resume_and_options_messages) {
     rename(args, path);
     // interrupted inside epoch 2, resumed with --epochs 1: said as that
     TrainCfg c = tiny_seg_cfg(data, NULL);
-    c.model.width_base = 2; c.model.batch = 2; c.epochs = 2; c.out = run; c.overwrite = 1; c.interrupt_at_step = 3;
+    c.model.width_base = 2;
+    c.model.batch = 2;
+    c.epochs = 2;
+    c.out = run;
+    c.overwrite = 1;
+    c.interrupt_at_step = 3;
     CHECK(train_run(&c, NULL, err) == 128 + SIGINT, "%s", err);
     c.overwrite = 0; c.interrupt_at_step = 0; c.epochs = 1; c.progress = 1;
     ResumeJob job = {&c, run, ""};
     int rc;
     char *said = with_stderr_captured(resume_job, &job, &rc);
-    CHECK(rc == 0 && contains(said, "has completed 1 epoch and was interrupted inside epoch 2; --epochs 1 asks for no more") &&
-          !contains(said, "has finished"), "--epochs 1: '%s'", said);
+    CHECK(rc == 0 &&
+                  contains(said, "has completed 1 epoch and was interrupted inside epoch 2; "
+                                 "--epochs 1 asks for no more") &&
+                  !contains(said, "has finished"),
+          "--epochs 1: '%s'", said);
     free(said);
     // a relative --data is recorded absolute: --resume works from another folder
     char cwd[PATH_MAX];
@@ -10854,7 +12540,8 @@ TEST(resume_and_options_messages) {
     CHECK(chdir(cwd) == 0, "chdir back");
     CHECK(rc == 0, "a relative --data: %s", err);
     config = read_text(path);
-    CHECK(config && contains(config, "data = /tmp/segnet_test_msg_data\n"), "config.txt: %s", config ? config : "");
+    CHECK(config && contains(config, "data = /tmp/segnet_test_msg_data\n"), "config.txt: %s",
+          config ? config : "");
     free(config);
     snprintf(args, sizeof args, "train --resume %s --epochs 2", run);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "--resume from another folder: '%s'", msg);
@@ -10862,7 +12549,8 @@ TEST(resume_and_options_messages) {
     snprintf(path, sizeof path, "%s/masks/i00.png", data);
     write_file_bytes(path, "not a png", 9);
     snprintf(args, sizeof args, "%s --replicas 2 --epochs 1 --data %s --out %s_r", base, data, run);
-    CHECK(run_segnet(args, msg, sizeof msg) == 1 && !strncmp(msg, "segnet train: /tmp/segnet_test_msg_data/masks/i00.png", 53),
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 &&
+                  !strncmp(msg, "segnet train: /tmp/segnet_test_msg_data/masks/i00.png", 53),
           "replicas: '%s'", msg);
     rm_rf(data); rm_rf(run);
 }
@@ -10884,7 +12572,8 @@ TEST(weights_report_vocabulary) {
     const LoadRules rules = {"classifier.", NULL, 0};
     CHECK(net_load_weights_rules(&b, &f, path, &rules, report, err) == 0, "%s", err);
     CHECK(contains(report, "2 initialised (classifier.1.weight, classifier.1.bias)") &&
-          contains(report, "2 ignored (classifier.1.weight, classifier.1.bias)"), "report: '%s'", report);
+                  contains(report, "2 ignored (classifier.1.weight, classifier.1.bias)"),
+          "report: '%s'", report);
     safetensors_free(&f);
     net_free(&a); net_free(&b); graph_free(&g1); graph_free(&g2);
     unlink(path);
@@ -10898,7 +12587,8 @@ TEST(weights_random_said) {
     char args[1200], msg[4096], path[400], marked[400], err[SN_ERR_MAX];
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 4, 8, 8, 57);
-    const char *common = "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 --epochs 1 --device cpu --threads 1";
+    const char *common = "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 "
+                         "--epochs 1 --device cpu --threads 1";
     snprintf(args, sizeof args, "%s --data %s --out %s", common, data, run);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
     snprintf(path, sizeof path, "%s/best.safetensors", run);
@@ -10912,13 +12602,16 @@ TEST(weights_random_said) {
         char out[400];
         snprintf(out, sizeof out, "%s_%d", run, random);
         rm_rf(out);
-        snprintf(args, sizeof args, "%s --data %s --weights %s --out %s", common, data, random ? marked : path, out);
+        snprintf(args, sizeof args, "%s --data %s --weights %s --out %s", common, data,
+                 random ? marked : path, out);
         CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
         size_t n;
         char *text = read_file("/tmp/segnet_test_out.txt", &n);
-        const int said = text ? count_substr(text, "holds random weights (ref/export_pretrained.py --random), not ImageNet's") : -1;
-        CHECK(said == random, "%s: the random-weights line %d times, want %d:\n%s", random ? marked : path, said, random,
-              text ? text : "");
+        const int said = text ? count_substr(text, "holds random weights (ref/export_pretrained.py "
+                                                   "--random), not ImageNet's")
+                              : -1;
+        CHECK(said == random, "%s: the random-weights line %d times, want %d:\n%s",
+              random ? marked : path, said, random, text ? text : "");
         free(text);
         rm_rf(out);
     }
@@ -10935,15 +12628,21 @@ TEST(first_hour_untruths) {
     char args[1400], msg[4096], path[400], out[400], err[SN_ERR_MAX];
     rm_rf(data); rm_rf(run);
     write_seg_set(data, 8, 8, 8, 53);
-    snprintf(args, sizeof args, "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 --epochs 1 --data %s "
-             "--out %s --device cpu --threads 1", data, run);
+    snprintf(args, sizeof args,
+             "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 --epochs 1 "
+             "--data %s "
+             "--out %s --device cpu --threads 1",
+             data, run);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
     snprintf(path, sizeof path, "%s/" RUN_LOCK_FILE, run);
     CHECK(!file_exists(path), "the lock file stays after the run");
     snprintf(path, sizeof path, "%s/best.safetensors", run);
     snprintf(out, sizeof out, "%s_w.safetensors", run);
-    snprintf(args, sizeof args, "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 --epochs 200 --data %s "
-             "--weights %s --out %s_k --device cpu --threads 1", data, path, run);
+    snprintf(args, sizeof args,
+             "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 --epochs 200 "
+             "--data %s "
+             "--weights %s --out %s_k --device cpu --threads 1",
+             data, path, run);
     char cmd[2000], log[300];
     snprintf(log, sizeof log, "%s_stdout.txt", run);
     snprintf(cmd, sizeof cmd, "exec ./segnet %s >%s 2>/dev/null", args, log);
@@ -10955,7 +12654,8 @@ TEST(first_hour_untruths) {
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
     char *said = read_text(log);
-    CHECK(said && contains(said, "weights: ") && contains(said, "loaded from"), "stdout after kill -9: '%s'", said ? said : "");
+    CHECK(said && contains(said, "weights: ") && contains(said, "loaded from"),
+          "stdout after kill -9: '%s'", said ? said : "");
     free(said);
     unlink(log);
     snprintf(path, sizeof path, "%s_k", run);
@@ -10971,7 +12671,8 @@ TEST(first_hour_untruths) {
     // config.txt: the plain unet's levels and channels, no classifier head; a unet-effv2's neither
     snprintf(path, sizeof path, "%s/config.txt", run);
     char *config = read_text(path);
-    CHECK(config && contains(config, "depth = 1\n") && contains(config, "width = 2\n") && !contains(config, "head-hidden"),
+    CHECK(config && contains(config, "depth = 1\n") && contains(config, "width = 2\n") &&
+                  !contains(config, "head-hidden"),
           "unet config.txt: %s", config ? config : "");
     free(config);
     TrainCfg u = c;
@@ -10980,7 +12681,8 @@ TEST(first_hour_untruths) {
     u.model.model = "unet-effv2-t"; u.model.classes = 3;
     config_text(&u, &b);
     sb_put(&b, "", 1);
-    CHECK(!contains(b.p, "depth =") && !contains(b.p, "width =") && !contains(b.p, "head-hidden ="), "unet-effv2-t config: %s", b.p);
+    CHECK(!contains(b.p, "depth =") && !contains(b.p, "width =") && !contains(b.p, "head-hidden ="),
+          "unet-effv2-t config: %s", b.p);
     free(b.p);
     // predict --run of a classifier says its padding came from the run, not from --padding
     char csv[400], crun[400];
@@ -10988,19 +12690,28 @@ TEST(first_hour_untruths) {
     write_file_bytes(csv, "images/i00.png,0\nimages/i01.png,1\nimages/i02.png,2\n", 51);
     snprintf(crun, sizeof crun, "%s_cls", run);
     rm_rf(crun);
-    snprintf(args, sizeof args, "train --model effv2-t --size 32x32 --batch 2 --classes 3 --epochs 1 --data %s --out %s "
-             "--device cpu --threads 1", csv, crun);
+    snprintf(args, sizeof args,
+             "train --model effv2-t --size 32x32 --batch 2 --classes 3 --epochs 1 --data %s --out "
+             "%s "
+             "--device cpu --threads 1",
+             csv, crun);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
-    snprintf(args, sizeof args, "predict --run %s --input %s/images --out %s_p.csv --device cpu --threads 1", crun, data, run);
-    CHECK(run_segnet(args, msg, sizeof msg) == 0 && contains(msg, "(the run's config.txt)") && !contains(msg, "(--padding)"),
+    snprintf(args, sizeof args,
+             "predict --run %s --input %s/images --out %s_p.csv --device cpu --threads 1", crun,
+             data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0 && contains(msg, "(the run's config.txt)") &&
+                  !contains(msg, "(--padding)"),
           "predict --run: '%s'", msg);
     snprintf(path, sizeof path, "%s_p.csv", run);
     unlink(path);
     // exporting a 'same'-padded run in torchvision's names says that torchvision pads otherwise
     for (int timm = 0; timm < 2; timm++) {
-        snprintf(args, sizeof args, "export --run %s --out %s_x.safetensors%s", crun, run, timm ? " --names timm --overwrite" : "");
-        CHECK(run_segnet(args, msg, sizeof msg) == 0 && count_substr(msg, "torchvision's EfficientNetV2 (and UNetEff) "
-              "symmetrically") == !timm, "%s: '%s'", args, msg);
+        snprintf(args, sizeof args, "export --run %s --out %s_x.safetensors%s", crun, run,
+                 timm ? " --names timm --overwrite" : "");
+        CHECK(run_segnet(args, msg, sizeof msg) == 0 &&
+                      count_substr(msg, "torchvision's EfficientNetV2 (and UNetEff) "
+                                        "symmetrically") == !timm,
+              "%s: '%s'", args, msg);
     }
     snprintf(path, sizeof path, "%s_x.safetensors", run);
     unlink(path);
@@ -11017,14 +12728,16 @@ TEST(runner_counts_skips) {
     };
     for (int k = 0; k < 2; k++) {
         char cmd[600], want[600], unused[8];
-        snprintf(cmd, sizeof cmd, "SEGNET_TEST_NESTED=1 %s /proc/%ld/exe --filter %s 2>&1", cases[k].env, (long)getpid(),
-                 cases[k].test);
+        snprintf(cmd, sizeof cmd, "SEGNET_TEST_NESTED=1 %s /proc/%ld/exe --filter %s 2>&1",
+                 cases[k].env, (long)getpid(), cases[k].test);
         int rc = run_shell(cmd, unused, sizeof unused);
         size_t n;
         char *out = read_file("/tmp/segnet_test_out.txt", &n);
-        snprintf(want, sizeof want, "not run here (1):\n  %s: %s (1)\n", cases[k].reason, cases[k].test);
+        snprintf(want, sizeof want, "not run here (1):\n  %s: %s (1)\n", cases[k].reason,
+                 cases[k].test);
         const char *last = out ? strstr(out, "\n0 passed, 0 failed, 1 skipped\n") : NULL;
-        CHECK(rc == 0 && out && contains(out, want) && last && !last[strlen("\n0 passed, 0 failed, 1 skipped\n")],
+        CHECK(rc == 0 && out && contains(out, want) && last &&
+                      !last[strlen("\n0 passed, 0 failed, 1 skipped\n")],
               "%s: exit %d, output:\n%s", cmd, rc, out ? out : "");
         free(out);
     }
@@ -11045,7 +12758,8 @@ static const char *fuzz_env(const char *name, const char *otherwise) {
 // ./fuzz_segnet ARGS --out SEGNET_FUZZ_OUT: its exit status, and its output (malloc'd) in *out
 static int run_fuzz(const char *args, char **out) {
     char cmd[1024], unused[8];
-    snprintf(cmd, sizeof cmd, "%s %s --out %s 2>&1", fuzz_env("SEGNET_FUZZ_BIN", ""), args, fuzz_env("SEGNET_FUZZ_OUT", "fuzz-out"));
+    snprintf(cmd, sizeof cmd, "%s %s --out %s 2>&1", fuzz_env("SEGNET_FUZZ_BIN", ""), args,
+             fuzz_env("SEGNET_FUZZ_OUT", "fuzz-out"));
     int rc = run_shell(cmd, unused, sizeof unused);
     size_t n;
     *out = read_file("/tmp/segnet_test_out.txt", &n);
@@ -11058,7 +12772,8 @@ TEST(fuzz_selftest) {
     if (!getenv("SEGNET_FUZZ_BIN")) SKIP(fuzz_env("SEGNET_FUZZ_NONE", SKIP_NO_FUZZ));
     char *out;
     int rc = run_fuzz("--selftest", &out);
-    CHECK(rc == 0 && contains(out, "fuzz self-test: overflow, leak and hang caught\n"), "exit %d:\n%s", rc, out);
+    CHECK(rc == 0 && contains(out, "fuzz self-test: overflow, leak and hang caught\n"),
+          "exit %d:\n%s", rc, out);
     free(out);
 }
 
@@ -11066,7 +12781,8 @@ TEST(fuzz_selftest) {
 TEST(fuzz_targets) {
     if (!getenv("SEGNET_FUZZ_BIN")) SKIP(fuzz_env("SEGNET_FUZZ_NONE", SKIP_NO_FUZZ));
     char args[200], *out;
-    snprintf(args, sizeof args, "--seconds %s --seed %s", fuzz_env("SEGNET_FUZZ_SECONDS", "3"), fuzz_env("SEGNET_FUZZ_SEED", "1"));
+    snprintf(args, sizeof args, "--seconds %s --seed %s", fuzz_env("SEGNET_FUZZ_SECONDS", "3"),
+             fuzz_env("SEGNET_FUZZ_SEED", "1"));
     int rc = run_fuzz(args, &out);
     const char *last = strstr(out, "\nfuzz: ");  // its summary line
     CHECK(rc == 0 && last, "fuzz_segnet %s: exit %d:\n%s", args, rc, out);
@@ -11093,13 +12809,15 @@ typedef enum { RUN_FAST, RUN_ALL } RunSet;  // make test; make check (the slow t
 static const char *runner_skip(const Test *t, const char *filter, RunSet set) {
     if (!strncmp(t->name, "parity_live", 11) && !torch_found()) return SKIP_NO_TORCH;
     if (!strncmp(t->name, "heavy_", 6) && !getenv("SEGNET_HEAVY")) return SKIP_HEAVY;
-    if (t->slow && set == RUN_FAST && !filter) return SKIP_SLOW;  // a --filter that names it runs it
+    // a --filter that names it runs it
+    if (t->slow && set == RUN_FAST && !filter) return SKIP_SLOW;
     return NULL;
 }
 
 // Runs the tests whose name contains `filter` (all: NULL) and, with `prefix`,
 // only those whose name starts with it; `label` follows each name printed.
-static void run_tests(const char *filter, const char *prefix, const char *label, RunSet set, Tally *tl) {
+static void run_tests(const char *filter, const char *prefix, const char *label, RunSet set,
+                      Tally *tl) {
     for (int i = 0; i < g_n_tests; i++) {
         const Test *t = &g_tests[i];
         if (filter && !strstr(t->name, filter)) continue;
@@ -11111,9 +12829,16 @@ static void run_tests(const char *filter, const char *prefix, const char *label,
         double t0 = now_s();
         t->fn();
         double dt = now_s() - t0;
-        if (g_failures) { tl->failed++; printf("FAIL %s%s (%d checks, %.2fs)\n", t->name, label, g_failures, dt); }
-        else if (g_skip) { tally_skip(tl, t->name, g_skip); printf("skip %s%s: %s\n", t->name, label, g_skip); }
-        else { tl->passed++; printf("ok   %s%s (%.2fs)\n", t->name, label, dt); }
+        if (g_failures) {
+            tl->failed++;
+            printf("FAIL %s%s (%d checks, %.2fs)\n", t->name, label, g_failures, dt);
+        } else if (g_skip) {
+            tally_skip(tl, t->name, g_skip);
+            printf("skip %s%s: %s\n", t->name, label, g_skip);
+        } else {
+            tl->passed++;
+            printf("ok   %s%s (%.2fs)\n", t->name, label, dt);
+        }
         fflush(stdout);
     }
 }
@@ -11133,7 +12858,9 @@ static void print_not_run(const Tally *tl) {
             if (strcmp(tl->list[j].reason, reason)) continue;
             count++;
             int again = 0;  // the same test in a later pass
-            for (int k = i; k < j && !again; k++) again = !strcmp(tl->list[k].reason, reason) && !strcmp(tl->list[k].name, tl->list[j].name);
+            for (int k = i; k < j && !again; k++)
+                again = !strcmp(tl->list[k].reason, reason) &&
+                        !strcmp(tl->list[k].name, tl->list[j].name);
             if (again) continue;
             if (shown < 6) printf("%s %s", shown ? "," : "", tl->list[j].name);
             else if (shown == 6) printf(", ...");
@@ -11143,32 +12870,42 @@ static void print_not_run(const Tally *tl) {
     }
 }
 
-static int cmp_test_line(const void *a, const void *b) { return ((const Test *)a)->line - ((const Test *)b)->line; }
+static int cmp_test_line(const void *a, const void *b) {
+    return ((const Test *)a)->line - ((const Test *)b)->line;
+}
 
 int main(int argc, char **argv) {
     const char *filter = NULL, *order = "both";
     RunSet set = RUN_FAST;
-    qsort(g_tests, (size_t)g_n_tests, sizeof(Test), cmp_test_line);  // the file's order, whatever the constructors'
+    // the file's order, whatever the constructors'
+    qsort(g_tests, (size_t)g_n_tests, sizeof(Test), cmp_test_line);
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--filter") && i + 1 < argc) filter = argv[++i];
         else if (!strcmp(argv[i], "--order") && i + 1 < argc &&
-                 (!strcmp(argv[i + 1], "forward") || !strcmp(argv[i + 1], "reverse") || !strcmp(argv[i + 1], "both")))
+                 (!strcmp(argv[i + 1], "forward") || !strcmp(argv[i + 1], "reverse") ||
+                  !strcmp(argv[i + 1], "both")))
             order = argv[++i];
         else if (!strcmp(argv[i], "--all")) set = RUN_ALL;
         else if (!strcmp(argv[i], "-v") || !strcmp(argv[i], "--verbose")) g_verbose = 1;
         else {
-            fprintf(stderr, "usage: %s [--filter SUBSTRING] [--all] [--order forward|reverse|both] [-v]\n"
-                            "  --filter: the tests whose name holds SUBSTRING (slow ones included)\n"
-                            "  --all:    the slow tests too (make check); without it they are skipped\n"
-                            "  --order:  the emulated GPU's threads in order, in reverse order, or both (default:\n"
-                            "            every test in order, then the cuda_ tests again in reverse order)\n", argv[0]);
+            fprintf(stderr,
+                    "usage: %s [--filter SUBSTRING] [--all] [--order forward|reverse|both] [-v]\n"
+                    "  --filter: the tests whose name holds SUBSTRING (slow ones included)\n"
+                    "  --all:    the slow tests too (make check); without it they are skipped\n"
+                    "  --order:  the emulated GPU's threads in order, in reverse order, or both "
+                    "(default:\n"
+                    "            every test in order, then the cuda_ tests again in reverse "
+                    "order)\n",
+                    argv[0]);
             return 2;
         }
     }
     // Tests write fixtures under /tmp/segnet_test*: a second suite running at
     // the same time (another checkout) waits for this one instead of colliding.
     // (A suite started by a test of this one, SEGNET_TEST_NESTED, does not wait on it.)
-    int lock = getenv("SEGNET_TEST_NESTED") ? -1 : open("/tmp/segnet_test.lock", O_CREAT | O_RDWR | O_CLOEXEC, 0666);
+    int lock = getenv("SEGNET_TEST_NESTED")
+                       ? -1
+                       : open("/tmp/segnet_test.lock", O_CREAT | O_RDWR | O_CLOEXEC, 0666);
     if (lock >= 0 && flock(lock, LOCK_EX | LOCK_NB) != 0) {
         printf("another test_segnet is running: waiting for it\n");
         fflush(stdout);
@@ -11213,7 +12950,8 @@ int main(int argc, char **argv) {
     int any = 0;
     for (int k = 0; k < LAYER_KIND_COUNT; k++) any |= g_worst[k] > 0;
     if (any) {
-        printf("worst gradient-check error per layer kind (max |analytic - numerical| / max |numerical|):\n");
+        printf("worst gradient-check error per layer kind (max |analytic - numerical| / max "
+               "|numerical|):\n");
         for (int k = 0; k < LAYER_KIND_COUNT; k++)
             if (g_worst[k] > 0) printf("  %-16s %.2e\n", layer_kind_name((LayerKind)k), g_worst[k]);
         if (g_worst_xent > 0) printf("  %-16s %.2e\n", "softmax_xent", g_worst_xent);

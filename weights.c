@@ -15,14 +15,16 @@ static void oihw_to_ohwi(const float *src, float *dst, int n_out, int n_in, int 
         for (int i = 0; i < n_in; i++)
             for (int y = 0; y < kh; y++)
                 for (int x = 0; x < kw; x++)
-                    dst[(((size_t)o * kh + y) * kw + x) * n_in + i] = src[(((size_t)o * n_in + i) * kh + y) * kw + x];
+                    dst[(((size_t)o * kh + y) * kw + x) * n_in + i] =
+                            src[(((size_t)o * n_in + i) * kh + y) * kw + x];
 }
 static void ohwi_to_oihw(const float *src, float *dst, int n_out, int n_in, int kh, int kw) {
     for (int o = 0; o < n_out; o++)
         for (int i = 0; i < n_in; i++)
             for (int y = 0; y < kh; y++)
                 for (int x = 0; x < kw; x++)
-                    dst[(((size_t)o * n_in + i) * kh + y) * kw + x] = src[(((size_t)o * kh + y) * kw + x) * n_in + i];
+                    dst[(((size_t)o * n_in + i) * kh + y) * kw + x] =
+                            src[(((size_t)o * kh + y) * kw + x) * n_in + i];
 }
 
 // a file tensor's values as fp32 (its data may be unaligned and fp16/bf16/int64)
@@ -30,7 +32,12 @@ void safetensors_tensor_f32(const SafetensorsTensor *t, float *dst) {
     const uint8_t *p = (const uint8_t *)t->data;
     for (size_t i = 0; i < t->numel; i++) {
         if (t->dtype == DT_F32) { memcpy(&dst[i], p + 4 * i, 4); continue; }
-        if (t->dtype == DT_I64) { int64_t v; memcpy(&v, p + 8 * i, 8); dst[i] = (float)v; continue; }
+        if (t->dtype == DT_I64) {
+            int64_t v;
+            memcpy(&v, p + 8 * i, 8);
+            dst[i] = (float)v;
+            continue;
+        }
         uint16_t h;
         memcpy(&h, p + 2 * i, 2);
         dst[i] = t->dtype == DT_F16 ? f16_to_f32(h) : bf16_to_f32(h);
@@ -44,7 +51,8 @@ void safetensors_tensor_f32(const SafetensorsTensor *t, float *dst) {
 // conv_exp/bn1/conv_pwl/bn2; InvertedResidual (MBConv) conv_pw/bn1/conv_dw/bn2/
 // se.conv_reduce/se.conv_expand/conv_pwl/bn3.
 int effnet_timm_name(const Graph *g, const char *name, char out[SN_NAME_MAX]) {
-    static const char *const IR[4][2] = {{"conv_pw", "bn1"}, {"conv_dw", "bn2"}, {NULL, NULL}, {"conv_pwl", "bn3"}};
+    static const char *const IR[4][2] = {
+            {"conv_pw", "bn1"}, {"conv_dw", "bn2"}, {NULL, NULL}, {"conv_pwl", "bn3"}};
     static const char *const ER[2][2] = {{"conv_exp", "bn1"}, {"conv_pwl", "bn2"}};
     int s, j, k, m, n = 0;
     if (sscanf(name, "classifier.1.%n", &n) == 0 && n > 0) {
@@ -62,7 +70,9 @@ int effnet_timm_name(const Graph *g, const char *name, char out[SN_NAME_MAX]) {
             return snprintf(out, SN_NAME_MAX, "blocks.%d.%d.se.%s.%s", s - 1, j,
                             tail[4] == '1' ? "conv_reduce" : "conv_expand", tail + 6) < SN_NAME_MAX;
         int nk = 0;
-        if (sscanf(tail, "%d.%d.%n", &k, &m, &nk) != 2 || nk == 0 || k < 0 || k > 3 || m < 0 || m > 1) return 0;
+        if (sscanf(tail, "%d.%d.%n", &k, &m, &nk) != 2 || nk == 0 || k < 0 || k > 3 || m < 0 ||
+            m > 1)
+            return 0;
         snprintf(probe, sizeof probe, "features.%d.%d.block.2.fc1.weight", s, j);
         if (graph_find_param(g, probe) >= 0) field = IR[k][m];
         else {
@@ -70,11 +80,13 @@ int effnet_timm_name(const Graph *g, const char *name, char out[SN_NAME_MAX]) {
             if (graph_find_param(g, probe) >= 0) field = k < 2 ? ER[k][m] : NULL;
             else field = k == 0 ? (m ? "bn1" : "conv") : NULL;
         }
-        return field && snprintf(out, SN_NAME_MAX, "blocks.%d.%d.%s.%s", s - 1, j, field, tail + nk) < SN_NAME_MAX;
+        return field && snprintf(out, SN_NAME_MAX, "blocks.%d.%d.%s.%s", s - 1, j, field,
+                                 tail + nk) < SN_NAME_MAX;
     }
     // stem (features.0) or head (the last features entry): P.0 conv, P.1 BN
     if ((rest[0] != '0' && rest[0] != '1') || rest[1] != '.') return 0;
-    const char *field = rest[0] == '0' ? (s == 0 ? "conv_stem" : "conv_head") : (s == 0 ? "bn1" : "bn2");
+    const char *field =
+            rest[0] == '0' ? (s == 0 ? "conv_stem" : "conv_head") : (s == 0 ? "bn1" : "bn2");
     return snprintf(out, SN_NAME_MAX, "%s.%s", field, rest + 2) < SN_NAME_MAX;
 }
 
@@ -86,7 +98,8 @@ static void torch_dims(const ParamInfo *p, int64_t dims[4]) {
 
 static void dims_str(char *buf, size_t size, const int64_t *d, int n) {
     int k = snprintf(buf, size, "(");
-    for (int i = 0; i < n && k < (int)size; i++) k += snprintf(buf + k, size - k, i ? ",%lld" : "%lld", (long long)d[i]);
+    for (int i = 0; i < n && k < (int)size; i++)
+        k += snprintf(buf + k, size - k, i ? ",%lld" : "%lld", (long long)d[i]);
     if (k < (int)size) snprintf(buf + k, size - k, ")");
 }
 
@@ -130,25 +143,28 @@ static int name_ends_with(const char *name, const char *suffix) {
 // Values no model may hold: NaN or inf anywhere (a diverged run's), a
 // negative batch-norm variance. -1 with err naming the file, the tensor and
 // the first such element.
-static int values_allowed(const char *path, const char *name, const float *v, size_t n, char err[SN_ERR_MAX]) {
+static int values_allowed(const char *path, const char *name, const float *v, size_t n,
+                          char err[SN_ERR_MAX]) {
     const int variance = name_ends_with(name, BN_STAT_SUFFIX);
     for (size_t i = 0; i < n; i++)
         if (!isfinite(v[i]) || (variance && v[i] < 0.0f)) {
-            snprintf(err, SN_ERR_MAX, "%.250s: tensor '%.100s' holds %g at element %zu: %s", path, name, v[i], i,
-                     isfinite(v[i]) ? "a variance cannot be negative" : "not a finite number (the weights of a diverged run?)");
+            snprintf(err, SN_ERR_MAX, "%.250s: tensor '%.100s' holds %g at element %zu: %s", path,
+                     name, v[i], i,
+                     isfinite(v[i]) ? "a variance cannot be negative"
+                                    : "not a finite number (the weights of a diverged run?)");
             return -1;
         }
     return 0;
 }
 
-int net_load_weights(Net *net, const SafetensorsFile *f, const char *path, const char *allow_missing, int allow_unexpected,
-                     char err[SN_ERR_MAX]) {
+int net_load_weights(Net *net, const SafetensorsFile *f, const char *path,
+                     const char *allow_missing, int allow_unexpected, char err[SN_ERR_MAX]) {
     const LoadRules rules = {allow_missing, allow_unexpected ? "*" : NULL, 0};
     return net_load_weights_rules(net, f, path, &rules, NULL, err);
 }
 
-int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path, const LoadRules *rules, char *report,
-                           char err[SN_ERR_MAX]) {
+int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
+                           const LoadRules *rules, char *report, char err[SN_ERR_MAX]) {
     const Graph *g = net->g;
     const char *allow_missing = rules ? rules->init : NULL;
     int n_loaded = 0, n_timm = 0, n_init = 0, n_ignored = 0;
@@ -164,7 +180,9 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
         const ParamInfo *p = e < g->n_params ? &g->params[e] : &g->buffers[e - g->n_params];
         const SafetensorsTensor *t = safetensors_find(f, p->name);
         char alias[SN_NAME_MAX];
-        if (!t && effnet_timm_name(g, p->name, alias) && (t = safetensors_find(f, alias)) != NULL) n_timm++;  // timm's naming
+        // timm's naming
+        if (!t && effnet_timm_name(g, p->name, alias) && (t = safetensors_find(f, alias)) != NULL)
+            n_timm++;
         int skippable = has_prefix_in(p->name, allow_missing);
         if (t) used[t - f->tensors] = 1;
         int64_t want[4];
@@ -175,7 +193,8 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
             if (!skippable) list_add(missing, sizeof missing, &n_missing, p->name);
             else list_add(init_list, sizeof init_list, &n_init, p->name);
         } else if (!same) {
-            if (skippable) {  // the model's tensor initialised, the file's (of another shape) ignored
+            // the model's tensor initialised, the file's (of another shape) ignored
+            if (skippable) {
                 list_add(init_list, sizeof init_list, &n_init, p->name);
                 list_add(ignored_list, sizeof ignored_list, &n_ignored, t->name);
             } else {
@@ -183,7 +202,8 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
                 dims_str(a, sizeof a, t->dims, t->ndim);
                 dims_str(b, sizeof b, want, p->ndim);
                 if (t->dtype == DT_I64)
-                    snprintf(item, sizeof item, "%s is I64, a weight is floating point (F32, F16 or BF16)", p->name);
+                    snprintf(item, sizeof item,
+                             "%s is I64, a weight is floating point (F32, F16 or BF16)", p->name);
                 else
                     snprintf(item, sizeof item, "%s is %s, the model needs %s", p->name, a, b);
                 list_add(wrong, sizeof wrong, &n_wrong, item);
@@ -195,20 +215,27 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
     }
     for (int i = 0; i < f->n_tensors; i++) {
         const char *name = f->tensors[i].name;
-        if (used[i] || strstr(name, "num_batches_tracked") || !strncmp(name, TRAIN_STATE_PREFIX, strlen(TRAIN_STATE_PREFIX)))
+        if (used[i] || strstr(name, "num_batches_tracked") ||
+            !strncmp(name, TRAIN_STATE_PREFIX, strlen(TRAIN_STATE_PREFIX)))
             continue;
-        if (has_prefix_in(name, rules ? rules->ignore : NULL)) list_add(ignored_list, sizeof ignored_list, &n_ignored, name);
+        if (has_prefix_in(name, rules ? rules->ignore : NULL))
+            list_add(ignored_list, sizeof ignored_list, &n_ignored, name);
         else list_add(unexpected, sizeof unexpected, &n_unexpected, name);
     }
     int refuse = n_missing || n_wrong || n_unexpected;
     if (refuse) {
         int k = snprintf(err, SN_ERR_MAX, "%s: not loaded:", path);
-        if (n_missing && k < SN_ERR_MAX) k += snprintf(err + k, SN_ERR_MAX - k, " %d missing (%s);", n_missing, missing);
-        if (n_wrong && k < SN_ERR_MAX) k += snprintf(err + k, SN_ERR_MAX - k, " %d of the wrong shape or type (%s);", n_wrong, wrong);
+        if (n_missing && k < SN_ERR_MAX)
+            k += snprintf(err + k, SN_ERR_MAX - k, " %d missing (%s);", n_missing, missing);
+        if (n_wrong && k < SN_ERR_MAX)
+            k += snprintf(err + k, SN_ERR_MAX - k, " %d of the wrong shape or type (%s);", n_wrong,
+                          wrong);
         if (n_unexpected && k < SN_ERR_MAX)
-            k += snprintf(err + k, SN_ERR_MAX - k, " %d unexpected (%s);", n_unexpected, unexpected);
+            k += snprintf(err + k, SN_ERR_MAX - k, " %d unexpected (%s);", n_unexpected,
+                          unexpected);
         if (k < SN_ERR_MAX && (n_missing || n_wrong))
-            snprintf(err + k, SN_ERR_MAX - k, " tensors a training run should initialise instead can be named with "
+            snprintf(err + k, SN_ERR_MAX - k,
+                     " tensors a training run should initialise instead can be named with "
                      "--allow-missing PREFIX");
     }
     size_t max_count = 1;
@@ -225,9 +252,12 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
         }
     if (!refuse && !(rules && rules->check_only)) {
         if (report)
-            snprintf(report, SN_ERR_MAX, "weights: %d tensors loaded from %.200s (%s names), %d initialised%s%s%s, "
-                     "%d ignored%s%s%s", n_loaded, path, n_timm ? "timm" : "torchvision", n_init, n_init ? " (" : "",
-                     init_list, n_init ? ")" : "", n_ignored, n_ignored ? " (" : "", ignored_list, n_ignored ? ")" : "");
+            snprintf(report, SN_ERR_MAX,
+                     "weights: %d tensors loaded from %.200s (%s names), %d initialised%s%s%s, "
+                     "%d ignored%s%s%s",
+                     n_loaded, path, n_timm ? "timm" : "torchvision", n_init, n_init ? " (" : "",
+                     init_list, n_init ? ")" : "", n_ignored, n_ignored ? " (" : "", ignored_list,
+                     n_ignored ? ")" : "");
         Ops *o = net->o;
         for (int e = 0; e < n_entries; e++) {
             if (!src[e]) continue;  // skipped under allow_missing
@@ -238,7 +268,8 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
                 oihw_to_ohwi(vals, tmp, p->dims[0], p->dims[3], p->dims[1], p->dims[2]);
                 memcpy(vals, tmp, sizeof(float) * p->count);
             }
-            o->upload(o, (is_param ? net->params : net->buffers) + p->offset, vals, sizeof(float) * p->count);
+            o->upload(o, (is_param ? net->params : net->buffers) + p->offset, vals,
+                      sizeof(float) * p->count);
         }
     }
     free(vals); free(tmp);
@@ -259,9 +290,18 @@ int weights_padding(const SafetensorsFile *f, PadMode *pad, const char **why) {
         *why = "from the file's metadata";
         return 1;
     }
-    if (safetensors_meta(f, "epoch")) return 0;  // a segnet checkpoint from before the padding was recorded
-    if (safetensors_find(f, "conv_stem.weight")) { *pad = PAD_SAME; *why = "timm's tf_efficientnetv2 names: TensorFlow's SAME"; return 1; }
-    if (safetensors_find(f, "features.0.0.weight")) { *pad = PAD_SYMMETRIC; *why = "torchvision names"; return 1; }
+    // a segnet checkpoint from before the padding was recorded
+    if (safetensors_meta(f, "epoch")) return 0;
+    if (safetensors_find(f, "conv_stem.weight")) {
+        *pad = PAD_SAME;
+        *why = "timm's tf_efficientnetv2 names: TensorFlow's SAME";
+        return 1;
+    }
+    if (safetensors_find(f, "features.0.0.weight")) {
+        *pad = PAD_SYMMETRIC;
+        *why = "torchvision names";
+        return 1;
+    }
     return 0;
 }
 
@@ -272,24 +312,31 @@ static int model_is_effnet(const char *model) {
     return eff_spec(model) || (!strncmp(model, "unet-", 5) && eff_spec(model + 5));
 }
 
-int padding_follow_weights(ModelCfg *m, const char *weights, const char *cmd, char *note, char err[SN_ERR_MAX]) {
+int padding_follow_weights(ModelCfg *m, const char *weights, const char *cmd, char *note,
+                           char err[SN_ERR_MAX]) {
     note[0] = 0;
     const char *model = m->model;
     if (!weights || !model_is_effnet(model)) return 0;
     SafetensorsFile f;
     if (safetensors_read(weights, &f, err)) return -1;
     PadMode pad;
-    const char *why, *source = m->pad_given == PAD_RUN ? "the run's config.txt" : m->pad_given ? "--padding" : "the default";
+    const char *why, *source = m->pad_given == PAD_RUN ? "the run's config.txt"
+                               : m->pad_given          ? "--padding"
+                                                       : "the default";
     if (!weights_padding(&f, &pad, &why)) {
-        snprintf(note, SN_ERR_MAX, "padding %s (%s; the weights do not say)", PAD_NAME[m->pad], source);
+        snprintf(note, SN_ERR_MAX, "padding %s (%s; the weights do not say)", PAD_NAME[m->pad],
+                 source);
     } else if (!m->pad_given) {
         m->pad = pad;
         snprintf(note, SN_ERR_MAX, "padding %s (%s)", PAD_NAME[pad], why);
     } else {
         if (m->pad != pad)
-            fprintf(stderr, "segnet %s: warning: padding %s (%s), but the weights were trained with %s padding (%s)\n", cmd,
-                    PAD_NAME[m->pad], source, PAD_NAME[pad], why);
-        snprintf(note, SN_ERR_MAX, "padding %s (%s%s)", PAD_NAME[m->pad], source, m->pad != pad ? ", against the weights" : "");
+            fprintf(stderr,
+                    "segnet %s: warning: padding %s (%s), but the weights were trained with %s "
+                    "padding (%s)\n",
+                    cmd, PAD_NAME[m->pad], source, PAD_NAME[pad], why);
+        snprintf(note, SN_ERR_MAX, "padding %s (%s%s)", PAD_NAME[m->pad], source,
+                 m->pad != pad ? ", against the weights" : "");
     }
     safetensors_free(&f);
     return 0;
@@ -299,14 +346,15 @@ int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]) {
     return net_save_checkpoint(net, path, NULL, 0, NULL, NULL, 0, err);
 }
 
-int net_save_checkpoint(const Net *net, const char *path, const SafetensorsTensor *extra, int n_extra,
-                        const char *const *meta_keys, const char *const *meta_values, int n_meta,
-                        char err[SN_ERR_MAX]) {
+int net_save_checkpoint(const Net *net, const char *path, const SafetensorsTensor *extra,
+                        int n_extra, const char *const *meta_keys, const char *const *meta_values,
+                        int n_meta, char err[SN_ERR_MAX]) {
     const Graph *g = net->g;
     Ops *o = net->o;
     const int n_model = g->n_params + g->n_buffers, n = n_model + n_extra;
     size_t total = g->n_param_floats + g->n_buffer_floats;
-    float *host = malloc(sizeof(float) * (total ? total : 1)), *tmp = malloc(sizeof(float) * (total ? total : 1));
+    float *host = malloc(sizeof(float) * (total ? total : 1)),
+          *tmp = malloc(sizeof(float) * (total ? total : 1));
     SafetensorsTensor *ts = calloc((size_t)n, sizeof *ts);
     snCheck(host && tmp && ts, "out of host memory");
     o->download(o, host, net->params, sizeof(float) * g->n_param_floats);
@@ -329,7 +377,8 @@ int net_save_checkpoint(const Net *net, const char *path, const SafetensorsTenso
         t->data = v;
     }
     for (int e = 0; e < n_extra; e++) ts[n_model + e] = extra[e];
-    const char **keys = calloc((size_t)n_meta + 2, sizeof(char *)), **values = calloc((size_t)n_meta + 2, sizeof(char *));
+    const char **keys = calloc((size_t)n_meta + 2, sizeof(char *)),
+               **values = calloc((size_t)n_meta + 2, sizeof(char *));
     snCheck(keys && values, "out of host memory");
     keys[0] = "format"; values[0] = "segnet";
     keys[1] = "layout"; values[1] = "pytorch (conv weights OIHW)";
