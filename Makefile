@@ -198,7 +198,7 @@ endif
 # ---- programs ---------------------------------------------------------------
 # segnet.c (the math, the models, the step) includes the plumbing files at its
 # end: one translation unit
-PROGRAM_SRCS := segnet.c safetensors.c weights.c images.c datasets.c curves.c replicas.c run.c bench.c cli.c
+PROGRAM_SRCS := segnet.c backends.c safetensors.c weights.c images.c datasets.c curves.c replicas.c run.c bench.c cli.c
 
 segnet: $(PROGRAM_SRCS) segnet.h $(GPU_OBJS) | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) $(MPI_CFLAGS) -o $@ segnet.c $(GPU_OBJS) $(DEP_LIBS) $(CUDA_LIBS) $(MPI_LIBS) $(LDLIBS)

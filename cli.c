@@ -6,7 +6,8 @@
 // command line
 
 // what `segnet train` with no options runs (make train): the bundled data set
-#define QUICKSTART_ARGS "--model unet --depth 3 --width 16 --size 64x64 --data data/train --val data/val " \
+#define QUICKSTART_ARGS                                                                     \
+    "--model unet --depth 3 --width 16 --size 64x64 --data data/train --val data/val "       \
     "--classes 4 --class-weights 0,1,1,1 --batch 8 --epochs 12 --schedule cosine --augment flip"
 
 // A message on one printable line: bytes below 0x20 and 0x7f (from file names,

@@ -163,7 +163,7 @@ template <class T> T cas_add(T* p, T v) {  // float/double atomicAdd via CAS on 
 // independent branches in reverse (see cudaGraphLaunch in cuda_emu.cpp).
 extern "C" void cuemu_set_reverse(int reverse);
 // Counters since the start, -1 for another name:
-//   launches          kernels run (eager or replayed graph nodes; in counting mode: that would have run)
+//   launches          kernels run (eager or replayed graph nodes; counting mode: would have run)
 //   api_launches      host launch calls: eager kernel launches plus cudaGraphLaunch calls
 //   graph_launches    cudaGraphLaunch calls
 //   blas_calls        cuBLAS GEMMs run (eager or replayed)

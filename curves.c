@@ -92,7 +92,8 @@ static void svg_panel(FILE *f, int x0, int y0, const SvgPanel *p, const EpochRec
     if (p->right) yr = svg_axis(rows, n, p->right, 1, 0, present + 2);
     else present[2] = 0;
 #define SVG_X(e) (L + ((e) - ex0) / (ex1 - ex0) * (R - L))
-#define SVG_Y(a, v) (B - ((v) / 2 - (a).lo / 2) / ((a).hi / 2 - (a).lo / 2) * (B - T))  // halves: finite near ±DBL_MAX
+// halves: finite near ±DBL_MAX
+#define SVG_Y(a, v) (B - ((v) / 2 - (a).lo / 2) / ((a).hi / 2 - (a).lo / 2) * (B - T))
 
     fprintf(f,
             "<g>\n<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" font-size=\"15\" "

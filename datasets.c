@@ -364,7 +364,8 @@ static uint8_t *mask_load(const char *path, int ih, int iw, int image_orientatio
                  path);
         return NULL;
     }
-    // stb_image scales 1-, 2- and 4-bit grey to 8 bits, v·255/(2^depth − 1): divided back, exactly
+    // stb_image scales 1-, 2- and 4-bit grey to 8 bits, v·255/(2^depth − 1): divided back,
+    // exactly
     const int grey_scale =
             colour == 0 && (depth == 1 || depth == 2 || depth == 4) ? 255 / ((1 << depth) - 1) : 1;
     const int deep = depth == 16;

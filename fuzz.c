@@ -66,7 +66,7 @@
 #include <stddef.h>
 #include <sys/mman.h>
 
-#define FUZZ_MAX_LEN      (64 << 10)  // inputs are cut to this: a file claiming huge sizes stays small
+#define FUZZ_MAX_LEN      (64 << 10)  // inputs are cut to this: claimed huge sizes stay small
 #define FUZZ_MAX_PIXELS   (1 << 20)   // --max-pixels of the image targets (fuzz_image_setup)
 #define FUZZ_HANG_S       5           // an input running longer is a hang
 #define FUZZ_RING         64          // inputs between leak checks, all kept to find a leaking one
@@ -600,9 +600,8 @@ static void fuzz_sf_setup(FuzzCtx *c) {
     fuzz_sf_seed_text(c, "{}      ", "", 0);
 }
 
-// What safetensors_read accepted, safetensors_write writes and safetensors_read reads back the
-// same: the
-// writer refuses what the reader would refuse, and the reader is as strict.
+// What safetensors_read accepted, safetensors_write writes and safetensors_read reads back
+// the same: the writer refuses what the reader would refuse, and the reader is as strict.
 // err without its leading "PATH: "
 static const char *fuzz_after(const char *err, const char *path) {
     size_t k = strlen(path);

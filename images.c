@@ -145,10 +145,11 @@ static const char *decoder_reason(void) {
 // bytes (PNG or JPEG, whatever the extension says), the size in the header
 // checked against --max-pixels before anything is decoded.
 
-#define IMAGE_MAX_PIXELS_DEFAULT 100000000  // 10^8: a 10000×10000 photograph; a decompression bomb declares more
+// 10^8: a 10000×10000 photograph; a decompression bomb declares more
+#define IMAGE_MAX_PIXELS_DEFAULT 100000000
 #define TEXT_OF(x) TEXT_OF_(x)              // a macro's value as a string literal (for --help)
 #define TEXT_OF_(x) #x
-#define IMAGE_FILE_MAX ((size_t)1 << 30)    // stb_image takes an int length; real images are far smaller
+#define IMAGE_FILE_MAX ((size_t)1 << 30)  // stb_image takes an int length
 static int64_t image_max_pixels = IMAGE_MAX_PIXELS_DEFAULT;  // --max-pixels
 
 typedef enum { IMAGE_PNG, IMAGE_JPEG, IMAGE_UNKNOWN } ImageFormat;
@@ -502,8 +503,9 @@ static int cmp_seg_name(const void *a, const void *b) {
 // classifier CSV whose first line is its own header.
 
 #define PREDICT_MANIFEST      ".segnet-predict"
-#define PREDICT_MANIFEST_HEAD "segnet predict: the files it wrote in this folder, which --overwrite may replace\n"
-#define PREDICT_CSV_HEAD      "path,pred"  // what a classifier's CSV starts with (predict_run writes it)
+#define PREDICT_MANIFEST_HEAD \
+    "segnet predict: the files it wrote in this folder, which --overwrite may replace\n"
+#define PREDICT_CSV_HEAD "path,pred"  // what a classifier's CSV starts with (predict_run writes it)
 
 static int stat_same(const struct stat *a, const struct stat *b) {
     return a->st_dev == b->st_dev && a->st_ino == b->st_ino;
@@ -779,8 +781,8 @@ static int seg_write(const char *out, const char *image, const float *img, int h
     }
     char m[OUT_PATH_MAX], o[OUT_PATH_MAX];
     seg_out_paths(out, image, m, o);
-    int rc = png_write_atomic(m, w, h, 1, mask, err) || png_write_atomic(o, w, h, 3, rgb, err) ? -1
-                                                                                               : 0;
+    int rc = png_write_atomic(m, w, h, 1, mask, err) || png_write_atomic(o, w, h, 3, rgb, err);
+    rc = rc ? -1 : 0;
     free(cls); free(mask); free(rgb);
     return rc;
 }

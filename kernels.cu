@@ -42,7 +42,8 @@
 // error the program can recover from; report where and stop.
 
 // the errors of work the runtime refuses while a stream captures (a training step being recorded)
-#define CAPTURE_HINT " (while recording the training step as a CUDA graph: SEGNET_CUDA_GRAPHS=0 runs steps op by op)"
+#define CAPTURE_HINT \
+    " (while recording the training step as a CUDA graph: SEGNET_CUDA_GRAPHS=0 runs steps op by op)"
 static bool capture_error(cudaError_t e) {
     return e == cudaErrorStreamCaptureUnsupported || e == cudaErrorStreamCaptureInvalidated ||
            e == cudaErrorStreamCaptureImplicit || e == cudaErrorStreamCaptureIsolation ||
@@ -127,6 +128,140 @@ static void launch_check(const char *op, const char *file, int line) {
 static cudaStream_t stream_of(Ops *o) { return ctx_of(o)->stream; }
 
 #define BLOCK 256  // threads per block of the elementwise kernels
+
+// ----------------------------------------------------------------------------
+// the porting seam: the warp and the tensor-core tile. What the kernels below assume of the
+// machine is here: WARP_SIZE, the tensor-core instructions (sm_80 and later: one wrapper
+// each, inline PTX on GPUs, the emulator's model of the same instruction otherwise; cuda_emu.h
+// states the fragment layouts from the PTX ISA and cuemu_selftest checks them) and the tile
+// interface the implicit-GEMM conv uses (tc_load_a, tc_load_b2, tc_mma, tc_acc_row/col). A
+// port to another matrix instruction (AMD MFMA, Hopper wgmma) replaces this section; the
+// tests cuda_conv_* and cuda_emu_semantics judge it.
+
+// threads that run in lock step (a warp; AMD's wavefront has 64): the conv's warp tiles, the
+// squeeze-excitation gate's shuffles and the channel lanes of the row kernels count in it
+#define WARP_SIZE 32
+
+struct BF16;  // below: bf16 storage
+
+template <class T> struct IsBF16 { static constexpr bool value = false; };
+template <> struct IsBF16<BF16> { static constexpr bool value = true; };
+
+// d (16×8 fp32) += a (16×16) · b (16×8), operands of 16-bit type T in registers
+template <class T>
+static __device__ __forceinline__ void tc_mma(float d[4], const uint32_t a[4],
+                                              const uint32_t b[2]) {
+#if defined(__CUDACC__)
+#if __CUDA_ARCH__ >= 800
+    if (IsBF16<T>::value)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // the host never launches these kernels below compute capability 8.0
+#endif
+#else
+    cuemu::mma_m16n8k16(d, a, b, d, IsBF16<T>::value ? cuemu::MMA_BF16 : cuemu::MMA_F16);
+#endif
+}
+// four 8×8 matrices of 16-bit elements from shared memory, matrix i's rows at
+// the addresses of lanes 8i..8i+7 (TRANS: each matrix transposed)
+template <bool TRANS>
+static __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void *row) {
+#if defined(__CUDACC__)
+#if __CUDA_ARCH__ >= 800
+    const unsigned a = (unsigned)__cvta_generic_to_shared(row);
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#else
+    __trap();
+#endif
+#else
+    cuemu::ldmatrix(r, 4, row, TRANS);
+#endif
+}
+// 16 bytes global -> shared without passing through registers; src_bytes 0
+// (a pixel of the padding, a row past the end) stores 16 zero bytes
+static __device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes) {
+#if defined(__CUDACC__)
+#if __CUDA_ARCH__ >= 800
+    const unsigned a = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+#else
+    __trap();
+#endif
+#else
+    cuemu::cp_async16(dst, src, src_bytes);
+#endif
+}
+static __device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDACC__)
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+#else
+    cuemu::cp_async_commit();
+#endif
+}
+// waits until at most `pending` of this thread's newest committed groups are in flight
+template <int pending> static __device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDACC__)
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory");
+#endif
+#else
+    cuemu::cp_async_wait(pending);
+#endif
+}
+
+// ---- the tile interface: D (TC_M×TC_N, fp32) += A (TC_M×TC_K) · B (TC_K×TC_N), A and B
+// 16-bit. An operand tile lies in shared memory as 16 lines of two 16-byte chunks (8
+// elements): A as [row][k] or, TRANS, [k][row]; B as [column][k] or, TRANS, [k][column].
+// at(line, chunk) gives a chunk's address; each lane passes ldmatrix one address.
+#define TC_M 16
+#define TC_N 8
+#define TC_K 16
+
+// A's registers a0..a3 (mma's A fragment): the four 8×8 matrices (rows 0-7 | 8-15) ×
+// (k 0-7 | 8-15), matrix q = lane/8 read at the addresses of lanes 8q..8q+7
+template <bool TRANS, class At>
+static __device__ __forceinline__ void tc_load_a(uint32_t a[4], At at) {
+    const int lane = threadIdx.x % WARP_SIZE, q = lane / 8;
+    if constexpr (TRANS) ldmatrix_x4<true>(a, at(lane % 8 + 8 * (q >> 1), q & 1));
+    else ldmatrix_x4<false>(a, at(lane % 8 + 8 * (q & 1), q >> 1));
+}
+// B of two adjacent TC_N-column tiles (16 columns): b0 of columns 0-7, b1 of 8-15, each
+// (k 0-7 | 8-15)
+template <bool TRANS, class At>
+static __device__ __forceinline__ void tc_load_b2(uint32_t b0[2], uint32_t b1[2], At at) {
+    const int lane = threadIdx.x % WARP_SIZE, q = lane / 8;
+    uint32_t r[4];
+    if constexpr (TRANS) ldmatrix_x4<true>(r, at(lane % 8 + 8 * (q & 1), q >> 1));
+    else ldmatrix_x4<false>(r, at(lane % 8 + 8 * (q >> 1), q & 1));
+    b0[0] = r[0]; b0[1] = r[1]; b1[0] = r[2]; b1[1] = r[3];
+}
+// where a lane's accumulator r (0..3) of D lies: row lane/4 (+8 for r ≥ 2), column
+// 2·(lane%4) + r%2 (mma.m16n8k16's D layout)
+static __device__ __forceinline__ unsigned tc_acc_row(int r) {
+    return (threadIdx.x % WARP_SIZE) / 4 + 8 * (r >> 1);
+}
+static __device__ __forceinline__ unsigned tc_acc_col(int r) {
+    return 2 * (threadIdx.x % 4) + (r & 1);
+}
 
 // ----------------------------------------------------------------------------
 // indexing and memory access, for every kernel below
@@ -302,7 +437,7 @@ template <class T> struct VecIO {
 struct RowGrid { dim3 grid, block; };
 // lanes channel lanes (channels, or channel vectors), rows rows per launch; z images
 static RowGrid row_grid(int lanes, size_t rows, unsigned z = 1) {
-    const unsigned tx = lanes < 32 ? (unsigned)lanes : 32, ty = BLOCK / tx;
+    const unsigned tx = lanes < WARP_SIZE ? (unsigned)lanes : WARP_SIZE, ty = BLOCK / tx;
     size_t by = (rows + ty - 1) / ty;
     // grid-stride beyond: enough blocks for a GPU
     const size_t max_by = 4096 / (z < 4096 ? z : 4096) + 1;
@@ -327,8 +462,9 @@ static __device__ void store_acc(const IO &io, uint32_t i, float *v, int accumul
     }
     io.store(i, v);
 }
-#define FOR_ROWS(r, rows) \
-    for (uint32_t r = blockIdx.y * blockDim.y + threadIdx.y; r < (uint32_t)(rows); r += blockDim.y * gridDim.y)
+#define FOR_ROWS(r, rows)                                                                      \
+    for (uint32_t r = blockIdx.y * blockDim.y + threadIdx.y; r < (uint32_t)(rows);              \
+         r += blockDim.y * gridDim.y)
 
 // ----------------------------------------------------------------------------
 // memory: device allocations, copies between host and device
@@ -432,12 +568,14 @@ static void cuda_record_free(Ops *o, void *record) {
 // A kernel walks its n elements in chunks of LAUNCH_MAX_ELEMENTS (64-bit
 // offsets between chunks, 32-bit indices inside), grid-stride within each.
 
-#define FOR_CHUNKS(n, base, m)                                                                      \
-    for (size_t base = 0, m;                                                                        \
-         base < (n) && ((m = (n) - base < LAUNCH_MAX_ELEMENTS ? (n) - base : LAUNCH_MAX_ELEMENTS), 1); \
+#define FOR_CHUNKS(n, base, m)                                                                 \
+    for (size_t base = 0, m;                                                                   \
+         base < (n) &&                                                                         \
+         ((m = (n) - base < LAUNCH_MAX_ELEMENTS ? (n) - base : LAUNCH_MAX_ELEMENTS), 1);       \
          base += LAUNCH_MAX_ELEMENTS)
-#define FOR_GRID(i, m) \
-    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < (uint32_t)(m); i += blockDim.x * gridDim.x)
+#define FOR_GRID(i, m)                                                                         \
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < (uint32_t)(m);                 \
+         i += blockDim.x * gridDim.x)
 
 template <class F>
 __global__ void map_kernel(void *y, DType dty, const void *x0, DType dt0, const void *x1, DType dt1,
@@ -889,8 +1027,10 @@ static void step_control_cuda(Ops *o, const StepArgs *a, StepState *s, StepPhase
 size_t cuda_conv_chunk_bytes = (size_t)64 << 20;
 
 #define WS_ALIGN 256          // each part of the workspace starts on a 256-byte boundary
-#define REDUCE_ROWS 256       // pixels summed by one block of the depthwise weight gradient, at least...
-#define REDUCE_PARTS_MAX 64   // ...but at most this many partial sums per weight
+// the depthwise weight gradient: one block sums at least REDUCE_ROWS pixels, and there are at
+// most REDUCE_PARTS_MAX partial sums per weight
+#define REDUCE_ROWS 256
+#define REDUCE_PARTS_MAX 64
 
 static size_t align_up(size_t b) { return (b + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN; }
 
@@ -1141,95 +1281,6 @@ static void bias_rows(Ops *o, void *y, DType dt, const float *rows32, const floa
 static size_t rows_per_part(size_t M, int parts) { return (M + parts - 1) / parts; }
 
 // ----------------------------------------------------------------------------
-// tensor-core instructions (sm_80 and later), one wrapper each: inline PTX on
-// GPUs, the emulator's model of the same instruction here (cuda_emu.h states
-// the fragment layouts, from the PTX ISA, and cuemu_selftest checks them)
-
-template <class T> struct IsBF16 { static constexpr bool value = false; };
-template <> struct IsBF16<BF16> { static constexpr bool value = true; };
-
-// d (16×8 fp32) += a (16×16) · b (16×8), operands of 16-bit type T in registers
-template <class T>
-static __device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4],
-                                                 const uint32_t b[2]) {
-#if defined(__CUDACC__)
-#if __CUDA_ARCH__ >= 800
-    if (IsBF16<T>::value)
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, "
-                     "{%0,%1,%2,%3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    else
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, "
-                     "{%0,%1,%2,%3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-    __trap();  // the host never launches these kernels below compute capability 8.0
-#endif
-#else
-    cuemu::mma_m16n8k16(d, a, b, d, IsBF16<T>::value ? cuemu::MMA_BF16 : cuemu::MMA_F16);
-#endif
-}
-// four 8×8 matrices of 16-bit elements from shared memory, matrix i's rows at
-// the addresses of lanes 8i..8i+7 (TRANS: each matrix transposed)
-template <bool TRANS>
-static __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void *row) {
-#if defined(__CUDACC__)
-#if __CUDA_ARCH__ >= 800
-    const unsigned a = (unsigned)__cvta_generic_to_shared(row);
-    if (TRANS)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-    else
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-#else
-    __trap();
-#endif
-#else
-    cuemu::ldmatrix(r, 4, row, TRANS);
-#endif
-}
-// 16 bytes global -> shared without passing through registers; src_bytes 0
-// (a pixel of the padding, a row past the end) stores 16 zero bytes
-static __device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes) {
-#if defined(__CUDACC__)
-#if __CUDA_ARCH__ >= 800
-    const unsigned a = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src),
-                 "r"(src_bytes)
-                 : "memory");
-#else
-    __trap();
-#endif
-#else
-    cuemu::cp_async16(dst, src, src_bytes);
-#endif
-}
-static __device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDACC__)
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-#else
-    cuemu::cp_async_commit();
-#endif
-}
-// waits until at most `pending` of this thread's newest committed groups are in flight
-template <int pending> static __device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDACC__)
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory");
-#endif
-#else
-    cuemu::cp_async_wait(pending);
-#endif
-}
-
-// ----------------------------------------------------------------------------
 // implicit-GEMM convolution, fp16/bf16 on tensor cores
 //
 // The GEMMs of the im2col lowering above without the column buffer: the
@@ -1238,10 +1289,12 @@ template <int pending> static __device__ __forceinline__ void cp_async_wait() {
 // convs; that path stays as the reference (SEGNET_CONV=gemm).
 //
 //   forward (conv_fwd_kernel), per group g, GEMM rows = output pixels p = (n, oy, ox):
-//     out[p][g·Coutg + co] = Σ_k A[p][k] · W[g·Coutg + co][k] (+ b),  k = (ky, kx, ci), K = kh·kw·Cg
+//     out[p][g·Coutg + co] = Σ_k A[p][k] · W[g·Coutg + co][k] (+ b),
+//     k = (ky, kx, ci), K = kh·kw·Cg
 //     A[p][k] = x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci]  (0 outside x)
 //   backward data (conv_dgrad_kernel), GEMM rows = input pixels i = (n, iy, ix):
-//     din[i][g·Cg + ci] (=|+=) Σ_{ky,kx,co} dout[n, oy, ox, g·Coutg + co] · W[g·Coutg + co][ky, kx, ci]
+//     din[i][g·Cg + ci] (=|+=) Σ_{ky,kx,co} dout[n, oy, ox, g·Coutg + co]
+//                                             · W[g·Coutg + co][ky, kx, ci]
 //     over the taps with iy + pt - ky = oy·s (likewise x), 0 ≤ oy < OH. For s = 2 the
 //     input pixels fall into s·s phases (iy % s, ix % s), and in a phase the taps
 //     that reach an output are fixed: ky ≡ iy + pt (mod s). Each phase is a GEMM of
@@ -1276,7 +1329,8 @@ template <int pending> static __device__ __forceinline__ void cp_async_wait() {
 #define IG_BK 32
 #define IG_STAGES 3
 #define IG_THREADS 128
-#define IG_STAGE_ELEMS ((IG_BM + IG_BN) * IG_BK)  // the A tile, then the B tile (IG_BN×IG_BK or IG_BK×IG_BN)
+// the A tile, then the B tile (IG_BN×IG_BK or IG_BK×IG_BN)
+#define IG_STAGE_ELEMS ((IG_BM + IG_BN) * IG_BK)
 #define IG_MAX_PHASES 4  // backward data: stride ≤ 2 (larger strides take the reference path)
 
 // A tile row holds ROW elements of type T, moved in 16-byte chunks of CE
@@ -1348,14 +1402,20 @@ static __device__ __forceinline__ void load_a(T *As, const T *src, const Gather 
     }
 }
 
-// where accumulator r of the warp's 16×8 tile (i, j) lies in the block's tile:
-// row wm + 16i + lane/4 (+8 for r ≥ 2), column wn + 8j + 2·(lane%4) + r%2, with
-// (wm, wn) = (64·(warp%2), 32·(warp/2)): mma.m16n8k16's D layout
+// where accumulator r of the warp's tile (i, j) lies in the block's tile: row
+// wm + TC_M·i + tc_acc_row(r), column wn + TC_N·j + tc_acc_col(r), with the warp's corner
+// (wm, wn) = (64·(warp%2), 32·(warp/2))
+static __device__ __forceinline__ unsigned ig_warp_row() {
+    return threadIdx.x / WARP_SIZE % 2 * 64;
+}
+static __device__ __forceinline__ unsigned ig_warp_col() {
+    return threadIdx.x / WARP_SIZE / 2 * 32;
+}
 static __device__ __forceinline__ int ig_acc_row(int i, int r) {
-    return ((threadIdx.x >> 5) & 1) * 64 + 16 * i + ((threadIdx.x & 31) >> 2) + 8 * (r >> 1);
+    return ig_warp_row() + TC_M * i + tc_acc_row(r);
 }
 static __device__ __forceinline__ int ig_acc_col(int j, int r) {
-    return (threadIdx.x >> 6) * 32 + 8 * j + 2 * (threadIdx.x & 3) + (r & 1);
+    return ig_warp_col() + TC_N * j + tc_acc_col(r);
 }
 // store(row, column, value) for each of the thread's accumulators, at its place in the block's tile
 template <class Store>
@@ -1378,16 +1438,15 @@ static __device__ __forceinline__ void ig_each_acc(const float (&acc)[4][4][4], 
 template <class T, bool A_TRANS, bool B_TRANS, class LoadStage>
 static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *smem, int k_tiles,
                                                    LoadStage load_stage) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = (warp & 1) * 64,
-              wn = (warp >> 1) * 32;
+    const int wm = ig_warp_row(), wn = ig_warp_col();
     #pragma unroll
     for (int i = 0; i < 4; i++)
         #pragma unroll
         for (int j = 0; j < 4; j++)
             #pragma unroll
             for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;
-    #pragma unroll
     // one commit per stage, loaded or not: the group count stays fixed
+    #pragma unroll
     for (int s = 0; s < IG_STAGES - 1; s++) {
         if (s < k_tiles) load_stage(s);
         cp_async_commit();
@@ -1427,43 +1486,28 @@ static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *sme
             }
         } else {
             #pragma unroll
-            for (int ks = 0; ks < IG_BK / 16; ks++) {
+            for (int ks = 0; ks < IG_BK / TC_K; ks++) {
                 uint32_t af[4][4], bf[4][2];
                 #pragma unroll
-                for (int i = 0; i < 4; i++)  // matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15): a0..a3
-                    if (A_TRANS)
-                        ldmatrix_x4<true>(
-                                af[i],
-                                As + ig_swizzle<T, IG_BM>(16 * ks + (lane & 7) + (lane >> 4) * 8,
-                                                          (wm + 16 * i) / 8 + ((lane >> 3) & 1)));
-                    else
-                        ldmatrix_x4<false>(af[i],
-                                           As + ig_swizzle<T, IG_BK>(wm + 16 * i + (lane & 7) +
-                                                                             ((lane >> 3) & 1) * 8,
-                                                                     2 * ks + (lane >> 4)));
+                for (int i = 0; i < 4; i++) {
+                    const int m = wm + TC_M * i;  // the fragment's first GEMM row
+                    tc_load_a<A_TRANS>(af[i], [&](int line, int chunk) {
+                        return A_TRANS ? As + ig_swizzle<T, IG_BM>(TC_K * ks + line, m / 8 + chunk)
+                                       : As + ig_swizzle<T, IG_BK>(m + line, 2 * ks + chunk);
+                    });
+                }
                 #pragma unroll
-                // matrices (channels 0-7 | 8-15) × (k 0-7 | 8-15): b0, b1 of two tiles
                 for (int j = 0; j < 2; j++) {
-                    uint32_t r[4];
-                    if (B_TRANS)  // rows k: (k 0-7 | 8-15) × (channels 0-7 | 8-15)
-                        ldmatrix_x4<true>(r,
-                                          Bs + ig_swizzle<T, IG_BN>(
-                                                       16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                       (wn + 16 * j) / 8 + (lane >> 4)));
-                    else
-                        ldmatrix_x4<false>(r,
-                                           Bs + ig_swizzle<T, IG_BK>(wn + 16 * j + (lane & 7) +
-                                                                             (lane >> 4) * 8,
-                                                                     2 * ks + ((lane >> 3) & 1)));
-                    bf[2 * j][0] = r[0];
-                    bf[2 * j][1] = r[1];
-                    bf[2 * j + 1][0] = r[2];
-                    bf[2 * j + 1][1] = r[3];
+                    const int n = wn + 2 * TC_N * j;  // the first of the two tiles' columns
+                    tc_load_b2<B_TRANS>(bf[2 * j], bf[2 * j + 1], [&](int line, int chunk) {
+                        return B_TRANS ? Bs + ig_swizzle<T, IG_BN>(TC_K * ks + line, n / 8 + chunk)
+                                       : Bs + ig_swizzle<T, IG_BK>(n + line, 2 * ks + chunk);
+                    });
                 }
                 #pragma unroll
                 for (int i = 0; i < 4; i++)
                     #pragma unroll
-                    for (int j = 0; j < 4; j++) mma_16816<T>(acc[i][j], af[i], bf[j]);
+                    for (int j = 0; j < 4; j++) tc_mma<T>(acc[i][j], af[i], bf[j]);
             }
         }
     }
@@ -2086,7 +2130,8 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
 // consumes the NQ sums of channel c.
 
 #define SUMS_MIN_ROWS 32      // rows per chunk at least
-#define SUMS_MAX_CHUNKS 1024  // chunks per (channel tile, group) at most: enough blocks to fill a GPU
+// chunks per (channel tile, group) at most: enough blocks to fill a GPU
+#define SUMS_MAX_CHUNKS 1024
 // The scratch of partial sums, (G, chunks, NQ, C) fp64: its size bounds the chunk
 // count (chunks ≤ SUMS_SCRATCH/(G·NQ·C), at least 1, which needs no scratch); it
 // never limits the shapes an op accepts.
@@ -2159,7 +2204,7 @@ static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C) {
     // 32-bit row indices, 64-bit offsets
     require_below(rows, (size_t)1 << 32, "rows of per-channel sums");
     const int lanes = (C + W - 1) / W;  // channel lanes
-    const unsigned tx = lanes < 32 ? (unsigned)lanes : 32, ty = BLOCK / tx;
+    const unsigned tx = lanes < WARP_SIZE ? (unsigned)lanes : WARP_SIZE, ty = BLOCK / tx;
     size_t chunks = (rows + SUMS_MIN_ROWS - 1) / SUMS_MIN_ROWS;
     size_t fit = SUMS_SCRATCH / ((size_t)G * NQ * C);
     if (chunks > SUMS_MAX_CHUNKS) chunks = SUMS_MAX_CHUNKS;
@@ -2283,318 +2328,6 @@ static void sums_of_product(Ops *o, E e, Tensor a, const Tensor *b, int G, size_
                           C,      (uint32_t)rows};
         channel_sums<1, 1>(o, f, e, G, rows, C);
     }
-}
-
-// ----------------------------------------------------------------------------
-// batch norm (see segnet.c for the formulas)
-//   z = gamma·((x - mean)·invstd) + beta, the CPU's expression, so z falls on the
-//   same side of ReLU's kink; y = act(z); backward g = dy·act'(z), z recomputed from x.
-//   invstd = bn_invstd(var, c, eps) once per thread and channel, not per element.
-
-// Σx and Σx² in one pass (fp64), then bn_moments_stats (segnet.h)
-// running = (1-m)·running + m·batch, the variance made unbiased (bn_update_running)
-static __device__ void running_update(float *run_mean, float *run_var, float mean, float var, int c,
-                                      double unbias, float momentum) {
-    run_mean[c] = (1.0f - momentum) * run_mean[c] + momentum * mean;
-    run_var[c] = (1.0f - momentum) * run_var[c] + momentum * (float)(var * unbias);
-}
-// and the running statistics' update (bn_update_running's, run_mean not NULL),
-// and the sums themselves (sums not NULL: --sync-bn)
-struct StoreMoments {
-    float *mean, *var; double M; float *run_mean, *run_var; float momentum; double *sums; int C;
-    __device__ void operator()(int, int c, const double *s) const {
-        bn_moments_stats(s[0], s[1], M, &mean[c], &var[c]);
-        if (run_mean)
-            running_update(run_mean, run_var, mean[c], var[c], c, bn_running_unbias(M), momentum);
-        if (sums) { sums[c] = s[0]; sums[C + c] = s[1]; }
-    }
-};
-static void bn_stats_cuda(Ops *o, Tensor x, float *mean, float *var, float *run_mean,
-                          float *run_var, float momentum, double *sums) {
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    const StoreMoments e = {mean, var, (double)M, run_mean, run_var, momentum, sums, C};
-    if (vec_ok({x.dtype}, C, {x.data})) {
-        SWITCH_STORAGE(x.dtype, T, {
-            channel_sums<2, Vec<T>::N>(o, MomentsVec<T>{(const T *)x.data, C}, e, 1, M, C);
-        });
-    } else {
-        channel_sums<2, 1>(o, Moments{x.data, x.dtype, C}, e, 1, M, C);
-    }
-}
-// --sync-bn: the statistics from the replicas' summed sums, one thread per channel
-__global__ void bn_stats_finish_kernel(const double *sums, int C, double count, float *mean,
-                                       float *var, float *run_mean, float *run_var,
-                                       float momentum) {
-    FOR_GRID(c, C) {
-        bn_moments_stats(sums[c], sums[C + c], count, &mean[c], &var[c]);
-        if (run_mean)
-            running_update(run_mean, run_var, mean[c], var[c], c, bn_running_unbias(count),
-                           momentum);
-    }
-}
-static void bn_stats_finish_cuda(Ops *o, const double *sums, int C, size_t count, float *mean,
-                                 float *var, float *run_mean, float *run_var, float momentum) {
-    if (C <= 0) return;
-    CU_LAUNCH(bn_stats_finish_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), sums, C,
-              (double)count, mean, var, run_mean, run_var, momentum);
-    launchCheck();
-}
-
-// per-channel constants of the batch norm of channel c
-struct BnChannel {
-    float mean, invstd, gamma, beta;
-    __device__ BnChannel() {}
-    __device__ BnChannel(const float *m, const float *var, const float *g, const float *b,
-                         float eps, int c)
-        : mean(m[c]), invstd(bn_invstd(var, c, eps)), gamma(g[c]), beta(b[c]) {}
-    __device__ float xhat(float x) const { return (x - mean) * invstd; }
-    __device__ float z(float xh) const { return gamma * xh + beta; }
-};
-
-__global__ void bn_forward_kernel(void *y, DType dty, const void *x, DType dtx, uint32_t rows,
-                                  int C, const float *mean, const float *var, const float *gamma,
-                                  const float *beta, float eps, Act act) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    const BnChannel bn(mean, var, gamma, beta, eps, c);
-    FOR_ROWS(r, rows) st(y, dty, r * C + c, act_apply(act, bn.z(bn.xhat(ld(x, dtx, r * C + c)))));
-}
-// Out(i, r, y): what becomes of y's Vec at element i (row r of the launch):
-// StoreVec (bn_forward) or ResidualEnd (BnNext FUSED_RESIDUAL, further on)
-template <class T> struct StoreVec {
-    T *y;
-    __device__ void operator()(uint32_t i, uint32_t, const Vec<T> &v) { store_vec(y + i, v); }
-};
-template <class T, class Out>
-__global__ void bn_forward_vec_kernel(Out out, const T *x, uint32_t rows, int C, const float *mean,
-                                      const float *var, const float *gamma, const float *beta,
-                                      float eps, Act act) {
-    constexpr int N = Vec<T>::N;
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
-    if (c0 >= C) return;
-    BnChannel bn[N];
-    for (int k = 0; k < N; k++) bn[k] = BnChannel(mean, var, gamma, beta, eps, c0 + k);
-    FOR_ROWS(r, rows) {
-        Vec<T> v = load_vec(x + r * C + c0);
-        for (int k = 0; k < N; k++)
-            v.v[k] = from_f32<T>(act_apply(act, bn[k].z(bn[k].xhat(to_f32(v.v[k])))));
-        out(r * C + c0, r, v);
-    }
-}
-static void bn_forward_plain(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
-                             const float *gamma, const float *beta, float eps, Act act) {
-    const int C = x.shape.c;
-    const size_t rows = shape_numel(x.shape) / (C ? C : 1);
-    if (!rows || !C) return;
-    const bool vec = vec_ok({y.dtype, x.dtype}, C, {y.data, x.data});
-    for_row_launches(rows, C, [&](size_t r0, size_t count) {
-        void *yc = elem_ptr(y.data, y.dtype, r0 * C);
-        const void *xc = elem_ptr(x.data, x.dtype, r0 * C);
-        if (vec) {
-            SWITCH_STORAGE(x.dtype, T, {
-                RowGrid g = row_grid(C / Vec<T>::N, count);
-                CU_LAUNCH((bn_forward_vec_kernel<T, StoreVec<T>>), g.grid, g.block, 0, stream_of(o),
-                          StoreVec<T>{(T *)yc}, (const T *)xc, (uint32_t)count, C, mean, var, gamma,
-                          beta, eps, act);
-            });
-        } else {
-            RowGrid g = row_grid(C, count);
-            CU_LAUNCH(bn_forward_kernel, g.grid, g.block, 0, stream_of(o), yc, y.dtype, xc, x.dtype,
-                      (uint32_t)count, C, mean, var, gamma, beta, eps, act);
-        }
-        launchCheck();
-    });
-}
-
-// the C running statistics, one thread each; the unbiasing factor in fp64 as on the CPU
-__global__ void bn_update_running_kernel(float *run_mean, float *run_var, const float *mean,
-                                         const float *var, int C, double unbias, float momentum) {
-    FOR_GRID(c, C) running_update(run_mean, run_var, mean[c], var[c], c, unbias, momentum);
-}
-static void bn_update_running_cuda(Ops *o, float *run_mean, float *run_var, const float *mean,
-                                   const float *var, int C, size_t count, float momentum) {
-    if (C <= 0) return;
-    CU_LAUNCH(bn_update_running_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), run_mean,
-              run_var, mean, var, C, bn_running_unbias((double)count), momentum);
-    launchCheck();
-}
-
-// backward: g = dy·act'(z), the sums Σg and Σg·xhat, then
-// dx (=|+=) gamma·invstd·(g - (sum_g + xhat·sum_gx)/count); count 0: gamma·invstd·g
-struct BnParams {
-    const float *mean, *var, *gamma, *beta; float eps; Act act;
-    __device__ BnChannel channel(int c) const { return BnChannel(mean, var, gamma, beta, eps, c); }
-    __device__ void grad(const BnChannel &bn, float x, float dy, float *xhat, float *g) const {
-        *xhat = bn.xhat(x);
-        *g = dy * act_grad(act, bn.z(*xhat));
-    }
-};
-struct BnGradTerms {  // the summands g and g·xhat, generic
-    const void *dy; DType dt_dy; const void *x; DType dt_x; int C; BnParams p;
-    struct Lane {
-        const void *dy; DType dt_dy; const void *x; DType dt_x; int C; BnParams p; BnChannel bn;
-        __device__ void add(uint32_t r, double (&acc)[1][2]) const {
-            float xhat, g;
-            p.grad(bn, ld(x, dt_x, (size_t)r * C), ld(dy, dt_dy, (size_t)r * C), &xhat, &g);
-            acc[0][0] += g;
-            acc[0][1] += (double)g * xhat;
-        }
-    };
-    __device__ Lane lane(int, int c) const {
-        return {elem_ptr(dy, dt_dy, c), dt_dy, elem_ptr(x, dt_x, c), dt_x, C, p, p.channel(c)};
-    }
-};
-// Dy: where the vector kernels read the output gradient dy's Vec at element i
-// (row r): DyVec (memory) or DyResidual (BnNext FUSED_RESIDUAL, further on)
-template <class T> struct DyVec {
-    const T *dy;
-    __device__ Vec<T> load(size_t i, uint32_t) { return load_vec(dy + i); }
-    __device__ DyVec at(int c0) const { return {dy + c0}; }  // from channel c0 on
-};
-template <class T, class Dy = DyVec<T>> struct BnGradTermsVec {
-    Dy dy; const T *x; int C; BnParams p;
-    static constexpr int N = Vec<T>::N;
-    struct Lane {
-        mutable Dy dy; const T *x; int C; BnParams p; BnChannel bn[N];
-        __device__ void add(uint32_t r, double (&acc)[N][2]) const {
-            Vec<T> vx = load_vec(x + (size_t)r * C), vdy = dy.load((size_t)r * C, r);
-            for (int k = 0; k < N; k++) {
-                float xhat, g;
-                p.grad(bn[k], to_f32(vx.v[k]), to_f32(vdy.v[k]), &xhat, &g);
-                acc[k][0] += g;
-                acc[k][1] += (double)g * xhat;
-            }
-        }
-    };
-    __device__ Lane lane(int, int c0) const {
-        Lane l = {dy.at(c0), x + c0, C, p, {}};
-        for (int k = 0; k < N; k++) l.bn[k] = p.channel(c0 + k);
-        return l;
-    }
-};
-// sum_g, sum_gx overwritten; dbeta, dgamma added into; sums (not NULL) the fp64 sums
-struct BnGradSums {
-    float *sum_g, *sum_gx, *dgamma, *dbeta; double *sums; int C;
-    __device__ void operator()(int, int c, const double *s) const {
-        bn_grad_sums_store(c, s[0], s[1], sum_g, sum_gx, dgamma, dbeta);
-        if (sums) { sums[c] = s[0]; sums[C + c] = s[1]; }
-    }
-};
-static void bn_backward_reduce_plain(Ops *o, Tensor dy, Tensor x, const float *mean,
-                                     const float *var, const float *gamma, const float *beta,
-                                     float eps, Act act, float *sum_g, float *sum_gx, float *dgamma,
-                                     float *dbeta, double *sums) {
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    const BnParams p = {mean, var, gamma, beta, eps, act};
-    const BnGradSums e = {sum_g, sum_gx, dgamma, dbeta, sums, C};
-    if (vec_ok({dy.dtype, x.dtype}, C, {dy.data, x.data})) {
-        SWITCH_STORAGE(x.dtype, T, {
-            channel_sums<2, Vec<T>::N>(
-                    o, BnGradTermsVec<T>{{(const T *)dy.data}, (const T *)x.data, C, p}, e, 1, M,
-                    C);
-        });
-    } else {
-        channel_sums<2, 1>(o, BnGradTerms{dy.data, dy.dtype, x.data, x.dtype, C, p}, e, 1, M, C);
-    }
-}
-// --sync-bn: the gradient sums from the replicas' summed sums, one thread per channel
-__global__ void bn_backward_finish_kernel(const double *sums, int C, float *sum_g, float *sum_gx,
-                                          float *dgamma, float *dbeta) {
-    FOR_GRID(c, C) bn_grad_sums_store(c, sums[c], sums[C + c], sum_g, sum_gx, dgamma, dbeta);
-}
-static void bn_backward_finish_cuda(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx,
-                                    float *dgamma, float *dbeta) {
-    if (C <= 0) return;
-    CU_LAUNCH(bn_backward_finish_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), sums, C,
-              sum_g, sum_gx, dgamma, dbeta);
-    launchCheck();
-}
-
-// the data gradient of channel c from g and xhat
-struct BnDataGrad {
-    float scale, sum_g, sum_gx, count;  // gamma·invstd; count 0: no batch-statistics terms
-    __device__ BnDataGrad() {}
-    __device__ BnDataGrad(const BnChannel &bn, const float *sg, const float *sgx, uint32_t n, int c)
-        : scale(bn.gamma * bn.invstd), sum_g(n ? sg[c] : 0.0f), sum_gx(n ? sgx[c] : 0.0f),
-          count((float)n) {}
-    __device__ float operator()(float g, float xhat) const {
-        if (count != 0.0f) g -= (sum_g + xhat * sum_gx) / count;
-        return scale * g;
-    }
-};
-__global__ void bn_backward_data_kernel(void *dx, DType dt_dx, const void *dy, DType dt_dy,
-                                        const void *x, DType dt_x, uint32_t rows, int C, BnParams p,
-                                        const float *sum_g, const float *sum_gx, uint32_t count,
-                                        int accumulate) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    const BnChannel bn = p.channel(c);
-    const BnDataGrad dgrad(bn, sum_g, sum_gx, count, c);
-    FOR_ROWS(r, rows) {
-        const uint32_t i = r * C + c;
-        float xhat, g;
-        p.grad(bn, ld(x, dt_x, i), ld(dy, dt_dy, i), &xhat, &g);
-        const float d = dgrad(g, xhat);
-        st(dx, dt_dx, i, accumulate ? ld(dx, dt_dx, i) + d : d);
-    }
-}
-template <class T, class Dy>
-__global__ void bn_backward_data_vec_kernel(T *dx, Dy dy, const T *x, uint32_t rows, int C,
-                                            BnParams p, const float *sum_g, const float *sum_gx,
-                                            uint32_t count, int accumulate) {
-    constexpr int N = Vec<T>::N;
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
-    if (c0 >= C) return;
-    BnChannel bn[N];
-    BnDataGrad dgrad[N];
-    for (int k = 0; k < N; k++) {
-        bn[k] = p.channel(c0 + k);
-        dgrad[k] = BnDataGrad(bn[k], sum_g, sum_gx, count, c0 + k);
-    }
-    FOR_ROWS(r, rows) {
-        const uint32_t i = r * C + c0;
-        Vec<T> vx = load_vec(x + i), vdy = dy.load(i, r), vdx;
-        if (accumulate) vdx = load_vec(dx + i);
-        for (int k = 0; k < N; k++) {
-            float xhat, g;
-            p.grad(bn[k], to_f32(vx.v[k]), to_f32(vdy.v[k]), &xhat, &g);
-            const float d = dgrad[k](g, xhat);
-            vdx.v[k] = from_f32<T>(accumulate ? to_f32(vdx.v[k]) + d : d);
-        }
-        store_vec(dx + i, vdx);
-    }
-}
-static void bn_backward_data_plain(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
-                                   const float *var, const float *gamma, const float *beta,
-                                   float eps, Act act, const float *sum_g, const float *sum_gx,
-                                   size_t count, int accumulate) {
-    const int C = x.shape.c;
-    const size_t rows = shape_numel(x.shape) / (C ? C : 1);
-    if (!rows || !C || !dx.data) return;
-    require_below(count, (size_t)1 << 31, "batch norm values per channel");
-    const BnParams p = {mean, var, gamma, beta, eps, act};
-    const bool vec = vec_ok({dx.dtype, dy.dtype, x.dtype}, C, {dx.data, dy.data, x.data});
-    for_row_launches(rows, C, [&](size_t r0, size_t n_rows) {
-        void *dxc = elem_ptr(dx.data, dx.dtype, r0 * C);
-        const void *dyc = elem_ptr(dy.data, dy.dtype, r0 * C),
-                   *xc = elem_ptr(x.data, x.dtype, r0 * C);
-        if (vec) {
-            SWITCH_STORAGE(x.dtype, T, {
-                RowGrid g = row_grid(C / Vec<T>::N, n_rows);
-                CU_LAUNCH((bn_backward_data_vec_kernel<T, DyVec<T>>), g.grid, g.block, 0,
-                          stream_of(o), (T *)dxc, DyVec<T>{(const T *)dyc}, (const T *)xc,
-                          (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count, accumulate);
-            });
-        } else {
-            RowGrid g = row_grid(C, n_rows);
-            CU_LAUNCH(bn_backward_data_kernel, g.grid, g.block, 0, stream_of(o), dxc, dx.dtype, dyc,
-                      dy.dtype, xc, x.dtype, (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count,
-                      accumulate);
-        }
-        launchCheck();
-    });
 }
 
 // ----------------------------------------------------------------------------
@@ -2773,34 +2506,38 @@ static void channel_scale_backward_cuda(Ops *o, Tensor dx, Tensor ds, Tensor dy,
 // in segnet.c, is the reference). One block per image; the two matrix-vector
 // products per image are fp64 sums in an order fixed by the shape:
 //   rows of W1 (z1 = W1·p) and of W2 (z2 = W2·y1): a warp per output, lane l
-//   adding terms l, l + 32, ..., the lanes added in a fixed butterfly;
+//   adding terms l, l + WARP_SIZE, ..., the lanes added in a fixed butterfly;
 //   columns (W2ᵀ·dz2, W1ᵀ·dz1): a thread per output, terms in order, so
 //   that neighbouring threads read neighbouring weights.
 // The backward's second kernel adds the weight gradients over the images, a
 // thread per weight, images in order.
 
-#define SE_WARPS (BLOCK / 32)
+#define SE_WARPS (BLOCK / WARP_SIZE)
 
-// Σ_k a[k]·b[k] for k = lane, lane + 32, ... < n, then over the warp
+// Σ_k a[k]·b[k] for k = lane, lane + WARP_SIZE, ... < n, then over the warp (the full mask:
+// all 32 lanes)
 static __device__ double warp_dot(const float *a, const float *b, int n) {
     double t = 0.0;
-    for (int k = threadIdx.x % 32; k < n; k += 32) t += (double)a[k] * b[k];
-    for (int d = 16; d > 0; d /= 2) t += __shfl_xor_sync(0xffffffffu, t, d);
+    for (int k = threadIdx.x % WARP_SIZE; k < n; k += WARP_SIZE) t += (double)a[k] * b[k];
+    for (int d = WARP_SIZE / 2; d > 0; d /= 2) t += __shfl_xor_sync(0xffffffffu, t, d);
     return t;
 }
 // one image's z1, y1 (S) and z2 (C) in shared memory, rounded to dt, from p (C) there
 static __device__ void se_gate_image_dev(DType dt, const float *p, const float *w1, const float *b1,
                                          const float *w2, const float *b2, int C, int S, Act act1,
                                          float *z1, float *y1, float *z2) {
-    const int warp = threadIdx.x / 32;
+    const int warp = threadIdx.x / WARP_SIZE;
     for (int j = warp; j < S; j += SE_WARPS) {
         const float z = dtype_round(dt, (float)(b1[j] + warp_dot(w1 + (size_t)j * C, p, C)));
-        if (threadIdx.x % 32 == 0) { z1[j] = z; y1[j] = dtype_round(dt, act_apply(act1, z)); }
+        if (threadIdx.x % WARP_SIZE == 0) {
+            z1[j] = z;
+            y1[j] = dtype_round(dt, act_apply(act1, z));
+        }
     }
     __syncthreads();
     for (int c = warp; c < C; c += SE_WARPS) {
         const float z = dtype_round(dt, (float)(b2[c] + warp_dot(w2 + (size_t)c * S, y1, S)));
-        if (threadIdx.x % 32 == 0) z2[c] = z;
+        if (threadIdx.x % WARP_SIZE == 0) z2[c] = z;
     }
     __syncthreads();
 }
@@ -3152,7 +2889,318 @@ static void dropout_backward_cuda(Ops *o, Tensor dx, Tensor dresidual, Tensor dy
 }
 
 // ----------------------------------------------------------------------------
-// batch norm with the layer after it (BnNext; the executor's "fusing layers" in
+// batch norm (see segnet.c for the formulas)
+//   z = gamma·((x - mean)·invstd) + beta, the CPU's expression, so z falls on the
+//   same side of ReLU's kink; y = act(z); backward g = dy·act'(z), z recomputed from x.
+//   invstd = bn_invstd(var, c, eps) once per thread and channel, not per element.
+
+// Σx and Σx² in one pass (fp64), then bn_moments_stats (segnet.h)
+// running = (1-m)·running + m·batch, the variance made unbiased (bn_update_running)
+static __device__ void running_update(float *run_mean, float *run_var, float mean, float var, int c,
+                                      double unbias, float momentum) {
+    run_mean[c] = (1.0f - momentum) * run_mean[c] + momentum * mean;
+    run_var[c] = (1.0f - momentum) * run_var[c] + momentum * (float)(var * unbias);
+}
+// and the running statistics' update (bn_update_running's, run_mean not NULL),
+// and the sums themselves (sums not NULL: --sync-bn)
+struct StoreMoments {
+    float *mean, *var; double M; float *run_mean, *run_var; float momentum; double *sums; int C;
+    __device__ void operator()(int, int c, const double *s) const {
+        bn_moments_stats(s[0], s[1], M, &mean[c], &var[c]);
+        if (run_mean)
+            running_update(run_mean, run_var, mean[c], var[c], c, bn_running_unbias(M), momentum);
+        if (sums) { sums[c] = s[0]; sums[C + c] = s[1]; }
+    }
+};
+static void bn_stats_cuda(Ops *o, Tensor x, float *mean, float *var, float *run_mean,
+                          float *run_var, float momentum, double *sums) {
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    const StoreMoments e = {mean, var, (double)M, run_mean, run_var, momentum, sums, C};
+    if (vec_ok({x.dtype}, C, {x.data})) {
+        SWITCH_STORAGE(x.dtype, T, {
+            channel_sums<2, Vec<T>::N>(o, MomentsVec<T>{(const T *)x.data, C}, e, 1, M, C);
+        });
+    } else {
+        channel_sums<2, 1>(o, Moments{x.data, x.dtype, C}, e, 1, M, C);
+    }
+}
+// --sync-bn: the statistics from the replicas' summed sums, one thread per channel
+__global__ void bn_stats_finish_kernel(const double *sums, int C, double count, float *mean,
+                                       float *var, float *run_mean, float *run_var,
+                                       float momentum) {
+    FOR_GRID(c, C) {
+        bn_moments_stats(sums[c], sums[C + c], count, &mean[c], &var[c]);
+        if (run_mean)
+            running_update(run_mean, run_var, mean[c], var[c], c, bn_running_unbias(count),
+                           momentum);
+    }
+}
+static void bn_stats_finish_cuda(Ops *o, const double *sums, int C, size_t count, float *mean,
+                                 float *var, float *run_mean, float *run_var, float momentum) {
+    if (C <= 0) return;
+    CU_LAUNCH(bn_stats_finish_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), sums, C,
+              (double)count, mean, var, run_mean, run_var, momentum);
+    launchCheck();
+}
+
+// per-channel constants of the batch norm of channel c
+struct BnChannel {
+    float mean, invstd, gamma, beta;
+    __device__ BnChannel() {}
+    __device__ BnChannel(const float *m, const float *var, const float *g, const float *b,
+                         float eps, int c)
+        : mean(m[c]), invstd(bn_invstd(var, c, eps)), gamma(g[c]), beta(b[c]) {}
+    __device__ float xhat(float x) const { return (x - mean) * invstd; }
+    __device__ float z(float xh) const { return gamma * xh + beta; }
+};
+
+__global__ void bn_forward_kernel(void *y, DType dty, const void *x, DType dtx, uint32_t rows,
+                                  int C, const float *mean, const float *var, const float *gamma,
+                                  const float *beta, float eps, Act act) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const BnChannel bn(mean, var, gamma, beta, eps, c);
+    FOR_ROWS(r, rows) st(y, dty, r * C + c, act_apply(act, bn.z(bn.xhat(ld(x, dtx, r * C + c)))));
+}
+// Out(i, r, y): what becomes of y's Vec at element i (row r of the launch):
+// StoreVec (bn_forward) or ResidualEnd (BnNext FUSED_RESIDUAL, further on)
+template <class T> struct StoreVec {
+    T *y;
+    __device__ void operator()(uint32_t i, uint32_t, const Vec<T> &v) { store_vec(y + i, v); }
+};
+template <class T, class Out>
+__global__ void bn_forward_vec_kernel(Out out, const T *x, uint32_t rows, int C, const float *mean,
+                                      const float *var, const float *gamma, const float *beta,
+                                      float eps, Act act) {
+    constexpr int N = Vec<T>::N;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
+    if (c0 >= C) return;
+    BnChannel bn[N];
+    for (int k = 0; k < N; k++) bn[k] = BnChannel(mean, var, gamma, beta, eps, c0 + k);
+    FOR_ROWS(r, rows) {
+        Vec<T> v = load_vec(x + r * C + c0);
+        for (int k = 0; k < N; k++)
+            v.v[k] = from_f32<T>(act_apply(act, bn[k].z(bn[k].xhat(to_f32(v.v[k])))));
+        out(r * C + c0, r, v);
+    }
+}
+static void bn_forward_plain(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
+                             const float *gamma, const float *beta, float eps, Act act) {
+    const int C = x.shape.c;
+    const size_t rows = shape_numel(x.shape) / (C ? C : 1);
+    if (!rows || !C) return;
+    const bool vec = vec_ok({y.dtype, x.dtype}, C, {y.data, x.data});
+    for_row_launches(rows, C, [&](size_t r0, size_t count) {
+        void *yc = elem_ptr(y.data, y.dtype, r0 * C);
+        const void *xc = elem_ptr(x.data, x.dtype, r0 * C);
+        if (vec) {
+            SWITCH_STORAGE(x.dtype, T, {
+                RowGrid g = row_grid(C / Vec<T>::N, count);
+                CU_LAUNCH((bn_forward_vec_kernel<T, StoreVec<T>>), g.grid, g.block, 0, stream_of(o),
+                          StoreVec<T>{(T *)yc}, (const T *)xc, (uint32_t)count, C, mean, var, gamma,
+                          beta, eps, act);
+            });
+        } else {
+            RowGrid g = row_grid(C, count);
+            CU_LAUNCH(bn_forward_kernel, g.grid, g.block, 0, stream_of(o), yc, y.dtype, xc, x.dtype,
+                      (uint32_t)count, C, mean, var, gamma, beta, eps, act);
+        }
+        launchCheck();
+    });
+}
+
+// the C running statistics, one thread each; the unbiasing factor in fp64 as on the CPU
+__global__ void bn_update_running_kernel(float *run_mean, float *run_var, const float *mean,
+                                         const float *var, int C, double unbias, float momentum) {
+    FOR_GRID(c, C) running_update(run_mean, run_var, mean[c], var[c], c, unbias, momentum);
+}
+static void bn_update_running_cuda(Ops *o, float *run_mean, float *run_var, const float *mean,
+                                   const float *var, int C, size_t count, float momentum) {
+    if (C <= 0) return;
+    CU_LAUNCH(bn_update_running_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), run_mean,
+              run_var, mean, var, C, bn_running_unbias((double)count), momentum);
+    launchCheck();
+}
+
+// backward: g = dy·act'(z), the sums Σg and Σg·xhat, then
+// dx (=|+=) gamma·invstd·(g - (sum_g + xhat·sum_gx)/count); count 0: gamma·invstd·g
+struct BnParams {
+    const float *mean, *var, *gamma, *beta; float eps; Act act;
+    __device__ BnChannel channel(int c) const { return BnChannel(mean, var, gamma, beta, eps, c); }
+    __device__ void grad(const BnChannel &bn, float x, float dy, float *xhat, float *g) const {
+        *xhat = bn.xhat(x);
+        *g = dy * act_grad(act, bn.z(*xhat));
+    }
+};
+struct BnGradTerms {  // the summands g and g·xhat, generic
+    const void *dy; DType dt_dy; const void *x; DType dt_x; int C; BnParams p;
+    struct Lane {
+        const void *dy; DType dt_dy; const void *x; DType dt_x; int C; BnParams p; BnChannel bn;
+        __device__ void add(uint32_t r, double (&acc)[1][2]) const {
+            float xhat, g;
+            p.grad(bn, ld(x, dt_x, (size_t)r * C), ld(dy, dt_dy, (size_t)r * C), &xhat, &g);
+            acc[0][0] += g;
+            acc[0][1] += (double)g * xhat;
+        }
+    };
+    __device__ Lane lane(int, int c) const {
+        return {elem_ptr(dy, dt_dy, c), dt_dy, elem_ptr(x, dt_x, c), dt_x, C, p, p.channel(c)};
+    }
+};
+// Dy: where the vector kernels read the output gradient dy's Vec at element i
+// (row r): DyVec (memory) or DyResidual (BnNext FUSED_RESIDUAL, further on)
+template <class T> struct DyVec {
+    const T *dy;
+    __device__ Vec<T> load(size_t i, uint32_t) { return load_vec(dy + i); }
+    __device__ DyVec at(int c0) const { return {dy + c0}; }  // from channel c0 on
+};
+template <class T, class Dy = DyVec<T>> struct BnGradTermsVec {
+    Dy dy; const T *x; int C; BnParams p;
+    static constexpr int N = Vec<T>::N;
+    struct Lane {
+        mutable Dy dy; const T *x; int C; BnParams p; BnChannel bn[N];
+        __device__ void add(uint32_t r, double (&acc)[N][2]) const {
+            Vec<T> vx = load_vec(x + (size_t)r * C), vdy = dy.load((size_t)r * C, r);
+            for (int k = 0; k < N; k++) {
+                float xhat, g;
+                p.grad(bn[k], to_f32(vx.v[k]), to_f32(vdy.v[k]), &xhat, &g);
+                acc[k][0] += g;
+                acc[k][1] += (double)g * xhat;
+            }
+        }
+    };
+    __device__ Lane lane(int, int c0) const {
+        Lane l = {dy.at(c0), x + c0, C, p, {}};
+        for (int k = 0; k < N; k++) l.bn[k] = p.channel(c0 + k);
+        return l;
+    }
+};
+// sum_g, sum_gx overwritten; dbeta, dgamma added into; sums (not NULL) the fp64 sums
+struct BnGradSums {
+    float *sum_g, *sum_gx, *dgamma, *dbeta; double *sums; int C;
+    __device__ void operator()(int, int c, const double *s) const {
+        bn_grad_sums_store(c, s[0], s[1], sum_g, sum_gx, dgamma, dbeta);
+        if (sums) { sums[c] = s[0]; sums[C + c] = s[1]; }
+    }
+};
+static void bn_backward_reduce_plain(Ops *o, Tensor dy, Tensor x, const float *mean,
+                                     const float *var, const float *gamma, const float *beta,
+                                     float eps, Act act, float *sum_g, float *sum_gx, float *dgamma,
+                                     float *dbeta, double *sums) {
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    const BnParams p = {mean, var, gamma, beta, eps, act};
+    const BnGradSums e = {sum_g, sum_gx, dgamma, dbeta, sums, C};
+    if (vec_ok({dy.dtype, x.dtype}, C, {dy.data, x.data})) {
+        SWITCH_STORAGE(x.dtype, T, {
+            channel_sums<2, Vec<T>::N>(
+                    o, BnGradTermsVec<T>{{(const T *)dy.data}, (const T *)x.data, C, p}, e, 1, M,
+                    C);
+        });
+    } else {
+        channel_sums<2, 1>(o, BnGradTerms{dy.data, dy.dtype, x.data, x.dtype, C, p}, e, 1, M, C);
+    }
+}
+// --sync-bn: the gradient sums from the replicas' summed sums, one thread per channel
+__global__ void bn_backward_finish_kernel(const double *sums, int C, float *sum_g, float *sum_gx,
+                                          float *dgamma, float *dbeta) {
+    FOR_GRID(c, C) bn_grad_sums_store(c, sums[c], sums[C + c], sum_g, sum_gx, dgamma, dbeta);
+}
+static void bn_backward_finish_cuda(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx,
+                                    float *dgamma, float *dbeta) {
+    if (C <= 0) return;
+    CU_LAUNCH(bn_backward_finish_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), sums, C,
+              sum_g, sum_gx, dgamma, dbeta);
+    launchCheck();
+}
+
+// the data gradient of channel c from g and xhat
+struct BnDataGrad {
+    float scale, sum_g, sum_gx, count;  // gamma·invstd; count 0: no batch-statistics terms
+    __device__ BnDataGrad() {}
+    __device__ BnDataGrad(const BnChannel &bn, const float *sg, const float *sgx, uint32_t n, int c)
+        : scale(bn.gamma * bn.invstd), sum_g(n ? sg[c] : 0.0f), sum_gx(n ? sgx[c] : 0.0f),
+          count((float)n) {}
+    __device__ float operator()(float g, float xhat) const {
+        if (count != 0.0f) g -= (sum_g + xhat * sum_gx) / count;
+        return scale * g;
+    }
+};
+__global__ void bn_backward_data_kernel(void *dx, DType dt_dx, const void *dy, DType dt_dy,
+                                        const void *x, DType dt_x, uint32_t rows, int C, BnParams p,
+                                        const float *sum_g, const float *sum_gx, uint32_t count,
+                                        int accumulate) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const BnChannel bn = p.channel(c);
+    const BnDataGrad dgrad(bn, sum_g, sum_gx, count, c);
+    FOR_ROWS(r, rows) {
+        const uint32_t i = r * C + c;
+        float xhat, g;
+        p.grad(bn, ld(x, dt_x, i), ld(dy, dt_dy, i), &xhat, &g);
+        const float d = dgrad(g, xhat);
+        st(dx, dt_dx, i, accumulate ? ld(dx, dt_dx, i) + d : d);
+    }
+}
+template <class T, class Dy>
+__global__ void bn_backward_data_vec_kernel(T *dx, Dy dy, const T *x, uint32_t rows, int C,
+                                            BnParams p, const float *sum_g, const float *sum_gx,
+                                            uint32_t count, int accumulate) {
+    constexpr int N = Vec<T>::N;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
+    if (c0 >= C) return;
+    BnChannel bn[N];
+    BnDataGrad dgrad[N];
+    for (int k = 0; k < N; k++) {
+        bn[k] = p.channel(c0 + k);
+        dgrad[k] = BnDataGrad(bn[k], sum_g, sum_gx, count, c0 + k);
+    }
+    FOR_ROWS(r, rows) {
+        const uint32_t i = r * C + c0;
+        Vec<T> vx = load_vec(x + i), vdy = dy.load(i, r), vdx;
+        if (accumulate) vdx = load_vec(dx + i);
+        for (int k = 0; k < N; k++) {
+            float xhat, g;
+            p.grad(bn[k], to_f32(vx.v[k]), to_f32(vdy.v[k]), &xhat, &g);
+            const float d = dgrad[k](g, xhat);
+            vdx.v[k] = from_f32<T>(accumulate ? to_f32(vdx.v[k]) + d : d);
+        }
+        store_vec(dx + i, vdx);
+    }
+}
+static void bn_backward_data_plain(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
+                                   const float *var, const float *gamma, const float *beta,
+                                   float eps, Act act, const float *sum_g, const float *sum_gx,
+                                   size_t count, int accumulate) {
+    const int C = x.shape.c;
+    const size_t rows = shape_numel(x.shape) / (C ? C : 1);
+    if (!rows || !C || !dx.data) return;
+    require_below(count, (size_t)1 << 31, "batch norm values per channel");
+    const BnParams p = {mean, var, gamma, beta, eps, act};
+    const bool vec = vec_ok({dx.dtype, dy.dtype, x.dtype}, C, {dx.data, dy.data, x.data});
+    for_row_launches(rows, C, [&](size_t r0, size_t n_rows) {
+        void *dxc = elem_ptr(dx.data, dx.dtype, r0 * C);
+        const void *dyc = elem_ptr(dy.data, dy.dtype, r0 * C),
+                   *xc = elem_ptr(x.data, x.dtype, r0 * C);
+        if (vec) {
+            SWITCH_STORAGE(x.dtype, T, {
+                RowGrid g = row_grid(C / Vec<T>::N, n_rows);
+                CU_LAUNCH((bn_backward_data_vec_kernel<T, DyVec<T>>), g.grid, g.block, 0,
+                          stream_of(o), (T *)dxc, DyVec<T>{(const T *)dyc}, (const T *)xc,
+                          (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count, accumulate);
+            });
+        } else {
+            RowGrid g = row_grid(C, n_rows);
+            CU_LAUNCH(bn_backward_data_kernel, g.grid, g.block, 0, stream_of(o), dxc, dx.dtype, dyc,
+                      dy.dtype, xc, x.dtype, (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count,
+                      accumulate);
+        }
+        launchCheck();
+    });
+}
+
+// ---- batch norm with the layer after it (BnNext; the executor's "fusing layers" in
 // segnet.c). The fused kernels compute what the two ops would, rounding where
 // they store, so the results are the unfused ones bit for bit:
 //   FUSED_POOL      forward: channel_sums over (image, pixels) as
@@ -3387,7 +3435,8 @@ static __device__ __forceinline__ ImageRow image_row(uint32_t t, int h) { return
 static __device__ __forceinline__ uint32_t nhwc_at(Shape s, uint32_t n, int y, int x, int c) {
     return ((n * s.h + y) * s.w + x) * s.c + c;
 }
-#define FOR_COLUMNS(x, width) for (int x = blockIdx.y * blockDim.y + threadIdx.y; x < (width); x += blockDim.y * gridDim.y)
+#define FOR_COLUMNS(x, width)                                                          \
+    for (int x = blockIdx.y * blockDim.y + threadIdx.y; x < (width); x += blockDim.y * gridDim.y)
 
 // Launches `kernel_for(grid, io_out, io_in, io_extra, out shape, in shape)` over
 // chunks of images (the tensors' pointers advanced), so that the grid's z
@@ -3803,7 +3852,7 @@ static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom
     const Shape t = dout.shape, s = in.shape;
     auto run = [&](auto dyio, auto xio, int lanes) {
         typedef decltype(dyio) IO;
-        const unsigned tx = lanes < 32 ? (unsigned)lanes : 32;
+        const unsigned tx = lanes < WARP_SIZE ? (unsigned)lanes : WARP_SIZE;
         const dim3 grid((lanes + tx - 1) / tx, parts), block(tx, BLOCK / tx);
         require_below(grid.x, SUMS_COUNTERS + 1, "channel tiles of a depthwise weight gradient");
         for (int tap0 = 0; tap0 < (int)taps; tap0 += DW_MAX_TAPS) {

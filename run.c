@@ -3,6 +3,54 @@
 // includes this file at its end, so that the program is one translation unit.
 
 // ----------------------------------------------------------------------------
+// optimisation diagnostics (segnet.c's StepStats): limits, and the update ratio
+
+// as text (checkpoint metadata): the fields up to update_ratio, space-separated
+#define STEP_STATS_FIELDS 11
+// clipping acted on more than this fraction of an epoch's steps
+#define WARN_CLIP_FRACTION 0.5
+// fp16 overflow skipped more than this fraction of an epoch's steps
+#define WARN_SKIP_FRACTION 0.05
+// or more than this many steps in a row (the loss scale fell each time)
+#define WARN_SKIP_RUN 3
+#define WARN_TRAIN_MODE_GAP 0.05      // the train metric below the validation one by more than this
+
+static void step_stats_reset(StepStats *st) {
+    *st = (StepStats){0};
+    st->loss_scale = 1.0;
+    st->update_ratio = NAN;
+}
+
+// the trainable weights (t->ranges, packed) into t->update_host: its first half (before a step) or
+// second (after)
+static void trainable_download(Trainer *t, int after) {
+    if (!t->update_host) {
+        t->update_host = malloc(sizeof(float) * 2 * (t->n_trainable ? t->n_trainable : 1));
+        snCheck(t->update_host != NULL, "out of host memory");
+    }
+    float *host = t->update_host + (after ? t->n_trainable : 0);
+    size_t packed = 0;
+    for (int r = 0; r < t->n_ranges; r++) {
+        t->o->download(t->o, host + packed, t->net.params + t->ranges[r].offset,
+                       sizeof(float) * t->ranges[r].count);
+        packed += t->ranges[r].count;
+    }
+}
+// ‖w_after - w_before‖ / ‖w_before‖ in fp64 (trainable_download(t, 0) before the step)
+static double trainable_update_ratio(Trainer *t) {
+    const size_t n = t->n_trainable;
+    trainable_download(t, 1);
+    const float *before = t->update_host, *after = t->update_host + n;
+    double d = 0.0, w = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        const double e = (double)after[i] - before[i];
+        d += e * e;
+        w += (double)before[i] * before[i];
+    }
+    return w > 0.0 ? sqrt(d / w) : NAN;
+}
+
+// ----------------------------------------------------------------------------
 // the training run: options, opening a trainer, passes, checkpoints, metrics.csv, resume
 
 void train_cfg_default(TrainCfg *c) {

@@ -1,5 +1,5 @@
-// safetensors.c -- safetensors files: the reader (a strict parser of the one header shape) and the
-// writer.
+// safetensors.c -- safetensors files: the reader (a strict parser of the one header shape)
+// and the writer.
 // Plumbing of the segnet program: segnet.c (the math, the models, the step)
 // includes this file at its end, so that the program is one translation unit.
 
@@ -21,7 +21,8 @@
 // Alignment: the data section starts at byte 8 + N and offsets are arbitrary,
 // so SafetensorsTensor.data has no alignment guarantee; callers memcpy out of it.
 
-#define SF_HEADER_MAX   ((uint64_t)100 << 20)  // a longer header is absurd (real ones are kilobytes)
+// a longer header is absurd (real ones are kilobytes)
+#define SF_HEADER_MAX   ((uint64_t)100 << 20)
 #define SF_QUOTE_MAX    64                      // names shown in messages are cut to this
 
 static const char *const SF_DTYPE_NAMES[] = {"F32", "F16", "BF16", "I64"};  // indexed by DType

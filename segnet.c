@@ -22,32 +22,44 @@
 //   IV.  Making it fast  the direct and GEMM convolutions, batch norm in fp32
 //                        passes with exp_vec, the squeeze-excitation pieces,
 //                        pooling, upsampling, concat and the elementwise ops
-//                        in fp32; ops_cpu = ops_ref with those; choosing a backend
+//                        in fp32; ops_cpu = ops_ref with those
 //   V.   Plumbing        in files of their own, included at the end:
-//                        safetensors.c, weights.c (by name), images.c (and
-//                        prediction), datasets.c, curves.c, replicas.c
-//                        (communicators), run.c (the training run), bench.c,
-//                        cli.c (the command line)
+//                        backends.c (--device), safetensors.c, weights.c (by
+//                        name), images.c (and prediction), datasets.c, curves.c,
+//                        replicas.c (communicators), run.c (the training run),
+//                        bench.c, cli.c (the command line)
 //
-// Math index (formula → where it is computed; segnet.h holds what both
-// backends must agree on bit for bit):
-//   conv out = Σ w·in (+ b), SAME / symmetric padding   conv2d_forward_ref, conv_axis (segnet.h)
-//   conv gradients dx, dw, db                           conv2d_backward_data_ref, conv2d_backward_weight_ref
-//   batch norm statistics mean, var (biased, fp64 sums) bn_stats_ref, bn_moments_stats (segnet.h)
-//   batch norm y = act(γ·(x − mean)/√(var + ε) + β)    bn_forward_ref; running statistics bn_update_running_ref
-//   batch norm backward Σg, Σg·x̂, then dx              bn_backward_reduce_ref, bn_backward_data_ref
-//   ReLU, SiLU, sigmoid and their derivatives           act_apply, act_grad (segnet.h)
-//   squeeze-excitation gate s = σ(W2·SiLU(W1·p + b1) + b2)  se_gate_forward (segnet.h), se_gate_images
-//   global average pool, channel scale                  global_avg_pool_forward_ref, channel_scale_forward_ref
-//   dropout / drop-path keep = u ≥ rate, ×1/(1 − rate)  dropout_keep (segnet.h), dropout_forward_ref
-//   max-pool, nearest and bilinear resampling           maxpool2_forward_ref, upsample2_forward_ref, bilinear_tap (segnet.h)
-//   softmax + weighted cross-entropy, Keras' clip        softmax_xent_ref; its normaliser Σw label_weight_sum
-//   Adam (Keras' ε̂), decoupled weight decay             AdamStep (segnet.h), adam_step_init, adam_update_ref
-//   loss scaling, global-norm clipping                   step_control_apply, clip_factor (segnet.h)
-//   learning-rate schedules with warm-up                 lr_at_step
-//   IoU = TP/(TP + FP + FN), mean IoU, accuracy          metrics_compute
-//   buffer lifetimes and offsets                         plan_build, plan_pack
-//   one optimiser step                                   train_step, step_work
+// Math index. An op NAME of the ops table (struct Ops in segnet.h: the backend contract) has
+// one function per form, each under the same section title: NAME_ref in part I, below its
+// formula (the specification); NAME_cpu in part IV where a fast version exists ("fast" below;
+// elsewhere ops_cpu takes NAME_ref); NAME_cuda in kernels.cu. The tests of an op (gradient
+// check, by hand, fast against reference, cuda_ against the CPU through the emulator) run with
+// ./test_segnet --filter WORD, for each WORD listed. segnet.h holds the math both backends
+// share bit for bit.
+//
+//   section (part I)         formula                                          fast  WORDs
+//   memory and utilities     fill, y = a·x + b·y, Σx², any inf/NaN             yes   fill, axpby,
+//                                                                                    nonfinite,
+//                                                                                    elementwise
+//   conv2d                   out = b + Σ w·x, SAME or symmetric (conv_axis);  yes   conv,
+//                            dx, dw, db                                             depthwise
+//   activations              ReLU, SiLU, sigmoid (act_apply, act_grad)         no    act
+//   squeeze-excitation       s = σ(W2·SiLU(W1·p + b1) + b2), p = the mean     yes   se_, squeeze
+//                            over pixels, y = x·s (se_gate_forward)
+//   residual add and concat  y = a + b; y = [a, b] along channels             yes   concat
+//   dropout and drop-path    keep = u ≥ rate, ×1/(1 − rate) (dropout_keep)    yes   dropout
+//   pooling and resampling   2×2 max, nearest ×2, bilinear (bilinear_tap)     yes   pool, resize
+//   batch norm               y = act(γ·(x − mean)/√(var + ε) + β), fp64 sums; yes   bn
+//                            backward: Σg, Σg·x̂ per channel, then dx
+//   softmax + cross-entropy  Σ w_y·nll / Σ w_y, Keras' clip                   no    xent
+//   Adam                     Keras' ε̂, decoupled weight decay (AdamStep)      no    adam
+//   loss scaling, clipping   step_control_apply, clip_factor                  no    step_control,
+//                                                                                    clip
+//   metrics                  IoU = TP/(TP + FP + FN), mean IoU, accuracy      no    metrics,
+//                                                                                    confusion
+// Beyond the ops: learning-rate schedules (lr_at_step), memory planning (plan_build,
+// plan_pack), the executor (layer_forward, layer_backward) and one optimiser step
+// (train_step, step_work).
 #define _GNU_SOURCE  // qsort_r
 #include <stdio.h>
 #include <stdlib.h>
@@ -100,7 +112,8 @@ static void fail_internal(const char *file, int line, const char *fmt, ...) {
     fputc('\n', stderr);
     exit(70);
 }
-#define snCheck(cond, ...) do { if (!(cond)) fail_internal(__FILE__, __LINE__, __VA_ARGS__); } while (0)
+#define snCheck(cond, ...) \
+    do { if (!(cond)) fail_internal(__FILE__, __LINE__, __VA_ARGS__); } while (0)
 #define SHAPE_FMT "(%d,%d,%d,%d)"
 #define SHAPE_ARGS(s) (s).n, (s).h, (s).w, (s).c
 
@@ -292,8 +305,10 @@ static double now_seconds(void) {
 //                                      · w[co][ky][kx][ci]
 // with g = co / (Cout/groups) the group of co, Cg = Cin/groups, x = 0 outside
 // the input, and (pt, pl) the padding before (conv_axis in segnet.h).
-//   din[n,iy,ix,ci] = Σ over the (oy, ox, ky, kx, co) that read it of dout[n,oy,ox,co]·w[co][ky][kx][ci]
-//   dw[co][ky][kx][ci] += Σ_{n,oy,ox} dout[n,oy,ox,co]·x[n, oy·s - pt + ky, ox·s - pl + kx, g·Cg + ci]
+//   din[n,iy,ix,ci] = Σ over the (oy, ox, ky, kx, co) that read it of
+//                     dout[n,oy,ox,co]·w[co][ky][kx][ci]
+//   dw[co][ky][kx][ci] += Σ_{n,oy,ox} dout[n,oy,ox,co]·x[n, oy·s - pt + ky, ox·s - pl + kx,
+//                                                        g·Cg + ci]
 //   db[co] += Σ_{n,oy,ox} dout[n,oy,ox,co]
 // The references below compute each output value as one fp64 sum in the
 // formula's order, in any storage type; part IV's direct convolutions and
@@ -384,12 +399,11 @@ static void conv2d_backward_weight_ref(Ops *o, const ConvCfg *cfg, float *dw, fl
                             const int iy = conv_tap(oy, cfg->stride, ky, q.pt, q.H);
                             for (int ox = 0; iy >= 0 && ox < q.OW; ox++) {
                                 const int ix = conv_tap(ox, cfg->stride, kx, q.pl, q.W);
-                                if (ix >= 0)
-                                    acc += (double)ld(dout, (((size_t)n * q.OH + oy) * q.OW + ox) *
-                                                                            q.Cout +
-                                                                    co) *
-                                           ld(in,
-                                              (((size_t)n * q.H + iy) * q.W + ix) * q.C + c0 + ci);
+                                if (ix < 0) continue;
+                                const size_t out_px = ((size_t)n * q.OH + oy) * q.OW + ox;
+                                const size_t in_px = ((size_t)n * q.H + iy) * q.W + ix;
+                                acc += (double)ld(dout, out_px * q.Cout + co) *
+                                       ld(in, in_px * q.C + c0 + ci);
                             }
                         }
                     dw[((size_t)(co * K + ky) * L + kx) * q.Cg + ci] += (float)acc;
@@ -662,6 +676,11 @@ static void dropout_backward_ref(Ops *o, Tensor dx, Tensor dresidual, Tensor dy,
 // ----------------------------------------------------------------------------
 // pooling and resampling
 
+// the element (n, h, w, c) of a tensor of shape s: ((n·H + h)·W + w)·C + c
+static size_t at_nhwc(Shape s, int n, int h, int w, int c) {
+    return (((size_t)n * s.h + h) * s.w + w) * s.c + c;
+}
+
 // y[n,oy,ox,c] = max_{dy,dx ∈ {0,1}} x[n, 2·oy + dy, 2·ox + dx, c]
 static void maxpool2_forward_ref(Ops *o, Tensor y, Tensor x) {
     (void)o;
@@ -673,9 +692,7 @@ static void maxpool2_forward_ref(Ops *o, Tensor y, Tensor x) {
             for (int c = 0; c < t.c; c++) {
                 float m = -INFINITY;
                 for (int k = 0; k < 4; k++) {
-                    float v = ld(x,
-                                 (((size_t)n * s.h + 2 * oy + k / 2) * s.w + 2 * ox + k % 2) * s.c +
-                                         c);
+                    float v = ld(x, at_nhwc(s, n, 2 * oy + k / 2, 2 * ox + k % 2, c));
                     if (v > m) m = v;
                 }
                 st(y, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c, m);
@@ -698,9 +715,7 @@ static void maxpool2_backward_ref(Ops *o, Tensor dx, Tensor dy, Tensor x, int ac
                     int first = 0;
                     float m = -INFINITY;
                     for (int k = 0; k < 4; k++) {
-                        float v = ld(x, (((size_t)n * s.h + 2 * oy + k / 2) * s.w + 2 * ox +
-                                         k % 2) * s.c +
-                                                c);
+                        float v = ld(x, at_nhwc(s, n, 2 * oy + k / 2, 2 * ox + k % 2, c));
                         if (v > m) { m = v; first = k; }
                     }
                     if (first == (iy - 2 * oy) * 2 + (ix - 2 * ox))
@@ -736,8 +751,7 @@ static void upsample2_backward_ref(Ops *o, Tensor dx, Tensor dy, int accumulate)
             for (int c = 0; c < s.c; c++) {
                 float g = 0.0f;
                 for (int k = 0; k < 4; k++)
-                    g += ld(dy,
-                            (((size_t)n * t.h + 2 * iy + k / 2) * t.w + 2 * ix + k % 2) * t.c + c);
+                    g += ld(dy, at_nhwc(t, n, 2 * iy + k / 2, 2 * ix + k % 2, c));
                 st_acc(dx, (((size_t)n * s.h + iy) * s.w + ix) * s.c + c, g, accumulate);
             }
     }
@@ -1233,8 +1247,12 @@ static void graph_fail(Graph *g, const char *fmt, ...) {
 
 // grow a dynamic array to hold one more element
 #define GROW(arr, n, cap) do { \
-    if ((n) == (cap)) { (cap) = (cap) ? 2 * (cap) : 16; (arr) = realloc((arr), sizeof *(arr) * (size_t)(cap)); \
-                        snCheck((arr) != NULL, "out of host memory growing the graph"); } } while (0)
+    if ((n) == (cap)) { \
+        (cap) = (cap) ? 2 * (cap) : 16; \
+        (arr) = realloc((arr), sizeof *(arr) * (size_t)(cap)); \
+        snCheck((arr) != NULL, "out of host memory growing the graph"); \
+    } \
+} while (0)
 
 // The largest tensor or parameter table a graph may hold: 2^40 elements (4 TiB
 // in fp32). Below it, every plan total (under 2^20 buffers) fits in 64 bits.
@@ -1605,9 +1623,11 @@ int graph_se_gate(Graph *g, const char *name, int p, int squeeze, Act act1, Act 
 // so its state_dict names are segnet's parameter names:
 //   features.0            stem: 3×3 stride-2 conv, BN, SiLU
 //   features.s.j          stage s, block j:
-//     FusedMBConv         block.0 = k×k conv (stride) to in·e, BN, SiLU; block.1 = 1×1 conv to out, BN
+//     FusedMBConv         block.0 = k×k conv (stride) to in·e, BN, SiLU;
+//                         block.1 = 1×1 conv to out, BN
 //                         (expansion 1: block.0 = k×k conv to out, BN, SiLU)
-//     MBConv              block.0 = 1×1 expand, BN, SiLU; block.1 = k×k depthwise (stride), BN, SiLU;
+//     MBConv              block.0 = 1×1 expand, BN, SiLU;
+//                         block.1 = k×k depthwise (stride), BN, SiLU;
 //                         block.2 = squeeze-excitation (fc1 to max(1, in/4), SiLU, fc2, sigmoid);
 //                         block.3 = 1×1 project, BN
 //     a block with stride 1 and in = out adds its input back after stochastic depth
@@ -2809,23 +2829,11 @@ typedef struct {
     double loss_sum, label_sum;       // this replica's Σw·nll and Σw (or labels) of the steps
     double loss_scale;                // after the span's last step (1 without loss scaling)
     double update_ratio;              // of the span's last step; NAN: not measured
-    // in train_step, over `timed` steps: this process's (a checkpoint
+    // wall time in train_step over `timed` steps, this process's (a checkpoint keeps no wall
+    // time, so that resumed runs save the same bits)
     double seconds;
-    // keeps no wall time, so that resumed runs save the same bits)
     int64_t timed;
 } StepStats;
-#define STEP_STATS_FIELDS 11          // as text (checkpoint metadata): the fields up to update_ratio, space-separated
-#define WARN_CLIP_FRACTION 0.5        // clipping acted on more than this fraction of an epoch's steps
-#define WARN_SKIP_FRACTION 0.05       // fp16 overflow skipped more than this fraction of an epoch's steps
-#define WARN_SKIP_RUN 3               // or more than this many steps in a row (the loss scale fell each time)
-#define WARN_TRAIN_MODE_GAP 0.05      // the train metric below the validation one by more than this
-
-static void step_stats_reset(StepStats *st) {
-    *st = (StepStats){0};
-    st->loss_scale = 1.0;
-    st->update_ratio = NAN;
-}
-
 static void step_stats_add(StepStats *st, const StepState *s, double seconds, double local_norm) {
     st->steps++;
     if (s->applied) {
@@ -2914,8 +2922,10 @@ typedef struct {
 // matrix, all over the whole pass.
 typedef struct { double loss_sum, norm_sum; int64_t *cm; } PassTotals;
 
-// part V: steps.csv
+// part V (run.c): steps.csv; the update ratio ‖Δw‖/‖w‖ of a step
 static int steps_log_row(Trainer *t, double lr);
+static void trainable_download(Trainer *t, int after);
+static double trainable_update_ratio(Trainer *t);
 
 // A sum over the replicas of a buffer in the backend's memory. The CPU
 // backend's memory is the host's; a device communicator (NCCL) reduces device
@@ -3079,35 +3089,6 @@ static int step_work(Trainer *t, const MicroBatch *mb, int k) {
         packed += n;
     }
     return 0;
-}
-
-// the trainable weights (t->ranges, packed) into t->update_host: its first half (before a step) or
-// second (after)
-static void trainable_download(Trainer *t, int after) {
-    if (!t->update_host) {
-        t->update_host = malloc(sizeof(float) * 2 * (t->n_trainable ? t->n_trainable : 1));
-        snCheck(t->update_host != NULL, "out of host memory");
-    }
-    float *host = t->update_host + (after ? t->n_trainable : 0);
-    size_t packed = 0;
-    for (int r = 0; r < t->n_ranges; r++) {
-        t->o->download(t->o, host + packed, t->net.params + t->ranges[r].offset,
-                       sizeof(float) * t->ranges[r].count);
-        packed += t->ranges[r].count;
-    }
-}
-// ‖w_after - w_before‖ / ‖w_before‖ in fp64 (trainable_download(t, 0) before the step)
-static double trainable_update_ratio(Trainer *t) {
-    const size_t n = t->n_trainable;
-    trainable_download(t, 1);
-    const float *before = t->update_host, *after = t->update_host + n;
-    double d = 0.0, w = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        const double e = (double)after[i] - before[i];
-        d += e * e;
-        w += (double)before[i] * before[i];
-    }
-    return w > 0.0 ? sqrt(d / w) : NAN;
 }
 
 // One optimiser step over k micro-batches (gradient accumulation when k > 1).
@@ -3456,7 +3437,8 @@ static void depthwise_backward_data_f32(const ConvCfg *cfg, const ConvGeom *q, f
                                         float *wt) {
     const int C = q->C, s = cfg->stride;
     depthwise_weights_t(cfg, C, w, wt);
-    #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->H * q->W * C * cfg->kh * cfg->kw))
+    const size_t work = (size_t)q->N * q->H * q->W * C * cfg->kh * cfg->kw;
+    #pragma omp parallel for schedule(static) if(PAR(work))
     for (int niy = 0; niy < q->N * q->H; niy++) {
         const int n = niy / q->H, iy = niy % q->H;
         float acc[C];  // (C)
@@ -3558,28 +3540,37 @@ static inline int conv_tile_pixels(int V) {
     int r = (CONV_REGS - 2 - V) / V;
     return r > CONV_RMAX ? CONV_RMAX : r;
 }
-// A row of tiles is the tiles of conv_tile_pixels(V) and then the rest in
-// tiles of 8, 4, 2 and 1. Each tile shape (R, V) is compiled as a function of
-// its own from an always-inline body with R and V constant: in one function
-// the compiler allocated the shapes' accumulators together and kept some of
-// them on the stack (the 4-pixel tiles of a 4×4 image ran at half speed).
+// A row is cut into tiles of R = conv_tile_pixels(V) pixels, then the rest
+// into tiles of 8, 4, 2 and 1. Each tile function (direct_conv_tile,
+// direct_dw_tile) is written once, always inlined, with R and V as
+// arguments; CONV_TILE_SHAPES compiles it once per shape (R, V) with both
+// constant, as a function of its own, and CONV_TILE_TABLE lists those 20 by
+// [V][kind]. In one function the compiler allocated all shapes' accumulators
+// together and kept some of them on the stack (half speed).
 enum { CONV_TILE_FULL, CONV_TILE_8, CONV_TILE_4, CONV_TILE_2, CONV_TILE_1, CONV_TILE_KINDS };
-#define CONV_TILE_TABLE(prefix) {                                                                      \
-    {NULL},                                                                                            \
-    {prefix##_full1, prefix##_8x1, prefix##_4x1, prefix##_2x1, prefix##_1x1},                          \
-    {prefix##_full2, prefix##_8x2, prefix##_4x2, prefix##_2x2, prefix##_1x2},                          \
-    {prefix##_full3, prefix##_8x3, prefix##_4x3, prefix##_2x3, prefix##_1x3},                          \
-    {prefix##_full4, prefix##_8x4, prefix##_4x4, prefix##_2x4, prefix##_1x4}}
+// define(name, R, V) for the five shapes of V channel vectors
+#define CONV_TILE_SHAPES(define, prefix, V)                                               \
+    define(prefix##_full##V, conv_tile_pixels(V), V) define(prefix##_8x##V, 8, V)          \
+    define(prefix##_4x##V, 4, V) define(prefix##_2x##V, 2, V) define(prefix##_1x##V, 1, V)
+#define CONV_TILE_ALL(define, prefix)                                                     \
+    CONV_TILE_SHAPES(define, prefix, 1) CONV_TILE_SHAPES(define, prefix, 2)                \
+    CONV_TILE_SHAPES(define, prefix, 3) CONV_TILE_SHAPES(define, prefix, 4)
+#define CONV_TILE_TABLE(prefix)                                                           \
+    {{NULL},                                                                              \
+     {prefix##_full1, prefix##_8x1, prefix##_4x1, prefix##_2x1, prefix##_1x1},            \
+     {prefix##_full2, prefix##_8x2, prefix##_4x2, prefix##_2x2, prefix##_1x2},            \
+     {prefix##_full3, prefix##_8x3, prefix##_4x3, prefix##_2x3, prefix##_1x3},            \
+     {prefix##_full4, prefix##_8x4, prefix##_4x4, prefix##_2x4, prefix##_1x4}}
 // the R·V tiles along [from, to) (pixels of a row, or output channels)
-#define CONV_TILE_ROW(tiles, V, from, to, call)                                                        \
-    do {                                                                                               \
-        const int R_ = conv_tile_pixels(V);                                                            \
-        int at_ = (from);                                                                              \
-        for (; at_ + R_ <= (to); at_ += R_) call((tiles)[CONV_TILE_FULL], at_);                        \
-        if (R_ > 8 && (to) - at_ >= 8) { call((tiles)[CONV_TILE_8], at_); at_ += 8; }                  \
-        if (R_ > 4 && (to) - at_ >= 4) { call((tiles)[CONV_TILE_4], at_); at_ += 4; }                  \
-        if (R_ > 2 && (to) - at_ >= 2) { call((tiles)[CONV_TILE_2], at_); at_ += 2; }                  \
-        if (at_ < (to)) call((tiles)[CONV_TILE_1], at_);                                               \
+#define CONV_TILE_ROW(tiles, V, from, to, call)                                           \
+    do {                                                                                  \
+        const int R_ = conv_tile_pixels(V);                                               \
+        int at_ = (from);                                                                 \
+        for (; at_ + R_ <= (to); at_ += R_) call((tiles)[CONV_TILE_FULL], at_);           \
+        if (R_ > 8 && (to) - at_ >= 8) { call((tiles)[CONV_TILE_8], at_); at_ += 8; }     \
+        if (R_ > 4 && (to) - at_ >= 4) { call((tiles)[CONV_TILE_4], at_); at_ += 4; }     \
+        if (R_ > 2 && (to) - at_ >= 2) { call((tiles)[CONV_TILE_2], at_); at_ += 2; }     \
+        if (at_ < (to)) call((tiles)[CONV_TILE_1], at_);                                  \
     } while (0)
 
 typedef struct {
@@ -3635,18 +3626,16 @@ direct_conv_tile(const DirectConv *d, int R, int V, int oy, int ox0, int co0) {
     }
 }
 
+// direct_conv_tile with (R, V) constant: direct_conv_tile_full1 .. direct_conv_tile_1x4
 typedef void (*DirectConvTile)(const DirectConv *d, int oy, int ox0, int co0);
-#define DIRECT_CONV_TILE(name, R, V)                                                        \
-    static __attribute__((noinline)) void name(const DirectConv *d, int oy, int ox0, int co0) { \
-        direct_conv_tile(d, R, V, oy, ox0, co0);                                            \
+#define DIRECT_CONV_TILE(name, R, V)                                                      \
+    static __attribute__((noinline)) void name(const DirectConv *d, int oy, int ox0,      \
+                                               int co0) {                                 \
+        direct_conv_tile(d, R, V, oy, ox0, co0);                                          \
     }
-#define DIRECT_CONV_TILES(V)                                                                \
-    DIRECT_CONV_TILE(direct_conv_tile_full##V, conv_tile_pixels(V), V)                      \
-    DIRECT_CONV_TILE(direct_conv_tile_8x##V, 8, V) DIRECT_CONV_TILE(direct_conv_tile_4x##V, 4, V) \
-    DIRECT_CONV_TILE(direct_conv_tile_2x##V, 2, V) DIRECT_CONV_TILE(direct_conv_tile_1x##V, 1, V)
-DIRECT_CONV_TILES(1)
-DIRECT_CONV_TILES(2) DIRECT_CONV_TILES(3) DIRECT_CONV_TILES(4) static const DirectConvTile
-        direct_conv_tiles[CONV_VMAX + 1][CONV_TILE_KINDS] = CONV_TILE_TABLE(direct_conv_tile);
+CONV_TILE_ALL(DIRECT_CONV_TILE, direct_conv_tile)
+static const DirectConvTile direct_conv_tiles[CONV_VMAX + 1][CONV_TILE_KINDS] =
+        CONV_TILE_TABLE(direct_conv_tile);
 
 // row oy of the chunk's image n, output channels co0 .. co0 + CONV_VMAX·CONV_VL - 1
 static void direct_conv_row(const DirectConv *chunk, int n, int oy, int co0) {
@@ -3737,7 +3726,8 @@ static void direct_conv_images(DirectConv *d, Tensor src, int N, int top, int le
         const int nb = N - n0 < chunk ? N - n0 : chunk, rows = nb * OH;
         pad_images(src, n0, nb, top, left, Hp, Wp, d->xp_image, (float *)d->xp);
         d->out_image = (size_t)n0 * d->out_stride;
-        #pragma omp parallel for schedule(dynamic, 1) if(PAR((size_t)rows * d->OW * d->Cout * d->C * d->kh * d->kw))
+        const size_t work = (size_t)rows * d->OW * d->Cout * d->C * d->kh * d->kw;
+        #pragma omp parallel for schedule(dynamic, 1) if(PAR(work))
         for (int item = 0; item < blocks * rows; item++) {
             const int row = item % rows;
             direct_conv_row(d, row / OH, row % OH, item / rows * block);
@@ -3854,18 +3844,16 @@ static inline __attribute__((always_inline)) void direct_dw_tile(const DirectDW 
         }
     }
 }
+// direct_dw_tile with (R, V) constant, as direct_conv_tiles
 typedef void (*DirectDWTile)(const DirectDW *d, int tap, int co0, int ci0);
 #define DIRECT_DW_TILE(name, R, V)                                                        \
-    static __attribute__((noinline)) void name(const DirectDW *d, int tap, int co0, int ci0) { \
+    static __attribute__((noinline)) void name(const DirectDW *d, int tap, int co0,       \
+                                               int ci0) {                                 \
         direct_dw_tile(d, R, V, tap, co0, ci0);                                           \
     }
-#define DIRECT_DW_TILES(V)                                                                \
-    DIRECT_DW_TILE(direct_dw_tile_full##V, conv_tile_pixels(V), V)                        \
-    DIRECT_DW_TILE(direct_dw_tile_8x##V, 8, V) DIRECT_DW_TILE(direct_dw_tile_4x##V, 4, V) \
-    DIRECT_DW_TILE(direct_dw_tile_2x##V, 2, V) DIRECT_DW_TILE(direct_dw_tile_1x##V, 1, V)
-DIRECT_DW_TILES(1)
-DIRECT_DW_TILES(2) DIRECT_DW_TILES(3) DIRECT_DW_TILES(4) static const DirectDWTile
-        direct_dw_tiles[CONV_VMAX + 1][CONV_TILE_KINDS] = CONV_TILE_TABLE(direct_dw_tile);
+CONV_TILE_ALL(DIRECT_DW_TILE, direct_dw_tile)
+static const DirectDWTile direct_dw_tiles[CONV_VMAX + 1][CONV_TILE_KINDS] =
+        CONV_TILE_TABLE(direct_dw_tile);
 
 // Work items: (tap, block of input channels, part of the output channels).
 // Each weight belongs to one item, which sums its rows in order, so neither
@@ -3883,7 +3871,8 @@ static void direct_dw_chunk(const DirectDW *d) {
         part = ((d->Cout + parts - 1) / parts + DW_PART_ALIGN - 1) / DW_PART_ALIGN * DW_PART_ALIGN;
     }
     const int n_co = (d->Cout + part - 1) / part;
-    #pragma omp parallel for schedule(dynamic, 1) if(PAR((size_t)d->nb * d->OH * d->OW * d->Cout * d->C * d->KK))
+    const size_t work = (size_t)d->nb * d->OH * d->OW * d->Cout * d->C * d->KK;
+    #pragma omp parallel for schedule(dynamic, 1) if(PAR(work))
     for (int item = 0; item < d->KK * n_ci * n_co; item++) {
         const int co_lo = item % n_co * part,
                   co_hi = co_lo + part < d->Cout ? co_lo + part : d->Cout;
@@ -4166,7 +4155,8 @@ static inline float act_grad_vec(Act a, float z) {
     }
 }
 
-static void bn_stats_fast(Tensor x, float *mean, float *var, double *sums) {
+static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var,
+                         float momentum, double *sums) {
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
@@ -4190,6 +4180,7 @@ static void bn_stats_fast(Tensor x, float *mean, float *var, double *sums) {
             if (sums) { sums[c0 + j] = s[j]; sums[C + c0 + j] = q[j]; }
         }
     }
+    if (run_mean) bn_update_running_ref(o, run_mean, run_var, mean, var, C, M, momentum);
 }
 
 // y = act(g·((x - m)·k) + b) over `rows` rows from x, y; `act` is a constant where this is inlined
@@ -4217,8 +4208,10 @@ static void bn_act_rows_any(float *y, const float *x, size_t rows, int C, const 
 
 // 16-bit tensors go through the same loops a row at a time, converted to fp32
 // on the way in and rounded once on the way out (as the reference's st does).
-static void bn_forward_fast(Tensor y, Tensor x, const float *mean, const float *var,
-                            const float *gamma, const float *beta, float eps, Act act) {
+static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
+                           const float *gamma, const float *beta, float eps, Act act,
+                           const BnNext *next) {
+    if (next && next->kind == FUSED_RESIDUAL) y = next->out;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     float k[C];  // (C)
@@ -4239,6 +4232,7 @@ static void bn_forward_fast(Tensor y, Tensor x, const float *mean, const float *
             st_run(y, r * C, ybuf, C, 0);
         }
     }
+    if (next) bn_next_forward_unfused(o, y, next);
 }
 
 // Σg and Σg·xhat per channel over rows, g = dy·act'(gamma·xhat + b), xhat = (x - mean)·invstd, for
@@ -4271,10 +4265,12 @@ bn_grad_sums(Tensor dy, Tensor x, size_t M, int C, int c0, int nb, const float *
         }
 }
 
-static void bn_backward_reduce_fast(Tensor dy, Tensor x, const float *mean, const float *var,
-                                    const float *gamma, const float *beta, float eps, Act act,
-                                    float *sum_g, float *sum_gx, float *dgamma, float *dbeta,
-                                    double *sums) {
+static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
+                                   const float *gamma, const float *beta, float eps, Act act,
+                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta,
+                                   double *sums, const BnNext *next) {
+    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_unfused(o, dy, next);
+    if (!sum_g) return;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     // gamma, invstd, beta, mean padded to whole channel blocks (the padding lanes are computed and
@@ -4377,10 +4373,12 @@ static void bn_dx_rows_any(float *dx, const float *dy, const float *x, size_t ro
     }
 }
 
-static void bn_backward_data_fast(Tensor dx, Tensor dy, Tensor x, const float *mean,
-                                  const float *var, const float *gamma, const float *beta,
-                                  float eps, Act act, const float *sum_g, const float *sum_gx,
-                                  size_t count, int accumulate) {
+// dy: y's gradient, also with a residual block's end (bn_backward_reduce made it so)
+static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
+                                 const float *var, const float *gamma, const float *beta, float eps,
+                                 Act act, const float *sum_g, const float *sum_gx, size_t count,
+                                 int accumulate, const BnNext *next) {
+    (void)o; (void)next;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     float a[C], inv[C], u[C], v[C];  // (C)
@@ -4409,43 +4407,6 @@ static void bn_backward_data_fast(Tensor dx, Tensor dy, Tensor x, const float *m
             st_run(dx, r * C, dxbuf, C, 0);
         }
     }
-}
-
-static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var,
-                         float momentum, double *sums) {
-    bn_stats_fast(x, mean, var, sums);
-    const int C = x.shape.c;
-    if (run_mean)
-        bn_update_running_ref(o, run_mean, run_var, mean, var, C, shape_numel(x.shape) / C,
-                              momentum);
-}
-
-static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
-                           const float *gamma, const float *beta, float eps, Act act,
-                           const BnNext *next) {
-    if (next && next->kind == FUSED_RESIDUAL) y = next->out;
-    bn_forward_fast(y, x, mean, var, gamma, beta, eps, act);
-    if (next) bn_next_forward_unfused(o, y, next);
-}
-
-static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
-                                   const float *gamma, const float *beta, float eps, Act act,
-                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta,
-                                   double *sums, const BnNext *next) {
-    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_unfused(o, dy, next);
-    if (sum_g)
-        bn_backward_reduce_fast(dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, dgamma,
-                                dbeta, sums);
-}
-
-// dy: y's gradient, also with a residual block's end (bn_backward_reduce made it so)
-static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
-                                 const float *var, const float *gamma, const float *beta, float eps,
-                                 Act act, const float *sum_g, const float *sum_gx, size_t count,
-                                 int accumulate, const BnNext *next) {
-    (void)o; (void)next;
-    bn_backward_data_fast(dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count,
-                          accumulate);
 }
 
 // ----------------------------------------------------------------------------
@@ -5002,77 +4963,6 @@ __attribute__((constructor)) static void ops_cpu_make(void) {
     ops_cpu.dropout_backward = dropout_backward_cpu;
 }
 
-// ----------------------------------------------------------------------------
-// choosing a backend
-
-// Every function entry of struct Ops by name (the test ops_entries_listed checks
-// that none is left out); optional ones may be NULL (recording steps).
-#define OPS_ENTRY(name) {#name, offsetof(Ops, name), 0}
-#define OPS_OPTIONAL(name) {#name, offsetof(Ops, name), 1}
-static const struct { const char *name; size_t offset; int optional;
-} OPS_ENTRIES[] = {OPS_ENTRY(alloc),
-                   OPS_ENTRY(free),
-                   OPS_ENTRY(upload),
-                   OPS_ENTRY(download),
-                   OPS_ENTRY(synchronize),
-                   OPS_ENTRY(host_alloc),
-                   OPS_ENTRY(host_free),
-                   OPS_ENTRY(upload_async),
-                   OPS_OPTIONAL(capture_begin),
-                   OPS_OPTIONAL(capture_end),
-                   OPS_OPTIONAL(replay),
-                   OPS_OPTIONAL(record_free),
-#define OPS_COMPUTE_ENTRY(name) OPS_ENTRY(name),
-                   SN_COMPUTE_OPS(OPS_COMPUTE_ENTRY)
-#undef OPS_COMPUTE_ENTRY
-};
-#define N_OPS_ENTRIES (sizeof OPS_ENTRIES / sizeof *OPS_ENTRIES)
-
-int ops_missing(const Ops *o, char *list, size_t size) {
-    int n = 0;
-    list[0] = 0;
-    for (size_t i = 0; i < N_OPS_ENTRIES; i++) {
-        void (*fn)(void);
-        memcpy(&fn, (const char *)o + OPS_ENTRIES[i].offset, sizeof fn);
-        if (fn || OPS_ENTRIES[i].optional) continue;
-        size_t len = strlen(list);
-        snprintf(list + len, size - len, "%s%s", n++ ? ", " : "", OPS_ENTRIES[i].name);
-    }
-    return n;
-}
-
-const char *const DEVICE_NAMES[3] = {"cpu", "cuda", "auto"};
-
-#define NO_CUDA_BUILD "this segnet was built without the CUDA backend (no nvcc when it was built)"
-
-// --device auto without a usable GPU: one line on stderr, once per process
-static void cpu_fallback_notice(const char *why) {
-    static int noticed;
-    if (!noticed++) fprintf(stderr, "segnet: not on a GPU: %s; running on the CPU\n", why);
-}
-
-Ops *ops_for_device(Device d, int gpu, char err[SN_ERR_MAX]) {
-    if (d == DEVICE_CPU) return &ops_cpu;
-    char why[SN_ERR_MAX];
-#ifdef SEGNET_CUDA
-    char missing[SN_ERR_MAX];
-    Ops *o = cuda_ops_for_device(gpu, why);
-    if (o) {
-        if (!ops_missing(o, missing, sizeof missing)) return o;
-        snprintf(why, sizeof why, "the CUDA backend of this build lacks %.400s", missing);
-    }
-#else
-    (void)gpu;
-    snprintf(why, sizeof why, "%s", NO_CUDA_BUILD);
-#endif
-    if (d == DEVICE_CUDA) {
-        snprintf(err, SN_ERR_MAX, "--device cuda: %.480s", why);
-        return NULL;
-    }
-    cpu_fallback_notice(why);
-    return &ops_cpu;
-}
-
 // ============================================================================
 // PART V. PLUMBING
 // Files, data, replicas, the training run around the step, benchmark and the
@@ -5081,6 +4971,7 @@ Ops *ops_for_device(Device d, int gpu, char err[SN_ERR_MAX]) {
 // plumbing calls the parts above directly, and the tests see all of it).
 // ============================================================================
 
+#include "backends.c"     // choosing a backend: --device, ops_missing
 #include "safetensors.c"  // safetensors files: reader and writer
 #include "weights.c"      // weights by name, into and out of a Net
 #include "images.c"       // images, EXIF, masks; prediction

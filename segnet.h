@@ -35,7 +35,8 @@ extern "C" {
 #define BN_MOMENTUM   0.1f
 #define SN_NAME_MAX   96     // longest parameter / layer name, with the NUL
 #define SN_ERR_MAX    512    // longest error message
-#define SN_TENSOR_ALIGN 16   // bytes: every tensor of a planned arena starts on this boundary (GPU vector loads)
+// bytes: every tensor of a planned arena starts on this boundary (GPU vector loads)
+#define SN_TENSOR_ALIGN 16
 
 // ----------------------------------------------------------------------------
 // storage types: activations may be stored in fp32, fp16 or bf16; arithmetic
@@ -476,12 +477,12 @@ struct Ops {
     void *ctx;         // backend state (streams, handles)
     // memory the backend allocates outside any plan (scratch, cuBLAS's workspace), per device
     size_t context_bytes;
-    // memory the device's driver holds for the process (CUDA context, loaded kernels):
+    // memory the device's driver holds for the process (CUDA context, loaded kernels): an estimate,
+    // counted by the plan; 0 on the CPU
     size_t driver_bytes;
-                           // an estimate, counted by the plan; 0 on the CPU
-    // the convs multiply in the activations' storage type: a net keeps a
+    // the convs multiply in the activations' storage type: a net keeps a copy of its weights in it
+    // (params_cast), made once per forward
     int weights_in_storage_type;
-                                  // copy of its weights in it (params_cast), made once per forward
 
     // memory in the backend's address space
     void *(*alloc)(Ops *o, size_t bytes);  // NULL on failure
@@ -544,8 +545,7 @@ struct Ops {
     void (*bn_stats_finish)(Ops *o, const double *sums, int C, size_t count, float *mean,
                             float *var, float *run_mean, float *run_var, float momentum);
     // y = act(gamma·(x - mean)/sqrt(var + eps) + beta): training (batch stats) and inference
-    // (running
-    // stats); next: NULL, or the layer after it, fused (BnNext)
+    // (running stats); next: NULL, or the layer after it, fused (BnNext)
     void (*bn_forward)(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
                        const float *gamma, const float *beta, float eps, Act act,
                        const BnNext *next);
@@ -658,15 +658,16 @@ struct Ops {
 // NAME_cpu where it is faster, ops_cuda: NAME_cuda in kernels.cu); this list
 // gives ops_missing every entry to check, so that a table that leaves one out
 // fails the tests (ops_entries_listed checks that it covers the struct).
-#define SN_COMPUTE_OPS(X)                                                                                          \
-    X(fill) X(scale) X(axpby) X(copy) X(sum_squares) X(nonfinite) X(step_control)                                  \
-    X(conv2d_workspace) X(conv2d_forward) X(conv2d_backward_data) X(conv2d_backward_weight)                        \
-    X(bn_stats) X(bn_stats_finish) X(bn_forward) X(bn_update_running) X(bn_backward_reduce) X(bn_backward_finish)  \
-    X(bn_backward_data) X(act_forward) X(act_backward)                                                            \
-    X(global_avg_pool_forward) X(global_avg_pool_backward) X(channel_scale_forward) X(channel_scale_backward)      \
-    X(se_gate_forward) X(se_gate_backward) X(add_forward) X(add_backward) X(concat_forward) X(concat_backward)     \
-    X(dropout_forward) X(dropout_backward) X(maxpool2_forward) X(maxpool2_backward)                                \
-    X(upsample2_forward) X(upsample2_backward) X(resize_bilinear_forward) X(resize_bilinear_backward)              \
+#define SN_COMPUTE_OPS(X)                                                                       \
+    X(fill) X(scale) X(axpby) X(copy) X(sum_squares) X(nonfinite) X(step_control)               \
+    X(conv2d_workspace) X(conv2d_forward) X(conv2d_backward_data) X(conv2d_backward_weight)     \
+    X(bn_stats) X(bn_stats_finish) X(bn_forward) X(bn_update_running) X(bn_backward_reduce)     \
+    X(bn_backward_finish) X(bn_backward_data) X(act_forward) X(act_backward)                    \
+    X(global_avg_pool_forward) X(global_avg_pool_backward) X(channel_scale_forward)             \
+    X(channel_scale_backward) X(se_gate_forward) X(se_gate_backward) X(add_forward)             \
+    X(add_backward) X(concat_forward) X(concat_backward) X(dropout_forward)                     \
+    X(dropout_backward) X(maxpool2_forward) X(maxpool2_backward) X(upsample2_forward)           \
+    X(upsample2_backward) X(resize_bilinear_forward) X(resize_bilinear_backward)                \
     X(softmax_xent) X(confusion_accumulate) X(adam_update)
 
 // ops_ref: every op as its formula is written (segnet.c, part I), what the
@@ -884,10 +885,9 @@ typedef struct {
 typedef struct {
     int checkpoint;
     int n_slots, *slot_kind, *slot_layer;  // SlotKind and layer (-1 for the loss) of each slot
-    // per layer (rec_slot -1: its block is not recomputed); a fused
+    // per layer (rec_slot -1: its block is not recomputed); a fused layer has its batch norm's
+    // slots (bwd: FUSED_RESIDUAL only)
     int *fwd_slot, *rec_slot, *bwd_slot;
-                                           // layer has its batch norm's slots (bwd: FUSED_RESIDUAL
-                                           // only)
     int *recompute;                        // per layer: runs again in its recompute slot
     int loss_slot;
     PlanBuffer *bufs; int n_bufs;

@@ -40,11 +40,17 @@ static int g_verbose = 0;
 static int g_quiet = 0;     // while a test checks that the checker fails
 
 #define CHECK(cond, ...) do { \
-    if (!(cond)) { g_failures++; if (!g_quiet) { printf("    FAIL %s:%d: ", __FILE__, __LINE__); printf(__VA_ARGS__); printf("\n"); } } \
+    if (!(cond)) { \
+        g_failures++; \
+        if (!g_quiet) { \
+            printf("    FAIL %s:%d: ", __FILE__, __LINE__); printf(__VA_ARGS__); printf("\n"); \
+        } \
+    } \
 } while (0)
 #define CHECK_NEAR(a, b, tol, what) do { \
     double a_ = (a), b_ = (b); \
-    CHECK(fabs(a_ - b_) <= (tol), "%s: got %.9g, expected %.9g (tolerance %g)", what, a_, b_, (double)(tol)); \
+    CHECK(fabs(a_ - b_) <= (tol), "%s: got %.9g, expected %.9g (tolerance %g)", what, a_, b_, \
+          (double)(tol)); \
 } while (0)
 
 // TEST(name) { ... } defines the test `name` and registers it before main runs
@@ -73,10 +79,12 @@ static void test_register(const char *name, void (*fn)(void), int line, int slow
 // A test that cannot run here says why and returns: it is counted as skipped
 // (not passed) and listed with its reason at the end. One reason per missing
 // thing, so that the list groups them.
-#define SKIP_NO_MPI   "no MPI (./segnet built without it, or no mpirun: apt-get install openmpi-bin libopenmpi-dev, then make)"
+#define SKIP_NO_MPI   "no MPI (./segnet built without it, or no mpirun: " \
+                      "apt-get install openmpi-bin libopenmpi-dev, then make)"
 #define SKIP_NO_TORCH "no PyTorch (/usr/bin/python3 cannot import torch and torchvision: " \
                       "apt-get install python3-torch python3-torchvision)"
-#define SKIP_NO_NVCC  "no nvcc (the emulated CUDA backend is not built: install the CUDA toolkit, then make)"
+#define SKIP_NO_NVCC  "no nvcc (the emulated CUDA backend is not built: " \
+                      "install the CUDA toolkit, then make)"
 #define SKIP_SLOW     "slow (make check runs them too, as .ci/run does)"
 #define SKIP_HEAVY    "heavy (make test-heavy: minutes each, packages from PyPI)"
 static const char *g_skip;  // the current test's reason to skip, or NULL
@@ -133,9 +141,9 @@ typedef struct {
     float input_scale;  // input ~ N(0, input_scale²) unless `input` is given
     const float *input; // optional fixed input values
     int skip_input;     // do not check (or require) the input gradient
-    // the error's denominator is at least this fraction of the largest numerical
+    // the error's denominator is at least this fraction of the largest numerical gradient of the
+    // whole check (for tensors whose exact gradient is ~0)
     float grad_floor;
-                        // gradient of the whole check (for tensors whose exact gradient is ~0)
 } GradOpts;
 
 static GradOpts grad_opts(void) {
@@ -242,14 +250,17 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
     int *n_all = malloc(sizeof(int) * max_checked);
     const char **names = malloc(sizeof(char *) * max_checked);
     size_t *idx; float *an, *fd;
-    #define NEXT(what) do { idx = idx_all + (size_t)n_checked * ns; an = an_all + (size_t)n_checked * ns; \
-                            fd = fd_all + (size_t)n_checked * ns; names[n_checked] = (what); } while (0)
+    #define NEXT(what) do { \
+        idx = idx_all + (size_t)n_checked * ns; an = an_all + (size_t)n_checked * ns; \
+        fd = fd_all + (size_t)n_checked * ns; names[n_checked] = (what); \
+    } while (0)
     #define DONE() (n_all[n_checked++] = n)
 
     // numerical gradient of L w.r.t. v[idx[k]], for a sample of v's elements
     #define SAMPLE(count) do { \
         n = (count) <= (size_t)ns ? (int)(count) : ns; \
-        for (int k = 0; k < n; k++) idx[k] = (count) <= (size_t)ns ? (size_t)k : (size_t)(rng_next(&rng) % (count)); \
+        for (int k = 0; k < n; k++) \
+            idx[k] = (count) <= (size_t)ns ? (size_t)k : (size_t)(rng_next(&rng) % (count)); \
     } while (0)
     #define FD(v) do { \
         for (int k = 0; k < n; k++) { \
@@ -921,7 +932,8 @@ TEST(conv_direct_vs_gemm) {
 
 // SAME vs symmetric padding by hand: one row [1 2 3 4], kernel row [1 10 100]
 // (3×3 kernel, zero outside its middle row), stride 2.
-//   TF SAME:   out 2, total pad (2-1)·2 + 3 - 4 = 1, all after:  [1·1+2·10+3·100, 3·1+4·10] = [321, 43]
+//   TF SAME:   out 2, total pad (2-1)·2 + 3 - 4 = 1, all after:
+//              [1·1+2·10+3·100, 3·1+4·10] = [321, 43]
 //   PyTorch:   pad 1 each side: [0·1+1·10+2·100, 2·1+3·10+4·100] = [210, 432]
 TEST(conv_padding_by_hand) {
     float x[4] = {1, 2, 3, 4}, w[9] = {0, 0, 0, 1, 10, 100, 0, 0, 0}, y[2];
@@ -3235,8 +3247,8 @@ TEST(adam_keras_formula) {
               "case %d: Adam differs from Keras' formula by %.3g (relative to max |p|)", c, worst);
         if (g_verbose) printf("    case %d: worst %.3g\n", c, worst);
     }
-    // step 1 by hand: m = 0.1·g, v = 0.001·g², α = lr·√0.001/0.1, update = α·m/(√v+ε) = lr·g/(|g| +
-    // ε/√0.001)
+    // step 1 by hand: m = 0.1·g, v = 0.001·g², α = lr·√0.001/0.1,
+    //   update = α·m/(√v+ε) = lr·g/(|g| + ε/√0.001)
     float p = 1.0f, g = 0.5f, m = 0, v = 0;
     AdamStep s = adam_step_init(0.1f, 0.9f, 0.999f, 1e-7f, 0, 1, 1);
     ops_cpu.adam_update(&ops_cpu, &p, &g, &m, &v, 1, &s);
@@ -3684,7 +3696,8 @@ static void check_svg(const char *path, int polylines, int circles, const char *
 
 // an epoch's figures without its diagnostics; then set_diagnostics
 #define EPOCH(e, lr_, loss_, val_loss_, metric_, val_metric_) \
-    {.epoch = e, .lr = lr_, .loss = loss_, .val_loss = val_loss_, .metric = metric_, .val_metric = val_metric_}
+    {.epoch = e, .lr = lr_, .loss = loss_, .val_loss = val_loss_, .metric = metric_, \
+     .val_metric = val_metric_}
 // an epoch's diagnostics (EpochRecord's last fields)
 static void set_diagnostics(EpochRecord *r, double mean, double max, double clip, double scale,
                             double skipped, double ratio) {
@@ -4755,9 +4768,9 @@ TEST(interrupt_resume_bitwise) {
                   "%s: %s differs between the resumed and the uninterrupted run", cases[k].what,
                   files[i]);
         }
-        // epoch 1, stopped after its steps: the replicas' totals summed by one (the same
+        // epoch 1, stopped after its steps: the replicas' totals summed by one (the same two terms;
+        // metrics.csv's 6 decimals), its validation by one replica
         if (!exact) {
-                       // two terms; metrics.csv's 6 decimals), its validation by one replica
             const char *cols[] = {"loss", "mIoU", "val_loss", "val_mIoU"};
             snprintf(pa, sizeof pa, "%s/metrics.csv", a);
             snprintf(pb, sizeof pb, "%s/metrics.csv", b);
@@ -6721,7 +6734,7 @@ TEST(fast_bn_vs_ref) {
                     gam[c] = 1.0f + 0.3f * rng_normal(&r);
                     bet[c] = 0.5f * rng_normal(&r);
                 }
-                bn_stats_fast(tensor_f32(x, s), m1, v1, NULL);
+                bn_stats_cpu(&ops_cpu, tensor_f32(x, s), m1, v1, NULL, NULL, 0, NULL);
                 bn_stats_ref(&ops_ref, tensor_f32(x, s), m2, v2, NULL, NULL, 0.0f, NULL);
                 CHECK(rel_diff(m1, m2, C, 1e-3) < 1e-6 && rel_diff(v1, v2, C, 1e-3) < 1e-6,
                       "bn_stats fast vs reference, shape " SHAPE_FMT, SHAPE_ARGS(s));
@@ -6733,8 +6746,8 @@ TEST(fast_bn_vs_ref) {
                 double e = rel_diff(y1, y2, n, 1.0);
                 CHECK(e < 2e-6, "bn_forward fast vs reference: %.2e (act %d, shape " SHAPE_FMT ")",
                       e, act, SHAPE_ARGS(s));
-                float sg1[37], sgx1[37], sg2[37], sgx2[37], dgam1[37] = {0}, dbet1[37] = {0},
-                                                            dgam2[37] = {0}, dbet2[37] = {0};
+                float sg1[37], sgx1[37], sg2[37], sgx2[37];
+                float dgam1[37] = {0}, dbet1[37] = {0}, dgam2[37] = {0}, dbet2[37] = {0};
                 bn_backward_reduce_cpu(&ops_cpu, tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam,
                                        bet, 1e-3f, (Act)act, sg1, sgx1, dgam1, dbet1, NULL, NULL);
                 bn_backward_reduce_ref(&ops_ref, tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam,
@@ -6797,8 +6810,8 @@ TEST(fast_bn_16bit) {
                 for (size_t i = 0; i < n; i++) { f1[i] = ld(y1, i); f2[i] = ld(y2, i); }
                 double e = rel_diff(f1, f2, n, 1.0);
                 CHECK(e <= ulp, "bn_forward %s act %d: %.2e", DT_NAME[dt], act, e);
-                float sg1[21], sgx1[21], sg2[21], sgx2[21], dg1[21] = {0}, db1[21] = {0},
-                                                            dg2[21] = {0}, db2[21] = {0};
+                float sg1[21], sgx1[21], sg2[21], sgx2[21];
+                float dg1[21] = {0}, db1[21] = {0}, dg2[21] = {0}, db2[21] = {0};
                 bn_backward_reduce_cpu(&ops_cpu, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg1,
                                        sgx1, dg1, db1, NULL, NULL);
                 bn_backward_reduce_ref(&ops_ref, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2,
@@ -7325,6 +7338,51 @@ TEST(fast_paths_deterministic) {
     free(x); free(dy); free(ws);
 }
 #endif  // _OPENMP
+
+// ----------------------------------------------------------------------------
+// the sources' layout: at most SOURCE_LINE_MAX characters (UTF-8 code points) per line
+
+#define SOURCE_LINE_MAX 100
+static const char *const SOURCE_FILES[] = {
+    "segnet.c", "segnet.h", "kernels.cu", "cuda_emu.h", "cuda_emu.cpp", "backends.c",
+    "safetensors.c", "weights.c", "images.c", "datasets.c", "curves.c", "replicas.c", "run.c",
+    "bench.c", "cli.c", "test_segnet.c", "fuzz.c"};
+
+// the lines of text longer than max characters: the first one's number in *first, and its
+// length in *chars (both 0 when there is none); returns how many
+static int long_lines(const char *text, size_t n, int max, int *first, int *chars) {
+    int count = 0, line = 1, len = 0;
+    *first = *chars = 0;
+    for (size_t i = 0; i <= n; i++) {
+        if (i == n || text[i] == '\n') {
+            if (len > max && !count++) { *first = line; *chars = len; }
+            line++; len = 0;
+        } else if (((unsigned char)text[i] & 0xC0) != 0x80) {
+            len++;  // a code point starts here (not a continuation byte)
+        }
+    }
+    return count;
+}
+
+TEST(source_lines_short) {
+    int first, chars;
+    // 100 characters of which one (γ) takes two bytes: not long; 101 ASCII characters: long
+    char text[256] = "a\n";
+    memset(text + 2, 'x', 98); memcpy(text + 100, "γ\n", 3);
+    memset(text + 103, 'y', 101); text[204] = 0;
+    CHECK(long_lines(text, strlen(text), SOURCE_LINE_MAX, &first, &chars) == 1 && first == 3 &&
+          chars == 101, "long_lines on a planted text: line %d, %d characters", first, chars);
+    for (size_t f = 0; f < sizeof SOURCE_FILES / sizeof *SOURCE_FILES; f++) {
+        size_t n = 0;
+        char *src = read_file(SOURCE_FILES[f], &n);
+        CHECK(src != NULL, "%s: cannot read it (the tests run in the repository)", SOURCE_FILES[f]);
+        if (!src) continue;
+        int k = long_lines(src, n, SOURCE_LINE_MAX, &first, &chars);
+        CHECK(k == 0, "%s:%d: %d characters, over %d (and %d more such lines; .clang-format "
+              "wraps code)", SOURCE_FILES[f], first, chars, SOURCE_LINE_MAX, k - 1);
+        free(src);
+    }
+}
 
 // ----------------------------------------------------------------------------
 // choosing a backend
