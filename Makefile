@@ -197,8 +197,9 @@ endif
 
 # ---- programs ---------------------------------------------------------------
 # segnet.c (the math, the models, the step) includes the plumbing files at its
-# end: one translation unit
-PROGRAM_SRCS := segnet.c backends.c safetensors.c weights.c images.c datasets.c curves.c replicas.c run.c bench.c cli.c
+# end: one translation unit; the plumbing's headers beside them
+PROGRAM_SRCS := segnet.c backends.c safetensors.c weights.c images.c datasets.c curves.c \
+                replicas.c run.c bench.c cli.c safetensors.h images.h datasets.h curves.h run.h
 
 segnet: $(PROGRAM_SRCS) segnet.h $(GPU_OBJS) | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) $(MPI_CFLAGS) -o $@ segnet.c $(GPU_OBJS) $(DEP_LIBS) $(CUDA_LIBS) $(MPI_LIBS) $(LDLIBS)
@@ -221,6 +222,32 @@ kernels_emu.o: kernels.cu segnet.h cuda_emu.h
 
 cuda_emu.o: cuda_emu.cpp cuda_emu.h
 	$(CXX) $(EMUFLAGS) -c cuda_emu.cpp -o $@
+
+# ---- make test, make check, make test-heavy ---------------------------------
+# make test: the programs built in parallel, then every test but the slow ones
+# (with the emulated CUDA backend the cuda_ tests again with the threads of each
+# block in reverse order, and with the generic kernels), the fuzz harness last:
+# its self-test and FUZZ_TEST_SECONDS per target, where FUZZ_CC has the
+# sanitizers. The last line counts them all: N passed, M failed, K skipped,
+# below the list of what was not run here and why.
+# make check: the same with the slow tests too (the live PyTorch parity of the
+# large models, the emulated GPU's whole steps): what .ci/run runs.
+TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+TEST_PROGRAMS = segnet test_segnet $(if $(EMU_OBJS),segnet_emu) $(if $(FUZZ_OK),fuzz_segnet)
+TEST_ENV = $(if $(FUZZ_OK),SEGNET_FUZZ_BIN=./fuzz_segnet SEGNET_FUZZ_SECONDS=$(FUZZ_TEST_SECONDS) \
+             SEGNET_FUZZ_SEED=$(FUZZ_SEED) SEGNET_FUZZ_OUT=$(FUZZ_OUT),\
+             SEGNET_FUZZ_NONE="no sanitizers ($(FUZZ_CC) cannot build and run a program with $(FUZZ_SAN))")
+test check:
+	@$(MAKE) --no-print-directory $(if $(findstring -j,$(MAKEFLAGS)),,-j$(TEST_JOBS)) $(TEST_PROGRAMS)
+	$(TEST_ENV) ./test_segnet$(if $(filter check,$@), --all)
+
+# checks that take minutes (fp32/fp16/bf16 quickstart runs against each other;
+# Keras' and timm's EfficientNetV2 through ref/export_pretrained.py against
+# segnet predict, tensorflow-cpu and timm installed into venvs on first use)
+test-heavy: segnet test_segnet
+	SEGNET_HEAVY=1 ./test_segnet --filter heavy_
+
+# ==== the tooling: fuzzing, training, benchmarks, GPU counts and checks, packages ====
 
 # ---- make fuzz: the file readers under AddressSanitizer and UBSan -------------
 # fuzz_segnet is test_segnet.c built with -DSEGNET_FUZZ (its runner replaced by
@@ -256,29 +283,6 @@ fuzz_segnet: test_segnet.c fuzz.c $(PROGRAM_SRCS) segnet.h fuzz_stb_image.o | de
 
 fuzz: fuzz_segnet
 	./fuzz_segnet --seconds $(FUZZ_SECONDS) --seed $(FUZZ_SEED) --out $(FUZZ_OUT)
-
-# make test: the programs built in parallel, then every test but the slow ones
-# (with the emulated CUDA backend the cuda_ tests again with the threads of each
-# block in reverse order, and with the generic kernels), the fuzz harness last:
-# its self-test and FUZZ_TEST_SECONDS per target, where FUZZ_CC has the
-# sanitizers. The last line counts them all: N passed, M failed, K skipped,
-# below the list of what was not run here and why.
-# make check: the same with the slow tests too (the live PyTorch parity of the
-# large models, the emulated GPU's whole steps): what .ci/run runs.
-TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
-TEST_PROGRAMS = segnet test_segnet $(if $(EMU_OBJS),segnet_emu) $(if $(FUZZ_OK),fuzz_segnet)
-TEST_ENV = $(if $(FUZZ_OK),SEGNET_FUZZ_BIN=./fuzz_segnet SEGNET_FUZZ_SECONDS=$(FUZZ_TEST_SECONDS) \
-             SEGNET_FUZZ_SEED=$(FUZZ_SEED) SEGNET_FUZZ_OUT=$(FUZZ_OUT),\
-             SEGNET_FUZZ_NONE="no sanitizers ($(FUZZ_CC) cannot build and run a program with $(FUZZ_SAN))")
-test check:
-	@$(MAKE) --no-print-directory $(if $(findstring -j,$(MAKEFLAGS)),,-j$(TEST_JOBS)) $(TEST_PROGRAMS)
-	$(TEST_ENV) ./test_segnet$(if $(filter check,$@), --all)
-
-# checks that take minutes (fp32/fp16/bf16 quickstart runs against each other;
-# Keras' and timm's EfficientNetV2 through ref/export_pretrained.py against
-# segnet predict, tensorflow-cpu and timm installed into venvs on first use)
-test-heavy: segnet test_segnet
-	SEGNET_HEAVY=1 ./test_segnet --filter heavy_
 
 train: segnet
 	./segnet train

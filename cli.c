@@ -160,6 +160,22 @@ static int parse_device(const char *v, Device *d) {
     return -1;
 }
 
+// --precision fp32|fp16|bf16 (train, eval's config, bench)
+static int parse_precision(const char *v, DType *out) {
+    for (int k = 0; k < 3; k++)
+        if (!strcmp(v, DTYPE_NAMES[k])) { *out = (DType)k; return 0; }
+    fprintf(stderr, "segnet: --precision '%s' must be fp32, fp16 or bf16\n", v);
+    return -1;
+}
+
+// --checkpoint none|blocks (train, bench)
+static int parse_checkpoint(const char *v, int *out) {
+    if (!strcmp(v, "blocks")) { *out = 1; return 0; }
+    if (!strcmp(v, "none")) { *out = 0; return 0; }
+    fprintf(stderr, "segnet: --checkpoint '%s' must be none or blocks\n", v);
+    return -1;
+}
+
 // "12G", "512M", "1.5G", or bytes
 static int parse_bytes(const char *v, size_t *out) {
     char *end;
@@ -268,23 +284,14 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     else if (!strcmp(f, "--log-every")) rc = parse_int(f, v, 0, 1 << 30, &c->log_every);
     else if (!strcmp(f, "--replicas")) rc = parse_int(f, v, 1, SN_MAX_REPLICAS, &c->replicas);
     else if (!strcmp(f, "--unfreeze-last")) rc = parse_int(f, v, 0, 1 << 20, &c->unfreeze_last);
-    else if (!strcmp(f, "--checkpoint")) {
-        if (!strcmp(v, "blocks")) c->checkpoint = 1;
-        else if (!strcmp(v, "none")) c->checkpoint = 0;
-        else { fprintf(stderr, "segnet: --checkpoint '%s' must be none or blocks\n", v); rc = -1; }
-    } else if (!strcmp(f, "--freeze")) {
+    else if (!strcmp(f, "--checkpoint")) rc = parse_checkpoint(v, &c->checkpoint);
+    else if (!strcmp(f, "--freeze")) {
         if (!strcmp(v, "base")) c->freeze_base = 1;
         else if (!strcmp(v, "none")) c->freeze_base = 0;
         else { fprintf(stderr, "segnet: --freeze '%s' must be base or none\n", v); rc = -1; }
-    } else if (!strcmp(f, "--precision")) {
-        int k = 0;
-        while (k < 3 && strcmp(v, DTYPE_NAMES[k])) k++;
-        if (k == 3) {
-            fprintf(stderr, "segnet: --precision '%s' must be fp32, fp16 or bf16\n", v);
-            rc = -1;
-        } else
-            c->precision = (DType)k;
-    } else if (!strcmp(f, "--seed")) {
+    } else if (!strcmp(f, "--precision"))
+        rc = parse_precision(v, &c->precision);
+    else if (!strcmp(f, "--seed")) {
         rc = parse_int(f, v, 0, 2147483647, &seed);
         c->seed = (uint64_t)seed;
     } else if (!strcmp(f, "--lr"))
@@ -1072,21 +1079,8 @@ static int cmd_bench(int argc, char **argv) {
             c.seed = (uint64_t)seed;
         } else if (!strcmp(f, "--device"))
             rc = parse_device(v, &c.device);
-        else if (!strcmp(f, "--precision")) {
-            int k = 0;
-            while (k < 3 && strcmp(v, DTYPE_NAMES[k])) k++;
-            if (k == 3) {
-                fprintf(stderr, "segnet bench: --precision '%s' must be fp32, fp16 or bf16\n", v);
-                rc = -1;
-            } else
-                c.precision = (DType)k;
-        } else if (!strcmp(f, "--checkpoint")) {
-            if (!strcmp(v, "blocks")) c.checkpoint = 1;
-            else if (strcmp(v, "none")) {
-                fprintf(stderr, "segnet bench: --checkpoint '%s' must be none or blocks\n", v);
-                rc = -1;
-            }
-        }
+        else if (!strcmp(f, "--precision")) rc = parse_precision(v, &c.precision);
+        else if (!strcmp(f, "--checkpoint")) rc = parse_checkpoint(v, &c.checkpoint);
         if (rc) return 2;
         i += 2;
     }

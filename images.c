@@ -865,7 +865,7 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
         }
         if (ok) {
             o->upload(o, net.act[g.input], x, sizeof(float) * N * img_floats);
-            net_forward(&net, 0);
+            net_forward(&net, N, 0);
             o->download(o, logits, net.act[out], sizeof(float) * N * out_floats);
         }
         for (int j = 0; ok && j < count; j++) {

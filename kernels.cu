@@ -803,184 +803,293 @@ static void nonfinite_cuda(Ops *o, Tensor t, int32_t *flag) {
 }
 
 // ----------------------------------------------------------------------------
-// fused softmax + weighted cross-entropy, per pixel (row of K logits), as the
-// CPU op: p = softmax(z) with the max subtracted, nll = log Σ_k exp(z_k - max) + max - z_y,
-// loss += w[y]·nll, wsum += w[y], dz_k = w[y]·(p_k - [k = y])·grad_scale.
-// One thread per row (K is small for segmentation); the per-row arithmetic is
-// fp32, the sums over rows fp64 through the deterministic reduction (reduce_finish).
+// per-channel sums over rows: batch norm statistics and gradient sums,
+// squeeze-excitation pooling and scale gradient
+//
+//   out[g][c][q] = Σ_{r < rows} f(row g·rows + r, channel c)[q]
+// for G groups of `rows` rows of C channels (batch norm: G = 1, rows = N·H·W;
+// squeeze-excitation: G = N, rows = H·W) and NQ quantities at once, summed in
+// fp64 in an order fixed by the shape alone (deterministic on any GPU):
+//   block: TX channel lanes (threadIdx.x; 1 channel each in the generic kernel,
+//          a Vec of N in the vector kernel) × TY row lanes, BLOCK threads
+//   grid:  (channel tiles, row chunks, G)
+//   a thread sums rows r0 + lane, r0 + lane + TY, ... of its chunk in order,
+//   the lanes are added in lane order, and the chunks' partial sums (in the
+//   context's scratch) by the block of the (channel tile, g) that finishes
+//   last (last_block), summing chunks lane, lane + TY, ... and the lanes in
+//   lane order. The order depends on the shape only, so the sums are
+//   deterministic; which block finishes last does not matter. One launch.
+// The callers are functors. F::Lane is a thread's view of its channels,
+// made once (per-channel constants in registers): lane(row, k, v) gives the NQ
+// values of channel c0 + k of a row (the generic kernel: k = 0 only). E(g, c, s)
+// consumes the NQ sums of channel c.
 
-__global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t *labels,
-                                    const float *class_weights, XentClip clip, int K, size_t rows,
-                                    const float *grad_scale, void *dlogits, DType dt_grad,
-                                    ReduceOut r) {
-    __shared__ double sh[BLOCK * REDUCE_WIDTH];
-    const float scale = dlogits ? *grad_scale : 0.0f;
-    double loss = 0.0, wsum = 0.0, invalid = 0.0;
-    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows;
-         r += (size_t)blockDim.x * gridDim.x) {
-        const int32_t y = labels[r];
-        const int valid = y >= 0 && y < K;
-        const float wy = valid ? class_weights[y] : 0.0f;
-        if (!valid) invalid += 1.0;
-        const size_t base = r * (size_t)K;
-        float zmax = -INFINITY;
-        for (int c = 0; c < K; c++) { float z = ld(logits, dt, base + c); if (z > zmax) zmax = z; }
-        float sum = 0.0f;
-        for (int c = 0; c < K; c++) sum += expf(ld(logits, dt, base + c) - zmax);
-        int flat = 0;
-        if (wy != 0.0f) {
-            float nll = (float)xent_clip(logf(sum) + zmax - ld(logits, dt, base + y), clip, &flat);
-            loss += (double)wy * nll;
-            wsum += wy;
-        }
-        if (dlogits)
-            for (int c = 0; c < K; c++) {
-                float p = expf(ld(logits, dt, base + c) - zmax) / sum;
-                st(dlogits, dt_grad, base + c,
-                   flat ? 0.0f : wy * (p - (c == y ? 1.0f : 0.0f)) * scale);
-            }
-    }
-    sh[threadIdx.x * REDUCE_WIDTH + 0] = loss;
-    sh[threadIdx.x * REDUCE_WIDTH + 1] = wsum;
-    sh[threadIdx.x * REDUCE_WIDTH + 2] = invalid;
-    block_sum_tree(sh, 3);
-    reduce_finish(r, sh);
+#define SUMS_MIN_ROWS 32      // rows per chunk at least
+// chunks per (channel tile, group) at most: enough blocks to fill a GPU
+#define SUMS_MAX_CHUNKS 1024
+// The scratch of partial sums, (G, chunks, NQ, C) fp64: its size bounds the chunk
+// count (chunks ≤ SUMS_SCRATCH/(G·NQ·C), at least 1, which needs no scratch); it
+// never limits the shapes an op accepts.
+#define SUMS_SCRATCH ((size_t)1 << 20)  // doubles (8 MiB)
+// (SUMS_COUNTERS, at the context: a launch with more tiles × groups runs one chunk)
+
+// a thread's rows of its chunk: r0 + lane, + TY, ... < r1
+struct RowChunk { uint32_t r0, r1; };
+static __device__ __forceinline__ RowChunk row_chunk(uint32_t rows, uint32_t rows_per_chunk) {
+    const uint32_t r0 = blockIdx.y * rows_per_chunk;
+    return {r0, r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows};
 }
-// logits (N,H,W,K), labels (N·H·W), class_weights (K); stats[0..2] += Σ w·nll, Σ w, invalid labels
-static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels,
-                              const float *class_weights, float prob_clip, const float *grad_scale,
-                              float *stats, Tensor dlogits) {
-    const int K = logits.shape.c;
-    const size_t rows = shape_numel(logits.shape) / K;
-    unsigned grid = reduce_grid(rows);
-    CU_LAUNCH(softmax_xent_kernel, grid, BLOCK, 0, stream_of(o), logits.data, logits.dtype, labels,
-              class_weights, xent_clip_bounds(prob_clip), K, rows, grad_scale, dlogits.data,
-              dlogits.dtype, reduce_out(o, stats, 3, 1));
+// lane sums (TY, TX·W, NQ) in shared memory → lane 0's totals, added in lane order
+template <int NQ, int W>
+static __device__ __forceinline__ void sum_lanes(double *sh, const double (&acc)[W][NQ],
+                                                 double (&s)[W][NQ]) {
+    const int TX = blockDim.x, TY = blockDim.y;
+    for (int k = 0; k < W; k++)
+        for (int q = 0; q < NQ; q++)
+            sh[((threadIdx.y * TX + threadIdx.x) * W + k) * NQ + q] = acc[k][q];
+    __syncthreads();
+    if (threadIdx.y != 0) return;
+    for (int k = 0; k < W; k++)
+        for (int q = 0; q < NQ; q++) {
+            s[k][q] = 0.0;
+            for (int l = 0; l < TY; l++) s[k][q] += sh[((l * TX + threadIdx.x) * W + k) * NQ + q];
+        }
+}
+// W channels per thread (1: generic, Vec<T>::N: vector); F::Lane knows its loads
+template <int NQ, int W, class F, class E>
+__global__ void channel_sums_kernel(F f, E e, double *partial, unsigned *done, uint32_t rows, int C,
+                                    uint32_t rows_per_chunk) {
+    __shared__ double sh[BLOCK * W * NQ];
+    const int lane_c = blockIdx.x * blockDim.x + threadIdx.x, c0 = lane_c * W, g = blockIdx.z;
+    const uint32_t chunks = gridDim.y;
+    const RowChunk rc = row_chunk(rows, rows_per_chunk);
+    double acc[W][NQ];
+    for (int k = 0; k < W; k++)
+        for (int q = 0; q < NQ; q++) acc[k][q] = 0.0;
+    if (c0 < C) {
+        const typename F::Lane lane = f.lane(g, c0);
+        for (uint32_t r = rc.r0 + threadIdx.y; r < rc.r1; r += blockDim.y) lane.add(r, acc);
+    }
+    double s[W][NQ] = {};
+    sum_lanes<NQ, W>(sh, acc, s);
+    const bool owner = threadIdx.y == 0 && c0 < C;  // holds its channels' sums
+    if (chunks > 1) {
+        if (owner)
+            for (int k = 0; k < W; k++)
+                for (int q = 0; q < NQ; q++)
+                    partial[(((size_t)g * chunks + blockIdx.y) * NQ + q) * C + c0 + k] = s[k][q];
+        if (!last_block(done + (size_t)g * gridDim.x + blockIdx.x, chunks)) return;
+        const volatile double *in = partial;
+        for (int k = 0; k < W; k++)
+            for (int q = 0; q < NQ; q++) acc[k][q] = 0.0;
+        if (c0 < C)
+            for (uint32_t j = threadIdx.y; j < chunks; j += blockDim.y)
+                for (int k = 0; k < W; k++)
+                    for (int q = 0; q < NQ; q++)
+                        acc[k][q] += in[(((size_t)g * chunks + j) * NQ + q) * C + c0 + k];
+        __syncthreads();  // sh is read by sum_lanes above until here
+        sum_lanes<NQ, W>(sh, acc, s);
+    }
+    if (owner)
+        for (int k = 0; k < W; k++) e(g, c0 + k, s[k]);
+}
+// W: channels per thread
+template <int NQ, int W, class F, class E>
+static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C) {
+    // 32-bit row indices, 64-bit offsets
+    require_below(rows, (size_t)1 << 32, "rows of per-channel sums");
+    const int lanes = (C + W - 1) / W;  // channel lanes
+    const unsigned tx = lanes < WARP_SIZE ? (unsigned)lanes : WARP_SIZE, ty = BLOCK / tx;
+    size_t chunks = (rows + SUMS_MIN_ROWS - 1) / SUMS_MIN_ROWS;
+    size_t fit = SUMS_SCRATCH / ((size_t)G * NQ * C);
+    if (chunks > SUMS_MAX_CHUNKS) chunks = SUMS_MAX_CHUNKS;
+    if (chunks > fit) chunks = fit;
+    const unsigned tiles = (lanes + tx - 1) / tx;
+    if (chunks < 1 || (size_t)tiles * G > SUMS_COUNTERS) chunks = 1;
+    const size_t rows_per_chunk = rows ? (rows + chunks - 1) / chunks : 1;
+    chunks = rows ? (rows + rows_per_chunk - 1) / rows_per_chunk : 1;  // no empty chunk
+    dim3 grid(tiles, (unsigned)chunks, G), block(tx, ty);
+    CU_LAUNCH((channel_sums_kernel<NQ, W, F, E>), grid, block, 0, stream_of(o), f, e,
+              ctx_of(o)->sums, ctx_of(o)->sums_done, (uint32_t)rows, C, (uint32_t)rows_per_chunk);
     launchCheck();
 }
 
-// confusion[y·K + argmax_k z_k] += 1 for labels in 0..K-1, ties to the lowest
-// class (the CPU's strict >, so a NaN logit never wins unless it is the first).
-// Integer atomics are exact, so the counts are deterministic. For K ≤
-// CONFUSION_SHARED_MAX_K each block counts in shared memory first and adds its
-// K×K counts once: segmentation has few classes and many pixels, which would
-// otherwise all hit the same few counters.
-#define CONFUSION_SHARED_MAX_K 64  // K·K·8 bytes = 32 KiB of shared memory at most
-
-__global__ void confusion_kernel(const void *logits, DType dt, const int32_t *labels, int K,
-                                 size_t rows, unsigned long long *confusion, int in_shared) {
-    CU_DYN_SHARED(unsigned long long, block_counts);  // (K,K) when in_shared
-    unsigned long long *counts = in_shared ? block_counts : confusion;
-    if (in_shared) {
-        for (int i = threadIdx.x; i < K * K; i += blockDim.x) block_counts[i] = 0;
-        __syncthreads();
+// The summands. Each comes as a generic functor (run-time storage types, one
+// channel per lane) and a vector one (storage type T, Vec<T>::N channels).
+// Σ a, or Σ a·b (b NULL: Σ a); rows of group g start at element g·rows·C
+struct SumOfProduct {
+    const void *a; DType dta; const void *b; DType dtb; int C; uint32_t rows;
+    struct Lane {
+        const void *a, *b; DType dta, dtb; int C;
+        __device__ void add(uint32_t r, double (&acc)[1][1]) const {
+            const size_t i = (size_t)r * C;
+            acc[0][0] += b ? (double)ld(a, dta, i) * ld(b, dtb, i) : (double)ld(a, dta, i);
+        }
+    };
+    __device__ Lane lane(int g, int c) const {
+        const size_t at = (size_t)g * rows * C + c;
+        return {elem_ptr(a, dta, at), b ? elem_ptr(b, dtb, at) : NULL, dta, dtb, C};
     }
-    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows;
-         r += (size_t)blockDim.x * gridDim.x) {
-        const int32_t y = labels[r];
-        if (y < 0 || y >= K) continue;
-        const size_t base = r * (size_t)K;
-        int best = 0;
-        float zbest = ld(logits, dt, base);
-        for (int c = 1; c < K; c++) {
-            float z = ld(logits, dt, base + c);
-            if (z > zbest) {
-                zbest = z;
-                best = c;
+};
+template <class T> struct SumOfProductVec {
+    const T *a, *b; int C; uint32_t rows;
+    static constexpr int N = Vec<T>::N;
+    struct Lane {
+        const T *a, *b; int C;
+        __device__ void add(uint32_t r, double (&acc)[N][1]) const {
+            Vec<T> va = load_vec(a + (size_t)r * C), vb;
+            if (b) vb = load_vec(b + (size_t)r * C);
+            for (int k = 0; k < N; k++)
+                acc[k][0] +=
+                        b ? (double)to_f32(va.v[k]) * to_f32(vb.v[k]) : (double)to_f32(va.v[k]);
+        }
+    };
+    __device__ Lane lane(int g, int c0) const {
+        const size_t at = (size_t)g * rows * C + c0;
+        return {a + at, b ? b + at : NULL, C};
+    }
+};
+// Σx and Σx² (batch norm statistics in one pass)
+struct Moments {
+    const void *x; DType dt; int C;
+    struct Lane {
+        const void *x; DType dt; int C;
+        __device__ void add(uint32_t r, double (&acc)[1][2]) const {
+            double v = ld(x, dt, (size_t)r * C);
+            acc[0][0] += v;
+            acc[0][1] += v * v;
+        }
+    };
+    __device__ Lane lane(int, int c) const { return {elem_ptr(x, dt, c), dt, C}; }
+};
+template <class T> struct MomentsVec {
+    const T *x; int C;
+    static constexpr int N = Vec<T>::N;
+    struct Lane {
+        const T *x; int C;
+        __device__ void add(uint32_t r, double (&acc)[N][2]) const {
+            Vec<T> v = load_vec(x + (size_t)r * C);
+            for (int k = 0; k < N; k++) {
+                double d = to_f32(v.v[k]);
+                acc[k][0] += d;
+                acc[k][1] += d * d;
             }
         }
-        atomicAdd(&counts[y * K + best], 1ull);
-    }
-    if (in_shared) {
-        __syncthreads();
-        for (int i = threadIdx.x; i < K * K; i += blockDim.x)
-            if (block_counts[i]) atomicAdd(&confusion[i], block_counts[i]);
+    };
+    __device__ Lane lane(int, int c0) const { return {x + c0, C}; }
+};
+// a conv's bias gradient: db[c] += Σ_{n,oy,ox} dout[n,oy,ox,c]
+struct AddSum {
+    float *dst;
+    __device__ void operator()(int, int c, const double *s) const { dst[c] += (float)s[0]; }
+};
+static void bias_grad(Ops *o, float *db, Tensor dout) {
+    const int C = dout.shape.c;
+    const size_t M = shape_numel(dout.shape) / C;
+    if (!M) return;
+    if (vec_ok({dout.dtype}, C, {dout.data})) {
+        SWITCH_STORAGE(dout.dtype, T, {
+            channel_sums<1, Vec<T>::N>(
+                    o, SumOfProductVec<T>{(const T *)dout.data, NULL, C, (uint32_t)M}, AddSum{db},
+                    1, M, C);
+        });
+    } else {
+        channel_sums<1, 1>(o, SumOfProduct{dout.data, dout.dtype, NULL, dout.dtype, C, (uint32_t)M},
+                           AddSum{db}, 1, M, C);
     }
 }
-// logits (N,H,W,K), labels (N·H·W), confusion (K,K) int64, true class by row
-static void confusion_accumulate_cuda(Ops *o, Tensor logits, const int32_t *labels,
-                                      int64_t *confusion) {
-    const int K = logits.shape.c;
-    const size_t rows = shape_numel(logits.shape) / K;
-    if (!rows) return;
-    const int in_shared = K <= CONFUSION_SHARED_MAX_K;
-    const size_t smem = in_shared ? (size_t)K * K * sizeof(unsigned long long) : 0;
-    CU_LAUNCH(confusion_kernel, grid_for(rows), BLOCK, smem, stream_of(o), logits.data,
-              logits.dtype, labels, K, rows, (unsigned long long *)confusion, in_shared);
-    launchCheck();
+
+// the consumer: y (G,1,1,C) (=|+=) sum/divisor, in y's storage type
+struct StoreSum {
+    void *y; DType dt; int C; double divisor; int accumulate;
+    __device__ void operator()(int g, int c, const double *s) const {
+        uint32_t i = (uint32_t)g * C + c;
+        float v = (float)(s[0] / divisor);
+        st(y, dt, i, accumulate ? ld(y, dt, i) + v : v);
+    }
+};
+
+// Σ a·b (or Σ a) per (g, c) of a, b (G, rows, C) into `out`
+template <class E>
+static void sums_of_product(Ops *o, E e, Tensor a, const Tensor *b, int G, size_t rows, int C) {
+    if (vec_ok({a.dtype, b ? b->dtype : a.dtype}, C, {a.data, b ? b->data : NULL})) {
+        SWITCH_STORAGE(a.dtype, T, {
+            SumOfProductVec<T> f = {(const T *)a.data, b ? (const T *)b->data : NULL, C,
+                                    (uint32_t)rows};
+            channel_sums<1, Vec<T>::N>(o, f, e, G, rows, C);
+        });
+    } else {
+        SumOfProduct f = {a.data, a.dtype,       b ? b->data : NULL, b ? b->dtype : DT_F32,
+                          C,      (uint32_t)rows};
+        channel_sums<1, 1>(o, f, e, G, rows, C);
+    }
 }
 
 // ----------------------------------------------------------------------------
-// Adam over the whole parameter buffer (the formula is at AdamStep in segnet.h),
-// elementwise. Every operation is rounded on its own (__fmul_rn and friends
-// cannot be fused into multiply-adds) in the CPU op's order, which is compiled
-// without contraction too: both backends give the same bits.
+// image rows: the thread layout of pooling, resampling and depthwise kernels, one thread
+// per output pixel and channel lane
+// (backward: per pixel of dx, gathering), so nothing is written twice and no
+// atomics are needed. Grid (channel tiles, column blocks, image rows): an
+// image row t = n·H + y of the tensor a thread writes is blockIdx.z, split
+// once per thread; the columns are walked by a grid-stride loop.
 
-struct AdamElement {
-    AdamStep s;
-    float decay, one_minus_b1, one_minus_b2;
-    __device__ void operator()(float &p, float grad, float &m, float &v) const {
-        float g = __fmul_rn(grad, s.grad_scale);
-        if (decay != 0.0f) p = __fsub_rn(p, __fmul_rn(decay, p));
-        m = __fadd_rn(m, __fmul_rn(__fsub_rn(g, m), one_minus_b1));
-        v = __fadd_rn(v, __fmul_rn(__fsub_rn(__fmul_rn(g, g), v), one_minus_b2));
-        p = __fsub_rn(p, __fdiv_rn(__fmul_rn(s.alpha, m), __fadd_rn(__fsqrt_rn(v), s.eps)));
-    }
-};
-static __device__ AdamElement adam_element(const AdamStep &s) {
-    return {s, __fmul_rn(s.lr, s.weight_decay), __fsub_rn(1.0f, s.beta1), __fsub_rn(1.0f, s.beta2)};
+// (n, y) of image row t of a tensor of height h
+struct ImageRow { uint32_t n, y; };
+static __device__ __forceinline__ ImageRow image_row(uint32_t t, int h) { return {t / h, t % h}; }
+// element (n, y, x, c) of a tensor of shape s
+static __device__ __forceinline__ uint32_t nhwc_at(Shape s, uint32_t n, int y, int x, int c) {
+    return ((n * s.h + y) * s.w + x) * s.c + c;
 }
-__global__ void adam_kernel(float *params, const float *grads, float *m, float *v, size_t n,
-                            const AdamStep *step) {
-    const AdamStep s = *step;
-    if (s.skip) return;
-    const AdamElement adam = adam_element(s);
-    FOR_CHUNKS(n, base, cnt) {
-        FOR_GRID(i, cnt) {
-            const size_t j = base + i;
-            float p = params[j], mj = m[j], vj = v[j];
-            adam(p, grads[j], mj, vj);
-            params[j] = p; m[j] = mj; v[j] = vj;
+#define FOR_COLUMNS(x, width)                                                          \
+    for (int x = blockIdx.y * blockDim.y + threadIdx.y; x < (width); x += blockDim.y * gridDim.y)
+
+// Launches `kernel_for(grid, io_out, io_in, io_extra, out shape, in shape)` over
+// chunks of images (the tensors' pointers advanced), so that the grid's z
+// (image rows of out) stays within 65535 and every index within 2^31. `extra`
+// (data NULL: none) is shaped like out. The vector accessors when every
+// tensor has one storage type and C is a multiple of the width, else the
+// generic ones.
+template <class K>
+static void image_rows_launch(Tensor out, Tensor in, Tensor extra, K kernel_for) {
+    const int N = out.shape.n, C = out.shape.c, H = out.shape.h;
+    const size_t out_image = N ? shape_numel(out.shape) / N : 0,
+                 in_image = N ? shape_numel(in.shape) / N : 0;
+    const size_t per_image = out_image > in_image ? out_image : in_image;
+    if (!N || !per_image) return;
+    require_below(per_image, LAUNCH_MAX_ELEMENTS,
+                  "elements per image of a pooling or resampling op");
+    // gridDim.z ≤ 65535
+    require_below((size_t)H, 65536, "rows per image of a pooling or resampling op");
+    size_t images = 65535 / (H ? H : 1);  // at least 1 now
+    if ((LAUNCH_MAX_ELEMENTS - 1) / per_image < images)
+        images = (LAUNCH_MAX_ELEMENTS - 1) / per_image;
+    const bool vec = vec_ok({out.dtype, in.dtype, extra.data ? extra.dtype : out.dtype}, C,
+                            {out.data, in.data, extra.data});
+    for (int n0 = 0; n0 < N; n0 += (int)images) {
+        const int count = N - n0 < (int)images ? N - n0 : (int)images;
+        Tensor oc =
+                tensor(elem_ptr(out.data, out.dtype, (size_t)n0 * out_image), out.shape, out.dtype);
+        Tensor ic = tensor(elem_ptr(in.data, in.dtype, (size_t)n0 * in_image), in.shape, in.dtype);
+        Tensor ec = tensor(extra.data ? elem_ptr(extra.data, extra.dtype, (size_t)n0 * out_image)
+                                      : NULL,
+                           out.shape, extra.dtype);
+        oc.shape.n = ic.shape.n = count;
+        if (vec) {
+            SWITCH_STORAGE(out.dtype, T, {
+                RowGrid g = row_grid(C / Vec<T>::N, out.shape.w, (unsigned)(count * H));
+                kernel_for(g, VecIO<T>::of(oc), VecIO<T>::of(ic), VecIO<T>::of(ec), oc.shape,
+                           ic.shape);
+            });
+        } else {
+            RowGrid g = row_grid(C, out.shape.w, (unsigned)(count * H));
+            kernel_for(g, AnyIO::of(oc), AnyIO::of(ic), AnyIO::of(ec), oc.shape, ic.shape);
         }
+        launchCheck();
     }
 }
-__global__ void adam_vec_kernel(float *params, const float *grads, float *m, float *v, size_t n_vec,
-                                const AdamStep *step) {
-    const AdamStep s = *step;
-    if (s.skip) return;
-    const AdamElement adam = adam_element(s);
-    constexpr int N = Vec<float>::N;
-    FOR_CHUNKS(n_vec, base, cnt) {
-        FOR_GRID(i, cnt) {
-            const size_t j = (base + i) * N;
-            Vec<float> p = load_vec(params + j), g = load_vec(grads + j), mv = load_vec(m + j),
-                       vv = load_vec(v + j);
-            for (int k = 0; k < N; k++) adam(p.v[k], g.v[k], mv.v[k], vv.v[k]);
-            store_vec(params + j, p); store_vec(m + j, mv); store_vec(v + j, vv);
-        }
-    }
-}
-// params, grads, m, v: (n) fp32; s: device memory
-static void adam_update_cuda(Ops *o, float *params, const float *grads, float *m, float *v,
-                             size_t n, const AdamStep *s) {
-    if (!n) return;
-    if (vec_ok({DT_F32}, n, {params, grads, m, v}))
-        CU_LAUNCH(adam_vec_kernel, grid_for(n / Vec<float>::N), BLOCK, 0, stream_of(o), params,
-                  grads, m, v, n / Vec<float>::N, s);
-    else
-        CU_LAUNCH(adam_kernel, grid_for(n), BLOCK, 0, stream_of(o), params, grads, m, v, n, s);
-    launchCheck();
-}
 
-// the step's decisions (step_control_apply in segnet.h), on one thread
-__global__ void step_control_kernel(const StepArgs *a, StepState *s, StepPhase phase) {
-    step_control_apply(a, s, phase);
-}
-static void step_control_cuda(Ops *o, const StepArgs *a, StepState *s, StepPhase phase) {
-    CU_LAUNCH(step_control_kernel, 1, 1, 0, stream_of(o), a, s, phase);
-    launchCheck();
-}
-
+// y[n,oy,ox,c] = max_{dy,dx ∈ {0,1}} x[n, 2·oy + dy, 2·ox + dx, c]; ties and NaN
+// as the CPU: the first maximum of the window in row-major order (strict >)
 // ----------------------------------------------------------------------------
 // conv2d
 //
@@ -1784,10 +1893,7 @@ static void conv_check_out(const char *what, const ConvGeom *q, Shape out, const
         conv_fail(what, cfg, in);
 }
 
-static void bias_grad(Ops *o, float *db, Tensor dout);  // with the per-channel sums, below
-
-// depthwise convs have kernels of their own (below, after the pooling kernels whose layout they
-// share)
+// depthwise convs have kernels of their own (below, after the implicit GEMMs)
 static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
                               const float *w, const float *b);
 static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din,
@@ -2108,225 +2214,208 @@ static void conv2d_backward_weight_cuda(Ops *o, const ConvCfg *cfg, float *dw, f
 }
 
 // ----------------------------------------------------------------------------
-// per-channel sums over rows: batch norm statistics and gradient sums,
-// squeeze-excitation pooling and scale gradient
-//
-//   out[g][c][q] = Σ_{r < rows} f(row g·rows + r, channel c)[q]
-// for G groups of `rows` rows of C channels (batch norm: G = 1, rows = N·H·W;
-// squeeze-excitation: G = N, rows = H·W) and NQ quantities at once, summed in
-// fp64 in an order fixed by the shape alone (deterministic on any GPU):
-//   block: TX channel lanes (threadIdx.x; 1 channel each in the generic kernel,
-//          a Vec of N in the vector kernel) × TY row lanes, BLOCK threads
-//   grid:  (channel tiles, row chunks, G)
-//   a thread sums rows r0 + lane, r0 + lane + TY, ... of its chunk in order,
-//   the lanes are added in lane order, and the chunks' partial sums (in the
-//   context's scratch) by the block of the (channel tile, g) that finishes
-//   last (last_block), summing chunks lane, lane + TY, ... and the lanes in
-//   lane order. The order depends on the shape only, so the sums are
-//   deterministic; which block finishes last does not matter. One launch.
-// The callers are functors. F::Lane is a thread's view of its channels,
-// made once (per-channel constants in registers): lane(row, k, v) gives the NQ
-// values of channel c0 + k of a row (the generic kernel: k = 0 only). E(g, c, s)
-// consumes the NQ sums of channel c.
-
-#define SUMS_MIN_ROWS 32      // rows per chunk at least
-// chunks per (channel tile, group) at most: enough blocks to fill a GPU
-#define SUMS_MAX_CHUNKS 1024
-// The scratch of partial sums, (G, chunks, NQ, C) fp64: its size bounds the chunk
-// count (chunks ≤ SUMS_SCRATCH/(G·NQ·C), at least 1, which needs no scratch); it
-// never limits the shapes an op accepts.
-#define SUMS_SCRATCH ((size_t)1 << 20)  // doubles (8 MiB)
-// (SUMS_COUNTERS, at the context: a launch with more tiles × groups runs one chunk)
-
-// a thread's rows of its chunk: r0 + lane, + TY, ... < r1
-struct RowChunk { uint32_t r0, r1; };
-static __device__ __forceinline__ RowChunk row_chunk(uint32_t rows, uint32_t rows_per_chunk) {
-    const uint32_t r0 = blockIdx.y * rows_per_chunk;
-    return {r0, r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows};
-}
-// lane sums (TY, TX·W, NQ) in shared memory → lane 0's totals, added in lane order
-template <int NQ, int W>
-static __device__ __forceinline__ void sum_lanes(double *sh, const double (&acc)[W][NQ],
-                                                 double (&s)[W][NQ]) {
-    const int TX = blockDim.x, TY = blockDim.y;
-    for (int k = 0; k < W; k++)
-        for (int q = 0; q < NQ; q++)
-            sh[((threadIdx.y * TX + threadIdx.x) * W + k) * NQ + q] = acc[k][q];
-    __syncthreads();
-    if (threadIdx.y != 0) return;
-    for (int k = 0; k < W; k++)
-        for (int q = 0; q < NQ; q++) {
-            s[k][q] = 0.0;
-            for (int l = 0; l < TY; l++) s[k][q] += sh[((l * TX + threadIdx.x) * W + k) * NQ + q];
-        }
-}
-// W channels per thread (1: generic, Vec<T>::N: vector); F::Lane knows its loads
-template <int NQ, int W, class F, class E>
-__global__ void channel_sums_kernel(F f, E e, double *partial, unsigned *done, uint32_t rows, int C,
-                                    uint32_t rows_per_chunk) {
-    __shared__ double sh[BLOCK * W * NQ];
-    const int lane_c = blockIdx.x * blockDim.x + threadIdx.x, c0 = lane_c * W, g = blockIdx.z;
-    const uint32_t chunks = gridDim.y;
-    const RowChunk rc = row_chunk(rows, rows_per_chunk);
-    double acc[W][NQ];
-    for (int k = 0; k < W; k++)
-        for (int q = 0; q < NQ; q++) acc[k][q] = 0.0;
-    if (c0 < C) {
-        const typename F::Lane lane = f.lane(g, c0);
-        for (uint32_t r = rc.r0 + threadIdx.y; r < rc.r1; r += blockDim.y) lane.add(r, acc);
+// depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx,
+// c]·w[c][ky][kx],
+// taps in (ky, kx) order after the bias, like the CPU. Threads over (channel
+// lane, output pixel) in image rows (above): grid (channel tiles, column
+// blocks, output image rows); W channels per lane (1 generic, Vec<T>::N vector).
+// KS: the kernel size when it is known at compile time (3: EfficientNet's; 0:
+// read from cfg); then the loops unroll and a thread keeps its channels' taps
+// in registers (DepthwiseTaps) instead of loading them per output pixel.
+template <int KS, int W> struct DepthwiseTaps {
+    float v[KS ? KS * KS : 1][W];
+    __device__ DepthwiseTaps(const float *w, int c0, int taps) {
+        for (int q = 0; q < (KS ? KS * KS : 0); q++)
+            for (int k = 0; k < W; k++) v[q][k] = w[(c0 + k) * taps + q];
     }
-    double s[W][NQ] = {};
-    sum_lanes<NQ, W>(sh, acc, s);
-    const bool owner = threadIdx.y == 0 && c0 < C;  // holds its channels' sums
-    if (chunks > 1) {
-        if (owner)
-            for (int k = 0; k < W; k++)
-                for (int q = 0; q < NQ; q++)
-                    partial[(((size_t)g * chunks + blockIdx.y) * NQ + q) * C + c0 + k] = s[k][q];
-        if (!last_block(done + (size_t)g * gridDim.x + blockIdx.x, chunks)) return;
-        const volatile double *in = partial;
-        for (int k = 0; k < W; k++)
-            for (int q = 0; q < NQ; q++) acc[k][q] = 0.0;
-        if (c0 < C)
-            for (uint32_t j = threadIdx.y; j < chunks; j += blockDim.y)
-                for (int k = 0; k < W; k++)
-                    for (int q = 0; q < NQ; q++)
-                        acc[k][q] += in[(((size_t)g * chunks + j) * NQ + q) * C + c0 + k];
-        __syncthreads();  // sh is read by sum_lanes above until here
-        sum_lanes<NQ, W>(sh, acc, s);
-    }
-    if (owner)
-        for (int k = 0; k < W; k++) e(g, c0 + k, s[k]);
-}
-// W: channels per thread
-template <int NQ, int W, class F, class E>
-static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C) {
-    // 32-bit row indices, 64-bit offsets
-    require_below(rows, (size_t)1 << 32, "rows of per-channel sums");
-    const int lanes = (C + W - 1) / W;  // channel lanes
-    const unsigned tx = lanes < WARP_SIZE ? (unsigned)lanes : WARP_SIZE, ty = BLOCK / tx;
-    size_t chunks = (rows + SUMS_MIN_ROWS - 1) / SUMS_MIN_ROWS;
-    size_t fit = SUMS_SCRATCH / ((size_t)G * NQ * C);
-    if (chunks > SUMS_MAX_CHUNKS) chunks = SUMS_MAX_CHUNKS;
-    if (chunks > fit) chunks = fit;
-    const unsigned tiles = (lanes + tx - 1) / tx;
-    if (chunks < 1 || (size_t)tiles * G > SUMS_COUNTERS) chunks = 1;
-    const size_t rows_per_chunk = rows ? (rows + chunks - 1) / chunks : 1;
-    chunks = rows ? (rows + rows_per_chunk - 1) / rows_per_chunk : 1;  // no empty chunk
-    dim3 grid(tiles, (unsigned)chunks, G), block(tx, ty);
-    CU_LAUNCH((channel_sums_kernel<NQ, W, F, E>), grid, block, 0, stream_of(o), f, e,
-              ctx_of(o)->sums, ctx_of(o)->sums_done, (uint32_t)rows, C, (uint32_t)rows_per_chunk);
-    launchCheck();
-}
-
-// The summands. Each comes as a generic functor (run-time storage types, one
-// channel per lane) and a vector one (storage type T, Vec<T>::N channels).
-// Σ a, or Σ a·b (b NULL: Σ a); rows of group g start at element g·rows·C
-struct SumOfProduct {
-    const void *a; DType dta; const void *b; DType dtb; int C; uint32_t rows;
-    struct Lane {
-        const void *a, *b; DType dta, dtb; int C;
-        __device__ void add(uint32_t r, double (&acc)[1][1]) const {
-            const size_t i = (size_t)r * C;
-            acc[0][0] += b ? (double)ld(a, dta, i) * ld(b, dtb, i) : (double)ld(a, dta, i);
-        }
-    };
-    __device__ Lane lane(int g, int c) const {
-        const size_t at = (size_t)g * rows * C + c;
-        return {elem_ptr(a, dta, at), b ? elem_ptr(b, dtb, at) : NULL, dta, dtb, C};
+    // channel c0 + k's tap q: from registers (KS), else from w
+    __device__ float at(const float *w, int c0, int taps, int q, int k) const {
+        return KS ? v[KS ? q : 0][k] : w[(c0 + k) * taps + q];
     }
 };
-template <class T> struct SumOfProductVec {
-    const T *a, *b; int C; uint32_t rows;
-    static constexpr int N = Vec<T>::N;
-    struct Lane {
-        const T *a, *b; int C;
-        __device__ void add(uint32_t r, double (&acc)[N][1]) const {
-            Vec<T> va = load_vec(a + (size_t)r * C), vb;
-            if (b) vb = load_vec(b + (size_t)r * C);
-            for (int k = 0; k < N; k++)
-                acc[k][0] +=
-                        b ? (double)to_f32(va.v[k]) * to_f32(vb.v[k]) : (double)to_f32(va.v[k]);
-        }
-    };
-    __device__ Lane lane(int g, int c0) const {
-        const size_t at = (size_t)g * rows * C + c0;
-        return {a + at, b ? b + at : NULL, C};
-    }
-};
-// Σx and Σx² (batch norm statistics in one pass)
-struct Moments {
-    const void *x; DType dt; int C;
-    struct Lane {
-        const void *x; DType dt; int C;
-        __device__ void add(uint32_t r, double (&acc)[1][2]) const {
-            double v = ld(x, dt, (size_t)r * C);
-            acc[0][0] += v;
-            acc[0][1] += v * v;
-        }
-    };
-    __device__ Lane lane(int, int c) const { return {elem_ptr(x, dt, c), dt, C}; }
-};
-template <class T> struct MomentsVec {
-    const T *x; int C;
-    static constexpr int N = Vec<T>::N;
-    struct Lane {
-        const T *x; int C;
-        __device__ void add(uint32_t r, double (&acc)[N][2]) const {
-            Vec<T> v = load_vec(x + (size_t)r * C);
-            for (int k = 0; k < N; k++) {
-                double d = to_f32(v.v[k]);
-                acc[k][0] += d;
-                acc[k][1] += d * d;
+template <class IO, int KS>
+__global__ void depthwise_forward_kernel(IO y, Shape t, IO x, Shape s, const float *w,
+                                         const float *b, ConvCfg cfg, int pt, int pl) {
+    constexpr int W = IO::W;
+    const int kh = KS ? KS : cfg.kh, kw = KS ? KS : cfg.kw, taps = kh * kw;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
+    if (c0 >= t.c) return;
+    const DepthwiseTaps<KS, W> tap(w, c0, taps);
+    const ImageRow row = image_row(blockIdx.z, t.h);
+    FOR_COLUMNS(ox, t.w) {
+        float acc[W], v[W];
+        for (int k = 0; k < W; k++) acc[k] = b ? b[c0 + k] : 0.0f;
+        #pragma unroll
+        for (int ky = 0; ky < kh; ky++) {
+            const int iy = (int)row.y * cfg.stride - pt + ky;
+            if (iy < 0 || iy >= s.h) continue;
+            #pragma unroll
+            for (int kx = 0; kx < kw; kx++) {
+                const int ix = ox * cfg.stride - pl + kx;
+                if (ix < 0 || ix >= s.w) continue;
+                x.load(nhwc_at(s, row.n, iy, ix, c0), v);
+                for (int k = 0; k < W; k++) acc[k] += v[k] * tap.at(w, c0, taps, ky * kw + kx, k);
             }
         }
-    };
-    __device__ Lane lane(int, int c0) const { return {x + c0, C}; }
-};
-// a conv's bias gradient: db[c] += Σ_{n,oy,ox} dout[n,oy,ox,c]
-struct AddSum {
-    float *dst;
-    __device__ void operator()(int, int c, const double *s) const { dst[c] += (float)s[0]; }
-};
-static void bias_grad(Ops *o, float *db, Tensor dout) {
-    const int C = dout.shape.c;
-    const size_t M = shape_numel(dout.shape) / C;
-    if (!M) return;
-    if (vec_ok({dout.dtype}, C, {dout.data})) {
-        SWITCH_STORAGE(dout.dtype, T, {
-            channel_sums<1, Vec<T>::N>(
-                    o, SumOfProductVec<T>{(const T *)dout.data, NULL, C, (uint32_t)M}, AddSum{db},
-                    1, M, C);
-        });
-    } else {
-        channel_sums<1, 1>(o, SumOfProduct{dout.data, dout.dtype, NULL, dout.dtype, C, (uint32_t)M},
-                           AddSum{db}, 1, M, C);
+        y.store(nhwc_at(t, row.n, row.y, ox, c0), acc);
+    }
+}
+// din[n,iy,ix,c] (=|+=) Σ_{ky,kx} dout[n,oy,ox,c]·w[c][ky][kx], oy = (iy + pt - ky)/s integral
+// KS as in the forward; ST: the stride when known at compile time (1 or 2: the
+// divisions by it are shifts), 0: cfg's
+template <class IO, int KS, int ST>
+__global__ void depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t, const float *w,
+                                               ConvCfg cfg, int pt, int pl, int accumulate) {
+    constexpr int W = IO::W;
+    const int kh = KS ? KS : cfg.kh, kw = KS ? KS : cfg.kw, taps = kh * kw,
+              st = ST ? ST : cfg.stride;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
+    if (c0 >= s.c) return;
+    const DepthwiseTaps<KS, W> tap(w, c0, taps);
+    const ImageRow row = image_row(blockIdx.z, s.h);
+    FOR_COLUMNS(ix, s.w) {
+        float acc[W], v[W];
+        for (int k = 0; k < W; k++) acc[k] = 0.0f;
+        #pragma unroll
+        for (int ky = 0; ky < kh; ky++) {
+            const int ty = (int)row.y + pt - ky;
+            if (ty < 0 || ty % st || ty / st >= t.h) continue;
+            #pragma unroll
+            for (int kx = 0; kx < kw; kx++) {
+                const int tx = ix + pl - kx;
+                if (tx < 0 || tx % st || tx / st >= t.w) continue;
+                dout.load(nhwc_at(t, row.n, ty / st, tx / st, c0), v);
+                for (int k = 0; k < W; k++) acc[k] += v[k] * tap.at(w, c0, taps, ky * kw + kx, k);
+            }
+        }
+        store_acc(din, nhwc_at(s, row.n, row.y, ix, c0), acc, accumulate);
+    }
+}
+// Pass 1 of dw[c][ky][kx] += Σ_{n,oy,ox} dout[n,oy,ox,c]·x[n, oy·s - pt + ky, ox·s - pl + kx, c]:
+// block (channel lanes × row lanes) of part blockIdx.y sums the output pixels
+// r = (n·OH + oy)·OW + ox of its part, each row lane every blockDim.y-th pixel,
+// all taps of its W channels in registers (fp32), then the lanes in order;
+// it writes partial[part][c][tap]. The last block of a channel tile
+// (last_block) adds the parts in part order into dw.
+#define DW_MAX_TAPS 9  // taps kept in registers (3×3); larger kernels run tap by tap
+template <class IO, int TAPS>
+__global__ void depthwise_weight_kernel(float *dw, float *partial, unsigned *done, IO dout, Shape t,
+                                        IO x, Shape s, ConvCfg cfg, int pt, int pl,
+                                        uint32_t pixels_per_part, int tap0, FastDiv by_ow,
+                                        FastDiv by_oh) {
+    constexpr int W = IO::W;
+    __shared__ float lanes[BLOCK * W];
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, part = blockIdx.y, C = s.c;
+    const int ntaps = cfg.kh * cfg.kw;
+    const uint32_t M = (uint32_t)t.n * t.h * t.w, p0 = part * pixels_per_part;
+    const uint32_t p1 = p0 + pixels_per_part < M ? p0 + pixels_per_part : M;
+    float acc[TAPS][W];
+    for (int q = 0; q < TAPS; q++)
+        for (int k = 0; k < W; k++) acc[q][k] = 0.0f;
+    if (c0 < C)
+        for (uint32_t r = p0 + threadIdx.y; r < p1; r += blockDim.y) {
+            const uint32_t rows = fastdiv(by_ow, r), img = fastdiv(by_oh, rows);
+            const int ox = (int)(r - rows * t.w), oy = (int)(rows - img * t.h);
+            float g[W], v[W];
+            dout.load(r * C + c0, g);
+            for (int q = 0; q < TAPS; q++) {
+                const int tap = tap0 + q, ky = tap / cfg.kw, kx = tap % cfg.kw;
+                if (tap >= ntaps) break;
+                const int iy = oy * cfg.stride - pt + ky, ix = ox * cfg.stride - pl + kx;
+                if (iy < 0 || iy >= s.h || ix < 0 || ix >= s.w) continue;
+                x.load(nhwc_at(s, img, iy, ix, c0), v);
+                for (int k = 0; k < W; k++) acc[q][k] += g[k] * v[k];
+            }
+        }
+    // the row lanes' sums in lane order, tap by tap through shared memory
+    const int lane = threadIdx.y * blockDim.x + threadIdx.x;
+    for (int q = 0; q < TAPS && tap0 + q < ntaps; q++) {
+        for (int k = 0; k < W; k++) lanes[lane * W + k] = acc[q][k];
+        __syncthreads();
+        if (threadIdx.y == 0 && c0 < C)
+            for (int k = 0; k < W; k++) {
+                float sum = 0.0f;
+                for (int l = 0; l < (int)blockDim.y; l++)
+                    sum += lanes[(l * blockDim.x + threadIdx.x) * W + k];
+                partial[((size_t)part * C + c0 + k) * ntaps + tap0 + q] = sum;
+            }
+        __syncthreads();
+    }
+    if (!last_block(done + blockIdx.x, gridDim.y)) return;
+    // dw[c][tap] += Σ_part partial[part][c][tap] in part order, for this tile's channels and taps
+    const volatile float *in = partial;
+    const int c_first = blockIdx.x * blockDim.x * W,
+              n_c = C - c_first < (int)blockDim.x * W ? C - c_first : blockDim.x * W;
+    const int n_taps = ntaps - tap0 < TAPS ? ntaps - tap0 : TAPS;
+    for (int item = lane; item < n_c * n_taps; item += blockDim.x * blockDim.y) {
+        const size_t at = (size_t)(c_first + item / n_taps) * ntaps + tap0 + item % n_taps;
+        float sum = 0.0f;
+        for (uint32_t part_k = 0; part_k < gridDim.y; part_k++)
+            sum += in[part_k * (size_t)C * ntaps + at];
+        dw[at] += sum;
     }
 }
 
-// the consumer: y (G,1,1,C) (=|+=) sum/divisor, in y's storage type
-struct StoreSum {
-    void *y; DType dt; int C; double divisor; int accumulate;
-    __device__ void operator()(int g, int c, const double *s) const {
-        uint32_t i = (uint32_t)g * C + c;
-        float v = (float)(s[0] / divisor);
-        st(y, dt, i, accumulate ? ld(y, dt, i) + v : v);
-    }
-};
-
-// Σ a·b (or Σ a) per (g, c) of a, b (G, rows, C) into `out`
-template <class E>
-static void sums_of_product(Ops *o, E e, Tensor a, const Tensor *b, int G, size_t rows, int C) {
-    if (vec_ok({a.dtype, b ? b->dtype : a.dtype}, C, {a.data, b ? b->data : NULL})) {
-        SWITCH_STORAGE(a.dtype, T, {
-            SumOfProductVec<T> f = {(const T *)a.data, b ? (const T *)b->data : NULL, C,
-                                    (uint32_t)rows};
-            channel_sums<1, Vec<T>::N>(o, f, e, G, rows, C);
-        });
+static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
+                              const float *w, const float *b) {
+    if (!shape_numel(out.shape)) return;
+    image_rows_launch(out, in, NO_TENSOR,
+                      [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
+                          typedef decltype(yio) IO;
+                          if (cfg->kh == 3 && cfg->kw == 3)
+                              CU_LAUNCH((depthwise_forward_kernel<IO, 3>), g.grid, g.block, 0,
+                                        stream_of(o), yio, t, xio, s, w, b, *cfg, q->pt, q->pl);
+                          else
+                              CU_LAUNCH((depthwise_forward_kernel<IO, 0>), g.grid, g.block, 0,
+                                        stream_of(o), yio, t, xio, s, w, b, *cfg, q->pt, q->pl);
+                      });
+}
+static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din,
+                                    Tensor dout, const float *w, int accumulate) {
+    if (!shape_numel(din.shape)) return;
+    image_rows_launch(
+            din, dout, NO_TENSOR, [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
+                typedef decltype(dxio) IO;
+                const bool k3 = cfg->kh == 3 && cfg->kw == 3;
+                if (k3 && cfg->stride == 1)
+                    CU_LAUNCH((depthwise_backward_data_kernel<IO, 3, 1>), g.grid, g.block, 0,
+                              stream_of(o), dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
+                else if (k3 && cfg->stride == 2)
+                    CU_LAUNCH((depthwise_backward_data_kernel<IO, 3, 2>), g.grid, g.block, 0,
+                              stream_of(o), dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
+                else
+                    CU_LAUNCH((depthwise_backward_data_kernel<IO, 0, 0>), g.grid, g.block, 0,
+                              stream_of(o), dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
+            });
+}
+// partial (parts, C, taps) in the workspace, then dw += Σ_parts in part order, in one launch per 9
+// taps
+static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom *q, float *dw,
+                                      Tensor dout, Tensor in, int parts, float *partial) {
+    const size_t M = (size_t)q->N * q->P, taps = (size_t)cfg->kh * cfg->kw;
+    if (!M) return;
+    require_below(shape_numel(in.shape) > shape_numel(dout.shape) ? shape_numel(in.shape)
+                                                                  : shape_numel(dout.shape),
+                  (size_t)1 << 31, "elements of a depthwise weight gradient's tensors");
+    const uint32_t per_part = (uint32_t)rows_per_part(M, parts);
+    const Shape t = dout.shape, s = in.shape;
+    auto run = [&](auto dyio, auto xio, int lanes) {
+        typedef decltype(dyio) IO;
+        const unsigned tx = lanes < WARP_SIZE ? (unsigned)lanes : WARP_SIZE;
+        const dim3 grid((lanes + tx - 1) / tx, parts), block(tx, BLOCK / tx);
+        require_below(grid.x, SUMS_COUNTERS + 1, "channel tiles of a depthwise weight gradient");
+        for (int tap0 = 0; tap0 < (int)taps; tap0 += DW_MAX_TAPS) {
+            CU_LAUNCH((depthwise_weight_kernel<IO, DW_MAX_TAPS>), grid, block, 0, stream_of(o), dw,
+                      partial, ctx_of(o)->sums_done, dyio, t, xio, s, *cfg, q->pt, q->pl, per_part,
+                      tap0, fastdiv_make(t.w), fastdiv_make(t.h));
+            launchCheck();
+        }
+    };
+    if (vec_ok({dout.dtype, in.dtype}, q->C, {dout.data, in.data})) {
+        SWITCH_STORAGE(in.dtype, T,
+                       { run(VecIO<T>::of(dout), VecIO<T>::of(in), q->C / Vec<T>::N); });
     } else {
-        SumOfProduct f = {a.data, a.dtype,       b ? b->data : NULL, b ? b->dtype : DT_F32,
-                          C,      (uint32_t)rows};
-        channel_sums<1, 1>(o, f, e, G, rows, C);
+        run(AnyIO::of(dout), AnyIO::of(in), q->C);
     }
 }
 
@@ -2889,6 +2978,188 @@ static void dropout_backward_cuda(Ops *o, Tensor dx, Tensor dresidual, Tensor dy
 }
 
 // ----------------------------------------------------------------------------
+// pooling and resampling (the thread layout: image rows, above)
+
+template <class IO>
+__global__ void maxpool2_forward_kernel(IO y, Shape t, IO x, Shape s) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
+    if (c0 >= t.c) return;
+    const ImageRow row = image_row(blockIdx.z, t.h);
+    FOR_COLUMNS(ox, t.w) {
+        float m[W], v[W];
+        for (int k = 0; k < W; k++) m[k] = -INFINITY;
+        for (int q = 0; q < 4; q++) {
+            x.load(nhwc_at(s, row.n, 2 * row.y + q / 2, 2 * ox + q % 2, c0), v);
+            for (int k = 0; k < W; k++)
+                if (v[k] > m[k]) m[k] = v[k];
+        }
+        y.store(nhwc_at(t, row.n, row.y, ox, c0), m);
+    }
+}
+static void maxpool2_forward_cuda(Ops *o, Tensor y, Tensor x) {
+    if (!shape_numel(y.shape)) return;
+    image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
+        CU_LAUNCH(maxpool2_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t,
+                  xio, s);
+    });
+}
+
+// dx gets dy of its window where it is the window's first maximum, else 0 (also
+// in the row/column past the floor)
+template <class IO>
+__global__ void maxpool2_backward_kernel(IO dx, Shape s, IO dy, Shape t, IO x, int accumulate) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
+    if (c0 >= s.c) return;
+    const ImageRow row = image_row(blockIdx.z, s.h);
+    const int iy = row.y, oy = iy / 2;
+    FOR_COLUMNS(ix, s.w) {
+        const int ox = ix / 2, mine = (iy - 2 * oy) * 2 + (ix - 2 * ox);
+        float g[W];
+        for (int k = 0; k < W; k++) g[k] = 0.0f;
+        if (oy < t.h && ox < t.w) {
+            float m[W], v[W], d[W];
+            int first[W];
+            for (int k = 0; k < W; k++) { m[k] = -INFINITY; first[k] = 0; }
+            for (int q = 0; q < 4; q++) {
+                x.load(nhwc_at(s, row.n, 2 * oy + q / 2, 2 * ox + q % 2, c0), v);
+                for (int k = 0; k < W; k++)
+                    if (v[k] > m[k]) { m[k] = v[k]; first[k] = q; }
+            }
+            dy.load(nhwc_at(t, row.n, oy, ox, c0), d);
+            for (int k = 0; k < W; k++)
+                if (first[k] == mine) g[k] = d[k];
+        }
+        store_acc(dx, nhwc_at(s, row.n, iy, ix, c0), g, accumulate);
+    }
+}
+static void maxpool2_backward_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, int accumulate) {
+    if (!shape_numel(x.shape) || !dx.data) return;
+    image_rows_launch(dx, dy, x, [&](RowGrid g, auto dxio, auto dyio, auto xio, Shape s, Shape t) {
+        CU_LAUNCH(maxpool2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0, stream_of(o), dxio,
+                  s, dyio, t, xio, accumulate);
+    });
+}
+
+// y[n,oy,ox,c] = x[n, oy/2, ox/2, c]
+template <class IO>
+__global__ void upsample2_forward_kernel(IO y, Shape t, IO x, Shape s) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
+    if (c0 >= t.c) return;
+    const ImageRow row = image_row(blockIdx.z, t.h);
+    float v[W];
+    FOR_COLUMNS(ox, t.w) {
+        x.load(nhwc_at(s, row.n, row.y / 2, ox / 2, c0), v);
+        y.store(nhwc_at(t, row.n, row.y, ox, c0), v);
+    }
+}
+static void upsample2_forward_cuda(Ops *o, Tensor y, Tensor x) {
+    if (!shape_numel(y.shape)) return;
+    image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
+        CU_LAUNCH(upsample2_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t,
+                  xio, s);
+    });
+}
+
+// dx[n,iy,ix,c] = Σ of the 2×2 dy it was copied to, in row-major order
+template <class IO>
+__global__ void upsample2_backward_kernel(IO dx, Shape s, IO dy, Shape t, int accumulate) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
+    if (c0 >= s.c) return;
+    const ImageRow row = image_row(blockIdx.z, s.h);
+    FOR_COLUMNS(ix, s.w) {
+        float g[W], v[W];
+        for (int k = 0; k < W; k++) g[k] = 0.0f;
+        for (int q = 0; q < 4; q++) {
+            dy.load(nhwc_at(t, row.n, 2 * row.y + q / 2, 2 * ix + q % 2, c0), v);
+            for (int k = 0; k < W; k++) g[k] += v[k];
+        }
+        store_acc(dx, nhwc_at(s, row.n, row.y, ix, c0), g, accumulate);
+    }
+}
+static void upsample2_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
+    if (!shape_numel(dx.shape) || !dx.data) return;
+    image_rows_launch(dx, dy, NO_TENSOR,
+                      [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
+                          CU_LAUNCH(upsample2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0,
+                                    stream_of(o), dxio, s, dyio, t, accumulate);
+                      });
+}
+
+// bilinear with half-pixel centres (the taps of segnet.h):
+//   y = (1-λy)·((1-λx)·x00 + λx·x01) + λy·((1-λx)·x10 + λx·x11)
+template <class IO>
+__global__ void resize_bilinear_forward_kernel(IO y, Shape t, IO x, Shape s) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
+    if (c0 >= t.c) return;
+    const ImageRow row = image_row(blockIdx.z, t.h);
+    const BilinearTap ty = bilinear_tap(row.y, s.h, t.h);
+    FOR_COLUMNS(ox, t.w) {
+        const BilinearTap tx = bilinear_tap(ox, s.w, t.w);
+        float x00[W], x01[W], x10[W], x11[W], out[W];
+        x.load(nhwc_at(s, row.n, ty.i0, tx.i0, c0), x00);
+        x.load(nhwc_at(s, row.n, ty.i0, tx.i1, c0), x01);
+        x.load(nhwc_at(s, row.n, ty.i1, tx.i0, c0), x10);
+        x.load(nhwc_at(s, row.n, ty.i1, tx.i1, c0), x11);
+        for (int k = 0; k < W; k++) {
+            float top = (1.0f - tx.l) * x00[k] + tx.l * x01[k];
+            float bot = (1.0f - tx.l) * x10[k] + tx.l * x11[k];
+            out[k] = (1.0f - ty.l) * top + ty.l * bot;
+        }
+        y.store(nhwc_at(t, row.n, row.y, ox, c0), out);
+    }
+}
+static void resize_bilinear_forward_cuda(Ops *o, Tensor y, Tensor x) {
+    if (!shape_numel(y.shape)) return;
+    image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
+        CU_LAUNCH(resize_bilinear_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o),
+                  yio, t, xio, s);
+    });
+}
+
+// The adjoint as a gather, as on the CPU (same outputs, same order):
+//   dx[n,iy,ix,c] (=|+=) Σ_{oy,ox} wy(oy,iy)·wx(ox,ix)·dy[n,oy,ox,c]
+template <class IO>
+__global__ void resize_bilinear_backward_kernel(IO dx, Shape s, IO dy, Shape t, int accumulate) {
+    constexpr int W = IO::W;
+    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
+    if (c0 >= s.c) return;
+    const ImageRow row = image_row(blockIdx.z, s.h);
+    const int iy = row.y;
+    int oy0, oy1;
+    tap_range(iy, s.h, t.h, &oy0, &oy1);
+    FOR_COLUMNS(ix, s.w) {
+        int ox0, ox1;
+        tap_range(ix, s.w, t.w, &ox0, &ox1);
+        float g[W], v[W];
+        for (int k = 0; k < W; k++) g[k] = 0.0f;
+        for (int oy = oy0; oy <= oy1; oy++) {
+            const float wy = tap_weight(bilinear_tap(oy, s.h, t.h), iy);
+            if (wy == 0.0f) continue;
+            for (int ox = ox0; ox <= ox1; ox++) {
+                const float wx = tap_weight(bilinear_tap(ox, s.w, t.w), ix);
+                if (wx == 0.0f) continue;
+                dy.load(nhwc_at(t, row.n, oy, ox, c0), v);
+                for (int k = 0; k < W; k++) g[k] += wy * wx * v[k];
+            }
+        }
+        store_acc(dx, nhwc_at(s, row.n, iy, ix, c0), g, accumulate);
+    }
+}
+static void resize_bilinear_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
+    if (!shape_numel(dx.shape) || !dx.data) return;
+    image_rows_launch(dx, dy, NO_TENSOR,
+                      [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
+                          CU_LAUNCH(resize_bilinear_backward_kernel<decltype(dxio)>, g.grid,
+                                    g.block, 0, stream_of(o), dxio, s, dyio, t, accumulate);
+                      });
+}
+
+// ----------------------------------------------------------------------------
 // batch norm (see segnet.c for the formulas)
 //   z = gamma·((x - mean)·invstd) + beta, the CPU's expression, so z falls on the
 //   same side of ReLU's kink; y = act(z); backward g = dy·act'(z), z recomputed from x.
@@ -3313,9 +3584,9 @@ static bool bn_next_vec(const BnNext *next, Tensor x, std::initializer_list<cons
            vec_ok({x.dtype}, C, more);
 }
 
-static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
-                            const float *gamma, const float *beta, float eps, Act act,
-                            const BnNext *next) {
+static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const BnArgs *bn) {
+    const float *mean = bn->mean, *var = bn->var, *gamma = bn->gamma, *beta = bn->beta;
+    const float eps = bn->eps; const Act act = bn->act; const BnNext *next = bn->next;
     const int C = x.shape.c;
     const size_t rows = shape_numel(x.shape) / (C ? C : 1), HW = (size_t)x.shape.h * x.shape.w;
     if (next && next->kind == FUSED_RESIDUAL) y = next->out;  // y has no memory: out's, in place
@@ -3353,10 +3624,10 @@ static bool bn_residual_fused(const BnNext *next, Tensor dy, Tensor x) {
     return dy.dtype == x.dtype && shape_numel(x.shape) && bn_next_vec(next, x, {dy.data});
 }
 
-static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const float *mean,
-                                    const float *var, const float *gamma, const float *beta,
-                                    float eps, Act act, float *sum_g, float *sum_gx, float *dgamma,
-                                    float *dbeta, double *sums, const BnNext *next) {
+static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const BnArgs *bn, float *sum_g,
+                                    float *sum_gx, float *dgamma, float *dbeta, double *sums) {
+    const float *mean = bn->mean, *var = bn->var, *gamma = bn->gamma, *beta = bn->beta;
+    const float eps = bn->eps; const Act act = bn->act; const BnNext *next = bn->next;
     if (next && next->kind == FUSED_RESIDUAL && !bn_residual_fused(next, dy, x)) {
         bn_next_backward_unfused(o, dy, next);
         next = NULL;  // dy is y's gradient now
@@ -3384,10 +3655,11 @@ static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const float *me
     });
 }
 
-static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
-                                  const float *var, const float *gamma, const float *beta,
-                                  float eps, Act act, const float *sum_g, const float *sum_gx,
-                                  size_t count, int accumulate, const BnNext *next) {
+static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const BnArgs *bn,
+                                  const float *sum_g, const float *sum_gx, size_t count,
+                                  int accumulate) {
+    const float *mean = bn->mean, *var = bn->var, *gamma = bn->gamma, *beta = bn->beta;
+    const float eps = bn->eps; const Act act = bn->act; const BnNext *next = bn->next;
     // dy: y's gradient
     if (!next || next->kind != FUSED_RESIDUAL || !bn_residual_fused(next, dy, x)) {
         bn_backward_data_plain(o, dx, dy, x, mean, var, gamma, beta, eps, act, sum_g, sum_gx, count,
@@ -3422,452 +3694,182 @@ static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const 
 }
 
 // ----------------------------------------------------------------------------
-// pooling and resampling: one thread per output pixel and channel lane
-// (backward: per pixel of dx, gathering), so nothing is written twice and no
-// atomics are needed. Grid (channel tiles, column blocks, image rows): an
-// image row t = n·H + y of the tensor a thread writes is blockIdx.z, split
-// once per thread; the columns are walked by a grid-stride loop.
+// fused softmax + weighted cross-entropy, per pixel (row of K logits), as the
+// CPU op: p = softmax(z) with the max subtracted, nll = log Σ_k exp(z_k - max) + max - z_y,
+// loss += w[y]·nll, wsum += w[y], dz_k = w[y]·(p_k - [k = y])·grad_scale.
+// One thread per row (K is small for segmentation); the per-row arithmetic is
+// fp32, the sums over rows fp64 through the deterministic reduction (reduce_finish).
 
-// (n, y) of image row t of a tensor of height h
-struct ImageRow { uint32_t n, y; };
-static __device__ __forceinline__ ImageRow image_row(uint32_t t, int h) { return {t / h, t % h}; }
-// element (n, y, x, c) of a tensor of shape s
-static __device__ __forceinline__ uint32_t nhwc_at(Shape s, uint32_t n, int y, int x, int c) {
-    return ((n * s.h + y) * s.w + x) * s.c + c;
-}
-#define FOR_COLUMNS(x, width)                                                          \
-    for (int x = blockIdx.y * blockDim.y + threadIdx.y; x < (width); x += blockDim.y * gridDim.y)
-
-// Launches `kernel_for(grid, io_out, io_in, io_extra, out shape, in shape)` over
-// chunks of images (the tensors' pointers advanced), so that the grid's z
-// (image rows of out) stays within 65535 and every index within 2^31. `extra`
-// (data NULL: none) is shaped like out. The vector accessors when every
-// tensor has one storage type and C is a multiple of the width, else the
-// generic ones.
-template <class K>
-static void image_rows_launch(Tensor out, Tensor in, Tensor extra, K kernel_for) {
-    const int N = out.shape.n, C = out.shape.c, H = out.shape.h;
-    const size_t out_image = N ? shape_numel(out.shape) / N : 0,
-                 in_image = N ? shape_numel(in.shape) / N : 0;
-    const size_t per_image = out_image > in_image ? out_image : in_image;
-    if (!N || !per_image) return;
-    require_below(per_image, LAUNCH_MAX_ELEMENTS,
-                  "elements per image of a pooling or resampling op");
-    // gridDim.z ≤ 65535
-    require_below((size_t)H, 65536, "rows per image of a pooling or resampling op");
-    size_t images = 65535 / (H ? H : 1);  // at least 1 now
-    if ((LAUNCH_MAX_ELEMENTS - 1) / per_image < images)
-        images = (LAUNCH_MAX_ELEMENTS - 1) / per_image;
-    const bool vec = vec_ok({out.dtype, in.dtype, extra.data ? extra.dtype : out.dtype}, C,
-                            {out.data, in.data, extra.data});
-    for (int n0 = 0; n0 < N; n0 += (int)images) {
-        const int count = N - n0 < (int)images ? N - n0 : (int)images;
-        Tensor oc =
-                tensor(elem_ptr(out.data, out.dtype, (size_t)n0 * out_image), out.shape, out.dtype);
-        Tensor ic = tensor(elem_ptr(in.data, in.dtype, (size_t)n0 * in_image), in.shape, in.dtype);
-        Tensor ec = tensor(extra.data ? elem_ptr(extra.data, extra.dtype, (size_t)n0 * out_image)
-                                      : NULL,
-                           out.shape, extra.dtype);
-        oc.shape.n = ic.shape.n = count;
-        if (vec) {
-            SWITCH_STORAGE(out.dtype, T, {
-                RowGrid g = row_grid(C / Vec<T>::N, out.shape.w, (unsigned)(count * H));
-                kernel_for(g, VecIO<T>::of(oc), VecIO<T>::of(ic), VecIO<T>::of(ec), oc.shape,
-                           ic.shape);
-            });
-        } else {
-            RowGrid g = row_grid(C, out.shape.w, (unsigned)(count * H));
-            kernel_for(g, AnyIO::of(oc), AnyIO::of(ic), AnyIO::of(ec), oc.shape, ic.shape);
+__global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t *labels,
+                                    const float *class_weights, XentClip clip, int K, size_t rows,
+                                    const float *grad_scale, void *dlogits, DType dt_grad,
+                                    ReduceOut r) {
+    __shared__ double sh[BLOCK * REDUCE_WIDTH];
+    const float scale = dlogits ? *grad_scale : 0.0f;
+    double loss = 0.0, wsum = 0.0, invalid = 0.0;
+    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows;
+         r += (size_t)blockDim.x * gridDim.x) {
+        const int32_t y = labels[r];
+        const int valid = y >= 0 && y < K;
+        const float wy = valid ? class_weights[y] : 0.0f;
+        if (!valid) invalid += 1.0;
+        const size_t base = r * (size_t)K;
+        float zmax = -INFINITY;
+        for (int c = 0; c < K; c++) { float z = ld(logits, dt, base + c); if (z > zmax) zmax = z; }
+        float sum = 0.0f;
+        for (int c = 0; c < K; c++) sum += expf(ld(logits, dt, base + c) - zmax);
+        int flat = 0;
+        if (wy != 0.0f) {
+            float nll = (float)xent_clip(logf(sum) + zmax - ld(logits, dt, base + y), clip, &flat);
+            loss += (double)wy * nll;
+            wsum += wy;
         }
-        launchCheck();
-    }
-}
-
-// y[n,oy,ox,c] = max_{dy,dx ∈ {0,1}} x[n, 2·oy + dy, 2·ox + dx, c]; ties and NaN
-// as the CPU: the first maximum of the window in row-major order (strict >)
-template <class IO>
-__global__ void maxpool2_forward_kernel(IO y, Shape t, IO x, Shape s) {
-    constexpr int W = IO::W;
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
-    if (c0 >= t.c) return;
-    const ImageRow row = image_row(blockIdx.z, t.h);
-    FOR_COLUMNS(ox, t.w) {
-        float m[W], v[W];
-        for (int k = 0; k < W; k++) m[k] = -INFINITY;
-        for (int q = 0; q < 4; q++) {
-            x.load(nhwc_at(s, row.n, 2 * row.y + q / 2, 2 * ox + q % 2, c0), v);
-            for (int k = 0; k < W; k++)
-                if (v[k] > m[k]) m[k] = v[k];
-        }
-        y.store(nhwc_at(t, row.n, row.y, ox, c0), m);
-    }
-}
-static void maxpool2_forward_cuda(Ops *o, Tensor y, Tensor x) {
-    if (!shape_numel(y.shape)) return;
-    image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
-        CU_LAUNCH(maxpool2_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t,
-                  xio, s);
-    });
-}
-
-// dx gets dy of its window where it is the window's first maximum, else 0 (also
-// in the row/column past the floor)
-template <class IO>
-__global__ void maxpool2_backward_kernel(IO dx, Shape s, IO dy, Shape t, IO x, int accumulate) {
-    constexpr int W = IO::W;
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
-    if (c0 >= s.c) return;
-    const ImageRow row = image_row(blockIdx.z, s.h);
-    const int iy = row.y, oy = iy / 2;
-    FOR_COLUMNS(ix, s.w) {
-        const int ox = ix / 2, mine = (iy - 2 * oy) * 2 + (ix - 2 * ox);
-        float g[W];
-        for (int k = 0; k < W; k++) g[k] = 0.0f;
-        if (oy < t.h && ox < t.w) {
-            float m[W], v[W], d[W];
-            int first[W];
-            for (int k = 0; k < W; k++) { m[k] = -INFINITY; first[k] = 0; }
-            for (int q = 0; q < 4; q++) {
-                x.load(nhwc_at(s, row.n, 2 * oy + q / 2, 2 * ox + q % 2, c0), v);
-                for (int k = 0; k < W; k++)
-                    if (v[k] > m[k]) { m[k] = v[k]; first[k] = q; }
+        if (dlogits)
+            for (int c = 0; c < K; c++) {
+                float p = expf(ld(logits, dt, base + c) - zmax) / sum;
+                st(dlogits, dt_grad, base + c,
+                   flat ? 0.0f : wy * (p - (c == y ? 1.0f : 0.0f)) * scale);
             }
-            dy.load(nhwc_at(t, row.n, oy, ox, c0), d);
-            for (int k = 0; k < W; k++)
-                if (first[k] == mine) g[k] = d[k];
-        }
-        store_acc(dx, nhwc_at(s, row.n, iy, ix, c0), g, accumulate);
     }
+    sh[threadIdx.x * REDUCE_WIDTH + 0] = loss;
+    sh[threadIdx.x * REDUCE_WIDTH + 1] = wsum;
+    sh[threadIdx.x * REDUCE_WIDTH + 2] = invalid;
+    block_sum_tree(sh, 3);
+    reduce_finish(r, sh);
 }
-static void maxpool2_backward_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, int accumulate) {
-    if (!shape_numel(x.shape) || !dx.data) return;
-    image_rows_launch(dx, dy, x, [&](RowGrid g, auto dxio, auto dyio, auto xio, Shape s, Shape t) {
-        CU_LAUNCH(maxpool2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0, stream_of(o), dxio,
-                  s, dyio, t, xio, accumulate);
-    });
+// logits (N,H,W,K), labels (N·H·W), class_weights (K); stats[0..2] += Σ w·nll, Σ w, invalid labels
+static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels,
+                              const float *class_weights, float prob_clip, const float *grad_scale,
+                              float *stats, Tensor dlogits) {
+    const int K = logits.shape.c;
+    const size_t rows = shape_numel(logits.shape) / K;
+    unsigned grid = reduce_grid(rows);
+    CU_LAUNCH(softmax_xent_kernel, grid, BLOCK, 0, stream_of(o), logits.data, logits.dtype, labels,
+              class_weights, xent_clip_bounds(prob_clip), K, rows, grad_scale, dlogits.data,
+              dlogits.dtype, reduce_out(o, stats, 3, 1));
+    launchCheck();
 }
 
-// y[n,oy,ox,c] = x[n, oy/2, ox/2, c]
-template <class IO>
-__global__ void upsample2_forward_kernel(IO y, Shape t, IO x, Shape s) {
-    constexpr int W = IO::W;
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
-    if (c0 >= t.c) return;
-    const ImageRow row = image_row(blockIdx.z, t.h);
-    float v[W];
-    FOR_COLUMNS(ox, t.w) {
-        x.load(nhwc_at(s, row.n, row.y / 2, ox / 2, c0), v);
-        y.store(nhwc_at(t, row.n, row.y, ox, c0), v);
-    }
-}
-static void upsample2_forward_cuda(Ops *o, Tensor y, Tensor x) {
-    if (!shape_numel(y.shape)) return;
-    image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
-        CU_LAUNCH(upsample2_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t,
-                  xio, s);
-    });
-}
+// confusion[y·K + argmax_k z_k] += 1 for labels in 0..K-1, ties to the lowest
+// class (the CPU's strict >, so a NaN logit never wins unless it is the first).
+// Integer atomics are exact, so the counts are deterministic. For K ≤
+// CONFUSION_SHARED_MAX_K each block counts in shared memory first and adds its
+// K×K counts once: segmentation has few classes and many pixels, which would
+// otherwise all hit the same few counters.
+#define CONFUSION_SHARED_MAX_K 64  // K·K·8 bytes = 32 KiB of shared memory at most
 
-// dx[n,iy,ix,c] = Σ of the 2×2 dy it was copied to, in row-major order
-template <class IO>
-__global__ void upsample2_backward_kernel(IO dx, Shape s, IO dy, Shape t, int accumulate) {
-    constexpr int W = IO::W;
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
-    if (c0 >= s.c) return;
-    const ImageRow row = image_row(blockIdx.z, s.h);
-    FOR_COLUMNS(ix, s.w) {
-        float g[W], v[W];
-        for (int k = 0; k < W; k++) g[k] = 0.0f;
-        for (int q = 0; q < 4; q++) {
-            dy.load(nhwc_at(t, row.n, 2 * row.y + q / 2, 2 * ix + q % 2, c0), v);
-            for (int k = 0; k < W; k++) g[k] += v[k];
-        }
-        store_acc(dx, nhwc_at(s, row.n, row.y, ix, c0), g, accumulate);
+__global__ void confusion_kernel(const void *logits, DType dt, const int32_t *labels, int K,
+                                 size_t rows, unsigned long long *confusion, int in_shared) {
+    CU_DYN_SHARED(unsigned long long, block_counts);  // (K,K) when in_shared
+    unsigned long long *counts = in_shared ? block_counts : confusion;
+    if (in_shared) {
+        for (int i = threadIdx.x; i < K * K; i += blockDim.x) block_counts[i] = 0;
+        __syncthreads();
     }
-}
-static void upsample2_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
-    if (!shape_numel(dx.shape) || !dx.data) return;
-    image_rows_launch(dx, dy, NO_TENSOR,
-                      [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
-                          CU_LAUNCH(upsample2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0,
-                                    stream_of(o), dxio, s, dyio, t, accumulate);
-                      });
-}
-
-// bilinear with half-pixel centres (the taps of segnet.h):
-//   y = (1-λy)·((1-λx)·x00 + λx·x01) + λy·((1-λx)·x10 + λx·x11)
-template <class IO>
-__global__ void resize_bilinear_forward_kernel(IO y, Shape t, IO x, Shape s) {
-    constexpr int W = IO::W;
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
-    if (c0 >= t.c) return;
-    const ImageRow row = image_row(blockIdx.z, t.h);
-    const BilinearTap ty = bilinear_tap(row.y, s.h, t.h);
-    FOR_COLUMNS(ox, t.w) {
-        const BilinearTap tx = bilinear_tap(ox, s.w, t.w);
-        float x00[W], x01[W], x10[W], x11[W], out[W];
-        x.load(nhwc_at(s, row.n, ty.i0, tx.i0, c0), x00);
-        x.load(nhwc_at(s, row.n, ty.i0, tx.i1, c0), x01);
-        x.load(nhwc_at(s, row.n, ty.i1, tx.i0, c0), x10);
-        x.load(nhwc_at(s, row.n, ty.i1, tx.i1, c0), x11);
-        for (int k = 0; k < W; k++) {
-            float top = (1.0f - tx.l) * x00[k] + tx.l * x01[k];
-            float bot = (1.0f - tx.l) * x10[k] + tx.l * x11[k];
-            out[k] = (1.0f - ty.l) * top + ty.l * bot;
-        }
-        y.store(nhwc_at(t, row.n, row.y, ox, c0), out);
-    }
-}
-static void resize_bilinear_forward_cuda(Ops *o, Tensor y, Tensor x) {
-    if (!shape_numel(y.shape)) return;
-    image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
-        CU_LAUNCH(resize_bilinear_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o),
-                  yio, t, xio, s);
-    });
-}
-
-// The adjoint as a gather, as on the CPU (same outputs, same order):
-//   dx[n,iy,ix,c] (=|+=) Σ_{oy,ox} wy(oy,iy)·wx(ox,ix)·dy[n,oy,ox,c]
-template <class IO>
-__global__ void resize_bilinear_backward_kernel(IO dx, Shape s, IO dy, Shape t, int accumulate) {
-    constexpr int W = IO::W;
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
-    if (c0 >= s.c) return;
-    const ImageRow row = image_row(blockIdx.z, s.h);
-    const int iy = row.y;
-    int oy0, oy1;
-    tap_range(iy, s.h, t.h, &oy0, &oy1);
-    FOR_COLUMNS(ix, s.w) {
-        int ox0, ox1;
-        tap_range(ix, s.w, t.w, &ox0, &ox1);
-        float g[W], v[W];
-        for (int k = 0; k < W; k++) g[k] = 0.0f;
-        for (int oy = oy0; oy <= oy1; oy++) {
-            const float wy = tap_weight(bilinear_tap(oy, s.h, t.h), iy);
-            if (wy == 0.0f) continue;
-            for (int ox = ox0; ox <= ox1; ox++) {
-                const float wx = tap_weight(bilinear_tap(ox, s.w, t.w), ix);
-                if (wx == 0.0f) continue;
-                dy.load(nhwc_at(t, row.n, oy, ox, c0), v);
-                for (int k = 0; k < W; k++) g[k] += wy * wx * v[k];
+    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows;
+         r += (size_t)blockDim.x * gridDim.x) {
+        const int32_t y = labels[r];
+        if (y < 0 || y >= K) continue;
+        const size_t base = r * (size_t)K;
+        int best = 0;
+        float zbest = ld(logits, dt, base);
+        for (int c = 1; c < K; c++) {
+            float z = ld(logits, dt, base + c);
+            if (z > zbest) {
+                zbest = z;
+                best = c;
             }
         }
-        store_acc(dx, nhwc_at(s, row.n, iy, ix, c0), g, accumulate);
+        atomicAdd(&counts[y * K + best], 1ull);
+    }
+    if (in_shared) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < K * K; i += blockDim.x)
+            if (block_counts[i]) atomicAdd(&confusion[i], block_counts[i]);
     }
 }
-static void resize_bilinear_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
-    if (!shape_numel(dx.shape) || !dx.data) return;
-    image_rows_launch(dx, dy, NO_TENSOR,
-                      [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
-                          CU_LAUNCH(resize_bilinear_backward_kernel<decltype(dxio)>, g.grid,
-                                    g.block, 0, stream_of(o), dxio, s, dyio, t, accumulate);
-                      });
+// logits (N,H,W,K), labels (N·H·W), confusion (K,K) int64, true class by row
+static void confusion_accumulate_cuda(Ops *o, Tensor logits, const int32_t *labels,
+                                      int64_t *confusion) {
+    const int K = logits.shape.c;
+    const size_t rows = shape_numel(logits.shape) / K;
+    if (!rows) return;
+    const int in_shared = K <= CONFUSION_SHARED_MAX_K;
+    const size_t smem = in_shared ? (size_t)K * K * sizeof(unsigned long long) : 0;
+    CU_LAUNCH(confusion_kernel, grid_for(rows), BLOCK, smem, stream_of(o), logits.data,
+              logits.dtype, labels, K, rows, (unsigned long long *)confusion, in_shared);
+    launchCheck();
 }
 
 // ----------------------------------------------------------------------------
-// depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx,
-// c]·w[c][ky][kx],
-// taps in (ky, kx) order after the bias, like the CPU. Threads over (channel
-// lane, output pixel) as the pooling kernels: grid (channel tiles, column
-// blocks, output image rows); W channels per lane (1 generic, Vec<T>::N vector).
-// KS: the kernel size when it is known at compile time (3: EfficientNet's; 0:
-// read from cfg); then the loops unroll and a thread keeps its channels' taps
-// in registers (DepthwiseTaps) instead of loading them per output pixel.
-template <int KS, int W> struct DepthwiseTaps {
-    float v[KS ? KS * KS : 1][W];
-    __device__ DepthwiseTaps(const float *w, int c0, int taps) {
-        for (int q = 0; q < (KS ? KS * KS : 0); q++)
-            for (int k = 0; k < W; k++) v[q][k] = w[(c0 + k) * taps + q];
-    }
-    // channel c0 + k's tap q: from registers (KS), else from w
-    __device__ float at(const float *w, int c0, int taps, int q, int k) const {
-        return KS ? v[KS ? q : 0][k] : w[(c0 + k) * taps + q];
+// Adam over the whole parameter buffer (the formula is at AdamStep in segnet.h),
+// elementwise. Every operation is rounded on its own (__fmul_rn and friends
+// cannot be fused into multiply-adds) in the CPU op's order, which is compiled
+// without contraction too: both backends give the same bits.
+
+struct AdamElement {
+    AdamStep s;
+    float decay, one_minus_b1, one_minus_b2;
+    __device__ void operator()(float &p, float grad, float &m, float &v) const {
+        float g = __fmul_rn(grad, s.grad_scale);
+        if (decay != 0.0f) p = __fsub_rn(p, __fmul_rn(decay, p));
+        m = __fadd_rn(m, __fmul_rn(__fsub_rn(g, m), one_minus_b1));
+        v = __fadd_rn(v, __fmul_rn(__fsub_rn(__fmul_rn(g, g), v), one_minus_b2));
+        p = __fsub_rn(p, __fdiv_rn(__fmul_rn(s.alpha, m), __fadd_rn(__fsqrt_rn(v), s.eps)));
     }
 };
-template <class IO, int KS>
-__global__ void depthwise_forward_kernel(IO y, Shape t, IO x, Shape s, const float *w,
-                                         const float *b, ConvCfg cfg, int pt, int pl) {
-    constexpr int W = IO::W;
-    const int kh = KS ? KS : cfg.kh, kw = KS ? KS : cfg.kw, taps = kh * kw;
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
-    if (c0 >= t.c) return;
-    const DepthwiseTaps<KS, W> tap(w, c0, taps);
-    const ImageRow row = image_row(blockIdx.z, t.h);
-    FOR_COLUMNS(ox, t.w) {
-        float acc[W], v[W];
-        for (int k = 0; k < W; k++) acc[k] = b ? b[c0 + k] : 0.0f;
-        #pragma unroll
-        for (int ky = 0; ky < kh; ky++) {
-            const int iy = (int)row.y * cfg.stride - pt + ky;
-            if (iy < 0 || iy >= s.h) continue;
-            #pragma unroll
-            for (int kx = 0; kx < kw; kx++) {
-                const int ix = ox * cfg.stride - pl + kx;
-                if (ix < 0 || ix >= s.w) continue;
-                x.load(nhwc_at(s, row.n, iy, ix, c0), v);
-                for (int k = 0; k < W; k++) acc[k] += v[k] * tap.at(w, c0, taps, ky * kw + kx, k);
-            }
+static __device__ AdamElement adam_element(const AdamStep &s) {
+    return {s, __fmul_rn(s.lr, s.weight_decay), __fsub_rn(1.0f, s.beta1), __fsub_rn(1.0f, s.beta2)};
+}
+__global__ void adam_kernel(float *params, const float *grads, float *m, float *v, size_t n,
+                            const AdamStep *step) {
+    const AdamStep s = *step;
+    if (s.skip) return;
+    const AdamElement adam = adam_element(s);
+    FOR_CHUNKS(n, base, cnt) {
+        FOR_GRID(i, cnt) {
+            const size_t j = base + i;
+            float p = params[j], mj = m[j], vj = v[j];
+            adam(p, grads[j], mj, vj);
+            params[j] = p; m[j] = mj; v[j] = vj;
         }
-        y.store(nhwc_at(t, row.n, row.y, ox, c0), acc);
     }
 }
-// din[n,iy,ix,c] (=|+=) Σ_{ky,kx} dout[n,oy,ox,c]·w[c][ky][kx], oy = (iy + pt - ky)/s integral
-// KS as in the forward; ST: the stride when known at compile time (1 or 2: the
-// divisions by it are shifts), 0: cfg's
-template <class IO, int KS, int ST>
-__global__ void depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t, const float *w,
-                                               ConvCfg cfg, int pt, int pl, int accumulate) {
-    constexpr int W = IO::W;
-    const int kh = KS ? KS : cfg.kh, kw = KS ? KS : cfg.kw, taps = kh * kw,
-              st = ST ? ST : cfg.stride;
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
-    if (c0 >= s.c) return;
-    const DepthwiseTaps<KS, W> tap(w, c0, taps);
-    const ImageRow row = image_row(blockIdx.z, s.h);
-    FOR_COLUMNS(ix, s.w) {
-        float acc[W], v[W];
-        for (int k = 0; k < W; k++) acc[k] = 0.0f;
-        #pragma unroll
-        for (int ky = 0; ky < kh; ky++) {
-            const int ty = (int)row.y + pt - ky;
-            if (ty < 0 || ty % st || ty / st >= t.h) continue;
-            #pragma unroll
-            for (int kx = 0; kx < kw; kx++) {
-                const int tx = ix + pl - kx;
-                if (tx < 0 || tx % st || tx / st >= t.w) continue;
-                dout.load(nhwc_at(t, row.n, ty / st, tx / st, c0), v);
-                for (int k = 0; k < W; k++) acc[k] += v[k] * tap.at(w, c0, taps, ky * kw + kx, k);
-            }
+__global__ void adam_vec_kernel(float *params, const float *grads, float *m, float *v, size_t n_vec,
+                                const AdamStep *step) {
+    const AdamStep s = *step;
+    if (s.skip) return;
+    const AdamElement adam = adam_element(s);
+    constexpr int N = Vec<float>::N;
+    FOR_CHUNKS(n_vec, base, cnt) {
+        FOR_GRID(i, cnt) {
+            const size_t j = (base + i) * N;
+            Vec<float> p = load_vec(params + j), g = load_vec(grads + j), mv = load_vec(m + j),
+                       vv = load_vec(v + j);
+            for (int k = 0; k < N; k++) adam(p.v[k], g.v[k], mv.v[k], vv.v[k]);
+            store_vec(params + j, p); store_vec(m + j, mv); store_vec(v + j, vv);
         }
-        store_acc(din, nhwc_at(s, row.n, row.y, ix, c0), acc, accumulate);
     }
 }
-// Pass 1 of dw[c][ky][kx] += Σ_{n,oy,ox} dout[n,oy,ox,c]·x[n, oy·s - pt + ky, ox·s - pl + kx, c]:
-// block (channel lanes × row lanes) of part blockIdx.y sums the output pixels
-// r = (n·OH + oy)·OW + ox of its part, each row lane every blockDim.y-th pixel,
-// all taps of its W channels in registers (fp32), then the lanes in order;
-// it writes partial[part][c][tap]. The last block of a channel tile
-// (last_block) adds the parts in part order into dw.
-#define DW_MAX_TAPS 9  // taps kept in registers (3×3); larger kernels run tap by tap
-template <class IO, int TAPS>
-__global__ void depthwise_weight_kernel(float *dw, float *partial, unsigned *done, IO dout, Shape t,
-                                        IO x, Shape s, ConvCfg cfg, int pt, int pl,
-                                        uint32_t pixels_per_part, int tap0, FastDiv by_ow,
-                                        FastDiv by_oh) {
-    constexpr int W = IO::W;
-    __shared__ float lanes[BLOCK * W];
-    const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, part = blockIdx.y, C = s.c;
-    const int ntaps = cfg.kh * cfg.kw;
-    const uint32_t M = (uint32_t)t.n * t.h * t.w, p0 = part * pixels_per_part;
-    const uint32_t p1 = p0 + pixels_per_part < M ? p0 + pixels_per_part : M;
-    float acc[TAPS][W];
-    for (int q = 0; q < TAPS; q++)
-        for (int k = 0; k < W; k++) acc[q][k] = 0.0f;
-    if (c0 < C)
-        for (uint32_t r = p0 + threadIdx.y; r < p1; r += blockDim.y) {
-            const uint32_t rows = fastdiv(by_ow, r), img = fastdiv(by_oh, rows);
-            const int ox = (int)(r - rows * t.w), oy = (int)(rows - img * t.h);
-            float g[W], v[W];
-            dout.load(r * C + c0, g);
-            for (int q = 0; q < TAPS; q++) {
-                const int tap = tap0 + q, ky = tap / cfg.kw, kx = tap % cfg.kw;
-                if (tap >= ntaps) break;
-                const int iy = oy * cfg.stride - pt + ky, ix = ox * cfg.stride - pl + kx;
-                if (iy < 0 || iy >= s.h || ix < 0 || ix >= s.w) continue;
-                x.load(nhwc_at(s, img, iy, ix, c0), v);
-                for (int k = 0; k < W; k++) acc[q][k] += g[k] * v[k];
-            }
-        }
-    // the row lanes' sums in lane order, tap by tap through shared memory
-    const int lane = threadIdx.y * blockDim.x + threadIdx.x;
-    for (int q = 0; q < TAPS && tap0 + q < ntaps; q++) {
-        for (int k = 0; k < W; k++) lanes[lane * W + k] = acc[q][k];
-        __syncthreads();
-        if (threadIdx.y == 0 && c0 < C)
-            for (int k = 0; k < W; k++) {
-                float sum = 0.0f;
-                for (int l = 0; l < (int)blockDim.y; l++)
-                    sum += lanes[(l * blockDim.x + threadIdx.x) * W + k];
-                partial[((size_t)part * C + c0 + k) * ntaps + tap0 + q] = sum;
-            }
-        __syncthreads();
-    }
-    if (!last_block(done + blockIdx.x, gridDim.y)) return;
-    // dw[c][tap] += Σ_part partial[part][c][tap] in part order, for this tile's channels and taps
-    const volatile float *in = partial;
-    const int c_first = blockIdx.x * blockDim.x * W,
-              n_c = C - c_first < (int)blockDim.x * W ? C - c_first : blockDim.x * W;
-    const int n_taps = ntaps - tap0 < TAPS ? ntaps - tap0 : TAPS;
-    for (int item = lane; item < n_c * n_taps; item += blockDim.x * blockDim.y) {
-        const size_t at = (size_t)(c_first + item / n_taps) * ntaps + tap0 + item % n_taps;
-        float sum = 0.0f;
-        for (uint32_t part_k = 0; part_k < gridDim.y; part_k++)
-            sum += in[part_k * (size_t)C * ntaps + at];
-        dw[at] += sum;
-    }
+// params, grads, m, v: (n) fp32; s: device memory
+static void adam_update_cuda(Ops *o, float *params, const float *grads, float *m, float *v,
+                             size_t n, const AdamStep *s) {
+    if (!n) return;
+    if (vec_ok({DT_F32}, n, {params, grads, m, v}))
+        CU_LAUNCH(adam_vec_kernel, grid_for(n / Vec<float>::N), BLOCK, 0, stream_of(o), params,
+                  grads, m, v, n / Vec<float>::N, s);
+    else
+        CU_LAUNCH(adam_kernel, grid_for(n), BLOCK, 0, stream_of(o), params, grads, m, v, n, s);
+    launchCheck();
 }
 
-static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
-                              const float *w, const float *b) {
-    if (!shape_numel(out.shape)) return;
-    image_rows_launch(out, in, NO_TENSOR,
-                      [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
-                          typedef decltype(yio) IO;
-                          if (cfg->kh == 3 && cfg->kw == 3)
-                              CU_LAUNCH((depthwise_forward_kernel<IO, 3>), g.grid, g.block, 0,
-                                        stream_of(o), yio, t, xio, s, w, b, *cfg, q->pt, q->pl);
-                          else
-                              CU_LAUNCH((depthwise_forward_kernel<IO, 0>), g.grid, g.block, 0,
-                                        stream_of(o), yio, t, xio, s, w, b, *cfg, q->pt, q->pl);
-                      });
+// the step's decisions (step_control_apply in segnet.h), on one thread
+__global__ void step_control_kernel(const StepArgs *a, StepState *s, StepPhase phase) {
+    step_control_apply(a, s, phase);
 }
-static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din,
-                                    Tensor dout, const float *w, int accumulate) {
-    if (!shape_numel(din.shape)) return;
-    image_rows_launch(
-            din, dout, NO_TENSOR, [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
-                typedef decltype(dxio) IO;
-                const bool k3 = cfg->kh == 3 && cfg->kw == 3;
-                if (k3 && cfg->stride == 1)
-                    CU_LAUNCH((depthwise_backward_data_kernel<IO, 3, 1>), g.grid, g.block, 0,
-                              stream_of(o), dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
-                else if (k3 && cfg->stride == 2)
-                    CU_LAUNCH((depthwise_backward_data_kernel<IO, 3, 2>), g.grid, g.block, 0,
-                              stream_of(o), dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
-                else
-                    CU_LAUNCH((depthwise_backward_data_kernel<IO, 0, 0>), g.grid, g.block, 0,
-                              stream_of(o), dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
-            });
-}
-// partial (parts, C, taps) in the workspace, then dw += Σ_parts in part order, in one launch per 9
-// taps
-static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom *q, float *dw,
-                                      Tensor dout, Tensor in, int parts, float *partial) {
-    const size_t M = (size_t)q->N * q->P, taps = (size_t)cfg->kh * cfg->kw;
-    if (!M) return;
-    require_below(shape_numel(in.shape) > shape_numel(dout.shape) ? shape_numel(in.shape)
-                                                                  : shape_numel(dout.shape),
-                  (size_t)1 << 31, "elements of a depthwise weight gradient's tensors");
-    const uint32_t per_part = (uint32_t)rows_per_part(M, parts);
-    const Shape t = dout.shape, s = in.shape;
-    auto run = [&](auto dyio, auto xio, int lanes) {
-        typedef decltype(dyio) IO;
-        const unsigned tx = lanes < WARP_SIZE ? (unsigned)lanes : WARP_SIZE;
-        const dim3 grid((lanes + tx - 1) / tx, parts), block(tx, BLOCK / tx);
-        require_below(grid.x, SUMS_COUNTERS + 1, "channel tiles of a depthwise weight gradient");
-        for (int tap0 = 0; tap0 < (int)taps; tap0 += DW_MAX_TAPS) {
-            CU_LAUNCH((depthwise_weight_kernel<IO, DW_MAX_TAPS>), grid, block, 0, stream_of(o), dw,
-                      partial, ctx_of(o)->sums_done, dyio, t, xio, s, *cfg, q->pt, q->pl, per_part,
-                      tap0, fastdiv_make(t.w), fastdiv_make(t.h));
-            launchCheck();
-        }
-    };
-    if (vec_ok({dout.dtype, in.dtype}, q->C, {dout.data, in.data})) {
-        SWITCH_STORAGE(in.dtype, T,
-                       { run(VecIO<T>::of(dout), VecIO<T>::of(in), q->C / Vec<T>::N); });
-    } else {
-        run(AnyIO::of(dout), AnyIO::of(in), q->C);
-    }
+static void step_control_cuda(Ops *o, const StepArgs *a, StepState *s, StepPhase phase) {
+    CU_LAUNCH(step_control_kernel, 1, 1, 0, stream_of(o), a, s, phase);
+    launchCheck();
 }
 
 // ----------------------------------------------------------------------------

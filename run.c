@@ -643,7 +643,6 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
                     char err[SN_ERR_MAX]) {
     const TrainCfg *c = t->c;
     Ops *o = t->o;
-    Net *net = &t->net;
     Comm *comm = t->comm;
     const int B = c->model.batch, N = t->shard, K = t->K, R = comm->size;
     const Shape in = t->g.tensors[t->g.input].shape;
@@ -759,7 +758,6 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
     }
     if (L) loader_stop(L);
     free(order); free(mine);
-    net->batch = N;
     if (stopped && rc == 0) {  // this replica's totals so far; where the pass goes on
         o->download(o, pt->cm, t->confusion, sizeof(int64_t) * K * K);
         if (training) t->resume_batch = stopped;
@@ -2636,13 +2634,16 @@ static int choose_setting(TrainCfg *c, size_t budget, char *why, size_t why_size
     size_t smallest = SIZE_MAX;
     int tried = 0;
     why[0] = 0;
+    // at each micro-batch, from the fastest to the smallest
+    static const struct { int checkpoint; DType precision; } SETTINGS[] = {
+        {0, DT_F32}, {1, DT_F32}, {0, DT_F16}, {1, DT_F16}};
     for (int micro = global; micro >= 1; micro = micro > 1 ? (micro + 1) / 2 : 0) {
-        for (int v = 0; v < 4; v++) {
+        for (size_t v = 0; v < sizeof SETTINGS / sizeof *SETTINGS; v++) {
             TrainCfg t = *c;
             t.model.batch = micro;
             t.accum = (global + micro - 1) / micro;
-            t.checkpoint = v & 1;
-            t.precision = v & 2 ? DT_F16 : DT_F32;
+            t.checkpoint = SETTINGS[v].checkpoint;
+            t.precision = SETTINGS[v].precision;
             Graph g;
             Plan p;
             Ops *o;

@@ -16,13 +16,13 @@
 //                        learning-rate schedules; the reference table ops_ref
 //   II.  The models      the graph's builders; EfficientNetV2 and the U-Nets;
 //                        initial weights
-//   III. The step        memory planning (with recompute); fusing layers; the
+//   III. The step        fusing layers; memory planning (with recompute); the
 //                        executor (layer_forward, layer_backward); the training
 //                        step (train_step, its work in numbered steps)
-//   IV.  Making it fast  the direct and GEMM convolutions, batch norm in fp32
-//                        passes with exp_vec, the squeeze-excitation pieces,
-//                        pooling, upsampling, concat and the elementwise ops
-//                        in fp32; ops_cpu = ops_ref with those
+//   IV.  Making it fast  in part I's order: the elementwise ops in fp32; the
+//                        direct and GEMM convolutions; the squeeze-excitation
+//                        pieces; pooling, upsampling, concat; batch norm in
+//                        fp32 passes with exp_vec; ops_cpu = ops_ref with those
 //   V.   Plumbing        in files of their own, included at the end:
 //                        backends.c (--device), safetensors.c, weights.c (by
 //                        name), images.c (and prediction), datasets.c, curves.c,
@@ -91,6 +91,12 @@
 #include <mpi.h>
 #endif
 #include "segnet.h"
+// the plumbing's declarations (part V): the step reads data sets and a run's settings
+#include "safetensors.h"
+#include "images.h"
+#include "datasets.h"
+#include "curves.h"
+#include "run.h"
 
 // ============================================================================
 // PART I. THE MATH
@@ -440,6 +446,70 @@ static void act_backward_ref(Ops *o, Act act, Tensor dx, Tensor dy, Tensor x, in
 }
 
 // ----------------------------------------------------------------------------
+// squeeze-excitation pieces (fp32 versions in part IV)
+//   pool:  y[n,c] = Σ_{h,w} x[n,h,w,c] / (H·W);      dx[n,h,w,c] = dy[n,c] / (H·W)
+//   scale: y[n,h,w,c] = x[n,h,w,c]·s[n,c];           dx = dy·s,  ds[n,c] = Σ_{h,w} dy·x
+
+static void global_avg_pool_forward_ref(Ops *o, Tensor y, Tensor x) {
+    (void)o;
+    const int C = x.shape.c;
+    const size_t HW = (size_t)x.shape.h * x.shape.w;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
+    for (int nc = 0; nc < x.shape.n * C; nc++) {
+        int n = nc / C, c = nc % C;
+        double s = 0.0;
+        for (size_t p = 0; p < HW; p++) s += ld(x, ((size_t)n * HW + p) * C + c);
+        st(y, nc, (float)(s / (double)HW));
+    }
+}
+
+static void global_avg_pool_backward_ref(Ops *o, Tensor dx, Tensor dy, int accumulate) {
+    (void)o;
+    const int C = dx.shape.c;
+    const size_t HW = (size_t)dx.shape.h * dx.shape.w;
+    const float inv = 1.0f / (float)HW;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(dx.shape)))
+    for (size_t i = 0; i < shape_numel(dx.shape); i++) {
+        size_t n = i / (HW * C);
+        int c = (int)(i % C);
+        st_acc(dx, i, ld(dy, n * C + c) * inv, accumulate);
+    }
+}
+
+static void channel_scale_forward_ref(Ops *o, Tensor y, Tensor x, Tensor s) {
+    (void)o;
+    const int C = x.shape.c;
+    const size_t HWC = (size_t)x.shape.h * x.shape.w * C;
+    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
+    for (size_t i = 0; i < shape_numel(x.shape); i++)
+        st(y, i, ld(x, i) * ld(s, (i / HWC) * C + i % C));
+}
+
+static void channel_scale_backward_ref(Ops *o, Tensor dx, Tensor ds, Tensor dy, Tensor x, Tensor s,
+                                       int accumulate_dx, int accumulate_ds) {
+    (void)o;
+    const int C = x.shape.c;
+    const size_t HW = (size_t)x.shape.h * x.shape.w, HWC = HW * C;
+    if (dx.data) {
+        #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
+        for (size_t i = 0; i < shape_numel(x.shape); i++)
+            st_acc(dx, i, ld(dy, i) * ld(s, (i / HWC) * C + i % C), accumulate_dx);
+    }
+    if (ds.data) {
+        #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
+        for (int nc = 0; nc < x.shape.n * C; nc++) {
+            int n = nc / C, c = nc % C;
+            double acc = 0.0;
+            for (size_t p = 0; p < HW; p++) {
+                size_t i = ((size_t)n * HW + p) * C + c;
+                acc += (double)ld(dy, i) * ld(x, i);
+            }
+            st_acc(ds, nc, (float)acc, accumulate_ds);
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------
 // squeeze-excitation's gate (the formulas are at se_gate_forward in segnet.h)
 //   per image: z1 = W1·p + b1, y1 = act1(z1), z2 = W2·y1 + b2, s = act2(z2)
 
@@ -532,70 +602,6 @@ static void se_gate_backward_ref(Ops *o, Tensor dp, Tensor ds, Tensor p, const f
         outer_sums(dw1, db1, b.dz1, S, b.pv, C, N);
     }
     free(b.pv);
-}
-
-// ----------------------------------------------------------------------------
-// squeeze-excitation pieces (fp32 versions in part IV)
-//   pool:  y[n,c] = Σ_{h,w} x[n,h,w,c] / (H·W);      dx[n,h,w,c] = dy[n,c] / (H·W)
-//   scale: y[n,h,w,c] = x[n,h,w,c]·s[n,c];           dx = dy·s,  ds[n,c] = Σ_{h,w} dy·x
-
-static void global_avg_pool_forward_ref(Ops *o, Tensor y, Tensor x) {
-    (void)o;
-    const int C = x.shape.c;
-    const size_t HW = (size_t)x.shape.h * x.shape.w;
-    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
-    for (int nc = 0; nc < x.shape.n * C; nc++) {
-        int n = nc / C, c = nc % C;
-        double s = 0.0;
-        for (size_t p = 0; p < HW; p++) s += ld(x, ((size_t)n * HW + p) * C + c);
-        st(y, nc, (float)(s / (double)HW));
-    }
-}
-
-static void global_avg_pool_backward_ref(Ops *o, Tensor dx, Tensor dy, int accumulate) {
-    (void)o;
-    const int C = dx.shape.c;
-    const size_t HW = (size_t)dx.shape.h * dx.shape.w;
-    const float inv = 1.0f / (float)HW;
-    #pragma omp parallel for schedule(static) if(PAR(shape_numel(dx.shape)))
-    for (size_t i = 0; i < shape_numel(dx.shape); i++) {
-        size_t n = i / (HW * C);
-        int c = (int)(i % C);
-        st_acc(dx, i, ld(dy, n * C + c) * inv, accumulate);
-    }
-}
-
-static void channel_scale_forward_ref(Ops *o, Tensor y, Tensor x, Tensor s) {
-    (void)o;
-    const int C = x.shape.c;
-    const size_t HWC = (size_t)x.shape.h * x.shape.w * C;
-    #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
-    for (size_t i = 0; i < shape_numel(x.shape); i++)
-        st(y, i, ld(x, i) * ld(s, (i / HWC) * C + i % C));
-}
-
-static void channel_scale_backward_ref(Ops *o, Tensor dx, Tensor ds, Tensor dy, Tensor x, Tensor s,
-                                       int accumulate_dx, int accumulate_ds) {
-    (void)o;
-    const int C = x.shape.c;
-    const size_t HW = (size_t)x.shape.h * x.shape.w, HWC = HW * C;
-    if (dx.data) {
-        #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
-        for (size_t i = 0; i < shape_numel(x.shape); i++)
-            st_acc(dx, i, ld(dy, i) * ld(s, (i / HWC) * C + i % C), accumulate_dx);
-    }
-    if (ds.data) {
-        #pragma omp parallel for schedule(static) if(PAR(shape_numel(x.shape)))
-        for (int nc = 0; nc < x.shape.n * C; nc++) {
-            int n = nc / C, c = nc % C;
-            double acc = 0.0;
-            for (size_t p = 0; p < HW; p++) {
-                size_t i = ((size_t)n * HW + p) * C + c;
-                acc += (double)ld(dy, i) * ld(x, i);
-            }
-            st_acc(ds, nc, (float)acc, accumulate_ds);
-        }
-    }
 }
 
 // ----------------------------------------------------------------------------
@@ -905,27 +911,25 @@ static void bn_stats_finish_ref(Ops *o, const double *sums, int C, size_t count,
 }
 
 // y = act(gamma·((x − mean)·invstd) + beta), then the layer after it (next)
-static void bn_forward_ref(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
-                           const float *gamma, const float *beta, float eps, Act act,
-                           const BnNext *next) {
+static void bn_forward_ref(Ops *o, Tensor y, Tensor x, const BnArgs *bn) {
+    const BnNext *next = bn->next;
     if (next && next->kind == FUSED_RESIDUAL) y = next->out;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (size_t r = 0; r < M; r++)
         for (int c = 0; c < C; c++) {
-            float z = gamma[c] * ((ld(x, r * C + c) - mean[c]) * bn_invstd(var, c, eps)) + beta[c];
-            st(y, r * C + c, act_apply(act, z));
+            const float xhat = (ld(x, r * C + c) - bn->mean[c]) * bn_invstd(bn->var, c, bn->eps);
+            st(y, r * C + c, act_apply(bn->act, bn->gamma[c] * xhat + bn->beta[c]));
         }
     if (next) bn_next_forward_unfused(o, y, next);
 }
 
 // Σg and Σg·xhat per channel (sums: the same in fp64, --sync-bn), dgamma and dbeta;
 // first, with a residual block's end, dy becomes y's gradient (bn_next_backward_unfused)
-static void bn_backward_reduce_ref(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
-                                   const float *gamma, const float *beta, float eps, Act act,
-                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta,
-                                   double *sums, const BnNext *next) {
+static void bn_backward_reduce_ref(Ops *o, Tensor dy, Tensor x, const BnArgs *bn, float *sum_g,
+                                   float *sum_gx, float *dgamma, float *dbeta, double *sums) {
+    const BnNext *next = bn->next;
     if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_unfused(o, dy, next);
     if (!sum_g) return;
     const int C = x.shape.c;
@@ -937,8 +941,8 @@ static void bn_backward_reduce_ref(Ops *o, Tensor dy, Tensor x, const float *mea
         for (size_t r = 0; r < M; r++)
             for (int j = 0; j < nc; j++) {
                 int c = c0 + j;
-                float xhat = (ld(x, r * C + c) - mean[c]) * bn_invstd(var, c, eps);
-                float g = ld(dy, r * C + c) * act_grad(act, gamma[c] * xhat + beta[c]);
+                float xhat = (ld(x, r * C + c) - bn->mean[c]) * bn_invstd(bn->var, c, bn->eps);
+                float g = ld(dy, r * C + c) * act_grad(bn->act, bn->gamma[c] * xhat + bn->beta[c]);
                 sg[j] += g;
                 sgx[j] += (double)g * xhat;
             }
@@ -958,19 +962,19 @@ static void bn_backward_finish_ref(Ops *o, const double *sums, int C, float *sum
 
 // dx (=|+=) gamma·invstd·(g − (Σg + xhat·Σg·xhat)/count), count 0: running statistics;
 // dy is y's gradient, also with a residual block's end (bn_backward_reduce_ref made it so)
-static void bn_backward_data_ref(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
-                                 const float *var, const float *gamma, const float *beta, float eps,
-                                 Act act, const float *sum_g, const float *sum_gx, size_t count,
-                                 int accumulate, const BnNext *next) {
-    (void)o; (void)next;
+static void bn_backward_data_ref(Ops *o, Tensor dx, Tensor dy, Tensor x, const BnArgs *bn,
+                                 const float *sum_g, const float *sum_gx, size_t count,
+                                 int accumulate) {
+    const float *gamma = bn->gamma;
+    (void)o;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
     for (size_t r = 0; r < M; r++)
         for (int c = 0; c < C; c++) {
-            float invstd = bn_invstd(var, c, eps);
-            float xhat = (ld(x, r * C + c) - mean[c]) * invstd;
-            float g = ld(dy, r * C + c) * act_grad(act, gamma[c] * xhat + beta[c]);
+            float invstd = bn_invstd(bn->var, c, bn->eps);
+            float xhat = (ld(x, r * C + c) - bn->mean[c]) * invstd;
+            float g = ld(dy, r * C + c) * act_grad(bn->act, gamma[c] * xhat + bn->beta[c]);
             if (count) g -= (sum_g[c] + xhat * sum_gx[c]) / (float)count;
             st_acc(dx, r * C + c, gamma[c] * invstd * g, accumulate);
         }
@@ -1976,6 +1980,38 @@ void net_init_params(Net *net, uint64_t seed) {
 // ============================================================================
 
 // ----------------------------------------------------------------------------
+// fusing layers
+//
+// A batch norm's output usually goes straight into one cheap layer. Where that
+// layer only reads the tensor once more, the executor hands its work to the
+// batch norm's ops (BnNext), which on a GPU saves a pass over the tensor and a
+// kernel launch:
+//   FUSED_POOL      squeeze-excitation's pool of the BN's output (forward; the
+//                   output is still written, the channel scale reads it);
+//   FUSED_RESIDUAL  a residual block's end, drop_path(BN output) + residual,
+//                   when nothing else reads the BN's output (forward and
+//                   backward: the BN's output and its gradient need not pass
+//                   through memory).
+// The results are the unfused ones, bit for bit (tests: fuse_layers 0). The
+// plan gives the fused layer its batch norm's slots, so that what either
+// layer touches is alive while the fused op runs.
+int fuse_layers = 1;
+
+Fusion layer_fusion(const Graph *g, int j) {
+    if (!fuse_layers || j < 1 || j >= g->n_layers) return FUSED_NONE;
+    const Layer *bn = &g->layers[j - 1], *l = &g->layers[j];
+    if (bn->kind != LAYER_BN || l->in[0] != bn->out || l->block != bn->block) return FUSED_NONE;
+    if (l->kind == LAYER_GAP) return FUSED_POOL;
+    if (l->kind != LAYER_DROP_PATH || l->in[1] < 0 || l->in[1] == bn->out ||
+        bn->out == g->layers[g->n_layers - 1].out)
+        return FUSED_NONE;
+    for (int i = 0; i < g->n_layers; i++)
+        if (i != j && (g->layers[i].in[0] == bn->out || g->layers[i].in[1] == bn->out))
+            return FUSED_NONE;
+    return FUSED_RESIDUAL;
+}
+
+// ----------------------------------------------------------------------------
 // memory planning: every activation and gradient gets a lifetime over the
 // step's schedule of slots and an offset in one arena
 //
@@ -2006,38 +2042,6 @@ static int layer_backward_reads(const Layer *l, int k) {
     case LAYER_SCALE: return 1;
     default: return 0;
     }
-}
-
-// ----------------------------------------------------------------------------
-// fusing layers
-//
-// A batch norm's output usually goes straight into one cheap layer. Where that
-// layer only reads the tensor once more, the executor hands its work to the
-// batch norm's ops (BnNext), which on a GPU saves a pass over the tensor and a
-// kernel launch:
-//   FUSED_POOL      squeeze-excitation's pool of the BN's output (forward; the
-//                   output is still written, the channel scale reads it);
-//   FUSED_RESIDUAL  a residual block's end, drop_path(BN output) + residual,
-//                   when nothing else reads the BN's output (forward and
-//                   backward: the BN's output and its gradient need not pass
-//                   through memory).
-// The results are the unfused ones, bit for bit (tests: fuse_layers 0). The
-// plan gives the fused layer its batch norm's slots, so that what either
-// layer touches is alive while the fused op runs.
-int fuse_layers = 1;
-
-Fusion layer_fusion(const Graph *g, int j) {
-    if (!fuse_layers || j < 1 || j >= g->n_layers) return FUSED_NONE;
-    const Layer *bn = &g->layers[j - 1], *l = &g->layers[j];
-    if (bn->kind != LAYER_BN || l->in[0] != bn->out || l->block != bn->block) return FUSED_NONE;
-    if (l->kind == LAYER_GAP) return FUSED_POOL;
-    if (l->kind != LAYER_DROP_PATH || l->in[1] < 0 || l->in[1] == bn->out ||
-        bn->out == g->layers[g->n_layers - 1].out)
-        return FUSED_NONE;
-    for (int i = 0; i < g->n_layers; i++)
-        if (i != j && (g->layers[i].in[0] == bn->out || g->layers[i].in[1] == bn->out))
-            return FUSED_NONE;
-    return FUSED_RESIDUAL;
 }
 
 void graph_needs_grad(const Graph *g, int input_needs_grad, int *needs_grad) {
@@ -2594,75 +2598,78 @@ static const BnNext *bn_next(Net *net, int i, int backward, BnNext *next) {
 static void layer_forward(Net *net, int i, int recompute, int with_next) {
     const Graph *g = net->g;
     Ops *o = net->o;
-    {
-        const Layer *l = &g->layers[i];
-        // a replica with an empty shard (the last, small global batch) only takes part in the
-        // collectives
-        if (net->failed || (net->batch == 0 && !(bn_synced(net, l) && !recompute))) return;
-        Tensor x = net_tensor(net, l->in[0]), y = net_tensor(net, l->out);
-        Tensor x2 = l->in[1] >= 0 ? net_tensor(net, l->in[1]) : tensor(NULL, x.shape, net->dtype);
-        float *w = param_ptr(net->params, g, l->weight), *b = param_ptr(net->params, g, l->bias);
-        double t0 = net->layer_seconds ? layer_clock() : 0.0;
-        switch (l->kind) {
-        case LAYER_CONV: case LAYER_DENSE:
-            o->conv2d_forward(o, &l->conv, y, x, w, param_cast(net, l->weight), b, net->ws);
-            break;
-        case LAYER_BN: {
-            float *rm = buffer_ptr(net, l->run_mean), *rv = buffer_ptr(net, l->run_var);
-            BnNext fused;
-            const BnNext *next = with_next ? bn_next(net, i, 0, &fused) : NULL;
-            if (layer_in_train_mode(net, l)) {
-                if (!recompute) {
-                    const int C = x.shape.c;
-                    size_t count = shape_numel(x.shape) / C;
-                    float *mean = net->bn_mean[i], *var = net->bn_var[i];
-                    if (!net->sync_bn) {  // the running statistics are updated in the same pass
-                        if (count) o->bn_stats(o, x, mean, var, rm, rv, BN_MOMENTUM, NULL);
-                    } else {
-                        if (count) o->bn_stats(o, x, mean, var, NULL, NULL, 0.0f, net->bn_sums);
-                        count = bn_sync_sums(net, C, count);
-                        if (count)
-                            o->bn_stats_finish(o, net->bn_sums, C, count, mean, var, rm, rv,
-                                               BN_MOMENTUM);
-                    }
+    const Layer *l = &g->layers[i];
+    // a replica with an empty shard (the last, small global batch) only takes part in the
+    // collectives
+    if (net->failed || (net->batch == 0 && !(bn_synced(net, l) && !recompute))) return;
+    Tensor x = net_tensor(net, l->in[0]), y = net_tensor(net, l->out);
+    Tensor x2 = l->in[1] >= 0 ? net_tensor(net, l->in[1]) : tensor(NULL, x.shape, net->dtype);
+    float *w = param_ptr(net->params, g, l->weight), *b = param_ptr(net->params, g, l->bias);
+    double t0 = net->layer_seconds ? layer_clock() : 0.0;
+    switch (l->kind) {
+    case LAYER_CONV: case LAYER_DENSE:
+        o->conv2d_forward(o, &l->conv, y, x, w, param_cast(net, l->weight), b, net->ws);
+        break;
+    case LAYER_BN: {
+        float *rm = buffer_ptr(net, l->run_mean), *rv = buffer_ptr(net, l->run_var);
+        BnNext fused;
+        const BnNext *next = with_next ? bn_next(net, i, 0, &fused) : NULL;
+        if (layer_in_train_mode(net, l)) {
+            if (!recompute) {
+                const int C = x.shape.c;
+                size_t count = shape_numel(x.shape) / C;
+                float *mean = net->bn_mean[i], *var = net->bn_var[i];
+                if (!net->sync_bn) {  // the running statistics are updated in the same pass
+                    if (count) o->bn_stats(o, x, mean, var, rm, rv, BN_MOMENTUM, NULL);
+                } else {
+                    if (count) o->bn_stats(o, x, mean, var, NULL, NULL, 0.0f, net->bn_sums);
+                    count = bn_sync_sums(net, C, count);
+                    if (count)
+                        o->bn_stats_finish(o, net->bn_sums, C, count, mean, var, rm, rv,
+                                           BN_MOMENTUM);
                 }
-                if (net->batch)
-                    o->bn_forward(o, y, x, net->bn_mean[i], net->bn_var[i], w, b, l->eps, l->act,
-                                  next);
-            } else {
-                o->bn_forward(o, y, x, rm, rv, w, b, l->eps, l->act, next);
             }
-            break;
+            const BnArgs bn = {net->bn_mean[i], net->bn_var[i], w, b, l->eps, l->act, next};
+            if (net->batch) o->bn_forward(o, y, x, &bn);
+        } else {
+            const BnArgs bn = {rm, rv, w, b, l->eps, l->act, next};
+            o->bn_forward(o, y, x, &bn);
         }
-        case LAYER_ACT: o->act_forward(o, l->act, y, x); break;
-        case LAYER_SE_GATE:
-            o->se_gate_forward(o, y, x, w, b, param_ptr(net->params, g, l->weight2),
-                               param_ptr(net->params, g, l->bias2), l->conv.cout, l->act, l->act2);
-            break;
-        case LAYER_GAP: o->global_avg_pool_forward(o, y, x); break;
-        case LAYER_SCALE: o->channel_scale_forward(o, y, x, x2); break;
-        case LAYER_ADD: o->add_forward(o, y, x, x2); break;
-        case LAYER_CONCAT: o->concat_forward(o, y, x, x2); break;
-        case LAYER_MAXPOOL: o->maxpool2_forward(o, y, x); break;
-        case LAYER_UPSAMPLE: o->upsample2_forward(o, y, x); break;
-        case LAYER_RESIZE: o->resize_bilinear_forward(o, y, x); break;
-        case LAYER_RESCALE: o->axpby(o, y, x, l->scale, l->offset, 0); break;
-        case LAYER_DROPOUT: case LAYER_DROP_PATH:
-            if (layer_in_train_mode(net, l) && l->rate > 0.0f)
-                o->dropout_forward(o, y, x, x2, l->rate, net->layer_seeds + i,
-                                   l->kind == LAYER_DROP_PATH, net->first_sample);
-            else if (x2.data)
-                o->add_forward(o, y, x, x2);
-            else
-                o->copy(o, y, x, 0);
-            break;
-        default: snCheck(0, "forward: layer '%s' has unknown kind %d", l->name, (int)l->kind);
-        }
-        if (net->layer_seconds) { o->synchronize(o); net->layer_seconds[i] += layer_clock() - t0; }
+        break;
     }
+    case LAYER_ACT: o->act_forward(o, l->act, y, x); break;
+    case LAYER_SE_GATE:
+        o->se_gate_forward(o, y, x, w, b, param_ptr(net->params, g, l->weight2),
+                           param_ptr(net->params, g, l->bias2), l->conv.cout, l->act, l->act2);
+        break;
+    case LAYER_GAP: o->global_avg_pool_forward(o, y, x); break;
+    case LAYER_SCALE: o->channel_scale_forward(o, y, x, x2); break;
+    case LAYER_ADD: o->add_forward(o, y, x, x2); break;
+    case LAYER_CONCAT: o->concat_forward(o, y, x, x2); break;
+    case LAYER_MAXPOOL: o->maxpool2_forward(o, y, x); break;
+    case LAYER_UPSAMPLE: o->upsample2_forward(o, y, x); break;
+    case LAYER_RESIZE: o->resize_bilinear_forward(o, y, x); break;
+    case LAYER_RESCALE: o->axpby(o, y, x, l->scale, l->offset, 0); break;
+    case LAYER_DROPOUT: case LAYER_DROP_PATH:
+        if (layer_in_train_mode(net, l) && l->rate > 0.0f)
+            o->dropout_forward(o, y, x, x2, l->rate, net->layer_seeds + i,
+                               l->kind == LAYER_DROP_PATH, net->first_sample);
+        else if (x2.data)
+            o->add_forward(o, y, x, x2);
+        else
+            o->copy(o, y, x, 0);
+        break;
+    default: snCheck(0, "forward: layer '%s' has unknown kind %d", l->name, (int)l->kind);
+    }
+    if (net->layer_seconds) { o->synchronize(o); net->layer_seconds[i] += layer_clock() - t0; }
 }
 
-void net_forward(Net *net, int training) {
+int net_capacity(const Net *net) { return net->g->tensors[net->g->input].shape.n; }
+
+void net_forward(Net *net, int n, int training) {
+    snCheck(n >= 0 && n <= net_capacity(net), "forward of %d images in a graph planned for %d", n,
+            net_capacity(net));
+    net->batch = n;
     net->training = training;
     if (training) net_seeds_current(net);
     // once per forward: whatever changed the fp32 weights since, the copy follows
@@ -2729,10 +2736,11 @@ static void layer_backward(Net *net, int i, int with_next) {
             // 0: the statistics were constants
             size_t count = batch ? shape_numel(x.shape) / C : 0;
             const int synced = batch && net->sync_bn && (net->needs_grad[a] || dw);
+            const BnArgs bn = {mean, var, w, bias, l->eps, l->act, next};
             if ((batch || dw || next) && net->batch)  // with next, always (BnNext)
-                o->bn_backward_reduce(o, dy, x, mean, var, w, bias, l->eps, l->act,
-                                      batch || dw ? sum_g : NULL, sum_gx, synced ? NULL : dw,
-                                      synced ? NULL : dbias, synced ? net->bn_sums : NULL, next);
+                o->bn_backward_reduce(o, dy, x, &bn, batch || dw ? sum_g : NULL, sum_gx,
+                                      synced ? NULL : dw, synced ? NULL : dbias,
+                                      synced ? net->bn_sums : NULL);
             if (synced) {
                 count = bn_sync_sums(net, C, count);
                 const int adds = net->sync_bn->rank == 0;  // see "batch norm across replicas"
@@ -2741,8 +2749,7 @@ static void layer_backward(Net *net, int i, int with_next) {
                                           adds ? dbias : NULL);
             }
             if (dx.data && net->batch && !net->failed)
-                o->bn_backward_data(o, dx, dy, x, mean, var, w, bias, l->eps, l->act, sum_g, sum_gx,
-                                    count, acc_a, next);
+                o->bn_backward_data(o, dx, dy, x, &bn, sum_g, sum_gx, count, acc_a);
             break;
         }
         case LAYER_ACT: if (dx.data) o->act_backward(o, l->act, dx, dy, x, acc_a); break;
@@ -2777,7 +2784,8 @@ static void layer_backward(Net *net, int i, int with_next) {
     }
 }
 
-void net_backward(Net *net, int output) {
+void net_backward(Net *net, int n, int output) {
+    snCheck(n == net->batch, "backward of %d images after a forward of %d", n, net->batch);
     const Graph *g = net->g;
     const Plan *p = net->plan;
     memset(net->grad_written, 0, sizeof(int) * (size_t)g->n_tensors);
@@ -2991,12 +2999,13 @@ static void upload_staged(Trainer *t, int n) {
     Net *net = &t->net;
     const Shape in = t->g.tensors[t->g.input].shape;
     const size_t floats = (size_t)n * in.h * in.w * 3;
-    net->batch = n;
     if (net->dtype == DT_F32) {
         o->upload_async(o, net->act[t->g.input], t->host_images, sizeof(float) * floats);
     } else {
+        const Shape images = shape4(n, in.h, in.w, 3);
         o->upload_async(o, t->stage, t->host_images, sizeof(float) * floats);
-        o->copy(o, net_tensor(net, t->g.input), tensor_f32(t->stage, shape4(n, in.h, in.w, 3)), 0);
+        o->copy(o, tensor(net->act[t->g.input], images, net->dtype), tensor_f32(t->stage, images),
+                0);
     }
     o->upload_async(o, t->labels, t->host_labels, sizeof(int32_t) * (size_t)n * t->per_image);
 }
@@ -3018,7 +3027,7 @@ static float eval_batch(Trainer *t, const MicroBatch *mb) {
     Net *net = &t->net;
     stage_batch(t, mb);
     upload_staged(t, mb->n);
-    net_forward(net, 0);
+    net_forward(net, mb->n, 0);
     o->fill(o, tensor_f32(t->state->loss, shape4(3, 1, 1, 1)), 0.0f);
     score_batch(t, tensor(NULL, net_tensor(net, t->logits).shape, net->dtype));
     float loss[3];
@@ -3052,9 +3061,9 @@ static int step_work(Trainer *t, const MicroBatch *mb, int k) {
         }
         upload_staged(t, mb[i].n);
         net->first_sample = (uint64_t)mb[i].first;
-        net_forward(net, 1);
+        net_forward(net, mb[i].n, 1);
         if (mb[i].n) score_batch(t, net_grad(net, t->logits));
-        net_backward(net, t->logits);
+        net_backward(net, mb[i].n, t->logits);
         if (net->failed || replicas_average_bn(t, mb[i].n)) return -1;
     }
     // 5. all-reduce: the replicas' gradients summed, the gradient of the global loss
@@ -3198,6 +3207,125 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
 // replaces (the tests compare them: ref_table_vs_cpu and the ops' own tests);
 // ops_cpu is ops_ref with them.
 // ============================================================================
+
+// ----------------------------------------------------------------------------
+// elementwise ops in fp32 (fill_ref, copy_ref, axpby_ref, add_*_ref and
+// dropout_*_ref state them; these give the same bits)
+//
+// Loops over fp32 arrays that the compiler vectorises, where the references
+// go through ld/st per element; dropout's per-sample factor (drop-path) is
+// drawn once per sample instead of once per element with a 64-bit division.
+// Other storage types take the references.
+
+// both tensors fp32: the fast paths of part IV; other storage types take the reference
+static int all_f32(Tensor a, Tensor b) { return a.dtype == DT_F32 && b.dtype == DT_F32; }
+
+static void fill_cpu(Ops *o, Tensor t, float value) {
+    if (t.dtype != DT_F32) { fill_ref(o, t, value); return; }
+    const size_t n = shape_numel(t.shape);
+    float *p = (float *)t.data;
+    #pragma omp parallel for simd schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) p[i] = value;
+}
+
+static void copy_cpu(Ops *o, Tensor dst, Tensor src, int accumulate) {
+    const size_t n = shape_numel(src.shape);
+    if (!all_f32(dst, src) || shape_numel(dst.shape) != n) {
+        copy_ref(o, dst, src, accumulate);
+        return;
+    }
+    float *d = (float *)dst.data;
+    const float *s = (const float *)src.data;
+    if (!accumulate) {
+        if (d != s) memcpy(d, s, sizeof(float) * n);
+        return;
+    }
+    #pragma omp parallel for simd schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) d[i] += s[i];
+}
+
+static void axpby_cpu(Ops *o, Tensor y, Tensor x, float a, float b, int accumulate) {
+    if (!all_f32(y, x)) { axpby_ref(o, y, x, a, b, accumulate); return; }
+    const size_t n = shape_numel(x.shape);
+    float *yp = (float *)y.data;
+    const float *xp = (const float *)x.data;
+    #pragma omp parallel for simd schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) {
+        const float v = a * xp[i] + b;
+        yp[i] = accumulate ? yp[i] + v : v;
+    }
+}
+
+static void add_forward_cpu(Ops *o, Tensor y, Tensor a, Tensor b) {
+    if (!all_f32(y, a) || b.dtype != DT_F32) { add_forward_ref(o, y, a, b); return; }
+    const size_t n = shape_numel(y.shape);
+    float *yp = (float *)y.data;
+    const float *ap = (const float *)a.data, *bp = (const float *)b.data;
+    #pragma omp parallel for simd schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) yp[i] = ap[i] + bp[i];
+}
+
+static void add_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a,
+                             int accumulate_b) {
+    if (da.data) copy_cpu(o, da, dy, accumulate_a);
+    if (db.data) copy_cpu(o, db, dy, accumulate_b);
+}
+
+// y = x·keep/(1 - rate) (+ residual); the factor per element, or per sample (E elements)
+static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, Tensor residual, float rate,
+                                const uint64_t *seed_at, int per_sample, uint64_t first_sample) {
+    if (!all_f32(y, x) || (residual.data && residual.dtype != DT_F32)) {
+        dropout_forward_ref(o, y, x, residual, rate, seed_at, per_sample, first_sample);
+        return;
+    }
+    const uint64_t seed = *seed_at;
+    const size_t n = shape_numel(x.shape), E = n / x.shape.n,
+                 rows = per_sample ? (size_t)x.shape.n : 1;
+    const size_t row = per_sample ? E : n;  // elements with one draw each, or all of them
+    float *yp = (float *)y.data;
+    const float *xp = (const float *)x.data, *rp = (const float *)residual.data;
+    for (size_t s = 0; s < rows; s++) {
+        const size_t i0 = s * row;
+        const float f = per_sample ? dropout_keep(rate, seed, first_sample + s) : 0.0f;
+        #pragma omp parallel for simd schedule(static) if(PAR(row))
+        for (size_t i = i0; i < i0 + row; i++) {
+            const float v =
+                    xp[i] * (per_sample ? f : dropout_keep(rate, seed, first_sample * E + i));
+            yp[i] = rp ? v + rp[i] : v;
+        }
+    }
+}
+
+static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate,
+                                 const uint64_t *seed_at, int per_sample, uint64_t first_sample,
+                                 int accumulate, int accumulate_residual) {
+    if (dy.dtype != DT_F32 || (dx.data && dx.dtype != DT_F32) ||
+        (dresidual.data && dresidual.dtype != DT_F32)) {
+        dropout_backward_ref(o, dx, dresidual, dy, rate, seed_at, per_sample, first_sample,
+                             accumulate, accumulate_residual);
+        return;
+    }
+    const uint64_t seed = *seed_at;
+    const size_t n = shape_numel(dy.shape), E = n / dy.shape.n,
+                 rows = per_sample ? (size_t)dy.shape.n : 1;
+    const size_t row = per_sample ? E : n;
+    float *dxp = (float *)dx.data, *drp = (float *)dresidual.data;
+    const float *g = (const float *)dy.data;
+    for (size_t s = 0; s < rows; s++) {
+        const size_t i0 = s * row;
+        const float f = per_sample ? dropout_keep(rate, seed, first_sample + s) : 0.0f;
+        #pragma omp parallel for simd schedule(static) if(PAR(row))
+        for (size_t i = i0; i < i0 + row; i++) {  // dx may be dy (in place)
+            const float gi = g[i];
+            if (dxp) {
+                const float v =
+                        gi * (per_sample ? f : dropout_keep(rate, seed, first_sample * E + i));
+                dxp[i] = accumulate ? dxp[i] + v : v;
+            }
+            if (drp) drp[i] = accumulate_residual ? drp[i] + gi : gi;
+        }
+    }
+}
 
 // ----------------------------------------------------------------------------
 // conv2d, fast (conv2d_*_ref in part I states the sums)
@@ -3437,7 +3565,7 @@ static void depthwise_backward_data_f32(const ConvCfg *cfg, const ConvGeom *q, f
                                         float *wt) {
     const int C = q->C, s = cfg->stride;
     depthwise_weights_t(cfg, C, w, wt);
-    const size_t work = (size_t)q->N * q->H * q->W * C * cfg->kh * cfg->kw;
+    const size_t work __attribute__((unused)) = (size_t)q->N * q->H * q->W * C * cfg->kh * cfg->kw;
     #pragma omp parallel for schedule(static) if(PAR(work))
     for (int niy = 0; niy < q->N * q->H; niy++) {
         const int n = niy / q->H, iy = niy % q->H;
@@ -3726,7 +3854,8 @@ static void direct_conv_images(DirectConv *d, Tensor src, int N, int top, int le
         const int nb = N - n0 < chunk ? N - n0 : chunk, rows = nb * OH;
         pad_images(src, n0, nb, top, left, Hp, Wp, d->xp_image, (float *)d->xp);
         d->out_image = (size_t)n0 * d->out_stride;
-        const size_t work = (size_t)rows * d->OW * d->Cout * d->C * d->kh * d->kw;
+        const size_t work __attribute__((unused)) =
+                (size_t)rows * d->OW * d->Cout * d->C * d->kh * d->kw;
         #pragma omp parallel for schedule(dynamic, 1) if(PAR(work))
         for (int item = 0; item < blocks * rows; item++) {
             const int row = item % rows;
@@ -3871,7 +4000,8 @@ static void direct_dw_chunk(const DirectDW *d) {
         part = ((d->Cout + parts - 1) / parts + DW_PART_ALIGN - 1) / DW_PART_ALIGN * DW_PART_ALIGN;
     }
     const int n_co = (d->Cout + part - 1) / part;
-    const size_t work = (size_t)d->nb * d->OH * d->OW * d->Cout * d->C * d->KK;
+    const size_t work __attribute__((unused)) =
+            (size_t)d->nb * d->OH * d->OW * d->Cout * d->C * d->KK;
     #pragma omp parallel for schedule(dynamic, 1) if(PAR(work))
     for (int item = 0; item < d->KK * n_ci * n_co; item++) {
         const int co_lo = item % n_co * part,
@@ -4098,318 +4228,6 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
 }
 
 // ----------------------------------------------------------------------------
-// batch norm, fast (bn_*_ref in part I states the formulas)
-//
-// fp32 math (16-bit tensors converted a row at a time): the same formulas with
-// per-channel constants hoisted out of the pixel loop and channels innermost
-// (contiguous, so the compiler vectorises them), one pass over memory each:
-//   stats    Σx, Σx² in fp64 (x² is exact there), then bn_moments_stats: plain
-//            sums, so that replicas can add theirs (--sync-bn) and round once
-//   z        gamma·((x - mean)·invstd) + beta with invstd per channel hoisted: the
-//            reference's z to the bit (not a·x + b, which cancels when |mean·a| ≫ |z|,
-//            nor (x - mean)·(gamma·invstd) + beta, which puts other values on the
-//            other side of ReLU's kink than the reference and PyTorch do)
-// Reductions keep the reference's scheme (a block of channels per thread,
-// rows in order): the same bits for any thread count.
-#define BN_ROWS 64  // rows per parallel work item of the elementwise passes
-
-// e^x for the vectorised fp32 loops (the compiler cannot vectorise libm's
-// expf): x = n·ln2 + r with |r| ≤ ln2/2 (ln2 split in two for an exact n·ln2_hi),
-// e^r by its Taylor series to r^7 (truncation < 6e-9 relative), 2^n from the
-// exponent bits; x is clamped to [-87, 88], where 2^n stays a normal float.
-// Within a few ulp of expf, and the same bits whether vectorised or not
-// (explicit fmaf, no data-dependent branch).
-static inline float exp_vec(float x) {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    // n = round(x·log2 e): adding and subtracting 1.5·2^23 rounds to an integer
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = fmaf(n, -0.693145751953125f, x);
-    r = fmaf(n, -1.428606765330187e-6f, r);
-    float p = 1.0f / 5040.0f;
-    p = fmaf(p, r, 1.0f / 720.0f);
-    p = fmaf(p, r, 1.0f / 120.0f);
-    p = fmaf(p, r, 1.0f / 24.0f);
-    p = fmaf(p, r, 1.0f / 6.0f);
-    p = fmaf(p, r, 0.5f);
-    p = fmaf(p, r, 1.0f);
-    p = fmaf(p, r, 1.0f);
-    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
-    return p * two_n.f;
-}
-static inline float sigmoid_vec(float z) { return 1.0f / (1.0f + exp_vec(-z)); }
-// act_apply and act_grad (segnet.h) with exp_vec
-static inline float act_apply_vec(Act a, float z) {
-    switch (a) {
-    case ACT_RELU: return z > 0.0f ? z : 0.0f;
-    case ACT_SILU: return z * sigmoid_vec(z);
-    case ACT_SIGMOID: return sigmoid_vec(z);
-    default: return z;
-    }
-}
-static inline float act_grad_vec(Act a, float z) {
-    switch (a) {
-    case ACT_RELU: return z > 0.0f ? 1.0f : 0.0f;
-    case ACT_SILU: { float s = sigmoid_vec(z); return s * (1.0f + z * (1.0f - s)); }
-    case ACT_SIGMOID: { float s = sigmoid_vec(z); return s * (1.0f - s); }
-    default: return 1.0f;
-    }
-}
-
-static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var,
-                         float momentum, double *sums) {
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
-        const int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
-        double s[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0};
-        float tmp[BN_CBLOCK];  // (BN_CBLOCK) one row's channels in fp32 when x is 16-bit
-        if (nc == BN_CBLOCK) {  // the common case, with a constant trip count
-            for (size_t r = 0; r < M; r++) {
-                const float *xr = ld_view(x, r * C + c0, tmp, BN_CBLOCK);
-                for (int j = 0; j < BN_CBLOCK; j++) { double v = xr[j]; s[j] += v; q[j] += v * v; }
-            }
-        } else {
-            for (size_t r = 0; r < M; r++) {
-                const float *xr = ld_view(x, r * C + c0, tmp, nc);
-                for (int j = 0; j < nc; j++) { double v = xr[j]; s[j] += v; q[j] += v * v; }
-            }
-        }
-        for (int j = 0; j < nc; j++) {
-            bn_moments_stats(s[j], q[j], (double)M, &mean[c0 + j], &var[c0 + j]);
-            if (sums) { sums[c0 + j] = s[j]; sums[C + c0 + j] = q[j]; }
-        }
-    }
-    if (run_mean) bn_update_running_ref(o, run_mean, run_var, mean, var, C, M, momentum);
-}
-
-// y = act(g·((x - m)·k) + b) over `rows` rows from x, y; `act` is a constant where this is inlined
-static inline __attribute__((always_inline)) void bn_act_rows(float *y, const float *x, size_t rows,
-                                                              int C, const float *m, const float *k,
-                                                              const float *g, const float *b,
-                                                              Act act) {
-    for (size_t r = 0; r < rows; r++) {
-        const float *xr = x + r * C;
-        float *yr = y + r * C;
-        #pragma omp simd
-        for (int c = 0; c < C; c++)
-            yr[c] = act_apply_vec(act, g[c] * ((xr[c] - m[c]) * k[c]) + b[c]);
-    }
-}
-static void bn_act_rows_any(float *y, const float *x, size_t rows, int C, const float *m,
-                            const float *k, const float *g, const float *b, Act act) {
-    switch (act) {
-    case ACT_RELU: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_RELU); break;
-    case ACT_SILU: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_SILU); break;
-    case ACT_SIGMOID: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_SIGMOID); break;
-    default: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_NONE);
-    }
-}
-
-// 16-bit tensors go through the same loops a row at a time, converted to fp32
-// on the way in and rounded once on the way out (as the reference's st does).
-static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
-                           const float *gamma, const float *beta, float eps, Act act,
-                           const BnNext *next) {
-    if (next && next->kind == FUSED_RESIDUAL) y = next->out;
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    float k[C];  // (C)
-    for (int c = 0; c < C; c++) k[c] = bn_invstd(var, c, eps);
-    const size_t n_items = (M + BN_ROWS - 1) / BN_ROWS;
-    const int f32 = x.dtype == DT_F32 && y.dtype == DT_F32;
-    #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (size_t it = 0; it < n_items; it++) {
-        size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
-        if (f32) {
-            bn_act_rows_any((float *)y.data + r0 * C, (const float *)x.data + r0 * C, r1 - r0, C,
-                            mean, k, gamma, beta, act);
-            continue;
-        }
-        float xbuf[C], ybuf[C];  // (C) one row in fp32
-        for (size_t r = r0; r < r1; r++) {
-            bn_act_rows_any(ybuf, ld_view(x, r * C, xbuf, C), 1, C, mean, k, gamma, beta, act);
-            st_run(y, r * C, ybuf, C, 0);
-        }
-    }
-    if (next) bn_next_forward_unfused(o, y, next);
-}
-
-// Σg and Σg·xhat per channel over rows, g = dy·act'(gamma·xhat + b), xhat = (x - mean)·invstd, for
-// nb
-// whole channel blocks from c0 (sums [nb][BN_CBLOCK]); act constant where inlined. Rows outermost:
-// a
-// row's nb·BN_CBLOCK channels are read as one run (a thread per block, walking down the rows with
-// the tensor's stride, ran at a tenth of the memory's speed); each channel's sums still take the
-// rows in order.
-#define BN_GROUP_MAX 8  // channel blocks per work item of the backward reduction
-static inline __attribute__((always_inline)) void
-bn_grad_sums(Tensor dy, Tensor x, size_t M, int C, int c0, int nb, const float *gam,
-             const float *inv, const float *b, const float *mean, Act act, double (*sg)[BN_CBLOCK],
-             double (*sgx)[BN_CBLOCK]) {
-    // one block of a row in fp32 when the tensors are 16-bit
-    float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];
-    for (size_t r = 0; r < M; r++)
-        for (int k = 0; k < nb; k++) {
-            const int c = c0 + k * BN_CBLOCK;
-            const float *xr = ld_view(x, r * C + c, xbuf, BN_CBLOCK),
-                        *dr = ld_view(dy, r * C + c, dbuf, BN_CBLOCK);
-            double *s = sg[k], *q = sgx[k];
-            #pragma omp simd
-            for (int j = 0; j < BN_CBLOCK; j++) {
-                float xhat = (xr[j] - mean[c + j]) * inv[c + j],
-                      g = dr[j] * act_grad_vec(act, gam[c + j] * xhat + b[c + j]);
-                s[j] += g;
-                q[j] += (double)g * xhat;
-            }
-        }
-}
-
-static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
-                                   const float *gamma, const float *beta, float eps, Act act,
-                                   float *sum_g, float *sum_gx, float *dgamma, float *dbeta,
-                                   double *sums, const BnNext *next) {
-    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_unfused(o, dy, next);
-    if (!sum_g) return;
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    // gamma, invstd, beta, mean padded to whole channel blocks (the padding lanes are computed and
-    // dropped)
-    const int Cp = (C + BN_CBLOCK - 1) / BN_CBLOCK * BN_CBLOCK;
-    float gam[Cp], b[Cp], m[Cp], invstd[Cp];  // (Cp)
-    for (int c = 0; c < Cp; c++) {
-        invstd[c] = c < C ? bn_invstd(var, c, eps) : 0.0f;
-        gam[c] = c < C ? gamma[c] : 0.0f;
-        b[c] = c < C ? beta[c] : 0.0f;
-        m[c] = c < C ? mean[c] : 0.0f;
-    }
-    // work items: groups of at most BN_GROUP_MAX whole blocks, at least one per thread when there
-    // are blocks enough (the grouping changes no sum), then the last, partial block
-    const int full = C / BN_CBLOCK;
-    int items = (full + BN_GROUP_MAX - 1) / BN_GROUP_MAX;
-#ifdef _OPENMP
-    const int threads = omp_get_max_threads() < full ? omp_get_max_threads() : full;
-    if (items < threads) items = threads;
-#endif
-    const int per = items ? (full + items - 1) / items : 0;
-    items = per ? (full + per - 1) / per : 0;
-    #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (int it = 0; it < items + (C % BN_CBLOCK != 0); it++) {
-        double sg[BN_GROUP_MAX][BN_CBLOCK] = {{0}}, sgx[BN_GROUP_MAX][BN_CBLOCK] = {{0}};
-        int c0, nc;  // the item's channels
-        if (it < items) {
-            const int nb = full - it * per < per ? full - it * per : per;
-            c0 = it * per * BN_CBLOCK;
-            nc = nb * BN_CBLOCK;
-            switch (act) {
-            case ACT_RELU:
-                bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_RELU, sg, sgx);
-                break;
-            case ACT_SILU:
-                bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_SILU, sg, sgx);
-                break;
-            case ACT_SIGMOID:
-                bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_SIGMOID, sg, sgx);
-                break;
-            default: bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_NONE, sg, sgx);
-            }
-        } else {  // the last, partial block
-            c0 = full * BN_CBLOCK;
-            nc = C - c0;
-            float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];
-            for (size_t r = 0; r < M; r++) {
-                const float *xr = ld_view(x, r * C + c0, xbuf, nc),
-                            *dr = ld_view(dy, r * C + c0, dbuf, nc);
-                for (int j = 0; j < nc; j++) {
-                    float xhat = (xr[j] - m[c0 + j]) * invstd[c0 + j];
-                    float g = dr[j] * act_grad_vec(act, gam[c0 + j] * xhat + b[c0 + j]);
-                    sg[0][j] += g;
-                    sgx[0][j] += (double)g * xhat;
-                }
-            }
-        }
-        for (int j = 0; j < nc; j++) {
-            const double s = sg[j / BN_CBLOCK][j % BN_CBLOCK],
-                         q = sgx[j / BN_CBLOCK][j % BN_CBLOCK];
-            bn_grad_sums_store(c0 + j, s, q, sum_g, sum_gx, dgamma, dbeta);
-            if (sums) { sums[c0 + j] = s; sums[C + c0 + j] = q; }
-        }
-    }
-}
-
-// dx (=|+=) a·(g - u - (x - mean)·v), a = gamma·invstd, u = Σg/count, v = invstd·Σg·xhat/count,
-// over `rows` rows from dx, dy, x
-static inline __attribute__((always_inline)) void
-bn_dx_rows(float *dx, const float *dy, const float *x, size_t rows, int C, const float *a,
-           const float *gam, const float *inv, const float *b, const float *mean, const float *u,
-           const float *v, Act act, int accumulate) {
-    for (size_t r = 0; r < rows; r++) {
-        const float *xr = x + r * C, *dr = dy + r * C;
-        float *o = dx + r * C;
-        #pragma omp simd
-        for (int c = 0; c < C; c++) {
-            float xm = xr[c] - mean[c],
-                  g = dr[c] * act_grad_vec(act, gam[c] * (xm * inv[c]) + b[c]);
-            float d = a[c] * (g - u[c] - xm * v[c]);
-            o[c] = accumulate ? o[c] + d : d;
-        }
-    }
-}
-static void bn_dx_rows_any(float *dx, const float *dy, const float *x, size_t rows, int C,
-                           const float *a, const float *gam, const float *inv, const float *b,
-                           const float *mean, const float *u, const float *v, Act act,
-                           int accumulate) {
-    switch (act) {
-    case ACT_RELU:
-        bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_RELU, accumulate);
-        break;
-    case ACT_SILU:
-        bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_SILU, accumulate);
-        break;
-    case ACT_SIGMOID:
-        bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_SIGMOID, accumulate);
-        break;
-    default: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_NONE, accumulate);
-    }
-}
-
-// dy: y's gradient, also with a residual block's end (bn_backward_reduce made it so)
-static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
-                                 const float *var, const float *gamma, const float *beta, float eps,
-                                 Act act, const float *sum_g, const float *sum_gx, size_t count,
-                                 int accumulate, const BnNext *next) {
-    (void)o; (void)next;
-    const int C = x.shape.c;
-    const size_t M = shape_numel(x.shape) / C;
-    float a[C], inv[C], u[C], v[C];  // (C)
-    for (int c = 0; c < C; c++) {
-        inv[c] = bn_invstd(var, c, eps);
-        a[c] = gamma[c] * inv[c];
-        u[c] = count ? sum_g[c] / (float)count : 0.0f;
-        v[c] = count ? inv[c] * sum_gx[c] / (float)count : 0.0f;
-    }
-    const size_t n_items = (M + BN_ROWS - 1) / BN_ROWS;
-    const int f32 = dx.dtype == DT_F32 && dy.dtype == DT_F32 && x.dtype == DT_F32;
-    #pragma omp parallel for schedule(static) if(PAR(M * C))
-    for (size_t it = 0; it < n_items; it++) {
-        size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
-        if (f32) {
-            bn_dx_rows_any((float *)dx.data + r0 * C, (const float *)dy.data + r0 * C,
-                           (const float *)x.data + r0 * C, r1 - r0, C, a, gamma, inv, beta, mean, u,
-                           v, act, accumulate);
-            continue;
-        }
-        float xbuf[C], dybuf[C], dxbuf[C];  // (C) one row in fp32
-        for (size_t r = r0; r < r1; r++) {
-            if (accumulate) ld_run(dx, r * C, dxbuf, C);
-            bn_dx_rows_any(dxbuf, ld_view(dy, r * C, dybuf, C), ld_view(x, r * C, xbuf, C), 1, C, a,
-                           gamma, inv, beta, mean, u, v, act, accumulate);
-            st_run(dx, r * C, dxbuf, C, 0);
-        }
-    }
-}
-
-// ----------------------------------------------------------------------------
 // squeeze-excitation pieces in fp32 (global_avg_pool_*_ref and
 // channel_scale_*_ref otherwise): rows of C channels, the per-image sums
 // over pixels a block of channels at a time, the same fp64 sums in the same
@@ -4530,8 +4348,6 @@ static void channel_scale_backward_cpu(Ops *o, Tensor dx, Tensor ds, Tensor dy, 
 // output's sum still adds its terms in the reference's order; W1 is read
 // through its transpose for z1. Threads share the images (the gradients of
 // the weights: their rows).
-
-static int all_f32(Tensor a, Tensor b) { return a.dtype == DT_F32 && b.dtype == DT_F32; }
 
 // z[n][a] = b[a] + Σ_k wt[k][a]·x[n][k], k in order; wt = wᵀ (K,A); t: (A) fp64
 static void affine_rows_t(float *z, const float *wt, const float *b, const float *x, int A, int K,
@@ -4812,117 +4628,314 @@ static void concat_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int acc
 }
 
 // ----------------------------------------------------------------------------
-// elementwise ops in fp32 (fill_ref, copy_ref, axpby_ref, add_*_ref and
-// dropout_*_ref state them; these give the same bits)
+// batch norm, fast (bn_*_ref in part I states the formulas)
 //
-// Loops over fp32 arrays that the compiler vectorises, where the references
-// go through ld/st per element; dropout's per-sample factor (drop-path) is
-// drawn once per sample instead of once per element with a 64-bit division.
-// Other storage types take the references.
+// fp32 math (16-bit tensors converted a row at a time): the same formulas with
+// per-channel constants hoisted out of the pixel loop and channels innermost
+// (contiguous, so the compiler vectorises them), one pass over memory each:
+//   stats    Σx, Σx² in fp64 (x² is exact there), then bn_moments_stats: plain
+//            sums, so that replicas can add theirs (--sync-bn) and round once
+//   z        gamma·((x - mean)·invstd) + beta with invstd per channel hoisted: the
+//            reference's z to the bit (not a·x + b, which cancels when |mean·a| ≫ |z|,
+//            nor (x - mean)·(gamma·invstd) + beta, which puts other values on the
+//            other side of ReLU's kink than the reference and PyTorch do)
+// Reductions keep the reference's scheme (a block of channels per thread,
+// rows in order): the same bits for any thread count.
+#define BN_ROWS 64  // rows per parallel work item of the elementwise passes
 
-static void fill_cpu(Ops *o, Tensor t, float value) {
-    if (t.dtype != DT_F32) { fill_ref(o, t, value); return; }
-    const size_t n = shape_numel(t.shape);
-    float *p = (float *)t.data;
-    #pragma omp parallel for simd schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++) p[i] = value;
+// e^x for the vectorised fp32 loops (the compiler cannot vectorise libm's
+// expf): x = n·ln2 + r with |r| ≤ ln2/2 (ln2 split in two for an exact n·ln2_hi),
+// e^r by its Taylor series to r^7 (truncation < 6e-9 relative), 2^n from the
+// exponent bits; x is clamped to [-87, 88], where 2^n stays a normal float.
+// Within a few ulp of expf, and the same bits whether vectorised or not
+// (explicit fmaf, no data-dependent branch).
+static inline float exp_vec(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    // n = round(x·log2 e): adding and subtracting 1.5·2^23 rounds to an integer
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = fmaf(n, -0.693145751953125f, x);
+    r = fmaf(n, -1.428606765330187e-6f, r);
+    float p = 1.0f / 5040.0f;
+    p = fmaf(p, r, 1.0f / 720.0f);
+    p = fmaf(p, r, 1.0f / 120.0f);
+    p = fmaf(p, r, 1.0f / 24.0f);
+    p = fmaf(p, r, 1.0f / 6.0f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
+    return p * two_n.f;
 }
-
-static void copy_cpu(Ops *o, Tensor dst, Tensor src, int accumulate) {
-    const size_t n = shape_numel(src.shape);
-    if (!all_f32(dst, src) || shape_numel(dst.shape) != n) {
-        copy_ref(o, dst, src, accumulate);
-        return;
+static inline float sigmoid_vec(float z) { return 1.0f / (1.0f + exp_vec(-z)); }
+// act_apply and act_grad (segnet.h) with exp_vec
+static inline float act_apply_vec(Act a, float z) {
+    switch (a) {
+    case ACT_RELU: return z > 0.0f ? z : 0.0f;
+    case ACT_SILU: return z * sigmoid_vec(z);
+    case ACT_SIGMOID: return sigmoid_vec(z);
+    default: return z;
     }
-    float *d = (float *)dst.data;
-    const float *s = (const float *)src.data;
-    if (!accumulate) {
-        if (d != s) memcpy(d, s, sizeof(float) * n);
-        return;
-    }
-    #pragma omp parallel for simd schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++) d[i] += s[i];
 }
-
-static void axpby_cpu(Ops *o, Tensor y, Tensor x, float a, float b, int accumulate) {
-    if (!all_f32(y, x)) { axpby_ref(o, y, x, a, b, accumulate); return; }
-    const size_t n = shape_numel(x.shape);
-    float *yp = (float *)y.data;
-    const float *xp = (const float *)x.data;
-    #pragma omp parallel for simd schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++) {
-        const float v = a * xp[i] + b;
-        yp[i] = accumulate ? yp[i] + v : v;
+static inline float act_grad_vec(Act a, float z) {
+    switch (a) {
+    case ACT_RELU: return z > 0.0f ? 1.0f : 0.0f;
+    case ACT_SILU: { float s = sigmoid_vec(z); return s * (1.0f + z * (1.0f - s)); }
+    case ACT_SIGMOID: { float s = sigmoid_vec(z); return s * (1.0f - s); }
+    default: return 1.0f;
     }
 }
 
-static void add_forward_cpu(Ops *o, Tensor y, Tensor a, Tensor b) {
-    if (!all_f32(y, a) || b.dtype != DT_F32) { add_forward_ref(o, y, a, b); return; }
-    const size_t n = shape_numel(y.shape);
-    float *yp = (float *)y.data;
-    const float *ap = (const float *)a.data, *bp = (const float *)b.data;
-    #pragma omp parallel for simd schedule(static) if(PAR(n))
-    for (size_t i = 0; i < n; i++) yp[i] = ap[i] + bp[i];
-}
-
-static void add_backward_cpu(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a,
-                             int accumulate_b) {
-    if (da.data) copy_cpu(o, da, dy, accumulate_a);
-    if (db.data) copy_cpu(o, db, dy, accumulate_b);
-}
-
-// y = x·keep/(1 - rate) (+ residual); the factor per element, or per sample (E elements)
-static void dropout_forward_cpu(Ops *o, Tensor y, Tensor x, Tensor residual, float rate,
-                                const uint64_t *seed_at, int per_sample, uint64_t first_sample) {
-    if (!all_f32(y, x) || (residual.data && residual.dtype != DT_F32)) {
-        dropout_forward_ref(o, y, x, residual, rate, seed_at, per_sample, first_sample);
-        return;
+static void bn_stats_cpu(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var,
+                         float momentum, double *sums) {
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (int c0 = 0; c0 < C; c0 += BN_CBLOCK) {
+        const int nc = C - c0 < BN_CBLOCK ? C - c0 : BN_CBLOCK;
+        double s[BN_CBLOCK] = {0}, q[BN_CBLOCK] = {0};
+        float tmp[BN_CBLOCK];  // (BN_CBLOCK) one row's channels in fp32 when x is 16-bit
+        if (nc == BN_CBLOCK) {  // the common case, with a constant trip count
+            for (size_t r = 0; r < M; r++) {
+                const float *xr = ld_view(x, r * C + c0, tmp, BN_CBLOCK);
+                for (int j = 0; j < BN_CBLOCK; j++) { double v = xr[j]; s[j] += v; q[j] += v * v; }
+            }
+        } else {
+            for (size_t r = 0; r < M; r++) {
+                const float *xr = ld_view(x, r * C + c0, tmp, nc);
+                for (int j = 0; j < nc; j++) { double v = xr[j]; s[j] += v; q[j] += v * v; }
+            }
+        }
+        for (int j = 0; j < nc; j++) {
+            bn_moments_stats(s[j], q[j], (double)M, &mean[c0 + j], &var[c0 + j]);
+            if (sums) { sums[c0 + j] = s[j]; sums[C + c0 + j] = q[j]; }
+        }
     }
-    const uint64_t seed = *seed_at;
-    const size_t n = shape_numel(x.shape), E = n / x.shape.n,
-                 rows = per_sample ? (size_t)x.shape.n : 1;
-    const size_t row = per_sample ? E : n;  // elements with one draw each, or all of them
-    float *yp = (float *)y.data;
-    const float *xp = (const float *)x.data, *rp = (const float *)residual.data;
-    for (size_t s = 0; s < rows; s++) {
-        const size_t i0 = s * row;
-        const float f = per_sample ? dropout_keep(rate, seed, first_sample + s) : 0.0f;
-        #pragma omp parallel for simd schedule(static) if(PAR(row))
-        for (size_t i = i0; i < i0 + row; i++) {
-            const float v =
-                    xp[i] * (per_sample ? f : dropout_keep(rate, seed, first_sample * E + i));
-            yp[i] = rp ? v + rp[i] : v;
+    if (run_mean) bn_update_running_ref(o, run_mean, run_var, mean, var, C, M, momentum);
+}
+
+// y = act(g·((x - m)·k) + b) over `rows` rows from x, y; `act` is a constant where this is inlined
+static inline __attribute__((always_inline)) void bn_act_rows(float *y, const float *x, size_t rows,
+                                                              int C, const float *m, const float *k,
+                                                              const float *g, const float *b,
+                                                              Act act) {
+    for (size_t r = 0; r < rows; r++) {
+        const float *xr = x + r * C;
+        float *yr = y + r * C;
+        #pragma omp simd
+        for (int c = 0; c < C; c++)
+            yr[c] = act_apply_vec(act, g[c] * ((xr[c] - m[c]) * k[c]) + b[c]);
+    }
+}
+static void bn_act_rows_any(float *y, const float *x, size_t rows, int C, const float *m,
+                            const float *k, const float *g, const float *b, Act act) {
+    switch (act) {
+    case ACT_RELU: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_RELU); break;
+    case ACT_SILU: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_SILU); break;
+    case ACT_SIGMOID: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_SIGMOID); break;
+    default: bn_act_rows(y, x, rows, C, m, k, g, b, ACT_NONE);
+    }
+}
+
+// 16-bit tensors go through the same loops a row at a time, converted to fp32
+// on the way in and rounded once on the way out (as the reference's st does).
+static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const BnArgs *bn) {
+    const float *mean = bn->mean, *gamma = bn->gamma, *beta = bn->beta;
+    const Act act = bn->act; const BnNext *next = bn->next;
+    if (next && next->kind == FUSED_RESIDUAL) y = next->out;
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    float k[C];  // (C)
+    for (int c = 0; c < C; c++) k[c] = bn_invstd(bn->var, c, bn->eps);
+    const size_t n_items = (M + BN_ROWS - 1) / BN_ROWS;
+    const int f32 = x.dtype == DT_F32 && y.dtype == DT_F32;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (size_t it = 0; it < n_items; it++) {
+        size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
+        if (f32) {
+            bn_act_rows_any((float *)y.data + r0 * C, (const float *)x.data + r0 * C, r1 - r0, C,
+                            mean, k, gamma, beta, act);
+            continue;
+        }
+        float xbuf[C], ybuf[C];  // (C) one row in fp32
+        for (size_t r = r0; r < r1; r++) {
+            bn_act_rows_any(ybuf, ld_view(x, r * C, xbuf, C), 1, C, mean, k, gamma, beta, act);
+            st_run(y, r * C, ybuf, C, 0);
+        }
+    }
+    if (next) bn_next_forward_unfused(o, y, next);
+}
+
+// Σg and Σg·xhat per channel over rows, g = dy·act'(gamma·xhat + b), xhat = (x - mean)·invstd, for
+// nb
+// whole channel blocks from c0 (sums [nb][BN_CBLOCK]); act constant where inlined. Rows outermost:
+// a
+// row's nb·BN_CBLOCK channels are read as one run (a thread per block, walking down the rows with
+// the tensor's stride, ran at a tenth of the memory's speed); each channel's sums still take the
+// rows in order.
+#define BN_GROUP_MAX 8  // channel blocks per work item of the backward reduction
+static inline __attribute__((always_inline)) void
+bn_grad_sums(Tensor dy, Tensor x, size_t M, int C, int c0, int nb, const float *gam,
+             const float *inv, const float *b, const float *mean, Act act, double (*sg)[BN_CBLOCK],
+             double (*sgx)[BN_CBLOCK]) {
+    // one block of a row in fp32 when the tensors are 16-bit
+    float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];
+    for (size_t r = 0; r < M; r++)
+        for (int k = 0; k < nb; k++) {
+            const int c = c0 + k * BN_CBLOCK;
+            const float *xr = ld_view(x, r * C + c, xbuf, BN_CBLOCK),
+                        *dr = ld_view(dy, r * C + c, dbuf, BN_CBLOCK);
+            double *s = sg[k], *q = sgx[k];
+            #pragma omp simd
+            for (int j = 0; j < BN_CBLOCK; j++) {
+                float xhat = (xr[j] - mean[c + j]) * inv[c + j],
+                      g = dr[j] * act_grad_vec(act, gam[c + j] * xhat + b[c + j]);
+                s[j] += g;
+                q[j] += (double)g * xhat;
+            }
+        }
+}
+
+static void bn_backward_reduce_cpu(Ops *o, Tensor dy, Tensor x, const BnArgs *bn, float *sum_g,
+                                   float *sum_gx, float *dgamma, float *dbeta, double *sums) {
+    const float *mean = bn->mean, *gamma = bn->gamma, *beta = bn->beta;
+    const Act act = bn->act; const BnNext *next = bn->next;
+    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_unfused(o, dy, next);
+    if (!sum_g) return;
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    // gamma, invstd, beta, mean padded to whole channel blocks (the padding lanes are computed and
+    // dropped)
+    const int Cp = (C + BN_CBLOCK - 1) / BN_CBLOCK * BN_CBLOCK;
+    float gam[Cp], b[Cp], m[Cp], invstd[Cp];  // (Cp)
+    for (int c = 0; c < Cp; c++) {
+        invstd[c] = c < C ? bn_invstd(bn->var, c, bn->eps) : 0.0f;
+        gam[c] = c < C ? gamma[c] : 0.0f;
+        b[c] = c < C ? beta[c] : 0.0f;
+        m[c] = c < C ? mean[c] : 0.0f;
+    }
+    // work items: groups of at most BN_GROUP_MAX whole blocks, at least one per thread when there
+    // are blocks enough (the grouping changes no sum), then the last, partial block
+    const int full = C / BN_CBLOCK;
+    int items = (full + BN_GROUP_MAX - 1) / BN_GROUP_MAX;
+#ifdef _OPENMP
+    const int threads = omp_get_max_threads() < full ? omp_get_max_threads() : full;
+    if (items < threads) items = threads;
+#endif
+    const int per = items ? (full + items - 1) / items : 0;
+    items = per ? (full + per - 1) / per : 0;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (int it = 0; it < items + (C % BN_CBLOCK != 0); it++) {
+        double sg[BN_GROUP_MAX][BN_CBLOCK] = {{0}}, sgx[BN_GROUP_MAX][BN_CBLOCK] = {{0}};
+        int c0, nc;  // the item's channels
+        if (it < items) {
+            const int nb = full - it * per < per ? full - it * per : per;
+            c0 = it * per * BN_CBLOCK;
+            nc = nb * BN_CBLOCK;
+            switch (act) {
+            case ACT_RELU:
+                bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_RELU, sg, sgx);
+                break;
+            case ACT_SILU:
+                bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_SILU, sg, sgx);
+                break;
+            case ACT_SIGMOID:
+                bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_SIGMOID, sg, sgx);
+                break;
+            default: bn_grad_sums(dy, x, M, C, c0, nb, gam, invstd, b, m, ACT_NONE, sg, sgx);
+            }
+        } else {  // the last, partial block
+            c0 = full * BN_CBLOCK;
+            nc = C - c0;
+            float xbuf[BN_CBLOCK], dbuf[BN_CBLOCK];
+            for (size_t r = 0; r < M; r++) {
+                const float *xr = ld_view(x, r * C + c0, xbuf, nc),
+                            *dr = ld_view(dy, r * C + c0, dbuf, nc);
+                for (int j = 0; j < nc; j++) {
+                    float xhat = (xr[j] - m[c0 + j]) * invstd[c0 + j];
+                    float g = dr[j] * act_grad_vec(act, gam[c0 + j] * xhat + b[c0 + j]);
+                    sg[0][j] += g;
+                    sgx[0][j] += (double)g * xhat;
+                }
+            }
+        }
+        for (int j = 0; j < nc; j++) {
+            const double s = sg[j / BN_CBLOCK][j % BN_CBLOCK],
+                         q = sgx[j / BN_CBLOCK][j % BN_CBLOCK];
+            bn_grad_sums_store(c0 + j, s, q, sum_g, sum_gx, dgamma, dbeta);
+            if (sums) { sums[c0 + j] = s; sums[C + c0 + j] = q; }
         }
     }
 }
 
-static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dresidual, Tensor dy, float rate,
-                                 const uint64_t *seed_at, int per_sample, uint64_t first_sample,
-                                 int accumulate, int accumulate_residual) {
-    if (dy.dtype != DT_F32 || (dx.data && dx.dtype != DT_F32) ||
-        (dresidual.data && dresidual.dtype != DT_F32)) {
-        dropout_backward_ref(o, dx, dresidual, dy, rate, seed_at, per_sample, first_sample,
-                             accumulate, accumulate_residual);
-        return;
+// dx (=|+=) a·(g - u - (x - mean)·v), a = gamma·invstd, u = Σg/count, v = invstd·Σg·xhat/count,
+// over `rows` rows from dx, dy, x
+static inline __attribute__((always_inline)) void
+bn_dx_rows(float *dx, const float *dy, const float *x, size_t rows, int C, const float *a,
+           const float *gam, const float *inv, const float *b, const float *mean, const float *u,
+           const float *v, Act act, int accumulate) {
+    for (size_t r = 0; r < rows; r++) {
+        const float *xr = x + r * C, *dr = dy + r * C;
+        float *o = dx + r * C;
+        #pragma omp simd
+        for (int c = 0; c < C; c++) {
+            float xm = xr[c] - mean[c],
+                  g = dr[c] * act_grad_vec(act, gam[c] * (xm * inv[c]) + b[c]);
+            float d = a[c] * (g - u[c] - xm * v[c]);
+            o[c] = accumulate ? o[c] + d : d;
+        }
     }
-    const uint64_t seed = *seed_at;
-    const size_t n = shape_numel(dy.shape), E = n / dy.shape.n,
-                 rows = per_sample ? (size_t)dy.shape.n : 1;
-    const size_t row = per_sample ? E : n;
-    float *dxp = (float *)dx.data, *drp = (float *)dresidual.data;
-    const float *g = (const float *)dy.data;
-    for (size_t s = 0; s < rows; s++) {
-        const size_t i0 = s * row;
-        const float f = per_sample ? dropout_keep(rate, seed, first_sample + s) : 0.0f;
-        #pragma omp parallel for simd schedule(static) if(PAR(row))
-        for (size_t i = i0; i < i0 + row; i++) {  // dx may be dy (in place)
-            const float gi = g[i];
-            if (dxp) {
-                const float v =
-                        gi * (per_sample ? f : dropout_keep(rate, seed, first_sample * E + i));
-                dxp[i] = accumulate ? dxp[i] + v : v;
-            }
-            if (drp) drp[i] = accumulate_residual ? drp[i] + gi : gi;
+}
+static void bn_dx_rows_any(float *dx, const float *dy, const float *x, size_t rows, int C,
+                           const float *a, const float *gam, const float *inv, const float *b,
+                           const float *mean, const float *u, const float *v, Act act,
+                           int accumulate) {
+    switch (act) {
+    case ACT_RELU:
+        bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_RELU, accumulate);
+        break;
+    case ACT_SILU:
+        bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_SILU, accumulate);
+        break;
+    case ACT_SIGMOID:
+        bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_SIGMOID, accumulate);
+        break;
+    default: bn_dx_rows(dx, dy, x, rows, C, a, gam, inv, b, mean, u, v, ACT_NONE, accumulate);
+    }
+}
+
+// dy: y's gradient, also with a residual block's end (bn_backward_reduce made it so)
+static void bn_backward_data_cpu(Ops *o, Tensor dx, Tensor dy, Tensor x, const BnArgs *bn,
+                                 const float *sum_g, const float *sum_gx, size_t count,
+                                 int accumulate) {
+    const float *mean = bn->mean, *gamma = bn->gamma, *beta = bn->beta;
+    const Act act = bn->act;
+    (void)o;
+    const int C = x.shape.c;
+    const size_t M = shape_numel(x.shape) / C;
+    float a[C], inv[C], u[C], v[C];  // (C)
+    for (int c = 0; c < C; c++) {
+        inv[c] = bn_invstd(bn->var, c, bn->eps);
+        a[c] = gamma[c] * inv[c];
+        u[c] = count ? sum_g[c] / (float)count : 0.0f;
+        v[c] = count ? inv[c] * sum_gx[c] / (float)count : 0.0f;
+    }
+    const size_t n_items = (M + BN_ROWS - 1) / BN_ROWS;
+    const int f32 = dx.dtype == DT_F32 && dy.dtype == DT_F32 && x.dtype == DT_F32;
+    #pragma omp parallel for schedule(static) if(PAR(M * C))
+    for (size_t it = 0; it < n_items; it++) {
+        size_t r0 = it * BN_ROWS, r1 = r0 + BN_ROWS < M ? r0 + BN_ROWS : M;
+        if (f32) {
+            bn_dx_rows_any((float *)dx.data + r0 * C, (const float *)dy.data + r0 * C,
+                           (const float *)x.data + r0 * C, r1 - r0, C, a, gamma, inv, beta, mean, u,
+                           v, act, accumulate);
+            continue;
+        }
+        float xbuf[C], dybuf[C], dxbuf[C];  // (C) one row in fp32
+        for (size_t r = r0; r < r1; r++) {
+            if (accumulate) ld_run(dx, r * C, dxbuf, C);
+            bn_dx_rows_any(dxbuf, ld_view(dy, r * C, dybuf, C), ld_view(x, r * C, xbuf, C), 1, C, a,
+                           gamma, inv, beta, mean, u, v, act, accumulate);
+            st_run(dx, r * C, dxbuf, C, 0);
         }
     }
 }
@@ -4934,6 +4947,9 @@ Ops ops_cpu;
 __attribute__((constructor)) static void ops_cpu_make(void) {
     ops_cpu = ops_ref;
     ops_cpu.name = "cpu";
+    ops_cpu.fill = fill_cpu;
+    ops_cpu.axpby = axpby_cpu;
+    ops_cpu.copy = copy_cpu;
     ops_cpu.conv2d_workspace = conv2d_workspace_cpu;
     ops_cpu.conv2d_forward = conv2d_forward_cpu;
     ops_cpu.conv2d_backward_data = conv2d_backward_data_cpu;
@@ -4948,19 +4964,16 @@ __attribute__((constructor)) static void ops_cpu_make(void) {
     ops_cpu.channel_scale_backward = channel_scale_backward_cpu;
     ops_cpu.se_gate_forward = se_gate_forward_cpu;
     ops_cpu.se_gate_backward = se_gate_backward_cpu;
+    ops_cpu.add_forward = add_forward_cpu;
+    ops_cpu.add_backward = add_backward_cpu;
+    ops_cpu.concat_forward = concat_forward_cpu;
+    ops_cpu.concat_backward = concat_backward_cpu;
+    ops_cpu.dropout_forward = dropout_forward_cpu;
+    ops_cpu.dropout_backward = dropout_backward_cpu;
     ops_cpu.maxpool2_forward = maxpool2_forward_cpu;
     ops_cpu.maxpool2_backward = maxpool2_backward_cpu;
     ops_cpu.upsample2_forward = upsample2_forward_cpu;
     ops_cpu.upsample2_backward = upsample2_backward_cpu;
-    ops_cpu.concat_forward = concat_forward_cpu;
-    ops_cpu.concat_backward = concat_backward_cpu;
-    ops_cpu.fill = fill_cpu;
-    ops_cpu.copy = copy_cpu;
-    ops_cpu.axpby = axpby_cpu;
-    ops_cpu.add_forward = add_forward_cpu;
-    ops_cpu.add_backward = add_backward_cpu;
-    ops_cpu.dropout_forward = dropout_forward_cpu;
-    ops_cpu.dropout_backward = dropout_backward_cpu;
 }
 
 // ============================================================================

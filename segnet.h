@@ -1,4 +1,7 @@
-// segnet.h -- every public type and function of segnet.
+// segnet.h -- the backend contract: the types, the ops table and the math both backends
+// share; the models, the planner and the step that segnet.c defines. The plumbing's
+// declarations are in the headers beside its files (safetensors.h, images.h, datasets.h,
+// curves.h, run.h).
 //
 // Layout conventions (see README.md, "How it works"):
 //   activations  NHWC, shape comment (N,H,W,C) on every tensor
@@ -337,21 +340,7 @@ static inline SN_HD void tap_range(int i, int in, int out, int *lo, int *hi) {
 }
 
 // ----------------------------------------------------------------------------
-// the ops table: every primitive the graph needs. One table per backend
-// (ops_cpu in segnet.c, ops_cuda in kernels.cu); model code calls only these.
-//
-// Conventions, the same for every entry:
-// - Tensor arguments carry their shape and storage type; float* arguments
-//   are fp32 buffers in backend memory (parameters, gradients, statistics).
-// - Input gradients (dx, da, ...) take an `accumulate` flag: 0 overwrites,
-//   1 adds into what is there. The executor passes 1 when a tensor feeds
-//   several layers (residuals, skips) and its gradient is already partly
-//   written.
-// - Parameter gradients (dw, db, dgamma, dbeta) are always added into, so
-//   micro-batches accumulate in the one gradient buffer zeroed per step.
-// - A NULL float* or a Tensor with NULL data means "not wanted".
-// - Ops that need scratch memory say how much through a *_workspace entry and
-//   receive it as `ws`; they never allocate.
+// Adam and gradient clipping: the formulas both backends compute
 
 // Adam as Keras implements it (Kingma & Ba 2015, Algorithm 1 with the "ε̂"
 // placement of their section 2), step t = 1, 2, ...:
@@ -448,6 +437,23 @@ static inline SN_HD void step_control_apply(const StepArgs *a, StepState *s, int
     s->adam.skip = !s->applied;
 }
 
+// ----------------------------------------------------------------------------
+// the ops table: every primitive the graph needs. One table per backend
+// (ops_cpu in segnet.c, ops_cuda in kernels.cu); model code calls only these.
+//
+// Conventions, the same for every entry:
+// - Tensor arguments carry their shape and storage type; float* arguments
+//   are fp32 buffers in backend memory (parameters, gradients, statistics).
+// - Input gradients (dx, da, ...) take an `accumulate` flag: 0 overwrites,
+//   1 adds into what is there. The executor passes 1 when a tensor feeds
+//   several layers (residuals, skips) and its gradient is already partly
+//   written.
+// - Parameter gradients (dw, db, dgamma, dbeta) are always added into, so
+//   micro-batches accumulate in the one gradient buffer zeroed per step.
+// - A NULL float* or a Tensor with NULL data means "not wanted".
+// - Ops that need scratch memory say how much through a *_workspace entry and
+//   receive it as `ws`; they never allocate.
+
 // The layer after a batch norm, fused into the batch norm's ops by the executor
 // (see "fusing layers" in segnet.c); y below is the batch norm's output act(bn(x)).
 // - FUSED_POOL (a global average pool of y): the forward also writes
@@ -470,6 +476,17 @@ typedef struct {
     // drop_path's (seed in backend memory)
     float rate; const uint64_t *seed; uint64_t first_sample;
 } BnNext;
+
+// What bn_forward, bn_backward_reduce and bn_backward_data share: the normalisation
+// y = act(gamma·(x - mean)·invstd + beta), invstd = 1/sqrt(var + eps), and the layer fused
+// after it
+typedef struct {
+    const float *mean, *var;    // (C) the batch's statistics (training) or the running ones
+    const float *gamma, *beta;  // (C)
+    float eps;
+    Act act;
+    const BnNext *next;         // NULL, or the layer after the batch norm, fused
+} BnArgs;
 
 typedef struct Ops Ops;
 struct Ops {
@@ -534,10 +551,11 @@ struct Ops {
 
     // batch norm, split so that replicas can all-reduce between the pieces:
     //   stats -> (all-reduce) -> forward; backward_reduce -> (all-reduce) -> backward_data
-    // mean, var: (C) biased per-channel statistics of x over N·H·W (bn_moments_stats of
-    // the fp64 Σx, Σx²); with run_mean (not NULL) also bn_update_running with count
-    // N·H·W, in the same pass; sums: NULL, or (2C) where Σx, then Σx², are also
-    // written in fp64 (--sync-bn adds them over the replicas, then bn_stats_finish)
+    // mean, var: (C) biased per-channel statistics of x over N·H·W, from fp64 sums (the
+    // reference in two passes, Σx then Σ(x − mean)²; the fast and CUDA versions in one,
+    // bn_moments_stats of Σx and Σx²); with run_mean (not NULL) also bn_update_running with
+    // count N·H·W; sums: NULL, or (2C) where Σx, then Σx², are also written in fp64
+    // (--sync-bn adds them over the replicas, then bn_stats_finish)
     void (*bn_stats)(Ops *o, Tensor x, float *mean, float *var, float *run_mean, float *run_var,
                      float momentum, double *sums);
     // mean, var from sums (2C: Σx, Σx² over `count` values) as bn_stats computes them;
@@ -545,31 +563,26 @@ struct Ops {
     void (*bn_stats_finish)(Ops *o, const double *sums, int C, size_t count, float *mean,
                             float *var, float *run_mean, float *run_var, float momentum);
     // y = act(gamma·(x - mean)/sqrt(var + eps) + beta): training (batch stats) and inference
-    // (running stats); next: NULL, or the layer after it, fused (BnNext)
-    void (*bn_forward)(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
-                       const float *gamma, const float *beta, float eps, Act act,
-                       const BnNext *next);
+    // (running stats); bn->next: NULL, or the layer after it, fused (BnNext)
+    void (*bn_forward)(Ops *o, Tensor y, Tensor x, const BnArgs *bn);
     // running = (1-m)·running + m·batch, the variance made unbiased with count/(count-1)
     void (*bn_update_running)(Ops *o, float *run_mean, float *run_var, const float *mean,
                               const float *var, int C, size_t count, float momentum);
     // g = dy·act'(z), xhat = (x - mean)·invstd (fp32): sum_g = Σ g, sum_gx = Σ g·xhat per
     // channel, summed in fp64 and rounded once (overwritten), also added into dgamma/dbeta
     // (either may be NULL); sums: NULL, or (2C) where the fp64 Σg, then Σg·xhat, are also
-    // written (--sync-bn adds them over the replicas, then bn_backward_finish); next: NULL, or
-    // the layer after it, fused (BnNext: then sum_g NULL asks for none of the sums)
-    void (*bn_backward_reduce)(Ops *o, Tensor dy, Tensor x, const float *mean, const float *var,
-                               const float *gamma, const float *beta, float eps, Act act,
-                               float *sum_g, float *sum_gx, float *dgamma, float *dbeta,
-                               double *sums, const BnNext *next);
+    // written (--sync-bn adds them over the replicas, then bn_backward_finish); bn->next: NULL,
+    // or the layer after it, fused (BnNext: then sum_g NULL asks for none of the sums)
+    void (*bn_backward_reduce)(Ops *o, Tensor dy, Tensor x, const BnArgs *bn, float *sum_g,
+                               float *sum_gx, float *dgamma, float *dbeta, double *sums);
     // sum_g, sum_gx from sums (2C) as bn_backward_reduce rounds them, also added into dgamma/dbeta
     void (*bn_backward_finish)(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx,
                                float *dgamma, float *dbeta);
     // dx = gamma·invstd·(g - sum_g/count - xhat·sum_gx/count); count = 0 means the
     // statistics were constants (inference mode): dx = gamma·invstd·g; next as bn_backward_reduce's
-    void (*bn_backward_data)(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
-                             const float *var, const float *gamma, const float *beta, float eps,
-                             Act act, const float *sum_g, const float *sum_gx, size_t count,
-                             int accumulate, const BnNext *next);
+    void (*bn_backward_data)(Ops *o, Tensor dx, Tensor dy, Tensor x, const BnArgs *bn,
+                             const float *sum_g, const float *sum_gx, size_t count,
+                             int accumulate);
 
     // activations, elementwise
     void (*act_forward)(Ops *o, Act act, Tensor y, Tensor x);
@@ -940,7 +953,9 @@ typedef struct {
     int seeds_set;
     // the batch's first image in the optimiser step's images (replica shard, micro-batch)
     uint64_t first_sample;
-    int batch;            // images in the current batch, ≤ the graph's N (a last, smaller batch)
+    // images of the pass under way, ≤ the graph's N (a capacity fixed at planning); set by
+    // net_forward only
+    int batch;
     Plan *plan;           // net_create_planned: the arena's layout, else NULL
     uint8_t *arena;
     // the highest arena byte a live buffer has reached (measured while running)
@@ -968,10 +983,14 @@ int net_create_planned(Net *net, const Graph *g, Ops *o, DType dtype, int input_
 void net_free(Net *net);
 Tensor net_tensor(const Net *net, int t);       // activation view
 Tensor net_grad(const Net *net, int t);         // gradient view (data NULL if none)
-void net_forward(Net *net, int training);
-// Backward from the gradient already stored in net_grad(output): parameter
-// gradients are added into net->grads, activation gradients overwritten.
-void net_backward(Net *net, int output);
+// The graph's N: the images a pass can hold (a capacity fixed at planning).
+int net_capacity(const Net *net);
+// The forward of the first n images of the input (n ≤ net_capacity; 0: a replica with an
+// empty shard, which still takes part in the collectives); views (net_tensor) then have n.
+void net_forward(Net *net, int n, int training);
+// Backward of the same n images from the gradient already stored in net_grad(output):
+// parameter gradients are added into net->grads, activation gradients overwritten.
+void net_backward(Net *net, int n, int output);
 uint64_t net_layer_seed(const Net *net, int layer);
 // the n_layers seeds of net's (seed, step) into host memory `seeds`
 void net_layer_seeds(const Net *net, uint64_t *seeds);
@@ -981,258 +1000,6 @@ void net_layer_seeds(const Net *net, uint64_t *seeds);
 
 // Σ_i w[y_i] over labels: the weighted-mean denominator, known before the forward.
 double label_weight_sum(const int32_t *labels, size_t n, const float *class_weights, int K);
-
-// ----------------------------------------------------------------------------
-// safetensors files: u64 little-endian N, N bytes of JSON header
-//   {"__metadata__": {"k": "v", ...}, "name": {"dtype": "F32", "shape": [d0, ...],
-//    "data_offsets": [begin, end]}, ...}
-// then the data section; offsets are relative to its start (byte 8 + N).
-// Tensors are row-major and little-endian. segnet reads and writes F32, F16, BF16.
-
-#define SF_MAX_DIMS 8
-
-typedef struct {
-    char name[SN_NAME_MAX];
-    DType dtype;
-    int ndim;                    // 0 for a scalar (shape [])
-    int64_t dims[SF_MAX_DIMS];
-    size_t numel;                // Π dims (1 for a scalar)
-    // safetensors_read: points into SafetensorsFile.bytes, with NO alignment guarantee (the data
-    // section starts wherever the header ends, and offsets are arbitrary):
-    // memcpy out of it, never cast it to float*. safetensors_write: the caller's memory.
-    const void *data;
-} SafetensorsTensor;
-
-typedef struct {
-    SafetensorsTensor *tensors; int n_tensors;            // in header order
-    char **meta_keys, **meta_values;             // "__metadata__", in header order, each malloc'd
-    int n_meta;
-    uint8_t *bytes; size_t n_bytes;              // the whole file, owned
-} SafetensorsFile;
-
-// Reads a whole file. Returns 0, or -1 with one line in err naming the file,
-// the problem and the tensor at fault (f is then empty; safetensors_free is harmless).
-// Never reads outside the file. Accepts holes (unused bytes) in the data section.
-int safetensors_read(const char *path, SafetensorsFile *f, char err[SN_ERR_MAX]);
-void safetensors_free(SafetensorsFile *f);
-// NULL if absent
-const SafetensorsTensor *safetensors_find(const SafetensorsFile *f, const char *name);
-
-// Writes tensors (laid out in order, contiguous) and optional string metadata.
-// Atomic: writes "<path>.tmp.<pid>", fsyncs it, renames it over path, fsyncs
-// the directory. Returns 0, or -1 with err set; on failure before the rename
-// the temporary is removed and a file already at path is untouched.
-int safetensors_write(const char *path, const SafetensorsTensor *tensors, int n,
-                      const char *const *meta_keys, const char *const *meta_values, int n_meta,
-                      char err[SN_ERR_MAX]);
-
-// Writes the n_parts buffers one after another to path, atomically: to
-// "<path>.tmp.<pid>", fsynced, renamed over path, directory fsynced. On
-// failure the temporary is removed and a file already at path is untouched.
-int file_write_atomic(const char *path, const void *const *parts, const size_t *sizes, int n_parts,
-                      char err[SN_ERR_MAX]);
-
-// Weights by name (segnet's = torchvision's, or timm's), files in PyTorch layout
-// (conv weights OIHW). Loading checks
-// everything before changing anything: tensors missing from the file, of the
-// wrong shape, or (unless allow_unexpected) unknown to the model refuse the
-// load with their names in err. Names starting with allow_missing (e.g.
-// "classifier.") may be absent or of another shape (a new head): they keep
-// their current values.
-int net_load_weights(Net *net, const SafetensorsFile *f, const char *path,
-                     const char *allow_missing, int allow_unexpected, char err[SN_ERR_MAX]);
-// The same with a report: `init` and `ignore` are comma-separated name
-// prefixes; model tensors under `init` may be absent or of another shape
-// (they keep their initial values), file tensors under `ignore` ("*": any)
-// may go unused. On success `report` (SN_ERR_MAX bytes, if not NULL) holds
-// "weights: N tensors loaded from FILE (S names), M initialised (...), K
-// ignored (...)" with S the naming found: timm, or torchvision (segnet's own
-// names are torchvision's). check_only: every check, nothing copied.
-typedef struct { const char *init, *ignore; int check_only; } LoadRules;
-// The padding EfficientNetV2 weights were trained with: the file's
-// "padding" metadata (segnet's checkpoints, ref/'s files), else timm's
-// tf_efficientnetv2 names (TensorFlow's SAME) or torchvision's names
-// (symmetric). 1 with *pad and `why` set, 0 when the file does not say
-// (segnet checkpoints from before the metadata, other names).
-int weights_padding(const SafetensorsFile *f, PadMode *pad, const char **why);
-// For a run with --weights on an EfficientNetV2 (or unet-effv2-*) model: with
-// no --padding, the weights' padding becomes m->pad; a --padding that
-// contradicts them gets a warning on stderr (`cmd` names the command). `note`
-// (SN_ERR_MAX bytes) receives "padding P (why)" for the report. -1 on an
-// unreadable file.
-int padding_follow_weights(ModelCfg *m, const char *weights, const char *cmd, char *note,
-                           char err[SN_ERR_MAX]);
-int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
-                           const LoadRules *rules, char *report, char err[SN_ERR_MAX]);
-int net_save_weights(const Net *net, const char *path, char err[SN_ERR_MAX]);
-// Training checkpoints: the weights as above plus `extra` tensors (named
-// TRAIN_STATE_PREFIX..., which loading weights ignores) and string metadata.
-#define TRAIN_STATE_PREFIX "train_state."
-int net_save_checkpoint(const Net *net, const char *path, const SafetensorsTensor *extra,
-                        int n_extra, const char *const *meta_keys, const char *const *meta_values,
-                        int n_meta, char err[SN_ERR_MAX]);
-// timm's name (tf_efficientnetv2_*) for an EfficientNetV2 tensor of g; 0 if none.
-// Loading finds a tensor by its segnet/torchvision name, else by this one.
-int effnet_timm_name(const Graph *g, const char *name, char out[SN_NAME_MAX]);
-// values as fp32, whatever the dtype
-void safetensors_tensor_f32(const SafetensorsTensor *t, float *dst);
-
-// ----------------------------------------------------------------------------
-// images and classifier prediction
-
-typedef struct { char **paths; int n, cap; } PathList;
-// a folder's *.png/*.jpg/*.jpeg (sorted), or the first column of a CSV
-int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]);
-void path_list_free(PathList *l);
-// (h,w,3) RGB values 0..255, malloc'd, as stored or, with --exif apply, as a
-// JPEG's EXIF orientation displays it; NULL with err naming the file
-float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]);
-
-typedef struct {
-    ModelCfg model;        // any model; its batch is the prediction batch
-    const char *weights;   // safetensors, PyTorch layout, every tensor present
-    const char *input;     // folder of images, or CSV with the paths in its first column
-    // Classifier (1×1 output): CSV `path,pred,p0,...`, replaced atomically,
-    // untouched on failure. Segmentation: a folder (created if missing) that
-    // receives per image <stem>.png, the mask (grey = class, K ≤ 256), and
-    // <stem>_overlay.png (image and class colour 50/50), at the image's size;
-    // each PNG atomic, nothing written unless every image decodes. Never the
-    // input folder or inside it; an existing file only with overwrite, and
-    // only one an earlier predict wrote (OUT/.segnet-predict lists those).
-    const char *out;
-    int progress;          // report progress on stderr
-    Device device;         // where the forward passes run
-    // classifier: a `pred_name` column with class k's name (n_class_names, 0: none)
-    char **class_names;
-    int n_class_names;
-    // replace existing outputs that an earlier predict wrote (never anything else)
-    int overwrite;
-} PredictCfg;
-int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);
-
-// ----------------------------------------------------------------------------
-// data sets: listing, decoding, resizing, augmentation, batching, prefetch
-//
-// Segmentation: DIR/images/*.{png,jpg,jpeg} and DIR/masks/*.png with the same
-// stem; a mask pixel is a class index 0..K-1, K ≤ 256 (8- or 16-bit PNG, one
-// channel or the first of several; palette PNGs are refused, since stb_image
-// turns their indices into colours). Classification: a CSV `path,label` (paths
-// relative to the CSV's folder, an optional header whose first field is `path`)
-// or DIR/<class>/*.{png,jpg,jpeg}, the sub-folders sorted by name giving
-// classes 0, 1, ... (more sub-folders than K are refused).
-//
-// dataset_open checks everything before training starts (every file decodes,
-// every image has its mask and the reverse, mask sizes equal image sizes, mask
-// values and labels lie in 0..K-1), decoding on `threads` threads. Of several
-// bad files the first in sample order is reported, whatever the threads.
-// Samples are in stem order (segmentation), row order (CSV) or class then name
-// order (folders). The resized samples stay in memory as bytes when
-// n·H·W·3 (+ n·H·W for masks) ≤ cache_bytes; else dataset_batch decodes them
-// again. Images are resized to the model's size with bilinear interpolation
-// (half-pixel centres, the resize op's, rounded to bytes), masks with nearest
-// neighbour (half-pixel centres: src = ⌊(dst + ½)·in/out⌋).
-
-typedef struct {
-    int flip;                        // random horizontal flip of image and mask together, p = 1/2
-    // tf.image.random_brightness: + δ ~ U[-D, D] on 0..1 values (0: off)
-    float brightness;
-    // tf.image.random_contrast: (x - mean_c)·f + mean_c, f ~ U[lo, hi] (0,0: off)
-    float contrast_lo, contrast_hi;
-} Augment;
-
-typedef struct {
-    int segmentation;       // 1: images + masks; 0: classification
-    int n;                  // samples
-    int classes;            // K
-    int height, width;      // every sample is resized to this
-    char **images;          // (n) image paths
-    char **masks;           // (n) mask paths (segmentation), else NULL
-    int32_t *labels;        // (n) class per sample (classification), else NULL
-    uint8_t *image_cache;   // (n,H,W,3) resized RGB, or NULL when not cached
-    uint8_t *mask_cache;    // (n,H,W) resized class indices (segmentation), or NULL
-    // (n_names) class k's name: class folders, or a CSV's text labels; else NULL
-    char **names;
-    int n_names;
-    int64_t *class_counts;  // (classes) the pixels (of the resized masks) or samples of each class
-} Dataset;
-
-// Returns 0, or -1 with one line in err naming the file (row, pixel) and the problem.
-int dataset_open(Dataset *d, const char *path, int segmentation, int classes, int height, int width,
-                 size_t cache_bytes, int threads, char err[SN_ERR_MAX]);
-// The same for a set whose class names must be those of `names_from` (a
-// validation set takes the training set's: a folder or label absent from the
-// validation set shifts nothing; one the training set lacks is an error).
-// Named classes: the sorted folder names, or the sorted distinct text labels
-// of a CSV (a CSV's labels are all integers 0..K-1 or all names).
-int dataset_open_named(Dataset *d, const char *path, int segmentation, int classes, int height,
-                       int width, size_t cache_bytes, int threads, const Dataset *names_from,
-                       char err[SN_ERR_MAX]);
-void dataset_free(Dataset *d);
-
-// Assembles one batch of samples idx[0..n-1]: images (n,H,W,3) fp32 0..255 after
-// augmentation; labels (n·H·W) mask values (segmentation) or (n) classes.
-// Augmentation in this order: flip, brightness, contrast (on values/255, then
-// ×255). Sample j's random choices depend only on (seed, idx[j]) (counter-based),
-// so a batch is the same whichever thread builds it; pass a new seed per epoch
-// for new draws. aug NULL (or all zero): the resized bytes as floats, exactly.
-// Returns 0, or -1 with err (a file that changed on disk since dataset_open,
-// with the message dataset_open would give).
-int dataset_batch(const Dataset *d, const int *idx, int n, const Augment *aug, uint64_t seed,
-                  float *images, int32_t *labels, char err[SN_ERR_MAX]);
-
-// Prefetch: `workers` threads (pthreads) build the batches of `order` (n_order
-// sample indices, copied; taken `batch` at a time, the last batch possibly
-// smaller) up to `depth` batches ahead, each batch as dataset_batch(seed) would;
-// loader_next hands them out in order. Batches are identical for any workers
-// and depth. d must outlive the loader.
-typedef struct {
-    int n;             // images in this batch (≤ batch)
-    float *images;     // (n,H,W,3)
-    int32_t *labels;   // (n·H·W) or (n)
-    int index;         // batch number within the order, 0-based
-} LoaderBatch;
-typedef struct Loader Loader;
-Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch, const Augment *aug,
-                     uint64_t seed, int workers, int depth);
-// The next batch (valid until the next call or loader_stop), or NULL after the
-// last one or on an error (then loader_error gives it, and every later call
-// returns NULL). Blocks only while that batch is still being built.
-const LoaderBatch *loader_next(Loader *l);
-const char *loader_error(const Loader *l);  // "" if none
-void loader_stop(Loader *l);                // at any time: joins the workers, frees everything
-
-// PNG output, atomic (<path>.tmp.<pid> in the same folder, fsync, rename): comp
-// 1 (grey) or 3 (RGB). On failure the temporary is removed and a file already
-// at path is untouched.
-int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pixels,
-                     char err[SN_ERR_MAX]);
-
-// ----------------------------------------------------------------------------
-// training curves: one record per epoch; NaN where a value does not exist
-// (no validation set)
-
-typedef struct {
-    int epoch;                // 1-based
-    double lr;                // learning rate at the end of the epoch
-    double loss, val_loss;
-    double metric, val_metric;  // mean IoU (segmentation) or accuracy (classification)
-    // the optimisation diagnostics (metrics.csv's last columns; see "optimisation diagnostics" in
-    // segnet.c)
-    double grad_norm_mean, grad_norm_max, clip_fraction, loss_scale, skipped_steps, update_ratio,
-            step_ms;
-} EpochRecord;
-
-// What curves.svg marks besides the records: the best epoch (0: none) and the
-// clipping threshold (0: none).
-typedef struct { int best_epoch; double clipnorm; } CurveMarks;
-
-// curves.svg: four panels with axis labels against the epoch: loss (train and
-// val), the metric (train and val), the gradient norm (mean and max over the
-// epoch's steps, the clipping threshold as a line, epochs with skipped steps
-// marked, the loss scale on a second axis), and the learning rate with the
-// update ratio on a second axis; the best epoch marked in each. Written atomically.
-int write_curves_svg(const char *path, const EpochRecord *rows, int n, const char *metric_name,
-                     const CurveMarks *marks, char err[SN_ERR_MAX]);
 
 // ----------------------------------------------------------------------------
 // replicas: the communicator of a data-parallel run (see README.md, "Replicas")
@@ -1346,77 +1113,6 @@ double lr_at_step(double lr, Schedule s, int64_t warmup, int64_t total_steps, in
 // except its last `unfreeze_last` checkpoint blocks. Returns the number of
 // blocks in the backbone (so a caller can refuse N larger than that).
 int graph_freeze_base(Graph *g, int unfreeze_last);
-
-typedef struct {
-    ModelCfg model;                 // model.batch is the training batch
-    const char *data, *val;         // training and (optional) validation data
-    const char *out;                // run folder (NULL: runs/<timestamp>)
-    const char *weights;            // initial weights (safetensors), or NULL
-    // more prefixes (comma-separated) of tensors the weights may lack, or NULL
-    const char *allow_missing;
-    // appended to the `weights:` line (the padding decided), or NULL
-    const char *weights_note;
-    int class_weights_given;
-    float class_weights[SN_MAX_CLASSES];  // default all 1
-    int epochs;
-    float lr, adam_eps, weight_decay, clipnorm;
-    Schedule schedule;
-    int warmup;                     // steps
-    int patience;                   // early stopping on the monitored value; 0: off
-    // 0: monitor val_loss (lower is better); 1: val_mIoU / val_accuracy (higher)
-    int monitor_metric;
-    float min_delta;                // an epoch improves by more than this (Keras' min_delta)
-    Augment augment;
-    uint64_t seed;
-    int threads;                    // 0: OpenMP's default
-    int loss_norm_keras;            // divide the loss by the pixel count, not Σ w
-    int workers;                    // data loader threads
-    size_t cache_bytes;             // decoded data kept in memory up to this
-    int progress;                   // 0 quiet, 1 progress on stderr
-    int stop_after_epochs;          // leave after this many epochs, as if interrupted (0: never)
-    // tests: act as if SIGINT came during this optimiser step (0: never)
-    int64_t interrupt_at_step;
-    DType precision;                // activation storage: fp32, fp16 (with loss scaling) or bf16
-    int accum;                      // micro-batches per optimiser step (gradient accumulation)
-    int freeze_base;                // freeze the backbone (graph_freeze_base) ...
-    int unfreeze_last;              // ... except its last N blocks
-    int loss_scale_interval;        // fp16: finite steps before the loss scale doubles
-    // recompute each block's activations in backward (--checkpoint blocks)
-    int checkpoint;
-    // train_cfg_default: DEVICE_CPU; the command line's default is DEVICE_AUTO
-    Device device;
-    // local replicas in this process (--replicas N); model.batch is the global batch
-    int replicas;
-    // batch norm over the global batch (--sync-bn), else over each replica's shard
-    int sync_bn;
-    // steps.csv: the step diagnostics every this many optimiser steps (0: none)
-    int log_every;
-    // train metrics from an inference-mode pass over the training set at each epoch's end
-    int train_eval;
-    // tests: this optimiser step's gradients get an inf (fp16 overflow) (0: never)
-    int64_t overflow_at_step;
-    // a new run may replace the files of an earlier one in its folder (--overwrite)
-    int overwrite;
-} TrainCfg;
-
-void train_cfg_default(TrainCfg *c);
-// Trains and writes the run folder. resume: a run folder to continue, whose
-// config.txt the caller has already parsed into c. Returns 0, -1 with one
-// line in err, or 128 + the signal when SIGINT/SIGTERM (interrupt_handlers)
-// stopped it after a step, saved for --resume; nothing in an existing run folder is changed before
-// every
-// input has been checked. With c->replicas > 1, or when started by mpirun
-// with several processes, the global batch model.batch is split over the
-// replicas (train_run_comm for a communicator of one's own); only rank 0
-// writes the run folder.
-int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]);
-int train_run_comm(const TrainCfg *c, const char *resume, Comm *comm, char err[SN_ERR_MAX]);
-
-// Evaluates weights on a data set: loss (the weighted mean, or Keras' pixel
-// mean) and the metrics. iou: (K) caller's memory.
-typedef struct { double loss; Metrics m; } EvalResult;
-int eval_run(const TrainCfg *c, const char *weights, const char *data, EvalResult *r,
-             char err[SN_ERR_MAX]);
 
 // ----------------------------------------------------------------------------
 // deterministic host RNG (initialisation, tests, data order)

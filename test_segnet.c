@@ -152,11 +152,12 @@ static GradOpts grad_opts(void) {
 }
 
 static double eval_loss(Net *net, int out, const float *r) {
-    net_forward(net, net->training);
-    const float *y = net->act[out];
-    double L = 0.0;
-    for (size_t i = 0; i < shape_numel(net->g->tensors[out].shape); i++) L += (double)r[i] * y[i];
-    return L;
+  net_forward(net, net_capacity(net), net->training);
+  const float *y = net->act[out];
+  double L = 0.0;
+  for (size_t i = 0; i < shape_numel(net->g->tensors[out].shape); i++)
+    L += (double)r[i] * y[i];
+  return L;
 }
 
 // Random parameters with O(1) activations: weights ~ N(0, 1/fan_in), BN gamma
@@ -231,7 +232,7 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
     float *r = randn(&rng, ny, 1.0f);
 
     // analytic
-    net_forward(&net, opt.training);
+    net_forward(&net, net_capacity(&net), opt.training);
     for (int t = 0; t < g->n_tensors; t++)
         if (net.grad[t])
             for (size_t i = 0; i < shape_numel(g->tensors[t].shape); i++)
@@ -239,7 +240,7 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
     memcpy(net.grad[out], r, sizeof(float) * ny);
     float *prefill = randn(&rng, net.n_grad_floats, 1.0f);
     memcpy(net.grads, prefill, sizeof(float) * net.n_grad_floats);
-    net_backward(&net, out);
+    net_backward(&net, net_capacity(&net), out);
 
     // analytic and numerical values of every checked tensor first, compared after
     // (the gradient floor is relative to the largest numerical gradient of all)
@@ -406,7 +407,7 @@ static void bn_case(Act act, int training, int fanout) {
             random_params(&net, &rng);
             float *xv = net.act[x];
             for (int i = 0; i < 72; i++) xv[i] = rng_normal(&rng);
-            net_forward(&net, training);
+            net_forward(&net, net_capacity(&net), training);
             double zmin = INFINITY;
             for (int l = 0; l < g.n_layers; l++) {
                 const Layer *L = &g.layers[l];
@@ -687,7 +688,7 @@ TEST(graph_frozen) {
     CHECK(net_create(&net, &g, &ops_cpu, DT_F32, 0, err) == 0, "net_create: %s", err);
     memcpy(net.act[g.input], xin, sizeof(float) * 2 * 6 * 6 * 3);
     float before = net.buffers[g.buffers[g.layers[stem_bn].run_var].offset];
-    net_forward(&net, 1);
+    net_forward(&net, net_capacity(&net), 1);
     CHECK(net.buffers[g.buffers[g.layers[stem_bn].run_var].offset] == before,
           "frozen BN updated its running variance");
     net_free(&net);
@@ -970,14 +971,19 @@ TEST(bn_by_hand) {
     ops_cpu.bn_update_running(&ops_cpu, &rm, &rv, &mean, &var, 1, 4, BN_MOMENTUM);
     CHECK_NEAR(rm, 0.25, 1e-7, "running mean 0.9·0 + 0.1·2.5");
     CHECK_NEAR(rv, 0.9 + 0.1 * 5.0 / 3.0, 1e-6, "running var 0.9·1 + 0.1·(5/3) (unbiased)");
-    ops_cpu.bn_forward(&ops_cpu, ty, tx, &mean, &var, &gamma, &beta, 1e-5f, ACT_NONE, NULL);
+    ops_cpu.bn_forward(
+        &ops_cpu, ty, tx,
+        &(BnArgs){&mean, &var, &gamma, &beta, 1e-5f, ACT_NONE, NULL});
     for (int i = 0; i < 4; i++)
         CHECK_NEAR(y[i], 2.0 * (x[i] - 2.5) / sqrt(1.25 + 1e-5) + 0.5, 1e-5, "bn output");
-    ops_cpu.bn_forward(&ops_cpu, ty, tx, &mean, &var, &gamma, &beta, 1e-5f, ACT_RELU, NULL);
+    ops_cpu.bn_forward(
+        &ops_cpu, ty, tx,
+        &(BnArgs){&mean, &var, &gamma, &beta, 1e-5f, ACT_RELU, NULL});
     CHECK(y[0] == 0.0f && y[3] > 0.0f, "fused relu");
     // inference with running statistics mean 1, var 3: (x - 1)/2
     float m1 = 1, v1 = 3.999f, g1 = 1, b1 = 0;
-    ops_cpu.bn_forward(&ops_cpu, ty, tx, &m1, &v1, &g1, &b1, 1e-3f, ACT_NONE, NULL);
+    ops_cpu.bn_forward(&ops_cpu, ty, tx,
+                       &(BnArgs){&m1, &v1, &g1, &b1, 1e-3f, ACT_NONE, NULL});
     CHECK_NEAR(y[2], 1.0, 1e-6, "inference bn (3-1)/sqrt(4)");
 }
 
@@ -1500,10 +1506,12 @@ TEST(storage_types) {
               "%s bn statistics equal fp32's", dn);
         float *y32 = malloc(sizeof(float) * nx);
         uint16_t *ys = malloc(2 * nx);
-        ops_cpu.bn_forward(&ops_cpu, tensor_f32(y32, in), tensor_f32(x, in), mean, var, gam, bet,
-                           1e-3f, ACT_SILU, NULL);
-        ops_cpu.bn_forward(&ops_cpu, tensor(ys, in, dt), tx, mean, var, gam, bet, 1e-3f, ACT_SILU,
-                           NULL);
+        ops_cpu.bn_forward(
+            &ops_cpu, tensor_f32(y32, in), tensor_f32(x, in),
+            &(BnArgs){mean, var, gam, bet, 1e-3f, ACT_SILU, NULL});
+        ops_cpu.bn_forward(
+            &ops_cpu, tensor(ys, in, dt), tx,
+            &(BnArgs){mean, var, gam, bet, 1e-3f, ACT_SILU, NULL});
         double u = max_ulp_diff(tensor(ys, in, dt), y32);
         CHECK(u <= 1.0, "%s bn+silu forward: %.2f ulp", dn, u);
         free(x); free(xs); free(y32); free(ys);
@@ -1529,8 +1537,10 @@ TEST(determinism_across_threads) {
         float *o = res[t], gam[37], bet[37], dg[37] = {0}, db[37] = {0};
         for (int c = 0; c < 37; c++) { gam[c] = 1; bet[c] = 0; }
         ops_cpu.bn_stats(&ops_cpu, tensor_f32(x, s), o, o + 37, NULL, NULL, 0.0f, NULL);
-        ops_cpu.bn_backward_reduce(&ops_cpu, tensor_f32(dy, s), tensor_f32(x, s), o, o + 37, gam,
-                                   bet, 1e-3f, ACT_SILU, o + 74, o + 111, dg, db, NULL, NULL);
+        ops_cpu.bn_backward_reduce(
+            &ops_cpu, tensor_f32(dy, s), tensor_f32(x, s),
+            &(BnArgs){o, o + 37, gam, bet, 1e-3f, ACT_SILU, NULL}, o + 74,
+            o + 111, dg, db, NULL);
         ops_cpu.sum_squares(&ops_cpu, tensor_f32(x, s), o + 148);
         o[149] = o[150] = o[151] = 0;
         ops_cpu.softmax_xent(&ops_cpu, tensor_f32(x, s), lab, cw, 0.0f, &(float){1.0f}, o + 149,
@@ -1549,10 +1559,10 @@ TEST(determinism_across_threads) {
 static void run_every_kind(Net *net, int out, const float *xin, const float *r) {
     const Graph *g = net->g;
     memcpy(net->act[g->input], xin, sizeof(float) * shape_numel(g->tensors[g->input].shape));
-    net_forward(net, 1);
+    net_forward(net, net_capacity(net), 1);
     memcpy(net->grad[out], r, sizeof(float) * shape_numel(g->tensors[out].shape));
     memset(net->grads, 0, sizeof(float) * net->n_grad_floats);
-    net_backward(net, out);
+    net_backward(net, net_capacity(net), out);
 }
 
 TEST(parallel_paths_match_serial) {
@@ -1717,7 +1727,7 @@ TEST(net_modes) {
     Rng r; rng_seed(&r, 3);
     for (int i = 0; i < 96; i++) ((float *)net.act[x])[i] = 1.0f + rng_normal(&r);
     for (int i = 0; i < 3; i++) { net.params[i] = 1.0f; }
-    net_forward(&net, 0);
+    net_forward(&net, net_capacity(&net), 0);
     float rm = net.buffers[0];
     CHECK(rm == 0.0f, "inference does not touch running statistics");
     const float *yv = net.act[y];
@@ -1725,7 +1735,7 @@ TEST(net_modes) {
     for (int i = 0; i < 96; i++)
         copied &= fabsf(yv[i] - ((float *)net.act[x])[i] / sqrtf(1.0f + BN_EPS_UNET)) < 1e-6f;
     CHECK(copied, "inference: BN with running stats and no dropout");
-    net_forward(&net, 1);
+    net_forward(&net, net_capacity(&net), 1);
     CHECK(net.buffers[0] != 0.0f, "training updates the running mean");
     int zeros = 0;
     for (int i = 0; i < 96; i++) zeros += yv[i] == 0.0f;
@@ -2727,7 +2737,7 @@ static void parity_check(Net *net, int out, const int32_t *labels, const Safeten
     float *logits_ref = malloc(sizeof(float) * n_logits), loss_ref;
     safetensors_tensor_f32(tlog, logits_ref);
     safetensors_tensor_f32(tloss, &loss_ref);
-    net_forward(net, 1);
+    net_forward(net, net_capacity(net), 1);
     double e_logits = rel_err(net->act[out], logits_ref, n_logits, 0);
     // mean cross-entropy over images (or pixels): class weights 1, normaliser Σw = M
     int K = g->tensors[out].shape.c;
@@ -2737,7 +2747,7 @@ static void parity_check(Net *net, int out, const int32_t *labels, const Safeten
     ops_cpu.softmax_xent(&ops_cpu, net_tensor(net, out), labels, ones, 0.0f, &(float){inv_norm},
                          stats, net_grad(net, out));
     double loss = stats[0] * inv_norm, e_loss = fabs(loss - loss_ref) / fabs(loss_ref);
-    net_backward(net, out);
+    net_backward(net, net_capacity(net), out);
     double e_run = 0;
     for (int b = 0; b < g->n_buffers; b++) {
         float *v = ref_tensor(f, "running.", &g->buffers[b]);
@@ -2989,7 +2999,7 @@ TEST(predict_classifier) {
         if (h == 32 && w == 32) memcpy(x.data, img, sizeof(float) * 32 * 32 * 3);
         else ops_cpu.resize_bilinear_forward(&ops_cpu, x, tensor_f32(img, shape4(1, h, w, 3)));
         free(img);
-        net_forward(&net, 0);
+        net_forward(&net, net_capacity(&net), 0);
         const float *z = net.act[out];
         double zmax = fmax(fmax(z[0], z[1]), z[2]), sum = 0, p[3];
         for (int k = 0; k < 3; k++) sum += exp(z[k] - zmax);
@@ -3520,7 +3530,7 @@ static void check_seg_outputs(Net *net, int out, const char *in, const char *out
         else
             ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(x.data, shape4(1, 8, 8, 3)),
                                             tensor_f32(imgf, shape4(1, h, w, 3)));
-        net_forward(net, 0);
+        net_forward(net, net_capacity(net), 0);
         const float *z = net->act[out];  // (B,8,8,3), the image in slot 0
         int bad_mask = 0, bad_overlay = 0, bad_hand = 0, seen[3] = {0, 0, 0};
         for (int y = 0; y < h; y++)
@@ -4618,7 +4628,7 @@ TEST(train_loss_by_hand) {
         float *x = t.net.act[t.g.input];
         int32_t lab[4 * 64];
         CHECK(dataset_batch(&t.train, idx, 4, NULL, 0, x, lab, err) == 0, "%s", err);
-        net_forward(&t.net, 1);
+        net_forward(&t.net, net_capacity(&t.net), 1);
         const float *z = t.net.act[t.logits];
         double num = 0, den = 0;
         int64_t tp[3] = {0}, fp[3] = {0}, fn[3] = {0};
@@ -5911,11 +5921,11 @@ TEST(plan_matches_per_tensor) {
             // dropout and drop-path masks, the same in all three
             nets[v]->seed = 9; nets[v]->step = 2;
             memcpy(nets[v]->act[g.input], x, sizeof(float) * n_in);
-            net_forward(nets[v], 1);
+            net_forward(nets[v], net_capacity(nets[v]), 1);
             memset(loss[v], 0, sizeof loss[v]);
             ops_cpu.softmax_xent(&ops_cpu, net_tensor(nets[v], out), lab, w, 0.0f,
                                  &(float){1.0f / n_lab}, loss[v], net_grad(nets[v], out));
-            net_backward(nets[v], out);
+            net_backward(nets[v], net_capacity(nets[v]), out);
         }
         for (int v = 1; v < 3; v++) {
             const char *what = v == 1 ? "planned" : "checkpointed";
@@ -6117,8 +6127,8 @@ static void bn_fused_case(Ops *o, Shape s, DType dt, Act act, float rate, Rng *r
 
     // forward, FUSED_POOL: y and the pool
     BnNext pool = {.kind = FUSED_POOL, .pooled = p1};
-    o->bn_forward(o, y, x, dmean, dvar, dgam, dbet, eps, act, &pool);
-    o->bn_forward(o, y2, x, dmean, dvar, dgam, dbet, eps, act, NULL);
+    o->bn_forward(o, y, x, &(BnArgs){dmean, dvar, dgam, dbet, eps, act, &pool});
+    o->bn_forward(o, y2, x, &(BnArgs){dmean, dvar, dgam, dbet, eps, act, NULL});
     o->global_avg_pool_forward(o, p2, y2);
     CHECK(bytes_equal(o, y, y2) && bytes_equal(o, p1, p2),
           "%s: pool forward differs from bn_forward, global_avg_pool", what);
@@ -6127,8 +6137,9 @@ static void bn_fused_case(Ops *o, Shape s, DType dt, Act act, float rate, Rng *r
     Tensor out1 = backend_tensor(o, accv, s, dt), out2 = backend_tensor(o, accv, s, dt);
     BnNext end = {.kind = FUSED_RESIDUAL, .out = out1, .residual = res, .rate = rate, .seed = dseed,
                   .first_sample = first_sample};
-    o->bn_forward(o, tensor(NULL, s, dt), x, dmean, dvar, dgam, dbet, eps, act, &end);
-    o->bn_forward(o, y2, x, dmean, dvar, dgam, dbet, eps, act, NULL);
+    o->bn_forward(o, tensor(NULL, s, dt), x,
+                  &(BnArgs){dmean, dvar, dgam, dbet, eps, act, &end});
+    o->bn_forward(o, y2, x, &(BnArgs){dmean, dvar, dgam, dbet, eps, act, NULL});
     if (rate > 0.0f) o->dropout_forward(o, out2, y2, res, rate, dseed, 1, first_sample);
     else o->add_forward(o, out2, y2, res);
     CHECK(bytes_equal(o, out1, out2),
@@ -6149,20 +6160,24 @@ static void bn_fused_case(Ops *o, Shape s, DType dt, Act act, float rate, Rng *r
                            .rate = rate,
                            .seed = dseed,
                            .first_sample = first_sample};
-            o->bn_backward_reduce(o, dy1, x, dmean, dvar, dgam, dbet, eps, act,
-                                  sums ? f32[0] : NULL, f32[1], f32[2], f32[3], NULL, &back);
-            o->bn_backward_data(o, dx1, dy1, x, dmean, dvar, dgam, dbet, eps, act,
-                                sums ? f32[0] : NULL, sums ? f32[1] : NULL, sums ? M : 0, acc,
-                                &back);
+            o->bn_backward_reduce(
+                o, dy1, x, &(BnArgs){dmean, dvar, dgam, dbet, eps, act, &back},
+                sums ? f32[0] : NULL, f32[1], f32[2], f32[3], NULL);
+            o->bn_backward_data(
+                o, dx1, dy1, x,
+                &(BnArgs){dmean, dvar, dgam, dbet, eps, act, &back},
+                sums ? f32[0] : NULL, sums ? f32[1] : NULL, sums ? M : 0, acc);
             if (rate > 0.0f)
                 o->dropout_backward(o, dyb, dres2, dy2, rate, dseed, 1, first_sample, 0, acc);
             else o->add_backward(o, dyb, dres2, dy2, 0, acc);
             if (sums)
-                o->bn_backward_reduce(o, dyb, x, dmean, dvar, dgam, dbet, eps, act, f32[4], f32[5],
-                                      f32[6], f32[7], NULL, NULL);
-            o->bn_backward_data(o, dx2, dyb, x, dmean, dvar, dgam, dbet, eps, act,
-                                sums ? f32[4] : NULL, sums ? f32[5] : NULL, sums ? M : 0, acc,
-                                NULL);
+              o->bn_backward_reduce(
+                  o, dyb, x, &(BnArgs){dmean, dvar, dgam, dbet, eps, act, NULL},
+                  f32[4], f32[5], f32[6], f32[7], NULL);
+            o->bn_backward_data(
+                o, dx2, dyb, x,
+                &(BnArgs){dmean, dvar, dgam, dbet, eps, act, NULL},
+                sums ? f32[4] : NULL, sums ? f32[5] : NULL, sums ? M : 0, acc);
             for (int k = 0; k < 4; k++) {
                 o->download(o, host[0], f32[k], sizeof(float) * C);
                 o->download(o, host[1], f32[k + 4], sizeof(float) * C);
@@ -6345,10 +6360,10 @@ TEST(train_steps_by_hand) {
         for (size_t i = 0; i < 4 * HW; i++) wsum += c.class_weights[lab[i]];
         memset(t.net.grads, 0, sizeof(float) * P);
         float stats[3] = {0, 0, 0};
-        net_forward(&t.net, 1);
+        net_forward(&t.net, net_capacity(&t.net), 1);
         ops_cpu.softmax_xent(&ops_cpu, net_tensor(&t.net, t.logits), lab, c.class_weights, 0.0f,
                              &(float){(float)(1 / wsum)}, stats, net_grad(&t.net, t.logits));
-        net_backward(&t.net, t.logits);
+        net_backward(&t.net, net_capacity(&t.net), t.logits);
         memcpy(g, t.net.grads, sizeof(float) * P);
         memcpy(t.net.buffers, buf, sizeof(float) * B);  // as before this forward
         double norm = 0;
@@ -6505,9 +6520,8 @@ TEST(train_epoch_totals) {
     int64_t tp[3] = {0}, fp[3] = {0}, fn[3] = {0};
     for (int b = 0; b < 2; b++) {
         const int first = 4 * b, n = b ? 2 : 4;
-        t.net.batch = n;
         memcpy(t.net.act[t.g.input], img + (size_t)first * 64 * 3, sizeof(float) * n * 64 * 3);
-        net_forward(&t.net, 0);
+        net_forward(&t.net, n, 0);
         const float *z = t.net.act[t.logits];
         double bn = 0, bd = 0;
         for (int i = 0; i < n * 64; i++) {
@@ -6524,7 +6538,6 @@ TEST(train_epoch_totals) {
         }
         num += bn; den += bd; batch_means += bn / bd / 2;
     }
-    t.net.batch = 4;
     const double loss = pt.loss_sum / pt.norm_sum;
     CHECK(fabs(num / den - batch_means) > 1e-4 * fabs(num / den),
           "the example tells the global mean from the mean of batch means");
@@ -6739,19 +6752,25 @@ TEST(fast_bn_vs_ref) {
                 CHECK(rel_diff(m1, m2, C, 1e-3) < 1e-6 && rel_diff(v1, v2, C, 1e-3) < 1e-6,
                       "bn_stats fast vs reference, shape " SHAPE_FMT, SHAPE_ARGS(s));
                 float *y1 = malloc(sizeof(float) * n), *y2 = malloc(sizeof(float) * n);
-                bn_forward_cpu(&ops_cpu, tensor_f32(y1, s), tensor_f32(x, s), m2, v2, gam, bet,
-                               1e-3f, (Act)act, NULL);
-                bn_forward_ref(&ops_ref, tensor_f32(y2, s), tensor_f32(x, s), m2, v2, gam, bet,
-                               1e-3f, (Act)act, NULL);
+                bn_forward_cpu(
+                    &ops_cpu, tensor_f32(y1, s), tensor_f32(x, s),
+                    &(BnArgs){m2, v2, gam, bet, 1e-3f, (Act)act, NULL});
+                bn_forward_ref(
+                    &ops_ref, tensor_f32(y2, s), tensor_f32(x, s),
+                    &(BnArgs){m2, v2, gam, bet, 1e-3f, (Act)act, NULL});
                 double e = rel_diff(y1, y2, n, 1.0);
                 CHECK(e < 2e-6, "bn_forward fast vs reference: %.2e (act %d, shape " SHAPE_FMT ")",
                       e, act, SHAPE_ARGS(s));
                 float sg1[37], sgx1[37], sg2[37], sgx2[37];
                 float dgam1[37] = {0}, dbet1[37] = {0}, dgam2[37] = {0}, dbet2[37] = {0};
-                bn_backward_reduce_cpu(&ops_cpu, tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam,
-                                       bet, 1e-3f, (Act)act, sg1, sgx1, dgam1, dbet1, NULL, NULL);
-                bn_backward_reduce_ref(&ops_ref, tensor_f32(dy, s), tensor_f32(x, s), m2, v2, gam,
-                                       bet, 1e-3f, (Act)act, sg2, sgx2, dgam2, dbet2, NULL, NULL);
+                bn_backward_reduce_cpu(
+                    &ops_cpu, tensor_f32(dy, s), tensor_f32(x, s),
+                    &(BnArgs){m2, v2, gam, bet, 1e-3f, (Act)act, NULL}, sg1,
+                    sgx1, dgam1, dbet1, NULL);
+                bn_backward_reduce_ref(
+                    &ops_ref, tensor_f32(dy, s), tensor_f32(x, s),
+                    &(BnArgs){m2, v2, gam, bet, 1e-3f, (Act)act, NULL}, sg2,
+                    sgx2, dgam2, dbet2, NULL);
                 CHECK(rel_diff(sg1, sg2, C, 1.0) < 2e-6 && rel_diff(sgx1, sgx2, C, 1.0) < 2e-6 &&
                               rel_diff(dgam1, dgam2, C, 1.0) < 2e-6 &&
                               rel_diff(dbet1, dbet2, C, 1.0) < 2e-6,
@@ -6761,12 +6780,16 @@ TEST(fast_bn_vs_ref) {
                 for (int batch = 0; batch < 2; batch++) {
                     memcpy(y1, d0, sizeof(float) * n);
                     memcpy(y2, d0, sizeof(float) * n);
-                    bn_backward_data_cpu(&ops_cpu, tensor_f32(y1, s), tensor_f32(dy, s),
-                                         tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act, sg2,
-                                         sgx2, batch ? M : 0, acc, NULL);
-                    bn_backward_data_ref(&ops_ref, tensor_f32(y2, s), tensor_f32(dy, s),
-                                         tensor_f32(x, s), m2, v2, gam, bet, 1e-3f, (Act)act, sg2,
-                                         sgx2, batch ? M : 0, acc, NULL);
+                    bn_backward_data_cpu(
+                        &ops_cpu, tensor_f32(y1, s), tensor_f32(dy, s),
+                        tensor_f32(x, s),
+                        &(BnArgs){m2, v2, gam, bet, 1e-3f, (Act)act, NULL}, sg2,
+                        sgx2, batch ? M : 0, acc);
+                    bn_backward_data_ref(
+                        &ops_ref, tensor_f32(y2, s), tensor_f32(dy, s),
+                        tensor_f32(x, s),
+                        &(BnArgs){m2, v2, gam, bet, 1e-3f, (Act)act, NULL}, sg2,
+                        sgx2, batch ? M : 0, acc);
                     e = rel_diff(y1, y2, n, 1.0);
                     CHECK(e < 2e-6,
                           "bn_backward_data fast vs reference: %.2e (act %d, acc %d, count %d, "
@@ -6805,26 +6828,38 @@ TEST(fast_bn_16bit) {
                 bn_stats_ref(&ops_ref, x, m2, v2, NULL, NULL, 0.0f, NULL);
                 CHECK(rel_diff(m1, m2, C, 1e-3) < 2e-6 && rel_diff(v1, v2, C, 1e-3) < 2e-6,
                       "bn_stats %s", DT_NAME[dt]);
-                bn_forward_cpu(&ops_cpu, y1, x, m2, v2, gam, bet, 1e-3f, (Act)act, NULL);
-                bn_forward_ref(&ops_ref, y2, x, m2, v2, gam, bet, 1e-3f, (Act)act, NULL);
+                bn_forward_cpu(
+                    &ops_cpu, y1, x,
+                    &(BnArgs){m2, v2, gam, bet, 1e-3f, (Act)act, NULL});
+                bn_forward_ref(
+                    &ops_ref, y2, x,
+                    &(BnArgs){m2, v2, gam, bet, 1e-3f, (Act)act, NULL});
                 for (size_t i = 0; i < n; i++) { f1[i] = ld(y1, i); f2[i] = ld(y2, i); }
                 double e = rel_diff(f1, f2, n, 1.0);
                 CHECK(e <= ulp, "bn_forward %s act %d: %.2e", DT_NAME[dt], act, e);
                 float sg1[21], sgx1[21], sg2[21], sgx2[21];
                 float dg1[21] = {0}, db1[21] = {0}, dg2[21] = {0}, db2[21] = {0};
-                bn_backward_reduce_cpu(&ops_cpu, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg1,
-                                       sgx1, dg1, db1, NULL, NULL);
-                bn_backward_reduce_ref(&ops_ref, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act, sg2,
-                                       sgx2, dg2, db2, NULL, NULL);
+                bn_backward_reduce_cpu(
+                    &ops_cpu, dy, x,
+                    &(BnArgs){m2, v2, gam, bet, 1e-3f, (Act)act, NULL}, sg1,
+                    sgx1, dg1, db1, NULL);
+                bn_backward_reduce_ref(
+                    &ops_ref, dy, x,
+                    &(BnArgs){m2, v2, gam, bet, 1e-3f, (Act)act, NULL}, sg2,
+                    sgx2, dg2, db2, NULL);
                 CHECK(rel_diff(sg1, sg2, C, 1.0) < 2e-6 && rel_diff(sgx1, sgx2, C, 1.0) < 2e-6 &&
                       rel_diff(dg1, dg2, C, 1.0) < 2e-6 && rel_diff(db1, db2, C, 1.0) < 2e-6,
                       "bn_backward_reduce %s act %d", DT_NAME[dt], act);
                 for (int batch = 0; batch < 2; batch++) {
                     for (size_t i = 0; i < n; i++) { st(y1, i, d0[i]); st(y2, i, d0[i]); }
-                    bn_backward_data_cpu(&ops_cpu, y1, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act,
-                                         sg2, sgx2, batch ? M : 0, acc, NULL);
-                    bn_backward_data_ref(&ops_ref, y2, dy, x, m2, v2, gam, bet, 1e-3f, (Act)act,
-                                         sg2, sgx2, batch ? M : 0, acc, NULL);
+                    bn_backward_data_cpu(
+                        &ops_cpu, y1, dy, x,
+                        &(BnArgs){m2, v2, gam, bet, 1e-3f, (Act)act, NULL}, sg2,
+                        sgx2, batch ? M : 0, acc);
+                    bn_backward_data_ref(
+                        &ops_ref, y2, dy, x,
+                        &(BnArgs){m2, v2, gam, bet, 1e-3f, (Act)act, NULL}, sg2,
+                        sgx2, batch ? M : 0, acc);
                     for (size_t i = 0; i < n; i++) { f1[i] = ld(y1, i); f2[i] = ld(y2, i); }
                     e = rel_diff(f1, f2, n, 1.0);
                     CHECK(e <= ulp, "bn_backward_data %s act %d acc %d count %d: %.2e", DT_NAME[dt],
@@ -7281,14 +7316,19 @@ static void fast_paths_run(float *out, const float *x, const float *dy, Shape s,
     memset(out, 0, sizeof(float) * 6 * C);
     k = 6 * C;
     ops_cpu.bn_stats(&ops_cpu, tensor_f32((float *)x, s), m, v, NULL, NULL, 0.0f, NULL);
-    ops_cpu.bn_forward(&ops_cpu, tensor_f32(out + k, s), tensor_f32((float *)x, s), m, v, gam, bet,
-                       1e-3f, ACT_SILU, NULL);
+    ops_cpu.bn_forward(&ops_cpu, tensor_f32(out + k, s),
+                       tensor_f32((float *)x, s),
+                       &(BnArgs){m, v, gam, bet, 1e-3f, ACT_SILU, NULL});
     k += n;
-    ops_cpu.bn_backward_reduce(&ops_cpu, tensor_f32((float *)dy, s), tensor_f32((float *)x, s), m,
-                               v, gam, bet, 1e-3f, ACT_SILU, sg, sgx, dg, db, NULL, NULL);
-    ops_cpu.bn_backward_data(&ops_cpu, tensor_f32(out + k, s), tensor_f32((float *)dy, s),
-                             tensor_f32((float *)x, s), m, v, gam, bet, 1e-3f, ACT_SILU, sg, sgx,
-                             shape_numel(s) / C, 0, NULL);
+    ops_cpu.bn_backward_reduce(&ops_cpu, tensor_f32((float *)dy, s),
+                               tensor_f32((float *)x, s),
+                               &(BnArgs){m, v, gam, bet, 1e-3f, ACT_SILU, NULL},
+                               sg, sgx, dg, db, NULL);
+    ops_cpu.bn_backward_data(&ops_cpu, tensor_f32(out + k, s),
+                             tensor_f32((float *)dy, s),
+                             tensor_f32((float *)x, s),
+                             &(BnArgs){m, v, gam, bet, 1e-3f, ACT_SILU, NULL},
+                             sg, sgx, shape_numel(s) / C, 0);
     k += n;
     float w[37 * 9];
     for (int i = 0; i < C * 9; i++) w[i] = 0.1f * (float)((i * 7) % 11) - 0.5f;
@@ -7346,7 +7386,8 @@ TEST(fast_paths_deterministic) {
 static const char *const SOURCE_FILES[] = {
     "segnet.c", "segnet.h", "kernels.cu", "cuda_emu.h", "cuda_emu.cpp", "backends.c",
     "safetensors.c", "weights.c", "images.c", "datasets.c", "curves.c", "replicas.c", "run.c",
-    "bench.c", "cli.c", "test_segnet.c", "fuzz.c"};
+    "bench.c", "cli.c", "safetensors.h", "images.h", "datasets.h", "curves.h", "run.h",
+    "test_segnet.c", "fuzz.c"};
 
 // the lines of text longer than max characters: the first one's number in *first, and its
 // length in *chars (both 0 when there is none); returns how many
@@ -7616,7 +7657,7 @@ static void ref_table_step(Ops *o, const char *model, float **grads, size_t *n_g
     float *x = malloc(sizeof(float) * n_in);
     for (size_t i = 0; i < n_in; i++) x[i] = (float)(rng_next(&r) % 256);
     o->upload(o, net.act[g.input], x, sizeof(float) * n_in);
-    net_forward(&net, 1);
+    net_forward(&net, net_capacity(&net), 1);
     Tensor z = net_tensor(&net, y);
     const size_t n_labels = shape_numel(z.shape) / c.classes;
     int32_t *labels = malloc(sizeof(int32_t) * n_labels);
@@ -7624,7 +7665,7 @@ static void ref_table_step(Ops *o, const char *model, float **grads, size_t *n_g
     float weights[3] = {1.0f, 1.0f, 1.0f}, sums[3] = {0, 0, 0}, scale = 1.0f / (float)n_labels;
     o->fill(o, tensor_f32(net.grads, shape4((int)net.n_grad_floats, 1, 1, 1)), 0.0f);
     o->softmax_xent(o, z, labels, weights, 0.0f, &scale, sums, net_grad(&net, y));
-    net_backward(&net, y);
+    net_backward(&net, net_capacity(&net), y);
     *loss = sums[0] / sums[1];
     *n_grads = net.n_grad_floats;
     *grads = malloc(sizeof(float) * net.n_grad_floats);
@@ -10105,10 +10146,12 @@ TEST(cuda_bn_forward_backward) {
                     // forward: z to the same bits but for FMA contraction (1 ulp of z), the
                     // activation's exp (2 ulp on a GPU): 8 fp32 roundings of the largest |y|
                     CuPair y = cu_pair(NULL, s, (DType)dt);
-                    ops_cpu.bn_forward(&ops_cpu, y.cpu, x.cpu, mean, var, gamma, beta, eps, (Act)a,
-                                       NULL);
-                    o->bn_forward(o, y.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps, (Act)a,
-                                  NULL);
+                    ops_cpu.bn_forward(
+                        &ops_cpu, y.cpu, x.cpu,
+                        &(BnArgs){mean, var, gamma, beta, eps, (Act)a, NULL});
+                    o->bn_forward(o, y.gpu, x.gpu,
+                                  &(BnArgs){dmean, dvar, dgamma_v, dbeta_v, eps,
+                                            (Act)a, NULL});
                     snprintf(what, sizeof what, "bn_forward %s %s", training ? "train" : "infer",
                              ACT_NAME[a]);
                     cu_expect(cu_pair_err(y), cu_tol((DType)dt, 8 * 0x1p-24), what, (DType)dt);
@@ -10121,10 +10164,14 @@ TEST(cuda_bn_forward_backward) {
                                          *nan = cu_nans(C);
                     float *dsg = cu_floats(nan, C), *dsgx = cu_floats(nan, C),
                           *ddg = cu_floats(dg, C), *ddb = cu_floats(db, C);
-                    ops_cpu.bn_backward_reduce(&ops_cpu, dy.cpu, x.cpu, mean, var, gamma, beta, eps,
-                                               (Act)a, sg, sgx, dg, db, NULL, NULL);
-                    o->bn_backward_reduce(o, dy.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps,
-                                          (Act)a, dsg, dsgx, ddg, ddb, NULL, NULL);
+                    ops_cpu.bn_backward_reduce(
+                        &ops_cpu, dy.cpu, x.cpu,
+                        &(BnArgs){mean, var, gamma, beta, eps, (Act)a, NULL},
+                        sg, sgx, dg, db, NULL);
+                    o->bn_backward_reduce(o, dy.gpu, x.gpu,
+                                          &(BnArgs){dmean, dvar, dgamma_v,
+                                                    dbeta_v, eps, (Act)a, NULL},
+                                          dsg, dsgx, ddg, ddb, NULL);
                     snprintf(what, sizeof what, "bn_backward_reduce %s %s",
                              training ? "train" : "infer", ACT_NAME[a]);
                     double e = fmax(fmax(cu_floats_err(dsg, sg, C), cu_floats_err(dsgx, sgx, C)),
@@ -10138,10 +10185,14 @@ TEST(cuda_bn_forward_backward) {
                     float sg2[C], sgx2[C], dg2[C], db2[C];
                     memcpy(dg2, dg, sizeof dg2);
                     memcpy(db2, db, sizeof db2);
-                    ops_cpu.bn_backward_reduce(&ops_cpu, dy.cpu, x.cpu, mean, var, gamma, beta, eps,
-                                               (Act)a, sg2, sgx2, NULL, NULL, sums, NULL);
-                    o->bn_backward_reduce(o, dy.gpu, x.gpu, dmean, dvar, dgamma_v, dbeta_v, eps,
-                                          (Act)a, dsg, dsgx, NULL, NULL, dsums, NULL);
+                    ops_cpu.bn_backward_reduce(
+                        &ops_cpu, dy.cpu, x.cpu,
+                        &(BnArgs){mean, var, gamma, beta, eps, (Act)a, NULL},
+                        sg2, sgx2, NULL, NULL, sums);
+                    o->bn_backward_reduce(o, dy.gpu, x.gpu,
+                                          &(BnArgs){dmean, dvar, dgamma_v,
+                                                    dbeta_v, eps, (Act)a, NULL},
+                                          dsg, dsgx, NULL, NULL, dsums);
                     o->download(o, dsums_host, dsums, sizeof dsums_host);
                     e = 0;
                     for (int k = 0; k < 2 * C; k++) scale = fmax(scale, fabs(sums[k]));
@@ -10177,14 +10228,18 @@ TEST(cuda_bn_forward_backward) {
                     float *dsg_cpu = cu_floats(sg, C), *dsgx_cpu = cu_floats(sgx, C);
                     for (int acc = 0; acc < 2; acc++) {
                         CuPair dx = cu_dest(&r, s, (DType)dt, acc);
-                        ops_cpu.bn_backward_data(&ops_cpu, dx.cpu, dy.cpu, x.cpu, mean, var, gamma,
-                                                 beta, eps, (Act)a, training ? sg : NULL,
-                                                 training ? sgx : NULL, training ? M : 0, acc,
-                                                 NULL);
-                        o->bn_backward_data(o, dx.gpu, dy.gpu, x.gpu, dmean, dvar, dgamma_v,
-                                            dbeta_v, eps, (Act)a, training ? dsg_cpu : NULL,
-                                            training ? dsgx_cpu : NULL, training ? M : 0, acc,
-                                            NULL);
+                        ops_cpu.bn_backward_data(
+                            &ops_cpu, dx.cpu, dy.cpu, x.cpu,
+                            &(BnArgs){mean, var, gamma, beta, eps, (Act)a,
+                                      NULL},
+                            training ? sg : NULL, training ? sgx : NULL,
+                            training ? M : 0, acc);
+                        o->bn_backward_data(
+                            o, dx.gpu, dy.gpu, x.gpu,
+                            &(BnArgs){dmean, dvar, dgamma_v, dbeta_v, eps,
+                                      (Act)a, NULL},
+                            training ? dsg_cpu : NULL,
+                            training ? dsgx_cpu : NULL, training ? M : 0, acc);
                         snprintf(what, sizeof what, "bn_backward_data %s %s acc %d",
                                  training ? "train" : "infer", ACT_NAME[a], acc);
                         cu_expect(cu_pair_err(dx), cu_tol((DType)dt, 32 * 0x1p-24), what,

@@ -1,0 +1,103 @@
+// datasets.h -- data sets: listing, decoding, augmentation, batching, prefetch
+// Declarations of datasets.c (plumbing: segnet.c includes the file at its end).
+#pragma once
+#include "segnet.h"
+#include "images.h"
+
+
+// ----------------------------------------------------------------------------
+// data sets: listing, decoding, resizing, augmentation, batching, prefetch
+//
+// Segmentation: DIR/images/*.{png,jpg,jpeg} and DIR/masks/*.png with the same
+// stem; a mask pixel is a class index 0..K-1, K ≤ 256 (8- or 16-bit PNG, one
+// channel or the first of several; palette PNGs are refused, since stb_image
+// turns their indices into colours). Classification: a CSV `path,label` (paths
+// relative to the CSV's folder, an optional header whose first field is `path`)
+// or DIR/<class>/*.{png,jpg,jpeg}, the sub-folders sorted by name giving
+// classes 0, 1, ... (more sub-folders than K are refused).
+//
+// dataset_open checks everything before training starts (every file decodes,
+// every image has its mask and the reverse, mask sizes equal image sizes, mask
+// values and labels lie in 0..K-1), decoding on `threads` threads. Of several
+// bad files the first in sample order is reported, whatever the threads.
+// Samples are in stem order (segmentation), row order (CSV) or class then name
+// order (folders). The resized samples stay in memory as bytes when
+// n·H·W·3 (+ n·H·W for masks) ≤ cache_bytes; else dataset_batch decodes them
+// again. Images are resized to the model's size with bilinear interpolation
+// (half-pixel centres, the resize op's, rounded to bytes), masks with nearest
+// neighbour (half-pixel centres: src = ⌊(dst + ½)·in/out⌋).
+
+typedef struct {
+    int flip;                        // random horizontal flip of image and mask together, p = 1/2
+    // tf.image.random_brightness: + δ ~ U[-D, D] on 0..1 values (0: off)
+    float brightness;
+    // tf.image.random_contrast: (x - mean_c)·f + mean_c, f ~ U[lo, hi] (0,0: off)
+    float contrast_lo, contrast_hi;
+} Augment;
+
+typedef struct {
+    int segmentation;       // 1: images + masks; 0: classification
+    int n;                  // samples
+    int classes;            // K
+    int height, width;      // every sample is resized to this
+    char **images;          // (n) image paths
+    char **masks;           // (n) mask paths (segmentation), else NULL
+    int32_t *labels;        // (n) class per sample (classification), else NULL
+    uint8_t *image_cache;   // (n,H,W,3) resized RGB, or NULL when not cached
+    uint8_t *mask_cache;    // (n,H,W) resized class indices (segmentation), or NULL
+    // (n_names) class k's name: class folders, or a CSV's text labels; else NULL
+    char **names;
+    int n_names;
+    int64_t *class_counts;  // (classes) the pixels (of the resized masks) or samples of each class
+} Dataset;
+
+// Returns 0, or -1 with one line in err naming the file (row, pixel) and the problem.
+int dataset_open(Dataset *d, const char *path, int segmentation, int classes, int height, int width,
+                 size_t cache_bytes, int threads, char err[SN_ERR_MAX]);
+// The same for a set whose class names must be those of `names_from` (a
+// validation set takes the training set's: a folder or label absent from the
+// validation set shifts nothing; one the training set lacks is an error).
+// Named classes: the sorted folder names, or the sorted distinct text labels
+// of a CSV (a CSV's labels are all integers 0..K-1 or all names).
+int dataset_open_named(Dataset *d, const char *path, int segmentation, int classes, int height,
+                       int width, size_t cache_bytes, int threads, const Dataset *names_from,
+                       char err[SN_ERR_MAX]);
+void dataset_free(Dataset *d);
+
+// Assembles one batch of samples idx[0..n-1]: images (n,H,W,3) fp32 0..255 after
+// augmentation; labels (n·H·W) mask values (segmentation) or (n) classes.
+// Augmentation in this order: flip, brightness, contrast (on values/255, then
+// ×255). Sample j's random choices depend only on (seed, idx[j]) (counter-based),
+// so a batch is the same whichever thread builds it; pass a new seed per epoch
+// for new draws. aug NULL (or all zero): the resized bytes as floats, exactly.
+// Returns 0, or -1 with err (a file that changed on disk since dataset_open,
+// with the message dataset_open would give).
+int dataset_batch(const Dataset *d, const int *idx, int n, const Augment *aug, uint64_t seed,
+                  float *images, int32_t *labels, char err[SN_ERR_MAX]);
+
+// Prefetch: `workers` threads (pthreads) build the batches of `order` (n_order
+// sample indices, copied; taken `batch` at a time, the last batch possibly
+// smaller) up to `depth` batches ahead, each batch as dataset_batch(seed) would;
+// loader_next hands them out in order. Batches are identical for any workers
+// and depth. d must outlive the loader.
+typedef struct {
+    int n;             // images in this batch (≤ batch)
+    float *images;     // (n,H,W,3)
+    int32_t *labels;   // (n·H·W) or (n)
+    int index;         // batch number within the order, 0-based
+} LoaderBatch;
+typedef struct Loader Loader;
+Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch, const Augment *aug,
+                     uint64_t seed, int workers, int depth);
+// The next batch (valid until the next call or loader_stop), or NULL after the
+// last one or on an error (then loader_error gives it, and every later call
+// returns NULL). Blocks only while that batch is still being built.
+const LoaderBatch *loader_next(Loader *l);
+const char *loader_error(const Loader *l);  // "" if none
+void loader_stop(Loader *l);                // at any time: joins the workers, frees everything
+
+// PNG output, atomic (<path>.tmp.<pid> in the same folder, fsync, rename): comp
+// 1 (grey) or 3 (RGB). On failure the temporary is removed and a file already
+// at path is untouched.
+int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pixels,
+                     char err[SN_ERR_MAX]);

@@ -1,0 +1,38 @@
+// images.h -- images, masks and prediction
+// Declarations of images.c (plumbing: segnet.c includes the file at its end).
+#pragma once
+#include "segnet.h"
+
+
+// ----------------------------------------------------------------------------
+// images and classifier prediction
+
+typedef struct { char **paths; int n, cap; } PathList;
+// a folder's *.png/*.jpg/*.jpeg (sorted), or the first column of a CSV
+int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]);
+void path_list_free(PathList *l);
+// (h,w,3) RGB values 0..255, malloc'd, as stored or, with --exif apply, as a
+// JPEG's EXIF orientation displays it; NULL with err naming the file
+float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]);
+
+typedef struct {
+    ModelCfg model;        // any model; its batch is the prediction batch
+    const char *weights;   // safetensors, PyTorch layout, every tensor present
+    const char *input;     // folder of images, or CSV with the paths in its first column
+    // Classifier (1×1 output): CSV `path,pred,p0,...`, replaced atomically,
+    // untouched on failure. Segmentation: a folder (created if missing) that
+    // receives per image <stem>.png, the mask (grey = class, K ≤ 256), and
+    // <stem>_overlay.png (image and class colour 50/50), at the image's size;
+    // each PNG atomic, nothing written unless every image decodes. Never the
+    // input folder or inside it; an existing file only with overwrite, and
+    // only one an earlier predict wrote (OUT/.segnet-predict lists those).
+    const char *out;
+    int progress;          // report progress on stderr
+    Device device;         // where the forward passes run
+    // classifier: a `pred_name` column with class k's name (n_class_names, 0: none)
+    char **class_names;
+    int n_class_names;
+    // replace existing outputs that an earlier predict wrote (never anything else)
+    int overwrite;
+} PredictCfg;
+int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);
