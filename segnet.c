@@ -3782,7 +3782,7 @@ static int conv_is_direct(const ConvCfg *cfg) { return cfg->groups == 1 && cfg->
 // The gradients' vectors run over input channels: with fewer than a vector's
 // worth (an RGB stem) most lanes would idle, and im2col + GEMM is faster. The
 // weight gradient of a dense 1×1 conv takes the direct path too: a GEMM per
-// image (its fp64 sum image by image) was slower for the small images of the
+// image (its fp64 sum image by image) is slow for the small images of the
 // late stages, where K = H·W is a few hundred.
 static int conv_direct_grad_data(const ConvCfg *cfg) {
     return conv_is_direct(cfg) && cfg->cin >= CONV_VL && cfg->stride == 1;
@@ -4766,12 +4766,10 @@ static void bn_forward_cpu(Ops *o, Tensor y, Tensor x, const BnArgs *bn) {
 }
 
 // Σg and Σg·xhat per channel over rows, g = dy·act'(gamma·xhat + b), xhat = (x - mean)·invstd, for
-// nb
-// whole channel blocks from c0 (sums [nb][BN_CBLOCK]); act constant where inlined. Rows outermost:
-// a
-// row's nb·BN_CBLOCK channels are read as one run (a thread per block, walking down the rows with
-// the tensor's stride, ran at a tenth of the memory's speed); each channel's sums still take the
-// rows in order.
+// nb whole channel blocks from c0 (sums [nb][BN_CBLOCK]); act constant where inlined. Rows
+// outermost: a row's nb·BN_CBLOCK channels are read as one contiguous run (a walk down the rows
+// with the tensor's stride would use a fraction of the memory's bandwidth); each channel's sums
+// still take the rows in order.
 #define BN_GROUP_MAX 8  // channel blocks per work item of the backward reduction
 static inline __attribute__((always_inline)) void
 bn_grad_sums(Tensor dy, Tensor x, size_t M, int C, int c0, int nb, const float *gam,

@@ -3198,8 +3198,7 @@ TEST(cuda_bn_stats) {
 
             // --sync-bn's pieces: the fp64 sums themselves (another order: 2^-53 per addition, far
             // below 2^-40), and bn_stats_finish of the CPU's sums: the same fp64 formula on the
-            // same
-            // input (1 ulp where the device contracts Σx²/n - mean² into an FMA), the running
+            // same input (1 ulp where the device contracts Σx²/n - mean² into an FMA), the running
             // update in the same launch (8 ulp as above)
             double sums[2 * C], dsums_host[2 * C], *dsums = o->alloc(o, sizeof(double) * 2 * C);
             float mean2[C], var2[C];
@@ -3272,8 +3271,8 @@ TEST(cuda_bn_forward_backward) {
                     cu_pair_free(&y);
 
                     // reduce: sums overwritten (NaN before), dgamma/dbeta added into (random
-                    // before).
-                    // fp64 sums of the same g, g·xhat but for their last bits: 16 fp32 roundings
+                    // before). fp64 sums of the same g, g·xhat but for their last bits: 16 fp32
+                    // roundings
                     float sg[C], sgx[C], *dg = randn(&r, C, 1.0f), *db = randn(&r, C, 1.0f),
                                          *nan = cu_nans(C);
                     float *dsg = cu_floats(nan, C), *dsgx = cu_floats(nan, C),
@@ -3292,8 +3291,7 @@ TEST(cuda_bn_forward_backward) {
                                     fmax(cu_floats_err(ddg, dg, C), cu_floats_err(ddb, db, C)));
                     cu_expect(e, 16 * 0x1p-24, what, (DType)dt);
                     // --sync-bn's pieces: the fp64 sums (the same bound, relative to the largest),
-                    // and
-                    // bn_backward_finish of the CPU's sums: casts and adds, the CPU's bits
+                    // and bn_backward_finish of the CPU's sums: casts and adds, the CPU's bits
                     double sums[2 * C], dsums_host[2 * C],
                             *dsums = o->alloc(o, sizeof(double) * 2 * C), scale = 1e-300;
                     float sg2[C], sgx2[C], dg2[C], db2[C];
@@ -3337,8 +3335,7 @@ TEST(cuda_bn_forward_backward) {
                     o->free(o, ddb2);
 
                     // data: g - (sum_g + xhat·sum_gx)/count cancels: 32 fp32 roundings of the
-                    // largest |dx|;
-                    // inference passes NULL sums (count 0 must not read them)
+                    // largest |dx|; inference passes NULL sums (count 0 must not read them)
                     float *dsg_cpu = cu_floats(sg, C), *dsgx_cpu = cu_floats(sgx, C);
                     for (int acc = 0; acc < 2; acc++) {
                         CuPair dx = cu_dest(&r, s, (DType)dt, acc);
@@ -8527,9 +8524,8 @@ TEST(dataset_bad_input) {
     free(png);
     typedef struct { const char *setup, *open, *want1, *want2, *want3; } Case;
     // setup: a CSV's text, or files in seg/ named by a one-letter stem: "i:a" image a (5x4), "m:a"
-    // its
-    // mask, "j:a" a junk image, "t:a" a truncated one, "s:a" a 5x3 mask, "v:a" a mask with class 7
-    // at (2,1)
+    // its mask, "j:a" a junk image, "t:a" a truncated one, "s:a" a 5x3 mask, "v:a" a mask with
+    // class 7 at (2,1)
     const Case cases[] = {
             {"i:a j:b i:c m:a m:b m:c", "seg", "images/b.png", "cannot decode the image", ""},
             {"i:a t:b m:a m:b", "seg", "images/b.png", "cannot decode the image", ""},
@@ -10403,9 +10399,8 @@ TEST(train_diagnostics) {
                   !strcmp(f[0][3], ""),
           "epoch 1: skipped %s, scale %s, ratio %s, norm '%s'", f[0][0], f[0][1], f[0][2], f[0][3]);
     // epoch 2's step is the first one applied, at w0 on the same batch: the fp32 run's ‖g‖
-    // unscaled, to
-    // 10 fp16 roundings (2^-11 each) of the activations (measured 3e-4); a scale left in: 16384
-    // times it
+    // unscaled, to 10 fp16 roundings (2^-11 each) of the activations (measured 3e-4); a scale left
+    // in: 16384 times it
     CHECK(!strcmp(f[1][0], "0") && !strcmp(f[1][1], "16384") && atof(f[1][2]) > 0 &&
                   fabs(atof(f[1][3]) / sqrt(gg) - 1) < 5e-3,
           "epoch 2: skipped %s, scale %s, ratio %s, norm %s (fp32 %.6g)", f[1][0], f[1][1], f[1][2],
