@@ -3446,8 +3446,8 @@ static float *image_rows_f32(Tensor t, int n, size_t P, int Cout, float *scratch
 }
 
 // depthwise: out[n,oy,ox,c] = b[c] + Σ_{ky,kx} x[n, oy·s - pt + ky, ox·s - pl + kx, c] ·
-// w[c][ky][kx]
-static void depthwise_forward_ref(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
+// w[c][ky][kx], in any storage type (the _any loops; depthwise_*_f32 below are the fp32 ones)
+static void depthwise_forward_any(const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
                               const float *w, const float *b) {
     const int KK = cfg->kh * cfg->kw;
     #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * q->C * KK))
@@ -3474,7 +3474,7 @@ static void depthwise_forward_ref(const ConvCfg *cfg, const ConvGeom *q, Tensor 
 }
 
 // din[n,iy,ix,c] (=|+=) Σ_{ky,kx} dout[n,oy,ox,c]·w[c][ky][kx], oy = (iy + pt - ky)/s integral
-static void depthwise_backward_data_ref(const ConvCfg *cfg, const ConvGeom *q, Tensor din,
+static void depthwise_backward_data_any(const ConvCfg *cfg, const ConvGeom *q, Tensor din,
                                         Tensor dout, const float *w, int accumulate) {
     const int KK = cfg->kh * cfg->kw, s = cfg->stride;
     #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->H * q->W * q->C * KK))
@@ -3502,7 +3502,7 @@ static void depthwise_backward_data_ref(const ConvCfg *cfg, const ConvGeom *q, T
 }
 
 // dw[c][ky][kx] += Σ_{n,oy,ox} dout[n,oy,ox,c] · x[n, oy·s - pt + ky, ox·s - pl + kx, c]
-static void depthwise_backward_weight_ref(const ConvCfg *cfg, const ConvGeom *q, float *dw,
+static void depthwise_backward_weight_any(const ConvCfg *cfg, const ConvGeom *q, float *dw,
                                           Tensor dout, Tensor in) {
     const int KK = cfg->kh * cfg->kw;
     #pragma omp parallel for schedule(static) if(PAR((size_t)q->N * q->P * q->C * KK))
@@ -4142,7 +4142,7 @@ static void conv2d_forward_cpu(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in
             depthwise_forward_f32(cfg, &q, (float *)out.data, (const float *)in.data, w, b,
                                   (float *)ws);
         else
-            depthwise_forward_ref(cfg, &q, out, in, w, b);
+            depthwise_forward_any(cfg, &q, out, in, w, b);
         return;
     }
     if (conv_is_pointwise(cfg) && in.dtype == DT_F32 && out.dtype == DT_F32) {
@@ -4166,7 +4166,7 @@ static void conv2d_backward_data_cpu(Ops *o, const ConvCfg *cfg, Tensor din, Ten
             depthwise_backward_data_f32(cfg, &q, (float *)din.data, (const float *)dout.data, w,
                                         accumulate, (float *)ws);
         else
-            depthwise_backward_data_ref(cfg, &q, din, dout, w, accumulate);
+            depthwise_backward_data_any(cfg, &q, din, dout, w, accumulate);
         return;
     }
     if (conv_is_pointwise(cfg) && din.dtype == DT_F32 && dout.dtype == DT_F32) {
@@ -4202,7 +4202,7 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
             depthwise_backward_weight_f32(cfg, &q, dw, (const float *)dout.data,
                                           (const float *)in.data);
         else
-            depthwise_backward_weight_ref(cfg, &q, dw, dout, in);
+            depthwise_backward_weight_any(cfg, &q, dw, dout, in);
         return;
     }
     if (conv_direct_grad_weight(cfg)) {

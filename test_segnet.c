@@ -1251,7 +1251,7 @@ TEST(fast_depthwise_vs_ref) {
                     float *y1 = malloc(sizeof(float) * no), *y2 = malloc(sizeof(float) * no);
                     conv2d_forward_cpu(&ops_cpu, &cfg, tensor_f32(y1, out), tensor_f32(x, in), w,
                                        NULL, b, ws);
-                    depthwise_forward_ref(&cfg, &q, tensor_f32(y2, out), tensor_f32(x, in), w, b);
+                    depthwise_forward_any(&cfg, &q, tensor_f32(y2, out), tensor_f32(x, in), w, b);
                     double e = rel_diff(y1, y2, no, 1.0);
                     CHECK(e < 1e-6,
                           "depthwise forward fast vs reference %.2e (C %d, k %d, stride %d, %s)", e,
@@ -1263,7 +1263,7 @@ TEST(fast_depthwise_vs_ref) {
                         memcpy(g2, d0, sizeof(float) * ni);
                         conv2d_backward_data_cpu(&ops_cpu, &cfg, tensor_f32(g1, in),
                                                  tensor_f32(dy, out), w, NULL, acc, ws);
-                        depthwise_backward_data_ref(&cfg, &q, tensor_f32(g2, in),
+                        depthwise_backward_data_any(&cfg, &q, tensor_f32(g2, in),
                                                     tensor_f32(dy, out), w, acc);
                         e = rel_diff(g1, g2, ni, 1.0);
                         CHECK(e < 1e-6,
@@ -1276,7 +1276,7 @@ TEST(fast_depthwise_vs_ref) {
                     memcpy(dw2, dw1, sizeof(float) * C * k * k);
                     conv2d_backward_weight_cpu(&ops_cpu, &cfg, dw1, NULL, tensor_f32(dy, out),
                                                tensor_f32(x, in), ws);
-                    depthwise_backward_weight_ref(&cfg, &q, dw2, tensor_f32(dy, out),
+                    depthwise_backward_weight_any(&cfg, &q, dw2, tensor_f32(dy, out),
                                                   tensor_f32(x, in));
                     e = rel_diff(dw1, dw2, (size_t)C * k * k, 1.0);
                     CHECK(e < 2e-7,
