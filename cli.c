@@ -1050,41 +1050,46 @@ static const char *BENCH_USAGE =
     "                      the model, as for segnet train\n";
 
 static int cmd_bench(int argc, char **argv) {
-    BenchCfg c = {model_cfg_default(), 5, 1, 0, 0, DT_F32, 0, 1, DEVICE_AUTO};
-    c.model.batch = 4;
-    int size_given = 0;
+    // the model and the options bench shares with train are read by train's parser, into a
+    // TrainCfg as for every command; --steps, --warmup (untimed steps) and --profile are its own
+    static const char *const SHARED[] = {"--threads", "--precision", "--checkpoint", "--seed",
+                                         "--device"};
+    TrainArgs a = {0};
+    train_cfg_default(&a.c);
+    a.c.model.batch = 4;
+    a.c.device = DEVICE_AUTO;
+    BenchCfg c = {.steps = 5, .warmup = 1};
     for (int i = 2; i < argc;) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(BENCH_USAGE, stdout); return 0; }
         if (!strcmp(f, "--profile")) { c.profile = 1; i++; continue; }
-        size_given |= !strcmp(f, "--size");
-        int k = parse_model_option(&c.model, argc, argv, i);
+        if (!strcmp(f, "--steps") || !strcmp(f, "--warmup")) {
+            if (i + 1 >= argc) { fprintf(stderr, "segnet bench: %s needs a value\n", f); return 2; }
+            if (parse_int(f, argv[i + 1], !strcmp(f, "--steps"), 1 << 20,
+                          !strcmp(f, "--steps") ? &c.steps : &c.warmup))
+                return 2;
+            i += 2;
+            continue;
+        }
+        int shared = 0;
+        for (size_t j = 0; j < sizeof SHARED / sizeof *SHARED; j++) shared |= !strcmp(f, SHARED[j]);
+        a.size_given |= !strcmp(f, "--size");
+        int k = parse_model_option(&a.c.model, argc, argv, i);
+        if (k == 0 && shared) k = parse_train_option(&a, argc, argv, i);
         if (k < 0) return 2;
-        if (k > 0) { i += k; continue; }
-        int is_own = !strcmp(f, "--steps") || !strcmp(f, "--warmup") || !strcmp(f, "--threads") ||
-                     !strcmp(f, "--precision") || !strcmp(f, "--checkpoint") ||
-                     !strcmp(f, "--seed") || !strcmp(f, "--device");
-        if (!is_own) {
+        if (k == 0) {
             fprintf(stderr, "segnet bench: unknown option '%s' (see segnet bench --help)\n", f);
             return 2;
         }
-        if (i + 1 >= argc) { fprintf(stderr, "segnet bench: %s needs a value\n", f); return 2; }
-        const char *v = argv[i + 1];
-        int rc = 0, seed;
-        if (!strcmp(f, "--steps")) rc = parse_int(f, v, 1, 1 << 20, &c.steps);
-        else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, 1 << 20, &c.warmup);
-        else if (!strcmp(f, "--threads")) rc = parse_int(f, v, 1, 4096, &c.threads);
-        else if (!strcmp(f, "--seed")) {
-            rc = parse_int(f, v, 0, 2147483647, &seed);
-            c.seed = (uint64_t)seed;
-        } else if (!strcmp(f, "--device"))
-            rc = parse_device(v, &c.device);
-        else if (!strcmp(f, "--precision")) rc = parse_precision(v, &c.precision);
-        else if (!strcmp(f, "--checkpoint")) rc = parse_checkpoint(v, &c.checkpoint);
-        if (rc) return 2;
-        i += 2;
+        i += k;
     }
-    if (!size_given) model_default_size(&c.model);
+    if (!a.size_given) model_default_size(&a.c.model);
+    c.model = a.c.model;
+    c.threads = a.c.threads;
+    c.precision = a.c.precision;
+    c.checkpoint = a.c.checkpoint;
+    c.seed = a.c.seed;
+    c.device = a.c.device;
     if (model_options_used("bench", c.model.model, argc, argv)) return 2;
     BenchResult r;
     char err[SN_ERR_MAX];
