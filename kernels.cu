@@ -1877,12 +1877,13 @@ __global__ void __launch_bounds__(IG_THREADS)
     if (!last_block(done + (blockIdx.z / a.parts * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x,
                     a.parts))
         return;
+    const volatile float *in = partial;  // past L1: other blocks wrote them (last_block)
     for (int e = tid; e < IG_BM * IG_BN; e += IG_THREADS) {  // the tile, k fastest
         const int k = k0 + e % IG_BM, c = co0 + e / IG_BM;
         if (k >= a.K || c >= a.Coutg) continue;
         const uint32_t idx = (uint32_t)(g * a.Coutg + c) * a.K + k;
         float sum = 0.0f;
-        for (int q = 0; q < a.parts; q++) sum += partial[(size_t)q * a.Cout * a.K + idx];
+        for (int q = 0; q < a.parts; q++) sum += in[(size_t)q * a.Cout * a.K + idx];
         dw[idx] += sum;
     }
 }
