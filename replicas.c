@@ -152,6 +152,13 @@ static int local_failed_rank(Comm *c) {
     return r;
 }
 
+// rank r of n in the local group g (comm_local_create; run.c's trainer without replicas)
+#define LOCAL_COMM_INIT(g, r, n)                                                               \
+    {.name = "local", .rank = (r), .size = (n), .ctx = (g),                                    \
+     .allreduce_f32 = local_allreduce_f32, .allreduce_f64 = local_allreduce_f64,               \
+     .allreduce_i64 = local_allreduce_i64, .broadcast = local_broadcast, .abort = local_abort, \
+     .failed_rank = local_failed_rank, .local_rank = (r)}
+
 int comm_local_create(Comm *comms, int n) {
     if (n < 1 || n > SN_MAX_REPLICAS) return -1;
     LocalGroup *g = calloc(1, sizeof *g);
@@ -160,18 +167,7 @@ int comm_local_create(Comm *comms, int n) {
     g->failed_rank = -1;
     pthread_mutex_init(&g->mu, NULL);
     pthread_cond_init(&g->cv, NULL);
-    for (int r = 0; r < n; r++)
-        comms[r] = (Comm){"local",
-                          r,
-                          n,
-                          g,
-                          local_allreduce_f32,
-                          local_allreduce_f64,
-                          local_allreduce_i64,
-                          local_broadcast,
-                          local_abort,
-                          local_failed_rank,
-                          .local_rank = r};
+    for (int r = 0; r < n; r++) comms[r] = (Comm)LOCAL_COMM_INIT(g, r, n);
     return 0;
 }
 

@@ -193,18 +193,7 @@ static LocalGroup comm_one_group = {.size = 1,
                                     .mu = PTHREAD_MUTEX_INITIALIZER,
                                     .cv = PTHREAD_COND_INITIALIZER,
                                     .failed_rank = -1};
-static Comm comm_one = {"local",
-                        0,
-                        1,
-                        &comm_one_group,
-                        local_allreduce_f32,
-                        local_allreduce_f64,
-                        local_allreduce_i64,
-                        local_broadcast,
-                        local_abort,
-                        local_failed_rank,
-                        0,
-                        NULL};
+static Comm comm_one = LOCAL_COMM_INIT(&comm_one_group, 0, 1);
 
 static void trainer_close(Trainer *t) {
     Ops *o = t->o;
