@@ -65,6 +65,13 @@ void bad_kernel_arg(const char* kernel, int idx, const void* p);
 // CUEMU_ALLOW_HOST_PTRS=1 an address outside every allocation passes the range
 // check (the alignment check stays).
 void check_vector_access(const void* p, size_t bytes);
+// Kernels call this where a 32-bit index must stay below the launch's element
+// limit (kernels.cu's LAUNCH_MAX_ELEMENTS): fatal, naming the running kernel,
+// its block and thread, unless index < limit.
+[[noreturn]] void index_fault(const char* what, uint64_t index, uint64_t limit);
+inline void check_index(const char* what, uint64_t index, uint64_t limit) {
+  if (index >= limit) index_fault(what, index, limit);
+}
 
 // Tensor-core and asynchronous-copy instructions of sm_80+, as kernels.cu's
 // wrappers spell them (kernels.cu: "tensor-core tiles"). The fragment layouts

@@ -290,8 +290,15 @@ static __device__ __forceinline__ unsigned tc_acc_col(int r) {
 // so they give the same bits; the cuda_ tests run every op both ways
 // (cuda_vector_kernels = 0 forces the generic kernels).
 
-int cuda_vector_kernels = 1;                     // declared in segnet.h
-#define LAUNCH_MAX_ELEMENTS ((size_t)1 << 30)    // per launch, so that indices stay 32-bit
+int cuda_vector_kernels = 1;  // declared in segnet.h
+// elements per launch, so that indices stay 32-bit; the emulator's can be
+// lowered (a test splits small ops into many launches at its boundaries)
+#if defined(__CUDACC__)
+#define LAUNCH_MAX_ELEMENTS ((size_t)1 << 30)
+#else
+size_t cuda_launch_max_elements = (size_t)1 << 30;
+#define LAUNCH_MAX_ELEMENTS cuda_launch_max_elements
+#endif
 #define VEC_BYTES 16
 
 // blocks for a grid-stride loop over n elements (bounded: the loop covers the rest)
@@ -566,13 +573,24 @@ static void cuda_record_free(Ops *o, void *record) {
 // elements of up to two inputs (0 where an input is absent):
 //   y[i] (=|+=) f(x0[i], x1[i])
 // A kernel walks its n elements in chunks of LAUNCH_MAX_ELEMENTS (64-bit
-// offsets between chunks, 32-bit indices inside), grid-stride within each.
+// offsets between chunks, 32-bit indices inside), grid-stride within each; a
+// vector kernel walks its vectors of N elements in chunks of
+// LAUNCH_MAX_ELEMENTS / N, so that a vector's first element, vec_elem, is a
+// 32-bit index too.
 
-#define FOR_CHUNKS(n, base, m)                                                                 \
-    for (size_t base = 0, m;                                                                   \
-         base < (n) &&                                                                         \
-         ((m = (n) - base < LAUNCH_MAX_ELEMENTS ? (n) - base : LAUNCH_MAX_ELEMENTS), 1);       \
-         base += LAUNCH_MAX_ELEMENTS)
+#define FOR_CHUNKS_OF(n, per, base, m)                                                         \
+    for (size_t base = 0, m; base < (n) && ((m = (n) - base < (per) ? (n) - base : (per)), 1); \
+         base += (per))
+#define FOR_CHUNKS(n, base, m) FOR_CHUNKS_OF(n, LAUNCH_MAX_ELEMENTS, base, m)
+#define FOR_VEC_CHUNKS(n_vec, N, base, m) FOR_CHUNKS_OF(n_vec, LAUNCH_MAX_ELEMENTS / (N), base, m)
+// i·N, the first element of vector i of a chunk; the emulator stops a kernel
+// whose index would reach LAUNCH_MAX_ELEMENTS (past 32 bits at full size)
+template <int N> static __device__ __forceinline__ uint32_t vec_elem(uint32_t i) {
+#if !defined(__CUDACC__)
+    cuemu::check_index("a vector's first element", (uint64_t)i * N, LAUNCH_MAX_ELEMENTS);
+#endif
+    return i * N;
+}
 #define FOR_GRID(i, m)                                                                         \
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < (uint32_t)(m);                 \
          i += blockDim.x * gridDim.x)
@@ -593,19 +611,20 @@ __global__ void map_kernel(void *y, DType dty, const void *x0, DType dt0, const 
 template <class T, class F>
 __global__ void map_vec_kernel(T *y, const T *x0, const T *x1, size_t n_vec, int accumulate, F f) {
     constexpr int N = Vec<T>::N;
-    FOR_CHUNKS(n_vec, base, m) {
+    FOR_VEC_CHUNKS(n_vec, N, base, m) {
         T *yc = y + base * N;
         const T *a = x0 ? x0 + base * N : NULL, *b = x1 ? x1 + base * N : NULL;
         FOR_GRID(i, m) {
+            const uint32_t e = vec_elem<N>(i);
             Vec<T> va, vb, vy;
-            if (a) va = load_vec(a + i * N);
-            if (b) vb = load_vec(b + i * N);
-            if (accumulate) vy = load_vec(yc + i * N);
+            if (a) va = load_vec(a + e);
+            if (b) vb = load_vec(b + e);
+            if (accumulate) vy = load_vec(yc + e);
             for (int k = 0; k < N; k++) {
                 float v = f(a ? to_f32(va.v[k]) : 0.0f, b ? to_f32(vb.v[k]) : 0.0f);
                 vy.v[k] = from_f32<T>(accumulate ? to_f32(vy.v[k]) + v : v);
             }
-            store_vec(yc + i * N, vy);
+            store_vec(yc + e, vy);
         }
     }
 }
@@ -2770,21 +2789,22 @@ template <class T>
 __global__ void add_backward_vec_kernel(T *da, int acc_a, T *db, int acc_b, const T *dy,
                                         size_t n_vec) {
     constexpr int N = Vec<T>::N;
-    FOR_CHUNKS(n_vec, base, m) {
+    FOR_VEC_CHUNKS(n_vec, N, base, m) {
         T *a = da ? da + base * N : NULL, *b = db ? db + base * N : NULL;
         const T *g = dy + base * N;
         FOR_GRID(i, m) {
-            const Vec<T> v = load_vec(g + i * N);
+            const uint32_t e = vec_elem<N>(i);
+            const Vec<T> v = load_vec(g + e);
             for (int which = 0; which < 2; which++) {
                 T *y = which ? b : a;
                 if (!y) continue;
                 Vec<T> out = v;
                 if (which ? acc_b : acc_a) {
-                    const Vec<T> old = load_vec(y + i * N);
+                    const Vec<T> old = load_vec(y + e);
                     for (int k = 0; k < N; k++)
                         out.v[k] = from_f32<T>(to_f32(old.v[k]) + to_f32(v.v[k]));
                 }
-                store_vec(y + i * N, out);
+                store_vec(y + e, out);
             }
         }
     }

@@ -2153,16 +2153,22 @@ static int train_replica(Comm *comm, void *arg) {
                         : 0,
                    err))
         goto done;
+    // a backend that records steps (CUDA graphs) says when it will not
+    const char *op_by_op = !t.o->capture_begin ? ""
+                           : !t.records ? ", steps run op by op (SEGNET_CUDA_GRAPHS=0)"
+                           : comm->size > 1 ? ", steps run op by op (replicas)"
+                           : c->accum > 1   ? ", steps run op by op (--accum)"
+                                            : "";
     if (c->progress && root)
         fprintf(stderr,
                 "segnet train: %s on %s, %d training images%s, %" PRIu64
-                " parameters%s; run folder %s\n",
+                " parameters%s%s; run folder %s\n",
                 c->model.model, t.o->name, t.train.n, t.has_val ? "" : " (no validation set)",
                 (uint64_t)t.g.n_param_floats,
                 comm->size > 1 ? (c->sync_bn ? ", replicas with batch norm synchronised"
                                              : ", replicas with batch norm per replica")
                                : "",
-                run);
+                op_by_op, run);
     Metrics m = {0, 0, iou}, vm = {0, 0, iou + c->model.classes};
     const int train_batches = (t.train.n + c->model.batch - 1) / c->model.batch;
     int warned[3] = {0, 0, 0};  // each warning once per run

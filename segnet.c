@@ -2883,8 +2883,10 @@ typedef struct {
     int32_t *host_labels;       // host_alloc: its labels
     // the recorded step (Ops.capture_*), replayed by later steps; NULL: none
     void *record;
-    // 1: record steps where the backend can (SEGNET_CUDA_GRAPHS=0: never)
-    int records;
+    // 1: record steps where the backend can (SEGNET_CUDA_GRAPHS=0: never); warmed: a
+    // recordable step ran op by op (it loads every kernel: CUDA loads them lazily, at
+    // first launch, which a capture may not do; drivers before 12.3 refuse it)
+    int records, warmed;
     size_t per_image;           // labels per image: H·W (segmentation) or 1
     struct { size_t offset, count; } *ranges;  // trainable parameters: runs of the parameter buffer
     int n_ranges;
@@ -3156,10 +3158,12 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     stage_batch(t, &mb[0]);
     // A record replays the same shapes: one full micro-batch (a smaller last
     // one runs op by op), no replicas (their collectives run on the host),
-    // nothing timed per layer.
+    // nothing timed per layer; the first one runs op by op (warmed).
     const int recordable = t->records && o->capture_begin && k == 1 && mb[0].n == t->shard &&
                            comm->size == 1 && !net->layer_seconds && !c->overflow_at_step;
-    if (recordable && !t->record && o->capture_begin(o) == 0) {
+    if (recordable && !t->record && !t->warmed) {
+        t->warmed = 1;
+    } else if (recordable && !t->record && o->capture_begin(o) == 0) {
         int rc = step_work(t, mb, k);
         char err[SN_ERR_MAX];
         t->record = o->capture_end(o, err);

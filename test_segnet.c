@@ -949,6 +949,75 @@ TEST(cuda_sum_squares_nonfinite) {
 }
 #endif
 
+#if EMULATED_CUDA
+// elements per launch of the emulated kernels (kernels.cu's LAUNCH_MAX_ELEMENTS)
+extern size_t cuda_launch_max_elements;
+// Whole-buffer ops with the launch limit lowered to 40 elements, so that every
+// op walks many chunks (10 vectors of fp32, 5 of fp16/bf16) and ends in a
+// partial one: the CPU's results, as at full size (the same tolerances as
+// above), and no 32-bit index of a chunk reaches the limit (the emulator stops
+// a kernel whose vector's first element, vec_elem, would).
+TEST(cuda_launch_split) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 74);
+    const size_t full_limit = cuda_launch_max_elements;
+    cuda_launch_max_elements = 40;
+    const int sizes[2] = {1031, 1040};  // generic kernels; whole 16-byte vectors
+    float *out = o->alloc(o, sizeof(float));
+    int32_t *flag = o->alloc(o, sizeof(int32_t));
+    for (int si = 0; si < 2; si++)
+        for (int dt = 0; dt < 3; dt++) {
+            const Shape s = shape4(1, 1, 1, sizes[si]);
+            const size_t n = shape_numel(s);
+            float *av = randn(&r, n, 2.0f), *bv = randn(&r, n, 2.0f);
+            CuPair a = cu_pair(av, s, (DType)dt), b = cu_pair(bv, s, (DType)dt);
+            CuPair y = cu_pair(NULL, s, (DType)dt);
+            ops_cpu.fill(&ops_cpu, y.cpu, 0.3f);
+            o->fill(o, y.gpu, 0.3f);
+            cu_expect(cu_pair_err(y), 0.0, "fill, split", (DType)dt);
+            ops_cpu.copy(&ops_cpu, y.cpu, a.cpu, 1);
+            o->copy(o, y.gpu, a.gpu, 1);
+            cu_expect(cu_pair_err(y), 0.0, "copy accumulate, split", (DType)dt);
+            ops_cpu.scale(&ops_cpu, y.cpu, -1.7f);
+            o->scale(o, y.gpu, -1.7f);
+            cu_expect(cu_pair_err(y), 0.0, "scale, split", (DType)dt);
+            ops_cpu.axpby(&ops_cpu, y.cpu, a.cpu, 0.37f, -1.25f, 1);
+            o->axpby(o, y.gpu, a.gpu, 0.37f, -1.25f, 1);
+            cu_expect(cu_pair_err(y), 2 * CU_ULP[dt], "axpby accumulate, split", (DType)dt);
+            ops_cpu.add_forward(&ops_cpu, y.cpu, a.cpu, b.cpu);
+            o->add_forward(o, y.gpu, a.gpu, b.gpu);
+            cu_expect(cu_pair_err(y), 0.0, "add_forward, split", (DType)dt);
+            ops_cpu.act_backward(&ops_cpu, ACT_RELU, y.cpu, a.cpu, b.cpu, 1);
+            o->act_backward(o, ACT_RELU, y.gpu, a.gpu, b.gpu, 1);
+            cu_expect(cu_pair_err(y), 0.0, "act_backward relu accumulate, split", (DType)dt);
+            CuPair da = cu_dest(&r, s, (DType)dt, 1), db = cu_dest(&r, s, (DType)dt, 0);
+            ops_cpu.add_backward(&ops_cpu, da.cpu, db.cpu, a.cpu, 1, 0);
+            o->add_backward(o, da.gpu, db.gpu, a.gpu, 1, 0);
+            cu_expect(cu_pair_err(da), 0.0, "add_backward accumulate, split", (DType)dt);
+            cu_expect(cu_pair_err(db), 0.0, "add_backward, split", (DType)dt);
+            float cpu = -1.0f, gpu = -1.0f;
+            ops_cpu.sum_squares(&ops_cpu, a.cpu, &cpu);
+            o->sum_squares(o, a.gpu, out);
+            o->download(o, &gpu, out, sizeof gpu);
+            cu_expect(fabs((double)gpu - cpu) / cpu, CU_ULP[DT_F32], "sum_squares, split",
+                      (DType)dt);
+            av[n - 1] = NAN;  // in the last, partial chunk
+            CuPair bad = cu_pair(av, s, (DType)dt);
+            int32_t seen = 0;
+            o->upload(o, flag, &seen, sizeof seen);
+            o->nonfinite(o, bad.gpu, flag);
+            o->download(o, &seen, flag, sizeof seen);
+            CHECK(seen == 1, "nonfinite n=%zu %s, split: a NaN in the last chunk not seen", n,
+                  DT_NAME[dt]);
+            cu_pair_free(&a); cu_pair_free(&b); cu_pair_free(&y); cu_pair_free(&da);
+            cu_pair_free(&db); cu_pair_free(&bad);
+            free(av); free(bv);
+        }
+    o->free(o, out); o->free(o, flag);
+    cuda_launch_max_elements = full_limit;
+}
+#endif
+
 // ----------------------------------------------------------------------------
 // conv2d
 
@@ -7364,13 +7433,14 @@ TEST(ref_table_vs_cpu) {
 // below; built where nvcc is): a build without nvcc lists them as not run.
 // test_cuda_tests_listed checks this list against the tests a CUDA build
 // registers.
-// nccl: 1 only with NCCL, -1 only without
-typedef struct { const char *name; int nccl; } CudaTestName;
+// nccl: 1 only with NCCL, -1 only without; emulated: 1 only under the emulator
+typedef struct { const char *name; int nccl, emulated; } CudaTestName;
 static const CudaTestName CUDA_TESTS[] __attribute__((unused)) = {
         // (unused in fuzz_segnet)
         {"cuda_fill_copy", 0},
         {"cuda_scale_axpby", 0},
         {"cuda_sum_squares_nonfinite", 0},
+        {"cuda_launch_split", 0, 1},
         {"cuda_gemm_ex_types", 0},
         {"cuda_conv_pointwise", 0},
         {"cuda_conv_dense", 0},
@@ -7395,9 +7465,9 @@ static const CudaTestName CUDA_TESTS[] __attribute__((unused)) = {
         {"cuda_alloc_counts", 0},
         {"cuda_ops_complete", 0},
         {"cuda_graph_step", 0},
-        {"cuda_sync_each", 0},
-        {"cuda_emu_semantics", 0},
-        {"cuda_emu_count_file", 0},
+        {"cuda_sync_each", 0, 1},
+        {"cuda_emu_semantics", 0, 1},
+        {"cuda_emu_count_file", 0, 1},
         {"cuda_train_steps", 0},
         {"cuda_fused_layers_bitwise", 0},
         {"cuda_plan_equals_allocation", 0},
@@ -7409,7 +7479,7 @@ static const CudaTestName CUDA_TESTS[] __attribute__((unused)) = {
 
 #ifdef SEGNET_CUDA
 // CUDA_TESTS names every cuda_ test of this build, and nothing else but the
-// tests of the other NCCL case
+// tests of the other NCCL case and the emulator's own
 TEST(cuda_tests_listed) {
 #ifdef SEGNET_NCCL
     const int nccl = 1;
@@ -7422,8 +7492,8 @@ TEST(cuda_tests_listed) {
         const Test *t = NULL;
         for (int k = 0; k < g_n_tests && !t; k++)
             if (!strcmp(g_tests[k].name, c->name)) t = &g_tests[k];
-        if (c->nccl && c->nccl != nccl) {
-            CHECK(!t, "%s: listed for the other NCCL case, registered in this one", c->name);
+        if ((c->nccl && c->nccl != nccl) || (c->emulated && !EMULATED_CUDA)) {
+            CHECK(!t, "%s: listed for another build, registered in this one", c->name);
             continue;
         }
         CHECK(t != NULL, "%s: listed in CUDA_TESTS, not registered", c->name);
@@ -7504,12 +7574,13 @@ static void cu_train_losses(const char *model, int hw, DType dt, Device device, 
 // does, to the bit: three steps of unet-effv2-t (drop-path, whose seeds
 // change every step) in fp16 (loss scaling, which here skips and doubles),
 // with clipping and a warm-up (a learning rate per step), then a smaller last
-// batch (run op by op: other shapes) and a full one again (step 1's record).
+// batch (run op by op: other shapes) and a full one again (step 2's record).
 // Compared: the losses, the parameters and Adam's moments, the loss scale.
-// Under the emulator also: the steps were replays, and each step waited for
-// the device once (its one download).
+// Under the emulator also: which steps were replays (step 1 runs op by op,
+// loading every kernel before the capture; step 2 is recorded and replayed),
+// and each step waited for the device once (its one download).
 static void cu_graph_run(int records, double *losses, float **params, float **moments, float *scale,
-                         long long *replays, long long *syncs) {
+                         long long replays[5], long long *syncs) {
     TrainCfg c;
     train_cfg_default(&c);
     c.model.model = "unet-effv2-t";
@@ -7535,20 +7606,27 @@ static void cu_graph_run(int records, double *losses, float **params, float **mo
     int32_t *labels = malloc(sizeof(int32_t) * 2 * hw * hw);
     int64_t cm[9];
 #if EMULATED_CUDA
-    const long long g0 = cuemu_count("graph_launches"), s0 = cuemu_count("syncs");
+    const long long s0 = cuemu_count("syncs");
 #endif
     for (int s = 0; s < 5; s++) {
         random_batch(&r, sizes[s], hw, 3, images, labels);
         MicroBatch mb = {sizes[s], images, labels, 0};
         PassTotals pt = {0, 0, cm};
+#if EMULATED_CUDA
+        const long long g0 = cuemu_count("graph_launches");
+#endif
         CHECK(train_step(&t, &mb, 1, &pt) >= 0, "step %d failed", s + 1);
         losses[s] = pt.loss_sum / pt.norm_sum;
+#if EMULATED_CUDA
+        replays[s] = cuemu_count("graph_launches") - g0;
+#else
+        replays[s] = -1;
+#endif
     }
 #if EMULATED_CUDA
-    *replays = cuemu_count("graph_launches") - g0;
     *syncs = cuemu_count("syncs") - s0;
 #else
-    *replays = *syncs = -1;
+    *syncs = -1;
 #endif
     *params = malloc(sizeof(float) * t.g.n_param_floats);
     *moments = malloc(sizeof(float) * 2 * t.n_trainable);
@@ -7563,9 +7641,9 @@ SLOW_TEST(cuda_graph_step) {
     if (!cu_ops_complete("cuda_graph_step")) return;
     double eager[5], graph[5];
     float *p_eager, *p_graph, *m_eager, *m_graph, scale_eager, scale_graph;
-    long long replays_eager, replays_graph, syncs_eager, syncs_graph;
-    cu_graph_run(0, eager, &p_eager, &m_eager, &scale_eager, &replays_eager, &syncs_eager);
-    cu_graph_run(1, graph, &p_graph, &m_graph, &scale_graph, &replays_graph, &syncs_graph);
+    long long replays_eager[5], replays_graph[5], syncs_eager, syncs_graph;
+    cu_graph_run(0, eager, &p_eager, &m_eager, &scale_eager, replays_eager, &syncs_eager);
+    cu_graph_run(1, graph, &p_graph, &m_graph, &scale_graph, replays_graph, &syncs_graph);
     TrainCfg c;
     Graph g;
     graph_init(&g);
@@ -7588,17 +7666,20 @@ SLOW_TEST(cuda_graph_step) {
     CHECK(scale_eager == scale_graph, "loss scale %g replayed, %g op by op", scale_graph,
           scale_eager);
 #if EMULATED_CUDA
-    // steps 1-3 and 5 replayed (1 right after its recording), step 4 not
-    CHECK(replays_eager == 0 && replays_graph == 4,
-          "graph launches: %lld op by op, %lld recorded (expected 0 and 4)", replays_eager,
-          replays_graph);
+    // step 1 op by op, 2 recorded and replayed, 3 and 5 replayed, 4 (smaller) op by op
+    const long long expected[5] = {0, 1, 1, 0, 1};
+    for (int s = 0; s < 5; s++)
+        CHECK(replays_eager[s] == 0 && replays_graph[s] == expected[s],
+              "step %d: graph launches %lld op by op, %lld recorded (expected 0 and %lld)", s + 1,
+              replays_eager[s], replays_graph[s], expected[s]);
     CHECK(syncs_eager == 5 && syncs_graph == 5,
           "host waits in 5 steps: %lld op by op, %lld recorded (expected 5: one per step)",
           syncs_eager, syncs_graph);
 #endif
     if (g_verbose)
         printf("      5 steps: losses %.6f .. %.6f, loss scale %g, %lld replays, %lld host waits\n",
-               graph[0], graph[4], scale_graph, replays_graph, syncs_graph);
+               graph[0], graph[4], scale_graph,
+               replays_graph[1] + replays_graph[2] + replays_graph[4], syncs_graph);
     free(p_eager); free(p_graph); free(m_eager); free(m_graph);
 }
 
