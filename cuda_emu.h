@@ -47,6 +47,12 @@ namespace cuemu {
 struct Thunk { void (*fn)(void*); void* obj; void operator()() const { fn(obj); } };
 
 void* dyn_smem();                       // this block's dynamic shared memory
+// A static __shared__ variable of `bytes` at p (CU_SHARED): at its first
+// registration in a block it is poisoned (0xff, unless CUEMU_POISON=0) and its
+// size added to the block's static shared memory; fatal when that passes
+// 48 KB (the static limit) or, with the launch's dynamic shared memory,
+// 227 KB (sm_90's per-block maximum). Only the variables a block reaches count.
+void static_shared(void* p, size_t bytes, const char* name);
 void block_barrier();                   // __syncthreads
 void warp_barrier(unsigned mask);       // __syncwarp / every shuffle
 enum ShflMode { IDX, UP, DOWN, XOR };
@@ -60,8 +66,8 @@ void bad_kernel_arg(const char* kernel, int idx, const void* p);
 // at p, under #ifndef __CUDACC__. Fatal (abort, naming the running kernel,
 // its block and thread, and the address) unless p is a multiple of `bytes` and
 // [p, p + bytes) lies inside one device allocation (cudaMalloc, cudaMallocHost,
-// a __device__ symbol) or inside the block's dynamic shared memory. Static
-// __shared__ arrays are unknown to the emulator: do not check those. With
+// a __device__ symbol) or inside the block's dynamic shared memory or one of
+// its static shared variables (CU_SHARED) that the block has reached. With
 // CUEMU_ALLOW_HOST_PTRS=1 an address outside every allocation passes the range
 // check (the alignment check stays).
 void check_vector_access(const void* p, size_t bytes);
@@ -198,6 +204,13 @@ extern "C" int cuemu_selftest(char* report, size_t n);
 #define CU_LAUNCH(kernel, grid, block, smem, stream, ...) \
   ::cuemu::launch(#kernel, kernel, dim3(grid), dim3(block), (smem), (stream), ##__VA_ARGS__)
 #define CU_DYN_SHARED(T, name) T* name = static_cast<T*>(::cuemu::dyn_smem())
+// Static shared memory: a thread_local (one block per OS thread at a time) that
+// every thread registers as it passes the declaration; the block's first
+// registration fills it with 0xff bytes (NaN), as dynamic shared memory, and
+// counts its size against the limits (cuemu::static_shared).
+#define CU_SHARED(T, name, dims) \
+  thread_local T name dims;      \
+  ::cuemu::static_shared(&name, sizeof name, #name)
 
 // cuda_runtime.h hides its C++ symbol templates behind __CUDACC__: provide them.
 // __device__/__constant__ variables are plain globals here.

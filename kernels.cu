@@ -4,8 +4,8 @@
 // One source, two builds (see README.md, "GPU code without a GPU"):
 //   nvcc -c kernels.cu                         for GPUs (real <<<>>>, __shared__, cuBLAS, NCCL)
 //   g++ -x c++ -std=c++17 -c kernels.cu        for the CPU, against cuda_emu.h / cuda_emu.cpp
-// so every kernel launches through CU_LAUNCH and takes dynamic shared memory
-// through CU_DYN_SHARED; the rules for kernels that must run on both are at the
+// so every kernel launches through CU_LAUNCH and takes shared memory through
+// CU_DYN_SHARED (dynamic) or CU_SHARED(type, name, [dims]) (static); the rules for kernels that must run on both are at the
 // top of cuda_emu.h.
 //
 // Layout as on the CPU: activations NHWC in the Tensor's storage type (fp32,
@@ -24,6 +24,7 @@
 #define CU_DYN_SHARED(T, name)                                         \
     extern __shared__ __align__(16) unsigned char cu_dyn_smem_raw_[]; \
     T *name = reinterpret_cast<T *>(cu_dyn_smem_raw_)
+#define CU_SHARED(T, name, dims) __shared__ T name dims
 #else
 #include "cuda_emu.h"
 #endif
@@ -682,7 +683,7 @@ static void axpby_cuda(Ops *o, Tensor y, Tensor x, float a, float b, int accumul
 // other SMs wrote them) and sets *count back to 0 for the next launch or
 // graph replay. Called by every thread of the block.
 static __device__ bool last_block(unsigned *count, unsigned blocks) {
-    __shared__ bool last;
+    CU_SHARED(bool, last, );
     __threadfence();  // this thread's partials are visible to every block before the count says so
     __syncthreads();
     if (threadIdx.x == 0 && threadIdx.y == 0) {
@@ -743,7 +744,7 @@ static __device__ void reduce_finish(const ReduceOut &r, double *sh) {
 
 // *out = Σ t², accumulated in fp64 (as on the CPU), rounded once to fp32
 __global__ void sum_squares_kernel(const void *t, DType dt, size_t n, ReduceOut r) {
-    __shared__ double sh[BLOCK * REDUCE_WIDTH];
+    CU_SHARED(double, sh, [BLOCK * REDUCE_WIDTH]);
     double s = 0.0;
     FOR_CHUNKS(n, base, m) {
         const void *tc = elem_ptr(t, dt, base);
@@ -757,7 +758,7 @@ __global__ void sum_squares_kernel(const void *t, DType dt, size_t n, ReduceOut 
     reduce_finish(r, sh);
 }
 template <class T> __global__ void sum_squares_vec_kernel(const T *t, size_t n_vec, ReduceOut r) {
-    __shared__ double sh[BLOCK * REDUCE_WIDTH];
+    CU_SHARED(double, sh, [BLOCK * REDUCE_WIDTH]);
     constexpr int N = Vec<T>::N;
     double s = 0.0;
     FOR_CHUNKS(n_vec, base, m) {
@@ -878,7 +879,7 @@ static __device__ __forceinline__ void sum_lanes(double *sh, const double (&acc)
 template <int NQ, int W, class F, class E>
 __global__ void channel_sums_kernel(F f, E e, double *partial, unsigned *done, uint32_t rows, int C,
                                     uint32_t rows_per_chunk) {
-    __shared__ double sh[BLOCK * W * NQ];
+    CU_SHARED(double, sh, [BLOCK * W * NQ]);
     const int lane_c = blockIdx.x * blockDim.x + threadIdx.x, c0 = lane_c * W, g = blockIdx.z;
     const uint32_t chunks = gridDim.y;
     const RowChunk rc = row_chunk(rows, rows_per_chunk);
@@ -2324,7 +2325,7 @@ __global__ void depthwise_weight_kernel(float *dw, float *partial, unsigned *don
                                         uint32_t pixels_per_part, int tap0, FastDiv by_ow,
                                         FastDiv by_oh) {
     constexpr int W = IO::W;
-    __shared__ float lanes[BLOCK * W];
+    CU_SHARED(float, lanes, [BLOCK * W]);
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, part = blockIdx.y, C = s.c;
     const int ntaps = cfg.kh * cfg.kw;
     const uint32_t M = (uint32_t)t.n * t.h * t.w, p0 = part * pixels_per_part;
@@ -3725,7 +3726,7 @@ __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t 
                                     const float *class_weights, XentClip clip, int K, size_t rows,
                                     const float *grad_scale, void *dlogits, DType dt_grad,
                                     ReduceOut r) {
-    __shared__ double sh[BLOCK * REDUCE_WIDTH];
+    CU_SHARED(double, sh, [BLOCK * REDUCE_WIDTH]);
     const float scale = dlogits ? *grad_scale : 0.0f;
     double loss = 0.0, wsum = 0.0, invalid = 0.0;
     for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows;

@@ -13007,6 +13007,45 @@ TEST(last_block_reads_past_l1) {
     free(src);
 }
 
+// kernels.cu declares shared memory only through CU_SHARED and CU_DYN_SHARED,
+// which the emulator poisons at each block's start and checks: the first line
+// with a bare __shared__ declaration outside a comment and those macros'
+// definitions, or 0
+static int bare_shared_line(const char *src) {
+    int line = 1;
+    for (const char *p = src; *p; line++) {
+        const char *end = strchr(p, '\n');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        const char *comment = NULL, *shared = NULL;
+        for (const char *q = p; q + 1 < p + n && !comment; q++)
+            if (q[0] == '/' && q[1] == '/') comment = q;
+        for (const char *q = p; q + 10 <= p + n && !shared; q++)
+            if (!strncmp(q, "__shared__", 10)) shared = q;
+        const char *ext = strstr(p, "extern __shared__");  // CU_DYN_SHARED's continued line
+        const int in_macro = !strncmp(p, "#define CU_SHARED", 17) ||
+                             (ext && ext < p + n && n > 0 && p[n - 1] == '\\');
+        if (shared && (!comment || shared < comment) && !in_macro) return line;
+        p = end ? end + 1 : p + n;
+    }
+    return 0;
+}
+TEST(shared_memory_through_macros) {
+    const char *good = "#define CU_SHARED(T, name, dims) __shared__ T name dims\n"
+                       "    extern __shared__ unsigned char raw[]; \\\n"
+                       "    CU_SHARED(double, sh, [256]);  // not a bare __shared__\n";
+    const char *bad = "__global__ void k() {\n    __shared__ float sh[32];\n}\n";
+    CHECK(bare_shared_line(good) == 0 && bare_shared_line(bad) == 2,
+          "the checker on planted code: %d, %d", bare_shared_line(good), bare_shared_line(bad));
+    size_t n = 0;
+    char *src = read_file("kernels.cu", &n);
+    CHECK(src != NULL, "kernels.cu: cannot read it (the tests run in the repository)");
+    if (!src) return;
+    const int line = bare_shared_line(src);
+    CHECK(line == 0, "kernels.cu:%d: a bare __shared__ declaration (use CU_SHARED, which the "
+          "emulator poisons and checks)", line);
+    free(src);
+}
+
 // ----------------------------------------------------------------------------
 // the runner
 
