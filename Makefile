@@ -226,7 +226,8 @@ cuda_emu.o: cuda_emu.cpp cuda_emu.h
 # ---- make test, make check, make test-heavy ---------------------------------
 # make test: the programs built in parallel, then every test but the slow ones
 # (with the emulated CUDA backend the cuda_ tests again with the threads of each
-# block in reverse order, and with the generic kernels), the fuzz harness last:
+# block in reverse order, and with the generic kernels, blocks and threads in a
+# seeded random order, CUEMU_SEED), the fuzz harness last:
 # its self-test and FUZZ_TEST_SECONDS per target, where FUZZ_CC has the
 # sanitizers. The last line counts them all: N passed, M failed, K skipped,
 # below the list of what was not run here and why.

@@ -175,6 +175,10 @@ template <class T> T cas_add(T* p, T v) {  // float/double atomicAdd via CAS on 
 // order (0); CUEMU_ORDER=reverse sets it at start. Graph replays then also run
 // independent branches in reverse (see cudaGraphLaunch in cuda_emu.cpp).
 extern "C" void cuemu_set_reverse(int reverse);
+// Blocks, and a block's threads, in a random order drawn from `seed` and the
+// launch's number since this call (on = 1), renewed after every barrier; graph replays run
+// branches in order. CUEMU_ORDER=random:SEED sets it at start. Off: in order.
+extern "C" void cuemu_set_random(int on, unsigned long long seed);
 // Counters since the start, -1 for another name:
 //   launches          kernels run (eager or replayed graph nodes; counting mode: would have run)
 //   api_launches      host launch calls: eager kernel launches plus cudaGraphLaunch calls

@@ -26,6 +26,8 @@
 #define EMULATED_CUDA 1
 // threads and blocks of the following launches in reverse order
 void cuemu_set_reverse(int reverse);
+// blocks and threads of the following launches in a random order from seed (on = 1)
+void cuemu_set_random(int on, unsigned long long seed);
 // launches, cuBLAS calls, host waits, bytes copied since the start
 long long cuemu_count(const char *name);
 #else
@@ -13214,19 +13216,23 @@ int main(int argc, char **argv) {
         if (!strcmp(argv[i], "--filter") && i + 1 < argc) filter = argv[++i];
         else if (!strcmp(argv[i], "--order") && i + 1 < argc &&
                  (!strcmp(argv[i + 1], "forward") || !strcmp(argv[i + 1], "reverse") ||
-                  !strcmp(argv[i + 1], "both")))
+                  !strcmp(argv[i + 1], "random") || !strcmp(argv[i + 1], "both")))
             order = argv[++i];
         else if (!strcmp(argv[i], "--all")) set = RUN_ALL;
         else if (!strcmp(argv[i], "-v") || !strcmp(argv[i], "--verbose")) g_verbose = 1;
         else {
             fprintf(stderr,
-                    "usage: %s [--filter SUBSTRING] [--all] [--order forward|reverse|both] [-v]\n"
+                    "usage: %s [--filter SUBSTRING] [--all] [--order forward|reverse|random|both]"
+                    " [-v]\n"
                     "  --filter: the tests whose name holds SUBSTRING (slow ones included)\n"
                     "  --all:    the slow tests too (make check); without it they are skipped\n"
-                    "  --order:  the emulated GPU's threads in order, in reverse order, or both "
-                    "(default:\n"
-                    "            every test in order, then the cuda_ tests again in reverse "
-                    "order)\n",
+                    "  --order:  forward: every test, the emulated GPU's blocks and threads in "
+                    "order;\n"
+                    "            reverse: the cuda_ tests, in reverse order; random: the cuda_ "
+                    "tests with\n"
+                    "            the generic kernels only, in a random order (seed CUEMU_SEED, "
+                    "default 1);\n"
+                    "            both (the default): the three passes\n",
                     argv[0]);
             return 2;
         }
@@ -13254,19 +13260,26 @@ int main(int argc, char **argv) {
 #if EMULATED_CUDA
     // A kernel that misses a barrier can pass with the threads of a block run
     // in one order and fail in the other: the cuda_ tests run in both.
-    if (strcmp(order, "reverse")) run_tests(filter, NULL, "", set, &tl);
-    if (strcmp(order, "forward")) {
+    if (!strcmp(order, "forward") || !strcmp(order, "both")) run_tests(filter, NULL, "", set, &tl);
+    if (!strcmp(order, "reverse") || !strcmp(order, "both")) {
         printf("== the emulated CUDA tests again, threads in reverse order\n");
         cuemu_set_reverse(1);
         run_tests(filter, "cuda_", " [reverse order]", set, &tl);
         cuemu_set_reverse(0);
     }
-    if (!strcmp(order, "both")) {
+    if (!strcmp(order, "random") || !strcmp(order, "both")) {
         // every op has a generic and a vector kernel (kernels.cu, "indexing and
-        // memory access"); the first passes ran the vector ones where they apply
-        printf("== the emulated CUDA tests again, generic kernels only\n");
+        // memory access"); the first passes ran the vector ones where they apply.
+        // A race between warps that both fixed orders miss shows in some random one.
+        const char *seed_text = getenv("CUEMU_SEED");
+        const unsigned long long seed = seed_text ? strtoull(seed_text, NULL, 0) : 1;
+        printf("== the emulated CUDA tests again, generic kernels only, blocks and threads in a "
+               "random order (CUEMU_SEED=%llu)\n",
+               seed);
         cuda_vector_kernels = 0;
-        run_tests(filter, "cuda_", " [generic kernels]", set, &tl);
+        cuemu_set_random(1, seed);
+        run_tests(filter, "cuda_", " [generic kernels, random order]", set, &tl);
+        cuemu_set_random(0, 0);
         cuda_vector_kernels = 1;
     }
 #else
