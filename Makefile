@@ -117,7 +117,10 @@ ifneq ($(NVCC),)
                   -Wl,-rpath,$(CUDA_HOME)/lib -lcudart -lcublas -lstdc++
   GPU_OBJS     := kernels_gpu.o
   EMU_OBJS     := kernels_emu.o cuda_emu.o
-  EMU_LIBS     := -lstdc++
+  # -rdynamic: the emulator finds a kernel's mangled name (dladdr), its key in
+  # kernel_resources.txt
+  EMU_LIBS     := -rdynamic -lstdc++ -ldl
+  EMU_RESOURCES := kernel_resources.txt
 endif
 CXX      ?= g++
 EMUFLAGS := -std=c++17 -O2 -g -Wall -Wextra -Wno-unknown-pragmas -Wno-sign-compare -I. -I$(CUDA_HOME)/include $(NCCL_CFLAGS)
@@ -204,24 +207,38 @@ PROGRAM_SRCS := segnet.c backends.c safetensors.c weights.c images.c datasets.c 
 segnet: $(PROGRAM_SRCS) segnet.h $(GPU_OBJS) | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) $(MPI_CFLAGS) -o $@ segnet.c $(GPU_OBJS) $(DEP_LIBS) $(CUDA_LIBS) $(MPI_LIBS) $(LDLIBS)
 
-test_segnet: test_segnet.c $(PROGRAM_SRCS) segnet.h $(EMU_OBJS) | deps
+test_segnet: test_segnet.c $(PROGRAM_SRCS) segnet.h $(EMU_OBJS) $(EMU_RESOURCES) | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -o $@ test_segnet.c $(EMU_OBJS) $(DEP_LIBS) $(EMU_LIBS) $(LDLIBS)
 
 # segnet on the emulated GPU: ./segnet's build linked with the emulator
 # (kernels_emu.o cuda_emu.o) instead of the nvcc object. With CUEMU_COUNT=FILE
 # it counts what a run asks of the GPU without running a kernel (make gpucount).
-segnet_emu: $(PROGRAM_SRCS) segnet.h $(EMU_OBJS) | deps
+segnet_emu: $(PROGRAM_SRCS) segnet.h $(EMU_OBJS) $(EMU_RESOURCES) | deps
 	@[ -n "$(EMU_OBJS)" ] || { echo "make segnet_emu: needs the CUDA toolkit's nvcc and headers (none found, or NO_CUDA=1)" >&2; exit 1; }
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) $(MPI_CFLAGS) -o $@ segnet.c $(EMU_OBJS) $(DEP_LIBS) $(EMU_LIBS) $(MPI_LIBS) $(LDLIBS)
 
+# kernels_gpu.o; ptxas's report of each kernel (-Xptxas -v) goes to
+# kernels_gpu.ptxas, and from it kernel_resources.txt, a line per kernel:
+#   mangled-name sm_XX registers static-shared-bytes spill-store-bytes
+# which the emulator reads (CUEMU_RESOURCES): a launch that asks for more
+# registers than an SM has fails as on the GPU; make gpucount's occupancy.
 kernels_gpu.o: kernels.cu segnet.h
-	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCHS) -c kernels.cu -o $@
+	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCHS) -Xptxas -v -c kernels.cu -o $@ 2> kernels_gpu.ptxas \
+	  || { cat kernels_gpu.ptxas >&2; rm -f $@; exit 1; }
+	@grep -v '^ptxas info\|bytes stack frame\|^$$' kernels_gpu.ptxas >&2 || true
+
+kernel_resources.txt: kernels_gpu.o
+	@awk '/Compiling entry function/ { split($$0, q, "\047"); name = q[2]; arch = q[4]; spill = 0 } \
+	  name != "" && /bytes spill stores/ { for (i = 3; i <= NF; i++) if ($$i == "spill" && $$(i + 1) ~ /^stores/) spill = $$(i - 2) } \
+	  name != "" && /Used [0-9]+ registers/ { regs = 0; smem = 0; \
+	    for (i = 2; i <= NF; i++) { if ($$i ~ /^registers/) regs = $$(i - 1); if ($$i ~ /^smem/) smem = $$(i - 2) } \
+	    print name, arch, regs, smem, spill; name = "" }' kernels_gpu.ptxas > $@.tmp && mv $@.tmp $@
 
 kernels_emu.o: kernels.cu segnet.h cuda_emu.h
 	$(CXX) $(EMUFLAGS) -x c++ -c kernels.cu -o $@
 
 cuda_emu.o: cuda_emu.cpp cuda_emu.h
-	$(CXX) $(EMUFLAGS) -c cuda_emu.cpp -o $@
+	$(CXX) $(EMUFLAGS) -DCUEMU_RESOURCES_FILE='"$(CURDIR)/kernel_resources.txt"' -c cuda_emu.cpp -o $@
 
 # ---- make test, make check, make test-heavy ---------------------------------
 # make test: the programs built in parallel, then every test but the slow ones
@@ -352,7 +369,9 @@ bench: segnet
 # GEMMs and collectives counted, not run; device memory reserved, not
 # committed) with 1 warm-up and 1 timed step, then with 2 timed steps; the
 # difference of the counters is one step's. The last two lines of a block are
-# the two runs' wall time and their larger peak host RSS.
+# the two runs' wall time and their larger peak host RSS. Between them, the
+# step's launches by kernel and how well they fill an H200 (gpucount.awk,
+# from the nvcc build's registers and shared memory, kernel_resources.txt).
 GPUCOUNT_MODELS ?= "effv2-l 384x384 b16 bf16:--model effv2-l --size 384x384 --batch 16 --classes 1000 --precision bf16" \
                    "unet-effv2-l 512x512 b8 bf16:--model unet-effv2-l --size 512x512 --batch 8 --classes 4 --precision bf16"
 gpucount: segnet_emu
@@ -375,6 +394,7 @@ gpucount: segnet_emu
 	          for (i = 1; i <= n; i++) { split(kv[i], p, ":"); \
 	            if (!(p[1] in two) || !(p[1] in one)) { print "make gpucount: no counter " p[1] > "/dev/stderr"; exit 1 } \
 	            printf "  %s_per_step: %d\n", p[2], two[p[1]] - one[p[1]] } }' $$dir/count1.txt $$dir/count2.txt || exit 1; \
+	  awk -f gpucount.awk $$dir/count1.txt $$dir/count2.txt || exit 1; \
 	  echo "  count_runs: $$secs"; \
 	  echo "  peak_host_rss_mib: $$((rss / 1048576))"; \
 	done
@@ -501,5 +521,6 @@ deps-unpack:
 	@echo "make deps-unpack: $$(ls $(DEPS_DIR)/*.deb | wc -l) packages in $(DEPS_DIR)/root; build with DEPS_ROOT=$$PWD/$(DEPS_DIR)/root"
 
 clean:
-	rm -f segnet segnet_emu test_segnet test_segnet_gpu fuzz_segnet gpucheck.txt gpucheck-tests.log gpucheck-memcheck.log *.o
+	rm -f segnet segnet_emu test_segnet test_segnet_gpu fuzz_segnet gpucheck.txt gpucheck-tests.log gpucheck-memcheck.log *.o \
+	  kernels_gpu.ptxas kernel_resources.txt
 	rm -rf $(DEPS_DIR)/root

@@ -7787,6 +7787,42 @@ TEST(cuda_emu_count_file) {
 }
 #endif
 
+// gpucount.awk on two hand-written count files (the per-step launches are the
+// difference). On 132 SMs: 540 blocks at 4 per SM (528 slots) take 2 waves,
+// efficiency 540/1056 = 0.51; 528 blocks exactly one wave, 1.00; 16 blocks at 8
+// per SM fill 16 of 1056 slots (under one wave). Warps per SM: 4 blocks of 128
+// threads = 16; 8 blocks of 256 = 64. A configuration launched as often in both
+// files is not in the step.
+TEST(gpucount_waves_by_hand) {
+    const char *one = "/tmp/segnet_test_count1.txt", *two = "/tmp/segnet_test_count2.txt";
+    FILE *f = fopen(one, "w");
+    fprintf(f, "launches 10\nconfig 1 540 128 0 100 0 4 wgrad<BF16>\n"
+               "config 5 7 32 0 10 0 32 setup_kernel\n");
+    fclose(f);
+    f = fopen(two, "w");
+    fprintf(f, "launches 20\nconfig 3 540 128 0 100 0 4 wgrad<BF16>\n"
+               "config 2 528 128 0 100 0 4 wgrad<BF16>\nconfig 5 7 32 0 10 0 32 setup_kernel\n"
+               "config 1 16 256 0 32 0 8 se_gate<BF16, 1>\n");
+    fclose(f);
+    char cmd[512], msg[512];
+    snprintf(cmd, sizeof cmd, "awk -f gpucount.awk %s %s", one, two);
+    const int rc = run_shell(cmd, msg, sizeof msg);
+    size_t n;
+    char *out = read_file("/tmp/segnet_test_out.txt", &n);
+    CHECK(rc == 0 && out, "%s: exit %d: %s", cmd, rc, msg);
+    if (!out) return;
+    CHECK(contains(out, "wave_efficiency_min_full_grids: 0.51 (wgrad<BF16>)") &&
+              contains(out, "launches_under_one_wave: 1 of 5") &&
+              contains(out, "warps_per_sm_min: 16 (wgrad<BF16>)") &&
+              !contains(out, "setup_kernel"),
+          "gpucount.awk on hand-made counts:\n%s", out);
+    const char *row = strstr(out, "wgrad<BF16>");
+    CHECK(row && atoi(row + strlen("wgrad<BF16>")) == 4,
+          "the wgrad row does not count 2 + 2 launches per step:\n%s", out);
+    free(out);
+    unlink(one); unlink(two);
+}
+
 // The real trainer on the emulated CUDA backend and on the CPU, from the same
 // seed and data, in fp32 and bf16 storage. Only what is well-conditioned is
 // compared: a quantity whose value moves by orders of magnitude more than a

@@ -1,0 +1,64 @@
+# gpucount.awk -- one training step's kernel launches by configuration, and how
+# well each fills an H200 (make gpucount). Reads two of the emulator's count
+# files (CUEMU_COUNT: 1 and 2 timed steps after a warm-up); their difference
+# is one step. A count file's "config N blocks threads dyn-smem registers
+# static-smem blocks-per-SM name..." lines come from cuda_emu.cpp, the
+# registers and static shared memory from the nvcc build's ptxas report
+# (kernel_resources.txt); -1: unknown.
+#
+# A launch of B blocks on S SMs holding b blocks each runs in W = ceil(B / (S·b))
+# waves; its wave efficiency is B / (W·S·b), the share of the slots its waves
+# hold busy (1: every wave full; a grid of one block: 1/(S·b)).
+# Prints, per kernel (largest share of the step's launches first): launches,
+# grid sizes, threads, registers, shared bytes, blocks and warps per SM, the
+# lowest wave efficiency; then the summary lines:
+#   wave_efficiency_min_full_grids: over the launches of at least one full wave
+#   launches_under_one_wave:        launches with fewer blocks than one wave
+#   warps_per_sm_min:               the fewest resident warps per SM of any launch
+
+BEGIN { SMS = 132 }
+FNR == NR { if ($1 == "config") one[key()] = $2; next }
+$1 == "config" { two[key()] = $2 }
+function key(   k, i) { k = $3; for (i = 4; i <= NF; i++) k = k " " $i; return k }
+END {
+    full_min = 2; under = 0; total = 0; wmin = 1e9
+    for (k in two) {
+        n = two[k] - (k in one ? one[k] : 0)
+        if (n <= 0) continue
+        split(k, f, " ")
+        blocks = f[1]; threads = f[2]; dyn = f[3]; regs = f[4]; smem = f[5]; bps = f[6]
+        name = k; for (i = 1; i <= 6; i++) sub(/^[^ ]+ /, "", name)
+        if (bps <= 0) { unknown += n; continue }
+        slots = SMS * bps
+        waves = int((blocks + slots - 1) / slots)
+        eff = blocks / (waves * slots)
+        warps = bps * int((threads + 31) / 32)
+        total += n
+        if (blocks >= slots) { if (eff < full_min) { full_min = eff; full_worst = name } }
+        else under += n
+        if (warps < wmin) { wmin = warps; wworst = name }
+        if (!(name in launches)) {
+            gmin[name] = gmax[name] = blocks; emin[name] = eff; bmin[name] = bps
+            wsm[name] = warps; thr[name] = threads; reg[name] = regs; sh[name] = smem + dyn
+        }
+        launches[name] += n
+        if (blocks < gmin[name]) gmin[name] = blocks
+        if (blocks > gmax[name]) gmax[name] = blocks
+        if (eff < emin[name]) emin[name] = eff
+        if (bps < bmin[name]) { bmin[name] = bps; wsm[name] = warps }
+        if (smem + dyn > sh[name]) sh[name] = smem + dyn
+    }
+    printf "  %-64s %8s %15s %7s %4s %7s %6s %6s %7s\n", "kernel", "launches", "blocks",
+           "threads", "regs", "shared", "blk/SM", "wrp/SM", "eff_min"
+    rows = "sort -t '\t' -k1,1nr -k2 | cut -f2-"
+    for (name in launches)
+        printf "%d\t  %-64s %8d %15s %7d %4d %7d %6d %6d %7.2f\n", launches[name],
+               substr(name, 1, 64), launches[name],
+               (gmin[name] == gmax[name] ? gmin[name] : gmin[name] "-" gmax[name]), thr[name],
+               reg[name], sh[name], bmin[name], wsm[name], emin[name] | rows
+    close(rows)
+    printf "  wave_efficiency_min_full_grids: %.2f (%s)\n", (full_min > 1 ? 1 : full_min), full_worst
+    printf "  launches_under_one_wave: %d of %d\n", under, total
+    printf "  warps_per_sm_min: %d (%s)\n", wmin, wworst
+    if (unknown) printf "  launches_of_unknown_resources: %d\n", unknown
+}
