@@ -1951,27 +1951,63 @@ static void ig_raise_smem_limits() {
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
 }
 
-// The weight gradient's pixel split: about WGRAD_BLOCKS blocks in all (4 per SM
-// of a 132-SM GPU; a constant, so the sums do not depend on the GPU), each part
-// at least WGRAD_MIN_TILES tiles of IG_BK pixels, at most WGRAD_PARTS_MAX parts.
+// The weight gradient's pixel split into parts, each at least WGRAD_MIN_TILES
+// tiles of IG_BK pixels, at most WGRAD_PARTS_MAX parts, so that the grid
+// (tiles × parts blocks) fills the WGRAD_BLOCKS slots of a 132-SM GPU at 4
+// blocks per SM (a constant: the sums do not depend on the GPU) without a
+// second wave that is mostly empty: the fewest parts that fill one wave, or
+// one part fewer when that keeps WAVE_FILL_MIN of the wave busy, or else the
+// next count whose last wave is that full.
 #define WGRAD_BLOCKS 528
 #define WGRAD_MIN_TILES 8
-#define WGRAD_PARTS_MAX 64
+#define WGRAD_PARTS_MAX WGRAD_BLOCKS
+#define WAVE_FILL_MIN 0.8
+// blocks / (waves · slots): the share of the slots that a grid's waves keep busy
+static double wave_efficiency(size_t blocks, size_t slots) {
+    const size_t waves = (blocks + slots - 1) / slots;
+    return waves ? (double)blocks / (double)(waves * slots) : 0.0;
+}
+// n parts asked for: pixels per part (whole IG_BK tiles), and the parts that makes
+static int wgrad_parts_of(size_t M, size_t n, uint32_t *part_pixels) {
+    size_t per = (M + n - 1) / n;
+    per = (per + IG_BK - 1) / IG_BK * IG_BK;
+    if (per < IG_BK) per = IG_BK;
+    *part_pixels = (uint32_t)per;
+    const size_t parts = (M + per - 1) / per;
+    return parts < 1 ? 1 : (int)parts;
+}
 static void wgrad_split(const ConvCfg *cfg, const ConvGeom *q, int *parts, uint32_t *part_pixels) {
     const size_t tiles =
             (size_t)((q->K + IG_BM - 1) / IG_BM) * ((q->Coutg + IG_BN - 1) / IG_BN) * cfg->groups;
     const size_t M = (size_t)q->N * q->P,
                  most = (M + IG_BK * WGRAD_MIN_TILES - 1) / (IG_BK * WGRAD_MIN_TILES);
+    size_t hi = most < WGRAD_PARTS_MAX ? most : WGRAD_PARTS_MAX;
+    if (hi < 1) hi = 1;
     size_t n = (WGRAD_BLOCKS + tiles - 1) / tiles;
-    if (n > most) n = most;
-    if (n > WGRAD_PARTS_MAX) n = WGRAD_PARTS_MAX;
+    if (n > hi) n = hi;
     if (n < 1) n = 1;
-    size_t per = (M + n - 1) / n;
-    per = (per + IG_BK - 1) / IG_BK * IG_BK;
-    if (per < IG_BK) per = IG_BK;
-    *parts = (int)((M + per - 1) / per);
-    if (*parts < 1) *parts = 1;
-    *part_pixels = (uint32_t)per;
+    uint32_t per;
+    int got = wgrad_parts_of(M, n, &per);
+    if (wave_efficiency(tiles * got, WGRAD_BLOCKS) < WAVE_FILL_MIN) {
+        uint32_t per_less;
+        const int less = n > 1 ? wgrad_parts_of(M, n - 1, &per_less) : got;
+        if (less < got && wave_efficiency(tiles * less, WGRAD_BLOCKS) >= WAVE_FILL_MIN) {
+            got = less;
+            per = per_less;
+        } else {
+            for (size_t m = n + 1; m <= hi; m++) {
+                uint32_t per_m;
+                const int more = wgrad_parts_of(M, m, &per_m);
+                if (wave_efficiency(tiles * more, WGRAD_BLOCKS) >= WAVE_FILL_MIN) {
+                    got = more;
+                    per = per_m;
+                    break;
+                }
+            }
+        }
+    }
+    *parts = got;
+    *part_pixels = per;
 }
 
 static void conv_implicit_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out,
