@@ -219,7 +219,7 @@ segnet_emu: $(PROGRAM_SRCS) segnet.h $(EMU_OBJS) $(EMU_RESOURCES) | deps
 
 # kernels_gpu.o; ptxas's report of each kernel (-Xptxas -v) goes to
 # kernels_gpu.ptxas, and from it kernel_resources.txt, a line per kernel:
-#   mangled-name sm_XX registers static-shared-bytes spill-store-bytes
+#   mangled-name sm_XX registers static-shared-bytes spill-store-bytes stack-frame-bytes
 # which the emulator reads (CUEMU_RESOURCES): a launch that asks for more
 # registers than an SM has fails as on the GPU; make gpucount's occupancy.
 kernels_gpu.o: kernels.cu segnet.h
@@ -228,11 +228,12 @@ kernels_gpu.o: kernels.cu segnet.h
 	@grep -v '^ptxas info\|bytes stack frame\|^$$' kernels_gpu.ptxas >&2 || true
 
 kernel_resources.txt: kernels_gpu.o
-	@awk '/Compiling entry function/ { split($$0, q, "\047"); name = q[2]; arch = q[4]; spill = 0 } \
-	  name != "" && /bytes spill stores/ { for (i = 3; i <= NF; i++) if ($$i == "spill" && $$(i + 1) ~ /^stores/) spill = $$(i - 2) } \
+	@awk '/Compiling entry function/ { split($$0, q, "\047"); name = q[2]; arch = q[4]; spill = 0; stack = 0 } \
+	  name != "" && /bytes spill stores/ { stack = $$1; \
+	    for (i = 3; i <= NF; i++) if ($$i == "spill" && $$(i + 1) ~ /^stores/) spill = $$(i - 2) } \
 	  name != "" && /Used [0-9]+ registers/ { regs = 0; smem = 0; \
 	    for (i = 2; i <= NF; i++) { if ($$i ~ /^registers/) regs = $$(i - 1); if ($$i ~ /^smem/) smem = $$(i - 2) } \
-	    print name, arch, regs, smem, spill; name = "" }' kernels_gpu.ptxas > $@.tmp && mv $@.tmp $@
+	    print name, arch, regs, smem, spill, stack; name = "" }' kernels_gpu.ptxas > $@.tmp && mv $@.tmp $@
 
 kernels_emu.o: kernels.cu segnet.h cuda_emu.h
 	$(CXX) $(EMUFLAGS) -x c++ -c kernels.cu -o $@
@@ -433,7 +434,7 @@ FIND_GPU_PYTHON = py="$(GPU_PYTHON)"; \
 	  done; \
 	fi
 
-test_segnet_gpu: test_segnet.c $(PROGRAM_SRCS) segnet.h kernels_gpu.o | deps
+test_segnet_gpu: test_segnet.c $(PROGRAM_SRCS) segnet.h kernels_gpu.o kernel_resources.txt | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -DSEGNET_TEST_GPU -o $@ test_segnet.c kernels_gpu.o $(DEP_LIBS) $(CUDA_LIBS) $(LDLIBS)
 
 gpubuild:

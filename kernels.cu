@@ -2885,7 +2885,7 @@ __global__ void concat_backward_kernel(IO da, int Ca, int acc_a, IO db, int Cb, 
     constexpr int W = IO::W;
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, C = Ca + Cb;
     if (c0 >= C || (c0 < Ca ? !da.p : !db.p)) return;
-    const IO &d = c0 < Ca ? da : db;
+    const IO d = c0 < Ca ? da : db;  // a copy: a reference to a parameter would go through the stack
     const int Cd = c0 < Ca ? Ca : Cb, cd = c0 < Ca ? c0 : c0 - Ca, acc = c0 < Ca ? acc_a : acc_b;
     float g[W], old[W];
     FOR_ROWS(r, rows) {

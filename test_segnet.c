@@ -7787,6 +7787,52 @@ TEST(cuda_emu_count_file) {
 }
 #endif
 
+#ifdef SEGNET_CUDA
+// kernel_resources.txt (the nvcc build's ptxas report, Makefile): no kernel
+// spills registers to local memory, and none has a stack frame but the one
+// listed (fp32 depthwise weight gradient: its accumulators are indexed by a tap
+// loop the compiler does not unroll, so they live on the stack). The first
+// offending line and its count of kernels, or 0.
+#define STACK_FRAME_ALLOWED "_Z23depthwise_weight_kernelI5VecIOIfELi9E"
+static int resources_problem(const char *text, int *kernels) {
+    int line = 0;
+    *kernels = 0;
+    for (const char *p = text; *p;) {
+        const char *end = strchr(p, '\n');
+        char name[4096], arch[32];
+        int regs;
+        long smem, spill, stack;
+        line++;
+        if (sscanf(p, "%4095s %31s %d %ld %ld %ld", name, arch, &regs, &smem, &spill, &stack) != 6)
+            return line;
+        (*kernels)++;
+        if (spill || (stack && strncmp(name, STACK_FRAME_ALLOWED, strlen(STACK_FRAME_ALLOWED))))
+            return line;
+        if (!end) break;
+        p = end + 1;
+    }
+    return 0;
+}
+TEST(kernels_no_spills) {
+    int k;
+    CHECK(resources_problem("_Z1ai sm_90 32 0 0 0\n_Z1bi sm_90 255 0 8 0\n", &k) == 2 &&
+                  resources_problem("_Z1ai sm_90 32 0 0 16\n", &k) == 1 &&
+                  resources_problem("_Z1ai sm_90 32 0 0 0\n" STACK_FRAME_ALLOWED " sm_90 72 0 0 "
+                                    "144\n", &k) == 0 && k == 2,
+          "the checker on planted reports");
+    size_t n;
+    char *text = read_file("kernel_resources.txt", &n);
+    CHECK(text != NULL, "kernel_resources.txt: not written by the nvcc build (make)");
+    if (!text) return;
+    const int line = resources_problem(text, &k);
+    CHECK(line == 0, "kernel_resources.txt:%d: a kernel spills registers or has a stack frame "
+          "(nvcc -Xptxas -v; kernels_gpu.ptxas has the whole report)", line);
+    CHECK(k >= 100, "kernel_resources.txt lists %d kernels (kernels.cu has more)", k);
+    if (g_verbose) printf("      %d kernels, no spills\n", k);
+    free(text);
+}
+#endif
+
 // gpucount.awk on two hand-written count files (the per-step launches are the
 // difference). On 132 SMs: 540 blocks at 4 per SM (528 slots) take 2 waves,
 // efficiency 540/1056 = 0.51; 528 blocks exactly one wave, 1.00; 16 blocks at 8
