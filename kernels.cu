@@ -389,6 +389,25 @@ template <class T> static __device__ __forceinline__ void store_vec(T *p, const 
 #endif
 }
 
+// two consecutive elements, moved by one 32-bit (16-bit types) or 64-bit (fp32)
+// store: the conv epilogues' accumulator pairs (tc_acc_col: columns 2q, 2q + 1)
+template <class T> struct alignas(2 * sizeof(T)) Pair { T v[2]; };
+template <class T> static __device__ __forceinline__ bool pair_aligned(const T *p) {
+    return (uintptr_t)p % (2 * sizeof(T)) == 0;
+}
+template <class T> static __device__ __forceinline__ Pair<T> load_pair(const T *p) {
+#if !defined(__CUDACC__)
+    cuemu::check_vector_access(p, 2 * sizeof(T));
+#endif
+    return *reinterpret_cast<const Pair<T> *>(p);
+}
+template <class T> static __device__ __forceinline__ void store_pair(T *p, float a, float b) {
+#if !defined(__CUDACC__)
+    cuemu::check_vector_access(p, 2 * sizeof(T));
+#endif
+    *reinterpret_cast<Pair<T> *>(p) = Pair<T>{{from_f32<T>(a), from_f32<T>(b)}};
+}
+
 // whether the vector kernels apply: one storage type, n a multiple of the
 // width (elements of a 1-D op, C of a channel op), every pointer aligned
 static bool vec_ok(std::initializer_list<DType> dts, size_t n,
@@ -1691,12 +1710,30 @@ __global__ void __launch_bounds__(IG_THREADS)
     };
     float acc[4][4][4];
     ig_mainloop<T, false, false>(acc, smem, (K + IG_BK - 1) / IG_BK, load_stage);
-    ig_each_acc(acc, [&](int row, int col, float v) {
-        const uint32_t m = (uint32_t)(m0 + row);
-        const int co = n0 + col, c = g * a.Coutg + co;
-        if (m < a.M && co < a.Coutg)
-            y[m * (uint32_t)a.Cout + c] = from_f32<T>(bias ? v + bias[c] : v);
-    });
+    // accumulators r, r + 1 are columns co, co + 1 of one row: one store where both exist
+    #pragma unroll
+    for (int i = 0; i < 4; i++)
+        #pragma unroll
+        for (int r = 0; r < 4; r += 2) {
+            const uint32_t m = (uint32_t)(m0 + ig_acc_row(i, r));
+            if (m >= a.M) continue;
+            #pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int co = n0 + ig_acc_col(j, r), c = g * a.Coutg + co;
+                if (co >= a.Coutg) continue;
+                T *out = y + m * (uint32_t)a.Cout + c;
+                const float v0 = bias ? acc[i][j][r] + bias[c] : acc[i][j][r];
+                if (co + 1 < a.Coutg) {
+                    const float v1 = bias ? acc[i][j][r + 1] + bias[c + 1] : acc[i][j][r + 1];
+                    if (pair_aligned(out)) {
+                        store_pair(out, v0, v1);
+                        continue;
+                    }
+                    out[1] = from_f32<T>(v1);
+                }
+                out[0] = from_f32<T>(v0);
+            }
+        }
 }
 
 struct ConvDgradArgs {
@@ -1781,15 +1818,25 @@ __global__ void __launch_bounds__(IG_THREADS)
                            n = fastdiv(a.Hu[ph], t), u = t - n * a.Hu[ph].d;
             const uint32_t pixel = (n * a.H + a.py[ph] + s * u) * a.W + a.px[ph] + s * v;
             #pragma unroll
-            for (int j = 0; j < 4; j++)
-                #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int c = n0 + ig_acc_col(j, r + e);
-                    if (c >= a.Cg) continue;
-                    const uint32_t idx = pixel * a.C + g * a.Cg + c;
-                    const float v32 = acc[i][j][r + e];
-                    din[idx] = from_f32<T>(a.accumulate ? to_f32(din[idx]) + v32 : v32);
+            for (int j = 0; j < 4; j++) {
+                const int c = n0 + ig_acc_col(j, r);  // and c + 1: one store where both exist
+                if (c >= a.Cg) continue;
+                T *out = din + pixel * a.C + g * a.Cg + c;
+                float v0 = acc[i][j][r], v1 = acc[i][j][r + 1];
+                if (c + 1 < a.Cg && pair_aligned(out)) {
+                    if (a.accumulate) {
+                        const Pair<T> old = load_pair(out);
+                        v0 = to_f32(old.v[0]) + v0;
+                        v1 = to_f32(old.v[1]) + v1;
+                    }
+                    store_pair(out, v0, v1);
+                    continue;
                 }
+                for (int e = 0; e < 2 && c + e < a.Cg; e++) {
+                    const float v32 = e ? v1 : v0;
+                    out[e] = from_f32<T>(a.accumulate ? to_f32(out[e]) + v32 : v32);
+                }
+            }
         }
 }
 
