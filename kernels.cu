@@ -2696,16 +2696,24 @@ static void channel_scale_backward_cuda(Ops *o, Tensor dx, Tensor ds, Tensor dy,
 
 // ----------------------------------------------------------------------------
 // squeeze-excitation's gate (se_gate_forward in segnet.h; the CPU op, se_gate_images
-// in segnet.c, is the reference). One block per image; the two matrix-vector
-// products per image are fp64 sums in an order fixed by the shape:
+// in segnet.c, is the reference), split over images and outputs so that every
+// launch fills the GPU (not one block per image). The matrix-vector products
+// are fp64 sums in an order fixed by the shape:
 //   rows of W1 (z1 = W1·p) and of W2 (z2 = W2·y1): a warp per output, lane l
 //   adding terms l, l + WARP_SIZE, ..., the lanes added in a fixed butterfly;
-//   columns (W2ᵀ·dz2, W1ᵀ·dz1): a thread per output, terms in order, so
-//   that neighbouring threads read neighbouring weights.
-// The backward's second kernel adds the weight gradients over the images, a
-// thread per weight, images in order.
+//   columns of W2 (W2ᵀ·dz2): a block per (image, WARP_SIZE outputs), warp w
+//   adding its SE_WARPS-th of the terms in order, the warps' sums added in
+//   warp order; columns of W1 (W1ᵀ·dz1): a thread per output, terms in order
+//   (neighbouring threads read neighbouring weights).
+// Between the launches z1, y1, dz2 and dz1 of every image wait in the
+// context's scratch (the backward's second kernel adds the weight gradients
+// over the images from them, a thread per weight, images in order).
+//   forward:  se_gate_hidden (z1, y1), se_gate_out (s = act2(z2))
+//   backward: se_gate_hidden, se_gate_out (dz2 = ds·act2'(z2)), se_gate_hidden_backward
+//             (dz1 = (W2ᵀ·dz2)·act1'(z1)), se_gate_input_backward (dp), se_gate_weights
 
 #define SE_WARPS (BLOCK / WARP_SIZE)
+#define SE_OUTPUTS_PER_WARP 4  // z2's outputs per warp (se_gate_out)
 
 // Σ_k a[k]·b[k] for k = lane, lane + WARP_SIZE, ... < n, then over the warp (the full mask:
 // all 32 lanes)
@@ -2715,74 +2723,69 @@ static __device__ double warp_dot(const float *a, const float *b, int n) {
     for (int d = WARP_SIZE / 2; d > 0; d /= 2) t += __shfl_xor_sync(0xffffffffu, t, d);
     return t;
 }
-// one image's z1, y1 (S) and z2 (C) in shared memory, rounded to dt, from p (C) there
-static __device__ void se_gate_image_dev(DType dt, const float *p, const float *w1, const float *b1,
-                                         const float *w2, const float *b2, int C, int S, Act act1,
-                                         float *z1, float *y1, float *z2) {
-    const int warp = threadIdx.x / WARP_SIZE;
-    for (int j = warp; j < S; j += SE_WARPS) {
-        const float z = dtype_round(dt, (float)(b1[j] + warp_dot(w1 + (size_t)j * C, p, C)));
-        if (threadIdx.x % WARP_SIZE == 0) {
-            z1[j] = z;
-            y1[j] = dtype_round(dt, act_apply(act1, z));
-        }
+// z1, y1 (N,S), rounded to dt: grid (N, S / SE_WARPS), a warp per output j;
+// shared memory: the image's p (C)
+__global__ void se_gate_hidden_kernel(float *z1, float *y1, const void *p, DType dt,
+                                      const float *w1, const float *b1, int C, int S, Act act1) {
+    CU_DYN_SHARED(float, pv);
+    const int n = blockIdx.x, j = blockIdx.y * SE_WARPS + threadIdx.x / WARP_SIZE;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) pv[c] = ld(p, dt, (size_t)n * C + c);
+    __syncthreads();
+    if (j >= S) return;  // the whole warp
+    const float z = dtype_round(dt, (float)(b1[j] + warp_dot(w1 + (size_t)j * C, pv, C)));
+    if (threadIdx.x % WARP_SIZE == 0) {
+        z1[(size_t)n * S + j] = z;
+        y1[(size_t)n * S + j] = dtype_round(dt, act_apply(act1, z));
     }
-    __syncthreads();
-    for (int c = warp; c < C; c += SE_WARPS) {
-        const float z = dtype_round(dt, (float)(b2[c] + warp_dot(w2 + (size_t)c * S, y1, S)));
-        if (threadIdx.x % WARP_SIZE == 0) z2[c] = z;
-    }
-    __syncthreads();
 }
-// shared memory: p, z2 (C each), z1, y1 (S each)
-__global__ void se_gate_forward_kernel(void *s, const void *p, DType dt, const float *w1,
-                                       const float *b1, const float *w2, const float *b2, int C,
-                                       int S, Act act1, Act act2) {
-    CU_DYN_SHARED(float, sh);
-    float *pv = sh, *z2 = sh + C, *z1 = sh + 2 * C, *y1 = z1 + S;
-    const size_t at = (size_t)blockIdx.x * C;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) pv[c] = ld(p, dt, at + c);
-    __syncthreads();
-    se_gate_image_dev(dt, pv, w1, b1, w2, b2, C, S, act1, z1, y1, z2);
-    for (int c = threadIdx.x; c < C; c += blockDim.x) st(s, dt, at + c, act_apply(act2, z2[c]));
-}
-// per image: dz2 = ds·act2'(z2), dz1 = (W2ᵀ·dz2)·act1'(z1), dp (=|+=) W1ᵀ·dz1; dz2, y1, dz1
-// into `keep` (N·C, N·S, N·S floats) for the weight gradients
-__global__ void se_gate_backward_kernel(void *dp, DType dt_dp, const void *ds, const void *p,
-                                        DType dt, const float *w1, const float *b1, const float *w2,
-                                        const float *b2, int C, int S, Act act1, Act act2,
-                                        float *keep, int N, int accumulate) {
-    CU_DYN_SHARED(float, sh);
-    float *pv = sh, *z2 = sh + C, *z1 = sh + 2 * C, *y1 = z1 + S, *g1 = y1 + S;
+// z2 (rounded to dt) of image blockIdx.x, a warp per output c; then the forward's
+// s = act2(z2) (ds NULL) or the backward's dz2 = ds·act2'(z2) (rounded, into g2).
+// Grid (N, C / (SE_WARPS·SE_OUTPUTS_PER_WARP)); shared memory: the image's y1 (S)
+__global__ void se_gate_out_kernel(void *s, const void *ds, DType dt, const float *y1,
+                                   const float *w2, const float *b2, int C, int S, Act act2,
+                                   float *g2) {
+    CU_DYN_SHARED(float, yv);
     const int n = blockIdx.x;
-    const size_t at = (size_t)n * C;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) pv[c] = ld(p, dt, at + c);
+    for (int j = threadIdx.x; j < S; j += blockDim.x) yv[j] = y1[(size_t)n * S + j];
     __syncthreads();
-    se_gate_image_dev(dt, pv, w1, b1, w2, b2, C, S, act1, z1, y1, z2);
-    float *g2 = z2;  // dz2 replaces z2
-    for (int c = threadIdx.x; c < C; c += blockDim.x)
-        g2[c] = dtype_round(dt, ld(ds, dt, at + c) * act_grad(act2, z2[c]));
-    __syncthreads();
-    for (int j = threadIdx.x; j < S; j += blockDim.x) {
-        double a = 0.0;
-        for (int c = 0; c < C; c++) a += (double)w2[(size_t)c * S + j] * g2[c];
-        g1[j] = dtype_round(dt, dtype_round(dt, (float)a) * act_grad(act1, z1[j]));
+    for (int c = blockIdx.y * SE_WARPS + threadIdx.x / WARP_SIZE; c < C;
+         c += gridDim.y * SE_WARPS) {
+        const float z = dtype_round(dt, (float)(b2[c] + warp_dot(w2 + (size_t)c * S, yv, S)));
+        if (threadIdx.x % WARP_SIZE) continue;
+        const size_t at = (size_t)n * C + c;
+        if (ds) g2[at] = dtype_round(dt, ld(ds, dt, at) * act_grad(act2, z));
+        else st(s, dt, at, act_apply(act2, z));
     }
+}
+// dz1 = (W2ᵀ·dz2)·act1'(z1) (N,S), rounded to dt as the CPU does: grid (N, S / WARP_SIZE),
+// lane l the output j = blockIdx.y·WARP_SIZE + l, warp w adding terms c of its share
+__global__ void se_gate_hidden_backward_kernel(float *g1, const float *g2, const float *z1,
+                                               const float *w2, int C, int S, Act act1,
+                                               DType dt) {
+    CU_SHARED(double, part, [SE_WARPS * WARP_SIZE]);
+    const int n = blockIdx.x, lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int j = blockIdx.y * WARP_SIZE + lane, per = (C + SE_WARPS - 1) / SE_WARPS;
+    const int c1 = (warp + 1) * per < C ? (warp + 1) * per : C;
+    double a = 0.0;
+    if (j < S)
+        for (int c = warp * per; c < c1; c++) a += (double)w2[(size_t)c * S + j] * g2[(size_t)n * C + c];
+    part[warp * WARP_SIZE + lane] = a;
     __syncthreads();
-    if (dp)
-        for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            double a = 0.0;
-            for (int j = 0; j < S; j++) a += (double)w1[(size_t)j * C + c] * g1[j];
-            st(dp, dt_dp, at + c, accumulate ? ld(dp, dt_dp, at + c) + (float)a : (float)a);
-        }
-    if (keep) {
-        float *kz2 = keep, *ky1 = keep + (size_t)N * C, *kz1 = ky1 + (size_t)N * S;
-        for (int c = threadIdx.x; c < C; c += blockDim.x) kz2[at + c] = g2[c];
-        for (int j = threadIdx.x; j < S; j += blockDim.x) {
-            ky1[(size_t)n * S + j] = y1[j];
-            kz1[(size_t)n * S + j] = g1[j];
-        }
-    }
+    if (warp || j >= S) return;
+    double t = 0.0;
+    for (int w = 0; w < SE_WARPS; w++) t += part[w * WARP_SIZE + lane];
+    const size_t at = (size_t)n * S + j;
+    g1[at] = dtype_round(dt, dtype_round(dt, (float)t) * act_grad(act1, z1[at]));
+}
+// dp (=|+=) W1ᵀ·dz1 (N,C): grid (C / BLOCK, N), a thread per output c, terms j in order
+__global__ void se_gate_input_backward_kernel(void *dp, DType dt_dp, const float *g1,
+                                              const float *w1, int C, int S, int accumulate) {
+    const int n = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    double a = 0.0;
+    for (int j = 0; j < S; j++) a += (double)w1[(size_t)j * C + c] * g1[(size_t)n * S + j];
+    const size_t at = (size_t)n * C + c;
+    st(dp, dt_dp, at, accumulate ? ld(dp, dt_dp, at) + (float)a : (float)a);
 }
 // dW2[c][j] += Σ_n dz2[n][c]·y1[n][j], dW1[j][c] += Σ_n dz1[n][j]·p[n][c], db2[c] += Σ_n dz2[n][c],
 // db1[j] += Σ_n dz1[n][j]: item i < C·S is dW2's element i, then dW1's, db2's, db1's
@@ -2814,15 +2817,36 @@ __global__ void se_gate_weights_kernel(const float *keep, const void *p, DType d
         }
     }
 }
-static size_t se_gate_smem(int C, int S) { return sizeof(float) * (2 * (size_t)C + 3 * (size_t)S); }
+// The scratch of the gate's split (the context's sums): dz2 (N,C), y1, dz1, z1 (N,S
+// each), the first three in se_gate_weights_kernel's order
+struct SeScratch { float *g2, *y1, *g1, *z1; };
+static SeScratch se_scratch(Ops *o, int N, int C, int S) {
+    require_below((size_t)N * (C + 3 * (size_t)S), 2 * SUMS_SCRATCH + 1,
+                  "squeeze-excitation gate values kept");
+    require_below(sizeof(float) * (size_t)C, (size_t)48 << 10,
+                  "shared memory of a squeeze-excitation gate (bytes)");
+    float *g2 = (float *)ctx_of(o)->sums, *y1 = g2 + (size_t)N * C, *g1 = y1 + (size_t)N * S;
+    return {g2, y1, g1, g1 + (size_t)N * S};
+}
+static void se_gate_front(Ops *o, const SeScratch &k, Tensor p, const float *w1, const float *b1,
+                          int S, Act act1) {
+    const int N = p.shape.n, C = p.shape.c;
+    CU_LAUNCH(se_gate_hidden_kernel, dim3(N, (S + SE_WARPS - 1) / SE_WARPS), BLOCK,
+              sizeof(float) * C, stream_of(o), k.z1, k.y1, p.data, p.dtype, w1, b1, C, S, act1);
+    launchCheck();
+}
+static dim3 se_gate_out_grid(int N, int C) {
+    return dim3(N, (C + SE_WARPS * SE_OUTPUTS_PER_WARP - 1) / (SE_WARPS * SE_OUTPUTS_PER_WARP));
+}
 static void se_gate_forward_cuda(Ops *o, Tensor s, Tensor p, const float *w1, const float *b1,
                                  const float *w2, const float *b2, int S, Act act1, Act act2) {
     const int N = p.shape.n, C = p.shape.c;
     if (!N) return;
-    require_below(se_gate_smem(C, S), (size_t)48 << 10,
-                  "shared memory of a squeeze-excitation gate (bytes)");
-    CU_LAUNCH(se_gate_forward_kernel, N, BLOCK, se_gate_smem(C, S), stream_of(o), s.data, p.data,
-              p.dtype, w1, b1, w2, b2, C, S, act1, act2);
+    const SeScratch k = se_scratch(o, N, C, S);
+    se_gate_front(o, k, p, w1, b1, S, act1);
+    CU_LAUNCH(se_gate_out_kernel, se_gate_out_grid(N, C), BLOCK, sizeof(float) * S,
+              stream_of(o), s.data, (const void *)NULL, p.dtype, k.y1, w2, b2, C, S, act2,
+              (float *)NULL);
     launchCheck();
 }
 static void se_gate_backward_cuda(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1,
@@ -2831,19 +2855,22 @@ static void se_gate_backward_cuda(Ops *o, Tensor dp, Tensor ds, Tensor p, const 
                                   float *db2, int accumulate) {
     const int N = p.shape.n, C = p.shape.c;
     if (!N || (!dp.data && !dw1)) return;
-    require_below(se_gate_smem(C, S), (size_t)48 << 10,
-                  "shared memory of a squeeze-excitation gate (bytes)");
-    float *keep = dw1 ? (float *)ctx_of(o)->sums : NULL;  // dz2, y1, dz1 of every image
-    if (dw1)
-        require_below((size_t)N * (C + 2 * (size_t)S), 2 * SUMS_SCRATCH + 1,
-                      "squeeze-excitation gate values kept");
-    CU_LAUNCH(se_gate_backward_kernel, N, BLOCK, se_gate_smem(C, S), stream_of(o), dp.data,
-              dp.dtype, ds.data, p.data, p.dtype, w1, b1, w2, b2, C, S, act1, act2, keep, N,
-              accumulate);
+    const SeScratch k = se_scratch(o, N, C, S);
+    se_gate_front(o, k, p, w1, b1, S, act1);
+    CU_LAUNCH(se_gate_out_kernel, se_gate_out_grid(N, C), BLOCK, sizeof(float) * S,
+              stream_of(o), (void *)NULL, ds.data, p.dtype, k.y1, w2, b2, C, S, act2, k.g2);
     launchCheck();
+    CU_LAUNCH(se_gate_hidden_backward_kernel, dim3(N, (S + WARP_SIZE - 1) / WARP_SIZE), BLOCK, 0,
+              stream_of(o), k.g1, k.g2, k.z1, w2, C, S, act1, p.dtype);
+    launchCheck();
+    if (dp.data) {
+        CU_LAUNCH(se_gate_input_backward_kernel, dim3((C + BLOCK - 1) / BLOCK, N), BLOCK, 0,
+                  stream_of(o), dp.data, dp.dtype, k.g1, w1, C, S, accumulate);
+        launchCheck();
+    }
     if (!dw1) return;
     const uint32_t items = 2 * (uint32_t)C * S + C + S;
-    CU_LAUNCH(se_gate_weights_kernel, grid_for(items), BLOCK, 0, stream_of(o), keep, p.data,
+    CU_LAUNCH(se_gate_weights_kernel, grid_for(items), BLOCK, 0, stream_of(o), k.g2, p.data,
               p.dtype, N, C, S, dw1, db1, dw2, db2, fastdiv_make((uint32_t)S),
               fastdiv_make((uint32_t)C));
     launchCheck();

@@ -2241,11 +2241,15 @@ TEST(cuda_squeeze_excitation) {
 // order of the sums differ): within 1e-5 of each tensor's largest value in
 // fp32, plus two storage ulps where a rounded z1, y1 or z2 lands on the other
 // side of a rounding boundary; dp overwritten, added into, and not wanted; the
-// weights frozen (no parameter gradients)
+// weights frozen (no parameter gradients). Two sizes: one block or several
+// per image in each of the gate's kernels (C = 300: 10 blocks of 32 outputs of
+// z2, 2 of 256 of dp; S = 40: 5 blocks of 8 outputs of z1, 2 of 32 of dz1)
 TEST(cuda_se_gate) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 88);
-    const int N = 3, C = 40, S = 10;
+    const int sizes[2][3] = {{3, 40, 10}, {3, 300, 40}};  // N, C, S
+    for (int si = 0; si < 2; si++) {
+    const int N = sizes[si][0], C = sizes[si][1], S = sizes[si][2];
     float *pv = randn(&r, (size_t)N * C, 1.0f), *dsv = randn(&r, (size_t)N * C, 1.0f);
     float *w1 = randn(&r, (size_t)S * C, 0.3f), *b1 = randn(&r, S, 0.3f),
           *w2 = randn(&r, (size_t)C * S, 0.3f);
@@ -2294,6 +2298,7 @@ TEST(cuda_se_gate) {
     }
     o->free(o, w1_d); o->free(o, b1_d); o->free(o, w2_d); o->free(o, b2_d);
     free(pv); free(dsv); free(w1); free(b1); free(w2); free(b2);
+    }
 }
 #endif
 
