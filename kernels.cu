@@ -33,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <initializer_list>
+#include <type_traits>
 #include <mutex>
 #include <unordered_map>
 
@@ -302,6 +303,13 @@ size_t cuda_launch_max_elements = (size_t)1 << 30;
 #endif
 #define VEC_BYTES 16
 
+// A memory-bound kernel keeps enough loads in flight only with many warps per
+// SM: MEMORY_BOUND promises ptxas at most BLOCK threads a block and asks for
+// registers for MEMORY_BOUND_BLOCKS of them on an SM (64 a thread: 4 blocks of
+// 256 = 32 warps of sm_90's 64); kernels_no_spills checks that none spills.
+#define MEMORY_BOUND_BLOCKS 4
+#define MEMORY_BOUND __launch_bounds__(BLOCK, MEMORY_BOUND_BLOCKS)
+
 // blocks for a grid-stride loop over n elements (bounded: the loop covers the rest)
 static unsigned grid_for(size_t n) {
     size_t b = (n + BLOCK - 1) / BLOCK;
@@ -365,27 +373,38 @@ template <> __device__ __forceinline__ BF16 from_f32<BF16>(float v) {
 #endif
 }
 
-// 16 bytes of consecutive elements, moved by one 128-bit load or store
-template <class T> struct alignas(VEC_BYTES) Vec {
-    static constexpr int N = VEC_BYTES / sizeof(T);
+// BYTES (16 or 8) of consecutive elements, moved by one 128- or 64-bit load or
+// store; Vec, the 16-byte one, is the vector kernels' unit. The 8-byte one
+// holds half the channels of a 16-bit type, and so half the per-channel
+// registers, for kernels that keep many values per channel (NarrowIO).
+template <class T, int BYTES> struct alignas(BYTES) VecB {
+    static constexpr int N = BYTES / sizeof(T);
     T v[N];
 };
-template <class T> static __device__ __forceinline__ Vec<T> load_vec(const T *p) {
-    Vec<T> r;
+template <class T> using Vec = VecB<T, VEC_BYTES>;
+template <int BYTES> struct VecWord;  // the integer vector type of a BYTES-byte access
+template <> struct VecWord<16> { typedef uint4 type; };
+template <> struct VecWord<8> { typedef uint2 type; };
+template <class T, int BYTES = VEC_BYTES>
+static __device__ __forceinline__ VecB<T, BYTES> load_vec(const T *p) {
+    VecB<T, BYTES> r;
 #if defined(__CUDACC__)
-    *reinterpret_cast<uint4 *>(&r) = *reinterpret_cast<const uint4 *>(p);
+    typedef typename VecWord<BYTES>::type Word;
+    *reinterpret_cast<Word *>(&r) = *reinterpret_cast<const Word *>(p);
 #else
-    cuemu::check_vector_access(p, VEC_BYTES);  // the emulator: aligned, inside one allocation
-    memcpy(&r, p, VEC_BYTES);
+    cuemu::check_vector_access(p, BYTES);  // the emulator: aligned, inside one allocation
+    memcpy(&r, p, BYTES);
 #endif
     return r;
 }
-template <class T> static __device__ __forceinline__ void store_vec(T *p, const Vec<T> &v) {
+template <class T, int BYTES>
+static __device__ __forceinline__ void store_vec(T *p, const VecB<T, BYTES> &v) {
 #if defined(__CUDACC__)
-    *reinterpret_cast<uint4 *>(p) = *reinterpret_cast<const uint4 *>(&v);
+    typedef typename VecWord<BYTES>::type Word;
+    *reinterpret_cast<Word *>(p) = *reinterpret_cast<const Word *>(&v);
 #else
-    cuemu::check_vector_access(p, VEC_BYTES);
-    memcpy(p, &v, VEC_BYTES);
+    cuemu::check_vector_access(p, BYTES);
+    memcpy(p, &v, BYTES);
 #endif
 }
 
@@ -442,20 +461,22 @@ struct AnyIO {
     __device__ void load(uint32_t i, float *v) const { v[0] = ld(p, dt, i); }
     __device__ void store(uint32_t i, const float *v) const { st(p, dt, i, v[0]); }
 };
-template <class T> struct VecIO {
-    static constexpr int W = Vec<T>::N;
+template <class T, int BYTES = VEC_BYTES> struct VecIO {
+    static constexpr int W = BYTES / sizeof(T);
     T *p;
     static VecIO of(Tensor t) { return {(T *)t.data}; }
     __device__ void load(uint32_t i, float *v) const {
-        const Vec<T> x = load_vec(p + i);
+        const VecB<T, BYTES> x = load_vec<T, BYTES>(p + i);
         for (int k = 0; k < W; k++) v[k] = to_f32(x.v[k]);
     }
     __device__ void store(uint32_t i, const float *v) const {
-        Vec<T> x;
+        VecB<T, BYTES> x;
         for (int k = 0; k < W; k++) x.v[k] = from_f32<T>(v[k]);
         store_vec(p + i, x);
     }
 };
+// 4 channels of any storage type (16 bytes of fp32, 8 of fp16/bf16)
+template <class T> using NarrowIO = VecIO<T, 4 * sizeof(T)>;
 
 // row × channel kernels: the thread layout of the elementwise channel ops
 //   block (TX channel lanes, TY rows), grid (channel tiles, row blocks[, images])
@@ -1088,7 +1109,8 @@ static __device__ __forceinline__ uint32_t nhwc_at(Shape s, uint32_t n, int y, i
 // (data NULL: none) is shaped like out. The vector accessors when every
 // tensor has one storage type and C is a multiple of the width, else the
 // generic ones.
-template <class K>
+// NARROW: NarrowIO instead of VecIO (4 channels a thread in every type)
+template <bool NARROW = false, class K>
 static void image_rows_launch(Tensor out, Tensor in, Tensor extra, K kernel_for) {
     const int N = out.shape.n, C = out.shape.c, H = out.shape.h;
     const size_t out_image = N ? shape_numel(out.shape) / N : 0,
@@ -1115,9 +1137,9 @@ static void image_rows_launch(Tensor out, Tensor in, Tensor extra, K kernel_for)
         oc.shape.n = ic.shape.n = count;
         if (vec) {
             SWITCH_STORAGE(out.dtype, T, {
-                RowGrid g = row_grid(C / Vec<T>::N, out.shape.w, (unsigned)(count * H));
-                kernel_for(g, VecIO<T>::of(oc), VecIO<T>::of(ic), VecIO<T>::of(ec), oc.shape,
-                           ic.shape);
+                typedef std::conditional_t<NARROW, NarrowIO<T>, VecIO<T>> IO;
+                RowGrid g = row_grid(C / IO::W, out.shape.w, (unsigned)(count * H));
+                kernel_for(g, IO::of(oc), IO::of(ic), IO::of(ec), oc.shape, ic.shape);
             });
         } else {
             RowGrid g = row_grid(C, out.shape.w, (unsigned)(count * H));
@@ -2338,7 +2360,7 @@ template <int KS, int W> struct DepthwiseTaps {
     }
 };
 template <class IO, int KS>
-__global__ void depthwise_forward_kernel(IO y, Shape t, IO x, Shape s, const float *w,
+__global__ void MEMORY_BOUND depthwise_forward_kernel(IO y, Shape t, IO x, Shape s, const float *w,
                                          const float *b, ConvCfg cfg, int pt, int pl) {
     constexpr int W = IO::W;
     const int kh = KS ? KS : cfg.kh, kw = KS ? KS : cfg.kw, taps = kh * kw;
@@ -2368,7 +2390,7 @@ __global__ void depthwise_forward_kernel(IO y, Shape t, IO x, Shape s, const flo
 // KS as in the forward; ST: the stride when known at compile time (1 or 2: the
 // divisions by it are shifts), 0: cfg's
 template <class IO, int KS, int ST>
-__global__ void depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t, const float *w,
+__global__ void MEMORY_BOUND depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t, const float *w,
                                                ConvCfg cfg, int pt, int pl, int accumulate) {
     constexpr int W = IO::W;
     const int kh = KS ? KS : cfg.kh, kw = KS ? KS : cfg.kw, taps = kh * kw,
@@ -2402,8 +2424,12 @@ __global__ void depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t
 // it writes partial[part][c][tap]. The last block of a channel tile
 // (last_block) adds the parts in part order into dw.
 #define DW_MAX_TAPS 9  // taps kept in registers (3×3); larger kernels run tap by tap
+// blocks per SM asked of ptxas: MEMORY_BOUND's, but 3 for fp32 (16 bytes a
+// thread: 9 taps × 4 channels of sums spill at 64 registers)
+template <class IO> struct DepthwiseWeightBlocks { static constexpr int n = MEMORY_BOUND_BLOCKS; };
+template <> struct DepthwiseWeightBlocks<VecIO<float>> { static constexpr int n = 3; };
 template <class IO, int TAPS>
-__global__ void depthwise_weight_kernel(float *dw, float *partial, unsigned *done, IO dout, Shape t,
+__global__ void __launch_bounds__(BLOCK, DepthwiseWeightBlocks<IO>::n) depthwise_weight_kernel(float *dw, float *partial, unsigned *done, IO dout, Shape t,
                                         IO x, Shape s, ConvCfg cfg, int pt, int pl,
                                         uint32_t pixels_per_part, int tap0, FastDiv by_ow,
                                         FastDiv by_oh) {
@@ -2433,7 +2459,9 @@ __global__ void depthwise_weight_kernel(float *dw, float *partial, unsigned *don
         }
     // the row lanes' sums in lane order, tap by tap through shared memory
     const int lane = threadIdx.y * blockDim.x + threadIdx.x;
-    for (int q = 0; q < TAPS && tap0 + q < ntaps; q++) {
+    #pragma unroll  // acc stays in registers: indices known at compile time
+    for (int q = 0; q < TAPS; q++) {
+        if (tap0 + q >= ntaps) break;  // the same in every thread
         for (int k = 0; k < W; k++) lanes[lane * W + k] = acc[q][k];
         __syncthreads();
         if (threadIdx.y == 0 && c0 < C)
@@ -2463,7 +2491,7 @@ __global__ void depthwise_weight_kernel(float *dw, float *partial, unsigned *don
 static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
                               const float *w, const float *b) {
     if (!shape_numel(out.shape)) return;
-    image_rows_launch(out, in, NO_TENSOR,
+    image_rows_launch<true>(out, in, NO_TENSOR,
                       [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
                           typedef decltype(yio) IO;
                           if (cfg->kh == 3 && cfg->kw == 3)
@@ -2477,7 +2505,7 @@ static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Ten
 static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din,
                                     Tensor dout, const float *w, int accumulate) {
     if (!shape_numel(din.shape)) return;
-    image_rows_launch(
+    image_rows_launch<true>(
             din, dout, NO_TENSOR, [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
                 typedef decltype(dxio) IO;
                 const bool k3 = cfg->kh == 3 && cfg->kw == 3;
@@ -2517,7 +2545,7 @@ static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom
     };
     if (vec_ok({dout.dtype, in.dtype}, q->C, {dout.data, in.data})) {
         SWITCH_STORAGE(in.dtype, T,
-                       { run(VecIO<T>::of(dout), VecIO<T>::of(in), q->C / Vec<T>::N); });
+                       { run(NarrowIO<T>::of(dout), NarrowIO<T>::of(in), q->C / NarrowIO<T>::W); });
     } else {
         run(AnyIO::of(dout), AnyIO::of(in), q->C);
     }
