@@ -382,6 +382,9 @@ template <class T, int BYTES> struct alignas(BYTES) VecB {
     T v[N];
 };
 template <class T> using Vec = VecB<T, VEC_BYTES>;
+// the narrow vector: 4 channels of T (16 bytes of fp32, 8 of fp16/bf16)
+#define NARROW_CHANNELS 4
+template <class T> constexpr int NARROW_BYTES = NARROW_CHANNELS * sizeof(T);
 template <int BYTES> struct VecWord;  // the integer vector type of a BYTES-byte access
 template <> struct VecWord<16> { typedef uint4 type; };
 template <> struct VecWord<8> { typedef uint2 type; };
@@ -476,7 +479,7 @@ template <class T, int BYTES = VEC_BYTES> struct VecIO {
     }
 };
 // 4 channels of any storage type (16 bytes of fp32, 8 of fp16/bf16)
-template <class T> using NarrowIO = VecIO<T, 4 * sizeof(T)>;
+template <class T> using NarrowIO = VecIO<T, NARROW_BYTES<T>>;
 
 // row × channel kernels: the thread layout of the elementwise channel ops
 //   block (TX channel lanes, TY rows), grid (channel tiles, row blocks[, images])
@@ -917,7 +920,7 @@ static __device__ __forceinline__ void sum_lanes(double *sh, const double (&acc)
 }
 // W channels per thread (1: generic, Vec<T>::N: vector); F::Lane knows its loads
 template <int NQ, int W, class F, class E>
-__global__ void channel_sums_kernel(F f, E e, double *partial, unsigned *done, uint32_t rows, int C,
+__global__ void MEMORY_BOUND channel_sums_kernel(F f, E e, double *partial, unsigned *done, uint32_t rows, int C,
                                     uint32_t rows_per_chunk) {
     CU_SHARED(double, sh, [BLOCK * W * NQ]);
     const int lane_c = blockIdx.x * blockDim.x + threadIdx.x, c0 = lane_c * W, g = blockIdx.z;
@@ -1022,13 +1025,13 @@ struct Moments {
     };
     __device__ Lane lane(int, int c) const { return {elem_ptr(x, dt, c), dt, C}; }
 };
-template <class T> struct MomentsVec {
+template <class T, int B = VEC_BYTES> struct MomentsVec {
     const T *x; int C;
-    static constexpr int N = Vec<T>::N;
+    static constexpr int N = VecB<T, B>::N;
     struct Lane {
         const T *x; int C;
         __device__ void add(uint32_t r, double (&acc)[N][2]) const {
-            Vec<T> v = load_vec(x + (size_t)r * C);
+            VecB<T, B> v = load_vec<T, B>(x + (size_t)r * C);
             for (int k = 0; k < N; k++) {
                 double d = to_f32(v.v[k]);
                 acc[k][0] += d;
@@ -3350,7 +3353,8 @@ static void bn_stats_cuda(Ops *o, Tensor x, float *mean, float *var, float *run_
     const StoreMoments e = {mean, var, (double)M, run_mean, run_var, momentum, sums, C};
     if (vec_ok({x.dtype}, C, {x.data})) {
         SWITCH_STORAGE(x.dtype, T, {
-            channel_sums<2, Vec<T>::N>(o, MomentsVec<T>{(const T *)x.data, C}, e, 1, M, C);
+            channel_sums<2, NARROW_CHANNELS>(o, MomentsVec<T, NARROW_BYTES<T>>{(const T *)x.data, C},
+                                             e, 1, M, C);
         });
     } else {
         channel_sums<2, 1>(o, Moments{x.data, x.dtype, C}, e, 1, M, C);
@@ -3481,18 +3485,19 @@ struct BnGradTerms {  // the summands g and g·xhat, generic
 };
 // Dy: where the vector kernels read the output gradient dy's Vec at element i
 // (row r): DyVec (memory) or DyResidual (BnNext FUSED_RESIDUAL, further on)
-template <class T> struct DyVec {
+template <class T, int B = VEC_BYTES> struct DyVec {
+    static constexpr int BYTES = B;
     const T *dy;
-    __device__ Vec<T> load(size_t i, uint32_t) { return load_vec(dy + i); }
+    __device__ VecB<T, B> load(size_t i, uint32_t) { return load_vec<T, B>(dy + i); }
     __device__ DyVec at(int c0) const { return {dy + c0}; }  // from channel c0 on
 };
 template <class T, class Dy = DyVec<T>> struct BnGradTermsVec {
     Dy dy; const T *x; int C; BnParams p;
-    static constexpr int N = Vec<T>::N;
+    static constexpr int B = Dy::BYTES, N = VecB<T, B>::N;
     struct Lane {
         mutable Dy dy; const T *x; int C; BnParams p; BnChannel bn[N];
         __device__ void add(uint32_t r, double (&acc)[N][2]) const {
-            Vec<T> vx = load_vec(x + (size_t)r * C), vdy = dy.load((size_t)r * C, r);
+            VecB<T, B> vx = load_vec<T, B>(x + (size_t)r * C), vdy = dy.load((size_t)r * C, r);
             for (int k = 0; k < N; k++) {
                 float xhat, g;
                 p.grad(bn[k], to_f32(vx.v[k]), to_f32(vdy.v[k]), &xhat, &g);
@@ -3525,9 +3530,10 @@ static void bn_backward_reduce_plain(Ops *o, Tensor dy, Tensor x, const float *m
     const BnGradSums e = {sum_g, sum_gx, dgamma, dbeta, sums, C};
     if (vec_ok({dy.dtype, x.dtype}, C, {dy.data, x.data})) {
         SWITCH_STORAGE(x.dtype, T, {
-            channel_sums<2, Vec<T>::N>(
-                    o, BnGradTermsVec<T>{{(const T *)dy.data}, (const T *)x.data, C, p}, e, 1, M,
-                    C);
+            typedef DyVec<T, NARROW_BYTES<T>> Dy;
+            channel_sums<2, NARROW_CHANNELS>(
+                    o, BnGradTermsVec<T, Dy>{{(const T *)dy.data}, (const T *)x.data, C, p}, e, 1,
+                    M, C);
         });
     } else {
         channel_sums<2, 1>(o, BnGradTerms{dy.data, dy.dtype, x.data, x.dtype, C, p}, e, 1, M, C);
@@ -3575,10 +3581,11 @@ __global__ void bn_backward_data_kernel(void *dx, DType dt_dx, const void *dy, D
     }
 }
 template <class T, class Dy>
-__global__ void bn_backward_data_vec_kernel(T *dx, Dy dy, const T *x, uint32_t rows, int C,
-                                            BnParams p, const float *sum_g, const float *sum_gx,
-                                            uint32_t count, int accumulate) {
-    constexpr int N = Vec<T>::N;
+__global__ void MEMORY_BOUND bn_backward_data_vec_kernel(T *dx, Dy dy, const T *x, uint32_t rows,
+                                                         int C, BnParams p, const float *sum_g,
+                                                         const float *sum_gx, uint32_t count,
+                                                         int accumulate) {
+    constexpr int B = Dy::BYTES, N = VecB<T, B>::N;
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
     if (c0 >= C) return;
     BnChannel bn[N];
@@ -3589,8 +3596,8 @@ __global__ void bn_backward_data_vec_kernel(T *dx, Dy dy, const T *x, uint32_t r
     }
     FOR_ROWS(r, rows) {
         const uint32_t i = r * C + c0;
-        Vec<T> vx = load_vec(x + i), vdy = dy.load(i, r), vdx;
-        if (accumulate) vdx = load_vec(dx + i);
+        VecB<T, B> vx = load_vec<T, B>(x + i), vdy = dy.load(i, r), vdx;
+        if (accumulate) vdx = load_vec<T, B>(dx + i);
         for (int k = 0; k < N; k++) {
             float xhat, g;
             p.grad(bn[k], to_f32(vx.v[k]), to_f32(vdy.v[k]), &xhat, &g);
@@ -3616,9 +3623,10 @@ static void bn_backward_data_plain(Ops *o, Tensor dx, Tensor dy, Tensor x, const
                    *xc = elem_ptr(x.data, x.dtype, r0 * C);
         if (vec) {
             SWITCH_STORAGE(x.dtype, T, {
-                RowGrid g = row_grid(C / Vec<T>::N, n_rows);
-                CU_LAUNCH((bn_backward_data_vec_kernel<T, DyVec<T>>), g.grid, g.block, 0,
-                          stream_of(o), (T *)dxc, DyVec<T>{(const T *)dyc}, (const T *)xc,
+                typedef DyVec<T, NARROW_BYTES<T>> Dy;
+                RowGrid g = row_grid(C / NARROW_CHANNELS, n_rows);
+                CU_LAUNCH((bn_backward_data_vec_kernel<T, Dy>), g.grid, g.block, 0,
+                          stream_of(o), (T *)dxc, Dy{(const T *)dyc}, (const T *)xc,
                           (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count, accumulate);
             });
         } else {
@@ -3684,14 +3692,15 @@ template <class T> struct ResidualEnd {
 };
 // y's gradient from out's: dout·keep rounded as dropout_backward stores it;
 // res (not NULL: the reduce pass) gets dresidual (=|+=) dout on the way
-template <class T> struct DyResidual {
+template <class T, int B = VEC_BYTES> struct DyResidual {
+    static constexpr int BYTES = B;
     const T *dout; T *res; int accumulate_res; SampleKeep keep;
-    __device__ Vec<T> load(size_t i, uint32_t r) {
+    __device__ VecB<T, B> load(size_t i, uint32_t r) {
         const float f = keep.at(r);
-        const Vec<T> d = load_vec(dout + i);
-        Vec<T> g, vr;
-        if (res && accumulate_res) vr = load_vec(res + i);
-        for (int k = 0; k < Vec<T>::N; k++) {
+        const VecB<T, B> d = load_vec<T, B>(dout + i);
+        VecB<T, B> g, vr;
+        if (res && accumulate_res) vr = load_vec<T, B>(res + i);
+        for (int k = 0; k < VecB<T, B>::N; k++) {
             g.v[k] = from_f32<T>(to_f32(d.v[k]) * f);
             if (res)
                 vr.v[k] = from_f32<T>(accumulate_res ? to_f32(vr.v[k]) + to_f32(d.v[k])
@@ -3705,13 +3714,13 @@ template <class T> struct DyResidual {
     }
 };
 // the batch norm applied to rows of image g, y stored, Σ y per channel (FUSED_POOL)
-template <class T> struct BnPoolVec {
+template <class T, int B = VEC_BYTES> struct BnPoolVec {
     const T *x; T *y; int C; uint32_t rows; BnParams p;
-    static constexpr int N = Vec<T>::N;
+    static constexpr int N = VecB<T, B>::N;
     struct Lane {
         const T *x; T *y; int C; Act act; BnChannel bn[N];
         __device__ void add(uint32_t r, double (&acc)[N][1]) const {
-            Vec<T> v = load_vec(x + (size_t)r * C);
+            VecB<T, B> v = load_vec<T, B>(x + (size_t)r * C);
             for (int k = 0; k < N; k++) {
                 v.v[k] = from_f32<T>(act_apply(act, bn[k].z(bn[k].xhat(to_f32(v.v[k])))));
                 acc[k][0] += (double)to_f32(v.v[k]);
@@ -3758,8 +3767,9 @@ static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const BnArgs *bn) {
     const BnParams p = {mean, var, gamma, beta, eps, act};
     if (next->kind == FUSED_POOL) {
         SWITCH_STORAGE(x.dtype, T, {
-            channel_sums<1, Vec<T>::N>(
-                    o, BnPoolVec<T>{(const T *)x.data, (T *)y.data, C, (uint32_t)HW, p},
+            channel_sums<1, NARROW_CHANNELS>(
+                    o, BnPoolVec<T, NARROW_BYTES<T>>{(const T *)x.data, (T *)y.data, C,
+                                                     (uint32_t)HW, p},
                     StoreSum{next->pooled.data, next->pooled.dtype, C, (double)HW, 0}, x.shape.n,
                     HW, C);
         });
@@ -3808,10 +3818,11 @@ static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const BnArgs *b
     const BnParams p = {mean, var, gamma, beta, eps, act};
     const BnGradSums e = {sum_g, sum_gx, dgamma, dbeta, sums, C};
     SWITCH_STORAGE(x.dtype, T, {
-        const DyResidual<T> d = {(const T *)dy.data, (T *)next->dresidual.data,
-                                 next->accumulate_residual, sample_keep(next, HW, 0)};
-        channel_sums<2, Vec<T>::N>(o, BnGradTermsVec<T, DyResidual<T>>{d, (const T *)x.data, C, p},
-                                   e, 1, M, C);
+        typedef DyResidual<T, NARROW_BYTES<T>> Dy;
+        const Dy d = {(const T *)dy.data, (T *)next->dresidual.data, next->accumulate_residual,
+                      sample_keep(next, HW, 0)};
+        channel_sums<2, NARROW_CHANNELS>(o, BnGradTermsVec<T, Dy>{d, (const T *)x.data, C, p}, e,
+                                         1, M, C);
     });
 }
 
@@ -3843,9 +3854,10 @@ static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const 
     for_row_launches(rows, C, [&](size_t r0, size_t n_rows) {
         SWITCH_STORAGE(x.dtype, T, {
             const size_t at = r0 * C;
-            RowGrid g = row_grid(C / Vec<T>::N, n_rows);
-            const DyResidual<T> d = {(const T *)dy.data + at, NULL, 0, sample_keep(next, HW, r0)};
-            CU_LAUNCH((bn_backward_data_vec_kernel<T, DyResidual<T>>), g.grid, g.block, 0,
+            typedef DyResidual<T, NARROW_BYTES<T>> Dy;
+            RowGrid g = row_grid(C / NARROW_CHANNELS, n_rows);
+            const Dy d = {(const T *)dy.data + at, NULL, 0, sample_keep(next, HW, r0)};
+            CU_LAUNCH((bn_backward_data_vec_kernel<T, Dy>), g.grid, g.block, 0,
                       stream_of(o), (T *)dx.data + at, d, (const T *)x.data + at, (uint32_t)n_rows,
                       C, p, sum_g, sum_gx, (uint32_t)count, accumulate);
         });
