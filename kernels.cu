@@ -719,6 +719,18 @@ static void axpby_cuda(Ops *o, Tensor y, Tensor x, float a, float b, int accumul
     map_op(o, tensor(y.data, x.shape, y.dtype), x, NO_TENSOR, accumulate, Axpb{a, b});
 }
 
+// A value another block wrote before it counted itself in last_block: read
+// past this SM's L1 (ld.global.cg, from L2, where the writer's fence put it),
+// which a plain load does not promise; the one way a last block reads the
+// group's partials (last_block_reads_past_l1 checks kernels.cu for it).
+template <class T> static __device__ __forceinline__ T from_other_blocks(const T *p) {
+#if defined(__CUDACC__)
+    return __ldcg(p);
+#else
+    return *p;  // the emulator's memory is coherent
+#endif
+}
+
 // The last block pattern (CUDA Programming Guide, "Memory Fence Functions"):
 // every block of a group writes its partial results, fences them, and counts
 // itself in *count; true in every thread of the block that counts last, which
@@ -773,10 +785,10 @@ static __device__ void reduce_finish(const ReduceOut &r, double *sh) {
     if (threadIdx.x == 0)
         for (int j = 0; j < r.width; j++) r.partials[blockIdx.x * REDUCE_WIDTH + j] = sh[j];
     if (!last_block(r.done, gridDim.x)) return;
-    const volatile double *p = r.partials;
     for (int j = 0; j < r.width; j++) {
         double s = 0.0;
-        for (unsigned b = threadIdx.x; b < gridDim.x; b += BLOCK) s += p[b * REDUCE_WIDTH + j];
+        for (unsigned b = threadIdx.x; b < gridDim.x; b += BLOCK)
+            s += from_other_blocks(&r.partials[b * REDUCE_WIDTH + j]);
         sh[threadIdx.x * REDUCE_WIDTH + j] = s;
     }
     block_sum_tree(sh, r.width);
@@ -942,14 +954,14 @@ __global__ void MEMORY_BOUND channel_sums_kernel(F f, E e, double *partial, unsi
                 for (int q = 0; q < NQ; q++)
                     partial[(((size_t)g * chunks + blockIdx.y) * NQ + q) * C + c0 + k] = s[k][q];
         if (!last_block(done + (size_t)g * gridDim.x + blockIdx.x, chunks)) return;
-        const volatile double *in = partial;
         for (int k = 0; k < W; k++)
             for (int q = 0; q < NQ; q++) acc[k][q] = 0.0;
         if (c0 < C)
             for (uint32_t j = threadIdx.y; j < chunks; j += blockDim.y)
                 for (int k = 0; k < W; k++)
                     for (int q = 0; q < NQ; q++)
-                        acc[k][q] += in[(((size_t)g * chunks + j) * NQ + q) * C + c0 + k];
+                        acc[k][q] += from_other_blocks(
+                                &partial[(((size_t)g * chunks + j) * NQ + q) * C + c0 + k]);
         __syncthreads();  // sh is read by sum_lanes above until here
         sum_lanes<NQ, W>(sh, acc, s);
     }
@@ -1969,13 +1981,13 @@ __global__ void __launch_bounds__(IG_THREADS)
     if (!last_block(done + (blockIdx.z / a.parts * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x,
                     a.parts))
         return;
-    const volatile float *in = partial;  // past L1: other blocks wrote them (last_block)
     for (int e = tid; e < IG_BM * IG_BN; e += IG_THREADS) {  // the tile, k fastest
         const int k = k0 + e % IG_BM, c = co0 + e / IG_BM;
         if (k >= a.K || c >= a.Coutg) continue;
         const uint32_t idx = (uint32_t)(g * a.Coutg + c) * a.K + k;
         float sum = 0.0f;
-        for (int q = 0; q < a.parts; q++) sum += in[(size_t)q * a.Cout * a.K + idx];
+        for (int q = 0; q < a.parts; q++)
+            sum += from_other_blocks(&partial[(size_t)q * a.Cout * a.K + idx]);
         dw[idx] += sum;
     }
 }
@@ -2478,7 +2490,6 @@ __global__ void __launch_bounds__(BLOCK, DepthwiseWeightBlocks<IO>::n) depthwise
     }
     if (!last_block(done + blockIdx.x, gridDim.y)) return;
     // dw[c][tap] += Σ_part partial[part][c][tap] in part order, for this tile's channels and taps
-    const volatile float *in = partial;
     const int c_first = blockIdx.x * blockDim.x * W,
               n_c = C - c_first < (int)blockDim.x * W ? C - c_first : blockDim.x * W;
     const int n_taps = ntaps - tap0 < TAPS ? ntaps - tap0 : TAPS;
@@ -2486,7 +2497,7 @@ __global__ void __launch_bounds__(BLOCK, DepthwiseWeightBlocks<IO>::n) depthwise
         const size_t at = (size_t)(c_first + item / n_taps) * ntaps + tap0 + item % n_taps;
         float sum = 0.0f;
         for (uint32_t part_k = 0; part_k < gridDim.y; part_k++)
-            sum += in[part_k * (size_t)C * ntaps + at];
+            sum += from_other_blocks(&partial[part_k * (size_t)C * ntaps + at]);
         dw[at] += sum;
     }
 }

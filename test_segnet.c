@@ -13052,9 +13052,9 @@ TEST(source_lines_short) {
 }
 
 // The last block of a group adds the partial sums that other blocks wrote, on other SMs: it
-// must read them past its own L1 (a volatile pointer or __ldcg), which the emulator's coherent
-// memory cannot show. Returns the line of the first last_block( call whose function reads
-// neither way after it, else 0.
+// must read them past its own L1 (from_other_blocks, __ldcg), which the emulator's coherent
+// memory cannot show. Returns the line of the first last_block( call whose function does not
+// read through from_other_blocks after it, else 0.
 static int last_block_without_l1_bypass(const char *src) {
     for (const char *p = strstr(src, "last_block("); p; p = strstr(p + 1, "last_block(")) {
         if (p > src && (isalnum((unsigned char)p[-1]) || p[-1] == '_')) continue;
@@ -13065,7 +13065,7 @@ static int last_block_without_l1_bypass(const char *src) {
         size_t n = end ? (size_t)(end - p) : strlen(p);
         int ok = 0;
         for (const char *q = p; q < p + n && !ok; q++)
-            ok = !strncmp(q, "volatile", 8) || !strncmp(q, "__ldcg", 6);
+            ok = !strncmp(q, "from_other_blocks(", 18);
         if (!ok) {
             int line = 1;
             for (const char *q = src; q < p; q++) line += *q == '\n';
@@ -13077,7 +13077,7 @@ static int last_block_without_l1_bypass(const char *src) {
 
 TEST(last_block_reads_past_l1) {
     const char *good = "void f() {\n    if (!last_block(c, n)) return;\n"
-                       "    const volatile float *in = partial;\n}\n";
+                       "    sum += from_other_blocks(&partial[q]);\n}\n";
     const char *bad = "void f() {\n    if (!last_block(c, n)) return;\n"
                       "    sum += partial[q];\n}\n";
     CHECK(last_block_without_l1_bypass(good) == 0 && last_block_without_l1_bypass(bad) == 2,
@@ -13089,7 +13089,7 @@ TEST(last_block_reads_past_l1) {
     if (!src) return;
     const int line = last_block_without_l1_bypass(src);
     CHECK(line == 0, "kernels.cu:%d: the last block reads the other blocks' partials through "
-          "L1 (read them through a volatile pointer or __ldcg)", line);
+          "L1 (read them through from_other_blocks)", line);
     free(src);
 }
 
