@@ -57,7 +57,8 @@ END {
                (gmin[name] == gmax[name] ? gmin[name] : gmin[name] "-" gmax[name]), thr[name],
                reg[name], sh[name], bmin[name], wsm[name], emin[name] | rows
     close(rows)
-    printf "  wave_efficiency_min_full_grids: %.2f (%s)\n", (full_min > 1 ? 1 : full_min), full_worst
+    printf "  wave_efficiency_min_full_grids: %.2f (%s)\n", (full_min > 1 ? 1 : full_min), \
+           full_worst
     printf "  launches_under_one_wave: %d of %d\n", under, total
     printf "  warps_per_sm_min: %d (%s)\n", wmin, wworst
     if (unknown) printf "  launches_of_unknown_resources: %d\n", unknown

@@ -5,8 +5,8 @@
 //   nvcc -c kernels.cu                         for GPUs (real <<<>>>, __shared__, cuBLAS, NCCL)
 //   g++ -x c++ -std=c++17 -c kernels.cu        for the CPU, against cuda_emu.h / cuda_emu.cpp
 // so every kernel launches through CU_LAUNCH and takes shared memory through
-// CU_DYN_SHARED (dynamic) or CU_SHARED(type, name, [dims]) (static); the rules for kernels that must run on both are at the
-// top of cuda_emu.h.
+// CU_DYN_SHARED (dynamic) or CU_SHARED(type, name, [dims]) (static); the rules
+// for kernels that must run on both are at the top of cuda_emu.h.
 //
 // Layout as on the CPU: activations NHWC in the Tensor's storage type (fp32,
 // fp16, bf16), loaded to fp32 for arithmetic and rounded to nearest-even when
@@ -932,8 +932,8 @@ static __device__ __forceinline__ void sum_lanes(double *sh, const double (&acc)
 }
 // W channels per thread (1: generic, Vec<T>::N: vector); F::Lane knows its loads
 template <int NQ, int W, class F, class E>
-__global__ void MEMORY_BOUND channel_sums_kernel(F f, E e, double *partial, unsigned *done, uint32_t rows, int C,
-                                    uint32_t rows_per_chunk) {
+__global__ void MEMORY_BOUND channel_sums_kernel(F f, E e, double *partial, unsigned *done,
+                                                 uint32_t rows, int C, uint32_t rows_per_chunk) {
     CU_SHARED(double, sh, [BLOCK * W * NQ]);
     const int lane_c = blockIdx.x * blockDim.x + threadIdx.x, c0 = lane_c * W, g = blockIdx.z;
     const uint32_t chunks = gridDim.y;
@@ -2405,8 +2405,9 @@ __global__ void MEMORY_BOUND depthwise_forward_kernel(IO y, Shape t, IO x, Shape
 // KS as in the forward; ST: the stride when known at compile time (1 or 2: the
 // divisions by it are shifts), 0: cfg's
 template <class IO, int KS, int ST>
-__global__ void MEMORY_BOUND depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t, const float *w,
-                                               ConvCfg cfg, int pt, int pl, int accumulate) {
+__global__ void MEMORY_BOUND depthwise_backward_data_kernel(IO din, Shape s, IO dout, Shape t,
+                                                            const float *w, ConvCfg cfg, int pt,
+                                                            int pl, int accumulate) {
     constexpr int W = IO::W;
     const int kh = KS ? KS : cfg.kh, kw = KS ? KS : cfg.kw, taps = kh * kw,
               st = ST ? ST : cfg.stride;
@@ -2444,10 +2445,10 @@ __global__ void MEMORY_BOUND depthwise_backward_data_kernel(IO din, Shape s, IO 
 template <class IO> struct DepthwiseWeightBlocks { static constexpr int n = MEMORY_BOUND_BLOCKS; };
 template <> struct DepthwiseWeightBlocks<VecIO<float>> { static constexpr int n = 3; };
 template <class IO, int TAPS>
-__global__ void __launch_bounds__(BLOCK, DepthwiseWeightBlocks<IO>::n) depthwise_weight_kernel(float *dw, float *partial, unsigned *done, IO dout, Shape t,
-                                        IO x, Shape s, ConvCfg cfg, int pt, int pl,
-                                        uint32_t pixels_per_part, int tap0, FastDiv by_ow,
-                                        FastDiv by_oh) {
+__global__ void __launch_bounds__(BLOCK, DepthwiseWeightBlocks<IO>::n)
+        depthwise_weight_kernel(float *dw, float *partial, unsigned *done, IO dout, Shape t, IO x,
+                                Shape s, ConvCfg cfg, int pt, int pl, uint32_t pixels_per_part,
+                                int tap0, FastDiv by_ow, FastDiv by_oh) {
     constexpr int W = IO::W;
     CU_SHARED(float, lanes, [BLOCK * W]);
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, part = blockIdx.y, C = s.c;
@@ -2810,7 +2811,8 @@ __global__ void se_gate_hidden_backward_kernel(float *g1, const float *g2, const
     const int c1 = (warp + 1) * per < C ? (warp + 1) * per : C;
     double a = 0.0;
     if (j < S)
-        for (int c = warp * per; c < c1; c++) a += (double)w2[(size_t)c * S + j] * g2[(size_t)n * C + c];
+        for (int c = warp * per; c < c1; c++)
+            a += (double)w2[(size_t)c * S + j] * g2[(size_t)n * C + c];
     part[warp * WARP_SIZE + lane] = a;
     __syncthreads();
     if (warp || j >= S) return;
@@ -3001,7 +3003,7 @@ __global__ void concat_backward_kernel(IO da, int Ca, int acc_a, IO db, int Cb, 
     constexpr int W = IO::W;
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W, C = Ca + Cb;
     if (c0 >= C || (c0 < Ca ? !da.p : !db.p)) return;
-    const IO d = c0 < Ca ? da : db;  // a copy: a reference to a parameter would go through the stack
+    const IO d = c0 < Ca ? da : db;  // a copy: a reference to a parameter goes through the stack
     const int Cd = c0 < Ca ? Ca : Cb, cd = c0 < Ca ? c0 : c0 - Ca, acc = c0 < Ca ? acc_a : acc_b;
     float g[W], old[W];
     FOR_ROWS(r, rows) {
@@ -3364,8 +3366,8 @@ static void bn_stats_cuda(Ops *o, Tensor x, float *mean, float *var, float *run_
     const StoreMoments e = {mean, var, (double)M, run_mean, run_var, momentum, sums, C};
     if (vec_ok({x.dtype}, C, {x.data})) {
         SWITCH_STORAGE(x.dtype, T, {
-            channel_sums<2, NARROW_CHANNELS>(o, MomentsVec<T, NARROW_BYTES<T>>{(const T *)x.data, C},
-                                             e, 1, M, C);
+            typedef MomentsVec<T, NARROW_BYTES<T>> F;
+            channel_sums<2, NARROW_CHANNELS>(o, F{(const T *)x.data, C}, e, 1, M, C);
         });
     } else {
         channel_sums<2, 1>(o, Moments{x.data, x.dtype, C}, e, 1, M, C);
