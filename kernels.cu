@@ -2376,7 +2376,7 @@ template <int KS, int W> struct DepthwiseTaps {
 };
 template <class IO, int KS>
 __global__ void MEMORY_BOUND depthwise_forward_kernel(IO y, Shape t, IO x, Shape s, const float *w,
-                                         const float *b, ConvCfg cfg, int pt, int pl) {
+                                                      const float *b, ConvCfg cfg, int pt, int pl) {
     constexpr int W = IO::W;
     const int kh = KS ? KS : cfg.kh, kw = KS ? KS : cfg.kw, taps = kh * kw;
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * W;
@@ -2506,16 +2506,16 @@ __global__ void __launch_bounds__(BLOCK, DepthwiseWeightBlocks<IO>::n)
 static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out, Tensor in,
                               const float *w, const float *b) {
     if (!shape_numel(out.shape)) return;
-    image_rows_launch<true>(out, in, NO_TENSOR,
-                      [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
-                          typedef decltype(yio) IO;
-                          if (cfg->kh == 3 && cfg->kw == 3)
-                              CU_LAUNCH((depthwise_forward_kernel<IO, 3>), g.grid, g.block, 0,
-                                        stream_of(o), yio, t, xio, s, w, b, *cfg, q->pt, q->pl);
-                          else
-                              CU_LAUNCH((depthwise_forward_kernel<IO, 0>), g.grid, g.block, 0,
-                                        stream_of(o), yio, t, xio, s, w, b, *cfg, q->pt, q->pl);
-                      });
+    image_rows_launch<true>(
+            out, in, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
+                typedef decltype(yio) IO;
+                if (cfg->kh == 3 && cfg->kw == 3)
+                    CU_LAUNCH((depthwise_forward_kernel<IO, 3>), g.grid, g.block, 0, stream_of(o),
+                              yio, t, xio, s, w, b, *cfg, q->pt, q->pl);
+                else
+                    CU_LAUNCH((depthwise_forward_kernel<IO, 0>), g.grid, g.block, 0, stream_of(o),
+                              yio, t, xio, s, w, b, *cfg, q->pt, q->pl);
+            });
 }
 static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din,
                                     Tensor dout, const float *w, int accumulate) {
@@ -2796,15 +2796,16 @@ __global__ void se_gate_out_kernel(void *s, const void *ds, DType dt, const floa
         const float z = dtype_round(dt, (float)(b2[c] + warp_dot(w2 + (size_t)c * S, yv, S)));
         if (threadIdx.x % WARP_SIZE) continue;
         const size_t at = (size_t)n * C + c;
-        if (ds) g2[at] = dtype_round(dt, ld(ds, dt, at) * act_grad(act2, z));
-        else st(s, dt, at, act_apply(act2, z));
+        if (ds)
+            g2[at] = dtype_round(dt, ld(ds, dt, at) * act_grad(act2, z));
+        else
+            st(s, dt, at, act_apply(act2, z));
     }
 }
 // dz1 = (W2ᵀ·dz2)·act1'(z1) (N,S), rounded to dt as the CPU does: grid (N, S / WARP_SIZE),
 // lane l the output j = blockIdx.y·WARP_SIZE + l, warp w adding terms c of its share
 __global__ void se_gate_hidden_backward_kernel(float *g1, const float *g2, const float *z1,
-                                               const float *w2, int C, int S, Act act1,
-                                               DType dt) {
+                                               const float *w2, int C, int S, Act act1, DType dt) {
     CU_SHARED(double, part, [SE_WARPS * WARP_SIZE]);
     const int n = blockIdx.x, lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int j = blockIdx.y * WARP_SIZE + lane, per = (C + SE_WARPS - 1) / SE_WARPS;
@@ -2863,7 +2864,9 @@ __global__ void se_gate_weights_kernel(const float *keep, const void *p, DType d
 }
 // The scratch of the gate's split (the context's sums): dz2 (N,C), y1, dz1, z1 (N,S
 // each), the first three in se_gate_weights_kernel's order
-struct SeScratch { float *g2, *y1, *g1, *z1; };
+struct SeScratch {
+    float *g2, *y1, *g1, *z1;
+};
 static SeScratch se_scratch(Ops *o, int N, int C, int S) {
     require_below((size_t)N * (C + 3 * (size_t)S), 2 * SUMS_SCRATCH + 1,
                   "squeeze-excitation gate values kept");
@@ -2888,9 +2891,8 @@ static void se_gate_forward_cuda(Ops *o, Tensor s, Tensor p, const float *w1, co
     if (!N) return;
     const SeScratch k = se_scratch(o, N, C, S);
     se_gate_front(o, k, p, w1, b1, S, act1);
-    CU_LAUNCH(se_gate_out_kernel, se_gate_out_grid(N, C), BLOCK, sizeof(float) * S,
-              stream_of(o), s.data, (const void *)NULL, p.dtype, k.y1, w2, b2, C, S, act2,
-              (float *)NULL);
+    CU_LAUNCH(se_gate_out_kernel, se_gate_out_grid(N, C), BLOCK, sizeof(float) * S, stream_of(o),
+              s.data, (const void *)NULL, p.dtype, k.y1, w2, b2, C, S, act2, (float *)NULL);
     launchCheck();
 }
 static void se_gate_backward_cuda(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1,
@@ -2901,8 +2903,8 @@ static void se_gate_backward_cuda(Ops *o, Tensor dp, Tensor ds, Tensor p, const 
     if (!N || (!dp.data && !dw1)) return;
     const SeScratch k = se_scratch(o, N, C, S);
     se_gate_front(o, k, p, w1, b1, S, act1);
-    CU_LAUNCH(se_gate_out_kernel, se_gate_out_grid(N, C), BLOCK, sizeof(float) * S,
-              stream_of(o), (void *)NULL, ds.data, p.dtype, k.y1, w2, b2, C, S, act2, k.g2);
+    CU_LAUNCH(se_gate_out_kernel, se_gate_out_grid(N, C), BLOCK, sizeof(float) * S, stream_of(o),
+              (void *)NULL, ds.data, p.dtype, k.y1, w2, b2, C, S, act2, k.g2);
     launchCheck();
     CU_LAUNCH(se_gate_hidden_backward_kernel, dim3(N, (S + WARP_SIZE - 1) / WARP_SIZE), BLOCK, 0,
               stream_of(o), k.g1, k.g2, k.z1, w2, C, S, act1, p.dtype);
@@ -3638,9 +3640,9 @@ static void bn_backward_data_plain(Ops *o, Tensor dx, Tensor dy, Tensor x, const
             SWITCH_STORAGE(x.dtype, T, {
                 typedef DyVec<T, NARROW_BYTES<T>> Dy;
                 RowGrid g = row_grid(C / NARROW_CHANNELS, n_rows);
-                CU_LAUNCH((bn_backward_data_vec_kernel<T, Dy>), g.grid, g.block, 0,
-                          stream_of(o), (T *)dxc, Dy{(const T *)dyc}, (const T *)xc,
-                          (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count, accumulate);
+                CU_LAUNCH((bn_backward_data_vec_kernel<T, Dy>), g.grid, g.block, 0, stream_of(o),
+                          (T *)dxc, Dy{(const T *)dyc}, (const T *)xc, (uint32_t)n_rows, C, p,
+                          sum_g, sum_gx, (uint32_t)count, accumulate);
             });
         } else {
             RowGrid g = row_grid(C, n_rows);
@@ -3780,9 +3782,9 @@ static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const BnArgs *bn) {
     const BnParams p = {mean, var, gamma, beta, eps, act};
     if (next->kind == FUSED_POOL) {
         SWITCH_STORAGE(x.dtype, T, {
+            typedef BnPoolVec<T, NARROW_BYTES<T>> F;
             channel_sums<1, NARROW_CHANNELS>(
-                    o, BnPoolVec<T, NARROW_BYTES<T>>{(const T *)x.data, (T *)y.data, C,
-                                                     (uint32_t)HW, p},
+                    o, F{(const T *)x.data, (T *)y.data, C, (uint32_t)HW, p},
                     StoreSum{next->pooled.data, next->pooled.dtype, C, (double)HW, 0}, x.shape.n,
                     HW, C);
         });
@@ -3834,8 +3836,8 @@ static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const BnArgs *b
         typedef DyResidual<T, NARROW_BYTES<T>> Dy;
         const Dy d = {(const T *)dy.data, (T *)next->dresidual.data, next->accumulate_residual,
                       sample_keep(next, HW, 0)};
-        channel_sums<2, NARROW_CHANNELS>(o, BnGradTermsVec<T, Dy>{d, (const T *)x.data, C, p}, e,
-                                         1, M, C);
+        channel_sums<2, NARROW_CHANNELS>(o, BnGradTermsVec<T, Dy>{d, (const T *)x.data, C, p}, e, 1,
+                                         M, C);
     });
 }
 
@@ -3870,9 +3872,9 @@ static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const 
             typedef DyResidual<T, NARROW_BYTES<T>> Dy;
             RowGrid g = row_grid(C / NARROW_CHANNELS, n_rows);
             const Dy d = {(const T *)dy.data + at, NULL, 0, sample_keep(next, HW, r0)};
-            CU_LAUNCH((bn_backward_data_vec_kernel<T, Dy>), g.grid, g.block, 0,
-                      stream_of(o), (T *)dx.data + at, d, (const T *)x.data + at, (uint32_t)n_rows,
-                      C, p, sum_g, sum_gx, (uint32_t)count, accumulate);
+            CU_LAUNCH((bn_backward_data_vec_kernel<T, Dy>), g.grid, g.block, 0, stream_of(o),
+                      (T *)dx.data + at, d, (const T *)x.data + at, (uint32_t)n_rows, C, p, sum_g,
+                      sum_gx, (uint32_t)count, accumulate);
         });
         launchCheck();
     });

@@ -2155,10 +2155,10 @@ static int train_replica(Comm *comm, void *arg) {
         goto done;
     // a backend that records steps (CUDA graphs) says when it will not
     const char *op_by_op = !t.o->capture_begin ? ""
-                           : !t.records ? ", steps run op by op (SEGNET_CUDA_GRAPHS=0)"
-                           : comm->size > 1 ? ", steps run op by op (replicas)"
-                           : c->accum > 1   ? ", steps run op by op (--accum)"
-                                            : "";
+                           : !t.records        ? ", steps run op by op (SEGNET_CUDA_GRAPHS=0)"
+                           : comm->size > 1    ? ", steps run op by op (replicas)"
+                           : c->accum > 1      ? ", steps run op by op (--accum)"
+                                               : "";
     if (c->progress && root)
         fprintf(stderr,
                 "segnet train: %s on %s, %d training images%s, %" PRIu64

@@ -961,7 +961,8 @@ extern size_t cuda_launch_max_elements;
 // a kernel whose vector's first element, vec_elem, would).
 TEST(cuda_launch_split) {
     Ops *o = cu_ops();
-    Rng r; rng_seed(&r, 74);
+    Rng r;
+    rng_seed(&r, 74);
     const size_t full_limit = cuda_launch_max_elements;
     cuda_launch_max_elements = 40;
     const int sizes[2] = {1031, 1040};  // generic kernels; whole 16-byte vectors
@@ -1011,11 +1012,17 @@ TEST(cuda_launch_split) {
             o->download(o, &seen, flag, sizeof seen);
             CHECK(seen == 1, "nonfinite n=%zu %s, split: a NaN in the last chunk not seen", n,
                   DT_NAME[dt]);
-            cu_pair_free(&a); cu_pair_free(&b); cu_pair_free(&y); cu_pair_free(&da);
-            cu_pair_free(&db); cu_pair_free(&bad);
-            free(av); free(bv);
+            cu_pair_free(&a);
+            cu_pair_free(&b);
+            cu_pair_free(&y);
+            cu_pair_free(&da);
+            cu_pair_free(&db);
+            cu_pair_free(&bad);
+            free(av);
+            free(bv);
         }
-    o->free(o, out); o->free(o, flag);
+    o->free(o, out);
+    o->free(o, flag);
     cuda_launch_max_elements = full_limit;
 }
 #endif
@@ -2249,55 +2256,68 @@ TEST(cuda_se_gate) {
     Rng r; rng_seed(&r, 88);
     const int sizes[2][3] = {{3, 40, 10}, {3, 300, 40}};  // N, C, S
     for (int si = 0; si < 2; si++) {
-    const int N = sizes[si][0], C = sizes[si][1], S = sizes[si][2];
-    float *pv = randn(&r, (size_t)N * C, 1.0f), *dsv = randn(&r, (size_t)N * C, 1.0f);
-    float *w1 = randn(&r, (size_t)S * C, 0.3f), *b1 = randn(&r, S, 0.3f),
-          *w2 = randn(&r, (size_t)C * S, 0.3f);
-    float *b2 = randn(&r, C, 0.3f);
-    float *w1_d = cu_floats(w1, (size_t)S * C), *b1_d = cu_floats(b1, S),
-          *w2_d = cu_floats(w2, (size_t)C * S);
-    float *b2_d = cu_floats(b2, C);
-    const Shape sp = shape4(N, 1, 1, C);
-    for (int dt = 0; dt < 3; dt++) {
-        const double tol = 1e-5 + 2 * cu_ulp16((DType)dt);
-        CuPair p = cu_pair(pv, sp, (DType)dt), sg = cu_pair(NULL, sp, (DType)dt),
-               ds = cu_pair(dsv, sp, (DType)dt);
-        ops_cpu.se_gate_forward(&ops_cpu, sg.cpu, p.cpu, w1, b1, w2, b2, S, ACT_SILU, ACT_SIGMOID);
-        o->se_gate_forward(o, sg.gpu, p.gpu, w1_d, b1_d, w2_d, b2_d, S, ACT_SILU, ACT_SIGMOID);
-        cu_expect(cu_pair_err(sg), tol, "se_gate_forward", (DType)dt);
-        // dp overwritten, added into, not wanted; frozen weights
-        for (int mode = 0; mode < 4; mode++) {
-            const int acc = mode == 1, frozen = mode == 3;
-            CuPair dp = cu_dest(&r, sp, (DType)dt, acc);
-            Tensor dp_c = dp.cpu, dp_g = dp.gpu;
-            if (mode == 2) dp_c.data = dp_g.data = NULL;
-            // the gradients are added into these
-            float *g0 = randn(&r, (size_t)2 * S * C + C + S, 1.0f);
-            float *gc = malloc(sizeof(float) * ((size_t)2 * S * C + C + S));
-            memcpy(gc, g0, sizeof(float) * ((size_t)2 * S * C + C + S));
-            float *gg = cu_floats(g0, (size_t)2 * S * C + C + S);
-            const size_t o_b1 = (size_t)S * C, o_w2 = o_b1 + S, o_b2 = o_w2 + (size_t)C * S;
-            ops_cpu.se_gate_backward(&ops_cpu, dp_c, ds.cpu, p.cpu, w1, b1, w2, b2, S, ACT_SILU,
-                                     ACT_SIGMOID, frozen ? NULL : gc, frozen ? NULL : gc + o_b1,
-                                     frozen ? NULL : gc + o_w2, frozen ? NULL : gc + o_b2, acc);
-            o->se_gate_backward(o, dp_g, ds.gpu, p.gpu, w1_d, b1_d, w2_d, b2_d, S, ACT_SILU,
-                                ACT_SIGMOID, frozen ? NULL : gg, frozen ? NULL : gg + o_b1,
-                                frozen ? NULL : gg + o_w2, frozen ? NULL : gg + o_b2, acc);
-            char what[64];
-            snprintf(what, sizeof what, "se_gate_backward mode %d dp", mode);
-            if (mode != 2) cu_expect(cu_pair_err(dp), tol, what, (DType)dt);
-            snprintf(what, sizeof what, "se_gate_backward mode %d weights", mode);
-            cu_expect(cu_floats_err(gg, gc, (size_t)2 * S * C + C + S), tol, what, (DType)dt);
-            if (frozen)
-                CHECK(!memcmp(gc, g0, sizeof(float) * ((size_t)2 * S * C + C + S)),
-                      "se gate: frozen weights got gradients");
-            o->free(o, gg); free(gc); free(g0);
-            cu_pair_free(&dp);
+        const int N = sizes[si][0], C = sizes[si][1], S = sizes[si][2];
+        float *pv = randn(&r, (size_t)N * C, 1.0f), *dsv = randn(&r, (size_t)N * C, 1.0f);
+        float *w1 = randn(&r, (size_t)S * C, 0.3f), *b1 = randn(&r, S, 0.3f),
+              *w2 = randn(&r, (size_t)C * S, 0.3f);
+        float *b2 = randn(&r, C, 0.3f);
+        float *w1_d = cu_floats(w1, (size_t)S * C), *b1_d = cu_floats(b1, S),
+              *w2_d = cu_floats(w2, (size_t)C * S);
+        float *b2_d = cu_floats(b2, C);
+        const Shape sp = shape4(N, 1, 1, C);
+        for (int dt = 0; dt < 3; dt++) {
+            const double tol = 1e-5 + 2 * cu_ulp16((DType)dt);
+            CuPair p = cu_pair(pv, sp, (DType)dt), sg = cu_pair(NULL, sp, (DType)dt),
+                   ds = cu_pair(dsv, sp, (DType)dt);
+            ops_cpu.se_gate_forward(&ops_cpu, sg.cpu, p.cpu, w1, b1, w2, b2, S, ACT_SILU,
+                                    ACT_SIGMOID);
+            o->se_gate_forward(o, sg.gpu, p.gpu, w1_d, b1_d, w2_d, b2_d, S, ACT_SILU, ACT_SIGMOID);
+            cu_expect(cu_pair_err(sg), tol, "se_gate_forward", (DType)dt);
+            // dp overwritten, added into, not wanted; frozen weights
+            for (int mode = 0; mode < 4; mode++) {
+                const int acc = mode == 1, frozen = mode == 3;
+                CuPair dp = cu_dest(&r, sp, (DType)dt, acc);
+                Tensor dp_c = dp.cpu, dp_g = dp.gpu;
+                if (mode == 2) dp_c.data = dp_g.data = NULL;
+                // the gradients are added into these
+                float *g0 = randn(&r, (size_t)2 * S * C + C + S, 1.0f);
+                float *gc = malloc(sizeof(float) * ((size_t)2 * S * C + C + S));
+                memcpy(gc, g0, sizeof(float) * ((size_t)2 * S * C + C + S));
+                float *gg = cu_floats(g0, (size_t)2 * S * C + C + S);
+                const size_t o_b1 = (size_t)S * C, o_w2 = o_b1 + S, o_b2 = o_w2 + (size_t)C * S;
+                ops_cpu.se_gate_backward(&ops_cpu, dp_c, ds.cpu, p.cpu, w1, b1, w2, b2, S, ACT_SILU,
+                                         ACT_SIGMOID, frozen ? NULL : gc, frozen ? NULL : gc + o_b1,
+                                         frozen ? NULL : gc + o_w2, frozen ? NULL : gc + o_b2, acc);
+                o->se_gate_backward(o, dp_g, ds.gpu, p.gpu, w1_d, b1_d, w2_d, b2_d, S, ACT_SILU,
+                                    ACT_SIGMOID, frozen ? NULL : gg, frozen ? NULL : gg + o_b1,
+                                    frozen ? NULL : gg + o_w2, frozen ? NULL : gg + o_b2, acc);
+                char what[64];
+                snprintf(what, sizeof what, "se_gate_backward mode %d dp", mode);
+                if (mode != 2) cu_expect(cu_pair_err(dp), tol, what, (DType)dt);
+                snprintf(what, sizeof what, "se_gate_backward mode %d weights", mode);
+                cu_expect(cu_floats_err(gg, gc, (size_t)2 * S * C + C + S), tol, what, (DType)dt);
+                if (frozen)
+                    CHECK(!memcmp(gc, g0, sizeof(float) * ((size_t)2 * S * C + C + S)),
+                          "se gate: frozen weights got gradients");
+                o->free(o, gg);
+                free(gc);
+                free(g0);
+                cu_pair_free(&dp);
+            }
+            cu_pair_free(&p);
+            cu_pair_free(&sg);
+            cu_pair_free(&ds);
         }
-        cu_pair_free(&p); cu_pair_free(&sg); cu_pair_free(&ds);
-    }
-    o->free(o, w1_d); o->free(o, b1_d); o->free(o, w2_d); o->free(o, b2_d);
-    free(pv); free(dsv); free(w1); free(b1); free(w2); free(b2);
+        o->free(o, w1_d);
+        o->free(o, b1_d);
+        o->free(o, w2_d);
+        o->free(o, b2_d);
+        free(pv);
+        free(dsv);
+        free(w1);
+        free(b1);
+        free(w2);
+        free(b2);
     }
 }
 #endif
@@ -7441,7 +7461,10 @@ TEST(ref_table_vs_cpu) {
 // test_cuda_tests_listed checks this list against the tests a CUDA build
 // registers.
 // nccl: 1 only with NCCL, -1 only without; emulated: 1 only under the emulator
-typedef struct { const char *name; int nccl, emulated; } CudaTestName;
+typedef struct {
+    const char *name;
+    int nccl, emulated;
+} CudaTestName;
 static const CudaTestName CUDA_TESTS[] __attribute__((unused)) = {
         // (unused in fuzz_segnet)
         {"cuda_fill_copy", 0, 0},
@@ -7827,8 +7850,10 @@ TEST(kernels_no_spills) {
     CHECK(text != NULL, "kernel_resources.txt: not written by the nvcc build (make)");
     if (!text) return;
     const int line = resources_problem(text, &k);
-    CHECK(line == 0, "kernel_resources.txt:%d: a kernel spills registers or has a stack frame "
-          "(nvcc -Xptxas -v; kernels_gpu.ptxas has the whole report)", line);
+    CHECK(line == 0,
+          "kernel_resources.txt:%d: a kernel spills registers or has a stack frame "
+          "(nvcc -Xptxas -v; kernels_gpu.ptxas has the whole report)",
+          line);
     CHECK(k >= 100, "kernel_resources.txt lists %d kernels (kernels.cu has more)", k);
     if (g_verbose) printf("      %d kernels, no spills\n", k);
     free(text);
@@ -7860,15 +7885,16 @@ TEST(gpucount_waves_by_hand) {
     CHECK(rc == 0 && out, "%s: exit %d: %s", cmd, rc, msg);
     if (!out) return;
     CHECK(contains(out, "wave_efficiency_min_full_grids: 0.51 (wgrad<BF16>)") &&
-              contains(out, "launches_under_one_wave: 1 of 5") &&
-              contains(out, "warps_per_sm_min: 16 (wgrad<BF16>)") &&
-              !contains(out, "setup_kernel"),
+                  contains(out, "launches_under_one_wave: 1 of 5") &&
+                  contains(out, "warps_per_sm_min: 16 (wgrad<BF16>)") &&
+                  !contains(out, "setup_kernel"),
           "gpucount.awk on hand-made counts:\n%s", out);
     const char *row = strstr(out, "wgrad<BF16>");
     CHECK(row && atoi(row + strlen("wgrad<BF16>")) == 4,
           "the wgrad row does not count 2 + 2 launches per step:\n%s", out);
     free(out);
-    unlink(one); unlink(two);
+    unlink(one);
+    unlink(two);
 }
 
 // The real trainer on the emulated CUDA backend and on the CPU, from the same
@@ -13064,8 +13090,7 @@ static int last_block_without_l1_bypass(const char *src) {
         const char *end = strstr(p, "\n}\n");
         size_t n = end ? (size_t)(end - p) : strlen(p);
         int ok = 0;
-        for (const char *q = p; q < p + n && !ok; q++)
-            ok = !strncmp(q, "from_other_blocks(", 18);
+        for (const char *q = p; q < p + n && !ok; q++) ok = !strncmp(q, "from_other_blocks(", 18);
         if (!ok) {
             int line = 1;
             for (const char *q = src; q < p; q++) line += *q == '\n';
@@ -13088,8 +13113,10 @@ TEST(last_block_reads_past_l1) {
     CHECK(src != NULL, "kernels.cu: cannot read it (the tests run in the repository)");
     if (!src) return;
     const int line = last_block_without_l1_bypass(src);
-    CHECK(line == 0, "kernels.cu:%d: the last block reads the other blocks' partials through "
-          "L1 (read them through from_other_blocks)", line);
+    CHECK(line == 0,
+          "kernels.cu:%d: the last block reads the other blocks' partials through "
+          "L1 (read them through from_other_blocks)",
+          line);
     free(src);
 }
 
@@ -13127,8 +13154,10 @@ TEST(shared_memory_through_macros) {
     CHECK(src != NULL, "kernels.cu: cannot read it (the tests run in the repository)");
     if (!src) return;
     const int line = bare_shared_line(src);
-    CHECK(line == 0, "kernels.cu:%d: a bare __shared__ declaration (use CU_SHARED, which the "
-          "emulator poisons and checks)", line);
+    CHECK(line == 0,
+          "kernels.cu:%d: a bare __shared__ declaration (use CU_SHARED, which the "
+          "emulator poisons and checks)",
+          line);
     free(src);
 }
 
