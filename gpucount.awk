@@ -15,13 +15,15 @@
 #   wave_efficiency_min_full_grids: over the launches of at least one full wave
 #   launches_under_one_wave:        launches with fewer blocks than one wave
 #   warps_per_sm_min:               the fewest resident warps per SM of any launch
+#   warps_per_sm_min_memory_bound:  the same without the implicit-GEMM convs
+#                                   (conv_fwd/dgrad/wgrad_kernel: tensor cores, compute-bound)
 
 BEGIN { SMS = 132 }
 FNR == NR { if ($1 == "config") one[key()] = $2; next }
 $1 == "config" { two[key()] = $2 }
 function key(   k, i) { k = $3; for (i = 4; i <= NF; i++) k = k " " $i; return k }
 END {
-    full_min = 2; under = 0; total = 0; wmin = 1e9
+    full_min = 2; under = 0; total = 0; wmin = mmin = 1e9
     for (k in two) {
         n = two[k] - (k in one ? one[k] : 0)
         if (n <= 0) continue
@@ -34,9 +36,16 @@ END {
         eff = blocks / (waves * slots)
         warps = bps * int((threads + 31) / 32)
         total += n
-        if (blocks >= slots) { if (eff < full_min) { full_min = eff; full_worst = name } }
+        # ties: the first name in sort order (awk's "for (k in two)" has no order)
+        if (blocks >= slots) {
+            if (eff < full_min || (eff == full_min && name < full_worst)) {
+                full_min = eff; full_worst = name
+            }
+        }
         else under += n
-        if (warps < wmin) { wmin = warps; wworst = name }
+        if (warps < wmin || (warps == wmin && name < wworst)) { wmin = warps; wworst = name }
+        if (name !~ /^conv_(fwd|dgrad|wgrad)_kernel/ &&
+            (warps < mmin || (warps == mmin && name < mworst))) { mmin = warps; mworst = name }
         if (!(name in launches)) {
             gmin[name] = gmax[name] = blocks; emin[name] = eff; bmin[name] = bps
             wsm[name] = warps; thr[name] = threads; reg[name] = regs; sh[name] = smem + dyn
@@ -61,5 +70,6 @@ END {
            full_worst
     printf "  launches_under_one_wave: %d of %d\n", under, total
     printf "  warps_per_sm_min: %d (%s)\n", wmin, wworst
+    printf "  warps_per_sm_min_memory_bound: %d (%s)\n", mmin, mworst
     if (unknown) printf "  launches_of_unknown_resources: %d\n", unknown
 }

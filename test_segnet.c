@@ -7863,9 +7863,10 @@ TEST(kernels_no_spills) {
 // gpucount.awk on two hand-written count files (the per-step launches are the
 // difference). On 132 SMs: 540 blocks at 4 per SM (528 slots) take 2 waves,
 // efficiency 540/1056 = 0.51; 528 blocks exactly one wave, 1.00; 16 blocks at 8
-// per SM fill 16 of 1056 slots (under one wave). Warps per SM: 4 blocks of 128
-// threads = 16; 8 blocks of 256 = 64. A configuration launched as often in both
-// files is not in the step.
+// per SM fill 16 of 1056 slots (under one wave); a conv's 600 blocks, 600/1056
+// = 0.57. Warps per SM: 4 blocks of 128 threads = 16; 8 blocks of 256 = 64 (the
+// conv, 16, is not memory-bound: the implicit GEMMs use the tensor cores). A
+// configuration launched as often in both files is not in the step.
 TEST(gpucount_waves_by_hand) {
     const char *one = "/tmp/segnet_test_count1.txt", *two = "/tmp/segnet_test_count2.txt";
     FILE *f = fopen(one, "w");
@@ -7875,7 +7876,8 @@ TEST(gpucount_waves_by_hand) {
     f = fopen(two, "w");
     fprintf(f, "launches 20\nconfig 3 540 128 0 100 0 4 wgrad<BF16>\n"
                "config 2 528 128 0 100 0 4 wgrad<BF16>\nconfig 5 7 32 0 10 0 32 setup_kernel\n"
-               "config 1 16 256 0 32 0 8 se_gate<BF16, 1>\n");
+               "config 1 16 256 0 32 0 8 se_gate<BF16, 1>\n"
+               "config 1 600 128 0 128 0 4 conv_fwd_kernel<BF16, true>\n");
     fclose(f);
     char cmd[512], msg[512];
     snprintf(cmd, sizeof cmd, "awk -f gpucount.awk %s %s", one, two);
@@ -7885,8 +7887,12 @@ TEST(gpucount_waves_by_hand) {
     CHECK(rc == 0 && out, "%s: exit %d: %s", cmd, rc, msg);
     if (!out) return;
     CHECK(contains(out, "wave_efficiency_min_full_grids: 0.51 (wgrad<BF16>)") &&
-                  contains(out, "launches_under_one_wave: 1 of 5") &&
-                  contains(out, "warps_per_sm_min: 16 (wgrad<BF16>)") &&
+                  contains(out, "launches_under_one_wave: 1 of 6") &&
+                  contains(out, "warps_per_sm_min: 16 (conv_fwd_kernel<BF16, true>)") &&
+                  contains(out, "warps_per_sm_min_memory_bound: 16 (wgrad<BF16>)") &&
+                  contains(out, "conv_fwd_kernel<BF16, true>                                    "
+                                "         1             600     128  128       0      4     16"
+                                "    0.57") &&
                   !contains(out, "setup_kernel"),
           "gpucount.awk on hand-made counts:\n%s", out);
     const char *row = strstr(out, "wgrad<BF16>");
