@@ -411,8 +411,11 @@ gpucount: segnet_emu
 #    cuBLAS, SEGNET_CONV=gemm, ckpt "gemm": what the implicit GEMMs gain), and the same model, size and batch in
 #    PyTorch (its GPU library kernels, autocast, channels_last) with GPU_PYTHON when its torch
 #    sees the GPU;
-# 4. gpucheck.txt: the GPU, the tests' and the sanitizer's verdicts and one
-#    table (images/s, peak device memory, segnet/PyTorch ratios), printed last.
+# 4. each GPU_MODELS entry's GPU_KERNEL_ROWS kernels with the most device time
+#    per step, bf16 (segnet bench --kernels: CUDA events around each launch);
+# 5. gpucheck.txt: the GPU, the tests' and the sanitizer's verdicts, one table
+#    (images/s, peak device memory, segnet/PyTorch ratios) and the kernel
+#    tables, printed last.
 # A step that fails (no GPU, a crash) leaves its line or row saying so (nan)
 # and the next step runs; the exit status is the tests'. GPU_SECONDS bounds
 # everything after the builds, so that with them it fits 8 minutes on an H200.
@@ -423,6 +426,7 @@ GPU_STEPS       ?= 20
 GPU_SECONDS     ?= 420
 GPU_TEST_SECONDS ?= 120
 GPU_SANITIZER_SECONDS ?= 60
+GPU_KERNEL_ROWS ?= 25
 GPU_MODELS ?= "unet-effv2-l:--model unet-effv2-l --size 512x512 --batch 8 --classes 4" \
               "effv2-l:--model effv2-l --size 384x384 --batch 16 --classes 1000"
 GPU_PYTHON ?=
@@ -496,6 +500,13 @@ gpucheck: gpubuild
 	done; \
 	printf "$$rows" | awk 'BEGIN { printf "%-13s %-5s %-6s %10s %10s %7s %11s %11s %7s\n", "model", "prec", "ckpt", "segnet i/s", "torch i/s", "ratio", "segnet GiB", "torch GiB", "ratio" } \
 	  { printf "%-13s %-5s %-6s %10.2f %10.2f %7.2f %11.2f %11.2f %7.2f\n", $$1, $$2, $$3, $$4, $$5, $$4 / $$5, $$6 / 1073741824, $$7 / 1073741824, $$6 / $$7 }' >> $$out; \
+	for m in $(GPU_MODELS); do \
+	  name=$${m%%:*}; args=$${m#*:}; \
+	  echo "== 4. $$name bf16: device time per kernel, segnet bench --kernels $(GPU_KERNEL_ROWS)" >&2; \
+	  k=$$(timeout $$(budget 90) ./segnet bench --device cuda --precision bf16 $$args --steps 2 --warmup 1 --kernels $(GPU_KERNEL_ROWS)) || k=""; \
+	  echo "$$name bf16, the $(GPU_KERNEL_ROWS) kernels with the most device time per step:" >> $$out; \
+	  echo "$$k" | sed -n '/^kernel /,/^sum /p' | grep . >> $$out || echo "  (not run: no output)" >> $$out; \
+	done; \
 	echo "== gpucheck.txt" >&2; cat $$out; \
 	[ $$trc = 0 ]
 

@@ -17,11 +17,13 @@ static const char *const BENCH_KIND_NAMES[BK_COUNT] = {
         "activations", "squeeze-exc", "other",     "loss+optim",
 };
 
+#define BENCH_KERNEL_ROWS 64
 typedef struct {
     ModelCfg model;
     int steps, warmup;   // timed steps, untimed steps before them
     int threads;         // 0: OpenMP's default
     int profile;         // fill BenchResult's per-kind table
+    int kernels;         // > 0: time each CUDA kernel (BenchResult's kernel rows)
     DType precision;     // activation storage
     int checkpoint;      // recompute blocks in backward
     uint64_t seed;
@@ -38,6 +40,9 @@ typedef struct {
     size_t n_params;
     int threads;                     // the OpenMP threads it ran with
     const char *backend;             // the ops table's name
+    // with kernels: the kernels with the most device time over the timed steps, most first
+    KernelTimeRow kernel_rows[BENCH_KERNEL_ROWS];
+    int n_kernels;                   // kernels timed (rows beyond BENCH_KERNEL_ROWS left out)
 } BenchResult;
 
 // The op kind a layer's time is booked under. The SE pieces are the pooling,
@@ -108,11 +113,28 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     for (size_t i = 0; i < n_labels; i++) host_lab[i] = (int32_t)(rng_next(&rng) % (uint64_t)K);
     // what the layers' times leave of the timed steps: loss, optimiser, copies
     double rest_s = 0.0;
+    int time_kernels = 0;
+#ifdef SEGNET_CUDA
+    time_kernels = c->kernels > 0 && o == &ops_cuda;
+    if (time_kernels) {
+        t.records = 0;  // a replayed graph's kernels are not timed one by one
+        cuda_kernel_times_reset();
+    }
+#endif
+    if (c->kernels > 0 && !time_kernels) {
+        snprintf(err, SN_ERR_MAX, "--kernels times the CUDA kernels: it needs --device cuda");
+        free(host_in); free(host_lab); free(cm); free(times); free(layer_s);
+        trainer_close(&t);
+        return -1;
+    }
     for (int step = 0; step < c->warmup + c->steps; step++) {
         const int timed = step >= c->warmup;
         double layers_before = 0.0;
         if (layer_s) for (int i = 0; i < 2 * g->n_layers; i++) layers_before += layer_s[i];
         t.net.layer_seconds = timed ? layer_s : NULL;
+#ifdef SEGNET_CUDA
+        cuda_kernel_timing = timed && time_kernels;
+#endif
         // train_step returns when the device has finished the step (its one wait)
         double t0 = now_seconds();
         MicroBatch mb = {N, host_in, host_lab, 0};
@@ -128,6 +150,10 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
             }
         }
     }
+#ifdef SEGNET_CUDA
+    cuda_kernel_timing = 0;
+    if (time_kernels) r->n_kernels = cuda_kernel_times(r->kernel_rows, BENCH_KERNEL_ROWS);
+#endif
     int n = c->steps > 0 ? c->steps : 0;
     qsort(times, (size_t)n, sizeof(double), cmp_double);
     double med = n ? (n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2])) : 0.0;

@@ -1042,6 +1042,9 @@ static const char *BENCH_USAGE =
     "  --threads T         CPU threads (default: all cores)\n"
     "  --profile           also print the time per op kind per step (forward,\n"
     "                      backward) and GFLOP/s of the convs\n"
+    "  --kernels N         also print the N CUDA kernels with the most device time\n"
+    "                      per step (CUDA events around each launch; steps run op\n"
+    "                      by op, not as a recorded graph)\n"
     "  --precision P       activation storage: fp32 (default), fp16 or bf16\n"
     "  --checkpoint C      none (default) or blocks: recompute each block in backward\n"
     "  --seed S            initialisation and data (default 1)\n"
@@ -1063,11 +1066,11 @@ static int cmd_bench(int argc, char **argv) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(BENCH_USAGE, stdout); return 0; }
         if (!strcmp(f, "--profile")) { c.profile = 1; i++; continue; }
-        if (!strcmp(f, "--steps") || !strcmp(f, "--warmup")) {
+        if (!strcmp(f, "--steps") || !strcmp(f, "--warmup") || !strcmp(f, "--kernels")) {
             if (i + 1 >= argc) { fprintf(stderr, "segnet bench: %s needs a value\n", f); return 2; }
-            if (parse_int(f, argv[i + 1], !strcmp(f, "--steps"), 1 << 20,
-                          !strcmp(f, "--steps") ? &c.steps : &c.warmup))
-                return 2;
+            int *v = !strcmp(f, "--steps") ? &c.steps : !strcmp(f, "--warmup") ? &c.warmup
+                                                                                : &c.kernels;
+            if (parse_int(f, argv[i + 1], v != &c.warmup, 1 << 20, v)) return 2;
             i += 2;
             continue;
         }
@@ -1111,6 +1114,20 @@ static int cmd_bench(int argc, char **argv) {
         }
         printf("%-12s %10s %10s %10.2f   (the profiled steps; the median step may differ)\n", "sum",
                "", "", total);
+    }
+    if (c.kernels > 0) {
+        double total = 0.0;
+        for (int k = 0; k < r.n_kernels && k < BENCH_KERNEL_ROWS; k++) total += r.kernel_rows[k].ms;
+        printf("%-72s %9s %9s %7s  (per step; %d kernels%s)\n", "kernel", "launches", "ms",
+               "share", r.n_kernels,
+               r.n_kernels > BENCH_KERNEL_ROWS ? ", the share of the first 64" : "");
+        for (int k = 0; k < c.kernels && k < r.n_kernels && k < BENCH_KERNEL_ROWS; k++) {
+            const KernelTimeRow *row = &r.kernel_rows[k];
+            printf("%-72.72s %9.1f %9.3f %6.1f%%\n", row->name, (double)row->launches / c.steps,
+                   row->ms / c.steps, total > 0.0 ? 100.0 * row->ms / total : 0.0);
+        }
+        printf("%-72s %9s %9.3f   (kernels' device time; train_step_ms below is the host's)\n",
+               "sum", "", total / c.steps);
     }
     printf("train_step_ms: %.2f\n", r.step_ms);
     printf("images_per_s: %.3f\n", r.images_per_s);

@@ -205,8 +205,9 @@ extern "C" int cuemu_selftest(char* report, size_t n);
 
 // 3. Launch macro (same spelling in both builds, see cuda_compat.h).
 //    Template kernels: wrap the name in parentheses: CU_LAUNCH((k<float,256>), ...)
-#define CU_LAUNCH(kernel, grid, block, smem, stream, ...) \
+#define CU_LAUNCH_RAW(kernel, grid, block, smem, stream, ...) \
   ::cuemu::launch(#kernel, kernel, dim3(grid), dim3(block), (smem), (stream), ##__VA_ARGS__)
+#define CU_LAUNCH CU_LAUNCH_RAW  // kernels.cu times its launches around it
 #define CU_DYN_SHARED(T, name) T* name = static_cast<T*>(::cuemu::dyn_smem())
 // Static shared memory: a thread_local (one block per OS thread at a time) that
 // every thread registers as it passes the declaration; the block's first

@@ -19,7 +19,7 @@
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
-#define CU_LAUNCH(kernel, grid, block, smem, stream, ...) \
+#define CU_LAUNCH_RAW(kernel, grid, block, smem, stream, ...) \
     kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 #define CU_DYN_SHARED(T, name)                                         \
     extern __shared__ __align__(16) unsigned char cu_dyn_smem_raw_[]; \
@@ -29,13 +29,18 @@
 #include "cuda_emu.h"
 #endif
 #include <cublas_v2.h>
+#include <cxxabi.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <initializer_list>
 #include <type_traits>
+#include <algorithm>
 #include <mutex>
+#include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "segnet.h"
 
@@ -72,6 +77,91 @@ static void cublas_check(cublasStatus_t s, const char *what, const char *file, i
 // launched) that faulted. Slow: for finding faults only.
 static void launch_check(const char *op, const char *file, int line);
 #define launchCheck() launch_check(__func__, __FILE__, __LINE__)
+
+// ----------------------------------------------------------------------------
+// device time per kernel (segnet.h: cuda_kernel_timing, cuda_kernel_times):
+// CU_LAUNCH brackets each launch with two events from a pool while timing is on
+
+int cuda_kernel_timing = 0;
+struct TimedLaunch { const void *func; cudaEvent_t start, stop; };
+static std::mutex g_timing_mu;
+static std::vector<TimedLaunch> g_timed;   // launched, not read yet
+static std::vector<cudaEvent_t> g_events;  // free
+static std::unordered_map<const void *, KernelTimeRow> g_time_rows;
+static cudaEvent_t timing_event() {
+    cudaEvent_t e;
+    if (!g_events.empty()) {
+        e = g_events.back();
+        g_events.pop_back();
+    } else {
+        cudaCheck(cudaEventCreate(&e));
+    }
+    return e;
+}
+static void kernel_time_begin(const void *func, cudaStream_t s) {
+    if (!cuda_kernel_timing) return;
+    std::lock_guard<std::mutex> lock(g_timing_mu);
+    const TimedLaunch t = {func, timing_event(), timing_event()};
+    cudaCheck(cudaEventRecord(t.start, s));
+    g_timed.push_back(t);
+}
+static void kernel_time_end(cudaStream_t s) {
+    if (!cuda_kernel_timing) return;
+    std::lock_guard<std::mutex> lock(g_timing_mu);
+    if (!g_timed.empty()) cudaCheck(cudaEventRecord(g_timed.back().stop, s));
+}
+#undef CU_LAUNCH  // the emulator's: CU_LAUNCH_RAW
+#define CU_LAUNCH(kernel, grid, block, smem, stream, ...)                       \
+    do {                                                                        \
+        kernel_time_begin(reinterpret_cast<const void *>(kernel), (stream));   \
+        CU_LAUNCH_RAW(kernel, grid, block, smem, stream, ##__VA_ARGS__);        \
+        kernel_time_end(stream);                                                \
+    } while (0)
+// a kernel's name as written, template arguments included (no parameters)
+static const char *kernel_name(const void *func) {
+    const char *mangled = NULL;
+    if (cudaFuncGetName(&mangled, func) != cudaSuccess || !mangled) {
+        cudaGetLastError();
+        return "?";
+    }
+    int status = 0;
+    char *d = abi::__cxa_demangle(mangled, NULL, NULL, &status);
+    std::string name = d && !status ? d : mangled;
+    free(d);
+    if (!name.compare(0, 5, "void ")) name.erase(0, 5);
+    int depth = 0;
+    for (size_t i = 0; i < name.size(); i++) {
+        depth += name[i] == '<' ? 1 : name[i] == '>' ? -1 : 0;
+        if (name[i] == '(' && !depth) { name.resize(i); break; }
+    }
+    return strdup(name.c_str());  // kept for the process: one per kernel
+}
+int cuda_kernel_times(KernelTimeRow *rows, int max) {
+    std::lock_guard<std::mutex> lock(g_timing_mu);
+    cudaCheck(cudaDeviceSynchronize());
+    for (const TimedLaunch &t : g_timed) {
+        float ms = 0.0f;
+        cudaCheck(cudaEventElapsedTime(&ms, t.start, t.stop));
+        KernelTimeRow &r = g_time_rows[t.func];
+        if (!r.name) r.name = kernel_name(t.func);
+        r.launches++;
+        r.ms += ms;
+        g_events.push_back(t.start);
+        g_events.push_back(t.stop);
+    }
+    g_timed.clear();
+    std::vector<KernelTimeRow> all;
+    for (const auto &kv : g_time_rows) all.push_back(kv.second);
+    std::sort(all.begin(), all.end(), [](const KernelTimeRow &a, const KernelTimeRow &b) {
+        return a.ms != b.ms ? a.ms > b.ms : strcmp(a.name, b.name) < 0;
+    });
+    for (int i = 0; i < max && i < (int)all.size(); i++) rows[i] = all[i];
+    return (int)all.size();
+}
+void cuda_kernel_times_reset(void) {
+    std::lock_guard<std::mutex> lock(g_timing_mu);
+    g_time_rows.clear();
+}
 
 // ----------------------------------------------------------------------------
 // the backend's state and small helpers shared by the kernels

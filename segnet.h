@@ -722,6 +722,15 @@ extern int cuda_vector_kernels;
 extern int cuda_conv_implicit;
 // what ops_cuda.alloc has handed out (now, at most)
 extern size_t cuda_bytes_live, cuda_bytes_peak;
+// Device time per kernel (segnet bench --kernels): while cuda_kernel_timing is 1,
+// every kernel launch is timed by two events on its stream (run op by op: a
+// replayed graph's kernels are not). cuda_kernel_times waits for the device,
+// adds the launches since the last call to their kernels' rows and writes the
+// rows, most time first, up to max of them; returns how many there are.
+typedef struct { const char *name; long long launches; double ms; } KernelTimeRow;
+extern int cuda_kernel_timing;
+int cuda_kernel_times(KernelTimeRow *rows, int max);
+void cuda_kernel_times_reset(void);
 extern size_t cpu_bytes_live, cpu_bytes_peak;  // what ops_cpu.alloc has handed out (now, at most)
 
 // Where a command runs (--device): DEVICE_AUTO is GPU `gpu` (0, or a replica's

@@ -7495,6 +7495,8 @@ static const CudaTestName CUDA_TESTS[] __attribute__((unused)) = {
         {"cuda_alloc_counts", 0, 0},
         {"cuda_ops_complete", 0, 0},
         {"cuda_graph_step", 0, 0},
+        {"cuda_kernel_times", 0, 0},
+        {"cuda_bench_kernels", 0, 1},
         {"cuda_sync_each", 0, 1},
         {"cuda_emu_semantics", 0, 1},
         {"cuda_emu_count_file", 0, 1},
@@ -7713,6 +7715,41 @@ SLOW_TEST(cuda_graph_step) {
     free(p_eager); free(p_graph); free(m_eager); free(m_graph);
 }
 
+// Device time per kernel (segnet bench --kernels): while cuda_kernel_timing is
+// on, each launch counts in its kernel's row, named as in the source with its
+// template arguments: two fills (the Constant functor) and a scale (Scale), on
+// the vector or the generic kernels; a launch with timing off counts nothing.
+TEST(cuda_kernel_times) {
+    Ops *o = cu_ops();
+    const Shape s = shape4(1, 1, 1, 1024);
+    float *x = o->alloc(o, sizeof(float) * 1024);
+    cuda_kernel_times_reset();
+    cuda_kernel_timing = 1;
+    o->fill(o, tensor_f32(x, s), 1.0f);
+    o->fill(o, tensor_f32(x, s), 2.0f);
+    o->scale(o, tensor_f32(x, s), 3.0f);
+    cuda_kernel_timing = 0;
+    o->scale(o, tensor_f32(x, s), 3.0f);  // not timed
+    KernelTimeRow rows[8];
+    const int n = cuda_kernel_times(rows, 8);
+    long long fills = -1, scales = -1, all = 0;
+    for (int i = 0; i < n && i < 8; i++) {
+        all += rows[i].launches;
+        if (contains(rows[i].name, "Constant>")) fills = rows[i].launches;
+        if (contains(rows[i].name, "Scale>")) scales = rows[i].launches;
+        CHECK(rows[i].ms >= 0.0 && (i == 0 || rows[i].ms <= rows[i - 1].ms),
+              "row %d (%s): %g ms, not in decreasing order", i, rows[i].name, rows[i].ms);
+        if (g_verbose) printf("      %-40s %lld launches %.4f ms\n", rows[i].name, rows[i].launches,
+                              rows[i].ms);
+    }
+    CHECK(n == 2 && fills == 2 && scales == 1 && all == 3,
+          "%d rows; fills %lld, scales %lld, %lld launches (expected 2 rows: 2 fills, 1 scale)", n,
+          fills, scales, all);
+    cuda_kernel_times_reset();
+    CHECK(cuda_kernel_times(rows, 8) == 0, "rows left after cuda_kernel_times_reset");
+    o->free(o, x);
+}
+
 #if EMULATED_CUDA
 // SEGNET_CUDA_SYNC=1 (read when a device is opened): every kernel launch and
 // every cuBLAS call is followed by a wait for the device, so that a fault is
@@ -7902,6 +7939,40 @@ TEST(gpucount_waves_by_hand) {
     unlink(one);
     unlink(two);
 }
+
+#if EMULATED_CUDA
+// segnet bench --kernels N on the emulated GPU: a header, N rows of kernels
+// (launches and time per step, most time first), a sum; on the CPU a one-line
+// refusal and a failing exit
+TEST(cuda_bench_kernels) {
+    char msg[4096];
+    const char *cmd = "./segnet_emu bench --device cuda --model unet --depth 2 --width 8 --size "
+                      "32x32 --batch 2 --classes 3 --steps 1 --warmup 1 --threads 1 --kernels 3";
+    int rc = run_shell(cmd, msg, sizeof msg);
+    size_t n;
+    char *out = read_file("/tmp/segnet_test_out.txt", &n);
+    CHECK(rc == 0 && out, "%s: exit %d: %s", cmd, rc, msg);
+    if (!out) return;
+    const char *head = strstr(out, "\nkernel "), *sum = strstr(out, "\nsum ");
+    int rows = 0;
+    double last = 1e300, ms = 0.0;
+    const char *p = head ? strchr(head + 1, '\n') : NULL;
+    for (; p && p < sum; p = strchr(p + 1, '\n')) {
+        double launches;  // the name fills the first 72 columns (spaces in its template arguments)
+        if (p + 1 + 72 >= sum || sscanf(p + 1 + 72, "%lf %lf", &launches, &ms) != 2) break;
+        CHECK(launches >= 1 && ms >= 0 && ms <= last, "row %d: %s", rows + 1, p + 1);
+        last = ms;
+        rows++;
+    }
+    CHECK(head && sum && rows == 3, "segnet bench --kernels 3: %d rows in:\n%s", rows, out);
+    free(out);
+    rc = run_shell("./segnet bench --device cpu --model unet --depth 2 --width 8 --size 32x32 "
+                   "--batch 2 --classes 3 --steps 1 --kernels 3",
+                   msg, sizeof msg);
+    CHECK(rc != 0 && contains(msg, "--kernels times the CUDA kernels: it needs --device cuda"),
+          "segnet bench --device cpu --kernels: exit %d: %s", rc, msg);
+}
+#endif
 
 // The real trainer on the emulated CUDA backend and on the CPU, from the same
 // seed and data, in fp32 and bf16 storage. Only what is well-conditioned is
