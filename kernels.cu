@@ -19,7 +19,7 @@
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
-#define CU_LAUNCH_RAW(kernel, grid, block, smem, stream, ...) \
+#define CU_LAUNCH_RAW(kernel, grid, block, smem, stream, ...)                                      \
     kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 #define CU_DYN_SHARED(T, name)                                         \
     extern __shared__ __align__(16) unsigned char cu_dyn_smem_raw_[]; \
@@ -83,9 +83,12 @@ static void launch_check(const char *op, const char *file, int line);
 // CU_LAUNCH brackets each launch with two events from a pool while timing is on
 
 int cuda_kernel_timing = 0;
-struct TimedLaunch { const void *func; cudaEvent_t start, stop; };
+struct TimedLaunch {
+    const void *func;
+    cudaEvent_t start, stop;
+};
 static std::mutex g_timing_mu;
-static std::vector<TimedLaunch> g_timed;   // launched, not read yet
+static std::vector<TimedLaunch> g_timed;  // launched, not read yet
 static std::vector<cudaEvent_t> g_events;  // free
 static std::unordered_map<const void *, KernelTimeRow> g_time_rows;
 static cudaEvent_t timing_event() {
@@ -111,11 +114,11 @@ static void kernel_time_end(cudaStream_t s) {
     if (!g_timed.empty()) cudaCheck(cudaEventRecord(g_timed.back().stop, s));
 }
 #undef CU_LAUNCH  // the emulator's: CU_LAUNCH_RAW
-#define CU_LAUNCH(kernel, grid, block, smem, stream, ...)                       \
-    do {                                                                        \
-        kernel_time_begin(reinterpret_cast<const void *>(kernel), (stream));   \
-        CU_LAUNCH_RAW(kernel, grid, block, smem, stream, ##__VA_ARGS__);        \
-        kernel_time_end(stream);                                                \
+#define CU_LAUNCH(kernel, grid, block, smem, stream, ...)                                          \
+    do {                                                                                           \
+        kernel_time_begin(reinterpret_cast<const void *>(kernel), (stream));                       \
+        CU_LAUNCH_RAW(kernel, grid, block, smem, stream, ##__VA_ARGS__);                           \
+        kernel_time_end(stream);                                                                   \
     } while (0)
 // a kernel's name as written, template arguments included (no parameters)
 static const char *kernel_name(const void *func) {
@@ -132,7 +135,10 @@ static const char *kernel_name(const void *func) {
     int depth = 0;
     for (size_t i = 0; i < name.size(); i++) {
         depth += name[i] == '<' ? 1 : name[i] == '>' ? -1 : 0;
-        if (name[i] == '(' && !depth) { name.resize(i); break; }
+        if (name[i] == '(' && !depth) {
+            name.resize(i);
+            break;
+        }
     }
     return strdup(name.c_str());  // kept for the process: one per kernel
 }

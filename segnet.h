@@ -727,7 +727,11 @@ extern size_t cuda_bytes_live, cuda_bytes_peak;
 // replayed graph's kernels are not). cuda_kernel_times waits for the device,
 // adds the launches since the last call to their kernels' rows and writes the
 // rows, most time first, up to max of them; returns how many there are.
-typedef struct { const char *name; long long launches; double ms; } KernelTimeRow;
+typedef struct {
+    const char *name;
+    long long launches;
+    double ms;
+} KernelTimeRow;
 extern int cuda_kernel_timing;
 int cuda_kernel_times(KernelTimeRow *rows, int max);
 void cuda_kernel_times_reset(void);

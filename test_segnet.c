@@ -7739,8 +7739,9 @@ TEST(cuda_kernel_times) {
         if (contains(rows[i].name, "Scale>")) scales = rows[i].launches;
         CHECK(rows[i].ms >= 0.0 && (i == 0 || rows[i].ms <= rows[i - 1].ms),
               "row %d (%s): %g ms, not in decreasing order", i, rows[i].name, rows[i].ms);
-        if (g_verbose) printf("      %-40s %lld launches %.4f ms\n", rows[i].name, rows[i].launches,
-                              rows[i].ms);
+        if (g_verbose)
+            printf("      %-40s %lld launches %.4f ms\n", rows[i].name, rows[i].launches,
+                   rows[i].ms);
     }
     CHECK(n == 2 && fills == 2 && scales == 1 && all == 3,
           "%d rows; fills %lld, scales %lld, %lld launches (expected 2 rows: 2 fills, 1 scale)", n,
