@@ -90,6 +90,15 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     if (trainer_open(&t, &tc, NULL, NULL, err)) { trainer_close(&t); return -1; }
     const Graph *g = &t.g;
     Ops *o = t.o;
+    int time_kernels = 0;  // --kernels: the CUDA backend's per-kernel device time
+#ifdef SEGNET_CUDA
+    time_kernels = c->kernels > 0 && o == &ops_cuda;
+#endif
+    if (c->kernels > 0 && !time_kernels) {
+        snprintf(err, SN_ERR_MAX, "--kernels times the CUDA kernels: it needs --device cuda");
+        trainer_close(&t);
+        return -1;
+    }
     r->n_params = g->n_param_floats;
     r->backend = o->name;
 #ifdef _OPENMP
@@ -113,20 +122,12 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     for (size_t i = 0; i < n_labels; i++) host_lab[i] = (int32_t)(rng_next(&rng) % (uint64_t)K);
     // what the layers' times leave of the timed steps: loss, optimiser, copies
     double rest_s = 0.0;
-    int time_kernels = 0;
 #ifdef SEGNET_CUDA
-    time_kernels = c->kernels > 0 && o == &ops_cuda;
     if (time_kernels) {
         t.records = 0;  // a replayed graph's kernels are not timed one by one
         cuda_kernel_times_reset();
     }
 #endif
-    if (c->kernels > 0 && !time_kernels) {
-        snprintf(err, SN_ERR_MAX, "--kernels times the CUDA kernels: it needs --device cuda");
-        free(host_in); free(host_lab); free(cm); free(times); free(layer_s);
-        trainer_close(&t);
-        return -1;
-    }
     for (int step = 0; step < c->warmup + c->steps; step++) {
         const int timed = step >= c->warmup;
         double layers_before = 0.0;
