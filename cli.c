@@ -1044,7 +1044,8 @@ static const char *BENCH_USAGE =
     "                      backward) and GFLOP/s of the convs\n"
     "  --kernels N         also print the N CUDA kernels with the most device time\n"
     "                      per step (CUDA events around each launch; steps run op\n"
-    "                      by op, not as a recorded graph)\n"
+    "                      by op, not as a recorded graph), with the GB/s and\n"
+    "                      TFLOP/s of the bytes and FLOPs their launches declare\n"
     "  --precision P       activation storage: fp32 (default), fp16 or bf16\n"
     "  --checkpoint C      none (default) or blocks: recompute each block in backward\n"
     "  --seed S            initialisation and data (default 1)\n"
@@ -1118,13 +1119,17 @@ static int cmd_bench(int argc, char **argv) {
     if (c.kernels > 0) {
         double total = 0.0;
         for (int k = 0; k < r.n_kernels && k < BENCH_KERNEL_ROWS; k++) total += r.kernel_rows[k].ms;
-        printf("%-72s %9s %9s %7s  (per step; %d kernels%s)\n", "kernel", "launches", "ms",
-               "share", r.n_kernels,
+        printf("%-72s %9s %9s %7s %8s %8s  (per step; %d kernels%s)\n", "kernel", "launches", "ms",
+               "share", "GB/s", "TFLOP/s", r.n_kernels,
                r.n_kernels > BENCH_KERNEL_ROWS ? ", the share of the first 64" : "");
+        // GB/s, TFLOP/s: what the launches declare they move and compute, over their device time
         for (int k = 0; k < c.kernels && k < r.n_kernels && k < BENCH_KERNEL_ROWS; k++) {
             const KernelTimeRow *row = &r.kernel_rows[k];
-            printf("%-72.72s %9.1f %9.3f %6.1f%%\n", row->name, (double)row->launches / c.steps,
-                   row->ms / c.steps, total > 0.0 ? 100.0 * row->ms / total : 0.0);
+            const double s = 1e-3 * row->ms;
+            printf("%-72.72s %9.1f %9.3f %6.1f%% %8.1f %8.2f\n", row->name,
+                   (double)row->launches / c.steps, row->ms / c.steps,
+                   total > 0.0 ? 100.0 * row->ms / total : 0.0,
+                   s > 0.0 ? row->bytes / s / 1e9 : 0.0, s > 0.0 ? row->flops / s / 1e12 : 0.0);
         }
         printf("%-72s %9s %9.3f   (kernels' device time; train_step_ms below is the host's)\n",
                "sum", "", total / c.steps);

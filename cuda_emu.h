@@ -140,17 +140,22 @@ struct LaunchConfig {
     dim3 grid, block;
     size_t smem;
     cudaStream_t stream;
+    double bytes, flops;  // what the launch moves and computes (next_launch_traffic)
 };
 // Runs, counts (CUEMU_COUNT) or captures the launch; a bad configuration is
 // the launch error that cudaGetLastError returns.
 void submit_launch(const LaunchConfig& c, BoundKernel& k);
+// The bytes and FLOPs that the calling thread's next launch declares (kernels.cu's
+// Traffic); the count file adds them up by configuration ("traffic" lines).
+void next_launch_traffic(double bytes, double flops);
 
 template <class... P, class... A>
 void launch(const char *name, void (*k)(P...), dim3 g, dim3 b, size_t smem, cudaStream_t s,
             A &&...a) {
     static_assert(sizeof...(P) == sizeof...(A), "wrong number of kernel arguments");
     BoundLaunch<void (*)(P...), std::decay_t<P>...> bound(k, std::forward<A>(a)...);
-    submit_launch(LaunchConfig{name, reinterpret_cast<const void *>(k), g, b, smem, s}, bound);
+    submit_launch(LaunchConfig{name, reinterpret_cast<const void *>(k), g, b, smem, s, 0.0, 0.0},
+                  bound);
 }
 
 template <class T> T from_bits(uint64_t b) { T r; std::memcpy(&r, &b, sizeof(T)); return r; }

@@ -4,14 +4,23 @@
 # is one step. A count file's "config N blocks threads dyn-smem registers
 # static-smem blocks-per-SM name..." lines come from cuda_emu.cpp, the
 # registers and static shared memory from the nvcc build's ptxas report
-# (kernel_resources.txt); -1: unknown.
+# (kernel_resources.txt); -1: unknown. Its "traffic BYTES FLOPS blocks ..."
+# lines, with the same configurations, add up what those launches declared
+# they move and compute (kernels.cu's Traffic).
 #
 # A launch of B blocks on S SMs holding b blocks each runs in W = ceil(B / (S·b))
 # waves; its wave efficiency is B / (W·S·b), the share of the slots its waves
 # hold busy (1: every wave full; a grid of one block: 1/(S·b)).
 # Prints, per kernel (largest share of the step's launches first): launches,
 # grid sizes, threads, registers, shared bytes, blocks and warps per SM, the
-# lowest wave efficiency; then the summary lines:
+# lowest wave efficiency, its shares of the step's bytes and FLOPs; then the
+# summary lines:
+#   wave_efficiency_min:            over the launches that carry 95% of the
+#                                   step's bytes, and those that carry 95% of its
+#                                   FLOPs: the configurations taken by bytes (FLOPs)
+#                                   per launch, largest first, until 95% of the
+#                                   total (cuBLAS's GEMMs are not in it: their
+#                                   grids are cuBLAS's choice)
 #   wave_efficiency_min_full_grids: over the launches of at least one full wave
 #   launches_under_one_wave:        launches with fewer blocks than one wave
 #   warps_per_sm_min:               the fewest resident warps per SM of any launch
@@ -19,9 +28,30 @@
 #                                   (conv_fwd/dgrad/wgrad_kernel: tensor cores, compute-bound)
 
 BEGIN { SMS = 132 }
-FNR == NR { if ($1 == "config") one[key()] = $2; next }
-$1 == "config" { two[key()] = $2 }
-function key(   k, i) { k = $3; for (i = 4; i <= NF; i++) k = k " " $i; return k }
+FNR == NR && $1 == "config" { one[key(3)] = $2; next }
+FNR == NR && $1 == "traffic" { bytes1[key(4)] = $2; flops1[key(4)] = $3; next }
+FNR == NR { next }
+$1 == "config" { two[key(3)] = $2 }
+$1 == "traffic" { bytes2[key(4)] = $2; flops2[key(4)] = $3 }
+function key(first,   k, i) { k = $first; for (i = first + 1; i <= NF; i++) k = k " " $i; return k }
+# the lowest wave efficiency over the configurations that carry `share` of the
+# total of w[] (weights per configuration), taken by weight per launch, largest
+# first; sets picked[k] for them
+function min_over_share(w, share,   k, m, i, j, t, order, per, total, sum, lo) {
+    m = 0; total = 0
+    for (k in w) if (w[k] > 0) { order[++m] = k; per[k] = w[k] / count[k]; total += w[k] }
+    for (i = 2; i <= m; i++)  # insertion sort: most per launch first, then by name
+        for (j = i; j > 1 && (per[order[j]] > per[order[j - 1]] ||
+                             (per[order[j]] == per[order[j - 1]] && order[j] < order[j - 1])); j--) {
+            t = order[j]; order[j] = order[j - 1]; order[j - 1] = t
+        }
+    lo = 2; sum = 0
+    for (i = 1; i <= m && sum < share * total; i++) {
+        k = order[i]; sum += w[k]; picked[k] = 1
+        if (effk[k] < lo || (effk[k] == lo && namek[k] < lo_name)) { lo = effk[k]; lo_name = namek[k] }
+    }
+    return lo
+}
 END {
     full_min = 2; under = 0; total = 0; wmin = mmin = 1e9
     for (k in two) {
@@ -36,6 +66,10 @@ END {
         eff = blocks / (waves * slots)
         warps = bps * int((threads + 31) / 32)
         total += n
+        count[k] = n; effk[k] = eff; namek[k] = name
+        kbytes[k] = bytes2[k] - bytes1[k]; kflops[k] = flops2[k] - flops1[k]
+        step_bytes += kbytes[k]; step_flops += kflops[k]
+        nbytes[name] += kbytes[k]; nflops[name] += kflops[k]
         # ties: the first name in sort order (awk's "for (k in two)" has no order)
         if (blocks >= slots) {
             if (eff < full_min || (eff == full_min && name < full_worst)) {
@@ -57,15 +91,29 @@ END {
         if (bps < bmin[name]) { bmin[name] = bps; wsm[name] = warps }
         if (smem + dyn > sh[name]) sh[name] = smem + dyn
     }
-    printf "  %-64s %8s %15s %7s %4s %7s %6s %6s %7s\n", "kernel", "launches", "blocks",
-           "threads", "regs", "shared", "blk/SM", "wrp/SM", "eff_min"
+    printf "  %-64s %8s %15s %7s %4s %7s %6s %6s %7s %6s %6s\n", "kernel", "launches", "blocks",
+           "threads", "regs", "shared", "blk/SM", "wrp/SM", "eff_min", "bytes%", "flops%"
     rows = "sort -t '\t' -k1,1nr -k2 | cut -f2-"
     for (name in launches)
-        printf "%d\t  %-64s %8d %15s %7d %4d %7d %6d %6d %7.2f\n", launches[name],
+        printf "%d\t  %-64s %8d %15s %7d %4d %7d %6d %6d %7.2f %6.1f %6.1f\n", launches[name],
                substr(name, 1, 64), launches[name],
                (gmin[name] == gmax[name] ? gmin[name] : gmin[name] "-" gmax[name]), thr[name],
-               reg[name], sh[name], bmin[name], wsm[name], emin[name] | rows
+               reg[name], sh[name], bmin[name], wsm[name], emin[name],
+               (step_bytes > 0 ? 100 * nbytes[name] / step_bytes : 0),
+               (step_flops > 0 ? 100 * nflops[name] / step_flops : 0) | rows
     close(rows)
+    lo_name = ""; by_bytes = min_over_share(kbytes, 0.95); bytes_name = lo_name
+    lo_name = ""; by_flops = min_over_share(kflops, 0.95); flops_name = lo_name
+    for (k in picked) carrying += count[k]
+    if (by_bytes <= 1 || by_flops <= 1)
+        printf "  wave_efficiency_min: %.2f (%s; %d of %d launches carry 95%% of the bytes and of " \
+               "the FLOPs)\n", (by_bytes < by_flops ? by_bytes : by_flops),
+               (by_bytes < by_flops ? bytes_name : flops_name), carrying, total
+    else
+        printf "  wave_efficiency_min: no launch declares bytes or FLOPs\n"
+    printf "  wave_efficiency_min_bytes: %.2f (%s)\n", (by_bytes > 1 ? 0 : by_bytes), bytes_name
+    printf "  wave_efficiency_min_flops: %.2f (%s)\n", (by_flops > 1 ? 0 : by_flops), flops_name
+    printf "  step_gbytes: %.3f\n  step_tflops: %.4f\n", step_bytes / 1e9, step_flops / 1e12
     printf "  wave_efficiency_min_full_grids: %.2f (%s)\n", (full_min > 1 ? 1 : full_min), \
            full_worst
     printf "  launches_under_one_wave: %d of %d\n", under, total

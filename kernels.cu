@@ -82,10 +82,26 @@ static void launch_check(const char *op, const char *file, int line);
 // device time per kernel (segnet.h: cuda_kernel_timing, cuda_kernel_times):
 // CU_LAUNCH brackets each launch with two events from a pool while timing is on
 
+// What a launch moves and computes, declared at every CU_LAUNCH: bytes, the
+// elements of the tensors it reads or writes, each counted once in its storage
+// type (as segnet plan --roofline counts them: an accumulated output's read,
+// and re-reads that L1 or L2 may serve, left out); flops, 2 per multiply-add
+// of its products (convolutions, squeeze-excitation), 0 for elementwise work.
+// make gpucount weighs its launches by them; bench --kernels divides them by
+// device time.
+struct Traffic {
+    double bytes, flops;
+};
+static Traffic moves(double bytes, double flops = 0.0) { return Traffic{bytes, flops}; }
+static double bytes_of(Tensor t) { return (double)tensor_bytes(t); }
+// n elements of type dt
+static double bytes_of(size_t n, DType dt) { return (double)n * (double)dtype_size(dt); }
+
 int cuda_kernel_timing = 0;
 struct TimedLaunch {
     const void *func;
     cudaEvent_t start, stop;
+    Traffic traffic;
 };
 static std::mutex g_timing_mu;
 static std::vector<TimedLaunch> g_timed;  // launched, not read yet
@@ -101,10 +117,13 @@ static cudaEvent_t timing_event() {
     }
     return e;
 }
-static void kernel_time_begin(const void *func, cudaStream_t s) {
+static void kernel_time_begin(const void *func, cudaStream_t s, Traffic traffic) {
+#if !defined(__CUDACC__)
+    cuemu::next_launch_traffic(traffic.bytes, traffic.flops);
+#endif
     if (!cuda_kernel_timing) return;
     std::lock_guard<std::mutex> lock(g_timing_mu);
-    const TimedLaunch t = {func, timing_event(), timing_event()};
+    const TimedLaunch t = {func, timing_event(), timing_event(), traffic};
     cudaCheck(cudaEventRecord(t.start, s));
     g_timed.push_back(t);
 }
@@ -114,9 +133,9 @@ static void kernel_time_end(cudaStream_t s) {
     if (!g_timed.empty()) cudaCheck(cudaEventRecord(g_timed.back().stop, s));
 }
 #undef CU_LAUNCH  // the emulator's: CU_LAUNCH_RAW
-#define CU_LAUNCH(kernel, grid, block, smem, stream, ...)                                          \
+#define CU_LAUNCH(kernel, grid, block, smem, stream, traffic, ...)                                 \
     do {                                                                                           \
-        kernel_time_begin(reinterpret_cast<const void *>(kernel), (stream));                       \
+        kernel_time_begin(reinterpret_cast<const void *>(kernel), (stream), (traffic));            \
         CU_LAUNCH_RAW(kernel, grid, block, smem, stream, ##__VA_ARGS__);                           \
         kernel_time_end(stream);                                                                   \
     } while (0)
@@ -152,6 +171,8 @@ int cuda_kernel_times(KernelTimeRow *rows, int max) {
         if (!r.name) r.name = kernel_name(t.func);
         r.launches++;
         r.ms += ms;
+        r.bytes += t.traffic.bytes;
+        r.flops += t.traffic.flops;
         g_events.push_back(t.start);
         g_events.push_back(t.stop);
     }
@@ -772,15 +793,17 @@ __global__ void map_vec_kernel(T *y, const T *x0, const T *x1, size_t n_vec, int
 template <class F> static void map_op(Ops *o, Tensor y, Tensor x0, Tensor x1, int accumulate, F f) {
     const size_t n = shape_numel(y.shape);
     if (!n || !y.data) return;
+    const Traffic t = moves(bytes_of(n, y.dtype) + (x0.data ? bytes_of(n, x0.dtype) : 0.0) +
+                            (x1.data ? bytes_of(n, x1.dtype) : 0.0));
     if (vec_ok({y.dtype, x0.data ? x0.dtype : y.dtype, x1.data ? x1.dtype : y.dtype}, n,
                {y.data, x0.data, x1.data})) {
         SWITCH_STORAGE(y.dtype, T, {
             const size_t n_vec = n / Vec<T>::N;
-            CU_LAUNCH((map_vec_kernel<T, F>), grid_for(n_vec), BLOCK, 0, stream_of(o), (T *)y.data,
-                      (const T *)x0.data, (const T *)x1.data, n_vec, accumulate, f);
+            CU_LAUNCH((map_vec_kernel<T, F>), grid_for(n_vec), BLOCK, 0, stream_of(o), t,
+                      (T *)y.data, (const T *)x0.data, (const T *)x1.data, n_vec, accumulate, f);
         });
     } else {
-        CU_LAUNCH(map_kernel<F>, grid_for(n), BLOCK, 0, stream_of(o), y.data, y.dtype, x0.data,
+        CU_LAUNCH(map_kernel<F>, grid_for(n), BLOCK, 0, stream_of(o), t, y.data, y.dtype, x0.data,
                   x0.dtype, x1.data, x1.dtype, n, accumulate, f);
     }
     launchCheck();
@@ -931,11 +954,11 @@ static void sum_squares_cuda(Ops *o, Tensor t, float *out) {
     if (vec_ok({t.dtype}, n, {t.data})) {
         SWITCH_STORAGE(t.dtype, T, {
             CU_LAUNCH(sum_squares_vec_kernel<T>, reduce_grid(n / Vec<T>::N), BLOCK, 0, stream_of(o),
-                      (const T *)t.data, n / Vec<T>::N, r);
+                      moves(bytes_of(t)), (const T *)t.data, n / Vec<T>::N, r);
         });
     } else {
-        CU_LAUNCH(sum_squares_kernel, reduce_grid(n), BLOCK, 0, stream_of(o), t.data, t.dtype, n,
-                  r);
+        CU_LAUNCH(sum_squares_kernel, reduce_grid(n), BLOCK, 0, stream_of(o), moves(bytes_of(t)),
+                  t.data, t.dtype, n, r);
     }
     launchCheck();
 }
@@ -965,10 +988,11 @@ static void nonfinite_cuda(Ops *o, Tensor t, int32_t *flag) {
     if (vec_ok({t.dtype}, n, {t.data})) {
         SWITCH_STORAGE(t.dtype, T, {
             CU_LAUNCH(nonfinite_vec_kernel<T>, grid_for(n / Vec<T>::N), BLOCK, 0, stream_of(o),
-                      (const T *)t.data, n / Vec<T>::N, flag);
+                      moves(bytes_of(t)), (const T *)t.data, n / Vec<T>::N, flag);
         });
     } else {
-        CU_LAUNCH(nonfinite_kernel, grid_for(n), BLOCK, 0, stream_of(o), t.data, t.dtype, n, flag);
+        CU_LAUNCH(nonfinite_kernel, grid_for(n), BLOCK, 0, stream_of(o), moves(bytes_of(t)), t.data,
+                  t.dtype, n, flag);
     }
     launchCheck();
 }
@@ -1064,9 +1088,9 @@ __global__ void MEMORY_BOUND channel_sums_kernel(F f, E e, double *partial, unsi
     if (owner)
         for (int k = 0; k < W; k++) e(g, c0 + k, s[k]);
 }
-// W: channels per thread
+// W: channels per thread; bytes: what f reads and writes (Traffic)
 template <int NQ, int W, class F, class E>
-static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C) {
+static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C, double bytes) {
     // 32-bit row indices, 64-bit offsets
     require_below(rows, (size_t)1 << 32, "rows of per-channel sums");
     const int lanes = (C + W - 1) / W;  // channel lanes
@@ -1080,7 +1104,7 @@ static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C) {
     const size_t rows_per_chunk = rows ? (rows + chunks - 1) / chunks : 1;
     chunks = rows ? (rows + rows_per_chunk - 1) / rows_per_chunk : 1;  // no empty chunk
     dim3 grid(tiles, (unsigned)chunks, G), block(tx, ty);
-    CU_LAUNCH((channel_sums_kernel<NQ, W, F, E>), grid, block, 0, stream_of(o), f, e,
+    CU_LAUNCH((channel_sums_kernel<NQ, W, F, E>), grid, block, 0, stream_of(o), moves(bytes), f, e,
               ctx_of(o)->sums, ctx_of(o)->sums_done, (uint32_t)rows, C, (uint32_t)rows_per_chunk);
     launchCheck();
 }
@@ -1162,11 +1186,11 @@ static void bias_grad(Ops *o, float *db, Tensor dout) {
         SWITCH_STORAGE(dout.dtype, T, {
             channel_sums<1, Vec<T>::N>(
                     o, SumOfProductVec<T>{(const T *)dout.data, NULL, C, (uint32_t)M}, AddSum{db},
-                    1, M, C);
+                    1, M, C, bytes_of(dout));
         });
     } else {
         channel_sums<1, 1>(o, SumOfProduct{dout.data, dout.dtype, NULL, dout.dtype, C, (uint32_t)M},
-                           AddSum{db}, 1, M, C);
+                           AddSum{db}, 1, M, C, bytes_of(dout));
     }
 }
 
@@ -1183,16 +1207,17 @@ struct StoreSum {
 // Σ a·b (or Σ a) per (g, c) of a, b (G, rows, C) into `out`
 template <class E>
 static void sums_of_product(Ops *o, E e, Tensor a, const Tensor *b, int G, size_t rows, int C) {
+    const double bytes = bytes_of(a) + (b ? bytes_of(*b) : 0.0);
     if (vec_ok({a.dtype, b ? b->dtype : a.dtype}, C, {a.data, b ? b->data : NULL})) {
         SWITCH_STORAGE(a.dtype, T, {
             SumOfProductVec<T> f = {(const T *)a.data, b ? (const T *)b->data : NULL, C,
                                     (uint32_t)rows};
-            channel_sums<1, Vec<T>::N>(o, f, e, G, rows, C);
+            channel_sums<1, Vec<T>::N>(o, f, e, G, rows, C, bytes);
         });
     } else {
         SumOfProduct f = {a.data, a.dtype,       b ? b->data : NULL, b ? b->dtype : DT_F32,
                           C,      (uint32_t)rows};
-        channel_sums<1, 1>(o, f, e, G, rows, C);
+        channel_sums<1, 1>(o, f, e, G, rows, C, bytes);
     }
 }
 
@@ -1214,7 +1239,7 @@ static __device__ __forceinline__ uint32_t nhwc_at(Shape s, uint32_t n, int y, i
 #define FOR_COLUMNS(x, width)                                                          \
     for (int x = blockIdx.y * blockDim.y + threadIdx.y; x < (width); x += blockDim.y * gridDim.y)
 
-// Launches `kernel_for(grid, io_out, io_in, io_extra, out shape, in shape)` over
+// Launches `kernel_for(grid, io_out, io_in, io_extra, out shape, in shape, bytes)` over
 // chunks of images (the tensors' pointers advanced), so that the grid's z
 // (image rows of out) stays within 65535 and every index within 2^31. `extra`
 // (data NULL: none) is shaped like out. The vector accessors when every
@@ -1246,15 +1271,17 @@ static void image_rows_launch(Tensor out, Tensor in, Tensor extra, K kernel_for)
                                       : NULL,
                            out.shape, extra.dtype);
         oc.shape.n = ic.shape.n = count;
+        const double bytes = bytes_of(oc) + bytes_of(ic) +
+                             (ec.data ? bytes_of(shape_numel(oc.shape), ec.dtype) : 0.0);
         if (vec) {
             SWITCH_STORAGE(out.dtype, T, {
                 typedef std::conditional_t<NARROW, NarrowIO<T>, VecIO<T>> IO;
                 RowGrid g = row_grid(C / IO::W, out.shape.w, (unsigned)(count * H));
-                kernel_for(g, IO::of(oc), IO::of(ic), IO::of(ec), oc.shape, ic.shape);
+                kernel_for(g, IO::of(oc), IO::of(ic), IO::of(ec), oc.shape, ic.shape, bytes);
             });
         } else {
             RowGrid g = row_grid(C, out.shape.w, (unsigned)(count * H));
-            kernel_for(g, AnyIO::of(oc), AnyIO::of(ic), AnyIO::of(ec), oc.shape, ic.shape);
+            kernel_for(g, AnyIO::of(oc), AnyIO::of(ic), AnyIO::of(ec), oc.shape, ic.shape, bytes);
         }
         launchCheck();
     }
@@ -1506,7 +1533,10 @@ static void im2col(Ops *o, void *col, Tensor in, const ConvCfg *cfg, const ConvG
     size_t n = (size_t)(t1 - t0) * q->OW * cfg->groups * q->K;
     require_below(n, (size_t)1 << 31, "im2col elements in one chunk (cuda_conv_chunk_bytes)");
     require_below(shape_numel(in.shape), (size_t)1 << 31, "im2col input elements");
-    CU_LAUNCH(im2col_kernel, grid_for(n), BLOCK, 0, stream_of(o), col, in.data, in.dtype, *cfg, *q,
+    // the columns written; each gathers an input element (the band's rows: once from memory)
+    const double band = (double)(t1 - t0) / ((double)q->N * q->OH);
+    CU_LAUNCH(im2col_kernel, grid_for(n), BLOCK, 0, stream_of(o),
+              moves(bytes_of(n, in.dtype) + band * bytes_of(in)), col, in.data, in.dtype, *cfg, *q,
               t0, (uint32_t)n, im2col_divs(cfg, q));
     launchCheck();
 }
@@ -1553,8 +1583,9 @@ static void bias_rows(Ops *o, void *y, DType dt, const float *rows32, const floa
                       size_t n_rows) {
     for_row_launches(n_rows, C, [&](size_t r0, size_t count) {
         RowGrid g = row_grid(C, count);
-        CU_LAUNCH(bias_rows_kernel, g.grid, g.block, 0, stream_of(o), elem_ptr(y, dt, r0 * C), dt,
-                  rows32 + r0 * C, b, C, (uint32_t)count);
+        CU_LAUNCH(bias_rows_kernel, g.grid, g.block, 0, stream_of(o),
+                  moves(bytes_of(count * C, dt) + bytes_of(count * C, DT_F32)),
+                  elem_ptr(y, dt, r0 * C), dt, rows32 + r0 * C, b, C, (uint32_t)count);
         launchCheck();
     });
 }
@@ -2190,6 +2221,14 @@ static void wgrad_split(const ConvCfg *cfg, const ConvGeom *q, int *parts, uint3
     *part_pixels = per;
 }
 
+// an implicit GEMM's traffic: its activations, weights of `weight_type`, and
+// 2·M·Cout·K FLOPs (M pixels, K = kh·kw·Cin/groups products each)
+static Traffic conv_traffic(const ConvGeom *q, Tensor a, Tensor b, DType weight_type) {
+    const double weights = (double)q->Cout * q->K;
+    return moves(bytes_of(a) + bytes_of(b) + weights * dtype_size(weight_type),
+                 2.0 * q->N * q->P * weights);
+}
+
 static void conv_implicit_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor out,
                                   Tensor in, const void *wt, const float *b) {
     require_below(shape_numel(in.shape), (size_t)1 << 31, "implicit-GEMM conv input elements");
@@ -2206,13 +2245,14 @@ static void conv_implicit_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q,
     const dim3 grid((a.M + IG_BM - 1) / IG_BM, (q->Coutg + IG_BN - 1) / IG_BN, cfg->groups);
     const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(in.dtype) == 0 &&
                      aligned16(in.data) && aligned16(wt);
+    const Traffic m = conv_traffic(q, out, in, in.dtype);
     SWITCH_STORAGE(in.dtype, T, {
         if (vec)
             CU_LAUNCH((conv_fwd_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
-                      stream_of(o), (T *)out.data, (const T *)in.data, (const T *)wt, b, a);
+                      stream_of(o), m, (T *)out.data, (const T *)in.data, (const T *)wt, b, a);
         else
             CU_LAUNCH((conv_fwd_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
-                      stream_of(o), (T *)out.data, (const T *)in.data, (const T *)wt, b, a);
+                      stream_of(o), m, (T *)out.data, (const T *)in.data, (const T *)wt, b, a);
     });
     launchCheck();
 }
@@ -2245,13 +2285,14 @@ static void conv_implicit_backward_data(Ops *o, const ConvCfg *cfg, const ConvGe
     const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(din.dtype) == 0 &&
                      q->Coutg % chunk_elems(din.dtype) == 0 && aligned16(dout.data) &&
                      aligned16(wt);
+    const Traffic m = conv_traffic(q, din, dout, din.dtype);
     SWITCH_STORAGE(din.dtype, T, {
         if (vec)
             CU_LAUNCH((conv_dgrad_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
-                      stream_of(o), (T *)din.data, (const T *)dout.data, (const T *)wt, a);
+                      stream_of(o), m, (T *)din.data, (const T *)dout.data, (const T *)wt, a);
         else
             CU_LAUNCH((conv_dgrad_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
-                      stream_of(o), (T *)din.data, (const T *)dout.data, (const T *)wt, a);
+                      stream_of(o), m, (T *)din.data, (const T *)dout.data, (const T *)wt, a);
     });
     launchCheck();
 }
@@ -2280,15 +2321,16 @@ static void conv_implicit_backward_weight(Ops *o, const ConvCfg *cfg, const Conv
                      q->Coutg % chunk_elems(in.dtype) == 0 && aligned16(dout.data) &&
                      aligned16(in.data);
     unsigned *done = ctx_of(o)->sums_done;
+    const Traffic m = conv_traffic(q, dout, in, DT_F32);  // dw: fp32
     SWITCH_STORAGE(in.dtype, T, {
         if (vec)
             CU_LAUNCH((conv_wgrad_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
-                      stream_of(o), dw, (float *)ws, done, (const T *)dout.data, (const T *)in.data,
-                      a);
+                      stream_of(o), m, dw, (float *)ws, done, (const T *)dout.data,
+                      (const T *)in.data, a);
         else
             CU_LAUNCH((conv_wgrad_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
-                      stream_of(o), dw, (float *)ws, done, (const T *)dout.data, (const T *)in.data,
-                      a);
+                      stream_of(o), m, dw, (float *)ws, done, (const T *)dout.data,
+                      (const T *)in.data, a);
     });
     launchCheck();
 }
@@ -2398,8 +2440,9 @@ static void conv2d_backward_data_cuda(Ops *o, const ConvCfg *cfg, Tensor din, Te
         require_below(shape_numel(din.shape), (size_t)1 << 31, "col2im output elements");
         const Col2imDivs d = {fastdiv_make(q->C), fastdiv_make(q->W), fastdiv_make(q->H),
                               fastdiv_make(q->Cg)};
-        CU_LAUNCH(col2im_kernel, grid_for(n), BLOCK, 0, stream_of(o), din.data, dt, dcol, *cfg, *q,
-                  u0, t0, (uint32_t)n, accumulate, d);
+        CU_LAUNCH(col2im_kernel, grid_for(n), BLOCK, 0, stream_of(o),
+                  moves(bytes_of(n, dt) + bytes_of(pix * p.GK, DT_F32)), din.data, dt, dcol, *cfg,
+                  *q, u0, t0, (uint32_t)n, accumulate, d);
         launchCheck();
         u0 = u1;
     }
@@ -2603,32 +2646,36 @@ static void depthwise_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Ten
                               const float *w, const float *b) {
     if (!shape_numel(out.shape)) return;
     image_rows_launch<true>(
-            out, in, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
+            out, in, NO_TENSOR,
+            [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s, double bytes) {
                 typedef decltype(yio) IO;
+                const Traffic m = moves(bytes, 2.0 * cfg->kh * cfg->kw * shape_numel(t));
                 if (cfg->kh == 3 && cfg->kw == 3)
                     CU_LAUNCH((depthwise_forward_kernel<IO, 3>), g.grid, g.block, 0, stream_of(o),
-                              yio, t, xio, s, w, b, *cfg, q->pt, q->pl);
+                              m, yio, t, xio, s, w, b, *cfg, q->pt, q->pl);
                 else
                     CU_LAUNCH((depthwise_forward_kernel<IO, 0>), g.grid, g.block, 0, stream_of(o),
-                              yio, t, xio, s, w, b, *cfg, q->pt, q->pl);
+                              m, yio, t, xio, s, w, b, *cfg, q->pt, q->pl);
             });
 }
 static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *q, Tensor din,
                                     Tensor dout, const float *w, int accumulate) {
     if (!shape_numel(din.shape)) return;
     image_rows_launch<true>(
-            din, dout, NO_TENSOR, [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
+            din, dout, NO_TENSOR,
+            [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t, double bytes) {
                 typedef decltype(dxio) IO;
                 const bool k3 = cfg->kh == 3 && cfg->kw == 3;
+                const Traffic m = moves(bytes, 2.0 * cfg->kh * cfg->kw * shape_numel(t));
                 if (k3 && cfg->stride == 1)
                     CU_LAUNCH((depthwise_backward_data_kernel<IO, 3, 1>), g.grid, g.block, 0,
-                              stream_of(o), dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
+                              stream_of(o), m, dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
                 else if (k3 && cfg->stride == 2)
                     CU_LAUNCH((depthwise_backward_data_kernel<IO, 3, 2>), g.grid, g.block, 0,
-                              stream_of(o), dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
+                              stream_of(o), m, dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
                 else
                     CU_LAUNCH((depthwise_backward_data_kernel<IO, 0, 0>), g.grid, g.block, 0,
-                              stream_of(o), dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
+                              stream_of(o), m, dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
             });
 }
 // partial (parts, C, taps) in the workspace, then dw += Σ_parts in part order, in one launch per 9
@@ -2648,7 +2695,9 @@ static void depthwise_backward_weight(Ops *o, const ConvCfg *cfg, const ConvGeom
         const dim3 grid((lanes + tx - 1) / tx, parts), block(tx, BLOCK / tx);
         require_below(grid.x, SUMS_COUNTERS + 1, "channel tiles of a depthwise weight gradient");
         for (int tap0 = 0; tap0 < (int)taps; tap0 += DW_MAX_TAPS) {
-            CU_LAUNCH((depthwise_weight_kernel<IO, DW_MAX_TAPS>), grid, block, 0, stream_of(o), dw,
+            const int n_taps = taps - tap0 < DW_MAX_TAPS ? (int)taps - tap0 : DW_MAX_TAPS;
+            CU_LAUNCH((depthwise_weight_kernel<IO, DW_MAX_TAPS>), grid, block, 0, stream_of(o),
+                      moves(bytes_of(dout) + bytes_of(in), 2.0 * n_taps * shape_numel(t)), dw,
                       partial, ctx_of(o)->sums_done, dyio, t, xio, s, *cfg, q->pt, q->pl, per_part,
                       tap0, fastdiv_make(t.w), fastdiv_make(t.h));
             launchCheck();
@@ -2737,16 +2786,19 @@ static void per_image_channel(Ops *o, Tensor dst, Tensor src, const void *b, DTy
         void *y = elem_ptr(dst.data, dst.dtype, at);
         const void *s = elem_ptr(src.data, src.dtype, (size_t)n0 * C),
                    *bb = b ? elem_ptr(b, dt_b, at) : NULL;
+        const size_t e = images * HW * C;
+        const Traffic m = moves(bytes_of(e, dst.dtype) + (b ? bytes_of(e, dt_b) : 0.0) +
+                                bytes_of(images * C, src.dtype));
         if (vec) {
             SWITCH_STORAGE(dst.dtype, T, {
                 RowGrid g = row_grid(C / Vec<T>::N, HW, images);
-                CU_LAUNCH(per_image_channel_vec_kernel<T>, g.grid, g.block, 0, stream_of(o), (T *)y,
-                          (const T *)s, (const T *)bb, a, (uint32_t)HW, C, accumulate);
+                CU_LAUNCH(per_image_channel_vec_kernel<T>, g.grid, g.block, 0, stream_of(o), m,
+                          (T *)y, (const T *)s, (const T *)bb, a, (uint32_t)HW, C, accumulate);
             });
         } else {
             RowGrid g = row_grid(C, HW, images);
-            CU_LAUNCH(per_image_channel_kernel, g.grid, g.block, 0, stream_of(o), y, dst.dtype, s,
-                      src.dtype, bb, dt_b, a, (uint32_t)HW, C, accumulate);
+            CU_LAUNCH(per_image_channel_kernel, g.grid, g.block, 0, stream_of(o), m, y, dst.dtype,
+                      s, src.dtype, bb, dt_b, a, (uint32_t)HW, C, accumulate);
         }
         launchCheck();
     }
@@ -2816,6 +2868,7 @@ static void channel_scale_backward_cuda(Ops *o, Tensor dx, Tensor ds, Tensor dy,
         return;
     }
     const StoreSum e = {ds.data, ds.dtype, C, 1.0, accumulate_ds};
+    const double bytes = bytes_of(dy) + bytes_of(x) + bytes_of(s) + (dx.data ? bytes_of(dx) : 0.0);
     if (!dx.data) {
         sums_of_product(o, e, dy, &x, N, rows, C);
     } else if (dx.dtype == dy.dtype && s.dtype == dy.dtype && x.dtype == dy.dtype &&
@@ -2824,12 +2877,12 @@ static void channel_scale_backward_cuda(Ops *o, Tensor dx, Tensor ds, Tensor dy,
             ScaleGradVec<T> f = {
                     (const T *)dy.data, (const T *)x.data, (const T *)s.data, (T *)dx.data, C,
                     (uint32_t)rows,     accumulate_dx};
-            channel_sums<1, Vec<T>::N>(o, f, e, N, rows, C);
+            channel_sums<1, Vec<T>::N>(o, f, e, N, rows, C, bytes);
         });
     } else {
         ScaleGrad f = {dy.data, x.data,   s.data, dx.data,        dy.dtype,
                        s.dtype, dx.dtype, C,      (uint32_t)rows, accumulate_dx};
-        channel_sums<1, 1>(o, f, e, N, rows, C);
+        channel_sums<1, 1>(o, f, e, N, rows, C, bytes);
     }
 }
 
@@ -2971,11 +3024,18 @@ static SeScratch se_scratch(Ops *o, int N, int C, int S) {
     float *g2 = (float *)ctx_of(o)->sums, *y1 = g2 + (size_t)N * C, *g1 = y1 + (size_t)N * S;
     return {g2, y1, g1, g1 + (size_t)N * S};
 }
+// a launch of the gate: an (N, C) tensor of type dt in or out, a C×S fp32 weight
+// matrix, `vectors` fp32 (N, S) or (N, C) vectors, N·C·S multiply-adds
+static Traffic se_traffic(int N, int C, int S, DType dt, double vectors) {
+    const double ncs = (double)N * C * S;
+    return moves(bytes_of((size_t)N * C, dt) + 4.0 * ((double)C * S + vectors), 2.0 * ncs);
+}
 static void se_gate_front(Ops *o, const SeScratch &k, Tensor p, const float *w1, const float *b1,
                           int S, Act act1) {
     const int N = p.shape.n, C = p.shape.c;
     CU_LAUNCH(se_gate_hidden_kernel, dim3(N, (S + SE_WARPS - 1) / SE_WARPS), BLOCK,
-              sizeof(float) * C, stream_of(o), k.z1, k.y1, p.data, p.dtype, w1, b1, C, S, act1);
+              sizeof(float) * C, stream_of(o), se_traffic(N, C, S, p.dtype, 2.0 * N * S + S), k.z1,
+              k.y1, p.data, p.dtype, w1, b1, C, S, act1);
     launchCheck();
 }
 static dim3 se_gate_out_grid(int N, int C) {
@@ -2988,7 +3048,8 @@ static void se_gate_forward_cuda(Ops *o, Tensor s, Tensor p, const float *w1, co
     const SeScratch k = se_scratch(o, N, C, S);
     se_gate_front(o, k, p, w1, b1, S, act1);
     CU_LAUNCH(se_gate_out_kernel, se_gate_out_grid(N, C), BLOCK, sizeof(float) * S, stream_of(o),
-              s.data, (const void *)NULL, p.dtype, k.y1, w2, b2, C, S, act2, (float *)NULL);
+              se_traffic(N, C, S, p.dtype, (double)N * S + C), s.data, (const void *)NULL, p.dtype,
+              k.y1, w2, b2, C, S, act2, (float *)NULL);
     launchCheck();
 }
 static void se_gate_backward_cuda(Ops *o, Tensor dp, Tensor ds, Tensor p, const float *w1,
@@ -3000,19 +3061,25 @@ static void se_gate_backward_cuda(Ops *o, Tensor dp, Tensor ds, Tensor p, const 
     const SeScratch k = se_scratch(o, N, C, S);
     se_gate_front(o, k, p, w1, b1, S, act1);
     CU_LAUNCH(se_gate_out_kernel, se_gate_out_grid(N, C), BLOCK, sizeof(float) * S, stream_of(o),
-              (void *)NULL, ds.data, p.dtype, k.y1, w2, b2, C, S, act2, k.g2);
+              se_traffic(N, C, S, p.dtype, (double)N * (S + C) + C), (void *)NULL, ds.data, p.dtype,
+              k.y1, w2, b2, C, S, act2, k.g2);
     launchCheck();
     CU_LAUNCH(se_gate_hidden_backward_kernel, dim3(N, (S + WARP_SIZE - 1) / WARP_SIZE), BLOCK, 0,
-              stream_of(o), k.g1, k.g2, k.z1, w2, C, S, act1, p.dtype);
+              stream_of(o), se_traffic(N, C, S, DT_F32, 2.0 * N * S), k.g1, k.g2, k.z1, w2, C, S,
+              act1, p.dtype);
     launchCheck();
     if (dp.data) {
         CU_LAUNCH(se_gate_input_backward_kernel, dim3((C + BLOCK - 1) / BLOCK, N), BLOCK, 0,
-                  stream_of(o), dp.data, dp.dtype, k.g1, w1, C, S, accumulate);
+                  stream_of(o), se_traffic(N, C, S, dp.dtype, (double)N * S), dp.data, dp.dtype,
+                  k.g1, w1, C, S, accumulate);
         launchCheck();
     }
     if (!dw1) return;
     const uint32_t items = 2 * (uint32_t)C * S + C + S;
-    CU_LAUNCH(se_gate_weights_kernel, grid_for(items), BLOCK, 0, stream_of(o), k.g2, p.data,
+    // both weight matrices' gradients from p, g1 (N, S), y1 (N, S) and g2 (N, C)
+    Traffic m = se_traffic(N, C, S, p.dtype, (double)C * S + 2.0 * N * S + (double)N * C + C + S);
+    m.flops *= 2;
+    CU_LAUNCH(se_gate_weights_kernel, grid_for(items), BLOCK, 0, stream_of(o), m, k.g2, p.data,
               p.dtype, N, C, S, dw1, db1, dw2, db2, fastdiv_make((uint32_t)S),
               fastdiv_make((uint32_t)C));
     launchCheck();
@@ -3066,13 +3133,16 @@ static void add_backward_cuda(Ops *o, Tensor da, Tensor db, Tensor dy, int acc_a
     const size_t n = shape_numel(dy.shape);
     if (!n || (!da.data && !db.data)) return;
     const DType dta = da.data ? da.dtype : dy.dtype, dtb = db.data ? db.dtype : dy.dtype;
+    const Traffic m = moves(bytes_of(dy) + (da.data ? bytes_of(n, dta) : 0.0) +
+                            (db.data ? bytes_of(n, dtb) : 0.0));
     if (dta == dy.dtype && dtb == dy.dtype && vec_ok({dy.dtype}, n, {dy.data, da.data, db.data})) {
         SWITCH_STORAGE(dy.dtype, T, {
             CU_LAUNCH(add_backward_vec_kernel<T>, grid_for(n / Vec<T>::N), BLOCK, 0, stream_of(o),
-                      (T *)da.data, acc_a, (T *)db.data, acc_b, (const T *)dy.data, n / Vec<T>::N);
+                      m, (T *)da.data, acc_a, (T *)db.data, acc_b, (const T *)dy.data,
+                      n / Vec<T>::N);
         });
     } else {
-        CU_LAUNCH(add_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), da.data, dta, acc_a,
+        CU_LAUNCH(add_backward_kernel, grid_for(n), BLOCK, 0, stream_of(o), m, da.data, dta, acc_a,
                   db.data, dtb, acc_b, dy.data, dy.dtype, n);
     }
     launchCheck();
@@ -3123,15 +3193,18 @@ template <class K> static void concat_launch(Tensor y, Tensor a, Tensor b, K ker
         Tensor yc = tensor(y.data ? elem_ptr(y.data, y.dtype, r0 * C) : NULL, y.shape, y.dtype);
         Tensor ac = tensor(a.data ? elem_ptr(a.data, a.dtype, r0 * Ca) : NULL, a.shape, a.dtype);
         Tensor bc = tensor(b.data ? elem_ptr(b.data, b.dtype, r0 * Cb) : NULL, b.shape, b.dtype);
+        const double bytes = (y.data ? bytes_of(count * C, y.dtype) : 0.0) +
+                             (a.data ? bytes_of(count * Ca, a.dtype) : 0.0) +
+                             (b.data ? bytes_of(count * Cb, b.dtype) : 0.0);
         if (vec) {
             SWITCH_STORAGE(y.dtype, T, {
                 RowGrid g = row_grid(C / Vec<T>::N, count);
-                kernel_for(g, VecIO<T>::of(yc), VecIO<T>::of(ac), VecIO<T>::of(bc),
-                           (uint32_t)count);
+                kernel_for(g, VecIO<T>::of(yc), VecIO<T>::of(ac), VecIO<T>::of(bc), (uint32_t)count,
+                           bytes);
             });
         } else {
             RowGrid g = row_grid(C, count);
-            kernel_for(g, AnyIO::of(yc), AnyIO::of(ac), AnyIO::of(bc), (uint32_t)count);
+            kernel_for(g, AnyIO::of(yc), AnyIO::of(ac), AnyIO::of(bc), (uint32_t)count, bytes);
         }
         launchCheck();
     });
@@ -3139,19 +3212,22 @@ template <class K> static void concat_launch(Tensor y, Tensor a, Tensor b, K ker
 static void concat_forward_cuda(Ops *o, Tensor y, Tensor a, Tensor b) {
     if (!shape_numel(y.shape)) return;
     const int Ca = a.shape.c, Cb = b.shape.c;
-    concat_launch(y, a, b, [&](RowGrid g, auto yio, auto aio, auto bio, uint32_t rows) {
-        CU_LAUNCH(concat_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, aio,
-                  Ca, bio, Cb, rows);
-    });
+    concat_launch(y, a, b,
+                  [&](RowGrid g, auto yio, auto aio, auto bio, uint32_t rows, double bytes) {
+                      CU_LAUNCH(concat_forward_kernel<decltype(yio)>, g.grid, g.block, 0,
+                                stream_of(o), moves(bytes), yio, aio, Ca, bio, Cb, rows);
+                  });
 }
 static void concat_backward_cuda(Ops *o, Tensor da, Tensor db, Tensor dy, int accumulate_a,
                                  int accumulate_b) {
     if (!shape_numel(dy.shape) || (!da.data && !db.data)) return;
     const int Ca = da.shape.c, Cb = db.shape.c;
-    concat_launch(dy, da, db, [&](RowGrid g, auto dyio, auto daio, auto dbio, uint32_t rows) {
-        CU_LAUNCH(concat_backward_kernel<decltype(dyio)>, g.grid, g.block, 0, stream_of(o), daio,
-                  Ca, accumulate_a, dbio, Cb, accumulate_b, dyio, rows);
-    });
+    concat_launch(dy, da, db,
+                  [&](RowGrid g, auto dyio, auto daio, auto dbio, uint32_t rows, double bytes) {
+                      CU_LAUNCH(concat_backward_kernel<decltype(dyio)>, g.grid, g.block, 0,
+                                stream_of(o), moves(bytes), daio, Ca, accumulate_a, dbio, Cb,
+                                accumulate_b, dyio, rows);
+                  });
 }
 
 // ----------------------------------------------------------------------------
@@ -3226,14 +3302,17 @@ static void dropout(Ops *o, Tensor out, Tensor in, Tensor res, int backward, flo
         void *y = out.data ? elem_ptr(out.data, dt_out, (size_t)n0 * E) : NULL;
         void *r = res.data ? elem_ptr(res.data, dt_res, (size_t)n0 * E) : NULL;
         const void *x = elem_ptr(in.data, in.dtype, (size_t)n0 * E);
+        const size_t e = (size_t)count * E;
+        const Traffic m = moves(bytes_of(e, in.dtype) + (y ? bytes_of(e, dt_out) : 0.0) +
+                                (r ? bytes_of(e, dt_res) : 0.0));
         if (vec) {
             SWITCH_STORAGE(in.dtype, T, {
-                CU_LAUNCH(dropout_vec_kernel<T>, grid, BLOCK, 0, stream_of(o), (T *)y, (const T *)x,
-                          (T *)r, backward, (uint32_t)E, per_sample, rate, seed, first_sample + n0,
-                          accumulate, accumulate_res);
+                CU_LAUNCH(dropout_vec_kernel<T>, grid, BLOCK, 0, stream_of(o), m, (T *)y,
+                          (const T *)x, (T *)r, backward, (uint32_t)E, per_sample, rate, seed,
+                          first_sample + n0, accumulate, accumulate_res);
             });
         } else {
-            CU_LAUNCH(dropout_kernel, grid, BLOCK, 0, stream_of(o), y, dt_out, x, in.dtype, r,
+            CU_LAUNCH(dropout_kernel, grid, BLOCK, 0, stream_of(o), m, y, dt_out, x, in.dtype, r,
                       dt_res, backward, (uint32_t)E, per_sample, rate, seed, first_sample + n0,
                       accumulate, accumulate_res);
         }
@@ -3273,10 +3352,11 @@ __global__ void maxpool2_forward_kernel(IO y, Shape t, IO x, Shape s) {
 }
 static void maxpool2_forward_cuda(Ops *o, Tensor y, Tensor x) {
     if (!shape_numel(y.shape)) return;
-    image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
-        CU_LAUNCH(maxpool2_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t,
-                  xio, s);
-    });
+    image_rows_launch(y, x, NO_TENSOR,
+                      [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s, double bytes) {
+                          CU_LAUNCH(maxpool2_forward_kernel<decltype(yio)>, g.grid, g.block, 0,
+                                    stream_of(o), moves(bytes), yio, t, xio, s);
+                      });
 }
 
 // dx gets dy of its window where it is the window's first maximum, else 0 (also
@@ -3310,10 +3390,12 @@ __global__ void maxpool2_backward_kernel(IO dx, Shape s, IO dy, Shape t, IO x, i
 }
 static void maxpool2_backward_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, int accumulate) {
     if (!shape_numel(x.shape) || !dx.data) return;
-    image_rows_launch(dx, dy, x, [&](RowGrid g, auto dxio, auto dyio, auto xio, Shape s, Shape t) {
-        CU_LAUNCH(maxpool2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0, stream_of(o), dxio,
-                  s, dyio, t, xio, accumulate);
-    });
+    image_rows_launch(
+            dx, dy, x,
+            [&](RowGrid g, auto dxio, auto dyio, auto xio, Shape s, Shape t, double bytes) {
+                CU_LAUNCH(maxpool2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0,
+                          stream_of(o), moves(bytes), dxio, s, dyio, t, xio, accumulate);
+            });
 }
 
 // y[n,oy,ox,c] = x[n, oy/2, ox/2, c]
@@ -3331,10 +3413,11 @@ __global__ void upsample2_forward_kernel(IO y, Shape t, IO x, Shape s) {
 }
 static void upsample2_forward_cuda(Ops *o, Tensor y, Tensor x) {
     if (!shape_numel(y.shape)) return;
-    image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
-        CU_LAUNCH(upsample2_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o), yio, t,
-                  xio, s);
-    });
+    image_rows_launch(y, x, NO_TENSOR,
+                      [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s, double bytes) {
+                          CU_LAUNCH(upsample2_forward_kernel<decltype(yio)>, g.grid, g.block, 0,
+                                    stream_of(o), moves(bytes), yio, t, xio, s);
+                      });
 }
 
 // dx[n,iy,ix,c] = Σ of the 2×2 dy it was copied to, in row-major order
@@ -3357,9 +3440,9 @@ __global__ void upsample2_backward_kernel(IO dx, Shape s, IO dy, Shape t, int ac
 static void upsample2_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
     if (!shape_numel(dx.shape) || !dx.data) return;
     image_rows_launch(dx, dy, NO_TENSOR,
-                      [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
+                      [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t, double bytes) {
                           CU_LAUNCH(upsample2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0,
-                                    stream_of(o), dxio, s, dyio, t, accumulate);
+                                    stream_of(o), moves(bytes), dxio, s, dyio, t, accumulate);
                       });
 }
 
@@ -3389,10 +3472,11 @@ __global__ void resize_bilinear_forward_kernel(IO y, Shape t, IO x, Shape s) {
 }
 static void resize_bilinear_forward_cuda(Ops *o, Tensor y, Tensor x) {
     if (!shape_numel(y.shape)) return;
-    image_rows_launch(y, x, NO_TENSOR, [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s) {
-        CU_LAUNCH(resize_bilinear_forward_kernel<decltype(yio)>, g.grid, g.block, 0, stream_of(o),
-                  yio, t, xio, s);
-    });
+    image_rows_launch(y, x, NO_TENSOR,
+                      [&](RowGrid g, auto yio, auto xio, auto, Shape t, Shape s, double bytes) {
+                          CU_LAUNCH(resize_bilinear_forward_kernel<decltype(yio)>, g.grid, g.block,
+                                    0, stream_of(o), moves(bytes), yio, t, xio, s);
+                      });
 }
 
 // The adjoint as a gather, as on the CPU (same outputs, same order):
@@ -3427,9 +3511,10 @@ __global__ void resize_bilinear_backward_kernel(IO dx, Shape s, IO dy, Shape t, 
 static void resize_bilinear_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
     if (!shape_numel(dx.shape) || !dx.data) return;
     image_rows_launch(dx, dy, NO_TENSOR,
-                      [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t) {
+                      [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t, double bytes) {
                           CU_LAUNCH(resize_bilinear_backward_kernel<decltype(dxio)>, g.grid,
-                                    g.block, 0, stream_of(o), dxio, s, dyio, t, accumulate);
+                                    g.block, 0, stream_of(o), moves(bytes), dxio, s, dyio, t,
+                                    accumulate);
                       });
 }
 
@@ -3465,10 +3550,10 @@ static void bn_stats_cuda(Ops *o, Tensor x, float *mean, float *var, float *run_
     if (vec_ok({x.dtype}, C, {x.data})) {
         SWITCH_STORAGE(x.dtype, T, {
             typedef MomentsVec<T, NARROW_BYTES<T>> F;
-            channel_sums<2, NARROW_CHANNELS>(o, F{(const T *)x.data, C}, e, 1, M, C);
+            channel_sums<2, NARROW_CHANNELS>(o, F{(const T *)x.data, C}, e, 1, M, C, bytes_of(x));
         });
     } else {
-        channel_sums<2, 1>(o, Moments{x.data, x.dtype, C}, e, 1, M, C);
+        channel_sums<2, 1>(o, Moments{x.data, x.dtype, C}, e, 1, M, C, bytes_of(x));
     }
 }
 // --sync-bn: the statistics from the replicas' summed sums, one thread per channel
@@ -3485,8 +3570,9 @@ __global__ void bn_stats_finish_kernel(const double *sums, int C, double count, 
 static void bn_stats_finish_cuda(Ops *o, const double *sums, int C, size_t count, float *mean,
                                  float *var, float *run_mean, float *run_var, float momentum) {
     if (C <= 0) return;
-    CU_LAUNCH(bn_stats_finish_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), sums, C,
-              (double)count, mean, var, run_mean, run_var, momentum);
+    CU_LAUNCH(bn_stats_finish_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o),
+              moves((2.0 * sizeof(double) + 6.0 * sizeof(float)) * C), sums, C, (double)count, mean,
+              var, run_mean, run_var, momentum);
     launchCheck();
 }
 
@@ -3540,17 +3626,18 @@ static void bn_forward_plain(Ops *o, Tensor y, Tensor x, const float *mean, cons
     for_row_launches(rows, C, [&](size_t r0, size_t count) {
         void *yc = elem_ptr(y.data, y.dtype, r0 * C);
         const void *xc = elem_ptr(x.data, x.dtype, r0 * C);
+        const Traffic m = moves(bytes_of(count * C, y.dtype) + bytes_of(count * C, x.dtype));
         if (vec) {
             SWITCH_STORAGE(x.dtype, T, {
                 RowGrid g = row_grid(C / Vec<T>::N, count);
                 CU_LAUNCH((bn_forward_vec_kernel<T, StoreVec<T>>), g.grid, g.block, 0, stream_of(o),
-                          StoreVec<T>{(T *)yc}, (const T *)xc, (uint32_t)count, C, mean, var, gamma,
-                          beta, eps, act);
+                          m, StoreVec<T>{(T *)yc}, (const T *)xc, (uint32_t)count, C, mean, var,
+                          gamma, beta, eps, act);
             });
         } else {
             RowGrid g = row_grid(C, count);
-            CU_LAUNCH(bn_forward_kernel, g.grid, g.block, 0, stream_of(o), yc, y.dtype, xc, x.dtype,
-                      (uint32_t)count, C, mean, var, gamma, beta, eps, act);
+            CU_LAUNCH(bn_forward_kernel, g.grid, g.block, 0, stream_of(o), m, yc, y.dtype, xc,
+                      x.dtype, (uint32_t)count, C, mean, var, gamma, beta, eps, act);
         }
         launchCheck();
     });
@@ -3564,8 +3651,9 @@ __global__ void bn_update_running_kernel(float *run_mean, float *run_var, const 
 static void bn_update_running_cuda(Ops *o, float *run_mean, float *run_var, const float *mean,
                                    const float *var, int C, size_t count, float momentum) {
     if (C <= 0) return;
-    CU_LAUNCH(bn_update_running_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), run_mean,
-              run_var, mean, var, C, bn_running_unbias((double)count), momentum);
+    CU_LAUNCH(bn_update_running_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o),
+              moves(6.0 * sizeof(float) * C), run_mean, run_var, mean, var, C,
+              bn_running_unbias((double)count), momentum);
     launchCheck();
 }
 
@@ -3644,10 +3732,11 @@ static void bn_backward_reduce_plain(Ops *o, Tensor dy, Tensor x, const float *m
             typedef DyVec<T, NARROW_BYTES<T>> Dy;
             channel_sums<2, NARROW_CHANNELS>(
                     o, BnGradTermsVec<T, Dy>{{(const T *)dy.data}, (const T *)x.data, C, p}, e, 1,
-                    M, C);
+                    M, C, bytes_of(dy) + bytes_of(x));
         });
     } else {
-        channel_sums<2, 1>(o, BnGradTerms{dy.data, dy.dtype, x.data, x.dtype, C, p}, e, 1, M, C);
+        channel_sums<2, 1>(o, BnGradTerms{dy.data, dy.dtype, x.data, x.dtype, C, p}, e, 1, M, C,
+                           bytes_of(dy) + bytes_of(x));
     }
 }
 // --sync-bn: the gradient sums from the replicas' summed sums, one thread per channel
@@ -3658,8 +3747,9 @@ __global__ void bn_backward_finish_kernel(const double *sums, int C, float *sum_
 static void bn_backward_finish_cuda(Ops *o, const double *sums, int C, float *sum_g, float *sum_gx,
                                     float *dgamma, float *dbeta) {
     if (C <= 0) return;
-    CU_LAUNCH(bn_backward_finish_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o), sums, C,
-              sum_g, sum_gx, dgamma, dbeta);
+    CU_LAUNCH(bn_backward_finish_kernel, grid_for((size_t)C), BLOCK, 0, stream_of(o),
+              moves((2.0 * sizeof(double) + 4.0 * sizeof(float)) * C), sums, C, sum_g, sum_gx,
+              dgamma, dbeta);
     launchCheck();
 }
 
@@ -3732,19 +3822,22 @@ static void bn_backward_data_plain(Ops *o, Tensor dx, Tensor dy, Tensor x, const
         void *dxc = elem_ptr(dx.data, dx.dtype, r0 * C);
         const void *dyc = elem_ptr(dy.data, dy.dtype, r0 * C),
                    *xc = elem_ptr(x.data, x.dtype, r0 * C);
+        const size_t e = n_rows * C;
+        const Traffic m =
+                moves(bytes_of(e, dx.dtype) + bytes_of(e, dy.dtype) + bytes_of(e, x.dtype));
         if (vec) {
             SWITCH_STORAGE(x.dtype, T, {
                 typedef DyVec<T, NARROW_BYTES<T>> Dy;
                 RowGrid g = row_grid(C / NARROW_CHANNELS, n_rows);
-                CU_LAUNCH((bn_backward_data_vec_kernel<T, Dy>), g.grid, g.block, 0, stream_of(o),
+                CU_LAUNCH((bn_backward_data_vec_kernel<T, Dy>), g.grid, g.block, 0, stream_of(o), m,
                           (T *)dxc, Dy{(const T *)dyc}, (const T *)xc, (uint32_t)n_rows, C, p,
                           sum_g, sum_gx, (uint32_t)count, accumulate);
             });
         } else {
             RowGrid g = row_grid(C, n_rows);
-            CU_LAUNCH(bn_backward_data_kernel, g.grid, g.block, 0, stream_of(o), dxc, dx.dtype, dyc,
-                      dy.dtype, xc, x.dtype, (uint32_t)n_rows, C, p, sum_g, sum_gx, (uint32_t)count,
-                      accumulate);
+            CU_LAUNCH(bn_backward_data_kernel, g.grid, g.block, 0, stream_of(o), m, dxc, dx.dtype,
+                      dyc, dy.dtype, xc, x.dtype, (uint32_t)n_rows, C, p, sum_g, sum_gx,
+                      (uint32_t)count, accumulate);
         }
         launchCheck();
     });
@@ -3882,7 +3975,7 @@ static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const BnArgs *bn) {
             channel_sums<1, NARROW_CHANNELS>(
                     o, F{(const T *)x.data, (T *)y.data, C, (uint32_t)HW, p},
                     StoreSum{next->pooled.data, next->pooled.dtype, C, (double)HW, 0}, x.shape.n,
-                    HW, C);
+                    HW, C, bytes_of(x) + bytes_of(y));
         });
         return;
     }
@@ -3893,8 +3986,8 @@ static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const BnArgs *bn) {
             ResidualEnd<T> out = {(T *)next->out.data + at, (const T *)next->residual.data + at,
                                   sample_keep(next, HW, r0)};
             CU_LAUNCH((bn_forward_vec_kernel<T, ResidualEnd<T>>), g.grid, g.block, 0, stream_of(o),
-                      out, (const T *)x.data + at, (uint32_t)count, C, mean, var, gamma, beta, eps,
-                      act);
+                      moves(3.0 * count * C * sizeof(T)), out, (const T *)x.data + at,
+                      (uint32_t)count, C, mean, var, gamma, beta, eps, act);
         });
         launchCheck();
     });
@@ -3932,8 +4025,9 @@ static void bn_backward_reduce_cuda(Ops *o, Tensor dy, Tensor x, const BnArgs *b
         typedef DyResidual<T, NARROW_BYTES<T>> Dy;
         const Dy d = {(const T *)dy.data, (T *)next->dresidual.data, next->accumulate_residual,
                       sample_keep(next, HW, 0)};
+        const double dres = next->dresidual.data ? bytes_of(next->dresidual) : 0.0;
         channel_sums<2, NARROW_CHANNELS>(o, BnGradTermsVec<T, Dy>{d, (const T *)x.data, C, p}, e, 1,
-                                         M, C);
+                                         M, C, bytes_of(dy) + bytes_of(x) + dres);
     });
 }
 
@@ -3969,8 +4063,9 @@ static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const 
             RowGrid g = row_grid(C / NARROW_CHANNELS, n_rows);
             const Dy d = {(const T *)dy.data + at, NULL, 0, sample_keep(next, HW, r0)};
             CU_LAUNCH((bn_backward_data_vec_kernel<T, Dy>), g.grid, g.block, 0, stream_of(o),
-                      (T *)dx.data + at, d, (const T *)x.data + at, (uint32_t)n_rows, C, p, sum_g,
-                      sum_gx, (uint32_t)count, accumulate);
+                      moves(3.0 * n_rows * C * sizeof(T)), (T *)dx.data + at, d,
+                      (const T *)x.data + at, (uint32_t)n_rows, C, p, sum_g, sum_gx,
+                      (uint32_t)count, accumulate);
         });
         launchCheck();
     });
@@ -4027,8 +4122,11 @@ static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels,
     const int K = logits.shape.c;
     const size_t rows = shape_numel(logits.shape) / K;
     unsigned grid = reduce_grid(rows);
-    CU_LAUNCH(softmax_xent_kernel, grid, BLOCK, 0, stream_of(o), logits.data, logits.dtype, labels,
-              class_weights, xent_clip_bounds(prob_clip), K, rows, grad_scale, dlogits.data,
+    // logits, labels, and the logits' gradient when asked for
+    const Traffic m = moves(bytes_of(logits) + rows * sizeof(int32_t) +
+                            (dlogits.data ? bytes_of(dlogits) : 0.0));
+    CU_LAUNCH(softmax_xent_kernel, grid, BLOCK, 0, stream_of(o), m, logits.data, logits.dtype,
+              labels, class_weights, xent_clip_bounds(prob_clip), K, rows, grad_scale, dlogits.data,
               dlogits.dtype, reduce_out(o, stats, 3, 1));
     launchCheck();
 }
@@ -4079,8 +4177,9 @@ static void confusion_accumulate_cuda(Ops *o, Tensor logits, const int32_t *labe
     if (!rows) return;
     const int in_shared = K <= CONFUSION_SHARED_MAX_K;
     const size_t smem = in_shared ? (size_t)K * K * sizeof(unsigned long long) : 0;
-    CU_LAUNCH(confusion_kernel, grid_for(rows), BLOCK, smem, stream_of(o), logits.data,
-              logits.dtype, labels, K, rows, (unsigned long long *)confusion, in_shared);
+    CU_LAUNCH(confusion_kernel, grid_for(rows), BLOCK, smem, stream_of(o),
+              moves(bytes_of(logits) + rows * sizeof(int32_t)), logits.data, logits.dtype, labels,
+              K, rows, (unsigned long long *)confusion, in_shared);
     launchCheck();
 }
 
@@ -4138,11 +4237,12 @@ __global__ void adam_vec_kernel(float *params, const float *grads, float *m, flo
 static void adam_update_cuda(Ops *o, float *params, const float *grads, float *m, float *v,
                              size_t n, const AdamStep *s) {
     if (!n) return;
+    const Traffic t = moves(7.0 * sizeof(float) * n);  // p, g, m, v read; p, m, v written
     if (vec_ok({DT_F32}, n, {params, grads, m, v}))
-        CU_LAUNCH(adam_vec_kernel, grid_for(n / Vec<float>::N), BLOCK, 0, stream_of(o), params,
+        CU_LAUNCH(adam_vec_kernel, grid_for(n / Vec<float>::N), BLOCK, 0, stream_of(o), t, params,
                   grads, m, v, n / Vec<float>::N, s);
     else
-        CU_LAUNCH(adam_kernel, grid_for(n), BLOCK, 0, stream_of(o), params, grads, m, v, n, s);
+        CU_LAUNCH(adam_kernel, grid_for(n), BLOCK, 0, stream_of(o), t, params, grads, m, v, n, s);
     launchCheck();
 }
 
@@ -4151,7 +4251,8 @@ __global__ void step_control_kernel(const StepArgs *a, StepState *s, StepPhase p
     step_control_apply(a, s, phase);
 }
 static void step_control_cuda(Ops *o, const StepArgs *a, StepState *s, StepPhase phase) {
-    CU_LAUNCH(step_control_kernel, 1, 1, 0, stream_of(o), a, s, phase);
+    CU_LAUNCH(step_control_kernel, 1, 1, 0, stream_of(o), moves(sizeof *a + sizeof *s), a, s,
+              phase);
     launchCheck();
 }
 

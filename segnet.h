@@ -726,11 +726,13 @@ extern size_t cuda_bytes_live, cuda_bytes_peak;
 // every kernel launch is timed by two events on its stream (run op by op: a
 // replayed graph's kernels are not). cuda_kernel_times waits for the device,
 // adds the launches since the last call to their kernels' rows and writes the
-// rows, most time first, up to max of them; returns how many there are.
+// rows, most time first, up to max of them; returns how many there are. bytes
+// and flops: what the launches declared they move and compute (kernels.cu's
+// Traffic), for achieved GB/s and TFLOP/s.
 typedef struct {
     const char *name;
     long long launches;
-    double ms;
+    double ms, bytes, flops;
 } KernelTimeRow;
 extern int cuda_kernel_timing;
 int cuda_kernel_times(KernelTimeRow *rows, int max);

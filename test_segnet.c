@@ -7733,10 +7733,14 @@ TEST(cuda_kernel_times) {
     KernelTimeRow rows[8];
     const int n = cuda_kernel_times(rows, 8);
     long long fills = -1, scales = -1, all = 0;
+    double fill_bytes = -1, scale_bytes = -1, flops = 0;
     for (int i = 0; i < n && i < 8; i++) {
         all += rows[i].launches;
-        if (contains(rows[i].name, "Constant>")) fills = rows[i].launches;
-        if (contains(rows[i].name, "Scale>")) scales = rows[i].launches;
+        flops += rows[i].flops;
+        if (contains(rows[i].name, "Constant>"))
+            fills = rows[i].launches, fill_bytes = rows[i].bytes;
+        if (contains(rows[i].name, "Scale>"))
+            scales = rows[i].launches, scale_bytes = rows[i].bytes;
         CHECK(rows[i].ms >= 0.0 && (i == 0 || rows[i].ms <= rows[i - 1].ms),
               "row %d (%s): %g ms, not in decreasing order", i, rows[i].name, rows[i].ms);
         if (g_verbose)
@@ -7746,6 +7750,10 @@ TEST(cuda_kernel_times) {
     CHECK(n == 2 && fills == 2 && scales == 1 && all == 3,
           "%d rows; fills %lld, scales %lld, %lld launches (expected 2 rows: 2 fills, 1 scale)", n,
           fills, scales, all);
+    // declared traffic: a fill writes 1024 floats, a scale reads and writes them
+    CHECK(fill_bytes == 2 * 4096.0 && scale_bytes == 2 * 4096.0 && flops == 0.0,
+          "bytes: fills %.0f (expected 8192), scale %.0f (expected 8192); flops %.0f (expected 0)",
+          fill_bytes, scale_bytes, flops);
     cuda_kernel_times_reset();
     CHECK(cuda_kernel_times(rows, 8) == 0, "rows left after cuda_kernel_times_reset");
     o->free(o, x);
@@ -7848,6 +7856,19 @@ TEST(cuda_emu_count_file) {
     CHECK(v[0] > 0 && v[1] > 0 && v[1] <= v[0], "launches %lld, api_launches %lld", v[0], v[1]);
     CHECK(v[4] >= 2 * 32 * 32 * 3 * 4, "h2d_bytes %lld: the batch's images were not counted", v[4]);
     CHECK(v[7] > 0 && v[8] > 0, "allocs %lld, alloc_bytes_peak %lld", v[7], v[8]);
+    // each launch configuration has its declared traffic, some bytes for every one
+    int configs = 0, traffics = 0, no_bytes = 0;
+    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+        double bytes = 0.0, flops = 0.0;
+        configs += !strncmp(p, "config ", 7);
+        if (!strncmp(p, "traffic ", 8)) {
+            traffics++;
+            no_bytes += sscanf(p + 8, "%lf %lf", &bytes, &flops) != 2 || !(bytes > 0.0);
+        }
+    }
+    CHECK(configs > 0 && traffics == configs && no_bytes == 0,
+          "%d config lines, %d traffic lines, %d of them without bytes:\n%s", configs, traffics,
+          no_bytes, text);
     free(text);
     unlink(path);
 }
@@ -7909,13 +7930,24 @@ TEST(gpucount_waves_by_hand) {
     const char *one = "/tmp/segnet_test_count1.txt", *two = "/tmp/segnet_test_count2.txt";
     FILE *f = fopen(one, "w");
     fprintf(f, "launches 10\nconfig 1 540 128 0 100 0 4 wgrad<BF16>\n"
-               "config 5 7 32 0 10 0 32 setup_kernel\n");
+               "config 5 7 32 0 10 0 32 setup_kernel\n"
+               "traffic 100 100 540 128 0 100 0 4 wgrad<BF16>\n"
+               "traffic 50 0 7 32 0 10 0 32 setup_kernel\n");
     fclose(f);
+    // one step's bytes (FLOPs) by configuration, per launch in brackets: wgrad of 528
+    // blocks 400 (200), of 540 blocks 200 (100), se_gate 10 (10), conv_fwd 5 (5); of 615,
+    // 95% is reached by the two wgrad ones, the lower of them 540 / (2·528) = 0.51.
+    // FLOPs: conv_fwd 4000 alone reaches 95% of 4200: 600 / (2·528) = 0.57
     f = fopen(two, "w");
     fprintf(f, "launches 20\nconfig 3 540 128 0 100 0 4 wgrad<BF16>\n"
                "config 2 528 128 0 100 0 4 wgrad<BF16>\nconfig 5 7 32 0 10 0 32 setup_kernel\n"
                "config 1 16 256 0 32 0 8 se_gate<BF16, 1>\n"
-               "config 1 600 128 0 128 0 4 conv_fwd_kernel<BF16, true>\n");
+               "config 1 600 128 0 128 0 4 conv_fwd_kernel<BF16, true>\n"
+               "traffic 300 300 540 128 0 100 0 4 wgrad<BF16>\n"
+               "traffic 400 0 528 128 0 100 0 4 wgrad<BF16>\n"
+               "traffic 50 0 7 32 0 10 0 32 setup_kernel\n"
+               "traffic 10 0 16 256 0 32 0 8 se_gate<BF16, 1>\n"
+               "traffic 5 4000 600 128 0 128 0 4 conv_fwd_kernel<BF16, true>\n");
     fclose(f);
     char cmd[512], msg[512];
     snprintf(cmd, sizeof cmd, "awk -f gpucount.awk %s %s", one, two);
@@ -7924,13 +7956,17 @@ TEST(gpucount_waves_by_hand) {
     char *out = read_file("/tmp/segnet_test_out.txt", &n);
     CHECK(rc == 0 && out, "%s: exit %d: %s", cmd, rc, msg);
     if (!out) return;
-    CHECK(contains(out, "wave_efficiency_min_full_grids: 0.51 (wgrad<BF16>)") &&
+    CHECK(contains(out, "wave_efficiency_min: 0.51 (wgrad<BF16>; 5 of 6 launches carry 95% of the "
+                        "bytes and of the FLOPs)") &&
+                  contains(out, "wave_efficiency_min_bytes: 0.51 (wgrad<BF16>)") &&
+                  contains(out, "wave_efficiency_min_flops: 0.57 (conv_fwd_kernel<BF16, true>)") &&
+                  contains(out, "wave_efficiency_min_full_grids: 0.51 (wgrad<BF16>)") &&
                   contains(out, "launches_under_one_wave: 1 of 6") &&
                   contains(out, "warps_per_sm_min: 16 (conv_fwd_kernel<BF16, true>)") &&
                   contains(out, "warps_per_sm_min_memory_bound: 16 (wgrad<BF16>)") &&
                   contains(out, "conv_fwd_kernel<BF16, true>                                    "
                                 "         1             600     128  128       0      4     16"
-                                "    0.57") &&
+                                "    0.57    0.8   95.2") &&
                   !contains(out, "setup_kernel"),
           "gpucount.awk on hand-made counts:\n%s", out);
     const char *row = strstr(out, "wgrad<BF16>");
