@@ -196,7 +196,8 @@ void cuda_kernel_times_reset(void) {
 // Partial sums of the deterministic reductions (sum_squares, softmax_xent): one
 // row of REDUCE_WIDTH doubles per block, summed in block order by the block
 // that finishes last (reduce_finish).
-#define REDUCE_BLOCKS_MAX 1024
+// REDUCE_BLOCKS_MAX: 20 blocks per SM, whole waves at 4 or 5 resident, ≥ 0.8 full at 6 to 8
+#define REDUCE_BLOCKS_MAX (20 * WAVE_SMS)
 #define REDUCE_WIDTH 3
 
 // Counters of finished blocks for the reductions whose last block adds the
@@ -427,12 +428,69 @@ size_t cuda_launch_max_elements = (size_t)1 << 30;
 #define MEMORY_BOUND_BLOCKS 4
 #define MEMORY_BOUND __launch_bounds__(BLOCK, MEMORY_BOUND_BLOCKS)
 
+// ---- grids that fill the machine
+// Grids are sized for a 132-SM H200 whatever the GPU: a reduction's order
+// follows its grid, and its bits must not depend on the GPU. A grid of B
+// blocks, b of them resident per SM, runs in W = ceil(B / (132·b)) waves; its
+// wave efficiency B / (W·132·b) is the share of the slots its waves keep busy
+// (make gpucount prints it per launch).
+#define WAVE_SMS 132
+#define WAVE_FILL_MIN 0.8
+// a grid-stride loop's blocks at most: 8 waves at 4 blocks per SM, 4 at 8
+#define GRID_STRIDE_BLOCKS (32 * WAVE_SMS)
+static double wave_efficiency(size_t blocks, size_t slots) {
+    const size_t waves = (blocks + slots - 1) / slots;
+    return waves ? (double)blocks / (double)(waves * slots) : 0.0;
+}
+// b blocks' worth of grid-stride work in at most `most` blocks that each run the
+// same number of rounds r (ceil(b / r) blocks: none runs a round more than the
+// others while they wait). Of the 8 smallest r that keep within `most`, the one
+// whose grid's waves are fullest at the worst of 4, 6 and 8 blocks per SM.
+static size_t balanced_blocks(size_t b, size_t most) {
+    if (b < 1) return 1;
+    const size_t first = (b + most - 1) / most;
+    size_t best = (b + first - 1) / first;
+    double best_fill = -1.0;
+    for (size_t r = first; r < first + 8; r++) {
+        const size_t blocks = (b + r - 1) / r;
+        double fill = 1.0;
+        for (int per_sm = 4; per_sm <= 8; per_sm += 2)
+            fill = std::min(fill, wave_efficiency(blocks, (size_t)WAVE_SMS * per_sm));
+        if (fill > best_fill + 1e-9) {
+            best = blocks;
+            best_fill = fill;
+        }
+    }
+    return best;
+}
+// The parts to split a launch's work into, `tiles` blocks a part, per_sm blocks
+// resident per SM: the asked-for `want` if its waves are WAVE_FILL_MIN full, else
+// the nearest count above it (up to hi) that is, else below it, else want.
+// parts_of(n): the parts that asking for n gives (whole rows or tiles a part).
+template <class P>
+static size_t wave_fill_parts(size_t tiles, size_t want, size_t hi, int per_sm, P parts_of) {
+    const size_t slots = (size_t)WAVE_SMS * per_sm;
+    auto fills = [&](size_t n) {
+        return wave_efficiency(tiles * parts_of(n), slots) >= WAVE_FILL_MIN;
+    };
+    if (fills(want)) return want;
+    for (size_t n = want + 1; n <= hi; n++)
+        if (fills(n)) return n;
+    for (size_t n = want; n-- > 1;)
+        if (fills(n)) return n;
+    return want;
+}
+// rows split into n parts asked for: ceil(rows / n) rows a part, and the parts
+// that makes (none empty)
+static size_t parts_of_whole_rows(size_t rows, size_t n) {
+    if (!rows || !n) return 1;
+    const size_t per = (rows + n - 1) / n;
+    return (rows + per - 1) / per;
+}
+
 // blocks for a grid-stride loop over n elements (bounded: the loop covers the rest)
 static unsigned grid_for(size_t n) {
-    size_t b = (n + BLOCK - 1) / BLOCK;
-    if (b < 1) b = 1;
-    if (b > 4096) b = 4096;
-    return (unsigned)b;
+    return (unsigned)balanced_blocks((n + BLOCK - 1) / BLOCK, GRID_STRIDE_BLOCKS);
 }
 
 // storage-type load and store by run-time type: the conversions of segnet.h,
@@ -606,11 +664,10 @@ struct RowGrid { dim3 grid, block; };
 // lanes channel lanes (channels, or channel vectors), rows rows per launch; z images
 static RowGrid row_grid(int lanes, size_t rows, unsigned z = 1) {
     const unsigned tx = lanes < WARP_SIZE ? (unsigned)lanes : WARP_SIZE, ty = BLOCK / tx;
-    size_t by = (rows + ty - 1) / ty;
     // grid-stride beyond: enough blocks for a GPU
-    const size_t max_by = 4096 / (z < 4096 ? z : 4096) + 1;
-    if (by > max_by) by = max_by;
-    if (by < 1) by = 1;
+    const size_t by = balanced_blocks(
+            (rows + ty - 1) / ty,
+            GRID_STRIDE_BLOCKS / (z < GRID_STRIDE_BLOCKS ? z : GRID_STRIDE_BLOCKS) + 1);
     RowGrid g = {dim3((lanes + tx - 1) / tx, (unsigned)by, z), dim3(tx, ty)};
     return g;
 }
@@ -874,10 +931,7 @@ static __device__ bool last_block(unsigned *count, unsigned blocks) {
 // order. The same input gives the same bits on any GPU, run to run.
 
 static unsigned reduce_grid(size_t n) {
-    size_t b = (n + BLOCK - 1) / BLOCK;
-    if (b < 1) b = 1;
-    if (b > REDUCE_BLOCKS_MAX) b = REDUCE_BLOCKS_MAX;
-    return (unsigned)b;
+    return (unsigned)balanced_blocks((n + BLOCK - 1) / BLOCK, REDUCE_BLOCKS_MAX);
 }
 
 // sh (BLOCK, REDUCE_WIDTH) holds each thread's values; afterwards sh[0..width-1]
@@ -1097,12 +1151,20 @@ static void channel_sums(Ops *o, F f, E e, int G, size_t rows, int C, double byt
     const unsigned tx = lanes < WARP_SIZE ? (unsigned)lanes : WARP_SIZE, ty = BLOCK / tx;
     size_t chunks = (rows + SUMS_MIN_ROWS - 1) / SUMS_MIN_ROWS;
     size_t fit = SUMS_SCRATCH / ((size_t)G * NQ * C);
-    if (chunks > SUMS_MAX_CHUNKS) chunks = SUMS_MAX_CHUNKS;
-    if (chunks > fit) chunks = fit;
+    // more chunks than that when they fill the waves: a row a thread at least
+    size_t hi = (rows + ty - 1) / ty;
+    if (hi > SUMS_MAX_CHUNKS) hi = SUMS_MAX_CHUNKS;
+    if (hi > fit) hi = fit;
+    if (chunks > hi) chunks = hi;
     const unsigned tiles = (lanes + tx - 1) / tx;
-    if (chunks < 1 || (size_t)tiles * G > SUMS_COUNTERS) chunks = 1;
+    auto whole = [&](size_t n) { return parts_of_whole_rows(rows, n); };
+    if (chunks < 1 || (size_t)tiles * G > SUMS_COUNTERS) {
+        chunks = 1;
+    } else {
+        chunks = wave_fill_parts((size_t)tiles * G, chunks, hi, MEMORY_BOUND_BLOCKS, whole);
+    }
     const size_t rows_per_chunk = rows ? (rows + chunks - 1) / chunks : 1;
-    chunks = rows ? (rows + rows_per_chunk - 1) / rows_per_chunk : 1;  // no empty chunk
+    chunks = whole(chunks);
     dim3 grid(tiles, (unsigned)chunks, G), block(tx, ty);
     CU_LAUNCH((channel_sums_kernel<NQ, W, F, E>), grid, block, 0, stream_of(o), moves(bytes), f, e,
               ctx_of(o)->sums, ctx_of(o)->sums_done, (uint32_t)rows, C, (uint32_t)rows_per_chunk);
@@ -1405,6 +1467,7 @@ static void conv_fail(const char *what, const ConvCfg *cfg, Shape in) {
 }
 
 static bool conv_takes_implicit(Ops *o, const ConvCfg *cfg);
+static int depthwise_weight_parts(const ConvGeom *q, int want);
 static void wgrad_split(const ConvCfg *cfg, const ConvGeom *q, int *parts, uint32_t *part_pixels);
 static ConvPlan conv_plan(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
     ConvPlan p;
@@ -1420,6 +1483,7 @@ static ConvPlan conv_plan(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
     if (p.parts > REDUCE_PARTS_MAX) p.parts = REDUCE_PARTS_MAX;
     if (p.parts < 1) p.parts = 1;
     if (p.depthwise) {  // the weight gradient's partial sums, [part][c][ky][kx]
+        p.parts = depthwise_weight_parts(q, p.parts);
         p.reduce = (size_t)p.parts * q->C * cfg->kh * cfg->kw * sizeof(float);
         return p;
     }
@@ -2169,15 +2233,9 @@ static void ig_raise_smem_limits() {
 // second wave that is mostly empty: the fewest parts that fill one wave, or
 // one part fewer when that keeps WAVE_FILL_MIN of the wave busy, or else the
 // next count whose last wave is that full.
-#define WGRAD_BLOCKS 528
+#define WGRAD_BLOCKS (4 * WAVE_SMS)
 #define WGRAD_MIN_TILES 8
 #define WGRAD_PARTS_MAX WGRAD_BLOCKS
-#define WAVE_FILL_MIN 0.8
-// blocks / (waves · slots): the share of the slots that a grid's waves keep busy
-static double wave_efficiency(size_t blocks, size_t slots) {
-    const size_t waves = (blocks + slots - 1) / slots;
-    return waves ? (double)blocks / (double)(waves * slots) : 0.0;
-}
 // n parts asked for: pixels per part (whole IG_BK tiles), and the parts that makes
 static int wgrad_parts_of(size_t M, size_t n, uint32_t *part_pixels) {
     size_t per = (M + n - 1) / n;
@@ -2677,6 +2735,21 @@ static void depthwise_backward_data(Ops *o, const ConvCfg *cfg, const ConvGeom *
                     CU_LAUNCH((depthwise_backward_data_kernel<IO, 0, 0>), g.grid, g.block, 0,
                               stream_of(o), m, dxio, s, dyio, t, w, *cfg, q->pt, q->pl, accumulate);
             });
+}
+// The weight gradient's pixel split (conv_plan): at least REDUCE_ROWS pixels a
+// part and at most REDUCE_PARTS_MAX parts, or else the nearest count up to
+// DW_PARTS_MAX (a row a thread at least) whose waves are WAVE_FILL_MIN full at
+// the 16-bit kernels' MEMORY_BOUND_BLOCKS per SM
+#define DW_PARTS_MAX (4 * WAVE_SMS)
+static int depthwise_weight_parts(const ConvGeom *q, int want) {
+    const size_t M = (size_t)q->N * q->P,
+                 lanes = q->C % NARROW_CHANNELS == 0 ? q->C / NARROW_CHANNELS : q->C;
+    const size_t tx = lanes < WARP_SIZE ? lanes : WARP_SIZE, tiles = (lanes + tx - 1) / tx;
+    size_t hi = M / (BLOCK / tx);
+    if (hi > DW_PARTS_MAX) hi = DW_PARTS_MAX;
+    if (hi < (size_t)want) hi = want;
+    auto whole = [&](size_t n) { return parts_of_whole_rows(M, n); };
+    return (int)wave_fill_parts(tiles, want, hi, MEMORY_BOUND_BLOCKS, whole);
 }
 // partial (parts, C, taps) in the workspace, then dw += Σ_parts in part order, in one launch per 9
 // taps

@@ -1717,6 +1717,10 @@ TEST(cuda_conv_depthwise) {
         {"depthwise 3x3 s2 symmetric, 24 channels", {2, 9, 6, 24}, 24, 3, 2, 24, PAD_SYMMETRIC},
         {"depthwise 5x5 s2 same, 8 channels", {2, 7, 9, 8}, 8, 5, 2, 8, PAD_SAME},
         {"depthwise 3x3 s1 symmetric, 12 channels", {1, 6, 5, 12}, 12, 3, 1, 12, PAD_SYMMETRIC},
+        // 1,152 output pixels of 512 channels (4 channel tiles): 5 parts of 256 pixels would be
+        // 20 blocks; the weight gradient takes 116 parts of 10 (464 blocks, 0.88 of a wave)
+        {"depthwise 3x3 s1 same, 512 channels in 116 parts", {2, 24, 24, 512}, 512, 3, 1, 512,
+         PAD_SAME},
         // over 256 output pixels: the weight gradient in 3 parts, added by the last block
         {"depthwise 3x3 s1 same, 646 pixels, 16 channels", {2, 17, 19, 16}, 16, 3, 1, 16, PAD_SAME},
         {"depthwise 5x5 s1 same, 646 pixels", {2, 17, 19, 5}, 5, 5, 1, 5, PAD_SAME},
@@ -3259,9 +3263,12 @@ TEST(bn_fused_next) { bn_fused_cases(&ops_cpu, 91); }
 TEST(cuda_bn_stats) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 81);
-    for (int si = 0; si < CU_NSHAPES; si++)
+    // and 3,200 rows of 512 channels (4 channel tiles): 100 chunks of 32 rows would be 400
+    // blocks, 0.76 of a wave of 528; the sums take 107 chunks of 30 rows (428 blocks, 0.81)
+    const Shape wave_filling = {1, 40, 80, 512};
+    for (int si = 0; si <= CU_NSHAPES; si++)
         for (int dt = 0; dt < 3; dt++) {
-            const Shape s = CU_SHAPES[si];
+            const Shape s = si < CU_NSHAPES ? CU_SHAPES[si] : wave_filling;
             const int C = s.c;
             const size_t n = shape_numel(s), M = n / C;
             float *xv = randn(&r, n, 2.0f);
