@@ -19,8 +19,9 @@
 #                                   step's bytes, and those that carry 95% of its
 #                                   FLOPs: the configurations taken by bytes (FLOPs)
 #                                   per launch, largest first, until 95% of the
-#                                   total (cuBLAS's GEMMs are not in it: their
-#                                   grids are cuBLAS's choice)
+#                                   total, and any others as heavy per launch as the
+#                                   last one taken (cuBLAS's GEMMs are not in it:
+#                                   their grids are cuBLAS's choice)
 #   wave_efficiency_min_full_grids: over the launches of at least one full wave
 #   launches_under_one_wave:        launches with fewer blocks than one wave
 #   warps_per_sm_min:               the fewest resident warps per SM of any launch
@@ -45,9 +46,13 @@ function min_over_share(w, share,   k, m, i, j, t, order, per, total, sum, lo) {
                              (per[order[j]] == per[order[j - 1]] && order[j] < order[j - 1])); j--) {
             t = order[j]; order[j] = order[j - 1]; order[j - 1] = t
         }
-    lo = 2; sum = 0
-    for (i = 1; i <= m && sum < share * total; i++) {
-        k = order[i]; sum += w[k]; picked[k] = 1
+    # the weight per launch at which the share is reached; every configuration
+    # of at least that weight is in (ties at the boundary: all of them)
+    sum = 0; cut = 0
+    for (i = 1; i <= m && sum < share * total; i++) { sum += w[order[i]]; cut = per[order[i]] }
+    lo = 2
+    for (i = 1; i <= m && per[order[i]] >= cut; i++) {
+        k = order[i]; picked[k] = 1
         if (effk[k] < lo || (effk[k] == lo && namek[k] < lo_name)) { lo = effk[k]; lo_name = namek[k] }
     }
     return lo

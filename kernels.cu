@@ -1680,9 +1680,12 @@ static size_t rows_per_part(size_t M, int parts) { return (M + parts - 1) / part
 // Both read their A operand the same way (Gather): rows of pixels of an NHWC
 // tensor, columns k = (a, b, c), A[m][k] = src[n, y_m + dir·a, x_m + dir·b, c0 + c].
 //
-// Tiling: a block of 4 warps computes IG_BM GEMM rows × IG_BN channels of one
-// group (and phase); warp w the 64×32 sub-tile at rows 64·(w%2), channels
-// 32·(w/2), as 4×4 mma.m16n8k16 tiles with fp32 accumulators in registers. K
+// Tiling: a block of 4 warps computes IG_BM GEMM rows × BN channels of one
+// group (and phase), BN = IG_BN or, for narrow layers, IG_BN_NARROW (IgTile);
+// warp w the WM×32 sub-tile at rows WM·(w % WARPS_M), channels 32·(w / WARPS_M)
+// (64×32 of a 2×2 layout, or 32×32 of a 4×1 one), as MI×4 mma.m16n8k16 tiles
+// with fp32 accumulators in registers. Each output's sum runs over k in the
+// same order whatever BN: the two tiles give the same bits. K
 // is walked IG_BK at a time through IG_STAGES shared-memory buffers that
 // cp.async fills while the tensor cores work on an earlier one (ig_mainloop).
 //   Loading A: thread t fills 16-byte chunk t%4 (8 consecutive k) of tile rows
@@ -1702,12 +1705,27 @@ static size_t rows_per_part(size_t M, int parts) { return (M + parts - 1) / part
 
 #define IG_BM 128
 #define IG_BN 64
+#define IG_BN_NARROW 32
 #define IG_BK 32
 #define IG_STAGES 3
 #define IG_THREADS 128
-// the A tile, then the B tile (IG_BN×IG_BK or IG_BK×IG_BN)
-#define IG_STAGE_ELEMS ((IG_BM + IG_BN) * IG_BK)
 #define IG_MAX_PHASES 4  // backward data: stride ≤ 2 (larger strides take the reference path)
+// a block tile of BN channels: the warps' layout, MI 16-row mma tiles a warp, and
+// a shared-memory stage (the A tile, then the B tile: BN×IG_BK or IG_BK×BN)
+template <int BN> struct IgTile {
+    static constexpr int WARPS_N = BN / 32, WARPS_M = IG_THREADS / WARP_SIZE / WARPS_N,
+                         WM = IG_BM / WARPS_M, MI = WM / 16, STAGE_ELEMS = (IG_BM + BN) * IG_BK;
+    static_assert(WARPS_N * 32 == BN && WM * WARPS_M == IG_BM && MI * 16 == WM, "tile shape");
+};
+// The resident blocks per SM of the 16-bit kernels as built for sm_90
+// (kernel_resources.txt; test cuda_conv_tiles), by their registers a thread: at
+// IG_BN 124-128; at IG_BN_NARROW, the vector kernels (16-byte chunks) 96
+// (forward) and 71-72 (backward data, weight gradient), the others 79, 96, 76
+enum { IG_FWD, IG_DGRAD, IG_WGRAD };
+static int ig_blocks_per_sm(int bn, int pass, bool vec) {
+    static const int narrow[2][3] = {{6, 5, 6}, {5, 7, 7}};
+    return bn == IG_BN ? 4 : narrow[vec][pass];
+}
 
 // A tile row holds ROW elements of type T, moved in 16-byte chunks of CE
 // elements. Chunk c of row r is stored at chunk c ^ (r/2 % 4) in rows of 4
@@ -1780,43 +1798,47 @@ static __device__ __forceinline__ void load_a(T *As, const T *src, const Gather 
 
 // where accumulator r of the warp's tile (i, j) lies in the block's tile: row
 // wm + TC_M·i + tc_acc_row(r), column wn + TC_N·j + tc_acc_col(r), with the warp's corner
-// (wm, wn) = (64·(warp%2), 32·(warp/2))
-static __device__ __forceinline__ unsigned ig_warp_row() {
-    return threadIdx.x / WARP_SIZE % 2 * 64;
+// (wm, wn) = (WM·(warp % WARPS_M), 32·(warp / WARPS_M))
+template <int BN> static __device__ __forceinline__ unsigned ig_warp_row() {
+    return threadIdx.x / WARP_SIZE % IgTile<BN>::WARPS_M * IgTile<BN>::WM;
 }
-static __device__ __forceinline__ unsigned ig_warp_col() {
-    return threadIdx.x / WARP_SIZE / 2 * 32;
+template <int BN> static __device__ __forceinline__ unsigned ig_warp_col() {
+    return threadIdx.x / WARP_SIZE / IgTile<BN>::WARPS_M * 32;
 }
-static __device__ __forceinline__ int ig_acc_row(int i, int r) {
-    return ig_warp_row() + TC_M * i + tc_acc_row(r);
+template <int BN> static __device__ __forceinline__ int ig_acc_row(int i, int r) {
+    return ig_warp_row<BN>() + TC_M * i + tc_acc_row(r);
 }
-static __device__ __forceinline__ int ig_acc_col(int j, int r) {
-    return ig_warp_col() + TC_N * j + tc_acc_col(r);
+template <int BN> static __device__ __forceinline__ int ig_acc_col(int j, int r) {
+    return ig_warp_col<BN>() + TC_N * j + tc_acc_col(r);
 }
+// a thread's accumulators: (MI, 4 column tiles, 4)
+template <int BN> using IgAcc = float[IgTile<BN>::MI][4][4];
 // store(row, column, value) for each of the thread's accumulators, at its place in the block's tile
-template <class Store>
-static __device__ __forceinline__ void ig_each_acc(const float (&acc)[4][4][4], Store store) {
+template <int BN, class Store>
+static __device__ __forceinline__ void ig_each_acc(const IgAcc<BN> &acc, Store store) {
     #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < IgTile<BN>::MI; i++)
         #pragma unroll
         for (int j = 0; j < 4; j++)
             #pragma unroll
-            for (int r = 0; r < 4; r++) store(ig_acc_row(i, r), ig_acc_col(j, r), acc[i][j][r]);
+            for (int r = 0; r < 4; r++)
+                store(ig_acc_row<BN>(i, r), ig_acc_col<BN>(j, r), acc[i][j][r]);
 }
 
 // The K loop of the three kernels: acc[i][j] (the warp's 16×8 tile (i, j)) +=
 // A·B over k_tiles tiles of IG_BK; load_stage(buf) issues the copies of the
 // next tile into buffer buf. The A tile is [IG_BM][IG_BK] (GEMM rows), or with
-// A_TRANS [IG_BK][IG_BM] (reduction rows); the B tile [IG_BN][IG_BK] (channel
-// rows), or with B_TRANS [IG_BK][IG_BN]. fp16/bf16: ldmatrix and mma.sync;
+// A_TRANS [IG_BK][IG_BM] (reduction rows); the B tile [BN][IG_BK] (channel
+// rows), or with B_TRANS [IG_BK][BN]. fp16/bf16: ldmatrix and mma.sync;
 // fp32: the same accumulators by a SIMT product (each thread its own 64
 // elements, k in order, exact fp32 arithmetic).
-template <class T, bool A_TRANS, bool B_TRANS, class LoadStage>
-static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *smem, int k_tiles,
+template <class T, bool A_TRANS, bool B_TRANS, int BN, class LoadStage>
+static __device__ __forceinline__ void ig_mainloop(IgAcc<BN> &acc, T *smem, int k_tiles,
                                                    LoadStage load_stage) {
-    const int wm = ig_warp_row(), wn = ig_warp_col();
+    constexpr int MI = IgTile<BN>::MI;
+    const int wm = ig_warp_row<BN>(), wn = ig_warp_col<BN>();
     #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < MI; i++)
         #pragma unroll
         for (int j = 0; j < 4; j++)
             #pragma unroll
@@ -1832,16 +1854,16 @@ static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *sme
         __syncthreads();                  // ...and everybody's; tile kt-1's buffer is free
         if (kt + IG_STAGES - 1 < k_tiles) load_stage((kt + IG_STAGES - 1) % IG_STAGES);
         cp_async_commit();
-        const T *As = smem + (kt % IG_STAGES) * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
+        const T *As = smem + (kt % IG_STAGES) * IgTile<BN>::STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
         if constexpr (sizeof(T) == 4) {
             #pragma unroll 4
             for (int k = 0; k < IG_BK; k++) {
-                float a[4][2], b[4][2];
+                float a[MI][2], b[4][2];
                 #pragma unroll
-                for (int i = 0; i < 4; i++)
+                for (int i = 0; i < MI; i++)
                     #pragma unroll
                     for (int h = 0; h < 2; h++) {
-                        const int m = ig_acc_row(i, 2 * h);
+                        const int m = ig_acc_row<BN>(i, 2 * h);
                         a[i][h] = to_f32(A_TRANS ? As[ig_at<T, IG_BM>(k, m)]
                                                  : As[ig_at<T, IG_BK>(m, k)]);
                     }
@@ -1849,12 +1871,12 @@ static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *sme
                 for (int j = 0; j < 4; j++)
                     #pragma unroll
                     for (int e = 0; e < 2; e++) {
-                        const int n = ig_acc_col(j, e);
-                        b[j][e] = to_f32(B_TRANS ? Bs[ig_at<T, IG_BN>(k, n)]
+                        const int n = ig_acc_col<BN>(j, e);
+                        b[j][e] = to_f32(B_TRANS ? Bs[ig_at<T, BN>(k, n)]
                                                  : Bs[ig_at<T, IG_BK>(n, k)]);
                     }
                 #pragma unroll
-                for (int i = 0; i < 4; i++)
+                for (int i = 0; i < MI; i++)
                     #pragma unroll
                     for (int j = 0; j < 4; j++)
                         #pragma unroll
@@ -1863,9 +1885,9 @@ static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *sme
         } else {
             #pragma unroll
             for (int ks = 0; ks < IG_BK / TC_K; ks++) {
-                uint32_t af[4][4], bf[4][2];
+                uint32_t af[MI][4], bf[4][2];
                 #pragma unroll
-                for (int i = 0; i < 4; i++) {
+                for (int i = 0; i < MI; i++) {
                     const int m = wm + TC_M * i;  // the fragment's first GEMM row
                     tc_load_a<A_TRANS>(af[i], [&](int line, int chunk) {
                         return A_TRANS ? As + ig_swizzle<T, IG_BM>(TC_K * ks + line, m / 8 + chunk)
@@ -1876,12 +1898,12 @@ static __device__ __forceinline__ void ig_mainloop(float (&acc)[4][4][4], T *sme
                 for (int j = 0; j < 2; j++) {
                     const int n = wn + 2 * TC_N * j;  // the first of the two tiles' columns
                     tc_load_b2<B_TRANS>(bf[2 * j], bf[2 * j + 1], [&](int line, int chunk) {
-                        return B_TRANS ? Bs + ig_swizzle<T, IG_BN>(TC_K * ks + line, n / 8 + chunk)
+                        return B_TRANS ? Bs + ig_swizzle<T, BN>(TC_K * ks + line, n / 8 + chunk)
                                        : Bs + ig_swizzle<T, IG_BK>(n + line, 2 * ks + chunk);
                     });
                 }
                 #pragma unroll
-                for (int i = 0; i < 4; i++)
+                for (int i = 0; i < MI; i++)
                     #pragma unroll
                     for (int j = 0; j < 4; j++) tc_mma<T>(acc[i][j], af[i], bf[j]);
             }
@@ -1897,14 +1919,14 @@ struct ConvFwdArgs {
     FastDiv OW, OH;
 };
 
-template <class T, bool VEC>
+template <class T, bool VEC, int BN>
 __global__ void __launch_bounds__(IG_THREADS)
         conv_fwd_kernel(T *y, const T *x, const T *w, const float *bias, ConvFwdArgs a) {
-    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BM rows, B: IG_BN rows) of IG_BK elements
+    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BM rows, B: BN rows) of IG_BK elements
     typedef TileFill<T, IG_BK, IG_BM> FA;
-    typedef TileFill<T, IG_BK, IG_BN> FB;
+    typedef TileFill<T, IG_BK, BN> FB;
     constexpr int CE = Chunk<T>::CE;
-    const int g = blockIdx.z, m0 = blockIdx.x * IG_BM, n0 = blockIdx.y * IG_BN, K = a.gd.K;
+    const int g = blockIdx.z, m0 = blockIdx.x * IG_BM, n0 = blockIdx.y * BN, K = a.gd.K;
     int base[FA::N], py[FA::N], px[FA::N];
     #pragma unroll
     for (int i = 0; i < FA::N; i++) {
@@ -1919,7 +1941,7 @@ __global__ void __launch_bounds__(IG_THREADS)
     walk.advance(FA::chunk() * CE, a.gd.Ck, a.gd.taps_x);  // FB's chunk is the same column
     const T *wg = w + (size_t)g * a.Coutg * K;
     auto load_stage = [&](int buf) {
-        T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
+        T *As = smem + buf * IgTile<BN>::STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
         load_a<T, VEC>(As, x, a.gd, base, py, px, walk);
         #pragma unroll
         for (int j = 0; j < FB::N; j++) {  // W's rows co, k-contiguous, like A's
@@ -1936,18 +1958,18 @@ __global__ void __launch_bounds__(IG_THREADS)
         }
         walk.advance(IG_BK, a.gd.Ck, a.gd.taps_x);
     };
-    float acc[4][4][4];
-    ig_mainloop<T, false, false>(acc, smem, (K + IG_BK - 1) / IG_BK, load_stage);
+    IgAcc<BN> acc;
+    ig_mainloop<T, false, false, BN>(acc, smem, (K + IG_BK - 1) / IG_BK, load_stage);
     // accumulators r, r + 1 are columns co, co + 1 of one row: one store where both exist
     #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < IgTile<BN>::MI; i++)
         #pragma unroll
         for (int r = 0; r < 4; r += 2) {
-            const uint32_t m = (uint32_t)(m0 + ig_acc_row(i, r));
+            const uint32_t m = (uint32_t)(m0 + ig_acc_row<BN>(i, r));
             if (m >= a.M) continue;
             #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const int co = n0 + ig_acc_col(j, r), c = g * a.Coutg + co;
+                const int co = n0 + ig_acc_col<BN>(j, r), c = g * a.Coutg + co;
                 if (co >= a.Coutg) continue;
                 T *out = y + m * (uint32_t)a.Cout + c;
                 const float v0 = bias ? acc[i][j][r] + bias[c] : acc[i][j][r];
@@ -1978,15 +2000,15 @@ struct ConvDgradArgs {
     int nky[IG_MAX_PHASES], nkx[IG_MAX_PHASES], dy0[IG_MAX_PHASES], dx0[IG_MAX_PHASES];
 };
 
-template <class T, bool VEC>
+template <class T, bool VEC, int BN>
 __global__ void __launch_bounds__(IG_THREADS)
         conv_dgrad_kernel(T *din, const T *dout, const T *w, ConvDgradArgs a) {
-    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BM rows of IG_BK, B: IG_BK rows of IG_BN)
+    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BM rows of IG_BK, B: IG_BK rows of BN)
     typedef TileFill<T, IG_BK, IG_BM> FA;
-    typedef TileFill<T, IG_BN, IG_BK> FB;
+    typedef TileFill<T, BN, IG_BK> FB;
     constexpr int CE = Chunk<T>::CE;
     const int ph = blockIdx.z % a.phases, g = blockIdx.z / a.phases;
-    const int m0 = blockIdx.x * IG_BM, n0 = blockIdx.y * IG_BN;
+    const int m0 = blockIdx.x * IG_BM, n0 = blockIdx.y * BN;
     const uint32_t M = a.M[ph];
     if ((uint32_t)m0 >= M) return;  // the whole block: this phase has fewer rows
     Gather gd = a.gd;
@@ -2005,7 +2027,7 @@ __global__ void __launch_bounds__(IG_THREADS)
     }
     TapWalk walk = {0, 0, 0, 0};
     walk.advance(FA::chunk() * CE, gd.Ck, gd.taps_x);
-    // B: rows k = (a, b, co) of W's [co][ky][kx][ci], IG_BN consecutive ci from n0
+    // B: rows k = (a, b, co) of W's [co][ky][kx][ci], BN consecutive ci from n0
     const int ci = n0 + FB::chunk() * CE;
     TapWalk bwalk[FB::N];
     #pragma unroll
@@ -2015,7 +2037,7 @@ __global__ void __launch_bounds__(IG_THREADS)
     }
     const T *wg = w + (size_t)g * a.Coutg * a.Kw;
     auto load_stage = [&](int buf) {
-        T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
+        T *As = smem + buf * IgTile<BN>::STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
         load_a<T, VEC>(As, dout, gd, base, py, px, walk);
         walk.advance(IG_BK, gd.Ck, gd.taps_x);
         #pragma unroll
@@ -2023,7 +2045,7 @@ __global__ void __launch_bounds__(IG_THREADS)
             const TapWalk &b = bwalk[j];
             const int tap = (a.ky0[ph] + s * b.a) * a.kw + a.kx0[ph] + s * b.b;
             const T *src = wg + b.c * a.Kw + tap * a.Cg + ci;
-            T *dst = Bs + ig_swizzle<T, IG_BN>(FB::row(j), FB::chunk());
+            T *dst = Bs + ig_swizzle<T, BN>(FB::row(j), FB::chunk());
             if (VEC) {
                 const bool in = b.k < gd.K && ci < a.Cg;
                 cp_async16(dst, in ? src : w, in ? 16 : 0);
@@ -2034,20 +2056,20 @@ __global__ void __launch_bounds__(IG_THREADS)
             bwalk[j].advance(IG_BK, gd.Ck, gd.taps_x);
         }
     };
-    float acc[4][4][4];
-    ig_mainloop<T, false, true>(acc, smem, (gd.K + IG_BK - 1) / IG_BK, load_stage);
+    IgAcc<BN> acc;
+    ig_mainloop<T, false, true, BN>(acc, smem, (gd.K + IG_BK - 1) / IG_BK, load_stage);
     #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < IgTile<BN>::MI; i++)
         #pragma unroll
         for (int r = 0; r < 4; r += 2) {
-            const uint32_t m = (uint32_t)(m0 + ig_acc_row(i, r));
+            const uint32_t m = (uint32_t)(m0 + ig_acc_row<BN>(i, r));
             if (m >= M) continue;
             const uint32_t t = fastdiv(a.Wv[ph], m), v = m - t * a.Wv[ph].d,
                            n = fastdiv(a.Hu[ph], t), u = t - n * a.Hu[ph].d;
             const uint32_t pixel = (n * a.H + a.py[ph] + s * u) * a.W + a.px[ph] + s * v;
             #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const int c = n0 + ig_acc_col(j, r);  // and c + 1: one store where both exist
+                const int c = n0 + ig_acc_col<BN>(j, r);  // and c + 1: one store where both exist
                 if (c >= a.Cg) continue;
                 T *out = din + pixel * a.C + g * a.Cg + c;
                 float v0 = acc[i][j][r], v1 = acc[i][j][r + 1];
@@ -2072,7 +2094,7 @@ __global__ void __launch_bounds__(IG_THREADS)
 // reduction over output pixels p = (n, oy, ox):
 //   dW[g·Coutg + co][k] += Σ_p A[p][k] · dout[p][g·Coutg + co]   (A: the forward's gather)
 // Both tiles hold IG_BK pixels as rows (A [IG_BK][IG_BM] k-contiguous, B
-// [IG_BK][IG_BN] co-contiguous), read transposed. The pixels are split into
+// [IG_BK][BN] co-contiguous), read transposed. The pixels are split into
 // `parts` ranges (grid.z = g·parts + part) so that small convs still fill the
 // GPU; a part's block writes its fp32 tile to partial[part][Cout][K] and the
 // last block of the tile (last_block) adds the parts in part order into dW
@@ -2094,16 +2116,16 @@ struct PixelWalk {
     }
 };
 
-template <class T, bool VEC>
+template <class T, bool VEC, int BN>
 __global__ void __launch_bounds__(IG_THREADS)
         conv_wgrad_kernel(float *dw, float *partial, unsigned *done, const T *dout, const T *x,
                           ConvWgradArgs a) {
-    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BK rows of IG_BM, B: IG_BK rows of IG_BN)
+    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BK rows of IG_BM, B: IG_BK rows of BN)
     typedef TileFill<T, IG_BM, IG_BK> FA;
-    typedef TileFill<T, IG_BN, IG_BK> FB;
+    typedef TileFill<T, BN, IG_BK> FB;
     constexpr int CE = Chunk<T>::CE;
     const int tid = threadIdx.x, part = blockIdx.z % a.parts, g = blockIdx.z / a.parts;
-    const int k0 = blockIdx.x * IG_BM, co0 = blockIdx.y * IG_BN;
+    const int k0 = blockIdx.x * IG_BM, co0 = blockIdx.y * BN;
     const uint32_t p_begin = part * a.part_pixels;
     const uint32_t p_end = p_begin + a.part_pixels < a.M ? p_begin + a.part_pixels : a.M;
     // A: this thread's column k0 + CE·chunk and pixel rows FA::row(i)
@@ -2118,7 +2140,7 @@ __global__ void __launch_bounds__(IG_THREADS)
     const int co = co0 + CE * FB::chunk();
     uint32_t p_tile = p_begin;
     auto load_stage = [&](int buf) {
-        T *As = smem + buf * IG_STAGE_ELEMS, *Bs = As + IG_BK * IG_BM;
+        T *As = smem + buf * IgTile<BN>::STAGE_ELEMS, *Bs = As + IG_BK * IG_BM;
         #pragma unroll
         for (int i = 0; i < FA::N; i++) {
             const PixelWalk &w = pix[i];
@@ -2146,7 +2168,7 @@ __global__ void __launch_bounds__(IG_THREADS)
         for (int j = 0; j < FB::N; j++) {
             const uint32_t p = p_tile + FB::row(j);
             const T *src = dout + p * a.Cout + g * a.Coutg + co;
-            T *dst = Bs + ig_swizzle<T, IG_BN>(FB::row(j), FB::chunk());
+            T *dst = Bs + ig_swizzle<T, BN>(FB::row(j), FB::chunk());
             if (VEC) {
                 const bool in = p < p_end && co < a.Coutg;
                 cp_async16(dst, in ? src : dout, in ? 16 : 0);
@@ -2157,22 +2179,25 @@ __global__ void __launch_bounds__(IG_THREADS)
         }
         p_tile += IG_BK;
     };
-    float acc[4][4][4];
-    ig_mainloop<T, true, true>(acc, smem, (int)((p_end - p_begin + IG_BK - 1) / IG_BK), load_stage);
+    IgAcc<BN> acc;
+    ig_mainloop<T, true, true, BN>(acc, smem, (int)((p_end - p_begin + IG_BK - 1) / IG_BK),
+                                   load_stage);
     // acc row: k0 + ig_acc_row, column: co0 + ig_acc_col; dW and the partials are [Cout][K]
     float *out = a.parts > 1 ? partial + (size_t)part * a.Cout * a.K : dw;
-    ig_each_acc(acc, [&](int row, int col, float v) {
+    ig_each_acc<BN>(acc, [&](int row, int col, float v) {
         const int k = k0 + row, c = co0 + col;
         if (k >= a.K || c >= a.Coutg) return;
         const uint32_t idx = (uint32_t)(g * a.Coutg + c) * a.K + k;
-        if (a.parts > 1) out[idx] = v;
-        else out[idx] += v;
+        if (a.parts > 1)
+            out[idx] = v;
+        else
+            out[idx] += v;
     });
     if (a.parts == 1) return;
     if (!last_block(done + (blockIdx.z / a.parts * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x,
                     a.parts))
         return;
-    for (int e = tid; e < IG_BM * IG_BN; e += IG_THREADS) {  // the tile, k fastest
+    for (int e = tid; e < IG_BM * BN; e += IG_THREADS) {  // the tile, k fastest
         const int k = k0 + e % IG_BM, c = co0 + e / IG_BM;
         if (k >= a.K || c >= a.Coutg) continue;
         const uint32_t idx = (uint32_t)(g * a.Coutg + c) * a.K + k;
@@ -2208,34 +2233,99 @@ static bool conv_takes_implicit(Ops *o, const ConvCfg *cfg) {
 static bool aligned16(const void *p) { return (uintptr_t)p % VEC_BYTES == 0; }
 static int chunk_elems(DType dt) { return VEC_BYTES / (int)dtype_size(dt); }
 // the kernels' dynamic shared memory: IG_STAGES stages of an A and a B tile;
-// fp32's 72 KB need the opt-in that ig_raise_smem_limits gives
-static size_t ig_smem_bytes(size_t elem) { return (size_t)IG_STAGES * IG_STAGE_ELEMS * elem; }
+// fp32's 72 KB (60 KB narrow) need the opt-in that ig_raise_smem_limits gives
+template <int BN> static size_t ig_smem_bytes(size_t elem) {
+    return (size_t)IG_STAGES * IgTile<BN>::STAGE_ELEMS * elem;
+}
+template <int BN> static void ig_raise_smem_limits_of() {
+    const int f32 = (int)ig_smem_bytes<BN>(sizeof(float));
+    for (const void *k : {(const void *)conv_fwd_kernel<float, true, BN>,
+                          (const void *)conv_fwd_kernel<float, false, BN>,
+                          (const void *)conv_dgrad_kernel<float, true, BN>,
+                          (const void *)conv_dgrad_kernel<float, false, BN>,
+                          (const void *)conv_wgrad_kernel<float, true, BN>,
+                          (const void *)conv_wgrad_kernel<float, false, BN>})
+        cudaCheck(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+}
 static void ig_raise_smem_limits() {
-    const int f32 = (int)ig_smem_bytes(sizeof(float));
-    cudaCheck(cudaFuncSetAttribute(conv_fwd_kernel<float, true>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
-    cudaCheck(cudaFuncSetAttribute(conv_fwd_kernel<float, false>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
-    cudaCheck(cudaFuncSetAttribute(conv_dgrad_kernel<float, true>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
-    cudaCheck(cudaFuncSetAttribute(conv_dgrad_kernel<float, false>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
-    cudaCheck(cudaFuncSetAttribute(conv_wgrad_kernel<float, true>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
-    cudaCheck(cudaFuncSetAttribute(conv_wgrad_kernel<float, false>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+    ig_raise_smem_limits_of<IG_BN>();
+    ig_raise_smem_limits_of<IG_BN_NARROW>();
 }
 
+// The tile width (IG_BN or IG_BN_NARROW) for n output channels a group, in
+// grids of `blocks_per_tile` blocks per channel tile. Narrow when n ≤
+// IG_BN_NARROW (half a wide tile's products would be padding), or when the
+// wide grid fills its waves (at ig_blocks_per_sm) less than WAVE_FILL_MIN, its
+// padding counted as idle, and the narrow one
+// fills them better; else wide, whose block loads an A tile for twice the
+// channels. cuda_conv_tile_n > 0 forces a width. Both give the same bits.
+int cuda_conv_tile_n = 0;  // segnet.h
+static int ig_tile_n(size_t blocks_per_tile, int n, int pass, bool vec) {
+    if (cuda_conv_tile_n > 0) return cuda_conv_tile_n;
+    if (n <= IG_BN_NARROW) return IG_BN_NARROW;
+    auto fill = [&](int bn, int per_sm) {
+        const size_t tiles = (n + bn - 1) / bn;
+        return wave_efficiency(blocks_per_tile * tiles, (size_t)WAVE_SMS * per_sm) * n /
+               (double)(tiles * bn);
+    };
+    const double wide = fill(IG_BN, ig_blocks_per_sm(IG_BN, pass, vec)),
+                 narrow = fill(IG_BN_NARROW, ig_blocks_per_sm(IG_BN_NARROW, pass, vec));
+    return wide < WAVE_FILL_MIN && narrow > wide ? IG_BN_NARROW : IG_BN;
+}
+// the launch of a kernel template at the tile width bn: run(std::integral_constant<int, BN>)
+template <class Run> static void with_tile_n(int bn, Run run) {
+    if (bn == IG_BN_NARROW)
+        run(std::integral_constant<int, IG_BN_NARROW>{});
+    else
+        run(std::integral_constant<int, IG_BN>{});
+}
+// segnet.h: what ig_tile_n and wgrad_split assume, against the build
+int cuda_conv_assumed_blocks_per_sm(int tile_n, int pass, int vec) {
+    return ig_blocks_per_sm(tile_n, pass, vec);
+}
+int cuda_conv_blocks_per_sm(int tile_n, int pass, int vec, DType dt) {
+    const void *k = NULL;
+    with_tile_n(tile_n, [&](auto tile) {
+        constexpr int BN = decltype(tile)::value;
+        SWITCH_STORAGE(dt, T, {
+            if (vec)
+                k = pass == IG_FWD     ? (const void *)conv_fwd_kernel<T, true, BN>
+                    : pass == IG_DGRAD ? (const void *)conv_dgrad_kernel<T, true, BN>
+                                       : (const void *)conv_wgrad_kernel<T, true, BN>;
+            else
+                k = pass == IG_FWD     ? (const void *)conv_fwd_kernel<T, false, BN>
+                    : pass == IG_DGRAD ? (const void *)conv_dgrad_kernel<T, false, BN>
+                                       : (const void *)conv_wgrad_kernel<T, false, BN>;
+        });
+    });
+    int n = -1;
+    const size_t smem = tile_n == IG_BN_NARROW ? ig_smem_bytes<IG_BN_NARROW>(dtype_size(dt))
+                                               : ig_smem_bytes<IG_BN>(dtype_size(dt));
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, IG_THREADS, smem) != cudaSuccess) {
+        cudaGetLastError();
+        return -1;
+    }
+    return n;
+}
+
+// whether the weight gradient will take its vector kernel, by the channel counts
+// (its tensors are 16-byte aligned as the planner places them)
+static bool wgrad_vec_likely(const ConvGeom *q) { return q->Cg % 8 == 0 && q->Coutg % 8 == 0; }
+// The weight gradient's tile width: narrow for at most IG_BN_NARROW output
+// channels a group (the sums' order follows the tiles: a function of the shape)
+static int wgrad_tile_n(const ConvGeom *q) {
+    if (cuda_conv_tile_n > 0) return cuda_conv_tile_n;
+    return q->Coutg <= IG_BN_NARROW ? IG_BN_NARROW : IG_BN;
+}
 // The weight gradient's pixel split into parts, each at least WGRAD_MIN_TILES
 // tiles of IG_BK pixels, at most WGRAD_PARTS_MAX parts, so that the grid
-// (tiles × parts blocks) fills the WGRAD_BLOCKS slots of a 132-SM GPU at 4
-// blocks per SM (a constant: the sums do not depend on the GPU) without a
-// second wave that is mostly empty: the fewest parts that fill one wave, or
-// one part fewer when that keeps WAVE_FILL_MIN of the wave busy, or else the
-// next count whose last wave is that full.
-#define WGRAD_BLOCKS (4 * WAVE_SMS)
+// (tiles × parts blocks) fills the slots of a 132-SM GPU at its tile's blocks
+// per SM (a constant: the sums do not depend on the GPU) without a second wave
+// that is mostly empty: the fewest parts that fill one wave, or one part fewer
+// when that keeps WAVE_FILL_MIN of the wave busy, or else the next count whose
+// last wave is that full.
 #define WGRAD_MIN_TILES 8
-#define WGRAD_PARTS_MAX WGRAD_BLOCKS
+#define WGRAD_PARTS_MAX (8 * WAVE_SMS)
 // n parts asked for: pixels per part (whole IG_BK tiles), and the parts that makes
 static int wgrad_parts_of(size_t M, size_t n, uint32_t *part_pixels) {
     size_t per = (M + n - 1) / n;
@@ -2246,28 +2336,30 @@ static int wgrad_parts_of(size_t M, size_t n, uint32_t *part_pixels) {
     return parts < 1 ? 1 : (int)parts;
 }
 static void wgrad_split(const ConvCfg *cfg, const ConvGeom *q, int *parts, uint32_t *part_pixels) {
+    const int bn = wgrad_tile_n(q);
+    const size_t slots = (size_t)WAVE_SMS * ig_blocks_per_sm(bn, IG_WGRAD, wgrad_vec_likely(q));
     const size_t tiles =
-            (size_t)((q->K + IG_BM - 1) / IG_BM) * ((q->Coutg + IG_BN - 1) / IG_BN) * cfg->groups;
+            (size_t)((q->K + IG_BM - 1) / IG_BM) * ((q->Coutg + bn - 1) / bn) * cfg->groups;
     const size_t M = (size_t)q->N * q->P,
                  most = (M + IG_BK * WGRAD_MIN_TILES - 1) / (IG_BK * WGRAD_MIN_TILES);
     size_t hi = most < WGRAD_PARTS_MAX ? most : WGRAD_PARTS_MAX;
     if (hi < 1) hi = 1;
-    size_t n = (WGRAD_BLOCKS + tiles - 1) / tiles;
+    size_t n = (slots + tiles - 1) / tiles;
     if (n > hi) n = hi;
     if (n < 1) n = 1;
     uint32_t per;
     int got = wgrad_parts_of(M, n, &per);
-    if (wave_efficiency(tiles * got, WGRAD_BLOCKS) < WAVE_FILL_MIN) {
+    if (wave_efficiency(tiles * got, slots) < WAVE_FILL_MIN) {
         uint32_t per_less;
         const int less = n > 1 ? wgrad_parts_of(M, n - 1, &per_less) : got;
-        if (less < got && wave_efficiency(tiles * less, WGRAD_BLOCKS) >= WAVE_FILL_MIN) {
+        if (less < got && wave_efficiency(tiles * less, slots) >= WAVE_FILL_MIN) {
             got = less;
             per = per_less;
         } else {
             for (size_t m = n + 1; m <= hi; m++) {
                 uint32_t per_m;
                 const int more = wgrad_parts_of(M, m, &per_m);
-                if (wave_efficiency(tiles * more, WGRAD_BLOCKS) >= WAVE_FILL_MIN) {
+                if (wave_efficiency(tiles * more, slots) >= WAVE_FILL_MIN) {
                     got = more;
                     per = per_m;
                     break;
@@ -2300,17 +2392,23 @@ static void conv_implicit_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q,
     a.pt = q->pt;
     a.pl = q->pl;
     a.M = (uint32_t)(q->N * q->P); a.OW = fastdiv_make(q->OW); a.OH = fastdiv_make(q->OH);
-    const dim3 grid((a.M + IG_BM - 1) / IG_BM, (q->Coutg + IG_BN - 1) / IG_BN, cfg->groups);
+    const unsigned m_tiles = (a.M + IG_BM - 1) / IG_BM;
     const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(in.dtype) == 0 &&
                      aligned16(in.data) && aligned16(wt);
     const Traffic m = conv_traffic(q, out, in, in.dtype);
-    SWITCH_STORAGE(in.dtype, T, {
-        if (vec)
-            CU_LAUNCH((conv_fwd_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
-                      stream_of(o), m, (T *)out.data, (const T *)in.data, (const T *)wt, b, a);
-        else
-            CU_LAUNCH((conv_fwd_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
-                      stream_of(o), m, (T *)out.data, (const T *)in.data, (const T *)wt, b, a);
+    with_tile_n(ig_tile_n((size_t)m_tiles * cfg->groups, q->Coutg, IG_FWD, vec), [&](auto tile) {
+        constexpr int BN = decltype(tile)::value;
+        const dim3 grid(m_tiles, (q->Coutg + BN - 1) / BN, cfg->groups);
+        SWITCH_STORAGE(in.dtype, T, {
+            if (vec)
+                CU_LAUNCH((conv_fwd_kernel<T, true, BN>), grid, IG_THREADS,
+                          ig_smem_bytes<BN>(sizeof(T)), stream_of(o), m, (T *)out.data,
+                          (const T *)in.data, (const T *)wt, b, a);
+            else
+                CU_LAUNCH((conv_fwd_kernel<T, false, BN>), grid, IG_THREADS,
+                          ig_smem_bytes<BN>(sizeof(T)), stream_of(o), m, (T *)out.data,
+                          (const T *)in.data, (const T *)wt, b, a);
+        });
     });
     launchCheck();
 }
@@ -2338,19 +2436,24 @@ static void conv_implicit_backward_data(Ops *o, const ConvCfg *cfg, const ConvGe
         a.Hu[ph] = fastdiv_make(hu > 0 ? hu : 1); a.Wv[ph] = fastdiv_make(wv > 0 ? wv : 1);
         if (a.M[ph] > rows) rows = a.M[ph];
     }
-    const dim3 grid((rows + IG_BM - 1) / IG_BM, (q->Cg + IG_BN - 1) / IG_BN,
-                    cfg->groups * a.phases);
+    const unsigned m_tiles = (rows + IG_BM - 1) / IG_BM, z = cfg->groups * a.phases;
     const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(din.dtype) == 0 &&
                      q->Coutg % chunk_elems(din.dtype) == 0 && aligned16(dout.data) &&
                      aligned16(wt);
     const Traffic m = conv_traffic(q, din, dout, din.dtype);
-    SWITCH_STORAGE(din.dtype, T, {
-        if (vec)
-            CU_LAUNCH((conv_dgrad_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
-                      stream_of(o), m, (T *)din.data, (const T *)dout.data, (const T *)wt, a);
-        else
-            CU_LAUNCH((conv_dgrad_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
-                      stream_of(o), m, (T *)din.data, (const T *)dout.data, (const T *)wt, a);
+    with_tile_n(ig_tile_n((size_t)m_tiles * z, q->Cg, IG_DGRAD, vec), [&](auto tile) {
+        constexpr int BN = decltype(tile)::value;
+        const dim3 grid(m_tiles, (q->Cg + BN - 1) / BN, z);
+        SWITCH_STORAGE(din.dtype, T, {
+            if (vec)
+                CU_LAUNCH((conv_dgrad_kernel<T, true, BN>), grid, IG_THREADS,
+                          ig_smem_bytes<BN>(sizeof(T)), stream_of(o), m, (T *)din.data,
+                          (const T *)dout.data, (const T *)wt, a);
+            else
+                CU_LAUNCH((conv_dgrad_kernel<T, false, BN>), grid, IG_THREADS,
+                          ig_smem_bytes<BN>(sizeof(T)), stream_of(o), m, (T *)din.data,
+                          (const T *)dout.data, (const T *)wt, a);
+        });
     });
     launchCheck();
 }
@@ -2371,8 +2474,8 @@ static void conv_implicit_backward_weight(Ops *o, const ConvCfg *cfg, const Conv
     a.kw = cfg->kw; a.stride = cfg->stride; a.pt = q->pt; a.pl = q->pl; a.OH = q->OH; a.OW = q->OW;
     a.M = (uint32_t)(q->N * q->P); a.part_pixels = p->wgrad_part_pixels; a.parts = p->wgrad_parts;
     a.OW_div = fastdiv_make(q->OW); a.OH_div = fastdiv_make(q->OH);
-    const dim3 grid((q->K + IG_BM - 1) / IG_BM, (q->Coutg + IG_BN - 1) / IG_BN,
-                    cfg->groups * a.parts);
+    const int bn = wgrad_tile_n(q);  // wgrad_split's, in the plan
+    const dim3 grid((q->K + IG_BM - 1) / IG_BM, (q->Coutg + bn - 1) / bn, cfg->groups * a.parts);
     require_below((size_t)grid.x * grid.y * cfg->groups, SUMS_COUNTERS + 1,
                   "implicit-GEMM weight gradient tiles");
     const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(in.dtype) == 0 &&
@@ -2380,15 +2483,18 @@ static void conv_implicit_backward_weight(Ops *o, const ConvCfg *cfg, const Conv
                      aligned16(in.data);
     unsigned *done = ctx_of(o)->sums_done;
     const Traffic m = conv_traffic(q, dout, in, DT_F32);  // dw: fp32
-    SWITCH_STORAGE(in.dtype, T, {
-        if (vec)
-            CU_LAUNCH((conv_wgrad_kernel<T, true>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
-                      stream_of(o), m, dw, (float *)ws, done, (const T *)dout.data,
-                      (const T *)in.data, a);
-        else
-            CU_LAUNCH((conv_wgrad_kernel<T, false>), grid, IG_THREADS, ig_smem_bytes(sizeof(T)),
-                      stream_of(o), m, dw, (float *)ws, done, (const T *)dout.data,
-                      (const T *)in.data, a);
+    with_tile_n(bn, [&](auto tile) {
+        constexpr int BN = decltype(tile)::value;
+        SWITCH_STORAGE(in.dtype, T, {
+            if (vec)
+                CU_LAUNCH((conv_wgrad_kernel<T, true, BN>), grid, IG_THREADS,
+                          ig_smem_bytes<BN>(sizeof(T)), stream_of(o), m, dw, (float *)ws, done,
+                          (const T *)dout.data, (const T *)in.data, a);
+            else
+                CU_LAUNCH((conv_wgrad_kernel<T, false, BN>), grid, IG_THREADS,
+                          ig_smem_bytes<BN>(sizeof(T)), stream_of(o), m, dw, (float *)ws, done,
+                          (const T *)dout.data, (const T *)in.data, a);
+        });
     });
     launchCheck();
 }
@@ -3510,13 +3616,16 @@ __global__ void upsample2_backward_kernel(IO dx, Shape s, IO dy, Shape t, int ac
         store_acc(dx, nhwc_at(s, row.n, row.y, ix, c0), g, accumulate);
     }
 }
+// 4 channels a thread (NarrowIO): a thread per pixel of dx, a quarter of dy's,
+// so 16-byte vectors would leave too few threads to fill the GPU's waves
 static void upsample2_backward_cuda(Ops *o, Tensor dx, Tensor dy, int accumulate) {
     if (!shape_numel(dx.shape) || !dx.data) return;
-    image_rows_launch(dx, dy, NO_TENSOR,
-                      [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t, double bytes) {
-                          CU_LAUNCH(upsample2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0,
-                                    stream_of(o), moves(bytes), dxio, s, dyio, t, accumulate);
-                      });
+    image_rows_launch<true>(
+            dx, dy, NO_TENSOR,
+            [&](RowGrid g, auto dxio, auto dyio, auto, Shape s, Shape t, double bytes) {
+                CU_LAUNCH(upsample2_backward_kernel<decltype(dxio)>, g.grid, g.block, 0,
+                          stream_of(o), moves(bytes), dxio, s, dyio, t, accumulate);
+            });
 }
 
 // bilinear with half-pixel centres (the taps of segnet.h):

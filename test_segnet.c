@@ -1646,19 +1646,24 @@ static void cuda_conv_case(const CuConvCase *tc, DType dt, int bias, Rng *r) {
 // im2col + cuBLAS) with the chunk budget as it is, at 1 byte (every chunk one
 // output row, every backward band one input row) and at 2 KiB (a few rows,
 // or whole images)
+// runs: the implicit GEMMs at their own tile width (0) and forced to 64 channels,
+// then (chunked) the im2col path at three chunk budgets
 static void cuda_conv_cases(const CuConvCase *cases, size_t n, int chunked) {
     Rng r; rng_seed(&r, 91);
     const size_t saved = cuda_conv_chunk_bytes, budgets[3] = {saved, 1, 2048};
+    const int tile_n[2] = {0, 64};
     memset(g_conv_worst, 0, sizeof g_conv_worst);
     for (size_t i = 0; i < n; i++)
-        for (int run = 0; run < (chunked ? 4 : 1); run++) {
-            cuda_conv_implicit = run == 0;
-            cuda_conv_chunk_bytes = budgets[run == 0 ? 0 : run - 1];
+        for (int run = 0; run < (chunked ? 5 : 2); run++) {
+            cuda_conv_implicit = run < 2;
+            cuda_conv_tile_n = run < 2 ? tile_n[run] : 0;
+            cuda_conv_chunk_bytes = budgets[run < 2 ? 0 : run - 2];
             for (int dt = 0; dt < 3; dt++)
                 for (int bias = 0; bias < 2; bias++) cuda_conv_case(&cases[i], (DType)dt, bias, &r);
         }
     cuda_conv_chunk_bytes = saved;
     cuda_conv_implicit = 1;
+    cuda_conv_tile_n = 0;
     if (g_verbose) {
         static const char *const OP[4] = {"forward", "backward data", "backward weight",
                                           "bias gradient"};
@@ -1693,6 +1698,94 @@ TEST(cuda_conv_dense) {
     };
     cuda_conv_cases(cases, sizeof cases / sizeof cases[0], 1);
 }
+// The two tile widths of the implicit-GEMM convs (kernels.cu): the forward and
+// backward data give the same bits at 32 and 64 channels (each output's sum runs
+// over k in one order), for channel counts of one narrow tile, two with a
+// partial one, and three; the weight gradient, split in other parts, agrees to
+// the sums' rounding (checked against the CPU in cuda_conv_dense). And the
+// blocks per SM that the tile choice and the split assume are the build's, by
+// its registers and shared memory (on a GPU: the driver's occupancy).
+TEST(cuda_conv_tiles) {
+    static const char *const DTYPE_NAMES[3] = {"fp32", "fp16", "bf16"};
+    Ops *o = cu_ops();
+    for (int dt = 1; dt < 3; dt++)
+        for (int pass = 0; pass < 3; pass++)
+            for (int vec = 0; vec < 2; vec++) {
+                const int wide = cuda_conv_blocks_per_sm(64, pass, vec, (DType)dt),
+                          narrow = cuda_conv_blocks_per_sm(32, pass, vec, (DType)dt);
+                const int wide_assumed = cuda_conv_assumed_blocks_per_sm(64, pass, vec),
+                          narrow_assumed = cuda_conv_assumed_blocks_per_sm(32, pass, vec);
+                CHECK(wide == wide_assumed && narrow == narrow_assumed,
+                      "%s pass %d%s: %d blocks per SM at 64 channels (assumed %d), %d at 32 "
+                      "(assumed %d)",
+                      DTYPE_NAMES[dt], pass, vec ? ", vector kernel" : "", wide, wide_assumed,
+                      narrow, narrow_assumed);
+            }
+    Rng r;
+    rng_seed(&r, 93);
+    const struct {
+        Shape in;
+        int cout, stride;
+    } cases[] = {{{2, 9, 11, 16}, 24, 1}, {{2, 9, 11, 40}, 40, 2}, {{1, 13, 7, 8}, 96, 1}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        for (int dt = 0; dt < 3; dt++) {
+            ConvCfg cfg = {0};
+            cfg.cin = cases[i].in.c;
+            cfg.cout = cases[i].cout;
+            cfg.kh = cfg.kw = 3;
+            cfg.stride = cases[i].stride;
+            cfg.groups = 1;
+            cfg.pad = PAD_SAME;
+            cfg.has_bias = 1;
+            ConvGeom q;
+            snCheck(conv_geom_of(&cfg, cases[i].in, &q), "case %zu does not fit", i);
+            const Shape os = shape4(q.N, q.OH, q.OW, q.Cout);
+            const size_t nin = shape_numel(cases[i].in), nout = shape_numel(os),
+                         nw = (size_t)q.Cout * q.K;
+            float *x = randn(&r, nin, 1.0f), *dy = randn(&r, nout, 1.0f),
+                  *w = randn(&r, nw, 1.0f / sqrtf((float)q.K)), *b = randn(&r, q.Cout, 0.5f);
+            CuPair X = cu_pair(x, cases[i].in, (DType)dt), DY = cu_pair(dy, os, (DType)dt);
+            float *w_d = cu_floats(w, nw), *b_d = cu_floats(b, q.Cout);
+            const size_t es = dtype_size((DType)dt);
+            unsigned char *host[2][2];  // [tile][forward, backward data]
+            for (int t = 0; t < 2; t++) {
+                cuda_conv_tile_n = t ? 64 : 32;
+                const size_t ws_bytes = o->conv2d_workspace(o, &cfg, cases[i].in, (DType)dt);
+                void *ws = o->alloc(o, ws_bytes + 1);
+                Tensor y = tensor(o->alloc(o, nout * es), os, (DType)dt),
+                       dx = tensor(o->alloc(o, nin * es), cases[i].in, (DType)dt);
+                o->conv2d_forward(o, &cfg, y, X.gpu, w_d, NULL, b_d, ws);
+                o->conv2d_backward_data(o, &cfg, dx, DY.gpu, w_d, NULL, 0, ws);
+                host[t][0] = malloc(nout * es);
+                host[t][1] = malloc(nin * es);
+                o->download(o, host[t][0], y.data, nout * es);
+                o->download(o, host[t][1], dx.data, nin * es);
+                o->free(o, y.data);
+                o->free(o, dx.data);
+                o->free(o, ws);
+            }
+            CHECK(!memcmp(host[0][0], host[1][0], nout * es),
+                  "case %zu %s: the forward differs between tile widths 32 and 64", i,
+                  DTYPE_NAMES[dt]);
+            CHECK(!memcmp(host[0][1], host[1][1], nin * es),
+                  "case %zu %s: backward data differs between tile widths 32 and 64", i,
+                  DTYPE_NAMES[dt]);
+            for (int t = 0; t < 2; t++) {
+                free(host[t][0]);
+                free(host[t][1]);
+            }
+            o->free(o, w_d);
+            o->free(o, b_d);
+            cu_pair_free(&X);
+            cu_pair_free(&DY);
+            free(x);
+            free(dy);
+            free(w);
+            free(b);
+        }
+    cuda_conv_tile_n = 0;
+}
+
 TEST(cuda_conv_grouped) {
     static const CuConvCase cases[] = {
         {"3x3 groups 2, 6 -> 4", {2, 5, 6, 6}, 4, 3, 1, 2, PAD_SAME},
@@ -7504,6 +7597,7 @@ static const CudaTestName CUDA_TESTS[] __attribute__((unused)) = {
         {"cuda_graph_step", 0, 0},
         {"cuda_kernel_times", 0, 0},
         {"cuda_bench_kernels", 0, 1},
+        {"cuda_conv_tiles", 0, 0},
         {"cuda_sync_each", 0, 1},
         {"cuda_emu_semantics", 0, 1},
         {"cuda_emu_count_file", 0, 1},
