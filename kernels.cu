@@ -1704,27 +1704,33 @@ static size_t rows_per_part(size_t M, int parts) { return (M + parts - 1) / part
 // shapes: deterministic.
 
 #define IG_BM 128
+#define IG_BM_SMALL 64
 #define IG_BN 64
 #define IG_BN_NARROW 32
 #define IG_BK 32
 #define IG_STAGES 3
 #define IG_THREADS 128
 #define IG_MAX_PHASES 4  // backward data: stride ≤ 2 (larger strides take the reference path)
-// a block tile of BN channels: the warps' layout, MI 16-row mma tiles a warp, and
-// a shared-memory stage (the A tile, then the B tile: BN×IG_BK or IG_BK×BN)
-template <int BN> struct IgTile {
-    static constexpr int WARPS_N = BN / 32, WARPS_M = IG_THREADS / WARP_SIZE / WARPS_N,
-                         WM = IG_BM / WARPS_M, MI = WM / 16, STAGE_ELEMS = (IG_BM + BN) * IG_BK;
-    static_assert(WARPS_N * 32 == BN && WM * WARPS_M == IG_BM && MI * 16 == WM, "tile shape");
+// a block tile of BM rows × BN channels: the warps' layout, MI 16-row mma tiles
+// a warp, and a shared-memory stage (the A tile, then the B tile: BN×IG_BK or IG_BK×BN)
+template <int BM_, int BN_> struct IgTile {
+    static constexpr int BM = BM_, BN = BN_, WARPS_N = BN / 32,
+                         WARPS_M = IG_THREADS / WARP_SIZE / WARPS_N, WM = BM / WARPS_M,
+                         MI = WM / 16, STAGE_ELEMS = (BM + BN) * IG_BK;
+    static_assert(WARPS_N * 32 == BN && WM * WARPS_M == BM && MI * 16 == WM, "tile shape");
 };
+typedef IgTile<IG_BM, IG_BN> IgWide;
+typedef IgTile<IG_BM, IG_BN_NARROW> IgNarrow;
+typedef IgTile<IG_BM_SMALL, IG_BN_NARROW> IgSmall;  // grids too small for the others
 // The resident blocks per SM of the 16-bit kernels as built for sm_90
-// (kernel_resources.txt; test cuda_conv_tiles), by their registers a thread: at
-// IG_BN 124-128; at IG_BN_NARROW, the vector kernels (16-byte chunks) 96
-// (forward) and 71-72 (backward data, weight gradient), the others 79, 96, 76
+// (kernel_resources.txt; test cuda_conv_tiles), by their registers a thread:
+// wide 124-128; narrow, the vector kernels (16-byte chunks) 96 (forward) and
+// 71-72 (backward data, weight gradient), the others 79, 96, 76; small (no
+// weight gradient), the vector kernels 64 and 56, the others 56 and 64
 enum { IG_FWD, IG_DGRAD, IG_WGRAD };
-static int ig_blocks_per_sm(int bn, int pass, bool vec) {
-    static const int narrow[2][3] = {{6, 5, 6}, {5, 7, 7}};
-    return bn == IG_BN ? 4 : narrow[vec][pass];
+static int ig_blocks_per_sm(int tile, int pass, bool vec) {
+    static const int narrow[2][3] = {{6, 5, 6}, {5, 7, 7}}, small[2][3] = {{9, 8, 0}, {8, 9, 0}};
+    return tile == IG_TILE_WIDE ? 4 : tile == IG_TILE_NARROW ? narrow[vec][pass] : small[vec][pass];
 }
 
 // A tile row holds ROW elements of type T, moved in 16-byte chunks of CE
@@ -1762,13 +1768,13 @@ template <class T, int ROW, int ROWS> struct TileFill {
 };
 #define IG_ROW_NONE (INT_MIN / 2)  // a row past the GEMM's end: its taps are never inside
 
-// the A tile [IG_BM][IG_BK] of a Gather: rows y[i], x[i] (top-left tap), base[i] (src's offset of
+// the A tile [BM][IG_BK] of a Gather: rows y[i], x[i] (top-left tap), base[i] (src's offset of
 // (n, 0, 0, c0))
-template <class T, bool VEC, int N>
+template <class T, bool VEC, int BM, int N>
 static __device__ __forceinline__ void load_a(T *As, const T *src, const Gather &gd,
                                               const int (&base)[N], const int (&y)[N],
                                               const int (&x)[N], const TapWalk &walk) {
-    typedef TileFill<T, IG_BK, IG_BM> F;
+    typedef TileFill<T, IG_BK, BM> F;
     const int chunk = F::chunk();
     if (VEC) {
         const bool k_in = walk.k < gd.K;
@@ -1799,44 +1805,44 @@ static __device__ __forceinline__ void load_a(T *As, const T *src, const Gather 
 // where accumulator r of the warp's tile (i, j) lies in the block's tile: row
 // wm + TC_M·i + tc_acc_row(r), column wn + TC_N·j + tc_acc_col(r), with the warp's corner
 // (wm, wn) = (WM·(warp % WARPS_M), 32·(warp / WARPS_M))
-template <int BN> static __device__ __forceinline__ unsigned ig_warp_row() {
-    return threadIdx.x / WARP_SIZE % IgTile<BN>::WARPS_M * IgTile<BN>::WM;
+template <class Tile> static __device__ __forceinline__ unsigned ig_warp_row() {
+    return threadIdx.x / WARP_SIZE % Tile::WARPS_M * Tile::WM;
 }
-template <int BN> static __device__ __forceinline__ unsigned ig_warp_col() {
-    return threadIdx.x / WARP_SIZE / IgTile<BN>::WARPS_M * 32;
+template <class Tile> static __device__ __forceinline__ unsigned ig_warp_col() {
+    return threadIdx.x / WARP_SIZE / Tile::WARPS_M * 32;
 }
-template <int BN> static __device__ __forceinline__ int ig_acc_row(int i, int r) {
-    return ig_warp_row<BN>() + TC_M * i + tc_acc_row(r);
+template <class Tile> static __device__ __forceinline__ int ig_acc_row(int i, int r) {
+    return ig_warp_row<Tile>() + TC_M * i + tc_acc_row(r);
 }
-template <int BN> static __device__ __forceinline__ int ig_acc_col(int j, int r) {
-    return ig_warp_col<BN>() + TC_N * j + tc_acc_col(r);
+template <class Tile> static __device__ __forceinline__ int ig_acc_col(int j, int r) {
+    return ig_warp_col<Tile>() + TC_N * j + tc_acc_col(r);
 }
 // a thread's accumulators: (MI, 4 column tiles, 4)
-template <int BN> using IgAcc = float[IgTile<BN>::MI][4][4];
+template <class Tile> using IgAcc = float[Tile::MI][4][4];
 // store(row, column, value) for each of the thread's accumulators, at its place in the block's tile
-template <int BN, class Store>
-static __device__ __forceinline__ void ig_each_acc(const IgAcc<BN> &acc, Store store) {
+template <class Tile, class Store>
+static __device__ __forceinline__ void ig_each_acc(const IgAcc<Tile> &acc, Store store) {
     #pragma unroll
-    for (int i = 0; i < IgTile<BN>::MI; i++)
+    for (int i = 0; i < Tile::MI; i++)
         #pragma unroll
         for (int j = 0; j < 4; j++)
             #pragma unroll
             for (int r = 0; r < 4; r++)
-                store(ig_acc_row<BN>(i, r), ig_acc_col<BN>(j, r), acc[i][j][r]);
+                store(ig_acc_row<Tile>(i, r), ig_acc_col<Tile>(j, r), acc[i][j][r]);
 }
 
 // The K loop of the three kernels: acc[i][j] (the warp's 16×8 tile (i, j)) +=
 // A·B over k_tiles tiles of IG_BK; load_stage(buf) issues the copies of the
-// next tile into buffer buf. The A tile is [IG_BM][IG_BK] (GEMM rows), or with
-// A_TRANS [IG_BK][IG_BM] (reduction rows); the B tile [BN][IG_BK] (channel
+// next tile into buffer buf. The A tile is [BM][IG_BK] (GEMM rows), or with
+// A_TRANS [IG_BK][BM] (reduction rows); the B tile [BN][IG_BK] (channel
 // rows), or with B_TRANS [IG_BK][BN]. fp16/bf16: ldmatrix and mma.sync;
 // fp32: the same accumulators by a SIMT product (each thread its own 64
 // elements, k in order, exact fp32 arithmetic).
-template <class T, bool A_TRANS, bool B_TRANS, int BN, class LoadStage>
-static __device__ __forceinline__ void ig_mainloop(IgAcc<BN> &acc, T *smem, int k_tiles,
+template <class T, bool A_TRANS, bool B_TRANS, class Tile, class LoadStage>
+static __device__ __forceinline__ void ig_mainloop(IgAcc<Tile> &acc, T *smem, int k_tiles,
                                                    LoadStage load_stage) {
-    constexpr int MI = IgTile<BN>::MI;
-    const int wm = ig_warp_row<BN>(), wn = ig_warp_col<BN>();
+    constexpr int MI = Tile::MI, BM = Tile::BM, BN = Tile::BN;
+    const int wm = ig_warp_row<Tile>(), wn = ig_warp_col<Tile>();
     #pragma unroll
     for (int i = 0; i < MI; i++)
         #pragma unroll
@@ -1854,7 +1860,7 @@ static __device__ __forceinline__ void ig_mainloop(IgAcc<BN> &acc, T *smem, int 
         __syncthreads();                  // ...and everybody's; tile kt-1's buffer is free
         if (kt + IG_STAGES - 1 < k_tiles) load_stage((kt + IG_STAGES - 1) % IG_STAGES);
         cp_async_commit();
-        const T *As = smem + (kt % IG_STAGES) * IgTile<BN>::STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
+        const T *As = smem + (kt % IG_STAGES) * Tile::STAGE_ELEMS, *Bs = As + BM * IG_BK;
         if constexpr (sizeof(T) == 4) {
             #pragma unroll 4
             for (int k = 0; k < IG_BK; k++) {
@@ -1863,15 +1869,15 @@ static __device__ __forceinline__ void ig_mainloop(IgAcc<BN> &acc, T *smem, int 
                 for (int i = 0; i < MI; i++)
                     #pragma unroll
                     for (int h = 0; h < 2; h++) {
-                        const int m = ig_acc_row<BN>(i, 2 * h);
-                        a[i][h] = to_f32(A_TRANS ? As[ig_at<T, IG_BM>(k, m)]
+                        const int m = ig_acc_row<Tile>(i, 2 * h);
+                        a[i][h] = to_f32(A_TRANS ? As[ig_at<T, BM>(k, m)]
                                                  : As[ig_at<T, IG_BK>(m, k)]);
                     }
                 #pragma unroll
                 for (int j = 0; j < 4; j++)
                     #pragma unroll
                     for (int e = 0; e < 2; e++) {
-                        const int n = ig_acc_col<BN>(j, e);
+                        const int n = ig_acc_col<Tile>(j, e);
                         b[j][e] = to_f32(B_TRANS ? Bs[ig_at<T, BN>(k, n)]
                                                  : Bs[ig_at<T, IG_BK>(n, k)]);
                     }
@@ -1890,7 +1896,7 @@ static __device__ __forceinline__ void ig_mainloop(IgAcc<BN> &acc, T *smem, int 
                 for (int i = 0; i < MI; i++) {
                     const int m = wm + TC_M * i;  // the fragment's first GEMM row
                     tc_load_a<A_TRANS>(af[i], [&](int line, int chunk) {
-                        return A_TRANS ? As + ig_swizzle<T, IG_BM>(TC_K * ks + line, m / 8 + chunk)
+                        return A_TRANS ? As + ig_swizzle<T, BM>(TC_K * ks + line, m / 8 + chunk)
                                        : As + ig_swizzle<T, IG_BK>(m + line, 2 * ks + chunk);
                     });
                 }
@@ -1919,14 +1925,15 @@ struct ConvFwdArgs {
     FastDiv OW, OH;
 };
 
-template <class T, bool VEC, int BN>
+template <class T, bool VEC, class Tile>
 __global__ void __launch_bounds__(IG_THREADS)
         conv_fwd_kernel(T *y, const T *x, const T *w, const float *bias, ConvFwdArgs a) {
-    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BM rows, B: BN rows) of IG_BK elements
-    typedef TileFill<T, IG_BK, IG_BM> FA;
+    constexpr int BM = Tile::BM, BN = Tile::BN;
+    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: BM rows, B: BN rows) of IG_BK elements
+    typedef TileFill<T, IG_BK, BM> FA;
     typedef TileFill<T, IG_BK, BN> FB;
     constexpr int CE = Chunk<T>::CE;
-    const int g = blockIdx.z, m0 = blockIdx.x * IG_BM, n0 = blockIdx.y * BN, K = a.gd.K;
+    const int g = blockIdx.z, m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, K = a.gd.K;
     int base[FA::N], py[FA::N], px[FA::N];
     #pragma unroll
     for (int i = 0; i < FA::N; i++) {
@@ -1941,8 +1948,8 @@ __global__ void __launch_bounds__(IG_THREADS)
     walk.advance(FA::chunk() * CE, a.gd.Ck, a.gd.taps_x);  // FB's chunk is the same column
     const T *wg = w + (size_t)g * a.Coutg * K;
     auto load_stage = [&](int buf) {
-        T *As = smem + buf * IgTile<BN>::STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
-        load_a<T, VEC>(As, x, a.gd, base, py, px, walk);
+        T *As = smem + buf * Tile::STAGE_ELEMS, *Bs = As + BM * IG_BK;
+        load_a<T, VEC, BM>(As, x, a.gd, base, py, px, walk);
         #pragma unroll
         for (int j = 0; j < FB::N; j++) {  // W's rows co, k-contiguous, like A's
             const int co = n0 + FB::row(j);
@@ -1958,18 +1965,18 @@ __global__ void __launch_bounds__(IG_THREADS)
         }
         walk.advance(IG_BK, a.gd.Ck, a.gd.taps_x);
     };
-    IgAcc<BN> acc;
-    ig_mainloop<T, false, false, BN>(acc, smem, (K + IG_BK - 1) / IG_BK, load_stage);
+    IgAcc<Tile> acc;
+    ig_mainloop<T, false, false, Tile>(acc, smem, (K + IG_BK - 1) / IG_BK, load_stage);
     // accumulators r, r + 1 are columns co, co + 1 of one row: one store where both exist
     #pragma unroll
-    for (int i = 0; i < IgTile<BN>::MI; i++)
+    for (int i = 0; i < Tile::MI; i++)
         #pragma unroll
         for (int r = 0; r < 4; r += 2) {
-            const uint32_t m = (uint32_t)(m0 + ig_acc_row<BN>(i, r));
+            const uint32_t m = (uint32_t)(m0 + ig_acc_row<Tile>(i, r));
             if (m >= a.M) continue;
             #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const int co = n0 + ig_acc_col<BN>(j, r), c = g * a.Coutg + co;
+                const int co = n0 + ig_acc_col<Tile>(j, r), c = g * a.Coutg + co;
                 if (co >= a.Coutg) continue;
                 T *out = y + m * (uint32_t)a.Cout + c;
                 const float v0 = bias ? acc[i][j][r] + bias[c] : acc[i][j][r];
@@ -2000,15 +2007,16 @@ struct ConvDgradArgs {
     int nky[IG_MAX_PHASES], nkx[IG_MAX_PHASES], dy0[IG_MAX_PHASES], dx0[IG_MAX_PHASES];
 };
 
-template <class T, bool VEC, int BN>
+template <class T, bool VEC, class Tile>
 __global__ void __launch_bounds__(IG_THREADS)
         conv_dgrad_kernel(T *din, const T *dout, const T *w, ConvDgradArgs a) {
-    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BM rows of IG_BK, B: IG_BK rows of BN)
-    typedef TileFill<T, IG_BK, IG_BM> FA;
+    constexpr int BM = Tile::BM, BN = Tile::BN;
+    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: BM rows of IG_BK, B: IG_BK rows of BN)
+    typedef TileFill<T, IG_BK, BM> FA;
     typedef TileFill<T, BN, IG_BK> FB;
     constexpr int CE = Chunk<T>::CE;
     const int ph = blockIdx.z % a.phases, g = blockIdx.z / a.phases;
-    const int m0 = blockIdx.x * IG_BM, n0 = blockIdx.y * BN;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
     const uint32_t M = a.M[ph];
     if ((uint32_t)m0 >= M) return;  // the whole block: this phase has fewer rows
     Gather gd = a.gd;
@@ -2037,8 +2045,8 @@ __global__ void __launch_bounds__(IG_THREADS)
     }
     const T *wg = w + (size_t)g * a.Coutg * a.Kw;
     auto load_stage = [&](int buf) {
-        T *As = smem + buf * IgTile<BN>::STAGE_ELEMS, *Bs = As + IG_BM * IG_BK;
-        load_a<T, VEC>(As, dout, gd, base, py, px, walk);
+        T *As = smem + buf * Tile::STAGE_ELEMS, *Bs = As + BM * IG_BK;
+        load_a<T, VEC, BM>(As, dout, gd, base, py, px, walk);
         walk.advance(IG_BK, gd.Ck, gd.taps_x);
         #pragma unroll
         for (int j = 0; j < FB::N; j++) {
@@ -2056,20 +2064,20 @@ __global__ void __launch_bounds__(IG_THREADS)
             bwalk[j].advance(IG_BK, gd.Ck, gd.taps_x);
         }
     };
-    IgAcc<BN> acc;
-    ig_mainloop<T, false, true, BN>(acc, smem, (gd.K + IG_BK - 1) / IG_BK, load_stage);
+    IgAcc<Tile> acc;
+    ig_mainloop<T, false, true, Tile>(acc, smem, (gd.K + IG_BK - 1) / IG_BK, load_stage);
     #pragma unroll
-    for (int i = 0; i < IgTile<BN>::MI; i++)
+    for (int i = 0; i < Tile::MI; i++)
         #pragma unroll
         for (int r = 0; r < 4; r += 2) {
-            const uint32_t m = (uint32_t)(m0 + ig_acc_row<BN>(i, r));
+            const uint32_t m = (uint32_t)(m0 + ig_acc_row<Tile>(i, r));
             if (m >= M) continue;
             const uint32_t t = fastdiv(a.Wv[ph], m), v = m - t * a.Wv[ph].d,
                            n = fastdiv(a.Hu[ph], t), u = t - n * a.Hu[ph].d;
             const uint32_t pixel = (n * a.H + a.py[ph] + s * u) * a.W + a.px[ph] + s * v;
             #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const int c = n0 + ig_acc_col<BN>(j, r);  // and c + 1: one store where both exist
+                const int c = n0 + ig_acc_col<Tile>(j, r);  // and c + 1: one store where both exist
                 if (c >= a.Cg) continue;
                 T *out = din + pixel * a.C + g * a.Cg + c;
                 float v0 = acc[i][j][r], v1 = acc[i][j][r + 1];
@@ -2093,7 +2101,7 @@ __global__ void __launch_bounds__(IG_THREADS)
 // Backward weight, GEMM rows k = (ky, kx, ci) of W's rows, columns co, the
 // reduction over output pixels p = (n, oy, ox):
 //   dW[g·Coutg + co][k] += Σ_p A[p][k] · dout[p][g·Coutg + co]   (A: the forward's gather)
-// Both tiles hold IG_BK pixels as rows (A [IG_BK][IG_BM] k-contiguous, B
+// Both tiles hold IG_BK pixels as rows (A [IG_BK][BM] k-contiguous, B
 // [IG_BK][BN] co-contiguous), read transposed. The pixels are split into
 // `parts` ranges (grid.z = g·parts + part) so that small convs still fill the
 // GPU; a part's block writes its fp32 tile to partial[part][Cout][K] and the
@@ -2116,16 +2124,17 @@ struct PixelWalk {
     }
 };
 
-template <class T, bool VEC, int BN>
+template <class T, bool VEC, class Tile>
 __global__ void __launch_bounds__(IG_THREADS)
         conv_wgrad_kernel(float *dw, float *partial, unsigned *done, const T *dout, const T *x,
                           ConvWgradArgs a) {
-    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BK rows of IG_BM, B: IG_BK rows of BN)
-    typedef TileFill<T, IG_BM, IG_BK> FA;
+    constexpr int BM = Tile::BM, BN = Tile::BN;
+    CU_DYN_SHARED(T, smem);  // IG_STAGES × (A: IG_BK rows of BM, B: IG_BK rows of BN)
+    typedef TileFill<T, BM, IG_BK> FA;
     typedef TileFill<T, BN, IG_BK> FB;
     constexpr int CE = Chunk<T>::CE;
     const int tid = threadIdx.x, part = blockIdx.z % a.parts, g = blockIdx.z / a.parts;
-    const int k0 = blockIdx.x * IG_BM, co0 = blockIdx.y * BN;
+    const int k0 = blockIdx.x * BM, co0 = blockIdx.y * BN;
     const uint32_t p_begin = part * a.part_pixels;
     const uint32_t p_end = p_begin + a.part_pixels < a.M ? p_begin + a.part_pixels : a.M;
     // A: this thread's column k0 + CE·chunk and pixel rows FA::row(i)
@@ -2140,12 +2149,12 @@ __global__ void __launch_bounds__(IG_THREADS)
     const int co = co0 + CE * FB::chunk();
     uint32_t p_tile = p_begin;
     auto load_stage = [&](int buf) {
-        T *As = smem + buf * IgTile<BN>::STAGE_ELEMS, *Bs = As + IG_BK * IG_BM;
+        T *As = smem + buf * Tile::STAGE_ELEMS, *Bs = As + IG_BK * BM;
         #pragma unroll
         for (int i = 0; i < FA::N; i++) {
             const PixelWalk &w = pix[i];
             const bool p_in = p_tile + FA::row(i) < p_end;
-            T *dst = As + ig_swizzle<T, IG_BM>(FA::row(i), FA::chunk());
+            T *dst = As + ig_swizzle<T, BM>(FA::row(i), FA::chunk());
             if (VEC) {
                 const int iy = w.oy * a.stride - a.pt + tap.a, ix = w.ox * a.stride - a.pl + tap.b;
                 const bool in = p_in && tap.k < a.K && (unsigned)iy < (unsigned)a.H &&
@@ -2179,12 +2188,12 @@ __global__ void __launch_bounds__(IG_THREADS)
         }
         p_tile += IG_BK;
     };
-    IgAcc<BN> acc;
-    ig_mainloop<T, true, true, BN>(acc, smem, (int)((p_end - p_begin + IG_BK - 1) / IG_BK),
-                                   load_stage);
+    IgAcc<Tile> acc;
+    ig_mainloop<T, true, true, Tile>(acc, smem, (int)((p_end - p_begin + IG_BK - 1) / IG_BK),
+                                     load_stage);
     // acc row: k0 + ig_acc_row, column: co0 + ig_acc_col; dW and the partials are [Cout][K]
     float *out = a.parts > 1 ? partial + (size_t)part * a.Cout * a.K : dw;
-    ig_each_acc<BN>(acc, [&](int row, int col, float v) {
+    ig_each_acc<Tile>(acc, [&](int row, int col, float v) {
         const int k = k0 + row, c = co0 + col;
         if (k >= a.K || c >= a.Coutg) return;
         const uint32_t idx = (uint32_t)(g * a.Coutg + c) * a.K + k;
@@ -2197,8 +2206,8 @@ __global__ void __launch_bounds__(IG_THREADS)
     if (!last_block(done + (blockIdx.z / a.parts * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x,
                     a.parts))
         return;
-    for (int e = tid; e < IG_BM * BN; e += IG_THREADS) {  // the tile, k fastest
-        const int k = k0 + e % IG_BM, c = co0 + e / IG_BM;
+    for (int e = tid; e < BM * BN; e += IG_THREADS) {  // the tile, k fastest
+        const int k = k0 + e % BM, c = co0 + e / BM;
         if (k >= a.K || c >= a.Coutg) continue;
         const uint32_t idx = (uint32_t)(g * a.Coutg + c) * a.K + k;
         float sum = 0.0f;
@@ -2233,74 +2242,91 @@ static bool conv_takes_implicit(Ops *o, const ConvCfg *cfg) {
 static bool aligned16(const void *p) { return (uintptr_t)p % VEC_BYTES == 0; }
 static int chunk_elems(DType dt) { return VEC_BYTES / (int)dtype_size(dt); }
 // the kernels' dynamic shared memory: IG_STAGES stages of an A and a B tile;
-// fp32's 72 KB (60 KB narrow) need the opt-in that ig_raise_smem_limits gives
-template <int BN> static size_t ig_smem_bytes(size_t elem) {
-    return (size_t)IG_STAGES * IgTile<BN>::STAGE_ELEMS * elem;
+// fp32's 72 KB (wide; 60 KB narrow) need the opt-in that ig_raise_smem_limits gives
+template <class Tile> static size_t ig_smem_bytes(size_t elem) {
+    return (size_t)IG_STAGES * Tile::STAGE_ELEMS * elem;
 }
-template <int BN> static void ig_raise_smem_limits_of() {
-    const int f32 = (int)ig_smem_bytes<BN>(sizeof(float));
-    for (const void *k : {(const void *)conv_fwd_kernel<float, true, BN>,
-                          (const void *)conv_fwd_kernel<float, false, BN>,
-                          (const void *)conv_dgrad_kernel<float, true, BN>,
-                          (const void *)conv_dgrad_kernel<float, false, BN>,
-                          (const void *)conv_wgrad_kernel<float, true, BN>,
-                          (const void *)conv_wgrad_kernel<float, false, BN>})
+template <class Tile> static void ig_raise_smem_limits_of() {
+    const int f32 = (int)ig_smem_bytes<Tile>(sizeof(float));
+    for (const void *k : {(const void *)conv_fwd_kernel<float, true, Tile>,
+                          (const void *)conv_fwd_kernel<float, false, Tile>,
+                          (const void *)conv_dgrad_kernel<float, true, Tile>,
+                          (const void *)conv_dgrad_kernel<float, false, Tile>})
         cudaCheck(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
+    if constexpr (Tile::BM == IG_BM)  // the weight gradient's rows are K: no small tile
+        for (const void *k : {(const void *)conv_wgrad_kernel<float, true, Tile>,
+                              (const void *)conv_wgrad_kernel<float, false, Tile>})
+            cudaCheck(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, f32));
 }
 static void ig_raise_smem_limits() {
-    ig_raise_smem_limits_of<IG_BN>();
-    ig_raise_smem_limits_of<IG_BN_NARROW>();
+    ig_raise_smem_limits_of<IgWide>();
+    ig_raise_smem_limits_of<IgNarrow>();
+    ig_raise_smem_limits_of<IgSmall>();
 }
 
-// The tile width (IG_BN or IG_BN_NARROW) for n output channels a group, in
-// grids of `blocks_per_tile` blocks per channel tile. Narrow when n ≤
-// IG_BN_NARROW (half a wide tile's products would be padding), or when the
-// wide grid fills its waves (at ig_blocks_per_sm) less than WAVE_FILL_MIN, its
-// padding counted as idle, and the narrow one
-// fills them better; else wide, whose block loads an A tile for twice the
-// channels. cuda_conv_tile_n > 0 forces a width. Both give the same bits.
-int cuda_conv_tile_n = 0;  // segnet.h
-static int ig_tile_n(size_t blocks_per_tile, int n, int pass, bool vec) {
-    if (cuda_conv_tile_n > 0) return cuda_conv_tile_n;
-    if (n <= IG_BN_NARROW) return IG_BN_NARROW;
-    auto fill = [&](int bn, int per_sm) {
-        const size_t tiles = (n + bn - 1) / bn;
-        return wave_efficiency(blocks_per_tile * tiles, (size_t)WAVE_SMS * per_sm) * n /
-               (double)(tiles * bn);
-    };
-    const double wide = fill(IG_BN, ig_blocks_per_sm(IG_BN, pass, vec)),
-                 narrow = fill(IG_BN_NARROW, ig_blocks_per_sm(IG_BN_NARROW, pass, vec));
-    return wide < WAVE_FILL_MIN && narrow > wide ? IG_BN_NARROW : IG_BN;
+// The tile (segnet.h's codes: IG_TILE_WIDE, NARROW, SMALL) of the forward or
+// backward data for n output channels a group, M GEMM rows, z groups (and
+// phases) in the grid: the first of
+// wide, narrow and small whose grid fills its waves (at ig_blocks_per_sm) to
+// WAVE_FILL_MIN, padding channels counted as idle, else the one that fills them
+// best. A wide block loads an A tile for twice the channels of a narrow one,
+// and a narrow one its B tile for twice the rows of a small one, so the larger
+// come first. For n ≤ IG_BN_NARROW, half a wide tile's products would be
+// padding: never wide. cuda_conv_tile > 0 forces one. All give the same bits.
+int cuda_conv_tile = 0;  // segnet.h
+static int ig_tile(size_t M, size_t z, int n, int pass, bool vec) {
+    if (cuda_conv_tile > 0) return cuda_conv_tile;
+    int best = IG_TILE_NARROW;
+    double best_fill = -1.0;
+    for (int t = n <= IG_BN_NARROW ? IG_TILE_NARROW : IG_TILE_WIDE; t <= IG_TILE_SMALL; t++) {
+        const int bn = t == IG_TILE_WIDE ? IG_BN : IG_BN_NARROW;
+        const size_t bm = t == IG_TILE_SMALL ? IG_BM_SMALL : IG_BM, n_tiles = (n + bn - 1) / bn,
+                     m_tiles = (M + bm - 1) / bm * z;
+        const double fill = wave_efficiency(m_tiles * n_tiles,
+                                            (size_t)WAVE_SMS * ig_blocks_per_sm(t, pass, vec)) *
+                            n / (double)(n_tiles * bn);
+        if (fill >= WAVE_FILL_MIN) return t;
+        if (fill > best_fill) {
+            best = t;
+            best_fill = fill;
+        }
+    }
+    return best;
 }
-// the launch of a kernel template at the tile width bn: run(std::integral_constant<int, BN>)
-template <class Run> static void with_tile_n(int bn, Run run) {
-    if (bn == IG_BN_NARROW)
-        run(std::integral_constant<int, IG_BN_NARROW>{});
+// run(a Tile) of the tile's code
+template <class Run> static void with_tile(int tile, Run run) {
+    if (tile == IG_TILE_WIDE)
+        run(IgWide{});
+    else if (tile == IG_TILE_NARROW)
+        run(IgNarrow{});
     else
-        run(std::integral_constant<int, IG_BN>{});
+        run(IgSmall{});
 }
-// segnet.h: what ig_tile_n and wgrad_split assume, against the build
-int cuda_conv_assumed_blocks_per_sm(int tile_n, int pass, int vec) {
-    return ig_blocks_per_sm(tile_n, pass, vec);
+// segnet.h: what ig_tile and wgrad_split assume, against the build
+int cuda_conv_assumed_blocks_per_sm(int tile, int pass, int vec) {
+    return ig_blocks_per_sm(tile, pass, vec);
 }
-int cuda_conv_blocks_per_sm(int tile_n, int pass, int vec, DType dt) {
+int cuda_conv_blocks_per_sm(int tile, int pass, int vec, DType dt) {
+    if (tile < IG_TILE_WIDE || tile > IG_TILE_SMALL || (tile == IG_TILE_SMALL && pass == IG_WGRAD))
+        return -1;
     const void *k = NULL;
-    with_tile_n(tile_n, [&](auto tile) {
-        constexpr int BN = decltype(tile)::value;
+    size_t smem = 0;
+    with_tile(tile, [&](auto tag) {
+        typedef decltype(tag) Tile;
+        smem = ig_smem_bytes<Tile>(dtype_size(dt));
         SWITCH_STORAGE(dt, T, {
-            if (vec)
-                k = pass == IG_FWD     ? (const void *)conv_fwd_kernel<T, true, BN>
-                    : pass == IG_DGRAD ? (const void *)conv_dgrad_kernel<T, true, BN>
-                                       : (const void *)conv_wgrad_kernel<T, true, BN>;
-            else
-                k = pass == IG_FWD     ? (const void *)conv_fwd_kernel<T, false, BN>
-                    : pass == IG_DGRAD ? (const void *)conv_dgrad_kernel<T, false, BN>
-                                       : (const void *)conv_wgrad_kernel<T, false, BN>;
+            if (pass == IG_FWD)
+                k = vec ? (const void *)conv_fwd_kernel<T, true, Tile>
+                        : (const void *)conv_fwd_kernel<T, false, Tile>;
+            else if (pass == IG_DGRAD)
+                k = vec ? (const void *)conv_dgrad_kernel<T, true, Tile>
+                        : (const void *)conv_dgrad_kernel<T, false, Tile>;
+            else if constexpr (Tile::BM == IG_BM)
+                k = vec ? (const void *)conv_wgrad_kernel<T, true, Tile>
+                        : (const void *)conv_wgrad_kernel<T, false, Tile>;
         });
     });
     int n = -1;
-    const size_t smem = tile_n == IG_BN_NARROW ? ig_smem_bytes<IG_BN_NARROW>(dtype_size(dt))
-                                               : ig_smem_bytes<IG_BN>(dtype_size(dt));
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, IG_THREADS, smem) != cudaSuccess) {
         cudaGetLastError();
         return -1;
@@ -2313,9 +2339,9 @@ int cuda_conv_blocks_per_sm(int tile_n, int pass, int vec, DType dt) {
 static bool wgrad_vec_likely(const ConvGeom *q) { return q->Cg % 8 == 0 && q->Coutg % 8 == 0; }
 // The weight gradient's tile width: narrow for at most IG_BN_NARROW output
 // channels a group (the sums' order follows the tiles: a function of the shape)
-static int wgrad_tile_n(const ConvGeom *q) {
-    if (cuda_conv_tile_n > 0) return cuda_conv_tile_n;
-    return q->Coutg <= IG_BN_NARROW ? IG_BN_NARROW : IG_BN;
+static int wgrad_tile(const ConvGeom *q) {
+    if (cuda_conv_tile == IG_TILE_WIDE || cuda_conv_tile == IG_TILE_NARROW) return cuda_conv_tile;
+    return q->Coutg <= IG_BN_NARROW ? IG_TILE_NARROW : IG_TILE_WIDE;
 }
 // The weight gradient's pixel split into parts, each at least WGRAD_MIN_TILES
 // tiles of IG_BK pixels, at most WGRAD_PARTS_MAX parts, so that the grid
@@ -2336,8 +2362,8 @@ static int wgrad_parts_of(size_t M, size_t n, uint32_t *part_pixels) {
     return parts < 1 ? 1 : (int)parts;
 }
 static void wgrad_split(const ConvCfg *cfg, const ConvGeom *q, int *parts, uint32_t *part_pixels) {
-    const int bn = wgrad_tile_n(q);
-    const size_t slots = (size_t)WAVE_SMS * ig_blocks_per_sm(bn, IG_WGRAD, wgrad_vec_likely(q));
+    const int tile = wgrad_tile(q), bn = tile == IG_TILE_WIDE ? IG_BN : IG_BN_NARROW;
+    const size_t slots = (size_t)WAVE_SMS * ig_blocks_per_sm(tile, IG_WGRAD, wgrad_vec_likely(q));
     const size_t tiles =
             (size_t)((q->K + IG_BM - 1) / IG_BM) * ((q->Coutg + bn - 1) / bn) * cfg->groups;
     const size_t M = (size_t)q->N * q->P,
@@ -2391,22 +2417,24 @@ static void conv_implicit_forward(Ops *o, const ConvCfg *cfg, const ConvGeom *q,
     a.stride = cfg->stride;
     a.pt = q->pt;
     a.pl = q->pl;
-    a.M = (uint32_t)(q->N * q->P); a.OW = fastdiv_make(q->OW); a.OH = fastdiv_make(q->OH);
-    const unsigned m_tiles = (a.M + IG_BM - 1) / IG_BM;
+    a.M = (uint32_t)(q->N * q->P);
+    a.OW = fastdiv_make(q->OW);
+    a.OH = fastdiv_make(q->OH);
     const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(in.dtype) == 0 &&
                      aligned16(in.data) && aligned16(wt);
     const Traffic m = conv_traffic(q, out, in, in.dtype);
-    with_tile_n(ig_tile_n((size_t)m_tiles * cfg->groups, q->Coutg, IG_FWD, vec), [&](auto tile) {
-        constexpr int BN = decltype(tile)::value;
-        const dim3 grid(m_tiles, (q->Coutg + BN - 1) / BN, cfg->groups);
+    with_tile(ig_tile(a.M, cfg->groups, q->Coutg, IG_FWD, vec), [&](auto tag) {
+        typedef decltype(tag) Tile;
+        const dim3 grid((a.M + Tile::BM - 1) / Tile::BM, (q->Coutg + Tile::BN - 1) / Tile::BN,
+                        cfg->groups);
         SWITCH_STORAGE(in.dtype, T, {
             if (vec)
-                CU_LAUNCH((conv_fwd_kernel<T, true, BN>), grid, IG_THREADS,
-                          ig_smem_bytes<BN>(sizeof(T)), stream_of(o), m, (T *)out.data,
+                CU_LAUNCH((conv_fwd_kernel<T, true, Tile>), grid, IG_THREADS,
+                          ig_smem_bytes<Tile>(sizeof(T)), stream_of(o), m, (T *)out.data,
                           (const T *)in.data, (const T *)wt, b, a);
             else
-                CU_LAUNCH((conv_fwd_kernel<T, false, BN>), grid, IG_THREADS,
-                          ig_smem_bytes<BN>(sizeof(T)), stream_of(o), m, (T *)out.data,
+                CU_LAUNCH((conv_fwd_kernel<T, false, Tile>), grid, IG_THREADS,
+                          ig_smem_bytes<Tile>(sizeof(T)), stream_of(o), m, (T *)out.data,
                           (const T *)in.data, (const T *)wt, b, a);
         });
     });
@@ -2436,22 +2464,22 @@ static void conv_implicit_backward_data(Ops *o, const ConvCfg *cfg, const ConvGe
         a.Hu[ph] = fastdiv_make(hu > 0 ? hu : 1); a.Wv[ph] = fastdiv_make(wv > 0 ? wv : 1);
         if (a.M[ph] > rows) rows = a.M[ph];
     }
-    const unsigned m_tiles = (rows + IG_BM - 1) / IG_BM, z = cfg->groups * a.phases;
+    const unsigned z = cfg->groups * a.phases;
     const bool vec = cuda_vector_kernels && q->Cg % chunk_elems(din.dtype) == 0 &&
                      q->Coutg % chunk_elems(din.dtype) == 0 && aligned16(dout.data) &&
                      aligned16(wt);
     const Traffic m = conv_traffic(q, din, dout, din.dtype);
-    with_tile_n(ig_tile_n((size_t)m_tiles * z, q->Cg, IG_DGRAD, vec), [&](auto tile) {
-        constexpr int BN = decltype(tile)::value;
-        const dim3 grid(m_tiles, (q->Cg + BN - 1) / BN, z);
+    with_tile(ig_tile(rows, z, q->Cg, IG_DGRAD, vec), [&](auto tag) {
+        typedef decltype(tag) Tile;
+        const dim3 grid((rows + Tile::BM - 1) / Tile::BM, (q->Cg + Tile::BN - 1) / Tile::BN, z);
         SWITCH_STORAGE(din.dtype, T, {
             if (vec)
-                CU_LAUNCH((conv_dgrad_kernel<T, true, BN>), grid, IG_THREADS,
-                          ig_smem_bytes<BN>(sizeof(T)), stream_of(o), m, (T *)din.data,
+                CU_LAUNCH((conv_dgrad_kernel<T, true, Tile>), grid, IG_THREADS,
+                          ig_smem_bytes<Tile>(sizeof(T)), stream_of(o), m, (T *)din.data,
                           (const T *)dout.data, (const T *)wt, a);
             else
-                CU_LAUNCH((conv_dgrad_kernel<T, false, BN>), grid, IG_THREADS,
-                          ig_smem_bytes<BN>(sizeof(T)), stream_of(o), m, (T *)din.data,
+                CU_LAUNCH((conv_dgrad_kernel<T, false, Tile>), grid, IG_THREADS,
+                          ig_smem_bytes<Tile>(sizeof(T)), stream_of(o), m, (T *)din.data,
                           (const T *)dout.data, (const T *)wt, a);
         });
     });
@@ -2474,7 +2502,8 @@ static void conv_implicit_backward_weight(Ops *o, const ConvCfg *cfg, const Conv
     a.kw = cfg->kw; a.stride = cfg->stride; a.pt = q->pt; a.pl = q->pl; a.OH = q->OH; a.OW = q->OW;
     a.M = (uint32_t)(q->N * q->P); a.part_pixels = p->wgrad_part_pixels; a.parts = p->wgrad_parts;
     a.OW_div = fastdiv_make(q->OW); a.OH_div = fastdiv_make(q->OH);
-    const int bn = wgrad_tile_n(q);  // wgrad_split's, in the plan
+    // wgrad_split's tile
+    const int tile = wgrad_tile(q), bn = tile == IG_TILE_WIDE ? IG_BN : IG_BN_NARROW;
     const dim3 grid((q->K + IG_BM - 1) / IG_BM, (q->Coutg + bn - 1) / bn, cfg->groups * a.parts);
     require_below((size_t)grid.x * grid.y * cfg->groups, SUMS_COUNTERS + 1,
                   "implicit-GEMM weight gradient tiles");
@@ -2483,19 +2512,23 @@ static void conv_implicit_backward_weight(Ops *o, const ConvCfg *cfg, const Conv
                      aligned16(in.data);
     unsigned *done = ctx_of(o)->sums_done;
     const Traffic m = conv_traffic(q, dout, in, DT_F32);  // dw: fp32
-    with_tile_n(bn, [&](auto tile) {
-        constexpr int BN = decltype(tile)::value;
+    auto launch = [&](auto tag) {
+        typedef decltype(tag) Tile;
         SWITCH_STORAGE(in.dtype, T, {
             if (vec)
-                CU_LAUNCH((conv_wgrad_kernel<T, true, BN>), grid, IG_THREADS,
-                          ig_smem_bytes<BN>(sizeof(T)), stream_of(o), m, dw, (float *)ws, done,
+                CU_LAUNCH((conv_wgrad_kernel<T, true, Tile>), grid, IG_THREADS,
+                          ig_smem_bytes<Tile>(sizeof(T)), stream_of(o), m, dw, (float *)ws, done,
                           (const T *)dout.data, (const T *)in.data, a);
             else
-                CU_LAUNCH((conv_wgrad_kernel<T, false, BN>), grid, IG_THREADS,
-                          ig_smem_bytes<BN>(sizeof(T)), stream_of(o), m, dw, (float *)ws, done,
+                CU_LAUNCH((conv_wgrad_kernel<T, false, Tile>), grid, IG_THREADS,
+                          ig_smem_bytes<Tile>(sizeof(T)), stream_of(o), m, dw, (float *)ws, done,
                           (const T *)dout.data, (const T *)in.data, a);
         });
-    });
+    };
+    if (tile == IG_TILE_WIDE)
+        launch(IgWide{});
+    else
+        launch(IgNarrow{});
     launchCheck();
 }
 

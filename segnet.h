@@ -720,18 +720,20 @@ extern int cuda_vector_kernels;
 // and later; 0 (SEGNET_CONV=gemm in the environment when the backend opens):
 // im2col and cuBLAS, the reference path (the tests run both)
 extern int cuda_conv_implicit;
-// 0 (default): each implicit-GEMM conv picks its tile width (64 channels, or 32
-// for narrow layers and grids that fill the GPU better); 32 or 64 forces one.
-// The weight gradient's split follows it: change it only before planning.
-extern int cuda_conv_tile_n;
+// The implicit-GEMM convs' block tiles: 128 pixels × 64 channels, 128 × 32 (narrow
+// layers) and 64 × 32 (small grids; not the weight gradient's). 0 (default):
+// each conv picks the one that fills the GPU; a code forces one (a weight
+// gradient forced small takes its own). The weight gradient's split follows
+// it: change it only before planning.
+enum { IG_TILE_WIDE = 1, IG_TILE_NARROW, IG_TILE_SMALL };
+extern int cuda_conv_tile;
 // the implicit-GEMM conv kernels' resident blocks per SM (pass 0 forward, 1
-// backward data, 2 weight gradient, at tile width 32 or 64, the vector kernel or
-// not, in storage type dt), from the build's registers and shared memory; -1:
-// unknown
-int cuda_conv_blocks_per_sm(int tile_n, int pass, int vec, DType dt);
+// backward data, 2 weight gradient, at that tile, the vector kernel or not, in
+// storage type dt), from the build's registers and shared memory; -1: unknown
+int cuda_conv_blocks_per_sm(int tile, int pass, int vec, DType dt);
 // the 16-bit kernels' blocks per SM that the tile choice and the weight
 // gradient's split assume (the same arguments)
-int cuda_conv_assumed_blocks_per_sm(int tile_n, int pass, int vec);
+int cuda_conv_assumed_blocks_per_sm(int tile, int pass, int vec);
 // what ops_cuda.alloc has handed out (now, at most)
 extern size_t cuda_bytes_live, cuda_bytes_peak;
 // Device time per kernel (segnet bench --kernels): while cuda_kernel_timing is 1,

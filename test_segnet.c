@@ -1646,24 +1646,25 @@ static void cuda_conv_case(const CuConvCase *tc, DType dt, int bias, Rng *r) {
 // im2col + cuBLAS) with the chunk budget as it is, at 1 byte (every chunk one
 // output row, every backward band one input row) and at 2 KiB (a few rows,
 // or whole images)
-// runs: the implicit GEMMs at their own tile width (0) and forced to 64 channels,
+// runs: the implicit GEMMs at their own tiles (the narrow ones for these few
+// channels and pixels) and forced to the wide one,
 // then (chunked) the im2col path at three chunk budgets
 static void cuda_conv_cases(const CuConvCase *cases, size_t n, int chunked) {
     Rng r; rng_seed(&r, 91);
     const size_t saved = cuda_conv_chunk_bytes, budgets[3] = {saved, 1, 2048};
-    const int tile_n[2] = {0, 64};
+    const int tiles[2] = {0, IG_TILE_WIDE};
     memset(g_conv_worst, 0, sizeof g_conv_worst);
     for (size_t i = 0; i < n; i++)
         for (int run = 0; run < (chunked ? 5 : 2); run++) {
             cuda_conv_implicit = run < 2;
-            cuda_conv_tile_n = run < 2 ? tile_n[run] : 0;
+            cuda_conv_tile = run < 2 ? tiles[run] : 0;
             cuda_conv_chunk_bytes = budgets[run < 2 ? 0 : run - 2];
             for (int dt = 0; dt < 3; dt++)
                 for (int bias = 0; bias < 2; bias++) cuda_conv_case(&cases[i], (DType)dt, bias, &r);
         }
     cuda_conv_chunk_bytes = saved;
     cuda_conv_implicit = 1;
-    cuda_conv_tile_n = 0;
+    cuda_conv_tile = 0;
     if (g_verbose) {
         static const char *const OP[4] = {"forward", "backward data", "backward weight",
                                           "bias gradient"};
@@ -1698,29 +1699,28 @@ TEST(cuda_conv_dense) {
     };
     cuda_conv_cases(cases, sizeof cases / sizeof cases[0], 1);
 }
-// The two tile widths of the implicit-GEMM convs (kernels.cu): the forward and
-// backward data give the same bits at 32 and 64 channels (each output's sum runs
-// over k in one order), for channel counts of one narrow tile, two with a
-// partial one, and three; the weight gradient, split in other parts, agrees to
-// the sums' rounding (checked against the CPU in cuda_conv_dense). And the
-// blocks per SM that the tile choice and the split assume are the build's, by
-// its registers and shared memory (on a GPU: the driver's occupancy).
+// The three tiles of the implicit-GEMM convs (kernels.cu): the forward and
+// backward data give the same bits with each (every output's sum runs over k in
+// one order), for channel counts of one narrow tile, two with a partial one,
+// and three, over partial row tiles, at strides 1 and 2; the weight gradient,
+// split in other parts, agrees to the sums' rounding (checked against the CPU
+// in cuda_conv_dense, wide and narrow). And the blocks per SM that the tile
+// choice and the split assume are the build's, by its registers and shared
+// memory (on a GPU: the driver's occupancy).
 TEST(cuda_conv_tiles) {
     static const char *const DTYPE_NAMES[3] = {"fp32", "fp16", "bf16"};
+    static const char *const TILE_NAMES[4] = {"", "128x64", "128x32", "64x32"};
     Ops *o = cu_ops();
     for (int dt = 1; dt < 3; dt++)
-        for (int pass = 0; pass < 3; pass++)
-            for (int vec = 0; vec < 2; vec++) {
-                const int wide = cuda_conv_blocks_per_sm(64, pass, vec, (DType)dt),
-                          narrow = cuda_conv_blocks_per_sm(32, pass, vec, (DType)dt);
-                const int wide_assumed = cuda_conv_assumed_blocks_per_sm(64, pass, vec),
-                          narrow_assumed = cuda_conv_assumed_blocks_per_sm(32, pass, vec);
-                CHECK(wide == wide_assumed && narrow == narrow_assumed,
-                      "%s pass %d%s: %d blocks per SM at 64 channels (assumed %d), %d at 32 "
-                      "(assumed %d)",
-                      DTYPE_NAMES[dt], pass, vec ? ", vector kernel" : "", wide, wide_assumed,
-                      narrow, narrow_assumed);
-            }
+        for (int tile = IG_TILE_WIDE; tile <= IG_TILE_SMALL; tile++)
+            for (int pass = 0; pass < (tile == IG_TILE_SMALL ? 2 : 3); pass++)
+                for (int vec = 0; vec < 2; vec++) {
+                    const int got = cuda_conv_blocks_per_sm(tile, pass, vec, (DType)dt),
+                              assumed = cuda_conv_assumed_blocks_per_sm(tile, pass, vec);
+                    CHECK(got == assumed, "%s %s pass %d%s: %d blocks per SM, assumed %d",
+                          DTYPE_NAMES[dt], TILE_NAMES[tile], pass, vec ? ", vector kernel" : "",
+                          got, assumed);
+                }
     Rng r;
     rng_seed(&r, 93);
     const struct {
@@ -1747,9 +1747,9 @@ TEST(cuda_conv_tiles) {
             CuPair X = cu_pair(x, cases[i].in, (DType)dt), DY = cu_pair(dy, os, (DType)dt);
             float *w_d = cu_floats(w, nw), *b_d = cu_floats(b, q.Cout);
             const size_t es = dtype_size((DType)dt);
-            unsigned char *host[2][2];  // [tile][forward, backward data]
-            for (int t = 0; t < 2; t++) {
-                cuda_conv_tile_n = t ? 64 : 32;
+            unsigned char *host[4][2];  // [tile][forward, backward data]
+            for (int t = IG_TILE_WIDE; t <= IG_TILE_SMALL; t++) {
+                cuda_conv_tile = t;
                 const size_t ws_bytes = o->conv2d_workspace(o, &cfg, cases[i].in, (DType)dt);
                 void *ws = o->alloc(o, ws_bytes + 1);
                 Tensor y = tensor(o->alloc(o, nout * es), os, (DType)dt),
@@ -1764,13 +1764,15 @@ TEST(cuda_conv_tiles) {
                 o->free(o, dx.data);
                 o->free(o, ws);
             }
-            CHECK(!memcmp(host[0][0], host[1][0], nout * es),
-                  "case %zu %s: the forward differs between tile widths 32 and 64", i,
-                  DTYPE_NAMES[dt]);
-            CHECK(!memcmp(host[0][1], host[1][1], nin * es),
-                  "case %zu %s: backward data differs between tile widths 32 and 64", i,
-                  DTYPE_NAMES[dt]);
-            for (int t = 0; t < 2; t++) {
+            for (int t = IG_TILE_NARROW; t <= IG_TILE_SMALL; t++) {
+                CHECK(!memcmp(host[IG_TILE_WIDE][0], host[t][0], nout * es),
+                      "case %zu %s: the forward differs between tiles %s and %s", i,
+                      DTYPE_NAMES[dt], TILE_NAMES[IG_TILE_WIDE], TILE_NAMES[t]);
+                CHECK(!memcmp(host[IG_TILE_WIDE][1], host[t][1], nin * es),
+                      "case %zu %s: backward data differs between tiles %s and %s", i,
+                      DTYPE_NAMES[dt], TILE_NAMES[IG_TILE_WIDE], TILE_NAMES[t]);
+            }
+            for (int t = IG_TILE_WIDE; t <= IG_TILE_SMALL; t++) {
                 free(host[t][0]);
                 free(host[t][1]);
             }
@@ -1783,7 +1785,7 @@ TEST(cuda_conv_tiles) {
             free(w);
             free(b);
         }
-    cuda_conv_tile_n = 0;
+    cuda_conv_tile = 0;
 }
 
 TEST(cuda_conv_grouped) {
