@@ -196,8 +196,9 @@ void cuda_kernel_times_reset(void) {
 // Partial sums of the deterministic reductions (sum_squares, softmax_xent): one
 // row of REDUCE_WIDTH doubles per block, summed in block order by the block
 // that finishes last (reduce_finish).
-// REDUCE_BLOCKS_MAX: 20 blocks per SM, whole waves at 4 or 5 resident, ≥ 0.8 full at 6 to 8
-#define REDUCE_BLOCKS_MAX (20 * WAVE_SMS)
+// REDUCE_BLOCKS_MAX: 30 blocks per SM, whole waves at 5 or 6 resident (the two
+// reductions'), ≥ 0.9 full at 4 or 8
+#define REDUCE_BLOCKS_MAX (30 * WAVE_SMS)
 #define REDUCE_WIDTH 3
 
 // Counters of finished blocks for the reductions whose last block adds the
@@ -445,7 +446,7 @@ static double wave_efficiency(size_t blocks, size_t slots) {
 // b blocks' worth of grid-stride work in at most `most` blocks that each run the
 // same number of rounds r (ceil(b / r) blocks: none runs a round more than the
 // others while they wait). Of the 8 smallest r that keep within `most`, the one
-// whose grid's waves are fullest at the worst of 4, 6 and 8 blocks per SM.
+// whose grid's waves are fullest at the worst of 4, 5, 6 and 8 blocks per SM.
 static size_t balanced_blocks(size_t b, size_t most) {
     if (b < 1) return 1;
     const size_t first = (b + most - 1) / most;
@@ -454,7 +455,7 @@ static size_t balanced_blocks(size_t b, size_t most) {
     for (size_t r = first; r < first + 8; r++) {
         const size_t blocks = (b + r - 1) / r;
         double fill = 1.0;
-        for (int per_sm = 4; per_sm <= 8; per_sm += 2)
+        for (int per_sm : {4, 5, 6, 8})
             fill = std::min(fill, wave_efficiency(blocks, (size_t)WAVE_SMS * per_sm));
         if (fill > best_fill + 1e-9) {
             best = blocks;
@@ -670,6 +671,18 @@ static RowGrid row_grid(int lanes, size_t rows, unsigned z = 1) {
             GRID_STRIDE_BLOCKS / (z < GRID_STRIDE_BLOCKS ? z : GRID_STRIDE_BLOCKS) + 1);
     RowGrid g = {dim3((lanes + tx - 1) / tx, (unsigned)by, z), dim3(tx, ty)};
     return g;
+}
+// Whether a row kernel's grid of 16-byte lanes holds fewer warps than
+// FEW_WAVES full waves of a 132-SM GPU at 64 warps an SM: then lanes of 4
+// channels (8 bytes of fp16/bf16; NarrowIO) give it twice the threads, and
+// more waves to even out its tail
+#define FEW_WAVES 4
+int cuda_narrow_rows = 1;  // segnet.h
+static bool few_warps(const RowGrid &g) {
+    if (!cuda_narrow_rows) return false;
+    const size_t warps = (size_t)g.grid.x * g.grid.y * g.grid.z *
+                         ((g.block.x * g.block.y + WARP_SIZE - 1) / WARP_SIZE);
+    return warps < (size_t)FEW_WAVES * WAVE_SMS * 64;
 }
 // rows [r0, r0 + count) per launch, count·C < LAUNCH_MAX_ELEMENTS
 template <class L> static void for_row_launches(size_t rows, int C, L launch) {
@@ -2963,20 +2976,20 @@ __global__ void per_image_channel_kernel(void *dst, DType dt_dst, const void *sr
         st(y, dt_dst, i, accumulate ? ld(y, dt_dst, i) + v : v);
     }
 }
-template <class T>
+template <class T, int BYTES>
 __global__ void per_image_channel_vec_kernel(T *dst, const T *src, const T *b, float a, uint32_t HW,
                                              int C, int accumulate) {
-    constexpr int N = Vec<T>::N;
+    constexpr int N = BYTES / sizeof(T);
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
     if (c0 >= C) return;
     const uint32_t n = blockIdx.z;
-    const Vec<T> vs = load_vec(src + n * C + c0);
+    const VecB<T, BYTES> vs = load_vec<T, BYTES>(src + n * C + c0);
     T *y = dst + (size_t)n * HW * C + c0;
     const T *bn = b ? b + (size_t)n * HW * C + c0 : NULL;
     FOR_ROWS(r, HW) {
-        Vec<T> vb, vy;
-        if (bn) vb = load_vec(bn + r * C);
-        if (accumulate) vy = load_vec(y + r * C);
+        VecB<T, BYTES> vb, vy;
+        if (bn) vb = load_vec<T, BYTES>(bn + r * C);
+        if (accumulate) vy = load_vec<T, BYTES>(y + r * C);
         for (int k = 0; k < N; k++) {
             const float s = to_f32(vs.v[k]), v = bn ? to_f32(vb.v[k]) * s : s * a;
             vy.v[k] = from_f32<T>(accumulate ? to_f32(vy.v[k]) + v : v);
@@ -3003,9 +3016,16 @@ static void per_image_channel(Ops *o, Tensor dst, Tensor src, const void *b, DTy
                                 bytes_of(images * C, src.dtype));
         if (vec) {
             SWITCH_STORAGE(dst.dtype, T, {
-                RowGrid g = row_grid(C / Vec<T>::N, HW, images);
-                CU_LAUNCH(per_image_channel_vec_kernel<T>, g.grid, g.block, 0, stream_of(o), m,
-                          (T *)y, (const T *)s, (const T *)bb, a, (uint32_t)HW, C, accumulate);
+                const RowGrid g = row_grid(C / Vec<T>::N, HW, images),
+                              g4 = row_grid(C / NARROW_CHANNELS, HW, images);
+                if (few_warps(g))
+                    CU_LAUNCH((per_image_channel_vec_kernel<T, NARROW_BYTES<T>>), g4.grid, g4.block,
+                              0, stream_of(o), m, (T *)y, (const T *)s, (const T *)bb, a,
+                              (uint32_t)HW, C, accumulate);
+                else
+                    CU_LAUNCH((per_image_channel_vec_kernel<T, VEC_BYTES>), g.grid, g.block, 0,
+                              stream_of(o), m, (T *)y, (const T *)s, (const T *)bb, a, (uint32_t)HW,
+                              C, accumulate);
             });
         } else {
             RowGrid g = row_grid(C, HW, images);
@@ -3812,21 +3832,23 @@ __global__ void bn_forward_kernel(void *y, DType dty, const void *x, DType dtx, 
 }
 // Out(i, r, y): what becomes of y's Vec at element i (row r of the launch):
 // StoreVec (bn_forward) or ResidualEnd (BnNext FUSED_RESIDUAL, further on)
-template <class T> struct StoreVec {
+template <class T, int B = VEC_BYTES> struct StoreVec {
+    static constexpr int BYTES = B;
     T *y;
-    __device__ void operator()(uint32_t i, uint32_t, const Vec<T> &v) { store_vec(y + i, v); }
+    __device__ void operator()(uint32_t i, uint32_t, const VecB<T, B> &v) { store_vec(y + i, v); }
 };
+// Out: the consumer of a row's BYTES bytes of channels (StoreVec, ResidualEnd)
 template <class T, class Out>
 __global__ void bn_forward_vec_kernel(Out out, const T *x, uint32_t rows, int C, const float *mean,
                                       const float *var, const float *gamma, const float *beta,
                                       float eps, Act act) {
-    constexpr int N = Vec<T>::N;
+    constexpr int N = Out::BYTES / sizeof(T);
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * N;
     if (c0 >= C) return;
     BnChannel bn[N];
     for (int k = 0; k < N; k++) bn[k] = BnChannel(mean, var, gamma, beta, eps, c0 + k);
     FOR_ROWS(r, rows) {
-        Vec<T> v = load_vec(x + r * C + c0);
+        VecB<T, Out::BYTES> v = load_vec<T, Out::BYTES>(x + r * C + c0);
         for (int k = 0; k < N; k++)
             v.v[k] = from_f32<T>(act_apply(act, bn[k].z(bn[k].xhat(to_f32(v.v[k])))));
         out(r * C + c0, r, v);
@@ -3844,10 +3866,16 @@ static void bn_forward_plain(Ops *o, Tensor y, Tensor x, const float *mean, cons
         const Traffic m = moves(bytes_of(count * C, y.dtype) + bytes_of(count * C, x.dtype));
         if (vec) {
             SWITCH_STORAGE(x.dtype, T, {
-                RowGrid g = row_grid(C / Vec<T>::N, count);
-                CU_LAUNCH((bn_forward_vec_kernel<T, StoreVec<T>>), g.grid, g.block, 0, stream_of(o),
-                          m, StoreVec<T>{(T *)yc}, (const T *)xc, (uint32_t)count, C, mean, var,
-                          gamma, beta, eps, act);
+                const RowGrid g = row_grid(C / Vec<T>::N, count),
+                              g4 = row_grid(C / NARROW_CHANNELS, count);
+                if (few_warps(g))
+                    CU_LAUNCH((bn_forward_vec_kernel<T, StoreVec<T, NARROW_BYTES<T>>>), g4.grid,
+                              g4.block, 0, stream_of(o), m, StoreVec<T, NARROW_BYTES<T>>{(T *)yc},
+                              (const T *)xc, (uint32_t)count, C, mean, var, gamma, beta, eps, act);
+                else
+                    CU_LAUNCH((bn_forward_vec_kernel<T, StoreVec<T>>), g.grid, g.block, 0,
+                              stream_of(o), m, StoreVec<T>{(T *)yc}, (const T *)xc, (uint32_t)count,
+                              C, mean, var, gamma, beta, eps, act);
             });
         } else {
             RowGrid g = row_grid(C, count);
@@ -4096,12 +4124,13 @@ static SampleKeep sample_keep(const BnNext *next, size_t rows_per_image, size_t 
 }
 
 // out = y·keep + residual, as dropout_vec_kernel's forward
-template <class T> struct ResidualEnd {
+template <class T, int B = VEC_BYTES> struct ResidualEnd {
+    static constexpr int BYTES = B;
     T *out; const T *res; SampleKeep keep;
-    __device__ void operator()(uint32_t i, uint32_t r, const Vec<T> &y) {
+    __device__ void operator()(uint32_t i, uint32_t r, const VecB<T, B> &y) {
         const float f = keep.at(r);
-        Vec<T> vr = load_vec(res + i), v;
-        for (int k = 0; k < Vec<T>::N; k++) {
+        VecB<T, B> vr = load_vec<T, B>(res + i), v;
+        for (int k = 0; k < VecB<T, B>::N; k++) {
             float a = to_f32(y.v[k]) * f;
             a += to_f32(vr.v[k]);
             v.v[k] = from_f32<T>(a);
@@ -4197,12 +4226,21 @@ static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const BnArgs *bn) {
     for_row_launches(rows, C, [&](size_t r0, size_t count) {
         SWITCH_STORAGE(x.dtype, T, {
             const size_t at = r0 * C;
-            RowGrid g = row_grid(C / Vec<T>::N, count);
-            ResidualEnd<T> out = {(T *)next->out.data + at, (const T *)next->residual.data + at,
-                                  sample_keep(next, HW, r0)};
-            CU_LAUNCH((bn_forward_vec_kernel<T, ResidualEnd<T>>), g.grid, g.block, 0, stream_of(o),
-                      moves(3.0 * count * C * sizeof(T)), out, (const T *)x.data + at,
-                      (uint32_t)count, C, mean, var, gamma, beta, eps, act);
+            const RowGrid g = row_grid(C / Vec<T>::N, count),
+                          g4 = row_grid(C / NARROW_CHANNELS, count);
+            T *y = (T *)next->out.data + at;
+            const T *res = (const T *)next->residual.data + at;
+            const SampleKeep keep = sample_keep(next, HW, r0);
+            const Traffic m = moves(3.0 * count * C * sizeof(T));
+            if (few_warps(g))
+                CU_LAUNCH((bn_forward_vec_kernel<T, ResidualEnd<T, NARROW_BYTES<T>>>), g4.grid,
+                          g4.block, 0, stream_of(o), m,
+                          ResidualEnd<T, NARROW_BYTES<T>>{y, res, keep}, (const T *)x.data + at,
+                          (uint32_t)count, C, mean, var, gamma, beta, eps, act);
+            else
+                CU_LAUNCH((bn_forward_vec_kernel<T, ResidualEnd<T>>), g.grid, g.block, 0,
+                          stream_of(o), m, ResidualEnd<T>{y, res, keep}, (const T *)x.data + at,
+                          (uint32_t)count, C, mean, var, gamma, beta, eps, act);
         });
         launchCheck();
     });

@@ -727,6 +727,10 @@ extern int cuda_conv_implicit;
 // it: change it only before planning.
 enum { IG_TILE_WIDE = 1, IG_TILE_NARROW, IG_TILE_SMALL };
 extern int cuda_conv_tile;
+// 1 (default): batch norm's forward and the per-image channel scales run 4
+// channels a thread (8 bytes of fp16/bf16) where 16-byte lanes would leave the
+// GPU too few warps; 0: 16-byte lanes always (the tests run both)
+extern int cuda_narrow_rows;
 // the implicit-GEMM conv kernels' resident blocks per SM (pass 0 forward, 1
 // backward data, 2 weight gradient, at that tile, the vector kernel or not, in
 // storage type dt), from the build's registers and shared memory; -1: unknown

@@ -2287,7 +2287,7 @@ TEST(fast_se_gate_vs_ref) {
 // pooling (fp64 sums: 4 fp32 roundings), its backward and the scale (one product:
 // the same bits, CU_FMA with accumulate), the scale's ds (fp64 sums); dx or ds
 // not wanted (NULL) in some cases
-TEST(cuda_squeeze_excitation) {
+static void cuda_squeeze_excitation_cases(void) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 84);
     for (int si = 0; si < CU_NSHAPES; si++)
@@ -2341,6 +2341,14 @@ TEST(cuda_squeeze_excitation) {
             cu_pair_free(&pooled); cu_pair_free(&y);
             free(xv); free(dyv); free(sv); free(dpv);
         }
+}
+// with 4-channel lanes where the grid is small (the default), and 16-byte lanes always
+TEST(cuda_squeeze_excitation) {
+    for (int narrow = 1; narrow >= 0; narrow--) {
+        cuda_narrow_rows = narrow;
+        cuda_squeeze_excitation_cases();
+    }
+    cuda_narrow_rows = 1;
 }
 
 // the squeeze-excitation gate against the CPU's (both sum in fp64; expf and the
@@ -3429,7 +3437,7 @@ TEST(cuda_bn_stats) {
 // statistics, count = M) and inference (running statistics, count = 0), both
 // accumulate modes. Each op gets the CPU's inputs (statistics, sums), so each is
 // measured alone.
-TEST(cuda_bn_forward_backward) {
+static void cuda_bn_forward_backward_cases(void) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 82);
     for (int si = 0; si < CU_NSHAPES; si++)
@@ -3564,9 +3572,23 @@ TEST(cuda_bn_forward_backward) {
                 cu_pair_free(&x); cu_pair_free(&dy);
             }
 }
+// with 4-channel lanes where the grid is small (the default), and 16-byte lanes always
+TEST(cuda_bn_forward_backward) {
+    for (int narrow = 1; narrow >= 0; narrow--) {
+        cuda_narrow_rows = narrow;
+        cuda_bn_forward_backward_cases();
+    }
+    cuda_narrow_rows = 1;
+}
 
 // bn_fused_cases (see test_bn_fused_next) on the emulated GPU
-TEST(cuda_bn_fused_next) { bn_fused_cases(cu_ops(), 92); }
+TEST(cuda_bn_fused_next) {
+    for (int narrow = 1; narrow >= 0; narrow--) {  // as cuda_bn_forward_backward
+        cuda_narrow_rows = narrow;
+        bn_fused_cases(cu_ops(), 92);
+    }
+    cuda_narrow_rows = 1;
+}
 #endif
 
 // ----------------------------------------------------------------------------
