@@ -412,7 +412,8 @@ gpucount: segnet_emu
 #    PyTorch (its GPU library kernels, autocast, channels_last) with GPU_PYTHON when its torch
 #    sees the GPU;
 # 4. each GPU_MODELS entry's GPU_KERNEL_ROWS kernels with the most device time
-#    per step, bf16 (segnet bench --kernels: CUDA events around each launch);
+#    per step, bf16 (segnet bench --kernels: CUDA events around each launch),
+#    with the GB/s and TFLOP/s of the bytes and FLOPs their launches declare;
 # 5. gpucheck.txt: the GPU, the tests' and the sanitizer's verdicts, one table
 #    (images/s, peak device memory, segnet/PyTorch ratios) and the kernel
 #    tables, printed last.
