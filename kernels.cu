@@ -677,12 +677,13 @@ static RowGrid row_grid(int lanes, size_t rows, unsigned z = 1) {
 // channels (8 bytes of fp16/bf16; NarrowIO) give it twice the threads, and
 // more waves to even out its tail
 #define FEW_WAVES 4
+#define SM_WARPS 64  // resident warps an SM holds at most (sm_80 to sm_90)
 int cuda_narrow_rows = 1;  // segnet.h
 static bool few_warps(const RowGrid &g) {
     if (!cuda_narrow_rows) return false;
     const size_t warps = (size_t)g.grid.x * g.grid.y * g.grid.z *
                          ((g.block.x * g.block.y + WARP_SIZE - 1) / WARP_SIZE);
-    return warps < (size_t)FEW_WAVES * WAVE_SMS * 64;
+    return warps < (size_t)FEW_WAVES * WAVE_SMS * SM_WARPS;
 }
 // rows [r0, r0 + count) per launch, count·C < LAUNCH_MAX_ELEMENTS
 template <class L> static void for_row_launches(size_t rows, int C, L launch) {
@@ -1693,12 +1694,12 @@ static size_t rows_per_part(size_t M, int parts) { return (M + parts - 1) / part
 // Both read their A operand the same way (Gather): rows of pixels of an NHWC
 // tensor, columns k = (a, b, c), A[m][k] = src[n, y_m + dir·a, x_m + dir·b, c0 + c].
 //
-// Tiling: a block of 4 warps computes IG_BM GEMM rows × BN channels of one
-// group (and phase), BN = IG_BN or, for narrow layers, IG_BN_NARROW (IgTile);
-// warp w the WM×32 sub-tile at rows WM·(w % WARPS_M), channels 32·(w / WARPS_M)
-// (64×32 of a 2×2 layout, or 32×32 of a 4×1 one), as MI×4 mma.m16n8k16 tiles
-// with fp32 accumulators in registers. Each output's sum runs over k in the
-// same order whatever BN: the two tiles give the same bits. K
+// Tiling: a block of 4 warps computes BM GEMM rows × BN channels of one group
+// (and phase), IgTile: 128×64, 128×32 for narrow layers, 64×32 for small grids
+// (ig_tile); warp w the WM×32 sub-tile at rows WM·(w % WARPS_M), channels
+// 32·(w / WARPS_M) (64×32 in a 2×2 layout; 32×32 or 16×32 in a 4×1 one), as
+// MI×4 mma.m16n8k16 tiles with fp32 accumulators in registers. Each output's
+// sum runs over k in the same order whatever the tile: the same bits. K
 // is walked IG_BK at a time through IG_STAGES shared-memory buffers that
 // cp.async fills while the tensor cores work on an earlier one (ig_mainloop).
 //   Loading A: thread t fills 16-byte chunk t%4 (8 consecutive k) of tile rows
@@ -2279,10 +2280,9 @@ static void ig_raise_smem_limits() {
 
 // The tile (segnet.h's codes: IG_TILE_WIDE, NARROW, SMALL) of the forward or
 // backward data for n output channels a group, M GEMM rows, z groups (and
-// phases) in the grid: the first of
-// wide, narrow and small whose grid fills its waves (at ig_blocks_per_sm) to
-// WAVE_FILL_MIN, padding channels counted as idle, else the one that fills them
-// best. A wide block loads an A tile for twice the channels of a narrow one,
+// phases) in the grid: the first of wide, narrow and small whose grid fills its
+// waves (at ig_blocks_per_sm) to WAVE_FILL_MIN, padding channels counted as
+// idle, else the one that fills them best. A wide block loads an A tile for twice the channels of a narrow one,
 // and a narrow one its B tile for twice the rows of a small one, so the larger
 // come first. For n ≤ IG_BN_NARROW, half a wide tile's products would be
 // padding: never wide. cuda_conv_tile > 0 forces one. All give the same bits.
