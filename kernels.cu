@@ -2282,10 +2282,11 @@ static void ig_raise_smem_limits() {
 // backward data for n output channels a group, M GEMM rows, z groups (and
 // phases) in the grid: the first of wide, narrow and small whose grid fills its
 // waves (at ig_blocks_per_sm) to WAVE_FILL_MIN, padding channels counted as
-// idle, else the one that fills them best. A wide block loads an A tile for twice the channels of a narrow one,
-// and a narrow one its B tile for twice the rows of a small one, so the larger
-// come first. For n ≤ IG_BN_NARROW, half a wide tile's products would be
-// padding: never wide. cuda_conv_tile > 0 forces one. All give the same bits.
+// idle, else the one that fills them best. A wide block loads an A tile for
+// twice the channels of a narrow one, and a narrow one its B tile for twice the
+// rows of a small one, so the larger come first. For n ≤ IG_BN_NARROW, half a
+// wide tile's products would be padding: never wide. cuda_conv_tile > 0 forces
+// one. All give the same bits.
 int cuda_conv_tile = 0;  // segnet.h
 static int ig_tile(size_t M, size_t z, int n, int pass, bool vec) {
     if (cuda_conv_tile > 0) return cuda_conv_tile;
