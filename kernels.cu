@@ -685,6 +685,15 @@ static bool few_warps(const RowGrid &g) {
                          ((g.block.x * g.block.y + WARP_SIZE - 1) / WARP_SIZE);
     return warps < (size_t)FEW_WAVES * WAVE_SMS * SM_WARPS;
 }
+// run(grid, std::integral_constant<int, BYTES>) for a row kernel of lanes of C
+// channels of T: 16-byte lanes, or NARROW_BYTES<T> ones where those leave few warps
+template <class T, class Run> static void with_lane_bytes(int C, size_t rows, unsigned z, Run run) {
+    const RowGrid g = row_grid(C / Vec<T>::N, rows, z);
+    if (few_warps(g))
+        run(row_grid(C / NARROW_CHANNELS, rows, z), std::integral_constant<int, NARROW_BYTES<T>>{});
+    else
+        run(g, std::integral_constant<int, VEC_BYTES>{});
+}
 // rows [r0, r0 + count) per launch, count·C < LAUNCH_MAX_ELEMENTS
 template <class L> static void for_row_launches(size_t rows, int C, L launch) {
     size_t per = LAUNCH_MAX_ELEMENTS / (C > 0 ? (size_t)C : 1);
@@ -3017,16 +3026,11 @@ static void per_image_channel(Ops *o, Tensor dst, Tensor src, const void *b, DTy
                                 bytes_of(images * C, src.dtype));
         if (vec) {
             SWITCH_STORAGE(dst.dtype, T, {
-                const RowGrid g = row_grid(C / Vec<T>::N, HW, images),
-                              g4 = row_grid(C / NARROW_CHANNELS, HW, images);
-                if (few_warps(g))
-                    CU_LAUNCH((per_image_channel_vec_kernel<T, NARROW_BYTES<T>>), g4.grid, g4.block,
-                              0, stream_of(o), m, (T *)y, (const T *)s, (const T *)bb, a,
+                with_lane_bytes<T>(C, HW, images, [&](RowGrid g, auto bytes) {
+                    CU_LAUNCH((per_image_channel_vec_kernel<T, decltype(bytes)::value>), g.grid,
+                              g.block, 0, stream_of(o), m, (T *)y, (const T *)s, (const T *)bb, a,
                               (uint32_t)HW, C, accumulate);
-                else
-                    CU_LAUNCH((per_image_channel_vec_kernel<T, VEC_BYTES>), g.grid, g.block, 0,
-                              stream_of(o), m, (T *)y, (const T *)s, (const T *)bb, a, (uint32_t)HW,
-                              C, accumulate);
+                });
             });
         } else {
             RowGrid g = row_grid(C, HW, images);
@@ -3867,16 +3871,12 @@ static void bn_forward_plain(Ops *o, Tensor y, Tensor x, const float *mean, cons
         const Traffic m = moves(bytes_of(count * C, y.dtype) + bytes_of(count * C, x.dtype));
         if (vec) {
             SWITCH_STORAGE(x.dtype, T, {
-                const RowGrid g = row_grid(C / Vec<T>::N, count),
-                              g4 = row_grid(C / NARROW_CHANNELS, count);
-                if (few_warps(g))
-                    CU_LAUNCH((bn_forward_vec_kernel<T, StoreVec<T, NARROW_BYTES<T>>>), g4.grid,
-                              g4.block, 0, stream_of(o), m, StoreVec<T, NARROW_BYTES<T>>{(T *)yc},
-                              (const T *)xc, (uint32_t)count, C, mean, var, gamma, beta, eps, act);
-                else
-                    CU_LAUNCH((bn_forward_vec_kernel<T, StoreVec<T>>), g.grid, g.block, 0,
-                              stream_of(o), m, StoreVec<T>{(T *)yc}, (const T *)xc, (uint32_t)count,
-                              C, mean, var, gamma, beta, eps, act);
+                with_lane_bytes<T>(C, count, 1, [&](RowGrid g, auto bytes) {
+                    typedef StoreVec<T, decltype(bytes)::value> Out;
+                    CU_LAUNCH((bn_forward_vec_kernel<T, Out>), g.grid, g.block, 0, stream_of(o), m,
+                              Out{(T *)yc}, (const T *)xc, (uint32_t)count, C, mean, var, gamma,
+                              beta, eps, act);
+                });
             });
         } else {
             RowGrid g = row_grid(C, count);
@@ -4227,21 +4227,16 @@ static void bn_forward_cuda(Ops *o, Tensor y, Tensor x, const BnArgs *bn) {
     for_row_launches(rows, C, [&](size_t r0, size_t count) {
         SWITCH_STORAGE(x.dtype, T, {
             const size_t at = r0 * C;
-            const RowGrid g = row_grid(C / Vec<T>::N, count),
-                          g4 = row_grid(C / NARROW_CHANNELS, count);
             T *y = (T *)next->out.data + at;
             const T *res = (const T *)next->residual.data + at;
             const SampleKeep keep = sample_keep(next, HW, r0);
-            const Traffic m = moves(3.0 * count * C * sizeof(T));
-            if (few_warps(g))
-                CU_LAUNCH((bn_forward_vec_kernel<T, ResidualEnd<T, NARROW_BYTES<T>>>), g4.grid,
-                          g4.block, 0, stream_of(o), m,
-                          ResidualEnd<T, NARROW_BYTES<T>>{y, res, keep}, (const T *)x.data + at,
-                          (uint32_t)count, C, mean, var, gamma, beta, eps, act);
-            else
-                CU_LAUNCH((bn_forward_vec_kernel<T, ResidualEnd<T>>), g.grid, g.block, 0,
-                          stream_of(o), m, ResidualEnd<T>{y, res, keep}, (const T *)x.data + at,
-                          (uint32_t)count, C, mean, var, gamma, beta, eps, act);
+            with_lane_bytes<T>(C, count, 1, [&](RowGrid g, auto bytes) {
+                typedef ResidualEnd<T, decltype(bytes)::value> Out;
+                CU_LAUNCH((bn_forward_vec_kernel<T, Out>), g.grid, g.block, 0, stream_of(o),
+                          moves(3.0 * count * C * sizeof(T)), Out{y, res, keep},
+                          (const T *)x.data + at, (uint32_t)count, C, mean, var, gamma, beta, eps,
+                          act);
+            });
         });
         launchCheck();
     });

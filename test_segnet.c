@@ -2284,6 +2284,15 @@ TEST(fast_se_gate_vs_ref) {
 }
 
 #ifdef SEGNET_CUDA
+// cases() with 4-channel lanes where the grid is small (the default), then with
+// 16-byte lanes always (cuda_narrow_rows)
+static void with_narrow_rows_both(void (*cases)(void)) {
+    for (int narrow = 1; narrow >= 0; narrow--) {
+        cuda_narrow_rows = narrow;
+        cases();
+    }
+    cuda_narrow_rows = 1;
+}
 // pooling (fp64 sums: 4 fp32 roundings), its backward and the scale (one product:
 // the same bits, CU_FMA with accumulate), the scale's ds (fp64 sums); dx or ds
 // not wanted (NULL) in some cases
@@ -2342,14 +2351,7 @@ static void cuda_squeeze_excitation_cases(void) {
             free(xv); free(dyv); free(sv); free(dpv);
         }
 }
-// with 4-channel lanes where the grid is small (the default), and 16-byte lanes always
-TEST(cuda_squeeze_excitation) {
-    for (int narrow = 1; narrow >= 0; narrow--) {
-        cuda_narrow_rows = narrow;
-        cuda_squeeze_excitation_cases();
-    }
-    cuda_narrow_rows = 1;
-}
+TEST(cuda_squeeze_excitation) { with_narrow_rows_both(cuda_squeeze_excitation_cases); }
 
 // the squeeze-excitation gate against the CPU's (both sum in fp64; expf and the
 // order of the sums differ): within 1e-5 of each tensor's largest value in
@@ -3572,23 +3574,11 @@ static void cuda_bn_forward_backward_cases(void) {
                 cu_pair_free(&x); cu_pair_free(&dy);
             }
 }
-// with 4-channel lanes where the grid is small (the default), and 16-byte lanes always
-TEST(cuda_bn_forward_backward) {
-    for (int narrow = 1; narrow >= 0; narrow--) {
-        cuda_narrow_rows = narrow;
-        cuda_bn_forward_backward_cases();
-    }
-    cuda_narrow_rows = 1;
-}
+TEST(cuda_bn_forward_backward) { with_narrow_rows_both(cuda_bn_forward_backward_cases); }
 
 // bn_fused_cases (see test_bn_fused_next) on the emulated GPU
-TEST(cuda_bn_fused_next) {
-    for (int narrow = 1; narrow >= 0; narrow--) {  // as cuda_bn_forward_backward
-        cuda_narrow_rows = narrow;
-        bn_fused_cases(cu_ops(), 92);
-    }
-    cuda_narrow_rows = 1;
-}
+static void cuda_bn_fused_next_cases(void) { bn_fused_cases(cu_ops(), 92); }
+TEST(cuda_bn_fused_next) { with_narrow_rows_both(cuda_bn_fused_next_cases); }
 #endif
 
 // ----------------------------------------------------------------------------
