@@ -212,6 +212,29 @@ static void train_args_free(TrainArgs *a) {
     a->n_kept = 0;
 }
 
+// --ignore-index: comma-separated mask values 0..65535, added to those given before
+static int parse_ignore_index(const char *v, MaskRules *m) {
+    for (const char *s = v;;) {
+        char *end;
+        errno = 0;
+        long x = strtol(s, &end, 10);
+        if (end == s || (*end && *end != ',') || errno || x < 0 || x >= MASK_VALUES) {
+            fprintf(stderr, "segnet: --ignore-index '%s': expected mask values 0..%d, "
+                    "comma-separated\n", v, MASK_VALUES - 1);
+            return -1;
+        }
+        int known = 0;
+        for (int i = 0; i < m->n_ignore; i++) known |= m->ignore[i] == x;
+        if (!known && m->n_ignore == SN_MAX_IGNORE) {
+            fprintf(stderr, "segnet: --ignore-index: at most %d values\n", SN_MAX_IGNORE);
+            return -1;
+        }
+        if (!known) m->ignore[m->n_ignore++] = (int32_t)x;
+        if (!*end) return 0;
+        s = end + 1;
+    }
+}
+
 // Parses one train/eval option at argv[i]. Returns the arguments consumed
 // (0: unknown), -1 on error.
 static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
@@ -243,7 +266,8 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
                                         "--device",        "--replicas",
                                         "--allow-missing", "--monitor",
                                         "--min-delta",     "--max-pixels",
-                                        "--log-every",     "--exif"};
+                                        "--log-every",     "--exif",
+                                        "--ignore-index",  "--label-map"};
     int known = 0;
     for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
     if (!known) return 0;
@@ -261,6 +285,8 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     else if (!strcmp(f, "--weights")) c->weights = v;
     else if (!strcmp(f, "--allow-missing")) c->allow_missing = v;
     else if (!strcmp(f, "--class-weights")) a->class_weights = v;
+    else if (!strcmp(f, "--label-map")) c->masks.label_map = v;
+    else if (!strcmp(f, "--ignore-index")) rc = parse_ignore_index(v, &c->masks);
     else if (!strcmp(f, "--epochs")) rc = parse_int(f, v, 1, 1 << 20, &c->epochs);
     else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, 1 << 30, &c->warmup);
     else if (!strcmp(f, "--early-stopping")) rc = parse_int(f, v, 0, 1 << 20, &c->patience);
@@ -485,9 +511,9 @@ static const char *TRAIN_USAGE =
     "moments) stops the run with exit 1, naming the tensor; it is never saved.\n"
     "\n"
     "Data: segmentation models (unet, unet-effv2-*) read DIR/images/*.{png,jpg}\n"
-    "with DIR/masks/*.png of the same name (pixel = class index, PNG only);\n"
-    "classifiers (effv2-*) read a CSV `path,label` (an optional header `path,label`)\n"
-    "or one sub-folder per class.\n"
+    "with DIR/masks/*.png of the same name (pixel = class index: grey of 1 to 16\n"
+    "bits or a palette PNG's index, as Pascal VOC's); classifiers (effv2-*) read a\n"
+    "CSV `path,label` (an optional header `path,label`) or one sub-folder per class.\n"
     "\n"
     "  --model NAME          unet (default), unet-effv2-s|m|l|t, effv2-s|m|l|t\n"
     "  --data TRAIN          training data (required)\n"
@@ -495,6 +521,13 @@ static const char *TRAIN_USAGE =
     "  --classes K           number of classes (required)\n"
     "  --class-weights LIST  K comma-separated weights ≥ 0 (default all 1); weight 0\n"
     "                        ignores a class, e.g. 0 = \"not annotated\"\n"
+    "  --ignore-index V      mask value V (comma-separated or repeated, up to 16) marks\n"
+    "                        a pixel that counts nothing: not in the loss, its\n"
+    "                        normaliser, the gradients or the metrics (VOC's and\n"
+    "                        Cityscapes' void: 255)\n"
+    "  --label-map FILE      CSV `value,class`: the class of each mask value (e.g.\n"
+    "                        Cityscapes' labelIds to trainIds); a value it does not\n"
+    "                        list is an error; --ignore-index applies to the class\n"
     "  --loss-norm MODE      weighted (default): Σ w·nll / Σ w over the batch;\n"
     "                        keras: Keras' loss, p[y] clipped to [1e-7, 1-1e-7] before\n"
     "                        the log (no gradient where clipped), Σ w·nll / pixels\n"
@@ -597,7 +630,8 @@ static const char *EVAL_USAGE =
         "or val_accuracy (classification). With --run, the run's config.txt gives the\n"
         "model and class weights, best.safetensors the weights and its validation set\n"
         "the data (unless --data is given). Otherwise the model options are those of\n"
-        "segnet train (--model, --classes, --class-weights, --size, --padding, ...).\n"
+        "segnet train (--model, --classes, --class-weights, --ignore-index,\n"
+        "--label-map, --size, --padding, ...).\n"
         "  --batch B    images per forward pass (default 8)\n"
         "  --device D   auto (default), cuda or cpu, as for segnet train\n"
         "  --threads T  CPU threads\n"

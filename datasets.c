@@ -341,29 +341,110 @@ static int list_csv(Dataset *d, const char *csv, const Dataset *names_from, char
     return 0;
 }
 
-// A mask's class indices (h,w): the stored values of a PNG's pixels. Grey of
-// 1 to 16 bits, grey + alpha (alpha ignored), or RGB(A) whose every pixel has
-// R = G = B (grey stored as colour); a pixel of differing R, G, B is refused
-// (a colour-coded mask has no class indices), as is a palette PNG (stb_image
-// gives its colours, not the indices). Its size must be the image's (ih,iw),
-// whose EXIF orientation a mismatch mentions, and every value below K.
-static uint8_t *mask_load(const char *path, int ih, int iw, int image_orientation, int K,
+// ---- mask values: the label map, ignored values, palette PNGs
+
+static int value_in(int32_t v, const int32_t *set, int n) {
+    for (int i = 0; i < n; i++)
+        if (set[i] == v) return 1;
+    return 0;
+}
+
+// d->value_class from the rules: every value its class (value_class[v] = v
+// without a label map), MASK_UNMAPPED where the map lacks it, SN_LABEL_IGNORED
+// where the (mapped) value is ignored. A class ≥ K stays: mask_load names the
+// pixel. The map's rows: `value,class`, integers 0..65535, each value once.
+static int mask_rules_apply(Dataset *d, const MaskRules *r, char err[SN_ERR_MAX]) {
+    d->value_class = malloc(sizeof(int32_t) * MASK_VALUES);
+    snCheck(d->value_class != NULL, "out of host memory");
+    for (int v = 0; v < MASK_VALUES; v++) d->value_class[v] = r && r->label_map ? MASK_UNMAPPED : v;
+    if (!r) return 0;
+    if (r->label_map) {
+        d->label_map = strdup(r->label_map);
+        snCheck(d->label_map != NULL, "out of host memory");
+        FILE *f = fopen_regular(r->label_map, "r", err);
+        if (!f) return -1;
+        char line[512], field[2][64];
+        int rc = 0, rows = 0;
+        for (int row = 1; rc == 0 && fgets(line, sizeof line, f); row++) {
+            const char *s = csv_skip_bom(line, row), *why = NULL;
+            int more = 0;
+            long x[2] = {-1, -1};
+            if (!s[strspn(s, CSV_BLANKS "\r\n")]) continue;
+            if (!strchr(line, '\n') && !feof(f)) why = "longer than 511 characters";
+            if (!why) why = csv_field(&s, field[0], sizeof field[0], &more);
+            if (!why) why = csv_field(&s, field[1], sizeof field[1], &more);
+            if (!why && more) why = "more than two fields (rows are value,class)";
+            if (!why && rows == 0 && !strcmp(field[0], "value")) continue;  // the header
+            for (int k = 0; !why && k < 2; k++) {
+                char *end;
+                errno = 0;
+                x[k] = strtol(field[k], &end, 10);
+                if (!field[k][0] || *end || errno || x[k] < 0 || x[k] >= MASK_VALUES)
+                    why = "expected value,class: integers 0..65535";
+            }
+            if (!why && d->value_class[x[0]] != MASK_UNMAPPED) why = "this value is listed twice";
+            if (why) {
+                snprintf(err, SN_ERR_MAX, "%s: row %d: %s", r->label_map, row, why);
+                rc = -1;
+            } else {
+                d->value_class[x[0]] = (int32_t)x[1];
+                rows++;
+            }
+        }
+        fclose(f);
+        if (rc == 0 && rows == 0) {
+            snprintf(err, SN_ERR_MAX, "%s: no rows (rows are value,class)", r->label_map);
+            rc = -1;
+        }
+        if (rc) return -1;
+    }
+    for (int v = 0; v < MASK_VALUES; v++)
+        if (value_in(d->value_class[v], r->ignore, r->n_ignore))
+            d->value_class[v] = SN_LABEL_IGNORED;
+    return 0;
+}
+
+// A palette PNG read as the grey image of its indices: stb_image turns indices
+// into colours, and two palette entries may share one, so the file's bytes are
+// relabelled for it instead: IHDR's colour type 3 (palette) becomes 0 (grey),
+// and PLTE and tRNS become ancillary chunks of unknown types, which it skips.
+// The pixel data, the same bits per sample (1, 2, 4 or 8), is then decoded as
+// grey, through stb's own inflate, filters and interlacing. stb_image does not
+// check CRCs, so the edited chunks need no new ones. Returns 1 if it was one.
+static int png_palette_as_grey(uint8_t *b, size_t n) {
+    if (n < 33 || memcmp(b + 12, "IHDR", 4) || b[25] != 3 || b[24] > 8) return 0;
+    b[25] = 0;
+    for (size_t at = 8; at + 12 <= n;) {  // chunks: length (4, big-endian), type (4), data, CRC (4)
+        const size_t len =
+                (size_t)b[at] << 24 | (size_t)b[at + 1] << 16 | (size_t)b[at + 2] << 8 | b[at + 3];
+        uint8_t *type = b + at + 4;
+        if (!memcmp(type, "PLTE", 4)) type[0] = 'p';       // "pLTE"
+        else if (!memcmp(type, "tRNS", 4)) type[3] = 's';  // "tRNs"
+        else if (!memcmp(type, "IEND", 4)) break;
+        if (len > n - at - 12) break;
+        at += 12 + len;
+    }
+    return 1;
+}
+
+// A mask's classes (h,w): each value's value_class, MASK_IGNORED for an ignored
+// one. A value is the stored value of a PNG's pixel: grey of 1 to 16 bits,
+// grey + alpha (alpha ignored), RGB(A) whose every pixel has R = G = B (grey
+// stored as colour; a pixel of differing R, G, B is refused: a colour-coded
+// mask has no class indices), or a palette PNG's index. Its size must be the
+// image's (ih,iw), whose EXIF orientation a mismatch mentions, and every class
+// below K.
+static uint8_t *mask_load(const Dataset *d, const char *path, int ih, int iw, int image_orientation,
                           char err[SN_ERR_MAX]) {
+    const int K = d->classes;
     size_t n;
     int h, w, comp, hh, ww;
     uint8_t *b = image_file_bytes(path, 1, &n, &hh, &ww, err);
     if (!b) return NULL;
+    const int palette = png_palette_as_grey(b, n);
     // IHDR, the PNG's first chunk: bit depth at byte 24, colour type at 25
     const int ihdr = n >= 26 && !memcmp(b + 12, "IHDR", 4);
     const int depth = ihdr ? b[24] : 8, colour = ihdr ? b[25] : 0;
-    if (colour == 3) {
-        free(b);
-        snprintf(err, SN_ERR_MAX,
-                 "%s: a palette PNG (stb_image gives its colours, not the class indices): "
-                 "save masks as 8-bit grey",
-                 path);
-        return NULL;
-    }
     // stb_image scales 1-, 2- and 4-bit grey to 8 bits, v·255/(2^depth − 1): divided back,
     // exactly
     const int grey_scale =
@@ -393,19 +474,31 @@ static uint8_t *mask_load(const char *path, int ih, int iw, int image_orientatio
                 const size_t i = p * comp + (comp >= 3 ? c : 0);
                 v[c] = deep ? ((const uint16_t *)px)[i] : ((const uint8_t *)px)[i];
             }
+            const int value = v[0] / grey_scale, cls = d->value_class[value];
+            const int x = (int)(p % w), y = (int)(p / w);
             if (v[1] != v[0] || v[2] != v[0]) {
                 snprintf(err, SN_ERR_MAX,
                          "%s: pixel (%d,%d) has the colour (%d,%d,%d), not a class index: save "
-                         "masks as "
-                         "8-bit grey, pixel value = class index",
-                         path, (int)(p % w), (int)(p / w), v[0], v[1], v[2]);
-            } else if (v[0] / grey_scale >= K) {
+                         "masks as 8-bit grey or palette PNGs, pixel value = class index",
+                         path, x, y, v[0], v[1], v[2]);
+            } else if (cls == MASK_UNMAPPED) {
                 snprintf(err, SN_ERR_MAX,
-                         "%s: pixel (%d,%d) has class %d, but there are %d classes (0..%d)", path,
-                         (int)(p % w), (int)(p / w), v[0] / grey_scale, K, K - 1);
-            } else {
-                m[p] = (uint8_t)(v[0] / grey_scale);
+                         "%s: pixel (%d,%d) has the value %d, which %s does not list", path, x, y,
+                         value, d->label_map);
+            } else if (cls == SN_LABEL_IGNORED || cls < K) {
+                m[p] = cls == SN_LABEL_IGNORED ? MASK_IGNORED : (uint8_t)cls;
                 continue;
+            } else if (d->label_map) {
+                snprintf(err, SN_ERR_MAX,
+                         "%s: pixel (%d,%d) has the value %d, class %d by %s, but there are %d "
+                         "classes (0..%d)",
+                         path, x, y, value, cls, d->label_map, K, K - 1);
+            } else {
+                snprintf(err, SN_ERR_MAX,
+                         "%s: pixel (%d,%d) has class %d, but there are %d classes (0..%d)%s%s",
+                         path, x, y, cls, K, K - 1, palette ? " (palette index)" : "",
+                         value == 255 ? "; 255 marks \"void\" in VOC-style masks: "
+                                               "--ignore-index 255" : "");
             }
             free(m);
             m = NULL;
@@ -457,7 +550,7 @@ static int sample_load(const Dataset *d, int i, uint8_t *rgb, uint8_t *mask, cha
     float *img = image_load_oriented(d->images[i], &h, &w, &orientation, err);
     if (!img) return -1;
     uint8_t *m =
-            d->segmentation ? mask_load(d->masks[i], h, w, orientation, d->classes, err) : NULL;
+            d->segmentation ? mask_load(d, d->masks[i], h, w, orientation, err) : NULL;
     int ok = !d->segmentation || m;
     if (ok) image_to_bytes(rgb, d->height, d->width, img, h, w);
     if (m) mask_resize(mask, d->height, d->width, m, h, w);
@@ -485,6 +578,7 @@ typedef struct {
     int bad;                 // lowest failing sample so far, n if none (atomic; written under mu)
     char err[SN_ERR_MAX];    // its error
     int64_t *counts;         // (classes) the masks' pixels per class, every worker's added under mu
+    int64_t ignored;         // the masks' ignored pixels, likewise
     pthread_mutex_t mu;
 } DatasetCheck;
 
@@ -493,7 +587,7 @@ static void *check_worker(void *arg) {
     const Dataset *d = c->d;
     const size_t P = (size_t)d->height * d->width;
     uint8_t *scratch = d->image_cache ? NULL : malloc(4 * P);  // (H,W,3) + (H,W) when not cached
-    int64_t *counts = calloc((size_t)d->classes, sizeof(int64_t));
+    int64_t *counts = calloc((size_t)d->classes, sizeof(int64_t)), ignored = 0;
     snCheck((d->image_cache || scratch) && counts, "out of host memory");
     int omp = omp_serial_begin();
     for (int i; !interrupt_signal && (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) <
@@ -502,7 +596,11 @@ static void *check_worker(void *arg) {
         char e[SN_ERR_MAX];
         sample_bytes(d, i, scratch, &rgb, &mask);
         if (sample_load(d, i, rgb, mask, e) == 0) {
-            if (d->segmentation) for (size_t p = 0; p < P; p++) counts[mask[p]]++;
+            if (d->segmentation)
+                for (size_t p = 0; p < P; p++) {
+                    if (mask[p] == MASK_IGNORED) ignored++;
+                    else counts[mask[p]]++;
+                }
             continue;
         }
         pthread_mutex_lock(&c->mu);
@@ -515,6 +613,7 @@ static void *check_worker(void *arg) {
     omp_serial_end(omp);
     pthread_mutex_lock(&c->mu);
     for (int k = 0; k < d->classes; k++) c->counts[k] += counts[k];
+    c->ignored += ignored;
     pthread_mutex_unlock(&c->mu);
     free(counts);
     free(scratch);
@@ -532,6 +631,8 @@ void dataset_free(Dataset *d) {
     free(d->image_cache);
     free(d->mask_cache);
     free(d->class_counts);
+    free(d->value_class);
+    free(d->label_map);
     for (int k = 0; k < d->n_names; k++) free(d->names[k]);
     free(d->names);
     memset(d, 0, sizeof *d);
@@ -540,12 +641,12 @@ void dataset_free(Dataset *d) {
 int dataset_open(Dataset *d, const char *path, int segmentation, int classes, int height, int width,
                  size_t cache_bytes, int threads, char err[SN_ERR_MAX]) {
     return dataset_open_named(d, path, segmentation, classes, height, width, cache_bytes, threads,
-                              NULL, err);
+                              NULL, NULL, err);
 }
 
 int dataset_open_named(Dataset *d, const char *path, int segmentation, int classes, int height,
                        int width, size_t cache_bytes, int threads, const Dataset *names_from,
-                       char err[SN_ERR_MAX]) {
+                       const MaskRules *masks, char err[SN_ERR_MAX]) {
     snCheck(classes >= 1 && height >= 1 && width >= 1 && threads >= 1,
             "dataset_open: classes %d, size %dx%d, threads %d", classes, width, height, threads);
     memset(d, 0, sizeof *d);
@@ -553,12 +654,14 @@ int dataset_open_named(Dataset *d, const char *path, int segmentation, int class
     d->classes = classes;
     d->height = height;
     d->width = width;
-    if (segmentation && classes > 256) {
+    if (segmentation && classes > MASK_IGNORED) {
         snprintf(err, SN_ERR_MAX,
-                 "%d classes: segmentation supports at most 256 (masks hold 8-bit class indices)",
-                 classes);
+                 "%d classes: segmentation supports at most %d (masks hold 8-bit class indices, "
+                 "%d marking an ignored pixel)",
+                 classes, MASK_IGNORED, MASK_IGNORED);
         return -1;
     }
+    if (segmentation && mask_rules_apply(d, masks, err)) { dataset_free(d); return -1; }
     struct stat sb;
     if (stat(path, &sb) != 0) {
         snprintf(err, SN_ERR_MAX, "%s: %s", path, strerror(errno));
@@ -582,7 +685,7 @@ int dataset_open_named(Dataset *d, const char *path, int segmentation, int class
     d->class_counts = calloc((size_t)classes, sizeof(int64_t));
     snCheck(d->class_counts != NULL, "out of host memory");
     if (!segmentation) for (int i = 0; i < d->n; i++) d->class_counts[d->labels[i]]++;
-    DatasetCheck c = {d, 0, d->n, "", d->class_counts, PTHREAD_MUTEX_INITIALIZER};
+    DatasetCheck c = {d, 0, d->n, "", d->class_counts, 0, PTHREAD_MUTEX_INITIALIZER};
     pthread_t *t = malloc(sizeof(pthread_t) * (size_t)threads);
     snCheck(t != NULL, "out of host memory");
     int started = threads_start(t, threads - 1, check_worker, &c);
@@ -590,6 +693,7 @@ int dataset_open_named(Dataset *d, const char *path, int segmentation, int class
     for (int k = 0; k < started; k++) pthread_join(t[k], NULL);
     free(t);
     pthread_mutex_destroy(&c.mu);
+    d->ignored = c.ignored;
     if (c.bad < d->n) { snprintf(err, SN_ERR_MAX, "%s", c.err); dataset_free(d); return -1; }
     if (interrupt_signal) {
         snprintf(err, SN_ERR_MAX, "%s: interrupted while checking its images", path);
@@ -618,7 +722,7 @@ static void sample_augment(const Dataset *d, const uint8_t *rgb, const uint8_t *
         for (int x = 0; x < W; x++) {
             size_t o = (size_t)y * W + x, s = (size_t)y * W + (flip ? W - 1 - x : x);
             for (int c = 0; c < 3; c++) out[3 * o + c] = rgb[3 * s + c];
-            if (mask) labels[o] = mask[s];
+            if (mask) labels[o] = mask[s] == MASK_IGNORED ? SN_LABEL_IGNORED : mask[s];
         }
     int bright = aug && aug->brightness > 0.0f,
         contrast = aug && (aug->contrast_lo != 0.0f || aug->contrast_hi != 0.0f);

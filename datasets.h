@@ -9,9 +9,9 @@
 // data sets: listing, decoding, resizing, augmentation, batching, prefetch
 //
 // Segmentation: DIR/images/*.{png,jpg,jpeg} and DIR/masks/*.png with the same
-// stem; a mask pixel is a class index 0..K-1, K ≤ 256 (8- or 16-bit PNG, one
-// channel or the first of several; palette PNGs are refused, since stb_image
-// turns their indices into colours). Classification: a CSV `path,label` (paths
+// stem; a mask pixel's value is its class index 0..K-1, K ≤ 255 (a PNG of grey
+// of 1 to 16 bits, grey stored as colour, or a palette PNG, whose indices are
+// the values), unless MaskRules map or ignore it. Classification: a CSV `path,label` (paths
 // relative to the CSV's folder, an optional header whose first field is `path`)
 // or DIR/<class>/*.{png,jpg,jpeg}, the sub-folders sorted by name giving
 // classes 0, 1, ... (more sub-folders than K are refused).
@@ -35,6 +35,20 @@ typedef struct {
     float contrast_lo, contrast_hi;
 } Augment;
 
+// What a mask's values mean: value v (0..65535) is first mapped by the label
+// map, if any (a value it does not list is an error), then ignored if it is
+// one of `ignore`, else it must be a class 0..K-1. An ignored pixel reaches the
+// model as SN_LABEL_IGNORED: it adds nothing to the loss, its normaliser, the
+// metrics or the gradients.
+#define MASK_VALUES 65536   // the values a mask pixel can hold (8- or 16-bit PNG)
+#define SN_MAX_IGNORE 16    // --ignore-index values
+typedef struct {
+    int n_ignore;
+    int32_t ignore[SN_MAX_IGNORE];  // (n_ignore) values after the label map
+    // CSV `value,class` (an optional header row `value,class`), or NULL: class = value
+    const char *label_map;
+} MaskRules;
+
 typedef struct {
     int segmentation;       // 1: images + masks; 0: classification
     int n;                  // samples
@@ -44,12 +58,19 @@ typedef struct {
     char **masks;           // (n) mask paths (segmentation), else NULL
     int32_t *labels;        // (n) class per sample (classification), else NULL
     uint8_t *image_cache;   // (n,H,W,3) resized RGB, or NULL when not cached
-    uint8_t *mask_cache;    // (n,H,W) resized class indices (segmentation), or NULL
+    uint8_t *mask_cache;    // (n,H,W) resized class indices or MASK_IGNORED, or NULL
+    // (MASK_VALUES) the class of each mask value, SN_LABEL_IGNORED, or MASK_UNMAPPED
+    // (segmentation), else NULL
+    int32_t *value_class;
+    char *label_map;        // MaskRules.label_map (for messages), or NULL
     // (n_names) class k's name: class folders, or a CSV's text labels; else NULL
     char **names;
     int n_names;
     int64_t *class_counts;  // (classes) the pixels (of the resized masks) or samples of each class
+    int64_t ignored;        // the resized masks' ignored pixels
 } Dataset;
+#define MASK_IGNORED 255    // a resized mask's byte for an ignored pixel (so K ≤ 255)
+#define MASK_UNMAPPED (-2)  // Dataset.value_class of a value the label map lacks
 
 // Returns 0, or -1 with one line in err naming the file (row, pixel) and the problem.
 int dataset_open(Dataset *d, const char *path, int segmentation, int classes, int height, int width,
@@ -58,14 +79,16 @@ int dataset_open(Dataset *d, const char *path, int segmentation, int classes, in
 // validation set takes the training set's: a folder or label absent from the
 // validation set shifts nothing; one the training set lacks is an error).
 // Named classes: the sorted folder names, or the sorted distinct text labels
-// of a CSV (a CSV's labels are all integers 0..K-1 or all names).
+// of a CSV (a CSV's labels are all integers 0..K-1 or all names). masks: how
+// to read the mask values (NULL: each value is its class).
 int dataset_open_named(Dataset *d, const char *path, int segmentation, int classes, int height,
                        int width, size_t cache_bytes, int threads, const Dataset *names_from,
-                       char err[SN_ERR_MAX]);
+                       const MaskRules *masks, char err[SN_ERR_MAX]);
 void dataset_free(Dataset *d);
 
 // Assembles one batch of samples idx[0..n-1]: images (n,H,W,3) fp32 0..255 after
-// augmentation; labels (n·H·W) mask values (segmentation) or (n) classes.
+// augmentation; labels (n·H·W) classes or SN_LABEL_IGNORED (segmentation), or
+// (n) classes.
 // Augmentation in this order: flip, brightness, contrast (on values/255, then
 // ×255). Sample j's random choices depend only on (seed, idx[j]) (counter-based),
 // so a batch is the same whichever thread builds it; pass a new seed per epoch

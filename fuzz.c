@@ -880,7 +880,7 @@ static uint64_t fuzz_image_run(FuzzCtx *c, const uint8_t *in, size_t n) {
 }
 
 // At the size a PNG claims (1 in 8, or not a PNG: another size) and with K
-// classes: 4 (the seeds' values), 256, or 1..8.
+// classes: 4 (the seeds' values), 255, or 1..8; 1 in 2 with 255 ignored.
 static uint64_t fuzz_mask_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     int w = 0, h = 0, comp;
     if (n >= 8 && !memcmp(in, "\x89PNG\r\n\x1a\n", 8))  // what mask_load hands to stb_image
@@ -890,13 +890,18 @@ static uint64_t fuzz_mask_run(FuzzCtx *c, const uint8_t *in, size_t n) {
         w = 1 + (int)fuzz_draw(r, 9);
         h = 1 + (int)fuzz_draw(r, 9);
     }
-    const int K = fuzz_draw(r, 2) ? 4 : fuzz_draw(r, 2) ? 256 : 1 + (int)fuzz_draw(r, 8);
+    const int K = fuzz_draw(r, 2) ? 4 : fuzz_draw(r, 2) ? MASK_IGNORED : 1 + (int)fuzz_draw(r, 8);
+    const MaskRules void255 = {1, {255}, NULL};
+    const int ignoring = (int)fuzz_draw(r, 2);
+    Dataset d = {.segmentation = 1, .classes = K};
+    snCheck(mask_rules_apply(&d, ignoring ? &void255 : NULL, c->err) == 0, "%s", c->err);
     fuzz_write_input(c, in, n);
-    uint8_t *m = mask_load(c->path, h, w, 1, K, c->err);
+    uint8_t *m = mask_load(&d, c->path, h, w, 1, c->err);
+    free(d.value_class);
     if (!m) { fuzz_check_err(c); return fuzz_err_sig(c->err); }
     c->accepted = 1;
     for (size_t p = 0; p < (size_t)h * w; p++)
-        if (m[p] >= K) {
+        if (m[p] >= K && !(ignoring && m[p] == MASK_IGNORED)) {
             fuzz_invariant(c, "mask_load gave class %d with %d classes", m[p], K);
             break;
         }

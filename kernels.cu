@@ -4337,9 +4337,8 @@ __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t 
     for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows;
          r += (size_t)blockDim.x * gridDim.x) {
         const int32_t y = labels[r];
-        const int valid = y >= 0 && y < K;
-        const float wy = valid ? class_weights[y] : 0.0f;
-        if (!valid) invalid += 1.0;
+        const float wy = y >= 0 && y < K ? class_weights[y] : 0.0f;
+        if (y >= K) invalid += 1.0;
         const size_t base = r * (size_t)K;
         float zmax = -INFINITY;
         for (int c = 0; c < K; c++) { float z = ld(logits, dt, base + c); if (z > zmax) zmax = z; }
@@ -4364,7 +4363,7 @@ __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t 
     block_sum_tree(sh, 3);
     reduce_finish(r, sh);
 }
-// logits (N,H,W,K), labels (N·H·W), class_weights (K); stats[0..2] += Σ w·nll, Σ w, invalid labels
+// logits (N,H,W,K), labels (N·H·W), class_weights (K); stats[0..2] += Σ w·nll, Σ w, labels ≥ K
 static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels,
                               const float *class_weights, float prob_clip, const float *grad_scale,
                               float *stats, Tensor dlogits) {

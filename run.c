@@ -123,6 +123,16 @@ static void class_weights_text(const TrainCfg *c, SfBuf *b) {
     }
 }
 
+// --ignore-index's value: the mask values comma-separated, or none
+static void ignore_text(const MaskRules *m, SfBuf *b) {
+    char v[16];
+    for (int i = 0; i < m->n_ignore; i++) {
+        snprintf(v, sizeof v, "%s%d", i ? "," : "", m->ignore[i]);
+        sb_str(b, v);
+    }
+    if (!m->n_ignore) sb_str(b, "none");
+}
+
 // what early stopping and best.safetensors watch: the validation loss, or the
 // validation mIoU (segmentation) / accuracy (classification); the training
 // run's own values when there is no validation set
@@ -245,6 +255,19 @@ static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
     for (size_t i = 0; i < n; i++) h = (h ^ ((const uint8_t *)p)[i]) * FNV1A_PRIME;
     return h;
 }
+// --label-map as a checkpoint's settings record it: the FNV-1a hash of the
+// map's contents (wherever the file lies), or none
+static void label_map_text(const MaskRules *m, SfBuf *b) {
+    if (!m->label_map) { sb_str(b, "none"); return; }
+    uint64_t h = FNV1A_OFFSET;
+    uint8_t buf[4096];
+    FILE *f = fopen(m->label_map, "rb");
+    for (size_t n; f && (n = fread(buf, 1, sizeof buf, f)) > 0;) h = fnv1a(h, buf, n);
+    if (f) fclose(f);
+    char s[24];
+    snprintf(s, sizeof s, "%016" PRIx64, h);
+    sb_str(b, s);
+}
 // a sample file's share of the hash: its name under root (whole when outside it) and its size
 static uint64_t fingerprint_file(uint64_t h, const char *path, const char *root) {
     const size_t k = strlen(root);
@@ -281,10 +304,15 @@ static int dataset_weighted(const Dataset *d, const char *path, const TrainCfg *
         snprintf(item, sizeof item, "%d (weight %g)", k, c->class_weights[k]);
         if (d->class_counts[k]) list_add(held, sizeof held, &n_held, item);
     }
+    if (!n_held) {
+        snprintf(err, SN_ERR_MAX,
+                 "%.200s: every mask pixel is ignored (--ignore-index): its loss would be 0/0",
+                 path);
+        return -1;
+    }
     snprintf(err, SN_ERR_MAX,
              "%.200s: not one %s of a class whose weight is above 0: its %s only class%s %s, so "
-             "its loss "
-             "would be 0/0 (see --class-weights)",
+             "its loss would be 0/0 (see --class-weights)",
              path, d->segmentation ? "pixel" : "image",
              d->segmentation ? "masks hold" : "labels are", n_held == 1 ? "" : "es", held);
     return -1;
@@ -350,15 +378,17 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
         return -1;
     }
     if (train) {
-        if (dataset_open(&t->train, train, t->segmentation, t->K, in.h, in.w, c->cache_bytes,
-                         c->threads > 0 ? c->threads : 2, err))
+        if (dataset_open_named(&t->train, train, t->segmentation, t->K, in.h, in.w,
+                               c->cache_bytes, c->threads > 0 ? c->threads : 2, NULL, &c->masks,
+                               err))
             return -1;
         t->has_train = 1;
         data_fingerprint(&t->train, train, t->data_print);
     }
     if (val) {
         if (dataset_open_named(&t->val, val, t->segmentation, t->K, in.h, in.w, c->cache_bytes,
-                               c->threads > 0 ? c->threads : 2, train ? &t->train : NULL, err))
+                               c->threads > 0 ? c->threads : 2, train ? &t->train : NULL,
+                               &c->masks, err))
             return -1;
         t->has_val = 1;
     }
@@ -717,10 +747,8 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
             }
         } else if (shard.n) {
             pt->loss_sum += eval_batch(t, &shard);
-            size_t n_labels = (size_t)shard.n * t->per_image;
-            pt->norm_sum += c->loss_norm_keras
-                                    ? (double)n_labels
-                                    : label_weight_sum(shard.labels, n_labels, c->class_weights, K);
+            pt->norm_sum += label_weight_sum(shard.labels, (size_t)shard.n * t->per_image,
+                                             c->loss_norm_keras ? NULL : c->class_weights, K);
         }
         if (step_rc < 0) { rc = -1; break; }
         // a step (or a validation batch) is complete: stop here if asked
@@ -924,7 +952,8 @@ static int model_finite(Trainer *t, char which[SN_ERR_MAX]) {
 
 #define RESUME_DATA_KEY     "data"
 #define RESUME_SETTINGS_KEY "settings"
-static const char *const RESUME_FIXED[] = {"size", "class-weights", "loss-norm", "monitor"};
+static const char *const RESUME_FIXED[] = {"size",    "class-weights", "loss-norm",
+                                           "monitor", "ignore-index",  "label-map"};
 
 // the settings that shape a step, `--flag=value` items separated by spaces (NUL-terminated,
 // malloc'd)
@@ -937,6 +966,10 @@ static char *step_settings_text(const TrainCfg *c) {
              c->model.batch, c->accum);
     sb_str(&b, s);
     class_weights_text(c, &b);
+    sb_str(&b, " ignore-index=");
+    ignore_text(&c->masks, &b);
+    sb_str(&b, " label-map=");
+    label_map_text(&c->masks, &b);
     sb_str(&b, " augment=");
     augment_text(&c->augment, &b);
     sb_put(&b, "", 1);
@@ -1587,8 +1620,9 @@ static void config_text(const TrainCfg *c, SfBuf *b) {
     char d[32];
     if (m->dropout >= 0.0f) CFG("dropout = %s\n", float_str(d, m->dropout));
     // absolute: --resume and predict --run work from any folder
-    const char *keys[3] = {"data", "val", "weights"}, *paths[3] = {c->data, c->val, c->weights};
-    for (int k = 0; k < 3; k++) {
+    const char *keys[4] = {"data", "val", "weights", "label-map"},
+               *paths[4] = {c->data, c->val, c->weights, c->masks.label_map};
+    for (int k = 0; k < 4; k++) {
         if (!paths[k]) continue;
         char abs[PATH_MAX];
         sb_str(b, keys[k]);
@@ -1597,6 +1631,11 @@ static void config_text(const TrainCfg *c, SfBuf *b) {
         sb_str(b, "\n");
     }
     if (c->allow_missing) CFG("allow-missing = %s\n", c->allow_missing);
+    if (c->masks.n_ignore) {
+        sb_str(b, "ignore-index = ");
+        ignore_text(&c->masks, b);
+        sb_str(b, "\n");
+    }
     char f[4][32];
     sb_str(b, "class-weights = ");
     class_weights_text(c, b);

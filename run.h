@@ -20,6 +20,7 @@ typedef struct {
     const char *weights_note;
     int class_weights_given;
     float class_weights[SN_MAX_CLASSES];  // default all 1
+    MaskRules masks;                // --ignore-index, --label-map
     int epochs;
     float lr, adam_eps, weight_decay, clipnorm;
     Schedule schedule;

@@ -1011,9 +1011,8 @@ static void softmax_xent_ref(Ops *o, Tensor logits, const int32_t *labels,
             size_t r1 = (k + 1) * XENT_CHUNK < M ? (k + 1) * XENT_CHUNK : M;
             for (size_t r = k * XENT_CHUNK; r < r1; r++) {
                 const int32_t y = labels[r];
-                const int valid = y >= 0 && y < K;
-                const float wy = valid ? class_weights[y] : 0.0f;
-                if (!valid) bad += 1.0;
+                const float wy = y >= 0 && y < K ? class_weights[y] : 0.0f;
+                if (y >= K) bad += 1.0;
                 float zmax = -INFINITY;
                 for (int c = 0; c < K; c++) {
                     float z = ld(logits, r * K + c);
@@ -1070,7 +1069,7 @@ static void confusion_accumulate_ref(Ops *o, Tensor logits, const int32_t *label
 double label_weight_sum(const int32_t *labels, size_t n, const float *class_weights, int K) {
     double s = 0.0;
     for (size_t i = 0; i < n; i++)
-        if (labels[i] >= 0 && labels[i] < K) s += class_weights[labels[i]];
+        if (labels[i] >= 0 && labels[i] < K) s += class_weights ? class_weights[labels[i]] : 1.0;
     return s;
 }
 
@@ -3127,10 +3126,8 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     // 1. the normaliser: Σw over the step's labels (or their count), summed over the replicas
     double local_norm = 0.0;
     for (int i = 0; i < k; i++) {
-        size_t n_labels = (size_t)mb[i].n * t->per_image;
-        local_norm += c->loss_norm_keras
-                              ? (double)n_labels
-                              : label_weight_sum(mb[i].labels, n_labels, c->class_weights, t->K);
+        local_norm += label_weight_sum(mb[i].labels, (size_t)mb[i].n * t->per_image,
+                                       c->loss_norm_keras ? NULL : c->class_weights, t->K);
     }
     double norm = local_norm;
     if (comm->size > 1 && comm->allreduce_f64(comm, &norm, 1)) return -1;

@@ -389,7 +389,7 @@ typedef struct {
     float loss_scale;       // after the step
     int64_t good_steps;
     float xent_scale;       // softmax_xent's grad_scale: inv_norm·loss_scale
-    float loss[3];          // softmax_xent's sums: Σw·nll, Σw, labels out of range
+    float loss[3];          // softmax_xent's sums: Σw·nll, Σw, labels ≥ K
     float grad_sum_squares; // Σg² of the (still scaled) gradients
     // the global gradient norm before clipping, unscaled (inf/NaN when skipped)
     float grad_norm;
@@ -648,7 +648,8 @@ struct Ops {
 
     // fused softmax + weighted cross-entropy from logits (N,H,W,K), labels (N·H·W) int32.
     // Adds into stats[0] Σ w[y]·(-log p[y]), stats[1] Σ w[y], stats[2] the count of
-    // labels outside 0..K-1 (which contribute nothing). If dlogits has data it is
+    // labels ≥ K. Those and negative labels (SN_LABEL_IGNORED) contribute nothing
+    // to the sums and get a zero gradient. If dlogits has data it is
     // overwritten with w[y]·(p - onehot(y))·grad_scale, grad_scale (in backend
     // memory; NULL without dlogits) = 1/(global normaliser), times a loss scale.
     // prob_clip ε > 0 (Keras): p[y] clipped to [ε, 1-ε] before the log, and no
@@ -656,6 +657,7 @@ struct Ops {
     void (*softmax_xent)(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
                          float prob_clip, const float *grad_scale, float *stats, Tensor dlogits);
     // confusion[y·K + argmax_k z_k] += 1 for every pixel with a label in 0..K-1
+    // (an ignored pixel, SN_LABEL_IGNORED, is not counted)
     // (ties go to the lowest class); confusion is (K,K) int64, true class by row
     void (*confusion_accumulate)(Ops *o, Tensor logits, const int32_t *labels, int64_t *confusion);
 
@@ -1031,7 +1033,8 @@ void net_layer_seeds(const Net *net, uint64_t *seeds);
 // ----------------------------------------------------------------------------
 // losses (host-side helpers; the per-pixel work is ops->softmax_xent)
 
-// Σ_i w[y_i] over labels: the weighted-mean denominator, known before the forward.
+// Σ_i w[y_i] over the labels in 0..K-1: the weighted-mean denominator, known
+// before the forward; class_weights NULL: their count (Keras' pixel mean).
 double label_weight_sum(const int32_t *labels, size_t n, const float *class_weights, int K);
 
 // ----------------------------------------------------------------------------
@@ -1133,6 +1136,8 @@ typedef enum { SCHEDULE_CONSTANT = 0, SCHEDULE_COSINE = 1 } Schedule;
 double lr_at_step(double lr, Schedule s, int64_t warmup, int64_t total_steps, int64_t step);
 
 #define SN_MAX_CLASSES 4096
+// a label that counts nothing: a mask pixel of an --ignore-index value
+#define SN_LABEL_IGNORED (-1)
 #define SN_MAX_ACCUM   1024   // micro-batches per optimiser step
 
 // Dynamic loss scaling for fp16 storage, Keras' defaults (LossScaleOptimizer):

@@ -3623,21 +3623,23 @@ TEST(softmax_xent_grad) {
 //   pixel A: logits (0, ln 3), label 1: p = (1/4, 3/4), nll = ln(4/3), weight 2
 //   pixel B: label 0, weight 0: contributes nothing to loss, weight or gradient
 //   pixel C: label 5, outside 0..1: counted as invalid, contributes nothing
+//   pixel D: SN_LABEL_IGNORED: contributes nothing, not counted as invalid
 TEST(softmax_xent_by_hand) {
-    float z[6] = {0.0f, logf(3.0f), 4.0f, -1.0f, 0.3f, 0.7f}, w[2] = {0.0f, 2.0f};
-    int32_t y[3] = {1, 0, 5};
-    float stats[3] = {0, 0, 0}, dz[6];
-    Tensor tz = tensor_f32(z, shape4(1, 1, 3, 2));
+    float z[8] = {0.0f, logf(3.0f), 4.0f, -1.0f, 0.3f, 0.7f, 9.0f, -9.0f}, w[2] = {0.0f, 2.0f};
+    int32_t y[4] = {1, 0, 5, SN_LABEL_IGNORED};
+    float stats[3] = {0, 0, 0}, dz[8];
+    Tensor tz = tensor_f32(z, shape4(1, 1, 4, 2));
     ops_cpu.softmax_xent(&ops_cpu, tz, y, w, 0.0f, &(float){0.5f}, stats,
-                         tensor_f32(dz, shape4(1, 1, 3, 2)));
+                         tensor_f32(dz, shape4(1, 1, 4, 2)));
     CHECK_NEAR(stats[0], 2.0 * log(4.0 / 3.0), 1e-6, "weighted nll sum");
     CHECK_NEAR(stats[1], 2.0, 0, "weight sum");
     CHECK_NEAR(stats[2], 1.0, 0, "invalid labels");
     CHECK_NEAR(dz[0], 2.0 * 0.25 * 0.5, 1e-7, "dz A class 0 = w·p·inv_norm");
     CHECK_NEAR(dz[1], 2.0 * (0.75 - 1.0) * 0.5, 1e-7, "dz A class 1 = w·(p-1)·inv_norm");
-    CHECK(dz[2] == 0 && dz[3] == 0 && dz[4] == 0 && dz[5] == 0,
-          "weight-0 and invalid pixels have zero gradient");
-    CHECK_NEAR(label_weight_sum(y, 3, w, 2), 2.0, 0, "label_weight_sum");
+    CHECK(dz[2] == 0 && dz[3] == 0 && dz[4] == 0 && dz[5] == 0 && dz[6] == 0 && dz[7] == 0,
+          "weight-0, invalid and ignored pixels have zero gradient");
+    CHECK_NEAR(label_weight_sum(y, 4, w, 2), 2.0, 0, "label_weight_sum");
+    CHECK_NEAR(label_weight_sum(y, 4, NULL, 2), 2.0, 0, "label_weight_sum counts A and B");
     // stats add up over calls (micro-batches)
     ops_cpu.softmax_xent(&ops_cpu, tz, y, w, 0.0f, &(float){0.5f}, stats,
                          tensor_f32(NULL, tz.shape));
@@ -9054,7 +9056,8 @@ static void png_chunk(FILE *f, const char *type, const uint8_t *data, uint32_t n
 // One channel (grey, or palette indices with plte of n_plte RGB entries).
 // Samples of 1, 2 or 4 bits are packed into bytes from the most significant
 // bit, each row padded to a whole byte; 8 bits; or 16 bits big-endian.
-// trns_grey >= 0 (grey only): a tRNS chunk making that grey value transparent.
+// trns_grey >= 0: a tRNS chunk making that grey value transparent, or with a
+// palette, giving each of its entries the alpha trns_grey & 255.
 static void png_by_hand_trns(const char *path, int w, int h, int depth, const uint16_t *samples,
                              const uint8_t *plte, int n_plte, int trns_grey) {
     FILE *f = fopen(path, "wb");
@@ -9078,7 +9081,11 @@ static void png_by_hand_trns(const char *path, int w, int h, int depth, const ui
     fwrite("\x89PNG\r\n\x1a\n", 1, 8, f);
     png_chunk(f, "IHDR", ihdr, 13);
     if (plte) png_chunk(f, "PLTE", plte, (uint32_t)(3 * n_plte));
-    if (trns_grey >= 0)
+    uint8_t alpha[256];
+    memset(alpha, trns_grey & 255, sizeof alpha);
+    if (trns_grey >= 0 && plte)
+        png_chunk(f, "tRNS", alpha, (uint32_t)n_plte);
+    else if (trns_grey >= 0)
         png_chunk(f, "tRNS", (const uint8_t[]){(uint8_t)(trns_grey >> 8), (uint8_t)trns_grey}, 2);
     png_chunk(f, "IDAT", z, (uint32_t)zn);
     png_chunk(f, "IEND", NULL, 0);
@@ -9089,6 +9096,16 @@ static void png_by_hand_trns(const char *path, int w, int h, int depth, const ui
 static void png_by_hand(const char *path, int w, int h, int depth, const uint16_t *samples,
                         const uint8_t *plte, int n_plte) {
     png_by_hand_trns(path, w, h, depth, samples, plte, n_plte, -1);
+}
+
+// mask_load as a data set of K classes under rules r (NULL: none) reads a mask
+static uint8_t *mask_load_k(const char *path, int h, int w, int K, const MaskRules *r,
+                            char err[SN_ERR_MAX]) {
+    Dataset d = {.segmentation = 1, .classes = K};
+    uint8_t *m = mask_rules_apply(&d, r, err) == 0 ? mask_load(&d, path, h, w, 1, err) : NULL;
+    free(d.value_class);
+    free(d.label_map);
+    return m;
 }
 
 TEST(dataset_mask_formats) {
@@ -9116,16 +9133,262 @@ TEST(dataset_mask_formats) {
                   contains(err, "pixel (2,1) has class 300"),
           "16-bit class out of range: '%s'", err);
     cls[6] = 1;
-    // indices 0..3 that stb_image would turn into colours
+    // palette indices 0..3 that stb_image turns into colours: read as the indices
     png_by_hand(path, 4, 3, 8, cls, plte, 4);
-    CHECK(dataset_open(&d, dir, 1, 4, 3, 4, 1 << 20, 1, err) == -1 &&
-                  contains(err, "masks/a.png") && contains(err, "palette"),
-          "palette mask: '%s'", err);
     int w, h, n;
     uint8_t *rgb = stbi_load(path, &w, &h, &n, 0);
     CHECK(rgb && n == 3 && rgb[3] == 255, "the hand-made palette PNG decodes (to colours)");
     stbi_image_free(rgb);
+    rc = dataset_open(&d, dir, 1, 4, 3, 4, 1 << 20, 1, err);
+    CHECK(rc == 0 && dataset_batch(&d, &idx, 1, NULL, 0, x, y, err) == 0, "palette mask: %s", err);
+    for (int p = 0; rc == 0 && p < 12; p++)
+        CHECK(y[p] == cls[p], "palette pixel %d: class %d, expected %d", p, y[p], cls[p]);
+    if (rc == 0) dataset_free(&d);
     ds_remove(dir);
+}
+
+// Palette masks (Pascal VOC's) give their indices: at 1, 2, 4 and 8 bits per
+// index (width 5 pads every row), with entries of one colour (stb_image's
+// colours could not tell them apart), with a tRNS chunk, and an index ≥ K is
+// refused as a class. Index 255 (VOC's void) names --ignore-index.
+TEST(mask_palette) {
+    char dir[300], path[400], err[SN_ERR_MAX] = "";
+    ds_fixture(dir, sizeof dir, "mask_palette", SEG_SUBS, 2);
+    snprintf(path, sizeof path, "%s/masks/a.png", dir);
+    enum { W = 5, H = 3, P = W * H };
+    uint8_t plte[3 * 256] = {0};  // every entry black: only the indices differ
+    for (int depth = 1; depth <= 8; depth *= 2) {
+        const int levels = 1 << depth;
+        uint16_t v[P];
+        for (int p = 0; p < P; p++) v[p] = (uint16_t)((p * 7 + depth) % levels);
+        if (depth == 8) v[P - 2] = 255;
+        for (int trns = -1; trns <= 128; trns += 129) {
+            png_by_hand_trns(path, W, H, depth, v, plte, levels, trns);
+            uint8_t *m = mask_load_k(path, H, W, levels < MASK_IGNORED ? levels : MASK_IGNORED,
+                                     NULL, err);
+            if (depth == 8) {  // index 255 occurs: K ≤ 255 refuses it, naming the fix
+                CHECK(!m && contains(err, "has class 255, but there are 255 classes") &&
+                              contains(err, "(palette index)") &&
+                              contains(err, "--ignore-index 255"),
+                      "8-bit palette, index 255: '%s'", err);
+                const MaskRules void255 = {1, {255}, NULL};
+                m = mask_load_k(path, H, W, MASK_IGNORED, &void255, err);
+            }
+            CHECK(m != NULL, "depth %d, tRNS %d: %s", depth, trns, err);
+            for (int p = 0; m && p < P; p++)
+                CHECK(m[p] == (v[p] == 255 ? MASK_IGNORED : v[p]),
+                      "depth %d, tRNS %d, pixel %d: %d, index %d", depth, trns, p, m[p], v[p]);
+            free(m);
+        }
+        // the largest index with one class fewer: refused, named as stored
+        png_by_hand(path, W, H, depth, v, plte, levels);
+        int first = 0;
+        while (v[first] != levels - 1) first++;
+        char want[160];
+        snprintf(want, sizeof want,
+                 "masks/a.png: pixel (%d,%d) has class %d, but there are %d classes (0..%d) "
+                 "(palette index)",
+                 first % W, first / W, levels - 1, levels - 1, levels - 2);
+        if (depth < 8) {
+            uint8_t *m = mask_load_k(path, H, W, levels - 1, NULL, err);
+            CHECK(!m && contains(err, want), "depth %d: '%s', want '%s'", depth, err, want);
+            free(m);
+        }
+    }
+    ds_remove(dir);
+}
+
+// --ignore-index and --label-map, through the data set: VOC's palette masks
+// with 255 void, and a Cityscapes-like 16-bit mask of labelIds mapped to
+// classes; counts and labels by hand, every refusal naming file, row or pixel.
+TEST(mask_ignore_label_map) {
+    char dir[300], path[400], map[400], err[SN_ERR_MAX] = "";
+    ds_fixture(dir, sizeof dir, "mask_ignore", SEG_SUBS, 2);
+    enum { W = 4, H = 3, P = W * H };
+    uint8_t px[P * 3] = {0};
+    ds_png(dir, "images/a.png", W, H, 3, px);
+    snprintf(path, sizeof path, "%s/masks/a.png", dir);
+    snprintf(map, sizeof map, "%s/map.csv", dir);
+    const uint8_t plte[3 * 256] = {0};
+    // VOC: a border of 255 around classes 1 and 2 on background 0
+    const uint16_t voc[P] = {0, 255, 255, 0, 255, 1, 2, 255, 0, 255, 255, 0};
+    png_by_hand(path, W, H, 8, voc, plte, 256);
+    Dataset d;
+    float x[P * 3];
+    int32_t y[P];
+    const int idx = 0;
+    CHECK(dataset_open(&d, dir, 1, 3, H, W, 1 << 20, 1, err) == -1 &&
+                  contains(err, "masks/a.png: pixel (1,0) has class 255") &&
+                  contains(err, "--ignore-index 255"),
+          "255 without --ignore-index: '%s'", err);
+    MaskRules rules = {2, {255, 9}, NULL};
+    int rc = dataset_open_named(&d, dir, 1, 3, H, W, 1 << 20, 1, NULL, &rules, err);
+    CHECK(rc == 0 && dataset_batch(&d, &idx, 1, NULL, 0, x, y, err) == 0, "VOC: %s", err);
+    for (int p = 0; rc == 0 && p < P; p++)
+        CHECK(y[p] == (voc[p] == 255 ? SN_LABEL_IGNORED : voc[p]), "VOC pixel %d: label %d", p,
+              y[p]);
+    if (rc == 0) {
+        CHECK(d.class_counts[0] == 4 && d.class_counts[1] == 1 && d.class_counts[2] == 1 &&
+                      d.ignored == 6,
+              "counts %" PRId64 " %" PRId64 " %" PRId64 ", ignored %" PRId64, d.class_counts[0],
+              d.class_counts[1], d.class_counts[2], d.ignored);
+        dataset_free(&d);
+    }
+    // Cityscapes-like labelIds (16-bit): 7 road → 0, 26 car → 1, 0 unlabelled → 255 (void)
+    const uint16_t ids[P] = {7, 7, 26, 0, 7, 26, 26, 0, 0, 7, 33, 7};
+    png_by_hand(path, W, H, 16, ids, NULL, 0);
+    ds_text(dir, "map.csv", "value,class\n7,0\n26,1\n0,255\n");
+    rules = (MaskRules){1, {255}, map};
+    char want[600];
+    snprintf(want, sizeof want, "masks/a.png: pixel (2,2) has the value 33, which %s does not list",
+             map);
+    CHECK(dataset_open_named(&d, dir, 1, 2, H, W, 1 << 20, 1, NULL, &rules, err) == -1 &&
+                  contains(err, want),
+          "unmapped value: '%s'", err);
+    ds_text(dir, "map.csv", "value,class\n7,0\n26,1\n0,255\n33,5\n");
+    CHECK(dataset_open_named(&d, dir, 1, 2, H, W, 1 << 20, 1, NULL, &rules, err) == -1 &&
+                  contains(err, "pixel (2,2) has the value 33, class 5 by") &&
+                  contains(err, "but there are 2 classes (0..1)"),
+          "mapped out of range: '%s'", err);
+    ds_text(dir, "map.csv", "7,0\n 26 , 1\n0,255\n33,1\n");  // no header, blanks
+    rc = dataset_open_named(&d, dir, 1, 2, H, W, 1 << 20, 1, NULL, &rules, err);
+    CHECK(rc == 0 && dataset_batch(&d, &idx, 1, NULL, 0, x, y, err) == 0, "mapped: %s", err);
+    const int32_t want_y[P] = {0, 0, 1, -1, 0, 1, 1, -1, -1, 0, 1, 0};
+    for (int p = 0; rc == 0 && p < P; p++)
+        CHECK(y[p] == want_y[p], "mapped pixel %d: label %d, want %d", p, y[p], want_y[p]);
+    if (rc == 0) dataset_free(&d);
+    // --ignore-index names classes after the map: the raw 26 is class 1, not ignored
+    rules = (MaskRules){2, {255, 26}, map};
+    rc = dataset_open_named(&d, dir, 1, 2, H, W, 1 << 20, 1, NULL, &rules, err);
+    CHECK(rc == 0 && d.ignored == 3 && d.class_counts[1] == 4,
+          "ignore after the map: %s, ignored %" PRId64, err, rc ? 0 : d.ignored);
+    if (rc == 0) dataset_free(&d);
+    // bad maps: the file and row
+    static const struct {
+        const char *text, *want;
+    } BAD[] = {
+            {"7,0\n7,1\n", "map.csv: row 2: this value is listed twice"},
+            {"value,class\n7,x\n", "map.csv: row 2: expected value,class: integers 0..65535"},
+            {"70000,1\n", "map.csv: row 1: expected value,class"},
+            {"7,-1\n", "map.csv: row 1: expected value,class"},
+            {"7,0,1\n", "map.csv: row 1: more than two fields"},
+            {"value,class\n\n", "map.csv: no rows"},
+    };
+    for (size_t k = 0; k < sizeof BAD / sizeof *BAD; k++) {
+        ds_text(dir, "map.csv", BAD[k].text);
+        CHECK(dataset_open_named(&d, dir, 1, 2, H, W, 1 << 20, 1, NULL, &rules, err) == -1 &&
+                      contains(err, BAD[k].want) && !strchr(err, '\n'),
+              "bad map %zu: '%s', want '%s'", k, err, BAD[k].want);
+    }
+    unlink(map);
+    CHECK(dataset_open_named(&d, dir, 1, 2, H, W, 1 << 20, 1, NULL, &rules, err) == -1 &&
+                  contains(err, "map.csv"),
+          "a missing map: '%s'", err);
+    ds_remove(dir);
+}
+
+// Every tensor of two safetensors files holds the same bytes (names in order)
+static int same_tensors(const char *a, const char *b, char err[SN_ERR_MAX]) {
+    SafetensorsFile fa, fb;
+    if (safetensors_read(a, &fa, err)) return 0;
+    if (safetensors_read(b, &fb, err)) {
+        safetensors_free(&fa);
+        return 0;
+    }
+    int eq = fa.n_tensors == fb.n_tensors && fa.n_tensors > 0;
+    for (int i = 0; eq && i < fa.n_tensors; i++) {
+        const SafetensorsTensor *x = &fa.tensors[i], *y = &fb.tensors[i];
+        eq = !strcmp(x->name, y->name) && x->dtype == y->dtype && x->numel == y->numel &&
+             !memcmp(x->data, y->data, x->numel * dtype_size(x->dtype));
+        if (!eq) snprintf(err, SN_ERR_MAX, "tensor %s differs", x->name);
+    }
+    safetensors_free(&fa);
+    safetensors_free(&fb);
+    return eq;
+}
+
+// A Pascal-VOC-style set (palette masks, 255 void) trains with --ignore-index
+// 255. Its void pixels count nothing: a label that is ignored gives the
+// arithmetic of one whose class has weight 0 (w[y] = 0 in the loss, its
+// normaliser and the gradient; its confusion row not counted), so training
+// on the void set equals, bit for bit, training on the same set with class 0
+// (weight 0) where the void is: metrics.csv (but its timing column) and
+// every weight. config.txt keeps the setting for eval --run and --resume,
+// which refuses another.
+TEST(train_voc_ignore_index) {
+    const char *plain = "/tmp/segnet_test_voc_plain", *voc = "/tmp/segnet_test_voc",
+               *run_plain = "/tmp/segnet_test_voc_run_plain", *run_voc = "/tmp/segnet_test_voc_run";
+    rm_rf(plain);
+    rm_rf(voc);
+    rm_rf(run_plain);
+    rm_rf(run_voc);
+    enum { N = 4, S = 8, P = S * S };
+    write_seg_set(plain, N, S, S, 11);  // class 0 on the right 2 columns
+    char path[600], args[1400], msg[4096], err[SN_ERR_MAX];
+    snprintf(path, sizeof path, "mkdir -p %s/masks && cp -r %s/images %s/", voc, plain, voc);
+    CHECK(system(path) == 0, "%s", path);
+    uint8_t plte[3 * 256];
+    for (int k = 0; k < 256; k++) {  // VOC's colour map would do as well: only indices count
+        plte[3 * k] = (uint8_t)(k * 37);
+        plte[3 * k + 1] = (uint8_t)(k * 91);
+        plte[3 * k + 2] = (uint8_t)(k == 255 ? 192 : k * 53);
+    }
+    int voids = 0;
+    for (int i = 0; i < N; i++) {
+        int w, h, n;
+        snprintf(path, sizeof path, "%s/masks/i%02d.png", plain, i);
+        uint8_t *m = stbi_load(path, &w, &h, &n, 1);
+        CHECK(m && w == S && h == S, "read %s", path);
+        if (!m) break;
+        uint16_t idx[P];
+        for (int p = 0; p < P; p++) {
+            idx[p] = m[p] ? m[p] : 255;
+            voids += !m[p];
+        }
+        stbi_image_free(m);
+        snprintf(path, sizeof path, "%s/masks/i%02d.png", voc, i);
+        png_by_hand(path, S, S, 8, idx, plte, 256);
+    }
+    CHECK(voids == N * 2 * S, "the void band: %d pixels", voids);
+    const char *common = "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --epochs 2 "
+                         "--classes 3 --class-weights 0,1,1";
+    snprintf(args, sizeof args, "%s --data %s --val %s --out %s", common, voc, voc, run_voc);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "has class 255") &&
+                  contains(msg, "--ignore-index 255"),
+          "without --ignore-index: '%s'", msg);
+    CHECK(!file_exists(run_voc), "a refused run left %s", run_voc);
+    snprintf(args, sizeof args, "%s --ignore-index 255 --data %s --val %s --out %s", common, voc,
+             voc, run_voc);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "VOC set: %s", msg);
+    snprintf(args, sizeof args, "%s --data %s --val %s --out %s", common, plain, plain, run_plain);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "plain set: %s", msg);
+    char a[700], b[700];
+    snprintf(a, sizeof a, "%s/metrics.csv", run_voc);
+    snprintf(b, sizeof b, "%s/metrics.csv", run_plain);
+    CHECK(files_equal(a, b), "metrics.csv differs between the void and the weight-0 set");
+    snprintf(a, sizeof a, "%s/last.safetensors", run_voc);
+    snprintf(b, sizeof b, "%s/last.safetensors", run_plain);
+    CHECK(same_tensors(a, b, err), "last.safetensors: %s", err);
+    snprintf(path, sizeof path, "%s/config.txt", run_voc);
+    size_t n;
+    char *cfg = read_file(path, &n);
+    CHECK(cfg && contains(cfg, "\nignore-index = 255\n"), "config.txt: %s", cfg ? cfg : "");
+    free(cfg);
+    // eval --run takes the setting from config.txt
+    snprintf(args, sizeof args, "eval --run %s", run_voc);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "eval --run: %s", msg);
+    // a resumed run may not change what the loss ignores
+    snprintf(args, sizeof args, "train --resume %s --epochs 3 --ignore-index 7", run_voc);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "--ignore-index 255,7") &&
+                  contains(msg, "trained with 255"),
+          "resume with another --ignore-index: '%s'", msg);
+    snprintf(args, sizeof args, "%s --ignore-index 70000 --data %s", common, voc);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "--ignore-index '70000'"),
+          "a value out of range: '%s'", msg);
+    rm_rf(plain);
+    rm_rf(voc);
+    rm_rf(run_plain);
+    rm_rf(run_voc);
 }
 
 // Issue 31, finding 6: a 1-, 2- or 4-bit grey mask gives its stored values.
@@ -9151,14 +9414,14 @@ TEST(mask_low_depth) {
         CHECK(scaled, "depth %d: stb_image no longer gives v*%d (the fix divides by it)", depth,
               SCALE[depth]);
         stbi_image_free(stb);
-        uint8_t *m = mask_load(path, H, W, 1, levels, err);
+        uint8_t *m = mask_load_k(path, H, W, levels, NULL, err);
         CHECK(m != NULL, "depth %d: %s", depth, err);
         for (int p = 0; m && p < P; p++)
             CHECK(m[p] == v[p], "depth %d, pixel %d: class %d, stored %d", depth, p, m[p], v[p]);
         free(m);
         // the same through a transparent grey (tRNS: stb_image adds an alpha channel)
         png_by_hand_trns(path, W, H, depth, v, NULL, 0, 0);
-        m = mask_load(path, H, W, 1, levels, err);
+        m = mask_load_k(path, H, W, levels, NULL, err);
         CHECK(m != NULL, "depth %d with tRNS: %s", depth, err);
         for (int p = 0; m && p < P; p++)
             CHECK(m[p] == v[p], "depth %d with tRNS, pixel %d: class %d, stored %d", depth, p, m[p],
@@ -9172,7 +9435,7 @@ TEST(mask_low_depth) {
         snprintf(want, sizeof want,
                  "masks/a.png: pixel (%d,%d) has class %d, but there are %d classes", first % W,
                  first / W, levels - 1, levels - 1);
-        m = mask_load(path, H, W, 1, levels - 1, err);
+        m = mask_load_k(path, H, W, levels - 1, NULL, err);
         CHECK(!m && contains(err, want), "depth %d out of range: '%s', want '%s'", depth, err,
               want);
         free(m);
@@ -9213,7 +9476,7 @@ TEST(mask_colour) {
                 px[p * comp + c] =
                         (comp % 2 == 0 && c == comp - 1) ? (uint8_t)(255 - 20 * p) : CLS[p];
         CHECK(stbi_write_png(path, W, H, comp, px, W * comp) != 0, "writing %s", path);
-        uint8_t *m = mask_load(path, H, W, 1, 4, err);
+        uint8_t *m = mask_load_k(path, H, W, 4, NULL, err);
         CHECK(m != NULL, "%d channels: %s", comp, err);
         for (int p = 0; m && p < P; p++)
             CHECK(m[p] == CLS[p], "%d channels, pixel %d: class %d, want %d", comp, p, m[p],
@@ -9225,12 +9488,12 @@ TEST(mask_colour) {
     px[3 * 6 + 1] = 255;   // pixel 6 = (2,1): (0,255,0)
     px[3 * 9 + 2] = 255;   // pixel 9 = (1,2): (0,0,255)
     ds_png(dir, "masks/a.png", W, H, 3, px);
-    uint8_t *m = mask_load(path, H, W, 1, 4, err);
+    uint8_t *m = mask_load_k(path, H, W, 4, NULL, err);
     CHECK(!m &&
                   contains(
                           err,
                           "masks/a.png: pixel (2,1) has the colour (0,255,0), not a class index") &&
-                  contains(err, "8-bit grey, pixel value = class index") && !strchr(err, '\n'),
+                  contains(err, "pixel value = class index") && !strchr(err, '\n'),
           "RGB classes: '%s'", err);
     free(m);
     // RGBA: one channel off by one is colour too (no channel is preferred)
@@ -9240,7 +9503,7 @@ TEST(mask_colour) {
     }
     px[4 * 11 + 2] = 2;    // pixel 11 = (3,2): (1,1,2)
     CHECK(stbi_write_png(path, W, H, 4, px, W * 4) != 0, "writing %s", path);
-    m = mask_load(path, H, W, 1, 4, err);
+    m = mask_load_k(path, H, W, 4, NULL, err);
     CHECK(!m && contains(err, "masks/a.png: pixel (3,2) has the colour (1,1,2)"), "RGBA: '%s'",
           err);
     free(m);
@@ -9359,7 +9622,7 @@ TEST(image_files_checked) {
     img = image_load_rgb(path, &h, &w, err);
     CHECK(img && h == 8 && w == 8, "JPEG content named .png is an image: %s", img ? "" : err);
     free(img);
-    uint8_t *m = mask_load(path, 8, 8, 1, 3, err);
+    uint8_t *m = mask_load_k(path, 8, 8, 3, NULL, err);
     CHECK(!m && contains(err, "photo.png: holds JPEG data, but a mask must be a PNG"), "'%s'", err);
     free(m);
     snprintf(path, sizeof path, "%s/text.png", dir);
@@ -10364,12 +10627,12 @@ TEST(class_names) {
           "training folders: %d names, labels %d %d %d %d", tr.n_names, tr.labels[0], tr.labels[1],
           tr.labels[2], tr.labels[3]);
     snprintf(path, sizeof path, "%s/val", dir);
-    CHECK(dataset_open_named(&va, path, 0, 3, 8, 8, 1 << 20, 1, &tr, err) == 0, "%s", err);
+    CHECK(dataset_open_named(&va, path, 0, 3, 8, 8, 1 << 20, 1, &tr, NULL, err) == 0, "%s", err);
     CHECK(va.n == 2 && va.labels[0] == 0 && va.labels[1] == 2 && va.n_names == 3,
           "validation: emu is class %d, want 2", va.n == 2 ? va.labels[1] : -1);
     dataset_free(&va);
     snprintf(path, sizeof path, "%s/bad", dir);
-    CHECK(dataset_open_named(&va, path, 0, 3, 8, 8, 1 << 20, 1, &tr, err) == -1 &&
+    CHECK(dataset_open_named(&va, path, 0, 3, 8, 8, 1 << 20, 1, &tr, NULL, err) == -1 &&
                   contains(err, "'fox'") && contains(err, "cat, dog, emu") &&
                   contains(err, "bad/fox"),
           "an unknown class folder: '%s'", err);
