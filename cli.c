@@ -293,11 +293,12 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     else if (!strcmp(f, "--min-delta")) rc = parse_float(f, v, 0.0f, &c->min_delta);
     else if (!strcmp(f, "--monitor")) {
         if (!strcmp(v, "val_loss")) c->monitor_metric = 0;
-        else if (!strcmp(v, "val_mIoU") || !strcmp(v, "val_accuracy")) {
-            c->monitor_metric = 1;
+        else if (!strcmp(v, "val_mIoU") || !strcmp(v, "val_accuracy") || !strcmp(v, "val_dice")) {
+            c->monitor_metric = strcmp(v, "val_dice") ? 1 : 2;
             a->monitor = v;
         } else {
-            fprintf(stderr, "segnet: --monitor '%s' must be val_loss, val_mIoU or val_accuracy\n",
+            fprintf(stderr,
+                    "segnet: --monitor '%s' must be val_loss, val_mIoU, val_dice or val_accuracy\n",
                     v);
             rc = -1;
         }
@@ -492,12 +493,14 @@ static const char *TRAIN_USAGE =
     "Trains a model and writes a run folder: config.txt (every setting),\n"
     "metrics.csv (one row per epoch), curves.svg, last.safetensors (weights, BN\n"
     "statistics, Adam moments, step) after every epoch and best.safetensors for\n"
-    "the epoch with the lowest val_loss (loss without --val). metrics.csv ends\n"
-    "with the epoch's optimisation diagnostics: grad_norm_mean, grad_norm_max (the\n"
+    "the epoch with the lowest val_loss (loss without --val). metrics.csv has the\n"
+    "loss and metrics (segmentation: mIoU, pixel_accuracy, IoU_<class>), then the\n"
+    "epoch's optimisation diagnostics: grad_norm_mean, grad_norm_max (the\n"
     "global gradient norm before clipping, over the applied steps), clip_fraction\n"
     "(steps that --clipnorm scaled down), loss_scale (fp16, after the epoch),\n"
     "skipped_steps (fp16 overflow: no update), update_ratio (|dw|/|w| of the\n"
-    "trainable weights in the epoch's last step) and step_ms; curves.svg draws\n"
+    "trainable weights in the epoch's last step) and step_ms, then (segmentation)\n"
+    "dice and Dice_<class> (F1 = 2·TP/(2·TP + FP + FN)); curves.svg draws\n"
     "them, and warnings name what to change when clipping acts on most steps,\n"
     "overflow skips steps, or the train metric falls below the validation one.\n"
     "Files are replaced\n"
@@ -544,8 +547,9 @@ static const char *TRAIN_USAGE =
     "  --early-stopping P    stop when the monitored value has not improved for P\n"
     "                        epochs (default 0: off; needs --val)\n"
     "  --monitor M           what early stopping and best.safetensors watch: val_loss\n"
-    "                        (default), val_mIoU (segmentation) or val_accuracy\n"
-    "                        (classification); without --val the training values\n"
+    "                        (default), val_mIoU or val_dice (segmentation: mean\n"
+    "                        Dice, the F1 score) or val_accuracy (classification);\n"
+    "                        without --val the training values\n"
     "  --min-delta D         an epoch improves only by more than D (default 0), as\n"
     "                        Keras' EarlyStopping(min_delta)\n"
     "  --augment LIST        none (default) or any of flip, brightness=D,\n"
@@ -626,8 +630,8 @@ static const char *EVAL_USAGE =
         "       segnet eval --weights W.safetensors --model NAME --classes K --data VAL [options]\n"
         "\n"
         "Evaluates weights on a data set and prints one metric per line, `name: value`:\n"
-        "val_loss, then val_mIoU, val_pixel_accuracy and val_IoU_<class> (segmentation)\n"
-        "or val_accuracy (classification). With --run, the run's config.txt gives the\n"
+        "val_loss, then val_mIoU, val_pixel_accuracy, val_dice, val_IoU_<class> and\n"
+        "val_Dice_<class> (segmentation) or val_accuracy (classification). With --run, the run's config.txt gives the\n"
         "model and class weights, best.safetensors the weights and its validation set\n"
         "the data (unless --data is given). Otherwise the model options are those of\n"
         "segnet train (--model, --classes, --class-weights, --ignore-index,\n"
@@ -806,8 +810,9 @@ static int cmd_eval(TrainArgs *a, int argc, char **argv) {
     a->c.augment = (Augment){0};
     a->c.progress = isatty(STDERR_FILENO);
     EvalResult r;
-    double iou[SN_MAX_CLASSES];
+    double iou[SN_MAX_CLASSES], dice[SN_MAX_CLASSES];
     r.m.iou = iou;
+    r.m.dice = dice;
     if (eval_run(&a->c, weights, data, &r, err)) {
         print_message(stderr, "segnet eval", err);
         return 1;
@@ -817,9 +822,12 @@ static int cmd_eval(TrainArgs *a, int argc, char **argv) {
         printf("val_accuracy: %.6f\n", r.m.accuracy);
         return 0;
     }
-    printf("val_mIoU: %.6f\nval_pixel_accuracy: %.6f\n", r.m.mean_iou, r.m.accuracy);
+    printf("val_mIoU: %.6f\nval_pixel_accuracy: %.6f\nval_dice: %.6f\n", r.m.mean_iou,
+           r.m.accuracy, r.m.mean_dice);
     for (int k = 0; k < a->c.model.classes; k++)
         if (!isnan(iou[k])) printf("val_IoU_%d: %.6f\n", k, iou[k]);
+    for (int k = 0; k < a->c.model.classes; k++)
+        if (!isnan(dice[k])) printf("val_Dice_%d: %.6f\n", k, dice[k]);
     return 0;
 }
 

@@ -17,6 +17,7 @@ typedef struct {
     // segnet.c)
     double grad_norm_mean, grad_norm_max, clip_fraction, loss_scale, skipped_steps, update_ratio,
             step_ms;
+    double dice, val_dice;    // mean Dice (segmentation), else NaN
 } EpochRecord;
 
 // What curves.svg marks besides the records: the best epoch (0: none) and the

@@ -134,11 +134,12 @@ static void ignore_text(const MaskRules *m, SfBuf *b) {
 }
 
 // what early stopping and best.safetensors watch: the validation loss, or the
-// validation mIoU (segmentation) / accuracy (classification); the training
-// run's own values when there is no validation set
+// validation mIoU or mean Dice (segmentation) / accuracy (classification); the
+// training run's own values when there is no validation set
 static const char *monitor_name(const TrainCfg *c) {
     return !c->monitor_metric                    ? "val_loss"
            : model_is_classifier(c->model.model) ? "val_accuracy"
+           : c->monitor_metric == 2              ? "val_dice"
                                                  : "val_mIoU";
 }
 
@@ -1324,8 +1325,12 @@ static void history_free(History *h) {
     memset(h, 0, sizeof *h);
 }
 
-// the header; without `diagnostics` that of the runs written before the diagnostics' columns
-static void csv_header(const Trainer *t, SfBuf *b, int diagnostics) {
+// metrics.csv's columns, as they grew: the metrics; then the optimisation
+// diagnostics; then (segmentation) mean and per-class Dice
+enum { CSV_METRICS = 0, CSV_DIAGNOSTICS = 1, CSV_DICE = 2 };
+
+// the header of a run written at level `columns` (a CSV_* value)
+static void csv_header(const Trainer *t, SfBuf *b, int columns) {
     sb_str(b, "epoch,lr,loss,val_loss");
     char name[64];
     for (int pass = 0; pass < 2; pass++) {
@@ -1342,7 +1347,16 @@ static void csv_header(const Trainer *t, SfBuf *b, int diagnostics) {
             sb_str(b, name);
         }
     }
-    if (diagnostics) { sb_str(b, ","); sb_str(b, STEP_STATS_COLUMNS); }
+    if (columns >= CSV_DIAGNOSTICS) { sb_str(b, ","); sb_str(b, STEP_STATS_COLUMNS); }
+    for (int pass = 0; columns >= CSV_DICE && t->segmentation && pass < 2; pass++) {
+        const char *p = pass ? "val_" : "";
+        snprintf(name, sizeof name, ",%sdice", p);
+        sb_str(b, name);
+        for (int k = 0; k < t->K; k++) {
+            snprintf(name, sizeof name, ",%sDice_%d", p, k);
+            sb_str(b, name);
+        }
+    }
 }
 
 static void csv_metrics(const Trainer *t, SfBuf *b, const Metrics *m) {
@@ -1350,6 +1364,11 @@ static void csv_metrics(const Trainer *t, SfBuf *b, const Metrics *m) {
     csv_num(b, m ? m->mean_iou : NAN);
     csv_num(b, m ? m->accuracy : NAN);
     for (int k = 0; k < t->K; k++) csv_num(b, m ? m->iou[k] : NAN);
+}
+static void csv_dice(const Trainer *t, SfBuf *b, const Metrics *m) {
+    if (!t->segmentation) return;
+    csv_num(b, m ? m->mean_dice : NAN);
+    for (int k = 0; k < t->K; k++) csv_num(b, m ? m->dice[k] : NAN);
 }
 
 static void history_add(History *h, char *row, EpochRecord rec) {
@@ -1369,47 +1388,54 @@ static int history_load(const Trainer *t, const char *path, History *h, char err
     FILE *f = fopen_regular(path, "r", err);
     if (!f && errno == ENOENT && t->epoch == 0) return 0;  // interrupted in its first epoch
     if (!f) return -1;
-    SfBuf want = {0}, older = {0};
-    csv_header(t, &want, 1);
-    csv_header(t, &older, 0);
-    sb_put(&want, "", 1);
-    sb_put(&older, "", 1);
+    SfBuf header[CSV_DICE + 1] = {{0}};
+    for (int k = CSV_METRICS; k <= CSV_DICE; k++) {
+        csv_header(t, &header[k], k);
+        sb_put(&header[k], "", 1);
+    }
     size_t cap = 1 << 16;
     char *line = malloc(cap);
     snCheck(line != NULL, "out of host memory");
-    int rc = 0, row = 0, pad = 0;
+    int rc = 0, row = 0, level = CSV_DICE;
     const int per_pass = t->segmentation ? 2 + t->K : 1, val_col = 4 + per_pass,
-              diag_col = 4 + 2 * per_pass;
+              diag_col = 4 + 2 * per_pass, dice_col = diag_col + STEP_STATS_N_COLUMNS,
+              dice_per_pass = t->segmentation ? 1 + t->K : 0;
+    enum { READ = 7 + STEP_STATS_N_COLUMNS };  // the EpochRecord's numbers
     while (rc == 0 && fgets(line, (int)cap, f)) {
         row++;
         line[strcspn(line, "\r\n")] = 0;
         if (row == 1) {
-            pad = !strcmp(line, older.p);
-            if (!pad && strcmp(line, want.p)) {
+            while (level >= CSV_METRICS && strcmp(line, header[level].p)) level--;
+            if (level < CSV_METRICS) {
                 snprintf(err, SN_ERR_MAX,
                          "%.400s: the header does not match this run's model and classes", path);
                 rc = -1;
             }
             continue;
         }
-        double v[5 + STEP_STATS_N_COLUMNS];
-        int cols[5 + STEP_STATS_N_COLUMNS] = {1, 2, 3, 4, val_col}, epoch = atoi(line);
+        double v[READ];
+        int cols[READ] = {1, 2, 3, 4, val_col}, epoch = atoi(line);
         for (int k = 0; k < STEP_STATS_N_COLUMNS; k++) cols[5 + k] = diag_col + k;
+        cols[READ - 2] = dice_col;
+        cols[READ - 1] = dice_col + dice_per_pass;
         if (epoch != row - 1) {
             snprintf(err, SN_ERR_MAX, "%.400s: row %d: expected epoch %d", path, row, row - 1);
             rc = -1;
             break;
         }
         if (epoch > t->epoch) break;  // written after the checkpoint: that epoch runs again
-        for (int k = 0; k < 5 + STEP_STATS_N_COLUMNS; k++) {
+        for (int k = 0; k < READ; k++) {
             const char *s = line;
             for (int col = 0; col < cols[k] && s; col++) { s = strchr(s, ','); if (s) s++; }
             v[k] = s && *s && *s != ',' ? strtod(s, NULL) : NAN;
         }
-        EpochRecord r = {epoch, v[0], v[1], v[2], v[3],  v[4], v[5],
-                         v[6],  v[7], v[8], v[9], v[10], v[11]};
-        // the diagnostics, empty
-        const size_t len = strlen(line), empty = pad ? STEP_STATS_N_COLUMNS : 0;
+        EpochRecord r = {epoch, v[0], v[1], v[2],  v[3],  v[4],  v[5], v[6],
+                         v[7],  v[8], v[9], v[10], v[11], v[12], v[13]};
+        if (!t->segmentation) r.dice = r.val_dice = NAN;
+        // the columns a run of an earlier level lacks, empty
+        const size_t len = strlen(line),
+                     empty = (level < CSV_DIAGNOSTICS ? STEP_STATS_N_COLUMNS : 0) +
+                             (level < CSV_DICE ? 2 * dice_per_pass : 0);
         char *kept = malloc(len + empty + 1);
         snCheck(kept != NULL, "out of host memory");
         memcpy(kept, line, len);
@@ -1424,15 +1450,16 @@ static int history_load(const Trainer *t, const char *path, History *h, char err
     }
     fclose(f);
     free(line);
-    free(want.p);
-    free(older.p);
+    for (int k = CSV_METRICS; k <= CSV_DICE; k++) free(header[k].p);
     return rc;
 }
 
 // The checkpoint's best figure must be metrics.csv's at its best epoch (the
 // file keeps 6 decimals: within 5e-7, plus the double's own rounding).
 static double monitored(const TrainCfg *c, const EpochRecord *r, int has_val) {
-    const double metric = has_val ? r->val_metric : r->metric;
+    const double metric = c->monitor_metric == 2 ? (has_val ? r->val_dice : r->dice)
+                          : has_val              ? r->val_metric
+                                                 : r->metric;
     return c->monitor_metric ? -metric : has_val ? r->val_loss : r->loss;
 }
 static int history_check_best(const Trainer *t, const History *h, const char *run,
@@ -1451,7 +1478,7 @@ static int history_check_best(const Trainer *t, const History *h, const char *ru
 static int history_write(const Trainer *t, const History *h, const char *run,
                          char err[SN_ERR_MAX]) {
     SfBuf b = {0};
-    csv_header(t, &b, 1);
+    csv_header(t, &b, CSV_DICE);
     sb_str(&b, "\n");
     for (int i = 0; i < h->n; i++) { sb_str(&b, h->rows[i]); sb_str(&b, "\n"); }
     sb_put(&b, "", 1);
@@ -2026,6 +2053,8 @@ static int epoch_written(Trainer *t, History *h, const EpochRecord *rec, const M
     csv_metrics(t, &row, m);
     csv_metrics(t, &row, vm);
     for (int k = 0; k < STEP_STATS_N_COLUMNS; k++) csv_sig(&row, diag[k]);
+    csv_dice(t, &row, m);
+    csv_dice(t, &row, vm);
     sb_put(&row, "", 1);
     snCheck(!row.oom, "out of host memory");
     history_add(h, row.p, *rec);
@@ -2064,8 +2093,10 @@ static void epoch_print(const Trainer *t, const EpochRecord *rec, double seconds
     const char *metric = t->segmentation ? "mIoU" : "accuracy";
     fprintf(stderr, "epoch %d/%d  loss %.4f  %s %.4f", rec->epoch, t->c->epochs, rec->loss, metric,
             rec->metric);
+    if (t->segmentation) fprintf(stderr, "  dice %.4f", rec->dice);
     if (t->has_val)
         fprintf(stderr, "  val_loss %.4f  val_%s %.4f", rec->val_loss, metric, rec->val_metric);
+    if (t->has_val && t->segmentation) fprintf(stderr, "  val_dice %.4f", rec->val_dice);
     fprintf(stderr, "  (%.1f s)%s\n", seconds, improved ? "  best" : "");
 }
 
@@ -2147,7 +2178,8 @@ static int train_replica(Comm *comm, void *arg) {
     memset(&t, 0, sizeof t);
     History h = {0};
     int rc = 0;
-    double *iou = malloc(sizeof(double) * 2 * c->model.classes);
+    // IoU then Dice per class: train (K), val (K)
+    double *iou = malloc(sizeof(double) * 4 * c->model.classes);
     snCheck(iou != NULL, "out of host memory");
     int64_t *cm = malloc(sizeof(int64_t) * c->model.classes * c->model.classes),
             *cm_val = malloc(sizeof(int64_t) * c->model.classes * c->model.classes);
@@ -2208,7 +2240,8 @@ static int train_replica(Comm *comm, void *arg) {
                                              : ", replicas with batch norm per replica")
                                : "",
                 op_by_op, run);
-    Metrics m = {0, 0, iou}, vm = {0, 0, iou + c->model.classes};
+    const int K = c->model.classes;
+    Metrics m = {0, 0, iou, 0, iou + 2 * K}, vm = {0, 0, iou + K, 0, iou + 3 * K};
     const int train_batches = (t.train.n + c->model.batch - 1) / c->model.batch;
     int warned[3] = {0, 0, 0};  // each warning once per run
     if (comm_agree(comm, root && c->log_every > 0 ? steps_csv_start(&t, run, err) : 0, err))
@@ -2271,9 +2304,12 @@ static int train_replica(Comm *comm, void *arg) {
         double lr = lr_at_step(c->lr, c->schedule, c->warmup, t.total_steps, t.step - 1);
         double diag[STEP_STATS_N_COLUMNS];
         step_stats_columns(&t.epoch_stats, diag);
+        const double none = NAN;
         EpochRecord rec = {t.epoch, lr, loss, val_loss, t.segmentation ? m.mean_iou : m.accuracy,
                            t.has_val ? (t.segmentation ? vm.mean_iou : vm.accuracy) : NAN,
-                           diag[0], diag[1], diag[2], diag[3], diag[4], diag[5], diag[6]};
+                           diag[0], diag[1], diag[2], diag[3], diag[4], diag[5], diag[6],
+                           t.segmentation ? m.mean_dice : none,
+                           t.has_val && t.segmentation ? vm.mean_dice : none};
         const int improved = epoch_judged(&t, &rec);
         if (comm_agree(comm,
                        root ? epoch_written(&t, &h, &rec, &m, t.has_val ? &vm : NULL, diag,

@@ -26,7 +26,8 @@ typedef struct {
     Schedule schedule;
     int warmup;                     // steps
     int patience;                   // early stopping on the monitored value; 0: off
-    // 0: monitor val_loss (lower is better); 1: val_mIoU / val_accuracy (higher)
+    // 0: monitor val_loss (lower is better); 1: val_mIoU / val_accuracy (higher);
+    // 2: val_dice (segmentation; higher)
     int monitor_metric;
     float min_delta;                // an epoch improves by more than this (Keras' min_delta)
     Augment augment;

@@ -1108,15 +1108,16 @@ static void adam_update_ref(Ops *o, float *params, const float *grads, float *m,
 //   over the confusion matrix cm[true][predicted] of the classes with weight > 0:
 //   IoU_c = TP/(TP + FP + FN) (FP counts only pixels whose true class has weight > 0,
 //   so that "not annotated" pixels are no one's false positive), mean IoU over the
-//   classes that occur, accuracy = Σ TP / Σ (TP + FN)
+//   classes that occur, accuracy = Σ TP / Σ (TP + FN), Dice = 2·TP/(2·TP + FP + FN)
 //   lr: linear warm-up over `warmup` steps, then constant or a cosine to 0
 
 void metrics_compute(const int64_t *cm, int K, const float *class_weights, Metrics *m) {
     int64_t correct = 0, counted = 0;
-    double iou_sum = 0.0;
+    double iou_sum = 0.0, dice_sum = 0.0;
     int n_iou = 0;
     for (int c = 0; c < K; c++) {
         m->iou[c] = NAN;
+        if (m->dice) m->dice[c] = NAN;
         if (!(class_weights[c] > 0.0f)) continue;
         int64_t tp = cm[(size_t)c * K + c], fn = 0, fp = 0;
         for (int k = 0; k < K; k++) {
@@ -1128,11 +1129,15 @@ void metrics_compute(const int64_t *cm, int K, const float *class_weights, Metri
         counted += tp + fn;
         if (tp + fp + fn > 0) {
             m->iou[c] = (double)tp / (double)(tp + fp + fn);
+            const double dice = 2.0 * (double)tp / (double)(2 * tp + fp + fn);
+            if (m->dice) m->dice[c] = dice;
             iou_sum += m->iou[c];
+            dice_sum += dice;
             n_iou++;
         }
     }
     m->mean_iou = n_iou ? iou_sum / n_iou : NAN;
+    m->mean_dice = n_iou ? dice_sum / n_iou : NAN;
     m->accuracy = counted ? (double)correct / (double)counted : NAN;
 }
 

@@ -1123,9 +1123,13 @@ void net_init_params(Net *net, uint64_t seed);
 //              that occur, in the labels or the predictions: Keras' MeanIoU)
 //   accuracy = Σ_c TP_c / (pixels counted)   (pixel accuracy; for a
 //              classifier, the accuracy)
+//   Dice_c = 2·TP_c / (2·TP_c + FP_c + FN_c)  (the F1 score: segmentation_models'
+//              FScore with β = 1), NaN where IoU_c is; mean Dice over the same classes
 typedef struct {
     double mean_iou, accuracy;
     double *iou;  // (K), caller's memory
+    double mean_dice;
+    double *dice;  // (K), caller's memory, or NULL
 } Metrics;
 void metrics_compute(const int64_t *confusion, int K, const float *class_weights, Metrics *m);
 

@@ -3712,7 +3712,7 @@ TEST(weight0_pixels_ignored) {
     ops_cpu.confusion_accumulate(&ops_cpu, tensor_f32(za, s), ya, ca);
     ops_cpu.confusion_accumulate(&ops_cpu, tensor_f32(zb, s), yb, cb);
     double ia[K], ib[K];
-    Metrics ma = {0, 0, ia}, mb = {0, 0, ib};
+    Metrics ma = {.iou = ia}, mb = {.iou = ib};
     metrics_compute(ca, K, w, &ma);
     metrics_compute(cb, K, w, &mb);
     CHECK(ma.mean_iou == mb.mean_iou && ma.accuracy == mb.accuracy, "metrics %g/%g vs %g/%g",
@@ -4081,11 +4081,12 @@ TEST(metrics_by_hand) {
         for (int k = 0; k < K; k++) z[i * K + k] = k == pred[i] ? 2.0f : -1.0f;
     int64_t cm[K * K] = {0};
     ops_cpu.confusion_accumulate(&ops_cpu, tensor_f32(z, shape4(1, 3, 4, K)), y, cm);
-    double iou[K];
-    Metrics m = {0, 0, iou};
+    double iou[K], dice[K];
+    Metrics m = {.iou = iou, .dice = dice};
     metrics_compute(cm, K, w, &m);
     // direct count: pixels whose true class has weight 0 do not exist
-    double sum = 0; int n = 0, correct = 0, counted = 0;
+    double sum = 0, dice_sum = 0;
+    int n = 0, correct = 0, counted = 0;
     for (int c = 0; c < K; c++) {
         int tp = 0, fp = 0, fn = 0;
         for (int i = 0; i < M; i++) {
@@ -4095,24 +4096,30 @@ TEST(metrics_by_hand) {
             fp += y[i] != c && pred[i] == c;
         }
         if (w[c] == 0) {
-            CHECK(isnan(iou[c]), "class %d has weight 0: IoU must be NaN, got %g", c, iou[c]);
+            CHECK(isnan(iou[c]) && isnan(dice[c]),
+                  "class %d has weight 0: IoU and Dice must be NaN, got %g %g", c, iou[c], dice[c]);
             continue;
         }
         CHECK_NEAR(iou[c], (double)tp / (tp + fp + fn), 1e-12, "IoU");
+        // segmentation_models' FScore, β = 1: (1 + β²)·TP / ((1 + β²)·TP + β²·FN + FP)
+        CHECK_NEAR(dice[c], 2.0 * tp / (2.0 * tp + fn + fp), 1e-12, "Dice");
         sum += (double)tp / (tp + fp + fn); n++;
+        dice_sum += 2.0 * tp / (2.0 * tp + fn + fp);
     }
+    CHECK_NEAR(m.mean_dice, dice_sum / n, 1e-12, "mean Dice");
     for (int i = 0; i < M; i++) if (w[y[i]] > 0) { counted++; correct += y[i] == pred[i]; }
     CHECK_NEAR(m.mean_iou, sum / n, 1e-12, "mean IoU");
     CHECK_NEAR(m.accuracy, (double)correct / counted, 1e-12, "pixel accuracy");
     // by hand: class 1 has TP 2 (pixels 2,3), FN 2 (4 → 2, 10 → 3), FP 1 (pixel 7; pixel 0 is
     // unannotated)
     CHECK_NEAR(iou[1], 2.0 / 5.0, 1e-12, "IoU_1 by hand");
+    CHECK_NEAR(dice[1], 4.0 / 7.0, 1e-12, "Dice_1 by hand: 2·2 / (2·2 + 1 + 2)");
     CHECK_NEAR(m.accuracy, 7.0 / 10.0, 1e-12, "accuracy by hand");
     // a class that never occurs (in labels or predictions) is left out of the mean
     const float w3[3] = {1, 1, 1};
     int64_t cm3[9] = {5, 1, 0, 2, 4, 0, 0, 0, 0};
     double iou3[3];
-    Metrics m3 = {0, 0, iou3};
+    Metrics m3 = {.iou = iou3};
     metrics_compute(cm3, 3, w3, &m3);
     CHECK(isnan(iou3[2]), "absent class: NaN IoU");
     CHECK_NEAR(m3.mean_iou, (5.0 / 8.0 + 4.0 / 7.0) / 2.0, 1e-12, "mean over occurring classes");
@@ -7083,7 +7090,7 @@ TEST(replicas_global_denominator) {
                 CHECK(!memcmp(jobs[0].cm, one.cm, sizeof one.cm),
                       "the confusion matrix differs from one replica's");
                 double iou[3], iou1[3];
-                Metrics m = {0, 0, iou}, m1 = {0, 0, iou1};
+                Metrics m = {.iou = iou}, m1 = {.iou = iou1};
                 metrics_compute(jobs[0].cm, 3, c.class_weights, &m);
                 metrics_compute(one.cm, 3, c.class_weights, &m1);
                 CHECK(m.mean_iou == m1.mean_iou && m.accuracy == m1.accuracy, "mIoU %.17g vs %.17g",
@@ -10185,7 +10192,7 @@ TEST(train_loss_by_hand) {
         CHECK(fabs(loss - num / den) <= 1e-5 * fabs(num / den), "%s loss %.9g, by hand %.9g",
               keras ? "keras" : "weighted", loss, num / den);
         double iou[3];
-        Metrics m = {0, 0, iou};
+        Metrics m = {.iou = iou};
         metrics_compute(cm, 3, c.class_weights, &m);
         double miou = 0;
         for (int k = 1; k < 3; k++) miou += (double)tp[k] / (tp[k] + fp[k] + fn[k]) / 2;
@@ -10355,7 +10362,7 @@ TEST(train_epoch_totals) {
     CHECK(fabs(loss - num / den) <= 1e-5 * fabs(num / den), "val loss %.9g, by hand %.9g", loss,
           num / den);
     double iou[3];
-    Metrics m = {0, 0, iou};
+    Metrics m = {.iou = iou};
     metrics_compute(cm, 3, c.class_weights, &m);
     for (int k = 1; k < 3; k++)
         CHECK_NEAR(iou[k], (double)tp[k] / (tp[k] + fp[k] + fn[k]), 1e-12, "val IoU");
@@ -10514,6 +10521,105 @@ TEST(monitor_min_delta) {
                   contains(msg, "val_mIoU"),
           "a classifier's metric for a U-Net: '%s'", msg);
     rm_rf(data); rm_rf(run);
+}
+
+// The Dice columns (issue 35, item 3): metrics.csv's dice and Dice_<class>
+// follow from its IoU columns, Dice = 2·IoU/(1 + IoU) per class (both from one
+// confusion matrix: 2TP/(2TP + FP + FN) against TP/(TP + FP + FN)), within the
+// file's 6 decimals; --monitor val_dice picks best.safetensors by val_dice,
+// and eval --run prints that epoch's val_dice. A run whose metrics.csv has no
+// Dice columns (written before them) resumes with them empty.
+TEST(dice_metric) {
+    const char *data = "/tmp/segnet_test_dice_data", *run = "/tmp/segnet_test_dice_run";
+    rm_rf(data);
+    rm_rf(run);
+    write_seg_set(data, 4, 8, 8, 5);
+    TrainCfg c = tiny_seg_cfg(data, data);  // class weights 0,1,1
+    c.epochs = 3;
+    c.lr = 0.1f;
+    c.monitor_metric = 2;
+    c.out = run;
+    char err[SN_ERR_MAX], path[600], args[700], msg[4096];
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    snprintf(path, sizeof path, "%s/metrics.csv", run);
+    double iou[2][3], dice[2][3], vdice[3], vm[3];
+    for (int k = 1; k <= 2; k++) {
+        char a[32], b[32];
+        snprintf(a, sizeof a, "val_IoU_%d", k);
+        snprintf(b, sizeof b, "val_Dice_%d", k);
+        CHECK(csv_column(path, a, iou[k - 1], 3) == 3 && csv_column(path, b, dice[k - 1], 3) == 3,
+              "columns %s, %s", a, b);
+        for (int e = 0; e < 3; e++) {
+            const double u = iou[k - 1][e];
+            CHECK(fabs(dice[k - 1][e] - 2 * u / (1 + u)) < 2e-6, "epoch %d Dice_%d %g from IoU %g",
+                  e + 1, k, dice[k - 1][e], u);
+        }
+    }
+    CHECK(csv_column(path, "val_dice", vdice, 3) == 3 && csv_column(path, "val_mIoU", vm, 3) == 3,
+          "val_dice, val_mIoU");
+    int best = 0;
+    for (int e = 0; e < 3; e++) {
+        CHECK(fabs(vdice[e] - (dice[0][e] + dice[1][e]) / 2) < 2e-6,
+              "epoch %d: val_dice %g is not the classes' mean", e + 1, vdice[e]);
+        if (vdice[e] > vdice[best]) best = e;
+    }
+    snprintf(path, sizeof path, "%s/config.txt", run);
+    size_t n;
+    char *cfg = read_file(path, &n);
+    CHECK(cfg && contains(cfg, "monitor = val_dice"), "config.txt: %s", cfg ? cfg : "");
+    free(cfg);
+    // the checkpoint judges by -val_dice (higher is better)
+    SafetensorsFile f;
+    snprintf(path, sizeof path, "%s/last.safetensors", run);
+    CHECK(safetensors_read(path, &f, err) == 0, "%s", err);
+    const char *best_loss = safetensors_meta(&f, "best_loss"),
+               *best_epoch = safetensors_meta(&f, "best_epoch");
+    CHECK(best_loss && best_epoch && fabs(strtod(best_loss, NULL) + vdice[best]) < 2e-6 &&
+                  atoi(best_epoch) == best + 1,
+          "best %s at epoch %s, want -%.6f at %d", best_loss ? best_loss : "?",
+          best_epoch ? best_epoch : "?", vdice[best], best + 1);
+    safetensors_free(&f);
+    snprintf(args, sizeof args, "eval --run %s", run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "eval: %s", msg);
+    char *out = read_file("/tmp/segnet_test_out.txt", &n);
+    const char *p = out ? strstr(out, "val_dice: ") : NULL;
+    CHECK(p && fabs(strtod(p + 10, NULL) - vdice[best]) < 2e-6 && contains(out, "val_Dice_1: ") &&
+                  !contains(out, "val_Dice_0"),
+          "eval --run prints the best epoch's (%d) val_dice %.6f: %s", best + 1, vdice[best],
+          out ? out : "");
+    free(out);
+    // a run written before the Dice columns (monitoring val_loss): drop them, resume
+    rm_rf(run);
+    c.monitor_metric = 0;
+    c.epochs = 1;
+    CHECK(train_run(&c, NULL, err) == 0, "%s", err);
+    snprintf(path, sizeof path, "%s/metrics.csv", run);
+    char *csv = read_file(path, &n), *cut = malloc(n + 1), *w = cut;
+    for (char *line = csv, *end; line && *line; line = end + 1) {
+        end = strchr(line, '\n');
+        const char *q = line;
+        for (int commas = 0; q < end; q++)  // the first column of the Dice: dice
+            if (*q == ',' && ++commas == 4 + 2 * (2 + 3) + STEP_STATS_N_COLUMNS) break;
+        memcpy(w, line, (size_t)(q - line));
+        w += q - line;
+        *w++ = '\n';
+    }
+    *w = 0;
+    CHECK(contains(cut, ",step_ms\n") && !contains(cut, "dice"), "the older header: %.80s", cut);
+    write_file_bytes(path, cut, strlen(cut));
+    c.epochs = 2;
+    CHECK(train_run(&c, run, err) == 0, "resume: %s", err);
+    char *again = read_file(path, &n);
+    CHECK(again && contains(again, ",step_ms,dice,Dice_0,") && contains(again, "val_Dice_2\n"),
+          "the resumed file has the Dice columns");
+    double d2[2];
+    CHECK(csv_column(path, "val_dice", d2, 2) == 2 && isnan(d2[0]) && !isnan(d2[1]),
+          "the older epoch's Dice empty, the new one's there: %g %g", d2[0], d2[1]);
+    free(csv);
+    free(cut);
+    free(again);
+    rm_rf(data);
+    rm_rf(run);
 }
 
 // --dropout sets both dropouts of the classifier head (the seed's head: --head-hidden
