@@ -267,7 +267,9 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
                                         "--allow-missing", "--monitor",
                                         "--min-delta",     "--max-pixels",
                                         "--log-every",     "--exif",
-                                        "--ignore-index",  "--label-map"};
+                                        "--ignore-index",  "--label-map",
+                                        "--lr-factor",     "--lr-patience",
+                                        "--min-lr",        "--lr-min-delta"};
     int known = 0;
     for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
     if (!known) return 0;
@@ -291,6 +293,11 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, 1 << 30, &c->warmup);
     else if (!strcmp(f, "--early-stopping")) rc = parse_int(f, v, 0, 1 << 20, &c->patience);
     else if (!strcmp(f, "--min-delta")) rc = parse_float(f, v, 0.0f, &c->min_delta);
+    else if (!strcmp(f, "--lr-factor")) rc = parse_float(f, v, 0.0f, &c->plateau.factor);
+    else if (!strcmp(f, "--lr-patience"))
+        rc = parse_int(f, v, 1, 1 << 20, &c->plateau.patience);
+    else if (!strcmp(f, "--min-lr")) rc = parse_float(f, v, 0.0f, &c->plateau.min_lr);
+    else if (!strcmp(f, "--lr-min-delta")) rc = parse_float(f, v, 0.0f, &c->plateau.min_delta);
     else if (!strcmp(f, "--monitor")) {
         if (!strcmp(v, "val_loss")) c->monitor_metric = 0;
         else if (!strcmp(v, "val_mIoU") || !strcmp(v, "val_accuracy") || !strcmp(v, "val_dice")) {
@@ -328,10 +335,12 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     else if (!strcmp(f, "--clipnorm")) rc = parse_float(f, v, 0.0f, &c->clipnorm);
     else if (!strcmp(f, "--augment")) rc = parse_augment(v, &c->augment);
     else if (!strcmp(f, "--schedule")) {
-        if (!strcmp(v, "constant")) c->schedule = SCHEDULE_CONSTANT;
-        else if (!strcmp(v, "cosine")) c->schedule = SCHEDULE_COSINE;
+        int k = 0;
+        while (k < 4 && strcmp(v, SCHEDULE_NAMES[k])) k++;
+        if (k < 4) c->schedule = (Schedule)k;
         else {
-            fprintf(stderr, "segnet: --schedule '%s' must be constant or cosine\n", v);
+            fprintf(stderr, "segnet: --schedule '%s' must be constant, cosine, poly or plateau\n",
+                    v);
             rc = -1;
         }
     } else {  // --loss-norm
@@ -542,7 +551,12 @@ static const char *TRAIN_USAGE =
     "  --adam-eps EPS        Keras' epsilon-hat (default 1e-07)\n"
     "  --weight-decay WD     decoupled weight decay, AdamW (default 0)\n"
     "  --clipnorm C          clip the gradient's global norm to C (default 0: off)\n"
-    "  --schedule S          constant (default) or cosine (decays to 0 at the end)\n"
+    "  --schedule S          constant (default), cosine (decays to 0 at the end), poly\n"
+    "                        (lr·(1 - p)^0.9 over the steps after warm-up, DeepLab's)\n"
+    "                        or plateau (Keras' ReduceLROnPlateau on the --monitor\n"
+    "                        value, cooldown 0: after --lr-patience epochs (default\n"
+    "                        10) without an improvement by more than --lr-min-delta\n"
+    "                        (1e-4), lr × --lr-factor (0.1), not below --min-lr (0))\n"
     "  --warmup STEPS        linear warm-up steps (default 0)\n"
     "  --early-stopping P    stop when the monitored value has not improved for P\n"
     "                        epochs (default 0: off; needs --val)\n"

@@ -62,6 +62,7 @@ void train_cfg_default(TrainCfg *c) {
     c->lr = 1e-3f;
     c->adam_eps = ADAM_EPS;
     c->schedule = SCHEDULE_CONSTANT;
+    c->plateau = (PlateauCfg){0.1f, 0.0f, 1e-4f, 10};  // Keras' ReduceLROnPlateau defaults
     c->seed = 1;
     c->workers = 1;
     c->cache_bytes = (size_t)2 << 30;
@@ -472,6 +473,7 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     net_init_params(&t->net, c->seed);
     t->net.seed = c->seed;
     t->best = INFINITY;
+    t->plateau = (Plateau){c->lr, INFINITY, 0};
     step_stats_reset(&t->epoch_stats);
     step_stats_reset(&t->log_stats);
     return 0;
@@ -511,10 +513,11 @@ static int trainer_broadcast(Trainer *t) {
     struct {
         int64_t step, good_steps;
         double best;
+        Plateau plateau;
         float loss_scale;
         int epoch, best_epoch, bad_epochs, finished;
-    } k = {t->step,  t->good_steps, t->best,       t->loss_scale,
-           t->epoch, t->best_epoch, t->bad_epochs, t->finished};
+    } k = {t->step,        t->good_steps, t->best,       t->plateau, t->loss_scale,
+           t->epoch,       t->best_epoch, t->bad_epochs, t->finished};
     if (comm_broadcast_backend(t, t->net.params, sizeof(float) * g->n_param_floats) ||
         comm_broadcast_backend(t, t->net.buffers, sizeof(float) * g->n_buffer_floats) ||
         comm_broadcast_backend(t, t->adam_m, sizeof(float) * t->n_trainable) ||
@@ -522,6 +525,7 @@ static int trainer_broadcast(Trainer *t) {
         (t->comm->size > 1 && t->comm->broadcast(t->comm, &k, sizeof k, 0)))
         return -1;
     t->step = k.step; t->good_steps = k.good_steps; t->best = k.best; t->loss_scale = k.loss_scale;
+    t->plateau = k.plateau;
     t->epoch = k.epoch;
     t->best_epoch = k.best_epoch;
     t->bad_epochs = k.bad_epochs;
@@ -572,9 +576,8 @@ static int trainer_load_weights(Trainer *t, const char *path, char *report, int 
 static void progress_line(const Trainer *t, int training, int batch_no, int n_batches, double t0,
                           int64_t images, const PassTotals *pt, int tty) {
     double el = now_seconds() - t0, eta = batch_no ? el / batch_no * (n_batches - batch_no) : 0.0;
-    Metrics m;
     double iou[SN_MAX_CLASSES];
-    m.iou = iou;
+    Metrics m = {.iou = iou};
     metrics_compute(pt->cm, t->K, t->c->class_weights, &m);
     fprintf(stderr, "%sepoch %d/%d %s %d/%d  %d:%02d left  %.1f img/s  loss %.4f  %s %.4f%s",
             tty ? "\r" : "", t->epoch + 1, t->c->epochs, training ? "train" : "val", batch_no,
@@ -1102,11 +1105,14 @@ static int save_checkpoint(const Trainer *t, const char *path, const PassSaved *
     snprintf(vals[8], 64, "%" PRId64, t->good_steps);
     // the required keys, then "padding" (weights_padding reads it; older checkpoints lack it),
     // then an interrupted epoch's position
-    const char *keys[CHECKPOINT_KEYS + 7], *values[CHECKPOINT_KEYS + 7];
+    const char *keys[CHECKPOINT_KEYS + 8], *values[CHECKPOINT_KEYS + 8];
     for (int k = 0; k < CHECKPOINT_KEYS; k++) { keys[k] = CHECKPOINT_META[k]; values[k] = vals[k]; }
     int n_keys = CHECKPOINT_KEYS;
     keys[n_keys] = "padding";
     values[n_keys++] = PAD_NAME[t->c->model.pad];
+    char plateau[96];  // exact: lr and best as hex floats
+    snprintf(plateau, sizeof plateau, "%a %a %d", t->plateau.lr, t->plateau.best, t->plateau.wait);
+    keys[n_keys] = "plateau"; values[n_keys++] = plateau;
     char *settings = step_settings_text(t->c);
     keys[n_keys] = RESUME_SETTINGS_KEY; values[n_keys++] = settings;
     if (t->has_train) { keys[n_keys] = RESUME_DATA_KEY; values[n_keys++] = t->data_print; }
@@ -1265,6 +1271,25 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
         ps->batch = (int)b;
         if (pass_totals_parse(path, totals, t->K, ps, err)) { pass_saved_free(ps); goto done; }
     }
+    // --schedule plateau's state (a checkpoint without it: the lr as given, nothing seen)
+    const char *plateau_text = safetensors_meta(&f, "plateau");
+    Plateau plateau = {t->c->lr, INFINITY, 0};
+    if (plateau_text) {
+        char *end;
+        plateau.lr = strtod(plateau_text, &end);
+        plateau.best = strtod(end, &end);
+        long wait = strtol(end, &end, 10);
+        if (*end || !(plateau.lr >= 0.0 && plateau.lr <= FLT_MAX) || isnan(plateau.best) ||
+            wait < 0 || wait > INT32_MAX) {
+            snprintf(err, SN_ERR_MAX,
+                     "%.300s: metadata 'plateau' is '%.60s', not `lr best wait` (a damaged "
+                     "checkpoint)",
+                     path, plateau_text);
+            pass_saved_free(ps);
+            goto done;
+        }
+        plateau.wait = (int)wait;
+    }
     // the diagnostics so far (a checkpoint without them: from here on)
     const char *epoch_stats = safetensors_meta(&f, "epoch_stats"),
                *log_stats = safetensors_meta(&f, "log_stats");
@@ -1304,6 +1329,7 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
     t->best_epoch = (int)k.best_epoch;
     t->bad_epochs = (int)k.bad_epochs;
     t->finished = (int)k.finished;
+    t->plateau = plateau;
     t->loss_scale = (float)k.loss_scale;
     t->good_steps = k.good_steps;
     t->epoch_stats = es;
@@ -1669,8 +1695,12 @@ static void config_text(const TrainCfg *c, SfBuf *b) {
     CFG("\nepochs = %d\nlr = %s\nadam-eps = %s\nweight-decay = %s\nclipnorm = %s\n", c->epochs,
         float_str(f[0], c->lr), float_str(f[1], c->adam_eps), float_str(f[2], c->weight_decay),
         float_str(f[3], c->clipnorm));
-    CFG("schedule = %s\nwarmup = %d\nearly-stopping = %d\n",
-        c->schedule == SCHEDULE_COSINE ? "cosine" : "constant", c->warmup, c->patience);
+    CFG("schedule = %s\nwarmup = %d\nearly-stopping = %d\n", SCHEDULE_NAMES[c->schedule],
+        c->warmup, c->patience);
+    if (c->schedule == SCHEDULE_PLATEAU)
+        CFG("lr-factor = %s\nlr-patience = %d\nmin-lr = %s\nlr-min-delta = %s\n",
+            float_str(f[0], c->plateau.factor), c->plateau.patience,
+            float_str(f[1], c->plateau.min_lr), float_str(f[2], c->plateau.min_delta));
     CFG("monitor = %s\nmin-delta = %s\n", monitor_name(c), float_str(f[0], c->min_delta));
     sb_str(b, "augment = ");
     augment_text(&c->augment, b);
@@ -2022,6 +2052,21 @@ static void run_folder_name(const TrainCfg *c, const char *resume, char *run, si
     }
 }
 
+// ReduceLROnPlateau (see PlateauCfg): whether it lowered p->lr. A value that
+// is not finite never improves (Keras' comparison of a NaN is false).
+static int plateau_update(Plateau *p, const PlateauCfg *c, double value) {
+    if (value < p->best - c->min_delta) {
+        p->best = value;
+        p->wait = 0;
+        return 0;
+    }
+    if (++p->wait < c->patience || !(p->lr > c->min_lr)) return 0;
+    const float lowered = (float)(p->lr * c->factor);
+    p->lr = lowered > c->min_lr ? lowered : c->min_lr;
+    p->wait = 0;
+    return 1;
+}
+
 // Keras' EarlyStopping(monitor, min_delta): an epoch improves when the loss is
 // lower than the best by more than min_delta (a metric: higher; t->best holds
 // the loss, or the metric negated); patience epochs without: the run finishes
@@ -2035,6 +2080,7 @@ static int epoch_judged(Trainer *t, const EpochRecord *rec) {
     if (improved) { t->best = score; t->best_epoch = t->epoch; t->bad_epochs = 0; }
     else t->bad_epochs++;
     if (c->patience > 0 && t->bad_epochs >= c->patience) t->finished = 1;
+    if (c->schedule == SCHEDULE_PLATEAU) plateau_update(&t->plateau, &c->plateau, score);
     return improved;
 }
 
@@ -2301,7 +2347,7 @@ static int train_replica(Comm *comm, void *arg) {
         }
         if (epoch_model_finite(&t, t.epoch + 1, err)) goto done;
         t.epoch++;
-        double lr = lr_at_step(c->lr, c->schedule, c->warmup, t.total_steps, t.step - 1);
+        double lr = lr_at_step(t.plateau.lr, c->schedule, c->warmup, t.total_steps, t.step - 1);
         double diag[STEP_STATS_N_COLUMNS];
         step_stats_columns(&t.epoch_stats, diag);
         const double none = NAN;

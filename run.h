@@ -24,6 +24,7 @@ typedef struct {
     int epochs;
     float lr, adam_eps, weight_decay, clipnorm;
     Schedule schedule;
+    PlateauCfg plateau;             // --schedule plateau: --lr-factor, --min-lr, ...
     int warmup;                     // steps
     int patience;                   // early stopping on the monitored value; 0: off
     // 0: monitor val_loss (lower is better); 1: val_mIoU / val_accuracy (higher);
@@ -64,6 +65,8 @@ typedef struct {
 } TrainCfg;
 
 void train_cfg_default(TrainCfg *c);
+// --schedule's names, indexed by Schedule
+static const char *const SCHEDULE_NAMES[] = {"constant", "cosine", "poly", "plateau"};
 // Trains and writes the run folder. resume: a run folder to continue, whose
 // config.txt the caller has already parsed into c. Returns 0, -1 with one
 // line in err, or 128 + the signal when SIGINT/SIGTERM (interrupt_handlers)

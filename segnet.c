@@ -1109,7 +1109,7 @@ static void adam_update_ref(Ops *o, float *params, const float *grads, float *m,
 //   IoU_c = TP/(TP + FP + FN) (FP counts only pixels whose true class has weight > 0,
 //   so that "not annotated" pixels are no one's false positive), mean IoU over the
 //   classes that occur, accuracy = Σ TP / Σ (TP + FN), Dice = 2·TP/(2·TP + FP + FN)
-//   lr: linear warm-up over `warmup` steps, then constant or a cosine to 0
+//   lr: linear warm-up over `warmup` steps, then constant, a cosine or poly to 0
 
 void metrics_compute(const int64_t *cm, int K, const float *class_weights, Metrics *m) {
     int64_t correct = 0, counted = 0;
@@ -1131,9 +1131,7 @@ void metrics_compute(const int64_t *cm, int K, const float *class_weights, Metri
             m->iou[c] = (double)tp / (double)(tp + fp + fn);
             const double dice = 2.0 * (double)tp / (double)(2 * tp + fp + fn);
             if (m->dice) m->dice[c] = dice;
-            iou_sum += m->iou[c];
-            dice_sum += dice;
-            n_iou++;
+            iou_sum += m->iou[c], dice_sum += dice, n_iou++;
         }
     }
     m->mean_iou = n_iou ? iou_sum / n_iou : NAN;
@@ -1143,9 +1141,10 @@ void metrics_compute(const int64_t *cm, int K, const float *class_weights, Metri
 
 double lr_at_step(double lr, Schedule s, int64_t warmup, int64_t total_steps, int64_t step) {
     if (step < warmup) return lr * (double)(step + 1) / (double)warmup;
-    if (s == SCHEDULE_CONSTANT || total_steps <= warmup) return lr;
+    if (s == SCHEDULE_CONSTANT || s == SCHEDULE_PLATEAU || total_steps <= warmup) return lr;
     double progress = (double)(step - warmup) / (double)(total_steps - warmup);
     if (progress > 1.0) progress = 1.0;
+    if (s == SCHEDULE_POLY) return lr * pow(1.0 - progress, POLY_POWER);
     return lr * 0.5 * (1.0 + cos(M_PI * progress));
 }
 
@@ -2906,6 +2905,7 @@ typedef struct {
     double best;                // lowest monitored loss so far (val_loss, else loss)
     int best_epoch, bad_epochs;
     int finished;               // stopped early (a run that reached its epochs can be extended)
+    Plateau plateau;            // the lr steps start from; --schedule plateau lowers it
     // an epoch interrupted part-way (SIGINT/SIGTERM): its training pass goes on at global batch
     // resume_batch (the pass's batch count: only the validation is left) with these totals,
     // this replica's so far; 0 when epochs start at their beginning
@@ -3144,7 +3144,7 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     const double started = now_seconds();
     t->step++;
     StepArgs *a = t->host_args;
-    const double lr = lr_at_step(c->lr, c->schedule, c->warmup, t->total_steps, step);
+    const double lr = lr_at_step(t->plateau.lr, c->schedule, c->warmup, t->total_steps, step);
     a->adam = adam_step_init((float)lr, ADAM_BETA1, ADAM_BETA2, c->adam_eps, c->weight_decay, 1.0f,
                              step + 1);
     a->inv_norm = norm > 0 ? (float)(1.0 / norm) : 0.0f;

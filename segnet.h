@@ -1133,11 +1133,24 @@ typedef struct {
 } Metrics;
 void metrics_compute(const int64_t *confusion, int K, const float *class_weights, Metrics *m);
 
-typedef enum { SCHEDULE_CONSTANT = 0, SCHEDULE_COSINE = 1 } Schedule;
+typedef enum {
+    SCHEDULE_CONSTANT = 0, SCHEDULE_COSINE = 1, SCHEDULE_POLY = 2, SCHEDULE_PLATEAU = 3
+} Schedule;
+#define POLY_POWER 0.9  // the poly schedule's exponent: DeepLab's
 // Learning rate for optimiser step `step` (0-based) of total_steps: a linear
-// warm-up lr·(step+1)/warmup over the first `warmup` steps, then constant, or
-// cosine lr·(1 + cos(π·(step - warmup)/(total_steps - warmup)))/2.
+// warm-up lr·(step+1)/warmup over the first `warmup` steps, then, with
+// p = (step - warmup)/(total_steps - warmup): constant (also plateau, whose lr
+// the run lowers between epochs), cosine lr·(1 + cos(π·p))/2, or poly
+// lr·(1 - p)^POLY_POWER.
 double lr_at_step(double lr, Schedule s, int64_t warmup, int64_t total_steps, int64_t step);
+
+// Keras' ReduceLROnPlateau (cooldown 0) after each epoch, with v the epoch's
+// monitored value (lower is better: a metric is negated): if v < best -
+// min_delta, best = v and wait = 0; else wait += 1, and when wait reaches
+// patience and lr > min_lr, lr = max(lr·factor, min_lr) (in fp32, as Keras'
+// learning-rate variable holds it) and wait = 0.
+typedef struct { float factor, min_lr, min_delta; int patience; } PlateauCfg;
+typedef struct { double lr, best; int wait; } Plateau;  // lr: the base of lr_at_step
 
 #define SN_MAX_CLASSES 4096
 // a label that counts nothing: a mask pixel of an --ignore-index value

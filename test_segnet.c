@@ -4143,6 +4143,44 @@ TEST(lr_schedule) {
     CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 0, 100, 99), lr * (1 + cos(M_PI * 0.99)) / 2, 1e-12,
                "cosine last step");
     CHECK_NEAR(lr_at_step(lr, SCHEDULE_COSINE, 0, 100, 150), 0.0, 1e-15, "past the end");
+    // poly: lr·(1 - p)^0.9 after the warm-up; p = 1/2: 0.1·0.5^0.9 = 0.05358867312681466
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_POLY, 4, 100, 1), lr / 2, 1e-15, "poly warm-up");
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_POLY, 10, 110, 10), lr, 1e-15, "poly starts at lr");
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_POLY, 10, 110, 60), 0.05358867312681466, 1e-15,
+               "poly half-way");
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_POLY, 10, 110, 110), 0.0, 1e-15, "poly ends at 0");
+    CHECK_NEAR(lr_at_step(lr, SCHEDULE_PLATEAU, 4, 100, 50), lr, 1e-15, "plateau: its base lr");
+}
+
+// ReduceLROnPlateau, Keras' algorithm followed by hand (factor 0.5, patience
+// 2, min_delta 0.01, min_lr 0.2 (fp32), lr 1); values: lower is better, none
+// within rounding of best - min_delta.
+//   epoch  value  best  wait  lr
+//   1      1.0    1.0   0     1
+//   2      0.995  1.0   1     1      not below 1.0 - 0.01
+//   3      0.98   0.98  0     1      below 0.99
+//   4      0.975  0.98  1     1
+//   5      0.99   0.98  0     0.5    wait reached patience: lr × 0.5, wait 0
+//   6      0.975  0.98  1     0.5
+//   7      NaN    0.98  0     0.25   a NaN never improves
+//   8      0.9    0.9   0     0.25
+//   9, 10  0.95   0.9   1, 0  0.2    max(0.125, min_lr)
+//   11, 12 0.95   0.9   1, 2  0.2    lr is min_lr: wait grows, nothing changes
+TEST(plateau_by_hand) {
+    const PlateauCfg c = {0.5f, 0.2f, 0.01f, 2};
+    Plateau p = {1.0, INFINITY, 0};
+    const double v[12] = {1.0, 0.995, 0.98, 0.975, 0.99, 0.975, NAN, 0.9, 0.95, 0.95, 0.95, 0.95};
+    const double m = (double)0.2f;
+    const double want_lr[12] = {1, 1, 1, 1, 0.5, 0.5, 0.25, 0.25, 0.25, m, m, m};
+    const int want_wait[12] = {0, 1, 0, 1, 0, 1, 0, 0, 1, 0, 1, 2};
+    const double want_best[12] = {1, 1, 0.98, 0.98, 0.98, 0.98, 0.98, 0.9, 0.9, 0.9, 0.9, 0.9};
+    for (int e = 0; e < 12; e++) {
+        const int lowered = plateau_update(&p, &c, v[e]);
+        CHECK(p.lr == want_lr[e] && p.wait == want_wait[e] && p.best == want_best[e] &&
+                      lowered == (e == 4 || e == 6 || e == 9),
+              "epoch %d: lr %g wait %d best %g (lowered %d), want %g %d %g", e + 1, p.lr, p.wait,
+              p.best, lowered, want_lr[e], want_wait[e], want_best[e]);
+    }
 }
 
 #ifdef SEGNET_CUDA
@@ -4227,18 +4265,31 @@ static char *read_text(const char *path) {
 
 static int file_exists(const char *path) { struct stat sb; return stat(path, &sb) == 0; }
 
-// each line without its last field (in place): metrics.csv's and steps.csv's step_ms, a wall time
-static size_t drop_last_field(char *p, size_t n) {
-    size_t out = 0, line = 0, comma = SIZE_MAX;
-    for (size_t i = 0; i < n; i++) {
-        if (p[i] == ',') comma = out;
-        if (p[i] == '\n') {
-            if (comma != SIZE_MAX && comma >= line) out = comma;
-            p[out++] = '\n';
-            line = out;
-            comma = SIZE_MAX;
-            continue;
+// each line without its step_ms field, a wall time (in place): the column of
+// that name in the header, the first line (metrics.csv, steps.csv)
+static size_t drop_step_ms(char *p, size_t n) {
+    int col = -1, k = 0;
+    for (size_t i = 0, start = 0; i <= n; i++) {
+        const int end = i == n || p[i] == '\n';
+        if (!end && p[i] != ',') continue;
+        if (i - start == 7 && !memcmp(p + start, "step_ms", 7)) {
+            col = k;
+            break;
         }
+        if (end) break;
+        k++;
+        start = i + 1;
+    }
+    if (col < 0) return n;
+    size_t out = 0;
+    int field = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (p[i] == '\n')
+            field = 0;
+        else if (p[i] == ',')
+            field++;
+        // the field and the comma before it (col > 0: step_ms is never first)
+        if (field == col && p[i] != '\n') continue;
         p[out++] = p[i];
     }
     return out;
@@ -4254,8 +4305,8 @@ static int files_equal(const char *a, const char *b) {
     size_t na, nb;
     char *pa = read_file(a, &na), *pb = read_file(b, &nb);
     if (pa && pb && (ends_with(a, "metrics.csv") || ends_with(a, "steps.csv"))) {
-        na = drop_last_field(pa, na);
-        nb = drop_last_field(pb, nb);
+        na = drop_step_ms(pa, na);
+        nb = drop_step_ms(pb, nb);
     }
     int eq = pa && pb && na == nb && !memcmp(pa, pb, na);
     free(pa); free(pb);
@@ -10521,6 +10572,70 @@ TEST(monitor_min_delta) {
                   contains(msg, "val_mIoU"),
           "a classifier's metric for a U-Net: '%s'", msg);
     rm_rf(data); rm_rf(run);
+}
+
+// --schedule plateau through the command line: with patience 1 and a
+// min_delta no loss can beat, every epoch after the first lowers the lr by
+// --lr-factor (0.5) down to --min-lr, as metrics.csv's lr column shows; the
+// state is in the checkpoint, so a run stopped after epoch 2 and resumed
+// (settings from config.txt) writes the same metrics.csv and weights as one
+// that was not stopped. --schedule poly decays to 0.
+TEST(schedule_plateau_poly) {
+    const char *data = "/tmp/segnet_test_plateau_data", *a = "/tmp/segnet_test_plateau_a",
+               *b = "/tmp/segnet_test_plateau_b";
+    rm_rf(data);
+    rm_rf(a);
+    rm_rf(b);
+    write_seg_set(data, 4, 8, 8, 9);
+    const char *common = "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --classes 3 "
+                         "--class-weights 0,1,1 --device cpu --lr 0.01 --schedule plateau "
+                         "--lr-factor 0.5 --lr-patience 1 --lr-min-delta 100 --min-lr 0.002";
+    char args[1200], msg[4096], pa[300], pb[300];
+    snprintf(args, sizeof args, "%s --epochs 5 --data %s --val %s --out %s", common, data, data, a);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    snprintf(args, sizeof args, "%s --epochs 2 --data %s --val %s --out %s", common, data, data, b);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    snprintf(args, sizeof args, "train --resume %s --epochs 5", b);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "resume: %s", msg);
+    snprintf(pa, sizeof pa, "%s/metrics.csv", a);
+    double lr[5];
+    // the lr during epoch e: lowered after epochs 2, 3, 4 (fp32 halvings), at least min_lr
+    const double want[5] = {0.01f, 0.01f, 0.005f, 0.0025f, 0.002f};
+    CHECK(csv_column(pa, "lr", lr, 5) == 5, "5 epochs");
+    for (int e = 0; e < 5; e++)
+        CHECK(fabs(lr[e] - want[e]) <= 1e-6 * want[e], "epoch %d: lr %g, want %g", e + 1, lr[e],
+              want[e]);
+    const char *files[] = {"metrics.csv", "last.safetensors", "best.safetensors", "config.txt"};
+    for (int k = 0; k < 4; k++) {
+        snprintf(pa, sizeof pa, "%s/%s", a, files[k]);
+        snprintf(pb, sizeof pb, "%s/%s", b, files[k]);
+        CHECK(files_equal(pa, pb), "%s differs between the resumed and the whole run", files[k]);
+    }
+    snprintf(pa, sizeof pa, "%s/config.txt", a);
+    size_t n;
+    char *cfg = read_file(pa, &n);
+    CHECK(cfg && contains(cfg, "schedule = plateau\nwarmup = 0") &&
+                  contains(cfg, "lr-factor = 0.5\nlr-patience = 1\nmin-lr = 0.002\n"),
+          "config.txt: %s", cfg ? cfg : "");
+    free(cfg);
+    rm_rf(a);
+    snprintf(args, sizeof args,
+             "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --classes 3 --device cpu "
+             "--lr 0.01 --schedule poly --epochs 2 --data %s --out %s",
+             data, a);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "poly: %s", msg);
+    snprintf(pa, sizeof pa, "%s/metrics.csv", a);
+    // 4 steps; the lr after step k (1-based) is 0.01·(1 - (k-1)/4)^0.9: epoch 1 ends at k = 2
+    CHECK(csv_column(pa, "lr", lr, 2) == 2 && fabs(lr[0] - 0.01 * pow(0.75, 0.9)) < 1e-8 &&
+                  fabs(lr[1] - 0.01 * pow(0.25, 0.9)) < 1e-8,
+          "poly lr %g %g", lr[0], lr[1]);
+    snprintf(args, sizeof args, "train --schedule step --data %s", data);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 &&
+                  contains(msg, "must be constant, cosine, poly or plateau"),
+          "an unknown schedule: '%s'", msg);
+    rm_rf(data);
+    rm_rf(a);
+    rm_rf(b);
 }
 
 // The Dice columns (issue 35, item 3): metrics.csv's dice and Dice_<class>
