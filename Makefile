@@ -312,14 +312,21 @@ train: segnet
 # for BENCH_E2E_EPOCHS epochs (validation and a checkpoint each epoch) against
 # ref/bench_train_torch.py doing the same as a PyTorch loop (a DataLoader over
 # the same PNG folders, same threads), each process timed from start to exit
-# (that row in ms). A shared machine has slower stretches of many seconds, so
-# segnet and PyTorch run alternately BENCH_REPEATS times: the row gives the
+# (that row in ms). Then the loader row: `segnet bench --loader` against
+# ref/bench_loader_torch.py (PyTorch's DataLoader, PIL decode and resize, the
+# same augmentation) on one worker each, over the same folder of
+# BENCH_LOADER_IMAGES JPEGs of 720x1200 batched at 300x500 (seed 001's size
+# and augmentation), in ms per batch of 16. A shared machine has slower
+# stretches of many seconds, so segnet and PyTorch run alternately
+# BENCH_REPEATS times: the row gives the
 # medians, the median of the pairs' ratios and their range.
 BENCH_THREADS ?= 2
 BENCH_REPEATS ?= 3
 BENCH_E2E_EPOCHS ?= 3
 BENCH_STEPS   ?= 5
 BENCH_WARMUP  ?= 2
+BENCH_LOADER_IMAGES ?= 64
+BENCH_LOADER  ?= --model effv2-s --classes 2 --size 300x500 --batch 16 --workers 1 --steps 8 --warmup 1 --augment flip,brightness=0.5,contrast=0.5:1.5
 # (a row's own options come after the common ones: effv2-l's steps of ~6 s run 2 after 1 warm-up)
 BENCH_MODELS  ?= "effv2-s:--model effv2-s --padding symmetric --size 224x224 --batch 4" \
                  "unet:--model unet --depth 4 --width 32 --size 256x256 --batch 4" \
@@ -351,6 +358,15 @@ bench: segnet
 	  /usr/bin/python3 ref/bench_train_torch.py $$e2e --out $$dir/torch$$r >$$dir/torch.log 2>&1 || { cat $$dir/torch.log >&2; exit 1; }; t2=$$(date +%s.%N); \
 	  row="$$row $$(echo "$$t0 $$t1 $$t2" | awk '{ printf "%.3f %.3f 0 0", 1000 * ($$2 - $$1), 1000 * ($$3 - $$2) }')"; \
 	done; \
+	rows="$$rows$$row\n"; row="loader"; \
+	/usr/bin/python3 ref/bench_loader_torch.py --make-data $$dir/jpegs --images $(BENCH_LOADER_IMAGES) --size 720x1200 || exit 1; \
+	for r in $$(seq $(BENCH_REPEATS)); do \
+	  echo "== loader ($$r/$(BENCH_REPEATS)): segnet bench --loader $$dir/jpegs $(BENCH_LOADER)" >&2; \
+	  s=$$(./segnet bench --loader $$dir/jpegs $(BENCH_LOADER)) || exit 1; echo "$$s" >&2; \
+	  echo "== loader ($$r/$(BENCH_REPEATS)): ref/bench_loader_torch.py --loader $$dir/jpegs $(BENCH_LOADER)" >&2; \
+	  t=$$(/usr/bin/python3 ref/bench_loader_torch.py --loader $$dir/jpegs $(BENCH_LOADER)) || exit 1; echo "$$t" >&2; \
+	  row="$$row $$(get "$$s" loader_ms_per_batch) $$(get "$$t" loader_ms_per_batch) 0 0"; \
+	done; \
 	printf "$$rows$$row\n" | awk ' \
 	  function median(a, n,   i, j, x) { for (i = 2; i <= n; i++) { x = a[i]; for (j = i - 1; j >= 1 && a[j] > x; j--) a[j + 1] = a[j]; a[j + 1] = x } \
 	    return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2 } \
@@ -361,6 +377,7 @@ bench: segnet
 	    lo = hi = q[1]; for (i = 2; i <= n; i++) { if (q[i] < lo) lo = q[i]; if (q[i] > hi) hi = q[i] } \
 	    range = sprintf("%.2f-%.2f", lo, hi); \
 	    if ($$1 == "e2e") printf "%-9s %12.0f %12.0f %7.2f %13s   (whole runs: unet on data/, $(BENCH_E2E_EPOCHS) epochs)\n", $$1, median(s, n), median(t, n), median(q, n), range; \
+	    else if ($$1 == "loader") printf "%-9s %12.1f %12.1f %7.2f %13s   (ms per batch of 16 JPEGs to 300x500, augmented, 1 worker)\n", $$1, median(s, n), median(t, n), median(q, n), range; \
 	    else printf "%-9s %12.1f %12.1f %7.2f %13s %13.1f %13.1f %7.2f\n", $$1, median(s, n), median(t, n), median(q, n), range, \
 	      ms / 1048576, mt / 1048576, ms / mt }'
 

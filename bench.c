@@ -185,3 +185,52 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     trainer_close(&t);
     return 0;
 }
+
+// ----------------------------------------------------------------------------
+// the loader alone: decode, resize, augmentation and batching of a data set,
+// as the training loop receives them (its Loader, `workers` threads, 4 batches
+// ahead), with nothing cached, as a data set larger than memory is read
+
+typedef struct {
+    int batches;              // timed batches
+    int warmup;               // batches before the timing starts (the workers' start-up)
+    int images;               // the data set's samples
+    double ms_per_batch;      // wall time per timed batch
+    double images_per_s;
+} LoaderBench;
+
+// Batches of c->model.batch images of c->data (the model says whether it is a
+// segmentation set). Returns 0, or -1 with err (the data set's, or the loader's).
+static int bench_loader(const TrainCfg *c, LoaderBench *r, char err[SN_ERR_MAX]) {
+    Dataset d;
+    const int seg = !model_is_classifier(c->model.model), threads = c->threads > 0 ? c->threads : 2;
+    if (dataset_open_named(&d, c->data, seg, c->model.classes, c->model.height, c->model.width, 0,
+                           threads, NULL, &c->masks, err))
+        return -1;
+    r->images = d.n;
+    // the samples in order, from the start again as often as needed: every batch is whole
+    const int B = c->model.batch, total = r->warmup + r->batches;
+    int *order = malloc(sizeof(int) * (size_t)total * B);
+    snCheck(order != NULL, "out of host memory");
+    for (int i = 0; i < total * B; i++) order[i] = i % d.n;
+    Loader *l = loader_start(&d, order, total * B, B, &c->augment, c->seed, c->workers, 4);
+    double t0 = 0.0;
+    int got = 0, images = 0;
+    for (const LoaderBatch *b; got < total && (b = loader_next(l)); got++) {
+        if (got == r->warmup) t0 = now_seconds();
+        if (got >= r->warmup) images += b->n;
+    }
+    const double seconds = now_seconds() - t0;
+    int rc = 0;
+    if (got < total) {
+        const char *why = loader_error(l);
+        snprintf(err, SN_ERR_MAX, "%s", why[0] ? why : "the loader stopped");
+        rc = -1;
+    }
+    loader_stop(l);
+    free(order);
+    dataset_free(&d);
+    r->ms_per_batch = 1e3 * seconds / r->batches;
+    r->images_per_s = images / seconds;
+    return rc;
+}

@@ -617,7 +617,8 @@ static const char *TRAIN_USAGE =
     "  --device D            auto (default: the GPU if there is one, else the CPU,\n"
     "                        saying so), cuda or cpu\n"
     "  --threads T           CPU threads (default: all cores; shared by --replicas)\n"
-    "  --workers N           data loading threads (default 1)\n"
+    "  --workers N           data loading threads (default: the cores but one, at\n"
+    "                        least 1); batches are the same for any N\n"
     "  --max-pixels N        refuse an image whose header declares more than N pixels\n"
     "                        (default " TEXT_OF(IMAGE_MAX_PIXELS_DEFAULT) "), before decoding it\n"
     "  --exif MODE           a JPEG's EXIF orientation (a phone's turned photos): ignore\n"
@@ -1091,6 +1092,14 @@ static const char *BENCH_USAGE =
     "  peak_device_bytes: D the backend's peak allocation (the GPU's with --device cuda)\n"
     "ref/bench_torch.py runs the same in PyTorch; `make bench` compares the two.\n"
     "\n"
+    "With --loader DATA it times the data loader alone instead: S batches of B\n"
+    "images of DATA (a training set; --model says whether it is one of\n"
+    "segmentation), decoded, resized to --size, augmented (--augment) and batched\n"
+    "on --workers threads, nothing cached, after W batches, and prints\n"
+    "  loader_ms_per_batch: X, loader_images_per_s: Y\n"
+    "ref/bench_loader_torch.py runs PyTorch's DataLoader on the same; `make bench`'s\n"
+    "loader row compares them.\n"
+    "\n"
     "  --model NAME        unet (default), effv2-s|m|l|t, unet-effv2-s|m|l|t\n"
     "  --size HxW          input size (defaults as segnet train)\n"
     "  --batch B           images per step (default 4)\n"
@@ -1106,6 +1115,9 @@ static const char *BENCH_USAGE =
     "  --precision P       activation storage: fp32 (default), fp16 or bf16\n"
     "  --checkpoint C      none (default) or blocks: recompute each block in backward\n"
     "  --seed S            initialisation and data (default 1)\n"
+    "  --loader DATA       time the loader on DATA (above); --workers N (default as\n"
+    "                      segnet train), --augment LIST, --ignore-index,\n"
+    "                      --label-map, --exif, --max-pixels as for segnet train\n"
     "  --device D          auto (default), cuda or cpu, as for segnet train\n"
     "  --classes K, --padding MODE, --head-hidden H, --depth D, --width W:\n"
     "                      the model, as for segnet train\n";
@@ -1113,8 +1125,10 @@ static const char *BENCH_USAGE =
 static int cmd_bench(int argc, char **argv) {
     // the model and the options bench shares with train are read by train's parser, into a
     // TrainCfg as for every command; --steps, --warmup (untimed steps) and --profile are its own
-    static const char *const SHARED[] = {"--threads", "--precision", "--checkpoint", "--seed",
-                                         "--device"};
+    static const char *const SHARED[] = {"--threads",   "--precision", "--checkpoint",
+                                         "--seed",      "--device",    "--workers",
+                                         "--augment",   "--exif",      "--max-pixels",
+                                         "--ignore-index", "--label-map"};
     TrainArgs a = {0};
     train_cfg_default(&a.c);
     a.c.model.batch = 4;
@@ -1123,6 +1137,15 @@ static int cmd_bench(int argc, char **argv) {
     for (int i = 2; i < argc;) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(BENCH_USAGE, stdout); return 0; }
+        if (!strcmp(f, "--loader")) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "segnet bench: --loader needs a value\n");
+                return 2;
+            }
+            a.c.data = argv[i + 1];
+            i += 2;
+            continue;
+        }
         if (!strcmp(f, "--profile")) { c.profile = 1; i++; continue; }
         if (!strcmp(f, "--steps") || !strcmp(f, "--warmup") || !strcmp(f, "--kernels")) {
             if (i + 1 >= argc) { fprintf(stderr, "segnet bench: %s needs a value\n", f); return 2; }
@@ -1152,8 +1175,21 @@ static int cmd_bench(int argc, char **argv) {
     c.seed = a.c.seed;
     c.device = a.c.device;
     if (model_options_used("bench", c.model.model, argc, argv)) return 2;
-    BenchResult r;
     char err[SN_ERR_MAX];
+    if (a.c.data) {
+        LoaderBench lb = {.batches = c.steps, .warmup = c.warmup};
+        if (bench_loader(&a.c, &lb, err)) { print_message(stderr, "segnet bench", err); return 1; }
+        printf("loader: %s  %d images  batch %d at %dx%d  workers %d  augment ", a.c.data,
+               lb.images, a.c.model.batch, a.c.model.height, a.c.model.width, a.c.workers);
+        SfBuf aug = {0};
+        augment_text(&a.c.augment, &aug);
+        sb_put(&aug, "", 1);
+        printf("%s\nloader_ms_per_batch: %.3f\nloader_images_per_s: %.2f\n", aug.p ? aug.p : "",
+               lb.ms_per_batch, lb.images_per_s);
+        free(aug.p);
+        return 0;
+    }
+    BenchResult r;
     if (bench_run(&c, &r, err)) { print_message(stderr, "segnet bench", err); return 1; }
     printf("model: %s  input (%d,%d,%d,3)  classes %d  parameters %zu  threads %d  backend %s\n",
            c.model.model, c.model.batch, c.model.height, c.model.width, c.model.classes, r.n_params,

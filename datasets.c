@@ -12,6 +12,8 @@
 // a file that changed on disk with the same message. Threads are pthreads (the
 // loader needs long-lived ones anyway); each runs OpenMP regions on one thread.
 
+#include <malloc.h>  // mallopt (glibc), for the loader's large decoded images
+
 static int omp_serial_begin(void) {
 #ifdef _OPENMP
     int n = omp_get_max_threads();
@@ -509,21 +511,24 @@ static uint8_t *mask_load(const Dataset *d, const char *path, int ih, int iw, in
     return m;
 }
 
-// (H,W,3) bytes from an (h,w,3) image: bilinear with half-pixel centres (the
-// model's resize op), rounded to nearest and clamped to 0..255
-static void image_to_bytes(uint8_t *dst, int H, int W, float *src, int h, int w) {
-    float *y = src;
-    if (h != H || w != W) {
-        y = malloc(sizeof(float) * 3 * H * W);
-        snCheck(y != NULL, "out of host memory");
-        ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(y, shape4(1, H, W, 3)),
-                                        tensor_f32(src, shape4(1, h, w, 3)));
+// (H,W,3) bytes from (h,w,3) bytes: the model's bilinear resize with
+// half-pixel centres (resize_bilinear_forward_ref's taps and arithmetic on the
+// bytes' values; what that op gives for the image as floats, rounded to
+// nearest), straight from the decoded bytes: no float copy of a large image.
+static void image_to_bytes(uint8_t *dst, int H, int W, const uint8_t *src, int h, int w) {
+    if (h == H && w == W) { memcpy(dst, src, (size_t)3 * H * W); return; }
+    for (int oy = 0; oy < H; oy++) {
+        const BilinearTap ty = bilinear_tap(oy, h, H);
+        const uint8_t *r0 = src + (size_t)3 * w * ty.i0, *r1 = src + (size_t)3 * w * ty.i1;
+        for (int ox = 0; ox < W; ox++) {
+            const BilinearTap tx = bilinear_tap(ox, w, W);
+            for (int c = 0; c < 3; c++) {
+                const long v = lrintf(bilinear_mix(ty, tx, r0[3 * tx.i0 + c], r0[3 * tx.i1 + c],
+                                                   r1[3 * tx.i0 + c], r1[3 * tx.i1 + c]));
+                dst[((size_t)oy * W + ox) * 3 + c] = (uint8_t)(v < 0 ? 0 : v > 255 ? 255 : v);
+            }
+        }
     }
-    for (size_t i = 0; i < (size_t)3 * H * W; i++) {
-        long v = lrintf(y[i]);
-        dst[i] = (uint8_t)(v < 0 ? 0 : v > 255 ? 255 : v);
-    }
-    if (y != src) free(y);
 }
 
 // (H,W) from (h,w), nearest neighbour with half-pixel centres, exact in integers:
@@ -547,7 +552,7 @@ static void sample_bytes(const Dataset *d, int i, uint8_t *scratch, uint8_t **rg
 // Sample i decoded, checked and resized: rgb (H,W,3), mask (H,W) (segmentation).
 static int sample_load(const Dataset *d, int i, uint8_t *rgb, uint8_t *mask, char err[SN_ERR_MAX]) {
     int h, w, orientation;
-    float *img = image_load_oriented(d->images[i], &h, &w, &orientation, err);
+    uint8_t *img = image_load_oriented(d->images[i], &h, &w, &orientation, err);
     if (!img) return -1;
     uint8_t *m =
             d->segmentation ? mask_load(d, d->masks[i], h, w, orientation, err) : NULL;
@@ -560,6 +565,8 @@ static int sample_load(const Dataset *d, int i, uint8_t *rgb, uint8_t *mask, cha
 }
 
 // Starts up to n threads running fn(arg); returns how many started.
+#define LOADER_MMAP_THRESHOLD (64 << 20)  // bytes: glibc's mmap threshold while loading
+
 static int threads_start(pthread_t *t, int n, void *(*fn)(void *), void *arg) {
     int k = 0;
     while (k < n && pthread_create(&t[k], NULL, fn, arg) == 0) k++;
@@ -821,6 +828,11 @@ Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch,
     snCheck(n_order >= 0 && batch >= 1 && workers >= 1 && depth >= 1,
             "loader_start: n_order %d, batch %d, workers %d, depth %d", n_order, batch, workers,
             depth);
+    // A decoded photo (stb_image's buffers: megabytes each) would otherwise be
+    // mmap'd and unmapped image after image, its pages faulted in anew each time
+    // (a third of a worker's time at 720x1200): keep such blocks in the heap.
+    mallopt(M_MMAP_THRESHOLD, LOADER_MMAP_THRESHOLD);
+    mallopt(M_TRIM_THRESHOLD, 2 * LOADER_MMAP_THRESHOLD);
     Loader *l = calloc(1, sizeof *l);
     snCheck(l != NULL, "out of host memory");
     const size_t P = (size_t)d->height * d->width;

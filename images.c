@@ -313,7 +313,7 @@ static int exif_orientation(const uint8_t *b, size_t n) {
 // ({a,b,c,d,e,f} per orientation below, from the specification's table: e.g.
 // 6, "the 0th row is the visual right-hand side, the 0th column the visual
 // top", gives sy = h−1−x, sx = y).
-static void exif_orient(float *dst, const uint8_t *src, int h, int w, int o) {
+static void exif_orient(uint8_t *dst, const uint8_t *src, int h, int w, int o) {
     static const int8_t M[9][6] = {{0, 1, 0, 0, 0, 1},   {0, 1, 0, 0, 0, 1},   {0, 1, 0, 1, 0, -1},
                                    {1, -1, 0, 1, 0, -1}, {1, -1, 0, 0, 0, 1},  {0, 0, 1, 0, 1, 0},
                                    {1, 0, -1, 0, 1, 0},  {1, 0, -1, 1, -1, 0}, {0, 0, 1, 1, -1, 0}};
@@ -324,7 +324,7 @@ static void exif_orient(float *dst, const uint8_t *src, int h, int w, int o) {
             const int sy = m[0] * (h - 1) + m[1] * y + m[2] * x,
                       sx = m[3] * (w - 1) + m[4] * y + m[5] * x;
             const uint8_t *s = src + 3 * ((size_t)sy * w + sx);
-            float *d = dst + 3 * ((size_t)y * W + x);
+            uint8_t *d = dst + 3 * ((size_t)y * W + x);
             d[0] = s[0]; d[1] = s[1]; d[2] = s[2];
         }
 }
@@ -349,8 +349,10 @@ static const char *exif_size_note(char *s, size_t cap, int o) {
 // (h,w,3) RGB values 0..255, malloc'd, as stored or as displayed (--exif);
 // *orientation: the file's EXIF orientation (1 without one). NULL with err
 // naming the file and the problem.
-static float *image_load_oriented(const char *path, int *h, int *w, int *orientation,
-                                  char err[SN_ERR_MAX]) {
+// (h,w,3) RGB bytes, malloc'd, turned as --exif says (the file's EXIF
+// orientation in *orientation); NULL with err naming the file and the problem
+static uint8_t *image_load_oriented(const char *path, int *h, int *w, int *orientation,
+                                    char err[SN_ERR_MAX]) {
     size_t n;
     int hh, ww, comp;
     uint8_t *b = image_file_bytes(path, 0, &n, &hh, &ww, err);
@@ -364,14 +366,14 @@ static float *image_load_oriented(const char *path, int *h, int *w, int *orienta
         stbi_image_free(px);
         return NULL;
     }
-    size_t count = (size_t)*h * *w * 3;
-    float *img = malloc(sizeof(float) * count);
+    const size_t count = (size_t)*h * *w * 3;
+    uint8_t *img = malloc(count);
     snCheck(img != NULL, "out of host memory");
     if (image_exif == EXIF_APPLY && *orientation != 1) {
         exif_orient(img, px, *h, *w, *orientation);
         if (*orientation >= 5) { *h = ww; *w = hh; }
     } else {
-        for (size_t i = 0; i < count; i++) img[i] = px[i];
+        memcpy(img, px, count);
     }
     stbi_image_free(px);
     return img;
@@ -381,7 +383,14 @@ static float *image_load_oriented(const char *path, int *h, int *w, int *orienta
 // problem
 float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]) {
     int orientation;
-    return image_load_oriented(path, h, w, &orientation, err);
+    uint8_t *px = image_load_oriented(path, h, w, &orientation, err);
+    if (!px) return NULL;
+    const size_t count = (size_t)*h * *w * 3;
+    float *img = malloc(sizeof(float) * count);
+    snCheck(img != NULL, "out of host memory");
+    for (size_t i = 0; i < count; i++) img[i] = px[i];
+    free(px);
+    return img;
 }
 
 // a path as a CSV field: quoted (with "" for ") when it holds a comma, quote or newline

@@ -3703,9 +3703,7 @@ __global__ void resize_bilinear_forward_kernel(IO y, Shape t, IO x, Shape s) {
         x.load(nhwc_at(s, row.n, ty.i1, tx.i0, c0), x10);
         x.load(nhwc_at(s, row.n, ty.i1, tx.i1, c0), x11);
         for (int k = 0; k < W; k++) {
-            float top = (1.0f - tx.l) * x00[k] + tx.l * x01[k];
-            float bot = (1.0f - tx.l) * x10[k] + tx.l * x11[k];
-            out[k] = (1.0f - ty.l) * top + ty.l * bot;
+            out[k] = bilinear_mix(ty, tx, x00[k], x01[k], x10[k], x11[k]);
         }
         y.store(nhwc_at(t, row.n, row.y, ox, c0), out);
     }

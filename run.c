@@ -64,7 +64,9 @@ void train_cfg_default(TrainCfg *c) {
     c->schedule = SCHEDULE_CONSTANT;
     c->plateau = (PlateauCfg){0.1f, 0.0f, 1e-4f, 10};  // Keras' ReduceLROnPlateau defaults
     c->seed = 1;
-    c->workers = 1;
+    // the loader's threads: the cores but one, which the trainer keeps
+    const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    c->workers = cores > 2 ? (int)(cores - 1 < 256 ? cores - 1 : 256) : 1;
     c->cache_bytes = (size_t)2 << 30;
     c->progress = 1;
     c->precision = DT_F32;
@@ -1290,6 +1292,8 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
         }
         plateau.wait = (int)wait;
     }
+    // the other schedules start from --lr, which a resumed run may change
+    if (t->c->schedule != SCHEDULE_PLATEAU) plateau.lr = t->c->lr;
     // the diagnostics so far (a checkpoint without them: from here on)
     const char *epoch_stats = safetensors_meta(&f, "epoch_stats"),
                *log_stats = safetensors_meta(&f, "log_stats");

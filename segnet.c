@@ -779,10 +779,9 @@ static void resize_bilinear_forward_ref(Ops *o, Tensor y, Tensor x) {
             size_t r10 = (((size_t)n * s.h + ty.i1) * s.w + tx.i0) * s.c,
                    r11 = (((size_t)n * s.h + ty.i1) * s.w + tx.i1) * s.c;
             for (int c = 0; c < t.c; c++) {
-                float top = (1.0f - tx.l) * ld(x, r00 + c) + tx.l * ld(x, r01 + c);
-                float bot = (1.0f - tx.l) * ld(x, r10 + c) + tx.l * ld(x, r11 + c);
                 st(y, (((size_t)n * t.h + oy) * t.w + ox) * t.c + c,
-                   (1.0f - ty.l) * top + ty.l * bot);
+                   bilinear_mix(ty, tx, ld(x, r00 + c), ld(x, r01 + c), ld(x, r10 + c),
+                                ld(x, r11 + c)));
             }
         }
     }

@@ -325,6 +325,13 @@ static inline SN_HD BilinearTap bilinear_tap(int o, int in, int out) {
     t.l = src - (float)t.i0;
     return t;
 }
+// the sample between the four corners: a row mix in x, then in y (every backend,
+// and the loader's resize of decoded bytes, in this one order)
+static inline SN_HD float bilinear_mix(BilinearTap ty, BilinearTap tx, float x00, float x01,
+                                       float x10, float x11) {
+    const float top = (1.0f - tx.l) * x00 + tx.l * x01, bot = (1.0f - tx.l) * x10 + tx.l * x11;
+    return (1.0f - ty.l) * top + ty.l * bot;
+}
 // weight with which output coordinate o (tap t) reads input coordinate i
 static inline SN_HD float tap_weight(BilinearTap t, int i) {
     return (t.i0 == i ? 1.0f - t.l : 0.0f) + (t.i1 == i ? t.l : 0.0f);

@@ -9568,6 +9568,72 @@ TEST(mask_colour) {
     ds_remove(dir);
 }
 
+// The loader resizes decoded bytes straight to bytes (image_to_bytes): the
+// bytes the model's resize op gives for the image as floats, rounded to
+// nearest, exactly, shrinking, growing, one axis each way, and the same size.
+TEST(image_to_bytes_is_the_resize_op) {
+    static const int SIZES[][4] = {
+            {720, 1200, 300, 500}, {7, 5, 16, 9}, {30, 8, 11, 24}, {13, 13, 13, 13}, {1, 9, 4, 2}};
+    Rng r;
+    rng_seed(&r, 44);
+    for (size_t k = 0; k < sizeof SIZES / sizeof *SIZES; k++) {
+        const int h = SIZES[k][0], w = SIZES[k][1], H = SIZES[k][2], W = SIZES[k][3];
+        uint8_t *src = malloc((size_t)3 * h * w), *got = malloc((size_t)3 * H * W);
+        float *x = malloc(sizeof(float) * 3 * h * w), *y = malloc(sizeof(float) * 3 * H * W);
+        for (int i = 0; i < 3 * h * w; i++) x[i] = src[i] = (uint8_t)(rng_next(&r) & 255);
+        ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(y, shape4(1, H, W, 3)),
+                                        tensor_f32(x, shape4(1, h, w, 3)));
+        image_to_bytes(got, H, W, src, h, w);
+        int wrong = 0;
+        for (int i = 0; i < 3 * H * W; i++) {
+            const long v = lrintf(y[i]);
+            wrong += got[i] != (v < 0 ? 0 : v > 255 ? 255 : v);
+        }
+        CHECK(wrong == 0, "%dx%d to %dx%d: %d bytes differ from the resize op's", w, h, W, H,
+              wrong);
+        free(src);
+        free(got);
+        free(x);
+        free(y);
+    }
+}
+
+// segnet bench --loader's timing (bench_loader): every timed batch arrives
+// whole, the set's size is reported, and a missing set is the data set's error.
+TEST(bench_loader_counts) {
+    char dir[300], err[SN_ERR_MAX];
+    static const char *const SUBS[] = {"a", "b"};
+    ds_fixture(dir, sizeof dir, "bench_loader", SUBS, 2);
+    Rng r;
+    rng_seed(&r, 3);
+    for (int i = 0; i < 6; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "%s/i%d.png", SUBS[i % 2], i);
+        write_png(dir, name, 20, 30, &r);
+    }
+    TrainCfg c;
+    train_cfg_default(&c);
+    c.model.model = "effv2-t";
+    c.model.classes = 2;
+    c.model.height = 16;
+    c.model.width = 24;
+    c.model.batch = 4;
+    c.workers = 2;
+    c.augment = (Augment){1, 0.5f, 0.5f, 1.5f};
+    c.data = dir;
+    LoaderBench lb = {.batches = 5, .warmup = 1};
+    CHECK(bench_loader(&c, &lb, err) == 0, "%s", err);
+    CHECK(lb.images == 6 && lb.ms_per_batch > 0 && isfinite(lb.images_per_s) &&
+                  fabs(lb.images_per_s * lb.ms_per_batch / 1e3 - 4.0) < 1e-9,
+          "6 images, batches of 4: %d images, %g ms per batch, %g images/s", lb.images,
+          lb.ms_per_batch, lb.images_per_s);
+    char missing[400];
+    snprintf(missing, sizeof missing, "%s/none", dir);
+    c.data = missing;
+    CHECK(bench_loader(&c, &lb, err) == -1 && contains(err, missing), "missing: '%s'", err);
+    ds_remove(dir);
+}
+
 TEST(png_write_atomic) {
     char dir[300], path[400], err[SN_ERR_MAX] = "";
     ds_fixture(dir, sizeof dir, "png", NULL, 0);
@@ -10032,7 +10098,7 @@ TEST(exif_apply_pixels) {
             jpeg_with_exif(path, w, h, px, o, o % 2);
             image_exif = apply ? EXIF_APPLY : EXIF_IGNORE;
             int H = 0, W = 0, orientation = 0;
-            float *img = image_load_oriented(path, &H, &W, &orientation, err);
+            uint8_t *img = image_load_oriented(path, &H, &W, &orientation, err);
             image_exif = EXIF_IGNORE;
             const int turned = apply && o >= 5;
             CHECK(img && orientation == o && H == (turned ? w : h) && W == (turned ? h : w),
@@ -10046,7 +10112,7 @@ TEST(exif_apply_pixels) {
                     int dy = sy, dx = sx;
                     if (apply) exif_displayed_at(o, h, w, sy, sx, &dy, &dx);
                     for (int c = 0; c < 3; c++) {
-                        const double e = fabs(img[3 * ((size_t)dy * W + dx) + c] -
+                        const double e = fabs((double)img[3 * ((size_t)dy * W + dx) + c] -
                                               px[3 * ((size_t)sy * w + sx) + c]);
                         worst = e > worst ? e : worst;
                         wrong += e > EXIF_TOL;
