@@ -54,6 +54,17 @@ static int parse_exif(const char *flag, const char *v) {
 
 // Parses the model options shared by plan (and later train, predict, bench).
 // Returns the number of arguments consumed at argv[i] (0: not a model option), -1 on error.
+// HxW, each 1..32768
+static int parse_size(const char *flag, const char *v, int *h, int *w) {
+    int k;
+    if (sscanf(v, "%dx%d%n", h, w, &k) != 2 || v[k] || *h < 1 || *w < 1 || *h > 1 << 15 ||
+        *w > 1 << 15) {
+        fprintf(stderr, "segnet: %s '%s' must be HxW, e.g. 384x384\n", flag, v);
+        return -1;
+    }
+    return 0;
+}
+
 static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
     const char *f = argv[i];
     int is_model_flag = !strcmp(f, "--model") || !strcmp(f, "--classes") || !strcmp(f, "--size") ||
@@ -88,14 +99,8 @@ static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
             fprintf(stderr, "segnet: --padding '%s' must be same or symmetric\n", v);
             return -1;
         }
-    } else {  // --size HxW
-        int h, w, k;
-        if (sscanf(v, "%dx%d%n", &h, &w, &k) != 2 || v[k] || h < 1 || w < 1 || h > 1 << 15 ||
-            w > 1 << 15) {
-            fprintf(stderr, "segnet: --size '%s' must be HxW, e.g. 384x384\n", v);
-            return -1;
-        }
-        c->height = h; c->width = w;
+    } else if (parse_size(f, v, &c->height, &c->width)) {  // --size HxW
+        return -1;
     }
     return 2;
 }
@@ -886,6 +891,16 @@ static const char *PREDICT_USAGE =
         "tenth of the images.\n"
         "\n"
         "  --overwrite         replace the outputs of an earlier segnet predict into OUT\n"
+        "  --tile HxW          segmentation at the image's own resolution: the model runs\n"
+        "                      on HxW tiles (multiples of 32 for a U-Net) covering the\n"
+        "                      image, whose class probabilities are blended with a\n"
+        "                      Gaussian weight (σ = tile/8, nnU-Net's) that trusts a\n"
+        "                      tile's centre over its borders; 4 tiles a pass, so the\n"
+        "                      device memory is that of 4 tiles whatever the image\n"
+        "  --overlap F         with --tile: neighbouring tiles overlap by at least this\n"
+        "                      fraction of a tile (default 0.5)\n"
+        "  --tta flip          with --tile: also predict each tile mirrored left-right\n"
+        "                      and average the two (default none)\n"
         "  --model NAME        effv2-s (default), effv2-m, effv2-l, effv2-t, unet,\n"
         "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
         "  --weights W         safetensors in PyTorch layout (segnet, torchvision or timm\n"
@@ -909,7 +924,9 @@ static const char *PREDICT_USAGE =
                                           "                      image as read\n";
 
 static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
-    PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO, NULL, 0, 0};
+    PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO, NULL, 0, 0, 0, 0.0f, 0};
+    pc.overlap = 0.5f;
+    int tile_h = 0, tile_w = 0, overlap_given = 0;
     pc.model.model = "effv2-s";
     pc.model.batch = 8;
     int size_given = 0, classes_given = 0, last = 0;
@@ -929,6 +946,33 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(PREDICT_USAGE, stdout); return 0; }
         if (!strcmp(f, "--last")) { last = 1; i++; continue; }
         if (!strcmp(f, "--overwrite")) { pc.overwrite = 1; i++; continue; }
+        if (!strcmp(f, "--tile") || !strcmp(f, "--overlap") || !strcmp(f, "--tta")) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "segnet predict: %s needs a value\n", f);
+                return 2;
+            }
+            const char *v = argv[i + 1];
+            int rc = 0;
+            if (!strcmp(f, "--tile")) {
+                rc = parse_size(f, v, &tile_h, &tile_w);
+                pc.tiled = 1;
+            } else if (!strcmp(f, "--overlap")) {
+                rc = parse_float(f, v, 0.0f, &pc.overlap);
+                if (!rc && !(pc.overlap < 1.0f)) {
+                    fprintf(stderr, "segnet predict: --overlap %s must be below 1\n", v);
+                    rc = -1;
+                }
+                overlap_given = 1;
+            } else if (!strcmp(v, "flip")) {
+                pc.tta_flip = 1;
+            } else if (strcmp(v, "none")) {
+                fprintf(stderr, "segnet predict: --tta '%s' must be flip or none\n", v);
+                rc = -1;
+            }
+            if (rc) return 2;
+            i += 2;
+            continue;
+        }
         if (!strcmp(f, "--run")) { i += 2; continue; }
         if (!strcmp(f, "--max-pixels") || !strcmp(f, "--exif")) {
             if (i + 1 >= argc) {
@@ -994,6 +1038,15 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
     }
     if (!size_given) model_default_size(&pc.model);
     if (model_options_used("predict", pc.model.model, argc, argv)) return 2;
+    if ((overlap_given || pc.tta_flip) && !pc.tiled) {
+        fprintf(stderr, "segnet predict: --overlap and --tta work on tiles: give --tile HxW\n");
+        return 2;
+    }
+    if (pc.tiled) {  // the model runs on tiles: its input is a tile
+        pc.model.height = tile_h;
+        pc.model.width = tile_w;
+        pc.model.batch = 4;
+    }
     char err[SN_ERR_MAX], note[SN_ERR_MAX];
     if (padding_follow_weights(&pc.model, pc.weights, "predict", note, err)) {
         print_message(stderr, "segnet predict", err);

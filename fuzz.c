@@ -974,7 +974,7 @@ static uint64_t fuzz_exif_run(FuzzCtx *c, const uint8_t *in, size_t n) {
     const int h = 1 + (int)fuzz_draw(&c->rng, 9), w = 1 + (int)fuzz_draw(&c->rng, 9);
     uint8_t src[9 * 9 * 3];
     for (int p = 0; p < h * w; p++) src[3 * p] = src[3 * p + 1] = src[3 * p + 2] = (uint8_t)p;
-    float *dst = malloc(sizeof(float) * 3 * h * w);
+    uint8_t *dst = malloc((size_t)3 * h * w);
     snCheck(dst != NULL, "out of host memory");
     exif_orient(dst, src, h, w, o);
     int seen[81] = {0}, bad = 0;
@@ -1462,6 +1462,9 @@ static void fuzz_cli_template(FuzzCtx *c) {
                          DEVICE_CPU,
                          NULL,
                          0,
+                         0,
+                         0,
+                         0.0f,
                          0};
         snCheck(predict_run(&pc, err) == 0, "fuzz cli: %s", err);
         char report[SN_ERR_MAX];

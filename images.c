@@ -761,39 +761,157 @@ static int seg_check_inputs(const PredictCfg *pc, const PathList *l, char err[SN
     return rc;
 }
 
-// The mask and overlay of one image img (h,w,3) from its logits z (oh,ow,K):
-// class = argmax_k z (the lowest k on ties) at the model's resolution, brought
-// to h×w by nearest neighbour with half-pixel centres, src = floor((dst + ½)·in/out);
-// overlay = (image + colour + 1) / 2 per channel (the 50/50 blend, rounded half up).
-static int seg_write(const char *out, const char *image, const float *img, int h, int w,
-                     const float *z, int oh, int ow, int K, char err[SN_ERR_MAX]) {
-    uint8_t *cls = malloc((size_t)oh * ow), *mask = malloc((size_t)h * w),
-            *rgb = malloc((size_t)h * w * 3);
-    snCheck(cls && mask && rgb, "out of host memory");
-    for (size_t p = 0; p < (size_t)oh * ow; p++) {
+// class = argmax_k z (the lowest k on ties) of each of n rows of K values
+static void argmax_rows(uint8_t *cls, const float *z, size_t n, int K) {
+    for (size_t p = 0; p < n; p++) {
         const float *zp = z + p * K;
         int best = 0;
         for (int k = 1; k < K; k++) if (zp[k] > zp[best]) best = k;
         cls[p] = (uint8_t)best;
     }
+}
+
+// The mask (h,w) of image img (h,w,3) and its overlay: (image + colour + 1) / 2
+// per channel (the 50/50 blend, rounded half up).
+static int seg_write_mask(const char *out, const char *image, const float *img, int h, int w,
+                          const uint8_t *mask, char err[SN_ERR_MAX]) {
+    uint8_t *rgb = malloc((size_t)h * w * 3);
+    snCheck(rgb != NULL, "out of host memory");
+    for (size_t i = 0; i < (size_t)h * w; i++)
+        for (int c = 0; c < 3; c++)
+            rgb[3 * i + c] =
+                    (uint8_t)(((int)img[3 * i + c] + SEG_PALETTE[mask[i] % SEG_COLOURS][c] + 1) /
+                              2);
+    char m[OUT_PATH_MAX], o[OUT_PATH_MAX];
+    seg_out_paths(out, image, m, o);
+    int rc = png_write_atomic(m, w, h, 1, mask, err) || png_write_atomic(o, w, h, 3, rgb, err);
+    free(rgb);
+    return rc ? -1 : 0;
+}
+
+// The mask and overlay of one image img (h,w,3) from its logits z (oh,ow,K):
+// the classes at the model's resolution brought to h×w by nearest neighbour
+// with half-pixel centres, src = floor((dst + ½)·in/out).
+static int seg_write(const char *out, const char *image, const float *img, int h, int w,
+                     const float *z, int oh, int ow, int K, char err[SN_ERR_MAX]) {
+    uint8_t *cls = malloc((size_t)oh * ow), *mask = malloc((size_t)h * w);
+    snCheck(cls && mask, "out of host memory");
+    argmax_rows(cls, z, (size_t)oh * ow, K);
     for (int y = 0; y < h; y++) {
         int sy = (int)(((int64_t)2 * y + 1) * oh / (2 * (int64_t)h));
         for (int x = 0; x < w; x++) {
             int sx = (int)(((int64_t)2 * x + 1) * ow / (2 * (int64_t)w));
-            size_t i = (size_t)y * w + x;
-            mask[i] = cls[(size_t)sy * ow + sx];
-            for (int c = 0; c < 3; c++)
-                rgb[3 * i + c] = (uint8_t)(((int)img[3 * i + c] +
-                                            SEG_PALETTE[mask[i] % SEG_COLOURS][c] + 1) /
-                                           2);
+            mask[(size_t)y * w + x] = cls[(size_t)sy * ow + sx];
         }
     }
-    char m[OUT_PATH_MAX], o[OUT_PATH_MAX];
-    seg_out_paths(out, image, m, o);
-    int rc = png_write_atomic(m, w, h, 1, mask, err) || png_write_atomic(o, w, h, 3, rgb, err);
-    rc = rc ? -1 : 0;
-    free(cls); free(mask); free(rgb);
+    const int rc = seg_write_mask(out, image, img, h, w, mask, err);
+    free(cls); free(mask);
     return rc;
+}
+
+// ---- tiled prediction at the image's own resolution (--tile HxW)
+//
+// The image (h,w) is covered by tiles of the model's input size (th,tw): along
+// an axis of length L, n = ceil((L - T) / (T·(1 - overlap))) + 1 tiles start at
+// round(i·(L - T)/(n - 1)), i = 0..n-1 (one tile at 0 when L ≤ T; the image is
+// then padded to T by repeating its last row or column). Each tile's class
+// probabilities (softmax of the logits; with --tta flip, the mean of the tile's
+// and its mirror image's, mirrored back) are added into the image's with a
+// Gaussian importance map g(y,x) = exp(-((y - cy)² / 2σy² + (x - cx)² / 2σx²)),
+// c = (T - 1)/2, σ = T/8 (nnU-Net's), so that a pixel near a tile's border,
+// whose context the tile cuts off, counts little where another tile sees it
+// whole. The result is Σ g·p / Σ g; the mask is its argmax.
+
+// the tiles' starts along an axis of length len (starts: room for len entries); returns n
+static int tile_starts(int len, int tile, float overlap, int *starts) {
+    if (len <= tile) { starts[0] = 0; return 1; }
+    double stride = tile * (1.0 - overlap);
+    if (stride < 1.0) stride = 1.0;
+    const int n = (int)ceil((len - tile) / stride - 1e-9) + 1;
+    for (int i = 0; i < n; i++)
+        starts[i] = (int)lround((double)i * (len - tile) / (n - 1));
+    return n;
+}
+
+// g (th,tw), the Gaussian importance map above
+static void tile_gaussian(float *g, int th, int tw) {
+    const double cy = (th - 1) / 2.0, cx = (tw - 1) / 2.0, sy = th / 8.0, sx = tw / 8.0;
+    for (int y = 0; y < th; y++)
+        for (int x = 0; x < tw; x++)
+            g[(size_t)y * tw + x] = (float)exp(-((y - cy) * (y - cy) / (2 * sy * sy) +
+                                                 (x - cx) * (x - cx) / (2 * sx * sx)));
+}
+
+// logits (n,th,tw,K) of tiles (n,th,tw,3): the model, or a test's stand-in
+typedef struct {
+    void (*forward)(void *ctx, const float *tiles, int n, float *logits);
+    void *ctx;
+    int batch;  // tiles per call, at most
+    int th, tw, K;
+} TileModel;
+
+// probs (h,w,K) = Σ g·p / Σ g over the tiles of img (h,w,3), as above
+static void predict_tiled(const TileModel *m, const float *img, int h, int w, float overlap,
+                          int tta_flip, float *probs) {
+    const int th = m->th, tw = m->tw, K = m->K, B = m->batch;
+    const size_t tile_px = (size_t)th * tw;
+    int *ys = malloc(sizeof(int) * (size_t)(h > th ? h : th)),
+        *xs = malloc(sizeof(int) * (size_t)(w > tw ? w : tw));
+    const int ny = tile_starts(h, th, overlap, ys), nx = tile_starts(w, tw, overlap, xs);
+    const int views = tta_flip ? 2 : 1;
+    float *g = malloc(sizeof(float) * tile_px), *wsum = calloc((size_t)h * w, sizeof(float)),
+          *x = malloc(sizeof(float) * 3 * tile_px * B),
+          *z = malloc(sizeof(float) * K * tile_px * B);
+    snCheck(ys && xs && g && wsum && x && z, "out of host memory");
+    tile_gaussian(g, th, tw);
+    memset(probs, 0, sizeof(float) * (size_t)h * w * K);
+    const int n_tiles = ny * nx * views;
+    for (int t0 = 0; t0 < n_tiles; t0 += B) {
+        const int n = n_tiles - t0 < B ? n_tiles - t0 : B;
+        // tile t = (iy, ix, view): the image's pixels there, its edges repeated past them
+        for (int j = 0; j < n; j++) {
+            const int t = t0 + j, view = t % views, ix = t / views % nx, iy = t / views / nx;
+            for (int y = 0; y < th; y++)
+                for (int xx = 0; xx < tw; xx++) {
+                    const int sy = ys[iy] + y < h ? ys[iy] + y : h - 1,
+                              sxx = view ? tw - 1 - xx : xx,
+                              sx = xs[ix] + sxx < w ? xs[ix] + sxx : w - 1;
+                    memcpy(x + 3 * (j * tile_px + (size_t)y * tw + xx),
+                           img + 3 * ((size_t)sy * w + sx), sizeof(float) * 3);
+                }
+        }
+        m->forward(m->ctx, x, n, z);
+        for (int j = 0; j < n; j++) {
+            const int t = t0 + j, view = t % views, ix = t / views % nx, iy = t / views / nx;
+            for (int y = 0; y < th && ys[iy] + y < h; y++)
+                for (int xx = 0; xx < tw && xs[ix] + xx < w; xx++) {
+                    const size_t at = (size_t)(ys[iy] + y) * w + xs[ix] + xx;
+                    const float *zp = z + K * (j * tile_px + (size_t)y * tw +
+                                               (view ? tw - 1 - xx : xx));
+                    const float gy = g[(size_t)y * tw + xx];
+                    float zmax = zp[0], sum = 0.0f;
+                    for (int k = 1; k < K; k++) zmax = zp[k] > zmax ? zp[k] : zmax;
+                    for (int k = 0; k < K; k++) sum += expf(zp[k] - zmax);
+                    for (int k = 0; k < K; k++)
+                        probs[at * K + k] += gy * (expf(zp[k] - zmax) / sum);
+                    wsum[at] += gy;
+                }
+        }
+    }
+    for (size_t p = 0; p < (size_t)h * w; p++)
+        for (int k = 0; k < K; k++) probs[p * K + k] /= wsum[p];
+    free(ys); free(xs); free(g); free(wsum); free(x); free(z);
+}
+
+typedef struct { Net *net; Ops *o; int input, output; } NetTiles;
+static void net_tiles_forward(void *ctx, const float *tiles, int n, float *logits) {
+    NetTiles *nt = ctx;
+    const Graph *g = nt->net->g;
+    const Shape si = g->tensors[nt->input].shape, so = g->tensors[nt->output].shape;
+    nt->o->upload(nt->o, nt->net->act[nt->input], tiles, sizeof(float) * n * si.h * si.w * 3);
+    net_forward(nt->net, n, 0);
+    nt->o->download(nt->o, logits, nt->net->act[nt->output],
+                    sizeof(float) * n * so.h * so.w * so.c);
 }
 
 // Predicts every listed image. Images of the model's size are used as they
@@ -810,6 +928,14 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
     if (out < 0) { snprintf(err, SN_ERR_MAX, "%s", g.err); graph_free(&g); return -1; }
     const Shape so = g.tensors[out].shape, si = g.tensors[g.input].shape;
     const int seg = so.h > 1 || so.w > 1, K = so.c, N = si.n;
+    if (pc->tiled && (!seg || so.h != si.h || so.w != si.w)) {
+        snprintf(err, SN_ERR_MAX,
+                 "--tile: model '%s' does not predict a class per input pixel (tiles are for "
+                 "segmentation models)",
+                 pc->model.model);
+        graph_free(&g);
+        return -1;
+    }
     if (seg && K > 256) {
         snprintf(err, SN_ERR_MAX,
                  "model '%s': %d classes do not fit the 8-bit mask PNGs (at most 256)",
@@ -859,7 +985,25 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
     snCheck(x && logits && imgs && hw, "out of host memory");
     int ok = 1, reported = 0;  // images the last progress line counted
     const int tty = isatty(STDERR_FILENO);
-    for (int start = 0; ok && start < list.n; start += N) {
+    NetTiles nt = {&net, o, g.input, out};
+    const TileModel tm = {net_tiles_forward, &nt, N, si.h, si.w, K};
+    for (int i = 0; ok && pc->tiled && i < list.n; i++) {  // an image at a time, N tiles a pass
+        int h, w;
+        float *img = image_load_rgb(list.paths[i], &h, &w, err), *probs = NULL;
+        uint8_t *mask = NULL;
+        if (img) {
+            probs = malloc(sizeof(float) * (size_t)h * w * K);
+            mask = malloc((size_t)h * w);
+            snCheck(probs && mask, "out of host memory");
+            predict_tiled(&tm, img, h, w, pc->overlap, pc->tta_flip, probs);
+            argmax_rows(mask, probs, (size_t)h * w, K);
+        }
+        ok = img && seg_write_mask(pc->out, list.paths[i], img, h, w, mask, err) == 0;
+        free(img); free(probs); free(mask);
+        if (pc->progress) fprintf(stderr, "%spredict: %d/%d images%s", tty ? "\r" : "", i + 1,
+                                  list.n, tty ? "" : "\n");
+    }
+    for (int start = 0; ok && !pc->tiled && start < list.n; start += N) {
         int count = list.n - start < N ? list.n - start : N;
         memset(x, 0, sizeof(float) * img_floats * N);  // slots past the last image stay empty
         for (int j = 0; ok && j < count; j++) {

@@ -34,5 +34,10 @@ typedef struct {
     int n_class_names;
     // replace existing outputs that an earlier predict wrote (never anything else)
     int overwrite;
+    // segmentation at the image's own resolution: model.height × width tiles
+    // overlapping by this fraction of a tile (images.c, "tiled prediction")
+    int tiled;
+    float overlap;
+    int tta_flip;          // with tiled: each tile also mirrored left-right
 } PredictCfg;
 int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);

@@ -9634,6 +9634,92 @@ TEST(bench_loader_counts) {
     ds_remove(dir);
 }
 
+// ---- tiled prediction (issue 35, item 4)
+
+// Tile starts by hand: n = ceil((L - T)/(T·(1 - overlap))) + 1, at round(i·(L - T)/(n - 1)).
+TEST(tile_starts_by_hand) {
+    int s[128];
+    CHECK(tile_starts(100, 32, 0.5f, s) == 6 && s[0] == 0 && s[1] == 14 && s[2] == 27 &&
+                  s[3] == 41 && s[4] == 54 && s[5] == 68,
+          "100 by 32, overlap 0.5: 6 tiles at 0 14 27 41 54 68");
+    CHECK(tile_starts(64, 32, 0.0f, s) == 2 && s[0] == 0 && s[1] == 32, "64 by 32: 0 32");
+    CHECK(tile_starts(65, 32, 0.0f, s) == 3 && s[1] == 17 && s[2] == 33,
+          "65 by 32: 0 17 33 (16.5 rounds up)");
+    // the Gaussian map of an 8x4 tile: centre (3.5, 1.5), σ (1, 0.5)
+    float g[32];
+    tile_gaussian(g, 8, 4);
+    CHECK_NEAR(g[0], exp(-(3.5 * 3.5 / 2 + 1.5 * 1.5 / 0.5)), 1e-12, "g(0,0)");
+    CHECK_NEAR(g[3 * 4 + 1], exp(-(0.25 / 2 + 0.25 / 0.5)), 1e-7, "g(3,1), next to the centre");
+    CHECK(g[3 * 4 + 1] == g[4 * 4 + 2] && g[0] == g[7 * 4 + 3], "symmetric about the centre");
+    CHECK(tile_starts(32, 32, 0.5f, s) == 1 && s[0] == 0, "one tile when L = T");
+    CHECK(tile_starts(20, 32, 0.5f, s) == 1 && s[0] == 0, "one tile when L < T");
+}
+
+// Stand-in models for predict_tiled: logits a function of the pixel alone.
+// constant: z = (0.1, 2, -1) everywhere; pointwise: z_k = Σ_c A[k][c]·rgb_c/255.
+static const float TILE_A[3][3] = {{1.0f, -2.0f, 0.5f}, {-0.5f, 1.5f, 1.0f}, {2.0f, 0.0f, -1.0f}};
+static void tiles_pointwise(void *ctx, const float *x, int n, float *z) {
+    const int *px = ctx, constant = px[1];
+    for (size_t p = 0; p < (size_t)n * px[0]; p++)
+        for (int k = 0; k < 3; k++)
+            z[3 * p + k] = constant ? (k == 0   ? 0.1f
+                                       : k == 1 ? 2.0f
+                                                : -1.0f)
+                                    : (TILE_A[k][0] * x[3 * p] + TILE_A[k][1] * x[3 * p + 1] +
+                                       TILE_A[k][2] * x[3 * p + 2]) /
+                                              255.0f;
+}
+
+// A model whose logits depend on the pixel alone sees every pixel whole in
+// every tile, so the blend of its tiles is the whole image's prediction:
+// Σ g·p / Σ g with every p the same. Its error is the rounding of at most 8
+// terms (2×2 tiles overlap a pixel, ×2 with --tta flip) in fp32 each side of
+// the division: |Δp| ≤ (8 + 8 + 1)·2^-24·p < 1.1e-6·p, so 2e-6. Shapes: tiles
+// that overlap unevenly, an image smaller than a tile (padded by its edges),
+// and a tile the image's size. The constant model's mask is the same class
+// everywhere.
+TEST(predict_tiled_pointwise) {
+    static const int CASES[][5] = {
+            {50, 70, 16, 24, 30}, {10, 12, 16, 16, 50}, {32, 32, 32, 32, 0}, {33, 97, 32, 32, 25}};
+    Rng r;
+    rng_seed(&r, 8);
+    for (size_t c = 0; c < sizeof CASES / sizeof *CASES; c++)
+        for (int tta = 0; tta < 2; tta++)
+            for (int constant = 0; constant < 2; constant++) {
+                const int h = CASES[c][0], w = CASES[c][1], th = CASES[c][2], tw = CASES[c][3];
+                int ctx[2] = {th * tw, constant};
+                const TileModel m = {tiles_pointwise, ctx, 3, th, tw, 3};
+                float *img = malloc(sizeof(float) * 3 * h * w),
+                      *probs = malloc(sizeof(float) * 3 * h * w);
+                for (int i = 0; i < 3 * h * w; i++) img[i] = (float)(rng_next(&r) % 256);
+                predict_tiled(&m, img, h, w, CASES[c][4] / 100.0f, tta, probs);
+                double worst = 0;
+                int other_class = 0;
+                for (int p = 0; p < h * w; p++) {
+                    float z[3];
+                    int one_pixel[2] = {1, constant};
+                    tiles_pointwise(one_pixel, img + 3 * p, 1, z);
+                    double zmax = fmax(z[0], fmax(z[1], z[2])), sum = 0;
+                    for (int k = 0; k < 3; k++) sum += exp(z[k] - zmax);
+                    for (int k = 0; k < 3; k++) {
+                        const double want = exp(z[k] - zmax) / sum,
+                                     e = fabs(probs[3 * p + k] - want) / want;
+                        worst = e > worst ? e : worst;
+                    }
+                    uint8_t cls;
+                    argmax_rows(&cls, probs + 3 * p, 1, 3);
+                    other_class += constant && cls != 1;
+                }
+                CHECK(worst < 2e-6 && !other_class,
+                      "%dx%d in %dx%d tiles, overlap %d%%, tta %d, %s: relative error %.3g, %d "
+                      "pixels not class 1",
+                      w, h, tw, th, CASES[c][4], tta, constant ? "constant" : "pointwise", worst,
+                      other_class);
+                free(img);
+                free(probs);
+            }
+}
+
 TEST(png_write_atomic) {
     char dir[300], path[400], err[SN_ERR_MAX] = "";
     ds_fixture(dir, sizeof dir, "png", NULL, 0);
@@ -12423,7 +12509,7 @@ TEST(predict_classifier) {
     FILE *f = fopen(csv, "w");
     fprintf(f, "path,label\na.png,0\nb.png,2\n\"c,odd.png\",1\n");
     fclose(f);
-    PredictCfg pc = {c, wpath, dir, out1, 0, DEVICE_CPU, NULL, 0, 0};
+    PredictCfg pc = {c, wpath, dir, out1, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0};
     pc.model.batch = 2;  // 3 images: the last batch is partly empty
     CHECK(predict_run(&pc, err) == 0, "predict on a folder: %s", err);
     pc.input = csv; pc.out = out2;
@@ -12492,7 +12578,7 @@ TEST(predict_bad_input) {
     f = fopen(corrupt, "wb"); fputs("\x89PNG\r\n\x1a\nnot really a png", f); fclose(f);
     ModelCfg c = model_cfg_default();
     c.model = "effv2-t"; c.classes = 3; c.height = 32; c.width = 32;
-    PredictCfg pc = {c, wpath, csv, out, 0, DEVICE_CPU, NULL, 0, 1};
+    PredictCfg pc = {c, wpath, csv, out, 0, DEVICE_CPU, NULL, 0, 1, 0, 0.0f, 0};
     struct { const char *rows, *want1, *want2; } cases[] = {
         {"good.png\ncorrupt.png\n", "corrupt.png", "cannot decode"},
         {"good.png\nmissing.png\n", "missing.png", "No such file"},
@@ -12695,7 +12781,7 @@ TEST(predict_segmentation) {
         write_png_red(path, SEG_W[i], SEG_H[i], reds[i], &r);
     }
     // batch 2, 3 images: the last batch is partly empty
-    PredictCfg pc = {c, wpath, in, outdir, 0, DEVICE_CPU, NULL, 0, 0};
+    PredictCfg pc = {c, wpath, in, outdir, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0};
     CHECK(predict_run(&pc, err) == 0, "predict: %s", err);
     check_seg_outputs(&net, out, in, outdir);
     CHECK(predict_run(&pc, err) == -1 && contains(err, "exists") && contains(err, "--overwrite"),
@@ -12705,6 +12791,63 @@ TEST(predict_segmentation) {
     check_seg_outputs(&net, out, in, outdir);
     net_free(&net); graph_free(&g);
     rm_rf(dir);
+}
+
+// predict --tile through predict_run with the hand-made U-Net, which is
+// pointwise (centre taps, the down path unused): every tile sees each pixel
+// whole, so the mask at the image's own size is each pixel's own class, the
+// argmax of the net's logits for an image of that colour (ties aside, which
+// random colours do not make). Images larger and smaller than the 8x8 tile,
+// with --tta flip; a classifier's --tile is refused.
+TEST(predict_tiled_masks) {
+    PredictDirs d;
+    Graph g;
+    Net net;
+    ModelCfg c;
+    const int out = predict_fixture("predict_tiled", 1, &d, &g, &net, &c);
+    char outdir[300], path[400], err[SN_ERR_MAX];
+    snprintf(outdir, sizeof outdir, "%s/masks", d.dir);
+    Rng r;
+    rng_seed(&r, 12);
+    static const int SIZES[2][2] = {{27, 40}, {5, 7}};  // (h, w)
+    for (int i = 0; i < 2; i++) {
+        snprintf(path, sizeof path, "%s/img%d.png", d.in, i);
+        write_png_red(path, SIZES[i][1], SIZES[i][0], NULL, &r);
+    }
+    PredictCfg pc = {c, d.wpath, d.in, outdir, 0, DEVICE_CPU, NULL, 0, 0, 1, 0.5f, 1};
+    pc.model.batch = 3;
+    CHECK(predict_run(&pc, err) == 0, "predict --tile 8x8 --tta flip: %s", err);
+    float x[8 * 8 * 3], z[8 * 8 * 3];
+    for (int i = 0; i < 2; i++) {
+        int h, w, n, hm, wm, nm;
+        snprintf(path, sizeof path, "%s/img%d.png", d.in, i);
+        uint8_t *img = stbi_load(path, &w, &h, &n, 3);
+        snprintf(path, sizeof path, "%s/img%d.png", outdir, i);
+        uint8_t *mask = stbi_load(path, &wm, &hm, &nm, 1);
+        CHECK(img && mask && wm == w && hm == h, "img%d: a mask of the image's size", i);
+        int wrong = 0;
+        for (int p = 0; img && mask && wm == w && hm == h && p < h * w; p++) {
+            for (int q = 0; q < 64; q++)
+                for (int ch = 0; ch < 3; ch++) x[3 * q + ch] = img[3 * p + ch];
+            ops_cpu.upload(&ops_cpu, net.act[g.input], x, sizeof x);
+            net_forward(&net, 1, 0);
+            ops_cpu.download(&ops_cpu, z, net.act[out], sizeof z);
+            uint8_t cls;
+            argmax_rows(&cls, z, 1, 3);
+            wrong += mask[p] != cls;
+        }
+        CHECK(wrong == 0, "img%d (%dx%d): %d pixels not of their own class", i, w, h, wrong);
+        stbi_image_free(img);
+        stbi_image_free(mask);
+    }
+    pc.model.model = "effv2-t";
+    pc.model.height = pc.model.width = 32;
+    CHECK(predict_run(&pc, err) == -1 && contains(err, "--tile") &&
+                  contains(err, "tiles are for segmentation models"),
+          "a classifier's --tile: '%s'", err);
+    net_free(&net);
+    graph_free(&g);
+    rm_rf(d.dir);
 }
 
 // Refused before anything is written: --out an existing file, an image that
@@ -12723,7 +12866,7 @@ TEST(predict_segmentation_refused) {
     FILE *f = fopen(file, "w"); fputs("keep\n", f); fclose(f);
     struct stat sb;
 
-    PredictCfg pc = {c, wpath, in, file, 0, DEVICE_CPU, NULL, 0, 0};
+    PredictCfg pc = {c, wpath, in, file, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0};
     CHECK(predict_run(&pc, err) == -1 && contains(err, file) && contains(err, "not a folder"),
           "--out a file: '%s'", err);
     char *t = read_text(file);
@@ -12777,7 +12920,7 @@ TEST(predict_legend_progress) {
         write_png_red(path, SEG_W[i], SEG_H[i], NULL, &r);
     }
     // batch 2: progress after 2 and 3 images
-    PredictCfg pc = {c, wpath, in, outdir, 1, DEVICE_CPU, NULL, 0, 0};
+    PredictCfg pc = {c, wpath, in, outdir, 1, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0};
     PredictJob job = {&pc, ""};
     int rc;
     char *text = with_stderr_captured(predict_job, &job, &rc);
@@ -13072,7 +13215,7 @@ TEST(predict_outputs_protected) {
         write_png_red(path, 8, 8, NULL, &r);
         keep_copy(path);  // in/x.png.orig: not an image name, so not an input
     }
-    PredictCfg pc = {c, d.wpath, in, in, 0, DEVICE_CPU, NULL, 0, 1};
+    PredictCfg pc = {c, d.wpath, in, in, 0, DEVICE_CPU, NULL, 0, 1, 0, 0.0f, 0};
     // the input folder itself, a folder inside it, and both through a link to it
     snprintf(out, sizeof out, "%s/pred", in);
     char to_in[400], via_link[400];
@@ -13148,7 +13291,7 @@ TEST(predict_outputs_protected) {
     keep_copy(clist); keep_copy(cimage);
     ModelCfg cc = model_cfg_default();
     cc.model = "effv2-t"; cc.classes = 3; cc.height = 32; cc.width = 32;
-    PredictCfg pcc = {cc, cw, clist, clist, 0, DEVICE_CPU, NULL, 0, 1};
+    PredictCfg pcc = {cc, cw, clist, clist, 0, DEVICE_CPU, NULL, 0, 1, 0, 0.0f, 0};
     CHECK(predict_run(&pcc, err) == -1 && contains(err, "would replace the input list"),
           "--out the list: '%s'", err);
     pcc.out = cimage;
@@ -13192,7 +13335,7 @@ TEST(predict_long_names) {
     snprintf(path, sizeof path, "%s/%s", d.in, name);
     write_png_red(path, 8, 8, NULL, &r);
     snprintf(out, sizeof out, "%s/out", d.dir);
-    PredictCfg pc = {c, d.wpath, d.in, out, 0, DEVICE_CPU, NULL, 0, 0};
+    PredictCfg pc = {c, d.wpath, d.in, out, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0};
     CHECK(predict_run(&pc, err) == 0, "a 244-byte name: %s", err);
     snprintf(path, sizeof path, "%s/%.240s_overlay.png", out, name);
     CHECK(file_exists(path), "its overlay was written");
