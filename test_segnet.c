@@ -12850,6 +12850,60 @@ TEST(predict_tiled_masks) {
     rm_rf(d.dir);
 }
 
+// segnet predict --tile on the command line: a run's U-Net (trained at 8x8)
+// predicts 8x8 tiles of a 21x30 image into a mask of that size; --overlap and
+// --tta without --tile, an overlap of 1 and an unknown --tta are refused.
+TEST(predict_tile_cli) {
+    const char *data = "/tmp/segnet_test_tilecli_data", *run = "/tmp/segnet_test_tilecli_run",
+               *out = "/tmp/segnet_test_tilecli_out";
+    rm_rf(data);
+    rm_rf(run);
+    rm_rf(out);
+    write_seg_set(data, 4, 8, 8, 3);
+    char args[1200], msg[4096], path[400];
+    snprintf(args, sizeof args,
+             "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --epochs 1 --classes 3 "
+             "--class-weights 0,1,1 --data %s --out %s --device cpu",
+             data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "train: %s", msg);
+    Rng r;
+    rng_seed(&r, 2);
+    snprintf(path, sizeof path, "%s/big/wide.png", data);
+    mkdir("/tmp/segnet_test_tilecli_data/big", 0755);
+    write_png_red(path, 30, 21, NULL, &r);
+    snprintf(args, sizeof args,
+             "predict --run %s --input %s/big --out %s --tile 8x8 --overlap 0.25 --tta flip "
+             "--device cpu",
+             run, data, out);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict --tile: %s", msg);
+    int w, h, n;
+    snprintf(path, sizeof path, "%s/wide.png", out);
+    uint8_t *m = stbi_load(path, &w, &h, &n, 1);
+    int over = 0;
+    for (int p = 0; m && p < w * h; p++) over += m[p] > 2;
+    CHECK(m && w == 30 && h == 21 && !over, "a 30x21 mask of classes 0..2 (%dx%d, %d over)", w, h,
+          over);
+    stbi_image_free(m);
+    static const struct {
+        const char *opts, *want;
+    } BAD[] = {
+            {"--overlap 0.5", "--overlap and --tta work on tiles: give --tile HxW"},
+            {"--tta flip", "--overlap and --tta work on tiles"},
+            {"--tile 8x8 --overlap 1", "--overlap 1 must be below 1"},
+            {"--tile 8x8 --tta mirror", "--tta 'mirror' must be flip or none"},
+            {"--tile 8", "--tile '8' must be HxW"},
+    };
+    for (size_t k = 0; k < sizeof BAD / sizeof *BAD; k++) {
+        snprintf(args, sizeof args, "predict --run %s --input %s/big --out %s --overwrite %s", run,
+                 data, out, BAD[k].opts);
+        CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, BAD[k].want), "%s: '%s'",
+              BAD[k].opts, msg);
+    }
+    rm_rf(data);
+    rm_rf(run);
+    rm_rf(out);
+}
+
 // Refused before anything is written: --out an existing file, an image that
 // does not decode, two images with the same stem; and a folder that cannot be created.
 TEST(predict_segmentation_refused) {
