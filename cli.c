@@ -125,6 +125,8 @@ static int parse_float(const char *flag, const char *v, float lo, float *out) {
     return 0;
 }
 
+#define AUGMENT_SCALE_MAX 8.0  // --augment scale=LO:HI: the largest zoom
+
 static int parse_augment(const char *v, Augment *a) {
     memset(a, 0, sizeof *a);
     if (!strcmp(v, "none")) return 0;
@@ -138,20 +140,36 @@ static int parse_augment(const char *v, Augment *a) {
             a->brightness = strtof(item + 11, &end);
             if (item[11] == 0 || *end || !(a->brightness >= 0.0f && a->brightness <= 1.0f))
                 goto bad;
-        } else if (!strncmp(item, "contrast=", 9)) {
-            a->contrast_lo = strtof(item + 9, &end);
+        } else if (!strncmp(item, "contrast=", 9) || !strncmp(item, "scale=", 6) ||
+                   !strncmp(item, "saturation=", 11)) {
+            const int contrast = item[1] == 'o', scale = item[1] == 'c';
+            float *lo = contrast ? &a->contrast_lo : scale ? &a->scale_lo : &a->saturation_lo,
+                  *hi = contrast ? &a->contrast_hi : scale ? &a->scale_hi : &a->saturation_hi;
+            char *v = strchr(item, '=') + 1;
+            *lo = strtof(v, &end);
             if (*end != ':') goto bad;
-            char *hi = end + 1;
-            a->contrast_hi = strtof(hi, &end);
-            if (!*hi || *end || !(a->contrast_lo > 0.0f && a->contrast_lo <= a->contrast_hi))
+            v = end + 1;
+            *hi = strtof(v, &end);
+            // contrast and scale: 0 < LO ≤ HI; saturation: 0 ≤ LO ≤ HI, HI > 0
+            if (!*v || *end || !(*lo <= *hi && *hi > 0.0f && (*lo > 0.0f || !(contrast || scale))))
                 goto bad;
+            if (scale && *hi > AUGMENT_SCALE_MAX) goto bad;
+        } else if (!strncmp(item, "rotate=", 7)) {
+            a->rotate = strtof(item + 7, &end);
+            if (item[7] == 0 || *end || !(a->rotate > 0.0f && a->rotate <= 180.0f)) goto bad;
+        } else if (!strncmp(item, "hue=", 4)) {
+            a->hue = strtof(item + 4, &end);
+            if (item[4] == 0 || *end || !(a->hue > 0.0f && a->hue <= 0.5f)) goto bad;
+        } else if (!strcmp(item, "vflip")) {
+            a->vflip = 1;
         } else goto bad;
         continue;
     bad:
         fprintf(stderr,
-                "segnet: --augment item '%s' must be flip, brightness=D (0..1) or contrast=LO:HI "
-                "(0 < LO ≤ HI)\n",
-                item);
+                "segnet: --augment item '%s' must be flip, vflip, brightness=D (0..1), "
+                "contrast=LO:HI (0 < LO ≤ HI), scale=LO:HI (0 < LO ≤ HI ≤ %g), rotate=DEG "
+                "(0..180), hue=D (0..0.5) or saturation=LO:HI (0 ≤ LO ≤ HI)\n",
+                item, AUGMENT_SCALE_MAX);
         return -1;
     }
     return 0;
@@ -488,6 +506,7 @@ static const char *USAGE =
     "  eval      print a model's validation loss and metrics on a data set\n"
     "  export    write a run's weights for PyTorch (torchvision or timm names)\n"
     "  bench     time training steps on synthetic data (segnet bench --help)\n"
+    "  augment   write the augmented samples a run would train on, to look at\n"
     "  info      print the build: backend, BLAS, threads\n"
     "  help      this text (also --help, -h); segnet COMMAND --help for a command\n"
     "\n"
@@ -571,8 +590,14 @@ static const char *TRAIN_USAGE =
     "                        without --val the training values\n"
     "  --min-delta D         an epoch improves only by more than D (default 0), as\n"
     "                        Keras' EarlyStopping(min_delta)\n"
-    "  --augment LIST        none (default) or any of flip, brightness=D,\n"
-    "                        contrast=LO:HI (tf.image semantics), comma-separated\n"
+    "  --augment LIST        none (default) or any of, comma-separated: flip,\n"
+    "                        brightness=D, contrast=LO:HI (tf.image semantics);\n"
+    "                        also vflip, scale=LO:HI (zoom by s ~ U[LO,HI], then a\n"
+    "                        random crop of --size; a mask follows its image, by\n"
+    "                        nearest neighbour, and pixels outside the image are\n"
+    "                        ignored), rotate=DEG, hue=D and\n"
+    "                        saturation=LO:HI (tf.image.adjust_hue/_saturation).\n"
+    "                        segnet augment shows what the network sees\n"
     "  --weights W           initial weights (safetensors, torchvision or timm\n"
     "                        names); a classifier's head may differ in classes or\n"
     "                        be absent; a unet-effv2-* takes its encoder from an\n"
@@ -755,6 +780,59 @@ static int with_train_args(int (*cmd)(TrainArgs *, int, char **), int argc, char
     int rc = cmd(&a, argc, argv);
     train_args_free(&a);
     return rc;
+}
+
+static const char *AUGMENT_USAGE =
+        "usage: segnet augment --data DIR --model NAME --classes K --augment LIST --out OUT\n"
+        "                      [-n N] [--epoch E] [options of segnet train]\n"
+        "       segnet augment --run RUN --out OUT [-n N] [--epoch E]\n"
+        "\n"
+        "Writes what the network sees: the first N samples of DIR (default 16, in the\n"
+        "data set's order) as epoch E (default 1) of a run with these settings\n"
+        "resizes and augments them, into the folder OUT (created if missing):\n"
+        "OUT/aug<E>-<i>-<stem>.png, the image (values clipped to 0..255), and for a\n"
+        "segmentation model OUT/aug<E>-<i>-<stem>_overlay.png, its mask's class colours\n"
+        "blended 50/50 (pixels that count nothing, outside the image or\n"
+        "--ignore-index, left as they are). With --run, the run's config.txt gives\n"
+        "the settings (its training data unless --data). An existing file is never\n"
+        "replaced.\n";
+
+// segnet augment: -n and --epoch are its own; the rest goes to train's parser
+static int cmd_augment(TrainArgs *a, int argc, char **argv) {
+    int n = 16, epoch = 1;
+    char **rest = malloc(sizeof(char *) * (size_t)argc);
+    snCheck(rest != NULL, "out of host memory");
+    int m = 0, rc = 0;
+    for (int i = 0; i < argc && rc == 0; i++) {
+        const int own = i >= 2 && (!strcmp(argv[i], "-n") || !strcmp(argv[i], "--epoch"));
+        if (!own) { rest[m++] = argv[i]; continue; }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "segnet augment: %s needs a value\n", argv[i]);
+            rc = 2;
+        } else if (parse_int(argv[i], argv[i + 1], 1, 1 << 20,
+                             !strcmp(argv[i], "-n") ? &n : &epoch)) {
+            rc = 2;
+        }
+        i++;
+    }
+    if (rc == 0) {
+        const int p = parse_train_args(a, m, rest, "augment", AUGMENT_USAGE);
+        rc = p > 0 ? 0 : p < 0 ? 2 : -1;
+    }
+    free(rest);
+    if (rc >= 0) return rc;
+    if (!a->c.data || !a->c.out) {
+        fprintf(stderr, "segnet augment: --data (or --run) and --out are required (see segnet "
+                        "augment --help)\n");
+        return 2;
+    }
+    char err[SN_ERR_MAX];
+    if (augment_write(&a->c, a->c.out, n, epoch, err)) {
+        print_message(stderr, "segnet augment", err);
+        return 1;
+    }
+    fprintf(stderr, "segnet augment: wrote %s\n", a->c.out);
+    return 0;
 }
 
 static int cmd_train(TrainArgs *a, int argc, char **argv) {
@@ -1605,6 +1683,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "eval")) return with_train_args(cmd_eval, argc, argv);
     if (!strcmp(argv[1], "bench")) return cmd_bench(argc, argv);
     if (!strcmp(argv[1], "export")) return with_train_args(cmd_export, argc, argv);
+    if (!strcmp(argv[1], "augment")) return with_train_args(cmd_augment, argc, argv);
     fprintf(stderr, "segnet: unknown command '%s' (try segnet --help)\n", argv[1]);
     return 2;
 }

@@ -711,28 +711,131 @@ int dataset_open_named(Dataset *d, const char *path, int segmentation, int class
 }
 
 // Sample idx's augmented image (H,W,3) as 0..255 floats from its bytes (and its
-// mask as labels): first the flip of image and mask together, then, on 0..1
-// values v = x/255 (tf.image semantics, no clipping):
-//   brightness  v + δ,                   δ ~ U[-D, D)
-//   contrast    (v - mean_c)·f + mean_c,  f ~ U[lo, hi), mean_c over H·W per channel
-// Draw k of sample idx is rng_uniform(seed, idx·AUG_DRAWS + k): a pure function
-// of (seed, idx), whichever thread builds the batch.
+// mask as labels): first the geometry, image and mask together, then on 0..1
+// values v = x/255 (tf.image semantics; no clipping but saturation's):
+//   hue         h + δ (mod 1) in HSV,        δ ~ U[-D, D)
+//   saturation  min(s·f, 1) in HSV,          f ~ U[lo, hi)
+//   brightness  v + δ,                       δ ~ U[-D, D)
+//   contrast    (v - mean_c)·f + mean_c,     f ~ U[lo, hi), mean_c over H·W per channel
+// Draw k of sample idx is rng_uniform(seed, idx·AUG_DRAWS + k), and of the
+// segmentation draws rng_uniform(seed ^ AUG_SEG_SALT, idx·SEG_DRAWS + k): a
+// pure function of (seed, idx), whichever thread builds the batch (their own
+// stream keeps the draws of runs that use only flip, brightness and contrast).
 enum { AUG_FLIP, AUG_BRIGHTNESS, AUG_CONTRAST, AUG_DRAWS };
+enum { SEG_SCALE, SEG_ANGLE, SEG_CROP_X, SEG_CROP_Y, SEG_VFLIP, SEG_HUE, SEG_SATURATION,
+       SEG_DRAWS };
+#define AUG_SEG_SALT 0x6a09e667f3bcc908ull  // any constant: the segmentation draws' stream
+
+// The geometry as one inverse map. Output pixel q (its offset from the centre
+// of the (H,W) output, mirrored by the flips) reads the sample at
+//   src = c + (R(-θ)·q + d) / s
+// c the sample's centre, s the zoom, θ the rotation, d the crop's offset from
+// the centre of the zoomed sample (s·W, s·H): d = (s·W - W)·(u - ½) per axis,
+// u ~ U[0, 1). The image is read bilinearly, the mask by nearest neighbour;
+// outside the sample the image is 0 and the label SN_LABEL_IGNORED (pixels that
+// do not exist count nothing). Plain flips (no zoom, rotation or vflip) keep
+// the exact copy below.
+static void sample_geometry(const Dataset *d, const uint8_t *rgb, const uint8_t *mask,
+                            const Augment *a, uint64_t seed, int idx, int hflip, float *out,
+                            int32_t *labels) {
+    const int H = d->height, W = d->width;
+    const uint64_t sseed = seed ^ AUG_SEG_SALT, ctr = (uint64_t)idx * SEG_DRAWS;
+    const double zoom = a->scale_hi > 0.0f ? a->scale_lo + (a->scale_hi - a->scale_lo) *
+                                                                   rng_uniform(sseed, ctr + SEG_SCALE)
+                                           : 1.0,
+                 theta = a->rotate * (2.0 * rng_uniform(sseed, ctr + SEG_ANGLE) - 1.0) * M_PI / 180,
+                 dx = (zoom * W - W) * (rng_uniform(sseed, ctr + SEG_CROP_X) - 0.5),
+                 dy = (zoom * H - H) * (rng_uniform(sseed, ctr + SEG_CROP_Y) - 0.5),
+                 cx = (W - 1) / 2.0, cy = (H - 1) / 2.0, co = cos(theta), si = sin(theta);
+    const int vflip = a->vflip && rng_uniform(sseed, ctr + SEG_VFLIP) < 0.5f;
+    for (int oy = 0; oy < H; oy++)
+        for (int ox = 0; ox < W; ox++) {
+            const double qx = hflip ? cx - ox : ox - cx, qy = vflip ? cy - oy : oy - cy,
+                         x = cx + (co * qx + si * qy + dx) / zoom,
+                         y = cy + (-si * qx + co * qy + dy) / zoom;
+            const size_t o = (size_t)oy * W + ox;
+            const int inside = x > -0.5 && x < W - 0.5 && y > -0.5 && y < H - 0.5;
+            if (mask) {
+                const int mx = (int)floor(x + 0.5), my = (int)floor(y + 0.5);
+                const uint8_t m = inside ? mask[(size_t)my * W + mx] : MASK_IGNORED;
+                labels[o] = m == MASK_IGNORED ? SN_LABEL_IGNORED : m;
+            }
+            const double xc = x < 0 ? 0 : x > W - 1 ? W - 1 : x,
+                         yc = y < 0 ? 0 : y > H - 1 ? H - 1 : y;
+            const int x0 = (int)xc, y0 = (int)yc, x1 = x0 + 1 < W ? x0 + 1 : x0,
+                      y1 = y0 + 1 < H ? y0 + 1 : y0;
+            const double lx = xc - x0, ly = yc - y0;
+            for (int c = 0; c < 3; c++) {
+                const uint8_t *p = rgb + c;
+                const double top = (1 - lx) * p[3 * ((size_t)y0 * W + x0)] +
+                                   lx * p[3 * ((size_t)y0 * W + x1)],
+                             bot = (1 - lx) * p[3 * ((size_t)y1 * W + x0)] +
+                                   lx * p[3 * ((size_t)y1 * W + x1)];
+                out[3 * o + c] = inside ? (float)((1 - ly) * top + ly * bot) : 0.0f;
+            }
+        }
+}
+
+// tf.image's hue and saturation on one pixel of 0..1 values: RGB to HSV (h in
+// [0,1)), h + dh mod 1, s·fs clipped to [0,1], back to RGB
+static void pixel_hue_saturation(float *v, float dh, float fs) {
+    const float r = v[0], g = v[1], b = v[2];
+    const float mx = fmaxf(r, fmaxf(g, b)), mn = fminf(r, fminf(g, b)), chroma = mx - mn;
+    float h = 0.0f, s = mx > 0.0f ? chroma / mx : 0.0f;
+    if (chroma > 0.0f) {
+        h = mx == r ? (g - b) / chroma : mx == g ? 2.0f + (b - r) / chroma : 4.0f + (r - g) / chroma;
+        h /= 6.0f;
+        if (h < 0.0f) h += 1.0f;
+    }
+    h += dh;
+    h -= floorf(h);
+    s = fminf(fmaxf(s * fs, 0.0f), 1.0f);
+    const float h6 = h * 6.0f, c = mx * s, x = c * (1.0f - fabsf(fmodf(h6, 2.0f) - 1.0f)),
+                m = mx - c;
+    const int sector = (int)h6 % 6;
+    static const int8_t PICK[6][3] = {{0, 1, 2}, {1, 0, 2}, {2, 0, 1},
+                                      {2, 1, 0}, {1, 2, 0}, {0, 2, 1}};  // c, x, 0 as R, G, B
+    const float parts[3] = {c, x, 0.0f};
+    for (int k = 0; k < 3; k++) v[k] = parts[PICK[sector][k]] + m;
+}
+
+static int augment_geometric(const Augment *a) {
+    return a && (a->scale_hi > 0.0f || a->rotate > 0.0f || a->vflip);
+}
 
 static void sample_augment(const Dataset *d, const uint8_t *rgb, const uint8_t *mask, int idx,
                            const Augment *aug, uint64_t seed, float *out, int32_t *labels) {
     const int H = d->height, W = d->width;
     const size_t P = (size_t)H * W;
-    const uint64_t ctr = (uint64_t)idx * AUG_DRAWS;
+    const uint64_t ctr = (uint64_t)idx * AUG_DRAWS, sseed = seed ^ AUG_SEG_SALT,
+                   sctr = (uint64_t)idx * SEG_DRAWS;
     int flip = aug && aug->flip && rng_uniform(seed, ctr + AUG_FLIP) < 0.5f;
-    for (int y = 0; y < H; y++)
-        for (int x = 0; x < W; x++) {
-            size_t o = (size_t)y * W + x, s = (size_t)y * W + (flip ? W - 1 - x : x);
-            for (int c = 0; c < 3; c++) out[3 * o + c] = rgb[3 * s + c];
-            if (mask) labels[o] = mask[s] == MASK_IGNORED ? SN_LABEL_IGNORED : mask[s];
-        }
+    if (augment_geometric(aug)) {
+        sample_geometry(d, rgb, mask, aug, seed, idx, flip, out, labels);
+    } else {
+        for (int y = 0; y < H; y++)
+            for (int x = 0; x < W; x++) {
+                size_t o = (size_t)y * W + x, s = (size_t)y * W + (flip ? W - 1 - x : x);
+                for (int c = 0; c < 3; c++) out[3 * o + c] = rgb[3 * s + c];
+                if (mask) labels[o] = mask[s] == MASK_IGNORED ? SN_LABEL_IGNORED : mask[s];
+            }
+    }
     int bright = aug && aug->brightness > 0.0f,
-        contrast = aug && (aug->contrast_lo != 0.0f || aug->contrast_hi != 0.0f);
+        contrast = aug && (aug->contrast_lo != 0.0f || aug->contrast_hi != 0.0f),
+        colour = aug && (aug->hue > 0.0f || aug->saturation_hi > 0.0f);
+    if (!bright && !contrast && !colour) return;
+    if (colour) {
+        const float dh = aug->hue * (2.0f * rng_uniform(sseed, sctr + SEG_HUE) - 1.0f),
+                    fs = aug->saturation_hi > 0.0f
+                                 ? aug->saturation_lo + (aug->saturation_hi - aug->saturation_lo) *
+                                                                rng_uniform(sseed, sctr + SEG_SATURATION)
+                                 : 1.0f;
+        for (size_t p = 0; p < P; p++) {
+            float v[3] = {out[3 * p] / 255.0f, out[3 * p + 1] / 255.0f, out[3 * p + 2] / 255.0f};
+            pixel_hue_saturation(v, dh, fs);
+            for (int c = 0; c < 3; c++) out[3 * p + c] = 255.0f * v[c];
+        }
+    }
     if (!bright && !contrast) return;
     float delta = bright ? aug->brightness * (2.0f * rng_uniform(seed, ctr + AUG_BRIGHTNESS) - 1.0f)
                          : 0.0f;

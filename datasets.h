@@ -33,6 +33,13 @@ typedef struct {
     float brightness;
     // tf.image.random_contrast: (x - mean_c)·f + mean_c, f ~ U[lo, hi] (0,0: off)
     float contrast_lo, contrast_hi;
+    // segmentation's geometry, image and mask together (see sample_augment):
+    float scale_lo, scale_hi;        // zoom by s ~ U[lo, hi], then a random crop (0,0: off)
+    float rotate;                    // rotation by θ ~ U[-D, D] degrees (0: off)
+    int vflip;                       // random vertical flip, p = 1/2
+    // colour, tf.image.adjust_hue / adjust_saturation on 0..1 values
+    float hue;                       // hue + δ ~ U[-D, D] of the colour circle (0: off)
+    float saturation_lo, saturation_hi;  // saturation × f ~ U[lo, hi], clipped to 1 (0,0: off)
 } Augment;
 
 // What a mask's values mean: value v (0..65535) is first mapped by the label
@@ -89,8 +96,8 @@ void dataset_free(Dataset *d);
 // Assembles one batch of samples idx[0..n-1]: images (n,H,W,3) fp32 0..255 after
 // augmentation; labels (n·H·W) classes or SN_LABEL_IGNORED (segmentation), or
 // (n) classes.
-// Augmentation in this order: flip, brightness, contrast (on values/255, then
-// ×255). Sample j's random choices depend only on (seed, idx[j]) (counter-based),
+// Augmentation in this order: the geometry (flips, zoom and crop, rotation),
+// hue, saturation, brightness, contrast (on values/255, then ×255). Sample j's random choices depend only on (seed, idx[j]) (counter-based),
 // so a batch is the same whichever thread builds it; pass a new seed per epoch
 // for new draws. aug NULL (or all zero): the resized bytes as floats, exactly.
 // Returns 0, or -1 with err (a file that changed on disk since dataset_open,

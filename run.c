@@ -114,6 +114,25 @@ static void augment_text(const Augment *a, SfBuf *b) {
                  float_str(f[1], a->contrast_hi));
         sb_str(b, s);
     }
+    if (a->vflip) { sb_str(b, n++ ? ",vflip" : "vflip"); }
+    if (a->scale_hi > 0) {
+        snprintf(s, sizeof s, "%sscale=%s:%s", n++ ? "," : "", float_str(f[0], a->scale_lo),
+                 float_str(f[1], a->scale_hi));
+        sb_str(b, s);
+    }
+    if (a->rotate > 0) {
+        snprintf(s, sizeof s, "%srotate=%s", n++ ? "," : "", float_str(f[0], a->rotate));
+        sb_str(b, s);
+    }
+    if (a->hue > 0) {
+        snprintf(s, sizeof s, "%shue=%s", n++ ? "," : "", float_str(f[0], a->hue));
+        sb_str(b, s);
+    }
+    if (a->saturation_hi > 0) {
+        snprintf(s, sizeof s, "%ssaturation=%s:%s", n++ ? "," : "",
+                 float_str(f[0], a->saturation_lo), float_str(f[1], a->saturation_hi));
+        sb_str(b, s);
+    }
     if (!n) sb_str(b, "none");
 }
 
@@ -658,6 +677,67 @@ static int interrupt_poll(Trainer *t) {
     return !any ? 0 : interrupt_signal ? (int)interrupt_signal : hook ? SIGINT : SIGTERM;
 }
 
+// epoch e's (0-based) stream: its shuffle, and augment_seed_of it its augmentation
+static uint64_t epoch_seed_of(uint64_t seed, int epoch) {
+    return rng_mix64(seed ^ rng_mix64(0x7261696e00000000ull + (uint64_t)epoch));
+}
+static uint64_t augment_seed_of(uint64_t epoch_seed) { return rng_mix64(epoch_seed + 1); }
+
+static int mkdir_p(const char *path, char err[SN_ERR_MAX]);
+
+// segnet augment: samples 0..n-1 of c->data as epoch `epoch` (1-based) of a run
+// with c's settings augments them, written into the folder out (created if
+// missing) as aug<epoch>-<i>-<stem>.png (the image the network sees, its
+// values clipped to 0..255 and rounded) and, for segmentation,
+// aug<epoch>-<i>-<stem>_overlay.png (the mask's class colours blended 50/50,
+// ignored pixels left as they are). An existing file is never replaced.
+int augment_write(const TrainCfg *c, const char *out, int n, int epoch, char err[SN_ERR_MAX]) {
+    Dataset d;
+    const int seg = !model_is_classifier(c->model.model);
+    if (dataset_open_named(&d, c->data, seg, c->model.classes, c->model.height, c->model.width,
+                           c->cache_bytes, c->threads > 0 ? c->threads : 2, NULL, &c->masks, err))
+        return -1;
+    const int H = d.height, W = d.width, count = n < d.n ? n : d.n;
+    const size_t P = (size_t)H * W;
+    float *x = malloc(sizeof(float) * 3 * P);
+    int32_t *y = malloc(sizeof(int32_t) * (seg ? P : 1));
+    uint8_t *rgb = malloc(3 * P), *blend = malloc(3 * P);
+    snCheck(x && y && rgb && blend, "out of host memory");
+    const uint64_t seed = augment_seed_of(epoch_seed_of(c->seed, epoch - 1));
+    int rc = mkdir_p(out, err);
+    for (int i = 0; rc == 0 && i < count; i++) {
+        rc = dataset_batch(&d, &i, 1, &c->augment, seed, x, y, err);
+        for (size_t k = 0; rc == 0 && k < 3 * P; k++) {
+            const long v = lrintf(x[k]);
+            rgb[k] = (uint8_t)(v < 0 ? 0 : v > 255 ? 255 : v);
+        }
+        int len;
+        const char *stem = path_stem(d.images[i], &len);
+        char path[2][OUT_PATH_MAX];
+        for (int k = 0; k < 2; k++)
+            snprintf(path[k], OUT_PATH_MAX, "%s/aug%d-%d-%.*s%s.png", out, epoch, i, len, stem,
+                     k ? "_overlay" : "");
+        for (int k = 0; rc == 0 && k < 1 + seg; k++)
+            if (access(path[k], F_OK) == 0) {
+                snprintf(err, SN_ERR_MAX, "%.400s: exists (segnet augment replaces nothing)",
+                         path[k]);
+                rc = -1;
+            }
+        if (rc == 0) rc = png_write_atomic(path[0], W, H, 3, rgb, err) ? -1 : 0;
+        if (rc || !seg) continue;
+        for (size_t p = 0; p < P; p++)
+            for (int k = 0; k < 3; k++)
+                blend[3 * p + k] = y[p] < 0 ? rgb[3 * p + k]
+                                            : (uint8_t)((rgb[3 * p + k] +
+                                                         SEG_PALETTE[y[p] % SEG_COLOURS][k] + 1) /
+                                                        2);
+        rc = png_write_atomic(path[1], W, H, 3, blend, err) ? -1 : 0;
+    }
+    free(x); free(y); free(rgb); free(blend);
+    dataset_free(&d);
+    return rc;
+}
+
 // One pass over a data set: global batches of model.batch images in a shuffled
 // order (training) or in order; this replica runs its shard of each. Returns
 // -1 with err if the data failed here (the other replicas are told) or on
@@ -675,8 +755,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
         *mine = malloc(sizeof(int) * (size_t)(d->n ? d->n : 1));
     snCheck(order && mine, "out of host memory");
     for (int i = 0; i < d->n; i++) order[i] = i;
-    uint64_t epoch_seed =
-            rng_mix64(c->seed ^ rng_mix64(0x7261696e00000000ull + (uint64_t)t->epoch));
+    const uint64_t epoch_seed = epoch_seed_of(c->seed, t->epoch);
     if (training) {  // Fisher-Yates with the epoch's own stream
         Rng r;
         rng_seed(&r, epoch_seed);
@@ -695,7 +774,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
     }
     Loader *L = n_mine > skip ? loader_start(d, mine + skip, n_mine - skip, N,
                                              training ? &c->augment : NULL,
-                                             rng_mix64(epoch_seed + 1), c->workers, 4)
+                                             augment_seed_of(epoch_seed), c->workers, 4)
                               : NULL;
     o->fill(o, tensor_f32((float *)t->confusion, shape4(2 * K * K, 1, 1, 1)), 0.0f);  // int64 zeros
     pt->loss_sum = pt->norm_sum = 0.0;

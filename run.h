@@ -78,6 +78,10 @@ static const char *const SCHEDULE_NAMES[] = {"constant", "cosine", "poly", "plat
 int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]);
 int train_run_comm(const TrainCfg *c, const char *resume, Comm *comm, char err[SN_ERR_MAX]);
 
+// segnet augment: what epoch `epoch` (1-based) of a run with c's settings feeds
+// the network for samples 0..n-1 of c->data, as PNGs in the folder out (see run.c)
+int augment_write(const TrainCfg *c, const char *out, int n, int epoch, char err[SN_ERR_MAX]);
+
 // Evaluates weights on a data set: loss (the weighted mean, or Keras' pixel
 // mean) and the metrics. iou: (K) caller's memory.
 typedef struct { double loss; Metrics m; } EvalResult;

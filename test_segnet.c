@@ -8775,7 +8775,7 @@ TEST(dataset_augment_flip) {
     const int W = 6, H = 4, idx = 0;
     float x0[72], x[72];
     int32_t y0[24], y[24];
-    Augment aug = {1, 0.0f, 0.0f, 0.0f};
+    Augment aug = {.flip = 1};
     CHECK(dataset_batch(&d, &idx, 1, NULL, 0, x0, y0, err) == 0, "%s", err);
     int flipped = 0, kept = 0;
     for (uint64_t seed = 0; seed < 16; seed++) {
@@ -8827,7 +8827,10 @@ TEST(dataset_augment_brightness_contrast) {
     // brightness D = 0.2: every value moves by the same 255·δ, |δ| ≤ D; contrast
     // [0.5, 1.5]: each channel's mean stays, deviations scale by one f in [lo, hi];
     // both: the means move by 255·δ and the deviations scale by f
-    const Augment augs[3] = {{0, 0.2f, 0.0f, 0.0f}, {0, 0.0f, 0.5f, 1.5f}, {0, 0.2f, 0.5f, 1.5f}};
+    const Augment augs[3] = {
+            {.flip = 0, .brightness = 0.2f, .contrast_lo = 0.0f, .contrast_hi = 0.0f},
+            {.flip = 0, .brightness = 0.0f, .contrast_lo = 0.5f, .contrast_hi = 1.5f},
+            {.flip = 0, .brightness = 0.2f, .contrast_lo = 0.5f, .contrast_hi = 1.5f}};
     for (int a = 0; a < 3; a++) {
         double lo_seen = INFINITY, hi_seen = -INFINITY;
         for (uint64_t seed = 0; seed < 8; seed++) {
@@ -8882,7 +8885,7 @@ TEST(loader_determinism) {
     Dataset d;
     if (ds_five(&d, dir, sizeof dir, "ds_loader", 1 << 20)) { ds_remove(dir); return; }
     const int order[10] = {3, 1, 4, 0, 2, 2, 0, 1, 3, 4}, P = 24;
-    const Augment aug = {1, 0.1f, 0.8f, 1.2f};
+    const Augment aug = {.flip = 1, .brightness = 0.1f, .contrast_lo = 0.8f, .contrast_hi = 1.2f};
     float want_x[10 * 72];
     int32_t want_y[10 * 24];
     CHECK(dataset_batch(&d, order, 10, &aug, 42, want_x, want_y, err) == 0, "%s", err);
@@ -9619,7 +9622,7 @@ TEST(bench_loader_counts) {
     c.model.width = 24;
     c.model.batch = 4;
     c.workers = 2;
-    c.augment = (Augment){1, 0.5f, 0.5f, 1.5f};
+    c.augment = (Augment){.flip = 1, .brightness = 0.5f, .contrast_lo = 0.5f, .contrast_hi = 1.5f};
     c.data = dir;
     LoaderBench lb = {.batches = 5, .warmup = 1};
     CHECK(bench_loader(&c, &lb, err) == 0, "%s", err);
@@ -9632,6 +9635,154 @@ TEST(bench_loader_counts) {
     c.data = missing;
     CHECK(bench_loader(&c, &lb, err) == -1 && contains(err, missing), "missing: '%s'", err);
     ds_remove(dir);
+}
+
+// ---- segmentation augmentation (issue 35, item 5)
+
+// The mask follows the image pixel for pixel: an image of 16 blocks of 8x8,
+// block k of its own colour and class k, zoomed (0.6..1.6), rotated (±35°),
+// cropped and flipped both ways. Wherever the augmented image holds a block's
+// colour exactly (inside a block, where bilinear reads 4 equal pixels), the
+// label is that block's class; where the label is SN_LABEL_IGNORED (outside the
+// sample) the image is 0; and the same draws give the same batch.
+TEST(augment_mask_follows_image) {
+    char dir[300], err[SN_ERR_MAX];
+    ds_fixture(dir, sizeof dir, "aug_follow", SEG_SUBS, 2);
+    enum { H = 32, W = 32, K = 16 };
+    uint8_t px[H * W * 3], m[H * W];
+    uint8_t colour[K][3];
+    for (int k = 0; k < K; k++) {
+        colour[k][0] = (uint8_t)(15 + 15 * k);
+        colour[k][1] = (uint8_t)(240 - 13 * k);
+        colour[k][2] = (uint8_t)(100 + 9 * (k % 5));
+    }
+    for (int y = 0; y < H; y++)
+        for (int x = 0; x < W; x++) {
+            const int k = (y / 8) * 4 + x / 8;
+            memcpy(px + 3 * (y * W + x), colour[k], 3);
+            m[y * W + x] = (uint8_t)k;
+        }
+    ds_png(dir, "images/a.png", W, H, 3, px);
+    ds_png(dir, "masks/a.png", W, H, 1, m);
+    Dataset d;
+    CHECK(dataset_open(&d, dir, 1, K, H, W, 1 << 20, 1, err) == 0, "%s", err);
+    const Augment aug = {
+            .flip = 1, .vflip = 1, .scale_lo = 0.6f, .scale_hi = 1.6f, .rotate = 35.0f};
+    float x[H * W * 3], x2[H * W * 3];
+    int32_t y[H * W], y2[H * W];
+    const int idx = 0;
+    int matched = 0, outside = 0, wrong = 0;
+    for (uint64_t seed = 1; seed <= 20; seed++) {
+        CHECK(dataset_batch(&d, &idx, 1, &aug, seed, x, y, err) == 0, "%s", err);
+        for (int p = 0; p < H * W; p++) {
+            if (y[p] == SN_LABEL_IGNORED) {
+                outside++;
+                wrong += x[3 * p] != 0 || x[3 * p + 1] != 0 || x[3 * p + 2] != 0;
+                continue;
+            }
+            for (int k = 0; k < K; k++)
+                if (fabsf(x[3 * p] - colour[k][0]) < 1e-3f &&
+                    fabsf(x[3 * p + 1] - colour[k][1]) < 1e-3f &&
+                    fabsf(x[3 * p + 2] - colour[k][2]) < 1e-3f) {
+                    matched++;
+                    wrong += y[p] != k;
+                }
+        }
+        CHECK(dataset_batch(&d, &idx, 1, &aug, seed, x2, y2, err) == 0 &&
+                      !memcmp(x, x2, sizeof x) && !memcmp(y, y2, sizeof y),
+              "seed %" PRIu64 ": the same draws, another batch", seed);
+    }
+    CHECK(wrong == 0 && matched > 20 * H * W / 2 && outside > 0,
+          "%d pixels whose label is not their colour's block (%d matched, %d outside)", wrong,
+          matched, outside);
+    dataset_free(&d);
+    ds_remove(dir);
+}
+
+// segnet augment (augment_write): the image written is the batch epoch 2 of a
+// run feeds the network (dataset_batch with that epoch's seed), rounded to
+// bytes; the overlay blends the mask's colours; an existing file stops it.
+TEST(augment_write_files) {
+    const char *data = "/tmp/segnet_test_augw_data", *out = "/tmp/segnet_test_augw_out";
+    rm_rf(data);
+    rm_rf(out);
+    write_seg_set(data, 3, 8, 8, 4);
+    TrainCfg c = tiny_seg_cfg(data, NULL);
+    c.augment =
+            (Augment){.flip = 1, .scale_lo = 0.8f, .scale_hi = 1.3f, .rotate = 20.0f, .hue = 0.1f};
+    char err[SN_ERR_MAX], path[400];
+    CHECK(augment_write(&c, out, 2, 2, err) == 0, "%s", err);
+    Dataset d;
+    CHECK(dataset_open(&d, data, 1, 3, 8, 8, 1 << 20, 1, err) == 0, "%s", err);
+    float x[8 * 8 * 3];
+    int32_t y[64];
+    const int idx = 1;
+    CHECK(dataset_batch(&d, &idx, 1, &c.augment, augment_seed_of(epoch_seed_of(c.seed, 1)), x, y,
+                        err) == 0,
+          "%s", err);
+    int w, h, n;
+    snprintf(path, sizeof path, "%s/aug2-1-i01.png", out);
+    uint8_t *img = stbi_load(path, &w, &h, &n, 3);
+    int wrong = 0;
+    for (int k = 0; img && k < 8 * 8 * 3; k++) {
+        const long v = lrintf(x[k]);
+        wrong += img[k] != (v < 0 ? 0 : v > 255 ? 255 : v);
+    }
+    CHECK(img && w == 8 && h == 8 && !wrong, "%s: the batch's image (%d values differ)", path,
+          wrong);
+    stbi_image_free(img);
+    snprintf(path, sizeof path, "%s/aug2-1-i01_overlay.png", out);
+    CHECK(file_exists(path), "%s", path);
+    snprintf(path, sizeof path, "%s/aug2-2-i02.png", out);
+    CHECK(!file_exists(path), "-n 2 writes two samples");
+    CHECK(augment_write(&c, out, 2, 2, err) == -1 && contains(err, "aug2-0-i00.png: exists"),
+          "again: '%s'", err);
+    dataset_free(&d);
+    rm_rf(data);
+    rm_rf(out);
+}
+
+// pixel_hue_saturation against other forms of the same hexagonal HSV (tf's):
+// RGB → HSV as Python's colorsys writes it, HSV → RGB as Wikipedia's
+// "alternative" f(n) = V - V·S·max(0, min(k, 4 - k, 1)), k = (n + 6H) mod 6 for
+// n = 5, 3, 1; on random pixels, shifts and factors; and by hand: red turned
+// by a third of the circle is green, and saturation 0 is grey.
+TEST(augment_hue_saturation) {
+    Rng r;
+    rng_seed(&r, 21);
+    double worst = 0;
+    for (int t = 0; t < 2000; t++) {
+        float v[3], dh = 0.5f * (2 * rng_float(&r) - 1), fs = 2 * rng_float(&r);
+        for (int c = 0; c < 3; c++) v[c] = rng_float(&r);
+        const double R = v[0], G = v[1], B = v[2], mx = fmax(R, fmax(G, B)),
+                     mn = fmin(R, fmin(G, B));
+        double h = 0;
+        if (mx > mn) {  // Python colorsys' form: distances from the max
+            const double rc = (mx - R) / (mx - mn), gc = (mx - G) / (mx - mn),
+                         bc = (mx - B) / (mx - mn);
+            h = R == mx ? bc - gc : G == mx ? 2 + rc - bc : 4 + gc - rc;
+            h = fmod(h / 6 + 1, 1);
+        }
+        double S = mx > 0 ? (mx - mn) / mx : 0;
+        h = fmod(h + dh + 1.0, 1.0);
+        S = fmin(S * fs, 1.0);
+        double want[3];
+        for (int c = 0; c < 3; c++) {
+            const double k = fmod((c == 0 ? 5 : c == 1 ? 3 : 1) + 6 * h, 6);
+            want[c] = mx - mx * S * fmax(0, fmin(fmin(k, 4 - k), 1));
+        }
+        pixel_hue_saturation(v, dh, fs);
+        for (int c = 0; c < 3; c++) worst = fmax(worst, fabs(v[c] - want[c]));
+    }
+    // fp32 against fp64, some 10 roundings of values ≤ 1 (each ≤ 6e-8): 1e-5 is ample
+    CHECK(worst < 1e-5, "HSV round trip off by %g from the other formulas", worst);
+    float red[3] = {1, 0, 0}, grey[3] = {0.8f, 0.2f, 0.4f};
+    pixel_hue_saturation(red, 1.0f / 3.0f, 1.0f);
+    CHECK(fabsf(red[0]) < 1e-6f && fabsf(red[1] - 1) < 1e-6f && fabsf(red[2]) < 1e-6f,
+          "red + 1/3 = green: %g %g %g", red[0], red[1], red[2]);
+    pixel_hue_saturation(grey, 0.0f, 0.0f);
+    CHECK(grey[0] == grey[1] && grey[1] == grey[2] && fabsf(grey[0] - 0.8f) < 1e-6f,
+          "saturation 0 is the grey of the value: %g %g %g", grey[0], grey[1], grey[2]);
 }
 
 // ---- tiled prediction (issue 35, item 4)
@@ -10477,7 +10628,7 @@ TEST(train_epochs_reshuffle) {
     c = tiny_seg_cfg(one, one);
     c.lr = 0.0f;
     c.class_weights[0] = 1.0f;
-    c.augment = (Augment){1, 0.2f, 0, 0};
+    c.augment = (Augment){.flip = 1, .brightness = 0.2f, .contrast_lo = 0, .contrast_hi = 0};
     CHECK(trainer_open(&t, &c, one, one, err) == 0, "%s", err);
     use_per_tensor_net(&t);
     float seen[6][64 * 3];
@@ -11789,7 +11940,7 @@ TEST(resume_bitwise) {
     c.warmup = 2;
     c.clipnorm = 0.5f;
     c.weight_decay = 0.01f;
-    c.augment = (Augment){1, 0.1f, 0.8f, 1.2f};
+    c.augment = (Augment){.flip = 1, .brightness = 0.1f, .contrast_lo = 0.8f, .contrast_hi = 1.2f};
     c.out = a;
     char err[SN_ERR_MAX];
     CHECK(train_run(&c, NULL, err) == 0, "%s", err);
@@ -11856,7 +12007,8 @@ TEST(interrupt_resume_bitwise) {
         c.replicas = cases[k].replicas;
         c.epochs = 3;
         c.schedule = SCHEDULE_COSINE;
-        c.augment = (Augment){1, 0.1f, 0.8f, 1.2f};
+        c.augment =
+                (Augment){.flip = 1, .brightness = 0.1f, .contrast_lo = 0.8f, .contrast_hi = 1.2f};
         c.log_every = 2;  // steps.csv's intervals cross epochs and interruptions
         c.out = a;
         CHECK(train_run(&c, NULL, err) == 0, "%s: %s", cases[k].what, err);
@@ -11925,7 +12077,7 @@ TEST(resume_cli_after_crash) {
     c.class_weights[0] = 0.0f; c.class_weights[1] = 1.0f; c.class_weights[2] = 2.5f;
     c.epochs = 3; c.lr = 0.003f; c.adam_eps = 1e-4f; c.weight_decay = 0.02f; c.clipnorm = 0.3f;
     c.schedule = SCHEDULE_COSINE; c.warmup = 3; c.patience = 5; c.loss_norm_keras = 1; c.seed = 5;
-    c.augment = (Augment){1, 0.1f, 0.8f, 1.2f};
+    c.augment = (Augment){.flip = 1, .brightness = 0.1f, .contrast_lo = 0.8f, .contrast_hi = 1.2f};
     c.out = a;
     char err[SN_ERR_MAX], pa[300], pb[300], ck[300], args[400], msg[4096];
     CHECK(train_run(&c, NULL, err) == 0, "%s", err);
