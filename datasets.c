@@ -740,9 +740,8 @@ static void sample_geometry(const Dataset *d, const uint8_t *rgb, const uint8_t 
                             int32_t *labels) {
     const int H = d->height, W = d->width;
     const uint64_t sseed = seed ^ AUG_SEG_SALT, ctr = (uint64_t)idx * SEG_DRAWS;
-    const double zoom = a->scale_hi > 0.0f ? a->scale_lo + (a->scale_hi - a->scale_lo) *
-                                                                   rng_uniform(sseed, ctr + SEG_SCALE)
-                                           : 1.0,
+    const double u = rng_uniform(sseed, ctr + SEG_SCALE),
+                 zoom = a->scale_hi > 0.0f ? a->scale_lo + (a->scale_hi - a->scale_lo) * u : 1.0,
                  theta = a->rotate * (2.0 * rng_uniform(sseed, ctr + SEG_ANGLE) - 1.0) * M_PI / 180,
                  dx = (zoom * W - W) * (rng_uniform(sseed, ctr + SEG_CROP_X) - 0.5),
                  dy = (zoom * H - H) * (rng_uniform(sseed, ctr + SEG_CROP_Y) - 0.5),
@@ -783,7 +782,9 @@ static void pixel_hue_saturation(float *v, float dh, float fs) {
     const float mx = fmaxf(r, fmaxf(g, b)), mn = fminf(r, fminf(g, b)), chroma = mx - mn;
     float h = 0.0f, s = mx > 0.0f ? chroma / mx : 0.0f;
     if (chroma > 0.0f) {
-        h = mx == r ? (g - b) / chroma : mx == g ? 2.0f + (b - r) / chroma : 4.0f + (r - g) / chroma;
+        h = mx == r   ? (g - b) / chroma
+            : mx == g ? 2.0f + (b - r) / chroma
+                      : 4.0f + (r - g) / chroma;
         h /= 6.0f;
         if (h < 0.0f) h += 1.0f;
     }
@@ -825,10 +826,10 @@ static void sample_augment(const Dataset *d, const uint8_t *rgb, const uint8_t *
         colour = aug && (aug->hue > 0.0f || aug->saturation_hi > 0.0f);
     if (!bright && !contrast && !colour) return;
     if (colour) {
-        const float dh = aug->hue * (2.0f * rng_uniform(sseed, sctr + SEG_HUE) - 1.0f),
+        const float u = rng_uniform(sseed, sctr + SEG_SATURATION),
+                    dh = aug->hue * (2.0f * rng_uniform(sseed, sctr + SEG_HUE) - 1.0f),
                     fs = aug->saturation_hi > 0.0f
-                                 ? aug->saturation_lo + (aug->saturation_hi - aug->saturation_lo) *
-                                                                rng_uniform(sseed, sctr + SEG_SATURATION)
+                                 ? aug->saturation_lo + (aug->saturation_hi - aug->saturation_lo) * u
                                  : 1.0f;
         for (size_t p = 0; p < P; p++) {
             float v[3] = {out[3 * p] / 255.0f, out[3 * p + 1] / 255.0f, out[3 * p + 2] / 255.0f};
