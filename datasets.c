@@ -828,9 +828,8 @@ static void sample_augment(const Dataset *d, const uint8_t *rgb, const uint8_t *
     if (colour) {
         const float u = rng_uniform(sseed, sctr + SEG_SATURATION),
                     dh = aug->hue * (2.0f * rng_uniform(sseed, sctr + SEG_HUE) - 1.0f),
-                    fs = aug->saturation_hi > 0.0f
-                                 ? aug->saturation_lo + (aug->saturation_hi - aug->saturation_lo) * u
-                                 : 1.0f;
+                    lo = aug->saturation_lo, hi = aug->saturation_hi,
+                    fs = hi > 0.0f ? lo + (hi - lo) * u : 1.0f;
         for (size_t p = 0; p < P; p++) {
             float v[3] = {out[3 * p] / 255.0f, out[3 * p + 1] / 255.0f, out[3 * p + 2] / 255.0f};
             pixel_hue_saturation(v, dh, fs);
