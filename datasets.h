@@ -99,7 +99,8 @@ void dataset_free(Dataset *d);
 // Augmentation in this order: the geometry (flips, zoom and crop, rotation),
 // hue, saturation, brightness, contrast (on values/255, then ×255). Sample j's
 // random choices depend only on (seed, idx[j]) (counter-based), so a batch is
-// the same whichever thread builds it; pass a new seed per epoch for new draws. aug NULL (or all zero): the resized bytes as floats, exactly.
+// the same whichever thread builds it; pass a new seed per epoch for new draws.
+// aug NULL (or all zero): the resized bytes as floats, exactly.
 // Returns 0, or -1 with err (a file that changed on disk since dataset_open,
 // with the message dataset_open would give).
 int dataset_batch(const Dataset *d, const int *idx, int n, const Augment *aug, uint64_t seed,
