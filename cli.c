@@ -221,6 +221,7 @@ typedef struct {
     TrainCfg c;
     const char *class_weights, *resume, *run;
     const char *monitor;  // --monitor's metric name as given (checked against the model)
+    int weights_auto;     // --class-weights auto: from the training set's frequencies
     int size_given;
     size_t memory;      // --memory: pick the setting that fits (0: not given)
     int fixed;          // --checkpoint or --precision given
@@ -481,7 +482,8 @@ static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd
                 a->c.model.model, monitor_name(&a->c));
         return -1;
     }
-    if (a->class_weights) {
+    a->weights_auto = a->class_weights && !strcmp(a->class_weights, "auto");
+    if (a->class_weights && !a->weights_auto) {
         if (parse_class_weights(a->class_weights, a->c.model.classes, a->c.class_weights))
             return -1;
         a->c.class_weights_given = 1;
@@ -556,7 +558,10 @@ static const char *TRAIN_USAGE =
     "  --val VAL             validation data (default: none)\n"
     "  --classes K           number of classes (required)\n"
     "  --class-weights LIST  K comma-separated weights ≥ 0 (default all 1); weight 0\n"
-    "                        ignores a class, e.g. 0 = \"not annotated\"\n"
+    "                        ignores a class, e.g. 0 = \"not annotated\"; auto:\n"
+    "                        median-frequency balancing over the training set (w_c =\n"
+    "                        median freq / freq_c, freq_c = pixels of c / pixels of\n"
+    "                        the masks holding c), printed and kept in config.txt\n"
     "  --ignore-index V      mask value V (comma-separated or repeated, up to 16) marks\n"
     "                        a pixel that counts nothing: not in the loss, its\n"
     "                        normaliser, the gradients or the metrics (VOC's and\n"
@@ -880,6 +885,26 @@ static int cmd_train(TrainArgs *a, int argc, char **argv) {
     }
     a->c.weights_note = note;
     if (a->memory && !a->resume && pick_setting(a, "train", stderr)) return 1;
+    if (a->weights_auto && a->resume) {
+        fprintf(stderr, "segnet train: --class-weights auto: a resumed run keeps the weights in "
+                        "its config.txt\n");
+        return 2;
+    }
+    if (a->weights_auto) {  // the numbers go into config.txt: a resumed run keeps them
+        TrainCfg *c = &a->c;
+        if (class_weights_median_frequency(c->data, !model_is_classifier(c->model.model),
+                                           c->model.classes, c->model.height, c->model.width,
+                                           &c->masks, c->class_weights, err)) {
+            print_message(stderr, "segnet train", err);
+            return 1;
+        }
+        c->class_weights_given = 1;
+        fprintf(stderr, "segnet train: --class-weights auto (median frequency over %s): ", c->data);
+        char f[32];
+        for (int k = 0; k < c->model.classes; k++)
+            fprintf(stderr, "%s%s", k ? "," : "", float_str(f, c->class_weights[k]));
+        fputc('\n', stderr);
+    }
     interrupt_handlers_install();
     const int rc = train_run(&a->c, a->resume, err);
     if (rc < 0) { print_message(stderr, "segnet train", err); return 1; }

@@ -1025,3 +1025,81 @@ int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pi
     if (!ok) snprintf(err, SN_ERR_MAX, "%.400s: cannot encode the PNG", path);
     return atomic_file_commit(f, tmp, path, ok, err);
 }
+
+// ----------------------------------------------------------------------------
+// --class-weights auto: median-frequency balancing (Eigen & Fergus 2015, as
+// SegNet trains): freq_c = (pixels of class c) / (pixels of the masks that hold
+// c), w_c = median over the classes present of freq / freq_c; a class that
+// never occurs gets 0. Pixels count as the loss sees them: resized to (H,W) by
+// nearest neighbour, ignored ones left out. For a classifier, freq_c = (images
+// of class c) / (images). Only the masks (or the labels) are read.
+int class_weights_median_frequency(const char *path, int segmentation, int K, int H, int W,
+                                   const MaskRules *rules, float *w, char err[SN_ERR_MAX]) {
+    Dataset d;
+    memset(&d, 0, sizeof d);
+    d.segmentation = segmentation;
+    d.classes = K;
+    d.height = H;
+    d.width = W;
+    struct stat sb;
+    if (stat(path, &sb) != 0) {
+        snprintf(err, SN_ERR_MAX, "%s: %s", path, strerror(errno));
+        return -1;
+    }
+    int rc = segmentation ? mask_rules_apply(&d, rules, err) || list_segmentation(&d, path, err)
+             : S_ISDIR(sb.st_mode) ? list_class_folders(&d, path, NULL, err)
+                                   : list_csv(&d, path, NULL, err);
+    double *count = calloc((size_t)K, sizeof(double)), *present = calloc((size_t)K, sizeof(double));
+    uint8_t *small = malloc((size_t)H * W);
+    int *seen = malloc(sizeof(int) * (size_t)K);
+    snCheck(count && present && small && seen, "out of host memory");
+    for (int i = 0; rc == 0 && i < d.n; i++) {
+        if (!segmentation) {
+            count[d.labels[i]] += 1.0;
+            continue;
+        }
+        int mh = 0, mw = 0, comp;
+        if (!stbi_info(d.masks[i], &mw, &mh, &comp)) {
+            snprintf(err, SN_ERR_MAX, "%s: cannot decode the image (%s)", d.masks[i],
+                     decoder_reason());
+            rc = -1;
+            break;
+        }
+        uint8_t *m = mask_load(&d, d.masks[i], mh, mw, 1, err);
+        if (!m) { rc = -1; break; }
+        mask_resize(small, H, W, m, mh, mw);
+        free(m);
+        double labelled = 0.0;
+        memset(seen, 0, sizeof(int) * (size_t)K);
+        for (size_t p = 0; p < (size_t)H * W; p++)
+            if (small[p] != MASK_IGNORED) {
+                count[small[p]] += 1.0;
+                seen[small[p]] = 1;
+                labelled++;
+            }
+        for (int k = 0; k < K; k++) present[k] += seen[k] ? labelled : 0.0;
+    }
+    if (rc == 0) {
+        double freq[SN_MAX_CLASSES], sorted[SN_MAX_CLASSES];
+        int n = 0;
+        for (int k = 0; k < K; k++) {
+            freq[k] = count[k] / (segmentation ? present[k] : (double)d.n);
+            if (count[k] > 0) sorted[n++] = freq[k];
+        }
+        for (int a = 1; a < n; a++)  // insertion sort: K is small
+            for (int b = a; b > 0 && sorted[b - 1] > sorted[b]; b--) {
+                const double t = sorted[b]; sorted[b] = sorted[b - 1]; sorted[b - 1] = t;
+            }
+        if (n == 0) {
+            snprintf(err, SN_ERR_MAX, "%s: no labelled pixel or image: no class frequencies",
+                     path);
+            rc = -1;
+        }
+        const double median = n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+        for (int k = 0; rc == 0 && k < K; k++)
+            w[k] = count[k] > 0 ? (float)(median / freq[k]) : 0.0f;
+    }
+    free(count); free(present); free(small); free(seen);
+    dataset_free(&d);
+    return rc;
+}

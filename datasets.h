@@ -127,6 +127,11 @@ const LoaderBatch *loader_next(Loader *l);
 const char *loader_error(const Loader *l);  // "" if none
 void loader_stop(Loader *l);                // at any time: joins the workers, frees everything
 
+// --class-weights auto: w (K) by median-frequency balancing over the training
+// set at path, its masks resized to (H,W) (see datasets.c); -1 with err.
+int class_weights_median_frequency(const char *path, int segmentation, int K, int H, int W,
+                                   const MaskRules *rules, float *w, char err[SN_ERR_MAX]);
+
 // PNG output, atomic (<path>.tmp.<pid> in the same folder, fsync, rename): comp
 // 1 (grey) or 3 (RGB). On failure the temporary is removed and a file already
 // at path is untouched.

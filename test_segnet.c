@@ -9637,6 +9637,88 @@ TEST(bench_loader_counts) {
     ds_remove(dir);
 }
 
+// --class-weights auto by hand (issue 35, item 6). Two 4x4 masks, K = 4:
+//   A: class 0 ×12 (2 of them void with --ignore-index 255), class 1 ×4
+//   B: class 0 ×8, class 2 ×8; class 3 never occurs
+// Without the void: counts (20, 4, 8), the pixels of the masks holding each
+// class (32, 16, 16): freq (0.625, 0.25, 0.5), median 0.5, w (0.8, 2, 1, 0).
+// With A's 2 void pixels: counts (18, 4, 8), holding (14 + 16, 14, 16): freq
+// (0.6, 2/7, 0.5), w (5/6, 1.75, 1, 0). A classifier's labels (0,0,0,1,2,2):
+// freq (1/2, 1/6, 1/3), w (2/3, 2, 1).
+TEST(class_weights_auto_by_hand) {
+    char dir[300], err[SN_ERR_MAX];
+    ds_fixture(dir, sizeof dir, "cw_auto", SEG_SUBS, 2);
+    uint8_t px[16 * 3] = {0}, a[16], b[16];
+    for (int p = 0; p < 16; p++) {
+        a[p] = p < 12 ? 0 : 1;
+        b[p] = p < 8 ? 0 : 2;
+    }
+    ds_png(dir, "images/a.png", 4, 4, 3, px);
+    ds_png(dir, "images/b.png", 4, 4, 3, px);
+    ds_png(dir, "masks/a.png", 4, 4, 1, a);
+    ds_png(dir, "masks/b.png", 4, 4, 1, b);
+    float w[4];
+    CHECK(class_weights_median_frequency(dir, 1, 4, 4, 4, NULL, w, err) == 0, "%s", err);
+    CHECK(fabsf(w[0] - 0.8f) < 1e-6f && fabsf(w[1] - 2.0f) < 1e-6f && fabsf(w[2] - 1.0f) < 1e-6f &&
+                  w[3] == 0.0f,
+          "weights %g %g %g %g, want 0.8 2 1 0", w[0], w[1], w[2], w[3]);
+    a[0] = a[1] = 255;
+    ds_png(dir, "masks/a.png", 4, 4, 1, a);
+    const MaskRules void255 = {1, {255}, NULL};
+    CHECK(class_weights_median_frequency(dir, 1, 4, 4, 4, &void255, w, err) == 0, "%s", err);
+    CHECK(fabsf(w[0] - 5.0f / 6.0f) < 1e-6f && fabsf(w[1] - 1.75f) < 1e-6f &&
+                  fabsf(w[2] - 1.0f) < 1e-6f && w[3] == 0.0f,
+          "with void: %g %g %g %g, want 5/6 1.75 1 0", w[0], w[1], w[2], w[3]);
+    CHECK(class_weights_median_frequency(dir, 1, 4, 4, 4, NULL, w, err) == -1 &&
+                  contains(err, "masks/a.png: pixel (0,0) has class 255"),
+          "void without --ignore-index: '%s'", err);
+    ds_text(dir, "list.csv",
+            "images/a.png,0\nimages/a.png,0\nimages/b.png,0\n"
+            "images/b.png,1\nimages/a.png,2\nimages/b.png,2\n");
+    char csv[400];
+    snprintf(csv, sizeof csv, "%s/list.csv", dir);
+    CHECK(class_weights_median_frequency(csv, 0, 3, 4, 4, NULL, w, err) == 0, "%s", err);
+    CHECK(fabsf(w[0] - 2.0f / 3.0f) < 1e-6f && fabsf(w[1] - 2.0f) < 1e-6f &&
+                  fabsf(w[2] - 1.0f) < 1e-6f,
+          "classifier: %g %g %g, want 2/3 2 1", w[0], w[1], w[2]);
+    ds_remove(dir);
+}
+
+// --class-weights auto on the command line: the weights are printed and kept
+// in config.txt as numbers (so eval --run and --resume use them), and a
+// resumed run refuses to compute them again.
+TEST(class_weights_auto_cli) {
+    const char *data = "/tmp/segnet_test_cwa_data", *run = "/tmp/segnet_test_cwa_run";
+    rm_rf(data);
+    rm_rf(run);
+    write_seg_set(data, 4, 8, 8, 6);
+    char args[800], msg[4096], path[400];
+    snprintf(args, sizeof args,
+             "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --epochs 1 --classes 3 "
+             "--class-weights auto --data %s --out %s --device cpu",
+             data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0 && contains(msg, "--class-weights auto"),
+          "train: %s", msg);
+    float w[3];
+    char err[SN_ERR_MAX];
+    CHECK(class_weights_median_frequency(data, 1, 3, 8, 8, NULL, w, err) == 0, "%s", err);
+    char want[200], f[3][32];
+    snprintf(want, sizeof want, "\nclass-weights = %s,%s,%s\n", float_str(f[0], w[0]),
+             float_str(f[1], w[1]), float_str(f[2], w[2]));
+    snprintf(path, sizeof path, "%s/config.txt", run);
+    size_t n;
+    char *cfg = read_file(path, &n);
+    CHECK(cfg && contains(cfg, want) && contains(msg, want + 17), "config.txt holds%s: %s", want,
+          cfg ? cfg : "");
+    free(cfg);
+    snprintf(args, sizeof args, "train --resume %s --epochs 2 --class-weights auto", run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 &&
+                  contains(msg, "a resumed run keeps the weights in its config.txt"),
+          "resume with auto: '%s'", msg);
+    rm_rf(data);
+    rm_rf(run);
+}
+
 // ---- segmentation augmentation (issue 35, item 5)
 
 // The mask follows the image pixel for pixel: an image of 16 blocks of 8x8,
