@@ -1004,6 +1004,8 @@ static const char *PREDICT_USAGE =
         "                      fraction of a tile (default 0.5)\n"
         "  --tta flip          with --tile: also predict each tile mirrored left-right\n"
         "                      and average the two (default none)\n"
+        "  --probs             with --tile: also OUT/<stem>_probs.safetensors, the\n"
+        "                      blended class probabilities, tensor \"probs\" (H,W,K) fp16\n"
         "  --model NAME        effv2-s (default), effv2-m, effv2-l, effv2-t, unet,\n"
         "                      unet-effv2-s, unet-effv2-m, unet-effv2-l, unet-effv2-t\n"
         "  --weights W         safetensors in PyTorch layout (segnet, torchvision or timm\n"
@@ -1027,7 +1029,7 @@ static const char *PREDICT_USAGE =
                                           "                      image as read\n";
 
 static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
-    PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO, NULL, 0, 0, 0, 0.0f, 0};
+    PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO, NULL, 0, 0, 0, 0.0f, 0, 0};
     pc.overlap = 0.5f;
     int tile_h = 0, tile_w = 0, overlap_given = 0;
     pc.model.model = "effv2-s";
@@ -1049,6 +1051,7 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(PREDICT_USAGE, stdout); return 0; }
         if (!strcmp(f, "--last")) { last = 1; i++; continue; }
         if (!strcmp(f, "--overwrite")) { pc.overwrite = 1; i++; continue; }
+        if (!strcmp(f, "--probs")) { pc.probs = 1; i++; continue; }
         if (!strcmp(f, "--tile") || !strcmp(f, "--overlap") || !strcmp(f, "--tta")) {
             if (i + 1 >= argc) {
                 fprintf(stderr, "segnet predict: %s needs a value\n", f);
@@ -1141,8 +1144,9 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
     }
     if (!size_given) model_default_size(&pc.model);
     if (model_options_used("predict", pc.model.model, argc, argv)) return 2;
-    if ((overlap_given || pc.tta_flip) && !pc.tiled) {
-        fprintf(stderr, "segnet predict: --overlap and --tta work on tiles: give --tile HxW\n");
+    if ((overlap_given || pc.tta_flip || pc.probs) && !pc.tiled) {
+        fprintf(stderr,
+                "segnet predict: --overlap, --tta and --probs work on tiles: give --tile HxW\n");
         return 2;
     }
     if (pc.tiled) {  // the model runs on tiles: its input is a tile

@@ -1465,6 +1465,7 @@ static void fuzz_cli_template(FuzzCtx *c) {
                          0,
                          0,
                          0.0f,
+                         0,
                          0};
         snCheck(predict_run(&pc, err) == 0, "fuzz cli: %s", err);
         char report[SN_ERR_MAX];

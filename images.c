@@ -487,14 +487,21 @@ static int seg_legend_write(const char *out, int K, char err[SN_ERR_MAX]) {
 }
 
 // the mask and overlay paths of an image: "x/a.b.jpg" → OUT/a.b.png, OUT/a.b_overlay.png
-static void seg_out_paths(const char *out, const char *image, char mask[OUT_PATH_MAX],
-                          char overlay[OUT_PATH_MAX]) {
+// OUT/<stem>.png, OUT/<stem>_overlay.png and OUT/<stem>_probs.safetensors (--probs)
+static void seg_out_paths3(const char *out, const char *image, char mask[OUT_PATH_MAX],
+                           char overlay[OUT_PATH_MAX], char probs[OUT_PATH_MAX]) {
     const char *base = strrchr(image, '/');
     base = base ? base + 1 : image;
     const char *dot = strrchr(base, '.');
     int stem = dot && dot != base ? (int)(dot - base) : (int)strlen(base);
     snprintf(mask, OUT_PATH_MAX, "%s/%.*s.png", out, stem, base);
     snprintf(overlay, OUT_PATH_MAX, "%s/%.*s_overlay.png", out, stem, base);
+    snprintf(probs, OUT_PATH_MAX, "%s/%.*s_probs.safetensors", out, stem, base);
+}
+static void seg_out_paths(const char *out, const char *image, char mask[OUT_PATH_MAX],
+                          char overlay[OUT_PATH_MAX]) {
+    char probs[OUT_PATH_MAX];
+    seg_out_paths3(out, image, mask, overlay, probs);
 }
 
 typedef struct { char *name; int image; } SegName;
@@ -712,15 +719,17 @@ static int outputs_allowed(const PredictCfg *pc, const PathList *l, const SegNam
 // and a bad image found halfway would leave a partial folder.
 static int seg_check_inputs(const PredictCfg *pc, const PathList *l, char err[SN_ERR_MAX]) {
     const char *out = pc->out;
-    const int n = 2 * l->n + 1;  // the masks, the overlays and the legend (image -1)
+    // the masks, the overlays, the probabilities (--probs) and the legend (image -1)
+    const int per = pc->probs ? 3 : 2, n = per * l->n + 1;
     SegName *names = malloc(sizeof(SegName) * n);
     snCheck(names != NULL, "out of host memory");
     for (int i = 0; i < l->n; i++) {
-        char m[OUT_PATH_MAX], o[OUT_PATH_MAX];
-        seg_out_paths(out, l->paths[i], m, o);
-        names[2 * i] = (SegName){strdup(m), i};
-        names[2 * i + 1] = (SegName){strdup(o), i};
-        snCheck(names[2 * i].name && names[2 * i + 1].name, "out of host memory");
+        char paths[3][OUT_PATH_MAX];
+        seg_out_paths3(out, l->paths[i], paths[0], paths[1], paths[2]);
+        for (int k = 0; k < per; k++) {
+            names[per * i + k] = (SegName){strdup(paths[k]), i};
+            snCheck(names[per * i + k].name != NULL, "out of host memory");
+        }
     }
     char legend[OUT_PATH_MAX];
     seg_legend_path(out, legend);
@@ -903,6 +912,23 @@ static void predict_tiled(const TileModel *m, const float *img, int h, int w, fl
     free(ys); free(xs); free(g); free(wsum); free(x); free(z);
 }
 
+// OUT/<stem>_probs.safetensors: the tensor "probs" (h,w,K) in fp16 (round to nearest even)
+static int probs_write(const char *out, const char *image, const float *probs, int h, int w,
+                       int K, char err[SN_ERR_MAX]) {
+    const size_t n = (size_t)h * w * K;
+    uint16_t *half = malloc(sizeof(uint16_t) * n);
+    snCheck(half != NULL, "out of host memory");
+    for (size_t i = 0; i < n; i++) half[i] = f32_to_f16(probs[i]);
+    SafetensorsTensor t = {.name = "probs", .dtype = DT_F16, .ndim = 3, .numel = n,
+                           .data = half};
+    t.dims[0] = h; t.dims[1] = w; t.dims[2] = K;
+    char m[OUT_PATH_MAX], o[OUT_PATH_MAX], p[OUT_PATH_MAX];
+    seg_out_paths3(out, image, m, o, p);
+    const int rc = safetensors_write(p, &t, 1, NULL, NULL, 0, err);
+    free(half);
+    return rc;
+}
+
 typedef struct { Net *net; Ops *o; int input, output; } NetTiles;
 static void net_tiles_forward(void *ctx, const float *tiles, int n, float *logits) {
     NetTiles *nt = ctx;
@@ -998,7 +1024,8 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
             predict_tiled(&tm, img, h, w, pc->overlap, pc->tta_flip, probs);
             argmax_rows(mask, probs, (size_t)h * w, K);
         }
-        ok = img && seg_write_mask(pc->out, list.paths[i], img, h, w, mask, err) == 0;
+        ok = img && seg_write_mask(pc->out, list.paths[i], img, h, w, mask, err) == 0 &&
+             (!pc->probs || probs_write(pc->out, list.paths[i], probs, h, w, K, err) == 0);
         free(img); free(probs); free(mask);
         if (pc->progress) fprintf(stderr, "%spredict: %d/%d images%s", tty ? "\r" : "", i + 1,
                                   list.n, tty ? "" : "\n");

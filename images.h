@@ -39,5 +39,7 @@ typedef struct {
     int tiled;
     float overlap;
     int tta_flip;          // with tiled: each tile also mirrored left-right
+    // with tiled: also <stem>_probs.safetensors, the blended probabilities (h,w,K) fp16
+    int probs;
 } PredictCfg;
 int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);

@@ -12743,7 +12743,7 @@ TEST(predict_classifier) {
     FILE *f = fopen(csv, "w");
     fprintf(f, "path,label\na.png,0\nb.png,2\n\"c,odd.png\",1\n");
     fclose(f);
-    PredictCfg pc = {c, wpath, dir, out1, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0};
+    PredictCfg pc = {c, wpath, dir, out1, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0, 0};
     pc.model.batch = 2;  // 3 images: the last batch is partly empty
     CHECK(predict_run(&pc, err) == 0, "predict on a folder: %s", err);
     pc.input = csv; pc.out = out2;
@@ -12812,7 +12812,7 @@ TEST(predict_bad_input) {
     f = fopen(corrupt, "wb"); fputs("\x89PNG\r\n\x1a\nnot really a png", f); fclose(f);
     ModelCfg c = model_cfg_default();
     c.model = "effv2-t"; c.classes = 3; c.height = 32; c.width = 32;
-    PredictCfg pc = {c, wpath, csv, out, 0, DEVICE_CPU, NULL, 0, 1, 0, 0.0f, 0};
+    PredictCfg pc = {c, wpath, csv, out, 0, DEVICE_CPU, NULL, 0, 1, 0, 0.0f, 0, 0};
     struct { const char *rows, *want1, *want2; } cases[] = {
         {"good.png\ncorrupt.png\n", "corrupt.png", "cannot decode"},
         {"good.png\nmissing.png\n", "missing.png", "No such file"},
@@ -13015,7 +13015,7 @@ TEST(predict_segmentation) {
         write_png_red(path, SEG_W[i], SEG_H[i], reds[i], &r);
     }
     // batch 2, 3 images: the last batch is partly empty
-    PredictCfg pc = {c, wpath, in, outdir, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0};
+    PredictCfg pc = {c, wpath, in, outdir, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0, 0};
     CHECK(predict_run(&pc, err) == 0, "predict: %s", err);
     check_seg_outputs(&net, out, in, outdir);
     CHECK(predict_run(&pc, err) == -1 && contains(err, "exists") && contains(err, "--overwrite"),
@@ -13048,9 +13048,9 @@ TEST(predict_tiled_masks) {
         snprintf(path, sizeof path, "%s/img%d.png", d.in, i);
         write_png_red(path, SIZES[i][1], SIZES[i][0], NULL, &r);
     }
-    PredictCfg pc = {c, d.wpath, d.in, outdir, 0, DEVICE_CPU, NULL, 0, 0, 1, 0.5f, 1};
+    PredictCfg pc = {c, d.wpath, d.in, outdir, 0, DEVICE_CPU, NULL, 0, 0, 1, 0.5f, 1, 1};
     pc.model.batch = 3;
-    CHECK(predict_run(&pc, err) == 0, "predict --tile 8x8 --tta flip: %s", err);
+    CHECK(predict_run(&pc, err) == 0, "predict --tile 8x8 --tta flip --probs: %s", err);
     float x[8 * 8 * 3], z[8 * 8 * 3];
     for (int i = 0; i < 2; i++) {
         int h, w, n, hm, wm, nm;
@@ -13059,6 +13059,18 @@ TEST(predict_tiled_masks) {
         snprintf(path, sizeof path, "%s/img%d.png", outdir, i);
         uint8_t *mask = stbi_load(path, &wm, &hm, &nm, 1);
         CHECK(img && mask && wm == w && hm == h, "img%d: a mask of the image's size", i);
+        snprintf(path, sizeof path, "%s/img%d_probs.safetensors", outdir, i);
+        SafetensorsFile pf;
+        CHECK(safetensors_read(path, &pf, err) == 0, "%s", err);
+        const SafetensorsTensor *pt = safetensors_find(&pf, "probs");
+        float *probs = NULL;
+        if (pt && pt->dtype == DT_F16 && pt->ndim == 3 && pt->dims[0] == h && pt->dims[1] == w &&
+            pt->dims[2] == 3) {
+            probs = malloc(sizeof(float) * pt->numel);
+            safetensors_tensor_f32(pt, probs);
+        }
+        CHECK(probs != NULL, "%s: tensor probs (%d,%d,3) fp16", path, h, w);
+        double worst = 0;
         int wrong = 0;
         for (int p = 0; img && mask && wm == w && hm == h && p < h * w; p++) {
             for (int q = 0; q < 64; q++)
@@ -13069,8 +13081,16 @@ TEST(predict_tiled_masks) {
             uint8_t cls;
             argmax_rows(&cls, z, 1, 3);
             wrong += mask[p] != cls;
+            const double zmax = fmax(z[0], fmax(z[1], z[2])),
+                         sum = exp(z[0] - zmax) + exp(z[1] - zmax) + exp(z[2] - zmax);
+            for (int k = 0; probs && k < 3; k++)
+                worst = fmax(worst, fabs(probs[3 * p + k] - exp(z[k] - zmax) / sum));
         }
         CHECK(wrong == 0, "img%d (%dx%d): %d pixels not of their own class", i, w, h, wrong);
+        // fp16 keeps 11 bits: |Δp| ≤ 2^-12 for p ≤ 1, plus the blend's 2e-6
+        CHECK(worst <= 1.0 / 4096 + 2e-6, "img%d: probabilities off by %g", i, worst);
+        free(probs);
+        safetensors_free(&pf);
         stbi_image_free(img);
         stbi_image_free(mask);
     }
@@ -13121,8 +13141,9 @@ TEST(predict_tile_cli) {
     static const struct {
         const char *opts, *want;
     } BAD[] = {
-            {"--overlap 0.5", "--overlap and --tta work on tiles: give --tile HxW"},
-            {"--tta flip", "--overlap and --tta work on tiles"},
+            {"--overlap 0.5", "--overlap, --tta and --probs work on tiles: give --tile HxW"},
+            {"--tta flip", "--overlap, --tta and --probs work on tiles"},
+            {"--probs", "--overlap, --tta and --probs work on tiles"},
             {"--tile 8x8 --overlap 1", "--overlap 1 must be below 1"},
             {"--tile 8x8 --tta mirror", "--tta 'mirror' must be flip or none"},
             {"--tile 8", "--tile '8' must be HxW"},
@@ -13154,7 +13175,7 @@ TEST(predict_segmentation_refused) {
     FILE *f = fopen(file, "w"); fputs("keep\n", f); fclose(f);
     struct stat sb;
 
-    PredictCfg pc = {c, wpath, in, file, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0};
+    PredictCfg pc = {c, wpath, in, file, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0, 0};
     CHECK(predict_run(&pc, err) == -1 && contains(err, file) && contains(err, "not a folder"),
           "--out a file: '%s'", err);
     char *t = read_text(file);
@@ -13208,7 +13229,7 @@ TEST(predict_legend_progress) {
         write_png_red(path, SEG_W[i], SEG_H[i], NULL, &r);
     }
     // batch 2: progress after 2 and 3 images
-    PredictCfg pc = {c, wpath, in, outdir, 1, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0};
+    PredictCfg pc = {c, wpath, in, outdir, 1, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0, 0};
     PredictJob job = {&pc, ""};
     int rc;
     char *text = with_stderr_captured(predict_job, &job, &rc);
@@ -13503,7 +13524,7 @@ TEST(predict_outputs_protected) {
         write_png_red(path, 8, 8, NULL, &r);
         keep_copy(path);  // in/x.png.orig: not an image name, so not an input
     }
-    PredictCfg pc = {c, d.wpath, in, in, 0, DEVICE_CPU, NULL, 0, 1, 0, 0.0f, 0};
+    PredictCfg pc = {c, d.wpath, in, in, 0, DEVICE_CPU, NULL, 0, 1, 0, 0.0f, 0, 0};
     // the input folder itself, a folder inside it, and both through a link to it
     snprintf(out, sizeof out, "%s/pred", in);
     char to_in[400], via_link[400];
@@ -13579,7 +13600,7 @@ TEST(predict_outputs_protected) {
     keep_copy(clist); keep_copy(cimage);
     ModelCfg cc = model_cfg_default();
     cc.model = "effv2-t"; cc.classes = 3; cc.height = 32; cc.width = 32;
-    PredictCfg pcc = {cc, cw, clist, clist, 0, DEVICE_CPU, NULL, 0, 1, 0, 0.0f, 0};
+    PredictCfg pcc = {cc, cw, clist, clist, 0, DEVICE_CPU, NULL, 0, 1, 0, 0.0f, 0, 0};
     CHECK(predict_run(&pcc, err) == -1 && contains(err, "would replace the input list"),
           "--out the list: '%s'", err);
     pcc.out = cimage;
@@ -13623,7 +13644,7 @@ TEST(predict_long_names) {
     snprintf(path, sizeof path, "%s/%s", d.in, name);
     write_png_red(path, 8, 8, NULL, &r);
     snprintf(out, sizeof out, "%s/out", d.dir);
-    PredictCfg pc = {c, d.wpath, d.in, out, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0};
+    PredictCfg pc = {c, d.wpath, d.in, out, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0, 0};
     CHECK(predict_run(&pc, err) == 0, "a 244-byte name: %s", err);
     snprintf(path, sizeof path, "%s/%.240s_overlay.png", out, name);
     CHECK(file_exists(path), "its overlay was written");
