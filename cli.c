@@ -1029,8 +1029,8 @@ static const char *PREDICT_USAGE =
                                           "                      image as read\n";
 
 static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
-    PredictCfg pc = {model_cfg_default(), NULL, NULL, NULL, 1, DEVICE_AUTO, NULL, 0, 0, 0, 0.0f, 0, 0};
-    pc.overlap = 0.5f;
+    PredictCfg pc = {.model = model_cfg_default(), .progress = 1, .device = DEVICE_AUTO,
+                     .overlap = 0.5f};
     int tile_h = 0, tile_w = 0, overlap_given = 0;
     pc.model.model = "effv2-s";
     pc.model.batch = 8;
