@@ -1004,6 +1004,10 @@ static const char *PREDICT_USAGE =
         "                      fraction of a tile (default 0.5)\n"
         "  --tta flip          with --tile: also predict each tile mirrored left-right\n"
         "                      and average the two (default none)\n"
+        "  --scale S           with --tile: predict the image resized by S (bilinear; e.g.\n"
+        "                      0.5 for a model trained on half-resolution images), the\n"
+        "                      probabilities resized back: the mask is at the image's\n"
+        "                      size (default 1)\n"
         "  --probs             with --tile: also OUT/<stem>_probs.safetensors, the\n"
         "                      blended class probabilities, tensor \"probs\" (H,W,K) fp16\n"
         "  --model NAME        effv2-s (default), effv2-m, effv2-l, effv2-t, unet,\n"
@@ -1028,10 +1032,12 @@ static const char *PREDICT_USAGE =
                                           "the outputs are of the\n"
                                           "                      image as read\n";
 
+#define PREDICT_SCALE_MAX 4.0  // predict --scale: the largest factor
+
 static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
     PredictCfg pc = {.model = model_cfg_default(), .progress = 1, .device = DEVICE_AUTO,
                      .overlap = 0.5f};
-    int tile_h = 0, tile_w = 0, overlap_given = 0;
+    int tile_h = 0, tile_w = 0, tile_option_given = 0;
     pc.model.model = "effv2-s";
     pc.model.batch = 8;
     int size_given = 0, classes_given = 0, last = 0;
@@ -1052,7 +1058,8 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
         if (!strcmp(f, "--last")) { last = 1; i++; continue; }
         if (!strcmp(f, "--overwrite")) { pc.overwrite = 1; i++; continue; }
         if (!strcmp(f, "--probs")) { pc.probs = 1; i++; continue; }
-        if (!strcmp(f, "--tile") || !strcmp(f, "--overlap") || !strcmp(f, "--tta")) {
+        if (!strcmp(f, "--tile") || !strcmp(f, "--overlap") || !strcmp(f, "--tta") ||
+            !strcmp(f, "--scale")) {
             if (i + 1 >= argc) {
                 fprintf(stderr, "segnet predict: %s needs a value\n", f);
                 return 2;
@@ -1068,7 +1075,15 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
                     fprintf(stderr, "segnet predict: --overlap %s must be below 1\n", v);
                     rc = -1;
                 }
-                overlap_given = 1;
+                tile_option_given = 1;
+            } else if (!strcmp(f, "--scale")) {
+                rc = parse_float(f, v, 0.0f, &pc.scale);
+                if (!rc && !(pc.scale > 0.0f && pc.scale <= PREDICT_SCALE_MAX)) {
+                    fprintf(stderr, "segnet predict: --scale %s must be in (0, %g]\n", v,
+                            PREDICT_SCALE_MAX);
+                    rc = -1;
+                }
+                tile_option_given = 1;
             } else if (!strcmp(v, "flip")) {
                 pc.tta_flip = 1;
             } else if (strcmp(v, "none")) {
@@ -1144,9 +1159,9 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
     }
     if (!size_given) model_default_size(&pc.model);
     if (model_options_used("predict", pc.model.model, argc, argv)) return 2;
-    if ((overlap_given || pc.tta_flip || pc.probs) && !pc.tiled) {
-        fprintf(stderr,
-                "segnet predict: --overlap, --tta and --probs work on tiles: give --tile HxW\n");
+    if ((tile_option_given || pc.tta_flip || pc.probs) && !pc.tiled) {
+        fprintf(stderr, "segnet predict: --overlap, --scale, --tta and --probs work on tiles: give "
+                        "--tile HxW\n");
         return 2;
     }
     if (pc.tiled) {  // the model runs on tiles: its input is a tile

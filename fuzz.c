@@ -1454,19 +1454,11 @@ static void fuzz_cli_template(FuzzCtx *c) {
         TrainCfg t = tiny_seg_cfg("data/train", "data/val");
         t.model.width_base = 2; t.model.batch = 2; t.epochs = 1; t.threads = 1; t.out = "runs/r";
         snCheck(train_run(&t, NULL, err) == 0, "fuzz cli: %s", err);
-        PredictCfg pc = {t.model,
-                         "runs/r/best.safetensors",
-                         "data/val/images",
-                         "preds",
-                         0,
-                         DEVICE_CPU,
-                         NULL,
-                         0,
-                         0,
-                         0,
-                         0.0f,
-                         0,
-                         0};
+        PredictCfg pc = {.model = t.model,
+                         .weights = "runs/r/best.safetensors",
+                         .input = "data/val/images",
+                         .out = "preds",
+                         .device = DEVICE_CPU};
         snCheck(predict_run(&pc, err) == 0, "fuzz cli: %s", err);
         char report[SN_ERR_MAX];
         snCheck(export_run(&t.model, "runs/r", 0, EXPORT_TORCHVISION, "exports/m.safetensors", 0,

@@ -912,6 +912,27 @@ static void predict_tiled(const TileModel *m, const float *img, int h, int w, fl
     free(ys); free(xs); free(g); free(wsum); free(x); free(z);
 }
 
+// predict_tiled on img (h,w,3) resized by scale (bilinear, the resize op; each
+// side at least 1), its probabilities resized back to (h,w) the same way
+static void predict_tiled_scaled(const TileModel *m, const float *img, int h, int w, float scale,
+                                 float overlap, int tta_flip, float *probs) {
+    const int sh = (int)fmax(1.0, lround(h * (double)scale)),
+              sw = (int)fmax(1.0, lround(w * (double)scale));
+    if (!(scale > 0.0f) || (sh == h && sw == w)) {
+        predict_tiled(m, img, h, w, overlap, tta_flip, probs);
+        return;
+    }
+    float *simg = malloc(sizeof(float) * 3 * (size_t)sh * sw),
+          *sprobs = malloc(sizeof(float) * m->K * (size_t)sh * sw);
+    snCheck(simg && sprobs, "out of host memory");
+    ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(simg, shape4(1, sh, sw, 3)),
+                                    tensor_f32((float *)img, shape4(1, h, w, 3)));
+    predict_tiled(m, simg, sh, sw, overlap, tta_flip, sprobs);
+    ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(probs, shape4(1, h, w, m->K)),
+                                    tensor_f32(sprobs, shape4(1, sh, sw, m->K)));
+    free(simg); free(sprobs);
+}
+
 // OUT/<stem>_probs.safetensors: the tensor "probs" (h,w,K) in fp16 (round to nearest even)
 static int probs_write(const char *out, const char *image, const float *probs, int h, int w,
                        int K, char err[SN_ERR_MAX]) {
@@ -1021,7 +1042,7 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
             probs = malloc(sizeof(float) * (size_t)h * w * K);
             mask = malloc((size_t)h * w);
             snCheck(probs && mask, "out of host memory");
-            predict_tiled(&tm, img, h, w, pc->overlap, pc->tta_flip, probs);
+            predict_tiled_scaled(&tm, img, h, w, pc->scale, pc->overlap, pc->tta_flip, probs);
             argmax_rows(mask, probs, (size_t)h * w, K);
         }
         ok = img && seg_write_mask(pc->out, list.paths[i], img, h, w, mask, err) == 0 &&

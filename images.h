@@ -41,5 +41,8 @@ typedef struct {
     int tta_flip;          // with tiled: each tile also mirrored left-right
     // with tiled: also <stem>_probs.safetensors, the blended probabilities (h,w,K) fp16
     int probs;
+    // with tiled: tiles of the image resized by this factor (bilinear), the
+    // probabilities resized back to the image's size (0 or 1: its own size)
+    float scale;
 } PredictCfg;
 int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);

@@ -12743,7 +12743,7 @@ TEST(predict_classifier) {
     FILE *f = fopen(csv, "w");
     fprintf(f, "path,label\na.png,0\nb.png,2\n\"c,odd.png\",1\n");
     fclose(f);
-    PredictCfg pc = {c, wpath, dir, out1, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0, 0};
+    PredictCfg pc = {.model = c, .weights = wpath, .input = dir, .out = out1, .device = DEVICE_CPU};
     pc.model.batch = 2;  // 3 images: the last batch is partly empty
     CHECK(predict_run(&pc, err) == 0, "predict on a folder: %s", err);
     pc.input = csv; pc.out = out2;
@@ -12812,7 +12812,12 @@ TEST(predict_bad_input) {
     f = fopen(corrupt, "wb"); fputs("\x89PNG\r\n\x1a\nnot really a png", f); fclose(f);
     ModelCfg c = model_cfg_default();
     c.model = "effv2-t"; c.classes = 3; c.height = 32; c.width = 32;
-    PredictCfg pc = {c, wpath, csv, out, 0, DEVICE_CPU, NULL, 0, 1, 0, 0.0f, 0, 0};
+    PredictCfg pc = {.model = c,
+                     .weights = wpath,
+                     .input = csv,
+                     .out = out,
+                     .device = DEVICE_CPU,
+                     .overwrite = 1};
     struct { const char *rows, *want1, *want2; } cases[] = {
         {"good.png\ncorrupt.png\n", "corrupt.png", "cannot decode"},
         {"good.png\nmissing.png\n", "missing.png", "No such file"},
@@ -13015,7 +13020,8 @@ TEST(predict_segmentation) {
         write_png_red(path, SEG_W[i], SEG_H[i], reds[i], &r);
     }
     // batch 2, 3 images: the last batch is partly empty
-    PredictCfg pc = {c, wpath, in, outdir, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0, 0};
+    PredictCfg pc = {
+            .model = c, .weights = wpath, .input = in, .out = outdir, .device = DEVICE_CPU};
     CHECK(predict_run(&pc, err) == 0, "predict: %s", err);
     check_seg_outputs(&net, out, in, outdir);
     CHECK(predict_run(&pc, err) == -1 && contains(err, "exists") && contains(err, "--overwrite"),
@@ -13025,6 +13031,49 @@ TEST(predict_segmentation) {
     check_seg_outputs(&net, out, in, outdir);
     net_free(&net); graph_free(&g);
     rm_rf(dir);
+}
+
+// --scale: the image resized by S, tiled, the probabilities resized back; with
+// a pointwise model that is, pixel for pixel, the softmax of the resized
+// image resized back (bilinear both ways, the resize op), up to the blend's
+// rounding: 2e-6 relative as in predict_tiled_pointwise, carried through the
+// resize's convex weights, plus its own few roundings: 4e-6.
+TEST(predict_tiled_scaled_pointwise) {
+    enum { h = 37, w = 50, K = 3 };
+    static const float SCALES[3] = {0.5f, 1.7f, 0.03f};  // the last: a 2x1 image
+    Rng r;
+    rng_seed(&r, 19);
+    float *img = malloc(sizeof(float) * 3 * h * w), *probs = malloc(sizeof(float) * K * h * w);
+    for (int i = 0; i < 3 * h * w; i++) img[i] = (float)(rng_next(&r) % 256);
+    for (int k = 0; k < 3; k++) {
+        int ctx[2] = {16 * 16, 0};
+        const TileModel m = {tiles_pointwise, ctx, 2, 16, 16, K};
+        predict_tiled_scaled(&m, img, h, w, SCALES[k], 0.5f, 1, probs);
+        const int sh = (int)fmax(1, lround(h * (double)SCALES[k])),
+                  sw = (int)fmax(1, lround(w * (double)SCALES[k]));
+        float *simg = malloc(sizeof(float) * 3 * sh * sw),
+              *sp = malloc(sizeof(float) * K * sh * sw), *want = malloc(sizeof(float) * K * h * w);
+        ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(simg, shape4(1, sh, sw, 3)),
+                                        tensor_f32(img, shape4(1, h, w, 3)));
+        int one_pixel[2] = {1, 0};
+        for (int p = 0; p < sh * sw; p++) {
+            float z[3];
+            tiles_pointwise(one_pixel, simg + 3 * p, 1, z);
+            const float zmax = fmaxf(z[0], fmaxf(z[1], z[2]));
+            const double sum = exp(z[0] - zmax) + exp(z[1] - zmax) + exp(z[2] - zmax);
+            for (int c = 0; c < K; c++) sp[K * p + c] = (float)(exp(z[c] - zmax) / sum);
+        }
+        ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(want, shape4(1, h, w, K)),
+                                        tensor_f32(sp, shape4(1, sh, sw, K)));
+        double worst = 0;
+        for (int i = 0; i < K * h * w; i++) worst = fmax(worst, fabs(probs[i] - want[i]) / want[i]);
+        CHECK(worst < 4e-6, "scale %g (%dx%d): relative error %.3g", SCALES[k], sw, sh, worst);
+        free(simg);
+        free(sp);
+        free(want);
+    }
+    free(img);
+    free(probs);
 }
 
 // predict --tile through predict_run with the hand-made U-Net, which is
@@ -13048,7 +13097,15 @@ TEST(predict_tiled_masks) {
         snprintf(path, sizeof path, "%s/img%d.png", d.in, i);
         write_png_red(path, SIZES[i][1], SIZES[i][0], NULL, &r);
     }
-    PredictCfg pc = {c, d.wpath, d.in, outdir, 0, DEVICE_CPU, NULL, 0, 0, 1, 0.5f, 1, 1};
+    PredictCfg pc = {.model = c,
+                     .weights = d.wpath,
+                     .input = d.in,
+                     .out = outdir,
+                     .device = DEVICE_CPU,
+                     .tiled = 1,
+                     .overlap = 0.5f,
+                     .tta_flip = 1,
+                     .probs = 1};
     pc.model.batch = 3;
     CHECK(predict_run(&pc, err) == 0, "predict --tile 8x8 --tta flip --probs: %s", err);
     float x[8 * 8 * 3], z[8 * 8 * 3];
@@ -13105,8 +13162,9 @@ TEST(predict_tiled_masks) {
 }
 
 // segnet predict --tile on the command line: a run's U-Net (trained at 8x8)
-// predicts 8x8 tiles of a 21x30 image into a mask of that size; --overlap and
-// --tta without --tile, an overlap of 1 and an unknown --tta are refused.
+// predicts 8x8 tiles of a 21x30 image into a mask of that size, also with
+// --scale 0.5; --overlap, --scale, --tta and --probs without --tile, an
+// overlap of 1, a scale above 4 and an unknown --tta are refused.
 TEST(predict_tile_cli) {
     const char *data = "/tmp/segnet_test_tilecli_data", *run = "/tmp/segnet_test_tilecli_run",
                *out = "/tmp/segnet_test_tilecli_out";
@@ -13138,12 +13196,22 @@ TEST(predict_tile_cli) {
     CHECK(m && w == 30 && h == 21 && !over, "a 30x21 mask of classes 0..2 (%dx%d, %d over)", w, h,
           over);
     stbi_image_free(m);
+    snprintf(args, sizeof args,
+             "predict --run %s --input %s/big --out %s --overwrite --tile 8x8 --scale 0.5 "
+             "--device cpu",
+             run, data, out);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict --tile --scale 0.5: %s", msg);
+    m = stbi_load(path, &w, &h, &n, 1);
+    CHECK(m && w == 30 && h == 21, "--scale 0.5: the mask at the image's size (%dx%d)", w, h);
+    stbi_image_free(m);
     static const struct {
         const char *opts, *want;
     } BAD[] = {
-            {"--overlap 0.5", "--overlap, --tta and --probs work on tiles: give --tile HxW"},
-            {"--tta flip", "--overlap, --tta and --probs work on tiles"},
-            {"--probs", "--overlap, --tta and --probs work on tiles"},
+            {"--overlap 0.5", "--overlap, --scale, --tta and --probs work on tiles: give --tile"},
+            {"--tta flip", "--overlap, --scale, --tta and --probs work on tiles"},
+            {"--probs", "--overlap, --scale, --tta and --probs work on tiles"},
+            {"--scale 0.5", "--overlap, --scale, --tta and --probs work on tiles"},
+            {"--tile 8x8 --scale 5", "--scale 5 must be in (0, 4]"},
             {"--tile 8x8 --overlap 1", "--overlap 1 must be below 1"},
             {"--tile 8x8 --tta mirror", "--tta 'mirror' must be flip or none"},
             {"--tile 8", "--tile '8' must be HxW"},
@@ -13175,7 +13243,7 @@ TEST(predict_segmentation_refused) {
     FILE *f = fopen(file, "w"); fputs("keep\n", f); fclose(f);
     struct stat sb;
 
-    PredictCfg pc = {c, wpath, in, file, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0, 0};
+    PredictCfg pc = {.model = c, .weights = wpath, .input = in, .out = file, .device = DEVICE_CPU};
     CHECK(predict_run(&pc, err) == -1 && contains(err, file) && contains(err, "not a folder"),
           "--out a file: '%s'", err);
     char *t = read_text(file);
@@ -13229,7 +13297,12 @@ TEST(predict_legend_progress) {
         write_png_red(path, SEG_W[i], SEG_H[i], NULL, &r);
     }
     // batch 2: progress after 2 and 3 images
-    PredictCfg pc = {c, wpath, in, outdir, 1, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0, 0};
+    PredictCfg pc = {.model = c,
+                     .weights = wpath,
+                     .input = in,
+                     .out = outdir,
+                     .progress = 1,
+                     .device = DEVICE_CPU};
     PredictJob job = {&pc, ""};
     int rc;
     char *text = with_stderr_captured(predict_job, &job, &rc);
@@ -13524,7 +13597,12 @@ TEST(predict_outputs_protected) {
         write_png_red(path, 8, 8, NULL, &r);
         keep_copy(path);  // in/x.png.orig: not an image name, so not an input
     }
-    PredictCfg pc = {c, d.wpath, in, in, 0, DEVICE_CPU, NULL, 0, 1, 0, 0.0f, 0, 0};
+    PredictCfg pc = {.model = c,
+                     .weights = d.wpath,
+                     .input = in,
+                     .out = in,
+                     .device = DEVICE_CPU,
+                     .overwrite = 1};
     // the input folder itself, a folder inside it, and both through a link to it
     snprintf(out, sizeof out, "%s/pred", in);
     char to_in[400], via_link[400];
@@ -13600,7 +13678,12 @@ TEST(predict_outputs_protected) {
     keep_copy(clist); keep_copy(cimage);
     ModelCfg cc = model_cfg_default();
     cc.model = "effv2-t"; cc.classes = 3; cc.height = 32; cc.width = 32;
-    PredictCfg pcc = {cc, cw, clist, clist, 0, DEVICE_CPU, NULL, 0, 1, 0, 0.0f, 0, 0};
+    PredictCfg pcc = {.model = cc,
+                      .weights = cw,
+                      .input = clist,
+                      .out = clist,
+                      .device = DEVICE_CPU,
+                      .overwrite = 1};
     CHECK(predict_run(&pcc, err) == -1 && contains(err, "would replace the input list"),
           "--out the list: '%s'", err);
     pcc.out = cimage;
@@ -13644,7 +13727,8 @@ TEST(predict_long_names) {
     snprintf(path, sizeof path, "%s/%s", d.in, name);
     write_png_red(path, 8, 8, NULL, &r);
     snprintf(out, sizeof out, "%s/out", d.dir);
-    PredictCfg pc = {c, d.wpath, d.in, out, 0, DEVICE_CPU, NULL, 0, 0, 0, 0.0f, 0, 0};
+    PredictCfg pc = {
+            .model = c, .weights = d.wpath, .input = d.in, .out = out, .device = DEVICE_CPU};
     CHECK(predict_run(&pc, err) == 0, "a 244-byte name: %s", err);
     snprintf(path, sizeof path, "%s/%.240s_overlay.png", out, name);
     CHECK(file_exists(path), "its overlay was written");
