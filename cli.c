@@ -125,6 +125,39 @@ static int parse_float(const char *flag, const char *v, float lo, float *out) {
     return 0;
 }
 
+// --loss: terms `[W*]name` joined by +, each name once, W > 0; ce goes first
+// (its op overwrites the logits' gradient, the others add into it)
+static int parse_loss(const char *v, LossCfg *l) {
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", v);
+    l->n = 0;
+    for (char *save = NULL, *item = strtok_r(buf, "+", &save); item;
+         item = strtok_r(NULL, "+", &save)) {
+        char *star = strchr(item, '*'), *end = item;
+        double w = star ? strtod(item, &end) : 1.0;
+        const char *name = star ? star + 1 : item;
+        int k = 0;
+        while (k < LOSS_KIND_COUNT && strcmp(name, LOSS_NAMES[k])) k++;
+        if ((star && end != star) || !(w > 0.0) || isinf(w) || k == LOSS_KIND_COUNT) {
+            fprintf(stderr, "segnet: --loss '%s': '%s' is not [W*]NAME with W > 0 and NAME one of "
+                    "ce, focal, dice, jaccard, tversky\n", v, item);
+            return -1;
+        }
+        for (int j = 0; j < l->n; j++)
+            if (l->kind[j] == (LossKind)k) {
+                fprintf(stderr, "segnet: --loss '%s': %s twice\n", v, name);
+                return -1;
+            }
+        const int at = k == LOSS_CE ? 0 : l->n;
+        for (int j = l->n; j > at; j--) { l->kind[j] = l->kind[j - 1]; l->weight[j] = l->weight[j - 1]; }
+        l->kind[at] = (LossKind)k;
+        l->weight[at] = (float)w;
+        l->n++;
+    }
+    if (!l->n) { fprintf(stderr, "segnet: --loss '%s' names no term\n", v); return -1; }
+    return 0;
+}
+
 #define AUGMENT_SCALE_MAX 8.0  // --augment scale=LO:HI: the largest zoom
 
 static int parse_augment(const char *v, Augment *a) {
@@ -266,10 +299,11 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     const char *f = argv[i];
     a->size_given |= !strcmp(f, "--size");
     // switches; config.txt spells them `... = on|off`
-    if (!strcmp(f, "--sync-bn") || !strcmp(f, "--train-eval")) {
+    if (!strcmp(f, "--sync-bn") || !strcmp(f, "--train-eval") || !strcmp(f, "--loss-per-image")) {
         int valued = i + 1 < argc && (!strcmp(argv[i + 1], "on") || !strcmp(argv[i + 1], "off"));
-        *(!strcmp(f, "--sync-bn") ? &c->sync_bn : &c->train_eval) =
-                !valued || !strcmp(argv[i + 1], "on");
+        *(!strcmp(f, "--sync-bn")      ? &c->sync_bn
+          : !strcmp(f, "--train-eval") ? &c->train_eval
+                                       : &c->loss.per_image) = !valued || !strcmp(argv[i + 1], "on");
         return valued ? 2 : 1;
     }
     int k = parse_model_option(&c->model, argc, argv, i);
@@ -293,7 +327,11 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
                                         "--log-every",     "--exif",
                                         "--ignore-index",  "--label-map",
                                         "--lr-factor",     "--lr-patience",
-                                        "--min-lr",        "--lr-min-delta"};
+                                        "--min-lr",        "--lr-min-delta",
+                                        "--loss",          "--loss-smooth",
+                                        "--focal-gamma",   "--focal-alpha",
+                                        "--tversky-alpha", "--tversky-beta",
+                                        "--tversky-gamma"};
     int known = 0;
     for (size_t j = 0; j < sizeof FLAGS / sizeof *FLAGS; j++) known |= !strcmp(f, FLAGS[j]);
     if (!known) return 0;
@@ -322,6 +360,13 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
         rc = parse_int(f, v, 1, 1 << 20, &c->plateau.patience);
     else if (!strcmp(f, "--min-lr")) rc = parse_float(f, v, 0.0f, &c->plateau.min_lr);
     else if (!strcmp(f, "--lr-min-delta")) rc = parse_float(f, v, 0.0f, &c->plateau.min_delta);
+    else if (!strcmp(f, "--loss")) rc = parse_loss(v, &c->loss);
+    else if (!strcmp(f, "--loss-smooth")) rc = parse_float(f, v, 0.0f, &c->loss.smooth);
+    else if (!strcmp(f, "--focal-gamma")) rc = parse_float(f, v, 0.0f, &c->loss.focal_gamma);
+    else if (!strcmp(f, "--focal-alpha")) rc = parse_float(f, v, 0.0f, &c->loss.focal_alpha);
+    else if (!strcmp(f, "--tversky-alpha")) rc = parse_float(f, v, 0.0f, &c->loss.tversky_alpha);
+    else if (!strcmp(f, "--tversky-beta")) rc = parse_float(f, v, 0.0f, &c->loss.tversky_beta);
+    else if (!strcmp(f, "--tversky-gamma")) rc = parse_float(f, v, 0.0f, &c->loss.tversky_gamma);
     else if (!strcmp(f, "--monitor")) {
         if (!strcmp(v, "val_loss")) c->monitor_metric = 0;
         else if (!strcmp(v, "val_mIoU") || !strcmp(v, "val_accuracy") || !strcmp(v, "val_dice")) {
@@ -572,6 +617,22 @@ static const char *TRAIN_USAGE =
     "  --loss-norm MODE      weighted (default): Σ w·nll / Σ w over the batch;\n"
     "                        keras: Keras' loss, p[y] clipped to [1e-7, 1-1e-7] before\n"
     "                        the log (no gradient where clipped), Σ w·nll / pixels\n"
+    "  --loss SPEC           terms [W*]NAME joined by + (default ce), e.g. ce+dice,\n"
+    "                        1*focal+1*dice. ce: the weighted cross-entropy above;\n"
+    "                        focal: segmentation_models' CategoricalFocalLoss, Σ w_y·\n"
+    "                        α(1-p_y)^γ·(-log p_y) / K over the same normaliser, p_y\n"
+    "                        clipped to [1e-7, 1-1e-7] (--focal-gamma 2, --focal-alpha\n"
+    "                        0.25); dice, jaccard, tversky: soft scores over the\n"
+    "                        global batch per class, S = (a·I + s)/(a·I + α·FP +\n"
+    "                        β·FN + s) with I = Σp·[y=c], FP = Σp - I, FN = Σ[y=c] - I\n"
+    "                        (dice a = 2, α = β = 1; jaccard a = α = β = 1; tversky\n"
+    "                        a = 1, --tversky-alpha 0.5, --tversky-beta 0.5), loss\n"
+    "                        (Σ_c w_c·(1 - S_c) / Σ_c w_c)^γ over the classes present\n"
+    "                        (an absent class adds 0; γ: --tversky-gamma, else 1), as\n"
+    "                        segmentation_models_pytorch; --loss-smooth s (1e-5)\n"
+    "  --loss-per-image      dice/jaccard/tversky per image, averaged over the batch\n"
+    "                        (segmentation_models' per_image); without it they need\n"
+    "                        --accum 1\n"
     "  --size HxW            input size, images are resized to it (default: unet\n"
     "                        256x256, effv2-s 384x384, effv2-m/l 480x480, effv2-t 64x64)\n"
     "  --batch B             images per step (default 8)\n"

@@ -4325,10 +4325,12 @@ static void bn_backward_data_cuda(Ops *o, Tensor dx, Tensor dy, Tensor x, const 
 // One thread per row (K is small for segmentation); the per-row arithmetic is
 // fp32, the sums over rows fp64 through the deterministic reduction (reduce_finish).
 
+// gamma < 0: cross-entropy, dlogits overwritten; else the focal term (focal_terms, fp64),
+// dlogits added into (softmax_focal)
 __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t *labels,
-                                    const float *class_weights, XentClip clip, int K, size_t rows,
-                                    const float *grad_scale, void *dlogits, DType dt_grad,
-                                    ReduceOut r) {
+                                    const float *class_weights, XentClip clip, float gamma, int K,
+                                    size_t rows, const float *grad_scale, void *dlogits,
+                                    DType dt_grad, ReduceOut r) {
     CU_SHARED(double, sh, [BLOCK * REDUCE_WIDTH]);
     const float scale = dlogits ? *grad_scale : 0.0f;
     double loss = 0.0, wsum = 0.0, invalid = 0.0;
@@ -4343,16 +4345,23 @@ __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t 
         float sum = 0.0f;
         for (int c = 0; c < K; c++) sum += expf(ld(logits, dt, base + c) - zmax);
         int flat = 0;
+        float h = 1.0f;  // the focal term's factor of (p - onehot(y))
         if (wy != 0.0f) {
             float nll = (float)xent_clip(logf(sum) + zmax - ld(logits, dt, base + y), clip, &flat);
+            if (gamma >= 0.0f) {
+                double value, dh;
+                focal_terms(nll, gamma, &value, &dh);
+                nll = (float)value;
+                h = (float)dh;
+            }
             loss += (double)wy * nll;
             wsum += wy;
         }
         if (dlogits)
             for (int c = 0; c < K; c++) {
                 float p = expf(ld(logits, dt, base + c) - zmax) / sum;
-                st(dlogits, dt_grad, base + c,
-                   flat ? 0.0f : wy * (p - (c == y ? 1.0f : 0.0f)) * scale);
+                float g = flat ? 0.0f : wy * h * (p - (c == y ? 1.0f : 0.0f)) * scale;
+                st(dlogits, dt_grad, base + c, gamma >= 0.0f ? ld(dlogits, dt_grad, base + c) + g : g);
             }
     }
     sh[threadIdx.x * REDUCE_WIDTH + 0] = loss;
@@ -4362,18 +4371,122 @@ __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t 
     reduce_finish(r, sh);
 }
 // logits (N,H,W,K), labels (N·H·W), class_weights (K); stats[0..2] += Σ w·nll, Σ w, labels ≥ K
-static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels,
-                              const float *class_weights, float prob_clip, const float *grad_scale,
-                              float *stats, Tensor dlogits) {
+static void softmax_loss(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
+                         float gamma, float prob_clip, const float *grad_scale, float *stats,
+                         Tensor dlogits) {
     const int K = logits.shape.c;
     const size_t rows = shape_numel(logits.shape) / K;
     unsigned grid = reduce_grid(rows);
-    // logits, labels, and the logits' gradient when asked for
-    const Traffic m = moves(bytes_of(logits) + rows * sizeof(int32_t) +
-                            (dlogits.data ? bytes_of(dlogits) : 0.0));
+    // logits, labels, and the logits' gradient when asked for (read too when added into)
+    const double grad_bytes = dlogits.data ? bytes_of(dlogits) * (gamma >= 0.0f ? 2 : 1) : 0.0;
+    const Traffic m = moves(bytes_of(logits) + rows * sizeof(int32_t) + grad_bytes);
     CU_LAUNCH(softmax_xent_kernel, grid, BLOCK, 0, stream_of(o), m, logits.data, logits.dtype,
-              labels, class_weights, xent_clip_bounds(prob_clip), K, rows, grad_scale, dlogits.data,
-              dlogits.dtype, reduce_out(o, stats, 3, 1));
+              labels, class_weights, xent_clip_bounds(prob_clip), gamma, K, rows, grad_scale,
+              dlogits.data, dlogits.dtype, reduce_out(o, stats, 3, 1));
+    launchCheck();
+}
+static void softmax_xent_cuda(Ops *o, Tensor logits, const int32_t *labels,
+                              const float *class_weights, float prob_clip, const float *grad_scale,
+                              float *stats, Tensor dlogits) {
+    softmax_loss(o, logits, labels, class_weights, -1.0f, prob_clip, grad_scale, stats, dlogits);
+}
+static void softmax_focal_cuda(Ops *o, Tensor logits, const int32_t *labels,
+                               const float *class_weights, float gamma, float prob_clip,
+                               const float *grad_scale, float *stats, Tensor dlogits) {
+    softmax_loss(o, logits, labels, class_weights, gamma, prob_clip, grad_scale, stats, dlogits);
+}
+
+// ----------------------------------------------------------------------------
+// region terms (losses.c states them): the per-class sums by channel_sums, a
+// lane being one class c of a group's rows (its row's softmax recomputed, O(K)
+// a value), then the coefficients in one thread (region_coefs, groups in order)
+// and the gradient one thread a row as softmax_xent's.
+
+// p_c of row r: exp(z_c - max) / Σ exp(z_k - max), fp32 as softmax_xent_kernel
+static __device__ float softmax_at(const void *z, DType dt, size_t base, int K, int c) {
+    float zmax = -INFINITY, sum = 0.0f;
+    for (int k = 0; k < K; k++) zmax = fmaxf(zmax, ld(z, dt, base + k));
+    for (int k = 0; k < K; k++) sum += expf(ld(z, dt, base + k) - zmax);
+    return expf(ld(z, dt, base + c) - zmax) / sum;
+}
+struct RegionSums {
+    const void *z; DType dt; const int32_t *labels; int K; uint32_t rows;
+    struct Lane {
+        const void *z; DType dt; const int32_t *labels; int K, c;
+        __device__ void add(uint32_t r, double (&acc)[1][3]) const {
+            const int32_t y = labels[r];
+            if (y < 0 || y >= K) return;
+            const double p = softmax_at(z, dt, (size_t)r * K, K, c);
+            acc[0][0] += y == c ? p : 0.0;
+            acc[0][1] += p;
+            acc[0][2] += y == c ? 1.0 : 0.0;
+        }
+    };
+    __device__ Lane lane(int g, int c) const {
+        const size_t at = (size_t)g * rows;
+        return {elem_ptr(z, dt, at * K), dt, labels + at, K, c};
+    }
+};
+// sums (G,3,K): I, P, G of class c in group g
+struct StoreRegionSums {
+    float *sums; int K;
+    __device__ void operator()(int g, int c, const double *s) const {
+        for (int q = 0; q < 3; q++) sums[((size_t)g * 3 + q) * K + c] = (float)s[q];
+    }
+};
+static void region_sums_cuda(Ops *o, Tensor logits, const int32_t *labels, int groups,
+                             float *sums) {
+    const int K = logits.shape.c;
+    const size_t rows = shape_numel(logits.shape) / K / (size_t)groups;
+    channel_sums<3, 1>(o, RegionSums{logits.data, logits.dtype, labels, K, (uint32_t)rows},
+                       StoreRegionSums{sums, K}, groups, rows, K,
+                       bytes_of(logits) + rows * groups * sizeof(int32_t));
+}
+
+__global__ void region_coefs_kernel(int groups, int K, const float *sums, RegionArgs a,
+                                    const float *class_weights, float *coefs, float *loss) {
+    double total = 0.0;
+    for (int g = 0; g < groups; g++)
+        total += region_coefs(&a, class_weights, K, sums + (size_t)g * 3 * K,
+                              coefs + (size_t)g * 2 * K);
+    *loss += (float)total;
+}
+__global__ void region_grad_kernel(const void *z, DType dt, const int32_t *labels, int K,
+                                   size_t rows, size_t per, const float *coefs,
+                                   const float *grad_scale, void *dz, DType dt_grad) {
+    const float scale = *grad_scale;
+    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows;
+         r += (size_t)blockDim.x * gridDim.x) {
+        const int32_t y = labels[r];
+        if (y < 0 || y >= K) continue;
+        const size_t base = r * (size_t)K;
+        const float *A = coefs + r / per * 2 * K, *B = A + K;
+        float zmax = -INFINITY, sum = 0.0f, pd = 0.0f;
+        for (int c = 0; c < K; c++) zmax = fmaxf(zmax, ld(z, dt, base + c));
+        for (int c = 0; c < K; c++) sum += expf(ld(z, dt, base + c) - zmax);
+        for (int c = 0; c < K; c++) pd += expf(ld(z, dt, base + c) - zmax) / sum * B[c];
+        pd += expf(ld(z, dt, base + y) - zmax) / sum * A[y];
+        for (int c = 0; c < K; c++) {
+            const float p = expf(ld(z, dt, base + c) - zmax) / sum;
+            const float d = B[c] + (c == y ? A[c] : 0.0f);
+            st(dz, dt_grad, base + c, ld(dz, dt_grad, base + c) + p * (d - pd) * scale);
+        }
+    }
+}
+static void region_grad_cuda(Ops *o, Tensor logits, const int32_t *labels, int groups,
+                             const float *sums, const RegionArgs *args, const float *class_weights,
+                             const float *grad_scale, float *coefs, float *loss, Tensor dlogits) {
+    const int K = logits.shape.c;
+    const size_t rows = shape_numel(logits.shape) / K;
+    CU_LAUNCH(region_coefs_kernel, 1, 1, 0, stream_of(o),
+              moves(sizeof(float) * (5.0 * K * groups + K)), groups, K, sums, *args, class_weights,
+              coefs, loss);
+    launchCheck();
+    if (!dlogits.data || !rows) return;
+    CU_LAUNCH(region_grad_kernel, grid_for(rows), BLOCK, 0, stream_of(o),
+              moves(bytes_of(logits) + rows * sizeof(int32_t) + 2.0 * bytes_of(dlogits)),
+              logits.data, logits.dtype, labels, K, rows, rows / (size_t)groups, coefs, grad_scale,
+              dlogits.data, dlogits.dtype);
     launchCheck();
 }
 
@@ -4562,6 +4675,9 @@ static Ops make_ops_cuda(void) {
     o.resize_bilinear_forward = resize_bilinear_forward_cuda;
     o.resize_bilinear_backward = resize_bilinear_backward_cuda;
     o.softmax_xent = softmax_xent_cuda;
+    o.softmax_focal = softmax_focal_cuda;
+    o.region_sums = region_sums_cuda;
+    o.region_grad = region_grad_cuda;
     o.confusion_accumulate = confusion_accumulate_cuda;
     o.adam_update = adam_update_cuda;
     return o;

@@ -72,6 +72,7 @@ void train_cfg_default(TrainCfg *c) {
     c->precision = DT_F32;
     c->accum = 1;
     c->loss_scale_interval = LOSS_SCALE_GROWTH_INTERVAL;
+    c->loss = loss_cfg_default();
 }
 
 static int model_is_classifier(const char *model) { return !strncmp(model, "effv2-", 6); }
@@ -134,6 +135,48 @@ static void augment_text(const Augment *a, SfBuf *b) {
         sb_str(b, s);
     }
     if (!n) sb_str(b, "none");
+}
+
+// --loss's value: its terms `W*name` joined by +, a weight of 1 left out (ce alone: ce)
+static void loss_text(const LossCfg *l, SfBuf *b) {
+    char f[32];
+    for (int j = 0; j < (l->n ? l->n : 1); j++) {
+        if (j) sb_str(b, "+");
+        if (l->n && l->weight[j] != 1.0f) {
+            sb_str(b, float_str(f, l->weight[j]));
+            sb_str(b, "*");
+        }
+        sb_str(b, LOSS_NAMES[l->n ? l->kind[j] : LOSS_CE]);
+    }
+}
+static int loss_has(const LossCfg *l, LossKind k) {
+    for (int j = 0; j < l->n; j++) if (l->kind[j] == k) return 1;
+    return 0;
+}
+static int loss_has_region(const LossCfg *l) {
+    return loss_has(l, LOSS_DICE) || loss_has(l, LOSS_JACCARD) || loss_has(l, LOSS_TVERSKY);
+}
+// the loss menu's settings: --loss, and the constants of the terms it has, as
+// `key = value` lines of config.txt (sep "\n", eq " = ") or one `,key:value` token
+static void loss_settings_text(const LossCfg *l, const char *sep, const char *eq, SfBuf *b) {
+    char f[3][32], s[160];
+    loss_text(l, b);
+    if (loss_has(l, LOSS_FOCAL)) {
+        snprintf(s, sizeof s, "%sfocal-gamma%s%s%sfocal-alpha%s%s", sep, eq,
+                 float_str(f[0], l->focal_gamma), sep, eq, float_str(f[1], l->focal_alpha));
+        sb_str(b, s);
+    }
+    if (loss_has_region(l)) {
+        snprintf(s, sizeof s, "%sloss-smooth%s%s%sloss-per-image%s%s", sep, eq,
+                 float_str(f[0], l->smooth), sep, eq, l->per_image ? "on" : "off");
+        sb_str(b, s);
+    }
+    if (loss_has(l, LOSS_TVERSKY)) {
+        snprintf(s, sizeof s, "%stversky-alpha%s%s%stversky-beta%s%s%stversky-gamma%s%s", sep, eq,
+                 float_str(f[0], l->tversky_alpha), sep, eq, float_str(f[1], l->tversky_beta), sep,
+                 eq, float_str(f[2], l->tversky_gamma));
+        sb_str(b, s);
+    }
 }
 
 // --class-weights' value: K weights comma-separated
@@ -232,6 +275,7 @@ static void trainer_close(Trainer *t) {
     Ops *o = t->o;
     if (o) {
         o->free(o, t->adam_m); o->free(o, t->adam_v); o->free(o, t->class_weights);
+        o->free(o, t->region_sums); o->free(o, t->region_coefs);
         o->free(o, t->labels); o->free(o, t->confusion); o->free(o, t->args); o->free(o, t->state);
         o->free(o, t->stage); o->free(o, t->nonfinite);
         if (t->record) o->record_free(o, t->record);
@@ -400,6 +444,18 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
         snprintf(err, SN_ERR_MAX, "every class weight is 0: nothing to learn");
         return -1;
     }
+    if (loss_has_region(&c->loss) && !t->segmentation) {
+        snprintf(err, SN_ERR_MAX, "--loss %s: dice, jaccard and tversky are region losses of "
+                 "segmentation; model '%s' is a classifier", LOSS_NAMES[c->loss.kind[c->loss.n - 1]],
+                 c->model.model);
+        return -1;
+    }
+    if (loss_has_region(&c->loss) && !c->loss.per_image && c->accum > 1) {
+        snprintf(err, SN_ERR_MAX, "--loss %s over the global batch needs every micro-batch's "
+                 "probabilities before the backward: use --accum 1, or --loss-per-image",
+                 LOSS_NAMES[c->loss.kind[c->loss.n - 1]]);
+        return -1;
+    }
     if (train) {
         if (dataset_open_named(&t->train, train, t->segmentation, t->K, in.h, in.w,
                                c->cache_bytes, c->threads > 0 ? c->threads : 2, NULL, &c->masks,
@@ -449,7 +505,20 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     t->per_image = t->segmentation ? (size_t)in.h * in.w : 1;
     t->adam_m = o->alloc(o, sizeof(float) * (T ? T : 1));
     t->adam_v = o->alloc(o, sizeof(float) * (T ? T : 1));
-    t->class_weights = o->alloc(o, sizeof(float) * t->K);
+    t->loss = c->loss.n ? c->loss : loss_cfg_default();
+    const LossCfg *l = &t->loss;
+    t->class_weights = o->alloc(o, sizeof(float) * t->K * l->n);
+    int region = 0;
+    for (int j = 0; j < l->n; j++) region |= loss_is_region(l->kind[j]);
+    if (region) {
+        const int groups = l->per_image ? in.n : 1;
+        t->region_sums = o->alloc(o, sizeof(float) * 3 * t->K * groups);
+        t->region_coefs = o->alloc(o, sizeof(float) * 2 * t->K * groups);
+        if (!t->region_sums || !t->region_coefs) {
+            snprintf(err, SN_ERR_MAX, "out of %s memory for the region losses", o->name);
+            return -1;
+        }
+    }
     t->labels = o->alloc(o, sizeof(int32_t) * labels);
     t->confusion = o->alloc(o, sizeof(int64_t) * t->K * t->K);
     t->args = o->alloc(o, sizeof(StepArgs));
@@ -483,7 +552,14 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     }
     o->fill(o, tensor_f32(t->adam_m, shape4((int)T, 1, 1, 1)), 0.0f);
     o->fill(o, tensor_f32(t->adam_v, shape4((int)T, 1, 1, 1)), 0.0f);
-    o->upload(o, t->class_weights, c->class_weights, sizeof(float) * t->K);
+    for (int j = 0; j < l->n; j++) {  // each term's weights (see score_batch)
+        float w[SN_MAX_CLASSES];
+        const float f = l->kind[j] == LOSS_FOCAL ? l->focal_alpha / (float)t->K : 1.0f;
+        for (int k = 0; k < t->K; k++)
+            w[k] = loss_is_region(l->kind[j]) ? c->class_weights[k]
+                                              : l->weight[j] * f * c->class_weights[k];
+        o->upload(o, t->class_weights + (size_t)j * t->K, w, sizeof(float) * t->K);
+    }
     t->loss_scale = dtype == DT_F16 ? LOSS_SCALE_INIT : 1.0f;
     trainer_count_steps(t);
     if (R > 1) {
@@ -830,10 +906,13 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
                 step_rc = train_step(t, mb, pending, pt);
                 pending = 0;
             }
-        } else if (shard.n) {
-            pt->loss_sum += eval_batch(t, &shard);
-            pt->norm_sum += label_weight_sum(shard.labels, (size_t)shard.n * t->per_image,
-                                             c->loss_norm_keras ? NULL : c->class_weights, K);
+        } else if (shard.n || region_exchanges(t)) {
+            const double norm = label_weight_sum(shard.labels, (size_t)shard.n * t->per_image,
+                                                 c->loss_norm_keras ? NULL : c->class_weights, K);
+            double loss;
+            if (eval_batch(t, &shard, nj, norm, &loss)) { rc = -1; break; }
+            pt->loss_sum += loss;
+            pt->norm_sum += norm;
         }
         if (step_rc < 0) { rc = -1; break; }
         // a step (or a validation batch) is complete: stop here if asked
@@ -1037,8 +1116,8 @@ static int model_finite(Trainer *t, char which[SN_ERR_MAX]) {
 
 #define RESUME_DATA_KEY     "data"
 #define RESUME_SETTINGS_KEY "settings"
-static const char *const RESUME_FIXED[] = {"size",    "class-weights", "loss-norm",
-                                           "monitor", "ignore-index",  "label-map"};
+static const char *const RESUME_FIXED[] = {"size",         "class-weights", "loss-norm", "monitor",
+                                           "ignore-index", "label-map",     "loss"};
 
 // the settings that shape a step, `--flag=value` items separated by spaces (NUL-terminated,
 // malloc'd)
@@ -1057,6 +1136,8 @@ static char *step_settings_text(const TrainCfg *c) {
     label_map_text(&c->masks, &b);
     sb_str(&b, " augment=");
     augment_text(&c->augment, &b);
+    sb_str(&b, " loss=");
+    loss_settings_text(&c->loss, ",", ":", &b);
     sb_put(&b, "", 1);
     snCheck(!b.oom, "out of host memory");
     return b.p;
@@ -1787,8 +1868,9 @@ static void config_text(const TrainCfg *c, SfBuf *b) {
     CFG("monitor = %s\nmin-delta = %s\n", monitor_name(c), float_str(f[0], c->min_delta));
     sb_str(b, "augment = ");
     augment_text(&c->augment, b);
-    CFG("\nloss-norm = %s\nseed = %" PRIu64 "\n", c->loss_norm_keras ? "keras" : "weighted",
-        c->seed);
+    CFG("\nloss-norm = %s\nloss = ", c->loss_norm_keras ? "keras" : "weighted");
+    loss_settings_text(&c->loss, "\n", " = ", b);
+    CFG("\nseed = %" PRIu64 "\n", c->seed);
     CFG("precision = %s\naccum = %d\nfreeze = %s\nunfreeze-last = %d\ncheckpoint = %s\n",
         DTYPE_NAMES[c->precision], c->accum, c->freeze_base ? "base" : "none", c->unfreeze_last,
         c->checkpoint ? "blocks" : "none");

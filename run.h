@@ -35,6 +35,7 @@ typedef struct {
     uint64_t seed;
     int threads;                    // 0: OpenMP's default
     int loss_norm_keras;            // divide the loss by the pixel count, not Σ w
+    LossCfg loss;                   // --loss and its constants (n 0: ce alone)
     int workers;                    // data loader threads
     size_t cache_bytes;             // decoded data kept in memory up to this
     int progress;                   // 0 quiet, 1 progress on stderr

@@ -989,12 +989,14 @@ static void bn_backward_data_ref(Ops *o, Tensor dx, Tensor dy, Tensor x, const B
 // before the log, i.e. nll clamped to [-log(1-ε), -log ε], and a pixel whose p_y
 // lies beyond the clip has no gradient (the clip's derivative is 0 there).
 
+// The focal term (losses.c) is the same loop with (1-p_y)^γ·nll (focal_terms): xent_rows.
+
 #define XENT_CHUNK 4096
 
-static void softmax_xent_ref(Ops *o, Tensor logits, const int32_t *labels,
-                             const float *class_weights, float prob_clip, const float *grad_scale,
-                             float *stats, Tensor dlogits) {
-    (void)o;
+// gamma < 0: cross-entropy, dlogits overwritten; else the focal term, dlogits added into
+static void xent_rows(Tensor logits, const int32_t *labels, const float *class_weights,
+                      double gamma, float prob_clip, const float *grad_scale, float *stats,
+                      Tensor dlogits) {
     const float gscale = dlogits.data ? *grad_scale : 0.0f;
     const int K = logits.shape.c;
     const size_t M = shape_numel(logits.shape) / K, n_chunks = (M + XENT_CHUNK - 1) / XENT_CHUNK;
@@ -1020,15 +1022,18 @@ static void softmax_xent_ref(Ops *o, Tensor logits, const int32_t *labels,
                 double sum = 0.0;
                 for (int c = 0; c < K; c++) sum += exp((double)ld(logits, r * K + c) - zmax);
                 int flat = 0;
+                double h = 1.0;  // the focal term's factor of (p - onehot(y))
                 if (wy != 0.0f) {
                     double nll = xent_clip(log(sum) + zmax - ld(logits, r * K + y), clip, &flat);
+                    if (gamma >= 0.0) focal_terms(nll, gamma, &nll, &h);
                     l += wy * nll;
                     w += wy;
                 }
                 if (dlogits.data)
                     for (int c = 0; c < K; c++) {
                         double p = exp((double)ld(logits, r * K + c) - zmax) / sum;
-                        st(dlogits, r * K + c, flat ? 0.0f : (float)(wy * (p - (c == y)) * gscale));
+                        float g = flat ? 0.0f : (float)(wy * h * (p - (c == y)) * gscale);
+                        st_acc(dlogits, r * K + c, g, gamma >= 0.0);
                     }
             }
             pl[k - g0] = l; pw[k - g0] = w; pi[k - g0] = bad;
@@ -1043,6 +1048,14 @@ static void softmax_xent_ref(Ops *o, Tensor logits, const int32_t *labels,
     stats[1] += (float)wsum;
     stats[2] += (float)invalid;
 }
+static void softmax_xent_ref(Ops *o, Tensor logits, const int32_t *labels,
+                             const float *class_weights, float prob_clip, const float *grad_scale,
+                             float *stats, Tensor dlogits) {
+    (void)o;
+    xent_rows(logits, labels, class_weights, -1.0, prob_clip, grad_scale, stats, dlogits);
+}
+
+#include "losses.c"  // the focal and region terms of the loss menu
 
 static void confusion_accumulate_ref(Ops *o, Tensor logits, const int32_t *labels,
                                      int64_t *confusion) {
@@ -1204,6 +1217,9 @@ Ops ops_ref = {
     .resize_bilinear_forward = resize_bilinear_forward_ref,
     .resize_bilinear_backward = resize_bilinear_backward_ref,
     .softmax_xent = softmax_xent_ref,
+    .softmax_focal = softmax_focal_ref,
+    .region_sums = region_sums_ref,
+    .region_grad = region_grad_ref,
     .confusion_accumulate = confusion_accumulate_ref,
     .adam_update = adam_update_ref,
 };
@@ -2844,7 +2860,8 @@ typedef struct {
     double seconds;
     int64_t timed;
 } StepStats;
-static void step_stats_add(StepStats *st, const StepState *s, double seconds, double local_norm) {
+static void step_stats_add(StepStats *st, const StepState *s, double seconds, double loss,
+                           double local_norm) {
     st->steps++;
     if (s->applied) {
         st->skip_run = 0;
@@ -2857,7 +2874,7 @@ static void step_stats_add(StepStats *st, const StepState *s, double seconds, do
     }
     st->seconds += seconds;
     st->timed++;
-    st->loss_sum += s->loss[0];
+    st->loss_sum += loss;
     st->label_sum += local_norm;
     st->loss_scale = s->loss_scale;
 }
@@ -2873,7 +2890,11 @@ typedef struct {
     Dataset train, val;
     int has_train, has_val;
     float *adam_m, *adam_v;     // (n_param_floats) backend memory
-    float *class_weights;       // (K)
+    LossCfg loss;               // c->loss, or ce alone
+    float *class_weights;       // (terms,K) each term's weights (trainer_open_on)
+    // the region terms' (groups,3,K) sums and (groups,2,K) coefficients, groups: 1, or the
+    // shard's images with per_image; NULL without region terms
+    float *region_sums, *region_coefs;
     int32_t *labels;            // (N·H·W) or (N)
     int64_t *confusion;         // (K,K)
     StepArgs *args;             // backend memory: the step's arguments, from host_args
@@ -2900,6 +2921,7 @@ typedef struct {
     float loss_scale;           // fp16: the dynamic loss scale; else 1
     int64_t good_steps;         // fp16: consecutive finite steps since the last change of scale
     int64_t step;               // optimiser steps taken
+    int step_images;            // the images of the step being taken, over the replicas
     int epoch;                  // epochs completed
     double best;                // lowest monitored loss so far (val_loss, else loss)
     int best_epoch, bad_epochs;
@@ -3015,30 +3037,82 @@ static void upload_staged(Trainer *t, int n) {
     o->upload_async(o, t->labels, t->host_labels, sizeof(int32_t) * (size_t)n * t->per_image);
 }
 
-// The loss and metrics of the batch in the net: softmax cross-entropy of the
-// logits (its gradient into dlogits when that has data, scaled by
-// state->xent_scale) and the confusion matrix, added into state->loss.
-static void score_batch(Trainer *t, Tensor dlogits) {
-    Ops *o = t->o;
-    Tensor z = net_tensor(&t->net, t->logits);
-    o->softmax_xent(o, z, t->labels, t->class_weights, t->c->loss_norm_keras ? KERAS_EPSILON : 0.0f,
-                    dlogits.data ? &t->state->xent_scale : NULL, t->state->loss, dlogits);
-    o->confusion_accumulate(o, z, t->labels, t->confusion);
+// Region terms over the global batch need the replicas' sums summed before
+// their gradient: a collective every replica joins, an empty shard too.
+static int region_exchanges(const Trainer *t) {
+    if (t->loss.per_image || t->comm->size == 1) return 0;
+    for (int j = 0; j < t->loss.n; j++) if (loss_is_region(t->loss.kind[j])) return 1;
+    return 0;
 }
 
-// An evaluation batch: the forward and its loss Σ w·nll (metrics into the confusion matrix).
-static float eval_batch(Trainer *t, const MicroBatch *mb) {
+// The loss and metrics of the n images in the net: the terms of the loss menu
+// (their gradient into dlogits when that has data, the per-pixel ones scaled by
+// state->xent_scale, the region ones by the loss scale) added into state->loss
+// and state->region_loss, and the confusion matrix. Per image, a region term
+// is the mean over the step's `step_images` (all micro-batches and replicas).
+// Returns -1 if a collective failed.
+static int score_batch(Trainer *t, Tensor dlogits, int n, int step_images) {
+    Ops *o = t->o;
+    const LossCfg *l = &t->loss;
+    const int K = t->K, groups = l->per_image ? n : 1;
+    const float *scale = dlogits.data ? &t->state->xent_scale : NULL;
+    Tensor z = net_tensor(&t->net, t->logits);
+    int summed = 0;  // the region sums are in t->region_sums
+    for (int j = 0; j < l->n && n > 0; j++) {
+        const float *w = t->class_weights + (size_t)j * K;
+        if (j == 0 && l->kind[0] != LOSS_CE && dlogits.data) o->fill(o, dlogits, 0.0f);
+        if (l->kind[j] == LOSS_CE) {  // first when there (loss_parse): it overwrites dlogits
+            o->softmax_xent(o, z, t->labels, w, t->c->loss_norm_keras ? KERAS_EPSILON : 0.0f, scale,
+                            t->state->loss, dlogits);
+        } else if (l->kind[j] == LOSS_FOCAL) {
+            o->softmax_focal(o, z, t->labels, w, l->focal_gamma, KERAS_EPSILON, scale,
+                             t->state->loss, dlogits);
+        } else {
+            if (!summed) o->region_sums(o, z, t->labels, groups, t->region_sums);
+            if (!summed && region_exchanges(t) &&
+                comm_allreduce_backend(t, t->region_sums, (size_t)3 * K))
+                return -1;
+            summed = 1;
+            const RegionArgs a = region_args(l, j, l->per_image ? step_images : 1);
+            o->region_grad(o, z, t->labels, groups, t->region_sums, &a, w, &t->state->loss_scale,
+                           t->region_coefs, &t->state->region_loss, dlogits);
+        }
+    }
+    if (n == 0 && region_exchanges(t)) {  // an empty shard adds zeros
+        o->fill(o, tensor_f32(t->region_sums, shape4(3 * K, 1, 1, 1)), 0.0f);
+        if (comm_allreduce_backend(t, t->region_sums, (size_t)3 * K)) return -1;
+    }
+    if (n > 0) o->confusion_accumulate(o, z, t->labels, t->confusion);
+    return 0;
+}
+
+// A step's region value *v from this replica's part (the replicas' parts summed
+// when each holds its images' share); -1 if a collective failed.
+static int region_value(Trainer *t, float part, double *v) {
+    *v = part;
+    return t->loss.per_image && t->comm->size > 1 && t->comm->allreduce_f64(t->comm, v, 1);
+}
+
+// An evaluation batch of the global batch's `images`: the forward, its loss Σ w·nll
+// plus the region terms' value times the batch's Σ w here (norm), so that the pass's
+// Σ over Σ norm weighs each batch's region value by its Σ w, into *loss; metrics
+// into the confusion matrix. Returns -1 if a collective failed.
+static int eval_batch(Trainer *t, const MicroBatch *mb, int images, double norm, double *loss) {
     Ops *o = t->o;
     Net *net = &t->net;
     stage_batch(t, mb);
-    upload_staged(t, mb->n);
+    if (mb->n) upload_staged(t, mb->n);
     net_forward(net, mb->n, 0);
-    o->fill(o, tensor_f32(t->state->loss, shape4(3, 1, 1, 1)), 0.0f);
-    score_batch(t, tensor(NULL, net_tensor(net, t->logits).shape, net->dtype));
-    float loss[3];
-    o->download(o, loss, t->state->loss, sizeof loss);
-    snCheck(loss[2] == 0.0f, "labels outside 0..%d passed the data set's checks", t->K - 1);
-    return loss[0];
+    o->fill(o, tensor_f32(t->state->loss, shape4(4, 1, 1, 1)), 0.0f);  // loss[3], region_loss
+    if (score_batch(t, tensor(NULL, net_tensor(net, t->logits).shape, net->dtype), mb->n, images))
+        return -1;
+    float sums[4];
+    o->download(o, sums, t->state->loss, sizeof sums);
+    snCheck(sums[2] == 0.0f, "labels outside 0..%d passed the data set's checks", t->K - 1);
+    double region;
+    if (region_value(t, sums[3], &region)) return -1;
+    *loss = sums[0] + region * norm;
+    return 0;
 }
 
 // the whole gradient buffer (the trainable parameters') as one tensor
@@ -3067,7 +3141,9 @@ static int step_work(Trainer *t, const MicroBatch *mb, int k) {
         upload_staged(t, mb[i].n);
         net->first_sample = (uint64_t)mb[i].first;
         net_forward(net, mb[i].n, 1);
-        if (mb[i].n) score_batch(t, net_grad(net, t->logits));
+        if ((mb[i].n || region_exchanges(t)) &&
+            score_batch(t, net_grad(net, t->logits), mb[i].n, t->step_images))
+            return -1;
         net_backward(net, mb[i].n, t->logits);
         if (net->failed || replicas_average_bn(t, mb[i].n)) return -1;
     }
@@ -3133,8 +3209,11 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
         local_norm += label_weight_sum(mb[i].labels, (size_t)mb[i].n * t->per_image,
                                        c->loss_norm_keras ? NULL : c->class_weights, t->K);
     }
-    double norm = local_norm;
-    if (comm->size > 1 && comm->allreduce_f64(comm, &norm, 1)) return -1;
+    double global[2] = {local_norm, 0};  // Σw, images
+    for (int i = 0; i < k; i++) global[1] += mb[i].n;
+    if (comm->size > 1 && comm->allreduce_f64(comm, global, 2)) return -1;
+    const double norm = global[0];
+    t->step_images = (int)global[1];
     const int64_t step = t->step;
     // the update ratio of the epoch's last step and of each logged one (rank 0 writes both)
     const int logged = c->log_every > 0 && (step + 1) % c->log_every == 0;
@@ -3187,13 +3266,17 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     o->download(o, t->host_state, t->state, sizeof(StepState));
     const StepState s = *t->host_state;
     snCheck(s.loss[2] == 0.0f, "labels outside 0..%d passed the data set's checks", t->K - 1);
-    pt->loss_sum += s.loss[0];
+    // the region value weighted by the step's Σw (each replica's part of it)
+    double region;
+    if (region_value(t, s.region_loss, &region)) return -1;
+    const double step_loss = s.loss[0] + region * local_norm;
+    pt->loss_sum += step_loss;
     pt->norm_sum += local_norm;  // the pass adds the replicas' parts up at its end
     t->loss_scale = s.loss_scale;
     t->good_steps = s.good_steps;
     const double seconds = now_seconds() - started;
-    step_stats_add(&t->epoch_stats, &s, seconds, local_norm);
-    step_stats_add(&t->log_stats, &s, seconds, local_norm);
+    step_stats_add(&t->epoch_stats, &s, seconds, step_loss, local_norm);
+    step_stats_add(&t->log_stats, &s, seconds, step_loss, local_norm);
     if (measure) {
         const double ratio = trainable_update_ratio(t);
         if (t->measure_update) t->epoch_stats.update_ratio = ratio;

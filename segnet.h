@@ -67,6 +67,93 @@ static inline SN_HD double xent_clip(double nll, XentClip c, int *flat) {
     return nll < c.lo ? c.lo : nll > c.hi ? c.hi : nll;
 }
 
+// ----------------------------------------------------------------------------
+// the loss menu (--loss): a weighted sum of terms over the same logits
+//
+// Per-pixel terms, divided by the global Σw (or the pixel count, --loss-norm keras):
+//   ce     w_y·nll, nll = -log p_y (Ops.softmax_xent)
+//   focal  w_y·α(1-p_y)^γ·nll / K, p_y clipped to [ε, 1-ε] (Ops.softmax_focal):
+//          segmentation_models' CategoricalFocalLoss, a mean over pixels and classes
+// Region terms, from per-class sums over a group of pixels (the global batch,
+// or each image with --loss-per-image; Ops.region_sums):
+//   I_c = Σ p_ic·[y_i = c], P_c = Σ p_ic, G_c = Σ [y_i = c], FP = P - I, FN = G - I
+//   S_c = (a·I + s) / (a·I + α·FP + β·FN + s)
+//     dice a = 2, α = β = 1 (the F1 score: 2I + s over P + G + s)
+//     jaccard a = 1, α = β = 1 (I + s over P + G - I + s)
+//     tversky a = 1, --tversky-alpha α, --tversky-beta β
+//   a group's loss L = (Σ_c w_c·[G_c > 0]·(1 - S_c) / Σ_c w_c)^γ (γ = 1 but for tversky):
+//   segmentation_models_pytorch's weighted mean, a class absent from the group adding 0;
+//   the term is the mean of L over the step's groups (Ops.region_grad).
+typedef enum { LOSS_CE, LOSS_FOCAL, LOSS_DICE, LOSS_JACCARD, LOSS_TVERSKY, LOSS_KIND_COUNT } LossKind;
+static const char *const LOSS_NAMES[LOSS_KIND_COUNT] = {"ce", "focal", "dice", "jaccard", "tversky"};
+static inline int loss_is_region(LossKind k) { return k >= LOSS_DICE; }
+#define SN_MAX_LOSS_TERMS 5
+#define FOCAL_GAMMA_DEFAULT 2.0f    // segmentation_models' CategoricalFocalLoss
+#define FOCAL_ALPHA_DEFAULT 0.25f
+#define REGION_SMOOTH_DEFAULT 1e-5f // segmentation_models' smooth
+typedef struct {
+    int n;                          // terms; 0 reads as ce alone
+    LossKind kind[SN_MAX_LOSS_TERMS];
+    float weight[SN_MAX_LOSS_TERMS];
+    float smooth;                   // s of the region terms
+    float focal_gamma, focal_alpha;
+    float tversky_alpha, tversky_beta, tversky_gamma;
+    int per_image;                  // region terms per image, averaged over the step's images
+} LossCfg;
+
+static inline LossCfg loss_cfg_default(void) {
+    LossCfg l = {1, {LOSS_CE}, {1.0f}, REGION_SMOOTH_DEFAULT, FOCAL_GAMMA_DEFAULT,
+                 FOCAL_ALPHA_DEFAULT, 0.5f, 0.5f, 1.0f, 0};
+    return l;
+}
+
+// One region term as its kernels take it: the score's constants, the power,
+// and the term's weight over the step's group count (its mean).
+typedef struct { float a, alpha, beta, gamma, smooth, scale; } RegionArgs;
+static inline RegionArgs region_args(const LossCfg *l, int term, int groups) {
+    const LossKind k = l->kind[term];
+    RegionArgs r = {1.0f, 1.0f, 1.0f, 1.0f, l->smooth, l->weight[term] / (float)groups};
+    if (k == LOSS_DICE) r.a = 2.0f;
+    if (k == LOSS_TVERSKY) {
+        r.alpha = l->tversky_alpha; r.beta = l->tversky_beta; r.gamma = l->tversky_gamma;
+    }
+    return r;
+}
+// A group's term from its sums (I(K), P(K), G(K)) and the class weights w:
+// returns scale·L; coef gets (A(K), B(K)), the loss's derivative by p_ic being
+// B_c + [y_i = c]·A_c (scaled as the loss). With D = a·I + α·FP + β·FN + s and
+// N = a·I + s: ∂S_c/∂p_ic = (a·[y=c]·D - N·((a - α - β)·[y=c] + α)) / D².
+static inline SN_HD double region_coefs(const RegionArgs *r, const float *w, int K,
+                                        const float *sums, float *coef) {
+    const float *tp = sums, *pr = sums + K, *gt = sums + 2 * K;  // I, P, G
+    double wsum = 0.0, mean = 0.0;
+    for (int c = 0; c < K; c++) {
+        wsum += w[c];
+        const double d = r->a * tp[c] + r->alpha * (pr[c] - tp[c]) + r->beta * (gt[c] - tp[c]) + r->smooth;
+        if (gt[c] > 0.0f && d > 0.0) mean += w[c] * (1.0 - (r->a * tp[c] + r->smooth) / d);
+    }
+    if (!(wsum > 0.0)) wsum = 1.0;  // every weight 0: no loss
+    mean /= wsum;
+    // dL/d(1 - S_c) = scale·γ·mean^(γ-1)·w_c/Σw
+    const double outer = r->scale * (r->gamma == 1.0f ? 1.0 : r->gamma * pow(mean, r->gamma - 1.0));
+    for (int c = 0; c < K; c++) {
+        const double d = r->a * tp[c] + r->alpha * (pr[c] - tp[c]) + r->beta * (gt[c] - tp[c]) + r->smooth;
+        const double num = r->a * tp[c] + r->smooth;
+        const double dl = gt[c] > 0.0f && d > 0.0 ? -outer * w[c] / wsum / (d * d) : 0.0;
+        coef[c] = (float)(dl * (r->a * d - num * (r->a - r->alpha - r->beta)));
+        coef[K + c] = (float)(dl * -num * r->alpha);
+    }
+    return r->scale * (r->gamma == 1.0f ? mean : pow(mean, r->gamma));
+}
+
+// One pixel's focal term from its clipped nll = -log p: (1-p)^γ·nll into *value,
+// and h with ∂(value)/∂z_k = h·(p_k - [k = y]): h = (1-p)^γ + γ(1-p)^(γ-1)·p·nll.
+static inline SN_HD void focal_terms(double nll, double gamma, double *value, double *h) {
+    const double p = exp(-nll), u = -expm1(-nll), ug = gamma == 0.0 ? 1.0 : pow(u, gamma);
+    *value = ug * nll;
+    *h = ug + (u > 0.0 ? gamma * ug / u * p * nll : 0.0);
+}
+
 static inline SN_HD uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline SN_HD float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
@@ -397,6 +484,7 @@ typedef struct {
     int64_t good_steps;
     float xent_scale;       // softmax_xent's grad_scale: inv_norm·loss_scale
     float loss[3];          // softmax_xent's sums: Σw·nll, Σw, labels ≥ K
+    float region_loss;      // the region terms of the loss (region_grad's), this replica's part
     float grad_sum_squares; // Σg² of the (still scaled) gradients
     // the global gradient norm before clipping, unscaled (inf/NaN when skipped)
     float grad_norm;
@@ -417,7 +505,7 @@ static inline SN_HD void step_control_apply(const StepArgs *a, StepState *s, int
         s->loss_scale = a->loss_scale;
         s->good_steps = a->good_steps;
         s->xent_scale = a->inv_norm * s->loss_scale;
-        s->loss[0] = s->loss[1] = s->loss[2] = 0.0f;
+        s->loss[0] = s->loss[1] = s->loss[2] = s->region_loss = 0.0f;
         s->grad_sum_squares = 0.0f;
         s->nonfinite = 0;
         return;
@@ -663,6 +751,22 @@ struct Ops {
     // gradient from a pixel whose p[y] the clip moved.
     void (*softmax_xent)(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
                          float prob_clip, const float *grad_scale, float *stats, Tensor dlogits);
+    // softmax_xent with the focal term: stats[0] += Σ w[y]·(1-p_y)^γ·nll (focal_terms), p_y
+    // clipped by prob_clip as there; dlogits (when it has data) is added into with
+    // w[y]·h·(p - onehot(y))·grad_scale.
+    void (*softmax_focal)(Ops *o, Tensor logits, const int32_t *labels, const float *class_weights,
+                          float gamma, float prob_clip, const float *grad_scale, float *stats,
+                          Tensor dlogits);
+    // The region terms' sums over `groups` equal runs of the pixels (1: all of them;
+    // N: each image): sums (groups,3,K) = I, P, G of each (see LossKind), overwritten.
+    // Labels outside 0..K-1 count nowhere.
+    void (*region_sums)(Ops *o, Tensor logits, const int32_t *labels, int groups, float *sums);
+    // One region term from the sums: coefs (groups,2,K) = region_coefs of each group,
+    // *loss += Σ its values; dlogits (when it has data) is added into with
+    // ∂loss/∂z_ik·grad_scale = p_ik·(d_ik - Σ_j p_ij·d_ij)·grad_scale, d_ik = B_k + [y_i = k]·A_k.
+    void (*region_grad)(Ops *o, Tensor logits, const int32_t *labels, int groups,
+                        const float *sums, const RegionArgs *args, const float *class_weights,
+                        const float *grad_scale, float *coefs, float *loss, Tensor dlogits);
     // confusion[y·K + argmax_k z_k] += 1 for every pixel with a label in 0..K-1
     // (an ignored pixel, SN_LABEL_IGNORED, is not counted)
     // (ties go to the lowest class); confusion is (K,K) int64, true class by row
@@ -690,7 +794,8 @@ struct Ops {
     X(add_backward) X(concat_forward) X(concat_backward) X(dropout_forward)                     \
     X(dropout_backward) X(maxpool2_forward) X(maxpool2_backward) X(upsample2_forward)           \
     X(upsample2_backward) X(resize_bilinear_forward) X(resize_bilinear_backward)                \
-    X(softmax_xent) X(confusion_accumulate) X(adam_update)
+    X(softmax_xent) X(softmax_focal) X(region_sums) X(region_grad)                              \
+    X(confusion_accumulate) X(adam_update)
 
 // ops_ref: every op as its formula is written (segnet.c, part I), what the
 // tests compare ops_cpu with; ops_cpu: ops_ref with fast versions of conv2d,

@@ -3670,6 +3670,211 @@ TEST(weighted_loss_by_hand) {
     CHECK(fabs(weighted - keras) > 0.1, "the two normalisations differ on this example");
 }
 
+// ----------------------------------------------------------------------------
+// the loss menu: focal and region terms against segmentation_models' formulas
+// written out here in fp64 (Keras: sm.losses, sm.base.functional), and their
+// gradients against central differences of those formulas
+
+// p (K) = softmax(z), fp64
+static void softmax_f64(const float *z, int K, double *p) {
+    double m = -INFINITY, s = 0.0;
+    for (int c = 0; c < K; c++) m = fmax(m, z[c]);
+    for (int c = 0; c < K; c++) s += p[c] = exp(z[c] - m);
+    for (int c = 0; c < K; c++) p[c] /= s;
+}
+// sm's CategoricalFocalLoss: mean over pixels and classes of -gt·α(1-pr)^γ·log pr, pr clipped
+// to [1e-7, 1-1e-7] (valid pixels only, as ignore leaves them out)
+static double sm_focal(const float *z, const int32_t *y, size_t M, int K, double gamma,
+                       double alpha) {
+    double sum = 0.0, p[16];
+    size_t n = 0;
+    for (size_t i = 0; i < M; i++) {
+        if (y[i] < 0 || y[i] >= K) continue;
+        softmax_f64(z + i * K, K, p);
+        const double pr = fmin(fmax(p[y[i]], 1e-7), 1.0 - 1e-7);
+        sum += -alpha * pow(1.0 - pr, gamma) * log(pr);
+        n++;
+    }
+    return sum / ((double)n * K);
+}
+// sm's f_score (dice, β = 1) and iou_score over a group of pixels, generalised to Tversky
+// as smp's soft_tversky_score: per class tp = Σ gt·pr, fp = Σ pr - tp, fn = Σ gt - tp;
+// dice (2tp + s)/(2tp + fn + fp + s), jaccard (tp + s)/(tp + fp + fn + s), tversky
+// (tp + s)/(tp + α·fp + β·fn + s). The group's loss: the classes' 1 - score averaged with
+// weights w over the classes present (smp's convention; unweighted with every class present,
+// sm's 1 - mean score), to the power γ.
+static double region_loss_f64(const float *z, const int32_t *y, size_t M, int K, LossKind kind,
+                              double s, const float *w, double ta, double tb, double tg) {
+    double tp[16] = {0}, pr[16] = {0}, gt[16] = {0}, p[16];
+    for (size_t i = 0; i < M; i++) {
+        if (y[i] < 0 || y[i] >= K) continue;
+        softmax_f64(z + i * K, K, p);
+        for (int c = 0; c < K; c++) pr[c] += p[c];
+        tp[y[i]] += p[y[i]];
+        gt[y[i]] += 1.0;
+    }
+    double num = 0.0, den = 0.0;
+    for (int c = 0; c < K; c++) {
+        const double fp = pr[c] - tp[c], fn = gt[c] - tp[c];
+        double score = kind == LOSS_DICE      ? (2 * tp[c] + s) / (2 * tp[c] + fn + fp + s)
+                       : kind == LOSS_JACCARD ? (tp[c] + s) / (tp[c] + fp + fn + s)
+                                              : (tp[c] + s) / (tp[c] + ta * fp + tb * fn + s);
+        num += gt[c] > 0 ? w[c] * (1.0 - score) : 0.0;
+        den += w[c];
+    }
+    return pow(num / den, tg);
+}
+
+// the focal term: value against sm's formula (1e-6), gradient against central
+// differences of it (1e-5 of the largest element: a float gradient, fp64 differences over
+// the float steps ±1e-3, truncation error ~h²·f''' ≈ 1e-7 relative); added into dlogits;
+// γ = 0 is ce·α/K
+TEST(loss_focal_by_hand) {
+    enum { K = 4, M = 2 * 5 * 6 };
+    Rng r; rng_seed(&r, 35);
+    float *z = randn(&r, (size_t)M * K, 2.0f), dz[M * K], w[K];
+    int32_t y[M];
+    for (int i = 0; i < M; i++) y[i] = (int32_t)(rng_next(&r) % K);
+    y[3] = SN_LABEL_IGNORED;
+    const double gamma = 2.0, alpha = 0.25;
+    for (int c = 0; c < K; c++) w[c] = (float)(alpha / K);
+    const Shape s = shape4(2, 5, 6, K);
+    const double n = label_weight_sum(y, M, NULL, K);
+    const float before = 0x1p-20f;  // added into (small: its float sums keep the gradient's bits)
+    for (int i = 0; i < M * K; i++) dz[i] = before;
+    float stats[3] = {0, 0, 0};
+    ops_cpu.softmax_focal(&ops_cpu, tensor_f32(z, s), y, w, (float)gamma, KERAS_EPSILON,
+                          &(float){(float)(1.0 / n)}, stats, tensor_f32(dz, s));
+    const double want = sm_focal(z, y, M, K, gamma, alpha);
+    CHECK_NEAR(stats[0] / n, want, 1e-6 * want, "focal loss against sm's formula");
+    double worst = 0.0, largest = 0.0;
+    for (int i = 0; i < M * K; i++) {
+        const float keep = z[i], zp = keep + 1e-3f, zm = keep - 1e-3f;
+        z[i] = zp;
+        const double up = sm_focal(z, y, M, K, gamma, alpha);
+        z[i] = zm;
+        const double down = sm_focal(z, y, M, K, gamma, alpha);
+        z[i] = keep;
+        const double fd = (up - down) / ((double)zp - zm);  // the steps as rounded to float
+        largest = fmax(largest, fabs(fd));
+        worst = fmax(worst, fabs(fd - ((double)dz[i] - before)));
+    }
+    if (g_verbose) printf("    focal gradient error %.2e of %.2e\n", worst / largest, largest);
+    CHECK(worst <= 1e-5 * largest, "focal gradient error %.3g of %.3g", worst, largest);
+    CHECK(dz[3 * K] == before && dz[3 * K + 1] == before,
+          "an ignored pixel's gradient stays as it was");
+    // γ = 0 is the cross-entropy (Keras' clip) times the weights
+    float sf[3] = {0, 0, 0}, sx[3] = {0, 0, 0}, ones[K] = {1, 1, 1, 1};
+    ops_cpu.softmax_focal(&ops_cpu, tensor_f32(z, s), y, ones, 0.0f, KERAS_EPSILON, NULL, sf,
+                          tensor_f32(NULL, s));
+    ops_cpu.softmax_xent(&ops_cpu, tensor_f32(z, s), y, ones, KERAS_EPSILON, NULL, sx,
+                         tensor_f32(NULL, s));
+    CHECK(sf[0] == sx[0] && sf[1] == sx[1], "focal γ = 0: %.9g, ce %.9g", sf[0], sx[0]);
+    free(z);
+}
+
+// One region term through the ops (sums, then coefficients and gradient) on
+// logits z (s) and labels y: its value, the gradient added into dz
+static double region_term(Shape s, float *z, const int32_t *y, const LossCfg *l, const float *w,
+                          int groups, float *dz) {
+    const int K = s.c;
+    float sums[3 * 16 * 4], coefs[2 * 16 * 4], loss = 0.0f;
+    ops_cpu.region_sums(&ops_cpu, tensor_f32(z, s), y, groups, sums);
+    const RegionArgs a = region_args(l, 0, groups);
+    ops_cpu.region_grad(&ops_cpu, tensor_f32(z, s), y, groups, sums, &a, w, &(float){1.0f}, coefs,
+                        &loss, tensor_f32(dz, s));
+    (void)K;
+    return loss;
+}
+
+// dice, jaccard and tversky (γ 1 and 1.5), over the batch and per image, with
+// class weights, an absent class, ignored and out-of-range labels: values within
+// 1e-6 of the formulas above, gradients within 1e-5 of central differences of them
+TEST(loss_region_by_hand) {
+    enum { K = 4, N = 3, H = 4, W = 5, M = N * H * W };
+    const Shape s = shape4(N, H, W, K);
+    Rng r; rng_seed(&r, 36);
+    float *z = randn(&r, (size_t)M * K, 1.5f), dz[M * K];
+    int32_t y[M];
+    for (int i = 0; i < M; i++) y[i] = (int32_t)(rng_next(&r) % (K - 1));  // class 3 absent
+    y[5] = SN_LABEL_IGNORED;
+    y[7] = K;  // out of range: counted nowhere
+    const float weights[2][K] = {{1, 1, 1, 1}, {0.0f, 0.1f, 0.45f, 0.45f}};
+    const struct { LossKind kind; float smooth, ta, tb, tg; } cases[] = {
+            {LOSS_DICE, 1e-5f, 0, 0, 1},      {LOSS_DICE, 1.0f, 0, 0, 1},
+            {LOSS_JACCARD, 1e-5f, 0, 0, 1},   {LOSS_TVERSKY, 1e-5f, 0.3f, 0.7f, 1},
+            {LOSS_TVERSKY, 0.5f, 0.7f, 0.3f, 1.5f},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++)
+        for (int wi = 0; wi < 2; wi++)
+            for (int per_image = 0; per_image < 2; per_image++) {
+                LossCfg l = loss_cfg_default();
+                l.kind[0] = cases[k].kind;
+                l.smooth = cases[k].smooth;
+                l.tversky_alpha = cases[k].ta; l.tversky_beta = cases[k].tb;
+                l.tversky_gamma = cases[k].tg;
+                const float *w = weights[wi];
+                const int groups = per_image ? N : 1;
+                const size_t per = M / groups;
+                // the reference: the formula per group, averaged over the groups
+                double ta = cases[k].ta, tb = cases[k].tb, tg = cases[k].tg;
+                if (cases[k].kind != LOSS_TVERSKY) ta = tb = tg = 1.0;
+#define REF_LOSS()                                                                              \
+    ({                                                                                          \
+        double v_ = 0.0;                                                                        \
+        for (int g_ = 0; g_ < groups; g_++)                                                     \
+            v_ += region_loss_f64(z + g_ * per * K, y + g_ * per, per, K, cases[k].kind,        \
+                                  cases[k].smooth, w, ta, tb, tg);                              \
+        v_ / groups;                                                                            \
+    })
+                memset(dz, 0, sizeof dz);
+                const double got = region_term(s, z, y, &l, w, groups, dz), want = REF_LOSS();
+                CHECK(fabs(got - want) <= 1e-6 * fmax(fabs(want), 1e-3),
+                      "%s w%d per_image %d: loss %.9g, formula %.9g", LOSS_NAMES[cases[k].kind],
+                      wi, per_image, got, want);
+                double worst = 0.0, largest = 0.0;
+                for (int i = 0; i < M * K; i++) {
+                    const float keep = z[i], zp = keep + 1e-3f, zm = keep - 1e-3f;
+                    z[i] = zp;
+                    const double up = REF_LOSS();
+                    z[i] = zm;
+                    const double down = REF_LOSS();
+                    z[i] = keep;
+                    const double fd = (up - down) / ((double)zp - zm);
+                    largest = fmax(largest, fabs(fd));
+                    worst = fmax(worst, fabs(fd - dz[i]));
+                }
+#undef REF_LOSS
+                if (g_verbose)
+                    printf("    %s w%d per_image %d: loss %.6f, gradient error %.2e\n",
+                           LOSS_NAMES[cases[k].kind], wi, per_image, got, worst / largest);
+                CHECK(worst <= 1e-5 * largest, "%s w%d per_image %d: gradient error %.3g of %.3g",
+                      LOSS_NAMES[cases[k].kind], wi, per_image, worst, largest);
+                CHECK(dz[5 * K] == 0.0f && dz[7 * K + 2] == 0.0f,
+                      "ignored and out-of-range pixels get no gradient");
+            }
+    free(z);
+}
+
+// region terms by hand on two pixels, K = 2: p = (1/4, 3/4) labelled 1, p = (1/2, 1/2)
+// labelled 0. Class 0: I = 1/2, P = 3/4, G = 1; class 1: I = 3/4, P = 5/4, G = 1.
+// dice (s = 0): S0 = 1/(7/4) = 4/7, S1 = (3/2)/(9/4) = 2/3, loss = 1 - (4/7 + 2/3)/2 = 8/21.
+// jaccard: S0 = (1/2)/(5/4) = 2/5, S1 = (3/4)/(3/2) = 1/2, loss = 1 - 9/20 = 11/20.
+TEST(loss_region_two_pixels) {
+    float z[4] = {0.0f, logf(3.0f), 0.0f, 0.0f}, dz[4] = {0}, w[2] = {1, 1};
+    const int32_t y[2] = {1, 0};
+    LossCfg l = loss_cfg_default();
+    l.smooth = 0.0f;
+    l.kind[0] = LOSS_DICE;
+    CHECK_NEAR(region_term(shape4(1, 1, 2, 2), z, y, &l, w, 1, dz), 8.0 / 21.0, 1e-7, "dice");
+    l.kind[0] = LOSS_JACCARD;
+    CHECK_NEAR(region_term(shape4(1, 1, 2, 2), z, y, &l, w, 1, dz), 11.0 / 20.0, 1e-7, "jaccard");
+    // every weight 0: no loss, no gradient
+    float zero[2] = {0, 0}, dz0[4] = {0};
+    CHECK(region_term(shape4(1, 1, 2, 2), z, y, &l, zero, 1, dz0) == 0.0 && dz0[0] == 0.0f &&
+          dz0[1] == 0.0f, "weights 0: nothing");
+}
+
 // pixels of weight-0 classes change neither the loss, nor the gradient, nor the metrics
 TEST(weight0_pixels_ignored) {
     enum { K = 4 };

@@ -1,0 +1,90 @@
+// losses.c -- the loss menu's terms beyond cross-entropy (part I; segnet.c
+// includes it after softmax_xent_ref): the focal term and the region terms
+// (dice, jaccard, tversky). Their formulas are in segnet.h ("the loss menu"),
+// with the arithmetic both backends share (focal_terms, region_coefs).
+
+// ----------------------------------------------------------------------------
+// focal: w_y·(1-p_y)^γ·nll per pixel; the caller folds α and 1/K into the weights
+
+static void softmax_focal_ref(Ops *o, Tensor logits, const int32_t *labels,
+                              const float *class_weights, float gamma, float prob_clip,
+                              const float *grad_scale, float *stats, Tensor dlogits) {
+    (void)o;
+    xent_rows(logits, labels, class_weights, gamma, prob_clip, grad_scale, stats, dlogits);
+}
+
+// ----------------------------------------------------------------------------
+// region terms: per-class sums over groups of pixels, then the gradient
+//   I_c = Σ p_ic·[y_i = c], P_c = Σ p_ic, G_c = Σ [y_i = c] over a group's valid pixels
+//   ∂L/∂z_ik = p_ik·(d_ik - Σ_j p_ij·d_ij), d_ik = B_k + [y_i = k]·A_k (region_coefs)
+
+// p (K) = softmax of row r, in fp64 with the max subtracted
+static void softmax_row(Tensor logits, size_t r, int K, double *p) {
+    float zmax = -INFINITY;
+    for (int c = 0; c < K; c++) zmax = fmaxf(zmax, ld(logits, r * K + c));
+    double sum = 0.0;
+    for (int c = 0; c < K; c++) sum += p[c] = exp((double)ld(logits, r * K + c) - zmax);
+    for (int c = 0; c < K; c++) p[c] /= sum;
+}
+
+// sums (groups,3,K): chunks of XENT_CHUNK rows, their partials added in order
+static void region_sums_ref(Ops *o, Tensor logits, const int32_t *labels, int groups,
+                            float *sums) {
+    (void)o;
+    const int K = logits.shape.c;
+    const size_t rows = shape_numel(logits.shape) / K, per = rows / (size_t)groups;
+    const size_t chunks = (per + XENT_CHUNK - 1) / XENT_CHUNK;
+    double *part = calloc(chunks ? chunks * 3 * K : 1, sizeof(double));
+    snCheck(part != NULL, "out of host memory");
+    for (int g = 0; g < groups; g++) {
+        memset(part, 0, sizeof(double) * chunks * 3 * K);
+        #pragma omp parallel for schedule(static) if(PAR(per * K))
+        for (size_t k = 0; k < chunks; k++) {
+            double p[SN_MAX_CLASSES], *s = part + k * 3 * K;
+            const size_t r1 = (k + 1) * XENT_CHUNK < per ? (k + 1) * XENT_CHUNK : per;
+            for (size_t r = g * per + k * XENT_CHUNK; r < g * per + r1; r++) {
+                const int32_t y = labels[r];
+                if (y < 0 || y >= K) continue;
+                softmax_row(logits, r, K, p);
+                s[y] += p[y];
+                for (int c = 0; c < K; c++) s[K + c] += p[c];
+                s[2 * K + y] += 1.0;
+            }
+        }
+        for (int j = 0; j < 3 * K; j++) {
+            double t = 0.0;
+            for (size_t k = 0; k < chunks; k++) t += part[k * 3 * K + j];
+            sums[(size_t)g * 3 * K + j] = (float)t;
+        }
+    }
+    free(part);
+}
+
+static void region_grad_ref(Ops *o, Tensor logits, const int32_t *labels, int groups,
+                            const float *sums, const RegionArgs *args, const float *class_weights,
+                            const float *grad_scale, float *coefs, float *loss, Tensor dlogits) {
+    (void)o;
+    const int K = logits.shape.c;
+    const size_t rows = shape_numel(logits.shape) / K, per = rows / (size_t)groups;
+    double total = 0.0;
+    for (int g = 0; g < groups; g++)
+        total += region_coefs(args, class_weights, K, sums + (size_t)g * 3 * K,
+                              coefs + (size_t)g * 2 * K);
+    *loss += (float)total;
+    if (!dlogits.data) return;
+    const float gscale = *grad_scale;
+    #pragma omp parallel for schedule(static) if(PAR(rows * K))
+    for (size_t r = 0; r < rows; r++) {
+        const int32_t y = labels[r];
+        if (y < 0 || y >= K) continue;
+        const float *A = coefs + r / per * 2 * K, *B = A + K;
+        double p[SN_MAX_CLASSES], pd = 0.0;
+        softmax_row(logits, r, K, p);
+        for (int c = 0; c < K; c++) pd += p[c] * B[c];
+        pd += p[y] * A[y];
+        for (int c = 0; c < K; c++) {
+            const double d = B[c] + (c == y ? A[c] : 0.0f);
+            st_acc(dlogits, r * K + c, (float)(p[c] * (d - pd) * gscale), 1);
+        }
+    }
+}
