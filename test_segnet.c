@@ -4039,6 +4039,108 @@ TEST(cuda_softmax_xent) {
             free(z); free(y);
         }
 }
+// softmax_focal against the CPU op: K = 1, 2, 4, 7, γ = 2 and 0.5, invalid labels,
+// dlogits added into. Tolerances as cuda_softmax_xent's: the kernel's per-row
+// arithmetic is fp32 (the focal factors fp64 from the fp32 nll), the CPU's fp64.
+TEST(cuda_softmax_focal) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 75);
+    const int Ks[4] = {1, 2, 4, 7};
+    for (int ki = 0; ki < 4; ki++)
+        for (int gi = 0; gi < 2; gi++) {
+            const int K = Ks[ki];
+            const float gamma = gi ? 0.5f : 2.0f;
+            Shape s = shape4(2, 33, 31, K);
+            size_t rows = shape_numel(s) / K;
+            float *z = randn(&r, shape_numel(s), 4.0f), *before = randn(&r, shape_numel(s), 0.1f),
+                  w[7];
+            for (int c = 0; c < K; c++) w[c] = 0.25f / K * (0.5f + rng_float(&r));
+            int32_t *y = cu_labels(&r, rows, K), *y_gpu = o->alloc(o, sizeof(int32_t) * rows);
+            o->upload(o, y_gpu, y, sizeof(int32_t) * rows);
+            const float scale = 1.0f / (float)rows;
+            float *w_gpu = cu_floats(w, K), *stats_gpu = o->alloc(o, 3 * sizeof(float)),
+                  *scale_gpu = cu_floats(&scale, 1);
+            for (int a = 0; a < 3; a++) {
+                CuPair t = cu_pair(z, s, (DType)a), dz = cu_pair(before, s, (DType)a);
+                float stats[3] = {0.5f, 1.5f, 2.0f}, gs[3];
+                o->upload(o, stats_gpu, stats, sizeof stats);
+                ops_cpu.softmax_focal(&ops_cpu, t.cpu, y, w, gamma, KERAS_EPSILON, &scale, stats,
+                                      dz.cpu);
+                o->softmax_focal(o, t.gpu, y_gpu, w_gpu, gamma, KERAS_EPSILON, scale_gpu,
+                                 stats_gpu, dz.gpu);
+                o->download(o, gs, stats_gpu, sizeof gs);
+                cu_check_err("softmax_focal loss", (DType)a,
+                             fabs((double)gs[0] - stats[0]) / fabs(stats[0]), 1e-6);
+                CHECK(gs[1] == stats[1] && gs[2] == stats[2], "softmax_focal K=%d: Σw, invalid", K);
+                cu_check_err("softmax_focal dlogits", (DType)a, cu_pair_err(dz), 1e-6 + CU_ULP[a]);
+                cu_pair_free(&t); cu_pair_free(&dz);
+            }
+            o->free(o, y_gpu); o->free(o, w_gpu); o->free(o, stats_gpu); o->free(o, scale_gpu);
+            free(z); free(before); free(y);
+        }
+}
+
+// region_sums and region_grad against the CPU ops: K = 1, 2, 4, 7, one group and
+// one per image, invalid labels, dlogits added into, fp16 loss scale 4. The sums:
+// the kernel's p is fp32 (the CPU's fp64), summed in fp64 either way: within 1e-6
+// relative of the largest. region_grad is fed the CPU's sums, so that the
+// coefficients (region_coefs, the same fp64 code) agree to a rounding of their own
+// (1e-6) and the gradient to 1e-6 of its largest element plus a storage ulp.
+TEST(cuda_region_losses) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 76);
+    const int Ks[4] = {1, 2, 4, 7};
+    for (int ki = 0; ki < 4; ki++)
+        for (int per_image = 0; per_image < 2; per_image++) {
+            const int K = Ks[ki], N = 3, groups = per_image ? N : 1;
+            Shape s = shape4(N, 29, 31, K);
+            size_t rows = shape_numel(s) / K;
+            float *z = randn(&r, shape_numel(s), 2.0f), *before = randn(&r, shape_numel(s), 0.1f),
+                  w[7];
+            for (int c = 0; c < K; c++) w[c] = c == 1 ? 0.0f : 0.5f + rng_float(&r);
+            int32_t *y = cu_labels(&r, rows, K), *y_gpu = o->alloc(o, sizeof(int32_t) * rows);
+            o->upload(o, y_gpu, y, sizeof(int32_t) * rows);
+            LossCfg l = loss_cfg_default();
+            l.kind[0] = ki % 2 ? LOSS_TVERSKY : LOSS_DICE;
+            l.weight[0] = 0.7f;
+            l.tversky_alpha = 0.3f; l.tversky_beta = 0.7f; l.tversky_gamma = 1.5f;
+            const RegionArgs args = region_args(&l, 0, groups);
+            const float scale = 4.0f;
+            float *w_gpu = cu_floats(w, K), *scale_gpu = cu_floats(&scale, 1),
+                  *sums = malloc(sizeof(float) * 3 * K * groups),
+                  *coefs = malloc(sizeof(float) * 2 * K * groups),
+                  *sums_gpu = o->alloc(o, sizeof(float) * 3 * K * groups),
+                  *coefs_gpu = o->alloc(o, sizeof(float) * 2 * K * groups),
+                  *loss_gpu = o->alloc(o, sizeof(float));
+            for (int a = 0; a < 3; a++) {
+                CuPair t = cu_pair(z, s, (DType)a), dz = cu_pair(before, s, (DType)a);
+                ops_cpu.region_sums(&ops_cpu, t.cpu, y, groups, sums);
+                o->region_sums(o, t.gpu, y_gpu, groups, sums_gpu);
+                float *gs = cu_to_host(sums_gpu, (size_t)3 * K * groups, DT_F32);
+                cu_check_err("region_sums", (DType)a,
+                             cu_rel_err(gs, sums, (size_t)3 * K * groups, 1e-30), 1e-6);
+                free(gs);
+                float loss = 0.25f, gloss = 0.25f;
+                o->upload(o, sums_gpu, sums, sizeof(float) * 3 * K * groups);
+                o->upload(o, loss_gpu, &loss, sizeof loss);
+                ops_cpu.region_grad(&ops_cpu, t.cpu, y, groups, sums, &args, w, &scale, coefs,
+                                    &loss, dz.cpu);
+                o->region_grad(o, t.gpu, y_gpu, groups, sums_gpu, &args, w_gpu, scale_gpu,
+                               coefs_gpu, loss_gpu, dz.gpu);
+                o->download(o, &gloss, loss_gpu, sizeof gloss);
+                cu_check_err("region_grad loss", (DType)a, fabs((double)gloss - loss) / loss, 1e-6);
+                float *gc = cu_to_host(coefs_gpu, (size_t)2 * K * groups, DT_F32);
+                cu_check_err("region_grad coefs", (DType)a,
+                             cu_rel_err(gc, coefs, (size_t)2 * K * groups, 1e-30), 1e-6);
+                free(gc);
+                cu_check_err("region_grad dlogits", (DType)a, cu_pair_err(dz), 1e-6 + CU_ULP[a]);
+                cu_pair_free(&t); cu_pair_free(&dz);
+            }
+            o->free(o, y_gpu); o->free(o, w_gpu); o->free(o, scale_gpu); o->free(o, sums_gpu);
+            o->free(o, coefs_gpu); o->free(o, loss_gpu);
+            free(z); free(before); free(y); free(sums); free(coefs);
+        }
+}
 #endif
 
 // ----------------------------------------------------------------------------
@@ -7867,6 +7969,8 @@ static const CudaTestName CUDA_TESTS[] __attribute__((unused)) = {
         {"cuda_bn_forward_backward", 0, 0},
         {"cuda_bn_fused_next", 0, 0},
         {"cuda_softmax_xent", 0, 0},
+        {"cuda_softmax_focal", 0, 0},
+        {"cuda_region_losses", 0, 0},
         {"cuda_adam", 0, 0},
         {"cuda_step_control", 0, 0},
         {"cuda_confusion", 0, 0},
