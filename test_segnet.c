@@ -3875,6 +3875,103 @@ TEST(loss_region_two_pixels) {
           dz0[1] == 0.0f, "weights 0: nothing");
 }
 
+static int run_shell(const char *cmd, char *msg, size_t size);
+
+// Parity with segmentation_models_pytorch (ref/losses_smp.py, float64 autograd):
+// dice, jaccard and tversky (γ 1 and 1.5), with and without class weights
+// (the seed's 0, .1, .45, .45), smooth 1e-5 and 1, over the batch and per image;
+// ignored pixels, and a class absent from one image. smp comes from PyPI into a
+// venv beside Debian's torch (SEGNET_SMP_VENV, default /tmp/segnet_smp_venv, made
+// once); without it the test says so and skips. Tolerances: the 1e-6 of
+// the loss and 1e-5 of the gradient's largest element (segnet's sums are fp64,
+// its coefficients and gradient fp32).
+TEST(parity_live_smp_losses) {
+    enum { N = 2, H = 8, W = 9, K = 4, M = N * H * W };
+    const char *venv = getenv("SEGNET_SMP_VENV") ? getenv("SEGNET_SMP_VENV") : "/tmp/segnet_smp_venv";
+    char python[600], cmd[2048], msg[4096];
+    snprintf(python, sizeof python, "%s/bin/python", venv);
+    snprintf(cmd, sizeof cmd,
+             "%s -c 'import segmentation_models_pytorch' 2>/dev/null || { /usr/bin/python3 -m "
+             "venv --system-site-packages %s && %s/bin/pip install -q "
+             "segmentation-models-pytorch==0.6.0; }",
+             python, venv, venv);
+    if (run_shell(cmd, msg, sizeof msg) != 0) {
+        printf("    smp parity not run: cannot install segmentation-models-pytorch into %s: %.300s\n",
+               venv, msg);
+        SKIP("segmentation-models-pytorch could not be installed from PyPI (see above)");
+    }
+    Rng r; rng_seed(&r, 37);
+    float *z = randn(&r, (size_t)M * K, 2.0f);
+    int32_t y[M];
+    for (int i = 0; i < M; i++) y[i] = (int32_t)(rng_next(&r) % K);
+    for (int i = M / 2; i < M; i++) y[i] = y[i] == 3 ? 2 : y[i];  // class 3 absent from image 1
+    for (int i = 0; i < M; i += 11) y[i] = SN_LABEL_IGNORED;
+    const float weights[2][K] = {{1, 1, 1, 1}, {0.0f, 0.1f, 0.45f, 0.45f}};
+    const struct { LossKind kind; float smooth, ta, tb, tg; } kinds[] = {
+            {LOSS_DICE, 1e-5f, 0, 0, 1},       {LOSS_DICE, 1.0f, 0, 0, 1},
+            {LOSS_JACCARD, 1e-5f, 0, 0, 1},    {LOSS_JACCARD, 1.0f, 0, 0, 1},
+            {LOSS_TVERSKY, 1e-5f, 0.3f, 0.7f, 1}, {LOSS_TVERSKY, 1.0f, 0.7f, 0.3f, 1.5f},
+    };
+    enum { CASES = 6 * 2 * 2 };
+    char in[64], out[64];
+    snprintf(in, sizeof in, "/tmp/segnet_smp_in.%d", (int)getpid());
+    snprintf(out, sizeof out, "/tmp/segnet_smp_out.%d", (int)getpid());
+    FILE *f = fopen(in, "wb");
+    const int32_t hdr[5] = {N, H, W, K, CASES};
+    fwrite(hdr, sizeof hdr, 1, f);
+    fwrite(y, sizeof y, 1, f);
+    fwrite(z, sizeof(float), (size_t)M * K, f);
+    for (int c = 0; c < CASES; c++) {
+        const int k = c / 4, wi = c / 2 % 2, per_image = c % 2;
+        const int32_t head[2] = {kinds[k].kind - LOSS_DICE, per_image};
+        const double constants[4] = {kinds[k].smooth, kinds[k].ta, kinds[k].tb, kinds[k].tg};
+        double wd[K];
+        for (int j = 0; j < K; j++) wd[j] = weights[wi][j];
+        fwrite(head, sizeof head, 1, f);
+        fwrite(constants, sizeof constants, 1, f);
+        fwrite(wd, sizeof wd, 1, f);
+    }
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "%s ref/losses_smp.py %s %s", python, in, out);
+    CHECK(run_shell(cmd, msg, sizeof msg) == 0, "%s: %.300s", cmd, msg);
+    f = fopen(out, "rb");
+    CHECK(f != NULL, "reading %s", out);
+    double worst_loss = 0.0, worst_grad = 0.0;
+    for (int c = 0; f && c < CASES; c++) {
+        const int k = c / 4, wi = c / 2 % 2, per_image = c % 2;
+        double want, grad[M * K];
+        CHECK(fread(&want, sizeof want, 1, f) == 1 && fread(grad, sizeof grad, 1, f) == 1,
+              "%s: case %d missing", out, c);
+        LossCfg l = loss_cfg_default();
+        l.kind[0] = kinds[k].kind;
+        l.smooth = kinds[k].smooth;
+        if (kinds[k].kind == LOSS_TVERSKY) {
+            l.tversky_alpha = kinds[k].ta; l.tversky_beta = kinds[k].tb;
+            l.tversky_gamma = kinds[k].tg;
+        }
+        float dz[M * K] = {0};
+        const double got = region_term(shape4(N, H, W, K), z, y, &l, weights[wi],
+                                       per_image ? N : 1, dz);
+        double largest = 0.0, e = 0.0;
+        for (int i = 0; i < M * K; i++) {
+            largest = fmax(largest, fabs(grad[i]));
+            e = fmax(e, fabs(dz[i] - grad[i]));
+        }
+        const double el = fabs(got - want) / fabs(want);
+        worst_loss = fmax(worst_loss, el);
+        worst_grad = fmax(worst_grad, e / largest);
+        CHECK(el <= 1e-6 && e <= 1e-5 * largest,
+              "%s smooth %g weights %d per_image %d: loss %.9g, smp %.9g; gradient error %.3g "
+              "of %.3g",
+              LOSS_NAMES[kinds[k].kind], kinds[k].smooth, wi, per_image, got, want, e, largest);
+    }
+    if (f) fclose(f);
+    unlink(in); unlink(out);
+    printf("    smp DiceLoss/JaccardLoss/TverskyLoss, %d cases: loss %.2g, gradient %.2g (relative)\n",
+           CASES, worst_loss, worst_grad);
+    free(z);
+}
+
 // pixels of weight-0 classes change neither the loss, nor the gradient, nor the metrics
 TEST(weight0_pixels_ignored) {
     enum { K = 4 };
