@@ -11044,6 +11044,88 @@ TEST(train_loss_by_hand) {
     rm_rf(dir);
 }
 
+// The trainer's loss menu, ce + 0.3·focal + 0.5·dice with class weights (0, 1, 1),
+// over the batch and per image: the pass's loss (lr 0, one batch of the 4 images)
+// and the logits' gradient score_batch writes, against the formulas written
+// out here (softmax_f64, sm_focal's and region_loss_f64's) summed with the same
+// weights: the loss within 1e-5 relative (the pass's fp32 sums, as
+// train_loss_by_hand), the gradient within 1e-5 of its largest element of central
+// differences of that sum (as loss_region_by_hand).
+static double menu_loss_f64(const float *z, const int32_t *y, int M, const float *w, int per_image,
+                            int images) {
+    enum { K = 3 };
+    double ce = 0.0, focal = 0.0, norm = 0.0, p[K];
+    for (int i = 0; i < M; i++) {
+        softmax_f64(z + i * K, K, p);
+        const double wy = w[y[i]], pr = fmin(fmax(p[y[i]], 1e-7), 1.0 - 1e-7);
+        ce += wy * -log(p[y[i]]);
+        focal += wy * 0.25 * pow(1.0 - pr, 2.0) * -log(pr) / K;
+        norm += wy;
+    }
+    double dice = 0.0;
+    const int groups = per_image ? images : 1, per = M / groups;
+    for (int g = 0; g < groups; g++)
+        dice += region_loss_f64(z + g * per * K, y + g * per, per, K, LOSS_DICE, 1e-5, w, 1, 1, 1);
+    return ce / norm + 0.3 * focal / norm + 0.5 * dice / groups;
+}
+TEST(train_loss_menu_by_hand) {
+    const char *dir = "/tmp/segnet_test_menudata";
+    rm_rf(dir);
+    write_seg_set(dir, 4, 8, 8, 1);
+    for (int per_image = 0; per_image < 2; per_image++) {
+        TrainCfg c = tiny_seg_cfg(dir, NULL);
+        c.lr = 0.0f;
+        c.loss.n = 3;
+        c.loss.kind[0] = LOSS_CE; c.loss.weight[0] = 1.0f;
+        c.loss.kind[1] = LOSS_FOCAL; c.loss.weight[1] = 0.3f;
+        c.loss.kind[2] = LOSS_DICE; c.loss.weight[2] = 0.5f;
+        c.loss.per_image = per_image;
+        Trainer t;
+        char err[SN_ERR_MAX];
+        CHECK(trainer_open(&t, &c, dir, NULL, err) == 0, "%s", err);
+        if (!t.has_train) { trainer_close(&t); break; }
+        int64_t cm[9];
+        PassTotals pt = {0, 0, cm};
+        CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
+        int idx[4] = {0, 1, 2, 3};
+        int32_t lab[4 * 64];
+        CHECK(dataset_batch(&t.train, idx, 4, NULL, 0, t.net.act[t.g.input], lab, err) == 0, "%s",
+              err);
+        net_forward(&t.net, net_capacity(&t.net), 1);
+        float *z = t.net.act[t.logits];
+        const double want = menu_loss_f64(z, lab, 4 * 64, c.class_weights, per_image, 4);
+        const double loss = pt.loss_sum / pt.norm_sum;
+        CHECK(fabs(loss - want) <= 1e-5 * want, "per_image %d: loss %.9g, by hand %.9g", per_image,
+              loss, want);
+        // the gradient score_batch writes for these logits (loss scale 1)
+        memcpy(t.labels, lab, sizeof lab);
+        memset(t.state, 0, sizeof *t.state);
+        t.state->loss_scale = 1.0f;
+        t.state->xent_scale = (float)(1.0 / label_weight_sum(lab, 4 * 64, c.class_weights, 3));
+        Tensor dz = net_grad(&t.net, t.logits);
+        CHECK(score_batch(&t, dz, 4, 4) == 0, "score_batch");
+        double worst = 0.0, largest = 0.0;
+        for (int i = 0; i < 4 * 64 * 3; i++) {
+            const float keep = z[i], zp = keep + 1e-3f, zm = keep - 1e-3f;
+            z[i] = zp;
+            const double up = menu_loss_f64(z, lab, 4 * 64, c.class_weights, per_image, 4);
+            z[i] = zm;
+            const double down = menu_loss_f64(z, lab, 4 * 64, c.class_weights, per_image, 4);
+            z[i] = keep;
+            const double fd = (up - down) / ((double)zp - zm);
+            largest = fmax(largest, fabs(fd));
+            worst = fmax(worst, fabs(fd - ((float *)dz.data)[i]));
+        }
+        if (g_verbose)
+            printf("    per_image %d: loss %.6f (by hand %.6f), gradient error %.2e\n", per_image,
+                   loss, want, worst / largest);
+        CHECK(worst <= 1e-5 * largest, "per_image %d: gradient error %.3g of %.3g", per_image,
+              worst, largest);
+        trainer_close(&t);
+    }
+    rm_rf(dir);
+}
+
 // n images h×w, image i: red = 30·i + x (so images are told apart by the red
 // value at x = 0, and a flip shows), green and blue 0; every mask pixel class 1
 static void write_id_set(const char *dir, int n, int h, int w) {
