@@ -3037,10 +3037,11 @@ static void upload_staged(Trainer *t, int n) {
     o->upload_async(o, t->labels, t->host_labels, sizeof(int32_t) * (size_t)n * t->per_image);
 }
 
-// Region terms over the global batch need the replicas' sums summed before
-// their gradient: a collective every replica joins, an empty shard too.
+// Region terms with replicas exchange values every batch, a collective every
+// replica joins, an empty shard too: over the global batch, the sums before the
+// gradient (score_batch); per image, the value after it (region_value).
 static int region_exchanges(const Trainer *t) {
-    if (t->loss.per_image || t->comm->size == 1) return 0;
+    if (t->comm->size == 1) return 0;
     for (int j = 0; j < t->loss.n; j++) if (loss_is_region(t->loss.kind[j])) return 1;
     return 0;
 }
@@ -3069,7 +3070,7 @@ static int score_batch(Trainer *t, Tensor dlogits, int n, int step_images) {
                              t->state->loss, dlogits);
         } else {
             if (!summed) o->region_sums(o, z, t->labels, groups, t->region_sums);
-            if (!summed && region_exchanges(t) &&
+            if (!summed && region_exchanges(t) && !l->per_image &&
                 comm_allreduce_backend(t, t->region_sums, (size_t)3 * K))
                 return -1;
             summed = 1;
@@ -3078,7 +3079,7 @@ static int score_batch(Trainer *t, Tensor dlogits, int n, int step_images) {
                            t->region_coefs, &t->state->region_loss, dlogits);
         }
     }
-    if (n == 0 && region_exchanges(t)) {  // an empty shard adds zeros
+    if (n == 0 && region_exchanges(t) && !l->per_image) {  // an empty shard adds zeros
         o->fill(o, tensor_f32(t->region_sums, shape4(3 * K, 1, 1, 1)), 0.0f);
         if (comm_allreduce_backend(t, t->region_sums, (size_t)3 * K)) return -1;
     }

@@ -7772,6 +7772,49 @@ static void sync_bn_deep_cli(const char *launch, const char *extra) {
 
 TEST(replicas_sync_bn_deep_cli) { sync_bn_deep_cli("./segnet", " --replicas 2"); }
 
+// The loss menu over replicas: ce+dice (dice's sums exchanged between the
+// forward and the backward) and dice per image, --replicas 2 against one
+// replica, 5 images in batches of 4 (the last batch leaves one replica empty,
+// in training and in validation): the first epoch's gradients (Adam's first
+// moment at --lr 0) within 1e-6 (rel. L2) and val_loss within 1e-6 relative, as
+// replicas_sync_bn_deep_cli (fp32 sums in another order).
+TEST(replicas_loss_menu_cli) {
+    const char *data = "/tmp/segnet_test_reploss",
+               *runs[2] = {"/tmp/segnet_test_reploss_1", "/tmp/segnet_test_reploss_2"};
+    rm_rf(data);
+    write_seg_set(data, 5, 16, 16, 33);
+    const char *losses[2] = {"--loss ce+dice", "--loss 2*dice --loss-per-image"};
+    for (int l = 0; l < 2; l++) {
+        float *m[2] = {NULL, NULL};
+        size_t n[2] = {0, 0};
+        double val[2][1] = {{0}, {0}};
+        for (int k = 0; k < 2; k++) {
+            char cmd[2048], msg[4096], metrics[600];
+            rm_rf(runs[k]);
+            snprintf(cmd, sizeof cmd,
+                     "./segnet train --model unet --depth 1 --width 4 --size 16x16 --classes 3 "
+                     "--class-weights 0,1,1 --batch 4 --epochs 1 --lr 0 --sync-bn --threads 1 "
+                     "--seed 5 --data %s --val %s --out %s %s%s",
+                     data, data, runs[k], losses[l], k ? " --replicas 2" : "");
+            CHECK(run_shell(cmd, msg, sizeof msg) == 0, "%s: %s", cmd, msg);
+            m[k] = run_adam_moment(runs[k], &n[k]);
+            snprintf(metrics, sizeof metrics, "%s/metrics.csv", runs[k]);
+            CHECK(csv_column(metrics, "val_loss", val[k], 1) == 1, "%s: val_loss", metrics);
+        }
+        if (m[0] && m[1] && n[1] == n[0]) {
+            const double d = rel_l2(m[1], m[0], n[0]), dv = fabs(val[1][0] - val[0][0]) / val[0][0];
+            if (g_verbose)
+                printf("    %s: gradient %.3g, val_loss %.3g from one replica's\n", losses[l], d,
+                       dv);
+            CHECK(d <= 1e-6, "%s: the gradient differs from one replica's by %.3g", losses[l], d);
+            CHECK(dv <= 1e-6, "%s: val_loss %.9g, one replica's %.9g", losses[l], val[1][0],
+                  val[0][0]);
+        }
+        for (int k = 0; k < 2; k++) { free(m[k]); rm_rf(runs[k]); }
+    }
+    rm_rf(data);
+}
+
 TEST(replicas_sync_bn_deep_mpirun) {
     if (!mpi_available()) SKIP(SKIP_NO_MPI);
     sync_bn_deep_cli(MPIRUN " -np 2 ./segnet", "");
