@@ -901,6 +901,30 @@ static int cmd_augment(TrainArgs *a, int argc, char **argv) {
     return 0;
 }
 
+// --loss's constants name the terms they are for: one given without its term
+// is a mistake (a usage error naming it)
+static int loss_flags_check(const LossCfg *l, int argc, char **argv) {
+    int has[LOSS_KIND_COUNT] = {0};
+    for (int j = 0; j < l->n; j++) has[l->kind[j]] = 1;
+    const int region = has[LOSS_DICE] || has[LOSS_JACCARD] || has[LOSS_TVERSKY];
+    const struct { const char *flag; int ok; const char *terms; } flags[] = {
+            {"--loss-per-image", region, "dice, jaccard and tversky"},
+            {"--loss-smooth", region, "dice, jaccard and tversky"},
+            {"--focal-gamma", has[LOSS_FOCAL], "focal"},
+            {"--focal-alpha", has[LOSS_FOCAL], "focal"},
+            {"--tversky-alpha", has[LOSS_TVERSKY], "tversky"},
+            {"--tversky-beta", has[LOSS_TVERSKY], "tversky"},
+            {"--tversky-gamma", has[LOSS_TVERSKY], "tversky"},
+    };
+    for (size_t k = 0; k < sizeof flags / sizeof *flags; k++)
+        if (!flags[k].ok && has_flag(argc, argv, flags[k].flag)) {
+            fprintf(stderr, "segnet train: %s applies to --loss %s, which the loss has not\n",
+                    flags[k].flag, flags[k].terms);
+            return -1;
+        }
+    return 0;
+}
+
 static int cmd_train(TrainArgs *a, int argc, char **argv) {
     char *quick[64], words[] = QUICKSTART_ARGS;
     int quickstart = argc == 2;
@@ -923,6 +947,7 @@ static int cmd_train(TrainArgs *a, int argc, char **argv) {
     int p = parse_train_args(a, argc, argv, "train", TRAIN_USAGE);
     if (p) return p > 0 ? 0 : 2;
     if (model_options_used("train", a->c.model.model, argc, argv)) return 2;
+    if (loss_flags_check(&a->c.loss, argc, argv)) return 2;
     a->c.overwrite = overwrite;
     if (a->resume && (a->c.out || overwrite)) {
         fprintf(stderr, "segnet train: --resume %s continues the run in its own folder; %s\n",

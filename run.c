@@ -153,9 +153,12 @@ static int loss_has(const LossCfg *l, LossKind k) {
     for (int j = 0; j < l->n; j++) if (l->kind[j] == k) return 1;
     return 0;
 }
-static int loss_has_region(const LossCfg *l) {
-    return loss_has(l, LOSS_DICE) || loss_has(l, LOSS_JACCARD) || loss_has(l, LOSS_TVERSKY);
+// the loss's first region term's name, or NULL
+static const char *loss_region_name(const LossCfg *l) {
+    for (int j = 0; j < l->n; j++) if (loss_is_region(l->kind[j])) return LOSS_NAMES[l->kind[j]];
+    return NULL;
 }
+static int loss_has_region(const LossCfg *l) { return loss_region_name(l) != NULL; }
 // the loss menu's settings: --loss, and the constants of the terms it has, as
 // `key = value` lines of config.txt (sep "\n", eq " = ") or one `,key:value` token
 static void loss_settings_text(const LossCfg *l, const char *sep, const char *eq, SfBuf *b) {
@@ -446,14 +449,14 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     }
     if (loss_has_region(&c->loss) && !t->segmentation) {
         snprintf(err, SN_ERR_MAX, "--loss %s: dice, jaccard and tversky are region losses of "
-                 "segmentation; model '%s' is a classifier", LOSS_NAMES[c->loss.kind[c->loss.n - 1]],
+                 "segmentation; model '%s' is a classifier", loss_region_name(&c->loss),
                  c->model.model);
         return -1;
     }
     if (loss_has_region(&c->loss) && !c->loss.per_image && c->accum > 1) {
         snprintf(err, SN_ERR_MAX, "--loss %s over the global batch needs every micro-batch's "
                  "probabilities before the backward: use --accum 1, or --loss-per-image",
-                 LOSS_NAMES[c->loss.kind[c->loss.n - 1]]);
+                 loss_region_name(&c->loss));
         return -1;
     }
     if (train) {

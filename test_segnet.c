@@ -11490,6 +11490,83 @@ TEST(monitor_min_delta) {
     rm_rf(data); rm_rf(run);
 }
 
+// --loss through the command line: config.txt keeps the terms and the constants
+// of the terms it has; a resumed run keeps them (another --loss is refused);
+// resuming from config.txt trains the same bits as one run; the refusals.
+TEST(train_loss_cli) {
+    const char *data = "/tmp/segnet_test_losscli", *a = "/tmp/segnet_test_losscli_a",
+               *b = "/tmp/segnet_test_losscli_b";
+    rm_rf(data); rm_rf(a); rm_rf(b);
+    write_seg_set(data, 4, 8, 8, 9);
+    const char *common = "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --classes 3 "
+                         "--class-weights 0,1,1 --device cpu --lr 0.01 "
+                         "--loss 0.5*tversky+focal+ce --tversky-alpha 0.3 --tversky-beta 0.7 "
+                         "--focal-gamma 1.5 --loss-smooth 0.5";
+    char args[1200], msg[4096], pa[300], pb[300];
+    snprintf(args, sizeof args, "%s --epochs 3 --data %s --val %s --out %s", common, data, data, a);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    snprintf(pa, sizeof pa, "%s/config.txt", a);
+    char *cfg = read_text(pa);
+    CHECK(cfg && strstr(cfg, "\nloss = ce+0.5*tversky+focal\nfocal-gamma = 1.5\nfocal-alpha = "
+                             "0.25\nloss-smooth = 0.5\nloss-per-image = off\ntversky-alpha = "
+                             "0.3\ntversky-beta = 0.7\ntversky-gamma = 1\n"),
+          "config.txt's loss lines: %s", cfg ? cfg : "(none)");
+    free(cfg);
+    snprintf(args, sizeof args, "%s --epochs 2 --data %s --val %s --out %s", common, data, data, b);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    snprintf(args, sizeof args, "train --resume %s --epochs 3 --loss ce", b);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && strstr(msg, "--loss ce") &&
+          strstr(msg, "stays for the whole run"), "another --loss on resume: %s", msg);
+    snprintf(args, sizeof args, "train --resume %s --epochs 3", b);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "resume: %s", msg);
+    const char *files[] = {"metrics.csv", "last.safetensors", "config.txt"};
+    for (int k = 0; k < 3; k++) {
+        snprintf(pa, sizeof pa, "%s/%s", a, files[k]);
+        snprintf(pb, sizeof pb, "%s/%s", b, files[k]);
+        CHECK(files_equal(pa, pb), "%s differs between the resumed and the whole run", files[k]);
+    }
+    // the default writes ce alone and no constants
+    rm_rf(a);
+    snprintf(args, sizeof args,
+             "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --classes 3 --epochs 1 "
+             "--device cpu --data %s --out %s", data, a);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    snprintf(pa, sizeof pa, "%s/config.txt", a);
+    cfg = read_text(pa);
+    CHECK(cfg && strstr(cfg, "\nloss = ce\nseed = "), "config.txt, default loss: %s",
+          cfg ? cfg : "(none)");
+    free(cfg);
+    // refusals: usage (2) and settings that cannot train (1), each naming the problem
+    const struct { const char *extra, *says; int rc; } bad[] = {
+            {"--loss dice+dice", "dice twice", 2},
+            {"--loss 0*dice", "W > 0", 2},
+            {"--loss lovasz", "NAME one of", 2},
+            {"--loss 'ce+'", "", 0},  // a trailing + adds no term: ce alone
+            {"--loss dice --accum 2", "--accum 1, or --loss-per-image", 1},
+            {"--loss dice --accum 2 --loss-per-image", "", 0},
+            {"--loss ce --loss-per-image", "--loss-per-image applies to", 2},
+            {"--loss focal --loss-smooth 1", "--loss-smooth applies to", 2},
+            {"--loss dice --tversky-beta 1", "--tversky-beta applies to", 2},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof *bad; k++) {
+        rm_rf(b);
+        snprintf(args, sizeof args,
+                 "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --classes 3 "
+                 "--epochs 1 --device cpu --data %s --out %s %s", data, b, bad[k].extra);
+        const int rc = run_segnet(args, msg, sizeof msg);
+        CHECK(rc == bad[k].rc && strstr(msg, bad[k].says), "%s: status %d (want %d): %s",
+              bad[k].extra, rc, bad[k].rc, msg);
+    }
+    rm_rf(b);
+    snprintf(args, sizeof args,
+             "train --model effv2-t --size 32x32 --batch 2 --classes 3 --epochs 1 --device cpu "
+             "--data %s --out %s --loss ce+jaccard", data, b);
+    CHECK(run_segnet(args, msg, sizeof msg) == 1 && strstr(msg, "jaccard") &&
+          strstr(msg, "classifier"), "a classifier's region loss: %s", msg);
+    rm_rf(data); rm_rf(a); rm_rf(b);
+}
+
+
 // --schedule plateau through the command line: with patience 1 and a
 // min_delta no loss can beat, every epoch after the first lowers the lr by
 // --lr-factor (0.5) down to --min-lr, as metrics.csv's lr column shows; the
