@@ -4451,16 +4451,18 @@ __global__ void region_coefs_kernel(int groups, int K, const float *sums, Region
                               coefs + (size_t)g * 2 * K);
     *loss += (float)total;
 }
+// blockIdx.y: the group, whose `per` rows the x blocks stride over
 __global__ void region_grad_kernel(const void *z, DType dt, const int32_t *labels, int K,
-                                   size_t rows, size_t per, const float *coefs,
-                                   const float *grad_scale, void *dz, DType dt_grad) {
+                                   size_t per, const float *coefs, const float *grad_scale,
+                                   void *dz, DType dt_grad) {
     const float scale = *grad_scale;
-    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows;
-         r += (size_t)blockDim.x * gridDim.x) {
+    const float *A = coefs + (size_t)blockIdx.y * 2 * K, *B = A + K;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < per;
+         i += (size_t)blockDim.x * gridDim.x) {
+        const size_t r = blockIdx.y * per + i;
         const int32_t y = labels[r];
         if (y < 0 || y >= K) continue;
         const size_t base = r * (size_t)K;
-        const float *A = coefs + r / per * 2 * K, *B = A + K;
         float zmax = -INFINITY, sum = 0.0f, pd = 0.0f;
         for (int c = 0; c < K; c++) zmax = fmaxf(zmax, ld(z, dt, base + c));
         for (int c = 0; c < K; c++) sum += expf(ld(z, dt, base + c) - zmax);
@@ -4483,9 +4485,10 @@ static void region_grad_cuda(Ops *o, Tensor logits, const int32_t *labels, int g
               coefs, loss);
     launchCheck();
     if (!dlogits.data || !rows) return;
-    CU_LAUNCH(region_grad_kernel, grid_for(rows), BLOCK, 0, stream_of(o),
+    const unsigned per_group = grid_for(rows) / (unsigned)groups;
+    CU_LAUNCH(region_grad_kernel, dim3(per_group ? per_group : 1, groups), BLOCK, 0, stream_of(o),
               moves(bytes_of(logits) + rows * sizeof(int32_t) + 2.0 * bytes_of(dlogits)),
-              logits.data, logits.dtype, labels, K, rows, rows / (size_t)groups, coefs, grad_scale,
+              logits.data, logits.dtype, labels, K, rows / (size_t)groups, coefs, grad_scale,
               dlogits.data, dlogits.dtype);
     launchCheck();
 }
