@@ -149,7 +149,10 @@ static int parse_loss(const char *v, LossCfg *l) {
                 return -1;
             }
         const int at = k == LOSS_CE ? 0 : l->n;
-        for (int j = l->n; j > at; j--) { l->kind[j] = l->kind[j - 1]; l->weight[j] = l->weight[j - 1]; }
+        for (int j = l->n; j > at; j--) {
+            l->kind[j] = l->kind[j - 1];
+            l->weight[j] = l->weight[j - 1];
+        }
         l->kind[at] = (LossKind)k;
         l->weight[at] = (float)w;
         l->n++;
@@ -301,9 +304,10 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     // switches; config.txt spells them `... = on|off`
     if (!strcmp(f, "--sync-bn") || !strcmp(f, "--train-eval") || !strcmp(f, "--loss-per-image")) {
         int valued = i + 1 < argc && (!strcmp(argv[i + 1], "on") || !strcmp(argv[i + 1], "off"));
-        *(!strcmp(f, "--sync-bn")      ? &c->sync_bn
-          : !strcmp(f, "--train-eval") ? &c->train_eval
-                                       : &c->loss.per_image) = !valued || !strcmp(argv[i + 1], "on");
+        int *sw = !strcmp(f, "--sync-bn")      ? &c->sync_bn
+                  : !strcmp(f, "--train-eval") ? &c->train_eval
+                                               : &c->loss.per_image;
+        *sw = !valued || !strcmp(argv[i + 1], "on");
         return valued ? 2 : 1;
     }
     int k = parse_model_option(&c->model, argc, argv, i);

@@ -4361,7 +4361,8 @@ __global__ void softmax_xent_kernel(const void *logits, DType dt, const int32_t 
             for (int c = 0; c < K; c++) {
                 float p = expf(ld(logits, dt, base + c) - zmax) / sum;
                 float g = flat ? 0.0f : wy * h * (p - (c == y ? 1.0f : 0.0f)) * scale;
-                st(dlogits, dt_grad, base + c, gamma >= 0.0f ? ld(dlogits, dt_grad, base + c) + g : g);
+                st(dlogits, dt_grad, base + c,
+                   gamma >= 0.0f ? ld(dlogits, dt_grad, base + c) + g : g);
             }
     }
     sh[threadIdx.x * REDUCE_WIDTH + 0] = loss;
@@ -4410,9 +4411,16 @@ static __device__ float softmax_at(const void *z, DType dt, size_t base, int K, 
     return expf(ld(z, dt, base + c) - zmax) / sum;
 }
 struct RegionSums {
-    const void *z; DType dt; const int32_t *labels; int K; uint32_t rows;
+    const void *z;
+    DType dt;
+    const int32_t *labels;
+    int K;
+    uint32_t rows;
     struct Lane {
-        const void *z; DType dt; const int32_t *labels; int K, c;
+        const void *z;
+        DType dt;
+        const int32_t *labels;
+        int K, c;
         __device__ void add(uint32_t r, double (&acc)[1][3]) const {
             const int32_t y = labels[r];
             if (y < 0 || y >= K) return;
@@ -4429,7 +4437,8 @@ struct RegionSums {
 };
 // sums (G,3,K): I, P, G of class c in group g
 struct StoreRegionSums {
-    float *sums; int K;
+    float *sums;
+    int K;
     __device__ void operator()(int g, int c, const double *s) const {
         for (int q = 0; q < 3; q++) sums[((size_t)g * 3 + q) * K + c] = (float)s[q];
     }

@@ -28,8 +28,7 @@ static void softmax_row(Tensor logits, size_t r, int K, double *p) {
 }
 
 // sums (groups,3,K): chunks of XENT_CHUNK rows, their partials added in order
-static void region_sums_ref(Ops *o, Tensor logits, const int32_t *labels, int groups,
-                            float *sums) {
+static void region_sums_ref(Ops *o, Tensor logits, const int32_t *labels, int groups, float *sums) {
     (void)o;
     const int K = logits.shape.c;
     const size_t rows = shape_numel(logits.shape) / K, per = rows / (size_t)groups;
@@ -38,7 +37,7 @@ static void region_sums_ref(Ops *o, Tensor logits, const int32_t *labels, int gr
     snCheck(part != NULL, "out of host memory");
     for (int g = 0; g < groups; g++) {
         memset(part, 0, sizeof(double) * chunks * 3 * K);
-        #pragma omp parallel for schedule(static) if(PAR(per * K))
+#pragma omp parallel for schedule(static) if (PAR(per * K))
         for (size_t k = 0; k < chunks; k++) {
             double p[SN_MAX_CLASSES], *s = part + k * 3 * K;
             const size_t r1 = (k + 1) * XENT_CHUNK < per ? (k + 1) * XENT_CHUNK : per;
@@ -73,7 +72,7 @@ static void region_grad_ref(Ops *o, Tensor logits, const int32_t *labels, int gr
     *loss += (float)total;
     if (!dlogits.data) return;
     const float gscale = *grad_scale;
-    #pragma omp parallel for schedule(static) if(PAR(rows * K))
+#pragma omp parallel for schedule(static) if (PAR(rows * K))
     for (size_t r = 0; r < rows; r++) {
         const int32_t y = labels[r];
         if (y < 0 || y >= K) continue;

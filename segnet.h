@@ -84,8 +84,11 @@ static inline SN_HD double xent_clip(double nll, XentClip c, int *flat) {
 //   a group's loss L = (Σ_c w_c·[G_c > 0]·(1 - S_c) / Σ_c w_c)^γ (γ = 1 but for tversky):
 //   segmentation_models_pytorch's weighted mean, a class absent from the group adding 0;
 //   the term is the mean of L over the step's groups (Ops.region_grad).
-typedef enum { LOSS_CE, LOSS_FOCAL, LOSS_DICE, LOSS_JACCARD, LOSS_TVERSKY, LOSS_KIND_COUNT } LossKind;
-static const char *const LOSS_NAMES[LOSS_KIND_COUNT] = {"ce", "focal", "dice", "jaccard", "tversky"};
+typedef enum {
+    LOSS_CE, LOSS_FOCAL, LOSS_DICE, LOSS_JACCARD, LOSS_TVERSKY, LOSS_KIND_COUNT
+} LossKind;
+static const char *const LOSS_NAMES[LOSS_KIND_COUNT] = {"ce",      "focal",  "dice",
+                                                        "jaccard", "tversky"};
 static inline int loss_is_region(LossKind k) { return k >= LOSS_DICE; }
 #define SN_MAX_LOSS_TERMS 5
 #define FOCAL_GAMMA_DEFAULT 2.0f    // segmentation_models' CategoricalFocalLoss
@@ -119,6 +122,10 @@ static inline RegionArgs region_args(const LossCfg *l, int term, int groups) {
     }
     return r;
 }
+// D = a·I + α·FP + β·FN + s
+static inline SN_HD double region_den(const RegionArgs *r, double i, double p, double g) {
+    return r->a * i + r->alpha * (p - i) + r->beta * (g - i) + r->smooth;
+}
 // A group's term from its sums (I(K), P(K), G(K)) and the class weights w:
 // returns scale·L; coef gets (A(K), B(K)), the loss's derivative by p_ic being
 // B_c + [y_i = c]·A_c (scaled as the loss). With D = a·I + α·FP + β·FN + s and
@@ -129,7 +136,7 @@ static inline SN_HD double region_coefs(const RegionArgs *r, const float *w, int
     double wsum = 0.0, mean = 0.0;
     for (int c = 0; c < K; c++) {
         wsum += w[c];
-        const double d = r->a * tp[c] + r->alpha * (pr[c] - tp[c]) + r->beta * (gt[c] - tp[c]) + r->smooth;
+        const double d = region_den(r, tp[c], pr[c], gt[c]);
         if (gt[c] > 0.0f && d > 0.0) mean += w[c] * (1.0 - (r->a * tp[c] + r->smooth) / d);
     }
     if (!(wsum > 0.0)) wsum = 1.0;  // every weight 0: no loss
@@ -137,7 +144,7 @@ static inline SN_HD double region_coefs(const RegionArgs *r, const float *w, int
     // dL/d(1 - S_c) = scale·γ·mean^(γ-1)·w_c/Σw
     const double outer = r->scale * (r->gamma == 1.0f ? 1.0 : r->gamma * pow(mean, r->gamma - 1.0));
     for (int c = 0; c < K; c++) {
-        const double d = r->a * tp[c] + r->alpha * (pr[c] - tp[c]) + r->beta * (gt[c] - tp[c]) + r->smooth;
+        const double d = region_den(r, tp[c], pr[c], gt[c]);
         const double num = r->a * tp[c] + r->smooth;
         const double dl = gt[c] > 0.0f && d > 0.0 ? -outer * w[c] / wsum / (d * d) : 0.0;
         coef[c] = (float)(dl * (r->a * d - num * (r->a - r->alpha - r->beta)));

@@ -3731,7 +3731,8 @@ static double region_loss_f64(const float *z, const int32_t *y, size_t M, int K,
 // γ = 0 is ce·α/K
 TEST(loss_focal_by_hand) {
     enum { K = 4, M = 2 * 5 * 6 };
-    Rng r; rng_seed(&r, 35);
+    Rng r;
+    rng_seed(&r, 35);
     float *z = randn(&r, (size_t)M * K, 2.0f), dz[M * K], w[K];
     int32_t y[M];
     for (int i = 0; i < M; i++) y[i] = (int32_t)(rng_next(&r) % K);
@@ -3793,16 +3794,22 @@ static double region_term(Shape s, float *z, const int32_t *y, const LossCfg *l,
 TEST(loss_region_by_hand) {
     enum { K = 4, N = 3, H = 4, W = 5, M = N * H * W };
     const Shape s = shape4(N, H, W, K);
-    Rng r; rng_seed(&r, 36);
+    Rng r;
+    rng_seed(&r, 36);
     float *z = randn(&r, (size_t)M * K, 1.5f), dz[M * K];
     int32_t y[M];
     for (int i = 0; i < M; i++) y[i] = (int32_t)(rng_next(&r) % (K - 1));  // class 3 absent
     y[5] = SN_LABEL_IGNORED;
     y[7] = K;  // out of range: counted nowhere
     const float weights[2][K] = {{1, 1, 1, 1}, {0.0f, 0.1f, 0.45f, 0.45f}};
-    const struct { LossKind kind; float smooth, ta, tb, tg; } cases[] = {
-            {LOSS_DICE, 1e-5f, 0, 0, 1},      {LOSS_DICE, 1.0f, 0, 0, 1},
-            {LOSS_JACCARD, 1e-5f, 0, 0, 1},   {LOSS_TVERSKY, 1e-5f, 0.3f, 0.7f, 1},
+    const struct {
+        LossKind kind;
+        float smooth, ta, tb, tg;
+    } cases[] = {
+            {LOSS_DICE, 1e-5f, 0, 0, 1},
+            {LOSS_DICE, 1.0f, 0, 0, 1},
+            {LOSS_JACCARD, 1e-5f, 0, 0, 1},
+            {LOSS_TVERSKY, 1e-5f, 0.3f, 0.7f, 1},
             {LOSS_TVERSKY, 0.5f, 0.7f, 0.3f, 1.5f},
     };
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++)
@@ -3811,7 +3818,8 @@ TEST(loss_region_by_hand) {
                 LossCfg l = loss_cfg_default();
                 l.kind[0] = cases[k].kind;
                 l.smooth = cases[k].smooth;
-                l.tversky_alpha = cases[k].ta; l.tversky_beta = cases[k].tb;
+                l.tversky_alpha = cases[k].ta;
+                l.tversky_beta = cases[k].tb;
                 l.tversky_gamma = cases[k].tg;
                 const float *w = weights[wi];
                 const int groups = per_image ? N : 1;
@@ -3819,19 +3827,19 @@ TEST(loss_region_by_hand) {
                 // the reference: the formula per group, averaged over the groups
                 double ta = cases[k].ta, tb = cases[k].tb, tg = cases[k].tg;
                 if (cases[k].kind != LOSS_TVERSKY) ta = tb = tg = 1.0;
-#define REF_LOSS()                                                                              \
-    ({                                                                                          \
-        double v_ = 0.0;                                                                        \
-        for (int g_ = 0; g_ < groups; g_++)                                                     \
-            v_ += region_loss_f64(z + g_ * per * K, y + g_ * per, per, K, cases[k].kind,        \
-                                  cases[k].smooth, w, ta, tb, tg);                              \
-        v_ / groups;                                                                            \
+#define REF_LOSS()                                                                                 \
+    ({                                                                                             \
+        double v_ = 0.0;                                                                           \
+        for (int g_ = 0; g_ < groups; g_++)                                                        \
+            v_ += region_loss_f64(z + g_ * per * K, y + g_ * per, per, K, cases[k].kind,           \
+                                  cases[k].smooth, w, ta, tb, tg);                                 \
+        v_ / groups;                                                                               \
     })
                 memset(dz, 0, sizeof dz);
                 const double got = region_term(s, z, y, &l, w, groups, dz), want = REF_LOSS();
                 CHECK(fabs(got - want) <= 1e-6 * fmax(fabs(want), 1e-3),
-                      "%s w%d per_image %d: loss %.9g, formula %.9g", LOSS_NAMES[cases[k].kind],
-                      wi, per_image, got, want);
+                      "%s w%d per_image %d: loss %.9g, formula %.9g", LOSS_NAMES[cases[k].kind], wi,
+                      per_image, got, want);
                 double worst = 0.0, largest = 0.0;
                 for (int i = 0; i < M * K; i++) {
                     const float keep = z[i], zp = keep + 1e-3f, zm = keep - 1e-3f;
@@ -3872,7 +3880,8 @@ TEST(loss_region_two_pixels) {
     // every weight 0: no loss, no gradient
     float zero[2] = {0, 0}, dz0[4] = {0};
     CHECK(region_term(shape4(1, 1, 2, 2), z, y, &l, zero, 1, dz0) == 0.0 && dz0[0] == 0.0f &&
-          dz0[1] == 0.0f, "weights 0: nothing");
+                  dz0[1] == 0.0f,
+          "weights 0: nothing");
 }
 
 static int run_shell(const char *cmd, char *msg, size_t size);
@@ -3887,7 +3896,8 @@ static int run_shell(const char *cmd, char *msg, size_t size);
 // its coefficients and gradient fp32).
 TEST(parity_live_smp_losses) {
     enum { N = 2, H = 8, W = 9, K = 4, M = N * H * W };
-    const char *venv = getenv("SEGNET_SMP_VENV") ? getenv("SEGNET_SMP_VENV") : "/tmp/segnet_smp_venv";
+    const char *venv =
+            getenv("SEGNET_SMP_VENV") ? getenv("SEGNET_SMP_VENV") : "/tmp/segnet_smp_venv";
     char python[600], cmd[2048], msg[4096];
     snprintf(python, sizeof python, "%s/bin/python", venv);
     snprintf(cmd, sizeof cmd,
@@ -3896,20 +3906,25 @@ TEST(parity_live_smp_losses) {
              "segmentation-models-pytorch==0.6.0; }",
              python, venv, venv);
     if (run_shell(cmd, msg, sizeof msg) != 0) {
-        printf("    smp parity not run: cannot install segmentation-models-pytorch into %s: %.300s\n",
+        printf("    smp parity not run: cannot install segmentation-models-pytorch into %s: "
+               "%.300s\n",
                venv, msg);
         SKIP("segmentation-models-pytorch could not be installed from PyPI (see above)");
     }
-    Rng r; rng_seed(&r, 37);
+    Rng r;
+    rng_seed(&r, 37);
     float *z = randn(&r, (size_t)M * K, 2.0f);
     int32_t y[M];
     for (int i = 0; i < M; i++) y[i] = (int32_t)(rng_next(&r) % K);
     for (int i = M / 2; i < M; i++) y[i] = y[i] == 3 ? 2 : y[i];  // class 3 absent from image 1
     for (int i = 0; i < M; i += 11) y[i] = SN_LABEL_IGNORED;
     const float weights[2][K] = {{1, 1, 1, 1}, {0.0f, 0.1f, 0.45f, 0.45f}};
-    const struct { LossKind kind; float smooth, ta, tb, tg; } kinds[] = {
-            {LOSS_DICE, 1e-5f, 0, 0, 1},       {LOSS_DICE, 1.0f, 0, 0, 1},
-            {LOSS_JACCARD, 1e-5f, 0, 0, 1},    {LOSS_JACCARD, 1.0f, 0, 0, 1},
+    const struct {
+        LossKind kind;
+        float smooth, ta, tb, tg;
+    } kinds[] = {
+            {LOSS_DICE, 1e-5f, 0, 0, 1},          {LOSS_DICE, 1.0f, 0, 0, 1},
+            {LOSS_JACCARD, 1e-5f, 0, 0, 1},       {LOSS_JACCARD, 1.0f, 0, 0, 1},
             {LOSS_TVERSKY, 1e-5f, 0.3f, 0.7f, 1}, {LOSS_TVERSKY, 1.0f, 0.7f, 0.3f, 1.5f},
     };
     enum { CASES = 6 * 2 * 2 };
@@ -3946,12 +3961,13 @@ TEST(parity_live_smp_losses) {
         l.kind[0] = kinds[k].kind;
         l.smooth = kinds[k].smooth;
         if (kinds[k].kind == LOSS_TVERSKY) {
-            l.tversky_alpha = kinds[k].ta; l.tversky_beta = kinds[k].tb;
+            l.tversky_alpha = kinds[k].ta;
+            l.tversky_beta = kinds[k].tb;
             l.tversky_gamma = kinds[k].tg;
         }
         float dz[M * K] = {0};
-        const double got = region_term(shape4(N, H, W, K), z, y, &l, weights[wi],
-                                       per_image ? N : 1, dz);
+        const double got =
+                region_term(shape4(N, H, W, K), z, y, &l, weights[wi], per_image ? N : 1, dz);
         double largest = 0.0, e = 0.0;
         for (int i = 0; i < M * K; i++) {
             largest = fmax(largest, fabs(grad[i]));
@@ -3966,8 +3982,10 @@ TEST(parity_live_smp_losses) {
               LOSS_NAMES[kinds[k].kind], kinds[k].smooth, wi, per_image, got, want, e, largest);
     }
     if (f) fclose(f);
-    unlink(in); unlink(out);
-    printf("    smp DiceLoss/JaccardLoss/TverskyLoss, %d cases: loss %.2g, gradient %.2g (relative)\n",
+    unlink(in);
+    unlink(out);
+    printf("    smp DiceLoss/JaccardLoss/TverskyLoss, %d cases: loss %.2g, gradient %.2g "
+           "(relative)\n",
            CASES, worst_loss, worst_grad);
     free(z);
 }
@@ -4141,7 +4159,8 @@ TEST(cuda_softmax_xent) {
 // arithmetic is fp32 (the focal factors fp64 from the fp32 nll), the CPU's fp64.
 TEST(cuda_softmax_focal) {
     Ops *o = cu_ops();
-    Rng r; rng_seed(&r, 75);
+    Rng r;
+    rng_seed(&r, 75);
     const int Ks[4] = {1, 2, 4, 7};
     for (int ki = 0; ki < 4; ki++)
         for (int gi = 0; gi < 2; gi++) {
@@ -4163,17 +4182,23 @@ TEST(cuda_softmax_focal) {
                 o->upload(o, stats_gpu, stats, sizeof stats);
                 ops_cpu.softmax_focal(&ops_cpu, t.cpu, y, w, gamma, KERAS_EPSILON, &scale, stats,
                                       dz.cpu);
-                o->softmax_focal(o, t.gpu, y_gpu, w_gpu, gamma, KERAS_EPSILON, scale_gpu,
-                                 stats_gpu, dz.gpu);
+                o->softmax_focal(o, t.gpu, y_gpu, w_gpu, gamma, KERAS_EPSILON, scale_gpu, stats_gpu,
+                                 dz.gpu);
                 o->download(o, gs, stats_gpu, sizeof gs);
                 cu_check_err("softmax_focal loss", (DType)a,
                              fabs((double)gs[0] - stats[0]) / fabs(stats[0]), 1e-6);
                 CHECK(gs[1] == stats[1] && gs[2] == stats[2], "softmax_focal K=%d: Σw, invalid", K);
                 cu_check_err("softmax_focal dlogits", (DType)a, cu_pair_err(dz), 1e-6 + CU_ULP[a]);
-                cu_pair_free(&t); cu_pair_free(&dz);
+                cu_pair_free(&t);
+                cu_pair_free(&dz);
             }
-            o->free(o, y_gpu); o->free(o, w_gpu); o->free(o, stats_gpu); o->free(o, scale_gpu);
-            free(z); free(before); free(y);
+            o->free(o, y_gpu);
+            o->free(o, w_gpu);
+            o->free(o, stats_gpu);
+            o->free(o, scale_gpu);
+            free(z);
+            free(before);
+            free(y);
         }
 }
 
@@ -4185,7 +4210,8 @@ TEST(cuda_softmax_focal) {
 // (1e-6) and the gradient to 1e-6 of its largest element plus a storage ulp.
 TEST(cuda_region_losses) {
     Ops *o = cu_ops();
-    Rng r; rng_seed(&r, 76);
+    Rng r;
+    rng_seed(&r, 76);
     const int Ks[4] = {1, 2, 4, 7};
     for (int ki = 0; ki < 4; ki++)
         for (int per_image = 0; per_image < 2; per_image++) {
@@ -4200,7 +4226,9 @@ TEST(cuda_region_losses) {
             LossCfg l = loss_cfg_default();
             l.kind[0] = ki % 2 ? LOSS_TVERSKY : LOSS_DICE;
             l.weight[0] = 0.7f;
-            l.tversky_alpha = 0.3f; l.tversky_beta = 0.7f; l.tversky_gamma = 1.5f;
+            l.tversky_alpha = 0.3f;
+            l.tversky_beta = 0.7f;
+            l.tversky_gamma = 1.5f;
             const RegionArgs args = region_args(&l, 0, groups);
             const float scale = 4.0f;
             float *w_gpu = cu_floats(w, K), *scale_gpu = cu_floats(&scale, 1),
@@ -4231,11 +4259,20 @@ TEST(cuda_region_losses) {
                              cu_rel_err(gc, coefs, (size_t)2 * K * groups, 1e-30), 1e-6);
                 free(gc);
                 cu_check_err("region_grad dlogits", (DType)a, cu_pair_err(dz), 1e-6 + CU_ULP[a]);
-                cu_pair_free(&t); cu_pair_free(&dz);
+                cu_pair_free(&t);
+                cu_pair_free(&dz);
             }
-            o->free(o, y_gpu); o->free(o, w_gpu); o->free(o, scale_gpu); o->free(o, sums_gpu);
-            o->free(o, coefs_gpu); o->free(o, loss_gpu);
-            free(z); free(before); free(y); free(sums); free(coefs);
+            o->free(o, y_gpu);
+            o->free(o, w_gpu);
+            o->free(o, scale_gpu);
+            o->free(o, sums_gpu);
+            o->free(o, coefs_gpu);
+            o->free(o, loss_gpu);
+            free(z);
+            free(before);
+            free(y);
+            free(sums);
+            free(coefs);
         }
 }
 #endif
@@ -7810,7 +7847,10 @@ TEST(replicas_loss_menu_cli) {
             CHECK(dv <= 1e-6, "%s: val_loss %.9g, one replica's %.9g", losses[l], val[1][0],
                   val[0][0]);
         }
-        for (int k = 0; k < 2; k++) { free(m[k]); rm_rf(runs[k]); }
+        for (int k = 0; k < 2; k++) {
+            free(m[k]);
+            rm_rf(runs[k]);
+        }
     }
     rm_rf(data);
 }
@@ -11119,14 +11159,20 @@ TEST(train_loss_menu_by_hand) {
         TrainCfg c = tiny_seg_cfg(dir, NULL);
         c.lr = 0.0f;
         c.loss.n = 3;
-        c.loss.kind[0] = LOSS_CE; c.loss.weight[0] = 1.0f;
-        c.loss.kind[1] = LOSS_FOCAL; c.loss.weight[1] = 0.3f;
-        c.loss.kind[2] = LOSS_DICE; c.loss.weight[2] = 0.5f;
+        c.loss.kind[0] = LOSS_CE;
+        c.loss.weight[0] = 1.0f;
+        c.loss.kind[1] = LOSS_FOCAL;
+        c.loss.weight[1] = 0.3f;
+        c.loss.kind[2] = LOSS_DICE;
+        c.loss.weight[2] = 0.5f;
         c.loss.per_image = per_image;
         Trainer t;
         char err[SN_ERR_MAX];
         CHECK(trainer_open(&t, &c, dir, NULL, err) == 0, "%s", err);
-        if (!t.has_train) { trainer_close(&t); break; }
+        if (!t.has_train) {
+            trainer_close(&t);
+            break;
+        }
         int64_t cm[9];
         PassTotals pt = {0, 0, cm};
         CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
@@ -11496,7 +11542,9 @@ TEST(monitor_min_delta) {
 TEST(train_loss_cli) {
     const char *data = "/tmp/segnet_test_losscli", *a = "/tmp/segnet_test_losscli_a",
                *b = "/tmp/segnet_test_losscli_b";
-    rm_rf(data); rm_rf(a); rm_rf(b);
+    rm_rf(data);
+    rm_rf(a);
+    rm_rf(b);
     write_seg_set(data, 4, 8, 8, 9);
     const char *common = "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --classes 3 "
                          "--class-weights 0,1,1 --device cpu --lr 0.01 "
@@ -11516,7 +11564,8 @@ TEST(train_loss_cli) {
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
     snprintf(args, sizeof args, "train --resume %s --epochs 3 --loss ce", b);
     CHECK(run_segnet(args, msg, sizeof msg) == 1 && strstr(msg, "--loss ce") &&
-          strstr(msg, "stays for the whole run"), "another --loss on resume: %s", msg);
+                  strstr(msg, "stays for the whole run"),
+          "another --loss on resume: %s", msg);
     snprintf(args, sizeof args, "train --resume %s --epochs 3", b);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "resume: %s", msg);
     const char *files[] = {"metrics.csv", "last.safetensors", "config.txt"};
@@ -11529,7 +11578,8 @@ TEST(train_loss_cli) {
     rm_rf(a);
     snprintf(args, sizeof args,
              "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --classes 3 --epochs 1 "
-             "--device cpu --data %s --out %s", data, a);
+             "--device cpu --data %s --out %s",
+             data, a);
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
     snprintf(pa, sizeof pa, "%s/config.txt", a);
     cfg = read_text(pa);
@@ -11537,7 +11587,10 @@ TEST(train_loss_cli) {
           cfg ? cfg : "(none)");
     free(cfg);
     // refusals: usage (2) and settings that cannot train (1), each naming the problem
-    const struct { const char *extra, *says; int rc; } bad[] = {
+    const struct {
+        const char *extra, *says;
+        int rc;
+    } bad[] = {
             {"--loss dice+dice", "dice twice", 2},
             {"--loss 0*dice", "W > 0", 2},
             {"--loss lovasz", "NAME one of", 2},
@@ -11552,7 +11605,8 @@ TEST(train_loss_cli) {
         rm_rf(b);
         snprintf(args, sizeof args,
                  "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --classes 3 "
-                 "--epochs 1 --device cpu --data %s --out %s %s", data, b, bad[k].extra);
+                 "--epochs 1 --device cpu --data %s --out %s %s",
+                 data, b, bad[k].extra);
         const int rc = run_segnet(args, msg, sizeof msg);
         CHECK(rc == bad[k].rc && strstr(msg, bad[k].says), "%s: status %d (want %d): %s",
               bad[k].extra, rc, bad[k].rc, msg);
@@ -11560,12 +11614,15 @@ TEST(train_loss_cli) {
     rm_rf(b);
     snprintf(args, sizeof args,
              "train --model effv2-t --size 32x32 --batch 2 --classes 3 --epochs 1 --device cpu "
-             "--data %s --out %s --loss ce+jaccard", data, b);
+             "--data %s --out %s --loss ce+jaccard",
+             data, b);
     CHECK(run_segnet(args, msg, sizeof msg) == 1 && strstr(msg, "jaccard") &&
-          strstr(msg, "classifier"), "a classifier's region loss: %s", msg);
-    rm_rf(data); rm_rf(a); rm_rf(b);
+                  strstr(msg, "classifier"),
+          "a classifier's region loss: %s", msg);
+    rm_rf(data);
+    rm_rf(a);
+    rm_rf(b);
 }
-
 
 // --schedule plateau through the command line: with patience 1 and a
 // min_delta no loss can beat, every epoch after the first lowers the lr by
@@ -14959,7 +15016,7 @@ TEST(safetensors_write_atomic) {
 
 #define SOURCE_LINE_MAX 100
 static const char *const SOURCE_FILES[] = {
-    "segnet.c", "segnet.h", "kernels.cu", "cuda_emu.h", "cuda_emu.cpp", "backends.c",
+    "segnet.c", "losses.c", "segnet.h", "kernels.cu", "cuda_emu.h", "cuda_emu.cpp", "backends.c",
     "safetensors.c", "weights.c", "images.c", "datasets.c", "curves.c", "replicas.c", "run.c",
     "bench.c", "cli.c", "safetensors.h", "images.h", "datasets.h", "curves.h", "run.h",
     "test_segnet.c", "fuzz.c"};
