@@ -8268,7 +8268,8 @@ static void cu_train_losses(const char *model, int hw, DType dt, Device device, 
 
 // A recorded step (a CUDA graph) replayed does what the step run op by op
 // does, to the bit: three steps of unet-effv2-t (drop-path, whose seeds
-// change every step) in fp16 (loss scaling, which here skips and doubles),
+// change every step; the loss ce + 0.5·focal + dice) in fp16 (loss scaling, which here skips
+// and doubles),
 // with clipping and a warm-up (a learning rate per step), then a smaller last
 // batch (run op by op: other shapes) and a full one again (step 2's record).
 // Compared: the losses, the parameters and Adam's moments, the loss scale.
@@ -8286,6 +8287,9 @@ static void cu_graph_run(int records, double *losses, float **params, float **mo
     c.precision = DT_F16;
     c.device = DEVICE_CUDA;
     c.progress = 0;
+    c.loss.n = 3;  // every kind of term: ce, focal, and a region term (its sums and coefficients)
+    c.loss.kind[1] = LOSS_FOCAL; c.loss.weight[1] = 0.5f;
+    c.loss.kind[2] = LOSS_DICE; c.loss.weight[2] = 1.0f;
     Trainer t;
     char err[SN_ERR_MAX];
     CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s", err);
