@@ -453,12 +453,6 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
                  c->model.model);
         return -1;
     }
-    if (loss_has_region(&c->loss) && !c->loss.per_image && c->accum > 1) {
-        snprintf(err, SN_ERR_MAX, "--loss %s over the global batch needs every micro-batch's "
-                 "probabilities before the backward: use --accum 1, or --loss-per-image",
-                 loss_region_name(&c->loss));
-        return -1;
-    }
     if (train) {
         if (dataset_open_named(&t->train, train, t->segmentation, t->K, in.h, in.w,
                                c->cache_bytes, c->threads > 0 ? c->threads : 2, NULL, &c->masks,
@@ -514,9 +508,10 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     int region = 0;
     for (int j = 0; j < l->n; j++) region |= loss_is_region(l->kind[j]);
     if (region) {
-        const int groups = l->per_image ? in.n : 1;
-        t->region_sums = o->alloc(o, sizeof(float) * 3 * t->K * groups);
-        t->region_coefs = o->alloc(o, sizeof(float) * 2 * t->K * groups);
+        // over the batch: the step's sums and a micro-batch's (region_presum)
+        const int groups = l->per_image ? in.n : 1, sum_groups = groups > 2 ? groups : 2;
+        t->region_sums = o->alloc(o, sizeof(float) * 3 * t->K * sum_groups);
+        t->region_coefs = o->alloc(o, sizeof(float) * (2 * t->K * groups + 1));
         if (!t->region_sums || !t->region_coefs) {
             snprintf(err, SN_ERR_MAX, "out of %s memory for the region losses", o->name);
             return -1;

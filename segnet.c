@@ -2633,6 +2633,7 @@ static void layer_forward(Net *net, int i, int recompute, int with_next) {
         BnNext fused;
         const BnNext *next = with_next ? bn_next(net, i, 0, &fused) : NULL;
         if (layer_in_train_mode(net, l)) {
+            if (net->keep_running) rm = rv = NULL;
             if (!recompute) {
                 const int C = x.shape.c;
                 size_t count = shape_numel(x.shape) / C;
@@ -2894,7 +2895,10 @@ typedef struct {
     float *class_weights;       // (terms,K) each term's weights (trainer_open_on)
     // the region terms' (groups,3,K) sums and (groups,2,K) coefficients, groups: 1, or the
     // shard's images with per_image; NULL without region terms
-    float *region_sums, *region_coefs;
+    float *region_sums, *region_coefs;  // region_coefs: and a float that takes no value
+    // region_sums already holds the step's sums over all its micro-batches (region_presum):
+    // 1, 2 once a micro-batch has reported the step's value
+    int region_presummed;
     int32_t *labels;            // (N·H·W) or (N)
     int64_t *confusion;         // (K,K)
     StepArgs *args;             // backend memory: the step's arguments, from host_args
@@ -3058,7 +3062,7 @@ static int score_batch(Trainer *t, Tensor dlogits, int n, int step_images) {
     const int K = t->K, groups = l->per_image ? n : 1;
     const float *scale = dlogits.data ? &t->state->xent_scale : NULL;
     Tensor z = net_tensor(&t->net, t->logits);
-    int summed = 0;  // the region sums are in t->region_sums
+    int summed = t->region_presummed;  // the region sums are in t->region_sums
     for (int j = 0; j < l->n && n > 0; j++) {
         const float *w = t->class_weights + (size_t)j * K;
         if (j == 0 && l->kind[0] != LOSS_CE && dlogits.data) o->fill(o, dlogits, 0.0f);
@@ -3075,11 +3079,16 @@ static int score_batch(Trainer *t, Tensor dlogits, int n, int step_images) {
                 return -1;
             summed = 1;
             const RegionArgs a = region_args(l, j, l->per_image ? step_images : 1);
+            // presummed: every micro-batch has the step's value; the first one reports it
+            float *value = t->region_presummed == 2 ? t->region_coefs + 2 * K * groups
+                                                    : &t->state->region_loss;
             o->region_grad(o, z, t->labels, groups, t->region_sums, &a, w, &t->state->loss_scale,
-                           t->region_coefs, &t->state->region_loss, dlogits);
+                           t->region_coefs, value, dlogits);
         }
     }
-    if (n == 0 && region_exchanges(t) && !l->per_image) {  // an empty shard adds zeros
+    if (t->region_presummed && n > 0) t->region_presummed = 2;
+    // an empty shard adds zeros to the sums (unless region_presum summed them)
+    if (n == 0 && region_exchanges(t) && !l->per_image && !t->region_presummed) {
         o->fill(o, tensor_f32(t->region_sums, shape4(3 * K, 1, 1, 1)), 0.0f);
         if (comm_allreduce_backend(t, t->region_sums, (size_t)3 * K)) return -1;
     }
@@ -3116,6 +3125,42 @@ static int eval_batch(Trainer *t, const MicroBatch *mb, int images, double norm,
     return 0;
 }
 
+// A region term over the global batch of k > 1 micro-batches needs all their
+// probabilities before the first backward: a forward of each (the same
+// dropout masks and batch statistics, BN's running statistics left alone)
+// adds its sums, the replicas add theirs, and score_batch takes them
+// (region_presummed). The cost: one more forward per micro-batch. Micro-batch 0
+// is staged again for the step. Returns -1 if a collective failed.
+static int region_presum(Trainer *t, const MicroBatch *mb, int k) {
+    const LossCfg *l = &t->loss;
+    if (k == 1 || l->per_image || !t->region_sums) return 0;
+    Ops *o = t->o;
+    Net *net = &t->net;
+    const Shape sums = shape4(3 * t->K, 1, 1, 1);
+    float *part = t->region_sums + 3 * t->K;  // a micro-batch's, beside the total
+    o->fill(o, tensor_f32(t->region_sums, sums), 0.0f);
+    net->keep_running = 1;
+    for (int i = 0; i < k; i++) {
+        if (i > 0) {
+            o->synchronize(o);
+            stage_batch(t, &mb[i]);
+        }
+        if (mb[i].n) upload_staged(t, mb[i].n);
+        net->first_sample = (uint64_t)mb[i].first;
+        net_forward(net, mb[i].n, 1);
+        if (net->failed) break;
+        if (!mb[i].n) continue;
+        o->region_sums(o, net_tensor(net, t->logits), t->labels, 1, part);
+        o->axpby(o, tensor_f32(t->region_sums, sums), tensor_f32(part, sums), 1.0f, 0.0f, 1);
+    }
+    net->keep_running = 0;
+    if (net->failed || comm_allreduce_backend(t, t->region_sums, (size_t)3 * t->K)) return -1;
+    o->synchronize(o);
+    stage_batch(t, &mb[0]);
+    t->region_presummed = 1;
+    return 0;
+}
+
 // the whole gradient buffer (the trainable parameters') as one tensor
 static Tensor grads_tensor(Trainer *t) {
     return tensor_f32(t->net.grads, shape4((int)t->n_trainable, 1, 1, 1));
@@ -3133,6 +3178,7 @@ static int step_work(Trainer *t, const MicroBatch *mb, int k) {
     o->upload_async(o, net->layer_seeds, t->host_seeds, sizeof(uint64_t) * (size_t)t->g.n_layers);
     o->step_control(o, t->args, t->state, STEP_BEGIN);
     o->fill(o, grads_tensor(t), 0.0f);
+    if (region_presum(t, mb, k)) return -1;
     // 2.–4. per micro-batch: forward, loss and its gradient, backward (gradients add up)
     for (int i = 0; i < k; i++) {
         if (i > 0) {  // the staging buffers hold one micro-batch
@@ -3148,6 +3194,7 @@ static int step_work(Trainer *t, const MicroBatch *mb, int k) {
         net_backward(net, mb[i].n, t->logits);
         if (net->failed || replicas_average_bn(t, mb[i].n)) return -1;
     }
+    t->region_presummed = 0;
     // 5. all-reduce: the replicas' gradients summed, the gradient of the global loss
     if (comm_allreduce_backend(t, net->grads, t->n_trainable)) return -1;
     if (c->overflow_at_step == t->step)  // tests: as if this step's fp16 gradients had overflowed

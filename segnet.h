@@ -1122,6 +1122,9 @@ typedef struct {
     struct Comm *sync_bn;
     // a collective failed (another rank stopped): the rest of the pass is skipped
     int failed;
+    // 1: a training forward leaves BN's running statistics as they are (the forwards that
+    // sum a region loss over micro-batches before their backward: step_work)
+    int keep_running;
 } Net;
 
 // Returns 0, or -1 with the reason in err (out of memory). One allocation per

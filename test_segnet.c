@@ -7066,10 +7066,13 @@ TEST(fp16_loss_scaling) {
 }
 
 // --accum K with batch B is one step over K·B images: the same loss and, BN
-// frozen (batch statistics are per micro-batch), the same weights
-TEST(accum_equals_big_batch) {
+// frozen (batch statistics are per micro-batch), the same weights; with the loss
+// ce alone and ce + dice over the global batch (region_presum's forwards first)
+static void accum_equals_big_batch_with(const LossCfg *loss) {
     enum { B = 2, K = 3, STEPS = 2 };
-    TrainCfg big = tiny_seg_cfg(NULL, NULL), small = big;
+    TrainCfg big = tiny_seg_cfg(NULL, NULL), small;
+    big.loss = *loss;
+    small = big;
     big.model.batch = B * K;
     small.model.batch = B;
     small.accum = K;
@@ -7107,7 +7110,42 @@ TEST(accum_equals_big_batch) {
         worst = fmax(worst, fabs(a.net.params[i] - b.net.params[i]));
     CHECK(worst < 1e-4 * big.lr, "weights after %d steps differ by %.3g (lr %g)", STEPS, worst,
           big.lr);
-    if (g_verbose) printf("    worst weight difference %.3g\n", worst);
+    if (g_verbose) printf("    %s: worst weight difference %.3g\n", LOSS_NAMES[loss->kind[loss->n - 1]], worst);
+    trainer_close(&a); trainer_close(&b);
+}
+TEST(accum_equals_big_batch) {
+    LossCfg l = loss_cfg_default();
+    accum_equals_big_batch_with(&l);
+    l.n = 2;
+    l.kind[1] = LOSS_DICE;
+    l.weight[1] = 1.0f;
+    accum_equals_big_batch_with(&l);
+    // the forwards that sum dice leave BN's running statistics alone: a step of ce + dice
+    // over 3 micro-batches updates them as ce's does
+    TrainCfg c = tiny_seg_cfg(NULL, NULL), d;
+    c.model.batch = 2;
+    c.accum = 3;
+    d = c;
+    d.loss = l;
+    Trainer a, b;
+    char err[SN_ERR_MAX];
+    CHECK(trainer_open(&a, &c, NULL, NULL, err) == 0 && trainer_open(&b, &d, NULL, NULL, err) == 0,
+          "%s", err);
+    Rng r;
+    rng_seed(&r, 6);
+    float images[6 * 64 * 3];
+    int32_t labels[6 * 64];
+    int64_t cma[9], cmb[9];
+    PassTotals pa = {0, 0, cma}, pb = {0, 0, cmb};
+    random_batch(&r, 6, 8, 3, images, labels);
+    MicroBatch parts[3];
+    for (int k = 0; k < 3; k++)
+        parts[k] = (MicroBatch){2, images + k * 2 * 64 * 3, labels + k * 2 * 64, k * 2};
+    train_step(&a, parts, 3, &pa);
+    train_step(&b, parts, 3, &pb);
+    CHECK(a.g.n_buffer_floats > 0 &&
+                  !memcmp(a.net.buffers, b.net.buffers, sizeof(float) * a.g.n_buffer_floats),
+          "BN's running statistics after a step of ce + dice differ from ce's");
     trainer_close(&a); trainer_close(&b);
 }
 
@@ -7810,9 +7848,9 @@ static void sync_bn_deep_cli(const char *launch, const char *extra) {
 TEST(replicas_sync_bn_deep_cli) { sync_bn_deep_cli("./segnet", " --replicas 2"); }
 
 // The loss menu over replicas: ce+dice (dice's sums exchanged between the
-// forward and the backward) and dice per image, --replicas 2 against one
-// replica, 5 images in batches of 4 (the last batch leaves one replica empty,
-// in training and in validation): the first epoch's gradients (Adam's first
+// forward and the backward), dice per image, and ce+dice over 2 micro-batches
+// (region_presum), --replicas 2 against one replica, 5 images in batches of 4
+// (the last batch leaves one replica empty, in training and in validation): the first epoch's gradients (Adam's first
 // moment at --lr 0) within 1e-6 (rel. L2) and val_loss within 1e-6 relative, as
 // replicas_sync_bn_deep_cli (fp32 sums in another order).
 TEST(replicas_loss_menu_cli) {
@@ -7820,8 +7858,9 @@ TEST(replicas_loss_menu_cli) {
                *runs[2] = {"/tmp/segnet_test_reploss_1", "/tmp/segnet_test_reploss_2"};
     rm_rf(data);
     write_seg_set(data, 5, 16, 16, 33);
-    const char *losses[2] = {"--loss ce+dice", "--loss 2*dice --loss-per-image"};
-    for (int l = 0; l < 2; l++) {
+    const char *losses[3] = {"--loss ce+dice", "--loss 2*dice --loss-per-image",
+                             "--loss ce+dice --accum 2"};
+    for (int l = 0; l < 3; l++) {
         float *m[2] = {NULL, NULL};
         size_t n[2] = {0, 0};
         double val[2][1] = {{0}, {0}};
@@ -11599,7 +11638,7 @@ TEST(train_loss_cli) {
             {"--loss 0*dice", "W > 0", 2},
             {"--loss lovasz", "NAME one of", 2},
             {"--loss 'ce+'", "", 0},  // a trailing + adds no term: ce alone
-            {"--loss dice --accum 2", "--accum 1, or --loss-per-image", 1},
+            {"--loss dice --accum 2", "", 0},
             {"--loss dice --accum 2 --loss-per-image", "", 0},
             {"--loss ce --loss-per-image", "--loss-per-image applies to", 2},
             {"--loss focal --loss-smooth 1", "--loss-smooth applies to", 2},
