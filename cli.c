@@ -302,11 +302,13 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     const char *f = argv[i];
     a->size_given |= !strcmp(f, "--size");
     // switches; config.txt spells them `... = on|off`
-    if (!strcmp(f, "--sync-bn") || !strcmp(f, "--train-eval") || !strcmp(f, "--loss-per-image")) {
+    if (!strcmp(f, "--sync-bn") || !strcmp(f, "--train-eval") || !strcmp(f, "--loss-per-image") ||
+        !strcmp(f, "--iou-per-image")) {
         int valued = i + 1 < argc && (!strcmp(argv[i + 1], "on") || !strcmp(argv[i + 1], "off"));
-        int *sw = !strcmp(f, "--sync-bn")      ? &c->sync_bn
-                  : !strcmp(f, "--train-eval") ? &c->train_eval
-                                               : &c->loss.per_image;
+        int *sw = !strcmp(f, "--sync-bn")          ? &c->sync_bn
+                  : !strcmp(f, "--train-eval")     ? &c->train_eval
+                  : !strcmp(f, "--loss-per-image") ? &c->loss.per_image
+                                                   : &c->iou_per_image;
         *sw = !valued || !strcmp(argv[i + 1], "on");
         return valued ? 2 : 1;
     }
@@ -659,6 +661,11 @@ static const char *TRAIN_USAGE =
     "                        (default), val_mIoU or val_dice (segmentation: mean\n"
     "                        Dice, the F1 score) or val_accuracy (classification);\n"
     "                        without --val the training values\n"
+    "  --iou-per-image       mIoU and val_mIoU as the mean over the images of each\n"
+    "                        one's mean IoU, (TP + 1e-5)/(TP + FP + FN + 1e-5) per\n"
+    "                        class of weight > 0 (segmentation_models'\n"
+    "                        IOUScore(per_image=True) of the argmax); the per-class\n"
+    "                        IoU_k stay over the whole epoch\n"
     "  --min-delta D         an epoch improves only by more than D (default 0), as\n"
     "                        Keras' EarlyStopping(min_delta)\n"
     "  --augment LIST        none (default) or any of, comma-separated: flip,\n"

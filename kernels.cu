@@ -4502,6 +4502,49 @@ static void region_grad_cuda(Ops *o, Tensor logits, const int32_t *labels, int g
     launchCheck();
 }
 
+// iou_per_image: a block per image counts TP, FP, FN per class in shared memory
+// (integer atomics: exact), then its first thread adds the image's fixed-point mean
+// IoU (image_iou_fixed, segnet.h).
+__global__ void iou_per_image_kernel(const void *logits, DType dt, const int32_t *labels, int K,
+                                     size_t per, const float *w, unsigned long long *acc) {
+    CU_DYN_SHARED(unsigned long long, counts);  // (3,K) TP, FP, FN
+    for (int i = threadIdx.x; i < 3 * K; i += blockDim.x) counts[i] = 0;
+    __syncthreads();
+    for (size_t i = threadIdx.x; i < per; i += blockDim.x) {
+        const size_t r = blockIdx.x * per + i;
+        const int32_t y = labels[r];
+        if (y < 0 || y >= K || !(w[y] > 0.0f)) continue;
+        const size_t base = r * (size_t)K;
+        int best = 0;
+        float zbest = ld(logits, dt, base);
+        for (int c = 1; c < K; c++) {
+            const float z = ld(logits, dt, base + c);
+            if (z > zbest) { zbest = z; best = c; }
+        }
+        if (best == y) {
+            atomicAdd(&counts[y], 1ull);
+        } else {
+            atomicAdd(&counts[K + best], 1ull);
+            atomicAdd(&counts[2 * K + y], 1ull);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    atomicAdd(&acc[0], (unsigned long long)image_iou_fixed((const int64_t *)counts, w, K));
+    atomicAdd(&acc[1], 1ull);
+}
+static void iou_per_image_cuda(Ops *o, Tensor logits, const int32_t *labels,
+                               const float *class_weights, int64_t *acc) {
+    const int K = logits.shape.c, N = logits.shape.n;
+    require_below((size_t)K, IOU_IMAGE_MAX_K + 1, "classes of iou_per_image");
+    if (!N) return;
+    const size_t per = (size_t)logits.shape.h * logits.shape.w;
+    CU_LAUNCH(iou_per_image_kernel, N, BLOCK, sizeof(unsigned long long) * 3 * K, stream_of(o),
+              moves(bytes_of(logits) + N * per * sizeof(int32_t)), logits.data, logits.dtype,
+              labels, K, per, class_weights, (unsigned long long *)acc);
+    launchCheck();
+}
+
 // confusion[y·K + argmax_k z_k] += 1 for labels in 0..K-1, ties to the lowest
 // class (the CPU's strict >, so a NaN logit never wins unless it is the first).
 // Integer atomics are exact, so the counts are deterministic. For K ≤
@@ -4690,6 +4733,7 @@ static Ops make_ops_cuda(void) {
     o.softmax_focal = softmax_focal_cuda;
     o.region_sums = region_sums_cuda;
     o.region_grad = region_grad_cuda;
+    o.iou_per_image = iou_per_image_cuda;
     o.confusion_accumulate = confusion_accumulate_cuda;
     o.adam_update = adam_update_cuda;
     return o;

@@ -447,6 +447,11 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
         snprintf(err, SN_ERR_MAX, "every class weight is 0: nothing to learn");
         return -1;
     }
+    if (c->iou_per_image && !t->segmentation) {
+        snprintf(err, SN_ERR_MAX, "--iou-per-image: model '%s' is a classifier (an image has one "
+                 "label: its accuracy is the metric)", c->model.model);
+        return -1;
+    }
     if (loss_has_region(&c->loss) && !t->segmentation) {
         snprintf(err, SN_ERR_MAX, "--loss %s: dice, jaccard and tversky are region losses of "
                  "segmentation; model '%s' is a classifier", loss_region_name(&c->loss),
@@ -504,7 +509,7 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     t->adam_v = o->alloc(o, sizeof(float) * (T ? T : 1));
     t->loss = c->loss.n ? c->loss : loss_cfg_default();
     const LossCfg *l = &t->loss;
-    t->class_weights = o->alloc(o, sizeof(float) * t->K * l->n);
+    t->class_weights = o->alloc(o, sizeof(float) * t->K * (l->n + 1));
     int region = 0;
     for (int j = 0; j < l->n; j++) region |= loss_is_region(l->kind[j]);
     if (region) {
@@ -518,7 +523,8 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
         }
     }
     t->labels = o->alloc(o, sizeof(int32_t) * labels);
-    t->confusion = o->alloc(o, sizeof(int64_t) * t->K * t->K);
+    t->cm_len = (size_t)t->K * t->K + (c->iou_per_image ? 2 : 0);
+    t->confusion = o->alloc(o, sizeof(int64_t) * t->cm_len);
     t->args = o->alloc(o, sizeof(StepArgs));
     t->state = o->alloc(o, sizeof(StepState));
     t->nonfinite = o->alloc(o, sizeof(int32_t));
@@ -558,6 +564,7 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
                                               : l->weight[j] * f * c->class_weights[k];
         o->upload(o, t->class_weights + (size_t)j * t->K, w, sizeof(float) * t->K);
     }
+    o->upload(o, t->class_weights + (size_t)l->n * t->K, c->class_weights, sizeof(float) * t->K);
     t->loss_scale = dtype == DT_F16 ? LOSS_SCALE_INIT : 1.0f;
     trainer_count_steps(t);
     if (R > 1) {
@@ -668,12 +675,21 @@ static int trainer_load_weights(Trainer *t, const char *path, char *report, int 
     return rc;
 }
 
+// A pass's metrics from its confusion record: with --iou-per-image, the mean IoU
+// is the mean over the images of each one's (iou_per_image's sums after the K·K counts)
+static void pass_metrics(const Trainer *t, const int64_t *cm, Metrics *m) {
+    metrics_compute(cm, t->K, t->c->class_weights, m);
+    if (!t->c->iou_per_image) return;
+    const int64_t *image = cm + (size_t)t->K * t->K;
+    m->mean_iou = image[1] ? (double)image[0] / IOU_IMAGE_ONE / (double)image[1] : NAN;
+}
+
 static void progress_line(const Trainer *t, int training, int batch_no, int n_batches, double t0,
                           int64_t images, const PassTotals *pt, int tty) {
     double el = now_seconds() - t0, eta = batch_no ? el / batch_no * (n_batches - batch_no) : 0.0;
     double iou[SN_MAX_CLASSES];
     Metrics m = {.iou = iou};
-    metrics_compute(pt->cm, t->K, t->c->class_weights, &m);
+    pass_metrics(t, pt->cm, &m);
     fprintf(stderr, "%sepoch %d/%d %s %d/%d  %d:%02d left  %.1f img/s  loss %.4f  %s %.4f%s",
             tty ? "\r" : "", t->epoch + 1, t->c->epochs, training ? "train" : "val", batch_no,
             n_batches, (int)eta / 60, (int)eta % 60, el > 0 ? images / el : 0.0,
@@ -728,7 +744,7 @@ static int reduce_totals(Trainer *t, PassTotals *pt) {
     if (comm->size == 1) return 0;
     double sums[2] = {pt->loss_sum, pt->norm_sum};
     if (comm->allreduce_f64(comm, sums, 2) ||
-        comm->allreduce_i64(comm, pt->cm, (size_t)t->K * t->K))
+        comm->allreduce_i64(comm, pt->cm, t->cm_len))
         return -1;
     pt->loss_sum = sums[0];
     pt->norm_sum = sums[1];
@@ -850,12 +866,13 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
                                              training ? &c->augment : NULL,
                                              augment_seed_of(epoch_seed), c->workers, 4)
                               : NULL;
-    o->fill(o, tensor_f32((float *)t->confusion, shape4(2 * K * K, 1, 1, 1)), 0.0f);  // int64 zeros
+    // int64 zeros
+    o->fill(o, tensor_f32((float *)t->confusion, shape4(2 * (int)t->cm_len, 1, 1, 1)), 0.0f);
     pt->loss_sum = pt->norm_sum = 0.0;
     // else load_checkpoint restored them
     if (training && !start) step_stats_reset(&t->epoch_stats);
     if (start) {  // the totals of the batches before it, as this replica had them
-        o->upload(o, t->confusion, t->resume_cm, sizeof(int64_t) * K * K);
+        o->upload(o, t->confusion, t->resume_cm, sizeof(int64_t) * t->cm_len);
         pt->loss_sum = t->resume_loss_sum;
         pt->norm_sum = t->resume_norm_sum;
         free(t->resume_cm);
@@ -922,12 +939,12 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
         images += nj;
         if (c->progress && (training || (tty && R == 1)) &&
             ((j + 1) % every == 0 || j + 1 == n_batches)) {
-            o->download(o, pt->cm, t->confusion, sizeof(int64_t) * K * K);
+            o->download(o, pt->cm, t->confusion, sizeof(int64_t) * t->cm_len);
             PassTotals now = *pt;
             if (R > 1) {
-                now.cm = malloc(sizeof(int64_t) * K * K);
+                now.cm = malloc(sizeof(int64_t) * t->cm_len);
                 snCheck(now.cm != NULL, "out of host memory");
-                memcpy(now.cm, pt->cm, sizeof(int64_t) * K * K);
+                memcpy(now.cm, pt->cm, sizeof(int64_t) * t->cm_len);
                 rc = reduce_totals(t, &now);
             }
             if (rc == 0 && comm->rank == 0)
@@ -938,7 +955,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
     if (L) loader_stop(L);
     free(order); free(mine);
     if (stopped && rc == 0) {  // this replica's totals so far; where the pass goes on
-        o->download(o, pt->cm, t->confusion, sizeof(int64_t) * K * K);
+        o->download(o, pt->cm, t->confusion, sizeof(int64_t) * t->cm_len);
         if (training) t->resume_batch = stopped;
         if (c->progress && tty) fputs("\r\033[K", stderr);
         return stop_signal;
@@ -953,7 +970,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
         }
         return -1;
     }
-    o->download(o, pt->cm, t->confusion, sizeof(int64_t) * K * K);
+    o->download(o, pt->cm, t->confusion, sizeof(int64_t) * t->cm_len);
     if (rc == 0 && reduce_totals(t, pt)) rc = -1;
     if (rc) return comm_failure(comm, err);
     if (c->progress && tty && (training || d->n)) fputs("\r\033[K", stderr);
@@ -982,12 +999,14 @@ static const char *const CHECKPOINT_META[CHECKPOINT_KEYS] = {
         "finished",  "loss_scale", "loss_scale_good_steps"};
 // An epoch interrupted part-way: the global batch its training pass goes on
 // at, and each replica's totals so far (metadata "batch" and "pass_totals":
-// per replica `loss_sum norm_sum cm[0] ... cm[K·K-1]` with exact hex floats,
+// per replica `loss_sum norm_sum cm[0] ... cm[len-1]` with exact hex floats (cm: the
+// confusion record, Trainer.cm_len),
 // replicas separated by ';').
 typedef struct {
-    int batch, replicas, K;
+    int batch, replicas;
+    size_t len;     // a replica's confusion record: Trainer.cm_len
     double *sums;   // (replicas, 2): loss_sum, norm_sum
-    int64_t *cms;   // (replicas, K, K) confusion counts
+    int64_t *cms;   // (replicas, len) confusion counts (and the per-image IoU sums)
 } PassSaved;
 
 static void pass_saved_free(PassSaved *ps) {
@@ -1002,8 +1021,8 @@ static char *pass_totals_text(const PassSaved *ps) {
     for (int r = 0; r < ps->replicas; r++) {
         snprintf(num, sizeof num, "%s%a %a", r ? ";" : "", ps->sums[2 * r], ps->sums[2 * r + 1]);
         sb_str(&b, num);
-        for (size_t k = 0; k < (size_t)ps->K * ps->K; k++) {
-            snprintf(num, sizeof num, " %" PRId64, ps->cms[(size_t)r * ps->K * ps->K + k]);
+        for (size_t k = 0; k < ps->len; k++) {
+            snprintf(num, sizeof num, " %" PRId64, ps->cms[(size_t)r * ps->len + k]);
             sb_str(&b, num);
         }
     }
@@ -1012,7 +1031,7 @@ static char *pass_totals_text(const PassSaved *ps) {
     return b.p;
 }
 
-static int pass_totals_parse(const char *path, const char *text, int K, PassSaved *ps,
+static int pass_totals_parse(const char *path, const char *text, size_t len, PassSaved *ps,
                              char err[SN_ERR_MAX]) {
     int R = 1;
     for (const char *p = text; *p; p++) R += *p == ';';
@@ -1023,9 +1042,9 @@ static int pass_totals_parse(const char *path, const char *text, int K, PassSave
                  path, R, SN_MAX_REPLICAS);
         return -1;
     }
-    const size_t KK = (size_t)K * K;
+    const size_t KK = len;
     ps->replicas = R;
-    ps->K = K;
+    ps->len = len;
     ps->sums = malloc(sizeof(double) * 2 * (size_t)R);
     ps->cms = malloc(sizeof(int64_t) * KK * (size_t)R);
     snCheck(ps->sums && ps->cms, "out of host memory");
@@ -1040,10 +1059,9 @@ static int pass_totals_parse(const char *path, const char *text, int K, PassSave
             const char sep = k + 1 < 2 + KK ? ' ' : r + 1 < R ? ';' : 0;
             if (end == p || *p == ' ' || !count_ok || *end != sep) {
                 snprintf(err, SN_ERR_MAX,
-                         "%.300s: metadata 'pass_totals': replica %d, item %zu is not what %d "
-                         "classes need "
-                         "(a damaged checkpoint)",
-                         path, r, k + 1, K);
+                         "%.300s: metadata 'pass_totals': replica %d, item %zu is not one of "
+                         "the %zu numbers a replica has here (a damaged checkpoint)",
+                         path, r, k + 1, 2 + KK);
                 return -1;
             }
             p = end + (sep != 0);
@@ -1114,8 +1132,9 @@ static int model_finite(Trainer *t, char which[SN_ERR_MAX]) {
 
 #define RESUME_DATA_KEY     "data"
 #define RESUME_SETTINGS_KEY "settings"
-static const char *const RESUME_FIXED[] = {"size",         "class-weights", "loss-norm", "monitor",
-                                           "ignore-index", "label-map",     "loss"};
+static const char *const RESUME_FIXED[] = {"size",      "class-weights", "loss-norm",
+                                           "monitor",   "ignore-index",  "label-map",
+                                           "loss",      "iou-per-image"};
 
 // the settings that shape a step, `--flag=value` items separated by spaces (NUL-terminated,
 // malloc'd)
@@ -1136,6 +1155,7 @@ static char *step_settings_text(const TrainCfg *c) {
     augment_text(&c->augment, &b);
     sb_str(&b, " loss=");
     loss_settings_text(&c->loss, ",", ":", &b);
+    if (c->iou_per_image) sb_str(&b, " iou-per-image=on");
     sb_put(&b, "", 1);
     snCheck(!b.oom, "out of host memory");
     return b.p;
@@ -1429,7 +1449,10 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
             goto done;
         }
         ps->batch = (int)b;
-        if (pass_totals_parse(path, totals, t->K, ps, err)) { pass_saved_free(ps); goto done; }
+        if (pass_totals_parse(path, totals, t->cm_len, ps, err)) {
+            pass_saved_free(ps);
+            goto done;
+        }
     }
     // --schedule plateau's state (a checkpoint without it: the lr as given, nothing seen)
     const char *plateau_text = safetensors_meta(&f, "plateau");
@@ -1868,7 +1891,7 @@ static void config_text(const TrainCfg *c, SfBuf *b) {
     augment_text(&c->augment, b);
     CFG("\nloss-norm = %s\nloss = ", c->loss_norm_keras ? "keras" : "weighted");
     loss_settings_text(&c->loss, "\n", " = ", b);
-    CFG("\nseed = %" PRIu64 "\n", c->seed);
+    CFG("\niou-per-image = %s\nseed = %" PRIu64 "\n", c->iou_per_image ? "on" : "off", c->seed);
     CFG("precision = %s\naccum = %d\nfreeze = %s\nunfreeze-last = %d\ncheckpoint = %s\n",
         DTYPE_NAMES[c->precision], c->accum, c->freeze_base ? "base" : "none", c->unfreeze_last,
         c->checkpoint ? "blocks" : "none");
@@ -2152,7 +2175,7 @@ static int pass_resume_share(Trainer *t, PassSaved *ps) {
     int head[2] = {ps->batch, ps->replicas};
     if (comm->size > 1 && comm->broadcast(comm, head, sizeof head, 0)) return -1;
     if (!head[0]) return 0;
-    const size_t KK = (size_t)t->K * t->K, R = (size_t)head[1];
+    const size_t KK = t->cm_len, R = (size_t)head[1];
     if (comm->rank != 0) {
         ps->sums = malloc(sizeof(double) * 2 * R);
         ps->cms = malloc(sizeof(int64_t) * KK * R);
@@ -2182,8 +2205,8 @@ static int save_interrupted(Trainer *t, const PassTotals *tr, int reduced, const
                             char err[SN_ERR_MAX]) {
     Comm *comm = t->comm;
     const int R = comm->size;
-    const size_t KK = (size_t)t->K * t->K;
-    PassSaved ps = {t->resume_batch, R, t->K, calloc(2 * (size_t)R, sizeof(double)),
+    const size_t KK = t->cm_len;
+    PassSaved ps = {t->resume_batch, R, KK, calloc(2 * (size_t)R, sizeof(double)),
                     calloc(KK * (size_t)R, sizeof(int64_t))};
     snCheck(ps.sums && ps.cms, "out of host memory");
     const int slot = reduced ? 0 : comm->rank;
@@ -2390,8 +2413,8 @@ static int train_replica(Comm *comm, void *arg) {
     // IoU then Dice per class: train (K), val (K)
     double *iou = malloc(sizeof(double) * 4 * c->model.classes);
     snCheck(iou != NULL, "out of host memory");
-    int64_t *cm = malloc(sizeof(int64_t) * c->model.classes * c->model.classes),
-            *cm_val = malloc(sizeof(int64_t) * c->model.classes * c->model.classes);
+    const size_t cm_len = (size_t)c->model.classes * c->model.classes + 2;  // Trainer.cm_len at most
+    int64_t *cm = malloc(sizeof(int64_t) * cm_len), *cm_val = malloc(sizeof(int64_t) * cm_len);
     snCheck(cm && cm_val, "out of host memory");
     PassSaved saved = {0};  // an interrupted epoch's position (rank 0 reads it)
     int lock = -1, made = 0, fresh = !resume, replace = 0, written = 0;
@@ -2475,13 +2498,13 @@ static int train_replica(Comm *comm, void *arg) {
         if (stop < 0) goto done;
         double loss = tr.loss_sum / tr.norm_sum, val_loss = NAN;
         if (stop == 0) {
-            metrics_compute(cm, t.K, c->class_weights, &m);
+            pass_metrics(&t, cm, &m);
             // the train figures again, in inference mode (cm_val is free until the validation)
             if (c->train_eval) {
                 PassTotals te = {0, 0, cm_val};
                 if ((stop = run_pass(&t, &t.train, 0, &te, err)) < 0) goto done;
                 if (!stop) {
-                    metrics_compute(cm_val, t.K, c->class_weights, &m);
+                    pass_metrics(&t, cm_val, &m);
                     loss = te.loss_sum / te.norm_sum;
                 }
             }
@@ -2489,7 +2512,7 @@ static int train_replica(Comm *comm, void *arg) {
             // the validation (and --train-eval) runs again
             if (stop) { t.resume_batch = train_batches; reduced = 1; }
             if (t.has_val && !stop) {
-                metrics_compute(cm_val, t.K, c->class_weights, &vm);
+                pass_metrics(&t, cm_val, &vm);
                 val_loss = va.loss_sum / va.norm_sum;
             }
         }
@@ -2657,14 +2680,15 @@ int eval_run(const TrainCfg *c, const char *weights, const char *data, EvalResul
     set_threads(c->threads);
     Trainer t;
     int rc = -1;
-    int64_t *cm = malloc(sizeof(int64_t) * c->model.classes * c->model.classes);
+    // Trainer.cm_len at most
+    int64_t *cm = malloc(sizeof(int64_t) * ((size_t)c->model.classes * c->model.classes + 2));
     snCheck(cm != NULL, "out of host memory");
     if (trainer_open(&t, c, NULL, data, err) || trainer_load_weights(&t, weights, NULL, NULL, err))
         goto done;
     PassTotals pt = {0, 0, cm};
     if (run_pass(&t, &t.val, 0, &pt, err)) goto done;
     r->loss = pt.loss_sum / pt.norm_sum;
-    metrics_compute(cm, t.K, c->class_weights, &r->m);
+    pass_metrics(&t, cm, &r->m);
     rc = 0;
 done:
     trainer_close(&t);

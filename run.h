@@ -36,6 +36,7 @@ typedef struct {
     int threads;                    // 0: OpenMP's default
     int loss_norm_keras;            // divide the loss by the pixel count, not Σ w
     LossCfg loss;                   // --loss and its constants (n 0: ce alone)
+    int iou_per_image;              // mIoU: the mean of each image's (segmentation_models')
     int workers;                    // data loader threads
     size_t cache_bytes;             // decoded data kept in memory up to this
     int progress;                   // 0 quiet, 1 progress on stderr

@@ -1057,6 +1057,40 @@ static void softmax_xent_ref(Ops *o, Tensor logits, const int32_t *labels,
 
 #include "losses.c"  // the focal and region terms of the loss menu
 
+// the first class of the largest logit of row r (ties to the lowest; a NaN never wins
+// unless first)
+static int argmax_row(Tensor logits, size_t r, int K) {
+    int best = 0;
+    float zbest = ld(logits, r * K);
+    for (int c = 1; c < K; c++) {
+        const float z = ld(logits, r * K + c);
+        if (z > zbest) { zbest = z; best = c; }
+    }
+    return best;
+}
+
+static void iou_per_image_ref(Ops *o, Tensor logits, const int32_t *labels,
+                              const float *class_weights, int64_t *acc) {
+    (void)o;
+    const int K = logits.shape.c;
+    const size_t per = (size_t)logits.shape.h * logits.shape.w;
+    snCheck(K <= IOU_IMAGE_MAX_K, "iou_per_image: %d classes, at most %d", K, IOU_IMAGE_MAX_K);
+    int64_t counts[3 * IOU_IMAGE_MAX_K];  // TP, FP, FN
+    for (int n = 0; n < logits.shape.n; n++) {
+        memset(counts, 0, sizeof(int64_t) * 3 * K);
+        for (size_t r = n * per; r < (n + 1) * per; r++) {
+            const int32_t y = labels[r];
+            if (y < 0 || y >= K || !(class_weights[y] > 0.0f)) continue;
+            const int p = argmax_row(logits, r, K);
+            if (p == y) { counts[y]++; continue; }
+            counts[K + p]++;
+            counts[2 * K + y]++;
+        }
+        acc[0] += image_iou_fixed(counts, class_weights, K);
+        acc[1]++;
+    }
+}
+
 static void confusion_accumulate_ref(Ops *o, Tensor logits, const int32_t *labels,
                                      int64_t *confusion) {
     (void)o;
@@ -1065,16 +1099,7 @@ static void confusion_accumulate_ref(Ops *o, Tensor logits, const int32_t *label
     for (size_t r = 0; r < M; r++) {
         const int32_t y = labels[r];
         if (y < 0 || y >= K) continue;
-        int best = 0;
-        float zbest = ld(logits, r * K);
-        for (int c = 1; c < K; c++) {
-            float z = ld(logits, r * K + c);
-            if (z > zbest) {
-                zbest = z;
-                best = c;
-            }
-        }
-        confusion[(size_t)y * K + best]++;
+        confusion[(size_t)y * K + argmax_row(logits, r, K)]++;
     }
 }
 
@@ -1220,6 +1245,7 @@ Ops ops_ref = {
     .softmax_focal = softmax_focal_ref,
     .region_sums = region_sums_ref,
     .region_grad = region_grad_ref,
+    .iou_per_image = iou_per_image_ref,
     .confusion_accumulate = confusion_accumulate_ref,
     .adam_update = adam_update_ref,
 };
@@ -2892,7 +2918,8 @@ typedef struct {
     int has_train, has_val;
     float *adam_m, *adam_v;     // (n_param_floats) backend memory
     LossCfg loss;               // c->loss, or ce alone
-    float *class_weights;       // (terms,K) each term's weights (trainer_open_on)
+    // (terms + 1,K) each term's weights (trainer_open_on), then the classes' own (the metrics')
+    float *class_weights;
     // the region terms' (groups,3,K) sums and (groups,2,K) coefficients, groups: 1, or the
     // shard's images with per_image; NULL without region terms
     float *region_sums, *region_coefs;  // region_coefs: and a float that takes no value
@@ -2900,7 +2927,9 @@ typedef struct {
     // 1, 2 once a micro-batch has reported the step's value
     int region_presummed;
     int32_t *labels;            // (N·H·W) or (N)
-    int64_t *confusion;         // (K,K)
+    // (cm_len): the (K,K) confusion matrix, then with --iou-per-image its sums (iou_per_image)
+    int64_t *confusion;
+    size_t cm_len;
     StepArgs *args;             // backend memory: the step's arguments, from host_args
     StepState *state;           // backend memory: what the step decides (step_control)
     StepArgs *host_args;        // host_alloc: written before each step, read when its upload runs
@@ -3093,6 +3122,9 @@ static int score_batch(Trainer *t, Tensor dlogits, int n, int step_images) {
         if (comm_allreduce_backend(t, t->region_sums, (size_t)3 * K)) return -1;
     }
     if (n > 0) o->confusion_accumulate(o, z, t->labels, t->confusion);
+    if (n > 0 && t->c->iou_per_image)
+        o->iou_per_image(o, z, t->labels, t->class_weights + (size_t)l->n * K,
+                         t->confusion + (size_t)K * K);
     return 0;
 }
 

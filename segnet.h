@@ -774,6 +774,13 @@ struct Ops {
     void (*region_grad)(Ops *o, Tensor logits, const int32_t *labels, int groups,
                         const float *sums, const RegionArgs *args, const float *class_weights,
                         const float *grad_scale, float *coefs, float *loss, Tensor dlogits);
+    // Per image of logits (N,H,W,K): TP_c, FP_c, FN_c over its pixels whose label has a class
+    // weight above 0 (the pixels confusion_accumulate's metrics count), its mean IoU over the
+    // classes of weight above 0, IoU_c = (TP + s)/(TP + FP + FN + s), s = IOU_IMAGE_SMOOTH
+    // (segmentation_models' IOUScore(per_image=True) of the argmax). acc[0] += round(2^32·mIoU)
+    // and acc[1] += 1 for each image: integers, the same sums in any order.
+    void (*iou_per_image)(Ops *o, Tensor logits, const int32_t *labels,
+                          const float *class_weights, int64_t *acc);
     // confusion[y·K + argmax_k z_k] += 1 for every pixel with a label in 0..K-1
     // (an ignored pixel, SN_LABEL_IGNORED, is not counted)
     // (ties go to the lowest class); confusion is (K,K) int64, true class by row
@@ -802,7 +809,7 @@ struct Ops {
     X(dropout_backward) X(maxpool2_forward) X(maxpool2_backward) X(upsample2_forward)           \
     X(upsample2_backward) X(resize_bilinear_forward) X(resize_bilinear_backward)                \
     X(softmax_xent) X(softmax_focal) X(region_sums) X(region_grad)                              \
-    X(confusion_accumulate) X(adam_update)
+    X(iou_per_image) X(confusion_accumulate) X(adam_update)
 
 // ops_ref: every op as its formula is written (segnet.c, part I), what the
 // tests compare ops_cpu with; ops_cpu: ops_ref with fast versions of conv2d,
@@ -1275,6 +1282,21 @@ typedef struct { float factor, min_lr, min_delta; int patience; } PlateauCfg;
 typedef struct { double lr, best; int wait; } Plateau;  // lr: the base of lr_at_step
 
 #define SN_MAX_CLASSES 4096
+#define IOU_IMAGE_SMOOTH 1e-5  // segmentation_models' metrics' smooth
+#define IOU_IMAGE_ONE 4294967296.0  // 2^32: iou_per_image's fixed point
+#define IOU_IMAGE_MAX_K 1024        // classes iou_per_image counts (the CUDA kernel's shared memory)
+// an image's mean IoU (iou_per_image) from its counts (3,K) TP, FP, FN: the fixed-point value
+static inline SN_HD int64_t image_iou_fixed(const int64_t *counts, const float *w, int K) {
+    double sum = 0.0;
+    int n = 0;
+    for (int c = 0; c < K; c++) {
+        if (!(w[c] > 0.0f)) continue;
+        const double tp = (double)counts[c], all = tp + counts[K + c] + counts[2 * K + c];
+        sum += (tp + IOU_IMAGE_SMOOTH) / (all + IOU_IMAGE_SMOOTH);
+        n++;
+    }
+    return n ? (int64_t)llround(sum / n * IOU_IMAGE_ONE) : 0;
+}
 // a label that counts nothing: a mask pixel of an --ignore-index value
 #define SN_LABEL_IGNORED (-1)
 #define SN_MAX_ACCUM   1024   // micro-batches per optimiser step

@@ -12766,8 +12766,10 @@ TEST(resume_bitwise) {
 // Interrupted after a step (SIGINT, here its test hook) and resumed, a run ends
 // bit for bit where an uninterrupted one ends: mid-epoch 1 (no metrics.csv yet),
 // mid-epoch 2, with --accum 2, with 2 replicas, and after the last step of an
-// epoch (its validation runs again on resume). Resumed with another replica
-// count it ends with the same totals up to their rounding.
+// epoch (its validation runs again on resume); with the loss ce + dice and
+// --iou-per-image (their totals in the checkpoint) over 2 micro-batches and over 2
+// replicas. Resumed with another replica count it ends with the same totals up to
+// their rounding.
 TEST(interrupt_resume_bitwise) {
     const char *data = "/tmp/segnet_test_intr_data", *a = "/tmp/segnet_test_intr_a",
                *b = "/tmp/segnet_test_intr_b";
@@ -12781,13 +12783,16 @@ TEST(interrupt_resume_bitwise) {
         int batch, accum, replicas, resume_replicas;
         int64_t at_step;
         int steps_per_epoch;
+        int menu;  // the loss ce + dice over the batch, and --iou-per-image
     } cases[] = {
-            {"mid-epoch 1", 2, 1, 1, 1, 2, 5},
-            {"mid-epoch 2", 2, 1, 1, 1, 7, 5},
-            {"--accum 2", 2, 2, 1, 1, 4, 3},
-            {"2 replicas", 4, 1, 2, 2, 4, 3},
-            {"end of an epoch's steps", 2, 1, 1, 1, 5, 5},
-            {"2 replicas resumed by 1", 4, 1, 2, 1, 3, 3},
+            {"mid-epoch 1", 2, 1, 1, 1, 2, 5, 0},
+            {"mid-epoch 2", 2, 1, 1, 1, 7, 5, 0},
+            {"--accum 2", 2, 2, 1, 1, 4, 3, 0},
+            {"2 replicas", 4, 1, 2, 2, 4, 3, 0},
+            {"end of an epoch's steps", 2, 1, 1, 1, 5, 5, 0},
+            {"2 replicas resumed by 1", 4, 1, 2, 1, 3, 3, 0},
+            {"ce+dice, --iou-per-image, --accum 2", 2, 2, 1, 1, 4, 3, 1},
+            {"ce+dice, --iou-per-image, 2 replicas", 4, 1, 2, 2, 4, 3, 1},
     };
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         rm_rf(a); rm_rf(b);
@@ -12800,6 +12805,12 @@ TEST(interrupt_resume_bitwise) {
         c.augment =
                 (Augment){.flip = 1, .brightness = 0.1f, .contrast_lo = 0.8f, .contrast_hi = 1.2f};
         c.log_every = 2;  // steps.csv's intervals cross epochs and interruptions
+        if (cases[k].menu) {
+            c.loss.n = 2;
+            c.loss.kind[1] = LOSS_DICE;
+            c.loss.weight[1] = 1.0f;
+            c.iou_per_image = 1;
+        }
         c.out = a;
         CHECK(train_run(&c, NULL, err) == 0, "%s: %s", cases[k].what, err);
         c.out = b;
