@@ -4277,6 +4277,58 @@ TEST(cuda_region_losses) {
 }
 #endif
 
+// iou_per_image by hand, K = 3, weights (0, 1, 1), s = 1e-5. Image 0: (y 1, p 1),
+// (y 1, p 2), (y 2, p 2), (y 0, p 1: weight 0, not counted), (ignored): class 1
+// TP 1 FN 1, class 2 TP 1 FP 1: IoU (1 + s)/(2 + s) each. Image 1: every pixel
+// (y 1, p 1): class 1 IoU 1, class 2 absent from both: (0 + s)/(0 + s) = 1.
+TEST(iou_per_image_by_hand) {
+    const float w[3] = {0, 1, 1};
+    float z[2 * 5 * 3] = {0};
+    const int32_t y[10] = {1, 1, 2, 0, SN_LABEL_IGNORED, 1, 1, 1, 1, 1};
+    const int p[10] = {1, 2, 2, 1, 0, 1, 1, 1, 1, 1};
+    for (int i = 0; i < 10; i++) z[i * 3 + p[i]] = 2.0f;
+    int64_t acc[2] = {5, 7};  // added into
+    ops_cpu.iou_per_image(&ops_cpu, tensor_f32(z, shape4(2, 1, 5, 3)), y, w, acc);
+    const double m0 = (1 + 1e-5) / (2 + 1e-5);
+    CHECK(acc[0] == 5 + llround(m0 * 0x1p32) + llround(0x1p32) && acc[1] == 9,
+          "Σ 2^32·mIoU %" PRId64 ", images %" PRId64, acc[0], acc[1]);
+}
+
+#ifdef SEGNET_CUDA
+// iou_per_image against the CPU op: K = 1, 2, 4, 7, every storage type, weights with a 0,
+// invalid labels: the same integers (the same argmax of the same stored logits)
+TEST(cuda_iou_per_image) {
+    Ops *o = cu_ops();
+    Rng r; rng_seed(&r, 77);
+    const int Ks[4] = {1, 2, 4, 7};
+    for (int ki = 0; ki < 4; ki++) {
+        const int K = Ks[ki];
+        Shape s = shape4(3, 17, 19, K);
+        const size_t rows = shape_numel(s) / K;
+        float *z = randn(&r, shape_numel(s), 1.0f), w[7];
+        for (int c = 0; c < K; c++) w[c] = c == 1 ? 0.0f : 1.0f;
+        int32_t *y = cu_labels(&r, rows, K), *y_gpu = o->alloc(o, sizeof(int32_t) * rows);
+        o->upload(o, y_gpu, y, sizeof(int32_t) * rows);
+        float *w_gpu = cu_floats(w, K);
+        int64_t *acc_gpu = o->alloc(o, 2 * sizeof(int64_t));
+        for (int a = 0; a < 3; a++) {
+            CuPair t = cu_pair(z, s, (DType)a);
+            int64_t acc[2] = {3, 1}, got[2];
+            o->upload(o, acc_gpu, acc, sizeof acc);
+            ops_cpu.iou_per_image(&ops_cpu, t.cpu, y, w, acc);
+            o->iou_per_image(o, t.gpu, y_gpu, w_gpu, acc_gpu);
+            o->download(o, got, acc_gpu, sizeof got);
+            CHECK(got[0] == acc[0] && got[1] == acc[1] && acc[1] == 4,
+                  "K=%d %s: %" PRId64 " %" PRId64 ", CPU %" PRId64 " %" PRId64, K, DT_NAME[a],
+                  got[0], got[1], acc[0], acc[1]);
+            cu_pair_free(&t);
+        }
+        o->free(o, y_gpu); o->free(o, w_gpu); o->free(o, acc_gpu);
+        free(z); free(y);
+    }
+}
+#endif
+
 // ----------------------------------------------------------------------------
 // Adam, loss scaling and clipping
 
@@ -8190,6 +8242,7 @@ static const CudaTestName CUDA_TESTS[] __attribute__((unused)) = {
         {"cuda_softmax_xent", 0, 0},
         {"cuda_softmax_focal", 0, 0},
         {"cuda_region_losses", 0, 0},
+        {"cuda_iou_per_image", 0, 0},
         {"cuda_adam", 0, 0},
         {"cuda_step_control", 0, 0},
         {"cuda_confusion", 0, 0},
@@ -11171,7 +11224,8 @@ TEST(train_loss_by_hand) {
 }
 
 // The trainer's loss menu, ce + 0.3·focal + 0.5·dice with class weights (0, 1, 1),
-// over the batch and per image: the pass's loss (lr 0, one batch of the 4 images)
+// over the batch and per image (there with --iou-per-image, its mIoU by hand within
+// 1e-9: 2^-32 a fixed-point image): the pass's loss (lr 0, one batch of the 4 images)
 // and the logits' gradient score_batch writes, against the formulas written
 // out here (softmax_f64, sm_focal's and region_loss_f64's) summed with the same
 // weights: the loss within 1e-5 relative (the pass's fp32 sums, as
@@ -11209,6 +11263,7 @@ TEST(train_loss_menu_by_hand) {
         c.loss.kind[2] = LOSS_DICE;
         c.loss.weight[2] = 0.5f;
         c.loss.per_image = per_image;
+        c.iou_per_image = per_image;
         Trainer t;
         char err[SN_ERR_MAX];
         CHECK(trainer_open(&t, &c, dir, NULL, err) == 0, "%s", err);
@@ -11216,7 +11271,7 @@ TEST(train_loss_menu_by_hand) {
             trainer_close(&t);
             break;
         }
-        int64_t cm[9];
+        int64_t cm[9 + 2];
         PassTotals pt = {0, 0, cm};
         CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
         int idx[4] = {0, 1, 2, 3};
@@ -11229,6 +11284,25 @@ TEST(train_loss_menu_by_hand) {
         const double loss = pt.loss_sum / pt.norm_sum;
         CHECK(fabs(loss - want) <= 1e-5 * want, "per_image %d: loss %.9g, by hand %.9g", per_image,
               loss, want);
+        if (per_image) {  // --iou-per-image: each image's mean IoU over classes 1, 2, averaged
+            double miou = 0.0;
+            for (int n = 0; n < 4; n++) {
+                int64_t tp[3] = {0}, fp[3] = {0}, fn[3] = {0};
+                for (int i = n * 64; i < (n + 1) * 64; i++) {
+                    int p = z[i * 3 + 1] > z[i * 3] ? 1 : 0;
+                    if (z[i * 3 + 2] > z[i * 3 + p]) p = 2;
+                    if (lab[i] == 0) continue;  // weight 0
+                    if (p == lab[i]) tp[p]++; else { fp[p]++; fn[lab[i]]++; }
+                }
+                for (int k = 1; k < 3; k++)
+                    miou += (tp[k] + 1e-5) / (tp[k] + fp[k] + fn[k] + 1e-5) / 2 / 4;
+            }
+            double iou[3];
+            Metrics m = {.iou = iou};
+            pass_metrics(&t, cm, &m);
+            CHECK(fabs(m.mean_iou - miou) <= 1e-9, "per-image mIoU %.12g, by hand %.12g",
+                  m.mean_iou, miou);
+        }
         // the gradient score_batch writes for these logits (loss scale 1)
         memcpy(t.labels, lab, sizeof lab);
         memset(t.state, 0, sizeof *t.state);
