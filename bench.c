@@ -28,6 +28,7 @@ typedef struct {
     int checkpoint;      // recompute blocks in backward
     uint64_t seed;
     Device device;
+    LossCfg loss;        // n 0: ce alone
 } BenchCfg;
 
 typedef struct {
@@ -85,6 +86,7 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     tc.checkpoint = c->checkpoint;
     tc.device = c->device;
     tc.seed = c->seed;
+    if (c->loss.n) tc.loss = c->loss;
     tc.progress = 0;
     Trainer t;
     if (trainer_open(&t, &tc, NULL, NULL, err)) { trainer_close(&t); return -1; }

@@ -1388,6 +1388,8 @@ static const char *BENCH_USAGE =
     "  --precision P       activation storage: fp32 (default), fp16 or bf16\n"
     "  --checkpoint C      none (default) or blocks: recompute each block in backward\n"
     "  --seed S            initialisation and data (default 1)\n"
+    "  --loss SPEC         the loss and its constants (--loss-per-image, ...), as for\n"
+    "                      segnet train (default ce)\n"
     "  --loader DATA       time the loader on DATA (above); --workers N (default as\n"
     "                      segnet train), --augment LIST, --ignore-index,\n"
     "                      --label-map, --exif, --max-pixels as for segnet train\n"
@@ -1401,7 +1403,10 @@ static int cmd_bench(int argc, char **argv) {
     static const char *const SHARED[] = {"--threads",   "--precision", "--checkpoint",
                                          "--seed",      "--device",    "--workers",
                                          "--augment",   "--exif",      "--max-pixels",
-                                         "--ignore-index", "--label-map"};
+                                         "--ignore-index", "--label-map", "--loss",
+                                         "--loss-per-image", "--loss-smooth", "--focal-gamma",
+                                         "--focal-alpha", "--tversky-alpha", "--tversky-beta",
+                                         "--tversky-gamma"};
     TrainArgs a = {0};
     train_cfg_default(&a.c);
     a.c.model.batch = 4;
@@ -1446,6 +1451,7 @@ static int cmd_bench(int argc, char **argv) {
     c.precision = a.c.precision;
     c.checkpoint = a.c.checkpoint;
     c.seed = a.c.seed;
+    c.loss = a.c.loss;
     c.device = a.c.device;
     if (model_options_used("bench", c.model.model, argc, argv)) return 2;
     char err[SN_ERR_MAX];
