@@ -27,36 +27,42 @@ static void softmax_row(Tensor logits, size_t r, int K, double *p) {
     for (int c = 0; c < K; c++) p[c] /= sum;
 }
 
-// sums (groups,3,K): chunks of XENT_CHUNK rows, their partials added in order
-static void region_sums_ref(Ops *o, Tensor logits, const int32_t *labels, int groups, float *sums) {
+// sums (groups,3,K): chunks of XENT_CHUNK rows, their partials added in chunk order
+// (deterministic for any thread count), a group of chunks at a time in REGION_PARTIALS
+// doubles on the stack (ops do not allocate)
+#define REGION_PARTIALS 8192
+static void region_sums_ref(Ops *o, Tensor logits, const int32_t *labels, int groups,
+                            float *sums) {
     (void)o;
     const int K = logits.shape.c;
     const size_t rows = shape_numel(logits.shape) / K, per = rows / (size_t)groups;
-    const size_t chunks = (per + XENT_CHUNK - 1) / XENT_CHUNK;
-    double *part = calloc(chunks ? chunks * 3 * K : 1, sizeof(double));
-    snCheck(part != NULL, "out of host memory");
+    const size_t chunks = (per + XENT_CHUNK - 1) / XENT_CHUNK, width = 3 * (size_t)K;
+    const size_t at_once = REGION_PARTIALS / width ? REGION_PARTIALS / width : 1;
+    double part[REGION_PARTIALS > 3 * SN_MAX_CLASSES ? REGION_PARTIALS : 3 * SN_MAX_CLASSES];
+    double total[3 * SN_MAX_CLASSES];
     for (int g = 0; g < groups; g++) {
-        memset(part, 0, sizeof(double) * chunks * 3 * K);
-#pragma omp parallel for schedule(static) if (PAR(per * K))
-        for (size_t k = 0; k < chunks; k++) {
-            double p[SN_MAX_CLASSES], *s = part + k * 3 * K;
-            const size_t r1 = (k + 1) * XENT_CHUNK < per ? (k + 1) * XENT_CHUNK : per;
-            for (size_t r = g * per + k * XENT_CHUNK; r < g * per + r1; r++) {
-                const int32_t y = labels[r];
-                if (y < 0 || y >= K) continue;
-                softmax_row(logits, r, K, p);
-                s[y] += p[y];
-                for (int c = 0; c < K; c++) s[K + c] += p[c];
-                s[2 * K + y] += 1.0;
+        memset(total, 0, sizeof(double) * width);
+        for (size_t k0 = 0; k0 < chunks; k0 += at_once) {
+            const size_t k1 = k0 + at_once < chunks ? k0 + at_once : chunks;
+            memset(part, 0, sizeof(double) * width * (k1 - k0));
+            #pragma omp parallel for schedule(static) if(PAR(per * K))
+            for (size_t k = k0; k < k1; k++) {
+                double p[SN_MAX_CLASSES], *s = part + (k - k0) * width;
+                const size_t r1 = (k + 1) * XENT_CHUNK < per ? (k + 1) * XENT_CHUNK : per;
+                for (size_t r = g * per + k * XENT_CHUNK; r < g * per + r1; r++) {
+                    const int32_t y = labels[r];
+                    if (y < 0 || y >= K) continue;
+                    softmax_row(logits, r, K, p);
+                    s[y] += p[y];
+                    for (int c = 0; c < K; c++) s[K + c] += p[c];
+                    s[2 * K + y] += 1.0;
+                }
             }
+            for (size_t k = k0; k < k1; k++)
+                for (size_t j = 0; j < width; j++) total[j] += part[(k - k0) * width + j];
         }
-        for (int j = 0; j < 3 * K; j++) {
-            double t = 0.0;
-            for (size_t k = 0; k < chunks; k++) t += part[k * 3 * K + j];
-            sums[(size_t)g * 3 * K + j] = (float)t;
-        }
+        for (size_t j = 0; j < width; j++) sums[(size_t)g * width + j] = (float)total[j];
     }
-    free(part);
 }
 
 static void region_grad_ref(Ops *o, Tensor logits, const int32_t *labels, int groups,

@@ -2413,7 +2413,8 @@ static int train_replica(Comm *comm, void *arg) {
     // IoU then Dice per class: train (K), val (K)
     double *iou = malloc(sizeof(double) * 4 * c->model.classes);
     snCheck(iou != NULL, "out of host memory");
-    const size_t cm_len = (size_t)c->model.classes * c->model.classes + 2;  // Trainer.cm_len at most
+    // Trainer.cm_len at most
+    const size_t cm_len = (size_t)c->model.classes * c->model.classes + 2;
     int64_t *cm = malloc(sizeof(int64_t) * cm_len), *cm_val = malloc(sizeof(int64_t) * cm_len);
     snCheck(cm && cm_val, "out of host memory");
     PassSaved saved = {0};  // an interrupted epoch's position (rank 0 reads it)
@@ -2898,7 +2899,15 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
     m->statistics += 2 * (sizeof(float) + sizeof(double)) * (size_t)cmax;
     m->workspace = p->workspace;
     m->activations = p->peak - p->workspace;
-    m->io = sizeof(float) * K + sizeof(int32_t) * labels + sizeof(int64_t) * K * K +
+    // the loss's buffers, as trainer_open_on allocates them: each term's class weights and the
+    // classes' own, the region terms' sums and coefficients, the confusion record
+    const LossCfg loss = c->loss.n ? c->loss : loss_cfg_default();
+    const size_t groups = loss.per_image ? (size_t)in.n : 1;
+    m->io = sizeof(float) * K * (loss.n + 1) + sizeof(int32_t) * labels +
+            sizeof(int64_t) * (K * K + (c->iou_per_image ? 2 : 0)) +
+            (loss_has_region(&loss) ? sizeof(float) * (3 * K * (groups > 2 ? groups : 2) +
+                                                       2 * K * groups + 1)
+                                    : 0) +
             sizeof(StepArgs) + sizeof(StepState) +
             // the last: Trainer.nonfinite
             sizeof(uint64_t) * (size_t)g->n_layers + sizeof(int32_t);

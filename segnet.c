@@ -3095,7 +3095,7 @@ static int score_batch(Trainer *t, Tensor dlogits, int n, int step_images) {
     for (int j = 0; j < l->n && n > 0; j++) {
         const float *w = t->class_weights + (size_t)j * K;
         if (j == 0 && l->kind[0] != LOSS_CE && dlogits.data) o->fill(o, dlogits, 0.0f);
-        if (l->kind[j] == LOSS_CE) {  // first when there (loss_parse): it overwrites dlogits
+        if (l->kind[j] == LOSS_CE) {  // first when there (parse_loss): it overwrites dlogits
             o->softmax_xent(o, z, t->labels, w, t->c->loss_norm_keras ? KERAS_EPSILON : 0.0f, scale,
                             t->state->loss, dlogits);
         } else if (l->kind[j] == LOSS_FOCAL) {

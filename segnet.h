@@ -1284,7 +1284,7 @@ typedef struct { double lr, best; int wait; } Plateau;  // lr: the base of lr_at
 #define SN_MAX_CLASSES 4096
 #define IOU_IMAGE_SMOOTH 1e-5  // segmentation_models' metrics' smooth
 #define IOU_IMAGE_ONE 4294967296.0  // 2^32: iou_per_image's fixed point
-#define IOU_IMAGE_MAX_K 1024        // classes iou_per_image counts (the CUDA kernel's shared memory)
+#define IOU_IMAGE_MAX_K 1024  // classes iou_per_image counts (the CUDA kernel's shared memory)
 // an image's mean IoU (iou_per_image) from its counts (3,K) TP, FP, FN: the fixed-point value
 static inline SN_HD int64_t image_iou_fixed(const int64_t *counts, const float *w, int K) {
     double sum = 0.0;

@@ -6718,14 +6718,24 @@ TEST(plan_matches_per_tensor) {
 // a step allocates nothing more, and the arena's measured high-water mark is
 // the planned peak; --memory picks the first setting that fits
 TEST(plan_equals_allocation) {
-    struct { const char *model; int size, batch; DType dt; int ckpt, freeze, accum;
-    } cases[] = {{"unet", 16, 4, DT_F32, 0, 0, 1},
-                 {"unet", 16, 2, DT_F16, 1, 0, 2},
-                 {"effv2-t", 32, 4, DT_BF16, 1, 1, 1},
-                 {"effv2-t", 32, 3, DT_F32, 0, 0, 1},
-                 {"unet-effv2-t", 32, 2, DT_F32, 1, 0, 1}};
+    // menu: the loss ce + focal + dice (1: over the batch, 2: per image) and --iou-per-image
+    struct { const char *model; int size, batch; DType dt; int ckpt, freeze, accum, menu;
+    } cases[] = {{"unet", 16, 4, DT_F32, 0, 0, 1, 0},
+                 {"unet", 16, 2, DT_F16, 1, 0, 2, 0},
+                 {"effv2-t", 32, 4, DT_BF16, 1, 1, 1, 0},
+                 {"effv2-t", 32, 3, DT_F32, 0, 0, 1, 0},
+                 {"unet-effv2-t", 32, 2, DT_F32, 1, 0, 1, 0},
+                 {"unet", 16, 4, DT_F32, 0, 0, 2, 1},
+                 {"unet", 16, 3, DT_F32, 0, 0, 1, 2}};
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         TrainCfg c = tiny_seg_cfg(NULL, NULL);
+        if (cases[k].menu) {
+            c.loss.n = 3;
+            c.loss.kind[1] = LOSS_FOCAL; c.loss.weight[1] = 1.0f;
+            c.loss.kind[2] = LOSS_DICE; c.loss.weight[2] = 1.0f;
+            c.loss.per_image = cases[k].menu == 2;
+            c.iou_per_image = 1;
+        }
         c.model.model = cases[k].model;
         c.model.height = c.model.width = cases[k].size;
         c.model.batch = cases[k].batch;
@@ -6755,7 +6765,7 @@ TEST(plan_equals_allocation) {
         int32_t *labels = malloc(sizeof(int32_t) * n * hw * hw);
         for (int i = 0; i < n * hw * hw * 3; i++) images[i] = (float)(rng_next(&r) % 256);
         for (int i = 0; i < n * (seg ? hw * hw : 1); i++) labels[i] = (int32_t)(rng_next(&r) % 3);
-        int64_t cm[9];
+        int64_t cm[9 + 2];
         PassTotals pt = {0, 0, cm};
         MicroBatch mb[2] = {{n, images, labels, 0}, {n, images, labels, n}};
         cpu_bytes_peak = cpu_bytes_live;
@@ -7162,7 +7172,9 @@ static void accum_equals_big_batch_with(const LossCfg *loss) {
         worst = fmax(worst, fabs(a.net.params[i] - b.net.params[i]));
     CHECK(worst < 1e-4 * big.lr, "weights after %d steps differ by %.3g (lr %g)", STEPS, worst,
           big.lr);
-    if (g_verbose) printf("    %s: worst weight difference %.3g\n", LOSS_NAMES[loss->kind[loss->n - 1]], worst);
+    if (g_verbose)
+        printf("    %s: worst weight difference %.3g\n", LOSS_NAMES[loss->kind[loss->n - 1]],
+               worst);
     trainer_close(&a); trainer_close(&b);
 }
 TEST(accum_equals_big_batch) {
@@ -7902,8 +7914,9 @@ TEST(replicas_sync_bn_deep_cli) { sync_bn_deep_cli("./segnet", " --replicas 2");
 // The loss menu over replicas: ce+dice (dice's sums exchanged between the
 // forward and the backward), dice per image, and ce+dice over 2 micro-batches
 // (region_presum), --replicas 2 against one replica, 5 images in batches of 4
-// (the last batch leaves one replica empty, in training and in validation): the first epoch's gradients (Adam's first
-// moment at --lr 0) within 1e-6 (rel. L2) and val_loss within 1e-6 relative, as
+// (the last batch leaves one replica empty, in training and in validation): the
+// first epoch's gradients (Adam's first moment at --lr 0) within 1e-6 (rel. L2) and
+// val_loss within 1e-6 relative, as
 // replicas_sync_bn_deep_cli (fp32 sums in another order).
 TEST(replicas_loss_menu_cli) {
     const char *data = "/tmp/segnet_test_reploss",
@@ -11700,8 +11713,8 @@ TEST(train_loss_cli) {
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
     snprintf(pa, sizeof pa, "%s/config.txt", a);
     cfg = read_text(pa);
-    CHECK(cfg && strstr(cfg, "\nloss = ce\nseed = "), "config.txt, default loss: %s",
-          cfg ? cfg : "(none)");
+    CHECK(cfg && strstr(cfg, "\nloss = ce\niou-per-image = off\nseed = "),
+          "config.txt, default loss: %s", cfg ? cfg : "(none)");
     free(cfg);
     // refusals: usage (2) and settings that cannot train (1), each naming the problem
     const struct {
