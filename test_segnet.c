@@ -4154,6 +4154,7 @@ TEST(cuda_softmax_xent) {
             free(z); free(y);
         }
 }
+
 // softmax_focal against the CPU op: K = 1, 2, 4, 7, γ = 2 and 0.5, invalid labels,
 // dlogits added into. Tolerances as cuda_softmax_xent's: the kernel's per-row
 // arithmetic is fp32 (the focal factors fp64 from the fp32 nll), the CPU's fp64.
@@ -11666,6 +11667,30 @@ TEST(monitor_min_delta) {
     rm_rf(data); rm_rf(run);
 }
 
+// `segnet <common> --data DATA --val DATA` for `epochs` into a, and for `first` epochs
+// into b that `train --resume b --epochs <epochs>` continues: b's metrics.csv,
+// last.safetensors, best.safetensors and config.txt equal a's byte for byte (step_ms aside)
+static void whole_and_resumed_runs(const char *common, const char *data, const char *a,
+                                   const char *b, int epochs, int first) {
+    char args[1200], msg[4096], pa[300], pb[300];
+    rm_rf(a);
+    rm_rf(b);
+    snprintf(args, sizeof args, "%s --epochs %d --data %s --val %s --out %s", common, epochs, data,
+             data, a);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    snprintf(args, sizeof args, "%s --epochs %d --data %s --val %s --out %s", common, first, data,
+             data, b);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    snprintf(args, sizeof args, "train --resume %s --epochs %d", b, epochs);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "resume: %s", msg);
+    const char *files[] = {"metrics.csv", "last.safetensors", "best.safetensors", "config.txt"};
+    for (int k = 0; k < 4; k++) {
+        snprintf(pa, sizeof pa, "%s/%s", a, files[k]);
+        snprintf(pb, sizeof pb, "%s/%s", b, files[k]);
+        CHECK(files_equal(pa, pb), "%s differs between the resumed and the whole run", files[k]);
+    }
+}
+
 // --loss through the command line: config.txt keeps the terms and the constants
 // of the terms it has; a resumed run keeps them (another --loss is refused);
 // resuming from config.txt trains the same bits as one run; the refusals.
@@ -11673,16 +11698,13 @@ TEST(train_loss_cli) {
     const char *data = "/tmp/segnet_test_losscli", *a = "/tmp/segnet_test_losscli_a",
                *b = "/tmp/segnet_test_losscli_b";
     rm_rf(data);
-    rm_rf(a);
-    rm_rf(b);
     write_seg_set(data, 4, 8, 8, 9);
     const char *common = "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --classes 3 "
                          "--class-weights 0,1,1 --device cpu --lr 0.01 "
                          "--loss 0.5*tversky+focal+ce --tversky-alpha 0.3 --tversky-beta 0.7 "
                          "--focal-gamma 1.5 --loss-smooth 0.5";
-    char args[1200], msg[4096], pa[300], pb[300];
-    snprintf(args, sizeof args, "%s --epochs 3 --data %s --val %s --out %s", common, data, data, a);
-    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    whole_and_resumed_runs(common, data, a, b, 3, 2);
+    char args[1200], msg[4096], pa[300];
     snprintf(pa, sizeof pa, "%s/config.txt", a);
     char *cfg = read_text(pa);
     CHECK(cfg && strstr(cfg, "\nloss = ce+0.5*tversky+focal\nfocal-gamma = 1.5\nfocal-alpha = "
@@ -11690,20 +11712,10 @@ TEST(train_loss_cli) {
                              "0.3\ntversky-beta = 0.7\ntversky-gamma = 1\n"),
           "config.txt's loss lines: %s", cfg ? cfg : "(none)");
     free(cfg);
-    snprintf(args, sizeof args, "%s --epochs 2 --data %s --val %s --out %s", common, data, data, b);
-    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
-    snprintf(args, sizeof args, "train --resume %s --epochs 3 --loss ce", b);
+    snprintf(args, sizeof args, "train --resume %s --epochs 4 --loss ce", b);
     CHECK(run_segnet(args, msg, sizeof msg) == 1 && strstr(msg, "--loss ce") &&
                   strstr(msg, "stays for the whole run"),
           "another --loss on resume: %s", msg);
-    snprintf(args, sizeof args, "train --resume %s --epochs 3", b);
-    CHECK(run_segnet(args, msg, sizeof msg) == 0, "resume: %s", msg);
-    const char *files[] = {"metrics.csv", "last.safetensors", "config.txt"};
-    for (int k = 0; k < 3; k++) {
-        snprintf(pa, sizeof pa, "%s/%s", a, files[k]);
-        snprintf(pb, sizeof pb, "%s/%s", b, files[k]);
-        CHECK(files_equal(pa, pb), "%s differs between the resumed and the whole run", files[k]);
-    }
     // the default writes ce alone and no constants
     rm_rf(a);
     snprintf(args, sizeof args,
@@ -11764,19 +11776,12 @@ TEST(schedule_plateau_poly) {
     const char *data = "/tmp/segnet_test_plateau_data", *a = "/tmp/segnet_test_plateau_a",
                *b = "/tmp/segnet_test_plateau_b";
     rm_rf(data);
-    rm_rf(a);
-    rm_rf(b);
     write_seg_set(data, 4, 8, 8, 9);
     const char *common = "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --classes 3 "
                          "--class-weights 0,1,1 --device cpu --lr 0.01 --schedule plateau "
                          "--lr-factor 0.5 --lr-patience 1 --lr-min-delta 100 --min-lr 0.002";
-    char args[1200], msg[4096], pa[300], pb[300];
-    snprintf(args, sizeof args, "%s --epochs 5 --data %s --val %s --out %s", common, data, data, a);
-    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
-    snprintf(args, sizeof args, "%s --epochs 2 --data %s --val %s --out %s", common, data, data, b);
-    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
-    snprintf(args, sizeof args, "train --resume %s --epochs 5", b);
-    CHECK(run_segnet(args, msg, sizeof msg) == 0, "resume: %s", msg);
+    whole_and_resumed_runs(common, data, a, b, 5, 2);
+    char args[1200], msg[4096], pa[300];
     snprintf(pa, sizeof pa, "%s/metrics.csv", a);
     double lr[5];
     // the lr during epoch e: lowered after epochs 2, 3, 4 (fp32 halvings), at least min_lr
@@ -11785,12 +11790,6 @@ TEST(schedule_plateau_poly) {
     for (int e = 0; e < 5; e++)
         CHECK(fabs(lr[e] - want[e]) <= 1e-6 * want[e], "epoch %d: lr %g, want %g", e + 1, lr[e],
               want[e]);
-    const char *files[] = {"metrics.csv", "last.safetensors", "best.safetensors", "config.txt"};
-    for (int k = 0; k < 4; k++) {
-        snprintf(pa, sizeof pa, "%s/%s", a, files[k]);
-        snprintf(pb, sizeof pb, "%s/%s", b, files[k]);
-        CHECK(files_equal(pa, pb), "%s differs between the resumed and the whole run", files[k]);
-    }
     snprintf(pa, sizeof pa, "%s/config.txt", a);
     size_t n;
     char *cfg = read_file(pa, &n);
