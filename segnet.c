@@ -12,7 +12,8 @@
 //                        vector ops; conv2d; activations; squeeze-excitation;
 //                        add, concat; dropout and drop-path; pooling and
 //                        resampling; batch norm (with the layer after it);
-//                        softmax + weighted cross-entropy; Adam; metrics and
+//                        softmax + weighted cross-entropy (and losses.c: the
+//                        focal and region terms of --loss); Adam; metrics and
 //                        learning-rate schedules; the reference table ops_ref
 //   II.  The models      the graph's builders; EfficientNetV2 and the U-Nets;
 //                        initial weights
@@ -52,11 +53,15 @@
 //   batch norm               y = act(γ·(x − mean)/√(var + ε) + β), fp64 sums; yes   bn
 //                            backward: Σg, Σg·x̂ per channel, then dx
 //   softmax + cross-entropy  Σ w_y·nll / Σ w_y, Keras' clip                   no    xent
+//   the loss menu (losses.c) focal w_y·α(1-p_y)^γ·nll; dice, jaccard, tversky  no    loss_,
+//                            from per-class sums I, P, G (region_coefs)              region,
+//                                                                                    focal
 //   Adam                     Keras' ε̂, decoupled weight decay (AdamStep)      no    adam
 //   loss scaling, clipping   step_control_apply, clip_factor                  no    step_control,
 //                                                                                    clip
-//   metrics                  IoU = TP/(TP + FP + FN), mean IoU, accuracy      no    metrics,
-//                                                                                    confusion
+//   metrics                  IoU = TP/(TP + FP + FN), mean IoU, accuracy;     no    metrics,
+//                            per image (iou_per_image)                              confusion,
+//                                                                                    iou_per
 // Beyond the ops: learning-rate schedules (lr_at_step), memory planning (plan_build,
 // plan_pack), the executor (layer_forward, layer_backward) and one optimiser step
 // (train_step, step_work).
