@@ -4398,33 +4398,42 @@ static void softmax_focal_cuda(Ops *o, Tensor logits, const int32_t *labels,
 }
 
 // ----------------------------------------------------------------------------
-// region terms (losses.c states them): the per-class sums by channel_sums, a
-// lane being one class c of a group's rows (its row's softmax recomputed, O(K)
-// a value), then the coefficients in one thread (region_coefs, groups in order)
-// and the gradient one thread a row as softmax_xent's.
+// region terms (losses.c states them): each row's max and 1/Σexp into the
+// scratch (a thread a row), the per-class sums by channel_sums (a lane being one
+// class c of a group's rows: p = exp(z_c - max)·(1/Σ), O(1) a value), then the
+// coefficients in one thread (region_coefs, groups in order) and the gradient one
+// thread a row as softmax_xent's.
 
-// p_c of row r: exp(z_c - max) / Σ exp(z_k - max), fp32 as softmax_xent_kernel
-static __device__ float softmax_at(const void *z, DType dt, size_t base, int K, int c) {
-    float zmax = -INFINITY, sum = 0.0f;
-    for (int k = 0; k < K; k++) zmax = fmaxf(zmax, ld(z, dt, base + k));
-    for (int k = 0; k < K; k++) sum += expf(ld(z, dt, base + k) - zmax);
-    return expf(ld(z, dt, base + c) - zmax) / sum;
+// stats (rows,2): max_k z_k and 1/Σ_k exp(z_k - max) of each row, fp32 as softmax_xent_kernel
+__global__ void row_softmax_stats_kernel(const void *z, DType dt, int K, size_t rows,
+                                         float *stats) {
+    for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows;
+         r += (size_t)blockDim.x * gridDim.x) {
+        const size_t base = r * (size_t)K;
+        float zmax = -INFINITY, sum = 0.0f;
+        for (int k = 0; k < K; k++) zmax = fmaxf(zmax, ld(z, dt, base + k));
+        for (int k = 0; k < K; k++) sum += expf(ld(z, dt, base + k) - zmax);
+        stats[2 * r] = zmax;
+        stats[2 * r + 1] = 1.0f / sum;
+    }
 }
 struct RegionSums {
     const void *z;
     DType dt;
     const int32_t *labels;
+    const float *stats;
     int K;
     uint32_t rows;
     struct Lane {
         const void *z;
         DType dt;
         const int32_t *labels;
+        const float *stats;
         int K, c;
         __device__ void add(uint32_t r, double (&acc)[1][3]) const {
             const int32_t y = labels[r];
             if (y < 0 || y >= K) return;
-            const double p = softmax_at(z, dt, (size_t)r * K, K, c);
+            const double p = expf(ld(z, dt, (size_t)r * K + c) - stats[2 * r]) * stats[2 * r + 1];
             acc[0][0] += y == c ? p : 0.0;
             acc[0][1] += p;
             acc[0][2] += y == c ? 1.0 : 0.0;
@@ -4432,7 +4441,7 @@ struct RegionSums {
     };
     __device__ Lane lane(int g, int c) const {
         const size_t at = (size_t)g * rows;
-        return {elem_ptr(z, dt, at * K), dt, labels + at, K, c};
+        return {elem_ptr(z, dt, at * K), dt, labels + at, stats + 2 * at, K, c};
     }
 };
 // sums (G,3,K): I, P, G of class c in group g
@@ -4443,13 +4452,19 @@ struct StoreRegionSums {
         for (int q = 0; q < 3; q++) sums[((size_t)g * 3 + q) * K + c] = (float)s[q];
     }
 };
-static void region_sums_cuda(Ops *o, Tensor logits, const int32_t *labels, int groups,
-                             float *sums) {
+static void region_sums_cuda(Ops *o, Tensor logits, const int32_t *labels, int groups, float *sums,
+                             float *rows_ws) {
     const int K = logits.shape.c;
-    const size_t rows = shape_numel(logits.shape) / K / (size_t)groups;
-    channel_sums<3, 1>(o, RegionSums{logits.data, logits.dtype, labels, K, (uint32_t)rows},
+    const size_t all = shape_numel(logits.shape) / K, rows = all / (size_t)groups;
+    if (all) {
+        CU_LAUNCH(row_softmax_stats_kernel, grid_for(all), BLOCK, 0, stream_of(o),
+                  moves(bytes_of(logits) + all * 2 * sizeof(float)), logits.data, logits.dtype, K,
+                  all, rows_ws);
+        launchCheck();
+    }
+    channel_sums<3, 1>(o, RegionSums{logits.data, logits.dtype, labels, rows_ws, K, (uint32_t)rows},
                        StoreRegionSums{sums, K}, groups, rows, K,
-                       bytes_of(logits) + rows * groups * sizeof(int32_t));
+                       bytes_of(logits) + all * (sizeof(int32_t) + 2 * sizeof(float) * K));
 }
 
 __global__ void region_coefs_kernel(int groups, int K, const float *sums, RegionArgs a,

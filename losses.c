@@ -31,9 +31,10 @@ static void softmax_row(Tensor logits, size_t r, int K, double *p) {
 // (deterministic for any thread count), a group of chunks at a time in REGION_PARTIALS
 // doubles on the stack (ops do not allocate)
 #define REGION_PARTIALS 8192
-static void region_sums_ref(Ops *o, Tensor logits, const int32_t *labels, int groups,
-                            float *sums) {
+static void region_sums_ref(Ops *o, Tensor logits, const int32_t *labels, int groups, float *sums,
+                            float *rows_ws) {
     (void)o;
+    (void)rows_ws;  // each row's softmax in fp64 where it is used
     const int K = logits.shape.c;
     const size_t rows = shape_numel(logits.shape) / K, per = rows / (size_t)groups;
     const size_t chunks = (per + XENT_CHUNK - 1) / XENT_CHUNK, width = 3 * (size_t)K;

@@ -278,7 +278,7 @@ static void trainer_close(Trainer *t) {
     Ops *o = t->o;
     if (o) {
         o->free(o, t->adam_m); o->free(o, t->adam_v); o->free(o, t->class_weights);
-        o->free(o, t->region_sums); o->free(o, t->region_coefs);
+        o->free(o, t->region_sums); o->free(o, t->region_coefs); o->free(o, t->region_rows);
         o->free(o, t->labels); o->free(o, t->confusion); o->free(o, t->args); o->free(o, t->state);
         o->free(o, t->stage); o->free(o, t->nonfinite);
         if (t->record) o->record_free(o, t->record);
@@ -517,7 +517,8 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
         const int groups = l->per_image ? in.n : 1, sum_groups = groups > 2 ? groups : 2;
         t->region_sums = o->alloc(o, sizeof(float) * 3 * t->K * sum_groups);
         t->region_coefs = o->alloc(o, sizeof(float) * (2 * t->K * groups + 1));
-        if (!t->region_sums || !t->region_coefs) {
+        t->region_rows = o->alloc(o, sizeof(float) * 2 * (size_t)in.n * in.h * in.w);
+        if (!t->region_sums || !t->region_coefs || !t->region_rows) {
             snprintf(err, SN_ERR_MAX, "out of %s memory for the region losses", o->name);
             return -1;
         }
@@ -2906,7 +2907,7 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
     m->io = sizeof(float) * K * (loss.n + 1) + sizeof(int32_t) * labels +
             sizeof(int64_t) * (K * K + (c->iou_per_image ? 2 : 0)) +
             (loss_has_region(&loss) ? sizeof(float) * (3 * K * (groups > 2 ? groups : 2) +
-                                                       2 * K * groups + 1)
+                                                       2 * K * groups + 1 + 2 * labels)
                                     : 0) +
             sizeof(StepArgs) + sizeof(StepState) +
             // the last: Trainer.nonfinite

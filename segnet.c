@@ -2928,6 +2928,7 @@ typedef struct {
     // the region terms' (groups,3,K) sums and (groups,2,K) coefficients, groups: 1, or the
     // shard's images with per_image; NULL without region terms
     float *region_sums, *region_coefs;  // region_coefs: and a float that takes no value
+    float *region_rows;                 // (N·H·W,2) region_sums' scratch
     // region_sums already holds the step's sums over all its micro-batches (region_presum):
     // 1, 2 once a micro-batch has reported the step's value
     int region_presummed;
@@ -3107,7 +3108,7 @@ static int score_batch(Trainer *t, Tensor dlogits, int n, int step_images) {
             o->softmax_focal(o, z, t->labels, w, l->focal_gamma, KERAS_EPSILON, scale,
                              t->state->loss, dlogits);
         } else {
-            if (!summed) o->region_sums(o, z, t->labels, groups, t->region_sums);
+            if (!summed) o->region_sums(o, z, t->labels, groups, t->region_sums, t->region_rows);
             if (!summed && region_exchanges(t) && !l->per_image &&
                 comm_allreduce_backend(t, t->region_sums, (size_t)3 * K))
                 return -1;
@@ -3187,7 +3188,7 @@ static int region_presum(Trainer *t, const MicroBatch *mb, int k) {
         net_forward(net, mb[i].n, 1);
         if (net->failed) break;
         if (!mb[i].n) continue;
-        o->region_sums(o, net_tensor(net, t->logits), t->labels, 1, part);
+        o->region_sums(o, net_tensor(net, t->logits), t->labels, 1, part, t->region_rows);
         o->axpby(o, tensor_f32(t->region_sums, sums), tensor_f32(part, sums), 1.0f, 0.0f, 1);
     }
     net->keep_running = 0;

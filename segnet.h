@@ -766,8 +766,10 @@ struct Ops {
                           Tensor dlogits);
     // The region terms' sums over `groups` equal runs of the pixels (1: all of them;
     // N: each image): sums (groups,3,K) = I, P, G of each (see LossKind), overwritten.
-    // Labels outside 0..K-1 count nowhere.
-    void (*region_sums)(Ops *o, Tensor logits, const int32_t *labels, int groups, float *sums);
+    // Labels outside 0..K-1 count nowhere. rows_ws: (pixels,2) fp32 scratch the op may use
+    // (the CUDA one keeps each row's max and 1/Σexp there: O(K) a row, not O(K²)).
+    void (*region_sums)(Ops *o, Tensor logits, const int32_t *labels, int groups, float *sums,
+                        float *rows_ws);
     // One region term from the sums: coefs (groups,2,K) = region_coefs of each group,
     // *loss += Σ its values; dlogits (when it has data) is added into with
     // ∂loss/∂z_ik·grad_scale = p_ik·(d_ik - Σ_j p_ij·d_ij)·grad_scale, d_ik = B_k + [y_i = k]·A_k.

@@ -3780,7 +3780,7 @@ static double region_term(Shape s, float *z, const int32_t *y, const LossCfg *l,
                           int groups, float *dz) {
     const int K = s.c;
     float sums[3 * 16 * 4], coefs[2 * 16 * 4], loss = 0.0f;
-    ops_cpu.region_sums(&ops_cpu, tensor_f32(z, s), y, groups, sums);
+    ops_cpu.region_sums(&ops_cpu, tensor_f32(z, s), y, groups, sums, NULL);
     const RegionArgs a = region_args(l, 0, groups);
     ops_cpu.region_grad(&ops_cpu, tensor_f32(z, s), y, groups, sums, &a, w, &(float){1.0f}, coefs,
                         &loss, tensor_f32(dz, s));
@@ -4237,11 +4237,12 @@ TEST(cuda_region_losses) {
                   *coefs = malloc(sizeof(float) * 2 * K * groups),
                   *sums_gpu = o->alloc(o, sizeof(float) * 3 * K * groups),
                   *coefs_gpu = o->alloc(o, sizeof(float) * 2 * K * groups),
-                  *loss_gpu = o->alloc(o, sizeof(float));
+                  *loss_gpu = o->alloc(o, sizeof(float)),
+                  *rows_gpu = o->alloc(o, sizeof(float) * 2 * rows);
             for (int a = 0; a < 3; a++) {
                 CuPair t = cu_pair(z, s, (DType)a), dz = cu_pair(before, s, (DType)a);
-                ops_cpu.region_sums(&ops_cpu, t.cpu, y, groups, sums);
-                o->region_sums(o, t.gpu, y_gpu, groups, sums_gpu);
+                ops_cpu.region_sums(&ops_cpu, t.cpu, y, groups, sums, NULL);
+                o->region_sums(o, t.gpu, y_gpu, groups, sums_gpu, rows_gpu);
                 float *gs = cu_to_host(sums_gpu, (size_t)3 * K * groups, DT_F32);
                 cu_check_err("region_sums", (DType)a,
                              cu_rel_err(gs, sums, (size_t)3 * K * groups, 1e-30), 1e-6);
@@ -4269,6 +4270,7 @@ TEST(cuda_region_losses) {
             o->free(o, sums_gpu);
             o->free(o, coefs_gpu);
             o->free(o, loss_gpu);
+            o->free(o, rows_gpu);
             free(z);
             free(before);
             free(y);
