@@ -201,7 +201,7 @@ endif
 # ---- programs ---------------------------------------------------------------
 # segnet.c (the math, the models, the step) includes the plumbing files at its
 # end: one translation unit; the plumbing's headers beside them
-PROGRAM_SRCS := segnet.c losses.c backends.c safetensors.c weights.c images.c datasets.c curves.c \
+PROGRAM_SRCS := segnet.c losses.c batches.c backends.c safetensors.c weights.c images.c datasets.c curves.c \
                 replicas.c run.c bench.c cli.c safetensors.h images.h datasets.h curves.h run.h
 
 segnet: $(PROGRAM_SRCS) segnet.h $(GPU_OBJS) | deps

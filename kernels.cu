@@ -4517,6 +4517,21 @@ static void region_grad_cuda(Ops *o, Tensor logits, const int32_t *labels, int g
     launchCheck();
 }
 
+// the first class of the largest logit of the row at base (ties to the lowest, as the CPU's
+// argmax_row: a NaN never wins unless first)
+static __device__ int argmax_at(const void *logits, DType dt, size_t base, int K) {
+    int best = 0;
+    float zbest = ld(logits, dt, base);
+    for (int c = 1; c < K; c++) {
+        const float z = ld(logits, dt, base + c);
+        if (z > zbest) {
+            zbest = z;
+            best = c;
+        }
+    }
+    return best;
+}
+
 // iou_per_image: a block per image counts TP, FP, FN per class in shared memory
 // (integer atomics: exact), then its first thread adds the image's fixed-point mean
 // IoU (image_iou_fixed, segnet.h).
@@ -4529,13 +4544,7 @@ __global__ void iou_per_image_kernel(const void *logits, DType dt, const int32_t
         const size_t r = blockIdx.x * per + i;
         const int32_t y = labels[r];
         if (y < 0 || y >= K || !(w[y] > 0.0f)) continue;
-        const size_t base = r * (size_t)K;
-        int best = 0;
-        float zbest = ld(logits, dt, base);
-        for (int c = 1; c < K; c++) {
-            const float z = ld(logits, dt, base + c);
-            if (z > zbest) { zbest = z; best = c; }
-        }
+        const int best = argmax_at(logits, dt, r * (size_t)K, K);
         if (best == y) {
             atomicAdd(&counts[y], 1ull);
         } else {
@@ -4580,17 +4589,7 @@ __global__ void confusion_kernel(const void *logits, DType dt, const int32_t *la
          r += (size_t)blockDim.x * gridDim.x) {
         const int32_t y = labels[r];
         if (y < 0 || y >= K) continue;
-        const size_t base = r * (size_t)K;
-        int best = 0;
-        float zbest = ld(logits, dt, base);
-        for (int c = 1; c < K; c++) {
-            float z = ld(logits, dt, base + c);
-            if (z > zbest) {
-                zbest = z;
-                best = c;
-            }
-        }
-        atomicAdd(&counts[y * K + best], 1ull);
+        atomicAdd(&counts[y * K + argmax_at(logits, dt, r * (size_t)K, K)], 1ull);
     }
     if (in_shared) {
         __syncthreads();

@@ -1,7 +1,8 @@
 // losses.c -- the loss menu's terms beyond cross-entropy (part I; segnet.c
 // includes it after softmax_xent_ref): the focal term and the region terms
-// (dice, jaccard, tversky). Their formulas are in segnet.h ("the loss menu"),
-// with the arithmetic both backends share (focal_terms, region_coefs).
+// (dice, jaccard, tversky), and the per-image IoU. Their formulas are in segnet.h
+// ("the loss menu", iou_per_image), with the arithmetic both backends share
+// (focal_terms, region_coefs, image_iou_fixed).
 
 // ----------------------------------------------------------------------------
 // focal: w_y·(1-p_y)^γ·nll per pixel; the caller folds α and 1/K into the weights
@@ -92,5 +93,30 @@ static void region_grad_ref(Ops *o, Tensor logits, const int32_t *labels, int gr
             const double d = B[c] + (c == y ? A[c] : 0.0f);
             st_acc(dlogits, r * K + c, (float)(p[c] * (d - pd) * gscale), 1);
         }
+    }
+}
+
+// ----------------------------------------------------------------------------
+// per-image IoU (Ops.iou_per_image): each image's TP, FP, FN per class, its mean IoU
+
+static void iou_per_image_ref(Ops *o, Tensor logits, const int32_t *labels,
+                              const float *class_weights, int64_t *acc) {
+    (void)o;
+    const int K = logits.shape.c;
+    const size_t per = (size_t)logits.shape.h * logits.shape.w;
+    snCheck(K <= IOU_IMAGE_MAX_K, "iou_per_image: %d classes, at most %d", K, IOU_IMAGE_MAX_K);
+    int64_t counts[3 * IOU_IMAGE_MAX_K];  // TP, FP, FN
+    for (int n = 0; n < logits.shape.n; n++) {
+        memset(counts, 0, sizeof(int64_t) * 3 * K);
+        for (size_t r = n * per; r < (n + 1) * per; r++) {
+            const int32_t y = labels[r];
+            if (y < 0 || y >= K || !(class_weights[y] > 0.0f)) continue;
+            const int p = argmax_row(logits, r, K);
+            if (p == y) { counts[y]++; continue; }
+            counts[K + p]++;
+            counts[2 * K + y]++;
+        }
+        acc[0] += image_iou_fixed(counts, class_weights, K);
+        acc[1]++;
     }
 }

@@ -153,12 +153,6 @@ static int loss_has(const LossCfg *l, LossKind k) {
     for (int j = 0; j < l->n; j++) if (l->kind[j] == k) return 1;
     return 0;
 }
-// the loss's first region term's name, or NULL
-static const char *loss_region_name(const LossCfg *l) {
-    for (int j = 0; j < l->n; j++) if (loss_is_region(l->kind[j])) return LOSS_NAMES[l->kind[j]];
-    return NULL;
-}
-static int loss_has_region(const LossCfg *l) { return loss_region_name(l) != NULL; }
 // the loss menu's settings: --loss, and the constants of the terms it has, as
 // `key = value` lines of config.txt (sep "\n", eq " = ") or one `,key:value` token
 static void loss_settings_text(const LossCfg *l, const char *sep, const char *eq, SfBuf *b) {
@@ -510,9 +504,7 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     t->loss = c->loss.n ? c->loss : loss_cfg_default();
     const LossCfg *l = &t->loss;
     t->class_weights = o->alloc(o, sizeof(float) * t->K * (l->n + 1));
-    int region = 0;
-    for (int j = 0; j < l->n; j++) region |= loss_is_region(l->kind[j]);
-    if (region) {
+    if (loss_has_region(l)) {
         // over the batch: the step's sums and a micro-batch's (region_presum)
         const int groups = l->per_image ? in.n : 1, sum_groups = groups > 2 ? groups : 2;
         t->region_sums = o->alloc(o, sizeof(float) * 3 * t->K * sum_groups);

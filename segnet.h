@@ -104,6 +104,13 @@ typedef struct {
     int per_image;                  // region terms per image, averaged over the step's images
 } LossCfg;
 
+// the loss's first region term's name, or NULL
+static inline const char *loss_region_name(const LossCfg *l) {
+    for (int j = 0; j < l->n; j++) if (loss_is_region(l->kind[j])) return LOSS_NAMES[l->kind[j]];
+    return NULL;
+}
+static inline int loss_has_region(const LossCfg *l) { return loss_region_name(l) != NULL; }
+
 static inline LossCfg loss_cfg_default(void) {
     LossCfg l = {1, {LOSS_CE}, {1.0f}, REGION_SMOOTH_DEFAULT, FOCAL_GAMMA_DEFAULT,
                  FOCAL_ALPHA_DEFAULT, 0.5f, 0.5f, 1.0f, 0};

@@ -15158,10 +15158,11 @@ TEST(safetensors_write_atomic) {
 
 #define SOURCE_LINE_MAX 100
 static const char *const SOURCE_FILES[] = {
-    "segnet.c", "losses.c", "segnet.h", "kernels.cu", "cuda_emu.h", "cuda_emu.cpp", "backends.c",
-    "safetensors.c", "weights.c", "images.c", "datasets.c", "curves.c", "replicas.c", "run.c",
-    "bench.c", "cli.c", "safetensors.h", "images.h", "datasets.h", "curves.h", "run.h",
-    "test_segnet.c", "fuzz.c"};
+        "segnet.c",   "losses.c",     "batches.c",     "segnet.h",      "kernels.cu",
+        "cuda_emu.h", "cuda_emu.cpp", "backends.c",    "safetensors.c", "weights.c",
+        "images.c",   "datasets.c",   "curves.c",      "replicas.c",    "run.c",
+        "bench.c",    "cli.c",        "safetensors.h", "images.h",      "datasets.h",
+        "curves.h",   "run.h",        "test_segnet.c", "fuzz.c"};
 
 // the lines of text longer than max characters: the first one's number in *first, and its
 // length in *chars (both 0 when there is none); returns how many
