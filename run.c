@@ -2100,7 +2100,8 @@ static int run_claim(const char *run, const char *resume, int overwrite, int *lo
         *replace = n_held > 0;
         return 0;
     }
-    if (!has_ckpt && (has_best || epochs > 1)) {
+    // killed between epoch 1's best.safetensors and its first last.safetensors: epoch 1 runs again
+    if (!has_ckpt && epochs > 1) {
         snprintf(err, SN_ERR_MAX,
                  "%.200s: has no last.safetensors, but %s%s%d epoch%s in metrics.csv: its "
                  "checkpoint is gone, "
@@ -2116,9 +2117,10 @@ static int run_claim(const char *run, const char *resume, int overwrite, int *lo
         if (progress)
             fprintf(stderr,
                     "segnet train: %s has no checkpoint yet (stopped before its first one was "
-                    "written%s): "
+                    "written%s%s): "
                     "starting it again from the beginning\n",
-                    run, epochs ? "; metrics.csv is rewritten" : "");
+                    run, epochs ? "; metrics.csv is rewritten" : "",
+                    has_best ? ", best.safetensors too" : "");
     }
     return 0;
 }

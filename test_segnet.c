@@ -13376,9 +13376,8 @@ TEST(run_folder_claim) {
     copy_file(other, path);
     CHECK(train_run(&c, run, err) == -1 && contains(err, "best.safetensors and 2 epochs"),
           "with best.safetensors: '%s'", err);
-    unlink(path);
     snprintf(path, sizeof path, "%s/metrics.csv", run);
-    // epoch 1's row, as a kill leaves it
+    // epoch 1's row and best.safetensors, as a kill between it and the first checkpoint leaves them
     if (second) write_file_bytes(path, rows, (size_t)(second + 1 - rows));
     free(rows);
     pid_t dead = fork();
@@ -13396,6 +13395,9 @@ TEST(run_folder_claim) {
     snprintf(path, sizeof path, "%s/last.safetensors", run);
     snprintf(other, sizeof other, "%s/last.safetensors", ref);
     CHECK(files_equal(path, other), "started again, the run ends as a fresh one does");
+    snprintf(path, sizeof path, "%s/best.safetensors", run);
+    snprintf(other, sizeof other, "%s/best.safetensors", ref);
+    CHECK(files_equal(path, other), "started again, best.safetensors is the fresh run's");
     snprintf(path, sizeof path, "%s/metrics.csv", run);
     snprintf(other, sizeof other, "%s/metrics.csv", ref);
     CHECK(files_equal(path, other), "metrics.csv is the fresh run's");
