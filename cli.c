@@ -635,11 +635,16 @@ static const char *TRAIN_USAGE =
     "                        a = 1, --tversky-alpha 0.5, --tversky-beta 0.5), loss\n"
     "                        (Σ_c w_c·(1 - S_c) / Σ_c w_c)^γ over the classes present\n"
     "                        (an absent class adds 0; γ: --tversky-gamma, else 1), as\n"
-    "                        segmentation_models_pytorch; --loss-smooth s (1e-5)\n"
-    "  --loss-per-image      dice/jaccard/tversky per image, averaged over the batch\n"
-    "                        (segmentation_models' per_image); without it, over the\n"
-    "                        global batch (with --accum, a forward of every micro-\n"
-    "                        batch first sums them: one more forward per micro-batch)\n"
+    "                        segmentation_models_pytorch; --loss-smooth s (1e-5);\n"
+    "                        lovasz: the Lovász-softmax (segmentation_models_pytorch's\n"
+    "                        LovaszLoss): per class present, the errors |[y=c] - p_c|\n"
+    "                        sorted, dotted with the Jaccard loss's Lovász gradient,\n"
+    "                        then Σ_c w_c·L_c / Σ_c w_c over the classes present\n"
+    "  --loss-per-image      dice/jaccard/tversky/lovasz per image, averaged over the\n"
+    "                        batch (segmentation_models' per_image); without it, over\n"
+    "                        the global batch (with --accum, a forward of every micro-\n"
+    "                        batch first sums them: one more forward per micro-batch;\n"
+    "                        lovasz over the batch: one replica, no --accum)\n"
     "  --size HxW            input size, images are resized to it (default: unet\n"
     "                        256x256, effv2-s 384x384, effv2-m/l 480x480, effv2-t 64x64)\n"
     "  --batch B             images per step (default 8)\n"
@@ -920,7 +925,7 @@ static int loss_flags_check(const LossCfg *l, int argc, char **argv) {
     for (int j = 0; j < l->n; j++) has[l->kind[j]] = 1;
     const int region = has[LOSS_DICE] || has[LOSS_JACCARD] || has[LOSS_TVERSKY];
     const struct { const char *flag; int ok; const char *terms; } flags[] = {
-            {"--loss-per-image", region, "dice, jaccard and tversky"},
+            {"--loss-per-image", region || has[LOSS_LOVASZ], "dice, jaccard, tversky and lovasz"},
             {"--loss-smooth", region, "dice, jaccard and tversky"},
             {"--focal-gamma", has[LOSS_FOCAL], "focal"},
             {"--focal-alpha", has[LOSS_FOCAL], "focal"},

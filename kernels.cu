@@ -4517,6 +4517,212 @@ static void region_grad_cuda(Ops *o, Tensor logits, const int32_t *labels, int g
     launchCheck();
 }
 
+// ----------------------------------------------------------------------------
+// lovasz (lovasz_ref states it): each row's max and 1/Σexp (row_softmax_stats_kernel),
+// a sort key per (group, class, pixel) padded to a power of two per (group, class),
+// the keys sorted by a bitonic network (each span's own ascending order: the
+// direction bit of stage k is bit k of the position inside the span), then one
+// block per (group, class) walks its order in chunks of BLOCK: a scan of the
+// class's pixels gives F and B at each position, hence its weight, its error's
+// part of L_c and ∂L_c/∂p. The coefficients in one thread, the gradient a thread a row.
+
+// the keys of span-long runs (group, class); a position past `per`, or a pixel without a label
+// in 0..K-1, gets LOVASZ_PAD
+__global__ void lovasz_keys_kernel(const void *z, DType dt, const int32_t *labels, int K,
+                                   size_t per, int span_log2, size_t n, const float *stats,
+                                   unsigned long long *keys) {
+    const size_t span = (size_t)1 << span_log2;
+    for (size_t t = blockIdx.x * (size_t)blockDim.x + threadIdx.x; t < n;
+         t += (size_t)blockDim.x * gridDim.x) {
+        const size_t i = t & (span - 1);
+        const unsigned s = (unsigned)(t >> span_log2);
+        const unsigned g = s / (unsigned)K, c = s % (unsigned)K;
+        const size_t r = g * per + i;
+        const int32_t y = i < per ? labels[r] : -1;
+        if (y < 0 || y >= K) {
+            keys[t] = LOVASZ_PAD;
+            continue;
+        }
+        const float p = expf(ld(z, dt, r * K + c) - stats[2 * r]) * stats[2 * r + 1];
+        keys[t] = lovasz_key(y == (int32_t)c ? 1.0f - p : p, (uint32_t)i);
+    }
+}
+
+// one compare-exchange of the bitonic network at pair q of stage (k, j): positions i and
+// i + j, in increasing order where bit k of i's position in its span is 0
+static __device__ __forceinline__ void bitonic_exchange(unsigned long long *a, size_t q,
+                                                        size_t at, size_t span, size_t k,
+                                                        size_t j) {
+    const size_t i = ((q & ~(j - 1)) << 1) | (q & (j - 1));
+    const bool up = (((at + i) & (span - 1)) & k) == 0;
+    const unsigned long long x = a[i], y = a[i + j];
+    if ((x > y) == up) {
+        a[i] = y;
+        a[i + j] = x;
+    }
+}
+// the stages of a LOVASZ_SORT_TILE-key tile in shared memory: k from k_lo to k_hi, j from
+// j_top (the first k) or k/2 down to 1
+__global__ void bitonic_tile_kernel(unsigned long long *keys, size_t span, size_t k_lo,
+                                    size_t k_hi, size_t j_top) {
+    CU_SHARED(unsigned long long, tile, [LOVASZ_SORT_TILE]);
+    const size_t at = (size_t)blockIdx.x * LOVASZ_SORT_TILE;
+    for (int i = threadIdx.x; i < LOVASZ_SORT_TILE; i += blockDim.x) tile[i] = keys[at + i];
+    __syncthreads();
+    for (size_t k = k_lo; k <= k_hi; k <<= 1)
+        for (size_t j = k == k_lo ? j_top : k >> 1; j > 0; j >>= 1) {
+            for (size_t q = threadIdx.x; q < LOVASZ_SORT_TILE / 2; q += blockDim.x)
+                bitonic_exchange(tile, q, at, span, k, j);
+            __syncthreads();
+        }
+    for (int i = threadIdx.x; i < LOVASZ_SORT_TILE; i += blockDim.x) keys[at + i] = tile[i];
+}
+// one stage (k, j ≥ LOVASZ_SORT_TILE) over all n keys
+__global__ void bitonic_step_kernel(unsigned long long *keys, size_t n, size_t span, size_t k,
+                                    size_t j) {
+    for (size_t q = blockIdx.x * (size_t)blockDim.x + threadIdx.x; q < n / 2;
+         q += (size_t)blockDim.x * gridDim.x)
+        bitonic_exchange(keys, q, 0, span, k, j);
+}
+// each span of n keys (n/span spans, span a power of two ≥ LOVASZ_SORT_TILE) in increasing order
+static void bitonic_sort(Ops *o, unsigned long long *keys, size_t n, size_t span) {
+    const unsigned tiles = (unsigned)(n / LOVASZ_SORT_TILE), threads = LOVASZ_SORT_TILE / 2;
+    const Traffic once = moves(2.0 * sizeof(uint64_t) * n);
+    CU_LAUNCH(bitonic_tile_kernel, tiles, threads, 0, stream_of(o), once, keys, span, (size_t)2,
+              (size_t)LOVASZ_SORT_TILE, (size_t)1);
+    launchCheck();
+    for (size_t k = 2 * (size_t)LOVASZ_SORT_TILE; k <= span; k <<= 1) {
+        for (size_t j = k / 2; j >= LOVASZ_SORT_TILE; j >>= 1) {
+            CU_LAUNCH(bitonic_step_kernel, grid_for(n / 2), BLOCK, 0, stream_of(o), once, keys, n,
+                      span, k, j);
+            launchCheck();
+        }
+        CU_LAUNCH(bitonic_tile_kernel, tiles, threads, 0, stream_of(o), once, keys, span, k, k,
+                  (size_t)LOVASZ_SORT_TILE / 2);
+        launchCheck();
+    }
+}
+
+// block s = (group g, class c): G and the valid keys' count, then the walk down the order
+__global__ void lovasz_walk_kernel(const unsigned long long *keys, size_t span,
+                                   const int32_t *labels, int K, size_t per, float *dl,
+                                   float *seg) {
+    CU_SHARED(unsigned, before, [BLOCK]);
+    CU_SHARED(double, sh, [BLOCK * REDUCE_WIDTH]);
+    const unsigned s = blockIdx.x, g = s / (unsigned)K, c = s % (unsigned)K;
+    const unsigned long long *kk = keys + (size_t)s * span;
+    const int32_t *lab = labels + (size_t)g * per;
+    unsigned G = 0, n = 0;
+    for (size_t j0 = 0; j0 < per; j0 += BLOCK) {  // the valid keys come first
+        const size_t j = j0 + threadIdx.x;
+        const unsigned long long key = j < per ? kk[j] : LOVASZ_PAD;
+        const int valid = key != LOVASZ_PAD;
+        G += (unsigned)__syncthreads_count(valid && lab[(uint32_t)key] == (int32_t)c);
+        n += (unsigned)__syncthreads_count(valid);
+    }
+    if (G == 0) n = 0;  // an absent class: no loss, no gradient (its coefficient is 0)
+    double acc = 0.0;
+    unsigned F0 = 0;  // the class's pixels before the chunk
+    for (size_t j0 = 0; j0 < n; j0 += BLOCK) {
+        const size_t j = j0 + threadIdx.x;
+        const unsigned long long key = j < n ? kk[j] : 0;
+        const uint32_t i = (uint32_t)key;
+        const unsigned in_class = j < n && lab[i] == (int32_t)c;
+        before[threadIdx.x] = in_class;
+        __syncthreads();
+        for (unsigned off = 1; off < BLOCK; off <<= 1) {  // inclusive scan (Hillis-Steele)
+            const unsigned v = threadIdx.x >= off ? before[threadIdx.x - off] : 0;
+            __syncthreads();
+            before[threadIdx.x] += v;
+            __syncthreads();
+        }
+        if (j < n) {
+            const unsigned F = F0 + before[threadIdx.x] - in_class;
+            const double w = lovasz_weight(G, F, (double)j - F, in_class);
+            acc += lovasz_key_error(key) * w;
+            dl[((size_t)g * per + i) * K + c] = (float)(in_class ? -w : w);
+        }
+        F0 += before[BLOCK - 1];
+        __syncthreads();
+    }
+    sh[threadIdx.x * REDUCE_WIDTH] = acc;
+    block_sum_tree(sh, 1);
+    if (threadIdx.x == 0) {
+        seg[(size_t)g * 2 * K + c] = (float)sh[0];
+        seg[(size_t)g * 2 * K + K + c] = (float)G;
+    }
+}
+__global__ void lovasz_coefs_kernel(int groups, int K, const float *seg, const float *w,
+                                    float scale, float *coef, float *loss) {
+    double total = 0.0;
+    for (int g = 0; g < groups; g++)
+        total += lovasz_coefs(seg + (size_t)g * 2 * K, w, K, scale, coef + (size_t)g * K);
+    *loss += (float)total;
+}
+// blockIdx.y: the group, whose `per` rows the x blocks stride over
+__global__ void lovasz_grad_kernel(const void *z, DType dt, const int32_t *labels, int K,
+                                   size_t per, const float *stats, const float *dl,
+                                   const float *coefs, const float *grad_scale, void *dz,
+                                   DType dt_grad) {
+    const float scale = *grad_scale;
+    const float *coef = coefs + (size_t)blockIdx.y * K;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < per;
+         i += (size_t)blockDim.x * gridDim.x) {
+        const size_t r = blockIdx.y * per + i, base = r * (size_t)K;
+        const int32_t y = labels[r];
+        if (y < 0 || y >= K) continue;
+        float pd = 0.0f;
+        for (int c = 0; c < K; c++)
+            if (coef[c] != 0.0f)
+                pd += expf(ld(z, dt, base + c) - stats[2 * r]) * stats[2 * r + 1] * coef[c] *
+                      dl[base + c];
+        for (int c = 0; c < K; c++) {
+            const float p = expf(ld(z, dt, base + c) - stats[2 * r]) * stats[2 * r + 1];
+            const float d = coef[c] != 0.0f ? coef[c] * dl[base + c] : 0.0f;
+            st(dz, dt_grad, base + c, ld(dz, dt_grad, base + c) + p * (d - pd) * scale);
+        }
+    }
+}
+static void lovasz_cuda(Ops *o, Tensor logits, const int32_t *labels, int groups, float scale,
+                        const float *class_weights, const float *grad_scale, void *ws,
+                        float *loss, Tensor dlogits) {
+    const int K = logits.shape.c;
+    const size_t rows = shape_numel(logits.shape) / K, per = rows / (size_t)groups;
+    require_below(per, (size_t)1 << 32, "pixels of a lovasz group");
+    const LovaszWs w = lovasz_ws(ws, groups, per, K);
+    unsigned long long *keys = (unsigned long long *)w.keys;
+    const size_t n = (size_t)groups * K * w.span;
+    int span_log2 = 0;
+    while (((size_t)1 << span_log2) < w.span) span_log2++;
+    if (rows) {
+        CU_LAUNCH(row_softmax_stats_kernel, grid_for(rows), BLOCK, 0, stream_of(o),
+                  moves(bytes_of(logits) + rows * 2 * sizeof(float)), logits.data, logits.dtype,
+                  K, rows, w.rows);
+        launchCheck();
+    }
+    CU_LAUNCH(lovasz_keys_kernel, grid_for(n), BLOCK, 0, stream_of(o),
+              moves(bytes_of(logits) + rows * (sizeof(int32_t) + 2 * sizeof(float)) * K +
+                    n * sizeof(uint64_t)),
+              logits.data, logits.dtype, labels, K, per, span_log2, n, w.rows, keys);
+    launchCheck();
+    bitonic_sort(o, keys, n, w.span);
+    CU_LAUNCH(lovasz_walk_kernel, groups * K, BLOCK, 0, stream_of(o),
+              moves(2.0 * n * sizeof(uint64_t) + rows * K * (2 * sizeof(int32_t) + sizeof(float))),
+              keys, w.span, labels, K, per, w.dl, w.seg);
+    launchCheck();
+    CU_LAUNCH(lovasz_coefs_kernel, 1, 1, 0, stream_of(o), moves(sizeof(float) * 4.0 * K * groups),
+              groups, K, w.seg, class_weights, scale, w.coef, loss);
+    launchCheck();
+    if (!dlogits.data || !rows) return;
+    const unsigned per_group = grid_for(rows) / (unsigned)groups;
+    CU_LAUNCH(lovasz_grad_kernel, dim3(per_group ? per_group : 1, groups), BLOCK, 0, stream_of(o),
+              moves(bytes_of(logits) + rows * (sizeof(int32_t) + 2 * sizeof(float) * (1 + K)) +
+                    2.0 * bytes_of(dlogits)),
+              logits.data, logits.dtype, labels, K, per, w.rows, w.dl, w.coef, grad_scale,
+              dlogits.data, dlogits.dtype);
+    launchCheck();
+}
+
 // the first class of the largest logit of the row at base (ties to the lowest, as the CPU's
 // argmax_row: a NaN never wins unless first)
 static __device__ int argmax_at(const void *logits, DType dt, size_t base, int K) {
@@ -4748,6 +4954,7 @@ static Ops make_ops_cuda(void) {
     o.region_sums = region_sums_cuda;
     o.region_grad = region_grad_cuda;
     o.iou_per_image = iou_per_image_cuda;
+    o.lovasz = lovasz_cuda;
     o.confusion_accumulate = confusion_accumulate_cuda;
     o.adam_update = adam_update_cuda;
     return o;

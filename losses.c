@@ -1,6 +1,6 @@
 // losses.c -- the loss menu's terms beyond cross-entropy (part I; segnet.c
 // includes it after softmax_xent_ref): the focal term and the region terms
-// (dice, jaccard, tversky), and the per-image IoU. Their formulas are in segnet.h
+// (dice, jaccard, tversky), lovasz, and the per-image IoU. Their formulas are in segnet.h
 // ("the loss menu", iou_per_image), with the arithmetic both backends share
 // (focal_terms, region_coefs, image_iou_fixed).
 
@@ -93,6 +93,82 @@ static void region_grad_ref(Ops *o, Tensor logits, const int32_t *labels, int gr
             const double d = B[c] + (c == y ? A[c] : 0.0f);
             st_acc(dlogits, r * K + c, (float)(p[c] * (d - pd) * gscale), 1);
         }
+    }
+}
+
+// ----------------------------------------------------------------------------
+// lovasz: per group and class, the errors sorted (qsort of lovasz_key), then one
+// pass down the order: F and B count the class's and the other pixels passed,
+//   L_c += e_(j)·lovasz_weight(G, F, B, [y = c]),  ∂L_c/∂p_ic = ∓ that weight
+// then the group's weighted mean (lovasz_coefs) and the softmax's chain rule.
+
+// p_c of row r in fp32 as the CUDA op computes it (row_softmax_stats_kernel, lovasz_keys_kernel),
+// so that both sort the same keys
+static float softmax_f32(Tensor logits, size_t r, int K, int c) {
+    float zmax = -INFINITY, sum = 0.0f;
+    for (int k = 0; k < K; k++) zmax = fmaxf(zmax, ld(logits, r * K + k));
+    for (int k = 0; k < K; k++) sum += expf(ld(logits, r * K + k) - zmax);
+    return expf(ld(logits, r * K + c) - zmax) * (1.0f / sum);
+}
+
+static int key_order(const void *a, const void *b) {
+    const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static void lovasz_ref(Ops *o, Tensor logits, const int32_t *labels, int groups, float scale,
+                       const float *class_weights, const float *grad_scale, void *ws,
+                       float *loss, Tensor dlogits) {
+    (void)o;
+    const int K = logits.shape.c;
+    const size_t rows = shape_numel(logits.shape) / K, per = rows / (size_t)groups;
+    const LovaszWs w = lovasz_ws(ws, groups, per, K);
+    #pragma omp parallel for schedule(dynamic) if(PAR(rows * K))
+    for (int s = 0; s < groups * K; s++) {
+        const int g = s / K, c = s % K;
+        uint64_t *keys = w.keys + (size_t)s * w.span;
+        size_t n = 0;
+        double G = 0.0;
+        for (size_t i = 0; i < per; i++) {
+            const int32_t y = labels[g * per + i];
+            if (y < 0 || y >= K) continue;
+            const float p = softmax_f32(logits, g * per + i, K, c);
+            keys[n++] = lovasz_key(y == c ? 1.0f - p : p, (uint32_t)i);
+            G += y == c;
+        }
+        qsort(keys, n, sizeof *keys, key_order);
+        double L = 0.0, F = 0.0, B = 0.0;
+        for (size_t j = 0; j < n; j++) {
+            const size_t r = g * per + (uint32_t)keys[j];
+            const int in_class = labels[r] == c;
+            const double weight = lovasz_weight(G, F, B, in_class);
+            L += lovasz_key_error(keys[j]) * weight;
+            w.dl[r * K + c] = (float)(in_class ? -weight : weight);
+            F += in_class;
+            B += !in_class;
+        }
+        w.seg[(size_t)g * 2 * K + c] = (float)L;
+        w.seg[(size_t)g * 2 * K + K + c] = (float)G;
+    }
+    double total = 0.0;
+    for (int g = 0; g < groups; g++)
+        total += lovasz_coefs(w.seg + (size_t)g * 2 * K, class_weights, K, scale,
+                              w.coef + (size_t)g * K);
+    *loss += (float)total;
+    if (!dlogits.data) return;
+    const float gscale = *grad_scale;
+    #pragma omp parallel for schedule(static) if(PAR(rows * K))
+    for (size_t r = 0; r < rows; r++) {
+        const int32_t y = labels[r];
+        if (y < 0 || y >= K) continue;
+        const float *coef = w.coef + r / per * K;
+        double p[SN_MAX_CLASSES], d[SN_MAX_CLASSES], pd = 0.0;
+        softmax_row(logits, r, K, p);
+        for (int c = 0; c < K; c++) {
+            d[c] = coef[c] != 0.0f ? (double)coef[c] * w.dl[r * K + c] : 0.0;
+            pd += p[c] * d[c];
+        }
+        for (int c = 0; c < K; c++) st_acc(dlogits, r * K + c, (float)(p[c] * (d[c] - pd) * gscale), 1);
     }
 }
 

@@ -149,10 +149,6 @@ static void loss_text(const LossCfg *l, SfBuf *b) {
         sb_str(b, LOSS_NAMES[l->n ? l->kind[j] : LOSS_CE]);
     }
 }
-static int loss_has(const LossCfg *l, LossKind k) {
-    for (int j = 0; j < l->n; j++) if (l->kind[j] == k) return 1;
-    return 0;
-}
 // the loss menu's settings: --loss, and the constants of the terms it has, as
 // `key = value` lines of config.txt (sep "\n", eq " = ") or one `,key:value` token
 static void loss_settings_text(const LossCfg *l, const char *sep, const char *eq, SfBuf *b) {
@@ -164,8 +160,11 @@ static void loss_settings_text(const LossCfg *l, const char *sep, const char *eq
         sb_str(b, s);
     }
     if (loss_has_region(l)) {
-        snprintf(s, sizeof s, "%sloss-smooth%s%s%sloss-per-image%s%s", sep, eq,
-                 float_str(f[0], l->smooth), sep, eq, l->per_image ? "on" : "off");
+        snprintf(s, sizeof s, "%sloss-smooth%s%s", sep, eq, float_str(f[0], l->smooth));
+        sb_str(b, s);
+    }
+    if (loss_group_name(l)) {
+        snprintf(s, sizeof s, "%sloss-per-image%s%s", sep, eq, l->per_image ? "on" : "off");
         sb_str(b, s);
     }
     if (loss_has(l, LOSS_TVERSKY)) {
@@ -273,6 +272,7 @@ static void trainer_close(Trainer *t) {
     if (o) {
         o->free(o, t->adam_m); o->free(o, t->adam_v); o->free(o, t->class_weights);
         o->free(o, t->region_sums); o->free(o, t->region_coefs); o->free(o, t->region_rows);
+        o->free(o, t->lovasz_ws);
         o->free(o, t->labels); o->free(o, t->confusion); o->free(o, t->args); o->free(o, t->state);
         o->free(o, t->stage); o->free(o, t->nonfinite);
         if (t->record) o->record_free(o, t->record);
@@ -446,10 +446,17 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
                  "label: its accuracy is the metric)", c->model.model);
         return -1;
     }
-    if (loss_has_region(&c->loss) && !t->segmentation) {
-        snprintf(err, SN_ERR_MAX, "--loss %s: dice, jaccard and tversky are region losses of "
-                 "segmentation; model '%s' is a classifier", loss_region_name(&c->loss),
+    if (loss_group_name(&c->loss) && !t->segmentation) {
+        snprintf(err, SN_ERR_MAX, "--loss %s: dice, jaccard, tversky and lovasz are region "
+                 "losses of segmentation; model '%s' is a classifier", loss_group_name(&c->loss),
                  c->model.model);
+        return -1;
+    }
+    // lovasz over the batch sorts all its pixels together: one sort per micro-batch and replica
+    // would be another loss (not built: gathering the errors of all of them)
+    if (loss_has(&c->loss, LOSS_LOVASZ) && !c->loss.per_image && (R > 1 || c->accum > 1)) {
+        snprintf(err, SN_ERR_MAX, "--loss lovasz over the global batch needs it whole in one "
+                 "step (%s): add --loss-per-image", R > 1 ? "--replicas" : "--accum");
         return -1;
     }
     if (train) {
@@ -515,6 +522,15 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
             return -1;
         }
     }
+    if (loss_has(l, LOSS_LOVASZ)) {
+        t->lovasz_ws = o->alloc(o, lovasz_ws_bytes(l->per_image ? in.n : 1,
+                                                   (size_t)in.h * in.w * (l->per_image ? 1 : in.n),
+                                                   t->K));
+        if (!t->lovasz_ws) {
+            snprintf(err, SN_ERR_MAX, "out of %s memory for the lovasz loss's sort", o->name);
+            return -1;
+        }
+    }
     t->labels = o->alloc(o, sizeof(int32_t) * labels);
     t->cm_len = (size_t)t->K * t->K + (c->iou_per_image ? 2 : 0);
     t->confusion = o->alloc(o, sizeof(int64_t) * t->cm_len);
@@ -553,7 +569,7 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
         float w[SN_MAX_CLASSES];
         const float f = l->kind[j] == LOSS_FOCAL ? l->focal_alpha / (float)t->K : 1.0f;
         for (int k = 0; k < t->K; k++)
-            w[k] = loss_is_region(l->kind[j]) ? c->class_weights[k]
+            w[k] = loss_is_group(l->kind[j]) ? c->class_weights[k]
                                               : l->weight[j] * f * c->class_weights[k];
         o->upload(o, t->class_weights + (size_t)j * t->K, w, sizeof(float) * t->K);
     }
@@ -2903,6 +2919,9 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
             (loss_has_region(&loss) ? sizeof(float) * (3 * K * (groups > 2 ? groups : 2) +
                                                        2 * K * groups + 1 + 2 * labels)
                                     : 0) +
+            (loss_has(&loss, LOSS_LOVASZ)
+                     ? lovasz_ws_bytes((int)groups, labels / groups, K)
+                     : 0) +
             sizeof(StepArgs) + sizeof(StepState) +
             // the last: Trainer.nonfinite
             sizeof(uint64_t) * (size_t)g->n_layers + sizeof(int32_t);

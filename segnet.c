@@ -1229,6 +1229,7 @@ Ops ops_ref = {
     .softmax_focal = softmax_focal_ref,
     .region_sums = region_sums_ref,
     .region_grad = region_grad_ref,
+    .lovasz = lovasz_ref,
     .iou_per_image = iou_per_image_ref,
     .confusion_accumulate = confusion_accumulate_ref,
     .adam_update = adam_update_ref,
@@ -2908,6 +2909,7 @@ typedef struct {
     // shard's images with per_image; NULL without region terms
     float *region_sums, *region_coefs;  // region_coefs: and a float that takes no value
     float *region_rows;                 // (N·H·W,2) region_sums' scratch
+    void *lovasz_ws;                    // Ops.lovasz's scratch (lovasz_ws_bytes), or NULL
     // region_sums already holds the step's sums over all its micro-batches (region_presum):
     // 1, 2 once a micro-batch has reported the step's value
     int region_presummed;

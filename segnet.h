@@ -84,13 +84,23 @@ static inline SN_HD double xent_clip(double nll, XentClip c, int *flat) {
 //   a group's loss L = (Σ_c w_c·[G_c > 0]·(1 - S_c) / Σ_c w_c)^γ (γ = 1 but for tversky):
 //   segmentation_models_pytorch's weighted mean, a class absent from the group adding 0;
 //   the term is the mean of L over the step's groups (Ops.region_grad).
+// lovasz (Berman et al. 2018, Lovász-softmax; Ops.lovasz), over a group's valid pixels:
+//   e_i = |[y_i = c] - p_ic| sorted in decreasing order (ties by pixel index), F_j and B_j
+//   the class's and the other pixels before position j, G = F + the rest of the class:
+//   L_c = Σ_j e_(j)·(J(j) - J(j-1)), J(j) = 1 - (G - F_(j+1))/(G + B_(j+1)), J(-1) = 0:
+//   the Jaccard loss's Lovász extension (1 - IoU of the crisp prediction where e is 0 or 1);
+//   the group's L = Σ_c w_c·L_c / Σ_c w_c over the classes present (G > 0), 0 if none:
+//   segmentation_models_pytorch's LovaszLoss (multiclass, classes "present").
 typedef enum {
-    LOSS_CE, LOSS_FOCAL, LOSS_DICE, LOSS_JACCARD, LOSS_TVERSKY, LOSS_KIND_COUNT
+    LOSS_CE, LOSS_FOCAL, LOSS_DICE, LOSS_JACCARD, LOSS_TVERSKY, LOSS_LOVASZ, LOSS_KIND_COUNT
 } LossKind;
-static const char *const LOSS_NAMES[LOSS_KIND_COUNT] = {"ce",      "focal",  "dice",
-                                                        "jaccard", "tversky"};
-static inline int loss_is_region(LossKind k) { return k >= LOSS_DICE; }
-#define SN_MAX_LOSS_TERMS 5
+static const char *const LOSS_NAMES[LOSS_KIND_COUNT] = {"ce",      "focal",   "dice",
+                                                        "jaccard", "tversky", "lovasz"};
+// a term from per-class sums I, P, G (Ops.region_sums)
+static inline int loss_is_region(LossKind k) { return k >= LOSS_DICE && k <= LOSS_TVERSKY; }
+// a term over groups of pixels (the batch, or each image): the region terms and lovasz
+static inline int loss_is_group(LossKind k) { return k >= LOSS_DICE; }
+#define SN_MAX_LOSS_TERMS 6
 #define FOCAL_GAMMA_DEFAULT 2.0f    // segmentation_models' CategoricalFocalLoss
 #define FOCAL_ALPHA_DEFAULT 0.25f
 #define REGION_SMOOTH_DEFAULT 1e-5f // segmentation_models' smooth
@@ -110,6 +120,15 @@ static inline const char *loss_region_name(const LossCfg *l) {
     return NULL;
 }
 static inline int loss_has_region(const LossCfg *l) { return loss_region_name(l) != NULL; }
+static inline int loss_has(const LossCfg *l, LossKind k) {
+    for (int j = 0; j < l->n; j++) if (l->kind[j] == k) return 1;
+    return 0;
+}
+// the loss's first term over groups of pixels, or NULL
+static inline const char *loss_group_name(const LossCfg *l) {
+    for (int j = 0; j < l->n; j++) if (loss_is_group(l->kind[j])) return LOSS_NAMES[l->kind[j]];
+    return NULL;
+}
 
 static inline LossCfg loss_cfg_default(void) {
     LossCfg l = {1, {LOSS_CE}, {1.0f}, REGION_SMOOTH_DEFAULT, FOCAL_GAMMA_DEFAULT,
@@ -158,6 +177,70 @@ static inline SN_HD double region_coefs(const RegionArgs *r, const float *w, int
         coef[K + c] = (float)(dl * -num * r->alpha);
     }
     return r->scale * (r->gamma == 1.0f ? mean : pow(mean, r->gamma));
+}
+
+// lovasz: a sorted position's weight J(j) - J(j-1), with F and B the class's and the other
+// pixels before it, G > 0 the class's: 1/(G + B) for a pixel of the class, else
+// (G - F)/((G + B)(G + B + 1)). Written out, not as a difference of J: no cancellation.
+static inline SN_HD double lovasz_weight(double G, double F, double B, int in_class) {
+    if (!(G > 0.0)) return 0.0;
+    return in_class ? 1.0 / (G + B) : (G - F) / ((G + B) * (G + B + 1.0));
+}
+// A sort key: the error e in [0, 1] decreasing, then the position i increasing (the fp32
+// bits of a non-negative float order as the float); LOVASZ_PAD sorts after every key.
+#define LOVASZ_PAD UINT64_MAX
+#define LOVASZ_ONE_BITS 0x3F800000u  // 1.0f
+static inline SN_HD uint64_t lovasz_key(float e, uint32_t i) {
+    uint32_t b;
+    e = e < 0.0f ? 0.0f : e > 1.0f ? 1.0f : e;
+    memcpy(&b, &e, 4);
+    return (uint64_t)(LOVASZ_ONE_BITS - b) << 32 | i;
+}
+static inline SN_HD float lovasz_key_error(uint64_t key) {
+    const uint32_t b = LOVASZ_ONE_BITS - (uint32_t)(key >> 32);
+    float e;
+    memcpy(&e, &b, 4);
+    return e;
+}
+// A group's value from its classes' L_c and G_c (seg: (2,K)) and the class weights w:
+// scale·Σ_c w_c·L_c/Σ_c w_c over the classes present; coef[c] = its factor of L_c (0 absent)
+static inline SN_HD double lovasz_coefs(const float *seg, const float *w, int K, float scale,
+                                        float *coef) {
+    double wp = 0.0, v = 0.0;
+    for (int c = 0; c < K; c++)
+        if (seg[K + c] > 0.0f) { wp += w[c]; v += (double)w[c] * seg[c]; }
+    if (!(wp > 0.0)) wp = 1.0;  // no class present, or all of weight 0: no loss
+    for (int c = 0; c < K; c++) coef[c] = seg[K + c] > 0.0f ? (float)(scale * w[c] / wp) : 0.0f;
+    return scale * v / wp;
+}
+// Ops.lovasz's workspace for `groups` runs of `per` pixels of K classes: the sort keys, a
+// power of two per (group, class) (LOVASZ_SORT_TILE at least), then fp32 (pixels,K)
+// derivatives, (groups,2,K) L_c and G_c, (groups,K) coefficients, (pixels,2) row max, 1/Σexp
+#define LOVASZ_SORT_TILE 2048  // keys a CUDA block sorts in shared memory (16 KiB)
+static inline size_t lovasz_span(size_t per) {
+    size_t p = LOVASZ_SORT_TILE;
+    while (p < per) p *= 2;
+    return p;
+}
+static inline size_t lovasz_ws_bytes(int groups, size_t per, int K) {
+    const size_t pixels = (size_t)groups * per;
+    return sizeof(uint64_t) * (size_t)groups * K * lovasz_span(per) +
+           sizeof(float) * (pixels * K + 3 * (size_t)groups * K + 2 * pixels);
+}
+typedef struct {
+    uint64_t *keys;           // (groups,K,span): a class's keys in a group
+    float *dl, *seg, *coef, *rows;
+    size_t span;
+} LovaszWs;
+static inline LovaszWs lovasz_ws(void *ws, int groups, size_t per, int K) {
+    LovaszWs w;
+    w.span = lovasz_span(per);
+    w.keys = (uint64_t *)ws;
+    w.dl = (float *)(w.keys + (size_t)groups * K * w.span);
+    w.seg = w.dl + (size_t)groups * per * K;
+    w.coef = w.seg + 2 * (size_t)groups * K;
+    w.rows = w.coef + (size_t)groups * K;
+    return w;
 }
 
 // One pixel's focal term from its clipped nll = -log p: (1-p)^γ·nll into *value,
@@ -790,6 +873,14 @@ struct Ops {
     // and acc[1] += 1 for each image: integers, the same sums in any order.
     void (*iou_per_image)(Ops *o, Tensor logits, const int32_t *labels,
                           const float *class_weights, int64_t *acc);
+    // The lovasz term over `groups` equal runs of the pixels (see LossKind): *loss += Σ over
+    // groups of scale·L (lovasz_coefs); dlogits (when it has data) is added into with
+    // ∂/∂z_ik·grad_scale = p_ik·(d_ik - Σ_j p_ij·d_ij)·grad_scale, d_ik = coef_k·∂L_k/∂p_ik,
+    // ∂L_k/∂p_ik = ∓ the weight at pixel i's sorted position (- for y_i = k). Labels outside
+    // 0..K-1 take no part. ws: lovasz_ws_bytes(groups, pixels / groups, K) of scratch.
+    void (*lovasz)(Ops *o, Tensor logits, const int32_t *labels, int groups, float scale,
+                   const float *class_weights, const float *grad_scale, void *ws, float *loss,
+                   Tensor dlogits);
     // confusion[y·K + argmax_k z_k] += 1 for every pixel with a label in 0..K-1
     // (an ignored pixel, SN_LABEL_IGNORED, is not counted)
     // (ties go to the lowest class); confusion is (K,K) int64, true class by row
@@ -818,7 +909,7 @@ struct Ops {
     X(dropout_backward) X(maxpool2_forward) X(maxpool2_backward) X(upsample2_forward)           \
     X(upsample2_backward) X(resize_bilinear_forward) X(resize_bilinear_backward)                \
     X(softmax_xent) X(softmax_focal) X(region_sums) X(region_grad)                              \
-    X(iou_per_image) X(confusion_accumulate) X(adam_update)
+    X(iou_per_image) X(lovasz) X(confusion_accumulate) X(adam_update)
 
 // ops_ref: every op as its formula is written (segnet.c, part I), what the
 // tests compare ops_cpu with; ops_cpu: ops_ref with fast versions of conv2d,

@@ -3884,6 +3884,139 @@ TEST(loss_region_two_pixels) {
           "weights 0: nothing");
 }
 
+// lovasz by its definition, in fp64: per class present, the pixels in decreasing error
+// |[y=c] - p_c| (ties by index) found by selection, the Jaccard set function
+// f(A) = 1 - (G - |A ∩ c|)/(G + |A \ c|) evaluated on each prefix A of that order, and
+// L_c = Σ_j e_(j)·(f(A_j) - f(A_(j-1))); then Σ w_c·L_c / Σ w_c over the classes present
+static double lovasz_loss_f64(const double *z, const int32_t *y, size_t M, int K,
+                              const float *w) {
+    double *e = malloc(sizeof(double) * M), vsum = 0.0, wsum = 0.0;
+    char *used = malloc(M);
+    for (int c = 0; c < K; c++) {
+        double G = 0.0;
+        for (size_t i = 0; i < M; i++) {
+            e[i] = -1.0;  // no label: takes no part
+            if (y[i] < 0 || y[i] >= K) continue;
+            double zmax = -INFINITY, sum = 0.0;
+            for (int k = 0; k < K; k++) zmax = fmax(zmax, z[i * K + k]);
+            for (int k = 0; k < K; k++) sum += exp(z[i * K + k] - zmax);
+            const double p = exp(z[i * K + c] - zmax) / sum;
+            e[i] = y[i] == c ? 1.0 - p : p;
+            G += y[i] == c;
+        }
+        if (G == 0.0) continue;
+        memset(used, 0, M);
+        double L = 0.0, f_prev = 0.0, in = 0.0, out = 0.0;
+        for (;;) {
+            size_t best = M;
+            for (size_t i = 0; i < M; i++)
+                if (e[i] >= 0.0 && !used[i] && (best == M || e[i] > e[best])) best = i;
+            if (best == M) break;
+            used[best] = 1;
+            in += y[best] == c;
+            out += y[best] != c;
+            const double f = 1.0 - (G - in) / (G + out);
+            L += e[best] * (f - f_prev);
+            f_prev = f;
+        }
+        vsum += w[c] * L;
+        wsum += w[c];
+    }
+    free(e);
+    free(used);
+    return wsum > 0.0 ? vsum / wsum : 0.0;
+}
+
+// Ops.lovasz (ops_cpu) on logits z (s): its value, the gradient added into dz
+static double lovasz_term(Shape s, const float *z, const int32_t *y, int groups, float scale,
+                          const float *w, float *dz) {
+    const size_t rows = shape_numel(s) / s.c;
+    void *ws = malloc(lovasz_ws_bytes(groups, rows / groups, s.c));
+    float loss = 0.0f;
+    ops_cpu.lovasz(&ops_cpu, tensor_f32((float *)z, s), y, groups, scale, w, &(float){1.0f}, ws,
+                   &loss, tensor_f32(dz, s));
+    free(ws);
+    return loss;
+}
+
+// lovasz by hand, K = 2: pixels labelled 1, 0, 1 with p_1 = .9, .2, .6. Class 1 (G = 2):
+// errors .1, .2, .4 sorted .4 (in), .2 (out), .1 (in), weights 1/2, 1/6, 1/3: L_1 = 4/15.
+// Class 0 (G = 1): errors .1, .2, .4 sorted .4 (out), .2 (in), .1 (out), weights 1/2, 1/2,
+// 0: L_0 = 3/10. The loss: 17/60. Crisp (logits ±20), it is 1 - IoU: labels 1, 1, 0, 0
+// predicted 1, 0, 0, 0 give IoU 1/2 and 2/3, loss 5/12. Then against the definition above
+// (values within 1e-6, gradients within 1e-5 of its central differences) with class weights,
+// an absent class, ignored and out-of-range labels, over the batch and per image.
+TEST(loss_lovasz_by_hand) {
+    float ones[4] = {1, 1, 1, 1};
+    {
+        const float z[6] = {0, logf(9.0f), 0, logf(0.25f), 0, logf(1.5f)};
+        const int32_t y[3] = {1, 0, 1};
+        float dz[6] = {0};
+        CHECK_NEAR(lovasz_term(shape4(1, 1, 3, 2), z, y, 1, 1.0f, ones, dz), 17.0 / 60.0, 1e-7,
+                   "three pixels");
+        const float crisp[8] = {-20, 20, 20, -20, 20, -20, 20, -20};
+        const int32_t yc[4] = {1, 1, 0, 0};
+        CHECK_NEAR(lovasz_term(shape4(1, 2, 2, 2), crisp, yc, 1, 1.0f, ones, dz), 5.0 / 12.0,
+                   1e-7, "crisp: 1 - IoU");
+    }
+    enum { K = 4, N = 3, H = 4, W = 5, M = N * H * W };
+    const Shape s = shape4(N, H, W, K);
+    Rng r;
+    rng_seed(&r, 38);
+    float *z = randn(&r, (size_t)M * K, 1.5f), dz[M * K];
+    double zd[M * K];
+    for (int i = 0; i < M * K; i++) zd[i] = z[i];
+    int32_t y[M];
+    for (int i = 0; i < M; i++) y[i] = (int32_t)(rng_next(&r) % (K - 1));  // class 3 absent
+    for (int i = 2 * M / 3; i < M; i++) y[i] = y[i] == 2 ? 1 : y[i];    // 2 absent from image 2
+    y[5] = SN_LABEL_IGNORED;
+    y[7] = K;  // out of range: takes no part
+    const float weights[2][K] = {{1, 1, 1, 1}, {0.0f, 0.1f, 0.45f, 0.45f}};
+    for (int wi = 0; wi < 2; wi++)
+        for (int per_image = 0; per_image < 2; per_image++) {
+            const float *w = weights[wi], scale = 0.75f;
+            const int groups = per_image ? N : 1;
+            const size_t per = M / groups;
+#define REF_LOSS()                                                                                 \
+    ({                                                                                             \
+        double v_ = 0.0;                                                                           \
+        for (int g_ = 0; g_ < groups; g_++)                                                        \
+            v_ += lovasz_loss_f64(zd + g_ * per * K, y + g_ * per, per, K, w);                     \
+        scale * v_;                                                                                \
+    })
+            memset(dz, 0, sizeof dz);
+            const double got = lovasz_term(s, z, y, groups, scale, w, dz), want = REF_LOSS();
+            CHECK(fabs(got - want) <= 1e-6 * fabs(want), "w%d per_image %d: loss %.9g, formula %.9g",
+                  wi, per_image, got, want);
+            double worst = 0.0, largest = 0.0;
+            for (int i = 0; i < M * K; i++) {
+                const double keep = zd[i], h = 1e-6;
+                zd[i] = keep + h;
+                const double up = REF_LOSS();
+                zd[i] = keep - h;
+                const double down = REF_LOSS();
+                zd[i] = keep;
+                const double fd = (up - down) / (2 * h);
+                largest = fmax(largest, fabs(fd));
+                worst = fmax(worst, fabs(fd - dz[i]));
+            }
+#undef REF_LOSS
+            if (g_verbose)
+                printf("    lovasz w%d per_image %d: loss %.6f, gradient error %.2e\n", wi,
+                       per_image, got, worst / largest);
+            CHECK(worst <= 1e-5 * largest, "w%d per_image %d: gradient error %.3g of %.3g", wi,
+                  per_image, worst, largest);
+            CHECK(dz[5 * K] == 0.0f && dz[7 * K + 2] == 0.0f,
+                  "ignored and out-of-range pixels get no gradient");
+        }
+    // no class present (every label ignored): no loss, no gradient
+    int32_t none[M];
+    for (int i = 0; i < M; i++) none[i] = SN_LABEL_IGNORED;
+    memset(dz, 0, sizeof dz);
+    CHECK(lovasz_term(s, z, none, N, 1.0f, ones, dz) == 0.0 && dz[0] == 0.0f, "nothing labelled");
+    free(z);
+}
+
 static int run_shell(const char *cmd, char *msg, size_t size);
 
 // Parity with segmentation_models_pytorch (ref/losses_smp.py, float64 autograd):
@@ -4277,6 +4410,64 @@ TEST(cuda_region_losses) {
             free(sums);
             free(coefs);
         }
+}
+// lovasz against the CPU op: K = 1, 2, 3, 5, over the batch and per image, a class weight 0,
+// invalid labels, the gradient added into nonzero values; groups of 899 pixels (one sort
+// tile) and of 2,697 and 5,250 (spans of 4,096 and 8,192: the network's stages across
+// tiles). Both sort errors from the same fp32 softmax: emulated, the same order. A GPU's
+// expf may differ from the host's by an ulp and swap two errors that close: the large
+// groups label one pixel in 8 (~650 a class), making such a pair unlikely. Tolerances: the
+// loss 1e-6 relative (fp64 sums in another order), the gradient as region_grad's.
+TEST(cuda_lovasz) {
+    Ops *o = cu_ops();
+    Rng r;
+    rng_seed(&r, 77);
+    const int Ks[4] = {1, 2, 3, 5};
+    const Shape shapes[2] = {shape4(3, 29, 31, 1), shape4(1, 75, 70, 1)};
+    for (int ki = 0; ki < 4; ki++)
+        for (int si = 0; si < 2; si++)
+            for (int per_image = 0; per_image < 2; per_image++) {
+                const int K = Ks[ki];
+                Shape s = shapes[si];
+                s.c = K;
+                const int groups = per_image ? s.n : 1;
+                const size_t rows = shape_numel(s) / K, per = rows / groups;
+                float *z = randn(&r, shape_numel(s), 2.0f),
+                      *before = randn(&r, shape_numel(s), 0.1f), w[5];
+                for (int c = 0; c < K; c++) w[c] = c == 1 ? 0.0f : 0.5f + rng_float(&r);
+                int32_t *y = cu_labels(&r, rows, K), *y_gpu = o->alloc(o, sizeof(int32_t) * rows);
+                for (size_t i = 0; i < rows && per > LOVASZ_SORT_TILE; i++)
+                    if (i % 8) y[i] = SN_LABEL_IGNORED;
+                o->upload(o, y_gpu, y, sizeof(int32_t) * rows);
+                const float scale = 4.0f, term = 0.7f / (float)groups;
+                const size_t ws_bytes = lovasz_ws_bytes(groups, per, K);
+                float *w_gpu = cu_floats(w, K), *scale_gpu = cu_floats(&scale, 1),
+                      *loss_gpu = o->alloc(o, sizeof(float));
+                void *ws = malloc(ws_bytes), *ws_gpu = o->alloc(o, ws_bytes);
+                for (int a = 0; a < 3; a++) {
+                    CuPair t = cu_pair(z, s, (DType)a), dz = cu_pair(before, s, (DType)a);
+                    float loss = 0.25f, gloss = 0.25f;
+                    o->upload(o, loss_gpu, &loss, sizeof loss);
+                    ops_cpu.lovasz(&ops_cpu, t.cpu, y, groups, term, w, &scale, ws, &loss,
+                                   dz.cpu);
+                    o->lovasz(o, t.gpu, y_gpu, groups, term, w_gpu, scale_gpu, ws_gpu, loss_gpu,
+                              dz.gpu);
+                    o->download(o, &gloss, loss_gpu, sizeof gloss);
+                    cu_check_err("lovasz loss", (DType)a, fabs((double)gloss - loss) / loss, 1e-6);
+                    cu_check_err("lovasz dlogits", (DType)a, cu_pair_err(dz), 1e-6 + CU_ULP[a]);
+                    cu_pair_free(&t);
+                    cu_pair_free(&dz);
+                }
+                o->free(o, y_gpu);
+                o->free(o, w_gpu);
+                o->free(o, scale_gpu);
+                o->free(o, loss_gpu);
+                o->free(o, ws_gpu);
+                free(ws);
+                free(z);
+                free(before);
+                free(y);
+            }
 }
 #endif
 
@@ -8258,6 +8449,7 @@ static const CudaTestName CUDA_TESTS[] __attribute__((unused)) = {
         {"cuda_softmax_xent", 0, 0},
         {"cuda_softmax_focal", 0, 0},
         {"cuda_region_losses", 0, 0},
+        {"cuda_lovasz", 0, 0},
         {"cuda_iou_per_image", 0, 0},
         {"cuda_adam", 0, 0},
         {"cuda_step_control", 0, 0},
