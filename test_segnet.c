@@ -4022,6 +4022,7 @@ static int run_shell(const char *cmd, char *msg, size_t size);
 // Parity with segmentation_models_pytorch (ref/losses_smp.py, float64 autograd):
 // dice, jaccard and tversky (γ 1 and 1.5), with and without class weights
 // (the seed's 0, .1, .45, .45), smooth 1e-5 and 1, over the batch and per image;
+// lovasz (float32 in smp; it has no class weights) over the batch and per image;
 // ignored pixels, and a class absent from one image. smp comes from PyPI into a
 // venv beside Debian's torch (SEGNET_SMP_VENV, default /tmp/segnet_smp_venv, made
 // once); without it the test says so and skips. Tolerances: the 1e-6 of
@@ -4060,7 +4061,7 @@ TEST(parity_live_smp_losses) {
             {LOSS_JACCARD, 1e-5f, 0, 0, 1},       {LOSS_JACCARD, 1.0f, 0, 0, 1},
             {LOSS_TVERSKY, 1e-5f, 0.3f, 0.7f, 1}, {LOSS_TVERSKY, 1.0f, 0.7f, 0.3f, 1.5f},
     };
-    enum { CASES = 6 * 2 * 2 };
+    enum { REGION_CASES = 6 * 2 * 2, CASES = REGION_CASES + 2 };  // then lovasz, per image 0, 1
     char in[64], out[64];
     snprintf(in, sizeof in, "/tmp/segnet_smp_in.%d", (int)getpid());
     snprintf(out, sizeof out, "/tmp/segnet_smp_out.%d", (int)getpid());
@@ -4071,6 +4072,14 @@ TEST(parity_live_smp_losses) {
     fwrite(z, sizeof(float), (size_t)M * K, f);
     for (int c = 0; c < CASES; c++) {
         const int k = c / 4, wi = c / 2 % 2, per_image = c % 2;
+        if (c >= REGION_CASES) {
+            const int32_t head[2] = {LOSS_LOVASZ - LOSS_DICE, c - REGION_CASES};
+            const double constants[4] = {0}, wd[K] = {1, 1, 1, 1};
+            fwrite(head, sizeof head, 1, f);
+            fwrite(constants, sizeof constants, 1, f);
+            fwrite(wd, sizeof wd, 1, f);
+            continue;
+        }
         const int32_t head[2] = {kinds[k].kind - LOSS_DICE, per_image};
         const double constants[4] = {kinds[k].smooth, kinds[k].ta, kinds[k].tb, kinds[k].tg};
         double wd[K];
@@ -4086,7 +4095,8 @@ TEST(parity_live_smp_losses) {
     CHECK(f != NULL, "reading %s", out);
     double worst_loss = 0.0, worst_grad = 0.0;
     for (int c = 0; f && c < CASES; c++) {
-        const int k = c / 4, wi = c / 2 % 2, per_image = c % 2;
+        const int lovasz = c >= REGION_CASES, k = lovasz ? 0 : c / 4, wi = lovasz ? 0 : c / 2 % 2,
+                  per_image = lovasz ? c - REGION_CASES : c % 2;
         double want, grad[M * K];
         CHECK(fread(&want, sizeof want, 1, f) == 1 && fread(grad, sizeof grad, 1, f) == 1,
               "%s: case %d missing", out, c);
@@ -4099,8 +4109,10 @@ TEST(parity_live_smp_losses) {
             l.tversky_gamma = kinds[k].tg;
         }
         float dz[M * K] = {0};
+        const int groups = per_image ? N : 1;
         const double got =
-                region_term(shape4(N, H, W, K), z, y, &l, weights[wi], per_image ? N : 1, dz);
+                lovasz ? lovasz_term(shape4(N, H, W, K), z, y, groups, 1.0f / groups, weights[0], dz)
+                       : region_term(shape4(N, H, W, K), z, y, &l, weights[wi], groups, dz);
         double largest = 0.0, e = 0.0;
         for (int i = 0; i < M * K; i++) {
             largest = fmax(largest, fabs(grad[i]));
@@ -4112,12 +4124,13 @@ TEST(parity_live_smp_losses) {
         CHECK(el <= 1e-6 && e <= 1e-5 * largest,
               "%s smooth %g weights %d per_image %d: loss %.9g, smp %.9g; gradient error %.3g "
               "of %.3g",
-              LOSS_NAMES[kinds[k].kind], kinds[k].smooth, wi, per_image, got, want, e, largest);
+              lovasz ? "lovasz" : LOSS_NAMES[kinds[k].kind], kinds[k].smooth, wi, per_image, got,
+              want, e, largest);
     }
     if (f) fclose(f);
     unlink(in);
     unlink(out);
-    printf("    smp DiceLoss/JaccardLoss/TverskyLoss, %d cases: loss %.2g, gradient %.2g "
+    printf("    smp DiceLoss/JaccardLoss/TverskyLoss/LovaszLoss, %d cases: loss %.2g, gradient %.2g "
            "(relative)\n",
            CASES, worst_loss, worst_grad);
     free(z);

@@ -1,24 +1,24 @@
 #!/usr/bin/python3
-"""segmentation_models_pytorch's DiceLoss, JaccardLoss and TverskyLoss as the
-reference for segnet's region losses (--loss dice|jaccard|tversky).
+"""segmentation_models_pytorch's DiceLoss, JaccardLoss, TverskyLoss and LovaszLoss as
+the reference for segnet's region losses (--loss dice|jaccard|tversky|lovasz).
 
 usage: losses_smp.py IN OUT   (run by a python that can import segmentation_models_pytorch:
                                the test makes a venv for it)
 IN (little-endian): int32 N, H, W, K, cases; int32 labels[N*H*W] (-1: ignored);
 float32 logits[N*H*W*K] (NHWC); then per case int32 kind (0 dice, 1 jaccard,
-2 tversky), int32 per_image, float64 smooth, alpha, beta, gamma, weights[K].
+2 tversky, 3 lovasz: it has no class weights), int32 per_image, float64 smooth, alpha, beta, gamma, weights[K].
 OUT: per case float64 loss, then float64 d(loss)/d(logits)[N*H*W*K] (NHWC).
 
 segnet's dice is sm's F1 form (2I + s)/(P + G + s); smp's is (I + s')/((P + G)/2 + s'),
 the same score when s' = s/2. Per image: smp's loss of each image, averaged
-(segmentation_models' per_image). The arithmetic is float64 with autograd.
+(segmentation_models' per_image). The arithmetic is float64 with autograd (lovasz: float32).
 """
 import struct
 import sys
 
 import numpy as np
 import torch
-from segmentation_models_pytorch.losses import DiceLoss, JaccardLoss, TverskyLoss
+from segmentation_models_pytorch.losses import DiceLoss, JaccardLoss, LovaszLoss, TverskyLoss
 
 IGNORE = 255
 
@@ -45,9 +45,13 @@ def main():
             loss_fn = DiceLoss(smooth=smooth / 2, **common)
         elif kind == 1:
             loss_fn = JaccardLoss(smooth=smooth, **common)
+        elif kind == 3:
+            loss_fn = LovaszLoss(mode="multiclass", ignore_index=IGNORE)
         else:
             loss_fn = TverskyLoss(smooth=smooth, alpha=alpha, beta=beta, gamma=gamma, **common)
-        z = torch.tensor(logits.astype(np.float64)).permute(0, 3, 1, 2).contiguous()
+        # smp's LovaszLoss computes its Jaccard gradient in float32 (and fails on float64)
+        dtype = np.float32 if kind == 3 else np.float64
+        z = torch.tensor(logits.astype(dtype)).permute(0, 3, 1, 2).contiguous()
         z.requires_grad_(True)
         if per_image:
             loss = sum(loss_fn(z[i:i + 1], y[i:i + 1]) for i in range(n)) / n
