@@ -35,7 +35,7 @@ static void upload_staged(Trainer *t, int n) {
 // replica joins, an empty shard too: over the global batch, the sums before the
 // gradient (score_batch); per image, the value after it (region_value).
 static int region_exchanges(const Trainer *t) {
-    return t->comm->size > 1 && loss_has_region(&t->loss);
+    return t->comm->size > 1 && loss_group_name(&t->loss);
 }
 
 // The loss and metrics of the n images in the net: the terms of the loss menu

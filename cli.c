@@ -140,7 +140,7 @@ static int parse_loss(const char *v, LossCfg *l) {
         while (k < LOSS_KIND_COUNT && strcmp(name, LOSS_NAMES[k])) k++;
         if ((star && end != star) || !(w > 0.0) || isinf(w) || k == LOSS_KIND_COUNT) {
             fprintf(stderr, "segnet: --loss '%s': '%s' is not [W*]NAME with W > 0 and NAME one of "
-                    "ce, focal, dice, jaccard, tversky\n", v, item);
+                    "ce, focal, dice, jaccard, tversky, lovasz\n", v, item);
             return -1;
         }
         for (int j = 0; j < l->n; j++)

@@ -6925,7 +6925,8 @@ TEST(plan_matches_per_tensor) {
 // a step allocates nothing more, and the arena's measured high-water mark is
 // the planned peak; --memory picks the first setting that fits
 TEST(plan_equals_allocation) {
-    // menu: the loss ce + focal + dice (1: over the batch, 2: per image) and --iou-per-image
+    // menu: the loss ce + focal + dice (1: over the batch, 2: per image, + lovasz) and
+    // --iou-per-image; 3: ce + lovasz over the batch
     struct { const char *model; int size, batch; DType dt; int ckpt, freeze, accum, menu;
     } cases[] = {{"unet", 16, 4, DT_F32, 0, 0, 1, 0},
                  {"unet", 16, 2, DT_F16, 1, 0, 2, 0},
@@ -6933,7 +6934,8 @@ TEST(plan_equals_allocation) {
                  {"effv2-t", 32, 3, DT_F32, 0, 0, 1, 0},
                  {"unet-effv2-t", 32, 2, DT_F32, 1, 0, 1, 0},
                  {"unet", 16, 4, DT_F32, 0, 0, 2, 1},
-                 {"unet", 16, 3, DT_F32, 0, 0, 1, 2}};
+                 {"unet", 16, 3, DT_F32, 0, 0, 1, 2},
+                 {"unet", 16, 3, DT_F32, 0, 0, 1, 3}};
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         TrainCfg c = tiny_seg_cfg(NULL, NULL);
         if (cases[k].menu) {
@@ -6942,6 +6944,14 @@ TEST(plan_equals_allocation) {
             c.loss.kind[2] = LOSS_DICE; c.loss.weight[2] = 1.0f;
             c.loss.per_image = cases[k].menu == 2;
             c.iou_per_image = 1;
+            if (cases[k].menu == 2) {
+                c.loss.n = 4;
+                c.loss.kind[3] = LOSS_LOVASZ; c.loss.weight[3] = 1.0f;
+            }
+            if (cases[k].menu == 3) {
+                c.loss.n = 2;
+                c.loss.kind[1] = LOSS_LOVASZ;
+            }
         }
         c.model.model = cases[k].model;
         c.model.height = c.model.width = cases[k].size;
@@ -7336,7 +7346,8 @@ TEST(fp16_loss_scaling) {
 
 // --accum K with batch B is one step over K·B images: the same loss and, BN
 // frozen (batch statistics are per micro-batch), the same weights; with the loss
-// ce alone and ce + dice over the global batch (region_presum's forwards first)
+// ce alone, ce + lovasz per image, and ce + dice over the global batch
+// (region_presum's forwards first)
 static void accum_equals_big_batch_with(const LossCfg *loss) {
     enum { B = 2, K = 3, STEPS = 2 };
     TrainCfg big = tiny_seg_cfg(NULL, NULL), small;
@@ -7388,8 +7399,22 @@ TEST(accum_equals_big_batch) {
     LossCfg l = loss_cfg_default();
     accum_equals_big_batch_with(&l);
     l.n = 2;
-    l.kind[1] = LOSS_DICE;
+    l.kind[1] = LOSS_LOVASZ;  // per image: each micro-batch's images sorted on their own
     l.weight[1] = 1.0f;
+    l.per_image = 1;
+    accum_equals_big_batch_with(&l);
+    // over the batch, lovasz would sort all micro-batches' pixels together: refused
+    TrainCfg refused = tiny_seg_cfg(NULL, NULL);
+    refused.loss = l;
+    refused.loss.per_image = 0;
+    refused.accum = 2;
+    Trainer t;
+    char why[SN_ERR_MAX];
+    CHECK(trainer_open(&t, &refused, NULL, NULL, why) != 0 && contains(why, "--loss-per-image"),
+          "lovasz over the batch with --accum 2: '%s'", why);
+    trainer_close(&t);
+    l.per_image = 0;
+    l.kind[1] = LOSS_DICE;
     accum_equals_big_batch_with(&l);
     // the forwards that sum dice leave BN's running statistics alone: a step of ce + dice
     // over 3 micro-batches updates them as ce's does
@@ -8119,8 +8144,8 @@ static void sync_bn_deep_cli(const char *launch, const char *extra) {
 TEST(replicas_sync_bn_deep_cli) { sync_bn_deep_cli("./segnet", " --replicas 2"); }
 
 // The loss menu over replicas: ce+dice (dice's sums exchanged between the
-// forward and the backward), dice per image, and ce+dice over 2 micro-batches
-// (region_presum), --replicas 2 against one replica, 5 images in batches of 4
+// forward and the backward), dice per image, ce+dice over 2 micro-batches
+// (region_presum), and lovasz per image (with ce, and over 2 micro-batches), --replicas 2 against one replica, 5 images in batches of 4
 // (the last batch leaves one replica empty, in training and in validation): the
 // first epoch's gradients (Adam's first moment at --lr 0) within 1e-6 (rel. L2) and
 // val_loss within 1e-6 relative, as
@@ -8130,9 +8155,10 @@ TEST(replicas_loss_menu_cli) {
                *runs[2] = {"/tmp/segnet_test_reploss_1", "/tmp/segnet_test_reploss_2"};
     rm_rf(data);
     write_seg_set(data, 5, 16, 16, 33);
-    const char *losses[3] = {"--loss ce+dice", "--loss 2*dice --loss-per-image",
-                             "--loss ce+dice --accum 2"};
-    for (int l = 0; l < 3; l++) {
+    const char *losses[5] = {"--loss ce+dice", "--loss 2*dice --loss-per-image",
+                             "--loss ce+dice --accum 2", "--loss ce+lovasz --loss-per-image",
+                             "--loss lovasz --loss-per-image --accum 2"};
+    for (int l = 0; l < 5; l++) {
         float *m[2] = {NULL, NULL};
         size_t n[2] = {0, 0};
         double val[2][1] = {{0}, {0}};
@@ -11908,13 +11934,15 @@ TEST(train_loss_cli) {
     write_seg_set(data, 4, 8, 8, 9);
     const char *common = "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --classes 3 "
                          "--class-weights 0,1,1 --device cpu --lr 0.01 "
-                         "--loss 0.5*tversky+focal+ce --tversky-alpha 0.3 --tversky-beta 0.7 "
+                         "--loss 0.5*tversky+focal+ce+0.25*lovasz --tversky-alpha 0.3 "
+                         "--tversky-beta 0.7 "
                          "--focal-gamma 1.5 --loss-smooth 0.5";
     whole_and_resumed_runs(common, data, a, b, 3, 2);
     char args[1200], msg[4096], pa[300];
     snprintf(pa, sizeof pa, "%s/config.txt", a);
     char *cfg = read_text(pa);
-    CHECK(cfg && strstr(cfg, "\nloss = ce+0.5*tversky+focal\nfocal-gamma = 1.5\nfocal-alpha = "
+    CHECK(cfg && strstr(cfg, "\nloss = ce+0.5*tversky+focal+0.25*lovasz\nfocal-gamma = 1.5\n"
+                             "focal-alpha = "
                              "0.25\nloss-smooth = 0.5\nloss-per-image = off\ntversky-alpha = "
                              "0.3\ntversky-beta = 0.7\ntversky-gamma = 1\n"),
           "config.txt's loss lines: %s", cfg ? cfg : "(none)");
@@ -11942,7 +11970,12 @@ TEST(train_loss_cli) {
     } bad[] = {
             {"--loss dice+dice", "dice twice", 2},
             {"--loss 0*dice", "W > 0", 2},
-            {"--loss lovasz", "NAME one of", 2},
+            {"--loss hinge", "NAME one of ce, focal, dice, jaccard, tversky, lovasz", 2},
+            {"--loss lovasz", "", 0},
+            {"--loss lovasz --replicas 2", "over the global batch needs it whole in one step "
+                                           "(--replicas): add --loss-per-image", 1},
+            {"--loss ce+lovasz --accum 2", "(--accum): add --loss-per-image", 1},
+            {"--loss lovasz --loss-smooth 1", "--loss-smooth applies to", 2},
             {"--loss 'ce+'", "", 0},  // a trailing + adds no term: ce alone
             {"--loss dice --accum 2", "", 0},
             {"--loss dice --accum 2 --loss-per-image", "", 0},
