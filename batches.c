@@ -61,8 +61,9 @@ static int score_batch(Trainer *t, Tensor dlogits, int n, int step_images) {
             o->softmax_focal(o, z, t->labels, w, l->focal_gamma, KERAS_EPSILON, scale,
                              t->state->loss, dlogits);
         } else if (l->kind[j] == LOSS_LOVASZ) {
-            o->lovasz(o, z, t->labels, groups, l->weight[j] / (float)(l->per_image ? step_images : 1),
-                      w, &t->state->loss_scale, t->lovasz_ws, &t->state->region_loss, dlogits);
+            o->lovasz(o, z, t->labels, groups,
+                      l->weight[j] / (float)(l->per_image ? step_images : 1), w,
+                      &t->state->loss_scale, t->lovasz_ws, &t->state->region_loss, dlogits);
         } else {
             if (!summed) o->region_sums(o, z, t->labels, groups, t->region_sums, t->region_rows);
             if (!summed && region_exchanges(t) && !l->per_image &&

@@ -4550,9 +4550,8 @@ __global__ void lovasz_keys_kernel(const void *z, DType dt, const int32_t *label
 
 // one compare-exchange of the bitonic network at pair q of stage (k, j): positions i and
 // i + j, in increasing order where bit k of i's position in its span is 0
-static __device__ __forceinline__ void bitonic_exchange(unsigned long long *a, size_t q,
-                                                        size_t at, size_t span, size_t k,
-                                                        size_t j) {
+static __device__ __forceinline__ void bitonic_exchange(unsigned long long *a, size_t q, size_t at,
+                                                        size_t span, size_t k, size_t j) {
     const size_t i = ((q & ~(j - 1)) << 1) | (q & (j - 1));
     const bool up = (((at + i) & (span - 1)) & k) == 0;
     const unsigned long long x = a[i], y = a[i + j];
@@ -4563,8 +4562,8 @@ static __device__ __forceinline__ void bitonic_exchange(unsigned long long *a, s
 }
 // the stages of a LOVASZ_SORT_TILE-key tile in shared memory: k from k_lo to k_hi, j from
 // j_top (the first k) or k/2 down to 1
-__global__ void bitonic_tile_kernel(unsigned long long *keys, size_t span, size_t k_lo,
-                                    size_t k_hi, size_t j_top) {
+__global__ void bitonic_tile_kernel(unsigned long long *keys, size_t span, size_t k_lo, size_t k_hi,
+                                    size_t j_top) {
     CU_SHARED(unsigned long long, tile, [LOVASZ_SORT_TILE]);
     const size_t at = (size_t)blockIdx.x * LOVASZ_SORT_TILE;
     for (int i = threadIdx.x; i < LOVASZ_SORT_TILE; i += blockDim.x) tile[i] = keys[at + i];
@@ -4603,32 +4602,40 @@ static void bitonic_sort(Ops *o, unsigned long long *keys, size_t n, size_t span
     }
 }
 
-// block s = (group g, class c): G and the valid keys' count, then the walk down the order
+// block s = (group g, class c): G and the valid keys' count n, then the walk down the order in
+// chunks of BLOCK·LOVASZ_WALK_ITEMS positions, LOVASZ_WALK_ITEMS consecutive ones a thread: a
+// scan of the threads' counts of the class's pixels gives each thread F at its first position
+#define LOVASZ_WALK_ITEMS 8
 __global__ void lovasz_walk_kernel(const unsigned long long *keys, size_t span,
                                    const int32_t *labels, int K, size_t per, float *dl,
                                    float *seg) {
     CU_SHARED(unsigned, before, [BLOCK]);
     CU_SHARED(double, sh, [BLOCK * REDUCE_WIDTH]);
+    constexpr size_t CHUNK = (size_t)BLOCK * LOVASZ_WALK_ITEMS;
     const unsigned s = blockIdx.x, g = s / (unsigned)K, c = s % (unsigned)K;
     const unsigned long long *kk = keys + (size_t)s * span;
     const int32_t *lab = labels + (size_t)g * per;
-    unsigned G = 0, n = 0;
-    for (size_t j0 = 0; j0 < per; j0 += BLOCK) {  // the valid keys come first
-        const size_t j = j0 + threadIdx.x;
-        const unsigned long long key = j < per ? kk[j] : LOVASZ_PAD;
-        const int valid = key != LOVASZ_PAD;
-        G += (unsigned)__syncthreads_count(valid && lab[(uint32_t)key] == (int32_t)c);
-        n += (unsigned)__syncthreads_count(valid);
+    unsigned in = 0, valid = 0;  // the valid keys come first
+    for (size_t j = threadIdx.x; j < per; j += BLOCK) {
+        const unsigned long long key = kk[j];
+        if (key == LOVASZ_PAD) break;
+        valid++;
+        in += lab[(uint32_t)key] == (int32_t)c;
     }
-    if (G == 0) n = 0;  // an absent class: no loss, no gradient (its coefficient is 0)
+    sh[threadIdx.x * REDUCE_WIDTH] = in;
+    sh[threadIdx.x * REDUCE_WIDTH + 1] = valid;
+    block_sum_tree(sh, 2);
+    const unsigned G = (unsigned)sh[0];
+    const size_t n = G ? (size_t)sh[1] : 0;  // an absent class: no loss, no gradient
+    __syncthreads();  // sh is written again below
     double acc = 0.0;
     unsigned F0 = 0;  // the class's pixels before the chunk
-    for (size_t j0 = 0; j0 < n; j0 += BLOCK) {
-        const size_t j = j0 + threadIdx.x;
-        const unsigned long long key = j < n ? kk[j] : 0;
-        const uint32_t i = (uint32_t)key;
-        const unsigned in_class = j < n && lab[i] == (int32_t)c;
-        before[threadIdx.x] = in_class;
+    for (size_t j0 = 0; j0 < n; j0 += CHUNK) {
+        const size_t first = j0 + (size_t)threadIdx.x * LOVASZ_WALK_ITEMS;
+        unsigned mine = 0;
+        for (int q = 0; q < LOVASZ_WALK_ITEMS && first + q < n; q++)
+            mine += lab[(uint32_t)kk[first + q]] == (int32_t)c;
+        before[threadIdx.x] = mine;
         __syncthreads();
         for (unsigned off = 1; off < BLOCK; off <<= 1) {  // inclusive scan (Hillis-Steele)
             const unsigned v = threadIdx.x >= off ? before[threadIdx.x - off] : 0;
@@ -4636,11 +4643,15 @@ __global__ void lovasz_walk_kernel(const unsigned long long *keys, size_t span,
             before[threadIdx.x] += v;
             __syncthreads();
         }
-        if (j < n) {
-            const unsigned F = F0 + before[threadIdx.x] - in_class;
-            const double w = lovasz_weight(G, F, (double)j - F, in_class);
+        unsigned F = F0 + before[threadIdx.x] - mine;
+        for (int q = 0; q < LOVASZ_WALK_ITEMS && first + q < n; q++) {
+            const unsigned long long key = kk[first + q];
+            const uint32_t i = (uint32_t)key;
+            const int in_class = lab[i] == (int32_t)c;
+            const double w = lovasz_weight(G, F, (double)(first + q) - F, in_class);
             acc += lovasz_key_error(key) * w;
             dl[((size_t)g * per + i) * K + c] = (float)(in_class ? -w : w);
+            F += in_class;
         }
         F0 += before[BLOCK - 1];
         __syncthreads();
@@ -4659,7 +4670,9 @@ __global__ void lovasz_coefs_kernel(int groups, int K, const float *seg, const f
         total += lovasz_coefs(seg + (size_t)g * 2 * K, w, K, scale, coef + (size_t)g * K);
     *loss += (float)total;
 }
-// blockIdx.y: the group, whose `per` rows the x blocks stride over
+// blockIdx.y: the group, whose `per` rows the x blocks stride over. p_k·(d_k - Σ_j p_j·d_j) as
+// p_k·(d_k·Σ_j p_j - Σ_j p_j·d_j) = p_k·Σ_j p_j·(d_k - d_j) in fp64: where p_k is near 1 the
+// difference is far below d_k, and fp32 p summing to 1 ± K ulp would swamp it
 __global__ void lovasz_grad_kernel(const void *z, DType dt, const int32_t *labels, int K,
                                    size_t per, const float *stats, const float *dl,
                                    const float *coefs, const float *grad_scale, void *dz,
@@ -4671,21 +4684,22 @@ __global__ void lovasz_grad_kernel(const void *z, DType dt, const int32_t *label
         const size_t r = blockIdx.y * per + i, base = r * (size_t)K;
         const int32_t y = labels[r];
         if (y < 0 || y >= K) continue;
-        float pd = 0.0f;
-        for (int c = 0; c < K; c++)
-            if (coef[c] != 0.0f)
-                pd += expf(ld(z, dt, base + c) - stats[2 * r]) * stats[2 * r + 1] * coef[c] *
-                      dl[base + c];
+        double ps = 0.0, pd = 0.0;
         for (int c = 0; c < K; c++) {
-            const float p = expf(ld(z, dt, base + c) - stats[2 * r]) * stats[2 * r + 1];
-            const float d = coef[c] != 0.0f ? coef[c] * dl[base + c] : 0.0f;
-            st(dz, dt_grad, base + c, ld(dz, dt_grad, base + c) + p * (d - pd) * scale);
+            const double p = expf(ld(z, dt, base + c) - stats[2 * r]) * stats[2 * r + 1];
+            ps += p;
+            if (coef[c] != 0.0f) pd += p * ((double)coef[c] * dl[base + c]);
+        }
+        for (int c = 0; c < K; c++) {
+            const double p = expf(ld(z, dt, base + c) - stats[2 * r]) * stats[2 * r + 1];
+            const double d = coef[c] != 0.0f ? (double)coef[c] * dl[base + c] : 0.0;
+            st(dz, dt_grad, base + c, ld(dz, dt_grad, base + c) + (float)(p * (d * ps - pd) * scale));
         }
     }
 }
 static void lovasz_cuda(Ops *o, Tensor logits, const int32_t *labels, int groups, float scale,
-                        const float *class_weights, const float *grad_scale, void *ws,
-                        float *loss, Tensor dlogits) {
+                        const float *class_weights, const float *grad_scale, void *ws, float *loss,
+                        Tensor dlogits) {
     const int K = logits.shape.c;
     const size_t rows = shape_numel(logits.shape) / K, per = rows / (size_t)groups;
     require_below(per, (size_t)1 << 32, "pixels of a lovasz group");
@@ -4696,8 +4710,8 @@ static void lovasz_cuda(Ops *o, Tensor logits, const int32_t *labels, int groups
     while (((size_t)1 << span_log2) < w.span) span_log2++;
     if (rows) {
         CU_LAUNCH(row_softmax_stats_kernel, grid_for(rows), BLOCK, 0, stream_of(o),
-                  moves(bytes_of(logits) + rows * 2 * sizeof(float)), logits.data, logits.dtype,
-                  K, rows, w.rows);
+                  moves(bytes_of(logits) + rows * 2 * sizeof(float)), logits.data, logits.dtype, K,
+                  rows, w.rows);
         launchCheck();
     }
     CU_LAUNCH(lovasz_keys_kernel, grid_for(n), BLOCK, 0, stream_of(o),

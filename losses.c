@@ -117,13 +117,13 @@ static int key_order(const void *a, const void *b) {
 }
 
 static void lovasz_ref(Ops *o, Tensor logits, const int32_t *labels, int groups, float scale,
-                       const float *class_weights, const float *grad_scale, void *ws,
-                       float *loss, Tensor dlogits) {
+                       const float *class_weights, const float *grad_scale, void *ws, float *loss,
+                       Tensor dlogits) {
     (void)o;
     const int K = logits.shape.c;
     const size_t rows = shape_numel(logits.shape) / K, per = rows / (size_t)groups;
     const LovaszWs w = lovasz_ws(ws, groups, per, K);
-    #pragma omp parallel for schedule(dynamic) if(PAR(rows * K))
+#pragma omp parallel for schedule(dynamic) if (PAR(rows * K))
     for (int s = 0; s < groups * K; s++) {
         const int g = s / K, c = s % K;
         uint64_t *keys = w.keys + (size_t)s * w.span;
@@ -157,7 +157,7 @@ static void lovasz_ref(Ops *o, Tensor logits, const int32_t *labels, int groups,
     *loss += (float)total;
     if (!dlogits.data) return;
     const float gscale = *grad_scale;
-    #pragma omp parallel for schedule(static) if(PAR(rows * K))
+#pragma omp parallel for schedule(static) if (PAR(rows * K))
     for (size_t r = 0; r < rows; r++) {
         const int32_t y = labels[r];
         if (y < 0 || y >= K) continue;
@@ -168,7 +168,8 @@ static void lovasz_ref(Ops *o, Tensor logits, const int32_t *labels, int groups,
             d[c] = coef[c] != 0.0f ? (double)coef[c] * w.dl[r * K + c] : 0.0;
             pd += p[c] * d[c];
         }
-        for (int c = 0; c < K; c++) st_acc(dlogits, r * K + c, (float)(p[c] * (d[c] - pd) * gscale), 1);
+        for (int c = 0; c < K; c++)
+            st_acc(dlogits, r * K + c, (float)(p[c] * (d[c] - pd) * gscale), 1);
     }
 }
 

@@ -447,16 +447,19 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
         return -1;
     }
     if (loss_group_name(&c->loss) && !t->segmentation) {
-        snprintf(err, SN_ERR_MAX, "--loss %s: dice, jaccard, tversky and lovasz are region "
-                 "losses of segmentation; model '%s' is a classifier", loss_group_name(&c->loss),
-                 c->model.model);
+        snprintf(err, SN_ERR_MAX,
+                 "--loss %s: dice, jaccard, tversky and lovasz are region "
+                 "losses of segmentation; model '%s' is a classifier",
+                 loss_group_name(&c->loss), c->model.model);
         return -1;
     }
     // lovasz over the batch sorts all its pixels together: one sort per micro-batch and replica
     // would be another loss (not built: gathering the errors of all of them)
     if (loss_has(&c->loss, LOSS_LOVASZ) && !c->loss.per_image && (R > 1 || c->accum > 1)) {
-        snprintf(err, SN_ERR_MAX, "--loss lovasz over the global batch needs it whole in one "
-                 "step (%s): add --loss-per-image", R > 1 ? "--replicas" : "--accum");
+        snprintf(err, SN_ERR_MAX,
+                 "--loss lovasz over the global batch needs it whole in one "
+                 "step (%s): add --loss-per-image",
+                 R > 1 ? "--replicas" : "--accum");
         return -1;
     }
     if (train) {
@@ -523,9 +526,9 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
         }
     }
     if (loss_has(l, LOSS_LOVASZ)) {
-        t->lovasz_ws = o->alloc(o, lovasz_ws_bytes(l->per_image ? in.n : 1,
-                                                   (size_t)in.h * in.w * (l->per_image ? 1 : in.n),
-                                                   t->K));
+        t->lovasz_ws =
+                o->alloc(o, lovasz_ws_bytes(l->per_image ? in.n : 1,
+                                            (size_t)in.h * in.w * (l->per_image ? 1 : in.n), t->K));
         if (!t->lovasz_ws) {
             snprintf(err, SN_ERR_MAX, "out of %s memory for the lovasz loss's sort", o->name);
             return -1;
@@ -570,7 +573,7 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
         const float f = l->kind[j] == LOSS_FOCAL ? l->focal_alpha / (float)t->K : 1.0f;
         for (int k = 0; k < t->K; k++)
             w[k] = loss_is_group(l->kind[j]) ? c->class_weights[k]
-                                              : l->weight[j] * f * c->class_weights[k];
+                                             : l->weight[j] * f * c->class_weights[k];
         o->upload(o, t->class_weights + (size_t)j * t->K, w, sizeof(float) * t->K);
     }
     o->upload(o, t->class_weights + (size_t)l->n * t->K, c->class_weights, sizeof(float) * t->K);
@@ -2919,9 +2922,7 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
             (loss_has_region(&loss) ? sizeof(float) * (3 * K * (groups > 2 ? groups : 2) +
                                                        2 * K * groups + 1 + 2 * labels)
                                     : 0) +
-            (loss_has(&loss, LOSS_LOVASZ)
-                     ? lovasz_ws_bytes((int)groups, labels / groups, K)
-                     : 0) +
+            (loss_has(&loss, LOSS_LOVASZ) ? lovasz_ws_bytes((int)groups, labels / groups, K) : 0) +
             sizeof(StepArgs) + sizeof(StepState) +
             // the last: Trainer.nonfinite
             sizeof(uint64_t) * (size_t)g->n_layers + sizeof(int32_t);

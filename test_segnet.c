@@ -3888,8 +3888,7 @@ TEST(loss_region_two_pixels) {
 // |[y=c] - p_c| (ties by index) found by selection, the Jaccard set function
 // f(A) = 1 - (G - |A ∩ c|)/(G + |A \ c|) evaluated on each prefix A of that order, and
 // L_c = Σ_j e_(j)·(f(A_j) - f(A_(j-1))); then Σ w_c·L_c / Σ w_c over the classes present
-static double lovasz_loss_f64(const double *z, const int32_t *y, size_t M, int K,
-                              const float *w) {
+static double lovasz_loss_f64(const double *z, const int32_t *y, size_t M, int K, const float *w) {
     double *e = malloc(sizeof(double) * M), vsum = 0.0, wsum = 0.0;
     char *used = malloc(M);
     for (int c = 0; c < K; c++) {
@@ -3956,8 +3955,8 @@ TEST(loss_lovasz_by_hand) {
                    "three pixels");
         const float crisp[8] = {-20, 20, 20, -20, 20, -20, 20, -20};
         const int32_t yc[4] = {1, 1, 0, 0};
-        CHECK_NEAR(lovasz_term(shape4(1, 2, 2, 2), crisp, yc, 1, 1.0f, ones, dz), 5.0 / 12.0,
-                   1e-7, "crisp: 1 - IoU");
+        CHECK_NEAR(lovasz_term(shape4(1, 2, 2, 2), crisp, yc, 1, 1.0f, ones, dz), 5.0 / 12.0, 1e-7,
+                   "crisp: 1 - IoU");
     }
     enum { K = 4, N = 3, H = 4, W = 5, M = N * H * W };
     const Shape s = shape4(N, H, W, K);
@@ -3968,7 +3967,7 @@ TEST(loss_lovasz_by_hand) {
     for (int i = 0; i < M * K; i++) zd[i] = z[i];
     int32_t y[M];
     for (int i = 0; i < M; i++) y[i] = (int32_t)(rng_next(&r) % (K - 1));  // class 3 absent
-    for (int i = 2 * M / 3; i < M; i++) y[i] = y[i] == 2 ? 1 : y[i];    // 2 absent from image 2
+    for (int i = 2 * M / 3; i < M; i++) y[i] = y[i] == 2 ? 1 : y[i];  // 2 absent from image 2
     y[5] = SN_LABEL_IGNORED;
     y[7] = K;  // out of range: takes no part
     const float weights[2][K] = {{1, 1, 1, 1}, {0.0f, 0.1f, 0.45f, 0.45f}};
@@ -3982,12 +3981,12 @@ TEST(loss_lovasz_by_hand) {
         double v_ = 0.0;                                                                           \
         for (int g_ = 0; g_ < groups; g_++)                                                        \
             v_ += lovasz_loss_f64(zd + g_ * per * K, y + g_ * per, per, K, w);                     \
-        scale * v_;                                                                                \
+        scale *v_;                                                                                 \
     })
             memset(dz, 0, sizeof dz);
             const double got = lovasz_term(s, z, y, groups, scale, w, dz), want = REF_LOSS();
-            CHECK(fabs(got - want) <= 1e-6 * fabs(want), "w%d per_image %d: loss %.9g, formula %.9g",
-                  wi, per_image, got, want);
+            CHECK(fabs(got - want) <= 1e-6 * fabs(want),
+                  "w%d per_image %d: loss %.9g, formula %.9g", wi, per_image, got, want);
             double worst = 0.0, largest = 0.0;
             for (int i = 0; i < M * K; i++) {
                 const double keep = zd[i], h = 1e-6;
@@ -4111,7 +4110,8 @@ TEST(parity_live_smp_losses) {
         float dz[M * K] = {0};
         const int groups = per_image ? N : 1;
         const double got =
-                lovasz ? lovasz_term(shape4(N, H, W, K), z, y, groups, 1.0f / groups, weights[0], dz)
+                lovasz ? lovasz_term(shape4(N, H, W, K), z, y, groups, 1.0f / groups, weights[0],
+                                     dz)
                        : region_term(shape4(N, H, W, K), z, y, &l, weights[wi], groups, dz);
         double largest = 0.0, e = 0.0;
         for (int i = 0; i < M * K; i++) {
@@ -4130,7 +4130,8 @@ TEST(parity_live_smp_losses) {
     if (f) fclose(f);
     unlink(in);
     unlink(out);
-    printf("    smp DiceLoss/JaccardLoss/TverskyLoss/LovaszLoss, %d cases: loss %.2g, gradient %.2g "
+    printf("    smp DiceLoss/JaccardLoss/TverskyLoss/LovaszLoss, %d cases: loss %.2g, gradient "
+           "%.2g "
            "(relative)\n",
            CASES, worst_loss, worst_grad);
     free(z);
@@ -4425,12 +4426,15 @@ TEST(cuda_region_losses) {
         }
 }
 // lovasz against the CPU op: K = 1, 2, 3, 5, over the batch and per image, a class weight 0,
-// invalid labels, the gradient added into nonzero values; groups of 899 pixels (one sort
+// invalid labels, the gradient added into values below its own (~1/pixels)); groups of 899 pixels (one sort
 // tile) and of 2,697 and 5,250 (spans of 4,096 and 8,192: the network's stages across
 // tiles). Both sort errors from the same fp32 softmax: emulated, the same order. A GPU's
 // expf may differ from the host's by an ulp and swap two errors that close: the large
-// groups label one pixel in 8 (~650 a class), making such a pair unlikely. Tolerances: the
-// loss 1e-6 relative (fp64 sums in another order), the gradient as region_grad's.
+// groups label one pixel in 8 (~650 a class), making such a pair unlikely, but for K = 2,
+// whose pixels are all labelled (the walk's chunks of 2,048 carried over) and whose
+// z_1 - z_0 are a shuffled grid -4 + 8(m + 1/4)/pixels: two errors p and 1 - p' are never
+// within 1e-5. Tolerances: the loss 1e-6 relative (fp64 sums in another order), the
+// gradient as region_grad's.
 TEST(cuda_lovasz) {
     Ops *o = cu_ops();
     Rng r;
@@ -4446,11 +4450,25 @@ TEST(cuda_lovasz) {
                 const int groups = per_image ? s.n : 1;
                 const size_t rows = shape_numel(s) / K, per = rows / groups;
                 float *z = randn(&r, shape_numel(s), 2.0f),
-                      *before = randn(&r, shape_numel(s), 0.1f), w[5];
+                      *before = randn(&r, shape_numel(s), 1e-6f), w[5];
                 for (int c = 0; c < K; c++) w[c] = c == 1 ? 0.0f : 0.5f + rng_float(&r);
                 int32_t *y = cu_labels(&r, rows, K), *y_gpu = o->alloc(o, sizeof(int32_t) * rows);
-                for (size_t i = 0; i < rows && per > LOVASZ_SORT_TILE; i++)
+                const int sparse = per > LOVASZ_SORT_TILE && K != 2, dense = per > LOVASZ_SORT_TILE && K == 2;
+                for (size_t i = 0; i < rows && sparse; i++)
                     if (i % 8) y[i] = SN_LABEL_IGNORED;
+                // dense, K = 2: the pixels' z_1 - z_0 a shuffled grid (see above)
+                size_t *at = dense ? malloc(sizeof(size_t) * rows) : NULL;
+                for (size_t i = 0; dense && i < rows; i++) at[i] = i;
+                for (size_t i = rows; dense && i > 1; i--) {
+                    const size_t j = rng_next(&r) % i, keep = at[i - 1];
+                    at[i - 1] = at[j];
+                    at[j] = keep;
+                }
+                for (size_t i = 0; dense && i < rows; i++) {
+                    z[2 * i] = 0.0f;
+                    z[2 * i + 1] = -4.0f + 8.0f * ((float)at[i] + 0.25f) / (float)rows;
+                }
+                free(at);
                 o->upload(o, y_gpu, y, sizeof(int32_t) * rows);
                 const float scale = 4.0f, term = 0.7f / (float)groups;
                 const size_t ws_bytes = lovasz_ws_bytes(groups, per, K);
@@ -4461,8 +4479,7 @@ TEST(cuda_lovasz) {
                     CuPair t = cu_pair(z, s, (DType)a), dz = cu_pair(before, s, (DType)a);
                     float loss = 0.25f, gloss = 0.25f;
                     o->upload(o, loss_gpu, &loss, sizeof loss);
-                    ops_cpu.lovasz(&ops_cpu, t.cpu, y, groups, term, w, &scale, ws, &loss,
-                                   dz.cpu);
+                    ops_cpu.lovasz(&ops_cpu, t.cpu, y, groups, term, w, &scale, ws, &loss, dz.cpu);
                     o->lovasz(o, t.gpu, y_gpu, groups, term, w_gpu, scale_gpu, ws_gpu, loss_gpu,
                               dz.gpu);
                     o->download(o, &gloss, loss_gpu, sizeof gloss);
@@ -6928,14 +6945,11 @@ TEST(plan_equals_allocation) {
     // menu: the loss ce + focal + dice (1: over the batch, 2: per image, + lovasz) and
     // --iou-per-image; 3: ce + lovasz over the batch
     struct { const char *model; int size, batch; DType dt; int ckpt, freeze, accum, menu;
-    } cases[] = {{"unet", 16, 4, DT_F32, 0, 0, 1, 0},
-                 {"unet", 16, 2, DT_F16, 1, 0, 2, 0},
-                 {"effv2-t", 32, 4, DT_BF16, 1, 1, 1, 0},
-                 {"effv2-t", 32, 3, DT_F32, 0, 0, 1, 0},
-                 {"unet-effv2-t", 32, 2, DT_F32, 1, 0, 1, 0},
-                 {"unet", 16, 4, DT_F32, 0, 0, 2, 1},
-                 {"unet", 16, 3, DT_F32, 0, 0, 1, 2},
-                 {"unet", 16, 3, DT_F32, 0, 0, 1, 3}};
+    } cases[] = {
+            {"unet", 16, 4, DT_F32, 0, 0, 1, 0},         {"unet", 16, 2, DT_F16, 1, 0, 2, 0},
+            {"effv2-t", 32, 4, DT_BF16, 1, 1, 1, 0},     {"effv2-t", 32, 3, DT_F32, 0, 0, 1, 0},
+            {"unet-effv2-t", 32, 2, DT_F32, 1, 0, 1, 0}, {"unet", 16, 4, DT_F32, 0, 0, 2, 1},
+            {"unet", 16, 3, DT_F32, 0, 0, 1, 2},         {"unet", 16, 3, DT_F32, 0, 0, 1, 3}};
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         TrainCfg c = tiny_seg_cfg(NULL, NULL);
         if (cases[k].menu) {
@@ -6946,7 +6960,8 @@ TEST(plan_equals_allocation) {
             c.iou_per_image = 1;
             if (cases[k].menu == 2) {
                 c.loss.n = 4;
-                c.loss.kind[3] = LOSS_LOVASZ; c.loss.weight[3] = 1.0f;
+                c.loss.kind[3] = LOSS_LOVASZ;
+                c.loss.weight[3] = 1.0f;
             }
             if (cases[k].menu == 3) {
                 c.loss.n = 2;
@@ -8145,11 +8160,11 @@ TEST(replicas_sync_bn_deep_cli) { sync_bn_deep_cli("./segnet", " --replicas 2");
 
 // The loss menu over replicas: ce+dice (dice's sums exchanged between the
 // forward and the backward), dice per image, ce+dice over 2 micro-batches
-// (region_presum), and lovasz per image (with ce, and over 2 micro-batches), --replicas 2 against one replica, 5 images in batches of 4
-// (the last batch leaves one replica empty, in training and in validation): the
-// first epoch's gradients (Adam's first moment at --lr 0) within 1e-6 (rel. L2) and
-// val_loss within 1e-6 relative, as
-// replicas_sync_bn_deep_cli (fp32 sums in another order).
+// (region_presum), and lovasz per image (with ce, and over 2 micro-batches),
+// --replicas 2 against one replica, 5 images in batches of 4 (the last batch
+// leaves one replica empty, in training and in validation): the first epoch's
+// gradients (Adam's first moment at --lr 0) within 1e-6 (rel. L2) and val_loss
+// within 1e-6 relative, as replicas_sync_bn_deep_cli (fp32 sums in another order).
 TEST(replicas_loss_menu_cli) {
     const char *data = "/tmp/segnet_test_reploss",
                *runs[2] = {"/tmp/segnet_test_reploss_1", "/tmp/segnet_test_reploss_2"};
@@ -11972,8 +11987,10 @@ TEST(train_loss_cli) {
             {"--loss 0*dice", "W > 0", 2},
             {"--loss hinge", "NAME one of ce, focal, dice, jaccard, tversky, lovasz", 2},
             {"--loss lovasz", "", 0},
-            {"--loss lovasz --replicas 2", "over the global batch needs it whole in one step "
-                                           "(--replicas): add --loss-per-image", 1},
+            {"--loss lovasz --replicas 2",
+             "over the global batch needs it whole in one step "
+             "(--replicas): add --loss-per-image",
+             1},
             {"--loss ce+lovasz --accum 2", "(--accum): add --loss-per-image", 1},
             {"--loss lovasz --loss-smooth 1", "--loss-smooth applies to", 2},
             {"--loss 'ce+'", "", 0},  // a trailing + adds no term: ce alone
