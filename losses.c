@@ -102,13 +102,14 @@ static void region_grad_ref(Ops *o, Tensor logits, const int32_t *labels, int gr
 //   L_c += e_(j)·lovasz_weight(G, F, B, [y = c]),  ∂L_c/∂p_ic = ∓ that weight
 // then the group's weighted mean (lovasz_coefs) and the softmax's chain rule.
 
-// p_c of row r in fp32 as the CUDA op computes it (row_softmax_stats_kernel, lovasz_keys_kernel),
-// so that both sort the same keys
-static float softmax_f32(Tensor logits, size_t r, int K, int c) {
+// p (K) of row r in fp32 as the CUDA op computes it (row_softmax_stats_kernel,
+// lovasz_keys_kernel), so that both sort the same keys
+static void softmax_row_f32(Tensor logits, size_t r, int K, float *p) {
     float zmax = -INFINITY, sum = 0.0f;
     for (int k = 0; k < K; k++) zmax = fmaxf(zmax, ld(logits, r * K + k));
     for (int k = 0; k < K; k++) sum += expf(ld(logits, r * K + k) - zmax);
-    return expf(ld(logits, r * K + c) - zmax) * (1.0f / sum);
+    const float inv = 1.0f / sum;
+    for (int k = 0; k < K; k++) p[k] = expf(ld(logits, r * K + k) - zmax) * inv;
 }
 
 static int key_order(const void *a, const void *b) {
@@ -123,6 +124,9 @@ static void lovasz_ref(Ops *o, Tensor logits, const int32_t *labels, int groups,
     const int K = logits.shape.c;
     const size_t rows = shape_numel(logits.shape) / K, per = rows / (size_t)groups;
     const LovaszWs w = lovasz_ws(ws, groups, per, K);
+    // the probabilities into dl first: a (group, class) reads its column, then writes it
+#pragma omp parallel for schedule(static) if (PAR(rows * K))
+    for (size_t r = 0; r < rows; r++) softmax_row_f32(logits, r, K, w.dl + r * K);
 #pragma omp parallel for schedule(dynamic) if (PAR(rows * K))
     for (int s = 0; s < groups * K; s++) {
         const int g = s / K, c = s % K;
@@ -132,7 +136,7 @@ static void lovasz_ref(Ops *o, Tensor logits, const int32_t *labels, int groups,
         for (size_t i = 0; i < per; i++) {
             const int32_t y = labels[g * per + i];
             if (y < 0 || y >= K) continue;
-            const float p = softmax_f32(logits, g * per + i, K, c);
+            const float p = w.dl[(g * per + i) * K + c];
             keys[n++] = lovasz_key(y == c ? 1.0f - p : p, (uint32_t)i);
             G += y == c;
         }

@@ -85,10 +85,10 @@ static inline SN_HD double xent_clip(double nll, XentClip c, int *flat) {
 //   segmentation_models_pytorch's weighted mean, a class absent from the group adding 0;
 //   the term is the mean of L over the step's groups (Ops.region_grad).
 // lovasz (Berman et al. 2018, Lovász-softmax; Ops.lovasz), over a group's valid pixels:
-//   e_i = |[y_i = c] - p_ic| sorted in decreasing order (ties by pixel index), F_j and B_j
-//   the class's and the other pixels before position j, G = F + the rest of the class:
-//   L_c = Σ_j e_(j)·(J(j) - J(j-1)), J(j) = 1 - (G - F_(j+1))/(G + B_(j+1)), J(-1) = 0:
-//   the Jaccard loss's Lovász extension (1 - IoU of the crisp prediction where e is 0 or 1);
+//   e_i = |[y_i = c] - p_ic| sorted in decreasing order (ties by pixel index), G the pixels
+//   of class c, and J(j) = 1 - (G - F)/(G + B) with F, B the pixels of c and of the other
+//   classes in positions 0..j (J(-1) = 0): L_c = Σ_j e_(j)·(J(j) - J(j-1)), the Jaccard
+//   loss's Lovász extension (1 - IoU of the crisp prediction where every e is 0 or 1);
 //   the group's L = Σ_c w_c·L_c / Σ_c w_c over the classes present (G > 0), 0 if none:
 //   segmentation_models_pytorch's LovaszLoss (multiclass, classes "present").
 typedef enum {
