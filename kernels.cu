@@ -4521,10 +4521,11 @@ static void region_grad_cuda(Ops *o, Tensor logits, const int32_t *labels, int g
 // lovasz (lovasz_ref states it): each row's max and 1/Σexp (row_softmax_stats_kernel),
 // a sort key per (group, class, pixel) padded to a power of two per (group, class),
 // the keys sorted by a bitonic network (each span's own ascending order: the
-// direction bit of stage k is bit k of the position inside the span), then one
-// block per (group, class) walks its order in chunks of BLOCK: a scan of the
-// class's pixels gives F and B at each position, hence its weight, its error's
-// part of L_c and ∂L_c/∂p. The coefficients in one thread, the gradient a thread a row.
+// direction bit of stage k is bit k of the position inside the span), then the
+// walk: a block per chunk of LOVASZ_SORT_TILE sorted positions, F at the chunk's
+// start from a scan of the chunks' counts of the class's pixels, F and B at each
+// position hence its weight, its error's part of L_c and ∂L_c/∂p. The coefficients
+// in one thread, the gradient a thread a row.
 
 // the keys of span-long runs (group, class); a position past `per`, or a pixel without a label
 // in 0..K-1, gets LOVASZ_PAD
@@ -4602,72 +4603,102 @@ static void bitonic_sort(Ops *o, unsigned long long *keys, size_t n, size_t span
     }
 }
 
-// block s = (group g, class c): G and the valid keys' count n, then the walk down the order in
-// chunks of BLOCK·LOVASZ_WALK_ITEMS positions, LOVASZ_WALK_ITEMS consecutive ones a thread: a
-// scan of the threads' counts of the class's pixels gives each thread F at its first position
-#define LOVASZ_WALK_ITEMS 8
-__global__ void lovasz_walk_kernel(const unsigned long long *keys, size_t span,
-                                   const int32_t *labels, int K, size_t per, float *dl,
-                                   float *seg) {
+// The walk in chunks of LOVASZ_SORT_TILE positions, a block each, LOVASZ_WALK_ITEMS
+// consecutive positions a thread: the class's pixels counted per chunk, those counts
+// scanned per (group, class) into each chunk's F at its start and G, then each chunk's
+// weights (a scan of its threads' counts gives each thread F at its first position) and
+// its part of L_c, added per class in chunk order by the coefficients' thread.
+#define LOVASZ_WALK_ITEMS (LOVASZ_SORT_TILE / BLOCK)
+// the pixels of class c at the thread's positions of chunk `chunk` (c: the chunk's class)
+static __device__ unsigned lovasz_in_class(const unsigned long long *keys, size_t chunk,
+                                           int span_log2, const int32_t *labels, int K,
+                                           size_t per) {
+    const size_t first = chunk * LOVASZ_SORT_TILE + (size_t)threadIdx.x * LOVASZ_WALK_ITEMS;
+    const unsigned s = (unsigned)(first >> span_log2), g = s / (unsigned)K, c = s % (unsigned)K;
+    unsigned in = 0;
+    for (int q = 0; q < LOVASZ_WALK_ITEMS; q++) {
+        const unsigned long long key = keys[first + q];
+        in += key != LOVASZ_PAD && labels[g * per + (uint32_t)key] == (int32_t)c;
+    }
+    return in;
+}
+__global__ void lovasz_count_kernel(const unsigned long long *keys, int span_log2,
+                                    const int32_t *labels, int K, size_t per, uint32_t *counts) {
+    CU_SHARED(unsigned, part, [BLOCK]);
+    part[threadIdx.x] = lovasz_in_class(keys, blockIdx.x, span_log2, labels, K, per);
+    __syncthreads();
+    for (unsigned s = BLOCK / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) counts[blockIdx.x] = part[0];
+}
+// a thread a (group, class): its chunks' counts into their exclusive prefix sums, G into seg_in
+__global__ void lovasz_offsets_kernel(uint32_t *counts, size_t chunks_per_seg, size_t segs,
+                                      uint32_t *seg_in) {
+    for (size_t s = blockIdx.x * (size_t)blockDim.x + threadIdx.x; s < segs;
+         s += (size_t)blockDim.x * gridDim.x) {
+        uint32_t sum = 0;
+        for (size_t k = s * chunks_per_seg; k < (s + 1) * chunks_per_seg; k++) {
+            const uint32_t c = counts[k];
+            counts[k] = sum;
+            sum += c;
+        }
+        seg_in[s] = sum;
+    }
+}
+__global__ void lovasz_walk_kernel(const unsigned long long *keys, int span_log2,
+                                   const int32_t *labels, int K, size_t per,
+                                   const uint32_t *offsets, const uint32_t *seg_in, float *dl,
+                                   double *chunk_loss) {
     CU_SHARED(unsigned, before, [BLOCK]);
     CU_SHARED(double, sh, [BLOCK * REDUCE_WIDTH]);
-    constexpr size_t CHUNK = (size_t)BLOCK * LOVASZ_WALK_ITEMS;
-    const unsigned s = blockIdx.x, g = s / (unsigned)K, c = s % (unsigned)K;
-    const unsigned long long *kk = keys + (size_t)s * span;
-    const int32_t *lab = labels + (size_t)g * per;
-    unsigned in = 0, valid = 0;  // the valid keys come first
-    for (size_t j = threadIdx.x; j < per; j += BLOCK) {
-        const unsigned long long key = kk[j];
-        if (key == LOVASZ_PAD) break;
-        valid++;
-        in += lab[(uint32_t)key] == (int32_t)c;
+    const size_t chunk = blockIdx.x, at = chunk * LOVASZ_SORT_TILE, span = (size_t)1 << span_log2;
+    const unsigned s = (unsigned)(at >> span_log2), g = s / (unsigned)K, c = s % (unsigned)K;
+    const unsigned G = seg_in[s];
+    const unsigned mine = G ? lovasz_in_class(keys, chunk, span_log2, labels, K, per) : 0;
+    before[threadIdx.x] = mine;
+    __syncthreads();
+    for (unsigned off = 1; off < BLOCK; off <<= 1) {  // inclusive scan (Hillis-Steele)
+        const unsigned v = threadIdx.x >= off ? before[threadIdx.x - off] : 0;
+        __syncthreads();
+        before[threadIdx.x] += v;
+        __syncthreads();
     }
-    sh[threadIdx.x * REDUCE_WIDTH] = in;
-    sh[threadIdx.x * REDUCE_WIDTH + 1] = valid;
-    block_sum_tree(sh, 2);
-    const unsigned G = (unsigned)sh[0];
-    const size_t n = G ? (size_t)sh[1] : 0;  // an absent class: no loss, no gradient
-    __syncthreads();  // sh is written again below
+    unsigned F = offsets[chunk] + before[threadIdx.x] - mine;
+    const size_t first = (at & (span - 1)) + (size_t)threadIdx.x * LOVASZ_WALK_ITEMS;
     double acc = 0.0;
-    unsigned F0 = 0;  // the class's pixels before the chunk
-    for (size_t j0 = 0; j0 < n; j0 += CHUNK) {
-        const size_t first = j0 + (size_t)threadIdx.x * LOVASZ_WALK_ITEMS;
-        unsigned mine = 0;
-        for (int q = 0; q < LOVASZ_WALK_ITEMS && first + q < n; q++)
-            mine += lab[(uint32_t)kk[first + q]] == (int32_t)c;
-        before[threadIdx.x] = mine;
-        __syncthreads();
-        for (unsigned off = 1; off < BLOCK; off <<= 1) {  // inclusive scan (Hillis-Steele)
-            const unsigned v = threadIdx.x >= off ? before[threadIdx.x - off] : 0;
-            __syncthreads();
-            before[threadIdx.x] += v;
-            __syncthreads();
-        }
-        unsigned F = F0 + before[threadIdx.x] - mine;
-        for (int q = 0; q < LOVASZ_WALK_ITEMS && first + q < n; q++) {
-            const unsigned long long key = kk[first + q];
-            const uint32_t i = (uint32_t)key;
-            const int in_class = lab[i] == (int32_t)c;
-            const double w = lovasz_weight(G, F, (double)(first + q) - F, in_class);
-            acc += lovasz_key_error(key) * w;
-            dl[((size_t)g * per + i) * K + c] = (float)(in_class ? -w : w);
-            F += in_class;
-        }
-        F0 += before[BLOCK - 1];
-        __syncthreads();
+    for (int q = 0; q < LOVASZ_WALK_ITEMS && G; q++) {
+        const unsigned long long key = keys[at + (size_t)threadIdx.x * LOVASZ_WALK_ITEMS + q];
+        if (key == LOVASZ_PAD) break;  // the valid keys come first
+        const uint32_t i = (uint32_t)key;
+        const int in_class = labels[g * per + i] == (int32_t)c;
+        const double w = lovasz_weight(G, F, (double)(first + q) - F, in_class);
+        acc += lovasz_key_error(key) * w;
+        dl[((size_t)g * per + i) * K + c] = (float)(in_class ? -w : w);
+        F += in_class;
     }
     sh[threadIdx.x * REDUCE_WIDTH] = acc;
     block_sum_tree(sh, 1);
-    if (threadIdx.x == 0) {
-        seg[(size_t)g * 2 * K + c] = (float)sh[0];
-        seg[(size_t)g * 2 * K + K + c] = (float)G;
-    }
+    if (threadIdx.x == 0) chunk_loss[chunk] = sh[0];
 }
-__global__ void lovasz_coefs_kernel(int groups, int K, const float *seg, const float *w,
-                                    float scale, float *coef, float *loss) {
+// L_c of each (group, class) from its chunks in order, G_c, then the groups' coefficients
+__global__ void lovasz_coefs_kernel(int groups, int K, size_t chunks_per_seg,
+                                    const double *chunk_loss, const uint32_t *seg_in, float *seg,
+                                    const float *w, float scale, float *coef, float *loss) {
     double total = 0.0;
-    for (int g = 0; g < groups; g++)
-        total += lovasz_coefs(seg + (size_t)g * 2 * K, w, K, scale, coef + (size_t)g * K);
+    for (int g = 0; g < groups; g++) {
+        float *sg = seg + (size_t)g * 2 * K;
+        for (int c = 0; c < K; c++) {
+            const size_t s = (size_t)g * K + c;
+            double L = 0.0;
+            for (size_t k = s * chunks_per_seg; k < (s + 1) * chunks_per_seg; k++)
+                L += chunk_loss[k];
+            sg[c] = (float)L;
+            sg[K + c] = (float)seg_in[s];
+        }
+        total += lovasz_coefs(sg, w, K, scale, coef + (size_t)g * K);
+    }
     *loss += (float)total;
 }
 // blockIdx.y: the group, whose `per` rows the x blocks stride over. p_k·(d_k - Σ_j p_j·d_j) as
@@ -4720,12 +4751,23 @@ static void lovasz_cuda(Ops *o, Tensor logits, const int32_t *labels, int groups
               logits.data, logits.dtype, labels, K, per, span_log2, n, w.rows, keys);
     launchCheck();
     bitonic_sort(o, keys, n, w.span);
-    CU_LAUNCH(lovasz_walk_kernel, groups * K, BLOCK, 0, stream_of(o),
-              moves(2.0 * n * sizeof(uint64_t) + rows * K * (2 * sizeof(int32_t) + sizeof(float))),
-              keys, w.span, labels, K, per, w.dl, w.seg);
+    const size_t chunks = n / LOVASZ_SORT_TILE, per_seg = w.span / LOVASZ_SORT_TILE,
+                 segs = (size_t)groups * K;
+    require_below(chunks, (size_t)1 << 31, "chunks of the lovasz sort");
+    const double walk_bytes = n * sizeof(uint64_t) + rows * K * sizeof(int32_t);
+    CU_LAUNCH(lovasz_count_kernel, (unsigned)chunks, BLOCK, 0, stream_of(o), moves(walk_bytes),
+              keys, span_log2, labels, K, per, w.chunk_in);
     launchCheck();
-    CU_LAUNCH(lovasz_coefs_kernel, 1, 1, 0, stream_of(o), moves(sizeof(float) * 4.0 * K * groups),
-              groups, K, w.seg, class_weights, scale, w.coef, loss);
+    CU_LAUNCH(lovasz_offsets_kernel, grid_for(segs), BLOCK, 0, stream_of(o),
+              moves(2.0 * chunks * sizeof(uint32_t)), w.chunk_in, per_seg, segs, w.seg_in);
+    launchCheck();
+    CU_LAUNCH(lovasz_walk_kernel, (unsigned)chunks, BLOCK, 0, stream_of(o),
+              moves(walk_bytes + rows * K * sizeof(float)), keys, span_log2, labels, K, per,
+              w.chunk_in, w.seg_in, w.dl, w.chunk_loss);
+    launchCheck();
+    CU_LAUNCH(lovasz_coefs_kernel, 1, 1, 0, stream_of(o),
+              moves(chunks * sizeof(double) + sizeof(float) * 4.0 * K * groups), groups, K,
+              per_seg, w.chunk_loss, w.seg_in, w.seg, class_weights, scale, w.coef, loss);
     launchCheck();
     if (!dlogits.data || !rows) return;
     const unsigned per_group = grid_for(rows) / (unsigned)groups;

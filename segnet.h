@@ -214,8 +214,10 @@ static inline SN_HD double lovasz_coefs(const float *seg, const float *w, int K,
     return scale * v / wp;
 }
 // Ops.lovasz's workspace for `groups` runs of `per` pixels of K classes: the sort keys, a
-// power of two per (group, class) (LOVASZ_SORT_TILE at least), then fp32 (pixels,K)
-// derivatives, (groups,2,K) L_c and G_c, (groups,K) coefficients, (pixels,2) row max, 1/Σexp
+// power of two per (group, class) (LOVASZ_SORT_TILE at least); per chunk of LOVASZ_SORT_TILE
+// keys an fp64 part of L_c and a count (the CUDA walk's); per (group, class) G; then fp32
+// (pixels,K) derivatives, (groups,2,K) L_c and G_c, (groups,K) coefficients, (pixels,2) row
+// max and 1/Σexp
 #define LOVASZ_SORT_TILE 2048  // keys a CUDA block sorts in shared memory (16 KiB)
 static inline size_t lovasz_span(size_t per) {
     size_t p = LOVASZ_SORT_TILE;
@@ -223,12 +225,16 @@ static inline size_t lovasz_span(size_t per) {
     return p;
 }
 static inline size_t lovasz_ws_bytes(int groups, size_t per, int K) {
-    const size_t pixels = (size_t)groups * per;
-    return sizeof(uint64_t) * (size_t)groups * K * lovasz_span(per) +
+    const size_t pixels = (size_t)groups * per, keys = (size_t)groups * K * lovasz_span(per);
+    return sizeof(uint64_t) * keys +
+           (sizeof(double) + sizeof(uint32_t)) * (keys / LOVASZ_SORT_TILE) +
+           sizeof(uint32_t) * (size_t)groups * K +
            sizeof(float) * (pixels * K + 3 * (size_t)groups * K + 2 * pixels);
 }
 typedef struct {
     uint64_t *keys;           // (groups,K,span): a class's keys in a group
+    double *chunk_loss;       // (keys / LOVASZ_SORT_TILE)
+    uint32_t *chunk_in, *seg_in;
     float *dl, *seg, *coef, *rows;
     size_t span;
 } LovaszWs;
@@ -236,7 +242,11 @@ static inline LovaszWs lovasz_ws(void *ws, int groups, size_t per, int K) {
     LovaszWs w;
     w.span = lovasz_span(per);
     w.keys = (uint64_t *)ws;
-    w.dl = (float *)(w.keys + (size_t)groups * K * w.span);
+    const size_t keys = (size_t)groups * K * w.span;
+    w.chunk_loss = (double *)(w.keys + keys);
+    w.chunk_in = (uint32_t *)(w.chunk_loss + keys / LOVASZ_SORT_TILE);
+    w.seg_in = w.chunk_in + keys / LOVASZ_SORT_TILE;
+    w.dl = (float *)(w.seg_in + (size_t)groups * K);
     w.seg = w.dl + (size_t)groups * per * K;
     w.coef = w.seg + 2 * (size_t)groups * K;
     w.rows = w.coef + (size_t)groups * K;
