@@ -4724,7 +4724,8 @@ __global__ void lovasz_grad_kernel(const void *z, DType dt, const int32_t *label
         for (int c = 0; c < K; c++) {
             const double p = expf(ld(z, dt, base + c) - stats[2 * r]) * stats[2 * r + 1];
             const double d = coef[c] != 0.0f ? (double)coef[c] * dl[base + c] : 0.0;
-            st(dz, dt_grad, base + c, ld(dz, dt_grad, base + c) + (float)(p * (d * ps - pd) * scale));
+            const float g = (float)(p * (d * ps - pd) * scale);
+            st(dz, dt_grad, base + c, ld(dz, dt_grad, base + c) + g);
         }
     }
 }

@@ -4426,12 +4426,12 @@ TEST(cuda_region_losses) {
         }
 }
 // lovasz against the CPU op: K = 1, 2, 3, 5, over the batch and per image, a class weight 0,
-// invalid labels, the gradient added into values below its own (~1/pixels)); groups of 899 pixels (one sort
-// tile) and of 2,697 and 5,250 (spans of 4,096 and 8,192: the network's stages across
-// tiles). Both sort errors from the same fp32 softmax: emulated, the same order. A GPU's
-// expf may differ from the host's by an ulp and swap two errors that close: the large
-// groups label one pixel in 8 (~650 a class), making such a pair unlikely, but for K = 2,
-// whose pixels are all labelled (the walk's chunks of 2,048 carried over) and whose
+// invalid labels, the gradient added into values below its own (~1/pixels); groups of 899
+// pixels (one sort tile) and of 2,697 and 5,250 (spans of 4,096 and 8,192: the network's
+// stages across tiles). Both sort errors from the same fp32 softmax: emulated, the same
+// order. A GPU's expf may differ from the host's by an ulp and swap two errors that close:
+// the large groups label one pixel in 8 (~650 a class), making such a pair unlikely, but for
+// K = 2, whose pixels are all labelled (the walk's chunks of 2,048 carried over) and whose
 // z_1 - z_0 are a shuffled grid -4 + 8(m + 1/4)/pixels: two errors p and 1 - p' are never
 // within 1e-5. Tolerances: the loss 1e-6 relative (fp64 sums in another order), the
 // gradient as region_grad's.
@@ -4453,7 +4453,8 @@ TEST(cuda_lovasz) {
                       *before = randn(&r, shape_numel(s), 1e-6f), w[5];
                 for (int c = 0; c < K; c++) w[c] = c == 1 ? 0.0f : 0.5f + rng_float(&r);
                 int32_t *y = cu_labels(&r, rows, K), *y_gpu = o->alloc(o, sizeof(int32_t) * rows);
-                const int sparse = per > LOVASZ_SORT_TILE && K != 2, dense = per > LOVASZ_SORT_TILE && K == 2;
+                const int large = per > LOVASZ_SORT_TILE, sparse = large && K != 2,
+                          dense = large && K == 2;
                 for (size_t i = 0; i < rows && sparse; i++)
                     if (i % 8) y[i] = SN_LABEL_IGNORED;
                 // dense, K = 2: the pixels' z_1 - z_0 a shuffled grid (see above)
