@@ -8642,9 +8642,11 @@ static void cu_graph_run(int records, double *losses, float **params, float **mo
     c.precision = DT_F16;
     c.device = DEVICE_CUDA;
     c.progress = 0;
-    c.loss.n = 3;  // every kind of term: ce, focal, and a region term (its sums and coefficients)
+    c.loss.n = 4;  // every kind of term: ce, focal, a region term (its sums and coefficients), and
+                   // lovasz (its sort)
     c.loss.kind[1] = LOSS_FOCAL; c.loss.weight[1] = 0.5f;
     c.loss.kind[2] = LOSS_DICE; c.loss.weight[2] = 1.0f;
+    c.loss.kind[3] = LOSS_LOVASZ; c.loss.weight[3] = 0.5f;
     Trainer t;
     char err[SN_ERR_MAX];
     CHECK(trainer_open(&t, &c, NULL, NULL, err) == 0, "%s", err);
