@@ -4417,6 +4417,11 @@ __global__ void row_softmax_stats_kernel(const void *z, DType dt, int K, size_t 
         stats[2 * r + 1] = 1.0f / sum;
     }
 }
+// p_c of row r from its row_softmax_stats
+static __device__ __forceinline__ float row_prob(const void *z, DType dt, const float *stats,
+                                                 size_t r, int K, int c) {
+    return expf(ld(z, dt, r * K + c) - stats[2 * r]) * stats[2 * r + 1];
+}
 struct RegionSums {
     const void *z;
     DType dt;
@@ -4433,7 +4438,7 @@ struct RegionSums {
         __device__ void add(uint32_t r, double (&acc)[1][3]) const {
             const int32_t y = labels[r];
             if (y < 0 || y >= K) return;
-            const double p = expf(ld(z, dt, (size_t)r * K + c) - stats[2 * r]) * stats[2 * r + 1];
+            const double p = row_prob(z, dt, stats, r, K, c);
             acc[0][0] += y == c ? p : 0.0;
             acc[0][1] += p;
             acc[0][2] += y == c ? 1.0 : 0.0;
@@ -4544,7 +4549,7 @@ __global__ void lovasz_keys_kernel(const void *z, DType dt, const int32_t *label
             keys[t] = LOVASZ_PAD;
             continue;
         }
-        const float p = expf(ld(z, dt, r * K + c) - stats[2 * r]) * stats[2 * r + 1];
+        const float p = row_prob(z, dt, stats, r, K, (int)c);
         keys[t] = lovasz_key(y == (int32_t)c ? 1.0f - p : p, (uint32_t)i);
     }
 }
@@ -4717,12 +4722,12 @@ __global__ void lovasz_grad_kernel(const void *z, DType dt, const int32_t *label
         if (y < 0 || y >= K) continue;
         double ps = 0.0, pd = 0.0;
         for (int c = 0; c < K; c++) {
-            const double p = expf(ld(z, dt, base + c) - stats[2 * r]) * stats[2 * r + 1];
+            const double p = row_prob(z, dt, stats, r, K, c);
             ps += p;
             if (coef[c] != 0.0f) pd += p * ((double)coef[c] * dl[base + c]);
         }
         for (int c = 0; c < K; c++) {
-            const double p = expf(ld(z, dt, base + c) - stats[2 * r]) * stats[2 * r + 1];
+            const double p = row_prob(z, dt, stats, r, K, c);
             const double d = coef[c] != 0.0f ? (double)coef[c] * dl[base + c] : 0.0;
             const float g = (float)(p * (d * ps - pd) * scale);
             st(dz, dt_grad, base + c, ld(dz, dt_grad, base + c) + g);

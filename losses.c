@@ -28,6 +28,16 @@ static void softmax_row(Tensor logits, size_t r, int K, double *p) {
     for (int c = 0; c < K; c++) p[c] /= sum;
 }
 
+// The softmax's chain rule for row r from d_k = ∂L/∂p_k: dlogits_k += p_k·(d_k - Σ_j p_j·d_j)·scale
+static void softmax_chain_add(Tensor logits, size_t r, int K, const double *d, float scale,
+                              Tensor dlogits) {
+    double p[SN_MAX_CLASSES], pd = 0.0;
+    softmax_row(logits, r, K, p);
+    for (int c = 0; c < K; c++) pd += p[c] * d[c];
+    for (int c = 0; c < K; c++)
+        st_acc(dlogits, r * K + c, (float)(p[c] * (d[c] - pd) * scale), 1);
+}
+
 // sums (groups,3,K): chunks of XENT_CHUNK rows, their partials added in chunk order
 // (deterministic for any thread count), a group of chunks at a time in REGION_PARTIALS
 // doubles on the stack (ops do not allocate)
@@ -85,14 +95,9 @@ static void region_grad_ref(Ops *o, Tensor logits, const int32_t *labels, int gr
         const int32_t y = labels[r];
         if (y < 0 || y >= K) continue;
         const float *A = coefs + r / per * 2 * K, *B = A + K;
-        double p[SN_MAX_CLASSES], pd = 0.0;
-        softmax_row(logits, r, K, p);
-        for (int c = 0; c < K; c++) pd += p[c] * B[c];
-        pd += p[y] * A[y];
-        for (int c = 0; c < K; c++) {
-            const double d = B[c] + (c == y ? A[c] : 0.0f);
-            st_acc(dlogits, r * K + c, (float)(p[c] * (d - pd) * gscale), 1);
-        }
+        double d[SN_MAX_CLASSES];
+        for (int c = 0; c < K; c++) d[c] = B[c] + (c == y ? A[c] : 0.0f);
+        softmax_chain_add(logits, r, K, d, gscale, dlogits);
     }
 }
 
@@ -166,14 +171,10 @@ static void lovasz_ref(Ops *o, Tensor logits, const int32_t *labels, int groups,
         const int32_t y = labels[r];
         if (y < 0 || y >= K) continue;
         const float *coef = w.coef + r / per * K;
-        double p[SN_MAX_CLASSES], d[SN_MAX_CLASSES], pd = 0.0;
-        softmax_row(logits, r, K, p);
-        for (int c = 0; c < K; c++) {
-            d[c] = coef[c] != 0.0f ? (double)coef[c] * w.dl[r * K + c] : 0.0;
-            pd += p[c] * d[c];
-        }
+        double d[SN_MAX_CLASSES];
         for (int c = 0; c < K; c++)
-            st_acc(dlogits, r * K + c, (float)(p[c] * (d[c] - pd) * gscale), 1);
+            d[c] = coef[c] != 0.0f ? (double)coef[c] * w.dl[r * K + c] : 0.0;
+        softmax_chain_add(logits, r, K, d, gscale, dlogits);
     }
 }
 
