@@ -116,7 +116,7 @@ ifneq ($(NVCC),)
   CUDA_LIBS    := $(NCCL_LIBS) -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/lib -Wl,-rpath,$(CUDA_HOME)/lib64 \
                   -Wl,-rpath,$(CUDA_HOME)/lib -lcudart -lcublas -lstdc++
   GPU_OBJS     := kernels_gpu.o
-  EMU_OBJS     := kernels_emu.o cuda_emu.o
+  EMU_OBJS     := kernels_emu.o cuda_emu.o cuda_emu_probes.o
   # -rdynamic: the emulator finds a kernel's mangled name (dladdr), its key in
   # kernel_resources.txt
   EMU_LIBS     := -rdynamic -lstdc++ -ldl
@@ -241,21 +241,45 @@ kernels_emu.o: kernels.cu segnet.h cuda_emu.h
 cuda_emu.o: cuda_emu.cpp cuda_emu.h
 	$(CXX) $(EMUFLAGS) -DCUEMU_RESOURCES_FILE='"$(CURDIR)/kernel_resources.txt"' -c cuda_emu.cpp -o $@
 
+# The race checker's instrumentation: g++'s -fsanitize=thread puts a call
+# before every load and store and in place of every atomic, and no
+# ThreadSanitizer runtime is linked: cuda_emu.cpp implements the calls ("the
+# race checker"). The emulator's probes (kernels with planted bugs that
+# cuda_emu_semantics checks it on) are always built so.
+RACEFLAGS := -fsanitize=thread
+cuda_emu_probes.o: cuda_emu_probes.cpp cuda_emu.h
+	$(CXX) $(EMUFLAGS) $(RACEFLAGS) -c cuda_emu_probes.cpp -o $@
+
+# The strict build: kernels.cu as nvcc compiles it where results depend on it,
+# multiply-adds contracted into FMAs (nvcc's default -fmad=true; -mfma), and
+# every access race-checked; test_segnet_strict runs the cuda_ tests on it
+# with device memory packed as an arena (make test: the strict pass). It runs
+# only on a CPU with FMA instructions (x86-64 since 2013).
+STRICTFLAGS := $(RACEFLAGS) -ffp-contract=fast -mfma
+kernels_strict.o: kernels.cu segnet.h cuda_emu.h
+	$(CXX) $(EMUFLAGS) $(STRICTFLAGS) -x c++ -c kernels.cu -o $@
+
+test_segnet_strict: test_segnet.c $(PROGRAM_SRCS) segnet.h kernels_strict.o cuda_emu.o cuda_emu_probes.o $(EMU_RESOURCES) | deps
+	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -DSEGNET_TEST_STRICT -o $@ test_segnet.c kernels_strict.o cuda_emu.o cuda_emu_probes.o $(DEP_LIBS) $(EMU_LIBS) $(LDLIBS)
+
 # ---- make test, make check, make test-heavy ---------------------------------
 # make test: the programs built in parallel, then every test but the slow ones
 # (with the emulated CUDA backend the cuda_ tests again with the threads of each
 # block in reverse order, and with the generic kernels, blocks and threads in a
-# seeded random order, CUEMU_SEED), the fuzz harness last:
+# seeded random order, CUEMU_SEED; then a fourth time on the strict build,
+# test_segnet_strict: FMA contraction, races checked, device memory packed as
+# an arena), the fuzz harness last:
 # its self-test and FUZZ_TEST_SECONDS per target, where FUZZ_CC has the
 # sanitizers. The last line counts them all: N passed, M failed, K skipped,
 # below the list of what was not run here and why.
 # make check: the same with the slow tests too (the live PyTorch parity of the
 # large models, the emulated GPU's whole steps): what .ci/run runs.
 TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
-TEST_PROGRAMS = segnet test_segnet $(if $(EMU_OBJS),segnet_emu) $(if $(FUZZ_OK),fuzz_segnet)
+TEST_PROGRAMS = segnet test_segnet $(if $(EMU_OBJS),segnet_emu test_segnet_strict) $(if $(FUZZ_OK),fuzz_segnet)
 TEST_ENV = $(if $(FUZZ_OK),SEGNET_FUZZ_BIN=./fuzz_segnet SEGNET_FUZZ_SECONDS=$(FUZZ_TEST_SECONDS) \
              SEGNET_FUZZ_SEED=$(FUZZ_SEED) SEGNET_FUZZ_OUT=$(FUZZ_OUT),\
-             SEGNET_FUZZ_NONE="no sanitizers ($(FUZZ_CC) cannot build and run a program with $(FUZZ_SAN))")
+             SEGNET_FUZZ_NONE="no sanitizers ($(FUZZ_CC) cannot build and run a program with $(FUZZ_SAN))") \
+           $(if $(EMU_OBJS),SEGNET_STRICT_BIN=./test_segnet_strict)
 test check:
 	@$(MAKE) --no-print-directory $(if $(findstring -j,$(MAKEFLAGS)),,-j$(TEST_JOBS)) $(TEST_PROGRAMS)
 	$(TEST_ENV) ./test_segnet$(if $(filter check,$@), --all)
@@ -551,6 +575,6 @@ deps-unpack:
 	@echo "make deps-unpack: $$(ls $(DEPS_DIR)/*.deb | wc -l) packages in $(DEPS_DIR)/root; build with DEPS_ROOT=$$PWD/$(DEPS_DIR)/root"
 
 clean:
-	rm -f segnet segnet_emu test_segnet test_segnet_gpu fuzz_segnet gpucheck.txt gpucheck-tests.log gpucheck-memcheck.log *.o \
+	rm -f segnet segnet_emu test_segnet test_segnet_strict test_segnet_gpu fuzz_segnet gpucheck.txt gpucheck-tests.log gpucheck-memcheck.log *.o \
 	  kernels_gpu.ptxas kernel_resources.txt
 	rm -rf $(DEPS_DIR)/root

@@ -108,6 +108,22 @@ void cp_async16(void* dst, const void* src, int src_bytes);
 void cp_async_commit();
 void cp_async_wait(int newest_pending);
 
+// The last-block protocol (kernels.cu: last_block, from_other_blocks), checked
+// where it runs. A hazard (a bug the GPU would not report: see cuemu_count's
+// "hazards") names the kernel, block and thread when
+//   - a thread of a block that counts itself did not __threadfence in the
+//     barrier interval before the count (last_block_arrive, called by the
+//     counting thread after that barrier), or wrote global memory after its
+//     fence (seen in the race-checked build only);
+//   - a thread reads other blocks' partials (read_other_blocks, the emulated
+//     from_other_blocks) in a block that was not counted last, or before the
+//     counting thread fenced after its count (the acquire half).
+void thread_fence();                      // __threadfence
+void last_block_arrive();
+void last_block_counted(bool last);       // the counting thread, right after its atomic
+void read_other_blocks(void* dst, const void* src, size_t bytes);
+
+void copy_bytes(void* dst, const void* src, size_t n);   // memcpy, outside the race checker's view
 template <class T> void check_arg(const char* k, int i, const T& a) {
   if constexpr (std::is_pointer_v<T>)
     if (a && !is_device_ptr((const void*)a)) bad_kernel_arg(k, i, (const void*)a);
@@ -128,7 +144,17 @@ template <class F, class... P> struct BoundLaunch final : BoundKernel {
   std::tuple<P...> params;
   template <class... A>
   explicit BoundLaunch(F k, A &&...a) : kernel(k), params(std::forward<A>(a)...) {}
-  void run() override { std::apply(kernel, params); }
+  // the arguments are copied onto the simulated thread's stack first, by the
+  // emulator (copy_bytes, which the race checker does not see): the GPU gives
+  // every thread the parameter buffer, which is not memory a kernel could race on
+  void run() override {
+    static_assert((std::is_trivially_copyable_v<P> && ...), "kernel arguments are copied bytes");
+    alignas(std::tuple<P...>) unsigned char own[sizeof params];
+    copy_bytes(own, &params, sizeof params);
+    F k;
+    copy_bytes(&k, &kernel, sizeof k);
+    std::apply(k, *reinterpret_cast<std::tuple<P...>*>(own));
+  }
   void check_args(const char* name) const override {
     std::apply([&](const auto&... x) { int i = 0; (check_arg(name, i++, x), ...); }, params);
   }
@@ -184,6 +210,10 @@ extern "C" void cuemu_set_reverse(int reverse);
 // launch's number since this call (on = 1), renewed after every barrier; graph replays run
 // branches in order. CUEMU_ORDER=random:SEED sets it at start. Off: in order.
 extern "C" void cuemu_set_random(int on, unsigned long long seed);
+// Device allocations from now on packed back to back between canaries, as the
+// planner packs a step's tensors (1), or each before a guard page (0, the
+// default); CUEMU_ARENA=1 sets it at start. See "the arena" in cuda_emu.cpp.
+extern "C" void cuemu_set_arena(int on);
 // Counters since the start, -1 for another name:
 //   launches          kernels run (eager or replayed graph nodes; counting mode: would have run)
 //   api_launches      host launch calls: eager kernel launches plus cudaGraphLaunch calls
@@ -196,6 +226,9 @@ extern "C" void cuemu_set_random(int on, unsigned long long seed);
 //   h2d_bytes, d2h_bytes, d2d_bytes   bytes copied (cudaMemcpy*, replayed copy nodes)
 //   allocs            cudaMalloc calls that succeeded
 //   alloc_bytes_peak  the most device memory (cudaMalloc) live at once
+//   hazards           bugs found that a GPU would not report where they happen
+//                     (races, the last-block protocol's fences, writes past
+//                     an allocation in arena mode), each also a line on stderr
 extern "C" long long cuemu_count(const char* name);
 // Counting mode (1): kernels, cuBLAS and NCCL calls are counted and not run;
 // new device memory is reserved, not committed (reads as zero, no NaN
@@ -271,7 +304,7 @@ template <class T> T __shfl_xor_sync(unsigned m, T v, int lm, int w = 32) {
 inline unsigned __ballot_sync(unsigned m, int p) { return cuemu::vote(m, p); }
 inline int __any_sync(unsigned m, int p) { return cuemu::vote(m, p) != 0; }
 inline int __all_sync(unsigned m, int p) { return cuemu::vote(m, !p) == 0; }
-inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence() { cuemu::thread_fence(); }
 inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
 // 5. Atomics (real atomics: blocks may run on several OS threads)
@@ -286,6 +319,9 @@ inline float atomicAdd(float* p, float v) { return cuemu::cas_add(p, v); }
 inline double atomicAdd(double* p, double v) { return cuemu::cas_add(p, v); }
 inline int atomicSub(int* p, int v) { return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED); }
 inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); }
+inline unsigned atomicExch(unsigned* p, unsigned v) {
+    return __atomic_exchange_n(p, v, __ATOMIC_RELAXED);
+}
 inline float atomicExch(float *p, float v) {
     float r;
     __atomic_exchange(p, &v, &r, __ATOMIC_RELAXED);
@@ -322,13 +358,20 @@ inline float __expf(float x) { return expf(x); }
 inline float __logf(float x) { return logf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
-// IEEE operations rounded one by one (never fused into multiply-adds); the
-// emulator is built with -std=c++17, where g++ does not contract either
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
-inline float __fsqrt_rn(float x) { return sqrtf(x); }
+// IEEE operations rounded one by one, never fused into multiply-adds (as nvcc
+// promises for the _rn intrinsics), and __fmaf_rn rounded once. The emulator's
+// contraction build (-ffp-contract=fast, kernels_strict.o) fuses a * b + c
+// wherever it can, as nvcc does: the empty asm makes each result a value the
+// compiler cannot fuse with what follows.
+namespace cuemu {
+inline float rounded(float r) { asm("" : "+x"(r)); return r; }
+}
+inline float __fadd_rn(float a, float b) { return cuemu::rounded(a + b); }
+inline float __fsub_rn(float a, float b) { return cuemu::rounded(a - b); }
+inline float __fmul_rn(float a, float b) { return cuemu::rounded(a * b); }
+inline float __fdiv_rn(float a, float b) { return cuemu::rounded(a / b); }
+inline float __fsqrt_rn(float x) { return cuemu::rounded(sqrtf(x)); }
+inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 inline float __saturatef(float x) { return fminf(fmaxf(x, 0.f), 1.f); }
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }

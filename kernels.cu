@@ -14,6 +14,26 @@
 // parameters, gradients, statistics and optimiser state are fp32. The CPU ops
 // (segnet.c) are the specification: the cuda_* tests compare every op here with
 // them.
+//
+// Bit-equal paths. nvcc contracts a·b + c into one fused multiply-add wherever
+// it can (-fmad=true, its default); of the emulator's builds, kernels_emu.o
+// never does and kernels_strict.o does wherever g++ can (make test runs the
+// cuda_ tests on both). Where two paths must give the same bits, the cuda_
+// tests compare them byte for byte:
+//   - batch norm fused with the layer after it (BnNext) and the two ops one
+//     after the other (cuda_bn_fused_next, cuda_fused_layers_bitwise): the
+//     residual end out = y·keep + residual is one FMA in ResidualEnd and in
+//     both dropout kernels (dropout_residual_end; with keep 1 that is
+//     add_forward's y + residual), y's gradient dy·keep one rounded product in
+//     DyResidual and in dropout's backward (__fmul_rn); the rest is batch
+//     norm's per-element code that both paths share (BnChannel, whose z is
+//     an explicit FMA; BnParams::grad, BnDataGrad), so the same instructions;
+//   - a training step replayed as a CUDA graph and run op by op
+//     (cuda_graph_step): the same kernels on the same values;
+//   - Adam with grad_scale and on the pre-scaled gradient: every operation
+//     rounded on its own (__fmul_rn and friends, AdamStep).
+// A new pair of paths that must agree writes the arithmetic in which they
+// differ in structure with explicit rounding (__fmul_rn, __fadd_rn, __fmaf_rn).
 
 #if defined(__CUDACC__)
 #include <cuda_runtime.h>
@@ -77,6 +97,14 @@ static void cublas_check(cublasStatus_t s, const char *what, const char *file, i
 // launched) that faulted. Slow: for finding faults only.
 static void launch_check(const char *op, const char *file, int line);
 #define launchCheck() launch_check(__func__, __FILE__, __LINE__)
+
+#if !defined(__CUDACC__)
+// The emulator builds this file twice, differing in one way that changes
+// results: kernels_strict.o contracts a·b + c into one fused multiply-add
+// wherever the compiler can, as nvcc does by default (-fmad=true), and
+// kernels_emu.o never does. cuda_emu_semantics asks this build which it is.
+extern "C" float cuemu_kernels_mul_add(float a, float b, float c) { return a * b + c; }
+#endif
 
 // ----------------------------------------------------------------------------
 // device time per kernel (segnet.h: cuda_kernel_timing, cuda_kernel_times):
@@ -921,12 +949,17 @@ static void axpby_cuda(Ops *o, Tensor y, Tensor x, float a, float b, int accumul
 // A value another block wrote before it counted itself in last_block: read
 // past this SM's L1 (ld.global.cg, from L2, where the writer's fence put it),
 // which a plain load does not promise; the one way a last block reads the
-// group's partials (last_block_reads_past_l1 checks kernels.cu for it).
+// group's partials (last_block_reads_past_l1 checks kernels.cu for it). The
+// emulator checks each such read: in a block counted last, after the counting
+// thread's fence (cuemu::read_other_blocks); its race checker reports a plain
+// read of another block's write.
 template <class T> static __device__ __forceinline__ T from_other_blocks(const T *p) {
 #if defined(__CUDACC__)
     return __ldcg(p);
 #else
-    return *p;  // the emulator's memory is coherent
+    T v;
+    cuemu::read_other_blocks(&v, p, sizeof v);
+    return v;
 #endif
 }
 
@@ -935,14 +968,27 @@ template <class T> static __device__ __forceinline__ T from_other_blocks(const T
 // itself in *count; true in every thread of the block that counts last, which
 // then adds the group's partials (in a fixed order, reading them past L1:
 // other SMs wrote them) and sets *count back to 0 for the next launch or
-// graph replay. Called by every thread of the block.
+// graph replay. Called by every thread of the block. The two fences make the
+// count a release (the writers' fence before it) and an acquire (the last
+// block's fence after it, which the barrier passes on to its threads), as the
+// PTX memory model asks of relaxed atomics; the emulator checks both
+// (cuemu::last_block_arrive, cuemu::read_other_blocks).
 static __device__ bool last_block(unsigned *count, unsigned blocks) {
     CU_SHARED(bool, last, );
     __threadfence();  // this thread's partials are visible to every block before the count says so
     __syncthreads();
     if (threadIdx.x == 0 && threadIdx.y == 0) {
+#if !defined(__CUDACC__)
+        cuemu::last_block_arrive();
+#endif
         last = atomicAdd(count, 1u) == blocks - 1;
-        if (last) *count = 0;
+#if !defined(__CUDACC__)
+        cuemu::last_block_counted(last);
+#endif
+        if (last) {
+            __threadfence();  // the others' partials are read after their counts
+            atomicExch(count, 0u);
+        }
     }
     __syncthreads();
     return last;
@@ -3473,6 +3519,13 @@ static void concat_backward_cuda(Ops *o, Tensor da, Tensor db, Tensor dy, int ac
 //   element index) or H·W·C (drop-path: the sample index), as on the CPU, so the
 //   masks are the same bits; out (=|+=) in·keep/(1 - rate)
 
+// A residual block's end, out = y·keep + residual, rounded once (one FMA),
+// in the two dropout kernels and in batch norm's fused residual end
+// (ResidualEnd), which must give the same bits ("bit-equal paths", above).
+static __device__ __forceinline__ float dropout_residual_end(float y, float keep, float residual) {
+    return __fmaf_rn(y, keep, residual);
+}
+
 // grid: (element blocks, samples); element i of sample blockIdx.y of this
 // launch, whose first sample is the step's `first_sample`. Forward: out = in·keep
 // (+ res, a residual block's end); backward: out (=|+=) in·keep, res (=|+=) in
@@ -3487,9 +3540,10 @@ __global__ void dropout_kernel(void *out, DType dt_out, const void *in, DType dt
     const void *x = elem_ptr(in, dt_in, (size_t)blockIdx.y * E);
     FOR_GRID(i, E) {
         const float xi = ld(x, dt_in, i);
-        float v = xi * dropout_keep(rate, seed, per_sample ? sample : sample * E + i);
-        if (r && !backward) v += ld(r, dt_res, i);
-        if (y) st(y, dt_out, i, accumulate ? ld(y, dt_out, i) + v : v);
+        const float keep = dropout_keep(rate, seed, per_sample ? sample : sample * E + i);
+        const float v = r && !backward ? dropout_residual_end(xi, keep, ld(r, dt_res, i))
+                                       : __fmul_rn(xi, keep);
+        if (y) st(y, dt_out, i, accumulate ? __fadd_rn(ld(y, dt_out, i), v) : v);
         if (r && backward) st(r, dt_res, i, accumulate_res ? ld(r, dt_res, i) + xi : xi);
     }
 }
@@ -3510,9 +3564,10 @@ __global__ void dropout_vec_kernel(T *out, const T *in, T *res, int backward, ui
         for (int k = 0; k < N; k++) {
             const uint32_t i = j * N + k;
             const float xi = to_f32(vx.v[k]);
-            float v = xi * (per_sample ? keep_sample : dropout_keep(rate, seed, sample * E + i));
-            if (r && !backward) v += to_f32(vr.v[k]);
-            if (y) vy.v[k] = from_f32<T>(accumulate ? to_f32(vy.v[k]) + v : v);
+            const float keep = per_sample ? keep_sample : dropout_keep(rate, seed, sample * E + i);
+            const float v = r && !backward ? dropout_residual_end(xi, keep, to_f32(vr.v[k]))
+                                           : __fmul_rn(xi, keep);
+            if (y) vy.v[k] = from_f32<T>(accumulate ? __fadd_rn(to_f32(vy.v[k]), v) : v);
             if (r && backward) vr.v[k] = from_f32<T>(accumulate_res ? to_f32(vr.v[k]) + xi : xi);
         }
         if (y) store_vec(y + j * N, vy);
@@ -3822,7 +3877,7 @@ struct BnChannel {
                          float eps, int c)
         : mean(m[c]), invstd(bn_invstd(var, c, eps)), gamma(g[c]), beta(b[c]) {}
     __device__ float xhat(float x) const { return (x - mean) * invstd; }
-    __device__ float z(float xh) const { return gamma * xh + beta; }
+    __device__ float z(float xh) const { return __fmaf_rn(gamma, xh, beta); }
 };
 
 __global__ void bn_forward_kernel(void *y, DType dty, const void *x, DType dtx, uint32_t rows,
@@ -4122,18 +4177,16 @@ static SampleKeep sample_keep(const BnNext *next, size_t rows_per_image, size_t 
             1.0f};
 }
 
-// out = y·keep + residual, as dropout_vec_kernel's forward
+// out = y·keep + residual, as dropout's forward (dropout_residual_end; with
+// keep 1, y + residual rounded once, as add_forward)
 template <class T, int B = VEC_BYTES> struct ResidualEnd {
     static constexpr int BYTES = B;
     T *out; const T *res; SampleKeep keep;
     __device__ void operator()(uint32_t i, uint32_t r, const VecB<T, B> &y) {
         const float f = keep.at(r);
         VecB<T, B> vr = load_vec<T, B>(res + i), v;
-        for (int k = 0; k < VecB<T, B>::N; k++) {
-            float a = to_f32(y.v[k]) * f;
-            a += to_f32(vr.v[k]);
-            v.v[k] = from_f32<T>(a);
-        }
+        for (int k = 0; k < VecB<T, B>::N; k++)
+            v.v[k] = from_f32<T>(dropout_residual_end(to_f32(y.v[k]), f, to_f32(vr.v[k])));
         store_vec(out + i, v);
     }
 };
@@ -4148,7 +4201,7 @@ template <class T, int B = VEC_BYTES> struct DyResidual {
         VecB<T, B> g, vr;
         if (res && accumulate_res) vr = load_vec<T, B>(res + i);
         for (int k = 0; k < VecB<T, B>::N; k++) {
-            g.v[k] = from_f32<T>(to_f32(d.v[k]) * f);
+            g.v[k] = from_f32<T>(__fmul_rn(to_f32(d.v[k]), f));  // as dropout_backward's
             if (res)
                 vr.v[k] = from_f32<T>(accumulate_res ? to_f32(vr.v[k]) + to_f32(d.v[k])
                                                      : to_f32(d.v[k]));
@@ -4800,12 +4853,17 @@ static __device__ int argmax_at(const void *logits, DType dt, size_t base, int K
     return best;
 }
 
+// Shared-memory counters are 32-bit: sm_90 adds them with one atomic instruction
+// (ATOMS.ADD), where a 64-bit add to shared memory is a compare-and-swap loop
+// (ATOMS.CAST.SPIN.64); a block counts fewer than 2^32 pixels (checked by the host).
+
 // iou_per_image: a block per image counts TP, FP, FN per class in shared memory
-// (integer atomics: exact), then its first thread adds the image's fixed-point mean
-// IoU (image_iou_fixed, segnet.h).
+// (integer atomics: exact), widens them to 64 bits, then its first thread adds
+// the image's fixed-point mean IoU (image_iou_fixed, segnet.h).
 __global__ void iou_per_image_kernel(const void *logits, DType dt, const int32_t *labels, int K,
                                      size_t per, const float *w, unsigned long long *acc) {
-    CU_DYN_SHARED(unsigned long long, counts);  // (3,K) TP, FP, FN
+    CU_DYN_SHARED(int64_t, wide);  // (3,K) TP, FP, FN, then as 32-bit counters (3,K)
+    unsigned *counts = reinterpret_cast<unsigned *>(wide + 3 * K);
     for (int i = threadIdx.x; i < 3 * K; i += blockDim.x) counts[i] = 0;
     __syncthreads();
     for (size_t i = threadIdx.x; i < per; i += blockDim.x) {
@@ -4814,15 +4872,17 @@ __global__ void iou_per_image_kernel(const void *logits, DType dt, const int32_t
         if (y < 0 || y >= K || !(w[y] > 0.0f)) continue;
         const int best = argmax_at(logits, dt, r * (size_t)K, K);
         if (best == y) {
-            atomicAdd(&counts[y], 1ull);
+            atomicAdd(&counts[y], 1u);
         } else {
-            atomicAdd(&counts[K + best], 1ull);
-            atomicAdd(&counts[2 * K + y], 1ull);
+            atomicAdd(&counts[K + best], 1u);
+            atomicAdd(&counts[2 * K + y], 1u);
         }
     }
     __syncthreads();
+    for (int i = threadIdx.x; i < 3 * K; i += blockDim.x) wide[i] = counts[i];
+    __syncthreads();
     if (threadIdx.x != 0) return;
-    atomicAdd(&acc[0], (unsigned long long)image_iou_fixed((const int64_t *)counts, w, K));
+    atomicAdd(&acc[0], (unsigned long long)image_iou_fixed(wide, w, K));
     atomicAdd(&acc[1], 1ull);
 }
 static void iou_per_image_cuda(Ops *o, Tensor logits, const int32_t *labels,
@@ -4831,7 +4891,9 @@ static void iou_per_image_cuda(Ops *o, Tensor logits, const int32_t *labels,
     require_below((size_t)K, IOU_IMAGE_MAX_K + 1, "classes of iou_per_image");
     if (!N) return;
     const size_t per = (size_t)logits.shape.h * logits.shape.w;
-    CU_LAUNCH(iou_per_image_kernel, N, BLOCK, sizeof(unsigned long long) * 3 * K, stream_of(o),
+    require_below(per, (size_t)1 << 32, "pixels of an image (iou_per_image's 32-bit counters)");
+    CU_LAUNCH(iou_per_image_kernel, N, BLOCK, (sizeof(int64_t) + sizeof(unsigned)) * 3 * K,
+              stream_of(o),
               moves(bytes_of(logits) + N * per * sizeof(int32_t)), logits.data, logits.dtype,
               labels, K, per, class_weights, (unsigned long long *)acc);
     launchCheck();
@@ -4843,12 +4905,11 @@ static void iou_per_image_cuda(Ops *o, Tensor logits, const int32_t *labels,
 // CONFUSION_SHARED_MAX_K each block counts in shared memory first and adds its
 // K×K counts once: segmentation has few classes and many pixels, which would
 // otherwise all hit the same few counters.
-#define CONFUSION_SHARED_MAX_K 64  // K·K·8 bytes = 32 KiB of shared memory at most
+#define CONFUSION_SHARED_MAX_K 64  // K·K·4 bytes = 16 KiB of shared memory at most
 
 __global__ void confusion_kernel(const void *logits, DType dt, const int32_t *labels, int K,
                                  size_t rows, unsigned long long *confusion, int in_shared) {
-    CU_DYN_SHARED(unsigned long long, block_counts);  // (K,K) when in_shared
-    unsigned long long *counts = in_shared ? block_counts : confusion;
+    CU_DYN_SHARED(unsigned, block_counts);  // (K,K) when in_shared
     if (in_shared) {
         for (int i = threadIdx.x; i < K * K; i += blockDim.x) block_counts[i] = 0;
         __syncthreads();
@@ -4857,12 +4918,14 @@ __global__ void confusion_kernel(const void *logits, DType dt, const int32_t *la
          r += (size_t)blockDim.x * gridDim.x) {
         const int32_t y = labels[r];
         if (y < 0 || y >= K) continue;
-        atomicAdd(&counts[y * K + argmax_at(logits, dt, r * (size_t)K, K)], 1ull);
+        const int at = y * K + argmax_at(logits, dt, r * (size_t)K, K);
+        if (in_shared) atomicAdd(&block_counts[at], 1u);
+        else atomicAdd(&confusion[at], 1ull);
     }
     if (in_shared) {
         __syncthreads();
         for (int i = threadIdx.x; i < K * K; i += blockDim.x)
-            if (block_counts[i]) atomicAdd(&confusion[i], block_counts[i]);
+            if (block_counts[i]) atomicAdd(&confusion[i], (unsigned long long)block_counts[i]);
     }
 }
 // logits (N,H,W,K), labels (N·H·W), confusion (K,K) int64, true class by row
@@ -4871,8 +4934,8 @@ static void confusion_accumulate_cuda(Ops *o, Tensor logits, const int32_t *labe
     const int K = logits.shape.c;
     const size_t rows = shape_numel(logits.shape) / K;
     if (!rows) return;
-    const int in_shared = K <= CONFUSION_SHARED_MAX_K;
-    const size_t smem = in_shared ? (size_t)K * K * sizeof(unsigned long long) : 0;
+    const int in_shared = K <= CONFUSION_SHARED_MAX_K && rows < ((size_t)1 << 32);
+    const size_t smem = in_shared ? (size_t)K * K * sizeof(unsigned) : 0;
     CU_LAUNCH(confusion_kernel, grid_for(rows), BLOCK, smem, stream_of(o),
               moves(bytes_of(logits) + rows * sizeof(int32_t)), logits.data, logits.dtype, labels,
               K, rows, (unsigned long long *)confusion, in_shared);

@@ -28,8 +28,12 @@
 void cuemu_set_reverse(int reverse);
 // blocks and threads of the following launches in a random order from seed (on = 1)
 void cuemu_set_random(int on, unsigned long long seed);
-// launches, cuBLAS calls, host waits, bytes copied since the start
+// launches, cuBLAS calls, host waits, bytes copied, hazards found since the start
 long long cuemu_count(const char *name);
+// device allocations packed back to back between canaries (1), or each before a guard page
+void cuemu_set_arena(int on);
+// a·b + c as kernels.cu's build compiles it: one FMA in the strict build (kernels_strict.o)
+float cuemu_kernels_mul_add(float a, float b, float c);
 #else
 #define EMULATED_CUDA 0
 #endif
@@ -8848,6 +8852,18 @@ TEST(cuda_emu_semantics) {
     char report[8192];
     int failed = cuemu_selftest(report, sizeof report);
     CHECK(failed == 0, "%d checks of the emulator failed:\n%s", failed, report);
+    // the build's contraction: a·b + c with a = b = 1 + 2^-12, c = -1 is 2^-11 + 2^-24
+    // fused (one rounding) and 2^-11 with the product rounded first (a tie to even)
+    const float a = 1.0f + 0x1p-12f, fused = 0x1p-11f + 0x1p-24f, rounded = 0x1p-11f;
+#ifdef SEGNET_TEST_STRICT
+    const float want = fused;
+#else
+    const float want = rounded;
+#endif
+    const float got = cuemu_kernels_mul_add(a, a, -1.0f);
+    CHECK(got == want, "kernels.cu's a·b + c gave %a, not %a (%s): the %s build", (double)got,
+          (double)want, want == fused ? "one FMA" : "two roundings",
+          want == fused ? "strict (kernels_strict.o, -ffp-contract=fast)" : "emulator's (kernels_emu.o)");
 }
 
 // CUEMU_COUNT=FILE: ./segnet_emu (segnet on the emulator) counts a training
@@ -15624,12 +15640,12 @@ TEST(fuzz_targets) {
 typedef struct { const char *name, *reason; } SkippedTest;
 typedef struct {
     int passed, failed, skipped;
-    SkippedTest list[3 * MAX_TESTS];  // every pass's skips (a name once per reason when printed)
+    SkippedTest list[4 * MAX_TESTS];  // every pass's skips (a name once per reason when printed)
 } Tally;
 
 static void tally_skip(Tally *tl, const char *name, const char *reason) {
     tl->skipped++;
-    if (tl->skipped <= 3 * MAX_TESTS) tl->list[tl->skipped - 1] = (SkippedTest){name, reason};
+    if (tl->skipped <= 4 * MAX_TESTS) tl->list[tl->skipped - 1] = (SkippedTest){name, reason};
 }
 
 typedef enum { RUN_FAST, RUN_ALL } RunSet;  // make test; make check (the slow tests too)
@@ -15652,11 +15668,27 @@ static void run_tests(const char *filter, const char *prefix, const char *label,
         if (filter && !strstr(t->name, filter)) continue;
         if (prefix && strncmp(t->name, prefix, strlen(prefix))) continue;
         const char *why = runner_skip(t, filter, set);
-        if (why) { tally_skip(tl, t->name, why); continue; }
+        if (why) {
+            tally_skip(tl, t->name, why);
+#ifdef SEGNET_TEST_STRICT
+            printf("skip %s%s: %s\n", t->name, label, why);  // for test_segnet's count
+#endif
+            continue;
+        }
         g_failures = 0;
         g_skip = NULL;
         double t0 = now_s();
+#if EMULATED_CUDA
+        const long long hazards = cuemu_count("hazards");
+#endif
         t->fn();
+#if EMULATED_CUDA
+        // the emulator's reports of races, missing fences and writes past an
+        // allocation (cuda_emu.cpp, "hazards"), on stderr above
+        const long long found = cuemu_count("hazards") - hazards;
+        CHECK(found == 0, "the emulated GPU reported %lld hazards (the lines \"cuemu: hazard: "
+              "...\" above)", found);
+#endif
         double dt = now_s() - t0;
         if (g_failures) {
             tl->failed++;
@@ -15676,7 +15708,7 @@ static void run_tests(const char *filter, const char *prefix, const char *label,
 static void print_not_run(const Tally *tl) {
     if (!tl->skipped) return;
     printf("not run here (%d):\n", tl->skipped);
-    const int n = tl->skipped < 3 * MAX_TESTS ? tl->skipped : 3 * MAX_TESTS;
+    const int n = tl->skipped < 4 * MAX_TESTS ? tl->skipped : 4 * MAX_TESTS;
     for (int i = 0; i < n; i++) {
         const char *reason = tl->list[i].reason;
         int first = 1, count = 0, shown = 0;
@@ -15703,6 +15735,61 @@ static int cmp_test_line(const void *a, const void *b) {
     return ((const Test *)a)->line - ((const Test *)b)->line;
 }
 
+#if EMULATED_CUDA && !defined(SEGNET_TEST_STRICT)
+// The strict pass: test_segnet_strict (make test builds it and names it in
+// SEGNET_STRICT_BIN) runs the cuda_ tests on kernels.cu built as nvcc builds it
+// where results depend on it (multiply-adds fused into FMAs), with every access
+// race-checked and device memory packed as an arena; its lines are shown and
+// its tests counted here.
+#define SKIP_NO_STRICT "no test_segnet_strict (make test builds it and names it in SEGNET_STRICT_BIN)"
+#define SKIP_NO_FMA "this CPU has no FMA instructions, which the strict build's kernels use"
+static void strict_pass(const char *filter, RunSet set, Tally *tl) {
+    const char *bin = getenv("SEGNET_STRICT_BIN");
+    const char *why = !bin ? SKIP_NO_STRICT : !__builtin_cpu_supports("fma") ? SKIP_NO_FMA : NULL;
+    if (why) {
+        printf("== the strict pass not run: %s\n", why);
+        tally_skip(tl, "cuda_ [strict]", why);
+        return;
+    }
+    printf("== the emulated CUDA tests again on the strict build (%s): FMA contraction, races "
+           "checked, device memory packed as an arena\n", bin);
+    fflush(stdout);
+    if (filter) setenv("SEGNET_STRICT_FILTER", filter, 1);
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "SEGNET_TEST_NESTED=1 %s --order strict%s%s 2>&1", bin,
+             set == RUN_ALL ? " --all" : "", filter ? " --filter \"$SEGNET_STRICT_FILTER\"" : "");
+    FILE *p = popen(cmd, "r");
+    if (!p) {
+        tl->failed++;
+        printf("FAIL the strict pass: cannot run %s\n", bin);
+        return;
+    }
+    char line[8192];
+    int counted = 0, passed = 0, failed = 0, skipped = 0;
+    while (fgets(line, sizeof line, p)) {
+        if (sscanf(line, "%d passed, %d failed, %d skipped", &passed, &failed, &skipped) == 3 &&
+            !strchr(line, '(')) {
+            counted = 1;
+            continue;
+        }
+        fputs(line, stdout);
+        fflush(stdout);
+        char name[256];
+        if (!strncmp(line, "ok   ", 5)) tl->passed++;
+        else if (!strncmp(line, "FAIL ", 5)) tl->failed++;
+        else if (sscanf(line, "skip %255s", name) == 1) {
+            const char *reason = strstr(line, ": ");
+            tally_skip(tl, strdup(name), reason ? strndup(reason + 2, strcspn(reason + 2, "\n")) : "");
+        }
+    }
+    const int status = pclose(p);
+    if (!counted || (WIFEXITED(status) && WEXITSTATUS(status) > 1) || WIFSIGNALED(status)) {
+        tl->failed++;
+        printf("FAIL the strict pass: %s stopped before its count (status %d)\n", bin, status);
+    }
+}
+#endif
+
 int main(int argc, char **argv) {
     const char *filter = NULL, *order = "both";
     RunSet set = RUN_FAST;
@@ -15712,14 +15799,15 @@ int main(int argc, char **argv) {
         if (!strcmp(argv[i], "--filter") && i + 1 < argc) filter = argv[++i];
         else if (!strcmp(argv[i], "--order") && i + 1 < argc &&
                  (!strcmp(argv[i + 1], "forward") || !strcmp(argv[i + 1], "reverse") ||
-                  !strcmp(argv[i + 1], "random") || !strcmp(argv[i + 1], "both")))
+                  !strcmp(argv[i + 1], "random") || !strcmp(argv[i + 1], "both") ||
+                  !strcmp(argv[i + 1], "strict")))
             order = argv[++i];
         else if (!strcmp(argv[i], "--all")) set = RUN_ALL;
         else if (!strcmp(argv[i], "-v") || !strcmp(argv[i], "--verbose")) g_verbose = 1;
         else {
             fprintf(stderr,
-                    "usage: %s [--filter SUBSTRING] [--all] [--order forward|reverse|random|both]"
-                    " [-v]\n"
+                    "usage: %s [--filter SUBSTRING] [--all] [--order "
+                    "forward|reverse|random|strict|both] [-v]\n"
                     "  --filter: the tests whose name holds SUBSTRING (slow ones included)\n"
                     "  --all:    the slow tests too (make check); without it they are skipped\n"
                     "  --order:  forward: every test, the emulated GPU's blocks and threads in "
@@ -15728,7 +15816,10 @@ int main(int argc, char **argv) {
                     "tests with\n"
                     "            the generic kernels only, in a random order (seed CUEMU_SEED, "
                     "default 1);\n"
-                    "            both (the default): the three passes\n",
+                    "            strict: the cuda_ tests on the strict build (test_segnet_strict:"
+                    " FMA\n"
+                    "            contraction, races checked, device memory as an arena);\n"
+                    "            both (the default): the four passes\n",
                     argv[0]);
             return 2;
         }
@@ -15754,6 +15845,17 @@ int main(int argc, char **argv) {
     }
 #endif
 #if EMULATED_CUDA
+#ifdef SEGNET_TEST_STRICT
+    // test_segnet_strict: the strict pass alone (test_segnet runs it as its fourth)
+    if (strcmp(order, "strict")) {
+        fprintf(stderr, "test_segnet_strict runs --order strict only (./test_segnet runs the rest)\n");
+        return 2;
+    }
+    cuemu_set_arena(1);
+    run_tests(filter, "cuda_", " [strict]", set, &tl);
+    printf("%d passed, %d failed, %d skipped\n", tl.passed, tl.failed, tl.skipped);
+    return tl.failed ? 1 : 0;
+#endif
     // A kernel that misses a barrier can pass with the threads of a block run
     // in one order and fail in the other: the cuda_ tests run in both.
     if (!strcmp(order, "forward") || !strcmp(order, "both")) run_tests(filter, NULL, "", set, &tl);
@@ -15778,6 +15880,9 @@ int main(int argc, char **argv) {
         cuemu_set_random(0, 0);
         cuda_vector_kernels = 1;
     }
+#ifndef SEGNET_TEST_STRICT
+    if (!strcmp(order, "strict") || !strcmp(order, "both")) strict_pass(filter, set, &tl);
+#endif
 #else
     (void)order;
     run_tests(filter, NULL, "", set, &tl);
