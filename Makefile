@@ -12,8 +12,9 @@
 #   make train      build and run the main job on the bundled data
 #   make bench      segnet bench against PyTorch (ref/bench_torch.py), same run
 #   make gpucheck   on a machine with a GPU: the cuda_ tests on the device, and
-#                   segnet against PyTorch on it; table in gpucheck.txt
-#   make gpubuild   build everything gpucheck runs, without running it
+#                   segnet against PyTorch on it, within GPU_SECONDS; gpucheck.txt
+#   make gpubuild   build everything gpucheck runs, into gpucheck-bin/ (here:
+#                   the GPU machine then only runs it)
 #   make gpucount   what one training step asks of a GPU (kernel launches,
 #                   cuBLAS calls, host waits, copies), counted on the emulator
 #   make gpu-deps   download the build's Debian packages into .deps/ (for a
@@ -442,115 +443,55 @@ gpucount: segnet_emu
 	done
 
 # ---- make gpucheck: on a machine with an NVIDIA GPU (none on our CI) ----------
-# 1. the cuda_ tests on the device: test_segnet linked with the nvcc-built
-#    kernels instead of the emulator (time-boxed);
-# 2. the same tests once under compute-sanitizer's memcheck where it is
-#    installed (time-boxed: a cut-short run says how far it got);
-# 3. GPU_STEPS training steps of each GPU_MODELS entry in bf16 and fp16, with
-#    and without --checkpoint blocks (in bf16 also op by op, SEGNET_CUDA_GRAPHS=0,
-#    ckpt "eager": what the recorded step gains; and with k×k convs by im2col and
-#    cuBLAS, SEGNET_CONV=gemm, ckpt "gemm": what the implicit GEMMs gain), and the same model, size and batch in
-#    PyTorch (its GPU library kernels, autocast, channels_last) with GPU_PYTHON when its torch
-#    sees the GPU;
-# 4. each GPU_MODELS entry's GPU_KERNEL_ROWS kernels with the most device time
-#    per step, bf16 (segnet bench --kernels: CUDA events around each launch),
-#    with the GB/s and TFLOP/s of the bytes and FLOPs their launches declare;
-# 5. gpucheck.txt: the GPU, the tests' and the sanitizer's verdicts, one table
-#    (images/s, peak device memory, segnet/PyTorch ratios) and the kernel
-#    tables, printed last.
-# A step that fails (no GPU, a crash) leaves its line or row saying so (nan)
-# and the next step runs; the exit status is the tests'. GPU_SECONDS bounds
-# everything after the builds, so that with them it fits 8 minutes on an H200.
-# GPU_PYTHON: the first python3 on PATH that imports torch (on the lent GPU
-# machines that is not /usr/bin/python3). NCCL: the toolkit's or the system's,
-# else the one inside that Python's packages (nvidia/nccl), else none.
+# Built here, run there. make gpubuild (any machine with nvcc, this one
+# included) puts in GPUCHECK_DIR what the GPU machine runs: ./segnet and
+# test_segnet_gpu built by nvcc for GPU_ARCH (sm_90: H100, H200) against the
+# CUDA toolkit's cudart and cuBLAS, portable (no -march=native: the GPU
+# machine's CPU may be another), stripped, without NCCL (one GPU), with the
+# Debian libraries they load (OpenBLAS, libgfortran, libquadmath, stb, libgomp)
+# in GPUCHECK_DIR/lib, found through an $$ORIGIN rpath; about 60 MiB, and a
+# hash of the sources it was built from. On the GPU machine (no network, no
+# apt, the same CUDA toolkit), the device tool runs
+#     make gpucheck GPUCHECK_OUT=$$OUT        with carry ["gpucheck-bin"]
+# which only runs (gpucheck.sh, whose header lists the stages): no build there,
+# every stage time-boxed inside GPU_SECONDS (330 s), each result written to
+# $$OUT/gpucheck.txt as soon as it is known.
+GPUCHECK_DIR    ?= gpucheck-bin
+GPUCHECK_OUT    ?= .
+GPU_SECONDS     ?= 330
 GPU_STEPS       ?= 20
-GPU_SECONDS     ?= 420
-GPU_TEST_SECONDS ?= 120
-GPU_SANITIZER_SECONDS ?= 60
 GPU_KERNEL_ROWS ?= 25
-GPU_MODELS ?= "unet-effv2-l:--model unet-effv2-l --size 512x512 --batch 8 --classes 4" \
-              "effv2-l:--model effv2-l --size 384x384 --batch 16 --classes 1000"
-GPU_PYTHON ?=
-# shell: py= the Python that runs ref/bench_torch.py (empty: none imports torch)
-FIND_GPU_PYTHON = py="$(GPU_PYTHON)"; \
-	if [ -z "$$py" ]; then \
-	  for d in $$(echo "$$PATH" | tr : ' ') /usr/bin; do \
-	    [ -x "$$d/python3" ] && "$$d/python3" -c 'import torch' >/dev/null 2>&1 && { py="$$d/python3"; break; }; \
-	  done; \
-	fi
+GPU_PYTHON      ?=
+GPUCHECK_SOURCES := $(PROGRAM_SRCS) segnet.h kernels.cu test_segnet.c
+GPUCHECK_CFLAGS := -O2 -std=gnu11 -Wall -Wextra -Wno-unknown-pragmas -pthread -fno-math-errno -s \
+                   $(OMP_FLAGS) $(DEP_CFLAGS) -DSEGNET_CUDA -I$(CUDA_HOME)/include
+GPUCHECK_LIBS   := -L$(OPENBLAS_DIR) -lopenblas -L$(STB_LIBDIR) -lstb -Wl,--disable-new-dtags \
+                   -Wl,-rpath,'$$ORIGIN/lib' -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 \
+                   -lcudart -lcublas -lstdc++ -lm
 
+# test_segnet on a GPU with this machine's build (the cuda_ tests against the device)
 test_segnet_gpu: test_segnet.c $(PROGRAM_SRCS) segnet.h kernels_gpu.o kernel_resources.txt | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -DSEGNET_TEST_GPU -o $@ test_segnet.c kernels_gpu.o $(DEP_LIBS) $(CUDA_LIBS) $(LDLIBS)
 
-gpubuild:
+gpubuild: | deps
 	@[ -n "$(NVCC)" ] || { echo "make gpubuild: no nvcc (not on PATH, nor in CUDA_HOME=$(CUDA_HOME))" >&2; exit 1; }
-	@$(FIND_GPU_PYTHON); nccl="$(NCCL_HOME)"; \
-	if [ -z "$$nccl" ] && [ -z "$(NCCL_H)" ] && [ "$(NO_NCCL)" != 1 ] && [ -n "$$py" ]; then \
-	  nccl=$$("$$py" -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null); \
-	  [ -f "$$nccl/include/nccl.h" ] || nccl=""; \
-	fi; \
-	echo "$(MAKE) segnet test_segnet_gpu GPU_ARCH=$(GPU_ARCH)$${nccl:+ NCCL_HOME=$$nccl}"; \
-	$(MAKE) segnet test_segnet_gpu GPU_ARCH=$(GPU_ARCH) $${nccl:+NCCL_HOME=$$nccl}
+	@rm -rf $(GPUCHECK_DIR) && mkdir -p $(GPUCHECK_DIR)/lib
+	$(NVCC) -O3 -std=c++17 -Xcompiler -Wall,-Wextra -Werror all-warnings -I. -arch=$(GPU_ARCH) -c kernels.cu -o $(GPUCHECK_DIR)/kernels_gpu.o
+	$(CC) $(GPUCHECK_CFLAGS) -o $(GPUCHECK_DIR)/segnet segnet.c $(GPUCHECK_DIR)/kernels_gpu.o $(GPUCHECK_LIBS)
+	$(CC) $(GPUCHECK_CFLAGS) -DSEGNET_TEST_GPU -o $(GPUCHECK_DIR)/test_segnet_gpu test_segnet.c $(GPUCHECK_DIR)/kernels_gpu.o $(GPUCHECK_LIBS)
+	@rm -f $(GPUCHECK_DIR)/kernels_gpu.o
+	@for l in $$(ldd $(GPUCHECK_DIR)/segnet | awk '$$2 == "=>" && $$3 ~ /^\// { print $$3 }'); do \
+	  case $${l##*/} in libopenblas*|libgfortran*|libquadmath*|libstb*|libgomp*) cp -L $$l $(GPUCHECK_DIR)/lib/;; esac; \
+	done
+	@echo "$(GPUCHECK_SOURCES)" > $(GPUCHECK_DIR)/SOURCE_FILES
+	@cat $(GPUCHECK_SOURCES) | sha256sum | cut -c1-16 > $(GPUCHECK_DIR)/SOURCES
+	@echo "make gpubuild: $(GPUCHECK_DIR)/ ($$(du -sm $(GPUCHECK_DIR) | cut -f1) MiB, for $(GPU_ARCH)); on the GPU machine: make gpucheck GPUCHECK_OUT=\$$OUT, carrying $(GPUCHECK_DIR)"
 
-gpucheck: gpubuild
-	@end=$$(( $$(date +%s) + $(GPU_SECONDS) )); \
-	budget() { l=$$(( end - $$(date +%s) )); [ $$l -gt $$1 ] && l=$$1; [ $$l -lt 1 ] && l=1; echo $$l; }; \
-	out=gpucheck.txt; : > $$out; \
-	gpu=$$(nvidia-smi -L 2>/dev/null | head -n 1); \
-	[ -n "$$gpu" ] || echo "make gpucheck: no GPU visible (nvidia-smi -L failed): the GPU steps below fail" >&2; \
-	echo "gpu: $${gpu:-none visible}" >> $$out; \
-	echo "== 1. the cuda_ tests on the device (at most $$(budget $(GPU_TEST_SECONDS)) s)" >&2; \
-	timeout $$(budget $(GPU_TEST_SECONDS)) ./test_segnet_gpu --filter cuda_ > gpucheck-tests.log 2>&1; trc=$$?; \
-	cat gpucheck-tests.log >&2; \
-	echo "cuda_ tests: $$(grep -E '^[0-9]+ passed, [0-9]+ failed, [0-9]+ skipped$$' gpucheck-tests.log || echo 'no count line') (exit $$trc$$([ $$trc = 124 ] && echo ', cut short'))" >> $$out; \
-	san=$$(command -v compute-sanitizer || { [ -x $(CUDA_HOME)/bin/compute-sanitizer ] && echo $(CUDA_HOME)/bin/compute-sanitizer; }); \
-	if [ -n "$$san" ]; then \
-	  s_budget=$$(budget $(GPU_SANITIZER_SECONDS)); \
-	  echo "== 2. the cuda_ tests under compute-sanitizer memcheck (at most $$s_budget s)" >&2; \
-	  timeout $$s_budget $$san --tool memcheck --error-exitcode 3 ./test_segnet_gpu --filter cuda_ > gpucheck-memcheck.log 2>&1; src=$$?; \
-	  tail -n 5 gpucheck-memcheck.log >&2; \
-	  n=$$(grep -cE '^(ok|FAIL) ' gpucheck-memcheck.log); \
-	  errs=$$(sed -n 's/^========= ERROR SUMMARY: \([0-9]*\) error.*/\1/p' gpucheck-memcheck.log | tail -n 1); \
-	  if [ $$src = 124 ]; then \
-	    v="cut short after $$s_budget s: $$n tests run, $$(grep -cE '^========= (Invalid|Program hit)' gpucheck-memcheck.log) errors so far"; \
-	  else v="$${errs:-no} errors reported in $$n tests (exit $$src$$([ $$src = 3 ] && echo ': errors found, see gpucheck-memcheck.log'))"; fi; \
-	  echo "compute-sanitizer memcheck: $$v" >> $$out; \
-	else echo "compute-sanitizer: not installed" >> $$out; fi; \
-	$(FIND_GPU_PYTHON); \
-	torch_gpu=0; [ -n "$$py" ] && "$$py" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null && torch_gpu=1; \
-	echo "pytorch: $$([ $$torch_gpu = 1 ] && echo "$$py, sees the GPU" || echo "not run ($${py:-no python3 on PATH imports torch}$${py:+: its torch sees no GPU})")" >> $$out; \
-	rows=""; \
-	for m in $(GPU_MODELS); do \
-	  name=$${m%%:*}; args=$${m#*:}; \
-	  for p in bf16 fp16; do \
-	    t=""; \
-	    if [ $$torch_gpu = 1 ]; then \
-	      echo "== 3. $$name $$p: ref/bench_torch.py --device cuda $$args" >&2; \
-	      t=$$(timeout $$(budget 90) "$$py" ref/bench_torch.py --device cuda --precision $$p $$args --steps $(GPU_STEPS) --warmup 3) || t=""; \
-	      echo "$$t" >&2; \
-	    fi; \
-	    for c in none blocks $$([ $$p = bf16 ] && echo eager gemm); do \
-	      ckpt=$$c; graphs=1; conv=implicit; [ $$c = eager ] && { ckpt=none; graphs=0; }; [ $$c = gemm ] && { ckpt=none; conv=gemm; }; \
-	      echo "== 3. $$name $$p --checkpoint $$ckpt$$([ $$graphs = 0 ] && echo ', SEGNET_CUDA_GRAPHS=0')$$([ $$conv = gemm ] && echo ', SEGNET_CONV=gemm'): segnet bench --device cuda $$args" >&2; \
-	      s=$$(SEGNET_CUDA_GRAPHS=$$graphs SEGNET_CONV=$$conv timeout $$(budget 120) ./segnet bench --device cuda --precision $$p --checkpoint $$ckpt $$args --steps $(GPU_STEPS) --warmup 3) || s=""; \
-	      echo "$$s" >&2; \
-	      get() { v=$$(echo "$$1" | sed -n "s/^$$2: //p"); echo $${v:-nan}; }; \
-	      rows="$$rows$$name $$p $$c $$(get "$$s" images_per_s) $$(get "$$t" images_per_s) $$(get "$$s" peak_device_bytes) $$(get "$$t" peak_device_bytes)\n"; \
-	    done; \
-	  done; \
-	done; \
-	printf "$$rows" | awk 'BEGIN { printf "%-13s %-5s %-6s %10s %10s %7s %11s %11s %7s\n", "model", "prec", "ckpt", "segnet i/s", "torch i/s", "ratio", "segnet GiB", "torch GiB", "ratio" } \
-	  { printf "%-13s %-5s %-6s %10.2f %10.2f %7.2f %11.2f %11.2f %7.2f\n", $$1, $$2, $$3, $$4, $$5, $$4 / $$5, $$6 / 1073741824, $$7 / 1073741824, $$6 / $$7 }' >> $$out; \
-	for m in $(GPU_MODELS); do \
-	  name=$${m%%:*}; args=$${m#*:}; \
-	  echo "== 4. $$name bf16: device time per kernel, segnet bench --kernels $(GPU_KERNEL_ROWS)" >&2; \
-	  k=$$(timeout $$(budget 90) ./segnet bench --device cuda --precision bf16 $$args --steps 2 --warmup 1 --kernels $(GPU_KERNEL_ROWS)) || k=""; \
-	  echo "$$name bf16, the $(GPU_KERNEL_ROWS) kernels with the most device time per step:" >> $$out; \
-	  echo "$$k" | sed -n '/^kernel /,/^sum /p' | grep . >> $$out || echo "  (not run: no output)" >> $$out; \
-	done; \
-	echo "== gpucheck.txt" >&2; cat $$out; \
-	[ $$trc = 0 ]
+gpucheck:
+	@[ -x $(GPUCHECK_DIR)/segnet ] || $(MAKE) --no-print-directory gpubuild
+	@GPUCHECK_DIR=$(GPUCHECK_DIR) GPUCHECK_OUT=$(GPUCHECK_OUT) GPU_SECONDS=$(GPU_SECONDS) \
+	  GPU_STEPS=$(GPU_STEPS) GPU_KERNEL_ROWS=$(GPU_KERNEL_ROWS) GPU_PYTHON=$(GPU_PYTHON) \
+	  CUDA_HOME=$(CUDA_HOME) ./gpucheck.sh
 
 # ---- builds without apt: the Debian packages as files -------------------------
 # make gpu-deps (here, with apt) -> .deps/*.deb; carry .deps to the machine with
@@ -575,6 +516,6 @@ deps-unpack:
 	@echo "make deps-unpack: $$(ls $(DEPS_DIR)/*.deb | wc -l) packages in $(DEPS_DIR)/root; build with DEPS_ROOT=$$PWD/$(DEPS_DIR)/root"
 
 clean:
-	rm -f segnet segnet_emu test_segnet test_segnet_strict test_segnet_gpu fuzz_segnet gpucheck.txt gpucheck-tests.log gpucheck-memcheck.log *.o \
+	rm -f segnet segnet_emu test_segnet test_segnet_strict test_segnet_gpu fuzz_segnet gpucheck.txt gpucheck-*.log *.o \
 	  kernels_gpu.ptxas kernel_resources.txt
-	rm -rf $(DEPS_DIR)/root
+	rm -rf $(DEPS_DIR)/root $(GPUCHECK_DIR)

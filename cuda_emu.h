@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <utility>
 #include <algorithm>
+#include <vector>
 
 // 2. Built-in variables: per OS thread, rewritten by the scheduler before it
 //    resumes a fiber (all fibers of a block share the worker's TLS).
@@ -124,6 +125,10 @@ void last_block_counted(bool last);       // the counting thread, right after it
 void read_other_blocks(void* dst, const void* src, size_t bytes);
 
 void copy_bytes(void* dst, const void* src, size_t n);   // memcpy, outside the race checker's view
+template <class T> void add_pointer(std::vector<const void*>& out, const T& a) {
+  if constexpr (std::is_pointer_v<T>)
+    if (a) out.push_back((const void*)a);
+}
 template <class T> void check_arg(const char* k, int i, const T& a) {
   if constexpr (std::is_pointer_v<T>)
     if (a && !is_device_ptr((const void*)a)) bad_kernel_arg(k, i, (const void*)a);
@@ -137,6 +142,7 @@ struct BoundKernel {
   virtual ~BoundKernel() = default;
   virtual void run() = 0;                               // the kernel, as the current thread
   virtual void check_args(const char* name) const = 0;  // pointer arguments are device memory
+  virtual void pointers(std::vector<const void*>& out) const = 0;  // its pointer arguments
   virtual BoundKernel* clone() const = 0;
 };
 template <class F, class... P> struct BoundLaunch final : BoundKernel {
@@ -157,6 +163,9 @@ template <class F, class... P> struct BoundLaunch final : BoundKernel {
   }
   void check_args(const char* name) const override {
     std::apply([&](const auto&... x) { int i = 0; (check_arg(name, i++, x), ...); }, params);
+  }
+  void pointers(std::vector<const void*>& out) const override {
+    std::apply([&](const auto&... x) { (add_pointer(out, x), ...); }, params);
   }
   BoundKernel* clone() const override { return new BoundLaunch(*this); }
 };

@@ -102,14 +102,16 @@ bool cuemu_run_probe(const char *name) {
     const std::string n = name;
     if (n == "shared_counter_plain") CU_LAUNCH(shared_counter, 1, 64, 0, nullptr, u, 0);
     else if (n == "shared_counter_atomic") CU_LAUNCH(shared_counter, 1, 64, 0, nullptr, u, 1);
-    else if (n == "shared_barrier") CU_LAUNCH(shared_neighbour, 1, 64, 64 * sizeof(float), nullptr, f, 1);
+    else if (n == "shared_barrier")
+        CU_LAUNCH(shared_neighbour, 1, 64, 64 * sizeof(float), nullptr, f, 1);
     else if (n == "shared_no_barrier")
         CU_LAUNCH(shared_neighbour, 1, 64, 64 * sizeof(float), nullptr, f, 0);
     else if (n == "warp_syncwarp") CU_LAUNCH(warp_neighbour, 1, 32, 0, nullptr, f, 1);
     else if (n == "warp_no_syncwarp") CU_LAUNCH(warp_neighbour, 1, 32, 0, nullptr, f, 0);
     else if (n == "global_neighbour") CU_LAUNCH(global_neighbour, 8, 32, 0, nullptr, f);
     else if (n == "global_same_word_plain") CU_LAUNCH(global_same_word, 8, 32, 0, nullptr, word, 0);
-    else if (n == "global_same_word_atomic") CU_LAUNCH(global_same_word, 8, 32, 0, nullptr, word, 1);
+    else if (n == "global_same_word_atomic")
+        CU_LAUNCH(global_same_word, 8, 32, 0, nullptr, word, 1);
     else if (n == "read_inside") CU_LAUNCH(read_at, 1, 32, 0, nullptr, f, 255, g);
     else if (n == "read_past_end") CU_LAUNCH(read_at, 1, 32, 0, nullptr, f, 256, g);
     else if (n == "last_block") CU_LAUNCH(last_block_sum, 8, 64, 0, nullptr, f, u, g, (int)NONE);

@@ -127,7 +127,8 @@ static double bytes_of(size_t n, DType dt) { return (double)n * (double)dtype_si
 
 int cuda_kernel_timing = 0;
 struct TimedLaunch {
-    const void *func;
+    const void *func;  // the kernel, or a cuBLAS call's row key (its label's address)
+    const char *label;  // a cuBLAS call's row name; NULL: the kernel's
     cudaEvent_t start, stop;
     Traffic traffic;
 };
@@ -145,13 +146,16 @@ static cudaEvent_t timing_event() {
     }
     return e;
 }
-static void kernel_time_begin(const void *func, cudaStream_t s, Traffic traffic) {
+// label: a cuBLAS call, timed as a kernel (its own row, named by the label)
+static void kernel_time_begin(const void *func, cudaStream_t s, Traffic traffic,
+                              const char *label = NULL) {
 #if !defined(__CUDACC__)
-    cuemu::next_launch_traffic(traffic.bytes, traffic.flops);
+    if (!label) cuemu::next_launch_traffic(traffic.bytes, traffic.flops);
 #endif
     if (!cuda_kernel_timing) return;
     std::lock_guard<std::mutex> lock(g_timing_mu);
-    const TimedLaunch t = {func, timing_event(), timing_event(), traffic};
+    const TimedLaunch t = {label ? (const void *)label : func, label, timing_event(),
+                           timing_event(), traffic};
     cudaCheck(cudaEventRecord(t.start, s));
     g_timed.push_back(t);
 }
@@ -196,7 +200,7 @@ int cuda_kernel_times(KernelTimeRow *rows, int max) {
         float ms = 0.0f;
         cudaCheck(cudaEventElapsedTime(&ms, t.start, t.stop));
         KernelTimeRow &r = g_time_rows[t.func];
-        if (!r.name) r.name = kernel_name(t.func);
+        if (!r.name) r.name = t.label ? t.label : kernel_name(t.func);
         r.launches++;
         r.ms += ms;
         r.bytes += t.traffic.bytes;
@@ -1624,9 +1628,19 @@ static void gemm_ex(Ops *o, cublasOperation_t ta, cublasOperation_t tb, size_t m
         exit(1);
     }
     const float alpha = 1.0f;
+    // a row of bench --kernels per type combination: A·B's type, C's
+    static const char *const labels[3][3] = {
+            {"cublasGemmEx fp32->fp32", "cublasGemmEx fp32->fp16", "cublasGemmEx fp32->bf16"},
+            {"cublasGemmEx fp16->fp32", "cublasGemmEx fp16->fp16", "cublasGemmEx fp16->bf16"},
+            {"cublasGemmEx bf16->fp32", "cublasGemmEx bf16->fp16", "cublasGemmEx bf16->bf16"}};
+    const Traffic traffic = moves(bytes_of(m * k + k * n, ab) + bytes_of(m * n, c) * (beta ? 2 : 1),
+                                2.0 * m * n * k);
+    cudaStream_t s = stream_of(o);
+    kernel_time_begin(NULL, s, traffic, labels[ab][c]);
     cublasCheck(cublasGemmEx(ctx_of(o)->blas, ta, tb, (int)m, (int)n, (int)k, &alpha, A,
                              blas_type(ab), lda, B, blas_type(ab), ldb, &beta, C, blas_type(c), ldc,
                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    kernel_time_end(s);
     launchCheck();
 }
 

@@ -979,8 +979,9 @@ int cuda_conv_assumed_blocks_per_sm(int tile, int pass, int vec);
 // what ops_cuda.alloc has handed out (now, at most)
 extern size_t cuda_bytes_live, cuda_bytes_peak;
 // Device time per kernel (segnet bench --kernels): while cuda_kernel_timing is 1,
-// every kernel launch is timed by two events on its stream (run op by op: a
-// replayed graph's kernels are not). cuda_kernel_times waits for the device,
+// every kernel launch and cuBLAS GEMM (a row per type combination) is timed
+// by two events on its stream (run op by op: a replayed graph's kernels are
+// not). cuda_kernel_times waits for the device,
 // adds the launches since the last call to their kernels' rows and writes the
 // rows, most time first, up to max of them; returns how many there are. bytes
 // and flops: what the launches declared they move and compute (kernels.cu's

@@ -8863,7 +8863,8 @@ TEST(cuda_emu_semantics) {
     const float got = cuemu_kernels_mul_add(a, a, -1.0f);
     CHECK(got == want, "kernels.cu's a·b + c gave %a, not %a (%s): the %s build", (double)got,
           (double)want, want == fused ? "one FMA" : "two roundings",
-          want == fused ? "strict (kernels_strict.o, -ffp-contract=fast)" : "emulator's (kernels_emu.o)");
+          want == fused ? "strict (kernels_strict.o, -ffp-contract=fast)"
+                        : "emulator's (kernels_emu.o)");
 }
 
 // CUEMU_COUNT=FILE: ./segnet_emu (segnet on the emulator) counts a training
@@ -15741,7 +15742,8 @@ static int cmp_test_line(const void *a, const void *b) {
 // where results depend on it (multiply-adds fused into FMAs), with every access
 // race-checked and device memory packed as an arena; its lines are shown and
 // its tests counted here.
-#define SKIP_NO_STRICT "no test_segnet_strict (make test builds it and names it in SEGNET_STRICT_BIN)"
+#define SKIP_NO_STRICT \
+    "no test_segnet_strict (make test builds it and names it in SEGNET_STRICT_BIN)"
 #define SKIP_NO_FMA "this CPU has no FMA instructions, which the strict build's kernels use"
 static void strict_pass(const char *filter, RunSet set, Tally *tl) {
     const char *bin = getenv("SEGNET_STRICT_BIN");
@@ -15779,7 +15781,8 @@ static void strict_pass(const char *filter, RunSet set, Tally *tl) {
         else if (!strncmp(line, "FAIL ", 5)) tl->failed++;
         else if (sscanf(line, "skip %255s", name) == 1) {
             const char *reason = strstr(line, ": ");
-            tally_skip(tl, strdup(name), reason ? strndup(reason + 2, strcspn(reason + 2, "\n")) : "");
+            const char *text = reason ? strndup(reason + 2, strcspn(reason + 2, "\n")) : "";
+            tally_skip(tl, strdup(name), text);
         }
     }
     const int status = pclose(p);
@@ -15848,7 +15851,8 @@ int main(int argc, char **argv) {
 #ifdef SEGNET_TEST_STRICT
     // test_segnet_strict: the strict pass alone (test_segnet runs it as its fourth)
     if (strcmp(order, "strict")) {
-        fprintf(stderr, "test_segnet_strict runs --order strict only (./test_segnet runs the rest)\n");
+        fprintf(stderr,
+                "test_segnet_strict runs --order strict only (./test_segnet runs the rest)\n");
         return 2;
     }
     cuemu_set_arena(1);
