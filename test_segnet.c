@@ -15500,6 +15500,76 @@ static int last_block_without_l1_bypass(const char *src) {
     return 0;
 }
 
+// make gpucheck's script (gpucheck.sh) on stand-ins for the GPU programs and
+// PyTorch (shell scripts that print what the real ones print, with a value
+// missing): every stage's line lands in gpucheck.txt; a ratio is taken of
+// numbers only ("-" for the rest, whatever awk the machine has); a stage that
+// overruns the budget is cut short and the ones after it still report.
+static void gpucheck_fake(const char *dir, const char *name, const char *body) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    char text[2048];
+    snprintf(text, sizeof text, "#!/bin/sh\n%s", body);
+    CHECK(write_file_bytes(path, text, strlen(text)) == 0 && chmod(path, 0755) == 0,
+          "cannot write %s", path);
+}
+TEST(gpucheck_script) {
+    const char *dir = "/tmp/segnet_test_gpucheck";
+    char cmd[2048], msg[4096];
+    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s/out", dir, dir);
+    CHECK(run_shell(cmd, msg, sizeof msg) == 0, "%s: %s", cmd, msg);
+    // the tests sleep for $SLOW_TESTS seconds first; segnet bench: a value missing under
+    // SEGNET_CONV=gemm, a kernel table for --kernels; python3: torch sees the GPU
+    gpucheck_fake(dir, "test_segnet_gpu",
+                  "sleep ${SLOW_TESTS:-0}; echo 'ok   cuda_x (0.1s)'; "
+                  "echo '1 passed, 0 failed, 0 skipped'\n");
+    gpucheck_fake(dir, "segnet",
+                  "case \"$*\" in *--kernels*) printf 'kernel ms\\nk 1.0\\nsum 1.0\\n'; exit 0;; esac\n"
+                  "[ \"$SEGNET_CONV\" = gemm ] && { echo 'images_per_s: nan'; exit 0; }\n"
+                  "echo 'images_per_s: 10.0'; echo 'peak_device_bytes: 2147483648'\n");
+    gpucheck_fake(dir, "python3",
+                  "[ \"$1\" = -c ] && exit 0\n"
+                  "echo 'images_per_s: 5.0'; echo 'peak_device_bytes: 1073741824'\n");
+    for (int slow = 0; slow < 2; slow++) {
+        snprintf(cmd, sizeof cmd,
+                 "SLOW_TESTS=%d GPUCHECK_DIR=%s GPUCHECK_OUT=%s/out GPU_SECONDS=%d "
+                 "GPU_TEST_SECONDS=%d GPU_PYTHON=%s/python3 CUDA_HOME=/nonexistent "
+                 "GPU_MODELS='m:--model unet' PATH=/usr/bin:/bin ./gpucheck.sh",
+                 slow ? 30 : 0, dir, dir, slow ? 6 : 60, slow ? 2 : 60, dir);
+        const double t0 = now_s();
+        const int rc = run_shell(cmd, msg, sizeof msg);
+        const double took = now_s() - t0;
+        char path[512];
+        snprintf(path, sizeof path, "%s/out/gpucheck.txt", dir);
+        size_t n;
+        char *text = read_file(path, &n);
+        CHECK(text != NULL, "gpucheck.sh wrote no %s (exit %d: %s)", path, rc, msg);
+        if (!text) return;
+        if (!slow) {
+            CHECK(rc == 0, "gpucheck.sh exited %d with passing tests: %s", rc, msg);
+            const char *want[] = {
+                    "cuda_ tests: 1 passed, 0 failed, 0 skipped (exit 0;",
+                    "compute-sanitizer: not installed",
+                    "m             bf16  graphs      10.00       5.00    2.00        2.00"
+                    "        1.00    2.00",
+                    "m             fp16  fp16        10.00          -       -        2.00"
+                    "           -       -",
+                    "m             bf16  gemm            -       5.00       -           -"
+                    "        1.00       -",
+                    "k 1.0"};
+            for (size_t k = 0; k < sizeof want / sizeof want[0]; k++)
+                CHECK(strstr(text, want[k]) != NULL, "gpucheck.txt lacks \"%s\":\n%s", want[k],
+                      text);
+        } else {
+            CHECK(strstr(text, "cut short after 2 s") && strstr(text, "m             bf16  graphs"),
+                  "a stage over the budget: not cut short, or the stages after it missing:\n%s",
+                  text);
+            CHECK(took < 20, "gpucheck.sh took %.0f s with a 6 s budget", took);
+        }
+        free(text);
+    }
+}
+
 TEST(last_block_reads_past_l1) {
     const char *good = "void f() {\n    if (!last_block(c, n)) return;\n"
                        "    sum += from_other_blocks(&partial[q]);\n}\n";
