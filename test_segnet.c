@@ -15524,7 +15524,8 @@ TEST(gpucheck_script) {
                   "sleep ${SLOW_TESTS:-0}; echo 'ok   cuda_x (0.1s)'; "
                   "echo '1 passed, 0 failed, 0 skipped'\n");
     gpucheck_fake(dir, "segnet",
-                  "case \"$*\" in *--kernels*) printf 'kernel ms\\nk 1.0\\nsum 1.0\\n'; exit 0;; esac\n"
+                  "case \"$*\" in *--kernels*)\n"
+                  "  printf 'kernel ms\\nk 1.0\\nsum 1.0\\n'; exit 0;; esac\n"
                   "[ \"$SEGNET_CONV\" = gemm ] && { echo 'images_per_s: nan'; exit 0; }\n"
                   "echo 'images_per_s: 10.0'; echo 'peak_device_bytes: 2147483648'\n");
     gpucheck_fake(dir, "python3",
