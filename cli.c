@@ -52,6 +52,49 @@ static int parse_exif(const char *flag, const char *v) {
     return -1;
 }
 
+// A number option's domain: [lo, hi], a bound excluded where open; why, if any, says what a
+// value outside it would do
+typedef struct {
+    float lo, hi;
+    int lo_open, hi_open;
+    const char *why;
+} FloatRange;
+static const FloatRange AT_LEAST_0 = {0.0f, FLT_MAX, 0, 0, NULL},
+                        ABOVE_0 = {0.0f, FLT_MAX, 1, 0, NULL};
+
+// The float a number becomes (strtof's rounding, which config.txt's float_str reads back bit
+// for bit), refused where that float is inf, where a nonzero number becomes 0 or subnormal,
+// or where it is outside r: "" or the problem (why: room for it). *end: past the number.
+static const char *float_problem(const char *s, char **end, FloatRange r, float *out,
+                                 char why[160]) {
+    const double x = strtod(s, end);
+    const float f = strtof(s, NULL);
+    if (*end == s || isnan(f)) return "is not a number";
+    if (isinf(f)) return "is beyond a float (at most 3.40282e+38)";
+    if (x != 0.0 && !(fabsf(f) >= FLT_MIN))
+        return "is too small for a float (give 0 or at least 1.17549e-38)";
+    if ((r.lo_open ? f > r.lo : f >= r.lo) && (r.hi_open ? f < r.hi : f <= r.hi)) {
+        *out = f;
+        return "";
+    }
+    if (r.hi == FLT_MAX)
+        snprintf(why, 160, "is not a number %s %g", r.lo_open ? ">" : "≥", r.lo);
+    else
+        snprintf(why, 160, "is not a number in %c%g, %g%c", r.lo_open ? '(' : '[', r.lo, r.hi,
+                 r.hi_open ? ')' : ']');
+    if (r.why) snprintf(why + strlen(why), 160 - strlen(why), " (%s)", r.why);
+    return why;
+}
+
+static int parse_number(const char *flag, const char *v, FloatRange r, float *out) {
+    char *end, why[160];
+    const char *problem = float_problem(v, &end, r, out, why);
+    if (*end) problem = "is not a number";
+    if (!*problem) return 0;
+    fprintf(stderr, "segnet: %s '%s' %s\n", flag, v, problem);
+    return -1;
+}
+
 // Parses the model options shared by plan (and later train, predict, bench).
 // Returns the number of arguments consumed at argv[i] (0: not a model option), -1 on error.
 // HxW, each 1..32768
@@ -80,13 +123,8 @@ static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
     } else if (!strcmp(f, "--head-hidden")) {
         if (parse_int(f, v, 0, 1 << 20, &c->head_hidden)) return -1;
     } else if (!strcmp(f, "--dropout")) {
-        char *end;
-        double r = strtod(v, &end);
-        if (end == v || *end || !(r >= 0.0 && r < 1.0)) {
-            fprintf(stderr, "segnet: --dropout '%s' must be a rate in [0, 1)\n", v);
-            return -1;
-        }
-        c->dropout = (float)r;
+        const FloatRange rate = {0.0f, 1.0f, 0, 1, "a rate"};
+        if (parse_number(f, v, rate, &c->dropout)) return -1;
     } else if (!strcmp(f, "--depth")) {
         if (parse_int(f, v, 1, 8, &c->depth)) return -1;
     } else if (!strcmp(f, "--width")) {
@@ -114,51 +152,64 @@ static void model_default_size(ModelCfg *c) {
     c->height = c->width = side;
 }
 
-static int parse_float(const char *flag, const char *v, float lo, float *out) {
-    char *end;
-    double x = strtod(v, &end);
-    if (!*v || *end || !(x >= lo) || isinf(x)) {
-        fprintf(stderr, "segnet: %s '%s' is not a number ≥ %g\n", flag, v, lo);
-        return -1;
-    }
-    *out = (float)x;
+// A spec of items (--loss, --augment) fits its parser's buffer of `size` bytes, or is
+// refused: cut short, it would lose items
+static int spec_fits(const char *flag, const char *v, size_t size) {
+    if (strlen(v) < size) return 1;
+    fprintf(stderr, "segnet: %s '%.40s...' is %zu characters long, longer than %zu\n", flag, v,
+            strlen(v), size - 1);
     return 0;
 }
 
-// --loss: terms `[W*]name` joined by +, each name once, W > 0; ce goes first
-// (its op overwrites the logits' gradient, the others add into it)
+// --loss: terms `[W*]name` joined by +, each name once, W > 0 (a float, which may hold a +
+// itself: config.txt writes 1e+06); kept in the menu's order (LOSS_NAMES: ce first, its op
+// overwriting the logits' gradient, the others adding into it), whatever the order given,
+// so that a run's loss has one spelling
 static int parse_loss(const char *v, LossCfg *l) {
-    char buf[256];
-    snprintf(buf, sizeof buf, "%s", v);
     l->n = 0;
-    for (char *save = NULL, *item = strtok_r(buf, "+", &save); item;
-         item = strtok_r(NULL, "+", &save)) {
-        char *star = strchr(item, '*'), *end = item;
-        double w = star ? strtod(item, &end) : 1.0;
-        const char *name = star ? star + 1 : item;
+    for (const char *item = v;;) {
+        char *end, why[160];
+        float w = 1.0f;
+        strtod(item, &end);
+        const int weighted = end != item && *end == '*';
+        const char *name = weighted ? end + 1 : item;
+        const int len = (int)strcspn(name, "+"), item_len = (int)(name + len - item);
+        const char *problem = weighted ? float_problem(item, &end, ABOVE_0, &w, why) : "";
         int k = 0;
-        while (k < LOSS_KIND_COUNT && strcmp(name, LOSS_NAMES[k])) k++;
-        if ((star && end != star) || !(w > 0.0) || isinf(w) || k == LOSS_KIND_COUNT) {
-            fprintf(stderr, "segnet: --loss '%s': '%s' is not [W*]NAME with W > 0 and NAME one of "
-                    "ce, focal, dice, jaccard, tversky, lovasz\n", v, item);
+        while (k < LOSS_KIND_COUNT &&
+               (strncmp(name, LOSS_NAMES[k], (size_t)len) || LOSS_NAMES[k][len]))
+            k++;
+        if (!item_len) {
+            fprintf(stderr, "segnet: --loss '%s': an empty term (terms are [W*]NAME joined by "
+                    "single +)\n", v);
             return -1;
         }
-        for (int j = 0; j < l->n; j++)
-            if (l->kind[j] == (LossKind)k) {
-                fprintf(stderr, "segnet: --loss '%s': %s twice\n", v, name);
-                return -1;
-            }
-        const int at = k == LOSS_CE ? 0 : l->n;
+        if (*problem) {
+            fprintf(stderr, "segnet: --loss '%s': the weight of '%.*s' %s\n", v, item_len, item,
+                    problem);
+            return -1;
+        }
+        if (k == LOSS_KIND_COUNT) {
+            fprintf(stderr, "segnet: --loss '%s': '%.*s' is not [W*]NAME with W > 0 and NAME one "
+                    "of ce, focal, dice, jaccard, tversky, lovasz\n", v, item_len, item);
+            return -1;
+        }
+        int at = l->n;
+        while (at > 0 && l->kind[at - 1] >= (LossKind)k) at--;
+        if (at < l->n && l->kind[at] == (LossKind)k) {
+            fprintf(stderr, "segnet: --loss '%s': %s twice\n", v, LOSS_NAMES[k]);
+            return -1;
+        }
         for (int j = l->n; j > at; j--) {
             l->kind[j] = l->kind[j - 1];
             l->weight[j] = l->weight[j - 1];
         }
         l->kind[at] = (LossKind)k;
-        l->weight[at] = (float)w;
+        l->weight[at] = w;
         l->n++;
+        if (!name[len]) return 0;
+        item = name + len + 1;
     }
-    if (!l->n) { fprintf(stderr, "segnet: --loss '%s' names no term\n", v); return -1; }
-    return 0;
 }
 
 #define AUGMENT_SCALE_MAX 8.0  // --augment scale=LO:HI: the largest zoom
@@ -167,6 +218,7 @@ static int parse_augment(const char *v, Augment *a) {
     memset(a, 0, sizeof *a);
     if (!strcmp(v, "none")) return 0;
     char buf[256];
+    if (!spec_fits("--augment", v, sizeof buf)) return -1;
     snprintf(buf, sizeof buf, "%s", v);
     for (char *save = NULL, *item = strtok_r(buf, ",", &save); item;
          item = strtok_r(NULL, ",", &save)) {
@@ -295,6 +347,14 @@ static int parse_ignore_index(const char *v, MaskRules *m) {
     }
 }
 
+// the domains of the number options beyond "a float ≥ 0"
+static const FloatRange
+        RANGE_LR_FACTOR = {0.0f, 1.0f, 0, 1, "as Keras: the lr must go down"},
+        RANGE_ADAM_EPS = {0.0f, FLT_MAX, 1, 0, "at 0 a weight whose gradient is always 0 gets 0/0"},
+        RANGE_FOCAL_ALPHA = {0.0f, FLT_MAX, 1, 0, "at 0 the focal term and its gradient are 0"},
+        RANGE_TVERSKY_GAMMA = {0.0f, FLT_MAX, 1, 0,
+                               "its power of the loss: at 0 a constant 1, no gradient"};
+
 // Parses one train/eval option at argv[i]. Returns the arguments consumed
 // (0: unknown), -1 on error.
 static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
@@ -360,19 +420,26 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     else if (!strcmp(f, "--epochs")) rc = parse_int(f, v, 1, 1 << 20, &c->epochs);
     else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, 1 << 30, &c->warmup);
     else if (!strcmp(f, "--early-stopping")) rc = parse_int(f, v, 0, 1 << 20, &c->patience);
-    else if (!strcmp(f, "--min-delta")) rc = parse_float(f, v, 0.0f, &c->min_delta);
-    else if (!strcmp(f, "--lr-factor")) rc = parse_float(f, v, 0.0f, &c->plateau.factor);
+    else if (!strcmp(f, "--min-delta")) rc = parse_number(f, v, AT_LEAST_0, &c->min_delta);
+    else if (!strcmp(f, "--lr-factor"))
+        rc = parse_number(f, v, RANGE_LR_FACTOR, &c->plateau.factor);
     else if (!strcmp(f, "--lr-patience"))
         rc = parse_int(f, v, 1, 1 << 20, &c->plateau.patience);
-    else if (!strcmp(f, "--min-lr")) rc = parse_float(f, v, 0.0f, &c->plateau.min_lr);
-    else if (!strcmp(f, "--lr-min-delta")) rc = parse_float(f, v, 0.0f, &c->plateau.min_delta);
+    else if (!strcmp(f, "--min-lr")) rc = parse_number(f, v, AT_LEAST_0, &c->plateau.min_lr);
+    else if (!strcmp(f, "--lr-min-delta"))
+        rc = parse_number(f, v, AT_LEAST_0, &c->plateau.min_delta);
     else if (!strcmp(f, "--loss")) rc = parse_loss(v, &c->loss);
-    else if (!strcmp(f, "--loss-smooth")) rc = parse_float(f, v, 0.0f, &c->loss.smooth);
-    else if (!strcmp(f, "--focal-gamma")) rc = parse_float(f, v, 0.0f, &c->loss.focal_gamma);
-    else if (!strcmp(f, "--focal-alpha")) rc = parse_float(f, v, 0.0f, &c->loss.focal_alpha);
-    else if (!strcmp(f, "--tversky-alpha")) rc = parse_float(f, v, 0.0f, &c->loss.tversky_alpha);
-    else if (!strcmp(f, "--tversky-beta")) rc = parse_float(f, v, 0.0f, &c->loss.tversky_beta);
-    else if (!strcmp(f, "--tversky-gamma")) rc = parse_float(f, v, 0.0f, &c->loss.tversky_gamma);
+    else if (!strcmp(f, "--loss-smooth")) rc = parse_number(f, v, AT_LEAST_0, &c->loss.smooth);
+    else if (!strcmp(f, "--focal-gamma"))
+        rc = parse_number(f, v, AT_LEAST_0, &c->loss.focal_gamma);
+    else if (!strcmp(f, "--focal-alpha"))
+        rc = parse_number(f, v, RANGE_FOCAL_ALPHA, &c->loss.focal_alpha);
+    else if (!strcmp(f, "--tversky-alpha"))
+        rc = parse_number(f, v, AT_LEAST_0, &c->loss.tversky_alpha);
+    else if (!strcmp(f, "--tversky-beta"))
+        rc = parse_number(f, v, AT_LEAST_0, &c->loss.tversky_beta);
+    else if (!strcmp(f, "--tversky-gamma"))
+        rc = parse_number(f, v, RANGE_TVERSKY_GAMMA, &c->loss.tversky_gamma);
     else if (!strcmp(f, "--monitor")) {
         if (!strcmp(v, "val_loss")) c->monitor_metric = 0;
         else if (!strcmp(v, "val_mIoU") || !strcmp(v, "val_accuracy") || !strcmp(v, "val_dice")) {
@@ -404,10 +471,10 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
         rc = parse_int(f, v, 0, 2147483647, &seed);
         c->seed = (uint64_t)seed;
     } else if (!strcmp(f, "--lr"))
-        rc = parse_float(f, v, 0.0f, &c->lr);
-    else if (!strcmp(f, "--adam-eps")) rc = parse_float(f, v, 0.0f, &c->adam_eps);
-    else if (!strcmp(f, "--weight-decay")) rc = parse_float(f, v, 0.0f, &c->weight_decay);
-    else if (!strcmp(f, "--clipnorm")) rc = parse_float(f, v, 0.0f, &c->clipnorm);
+        rc = parse_number(f, v, AT_LEAST_0, &c->lr);
+    else if (!strcmp(f, "--adam-eps")) rc = parse_number(f, v, RANGE_ADAM_EPS, &c->adam_eps);
+    else if (!strcmp(f, "--weight-decay")) rc = parse_number(f, v, AT_LEAST_0, &c->weight_decay);
+    else if (!strcmp(f, "--clipnorm")) rc = parse_number(f, v, AT_LEAST_0, &c->clipnorm);
     else if (!strcmp(f, "--augment")) rc = parse_augment(v, &c->augment);
     else if (!strcmp(f, "--schedule")) {
         int k = 0;
@@ -429,18 +496,19 @@ static int parse_train_option(TrainArgs *a, int argc, char **argv, int i) {
     return rc ? -1 : 2;
 }
 
-// K comma-separated weights, each a finite number ≥ 0
+// K comma-separated weights, each a float ≥ 0
 static int parse_class_weights(const char *v, int K, float *w) {
     int n = 0;
     for (const char *s = v;; n++) {
-        char *end;
-        double x = strtod(s, &end);
-        if (end == s || (*end && *end != ',') || !(x >= 0.0) || isinf(x)) {
-            fprintf(stderr, "segnet: --class-weights '%s': item %d is not a number ≥ 0\n", v,
-                    n + 1);
+        char *end, why[160];
+        float x;
+        const char *problem = float_problem(s, &end, AT_LEAST_0, &x, why);
+        if (*end && *end != ',') problem = "is not a number";
+        if (*problem) {
+            fprintf(stderr, "segnet: --class-weights '%s': item %d %s\n", v, n + 1, problem);
             return -1;
         }
-        if (n < K) w[n] = (float)x;
+        if (n < K) w[n] = x;
         if (!*end) { n++; break; }
         s = end + 1;
     }
@@ -519,8 +587,25 @@ static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd
         a->c.device = DEVICE_AUTO;  // a config.txt written before --device existed
         a->class_weights = NULL;
         if (read_run_config(a, base)) return -1;
+        const MaskRules run_masks = a->c.masks;
         for (int i = 2, k; i < argc; i += k)
             if ((k = parse_train_option(a, argc, argv, i)) <= 0) return -1;
+        // --ignore-index adds to the run's list: a resumed run that would add one is refused
+        // here, naming what was given (before the data are read with the longer list)
+        if (a->resume && a->c.masks.n_ignore != run_masks.n_ignore) {
+            SfBuf given = {0}, was = {0};
+            ignore_text(&cli.c.masks, &given);
+            ignore_text(&run_masks, &was);
+            sb_put(&given, "", 1);
+            sb_put(&was, "", 1);
+            snCheck(!given.oom && !was.oom, "out of host memory");
+            fprintf(stderr, "segnet %s: --ignore-index %s, but the run was trained with %s: it "
+                    "defines the loss that best.safetensors is judged by, so it stays for the "
+                    "whole run\n", cmd, given.p, was.p);
+            free(given.p);
+            free(was.p);
+            return -1;
+        }
         a->resume = cli.resume; a->run = cli.run;
     }
     if (!a->size_given) model_default_size(&a->c.model);
@@ -531,6 +616,12 @@ static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd
     if (a->monitor && strcmp(a->monitor, monitor_name(&a->c))) {
         fprintf(stderr, "segnet %s: --monitor %s: model '%s' reports %s\n", cmd, a->monitor,
                 a->c.model.model, monitor_name(&a->c));
+        return -1;
+    }
+    const LossCfg *l = &a->c.loss;
+    if (loss_has(l, LOSS_TVERSKY) && l->tversky_alpha == 0.0f && l->tversky_beta == 0.0f) {
+        fprintf(stderr, "segnet %s: --tversky-alpha 0 with --tversky-beta 0: the tversky score "
+                "is then 1 whatever the prediction (no gradient); give one above 0\n", cmd);
         return -1;
     }
     a->weights_auto = a->class_weights && !strcmp(a->class_weights, "auto");
@@ -805,18 +896,25 @@ static int has_flag(int argc, char **argv, const char *flag) {
 
 // An option on the command line that does nothing for the model is refused
 // (a run would record it as if it did): the classifier head's for a U-Net,
-// the plain unet's levels and channels for the others.
+// the plain unet's levels and channels for the others, the masks' for a classifier.
 static int model_options_used(const char *cmd, const char *model, int argc, char **argv) {
+    // head: 1 the classifier head's, 0 the plain unet's, 2 the masks' (segmentation)
     static const struct { const char *flag; int head; } OWN[] = {
-        {"--head-hidden", 1}, {"--dropout", 1}, {"--depth", 0}, {"--width", 0}};
+        {"--head-hidden", 1}, {"--dropout", 1},      {"--depth", 0},
+        {"--width", 0},       {"--ignore-index", 2}, {"--label-map", 2}};
     for (size_t k = 0; k < sizeof OWN / sizeof *OWN; k++) {
         if (!has_flag(argc, argv, OWN[k].flag)) continue;
-        if (OWN[k].head && !model_is_classifier(model))
+        if (OWN[k].head == 2 && model_is_classifier(model))
+            fprintf(stderr,
+                    "segnet %s: %s: model '%s' is a classifier (an option of segmentation "
+                    "masks)\n",
+                    cmd, OWN[k].flag, model);
+        else if (OWN[k].head == 1 && !model_is_classifier(model))
             fprintf(stderr,
                     "segnet %s: %s: model '%s' has no classifier head (an option of the "
                     "classifiers, effv2-*)\n",
                     cmd, OWN[k].flag, model);
-        else if (!OWN[k].head && strcmp(model, "unet"))
+        else if (OWN[k].head == 0 && strcmp(model, "unet"))
             fprintf(stderr,
                     "segnet %s: %s: model '%s' does not use it (the levels and channels of the "
                     "plain unet)\n",
@@ -1173,14 +1271,14 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
                 rc = parse_size(f, v, &tile_h, &tile_w);
                 pc.tiled = 1;
             } else if (!strcmp(f, "--overlap")) {
-                rc = parse_float(f, v, 0.0f, &pc.overlap);
+                rc = parse_number(f, v, AT_LEAST_0, &pc.overlap);
                 if (!rc && !(pc.overlap < 1.0f)) {
                     fprintf(stderr, "segnet predict: --overlap %s must be below 1\n", v);
                     rc = -1;
                 }
                 tile_option_given = 1;
             } else if (!strcmp(f, "--scale")) {
-                rc = parse_float(f, v, 0.0f, &pc.scale);
+                rc = parse_number(f, v, AT_LEAST_0, &pc.scale);
                 if (!rc && !(pc.scale > 0.0f && pc.scale <= PREDICT_SCALE_MAX)) {
                     fprintf(stderr, "segnet predict: --scale %s must be in (0, %g]\n", v,
                             PREDICT_SCALE_MAX);

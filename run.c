@@ -1184,6 +1184,31 @@ static const char *setting_in(const char *text, const char *key, int *len) {
     return NULL;
 }
 
+// A change of the loss setting (its terms, then `,key:value` items for its constants, as
+// loss_settings_text writes them) narrowed to the first part that differs, so that a message
+// names the flag and both values: the terms (key stays "loss"), else a constant's item.
+static void loss_change_narrowed(char key[32], const char **now, int *now_len, const char **was,
+                                 int *was_len) {
+    const char *a = *now, *b = *was, *a_end = a + *now_len, *b_end = b + *was_len;
+    while (a < a_end && b < b_end) {
+        const int al = (int)strcspn(a, ", "), bl = (int)strcspn(b, ", ");
+        if (al != bl || memcmp(a, b, (size_t)al)) {
+            const char *colon = memchr(a, ':', (size_t)al), *bcolon = memchr(b, ':', (size_t)bl);
+            if (colon && bcolon) {
+                snprintf(key, 32, "%.*s", (int)(colon - a), a);
+                *now = colon + 1; *now_len = al - (int)(colon + 1 - a);
+                *was = bcolon + 1; *was_len = bl - (int)(bcolon + 1 - b);
+            } else {
+                *now = a; *now_len = al;
+                *was = b; *was_len = bl;
+            }
+            return;
+        }
+        a += al + (a[al] == ',');
+        b += bl + (b[bl] == ',');
+    }
+}
+
 // A checkpoint's data and settings against this run's (see above): -1 with err
 // for a change that may not happen now (mid: the checkpoint is inside an
 // epoch), else 0, the changes said on stderr. A checkpoint from before they
@@ -1197,7 +1222,8 @@ static int resume_compare(const Trainer *t, const char *path, const SafetensorsF
     if (saved) {
         char *now = step_settings_text(t->c);
         for (const char *p = now; rc == 0 && *p;) {
-            const int klen = (int)strcspn(p, "="), vlen = (int)strcspn(p + klen + 1, " ");
+            const int klen = (int)strcspn(p, "=");
+            int vlen = (int)strcspn(p + klen + 1, " ");
             char key[32];
             snprintf(key, sizeof key, "%.*s", klen, p);
             const char *value = p + klen + 1;
@@ -1208,6 +1234,7 @@ static int resume_compare(const Trainer *t, const char *path, const SafetensorsF
             int fixed = 0;
             for (size_t k = 0; k < sizeof RESUME_FIXED / sizeof *RESUME_FIXED; k++)
                 fixed |= !strcmp(key, RESUME_FIXED[k]);
+            if (!strcmp(key, "loss")) loss_change_narrowed(key, &value, &vlen, &was, &was_len);
             if (fixed) {
                 snprintf(err, SN_ERR_MAX,
                          "%.150s: --%s %.*s, but the run was trained with %.*s: it defines the "

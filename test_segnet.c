@@ -10307,8 +10307,8 @@ TEST(train_voc_ignore_index) {
     CHECK(run_segnet(args, msg, sizeof msg) == 0, "eval --run: %s", msg);
     // a resumed run may not change what the loss ignores
     snprintf(args, sizeof args, "train --resume %s --epochs 3 --ignore-index 7", run_voc);
-    CHECK(run_segnet(args, msg, sizeof msg) == 1 && contains(msg, "--ignore-index 255,7") &&
-                  contains(msg, "trained with 255"),
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 &&
+                  contains(msg, "--ignore-index 7, but the run was trained with 255"),
           "resume with another --ignore-index: '%s'", msg);
     snprintf(args, sizeof args, "%s --ignore-index 70000 --data %s", common, voc);
     CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "--ignore-index '70000'"),
@@ -11976,7 +11976,7 @@ TEST(train_loss_cli) {
     char args[1200], msg[4096], pa[300];
     snprintf(pa, sizeof pa, "%s/config.txt", a);
     char *cfg = read_text(pa);
-    CHECK(cfg && strstr(cfg, "\nloss = ce+0.5*tversky+focal+0.25*lovasz\nfocal-gamma = 1.5\n"
+    CHECK(cfg && strstr(cfg, "\nloss = ce+focal+0.5*tversky+0.25*lovasz\nfocal-gamma = 1.5\n"
                              "focal-alpha = "
                              "0.25\nloss-smooth = 0.5\nloss-per-image = off\ntversky-alpha = "
                              "0.3\ntversky-beta = 0.7\ntversky-gamma = 1\n"),
@@ -12004,7 +12004,7 @@ TEST(train_loss_cli) {
         int rc;
     } bad[] = {
             {"--loss dice+dice", "dice twice", 2},
-            {"--loss 0*dice", "W > 0", 2},
+            {"--loss 0*dice", "the weight of '0*dice' is not a number > 0", 2},
             {"--loss hinge", "NAME one of ce, focal, dice, jaccard, tversky, lovasz", 2},
             {"--loss lovasz", "", 0},
             {"--loss lovasz --replicas 2",
@@ -12013,7 +12013,7 @@ TEST(train_loss_cli) {
              1},
             {"--loss ce+lovasz --accum 2", "(--accum): add --loss-per-image", 1},
             {"--loss lovasz --loss-smooth 1", "--loss-smooth applies to", 2},
-            {"--loss 'ce+'", "", 0},  // a trailing + adds no term: ce alone
+            {"--loss 'ce+'", "an empty term", 2},
             {"--loss dice --accum 2", "", 0},
             {"--loss dice --accum 2 --loss-per-image", "", 0},
             {"--loss ce --loss-per-image", "--loss-per-image applies to", 2},
@@ -15630,6 +15630,181 @@ TEST(shared_memory_through_macros) {
           "emulator poisons and checks)",
           line);
     free(src);
+}
+
+// ---- robustness (3), part A
+
+// Finding 3, 8, 10, 12, 14: a number is checked as the float it becomes (inf, a nonzero value
+// that becomes 0 or subnormal, outside its option's domain: refused, naming the option and
+// the problem); --lr-factor ≥ 1 (Keras refuses it), empty --loss terms, specs longer than
+// their parser's buffer, the masks' options for a classifier and the constants that zero a
+// term's gradient are refused too. Each: exit 2, one line, no run folder.
+TEST(number_options_refused) {
+    const char *run = "/tmp/segnet_test_numbers_run";
+    rm_rf(run);
+    char long_aug[320] = "flip", aug_case[400];
+    while (strlen(long_aug) < 290) strcat(long_aug, ",flip");
+    snprintf(aug_case, sizeof aug_case, "--augment %s", long_aug);
+    const struct { const char *extra, *want; } cases[] = {
+        {"--loss 1e-50*ce+dice", "the weight of '1e-50*ce' is too small for a float"},
+        {"--loss 1e39*ce", "the weight of '1e39*ce' is beyond a float"},
+        {"--clipnorm 1e39", "--clipnorm '1e39' is beyond a float"},
+        {"--adam-eps 1e39", "--adam-eps '1e39' is beyond a float"},
+        {"--adam-eps 1e-50", "--adam-eps '1e-50' is too small for a float"},
+        {"--adam-eps 0", "--adam-eps '0' is not a number > 0"},
+        {"--min-lr 1e39", "--min-lr '1e39' is beyond a float"},
+        {"--lr-min-delta 1e39", "--lr-min-delta '1e39' is beyond a float"},
+        {"--lr 3.5e38", "--lr '3.5e38' is beyond a float"},
+        {"--lr 1e-40", "--lr '1e-40' is too small for a float"},
+        {"--weight-decay 1e39", "--weight-decay '1e39' is beyond a float"},
+        {"--min-delta 1e39", "--min-delta '1e39' is beyond a float"},
+        {"--loss focal --focal-gamma 1e39", "--focal-gamma '1e39' is beyond a float"},
+        {"--loss dice --loss-smooth 1e39", "--loss-smooth '1e39' is beyond a float"},
+        {"--loss tversky --tversky-beta 1e39", "--tversky-beta '1e39' is beyond a float"},
+        {"--class-weights 1e-50,1,1", "--class-weights '1e-50,1,1': item 1 is too small"},
+        {"--class-weights 1,1e39,1", "item 2 is beyond a float"},
+        {"--lr-factor 1e39", "--lr-factor '1e39' is beyond a float"},
+        {"--lr-factor 1", "--lr-factor '1' is not a number in [0, 1) (as Keras"},
+        {"--lr-factor 1.5", "--lr-factor '1.5' is not a number in [0, 1)"},
+        {"--lr-factor 0.99999999", "is not a number in [0, 1)"},  // 1 as a float
+        {"--loss ce+", "--loss 'ce+': an empty term"},
+        {"--loss +ce", "--loss '+ce': an empty term"},
+        {"--loss ce++dice", "--loss 'ce++dice': an empty term"},
+        {aug_case, "characters long, longer than 255"},
+        {"--loss tversky --tversky-gamma 0", "--tversky-gamma '0' is not a number > 0"},
+        {"--loss tversky --tversky-alpha 0 --tversky-beta 0",
+         "--tversky-alpha 0 with --tversky-beta 0: the tversky score is then 1"},
+        {"--loss focal --focal-alpha 0", "--focal-alpha '0' is not a number > 0 (at 0 the focal"},
+        {"--model effv2-t --ignore-index 255",
+         "--ignore-index: model 'effv2-t' is a classifier"},
+        {"--model effv2-t --label-map /tmp/segnet_test_numbers_map.csv",
+         "--label-map: model 'effv2-t' is a classifier"},
+    };
+    char args[1200], msg[4096];
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        snprintf(args, sizeof args,
+                 "train --size 32x32 --classes 3 --device cpu --data /tmp/segnet_test_numbers_none "
+                 "--out %s %s",
+                 run, cases[k].extra);
+        const int rc = run_segnet(args, msg, sizeof msg);
+        CHECK(rc == 2 && contains(msg, cases[k].want) && strchr(msg, '\n') == strrchr(msg, '\n'),
+              "`%.80s`: exit %d, '%s'", cases[k].extra, rc, msg);
+        CHECK(!file_exists(run), "`%.80s`: %s was made", cases[k].extra, run);
+    }
+    rm_rf(run);
+}
+
+// Finding 3: what config.txt records reads back as the same floats, for the extreme values
+// each option takes (the largest and smallest floats, the float below 1); finding 10: the
+// loss's terms in any order are one loss.
+TEST(config_extremes_read_back) {
+    const char *dir = "/tmp/segnet_test_extremes";
+    rm_rf(dir);
+    CHECK(mkdir(dir, 0755) == 0, "mkdir %s", dir);
+    char *argv[] = {"segnet", "train", "--model", "unet", "--classes", "3", "--dropout",
+                    "0.99999994", "--lr", "3.40282347e38", "--adam-eps", "1.17549435e-38",
+                    "--weight-decay", "1.2e-38", "--clipnorm", "3.4e38", "--min-delta",
+                    "1.17549435e-38", "--schedule", "plateau", "--lr-factor", "0.99999994",
+                    "--min-lr", "3.4e38", "--lr-min-delta", "3.4e38", "--loss",
+                    "3.4e38*tversky+1.17549435e-38*ce+0.1*focal+lovasz", "--focal-gamma",
+                    "3.4e38", "--focal-alpha", "1.2e-38", "--loss-smooth", "3.4e38",
+                    "--tversky-alpha", "0", "--tversky-beta", "1.2e-38", "--tversky-gamma",
+                    "3.4e38", "--class-weights", "0,1.17549435e-38,3.40282347e38"};
+    TrainArgs a = {0}, b = {0};
+    CHECK(parse_train_args(&a, (int)(sizeof argv / sizeof *argv), argv, "train", "") == 0,
+          "the extreme values are refused");
+    char err[SN_ERR_MAX];
+    CHECK(write_config(&a.c, dir, err) == 0, "%s", err);
+    char *again[] = {"segnet", "train", "--run", (char *)dir};
+    CHECK(parse_train_args(&b, 4, again, "train", "") == 0, "config.txt does not read back");
+    const TrainCfg *x = &a.c, *y = &b.c;
+    const struct { const char *name; const float *was, *now; int n; } floats[] = {
+        {"dropout", &x->model.dropout, &y->model.dropout, 1},
+        {"lr", &x->lr, &y->lr, 1},
+        {"adam-eps", &x->adam_eps, &y->adam_eps, 1},
+        {"weight-decay", &x->weight_decay, &y->weight_decay, 1},
+        {"clipnorm", &x->clipnorm, &y->clipnorm, 1},
+        {"min-delta", &x->min_delta, &y->min_delta, 1},
+        {"lr-factor", &x->plateau.factor, &y->plateau.factor, 1},
+        {"min-lr", &x->plateau.min_lr, &y->plateau.min_lr, 1},
+        {"lr-min-delta", &x->plateau.min_delta, &y->plateau.min_delta, 1},
+        {"loss weights", x->loss.weight, y->loss.weight, 4},
+        {"loss-smooth", &x->loss.smooth, &y->loss.smooth, 1},
+        {"focal-gamma", &x->loss.focal_gamma, &y->loss.focal_gamma, 1},
+        {"focal-alpha", &x->loss.focal_alpha, &y->loss.focal_alpha, 1},
+        {"tversky-alpha", &x->loss.tversky_alpha, &y->loss.tversky_alpha, 1},
+        {"tversky-beta", &x->loss.tversky_beta, &y->loss.tversky_beta, 1},
+        {"tversky-gamma", &x->loss.tversky_gamma, &y->loss.tversky_gamma, 1},
+        {"class-weights", x->class_weights, y->class_weights, 3},
+    };
+    for (size_t k = 0; k < sizeof floats / sizeof *floats; k++)
+        for (int i = 0; i < floats[k].n; i++)
+            CHECK(isfinite(floats[k].was[i]) &&
+                          !memcmp(&floats[k].was[i], &floats[k].now[i], sizeof(float)),
+                  "%s[%d]: %.9g written, %.9g read back", floats[k].name, i, floats[k].was[i],
+                  floats[k].now[i]);
+    CHECK(x->lr == FLT_MAX && x->adam_eps == FLT_MIN && x->plateau.factor == nextafterf(1, 0) &&
+                  x->loss.weight[0] == FLT_MIN && x->loss.weight[2] == 3.4e38f,
+          "the values parsed: lr %.9g, adam-eps %.9g, lr-factor %.9g, loss weights %.9g %.9g",
+          x->lr, x->adam_eps, x->plateau.factor, x->loss.weight[0], x->loss.weight[2]);
+    CHECK(y->loss.n == 4 && !memcmp(x->loss.kind, y->loss.kind, sizeof x->loss.kind),
+          "the loss's terms read back");
+    train_args_free(&a);
+    train_args_free(&b);
+    // one order, the menu's, whatever the order given; a spec of any length, whose weights
+    // may hold a + (1e+06, as config.txt writes it)
+    LossCfg l1 = loss_cfg_default(), l2 = loss_cfg_default();
+    char spec[300] = "0.5";
+    while (strlen(spec) < 251) strcat(spec, "0");
+    strcat(spec, "*ce+dice");  // 255 characters, then +dice: a buffer of 256 lost dice
+    CHECK(parse_loss(spec, &l1) == 0 && l1.n == 2 && l1.kind[1] == LOSS_DICE &&
+                  l1.weight[0] == 0.5f,
+          "a long --loss: %d terms", l1.n);
+    CHECK(parse_loss("1e+06*ce+2.5E+1*dice", &l1) == 0 && l1.n == 2 && l1.weight[0] == 1e6f &&
+                  l1.weight[1] == 25.0f,
+          "weights written with exponents: %d terms", l1.n);
+    CHECK(parse_loss("lovasz+0.5*jaccard+dice+2*ce", &l1) == 0 &&
+                  parse_loss("2*ce+dice+0.5*jaccard+lovasz", &l2) == 0 &&
+                  !memcmp(&l1, &l2, sizeof l1) && l1.kind[0] == LOSS_CE &&
+                  l1.kind[1] == LOSS_DICE && l1.kind[2] == LOSS_JACCARD &&
+                  l1.kind[3] == LOSS_LOVASZ && l1.weight[2] == 0.5f,
+          "--loss in two orders: %d terms", l1.n);
+    rm_rf(dir);
+}
+
+// Findings 10 and 11: a resumed run may give its loss's terms in another order; a changed
+// constant of the loss, or --ignore-index, is named with both values (they used to print as
+// two identical loss strings, and the run's --ignore-index merged into the one given).
+TEST(resume_names_loss_change) {
+    const char *data = "/tmp/segnet_test_losschange_data", *run = "/tmp/segnet_test_losschange";
+    rm_rf(data); rm_rf(run);
+    write_seg_set(data, 2, 8, 8, 5);
+    char args[1200], msg[4096];
+    snprintf(args, sizeof args,
+             "train --model unet --depth 1 --width 2 --size 8x8 --batch 2 --classes 3 "
+             "--class-weights 0,1,1 --device cpu --threads 1 --epochs 1 --ignore-index 255 "
+             "--loss tversky+dice+focal+ce --data %s --out %s",
+             data, run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    const struct { const char *extra, *want; int rc; } cases[] = {
+        {"--loss-smooth 0.5", "--loss-smooth 0.5, but the run was trained with 1e-05", 1},
+        {"--focal-gamma 1", "--focal-gamma 1, but the run was trained with 2", 1},
+        {"--tversky-alpha 0.3", "--tversky-alpha 0.3, but the run was trained with 0.5", 1},
+        {"--loss-per-image", "--loss-per-image on, but the run was trained with off", 1},
+        {"--loss ce+dice", "--loss ce+dice, but the run was trained with ce+focal+dice+tversky",
+         1},
+        {"--ignore-index 254", "--ignore-index 254, but the run was trained with 255", 2},
+        {"--ignore-index 255", "", 0},  // the run's own: no change
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        snprintf(args, sizeof args, "train --resume %s --epochs 2 %s", run, cases[k].extra);
+        const int rc = run_segnet(args, msg, sizeof msg);
+        CHECK(rc == cases[k].rc && contains(msg, cases[k].want), "`%s`: exit %d, '%s'",
+              cases[k].extra, rc, msg);
+    }
+    snprintf(args, sizeof args, "train --resume %s --epochs 3 --loss dice+ce+tversky+focal", run);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "the terms in another order: '%s'", msg);
+    rm_rf(data); rm_rf(run);
 }
 
 // ----------------------------------------------------------------------------
