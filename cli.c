@@ -171,7 +171,9 @@ static int parse_loss(const char *v, LossCfg *l) {
         char *end, why[160];
         float w = 1.0f;
         strtod(item, &end);
-        const int weighted = end != item && *end == '*';
+        // a weight starts with a digit: "ce++2*dice" has an empty term, not a weight +2
+        const int weighted =
+                (isdigit((unsigned char)*item) || *item == '.') && end != item && *end == '*';
         const char *name = weighted ? end + 1 : item;
         const int len = (int)strcspn(name, "+"), item_len = (int)(name + len - item);
         const char *problem = weighted ? float_problem(item, &end, ABOVE_0, &w, why) : "";

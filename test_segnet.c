@@ -15670,6 +15670,7 @@ TEST(number_options_refused) {
         {"--loss ce+", "--loss 'ce+': an empty term"},
         {"--loss +ce", "--loss '+ce': an empty term"},
         {"--loss ce++dice", "--loss 'ce++dice': an empty term"},
+        {"--loss ce++2*dice", "--loss 'ce++2*dice': an empty term"},
         {aug_case, "characters long, longer than 255"},
         {"--loss tversky --tversky-gamma 0", "--tversky-gamma '0' is not a number > 0"},
         {"--loss tversky --tversky-alpha 0 --tversky-beta 0",
