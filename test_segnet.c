@@ -15674,8 +15674,8 @@ TEST(signal_removes_temporary_files) {
 // largest image (rounded up to the model's multiple) and a pass to the tiles an image has.
 TEST(predict_tile_fits_images) {
     char dir[300], msg[4096];
-    const char *const subs[] = {"in"};
-    ds_fixture(dir, sizeof dir, "tilefit", subs, 1);
+    const char *const subs[] = {"in", "big"};
+    ds_fixture(dir, sizeof dir, "tilefit", subs, 2);
     uint8_t px[10 * 13 * 3] = {0};
     ds_png(dir, "in/a.png", 13, 10, 3, px);
     ds_png(dir, "in/b.png", 5, 6, 3, px);
@@ -15707,6 +15707,29 @@ TEST(predict_tile_fits_images) {
     CHECK(run_segnet(args, msg, sizeof msg) == 2 &&
                   contains(msg, "--overlap 0.9: at most 0.875") && contains(msg, "1/(1 - F)²"),
           "'%s'", msg);
+    // out of memory for the tiles (1.5 GB of address space: 64x64 tiles fit, 1024x1024 do
+    // not): the advice is predict's, not training's
+    write_seg_set(dir, 2, 8, 8, 19);
+    snprintf(args, sizeof args,
+             "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --epochs 1 --classes 3 "
+             "--data %s --out %s/run --device cpu --threads 1",
+             dir, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "train: %s", msg);
+    uint8_t *big = calloc((size_t)1024 * 1024 * 3, 1);
+    ds_png(dir, "big/a.png", 1024, 1024, 3, big);
+    free(big);
+    for (int k = 0; k < 2; k++) {
+        snprintf(args, sizeof args,
+                 "ulimit -v 1500000; ./segnet predict --run %s/run --input %s/big --out %s/o%d "
+                 "--tile %s --device cpu --threads 1",
+                 dir, dir, dir, k, k ? "1024x1024" : "64x64");
+        const int rc = run_shell(args, msg, sizeof msg);
+        if (!k && rc) break;  // the limit leaves no room here even for small tiles: no test
+        CHECK(k ? rc == 1 && contains(msg, "out of cpu memory for the network on 1 tiles of "
+                                           "1024x1024 a pass: a smaller --tile needs less")
+                : rc == 0,
+              "--tile %s under 1.5 GB: exit %d, '%s'", k ? "1024x1024" : "64x64", rc, msg);
+    }
     ds_remove(dir);
 }
 
