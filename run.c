@@ -1920,8 +1920,6 @@ static int read_class_names(const char *run, char ***names) {
     return n;
 }
 
-// config.txt: `key = value`, one per setting, the keys being the train
-// flags without their dashes, so that --resume can read it back as flags.
 // the paths config.txt records, by their keys
 #define CONFIG_PATHS 4
 static const char *const CONFIG_PATH_KEYS[CONFIG_PATHS] = {"data", "val", "weights", "label-map"};
@@ -1929,6 +1927,8 @@ static void config_paths(const TrainCfg *c, const char *paths[CONFIG_PATHS]) {
     paths[0] = c->data; paths[1] = c->val; paths[2] = c->weights; paths[3] = c->masks.label_map;
 }
 
+// config.txt: `key = value`, one per setting, the keys being the train
+// flags without their dashes, so that --resume can read it back as flags.
 static void config_text(const TrainCfg *c, SfBuf *b) {
     char s[512];
     const ModelCfg *m = &c->model;
