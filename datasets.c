@@ -677,6 +677,7 @@ int dataset_open_named(Dataset *d, const char *path, int segmentation, int class
     struct stat sb;
     if (stat(path, &sb) != 0) {
         snprintf(err, SN_ERR_MAX, "%s: %s", path, strerror(errno));
+        dataset_free(d);  // the mask rules' tables
         return -1;
     }
     int rc = segmentation          ? list_segmentation(d, path, err)

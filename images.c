@@ -233,17 +233,19 @@ static const char *png_layout_problem(const uint8_t *b, size_t n, int64_t *h, in
     *w = be32(b + 16);
     *h = be32(b + 20);
     const int depth = b[24], colour = b[25];
-    // channels by colour type (0 grey, 2 RGB, 3 palette, 4 grey+alpha, 6 RGBA); bit depths
+    // channels by colour type (0 grey, 2 RGB, 3 palette, 4 grey+alpha, 6 RGBA)
     static const int CHANNELS[7] = {1, 0, 3, 1, 2, 0, 4};
     const int any_depth = colour == 0 || (colour == 3 && depth != 16);
-    *damaged = !*w || !*h || *w * *h > image_max_pixels ? 0 : 1;
-    if (!*w || !*h) {
+    const uint64_t pixels = (uint64_t)*w * (uint64_t)*h;  // < 2^64: each side < 2^32
+    const int too_many = pixels > (uint64_t)image_max_pixels;
+    *damaged = !pixels || too_many ? 0 : 1;
+    if (!pixels) {
         snprintf(why, size, "the header declares a %s of 0 pixels", *w ? "height" : "width");
-    } else if (*w * *h > image_max_pixels) {
+    } else if (too_many) {
         snprintf(why, size,
-                 "%" PRId64 "x%" PRId64 " is %" PRId64 " pixels, more than the limit of %" PRId64
+                 "%" PRId64 "x%" PRId64 " is %" PRIu64 " pixels, more than the limit of %" PRId64
                  " (--max-pixels)",
-                 *w, *h, *w * *h, image_max_pixels);
+                 *w, *h, pixels, image_max_pixels);
     } else if (colour > 6 || !CHANNELS[colour]) {
         snprintf(why, size, "colour type %d (a PNG has 0, 2, 3, 4 or 6)", colour);
     } else if ((depth != 8 && depth != 16 && !(any_depth && (depth == 1 || depth == 2 ||
