@@ -948,15 +948,30 @@ static void on_interrupt(int sig) {
     (void)n;
 }
 
-static void interrupt_handlers_install(void) {
+// fn handles SIGINT, SIGTERM, SIGHUP and, with n_signals 4, SIGPIPE
+static void signals_install(void (*fn)(int), int flags, int n_signals) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_interrupt;
-    sa.sa_flags = SA_RESTART;  // reads and writes in progress go on
+    sa.sa_handler = fn;
+    sa.sa_flags = flags;
     sigemptyset(&sa.sa_mask);
-    const int signals[] = {SIGINT, SIGTERM, SIGHUP, SIGPIPE};
-    for (size_t k = 0; k < sizeof signals / sizeof *signals; k++) sigaction(signals[k], &sa, NULL);
+    static const int signals[] = {SIGINT, SIGTERM, SIGHUP, SIGPIPE};
+    for (int k = 0; k < n_signals; k++) sigaction(signals[k], &sa, NULL);
 }
+
+// reads and writes in progress go on (SA_RESTART)
+static void interrupt_handlers_install(void) { signals_install(on_interrupt, SA_RESTART, 4); }
+
+// the temporary file being written (safetensors.c's tmp_track) removed, exit 128 + sig
+static void tmp_cleanup_signal(int sig) {
+    const int slot = __atomic_load_n(&tmp_live, __ATOMIC_ACQUIRE);
+    if (slot >= 0) unlink(tmp_slots[slot]);
+    _exit(128 + sig);
+}
+
+// export, predict, augment: SIGINT, SIGTERM and SIGHUP end the command at once, leaving no
+// temporary file (a broken pipe does not concern their files)
+static void tmp_cleanup_install(void) { signals_install(tmp_cleanup_signal, 0, 3); }
 
 // A command's arguments, which hold the words of a run's config.txt when it
 // reads one (--run, --resume): freed after the command, whatever it returns.
@@ -980,7 +995,8 @@ static const char *AUGMENT_USAGE =
         "blended 50/50 (pixels that count nothing, outside the image or\n"
         "--ignore-index, left as they are). With --run, the run's config.txt gives\n"
         "the settings (its training data unless --data). An existing file is never\n"
-        "replaced.\n";
+        "replaced, and OUT is never DIR or inside it (a later run would read its\n"
+        "files as samples).\n";
 
 // segnet augment: -n and --epoch are its own; the rest goes to train's parser
 static int cmd_augment(TrainArgs *a, int argc, char **argv) {
@@ -1012,6 +1028,7 @@ static int cmd_augment(TrainArgs *a, int argc, char **argv) {
         return 2;
     }
     char err[SN_ERR_MAX];
+    tmp_cleanup_install();
     if (augment_write(&a->c, a->c.out, n, epoch, err)) {
         print_message(stderr, "segnet augment", err);
         return 1;
@@ -1206,7 +1223,7 @@ static const char *PREDICT_USAGE =
         "                      tile's centre over its borders; 4 tiles a pass, so the\n"
         "                      device memory is that of 4 tiles whatever the image\n"
         "  --overlap F         with --tile: neighbouring tiles overlap by at least this\n"
-        "                      fraction of a tile (default 0.5)\n"
+        "                      fraction of a tile (default 0.5, at most 0.875)\n"
         "  --tta flip          with --tile: also predict each tile mirrored left-right\n"
         "                      and average the two (default none)\n"
         "  --scale S           with --tile: predict the image resized by S (bilinear; e.g.\n"
@@ -1238,6 +1255,9 @@ static const char *PREDICT_USAGE =
                                           "                      image as read\n";
 
 #define PREDICT_SCALE_MAX 4.0  // predict --scale: the largest factor
+// predict --overlap: tiles at least σ = tile/8 apart (tile_gaussian), where the Gaussian
+// weights of the tiles over a pixel already sum to nearly the same everywhere
+#define PREDICT_OVERLAP_MAX 0.875
 
 static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
     PredictCfg pc = {.model = model_cfg_default(), .progress = 1, .device = DEVICE_AUTO,
@@ -1276,8 +1296,12 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
                 pc.tiled = 1;
             } else if (!strcmp(f, "--overlap")) {
                 rc = parse_number(f, v, AT_LEAST_0, &pc.overlap);
-                if (!rc && !(pc.overlap < 1.0f)) {
-                    fprintf(stderr, "segnet predict: --overlap %s must be below 1\n", v);
+                if (!rc && !(pc.overlap <= PREDICT_OVERLAP_MAX)) {
+                    fprintf(stderr,
+                            "segnet predict: --overlap %s: at most %g (tiles 1/8 of a tile "
+                            "apart, the blend's σ; closer ones multiply the tiles by "
+                            "1/(1 - F)² and change nothing)\n",
+                            v, PREDICT_OVERLAP_MAX);
                     rc = -1;
                 }
                 tile_option_given = 1;
@@ -1380,6 +1404,7 @@ static int cmd_predict(TrainArgs *ta, int argc, char **argv) {
         return 1;
     }
     if (note[0]) print_message(stderr, "segnet predict", note);
+    tmp_cleanup_install();  // a signal leaves no temporary file behind
     const int rc = predict_run(&pc, err);
     for (int k = 0; k < pc.n_class_names; k++) free(pc.class_names[k]);
     free(pc.class_names);
@@ -1445,6 +1470,7 @@ static int cmd_export(TrainArgs *ta, int argc, char **argv) {
     train_cfg_default(&ta->c);
     if (read_run_config(ta, run)) return 2;
     char err[SN_ERR_MAX], report[SN_ERR_MAX];
+    tmp_cleanup_install();
     if (export_run(&ta->c.model, run, last, names, out, overwrite, report, err)) {
         print_message(stderr, "segnet export", err);
         return 1;

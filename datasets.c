@@ -241,11 +241,15 @@ static int list_csv(Dataset *d, const char *csv, const Dataset *names_from, char
     PathList all = {0}, texts = {0};  // texts: each sample's label as written, while they are names
     int cap = 0, rc = 0, numeric = -1;   // numeric: -1 no label yet, 1 integers, 0 names
     int first_row[2] = {0, 0};            // the first row with an integer label, with a name
-    for (int row = 1; rc == 0 && fgets(line, sizeof line, f); row++) {
+    int nul;
+    for (int row = 1; rc == 0 && text_gets(line, sizeof line, f, &nul); row++) {
         const char *s = csv_skip_bom(line, row), *why;
         struct stat sb;
         int more = 0;
-        if (!strchr(line, '\n') && !feof(f)) {
+        if (nul) {
+            snprintf(err, SN_ERR_MAX, "%s: row %d: " TEXT_NUL, csv, row);
+            rc = -1;
+        } else if (!strchr(line, '\n') && !feof(f)) {
             snprintf(err, SN_ERR_MAX, "%s: row %d: longer than %zu characters", csv, row,
                      sizeof line - 1);
             rc = -1;
@@ -366,13 +370,14 @@ static int mask_rules_apply(Dataset *d, const MaskRules *r, char err[SN_ERR_MAX]
         FILE *f = fopen_regular(r->label_map, "r", err);
         if (!f) return -1;
         char line[512], field[2][64];
-        int rc = 0, rows = 0;
-        for (int row = 1; rc == 0 && fgets(line, sizeof line, f); row++) {
+        int rc = 0, rows = 0, nul;
+        for (int row = 1; rc == 0 && text_gets(line, sizeof line, f, &nul); row++) {
             const char *s = csv_skip_bom(line, row), *why = NULL;
             int more = 0;
             long x[2] = {-1, -1};
-            if (!s[strspn(s, CSV_BLANKS "\r\n")]) continue;
-            if (!strchr(line, '\n') && !feof(f)) why = "longer than 511 characters";
+            if (nul) why = TEXT_NUL;
+            else if (!s[strspn(s, CSV_BLANKS "\r\n")]) continue;
+            else if (!strchr(line, '\n') && !feof(f)) why = "longer than 511 characters";
             if (!why) why = csv_field(&s, field[0], sizeof field[0], &more);
             if (!why) why = csv_field(&s, field[1], sizeof field[1], &more);
             if (!why && more) why = "more than two fields (rows are value,class)";
@@ -672,6 +677,7 @@ int dataset_open_named(Dataset *d, const char *path, int segmentation, int class
     struct stat sb;
     if (stat(path, &sb) != 0) {
         snprintf(err, SN_ERR_MAX, "%s: %s", path, strerror(errno));
+        dataset_free(d);  // the mask rules' tables
         return -1;
     }
     int rc = segmentation          ? list_segmentation(d, path, err)
@@ -1058,13 +1064,11 @@ int class_weights_median_frequency(const char *path, int segmentation, int K, in
             count[d.labels[i]] += 1.0;
             continue;
         }
-        int mh = 0, mw = 0, comp;
-        if (!stbi_info(d.masks[i], &mw, &mh, &comp)) {
-            snprintf(err, SN_ERR_MAX, "%s: cannot decode the image (%s)", d.masks[i],
-                     decoder_reason());
-            rc = -1;
-            break;
-        }
+        int mh = 0, mw = 0;
+        size_t bytes;
+        uint8_t *head = image_file_bytes(d.masks[i], 1, &bytes, &mh, &mw, err);
+        free(head);
+        if (!head) { rc = -1; break; }
         uint8_t *m = mask_load(&d, d.masks[i], mh, mw, 1, err);
         if (!m) { rc = -1; break; }
         mask_resize(small, H, W, m, mh, mw);
@@ -1091,13 +1095,17 @@ int class_weights_median_frequency(const char *path, int segmentation, int K, in
                 const double t = sorted[b]; sorted[b] = sorted[b - 1]; sorted[b - 1] = t;
             }
         if (n == 0) {
-            snprintf(err, SN_ERR_MAX, "%s: no labelled pixel or image: no class frequencies",
-                     path);
+            snprintf(err, SN_ERR_MAX,
+                     "%s: %s: no class frequencies for --class-weights auto", path,
+                     segmentation ? "every pixel of its masks is ignored (--ignore-index, "
+                                    "--label-map)"
+                                  : "no labelled image");
             rc = -1;
+        } else {
+            const double median =
+                    n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+            for (int k = 0; k < K; k++) w[k] = count[k] > 0 ? (float)(median / freq[k]) : 0.0f;
         }
-        const double median = n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
-        for (int k = 0; rc == 0 && k < K; k++)
-            w[k] = count[k] > 0 ? (float)(median / freq[k]) : 0.0f;
     }
     free(count); free(present); free(small); free(seen);
     dataset_free(&d);

@@ -1372,6 +1372,16 @@ static const FuzzToken CLI_DICT[] = {
         TOK("torchvision\n"),
         TOK("timm\n"),
         TOK("segnet\n"),
+        // issue 49, part B: augment into the data, tiles, the lr's and IoU's settings on resume
+        TOK("augment\n"),
+        TOK("--tile\n"),
+        TOK("--overlap\n"),
+        TOK("0.999\n"),
+        TOK("4096x4096\n"),
+        TOK("--iou-per-image\n"),
+        TOK("--schedule\n"),
+        TOK("poly\n"),
+        TOK("--warmup\n"),
         TOK("!rm runs/r/last.safetensors\n"),
         TOK("!rm runs/r/best.safetensors\n"),
         TOK("!nan runs/r/best.safetensors\n"),
@@ -1427,6 +1437,9 @@ static const char *const CLI_SEEDS[] = {
         "!mkdir data/empty\n!mkdir data/empty/images\n!mkdir "
         "data/empty/masks\ntrain\n--model\nunet\n--depth\n1\n--classes\n3\n"
         "--size\n8x8\n--data\ndata/empty\n--out\nruns/e\n",
+        "augment\n--run\nruns/r\n--out\ndata/train/images\n-n\n1\n",
+        "predict\n--run\nruns/r\n--input\ndata/val/images\n--out\npreds\n--overwrite\n--tile\n"
+        "4096x4096\n--overlap\n0.999\n--threads\n1\n",
 };
 
 // The template, made once (in a process of its own: the harness's children

@@ -71,9 +71,32 @@ static const char *csv_field(const char **s, char *out, size_t size, int *more) 
     return NULL;
 }
 
+// fgets that tells a NUL byte from the end of the text (*nul set: a binary file; fgets'
+// row would end at the NUL and read as too long or cut short)
+static char *text_gets(char *line, int size, FILE *f, int *nul) {
+    int k = 0, ch = 0;
+    *nul = 0;
+    while (k + 1 < size && ch != '\n' && (ch = getc(f)) != EOF) {
+        *nul |= ch == 0;
+        line[k++] = (char)(ch ? ch : ' ');
+    }
+    line[k] = 0;
+    return k ? line : NULL;
+}
+#define TEXT_NUL "a NUL byte: not a text file"
+
 // A CSV's first row may start with a UTF-8 byte order mark (spreadsheets write one).
 static const char *csv_skip_bom(const char *line, int row) {
     return row == 1 && !memcmp(line, "\xef\xbb\xbf", 3) ? line + 3 : line;
+}
+
+// images are recognised by their first bytes, whatever their names say
+typedef enum { IMAGE_PNG, IMAGE_JPEG, IMAGE_UNKNOWN } ImageFormat;
+
+static ImageFormat image_format(const uint8_t *b, size_t n) {
+    if (n >= 8 && !memcmp(b, "\x89PNG\r\n\x1a\n", 8)) return IMAGE_PNG;
+    if (n >= 3 && b[0] == 0xff && b[1] == 0xd8 && b[2] == 0xff) return IMAGE_JPEG;
+    return IMAGE_UNKNOWN;
 }
 
 int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]) {
@@ -99,10 +122,22 @@ int list_images(const char *input, PathList *out, char err[SN_ERR_MAX]) {
         char *slash = strrchr(dir, '/');
         if (slash) *slash = 0; else snprintf(dir, sizeof dir, ".");
         char line[8192], field[4096];
-        for (int row = 1; fgets(line, sizeof line, f); row++) {
-            if (!strchr(line, '\n') && !feof(f)) {
-                snprintf(err, SN_ERR_MAX, "%s: row %d: longer than %zu characters", input, row,
-                         sizeof line - 1);
+        uint8_t head[8] = {0};
+        const size_t got = fread(head, 1, sizeof head, f);
+        rewind(f);
+        if (image_format(head, got) != IMAGE_UNKNOWN) {
+            snprintf(err, SN_ERR_MAX,
+                     "%s: an image, but --input takes a folder of images or a CSV listing them "
+                     "(put the image in a folder of its own)",
+                     input);
+            fclose(f); return -1;
+        }
+        int nul;
+        for (int row = 1; text_gets(line, sizeof line, f, &nul); row++) {
+            if (nul || (!strchr(line, '\n') && !feof(f))) {
+                if (nul) snprintf(err, SN_ERR_MAX, "%s: row %d: " TEXT_NUL, input, row);
+                else snprintf(err, SN_ERR_MAX, "%s: row %d: longer than %zu characters", input,
+                              row, sizeof line - 1);
                 fclose(f); path_list_free(out); return -1;
             }
             const char *s = csv_skip_bom(line, row), *why;
@@ -152,14 +187,6 @@ static const char *decoder_reason(void) {
 #define IMAGE_FILE_MAX ((size_t)1 << 30)  // stb_image takes an int length
 static int64_t image_max_pixels = IMAGE_MAX_PIXELS_DEFAULT;  // --max-pixels
 
-typedef enum { IMAGE_PNG, IMAGE_JPEG, IMAGE_UNKNOWN } ImageFormat;
-
-static ImageFormat image_format(const uint8_t *b, size_t n) {
-    if (n >= 8 && !memcmp(b, "\x89PNG\r\n\x1a\n", 8)) return IMAGE_PNG;
-    if (n >= 3 && b[0] == 0xff && b[1] == 0xd8 && b[2] == 0xff) return IMAGE_JPEG;
-    return IMAGE_UNKNOWN;
-}
-
 // The bytes of a regular file; a FIFO, device or folder is refused before a
 // read could block on it. NULL with err.
 static uint8_t *file_read_regular(const char *path, size_t max, size_t *n, char err[SN_ERR_MAX]) {
@@ -190,6 +217,78 @@ static uint8_t *file_read_regular(const char *path, size_t max, size_t *n, char 
     return b;
 }
 
+static uint32_t be32(const uint8_t *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+// A PNG's header and chunk layout, as the PNG specification has them: NULL
+// with (h,w) from IHDR, else what is wrong (in why). stb_image's own reasons
+// for these are lost when its other decoders try the file after it ("unknown
+// image type"), or missing (a chunk past the end reads as a type of NULs).
+static const char *png_layout_problem(const uint8_t *b, size_t n, int64_t *h, int64_t *w,
+                                      int *damaged, char *why, size_t size) {
+    *damaged = 1;  // unless its size is the problem
+    if (n < 33 || be32(b + 8) != 13 || memcmp(b + 12, "IHDR", 4))
+        return "its first chunk is not the 13-byte IHDR header: a damaged PNG";
+    *w = be32(b + 16);
+    *h = be32(b + 20);
+    const int depth = b[24], colour = b[25];
+    // channels by colour type (0 grey, 2 RGB, 3 palette, 4 grey+alpha, 6 RGBA)
+    static const int CHANNELS[7] = {1, 0, 3, 1, 2, 0, 4};
+    const int any_depth = colour == 0 || (colour == 3 && depth != 16);
+    const uint64_t pixels = (uint64_t)*w * (uint64_t)*h;  // < 2^64: each side < 2^32
+    const int too_many = pixels > (uint64_t)image_max_pixels;
+    *damaged = !pixels || too_many ? 0 : 1;
+    if (!pixels) {
+        snprintf(why, size, "the header declares a %s of 0 pixels", *w ? "height" : "width");
+    } else if (too_many) {
+        snprintf(why, size,
+                 "%" PRId64 "x%" PRId64 " is %" PRIu64 " pixels, more than the limit of %" PRId64
+                 " (--max-pixels)",
+                 *w, *h, pixels, image_max_pixels);
+    } else if (colour > 6 || !CHANNELS[colour]) {
+        snprintf(why, size, "colour type %d (a PNG has 0, 2, 3, 4 or 6)", colour);
+    } else if ((depth != 8 && depth != 16 && !(any_depth && (depth == 1 || depth == 2 ||
+                                                               depth == 4))) ||
+               (colour == 3 && depth == 16)) {
+        snprintf(why, size, "bit depth %d with colour type %d (a PNG has %s)", depth, colour,
+                 colour == 0 ? "1, 2, 4, 8 or 16" : colour == 3 ? "1, 2, 4 or 8" : "8 or 16");
+    } else if (b[26] || b[27] || b[28] > 1) {
+        snprintf(why, size, "compression %d, filter %d, interlace %d (a PNG has 0, 0, 0 or 1)",
+                 b[26], b[27], b[28]);
+    } else if ((double)*w * *h * (colour == 3 ? 4 : CHANNELS[colour]) > (double)(1 << 30)) {
+        snprintf(why, size, "%" PRId64 "x%" PRId64 " is more than stb_image decodes (1 GiB)", *w,
+                 *h);
+    } else {
+        int palette = 0;
+        for (size_t at = 8; at + 12 <= n;) {  // length, type, data, CRC
+            const uint32_t len = be32(b + at);
+            const uint8_t *type = b + at + 4;
+            int letters = 1;
+            for (int k = 0; k < 4; k++) letters &= isalpha(type[k]) != 0;
+            if (!letters) {
+                snprintf(why, size, "byte %zu: not a chunk: a damaged PNG", at);
+                return why;
+            }
+            if (len > n - at - 12) {
+                snprintf(why, size,
+                         "chunk %.4s at byte %zu declares %" PRIu32 " bytes, more than the %zu "
+                         "left in the file: a damaged or cut-short PNG",
+                         (const char *)type, at, len, n - at - 12);
+                return why;
+            }
+            palette |= !memcmp(type, "PLTE", 4);
+            if (!memcmp(type, "IDAT", 4) && colour == 3 && !palette)
+                return "a palette PNG (colour type 3) without its palette (PLTE) before the "
+                       "image data";
+            if (!memcmp(type, "IEND", 4)) break;
+            at += 12 + (size_t)len;
+        }
+        return NULL;
+    }
+    return why;
+}
+
 // An image file's bytes, its format and header checked: (h,w) from the header,
 // within image_max_pixels. png_only: masks (a JPEG's artefacts change classes).
 static uint8_t *image_file_bytes(const char *path, int png_only, size_t *n, int *h, int *w,
@@ -198,7 +297,16 @@ static uint8_t *image_file_bytes(const char *path, int png_only, size_t *n, int 
     if (!b) return NULL;
     const ImageFormat fmt = image_format(b, *n);
     int comp;
-    if (fmt == IMAGE_UNKNOWN || (png_only && fmt != IMAGE_PNG)) {
+    int64_t ph, pw;
+    int damaged;
+    char why[SN_ERR_MAX / 2];
+    const char *png =
+            fmt == IMAGE_PNG ? png_layout_problem(b, *n, &ph, &pw, &damaged, why, sizeof why)
+                             : NULL;
+    if (png) {
+        snprintf(err, SN_ERR_MAX, damaged ? "%s: cannot decode the image (%s)" : "%s: %s", path,
+                 png);
+    } else if (fmt == IMAGE_UNKNOWN || (png_only && fmt != IMAGE_PNG)) {
         snprintf(err, SN_ERR_MAX, "%s: %s", path,
                  fmt == IMAGE_JPEG ? "holds JPEG data, but a mask must be a PNG (JPEG's "
                                      "compression changes pixel values, so classes)"
@@ -457,6 +565,7 @@ static void seg_legend_path(const char *out, char path[OUT_PATH_MAX]) {
     snprintf(path, OUT_PATH_MAX, "%.*s/%s", (int)(OUT_PATH_MAX - sizeof SEG_LEGEND_NAME - 1), out,
              SEG_LEGEND_NAME);
 }
+static int manifest_add(const char *path, char err[SN_ERR_MAX]);
 static int seg_legend_write(const char *out, int K, char err[SN_ERR_MAX]) {
     const int digit_w = 4 * LEGEND_SCALE;  // 3 pixels and a space
     const int w = LEGEND_TEXT_X + 3 * digit_w + 4, h = K * LEGEND_ROW;
@@ -481,9 +590,9 @@ static int seg_legend_write(const char *out, int K, char err[SN_ERR_MAX]) {
     }
     char path[OUT_PATH_MAX];
     seg_legend_path(out, path);
-    const int rc = png_write_atomic(path, w, h, 3, rgb, err);
+    const int rc = png_write_atomic(path, w, h, 3, rgb, err) || manifest_add(path, err);
     free(rgb);
-    return rc;
+    return rc ? -1 : 0;
 }
 
 // the mask and overlay paths of an image: "x/a.b.jpg" → OUT/a.b.png, OUT/a.b_overlay.png
@@ -561,6 +670,11 @@ static int path_inside(const char *path, const struct stat *dir) {
     const int inside = fstat(fd, &last) == 0 && stat_same(&last, dir);
     close(fd);
     return inside;
+}
+
+int path_within_folder(const char *path, const char *folder) {
+    struct stat sb;
+    return stat(folder, &sb) == 0 && S_ISDIR(sb.st_mode) && path_inside(path, &sb);
 }
 
 // The files a prediction reads, by identity: image i, or the list (-1)
@@ -647,6 +761,27 @@ static int manifest_write(const char *out, char **listed, int n, const SegName *
     return rc;
 }
 
+// Lists the file at path, just written into its folder OUT, in OUT's manifest (appended):
+// the manifest names only files that exist. One written but not listed (a crash between
+// the two) is not replaced by --overwrite, which is the safe side.
+static int manifest_add(const char *path, char err[SN_ERR_MAX]) {
+    char dir[OUT_PATH_MAX], manifest[OUT_PATH_MAX + sizeof PREDICT_MANIFEST];
+    path_folder(path, dir);
+    snprintf(manifest, sizeof manifest, "%s/" PREDICT_MANIFEST, dir);
+    const int fd = open(manifest, O_WRONLY | O_APPEND | O_NOFOLLOW | O_CLOEXEC);
+    const char *base = path_base(path);
+    const size_t len = strlen(base) + 1;  // with its NUL, the names' separator
+    const int ok = fd >= 0 && write(fd, base, len) == (ssize_t)len;
+    if (!ok)
+        snprintf(err, SN_ERR_MAX, "%.300s: cannot add %.100s to it: %s", manifest, base,
+                 strerror(errno));
+    if (fd >= 0 && close(fd) != 0 && ok) {
+        snprintf(err, SN_ERR_MAX, "%.400s: cannot write: %s", manifest, strerror(errno));
+        return -1;
+    }
+    return ok ? 0 : -1;
+}
+
 // Whether the file at path starts with a classifier CSV's header (segnet predict wrote it).
 static int is_prediction_csv(const char *path) {
     struct stat sb;
@@ -665,8 +800,7 @@ static int is_prediction_csv(const char *path) {
 // listed), else a classifier's CSV recognised by its header.
 static int outputs_allowed(const PredictCfg *pc, const PathList *l, const SegName *outs, int m,
                            int seg, char **listed, int n_listed, char err[SN_ERR_MAX]) {
-    struct stat in_sb;
-    if (stat(pc->input, &in_sb) == 0 && S_ISDIR(in_sb.st_mode) && path_inside(pc->out, &in_sb)) {
+    if (path_within_folder(pc->out, pc->input)) {
         snprintf(err, SN_ERR_MAX,
                  "--out %.180s is, or is inside, the input folder %.180s: predictions never go "
                  "among "
@@ -714,9 +848,9 @@ static int outputs_allowed(const PredictCfg *pc, const PathList *l, const SegNam
 // Before anything is written: no two images would write the same file (a.png
 // and a.jpg, or a_overlay.png beside a.png), every name fits the file system,
 // no output replaces what it may not (outputs_allowed) and every image decodes;
-// then the folder `out` is created if absent and its manifest lists the files
-// about to be written. Decoding twice costs far less than the forward pass,
-// and a bad image found halfway would leave a partial folder.
+// then the folder `out` is created if absent, with its manifest (each file is
+// added to it once written: manifest_add). Decoding twice costs far less than
+// the forward pass, and a bad image found halfway would leave a partial folder.
 static int seg_check_inputs(const PredictCfg *pc, const PathList *l, char err[SN_ERR_MAX]) {
     const char *out = pc->out;
     // the masks, the overlays, the probabilities (--probs) and the legend (image -1)
@@ -764,7 +898,7 @@ static int seg_check_inputs(const PredictCfg *pc, const PathList *l, char err[SN
         snprintf(err, SN_ERR_MAX, "%.400s: cannot create the folder: %s", out, strerror(errno));
         rc = -1;
     }
-    if (!rc) rc = manifest_write(out, listed, n_listed, names, n, err);
+    if (!rc) rc = manifest_write(out, listed, n_listed, NULL, 0, err);
     for (int i = 0; i < n; i++) free(names[i].name);
     free(names); free(listed); free(manifest);
     return rc;
@@ -793,7 +927,8 @@ static int seg_write_mask(const char *out, const char *image, const float *img, 
                               2);
     char m[OUT_PATH_MAX], o[OUT_PATH_MAX];
     seg_out_paths(out, image, m, o);
-    int rc = png_write_atomic(m, w, h, 1, mask, err) || png_write_atomic(o, w, h, 3, rgb, err);
+    int rc = png_write_atomic(m, w, h, 1, mask, err) || manifest_add(m, err) ||
+             png_write_atomic(o, w, h, 3, rgb, err) || manifest_add(o, err);
     free(rgb);
     return rc ? -1 : 0;
 }
@@ -831,12 +966,18 @@ static int seg_write(const char *out, const char *image, const float *img, int h
 // whose context the tile cuts off, counts little where another tile sees it
 // whole. The result is Σ g·p / Σ g; the mask is its argmax.
 
+// the tiles along an axis of length len
+static int tile_count(int len, int tile, float overlap) {
+    if (len <= tile) return 1;
+    double stride = tile * (1.0 - overlap);
+    if (stride < 1.0) stride = 1.0;
+    return (int)ceil((len - tile) / stride - 1e-9) + 1;
+}
+
 // the tiles' starts along an axis of length len (starts: room for len entries); returns n
 static int tile_starts(int len, int tile, float overlap, int *starts) {
     if (len <= tile) { starts[0] = 0; return 1; }
-    double stride = tile * (1.0 - overlap);
-    if (stride < 1.0) stride = 1.0;
-    const int n = (int)ceil((len - tile) / stride - 1e-9) + 1;
+    const int n = tile_count(len, tile, overlap);
     for (int i = 0; i < n; i++)
         starts[i] = (int)lround((double)i * (len - tile) / (n - 1));
     return n;
@@ -912,13 +1053,17 @@ static void predict_tiled(const TileModel *m, const float *img, int h, int w, fl
     free(ys); free(xs); free(g); free(wsum); free(x); free(z);
 }
 
+// an image side of len resized by scale (each side at least 1; 0: not resized)
+static int scaled_side(int len, float scale) {
+    return scale > 0.0f ? (int)fmax(1.0, lround(len * (double)scale)) : len;
+}
+
 // predict_tiled on img (h,w,3) resized by scale (bilinear, the resize op; each
 // side at least 1), its probabilities resized back to (h,w) the same way
 static void predict_tiled_scaled(const TileModel *m, const float *img, int h, int w, float scale,
                                  float overlap, int tta_flip, float *probs) {
-    const int sh = (int)fmax(1.0, lround(h * (double)scale)),
-              sw = (int)fmax(1.0, lround(w * (double)scale));
-    if (!(scale > 0.0f) || (sh == h && sw == w)) {
+    const int sh = scaled_side(h, scale), sw = scaled_side(w, scale);
+    if (sh == h && sw == w) {
         predict_tiled(m, img, h, w, overlap, tta_flip, probs);
         return;
     }
@@ -945,9 +1090,9 @@ static int probs_write(const char *out, const char *image, const float *probs, i
     t.dims[0] = h; t.dims[1] = w; t.dims[2] = K;
     char m[OUT_PATH_MAX], o[OUT_PATH_MAX], p[OUT_PATH_MAX];
     seg_out_paths3(out, image, m, o, p);
-    const int rc = safetensors_write(p, &t, 1, NULL, NULL, 0, err);
+    const int rc = safetensors_write(p, &t, 1, NULL, NULL, 0, err) || manifest_add(p, err);
     free(half);
-    return rc;
+    return rc ? -1 : 0;
 }
 
 typedef struct { Net *net; Ops *o; int input, output; } NetTiles;
@@ -961,18 +1106,72 @@ static void net_tiles_forward(void *ctx, const float *tiles, int n, float *logit
                     sizeof(float) * n * so.h * so.w * so.c);
 }
 
+// An image's size as read (--exif), from its header; -1 with err
+static int image_size(const char *path, int *h, int *w, char err[SN_ERR_MAX]) {
+    size_t n;
+    uint8_t *b = image_file_bytes(path, 0, &n, h, w, err);
+    if (!b) return -1;
+    if (image_exif == EXIF_APPLY && exif_orientation(b, n) >= 5) {
+        const int t = *h; *h = *w; *w = t;
+    }
+    free(b);
+    return 0;
+}
+
+// --tile on images smaller than a tile: a tile side beyond the largest (scaled)
+// image's, rounded up to the model's multiple, adds only repeated edges, and a
+// pass need hold no more tiles than an image has. The model's input shrinks to
+// that (a 4096x4096 tile on a 1x1 image held gigabytes of activations).
+static int tile_model_fit(PredictCfg *pc, char err[SN_ERR_MAX]) {
+    PathList l;
+    if (list_images(pc->input, &l, err)) return -1;
+    ModelCfg *m = &pc->model;
+    // the U-Net's input is a multiple of 2^depth (1..8, else model_build says so), others' 32
+    const int mult = strcmp(m->model, "unet") ? 32 : m->depth >= 1 && m->depth <= 8 ? 1 << m->depth
+                                                                                     : 0;
+    int *hw = malloc(sizeof(int) * 2 * (size_t)l.n), max_h = 1, max_w = 1, tiles = 1, rc = 0;
+    snCheck(hw != NULL, "out of host memory");
+    for (int i = 0; rc == 0 && i < l.n; i++) {
+        rc = image_size(l.paths[i], &hw[2 * i], &hw[2 * i + 1], err);
+        hw[2 * i] = scaled_side(hw[2 * i], pc->scale);
+        hw[2 * i + 1] = scaled_side(hw[2 * i + 1], pc->scale);
+        max_h = hw[2 * i] > max_h ? hw[2 * i] : max_h;
+        max_w = hw[2 * i + 1] > max_w ? hw[2 * i + 1] : max_w;
+    }
+    if (rc == 0 && mult) {
+        const int fit_h = (max_h + mult - 1) / mult * mult,
+                  fit_w = (max_w + mult - 1) / mult * mult;
+        if (fit_h < m->height) m->height = fit_h;
+        if (fit_w < m->width) m->width = fit_w;
+        for (int i = 0; i < l.n; i++) {
+            const int t = tile_count(hw[2 * i], m->height, pc->overlap) *
+                          tile_count(hw[2 * i + 1], m->width, pc->overlap) * (pc->tta_flip ? 2 : 1);
+            tiles = t > tiles ? t : tiles;
+        }
+        if (tiles < m->batch) m->batch = tiles;
+    }
+    free(hw);
+    path_list_free(&l);
+    return rc;
+}
+
 // Predicts every listed image. Images of the model's size are used as they
 // are, others resized (bilinear, half-pixel centres) for the forward pass.
 // A classifier (1×1 output) writes one CSV row `path,pred,p0,...,p{K-1}` per
 // image (softmax probabilities) to a temporary file, renamed over `out` only
 // when every image has been read. A segmentation model writes a mask and an
 // overlay per image into the folder `out`, after checking every input.
-int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
+int predict_run(const PredictCfg *asked, char err[SN_ERR_MAX]) {
+    PredictCfg fitted = *asked;
+    const PredictCfg *pc = &fitted;
+    if (asked->tiled && tile_model_fit(&fitted, err)) return -1;
     if (input_size_checked(&pc->model, err)) return -1;
     Graph g;
     graph_init(&g);
     int out = model_build(&g, &pc->model);
     if (out < 0) { snprintf(err, SN_ERR_MAX, "%s", g.err); graph_free(&g); return -1; }
+    // forward passes only: no layer keeps gradient storage
+    for (int l = 0; l < g.n_layers; l++) g.layers[l].frozen = 1;
     const Shape so = g.tensors[out].shape, si = g.tensors[g.input].shape;
     const int seg = so.h > 1 || so.w > 1, K = so.c, N = si.n;
     if (pc->tiled && (!seg || so.h != si.h || so.w != si.w)) {
@@ -1004,7 +1203,15 @@ int predict_run(const PredictCfg *pc, char err[SN_ERR_MAX]) {
     PathList list;
     int rc = -1;
     Ops *o = ops_for_device(pc->device, 0, err);
-    if (!o || net_create(&net, &g, o, DT_F32, 0, err) != 0) { graph_free(&g); return -1; }
+    if (!o || net_create(&net, &g, o, DT_F32, 0, err) != 0) {
+        if (o && !strncmp(err, "out of ", 7))  // net_create's advice is training's
+            snprintf(err, SN_ERR_MAX,
+                     "out of %s memory for the network on %d %s of %dx%d a pass: %s", o->name,
+                     N, pc->tiled ? "tiles" : "images", si.h, si.w,
+                     pc->tiled ? "a smaller --tile needs less" : "a smaller --batch needs less");
+        graph_free(&g);
+        return -1;
+    }
     if (safetensors_read(pc->weights, &wf, err) != 0) goto done_net;
     if (net_load_weights(&net, &wf, pc->weights, NULL, 0, err) != 0) goto done_weights;
     if (list_images(pc->input, &list, err) != 0) goto done_weights;

@@ -46,3 +46,6 @@ typedef struct {
     float scale;
 } PredictCfg;
 int predict_run(const PredictCfg *cfg, char err[SN_ERR_MAX]);
+// Whether path, or when it does not exist yet the folder it would be made in, is the folder
+// `folder` or lies inside it (0 when folder is not one); links and spellings make no difference
+int path_within_folder(const char *path, const char *folder);

@@ -792,8 +792,16 @@ static int mkdir_p(const char *path, char err[SN_ERR_MAX]);
 // missing) as aug<epoch>-<i>-<stem>.png (the image the network sees, its
 // values clipped to 0..255 and rounded) and, for segmentation,
 // aug<epoch>-<i>-<stem>_overlay.png (the mask's class colours blended 50/50,
-// ignored pixels left as they are). An existing file is never replaced.
+// ignored pixels left as they are). An existing file is never replaced, and
+// out is never the data folder or inside it.
 int augment_write(const TrainCfg *c, const char *out, int n, int epoch, char err[SN_ERR_MAX]) {
+    if (path_within_folder(out, c->data)) {
+        snprintf(err, SN_ERR_MAX,
+                 "--out %.180s is, or is inside, the data set %.180s: segnet augment never "
+                 "writes among the samples it reads (a later run would read its files as samples)",
+                 out, c->data);
+        return -1;
+    }
     Dataset d;
     const int seg = !model_is_classifier(c->model.model);
     if (dataset_open_named(&d, c->data, seg, c->model.classes, c->model.height, c->model.width,
@@ -1138,9 +1146,10 @@ static int model_finite(Trainer *t, char which[SN_ERR_MAX]) {
 // step (RESUME_SETTINGS_KEY, `--flag=value` items). --resume compares them
 // with its own. What the monitored loss measures (size, class weights, loss
 // normalisation, the monitor) stays for the whole run, so that "best"
-// compares like with like. The batch, accumulation, augmentation and the
+// compares like with like. The batch, accumulation, augmentation, the lr's
+// settings (schedule, lr, warmup; the epochs of a decaying schedule) and the
 // data may change between epochs (said), never inside one: an interrupted
-// epoch's place (its batch, its shuffled order) means nothing under others.
+// epoch's place (its batch, its shuffled order, its lr) means nothing under others.
 
 #define RESUME_DATA_KEY     "data"
 #define RESUME_SETTINGS_KEY "settings"
@@ -1148,16 +1157,27 @@ static const char *const RESUME_FIXED[] = {"size",      "class-weights", "loss-n
                                            "monitor",   "ignore-index",  "label-map",
                                            "loss",      "iou-per-image"};
 
+// cosine and poly: the lr falls to 0 over the run's steps
+static int schedule_decays(Schedule s) { return s == SCHEDULE_COSINE || s == SCHEDULE_POLY; }
+
 // the settings that shape a step, `--flag=value` items separated by spaces (NUL-terminated,
 // malloc'd)
 static char *step_settings_text(const TrainCfg *c) {
     SfBuf b = {0};
     char s[160];
+    char lr[32];
     snprintf(s, sizeof s,
-             "size=%dx%d loss-norm=%s monitor=%s batch=%d accum=%d class-weights=", c->model.height,
-             c->model.width, c->loss_norm_keras ? "keras" : "weighted", monitor_name(c),
-             c->model.batch, c->accum);
+             "size=%dx%d loss-norm=%s monitor=%s batch=%d accum=%d schedule=%s lr=%s warmup=%d ",
+             c->model.height, c->model.width, c->loss_norm_keras ? "keras" : "weighted",
+             monitor_name(c), c->model.batch, c->accum, SCHEDULE_NAMES[c->schedule],
+             float_str(lr, c->lr), c->warmup);
     sb_str(&b, s);
+    // the epochs place a decaying schedule's steps (its lr at step s: lr_at_step)
+    if (schedule_decays(c->schedule)) {
+        snprintf(s, sizeof s, "epochs=%d ", c->epochs);
+        sb_str(&b, s);
+    }
+    sb_str(&b, "class-weights=");
     class_weights_text(c, &b);
     sb_str(&b, " ignore-index=");
     ignore_text(&c->masks, &b);
@@ -1167,13 +1187,14 @@ static char *step_settings_text(const TrainCfg *c) {
     augment_text(&c->augment, &b);
     sb_str(&b, " loss=");
     loss_settings_text(&c->loss, ",", ":", &b);
-    if (c->iou_per_image) sb_str(&b, " iou-per-image=on");
+    sb_str(&b, c->iou_per_image ? " iou-per-image=on" : " iou-per-image=off");
     sb_put(&b, "", 1);
     snCheck(!b.oom, "out of host memory");
     return b.p;
 }
 
-// setting `key`'s value in a settings text (its own, up to the next space), or NULL
+// setting `key`'s value in a settings text (its own, up to the next space), or NULL; a
+// checkpoint that predates iou-per-image=off wrote the switch only when on
 static const char *setting_in(const char *text, const char *key, int *len) {
     const size_t k = strlen(key);
     for (const char *p = text; p && *p; p = strchr(p, ' '), p = p ? p + 1 : p)
@@ -1181,7 +1202,46 @@ static const char *setting_in(const char *text, const char *key, int *len) {
             *len = (int)strcspn(p + k + 1, " ");
             return p + k + 1;
         }
-    return NULL;
+    if (strcmp(key, "iou-per-image")) return NULL;
+    *len = 3;
+    return "off";
+}
+
+// Whether the checkpoint f was saved under another `key` than this run's settings text `now`
+static int setting_changed(const SafetensorsFile *f, const char *now, const char *key) {
+    const char *saved = safetensors_meta(f, RESUME_SETTINGS_KEY);
+    int was_len, len;
+    const char *was = saved ? setting_in(saved, key, &was_len) : NULL,
+               *is = setting_in(now, key, &len);
+    return was && is && (was_len != len || memcmp(was, is, (size_t)len));
+}
+
+// Between epochs, a change of the lr's settings (schedule, lr, warmup, epochs) said as the lr
+// of the next step, beside the one the run's own settings give (the lr a finished poly run
+// extended by --epochs goes on from, not 0). The plateau schedule's lr is its own state.
+static void resume_say_lr(const Trainer *t, const char *saved) {
+    const TrainCfg *c = t->c;
+    int len;
+    const char *v;
+    Schedule was_s = c->schedule;
+    double was_lr = c->lr;
+    int64_t was_warmup = c->warmup, was_total = t->total_steps;
+    if ((v = setting_in(saved, "schedule", &len)))
+        for (int k = 0; k < 4; k++)
+            if ((int)strlen(SCHEDULE_NAMES[k]) == len && !strncmp(v, SCHEDULE_NAMES[k], len))
+                was_s = (Schedule)k;
+    if ((v = setting_in(saved, "lr", &len))) was_lr = strtod(v, NULL);
+    if ((v = setting_in(saved, "warmup", &len))) was_warmup = strtol(v, NULL, 10);
+    if ((v = setting_in(saved, "epochs", &len)) && c->epochs > 0)
+        was_total = t->total_steps / c->epochs * strtol(v, NULL, 10);
+    if (was_s == SCHEDULE_PLATEAU || c->schedule == SCHEDULE_PLATEAU) return;
+    const double now = lr_at_step(c->lr, c->schedule, c->warmup, t->total_steps, t->step),
+                 was = lr_at_step(was_lr, was_s, was_warmup, was_total, t->step);
+    if ((float)now != (float)was)
+        fprintf(stderr,
+                "segnet train: the lr of step %" PRId64 " is %.4g (the run's settings until now "
+                "give %.4g)\n",
+                t->step + 1, now, was);
 }
 
 // A change of the loss setting (its terms, then `,key:value` items for its constants, as
@@ -1237,11 +1297,9 @@ static int resume_compare(const Trainer *t, const char *path, const SafetensorsF
             if (!strcmp(key, "loss")) loss_change_narrowed(key, &value, &vlen, &was, &was_len);
             if (fixed) {
                 snprintf(err, SN_ERR_MAX,
-                         "%.150s: --%s %.*s, but the run was trained with %.*s: it defines the "
-                         "loss that "
+                         "%.150s: --%s %.*s, but the run was trained with %.*s: it defines what "
                          "best.safetensors is judged by, so it stays for the whole run (a new run "
-                         "can start from the "
-                         "weights: --weights RUN/best.safetensors)",
+                         "can start from the weights: --weights RUN/best.safetensors)",
                          path, key, vlen > 40 ? 40 : vlen, value, was_len > 40 ? 40 : was_len, was);
                 rc = -1;
             } else if (mid) {
@@ -1258,6 +1316,7 @@ static int resume_compare(const Trainer *t, const char *path, const SafetensorsF
                         vlen, value, epoch, was_len, was);
             }
         }
+        if (rc == 0 && !mid && t->c->progress) resume_say_lr(t, saved);
         free(now);
     }
     if (rc == 0 && data && t->has_train) {
@@ -1465,7 +1524,9 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
     if (checkpoint_counters(path, val, &k, err)) goto done;
     const char *batch = safetensors_meta(&f, "batch"),
                *totals = safetensors_meta(&f, "pass_totals");
-    t->epoch = (int)k.epoch;  // for resume_compare's messages (restored with the rest below)
+    // for resume_compare's messages (restored with the rest below)
+    t->epoch = (int)k.epoch;
+    t->step = k.step;
     if (resume_compare(t, path, &f, batch || totals, err)) goto done;
     memset(ps, 0, sizeof *ps);
     if (batch || totals) {
@@ -1512,8 +1573,12 @@ static int load_checkpoint(Trainer *t, const char *path, PassSaved *ps, char err
         }
         plateau.wait = (int)wait;
     }
-    // the other schedules start from --lr, which a resumed run may change
-    if (t->c->schedule != SCHEDULE_PLATEAU) plateau.lr = t->c->lr;
+    // the other schedules start from --lr, which a resumed run may change (between epochs:
+    // resume_compare); so does the plateau schedule when --lr changes
+    char *now = step_settings_text(t->c);
+    if (t->c->schedule != SCHEDULE_PLATEAU || setting_changed(&f, now, "lr"))
+        plateau.lr = t->c->lr;
+    free(now);
     // the diagnostics so far (a checkpoint without them: from here on)
     const char *epoch_stats = safetensors_meta(&f, "epoch_stats"),
                *log_stats = safetensors_meta(&f, "log_stats");
@@ -1882,6 +1947,13 @@ static int read_class_names(const char *run, char ***names) {
     return n;
 }
 
+// the paths config.txt records, by their keys
+#define CONFIG_PATHS 4
+static const char *const CONFIG_PATH_KEYS[CONFIG_PATHS] = {"data", "val", "weights", "label-map"};
+static void config_paths(const TrainCfg *c, const char *paths[CONFIG_PATHS]) {
+    paths[0] = c->data; paths[1] = c->val; paths[2] = c->weights; paths[3] = c->masks.label_map;
+}
+
 // config.txt: `key = value`, one per setting, the keys being the train
 // flags without their dashes, so that --resume can read it back as flags.
 static void config_text(const TrainCfg *c, SfBuf *b) {
@@ -1897,12 +1969,12 @@ static void config_text(const TrainCfg *c, SfBuf *b) {
     char d[32];
     if (m->dropout >= 0.0f) CFG("dropout = %s\n", float_str(d, m->dropout));
     // absolute: --resume and predict --run work from any folder
-    const char *keys[4] = {"data", "val", "weights", "label-map"},
-               *paths[4] = {c->data, c->val, c->weights, c->masks.label_map};
-    for (int k = 0; k < 4; k++) {
+    const char *paths[CONFIG_PATHS];
+    config_paths(c, paths);
+    for (int k = 0; k < CONFIG_PATHS; k++) {
         if (!paths[k]) continue;
         char abs[PATH_MAX];
-        sb_str(b, keys[k]);
+        sb_str(b, CONFIG_PATH_KEYS[k]);
         sb_str(b, " = ");
         sb_str(b, realpath(paths[k], abs) ? abs : paths[k]);
         sb_str(b, "\n");
@@ -2041,15 +2113,9 @@ static void run_remove_stale(const char *run, int progress) {
     if (!d) return;
     int removed = 0;
     for (struct dirent *e; (e = readdir(d));) {
-        const char *tmp = NULL;  // the last mark: the file's own name may hold one
-        for (const char *p = e->d_name; (p = strstr(p, TMP_MARK)); p++) tmp = p;
-        if (!tmp) continue;
-        char *end;
-        const char *digits = tmp + strlen(TMP_MARK);
-        long pid = strtol(digits, &end, 10);
-        if (end == digits || *end || pid <= 0) continue;
+        const long pid = tmp_name_pid(e->d_name);
         // its writer lives (or is not ours to judge)
-        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+        if (!pid || !tmp_writer_gone(pid)) continue;
         char path[4096 + sizeof e->d_name + 2];
         run_path(path, sizeof path, run, e->d_name);
         removed += unlink(path) == 0;
@@ -2674,8 +2740,24 @@ static void replicas_gpus_close(Comm *dcomms, int n) {
 #endif
 }
 
+// config.txt holds a setting per line: a path with a line break in it could not be read back
+static int config_paths_check(const TrainCfg *c, char err[SN_ERR_MAX]) {
+    const char *paths[CONFIG_PATHS];
+    config_paths(c, paths);
+    for (int k = 0; k < CONFIG_PATHS; k++)
+        if (paths[k] && strpbrk(paths[k], "\n\r")) {
+            snprintf(err, SN_ERR_MAX,
+                     "--%s %.300s: the path holds a line break, which config.txt (a setting per "
+                     "line) cannot record for --resume: rename it",
+                     CONFIG_PATH_KEYS[k], paths[k]);
+            return -1;
+        }
+    return 0;
+}
+
 // Without replicas and outside mpirun: one replica on a communicator of one.
 int train_run(const TrainCfg *c, const char *resume, char err[SN_ERR_MAX]) {
+    if (config_paths_check(c, err)) return -1;
     const int procs = comm_mpi_launched(), R = c->replicas > 1 ? c->replicas : 1;
     if (procs > 1) {
         if (R > 1) {

@@ -741,14 +741,103 @@ static void atomic_tmp_name(const char *path, char tmp[OUT_PATH_MAX]) {
     snprintf(tmp, OUT_PATH_MAX, "%.*s%.*s%s", dir, path, keep, base, suffix);
 }
 
+// The writer's process id in a temporary file's name (after its last TMP_MARK), or 0 when
+// the name is not one
+static long tmp_name_pid(const char *name) {
+    const char *tmp = NULL;  // the last mark: the file's own name may hold one
+    for (const char *p = name; (p = strstr(p, TMP_MARK)); p++) tmp = p;
+    if (!tmp) return 0;
+    char *end;
+    const char *digits = tmp + strlen(TMP_MARK);
+    const long pid = strtol(digits, &end, 10);
+    return end == digits || *end || pid <= 0 || !isdigit((unsigned char)*digits) ? 0 : pid;
+}
+
+// the process is gone (not merely another user's, which kill may not signal)
+static int tmp_writer_gone(long pid) { return kill((pid_t)pid, 0) != 0 && errno == ESRCH; }
+
+// ---- temporary files of writers that were killed: "<name>.tmp.<pid>" whose
+// process is gone is removed at the next write to <name>. The folder is read
+// once per folder written (a prediction writes thousands of files into one):
+// its stale names are kept until a write goes to another folder.
+static struct {
+    pthread_mutex_t lock;
+    char dir[OUT_PATH_MAX];
+    char **names;
+    int n, cap;
+} stale_tmp = {PTHREAD_MUTEX_INITIALIZER, "", NULL, 0, 0};
+
+static void stale_tmp_remove(const char *path) {
+    char dir[OUT_PATH_MAX];
+    path_folder(path, dir);
+    pthread_mutex_lock(&stale_tmp.lock);
+    if (strcmp(dir, stale_tmp.dir)) {
+        for (int i = 0; i < stale_tmp.n; i++) free(stale_tmp.names[i]);
+        stale_tmp.n = 0;
+        snprintf(stale_tmp.dir, OUT_PATH_MAX, "%s", dir);
+        DIR *d = opendir(dir);
+        for (struct dirent *e; d && (e = readdir(d));) {
+            const long pid = tmp_name_pid(e->d_name);
+            if (!pid || !tmp_writer_gone(pid)) continue;
+            GROW(stale_tmp.names, stale_tmp.n, stale_tmp.cap);
+            char *name = strdup(e->d_name);
+            snCheck(name != NULL, "out of host memory");
+            stale_tmp.names[stale_tmp.n++] = name;
+        }
+        if (d) closedir(d);
+    }
+    // <name>'s own: the name cut short as atomic_tmp_name cuts it for that pid's mark
+    const char *base = path_base(path);
+    for (int i = 0; i < stale_tmp.n; i++) {
+        const char *name = stale_tmp.names[i];
+        const long pid = tmp_name_pid(name);
+        char mark[32];
+        const int n_mark = snprintf(mark, sizeof mark, TMP_MARK "%ld", pid),
+                  keep = (int)strnlen(base, NAME_MAX - n_mark);
+        if ((int)strlen(name) != keep + n_mark || strncmp(name, base, keep) ||
+            strcmp(name + keep, mark))
+            continue;
+        char tmp[OUT_PATH_MAX];
+        snprintf(tmp, sizeof tmp, "%.*s%s", (int)(base - path), path, name);
+        if (tmp_writer_gone(pid)) unlink(tmp);
+        free(stale_tmp.names[i]);
+        stale_tmp.names[i--] = stale_tmp.names[--stale_tmp.n];
+    }
+    pthread_mutex_unlock(&stale_tmp.lock);
+}
+
+// ---- a signal during an atomic write (export, predict: cli.c's tmp_cleanup_install):
+// the temporary file is removed and the process exits 128 + the signal. The
+// path lies in one of two slots, the live one's index stored after it, so that
+// a handler on any thread reads a whole path.
+static char tmp_slots[2][OUT_PATH_MAX];
+static int tmp_live = -1;
+
+static void tmp_track(const char *tmp) {
+    const int slot = __atomic_load_n(&tmp_live, __ATOMIC_ACQUIRE) == 0;
+    snprintf(tmp_slots[slot], OUT_PATH_MAX, "%s", tmp);
+    __atomic_store_n(&tmp_live, slot, __ATOMIC_RELEASE);
+}
+static void tmp_untrack(void) { __atomic_store_n(&tmp_live, -1, __ATOMIC_RELEASE); }
+
 // The temporary file, created new (O_EXCL): never a file or link that is
-// already there (a link planted at the name would redirect the write).
+// already there (a link planted at the name would redirect the write). A test
+// stops the process (SIGSTOP) once its Nth temporary file exists, N from
+// SEGNET_TEST_STOP_AT_WRITE, to signal it there.
 static FILE *atomic_file_open(const char *path, char tmp[OUT_PATH_MAX], char err[SN_ERR_MAX]) {
     if (out_path_check(path, err)) return NULL;
+    stale_tmp_remove(path);
     atomic_tmp_name(path, tmp);
+    tmp_track(tmp);
     const int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
     FILE *f = fd < 0 ? NULL : fdopen(fd, "wb");
-    if (f) return f;
+    if (f) {
+        static int writes;
+        const char *stop = getenv("SEGNET_TEST_STOP_AT_WRITE");
+        if (stop && __atomic_add_fetch(&writes, 1, __ATOMIC_RELAXED) == atoi(stop)) raise(SIGSTOP);
+        return f;
+    }
+    tmp_untrack();
     if (fd >= 0) close(fd);
     if (errno == EEXIST)
         snprintf(err, SN_ERR_MAX,
@@ -777,7 +866,9 @@ static int atomic_file_commit(FILE *f, const char *tmp, const char *path, int ok
                  strerror(errno));
         ok = 0;
     }
-    if (!ok) { unlink(tmp); return -1; }
+    if (!ok) unlink(tmp);
+    tmp_untrack();
+    if (!ok) return -1;
     // The file is in place; syncing the folder makes the rename itself durable.
     char dir[OUT_PATH_MAX];
     path_folder(path, dir);
