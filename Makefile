@@ -374,16 +374,22 @@ bench: segnet
 	  rows="$$rows$$row\n"; \
 	done; \
 	e2e="--model unet --depth 3 --width 16 --size 64x64 --data data/train --val data/val --classes 4 --class-weights 0,1,1,1 --batch 8 --epochs $(BENCH_E2E_EPOCHS) --schedule cosine --augment flip --threads $(BENCH_THREADS)"; \
-	dir=$$(mktemp -d) || exit 1; trap 'rm -rf "$$dir"' EXIT; \
-	row="e2e"; \
-	for r in $$(seq $(BENCH_REPEATS)); do \
-	  echo "== e2e ($$r/$(BENCH_REPEATS)): segnet train $$e2e" >&2; \
-	  t0=$$(date +%s.%N); ./segnet train $$e2e --out $$dir/segnet$$r >$$dir/segnet.log 2>&1 || { cat $$dir/segnet.log >&2; exit 1; }; t1=$$(date +%s.%N); \
-	  echo "== e2e ($$r/$(BENCH_REPEATS)): ref/bench_train_torch.py $$e2e" >&2; \
-	  /usr/bin/python3 ref/bench_train_torch.py $$e2e --out $$dir/torch$$r >$$dir/torch.log 2>&1 || { cat $$dir/torch.log >&2; exit 1; }; t2=$$(date +%s.%N); \
-	  row="$$row $$(echo "$$t0 $$t1 $$t2" | awk '{ printf "%.3f %.3f 0 0", 1000 * ($$2 - $$1), 1000 * ($$3 - $$2) }')"; \
+	dir=$$(mktemp -d) || exit 1; hog=""; trap 'rm -rf "$$dir"; [ -z "$$hog" ] || kill $$hog' EXIT; \
+	for row in e2e e2e-load; do \
+	  if [ $$row = e2e-load ]; then sh -c 'while :; do :; done' & hog=$$!; fi; \
+	  rows="$$rows$$row"; \
+	  for r in $$(seq $(BENCH_REPEATS)); do \
+	    echo "== $$row ($$r/$(BENCH_REPEATS)): segnet train $$e2e" >&2; \
+	    t0=$$(date +%s.%N); ./segnet train $$e2e --out $$dir/segnet$$row$$r >$$dir/segnet.log 2>&1 || { cat $$dir/segnet.log >&2; exit 1; }; t1=$$(date +%s.%N); \
+	    echo "== $$row ($$r/$(BENCH_REPEATS)): ref/bench_train_torch.py $$e2e" >&2; \
+	    /usr/bin/python3 ref/bench_train_torch.py $$e2e --out $$dir/torch$$row$$r >$$dir/torch.log 2>&1 || { cat $$dir/torch.log >&2; exit 1; }; t2=$$(date +%s.%N); \
+	    rows="$$rows $$(echo "$$t0 $$t1 $$t2" | awk '{ printf "%.3f %.3f 0 0", 1000 * ($$2 - $$1), 1000 * ($$3 - $$2) }')"; \
+	    for side in segnet torch; do echo "$$row $$side $$(sed -n 's/^seconds: //p' $$dir/$$side.log)" >>$$dir/parts.txt; done; \
+	  done; \
+	  rows="$$rows\n"; \
+	  if [ -n "$$hog" ]; then kill $$hog; hog=""; fi; \
 	done; \
-	rows="$$rows$$row\n"; row="loader"; \
+	row="loader"; \
 	/usr/bin/python3 ref/bench_loader_torch.py --make-data $$dir/jpegs --images $(BENCH_LOADER_IMAGES) --size 720x1200 || exit 1; \
 	for r in $$(seq $(BENCH_REPEATS)); do \
 	  echo "== loader ($$r/$(BENCH_REPEATS)): segnet bench --loader $$dir/jpegs $(BENCH_LOADER)" >&2; \
@@ -402,9 +408,20 @@ bench: segnet
 	    lo = hi = q[1]; for (i = 2; i <= n; i++) { if (q[i] < lo) lo = q[i]; if (q[i] > hi) hi = q[i] } \
 	    range = sprintf("%.2f-%.2f", lo, hi); \
 	    if ($$1 == "e2e") printf "%-9s %12.0f %12.0f %7.2f %13s   (whole runs: unet on data/, $(BENCH_E2E_EPOCHS) epochs)\n", $$1, median(s, n), median(t, n), median(q, n), range; \
+	    else if ($$1 == "e2e-load") printf "%-9s %12.0f %12.0f %7.2f %13s   (the same, a third process busy on one core)\n", $$1, median(s, n), median(t, n), median(q, n), range; \
 	    else if ($$1 == "loader") printf "%-9s %12.1f %12.1f %7.2f %13s   (ms per batch of 16 JPEGs to 300x500, augmented, 1 worker)\n", $$1, median(s, n), median(t, n), median(q, n), range; \
 	    else printf "%-9s %12.1f %12.1f %7.2f %13s %13.1f %13.1f %7.2f\n", $$1, median(s, n), median(t, n), median(q, n), range, \
-	      ms / 1048576, mt / 1048576, ms / mt }'
+	      ms / 1048576, mt / 1048576, ms / mt }'; \
+	awk ' \
+	  function median(a, n,   i, j, x) { for (i = 2; i <= n; i++) { x = a[i]; for (j = i - 1; j >= 1 && a[j] > x; j--) a[j + 1] = a[j]; a[j + 1] = x } \
+	    return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2 } \
+	  { k = $$1 " " ($$2 == "torch" ? "pytorch" : $$2); if (!(k in runs)) order[++nk] = k; r = ++runs[k]; \
+	    for (i = 3; i < NF; i += 2) { if (nk == 1 && r == 1) name[++nf] = $$i; v[k, $$i, r] = $$(i + 1) } } \
+	  END { printf "\nwhere the whole runs'"'"' time goes (seconds, medians of $(BENCH_REPEATS); segnet train'"'"'s seconds: line)\n%-9s %-8s", "row", "side"; \
+	    for (f = 1; f <= nf; f++) printf " %11s", name[f]; printf "\n"; \
+	    for (i = 1; i <= nk; i++) { split(order[i], w, " "); printf "%-9s %-8s", w[1], w[2]; \
+	      for (f = 1; f <= nf; f++) { for (r = 1; r <= runs[order[i]]; r++) a[r] = v[order[i], name[f], r]; printf " %11.2f", median(a, runs[order[i]]) } \
+	      printf "\n" } }' $$dir/parts.txt
 
 # ---- make gpucount: a training step's GPU work, counted without a GPU ---------
 # For each GPUCOUNT_MODELS entry ("title:bench options"), segnet_emu runs

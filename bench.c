@@ -141,7 +141,7 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
         // train_step returns when the device has finished the step (its one wait)
         double t0 = now_seconds();
         MicroBatch mb = {N, host_in, host_lab, 0};
-        PassTotals pt = {0.0, 0.0, cm};
+        PassTotals pt = {.cm = cm};
         train_step(&t, &mb, 1, &pt);
         double dt = now_seconds() - t0;
         if (timed) {

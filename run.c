@@ -914,7 +914,9 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
         shard_range(nj, R, comm->rank, &lo, &hi);
         MicroBatch shard = {0, NULL, NULL, pending * B + lo};
         if (hi > lo) {
+            const double waited = now_seconds();
             const LoaderBatch *b = loader_next(L);
+            pt->seconds_loader += now_seconds() - waited;
             if (!b) {  // a file that changed on disk since the start: this replica cannot go on
                 snprintf(err, SN_ERR_MAX, "%s", loader_error(L));
                 rc = -2;
@@ -924,6 +926,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
             shard = (MicroBatch){b->n, b->images, b->labels, pending * B + lo};
         }
         int step_rc = 0;
+        const double step_started = now_seconds();
         // the epoch's last step (train_step clears it)
         t->measure_update = training && j + 1 == n_batches;
         if (training && c->accum == 1) {
@@ -949,6 +952,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
             pt->loss_sum += loss;
             pt->norm_sum += norm;
         }
+        if (training) pt->seconds_steps += now_seconds() - step_started;
         if (step_rc < 0) { rc = -1; break; }
         // a step (or a validation batch) is complete: stop here if asked
         if (!training || pending == 0) {
@@ -2497,6 +2501,48 @@ static int replica_open(Comm *comm, RunShared *sh, int claimed, int fresh, const
 // every decision from the same mirrored state and the same all-reduced
 // figures; only rank 0 reads and writes the run folder. A failure that some
 // replicas see and others do not is agreed on (comm_agree) before going on.
+// ---- where a run's time went (the last lines of segnet train; make bench's e2e rows)
+
+// seconds since this process started, from its start time in /proc/self/stat
+// (in clock ticks since boot: 10 ms steps), or NAN without /proc
+static double process_age_seconds(void) {
+    FILE *f = fopen("/proc/self/stat", "r");
+    if (!f) return NAN;
+    char buf[1024];
+    const size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    // field 22, counted after the command name's closing parenthesis (field 2)
+    const char *p = strrchr(buf, ')');
+    unsigned long long start = 0;
+    for (int field = 2; p && field < 22; field++) p = strchr(p + 1, ' ');
+    struct timespec now;
+    if (!p || sscanf(p + 1, "%llu", &start) != 1 || clock_gettime(CLOCK_BOOTTIME, &now))
+        return NAN;
+    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec - (double)start / sysconf(_SC_CLK_TCK);
+}
+
+typedef struct {
+    double startup;     // the process's start to the first training pass
+    double steps;       // in train_step
+    double loader;      // waiting for the loader's next batch (training passes)
+    double validation;  // the validation pass, and --train-eval's pass
+    double checkpoint;  // the model checked finite, checkpoints, metrics.csv, curves.svg
+} RunTimes;
+
+static void run_times_print(const RunTimes *rt) {
+    const double total = process_age_seconds();
+    const double rest =
+            total - rt->startup - rt->steps - rt->loader - rt->validation - rt->checkpoint;
+    fprintf(stderr,
+            "segnet train: %.1f s in all: start-up %.1f, steps %.1f, waiting for the loader %.1f, "
+            "validation %.1f, checkpoints %.1f, the rest %.1f\n",
+            total, rt->startup, rt->steps, rt->loader, rt->validation, rt->checkpoint, rest);
+    printf("seconds: total %.3f startup %.3f steps %.3f loader_wait %.3f validation %.3f "
+           "checkpoint %.3f other %.3f\n",
+           total, rt->startup, rt->steps, rt->loader, rt->validation, rt->checkpoint, rest);
+}
+
 static int train_replica(Comm *comm, void *arg) {
     ReplicaArgs *a = arg;
     RunShared *sh = a->run;
@@ -2586,9 +2632,11 @@ static int train_replica(Comm *comm, void *arg) {
     int warned[3] = {0, 0, 0};  // each warning once per run
     if (comm_agree(comm, root && c->log_every > 0 ? steps_csv_start(&t, run, err) : 0, err))
         goto done;
+    RunTimes times = {0};
+    times.startup = process_age_seconds();
     while (t.epoch < c->epochs && !t.finished) {
         double t0 = now_seconds();
-        PassTotals tr = {0, 0, cm}, va = {0, 0, cm_val};
+        PassTotals tr = {.cm = cm}, va = {.cm = cm_val};
         // asked before the epoch: last.safetensors is its start
         int stop = t.resume_batch ? 0 : interrupt_poll(&t);
         if (stop > 0) {
@@ -2604,12 +2652,15 @@ static int train_replica(Comm *comm, void *arg) {
         int reduced = 0;
         if (stop == 0) stop = run_pass(&t, &t.train, 1, &tr, err);
         if (stop < 0) goto done;
+        times.steps += tr.seconds_steps;
+        times.loader += tr.seconds_loader;
         double loss = tr.loss_sum / tr.norm_sum, val_loss = NAN;
+        const double validation_started = now_seconds();
         if (stop == 0) {
             pass_metrics(&t, cm, &m);
             // the train figures again, in inference mode (cm_val is free until the validation)
             if (c->train_eval) {
-                PassTotals te = {0, 0, cm_val};
+                PassTotals te = {.cm = cm_val};
                 if ((stop = run_pass(&t, &t.train, 0, &te, err)) < 0) goto done;
                 if (!stop) {
                     pass_metrics(&t, cm_val, &m);
@@ -2624,6 +2675,8 @@ static int train_replica(Comm *comm, void *arg) {
                 val_loss = va.loss_sum / va.norm_sum;
             }
         }
+        times.validation += now_seconds() - validation_started;
+        const double checkpoint_started = now_seconds();
         if (stop) {
             if (epoch_model_finite(&t, t.epoch + 1, err) ||
                 save_interrupted(&t, &tr, reduced, run, err) || comm_agree(comm, 0, err))
@@ -2657,6 +2710,7 @@ static int train_replica(Comm *comm, void *arg) {
                             : 0,
                        err))
             goto done;
+        times.checkpoint += now_seconds() - checkpoint_started;
         if (c->progress && root) {
             epoch_print(&t, &rec, now_seconds() - t0, improved);
             training_warnings(&t, &rec, h.n > 1 ? &h.rec[h.n - 2] : NULL, warned);
@@ -2687,6 +2741,7 @@ static int train_replica(Comm *comm, void *arg) {
         if (c->progress && t.has_val)
             printf("val_loss: %.6f\nval_%s: %.6f\n", best->val_loss,
                    t.segmentation ? "mIoU" : "accuracy", best->val_metric);
+        if (c->progress) run_times_print(&times);
     }
     rc = 0;
 done:
@@ -2809,7 +2864,7 @@ int eval_run(const TrainCfg *c, const char *weights, const char *data, EvalResul
     snCheck(cm != NULL, "out of host memory");
     if (trainer_open(&t, c, NULL, data, err) || trainer_load_weights(&t, weights, NULL, NULL, err))
         goto done;
-    PassTotals pt = {0, 0, cm};
+    PassTotals pt = {.cm = cm};
     if (run_pass(&t, &t.val, 0, &pt, err)) goto done;
     r->loss = pt.loss_sum / pt.norm_sum;
     pass_metrics(&t, cm, &r->m);

@@ -5402,6 +5402,34 @@ TEST(gradcheck_catches_errors) {
     CHECK(!(e2 <= 0.05), "a concat backward that adds into garbage passed (error %.3g)", e2);
 }
 
+// ./segnet's OpenMP threads sleep soon when they wait (cli.c's
+// wait_policy_default: 10,000 spins), unless the user chose otherwise. What
+// libgomp took is read from its own report (OMP_DISPLAY_ENV=verbose prints
+// GOMP_SPINCOUNT as it uses it: 300000 for its default, 3e10 for active); the
+// report of the last start counts, segnet starting itself again to set it.
+#ifdef _OPENMP
+TEST(threads_sleep_when_waiting) {
+    static const struct { const char *env, *spin, *info; } CASES[] = {
+        {"", "10000", "openmp_wait_policy: spin 10000 times"},
+        {"OMP_WAIT_POLICY=passive", "0", "openmp_wait_policy: passive"},
+        {"OMP_WAIT_POLICY=active", "30000000000", "openmp_wait_policy: active"},
+        {"GOMP_SPINCOUNT=1000", "1000", "openmp_wait_policy: spin 1000 times"},
+    };
+    for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++) {
+        char cmd[512], msg[4096];
+        snprintf(cmd, sizeof cmd,
+                 "f=/tmp/segnet_test_wait.txt; env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT %s "
+                 "OMP_DISPLAY_ENV=verbose ./segnet info >$f 2>&1; grep -q '^%s' $f && "
+                 "grep 'GOMP_SPINCOUNT = ' $f | tail -n 1 | grep -q \"'%s'\" || "
+                 "{ cat $f >&2; exit 1; }",
+                 CASES[i].env, CASES[i].info, CASES[i].spin);
+        CHECK(run_shell(cmd, msg, sizeof msg) == 0,
+              "with '%s' libgomp should spin %s times and segnet info say '%s'; it said: %.600s",
+              CASES[i].env, CASES[i].spin, CASES[i].info, msg);
+    }
+}
+#endif
+
 // Reductions give bit-identical results for any thread count (needed for
 // recompute ≡ store and replicas ≡ one device).
 
@@ -7003,7 +7031,7 @@ TEST(plan_equals_allocation) {
         for (int i = 0; i < n * hw * hw * 3; i++) images[i] = (float)(rng_next(&r) % 256);
         for (int i = 0; i < n * (seg ? hw * hw : 1); i++) labels[i] = (int32_t)(rng_next(&r) % 3);
         int64_t cm[9 + 2];
-        PassTotals pt = {0, 0, cm};
+        PassTotals pt = {.cm = cm};
         MicroBatch mb[2] = {{n, images, labels, 0}, {n, images, labels, n}};
         cpu_bytes_peak = cpu_bytes_live;
         train_step(&t, mb, cases[k].accum, &pt);
@@ -7110,7 +7138,7 @@ TEST(checkpoint_training_bitwise) {
     float images[4 * 32 * 32 * 3];
     int32_t labels[4];
     int64_t cm[9];
-    PassTotals pa = {0, 0, cm}, pb = {0, 0, cm};
+    PassTotals pa = {.cm = cm}, pb = {.cm = cm};
     for (int s = 0; s < 3; s++) {
         for (int i = 0; i < 4 * 32 * 32 * 3; i++) images[i] = (float)(rng_next(&r) % 256);
         for (int i = 0; i < 4; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
@@ -7155,7 +7183,7 @@ static void fused_run(const TrainCfg *c, int fuse, int steps, float **params, do
     float *images = malloc(sizeof(float) * N * hw * hw * 3);
     int32_t labels[16];
     int64_t cm[16];
-    PassTotals pt = {0, 0, cm};
+    PassTotals pt = {.cm = cm};
     for (int s = 0; s < steps; s++) {
         for (int i = 0; i < N * hw * hw * 3; i++) images[i] = (float)(rng_next(&r) % 256);
         for (int i = 0; i < N; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
@@ -7243,7 +7271,7 @@ TEST(train_steps_by_hand) {
         clipped += s < 1.0;
         // the trainer's step
         int64_t cm[9];
-        PassTotals pt = {0, 0, cm};
+        PassTotals pt = {.cm = cm};
         t.epoch = k;
         CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
         CHECK(t.step == k + 1, "step %" PRId64 " after %d passes", t.step, k + 1);
@@ -7323,7 +7351,7 @@ TEST(fp16_loss_scaling) {
     float images[4 * 64 * 3];
     int32_t labels[4 * 64];
     int64_t cm[9];
-    PassTotals pt = {0, 0, cm};
+    PassTotals pt = {.cm = cm};
     const size_t P = t.g.n_param_floats;
     float *before = malloc(sizeof(float) * P);
     const float expect_scale[7] = {32768, 16384, 16384, 16384, 32768, 32768, 32768};
@@ -7391,7 +7419,7 @@ static void accum_equals_big_batch_with(const LossCfg *loss) {
     float images[B * K * 64 * 3];
     int32_t labels[B * K * 64];
     int64_t cma[9], cmb[9];
-    PassTotals pa = {0, 0, cma}, pb = {0, 0, cmb};
+    PassTotals pa = {.cm = cma}, pb = {.cm = cmb};
     for (int s = 0; s < STEPS; s++) {
         random_batch(&r, B * K, 8, 3, images, labels);
         // micro-batch 0: mostly weight-0 pixels
@@ -7452,7 +7480,7 @@ TEST(accum_equals_big_batch) {
     float images[6 * 64 * 3];
     int32_t labels[6 * 64];
     int64_t cma[9], cmb[9];
-    PassTotals pa = {0, 0, cma}, pb = {0, 0, cmb};
+    PassTotals pa = {.cm = cma}, pb = {.cm = cmb};
     random_batch(&r, 6, 8, 3, images, labels);
     MicroBatch parts[3];
     for (int k = 0; k < 3; k++)
@@ -7498,7 +7526,7 @@ TEST(accum_dropout_equals_big_batch) {
     float images[B * K * HW * HW * 3];
     int32_t labels[B * K];
     int64_t cma[9], cmb[9];
-    PassTotals pa = {0, 0, cma}, pb = {0, 0, cmb};
+    PassTotals pa = {.cm = cma}, pb = {.cm = cmb};
     for (int s = 0; s < STEPS; s++) {
         for (int i = 0; i < B * K * HW * HW * 3; i++) images[i] = (float)(rng_next(&r) % 256);
         for (int i = 0; i < B * K; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
@@ -7552,7 +7580,7 @@ TEST(freeze_base) {
     float images[4 * 64 * 3];
     int32_t labels[4 * 64];
     int64_t cm[9];
-    PassTotals pt = {0, 0, cm};
+    PassTotals pt = {.cm = cm};
     random_batch(&r, 4, 8, 3, images, labels);
     MicroBatch mb = {4, images, labels, 0};
     train_step(&t, &mb, 1, &pt);
@@ -7622,7 +7650,7 @@ static int replica_job(Comm *comm, void *arg) {
     Ops *o = t.o;  // the trainer's buffers are in its backend's memory
     memset(j->cm, 0, sizeof j->cm);
     o->upload(o, t.confusion, j->cm, sizeof(int64_t) * 9);
-    PassTotals pt = {0, 0, j->cm};
+    PassTotals pt = {.cm = j->cm};
     int rc = 0;
     for (int s = 0; s < j->steps && rc == 0; s++) {
         MicroBatch mb[SN_MAX_ACCUM];
@@ -8612,7 +8640,7 @@ static void cu_train_losses(const char *model, int hw, DType dt, Device device, 
     for (int s = 0; s < steps; s++) {
         random_batch(&r, 2, hw, 3, images, labels);
         MicroBatch mb = {2, images, labels, 0};
-        PassTotals pt = {0, 0, cm};
+        PassTotals pt = {.cm = cm};
         train_step(&t, &mb, 1, &pt);
         losses[s] = pt.loss_sum / pt.norm_sum;
         if (s == 0 && grad1) {
@@ -8672,7 +8700,7 @@ static void cu_graph_run(int records, double *losses, float **params, float **mo
     for (int s = 0; s < 5; s++) {
         random_batch(&r, sizes[s], hw, 3, images, labels);
         MicroBatch mb = {sizes[s], images, labels, 0};
-        PassTotals pt = {0, 0, cm};
+        PassTotals pt = {.cm = cm};
 #if EMULATED_CUDA
         const long long g0 = cuemu_count("graph_launches");
 #endif
@@ -11469,7 +11497,7 @@ TEST(train_loss_by_hand) {
         CHECK(trainer_open(&t, &c, dir, NULL, err) == 0, "%s", err);
         if (!t.has_train) { trainer_close(&t); break; }
         int64_t cm[9];
-        PassTotals pt = {0, 0, cm};
+        PassTotals pt = {.cm = cm};
         CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
         // the same forward here: one batch holds all 4 images (BN sees them all)
         int idx[4] = {0, 1, 2, 3};
@@ -11554,7 +11582,7 @@ TEST(train_loss_menu_by_hand) {
             break;
         }
         int64_t cm[9 + 2];
-        PassTotals pt = {0, 0, cm};
+        PassTotals pt = {.cm = cm};
         CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
         int idx[4] = {0, 1, 2, 3};
         int32_t lab[4 * 64];
@@ -11662,7 +11690,7 @@ TEST(train_epochs_reshuffle) {
     int sets[6], distinct = 0;
     for (int e = 0; e < 6; e++) {
         int64_t cm[9];
-        PassTotals pt = {0, 0, cm};
+        PassTotals pt = {.cm = cm};
         t.epoch = e;
         CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
         const float *x = t.net.act[t.g.input];
@@ -11693,7 +11721,7 @@ TEST(train_epochs_reshuffle) {
     int n_distinct = 0;
     for (int e = 0; e < 6; e++) {
         int64_t cm[9];
-        PassTotals pt = {0, 0, cm};
+        PassTotals pt = {.cm = cm};
         t.epoch = e;
         CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
         memcpy(seen[e], t.net.act[t.g.input], sizeof seen[e]);
@@ -11703,7 +11731,7 @@ TEST(train_epochs_reshuffle) {
     }
     CHECK(n_distinct >= 3, "%d different augmentations of one image in 6 epochs", n_distinct);
     int64_t cm[9];
-    PassTotals pt = {0, 0, cm};
+    PassTotals pt = {.cm = cm};
     CHECK(run_pass(&t, &t.val, 0, &pt, err) == 0, "%s", err);
     const float *x = t.net.act[t.g.input];
     int bad = 0;
@@ -11736,7 +11764,7 @@ TEST(train_epoch_totals) {
     double wsum = 0;
     for (int i = 0; i < 6 * 64; i++) wsum += c.class_weights[lab[i]];
     int64_t cm[9];
-    PassTotals pt = {0, 0, cm};
+    PassTotals pt = {.cm = cm};
     CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
     int64_t total = 0;
     for (int k = 0; k < 9; k++) total += cm[k];
@@ -12678,7 +12706,7 @@ TEST(train_diagnostics) {
     CHECK(t.n_ranges == 1 && t.ranges[0].offset == 0 && t.ranges[0].count == P,
           "one range of trainable weights");
     int64_t cm[9];
-    PassTotals pt = {0, 0, cm};
+    PassTotals pt = {.cm = cm};
     CHECK(run_pass(&t, &t.train, 1, &pt, err) == 0, "%s", err);
     t.o->download(t.o, g, t.net.grads, sizeof(float) * P);
     trainer_close(&t);

@@ -20,9 +20,12 @@ usage: ref/bench_train_torch.py --data TRAIN --val VAL --classes K
            [--size HxW] [--batch B] [--epochs E] [--lr LR] [--schedule cosine]
            [--augment flip] [--threads T] [--workers N] --out DIR
 
-Prints train_seconds (wall time from the start to the last checkpoint) and
-best_val_mIoU. Options segnet train has and this loop does not use are
-refused.
+Prints train_seconds (wall time from the start to the last checkpoint),
+best_val_mIoU, and where the time went as segnet train's `seconds:` line
+does (from the process's start, Python's own start-up and imports included:
+start-up to the first batch asked for, steps, waiting for the DataLoader,
+validation, checkpoints, the rest). Options segnet train has and this loop
+does not use are refused.
 """
 import argparse
 import math
@@ -59,6 +62,15 @@ class SegFolder(torch.utils.data.Dataset):
         if self.flip and torch.rand(()) < 0.5:
             img, mask = img.flip(-1), mask.flip(-1)
         return img, mask
+
+
+def process_age_seconds():
+    """Seconds since this process started (its start time in /proc/self/stat,
+    field 22, in clock ticks since boot)."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    start = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22; fields[0] is field 3
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - start
 
 
 def atomic_save(obj, path):
@@ -123,15 +135,27 @@ def main():
         opt, (lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, total) / total))) if a.schedule == "cosine" else (lambda s: 1.0))
     os.makedirs(a.out, exist_ok=True)
     best = -1.0
+    startup = process_age_seconds()
+    steps = loader_wait = validation = checkpoint = 0.0
     for epoch in range(a.epochs):
         model.train()
-        for x, y in loader:
+        batches = iter(loader)
+        while True:
+            t = time.perf_counter()
+            batch = next(batches, None)
+            loader_wait += time.perf_counter() - t
+            if batch is None:
+                break
+            t = time.perf_counter()
+            x, y = batch
             z = model(x)
             loss = F.cross_entropy(z, y, weight=weights, reduction="sum") / weights[y].sum().clamp_min(1e-12)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
+            steps += time.perf_counter() - t
+        t = time.perf_counter()
         model.eval()
         cm = torch.zeros(K, K, dtype=torch.int64)
         nll, norm = 0.0, 0.0
@@ -145,11 +169,18 @@ def main():
                 for c in range(K) if w[c] > 0]
         miou = sum(ious) / len(ious)
         best = max(best, miou)
+        validation += time.perf_counter() - t
+        t = time.perf_counter()
         atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "epoch": epoch + 1},
                     os.path.join(a.out, "last.pt"))
+        checkpoint += time.perf_counter() - t
         print(f"epoch {epoch + 1}/{a.epochs}  val_loss {nll / max(norm, 1e-12):.4f}  val_mIoU {miou:.4f}", file=sys.stderr)
     print(f"train_seconds: {time.perf_counter() - t0:.3f}")
     print(f"best_val_mIoU: {best:.4f}")
+    total = process_age_seconds()
+    other = total - startup - steps - loader_wait - validation - checkpoint
+    print(f"seconds: total {total:.3f} startup {startup:.3f} steps {steps:.3f} loader_wait {loader_wait:.3f} "
+          f"validation {validation:.3f} checkpoint {checkpoint:.3f} other {other:.3f}")
 
 
 if __name__ == "__main__":
