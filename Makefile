@@ -10,6 +10,7 @@
 #   make fuzz       fuzz the file readers under ASan and UBSan: FUZZ_SECONDS per
 #                   target (default 60), findings with reproducers in fuzz-out/
 #   make train      build and run the main job on the bundled data
+#   make install    copy ./segnet to $(DESTDIR)$(PREFIX)/bin (PREFIX=/usr/local)
 #   make bench      segnet bench against PyTorch (ref/bench_torch.py), same run
 #   make gpucheck   on a machine with a GPU: the cuda_ tests on the device, and
 #                   segnet against PyTorch on it, within GPU_SECONDS; gpucheck.txt
@@ -147,7 +148,7 @@ else
   OMP_FLAGS := -fopenmp
 endif
 
-.PHONY: all deps test check test-heavy fuzz train bench gpucheck gpubuild gpucount gpu-deps deps-unpack clean
+.PHONY: all deps test check test-heavy fuzz train install bench gpucheck gpubuild gpucount gpu-deps deps-unpack clean
 
 all: segnet test_segnet
 
@@ -330,6 +331,13 @@ fuzz: fuzz_segnet
 
 train: segnet
 	./segnet train
+
+# the program alone: its libraries are the system's (OpenBLAS by its rpath); DESTDIR stages
+# a package's tree
+PREFIX ?= /usr/local
+install: segnet
+	install -d $(DESTDIR)$(PREFIX)/bin
+	install -m 755 segnet $(DESTDIR)$(PREFIX)/bin/segnet
 
 # segnet bench and ref/bench_torch.py on the same models, batch, threads and
 # steps; one row per model with the ratios segnet/PyTorch (step time, peak RSS).

@@ -3019,8 +3019,12 @@ int export_weights(const ModelCfg *m, const char *path, ExportNames names, const
     const char *keys[3] = {"format", "padding", "writer"},
                *values[3] = {"pt", PAD_NAME[m->pad], EXPORT_WRITER};
     if (safetensors_write(out, ts, n, keys, values, 3, err)) goto done;
+    // the plain unet has no torchvision model: its names are those of its PyTorch class
+    const char *named = names == EXPORT_TORCHVISION && !strcmp(m->model, "unet")
+                                ? "ref/segnet_unet.py's SegnetUNet"
+                                : EXPORT_NAMES[names];
     snprintf(report, SN_ERR_MAX, "wrote %.200s: %d tensors in %s names from %.200s (padding %s)",
-             out, n, EXPORT_NAMES[names], path, PAD_NAME[m->pad]);
+             out, n, named, path, PAD_NAME[m->pad]);
     rc = 0;
 done:
     free(ts);

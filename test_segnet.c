@@ -14590,6 +14590,223 @@ SLOW_TEST(parity_live_export) {
     rm_rf(dir);
 }
 
+// The plain unet back to PyTorch (issue 48): a unet run's export loads with
+// load_state_dict(strict=True) into ref/segnet_unet.py's SegnetUNet (written from segnet's
+// architecture, not from segnet's code), and its softmax on each image equals segnet
+// predict's probabilities (--probs, fp16: within 1e-3) and its argmax segnet predict's mask
+// (wherever the top two differ by more than 1e-3). The export's report names the class.
+TEST(parity_live_unet_export) {
+    const char *dir = "/tmp/segnet_test_unet_export";
+    rm_rf(dir);
+    char data[300], args[2048], msg[4096];
+    snprintf(data, sizeof data, "%s/data", dir);
+    write_seg_set(data, 4, 16, 16, 48);
+    const char *model = "--model unet --depth 2 --width 4 --classes 3 --size 16x16";
+    snprintf(args, sizeof args,
+             "train %s --batch 2 --epochs 1 --lr 0.01 --data %s --out %s/run --device cpu "
+             "--threads 2",
+             model, data, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "train: %s", msg);
+    snprintf(args, sizeof args, "export --run %s/run --out %s/unet.safetensors", dir, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0 && contains(msg, "SegnetUNet") &&
+                  !contains(msg, "torchvision"),
+          "export of a unet: '%s' (want its PyTorch class named)", msg);
+    snprintf(args, sizeof args,
+             "predict --run %s/run --input %s/images --out %s/masks --device cpu --threads 2", dir,
+             data, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict: %s", msg);
+    snprintf(args, sizeof args,
+             "predict --run %s/run --input %s/images --out %s/probs --tile 16x16 --probs "
+             "--device cpu --threads 2",
+             dir, data, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict --probs: %s", msg);
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd,
+             "/usr/bin/python3 ref/segnet_unet.py %s/unet.safetensors 3 2 4 %s/images %s/masks "
+             "%s/probs",
+             dir, data, dir, dir);
+    CHECK(run_shell(cmd, msg, sizeof msg) == 0, "ref/segnet_unet.py: %s", msg);
+    size_t n;
+    char *said = read_file("/tmp/segnet_test_out.txt", &n);
+    CHECK(said && contains(said, "ok 4 images"), "ref/segnet_unet.py said: %s", said ? said : "");
+    if (g_verbose && said) printf("    %s", said);
+    free(said);
+    rm_rf(dir);
+}
+
+// ----------------------------------------------------------------------------
+// what README says, against the code (issue 48: what a practitioner reads is true)
+
+// README's section under the heading line `title` ("## X", "### X"), up to the next heading
+// of its level or above; a copy, or NULL if README has no such heading
+static char *readme_section(const char *title) {
+    size_t n;
+    char *readme = read_file("README.md", &n), *out = NULL;
+    char line[300];
+    snprintf(line, sizeof line, "\n%s\n", title);
+    const char *start = readme ? strstr(readme, line) : NULL;
+    if (start) {
+        const int level = (int)strspn(title, "#");
+        const char *end = start + strlen(line);
+        for (; (end = strstr(end, "\n#")); end++) {
+            const int l = (int)strspn(end + 1, "#");
+            if (l <= level && end[1 + l] == ' ') break;
+        }
+        out = strndup(start, end ? (size_t)(end - start) : strlen(start));
+    }
+    free(readme);
+    return out;
+}
+
+// `./segnet CMD --help`'s text (stdout), or "" where it cannot run
+static char *segnet_help(const char *cmd) {
+    char args[100], msg[4096];
+    snprintf(args, sizeof args, "%s --help", cmd);
+    size_t n;
+    char *text = run_segnet(args, msg, sizeof msg) == 0 ? read_file("/tmp/segnet_test_out.txt", &n)
+                                                         : NULL;
+    return text ? text : strdup("");
+}
+
+// the build's packages as the Makefile installs them, and make install honouring DESTDIR
+// and PREFIX (a copy of ./segnet, nothing else)
+TEST(readme_build_and_install) {
+    char *two = readme_section("## Two commands");
+    size_t n;
+    char *mk = read_file("Makefile", &n);
+    CHECK(two && mk, "README.md's \"## Two commands\" or the Makefile is missing");
+    if (!two || !mk) { free(two); free(mk); return; }
+    const char *deb = strstr(mk, "\nDEB_PACKAGES");
+    char packages[600] = "";
+    if (deb) snprintf(packages, sizeof packages, "%.*s", (int)strcspn(deb + 1, "\n"), deb + 1);
+    CHECK(contains(packages, "libopenblas-openmp-dev") &&
+                  contains(two, "`libopenblas-openmp-dev`") && !contains(two, "libopenblas-dev"),
+          "README's build packages should be the Makefile's DEB_PACKAGES (libopenblas-openmp-dev)");
+    CHECK(contains(two, "`./segnet`") && contains(two, "make install PREFIX=") &&
+                  contains(two, "DESTDIR") && contains(two, "PREFIX=/usr/local"),
+          "README should say the program is ./segnet and how make install puts it on PATH");
+    const char *dir = "/tmp/segnet_test_install";
+    rm_rf(dir);
+    char cmd[600], msg[4096];
+    snprintf(cmd, sizeof cmd,
+             "env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make -s install DESTDIR=%s PREFIX=/opt/sn",
+             dir);
+    CHECK(run_shell(cmd, msg, sizeof msg) == 0, "make install: %s", msg);
+    CHECK(files_equal("./segnet", "/tmp/segnet_test_install/opt/sn/bin/segnet"),
+          "make install DESTDIR=%s PREFIX=/opt/sn: no copy of ./segnet in %s/opt/sn/bin", dir,
+          dir);
+    rm_rf(dir);
+    free(two);
+    free(mk);
+}
+
+// the Files table names every source file here; the porting guide every entry of the ops
+// table (by name, or a group as `prefix_*`)
+TEST(readme_files_and_ops) {
+    char *files = readme_section("### Files"), *port = readme_section("### Port in this order");
+    CHECK(files && port, "README.md: no \"### Files\" or \"### Port in this order\"");
+    if (!files || !port) { free(files); free(port); return; }
+    static const char *const EXTS[] = {".c", ".h", ".cu", ".cpp", ".awk", ".sh"};
+    DIR *d = opendir(".");
+    struct dirent *e;
+    int seen = 0;
+    while (d && (e = readdir(d))) {
+        const char *dot = strrchr(e->d_name, '.');
+        int source = 0;
+        for (size_t k = 0; dot && k < sizeof EXTS / sizeof *EXTS; k++)
+            source |= !strcmp(dot, EXTS[k]);
+        if (!source) continue;
+        char quoted[300];
+        snprintf(quoted, sizeof quoted, "`%s`", e->d_name);
+        CHECK(contains(files, quoted), "README's Files table does not name %s", e->d_name);
+        seen++;
+    }
+    if (d) closedir(d);
+    CHECK(seen >= 20, "only %d source files found in the working directory", seen);
+#define OP_NAME(name) #name,
+    static const char *const OPS[] = {SN_COMPUTE_OPS(OP_NAME)};
+#undef OP_NAME
+    for (size_t k = 0; k < sizeof OPS / sizeof *OPS; k++) {
+        char quoted[128];
+        snprintf(quoted, sizeof quoted, "`%s`", OPS[k]);
+        int named = contains(port, quoted);
+        for (const char *u = strchr(OPS[k], '_'); u && !named; u = strchr(u + 1, '_')) {
+            snprintf(quoted, sizeof quoted, "`%.*s*`", (int)(u + 1 - OPS[k]), OPS[k]);
+            named = contains(port, quoted);
+        }
+        CHECK(named, "README's \"Port in this order\" does not name the op %s", OPS[k]);
+    }
+    free(files);
+    free(port);
+}
+
+// The region terms keep an absent class's weight in the denominator (as README and --help
+// say, smp's convention): K = 3, weights 1, 2, 5, class 2 absent from the masks (G = 0),
+// dice with s = 0.5 by hand: L = (1·(1 - S_0) + 2·(1 - S_1) + 0) / 8.
+// A class absent from both masks and predictions is left out of the mean IoU and Dice.
+TEST(readme_region_and_metric_claims) {
+    const float w[3] = {1, 2, 5};
+    // I, P, G per class
+    const float sums[9] = {3.0f, 1.5f, 0.0f, 4.0f, 2.5f, 1.5f, 5.0f, 2.0f, 0.0f};
+    RegionArgs r = {0};
+    r.a = 2.0f; r.alpha = 1.0f; r.beta = 1.0f; r.gamma = 1.0f; r.smooth = 0.5f; r.scale = 1.0f;
+    float coef[6];
+    const double got = region_coefs(&r, w, 3, sums, coef);
+    const double s0 = (2 * 3.0 + 0.5) / (4.0 + 5.0 + 0.5), s1 = (2 * 1.5 + 0.5) / (2.5 + 2.0 + 0.5);
+    CHECK_NEAR(got, (1 * (1 - s0) + 2 * (1 - s1)) / 8.0, 1e-6, "dice with class 2 absent");
+    char *menu = readme_section("### The loss menu");
+    CHECK(menu && contains(menu, "keeps its w_c in the denominator") &&
+                  contains(menu, "segmentation_models_pytorch 0.6") && contains(menu, "0.3.x"),
+          "README's loss menu: the denominator over every class and smp's version");
+    char *train = segnet_help("train");
+    CHECK(contains(train, "keeps its w_c") && !contains(train, "(an absent class"),
+          "segnet train --help: the region terms' denominator");
+    free(train);
+    CHECK(menu && contains(menu, "pixel count under `--loss-norm keras`"),
+          "README: how the epoch weighs the region terms under --loss-norm keras");
+    CHECK(menu && contains(menu, "`sm.metrics.FScore()` | `val_dice`") &&
+                  contains(menu, "left out of `val_dice` and `val_mIoU`"),
+          "README: val_dice against FScore() with an absent class");
+    // class 1 absent everywhere: mean over classes 0 and 2, IoU 3/4 and 2/3 by hand
+    const int64_t cm[9] = {3, 0, 1, 0, 0, 0, 0, 0, 2};
+    double iou[3], dice[3];
+    Metrics m = {.iou = iou, .dice = dice};
+    metrics_compute(cm, 3, (const float[3]){1, 1, 1}, &m);
+    CHECK_NEAR(m.mean_iou, (3.0 / 4 + 2.0 / 3) / 2, 1e-12, "mean IoU without the absent class");
+    CHECK_NEAR(m.mean_dice, (6.0 / 7 + 4.0 / 5) / 2, 1e-12, "mean Dice without the absent class");
+    free(menu);
+}
+
+// eval's --batch with --run, the seed-000 example's --sync-bn, the tiles' multiples
+TEST(readme_usage_claims) {
+    char *eval = segnet_help("eval"), *predict = segnet_help("predict");
+    CHECK(contains(eval, "with --run the run's batch") && contains(eval, "val_loss depends on B"),
+          "segnet eval --help: --batch's default with --run and what depends on it");
+    char *ft = readme_section("## Fine-tune from ImageNet weights");
+    const char *seed0 = ft ? strstr(ft, "--replicas 2") : NULL;
+    CHECK(seed0 && !strncmp(seed0, "--replicas 2 --sync-bn", 22),
+          "README's seed-000 example on two GPUs should have --sync-bn");
+    char *pr = readme_section("## Predict");
+    CHECK(pr && contains(pr, "2^depth for `unet`") && contains(predict, "2^depth for unet"),
+          "README and predict --help: the tiles' multiple for the plain unet");
+    // the claim itself: a depth-3 unet takes sides that are multiples of 8
+    for (int side = 4; side <= 16; side += 4) {
+        ModelCfg c = model_cfg_default();
+        c.depth = 3;
+        c.width_base = 2;
+        c.height = c.width = side;
+        Graph g;
+        graph_init(&g);
+        const int built = model_build(&g, &c) >= 0;
+        CHECK(built == (side % 8 == 0), "unet depth 3 at %dx%d: built %d", side, side, built);
+        graph_free(&g);
+    }
+    free(ft);
+    free(pr);
+    free(eval);
+    free(predict);
+}
+
 // README's "Back to PyTorch", as a user would copy it: its sh block (the venv,
 // with HOME in a fresh folder) and its python block, run as they are in a
 // folder holding a link to ref/, the two exports it names (the seed's
@@ -16314,6 +16531,11 @@ static void tally_skip(Tally *tl, const char *name, const char *reason) {
 }
 
 typedef enum { RUN_FAST, RUN_ALL } RunSet;  // make test; make check (the slow tests too)
+#ifdef SEGNET_TEST_STRICT
+#define SHOW_EVERY_RESULT 1  // test_segnet counts the strict build's tests from its lines
+#else
+#define SHOW_EVERY_RESULT 0
+#endif
 
 // why the runner does not call test t here, or NULL
 static const char *runner_skip(const Test *t, const char *filter, RunSet set) {
@@ -16324,8 +16546,58 @@ static const char *runner_skip(const Test *t, const char *filter, RunSet set) {
     return NULL;
 }
 
+// A passing test is silent: while it runs, its stdout and stderr (its own lines, the
+// trainer's progress, the weights report, a child process's output) go to an unlinked
+// file, shown only when it fails, or when it crashes the runner (a fatal signal). With -v
+// (g_verbose) nothing is captured: every line shows as it comes.
+typedef struct { int out, err, file; } Capture;  // the runner's stdout and stderr; the file
+static Capture g_capture = {-1, -1, -1};
+static pid_t g_runner_pid;  // a forked child that crashes (on purpose) shows nothing
+
+static void capture_copy(int to) {  // async-signal-safe: read and write only
+    char buf[4096];
+    ssize_t n;
+    if (lseek(g_capture.file, 0, SEEK_SET) != 0) return;
+    while ((n = read(g_capture.file, buf, sizeof buf)) > 0)
+        if (write(to, buf, (size_t)n) != n) break;
+}
+
+static void capture_crash(int sig) {
+    if (getpid() == g_runner_pid && g_capture.file >= 0) capture_copy(g_capture.err);
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+static void capture_begin(void) {
+    fflush(stdout);
+    fflush(stderr);
+    char path[] = "/tmp/segnet_test_output_XXXXXX";
+    const int fd = mkostemp(path, O_CLOEXEC);
+    if (fd < 0) return;  // nothing captured: the test's lines show as they come
+    unlink(path);
+    g_capture = (Capture){fcntl(1, F_DUPFD_CLOEXEC, 3), fcntl(2, F_DUPFD_CLOEXEC, 3), fd};
+    dup2(fd, 1);
+    dup2(fd, 2);
+}
+
+// back to the runner's stdout and stderr; the test's lines onto stdout where show
+static void capture_end(int show) {
+    if (g_capture.file < 0) return;
+    fflush(stdout);
+    fflush(stderr);
+    dup2(g_capture.out, 1);
+    dup2(g_capture.err, 2);
+    close(g_capture.out);
+    close(g_capture.err);
+    if (show) capture_copy(1);
+    close(g_capture.file);
+    g_capture = (Capture){-1, -1, -1};
+}
+
 // Runs the tests whose name contains `filter` (all: NULL) and, with `prefix`,
-// only those whose name starts with it; `label` follows each name printed.
+// only those whose name starts with it; `label` follows each name printed. Without -v
+// only a failure prints (its captured lines, then "FAIL name"); the strict build prints
+// every result, which test_segnet's strict pass counts and shows as it does its own.
 static void run_tests(const char *filter, const char *prefix, const char *label, RunSet set,
                       Tally *tl) {
     for (int i = 0; i < g_n_tests; i++) {
@@ -16346,6 +16618,11 @@ static void run_tests(const char *filter, const char *prefix, const char *label,
 #if EMULATED_CUDA
         const long long hazards = cuemu_count("hazards");
 #endif
+        if (isatty(1) && !g_verbose) {  // where it is: one line, rewritten
+            printf("\r\033[K%s%s", t->name, label);
+            fflush(stdout);
+        }
+        if (!g_verbose) capture_begin();
         t->fn();
 #if EMULATED_CUDA
         // the emulator's reports of races, missing fences and writes past an
@@ -16355,15 +16632,18 @@ static void run_tests(const char *filter, const char *prefix, const char *label,
               "...\" above)", found);
 #endif
         double dt = now_s() - t0;
+        capture_end(g_failures > 0);
+        if (isatty(1) && !g_verbose) printf("\r\033[K");
+        const int shown = g_verbose || SHOW_EVERY_RESULT;
         if (g_failures) {
             tl->failed++;
             printf("FAIL %s%s (%d checks, %.2fs)\n", t->name, label, g_failures, dt);
         } else if (g_skip) {
             tally_skip(tl, t->name, g_skip);
-            printf("skip %s%s: %s\n", t->name, label, g_skip);
+            if (shown) printf("skip %s%s: %s\n", t->name, label, g_skip);
         } else {
             tl->passed++;
-            printf("ok   %s%s (%.2fs)\n", t->name, label, dt);
+            if (shown) printf("ok   %s%s (%.2fs)\n", t->name, label, dt);
         }
         fflush(stdout);
     }
@@ -16422,8 +16702,8 @@ static void strict_pass(const char *filter, RunSet set, Tally *tl) {
     fflush(stdout);
     if (filter) setenv("SEGNET_STRICT_FILTER", filter, 1);
     char cmd[4096];
-    snprintf(cmd, sizeof cmd, "SEGNET_TEST_NESTED=1 %s --order strict%s%s 2>&1", bin,
-             set == RUN_ALL ? " --all" : "", filter ? " --filter \"$SEGNET_STRICT_FILTER\"" : "");
+    snprintf(cmd, sizeof cmd, "SEGNET_TEST_NESTED=1 %s --order strict%s%s%s 2>&1", bin,
+             set == RUN_ALL ? " --all" : "", g_verbose ? " -v" : "", filter ? " --filter \"$SEGNET_STRICT_FILTER\"" : "");
     FILE *p = popen(cmd, "r");
     if (!p) {
         tl->failed++;
@@ -16438,9 +16718,12 @@ static void strict_pass(const char *filter, RunSet set, Tally *tl) {
             counted = 1;
             continue;
         }
-        fputs(line, stdout);
-        fflush(stdout);
         char name[256];
+        const int result = !strncmp(line, "ok   ", 5) || !strncmp(line, "skip ", 5);
+        if (g_verbose || !result) {
+            fputs(line, stdout);
+            fflush(stdout);
+        }
         if (!strncmp(line, "ok   ", 5)) tl->passed++;
         else if (!strncmp(line, "FAIL ", 5)) tl->failed++;
         else if (sscanf(line, "skip %255s", name) == 1) {
@@ -16504,6 +16787,9 @@ int main(int argc, char **argv) {
     }
     static Tally tl;
     double t_all = now_s();
+    g_runner_pid = getpid();
+    const int fatal[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+    for (size_t i = 0; i < sizeof fatal / sizeof *fatal; i++) signal(fatal[i], capture_crash);
 #ifdef SEGNET_TEST_GPU
     char why[SN_ERR_MAX];
     if (cuda_backend_open(0, why)) {  // the cuda_ tests would each stop at it
@@ -16562,7 +16848,7 @@ int main(int argc, char **argv) {
 #endif
     int any = 0;
     for (int k = 0; k < LAYER_KIND_COUNT; k++) any |= g_worst[k] > 0;
-    if (any) {
+    if (any && g_verbose) {
         printf("worst gradient-check error per layer kind (max |analytic - numerical| / max "
                "|numerical|):\n");
         for (int k = 0; k < LAYER_KIND_COUNT; k++)
