@@ -16568,6 +16568,15 @@ static void capture_crash(int sig) {
     raise(sig);
 }
 
+// SIGSEGV goes first to the handler installed before main, if any (the CUDA
+// emulator's guard pages: a kernel's overrun aborts naming the kernel); when it
+// returns, the fault was not its own
+static struct sigaction g_segv_before_runner;
+static void capture_segv(int sig, siginfo_t *si, void *ctx) {
+    if (g_segv_before_runner.sa_flags & SA_SIGINFO) g_segv_before_runner.sa_sigaction(sig, si, ctx);
+    capture_crash(sig);
+}
+
 static void capture_begin(void) {
     fflush(stdout);
     fflush(stderr);
@@ -16703,7 +16712,8 @@ static void strict_pass(const char *filter, RunSet set, Tally *tl) {
     if (filter) setenv("SEGNET_STRICT_FILTER", filter, 1);
     char cmd[4096];
     snprintf(cmd, sizeof cmd, "SEGNET_TEST_NESTED=1 %s --order strict%s%s%s 2>&1", bin,
-             set == RUN_ALL ? " --all" : "", g_verbose ? " -v" : "", filter ? " --filter \"$SEGNET_STRICT_FILTER\"" : "");
+             set == RUN_ALL ? " --all" : "", g_verbose ? " -v" : "",
+             filter ? " --filter \"$SEGNET_STRICT_FILTER\"" : "");
     FILE *p = popen(cmd, "r");
     if (!p) {
         tl->failed++;
@@ -16788,8 +16798,14 @@ int main(int argc, char **argv) {
     static Tally tl;
     double t_all = now_s();
     g_runner_pid = getpid();
-    const int fatal[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+    const int fatal[] = {SIGBUS, SIGFPE, SIGILL, SIGABRT};
     for (size_t i = 0; i < sizeof fatal / sizeof *fatal; i++) signal(fatal[i], capture_crash);
+    struct sigaction segv;
+    memset(&segv, 0, sizeof segv);
+    segv.sa_sigaction = capture_segv;
+    segv.sa_flags = SA_SIGINFO;
+    sigemptyset(&segv.sa_mask);
+    sigaction(SIGSEGV, &segv, &g_segv_before_runner);
 #ifdef SEGNET_TEST_GPU
     char why[SN_ERR_MAX];
     if (cuda_backend_open(0, why)) {  // the cuda_ tests would each stop at it
