@@ -2497,10 +2497,6 @@ static int replica_open(Comm *comm, RunShared *sh, int claimed, int fresh, const
     return 0;
 }
 
-// One replica of a run (all of it without replicas). Every replica takes
-// every decision from the same mirrored state and the same all-reduced
-// figures; only rank 0 reads and writes the run folder. A failure that some
-// replicas see and others do not is agreed on (comm_agree) before going on.
 // ---- where a run's time went (the last lines of segnet train; make bench's e2e rows)
 
 // seconds since this process started, from its start time in /proc/self/stat
@@ -2543,6 +2539,10 @@ static void run_times_print(const RunTimes *rt) {
            total, rt->startup, rt->steps, rt->loader, rt->validation, rt->checkpoint, rest);
 }
 
+// One replica of a run (all of it without replicas). Every replica takes
+// every decision from the same mirrored state and the same all-reduced
+// figures; only rank 0 reads and writes the run folder. A failure that some
+// replicas see and others do not is agreed on (comm_agree) before going on.
 static int train_replica(Comm *comm, void *arg) {
     ReplicaArgs *a = arg;
     RunShared *sh = a->run;
