@@ -201,9 +201,9 @@ endif
 	 else echo "  ✗ MPI        no mpicc (apt-get install openmpi-bin libopenmpi-dev)"; fi
 
 # ---- programs ---------------------------------------------------------------
-# segnet.c (the math, the models, the step) includes the plumbing files at its
+# segnet.c (the math, the models, the step) includes kernels_cpu.c and the plumbing files at its
 # end: one translation unit; the plumbing's headers beside them
-PROGRAM_SRCS := segnet.c losses.c batches.c backends.c safetensors.c weights.c images.c datasets.c curves.c \
+PROGRAM_SRCS := segnet.c kernels_cpu.c backends.c safetensors.c weights.c images.c datasets.c curves.c \
                 replicas.c run.c bench.c cli.c safetensors.h images.h datasets.h curves.h run.h
 
 segnet: $(PROGRAM_SRCS) segnet.h $(GPU_OBJS) | deps

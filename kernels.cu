@@ -4465,7 +4465,7 @@ static void softmax_focal_cuda(Ops *o, Tensor logits, const int32_t *labels,
 }
 
 // ----------------------------------------------------------------------------
-// region terms (losses.c states them): each row's max and 1/Σexp into the
+// region terms (segnet.c states them): each row's max and 1/Σexp into the
 // scratch (a thread a row), the per-class sums by channel_sums (a lane being one
 // class c of a group's rows: p = exp(z_c - max)·(1/Σ), O(1) a value), then the
 // coefficients in one thread (region_coefs, groups in order) and the gradient one

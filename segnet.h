@@ -923,7 +923,7 @@ struct Ops {
 
 // ops_ref: every op as its formula is written (segnet.c, part I), what the
 // tests compare ops_cpu with; ops_cpu: ops_ref with fast versions of conv2d,
-// batch norm, the squeeze-excitation pieces and the memory-bound ops (part IV)
+// batch norm, the squeeze-excitation pieces and the memory-bound ops (kernels_cpu.c)
 extern Ops ops_ref;
 extern Ops ops_cpu;
 // The layer after a batch norm by the table's own unfused ops, after the batch

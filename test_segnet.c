@@ -2177,7 +2177,7 @@ TEST(fast_se_vs_formula) {
     free(x); free(dy); free(sc); free(dp); free(y); free(pool); free(ds);
 }
 
-// The squeeze-excitation pieces of ops_cpu (part IV) against ops_ref's: the
+// The squeeze-excitation pieces of ops_cpu (kernels_cpu.c) against ops_ref's: the
 // same fp64 sums over the pixels in the same order, and the same fp32
 // products, so the same bits; except where a gradient is added to one already
 // there (accumulate): the fast loop's a + b·c may be one fused multiply-add
@@ -8459,7 +8459,7 @@ static void ref_table_step(Ops *o, const char *model, float **grads, size_t *n_g
 }
 TEST(ref_table_vs_cpu) {
     const char *models[2] = {"effv2-t", "unet"};
-    // ops_cpu is ops_ref with part IV's versions of exactly these entries
+    // ops_cpu is ops_ref with kernels_cpu.c's versions of exactly these entries
     const char *fast =
             "fill axpby copy conv2d_workspace conv2d_forward conv2d_backward_data "
             "conv2d_backward_weight "
@@ -15680,7 +15680,7 @@ TEST(safetensors_write_atomic) {
 
 #define SOURCE_LINE_MAX 100
 static const char *const SOURCE_FILES[] = {
-        "segnet.c",   "losses.c",     "batches.c",     "segnet.h",      "kernels.cu",
+        "segnet.c",   "kernels_cpu.c", "segnet.h",      "kernels.cu",
         "cuda_emu.h", "cuda_emu.cpp", "backends.c",    "safetensors.c", "weights.c",
         "images.c",   "datasets.c",   "curves.c",      "replicas.c",    "run.c",
         "bench.c",    "cli.c",        "safetensors.h", "images.h",      "datasets.h",
