@@ -1,7 +1,7 @@
 // kernels.cu -- the CUDA ops table (ops_cuda): hand-written kernels, cuBLAS for
 // GEMMs, NCCL for all-reduce; no vendor DNN library.
 //
-// One source, two builds (see README.md, "GPU code without a GPU"):
+// One source, two builds (see doc/design.md, "GPU code without a GPU"):
 //   nvcc -c kernels.cu                         for GPUs (real <<<>>>, __shared__, cuBLAS, NCCL)
 //   g++ -x c++ -std=c++17 -c kernels.cu        for the CPU, against cuda_emu.h / cuda_emu.cpp
 // so every kernel launches through CU_LAUNCH and takes shared memory through

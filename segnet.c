@@ -100,11 +100,11 @@
 #endif
 #include "segnet.h"
 // the plumbing's declarations (included at the end): the step reads data sets and a run's settings
-#include "safetensors.h"
-#include "images.h"
-#include "datasets.h"
-#include "curves.h"
-#include "run.h"
+#include "plumbing/safetensors.h"
+#include "plumbing/images.h"
+#include "plumbing/datasets.h"
+#include "plumbing/curves.h"
+#include "plumbing/run.h"
 
 // ============================================================================
 // PART I. THE MATH
@@ -992,7 +992,7 @@ static void bn_backward_data_ref(Ops *o, Tensor dx, Tensor dy, Tensor x, const B
 //   p = softmax(z), nll_i = log Σ_k exp(z_k) - z_y  (computed with max subtracted)
 //   loss contribution w[y]·nll_i, weight w[y]
 //   dz_k = w[y]·(p_k - [k = y])·grad_scale
-// The caller divides Σ w·nll by the global Σ w (the weighted mean: README.md, "How it works").
+// The caller divides Σ w·nll by the global Σ w (the weighted mean: doc/design.md).
 // With prob_clip ε > 0, Keras' categorical cross-entropy: p_y clipped to [ε, 1-ε]
 // before the log, i.e. nll clamped to [-log(1-ε), -log ε], and a pixel whose p_y
 // lies beyond the clip has no gradient (the clip's derivative is 0 there).
@@ -3579,14 +3579,14 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
 // line, what a reader of the math can skip, in files named for what they hold.
 // ============================================================================
 
-#include "kernels_cpu.c"  // the CPU backend: the fast ops, ops_cpu
-#include "backends.c"     // choosing a backend: --device, ops_missing
-#include "safetensors.c"  // safetensors files: reader and writer
-#include "weights.c"      // weights by name, into and out of a Net
-#include "images.c"       // images, EXIF, masks; prediction
-#include "datasets.c"     // data sets: decoding, augmentation, batching, prefetch
-#include "curves.c"       // curves.svg
-#include "replicas.c"     // replicas' communicators (threads, MPI)
-#include "run.c"          // the training run: passes, checkpoints, metrics.csv, resume
-#include "bench.c"        // segnet bench
-#include "cli.c"          // the command line and main
+#include "kernels_cpu.c"           // the CPU backend: the fast ops, ops_cpu
+#include "plumbing/backends.c"     // choosing a backend: --device, ops_missing
+#include "plumbing/safetensors.c"  // safetensors files: reader and writer
+#include "plumbing/weights.c"      // weights by name, into and out of a Net
+#include "plumbing/images.c"       // images, EXIF, masks; prediction
+#include "plumbing/datasets.c"     // data sets: decoding, augmentation, batching, prefetch
+#include "plumbing/curves.c"       // curves.svg
+#include "plumbing/replicas.c"     // replicas' communicators (threads, MPI)
+#include "plumbing/run.c"          // the training run: passes, checkpoints, metrics.csv, resume
+#include "plumbing/bench.c"        // segnet bench
+#include "plumbing/cli.c"          // the command line and main

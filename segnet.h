@@ -3,7 +3,7 @@
 // declarations are in the headers beside its files (safetensors.h, images.h, datasets.h,
 // curves.h, run.h).
 //
-// Layout conventions (see README.md, "How it works"):
+// Layout conventions (see doc/design.md, "Tensors and layout"):
 //   activations  NHWC, shape comment (N,H,W,C) on every tensor
 //   conv weights [Cout][kh][kw][Cin/groups]  ("OHWI"), dense weights [out][in]
 //   parameters   one fp32 buffer, an offset table of named slices into it

@@ -9020,7 +9020,7 @@ TEST(gpucount_waves_by_hand) {
                "traffic 5 4000 600 128 0 128 0 4 conv_fwd_kernel<BF16, true>\n");
     fclose(f);
     char cmd[512], msg[512];
-    snprintf(cmd, sizeof cmd, "awk -f gpucount.awk %s %s", one, two);
+    snprintf(cmd, sizeof cmd, "awk -f dev/gpucount.awk %s %s", one, two);
     const int rc = run_shell(cmd, msg, sizeof msg);
     size_t n;
     char *out = read_file("/tmp/segnet_test_out.txt", &n);
@@ -14637,11 +14637,11 @@ TEST(parity_live_unet_export) {
 // ----------------------------------------------------------------------------
 // what README says, against the code (issue 48: what a practitioner reads is true)
 
-// README's section under the heading line `title` ("## X", "### X"), up to the next heading
-// of its level or above; a copy, or NULL if README has no such heading
-static char *readme_section(const char *title) {
+// The section of the Markdown file at path under the heading line `title` ("## X", "### X"), up
+// to the next heading of its level or above; a copy, or NULL if the file has no such heading
+static char *md_section(const char *path, const char *title) {
     size_t n;
-    char *readme = read_file("README.md", &n), *out = NULL;
+    char *readme = read_file(path, &n), *out = NULL;
     char line[300];
     snprintf(line, sizeof line, "\n%s\n", title);
     const char *start = readme ? strstr(readme, line) : NULL;
@@ -14657,6 +14657,9 @@ static char *readme_section(const char *title) {
     free(readme);
     return out;
 }
+
+// README's section under the heading line `title`
+static char *readme_section(const char *title) { return md_section("README.md", title); }
 
 // `./segnet CMD --help`'s text (stdout), or "" where it cannot run
 static char *segnet_help(const char *cmd) {
@@ -14700,14 +14703,12 @@ TEST(readme_build_and_install) {
     free(mk);
 }
 
-// the Files table names every source file here; the porting guide every entry of the ops
-// table (by name, or a group as `prefix_*`)
-TEST(readme_files_and_ops) {
-    char *files = readme_section("### Files"), *port = readme_section("### Port in this order");
-    CHECK(files && port, "README.md: no \"### Files\" or \"### Port in this order\"");
-    if (!files || !port) { free(files); free(port); return; }
+// the source files of folder dir ("." or a folder of it) that README's Files table does not
+// name (as `name` at the top, `dir/name` in a folder): each a failed check; returns how many
+// source files dir holds
+static int files_table_covers(const char *files, const char *dir) {
     static const char *const EXTS[] = {".c", ".h", ".cu", ".cpp", ".awk", ".sh"};
-    DIR *d = opendir(".");
+    DIR *d = opendir(dir);
     struct dirent *e;
     int seen = 0;
     while (d && (e = readdir(d))) {
@@ -14716,11 +14717,31 @@ TEST(readme_files_and_ops) {
         for (size_t k = 0; dot && k < sizeof EXTS / sizeof *EXTS; k++)
             source |= !strcmp(dot, EXTS[k]);
         if (!source) continue;
-        char quoted[300];
-        snprintf(quoted, sizeof quoted, "`%s`", e->d_name);
-        CHECK(contains(files, quoted), "README's Files table does not name %s", e->d_name);
+        char quoted[600];
+        if (!strcmp(dir, ".")) snprintf(quoted, sizeof quoted, "`%s`", e->d_name);
+        else snprintf(quoted, sizeof quoted, "`%s/%s`", dir, e->d_name);
+        CHECK(contains(files, quoted), "README's Files table does not name %s", quoted);
         seen++;
     }
+    if (d) closedir(d);
+    return seen;
+}
+
+// the Files table names every source file here and in the folders; the porting guide every
+// entry of the ops table (by name, or a group as `prefix_*`)
+TEST(readme_files_and_ops) {
+    char *files = readme_section("## Files"),
+         *port = md_section("doc/porting.md", "## Port in this order");
+    CHECK(files && port, "no \"## Files\" in README.md or \"## Port in this order\" in "
+          "doc/porting.md");
+    if (!files || !port) { free(files); free(port); return; }
+    int seen = files_table_covers(files, ".");
+    DIR *d = opendir(".");
+    struct dirent *e;
+    struct stat sb;
+    while (d && (e = readdir(d)))
+        if (e->d_name[0] != '.' && stat(e->d_name, &sb) == 0 && S_ISDIR(sb.st_mode))
+            seen += files_table_covers(files, e->d_name);
     if (d) closedir(d);
     CHECK(seen >= 20, "only %d source files found in the working directory", seen);
 #define OP_NAME(name) #name,
@@ -14734,7 +14755,7 @@ TEST(readme_files_and_ops) {
             snprintf(quoted, sizeof quoted, "`%.*s*`", (int)(u + 1 - OPS[k]), OPS[k]);
             named = contains(port, quoted);
         }
-        CHECK(named, "README's \"Port in this order\" does not name the op %s", OPS[k]);
+        CHECK(named, "doc/porting.md's \"Port in this order\" does not name the op %s", OPS[k]);
     }
     free(files);
     free(port);
@@ -15680,11 +15701,14 @@ TEST(safetensors_write_atomic) {
 
 #define SOURCE_LINE_MAX 100
 static const char *const SOURCE_FILES[] = {
-        "segnet.c",   "kernels_cpu.c", "segnet.h",      "kernels.cu",
-        "cuda_emu.h", "cuda_emu.cpp", "backends.c",    "safetensors.c", "weights.c",
-        "images.c",   "datasets.c",   "curves.c",      "replicas.c",    "run.c",
-        "bench.c",    "cli.c",        "safetensors.h", "images.h",      "datasets.h",
-        "curves.h",   "run.h",        "test_segnet.c", "fuzz.c"};
+        "segnet.c",           "kernels_cpu.c",          "segnet.h",
+        "kernels.cu",         "dev/cuda_emu.h",         "dev/cuda_emu.cpp",
+        "plumbing/backends.c", "plumbing/safetensors.c", "plumbing/weights.c",
+        "plumbing/images.c",  "plumbing/datasets.c",    "plumbing/curves.c",
+        "plumbing/replicas.c", "plumbing/run.c",        "plumbing/bench.c",
+        "plumbing/cli.c",     "plumbing/safetensors.h", "plumbing/images.h",
+        "plumbing/datasets.h", "plumbing/curves.h",     "plumbing/run.h",
+        "test_segnet.c",      "tests/fuzz.c"};
 
 // the lines of text longer than max characters: the first one's number in *first, and its
 // length in *chars (both 0 when there is none); returns how many
@@ -16169,7 +16193,7 @@ TEST(gpucheck_script) {
         snprintf(cmd, sizeof cmd,
                  "SLOW_TESTS=%d GPUCHECK_DIR=%s GPUCHECK_OUT=%s/out GPU_SECONDS=%d "
                  "GPU_TEST_SECONDS=%d GPU_PYTHON=%s/python3 CUDA_HOME=/nonexistent "
-                 "GPU_MODELS='m:--model unet' PATH=/usr/bin:/bin ./gpucheck.sh",
+                 "GPU_MODELS='m:--model unet' PATH=/usr/bin:/bin dev/gpucheck.sh",
                  slow ? 30 : 0, dir, dir, slow ? 6 : 60, slow ? 2 : 60, dir);
         const double t0 = now_s();
         const int rc = run_shell(cmd, msg, sizeof msg);
@@ -16878,5 +16902,5 @@ int main(int argc, char **argv) {
 }
 
 #else  // SEGNET_FUZZ
-#include "fuzz.c"  // fuzz_segnet: the harness and its main
+#include "tests/fuzz.c"  // fuzz_segnet: the harness and its main
 #endif  // SEGNET_FUZZ
