@@ -5037,6 +5037,7 @@ static Ops make_ops_cuda(void) {
     Ops o;
     memset(&o, 0, sizeof o);
     o.name = "cuda";
+    o.backend = &backend_cuda;
     o.weights_in_storage_type = 1;  // cuBLAS multiplies bf16 and fp16 operands
     o.alloc = cuda_alloc;
     o.free = cuda_free;
@@ -5447,3 +5448,16 @@ int cuda_comm_mpi_create(Comm *dcomm, Comm *host, char err[SN_ERR_MAX]) {
 }
 void cuda_comm_destroy(Comm *dcomms, int n) { (void)dcomms; (void)n; }
 #endif
+
+// ----------------------------------------------------------------------------
+// what the application asks of this backend besides its tables (segnet.h: Backend)
+
+static size_t cuda_bytes_live_now(void) { return cuda_bytes_live; }
+static size_t cuda_bytes_peak_now(void) { return cuda_bytes_peak; }
+static void cuda_kernel_timing_set(int on) { cuda_kernel_timing = on; }
+
+const Backend backend_cuda = {
+    "cuda", "CUDA", cuda_ops_for_device, cuda_memory_info, cuda_bytes_live_now,
+    cuda_bytes_peak_now, cuda_kernel_timing_set, cuda_kernel_times, cuda_kernel_times_reset,
+    cuda_comm_local_create, cuda_comm_mpi_create, cuda_comm_destroy,
+};

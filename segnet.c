@@ -2771,8 +2771,7 @@ static size_t bn_sync_sums(Net *net, int C, size_t count) {
     const size_t n = 2 * (size_t)C;
     // fp64 zeros
     if (!count) o->fill(o, tensor_f32((float *)net->bn_sums, shape4((int)(2 * n), 1, 1, 1)), 0.0f);
-#ifdef SEGNET_CUDA
-    if (comm->device && o != &ops_cpu) {
+    if (comm->device && o->backend) {
         int64_t total = (int64_t)count;
         if (comm->allreduce_i64(comm, &total, 1) ||
             comm->device->allreduce_f64(comm->device, net->bn_sums, n)) {
@@ -2781,7 +2780,6 @@ static size_t bn_sync_sums(Net *net, int C, size_t count) {
         }
         return (size_t)total;
     }
-#endif
     double s[n + 1];  // (2C) the sums, then the count
     o->download(o, s, net->bn_sums, sizeof(double) * n);
     s[n] = (double)count;

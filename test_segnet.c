@@ -14727,8 +14727,57 @@ static int files_table_covers(const char *files, const char *dir) {
     return seen;
 }
 
-// the Files table names every source file here and in the folders; the porting guide every
-// entry of the ops table (by name, or a group as `prefix_*`)
+// every "<N> compute entries" of the file at path: a failed check unless N is n; returns how
+// many there are
+static int compute_entry_counts(const char *path, int n) {
+    size_t size;
+    char *text = read_file(path, &size);
+    CHECK(text != NULL, "%s: cannot read it (the tests run in the repository)", path);
+    int found = 0;
+    for (const char *p = text ? strstr(text, "compute entries") : NULL; p;
+         p = strstr(p + 1, "compute entries")) {
+        const char *q = p;
+        while (q > text && isspace((unsigned char)q[-1])) q--;
+        const char *digits = q;
+        while (digits > text && isdigit((unsigned char)digits[-1])) digits--;
+        if (digits == q) continue;  // no number before it
+        found++;
+        const int said = atoi(digits);
+        CHECK(said == n, "%s says %d compute entries; SN_COMPUTE_OPS lists %d", path, said, n);
+    }
+    free(text);
+    return found;
+}
+
+// The contract's list in text (after "lists, in its order:", up to "; and the optional"): each
+// `name` against ops[0..n), in order; a failed check for the first that differs, or a count
+// that does not agree
+static void contract_list_agrees(const char *text, const char *const *ops, int n) {
+    const char *p = text ? strstr(text, "lists, in its order:") : NULL;
+    const char *end = p ? strstr(p, "; and the optional") : NULL;
+    CHECK(p && end, "doc/porting.md's contract lists no compute entries (\"lists, in its "
+          "order: `fill`, ...; and the optional\")");
+    if (!p || !end) return;
+    int k = 0;
+    for (p = strchr(p, '`'); p && p < end; p = strchr(p, '`')) {
+        const char *q = strchr(p + 1, '`');
+        if (!q || q > end) break;
+        const int len = (int)(q - p - 1);
+        if (k < n) {
+            const int same = (int)strlen(ops[k]) == len && !strncmp(p + 1, ops[k], (size_t)len);
+            CHECK(same, "doc/porting.md's contract lists `%.*s` where SN_COMPUTE_OPS has %s "
+                  "(entry %d)", len, p + 1, ops[k], k + 1);
+            if (!same) return;
+        }
+        k++;
+        p = q + 1;
+    }
+    CHECK(k == n, "doc/porting.md's contract lists %d compute entries, SN_COMPUTE_OPS %d", k, n);
+}
+
+// the Files table names every source file here and in the folders; the porting guide's count
+// and list of the compute entries are SN_COMPUTE_OPS's, and its order names every entry (by
+// name, or a group as `prefix_*`)
 TEST(readme_files_and_ops) {
     char *files = readme_section("## Files"),
          *port = md_section("doc/porting.md", "## Port in this order");
@@ -14747,6 +14796,17 @@ TEST(readme_files_and_ops) {
 #define OP_NAME(name) #name,
     static const char *const OPS[] = {SN_COMPUTE_OPS(OP_NAME)};
 #undef OP_NAME
+    const int n_ops = (int)(sizeof OPS / sizeof *OPS);
+    int counts = 0;
+    static const char *const DOCS[] = {"doc/porting.md", "doc/design.md", "README.md"};
+    for (size_t k = 0; k < sizeof DOCS / sizeof *DOCS; k++)
+        counts += compute_entry_counts(DOCS[k], n_ops);
+    CHECK(counts >= 2, "doc/porting.md should say how many compute entries there are (the "
+          "contract and a minimum port); %d places do", counts);
+    char *contract = md_section("doc/porting.md", "## The contract: one ops table and its backend");
+    CHECK(contract, "doc/porting.md: no \"## The contract: one ops table and its backend\"");
+    contract_list_agrees(contract, OPS, n_ops);
+    free(contract);
     for (size_t k = 0; k < sizeof OPS / sizeof *OPS; k++) {
         char quoted[128];
         snprintf(quoted, sizeof quoted, "`%s`", OPS[k]);
