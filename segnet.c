@@ -28,7 +28,7 @@
 //                        direct and GEMM convolutions; the squeeze-excitation
 //                        pieces; pooling, upsampling, concat; batch norm in
 //                        fp32 passes with exp_vec; ops_cpu = ops_ref with those
-//   plumbing             backends.c (--device), safetensors.c, weights.c (by
+//   plumbing/            backends.c (--device), safetensors.c, weights.c (by
 //                        name), images.c (and prediction), datasets.c, curves.c,
 //                        replicas.c (communicators), run.c (the training run),
 //                        bench.c, cli.c (the command line)
