@@ -77,8 +77,8 @@ CFLAGS += $(ARCH_FLAGS)
 
 # CUDA: kernels.cu is built twice. nvcc builds it for GPUs and ./segnet links
 # it with cudart, cuBLAS and NCCL (`--device auto` falls back to the CPU when
-# the machine has no GPU). g++ builds it against the emulator (cuda_emu.h,
-# cuda_emu.cpp) and ./test_segnet links that, so the cuda_ tests run every
+# the machine has no GPU). g++ builds it against the emulator (dev/cuda_emu.h,
+# dev/cuda_emu.cpp) and ./test_segnet links that, so the cuda_ tests run every
 # kernel on the CPU. Without nvcc (or with NO_CUDA=1) both programs are CPU-only.
 CUDA_HOME  ?= /usr/local/cuda
 # GPU_ARCH: the GPU code's target, `native` (the GPU of this machine) when one
@@ -90,7 +90,7 @@ ifneq ($(NO_CUDA),1)
 endif
 # NCCL (the replicas' all-reduce on GPUs, kernels.cu) is in the CUDA build
 # unless NO_NCCL=1: the GPU build links -lnccl, the emulated one the emulator's
-# NCCL (cuda_emu.cpp). Without it, replicas on GPUs are refused with a message.
+# NCCL (dev/cuda_emu.cpp). Without it, replicas on GPUs are refused with a message.
 # NCCL_HOME=DIR takes DIR/include/nccl.h and DIR/lib/libnccl.so* (e.g. the one
 # inside PyTorch's packages, site-packages/nvidia/nccl); else the toolkit's or
 # the system's. None found: built without it, said by `make`.
@@ -125,7 +125,7 @@ ifneq ($(NVCC),)
   EMU_RESOURCES := kernel_resources.txt
 endif
 CXX      ?= g++
-EMUFLAGS := -std=c++17 -O2 -g -Wall -Wextra -Wno-unknown-pragmas -Wno-sign-compare -I. -I$(CUDA_HOME)/include $(NCCL_CFLAGS)
+EMUFLAGS := -std=c++17 -O2 -g -Wall -Wextra -Wno-unknown-pragmas -Wno-sign-compare -I. -Idev -I$(CUDA_HOME)/include $(NCCL_CFLAGS)
 NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -Wall,-Wextra -Werror all-warnings -I.
 NVCCFLAGS += $(NCCL_CFLAGS)
 
@@ -201,10 +201,11 @@ endif
 	 else echo "  ✗ MPI        no mpicc (apt-get install openmpi-bin libopenmpi-dev)"; fi
 
 # ---- programs ---------------------------------------------------------------
-# segnet.c (the math, the models, the step) includes the plumbing files at its
+# segnet.c (the math, the models, the step) includes kernels_cpu.c and plumbing/ at its
 # end: one translation unit; the plumbing's headers beside them
-PROGRAM_SRCS := segnet.c losses.c batches.c backends.c safetensors.c weights.c images.c datasets.c curves.c \
-                replicas.c run.c bench.c cli.c safetensors.h images.h datasets.h curves.h run.h
+PLUMBING     := backends.c safetensors.c weights.c images.c datasets.c curves.c replicas.c run.c bench.c \
+                cli.c safetensors.h images.h datasets.h curves.h run.h
+PROGRAM_SRCS := segnet.c kernels_cpu.c $(addprefix plumbing/,$(PLUMBING))
 
 segnet: $(PROGRAM_SRCS) segnet.h $(GPU_OBJS) | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) $(MPI_CFLAGS) -o $@ segnet.c $(GPU_OBJS) $(DEP_LIBS) $(CUDA_LIBS) $(MPI_LIBS) $(LDLIBS)
@@ -237,20 +238,20 @@ kernel_resources.txt: kernels_gpu.o
 	    for (i = 2; i <= NF; i++) { if ($$i ~ /^registers/) regs = $$(i - 1); if ($$i ~ /^smem/) smem = $$(i - 2) } \
 	    print name, arch, regs, smem, spill, stack; name = "" }' kernels_gpu.ptxas > $@.tmp && mv $@.tmp $@
 
-kernels_emu.o: kernels.cu segnet.h cuda_emu.h
+kernels_emu.o: kernels.cu segnet.h dev/cuda_emu.h
 	$(CXX) $(EMUFLAGS) -x c++ -c kernels.cu -o $@
 
-cuda_emu.o: cuda_emu.cpp cuda_emu.h
-	$(CXX) $(EMUFLAGS) -DCUEMU_RESOURCES_FILE='"$(CURDIR)/kernel_resources.txt"' -c cuda_emu.cpp -o $@
+cuda_emu.o: dev/cuda_emu.cpp dev/cuda_emu.h
+	$(CXX) $(EMUFLAGS) -DCUEMU_RESOURCES_FILE='"$(CURDIR)/kernel_resources.txt"' -c dev/cuda_emu.cpp -o $@
 
 # The race checker's instrumentation: g++'s -fsanitize=thread puts a call
 # before every load and store and in place of every atomic, and no
-# ThreadSanitizer runtime is linked: cuda_emu.cpp implements the calls ("the
+# ThreadSanitizer runtime is linked: dev/cuda_emu.cpp implements the calls ("the
 # race checker"). The emulator's probes (kernels with planted bugs that
 # cuda_emu_semantics checks it on) are always built so.
 RACEFLAGS := -fsanitize=thread
-cuda_emu_probes.o: cuda_emu_probes.cpp cuda_emu.h
-	$(CXX) $(EMUFLAGS) $(RACEFLAGS) -c cuda_emu_probes.cpp -o $@
+cuda_emu_probes.o: dev/cuda_emu_probes.cpp dev/cuda_emu.h
+	$(CXX) $(EMUFLAGS) $(RACEFLAGS) -c dev/cuda_emu_probes.cpp -o $@
 
 # The strict build: kernels.cu as nvcc compiles it where results depend on it,
 # multiply-adds contracted into FMAs (nvcc's default -fmad=true; -mfma), and
@@ -258,7 +259,7 @@ cuda_emu_probes.o: cuda_emu_probes.cpp cuda_emu.h
 # with device memory packed as an arena (make test: the strict pass). It runs
 # only on a CPU with FMA instructions (x86-64 since 2013).
 STRICTFLAGS := $(RACEFLAGS) -ffp-contract=fast -mfma
-kernels_strict.o: kernels.cu segnet.h cuda_emu.h
+kernels_strict.o: kernels.cu segnet.h dev/cuda_emu.h
 	$(CXX) $(EMUFLAGS) $(STRICTFLAGS) -x c++ -c kernels.cu -o $@
 
 test_segnet_strict: test_segnet.c $(PROGRAM_SRCS) segnet.h kernels_strict.o cuda_emu.o cuda_emu_probes.o $(EMU_RESOURCES) | deps
@@ -296,7 +297,7 @@ test-heavy: segnet test_segnet
 
 # ---- make fuzz: the file readers under AddressSanitizer and UBSan -------------
 # fuzz_segnet is test_segnet.c built with -DSEGNET_FUZZ (its runner replaced by
-# fuzz.c, the harness), CPU only and -O1 (it builds in about a minute): seeded
+# tests/fuzz.c, the harness), CPU only and -O1 (it builds in about a minute): seeded
 # mutation fuzzing of the safetensors, image, mask, EXIF orientation, CSV,
 # checkpoint and config.txt readers and of whole commands
 # (target cli: segnet's own main in a sandbox), FUZZ_SECONDS per target (FUZZ_SEED:
@@ -323,7 +324,7 @@ endif
 fuzz_stb_image.o: $(wildcard $(STB_INC)/stb_image.h) | deps
 	$(FUZZ_CC) -x c -O1 -g -fsanitize=address -fno-omit-frame-pointer -w -DSTB_IMAGE_IMPLEMENTATION -c $(STB_INC)/stb_image.h -o $@
 
-fuzz_segnet: test_segnet.c fuzz.c $(PROGRAM_SRCS) segnet.h fuzz_stb_image.o | deps
+fuzz_segnet: test_segnet.c tests/fuzz.c $(PROGRAM_SRCS) segnet.h fuzz_stb_image.o | deps
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $(FUZZ_SAN) $(DEP_CFLAGS) -DSEGNET_FUZZ -o $@ test_segnet.c fuzz_stb_image.o $(DEP_LIBS) $(LDLIBS)
 
 fuzz: fuzz_segnet
@@ -438,7 +439,7 @@ bench: segnet
 # committed) with 1 warm-up and 1 timed step, then with 2 timed steps; the
 # difference of the counters is one step's. The last two lines of a block are
 # the two runs' wall time and their larger peak host RSS. Between them, the
-# step's launches by kernel and how well they fill an H200 (gpucount.awk,
+# step's launches by kernel and how well they fill an H200 (dev/gpucount.awk,
 # from the nvcc build's registers and shared memory, kernel_resources.txt).
 GPUCOUNT_MODELS ?= "effv2-l 384x384 b16 bf16:--model effv2-l --size 384x384 --batch 16 --classes 1000 --precision bf16" \
                    "unet-effv2-l 512x512 b8 bf16:--model unet-effv2-l --size 512x512 --batch 8 --classes 4 --precision bf16"
@@ -462,7 +463,7 @@ gpucount: segnet_emu
 	          for (i = 1; i <= n; i++) { split(kv[i], p, ":"); \
 	            if (!(p[1] in two) || !(p[1] in one)) { print "make gpucount: no counter " p[1] > "/dev/stderr"; exit 1 } \
 	            printf "  %s_per_step: %d\n", p[2], two[p[1]] - one[p[1]] } }' $$dir/count1.txt $$dir/count2.txt || exit 1; \
-	  awk -f gpucount.awk $$dir/count1.txt $$dir/count2.txt || exit 1; \
+	  awk -f dev/gpucount.awk $$dir/count1.txt $$dir/count2.txt || exit 1; \
 	  echo "  count_runs: $$secs"; \
 	  echo "  peak_host_rss_mib: $$((rss / 1048576))"; \
 	done
@@ -478,7 +479,7 @@ gpucount: segnet_emu
 # hash of the sources it was built from. On the GPU machine (no network, no
 # apt, the same CUDA toolkit), the device tool runs
 #     make gpucheck GPUCHECK_OUT=$$OUT        with carry ["gpucheck-bin"]
-# which only runs (gpucheck.sh, whose header lists the stages): no build there,
+# which only runs (dev/gpucheck.sh, whose header lists the stages): no build there,
 # every stage time-boxed inside GPU_SECONDS (330 s), each result written to
 # $$OUT/gpucheck.txt as soon as it is known.
 GPUCHECK_DIR    ?= gpucheck-bin
@@ -516,7 +517,7 @@ gpucheck:
 	@[ -x $(GPUCHECK_DIR)/segnet ] || $(MAKE) --no-print-directory gpubuild
 	@GPUCHECK_DIR=$(GPUCHECK_DIR) GPUCHECK_OUT=$(GPUCHECK_OUT) GPU_SECONDS=$(GPU_SECONDS) \
 	  GPU_STEPS=$(GPU_STEPS) GPU_KERNEL_ROWS=$(GPU_KERNEL_ROWS) GPU_PYTHON=$(GPU_PYTHON) \
-	  CUDA_HOME=$(CUDA_HOME) ./gpucheck.sh
+	  CUDA_HOME=$(CUDA_HOME) dev/gpucheck.sh
 
 # ---- builds without apt: the Debian packages as files -------------------------
 # make gpu-deps (here, with apt) -> .deps/*.deb; carry .deps to the machine with

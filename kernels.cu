@@ -1,7 +1,7 @@
 // kernels.cu -- the CUDA ops table (ops_cuda): hand-written kernels, cuBLAS for
 // GEMMs, NCCL for all-reduce; no vendor DNN library.
 //
-// One source, two builds (see README.md, "GPU code without a GPU"):
+// One source, two builds (see doc/design.md, "GPU code without a GPU"):
 //   nvcc -c kernels.cu                         for GPUs (real <<<>>>, __shared__, cuBLAS, NCCL)
 //   g++ -x c++ -std=c++17 -c kernels.cu        for the CPU, against cuda_emu.h / cuda_emu.cpp
 // so every kernel launches through CU_LAUNCH and takes shared memory through
@@ -4465,7 +4465,7 @@ static void softmax_focal_cuda(Ops *o, Tensor logits, const int32_t *labels,
 }
 
 // ----------------------------------------------------------------------------
-// region terms (losses.c states them): each row's max and 1/Σexp into the
+// region terms (segnet.c states them): each row's max and 1/Σexp into the
 // scratch (a thread a row), the per-class sums by channel_sums (a lane being one
 // class c of a group's rows: p = exp(z_c - max)·(1/Σ), O(1) a value), then the
 // coefficients in one thread (region_coefs, groups in order) and the gradient one
@@ -5037,6 +5037,7 @@ static Ops make_ops_cuda(void) {
     Ops o;
     memset(&o, 0, sizeof o);
     o.name = "cuda";
+    o.backend = &backend_cuda;
     o.weights_in_storage_type = 1;  // cuBLAS multiplies bf16 and fp16 operands
     o.alloc = cuda_alloc;
     o.free = cuda_free;
@@ -5447,3 +5448,16 @@ int cuda_comm_mpi_create(Comm *dcomm, Comm *host, char err[SN_ERR_MAX]) {
 }
 void cuda_comm_destroy(Comm *dcomms, int n) { (void)dcomms; (void)n; }
 #endif
+
+// ----------------------------------------------------------------------------
+// what the application asks of this backend besides its tables (segnet.h: Backend)
+
+static size_t cuda_bytes_live_now(void) { return cuda_bytes_live; }
+static size_t cuda_bytes_peak_now(void) { return cuda_bytes_peak; }
+static void cuda_kernel_timing_set(int on) { cuda_kernel_timing = on; }
+
+const Backend backend_cuda = {
+    "cuda", "CUDA", cuda_ops_for_device, cuda_memory_info, cuda_bytes_live_now,
+    cuda_bytes_peak_now, cuda_kernel_timing_set, cuda_kernel_times, cuda_kernel_times_reset,
+    cuda_comm_local_create, cuda_comm_mpi_create, cuda_comm_destroy,
+};

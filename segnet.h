@@ -3,7 +3,7 @@
 // declarations are in the headers beside its files (safetensors.h, images.h, datasets.h,
 // curves.h, run.h).
 //
-// Layout conventions (see README.md, "How it works"):
+// Layout conventions (see doc/design.md, "Tensors and layout"):
 //   activations  NHWC, shape comment (N,H,W,C) on every tensor
 //   conv weights [Cout][kh][kw][Cin/groups]  ("OHWI"), dense weights [out][in]
 //   parameters   one fp32 buffer, an offset table of named slices into it
@@ -693,6 +693,8 @@ typedef struct {
 typedef struct Ops Ops;
 struct Ops {
     const char *name;  // "cpu", "cuda"
+    // what else the application asks of the table's backend (below the table); NULL: the CPU
+    const struct Backend *backend;
     void *ctx;         // backend state (streams, handles)
     // memory the backend allocates outside any plan (scratch, cuBLAS's workspace), per device
     size_t context_bytes;
@@ -923,7 +925,7 @@ struct Ops {
 
 // ops_ref: every op as its formula is written (segnet.c, part I), what the
 // tests compare ops_cpu with; ops_cpu: ops_ref with fast versions of conv2d,
-// batch norm, the squeeze-excitation pieces and the memory-bound ops (part IV)
+// batch norm, the squeeze-excitation pieces and the memory-bound ops (kernels_cpu.c)
 extern Ops ops_ref;
 extern Ops ops_cpu;
 // The layer after a batch norm by the table's own unfused ops, after the batch
@@ -994,10 +996,48 @@ typedef struct {
 extern int cuda_kernel_timing;
 int cuda_kernel_times(KernelTimeRow *rows, int max);
 void cuda_kernel_times_reset(void);
+
+// What the application asks of a device backend besides its ops tables: a device's table,
+// its memory, the bytes its tables have allocated, the kernels' device times (segnet bench
+// --kernels) and the communicators of replicas on its devices. The plumbing (plumbing/)
+// reaches a backend only through Ops and this: DEVICE_BACKEND (the build's, --device cuda
+// and auto) and Ops.backend (a table's). kernels.cu's is backend_cuda, the cuda_ functions
+// above; a port fills one of its own and names it in DEVICE_BACKEND.
+typedef struct Comm Comm;
+typedef struct Backend {
+    const char *name;   // as --device spells it, and the prefix of `segnet info`'s lines: "cuda"
+    const char *title;  // in messages: "CUDA"
+    // device d's table (d: 0, or a replica's local rank), opened on first use; NULL with err
+    // (no driver, no such device): cuda_ops_for_device
+    Ops *(*ops_for_device)(int device, char *err);
+    // the device's free and total bytes (opened if it is not): cuda_memory_info
+    int (*memory_info)(int device, size_t *free_bytes, size_t *total_bytes, char *err);
+    // what the tables' alloc has handed out (with each device's context scratch), now and at
+    // most: cuda_bytes_live, cuda_bytes_peak
+    size_t (*bytes_live)(void);
+    size_t (*bytes_peak)(void);
+    // device time per kernel: on (1) or off (0); the rows since the last reset, as
+    // cuda_kernel_times; the reset
+    void (*kernel_timing)(int on);
+    int (*kernel_times)(KernelTimeRow *rows, int max);
+    void (*kernel_times_reset)(void);
+    // communicators over device memory for replicas on the devices (see
+    // cuda_comm_local_create below): local (n replicas, devices 0..n-1), under MPI, and
+    // closing those one call made
+    int (*comm_local_create)(Comm *dcomms, Comm *hosts, int n, char err[SN_ERR_MAX]);
+    int (*comm_mpi_create)(Comm *dcomm, Comm *host, char err[SN_ERR_MAX]);
+    void (*comm_destroy)(Comm *dcomms, int n);
+} Backend;
+extern const Backend backend_cuda;  // kernels.cu
+#ifdef SEGNET_CUDA
+#define DEVICE_BACKEND (&backend_cuda)
+#else
+#define DEVICE_BACKEND ((const Backend *)NULL)  // a CPU-only build
+#endif
 extern size_t cpu_bytes_live, cpu_bytes_peak;  // what ops_cpu.alloc has handed out (now, at most)
 
 // Where a command runs (--device): DEVICE_AUTO is GPU `gpu` (0, or a replica's
-// local rank) when cuda_ops_for_device(gpu) succeeds, else the CPU with a
+// local rank) when DEVICE_BACKEND's ops_for_device(gpu) succeeds, else the CPU with a
 // one-line notice on stderr (once per process); DEVICE_CUDA without that GPU,
 // or in a build without the CUDA backend, is an error. Returns the ops table,
 // or NULL with err.

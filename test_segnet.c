@@ -2177,7 +2177,7 @@ TEST(fast_se_vs_formula) {
     free(x); free(dy); free(sc); free(dp); free(y); free(pool); free(ds);
 }
 
-// The squeeze-excitation pieces of ops_cpu (part IV) against ops_ref's: the
+// The squeeze-excitation pieces of ops_cpu (kernels_cpu.c) against ops_ref's: the
 // same fp64 sums over the pixels in the same order, and the same fp32
 // products, so the same bits; except where a gradient is added to one already
 // there (accumulate): the fast loop's a + b·c may be one fused multiply-add
@@ -8459,7 +8459,7 @@ static void ref_table_step(Ops *o, const char *model, float **grads, size_t *n_g
 }
 TEST(ref_table_vs_cpu) {
     const char *models[2] = {"effv2-t", "unet"};
-    // ops_cpu is ops_ref with part IV's versions of exactly these entries
+    // ops_cpu is ops_ref with kernels_cpu.c's versions of exactly these entries
     const char *fast =
             "fill axpby copy conv2d_workspace conv2d_forward conv2d_backward_data "
             "conv2d_backward_weight "
@@ -9021,7 +9021,7 @@ TEST(gpucount_waves_by_hand) {
                "traffic 5 4000 600 128 0 128 0 4 conv_fwd_kernel<BF16, true>\n");
     fclose(f);
     char cmd[512], msg[512];
-    snprintf(cmd, sizeof cmd, "awk -f gpucount.awk %s %s", one, two);
+    snprintf(cmd, sizeof cmd, "awk -f dev/gpucount.awk %s %s", one, two);
     const int rc = run_shell(cmd, msg, sizeof msg);
     size_t n;
     char *out = read_file("/tmp/segnet_test_out.txt", &n);
@@ -14680,11 +14680,11 @@ TEST(parity_live_unet_export) {
 // ----------------------------------------------------------------------------
 // what README says, against the code (issue 48: what a practitioner reads is true)
 
-// README's section under the heading line `title` ("## X", "### X"), up to the next heading
-// of its level or above; a copy, or NULL if README has no such heading
-static char *readme_section(const char *title) {
+// The section of the Markdown file at path under the heading line `title` ("## X", "### X"), up
+// to the next heading of its level or above; a copy, or NULL if the file has no such heading
+static char *md_section(const char *path, const char *title) {
     size_t n;
-    char *readme = read_file("README.md", &n), *out = NULL;
+    char *readme = read_file(path, &n), *out = NULL;
     char line[300];
     snprintf(line, sizeof line, "\n%s\n", title);
     const char *start = readme ? strstr(readme, line) : NULL;
@@ -14700,6 +14700,9 @@ static char *readme_section(const char *title) {
     free(readme);
     return out;
 }
+
+// README's section under the heading line `title`
+static char *readme_section(const char *title) { return md_section("README.md", title); }
 
 // `./segnet CMD --help`'s text (stdout), or "" where it cannot run
 static char *segnet_help(const char *cmd) {
@@ -14743,14 +14746,12 @@ TEST(readme_build_and_install) {
     free(mk);
 }
 
-// the Files table names every source file here; the porting guide every entry of the ops
-// table (by name, or a group as `prefix_*`)
-TEST(readme_files_and_ops) {
-    char *files = readme_section("### Files"), *port = readme_section("### Port in this order");
-    CHECK(files && port, "README.md: no \"### Files\" or \"### Port in this order\"");
-    if (!files || !port) { free(files); free(port); return; }
+// the source files of folder dir ("." or a folder of it) that README's Files table does not
+// name (as `name` at the top, `dir/name` in a folder): each a failed check; returns how many
+// source files dir holds
+static int files_table_covers(const char *files, const char *dir) {
     static const char *const EXTS[] = {".c", ".h", ".cu", ".cpp", ".awk", ".sh"};
-    DIR *d = opendir(".");
+    DIR *d = opendir(dir);
     struct dirent *e;
     int seen = 0;
     while (d && (e = readdir(d))) {
@@ -14759,16 +14760,96 @@ TEST(readme_files_and_ops) {
         for (size_t k = 0; dot && k < sizeof EXTS / sizeof *EXTS; k++)
             source |= !strcmp(dot, EXTS[k]);
         if (!source) continue;
-        char quoted[300];
-        snprintf(quoted, sizeof quoted, "`%s`", e->d_name);
-        CHECK(contains(files, quoted), "README's Files table does not name %s", e->d_name);
+        char quoted[600];
+        if (!strcmp(dir, ".")) snprintf(quoted, sizeof quoted, "`%s`", e->d_name);
+        else snprintf(quoted, sizeof quoted, "`%s/%s`", dir, e->d_name);
+        CHECK(contains(files, quoted), "README's Files table does not name %s", quoted);
         seen++;
     }
+    if (d) closedir(d);
+    return seen;
+}
+
+// every "<N> compute entries" of the file at path: a failed check unless N is n; returns how
+// many there are
+static int compute_entry_counts(const char *path, int n) {
+    size_t size;
+    char *text = read_file(path, &size);
+    CHECK(text != NULL, "%s: cannot read it (the tests run in the repository)", path);
+    int found = 0;
+    for (const char *p = text ? strstr(text, "compute entries") : NULL; p;
+         p = strstr(p + 1, "compute entries")) {
+        const char *q = p;
+        while (q > text && isspace((unsigned char)q[-1])) q--;
+        const char *digits = q;
+        while (digits > text && isdigit((unsigned char)digits[-1])) digits--;
+        if (digits == q) continue;  // no number before it
+        found++;
+        const int said = atoi(digits);
+        CHECK(said == n, "%s says %d compute entries; SN_COMPUTE_OPS lists %d", path, said, n);
+    }
+    free(text);
+    return found;
+}
+
+// The contract's list in text (after "lists, in its order:", up to "; and the optional"): each
+// `name` against ops[0..n), in order; a failed check for the first that differs, or a count
+// that does not agree
+static void contract_list_agrees(const char *text, const char *const *ops, int n) {
+    const char *p = text ? strstr(text, "lists, in its order:") : NULL;
+    const char *end = p ? strstr(p, "; and the optional") : NULL;
+    CHECK(p && end, "doc/porting.md's contract lists no compute entries (\"lists, in its "
+          "order: `fill`, ...; and the optional\")");
+    if (!p || !end) return;
+    int k = 0;
+    for (p = strchr(p, '`'); p && p < end; p = strchr(p, '`')) {
+        const char *q = strchr(p + 1, '`');
+        if (!q || q > end) break;
+        const int len = (int)(q - p - 1);
+        if (k < n) {
+            const int same = (int)strlen(ops[k]) == len && !strncmp(p + 1, ops[k], (size_t)len);
+            CHECK(same, "doc/porting.md's contract lists `%.*s` where SN_COMPUTE_OPS has %s "
+                  "(entry %d)", len, p + 1, ops[k], k + 1);
+            if (!same) return;
+        }
+        k++;
+        p = q + 1;
+    }
+    CHECK(k == n, "doc/porting.md's contract lists %d compute entries, SN_COMPUTE_OPS %d", k, n);
+}
+
+// the Files table names every source file here and in the folders; the porting guide's count
+// and list of the compute entries are SN_COMPUTE_OPS's, and its order names every entry (by
+// name, or a group as `prefix_*`)
+TEST(readme_files_and_ops) {
+    char *files = readme_section("## Files"),
+         *port = md_section("doc/porting.md", "## Port in this order");
+    CHECK(files && port, "no \"## Files\" in README.md or \"## Port in this order\" in "
+          "doc/porting.md");
+    if (!files || !port) { free(files); free(port); return; }
+    int seen = files_table_covers(files, ".");
+    DIR *d = opendir(".");
+    struct dirent *e;
+    struct stat sb;
+    while (d && (e = readdir(d)))
+        if (e->d_name[0] != '.' && stat(e->d_name, &sb) == 0 && S_ISDIR(sb.st_mode))
+            seen += files_table_covers(files, e->d_name);
     if (d) closedir(d);
     CHECK(seen >= 20, "only %d source files found in the working directory", seen);
 #define OP_NAME(name) #name,
     static const char *const OPS[] = {SN_COMPUTE_OPS(OP_NAME)};
 #undef OP_NAME
+    const int n_ops = (int)(sizeof OPS / sizeof *OPS);
+    int counts = 0;
+    static const char *const DOCS[] = {"doc/porting.md", "doc/design.md", "README.md"};
+    for (size_t k = 0; k < sizeof DOCS / sizeof *DOCS; k++)
+        counts += compute_entry_counts(DOCS[k], n_ops);
+    CHECK(counts >= 2, "doc/porting.md should say how many compute entries there are (the "
+          "contract and a minimum port); %d places do", counts);
+    char *contract = md_section("doc/porting.md", "## The contract: one ops table and its backend");
+    CHECK(contract, "doc/porting.md: no \"## The contract: one ops table and its backend\"");
+    contract_list_agrees(contract, OPS, n_ops);
+    free(contract);
     for (size_t k = 0; k < sizeof OPS / sizeof *OPS; k++) {
         char quoted[128];
         snprintf(quoted, sizeof quoted, "`%s`", OPS[k]);
@@ -14777,7 +14858,7 @@ TEST(readme_files_and_ops) {
             snprintf(quoted, sizeof quoted, "`%.*s*`", (int)(u + 1 - OPS[k]), OPS[k]);
             named = contains(port, quoted);
         }
-        CHECK(named, "README's \"Port in this order\" does not name the op %s", OPS[k]);
+        CHECK(named, "doc/porting.md's \"Port in this order\" does not name the op %s", OPS[k]);
     }
     free(files);
     free(port);
@@ -15723,11 +15804,14 @@ TEST(safetensors_write_atomic) {
 
 #define SOURCE_LINE_MAX 100
 static const char *const SOURCE_FILES[] = {
-        "segnet.c",   "losses.c",     "batches.c",     "segnet.h",      "kernels.cu",
-        "cuda_emu.h", "cuda_emu.cpp", "backends.c",    "safetensors.c", "weights.c",
-        "images.c",   "datasets.c",   "curves.c",      "replicas.c",    "run.c",
-        "bench.c",    "cli.c",        "safetensors.h", "images.h",      "datasets.h",
-        "curves.h",   "run.h",        "test_segnet.c", "fuzz.c"};
+        "segnet.c",           "kernels_cpu.c",          "segnet.h",
+        "kernels.cu",         "dev/cuda_emu.h",         "dev/cuda_emu.cpp",
+        "plumbing/backends.c", "plumbing/safetensors.c", "plumbing/weights.c",
+        "plumbing/images.c",  "plumbing/datasets.c",    "plumbing/curves.c",
+        "plumbing/replicas.c", "plumbing/run.c",        "plumbing/bench.c",
+        "plumbing/cli.c",     "plumbing/safetensors.h", "plumbing/images.h",
+        "plumbing/datasets.h", "plumbing/curves.h",     "plumbing/run.h",
+        "test_segnet.c",      "tests/fuzz.c"};
 
 // the lines of text longer than max characters: the first one's number in *first, and its
 // length in *chars (both 0 when there is none); returns how many
@@ -16212,7 +16296,7 @@ TEST(gpucheck_script) {
         snprintf(cmd, sizeof cmd,
                  "SLOW_TESTS=%d GPUCHECK_DIR=%s GPUCHECK_OUT=%s/out GPU_SECONDS=%d "
                  "GPU_TEST_SECONDS=%d GPU_PYTHON=%s/python3 CUDA_HOME=/nonexistent "
-                 "GPU_MODELS='m:--model unet' PATH=/usr/bin:/bin ./gpucheck.sh",
+                 "GPU_MODELS='m:--model unet' PATH=/usr/bin:/bin dev/gpucheck.sh",
                  slow ? 30 : 0, dir, dir, slow ? 6 : 60, slow ? 2 : 60, dir);
         const double t0 = now_s();
         const int rc = run_shell(cmd, msg, sizeof msg);
@@ -16921,5 +17005,5 @@ int main(int argc, char **argv) {
 }
 
 #else  // SEGNET_FUZZ
-#include "fuzz.c"  // fuzz_segnet: the harness and its main
+#include "tests/fuzz.c"  // fuzz_segnet: the harness and its main
 #endif  // SEGNET_FUZZ

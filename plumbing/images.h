@@ -1,7 +1,7 @@
 // images.h -- images, masks and prediction
 // Declarations of images.c (plumbing: segnet.c includes the file at its end).
 #pragma once
-#include "segnet.h"
+#include "../segnet.h"
 
 
 // ----------------------------------------------------------------------------
@@ -14,6 +14,12 @@ void path_list_free(PathList *l);
 // (h,w,3) RGB values 0..255, malloc'd, as stored or, with --exif apply, as a
 // JPEG's EXIF orientation displays it; NULL with err naming the file
 float *image_load_rgb(const char *path, int *h, int *w, char err[SN_ERR_MAX]);
+
+// PNG output, atomic (<path>.tmp.<pid> in the same folder, fsync, rename): comp
+// 1 (grey) or 3 (RGB). On failure the temporary is removed and a file already
+// at path is untouched.
+int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pixels,
+                     char err[SN_ERR_MAX]);
 
 typedef struct {
     ModelCfg model;        // any model; its batch is the prediction batch

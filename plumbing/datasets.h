@@ -1,7 +1,7 @@
 // datasets.h -- data sets: listing, decoding, augmentation, batching, prefetch
 // Declarations of datasets.c (plumbing: segnet.c includes the file at its end).
 #pragma once
-#include "segnet.h"
+#include "../segnet.h"
 #include "images.h"
 
 
@@ -131,9 +131,3 @@ void loader_stop(Loader *l);                // at any time: joins the workers, f
 // set at path, its masks resized to (H,W) (see datasets.c); -1 with err.
 int class_weights_median_frequency(const char *path, int segmentation, int K, int H, int W,
                                    const MaskRules *rules, float *w, char err[SN_ERR_MAX]);
-
-// PNG output, atomic (<path>.tmp.<pid> in the same folder, fsync, rename): comp
-// 1 (grey) or 3 (RGB). On failure the temporary is removed and a file already
-// at path is untouched.
-int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pixels,
-                     char err[SN_ERR_MAX]);

@@ -1655,25 +1655,25 @@ static int cmd_bench(int argc, char **argv) {
 
 static int cmd_info(void) {
     printf("backend: %s\n", ops_cpu.name);
-#ifdef SEGNET_CUDA
+    const Backend *b = DEVICE_BACKEND;
     char why[SN_ERR_MAX];
     size_t free_b, total_b;
-    if (cuda_memory_info(0, &free_b, &total_b, why) == 0) {
+    if (!b) {
+        printf("cuda: not built (no nvcc)\n");
+    } else if (b->memory_info(0, &free_b, &total_b, why) == 0) {
         // what the device holds beyond segnet's own allocations: the driver's
         // context (and other processes' memory, if any share the device)
-        size_t held = total_b - free_b, ours = cuda_bytes_live,
+        size_t held = total_b - free_b, ours = b->bytes_live(),
                driver = held > ours ? held - ours : 0;
-        printf("cuda: device 0 (--device auto uses it), %.2f GiB, %.2f GiB free\n",
+        const Ops *o = b->ops_for_device(0, why);  // device 0's table, opened above
+        printf("%s: device 0 (--device auto uses it), %.2f GiB, %.2f GiB free\n", b->name,
                total_b / 1073741824.0, free_b / 1073741824.0);
-        printf("cuda_context_bytes: %zu measured (in use %zu less segnet's %zu; the plan counts "
+        printf("%s_context_bytes: %zu measured (in use %zu less segnet's %zu; the plan counts "
                "%zu)\n",
-               driver, held, ours, ops_cuda.driver_bytes);
+               b->name, driver, held, ours, o ? o->driver_bytes : 0);
     } else {
-        printf("cuda: built, but %s\n", why);
+        printf("%s: built, but %s\n", b->name, why);
     }
-#else
-    printf("cuda: not built (no nvcc)\n");
-#endif
 #ifdef SEGNET_MPI
     printf("mpi: yes\n");
 #else

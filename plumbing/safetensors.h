@@ -1,7 +1,7 @@
 // safetensors.h -- safetensors files: the reader and the writer
 // Declarations of safetensors.c (plumbing: segnet.c includes the file at its end).
 #pragma once
-#include "segnet.h"
+#include "../segnet.h"
 
 
 // ----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 // run.h -- the training run and evaluation
 // Declarations of run.c (plumbing: segnet.c includes the file at its end).
 #pragma once
-#include "segnet.h"
+#include "../segnet.h"
 #include "datasets.h"
 #include "curves.h"
 

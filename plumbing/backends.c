@@ -51,17 +51,18 @@ static void cpu_fallback_notice(const char *why) {
 Ops *ops_for_device(Device d, int gpu, char err[SN_ERR_MAX]) {
     if (d == DEVICE_CPU) return &ops_cpu;
     char why[SN_ERR_MAX];
-#ifdef SEGNET_CUDA
-    char missing[SN_ERR_MAX];
-    Ops *o = cuda_ops_for_device(gpu, why);
-    if (o) {
-        if (!ops_missing(o, missing, sizeof missing)) return o;
-        snprintf(why, sizeof why, "the CUDA backend of this build lacks %.400s", missing);
+    const Backend *b = DEVICE_BACKEND;
+    if (b) {
+        char missing[SN_ERR_MAX];
+        Ops *o = b->ops_for_device(gpu, why);
+        if (o) {
+            if (!ops_missing(o, missing, sizeof missing)) return o;
+            snprintf(why, sizeof why, "the %s backend of this build lacks %.400s", b->title,
+                     missing);
+        }
+    } else {
+        snprintf(why, sizeof why, "%s", NO_CUDA_BUILD);
     }
-#else
-    (void)gpu;
-    snprintf(why, sizeof why, "%s", NO_CUDA_BUILD);
-#endif
     if (d == DEVICE_CUDA) {
         snprintf(err, SN_ERR_MAX, "--device cuda: %.480s", why);
         return NULL;

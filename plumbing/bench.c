@@ -92,10 +92,9 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     if (trainer_open(&t, &tc, NULL, NULL, err)) { trainer_close(&t); return -1; }
     const Graph *g = &t.g;
     Ops *o = t.o;
-    int time_kernels = 0;  // --kernels: the CUDA backend's per-kernel device time
-#ifdef SEGNET_CUDA
-    time_kernels = c->kernels > 0 && o == &ops_cuda;
-#endif
+    const Backend *b = o->backend;  // NULL: the CPU
+    // --kernels: a device backend's per-kernel device time
+    const int time_kernels = c->kernels > 0 && b;
     if (c->kernels > 0 && !time_kernels) {
         snprintf(err, SN_ERR_MAX, "--kernels times the CUDA kernels: it needs --device cuda");
         trainer_close(&t);
@@ -124,20 +123,16 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     for (size_t i = 0; i < n_labels; i++) host_lab[i] = (int32_t)(rng_next(&rng) % (uint64_t)K);
     // what the layers' times leave of the timed steps: loss, optimiser, copies
     double rest_s = 0.0;
-#ifdef SEGNET_CUDA
     if (time_kernels) {
         t.records = 0;  // a replayed graph's kernels are not timed one by one
-        cuda_kernel_times_reset();
+        b->kernel_times_reset();
     }
-#endif
     for (int step = 0; step < c->warmup + c->steps; step++) {
         const int timed = step >= c->warmup;
         double layers_before = 0.0;
         if (layer_s) for (int i = 0; i < 2 * g->n_layers; i++) layers_before += layer_s[i];
         t.net.layer_seconds = timed ? layer_s : NULL;
-#ifdef SEGNET_CUDA
-        cuda_kernel_timing = timed && time_kernels;
-#endif
+        if (b) b->kernel_timing(timed && time_kernels);
         // train_step returns when the device has finished the step (its one wait)
         double t0 = now_seconds();
         MicroBatch mb = {N, host_in, host_lab, 0};
@@ -153,10 +148,8 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
             }
         }
     }
-#ifdef SEGNET_CUDA
-    cuda_kernel_timing = 0;
-    if (time_kernels) r->n_kernels = cuda_kernel_times(r->kernel_rows, BENCH_KERNEL_ROWS);
-#endif
+    if (b) b->kernel_timing(0);
+    if (time_kernels) r->n_kernels = b->kernel_times(r->kernel_rows, BENCH_KERNEL_ROWS);
     int n = c->steps > 0 ? c->steps : 0;
     qsort(times, (size_t)n, sizeof(double), cmp_double);
     double med = n ? (n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2])) : 0.0;
@@ -165,10 +158,7 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     r->peak_rss_bytes = (size_t)ru.ru_maxrss * 1024;
-    r->peak_device_bytes = cpu_bytes_peak;
-#ifdef SEGNET_CUDA
-    if (o == &ops_cuda) r->peak_device_bytes = cuda_bytes_peak;
-#endif
+    r->peak_device_bytes = b ? b->bytes_peak() : cpu_bytes_peak;
     if (c->profile && n) {
         for (int i = 0; i < g->n_layers; i++) {
             const Layer *l = &g->layers[i];

@@ -527,6 +527,21 @@ static void csv_write_prediction(FILE *f, const char *path, const float *z, int 
     fputc('\n', f);
 }
 
+// PNG through stb_image_write's callback into the shared atomic writer
+static void png_put(void *f, void *data, int size) { fwrite(data, 1, (size_t)size, (FILE *)f); }
+
+int png_write_atomic(const char *path, int w, int h, int comp, const uint8_t *pixels,
+                     char err[SN_ERR_MAX]) {
+    snCheck(w >= 1 && h >= 1 && (comp == 1 || comp == 3), "png_write_atomic: %dx%d, %d channels", w,
+            h, comp);
+    char tmp[OUT_PATH_MAX];
+    FILE *f = atomic_file_open(path, tmp, err);
+    if (!f) return -1;
+    int ok = stbi_write_png_to_func(png_put, f, w, h, comp, pixels, w * comp) != 0;
+    if (!ok) snprintf(err, SN_ERR_MAX, "%.400s: cannot encode the PNG", path);
+    return atomic_file_commit(f, tmp, path, ok, err);
+}
+
 // ---- segmentation outputs: per image OUT/<stem>.png, the mask (8-bit grey,
 // pixel = class index), and OUT/<stem>_overlay.png, the image blended 50/50
 // with a colour per class; both at the image's own size.

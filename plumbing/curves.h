@@ -1,7 +1,7 @@
 // curves.h -- training curves (curves.svg)
 // Declarations of curves.c (plumbing: segnet.c includes the file at its end).
 #pragma once
-#include "segnet.h"
+#include "../segnet.h"
 
 
 // ----------------------------------------------------------------------------

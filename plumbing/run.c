@@ -2771,14 +2771,12 @@ static int replicas_on_gpus(const TrainCfg *c, Comm *dcomms, Comm *hosts, int n,
                             char err[SN_ERR_MAX]) {
     if (c->device == DEVICE_CPU) return 0;
     char why[SN_ERR_MAX];
-#ifdef SEGNET_CUDA
-    if ((mpi ? cuda_comm_mpi_create(dcomms, hosts, why)
-             : cuda_comm_local_create(dcomms, hosts, n, why)) == 0)
+    const Backend *b = DEVICE_BACKEND;
+    if (!b)
+        snprintf(why, sizeof why, "%s", NO_CUDA_BUILD);
+    else if ((mpi ? b->comm_mpi_create(dcomms, hosts, why)
+                  : b->comm_local_create(dcomms, hosts, n, why)) == 0)
         return 0;
-#else
-    (void)dcomms; (void)n;
-    snprintf(why, sizeof why, "%s", NO_CUDA_BUILD);
-#endif
     if (c->device == DEVICE_CUDA) {
         snprintf(err, SN_ERR_MAX, "--device cuda: %.480s", why);
         return -1;
@@ -2788,11 +2786,8 @@ static int replicas_on_gpus(const TrainCfg *c, Comm *dcomms, Comm *hosts, int n,
 }
 
 static void replicas_gpus_close(Comm *dcomms, int n) {
-#ifdef SEGNET_CUDA
-    cuda_comm_destroy(dcomms, n);
-#else
-    (void)dcomms; (void)n;
-#endif
+    const Backend *b = DEVICE_BACKEND;
+    if (b) b->comm_destroy(dcomms, n);
 }
 
 // config.txt holds a setting per line: a path with a line break in it could not be read back
