@@ -148,7 +148,7 @@ else
   OMP_FLAGS := -fopenmp
 endif
 
-.PHONY: all deps test check test-heavy fuzz train install bench gpucheck gpubuild gpucount gpu-deps deps-unpack clean
+.PHONY: all deps test check test-heavy fuzz train install bench gpucheck gpubuild gpucount inflight gpu-deps deps-unpack clean
 
 all: segnet test_segnet
 
@@ -238,6 +238,21 @@ kernel_resources.txt: kernels_gpu.o
 	    for (i = 2; i <= NF; i++) { if ($$i ~ /^registers/) regs = $$(i - 1); if ($$i ~ /^smem/) smem = $$(i - 2) } \
 	    print name, arch, regs, smem, spill, stack; name = "" }' kernels_gpu.ptxas > $@.tmp && mv $@.tmp $@
 
+# make inflight: the bytes of global loads each kernel keeps in flight per SM,
+# read from kernels_gpu.o's SASS (dev/inflight.awk says how), a line per kernel in
+# kernel_inflight.txt (test inflight_batch_norm_kernels reads it); the table
+# from the fewest KB/SM up. Needs the toolkit's cuobjdump (CUOBJDUMP=path).
+CUOBJDUMP ?= $(firstword $(shell command -v cuobjdump 2>/dev/null) $(wildcard $(CUDA_HOME)/bin/cuobjdump))
+kernel_inflight.txt: kernels_gpu.o kernel_resources.txt dev/inflight.awk
+	@[ -n "$(CUOBJDUMP)" ] || { echo "make inflight: no cuobjdump (not on PATH, nor in CUDA_HOME=$(CUDA_HOME)): CUOBJDUMP=path" >&2; exit 1; }
+	$(CUOBJDUMP) -sass kernels_gpu.o | awk -f dev/inflight.awk kernel_resources.txt - > $@.tmp && mv $@.tmp $@
+
+inflight: kernel_inflight.txt
+	@sort -k6,6n -k1,1 kernel_inflight.txt | awk '{ printf "%5.1f %5.2f %5d %4d %6d %-6s %s\n", $$6, $$7, $$3, $$4, $$5, $$2, $$1; \
+	  n++; if ($$6 >= 32) ok++ } \
+	  BEGIN { printf "%5s %5s %5s %4s %6s %-6s %s\n", "KB/SM", "fill", "B/th", "regs", "thr/SM", "window", "kernel" } \
+	  END { printf "%d kernels with global loads, %d keep >= 32 KB in flight per SM\n", n, ok > "/dev/stderr" }' | c++filt
+
 kernels_emu.o: kernels.cu segnet.h dev/cuda_emu.h
 	$(CXX) $(EMUFLAGS) -x c++ -c kernels.cu -o $@
 
@@ -278,7 +293,8 @@ test_segnet_strict: test_segnet.c $(PROGRAM_SRCS) segnet.h kernels_strict.o cuda
 # make check: the same with the slow tests too (the live PyTorch parity of the
 # large models, the emulated GPU's whole steps): what .ci/run runs.
 TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
-TEST_PROGRAMS = segnet test_segnet $(if $(EMU_OBJS),segnet_emu test_segnet_strict) $(if $(FUZZ_OK),fuzz_segnet)
+TEST_PROGRAMS = segnet test_segnet $(if $(EMU_OBJS),segnet_emu test_segnet_strict) $(if $(FUZZ_OK),fuzz_segnet) \
+                $(if $(and $(EMU_OBJS),$(CUOBJDUMP)),kernel_inflight.txt)
 TEST_ENV = $(if $(FUZZ_OK),SEGNET_FUZZ_BIN=./fuzz_segnet SEGNET_FUZZ_SECONDS=$(FUZZ_TEST_SECONDS) \
              SEGNET_FUZZ_SEED=$(FUZZ_SEED) SEGNET_FUZZ_OUT=$(FUZZ_OUT),\
              SEGNET_FUZZ_NONE="no sanitizers ($(FUZZ_CC) cannot build and run a program with $(FUZZ_SAN))") \
@@ -466,6 +482,8 @@ gpucount: segnet_emu
 	  awk -f dev/gpucount.awk $$dir/count1.txt $$dir/count2.txt || exit 1; \
 	  echo "  count_runs: $$secs"; \
 	  echo "  peak_host_rss_mib: $$((rss / 1048576))"; \
+	  echo "  host_ms_per_step: $$(sed -n 's/^host_ms_per_step: //p' $$dir/run2.log)" \
+	    "(this machine: the step's host work outside its device work, segnet bench)"; \
 	done
 
 # ---- make gpucheck: on a machine with an NVIDIA GPU (none on our CI) ----------
@@ -543,5 +561,5 @@ deps-unpack:
 
 clean:
 	rm -f segnet segnet_emu test_segnet test_segnet_strict test_segnet_gpu fuzz_segnet gpucheck.txt gpucheck-*.log *.o \
-	  kernels_gpu.ptxas kernel_resources.txt
+	  kernels_gpu.ptxas kernel_resources.txt kernel_inflight.txt
 	rm -rf $(DEPS_DIR)/root $(GPUCHECK_DIR)

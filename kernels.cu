@@ -746,6 +746,43 @@ static __device__ void store_acc(const IO &io, uint32_t i, float *v, int accumul
     for (uint32_t r = blockIdx.y * blockDim.y + threadIdx.y; r < (uint32_t)(rows);              \
          r += blockDim.y * gridDim.y)
 
+// Bytes a thread keeps in flight in a row loop: by Little's law an SM streams
+// (bytes in flight) / (load latency), and an H200's 4.8 TB/s over 132 SMs at
+// ~1 µs of latency wants >= 32 KB in flight per SM; MEMORY_BOUND_BLOCKS blocks
+// of BLOCK threads hold 1024 threads, so 32 bytes a thread. A GPU issues in
+// order: a row's first use of its loads waits for them, so a loop that loads
+// a row and then uses it has one row's bytes in flight (make inflight reads
+// them from the SASS).
+#define THREAD_BYTES_IN_FLIGHT 32
+// rows a loop loads ahead when a row's loads are `bytes`, rounded up
+static constexpr __host__ __device__ int rows_ahead(int bytes) {
+    return bytes >= THREAD_BYTES_IN_FLIGHT ? 1
+                                           : (THREAD_BYTES_IN_FLIGHT + bytes - 1) / bytes;
+}
+// The loop over rows r, r + step, ... < end that does work(r, load(r)) row by
+// row, with U rows' loads issued before the first of them is used: load(r)
+// gives row r's loaded values, work(r, values) does the rest, in the rows'
+// order, so the results are those of the loop a row at a time. A row's stores
+// go to its own elements, which no other row's loads read.
+template <int U, class Load, class Work>
+static __device__ __forceinline__ void rows_loop_ahead(uint32_t r, uint32_t end, uint32_t step,
+                                                       Load load, Work work) {
+    if constexpr (U > 1) for (; r < end && end - r > (U - 1) * step; r += U * step) {
+        decltype(load(r)) v[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) v[u] = load(r + u * step);
+#pragma unroll
+        for (int u = 0; u < U; u++) work(r + u * step, v[u]);
+    }
+    for (; r < end; r += step) work(r, load(r));
+}
+// FOR_ROWS's loop so
+template <int U, class Load, class Work>
+static __device__ __forceinline__ void for_rows_ahead(uint32_t rows, Load load, Work work) {
+    rows_loop_ahead<U>(blockIdx.y * blockDim.y + threadIdx.y, rows, blockDim.y * gridDim.y, load,
+                       work);
+}
+
 // ----------------------------------------------------------------------------
 // memory: device allocations, copies between host and device
 
@@ -1155,6 +1192,10 @@ static void nonfinite_cuda(Ops *o, Tensor t, int32_t *flag) {
 #define SUMS_SCRATCH ((size_t)1 << 20)  // doubles (8 MiB)
 // (SUMS_COUNTERS, at the context: a launch with more tiles × groups runs one chunk)
 
+// whether lane L splits its rows' loads from their adds (has L::Row): sum_rows
+template <class L, class = void> struct SplitLoads : std::false_type {};
+template <class L> struct SplitLoads<L, std::void_t<typename L::Row>> : std::true_type {};
+
 // a thread's rows of its chunk: r0 + lane, + TY, ... < r1
 struct RowChunk { uint32_t r0, r1; };
 static __device__ __forceinline__ RowChunk row_chunk(uint32_t rows, uint32_t rows_per_chunk) {
@@ -1177,6 +1218,26 @@ static __device__ __forceinline__ void sum_lanes(double *sh, const double (&acc)
             for (int l = 0; l < TY; l++) s[k][q] += sh[((l * TX + threadIdx.x) * W + k) * NQ + q];
         }
 }
+// A thread's rows r0 + lane, + TY, ... < r1 added into acc in that order.
+// The textbook loop, a row at a time (the lanes that add(r, acc), the generic ones):
+// each iteration waits for its own load, so a thread has one load in flight.
+template <class L, class A>
+static __device__ __forceinline__ void sum_rows(const L &lane, RowChunk rc, A &acc,
+                                                std::false_type) {
+    for (uint32_t r = rc.r0 + threadIdx.y; r < rc.r1; r += blockDim.y) lane.add(r, acc);
+}
+// The fast version of the loop above, for lanes that split a row into its loads
+// (Row load(r)) and the rest (add(r, row, acc): arithmetic, stores, the fp64
+// adds): L::UNROLL rows' loads ahead (rows_loop_ahead), the rows added in the
+// same order as above, so the sums are bit-identical. The rows' stores
+// (BnPoolVec, ScaleGradVec, DyResidual) go to rows of their own.
+template <class L, class A>
+static __device__ __forceinline__ void sum_rows(const L &lane, RowChunk rc, A &acc,
+                                                std::true_type) {
+    rows_loop_ahead<L::UNROLL>(
+            rc.r0 + threadIdx.y, rc.r1, blockDim.y, [&](uint32_t r) { return lane.load(r); },
+            [&](uint32_t r, const typename L::Row &row) { lane.add(r, row, acc); });
+}
 // W channels per thread (1: generic, Vec<T>::N: vector); F::Lane knows its loads
 template <int NQ, int W, class F, class E>
 __global__ void MEMORY_BOUND channel_sums_kernel(F f, E e, double *partial, unsigned *done,
@@ -1188,10 +1249,7 @@ __global__ void MEMORY_BOUND channel_sums_kernel(F f, E e, double *partial, unsi
     double acc[W][NQ];
     for (int k = 0; k < W; k++)
         for (int q = 0; q < NQ; q++) acc[k][q] = 0.0;
-    if (c0 < C) {
-        const typename F::Lane lane = f.lane(g, c0);
-        for (uint32_t r = rc.r0 + threadIdx.y; r < rc.r1; r += blockDim.y) lane.add(r, acc);
-    }
+    if (c0 < C) sum_rows(f.lane(g, c0), rc, acc, SplitLoads<typename F::Lane>{});
     double s[W][NQ] = {};
     sum_lanes<NQ, W>(sh, acc, s);
     const bool owner = threadIdx.y == 0 && c0 < C;  // holds its channels' sums
@@ -1266,12 +1324,18 @@ template <class T> struct SumOfProductVec {
     static constexpr int N = Vec<T>::N;
     struct Lane {
         const T *a, *b; int C;
-        __device__ void add(uint32_t r, double (&acc)[N][1]) const {
-            Vec<T> va = load_vec(a + (size_t)r * C), vb;
-            if (b) vb = load_vec(b + (size_t)r * C);
+        static constexpr int UNROLL = rows_ahead(VEC_BYTES);  // b may be NULL
+        struct Row { Vec<T> a, b; };
+        __device__ Row load(uint32_t r) const {
+            Row v;
+            v.a = load_vec(a + (size_t)r * C);
+            if (b) v.b = load_vec(b + (size_t)r * C);
+            return v;
+        }
+        __device__ void add(uint32_t, const Row &v, double (&acc)[N][1]) const {
             for (int k = 0; k < N; k++)
-                acc[k][0] +=
-                        b ? (double)to_f32(va.v[k]) * to_f32(vb.v[k]) : (double)to_f32(va.v[k]);
+                acc[k][0] += b ? (double)to_f32(v.a.v[k]) * to_f32(v.b.v[k])
+                               : (double)to_f32(v.a.v[k]);
         }
     };
     __device__ Lane lane(int g, int c0) const {
@@ -1297,8 +1361,10 @@ template <class T, int B = VEC_BYTES> struct MomentsVec {
     static constexpr int N = VecB<T, B>::N;
     struct Lane {
         const T *x; int C;
-        __device__ void add(uint32_t r, double (&acc)[N][2]) const {
-            VecB<T, B> v = load_vec<T, B>(x + (size_t)r * C);
+        static constexpr int UNROLL = rows_ahead(B);
+        typedef VecB<T, B> Row;
+        __device__ Row load(uint32_t r) const { return load_vec<T, B>(x + (size_t)r * C); }
+        __device__ void add(uint32_t, const Row &v, double (&acc)[N][2]) const {
             for (int k = 0; k < N; k++) {
                 double d = to_f32(v.v[k]);
                 acc[k][0] += d;
@@ -3919,12 +3985,14 @@ __global__ void bn_forward_vec_kernel(Out out, const T *x, uint32_t rows, int C,
     if (c0 >= C) return;
     BnChannel bn[N];
     for (int k = 0; k < N; k++) bn[k] = BnChannel(mean, var, gamma, beta, eps, c0 + k);
-    FOR_ROWS(r, rows) {
-        VecB<T, Out::BYTES> v = load_vec<T, Out::BYTES>(x + r * C + c0);
-        for (int k = 0; k < N; k++)
-            v.v[k] = from_f32<T>(act_apply(act, bn[k].z(bn[k].xhat(to_f32(v.v[k])))));
-        out(r * C + c0, r, v);
-    }
+    // the textbook loop: FOR_ROWS(r, rows) { v = x's row; v = act(z(xhat(v))); out(row, v) }
+    for_rows_ahead<rows_ahead(Out::BYTES)>(
+            rows, [&](uint32_t r) { return load_vec<T, Out::BYTES>(x + r * C + c0); },
+            [&](uint32_t r, VecB<T, Out::BYTES> v) {
+                for (int k = 0; k < N; k++)
+                    v.v[k] = from_f32<T>(act_apply(act, bn[k].z(bn[k].xhat(to_f32(v.v[k])))));
+                out(r * C + c0, r, v);
+            });
 }
 static void bn_forward_plain(Ops *o, Tensor y, Tensor x, const float *mean, const float *var,
                              const float *gamma, const float *beta, float eps, Act act) {
@@ -3999,6 +4067,11 @@ template <class T, int B = VEC_BYTES> struct DyVec {
     static constexpr int BYTES = B;
     const T *dy;
     __device__ VecB<T, B> load(size_t i, uint32_t) { return load_vec<T, B>(dy + i); }
+    // load split in two for sum_rows: fetch (the loads), then finish
+    static constexpr int LOADS = 1;  // Vecs fetch reads
+    typedef VecB<T, B> Raw;
+    __device__ Raw fetch(size_t i) const { return load_vec<T, B>(dy + i); }
+    __device__ VecB<T, B> finish(const Raw &d, size_t, uint32_t) { return d; }
     __device__ DyVec at(int c0) const { return {dy + c0}; }  // from channel c0 on
 };
 template <class T, class Dy = DyVec<T>> struct BnGradTermsVec {
@@ -4006,8 +4079,16 @@ template <class T, class Dy = DyVec<T>> struct BnGradTermsVec {
     static constexpr int B = Dy::BYTES, N = VecB<T, B>::N;
     struct Lane {
         mutable Dy dy; const T *x; int C; BnParams p; BnChannel bn[N];
-        __device__ void add(uint32_t r, double (&acc)[N][2]) const {
-            VecB<T, B> vx = load_vec<T, B>(x + (size_t)r * C), vdy = dy.load((size_t)r * C, r);
+        // x and dy's loads; with DyResidual's two (dout and the residual), two rows
+        // of the three would spill under MEMORY_BOUND's 64 registers (ptxas: 44
+        // bytes), so one row: 24 bytes a thread with 2-byte storage
+        static constexpr int UNROLL = Dy::LOADS > 1 ? 1 : rows_ahead((1 + Dy::LOADS) * B);
+        struct Row { VecB<T, B> x; typename Dy::Raw dy; };
+        __device__ Row load(uint32_t r) const {
+            return {load_vec<T, B>(x + (size_t)r * C), dy.fetch((size_t)r * C)};
+        }
+        __device__ void add(uint32_t r, const Row &row, double (&acc)[N][2]) const {
+            const VecB<T, B> vx = row.x, vdy = dy.finish(row.dy, (size_t)r * C, r);
             for (int k = 0; k < N; k++) {
                 float xhat, g;
                 p.grad(bn[k], to_f32(vx.v[k]), to_f32(vdy.v[k]), &xhat, &g);
@@ -4106,18 +4187,30 @@ __global__ void MEMORY_BOUND bn_backward_data_vec_kernel(T *dx, Dy dy, const T *
         bn[k] = p.channel(c0 + k);
         dgrad[k] = BnDataGrad(bn[k], sum_g, sum_gx, count, c0 + k);
     }
-    FOR_ROWS(r, rows) {
-        const uint32_t i = r * C + c0;
-        VecB<T, B> vx = load_vec<T, B>(x + i), vdy = dy.load(i, r), vdx;
-        if (accumulate) vdx = load_vec<T, B>(dx + i);
-        for (int k = 0; k < N; k++) {
-            float xhat, g;
-            p.grad(bn[k], to_f32(vx.v[k]), to_f32(vdy.v[k]), &xhat, &g);
-            const float d = dgrad[k](g, xhat);
-            vdx.v[k] = from_f32<T>(accumulate ? to_f32(vdx.v[k]) + d : d);
-        }
-        store_vec(dx + i, vdx);
-    }
+    // the textbook loop: FOR_ROWS(r, rows) { load x, dy (and dx) of row r; dx = the formula }
+    struct Row { VecB<T, B> x, dx; typename Dy::Raw dy; };
+    for_rows_ahead<rows_ahead((2 + Dy::LOADS) * B)>(  // x, dx and dy's loads
+            rows,
+            [&](uint32_t r) {
+                const uint32_t i = r * C + c0;
+                Row v;
+                v.x = load_vec<T, B>(x + i);
+                v.dy = dy.fetch(i);
+                if (accumulate) v.dx = load_vec<T, B>(dx + i);
+                return v;
+            },
+            [&](uint32_t r, const Row &v) {
+                const uint32_t i = r * C + c0;
+                const VecB<T, B> vdy = dy.finish(v.dy, i, r);
+                VecB<T, B> vdx = v.dx;
+                for (int k = 0; k < N; k++) {
+                    float xhat, g;
+                    p.grad(bn[k], to_f32(v.x.v[k]), to_f32(vdy.v[k]), &xhat, &g);
+                    const float d = dgrad[k](g, xhat);
+                    vdx.v[k] = from_f32<T>(accumulate ? to_f32(vdx.v[k]) + d : d);
+                }
+                store_vec(dx + i, vdx);
+            });
 }
 static void bn_backward_data_plain(Ops *o, Tensor dx, Tensor dy, Tensor x, const float *mean,
                                    const float *var, const float *gamma, const float *beta,
@@ -4209,11 +4302,20 @@ template <class T, int B = VEC_BYTES> struct ResidualEnd {
 template <class T, int B = VEC_BYTES> struct DyResidual {
     static constexpr int BYTES = B;
     const T *dout; T *res; int accumulate_res; SampleKeep keep;
-    __device__ VecB<T, B> load(size_t i, uint32_t r) {
+    __device__ VecB<T, B> load(size_t i, uint32_t r) { return finish(fetch(i), i, r); }
+    // load split in two for sum_rows: fetch (the loads), then finish (the rest)
+    static constexpr int LOADS = 2;  // Vecs fetch reads (dout; res when accumulated)
+    struct Raw { VecB<T, B> d, vr; };
+    __device__ Raw fetch(size_t i) const {
+        Raw raw;
+        raw.d = load_vec<T, B>(dout + i);
+        if (res && accumulate_res) raw.vr = load_vec<T, B>(res + i);
+        return raw;
+    }
+    __device__ VecB<T, B> finish(const Raw &raw, size_t i, uint32_t r) {
         const float f = keep.at(r);
-        const VecB<T, B> d = load_vec<T, B>(dout + i);
-        VecB<T, B> g, vr;
-        if (res && accumulate_res) vr = load_vec<T, B>(res + i);
+        const VecB<T, B> d = raw.d;
+        VecB<T, B> g, vr = raw.vr;
         for (int k = 0; k < VecB<T, B>::N; k++) {
             g.v[k] = from_f32<T>(__fmul_rn(to_f32(d.v[k]), f));  // as dropout_backward's
             if (res)
@@ -4233,8 +4335,10 @@ template <class T, int B = VEC_BYTES> struct BnPoolVec {
     static constexpr int N = VecB<T, B>::N;
     struct Lane {
         const T *x; T *y; int C; Act act; BnChannel bn[N];
-        __device__ void add(uint32_t r, double (&acc)[N][1]) const {
-            VecB<T, B> v = load_vec<T, B>(x + (size_t)r * C);
+        static constexpr int UNROLL = rows_ahead(B);
+        typedef VecB<T, B> Row;
+        __device__ Row load(uint32_t r) const { return load_vec<T, B>(x + (size_t)r * C); }
+        __device__ void add(uint32_t r, Row v, double (&acc)[N][1]) const {
             for (int k = 0; k < N; k++) {
                 v.v[k] = from_f32<T>(act_apply(act, bn[k].z(bn[k].xhat(to_f32(v.v[k])))));
                 acc[k][0] += (double)to_f32(v.v[k]);

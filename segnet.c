@@ -3173,6 +3173,10 @@ typedef struct {
     int32_t *nonfinite;
     // the training set's fingerprint (data_fingerprint), saved with each checkpoint
     char data_print[64];
+    // the last step's host time outside its device work: before the work is
+    // queued (the normaliser, the arguments, staging the batch) and after its
+    // one wait (the state read back, the totals); the device idles through it
+    double step_host_seconds;
 } Trainer;
 
 // One pass over a data set. Training: shuffled order, augmentation, one Adam
@@ -3231,10 +3235,24 @@ static int replicas_average_bn(Trainer *t, int n) {
     return rc;
 }
 
+// the weights of the loss normaliser's labels: the class weights, or NULL (a
+// label counts 1) under --loss-norm keras
+static const float *loss_norm_weights(const TrainCfg *c) {
+    return c->loss_norm_keras ? NULL : c->class_weights;
+}
+
 // One micro-batch on the host: n images (n,H,W,3) fp32 0..255 and their labels;
 // `first` numbers its first image among the optimiser step's images (over
-// micro-batches and replicas), which is what dropout masks are drawn by.
-typedef struct { int n; const float *images; const int32_t *labels; int first; } MicroBatch;
+// micro-batches and replicas), which is what dropout masks are drawn by;
+// weight_sum, when given, is label_weight_sum of its labels with the loss's
+// weights, summed by the loader's workers (NULL: train_step sums them).
+typedef struct {
+    int n;
+    const float *images;
+    const int32_t *labels;
+    int first;
+    const double *weight_sum;
+} MicroBatch;
 
 // ----------------------------------------------------------------------------
 // a batch in the trainer: the host staging of a micro-batch and its upload, the loss
@@ -3484,11 +3502,14 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     Ops *o = t->o;
     Net *net = &t->net;
     Comm *comm = t->comm;
+    const double entered = now_seconds();
     // 1. the normaliser: Σw over the step's labels (or their count), summed over the replicas
     double local_norm = 0.0;
     for (int i = 0; i < k; i++) {
-        local_norm += label_weight_sum(mb[i].labels, (size_t)mb[i].n * t->per_image,
-                                       c->loss_norm_keras ? NULL : c->class_weights, t->K);
+        local_norm += mb[i].weight_sum ? *mb[i].weight_sum
+                                       : label_weight_sum(mb[i].labels,
+                                                          (size_t)mb[i].n * t->per_image,
+                                                          loss_norm_weights(c), t->K);
     }
     double global[2] = {local_norm, 0};  // Σw, images
     for (int i = 0; i < k; i++) global[1] += mb[i].n;
@@ -3538,6 +3559,7 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
         }
     }
     // 2.–8. step_work: replayed from the record when there is one, else queued op by op
+    const double queued = now_seconds();
     if (recordable && t->record) {
         o->replay(o, t->record);
     } else if (step_work(t, mb, k)) {
@@ -3545,6 +3567,7 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     }
     // the step's one wait for the device: what it decided (applied, loss scale, norm)
     o->download(o, t->host_state, t->state, sizeof(StepState));
+    const double done = now_seconds();
     const StepState s = *t->host_state;
     snCheck(s.loss[2] == 0.0f, "labels outside 0..%d passed the data set's checks", t->K - 1);
     // the region value weighted by the step's Σw (each replica's part of it)
@@ -3565,6 +3588,7 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     }
     t->measure_update = 0;
     if (logged && steps_log_row(t, lr)) return -1;
+    t->step_host_seconds = (queued - entered) + (now_seconds() - done);
     return s.applied;
 }
 

@@ -7032,7 +7032,7 @@ TEST(plan_equals_allocation) {
         for (int i = 0; i < n * (seg ? hw * hw : 1); i++) labels[i] = (int32_t)(rng_next(&r) % 3);
         int64_t cm[9 + 2];
         PassTotals pt = {.cm = cm};
-        MicroBatch mb[2] = {{n, images, labels, 0}, {n, images, labels, n}};
+        MicroBatch mb[2] = {{n, images, labels, 0, NULL}, {n, images, labels, n, NULL}};
         cpu_bytes_peak = cpu_bytes_live;
         train_step(&t, mb, cases[k].accum, &pt);
         CHECK(cpu_bytes_peak == cpu_bytes_live, "%s case %zu: a step allocated %zu bytes more",
@@ -7142,7 +7142,7 @@ TEST(checkpoint_training_bitwise) {
     for (int s = 0; s < 3; s++) {
         for (int i = 0; i < 4 * 32 * 32 * 3; i++) images[i] = (float)(rng_next(&r) % 256);
         for (int i = 0; i < 4; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
-        MicroBatch mb = {4, images, labels, 0};
+        MicroBatch mb = {4, images, labels, 0, NULL};
         train_step(&a, &mb, 1, &pa);
         train_step(&b, &mb, 1, &pb);
     }
@@ -7187,7 +7187,7 @@ static void fused_run(const TrainCfg *c, int fuse, int steps, float **params, do
     for (int s = 0; s < steps; s++) {
         for (int i = 0; i < N * hw * hw * 3; i++) images[i] = (float)(rng_next(&r) % 256);
         for (int i = 0; i < N; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
-        MicroBatch mb = {N, images, labels, 0};
+        MicroBatch mb = {N, images, labels, 0, NULL};
         train_step(&t, &mb, 1, &pt);
     }
     *loss = pt.loss_sum;
@@ -7359,7 +7359,7 @@ TEST(fp16_loss_scaling) {
         random_batch(&r, 4, 8, 3, images, labels);
         if (s == 1) images[17] = INFINITY;  // an overflow, as fp16 activations would give
         memcpy(before, t.net.params, sizeof(float) * P);
-        MicroBatch mb = {4, images, labels, 0};
+        MicroBatch mb = {4, images, labels, 0, NULL};
         int applied = train_step(&t, &mb, 1, &pt);
         int changed = memcmp(before, t.net.params, sizeof(float) * P) != 0;
         CHECK(applied == (s != 1) && changed == applied, "step %d: applied %d, weights changed %d",
@@ -7424,9 +7424,9 @@ static void accum_equals_big_batch_with(const LossCfg *loss) {
         random_batch(&r, B * K, 8, 3, images, labels);
         // micro-batch 0: mostly weight-0 pixels
         for (int i = 0; i < B * 64; i++) labels[i] = i % 5 ? 0 : labels[i];
-        MicroBatch one = {B * K, images, labels, 0}, parts[K];
+        MicroBatch one = {B * K, images, labels, 0, NULL}, parts[K];
         for (int k = 0; k < K; k++)
-            parts[k] = (MicroBatch){B, images + k * B * 64 * 3, labels + k * B * 64, k * B};
+            parts[k] = (MicroBatch){B, images + k * B * 64 * 3, labels + k * B * 64, k * B, NULL};
         train_step(&a, &one, 1, &pa);
         train_step(&b, parts, K, &pb);
     }
@@ -7484,7 +7484,7 @@ TEST(accum_equals_big_batch) {
     random_batch(&r, 6, 8, 3, images, labels);
     MicroBatch parts[3];
     for (int k = 0; k < 3; k++)
-        parts[k] = (MicroBatch){2, images + k * 2 * 64 * 3, labels + k * 2 * 64, k * 2};
+        parts[k] = (MicroBatch){2, images + k * 2 * 64 * 3, labels + k * 2 * 64, k * 2, NULL};
     train_step(&a, parts, 3, &pa);
     train_step(&b, parts, 3, &pb);
     CHECK(a.g.n_buffer_floats > 0 &&
@@ -7530,9 +7530,9 @@ TEST(accum_dropout_equals_big_batch) {
     for (int s = 0; s < STEPS; s++) {
         for (int i = 0; i < B * K * HW * HW * 3; i++) images[i] = (float)(rng_next(&r) % 256);
         for (int i = 0; i < B * K; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
-        MicroBatch one = {B * K, images, labels, 0}, parts[K];
+        MicroBatch one = {B * K, images, labels, 0, NULL}, parts[K];
         for (int k = 0; k < K; k++)
-            parts[k] = (MicroBatch){B, images + k * B * HW * HW * 3, labels + k * B, k * B};
+            parts[k] = (MicroBatch){B, images + k * B * HW * HW * 3, labels + k * B, k * B, NULL};
         train_step(&a, &one, 1, &pa);
         train_step(&b, parts, K, &pb);
     }
@@ -7582,7 +7582,7 @@ TEST(freeze_base) {
     int64_t cm[9];
     PassTotals pt = {.cm = cm};
     random_batch(&r, 4, 8, 3, images, labels);
-    MicroBatch mb = {4, images, labels, 0};
+    MicroBatch mb = {4, images, labels, 0, NULL};
     train_step(&t, &mb, 1, &pt);
     for (int p = 0; p < g->n_params; p++) {
         const ParamInfo *q = &g->params[p];
@@ -7659,7 +7659,7 @@ static int replica_job(Comm *comm, void *arg) {
                         last = s == j->steps - 1 && k == c->accum - 1;
             shard_range(last && j->last ? j->last : j->B, comm->size, comm->rank, &lo, &hi);
             mb[k] = (MicroBatch){hi - lo, img + (first + lo) * hw * 3, lab + (first + lo) * hw,
-                                 k * j->B + lo};
+                                 k * j->B + lo, NULL};
             if (s == 1 && k == 0 && comm->rank == j->inf_rank)
                 img[(first + lo) * hw * 3 + 5] = INFINITY;
         }
@@ -8639,7 +8639,7 @@ static void cu_train_losses(const char *model, int hw, DType dt, Device device, 
     int64_t cm[9];
     for (int s = 0; s < steps; s++) {
         random_batch(&r, 2, hw, 3, images, labels);
-        MicroBatch mb = {2, images, labels, 0};
+        MicroBatch mb = {2, images, labels, 0, NULL};
         PassTotals pt = {.cm = cm};
         train_step(&t, &mb, 1, &pt);
         losses[s] = pt.loss_sum / pt.norm_sum;
@@ -8699,7 +8699,7 @@ static void cu_graph_run(int records, double *losses, float **params, float **mo
 #endif
     for (int s = 0; s < 5; s++) {
         random_batch(&r, sizes[s], hw, 3, images, labels);
-        MicroBatch mb = {sizes[s], images, labels, 0};
+        MicroBatch mb = {sizes[s], images, labels, 0, NULL};
         PassTotals pt = {.cm = cm};
 #if EMULATED_CUDA
         const long long g0 = cuemu_count("graph_launches");
@@ -9048,7 +9048,122 @@ TEST(gpucount_waves_by_hand) {
     unlink(two);
 }
 
+// dev/inflight.awk on hand-written SASS. Kernel a (no loop, 40 registers: 6 blocks
+// of 256 = 1536 threads an SM): a 16-byte and an 8-byte load, then an add that
+// reads the second load's register: 24 B a thread, 24·1536/1024 = 36 KB, fill 1.
+// The load addressed through uniform register UR12 while R12 is loaded is not a
+// use. Kernel b (not in the resources file: 64 registers, 1024 threads): a load
+// before its loop (outside the window, not counted); in the loop two 8-byte
+// loads, into R8:R9 and R10:R11, then a DADD that reads R8: 16 B, 16 KB, fill
+// 0.50. Kernel c (32 registers: 2048 threads): a DADD of R6 (the pair R6:R7)
+// after a 4-byte load into R7 waits for it: 4 B, 8 KB, 0.25. Kernel d: no load,
+// left out.
+TEST(inflight_awk_by_hand) {
+    const char *res = "/tmp/segnet_test_inflight_res.txt", *sass = "/tmp/segnet_test_inflight.sass";
+    FILE *f = fopen(res, "w");
+    fprintf(f, "_Z1aPf sm_90 40 0 0 0\n_Z1cPf sm_90 32 0 0 0\n");
+    fclose(f);
+    f = fopen(sass, "w");
+    fprintf(f, "\t\tFunction : _Z1aPf\n"
+               "        /*0000*/                   LDG.E.128 R12, desc[UR4][R2.64] ;  /* 0x0 */\n"
+               "        /*0010*/               @P0 LDG.E.64 R4, desc[UR12][R6.64] ;  /* 0x0 */\n"
+               "        /*0020*/                   FADD R0, R4, R1 ;  /* 0x0 */\n"
+               "        /*0030*/                   LDG.E R20, desc[UR4][R2.64] ;  /* 0x0 */\n"
+               "        /*0040*/                   EXIT ;  /* 0x0 */\n"
+               "\t\tFunction : _Z1bPf\n"
+               "        /*0000*/                   LDG.E.128 R20, desc[UR4][R2.64] ;  /* 0x0 */\n"
+               "        /*0010*/                   IADD3 R1, R1, 0x1, RZ ;  /* 0x0 */\n"
+               "        /*0020*/                   LDG.E.64 R8, desc[UR4][R2.64] ;  /* 0x0 */\n"
+               "        /*0030*/                   LDG.E.64 R10, desc[UR4][R2.64] ;  /* 0x0 */\n"
+               "        /*0040*/                   DADD R12, R8, R12 ;  /* 0x0 */\n"
+               "        /*0050*/                   LDG.E.64 R14, desc[UR4][R2.64] ;  /* 0x0 */\n"
+               "        /*0060*/               @P1 BRA 0x20 ;  /* 0x0 */\n"
+               "        /*0070*/                   EXIT ;  /* 0x0 */\n"
+               "\t\tFunction : _Z1cPf\n"
+               "        /*0000*/                   LDG.E R7, desc[UR4][R2.64] ;  /* 0x0 */\n"
+               "        /*0010*/                   DADD R12, R6, R12 ;  /* 0x0 */\n"
+               "        /*0020*/                   EXIT ;  /* 0x0 */\n"
+               "\t\tFunction : _Z1dPf\n"
+               "        /*0000*/                   EXIT ;  /* 0x0 */\n");
+    fclose(f);
+    char cmd[512], msg[512];
+    snprintf(cmd, sizeof cmd, "awk -f dev/inflight.awk %s %s", res, sass);
+    const int rc = run_shell(cmd, msg, sizeof msg);
+    size_t n;
+    char *out = read_file("/tmp/segnet_test_out.txt", &n);
+    CHECK(rc == 0 && out, "%s: exit %d: %s", cmd, rc, msg);
+    if (!out) return;
+    CHECK(!strcmp(out, "_Z1aPf kernel 24 40 1536 36.0 1.00\n"
+                       "_Z1bPf loop 16 64 1024 16.0 0.50\n"
+                       "_Z1cPf kernel 4 32 2048 8.0 0.25\n"),
+          "dev/inflight.awk on hand-written SASS:\n%s", out);
+    free(out);
+    unlink(res);
+    unlink(sass);
+}
+
+// The batch norm kernels' row loops keep >= 24 KB in flight per SM, by the SASS
+// of this build (kernel_inflight.txt, make inflight): per-channel sums with
+// vector lanes (statistics, gradient sums, squeeze-excitation pooling), the
+// vector apply and data-gradient kernels. The target is 32 KB (kernels.cu's
+// THREAD_BYTES_IN_FLIGHT, 1024 threads an SM); four stay at 24 (fill 0.75) for
+// their registers: the gradient sums through DyResidual with 2-byte storage (a
+// second row would spill) and the apply into ResidualEnd with 16-byte lanes
+// (66 registers: 768 threads). Loading one row at a time gave 8 KB.
+TEST(inflight_batch_norm_kernels) {
+    struct stat table, source;
+    if (stat("kernel_inflight.txt", &table) || stat("kernels.cu", &source))
+        SKIP("no kernel_inflight.txt (make inflight: needs nvcc and cuobjdump, CUOBJDUMP=path)");
+    if (table.st_mtime < source.st_mtime)
+        SKIP("kernel_inflight.txt is older than kernels.cu (make inflight)");
+    size_t n;
+    char *text = read_file("kernel_inflight.txt", &n);
+    CHECK(text != NULL, "kernel_inflight.txt cannot be read");
+    if (!text) return;
+    int checked = 0;
+    for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+        char name[4096], window[16];
+        int bytes, regs, threads;
+        double kb, fill;
+        if (sscanf(line, "%4095s %15s %d %d %d %lf %lf", name, window, &bytes, &regs, &threads,
+                   &kb, &fill) != 7)
+            continue;
+        int nq, w;
+        const int sums = sscanf(name, "_Z19channel_sums_kernelILi%dELi%dE", &nq, &w) == 2;
+        if (!(sums && w > 1) && !strstr(name, "bn_forward_vec_kernel") &&
+            !strstr(name, "bn_backward_data_vec_kernel"))
+            continue;
+        checked++;
+        CHECK(kb >= 24, "%s keeps %.1f KB in flight per SM (%d B a thread, %d threads)", name, kb,
+              bytes, threads);
+    }
+    // 21 sums (5 lanes × 3 storage types, the squeeze-excitation's with two consumers),
+    // 10 apply and 6 data-gradient kernels
+    CHECK(checked == 37, "kernel_inflight.txt names %d of the 37 batch norm kernels", checked);
+    free(text);
+}
+
 #if EMULATED_CUDA
+// segnet bench's host time per step: the part of the step outside its device
+// work, so at least 0 and at most the step's time (both medians over the same
+// steps; the host time of each step is inside that step's time).
+TEST(bench_host_time) {
+    char msg[4096];
+    const int rc = run_shell("./segnet bench --device cpu --model unet --depth 2 --width 8 --size "
+                             "32x32 --batch 2 --classes 3 --steps 3 --warmup 1 --threads 1",
+                             msg, sizeof msg);
+    size_t n;
+    char *out = read_file("/tmp/segnet_test_out.txt", &n);
+    CHECK(rc == 0 && out, "segnet bench: exit %d: %s", rc, msg);
+    if (!out) return;
+    const char *step = strstr(out, "train_step_ms: "), *host = strstr(out, "host_ms_per_step: ");
+    const double step_ms = step ? atof(step + strlen("train_step_ms: ")) : -1,
+                 host_ms = host ? atof(host + strlen("host_ms_per_step: ")) : -1;
+    CHECK(step && host && host_ms >= 0 && host_ms <= step_ms,
+          "host_ms_per_step %g, train_step_ms %g in:\n%s", host_ms, step_ms, out);
+    free(out);
+}
+
 // segnet bench --kernels N on the emulated GPU: a header, N rows of kernels
 // (launches and time per step, most time first), a sum; on the CPU a one-line
 // refusal and a failing exit
@@ -9786,13 +9901,23 @@ TEST(loader_determinism) {
     int32_t want_y[10 * 24];
     CHECK(dataset_batch(&d, order, 10, &aug, 42, want_x, want_y, err) == 0, "%s", err);
     const int setups[4][2] = {{1, 1}, {1, 3}, {3, 2}, {3, 5}};  // workers, depth
+    // the batches' label weight sums: class 0 weighs 0, 1 0.1, labels of class 2
+    // (K = 2) and ignored ones are left out; without weights, labels 0..2 count 1
+    const float weights[2] = {0.0f, 0.1f};
     for (int s = 0; s < 4; s++) {
-        Loader *l = loader_start(&d, order, 10, 4, &aug, 42, setups[s][0], setups[s][1]);
+        const int K = s % 2 ? 3 : 2;
+        const float *w = s % 2 ? NULL : weights;
+        Loader *l = loader_start(&d, order, 10, 4, &aug, 42, setups[s][0], setups[s][1], K, w);
         int b = 0, first = 0;
         for (const LoaderBatch *lb; (lb = loader_next(l)); b++) {
             CHECK(lb->index == b && lb->n == (b < 2 ? 4 : 2),
                   "%d workers: batch %d has index %d, %d images", setups[s][0], b, lb->index,
                   lb->n);
+            double sum = 0.0;
+            for (int i = first * P; i < (first + lb->n) * P; i++)
+                if (want_y[i] >= 0 && want_y[i] < K) sum += w ? (double)w[want_y[i]] : 1.0;
+            CHECK(lb->weight_sum == sum, "batch %d: weight sum %.17g, not %.17g", b,
+                  lb->weight_sum, sum);
             CHECK(!memcmp(lb->images, want_x + (size_t)first * 3 * P,
                           sizeof(float) * 3 * P * lb->n) &&
                           !memcmp(lb->labels, want_y + (size_t)first * P,
@@ -9805,8 +9930,8 @@ TEST(loader_determinism) {
         loader_stop(l);
     }
     // stopping at any time: before the first batch, mid-epoch with workers waiting on a full ring
-    loader_stop(loader_start(&d, order, 10, 4, &aug, 1, 3, 2));
-    Loader *l = loader_start(&d, order, 10, 1, &aug, 1, 2, 2);
+    loader_stop(loader_start(&d, order, 10, 4, &aug, 1, 3, 2, 0, NULL));
+    Loader *l = loader_start(&d, order, 10, 1, &aug, 1, 2, 2, 0, NULL);
     CHECK(loader_next(l) != NULL, "a first batch");
     loader_stop(l);
     dataset_free(&d);
@@ -9823,7 +9948,7 @@ TEST(loader_file_changed) {
     FILE *f = fopen(path, "wb");
     if (f) { fputs("\x89PNG\r\n\x1a\nbroken", f); fclose(f); }
     const int order[5] = {0, 1, 2, 3, 4};
-    Loader *l = loader_start(&d, order, 5, 1, NULL, 0, 2, 3);
+    Loader *l = loader_start(&d, order, 5, 1, NULL, 0, 2, 3, 0, NULL);
     int got = 0;
     while (loader_next(l)) got++;
     CHECK(got == 3 && contains(loader_error(l), "s3.png") &&

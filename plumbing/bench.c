@@ -34,6 +34,7 @@ typedef struct {
 typedef struct {
     double step_ms;                  // median over the timed steps
     double images_per_s;             // batch / median step
+    double host_ms;                  // median of the steps' host time outside their device work
     size_t peak_rss_bytes;           // getrusage ru_maxrss of the whole process
     size_t peak_device_bytes;        // the most the backend's alloc had handed out at once
     double kind_fwd_ms[BK_COUNT], kind_bwd_ms[BK_COUNT];  // per step (mean), with profile
@@ -75,6 +76,12 @@ static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
 }
+// the median of v (n; sorted in place), 0 when n is 0
+static double median_of(double *v, int n) {
+    if (n <= 0) return 0.0;
+    qsort(v, (size_t)n, sizeof(double), cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
 
 int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     memset(r, 0, sizeof *r);
@@ -114,13 +121,17 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     float *host_in = malloc(sizeof(float) * n_in);
     int32_t *host_lab = malloc(sizeof(int32_t) * n_labels);
     int64_t *cm = calloc((size_t)K * K, sizeof(int64_t));
-    double *times = malloc(sizeof(double) * (size_t)(c->steps > 0 ? c->steps : 1));
+    double *times = malloc(sizeof(double) * (size_t)(c->steps > 0 ? c->steps : 1)),
+           *host_times = malloc(sizeof(double) * (size_t)(c->steps > 0 ? c->steps : 1));
     double *layer_s = c->profile ? calloc(2 * (size_t)g->n_layers, sizeof(double)) : NULL;
-    snCheck(host_in && host_lab && cm && times && (!c->profile || layer_s), "out of host memory");
+    snCheck(host_in && host_lab && cm && times && host_times && (!c->profile || layer_s),
+            "out of host memory");
     Rng rng;
     rng_seed(&rng, c->seed ^ 0x62656e6368ull);
     for (size_t i = 0; i < n_in; i++) host_in[i] = (float)(rng_next(&rng) % 256);
     for (size_t i = 0; i < n_labels; i++) host_lab[i] = (int32_t)(rng_next(&rng) % (uint64_t)K);
+    // as segnet train's loader workers sum it, outside the step
+    const double weight_sum = label_weight_sum(host_lab, n_labels, loss_norm_weights(t.c), K);
     // what the layers' times leave of the timed steps: loss, optimiser, copies
     double rest_s = 0.0;
     if (time_kernels) {
@@ -135,12 +146,13 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
         if (b) b->kernel_timing(timed && time_kernels);
         // train_step returns when the device has finished the step (its one wait)
         double t0 = now_seconds();
-        MicroBatch mb = {N, host_in, host_lab, 0};
+        MicroBatch mb = {N, host_in, host_lab, 0, &weight_sum};
         PassTotals pt = {.cm = cm};
         train_step(&t, &mb, 1, &pt);
         double dt = now_seconds() - t0;
         if (timed) {
             times[step - c->warmup] = dt;
+            host_times[step - c->warmup] = t.step_host_seconds;
             if (layer_s) {
                 double layers = -layers_before;
                 for (int i = 0; i < 2 * g->n_layers; i++) layers += layer_s[i];
@@ -150,10 +162,10 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     }
     if (b) b->kernel_timing(0);
     if (time_kernels) r->n_kernels = b->kernel_times(r->kernel_rows, BENCH_KERNEL_ROWS);
-    int n = c->steps > 0 ? c->steps : 0;
-    qsort(times, (size_t)n, sizeof(double), cmp_double);
-    double med = n ? (n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2])) : 0.0;
+    const int n = c->steps > 0 ? c->steps : 0;
+    const double med = median_of(times, n);
     r->step_ms = 1e3 * med;
+    r->host_ms = 1e3 * median_of(host_times, n);
     r->images_per_s = med > 0.0 ? N / med : 0.0;
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
@@ -173,7 +185,7 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
         }
         r->kind_bwd_ms[BK_REST] += 1e3 * rest_s / n;
     }
-    free(host_in); free(host_lab); free(cm); free(times); free(layer_s);
+    free(host_in); free(host_lab); free(cm); free(times); free(host_times); free(layer_s);
     trainer_close(&t);
     return 0;
 }
@@ -205,7 +217,7 @@ static int bench_loader(const TrainCfg *c, LoaderBench *r, char err[SN_ERR_MAX])
     int *order = malloc(sizeof(int) * (size_t)total * B);
     snCheck(order != NULL, "out of host memory");
     for (int i = 0; i < total * B; i++) order[i] = i % d.n;
-    Loader *l = loader_start(&d, order, total * B, B, &c->augment, c->seed, c->workers, 4);
+    Loader *l = loader_start(&d, order, total * B, B, &c->augment, c->seed, c->workers, 4, 0, NULL);
     double t0 = 0.0;
     int got = 0, images = 0;
     for (const LoaderBatch *b; got < total && (b = loader_next(l)); got++) {

@@ -1500,6 +1500,9 @@ static const char *BENCH_USAGE =
     "backward, fp16 loss scaling, Adam) on synthetic data (random images 0..255,\n"
     "random labels, every class weight 1) after warm-up steps, and prints\n"
     "  train_step_ms: X     median over the S steps\n"
+    "  host_ms_per_step: H  median of the host's time outside the step's device work:\n"
+    "                       before it is queued (the loss normaliser, the arguments,\n"
+    "                       staging the batch) and after its one wait\n"
     "  images_per_s: Y      batch / median step\n"
     "  peak_rss_bytes: Z    the process's peak resident memory (getrusage)\n"
     "  peak_device_bytes: D the backend's peak allocation (the GPU's with --device cuda)\n"
@@ -1647,6 +1650,7 @@ static int cmd_bench(int argc, char **argv) {
                "sum", "", total / c.steps);
     }
     printf("train_step_ms: %.2f\n", r.step_ms);
+    printf("host_ms_per_step: %.3f\n", r.host_ms);
     printf("images_per_s: %.3f\n", r.images_per_s);
     printf("peak_rss_bytes: %zu\n", r.peak_rss_bytes);
     printf("peak_device_bytes: %zu\n", r.peak_device_bytes);

@@ -893,6 +893,8 @@ struct Loader {
     Augment aug;
     int has_aug;
     uint64_t seed;
+    int K;                       // > 0: the batches' weight sums, with weights (K) or NULL
+    float *weights;
     LoaderBatch *slots;          // (depth)
     int *built;                  // (depth) the batch whose build finished in each slot, -1 if none
     pthread_t *threads;
@@ -923,8 +925,17 @@ static void *loader_worker(void *arg) {
         char e[SN_ERR_MAX];
         int rc = dataset_batch(l->d, l->order + first, n, l->has_aug ? &l->aug : NULL, l->seed,
                                s->images, s->labels, e);
+        const size_t labels = (size_t)n * (l->d->segmentation ? l->d->height * l->d->width : 1);
+        const double weight_sum = l->K > 0 && rc == 0
+                                          ? label_weight_sum(s->labels, labels, l->weights, l->K)
+                                          : 0.0;
         pthread_mutex_lock(&l->mu);
-        if (rc == 0) { s->n = n; s->index = b; l->built[b % l->depth] = b; }
+        if (rc == 0) {
+            s->n = n;
+            s->index = b;
+            s->weight_sum = weight_sum;
+            l->built[b % l->depth] = b;
+        }
         else if (b < l->failed) { l->failed = b; memcpy(l->build_err, e, SN_ERR_MAX); }
         pthread_cond_broadcast(&l->cv);
     }
@@ -933,7 +944,7 @@ static void *loader_worker(void *arg) {
 }
 
 Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch, const Augment *aug,
-                     uint64_t seed, int workers, int depth) {
+                     uint64_t seed, int workers, int depth, int K, const float *weights) {
     snCheck(n_order >= 0 && batch >= 1 && workers >= 1 && depth >= 1,
             "loader_start: n_order %d, batch %d, workers %d, depth %d", n_order, batch, workers,
             depth);
@@ -953,6 +964,12 @@ Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch,
     l->has_aug = aug != NULL;
     if (aug) l->aug = *aug;
     l->seed = seed;
+    l->K = K;
+    if (K > 0 && weights) {
+        l->weights = malloc(sizeof(float) * (size_t)K);
+        snCheck(l->weights != NULL, "out of host memory");
+        memcpy(l->weights, weights, sizeof(float) * (size_t)K);
+    }
     l->failed = l->n_batches;
     l->order = malloc(sizeof(int) * (size_t)(n_order ? n_order : 1));
     l->slots = calloc((size_t)depth, sizeof *l->slots);
@@ -1014,6 +1031,7 @@ void loader_stop(Loader *l) {
     free(l->built);
     free(l->threads);
     free(l->order);
+    free(l->weights);
     free(l);
 }
 

@@ -884,7 +884,8 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
     }
     Loader *L = n_mine > skip ? loader_start(d, mine + skip, n_mine - skip, N,
                                              training ? &c->augment : NULL,
-                                             augment_seed_of(epoch_seed), c->workers, 4)
+                                             augment_seed_of(epoch_seed), c->workers, 4, K,
+                                             loss_norm_weights(c))
                               : NULL;
     // int64 zeros
     o->fill(o, tensor_f32((float *)t->confusion, shape4(2 * (int)t->cm_len, 1, 1, 1)), 0.0f);
@@ -909,10 +910,11 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
     // pending: micro-batches gathered for the next optimiser step
     int pending = 0, rc = 0, stopped = 0, stop_signal = 0;
     MicroBatch mb[SN_MAX_ACCUM];
+    double weight_sums[SN_MAX_ACCUM];  // the loader's, of the micro-batches in mb
     for (int j = start; j < n_batches && rc == 0 && !stopped; j++) {
         const int nj = d->n - j * B < B ? d->n - j * B : B;
         shard_range(nj, R, comm->rank, &lo, &hi);
-        MicroBatch shard = {0, NULL, NULL, pending * B + lo};
+        MicroBatch shard = {0, NULL, NULL, pending * B + lo, NULL};
         if (hi > lo) {
             const double waited = now_seconds();
             const LoaderBatch *b = loader_next(L);
@@ -923,7 +925,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
                 break;
             }
             snCheck(b->n == hi - lo, "the loader gave %d images for a shard of %d", b->n, hi - lo);
-            shard = (MicroBatch){b->n, b->images, b->labels, pending * B + lo};
+            shard = (MicroBatch){b->n, b->images, b->labels, pending * B + lo, &b->weight_sum};
         }
         int step_rc = 0;
         const double step_started = now_seconds();
@@ -938,15 +940,16 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
                 memcpy(t->accum_labels + pending * label_count, shard.labels,
                        sizeof(int32_t) * (size_t)shard.n * t->per_image);
             }
+            weight_sums[pending] = shard.weight_sum ? *shard.weight_sum : 0.0;
             mb[pending] = (MicroBatch){shard.n, t->accum_images + pending * image_floats,
-                                       t->accum_labels + pending * label_count, shard.first};
+                                       t->accum_labels + pending * label_count, shard.first,
+                                       &weight_sums[pending]};
             if (++pending == c->accum || j + 1 == n_batches) {
                 step_rc = train_step(t, mb, pending, pt);
                 pending = 0;
             }
         } else if (shard.n || region_exchanges(t)) {
-            const double norm = label_weight_sum(shard.labels, (size_t)shard.n * t->per_image,
-                                                 c->loss_norm_keras ? NULL : c->class_weights, K);
+            const double norm = shard.weight_sum ? *shard.weight_sum : 0.0;  // the loader's
             double loss;
             if (eval_batch(t, &shard, nj, norm, &loss)) { rc = -1; break; }
             pt->loss_sum += loss;
