@@ -10816,11 +10816,13 @@ TEST(predict_tiled_pointwise) {
             for (int constant = 0; constant < 2; constant++) {
                 const int h = CASES[c][0], w = CASES[c][1], th = CASES[c][2], tw = CASES[c][3];
                 int ctx[2] = {th * tw, constant};
-                const TileModel m = {tiles_pointwise, ctx, 3, th, tw, 3};
+                const TileModel m = {tiles_pointwise, ctx, 3, th, tw, 3, NULL, 0};
                 float *img = malloc(sizeof(float) * 3 * h * w),
                       *probs = malloc(sizeof(float) * 3 * h * w);
-                for (int i = 0; i < 3 * h * w; i++) img[i] = (float)(rng_next(&r) % 256);
-                predict_tiled(&m, img, h, w, CASES[c][4] / 100.0f, tta, probs);
+                uint8_t *img8 = malloc((size_t)3 * h * w);
+                for (int i = 0; i < 3 * h * w; i++) img[i] = img8[i] = (uint8_t)(rng_next(&r) % 256);
+                predict_tiled(&m, img8, NULL, h, w, CASES[c][4] / 100.0f, tta, probs);
+                free(img8);
                 double worst = 0;
                 int other_class = 0;
                 for (int p = 0; p < h * w; p++) {
@@ -14156,11 +14158,12 @@ TEST(predict_tiled_scaled_pointwise) {
     Rng r;
     rng_seed(&r, 19);
     float *img = malloc(sizeof(float) * 3 * h * w), *probs = malloc(sizeof(float) * K * h * w);
-    for (int i = 0; i < 3 * h * w; i++) img[i] = (float)(rng_next(&r) % 256);
+    uint8_t *img8 = malloc((size_t)3 * h * w);
+    for (int i = 0; i < 3 * h * w; i++) img[i] = img8[i] = (uint8_t)(rng_next(&r) % 256);
     for (int k = 0; k < 3; k++) {
         int ctx[2] = {16 * 16, 0};
-        const TileModel m = {tiles_pointwise, ctx, 2, 16, 16, K};
-        predict_tiled_scaled(&m, img, h, w, SCALES[k], 0.5f, 1, probs);
+        const TileModel m = {tiles_pointwise, ctx, 2, 16, 16, K, NULL, 0};
+        predict_tiled_scaled(&m, img8, h, w, SCALES[k], 0.5f, 1, probs);
         const int sh = (int)fmax(1, lround(h * (double)SCALES[k])),
                   sw = (int)fmax(1, lround(w * (double)SCALES[k]));
         float *simg = malloc(sizeof(float) * 3 * sh * sw),
@@ -14184,6 +14187,7 @@ TEST(predict_tiled_scaled_pointwise) {
         free(sp);
         free(want);
     }
+    free(img8);
     free(img);
     free(probs);
 }
@@ -14801,6 +14805,13 @@ TEST(readme_usage_claims) {
         CHECK(built == (side % 8 == 0), "unet depth 3 at %dx%d: built %d", side, side, built);
         graph_free(&g);
     }
+    // item 9: the tiled prediction's host bytes a pixel are the plan's (images.c)
+    char mem[120];
+    snprintf(mem, sizeof mem, "7 + 4K bytes a pixel, %d with 4 classes", TILED_HOST_BYTES(4));
+    for (char *p = pr; p && *p; p++) *p = *p == '\n' ? ' ' : *p;
+    CHECK(pr && contains(pr, mem) && TILED_HOST_BYTES(0) == 7 && TILED_HOST_BYTES(1) == 11,
+          "README's --tile memory, '%s', against TILED_HOST_BYTES: %d + %d·K", mem,
+          TILED_HOST_BYTES(0), TILED_HOST_BYTES(1) - TILED_HOST_BYTES(0));
     free(ft);
     free(pr);
     free(eval);
@@ -15974,6 +15985,75 @@ TEST(predict_tile_fits_images) {
                                            "1024x1024 a pass: a smaller --tile needs less")
                 : rc == 0,
               "--tile %s under 1.5 GB: exit %d, '%s'", k ? "1024x1024" : "64x64", rc, msg);
+    }
+    ds_remove(dir);
+}
+
+// Gap 3: predict says what it does. Without --tile, the first image of more than 4 times the
+// model's pixels is named once (resized; --tile predicts at its own size), one of the model's
+// size is not. With --tile, an image of more than a pass of tiles shows its tile rows: in a
+// log a line per tenth of them, rising to the last; on a terminal (script's pty) one line
+// rewritten with \r.
+TEST(predict_says_what_it_does) {
+    char dir[300], msg[8192], args[1400];
+    const char *const subs[] = {"small", "big", "tall"};
+    ds_fixture(dir, sizeof dir, "predsay", subs, 3);
+    write_seg_set(dir, 2, 8, 8, 23);
+    snprintf(args, sizeof args,
+             "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --epochs 1 --classes 3 "
+             "--data %s --out %s/run --device cpu --threads 1",
+             dir, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "train: %s", msg);
+    uint8_t *px = calloc((size_t)80 * 24 * 3, 1);
+    ds_png(dir, "small/a.png", 8, 8, 3, px);
+    ds_png(dir, "big/a.png", 17, 16, 3, px);  // 272 pixels: more than 4 × 64
+    ds_png(dir, "big/b.png", 24, 20, 3, px);
+    ds_png(dir, "tall/a.png", 16, 80, 3, px);  // 8x8 tiles: 19 rows of 3 at overlap 0.5
+    free(px);
+    for (int k = 0; k < 2; k++) {
+        snprintf(args, sizeof args,
+                 "predict --run %s/run --input %s/%s --out %s/out%d --device cpu --threads 1", dir,
+                 dir, k ? "big" : "small", dir, k);
+        CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict: %s", msg);
+        char want[700];
+        snprintf(want, sizeof want,
+                 "predict: %s/big/a.png is 16x17 (HxW), resized to the model's 8x8 and its mask "
+                 "back (detail is lost); --tile 8x8 predicts at the image's own size\n",
+                 dir);
+        CHECK(k ? count_substr(msg, "resized to the model's") == 1 && contains(msg, want)
+                : !contains(msg, "resized"),
+              "%s: '%s'", k ? "two images of 272 and 480 pixels: the first named, once"
+                            : "an image of the model's size: nothing said",
+              msg);
+    }
+    snprintf(args, sizeof args,
+             "predict --run %s/run --input %s/tall --out %s/out2 --tile 8x8 --device cpu "
+             "--threads 1",
+             dir, dir, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict --tile: %s", msg);
+    char head[400];
+    snprintf(head, sizeof head, "predict: %s/tall/a.png: tile row ", dir);
+    int lines = 0, last = 0, rising = 1;
+    for (const char *p = msg; (p = strstr(p, head)); p++) {
+        int r = 0, n = 0;
+        rising &= sscanf(p + strlen(head), "%d/%d\n", &r, &n) == 2 && n == 19 && r > last;
+        last = r;
+        lines++;
+    }
+    CHECK(lines >= 5 && lines <= 10 && last == 19 && rising && contains(msg, "predict: 1/1 images\n"),
+          "a log: a line per tenth of 19 tile rows, rising to 19/19: %d lines, '%s'", lines, msg);
+    if (system("command -v script >/dev/null 2>&1") == 0) {
+        snprintf(args, sizeof args,
+                 "script -qec './segnet predict --run %s/run --input %s/tall --out %s/out3 "
+                 "--tile 8x8 --device cpu --threads 1' /dev/null",
+                 dir, dir, dir);
+        CHECK(run_shell(args, msg, sizeof msg) == 0, "script: %s", msg);
+        char *out = read_text("/tmp/segnet_test_out.txt");
+        snprintf(args, sizeof args, "\r%s19/19\033[K\rpredict: 1/1 images\033[K", head);
+        CHECK(out && count_substr(out, head) >= 10 && contains(out, args) &&
+                      !contains(out, "tile row 19/19\n"),
+              "a terminal: the tile rows rewritten on one line: '%s'", out ? out : "");
+        free(out);
     }
     ds_remove(dir);
 }
