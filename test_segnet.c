@@ -14927,6 +14927,31 @@ TEST(readme_usage_claims) {
         CHECK(built == (side % 8 == 0), "unet depth 3 at %dx%d: built %d", side, side, built);
         graph_free(&g);
     }
+    // gap 4: the default unet's parameters, and the quickstart's, as README states them
+    char *own = readme_section("## Train on your own data");
+    int64_t counts[2];
+    for (int k = 0; k < 2; k++) {
+        ModelCfg c = model_cfg_default();
+        c.model = "unet";
+        c.classes = 4;
+        c.height = c.width = 64;
+        if (k) { c.depth = 3; c.width_base = 16; }
+        Graph g;
+        graph_init(&g);
+        CHECK(model_build(&g, &c) >= 0, "%s", g.err);
+        counts[k] = 0;
+        for (int i = 0; i < g.n_params; i++) counts[k] += (int64_t)g.params[i].count;
+        graph_free(&g);
+    }
+    char said[200];
+    snprintf(said, sizeof said,
+             "is depth 4, width 32: %d,%03d,%03d parameters with 4 classes, %d×",
+             (int)(counts[0] / 1000000), (int)(counts[0] / 1000 % 1000), (int)(counts[0] % 1000),
+             (int)(counts[0] / counts[1]));
+    for (char *p = own; p && *p; p++) *p = *p == '\n' ? ' ' : *p;
+    CHECK(own && contains(own, said) && contains(own, "(488,052;") && counts[1] == 488052,
+          "README's default unet: '%s' (the quickstart's %lld)", said, (long long)counts[1]);
+    free(own);
     // item 9: the tiled prediction's host bytes a pixel are the plan's (images.c)
     char mem[120];
     snprintf(mem, sizeof mem, "7 + 4K bytes a pixel, %d with 4 classes", TILED_HOST_BYTES(4));
