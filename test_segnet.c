@@ -167,6 +167,24 @@ static double eval_loss(Net *net, int out, const float *r) {
   return L;
 }
 
+// eval_loss re-running the layers from `from` on (from the layer a fused one runs with), as
+// net_forward does after a forward of the same batch: the layers before it read nothing that
+// changed, so their outputs stand (each tensor's own buffer: no memory plan). graph_gradcheck
+// checks that this gives the full forward's loss to the bit.
+static double eval_loss_from(Net *net, int out, const float *r, int from) {
+    if (net->plan || net->params_cast || from <= 0) return eval_loss(net, out, r);
+    while (from > 0 && net->fusion[from]) from--;
+    const int L = net->g->n_layers;
+    if (net->training) net_seeds_current(net);
+    for (int i = from; i < L; i++)
+        if (!net->fusion[i]) layer_forward(net, i, 0, i + 1 < L && net->fusion[i + 1]);
+    const float *y = net->act[out];
+    double loss = 0.0;
+    for (size_t i = 0; i < shape_numel(net->g->tensors[out].shape); i++)
+        loss += (double)r[i] * y[i];
+    return loss;
+}
+
 // Random parameters with O(1) activations: weights ~ N(0, 1/fan_in), BN gamma
 // near 1, beta and running statistics near 0 / 1.
 static void random_params(Net *net, Rng *rng) {
@@ -248,6 +266,7 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
     float *prefill = randn(&rng, net.n_grad_floats, 1.0f);
     memcpy(net.grads, prefill, sizeof(float) * net.n_grad_floats);
     net_backward(&net, net_capacity(&net), out);
+    const double loss0 = eval_loss(&net, out, r);  // every activation at the unperturbed values
 
     // analytic and numerical values of every checked tensor first, compared after
     // (the gradient floor is relative to the largest numerical gradient of all)
@@ -264,20 +283,25 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
     } while (0)
     #define DONE() (n_all[n_checked++] = n)
 
-    // numerical gradient of L w.r.t. v[idx[k]], for a sample of v's elements
+    // numerical gradient of L w.r.t. v[idx[k]], for a sample of v's elements, re-running the
+    // layers from `from` on; then the activations back at the unperturbed values, whose loss
+    // is the full forward's
     #define SAMPLE(count) do { \
         n = (count) <= (size_t)ns ? (int)(count) : ns; \
         for (int k = 0; k < n; k++) \
             idx[k] = (count) <= (size_t)ns ? (size_t)k : (size_t)(rng_next(&rng) % (count)); \
     } while (0)
-    #define FD(v) do { \
+    #define FD(v, from) do { \
         for (int k = 0; k < n; k++) { \
             float keep = (v)[idx[k]]; \
-            (v)[idx[k]] = keep + opt.h; double lp = eval_loss(&net, out, r); \
-            (v)[idx[k]] = keep - opt.h; double lm = eval_loss(&net, out, r); \
+            (v)[idx[k]] = keep + opt.h; double lp = eval_loss_from(&net, out, r, from); \
+            (v)[idx[k]] = keep - opt.h; double lm = eval_loss_from(&net, out, r, from); \
             (v)[idx[k]] = keep; \
             fd[k] = (float)((lp - lm) / (2.0 * opt.h)); \
         } \
+        const double back = eval_loss_from(&net, out, r, from); \
+        CHECK(back == loss0, "%s: the loss re-run from layer %d is %.17g, the full forward's " \
+              "%.17g", names[n_checked], from, back, loss0); \
     } while (0)
 
     int n;
@@ -286,7 +310,7 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
         NEXT("input");
         SAMPLE(nx);
         for (int k = 0; k < n; k++) an[k] = dx[idx[k]];
-        FD(x);
+        FD(x, 0);
         DONE();
     }
     for (int l = 0; l < g->n_layers; l++) {
@@ -306,7 +330,7 @@ static double graph_gradcheck(Graph *g, int out, GradOpts opt, Ops *ops) {
             NEXT(p->name);
             SAMPLE(p->count);
             for (int k = 0; k < n; k++) an[k] = gr[idx[k]] - pre[idx[k]];
-            FD(v);
+            FD(v, l);
             DONE();
         }
     }
@@ -6439,8 +6463,8 @@ TEST(weights_values_refused) {
 }
 
 // A classifier fine-tuned from weights of another class count: its report
-// names the head it initialised and the file's head it ignored, as a U-Net's
-// report does for the classifier head it does not have.
+// names once each head tensor whose file's tensor it ignored (that shape) and
+// initialised (the model's), as "ignored (shape); initialised (shape)".
 TEST(weights_report_vocabulary) {
     Graph g1, g2; Net a, b; char err[SN_ERR_MAX], path[128], report[SN_ERR_MAX];
     snprintf(path, sizeof path, "/tmp/segnet_test_%ld_vocab.safetensors", (long)getpid());
@@ -6451,8 +6475,11 @@ TEST(weights_report_vocabulary) {
     CHECK(safetensors_read(path, &f, err) == 0, "%s", err);
     const LoadRules rules = {"classifier.", NULL, 0};
     CHECK(net_load_weights_rules(&b, &f, path, &rules, report, err) == 0, "%s", err);
-    CHECK(contains(report, "2 initialised (classifier.1.weight, classifier.1.bias)") &&
-                  contains(report, "2 ignored (classifier.1.weight, classifier.1.bias)"),
+    CHECK(contains(report, ", 0 initialised, 0 ignored, 2 of another shape (classifier.1.weight "
+                           "ignored (3,") &&
+                  contains(report, "; initialised (7,") &&
+                  contains(report, ", classifier.1.bias ignored (3); initialised (7))") &&
+                  count_substr(report, "classifier.1.weight") == 1,
           "report: '%s'", report);
     safetensors_free(&f);
     net_free(&a); net_free(&b); graph_free(&g1); graph_free(&g2);
@@ -10805,16 +10832,18 @@ TEST(augment_mask_follows_image) {
 // segnet augment (augment_write): the image written is the batch epoch 2 of a
 // run feeds the network (dataset_batch with that epoch's seed), rounded to
 // bytes; the overlay blends the mask's colours; an existing file stops it.
+// Names are zero-padded (epoch 2 of 10, sample 1 of 11: aug02-01-), so they list in order.
 TEST(augment_write_files) {
     const char *data = "/tmp/segnet_test_augw_data", *out = "/tmp/segnet_test_augw_out";
     rm_rf(data);
     rm_rf(out);
-    write_seg_set(data, 3, 8, 8, 4);
+    write_seg_set(data, 12, 8, 8, 4);
     TrainCfg c = tiny_seg_cfg(data, NULL);
+    c.epochs = 10;
     c.augment =
             (Augment){.flip = 1, .scale_lo = 0.8f, .scale_hi = 1.3f, .rotate = 20.0f, .hue = 0.1f};
     char err[SN_ERR_MAX], path[400];
-    CHECK(augment_write(&c, out, 2, 2, err) == 0, "%s", err);
+    CHECK(augment_write(&c, out, 11, 2, err) == 0, "%s", err);
     Dataset d;
     CHECK(dataset_open(&d, data, 1, 3, 8, 8, 1 << 20, 1, err) == 0, "%s", err);
     float x[8 * 8 * 3];
@@ -10824,7 +10853,7 @@ TEST(augment_write_files) {
                         err) == 0,
           "%s", err);
     int w, h, n;
-    snprintf(path, sizeof path, "%s/aug2-1-i01.png", out);
+    snprintf(path, sizeof path, "%s/aug02-01-i01.png", out);
     uint8_t *img = stbi_load(path, &w, &h, &n, 3);
     int wrong = 0;
     for (int k = 0; img && k < 8 * 8 * 3; k++) {
@@ -10834,11 +10863,13 @@ TEST(augment_write_files) {
     CHECK(img && w == 8 && h == 8 && !wrong, "%s: the batch's image (%d values differ)", path,
           wrong);
     stbi_image_free(img);
-    snprintf(path, sizeof path, "%s/aug2-1-i01_overlay.png", out);
+    snprintf(path, sizeof path, "%s/aug02-01-i01_overlay.png", out);
     CHECK(file_exists(path), "%s", path);
-    snprintf(path, sizeof path, "%s/aug2-2-i02.png", out);
-    CHECK(!file_exists(path), "-n 2 writes two samples");
-    CHECK(augment_write(&c, out, 2, 2, err) == -1 && contains(err, "aug2-0-i00.png: exists"),
+    snprintf(path, sizeof path, "%s/aug02-10-i10.png", out);
+    CHECK(file_exists(path), "%s", path);
+    snprintf(path, sizeof path, "%s/aug02-11-i11.png", out);
+    CHECK(!file_exists(path), "-n 11 writes 11 samples");
+    CHECK(augment_write(&c, out, 11, 2, err) == -1 && contains(err, "aug02-00-i00.png: exists"),
           "again: '%s'", err);
     dataset_free(&d);
     rm_rf(data);
@@ -10942,11 +10973,14 @@ TEST(predict_tiled_pointwise) {
             for (int constant = 0; constant < 2; constant++) {
                 const int h = CASES[c][0], w = CASES[c][1], th = CASES[c][2], tw = CASES[c][3];
                 int ctx[2] = {th * tw, constant};
-                const TileModel m = {tiles_pointwise, ctx, 3, th, tw, 3};
+                const TileModel m = {tiles_pointwise, ctx, 3, th, tw, 3, NULL, 0};
                 float *img = malloc(sizeof(float) * 3 * h * w),
                       *probs = malloc(sizeof(float) * 3 * h * w);
-                for (int i = 0; i < 3 * h * w; i++) img[i] = (float)(rng_next(&r) % 256);
-                predict_tiled(&m, img, h, w, CASES[c][4] / 100.0f, tta, probs);
+                uint8_t *img8 = malloc((size_t)3 * h * w);
+                for (int i = 0; i < 3 * h * w; i++)
+                    img[i] = img8[i] = (uint8_t)(rng_next(&r) % 256);
+                predict_tiled(&m, img8, NULL, h, w, CASES[c][4] / 100.0f, tta, probs);
+                free(img8);
                 double worst = 0;
                 int other_class = 0;
                 for (int p = 0; p < h * w; p++) {
@@ -13071,6 +13105,96 @@ TEST(curves_svg) {
           contains(err, "/nonexistent/dir/curves.svg"), "unwritable: '%s'", err);
 }
 
+// Text boxes of a curves.svg that overlap, within a panel (<g>): each text's box from its x, y,
+// anchor and size (default 12), a character 0.64 em wide at most (DejaVu Sans' digits: 0.636)
+// and the glyphs from 0.8 em above the baseline to 0.2 em below; rotate(-90) about (x, y) turns
+// it. The first overlap in *why.
+static int svg_text_overlaps(const char *svg, char *why, size_t cap) {
+    int overlaps = 0;
+    for (const char *g = strstr(svg, "<g>"); g; g = strstr(g + 1, "<g>")) {
+        const char *end = strstr(g, "</g>");
+        double box[128][4];
+        char text[128][48];
+        int n = 0;
+        for (const char *t = strstr(g, "<text "); t && t < end && n < 128;
+             t = strstr(t + 1, "<text ")) {
+            const char *close = strchr(t, '>'), *stop = strstr(t, "</text>"), *a;
+            double x = (a = strstr(t, " x=\"")) && a < close ? strtod(a + 4, NULL) : 0,
+                   y = (a = strstr(t, " y=\"")) && a < close ? strtod(a + 4, NULL) : 0,
+                   fs = (a = strstr(t, "font-size=\"")) && a < close ? strtod(a + 11, NULL) : 12;
+            a = strstr(t, "text-anchor=\"");
+            const char anchor = a && a < close ? a[13] : 's';  // start, middle, end
+            const int rotated = (a = strstr(t, "rotate(-90")) && a < close;
+            int chars = 0;
+            for (const char *c = close + 1; c < stop; c++) {
+                if (*c == '&') c = strchr(c, ';');
+                else if (((unsigned char)*c & 0xc0) == 0x80) continue;  // UTF-8 continuation
+                chars++;
+            }
+            const double w = 0.64 * fs * chars,
+                         along = anchor == 'm' ? -w / 2 : anchor == 'e' ? -w : 0;
+            if (rotated) {  // (x + dx, y + dy) → (x + dy, y − dx)
+                box[n][0] = x - 0.8 * fs; box[n][1] = x + 0.2 * fs;
+                box[n][2] = y - along - w; box[n][3] = y - along;
+            } else {
+                box[n][0] = x + along; box[n][1] = x + along + w;
+                box[n][2] = y - 0.8 * fs; box[n][3] = y + 0.2 * fs;
+            }
+            const int len = (int)(stop - close - 1 < 40 ? stop - close - 1 : 40);
+            snprintf(text[n], sizeof text[n], "%.*s", len, close + 1);
+            for (int i = 0; i < n; i++)
+                if (box[i][0] < box[n][1] && box[n][0] < box[i][1] && box[i][2] < box[n][3] &&
+                    box[n][2] < box[i][3] && !overlaps++)
+                    snprintf(why, cap,
+                             "'%.40s' (%.1f..%.1f, %.1f..%.1f) and "
+                             "'%.40s' (%.1f..%.1f, %.1f..%.1f)",
+                             text[i], box[i][0], box[i][1], box[i][2], box[i][3], text[n],
+                             box[n][0], box[n][1], box[n][2], box[n][3]);
+            n++;
+        }
+    }
+    return overlaps;
+}
+
+// Gap 6: curves.svg stays readable. Tick labels of 7 characters (an lr of 1e-4) beside the axis
+// title, "best" at the first epoch (the top-left tick) and at the last (the right axis' top
+// tick): no text box overlaps another. A first epoch's gradient spike (50, then 2 .. 1) leaves
+// the later epochs apart: on a linear axis to 100 they would span 2.7 px, on the log axis 41.
+TEST(curves_svg_readable) {
+    char path[256], err[SN_ERR_MAX], why[400] = "";
+    snprintf(path, sizeof path, "/tmp/segnet_test_%ld_curves_readable.svg", (long)getpid());
+    EpochRecord rows[5];
+    const double norm[5] = {50, 2, 1.5, 1.2, 1}, lr[5] = {1.2e-4, 1e-4, 8e-5, 6e-5, 4e-5};
+    for (int i = 0; i < 5; i++) {
+        rows[i] = (EpochRecord)EPOCH(i + 1, lr[i], 1.0 / (i + 1), 1.2 / (i + 1), 0.1 * i, 0.1 * i);
+        set_diagnostics(&rows[i], norm[i], 1.6 * norm[i], 0, 1, 0, 1e-3 / (i + 1));
+    }
+    for (int best = 1; best <= 5; best += 4) {
+        const CurveMarks marks = {best, 0};
+        CHECK(write_curves_svg(path, rows, 5, "mIoU", &marks, err) == 0, "%s", err);
+        check_svg(path, 8, 40, ">mIoU<", "a gradient spike, small learning rates");
+        char *s = read_text(path);
+        why[0] = 0;
+        CHECK(s && svg_text_overlaps(s, why, sizeof why) == 0, "best epoch %d: text overlaps: %s",
+              best, why);
+        // the gradient panel (bottom left): the mean's markers after the spike
+        double lo = 1e9, hi = -1e9;
+        int seen = 0;
+        for (const char *p = s; p && (p = strstr(p, "<circle cx=\"")); p++) {
+            const double cx = strtod(p + 12, NULL), cy = strtod(strstr(p, "cy=\"") + 4, NULL);
+            if (cx < SVG_PANEL_W && cy > SVG_PANEL_H && strstr(p, "fill=\"#1f77b4\"") &&
+                strstr(p, "fill=\"#1f77b4\"") < strchr(p, '>') && seen++ > 0) {
+                lo = fmin(lo, cy);
+                hi = fmax(hi, cy);
+            }
+        }
+        CHECK(seen == 5 && hi - lo > 30,
+              "the gradient norms 2 .. 1 after 50: %d markers %.1f px apart", seen, hi - lo);
+        free(s);
+    }
+    unlink(path);
+}
+
 typedef struct { const Trainer *t; const EpochRecord *r, *prev; int *warned; } WarnCall;
 static int warn_call(void *arg) {
     WarnCall *w = arg;
@@ -14324,11 +14448,12 @@ TEST(predict_tiled_scaled_pointwise) {
     Rng r;
     rng_seed(&r, 19);
     float *img = malloc(sizeof(float) * 3 * h * w), *probs = malloc(sizeof(float) * K * h * w);
-    for (int i = 0; i < 3 * h * w; i++) img[i] = (float)(rng_next(&r) % 256);
+    uint8_t *img8 = malloc((size_t)3 * h * w);
+    for (int i = 0; i < 3 * h * w; i++) img[i] = img8[i] = (uint8_t)(rng_next(&r) % 256);
     for (int k = 0; k < 3; k++) {
         int ctx[2] = {16 * 16, 0};
-        const TileModel m = {tiles_pointwise, ctx, 2, 16, 16, K};
-        predict_tiled_scaled(&m, img, h, w, SCALES[k], 0.5f, 1, probs);
+        const TileModel m = {tiles_pointwise, ctx, 2, 16, 16, K, NULL, 0};
+        predict_tiled_scaled(&m, img8, h, w, SCALES[k], 0.5f, 1, probs);
         const int sh = (int)fmax(1, lround(h * (double)SCALES[k])),
                   sw = (int)fmax(1, lround(w * (double)SCALES[k]));
         float *simg = malloc(sizeof(float) * 3 * sh * sw),
@@ -14352,6 +14477,7 @@ TEST(predict_tiled_scaled_pointwise) {
         free(sp);
         free(want);
     }
+    free(img8);
     free(img);
     free(probs);
 }
@@ -15050,6 +15176,38 @@ TEST(readme_usage_claims) {
         CHECK(built == (side % 8 == 0), "unet depth 3 at %dx%d: built %d", side, side, built);
         graph_free(&g);
     }
+    // gap 4: the default unet's parameters, and the quickstart's, as README states them
+    char *own = readme_section("## Train on your own data");
+    int64_t counts[2];
+    for (int k = 0; k < 2; k++) {
+        ModelCfg c = model_cfg_default();
+        c.model = "unet";
+        c.classes = 4;
+        c.height = c.width = 64;
+        if (k) { c.depth = 3; c.width_base = 16; }
+        Graph g;
+        graph_init(&g);
+        CHECK(model_build(&g, &c) >= 0, "%s", g.err);
+        counts[k] = 0;
+        for (int i = 0; i < g.n_params; i++) counts[k] += (int64_t)g.params[i].count;
+        graph_free(&g);
+    }
+    char said[200];
+    snprintf(said, sizeof said,
+             "is depth 4, width 32: %d,%03d,%03d parameters with 4 classes, %d×",
+             (int)(counts[0] / 1000000), (int)(counts[0] / 1000 % 1000), (int)(counts[0] % 1000),
+             (int)(counts[0] / counts[1]));
+    for (char *p = own; p && *p; p++) *p = *p == '\n' ? ' ' : *p;
+    CHECK(own && contains(own, said) && contains(own, "(488,052;") && counts[1] == 488052,
+          "README's default unet: '%s' (the quickstart's %lld)", said, (long long)counts[1]);
+    free(own);
+    // item 9: the tiled prediction's host bytes a pixel are the plan's (images.c)
+    char mem[120];
+    snprintf(mem, sizeof mem, "7 + 4K bytes a pixel, %d with 4 classes", TILED_HOST_BYTES(4));
+    for (char *p = pr; p && *p; p++) *p = *p == '\n' ? ' ' : *p;
+    CHECK(pr && contains(pr, mem) && TILED_HOST_BYTES(0) == 7 && TILED_HOST_BYTES(1) == 11,
+          "README's --tile memory, '%s', against TILED_HOST_BYTES: %d + %d·K", mem,
+          TILED_HOST_BYTES(0), TILED_HOST_BYTES(1) - TILED_HOST_BYTES(0));
     free(ft);
     free(pr);
     free(eval);
@@ -16226,6 +16384,76 @@ TEST(predict_tile_fits_images) {
                                            "1024x1024 a pass: a smaller --tile needs less")
                 : rc == 0,
               "--tile %s under 1.5 GB: exit %d, '%s'", k ? "1024x1024" : "64x64", rc, msg);
+    }
+    ds_remove(dir);
+}
+
+// Gap 3: predict says what it does. Without --tile, the first image of more than 4 times the
+// model's pixels is named once (resized; --tile predicts at its own size), one of the model's
+// size is not. With --tile, an image of more than a pass of tiles shows its tile rows: in a
+// log a line per tenth of them, rising to the last; on a terminal (script's pty) one line
+// rewritten with \r.
+TEST(predict_says_what_it_does) {
+    char dir[300], msg[8192], args[1400];
+    const char *const subs[] = {"small", "big", "tall"};
+    ds_fixture(dir, sizeof dir, "predsay", subs, 3);
+    write_seg_set(dir, 2, 8, 8, 23);
+    snprintf(args, sizeof args,
+             "train --model unet --depth 1 --width 4 --size 8x8 --batch 2 --epochs 1 --classes 3 "
+             "--data %s --out %s/run --device cpu --threads 1",
+             dir, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "train: %s", msg);
+    uint8_t *px = calloc((size_t)80 * 24 * 3, 1);
+    ds_png(dir, "small/a.png", 8, 8, 3, px);
+    ds_png(dir, "big/a.png", 17, 16, 3, px);  // 272 pixels: more than 4 × 64
+    ds_png(dir, "big/b.png", 24, 20, 3, px);
+    ds_png(dir, "tall/a.png", 16, 80, 3, px);  // 8x8 tiles: 19 rows of 3 at overlap 0.5
+    free(px);
+    for (int k = 0; k < 2; k++) {
+        snprintf(args, sizeof args,
+                 "predict --run %s/run --input %s/%s --out %s/out%d --device cpu --threads 1", dir,
+                 dir, k ? "big" : "small", dir, k);
+        CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict: %s", msg);
+        char want[700];
+        snprintf(want, sizeof want,
+                 "predict: %s/big/a.png is 16x17 (HxW), resized to the model's 8x8 and its mask "
+                 "back (detail is lost); --tile 8x8 predicts at the image's own size\n",
+                 dir);
+        CHECK(k ? count_substr(msg, "resized to the model's") == 1 && contains(msg, want)
+                : !contains(msg, "resized"),
+              "%s: '%s'", k ? "two images of 272 and 480 pixels: the first named, once"
+                            : "an image of the model's size: nothing said",
+              msg);
+    }
+    snprintf(args, sizeof args,
+             "predict --run %s/run --input %s/tall --out %s/out2 --tile 8x8 --device cpu "
+             "--threads 1",
+             dir, dir, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict --tile: %s", msg);
+    char head[400];
+    snprintf(head, sizeof head, "predict: %s/tall/a.png: tile row ", dir);
+    int lines = 0, last = 0, rising = 1;
+    for (const char *p = msg; (p = strstr(p, head)); p++) {
+        int r = 0, n = 0;
+        rising &= sscanf(p + strlen(head), "%d/%d\n", &r, &n) == 2 && n == 19 && r > last;
+        last = r;
+        lines++;
+    }
+    CHECK(lines >= 5 && lines <= 10 && last == 19 && rising &&
+                  contains(msg, "predict: 1/1 images\n"),
+          "a log: a line per tenth of 19 tile rows, rising to 19/19: %d lines, '%s'", lines, msg);
+    if (system("command -v script >/dev/null 2>&1") == 0) {
+        snprintf(args, sizeof args,
+                 "script -qec './segnet predict --run %s/run --input %s/tall --out %s/out3 "
+                 "--tile 8x8 --device cpu --threads 1' /dev/null",
+                 dir, dir, dir);
+        CHECK(run_shell(args, msg, sizeof msg) == 0, "script: %s", msg);
+        char *out = read_text("/tmp/segnet_test_out.txt");
+        snprintf(args, sizeof args, "\r%s19/19\033[K\rpredict: 1/1 images\033[K", head);
+        CHECK(out && count_substr(out, head) >= 10 && contains(out, args) &&
+                      !contains(out, "tile row 19/19\n"),
+              "a terminal: the tile rows rewritten on one line: '%s'", out ? out : "");
+        free(out);
     }
     ds_remove(dir);
 }

@@ -12,7 +12,14 @@
 // finite values joined in row order (a missing validation epoch is bridged),
 // with a marker on each value, so a single epoch shows as points. y axes start
 // at 0 and end at a "nice" number above the largest value; the metric's axis
-// spans at least 0..1. The best epoch is a dotted vertical line in each panel.
+// spans at least 0..1. The loss and the gradient norm go on a log axis when
+// their values are all positive and span more than 10× (a first epoch's
+// spike): a linear one would press the other epochs into a few pixels at its
+// bottom, and clipping the axis at a quantile would hide the spike's size,
+// where a log axis shows both and the ratios that matter for these two. The
+// best epoch is a dotted vertical line in each panel. Text boxes do not
+// overlap: the plot's left edge moves right of the widest tick label, and
+// the "best" label turns inward at the plot's edges.
 
 #define SVG_PANEL_W 480
 #define SVG_PANEL_H 360
@@ -21,6 +28,9 @@
 #define SVG_RIGHT_AXIS 70  // RIGHT when the panel has a second axis
 #define SVG_TOP 40
 #define SVG_BOTTOM 50
+// a character's width at the font size 12, at most: DejaVu Sans (Linux's usual sans-serif)
+// draws digits 0.636 em wide, 7.6 px
+#define SVG_CHAR_W 7.7
 
 typedef struct { size_t offset; const char *name, *colour, *dash; } SvgSeries;
 typedef struct {
@@ -31,6 +41,7 @@ typedef struct {
     double hline;            // > 0: a horizontal line at this left-axis value, named hline_name
     const char *hline_name;
     int mark_skipped;        // a red cross at the bottom of the epochs with skipped steps
+    int log_ok;              // the left axis may be logarithmic (see above)
 } SvgPanel;
 
 static double record_value(const EpochRecord *r, size_t offset) {
@@ -54,11 +65,15 @@ static void svg_text(FILE *f, const char *s) {
     }
 }
 
-// An axis 0..max(values, top) (or from a negative minimum), rounded out to a nice step
-typedef struct { double lo, hi, step; int ticks; } SvgAxis;
+// An axis 0..max(values, top) (or from a negative minimum), rounded out to a nice step;
+// with log_ok, values all positive and spanning more than 10×: a log axis from the
+// largest 1, 2 or 5 × 10^k at most their minimum to the smallest at least their maximum
+#define SVG_TICKS_MAX 32
+typedef struct { double lo, hi, step; int ticks, log; double tick[SVG_TICKS_MAX]; } SvgAxis;
 static SvgAxis svg_axis(const EpochRecord *rows, int n, const SvgSeries *s, int n_series,
-                        double top, int *present) {
-    SvgAxis a = {0, top, 0, 0};
+                        double top, int *present, int log_ok) {
+    SvgAxis a = {0, top, 0, 0, 0, {0}};
+    double pmin = top > 0 ? top : INFINITY;  // the smallest value, where all are positive
     for (int k = 0; k < n_series; k++) {
         present[k] = 0;
         for (int i = 0; s[k].name && i < n; i++) {
@@ -66,20 +81,58 @@ static SvgAxis svg_axis(const EpochRecord *rows, int n, const SvgSeries *s, int 
             if (!isfinite(v)) continue;
             present[k]++;
             a.lo = fmin(a.lo, v); a.hi = fmax(a.hi, v);
+            pmin = v > 0 ? fmin(pmin, v) : -INFINITY;
         }
+    }
+    if (log_ok && pmin > 0 && a.hi / pmin > 10 && a.hi < 1e300) {  // 10^(k1) stays finite
+        static const double M[3] = {1, 2, 5};
+        const int k0 = (int)floor(log10(pmin)), k1 = (int)ceil(log10(a.hi));
+        a.log = 1;
+        a.lo = pow(10, k0);
+        a.hi = pow(10, k1);
+        for (int j = 2; j >= 0; j--)
+            if (M[j] * pow(10, k0) <= pmin) { a.lo = M[j] * pow(10, k0); break; }
+        for (int j = 0; j < 3; j++)
+            if (M[j] * pow(10, k1 - 1) >= a.hi / 1.0000001) {
+                a.hi = M[j] * pow(10, k1 - 1);
+                break;
+            }
+        // ticks: 1, 2, 5 × 10^k over at most 2 decades, else every d-th power of 10
+        const int decades = k1 - k0, d = (decades + 5) / 6;
+        for (int k = k0; k <= k1 && a.ticks < SVG_TICKS_MAX; k++)
+            for (int j = 0; j < 3 && a.ticks < SVG_TICKS_MAX; j++) {
+                const double v = M[j] * pow(10, k);
+                if ((decades > 2 && (j || (k - k0) % d)) || v < a.lo / 1.0000001 ||
+                    v > a.hi * 1.0000001)
+                    continue;
+                a.tick[a.ticks++] = v;
+            }
+        return a;
     }
     if (a.hi == a.lo) a.hi = a.lo + 1;  // all values 0
     a.step = nice_step(a.lo, a.hi);
     double lo = floor(a.lo / a.step) * a.step, hi = ceil(a.hi / a.step) * a.step;
     if (isfinite(lo)) a.lo = lo;
     if (isfinite(hi)) a.hi = hi;
-    a.ticks = (int)floor(a.hi / a.step - a.lo / a.step + 1e-9);
+    const int ticks = (int)floor(a.hi / a.step - a.lo / a.step + 1e-9);
+    for (int i = 0; i <= ticks && a.ticks < SVG_TICKS_MAX; i++)
+        a.tick[a.ticks++] = 2 * (a.lo / 2 + i * (a.step / 2));
     return a;
+}
+
+// the y of value v on axis a between the plot's bottom B and top T (halves: finite near
+// ±DBL_MAX; on a log axis a value at most 0 sits at the bottom)
+static double svg_y(const SvgAxis *a, double v, double T, double B) {
+    if (a->log) {
+        const double l = v > 0 ? log10(v) : log10(a->lo);
+        return B - (l - log10(a->lo)) / (log10(a->hi) - log10(a->lo)) * (B - T);
+    }
+    return B - (v / 2 - a->lo / 2) / (a->hi / 2 - a->lo / 2) * (B - T);
 }
 
 static void svg_panel(FILE *f, int x0, int y0, const SvgPanel *p, const EpochRecord *rows, int n,
                       int best_epoch) {
-    const double L = x0 + SVG_LEFT, R = x0 + SVG_PANEL_W - (p->right ? SVG_RIGHT_AXIS : SVG_RIGHT);
+    const double R = x0 + SVG_PANEL_W - (p->right ? SVG_RIGHT_AXIS : SVG_RIGHT);
     const double T = y0 + SVG_TOP, B = y0 + SVG_PANEL_H - SVG_BOTTOM;
     // x: the epochs, ±½ around a single one
     double ex0 = rows[0].epoch, ex1 = rows[0].epoch;
@@ -87,29 +140,37 @@ static void svg_panel(FILE *f, int x0, int y0, const SvgPanel *p, const EpochRec
     if (ex1 == ex0) { ex0 -= 0.5; ex1 += 0.5; }
     const double xstep = fmax(1, round(nice_step(ex0, ex1)));
     int present[3];
-    SvgAxis ya = svg_axis(rows, n, p->left, 2, fmax(p->y_min_top, p->hline), present),
-            yr = {0, 1, 1, 0};
-    if (p->right) yr = svg_axis(rows, n, p->right, 1, 0, present + 2);
+    SvgAxis ya = svg_axis(rows, n, p->left, 2, fmax(p->y_min_top, p->hline), present, p->log_ok),
+            yr = {0, 1, 1, 0, 0, {0}};
+    if (p->right) yr = svg_axis(rows, n, p->right, 1, 0, present + 2, 0);
     else present[2] = 0;
+    // the left edge: right of the axis title (x0 + 18, 12 px high rotated: to x0 + 21) and
+    // of the widest tick label (ending 6 px left of the edge), 4 px apart
+    char label[SVG_TICKS_MAX][32];
+    double widest = 0;
+    for (int i = 0; i < ya.ticks; i++) {
+        snprintf(label[i], sizeof label[i], "%.3g", ya.tick[i]);
+        widest = fmax(widest, SVG_CHAR_W * strlen(label[i]));
+    }
+    const double L = x0 + fmax(SVG_LEFT, 21 + 4 + widest + 6);
 #define SVG_X(e) (L + ((e) - ex0) / (ex1 - ex0) * (R - L))
-// halves: finite near ±DBL_MAX
-#define SVG_Y(a, v) (B - ((v) / 2 - (a).lo / 2) / ((a).hi / 2 - (a).lo / 2) * (B - T))
+#define SVG_Y(a, v) svg_y(&(a), v, T, B)
 
     fprintf(f,
             "<g>\n<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" font-size=\"15\" "
             "font-weight=\"bold\">",
-            (L + R) / 2, y0 + 24.0);
+            (L + R) / 2, y0 + 22.0);
     svg_text(f, p->title);
     fputs("</text>\n", f);
-    for (int i = 0; i <= ya.ticks; i++) {  // y ticks and grid
-        double v = 2 * (ya.lo / 2 + i * (ya.step / 2)), y = SVG_Y(ya, v);
+    for (int i = 0; i < ya.ticks; i++) {  // y ticks and grid
+        double y = SVG_Y(ya, ya.tick[i]);
         fprintf(f,
                 "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>"
-                "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%.3g</text>\n",
-                L, y, R, y, L - 6, y + 4, v);
+                "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%s</text>\n",
+                L, y, R, y, L - 6, y + 4, label[i]);
     }
-    for (int i = 0; p->right && i <= yr.ticks; i++) {  // the right axis' ticks
-        double v = 2 * (yr.lo / 2 + i * (yr.step / 2)), y = SVG_Y(yr, v);
+    for (int i = 0; p->right && i < yr.ticks; i++) {  // the right axis' ticks
+        double v = yr.tick[i], y = SVG_Y(yr, v);
         fprintf(f,
                 "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333\"/>"
                 "<text x=\"%.1f\" y=\"%.1f\" fill=\"%s\">%.6g</text>\n",
@@ -131,12 +192,16 @@ static void svg_panel(FILE *f, int x0, int y0, const SvgPanel *p, const EpochRec
             x0 + 18.0, (T + B) / 2, x0 + 18.0, (T + B) / 2);
     svg_text(f, p->title);
     fputs("</text>\n", f);
-    if (best_epoch >= ex0 && best_epoch <= ex1)
+    if (best_epoch >= ex0 && best_epoch <= ex1) {
+        // within half the label's width of an edge it turns inward, off the corner's ticks
+        const double bx = SVG_X(best_epoch), half = 2 * SVG_CHAR_W;
         fprintf(f,
                 "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#2ca02c\" "
                 "stroke-dasharray=\"2 3\"/>"
-                "<text x=\"%.1f\" y=\"%.1f\" fill=\"#2ca02c\" text-anchor=\"middle\">best</text>\n",
-                SVG_X(best_epoch), T, SVG_X(best_epoch), B, SVG_X(best_epoch), T - 4);
+                "<text x=\"%.1f\" y=\"%.1f\" fill=\"#2ca02c\" text-anchor=\"%s\">best</text>\n",
+                bx, T, bx, B, bx, T - 4,
+                bx - L < half ? "start" : R - bx < half ? "end" : "middle");
+    }
     if (p->hline > 0)
         fprintf(f,
                 "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#d62728\" "
@@ -245,11 +310,11 @@ int write_curves_svg(const char *path, const EpochRecord *rows, int n, const cha
     int fp16 = 0;  // the loss scale is drawn when it is not 1 throughout
     for (int i = 0; i < n; i++) fp16 |= isfinite(rows[i].loss_scale) && rows[i].loss_scale != 1.0;
     const SvgPanel panels[4] = {
-            {"loss", loss, NULL, 0, 0, NULL, 0},
-            {metric_name, metric, NULL, 1, 0, NULL, 0},
+            {"loss", loss, NULL, 0, 0, NULL, 0, 1},
+            {metric_name, metric, NULL, 1, 0, NULL, 0, 0},
             {"gradient norm", norm, fp16 ? &scale : NULL, 0, marks ? marks->clipnorm : 0,
-             "clipnorm", 1},
-            {"learning rate", lr, &ratio, 0, 0, NULL, 0},
+             "clipnorm", 1, 1},
+            {"learning rate", lr, &ratio, 0, 0, NULL, 0, 0},
     };
     char tmp[OUT_PATH_MAX];
     FILE *f = atomic_file_open(path, tmp, err);

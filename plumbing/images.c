@@ -905,7 +905,8 @@ static int seg_check_inputs(const PredictCfg *pc, const PathList *l, char err[SN
     if (!rc) rc = outputs_allowed(pc, l, names, n, 1, listed, n_listed, err);
     for (int i = 0; !rc && i < l->n; i++) {
         int h, w;
-        float *img = image_load_rgb(l->paths[i], &h, &w, err);
+        int orientation;
+        uint8_t *img = image_load_oriented(l->paths[i], &h, &w, &orientation, err);
         if (!img) rc = -1;
         free(img);
     }
@@ -931,7 +932,7 @@ static void argmax_rows(uint8_t *cls, const float *z, size_t n, int K) {
 
 // The mask (h,w) of image img (h,w,3) and its overlay: (image + colour + 1) / 2
 // per channel (the 50/50 blend, rounded half up).
-static int seg_write_mask(const char *out, const char *image, const float *img, int h, int w,
+static int seg_write_mask(const char *out, const char *image, const uint8_t *img, int h, int w,
                           const uint8_t *mask, char err[SN_ERR_MAX]) {
     uint8_t *rgb = malloc((size_t)h * w * 3);
     snCheck(rgb != NULL, "out of host memory");
@@ -953,8 +954,10 @@ static int seg_write_mask(const char *out, const char *image, const float *img, 
 // with half-pixel centres, src = floor((dst + ½)·in/out).
 static int seg_write(const char *out, const char *image, const float *img, int h, int w,
                      const float *z, int oh, int ow, int K, char err[SN_ERR_MAX]) {
-    uint8_t *cls = malloc((size_t)oh * ow), *mask = malloc((size_t)h * w);
-    snCheck(cls && mask, "out of host memory");
+    uint8_t *cls = malloc((size_t)oh * ow), *mask = malloc((size_t)h * w),
+            *img8 = malloc((size_t)h * w * 3);
+    snCheck(cls && mask && img8, "out of host memory");
+    for (size_t i = 0; i < (size_t)h * w * 3; i++) img8[i] = (uint8_t)img[i];
     argmax_rows(cls, z, (size_t)oh * ow, K);
     for (int y = 0; y < h; y++) {
         int sy = (int)(((int64_t)2 * y + 1) * oh / (2 * (int64_t)h));
@@ -963,8 +966,8 @@ static int seg_write(const char *out, const char *image, const float *img, int h
             mask[(size_t)y * w + x] = cls[(size_t)sy * ow + sx];
         }
     }
-    const int rc = seg_write_mask(out, image, img, h, w, mask, err);
-    free(cls); free(mask);
+    const int rc = seg_write_mask(out, image, img8, h, w, mask, err);
+    free(cls); free(mask); free(img8);
     return rc;
 }
 
@@ -1013,11 +1016,23 @@ typedef struct {
     void *ctx;
     int batch;  // tiles per call, at most
     int th, tw, K;
+    // an image of more than a pass of tiles, over more than one row of them: its progress on
+    // stderr as this image's name (NULL: none) and tile rows done, one line rewritten on a
+    // terminal (tty), else a line per tenth of the rows
+    const char *name;
+    int tty;
 } TileModel;
 
-// probs (h,w,K) = Σ g·p / Σ g over the tiles of img (h,w,3), as above
-static void predict_tiled(const TileModel *m, const float *img, int h, int w, float overlap,
-                          int tta_flip, float *probs) {
+// Host bytes a pixel of a tiled image (at scale 1) hold while its tiles run, the peak: the
+// image as decoded (3), the blended probabilities (4K) and their weights Σg (4). After them the
+// mask (1) with the image and the probabilities (4 + 4K), then without the probabilities the
+// overlay (3) and a PNG's filtered rows (3) and compressed stream: less, for K ≥ 3.
+#define TILED_HOST_BYTES(K) (3 + 4 * (K) + 4)
+
+// probs (h,w,K) = Σ g·p / Σ g over the tiles of the image (h,w,3), as above: img8
+// (as decoded, 3 bytes a pixel) or, when it is NULL, img (resized, float)
+static void predict_tiled(const TileModel *m, const uint8_t *img8, const float *img, int h, int w,
+                          float overlap, int tta_flip, float *probs) {
     const int th = m->th, tw = m->tw, K = m->K, B = m->batch;
     const size_t tile_px = (size_t)th * tw;
     int *ys = malloc(sizeof(int) * (size_t)(h > th ? h : th)),
@@ -1030,7 +1045,8 @@ static void predict_tiled(const TileModel *m, const float *img, int h, int w, fl
     snCheck(ys && xs && g && wsum && x && z, "out of host memory");
     tile_gaussian(g, th, tw);
     memset(probs, 0, sizeof(float) * (size_t)h * w * K);
-    const int n_tiles = ny * nx * views;
+    const int n_tiles = ny * nx * views, rows_said = m->name && n_tiles > B && ny > 1;
+    int rows_shown = 0, rows_reported = 0;
     for (int t0 = 0; t0 < n_tiles; t0 += B) {
         const int n = n_tiles - t0 < B ? n_tiles - t0 : B;
         // tile t = (iy, ix, view): the image's pixels there, its edges repeated past them
@@ -1041,8 +1057,9 @@ static void predict_tiled(const TileModel *m, const float *img, int h, int w, fl
                     const int sy = ys[iy] + y < h ? ys[iy] + y : h - 1,
                               sxx = view ? tw - 1 - xx : xx,
                               sx = xs[ix] + sxx < w ? xs[ix] + sxx : w - 1;
-                    memcpy(x + 3 * (j * tile_px + (size_t)y * tw + xx),
-                           img + 3 * ((size_t)sy * w + sx), sizeof(float) * 3);
+                    float *d = x + 3 * (j * tile_px + (size_t)y * tw + xx);
+                    const size_t at = 3 * ((size_t)sy * w + sx);
+                    for (int c = 0; c < 3; c++) d[c] = img8 ? img8[at + c] : img[at + c];
                 }
         }
         m->forward(m->ctx, x, n, z);
@@ -1062,6 +1079,15 @@ static void predict_tiled(const TileModel *m, const float *img, int h, int w, fl
                     wsum[at] += gy;
                 }
         }
+        const int rows = (t0 + n) / (nx * views);
+        if (rows_said && rows > rows_shown && m->tty)
+            fprintf(stderr, "\rpredict: %s: tile row %d/%d\033[K", m->name, rows, ny);
+        else if (rows_said && rows > rows_shown &&
+                 (rows == ny || (int64_t)(rows - rows_reported) * 10 >= ny)) {
+            fprintf(stderr, "predict: %s: tile row %d/%d\n", m->name, rows, ny);
+            rows_reported = rows;
+        }
+        rows_shown = rows;
     }
     for (size_t p = 0; p < (size_t)h * w; p++)
         for (int k = 0; k < K; k++) probs[p * K + k] /= wsum[p];
@@ -1073,40 +1099,48 @@ static int scaled_side(int len, float scale) {
     return scale > 0.0f ? (int)fmax(1.0, lround(len * (double)scale)) : len;
 }
 
-// predict_tiled on img (h,w,3) resized by scale (bilinear, the resize op; each
+// predict_tiled on img8 (h,w,3) resized by scale (bilinear, the resize op; each
 // side at least 1), its probabilities resized back to (h,w) the same way
-static void predict_tiled_scaled(const TileModel *m, const float *img, int h, int w, float scale,
-                                 float overlap, int tta_flip, float *probs) {
+static void predict_tiled_scaled(const TileModel *m, const uint8_t *img8, int h, int w,
+                                 float scale, float overlap, int tta_flip, float *probs) {
     const int sh = scaled_side(h, scale), sw = scaled_side(w, scale);
     if (sh == h && sw == w) {
-        predict_tiled(m, img, h, w, overlap, tta_flip, probs);
+        predict_tiled(m, img8, NULL, h, w, overlap, tta_flip, probs);
         return;
     }
-    float *simg = malloc(sizeof(float) * 3 * (size_t)sh * sw),
-          *sprobs = malloc(sizeof(float) * m->K * (size_t)sh * sw);
-    snCheck(simg && sprobs, "out of host memory");
+    float *img = malloc(sizeof(float) * 3 * (size_t)h * w),
+          *simg = malloc(sizeof(float) * 3 * (size_t)sh * sw);
+    snCheck(img && simg, "out of host memory");
+    for (size_t i = 0; i < (size_t)h * w * 3; i++) img[i] = img8[i];
     ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(simg, shape4(1, sh, sw, 3)),
-                                    tensor_f32((float *)img, shape4(1, h, w, 3)));
-    predict_tiled(m, simg, sh, sw, overlap, tta_flip, sprobs);
+                                    tensor_f32(img, shape4(1, h, w, 3)));
+    free(img);
+    float *sprobs = malloc(sizeof(float) * m->K * (size_t)sh * sw);
+    snCheck(sprobs != NULL, "out of host memory");
+    predict_tiled(m, NULL, simg, sh, sw, overlap, tta_flip, sprobs);
     ops_cpu.resize_bilinear_forward(&ops_cpu, tensor_f32(probs, shape4(1, h, w, m->K)),
                                     tensor_f32(sprobs, shape4(1, sh, sw, m->K)));
     free(simg); free(sprobs);
 }
 
-// OUT/<stem>_probs.safetensors: the tensor "probs" (h,w,K) in fp16 (round to nearest even)
-static int probs_write(const char *out, const char *image, const float *probs, int h, int w,
-                       int K, char err[SN_ERR_MAX]) {
+// OUT/<stem>_probs.safetensors: the tensor "probs" (h,w,K) in fp16 (round to nearest even),
+// converted in place (fp16 i over bytes 2i, 2i+1, of floats already read): probs is spent
+static int probs_write(const char *out, const char *image, float *probs, int h, int w, int K,
+                       char err[SN_ERR_MAX]) {
     const size_t n = (size_t)h * w * K;
-    uint16_t *half = malloc(sizeof(uint16_t) * n);
-    snCheck(half != NULL, "out of host memory");
-    for (size_t i = 0; i < n; i++) half[i] = f32_to_f16(probs[i]);
+    unsigned char *bytes = (unsigned char *)probs;
+    for (size_t i = 0; i < n; i++) {
+        float v;
+        memcpy(&v, bytes + 4 * i, sizeof v);
+        const uint16_t half = f32_to_f16(v);
+        memcpy(bytes + 2 * i, &half, sizeof half);
+    }
     SafetensorsTensor t = {.name = "probs", .dtype = DT_F16, .ndim = 3, .numel = n,
-                           .data = half};
+                           .data = bytes};
     t.dims[0] = h; t.dims[1] = w; t.dims[2] = K;
     char m[OUT_PATH_MAX], o[OUT_PATH_MAX], p[OUT_PATH_MAX];
     seg_out_paths3(out, image, m, o, p);
     const int rc = safetensors_write(p, &t, 1, NULL, NULL, 0, err) || manifest_add(p, err);
-    free(half);
     return rc ? -1 : 0;
 }
 
@@ -1255,23 +1289,28 @@ int predict_run(const PredictCfg *asked, char err[SN_ERR_MAX]) {
     int ok = 1, reported = 0;  // images the last progress line counted
     const int tty = isatty(STDERR_FILENO);
     NetTiles nt = {&net, o, g.input, out};
-    const TileModel tm = {net_tiles_forward, &nt, N, si.h, si.w, K};
-    for (int i = 0; ok && pc->tiled && i < list.n; i++) {  // an image at a time, N tiles a pass
-        int h, w;
-        float *img = image_load_rgb(list.paths[i], &h, &w, err), *probs = NULL;
-        uint8_t *mask = NULL;
+    TileModel tm = {net_tiles_forward, &nt, N, si.h, si.w, K, NULL, tty};
+    int said_resized = 0;  // the first image far larger than the model's input is named
+    // an image at a time, N tiles a pass; its host memory is TILED_HOST_BYTES(K) a pixel: the
+    // image and the blend while the tiles run, the probabilities freed before the overlay
+    for (int i = 0; ok && pc->tiled && i < list.n; i++) {
+        int h, w, orientation;
+        uint8_t *img = image_load_oriented(list.paths[i], &h, &w, &orientation, err), *mask = NULL;
+        tm.name = pc->progress ? list.paths[i] : NULL;
         if (img) {
-            probs = malloc(sizeof(float) * (size_t)h * w * K);
-            mask = malloc((size_t)h * w);
-            snCheck(probs && mask, "out of host memory");
+            float *probs = malloc(sizeof(float) * (size_t)h * w * K);
+            snCheck(probs != NULL, "out of host memory");
             predict_tiled_scaled(&tm, img, h, w, pc->scale, pc->overlap, pc->tta_flip, probs);
+            mask = malloc((size_t)h * w);
+            snCheck(mask != NULL, "out of host memory");
             argmax_rows(mask, probs, (size_t)h * w, K);
+            ok = !pc->probs || probs_write(pc->out, list.paths[i], probs, h, w, K, err) == 0;
+            free(probs);
         }
-        ok = img && seg_write_mask(pc->out, list.paths[i], img, h, w, mask, err) == 0 &&
-             (!pc->probs || probs_write(pc->out, list.paths[i], probs, h, w, K, err) == 0);
-        free(img); free(probs); free(mask);
+        ok = ok && img && seg_write_mask(pc->out, list.paths[i], img, h, w, mask, err) == 0;
+        free(img); free(mask);
         if (pc->progress) fprintf(stderr, "%spredict: %d/%d images%s", tty ? "\r" : "", i + 1,
-                                  list.n, tty ? "" : "\n");
+                                  list.n, tty ? "\033[K" : "\n");
     }
     for (int start = 0; ok && !pc->tiled && start < list.n; start += N) {
         int count = list.n - start < N ? list.n - start : N;
@@ -1281,6 +1320,16 @@ int predict_run(const PredictCfg *asked, char err[SN_ERR_MAX]) {
             float *img = imgs[j] = image_load_rgb(list.paths[start + j], &h, &w, err);
             if (!img) { ok = 0; break; }
             hw[2 * j] = h; hw[2 * j + 1] = w;
+            // more than 4 times the model's pixels: its mask is coarser than the image; said once
+            if (seg && pc->progress && !said_resized &&
+                (int64_t)h * w > 4 * (int64_t)si.h * si.w) {
+                fprintf(stderr,
+                        "%spredict: %s is %dx%d (HxW), resized to the model's %dx%d and its mask "
+                        "back (detail is lost); --tile %dx%d predicts at the image's own size\n",
+                        tty && start > 0 ? "\n" : "", list.paths[start + j], h, w, si.h, si.w,
+                        si.h, si.w);
+                said_resized = 1;
+            }
             Tensor dst = tensor_f32(x + img_floats * j, shape4(1, si.h, si.w, 3));
             if (h == si.h && w == si.w) memcpy(dst.data, img, sizeof(float) * img_floats);
             else

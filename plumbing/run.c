@@ -790,7 +790,8 @@ static int mkdir_p(const char *path, char err[SN_ERR_MAX]);
 // segnet augment: samples 0..n-1 of c->data as epoch `epoch` (1-based) of a run
 // with c's settings augments them, written into the folder out (created if
 // missing) as aug<epoch>-<i>-<stem>.png (the image the network sees, its
-// values clipped to 0..255 and rounded) and, for segmentation,
+// values clipped to 0..255 and rounded; epoch and i zero-padded to the digits
+// of the run's epochs and of n - 1, so that names list in order) and, for segmentation,
 // aug<epoch>-<i>-<stem>_overlay.png (the mask's class colours blended 50/50,
 // ignored pixels left as they are). An existing file is never replaced, and
 // out is never the data folder or inside it.
@@ -807,7 +808,9 @@ int augment_write(const TrainCfg *c, const char *out, int n, int epoch, char err
     if (dataset_open_named(&d, c->data, seg, c->model.classes, c->model.height, c->model.width,
                            c->cache_bytes, c->threads > 0 ? c->threads : 2, NULL, &c->masks, err))
         return -1;
-    const int H = d.height, W = d.width, count = n < d.n ? n : d.n;
+    const int H = d.height, W = d.width, count = n < d.n ? n : d.n,
+              epoch_digits = snprintf(NULL, 0, "%d", c->epochs > epoch ? c->epochs : epoch),
+              i_digits = snprintf(NULL, 0, "%d", count > 1 ? count - 1 : 0);
     const size_t P = (size_t)H * W;
     float *x = malloc(sizeof(float) * 3 * P);
     int32_t *y = malloc(sizeof(int32_t) * (seg ? P : 1));
@@ -825,8 +828,8 @@ int augment_write(const TrainCfg *c, const char *out, int n, int epoch, char err
         const char *stem = path_stem(d.images[i], &len);
         char path[2][OUT_PATH_MAX];
         for (int k = 0; k < 2; k++)
-            snprintf(path[k], OUT_PATH_MAX, "%s/aug%d-%d-%.*s%s.png", out, epoch, i, len, stem,
-                     k ? "_overlay" : "");
+            snprintf(path[k], OUT_PATH_MAX, "%s/aug%0*d-%0*d-%.*s%s.png", out, epoch_digits,
+                     epoch, i_digits, i, len, stem, k ? "_overlay" : "");
         for (int k = 0; rc == 0 && k < 1 + seg; k++)
             if (access(path[k], F_OK) == 0) {
                 snprintf(err, SN_ERR_MAX, "%.400s: exists (segnet augment replaces nothing)",

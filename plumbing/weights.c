@@ -167,8 +167,8 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
                            const LoadRules *rules, char *report, char err[SN_ERR_MAX]) {
     const Graph *g = net->g;
     const char *allow_missing = rules ? rules->init : NULL;
-    int n_loaded = 0, n_timm = 0, n_init = 0, n_ignored = 0;
-    char init_list[256] = "", ignored_list[256] = "";
+    int n_loaded = 0, n_timm = 0, n_init = 0, n_ignored = 0, n_reshaped = 0;
+    char init_list[256] = "", ignored_list[256] = "", reshaped_list[384] = "";
     const int n_entries = g->n_params + g->n_buffers;
     const SafetensorsTensor **src = calloc((size_t)n_entries, sizeof *src);
     char *used = calloc((size_t)f->n_tensors + 1, 1);
@@ -193,10 +193,13 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
             if (!skippable) list_add(missing, sizeof missing, &n_missing, p->name);
             else list_add(init_list, sizeof init_list, &n_init, p->name);
         } else if (!same) {
-            // the model's tensor initialised, the file's (of another shape) ignored
+            // the file's tensor (of another shape) ignored, the model's initialised: said once
             if (skippable) {
-                list_add(init_list, sizeof init_list, &n_init, p->name);
-                list_add(ignored_list, sizeof ignored_list, &n_ignored, t->name);
+                char a[96], b[96], item[SN_NAME_MAX + 2 * 96 + 40];
+                dims_str(a, sizeof a, t->dims, t->ndim);
+                dims_str(b, sizeof b, want, p->ndim);
+                snprintf(item, sizeof item, "%s ignored %s; initialised %s", p->name, a, b);
+                list_add(reshaped_list, sizeof reshaped_list, &n_reshaped, item);
             } else {
                 char a[96], b[96], item[2 * SN_NAME_MAX + 200];
                 dims_str(a, sizeof a, t->dims, t->ndim);
@@ -251,13 +254,17 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
             refuse = values_allowed(path, src[e]->name, vals, src[e]->numel, err) != 0;
         }
     if (!refuse && !(rules && rules->check_only)) {
+        char reshaped[sizeof reshaped_list + 40] = "";
+        if (n_reshaped)
+            snprintf(reshaped, sizeof reshaped, ", %d of another shape (%s)", n_reshaped,
+                     reshaped_list);
         if (report)
             snprintf(report, SN_ERR_MAX,
                      "weights: %d tensors loaded from %.200s (%s names), %d initialised%s%s%s, "
-                     "%d ignored%s%s%s",
+                     "%d ignored%s%s%s%s",
                      n_loaded, path, n_timm ? "timm" : "torchvision", n_init, n_init ? " (" : "",
                      init_list, n_init ? ")" : "", n_ignored, n_ignored ? " (" : "", ignored_list,
-                     n_ignored ? ")" : "");
+                     n_ignored ? ")" : "", reshaped);
         Ops *o = net->o;
         for (int e = 0; e < n_entries; e++) {
             if (!src[e]) continue;  // skipped under allow_missing
