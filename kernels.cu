@@ -3,7 +3,7 @@
 //
 // One source, two builds (see doc/design.md, "GPU code without a GPU"):
 //   nvcc -c kernels.cu                         for GPUs (real <<<>>>, __shared__, cuBLAS, NCCL)
-//   g++ -x c++ -std=c++17 -c kernels.cu        for the CPU, against dev/cuda_emu.h / dev/cuda_emu.cpp
+//   g++ -x c++ -std=c++17 -c kernels.cu        for the CPU, against dev/cuda_emu.h and .cpp
 // so every kernel launches through CU_LAUNCH and takes shared memory through
 // CU_DYN_SHARED (dynamic) or CU_SHARED(type, name, [dims]) (static); the rules
 // for kernels that must run on both are at the top of dev/cuda_emu.h.
