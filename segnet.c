@@ -1933,8 +1933,10 @@ static int squeeze_excitation(Graph *g, const char *p, int x, int squeeze) {
 }
 
 // The EfficientNetV2 feature extractor, from the 0..255 input to the head
-// activation. stage_out[s] receives the output of features.s (s = 0..S+1).
-static int effnetv2_features(Graph *g, const EffSpec *sp, int x, PadMode pad, int *stage_out) {
+// activation (with_head 0: to the last stage's output). stage_out[s] receives
+// the output of features.s (s = 0..S+1).
+static int effnetv2_features(Graph *g, const EffSpec *sp, int x, PadMode pad, int with_head,
+                             int *stage_out) {
     char p[SN_NAME_MAX], b[2 * SN_NAME_MAX];
     graph_begin_stage(g, "stem");
     graph_begin_block(g);
@@ -1979,6 +1981,7 @@ static int effnetv2_features(Graph *g, const EffSpec *sp, int x, PadMode pad, in
         }
         stage_out[s + 1] = x;
     }
+    if (!with_head) return x;
     graph_begin_stage(g, "head");
     graph_begin_block(g);
     snprintf(p, sizeof p, "features.%d", sp->n_stages + 1);
@@ -1988,7 +1991,7 @@ static int effnetv2_features(Graph *g, const EffSpec *sp, int x, PadMode pad, in
 }
 
 ModelCfg model_cfg_default(void) {
-    ModelCfg c = {"unet", 4, 1, 256, 256, PAD_SAME, 0, 4, 32, 0, -1.0f};
+    ModelCfg c = {"unet", 4, 1, 256, 256, PAD_SAME, 0, 4, 32, 0, -1.0f, BOTTLENECK_HEAD};
     return c;
 }
 
@@ -2056,10 +2059,12 @@ static int unet_build(Graph *g, const ModelCfg *c) {
 }
 
 // U-Net on an EfficientNetV2 encoder, decoder as segmentation_models' Unet:
-// skips at strides 16, 8, 4, 2 from the last stage at each resolution, the /32
-// head activation as the bottleneck; per decoder stage nearest 2× upsample →
-// concat skip → two 3×3 conv-BN-ReLU with (256,128,64,32,16) filters; a 3×3
-// conv with bias to the class logits.
+// skips at strides 16, 8, 4, 2 from the last stage at each resolution; the
+// bottleneck at /32 is the head activation (BOTTLENECK_HEAD, 1280 channels, as
+// Keras' segmentation_models takes a backbone's output) or the last stage's
+// (BOTTLENECK_STAGE: smp's Unet on a timm `tu-` encoder, which stops there); per
+// decoder stage nearest 2× upsample → concat skip → two 3×3 conv-BN-ReLU with
+// (256,128,64,32,16) filters; a 3×3 conv with bias to the class logits.
 static const int UNET_DECODER_CHANNELS[5] = {256, 128, 64, 32, 16};
 
 static int unet_effnetv2_build(Graph *g, const ModelCfg *c, const EffSpec *sp) {
@@ -2071,7 +2076,7 @@ static int unet_effnetv2_build(Graph *g, const ModelCfg *c, const EffSpec *sp) {
     }
     int stage_out[16];
     int x = graph_input(g, shape4(c->batch, c->height, c->width, 3));
-    x = effnetv2_features(g, sp, x, c->pad, stage_out);
+    x = effnetv2_features(g, sp, x, c->pad, c->bottleneck == BOTTLENECK_HEAD, stage_out);
     if (g->err[0]) return -1;
     // the last stage output at strides 2, 4, 8, 16
     int skip[5] = {-1, -1, -1, -1, -1};
@@ -2107,7 +2112,6 @@ static int model_build_unchecked(Graph *g, const ModelCfg *c) {
                    c->model, c->classes, c->batch, c->height, c->width);
         return -1;
     }
-    // unet-effv2: the encoder's
     g->init = strcmp(c->model, "unet") ? INIT_EFFNET : INIT_TORCH_DEFAULT;
     if (!strcmp(c->model, "unet")) return unet_build(g, c);
     if (!strncmp(c->model, "unet-", 5) && eff_spec(c->model + 5))
@@ -2120,7 +2124,7 @@ static int model_build_unchecked(Graph *g, const ModelCfg *c) {
     }
     int stage_out[16];
     int x = graph_input(g, shape4(c->batch, c->height, c->width, 3));
-    x = effnetv2_features(g, sp, x, c->pad, stage_out);
+    x = effnetv2_features(g, sp, x, c->pad, 1, stage_out);
     return classifier_head(g, x, sp, c);
 }
 

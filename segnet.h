@@ -1183,6 +1183,10 @@ typedef struct {
 #define PAD_RUN     2
     // classifier head's dropout rate(s); < 0: the model's (EffSpec: s 0.2, m 0.3, l 0.4)
     float dropout;
+    // unet-effv2-*: what the decoder starts from, at stride 32 (--bottleneck)
+    int bottleneck;
+#define BOTTLENECK_HEAD  0  // the encoder's 1×1 head conv (1280 channels), a classifier's features
+#define BOTTLENECK_STAGE 1  // the last stage's output, as timm's features_only (smp's tu- encoders)
 } ModelCfg;
 
 ModelCfg model_cfg_default(void);

@@ -4055,23 +4055,30 @@ static int run_shell(const char *cmd, char *msg, size_t size);
 // once); without it the test says so and skips. Tolerances: the issue's 1e-6 of
 // the loss and 1e-5 of the gradient's largest element (segnet's sums are fp64,
 // its coefficients and gradient fp32).
-TEST(parity_live_smp_losses) {
-    enum { N = 2, H = 8, W = 9, K = 4, M = N * H * W };
+// The python of a venv with segmentation-models-pytorch 0.6.0 (and timm) beside Debian's
+// torch: SEGNET_SMP_VENV, default /tmp/segnet_smp_venv, made once. 0, or -1 after a line
+// saying why it could not be made.
+static int smp_python(char *python, size_t size) {
     const char *venv =
             getenv("SEGNET_SMP_VENV") ? getenv("SEGNET_SMP_VENV") : "/tmp/segnet_smp_venv";
-    char python[600], cmd[2048], msg[4096];
-    snprintf(python, sizeof python, "%s/bin/python", venv);
+    char cmd[2048], msg[4096];
+    snprintf(python, size, "%s/bin/python", venv);
     snprintf(cmd, sizeof cmd,
              "%s -c 'import segmentation_models_pytorch' 2>/dev/null || { /usr/bin/python3 -m "
              "venv --system-site-packages %s && %s/bin/pip install -q "
              "segmentation-models-pytorch==0.6.0; }",
              python, venv, venv);
-    if (run_shell(cmd, msg, sizeof msg) != 0) {
-        printf("    smp parity not run: cannot install segmentation-models-pytorch into %s: "
-               "%.300s\n",
-               venv, msg);
-        SKIP("segmentation-models-pytorch could not be installed from PyPI (see above)");
-    }
+    if (run_shell(cmd, msg, sizeof msg) == 0) return 0;
+    printf("    smp parity not run: cannot install segmentation-models-pytorch into %s: %.300s\n",
+           venv, msg);
+    return -1;
+}
+#define SKIP_NO_SMP "segmentation-models-pytorch could not be installed from PyPI (see above)"
+
+TEST(parity_live_smp_losses) {
+    enum { N = 2, H = 8, W = 9, K = 4, M = N * H * W };
+    char python[600], cmd[2048], msg[4096];
+    if (smp_python(python, sizeof python)) SKIP(SKIP_NO_SMP);
     Rng r;
     rng_seed(&r, 37);
     float *z = randn(&r, (size_t)M * K, 2.0f);
@@ -14923,6 +14930,93 @@ TEST(parity_live_unet_export) {
     size_t n;
     char *said = read_file("/tmp/segnet_test_out.txt", &n);
     CHECK(said && contains(said, "ok 4 images"), "ref/segnet_unet.py said: %s", said ? said : "");
+    if (g_verbose && said) printf("    %s", said);
+    free(said);
+    rm_rf(dir);
+}
+
+// A unet-effv2 to segmentation_models_pytorch (issue 48): a unet-effv2-s run with
+// --bottleneck stage --padding same exports with --names smp to a file that
+// smp.Unet(encoder_name="tu-tf_efficientnetv2_s", encoder_weights=None, classes=K) loads
+// with load_state_dict(strict=True) and that predicts as segnet predict does
+// (ref/check_smp_export.py: the argmax where the top two differ by more than 1e-3, the
+// softmax within 1e-3 of the fp16 --probs); segnet reads the file back to the run's own
+// validation. The models smp has no such Unet for are refused with the reason.
+TEST(parity_live_smp_export) {
+    const char *dir = "/tmp/segnet_test_smp_export";
+    rm_rf(dir);
+    char data[300], args[2048], msg[4096];
+    snprintf(data, sizeof data, "%s/data", dir);
+    write_seg_set(data, 2, 32, 32, 49);
+    const char *model = "--model unet-effv2-s --classes 3 --size 32x32 --class-weights 1,1,1";
+    snprintf(args, sizeof args,
+             "train %s --bottleneck stage --batch 2 --epochs 1 --freeze base --lr 0.01 --data %s "
+             "--out %s/run_stage --device cpu --threads 2",
+             model, data, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "train: %s", msg);
+    // the run as if trained with another bottleneck or padding (config.txt decides the model)
+    const struct { const char *name, *edit, *refusal; } runs[] = {
+            {"stage", "", NULL},
+            {"head", "s/^bottleneck = stage/bottleneck = head/", "train with --bottleneck stage"},
+            {"symmetric", "s/^padding = same/padding = symmetric/", "train with --padding same"},
+    };
+    char cmd[2048];
+    for (int k = 0; k < 3; k++) {
+        if (runs[k].refusal) {
+            snprintf(cmd, sizeof cmd,
+                     "cp -r %s/run_stage %s/run_%s && sed -i '%s' %s/run_%s/config.txt", dir, dir,
+                     runs[k].name, runs[k].edit, dir, runs[k].name);
+            CHECK(run_shell(cmd, msg, sizeof msg) == 0, "%s: %s", cmd, msg);
+        }
+        snprintf(args, sizeof args, "export --run %s/run_%s --names smp --out %s/%s.safetensors",
+                 dir, runs[k].name, dir, runs[k].name);
+        const int rc = run_segnet(args, msg, sizeof msg);
+        if (runs[k].refusal)
+            CHECK(rc == 1 && contains(msg, runs[k].refusal), "%s: '%s'", runs[k].name, msg);
+        else
+            CHECK(rc == 0 && contains(msg, "836 tensors") &&
+                          contains(msg, "Unet(encoder_name=\"tu-tf_efficientnetv2_s\""),
+                  "export --names smp: '%s' (want smp's 836 tensors and the constructor)", msg);
+    }
+    snprintf(args, sizeof args, "train --model effv2-t --bottleneck stage --data %s", data);
+    CHECK(run_segnet(args, msg, sizeof msg) == 2 && contains(msg, "--bottleneck") &&
+                  contains(msg, "unet-effv2-*"),
+          "--bottleneck on a classifier: '%s'", msg);
+    // segnet reads smp's names back
+    snprintf(args, sizeof args, "eval --run %s/run_stage --data %s", dir, data);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "eval: %s", msg);
+    size_t n;
+    char *want = read_file("/tmp/segnet_test_out.txt", &n);
+    snprintf(args, sizeof args,
+             "eval --weights %s/stage.safetensors %s --bottleneck stage --batch 2 --data %s", dir,
+             model, data);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "%s", msg);
+    char *got = read_file("/tmp/segnet_test_out.txt", &n);
+    CHECK(want && got && !strcmp(want, got), "eval of the smp export:\n%s, the run's own:\n%s",
+          got ? got : "", want ? want : "");
+    free(want);
+    free(got);
+    char python[600];
+    if (smp_python(python, sizeof python)) {
+        rm_rf(dir);
+        SKIP(SKIP_NO_SMP);
+    }
+    snprintf(args, sizeof args,
+             "predict --run %s/run_stage --input %s/images --out %s/masks --device cpu --threads 2",
+             dir, data, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict: %s", msg);
+    snprintf(args, sizeof args,
+             "predict --run %s/run_stage --input %s/images --out %s/probs --tile 32x32 --probs "
+             "--device cpu --threads 2",
+             dir, data, dir);
+    CHECK(run_segnet(args, msg, sizeof msg) == 0, "predict --probs: %s", msg);
+    snprintf(cmd, sizeof cmd,
+             "%s ref/check_smp_export.py %s/stage.safetensors s 3 %s/images %s/masks %s/probs",
+             python, dir, data, dir, dir);
+    CHECK(run_shell(cmd, msg, sizeof msg) == 0, "ref/check_smp_export.py: %s", msg);
+    char *said = read_file("/tmp/segnet_test_out.txt", &n);
+    CHECK(said && contains(said, "ok 2 images"), "ref/check_smp_export.py said: %s",
+          said ? said : "");
     if (g_verbose && said) printf("    %s", said);
     free(said);
     rm_rf(dir);

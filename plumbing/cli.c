@@ -113,7 +113,8 @@ static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
     int is_model_flag = !strcmp(f, "--model") || !strcmp(f, "--classes") || !strcmp(f, "--size") ||
                         !strcmp(f, "--batch") || !strcmp(f, "--padding") ||
                         !strcmp(f, "--head-hidden") || !strcmp(f, "--depth") ||
-                        !strcmp(f, "--width") || !strcmp(f, "--dropout");
+                        !strcmp(f, "--width") || !strcmp(f, "--dropout") ||
+                        !strcmp(f, "--bottleneck");
     if (!is_model_flag) return 0;
     if (i + 1 >= argc) { fprintf(stderr, "segnet: %s needs a value\n", f); return -1; }
     const char *v = argv[i + 1];
@@ -129,6 +130,13 @@ static int parse_model_option(ModelCfg *c, int argc, char **argv, int i) {
         if (parse_int(f, v, 1, 8, &c->depth)) return -1;
     } else if (!strcmp(f, "--width")) {
         if (parse_int(f, v, 1, 1 << 16, &c->width_base)) return -1;
+    } else if (!strcmp(f, "--bottleneck")) {
+        if (!strcmp(v, "head")) c->bottleneck = BOTTLENECK_HEAD;
+        else if (!strcmp(v, "stage")) c->bottleneck = BOTTLENECK_STAGE;
+        else {
+            fprintf(stderr, "segnet: --bottleneck '%s' must be head or stage\n", v);
+            return -1;
+        }
     } else if (!strcmp(f, "--padding")) {
         c->pad_given = PAD_OPTION;
         if (!strcmp(v, "same")) c->pad = PAD_SAME;
@@ -650,7 +658,7 @@ static const char *USAGE =
     "  train     train a model and write a run folder (no options: the quickstart\n"
     "            on the bundled data/, as `make train`)\n"
     "  eval      print a model's validation loss and metrics on a data set\n"
-    "  export    write a run's weights for PyTorch (torchvision or timm names)\n"
+    "  export    write a run's weights for PyTorch (torchvision, timm or smp names)\n"
     "  bench     time training steps on synthetic data (segnet bench --help)\n"
     "  augment   write the augmented samples a run would train on, to look at\n"
     "  info      print the build: backend, BLAS, threads\n"
@@ -844,6 +852,11 @@ static const char *TRAIN_USAGE =
     "                        --head-hidden; default torchvision's: effv2-s 0.2,\n"
     "                        effv2-m 0.3, effv2-l 0.4)\n"
     "  --depth D, --width W  unet levels below the top (default 4), channels at the top (32)\n"
+    "  --bottleneck B        unet-effv2-*: where the decoder starts at stride 32: head\n"
+    "                        (default: the encoder's 1×1 head conv, 1280 channels, as a\n"
+    "                        classifier's features) or stage (the last stage's output:\n"
+    "                        segmentation_models_pytorch's Unet on a timm tu- encoder;\n"
+    "                        see segnet export --names smp)\n"
     "\n"
     "The quickstart (`segnet train` with no options, or `make train`, from the\n"
     "repository root) is:\n"
@@ -904,12 +917,14 @@ static int has_flag(int argc, char **argv, const char *flag) {
 
 // An option on the command line that does nothing for the model is refused
 // (a run would record it as if it did): the classifier head's for a U-Net,
-// the plain unet's levels and channels for the others, the masks' for a classifier.
+// the plain unet's levels and channels for the others, the masks' for a classifier,
+// the EfficientNetV2 U-Net's bottleneck for the others.
 static int model_options_used(const char *cmd, const char *model, int argc, char **argv) {
-    // head: 1 the classifier head's, 0 the plain unet's, 2 the masks' (segmentation)
+    // head: 1 the classifier head's, 0 the plain unet's, 2 the masks' (segmentation),
+    // 3 the unet-effv2-*'s
     static const struct { const char *flag; int head; } OWN[] = {
-        {"--head-hidden", 1}, {"--dropout", 1},      {"--depth", 0},
-        {"--width", 0},       {"--ignore-index", 2}, {"--label-map", 2}};
+        {"--head-hidden", 1}, {"--dropout", 1},      {"--depth", 0},     {"--width", 0},
+        {"--ignore-index", 2}, {"--label-map", 2}, {"--bottleneck", 3}};
     for (size_t k = 0; k < sizeof OWN / sizeof *OWN; k++) {
         if (!has_flag(argc, argv, OWN[k].flag)) continue;
         if (OWN[k].head == 2 && model_is_classifier(model))
@@ -926,6 +941,11 @@ static int model_options_used(const char *cmd, const char *model, int argc, char
             fprintf(stderr,
                     "segnet %s: %s: model '%s' does not use it (the levels and channels of the "
                     "plain unet)\n",
+                    cmd, OWN[k].flag, model);
+        else if (OWN[k].head == 3 && strncmp(model, "unet-effv2-", 11))
+            fprintf(stderr,
+                    "segnet %s: %s: model '%s' does not use it (the decoder's start in the "
+                    "unet-effv2-* models)\n",
                     cmd, OWN[k].flag, model);
         else
             continue;
@@ -1253,6 +1273,7 @@ static const char *PREDICT_USAGE =
         "  --head-hidden H     the classifier's hidden layer, as trained (default 0)\n"
         "  --depth D           unet levels below the top, as trained (default 4)\n"
         "  --width W           unet channels at the top level, as trained (default 32)\n"
+        "  --bottleneck B      unet-effv2-*: head (default) or stage, as trained\n"
         "  --device D          auto (default), cuda or cpu, as for segnet train\n"
         "  --threads T         CPU threads (default: all cores)\n"
         "  --max-pixels N      the largest image, width × height (default " TEXT_OF(
@@ -1437,12 +1458,18 @@ static const char *EXPORT_USAGE =
     "                       classifier.4: nn.Sequential(Dropout, Linear, ReLU,\n"
     "                       Dropout, Linear). A unet-effv2-* has its encoder in\n"
     "                       torchvision's names (features.*) and its decoder as\n"
-    "                       ref/parity_live.py's UNetEff, which loads it strictly;\n"
+    "                       ref/parity_live.py's UNetEff, which loads it strictly\n"
+    "                       (--bottleneck head);\n"
     "                       a plain unet loads into ref/segnet_unet.py's\n"
     "                       SegnetUNet(classes=K, depth=D, width=W).\n"
     "  --names timm         timm's tf_efficientnetv2_s/m/l (EfficientNetV2\n"
     "                       classifiers without --head-hidden)\n"
-    "  --names segnet       segnet's names only (segnet --weights reads all three)\n"
+    "  --names smp          segmentation_models_pytorch 0.6's names: a unet-effv2-s/m/l\n"
+    "                       trained with --bottleneck stage --padding same loads with\n"
+    "                       load_state_dict(strict=True) into smp.Unet(encoder_name=\n"
+    "                       \"tu-tf_efficientnetv2_s\" (_m, _l), encoder_weights=None,\n"
+    "                       classes=K), whose input is RGB 0..255 as x/128 - 1\n"
+    "  --names segnet       segnet's names only (segnet --weights reads all four)\n"
     "The padding the weights were trained with is in the file's metadata.\n";
 
 static int cmd_export(TrainArgs *ta, int argc, char **argv) {
@@ -1464,9 +1491,10 @@ static int cmd_export(TrainArgs *ta, int argc, char **argv) {
         else if (!strcmp(f, "--out")) out = v;
         else {
             int k = 0;
-            while (k < 3 && strcmp(v, EXPORT_NAMES[k])) k++;
-            if (k == 3) {
-                fprintf(stderr, "segnet export: --names '%s' must be torchvision, timm or segnet\n",
+            while (k < EXPORT_KINDS && strcmp(v, EXPORT_NAMES[k])) k++;
+            if (k == EXPORT_KINDS) {
+                fprintf(stderr,
+                        "segnet export: --names '%s' must be torchvision, timm, smp or segnet\n",
                         v);
                 return 2;
             }
@@ -1541,8 +1569,8 @@ static const char *BENCH_USAGE =
     "                      segnet train), --augment LIST, --ignore-index,\n"
     "                      --label-map, --exif, --max-pixels as for segnet train\n"
     "  --device D          auto (default), cuda or cpu, as for segnet train\n"
-    "  --classes K, --padding MODE, --head-hidden H, --depth D, --width W:\n"
-    "                      the model, as for segnet train\n";
+    "  --classes K, --padding MODE, --head-hidden H, --depth D, --width W,\n"
+    "  --bottleneck B      the model, as for segnet train\n";
 
 static int cmd_bench(int argc, char **argv) {
     // the model and the options bench shares with train are read by train's parser, into a
@@ -1730,6 +1758,7 @@ static const char *PLAN_USAGE =
     "  --head-hidden H     classifier hidden layer width (default 0: none)\n"
     "  --depth D           unet levels below the top (default 4)\n"
     "  --width W           unet channels at the top level (default 32)\n"
+    "  --bottleneck B      unet-effv2-*: head (default) or stage, as for segnet train\n"
     "  --device D          auto (default), cuda or cpu: whose conv workspace is planned\n"
     "  --roofline          also the bytes and FLOPs of a training step by op kind on\n"
     "                      the CUDA kernels, and the least time an H200 needs for them\n";

@@ -1976,6 +1976,8 @@ static void config_text(const TrainCfg *c, SfBuf *b) {
     CFG("padding = %s\n", PAD_NAME[m->pad]);
     if (model_is_classifier(m->model)) CFG("head-hidden = %d\n", m->head_hidden);
     if (!strcmp(m->model, "unet")) CFG("depth = %d\nwidth = %d\n", m->depth, m->width_base);
+    if (!strncmp(m->model, "unet-effv2-", 11))
+        CFG("bottleneck = %s\n", m->bottleneck == BOTTLENECK_STAGE ? "stage" : "head");
     char d[32];
     if (m->dropout >= 0.0f) CFG("dropout = %s\n", float_str(d, m->dropout));
     // absolute: --resume and predict --run work from any folder
@@ -2880,10 +2882,38 @@ done:
 
 // The names an export uses: torchvision's (segnet's own, plus batch norm's
 // num_batches_tracked, so that load_state_dict(strict=True) takes them), timm's
-// tf_efficientnetv2_* (also with num_batches_tracked), or segnet's as they are.
-typedef enum { EXPORT_TORCHVISION, EXPORT_TIMM, EXPORT_SEGNET } ExportNames;
+// tf_efficientnetv2_* (also with num_batches_tracked), segnet's as they are, or
+// segmentation_models_pytorch's Unet on a timm tu-tf_efficientnetv2_* encoder (unet_smp_name).
+typedef enum {
+    EXPORT_TORCHVISION, EXPORT_TIMM, EXPORT_SEGNET, EXPORT_SMP, EXPORT_KINDS
+} ExportNames;
 // indexed by ExportNames
-static const char *const EXPORT_NAMES[] = {"torchvision", "timm", "segnet"};
+static const char *const EXPORT_NAMES[EXPORT_KINDS] = {"torchvision", "timm", "segnet", "smp"};
+
+// smp.Unet(encoder_name="tu-tf_efficientnetv2_<s|m|l>") is unet-effv2-<s|m|l> with the
+// decoder starting at the last stage (timm's features_only has no head conv), padded as
+// TensorFlow (timm's tf_ models: 'same', BN eps 1e-3 as segnet's). -1 with err if m is not.
+static int smp_export_allowed(const ModelCfg *m, char err[SN_ERR_MAX]) {
+    const char *size = strncmp(m->model, "unet-effv2-", 11) ? "" : m->model + 11;
+    if (strcmp(size, "s") && strcmp(size, "m") && strcmp(size, "l"))
+        snprintf(err, SN_ERR_MAX,
+                 "model '%s': smp names are those of smp.Unet on timm's tf_efficientnetv2_s, _m "
+                 "or _l: a unet-effv2-s, -m or -l",
+                 m->model);
+    else if (m->bottleneck != BOTTLENECK_STAGE)
+        snprintf(err, SN_ERR_MAX,
+                 "model '%s': its decoder starts at the encoder's 1×1 head conv (--bottleneck "
+                 "head); smp's Unet starts at the last stage: train with --bottleneck stage",
+                 m->model);
+    else if (m->pad != PAD_SAME)
+        snprintf(err, SN_ERR_MAX,
+                 "model '%s': trained with symmetric padding; smp's tu-tf_efficientnetv2_* pad "
+                 "as TensorFlow: train with --padding same",
+                 m->model);
+    else
+        return 0;
+    return -1;
+}
 
 
 // An export's metadata names its writer, so that --overwrite recognises an
@@ -2969,6 +2999,7 @@ int export_weights(const ModelCfg *m, const char *path, ExportNames names, const
     const char *step_text = safetensors_meta(&f, "step");
     int64_t step = 0;
     if (model_build(&g, m) < 0) { snprintf(err, SN_ERR_MAX, "%s", g.err); goto done; }
+    if (names == EXPORT_SMP && smp_export_allowed(m, err)) goto done;
     if (step_text && meta_int(path, "step", step_text, 0, INT64_MAX, &step, err)) goto done;
     for (int i = 0; i < f.n_tensors; i++) {
         const SafetensorsTensor *t = &f.tensors[i];
@@ -2997,6 +3028,10 @@ int export_weights(const ModelCfg *m, const char *path, ExportNames names, const
                      m->model, t->name);
             goto done;
         }
+        if (names == EXPORT_SMP && !unet_smp_name(&g, t->name, ts[n].name)) {
+            snprintf(err, SN_ERR_MAX, "model '%s': '%.100s' has no smp name", m->model, t->name);
+            goto done;
+        }
         n++;
         const size_t len = strlen(ts[n - 1].name), suffix = strlen(BN_STAT_SUFFIX);
         if (names != EXPORT_SEGNET && len > suffix &&
@@ -3020,10 +3055,18 @@ int export_weights(const ModelCfg *m, const char *path, ExportNames names, const
     const char *keys[3] = {"format", "padding", "writer"},
                *values[3] = {"pt", PAD_NAME[m->pad], EXPORT_WRITER};
     if (safetensors_write(out, ts, n, keys, values, 3, err)) goto done;
-    // the plain unet has no torchvision model: its names are those of its PyTorch class
+    // the plain unet has no torchvision model: its names are those of its PyTorch class;
+    // smp's are those of a constructor call
+    char smp[200] = "";
+    if (names == EXPORT_SMP)  // a unet-effv2-s, -m or -l (smp_export_allowed)
+        snprintf(smp, sizeof smp,
+                 "segmentation_models_pytorch's Unet(encoder_name=\"tu-tf_efficientnetv2_%s\", "
+                 "encoder_weights=None, classes=%d)",
+                 m->model + strlen("unet-effv2-"), m->classes);
     const char *named = names == EXPORT_TORCHVISION && !strcmp(m->model, "unet")
                                 ? "ref/segnet_unet.py's SegnetUNet"
-                                : EXPORT_NAMES[names];
+                        : names == EXPORT_SMP ? smp
+                                              : EXPORT_NAMES[names];
     snprintf(report, SN_ERR_MAX, "wrote %.200s: %d tensors in %s names from %.200s (padding %s)",
              out, n, named, path, PAD_NAME[m->pad]);
     rc = 0;

@@ -96,5 +96,9 @@ int net_save_checkpoint(const Net *net, const char *path, const SafetensorsTenso
 // timm's name (tf_efficientnetv2_*) for an EfficientNetV2 tensor of g; 0 if none.
 // Loading finds a tensor by its segnet/torchvision name, else by this one.
 int effnet_timm_name(const Graph *g, const char *name, char out[SN_NAME_MAX]);
+// segmentation_models_pytorch's name for a unet-effv2-* tensor (--bottleneck stage): the
+// encoder's (features.*) under smp's encoder.model. in timm's names, the decoder's as they
+// are. Loading tries it after the timm name.
+int unet_smp_name(const Graph *g, const char *name, char out[SN_NAME_MAX]);
 // values as fp32, whatever the dtype
 void safetensors_tensor_f32(const SafetensorsTensor *t, float *dst);

@@ -90,6 +90,15 @@ int effnet_timm_name(const Graph *g, const char *name, char out[SN_NAME_MAX]) {
     return snprintf(out, SN_NAME_MAX, "%s.%s", field, rest + 2) < SN_NAME_MAX;
 }
 
+#define SMP_ENCODER_PREFIX "encoder.model."  // smp's TimmUniversalEncoder holds the timm model
+
+int unet_smp_name(const Graph *g, const char *name, char out[SN_NAME_MAX]) {
+    char timm[SN_NAME_MAX];
+    if (strncmp(name, "features.", 9)) return snprintf(out, SN_NAME_MAX, "%s", name) < SN_NAME_MAX;
+    return effnet_timm_name(g, name, timm) &&
+           snprintf(out, SN_NAME_MAX, SMP_ENCODER_PREFIX "%s", timm) < SN_NAME_MAX;
+}
+
 // the PyTorch shape of a segnet parameter: OHWI (4-d) becomes OIHW
 static void torch_dims(const ParamInfo *p, int64_t dims[4]) {
     for (int k = 0; k < p->ndim; k++) dims[k] = p->dims[k];
@@ -167,7 +176,7 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
                            const LoadRules *rules, char *report, char err[SN_ERR_MAX]) {
     const Graph *g = net->g;
     const char *allow_missing = rules ? rules->init : NULL;
-    int n_loaded = 0, n_timm = 0, n_init = 0, n_ignored = 0, n_reshaped = 0;
+    int n_loaded = 0, n_timm = 0, n_smp = 0, n_init = 0, n_ignored = 0, n_reshaped = 0;
     char init_list[256] = "", ignored_list[256] = "", reshaped_list[384] = "";
     const int n_entries = g->n_params + g->n_buffers;
     const SafetensorsTensor **src = calloc((size_t)n_entries, sizeof *src);
@@ -180,9 +189,12 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
         const ParamInfo *p = e < g->n_params ? &g->params[e] : &g->buffers[e - g->n_params];
         const SafetensorsTensor *t = safetensors_find(f, p->name);
         char alias[SN_NAME_MAX];
-        // timm's naming
+        // timm's naming, or smp's (a unet-effv2-*'s encoder in timm's names)
         if (!t && effnet_timm_name(g, p->name, alias) && (t = safetensors_find(f, alias)) != NULL)
             n_timm++;
+        if (!t && !strncmp(p->name, "features.", 9) && unet_smp_name(g, p->name, alias) &&
+            (t = safetensors_find(f, alias)) != NULL)
+            n_smp++;
         int skippable = has_prefix_in(p->name, allow_missing);
         if (t) used[t - f->tensors] = 1;
         int64_t want[4];
@@ -262,8 +274,9 @@ int net_load_weights_rules(Net *net, const SafetensorsFile *f, const char *path,
             snprintf(report, SN_ERR_MAX,
                      "weights: %d tensors loaded from %.200s (%s names), %d initialised%s%s%s, "
                      "%d ignored%s%s%s%s",
-                     n_loaded, path, n_timm ? "timm" : "torchvision", n_init, n_init ? " (" : "",
-                     init_list, n_init ? ")" : "", n_ignored, n_ignored ? " (" : "", ignored_list,
+                     n_loaded, path, n_smp ? "smp" : n_timm ? "timm" : "torchvision", n_init,
+                     n_init ? " (" : "", init_list, n_init ? ")" : "", n_ignored,
+                     n_ignored ? " (" : "", ignored_list,
                      n_ignored ? ")" : "", reshaped);
         Ops *o = net->o;
         for (int e = 0; e < n_entries; e++) {

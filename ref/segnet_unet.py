@@ -79,10 +79,16 @@ def check(path, classes, depth, width, images, masks, probs):
     sys.dont_write_bytecode = True  # no ref/__pycache__ in the work tree
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from check_export import read  # a strict safetensors reader (F32, I64)
-    import torchvision.io as tio
     state, _ = read(path)
     net = SegnetUNet(classes, depth, width).eval()
     net.load_state_dict(state, strict=True)
+    return compare(net, images, masks, probs)
+
+
+def compare(net, images, masks, probs):
+    """net (in eval mode) against segnet predict's masks and --probs on IMAGES_DIR's PNGs:
+    0, or 1 after a line on stderr naming the first image that differs."""
+    import torchvision.io as tio
     worst, n = 0.0, 0
     for name in sorted(os.listdir(images)):
         stem, ext = os.path.splitext(name)
