@@ -456,7 +456,10 @@ bench: segnet
 # difference of the counters is one step's. The last two lines of a block are
 # the two runs' wall time and their larger peak host RSS. Between them, the
 # step's launches by kernel and how well they fill an H200 (dev/gpucount.awk,
-# from the nvcc build's registers and shared memory, kernel_resources.txt).
+# from the nvcc build's registers and shared memory, kernel_resources.txt), and
+# the step's least time there: at the roofline, and with each kernel at the
+# bandwidth its bytes in flight draw (kernel_inflight.txt, when make inflight
+# has made it).
 GPUCOUNT_MODELS ?= "effv2-l 384x384 b16 bf16:--model effv2-l --size 384x384 --batch 16 --classes 1000 --precision bf16" \
                    "unet-effv2-l 512x512 b8 bf16:--model unet-effv2-l --size 512x512 --batch 8 --classes 4 --precision bf16"
 gpucount: segnet_emu
@@ -479,7 +482,9 @@ gpucount: segnet_emu
 	          for (i = 1; i <= n; i++) { split(kv[i], p, ":"); \
 	            if (!(p[1] in two) || !(p[1] in one)) { print "make gpucount: no counter " p[1] > "/dev/stderr"; exit 1 } \
 	            printf "  %s_per_step: %d\n", p[2], two[p[1]] - one[p[1]] } }' $$dir/count1.txt $$dir/count2.txt || exit 1; \
-	  awk -f dev/gpucount.awk $$dir/count1.txt $$dir/count2.txt || exit 1; \
+	  if [ -f kernel_inflight.txt ]; then c++filt < kernel_inflight.txt > $$dir/inflight.txt; fi; \
+	  awk -f dev/gpucount.awk $$dir/count1.txt $$dir/count2.txt $$(ls $$dir/inflight.txt 2>/dev/null) \
+	    || exit 1; \
 	  echo "  count_runs: $$secs"; \
 	  echo "  peak_host_rss_mib: $$((rss / 1048576))"; \
 	  echo "  host_ms_per_step: $$(sed -n 's/^host_ms_per_step: //p' $$dir/run2.log)" \

@@ -9082,6 +9082,61 @@ TEST(gpucount_waves_by_hand) {
     unlink(two);
 }
 
+// gpucount.awk's least step time on an H200 (4.8 TB/s, 790 TFLOP/s), by hand. One step
+// (the difference of the two files): copy<BF16> 2 launches moving 9.6e9 bytes, 2.00 ms at
+// the bandwidth; mma<BF16> 1.58e12 FLOPs (and 4.8e8 bytes, 0.10 ms), 2.00 ms at the peak;
+// one cuBLAS GEMM of 7.9e11 FLOPs, 1.00 ms: step_ms_roofline 5.00 (kernels 4.00). With
+// the fills of the third file (make inflight's table through c++filt: parameters and
+// templates in the name) copy<BF16> draws a quarter of the bandwidth, 8.00 ms, 6.00 ms
+// lost; mma<BF16> has no fill (counted at 1: 4.8e8 of 1.008e10 kernel bytes, 4.8%) and
+// is compute-bound anyway: step_ms_at_fill 11.00 (kernels 10.00). Without the third file
+// there is no fill to use, and it says so.
+TEST(gpucount_step_time_by_hand) {
+    const char *one = "/tmp/segnet_test_count1.txt", *two = "/tmp/segnet_test_count2.txt",
+               *fills = "/tmp/segnet_test_fills.txt";
+    FILE *f = fopen(one, "w");
+    fprintf(f, "config 1 1056 256 0 32 0 4 copy<BF16>\n"
+               "traffic 4800000000 0 1056 256 0 32 0 4 copy<BF16>\n"
+               "gemm 1 0 0 64 64 64 f16/bf16 f32 0\n");
+    fclose(f);
+    f = fopen(two, "w");
+    fprintf(f, "config 3 1056 256 0 32 0 4 copy<BF16>\n"
+               "traffic 14400000000 0 1056 256 0 32 0 4 copy<BF16>\n"
+               "config 1 132 256 0 32 0 4 mma<BF16>\n"
+               "traffic 480000000 1580000000000 132 256 0 32 0 4 mma<BF16>\n"
+               "gemm 2 480000000 790000000000 64 64 64 f16/bf16 f32 0\n");
+    fclose(f);
+    f = fopen(fills, "w");
+    fprintf(f, "void copy<BF16>(Vec<BF16, 8>*, Vec<BF16, 8> const*, unsigned long) loop 16 32 "
+               "2048 8.0 0.25\n");
+    fclose(f);
+    char cmd[512], msg[512];
+    size_t n;
+    for (int with_fills = 0; with_fills < 2; with_fills++) {
+        snprintf(cmd, sizeof cmd, "awk -f dev/gpucount.awk %s %s %s", one, two,
+                 with_fills ? fills : "");
+        const int rc = run_shell(cmd, msg, sizeof msg);
+        char *out = read_file("/tmp/segnet_test_out.txt", &n);
+        CHECK(rc == 0 && out, "%s: exit %d: %s", cmd, rc, msg);
+        if (!out) continue;
+        CHECK(contains(out, "gemm_gbytes: 0.480  gemm_tflops: 0.7900  (1 cuBLAS calls)") &&
+                      contains(out, "step_ms_roofline: 5.00 (kernels 4.00, cuBLAS 1.00;"),
+              "the roofline by hand:\n%s", out);
+        if (with_fills)
+            CHECK(contains(out, "step_ms_at_fill: 11.00 (kernels 10.00 at their fill, cuBLAS "
+                                "1.00; 4.8% of the kernels' bytes without a fill") &&
+                          contains(out, "fill_loss_ms:  6.000  fill 0.25  copy<BF16>\n") &&
+                          !contains(out, "fill_loss_ms:  0.000"),
+                  "the step at the fills by hand:\n%s", out);
+        else
+            CHECK(contains(out, "step_ms_at_fill: no fills"), "without fills:\n%s", out);
+        free(out);
+    }
+    unlink(one);
+    unlink(two);
+    unlink(fills);
+}
+
 // dev/inflight.awk on hand-written SASS. Kernel a (no loop, 40 registers: 6 blocks
 // of 256 = 1536 threads an SM): a 16-byte and an 8-byte load, then an add that
 // reads the second load's register: 24 B a thread, 24·1536/1024 = 36 KB, fill 1.

@@ -27,13 +27,42 @@
 #   warps_per_sm_min:               the fewest resident warps per SM of any launch
 #   warps_per_sm_min_memory_bound:  the same without the implicit-GEMM convs
 #                                   (conv_fwd/dgrad/wgrad_kernel: tensor cores, compute-bound)
+# and the step's least time on an H200 (BANDWIDTH, PEAK_FLOPS), each launch and
+# each cuBLAS GEMM ("gemm" lines: the bytes it must move, 2·m·n·k) taking
+# max(bytes / bandwidth, FLOPs / peak):
+#   step_ms_roofline:               every launch at the full bandwidth
+#   step_ms_at_fill:                each kernel's launches at fill × the bandwidth,
+#                                   fill = min(1, KB in flight per SM / 32) from the
+#                                   SASS (an optional third file: make inflight's
+#                                   kernel_inflight.txt through c++filt; a kernel
+#                                   missing there counts fill 1, its bytes said)
+#   fill_loss_ms:                   the kernels that lose the most time to their fill
+# cuBLAS's GEMMs count at the roofline in both (their kernels are cuBLAS's); the
+# bandwidth-bound estimate ignores launch gaps, L2 reuse and tails.
 
-BEGIN { SMS = 132 }
-FNR == NR && $1 == "config" { one[key(3)] = $2; next }
-FNR == NR && $1 == "traffic" { bytes1[key(4)] = $2; flops1[key(4)] = $3; next }
-FNR == NR { next }
-$1 == "config" { two[key(3)] = $2 }
-$1 == "traffic" { bytes2[key(4)] = $2; flops2[key(4)] = $3 }
+BEGIN { SMS = 132; BANDWIDTH = 4.8e12; PEAK_FLOPS = 790e12 }
+FNR == 1 { file++ }
+file == 1 && $1 == "config" { one[key(3)] = $2; next }
+file == 1 && $1 == "traffic" { bytes1[key(4)] = $2; flops1[key(4)] = $3; next }
+file == 1 && $1 == "gemm" { gemm1[key(5)] = $2; gbytes1[key(5)] = $3; gflops1[key(5)] = $4; next }
+file == 1 { next }
+file == 2 && $1 == "config" { two[key(3)] = $2 }
+file == 2 && $1 == "traffic" { bytes2[key(4)] = $2; flops2[key(4)] = $3 }
+file == 2 && $1 == "gemm" { gemm2[key(5)] = $2; gbytes2[key(5)] = $3; gflops2[key(5)] = $4 }
+# kernel_inflight.txt demangled: "void NAME<...>(PARAMS) window B/th regs thr/SM KB/SM fill"
+file == 3 && NF >= 7 { fill_of[inflight_name()] = $NF; n_fills++ }
+function inflight_name(   s, i, c, depth) {
+    s = $0; sub(/ +[^ ]+ +[^ ]+ +[^ ]+ +[^ ]+ +[^ ]+ +[^ ]+ *$/, "", s); sub(/^void /, "", s)
+    depth = 0
+    for (i = 1; i <= length(s); i++) {  # the parameters: from the first "(" outside <>
+        c = substr(s, i, 1)
+        if (c == "<") depth++
+        else if (c == ">") depth--
+        else if (c == "(" && depth == 0) return substr(s, 1, i - 1)
+    }
+    return s
+}
+function at_least(t, u) { return t > u ? t : u }
 function key(first,   k, i) { k = $first; for (i = first + 1; i <= NF; i++) k = k " " $i; return k }
 # the lowest wave efficiency over the configurations that carry `share` of the
 # total of w[] (weights per configuration), taken by weight per launch, largest
@@ -125,4 +154,38 @@ END {
     printf "  warps_per_sm_min: %d (%s)\n", wmin, wworst
     printf "  warps_per_sm_min_memory_bound: %d (%s)\n", mmin, mworst
     if (unknown) printf "  launches_of_unknown_resources: %d\n", unknown
+    # the least time: kernels (by configuration), then cuBLAS's GEMMs (by shape)
+    for (k in count) {
+        name = namek[k]
+        roof = at_least(kbytes[k] / BANDWIDTH, kflops[k] / PEAK_FLOPS)
+        if (name in fill_of && fill_of[name] > 0) fill = fill_of[name]
+        else { fill = 1; unfilled += kbytes[k] }
+        filled = at_least(kbytes[k] / (BANDWIDTH * fill), kflops[k] / PEAK_FLOPS)
+        t_kernels += roof; t_filled += filled; lost[name] += filled - roof
+    }
+    for (k in gemm2) {
+        calls = gemm2[k] - (k in gemm1 ? gemm1[k] : 0)
+        if (calls <= 0) continue
+        gb = gbytes2[k] - gbytes1[k]; gf = gflops2[k] - gflops1[k]
+        gemm_calls += calls; gemm_bytes += gb; gemm_flops += gf
+        t_gemm += at_least(gb / BANDWIDTH, gf / PEAK_FLOPS)
+    }
+    printf "  gemm_gbytes: %.3f  gemm_tflops: %.4f  (%d cuBLAS calls)\n", gemm_bytes / 1e9,
+           gemm_flops / 1e12, gemm_calls
+    printf "  step_ms_roofline: %.2f (kernels %.2f, cuBLAS %.2f; H200 %.1f TB/s, %d TFLOP/s)\n",
+           1e3 * (t_kernels + t_gemm), 1e3 * t_kernels, 1e3 * t_gemm, BANDWIDTH / 1e12,
+           PEAK_FLOPS / 1e12
+    if (!n_fills) {
+        printf "  step_ms_at_fill: no fills (make inflight CUOBJDUMP=path, then make gpucount)\n"
+        exit
+    }
+    printf "  step_ms_at_fill: %.2f (kernels %.2f at their fill, cuBLAS %.2f; %.1f%% of the " \
+           "kernels' bytes without a fill, counted at 1)\n", 1e3 * (t_filled + t_gemm),
+           1e3 * t_filled, 1e3 * t_gemm, (step_bytes > 0 ? 100 * unfilled / step_bytes : 0)
+    rows = "sort -t '\t' -k1,1gr -k2 | head -5 | cut -f2-"
+    for (name in lost)
+        if (lost[name] > 0)
+            printf "%.9f\t  fill_loss_ms: %6.3f  fill %.2f  %s\n", lost[name], 1e3 * lost[name],
+                   fill_of[name], substr(name, 1, 90) | rows
+    close(rows)
 }
