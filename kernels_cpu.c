@@ -547,6 +547,21 @@ direct_conv_tile(const DirectConv *d, int R, int V, int oy, int ox0, int co0) {
             }
         }
     const int nc = d->Cout - co0 < V * CONV_VL ? d->Cout - co0 : V * CONV_VL;
+    if (d->out.dtype == DT_F32 && nc == V * CONV_VL) {
+        // whole fp32 vectors from the registers: the same sums as the run below, (acc + bias)
+        // (+ out), without a call to memcpy per pixel (15% of a small U-Net's step)
+        float *o = (float *)d->out.data + d->out_image + ((size_t)oy * d->OW + ox0) * d->Cout + co0;
+        #pragma GCC unroll 12
+        for (int r = 0; r < R; r++)
+            #pragma GCC unroll 4
+            for (int v = 0; v < V; v++) {
+                vfloat y = acc[r][v];
+                if (d->bias) y += vload(d->bias + co0 + v * CONV_VL);
+                if (d->accumulate) y += vload(o + (size_t)r * d->Cout + v * CONV_VL);
+                vstore(o + (size_t)r * d->Cout + v * CONV_VL, y);
+            }
+        return;
+    }
     // one pixel's channels co0.., then stored (rounded, accumulated) as a run
     float tile[CONV_VMAX * CONV_VL];
     #pragma GCC unroll 12
