@@ -736,10 +736,13 @@ static void conv2d_backward_data_direct(const ConvCfg *cfg, const ConvGeom *q, T
 // The weight gradient, any stride:
 //   dw[co][ky][kx][ci] += Σ_{n,oy,ox} dout[n,oy,ox,co] · xp_n[oy·s + ky][ox·s + kx][ci]
 // per tap, a tile of R output channels (broadcast from dout) × V vectors of
-// input channels (loaded from the padded input) accumulates whole output rows
-// of a chunk's images, about DW_FLUSH_PIXELS pixels, in registers (fp32), then
-// adds them into fp64 sums: rows in order, so the result does not depend on
-// the thread count.
+// input channels (loaded from the padded input) accumulates a block of whole
+// output rows of a chunk's images, about DW_FLUSH_PIXELS pixels, in registers
+// (fp32), then adds them into fp64 sums: blocks in order, so the result does
+// not depend on the thread count. Every tile of a work item takes a block
+// before the next block: the block's input and dout rows stay in the core's
+// cache while the tiles go through them (tile by tile over the whole chunk,
+// each tile streamed the chunk again from memory).
 #define DW_FLUSH_PIXELS 512
 typedef struct {
     // nb × (Hp,Wp,C) padded input of the chunk's images (with CONV_VMAX·CONV_VL floats of slack)
@@ -751,21 +754,22 @@ typedef struct {
     double *sum;          // [Cout][kh][kw][C], the weight gradient's layout
 } DirectDW;
 
-static inline __attribute__((always_inline)) void direct_dw_tile(const DirectDW *d, int R, int V,
-                                                                 int tap, int co0, int ci0) {
+// rows per fp32 partial sum
+static int direct_dw_block_rows(const DirectDW *d) {
+    return d->OW >= DW_FLUSH_PIXELS ? 1 : DW_FLUSH_PIXELS / d->OW;
+}
+// the tile's sums over the block of rows from row0 (the chunk's rows, image by image)
+static inline __attribute__((always_inline)) void
+direct_dw_tile(const DirectDW *d, int R, int V, int tap, int co0, int ci0, int row0) {
     const int ky = tap / d->kw, kx = tap % d->kw;
     const size_t xstep = (size_t)d->s * d->C;
-    // rows per fp32 partial sum
-    const int rows = d->OW >= DW_FLUSH_PIXELS ? 1 : DW_FLUSH_PIXELS / d->OW;
-    // the chunk's rows, image by image
-    const int total = d->nb * d->OH;
-    for (int row0 = 0; row0 < total; row0 += rows) {
-        vfloat acc[CONV_RMAX][CONV_VMAX];
-        #pragma GCC unroll 12
-        for (int r = 0; r < R; r++)
-            #pragma GCC unroll 4
-            for (int v = 0; v < V; v++) acc[r][v] = (vfloat){0};
-        for (int row = row0; row < row0 + rows && row < total; row++) {
+    const int rows = direct_dw_block_rows(d), total = d->nb * d->OH;
+    vfloat acc[CONV_RMAX][CONV_VMAX];
+    #pragma GCC unroll 12
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 4
+        for (int v = 0; v < V; v++) acc[r][v] = (vfloat){0};
+    for (int row = row0; row < row0 + rows && row < total; row++) {
         const int n = row / d->OH, oy = row % d->OH;
         const float *xr =
                 d->xp + n * d->xp_image + ((size_t)(oy * d->s + ky) * d->Wp + kx) * d->C + ci0;
@@ -781,24 +785,23 @@ static inline __attribute__((always_inline)) void direct_dw_tile(const DirectDW 
                 for (int v = 0; v < V; v++) acc[r][v] += b * xv[v];
             }
         }
-        }
-        const int nc = d->C - ci0 < V * CONV_VL ? d->C - ci0 : V * CONV_VL;
-        float lanes[CONV_VMAX * CONV_VL];
-        #pragma GCC unroll 12
-        for (int r = 0; r < R; r++) {
-            #pragma GCC unroll 4
-            for (int v = 0; v < V; v++) vstore(lanes + v * CONV_VL, acc[r][v]);
-            double *sr = d->sum + ((size_t)(co0 + r) * d->KK + tap) * d->C + ci0;
-            for (int j = 0; j < nc; j++) sr[j] += lanes[j];
-        }
+    }
+    const int nc = d->C - ci0 < V * CONV_VL ? d->C - ci0 : V * CONV_VL;
+    float lanes[CONV_VMAX * CONV_VL];
+    #pragma GCC unroll 12
+    for (int r = 0; r < R; r++) {
+        #pragma GCC unroll 4
+        for (int v = 0; v < V; v++) vstore(lanes + v * CONV_VL, acc[r][v]);
+        double *sr = d->sum + ((size_t)(co0 + r) * d->KK + tap) * d->C + ci0;
+        for (int j = 0; j < nc; j++) sr[j] += lanes[j];
     }
 }
 // direct_dw_tile with (R, V) constant, as direct_conv_tiles
-typedef void (*DirectDWTile)(const DirectDW *d, int tap, int co0, int ci0);
+typedef void (*DirectDWTile)(const DirectDW *d, int tap, int co0, int ci0, int row0);
 #define DIRECT_DW_TILE(name, R, V)                                                        \
     static __attribute__((noinline)) void name(const DirectDW *d, int tap, int co0,       \
-                                               int ci0) {                                 \
-        direct_dw_tile(d, R, V, tap, co0, ci0);                                           \
+                                               int ci0, int row0) {                       \
+        direct_dw_tile(d, R, V, tap, co0, ci0, row0);                                     \
     }
 CONV_TILE_ALL(DIRECT_DW_TILE, direct_dw_tile)
 static const DirectDWTile direct_dw_tiles[CONV_VMAX + 1][CONV_TILE_KINDS] =
@@ -829,9 +832,12 @@ static void direct_dw_chunk(const DirectDW *d) {
         const int tap = item / n_co / n_ci, ci0 = item / n_co % n_ci * CONV_VMAX * CONV_VL;
         int V = (d->C - ci0 + CONV_VL - 1) / CONV_VL;
         if (V > CONV_VMAX) V = CONV_VMAX;
-#define DW_TILE_AT(tile, co) (tile)(d, tap, co, ci0)
-        CONV_TILE_ROW(direct_dw_tiles[V], V, co_lo, co_hi, DW_TILE_AT);
+        const int rows = direct_dw_block_rows(d);
+        for (int row0 = 0; row0 < d->nb * d->OH; row0 += rows) {
+#define DW_TILE_AT(tile, co) (tile)(d, tap, co, ci0, row0)
+            CONV_TILE_ROW(direct_dw_tiles[V], V, co_lo, co_hi, DW_TILE_AT);
 #undef DW_TILE_AT
+        }
     }
 }
 
