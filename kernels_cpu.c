@@ -1771,6 +1771,7 @@ Ops ops_cpu;
 __attribute__((constructor)) static void ops_cpu_make(void) {
     ops_cpu = ops_ref;
     ops_cpu.name = "cpu";
+    ops_cpu.plain_batch_norm = 0;  // bn_*_cpu take the layer after them (BnNext)
     ops_cpu.fill = fill_cpu;
     ops_cpu.axpby = axpby_cpu;
     ops_cpu.copy = copy_cpu;

@@ -12,17 +12,19 @@
 //   I.   The math        element access in any storage type; memory and the
 //                        vector ops; conv2d; activations; squeeze-excitation;
 //                        add, concat; dropout and drop-path; pooling and
-//                        resampling; batch norm (with the layer after it);
+//                        resampling; batch norm (derived in doc/batchnorm.md);
 //                        softmax + weighted cross-entropy and the loss menu
 //                        (the focal and region terms of --loss, lovasz, the
 //                        per-image IoU); Adam; metrics and learning-rate
 //                        schedules; the reference table ops_ref
 //   II.  The models      the graph's builders; EfficientNetV2 and the U-Nets;
 //                        initial weights
-//   III. The step        fusing layers; memory planning (with recompute); the
-//                        executor (layer_forward, layer_backward); a batch's
-//                        staging, loss and metrics; the training step
-//                        (train_step, its work in numbered steps)
+//   III. The step        fusing layers (a batch norm with the layer after it,
+//                        for the tables that fuse); memory planning (with
+//                        recompute); the executor (layer_forward,
+//                        layer_backward); a batch's staging, loss and
+//                        metrics; the training step (train_step, its work in
+//                        numbered steps)
 // Then, included at the end (the rest of the program):
 //   kernels_cpu.c        in part I's order: the elementwise ops in fp32; the
 //                        direct and GEMM convolutions; the squeeze-excitation
@@ -840,33 +842,10 @@ static void resize_bilinear_backward_ref(Ops *o, Tensor dx, Tensor dy, int accum
 
 #define BN_CBLOCK 16
 
-// The reference versions below (any storage type, the formulas as written)
-// are ops_ref's batch norm; kernels_cpu.c's bn_*_cpu compute the same in fewer passes.
-
-// Batch norm with the layer after it (BnNext): the two ops one after the
-// other, the layer after it from the same table o (every backend's fallback
-// where it has no fused kernel); a residual block's end in place in out
-// (forward) and in out's gradient dy (backward), so y and its gradient need no
-// memory.
-
-// y written: the pool of y, or the residual end in place in out (which holds y)
-void bn_next_forward_unfused(Ops *o, Tensor y, const BnNext *next) {
-    if (next->kind == FUSED_POOL) o->global_avg_pool_forward(o, next->pooled, y);
-    if (next->kind != FUSED_RESIDUAL) return;
-    if (next->rate > 0.0f)
-        o->dropout_forward(o, y, y, next->residual, next->rate, next->seed, 1, next->first_sample);
-    else
-        o->add_forward(o, y, y, next->residual);
-}
-// a residual end's backward: dresidual (=|+=) dy, and dy (out's gradient) becomes y's, dy·keep
-void bn_next_backward_unfused(Ops *o, Tensor dy, const BnNext *next) {
-    const int acc = next->accumulate_residual;
-    if (next->rate > 0.0f)
-        o->dropout_backward(o, dy, next->dresidual, dy, next->rate, next->seed, 1,
-                            next->first_sample, 0, acc);
-    else if (next->dresidual.data)
-        o->copy(o, next->dresidual, dy, acc);  // keep = 1: dy is y's gradient as it is
-}
+// The reference versions below (any storage type, the formulas as written) are ops_ref's batch
+// norm, the formula alone (ops_ref.plain_batch_norm: the layer after it runs as its own);
+// kernels_cpu.c's bn_*_cpu compute the same in fewer passes. The backward derived term by
+// term: doc/batchnorm.md.
 
 static void bn_update_running_ref(Ops *o, float *run_mean, float *run_var, const float *mean,
                                   const float *var, int C, size_t count, float momentum) {
@@ -917,10 +896,9 @@ static void bn_stats_finish_ref(Ops *o, const double *sums, int C, size_t count,
     if (run_mean) bn_update_running_ref(o, run_mean, run_var, mean, var, C, count, momentum);
 }
 
-// y = act(gamma·((x − mean)·invstd) + beta), then the layer after it (next)
+// y = act(gamma·((x − mean)·invstd) + beta)
 static void bn_forward_ref(Ops *o, Tensor y, Tensor x, const BnArgs *bn) {
-    const BnNext *next = bn->next;
-    if (next && next->kind == FUSED_RESIDUAL) y = next->out;
+    (void)o;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
@@ -929,16 +907,13 @@ static void bn_forward_ref(Ops *o, Tensor y, Tensor x, const BnArgs *bn) {
             const float xhat = (ld(x, r * C + c) - bn->mean[c]) * bn_invstd(bn->var, c, bn->eps);
             st(y, r * C + c, act_apply(bn->act, bn->gamma[c] * xhat + bn->beta[c]));
         }
-    if (next) bn_next_forward_unfused(o, y, next);
 }
 
-// Σg and Σg·xhat per channel (sums: the same in fp64, --sync-bn), dgamma and dbeta;
-// first, with a residual block's end, dy becomes y's gradient (bn_next_backward_unfused)
+// g = dy·act'(gamma·xhat + beta): Σg and Σg·xhat per channel, summed in fp64 and rounded once
+// (sums: the fp64 sums as they are, --sync-bn), and added into dbeta and dgamma
 static void bn_backward_reduce_ref(Ops *o, Tensor dy, Tensor x, const BnArgs *bn, float *sum_g,
                                    float *sum_gx, float *dgamma, float *dbeta, double *sums) {
-    const BnNext *next = bn->next;
-    if (next && next->kind == FUSED_RESIDUAL) bn_next_backward_unfused(o, dy, next);
-    if (!sum_g) return;
+    (void)o;
     const int C = x.shape.c;
     const size_t M = shape_numel(x.shape) / C;
     #pragma omp parallel for schedule(static) if(PAR(M * C))
@@ -967,8 +942,7 @@ static void bn_backward_finish_ref(Ops *o, const double *sums, int C, float *sum
         bn_grad_sums_store(c, sums[c], sums[C + c], sum_g, sum_gx, dgamma, dbeta);
 }
 
-// dx (=|+=) gamma·invstd·(g − (Σg + xhat·Σg·xhat)/count), count 0: running statistics;
-// dy is y's gradient, also with a residual block's end (bn_backward_reduce_ref made it so)
+// dx (=|+=) gamma·invstd·(g − (Σg + xhat·Σg·xhat)/count), count 0: running statistics
 static void bn_backward_data_ref(Ops *o, Tensor dx, Tensor dy, Tensor x, const BnArgs *bn,
                                  const float *sum_g, const float *sum_gx, size_t count,
                                  int accumulate) {
@@ -1392,6 +1366,7 @@ Ops ops_ref = {
     .host_alloc = cpu_host_alloc,
     .host_free = cpu_host_free,
     .upload_async = cpu_memcpy,
+    .plain_batch_norm = 1,  // bn_*_ref: the formula alone, the layer after it unfused
     .fill = fill_ref,
     .scale = scale_ref,
     .axpby = axpby_ref,
@@ -2221,9 +2196,10 @@ void net_init_params(Net *net, uint64_t seed) {
 // fusing layers
 //
 // A batch norm's output usually goes straight into one cheap layer. Where that
-// layer only reads the tensor once more, the executor hands its work to the
-// batch norm's ops (BnNext), which on a GPU saves a pass over the tensor and a
-// kernel launch:
+// layer only reads the tensor once more, and the table fuses (ops_cpu, ops_cuda;
+// not ops_ref, whose plain_batch_norm keeps its batch norm the formula alone),
+// the executor hands its work to the batch norm's ops (BnNext), which on a GPU
+// saves a pass over the tensor and a kernel launch:
 //   FUSED_POOL      squeeze-excitation's pool of the BN's output (forward; the
 //                   output is still written, the channel scale reads it);
 //   FUSED_RESIDUAL  a residual block's end, drop_path(BN output) + residual,
@@ -2231,12 +2207,13 @@ void net_init_params(Net *net, uint64_t seed) {
 //                   backward: the BN's output and its gradient need not pass
 //                   through memory).
 // The results are the unfused ones, bit for bit (tests: fuse_layers 0). The
-// plan gives the fused layer its batch norm's slots, so that what either
-// layer touches is alive while the fused op runs.
+// plan, built for the table that runs it, gives the fused layer its batch
+// norm's slots, so that what either layer touches is alive while the fused op
+// runs.
 int fuse_layers = 1;
 
-Fusion layer_fusion(const Graph *g, int j) {
-    if (!fuse_layers || j < 1 || j >= g->n_layers) return FUSED_NONE;
+Fusion layer_fusion(const Graph *g, const Ops *o, int j) {
+    if (!fuse_layers || o->plain_batch_norm || j < 1 || j >= g->n_layers) return FUSED_NONE;
     const Layer *bn = &g->layers[j - 1], *l = &g->layers[j];
     if (bn->kind != LAYER_BN || l->in[0] != bn->out || l->block != bn->block) return FUSED_NONE;
     if (l->kind == LAYER_GAP) return FUSED_POOL;
@@ -2247,6 +2224,31 @@ Fusion layer_fusion(const Graph *g, int j) {
         if (i != j && (g->layers[i].in[0] == bn->out || g->layers[i].in[1] == bn->out))
             return FUSED_NONE;
     return FUSED_RESIDUAL;
+}
+
+// A fusing table's batch norm with the layer after it (BnNext) as the two ops
+// one after the other, the layer after it from the same table o (bn_*_cpu, and
+// ops_cuda where it has no fused kernel for a case): a residual block's end in
+// place in out (forward) and in out's gradient dy (backward), so y and its
+// gradient need no memory.
+
+// y written: the pool of y, or the residual end in place in out (which holds y)
+void bn_next_forward_unfused(Ops *o, Tensor y, const BnNext *next) {
+    if (next->kind == FUSED_POOL) o->global_avg_pool_forward(o, next->pooled, y);
+    if (next->kind != FUSED_RESIDUAL) return;
+    if (next->rate > 0.0f)
+        o->dropout_forward(o, y, y, next->residual, next->rate, next->seed, 1, next->first_sample);
+    else
+        o->add_forward(o, y, y, next->residual);
+}
+// a residual end's backward: dresidual (=|+=) dy, and dy (out's gradient) becomes y's, dy·keep
+void bn_next_backward_unfused(Ops *o, Tensor dy, const BnNext *next) {
+    const int acc = next->accumulate_residual;
+    if (next->rate > 0.0f)
+        o->dropout_backward(o, dy, next->dresidual, dy, next->rate, next->seed, 1,
+                            next->first_sample, 0, acc);
+    else if (next->dresidual.data)
+        o->copy(o, next->dresidual, dy, acc);  // keep = 1: dy is y's gradient as it is
 }
 
 // ----------------------------------------------------------------------------
@@ -2355,8 +2357,8 @@ static size_t plan_pack(Plan *p, const int *order, int best_fit, size_t workspac
     return peak;
 }
 
-void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int output,
-                int checkpoint, size_t workspace) {
+void plan_build(Plan *p, const Graph *g, const Ops *o, const int *needs_grad, DType dtype,
+                int output, int checkpoint, size_t workspace) {
     memset(p, 0, sizeof *p);
     const int L = g->n_layers, T = g->n_tensors;
     p->checkpoint = checkpoint;
@@ -2397,7 +2399,7 @@ void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int
     p->n_slots = n;
     Fusion *fusion = malloc(sizeof(Fusion) * (size_t)(L + 1));
     snCheck(fusion != NULL, "out of host memory");
-    for (int j = 0; j < L; j++) fusion[j] = layer_fusion(g, j);
+    for (int j = 0; j < L; j++) fusion[j] = layer_fusion(g, o, j);  // as the net's, net_create
     fusion[L] = FUSED_NONE;
     // a fused layer runs in its batch norm's slots (their own stay empty)
     for (int j = 1; j < L; j++) {
@@ -2645,7 +2647,7 @@ static int net_create_with(Net *net, const Graph *g, Ops *o, DType dtype, int in
     snCheck(net->act && net->grad && net->needs_grad && net->grad_written && net->bn_mean &&
                     net->bn_var && net->fusion,
             "out of host memory");
-    for (int j = 0; j < L; j++) net->fusion[j] = layer_fusion(g, j);
+    for (int j = 0; j < L; j++) net->fusion[j] = layer_fusion(g, o, j);
 
     // A tensor needs a gradient when a trainable parameter (or the input, if
     // asked) lies upstream of it; nothing below the lowest trainable layer does.
@@ -2730,7 +2732,8 @@ int net_create_planned(Net *net, const Graph *g, Ops *o, DType dtype, int input_
     Plan *plan = malloc(sizeof *plan);
     snCheck(needs_grad && plan, "out of host memory");
     graph_needs_grad(g, input_needs_grad, needs_grad);
-    plan_build(plan, g, needs_grad, dtype, output, checkpoint, net_workspace_bytes(g, o, dtype));
+    plan_build(plan, g, o, needs_grad, dtype, output, checkpoint,
+               net_workspace_bytes(g, o, dtype));
     free(needs_grad);
     return net_create_with(net, g, o, dtype, input_needs_grad, plan, err);
 }

@@ -657,7 +657,8 @@ static inline SN_HD void step_control_apply(const StepArgs *a, StepState *s, int
 //   receive it as `ws`; they never allocate.
 
 // The layer after a batch norm, fused into the batch norm's ops by the executor
-// (see "fusing layers" in segnet.c); y below is the batch norm's output act(bn(x)).
+// (see "fusing layers" in segnet.c) for a table that fuses (plain_batch_norm 0);
+// y below is the batch norm's output act(bn(x)).
 // - FUSED_POOL (a global average pool of y): the forward also writes
 //   pooled = global_avg_pool(y) (N,1,1,C); y is written as well.
 // - FUSED_RESIDUAL (a residual block's end that alone reads y, drop_path_add):
@@ -687,7 +688,9 @@ typedef struct {
     const float *gamma, *beta;  // (C)
     float eps;
     Act act;
-    const BnNext *next;         // NULL, or the layer after the batch norm, fused
+    // NULL, or the layer after the batch norm, fused; always NULL for a table with
+    // plain_batch_norm (its batch norm is the formula alone)
+    const BnNext *next;
 } BnArgs;
 
 typedef struct Ops Ops;
@@ -704,6 +707,10 @@ struct Ops {
     // the convs multiply in the activations' storage type: a net keeps a copy of its weights in it
     // (params_cast), made once per forward
     int weights_in_storage_type;
+    // 1: the batch norm ops compute their formula alone (ops_ref): the executor runs the layer
+    // after a batch norm as a layer of its own and passes no BnNext; 0 (ops_cpu, ops_cuda): it
+    // may fuse that layer into them (layer_fusion, "fusing layers" in segnet.c)
+    int plain_batch_norm;
 
     // memory in the backend's address space
     void *(*alloc)(Ops *o, size_t bytes);  // NULL on failure
@@ -767,7 +774,8 @@ struct Ops {
     void (*bn_stats_finish)(Ops *o, const double *sums, int C, size_t count, float *mean,
                             float *var, float *run_mean, float *run_var, float momentum);
     // y = act(gamma·(x - mean)/sqrt(var + eps) + beta): training (batch stats) and inference
-    // (running stats); bn->next: NULL, or the layer after it, fused (BnNext)
+    // (running stats); bn->next: NULL, or the layer after it, fused (BnNext; never with
+    // plain_batch_norm)
     void (*bn_forward)(Ops *o, Tensor y, Tensor x, const BnArgs *bn);
     // running = (1-m)·running + m·batch, the variance made unbiased with count/(count-1)
     void (*bn_update_running)(Ops *o, float *run_mean, float *run_var, const float *mean,
@@ -923,9 +931,10 @@ struct Ops {
     X(softmax_xent) X(softmax_focal) X(region_sums) X(region_grad)                              \
     X(iou_per_image) X(lovasz) X(confusion_accumulate) X(adam_update)
 
-// ops_ref: every op as its formula is written (segnet.c, part I), what the
-// tests compare ops_cpu with; ops_cpu: ops_ref with fast versions of conv2d,
-// batch norm, the squeeze-excitation pieces and the memory-bound ops (kernels_cpu.c)
+// ops_ref: every op as its formula is written (segnet.c, part I; plain_batch_norm: no
+// layer fused into its batch norm), what the tests compare ops_cpu with; ops_cpu: ops_ref
+// with fast versions of conv2d, batch norm, the squeeze-excitation pieces and the
+// memory-bound ops (kernels_cpu.c)
 extern Ops ops_ref;
 extern Ops ops_cpu;
 // The layer after a batch norm by the table's own unfused ops, after the batch
@@ -1226,15 +1235,17 @@ typedef struct {
     size_t peak;                           // arena bytes
 } Plan;
 
-// Layer j's work done by the batch norm j - 1 (its ops' BnNext; see "fusing
-// layers" in segnet.c). fuse_layers 0 (tests: fused ≡ unfused): none.
+// Layer j's work done by the batch norm j - 1 when table o runs the graph (its ops'
+// BnNext; see "fusing layers" in segnet.c). fuse_layers 0 (tests: fused ≡ unfused) or
+// o->plain_batch_norm: none.
 extern int fuse_layers;
-Fusion layer_fusion(const Graph *g, int j);
+Fusion layer_fusion(const Graph *g, const Ops *o, int j);
 
 // needs_grad[t] (per tensor): a trainable parameter (or the input) lies upstream
 void graph_needs_grad(const Graph *g, int input_needs_grad, int *needs_grad);
-void plan_build(Plan *p, const Graph *g, const int *needs_grad, DType dtype, int output,
-                int checkpoint, size_t workspace);
+// o: the table that will run the plan (its fusions decide the slots, layer_fusion)
+void plan_build(Plan *p, const Graph *g, const Ops *o, const int *needs_grad, DType dtype,
+                int output, int checkpoint, size_t workspace);
 void plan_free(Plan *p);
 
 typedef struct {
@@ -1254,7 +1265,7 @@ typedef struct {
     void **act;           // per tensor: activation storage
     void **grad;          // per tensor: gradient storage (NULL where none is needed)
     int *needs_grad;      // per tensor: some trainable parameter (or the input) lies upstream
-    Fusion *fusion;       // per layer: layer_fusion, fixed when the net is created
+    Fusion *fusion;       // per layer: layer_fusion with o, fixed when the net is created
     int *grad_written;    // per tensor, during backward: its gradient holds a contribution
     int input_needs_grad; // also compute the gradient of the graph input
     float **bn_mean, **bn_var;  // per layer (BN only): statistics used in the forward, (C)

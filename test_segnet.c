@@ -6928,15 +6928,19 @@ TEST(heavy_pretrained_keras_timm) {
 // One training step's loss, parameter gradients and BN statistics with the
 // per-tensor net, and with the planned arena whose dead buffers are poisoned
 // (NaN): bit for bit the same, with and without checkpointing; the arena's
-// measured high-water mark is the planned peak.
+// measured high-water mark is the planned peak. On ops_cpu, which fuses the
+// layer after a batch norm, and on ops_ref, which does not (plain_batch_norm:
+// no layer fused, and the plan built for it gives the BN's output memory).
 TEST(plan_matches_per_tensor) {
-    struct { const char *model; int size, freeze;
-    } cases[] = {{"unet", 16, 0},
-                 {"effv2-t", 32, 0},
-                 {"unet-effv2-t", 32, 0},
-                 {"unet", 16, 1},
-                 {"effv2-t", 32, 1}};
+    struct { const char *model; int size, freeze; Ops *o;
+    } cases[] = {{"unet", 16, 0, &ops_cpu},
+                 {"effv2-t", 32, 0, &ops_cpu},
+                 {"unet-effv2-t", 32, 0, &ops_cpu},
+                 {"unet", 16, 1, &ops_cpu},
+                 {"effv2-t", 32, 1, &ops_cpu},
+                 {"effv2-t", 32, 0, &ops_ref}};
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        Ops *o = cases[k].o;
         ModelCfg mc = model_cfg_default();
         mc.model = cases[k].model;
         mc.classes = 3;
@@ -6950,7 +6954,11 @@ TEST(plan_matches_per_tensor) {
         if (cases[k].freeze) graph_freeze_base(&g, 1);
         Net ref, pl[2];
         char err[SN_ERR_MAX];
-        CHECK(out >= 0 && net_create(&ref, &g, &ops_cpu, DT_F32, 0, err) == 0, "%s", err);
+        CHECK(out >= 0 && net_create(&ref, &g, o, DT_F32, 0, err) == 0, "%s", err);
+        int fused = 0;
+        for (int j = 0; j < g.n_layers; j++) fused += ref.fusion[j] != FUSED_NONE;
+        CHECK(o->plain_batch_norm ? fused == 0 : strcmp(mc.model, "effv2-t") || fused > 0,
+              "%s on %s: %d layers fused", mc.model, o->name, fused);
         Shape so = g.tensors[out].shape;
         size_t n_in = shape_numel(g.tensors[g.input].shape), n_lab = (size_t)so.n * so.h * so.w;
         Rng r;
@@ -6964,8 +6972,8 @@ TEST(plan_matches_per_tensor) {
         Net *nets[3] = {&ref, &pl[0], &pl[1]};
         for (int v = 0; v < 3; v++) {
             if (v) {
-                CHECK(net_create_planned(nets[v], &g, &ops_cpu, DT_F32, 0, out, v == 2, err) == 0,
-                      "%s", err);
+                CHECK(net_create_planned(nets[v], &g, o, DT_F32, 0, out, v == 2, err) == 0, "%s",
+                      err);
                 nets[v]->poison = 1;
             }
             net_init_params(nets[v], 3);
@@ -6974,21 +6982,30 @@ TEST(plan_matches_per_tensor) {
             memcpy(nets[v]->act[g.input], x, sizeof(float) * n_in);
             net_forward(nets[v], net_capacity(nets[v]), 1);
             memset(loss[v], 0, sizeof loss[v]);
-            ops_cpu.softmax_xent(&ops_cpu, net_tensor(nets[v], out), lab, w, 0.0f,
-                                 &(float){1.0f / n_lab}, loss[v], net_grad(nets[v], out));
+            o->softmax_xent(o, net_tensor(nets[v], out), lab, w, 0.0f, &(float){1.0f / n_lab},
+                            loss[v], net_grad(nets[v], out));
             net_backward(nets[v], net_capacity(nets[v]), out);
         }
         for (int v = 1; v < 3; v++) {
             const char *what = v == 1 ? "planned" : "checkpointed";
-            CHECK(loss[v][0] == loss[0][0], "%s %s: loss %.9g vs %.9g", cases[k].model, what,
-                  loss[v][0], loss[0][0]);
+            CHECK(loss[v][0] == loss[0][0], "%s on %s %s: loss %.9g vs %.9g", cases[k].model,
+                  o->name, what, loss[v][0], loss[0][0]);
             CHECK(!memcmp(nets[v]->grads, ref.grads, sizeof(float) * ref.n_grad_floats),
-                  "%s %s: parameter gradients differ", cases[k].model, what);
+                  "%s on %s %s: parameter gradients differ", cases[k].model, o->name, what);
             CHECK(!memcmp(nets[v]->buffers, ref.buffers, sizeof(float) * g.n_buffer_floats),
-                  "%s %s: BN statistics differ", cases[k].model, what);
-            CHECK(nets[v]->arena_high == nets[v]->plan->peak, "%s %s: high-water %zu, planned %zu",
-                  cases[k].model, what, nets[v]->arena_high, nets[v]->plan->peak);
+                  "%s on %s %s: BN statistics differ", cases[k].model, o->name, what);
+            CHECK(nets[v]->arena_high == nets[v]->plan->peak,
+                  "%s on %s %s: high-water %zu, planned %zu", cases[k].model, o->name, what,
+                  nets[v]->arena_high, nets[v]->plan->peak);
         }
+        // activations without memory: a fused residual end's BN output (none unfused)
+        int *planned = calloc((size_t)g.n_tensors, sizeof(int)), unplanned = 0;
+        for (int b = 0; b < pl[0].plan->n_bufs; b++)
+            if (!pl[0].plan->bufs[b].is_grad) planned[pl[0].plan->bufs[b].tensor] = 1;
+        for (int t = 0; t < g.n_tensors; t++) unplanned += !planned[t];
+        CHECK(o->plain_batch_norm ? unplanned == 0 : strcmp(mc.model, "effv2-t") || unplanned > 0,
+              "%s on %s: %d activations without memory", mc.model, o->name, unplanned);
+        free(planned);
         size_t all = 0;
         for (int t = 0; t < g.n_tensors; t++)
             all += shape_numel(g.tensors[t].shape) * 4 * (1 + ref.needs_grad[t]);
@@ -6996,9 +7013,10 @@ TEST(plan_matches_per_tensor) {
               "%s: the plan (%zu) is smaller than every tensor (%zu)", cases[k].model,
               pl[0].plan->peak, all);
         if (g_verbose)
-            printf("    %-13s freeze %d: all tensors %zu, planned %zu, checkpointed %zu bytes\n",
-                   cases[k].model, cases[k].freeze, all + pl[0].plan->workspace, pl[0].plan->peak,
-                   pl[1].plan->peak);
+            printf("    %-13s %-3s freeze %d: all tensors %zu, planned %zu, checkpointed %zu "
+                   "bytes\n",
+                   cases[k].model, o->name, cases[k].freeze, all + pl[0].plan->workspace,
+                   pl[0].plan->peak, pl[1].plan->peak);
         for (int v = 0; v < 3; v++) net_free(nets[v]);
         free(x); free(lab);
         graph_free(&g);

@@ -3156,7 +3156,7 @@ static int plan_for(const TrainCfg *c, Graph *g, Plan *p, Ops **op, char err[SN_
     int *needs_grad = malloc(sizeof(int) * (size_t)g->n_tensors);
     snCheck(needs_grad != NULL, "out of host memory");
     graph_needs_grad(g, 0, needs_grad);
-    plan_build(p, g, needs_grad, c->precision, logits, c->checkpoint,
+    plan_build(p, g, o, needs_grad, c->precision, logits, c->checkpoint,
                net_workspace_bytes(g, o, c->precision));
     free(needs_grad);
     return logits;
