@@ -641,7 +641,8 @@ static inline SN_HD void step_control_apply(const StepArgs *a, StepState *s, int
 
 // ----------------------------------------------------------------------------
 // the ops table: every primitive the graph needs. One table per backend
-// (ops_cpu in segnet.c, ops_cuda in kernels.cu); model code calls only these.
+// (ops_ref in segnet.c, ops_cpu in kernels_cpu.c, ops_cuda in kernels.cu); model code calls
+// only these.
 //
 // Conventions, the same for every entry:
 // - Tensor arguments carry their shape and storage type; float* arguments
