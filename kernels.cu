@@ -3,10 +3,10 @@
 //
 // One source, two builds (see doc/design.md, "GPU code without a GPU"):
 //   nvcc -c kernels.cu                         for GPUs (real <<<>>>, __shared__, cuBLAS, NCCL)
-//   g++ -x c++ -std=c++17 -c kernels.cu        for the CPU, against dev/cuda_emu.h and .cpp
+//   g++ -x c++ -std=c++17 -c kernels.cu        for the CPU, against cuda/cuda_emu.h and .cpp
 // so every kernel launches through CU_LAUNCH and takes shared memory through
 // CU_DYN_SHARED (dynamic) or CU_SHARED(type, name, [dims]) (static); the rules
-// for kernels that must run on both are at the top of dev/cuda_emu.h.
+// for kernels that must run on both are at the top of cuda/cuda_emu.h.
 //
 // Layout as on the CPU: activations NHWC in the Tensor's storage type (fp32,
 // fp16, bf16), loaded to fp32 for arithmetic and rounded to nearest-even when

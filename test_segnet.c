@@ -9048,7 +9048,7 @@ TEST(gpucount_waves_by_hand) {
                "traffic 5 4000 600 128 0 128 0 4 conv_fwd_kernel<BF16, true>\n");
     fclose(f);
     char cmd[512], msg[512];
-    snprintf(cmd, sizeof cmd, "awk -f dev/gpucount.awk %s %s", one, two);
+    snprintf(cmd, sizeof cmd, "awk -f cuda/gpucount.awk %s %s", one, two);
     const int rc = run_shell(cmd, msg, sizeof msg);
     size_t n;
     char *out = read_file("/tmp/segnet_test_out.txt", &n);
@@ -9075,7 +9075,7 @@ TEST(gpucount_waves_by_hand) {
     unlink(two);
 }
 
-// dev/inflight.awk on hand-written SASS. Kernel a (no loop, 40 registers: 6 blocks
+// cuda/inflight.awk on hand-written SASS. Kernel a (no loop, 40 registers: 6 blocks
 // of 256 = 1536 threads an SM): a 16-byte and an 8-byte load, then an add that
 // reads the second load's register: 24 B a thread, 24·1536/1024 = 36 KB, fill 1.
 // The load addressed through uniform register UR12 while R12 is loaded is not a
@@ -9114,7 +9114,7 @@ TEST(inflight_awk_by_hand) {
                "        /*0000*/                   EXIT ;  /* 0x0 */\n");
     fclose(f);
     char cmd[512], msg[512];
-    snprintf(cmd, sizeof cmd, "awk -f dev/inflight.awk %s %s", res, sass);
+    snprintf(cmd, sizeof cmd, "awk -f cuda/inflight.awk %s %s", res, sass);
     const int rc = run_shell(cmd, msg, sizeof msg);
     size_t n;
     char *out = read_file("/tmp/segnet_test_out.txt", &n);
@@ -9123,7 +9123,7 @@ TEST(inflight_awk_by_hand) {
     CHECK(!strcmp(out, "_Z1aPf kernel 24 40 1536 36.0 1.00\n"
                        "_Z1bPf loop 16 64 1024 16.0 0.50\n"
                        "_Z1cPf kernel 4 32 2048 8.0 0.25\n"),
-          "dev/inflight.awk on hand-written SASS:\n%s", out);
+          "cuda/inflight.awk on hand-written SASS:\n%s", out);
     free(out);
     unlink(res);
     unlink(sass);
@@ -16088,7 +16088,7 @@ TEST(safetensors_write_atomic) {
 #define SOURCE_LINE_MAX 100
 static const char *const SOURCE_FILES[] = {
         "segnet.c",           "kernels_cpu.c",          "segnet.h",
-        "kernels.cu",         "dev/cuda_emu.h",         "dev/cuda_emu.cpp",
+        "kernels.cu",         "cuda/cuda_emu.h",         "cuda/cuda_emu.cpp",
         "plumbing/backends.c", "plumbing/safetensors.c", "plumbing/weights.c",
         "plumbing/images.c",  "plumbing/datasets.c",    "plumbing/curves.c",
         "plumbing/replicas.c", "plumbing/run.c",        "plumbing/bench.c",
@@ -16649,7 +16649,7 @@ TEST(gpucheck_script) {
         snprintf(cmd, sizeof cmd,
                  "SLOW_TESTS=%d GPUCHECK_DIR=%s GPUCHECK_OUT=%s/out GPU_SECONDS=%d "
                  "GPU_TEST_SECONDS=%d GPU_PYTHON=%s/python3 CUDA_HOME=/nonexistent "
-                 "GPU_MODELS='m:--model unet' PATH=/usr/bin:/bin dev/gpucheck.sh",
+                 "GPU_MODELS='m:--model unet' PATH=/usr/bin:/bin cuda/gpucheck.sh",
                  slow ? 30 : 0, dir, dir, slow ? 6 : 60, slow ? 2 : 60, dir);
         const double t0 = now_s();
         const int rc = run_shell(cmd, msg, sizeof msg);
