@@ -75,11 +75,13 @@ ifneq ($(NO_NATIVE),1)
 endif
 CFLAGS += $(ARCH_FLAGS)
 
-# CUDA: kernels.cu is built twice. nvcc builds it for GPUs and ./segnet links
+# CUDA: kernels.cu, with the chapters it includes (cuda/*.cuh; all of them: KERNELS_CU), is
+# built twice. nvcc builds it for GPUs and ./segnet links
 # it with cudart, cuBLAS and NCCL (`--device auto` falls back to the CPU when
 # the machine has no GPU). g++ builds it against the emulator (cuda/cuda_emu.h,
 # cuda/cuda_emu.cpp) and ./test_segnet links that, so the cuda_ tests run every
 # kernel on the CPU. Without nvcc (or with NO_CUDA=1) both programs are CPU-only.
+KERNELS_CU := kernels.cu $(wildcard cuda/*.cuh)
 CUDA_HOME  ?= /usr/local/cuda
 # GPU_ARCH: the GPU code's target, `native` (the GPU of this machine) when one
 # is visible at build time, else sm_90 (H100/H200; sm_80 for an A100)
@@ -225,7 +227,7 @@ segnet_emu: $(PROGRAM_SRCS) segnet.h $(EMU_OBJS) $(EMU_RESOURCES) | deps
 #   mangled-name sm_XX registers static-shared-bytes spill-store-bytes stack-frame-bytes
 # which the emulator reads (CUEMU_RESOURCES): a launch that asks for more
 # registers than an SM has fails as on the GPU; make gpucount's occupancy.
-kernels_gpu.o: kernels.cu segnet.h
+kernels_gpu.o: $(KERNELS_CU) segnet.h
 	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCHS) -Xptxas -v -c kernels.cu -o $@ 2> kernels_gpu.ptxas \
 	  || { cat kernels_gpu.ptxas >&2; rm -f $@; exit 1; }
 	@grep -v '^ptxas info\|bytes stack frame\|^$$' kernels_gpu.ptxas >&2 || true
@@ -253,7 +255,7 @@ inflight: kernel_inflight.txt
 	  BEGIN { printf "%5s %5s %5s %4s %6s %-6s %s\n", "KB/SM", "fill", "B/th", "regs", "thr/SM", "window", "kernel" } \
 	  END { printf "%d kernels with global loads, %d keep >= 32 KB in flight per SM\n", n, ok > "/dev/stderr" }' | c++filt
 
-kernels_emu.o: kernels.cu segnet.h cuda/cuda_emu.h
+kernels_emu.o: $(KERNELS_CU) segnet.h cuda/cuda_emu.h
 	$(CXX) $(EMUFLAGS) -x c++ -c kernels.cu -o $@
 
 cuda_emu.o: cuda/cuda_emu.cpp cuda/cuda_emu.h
@@ -274,7 +276,7 @@ cuda_emu_probes.o: cuda/cuda_emu_probes.cpp cuda/cuda_emu.h
 # with device memory packed as an arena (make test: the strict pass). It runs
 # only on a CPU with FMA instructions (x86-64 since 2013).
 STRICTFLAGS := $(RACEFLAGS) -ffp-contract=fast -mfma
-kernels_strict.o: kernels.cu segnet.h cuda/cuda_emu.h
+kernels_strict.o: $(KERNELS_CU) segnet.h cuda/cuda_emu.h
 	$(CXX) $(EMUFLAGS) $(STRICTFLAGS) -x c++ -c kernels.cu -o $@
 
 test_segnet_strict: test_segnet.c $(PROGRAM_SRCS) segnet.h kernels_strict.o cuda_emu.o cuda_emu_probes.o $(EMU_RESOURCES) | deps
@@ -506,7 +508,7 @@ GPU_SECONDS     ?= 330
 GPU_STEPS       ?= 20
 GPU_KERNEL_ROWS ?= 25
 GPU_PYTHON      ?=
-GPUCHECK_SOURCES := $(PROGRAM_SRCS) segnet.h kernels.cu test_segnet.c
+GPUCHECK_SOURCES := $(PROGRAM_SRCS) segnet.h $(KERNELS_CU) test_segnet.c
 GPUCHECK_CFLAGS := -O2 -std=gnu11 -Wall -Wextra -Wno-unknown-pragmas -pthread -fno-math-errno -s \
                    $(OMP_FLAGS) $(DEP_CFLAGS) -DSEGNET_CUDA -I$(CUDA_HOME)/include
 GPUCHECK_LIBS   := -L$(OPENBLAS_DIR) -lopenblas -L$(STB_LIBDIR) -lstb -Wl,--disable-new-dtags \
