@@ -75,11 +75,13 @@ ifneq ($(NO_NATIVE),1)
 endif
 CFLAGS += $(ARCH_FLAGS)
 
-# CUDA: kernels.cu is built twice. nvcc builds it for GPUs and ./segnet links
+# CUDA: kernels.cu, with the chapters it includes (cuda/*.cuh; all of them: KERNELS_CU), is
+# built twice. nvcc builds it for GPUs and ./segnet links
 # it with cudart, cuBLAS and NCCL (`--device auto` falls back to the CPU when
-# the machine has no GPU). g++ builds it against the emulator (dev/cuda_emu.h,
-# dev/cuda_emu.cpp) and ./test_segnet links that, so the cuda_ tests run every
+# the machine has no GPU). g++ builds it against the emulator (cuda/cuda_emu.h,
+# cuda/cuda_emu.cpp) and ./test_segnet links that, so the cuda_ tests run every
 # kernel on the CPU. Without nvcc (or with NO_CUDA=1) both programs are CPU-only.
+KERNELS_CU := kernels.cu $(wildcard cuda/*.cuh)
 CUDA_HOME  ?= /usr/local/cuda
 # GPU_ARCH: the GPU code's target, `native` (the GPU of this machine) when one
 # is visible at build time, else sm_90 (H100/H200; sm_80 for an A100)
@@ -90,7 +92,7 @@ ifneq ($(NO_CUDA),1)
 endif
 # NCCL (the replicas' all-reduce on GPUs, kernels.cu) is in the CUDA build
 # unless NO_NCCL=1: the GPU build links -lnccl, the emulated one the emulator's
-# NCCL (dev/cuda_emu.cpp). Without it, replicas on GPUs are refused with a message.
+# NCCL (cuda/cuda_emu.cpp). Without it, replicas on GPUs are refused with a message.
 # NCCL_HOME=DIR takes DIR/include/nccl.h and DIR/lib/libnccl.so* (e.g. the one
 # inside PyTorch's packages, site-packages/nvidia/nccl); else the toolkit's or
 # the system's. None found: built without it, said by `make`.
@@ -125,7 +127,7 @@ ifneq ($(NVCC),)
   EMU_RESOURCES := kernel_resources.txt
 endif
 CXX      ?= g++
-EMUFLAGS := -std=c++17 -O2 -g -Wall -Wextra -Wno-unknown-pragmas -Wno-sign-compare -I. -Idev -I$(CUDA_HOME)/include $(NCCL_CFLAGS)
+EMUFLAGS := -std=c++17 -O2 -g -Wall -Wextra -Wno-unknown-pragmas -Wno-sign-compare -I. -Icuda -I$(CUDA_HOME)/include $(NCCL_CFLAGS)
 NVCCFLAGS ?= -O3 -std=c++17 -Xcompiler -Wall,-Wextra -Werror all-warnings -I.
 NVCCFLAGS += $(NCCL_CFLAGS)
 
@@ -225,7 +227,7 @@ segnet_emu: $(PROGRAM_SRCS) segnet.h $(EMU_OBJS) $(EMU_RESOURCES) | deps
 #   mangled-name sm_XX registers static-shared-bytes spill-store-bytes stack-frame-bytes
 # which the emulator reads (CUEMU_RESOURCES): a launch that asks for more
 # registers than an SM has fails as on the GPU; make gpucount's occupancy.
-kernels_gpu.o: kernels.cu segnet.h
+kernels_gpu.o: $(KERNELS_CU) segnet.h
 	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCHS) -Xptxas -v -c kernels.cu -o $@ 2> kernels_gpu.ptxas \
 	  || { cat kernels_gpu.ptxas >&2; rm -f $@; exit 1; }
 	@grep -v '^ptxas info\|bytes stack frame\|^$$' kernels_gpu.ptxas >&2 || true
@@ -239,13 +241,13 @@ kernel_resources.txt: kernels_gpu.o
 	    print name, arch, regs, smem, spill, stack; name = "" }' kernels_gpu.ptxas > $@.tmp && mv $@.tmp $@
 
 # make inflight: the bytes of global loads each kernel keeps in flight per SM,
-# read from kernels_gpu.o's SASS (dev/inflight.awk says how), a line per kernel in
+# read from kernels_gpu.o's SASS (cuda/inflight.awk says how), a line per kernel in
 # kernel_inflight.txt (test inflight_batch_norm_kernels reads it); the table
 # from the fewest KB/SM up. Needs the toolkit's cuobjdump (CUOBJDUMP=path).
 CUOBJDUMP ?= $(firstword $(shell command -v cuobjdump 2>/dev/null) $(wildcard $(CUDA_HOME)/bin/cuobjdump))
-kernel_inflight.txt: kernels_gpu.o kernel_resources.txt dev/inflight.awk
+kernel_inflight.txt: kernels_gpu.o kernel_resources.txt cuda/inflight.awk
 	@[ -n "$(CUOBJDUMP)" ] || { echo "make inflight: no cuobjdump (not on PATH, nor in CUDA_HOME=$(CUDA_HOME)): CUOBJDUMP=path" >&2; exit 1; }
-	$(CUOBJDUMP) -sass kernels_gpu.o | awk -f dev/inflight.awk kernel_resources.txt - > $@.tmp && mv $@.tmp $@
+	$(CUOBJDUMP) -sass kernels_gpu.o | awk -f cuda/inflight.awk kernel_resources.txt - > $@.tmp && mv $@.tmp $@
 
 inflight: kernel_inflight.txt
 	@sort -k6,6n -k1,1 kernel_inflight.txt | awk '{ printf "%5.1f %5.2f %5d %4d %6d %-6s %s\n", $$6, $$7, $$3, $$4, $$5, $$2, $$1; \
@@ -253,20 +255,20 @@ inflight: kernel_inflight.txt
 	  BEGIN { printf "%5s %5s %5s %4s %6s %-6s %s\n", "KB/SM", "fill", "B/th", "regs", "thr/SM", "window", "kernel" } \
 	  END { printf "%d kernels with global loads, %d keep >= 32 KB in flight per SM\n", n, ok > "/dev/stderr" }' | c++filt
 
-kernels_emu.o: kernels.cu segnet.h dev/cuda_emu.h
+kernels_emu.o: $(KERNELS_CU) segnet.h cuda/cuda_emu.h
 	$(CXX) $(EMUFLAGS) -x c++ -c kernels.cu -o $@
 
-cuda_emu.o: dev/cuda_emu.cpp dev/cuda_emu.h
-	$(CXX) $(EMUFLAGS) -DCUEMU_RESOURCES_FILE='"$(CURDIR)/kernel_resources.txt"' -c dev/cuda_emu.cpp -o $@
+cuda_emu.o: cuda/cuda_emu.cpp cuda/cuda_emu.h
+	$(CXX) $(EMUFLAGS) -DCUEMU_RESOURCES_FILE='"$(CURDIR)/kernel_resources.txt"' -c cuda/cuda_emu.cpp -o $@
 
 # The race checker's instrumentation: g++'s -fsanitize=thread puts a call
 # before every load and store and in place of every atomic, and no
-# ThreadSanitizer runtime is linked: dev/cuda_emu.cpp implements the calls ("the
+# ThreadSanitizer runtime is linked: cuda/cuda_emu.cpp implements the calls ("the
 # race checker"). The emulator's probes (kernels with planted bugs that
 # cuda_emu_semantics checks it on) are always built so.
 RACEFLAGS := -fsanitize=thread
-cuda_emu_probes.o: dev/cuda_emu_probes.cpp dev/cuda_emu.h
-	$(CXX) $(EMUFLAGS) $(RACEFLAGS) -c dev/cuda_emu_probes.cpp -o $@
+cuda_emu_probes.o: cuda/cuda_emu_probes.cpp cuda/cuda_emu.h
+	$(CXX) $(EMUFLAGS) $(RACEFLAGS) -c cuda/cuda_emu_probes.cpp -o $@
 
 # The strict build: kernels.cu as nvcc compiles it where results depend on it,
 # multiply-adds contracted into FMAs (nvcc's default -fmad=true; -mfma), and
@@ -274,7 +276,7 @@ cuda_emu_probes.o: dev/cuda_emu_probes.cpp dev/cuda_emu.h
 # with device memory packed as an arena (make test: the strict pass). It runs
 # only on a CPU with FMA instructions (x86-64 since 2013).
 STRICTFLAGS := $(RACEFLAGS) -ffp-contract=fast -mfma
-kernels_strict.o: kernels.cu segnet.h dev/cuda_emu.h
+kernels_strict.o: $(KERNELS_CU) segnet.h cuda/cuda_emu.h
 	$(CXX) $(EMUFLAGS) $(STRICTFLAGS) -x c++ -c kernels.cu -o $@
 
 test_segnet_strict: test_segnet.c $(PROGRAM_SRCS) segnet.h kernels_strict.o cuda_emu.o cuda_emu_probes.o $(EMU_RESOURCES) | deps
@@ -455,7 +457,7 @@ bench: segnet
 # committed) with 1 warm-up and 1 timed step, then with 2 timed steps; the
 # difference of the counters is one step's. The last two lines of a block are
 # the two runs' wall time and their larger peak host RSS. Between them, the
-# step's launches by kernel and how well they fill an H200 (dev/gpucount.awk,
+# step's launches by kernel and how well they fill an H200 (cuda/gpucount.awk,
 # from the nvcc build's registers and shared memory, kernel_resources.txt), and
 # the step's least time there: at the roofline, and with each kernel at the
 # bandwidth its bytes in flight draw (kernel_inflight.txt, when make inflight
@@ -483,7 +485,7 @@ gpucount: segnet_emu
 	            if (!(p[1] in two) || !(p[1] in one)) { print "make gpucount: no counter " p[1] > "/dev/stderr"; exit 1 } \
 	            printf "  %s_per_step: %d\n", p[2], two[p[1]] - one[p[1]] } }' $$dir/count1.txt $$dir/count2.txt || exit 1; \
 	  if [ -f kernel_inflight.txt ]; then c++filt < kernel_inflight.txt > $$dir/inflight.txt; fi; \
-	  awk -f dev/gpucount.awk $$dir/count1.txt $$dir/count2.txt $$(ls $$dir/inflight.txt 2>/dev/null) \
+	  awk -f cuda/gpucount.awk $$dir/count1.txt $$dir/count2.txt $$(ls $$dir/inflight.txt 2>/dev/null) \
 	    || exit 1; \
 	  echo "  count_runs: $$secs"; \
 	  echo "  peak_host_rss_mib: $$((rss / 1048576))"; \
@@ -502,7 +504,7 @@ gpucount: segnet_emu
 # hash of the sources it was built from. On the GPU machine (no network, no
 # apt, the same CUDA toolkit), the device tool runs
 #     make gpucheck GPUCHECK_OUT=$$OUT        with carry ["gpucheck-bin"]
-# which only runs (dev/gpucheck.sh, whose header lists the stages): no build there,
+# which only runs (cuda/gpucheck.sh, whose header lists the stages): no build there,
 # every stage time-boxed inside GPU_SECONDS (330 s), each result written to
 # $$OUT/gpucheck.txt as soon as it is known.
 GPUCHECK_DIR    ?= gpucheck-bin
@@ -511,7 +513,7 @@ GPU_SECONDS     ?= 330
 GPU_STEPS       ?= 20
 GPU_KERNEL_ROWS ?= 25
 GPU_PYTHON      ?=
-GPUCHECK_SOURCES := $(PROGRAM_SRCS) segnet.h kernels.cu test_segnet.c
+GPUCHECK_SOURCES := $(PROGRAM_SRCS) segnet.h $(KERNELS_CU) test_segnet.c
 GPUCHECK_CFLAGS := -O2 -std=gnu11 -Wall -Wextra -Wno-unknown-pragmas -pthread -fno-math-errno -s \
                    $(OMP_FLAGS) $(DEP_CFLAGS) -DSEGNET_CUDA -I$(CUDA_HOME)/include
 GPUCHECK_LIBS   := -L$(OPENBLAS_DIR) -lopenblas -L$(STB_LIBDIR) -lstb -Wl,--disable-new-dtags \
@@ -540,7 +542,7 @@ gpucheck:
 	@[ -x $(GPUCHECK_DIR)/segnet ] || $(MAKE) --no-print-directory gpubuild
 	@GPUCHECK_DIR=$(GPUCHECK_DIR) GPUCHECK_OUT=$(GPUCHECK_OUT) GPU_SECONDS=$(GPU_SECONDS) \
 	  GPU_STEPS=$(GPU_STEPS) GPU_KERNEL_ROWS=$(GPU_KERNEL_ROWS) GPU_PYTHON=$(GPU_PYTHON) \
-	  CUDA_HOME=$(CUDA_HOME) dev/gpucheck.sh
+	  CUDA_HOME=$(CUDA_HOME) cuda/gpucheck.sh
 
 # ---- builds without apt: the Debian packages as files -------------------------
 # make gpu-deps (here, with apt) -> .deps/*.deb; carry .deps to the machine with

@@ -8612,6 +8612,17 @@ static const CudaTestName CUDA_TESTS[] __attribute__((unused)) = {
         {"cuda_replicas_no_nccl", -1, 0},
 };
 
+// The CUDA backend's text: kernels.cu and the chapters it includes, in its order. The checks
+// that read the backend's source (line lengths, the last block's reads, shared memory, the
+// staleness of kernel_inflight.txt) read them all; source_lines_short holds this list to
+// cuda/*.cuh and to kernels.cu's #include lines, so that a new chapter is not left out.
+static const char *const KERNELS_SOURCES[] = {
+        "kernels.cu",          "cuda/seam.cuh",          "cuda/reductions.cuh",
+        "cuda/elementwise.cuh", "cuda/batch_norm.cuh",   "cuda/gemm_conv.cuh",
+        "cuda/implicit_gemm.cuh", "cuda/losses.cuh",     "cuda/adam.cuh",
+        "cuda/communicators.cuh"};
+#define KERNELS_SOURCES_N ((int)(sizeof KERNELS_SOURCES / sizeof *KERNELS_SOURCES))
+
 #ifdef SEGNET_CUDA
 // CUDA_TESTS names every cuda_ test of this build, and nothing else but the
 // tests of the other NCCL case and the emulator's own
@@ -9073,7 +9084,7 @@ TEST(gpucount_waves_by_hand) {
                "traffic 5 4000 600 128 0 128 0 4 conv_fwd_kernel<BF16, true>\n");
     fclose(f);
     char cmd[512], msg[512];
-    snprintf(cmd, sizeof cmd, "awk -f dev/gpucount.awk %s %s", one, two);
+    snprintf(cmd, sizeof cmd, "awk -f cuda/gpucount.awk %s %s", one, two);
     const int rc = run_shell(cmd, msg, sizeof msg);
     size_t n;
     char *out = read_file("/tmp/segnet_test_out.txt", &n);
@@ -9131,7 +9142,7 @@ TEST(gpucount_step_time_by_hand) {
     char cmd[512], msg[512];
     size_t n;
     for (int with_fills = 0; with_fills < 2; with_fills++) {
-        snprintf(cmd, sizeof cmd, "awk -f dev/gpucount.awk %s %s %s", one, two,
+        snprintf(cmd, sizeof cmd, "awk -f cuda/gpucount.awk %s %s %s", one, two,
                  with_fills ? fills : "");
         const int rc = run_shell(cmd, msg, sizeof msg);
         char *out = read_file("/tmp/segnet_test_out.txt", &n);
@@ -9155,7 +9166,7 @@ TEST(gpucount_step_time_by_hand) {
     unlink(fills);
 }
 
-// dev/inflight.awk on hand-written SASS. Kernel a (no loop, 40 registers: 6 blocks
+// cuda/inflight.awk on hand-written SASS. Kernel a (no loop, 40 registers: 6 blocks
 // of 256 = 1536 threads an SM): a 16-byte and an 8-byte load, then an add that
 // reads the second load's register: 24 B a thread, 24·1536/1024 = 36 KB, fill 1.
 // The load addressed through uniform register UR12 while R12 is loaded is not a
@@ -9194,7 +9205,7 @@ TEST(inflight_awk_by_hand) {
                "        /*0000*/                   EXIT ;  /* 0x0 */\n");
     fclose(f);
     char cmd[512], msg[512];
-    snprintf(cmd, sizeof cmd, "awk -f dev/inflight.awk %s %s", res, sass);
+    snprintf(cmd, sizeof cmd, "awk -f cuda/inflight.awk %s %s", res, sass);
     const int rc = run_shell(cmd, msg, sizeof msg);
     size_t n;
     char *out = read_file("/tmp/segnet_test_out.txt", &n);
@@ -9203,7 +9214,7 @@ TEST(inflight_awk_by_hand) {
     CHECK(!strcmp(out, "_Z1aPf kernel 24 40 1536 36.0 1.00\n"
                        "_Z1bPf loop 16 64 1024 16.0 0.50\n"
                        "_Z1cPf kernel 4 32 2048 8.0 0.25\n"),
-          "dev/inflight.awk on hand-written SASS:\n%s", out);
+          "cuda/inflight.awk on hand-written SASS:\n%s", out);
     free(out);
     unlink(res);
     unlink(sass);
@@ -9219,10 +9230,16 @@ TEST(inflight_awk_by_hand) {
 // (66 registers: 768 threads). Loading one row at a time gave 8 KB.
 TEST(inflight_batch_norm_kernels) {
     struct stat table, source;
-    if (stat("kernel_inflight.txt", &table) || stat("kernels.cu", &source))
+    int missing = stat("kernel_inflight.txt", &table) != 0, older = 0;
+    for (int f = 0; f < KERNELS_SOURCES_N && !missing; f++) {
+        missing |= stat(KERNELS_SOURCES[f], &source) != 0;
+        older |= !missing && table.st_mtime < source.st_mtime;
+    }
+    if (missing)
         SKIP("no kernel_inflight.txt (make inflight: needs nvcc and cuobjdump, CUOBJDUMP=path)");
-    if (table.st_mtime < source.st_mtime)
-        SKIP("kernel_inflight.txt is older than kernels.cu (make inflight)");
+    if (older)
+        SKIP("kernel_inflight.txt is older than kernels.cu or a chapter, cuda/*.cuh (make "
+             "inflight)");
     size_t n;
     char *text = read_file("kernel_inflight.txt", &n);
     CHECK(text != NULL, "kernel_inflight.txt cannot be read");
@@ -15168,7 +15185,7 @@ TEST(readme_build_and_install) {
 // name (as `name` at the top, `dir/name` in a folder): each a failed check; returns how many
 // source files dir holds
 static int files_table_covers(const char *files, const char *dir) {
-    static const char *const EXTS[] = {".c", ".h", ".cu", ".cpp", ".awk", ".sh"};
+    static const char *const EXTS[] = {".c", ".h", ".cu", ".cuh", ".cpp", ".awk", ".sh"};
     DIR *d = opendir(dir);
     struct dirent *e;
     int seen = 0;
@@ -16255,7 +16272,7 @@ TEST(safetensors_write_atomic) {
 #define SOURCE_LINE_MAX 100
 static const char *const SOURCE_FILES[] = {
         "segnet.c",           "kernels_cpu.c",          "segnet.h",
-        "kernels.cu",         "dev/cuda_emu.h",         "dev/cuda_emu.cpp",
+        "cuda/cuda_emu.h",    "cuda/cuda_emu.cpp",
         "plumbing/backends.c", "plumbing/safetensors.c", "plumbing/weights.c",
         "plumbing/images.c",  "plumbing/datasets.c",    "plumbing/curves.c",
         "plumbing/replicas.c", "plumbing/run.c",        "plumbing/bench.c",
@@ -16287,16 +16304,41 @@ TEST(source_lines_short) {
     memset(text + 103, 'y', 101); text[204] = 0;
     CHECK(long_lines(text, strlen(text), SOURCE_LINE_MAX, &first, &chars) == 1 && first == 3 &&
           chars == 101, "long_lines on a planted text: line %d, %d characters", first, chars);
-    for (size_t f = 0; f < sizeof SOURCE_FILES / sizeof *SOURCE_FILES; f++) {
+    const int n_files = (int)(sizeof SOURCE_FILES / sizeof *SOURCE_FILES);
+    for (int f = 0; f < n_files + KERNELS_SOURCES_N; f++) {
+        const char *path = f < n_files ? SOURCE_FILES[f] : KERNELS_SOURCES[f - n_files];
         size_t n = 0;
-        char *src = read_file(SOURCE_FILES[f], &n);
-        CHECK(src != NULL, "%s: cannot read it (the tests run in the repository)", SOURCE_FILES[f]);
+        char *src = read_file(path, &n);
+        CHECK(src != NULL, "%s: cannot read it (the tests run in the repository)", path);
         if (!src) continue;
         int k = long_lines(src, n, SOURCE_LINE_MAX, &first, &chars);
         CHECK(k == 0, "%s:%d: %d characters, over %d (and %d more such lines; .clang-format "
-              "wraps code)", SOURCE_FILES[f], first, chars, SOURCE_LINE_MAX, k - 1);
+              "wraps code)", path, first, chars, SOURCE_LINE_MAX, k - 1);
         free(src);
     }
+    // every chapter in cuda/ is in KERNELS_SOURCES, and kernels.cu includes each
+    size_t n = 0;
+    char *root = read_file("kernels.cu", &n);
+    DIR *d = opendir("cuda");
+    struct dirent *e;
+    int chapters = 0;
+    while (d && (e = readdir(d))) {
+        const size_t len = strlen(e->d_name);
+        if (len < 5 || strcmp(e->d_name + len - 4, ".cuh")) continue;
+        char path[300], include[320];
+        snprintf(path, sizeof path, "cuda/%s", e->d_name);
+        snprintf(include, sizeof include, "#include \"%s\"", path);
+        int listed = 0;
+        for (int f = 1; f < KERNELS_SOURCES_N; f++) listed |= !strcmp(KERNELS_SOURCES[f], path);
+        CHECK(listed, "%s is not in test_segnet.c's KERNELS_SOURCES (the source checks skip it)",
+              path);
+        CHECK(root && contains(root, include), "kernels.cu does not include %s", path);
+        chapters++;
+    }
+    if (d) closedir(d);
+    CHECK(chapters == KERNELS_SOURCES_N - 1, "cuda/ holds %d chapters, KERNELS_SOURCES %d",
+          chapters, KERNELS_SOURCES_N - 1);
+    free(root);
 }
 
 // The last block of a group adds the partial sums that other blocks wrote, on other SMs: it
@@ -16816,7 +16858,7 @@ TEST(gpucheck_script) {
         snprintf(cmd, sizeof cmd,
                  "SLOW_TESTS=%d GPUCHECK_DIR=%s GPUCHECK_OUT=%s/out GPU_SECONDS=%d "
                  "GPU_TEST_SECONDS=%d GPU_PYTHON=%s/python3 CUDA_HOME=/nonexistent "
-                 "GPU_MODELS='m:--model unet' PATH=/usr/bin:/bin dev/gpucheck.sh",
+                 "GPU_MODELS='m:--model unet' PATH=/usr/bin:/bin cuda/gpucheck.sh",
                  slow ? 30 : 0, dir, dir, slow ? 6 : 60, slow ? 2 : 60, dir);
         const double t0 = now_s();
         const int rc = run_shell(cmd, msg, sizeof msg);
@@ -16860,20 +16902,23 @@ TEST(last_block_reads_past_l1) {
     CHECK(last_block_without_l1_bypass(good) == 0 && last_block_without_l1_bypass(bad) == 2,
           "the checker on planted code: %d, %d", last_block_without_l1_bypass(good),
           last_block_without_l1_bypass(bad));
-    size_t n = 0;
-    char *src = read_file("kernels.cu", &n);
-    CHECK(src != NULL, "kernels.cu: cannot read it (the tests run in the repository)");
-    if (!src) return;
-    const int line = last_block_without_l1_bypass(src);
-    CHECK(line == 0,
-          "kernels.cu:%d: the last block reads the other blocks' partials through "
-          "L1 (read them through from_other_blocks)",
-          line);
-    free(src);
+    for (int f = 0; f < KERNELS_SOURCES_N; f++) {
+        size_t n = 0;
+        char *src = read_file(KERNELS_SOURCES[f], &n);
+        CHECK(src != NULL, "%s: cannot read it (the tests run in the repository)",
+              KERNELS_SOURCES[f]);
+        if (!src) continue;
+        const int line = last_block_without_l1_bypass(src);
+        CHECK(line == 0,
+              "%s:%d: the last block reads the other blocks' partials through "
+              "L1 (read them through from_other_blocks)",
+              KERNELS_SOURCES[f], line);
+        free(src);
+    }
 }
 
-// kernels.cu declares shared memory only through CU_SHARED and CU_DYN_SHARED,
-// which the emulator poisons at each block's start and checks: the first line
+// kernels.cu and its chapters declare shared memory only through CU_SHARED and
+// CU_DYN_SHARED, which the emulator poisons at each block's start and checks: the first line
 // with a bare __shared__ declaration outside a comment and those macros'
 // definitions, or 0
 static int bare_shared_line(const char *src) {
@@ -16901,16 +16946,19 @@ TEST(shared_memory_through_macros) {
     const char *bad = "__global__ void k() {\n    __shared__ float sh[32];\n}\n";
     CHECK(bare_shared_line(good) == 0 && bare_shared_line(bad) == 2,
           "the checker on planted code: %d, %d", bare_shared_line(good), bare_shared_line(bad));
-    size_t n = 0;
-    char *src = read_file("kernels.cu", &n);
-    CHECK(src != NULL, "kernels.cu: cannot read it (the tests run in the repository)");
-    if (!src) return;
-    const int line = bare_shared_line(src);
-    CHECK(line == 0,
-          "kernels.cu:%d: a bare __shared__ declaration (use CU_SHARED, which the "
-          "emulator poisons and checks)",
-          line);
-    free(src);
+    for (int f = 0; f < KERNELS_SOURCES_N; f++) {
+        size_t n = 0;
+        char *src = read_file(KERNELS_SOURCES[f], &n);
+        CHECK(src != NULL, "%s: cannot read it (the tests run in the repository)",
+              KERNELS_SOURCES[f]);
+        if (!src) continue;
+        const int line = bare_shared_line(src);
+        CHECK(line == 0,
+              "%s:%d: a bare __shared__ declaration (use CU_SHARED, which the "
+              "emulator poisons and checks)",
+              KERNELS_SOURCES[f], line);
+        free(src);
+    }
 }
 
 // ---- robustness (3), part A

@@ -1,7 +1,7 @@
 # inflight.awk -- bytes of global loads each kernel keeps in flight per SM, read
 # from the nvcc build's SASS (make inflight):
 #
-#   awk -f dev/inflight.awk kernel_resources.txt SASS   (SASS: cuobjdump -sass kernels_gpu.o)
+#   awk -f cuda/inflight.awk kernel_resources.txt SASS   (SASS: cuobjdump -sass kernels_gpu.o)
 #
 # A GPU issues a warp's instructions in order: an instruction that reads or
 # writes a register a global load (LDG) has not yet filled waits for it, and
