@@ -208,11 +208,13 @@ endif
 PLUMBING     := backends.c safetensors.c weights.c images.c datasets.c curves.c replicas.c run.c bench.c \
                 cli.c safetensors.h images.h datasets.h curves.h run.h
 PROGRAM_SRCS := segnet.c kernels_cpu.c $(addprefix plumbing/,$(PLUMBING))
+# the tests beyond the ops, which test_segnet.c includes
+TEST_SRCS := $(addprefix tests/,harness.c step.c backends.c application.c sources.c)
 
 segnet: $(PROGRAM_SRCS) segnet.h $(GPU_OBJS) | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) $(MPI_CFLAGS) -o $@ segnet.c $(GPU_OBJS) $(DEP_LIBS) $(CUDA_LIBS) $(MPI_LIBS) $(LDLIBS)
 
-test_segnet: test_segnet.c $(PROGRAM_SRCS) segnet.h $(EMU_OBJS) $(EMU_RESOURCES) | deps
+test_segnet: test_segnet.c $(TEST_SRCS) $(PROGRAM_SRCS) segnet.h $(EMU_OBJS) $(EMU_RESOURCES) | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -o $@ test_segnet.c $(EMU_OBJS) $(DEP_LIBS) $(EMU_LIBS) $(LDLIBS)
 
 # segnet on the emulated GPU: ./segnet's build linked with the emulator
@@ -279,7 +281,7 @@ STRICTFLAGS := $(RACEFLAGS) -ffp-contract=fast -mfma
 kernels_strict.o: $(KERNELS_CU) segnet.h cuda/cuda_emu.h
 	$(CXX) $(EMUFLAGS) $(STRICTFLAGS) -x c++ -c kernels.cu -o $@
 
-test_segnet_strict: test_segnet.c $(PROGRAM_SRCS) segnet.h kernels_strict.o cuda_emu.o cuda_emu_probes.o $(EMU_RESOURCES) | deps
+test_segnet_strict: test_segnet.c $(TEST_SRCS) $(PROGRAM_SRCS) segnet.h kernels_strict.o cuda_emu.o cuda_emu_probes.o $(EMU_RESOURCES) | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -DSEGNET_TEST_STRICT -o $@ test_segnet.c kernels_strict.o cuda_emu.o cuda_emu_probes.o $(DEP_LIBS) $(EMU_LIBS) $(LDLIBS)
 
 # ---- make test, make check, make test-heavy ---------------------------------
@@ -342,7 +344,7 @@ endif
 fuzz_stb_image.o: $(wildcard $(STB_INC)/stb_image.h) | deps
 	$(FUZZ_CC) -x c -O1 -g -fsanitize=address -fno-omit-frame-pointer -w -DSTB_IMAGE_IMPLEMENTATION -c $(STB_INC)/stb_image.h -o $@
 
-fuzz_segnet: test_segnet.c tests/fuzz.c $(PROGRAM_SRCS) segnet.h fuzz_stb_image.o | deps
+fuzz_segnet: test_segnet.c tests/fuzz.c $(TEST_SRCS) $(PROGRAM_SRCS) segnet.h fuzz_stb_image.o | deps
 	$(FUZZ_CC) $(FUZZ_CFLAGS) $(FUZZ_SAN) $(DEP_CFLAGS) -DSEGNET_FUZZ -o $@ test_segnet.c fuzz_stb_image.o $(DEP_LIBS) $(LDLIBS)
 
 fuzz: fuzz_segnet
@@ -513,7 +515,7 @@ GPU_SECONDS     ?= 330
 GPU_STEPS       ?= 20
 GPU_KERNEL_ROWS ?= 25
 GPU_PYTHON      ?=
-GPUCHECK_SOURCES := $(PROGRAM_SRCS) segnet.h $(KERNELS_CU) test_segnet.c
+GPUCHECK_SOURCES := $(PROGRAM_SRCS) segnet.h $(KERNELS_CU) test_segnet.c $(TEST_SRCS)
 GPUCHECK_CFLAGS := -O2 -std=gnu11 -Wall -Wextra -Wno-unknown-pragmas -pthread -fno-math-errno -s \
                    $(OMP_FLAGS) $(DEP_CFLAGS) -DSEGNET_CUDA -I$(CUDA_HOME)/include
 GPUCHECK_LIBS   := -L$(OPENBLAS_DIR) -lopenblas -L$(STB_LIBDIR) -lstb -Wl,--disable-new-dtags \
@@ -521,7 +523,7 @@ GPUCHECK_LIBS   := -L$(OPENBLAS_DIR) -lopenblas -L$(STB_LIBDIR) -lstb -Wl,--disa
                    -lcudart -lcublas -lstdc++ -lm
 
 # test_segnet on a GPU with this machine's build (the cuda_ tests against the device)
-test_segnet_gpu: test_segnet.c $(PROGRAM_SRCS) segnet.h kernels_gpu.o kernel_resources.txt | deps
+test_segnet_gpu: test_segnet.c $(TEST_SRCS) $(PROGRAM_SRCS) segnet.h kernels_gpu.o kernel_resources.txt | deps
 	$(CC) $(CFLAGS) $(OMP_FLAGS) $(DEP_CFLAGS) $(CUDA_CFLAGS) -DSEGNET_TEST_GPU -o $@ test_segnet.c kernels_gpu.o $(DEP_LIBS) $(CUDA_LIBS) $(LDLIBS)
 
 gpubuild: | deps
