@@ -175,6 +175,21 @@ TEST(gpucheck_script) {
     }
 }
 
+// each of the CUDA backend's files (KERNELS_SOURCES) passes the checker: line_of gives 0, or
+// the line of the first offence, which fails as "file:line: problem"
+static void kernels_sources_hold(int (*line_of)(const char *src), const char *problem) {
+    for (int f = 0; f < KERNELS_SOURCES_N; f++) {
+        size_t n = 0;
+        char *src = read_file(KERNELS_SOURCES[f], &n);
+        CHECK(src != NULL, "%s: cannot read it (the tests run in the repository)",
+              KERNELS_SOURCES[f]);
+        if (!src) continue;
+        const int line = line_of(src);
+        CHECK(line == 0, "%s:%d: %s", KERNELS_SOURCES[f], line, problem);
+        free(src);
+    }
+}
+
 TEST(last_block_reads_past_l1) {
     const char *good = "void f() {\n    if (!last_block(c, n)) return;\n"
                        "    sum += from_other_blocks(&partial[q]);\n}\n";
@@ -183,19 +198,9 @@ TEST(last_block_reads_past_l1) {
     CHECK(last_block_without_l1_bypass(good) == 0 && last_block_without_l1_bypass(bad) == 2,
           "the checker on planted code: %d, %d", last_block_without_l1_bypass(good),
           last_block_without_l1_bypass(bad));
-    for (int f = 0; f < KERNELS_SOURCES_N; f++) {
-        size_t n = 0;
-        char *src = read_file(KERNELS_SOURCES[f], &n);
-        CHECK(src != NULL, "%s: cannot read it (the tests run in the repository)",
-              KERNELS_SOURCES[f]);
-        if (!src) continue;
-        const int line = last_block_without_l1_bypass(src);
-        CHECK(line == 0,
-              "%s:%d: the last block reads the other blocks' partials through "
-              "L1 (read them through from_other_blocks)",
-              KERNELS_SOURCES[f], line);
-        free(src);
-    }
+    kernels_sources_hold(last_block_without_l1_bypass,
+                         "the last block reads the other blocks' partials through L1 (read "
+                         "them through from_other_blocks)");
 }
 
 // kernels.cu and its chapters declare shared memory only through CU_SHARED and
@@ -227,17 +232,7 @@ TEST(shared_memory_through_macros) {
     const char *bad = "__global__ void k() {\n    __shared__ float sh[32];\n}\n";
     CHECK(bare_shared_line(good) == 0 && bare_shared_line(bad) == 2,
           "the checker on planted code: %d, %d", bare_shared_line(good), bare_shared_line(bad));
-    for (int f = 0; f < KERNELS_SOURCES_N; f++) {
-        size_t n = 0;
-        char *src = read_file(KERNELS_SOURCES[f], &n);
-        CHECK(src != NULL, "%s: cannot read it (the tests run in the repository)",
-              KERNELS_SOURCES[f]);
-        if (!src) continue;
-        const int line = bare_shared_line(src);
-        CHECK(line == 0,
-              "%s:%d: a bare __shared__ declaration (use CU_SHARED, which the "
-              "emulator poisons and checks)",
-              KERNELS_SOURCES[f], line);
-        free(src);
-    }
+    kernels_sources_hold(bare_shared_line,
+                         "a bare __shared__ declaration (use CU_SHARED, which the emulator "
+                         "poisons and checks)");
 }
