@@ -326,6 +326,7 @@ static Ops make_ops_cuda(void) {
     o.scale = scale_cuda;
     o.axpby = axpby_cuda;
     o.copy = copy_cuda;
+    o.widen_bytes = widen_bytes_cuda;
     o.sum_squares = sum_squares_cuda;
     o.nonfinite = nonfinite_cuda;
     o.step_control = step_control_cuda;

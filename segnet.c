@@ -274,6 +274,14 @@ static void copy_ref(Ops *o, Tensor dst, Tensor src, int accumulate) {
     for (size_t i = 0; i < n; i++) st_acc(dst, i, ld(src, i), accumulate);
 }
 
+// every value 0..255 is exact in each storage type
+static void widen_bytes_ref(Ops *o, Tensor images, const uint8_t *bytes) {
+    (void)o;
+    size_t n = shape_numel(images.shape);
+    #pragma omp parallel for schedule(static) if(PAR(n))
+    for (size_t i = 0; i < n; i++) st(images, i, (float)bytes[i]);
+}
+
 // Deterministic sums over long buffers: fixed chunks summed in fp64 in
 // parallel, the partials added in chunk order, so the result does not depend
 // on the thread count (recompute ≡ store, replicas ≡ one device).
@@ -1371,6 +1379,7 @@ Ops ops_ref = {
     .scale = scale_ref,
     .axpby = axpby_ref,
     .copy = copy_ref,
+    .widen_bytes = widen_bytes_ref,
     .sum_squares = sum_squares_ref,
     .nonfinite = nonfinite_ref,
     .step_control = step_control_ref,
@@ -3132,7 +3141,7 @@ typedef struct {
     StepArgs *host_args;        // host_alloc: written before each step, read when its upload runs
     StepState *host_state;      // host_alloc: the step's StepState, read back at its end
     uint64_t *host_seeds;       // host_alloc: (n_layers) the step's dropout seeds
-    float *host_images;         // host_alloc: (N,H,W,3) the micro-batch being uploaded
+    float *host_images;         // host_alloc: (N,H,W,3) a micro-batch without a wire, staged
     int32_t *host_labels;       // host_alloc: its labels
     // the recorded step (Ops.capture_*), replayed by later steps; NULL: none
     void *record;
@@ -3144,7 +3153,9 @@ typedef struct {
     struct { size_t offset, count; } *ranges;  // trainable parameters: runs of the parameter buffer
     int n_ranges;
     size_t n_trainable;         // Σ counts: the size of each Adam moment
-    float *stage;               // (N,H,W,3) fp32 images before the cast to the storage type
+    // (N,H,W,3) the images on the device before they become the input: fp32 before the cast to
+    // the storage type (when that is not fp32), or bytes before widen_bytes
+    void *stage;
     float *accum_images;        // host: accum × (N,H,W,3), micro-batches waiting for their step
     int32_t *accum_labels;      // host: accum × (N·H·W or N)
     int64_t total_steps;        // optimiser steps of the whole run (schedules)
@@ -3253,12 +3264,18 @@ static const float *loss_norm_weights(const TrainCfg *c) {
 // micro-batches and replicas), which is what dropout masks are drawn by;
 // weight_sum, when given, is label_weight_sum of its labels with the loss's
 // weights, summed by the loader's workers (NULL: train_step sums them).
+// wire, when given, holds the same images ready to travel (the loader's: as
+// bytes, wire_bytes, or in the net's storage type), and then it and labels
+// lie in host_alloc memory that stays unchanged until the step returns: they
+// are uploaded from where they are, not staged.
 typedef struct {
     int n;
     const float *images;
     const int32_t *labels;
     int first;
     const double *weight_sum;
+    const void *wire;
+    int wire_bytes;
 } MicroBatch;
 
 // ----------------------------------------------------------------------------
@@ -3266,32 +3283,44 @@ typedef struct {
 // menu's terms and the metrics of the batch in the net (score_batch), an evaluation
 // batch, and what the region terms exchange between replicas and micro-batches
 
-// A micro-batch into the host staging buffers (written while the device is
-// idle: after the last step's download, or a synchronize).
+// Trainer.stage's size for input `in` stored as dtype: fp32 images before their cast, or
+// bytes before they widen (fp32 storage)
+static size_t image_stage_bytes(Shape in, DType dtype) {
+    return (dtype == DT_F32 ? 1 : sizeof(float)) * shape_numel(shape4(in.n, in.h, in.w, 3));
+}
+
+// A micro-batch without a wire into the host staging buffers (written while
+// the device is idle: after the last step's download, or a synchronize).
 static void stage_batch(Trainer *t, const MicroBatch *mb) {
     // an empty shard (a last batch smaller than the replicas): its arrays are NULL
-    if (mb->n == 0) return;
+    if (mb->n == 0 || mb->wire) return;
     const Shape in = t->g.tensors[t->g.input].shape;
     memcpy(t->host_images, mb->images, sizeof(float) * (size_t)mb->n * in.h * in.w * 3);
     memcpy(t->host_labels, mb->labels, sizeof(int32_t) * (size_t)mb->n * t->per_image);
 }
 
-// Queues the staged micro-batch's upload into the net's input (cast to the
-// storage type) and the labels buffer.
-static void upload_staged(Trainer *t, int n) {
+// Queues the micro-batch's upload into the net's input (in the storage type) and the
+// labels buffer: from its wire (bytes widened on the device), else from the staging.
+static void upload_batch(Trainer *t, const MicroBatch *mb) {
+    if (mb->n == 0) return;
     Ops *o = t->o;
     Net *net = &t->net;
-    const Shape in = t->g.tensors[t->g.input].shape;
-    const size_t floats = (size_t)n * in.h * in.w * 3;
-    if (net->dtype == DT_F32) {
-        o->upload_async(o, net->act[t->g.input], t->host_images, sizeof(float) * floats);
+    const Shape in = t->g.tensors[t->g.input].shape, images = shape4(mb->n, in.h, in.w, 3);
+    const size_t values = shape_numel(images);
+    const Tensor input = tensor(net->act[t->g.input], images, net->dtype);
+    if (mb->wire && mb->wire_bytes) {
+        o->upload_async(o, t->stage, mb->wire, values);
+        o->widen_bytes(o, input, t->stage);
+    } else if (mb->wire) {
+        o->upload_async(o, input.data, mb->wire, dtype_size(net->dtype) * values);
+    } else if (net->dtype == DT_F32) {
+        o->upload_async(o, input.data, t->host_images, sizeof(float) * values);
     } else {
-        const Shape images = shape4(n, in.h, in.w, 3);
-        o->upload_async(o, t->stage, t->host_images, sizeof(float) * floats);
-        o->copy(o, tensor(net->act[t->g.input], images, net->dtype), tensor_f32(t->stage, images),
-                0);
+        o->upload_async(o, t->stage, t->host_images, sizeof(float) * values);
+        o->copy(o, input, tensor_f32(t->stage, images), 0);
     }
-    o->upload_async(o, t->labels, t->host_labels, sizeof(int32_t) * (size_t)n * t->per_image);
+    o->upload_async(o, t->labels, mb->wire ? mb->labels : t->host_labels,
+                    sizeof(int32_t) * (size_t)mb->n * t->per_image);
 }
 
 // Region terms with replicas exchange values every batch, a collective every
@@ -3369,7 +3398,7 @@ static int eval_batch(Trainer *t, const MicroBatch *mb, int images, double norm,
     Ops *o = t->o;
     Net *net = &t->net;
     stage_batch(t, mb);
-    if (mb->n) upload_staged(t, mb->n);
+    upload_batch(t, mb);
     net_forward(net, mb->n, 0);
     o->fill(o, tensor_f32(t->state->loss, shape4(4, 1, 1, 1)), 0.0f);  // loss[3], region_loss
     if (score_batch(t, tensor(NULL, net_tensor(net, t->logits).shape, net->dtype), mb->n, images))
@@ -3403,7 +3432,7 @@ static int region_presum(Trainer *t, const MicroBatch *mb, int k) {
             o->synchronize(o);
             stage_batch(t, &mb[i]);
         }
-        if (mb[i].n) upload_staged(t, mb[i].n);
+        upload_batch(t, &mb[i]);
         net->first_sample = (uint64_t)mb[i].first;
         net_forward(net, mb[i].n, 1);
         if (net->failed) break;
@@ -3425,8 +3454,9 @@ static Tensor grads_tensor(Trainer *t) {
 }
 
 // The optimiser step's work on the device (steps 2–8 of train_step), from
-// the uploads to Adam, all queued: no host synchronisation unless replicas exchange values (then
-// returns -1 if a collective failed). Micro-batch 0 is staged by the caller.
+// the step's arguments to Adam, all queued: no host synchronisation unless replicas exchange
+// values (then returns -1 if a collective failed). Micro-batch 0 is uploaded by the caller,
+// outside the record, so that a replayed step reads each batch from where the loader put it.
 static int step_work(Trainer *t, const MicroBatch *mb, int k) {
     const TrainCfg *c = t->c;
     Ops *o = t->o;
@@ -3443,7 +3473,7 @@ static int step_work(Trainer *t, const MicroBatch *mb, int k) {
             o->synchronize(o);
             stage_batch(t, &mb[i]);
         }
-        upload_staged(t, mb[i].n);
+        if (i > 0 || t->region_presummed) upload_batch(t, &mb[i]);  // region_presum staged 0
         net->first_sample = (uint64_t)mb[i].first;
         net_forward(net, mb[i].n, 1);
         if ((mb[i].n || region_exchanges(t)) &&
@@ -3545,6 +3575,9 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     // step_work uploads them
     net->seeds_of[0] = net->seed; net->seeds_of[1] = net->step; net->seeds_set = 1;
     stage_batch(t, &mb[0]);
+    // the device's work from here on: the batch's upload, then the step
+    const double queued = now_seconds();
+    upload_batch(t, &mb[0]);
     // A record replays the same shapes: one full micro-batch (a smaller last
     // one runs op by op), no replicas (their collectives run on the host),
     // nothing timed per layer; the first one runs op by op (warmed).
@@ -3566,7 +3599,6 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
         }
     }
     // 2.–8. step_work: replayed from the record when there is one, else queued op by op
-    const double queued = now_seconds();
     if (recordable && t->record) {
         o->replay(o, t->record);
     } else if (step_work(t, mb, k)) {

@@ -743,6 +743,9 @@ struct Ops {
     void (*axpby)(Ops *o, Tensor y, Tensor x, float a, float b, int accumulate);
     // dst (=|+=) src, casting between storage types
     void (*copy)(Ops *o, Tensor dst, Tensor src, int accumulate);
+    // images[i] = bytes[i], the values 0..255 in images' storage type: a batch that
+    // travels to the device as 8-bit (bytes: numel(images) in the backend's memory)
+    void (*widen_bytes)(Ops *o, Tensor images, const uint8_t *bytes);
     void (*sum_squares)(Ops *o, Tensor t, float *out);             // *out = Σ t² (one float)
     // *flag = 1 if any inf/NaN, else unchanged
     void (*nonfinite)(Ops *o, Tensor t, int32_t *flag);
@@ -920,8 +923,9 @@ struct Ops {
 // gives ops_missing every entry to check, so that a table that leaves one out
 // fails the tests (ops_entries_listed checks that it covers the struct).
 #define SN_COMPUTE_OPS(X)                                                                       \
-    X(fill) X(scale) X(axpby) X(copy) X(sum_squares) X(nonfinite) X(step_control)               \
-    X(conv2d_workspace) X(conv2d_forward) X(conv2d_backward_data) X(conv2d_backward_weight)     \
+    X(fill) X(scale) X(axpby) X(copy) X(widen_bytes) X(sum_squares) X(nonfinite)                \
+    X(step_control) X(conv2d_workspace) X(conv2d_forward) X(conv2d_backward_data)               \
+    X(conv2d_backward_weight)                                                                   \
     X(bn_stats) X(bn_stats_finish) X(bn_forward) X(bn_update_running) X(bn_backward_reduce)     \
     X(bn_backward_finish) X(bn_backward_data) X(act_forward) X(act_backward)                    \
     X(global_avg_pool_forward) X(global_avg_pool_backward) X(channel_scale_forward)             \

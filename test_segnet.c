@@ -868,7 +868,9 @@ TEST(fast_elementwise_vs_ref) {
 }
 
 #ifdef SEGNET_CUDA
-// fill, and copy with every cast and both modes: bit-identical to the CPU
+// fill, and copy with every cast and both modes: bit-identical to the CPU; bytes
+// widened into every storage type: the bytes' values, exactly, from an aligned
+// buffer (8-byte runs and a tail) and from one a byte past alignment
 TEST(cuda_fill_copy) {
     Ops *o = cu_ops();
     Rng r; rng_seed(&r, 71);
@@ -890,6 +892,27 @@ TEST(cuda_fill_copy) {
                 cu_pair_free(&src); cu_pair_free(&dst);
             }
     free(v);
+    const size_t n = shape_numel(s);
+    uint8_t *bytes = malloc(n + 1);
+    for (size_t i = 0; i <= n; i++) bytes[i] = (uint8_t)(rng_next(&r) % 256);
+    uint8_t *dev = o->alloc(o, n + 1);
+    o->upload(o, dev, bytes, n + 1);
+    for (int a = 0; a < 3; a++)
+        for (int off = 0; off < 2; off++) {
+            CuPair dst = cu_pair(NULL, s, (DType)a);
+            ops_cpu.widen_bytes(&ops_cpu, dst.cpu, bytes + off);
+            o->widen_bytes(o, dst.gpu, dev + off);
+            float *g = cu_to_host(dst.gpu.data, n, dst.gpu.dtype);
+            size_t wrong = 0;
+            for (size_t i = 0; i < n; i++)
+                wrong += g[i] != (float)bytes[i + off] || ld(dst.cpu, i) != (float)bytes[i + off];
+            CHECK(wrong == 0, "widen_bytes -> %s, %d byte past alignment: %zu of %zu values wrong",
+                  DT_NAME[a], off, wrong, n);
+            free(g);
+            cu_pair_free(&dst);
+        }
+    o->free(o, dev);
+    free(bytes);
     }
 }
 

@@ -698,6 +698,29 @@ __global__ void cast_vec_kernel(TY *y, const TX *x, size_t n_vec, int accumulate
         }
     }
 }
+// y = x's bytes as values 0..255, CAST_N a thread: one 8-byte load, the stores as
+// cast_vec_kernel's (a batch's images upload as 8-bit and widen here)
+template <class T> __global__ void widen_bytes_vec_kernel(T *y, const uint8_t *x, size_t n_vec) {
+    FOR_VEC_CHUNKS(n_vec, CAST_N, base, m) {
+        T *yc = y + base * CAST_N;
+        const uint8_t *xc = x + base * CAST_N;
+        FOR_GRID(i, m) {
+            const uint32_t e = vec_elem<CAST_N>(i);
+            const VecB<uint8_t, CAST_N> b = load_vec<uint8_t, CAST_N>(xc + e);
+            float v[CAST_N];
+            for (int k = 0; k < CAST_N; k++) v[k] = (float)b.v[k];
+            store_cast_run(yc + e, v);
+        }
+    }
+}
+// the same an element a thread: the tail, or unaligned buffers
+__global__ void widen_bytes_kernel(void *y, DType dty, const uint8_t *x, size_t n) {
+    FOR_CHUNKS(n, base, m) {
+        void *yc = elem_ptr(y, dty, base);
+        const uint8_t *xc = x + base;
+        FOR_GRID(i, m) st(yc, dty, i, (float)xc[i]);
+    }
+}
 // whether cast_vec_kernel applies: two storage types, at least one run, 16-byte aligned
 static bool cast_vec_ok(Tensor y, Tensor x, size_t n) {
     return cuda_vector_kernels && y.dtype != x.dtype && n >= CAST_N &&
@@ -763,6 +786,25 @@ static void copy_cuda(Ops *o, Tensor dst, Tensor src, int accumulate) {
     map_op(o, tensor(elem_ptr(dst.data, dst.dtype, head), tail, dst.dtype),
            tensor(elem_ptr(src.data, src.dtype, head), tail, src.dtype), NO_TENSOR, accumulate,
            Identity{});
+}
+static void widen_bytes_cuda(Ops *o, Tensor images, const uint8_t *bytes) {
+    const size_t n = shape_numel(images.shape);
+    if (!n) return;
+    const bool vec = cuda_vector_kernels && (uintptr_t)images.data % VEC_BYTES == 0 &&
+                     (uintptr_t)bytes % CAST_N == 0;
+    const size_t runs = vec ? n / CAST_N : 0, head = runs * CAST_N;
+    if (runs) {
+        SWITCH_STORAGE(images.dtype, T, {
+            CU_LAUNCH((widen_bytes_vec_kernel<T>), grid_for(runs), BLOCK, 0, stream_of(o),
+                      moves(head + bytes_of(head, images.dtype)), (T *)images.data, bytes, runs);
+        });
+        launchCheck();
+    }
+    if (head == n) return;
+    CU_LAUNCH(widen_bytes_kernel, grid_for(n - head), BLOCK, 0, stream_of(o),
+              moves(n - head + bytes_of(n - head, images.dtype)),
+              elem_ptr(images.data, images.dtype, head), images.dtype, bytes + head, n - head);
+    launchCheck();
 }
 // t *= a
 static void scale_cuda(Ops *o, Tensor t, float a) { map_op(o, t, t, NO_TENSOR, 0, Scale{a}); }

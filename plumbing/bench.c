@@ -117,9 +117,10 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
     const Shape in = g->tensors[g->input].shape;
     const int K = t.K, N = in.n;
     const size_t n_in = shape_numel(in), n_labels = (size_t)N * t.per_image;
-    // synthetic data: images 0..255, labels 0..K-1
-    float *host_in = malloc(sizeof(float) * n_in);
-    int32_t *host_lab = malloc(sizeof(int32_t) * n_labels);
+    // synthetic data: images 0..255, labels 0..K-1, ready to travel as the loader makes a batch
+    // without colour augmentation (bytes and labels in host_alloc memory)
+    uint8_t *host_in = o->host_alloc(o, n_in);
+    int32_t *host_lab = o->host_alloc(o, sizeof(int32_t) * n_labels);
     int64_t *cm = calloc((size_t)K * K, sizeof(int64_t));
     double *times = malloc(sizeof(double) * (size_t)(c->steps > 0 ? c->steps : 1)),
            *host_times = malloc(sizeof(double) * (size_t)(c->steps > 0 ? c->steps : 1));
@@ -128,7 +129,7 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
             "out of host memory");
     Rng rng;
     rng_seed(&rng, c->seed ^ 0x62656e6368ull);
-    for (size_t i = 0; i < n_in; i++) host_in[i] = (float)(rng_next(&rng) % 256);
+    for (size_t i = 0; i < n_in; i++) host_in[i] = (uint8_t)(rng_next(&rng) % 256);
     for (size_t i = 0; i < n_labels; i++) host_lab[i] = (int32_t)(rng_next(&rng) % (uint64_t)K);
     // as segnet train's loader workers sum it, outside the step
     const double weight_sum = label_weight_sum(host_lab, n_labels, loss_norm_weights(t.c), K);
@@ -146,7 +147,7 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
         if (b) b->kernel_timing(timed && time_kernels);
         // train_step returns when the device has finished the step (its one wait)
         double t0 = now_seconds();
-        MicroBatch mb = {N, host_in, host_lab, 0, &weight_sum};
+        MicroBatch mb = {N, NULL, host_lab, 0, &weight_sum, host_in, 1};
         PassTotals pt = {.cm = cm};
         train_step(&t, &mb, 1, &pt);
         double dt = now_seconds() - t0;
@@ -185,7 +186,8 @@ int bench_run(const BenchCfg *c, BenchResult *r, char err[SN_ERR_MAX]) {
         }
         r->kind_bwd_ms[BK_REST] += 1e3 * rest_s / n;
     }
-    free(host_in); free(host_lab); free(cm); free(times); free(host_times); free(layer_s);
+    o->host_free(o, host_in); o->host_free(o, host_lab);
+    free(cm); free(times); free(host_times); free(layer_s);
     trainer_close(&t);
     return 0;
 }
@@ -217,7 +219,9 @@ static int bench_loader(const TrainCfg *c, LoaderBench *r, char err[SN_ERR_MAX])
     int *order = malloc(sizeof(int) * (size_t)total * B);
     snCheck(order != NULL, "out of host memory");
     for (int i = 0; i < total * B; i++) order[i] = i % d.n;
-    Loader *l = loader_start(&d, order, total * B, B, &c->augment, c->seed, c->workers, 4, 0, NULL);
+    // the trainer's loader makes the batches ready for the device (ops_cpu's memory here)
+    Loader *l = loader_start(&d, order, total * B, B, &c->augment, c->seed, c->workers, 4, 0, NULL,
+                             &ops_cpu, c->precision);
     double t0 = 0.0;
     int got = 0, images = 0;
     for (const LoaderBatch *b; got < total && (b = loader_next(l)); got++) {

@@ -895,6 +895,9 @@ struct Loader {
     uint64_t seed;
     int K;                       // > 0: the batches' weight sums, with weights (K) or NULL
     float *weights;
+    Ops *wire;                   // the backend the batches travel to, or NULL
+    DType storage;               // its storage type
+    int wire_bytes;              // the images travel as bytes
     LoaderBatch *slots;          // (depth)
     int *built;                  // (depth) the batch whose build finished in each slot, -1 if none
     pthread_t *threads;
@@ -929,11 +932,22 @@ static void *loader_worker(void *arg) {
         const double weight_sum = l->K > 0 && rc == 0
                                           ? label_weight_sum(s->labels, labels, l->weights, l->K)
                                           : 0.0;
+        if (rc == 0 && l->wire && s->wire != s->images) {
+            const size_t values = (size_t)n * l->d->height * l->d->width * 3;
+            if (l->wire_bytes) {  // whole values 0..255 (augment_keeps_bytes)
+                uint8_t *w = s->wire;
+                for (size_t i = 0; i < values; i++) w[i] = (uint8_t)s->images[i];
+            } else {  // rounded as the device's cast would (the same conversion functions)
+                const Tensor w = tensor(s->wire, shape4((int)values, 1, 1, 1), l->storage);
+                for (size_t i = 0; i < values; i++) st(w, i, s->images[i]);
+            }
+        }
         pthread_mutex_lock(&l->mu);
         if (rc == 0) {
             s->n = n;
             s->index = b;
             s->weight_sum = weight_sum;
+            s->wire_bytes = l->wire_bytes;
             l->built[b % l->depth] = b;
         }
         else if (b < l->failed) { l->failed = b; memcpy(l->build_err, e, SN_ERR_MAX); }
@@ -943,8 +957,16 @@ static void *loader_worker(void *arg) {
     return NULL;
 }
 
+// whether augmentation aug leaves every value a whole byte (none, or horizontal flips: a
+// permutation), the conditions sample_augment acts on
+static int augment_keeps_bytes(const Augment *a) {
+    return !a || (!augment_geometric(a) && a->brightness <= 0.0f && a->contrast_lo == 0.0f &&
+                  a->contrast_hi == 0.0f && a->hue <= 0.0f && a->saturation_hi <= 0.0f);
+}
+
 Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch, const Augment *aug,
-                     uint64_t seed, int workers, int depth, int K, const float *weights) {
+                     uint64_t seed, int workers, int depth, int K, const float *weights, Ops *wire,
+                     DType storage) {
     snCheck(n_order >= 0 && batch >= 1 && workers >= 1 && depth >= 1,
             "loader_start: n_order %d, batch %d, workers %d, depth %d", n_order, batch, workers,
             depth);
@@ -965,6 +987,9 @@ Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch,
     if (aug) l->aug = *aug;
     l->seed = seed;
     l->K = K;
+    l->wire = wire;
+    l->storage = storage;
+    l->wire_bytes = wire && augment_keeps_bytes(aug);
     if (K > 0 && weights) {
         l->weights = malloc(sizeof(float) * (size_t)K);
         snCheck(l->weights != NULL, "out of host memory");
@@ -977,12 +1002,22 @@ Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch,
     l->threads = malloc(sizeof(pthread_t) * (size_t)workers);
     snCheck(l->order && l->slots && l->built && l->threads, "out of host memory");
     memcpy(l->order, order, sizeof(int) * (size_t)n_order);
+    // with a wire: what travels in its host_alloc memory, the fp32 images too when they travel
+    const size_t values = 3 * P * batch,
+                 labels = sizeof(int32_t) * (d->segmentation ? P : 1) * batch;
+    const int wire_f32 = wire && !l->wire_bytes && storage == DT_F32;
     for (int k = 0; k < depth; k++) {
+        LoaderBatch *s = &l->slots[k];
         l->built[k] = -1;
-        l->slots[k].images = malloc(sizeof(float) * 3 * P * batch);
-        l->slots[k].labels = malloc(sizeof(int32_t) * (d->segmentation ? P : 1) * batch);
-        snCheck(l->slots[k].images && l->slots[k].labels, "out of host memory for %d batches of %d",
-                depth, batch);
+        s->images = wire_f32 ? wire->host_alloc(wire, sizeof(float) * values)
+                             : malloc(sizeof(float) * values);
+        s->labels = wire ? wire->host_alloc(wire, labels) : malloc(labels);
+        s->wire = !wire ? NULL
+                  : wire_f32 ? s->images
+                             : wire->host_alloc(wire, l->wire_bytes ? values
+                                                                    : dtype_size(storage) * values);
+        snCheck(s->images && s->labels && (!wire || s->wire),
+                "out of host memory for %d batches of %d", depth, batch);
     }
     pthread_mutex_init(&l->mu, NULL);
     pthread_cond_init(&l->cv, NULL);
@@ -1026,7 +1061,17 @@ void loader_stop(Loader *l) {
     for (int k = 0; k < l->n_threads; k++) pthread_join(l->threads[k], NULL);
     pthread_cond_destroy(&l->cv);
     pthread_mutex_destroy(&l->mu);
-    for (int k = 0; k < l->depth; k++) { free(l->slots[k].images); free(l->slots[k].labels); }
+    for (int k = 0; k < l->depth; k++) {
+        LoaderBatch *s = &l->slots[k];
+        if (!l->wire) {
+            free(s->images);
+            free(s->labels);
+            continue;
+        }
+        if (s->wire == s->images) l->wire->host_free(l->wire, s->images);
+        else { free(s->images); l->wire->host_free(l->wire, s->wire); }
+        l->wire->host_free(l->wire, s->labels);
+    }
     free(l->slots);
     free(l->built);
     free(l->threads);

@@ -114,16 +114,24 @@ int dataset_batch(const Dataset *d, const int *idx, int n, const Augment *aug, u
 // K > 0: a worker also sums its batch's label weights, label_weight_sum(labels,
 // K, weights) (weights NULL: a label in 0..K-1 counts 1), the loss normaliser,
 // so that the trainer does not (a serial pass over every label of the step).
+// wire non-NULL: a worker also makes the images ready to travel to wire's
+// backend: as bytes when the augmentation keeps them whole (none, or flips
+// alone: augment_keeps_bytes), else in the storage type; that copy and the
+// labels lie in wire's host_alloc memory (pinned on CUDA), which the device
+// copies from without staging (MicroBatch.wire).
 typedef struct {
     int n;             // images in this batch (≤ batch)
     float *images;     // (n,H,W,3)
     int32_t *labels;   // (n·H·W) or (n)
     int index;         // batch number within the order, 0-based
     double weight_sum; // Σ of the labels' weights (K > 0), else 0
+    void *wire;        // (n,H,W,3) the images as bytes (wire_bytes) or in the storage type, or NULL
+    int wire_bytes;
 } LoaderBatch;
 typedef struct Loader Loader;
 Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch, const Augment *aug,
-                     uint64_t seed, int workers, int depth, int K, const float *weights);
+                     uint64_t seed, int workers, int depth, int K, const float *weights, Ops *wire,
+                     DType storage);
 // The next batch (valid until the next call or loader_stop), or NULL after the
 // last one or on an error (then loader_error gives it, and every later call
 // returns NULL). Blocks only while that batch is still being built.

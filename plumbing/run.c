@@ -541,9 +541,9 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     t->state = o->alloc(o, sizeof(StepState));
     t->nonfinite = o->alloc(o, sizeof(int32_t));
     const DType dtype = t->net.dtype;  // the storage type, from here on the net's
-    t->stage = dtype == DT_F32 ? NULL : o->alloc(o, sizeof(float) * (size_t)in.n * in.h * in.w * 3);
+    t->stage = o->alloc(o, image_stage_bytes(in, dtype));
     if (!t->adam_m || !t->adam_v || !t->class_weights || !t->labels || !t->confusion || !t->args ||
-        !t->state || !t->nonfinite || (dtype != DT_F32 && !t->stage)) {
+        !t->state || !t->nonfinite || !t->stage) {
         snprintf(err, SN_ERR_MAX, "out of %s memory for the optimiser state", o->name);
         return -1;
     }
@@ -888,7 +888,9 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
     Loader *L = n_mine > skip ? loader_start(d, mine + skip, n_mine - skip, N,
                                              training ? &c->augment : NULL,
                                              augment_seed_of(epoch_seed), c->workers, 4, K,
-                                             loss_norm_weights(c))
+                                             loss_norm_weights(c),
+                                             // micro-batches of accumulation are copied instead
+                                             !training || c->accum == 1 ? o : NULL, t->net.dtype)
                               : NULL;
     // int64 zeros
     o->fill(o, tensor_f32((float *)t->confusion, shape4(2 * (int)t->cm_len, 1, 1, 1)), 0.0f);
@@ -917,7 +919,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
     for (int j = start; j < n_batches && rc == 0 && !stopped; j++) {
         const int nj = d->n - j * B < B ? d->n - j * B : B;
         shard_range(nj, R, comm->rank, &lo, &hi);
-        MicroBatch shard = {0, NULL, NULL, pending * B + lo, NULL};
+        MicroBatch shard = {0, NULL, NULL, pending * B + lo, NULL, NULL, 0};
         if (hi > lo) {
             const double waited = now_seconds();
             const LoaderBatch *b = loader_next(L);
@@ -928,7 +930,8 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
                 break;
             }
             snCheck(b->n == hi - lo, "the loader gave %d images for a shard of %d", b->n, hi - lo);
-            shard = (MicroBatch){b->n, b->images, b->labels, pending * B + lo, &b->weight_sum};
+            shard = (MicroBatch){b->n,         b->images,      b->labels,     pending * B + lo,
+                                 &b->weight_sum, b->wire, b->wire_bytes};
         }
         int step_rc = 0;
         const double step_started = now_seconds();
@@ -946,7 +949,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
             weight_sums[pending] = shard.weight_sum ? *shard.weight_sum : 0.0;
             mb[pending] = (MicroBatch){shard.n, t->accum_images + pending * image_floats,
                                        t->accum_labels + pending * label_count, shard.first,
-                                       &weight_sums[pending]};
+                                       &weight_sums[pending], NULL, 0};
             if (++pending == c->accum || j + 1 == n_batches) {
                 step_rc = train_step(t, mb, pending, pt);
                 pending = 0;
@@ -3138,7 +3141,7 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
             sizeof(StepArgs) + sizeof(StepState) +
             // the last: Trainer.nonfinite
             sizeof(uint64_t) * (size_t)g->n_layers + sizeof(int32_t);
-    if (c->precision != DT_F32) m->io += sizeof(float) * shape_numel(in);
+    m->io += image_stage_bytes(in, c->precision);
     m->backend = o->context_bytes;
     m->driver = o->driver_bytes;
     m->total = m->params + m->grads + m->optimizer + m->statistics + m->activations + m->workspace +

@@ -280,7 +280,8 @@ TEST(loader_determinism) {
     for (int s = 0; s < 4; s++) {
         const int K = s % 2 ? 3 : 2;
         const float *w = s % 2 ? NULL : weights;
-        Loader *l = loader_start(&d, order, 10, 4, &aug, 42, setups[s][0], setups[s][1], K, w);
+        Loader *l = loader_start(&d, order, 10, 4, &aug, 42, setups[s][0], setups[s][1], K, w,
+                                  NULL, DT_F32);
         int b = 0, first = 0;
         for (const LoaderBatch *lb; (lb = loader_next(l)); b++) {
             CHECK(lb->index == b && lb->n == (b < 2 ? 4 : 2),
@@ -303,10 +304,51 @@ TEST(loader_determinism) {
         loader_stop(l);
     }
     // stopping at any time: before the first batch, mid-epoch with workers waiting on a full ring
-    loader_stop(loader_start(&d, order, 10, 4, &aug, 1, 3, 2, 0, NULL));
-    Loader *l = loader_start(&d, order, 10, 1, &aug, 1, 2, 2, 0, NULL);
+    loader_stop(loader_start(&d, order, 10, 4, &aug, 1, 3, 2, 0, NULL, NULL, DT_F32));
+    Loader *l = loader_start(&d, order, 10, 1, &aug, 1, 2, 2, 0, NULL, NULL, DT_F32);
     CHECK(loader_next(l) != NULL, "a first batch");
     loader_stop(l);
+    dataset_free(&d);
+    ds_remove(dir);
+}
+
+// The loader's wire (MicroBatch.wire): bytes when the augmentation keeps the
+// values whole (none, horizontal flips), else the images in the storage type,
+// each value rounded as a store of that type rounds it; with fp32 storage the
+// images themselves. Compared with dataset_batch's images and labels.
+TEST(loader_wire) {
+    char dir[300], err[SN_ERR_MAX] = "";
+    Dataset d;
+    if (ds_five(&d, dir, sizeof dir, "ds_wire", 1 << 20)) { ds_remove(dir); return; }
+    const int order[5] = {3, 1, 4, 0, 2}, P = 24;
+    const Augment augs[3] = {{0}, {.flip = 1}, {.flip = 1, .brightness = 0.1f, .contrast_lo = 0.8f,
+                                                 .contrast_hi = 1.2f}};
+    float want_x[5 * 72];
+    int32_t want_y[5 * 24];
+    for (int a = 0; a < 3; a++) {
+        CHECK(dataset_batch(&d, order, 5, &augs[a], 9, want_x, want_y, err) == 0, "%s", err);
+        for (int dt = 0; dt < 3; dt++) {
+            Loader *l = loader_start(&d, order, 5, 5, &augs[a], 9, 2, 2, 0, NULL, &ops_cpu,
+                                     (DType)dt);
+            const LoaderBatch *b = loader_next(l);
+            CHECK(b && b->n == 5, "a batch of 5");
+            if (!b) { loader_stop(l); continue; }
+            size_t wrong = 0;
+            for (int i = 0; i < 5 * 3 * P; i++) {
+                const float v = b->wire_bytes ? (float)((const uint8_t *)b->wire)[i]
+                                              : ld(tensor(b->wire, shape4(5 * 3 * P, 1, 1, 1),
+                                                          (DType)dt),
+                                                   (size_t)i);
+                wrong += v != (b->wire_bytes ? want_x[i] : dtype_round((DType)dt, want_x[i]));
+            }
+            CHECK(b->wire_bytes == (a < 2) && wrong == 0 &&
+                          !memcmp(b->labels, want_y, sizeof(int32_t) * 5 * P) &&
+                          (dt != DT_F32 || a < 2 || b->wire == b->images),
+                  "augmentation %d, storage %s: wire_bytes %d, %zu of %d values differ", a,
+                  DT_NAME[dt], b->wire_bytes, wrong, 5 * 3 * P);
+            loader_stop(l);
+        }
+    }
     dataset_free(&d);
     ds_remove(dir);
 }
@@ -321,7 +363,7 @@ TEST(loader_file_changed) {
     FILE *f = fopen(path, "wb");
     if (f) { fputs("\x89PNG\r\n\x1a\nbroken", f); fclose(f); }
     const int order[5] = {0, 1, 2, 3, 4};
-    Loader *l = loader_start(&d, order, 5, 1, NULL, 0, 2, 3, 0, NULL);
+    Loader *l = loader_start(&d, order, 5, 1, NULL, 0, 2, 3, 0, NULL, NULL, DT_F32);
     int got = 0;
     while (loader_next(l)) got++;
     CHECK(got == 3 && contains(loader_error(l), "s3.png") &&

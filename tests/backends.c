@@ -314,7 +314,7 @@ static void cu_train_losses(const char *model, int hw, DType dt, Device device, 
     int64_t cm[9];
     for (int s = 0; s < steps; s++) {
         random_batch(&r, 2, hw, 3, images, labels);
-        MicroBatch mb = {2, images, labels, 0, NULL};
+        MicroBatch mb = {2, images, labels, 0, NULL, NULL, 0};
         PassTotals pt = {.cm = cm};
         train_step(&t, &mb, 1, &pt);
         losses[s] = pt.loss_sum / pt.norm_sum;
@@ -329,17 +329,21 @@ static void cu_train_losses(const char *model, int hw, DType dt, Device device, 
 }
 
 // A recorded step (a CUDA graph) replayed does what the step run op by op
-// does, to the bit: three steps of unet-effv2-t (drop-path, whose seeds
-// change every step; the loss ce + 0.5·focal + dice) in fp16 (loss scaling, which here skips
-// and doubles),
-// with clipping and a warm-up (a learning rate per step), then a smaller last
-// batch (run op by op: other shapes) and a full one again (step 2's record).
-// Compared: the losses, the parameters and Adam's moments, the loss scale.
+// does, to the bit, and so does one whose batches come from the wire: three
+// steps of unet-effv2-t (drop-path, whose seeds change every step; the loss
+// ce + 0.5·focal + dice + 0.5·lovasz) in fp16 (loss scaling, which here skips
+// and doubles), with clipping and a warm-up (a learning rate per step), then a
+// smaller last batch (run op by op: other shapes) and a full one again (step
+// 2's record). Compared: the losses, the parameters and Adam's moments, the
+// loss scale.
 // Under the emulator also: which steps were replays (step 1 runs op by op,
 // loading every kernel before the capture; step 2 is recorded and replayed),
 // and each step waited for the device once (its one download).
-static void cu_graph_run(int records, double *losses, float **params, float **moments, float *scale,
-                         long long replays[5], long long *syncs) {
+// wire: each batch comes as the loader hands it over (MicroBatch.wire), from
+// one of two places in turn (its ring): the even steps' whole images as bytes,
+// the odd steps' (which have fractions) in fp16, rounded on the host.
+static void cu_graph_run(int records, int wire, double *losses, float **params, float **moments,
+                         float *scale, long long replays[5], long long *syncs) {
     TrainCfg c;
     train_cfg_default(&c);
     c.model.model = "unet-effv2-t";
@@ -369,12 +373,31 @@ static void cu_graph_run(int records, double *losses, float **params, float **mo
     float *images = malloc(sizeof(float) * 2 * hw * hw * 3);
     int32_t *labels = malloc(sizeof(int32_t) * 2 * hw * hw);
     int64_t cm[9];
+    const size_t values = 2 * hw * hw * 3;
+    void *ring[2][2];  // [slot]: the images as they travel (bytes or fp16), the labels
+    for (int k = 0; k < 2; k++) {
+        ring[k][0] = t.o->host_alloc(t.o, sizeof(uint16_t) * values);
+        ring[k][1] = t.o->host_alloc(t.o, sizeof(int32_t) * 2 * hw * hw);
+    }
 #if EMULATED_CUDA
     const long long s0 = cuemu_count("syncs");
 #endif
     for (int s = 0; s < 5; s++) {
         random_batch(&r, sizes[s], hw, 3, images, labels);
-        MicroBatch mb = {sizes[s], images, labels, 0, NULL};
+        if (s % 2)
+            for (size_t i = 0; i < values; i++) images[i] += (float)(i % 7) / 7.0f;
+        MicroBatch mb = {sizes[s], images, labels, 0, NULL, NULL, 0};
+        if (wire) {
+            const Tensor half = tensor(ring[s % 2][0], shape4((int)values, 1, 1, 1), DT_F16);
+            for (size_t i = 0; i < values; i++) {
+                if (s % 2) st(half, i, images[i]);
+                else ((uint8_t *)ring[s % 2][0])[i] = (uint8_t)images[i];
+            }
+            memcpy(ring[s % 2][1], labels, sizeof(int32_t) * 2 * hw * hw);
+            mb.wire = ring[s % 2][0];
+            mb.wire_bytes = s % 2 == 0;
+            mb.labels = ring[s % 2][1];
+        }
         PassTotals pt = {.cm = cm};
 #if EMULATED_CUDA
         const long long g0 = cuemu_count("graph_launches");
@@ -398,16 +421,20 @@ static void cu_graph_run(int records, double *losses, float **params, float **mo
     t.o->download(t.o, *moments, t.adam_m, sizeof(float) * t.n_trainable);
     t.o->download(t.o, *moments + t.n_trainable, t.adam_v, sizeof(float) * t.n_trainable);
     *scale = t.loss_scale;
+    for (int k = 0; k < 2; k++) { t.o->host_free(t.o, ring[k][0]); t.o->host_free(t.o, ring[k][1]); }
     free(images); free(labels);
     trainer_close(&t);
 }
 SLOW_TEST(cuda_graph_step) {
     if (!cu_ops_complete("cuda_graph_step")) return;
-    double eager[5], graph[5];
-    float *p_eager, *p_graph, *m_eager, *m_graph, scale_eager, scale_graph;
-    long long replays_eager[5], replays_graph[5], syncs_eager, syncs_graph;
-    cu_graph_run(0, eager, &p_eager, &m_eager, &scale_eager, replays_eager, &syncs_eager);
-    cu_graph_run(1, graph, &p_graph, &m_graph, &scale_graph, replays_graph, &syncs_graph);
+    double eager[5], graph[5], wired[5];
+    float *p_eager, *p_graph, *m_eager, *m_graph, scale_eager, scale_graph, *p_wired, *m_wired,
+            scale_wired;
+    long long replays_eager[5], replays_graph[5], syncs_eager, syncs_graph, replays_wired[5],
+            syncs_wired;
+    cu_graph_run(0, 0, eager, &p_eager, &m_eager, &scale_eager, replays_eager, &syncs_eager);
+    cu_graph_run(1, 0, graph, &p_graph, &m_graph, &scale_graph, replays_graph, &syncs_graph);
+    cu_graph_run(1, 1, wired, &p_wired, &m_wired, &scale_wired, replays_wired, &syncs_wired);
     TrainCfg c;
     Graph g;
     graph_init(&g);
@@ -429,6 +456,13 @@ SLOW_TEST(cuda_graph_step) {
     CHECK(!memcmp(m_eager, m_graph, sizeof(float) * 2 * nt), "Adam's moments after 5 steps differ");
     CHECK(scale_eager == scale_graph, "loss scale %g replayed, %g op by op", scale_graph,
           scale_eager);
+    // the batches uploaded from where the loader would put them, outside the record
+    for (int s = 0; s < 5; s++)
+        CHECK(eager[s] == wired[s], "step %d: loss %.9g from the wire, %.9g staged", s + 1,
+              wired[s], eager[s]);
+    CHECK(!memcmp(p_eager, p_wired, sizeof(float) * np) &&
+                  !memcmp(m_eager, m_wired, sizeof(float) * 2 * nt) && scale_eager == scale_wired,
+          "the parameters, moments or loss scale after 5 steps differ (from the wire vs staged)");
 #if EMULATED_CUDA
     // step 1 op by op, 2 recorded and replayed, 3 and 5 replayed, 4 (smaller) op by op
     const long long expected[5] = {0, 1, 1, 0, 1};
@@ -436,15 +470,19 @@ SLOW_TEST(cuda_graph_step) {
         CHECK(replays_eager[s] == 0 && replays_graph[s] == expected[s],
               "step %d: graph launches %lld op by op, %lld recorded (expected 0 and %lld)", s + 1,
               replays_eager[s], replays_graph[s], expected[s]);
-    CHECK(syncs_eager == 5 && syncs_graph == 5,
-          "host waits in 5 steps: %lld op by op, %lld recorded (expected 5: one per step)",
-          syncs_eager, syncs_graph);
+    for (int s = 0; s < 5; s++)
+        CHECK(replays_wired[s] == expected[s], "step %d from the wire: %lld graph launches", s + 1,
+              replays_wired[s]);
+    CHECK(syncs_eager == 5 && syncs_graph == 5 && syncs_wired == 5,
+          "host waits in 5 steps: %lld op by op, %lld recorded, %lld from the wire (expected 5: "
+          "one per step)",
+          syncs_eager, syncs_graph, syncs_wired);
 #endif
     if (g_verbose)
         printf("      5 steps: losses %.6f .. %.6f, loss scale %g, %lld replays, %lld host waits\n",
                graph[0], graph[4], scale_graph,
                replays_graph[1] + replays_graph[2] + replays_graph[4], syncs_graph);
-    free(p_eager); free(p_graph); free(m_eager); free(m_graph);
+    free(p_eager); free(p_graph); free(m_eager); free(m_graph); free(p_wired); free(m_wired);
 }
 
 // Device time per kernel (segnet bench --kernels): while cuda_kernel_timing is

@@ -1821,7 +1821,7 @@ TEST(plan_equals_allocation) {
         for (int i = 0; i < n * (seg ? hw * hw : 1); i++) labels[i] = (int32_t)(rng_next(&r) % 3);
         int64_t cm[9 + 2];
         PassTotals pt = {.cm = cm};
-        MicroBatch mb[2] = {{n, images, labels, 0, NULL}, {n, images, labels, n, NULL}};
+        MicroBatch mb[2] = {{n, images, labels, 0, NULL, NULL, 0}, {n, images, labels, n, NULL, NULL, 0}};
         cpu_bytes_peak = cpu_bytes_live;
         train_step(&t, mb, cases[k].accum, &pt);
         CHECK(cpu_bytes_peak == cpu_bytes_live, "%s case %zu: a step allocated %zu bytes more",
@@ -1931,7 +1931,7 @@ TEST(checkpoint_training_bitwise) {
     for (int s = 0; s < 3; s++) {
         for (int i = 0; i < 4 * 32 * 32 * 3; i++) images[i] = (float)(rng_next(&r) % 256);
         for (int i = 0; i < 4; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
-        MicroBatch mb = {4, images, labels, 0, NULL};
+        MicroBatch mb = {4, images, labels, 0, NULL, NULL, 0};
         train_step(&a, &mb, 1, &pa);
         train_step(&b, &mb, 1, &pb);
     }
@@ -1976,7 +1976,7 @@ static void fused_run(const TrainCfg *c, int fuse, int steps, float **params, do
     for (int s = 0; s < steps; s++) {
         for (int i = 0; i < N * hw * hw * 3; i++) images[i] = (float)(rng_next(&r) % 256);
         for (int i = 0; i < N; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
-        MicroBatch mb = {N, images, labels, 0, NULL};
+        MicroBatch mb = {N, images, labels, 0, NULL, NULL, 0};
         train_step(&t, &mb, 1, &pt);
     }
     *loss = pt.loss_sum;
@@ -2148,7 +2148,7 @@ TEST(fp16_loss_scaling) {
         random_batch(&r, 4, 8, 3, images, labels);
         if (s == 1) images[17] = INFINITY;  // an overflow, as fp16 activations would give
         memcpy(before, t.net.params, sizeof(float) * P);
-        MicroBatch mb = {4, images, labels, 0, NULL};
+        MicroBatch mb = {4, images, labels, 0, NULL, NULL, 0};
         int applied = train_step(&t, &mb, 1, &pt);
         int changed = memcmp(before, t.net.params, sizeof(float) * P) != 0;
         CHECK(applied == (s != 1) && changed == applied, "step %d: applied %d, weights changed %d",
@@ -2213,9 +2213,9 @@ static void accum_equals_big_batch_with(const LossCfg *loss) {
         random_batch(&r, B * K, 8, 3, images, labels);
         // micro-batch 0: mostly weight-0 pixels
         for (int i = 0; i < B * 64; i++) labels[i] = i % 5 ? 0 : labels[i];
-        MicroBatch one = {B * K, images, labels, 0, NULL}, parts[K];
+        MicroBatch one = {B * K, images, labels, 0, NULL, NULL, 0}, parts[K];
         for (int k = 0; k < K; k++)
-            parts[k] = (MicroBatch){B, images + k * B * 64 * 3, labels + k * B * 64, k * B, NULL};
+            parts[k] = (MicroBatch){B, images + k * B * 64 * 3, labels + k * B * 64, k * B, NULL, NULL, 0};
         train_step(&a, &one, 1, &pa);
         train_step(&b, parts, K, &pb);
     }
@@ -2273,7 +2273,7 @@ TEST(accum_equals_big_batch) {
     random_batch(&r, 6, 8, 3, images, labels);
     MicroBatch parts[3];
     for (int k = 0; k < 3; k++)
-        parts[k] = (MicroBatch){2, images + k * 2 * 64 * 3, labels + k * 2 * 64, k * 2, NULL};
+        parts[k] = (MicroBatch){2, images + k * 2 * 64 * 3, labels + k * 2 * 64, k * 2, NULL, NULL, 0};
     train_step(&a, parts, 3, &pa);
     train_step(&b, parts, 3, &pb);
     CHECK(a.g.n_buffer_floats > 0 &&
@@ -2319,9 +2319,9 @@ TEST(accum_dropout_equals_big_batch) {
     for (int s = 0; s < STEPS; s++) {
         for (int i = 0; i < B * K * HW * HW * 3; i++) images[i] = (float)(rng_next(&r) % 256);
         for (int i = 0; i < B * K; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
-        MicroBatch one = {B * K, images, labels, 0, NULL}, parts[K];
+        MicroBatch one = {B * K, images, labels, 0, NULL, NULL, 0}, parts[K];
         for (int k = 0; k < K; k++)
-            parts[k] = (MicroBatch){B, images + k * B * HW * HW * 3, labels + k * B, k * B, NULL};
+            parts[k] = (MicroBatch){B, images + k * B * HW * HW * 3, labels + k * B, k * B, NULL, NULL, 0};
         train_step(&a, &one, 1, &pa);
         train_step(&b, parts, K, &pb);
     }
@@ -2371,7 +2371,7 @@ TEST(freeze_base) {
     int64_t cm[9];
     PassTotals pt = {.cm = cm};
     random_batch(&r, 4, 8, 3, images, labels);
-    MicroBatch mb = {4, images, labels, 0, NULL};
+    MicroBatch mb = {4, images, labels, 0, NULL, NULL, 0};
     train_step(&t, &mb, 1, &pt);
     for (int p = 0; p < g->n_params; p++) {
         const ParamInfo *q = &g->params[p];
@@ -2448,7 +2448,7 @@ static int replica_job(Comm *comm, void *arg) {
                         last = s == j->steps - 1 && k == c->accum - 1;
             shard_range(last && j->last ? j->last : j->B, comm->size, comm->rank, &lo, &hi);
             mb[k] = (MicroBatch){hi - lo, img + (first + lo) * hw * 3, lab + (first + lo) * hw,
-                                 k * j->B + lo, NULL};
+                                 k * j->B + lo, NULL, NULL, 0};
             if (s == 1 && k == 0 && comm->rank == j->inf_rank)
                 img[(first + lo) * hw * 3 + 5] = INFINITY;
         }
