@@ -421,7 +421,10 @@ static void cu_graph_run(int records, int wire, double *losses, float **params, 
     t.o->download(t.o, *moments, t.adam_m, sizeof(float) * t.n_trainable);
     t.o->download(t.o, *moments + t.n_trainable, t.adam_v, sizeof(float) * t.n_trainable);
     *scale = t.loss_scale;
-    for (int k = 0; k < 2; k++) { t.o->host_free(t.o, ring[k][0]); t.o->host_free(t.o, ring[k][1]); }
+    for (int k = 0; k < 2; k++) {
+        t.o->host_free(t.o, ring[k][0]);
+        t.o->host_free(t.o, ring[k][1]);
+    }
     free(images); free(labels);
     trainer_close(&t);
 }

@@ -1821,7 +1821,8 @@ TEST(plan_equals_allocation) {
         for (int i = 0; i < n * (seg ? hw * hw : 1); i++) labels[i] = (int32_t)(rng_next(&r) % 3);
         int64_t cm[9 + 2];
         PassTotals pt = {.cm = cm};
-        MicroBatch mb[2] = {{n, images, labels, 0, NULL, NULL, 0}, {n, images, labels, n, NULL, NULL, 0}};
+        MicroBatch mb[2] = {{n, images, labels, 0, NULL, NULL, 0},
+                            {n, images, labels, n, NULL, NULL, 0}};
         cpu_bytes_peak = cpu_bytes_live;
         train_step(&t, mb, cases[k].accum, &pt);
         CHECK(cpu_bytes_peak == cpu_bytes_live, "%s case %zu: a step allocated %zu bytes more",
@@ -2215,7 +2216,8 @@ static void accum_equals_big_batch_with(const LossCfg *loss) {
         for (int i = 0; i < B * 64; i++) labels[i] = i % 5 ? 0 : labels[i];
         MicroBatch one = {B * K, images, labels, 0, NULL, NULL, 0}, parts[K];
         for (int k = 0; k < K; k++)
-            parts[k] = (MicroBatch){B, images + k * B * 64 * 3, labels + k * B * 64, k * B, NULL, NULL, 0};
+            parts[k] = (MicroBatch){B,     images + k * B * 64 * 3, labels + k * B * 64, k * B,
+                                    NULL,  NULL,                    0};
         train_step(&a, &one, 1, &pa);
         train_step(&b, parts, K, &pb);
     }
@@ -2273,7 +2275,8 @@ TEST(accum_equals_big_batch) {
     random_batch(&r, 6, 8, 3, images, labels);
     MicroBatch parts[3];
     for (int k = 0; k < 3; k++)
-        parts[k] = (MicroBatch){2, images + k * 2 * 64 * 3, labels + k * 2 * 64, k * 2, NULL, NULL, 0};
+        parts[k] = (MicroBatch){2,    images + k * 2 * 64 * 3, labels + k * 2 * 64, k * 2,
+                                NULL, NULL,                    0};
     train_step(&a, parts, 3, &pa);
     train_step(&b, parts, 3, &pb);
     CHECK(a.g.n_buffer_floats > 0 &&
@@ -2321,7 +2324,8 @@ TEST(accum_dropout_equals_big_batch) {
         for (int i = 0; i < B * K; i++) labels[i] = (int32_t)(rng_next(&r) % 3);
         MicroBatch one = {B * K, images, labels, 0, NULL, NULL, 0}, parts[K];
         for (int k = 0; k < K; k++)
-            parts[k] = (MicroBatch){B, images + k * B * HW * HW * 3, labels + k * B, k * B, NULL, NULL, 0};
+            parts[k] = (MicroBatch){B,    images + k * B * HW * HW * 3, labels + k * B, k * B,
+                                    NULL, NULL,                         0};
         train_step(&a, &one, 1, &pa);
         train_step(&b, parts, K, &pb);
     }
