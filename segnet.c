@@ -3192,8 +3192,8 @@ typedef struct {
     // the training set's fingerprint (data_fingerprint), saved with each checkpoint
     char data_print[64];
     // the last step's host time outside its device work: before the work is
-    // queued (the normaliser, the arguments, staging the batch) and after its
-    // one wait (the state read back, the totals); the device idles through it
+    // queued (the normaliser, the arguments, staging a batch without a wire) and
+    // after its one wait (the state read back, the totals); the device idles through it
     double step_host_seconds;
 } Trainer;
 
