@@ -262,6 +262,11 @@ struct CudaCtx {
     // work after them (comm_done): see "NCCL communicators" below
     cudaStream_t comm_stream;
     cudaEvent_t compute_done, comm_done;
+    // uploads ahead of their step run on a stream of their own, after the work on
+    // `stream` before them (copy_start); the work after await_uploads waits for them
+    // (copy_done)
+    cudaStream_t copy_stream;
+    cudaEvent_t copy_start, copy_done;
     void *blas_workspace;  // (CUBLAS_WORKSPACE_BYTES) cuBLAS's, given with cublasSetWorkspace
     bool sync_each;        // SEGNET_CUDA_SYNC: synchronise and check after every launch
     int sm_major;          // compute capability (major): the tensor-core kernels need 8 or more
@@ -318,6 +323,9 @@ static Ops make_ops_cuda(void) {
     o.host_alloc = cuda_host_alloc;
     o.host_free = cuda_host_free;
     o.upload_async = cuda_upload_async;
+    o.upload_ahead = cuda_upload_ahead;
+    o.await_uploads = cuda_await_uploads;
+    o.copy_async = cuda_copy_async;
     o.capture_begin = cuda_capture_begin;
     o.capture_end = cuda_capture_end;
     o.replay = cuda_replay;
@@ -422,6 +430,9 @@ static int ctx_open(CudaCtx *ctx, int device, char *err) {
     cudaCheck(cudaStreamCreate(&ctx->comm_stream));
     cudaCheck(cudaEventCreateWithFlags(&ctx->compute_done, cudaEventDisableTiming));
     cudaCheck(cudaEventCreateWithFlags(&ctx->comm_done, cudaEventDisableTiming));
+    cudaCheck(cudaStreamCreate(&ctx->copy_stream));
+    cudaCheck(cudaEventCreateWithFlags(&ctx->copy_start, cudaEventDisableTiming));
+    cudaCheck(cudaEventCreateWithFlags(&ctx->copy_done, cudaEventDisableTiming));
     cublasCheck(cublasCreate(&ctx->blas));
     cublasCheck(cublasSetStream(ctx->blas, ctx->stream));
     const char *sync = getenv("SEGNET_CUDA_SYNC");

@@ -3154,8 +3154,15 @@ typedef struct {
     int n_ranges;
     size_t n_trainable;         // Σ counts: the size of each Adam moment
     // (N,H,W,3) the images on the device before they become the input: fp32 before the cast to
-    // the storage type (when that is not fp32), or bytes before widen_bytes
+    // the storage type (when that is not fp32), or bytes before widen_bytes; or a batch
+    // uploaded ahead: its wire, then its labels at stage_labels_offset
     void *stage;
+    // the next step's batch (run_pass), which this step uploads ahead when the backend can,
+    // or NULL
+    const struct MicroBatch *next;
+    const void *ahead_wire;     // the wire of the batch uploaded ahead into stage, or NULL
+    int ahead_n;                // its images
+    int64_t steps_ahead;        // the steps that found their batch uploaded ahead (tests)
     float *accum_images;        // host: accum × (N,H,W,3), micro-batches waiting for their step
     int32_t *accum_labels;      // host: accum × (N·H·W or N)
     int64_t total_steps;        // optimiser steps of the whole run (schedules)
@@ -3268,7 +3275,7 @@ static const float *loss_norm_weights(const TrainCfg *c) {
 // bytes, wire_bytes, or in the net's storage type), and then it and labels
 // lie in host_alloc memory that stays unchanged until the step returns: they
 // are uploaded from where they are, not staged.
-typedef struct {
+typedef struct MicroBatch {
     int n;
     const float *images;
     const int32_t *labels;
@@ -3283,10 +3290,18 @@ typedef struct {
 // menu's terms and the metrics of the batch in the net (score_batch), an evaluation
 // batch, and what the region terms exchange between replicas and micro-batches
 
-// Trainer.stage's size for input `in` stored as dtype: fp32 images before their cast, or
-// bytes before they widen (fp32 storage)
-static size_t image_stage_bytes(Shape in, DType dtype) {
-    return (dtype == DT_F32 ? 1 : sizeof(float)) * shape_numel(shape4(in.n, in.h, in.w, 3));
+// Trainer.stage: fp32 images before their cast, or bytes before they widen (fp32 storage);
+// with uploads ahead (`ahead`), also a batch's wire (at most the storage type's bytes) and
+// its `labels`, on a 16-byte boundary after it
+static size_t stage_labels_offset(Shape in, DType dtype) {
+    const size_t wire = dtype_size(dtype) * shape_numel(shape4(in.n, in.h, in.w, 3));
+    return (wire + SN_TENSOR_ALIGN - 1) / SN_TENSOR_ALIGN * SN_TENSOR_ALIGN;
+}
+static size_t stage_bytes(Shape in, DType dtype, size_t labels, int ahead) {
+    const size_t staged = (dtype == DT_F32 ? 1 : sizeof(float)) *
+                          shape_numel(shape4(in.n, in.h, in.w, 3)),
+                 uploaded = stage_labels_offset(in, dtype) + sizeof(int32_t) * labels;
+    return ahead && uploaded > staged ? uploaded : staged;
 }
 
 // A micro-batch without a wire into the host staging buffers (written while
@@ -3321,6 +3336,63 @@ static void upload_batch(Trainer *t, const MicroBatch *mb) {
     }
     o->upload_async(o, t->labels, mb->wire ? mb->labels : t->host_labels,
                     sizeof(int32_t) * (size_t)mb->n * t->per_image);
+}
+
+// ---- uploads ahead: while step j runs, the copy engine uploads batch j + 1 into
+// Trainer.stage (upload_ahead, ordered after step j's use of the stage); step j + 1
+// waits for it (await_uploads) and takes it into the net's input and labels from there.
+// The loader's buffers it was read from stay unchanged until step j + 1 returns.
+
+// Queues the upload of t->next (when the backend can, the batch has a wire, and there is
+// nothing queued ahead already)
+static void upload_next_ahead(Trainer *t) {
+    Ops *o = t->o;
+    const MicroBatch *next = t->next;
+    t->next = NULL;
+    if (!next || !next->wire || !next->n || !o->upload_ahead || t->ahead_wire) return;
+    const Shape in = t->g.tensors[t->g.input].shape;
+    const size_t values = (size_t)next->n * in.h * in.w * 3;
+    o->upload_ahead(o, t->stage, next->wire,
+                    next->wire_bytes ? values : dtype_size(t->net.dtype) * values);
+    o->upload_ahead(o, (char *)t->stage + stage_labels_offset(in, t->net.dtype), next->labels,
+                    sizeof(int32_t) * (size_t)next->n * t->per_image);
+    t->ahead_wire = next->wire;
+    t->ahead_n = next->n;
+}
+
+// What was queued ahead is done with: waited for (the stage free again, the loader's
+// buffers no longer read)
+static void drop_ahead(Trainer *t) {
+    if (!t->ahead_wire) return;
+    t->o->await_uploads(t->o);
+    t->o->synchronize(t->o);
+    t->ahead_wire = NULL;
+}
+
+// The step's first micro-batch into the net (queued): from the stage when it was uploaded
+// ahead, else uploaded now; then the next step's batch is uploaded ahead.
+static void batch_into_net(Trainer *t, const MicroBatch *mb, int k) {
+    Ops *o = t->o;
+    Net *net = &t->net;
+    if (t->ahead_wire && k == 1 && mb[0].wire == t->ahead_wire && mb[0].n == t->ahead_n) {
+        const Shape in = t->g.tensors[t->g.input].shape, images = shape4(mb[0].n, in.h, in.w, 3);
+        const Tensor input = tensor(net->act[t->g.input], images, net->dtype);
+        o->await_uploads(o);
+        if (mb[0].wire_bytes) o->widen_bytes(o, input, t->stage);
+        else o->copy_async(o, input.data, t->stage, dtype_size(net->dtype) * shape_numel(images));
+        o->copy_async(o, t->labels, (const char *)t->stage + stage_labels_offset(in, net->dtype),
+                      sizeof(int32_t) * (size_t)mb[0].n * t->per_image);
+        t->ahead_wire = NULL;
+        t->steps_ahead++;
+    } else {
+        if (t->ahead_wire) {  // another batch than the one uploaded ahead (not from run_pass)
+            o->await_uploads(o);
+            t->ahead_wire = NULL;
+        }
+        upload_batch(t, &mb[0]);
+    }
+    if (k == 1) upload_next_ahead(t);
+    t->next = NULL;
 }
 
 // Region terms with replicas exchange values every batch, a collective every
@@ -3577,7 +3649,7 @@ static int train_step(Trainer *t, const MicroBatch *mb, int k, PassTotals *pt) {
     stage_batch(t, &mb[0]);
     // the device's work from here on: the batch's upload, then the step
     const double queued = now_seconds();
-    upload_batch(t, &mb[0]);
+    batch_into_net(t, mb, k);
     // A record replays the same shapes: one full micro-batch (a smaller last
     // one runs op by op), no replicas (their collectives run on the host),
     // nothing timed per layer; the first one runs op by op (warmed).

@@ -725,6 +725,16 @@ struct Ops {
     // queued after the work before it; host_src (from host_alloc) is read when the
     // copy runs, so it must not change until the next download or synchronize
     void (*upload_async)(Ops *o, void *dst, const void *host_src, size_t bytes);
+    // Uploads ahead of the step that reads them, while the step before it runs.
+    // upload_ahead queues a copy on a queue of its own (the copy engine): after
+    // the work queued so far, beside the work queued after it. await_uploads: the
+    // work queued after it starts once every copy queued ahead before it has
+    // finished (host_src must not change until then, and a synchronize after it).
+    // copy_async: dst = src, both in the backend's memory, queued. NULL on a
+    // backend whose work runs as it is queued (the CPU): it uploads at the step.
+    void (*upload_ahead)(Ops *o, void *dst, const void *host_src, size_t bytes);
+    void (*await_uploads)(Ops *o);
+    void (*copy_async)(Ops *o, void *dst, const void *src, size_t bytes);
 
     // Recording the work of a step once and replaying it (CUDA graphs): between
     // capture_begin and capture_end the backend records what it is given

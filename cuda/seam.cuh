@@ -550,7 +550,11 @@ static void cuda_download(Ops *o, void *host_dst, const void *src, size_t bytes)
     cudaCheck(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(o)));
     cudaCheck(cudaStreamSynchronize(stream_of(o)));
 }
-static void cuda_synchronize(Ops *o) { cudaCheck(cudaStreamSynchronize(stream_of(o))); }
+static void cuda_synchronize(Ops *o) {
+    CudaCtx *x = ctx_of(o);
+    cudaCheck(cudaStreamSynchronize(x->stream));
+    cudaCheck(cudaStreamSynchronize(x->copy_stream));  // the uploads queued ahead, too
+}
 static void *cuda_host_alloc(Ops *o, size_t bytes) {
     ctx_of(o);
     void *p = NULL;
@@ -567,6 +571,20 @@ static void cuda_host_free(Ops *o, void *p) {
 }
 static void cuda_upload_async(Ops *o, void *dst, const void *pinned_src, size_t bytes) {
     cudaCheck(cudaMemcpyAsync(dst, pinned_src, bytes, cudaMemcpyHostToDevice, stream_of(o)));
+}
+static void cuda_upload_ahead(Ops *o, void *dst, const void *pinned_src, size_t bytes) {
+    CudaCtx *x = ctx_of(o);
+    cudaCheck(cudaEventRecord(x->copy_start, x->stream));
+    cudaCheck(cudaStreamWaitEvent(x->copy_stream, x->copy_start, 0));
+    cudaCheck(cudaMemcpyAsync(dst, pinned_src, bytes, cudaMemcpyHostToDevice, x->copy_stream));
+}
+static void cuda_await_uploads(Ops *o) {
+    CudaCtx *x = ctx_of(o);
+    cudaCheck(cudaEventRecord(x->copy_done, x->copy_stream));
+    cudaCheck(cudaStreamWaitEvent(x->stream, x->copy_done, 0));
+}
+static void cuda_copy_async(Ops *o, void *dst, const void *src, size_t bytes) {
+    cudaCheck(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_of(o)));
 }
 
 // A recorded step is a CUDA graph captured from the context's stream. Not

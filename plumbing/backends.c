@@ -17,6 +17,7 @@ static const struct {
 } OPS_ENTRIES[] = {
     OPS_ENTRY(alloc), OPS_ENTRY(free), OPS_ENTRY(upload), OPS_ENTRY(download),
     OPS_ENTRY(synchronize), OPS_ENTRY(host_alloc), OPS_ENTRY(host_free), OPS_ENTRY(upload_async),
+    OPS_OPTIONAL(upload_ahead), OPS_OPTIONAL(await_uploads), OPS_OPTIONAL(copy_async),
     OPS_OPTIONAL(capture_begin), OPS_OPTIONAL(capture_end), OPS_OPTIONAL(replay),
     OPS_OPTIONAL(record_free),
 #define OPS_COMPUTE_ENTRY(name) OPS_ENTRY(name),

@@ -1050,6 +1050,15 @@ const LoaderBatch *loader_next(Loader *l) {
     return out;
 }
 
+const LoaderBatch *loader_peek(Loader *l) {
+    const LoaderBatch *out = NULL;
+    pthread_mutex_lock(&l->mu);
+    const int b = l->next_out;
+    if (!l->err[0] && b < l->n_batches && l->built[b % l->depth] == b) out = &l->slots[b % l->depth];
+    pthread_mutex_unlock(&l->mu);
+    return out;
+}
+
 const char *loader_error(const Loader *l) { return l->err; }
 
 void loader_stop(Loader *l) {

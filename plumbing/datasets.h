@@ -136,6 +136,9 @@ Loader *loader_start(const Dataset *d, const int *order, int n_order, int batch,
 // last one or on an error (then loader_error gives it, and every later call
 // returns NULL). Blocks only while that batch is still being built.
 const LoaderBatch *loader_next(Loader *l);
+// The batch loader_next returns next, when it is built already, else NULL; it stays valid
+// (and unchanged) until the loader_next call after that one returns. Does not wait.
+const LoaderBatch *loader_peek(Loader *l);
 const char *loader_error(const Loader *l);  // "" if none
 void loader_stop(Loader *l);                // at any time: joins the workers, frees everything
 

@@ -541,7 +541,7 @@ static int trainer_open_on(Trainer *t, const TrainCfg *c, const char *train, con
     t->state = o->alloc(o, sizeof(StepState));
     t->nonfinite = o->alloc(o, sizeof(int32_t));
     const DType dtype = t->net.dtype;  // the storage type, from here on the net's
-    t->stage = o->alloc(o, image_stage_bytes(in, dtype));
+    t->stage = o->alloc(o, stage_bytes(in, dtype, labels, o->upload_ahead != NULL));
     if (!t->adam_m || !t->adam_v || !t->class_weights || !t->labels || !t->confusion || !t->args ||
         !t->state || !t->nonfinite || !t->stage) {
         snprintf(err, SN_ERR_MAX, "out of %s memory for the optimiser state", o->name);
@@ -938,7 +938,14 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
         // the epoch's last step (train_step clears it)
         t->measure_update = training && j + 1 == n_batches;
         if (training && c->accum == 1) {
+            // the next step's batch, when the loader has it ready, is uploaded during this step
+            const LoaderBatch *nb = j + 1 < n_batches ? loader_peek(L) : NULL;
+            const MicroBatch next = nb ? (MicroBatch){nb->n,           nb->images, nb->labels, 0,
+                                                      &nb->weight_sum, nb->wire,   nb->wire_bytes}
+                                       : (MicroBatch){0, NULL, NULL, 0, NULL, NULL, 0};
+            t->next = nb ? &next : NULL;
             step_rc = train_step(t, &shard, 1, pt);
+            t->next = NULL;
         } else if (training) {  // the loader reuses its buffers: keep copies until the step
             if (shard.n) {
                 memcpy(t->accum_images + pending * image_floats, shard.images,
@@ -985,6 +992,7 @@ static int run_pass(Trainer *t, const Dataset *d, int training, PassTotals *pt,
             if (R > 1) free(now.cm);
         }
     }
+    drop_ahead(t);  // before the loader's buffers go
     if (L) loader_stop(L);
     free(order); free(mine);
     if (stopped && rc == 0) {  // this replica's totals so far; where the pass goes on
@@ -3141,7 +3149,7 @@ static void memory_report(const Graph *g, const Plan *p, const TrainCfg *c, int 
             sizeof(StepArgs) + sizeof(StepState) +
             // the last: Trainer.nonfinite
             sizeof(uint64_t) * (size_t)g->n_layers + sizeof(int32_t);
-    m->io += image_stage_bytes(in, c->precision);
+    m->io += stage_bytes(in, c->precision, labels, o->upload_ahead != NULL);
     m->backend = o->context_bytes;
     m->driver = o->driver_bytes;
     m->total = m->params + m->grads + m->optimizer + m->statistics + m->activations + m->workspace +

@@ -339,9 +339,10 @@ static void cu_train_losses(const char *model, int hw, DType dt, Device device, 
 // Under the emulator also: which steps were replays (step 1 runs op by op,
 // loading every kernel before the capture; step 2 is recorded and replayed),
 // and each step waited for the device once (its one download).
-// wire: each batch comes as the loader hands it over (MicroBatch.wire), from
-// one of two places in turn (its ring): the even steps' whole images as bytes,
-// the odd steps' (which have fractions) in fp16, rounded on the host.
+// wire: each batch comes as the loader hands it over (MicroBatch.wire, in
+// host_alloc memory of its own): the even steps' whole images as bytes, the odd
+// steps' (which have fractions) in fp16, rounded on the host; and the next
+// step's batch is given to each step (Trainer.next) to upload ahead.
 static void cu_graph_run(int records, int wire, double *losses, float **params, float **moments,
                          float *scale, long long replays[5], long long *syncs) {
     TrainCfg c;
@@ -370,39 +371,42 @@ static void cu_graph_run(int records, int wire, double *losses, float **params, 
     Rng r;
     rng_seed(&r, 78);
     const int hw = 32, sizes[5] = {2, 2, 2, 1, 2};
-    float *images = malloc(sizeof(float) * 2 * hw * hw * 3);
-    int32_t *labels = malloc(sizeof(int32_t) * 2 * hw * hw);
+    const size_t values = 2 * hw * hw * 3, pixels = 2 * hw * hw;
+    float *images = malloc(sizeof(float) * 5 * values);
+    int32_t *labels = malloc(sizeof(int32_t) * 5 * pixels);
     int64_t cm[9];
-    const size_t values = 2 * hw * hw * 3;
-    void *ring[2][2];  // [slot]: the images as they travel (bytes or fp16), the labels
-    for (int k = 0; k < 2; k++) {
-        ring[k][0] = t.o->host_alloc(t.o, sizeof(uint16_t) * values);
-        ring[k][1] = t.o->host_alloc(t.o, sizeof(int32_t) * 2 * hw * hw);
+    MicroBatch mb[5];
+    void *wired[5][2];  // step s's images as they travel (bytes or fp16) and labels, host_alloc'd
+    for (int s = 0; s < 5; s++) {
+        float *x = images + s * values;
+        int32_t *y = labels + s * pixels;
+        random_batch(&r, sizes[s], hw, 3, x, y);
+        if (s % 2)
+            for (size_t i = 0; i < values; i++) x[i] += (float)(i % 7) / 7.0f;
+        mb[s] = (MicroBatch){sizes[s], x, y, 0, NULL, NULL, 0};
+        if (!wire) continue;
+        wired[s][0] = t.o->host_alloc(t.o, sizeof(uint16_t) * values);
+        wired[s][1] = t.o->host_alloc(t.o, sizeof(int32_t) * pixels);
+        const Tensor half = tensor(wired[s][0], shape4((int)values, 1, 1, 1), DT_F16);
+        for (size_t i = 0; i < values; i++) {
+            if (s % 2) st(half, i, x[i]);
+            else ((uint8_t *)wired[s][0])[i] = (uint8_t)x[i];
+        }
+        memcpy(wired[s][1], y, sizeof(int32_t) * pixels);
+        mb[s].wire = wired[s][0];
+        mb[s].wire_bytes = s % 2 == 0;
+        mb[s].labels = wired[s][1];
     }
 #if EMULATED_CUDA
     const long long s0 = cuemu_count("syncs");
 #endif
     for (int s = 0; s < 5; s++) {
-        random_batch(&r, sizes[s], hw, 3, images, labels);
-        if (s % 2)
-            for (size_t i = 0; i < values; i++) images[i] += (float)(i % 7) / 7.0f;
-        MicroBatch mb = {sizes[s], images, labels, 0, NULL, NULL, 0};
-        if (wire) {
-            const Tensor half = tensor(ring[s % 2][0], shape4((int)values, 1, 1, 1), DT_F16);
-            for (size_t i = 0; i < values; i++) {
-                if (s % 2) st(half, i, images[i]);
-                else ((uint8_t *)ring[s % 2][0])[i] = (uint8_t)images[i];
-            }
-            memcpy(ring[s % 2][1], labels, sizeof(int32_t) * 2 * hw * hw);
-            mb.wire = ring[s % 2][0];
-            mb.wire_bytes = s % 2 == 0;
-            mb.labels = ring[s % 2][1];
-        }
         PassTotals pt = {.cm = cm};
 #if EMULATED_CUDA
         const long long g0 = cuemu_count("graph_launches");
 #endif
-        CHECK(train_step(&t, &mb, 1, &pt) >= 0, "step %d failed", s + 1);
+        t.next = wire && s + 1 < 5 ? &mb[s + 1] : NULL;  // as run_pass gives it
+        CHECK(train_step(&t, &mb[s], 1, &pt) >= 0, "step %d failed", s + 1);
         losses[s] = pt.loss_sum / pt.norm_sum;
 #if EMULATED_CUDA
         replays[s] = cuemu_count("graph_launches") - g0;
@@ -410,6 +414,9 @@ static void cu_graph_run(int records, int wire, double *losses, float **params, 
         replays[s] = -1;
 #endif
     }
+    // steps 2 to 5 found their batch uploaded ahead where the backend can
+    CHECK(t.steps_ahead == (wire && t.o->upload_ahead ? 4 : 0), "%lld steps took their batch "
+          "uploaded ahead", (long long)t.steps_ahead);
 #if EMULATED_CUDA
     *syncs = cuemu_count("syncs") - s0;
 #else
@@ -421,9 +428,9 @@ static void cu_graph_run(int records, int wire, double *losses, float **params, 
     t.o->download(t.o, *moments, t.adam_m, sizeof(float) * t.n_trainable);
     t.o->download(t.o, *moments + t.n_trainable, t.adam_v, sizeof(float) * t.n_trainable);
     *scale = t.loss_scale;
-    for (int k = 0; k < 2; k++) {
-        t.o->host_free(t.o, ring[k][0]);
-        t.o->host_free(t.o, ring[k][1]);
+    for (int s = 0; s < 5 && wire; s++) {
+        t.o->host_free(t.o, wired[s][0]);
+        t.o->host_free(t.o, wired[s][1]);
     }
     free(images); free(labels);
     trainer_close(&t);
