@@ -1054,7 +1054,8 @@ const LoaderBatch *loader_peek(Loader *l) {
     const LoaderBatch *out = NULL;
     pthread_mutex_lock(&l->mu);
     const int b = l->next_out;
-    if (!l->err[0] && b < l->n_batches && l->built[b % l->depth] == b) out = &l->slots[b % l->depth];
+    if (!l->err[0] && b < l->n_batches && l->built[b % l->depth] == b)
+        out = &l->slots[b % l->depth];
     pthread_mutex_unlock(&l->mu);
     return out;
 }
