@@ -598,17 +598,27 @@ static void direct_conv_row(const DirectConv *chunk, int n, int oy, int co0) {
 }
 
 static int conv_pad_to_vl(int c) { return (c + CONV_VL - 1) / CONV_VL * CONV_VL; }
-static int conv_is_direct(const ConvCfg *cfg) { return cfg->groups == 1 && cfg->kh * cfg->kw > 1; }
+// A dense k×k conv with many input channels goes through im2col + GEMM instead
+// (OpenBLAS's cache-blocked kernels, K = kh·kw·Cin ≥ 576), all three passes.
+// Measured on a 2-core AMD EPYC (AVX2), farm-bench pairs, median wall ratios of
+// whole `segnet bench` runs: unet-64 0.85 (forward and data gradient) and then
+// 0.88 (weight gradient), unet 256×256 0.60, effv2-s 0.99; at 32 channels
+// unet 256×256 is 1.08 against 64.
+#define CONV_GEMM_MIN_CIN 64
+static int conv_is_direct(const ConvCfg *cfg) {
+    return cfg->groups == 1 && cfg->kh * cfg->kw > 1 && cfg->cin < CONV_GEMM_MIN_CIN;
+}
 // The gradients' vectors run over input channels: with fewer than a vector's
 // worth (an RGB stem) most lanes would idle, and im2col + GEMM is faster. The
-// weight gradient of a dense 1×1 conv takes the direct path too: a GEMM per
-// image (its fp64 sum image by image) is slow for the small images of the
-// late stages, where K = H·W is a few hundred.
+// weight gradient of a dense 1×1 conv takes the direct path too, whatever its
+// channels: a GEMM per image (its fp64 sum image by image) is slow for the
+// small images of the late stages, where K = H·W is a few hundred.
 static int conv_direct_grad_data(const ConvCfg *cfg) {
     return conv_is_direct(cfg) && cfg->cin >= CONV_VL && cfg->stride == 1;
 }
 static int conv_direct_grad_weight(const ConvCfg *cfg) {
-    return cfg->groups == 1 && cfg->cin >= CONV_VL;
+    return cfg->groups == 1 && cfg->cin >= CONV_VL &&
+           (cfg->kh * cfg->kw == 1 || cfg->cin < CONV_GEMM_MIN_CIN);
 }
 // The direct paths pad a chunk of images at a time: as many as fit in
 // conv_chunk_floats, at least one. Small images (a U-Net's deep levels) then

@@ -1238,9 +1238,10 @@ TEST(conv_padding_by_hand) {
 }
 
 // The direct k×k paths (register-blocked, no im2col) against im2col + GEMM on
-// shapes that take them (input channels >= a vector), with row and channel
-// tails, strides 1 and 2, both paddings, accumulate, bias, 16-bit storage;
-// all images padded at once, one by one, and two at a time (conv_chunk_floats).
+// shapes that take them (input channels from a vector to below CONV_GEMM_MIN_CIN),
+// with row and channel tails, strides 1 and 2, both paddings, accumulate, bias,
+// 16-bit storage; all images padded at once, one by one, and two at a time
+// (conv_chunk_floats).
 // Both sum the same fp32 products in different orders (forward and data
 // gradient: kh·kw·C terms; weight gradient: N·OH·OW terms, the direct path
 // partly in fp64): 1e-5 of the largest value is far above that rounding
@@ -1259,6 +1260,16 @@ TEST(conv_direct_vs_gemm) {
         {{2, 5, 6, CONV_VL}, 100, 1, 1, PAD_SAME, 1},
         {{1, 7, 3, 5 * CONV_VL + 3}, CONV_VL + 1, 1, 1, PAD_SAME, 0},
     };
+    // from CONV_GEMM_MIN_CIN input channels a k×k conv takes im2col + GEMM in every pass, a 1×1
+    // conv's weight gradient stays direct
+    const ConvCfg wide = {CONV_GEMM_MIN_CIN, 8, 3, 3, 1, 1, PAD_SAME, 0},
+                  narrow = {CONV_GEMM_MIN_CIN - 1, 8, 3, 3, 1, 1, PAD_SAME, 0},
+                  wide1x1 = {CONV_GEMM_MIN_CIN, 8, 1, 1, 1, 1, PAD_SAME, 0};
+    CHECK(!conv_is_direct(&wide) && !conv_direct_grad_data(&wide) &&
+                  !conv_direct_grad_weight(&wide) && conv_is_direct(&narrow) &&
+                  conv_direct_grad_data(&narrow) && conv_direct_grad_weight(&narrow) &&
+                  conv_direct_grad_weight(&wide1x1),
+          "the paths chosen at %d input channels", CONV_GEMM_MIN_CIN);
     Rng rng; rng_seed(&rng, 123);
     double worst[3] = {0};
     const size_t chunk_floats = conv_chunk_floats;
