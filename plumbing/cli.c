@@ -643,6 +643,41 @@ static int parse_train_args(TrainArgs *a, int argc, char **argv, const char *cmd
     return 0;
 }
 
+// ---- BLAS kernels as wide as the CPU's vectors
+//
+// Debian's OpenBLAS (built for every x86-64 core) picks its kernels when it
+// loads, from the CPU's family and model numbers. A model it does not know
+// gets its oldest x86-64 kernels ("Prescott", SSE3): 0.3.21 on a virtual
+// Xeon of model 207 (Emerald Rapids, AVX-512) did, and make bench's unet-64
+// step took 4x as long as with the AVX-512 kernels ("SkylakeX"). OpenBLAS
+// reads OPENBLAS_CORETYPE in a constructor, as libgomp reads its variables,
+// so when the user did not set it and OpenBLAS chose kernels narrower than
+// the CPU's vectors, segnet names the matching ones in the same restart.
+static int name_in(const char *name, const char *const *names) {
+    for (; *names; names++)
+        if (!strcasecmp(name, *names)) return 1;
+    return 0;
+}
+
+// the OpenBLAS core to name instead of `chosen` on this CPU, or NULL when
+// `chosen` is as wide as its vectors
+static const char *blas_core_for_cpu(const char *chosen) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    static const char *const AVX512[] = {"SkylakeX", "Cooperlake", "SapphireRapids", NULL};
+    static const char *const AVX2[] = {"Haswell", "Zen",        "SkylakeX",
+                                       "Cooperlake", "SapphireRapids", NULL};
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+        return name_in(chosen, AVX512) ? NULL : AVX512[0];
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return name_in(chosen, AVX2) ? NULL : AVX2[0];
+#else
+    (void)chosen;
+#endif
+    return NULL;
+}
+
 #ifndef TESTING
 
 static const char *USAGE =
@@ -1718,10 +1753,14 @@ static int cmd_info(void) {
     printf("mpi: no (built without MPI)\n");
 #endif
     printf("blas: %s\n", openblas_get_config());
+    // the kernels OpenBLAS runs (main's environment_default may have named them)
+    const char *core_env = getenv("OPENBLAS_CORETYPE");
+    printf("blas_core: %s%s%s%s\n", openblas_get_corename(), core_env ? " (OPENBLAS_CORETYPE=" : "",
+           core_env ? core_env : "", core_env ? ")" : "");
     printf("blas_threads: %d\n", openblas_get_num_threads());
 #ifdef _OPENMP
     printf("openmp_threads: %d\n", omp_get_max_threads());
-    // as libgomp read it at start-up (main's wait_policy_default sets GOMP_SPINCOUNT)
+    // as libgomp read it at start-up (main's environment_default sets GOMP_SPINCOUNT)
     const char *policy = getenv("OMP_WAIT_POLICY"), *spin = getenv("GOMP_SPINCOUNT");
     if (policy) printf("openmp_wait_policy: %s (OMP_WAIT_POLICY)\n", policy);
     else if (spin) printf("openmp_wait_policy: spin %s times, then sleep (GOMP_SPINCOUNT)\n", spin);
@@ -2017,19 +2056,26 @@ static int cmd_plan(int argc, char **argv) {
 // OMP_WAIT_POLICY, segnet sets SEGNET_SPINCOUNT and starts itself again (a few
 // milliseconds).
 #define SEGNET_SPINCOUNT "10000"
-static void wait_policy_default(char **argv) {
+
+// sets what the runtimes read before main and starts again when it set any
+static void environment_default(char **argv) {
+    int spin = 0, core = 0;
 #ifdef _OPENMP
-    if (getenv("OMP_WAIT_POLICY") || getenv("GOMP_SPINCOUNT")) return;
-    if (setenv("GOMP_SPINCOUNT", SEGNET_SPINCOUNT, 0) != 0) return;
-    execv("/proc/self/exe", argv);
-    unsetenv("GOMP_SPINCOUNT");  // no /proc: run on as started
-#else
-    (void)argv;
+    if (!getenv("OMP_WAIT_POLICY") && !getenv("GOMP_SPINCOUNT"))
+        spin = setenv("GOMP_SPINCOUNT", SEGNET_SPINCOUNT, 0) == 0;
 #endif
+    const char *chosen = openblas_get_corename();
+    const char *blas_core =
+        getenv("OPENBLAS_CORETYPE") || !chosen ? NULL : blas_core_for_cpu(chosen);
+    if (blas_core) core = setenv("OPENBLAS_CORETYPE", blas_core, 0) == 0;
+    if (!spin && !core) return;
+    execv("/proc/self/exe", argv);
+    if (spin) unsetenv("GOMP_SPINCOUNT");  // no /proc: run on as started
+    if (core) unsetenv("OPENBLAS_CORETYPE");
 }
 
 int main(int argc, char **argv) {
-    wait_policy_default(argv);
+    environment_default(argv);
     // each report line when it happens, in a log too (a file is block-buffered)
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (argc < 2 || !strcmp(argv[1], "help") || !strcmp(argv[1], "--help") ||

@@ -198,6 +198,29 @@ TEST(threads_sleep_when_waiting) {
 }
 #endif
 
+// ./segnet's BLAS runs kernels as wide as the CPU's vectors (cli.c's
+// blas_core_for_cpu: a CPU model OpenBLAS does not know gets its SSE3 ones),
+// unless the user named others; the core in use is `segnet info`'s report.
+TEST(blas_kernels_as_wide_as_the_cpu) {
+    char msg[4096], core[64] = "";
+    int rc = run_shell("env -u OPENBLAS_CORETYPE ./segnet info | sed -n 's/^blas_core: //p'", msg,
+                       sizeof msg);
+    size_t n;
+    char *out = read_file("/tmp/segnet_test_out.txt", &n);
+    CHECK(rc == 0 && out && sscanf(out, "%63s", core) == 1,
+          "segnet info printed no blas_core line: %.600s", msg);
+    free(out);
+    const char *wider = blas_core_for_cpu(core);
+    CHECK(!wider, "OpenBLAS runs %s kernels where this CPU runs %s ones", core, wider);
+    rc = run_shell("OPENBLAS_CORETYPE=Prescott ./segnet info | grep -q "
+                   "'^blas_core: Prescott (OPENBLAS_CORETYPE=Prescott)$'",
+                   msg, sizeof msg);
+#if defined(__x86_64__)
+    CHECK(rc == 0, "with OPENBLAS_CORETYPE=Prescott segnet info should report Prescott: %.600s",
+          msg);
+#endif
+}
+
 // Reductions give bit-identical results for any thread count (needed for
 // recompute ≡ store and replicas ≡ one device).
 
