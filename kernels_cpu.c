@@ -599,12 +599,19 @@ static void direct_conv_row(const DirectConv *chunk, int n, int oy, int co0) {
 
 static int conv_pad_to_vl(int c) { return (c + CONV_VL - 1) / CONV_VL * CONV_VL; }
 // A dense k×k conv with many input channels goes through im2col + GEMM instead
-// (OpenBLAS's cache-blocked kernels, K = kh·kw·Cin ≥ 576), all three passes.
-// Measured on a 2-core AMD EPYC (AVX2), farm-bench pairs, median wall ratios of
-// whole `segnet bench` runs: unet-64 0.85 (forward and data gradient) and then
-// 0.88 (weight gradient), unet 256×256 0.60, effv2-s 0.99; at 32 channels
-// unet 256×256 is 1.08 against 64.
-#define CONV_GEMM_MIN_CIN 64
+// (OpenBLAS's cache-blocked kernels), all three passes: from 8 vectors of input
+// channels, as measured for each vector width in paired whole `segnet bench`
+// runs, median ratios of the step time:
+// - AVX2 (2-core AMD EPYC, farm-bench): GEMM from 64 channels against direct,
+//   unet-64 0.85 (forward and data gradient) and then 0.88 (weight gradient),
+//   unet 256×256 0.60, effv2-s 0.99; from 32, unet 256×256 1.08 against 64;
+// - AVX-512 (2-core virtual Xeon, model 207): from 128 against from 64, unet-64
+//   0.89 (0.78-0.92, 3 pairs), unet 256×256 0.75 (0.73-0.77, 2), effv2-s 1.00
+//   (0.97-1.23, 4), effv2-l 0.96 (0.87-1.06, 2); everything direct, unet 256×256
+//   1.11 against 128;
+// - SSE2 (NO_NATIVE=1, the same Xeon): from 32 against from 64, unet-64 0.96
+//   (0.81-0.98, 3), unet 256×256 0.94 (0.92-0.95, 2).
+#define CONV_GEMM_MIN_CIN (8 * CONV_VL)
 static int conv_is_direct(const ConvCfg *cfg) {
     return cfg->groups == 1 && cfg->kh * cfg->kw > 1 && cfg->cin < CONV_GEMM_MIN_CIN;
 }
