@@ -678,6 +678,16 @@ static const char *blas_core_for_cpu(const char *chosen) {
     return NULL;
 }
 
+// Sets OPENBLAS_CORETYPE when the user did not and OpenBLAS's choice is narrower
+// than the CPU (for the next start: the caller starts again); 1 if it did. The
+// tests' program does the same, so that a run in it and one of ./segnet give
+// the same bits.
+static int blas_core_default(void) {
+    const char *chosen = openblas_get_corename();
+    const char *core = getenv("OPENBLAS_CORETYPE") || !chosen ? NULL : blas_core_for_cpu(chosen);
+    return core && setenv("OPENBLAS_CORETYPE", core, 0) == 0;
+}
+
 #ifndef TESTING
 
 static const char *USAGE =
@@ -2064,10 +2074,7 @@ static void environment_default(char **argv) {
     if (!getenv("OMP_WAIT_POLICY") && !getenv("GOMP_SPINCOUNT"))
         spin = setenv("GOMP_SPINCOUNT", SEGNET_SPINCOUNT, 0) == 0;
 #endif
-    const char *chosen = openblas_get_corename();
-    const char *blas_core =
-        getenv("OPENBLAS_CORETYPE") || !chosen ? NULL : blas_core_for_cpu(chosen);
-    if (blas_core) core = setenv("OPENBLAS_CORETYPE", blas_core, 0) == 0;
+    core = blas_core_default();
     if (!spin && !core) return;
     execv("/proc/self/exe", argv);
     if (spin) unsetenv("GOMP_SPINCOUNT");  // no /proc: run on as started
