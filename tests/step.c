@@ -216,8 +216,10 @@ TEST(blas_kernels_as_wide_as_the_cpu) {
                    "'^blas_core: Prescott (OPENBLAS_CORETYPE=Prescott)$'",
                    msg, sizeof msg);
 #if defined(__x86_64__)
-    CHECK(rc == 0, "with OPENBLAS_CORETYPE=Prescott segnet info should report Prescott: %.600s",
-          msg);
+    // (an OpenBLAS built for one core, not DYNAMIC_ARCH, has no others to name)
+    if (strstr(openblas_get_config(), "DYNAMIC_ARCH"))
+        CHECK(rc == 0, "with OPENBLAS_CORETYPE=Prescott segnet info should report Prescott: %.600s",
+              msg);
 #endif
 }
 
