@@ -1765,8 +1765,9 @@ static int cmd_info(void) {
     printf("blas: %s\n", openblas_get_config());
     // the kernels OpenBLAS runs (main's environment_default may have named them)
     const char *core_env = getenv("OPENBLAS_CORETYPE");
-    printf("blas_core: %s%s%s%s\n", openblas_get_corename(), core_env ? " (OPENBLAS_CORETYPE=" : "",
-           core_env ? core_env : "", core_env ? ")" : "");
+    printf("blas_core: %s", openblas_get_corename());
+    if (core_env) printf(" (OPENBLAS_CORETYPE=%s)", core_env);
+    printf("\n");
     printf("blas_threads: %d\n", openblas_get_num_threads());
 #ifdef _OPENMP
     printf("openmp_threads: %d\n", omp_get_max_threads());
