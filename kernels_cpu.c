@@ -437,26 +437,33 @@ static void depthwise_backward_weight_f32(const ConvCfg *cfg, const ConvGeom *q,
 // the data gradient, without im2col. The input is copied once per image into
 // a zero-padded fp32 image xp (Hp,Wp,C), so the inner loops have no bounds
 // checks and any storage type is read once; then for a tile of R output
-// pixels along a row and V vectors of VL output channels, the R·V sums
-//   acc[r][v] = Σ_{ky,kx,ci} xp[oy·s + ky][(ox0 + r)·s + kx][ci] · wt[ky][kx][ci][co0 + v·VL ..]
-// stay in vector registers while the (ky,kx,ci) loop streams the input row
+// pixels (oy_r, ox_r) and V vectors of VL output channels, the R·V sums
+//   acc[r][v] = Σ_{ky,kx,ci} xp[oy_r·s + ky][ox_r·s + kx][ci] · wt[ky][kx][ci][co0 + v·VL ..]
+// stay in vector registers while the (ky,kx,ci) loop streams the input rows
 // and the weights repacked as wt[ky][kx][ci][Cop] (output channels contiguous,
-// padded to Cop, a multiple of VL, with zeros). That is the register blocking
-// a GEMM micro-kernel does, on the image itself.
+// padded to Cop, a multiple of VL, with zeros), stored block by block of
+// channels (direct_weight_at). That is the register blocking a GEMM
+// micro-kernel does, on the image itself.
 // The data gradient of a stride-1 conv is the same sum over dout padded by
 // (k - 1 - pad) with the weights flipped and transposed:
 //   din[iy][ix][ci] = Σ_{ky',kx',co} dpad[iy + ky'][ix + kx'][co] · w[co][kh-1-ky'][kw-1-kx'][ci]
+// At most CONV_VMAX vectors of channels per tile: 4 with 32 registers (6
+// pixels, 24 sums), 2 with 16 (6 pixels, 12 sums). With 16 registers 4
+// vectors leave room for 2 pixels: 8 FMAs for 6 loads, where 2 vectors make 12
+// for 8.
 #if defined(__AVX512F__)
 #define CONV_VL 16                      // fp32 lanes per vector register
 #define CONV_REGS 32                    // vector registers
+#define CONV_VMAX 4
 #elif defined(__AVX__)
 #define CONV_VL 8
 #define CONV_REGS 16
+#define CONV_VMAX 2
 #else                                   // SSE2 (every x86-64), NEON: 128-bit vectors
 #define CONV_VL 4
 #define CONV_REGS 16
+#define CONV_VMAX 2
 #endif
-#define CONV_VMAX 4                     // output-channel vectors per tile
 #define CONV_RMAX 12                    // output pixels per tile
 typedef float vfloat __attribute__((vector_size(CONV_VL * sizeof(float))));
 static inline vfloat vload(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
@@ -477,7 +484,7 @@ static inline int conv_tile_pixels(int V) {
 // into tiles of 8, 4, 2 and 1. Each tile function (direct_conv_tile,
 // direct_dw_tile) is written once, always inlined, with R and V as
 // arguments; CONV_TILE_SHAPES compiles it once per shape (R, V) with both
-// constant, as a function of its own, and CONV_TILE_TABLE lists those 20 by
+// constant, as a function of its own, and CONV_TILE_TABLE lists those (20 or 10) by
 // [V][kind]. In one function the compiler allocated all shapes' accumulators
 // together and kept some of them on the stack (half speed).
 enum { CONV_TILE_FULL, CONV_TILE_8, CONV_TILE_4, CONV_TILE_2, CONV_TILE_1, CONV_TILE_KINDS };
@@ -485,15 +492,21 @@ enum { CONV_TILE_FULL, CONV_TILE_8, CONV_TILE_4, CONV_TILE_2, CONV_TILE_1, CONV_
 #define CONV_TILE_SHAPES(define, prefix, V)                                               \
     define(prefix##_full##V, conv_tile_pixels(V), V) define(prefix##_8x##V, 8, V)          \
     define(prefix##_4x##V, 4, V) define(prefix##_2x##V, 2, V) define(prefix##_1x##V, 1, V)
+#define CONV_TILE_KINDS_OF(prefix, V)                                                     \
+    {prefix##_full##V, prefix##_8x##V, prefix##_4x##V, prefix##_2x##V, prefix##_1x##V}
+#if CONV_VMAX == 4
 #define CONV_TILE_ALL(define, prefix)                                                     \
     CONV_TILE_SHAPES(define, prefix, 1) CONV_TILE_SHAPES(define, prefix, 2)                \
     CONV_TILE_SHAPES(define, prefix, 3) CONV_TILE_SHAPES(define, prefix, 4)
 #define CONV_TILE_TABLE(prefix)                                                           \
-    {{NULL},                                                                              \
-     {prefix##_full1, prefix##_8x1, prefix##_4x1, prefix##_2x1, prefix##_1x1},            \
-     {prefix##_full2, prefix##_8x2, prefix##_4x2, prefix##_2x2, prefix##_1x2},            \
-     {prefix##_full3, prefix##_8x3, prefix##_4x3, prefix##_2x3, prefix##_1x3},            \
-     {prefix##_full4, prefix##_8x4, prefix##_4x4, prefix##_2x4, prefix##_1x4}}
+    {{NULL}, CONV_TILE_KINDS_OF(prefix, 1), CONV_TILE_KINDS_OF(prefix, 2),                 \
+     CONV_TILE_KINDS_OF(prefix, 3), CONV_TILE_KINDS_OF(prefix, 4)}
+#else
+#define CONV_TILE_ALL(define, prefix)                                                     \
+    CONV_TILE_SHAPES(define, prefix, 1) CONV_TILE_SHAPES(define, prefix, 2)
+#define CONV_TILE_TABLE(prefix)                                                           \
+    {{NULL}, CONV_TILE_KINDS_OF(prefix, 1), CONV_TILE_KINDS_OF(prefix, 2)}
+#endif
 // the R·V tiles along [from, to) (pixels of a row, or output channels)
 #define CONV_TILE_ROW(tiles, V, from, to, call)                                           \
     do {                                                                                  \
@@ -506,10 +519,21 @@ enum { CONV_TILE_FULL, CONV_TILE_8, CONV_TILE_4, CONV_TILE_2, CONV_TILE_1, CONV_
         if (at_ < (to)) call((tiles)[CONV_TILE_1], at_);                                  \
     } while (0)
 
+// Element (kc, co) of the repacked weights wt[kc][Cop], kc = (ky·kw + kx)·C + ci:
+// a block of output channels from co0 = b·CONV_VMAX·CONV_VL, bw wide (the last
+// one narrower), is [KC][bw] at wt + KC·co0, so that a tile, which takes one
+// block, reads its weights in order (with [KC][Cop] rows of 256 or 512
+// channels, it read 4 cache lines every 1 or 2 KiB).
+static inline size_t direct_weight_at(int KC, int Cop, int kc, int co) {
+    const int block = CONV_VMAX * CONV_VL, co0 = co / block * block;
+    const int bw = Cop - co0 < block ? Cop - co0 : block;
+    return (size_t)KC * co0 + (size_t)kc * bw + (co - co0);
+}
+
 typedef struct {
     const float *xp;      // (Hp,Wp,C) padded input of one image (the first of a chunk)
     int Wp, C, s, kh, kw;
-    const float *wt;      // [kh][kw][C][Cop]
+    const float *wt;      // [kh][kw][C][Cop] by blocks of channels (direct_weight_at)
     int Cop;
     const float *bias;    // (Cout) or NULL
     Tensor out;           // (N,OH,OW,Cout)
@@ -519,8 +543,14 @@ typedef struct {
     size_t xp_image, out_stride;
 } DirectConv;
 
+// The R pixels of a tile are R consecutive output pixels p0 .. p0 + R - 1 of
+// the image in row-major order, which may run from one row into the next: a
+// small image (the deep levels of a U-Net, 8×8 or 4×4) is one run of whole
+// tiles instead of rows too short for one. Pixel p reads its receptive field
+// from the padded input at
+//   at(p) = (p / OW)·s·Wp·C + (p % OW)·s·C,  then + ky·Wp·C + kx·C + ci.
 static inline __attribute__((always_inline)) void
-direct_conv_tile(const DirectConv *d, int R, int V, int oy, int ox0, int co0) {
+direct_conv_tile(const DirectConv *d, int R, int V, int p0, int co0) {
     // fixed sizes: indexed by constants once unrolled, so kept in registers
     vfloat acc[CONV_RMAX][CONV_VMAX];
     #pragma GCC unroll 12
@@ -528,19 +558,23 @@ direct_conv_tile(const DirectConv *d, int R, int V, int oy, int ox0, int co0) {
         #pragma GCC unroll 4
         for (int v = 0; v < V; v++) acc[r][v] = (vfloat){0};
     const size_t row = (size_t)d->Wp * d->C;
+    const int bw = d->Cop - co0 < CONV_VMAX * CONV_VL ? d->Cop - co0 : CONV_VMAX * CONV_VL;
+    size_t at[CONV_RMAX];
+    #pragma GCC unroll 12
+    for (int r = 0; r < R; r++)
+        at[r] = (size_t)((p0 + r) / d->OW) * d->s * row + (size_t)((p0 + r) % d->OW) * d->s * d->C;
     for (int ky = 0; ky < d->kh; ky++)
         for (int kx = 0; kx < d->kw; kx++) {
-            const float *xr =
-                    d->xp + (size_t)(oy * d->s + ky) * row + ((size_t)ox0 * d->s + kx) * d->C;
-            const float *wr = d->wt + (size_t)(ky * d->kw + kx) * d->C * d->Cop + co0;
-            const size_t xstep = (size_t)d->s * d->C;
+            const float *xr = d->xp + (size_t)ky * row + (size_t)kx * d->C;
+            const float *wr = d->wt + (size_t)d->kh * d->kw * d->C * co0 +
+                              (size_t)(ky * d->kw + kx) * d->C * bw;
             for (int ci = 0; ci < d->C; ci++) {
                 vfloat wv[CONV_VMAX];
                 #pragma GCC unroll 4
-                for (int v = 0; v < V; v++) wv[v] = vload(wr + (size_t)ci * d->Cop + v * CONV_VL);
+                for (int v = 0; v < V; v++) wv[v] = vload(wr + (size_t)ci * bw + v * CONV_VL);
                 #pragma GCC unroll 12
                 for (int r = 0; r < R; r++) {
-                    vfloat b = vsplat(xr[r * xstep + ci]);
+                    vfloat b = vsplat(xr[at[r] + ci]);
                     #pragma GCC unroll 4
                     for (int v = 0; v < V; v++) acc[r][v] += b * wv[v];
                 }
@@ -550,7 +584,7 @@ direct_conv_tile(const DirectConv *d, int R, int V, int oy, int ox0, int co0) {
     if (d->out.dtype == DT_F32 && nc == V * CONV_VL) {
         // whole fp32 vectors from the registers: the same sums as the run below, (acc + bias)
         // (+ out), without a call to memcpy per pixel (15% of a small U-Net's step)
-        float *o = (float *)d->out.data + d->out_image + ((size_t)oy * d->OW + ox0) * d->Cout + co0;
+        float *o = (float *)d->out.data + d->out_image + (size_t)p0 * d->Cout + co0;
         #pragma GCC unroll 12
         for (int r = 0; r < R; r++)
             #pragma GCC unroll 4
@@ -569,63 +603,91 @@ direct_conv_tile(const DirectConv *d, int R, int V, int oy, int ox0, int co0) {
         #pragma GCC unroll 4
         for (int v = 0; v < V; v++) vstore(tile + v * CONV_VL, acc[r][v]);
         if (d->bias) for (int j = 0; j < nc; j++) tile[j] += d->bias[co0 + j];
-        st_run(d->out, d->out_image + ((size_t)oy * d->OW + ox0 + r) * d->Cout + co0, tile,
+        st_run(d->out, d->out_image + ((size_t)p0 + r) * d->Cout + co0, tile,
                (size_t)nc, d->accumulate);
     }
 }
 
 // direct_conv_tile with (R, V) constant: direct_conv_tile_full1 .. direct_conv_tile_1x4
-typedef void (*DirectConvTile)(const DirectConv *d, int oy, int ox0, int co0);
+typedef void (*DirectConvTile)(const DirectConv *d, int p0, int co0);
 #define DIRECT_CONV_TILE(name, R, V)                                                      \
-    static __attribute__((noinline)) void name(const DirectConv *d, int oy, int ox0,      \
-                                               int co0) {                                 \
-        direct_conv_tile(d, R, V, oy, ox0, co0);                                          \
+    static __attribute__((noinline)) void name(const DirectConv *d, int p0, int co0) {    \
+        direct_conv_tile(d, R, V, p0, co0);                                               \
     }
 CONV_TILE_ALL(DIRECT_CONV_TILE, direct_conv_tile)
 static const DirectConvTile direct_conv_tiles[CONV_VMAX + 1][CONV_TILE_KINDS] =
         CONV_TILE_TABLE(direct_conv_tile);
 
-// row oy of the chunk's image n, output channels co0 .. co0 + CONV_VMAX·CONV_VL - 1
-static void direct_conv_row(const DirectConv *chunk, int n, int oy, int co0) {
+// A work item's output pixels: whole rows, at least DIRECT_RUN_PIXELS of them
+// (a row of 64 or more; 2 rows of 32, ...; a whole 8×8 or 4×4 image), so that
+// short rows make whole tiles.
+#define DIRECT_RUN_PIXELS 64
+static int direct_run_rows(int OH, int OW) {
+    const int rows = (DIRECT_RUN_PIXELS + OW - 1) / OW;
+    return rows < OH ? rows : OH;
+}
+
+// output pixels [p_from, p_to) of the chunk's image n, output channels co0 .. co0 + CONV_VMAX·CONV_VL - 1
+static void direct_conv_run(const DirectConv *chunk, int n, int p_from, int p_to, int co0) {
     DirectConv image = *chunk;
     image.xp += (size_t)n * chunk->xp_image;
     image.out_image += (size_t)n * chunk->out_stride;
     int V = (chunk->Cout - co0 + CONV_VL - 1) / CONV_VL;
     if (V > CONV_VMAX) V = CONV_VMAX;
-#define CONV_TILE_AT(tile, ox) (tile)(&image, oy, ox, co0)
-    CONV_TILE_ROW(direct_conv_tiles[V], V, 0, image.OW, CONV_TILE_AT);
+#define CONV_TILE_AT(tile, p) (tile)(&image, p, co0)
+    CONV_TILE_ROW(direct_conv_tiles[V], V, p_from, p_to, CONV_TILE_AT);
 #undef CONV_TILE_AT
 }
 
 static int conv_pad_to_vl(int c) { return (c + CONV_VL - 1) / CONV_VL * CONV_VL; }
-// A dense k×k conv with many input channels goes through im2col + GEMM instead
-// (OpenBLAS's cache-blocked kernels), all three passes: from 8 vectors of input
-// channels, as measured for each vector width in paired whole `segnet bench`
-// runs, median ratios of the step time:
-// - AVX2 (2-core AMD EPYC, farm-bench): GEMM from 64 channels against direct,
-//   unet-64 0.85 (forward and data gradient) and then 0.88 (weight gradient),
-//   unet 256×256 0.60, effv2-s 0.99; from 32, unet 256×256 1.08 against 64;
-// - AVX-512 (2-core virtual Xeon, model 207): from 128 against from 64, unet-64
-//   0.89 (0.78-0.92, 3 pairs), unet 256×256 0.75 (0.73-0.77, 2), effv2-s 1.00
-//   (0.97-1.23, 4), effv2-l 0.96 (0.87-1.06, 2); everything direct, unet 256×256
-//   1.11 against 128;
-// - SSE2 (NO_NATIVE=1, the same Xeon): from 32 against from 64, unet-64 0.96
-//   (0.81-0.98, 3), unet 256×256 0.94 (0.92-0.95, 2).
+// Which path a dense k×k conv takes, by vector width, from per-layer timings
+// (best of 8-12 calls, 2 threads, builds alternating, on a 2-core virtual Xeon
+// model 207; AVX2 and SSE2 built there with -march=haswell and -march=x86-64)
+// of make bench's unet-64 (batch 8) and unet 256×256 (batch 4) layers:
+// - With AVX2 or AVX-512 the forward and the data gradient are direct
+//   whatever the channels. Against im2col + GEMM from 8 vectors of input
+//   channels, the layers' forward and data-gradient times summed: AVX-512
+//   39.1 → 33.2 ms (unet-64) and 1120 → 835 ms (unet 256×256); AVX2 60.0 →
+//   48.2 and 2224 → 1310. (A GEMM per image, so that an image's sums do not
+//   depend on its batch, has OpenBLAS pack the weights again for each image.)
+// - Their weight gradient takes im2col + GEMM from 8 vectors of input
+//   channels, but is direct for images of at most CONV_DIRECT_MAX_PIXELS
+//   output pixels: unet-64's 8×8 and 4×4 layers with 128 channels or more
+//   took AVX-512 11.6 → 8.9 ms, AVX2 14.2 → 12.8. Direct everywhere, the
+//   unet 256×256 weight gradients took 1.03× as long on AVX-512 (1.2-1.5× at
+//   32×32 and 16×16 with 128 channels or more, 0.8× at 128×128 with 192).
+// - SSE2 (NO_NATIVE=1) runs its own loops on 4 lanes but OpenBLAS's on the
+//   CPU's widest vectors: im2col + GEMM from 8 vectors (32 channels) in every
+//   pass. Direct forward and data gradients for all channels took unet-64
+//   1.9× and unet 256×256 2.4× as long; small images direct, unet-64's convs
+//   1.5×.
+#if defined(__AVX__)
+#define CONV_GEMM_MIN_CIN INT_MAX          // forward, data gradient: never
+#define CONV_DIRECT_MAX_PIXELS 64
+#else
 #define CONV_GEMM_MIN_CIN (8 * CONV_VL)
-static int conv_is_direct(const ConvCfg *cfg) {
-    return cfg->groups == 1 && cfg->kh * cfg->kw > 1 && cfg->cin < CONV_GEMM_MIN_CIN;
+#define CONV_DIRECT_MAX_PIXELS 0
+#endif
+#define CONV_DW_GEMM_MIN_CIN (8 * CONV_VL)  // weight gradient
+static int conv_is_direct(const ConvCfg *cfg, const ConvGeom *q) {
+    return cfg->groups == 1 && cfg->kh * cfg->kw > 1 &&
+           (cfg->cin < CONV_GEMM_MIN_CIN || q->OH * q->OW <= CONV_DIRECT_MAX_PIXELS);
+}
+static int conv_dw_is_direct(const ConvCfg *cfg, const ConvGeom *q) {
+    return cfg->groups == 1 && cfg->kh * cfg->kw > 1 &&
+           (cfg->cin < CONV_DW_GEMM_MIN_CIN || q->OH * q->OW <= CONV_DIRECT_MAX_PIXELS);
 }
 // The gradients' vectors run over input channels: with fewer than a vector's
 // worth (an RGB stem) most lanes would idle, and im2col + GEMM is faster. The
 // weight gradient of a dense 1×1 conv takes the direct path too, whatever its
 // channels: a GEMM per image (its fp64 sum image by image) is slow for the
 // small images of the late stages, where K = H·W is a few hundred.
-static int conv_direct_grad_data(const ConvCfg *cfg) {
-    return conv_is_direct(cfg) && cfg->cin >= CONV_VL && cfg->stride == 1;
+static int conv_direct_grad_data(const ConvCfg *cfg, const ConvGeom *q) {
+    return conv_is_direct(cfg, q) && cfg->cin >= CONV_VL && cfg->stride == 1;
 }
-static int conv_direct_grad_weight(const ConvCfg *cfg) {
+static int conv_direct_grad_weight(const ConvCfg *cfg, const ConvGeom *q) {
     return cfg->groups == 1 && cfg->cin >= CONV_VL &&
-           (cfg->kh * cfg->kw == 1 || cfg->cin < CONV_GEMM_MIN_CIN);
+           (cfg->kh * cfg->kw == 1 || conv_dw_is_direct(cfg, q));
 }
 // The direct paths pad a chunk of images at a time: as many as fit in
 // conv_chunk_floats, at least one. Small images (a U-Net's deep levels) then
@@ -678,25 +740,28 @@ static void pad_images(Tensor src, int n0, int nb, int top, int left, int Hp, in
 }
 
 // The conv of the images in chunks: each chunk padded (src with padding top,
-// left into d->xp), then in one parallel loop its rows of all images, block of
-// output channels by block: the threads stream one block's weights
+// left into d->xp), then in one parallel loop its runs of rows of all images,
+// block of output channels by block: the threads stream one block's weights
 // (kh·kw·C·CONV_VMAX·CONV_VL floats, a few hundred KiB) from their caches
-// over all the chunk's rows before the next, where all the weights for each
+// over all the chunk's runs before the next, where all the weights for each
 // row would not stay in cache when they exceed it (deep levels of small images).
 static void direct_conv_images(DirectConv *d, Tensor src, int N, int top, int left, int Hp, int Wp,
                                int OH) {
     const int chunk = conv_chunk_images(d->xp_image, N), block = CONV_VMAX * CONV_VL;
     const int blocks = (d->Cout + block - 1) / block;
     for (int n0 = 0; n0 < N; n0 += chunk) {
-        const int nb = N - n0 < chunk ? N - n0 : chunk, rows = nb * OH;
+        const int nb = N - n0 < chunk ? N - n0 : chunk;
+        const int run = direct_run_rows(OH, d->OW), runs_per_image = (OH + run - 1) / run;
+        const int runs = nb * runs_per_image;
         pad_images(src, n0, nb, top, left, Hp, Wp, d->xp_image, (float *)d->xp);
         d->out_image = (size_t)n0 * d->out_stride;
         const size_t work __attribute__((unused)) =
-                (size_t)rows * d->OW * d->Cout * d->C * d->kh * d->kw;
+                (size_t)nb * OH * d->OW * d->Cout * d->C * d->kh * d->kw;
         #pragma omp parallel for schedule(dynamic, 1) if(PAR(work))
-        for (int item = 0; item < blocks * rows; item++) {
-            const int row = item % rows;
-            direct_conv_row(d, row / OH, row % OH, item / rows * block);
+        for (int item = 0; item < blocks * runs; item++) {
+            const int n = item % runs / runs_per_image, oy = item % runs % runs_per_image * run;
+            const int oy_end = oy + run < OH ? oy + run : OH;
+            direct_conv_run(d, n, oy * d->OW, oy_end * d->OW, item / runs * block);
         }
     }
 }
@@ -705,12 +770,14 @@ static void conv2d_forward_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor 
                                   const float *w, const float *b, float *ws) {
     const int s = cfg->stride, Hp = (q->OH - 1) * s + cfg->kh, Wp = (q->OW - 1) * s + cfg->kw;
     const int Cop = conv_pad_to_vl(q->Cout), KK = cfg->kh * cfg->kw;
-    float *wt = ws, *xp = ws + (size_t)KK * q->C * Cop;  // [kh][kw][C][Cop], chunk of (Hp,Wp,C)
+    // [kh][kw][C][Cop] (direct_weight_at), chunk of (Hp,Wp,C)
+    float *wt = ws, *xp = ws + (size_t)KK * q->C * Cop;
     #pragma omp parallel for schedule(static) if(PAR((size_t)KK * q->C * Cop))
     for (int kc = 0; kc < KK * q->C; kc++) {
         const int k = kc / q->C, ci = kc % q->C;
         for (int co = 0; co < Cop; co++)
-            wt[(size_t)kc * Cop + co] = co < q->Cout ? w[((size_t)co * KK + k) * q->C + ci] : 0.0f;
+            wt[direct_weight_at(KK * q->C, Cop, kc, co)] =
+                    co < q->Cout ? w[((size_t)co * KK + k) * q->C + ci] : 0.0f;
     }
     DirectConv d = {xp, Wp, q->C, s, cfg->kh, cfg->kw, wt, Cop, b, out, 0, q->OW, q->Cout, 0,
                     direct_conv_image_floats(cfg, q, 0), q->P * q->Cout};
@@ -721,14 +788,14 @@ static void conv2d_backward_data_direct(const ConvCfg *cfg, const ConvGeom *q, T
                                         Tensor dout, const float *w, int accumulate, float *ws) {
     const int Hp = q->H + cfg->kh - 1, Wp = q->W + cfg->kw - 1, KK = cfg->kh * cfg->kw;
     const int Cip = conv_pad_to_vl(q->C);
-    // [kh][kw][Cout][Cip], chunk of (Hp,Wp,Cout)
+    // [kh][kw][Cout][Cip] (direct_weight_at), chunk of (Hp,Wp,Cout)
     float *wt = ws, *dp = ws + (size_t)KK * q->Cout * Cip;
     #pragma omp parallel for schedule(static) if(PAR((size_t)KK * q->Cout * Cip))
     for (int kc = 0; kc < KK * q->Cout; kc++) {
         const int k = kc / q->Cout, co = kc % q->Cout, ky = k / cfg->kw, kx = k % cfg->kw;
         const int flipped = (cfg->kh - 1 - ky) * cfg->kw + (cfg->kw - 1 - kx);
         for (int ci = 0; ci < Cip; ci++)
-            wt[(size_t)kc * Cip + ci] =
+            wt[direct_weight_at(KK * q->Cout, Cip, kc, ci)] =
                     ci < q->C ? w[((size_t)co * KK + flipped) * q->C + ci] : 0.0f;
     }
     DirectConv d = {dp,
@@ -958,15 +1025,15 @@ size_t conv2d_workspace_cpu(Ops *o, const ConvCfg *cfg, Shape in, DType dt) {
     ConvGeom q = conv_geom(cfg, in);
     // the weight gradient's: direct, or an fp64 sum and one image's
     if (conv_is_pointwise(cfg) && dt == DT_F32)
-        return (conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2)
+        return (conv_direct_grad_weight(cfg, &q) ? direct_conv_floats(cfg, &q, 2)
                                              : 3 * (size_t)q.Cout * q.K) *
                sizeof(float);
     // dw_gemm > im2col
     size_t im2col = im2col_floats(&q, dt), dw_gemm = gemm_weight_grad_floats(&q, dt);
-    size_t dw = conv_direct_grad_weight(cfg) ? direct_conv_floats(cfg, &q, 2) : dw_gemm;
-    if (!conv_is_direct(cfg)) return (dw > im2col ? dw : im2col) * sizeof(float);
+    size_t dw = conv_direct_grad_weight(cfg, &q) ? direct_conv_floats(cfg, &q, 2) : dw_gemm;
+    if (!conv_is_direct(cfg, &q)) return (dw > im2col ? dw : im2col) * sizeof(float);
     size_t floats = direct_conv_floats(cfg, &q, 0);
-    size_t dx = conv_direct_grad_data(cfg) ? direct_conv_floats(cfg, &q, 1) : im2col;
+    size_t dx = conv_direct_grad_data(cfg, &q) ? direct_conv_floats(cfg, &q, 1) : im2col;
     if (dw > floats) floats = dw;
     if (dx > floats) floats = dx;
     return floats * sizeof(float);
@@ -996,7 +1063,7 @@ static void conv2d_forward_cpu(Ops *o, const ConvCfg *cfg, Tensor out, Tensor in
         if (b) add_bias_rows((float *)out.data, (size_t)M, q.Cout, b);
         return;
     }
-    if (conv_is_direct(cfg)) conv2d_forward_direct(cfg, &q, out, in, w, b, (float *)ws);
+    if (conv_is_direct(cfg, &q)) conv2d_forward_direct(cfg, &q, out, in, w, b, (float *)ws);
     else conv2d_forward_gemm(cfg, &q, out, in, w, b, (float *)ws);
 }
 
@@ -1020,7 +1087,7 @@ static void conv2d_backward_data_cpu(Ops *o, const ConvCfg *cfg, Tensor din, Ten
                     (float *)din.data, q.C);
         return;
     }
-    if (conv_direct_grad_data(cfg))
+    if (conv_direct_grad_data(cfg, &q))
         conv2d_backward_data_direct(cfg, &q, din, dout, w, accumulate, (float *)ws);
     else conv2d_backward_data_gemm(cfg, &q, din, dout, w, accumulate, (float *)ws);
 }
@@ -1048,7 +1115,7 @@ static void conv2d_backward_weight_cpu(Ops *o, const ConvCfg *cfg, float *dw, fl
             depthwise_backward_weight_any(cfg, &q, dw, dout, in);
         return;
     }
-    if (conv_direct_grad_weight(cfg)) {
+    if (conv_direct_grad_weight(cfg, &q)) {
         conv2d_backward_weight_direct(cfg, &q, dw, dout, in, (float *)ws);
         return;
     }

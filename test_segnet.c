@@ -1238,7 +1238,8 @@ TEST(conv_padding_by_hand) {
 }
 
 // The direct k×k paths (register-blocked, no im2col) against im2col + GEMM on
-// shapes that take them (input channels from a vector to below CONV_GEMM_MIN_CIN),
+// shapes that take them (input channels from a vector to below CONV_DW_GEMM_MIN_CIN,
+// and more on a small image),
 // with row and channel tails, strides 1 and 2, both paddings, accumulate, bias,
 // 16-bit storage; all images padded at once, one by one, and two at a time
 // (conv_chunk_floats).
@@ -1267,20 +1268,40 @@ TEST(conv_direct_vs_gemm) {
         {{1, 5, 31, CONV_VL}, 4 * CONV_VL + 6, 3, 1, PAD_SAME, 0},
         {{1, 4, 27, 5 * CONV_VL}, 7, 3, 1, PAD_SYMMETRIC, 1},
         {{3, 4, 5, 2 * CONV_VL}, 3 * CONV_VL, 3, 1, PAD_SAME, 0},
+        // 8 vectors of input channels on a small image (4×5: direct in every pass with AVX);
+        // runs of whole images across rows, and a last block of output channels narrower
+        {{2, 4, 5, 8 * CONV_VL + 3}, 5 * CONV_VL + 3, 3, 1, PAD_SAME, 1},
         // 1×1: the weight gradient's items split along Cout
         {{2, 5, 6, CONV_VL}, 100, 1, 1, PAD_SAME, 1},
         {{1, 7, 3, 5 * CONV_VL + 3}, CONV_VL + 1, 1, 1, PAD_SAME, 0},
     };
-    // from CONV_GEMM_MIN_CIN input channels a k×k conv takes im2col + GEMM in every pass, a 1×1
-    // conv's weight gradient stays direct
-    const ConvCfg wide = {CONV_GEMM_MIN_CIN, 8, 3, 3, 1, 1, PAD_SAME, 0},
-                  narrow = {CONV_GEMM_MIN_CIN - 1, 8, 3, 3, 1, 1, PAD_SAME, 0},
-                  wide1x1 = {CONV_GEMM_MIN_CIN, 8, 1, 1, 1, 1, PAD_SAME, 0};
-    CHECK(!conv_is_direct(&wide) && !conv_direct_grad_data(&wide) &&
-                  !conv_direct_grad_weight(&wide) && conv_is_direct(&narrow) &&
-                  conv_direct_grad_data(&narrow) && conv_direct_grad_weight(&narrow) &&
-                  conv_direct_grad_weight(&wide1x1),
-          "the paths chosen at %d input channels", CONV_GEMM_MIN_CIN);
+    // the paths chosen: a k×k conv's weight gradient takes im2col + GEMM from
+    // CONV_DW_GEMM_MIN_CIN input channels on images of more than CONV_DIRECT_MAX_PIXELS
+    // output pixels, its other passes from CONV_GEMM_MIN_CIN; a 1×1 conv's weight gradient
+    // stays direct
+    {
+        const int w = CONV_DW_GEMM_MIN_CIN;
+        const ConvCfg wide = {w, 8, 3, 3, 1, 1, PAD_SAME, 0},
+                      narrow = {w - 1, 8, 3, 3, 1, 1, PAD_SAME, 0},
+                      wide1x1 = {w, 8, 1, 1, 1, 1, PAD_SAME, 0};
+        const ConvGeom big = conv_geom(&wide, shape4(1, 9, 9, w)),
+                       small = conv_geom(&wide, shape4(1, 8, 8, w)),
+                       big1x1 = conv_geom(&wide1x1, shape4(1, 9, 9, w));
+        const int wide_direct = w < CONV_GEMM_MIN_CIN, small_direct = CONV_DIRECT_MAX_PIXELS >= 64;
+        CHECK(conv_is_direct(&narrow, &big) && conv_direct_grad_data(&narrow, &big) &&
+                      conv_direct_grad_weight(&narrow, &big),
+              "%d input channels, 9x9: all passes direct", w - 1);
+        CHECK(conv_is_direct(&wide, &big) == wide_direct &&
+                      conv_direct_grad_data(&wide, &big) == wide_direct &&
+                      !conv_direct_grad_weight(&wide, &big),
+              "%d input channels, 9x9: forward and data gradient %s, weight gradient GEMM", w,
+              wide_direct ? "direct" : "GEMM");
+        CHECK(conv_is_direct(&wide, &small) == (wide_direct || small_direct) &&
+                      conv_direct_grad_weight(&wide, &small) == small_direct,
+              "%d input channels, 8x8: direct %d, weight gradient direct %d", w,
+              conv_is_direct(&wide, &small), conv_direct_grad_weight(&wide, &small));
+        CHECK(conv_direct_grad_weight(&wide1x1, &big1x1), "1x1, %d input channels: direct", w);
+    }
     Rng rng; rng_seed(&rng, 123);
     double worst[3] = {0};
     const size_t chunk_floats = conv_chunk_floats;
@@ -1302,10 +1323,11 @@ TEST(conv_direct_vs_gemm) {
             }
             ConvCfg cfg = {in.c, cases[t].cout, cases[t].k,   cases[t].k, cases[t].s,
                            1,    cases[t].pad,  cases[t].bias};
-            CHECK((conv_is_direct(&cfg) || conv_is_pointwise(&cfg)) &&
-                          conv_direct_grad_weight(&cfg),
-                  "case %zu takes the direct paths", t);
             ConvGeom q = conv_geom(&cfg, in);
+            if (cfg.cin < CONV_DW_GEMM_MIN_CIN)
+                CHECK((conv_is_direct(&cfg, &q) || conv_is_pointwise(&cfg)) &&
+                              conv_direct_grad_weight(&cfg, &q),
+                      "case %zu takes the direct paths", t);
             Shape os = shape4(in.n, q.OH, q.OW, cfg.cout);
             size_t nx = shape_numel(in), ny = shape_numel(os),
                    nw = (size_t)cfg.cout * cfg.kh * cfg.kw * in.c;
