@@ -677,17 +677,20 @@ static int conv_dw_is_direct(const ConvCfg *cfg, const ConvGeom *q) {
     return cfg->groups == 1 && cfg->kh * cfg->kw > 1 &&
            (cfg->cin < CONV_DW_GEMM_MIN_CIN || q->OH * q->OW <= CONV_DIRECT_MAX_PIXELS);
 }
-// The gradients' vectors run over input channels: with fewer than a vector's
-// worth (an RGB stem) most lanes would idle, and im2col + GEMM is faster. The
-// weight gradient of a dense 1×1 conv takes the direct path too, whatever its
-// channels: a GEMM per image (its fp64 sum image by image) is slow for the
-// small images of the late stages, where K = H·W is a few hundred.
+// The gradients' vectors run over input channels. With fewer than a vector's
+// worth (an RGB stem) most lanes idle: the data gradient takes im2col + GEMM;
+// the weight gradient stays direct, which with 3 of the lanes still took half
+// the GEMM's time (unet-64's stem, 64×64, 3 → 16 channels: AVX-512 2.22 → 1.08
+// ms, AVX2 2.37 → 1.14, SSE2 2.44 → 1.33). The weight gradient of a dense 1×1
+// conv with a vector of channels or more takes the direct path too: a GEMM per
+// image (its fp64 sum image by image) is slow for the small images of the late
+// stages, where K = H·W is a few hundred.
 static int conv_direct_grad_data(const ConvCfg *cfg, const ConvGeom *q) {
     return conv_is_direct(cfg, q) && cfg->cin >= CONV_VL && cfg->stride == 1;
 }
 static int conv_direct_grad_weight(const ConvCfg *cfg, const ConvGeom *q) {
-    return cfg->groups == 1 && cfg->cin >= CONV_VL &&
-           (cfg->kh * cfg->kw == 1 || conv_dw_is_direct(cfg, q));
+    if (cfg->kh * cfg->kw == 1) return cfg->groups == 1 && cfg->cin >= CONV_VL;
+    return conv_dw_is_direct(cfg, q);
 }
 // The direct paths pad a chunk of images at a time: as many as fit in
 // conv_chunk_floats, at least one. Small images (a U-Net's deep levels) then

@@ -1271,6 +1271,9 @@ TEST(conv_direct_vs_gemm) {
         // 8 vectors of input channels on a small image (4×5: direct in every pass with AVX);
         // runs of whole images across rows, and a last block of output channels narrower
         {{2, 4, 5, 8 * CONV_VL + 3}, 5 * CONV_VL + 3, 3, 1, PAD_SAME, 1},
+        // an RGB stem: fewer input channels than a vector (the weight gradient direct)
+        {{2, 9, 10, 3}, CONV_VL + 8, 3, 2, PAD_SAME, 1},
+        {{1, 6, 7, 3}, 5, 3, 1, PAD_SYMMETRIC, 0},
         // 1×1: the weight gradient's items split along Cout
         {{2, 5, 6, CONV_VL}, 100, 1, 1, PAD_SAME, 1},
         {{1, 7, 3, 5 * CONV_VL + 3}, CONV_VL + 1, 1, 1, PAD_SAME, 0},
