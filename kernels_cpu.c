@@ -507,12 +507,26 @@ enum { CONV_TILE_FULL, CONV_TILE_8, CONV_TILE_4, CONV_TILE_2, CONV_TILE_1, CONV_
 #define CONV_TILE_TABLE(prefix)                                                           \
     {{NULL}, CONV_TILE_KINDS_OF(prefix, 1), CONV_TILE_KINDS_OF(prefix, 2)}
 #endif
-// the R·V tiles along [from, to) (pixels of a row, or output channels)
+// tiles along n: as many R wide as fit, then one each of 8, 4, 2, 1 narrower than R
+static inline int conv_tile_count(int n, int R) {
+    int tiles = n / R;
+    n %= R;
+    for (int w = 8; w >= 1; w /= 2)
+        if (R > w && n >= w) { tiles++; n -= w; }
+    return tiles;
+}
+// the R·V tiles along [from, to) (pixels of a run, or output channels): full
+// ones, or tiles of 8 where they are fewer (16 channels: 8 + 8 rather than
+// 9 + 4 + 2 + 1)
 #define CONV_TILE_ROW(tiles, V, from, to, call)                                           \
     do {                                                                                  \
-        const int R_ = conv_tile_pixels(V);                                               \
+        const int full_ = conv_tile_pixels(V);                                            \
+        const int eights_ = full_ > 8 && conv_tile_count((to) - (from), 8) <               \
+                                                 conv_tile_count((to) - (from), full_);   \
+        const int R_ = eights_ ? 8 : full_;                                               \
+        const int kind_ = eights_ ? CONV_TILE_8 : CONV_TILE_FULL;                         \
         int at_ = (from);                                                                 \
-        for (; at_ + R_ <= (to); at_ += R_) call((tiles)[CONV_TILE_FULL], at_);           \
+        for (; at_ + R_ <= (to); at_ += R_) call((tiles)[kind_], at_);                    \
         if (R_ > 8 && (to) - at_ >= 8) { call((tiles)[CONV_TILE_8], at_); at_ += 8; }     \
         if (R_ > 4 && (to) - at_ >= 4) { call((tiles)[CONV_TILE_4], at_); at_ += 4; }     \
         if (R_ > 2 && (to) - at_ >= 2) { call((tiles)[CONV_TILE_2], at_); at_ += 2; }     \
@@ -627,7 +641,8 @@ static int direct_run_rows(int OH, int OW) {
     return rows < OH ? rows : OH;
 }
 
-// output pixels [p_from, p_to) of the chunk's image n, output channels co0 .. co0 + CONV_VMAX·CONV_VL - 1
+// output pixels [p_from, p_to) of the chunk's image n, output channels from co0, up to
+// CONV_VMAX·CONV_VL of them
 static void direct_conv_run(const DirectConv *chunk, int n, int p_from, int p_to, int co0) {
     DirectConv image = *chunk;
     image.xp += (size_t)n * chunk->xp_image;

@@ -1271,6 +1271,9 @@ TEST(conv_direct_vs_gemm) {
         // 8 vectors of input channels on a small image (4×5: direct in every pass with AVX);
         // runs of whole images across rows, and a last block of output channels narrower
         {{2, 4, 5, 8 * CONV_VL + 3}, 5 * CONV_VL + 3, 3, 1, PAD_SAME, 1},
+        // 16 output channels from 3 vectors of input channels: with 32 registers, weight
+        // gradient tiles of 8 + 8 channels (not 9 + 4 + 2 + 1)
+        {{1, 6, 7, 3 * CONV_VL}, 16, 3, 1, PAD_SAME, 0},
         // an RGB stem: fewer input channels than a vector (the weight gradient direct)
         {{2, 9, 10, 3}, CONV_VL + 8, 3, 2, PAD_SAME, 1},
         {{1, 6, 7, 3}, 5, 3, 1, PAD_SYMMETRIC, 0},
