@@ -442,7 +442,7 @@ static void depthwise_backward_weight_f32(const ConvCfg *cfg, const ConvGeom *q,
 // stay in vector registers while the (ky,kx,ci) loop streams the input rows
 // and the weights repacked as wt[ky][kx][ci][Cop] (output channels contiguous,
 // padded to Cop, a multiple of VL, with zeros), stored block by block of
-// channels (direct_weight_at). That is the register blocking a GEMM
+// channels (direct_block_width). That is the register blocking a GEMM
 // micro-kernel does, on the image itself.
 // The data gradient of a stride-1 conv is the same sum over dout padded by
 // (k - 1 - pad) with the weights flipped and transposed:
@@ -533,21 +533,36 @@ static inline int conv_tile_count(int n, int R) {
         if (at_ < (to)) call((tiles)[CONV_TILE_1], at_);                                  \
     } while (0)
 
-// Element (kc, co) of the repacked weights wt[kc][Cop], kc = (ky·kw + kx)·C + ci:
-// a block of output channels from co0 = b·CONV_VMAX·CONV_VL, bw wide (the last
-// one narrower), is [KC][bw] at wt + KC·co0, so that a tile, which takes one
-// block, reads its weights in order (with [KC][Cop] rows of 256 or 512
-// channels, it read 4 cache lines every 1 or 2 KiB).
-static inline size_t direct_weight_at(int KC, int Cop, int kc, int co) {
-    const int block = CONV_VMAX * CONV_VL, co0 = co / block * block;
-    const int bw = Cop - co0 < block ? Cop - co0 : block;
-    return (size_t)KC * co0 + (size_t)kc * bw + (co - co0);
+// The repacked weights wt[kc][Cop], kc = (ky·kw + kx)·C + ci, stored block by
+// block of output channels: the block from co0 = b·CONV_VMAX·CONV_VL, bw wide
+// (the last one narrower), is [KC][bw] at wt + KC·co0, so that a tile, which
+// takes one block, reads its weights in order (with [KC][Cop] rows of 256 or
+// 512 channels, it read 4 cache lines every 1 or 2 KiB).
+static inline int direct_block_width(int Cop, int co0) {
+    return Cop - co0 < CONV_VMAX * CONV_VL ? Cop - co0 : CONV_VMAX * CONV_VL;
+}
+// forward: wt[kc][co] = w[co][kc] (0 from Cout to Cop), a transpose done in
+// tiles of 16 kc (one cache line of a weight row) by a block of channels
+// (element by element with co innermost, every read was a page apart)
+static void direct_repack_forward(const float *w, int KC, int Cout, int Cop, float *wt) {
+    const int tiles = (KC + 15) / 16, block = CONV_VMAX * CONV_VL;
+    #pragma omp parallel for schedule(static) if(PAR((size_t)KC * Cop))
+    for (int t = 0; t < tiles; t++) {
+        const int kc0 = t * 16, kc1 = kc0 + 16 < KC ? kc0 + 16 : KC;
+        for (int co0 = 0; co0 < Cop; co0 += block) {
+            const int bw = direct_block_width(Cop, co0);
+            float *dst = wt + (size_t)KC * co0;
+            for (int co = co0; co < co0 + bw; co++)
+                for (int kc = kc0; kc < kc1; kc++)
+                    dst[(size_t)kc * bw + (co - co0)] = co < Cout ? w[(size_t)co * KC + kc] : 0.0f;
+        }
+    }
 }
 
 typedef struct {
     const float *xp;      // (Hp,Wp,C) padded input of one image (the first of a chunk)
     int Wp, C, s, kh, kw;
-    const float *wt;      // [kh][kw][C][Cop] by blocks of channels (direct_weight_at)
+    const float *wt;      // [kh][kw][C][Cop] by blocks of channels (direct_block_width)
     int Cop;
     const float *bias;    // (Cout) or NULL
     Tensor out;           // (N,OH,OW,Cout)
@@ -572,7 +587,7 @@ direct_conv_tile(const DirectConv *d, int R, int V, int p0, int co0) {
         #pragma GCC unroll 4
         for (int v = 0; v < V; v++) acc[r][v] = (vfloat){0};
     const size_t row = (size_t)d->Wp * d->C;
-    const int bw = d->Cop - co0 < CONV_VMAX * CONV_VL ? d->Cop - co0 : CONV_VMAX * CONV_VL;
+    const int bw = direct_block_width(d->Cop, co0);
     size_t at[CONV_RMAX];
     #pragma GCC unroll 12
     for (int r = 0; r < R; r++)
@@ -788,15 +803,9 @@ static void conv2d_forward_direct(const ConvCfg *cfg, const ConvGeom *q, Tensor 
                                   const float *w, const float *b, float *ws) {
     const int s = cfg->stride, Hp = (q->OH - 1) * s + cfg->kh, Wp = (q->OW - 1) * s + cfg->kw;
     const int Cop = conv_pad_to_vl(q->Cout), KK = cfg->kh * cfg->kw;
-    // [kh][kw][C][Cop] (direct_weight_at), chunk of (Hp,Wp,C)
+    // [kh][kw][C][Cop] by blocks (direct_block_width), chunk of (Hp,Wp,C)
     float *wt = ws, *xp = ws + (size_t)KK * q->C * Cop;
-    #pragma omp parallel for schedule(static) if(PAR((size_t)KK * q->C * Cop))
-    for (int kc = 0; kc < KK * q->C; kc++) {
-        const int k = kc / q->C, ci = kc % q->C;
-        for (int co = 0; co < Cop; co++)
-            wt[direct_weight_at(KK * q->C, Cop, kc, co)] =
-                    co < q->Cout ? w[((size_t)co * KK + k) * q->C + ci] : 0.0f;
-    }
+    direct_repack_forward(w, KK * q->C, q->Cout, Cop, wt);
     DirectConv d = {xp, Wp, q->C, s, cfg->kh, cfg->kw, wt, Cop, b, out, 0, q->OW, q->Cout, 0,
                     direct_conv_image_floats(cfg, q, 0), q->P * q->Cout};
     direct_conv_images(&d, in, q->N, q->pt, q->pl, Hp, Wp, q->OH);
@@ -806,15 +815,20 @@ static void conv2d_backward_data_direct(const ConvCfg *cfg, const ConvGeom *q, T
                                         Tensor dout, const float *w, int accumulate, float *ws) {
     const int Hp = q->H + cfg->kh - 1, Wp = q->W + cfg->kw - 1, KK = cfg->kh * cfg->kw;
     const int Cip = conv_pad_to_vl(q->C);
-    // [kh][kw][Cout][Cip] (direct_weight_at), chunk of (Hp,Wp,Cout)
+    // [kh][kw][Cout][Cip] by blocks (direct_block_width), chunk of (Hp,Wp,Cout): row kc holds
+    // the input channels of w[co][kh-1-ky][kw-1-kx][..], in order
     float *wt = ws, *dp = ws + (size_t)KK * q->Cout * Cip;
-    #pragma omp parallel for schedule(static) if(PAR((size_t)KK * q->Cout * Cip))
-    for (int kc = 0; kc < KK * q->Cout; kc++) {
+    const int KC = KK * q->Cout;
+    #pragma omp parallel for schedule(static) if(PAR((size_t)KC * Cip))
+    for (int kc = 0; kc < KC; kc++) {
         const int k = kc / q->Cout, co = kc % q->Cout, ky = k / cfg->kw, kx = k % cfg->kw;
         const int flipped = (cfg->kh - 1 - ky) * cfg->kw + (cfg->kw - 1 - kx);
-        for (int ci = 0; ci < Cip; ci++)
-            wt[direct_weight_at(KK * q->Cout, Cip, kc, ci)] =
-                    ci < q->C ? w[((size_t)co * KK + flipped) * q->C + ci] : 0.0f;
+        const float *src = w + ((size_t)co * KK + flipped) * q->C;
+        for (int ci0 = 0; ci0 < Cip; ci0 += CONV_VMAX * CONV_VL) {
+            const int bw = direct_block_width(Cip, ci0);
+            float *dst = wt + (size_t)KC * ci0 + (size_t)kc * bw;
+            for (int j = 0; j < bw; j++) dst[j] = ci0 + j < q->C ? src[ci0 + j] : 0.0f;
+        }
     }
     DirectConv d = {dp,
                     Wp,
