@@ -632,6 +632,23 @@ TEST(utilities) {
     for (size_t i = 0; i < n; i++) big[i] = 0.5f;
     ops_cpu.sum_squares(&ops_cpu, tensor_f32(big, shape4((int)n, 1, 1, 1)), &ss);
     CHECK(ss == 0.25f * n, "sum of squares of %zu halves: %.1f", n, ss);
+    {
+        // the fast version, SUM_LANES chunks side by side, against the reference's chunk
+        // after chunk: the same fp64 sums, so the same bits; a chunk missed, counted twice
+        // or in another's place changes them (2 full sets of lanes and a ragged one; fewer
+        // chunks than lanes)
+        Rng rng; rng_seed(&rng, 5);
+        const size_t sizes[] = {2 * SUM_LANES * SUM_CHUNK + 3 * SUM_CHUNK + 12345, 70000};
+        for (int k = 0; k < 2; k++) {
+            float *g = randn(&rng, sizes[k], 1.0f), fast, ref;
+            Tensor gt = tensor_f32(g, shape4((int)sizes[k], 1, 1, 1));
+            ops_cpu.sum_squares(&ops_cpu, gt, &fast);
+            sum_squares_ref(&ops_cpu, gt, &ref);
+            CHECK(f32_bits(fast) == f32_bits(ref),
+                  "sum of squares of %zu values: %.9g, reference %.9g", sizes[k], fast, ref);
+            free(g);
+        }
+    }
     int32_t flag = 0;
     ops_cpu.nonfinite(&ops_cpu, tensor_f32(big, shape4((int)n, 1, 1, 1)), &flag);
     CHECK(flag == 0, "finite buffer");
