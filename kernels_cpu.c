@@ -179,9 +179,11 @@ static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dresidual, Tensor dy,
 //
 // Dense k×k convs run as direct convolutions, register-blocked like a GEMM
 // micro-kernel but on the padded image itself (below, "direct k×k
-// convolution"). Grouped convs, and the gradients of convs with fewer input
-// channels than a vector, are lowered to GEMMs per image and group; that path
-// is also the reference the direct one is tested against. im2col gathers the
+// convolution"). Grouped convs, some data and weight gradients (by stride,
+// channels, image size and vector width: conv_is_direct and the rules after
+// it) and, without AVX, convs with many input channels are lowered to GEMMs
+// per image and group; that path is also the reference the direct one is
+// tested against. im2col gathers the
 // receptive fields into col[P][K] (P = OH·OW output pixels, K = kh·kw·Cg in
 // weight order), and
 //   forward          out_g[P][Coutg]  = col[P][K] · W_g[Coutg][K]ᵀ
@@ -189,10 +191,12 @@ static void dropout_backward_cpu(Ops *o, Tensor dx, Tensor dresidual, Tensor dy,
 //   backward weight  dW_g[Coutg][K]  += Σ_n dout_g[P][Coutg]ᵀ · col[P][K]
 // A 1×1 stride-1 conv (fp32) needs no im2col: NHWC is already [N·H·W][Cin].
 // Depthwise convs (groups = Cin = Cout) are direct loops.
-// Every weight gradient is a sum over images in fp64, rounded once: each
-// image's product (an fp32 GEMM over its own P rows) is added to an fp64 sum
-// in image order. A batch split across replicas then regroups only fp64
-// additions (2^-53) — one fp32 GEMM over all N·P rows regroups its fp32
+// Every weight gradient is a sum in fp64, rounded once: the GEMM path adds
+// each image's product (an fp32 GEMM over its own P rows) to an fp64 sum in
+// image order, the direct path its fp32 sums over blocks of about
+// DW_FLUSH_PIXELS pixels (several images' when they are small). A batch split
+// across replicas then regroups fp64 additions (2^-53) and at most those
+// blocks' fp32 sums — one fp32 GEMM over all N·P rows regroups its whole fp32
 // accumulation instead, 1e-6 of a U-Net's gradient.
 
 static ConvGeom conv_geom(const ConvCfg *cfg, Shape in) {
@@ -522,13 +526,14 @@ static inline int conv_tile_pixels(int V) {
     int r = (CONV_REGS - 2 - V) / V;
     return r > CONV_RMAX ? CONV_RMAX : r;
 }
-// A row is cut into tiles of R = conv_tile_pixels(V) pixels, then the rest
-// into tiles of 8, 4, 2 and 1. Each tile function (direct_conv_tile,
+// A run of pixels (or of channels) is cut into tiles of R =
+// conv_tile_pixels(V), then the rest into tiles of 8, 4, 2 and 1. Each tile function (direct_conv_tile,
 // direct_dw_tile) is written once, always inlined, with R and V as
 // arguments; CONV_TILE_SHAPES compiles it once per shape (R, V) with both
-// constant, as a function of its own, and CONV_TILE_TABLE lists those (20 or 10) by
-// [V][kind]. In one function the compiler allocated all shapes' accumulators
-// together and kept some of them on the stack (half speed).
+// constant, as a function of its own, and CONV_TILE_TABLE lists those (20,
+// or 10 with CONV_VMAX 2) by [V][kind]. In one function the compiler
+// allocated all shapes' accumulators together and kept some of them on the
+// stack (half speed).
 enum { CONV_TILE_FULL, CONV_TILE_8, CONV_TILE_4, CONV_TILE_2, CONV_TILE_1, CONV_TILE_KINDS };
 // define(name, R, V) for the five shapes of V channel vectors
 #define CONV_TILE_SHAPES(define, prefix, V)                                               \

@@ -125,7 +125,7 @@ TEST(ref_table_vs_cpu) {
     const char *models[2] = {"effv2-t", "unet"};
     // ops_cpu is ops_ref with kernels_cpu.c's versions of exactly these entries
     const char *fast =
-            "fill axpby copy conv2d_workspace conv2d_forward conv2d_backward_data "
+            "fill axpby copy sum_squares conv2d_workspace conv2d_forward conv2d_backward_data "
             "conv2d_backward_weight "
             "bn_stats bn_forward bn_backward_reduce bn_backward_data global_avg_pool_forward "
             "global_avg_pool_backward channel_scale_forward channel_scale_backward se_gate_forward "
