@@ -528,13 +528,13 @@ static inline int conv_tile_pixels(int V) {
     return r > CONV_RMAX ? CONV_RMAX : r;
 }
 // A run of pixels (or of channels) is cut into tiles of R =
-// conv_tile_pixels(V), then the rest into tiles of 8, 4, 2 and 1. Each tile function (direct_conv_tile,
-// direct_dw_tile) is written once, always inlined, with R and V as
-// arguments; CONV_TILE_SHAPES compiles it once per shape (R, V) with both
-// constant, as a function of its own, and CONV_TILE_TABLE lists those (20,
-// or 10 with CONV_VMAX 2) by [V][kind]. In one function the compiler
-// allocated all shapes' accumulators together and kept some of them on the
-// stack (half speed).
+// conv_tile_pixels(V), then the rest into tiles of 8, 4, 2 and 1. Each tile
+// function (direct_conv_tile, direct_dw_tile) is written once, always
+// inlined, with R and V as arguments; CONV_TILE_SHAPES compiles it once per
+// shape (R, V) with both constant, as a function of its own, and
+// CONV_TILE_TABLE lists those (20, or 10 with CONV_VMAX 2) by [V][kind]. In
+// one function the compiler allocated all shapes' accumulators together and
+// kept some of them on the stack (half speed).
 enum { CONV_TILE_FULL, CONV_TILE_8, CONV_TILE_4, CONV_TILE_2, CONV_TILE_1, CONV_TILE_KINDS };
 // define(name, R, V) for the five shapes of V channel vectors
 #define CONV_TILE_SHAPES(define, prefix, V)                                               \
