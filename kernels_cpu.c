@@ -747,13 +747,13 @@ static int conv_pad_to_vl(int c) { return (c + CONV_VL - 1) / CONV_VL * CONV_VL;
 #define CONV_DIRECT_MAX_PIXELS 0
 #endif
 #define CONV_DW_GEMM_MIN_CIN (8 * CONV_VL)  // weight gradient
-static int conv_is_direct(const ConvCfg *cfg, const ConvGeom *q) {
+// a dense k×k conv below gemm_min_cin input channels, or on a small image
+static int conv_dense_direct(const ConvCfg *cfg, const ConvGeom *q, int gemm_min_cin) {
     return cfg->groups == 1 && cfg->kh * cfg->kw > 1 &&
-           (cfg->cin < CONV_GEMM_MIN_CIN || q->OH * q->OW <= CONV_DIRECT_MAX_PIXELS);
+           (cfg->cin < gemm_min_cin || q->OH * q->OW <= CONV_DIRECT_MAX_PIXELS);
 }
-static int conv_dw_is_direct(const ConvCfg *cfg, const ConvGeom *q) {
-    return cfg->groups == 1 && cfg->kh * cfg->kw > 1 &&
-           (cfg->cin < CONV_DW_GEMM_MIN_CIN || q->OH * q->OW <= CONV_DIRECT_MAX_PIXELS);
+static int conv_is_direct(const ConvCfg *cfg, const ConvGeom *q) {
+    return conv_dense_direct(cfg, q, CONV_GEMM_MIN_CIN);
 }
 // The gradients' vectors run over input channels. With fewer than a vector's
 // worth (an RGB stem) most lanes idle: the data gradient takes im2col + GEMM;
@@ -768,7 +768,7 @@ static int conv_direct_grad_data(const ConvCfg *cfg, const ConvGeom *q) {
 }
 static int conv_direct_grad_weight(const ConvCfg *cfg, const ConvGeom *q) {
     if (cfg->kh * cfg->kw == 1) return cfg->groups == 1 && cfg->cin >= CONV_VL;
-    return conv_dw_is_direct(cfg, q);
+    return conv_dense_direct(cfg, q, CONV_DW_GEMM_MIN_CIN);
 }
 // The direct paths pad a chunk of images at a time: as many as fit in
 // conv_chunk_floats, at least one. Small images (a U-Net's deep levels) then
